@@ -1,0 +1,82 @@
+"""insitubatch_nodes: train PyTorch models in place on chunked zarr arrays, as torchdata.nodes.
+
+Follow a batch top-down through the modules:
+
+* :mod:`~insitubatch_nodes.stores` — open a store by URL or path (obstore-backed);
+* :mod:`~insitubatch_nodes.geometry` — what a sample is, and which stored objects hold it;
+* :mod:`~insitubatch_nodes.splits` — chunk-aligned train/val/test manifests;
+* :mod:`~insitubatch_nodes.plan` — ``ReadPlanNode``: per-epoch order, batches, chunk reads;
+* :mod:`~insitubatch_nodes.fetch` — ``AsyncChunkFetchNode``: GETs on one loop, decode off the GIL;
+* :mod:`~insitubatch_nodes.decode` — one stored object into its slot memory;
+* :mod:`~insitubatch_nodes.pool` — ``ChunkPoolNode``/``ChunkPool``: budget, pins, LRU;
+* :mod:`~insitubatch_nodes.gather` — ``GatherNode``: vectorised batch assembly;
+* :mod:`~insitubatch_nodes.prefetch` — ``PrefetcherNode``: bounded look-ahead thread;
+* :mod:`~insitubatch_nodes.pipeline` — ``insitu_pipeline``: the five stages in one call;
+* :mod:`~insitubatch_nodes.batch` — ``Batch`` and ``to_torch``;
+* :mod:`~insitubatch_nodes.synthetic` — deterministic ERA5-like and microscopy-like stores.
+"""
+
+from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.decode import ChunkDecoder, DecodeError
+from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
+from insitubatch_nodes.gather import GatherNode
+from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
+from insitubatch_nodes.pipeline import InSituPipeline, PipelineStages, insitu_pipeline
+from insitubatch_nodes.plan import (
+    BatchPlan,
+    ChunkKey,
+    EpochPlan,
+    ReadPlanNode,
+    plan_epoch,
+    shuffle_quality,
+)
+from insitubatch_nodes.pool import (
+    ChunkPool,
+    ChunkPoolNode,
+    PoolStats,
+    RamBacking,
+    ResidentBatch,
+    SlotBacking,
+    working_set_bytes,
+)
+from insitubatch_nodes.prefetch import PrefetcherNode
+from insitubatch_nodes.splits import SplitManifest, split_by_chunk
+from insitubatch_nodes.stores import SUPPORTED_SCHEMES, open_store
+
+__version__ = "0.1.0.dev0"
+
+__all__ = [
+    "SUPPORTED_SCHEMES",
+    "ArrayGeometry",
+    "AsyncChunkFetchNode",
+    "Batch",
+    "BatchPlan",
+    "BatchTransform",
+    "ChunkDecoder",
+    "ChunkKey",
+    "ChunkPool",
+    "ChunkPoolNode",
+    "ChunkReadError",
+    "DecodeError",
+    "EpochPlan",
+    "FetchedBatch",
+    "GatherNode",
+    "InSituPipeline",
+    "PipelineStages",
+    "PoolStats",
+    "PrefetcherNode",
+    "RamBacking",
+    "ReadPlanNode",
+    "ResidentBatch",
+    "SlotBacking",
+    "SplitManifest",
+    "__version__",
+    "insitu_pipeline",
+    "open_geometries",
+    "open_store",
+    "plan_epoch",
+    "shuffle_quality",
+    "split_by_chunk",
+    "to_torch",
+    "working_set_bytes",
+]

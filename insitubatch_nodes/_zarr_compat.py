@@ -1,0 +1,284 @@
+"""Everything that depends on zarr's internal layout lives here (zarr >= 3.1).
+
+zarr 3.1 and later name things differently from release to release; the rest of the package asks
+this module for plain facts (stored chunk shape, dimension names, chunk keys) and never reaches
+into zarr's metadata classes itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import google_crc32c
+import numpy as np
+import zarr
+
+__all__ = [
+    "array_dimension_names",
+    "encode_chunk_key",
+    "open_group_readonly",
+    "read_chunk_shape",
+    "stored_chunk_shape",
+    "walk_arrays",
+]
+
+
+def open_group_readonly(store: Any) -> zarr.Group:
+    """Open the root group of ``store`` for reading (v2 or v3, consolidated or not)."""
+    return zarr.open_group(store=store, mode="r")
+
+
+def walk_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
+    """Every array under ``group`` (nested groups included) as ``(relative path, array)``."""
+    out: list[tuple[str, zarr.Array]] = []
+    for name, member in group.members(max_depth=None):
+        if isinstance(member, zarr.Array):
+            out.append((name, member))
+    return sorted(out, key=lambda item: item[0])
+
+
+def stored_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
+    """Shape of one stored object: the shard of a sharded v3 array, else the chunk."""
+    shards = getattr(array, "shards", None)
+    if shards is not None:
+        return tuple(int(s) for s in shards)
+    return tuple(int(c) for c in array.chunks)
+
+
+def read_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
+    """zarr's chunk shape (the inner chunk of a sharded array)."""
+    return tuple(int(c) for c in array.chunks)
+
+
+def array_dimension_names(array: zarr.Array) -> tuple[str, ...] | None:
+    """Dimension names from v3 ``dimension_names`` or xarray's v2 ``_ARRAY_DIMENSIONS``."""
+    names: Sequence[Any] | None = getattr(array.metadata, "dimension_names", None)
+    if names is None:
+        attr = array.attrs.get("_ARRAY_DIMENSIONS")
+        names = attr if isinstance(attr, list) else None
+    if names is None or any(n is None for n in names):
+        return None
+    return tuple(str(n) for n in names)
+
+
+def encode_chunk_key(metadata: Any, coords: Sequence[int]) -> str:
+    """The store key (relative to the array) of the stored object at chunk-grid ``coords``."""
+    return str(metadata.encode_chunk_key(tuple(int(c) for c in coords)))
+
+
+def io_loop() -> Any:
+    """zarr's process-wide store-IO event loop (started on first use, on its own thread)."""
+    from zarr.core.sync import _get_loop
+
+    return _get_loop()
+
+
+# -- decoding (used by insitubatch_nodes.decode) -------------------------------------------------
+# zarr's codec classes, chunk specs and the sharding codec's private helpers are imported lazily
+# inside these functions: they are exactly the names that move between zarr releases.
+
+
+@dataclass(frozen=True)
+class CodecDescription:
+    """What the decoder needs to know about one zarr v3 codec.
+
+    ``role`` is ``"array_array"``, ``"array_bytes"`` or ``"bytes_bytes"``. ``kind`` is
+    ``"bytes"`` (``endian`` is ``"little"``, ``"big"`` or ``None``), ``"crc32c"``, ``"numcodecs"``
+    (a compressor/checksum that a numcodecs codec built from ``numcodec_config`` decodes),
+    ``"sharding"`` or ``"other"`` (only zarr itself can decode it). ``codec`` is zarr's object.
+    """
+
+    role: str
+    kind: str
+    codec: Any
+    endian: str | None = None
+    numcodec_config: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class ShardingLayout:
+    """The parts of a ``sharding_indexed`` codec: inner chunk shape, inner and index codecs."""
+
+    chunk_shape: tuple[int, ...]
+    codecs: tuple[Any, ...]
+    index_codecs: tuple[Any, ...]
+    index_at_end: bool
+
+
+def v3_codecs(metadata: Any) -> tuple[Any, ...]:
+    """The codec chain of a v3 array, in encode order (array->array, array->bytes, bytes->bytes)."""
+    return tuple(metadata.codecs)
+
+
+def describe_codec(codec: Any) -> CodecDescription:
+    """Classify one zarr v3 codec object (see :class:`CodecDescription`)."""
+    from zarr.abc.codec import ArrayArrayCodec, ArrayBytesCodec
+    from zarr.codecs import (
+        BloscCodec,
+        BytesCodec,
+        Crc32cCodec,
+        GzipCodec,
+        ShardingCodec,
+        ZstdCodec,
+    )
+
+    if isinstance(codec, ArrayArrayCodec):
+        return CodecDescription("array_array", "other", codec)
+    if isinstance(codec, ArrayBytesCodec):
+        if isinstance(codec, BytesCodec):
+            endian = None if codec.endian is None else str(codec.endian.value)
+            return CodecDescription("array_bytes", "bytes", codec, endian=endian)
+        if isinstance(codec, ShardingCodec):
+            return CodecDescription("array_bytes", "sharding", codec)
+        return CodecDescription("array_bytes", "other", codec)
+    # bytes -> bytes: the compression parameters do not matter for decoding.
+    if isinstance(codec, Crc32cCodec):
+        return CodecDescription("bytes_bytes", "crc32c", codec)
+    config: dict[str, Any] | None = None
+    if isinstance(codec, ZstdCodec):
+        config = {"id": "zstd"}
+    elif isinstance(codec, BloscCodec):
+        config = {"id": "blosc"}
+    elif isinstance(codec, GzipCodec):
+        config = {"id": "gzip"}
+    else:
+        wrapped = getattr(codec, "codec_config", None)  # zarr.codecs.numcodecs.* wrappers
+        name = getattr(codec, "codec_name", "")
+        if isinstance(wrapped, dict) and isinstance(name, str) and name.startswith("numcodecs."):
+            config = dict(wrapped)
+    if config is None:
+        return CodecDescription("bytes_bytes", "other", codec)
+    return CodecDescription("bytes_bytes", "numcodecs", codec, numcodec_config=config)
+
+
+def sharding_layout(codec: Any) -> ShardingLayout:
+    """Inner chunk shape, inner codecs, index codecs and index location of a sharding codec."""
+    from zarr.codecs import ShardingCodecIndexLocation
+
+    return ShardingLayout(
+        chunk_shape=tuple(int(c) for c in codec.chunk_shape),
+        codecs=tuple(codec.codecs),
+        index_codecs=tuple(codec.index_codecs),
+        index_at_end=codec.index_location == ShardingCodecIndexLocation.end,
+    )
+
+
+def v2_chunk_codecs(metadata: Any) -> tuple[Any | None, tuple[Any, ...], str]:
+    """``(compressor, filters, order)`` of a v2 array: numcodecs objects (or ``None``), 'C'/'F'."""
+    filters = tuple(metadata.filters) if metadata.filters else ()
+    return metadata.compressor, filters, str(metadata.order)
+
+
+def numcodec_config(codec: Any) -> dict[str, Any]:
+    """The config dict (with ``id``) that rebuilds a numcodecs codec via ``get_codec``."""
+    return dict(codec.get_config())
+
+
+def native_dtype(metadata: Any) -> np.dtype[Any]:
+    """The in-memory numpy dtype of an array (byte order as zarr reports it)."""
+    return np.dtype(metadata.dtype.to_native_dtype())
+
+
+def default_fill_value(metadata: Any) -> Any:
+    """The fill value zarr uses for a missing chunk (the dtype's default when it is null)."""
+    fill = metadata.fill_value
+    return metadata.dtype.default_scalar() if fill is None else fill
+
+
+def chunk_spec(metadata: Any, coords: Sequence[int], order: str = "C") -> Any:
+    """zarr's ``ArraySpec`` of the stored object at chunk-grid ``coords`` (for codec calls)."""
+    from zarr.core.array_spec import ArrayConfig
+    from zarr.core.buffer import default_buffer_prototype
+
+    config = ArrayConfig(order=order, write_empty_chunks=False)  # type: ignore[arg-type]
+    return metadata.get_chunk_spec(
+        tuple(int(c) for c in coords), config, default_buffer_prototype()
+    )
+
+
+def inner_chunk_spec(sharding_codec: Any, shard_spec: Any) -> Any:
+    """The ``ArraySpec`` of one inner chunk of a shard described by ``shard_spec``."""
+    return sharding_codec._get_chunk_spec(shard_spec)
+
+
+def shard_index_nbytes(sharding_codec: Any, chunks_per_shard: Sequence[int]) -> int:
+    """Encoded size of a shard's index (``(*chunks_per_shard, 2)`` uint64 plus checksums)."""
+    return int(sharding_codec._shard_index_size(tuple(int(c) for c in chunks_per_shard)))
+
+
+def decode_shard_index(
+    sharding_codec: Any, index_bytes: np.ndarray, chunks_per_shard: Sequence[int]
+) -> np.ndarray:
+    """Decode an encoded shard index with zarr's index codecs: ``(*chunks_per_shard, 2)`` u8."""
+    cps = tuple(int(c) for c in chunks_per_shard)
+    spec = sharding_codec._get_index_chunk_spec(cps)
+    index = decode_with_zarr_codecs(tuple(sharding_codec.index_codecs), index_bytes, spec)
+    return np.asarray(index, dtype=np.uint64).reshape(*cps, 2)
+
+
+def _decode_one(codec: Any, data: Any, spec: Any) -> Any:
+    decode_sync = getattr(codec, "_decode_sync", None)
+    if decode_sync is not None:
+        return decode_sync(data, spec)
+    from zarr.core.sync import sync
+
+    return sync(codec._decode_single(data, spec))
+
+
+def decode_with_zarr_codecs(codecs: Sequence[Any], raw: np.ndarray, spec: Any) -> np.ndarray:
+    """Decode one encoded chunk with zarr's own codec objects (the slow, general path).
+
+    ``raw`` is the encoded bytes as a 1-D uint8 array; ``spec`` the chunk's ``ArraySpec``.
+    Returns the chunk as a numpy array of the chunk shape (physical axis order). Codecs with a
+    ``_decode_sync`` are called directly; others run their async decode on zarr's event loop.
+    """
+    specs: list[Any] = []
+    current = spec
+    for codec in codecs:  # resolve the spec each codec sees, in encode order
+        specs.append(current)
+        current = codec.resolve_metadata(current)
+    data: Any = spec.prototype.buffer.from_array_like(raw)
+    for codec, codec_spec in zip(reversed(codecs), reversed(specs), strict=True):
+        data = _decode_one(codec, data, codec_spec)
+    return np.asarray(data.as_numpy_array())
+
+
+def crc32c(data: np.ndarray) -> int:
+    """CRC-32C of a contiguous uint8 array (the checksum zarr's ``crc32c`` codec stores)."""
+    return int(google_crc32c.value(data))
+
+
+def make_async_getter(store: Any) -> Any:
+    """An ``async get(key) -> bytes-like | None`` for ``store`` (None = object missing).
+
+    A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
+    (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
+    ``Store.get``.
+    """
+    from zarr.storage import ObjectStore
+
+    if isinstance(store, ObjectStore):
+        import obstore
+
+        inner = store.store
+
+        async def get_obstore(key: str) -> Any:
+            try:
+                response = await obstore.get_async(inner, key)
+            except FileNotFoundError:
+                return None
+            return await response.bytes_async()
+
+        return get_obstore
+
+    from zarr.core.buffer import default_buffer_prototype
+
+    prototype = default_buffer_prototype()
+
+    async def get_zarr(key: str) -> Any:
+        buf = await store.get(key, prototype=prototype)
+        return None if buf is None else buf.as_numpy_array()
+
+    return get_zarr

@@ -1,0 +1,82 @@
+"""What the pipeline delivers: a :class:`Batch` of numpy arrays, and its torch adapter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Batch", "BatchTransform", "to_torch"]
+
+
+@dataclass
+class Batch:
+    """One batch: per label, an array shaped ``(len(batch), *inner_shape)``.
+
+    ``sample_indices[label][i]`` is the sample-axis index row ``i`` of ``arrays[label]`` was read
+    from (the anchor plus that label's view offset). ``epoch`` and ``index`` locate the batch in
+    the run. The arrays may be views of reused buffers: a batch (or a tensor made from it) that
+    you keep stays valid — its buffer is not reused while anything references it.
+    """
+
+    arrays: dict[str, np.ndarray]
+    sample_indices: dict[str, np.ndarray]
+    epoch: int
+    index: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        for arr in self.arrays.values():
+            return int(arr.shape[0])
+        return 0
+
+    def __getitem__(self, label: str) -> np.ndarray:
+        return self.arrays[label]
+
+
+BatchTransform = Callable[[Batch], Batch]
+"""A callable applied to every gathered batch, in order, before it is queued for the consumer."""
+
+
+def _pinned_copy(arr: np.ndarray) -> torch.Tensor:
+    import torch
+
+    src = torch.from_numpy(np.ascontiguousarray(arr))
+    staging = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+    staging.copy_(src)
+    return staging
+
+
+def to_torch(
+    batch: Batch | Mapping[str, np.ndarray], device: str | torch.device | None = None
+) -> dict[str, torch.Tensor]:
+    """Convert a batch to ``{label: torch.Tensor}``.
+
+    On the CPU (``device=None`` or ``"cpu"``) the tensors share memory with the batch arrays (no
+    copy). For a CUDA device each array is staged through page-locked host memory and copied
+    with ``non_blocking=True`` on the current stream; use the tensors on that stream (or
+    synchronise) before reading them on the host. Other devices get a plain ``.to(device)``.
+    """
+    import torch
+
+    arrays = batch.arrays if isinstance(batch, Batch) else batch
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    out: dict[str, torch.Tensor] = {}
+    for label, arr in arrays.items():
+        if dev.type == "cpu":
+            out[label] = torch.from_numpy(arr)
+        elif dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise RuntimeError(
+                    f"to_torch(device={str(dev)!r}) needs CUDA, but this torch build has none; "
+                    "pass device=None for CPU tensors"
+                )
+            out[label] = _pinned_copy(arr).to(dev, non_blocking=True)
+        else:
+            out[label] = torch.from_numpy(arr).to(dev)
+    return out

@@ -1,0 +1,246 @@
+"""Sample geometry: what one sample of an array is, and which stored objects hold it.
+
+An array has exactly one *sample axis* (any physical axis; time for ERA5, Z for a microscopy
+stack). A sample is one index along it; its payload is the whole extent of every other (*field*)
+axis. Along the sample axis the array is cut into *chunks* of ``samples_per_chunk`` samples;
+the field axes may be cut further into *tiles*. One stored object (one ``store.get``) is one
+(chunk, tile) pair — on a sharded v3 array the object is the shard, so the geometry's ``chunks``
+is the shard shape.
+
+A *view* is ``(path, offset)``: ``geom.shift(k)`` reads ``array[anchor + k]`` for anchor ``anchor``.
+Several views of one array share its path, so the engine decodes their chunks once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import product
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes import _zarr_compat
+from insitubatch_nodes.stores import StoreLike, as_store
+
+__all__ = ["ArrayGeometry", "open_geometries"]
+
+
+@dataclass(frozen=True)
+class ArrayGeometry:
+    """The frozen, physical description of one array (or one shifted view of it).
+
+    ``shape`` and ``chunks`` are in physical (zarr) axis order. ``chunks`` is the stored object's
+    shape (the shard on a sharded array); ``read_chunks`` is zarr's own chunk (the inner chunk of
+    a shard). ``offset`` is the view's shift along the sample axis (0 for the array itself).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype[Any]
+    fill_value: Any
+    sample_axis: int = 0
+    offset: int = 0
+    read_chunks: tuple[int, ...] = ()
+    zarr_format: int = 3
+    metadata: Any = field(default=None, compare=False, repr=False, hash=False)
+
+    def __post_init__(self) -> None:
+        if len(self.chunks) != len(self.shape):
+            raise ValueError(f"{self.path}: chunks {self.chunks} do not match shape {self.shape}")
+        if not 0 <= self.sample_axis < len(self.shape):
+            raise ValueError(
+                f"{self.path}: sample_axis {self.sample_axis} is out of range for a "
+                f"{len(self.shape)}-d array of shape {self.shape}"
+            )
+        if any(c <= 0 for c in self.chunks):
+            raise ValueError(f"{self.path}: chunk sizes must be positive, got {self.chunks}")
+        if not self.read_chunks:
+            object.__setattr__(self, "read_chunks", self.chunks)
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+
+    # -- the sample axis -------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def samples_per_chunk(self) -> int:
+        """Samples in one chunk along the sample axis (the last chunk may hold fewer)."""
+        return self.chunks[self.sample_axis]
+
+    @property
+    def n_samples(self) -> int:
+        """Length of the array along the sample axis."""
+        return self.shape[self.sample_axis]
+
+    @property
+    def n_chunks(self) -> int:
+        """Number of chunks along the sample axis (a partial final chunk counts)."""
+        return math.ceil(self.n_samples / self.samples_per_chunk)
+
+    def chunk_range(self, chunk_index: int) -> tuple[int, int]:
+        """Half-open sample range ``[start, stop)`` of chunk ``chunk_index``."""
+        if not 0 <= chunk_index < self.n_chunks:
+            raise IndexError(f"{self.path}: chunk {chunk_index} not in [0, {self.n_chunks})")
+        start = chunk_index * self.samples_per_chunk
+        return start, min(start + self.samples_per_chunk, self.n_samples)
+
+    # -- the field (inner) axes ------------------------------------------------------------
+    @property
+    def field_axes(self) -> tuple[int, ...]:
+        """Physical indices of the field axes, in order."""
+        return tuple(a for a in range(self.ndim) if a != self.sample_axis)
+
+    @property
+    def inner_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's payload (the array shape without the sample axis)."""
+        return tuple(self.shape[a] for a in self.field_axes)
+
+    @property
+    def tile_shape(self) -> tuple[int, ...]:
+        """Stored-object extent along each field axis."""
+        return tuple(self.chunks[a] for a in self.field_axes)
+
+    @property
+    def tile_grid(self) -> tuple[int, ...]:
+        """Number of stored objects along each field axis."""
+        return tuple(math.ceil(self.shape[a] / self.chunks[a]) for a in self.field_axes)
+
+    @property
+    def n_tiles(self) -> int:
+        """Stored objects per chunk (1 when the field is not tiled)."""
+        return math.prod(self.tile_grid)
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Decoded bytes of one sample's payload."""
+        return math.prod(self.inner_shape) * self.dtype.itemsize
+
+    @property
+    def chunk_nbytes(self) -> int:
+        """Decoded bytes of one full chunk (all its tiles)."""
+        return self.samples_per_chunk * self.sample_nbytes
+
+    @property
+    def sharded(self) -> bool:
+        """True when a stored object is a shard holding several zarr chunks."""
+        return self.read_chunks != self.chunks
+
+    def tiles(self) -> Iterator[tuple[int, ...]]:
+        """Every tile coordinate (over the field axes), in C order."""
+        return product(*(range(n) for n in self.tile_grid))
+
+    def tile_slices(self, tile: Sequence[int]) -> tuple[slice, ...]:
+        """The rectangle a tile covers within ``inner_shape``."""
+        return tuple(
+            slice(t * c, min((t + 1) * c, n))
+            for t, c, n in zip(tile, self.tile_shape, self.inner_shape, strict=True)
+        )
+
+    def chunk_coords(self, chunk_index: int, tile: Sequence[int]) -> tuple[int, ...]:
+        """Physical chunk-grid coordinates of stored object ``(chunk_index, tile)``."""
+        coords = list(tile)
+        coords.insert(self.sample_axis, chunk_index)
+        return tuple(coords)
+
+    def store_key(self, chunk_index: int, tile: Sequence[int] = ()) -> str:
+        """Store key (from the store root) of stored object ``(chunk_index, tile)``."""
+        if self.metadata is None:
+            raise ValueError(f"{self.path}: this geometry was built without zarr metadata")
+        tile = tuple(tile) or (0,) * len(self.field_axes)
+        key = _zarr_compat.encode_chunk_key(self.metadata, self.chunk_coords(chunk_index, tile))
+        return f"{self.path}/{key}" if self.path else key
+
+    # -- views ---------------------------------------------------------------------------------
+    def shift(self, k: int) -> ArrayGeometry:
+        """A view that reads ``array[anchor + k]`` along the sample axis (offsets add up)."""
+        if not isinstance(k, int | np.integer):
+            raise TypeError(f"shift() takes an integer number of samples, got {k!r}")
+        return replace(self, offset=self.offset + int(k))
+
+    @property
+    def base(self) -> ArrayGeometry:
+        """The unshifted array this view reads."""
+        return replace(self, offset=0) if self.offset else self
+
+    def __repr__(self) -> str:
+        off = f", offset={self.offset}" if self.offset else ""
+        return (
+            f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
+            f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"
+        )
+
+
+def _is_coordinate(path: str, array: Any) -> bool:
+    if array.ndim == 0:
+        return True  # a grid mapping / scalar: nothing to draw samples along
+    dims = _zarr_compat.array_dimension_names(array)
+    if array.ndim == 1 and dims is not None:
+        return dims[0] == path.rsplit("/", 1)[-1]
+    return False
+
+
+def _geometry(path: str, array: Any, sample_axis: int) -> ArrayGeometry:
+    ndim = array.ndim
+    axis = sample_axis + ndim if sample_axis < 0 else sample_axis
+    if not 0 <= axis < ndim:
+        raise ValueError(
+            f"sample_axis={sample_axis} is out of range for array {path!r} of shape "
+            f"{tuple(array.shape)} ({ndim} axes); pick an axis in [0, {ndim})"
+        )
+    return ArrayGeometry(
+        path=path,
+        shape=tuple(int(s) for s in array.shape),
+        chunks=_zarr_compat.stored_chunk_shape(array),
+        dtype=np.dtype(array.dtype),
+        fill_value=array.fill_value,
+        sample_axis=axis,
+        read_chunks=_zarr_compat.read_chunk_shape(array),
+        zarr_format=int(array.metadata.zarr_format),
+        metadata=array.metadata,
+    )
+
+
+def open_geometries(
+    store: StoreLike,
+    variables: Sequence[str] | None = None,
+    *,
+    sample_axis: int | Mapping[str, int] = 0,
+) -> dict[str, ArrayGeometry]:
+    """Read the geometry of the arrays in a zarr v2 or v3 group.
+
+    ``store`` is a URL, a path or any ``zarr.abc.store.Store``. With ``variables=None`` every
+    data array in the group (nested groups included) is returned and coordinates are skipped:
+    a 1-D array whose only dimension is named like the array itself (``time``, ``lat``) and any
+    0-D array (a grid mapping). Naming an array in ``variables`` returns it whatever it is.
+
+    ``sample_axis`` is one physical axis for every array, or a ``{path: axis}`` mapping (arrays
+    it does not name use axis 0). Raises ``KeyError`` for an unknown name (listing the arrays
+    that exist) and ``ValueError`` for a sample axis out of range.
+    """
+    if isinstance(variables, str):
+        variables = [variables]
+    group = _zarr_compat.open_group_readonly(as_store(store))
+    arrays = dict(_zarr_compat.walk_arrays(group))
+
+    def axis_for(path: str) -> int:
+        if isinstance(sample_axis, Mapping):
+            unknown = set(sample_axis) - set(arrays)
+            if unknown:
+                raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
+            return int(sample_axis.get(path, 0))
+        return int(sample_axis)
+
+    if variables is None:
+        names = [p for p, a in arrays.items() if not _is_coordinate(p, a)]
+    else:
+        missing = [v for v in variables if v.strip("/") not in arrays]
+        if missing:
+            raise KeyError(
+                f"no array named {missing} in the group; available arrays: {sorted(arrays)}"
+            )
+        names = [v.strip("/") for v in variables]
+    return {name: _geometry(name, arrays[name], axis_for(name)) for name in names}

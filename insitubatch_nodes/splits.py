@@ -1,0 +1,228 @@
+"""Chunk-aligned train/val/test splits along the sample axis.
+
+A split assigns *whole chunks* of a reference array (its sample-axis chunk grid is the *anchor
+grid*) to ``train``, ``val`` and ``test``. Samples never straddle two splits, reads stay
+chunk-aligned, and with ``contiguous=True`` (the default, right for time series) each split is one
+contiguous run of chunks so autocorrelated neighbours do not leak across the boundary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.geometry import ArrayGeometry
+
+__all__ = ["SPLITS", "SplitManifest", "split_by_chunk"]
+
+SPLITS: tuple[str, ...] = ("train", "val", "test")
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SplitManifest:
+    """Which anchor-grid chunks belong to each split (JSON-serialisable, immutable).
+
+    ``array``, ``n_samples`` and ``samples_per_chunk`` describe the anchor grid the chunk indices
+    refer to. The remaining fields record how the split was drawn, for reproducibility.
+    """
+
+    array: str
+    n_samples: int
+    samples_per_chunk: int
+    splits: Mapping[str, tuple[int, ...]]
+    fractions: tuple[float, float, float] = (0.8, 0.1, 0.1)
+    contiguous: bool = True
+    seed: int = 0
+    sample_range: tuple[int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.n_samples < 0 or self.samples_per_chunk <= 0:
+            raise ValueError(
+                f"a manifest needs n_samples >= 0 and samples_per_chunk > 0, got "
+                f"{self.n_samples} and {self.samples_per_chunk}"
+            )
+        unknown = set(self.splits) - set(SPLITS)
+        if unknown:
+            raise ValueError(f"unknown split names {sorted(unknown)}; expected {SPLITS}")
+        normalized = {
+            name: tuple(sorted(int(c) for c in self.splits.get(name, ()))) for name in SPLITS
+        }
+        seen: dict[int, str] = {}
+        for name, chunks in normalized.items():
+            for c in chunks:
+                if not 0 <= c < self.n_chunks:
+                    raise ValueError(f"split {name!r}: chunk {c} not in [0, {self.n_chunks})")
+                if c in seen:
+                    raise ValueError(f"chunk {c} is in both {seen[c]!r} and {name!r}")
+                seen[c] = name
+        object.__setattr__(self, "splits", normalized)
+
+    @property
+    def n_chunks(self) -> int:
+        """Chunks on the anchor grid (the whole array, not only the splits)."""
+        return math.ceil(self.n_samples / self.samples_per_chunk)
+
+    def chunks(self, split: str) -> list[int]:
+        """Sorted global anchor-grid chunk indices of ``"train"``, ``"val"`` or ``"test"``."""
+        if split not in SPLITS:
+            raise KeyError(f"unknown split {split!r}; expected one of {SPLITS}")
+        return list(self.splits[split])
+
+    def samples(self, split: str) -> np.ndarray:
+        """Sorted sample-axis indices (anchors) covered by ``split``'s chunks."""
+        spc = self.samples_per_chunk
+        parts = [
+            np.arange(c * spc, min((c + 1) * spc, self.n_samples), dtype=np.int64)
+            for c in self.chunks(split)
+        ]
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+    def fingerprint(self) -> str:
+        """A short stable hash of the anchor grid and the split contents."""
+        body = json.dumps(
+            [
+                self.array,
+                self.n_samples,
+                self.samples_per_chunk,
+                {k: list(v) for k, v in self.splits.items()},
+            ],
+            sort_keys=True,
+        )
+        return hashlib.sha256(body.encode()).hexdigest()[:16]
+
+    # -- persistence ---------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "array": self.array,
+            "n_samples": self.n_samples,
+            "samples_per_chunk": self.samples_per_chunk,
+            "fractions": list(self.fractions),
+            "contiguous": self.contiguous,
+            "seed": self.seed,
+            "sample_range": list(self.sample_range) if self.sample_range else None,
+            "splits": {k: list(v) for k, v in self.splits.items()},
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SplitManifest:
+        if not isinstance(data, Mapping):
+            raise ValueError(f"a split manifest is a JSON object, got {type(data).__name__}")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"unsupported split manifest format_version {version!r}; this version of "
+                f"insitubatch_nodes reads format {FORMAT_VERSION} "
+                "(re-create the manifest with split_by_chunk)"
+            )
+        try:
+            rng = data.get("sample_range")
+            fr = tuple(float(f) for f in data["fractions"])
+            if len(fr) != 3:
+                raise ValueError(f"fractions must have 3 entries, got {len(fr)}")
+            return cls(
+                array=str(data["array"]),
+                n_samples=int(data["n_samples"]),
+                samples_per_chunk=int(data["samples_per_chunk"]),
+                splits={str(k): tuple(int(c) for c in v) for k, v in dict(data["splits"]).items()},
+                fractions=(fr[0], fr[1], fr[2]),
+                contiguous=bool(data["contiguous"]),
+                seed=int(data["seed"]),
+                sample_range=(int(rng[0]), int(rng[1])) if rng else None,
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"malformed split manifest: {exc!r}") from exc
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the manifest as JSON (atomically: temp file, then rename)."""
+        target = Path(path)
+        tmp = target.with_name(target.name + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+        tmp.replace(target)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> SplitManifest:
+        """Read a manifest written by :meth:`save`; a malformed file raises ``ValueError``."""
+        text = Path(path).read_text()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{os.fspath(path)!r} is not a JSON split manifest: {exc}") from exc
+        try:
+            return cls.from_dict(data)
+        except ValueError as exc:
+            raise ValueError(f"{os.fspath(path)!r}: {exc}") from exc
+
+
+def _allocate(n: int, fractions: Sequence[float]) -> list[int]:
+    """Split ``n`` items by ``fractions`` with largest remainders (ties go to the earlier split)."""
+    exact = [f * n for f in fractions]
+    counts = [math.floor(x + 1e-9) for x in exact]
+    rest = n - sum(counts)
+    order = sorted(range(len(fractions)), key=lambda i: (-(exact[i] - counts[i]), i))
+    for i in order[:rest]:
+        counts[i] += 1
+    return counts
+
+
+def split_by_chunk(
+    geom: ArrayGeometry,
+    fractions: Sequence[float] = (0.8, 0.1, 0.1),
+    *,
+    contiguous: bool = True,
+    seed: int = 0,
+    sample_range: tuple[int, int] | None = None,
+) -> SplitManifest:
+    """Assign whole chunks of ``geom``'s sample axis to train/val/test.
+
+    ``fractions`` are fractions of chunks (train, val, test): non-negative, summing to 1. With
+    ``contiguous=True`` the splits are consecutive runs in that order; with ``contiguous=False``
+    chunks are shuffled by ``seed`` first (for exchangeable samples). ``sample_range=(start,
+    stop)`` keeps only the chunks overlapping that half-open sample range, snapping outward to
+    chunk boundaries. A split with no chunks is legal and yields nothing.
+    """
+    fr = tuple(float(f) for f in fractions)
+    if len(fr) != 3:
+        raise ValueError(f"fractions must be (train, val, test), got {len(fr)} values: {fr}")
+    if any(f < 0 or not math.isfinite(f) for f in fr):
+        raise ValueError(f"fractions must be finite and non-negative, got {fr}")
+    if abs(sum(fr) - 1.0) > 1e-6:
+        raise ValueError(f"fractions must sum to 1, got {fr} (sum {sum(fr):g})")
+    spc, n = geom.samples_per_chunk, geom.n_samples
+    first, stop_chunk = 0, geom.n_chunks
+    if sample_range is not None:
+        start, stop = (int(x) for x in sample_range)
+        if not 0 <= start < stop <= n:
+            raise ValueError(
+                f"sample_range must satisfy 0 <= start < stop <= {n}, got ({start}, {stop})"
+            )
+        first, stop_chunk = start // spc, (stop - 1) // spc + 1
+        sample_range = (start, stop)
+    eligible = np.arange(first, stop_chunk, dtype=np.int64)
+    if not contiguous:
+        eligible = np.random.default_rng(seed).permutation(eligible)
+    counts = _allocate(len(eligible), fr)
+    bounds = np.cumsum([0, *counts])
+    splits = {
+        name: tuple(sorted(int(c) for c in eligible[bounds[i] : bounds[i + 1]]))
+        for i, name in enumerate(SPLITS)
+    }
+    return SplitManifest(
+        array=geom.path,
+        n_samples=n,
+        samples_per_chunk=spc,
+        splits=splits,
+        fractions=(fr[0], fr[1], fr[2]),
+        contiguous=contiguous,
+        seed=int(seed),
+        sample_range=sample_range,
+    )

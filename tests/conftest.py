@@ -1,0 +1,288 @@
+"""Shared fixtures: small real zarr stores on disk, and a moto S3 server.
+
+Every store is written with zarr itself (not with the package under test), so the tests can use
+zarr as the oracle for shapes, chunk grids, chunk files and values. Data are seeded random values
+that never equal the fill value, so every chunk is really stored on disk.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import zarr
+
+# ---------------------------------------------------------------------------------------------
+# Layout constants the tests refer to (the one place the fixture shapes are written down).
+# ---------------------------------------------------------------------------------------------
+
+ERA5_TIME, ERA5_LAT, ERA5_LON, ERA5_LEVEL = 40, 4, 6, 3
+ERA5_T2M_CHUNKS = (4, ERA5_LAT, ERA5_LON)  # 10 chunks along time, one tile
+ERA5_Z_CHUNKS = (4, 1, 2, 3)  # inner-chunked: 3 x 2 x 2 tiles per time chunk
+
+SHARDED_SHAPE, SHARDED_CHUNKS, SHARDED_SHARDS = (24, 8, 6), (2, 4, 3), (8, 8, 6)
+
+TILED_SHAPE, TILED_CHUNKS = (12, 10, 7), (3, 4, 3)  # partial tiles on both field axes
+
+PARTIAL_SHAPE, PARTIAL_CHUNKS = (43, 3), (4, 3)  # 11 chunks, the last one holds 3 samples
+
+BIG_SHAPE, BIG_CHUNKS = (32768, 2), (16, 2)  # metadata only: a large anchor grid for plans
+
+MICRO_SHAPE = (2, 2, 24, 8, 8)  # (T, C, Z, Y, X); the sample axis is Z (axis 2)
+MICRO_IMAGE_CHUNKS = (1, 2, 2, 8, 8)  # 12 chunks along Z
+MICRO_MASK_CHUNKS = (2, 1, 6, 4, 4)  # 4 chunks along Z, 2 x 2 tiles in (Y, X)
+
+
+@pytest.fixture(scope="session")
+def layout() -> SimpleNamespace:
+    """The layout constants above, for tests (import-free: ``layout.ERA5_TIME``)."""
+    return SimpleNamespace(
+        **{k: v for k, v in globals().items() if k.isupper() and not k.startswith("S3_")}
+    )
+
+
+def _random(rng: np.random.Generator, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    """Seeded values that are never 0 (the fill value), so every chunk is written."""
+    if np.dtype(dtype).kind == "f":
+        return (rng.random(shape) + 1.0).astype(dtype)
+    return rng.integers(1, 200, size=shape).astype(dtype)
+
+
+def _write_era5(root: Path, zarr_format: int) -> Path:
+    """An ERA5-like group with coordinates, a grid mapping and data arrays."""
+    rng = np.random.default_rng(1000 + zarr_format)
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+
+    def create(name: str, data: np.ndarray, chunks: tuple[int, ...], dims: list[str]) -> None:
+        kwargs: dict[str, object] = {}
+        if zarr_format == 3:
+            kwargs["dimension_names"] = dims
+        else:
+            kwargs["attributes"] = {"_ARRAY_DIMENSIONS": dims}
+        arr = group.create_array(
+            name, shape=data.shape, chunks=chunks, dtype=data.dtype, fill_value=0, **kwargs
+        )
+        arr[...] = data
+
+    create("time", np.arange(ERA5_TIME, dtype="i8") * 6 + 1, (ERA5_TIME,), ["time"])
+    create("lat", np.linspace(-80, 80, ERA5_LAT).astype("f4"), (ERA5_LAT,), ["lat"])
+    create("lon", np.arange(1, ERA5_LON + 1, dtype="f4") * 60, (ERA5_LON,), ["lon"])
+    create("level", np.array([1000, 850, 500], dtype="i4"), (ERA5_LEVEL,), ["level"])
+    create(
+        "t2m",
+        _random(rng, (ERA5_TIME, ERA5_LAT, ERA5_LON), "f4"),
+        ERA5_T2M_CHUNKS,
+        ["time", "lat", "lon"],
+    )
+    create(
+        "z",
+        _random(rng, (ERA5_TIME, ERA5_LEVEL, ERA5_LAT, ERA5_LON), "f4"),
+        ERA5_Z_CHUNKS,
+        ["time", "level", "lat", "lon"],
+    )
+    # A 1-D series along time that is *not* a coordinate (its name is not its dimension's).
+    create("station_t2m", _random(rng, (ERA5_TIME,), "f4"), (8,), ["time"])
+    # A 0-D grid mapping.
+    crs = group.create_array("crs", shape=(), dtype="i4", fill_value=0)
+    crs[()] = 4326
+    crs.attrs["grid_mapping_name"] = "latitude_longitude"
+    return root
+
+
+@pytest.fixture(scope="session")
+def era5_v3_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """zarr v3 group: coordinates ``time``/``lat``/``lon``/``level`` (self-named, with
+    ``dimension_names``), a 0-D ``crs``, data ``t2m (time, lat, lon)``, an inner-chunked
+    ``z (time, level, lat, lon)`` and a non-coordinate 1-D series ``station_t2m (time)``."""
+    return _write_era5(tmp_path_factory.mktemp("era5_v3") / "era5.zarr", 3)
+
+
+@pytest.fixture(scope="session")
+def era5_v2_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same group as :func:`era5_v3_path` in zarr v2, dimension names in xarray's
+    ``_ARRAY_DIMENSIONS`` attribute."""
+    return _write_era5(tmp_path_factory.mktemp("era5_v2") / "era5.zarr", 2)
+
+
+@pytest.fixture(scope="session")
+def layouts_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """zarr v3 group of single-array layouts:
+
+    * ``sharded`` — sharded (stored object = shard ``SHARDED_SHARDS``, inner chunk
+      ``SHARDED_CHUNKS``);
+    * ``tiled`` — chunked along the field axes too, with partial tiles;
+    * ``partial`` — a partial final chunk along the sample axis;
+    * ``nested/inner`` — an array in a sub-group;
+    * ``big`` — a large array with only metadata written (for plans over many chunks).
+    """
+    root = tmp_path_factory.mktemp("layouts") / "layouts.zarr"
+    rng = np.random.default_rng(7)
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    sharded = group.create_array(
+        "sharded",
+        shape=SHARDED_SHAPE,
+        chunks=SHARDED_CHUNKS,
+        shards=SHARDED_SHARDS,
+        dtype="f4",
+        fill_value=0,
+    )
+    sharded[...] = _random(rng, SHARDED_SHAPE, "f4")
+    tiled = group.create_array(
+        "tiled", shape=TILED_SHAPE, chunks=TILED_CHUNKS, dtype="i2", fill_value=0
+    )
+    tiled[...] = _random(rng, TILED_SHAPE, "i2")
+    partial = group.create_array(
+        "partial", shape=PARTIAL_SHAPE, chunks=PARTIAL_CHUNKS, dtype="f8", fill_value=0
+    )
+    partial[...] = _random(rng, PARTIAL_SHAPE, "f8")
+    nested = group.create_group("nested").create_array(
+        "inner", shape=(10, 2), chunks=(5, 2), dtype="u1", fill_value=0
+    )
+    nested[...] = _random(rng, (10, 2), "u1")
+    group.create_array("big", shape=BIG_SHAPE, chunks=BIG_CHUNKS, dtype="f4", fill_value=0)
+    return root
+
+
+@pytest.fixture(scope="session")
+def microscopy_path(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """zarr v3 microscopy-like group: ``image (t, c, z, y, x)`` chunked 2 along Z and a label
+    ``mask (t, c, z, y, x)`` (one channel) chunked 6 along Z and tiled in (Y, X)."""
+    root = tmp_path_factory.mktemp("microscopy") / "micro.zarr"
+    rng = np.random.default_rng(11)
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    dims = ["t", "c", "z", "y", "x"]
+    image = group.create_array(
+        "image",
+        shape=MICRO_SHAPE,
+        chunks=MICRO_IMAGE_CHUNKS,
+        dtype="u2",
+        fill_value=0,
+        dimension_names=dims,
+    )
+    image[...] = _random(rng, MICRO_SHAPE, "u2")
+    mask_shape = (MICRO_SHAPE[0], 1, *MICRO_SHAPE[2:])
+    mask = group.create_array(
+        "mask",
+        shape=mask_shape,
+        chunks=MICRO_MASK_CHUNKS,
+        dtype="u1",
+        fill_value=0,
+        dimension_names=dims,
+    )
+    mask[...] = _random(rng, mask_shape, "u1")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# S3 (moto server)
+# ---------------------------------------------------------------------------------------------
+
+S3_REGION = "us-east-1"
+S3_KEY = "testing"
+S3_SECRET = "testing"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _answers_http(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1):
+            return True
+    except urllib.error.HTTPError:
+        return True  # any HTTP status means the server is up
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server on a free local port; yields its endpoint URL.
+
+    Tests using it should be marked ``@pytest.mark.xdist_group("s3")`` so that under
+    ``pytest -n N --dist loadgroup`` they share one worker (and one server).
+    """
+    exe = Path(sys.executable).parent / "moto_server"
+    if not exe.exists():
+        pytest.skip(f"moto_server executable not found at {exe} (install moto[server])")
+    port = _free_port()
+    endpoint = f"http://127.0.0.1:{port}"
+    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(exe), "-H", "127.0.0.1", "-p", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    try:
+        deadline = time.monotonic() + 30.0
+        while not _answers_http(endpoint):
+            if proc.poll() is not None:
+                raise RuntimeError(
+                    f"moto_server exited with code {proc.returncode}: {log_path.read_text()}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"moto_server did not answer at {endpoint} within 30 s")
+            time.sleep(0.1)
+        yield endpoint
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_options(s3_server: str) -> dict[str, object]:
+    """Options for ``open_store("s3://...", **s3_options)`` against the moto server."""
+    return {
+        "endpoint": s3_server,
+        "region": S3_REGION,
+        "access_key_id": S3_KEY,
+        "secret_access_key": S3_SECRET,
+        "client_options": {"allow_http": True},
+    }
+
+
+@pytest.fixture(scope="session")
+def s3_upload(s3_server: str) -> Callable[[Path, str], str]:
+    """``upload(local_folder, prefix) -> "s3://bucket/prefix"``: creates a fresh bucket and puts
+    every file under ``local_folder`` at ``prefix/<relative path>``."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_server,
+        region_name=S3_REGION,
+        aws_access_key_id=S3_KEY,
+        aws_secret_access_key=S3_SECRET,
+    )
+
+    def upload(local: Path, prefix: str) -> str:
+        bucket = f"test-{uuid.uuid4().hex[:12]}"
+        client.create_bucket(Bucket=bucket)
+        for path in sorted(Path(local).rglob("*")):
+            if path.is_file():
+                key = f"{prefix.strip('/')}/{path.relative_to(local).as_posix()}"
+                client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+        return f"s3://{bucket}/{prefix.strip('/')}"
+
+    return upload

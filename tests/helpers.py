@@ -1,0 +1,327 @@
+"""Helpers shared by the pipeline tests: zarr's own read as the oracle, stores that count (or
+slow down, or fail) their GETs, store writers and epoch runners.
+
+Nothing here uses the package's geometry or plan to decide what the *right* answer is: the
+expected values come from zarr's read path, the expected chunk keys from the files zarr wrote
+on disk, and the expected samples from the manifest's chunk lists.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+import zarr.storage
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+
+from insitubatch_nodes import Batch, SplitManifest
+from insitubatch_nodes.synthetic import make_era5_like, make_microscopy_like
+
+METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"})
+
+
+def is_metadata_key(key: str) -> bool:
+    return key.rsplit("/", 1)[-1] in METADATA_NAMES
+
+
+# ---------------------------------------------------------------------------------------------
+# Stores that watch the pipeline's GETs
+# ---------------------------------------------------------------------------------------------
+
+
+class CountingStore(zarr.storage.WrapperStore[Store]):
+    """Wraps a zarr store; counts ``get`` calls per key and the peak of concurrent chunk GETs.
+
+    ``delay`` (seconds) is awaited inside every chunk GET (not metadata), so GETs overlap and a
+    close can catch them in flight. ``fail`` maps a key to an exception to raise for it.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        delay: float = 0.0,
+        fail: Mapping[str, BaseException] | None = None,
+    ) -> None:
+        super().__init__(store)
+        self.delay = delay
+        self.fail = dict(fail or {})
+        self.counts: Counter[str] = Counter()
+        self.partial_counts: Counter[str] = Counter()
+        self.active = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def _with_store(self, store: Store) -> CountingStore:
+        return type(self)(store, delay=self.delay, fail=self.fail)
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        chunk = not is_metadata_key(key)
+        with self._lock:
+            self.counts[key] += 1
+            if chunk:
+                self.active += 1
+                self.peak = max(self.peak, self.active)
+        try:
+            if chunk and self.delay:
+                await asyncio.sleep(self.delay)
+            if key in self.fail:
+                raise self.fail[key]
+            return await self._store.get(key, prototype, byte_range)
+        finally:
+            if chunk:
+                with self._lock:
+                    self.active -= 1
+
+    async def get_partial_values(
+        self,
+        prototype: BufferPrototype,
+        key_ranges: Iterable[tuple[str, ByteRequest | None]],
+    ) -> list[Buffer | None]:
+        key_ranges = list(key_ranges)
+        with self._lock:
+            for key, _ in key_ranges:
+                self.partial_counts[key] += 1
+        return await self._store.get_partial_values(prototype, key_ranges)
+
+    def chunk_counts(self) -> dict[str, int]:
+        with self._lock:
+            return {k: v for k, v in self.counts.items() if not is_metadata_key(k)}
+
+    def reset_counts(self) -> None:
+        with self._lock:
+            self.counts.clear()
+            self.partial_counts.clear()
+            self.peak = self.active
+
+
+def counting_store(root: Path, **kwargs: Any) -> CountingStore:
+    """A read-only ``zarr.storage.LocalStore`` at ``root`` wrapped in a :class:`CountingStore`."""
+    return CountingStore(zarr.storage.LocalStore(root, read_only=True), **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# The oracle: zarr's own read path
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class View:
+    """What a label reads, described without the package: array name, sample axis, shift."""
+
+    name: str
+    sample_axis: int = 0
+    offset: int = 0
+
+
+class Oracle:
+    """``oracle(name, indices, sample_axis)`` = zarr's read of those samples, sample axis first."""
+
+    def __init__(self, root: Path | Store) -> None:
+        self.group = zarr.open_group(store=root, mode="r")
+        self._arrays: dict[str, Any] = {}
+
+    def array(self, name: str) -> Any:
+        if name not in self._arrays:
+            self._arrays[name] = self.group[name]
+        return self._arrays[name]
+
+    def __call__(self, name: str, indices: np.ndarray, sample_axis: int = 0) -> np.ndarray:
+        arr = self.array(name)
+        sel: list[Any] = [slice(None)] * arr.ndim
+        sel[sample_axis] = np.asarray(indices, dtype=np.int64)
+        out = arr.oindex[tuple(sel)] if sample_axis else arr[sel[0]]
+        return np.moveaxis(np.asarray(out), sample_axis, 0)
+
+    def n_samples(self, name: str, sample_axis: int = 0) -> int:
+        return int(self.array(name).shape[sample_axis])
+
+    def stored_samples_per_chunk(self, name: str, sample_axis: int = 0) -> int:
+        arr = self.array(name)
+        shards = getattr(arr, "shards", None)
+        return int((shards or arr.chunks)[sample_axis])
+
+
+def assert_batch_matches(batch: Batch, oracle: Oracle, views: Mapping[str, View]) -> None:
+    """Every label of ``batch`` equals zarr's read of ``batch.sample_indices[label]``."""
+    assert set(batch.arrays) >= set(views), (sorted(batch.arrays), sorted(views))
+    anchors = None
+    for label, view in views.items():
+        idx = np.asarray(batch.sample_indices[label])
+        got = batch.arrays[label]
+        want = oracle(view.name, idx, view.sample_axis)
+        assert got.dtype == want.dtype, (label, got.dtype, want.dtype)
+        assert got.shape == want.shape, (label, got.shape, want.shape)
+        np.testing.assert_array_equal(got, want, err_msg=f"label {label!r} batch {batch.index}")
+        a = idx - view.offset
+        if anchors is None:
+            anchors = a
+        else:  # every label's row i is the same anchor, shifted by that label's offset
+            np.testing.assert_array_equal(a, anchors)
+
+
+def run_epoch(
+    batches: Iterable[Batch],
+    oracle: Oracle | None = None,
+    views: Mapping[str, View] | None = None,
+    *,
+    keep_arrays: bool = False,
+    each: Callable[[Batch], None] | None = None,
+) -> list[dict[str, Any]]:
+    """Iterate ``batches`` to the end, checking each against the oracle; returns a record per
+    batch: ``{"epoch", "index", "len", "sample_indices", ["arrays"]}`` (copies)."""
+    records: list[dict[str, Any]] = []
+    for batch in batches:
+        if oracle is not None and views is not None:
+            assert_batch_matches(batch, oracle, views)
+        if each is not None:
+            each(batch)
+        rec: dict[str, Any] = {
+            "epoch": batch.epoch,
+            "index": batch.index,
+            "len": len(batch),
+            "sample_indices": {k: np.array(v) for k, v in batch.sample_indices.items()},
+        }
+        if keep_arrays:
+            rec["arrays"] = {k: np.array(v) for k, v in batch.arrays.items()}
+        records.append(rec)
+    return records
+
+
+def assert_same_records(got: Sequence[dict[str, Any]], want: Sequence[dict[str, Any]]) -> None:
+    assert len(got) == len(want), (len(got), len(want))
+    for g, w in zip(got, want, strict=True):
+        assert (g["epoch"], g["index"], g["len"]) == (w["epoch"], w["index"], w["len"])
+        assert g["sample_indices"].keys() == w["sample_indices"].keys()
+        for label in w["sample_indices"]:
+            np.testing.assert_array_equal(g["sample_indices"][label], w["sample_indices"][label])
+        if "arrays" in g and "arrays" in w:
+            for label in w["arrays"]:
+                np.testing.assert_array_equal(g["arrays"][label], w["arrays"][label])
+
+
+def expected_anchors(manifest: SplitManifest, split: str, offsets: Sequence[int]) -> np.ndarray:
+    """Sorted anchors of ``split`` whose every shifted sample lies inside the array."""
+    spc, n = manifest.samples_per_chunk, manifest.n_samples
+    parts = [np.arange(c * spc, min((c + 1) * spc, n)) for c in manifest.chunks(split)]
+    anchors = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    ok = np.ones(anchors.shape, dtype=bool)
+    for k in offsets:
+        ok &= (anchors + k >= 0) & (anchors + k < n)
+    return np.sort(anchors[ok])
+
+
+# ---------------------------------------------------------------------------------------------
+# Chunk keys on disk (what zarr wrote), for the fetch-count oracle
+# ---------------------------------------------------------------------------------------------
+
+
+def chunk_keys_on_disk(root: Path, name: str) -> dict[str, tuple[int, ...]]:
+    """``{store key: chunk-grid coords}`` of every stored object zarr wrote for array ``name``."""
+    folder = root / name
+    out: dict[str, tuple[int, ...]] = {}
+    for path in folder.rglob("*"):
+        if not path.is_file() or path.name in METADATA_NAMES:
+            continue
+        rel = path.relative_to(folder).as_posix()
+        if rel.startswith("c/"):  # v3 default encoding
+            coords = tuple(int(p) for p in rel[2:].split("/"))
+        elif rel == "c":  # v3 0-d
+            coords = ()
+        else:  # v2: "0.1.2" (or "0/1/2" with the "/" separator)
+            coords = tuple(int(p) for p in rel.replace("/", ".").split("."))
+        out[f"{name}/{rel}"] = coords
+    return out
+
+
+def expected_chunk_keys(
+    oracle: Oracle,
+    views: Mapping[str, View],
+    records: Sequence[dict[str, Any]],
+) -> set[str]:
+    """Every stored object (zarr's key for it, written or not) whose sample-axis chunk holds a
+    sample some batch read: the objects an epoch must GET."""
+    needed: dict[str, set[int]] = {}
+    axes: dict[str, int] = {}
+    for label, view in views.items():
+        spc = oracle.stored_samples_per_chunk(view.name, view.sample_axis)
+        idx = np.concatenate([r["sample_indices"][label] for r in records])
+        needed.setdefault(view.name, set()).update((idx // spc).tolist())
+        axes[view.name] = view.sample_axis
+    keys: set[str] = set()
+    for name, chunks in needed.items():
+        arr = oracle.array(name)
+        stored = getattr(arr, "shards", None) or arr.chunks
+        grid: list[Sequence[int]] = [
+            range(-(-n // c)) for n, c in zip(arr.shape, stored, strict=True)
+        ]
+        grid[axes[name]] = sorted(chunks)
+        for coords in itertools.product(*grid):
+            keys.add(f"{name}/{arr.metadata.encode_chunk_key(tuple(coords))}")
+    return keys
+
+
+# ---------------------------------------------------------------------------------------------
+# Store writers (small, fast)
+# ---------------------------------------------------------------------------------------------
+
+
+def write_era5(root: Path, **kwargs: Any) -> Path:
+    """A small ERA5-like store (t2m and z); keyword arguments override the small defaults."""
+    opts: dict[str, Any] = {
+        "n_time": 96,
+        "n_lat": 8,
+        "n_lon": 16,
+        "n_level": 2,
+        "samples_per_chunk": 8,
+    }
+    opts.update(kwargs)
+    make_era5_like(root, **opts)
+    return root
+
+
+def write_microscopy(root: Path, **kwargs: Any) -> Path:
+    """A small microscopy-like store: image and mask chunked differently along Z (axis 2)."""
+    opts: dict[str, Any] = {
+        "shape": (2, 2, 24, 12, 12),
+        "image_chunks": (1, 2, 2, 12, 12),
+        "mask_chunks": (2, 1, 6, 8, 8),
+    }
+    opts.update(kwargs)
+    make_microscopy_like(root, **opts)
+    return root
+
+
+def write_mixed_chunking(root: Path, n_time: int = 72) -> Path:
+    """Two arrays sharing the time axis but chunked differently along it (8 vs 12), the second
+    also tiled in its field, with non-divisible edge tiles; seeded values, never the fill."""
+    rng = np.random.default_rng(5)
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    a = group.create_array("a", shape=(n_time, 5, 7), chunks=(8, 5, 7), dtype="f4", fill_value=0)
+    a[...] = (rng.random((n_time, 5, 7)) + 1).astype("f4")
+    b = group.create_array(
+        "b", shape=(n_time, 3, 5, 7), chunks=(12, 1, 3, 4), dtype="i4", fill_value=0
+    )
+    b[...] = rng.integers(1, 10_000, size=(n_time, 3, 5, 7)).astype("i4")
+    return root
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return predicate()
