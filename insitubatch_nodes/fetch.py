@@ -65,12 +65,13 @@ class FetchedBatch:
 class _Pending:
     plan: BatchPlan
     state: dict[str, Any]  # the source's state right after this plan was pulled
-    admitted: int = 0  # how many of plan.fetches are admitted
+    keys: tuple[ChunkKey, ...]  # chunks to admit before this batch: its first reads (+ carry)
+    admitted: int = 0  # how many of keys are admitted
     ahead_bytes: int = 0
 
     @property
     def done(self) -> bool:
-        return self.admitted == len(self.plan.fetches)
+        return self.admitted == len(self.keys)
 
 
 @dataclass(eq=False)
@@ -173,9 +174,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             except StopIteration:
                 self._exhausted = True
                 return
+            keys = plan.fetches
             if plan.epoch_plan is not self._epoch_plan:
                 self._start_epoch(plan.epoch_plan)
-            pending = _Pending(plan=plan, state=self.source.state_dict())
+                # Resumed mid-epoch: chunks that earlier (undelivered-here) batches first read
+                # and later batches read again have to be fetched now.
+                keys = plan.epoch_plan.carried_into(plan.index) + keys
+            pending = _Pending(plan=plan, state=self.source.state_dict(), keys=keys)
             self._queue.append(pending)
             if not self._admit(pending):
                 return
@@ -187,7 +192,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     def _admit(self, pending: _Pending) -> bool:
         """Pin the plan's first reads in order; False when the pool has no room yet."""
-        fetches = pending.plan.fetches
+        fetches = pending.keys
         spawn: list[ChunkEntry] = []
         ok = True
         while pending.admitted < len(fetches):

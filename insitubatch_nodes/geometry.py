@@ -215,7 +215,8 @@ def open_geometries(
     ``store`` is a URL, a path or any ``zarr.abc.store.Store``. With ``variables=None`` every
     data array in the group (nested groups included) is returned and coordinates are skipped:
     a 1-D array whose only dimension is named like the array itself (``time``, ``lat``) and any
-    0-D array (a grid mapping). Naming an array in ``variables`` returns it whatever it is.
+    0-D array (a grid mapping). Naming an array in ``variables`` bypasses that test (a 0-D
+    array still has no sample axis, so naming one raises ``ValueError``).
 
     ``sample_axis`` is one physical axis for every array, or a ``{path: axis}`` mapping (arrays
     it does not name use axis 0). Raises ``KeyError`` for an unknown name (listing the arrays

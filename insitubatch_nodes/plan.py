@@ -74,6 +74,7 @@ class EpochPlan:
     order: np.ndarray  # (N, 2) ledger (chunk_id, within)
     labels: Mapping[str, ArrayGeometry]
     _first: dict[ChunkKey, int] = field(repr=False)
+    _last: dict[ChunkKey, int] = field(repr=False)
     _fetch_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
     _release_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
     _block_of_row: np.ndarray = field(repr=False)
@@ -118,6 +119,14 @@ class EpochPlan:
     def batch_releases(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks batch ``index`` reads for the last time this epoch."""
         return self._release_by_batch[index]
+
+    def carried_into(self, index: int) -> tuple[ChunkKey, ...]:
+        """Chunks first read before batch ``index`` and read again at or after it, in
+        first-need order: what a run resumed at ``index`` must fetch before that batch's own
+        ``fetches``."""
+        bs = self.batch_size
+        keys = [k for k, f in self._first.items() if f // bs < index <= self._last[k] // bs]
+        return tuple(sorted(keys, key=self._first.__getitem__))
 
     def batch_first_block(self, index: int) -> int:
         """Block of the first row of batch ``index``."""
@@ -281,6 +290,7 @@ def plan_epoch(
         order=order,
         labels=dict(labels),
         _first=first,
+        _last=last,
         _fetch_by_batch=[tuple(x) for x in fetch_by_batch],
         _release_by_batch=[tuple(x) for x in release_by_batch],
         _block_of_row=block,
@@ -400,11 +410,15 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         rk = (d_rank if world_size is None else 0) if rank is None else int(rank)
         if world < 1 or not 0 <= rk < world:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rk}, world_size={world}")
-        n_chunks = len(manifest.chunks(split))
-        if 0 < n_chunks < world:
+        split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+        _, counts = _chunk_counts(
+            split_chunks, manifest.samples_per_chunk, manifest.n_samples, lo, hi
+        )
+        n_chunks = int(np.count_nonzero(counts))
+        if world > 1 and len(split_chunks) and n_chunks < world:
             raise ValueError(
-                f"split {split!r} has {n_chunks} chunks but world_size is {world}: every rank "
-                "needs at least one chunk (use a larger split or fewer ranks)"
+                f"split {split!r} has {n_chunks} chunks with valid anchors but world_size is "
+                f"{world}: every rank needs at least one (use a larger split or fewer ranks)"
             )
         self.manifest = manifest
         self.variables: dict[str, ArrayGeometry] = dict(variables)
@@ -477,7 +491,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         if initial_state is not None:
-            self._check_config(initial_state.get("config", {}))
+            self.check_state(initial_state)
             epoch, emitted = int(initial_state["epoch"]), int(initial_state["batches_emitted"])
             plan = self.epoch_plan(epoch)
             if emitted >= plan.n_batches and plan.n_batches > 0:
@@ -504,6 +518,13 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     def get_state(self) -> dict[str, Any]:
         return {"epoch": self._epoch, "batches_emitted": self._emitted, "config": self.config()}
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state`` (from :meth:`get_state`) fits this node."""
+        missing = {"epoch", "batches_emitted", "config"} - set(state)
+        if missing:
+            raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
+        self._check_config(state["config"])
 
     def _check_config(self, saved: Mapping[str, Any]) -> None:
         mine = self.config()

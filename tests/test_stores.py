@@ -82,11 +82,17 @@ def test_memory_urls_take_no_options() -> None:
         open_store(f"memory://test-{uuid.uuid4().hex}", region="us-east-1")
 
 
+@pytest.fixture(scope="module")
+def era5_v3_s3_url(era5_v3_path: Path, s3_upload) -> str:
+    """The v3 ERA5-like group uploaded once to a fresh bucket of the moto server."""
+    return s3_upload(era5_v3_path, "datasets/era5.zarr")
+
+
 @pytest.mark.xdist_group("s3")
 def test_an_s3_url_reads_the_uploaded_group_with_passed_through_options(
-    era5_v3_path: Path, s3_upload, s3_options
+    era5_v3_path: Path, era5_v3_s3_url: str, s3_options
 ) -> None:
-    url = s3_upload(era5_v3_path, "datasets/era5.zarr")
+    url = era5_v3_s3_url
     store = open_store(url, **s3_options)
     assert isinstance(store, zarr.storage.ObjectStore)
     _assert_same_group(store, era5_v3_path)
@@ -94,26 +100,26 @@ def test_an_s3_url_reads_the_uploaded_group_with_passed_through_options(
 
 @pytest.mark.xdist_group("s3")
 def test_open_geometries_over_s3_equals_the_local_geometry(
-    era5_v3_path: Path, era5_v2_path: Path, s3_upload, s3_options
+    era5_v3_path: Path, era5_v2_path: Path, era5_v3_s3_url: str, s3_upload, s3_options
 ) -> None:
-    for local in (era5_v3_path, era5_v2_path):
-        url = s3_upload(local, "era5.zarr")
+    v2_url = s3_upload(era5_v2_path, "era5.zarr")
+    for local, url in ((era5_v3_path, era5_v3_s3_url), (era5_v2_path, v2_url)):
         remote = open_geometries(open_store(url, **s3_options))
         assert remote == open_geometries(local)
         # the geometry's store keys name objects that exist in the bucket
         store = open_store(url, **s3_options)
         for geom in remote.values():
-            for chunk in range(geom.n_chunks):
+            for chunk in (0, geom.n_chunks - 1):
                 for tile in geom.tiles():
                     key = geom.store_key(chunk, tile)
                     assert store.store.head(key)["size"] > 0
 
 
 @pytest.mark.xdist_group("s3")
-def test_an_s3_url_of_a_missing_bucket_fails_to_open(
-    era5_v3_path: Path, s3_upload, s3_options
+def test_an_s3_url_of_a_missing_bucket_or_prefix_fails_to_open(
+    era5_v3_s3_url: str, s3_options
 ) -> None:
-    url = s3_upload(era5_v3_path, "era5.zarr")
+    url = era5_v3_s3_url
     wrong_bucket = url.replace("s3://", "s3://missing-", 1)
     with pytest.raises(FileNotFoundError):  # zarr's GroupNotFoundError is a FileNotFoundError
         open_geometries(open_store(wrong_bucket, **s3_options))

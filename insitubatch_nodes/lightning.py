@@ -1,0 +1,183 @@
+"""A ``LightningDataModule`` over insitubatch_nodes pipelines (needs the ``lightning`` extra).
+
+:class:`InSituDataModule` builds one pipeline per split, with the rank and world size taken from
+the Trainer, and hands Lightning :class:`~insitubatch_nodes.torch_data.InSituIterableDataset` s:
+exact lengths (so a mid-epoch checkpoint resumes without skipping a batch) and plain-Python
+state. The training loader's state is also carried in the DataModule's own ``state_dict`` /
+``load_state_dict`` and applied when the training loader is built, which keeps resume exact even
+where Lightning itself drops the loader state (Lightning issue #20550: a LightningModule whose
+``configure_optimizers`` reads ``trainer.estimated_stepping_batches``).
+
+The training permutation follows ``trainer.current_epoch``; validation and test pipelines are
+separate objects with their own state, so evaluating never moves the training position.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+from zarr.abc.store import Store
+
+from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
+from insitubatch_nodes.pipeline import insitu_pipeline
+from insitubatch_nodes.splits import SplitManifest, split_by_chunk
+from insitubatch_nodes.stores import as_store
+from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
+
+__all__ = ["InSituDataModule"]
+
+
+class InSituDataModule(pl.LightningDataModule):
+    """Train/val/test loaders from one zarr store.
+
+    Args:
+        store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``).
+        variables: array names, or ``{label: ArrayGeometry view}`` (e.g. ``{"x": g,
+            "y": g.shift(1)}``); a callable ``geometries -> {label: view}`` is resolved in
+            :meth:`setup` (useful when the store is only reachable at training time).
+        splits: a :class:`SplitManifest`, or ``(train, val, test)`` chunk fractions for a
+            contiguous :func:`split_by_chunk` over the first label's array.
+        batch_size, block_chunks, seed, max_inflight, prefetch_depth, cache_budget_bytes,
+            decode_threads, batch_transforms: as for :func:`insitu_pipeline` (training).
+        eval_batch_size: batch size of the val/test loaders (default: ``batch_size``).
+        transform: ``Batch -> item`` applied to every batch (default: ``to_torch``).
+    """
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str],
+        variables: Sequence[str]
+        | Mapping[str, ArrayGeometry]
+        | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry]],
+        splits: SplitManifest | Sequence[float] = (0.8, 0.1, 0.1),
+        *,
+        batch_size: int = 32,
+        eval_batch_size: int | None = None,
+        block_chunks: int = 16,
+        seed: int = 0,
+        max_inflight: int = 32,
+        prefetch_depth: int = 2,
+        cache_budget_bytes: int | None = None,
+        decode_threads: int | None = None,
+        batch_transforms: Sequence[BatchTransform] = (),
+        transform: Callable[[Batch], Any] = to_torch,
+        store_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self._store_arg = store
+        self._store_options = dict(store_options or {})
+        self._variables_arg = variables
+        self._splits_arg = splits
+        self.batch_size = batch_size
+        self.eval_batch_size = eval_batch_size or batch_size
+        self.knobs: dict[str, Any] = {
+            "block_chunks": block_chunks,
+            "seed": seed,
+            "max_inflight": max_inflight,
+            "prefetch_depth": prefetch_depth,
+            "decode_threads": decode_threads,
+        }
+        self.cache_budget_bytes = cache_budget_bytes
+        self.batch_transforms = tuple(batch_transforms)
+        self.transform = transform
+        self.store: Store | None = None
+        self.labels: dict[str, ArrayGeometry] = {}
+        self.manifest: SplitManifest | None = None
+        self._loaders: dict[str, InSituIterableDataset] = {}
+        self._pending_train_state: dict[str, Any] | None = None
+
+    # -- setup ------------------------------------------------------------------------------
+    def setup(self, stage: str | None = None) -> None:
+        if self.store is not None:
+            return
+        store = as_store(self._store_arg, **self._store_options)
+        variables = self._variables_arg
+        if callable(variables):
+            labels = dict(variables(open_geometries(store)))
+        elif isinstance(variables, Mapping):
+            labels = dict(variables)
+        else:
+            labels = dict(open_geometries(store, list(variables)))
+        if not labels:
+            raise ValueError("InSituDataModule needs at least one variable")
+        splits = self._splits_arg
+        if isinstance(splits, SplitManifest):
+            manifest = splits
+        else:
+            manifest = split_by_chunk(next(iter(labels.values())).base, tuple(splits))
+        self.store, self.labels, self.manifest = store, labels, manifest
+
+    def _rank_world(self) -> tuple[int | None, int | None]:
+        trainer = self.trainer
+        if trainer is None:
+            return None, None
+        return int(trainer.global_rank), int(trainer.world_size)
+
+    def _build(self, split: str, shuffle: bool) -> InSituIterableDataset:
+        self.setup()
+        assert self.store is not None and self.manifest is not None
+        old = self._loaders.pop(split, None)
+        if old is not None:
+            old.close()
+        rank, world = self._rank_world()
+        pipe = insitu_pipeline(
+            self.store,
+            self.manifest,
+            self.labels,
+            split=split,
+            batch_size=self.batch_size if split == "train" else self.eval_batch_size,
+            shuffle=shuffle,
+            cache_budget_bytes=self.cache_budget_bytes if split == "train" else None,
+            batch_transforms=self.batch_transforms,
+            rank=rank,
+            world_size=world,
+            **self.knobs,
+        )
+        trainer = self.trainer
+        epoch_fn = (lambda: int(trainer.current_epoch)) if (trainer and split == "train") else None
+        dataset = as_dataset(pipe, transform=self.transform, epoch_fn=epoch_fn)
+        self._loaders[split] = dataset
+        return dataset
+
+    # -- loaders ------------------------------------------------------------------------------
+    def train_dataloader(self) -> InSituIterableDataset:
+        dataset = self._build("train", shuffle=True)
+        if self._pending_train_state is not None:
+            dataset.load_state_dict(self._pending_train_state)
+            self._pending_train_state = None
+        return dataset
+
+    def val_dataloader(self) -> InSituIterableDataset:
+        return self._build("val", shuffle=False)
+
+    def test_dataloader(self) -> InSituIterableDataset:
+        return self._build("test", shuffle=False)
+
+    def predict_dataloader(self) -> InSituIterableDataset:
+        return self._build("test", shuffle=False)
+
+    # -- checkpoint state ---------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The training loader's state (plain Python), as of the last batch delivered."""
+        train = self._loaders.get("train")
+        if train is None:
+            return {}
+        return {"train_loader": train.state_dict()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Remember a training loader state; applied when the training loader is built."""
+        state = state_dict.get("train_loader")
+        if state:
+            train = self._loaders.get("train")
+            if train is not None:
+                train.load_state_dict(state)
+            else:
+                self._pending_train_state = state
+
+    def teardown(self, stage: str | None = None) -> None:
+        for dataset in self._loaders.values():
+            dataset.close()

@@ -1,0 +1,109 @@
+"""Adapters to ``torch.utils.data``: a stateful ``IterableDataset`` over a pipeline.
+
+``StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0)`` checkpoints and resumes
+a pipeline exactly: the dataset's ``state_dict()`` is the pipeline's state as of the last batch
+*delivered*, it reports an exact ``__len__`` (the batches this rank yields per epoch, which is
+what Lightning needs to resume mid-epoch without skipping a batch), and ``load_state_dict()``
+makes the next ``iter()`` continue with the following batch.
+
+``num_workers > 0`` is refused: the pipeline already runs its IO on one event loop and decodes
+on a thread pool in this process; worker processes would each fork a copy of that machinery
+(and of the obstore runtime, which does not survive ``fork``) and re-read the same chunks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch.utils.data
+from torchdata.nodes import Loader
+
+from insitubatch_nodes.batch import Batch, to_torch
+from insitubatch_nodes.pipeline import InSituPipeline
+
+__all__ = ["InSituIterableDataset", "as_dataset"]
+
+_WORKERS_REFUSED = (
+    "insitubatch_nodes pipelines run in the main process (num_workers=0): their IO already runs "
+    "concurrently on one event loop with decode on a thread pool, so worker processes would only "
+    "duplicate chunk reads and fork the object-store runtime, which does not survive fork. Use "
+    "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0) and raise max_inflight "
+    "or decode_threads for more throughput."
+)
+
+
+class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
+    """An ``IterableDataset`` over a pipeline, with exact length and resumable state.
+
+    Each item is ``transform(batch)`` — by default :func:`~insitubatch_nodes.batch.to_torch`
+    (``{label: tensor}``). ``epoch_fn``, when given, is asked for the epoch at every fresh
+    ``iter()`` (e.g. a trainer's ``current_epoch``), so the permutation follows the trainer.
+    """
+
+    def __init__(
+        self,
+        pipeline: InSituPipeline,
+        transform: Callable[[Batch], Any] = to_torch,
+        epoch_fn: Callable[[], int] | None = None,
+    ) -> None:
+        if not isinstance(pipeline, InSituPipeline):
+            raise TypeError(
+                f"as_dataset() takes the pipeline insitu_pipeline() returns, got {pipeline!r}"
+            )
+        self.pipeline = pipeline
+        self.transform = transform
+        self.epoch_fn = epoch_fn
+        self._loader: Loader[Batch] = Loader(pipeline)
+        self._pending: dict[str, Any] | None = None
+
+    def __len__(self) -> int:
+        return len(self.pipeline)
+
+    def __iter__(self) -> Iterator[Any]:
+        if torch.utils.data.get_worker_info() is not None:
+            raise RuntimeError(_WORKERS_REFUSED)
+        if self._pending is not None:
+            self._loader.load_state_dict(self._pending)
+            self._pending = None
+        elif self.epoch_fn is not None:
+            self.pipeline.stages.plan.set_epoch(int(self.epoch_fn()))
+        for batch in self._loader:
+            yield self.transform(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain-Python state as of the last batch delivered (rank-independent)."""
+        if self._pending is not None:
+            return self._pending
+        return self._loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Make the next ``iter()`` resume after the batch ``state`` was taken at.
+
+        Raises ``ValueError`` naming the field when the state comes from a pipeline with a
+        different dataset, split, batch size, seed or world size.
+        """
+        self.pipeline.stages.plan.check_state(_plan_state(state))
+        self._pending = state
+
+    def close(self) -> None:
+        self.pipeline.close()
+
+
+def _plan_state(state: dict[str, Any]) -> dict[str, Any]:
+    """The read plan's state inside a Loader state (root -> prefetch -> ... -> plan)."""
+    node: Any = state.get("root", state)
+    while isinstance(node, dict) and "source" in node and "config" not in node:
+        node = node["source"]
+    if not isinstance(node, dict) or "config" not in node:
+        raise ValueError("not an insitubatch_nodes pipeline state (no read-plan state inside)")
+    return node
+
+
+def as_dataset(
+    pipeline: InSituPipeline,
+    transform: Callable[[Batch], Any] = to_torch,
+    epoch_fn: Callable[[], int] | None = None,
+) -> InSituIterableDataset:
+    """Wrap ``pipeline`` for ``torch.utils.data`` / torchdata's ``StatefulDataLoader``."""
+    return InSituIterableDataset(pipeline, transform=transform, epoch_fn=epoch_fn)
