@@ -22,7 +22,7 @@ import numpy as np
 
 from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
 from insitubatch_nodes.pipeline import insitu_pipeline
-from insitubatch_nodes.plan import ReadPlanNode, shuffle_quality
+from insitubatch_nodes.plan import ReadPlanNode
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stores import open_store
 from insitubatch_nodes.synthetic import make_era5_like
@@ -86,7 +86,7 @@ def describe(geom: ArrayGeometry, manifest: SplitManifest, node: ReadPlanNode) -
         f" {plan.n_blocks} blocks of {plan.block_chunks} chunks",
         f"           {distinct} distinct chunk rows (~{distinct * tiles} stored objects), "
         f"reads per chunk: {dict(sorted(per_chunk.items()))}; live peak {plan.live_peak()} "
-        f"chunks; shuffle quality {shuffle_quality(plan.anchors):.3f}",
+        f"chunks; shuffle quality {plan.shuffle_quality():.3f}",
     ]
     return "\n".join(lines)
 

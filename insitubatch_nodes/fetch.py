@@ -22,8 +22,10 @@ residency stage calls :meth:`AsyncChunkFetchNode.release` once a batch has been 
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +44,20 @@ from insitubatch_nodes.pool import ChunkEntry, ChunkPool, working_set_bytes
 __all__ = ["AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
 
 log = logging.getLogger(__name__)
+
+# Every fetch node alive in the process. At interpreter exit their in-flight GETs are cancelled
+# (and awaited) while the IO loop still runs: a request left in flight inside the object store's
+# own runtime could otherwise complete into a half-finalised interpreter.
+_LIVE: weakref.WeakSet[AsyncChunkFetchNode] = weakref.WeakSet()
+
+
+@atexit.register
+def _cancel_all_at_exit() -> None:
+    for node in list(_LIVE):
+        try:
+            node.close()
+        except Exception:  # pragma: no cover - best effort at exit
+            log.debug("insitubatch_nodes: teardown at exit failed", exc_info=True)
 
 
 class ChunkReadError(RuntimeError):
@@ -119,6 +135,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._epoch_plan: EpochPlan | None = None
         self._exhausted = False
         self._last_state: dict[str, Any] | None = None
+        _LIVE.add(self)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -254,6 +271,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         stats = self.pool.stats
         async with self._sem:
             self._counters.inflight += 1
+            stats.inflight += 1
             stats.inflight_peak = max(stats.inflight_peak, self._counters.inflight)
             try:
                 try:
@@ -275,6 +293,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                     raise ChunkReadError(geom.path, chunk, tile, key, "decode") from exc
             finally:
                 self._counters.inflight -= 1
+                stats.inflight -= 1
 
     async def _cancel_all(self) -> None:
         tasks = list(self._counters.tasks)

@@ -1,10 +1,9 @@
 """The gather stage: build each batch from resident chunks with vectorised copies.
 
-For every label, the batch's rows are grouped by the chunk they come from (one ``argsort``); then
-each distinct chunk contributes one ``np.take`` of its rows into a scratch block and one
-scatter into the batch — Python work is O(chunks in the batch), never O(samples). When a chunk's
-rows are already a contiguous run in both the slot and the batch (``shuffle=False``), the copy is
-a single slice assignment.
+The read plan emits each batch's rows in sample order, so for every label the rows that come
+from one chunk are one contiguous run of the batch: each distinct chunk contributes one
+``np.take`` (or slice copy) straight into the batch — Python work is O(chunks in the batch),
+never O(samples).
 
 Batch arrays are carved from reusable buffers: a buffer is handed out again only when nothing
 outside the stage references it (a batch, a view, or a tensor made with ``torch.from_numpy``),
@@ -27,6 +26,16 @@ from insitubatch_nodes.pool import ChunkPoolNode, ResidentBatch
 __all__ = ["BufferPool", "GatherNode", "gather_label"]
 
 
+def _refs(buffers: list[np.ndarray], i: int) -> int:
+    """Reference count of ``buffers[i]`` as seen from here (no extra names bound to it)."""
+    return sys.getrefcount(buffers[i])
+
+
+# What _refs() reports for an array that only the list holds, measured rather than assumed
+# (the count depends on the interpreter version).
+_IDLE_REFS = _refs([np.empty(0)], 0)
+
+
 class BufferPool:
     """Reusable batch buffers of one shape and dtype.
 
@@ -39,16 +48,8 @@ class BufferPool:
         self._buffers: list[np.ndarray] = []
         self.allocations = 0
 
-    # References an idle buffer has while _idle() inspects it: the list, the loop variable,
-    # the parameter and getrefcount's own argument.
-    _IDLE_REFS = 4
-
-    @classmethod
-    def _refs(cls, buf: np.ndarray) -> int:
-        return sys.getrefcount(buf)
-
     def take(self) -> np.ndarray:
-        idle = [i for i, b in enumerate(self._buffers) if self._refs(b) <= self._IDLE_REFS]
+        idle = [i for i in range(len(self._buffers)) if _refs(self._buffers, i) <= _IDLE_REFS]
         if idle:
             for i in reversed(idle[self.max_idle :]):
                 del self._buffers[i]
@@ -67,29 +68,33 @@ def gather_label(
     slots: Mapping[tuple[str, int], np.ndarray],
     scratch: np.ndarray,
 ) -> None:
-    """Fill ``out[i] = slot_of(samples[i])[samples[i] % spc]`` with one copy per chunk."""
+    """Fill ``out[i] = slot_of(samples[i])[samples[i] % spc]`` with one copy per chunk.
+
+    The read plan emits each batch's rows in sample order, so every chunk's rows form one
+    contiguous run of ``out``: a single ``np.take`` (or slice copy) per chunk writes them in
+    place. Rows in any other order still work, through ``scratch`` (a gather, then a scatter).
+    """
     chunk = samples // samples_per_chunk
     within = samples - chunk * samples_per_chunk
+    n = len(samples)
+    if n > 1 and bool(np.all(chunk[1:] >= chunk[:-1])):
+        cuts = (np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist()
+        for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
+            slot = slots[(path, int(chunk[lo]))]
+            w0, w1 = int(within[lo]), int(within[hi - 1])
+            if w1 - w0 == hi - lo - 1:  # consecutive samples: a plain slice copy
+                out[lo:hi] = slot[w0 : w1 + 1]
+            else:
+                np.take(slot, within[lo:hi], axis=0, out=out[lo:hi], mode="clip")
+        return
     order = np.argsort(chunk, kind="stable")
     sorted_chunks = chunk[order]
-    cuts = np.flatnonzero(sorted_chunks[1:] != sorted_chunks[:-1]) + 1
-    starts = np.concatenate(([0], cuts)).tolist()
-    stops = np.concatenate((cuts, [len(order)])).tolist()
-    for lo, hi in zip(starts, stops, strict=True):
+    cuts = (np.flatnonzero(sorted_chunks[1:] != sorted_chunks[:-1]) + 1).tolist()
+    for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
         rows = order[lo:hi]
-        slot = slots[(path, int(sorted_chunks[lo]))]
-        src = within[rows]
-        r0, w0, n = int(rows[0]), int(src[0]), hi - lo
-        if int(rows[-1]) - r0 == n - 1 and int(src[-1]) - w0 == n - 1 and _is_run(rows, src):
-            out[r0 : r0 + n] = slot[w0 : w0 + n]
-        else:
-            block = scratch[:n]
-            np.take(slot, src, axis=0, out=block, mode="clip")
-            out[rows] = block
-
-
-def _is_run(rows: np.ndarray, src: np.ndarray) -> bool:
-    return bool(np.all(np.diff(rows) == 1) and np.all(np.diff(src) == 1))
+        block = scratch[: hi - lo]
+        np.take(slots[(path, int(sorted_chunks[lo]))], within[rows], axis=0, out=block, mode="clip")
+        out[rows] = block
 
 
 class GatherNode(BaseNode[Batch]):

@@ -8,9 +8,9 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
    round-robin, so ranks read disjoint chunks (the other ``C % world_size`` chunks rest this epoch);
 3. each rank cuts its chunks into *blocks* of ``block_chunks`` chunks and shuffles all valid
    anchors within each block; the result is the *order ledger*, rows ``(chunk_id, within)``.
-   With ``ramp=True`` (and shuffling) the first block of the epoch is cut into a ramp of smaller
-   blocks — ``r, r, 2r, 4r, ...`` chunks with ``r`` just enough chunks for one batch — so the
-   first batch waits for ``r`` chunks instead of a whole block;
+   With ``ramp=True`` (and shuffling) the epoch's first block is split in two: a lead block of
+   just enough chunks to fill one batch, then the rest — so the first batch waits for those few
+   chunks instead of (nearly) the whole block;
 4. batches are cut over the whole ledger: ``ceil(N / batch_size)`` batches, only the last short.
 
 Each :class:`BatchPlan` says which stored chunks the batch gathers from (``reads``), which of them
@@ -97,6 +97,10 @@ class EpochPlan:
     def n_blocks(self) -> int:
         return int(self._block_of_chunk[-1]) + 1 if len(self._block_of_chunk) else 0
 
+    def shuffle_quality(self) -> float:
+        """:func:`shuffle_quality` of this epoch's batches (1.0 ≈ a global shuffle)."""
+        return shuffle_quality(self.anchors, self.batch_size)
+
     def distinct_chunks(self) -> list[ChunkKey]:
         """Every stored chunk this rank reads this epoch, in first-need (fetch) order."""
         return [k for batch in self._fetch_by_batch for k in batch]
@@ -166,23 +170,14 @@ class EpochPlan:
 
 
 def _ramp_unit(enabled: bool, samples_per_chunk: int, batch_size: int) -> int:
-    """Chunks in the first ramp block (0 = no ramp): enough to fill one batch."""
+    """Chunks in the lead block (0 = no ramp): enough to fill one batch."""
     return math.ceil(batch_size / samples_per_chunk) if enabled else 0
 
 
-def block_index(n_chunks: int, block_chunks: int, ramp_unit: int = 0) -> np.ndarray:
-    """Block of each chunk position: a ramp ``r, r, 2r, 4r, ...`` filling the first block when
-    ``0 < ramp_unit < block_chunks``, then blocks of ``block_chunks``."""
-    sizes: list[int] = []
-    if 0 < ramp_unit < block_chunks:
-        step, filled = ramp_unit, 0
-        sizes.append(step)
-        filled += step
-        while filled < block_chunks:
-            take = min(step, block_chunks - filled)
-            sizes.append(take)
-            filled += take
-            step *= 2
+def block_index(n_chunks: int, block_chunks: int, lead: int = 0) -> np.ndarray:
+    """Block of each chunk position: blocks of ``block_chunks``, except that with
+    ``0 < lead < block_chunks`` the first block is split into ``lead`` chunks and the rest."""
+    sizes = [lead, block_chunks - lead] if 0 < lead < block_chunks else []
     covered = sum(sizes)
     sizes.extend([block_chunks] * max(0, math.ceil((n_chunks - covered) / block_chunks)))
     return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)[:n_chunks]
@@ -253,6 +248,11 @@ def plan_epoch(
         perm = np.lexsort((keys, block))
         anchors, block = anchors[perm], block[perm]
     anchors, block = anchors[:n_emit], block[:n_emit]
+    # Within a batch, rows go in anchor order. The batch holds the same samples as before, but
+    # each chunk's rows are now one contiguous run for every label, so the gather makes one
+    # copy per chunk straight into the batch instead of a gather plus a scatter.
+    in_batch = np.lexsort((anchors, np.arange(n_emit, dtype=np.int64) // batch_size))
+    anchors, block = anchors[in_batch], block[in_batch]
     order = np.stack([anchors // spc, anchors % spc], axis=1)
     order.setflags(write=False)
 
@@ -298,31 +298,50 @@ def plan_epoch(
     )
 
 
-def shuffle_quality(order: np.ndarray, *, bins: int | None = None, seed: int = 0) -> float:
-    """Score an emitted sample order against a global shuffle: 0 = sequential, ~1 = global.
+def shuffle_quality(
+    order: np.ndarray | Sequence[np.ndarray], batch_size: int | None = None, *, seed: int = 0
+) -> float:
+    """Score how well batches mix the data, against a global shuffle: ~1 = global, 0 = none.
 
-    ``order`` is the 1-D sequence of sample indices as emitted (e.g. ``EpochPlan.anchors`` or the
-    concatenated ``sample_indices`` of the batches). The score is the entropy of the histogram of
-    jumps ``|order[i+1] - order[i]|`` divided by the same entropy for uniformly random
-    permutations of the same samples (averaged over 4 draws from ``seed``). A global shuffle
-    spreads consecutive samples over the whole index range; a sequential or chunk-local order
-    makes mostly short jumps and scores low. It measures local mixing, not cross-epoch coverage.
+    ``order`` is either the batches as delivered (a sequence of 1-D arrays of sample indices,
+    e.g. each batch's ``sample_indices[label]``; a short final batch is ignored) or the
+    emitted sequence of sample indices (e.g. ``EpochPlan.anchors``), which is cut into
+    consecutive batches of ``batch_size`` (required then). The score is the mean distance
+    between two samples of the same batch, divided by the same mean when those samples are
+    dealt into batches by a uniformly random permutation (averaged over 16 draws from
+    ``seed``). Samples that share a chunk, or sit close together, drag it down: a sequential
+    order scores ~0, batches drawn from a handful of chunks score low, and a global shuffle
+    scores ~1. It does not depend on the order of rows
+    inside a batch (which does not matter to a gradient step) and measures mixing within an
+    epoch, not coverage across epochs.
     """
-    arr = np.asarray(order, dtype=np.int64).ravel()
-    if arr.size < 3:
+    if isinstance(order, np.ndarray) and order.ndim == 1:
+        if batch_size is None:
+            raise ValueError("a flat order needs batch_size= to be cut into batches")
+        arr = order.astype(np.int64, copy=False)
+    else:
+        parts = [np.asarray(b, dtype=np.int64).ravel() for b in order]
+        if batch_size is None:
+            batch_size = max((len(b) for b in parts), default=0)
+        full = [b for b in parts if len(b) == batch_size]
+        arr = np.concatenate(full) if full else np.zeros(0, dtype=np.int64)
+    if batch_size < 2:
+        raise ValueError(f"batch_size must be >= 2 to measure mixing, got {batch_size}")
+    n_full = arr.size // batch_size
+    if n_full == 0 or np.unique(arr).size < 2:
         return 1.0
-    nb = bins or int(max(2, min(256, math.isqrt(arr.size))))
-    span = int(arr.max() - arr.min()) or 1
-    edges = np.linspace(0, span, nb + 1)
 
-    def entropy(seq: np.ndarray) -> float:
-        hist, _ = np.histogram(np.abs(np.diff(seq)), bins=edges)
-        p = hist[hist > 0] / hist.sum()
-        return float(-(p * np.log(p)).sum())
+    def spread(seq: np.ndarray) -> float:
+        batches = np.sort(seq[: n_full * batch_size].reshape(n_full, batch_size), axis=1)
+        k = np.arange(batch_size, dtype=np.float64)
+        # sum over pairs i < j of (x_j - x_i) for sorted rows = sum_j x_j * (2j - (k - 1))
+        pair_sums = batches @ (2 * k - (batch_size - 1))
+        return float(pair_sums.mean() / (batch_size * (batch_size - 1) / 2))
 
     rng = np.random.default_rng(seed)
-    ref = float(np.mean([entropy(rng.permutation(arr)) for _ in range(4)]))
-    return max(0.0, entropy(arr) / ref) if ref > 0 else 1.0
+    pool = np.sort(arr)  # the reference depends on which samples, not on their order
+    ref = float(np.mean([spread(rng.permutation(pool)) for _ in range(16)]))
+    return max(0.0, spread(arr) / ref) if ref > 0 else 1.0
 
 
 def _default_rank_world() -> tuple[int, int]:
@@ -344,16 +363,18 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     ``shift`` offsets; anchors whose ``anchor + offset`` falls off the array are dropped).
 
     **Ranks.** ``rank``/``world_size`` default to ``torch.distributed``'s when it is initialised,
-    else 0/1. Each epoch the permuted chunk list is cut to ``world_size * (C // world_size)``
-    chunks and dealt round-robin, so ranks read disjoint chunks; the ``C % world_size`` chunks
-    left over rest for that epoch (which ones changes with the permutation). Every rank then emits
+    else 0/1. Each epoch the permuted list of the ``C`` chunks that hold at least one valid
+    anchor is cut to ``world_size * (C // world_size)`` chunks and dealt round-robin, so ranks
+    read disjoint chunks; the ``C % world_size`` chunks left over rest for that epoch (which ones changes with the permutation). Every rank then emits
     the same number of samples — the fewest any rank can be dealt, a constant across epochs — by
     dropping the tail of its own order, so all ranks yield the same number of batches. With one
     rank nothing is dropped.
 
     **Ramp.** With ``ramp=True`` (the default; only when shuffling) the epoch's first block is
-    split into smaller blocks so the first batch needs a few chunks rather than a whole block;
-    memory and every later block are unchanged.
+    split into a lead block of just enough chunks for one batch and the rest, so the first batch
+    waits for a few chunks rather than a whole block; memory and every later block are
+    unchanged, and the epoch's :func:`shuffle_quality` moves by about one epoch-to-epoch
+    standard deviation.
 
     **Epochs and state.** ``reset(None)`` starts an epoch: the next one if the previous epoch
     yielded a batch, else the same one again (so the extra ``iter()`` calls Lightning makes do not

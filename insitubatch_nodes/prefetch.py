@@ -14,9 +14,11 @@ An exception raised in any stage re-raises in the consumer with its original tra
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import queue
 import threading
+import weakref
 from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
@@ -27,6 +29,17 @@ __all__ = ["PrefetcherNode"]
 T = TypeVar("T")
 _ids = itertools.count()
 _POLL_S = 0.05
+_LIVE: weakref.WeakSet[PrefetcherNode[Any]] = weakref.WeakSet()
+
+
+@atexit.register
+def _halt_all_at_exit() -> None:
+    # Runs before the fetch stage's own exit hook (registered earlier, so called later): stop
+    # every producer thread first, so nothing admits new fetches while those are cancelled.
+    for node in list(_LIVE):
+        worker, node._worker = node._worker, None
+        if worker is not None:
+            worker.halt(close_source=True, join=True, timeout=10.0)
 
 
 class _Worker:
@@ -42,7 +55,7 @@ class _Worker:
         self.thread.daemon = True
         self.thread.start()
 
-    def halt(self, close_source: bool, join: bool = True) -> None:
+    def halt(self, close_source: bool, join: bool = True, timeout: float | None = None) -> None:
         if close_source:
             self.close_source.set()
         self.stop.set()
@@ -52,7 +65,7 @@ class _Worker:
             except queue.Empty:
                 break
         if join and self.thread is not threading.current_thread():
-            self.thread.join()
+            self.thread.join(timeout)
 
 
 def _put(
@@ -104,6 +117,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self._worker: _Worker | None = None
         self._delivered: dict[str, Any] | None = None
         self._ended = False
+        _LIVE.add(self)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
