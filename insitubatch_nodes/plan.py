@@ -365,10 +365,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     **Ranks.** ``rank``/``world_size`` default to ``torch.distributed``'s when it is initialised,
     else 0/1. Each epoch the permuted list of the ``C`` chunks that hold at least one valid
     anchor is cut to ``world_size * (C // world_size)`` chunks and dealt round-robin, so ranks
-    read disjoint chunks; the ``C % world_size`` chunks left over rest for that epoch (which ones changes with the permutation). Every rank then emits
-    the same number of samples — the fewest any rank can be dealt, a constant across epochs — by
-    dropping the tail of its own order, so all ranks yield the same number of batches. With one
-    rank nothing is dropped.
+    read disjoint chunks; the ``C % world_size`` chunks left over rest for that epoch (which
+    ones changes with the permutation). Every rank then emits the same number of samples — the
+    fewest any rank can be dealt, a constant across epochs — by dropping the tail of its own
+    order, so all ranks yield the same number of batches. With one rank nothing is dropped.
 
     **Ramp.** With ``ramp=True`` (the default; only when shuffling) the epoch's first block is
     split into a lead block of just enough chunks for one batch and the rest, so the first batch
