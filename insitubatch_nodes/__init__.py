@@ -13,6 +13,8 @@ Follow a batch top-down through the modules:
 * :mod:`~insitubatch_nodes.prefetch` — ``PrefetcherNode``: bounded look-ahead thread;
 * :mod:`~insitubatch_nodes.pipeline` — ``insitu_pipeline``: the five stages in one call;
 * :mod:`~insitubatch_nodes.batch` — ``Batch`` and ``to_torch``;
+* :mod:`~insitubatch_nodes.torch_data` — ``as_dataset`` for ``StatefulDataLoader``;
+* :mod:`~insitubatch_nodes.lightning` — ``InSituDataModule`` (the ``lightning`` extra);
 * :mod:`~insitubatch_nodes.synthetic` — deterministic ERA5-like and microscopy-like stores.
 """
 
@@ -42,6 +44,7 @@ from insitubatch_nodes.pool import (
 from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stores import SUPPORTED_SCHEMES, open_store
+from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 
 __version__ = "0.1.0.dev0"
 
@@ -61,6 +64,7 @@ __all__ = [
     "EpochPlan",
     "FetchedBatch",
     "GatherNode",
+    "InSituIterableDataset",
     "InSituPipeline",
     "PipelineStages",
     "PoolStats",
@@ -71,6 +75,7 @@ __all__ = [
     "SlotBacking",
     "SplitManifest",
     "__version__",
+    "as_dataset",
     "insitu_pipeline",
     "open_geometries",
     "open_store",

@@ -129,7 +129,10 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._sem: asyncio.Semaphore | None = None
         self._counters = _Counters()
         self._queue: deque[_Pending] = deque()
+        # Chunks this node holds pins on, and how many: a chunk released after one use segment
+        # can already be re-admitted (read-ahead) for its next one before that release happens.
         self._live: dict[ChunkKey, ChunkEntry] = {}
+        self._pins: dict[ChunkKey, int] = {}
         self._ahead_bytes = 0
         self._read_ahead = 0
         self._epoch_plan: EpochPlan | None = None
@@ -169,12 +172,22 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     # -- pins -------------------------------------------------------------------------------
     def release(self, keys: Iterable[ChunkKey]) -> None:
         """Unpin chunks the consumer has read for the last time this epoch."""
-        self.pool.unpin([self._live.pop(k) for k in keys if k in self._live])
+        done: list[ChunkEntry] = []
+        for key in keys:
+            count = self._pins.get(key, 0)
+            if count == 0:
+                continue
+            done.append(self._live[key])
+            if count == 1:
+                del self._pins[key], self._live[key]
+            else:
+                self._pins[key] = count - 1
+        self.pool.unpin(done)
 
     @property
     def pinned(self) -> int:
         """Chunks this node currently holds pinned."""
-        return len(self._live)
+        return sum(self._pins.values())
 
     def close(self) -> None:
         """Cancel this node's in-flight tasks and drop its pins (the loop and pools stay up)."""
@@ -204,7 +217,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     def _start_epoch(self, plan: EpochPlan) -> None:
         floor, read_ahead = working_set_bytes(plan, self.geoms)
-        self.pool.ensure_floor(floor)
+        self.pool.ensure_floor(floor)  # an automatic budget grows; an explicit one may raise
         self._epoch_plan, self._read_ahead = plan, read_ahead
 
     def _admit(self, pending: _Pending) -> bool:
@@ -221,6 +234,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 break
             entry, hit = got
             self._live[key] = entry
+            self._pins[key] = self._pins.get(key, 0) + 1
             if not hit:
                 spawn.append(entry)
             pending.admitted += 1
@@ -316,8 +330,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         stuck = {t.get_name() for t in self._counters.tasks if not t.done()}
         if stuck:  # pragma: no cover - only when the loop is not running
             log.warning("insitubatch_nodes: %d fetch tasks still running at teardown", len(stuck))
-        self.pool.unpin(list(self._live.values()))
+        self.pool.unpin([self._live[k] for k, n in self._pins.items() for _ in range(n)])
         self._live.clear()
+        self._pins.clear()
         self._queue.clear()
         self._ahead_bytes = 0
         self._epoch_plan = None

@@ -7,6 +7,7 @@ result is a ``torchdata.nodes.BaseNode`` to iterate directly or wrap in
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -24,7 +25,9 @@ from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.splits import SplitManifest
 from insitubatch_nodes.stores import as_store
 
-__all__ = ["InSituPipeline", "PipelineStages", "insitu_pipeline"]
+__all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,48 @@ class InSituPipeline(PrefetcherNode[Batch]):
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks)."""
         return self.stages.pool.stats.as_dict()
+
+
+def _auto_cap_bytes() -> int:
+    """The most an automatic budget takes before it trades re-reads for memory: 1/4 of RAM."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 8 * 2**30
+
+
+def choose_schedule(
+    plan: ReadPlanNode, pool: ChunkPool, geoms: Mapping[str, ArrayGeometry]
+) -> None:
+    """Pick how long chunks stay pinned, from the budget, and check the budget's floor.
+
+    Read-once (each chunk pinned from its first reading batch to its last) is the default. A
+    shifted view can make that schedule hold a large part of the split — chunk ``c + 1`` is read
+    by the last anchors of chunk ``c`` and again, much later, in its own block. When the budget
+    cannot hold it (an explicit budget below the read-once floor, or an automatic one whose
+    read-once floor is above a quarter of RAM), chunks are instead released after a block without
+    reads and fetched again at their next use: bounded memory for some re-reads.
+    """
+    plan.pin_gap = None
+    read_once = working_set_bytes(plan.epoch_plan(0), geoms)[0]
+    if pool.fits(read_once) and (not pool.auto or read_once <= _auto_cap_bytes()):
+        pool.ensure_floor(read_once)
+        return
+    plan.pin_gap = plan.block_batches
+    bounded = working_set_bytes(plan.epoch_plan(0), geoms)[0]
+    if bounded >= read_once:  # releasing between uses saves nothing: keep read-once
+        plan.pin_gap = None
+        pool.ensure_floor(read_once)
+        return
+    if pool.auto:
+        log.warning(
+            "insitubatch_nodes: reading each chunk once per epoch would pin %.1f GiB (over a "
+            "quarter of RAM); chunks idle for a block are released and re-read instead (floor "
+            "%.1f GiB). Pass cache_budget_bytes to choose.",
+            read_once / 2**30,
+            bounded / 2**30,
+        )
+    pool.ensure_floor(bounded, read_once_bytes=read_once)
 
 
 def insitu_pipeline(
@@ -113,7 +158,7 @@ def insitu_pipeline(
         world_size=world_size,
     )
     pool = ChunkPool(cache_budget_bytes, backing=backing)
-    pool.ensure_floor(working_set_bytes(plan.epoch_plan(0), geoms)[0])  # fail fast, here
+    choose_schedule(plan, pool, geoms)  # fails fast, here, when the budget is too small
     fetch = AsyncChunkFetchNode(
         plan, zstore, geoms, pool, max_inflight=max_inflight, decode_threads=decode_threads
     )

@@ -74,7 +74,7 @@ class EpochPlan:
     order: np.ndarray  # (N, 2) ledger (chunk_id, within)
     labels: Mapping[str, ArrayGeometry]
     _first: dict[ChunkKey, int] = field(repr=False)
-    _last: dict[ChunkKey, int] = field(repr=False)
+    _segments: list[tuple[ChunkKey, int, int]] = field(repr=False)
     _fetch_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
     _release_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
     _block_of_row: np.ndarray = field(repr=False)
@@ -102,8 +102,14 @@ class EpochPlan:
         return shuffle_quality(self.anchors, self.batch_size)
 
     def distinct_chunks(self) -> list[ChunkKey]:
-        """Every stored chunk this rank reads this epoch, in first-need (fetch) order."""
-        return [k for batch in self._fetch_by_batch for k in batch]
+        """Every stored chunk this rank reads this epoch, in first-need order."""
+        return sorted(self._first, key=self._first.__getitem__)
+
+    @property
+    def n_fetches(self) -> int:
+        """Chunk fetches the schedule makes this epoch (``len(distinct_chunks())`` unless a
+        ``pin_gap`` releases chunks between uses)."""
+        return len(self._segments)
 
     def live_peak(self) -> int:
         """Most chunks live at once (first need <= batch <= last need), over the epoch."""
@@ -117,7 +123,8 @@ class EpochPlan:
         return int(np.cumsum(delta).max())
 
     def batch_fetches(self, index: int) -> tuple[ChunkKey, ...]:
-        """Chunks batch ``index`` is the first to read this epoch (in first-need order)."""
+        """Chunks to fetch for batch ``index``: those it is the first to read this epoch (or,
+        with a ``pin_gap``, the first to read since they were released), in first-need order."""
         return self._fetch_by_batch[index]
 
     def batch_releases(self, index: int) -> tuple[ChunkKey, ...]:
@@ -129,8 +136,8 @@ class EpochPlan:
         first-need order: what a run resumed at ``index`` must fetch before that batch's own
         ``fetches``."""
         bs = self.batch_size
-        keys = [k for k, f in self._first.items() if f // bs < index <= self._last[k] // bs]
-        return tuple(sorted(keys, key=self._first.__getitem__))
+        live = [(f, k) for k, f, la in self._segments if f // bs < index <= la // bs]
+        return tuple(k for _, k in sorted(live))
 
     def batch_first_block(self, index: int) -> int:
         """Block of the first row of batch ``index``."""
@@ -212,8 +219,15 @@ def plan_epoch(
     rank: int = 0,
     world_size: int = 1,
     ramp: bool = True,
+    pin_gap: int | None = None,
 ) -> EpochPlan:
-    """Draw one rank's plan for one epoch. Pure: same arguments, same plan."""
+    """Draw one rank's plan for one epoch. Pure: same arguments, same plan.
+
+    ``pin_gap=None`` keeps each chunk from its first reading batch to its last (each chunk is
+    fetched once per epoch). With ``pin_gap=g`` a chunk that goes more than ``g`` batches
+    without being read is released and fetched again at its next use — the schedule for a
+    budget too small to hold shifted views' neighbours across the epoch.
+    """
     spc, n = manifest.samples_per_chunk, manifest.n_samples
     lo, hi = _valid_anchor_range(n, [g.offset for g in labels.values()])
     chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
@@ -258,27 +272,34 @@ def plan_epoch(
 
     n_batches = math.ceil(n_emit / batch_size)
     first: dict[ChunkKey, int] = {}
-    last: dict[ChunkKey, int] = {}
+    segments: list[tuple[ChunkKey, int, int]] = []  # (chunk, first row, last row) of each use
+    gap = n_batches if pin_gap is None else int(pin_gap)
     if n_emit:
         for path in dict.fromkeys(g.path for g in labels.values()):
             views = [g for g in labels.values() if g.path == path]
             pspc = views[0].samples_per_chunk
             cid = np.concatenate([(anchors + g.offset) // pspc for g in views])
             row = np.tile(np.arange(n_emit, dtype=np.int64), len(views))
-            uniq, inverse = np.unique(cid, return_inverse=True)
-            f = np.full(len(uniq), n_emit, dtype=np.int64)
-            la = np.full(len(uniq), -1, dtype=np.int64)
-            np.minimum.at(f, inverse, row)
-            np.maximum.at(la, inverse, row)
-            for c, fr, lr in zip(uniq.tolist(), f.tolist(), la.tolist(), strict=True):
-                first[(path, c)] = fr
-                last[(path, c)] = lr
+            by = np.lexsort((row, cid))
+            cid, row = cid[by], row[by]
+            batch = row // batch_size
+            # a new use segment starts at a new chunk, or after more than `gap` idle batches
+            starts = np.ones(len(cid), dtype=bool)
+            starts[1:] = (cid[1:] != cid[:-1]) | (batch[1:] - batch[:-1] > gap)
+            s_idx = np.flatnonzero(starts)
+            e_idx = np.append(s_idx[1:], len(cid)) - 1
+            for c, fr, lr in zip(
+                cid[s_idx].tolist(), row[s_idx].tolist(), row[e_idx].tolist(), strict=True
+            ):
+                key = (path, c)
+                first.setdefault(key, fr)
+                segments.append((key, fr, lr))
     fetch_by_batch: list[list[ChunkKey]] = [[] for _ in range(n_batches)]
     release_by_batch: list[list[ChunkKey]] = [[] for _ in range(n_batches)]
-    for key in sorted(first, key=first.__getitem__):
-        fetch_by_batch[first[key] // batch_size].append(key)
-    for key in sorted(last, key=last.__getitem__):
-        release_by_batch[last[key] // batch_size].append(key)
+    for key, fr, _ in sorted(segments, key=lambda seg: seg[1]):
+        fetch_by_batch[fr // batch_size].append(key)
+    for key, _, lr in sorted(segments, key=lambda seg: seg[2]):
+        release_by_batch[lr // batch_size].append(key)
     return EpochPlan(
         epoch=epoch,
         rank=rank,
@@ -290,7 +311,7 @@ def plan_epoch(
         order=order,
         labels=dict(labels),
         _first=first,
-        _last=last,
+        _segments=segments,
         _fetch_by_batch=[tuple(x) for x in fetch_by_batch],
         _release_by_batch=[tuple(x) for x in release_by_batch],
         _block_of_row=block,
@@ -451,6 +472,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self.seed = int(seed)
         self.rank = rk
         self.world_size = world
+        self.pin_gap: int | None = None  # residency schedule, set by the pipeline's budget
         self._epoch = 0
         self._pinned_epoch: int | None = None
         self._emitted = 0
@@ -492,6 +514,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             rank=self.rank,
             world_size=self.world_size,
             ramp=self.ramp,
+            pin_gap=self.pin_gap,
         )
 
     @property
@@ -501,6 +524,13 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same every epoch)."""
         return self.epoch_plan(0 if self._plan is None else None).n_batches
+
+    @property
+    def block_batches(self) -> int:
+        """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
+        return max(
+            1, math.ceil(self.block_chunks * self.manifest.samples_per_chunk / self.batch_size)
+        )
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``reset(None)`` start ``epoch`` (e.g. from a trainer's epoch counter)."""

@@ -153,17 +153,26 @@ class ChunkPool:
         self._allocated = 0
 
     # -- budget -----------------------------------------------------------------------------
-    def ensure_floor(self, floor_bytes: int) -> None:
+    def fits(self, floor_bytes: int) -> bool:
+        """Whether an explicit budget holds ``floor_bytes`` (an automatic one always does)."""
+        return self.auto or self.budget_bytes >= floor_bytes
+
+    def ensure_floor(self, floor_bytes: int, read_once_bytes: int | None = None) -> None:
         """Grow an automatic budget to ``floor_bytes``; an explicit one below it raises."""
         with self._lock:
             if self.auto:
                 self.budget_bytes = max(self.budget_bytes, floor_bytes)
             elif self.budget_bytes < floor_bytes:
+                once = (
+                    f"; reading each chunk once per epoch needs {read_once_bytes:,} bytes"
+                    if read_once_bytes and read_once_bytes > floor_bytes
+                    else ""
+                )
                 raise ValueError(
                     f"cache_budget_bytes={self.budget_bytes:,} is below this epoch's working-set "
                     f"floor of {floor_bytes:,} bytes ({floor_bytes / 2**20:.1f} MiB: chunks live "
-                    "at once plus one block of read-ahead); raise it to at least the floor, "
-                    "lower block_chunks, or pass None for the automatic budget"
+                    f"at once plus one block of read-ahead){once}; raise it to at least the "
+                    "floor, lower block_chunks, or pass None for the automatic budget"
                 )
 
     @property

@@ -112,6 +112,28 @@ def counting_store(root: Path, **kwargs: Any) -> CountingStore:
     return CountingStore(zarr.storage.LocalStore(root, read_only=True), **kwargs)
 
 
+class TrackingBacking:
+    """A slot backing (RAM) that tracks the bytes it has handed out and not taken back."""
+
+    name = "tracking"
+
+    def __init__(self) -> None:
+        self.outstanding = 0
+        self.peak = 0
+        self._lock = threading.Lock()
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        buf = np.empty(shape, dtype=dtype)
+        with self._lock:
+            self.outstanding += buf.nbytes
+            self.peak = max(self.peak, self.outstanding)
+        return buf
+
+    def release(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            self.outstanding -= buffer.nbytes
+
+
 # ---------------------------------------------------------------------------------------------
 # The oracle: zarr's own read path
 # ---------------------------------------------------------------------------------------------
