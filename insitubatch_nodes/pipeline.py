@@ -53,6 +53,18 @@ class InSituPipeline(PrefetcherNode[Batch]):
         """Batches this rank yields per epoch."""
         return len(self.stages.plan)
 
+    def start_state(self, epoch: int) -> dict[str, Any]:
+        """The state of this pipeline before the first batch of ``epoch`` (nothing is started).
+
+        Every stage above the read plan reports its source's state as ``{"source": ...}``, so
+        this is the plan's state wrapped once per stage.
+        """
+        plan = self.stages.plan
+        state: dict[str, Any] = {"epoch": int(epoch), "batches_emitted": 0, "config": plan.config()}
+        for _ in ("fetch", "resident", "gather", "prefetch"):
+            state = {"source": state}
+        return state
+
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks)."""
         return self.stages.pool.stats.as_dict()

@@ -386,10 +386,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     **Ranks.** ``rank``/``world_size`` default to ``torch.distributed``'s when it is initialised,
     else 0/1. Each epoch the permuted list of the ``C`` chunks that hold at least one valid
     anchor is cut to ``world_size * (C // world_size)`` chunks and dealt round-robin, so ranks
-    read disjoint chunks; the ``C % world_size`` chunks left over rest for that epoch (which
-    ones changes with the permutation). Every rank then emits the same number of samples — the
-    fewest any rank can be dealt, a constant across epochs — by dropping the tail of its own
-    order, so all ranks yield the same number of batches. With one rank nothing is dropped.
+    draw their samples from disjoint chunks (a shifted view's neighbour chunk — ``c + 1`` for
+    the last anchors of ``c`` — may also be read by the rank that holds ``c``); the
+    ``C % world_size`` chunks left over rest for that epoch (which ones changes with the
+    permutation). Every rank then emits the same number of samples — the fewest any rank can be
+    dealt, a constant across epochs — by dropping the tail of its own order, so all ranks yield
+    the same number of batches. With one rank nothing is dropped.
 
     **Ramp.** With ``ramp=True`` (the default; only when shuffling) the epoch's first block is
     split into a lead block of just enough chunks for one batch and the rest, so the first batch
@@ -519,6 +521,15 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     @property
     def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the next ``reset(None)`` starts."""
+        if self._pinned_epoch is not None:
+            return self._pinned_epoch
+        if self._plan is not None and self._emitted > 0:
+            return self._epoch + 1
         return self._epoch
 
     def __len__(self) -> int:

@@ -56,6 +56,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self.epoch_fn = epoch_fn
         self._loader: Loader[Batch] = Loader(pipeline)
         self._pending: dict[str, Any] | None = None
+        self._iterated = False
 
     def __len__(self) -> int:
         return len(self.pipeline)
@@ -63,6 +64,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     def __iter__(self) -> Iterator[Any]:
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError(_WORKERS_REFUSED)
+        self._iterated = True
         if self._pending is not None:
             self._loader.load_state_dict(self._pending)
             self._pending = None
@@ -75,6 +77,12 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         """Plain-Python state as of the last batch delivered (rank-independent)."""
         if self._pending is not None:
             return self._pending
+        if not self._iterated:
+            # Asking torchdata's Loader would start the pipeline (and pin its epoch) just to
+            # report "before the first batch": say it directly instead.
+            plan = self.pipeline.stages.plan
+            epoch = int(self.epoch_fn()) if self.epoch_fn is not None else plan.next_epoch
+            return {"root": self.pipeline.start_state(epoch), "num_yielded": 0}
         return self._loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:

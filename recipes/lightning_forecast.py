@@ -2,8 +2,8 @@
 
 One sample is one time step: ``x = t2m[t]`` and ``y = t2m[t + 1]`` (a ``shift(1)`` view of the
 same array, so every chunk is read once per epoch for both). A tiny residual convolutional
-network, circular in longitude, learns the next field from the current one; the synthetic
-ERA5-like data advect eastward, so it can beat persistence (``y = x``) by a wide margin.
+network, circular in longitude, learns the tendency ``y - x`` from ``x``; the synthetic
+ERA5-like data advect eastward, so it soon beats persistence (predicting no change).
 
 ``InSituDataModule`` builds one pipeline per split with the rank and world size taken from the
 Trainer, reports exact loader lengths and keeps the training position in every checkpoint, so a
@@ -24,6 +24,7 @@ folder; the data are deterministic, so a resumed run sees the same store either 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import tempfile
 import time
@@ -37,7 +38,7 @@ import torch
 import zarr
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from insitubatch_nodes import ArrayGeometry, SplitManifest, split_by_chunk
+from insitubatch_nodes import ArrayGeometry, SplitManifest
 from insitubatch_nodes.lightning import InSituDataModule
 from insitubatch_nodes.synthetic import make_era5_like
 
@@ -114,33 +115,37 @@ def ensure_synthetic(path: Path, args: argparse.Namespace) -> None:
 
 
 class Forecaster(pl.LightningModule):
-    """``y_hat = x + f(x)`` on standardised fields; ``f`` is two 3x3 convolutions, circular in
-    longitude (the last axis) and zero-padded in latitude."""
+    """Predict the tendency ``y - x`` from the standardised field ``x``.
 
-    def __init__(self, mean: float, std: float, lr: float, hidden: int = 16) -> None:
+    A linear 3x5 convolution (enough to express a shift of two longitude cells) plus a small
+    non-linear branch; circular in longitude, zero-padded in latitude. The loss is in units of
+    the tendency's standard deviation, so persistence (predicting no change) scores about 1.
+    """
+
+    mean: torch.Tensor
+    scale: torch.Tensor
+
+    def __init__(self, lat_mean: np.ndarray, std: float, tendency_std: float, lr: float) -> None:
         super().__init__()
-        self.save_hyperparameters()
-        self.mean, self.std, self.lr = mean, std, lr
-        self.net = torch.nn.Sequential(
-            torch.nn.Conv2d(1, hidden, kernel_size=3, padding=(1, 0)),
-            torch.nn.GELU(),
-            torch.nn.Conv2d(hidden, 1, kernel_size=3, padding=(1, 0)),
-        )
-
-    def _standardise(self, field: torch.Tensor) -> torch.Tensor:
-        return ((field - self.mean) / self.std).unsqueeze(1)  # (B, 1, lat, lon)
+        self.lr = lr
+        # buffers (tensors) rather than hyperparameters: checkpoints stay loadable with
+        # torch.load(weights_only=True), which Lightning uses when resuming
+        self.register_buffer("mean", torch.as_tensor(lat_mean, dtype=torch.float32)[:, None])
+        self.register_buffer("scale", torch.tensor([std, tendency_std], dtype=torch.float32))
+        self.linear = torch.nn.Conv2d(1, 1, kernel_size=(3, 5), padding=(1, 0), bias=False)
+        self.hidden = torch.nn.Conv2d(1, 8, kernel_size=(3, 5), padding=(1, 0))
+        self.out = torch.nn.Conv2d(8, 1, kernel_size=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self._standardise(x)
-        h1 = self.net[1](self.net[0](torch.nn.functional.pad(h, (1, 1, 0, 0), mode="circular")))
-        delta = self.net[2](torch.nn.functional.pad(h1, (1, 1, 0, 0), mode="circular"))
-        return h + delta
+        h = ((x - self.mean) / self.scale[0]).unsqueeze(1)  # (B, 1, lat, lon)
+        h = torch.nn.functional.pad(h, (2, 2, 0, 0), mode="circular")
+        t = self.linear(h) + self.out(torch.nn.functional.gelu(self.hidden(h)))
+        return t.squeeze(1)
 
     def _losses(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        target = self._standardise(batch["y"])
+        target = (batch["y"] - batch["x"]) / self.scale[1]
         loss = torch.nn.functional.mse_loss(self(batch["x"]), target)
-        persistence = torch.nn.functional.mse_loss(self._standardise(batch["x"]), target)
-        return loss, persistence
+        return loss, target.square().mean()
 
     def training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, _ = self._losses(batch)
@@ -156,9 +161,14 @@ class Forecaster(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         opt = torch.optim.Adam(self.parameters(), lr=self.lr)
         # Reading estimated_stepping_batches here is what Lightning issue #20550 is about; the
-        # DataModule keeps the loader position in its own state, so resume stays exact.
-        steps = max(1, int(self.trainer.estimated_stepping_batches))
-        sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=self.lr, total_steps=steps)
+        # DataModule keeps the loader position in its own state, so resume stays exact. The
+        # schedule is a function (not saved), so a resume with more epochs stretches it.
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+
+        def factor(step: int) -> float:
+            return 0.1 + 0.45 * (1.0 + math.cos(math.pi * min(step / total, 1.0)))
+
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
 
@@ -186,13 +196,21 @@ def last_checkpoint(ckpt_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def field_stats(store: Any, geom: ArrayGeometry, manifest: SplitManifest) -> tuple[float, float]:
-    """Mean and std of the first training chunks, read with zarr (for standardising)."""
+def field_stats(
+    store: Any, geom: ArrayGeometry, manifest: SplitManifest
+) -> tuple[np.ndarray, float, float]:
+    """Per-latitude mean, anomaly std and tendency std of the first training chunks, read with
+    zarr (for standardising)."""
     arr = zarr.open_array(store=store, path=geom.path, mode="r")
-    first = manifest.chunks("train")[:4]
     spc = manifest.samples_per_chunk
-    data = np.concatenate([np.asarray(arr[c * spc : (c + 1) * spc]) for c in first])
-    return float(data.mean()), float(max(data.std(), 1e-3))
+    first = manifest.chunks("train")[:4]
+    data = np.concatenate([np.asarray(arr[c * spc : (c + 1) * spc]) for c in first]).astype(
+        np.float64
+    )
+    lat_mean = data.mean(axis=(0, 2))
+    std = float(max((data - lat_mean[:, None]).std(), 1e-3))
+    tendency = float(max(np.diff(data, axis=0).std(), 1e-6))
+    return lat_mean.astype(np.float32), std, tendency
 
 
 def run(source: str | Path, options: dict[str, Any], args: argparse.Namespace) -> int:
@@ -220,8 +238,8 @@ def run(source: str | Path, options: dict[str, Any], args: argparse.Namespace) -
         f"{x.path}: shape {x.shape}, chunks {x.chunks}; train/val/test chunks "
         f"{[len(dm.manifest.chunks(s)) for s in ('train', 'val', 'test')]}"
     )
-    mean, std = field_stats(dm.store, x, dm.manifest)
-    model = Forecaster(mean, std, args.lr)
+    lat_mean, std, tendency_std = field_stats(dm.store, x, dm.manifest)
+    model = Forecaster(lat_mean, std, tendency_std, args.lr)
 
     ckpt_path: Path | None = None
     if args.resume:

@@ -1,0 +1,615 @@
+"""Helpers for the checkpoint/resume tests (plain loaders, StatefulDataLoader, Lightning, DDP).
+
+Two halves:
+
+* in-process helpers: write a small ERA5-like store, build a pipeline from a JSON-able config,
+  turn batches into comparable records (epoch, index, sample indices, a hash of every array's
+  bytes), run a reference, take a state after ``k`` delivered batches;
+* a command line (``python tests/resume_helpers.py MODE REQUEST.json RESPONSE.json``) that
+  builds a pipeline *afresh in a new process*, restores a state read from JSON and records what
+  follows, or trains a tiny Lightning model (also under ``strategy="ddp"``, whose launcher
+  re-runs this same command line for rank 1).
+
+Nothing here decides what the right answer is from the package's plan: expected batches come
+from an uninterrupted run, and the reference's arrays are checked against zarr's own read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+from torchdata.nodes import Loader
+
+from insitubatch_nodes import (
+    ArrayGeometry,
+    Batch,
+    InSituPipeline,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
+from insitubatch_nodes.stores import as_store
+from insitubatch_nodes.synthetic import make_era5_like
+
+HERE = Path(__file__).resolve()
+SUBPROCESS_TIMEOUT_S = 180
+
+STORE_DEFAULTS: dict[str, Any] = {
+    "n_time": 128,
+    "n_lat": 8,
+    "n_lon": 16,
+    "n_level": 2,
+    "samples_per_chunk": 8,
+    "variables": ("t2m", "z"),
+}
+
+# 128 time steps in chunks of 8: 16 chunks, (0.75, 0.125, 0.125) -> 12 train chunks = 96
+# samples; batch_size 10 -> 10 batches per epoch (the last one holds 6); block_chunks 3 -> 24
+# samples per block, which 10 does not divide, so batches straddle blocks and chunks first read
+# by one batch are read again by later ones.
+PIPE_DEFAULTS: dict[str, Any] = {
+    "array": "t2m",
+    "windowed": True,
+    "fractions": [0.75, 0.125, 0.125],
+    "split": "train",
+    "batch_size": 10,
+    "block_chunks": 3,
+    "shuffle": True,
+    "seed": 0,
+    "rank": None,
+    "world_size": None,
+    "prefetch_depth": 2,
+    "max_inflight": 32,
+    "decode_threads": None,
+    "cache_budget_bytes": None,
+    "store_options": None,  # open_store options when "store" is a URL (e.g. s3://...)
+}
+
+
+def write_store(root: Path, **overrides: Any) -> Path:
+    """A small ERA5-like store (``t2m`` and ``z``) at ``root``."""
+    make_era5_like(root, **{**STORE_DEFAULTS, **overrides})
+    return root
+
+
+def pipe_config(store: Path | str, **overrides: Any) -> dict[str, Any]:
+    """A JSON-able pipeline description (see :data:`PIPE_DEFAULTS`)."""
+    unknown = set(overrides) - set(PIPE_DEFAULTS)
+    if unknown:
+        raise KeyError(f"unknown pipeline options {sorted(unknown)}")
+    return {"store": str(store), **PIPE_DEFAULTS, **overrides}
+
+
+def labels_of(store: Any, array: str, windowed: bool) -> dict[str, ArrayGeometry]:
+    g = open_geometries(store, [array])[array]
+    return {"x": g, "y": g.shift(1)} if windowed else {"x": g}
+
+
+def build_pipeline(cfg: Mapping[str, Any]) -> InSituPipeline:
+    """Build the pipeline ``cfg`` (from :func:`pipe_config`) describes, from scratch."""
+    store = as_store(cfg["store"], **(cfg["store_options"] or {}))
+    labels = labels_of(store, cfg["array"], cfg["windowed"])
+    manifest = split_by_chunk(labels["x"].base, tuple(cfg["fractions"]))
+    return insitu_pipeline(
+        store,
+        manifest,
+        labels,
+        split=cfg["split"],
+        batch_size=cfg["batch_size"],
+        block_chunks=cfg["block_chunks"],
+        shuffle=cfg["shuffle"],
+        seed=cfg["seed"],
+        rank=cfg["rank"],
+        world_size=cfg["world_size"],
+        prefetch_depth=cfg["prefetch_depth"],
+        max_inflight=cfg["max_inflight"],
+        decode_threads=cfg["decode_threads"],
+        cache_budget_bytes=cfg["cache_budget_bytes"],
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Records
+# ---------------------------------------------------------------------------------------------
+
+
+def digest(arr: Any) -> str:
+    """A hash of an array's dtype, shape and bytes (numpy arrays or CPU tensors)."""
+    a = np.ascontiguousarray(arr.numpy() if hasattr(arr, "numpy") else arr)
+    h = hashlib.sha256(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+    return h.hexdigest()[:24]
+
+
+def record(batch: Batch) -> dict[str, Any]:
+    """What identifies a delivered batch: position, sample indices, hash of every array."""
+    return {
+        "epoch": int(batch.epoch),
+        "index": int(batch.index),
+        "idx": {k: [int(i) for i in v] for k, v in sorted(batch.sample_indices.items())},
+        "hash": {k: digest(v) for k, v in sorted(batch.arrays.items())},
+    }
+
+
+def record_item(item: Mapping[str, Any]) -> dict[str, Any]:
+    """A record of an item made by :func:`indexed_transform` (tensors + positions)."""
+    return {
+        "epoch": int(item["epoch"]),
+        "index": int(item["index"]),
+        "idx": {"x": [int(i) for i in item["idx"].tolist()]},
+        "hash": {k: digest(item[k]) for k in ("x", "y") if k in item},
+    }
+
+
+def indexed_transform(batch: Batch) -> dict[str, Any]:
+    """``to_torch`` plus the sample indices of ``x`` and the batch position (for recording)."""
+    import torch
+
+    from insitubatch_nodes import to_torch
+
+    return {
+        **to_torch(batch),
+        "idx": torch.from_numpy(np.array(batch.sample_indices["x"], dtype=np.int64)),
+        "epoch": int(batch.epoch),
+        "index": int(batch.index),
+    }
+
+
+def epochs_of(loader: Any) -> Iterator[Any]:
+    """Items of ``loader`` epoch after epoch (each pass is one ``iter()``)."""
+    while True:
+        yield from loader
+
+
+def reference_run(cfg: Mapping[str, Any], epochs: int, check_zarr: bool = True) -> list[dict]:
+    """``epochs`` uninterrupted epochs through ``Loader(pipe)``, each batch checked against
+    zarr's own read of its sample indices (when ``check_zarr``). Each record also holds
+    ``"state"``: the pipeline's (root) state right after that batch was delivered."""
+    pipe = build_pipeline(cfg)
+    views = {"x": 0, "y": 1} if cfg["windowed"] else {"x": 0}
+    full = np.asarray(zarr.open_group(cfg["store"], mode="r")[cfg["array"]][...])
+    out: list[dict] = []
+    try:
+        loader = Loader(pipe)
+        for _ in range(epochs):
+            for batch in loader:
+                if check_zarr:
+                    for label, offset in views.items():
+                        idx = np.asarray(batch.sample_indices[label])
+                        np.testing.assert_array_equal(idx - offset, batch.sample_indices["x"])
+                        np.testing.assert_array_equal(batch.arrays[label], full[idx])
+                out.append({**record(batch), "state": loader.state_dict()["root"]})
+    finally:
+        pipe.close()
+    return out
+
+
+def carried_chunks(records: Sequence[dict], k: int, spc: int) -> set[int]:
+    """Chunks of the epoch of ``records[k]`` read both before and at/after batch ``k``
+    (from the sample indices alone)."""
+    epoch = records[k]["epoch"]
+    same = [r for r in records if r["epoch"] == epoch]
+    pos = records[k]["index"]
+
+    def chunks(rs: Sequence[dict]) -> set[int]:
+        return {i // spc for r in rs for idx in r["idx"].values() for i in idx}
+
+    return chunks(same[:pos]) & chunks(same[pos:])
+
+
+def is_plain(obj: Any) -> bool:
+    """Only dict (str keys), list, str, int, float, bool and None, all the way down."""
+    if obj is None or type(obj) in (str, int, float, bool):
+        return True
+    if type(obj) is dict:
+        return all(type(k) is str and is_plain(v) for k, v in obj.items())
+    if type(obj) is list:
+        return all(is_plain(v) for v in obj)
+    return False
+
+
+def take_state(
+    cfg: Mapping[str, Any],
+    k: int,
+    *,
+    sleep_s: float = 0.0,
+    exhaust_epoch: bool = False,
+    probe: Callable[[InSituPipeline], None] | None = None,
+) -> tuple[list[dict], dict[str, Any]]:
+    """Deliver ``k`` batches through ``Loader(pipe)`` (across epochs), optionally wait
+    ``sleep_s`` so the look-ahead fills (then call ``probe(pipe)``), and return the delivered
+    records and ``loader.state_dict()``. With ``exhaust_epoch`` the state is taken after the
+    ``for`` loop over the epoch that batch ``k`` ends has finished (StopIteration seen)."""
+    pipe = build_pipeline(cfg)
+    try:
+        loader = Loader(pipe)
+        got: list[dict] = []
+        if exhaust_epoch:
+            while len(got) < k:
+                got.extend(record(b) for b in loader)
+            assert len(got) == k, f"k={k} is not at an epoch boundary ({len(got)} batches)"
+        else:
+            it = epochs_of(loader)
+            got = [record(next(it)) for _ in range(k)]
+        if sleep_s:
+            time.sleep(sleep_s)
+        if probe is not None:
+            probe(pipe)
+        state = loader.state_dict()
+    finally:
+        pipe.close()
+    return got, state
+
+
+# ---------------------------------------------------------------------------------------------
+# Running this file in a fresh process
+# ---------------------------------------------------------------------------------------------
+
+
+def run_fresh(
+    mode: str, request: Mapping[str, Any], workdir: Path, timeout: float = SUBPROCESS_TIMEOUT_S
+) -> dict[str, Any]:
+    """Run ``python resume_helpers.py MODE`` in a new process; the request and the response
+    travel as JSON files (so everything exchanged is plain Python)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    n = len(list(workdir.glob(f"{mode}-*.request.json")))
+    req = workdir / f"{mode}-{n}.request.json"
+    resp = workdir / f"{mode}-{n}.response.json"
+    req.write_text(json.dumps(request))
+    proc = subprocess.run(
+        [sys.executable, str(HERE), mode, str(req), str(resp)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if proc.returncode != 0 or not resp.exists():
+        raise AssertionError(
+            f"{mode} subprocess failed with exit code {proc.returncode}\n--- stdout\n"
+            f"{proc.stdout}\n--- stderr\n{proc.stderr[-6000:]}"
+        )
+    return json.loads(resp.read_text())
+
+
+def _restore_loader(req: Mapping[str, Any]) -> dict[str, Any]:
+    pipe = build_pipeline(req["config"])
+    try:
+        loader = Loader(pipe)
+        loader.load_state_dict(req["state"])
+        records: list[dict] = []
+        for _ in range(req["passes"]):
+            records.extend({**record(b), "state": loader.state_dict()["root"]} for b in loader)
+    finally:
+        pipe.close()
+    return {"records": records}
+
+
+def _restore_sdl(req: Mapping[str, Any]) -> dict[str, Any]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from insitubatch_nodes.torch_data import as_dataset
+
+    pipe = build_pipeline(req["config"])
+    try:
+        dl = StatefulDataLoader(
+            as_dataset(pipe, transform=indexed_transform), batch_size=None, num_workers=0
+        )
+        dl.load_state_dict(req["state"])
+        records: list[dict] = []
+        for _ in range(req["passes"]):
+            records.extend(record_item(item) for item in dl)
+    finally:
+        pipe.close()
+    return {"records": records, "len": len(dl)}
+
+
+def _timing(req: Mapping[str, Any]) -> dict[str, Any]:
+    """Seconds from process start (``req['t0']``, wall clock) to imports done, pipeline built
+    and first batch delivered, cold or restored from ``req['state']``."""
+    t_imported = time.time()
+    pipe = build_pipeline(req["config"])
+    t_built = time.time()
+    try:
+        loader = Loader(pipe)
+        if req.get("state") is not None:
+            loader.load_state_dict(req["state"])
+        batch = next(iter(loader))
+        t_first = time.time()
+        gets = pipe.stats()["gets"]
+        rec = record(batch)
+    finally:
+        pipe.close()
+    t0 = req["t0"]
+    return {
+        "imports_s": t_imported - t0,
+        "built_s": t_built - t0,
+        "first_batch_s": t_first - t0,
+        "first": [rec["epoch"], rec["index"]],
+        "gets": gets,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning (single device and DDP)
+# ---------------------------------------------------------------------------------------------
+
+LIGHTNING_DEFAULTS: dict[str, Any] = {
+    "max_epochs": 2,
+    "devices": 1,
+    "strategy": "auto",
+    "batch_size": 10,
+    "eval_batch_size": 10,
+    "block_chunks": 3,
+    "seed": 0,
+    "every_n_train_steps": None,
+    "kill_at_step": None,
+    "ckpt_path": None,
+    "estimated_stepping_batches": False,
+    "limit_val_batches": 0,
+    "val_check_interval": None,
+    "num_sanity_val_steps": 0,
+}
+
+
+def lightning_request(store: Path, out: Path, ckpt_dir: Path, **overrides: Any) -> dict:
+    unknown = set(overrides) - set(LIGHTNING_DEFAULTS)
+    if unknown:
+        raise KeyError(f"unknown Lightning options {sorted(unknown)}")
+    return {
+        "store": str(store),
+        "out": str(out),
+        "ckpt_dir": str(ckpt_dir),
+        **LIGHTNING_DEFAULTS,
+        **overrides,
+    }
+
+
+def read_records(out: Path | str, rank: int = 0, kind: str = "train") -> list[dict]:
+    """The records a Lightning run wrote for ``rank`` (``kind`` train or val)."""
+    path = Path(f"{out}.rank{rank}.jsonl")
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in rows if r["kind"] == kind]
+
+
+def comparable(rows: Sequence[dict]) -> list[tuple]:
+    """(trainer epoch, batch_idx, batch epoch, batch index, hash, sample indices) per row."""
+    return [
+        (r["epoch"], r["batch_idx"], r["b_epoch"], r["b_index"], r["hash"], tuple(r["idx"]))
+        for r in rows
+    ]
+
+
+def run_lightning(
+    request: Mapping[str, Any], workdir: Path, timeout: float = SUBPROCESS_TIMEOUT_S
+) -> tuple[int, str]:
+    """Run a Lightning training in a new process; returns (exit code, its log). stdout/stderr
+    go to a file so a DDP child that inherits them can never keep a pipe open."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    n = len(list(workdir.glob("lightning-*.request.json")))
+    req = workdir / f"lightning-{n}.request.json"
+    log = workdir / f"lightning-{n}.log"
+    req.write_text(json.dumps(dict(request)))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("LOCAL_RANK", "NODE_RANK"))}
+    env.pop("MASTER_PORT", None)
+    env.pop("WORLD_SIZE", None)
+    env["PYTHONUNBUFFERED"] = "1"
+    with open(log, "w") as fh:
+        proc = subprocess.run(
+            [sys.executable, str(HERE), "lightning", str(req), str(workdir / f"lightning-{n}.out")],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=workdir,
+            timeout=timeout,
+            check=False,
+        )
+    return proc.returncode, log.read_text()
+
+
+def _lightning(req: Mapping[str, Any]) -> dict[str, Any]:
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    out_prefix = req["out"]
+
+    class Recorder(pl.LightningModule):
+        def __init__(self, n_in: int) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(n_in, n_in)
+
+        def _write(self, kind: str, batch: Mapping[str, Any], batch_idx: int) -> None:
+            row = {
+                "kind": kind,
+                "epoch": int(self.current_epoch),
+                "batch_idx": int(batch_idx),
+                "step": int(self.global_step),
+                "b_epoch": int(batch["epoch"]),
+                "b_index": int(batch["index"]),
+                "hash": digest(batch["x"]) + digest(batch["y"]),
+                "idx": [int(i) for i in batch["idx"].tolist()],
+            }
+            with open(f"{out_prefix}.rank{self.global_rank}.jsonl", "a") as fh:
+                fh.write(json.dumps(row) + "\n")
+
+        def _loss(self, batch: Mapping[str, Any]) -> torch.Tensor:
+            x = (batch["x"].flatten(1) - 270.0) / 30.0
+            y = (batch["y"].flatten(1) - 270.0) / 30.0
+            return torch.nn.functional.mse_loss(self.layer(x), y)
+
+        def training_step(self, batch: Mapping[str, Any], batch_idx: int) -> torch.Tensor:
+            self._write("train", batch, batch_idx)
+            return self._loss(batch)
+
+        def validation_step(self, batch: Mapping[str, Any], batch_idx: int) -> None:
+            self._write("val", batch, batch_idx)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            if req["estimated_stepping_batches"]:  # Lightning issue #20550
+                total = self.trainer.estimated_stepping_batches
+                assert total > 0
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    class KillAtStep(pl.Callback):
+        """SIGKILL this process when the batch after the checkpoint of ``step`` starts."""
+
+        def __init__(self, step: int) -> None:
+            self.step = step
+
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == self.step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    store = req["store"]
+    dm = InSituDataModule(
+        store,
+        lambda geoms: {"x": geoms["t2m"], "y": geoms["t2m"].shift(1)},
+        (0.75, 0.125, 0.125),
+        batch_size=req["batch_size"],
+        eval_batch_size=req["eval_batch_size"],
+        block_chunks=req["block_chunks"],
+        seed=req["seed"],
+        transform=indexed_transform,
+    )
+    g = open_geometries(store, ["t2m"])["t2m"]
+    n_in = int(np.prod(g.inner_shape))
+    torch.manual_seed(0)
+    model = Recorder(n_in)
+    callbacks: list[Any] = []
+    if req["every_n_train_steps"]:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=req["ckpt_dir"],
+                filename="{step}",
+                every_n_train_steps=req["every_n_train_steps"],
+                save_top_k=-1,
+            )
+        )
+    if req["kill_at_step"] is not None:
+        callbacks.append(KillAtStep(req["kill_at_step"]))
+    extra: dict[str, Any] = {}
+    if req["val_check_interval"] is not None:
+        extra["val_check_interval"] = req["val_check_interval"]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=req["devices"],
+        strategy=req["strategy"],
+        max_epochs=req["max_epochs"],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=bool(req["every_n_train_steps"]),
+        limit_val_batches=req["limit_val_batches"],
+        num_sanity_val_steps=req["num_sanity_val_steps"],
+        callbacks=callbacks,
+        **extra,
+    )
+    trainer.fit(model, datamodule=dm, ckpt_path=req["ckpt_path"])
+    return {"global_step": int(trainer.global_step), "current_epoch": int(trainer.current_epoch)}
+
+
+# ---------------------------------------------------------------------------------------------
+# torch.multiprocessing.spawn worker (gloo)
+# ---------------------------------------------------------------------------------------------
+
+
+def ddp_worker(rank: int, world: int, init_file: str, cfg: dict, epochs: int, out: str) -> None:
+    """One rank: build the pipeline with rank/world from torch.distributed, read ``epochs``
+    epochs, all_reduce once per batch, and write per-epoch sample indices and chunk GETs to
+    ``out.format(rank)``."""
+    import torch
+    import torch.distributed as dist
+    from helpers import counting_store
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{init_file}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        store = counting_store(Path(cfg["store"]))
+        labels = labels_of(store, cfg["array"], cfg["windowed"])
+        manifest = split_by_chunk(labels["x"].base, tuple(cfg["fractions"]))
+        pipe = insitu_pipeline(
+            store,
+            manifest,
+            labels,
+            split=cfg["split"],
+            batch_size=cfg["batch_size"],
+            block_chunks=cfg["block_chunks"],
+            shuffle=cfg["shuffle"],
+            seed=cfg["seed"],
+            rank=None,
+            world_size=None,
+        )
+        plan = pipe.stages.plan
+        result: dict[str, Any] = {"rank": plan.rank, "world_size": plan.world_size, "epochs": []}
+        loader = Loader(pipe)
+        for _ in range(epochs):
+            store.reset_counts()
+            samples: list[int] = []
+            n_batches = 0
+            for batch in loader:
+                t = torch.ones(1)
+                dist.all_reduce(t)  # every rank must reach this once per batch
+                assert int(t.item()) == world
+                samples.extend(int(i) for i in batch.sample_indices["x"])
+                n_batches += 1
+            counts = torch.tensor([n_batches, -n_batches])
+            dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+            result["epochs"].append(
+                {
+                    "samples": samples,
+                    "n_batches": n_batches,
+                    "max_batches": int(counts[0]),
+                    "min_batches": -int(counts[1]),
+                    "gets": sorted(store.chunk_counts()),
+                }
+            )
+        pipe.close()
+        Path(out.format(rank)).write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+
+MODES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "loader-restore": _restore_loader,
+    "sdl-restore": _restore_sdl,
+    "timing": _timing,
+    "lightning": _lightning,
+}
+
+
+def main(argv: Sequence[str]) -> int:
+    mode, req_path, resp_path = argv
+    req = json.loads(Path(req_path).read_text())
+    resp = MODES[mode](req)
+    rank = os.environ.get("LOCAL_RANK", "0")
+    if rank == "0":
+        Path(resp_path).write_text(json.dumps(resp))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,149 @@
+"""Real multi-process runs: two ranks on the gloo backend.
+
+1. ``torch.multiprocessing.spawn``: each rank builds ``insitu_pipeline(..., rank=None,
+   world_size=None)`` (rank and world size from ``torch.distributed``) and reads two epochs,
+   with an ``all_reduce`` per batch. Per epoch the ranks' samples and chunk GETs are disjoint,
+   they yield the same number of batches, and the union is the split's samples minus exactly
+   what the documented remainder policy drops.
+2. Lightning ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` (its launcher re-runs
+   the script for rank 1): a run killed after a mid-epoch checkpoint and resumed trains, on
+   both ranks, on exactly the batches an uninterrupted run trains on.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch.multiprocessing as mp
+from resume_helpers import (
+    comparable,
+    ddp_worker,
+    lightning_request,
+    pipe_config,
+    read_records,
+    run_lightning,
+    write_store,
+)
+
+pytestmark = pytest.mark.slow
+
+WORLD = 2
+SPC = 8
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    ("n_time", "windowed"),
+    [(200, False), (196, False), (200, True)],
+    ids=["25-full-chunks", "24-full-chunks-and-a-partial-one", "windowed-x-and-y=x.shift(1)"],
+)
+def test_two_gloo_ranks_read_disjoint_samples_and_chunks_and_the_same_number_of_batches(
+    tmp_path: Path, n_time: int, windowed: bool
+) -> None:
+    store = write_store(tmp_path / "era5.zarr", n_time=n_time, variables=("t2m",))
+    cfg = pipe_config(
+        store, windowed=windowed, fractions=[1.0, 0.0, 0.0], batch_size=7, block_chunks=3
+    )
+    epochs = 2
+    outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
+    mp.spawn(
+        ddp_worker,
+        args=(WORLD, str(tmp_path / "init"), cfg, epochs, str(tmp_path / "rank{}.json")),
+        nprocs=WORLD,
+        join=True,
+    )
+    results = [json.loads(Path(str(o)).read_text()) for o in outs]
+    assert [r["rank"] for r in results] == list(range(WORLD))
+    assert {r["world_size"] for r in results} == {WORLD}
+
+    # what the manifest says (no package code): chunk c holds anchors [c*SPC, min((c+1)*SPC, n));
+    # an anchor is valid when every view's sample (anchor + offset) lies in the array
+    last_valid = n_time - 1 - (1 if windowed else 0)
+    n_chunks = -(-n_time // SPC)
+    counts = sorted(max(0, min((c + 1) * SPC, last_valid + 1) - c * SPC) for c in range(n_chunks))
+    per_rank = n_chunks // WORLD
+    # documented policy: C % world chunks rest each epoch; every rank then emits the fewest
+    # samples any rank can be dealt (the per_rank smallest chunks)
+    n_emit = sum(counts[:per_rank])
+    dropped_bound = (n_chunks % WORLD) * SPC + WORLD * (SPC - min(counts))
+
+    unions = []
+    for e in range(epochs):
+        per = [r["epochs"][e] for r in results]
+        samples = [set(p["samples"]) for p in per]
+        for p, s in zip(per, samples, strict=True):
+            assert len(p["samples"]) == len(s) == n_emit, "a rank repeated or lost a sample"
+        assert not samples[0] & samples[1], "ranks share samples"
+        anchor_chunks = [{i // SPC for i in s} for s in samples]
+        assert not anchor_chunks[0] & anchor_chunks[1], "ranks were dealt the same chunks"
+        gets = [set(p["gets"]) for p in per]
+        assert gets[0] and gets[1]
+        if not windowed:
+            assert not gets[0] & gets[1], "ranks GET the same stored objects"
+        else:
+            # y = x.shift(1) reads sample a + 1: the last anchor of a chunk reads the next
+            # chunk, which may be dealt to the other rank; only such neighbours are shared
+            shared = {int(k.split("/")[2]) for k in gets[0] & gets[1]}
+            for rank in range(WORLD):
+                assert shared <= {c + 1 for c in anchor_chunks[rank]} | anchor_chunks[rank]
+        assert {p["n_batches"] for p in per} == {-(-n_emit // cfg["batch_size"])}
+        assert all(p["min_batches"] == p["max_batches"] == p["n_batches"] for p in per)
+        union = samples[0] | samples[1]
+        assert union <= set(range(last_valid + 1))
+        assert len(union) == WORLD * n_emit
+        assert last_valid + 1 - len(union) <= dropped_bound
+        unions.append(union)
+    if n_chunks % WORLD:  # the resting chunk changes with the epoch's permutation
+        assert unions[0] != unions[1]
+
+
+def _ddp_rows(out: Path) -> list[list[tuple]]:
+    return [comparable(read_records(out, rank=r)) for r in range(WORLD)]
+
+
+@pytest.mark.timeout(400)
+def test_lightning_ddp_resumes_a_killed_run_exactly_on_both_ranks(tmp_path: Path) -> None:
+    store = write_store(tmp_path / "era5.zarr")
+    ddp = {"devices": WORLD, "strategy": "ddp"}
+    n_batches = 5  # 12 train chunks -> 6 per rank -> 48 samples -> 5 batches of 10
+    kill_at = 3
+
+    ref_req = lightning_request(store, tmp_path / "ref", tmp_path / "ref-ckpt", **ddp)
+    rc, log = run_lightning(ref_req, tmp_path / "ref-run")
+    assert rc == 0, log[-6000:]
+    reference = _ddp_rows(tmp_path / "ref")
+    for rows in reference:
+        assert [(r[0], r[1], r[2], r[3]) for r in rows] == [
+            (e, i, e, i) for e in range(2) for i in range(n_batches)
+        ]
+    idx = [{i for row in rows[:n_batches] for i in row[5]} for rows in reference]
+    assert not idx[0] & idx[1], "the two ranks trained on shared samples"
+
+    kill_req = lightning_request(
+        store,
+        tmp_path / "killed",
+        tmp_path / "ckpt",
+        every_n_train_steps=kill_at,
+        kill_at_step=kill_at,
+        **ddp,
+    )
+    rc, log = run_lightning(kill_req, tmp_path / "killed-run")
+    assert rc == -9, f"exit code {rc}\n{log[-6000:]}"
+    ckpt = tmp_path / "ckpt" / f"step={kill_at}.ckpt"
+    assert ckpt.exists(), log[-6000:]
+
+    resume_req = lightning_request(
+        store, tmp_path / "resumed", tmp_path / "ckpt2", ckpt_path=str(ckpt), **ddp
+    )
+    rc, log = run_lightning(resume_req, tmp_path / "resumed-run")
+    assert rc == 0, log[-6000:]
+    before, after = _ddp_rows(tmp_path / "killed"), _ddp_rows(tmp_path / "resumed")
+    for rank in range(WORLD):
+        assert before[rank] == reference[rank][:kill_at], f"rank {rank}"
+        assert after[rank] == reference[rank][kill_at:], f"rank {rank}"
+    assert np.array_equal([len(r) for r in after], [2 * n_batches - kill_at] * WORLD), (
+        "ranks resumed with different numbers of batches"
+    )

@@ -1,0 +1,167 @@
+"""``StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0)``: exact length,
+checkpoint/resume across processes, and a clear refusal of worker processes."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from resume_helpers import (
+    build_pipeline,
+    epochs_of,
+    indexed_transform,
+    is_plain,
+    pipe_config,
+    record_item,
+    reference_run,
+    run_fresh,
+    write_store,
+)
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from insitubatch_nodes import InSituPipeline
+from insitubatch_nodes.torch_data import as_dataset
+
+N_BATCHES = 10
+
+pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_store(tmp_path_factory.mktemp("sdl") / "era5.zarr")
+
+
+@pytest.fixture(scope="module")
+def reference(store: Path) -> list[dict]:
+    return reference_run(pipe_config(store), 3)
+
+
+def as_items(records: list[dict]) -> list[dict]:
+    """Reference records as :func:`record_item` sees them (x's sample indices, no state)."""
+    return [
+        {"epoch": r["epoch"], "index": r["index"], "idx": {"x": r["idx"]["x"]}, "hash": r["hash"]}
+        for r in records
+    ]
+
+
+def sdl(cfg: dict, num_workers: int = 0) -> tuple[StatefulDataLoader, InSituPipeline]:
+    pipe = build_pipeline(cfg)
+    loader = StatefulDataLoader(
+        as_dataset(pipe, transform=indexed_transform), batch_size=None, num_workers=num_workers
+    )
+    return loader, pipe
+
+
+def test_len_is_the_number_of_batches_an_epoch_delivers(store: Path, reference: list[dict]) -> None:
+    loader, pipe = sdl(pipe_config(store))
+    try:
+        assert len(loader) == N_BATCHES
+        for epoch in range(2):
+            items = [record_item(item) for item in loader]
+            assert len(items) == len(loader)
+            assert [(r["epoch"], r["index"]) for r in items] == [
+                (epoch, i) for i in range(N_BATCHES)
+            ]
+            assert items == as_items(reference[epoch * N_BATCHES : (epoch + 1) * N_BATCHES])
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("k", [3, 7, N_BATCHES, N_BATCHES + 4])
+def test_a_state_after_k_batches_resumes_in_a_new_process_with_batch_k_plus_1_then_next_epoch(
+    store: Path, reference: list[dict], tmp_path: Path, k: int
+) -> None:
+    cfg = pipe_config(store)
+    loader, pipe = sdl(cfg)
+    try:
+        it = epochs_of(loader)
+        before = [record_item(next(it)) for _ in range(k)]
+        state = loader.state_dict()
+    finally:
+        pipe.close()
+    want = as_items(reference)
+    assert before == want[:k]
+    assert is_plain(state), state
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=True) == state
+    wire = json.loads(json.dumps(state))
+    resp = run_fresh("sdl-restore", {"config": cfg, "state": wire, "passes": 2}, tmp_path)
+    assert resp["len"] == N_BATCHES
+    after = resp["records"]
+    # the rest of this epoch (at an epoch end: the whole next one), then the following epoch
+    n_after = N_BATCHES - k % N_BATCHES + N_BATCHES
+    assert [(r["epoch"], r["index"]) for r in after] == [
+        (r["epoch"], r["index"]) for r in want[k : k + n_after]
+    ]
+    assert after == want[k : k + n_after]
+    assert (after[0]["epoch"], after[0]["index"]) == divmod(k, N_BATCHES)
+
+
+def test_restoring_a_state_from_another_configuration_raises_naming_the_field(
+    store: Path,
+) -> None:
+    loader, pipe = sdl(pipe_config(store))
+    try:
+        it = iter(loader)
+        next(it)
+        state = loader.state_dict()
+    finally:
+        pipe.close()
+    other, pipe2 = sdl(pipe_config(store, batch_size=12))
+    try:
+        with pytest.raises(ValueError, match=r"batch_size\b.*differs"):
+            other.load_state_dict(state)
+            next(iter(other))
+    finally:
+        pipe2.close()
+
+
+def test_taking_a_state_before_the_first_batch_does_not_change_the_epoch_epoch_fn_asks_for(
+    store: Path,
+) -> None:
+    pipe = build_pipeline(pipe_config(store))
+    try:
+        dataset = as_dataset(pipe, transform=indexed_transform, epoch_fn=lambda: 2)
+        state = dataset.state_dict()  # e.g. a checkpoint written before training starts
+        assert pipe.stats()["gets"] == 0  # reporting the state started nothing
+        first = next(iter(dataset))
+    finally:
+        pipe.close()
+    assert (first["epoch"], first["index"]) == (2, 0)
+    # and that state, restored into a fresh pipeline, starts at the same place
+    again = build_pipeline(pipe_config(store))
+    try:
+        restored = as_dataset(again, transform=indexed_transform)
+        restored.load_state_dict(state)
+        assert next(iter(restored))["index"] == 0
+    finally:
+        again.close()
+
+
+def test_without_an_early_state_dict_the_first_batch_follows_epoch_fn(store: Path) -> None:
+    pipe = build_pipeline(pipe_config(store))
+    try:
+        first = next(iter(as_dataset(pipe, transform=indexed_transform, epoch_fn=lambda: 2)))
+    finally:
+        pipe.close()
+    assert (first["epoch"], first["index"]) == (2, 0)
+
+
+@pytest.mark.timeout(60)
+def test_num_workers_2_raises_an_error_that_says_why_instead_of_hanging(store: Path) -> None:
+    loader, pipe = sdl(pipe_config(store), num_workers=2)
+    try:
+        with pytest.raises(RuntimeError) as info:
+            next(iter(loader))
+    finally:
+        pipe.close()
+    message = str(info.value)
+    assert "num_workers=0" in message, message
+    assert "fork" in message, message
+    assert "event loop" in message, message
