@@ -1,0 +1,163 @@
+"""The benchmark datasets: ERA5-like zarr groups written once and reused.
+
+Every dataset is :func:`insitubatch_nodes.synthetic.make_era5_like` (``t2m`` and ``z`` on 4
+pressure levels, zstd) with one layout: samples per chunk, optional inner (lat, lon) tiles,
+optional shards. A dataset is written into a temporary folder next to its final place and
+renamed when complete; then a ``FOLDER.bench-spec.json`` marker holding its spec is written
+next to it. A folder whose marker matches is reused as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SUITES", "DatasetSpec", "chunk_sizes", "ensure_dataset", "needed_bytes"]
+
+MARKER = ".bench-spec.json"
+DATA_ARRAYS = ("t2m", "z")
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    """One synthetic ERA5-like layout (arguments of ``make_era5_like``)."""
+
+    name: str
+    n_time: int
+    n_lat: int
+    n_lon: int
+    n_level: int
+    samples_per_chunk: int
+    inner_chunks: tuple[int, int] | None = None
+    shard_samples: int | None = None
+    compressor: str = "zstd"
+
+    @property
+    def folder(self) -> str:
+        """A folder name that changes whenever the layout does."""
+        parts = [
+            f"era5_t{self.n_time}_{self.n_lat}x{self.n_lon}_l{self.n_level}",
+            f"spc{self.samples_per_chunk}",
+        ]
+        if self.inner_chunks:
+            parts.append(f"tile{self.inner_chunks[0]}x{self.inner_chunks[1]}")
+        if self.shard_samples:
+            parts.append(f"shard{self.shard_samples}")
+        parts.append(self.compressor)
+        return "_".join(parts) + ".zarr"
+
+    @property
+    def anchor_spc(self) -> int:
+        """Samples per *stored object* along time (the shard length when sharded)."""
+        return self.shard_samples or self.samples_per_chunk
+
+    @property
+    def sample_nbytes(self) -> int:
+        """Decoded bytes of one sample, both variables (float32)."""
+        return 4 * self.n_lat * self.n_lon * (1 + self.n_level)
+
+    @property
+    def layout(self) -> str:
+        """A short human description of the layout."""
+        text = f"{self.samples_per_chunk} samples/chunk"
+        if self.inner_chunks:
+            text += f", {self.inner_chunks[0]}x{self.inner_chunks[1]} tiles"
+        if self.shard_samples:
+            text += f", shards of {self.shard_samples} samples"
+        return text
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["inner_chunks"] = list(self.inner_chunks) if self.inner_chunks else None
+        return out
+
+
+def _era5_grid(n_time: int, n_lat: int, n_lon: int) -> list[DatasetSpec]:
+    tile = (math.ceil(n_lat / 2), math.ceil(n_lon / 2))
+
+    def spec(
+        name: str, spc: int, tiles: tuple[int, int] | None = None, shard: int | None = None
+    ) -> DatasetSpec:
+        return DatasetSpec(name, n_time, n_lat, n_lon, 4, spc, tiles, shard)
+
+    return [
+        spec("spc1", 1),
+        spec("spc4", 4),
+        spec("spc16", 16),
+        spec("spc32", 32),
+        spec("spc16-tiled", 16, tiles=tile),
+        spec("sharded", 4, shard=32),
+    ]
+
+
+SUITES: dict[str, list[DatasetSpec]] = {
+    "full": _era5_grid(512, 91, 180),
+    "smoke": [DatasetSpec("smoke-spc8", 64, 16, 32, 4, samples_per_chunk=8)],
+}
+"""The datasets of each suite (names are unique within a suite)."""
+
+
+def ensure_dataset(spec: DatasetSpec, root: Path) -> tuple[Path, bool]:
+    """The dataset's folder under ``root``, written first if missing. Returns (path, written)."""
+    from insitubatch_nodes.synthetic import make_era5_like
+
+    path = root / spec.folder
+    marker = root / (spec.folder + MARKER)  # next to the group: zarr lists the group's keys
+    if marker.is_file() and json.loads(marker.read_text()) == spec.to_json():
+        return path, False
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".{spec.folder}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    make_era5_like(
+        tmp,
+        n_time=spec.n_time,
+        n_lat=spec.n_lat,
+        n_lon=spec.n_lon,
+        n_level=spec.n_level,
+        samples_per_chunk=spec.samples_per_chunk,
+        inner_chunks=spec.inner_chunks,
+        shard_samples=spec.shard_samples,
+        compressor=spec.compressor,
+    )
+    marker.unlink(missing_ok=True)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    marker.write_text(json.dumps(spec.to_json()))
+    return path, True
+
+
+def chunk_sizes(path: Path) -> dict[str, dict[int, int]]:
+    """Stored bytes per (data array, time index of the stored object), summed over tiles and
+    levels, from the files zarr wrote (v3 default keys ``ARRAY/c/T/...``)."""
+    out: dict[str, dict[int, int]] = {}
+    for name in DATA_ARRAYS:
+        sizes: dict[int, int] = {}
+        base = path / name / "c"
+        for file in base.rglob("*"):
+            if file.is_file():
+                t = int(file.relative_to(base).parts[0])
+                sizes[t] = sizes.get(t, 0) + file.stat().st_size
+        out[name] = sizes
+    return out
+
+
+def object_keys(path: Path) -> list[tuple[str, int]]:
+    """Every stored chunk object of the data arrays: (key relative to the group, size)."""
+    keys = []
+    for name in DATA_ARRAYS:
+        for file in sorted((path / name / "c").rglob("*")):
+            if file.is_file():
+                keys.append((file.relative_to(path).as_posix(), file.stat().st_size))
+    return keys
+
+
+def needed_bytes(sizes: dict[str, dict[int, int]], samples: Iterable[int], anchor_spc: int) -> int:
+    """Stored bytes of the distinct objects that ``samples`` live in (both arrays)."""
+    chunks = {int(s) // anchor_spc for s in samples}
+    return sum(per.get(c, 0) for per in sizes.values() for c in chunks)

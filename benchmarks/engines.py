@@ -1,0 +1,332 @@
+"""Measurement children that run in this project's venv: nodes, workers, xbatcher, memory, rawget.
+
+Run as ``python -m benchmarks.engines CONFIG_JSON RESULT_JSON`` by ``benchmarks/run.py``, one
+fresh interpreter per measurement. The config names the engine, the store, the dataset, the
+split's samples and the engine's knobs; the result holds one record per epoch (see
+``benchmarks/_childutil.py``). Setup that happens before the first epoch (opening the store,
+building the pipeline or DataLoader) is timed separately as ``setup_s``.
+
+Engines:
+
+* ``nodes`` — ``insitu_pipeline(...)`` iterated through ``torchdata.nodes.Loader``: a cold epoch,
+  then a warm one. ``budget="default"`` keeps the automatic pool budget; ``budget="split"`` sets
+  ``cache_budget_bytes`` large enough to hold the whole split, so the warm epoch is pool hits.
+* ``workers`` — a map-style Dataset reading one sample (both variables) through zarr per
+  ``__getitem__``, in a ``torch.utils.data.DataLoader(shuffle=True)`` with ``num_workers`` spawned
+  workers (persistent, so the second epoch is the steady state). ``max_batches`` caps an epoch
+  at that many batches of distinct samples drawn from the whole split.
+* ``xbatcher`` — ``xbatcher.BatchGenerator`` over ``xarray.open_zarr(...)`` with one sample per
+  patch, indexed by a map-style Dataset in the same kind of DataLoader.
+* ``memory`` — the split already in RAM; a random permutation gathered batch by batch with
+  ``np.take(..., out=)`` into preallocated buffers (the ceiling).
+* ``rawget`` — every stored chunk object fetched with ``obstore.get_async`` at 32 in flight, no
+  decode (the store's ceiling).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+if __name__ == "__main__" and __package__ in (None, ""):  # pragma: no cover - direct script run
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._childutil import (
+    count_batch,
+    counting_store,
+    finish,
+    load_config,
+    make_obstore,
+    make_zarr_store,
+    timed_epoch,
+)
+
+VARIABLES = ("t2m", "z")
+
+
+# --------------------------------------------------------------------------------------------
+# nodes (this project)
+# --------------------------------------------------------------------------------------------
+
+
+def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
+    from torchdata.nodes import Loader
+
+    from insitubatch_nodes import (
+        insitu_pipeline,
+        open_geometries,
+        split_by_chunk,
+        working_set_bytes,
+    )
+
+    t0 = time.monotonic()
+    store = make_zarr_store(cfg["store"])
+    geoms = open_geometries(store, list(VARIABLES))
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
+    if list(manifest.chunks("train")) != cfg["train_chunks"]:
+        raise RuntimeError("the nodes split differs from the harness split")
+    budget = None
+    if cfg["budget"] == "split":
+        from insitubatch_nodes import ReadPlanNode
+
+        plan = ReadPlanNode(
+            manifest, geoms, batch_size=cfg["batch_size"], block_chunks=cfg["block_chunks"]
+        )
+        floor, _ = working_set_bytes(plan.epoch_plan(0), geoms)
+        split_bytes = sum(g.chunk_nbytes for g in geoms.values()) * len(cfg["train_chunks"])
+        budget = split_bytes + floor
+    pipe = insitu_pipeline(
+        store,
+        manifest,
+        {"t2m": geoms["t2m"], "z": geoms["z"]},
+        batch_size=cfg["batch_size"],
+        block_chunks=cfg["block_chunks"],
+        max_inflight=cfg["max_inflight"],
+        cache_budget_bytes=budget,
+    )
+    loader = Loader(pipe)
+    setup_s = time.monotonic() - t0
+
+    def io() -> dict[str, int]:
+        s = pipe.stats()
+        keys = ("gets", "bytes_fetched", "hits", "misses", "evictions", "resident_peak_bytes")
+        return {"gets": s["gets"], "bytes": s["bytes_fetched"], **{k: s[k] for k in keys}}
+
+    epochs = []
+    warm = "warm_cached" if cfg["budget"] == "split" else "warm_default"
+    for kind in ("cold", warm):
+        with timed_epoch(kind, cfg.get("proxy_stats_port"), io) as rec:
+            for batch in loader:
+                count_batch(rec, len(batch), batch.sample_indices["t2m"])
+        epochs.append(rec.as_dict())
+    return {"setup_s": setup_s, "epochs": epochs, "budget_bytes": budget}
+
+
+# --------------------------------------------------------------------------------------------
+# workers and xbatcher: map-style datasets in a torch DataLoader
+# --------------------------------------------------------------------------------------------
+
+
+class ZarrSamples:
+    """Map-style dataset: item ``i`` is sample ``samples[i]`` of both variables, read with zarr.
+
+    The zarr group is opened lazily, once per process (each spawned worker opens its own).
+    """
+
+    def __init__(self, store_cfg: dict[str, Any], samples: np.ndarray, gets: Any, nbytes: Any):
+        self.store_cfg, self.samples = store_cfg, samples
+        self.gets, self.nbytes = gets, nbytes
+        self._arrays: tuple[Any, Any] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def _open(self) -> tuple[Any, Any]:
+        import zarr
+
+        store = counting_store(make_zarr_store(self.store_cfg), self.gets, self.nbytes)
+        group = zarr.open_group(store, mode="r")
+        arrays = (group["t2m"], group["z"])
+        self._arrays = arrays
+        return arrays
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+        t2m, z = self._arrays or self._open()
+        t = int(self.samples[i])
+        return t2m[t], z[t], t
+
+
+class XbatcherSamples:
+    """Map-style dataset over ``xbatcher.BatchGenerator``: patch ``i`` = one time step, the whole
+    field and every level, of ``xarray.open_zarr`` (lazy, no dask) restricted to the split."""
+
+    def __init__(
+        self,
+        store_cfg: dict[str, Any],
+        start: int,
+        stop: int,
+        sizes: dict[str, int],
+        gets: Any,
+        nbytes: Any,
+    ) -> None:
+        self.store_cfg, self.start, self.stop, self.sizes = store_cfg, start, stop, sizes
+        self.gets, self.nbytes = gets, nbytes
+        self._gen: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_gen": None}
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def _open(self) -> Any:
+        import xarray as xr
+        import xbatcher
+
+        store = counting_store(make_zarr_store(self.store_cfg), self.gets, self.nbytes)
+        ds = xr.open_zarr(store, chunks=None, consolidated=False, decode_times=False)
+        ds = ds[list(VARIABLES)].isel(time=slice(self.start, self.stop))
+        self._gen = xbatcher.BatchGenerator(
+            ds, input_dims={"time": 1, **self.sizes}, preload_batch=True
+        )
+        if len(self._gen) != len(self):
+            raise RuntimeError(f"xbatcher made {len(self._gen)} patches, expected {len(self)}")
+        return self._gen
+
+    def __getitem__(self, i: int) -> tuple[np.ndarray, np.ndarray, int]:
+        gen = self._gen or self._open()
+        patch = gen[int(i)]
+        t2m = np.asarray(patch["t2m"].transpose("time", "lat", "lon").values[0])
+        z = np.asarray(patch["z"].transpose("time", "level", "lat", "lon").values[0])
+        return t2m, z, self.start + int(i)
+
+
+def run_torch_loader(cfg: dict[str, Any]) -> dict[str, Any]:
+    import multiprocessing as mp
+
+    import torch
+    from torch.utils.data import DataLoader, RandomSampler
+
+    t0 = time.monotonic()
+    n = int(cfg["num_workers"])
+    ctx = mp.get_context("spawn")
+    gets, nbytes = ctx.Value("q", 0), ctx.Value("q", 0)
+    samples = np.asarray(cfg["samples"], dtype=np.int64)
+    dataset: Any
+    if cfg["engine"] == "workers":
+        dataset = ZarrSamples(cfg["store"], samples, gets, nbytes)
+    else:
+        if not np.array_equal(samples, np.arange(samples[0], samples[-1] + 1)):
+            raise RuntimeError("the xbatcher engine expects a contiguous split")
+        ds = cfg["dataset"]
+        sizes = {"level": ds["n_level"], "lat": ds["n_lat"], "lon": ds["n_lon"]}
+        dataset = XbatcherSamples(
+            cfg["store"], int(samples[0]), int(samples[-1]) + 1, sizes, gets, nbytes
+        )
+    # shuffle=True is RandomSampler(dataset); an epoch capped at max_batches draws that many
+    # batches of distinct samples from a fresh permutation of the whole split, so no worker is
+    # left fetching samples past the end of the epoch.
+    cap = cfg.get("max_batches")
+    generator = torch.Generator().manual_seed(cfg.get("seed", 0))
+    n_samples = min(len(samples), cap * cfg["batch_size"]) if cap else None
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg["batch_size"],
+        sampler=RandomSampler(dataset, num_samples=n_samples, generator=generator),
+        num_workers=n,
+        multiprocessing_context=ctx if n > 0 else None,
+        persistent_workers=n > 0,
+    )
+    setup_s = time.monotonic() - t0
+
+    def io() -> dict[str, int]:
+        return {"gets": int(gets.value), "bytes": int(nbytes.value)}
+
+    epochs = []
+    for kind in ("cold", "warm"):
+        with timed_epoch(kind, cfg.get("proxy_stats_port"), io) as rec:
+            for t2m, _z, index in loader:
+                count_batch(rec, int(t2m.shape[0]), index.tolist())
+        epochs.append(rec.as_dict())
+    return {"setup_s": setup_s, "epochs": epochs}
+
+
+# --------------------------------------------------------------------------------------------
+# memory: the ceiling
+# --------------------------------------------------------------------------------------------
+
+
+def run_memory(cfg: dict[str, Any]) -> dict[str, Any]:
+    import zarr
+
+    t0 = time.monotonic()
+    group = zarr.open_group(make_zarr_store(cfg["store"]), mode="r")
+    samples = np.asarray(cfg["samples"], dtype=np.int64)
+    contiguous = np.array_equal(samples, np.arange(samples[0], samples[0] + len(samples)))
+    data = {}
+    for v in VARIABLES:
+        array = group[v]
+        assert isinstance(array, zarr.Array)
+        # A slice when the split is one run of samples (zarr 3.1's orthogonal selection on a
+        # sharded array peaks at ~10x the result's memory, which would be charged to the epoch).
+        if contiguous:
+            loaded = array[int(samples[0]) : int(samples[0]) + len(samples)]
+        else:
+            loaded = array.get_orthogonal_selection(samples)
+        data[v] = np.ascontiguousarray(loaded)
+    setup_s = time.monotonic() - t0
+    bs = int(cfg["batch_size"])
+    bufs = {v: np.empty((bs, *a.shape[1:]), dtype=a.dtype) for v, a in data.items()}
+    rng = np.random.default_rng(cfg.get("seed", 0))
+    epochs = []
+    for kind in ("cold", "warm"):
+        with timed_epoch(kind, None) as rec:
+            perm = rng.permutation(len(samples))
+            for start in range(0, len(perm), bs):
+                idx = perm[start : start + bs]
+                for v, arr in data.items():
+                    np.take(arr, idx, axis=0, out=bufs[v][: len(idx)], mode="clip")
+                count_batch(rec, len(idx), samples[idx])
+        epochs.append(rec.as_dict())
+    return {"setup_s": setup_s, "epochs": epochs}
+
+
+# --------------------------------------------------------------------------------------------
+# rawget: the store's ceiling (no decode)
+# --------------------------------------------------------------------------------------------
+
+
+def run_rawget(cfg: dict[str, Any]) -> dict[str, Any]:
+    import obstore
+
+    store = make_obstore(cfg["store"])
+    keys = [k for k, _ in cfg["objects"]]
+    limit = int(cfg["max_inflight"])
+
+    async def fetch_all() -> int:
+        sem = asyncio.Semaphore(limit)
+
+        async def one(key: str) -> int:
+            async with sem:
+                result = await obstore.get_async(store, key)
+                return len(await result.bytes_async())
+
+        return sum(await asyncio.gather(*(one(k) for k in keys)))
+
+    with timed_epoch("raw", cfg.get("proxy_stats_port")) as rec:
+        nbytes = asyncio.run(fetch_all())
+        count_batch(rec, 0, None)
+    out = rec.as_dict()
+    out["extra"] = {"objects": len(keys), "bytes": nbytes}
+    return {"setup_s": 0.0, "epochs": [out]}
+
+
+RUNNERS = {
+    "nodes": run_nodes,
+    "workers": run_torch_loader,
+    "xbatcher": run_torch_loader,
+    "memory": run_memory,
+    "rawget": run_rawget,
+}
+
+
+def main(argv: list[str]) -> None:
+    cfg, result_path = load_config(argv)
+    result = RUNNERS[cfg["engine"]](cfg)
+    finish(result_path, result)
+
+
+if __name__ == "__main__":
+    # Re-import under the package name so the dataset classes pickle as
+    # ``benchmarks.engines.*`` for spawned DataLoader workers (not ``__main__.*``).
+    from benchmarks import engines
+
+    engines.main(sys.argv)
