@@ -4,20 +4,72 @@ The event loop is zarr's own store-IO loop (one thread), so a store's async sess
 the loop every zarr call in the process already uses, and no second loop is ever created.
 Decode runs on process-wide thread pools, one per requested size. Pipelines borrow both and
 never stop, close or shut them down; they cancel only the tasks they started.
+
+A decode pool serves its queue by *priority*, not arrival: every chunk gets a ticket when it is
+admitted (in the order batches first need chunks), and a stored object whose bytes arrive is
+decoded before any object of a later ticket. Without that, the objects of the first batch wait
+behind the read-ahead of the rest of the block, whose GETs complete in whatever order the store
+answers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import queue
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from insitubatch_nodes import _zarr_compat
 
-__all__ = ["decode_pool", "default_decode_threads", "io_loop"]
+__all__ = ["PriorityPool", "decode_pool", "default_decode_threads", "io_loop", "next_ticket"]
 
-_POOLS: dict[int, ThreadPoolExecutor] = {}
+R = TypeVar("R")
+_TICKETS = itertools.count()
+
+
+def next_ticket() -> int:
+    """A process-wide, increasing priority ticket (smaller = sooner)."""
+    return next(_TICKETS)
+
+
+class PriorityPool:
+    """A fixed set of daemon threads serving submitted calls smallest ``priority`` first."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._queue: queue.PriorityQueue[
+            tuple[int, int, Future[Any], Callable[..., Any], tuple[Any, ...]]
+        ]
+        self._queue = queue.PriorityQueue()
+        self._seq = itertools.count()
+        self.threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def submit(self, priority: int, fn: Callable[..., R], *args: Any) -> Future[R]:
+        """Run ``fn(*args)`` on a pool thread; cancelling the future before it starts skips it."""
+        fut: Future[R] = Future()
+        self._queue.put((priority, next(self._seq), fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            _, _, fut, fn, args = self._queue.get()
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+
+_POOLS: dict[int, PriorityPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 
@@ -34,14 +86,14 @@ def default_decode_threads() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def decode_pool(threads: int | None = None) -> ThreadPoolExecutor:
-    """The shared decode pool with ``threads`` workers (created once, never shut down here)."""
+def decode_pool(threads: int | None = None) -> PriorityPool:
+    """The shared decode pool with ``threads`` workers (created once, never shut down)."""
     n = default_decode_threads() if threads is None else int(threads)
     if n < 1:
         raise ValueError(f"decode_threads must be >= 1, got {n}")
     with _POOLS_LOCK:
         pool = _POOLS.get(n)
         if pool is None:
-            pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix=f"insitu-decode{n}")
+            pool = PriorityPool(n, name=f"insitu-decode{n}")
             _POOLS[n] = pool
         return pool

@@ -28,7 +28,6 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,7 +122,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self.geoms = {path: g.base for path, g in geoms.items()}
         self.max_inflight = max_inflight
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
-        self._decode_pool: ThreadPoolExecutor = _runtime.decode_pool(decode_threads)
+        self._decode_pool = _runtime.decode_pool(decode_threads)
         self._loop = _runtime.io_loop()
         self._get = _zarr_compat.make_async_getter(store)
         self._sem: asyncio.Semaphore | None = None
@@ -223,7 +222,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def _admit(self, pending: _Pending) -> bool:
         """Pin the plan's first reads in order; False when the pool has no room yet."""
         fetches = pending.keys
-        spawn: list[ChunkEntry] = []
+        spawn: list[tuple[ChunkEntry, int]] = []
         ok = True
         while pending.admitted < len(fetches):
             key = fetches[pending.admitted]
@@ -235,8 +234,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             entry, hit = got
             self._live[key] = entry
             self._pins[key] = self._pins.get(key, 0) + 1
-            if not hit:
-                spawn.append(entry)
+            if not hit:  # tickets follow first need: the decode pool serves them in that order
+                spawn.append((entry, _runtime.next_ticket()))
             pending.admitted += 1
             pending.ahead_bytes += entry.nbytes
             self._ahead_bytes += entry.nbytes
@@ -245,23 +244,25 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return ok
 
     # -- on the loop ------------------------------------------------------------------------
-    def _spawn(self, entries: list[ChunkEntry]) -> None:
+    def _spawn(self, entries: list[tuple[ChunkEntry, int]]) -> None:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
-        for entry in entries:
-            task = self._loop.create_task(self._fill(entry))
+        for entry, ticket in entries:
+            task = self._loop.create_task(self._fill(entry, ticket))
             self._counters.tasks.add(task)
             task.add_done_callback(self._counters.tasks.discard)
 
-    async def _fill(self, entry: ChunkEntry) -> None:
+    async def _fill(self, entry: ChunkEntry, ticket: int) -> None:
         path, chunk = entry.key
-        geom, decoder = self.geoms[path], self._decoders[path]
-        start, stop = geom.chunk_range(chunk)
-        region = entry.slot[: stop - start]
-        results = await asyncio.gather(
-            *(self._fill_tile(geom, decoder, region, chunk, t) for t in geom.tiles()),
-            return_exceptions=True,
-        )
+        try:
+            geom, decoder = self.geoms[path], self._decoders[path]
+            start, stop = geom.chunk_range(chunk)
+            region = entry.slot[: stop - start]
+            tiles = [self._fill_tile(geom, decoder, region, chunk, t, ticket) for t in geom.tiles()]
+        except BaseException as exc:  # nothing was started: waiters must still hear of it
+            self.pool.discard(entry, exc)
+            raise
+        results = await asyncio.gather(*tiles, return_exceptions=True)
         # gather() returns only once every tile task has finished, so no decode is still
         # writing into the slot when it is discarded or marked ready.
         errors = [r for r in results if isinstance(r, BaseException)]
@@ -279,6 +280,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         region: Any,
         chunk: int,
         tile: tuple[int, ...],
+        ticket: int,
     ) -> None:
         assert self._sem is not None
         key = geom.store_key(chunk, tile)
@@ -295,7 +297,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 stats.gets += 1
                 stats.bytes_fetched += 0 if raw is None else len(raw)
                 out = region[(slice(None), *geom.tile_slices(tile))]
-                job = self._decode_pool.submit(decoder.decode_into, raw, out, chunk, tile)
+                job = self._decode_pool.submit(ticket, decoder.decode_into, raw, out, chunk, tile)
                 try:
                     await asyncio.wrap_future(job)
                 except asyncio.CancelledError:
