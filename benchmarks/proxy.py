@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 from collections import deque
+from collections.abc import Callable
 
 from insitubatch_nodes.testing import LatencyProxy, free_port
 
@@ -198,41 +199,10 @@ class CountingLatencyProxy(LatencyProxy):
 
         return asyncio.run_coroutine_threadsafe(copy(), self._loop).result(5)
 
-    async def _count_pipe(
-        self,
-        reader: asyncio.StreamReader,
-        writer: asyncio.StreamWriter,
-        delay: float,
-        feed: _HttpConn,
-        upstream: bool,
-    ) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                # Never let the accounting break the transfer.
-                with contextlib.suppress(ValueError, IndexError):
-                    (feed.feed_request if upstream else feed.feed_response)(data)
-                if delay:
-                    await asyncio.sleep(delay)
-                writer.write(data)
-                await writer.drain()
-        except (ConnectionError, asyncio.CancelledError):
-            pass
-        finally:
-            with contextlib.suppress(Exception):
-                writer.close()
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-        except OSError:
-            writer.close()
-            return
+    def _observers(self) -> tuple[Callable[[bytes], None], Callable[[bytes], None]]:
         self.counters["connections"] += 1
         conn = _HttpConn(self.counters)
-        await asyncio.gather(
-            self._count_pipe(reader, up_w, self.delay_s, conn, upstream=True),
-            self._count_pipe(up_r, writer, 0.0, conn, upstream=False),
-        )
+        return conn.feed_request, conn.feed_response
 
     def stop(self) -> None:
         async def close_stats() -> None:

@@ -22,6 +22,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -140,10 +141,17 @@ class LatencyProxy:
         self._loop.run_forever()
 
     async def _pipe(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        delay: float,
+        observe: Callable[[bytes], None] | None = None,
     ) -> None:
         try:
             while data := await reader.read(1 << 16):
+                if observe is not None:
+                    with contextlib.suppress(ValueError, IndexError):  # never break the transfer
+                        observe(data)
                 if delay:
                     await asyncio.sleep(delay)
                 writer.write(data)
@@ -160,7 +168,17 @@ class LatencyProxy:
         except OSError:
             writer.close()
             return
-        await asyncio.gather(self._pipe(reader, up_w, self.delay_s), self._pipe(up_r, writer, 0.0))
+        up, down = self._observers()
+        await asyncio.gather(
+            self._pipe(reader, up_w, self.delay_s, up), self._pipe(up_r, writer, 0.0, down)
+        )
+
+    def _observers(
+        self,
+    ) -> tuple[Callable[[bytes], None] | None, Callable[[bytes], None] | None]:
+        """Per connection: callbacks that see the client's and the server's bytes (none here;
+        a subclass can count requests)."""
+        return None, None
 
     def stop(self) -> None:
         async def _close() -> None:
