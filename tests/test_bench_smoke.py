@@ -16,29 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.run import ENGINES, REQUIRED_FIELDS
+
 ROOT = Path(__file__).resolve().parents[1]
-ENGINES = ("nodes", "insitubatch", "workers", "xbatcher", "memory")
 OPTIONAL = ("insitubatch", "xbatcher")
-FIELDS = (
-    "engine",
-    "store",
-    "dataset",
-    "repeat",
-    "epoch_kind",
-    "samples",
-    "wall_s",
-    "samples_per_s",
-    "decoded_MB_per_s",
-    "ttfb_s",
-    "rss_peak_MB",
-    "cpu_s",
-    "gets",
-    "bytes_fetched",
-    "needed_bytes",
-    "read_amplification",
-    "shuffle_quality",
-    "config",
-)
+FIELDS = REQUIRED_FIELDS
 
 
 @pytest.mark.slow
