@@ -81,16 +81,21 @@ def _children_map() -> dict[int, list[int]]:
     return kids
 
 
-def _descendants(pid: int) -> list[int]:
+def tree_pids(pid: int) -> list[int]:
+    """``pid`` and all its live descendants, from ``/proc`` (just ``[pid]`` without it)."""
     if not os.path.isdir("/proc"):
-        return []
+        return [pid]
     kids = _children_map()
-    out, todo = [], list(kids.get(pid, []))
+    out, todo = [pid], list(kids.get(pid, []))
     while todo:
         p = todo.pop()
         out.append(p)
         todo.extend(kids.get(p, []))
     return out
+
+
+def _descendants(pid: int) -> list[int]:
+    return tree_pids(pid)[1:]
 
 
 def _proc_cpu(pid: int) -> float:

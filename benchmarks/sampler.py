@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Any
 
+from benchmarks._childutil import tree_pids
+
 __all__ = ["TreeSampler", "rss_source", "tree_rss"]
 
 try:  # pragma: no cover - depends on the environment
@@ -33,25 +35,6 @@ _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 def rss_source() -> str:
     return "psutil" if psutil is not None else "procfs"
-
-
-def _tree_pids_proc(pid: int) -> list[int]:
-    kids: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as fh:
-                    stat = fh.read()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-            kids.setdefault(ppid, []).append(int(entry))
-    out, todo = [pid], list(kids.get(pid, []))
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
 
 
 def _rss_proc(pid: int) -> int:
@@ -75,7 +58,7 @@ def tree_rss(pid: int) -> int:
             with contextlib.suppress(psutil.Error):
                 rss += int(proc.memory_info().rss)
         return rss
-    return sum(_rss_proc(p) for p in _tree_pids_proc(pid))
+    return sum(_rss_proc(p) for p in tree_pids(pid))
 
 
 class TreeSampler:
