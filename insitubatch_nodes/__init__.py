@@ -8,10 +8,12 @@ Follow a batch top-down through the modules:
 * :mod:`~insitubatch_nodes.plan` — ``ReadPlanNode``: per-epoch order, batches, chunk reads;
 * :mod:`~insitubatch_nodes.fetch` — ``AsyncChunkFetchNode``: GETs on one loop, decode off the GIL;
 * :mod:`~insitubatch_nodes.decode` — one stored object into its slot memory;
-* :mod:`~insitubatch_nodes.pool` — ``ChunkPoolNode``/``ChunkPool``: budget, pins, LRU;
+* :mod:`~insitubatch_nodes.residency` — ``ChunkPool``: budget, pins, LRU, slot memory;
+* :mod:`~insitubatch_nodes.pool` — ``ChunkPoolNode``: waits until a batch's chunks are resident;
 * :mod:`~insitubatch_nodes.gather` — ``GatherNode``: vectorised batch assembly;
 * :mod:`~insitubatch_nodes.prefetch` — ``PrefetcherNode``: bounded look-ahead thread;
 * :mod:`~insitubatch_nodes.pipeline` — ``insitu_pipeline``: the five stages in one call;
+* :mod:`~insitubatch_nodes.loader` — ``Loader``: torchdata's, with resume in any call order;
 * :mod:`~insitubatch_nodes.batch` — ``Batch`` and ``to_torch``;
 * :mod:`~insitubatch_nodes.torch_data` — ``as_dataset`` for ``StatefulDataLoader``;
 * :mod:`~insitubatch_nodes.lightning` — ``InSituDataModule`` (the ``lightning`` extra);
@@ -23,6 +25,7 @@ from insitubatch_nodes.decode import ChunkDecoder, DecodeError
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
+from insitubatch_nodes.loader import Loader
 from insitubatch_nodes.pipeline import InSituPipeline, PipelineStages, insitu_pipeline
 from insitubatch_nodes.plan import (
     BatchPlan,
@@ -32,16 +35,16 @@ from insitubatch_nodes.plan import (
     plan_epoch,
     shuffle_quality,
 )
-from insitubatch_nodes.pool import (
+from insitubatch_nodes.pool import ChunkPoolNode, PipelineInterrupted, ResidentBatch
+from insitubatch_nodes.prefetch import PrefetcherNode
+from insitubatch_nodes.residency import (
     ChunkPool,
-    ChunkPoolNode,
+    FillCancelled,
     PoolStats,
     RamBacking,
-    ResidentBatch,
     SlotBacking,
     working_set_bytes,
 )
-from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stores import SUPPORTED_SCHEMES, open_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
@@ -63,9 +66,12 @@ __all__ = [
     "DecodeError",
     "EpochPlan",
     "FetchedBatch",
+    "FillCancelled",
     "GatherNode",
     "InSituIterableDataset",
     "InSituPipeline",
+    "Loader",
+    "PipelineInterrupted",
     "PipelineStages",
     "PoolStats",
     "PrefetcherNode",

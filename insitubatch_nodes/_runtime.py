@@ -25,7 +25,15 @@ from typing import Any, TypeVar
 
 from insitubatch_nodes import _zarr_compat
 
-__all__ = ["PriorityPool", "decode_pool", "default_decode_threads", "io_loop", "next_ticket"]
+__all__ = [
+    "PriorityPool",
+    "check_obstore_usable",
+    "decode_pool",
+    "default_decode_threads",
+    "io_loop",
+    "next_ticket",
+    "note_obstore_use",
+]
 
 R = TypeVar("R")
 _TICKETS = itertools.count()
@@ -71,6 +79,42 @@ class PriorityPool:
 
 _POOLS: dict[int, PriorityPool] = {}
 _POOLS_LOCK = threading.Lock()
+
+# The process that ran obstore GETs through a pipeline. obstore's IO runtime is a set of threads
+# that fork() does not copy: in a child of that process every obstore request waits forever.
+_OBSTORE_PID: int | None = None
+
+
+def note_obstore_use() -> None:
+    """Record that this process has started obstore's IO runtime (through a pipeline)."""
+    global _OBSTORE_PID
+    _OBSTORE_PID = os.getpid()
+
+
+def check_obstore_usable(store: Any) -> None:
+    """Raise ``RuntimeError`` if ``store`` is obstore-backed and this process is a fork of one
+    that already used obstore (its requests would hang here, not fail)."""
+    from zarr.storage import ObjectStore
+
+    if isinstance(store, ObjectStore) and _OBSTORE_PID not in (None, os.getpid()):
+        raise RuntimeError(
+            f"this process was forked from process {_OBSTORE_PID} after it read through "
+            "obstore, whose IO threads do not survive fork(): obstore requests here would never "
+            "finish. Start child processes with the 'spawn' or 'forkserver' method, or build "
+            "pipelines only after forking."
+        )
+
+
+def _after_fork_in_child() -> None:
+    # Decode threads do not exist in the child: pools are rebuilt on first use. (zarr resets
+    # its own IO loop after fork; pipelines built before the fork refuse to run, see fetch.)
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def io_loop() -> asyncio.AbstractEventLoop:

@@ -14,31 +14,41 @@ Two bounds keep it honest:
   not configured), and only while the pool's budget has room.
 
 It yields :class:`FetchedBatch` items in plan order as soon as their chunks are *admitted*; the
-residency stage downstream waits for them to be *ready*. The node owns every pin it takes: the
-residency stage calls :meth:`AsyncChunkFetchNode.release` once a batch has been gathered, and
-``reset``/``close`` cancel this node's tasks (and only those) and drop its pins.
+residency stage downstream waits for them to be *ready*. The node owns every pin it takes: each
+item carries a ``release`` handle that drops the pins of the chunks its batch reads for the last
+time (the residency stage calls it once the batch has been gathered), and ``reset``/``close``
+drop every pin at once and cancel the fills nobody else pins — without waiting for them: a slot
+is reused only once its fill has finished (see :mod:`~insitubatch_nodes.residency`), so neither
+call ever waits for a GET. A pool shared by several fetch nodes keeps working when one of them
+closes.
+
+The IO loop and the obstore runtime do not survive ``fork``: a node used in the child of a
+process that forked after building it raises a ``RuntimeError`` saying so, and an obstore-backed
+store that the parent already read from is refused in the child (its GETs would never finish).
 """
 
 from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import logging
-import threading
+import os
 import weakref
 from collections import deque
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from torchdata.nodes import BaseNode
 from zarr.abc.store import Store
+from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _runtime, _zarr_compat
 from insitubatch_nodes.decode import ChunkDecoder
 from insitubatch_nodes.geometry import ArrayGeometry
 from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
-from insitubatch_nodes.pool import ChunkEntry, ChunkPool, working_set_bytes
+from insitubatch_nodes.residency import ChunkEntry, ChunkPool, FillCancelled, working_set_bytes
 
 __all__ = ["AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
 
@@ -50,13 +60,32 @@ log = logging.getLogger(__name__)
 _LIVE: weakref.WeakSet[AsyncChunkFetchNode] = weakref.WeakSet()
 
 
+_EXIT_GRACE_S = 2.0
+
+
 @atexit.register
 def _cancel_all_at_exit() -> None:
-    for node in list(_LIVE):
+    nodes = [n for n in list(_LIVE) if n._pid == os.getpid()]
+    for node in nodes:
         try:
             node.close()
         except Exception:  # pragma: no cover - best effort at exit
             log.debug("insitubatch_nodes: teardown at exit failed", exc_info=True)
+    loop = _runtime.io_loop()
+    if nodes and loop.is_running():
+        done = asyncio.run_coroutine_threadsafe(_cancel_tasks(nodes), loop)
+        try:
+            done.result(timeout=_EXIT_GRACE_S)
+        except Exception:  # pragma: no cover - a wedged loop: exit anyway
+            log.debug("insitubatch_nodes: in-flight GETs did not stop at exit", exc_info=True)
+
+
+async def _cancel_tasks(nodes: Iterable[AsyncChunkFetchNode]) -> None:
+    tasks = [t for node in nodes for t in node._tasks]
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=_EXIT_GRACE_S)
 
 
 class ChunkReadError(RuntimeError):
@@ -70,10 +99,15 @@ class ChunkReadError(RuntimeError):
 
 @dataclass(frozen=True, eq=False)
 class FetchedBatch:
-    """A batch plan whose chunks are admitted: ``entries`` covers every chunk it reads."""
+    """A batch plan whose chunks are admitted: ``entries`` covers every chunk it reads.
+
+    ``release()`` drops the pins of the chunks this batch reads for the last time; call it once
+    the batch has been gathered. It is a no-op after the fetch node was reset or closed.
+    """
 
     plan: BatchPlan
     entries: Mapping[ChunkKey, ChunkEntry]
+    release: Callable[[], None]
 
 
 @dataclass(eq=False)
@@ -87,12 +121,6 @@ class _Pending:
     @property
     def done(self) -> bool:
         return self.admitted == len(self.keys)
-
-
-@dataclass(eq=False)
-class _Counters:
-    inflight: int = 0
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
 
 
 class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
@@ -124,9 +152,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
         self._loop = _runtime.io_loop()
+        _runtime.check_obstore_usable(store)
+        self._uses_obstore = isinstance(store, ObjectStore)
         self._get = _zarr_compat.make_async_getter(store)
         self._sem: asyncio.Semaphore | None = None
-        self._counters = _Counters()
+        self._inflight = 0
+        self._tasks: set[asyncio.Task[None]] = set()  # touched on the IO loop only
+        self._pid = os.getpid()
+        self._generation = 0  # bumped by every teardown: older release handles do nothing
         self._queue: deque[_Pending] = deque()
         # Chunks this node holds pins on, and how many: a chunk released after one use segment
         # can already be re-admitted (read-ahead) for its next one before that release happens.
@@ -142,6 +175,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        self._check_process()
         self._teardown()
         self.source.reset(initial_state["source"] if initial_state is not None else None)
         self._exhausted = False
@@ -152,6 +186,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return {"source": self._last_state}
 
     def next(self) -> FetchedBatch:
+        self._check_process()
         self._top_up()
         if not self._queue:
             raise StopIteration
@@ -166,11 +201,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._last_state = head.state
         entries = {key: self._live[key] for key in head.plan.reads}
         self._top_up()
-        return FetchedBatch(plan=head.plan, entries=entries)
+        release = functools.partial(self._release, self._generation, head.plan.releases)
+        return FetchedBatch(plan=head.plan, entries=entries, release=release)
 
     # -- pins -------------------------------------------------------------------------------
-    def release(self, keys: Iterable[ChunkKey]) -> None:
+    def _release(self, generation: int, keys: Iterable[ChunkKey]) -> None:
         """Unpin chunks the consumer has read for the last time this epoch."""
+        if generation != self._generation:  # the pins went with a reset or close
+            return
         done: list[ChunkEntry] = []
         for key in keys:
             count = self._pins.get(key, 0)
@@ -181,7 +219,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 del self._pins[key], self._live[key]
             else:
                 self._pins[key] = count - 1
-        self.pool.unpin(done)
+        self._cancel_fills(self.pool.unpin(done))
 
     @property
     def pinned(self) -> int:
@@ -189,7 +227,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return sum(self._pins.values())
 
     def close(self) -> None:
-        """Cancel this node's in-flight tasks and drop its pins (the loop and pools stay up)."""
+        """Drop this node's pins and cancel the fills nobody else pins; returns at once."""
         self._teardown()
 
     # -- read-ahead and admission ----------------------------------------------------------
@@ -199,7 +237,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 return
         while not self._exhausted and (not self._queue or self._ahead_bytes < self._read_ahead):
             try:
-                plan = self.source.next()
+                plan = next(self.source)
             except StopIteration:
                 self._exhausted = True
                 return
@@ -247,24 +285,35 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def _spawn(self, entries: list[tuple[ChunkEntry, int]]) -> None:
         if self._sem is None:
             self._sem = asyncio.Semaphore(self.max_inflight)
+        if self._uses_obstore:
+            _runtime.note_obstore_use()
         for entry, ticket in entries:
+            if entry.detached and entry.pins == 0:  # abandoned before its fill could start
+                self.pool.discard(entry, FillCancelled(f"chunk {entry.key} was cancelled"))
+                continue
             task = self._loop.create_task(self._fill(entry, ticket))
-            self._counters.tasks.add(task)
-            task.add_done_callback(self._counters.tasks.discard)
+            entry.filler = task
+            self._tasks.add(task)
+            task.add_done_callback(functools.partial(self._fill_done, entry))
+
+    def _fill_done(self, entry: ChunkEntry, task: asyncio.Task[None]) -> None:
+        # Runs however the task ended — even cancelled before its first step, when no code of
+        # _fill ran: the entry must still resolve, or its waiters would wait forever.
+        self._tasks.discard(task)
+        entry.filler = None
+        error = None if task.cancelled() else task.exception()  # retrieved: nothing is logged
+        if not entry.ready.done():
+            self.pool.discard(entry, error or FillCancelled(f"chunk {entry.key} was cancelled"))
 
     async def _fill(self, entry: ChunkEntry, ticket: int) -> None:
         path, chunk = entry.key
-        try:
-            geom, decoder = self.geoms[path], self._decoders[path]
-            start, stop = geom.chunk_range(chunk)
-            region = entry.slot[: stop - start]
-            tiles = [self._fill_tile(geom, decoder, region, chunk, t, ticket) for t in geom.tiles()]
-        except BaseException as exc:  # nothing was started: waiters must still hear of it
-            self.pool.discard(entry, exc)
-            raise
+        geom, decoder = self.geoms[path], self._decoders[path]
+        start, stop = geom.chunk_range(chunk)
+        region = entry.slot[: stop - start]
+        tiles = [self._fill_tile(geom, decoder, region, chunk, t, ticket) for t in geom.tiles()]
         results = await asyncio.gather(*tiles, return_exceptions=True)
-        # gather() returns only once every tile task has finished, so no decode is still
-        # writing into the slot when it is discarded or marked ready.
+        # gather() returns (or raises CancelledError) only once every tile task has finished,
+        # so no decode is still writing into the slot when it is discarded or marked ready.
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
             self.pool.discard(entry, errors[0])
@@ -272,6 +321,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 raise asyncio.CancelledError
         else:
             self.pool.mark_ready(entry)
+
+    def _cancel_fills(self, entries: list[ChunkEntry]) -> None:
+        """Cancel the fills of detached entries (no pin left on them), from any thread."""
+        if not entries:
+            return
+
+        def cancel() -> None:
+            for entry in entries:
+                if entry.filler is not None:
+                    entry.filler.cancel()
+
+        if self._pid == os.getpid() and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(cancel)
 
     async def _fill_tile(
         self,
@@ -286,9 +348,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         key = geom.store_key(chunk, tile)
         stats = self.pool.stats
         async with self._sem:
-            self._counters.inflight += 1
+            self._inflight += 1
             stats.inflight += 1
-            stats.inflight_peak = max(stats.inflight_peak, self._counters.inflight)
+            stats.inflight_peak = max(stats.inflight_peak, self._inflight)
             try:
                 try:
                     raw = await self._get(key)
@@ -308,38 +370,30 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 except Exception as exc:
                     raise ChunkReadError(geom.path, chunk, tile, key, "decode") from exc
             finally:
-                self._counters.inflight -= 1
+                self._inflight -= 1
                 stats.inflight -= 1
 
-    async def _cancel_all(self) -> None:
-        tasks = list(self._counters.tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.gather(*tasks, return_exceptions=True)
-
     def _teardown(self) -> None:
-        if self._counters.tasks or self._live:
-            on_loop_thread = threading.current_thread() is getattr(self._loop, "_thread", None)
-            if self._loop.is_running() and not on_loop_thread:
-                done = asyncio.run_coroutine_threadsafe(self._cancel_all(), self._loop)
-                try:
-                    done.result(timeout=60)
-                except Exception:  # pragma: no cover - a wedged loop: keep slots pinned
-                    log.warning("insitubatch_nodes: fetch tasks did not stop within 60 s")
-                    self._queue.clear()
-                    return
-        stuck = {t.get_name() for t in self._counters.tasks if not t.done()}
-        if stuck:  # pragma: no cover - only when the loop is not running
-            log.warning("insitubatch_nodes: %d fetch tasks still running at teardown", len(stuck))
-        self.pool.unpin([self._live[k] for k, n in self._pins.items() for _ in range(n)])
+        """Drop every pin this node holds and cancel the fills left unpinned (no waiting)."""
+        self._generation += 1
+        held = [self._live[k] for k, n in self._pins.items() for _ in range(n)]
+        self._cancel_fills(self.pool.unpin(held))
         self._live.clear()
         self._pins.clear()
         self._queue.clear()
         self._ahead_bytes = 0
         self._epoch_plan = None
 
+    def _check_process(self) -> None:
+        if self._pid != os.getpid():
+            raise RuntimeError(
+                f"this pipeline was built in process {self._pid} and used in process "
+                f"{os.getpid()} after a fork(): its IO loop and decode threads do not survive "
+                "fork. Build a new pipeline in the child (or start workers with the 'spawn' or "
+                "'forkserver' method)."
+            )
+
     @property
     def inflight(self) -> int:
         """Stored-object GETs (and their decodes) in flight right now."""
-        return self._counters.inflight
+        return self._inflight

@@ -5,14 +5,17 @@ from one chunk are one contiguous run of the batch: each distinct chunk contribu
 ``np.take`` (or slice copy) straight into the batch — Python work is O(chunks in the batch),
 never O(samples).
 
-Batch arrays are carved from reusable buffers: a buffer is handed out again only when nothing
-outside the stage references it (a batch, a view, or a tensor made with ``torch.from_numpy``),
-so keeping a batch is always safe. A short final batch is a prefix view of a full buffer.
+Batch arrays are carved from reusable buffers, lent under one explicit ownership rule (see
+:class:`BufferPool`): a buffer is handed out again only once every array, view and tensor made
+from the batch that borrowed it is gone, so a batch (or anything made from it) that you keep is
+never overwritten. A short final batch is a prefix view of a full buffer.
 """
 
 from __future__ import annotations
 
-import sys
+import ctypes
+import math
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,43 +24,53 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.geometry import ArrayGeometry
-from insitubatch_nodes.pool import ChunkPoolNode, ResidentBatch
+from insitubatch_nodes.pool import ResidentBatch
 
 __all__ = ["BufferPool", "GatherNode", "gather_label"]
 
 
-def _refs(buffers: list[np.ndarray], i: int) -> int:
-    """Reference count of ``buffers[i]`` as seen from here (no extra names bound to it)."""
-    return sys.getrefcount(buffers[i])
-
-
-# What _refs() reports for an array that only the list holds, measured rather than assumed
-# (the count depends on the interpreter version).
-_IDLE_REFS = _refs([np.empty(0)], 0)
-
-
 class BufferPool:
-    """Reusable batch buffers of one shape and dtype.
+    """Reusable batch buffers of one shape and dtype, lent out under an explicit ownership rule.
 
-    ``take()`` returns a buffer no one else references, allocating only when every buffer is
-    still held downstream; at most ``max_idle`` unreferenced buffers are kept.
+    Each array :meth:`take` returns is built on a *lease*: an owner object of its own (a ctypes
+    view of the buffer's memory) that every array, view and ``torch.from_numpy`` tensor derived
+    from it keeps alive. The pool holds only a weak reference to the lease, and lends the buffer
+    again only once that weak reference is dead — once nothing made from the batch exists. This
+    rests on weak-reference semantics, not on reference-count values (which free-threaded
+    Python changes). ``take()`` allocates only when every buffer is still out; at most
+    ``max_idle`` buffers that nobody borrows are kept.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], max_idle: int = 4) -> None:
-        self.shape, self.dtype, self.max_idle = shape, np.dtype(dtype), max_idle
-        self._buffers: list[np.ndarray] = []
+        self.shape, self.dtype, self.max_idle = tuple(shape), np.dtype(dtype), max_idle
+        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
+        self._buffers: list[np.ndarray] = []  # raw memory, uint8
+        self._leases: list[weakref.ref[Any] | None] = []
         self.allocations = 0
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffer memory this pool holds (lent out or idle)."""
+        return len(self._buffers) * self.nbytes
+
     def take(self) -> np.ndarray:
-        idle = [i for i in range(len(self._buffers)) if _refs(self._buffers, i) <= _IDLE_REFS]
+        idle = [i for i, lease in enumerate(self._leases) if lease is None or lease() is None]
+        for i in reversed(idle[self.max_idle :]):
+            del self._buffers[i], self._leases[i]
         if idle:
-            for i in reversed(idle[self.max_idle :]):
-                del self._buffers[i]
-            return self._buffers[idle[0]]
-        buf = np.empty(self.shape, dtype=self.dtype)
-        self._buffers.append(buf)
+            return self._lend(idle[0])
+        self._buffers.append(np.empty(self.nbytes, dtype=np.uint8))
+        self._leases.append(None)
         self.allocations += 1
-        return buf
+        return self._lend(len(self._buffers) - 1)
+
+    def _lend(self, i: int) -> np.ndarray:
+        raw = self._buffers[i]
+        if raw.nbytes == 0:
+            return np.empty(self.shape, dtype=self.dtype)
+        owner: Any = (ctypes.c_char * raw.nbytes).from_buffer(raw)  # type: ignore[arg-type]
+        self._leases[i] = weakref.ref(owner)
+        return np.frombuffer(owner, dtype=self.dtype).reshape(self.shape)
 
 
 def gather_label(
@@ -106,7 +119,7 @@ class GatherNode(BaseNode[Batch]):
 
     def __init__(
         self,
-        source: ChunkPoolNode,
+        source: BaseNode[ResidentBatch],
         labels: Mapping[str, ArrayGeometry],
         batch_size: int,
         batch_transforms: Sequence[BatchTransform] = (),
@@ -135,7 +148,7 @@ class GatherNode(BaseNode[Batch]):
         return {"source": self.source.state_dict()}
 
     def next(self) -> Batch:
-        resident: ResidentBatch = self.source.next()
+        resident: ResidentBatch = next(self.source)
         plan = resident.plan
         n = len(plan)
         arrays: dict[str, np.ndarray] = {}
@@ -161,9 +174,17 @@ class GatherNode(BaseNode[Batch]):
         return batch
 
     def close(self) -> None:
-        self.source.close()
+        closer = getattr(self.source, "close", None)
+        if closer is not None:
+            closer()
 
     @property
     def buffer_allocations(self) -> int:
         """Batch buffers allocated so far (stays flat in steady state)."""
         return sum(b.allocations for b in self._buffers.values())
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of batch-buffer memory held now, lent out or idle (scratch included)."""
+        held = sum(b.held_bytes for b in self._buffers.values())
+        return held + sum(s.nbytes for s in self._scratch.values())

@@ -20,8 +20,9 @@ from insitubatch_nodes.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
 from insitubatch_nodes.plan import ReadPlanNode
-from insitubatch_nodes.pool import ChunkPool, ChunkPoolNode, SlotBacking, working_set_bytes
+from insitubatch_nodes.pool import ChunkPoolNode
 from insitubatch_nodes.prefetch import PrefetcherNode
+from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
 from insitubatch_nodes.splits import SplitManifest
 from insitubatch_nodes.stores import as_store
 
@@ -174,7 +175,7 @@ def insitu_pipeline(
     fetch = AsyncChunkFetchNode(
         plan, zstore, geoms, pool, max_inflight=max_inflight, decode_threads=decode_threads
     )
-    resident = ChunkPoolNode(fetch, pool)
+    resident = ChunkPoolNode(fetch)
     gather = GatherNode(resident, labels, batch_size, batch_transforms)
     return InSituPipeline(
         gather,

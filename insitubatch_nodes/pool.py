@@ -1,303 +1,48 @@
-"""The chunk pool: residency under a byte budget, pin/unpin, LRU, and slot-memory reuse.
+"""The residency stage: a batch moves on once every chunk it reads is resident.
 
-A *slot* holds one decoded chunk of one array, sample-axis first: shape ``(samples_per_chunk,
-*inner_shape)``. A chunk is *pinned* from admission until the last batch that reads it has been
-gathered; then it stays resident as least-recently-used and is evicted only when a new chunk
-needs its memory. With a budget above the working set, drained chunks therefore survive into the
-next epoch and are hits there.
+:class:`ChunkPoolNode` sits between the fetch stage and the gather stage. It knows nothing about
+who fetches: each item it receives (a :class:`~insitubatch_nodes.fetch.FetchedBatch`) carries the
+pool entries of the chunks the batch reads and a ``release`` handle that drops the pins the batch
+held. The stage waits for the entries (a failed fetch or decode re-raises here, in the consumer's
+thread, with array, chunk and store key in the message), hands the slots downstream, and calls
+``release`` once the downstream stage has gathered the batch — when the next batch is requested.
 
-Slot buffers come from a :class:`SlotBacking` and are recycled through per-size free lists, so a
-steady-state epoch allocates nothing. The bytes the backing has handed out (slots in use plus
-free-listed ones) never exceed the budget.
-
-:class:`ChunkPoolNode` is the pipeline stage: it waits until every chunk a batch reads is
-resident, hands the slots downstream, and releases the chunks a batch read for the last time
-once the downstream stage has gathered it.
+Every wait here is tied to the liveness of what it waits on: an entry's ``ready`` future always
+resolves (see :mod:`~insitubatch_nodes.residency`), and :meth:`ChunkPoolNode.interrupt` wakes a
+wait at once from any thread (the prefetch stage calls it when it stops its thread).
 """
 
 from __future__ import annotations
 
-import math
-import threading
-from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from insitubatch_nodes.geometry import ArrayGeometry
-from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
+from insitubatch_nodes.plan import BatchPlan, ChunkKey
+from insitubatch_nodes.residency import ChunkEntry
 
-if TYPE_CHECKING:
-    from insitubatch_nodes.fetch import AsyncChunkFetchNode, FetchedBatch
-
-__all__ = [
-    "ChunkEntry",
-    "ChunkPool",
-    "ChunkPoolNode",
-    "PoolStats",
-    "RamBacking",
-    "ResidentBatch",
-    "SlotBacking",
-    "working_set_bytes",
-]
+__all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
 
 
-class SlotBacking(Protocol):
-    """Where slot memory comes from. RAM today; mmap'd files and a persistent cache plug in here."""
-
-    name: str
-
-    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        """A new writable C-contiguous array (contents undefined)."""
-        ...
-
-    def release(self, buffer: np.ndarray) -> None:
-        """Give back a buffer obtained from :meth:`allocate` (it is no longer referenced)."""
-        ...
+class PipelineInterrupted(RuntimeError):
+    """A stage's wait was cut short because its pipeline is stopping (close or reset)."""
 
 
-class RamBacking:
-    """Slots in anonymous process memory."""
-
-    name = "ram"
-
-    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        return np.empty(shape, dtype=dtype)
-
-    def release(self, buffer: np.ndarray) -> None:
-        del buffer
-
-
-@dataclass
-class PoolStats:
-    """Counters of one pool (cumulative over its life; read them any time)."""
-
-    hits: int = 0
-    misses: int = 0
-    gets: int = 0
-    bytes_fetched: int = 0
-    evictions: int = 0
-    allocations: int = 0
-    resident_bytes: int = 0
-    resident_peak_bytes: int = 0
-    inflight: int = 0
-    inflight_peak: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return dict(self.__dict__)
-
-
-@dataclass(eq=False)
-class ChunkEntry:
-    """One resident (or arriving) chunk. ``ready`` resolves when the slot holds the data."""
-
-    key: ChunkKey
-    slot: np.ndarray
-    nbytes: int
-    ready: Future[None] = field(default_factory=Future)
-    pins: int = 0
+class AdmittedBatch(Protocol):
+    """What the residency stage needs of an item: the plan, its entries, a release handle."""
 
     @property
-    def is_ready(self) -> bool:
-        return self.ready.done() and self.ready.exception() is None
-
-
-def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tuple[int, int]:
-    """``(floor, read_ahead)`` in bytes for one epoch plan.
-
-    ``read_ahead`` is the most slot memory one block's first reads take; the fetcher may run at
-    most that far ahead of the batch being gathered. ``floor`` is the most memory live at once
-    (chunks between their first and last reading batch) plus ``read_ahead``: the smallest budget
-    with which the pipeline never waits on itself.
-    """
-    size = {path: g.chunk_nbytes for path, g in geoms.items()}
-    fetches = [plan.batch_fetches(b) for b in range(plan.n_batches)]
-    releases = [plan.batch_releases(b) for b in range(plan.n_batches)]
-    live, peak = 0, 0
-    for b in range(plan.n_batches):
-        live += sum(size[k[0]] for k in fetches[b])
-        peak = max(peak, live)
-        live -= sum(size[k[0]] for k in releases[b])
-    per_block = [0] * max(1, plan.n_blocks)
-    for b, keys in enumerate(fetches):
-        per_block[plan.batch_first_block(b)] += sum(size[k[0]] for k in keys)
-    read_ahead = max(per_block)
-    return peak + read_ahead, read_ahead
-
-
-class ChunkPool:
-    """Chunk residency under a byte budget (thread-safe).
-
-    ``budget_bytes=None`` means *automatic*: the pipeline sets it to the working-set floor of
-    each epoch (:func:`working_set_bytes`). An explicit budget below an epoch's floor raises
-    ``ValueError`` naming the floor when that epoch starts (the builder checks epoch 0 up front).
-    """
-
-    def __init__(self, budget_bytes: int | None = None, backing: SlotBacking | None = None):
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-            raise ValueError(
-                f"cache_budget_bytes must be a positive int or None, got {budget_bytes!r}"
-            )
-        self.auto = budget_bytes is None
-        self.budget_bytes = budget_bytes or 0
-        self.backing: SlotBacking = backing or RamBacking()
-        self.stats = PoolStats()
-        self._lock = threading.Lock()
-        self._entries: dict[ChunkKey, ChunkEntry] = {}
-        self._lru: OrderedDict[ChunkKey, ChunkEntry] = OrderedDict()
-        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
-        self._allocated = 0
-
-    # -- budget -----------------------------------------------------------------------------
-    def fits(self, floor_bytes: int) -> bool:
-        """Whether an explicit budget holds ``floor_bytes`` (an automatic one always does)."""
-        return self.auto or self.budget_bytes >= floor_bytes
-
-    def ensure_floor(self, floor_bytes: int, read_once_bytes: int | None = None) -> None:
-        """Grow an automatic budget to ``floor_bytes``; an explicit one below it raises."""
-        with self._lock:
-            if self.auto:
-                self.budget_bytes = max(self.budget_bytes, floor_bytes)
-            elif self.budget_bytes < floor_bytes:
-                once = (
-                    f"; reading each chunk once per epoch needs {read_once_bytes:,} bytes"
-                    if read_once_bytes and read_once_bytes > floor_bytes
-                    else ""
-                )
-                raise ValueError(
-                    f"cache_budget_bytes={self.budget_bytes:,} is below this epoch's working-set "
-                    f"floor of {floor_bytes:,} bytes ({floor_bytes / 2**20:.1f} MiB: chunks live "
-                    f"at once plus one block of read-ahead){once}; raise it to at least the "
-                    "floor, lower block_chunks, or pass None for the automatic budget"
-                )
+    def plan(self) -> BatchPlan: ...
 
     @property
-    def allocated_bytes(self) -> int:
-        """Bytes of slot memory handed out by the backing (in use + free-listed)."""
-        return self._allocated
+    def entries(self) -> Mapping[ChunkKey, ChunkEntry]: ...
 
-    # -- admission ------------------------------------------------------------------------
-    def lookup(self, key: ChunkKey) -> ChunkEntry | None:
-        with self._lock:
-            return self._entries.get(key)
-
-    def acquire(
-        self, key: ChunkKey, shape: tuple[int, ...], dtype: np.dtype[Any]
-    ) -> tuple[ChunkEntry, bool] | None:
-        """Pin ``key``: ``(entry, True)`` if already present (a hit), ``(new entry, False)``
-        with a fresh slot to fill (a miss), or ``None`` when the budget has no room now."""
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.pins += 1
-                self._lru.pop(key, None)
-                self.stats.hits += 1
-                return entry, True
-            slot = self._take_buffer(tuple(shape), np.dtype(dtype))
-            if slot is None:
-                return None
-            entry = ChunkEntry(key=key, slot=slot, nbytes=slot.nbytes, pins=1)
-            self._entries[key] = entry
-            self.stats.misses += 1
-            self.stats.resident_bytes += entry.nbytes
-            self.stats.resident_peak_bytes = max(
-                self.stats.resident_peak_bytes, self.stats.resident_bytes
-            )
-            return entry, False
-
-    def _take_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
-        size_key = (shape, dtype.str)
-        nbytes = math.prod(shape) * dtype.itemsize
-        while True:
-            free = self._free.get(size_key)
-            if free:
-                return free.pop()
-            if self._allocated + nbytes <= self.budget_bytes:
-                self._allocated += nbytes
-                self.stats.allocations += 1
-                return self.backing.allocate(shape, dtype)
-            if self._drop_other_free(size_key):
-                continue
-            if self._lru:
-                _, victim = self._lru.popitem(last=False)
-                del self._entries[victim.key]
-                self.stats.evictions += 1
-                self.stats.resident_bytes -= victim.nbytes
-                self._recycle(victim.slot)
-                continue
-            return None
-
-    def _drop_other_free(self, keep: tuple[tuple[int, ...], str]) -> bool:
-        for size_key, bufs in self._free.items():
-            if size_key != keep and bufs:
-                buf = bufs.pop()
-                self._allocated -= buf.nbytes
-                self.backing.release(buf)
-                return True
-        return False
-
-    def _recycle(self, slot: np.ndarray) -> None:
-        self._free.setdefault((slot.shape, slot.dtype.str), []).append(slot)
-
-    # -- completion and release --------------------------------------------------------------
-    def mark_ready(self, entry: ChunkEntry) -> None:
-        if not entry.ready.done():
-            entry.ready.set_result(None)
-
-    def discard(self, entry: ChunkEntry, error: BaseException | None = None) -> None:
-        """Drop an entry whose fill failed or was cancelled; waiters see ``error``.
-
-        Call only once nothing writes into its slot any more.
-        """
-        with self._lock:
-            if self._entries.get(entry.key) is entry:
-                del self._entries[entry.key]
-                self._lru.pop(entry.key, None)
-                self.stats.resident_bytes -= entry.nbytes
-                self._recycle(entry.slot)
-        if not entry.ready.done():
-            entry.ready.set_exception(error or RuntimeError(f"chunk {entry.key} was cancelled"))
-
-    def unpin(self, entries: Iterable[ChunkEntry]) -> None:
-        """Release one pin on each entry; fully released ready chunks become LRU-evictable."""
-        with self._lock:
-            for entry in entries:
-                entry.pins -= 1
-                if entry.pins < 0:
-                    raise RuntimeError(f"chunk {entry.key} unpinned more often than pinned")
-                if entry.pins == 0 and self._entries.get(entry.key) is entry:
-                    if entry.is_ready:
-                        self._lru[entry.key] = entry
-                    else:  # never filled: nobody will read it, give the memory back
-                        del self._entries[entry.key]
-                        self.stats.resident_bytes -= entry.nbytes
-                        self._recycle(entry.slot)
-
-    def pinned_count(self) -> int:
-        with self._lock:
-            return sum(1 for e in self._entries.values() if e.pins > 0)
-
-    def resident_keys(self) -> list[ChunkKey]:
-        with self._lock:
-            return list(self._entries)
-
-    def clear(self) -> None:
-        """Drop every unpinned chunk and free list (pinned chunks stay)."""
-        with self._lock:
-            for key, entry in list(self._lru.items()):
-                del self._entries[key]
-                self.stats.resident_bytes -= entry.nbytes
-                self._recycle(entry.slot)
-            self._lru.clear()
-            for bufs in self._free.values():
-                for buf in bufs:
-                    self._allocated -= buf.nbytes
-                    self.backing.release(buf)
-            self._free.clear()
+    @property
+    def release(self) -> Callable[[], None]: ...
 
 
 @dataclass(frozen=True, eq=False)
@@ -309,33 +54,31 @@ class ResidentBatch:
 
 
 class ChunkPoolNode(BaseNode[ResidentBatch]):
-    """Residency stage: yields a batch once every chunk it reads is resident.
+    """Residency stage: yields a batch once every chunk it reads is resident (module doc).
 
-    Chunks the previous batch read for the last time are unpinned when the next batch is
-    requested — by then the downstream stage has finished gathering it. A failed fetch or decode
-    re-raises here, in the consumer's thread, with the array, chunk and store key in the message.
+    ``source`` yields items with ``plan``, ``entries`` and ``release`` (the fetch stage's
+    :class:`~insitubatch_nodes.fetch.FetchedBatch`).
     """
 
-    def __init__(self, source: AsyncChunkFetchNode, pool: ChunkPool) -> None:
+    def __init__(self, source: BaseNode[Any]) -> None:
         super().__init__()
         self.source = source
-        self.pool = pool
-        self._held: FetchedBatch | None = None
+        self._held: AdmittedBatch | None = None
+        self._interrupt: Future[None] = Future()
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._held = None
+        self._interrupt = Future()
         self.source.reset(initial_state["source"] if initial_state is not None else None)
 
     def next(self) -> ResidentBatch:
-        if self._held is not None:
-            held, self._held = self._held, None
-            self.source.release(held.plan.releases)
-        item = self.source.next()
+        self._release_held()
+        item: AdmittedBatch = next(self.source)
         slots: dict[ChunkKey, np.ndarray] = {}
         for key in item.plan.reads:
             entry = item.entries[key]
-            entry.ready.result()  # raises the fetch/decode error with its cause chained
+            self._wait(entry.ready)
             slots[key] = entry.slot
         self._held = item
         return ResidentBatch(plan=item.plan, slots=slots)
@@ -343,7 +86,27 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     def get_state(self) -> dict[str, Any]:
         return {"source": self.source.state_dict()}
 
+    def interrupt(self) -> None:
+        """Wake a wait in :meth:`next` now (thread-safe); it raises ``PipelineInterrupted``."""
+        interrupt = self._interrupt
+        if not interrupt.done():
+            interrupt.set_result(None)
+
     def close(self) -> None:
         """Release this pipeline's pins and cancel its in-flight fetches."""
-        self._held = None
-        self.source.close()
+        self._release_held()
+        closer = getattr(self.source, "close", None)
+        if closer is not None:
+            closer()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
+
+    def _wait(self, ready: Future[None]) -> None:
+        if not ready.done():
+            wait((ready, self._interrupt), return_when=FIRST_COMPLETED)
+            if not ready.done():
+                raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
+        ready.result()  # raises the fetch/decode error with its cause chained

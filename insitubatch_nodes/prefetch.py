@@ -6,20 +6,30 @@ source's state *as of the last item delivered to the consumer* — items still i
 plans the fetcher pulled ahead, are not counted — so a checkpoint resumes at exactly the next
 undelivered batch.
 
-Lifecycle: ``reset`` restarts the thread; ``close()`` (also on ``del`` and when a ``for`` loop
-over the node is left early) stops it, cancels this pipeline's in-flight fetches and unpins its
-chunks, keeping the delivered position, so a later ``next()`` resumes where the consumer was.
-An exception raised in any stage re-raises in the consumer with its original traceback.
+Lifecycle, following ``BaseNode``'s contract: ``iter(node)`` is the node itself, so
+``next(iter(pipe))`` called again and again continues the same epoch. The thread starts at the
+first ``next()`` after a ``reset`` (so ``reset`` twice with nothing consumed starts the same
+epoch twice, never skipping one). It stops at the end of an epoch, on ``reset``, on ``close()``
+(also ``with`` blocks, ``del`` and interpreter exit). ``close()`` cancels this pipeline's
+in-flight fetches and unpins its chunks, keeping the delivered position, so a later ``next()``
+resumes where the consumer was. Leaving a ``for`` loop early (``break``) releases nothing: the
+thread parks once ``prefetch_depth`` batches wait, and the next ``next()`` continues; call
+``close()`` (or use ``with``) to release memory at once.
+
+Stopping never waits for a GET: the thread is woken from any wait on a chunk
+(``interrupt()`` of the stages below) and joined for at most a few seconds. An exception raised
+in any stage re-raises in the consumer with its original traceback.
 """
 
 from __future__ import annotations
 
 import atexit
 import itertools
+import logging
+import os
 import queue
 import threading
 import weakref
-from collections.abc import Iterator
 from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
@@ -27,8 +37,10 @@ from torchdata.nodes import BaseNode
 __all__ = ["PrefetcherNode"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _ids = itertools.count()
 _POLL_S = 0.05
+_JOIN_S = 2.0  # how long stopping waits for the thread (it is woken from every chunk wait)
 _LIVE: weakref.WeakSet[PrefetcherNode[Any]] = weakref.WeakSet()
 
 
@@ -37,15 +49,27 @@ def _halt_all_at_exit() -> None:
     # Runs before the fetch stage's own exit hook (registered earlier, so called later): stop
     # every producer thread first, so nothing admits new fetches while those are cancelled.
     for node in list(_LIVE):
-        worker, node._worker = node._worker, None
-        if worker is not None:
-            worker.halt(close_source=True, join=True, timeout=10.0)
+        if node._pid == os.getpid():
+            node._halt(close_source=True)
+
+
+def interrupt_chain(node: Any) -> None:
+    """Call ``interrupt()`` on ``node`` and every ``source`` below it that has one (thread-safe):
+    a stage blocked waiting on a chunk wakes at once."""
+    seen: set[int] = set()
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        interrupt = getattr(node, "interrupt", None)
+        if callable(interrupt):
+            interrupt()
+        node = getattr(node, "source", None)
 
 
 class _Worker:
     """The thread and its queue; holds no reference to the node (so ``del node`` works)."""
 
     def __init__(self, source: BaseNode[Any], depth: int, name: str) -> None:
+        self.source = source
         self.queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.close_source = threading.Event()
@@ -55,7 +79,12 @@ class _Worker:
         self.thread.daemon = True
         self.thread.start()
 
-    def halt(self, close_source: bool, join: bool = True, timeout: float | None = None) -> None:
+    def halt(self, close_source: bool, join: bool = True) -> None:
+        """Stop the thread: wake it from any wait, and (``join``) wait up to ``_JOIN_S``.
+
+        With ``close_source`` the source is closed — by the thread on its way out, or here once
+        the thread is gone (closing is idempotent).
+        """
         if close_source:
             self.close_source.set()
         self.stop.set()
@@ -64,8 +93,25 @@ class _Worker:
                 self.queue.get_nowait()
             except queue.Empty:
                 break
-        if join and self.thread is not threading.current_thread():
-            self.thread.join(timeout)
+        interrupt_chain(self.source)
+        if not join or self.thread is threading.current_thread():
+            return
+        self.thread.join(_JOIN_S)
+        if self.thread.is_alive():
+            log.warning(
+                "insitubatch_nodes: %s did not stop within %.0f s (a batch transform still "
+                "running?); it stops at its next step",
+                self.thread.name,
+                _JOIN_S,
+            )
+        elif close_source:
+            _close(self.source)
+
+
+def _close(node: Any) -> None:
+    closer = getattr(node, "close", None)
+    if closer is not None:
+        closer()
 
 
 def _put(
@@ -99,9 +145,7 @@ def _run(
         _put(q, stop, ("error", exc, None))
     finally:
         if close_source.is_set():
-            closer = getattr(source, "close", None)
-            if closer is not None:
-                closer()
+            _close(source)
 
 
 class PrefetcherNode(BaseNode[T], Generic[T]):
@@ -109,14 +153,20 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
 
     def __init__(self, source: BaseNode[T], prefetch_depth: int = 2) -> None:
         super().__init__()
-        if not isinstance(prefetch_depth, int) or prefetch_depth < 1:
+        if (
+            isinstance(prefetch_depth, bool)
+            or not isinstance(prefetch_depth, int)
+            or prefetch_depth < 1
+        ):
             raise ValueError(f"prefetch_depth must be a positive integer, got {prefetch_depth!r}")
         self.source = source
         self.prefetch_depth = prefetch_depth
         self.name = f"insitu-prefetch-{next(_ids)}"
         self._worker: _Worker | None = None
         self._delivered: dict[str, Any] | None = None
+        self._source_at_delivered = False  # the source sits exactly at the delivered position
         self._ended = False
+        self._pid = os.getpid()
         _LIVE.add(self)
 
     # -- BaseNode ----------------------------------------------------------------------------
@@ -125,17 +175,18 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self._halt(close_source=False)
         self.source.reset(initial_state["source"] if initial_state is not None else None)
         self._delivered = self.source.state_dict()
+        self._source_at_delivered = True
         self._ended = False
-        self._start()
 
     def next(self) -> T:
         if self._ended:
             raise StopIteration
-        if self._worker is None:  # closed earlier: resume at the delivered position
-            self.source.reset(self._delivered)
-            self._start()
+        if self._worker is None:  # first next() since reset, or closed earlier: resume
+            if not self._source_at_delivered:
+                self.source.reset(self._delivered)
+            self._source_at_delivered = False
+            self._worker = _Worker(self.source, self.prefetch_depth, self.name)
         worker = self._worker
-        assert worker is not None
         while True:
             try:
                 kind, payload, state = worker.queue.get(timeout=_POLL_S)
@@ -152,7 +203,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         if kind == "end":
             self._ended = True
             raise StopIteration
-        self._close_source()
+        _close(self.source)
         raise payload
 
     def get_state(self) -> dict[str, Any]:
@@ -160,25 +211,11 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the thread, cancel in-flight fetches, unpin chunks; the position is kept."""
+        """Stop the thread, cancel in-flight fetches, unpin chunks; the position is kept.
+
+        Returns within a few seconds whatever the store does (in-flight GETs are cancelled,
+        not awaited)."""
         self._halt(close_source=True)
-
-    def __iter__(self) -> Iterator[T]:
-        return self._iterate()
-
-    def _iterate(self) -> Iterator[T]:
-        finished = False
-        try:
-            while True:
-                try:
-                    item = next(self)
-                except StopIteration:
-                    finished = True
-                    return
-                yield item
-        finally:
-            if not finished:  # the loop was left early (break, exception, generator closed)
-                self.close()
 
     def __enter__(self) -> PrefetcherNode[T]:
         return self
@@ -191,20 +228,14 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         if worker is not None:
             worker.halt(close_source=True, join=False)
 
-    def _start(self) -> None:
-        self._worker = _Worker(self.source, self.prefetch_depth, self.name)
-
     def _halt(self, close_source: bool) -> None:
         worker, self._worker = self._worker, None
         if worker is not None:
             worker.halt(close_source=close_source)
         elif close_source:
-            self._close_source()
-
-    def _close_source(self) -> None:
-        closer = getattr(self.source, "close", None)
-        if closer is not None:
-            closer()
+            _close(self.source)
+        if close_source:
+            self._source_at_delivered = False
 
     @property
     def threads(self) -> list[threading.Thread]:

@@ -125,7 +125,7 @@ def build_nodes(
     # 2. GETs on zarr's IO loop, decoded on the shared decode pool straight into pool slots.
     fetch = AsyncChunkFetchNode(plan, store, geoms, pool, max_inflight=args.max_inflight)
     # 3. Residency: waits until every chunk a batch reads is ready; releases drained chunks.
-    resident = ChunkPoolNode(fetch, pool)
+    resident = ChunkPoolNode(fetch)
     # 4. Gather: one vectorised copy per (label, chunk) into reusable batch buffers.
     gather = GatherNode(resident, views, args.batch_size)
     # 5. Look-ahead: a thread keeps up to prefetch_depth finished batches ready.

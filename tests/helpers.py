@@ -44,6 +44,8 @@ class CountingStore(zarr.storage.WrapperStore[Store]):
 
     ``delay`` (seconds) is awaited inside every chunk GET (not metadata), so GETs overlap and a
     close can catch them in flight. ``fail`` maps a key to an exception to raise for it.
+    ``stall_after=n`` answers the first ``n`` chunk GETs and leaves every later one hanging (an
+    endpoint that froze): those wait an hour unless cancelled.
     """
 
     def __init__(
@@ -52,10 +54,13 @@ class CountingStore(zarr.storage.WrapperStore[Store]):
         *,
         delay: float = 0.0,
         fail: Mapping[str, BaseException] | None = None,
+        stall_after: int | None = None,
     ) -> None:
         super().__init__(store)
         self.delay = delay
         self.fail = dict(fail or {})
+        self.stall_after = stall_after
+        self.chunk_gets = 0
         self.counts: Counter[str] = Counter()
         self.partial_counts: Counter[str] = Counter()
         self.active = 0
@@ -63,7 +68,7 @@ class CountingStore(zarr.storage.WrapperStore[Store]):
         self._lock = threading.Lock()
 
     def _with_store(self, store: Store) -> CountingStore:
-        return type(self)(store, delay=self.delay, fail=self.fail)
+        return type(self)(store, delay=self.delay, fail=self.fail, stall_after=self.stall_after)
 
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
@@ -74,7 +79,11 @@ class CountingStore(zarr.storage.WrapperStore[Store]):
             if chunk:
                 self.active += 1
                 self.peak = max(self.peak, self.active)
+                self.chunk_gets += 1
+                stalled = self.stall_after is not None and self.chunk_gets > self.stall_after
         try:
+            if chunk and stalled:
+                await asyncio.sleep(3600)
             if chunk and self.delay:
                 await asyncio.sleep(self.delay)
             if key in self.fail:

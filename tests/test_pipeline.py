@@ -753,10 +753,9 @@ def test_the_short_final_batch_is_a_prefix_view_of_a_full_size_buffer(era5: Case
     for label, arr in last.arrays.items():
         full = arr.base
         assert full is not None, f"{label}: the short batch is not a view"
-        assert full.shape == (7, *arr.shape[1:])
+        assert full.nbytes == 7 * arr[0].nbytes  # the memory of a full-size batch
         assert arr.ctypes.data == full.ctypes.data  # a prefix: it starts where the buffer does
         assert arr.flags.c_contiguous
-        np.testing.assert_array_equal(full[: len(last)], arr)
     assert_batch_matches(last, Oracle(era5.root), era5.oracle_views)
     for b in batches[:-1]:
         assert all(a.shape[0] == 7 for a in b.arrays.values())

@@ -95,17 +95,21 @@ def reference(era5: Store) -> list[dict[str, Any]]:
 
 
 @pytest.mark.parametrize("delay", [0.0, 0.05], ids=["fast_store", "slow_store"])
-def test_breaking_out_of_a_for_loop_after_two_batches_stops_the_thread_and_unpins(
-    era5: Store, delay: float
+def test_breaking_out_of_a_for_loop_keeps_the_position_and_close_then_releases_everything(
+    era5: Store, reference: list[dict[str, Any]], delay: float
 ) -> None:
     store = counting_store(era5.root, delay=delay)
     pipe = make(era5, store)
     for seen, _ in enumerate(pipe, start=1):
         if seen == 2:
-            assert len(pipe.threads) == 1  # it was running
             break
+    assert len(pipe.threads) == 1  # BaseNode's contract: leaving a loop tears nothing down
+    assert next(pipe).index == 2  # the same epoch continues at the next batch
+    t0 = time.monotonic()
+    pipe.close()
+    assert time.monotonic() - t0 < 2.0
     assert_torn_down(pipe)
-    assert store.active == 0, "GETs still running after the loop was left"
+    assert wait_until(lambda: store.active == 0), "GETs still running after close()"
 
 
 def test_closing_a_pipeline_iterated_through_a_loader_stops_the_thread_and_unpins(
@@ -191,7 +195,7 @@ def test_close_with_gets_in_flight_returns_promptly_and_unpins(era5: Store) -> N
 # ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["close", "break"])
+@pytest.mark.parametrize("how", ["close", "break"])  # "break": leave a for loop, then close
 @pytest.mark.parametrize("k", [1, 3, "mid", "last"])
 def test_after_close_iteration_resumes_at_the_next_undelivered_batch(
     era5: Store, reference: list[dict[str, Any]], how: str, k: Any
@@ -208,6 +212,7 @@ def test_after_close_iteration_resumes_at_the_next_undelivered_batch(
             first += run_epoch([batch])
             if len(first) == taken:
                 break
+        pipe.close()
     assert_torn_down(pipe)
     rest = run_epoch(pipe, Oracle(era5.root), era5.oracle_views, keep_arrays=True)
     assert_same_records(first, reference[:taken])

@@ -1,0 +1,44 @@
+"""``Loader``: torchdata's ``Loader``, safe to resume whatever the call order, with a length.
+
+torchdata 0.11's ``Loader`` drops a state given to ``load_state_dict`` when ``state_dict()`` was
+called on that loader before (it had built an iterator just to answer, and the next ``iter()``
+hands back that iterator without applying the pending state — fixed upstream in
+meta-pytorch/data PR #1548, unreleased). A training loop that saves a state at every step and
+then restores one on the same object restarts at batch 0 without any error. This subclass fixes
+exactly that and adds ``__len__`` (the root's batches per epoch), which is what Lightning needs
+to resume mid-epoch without skipping a batch. Everything else is torchdata's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from torchdata.nodes import BaseNode
+from torchdata.nodes import Loader as _TorchdataLoader
+
+__all__ = ["Loader"]
+
+T = TypeVar("T")
+
+
+class Loader(_TorchdataLoader[T]):
+    """``torchdata.nodes.Loader`` whose ``load_state_dict`` always applies at the next ``iter()``.
+
+    ``len(loader)`` is ``len(root)`` when the root node has a length (every pipeline that
+    :func:`~insitubatch_nodes.insitu_pipeline` builds does), else ``TypeError``.
+    """
+
+    def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None:
+        super().__init__(root, restart_on_stop_iteration=restart_on_stop_iteration)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict`` at the next ``iter()`` (a state asked for earlier with
+        :meth:`state_dict` no longer hides it)."""
+        super().load_state_dict(state_dict)
+        self._iter_for_state_dict = False
+
+    def __len__(self) -> int:
+        length = getattr(self.root, "__len__", None)
+        if length is None:
+            raise TypeError(f"the root node {type(self.root).__name__} has no length")
+        return int(length())
