@@ -35,11 +35,12 @@ from insitubatch_nodes.plan import (
     plan_epoch,
     shuffle_quality,
 )
-from insitubatch_nodes.pool import ChunkPoolNode, PipelineInterrupted, ResidentBatch
+from insitubatch_nodes.pool import ChunkPoolNode, ResidentBatch
 from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.residency import (
     ChunkPool,
     FillCancelled,
+    PipelineInterrupted,
     PoolStats,
     RamBacking,
     SlotBacking,

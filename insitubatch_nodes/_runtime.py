@@ -28,6 +28,7 @@ from insitubatch_nodes import _zarr_compat
 __all__ = [
     "PriorityPool",
     "check_obstore_usable",
+    "check_same_process",
     "decode_pool",
     "default_decode_threads",
     "io_loop",
@@ -85,18 +86,27 @@ _POOLS_LOCK = threading.Lock()
 _OBSTORE_PID: int | None = None
 
 
+def check_same_process(built_in: int) -> None:
+    """Raise ``RuntimeError`` when a pipeline built in process ``built_in`` runs in a fork of it."""
+    if built_in != os.getpid():
+        raise RuntimeError(
+            f"this pipeline was built in process {built_in} and used in process {os.getpid()} "
+            "after a fork(): its IO loop, decode threads and prefetch thread do not survive "
+            "fork. Build a new pipeline in the child (or start workers with the 'spawn' or "
+            "'forkserver' method)."
+        )
+
+
 def note_obstore_use() -> None:
     """Record that this process has started obstore's IO runtime (through a pipeline)."""
     global _OBSTORE_PID
     _OBSTORE_PID = os.getpid()
 
 
-def check_obstore_usable(store: Any) -> None:
-    """Raise ``RuntimeError`` if ``store`` is obstore-backed and this process is a fork of one
-    that already used obstore (its requests would hang here, not fail)."""
-    from zarr.storage import ObjectStore
-
-    if isinstance(store, ObjectStore) and _OBSTORE_PID not in (None, os.getpid()):
+def check_obstore_usable() -> None:
+    """Raise ``RuntimeError`` if this process is a fork of one that already used obstore: its
+    requests here would hang, not fail."""
+    if _OBSTORE_PID not in (None, os.getpid()):
         raise RuntimeError(
             f"this process was forked from process {_OBSTORE_PID} after it read through "
             "obstore, whose IO threads do not survive fork(): obstore requests here would never "

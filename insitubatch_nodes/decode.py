@@ -58,6 +58,7 @@ class _Stats:
     copied: int = 0  # copied straight from the raw bytes / a codec's own result
     fallback: int = 0  # decoded by zarr's codec objects
     filled: int = 0  # a missing object or inner chunk filled with the fill value
+    scratch_bytes: int = 0  # scratch memory held by this decoder, over all decode threads
 
 
 # ---------------------------------------------------------------------------------------------
@@ -452,6 +453,7 @@ class ChunkDecoder:
             self._plan = _plan_v3(_zarr_compat.v3_codecs(metadata), geom.chunks, dtype, spec)
         self._local = threading.local()
         self._stats = _Stats()
+        self._scratch_lock = threading.Lock()
 
     def __reduce__(self) -> tuple[type[ChunkDecoder], tuple[ArrayGeometry]]:
         """Pickles as its geometry (per-thread state is rebuilt on the other side)."""
@@ -496,8 +498,17 @@ class ChunkDecoder:
         """This thread's scratch buffer, at least ``nbytes`` long (grown, never shrunk)."""
         buf: np.ndarray | None = getattr(self._local, "scratch", None)
         if buf is None or buf.nbytes < nbytes:
+            old = 0 if buf is None else buf.nbytes
             buf = self._local.scratch = np.empty(max(nbytes, 4096), dtype=_U8)
+            with self._scratch_lock:
+                self._stats.scratch_bytes += buf.nbytes - old
         return buf[:nbytes]
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Scratch memory this decoder holds over all threads (at most one buffer per thread,
+        each at most the largest decoded stored object it needed scratch for)."""
+        return self._stats.scratch_bytes
 
     # -- the one public operation --------------------------------------------------------------
     def decode_into(

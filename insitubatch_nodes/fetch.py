@@ -152,8 +152,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
         self._loop = _runtime.io_loop()
-        _runtime.check_obstore_usable(store)
         self._uses_obstore = isinstance(store, ObjectStore)
+        if self._uses_obstore:
+            _runtime.check_obstore_usable()
         self._get = _zarr_compat.make_async_getter(store)
         self._sem: asyncio.Semaphore | None = None
         self._inflight = 0
@@ -385,13 +386,12 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._epoch_plan = None
 
     def _check_process(self) -> None:
-        if self._pid != os.getpid():
-            raise RuntimeError(
-                f"this pipeline was built in process {self._pid} and used in process "
-                f"{os.getpid()} after a fork(): its IO loop and decode threads do not survive "
-                "fork. Build a new pipeline in the child (or start workers with the 'spawn' or "
-                "'forkserver' method)."
-            )
+        _runtime.check_same_process(self._pid)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """Decode scratch memory this node's decoders hold (over all decode threads)."""
+        return sum(d.scratch_bytes for d in self._decoders.values())
 
     @property
     def inflight(self) -> int:

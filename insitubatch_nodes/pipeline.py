@@ -67,8 +67,16 @@ class InSituPipeline(PrefetcherNode[Batch]):
         return state
 
     def stats(self) -> dict[str, int]:
-        """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks)."""
-        return self.stages.pool.stats.as_dict()
+        """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the
+        memory this pipeline holds outside the pool's budget, in bytes:
+        ``batch_buffer_bytes`` (reusable batch buffers, lent out or idle — the prefetch queue's
+        batches live in them — plus gather scratch), ``decode_scratch_bytes`` (per decode
+        thread) and their sum ``outside_pool_bytes``."""
+        out = self.stages.pool.stats.as_dict()
+        out["batch_buffer_bytes"] = self.stages.gather.buffer_bytes
+        out["decode_scratch_bytes"] = self.stages.fetch.scratch_bytes
+        out["outside_pool_bytes"] = out["batch_buffer_bytes"] + out["decode_scratch_bytes"]
+        return out
 
 
 def _auto_cap_bytes() -> int:

@@ -23,13 +23,9 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.plan import BatchPlan, ChunkKey
-from insitubatch_nodes.residency import ChunkEntry
+from insitubatch_nodes.residency import ChunkEntry, PipelineInterrupted
 
 __all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
-
-
-class PipelineInterrupted(RuntimeError):
-    """A stage's wait was cut short because its pipeline is stopping (close or reset)."""
 
 
 class AdmittedBatch(Protocol):

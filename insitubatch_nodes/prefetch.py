@@ -34,6 +34,9 @@ from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
+from insitubatch_nodes import _runtime
+from insitubatch_nodes.residency import PipelineInterrupted
+
 __all__ = ["PrefetcherNode"]
 
 T = TypeVar("T")
@@ -172,6 +175,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        _runtime.check_same_process(self._pid)
         self._halt(close_source=False)
         self.source.reset(initial_state["source"] if initial_state is not None else None)
         self._delivered = self.source.state_dict()
@@ -179,6 +183,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self._ended = False
 
     def next(self) -> T:
+        _runtime.check_same_process(self._pid)
         if self._ended:
             raise StopIteration
         if self._worker is None:  # first next() since reset, or closed earlier: resume
@@ -192,6 +197,10 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 kind, payload, state = worker.queue.get(timeout=_POLL_S)
                 break
             except queue.Empty:
+                if worker.stop.is_set():  # closed or reset from another thread meanwhile
+                    raise PipelineInterrupted(
+                        f"{self.name} was closed or reset while next() waited for a batch"
+                    ) from None
                 if not worker.thread.is_alive() and worker.queue.empty():
                     self._worker = None
                     raise RuntimeError(f"{self.name}: the prefetch thread died") from None

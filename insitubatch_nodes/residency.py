@@ -43,6 +43,7 @@ __all__ = [
     "ChunkEntry",
     "ChunkPool",
     "FillCancelled",
+    "PipelineInterrupted",
     "PoolStats",
     "RamBacking",
     "SlotBacking",
@@ -52,6 +53,10 @@ __all__ = [
 
 class FillCancelled(RuntimeError):
     """A chunk's fill was cancelled (its pipeline closed or reset) before the data landed."""
+
+
+class PipelineInterrupted(RuntimeError):
+    """A wait was cut short because its pipeline is stopping (``close`` or ``reset``)."""
 
 
 class SlotBacking(Protocol):

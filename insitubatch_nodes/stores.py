@@ -50,6 +50,10 @@ def open_store(
     """
     from obstore.store import AzureStore, GCSStore, LocalStore, MemoryStore, S3Store
 
+    from insitubatch_nodes import _runtime
+
+    _runtime.check_obstore_usable()  # a fork of a process that used obstore would hang
+    _runtime.note_obstore_use()
     if isinstance(url_or_path, Store):
         raise TypeError("open_store() takes a URL or path; a zarr Store can be used as it is")
     text = os.fspath(url_or_path)

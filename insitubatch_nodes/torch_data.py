@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.utils.data
-from torchdata.nodes import Loader
 
 from insitubatch_nodes.batch import Batch, to_torch
+from insitubatch_nodes.loader import Loader
 from insitubatch_nodes.pipeline import InSituPipeline
 
 __all__ = ["InSituIterableDataset", "as_dataset"]

@@ -27,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import zarr
-from torchdata.nodes import Loader
 from zarr.abc.store import Store
 
 from insitubatch_nodes import (
@@ -35,6 +34,7 @@ from insitubatch_nodes import (
     Batch,
     BatchTransform,
     InSituPipeline,
+    Loader,
     SplitManifest,
     insitu_pipeline,
     open_geometries,

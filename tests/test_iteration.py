@@ -1,0 +1,243 @@
+"""Iteration and epoch semantics match torchdata's, and a batch a user keeps is never touched.
+
+* ``iter(pipe)`` is the pipeline itself (``BaseNode``'s contract): ``next(iter(pipe))`` again and
+  again continues one epoch, reading each stored object once.
+* The epoch advances on batches *delivered*: ``iter()`` with nothing consumed starts the same
+  epoch again. A state taken after the last batch of an epoch resumes with the whole next one.
+* :class:`insitubatch_nodes.Loader` resumes whatever the order of ``state_dict`` and
+  ``load_state_dict`` calls.
+* Our nodes compose with torchdata's own (a ``Mapper`` or ``Batcher`` in between).
+* Batch buffers are reused only when nothing made from a batch is alive (weak references, not
+  reference counts).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    Oracle,
+    View,
+    assert_batch_matches,
+    assert_same_records,
+    counting_store,
+    run_epoch,
+    write_era5,
+)
+from torchdata.nodes import Batcher, Mapper
+from torchdata.nodes import Loader as TorchdataLoader
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from insitubatch_nodes import (
+    AsyncChunkFetchNode,
+    ChunkPool,
+    ChunkPoolNode,
+    GatherNode,
+    Loader,
+    PrefetcherNode,
+    ReadPlanNode,
+    as_dataset,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    to_torch,
+)
+from insitubatch_nodes.gather import BufferPool
+
+pytestmark = pytest.mark.timeout(120)
+OVIEWS = {"x": View("t2m"), "y": View("t2m", 0, 1)}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("iteration") / "store.zarr"
+    write_era5(path, n_time=96, n_lat=8, n_lon=16, inner_chunks=(4, 8), variables=("t2m",))
+    return path
+
+
+def make(store: Any, **kwargs: Any) -> Any:
+    g = open_geometries(store, ["t2m"])["t2m"]
+    kwargs = {"batch_size": 8, "block_chunks": 3, "seed": 2, **kwargs}
+    return insitu_pipeline(store, split_by_chunk(g), {"x": g, "y": g.shift(1)}, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------
+# iter() is the node
+# ---------------------------------------------------------------------------------------------
+
+
+def test_next_of_a_fresh_iter_again_and_again_continues_one_epoch_reading_each_object_once(
+    root: Path,
+) -> None:
+    store = counting_store(root, delay=0.02)  # read-ahead GETs are in flight between calls
+    pipe = make(store)
+    got = [next(iter(pipe)).index for _ in range(3)]
+    assert got == [0, 1, 2]
+    assert max(store.chunk_counts().values()) == 1, "a stored object was fetched twice"
+    pipe.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Epochs advance on delivered batches
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("loader_cls", [Loader, TorchdataLoader], ids=["ours", "torchdata"])
+def test_iter_of_a_loader_twice_with_nothing_consumed_does_not_skip_an_epoch(
+    root: Path, loader_cls: Any
+) -> None:
+    pipe = make(root)
+    loader = loader_cls(pipe)
+    iter(loader)
+    iter(loader)
+    assert next(iter(loader)).epoch == 0
+    first = [next(iter(loader))]  # the epoch started: a new iter() moves on to epoch 1
+    assert first[0].epoch == 1
+    pipe.close()
+
+
+def test_reset_twice_with_nothing_consumed_starts_the_same_epoch(root: Path) -> None:
+    pipe = make(root)
+    pipe.reset()
+    pipe.reset()
+    assert [b.epoch for b in pipe] == [0] * len(pipe)
+    pipe.reset()
+    assert next(pipe).epoch == 1
+    pipe.close()
+
+
+@pytest.mark.parametrize("via", ["loader", "stateful_dataloader"])
+def test_a_state_taken_after_the_last_batch_resumes_with_the_whole_next_epoch(
+    root: Path, via: str
+) -> None:
+    reference = make(root)
+    want = [run_epoch(reference)]
+    reference.reset()
+    want.append(run_epoch(reference))
+    reference.close()
+
+    if via == "loader":
+        loader: Any = Loader(make(root))
+        assert_same_records(run_epoch(loader), want[0])
+        state = loader.state_dict()
+        resumed: Any = Loader(make(root))
+        resumed.load_state_dict(state)
+        got = run_epoch(resumed)
+    else:
+        sdl = StatefulDataLoader(as_dataset(make(root), transform=lambda b: b), batch_size=None)
+        assert_same_records(run_epoch(sdl), want[0])
+        state = sdl.state_dict()
+        fresh = StatefulDataLoader(as_dataset(make(root), transform=lambda b: b), batch_size=None)
+        fresh.load_state_dict(state)
+        got = run_epoch(fresh)
+    assert_same_records(got, want[1])  # epoch 1, every batch of it
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_our_loader_resumes_even_when_state_dict_was_called_before_load_state_dict(
+    root: Path, k: int
+) -> None:
+    reference = run_epoch(make(root))
+    source = Loader(make(root))
+    it = iter(source)
+    for _ in range(k):
+        next(it)
+    state = source.state_dict()
+
+    loader = Loader(make(root))
+    loader.state_dict()  # torchdata 0.11 would now ignore the state loaded next
+    loader.load_state_dict(state)
+    assert_same_records(run_epoch(loader), reference[k:])
+    assert len(loader) == len(reference)
+
+
+# ---------------------------------------------------------------------------------------------
+# Composition with torchdata's own nodes
+# ---------------------------------------------------------------------------------------------
+
+
+def compose(root: Path, between: Any) -> PrefetcherNode[Any]:
+    g = open_geometries(root, ["t2m"])["t2m"]
+    labels = {"x": g, "y": g.shift(1)}
+    plan = ReadPlanNode(split_by_chunk(g), labels, batch_size=8, seed=4)
+    fetch = AsyncChunkFetchNode(plan, counting_store(root), {"t2m": g}, ChunkPool())
+    return PrefetcherNode(between(GatherNode(ChunkPoolNode(fetch), labels, 8)), 2)
+
+
+def test_a_torchdata_mapper_between_gather_and_prefetch_sees_correct_batches(
+    root: Path,
+) -> None:
+    def tag(batch: Any) -> Any:
+        batch.meta["seen"] = True
+        return batch
+
+    pipe = compose(root, lambda gather: Mapper(gather, tag))
+    records = run_epoch(pipe, Oracle(root), OVIEWS, each=lambda b: b.meta["seen"])
+    assert len(records) == 10  # 80 train anchors with a shift(1) view, batch 8
+    pipe.reset()
+    assert {r["epoch"] for r in run_epoch(pipe, Oracle(root), OVIEWS)} == {1}
+
+
+def test_batches_held_together_by_a_torchdata_batcher_are_all_intact(root: Path) -> None:
+    pipe = compose(root, lambda gather: Batcher(gather, batch_size=3, drop_last=False))
+    oracle = Oracle(root)
+    groups = list(pipe)  # every group (and every batch in it) held until the end
+    assert sum(len(g) for g in groups) == 10
+    for group in groups:
+        for batch in group:
+            assert_batch_matches(batch, oracle, OVIEWS)
+
+
+# ---------------------------------------------------------------------------------------------
+# A batch a user keeps is never overwritten
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_whole_epoch_kept_in_a_list_equals_zarrs_reads(root: Path) -> None:
+    batches = list(Loader(make(root, prefetch_depth=1)))
+    oracle = Oracle(root)
+    for batch in batches:
+        assert_batch_matches(batch, oracle, OVIEWS)
+
+
+def test_a_tensor_from_to_torch_held_across_ten_more_batches_is_unchanged(root: Path) -> None:
+    pipe = make(root, batch_size=4, prefetch_depth=1)
+    batch = next(pipe)
+    rows = np.array(batch.sample_indices["y"])
+    tensor = to_torch(batch)["y"]
+    del batch
+    for _ in range(10):
+        next(pipe)
+    np.testing.assert_array_equal(tensor.numpy(), Oracle(root)("t2m", rows))
+    pipe.close()
+
+
+def test_a_buffer_is_lent_again_only_when_nothing_made_from_its_batch_is_alive() -> None:
+    pool = BufferPool((4, 3), np.dtype("f4"))
+    arr = pool.take()
+    address = arr.ctypes.data
+    part = arr[1:3]  # a view of a view: numpy points its base at the owner, not at `arr`
+    tensor = torch.from_numpy(part)
+    del arr, part
+    assert pool.take().ctypes.data != address  # the tensor still holds the first buffer
+    del tensor
+    gc.collect()
+    assert pool.take().ctypes.data == address
+
+
+def test_buffer_reuse_does_not_read_reference_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    def forbidden(obj: object) -> int:
+        raise AssertionError("sys.getrefcount was consulted")
+
+    monkeypatch.setattr(sys, "getrefcount", forbidden)
+    pool = BufferPool((2, 2), np.dtype("f8"))
+    first = pool.take()
+    address = first.ctypes.data
+    del first
+    assert pool.take().ctypes.data == address

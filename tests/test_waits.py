@@ -1,0 +1,328 @@
+"""Nothing waits forever: every wait is bounded or tied to the liveness of what it waits on.
+
+A stalled GET (an endpoint that froze) is simulated with :class:`helpers.CountingStore`'s
+``stall_after``: the first ``n`` chunk GETs are answered, every later one hangs for an hour
+unless cancelled. A store that stops answering through obstore is covered in the S3 tests.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from helpers import Oracle, View, assert_batch_matches, counting_store, run_epoch, write_era5
+
+from insitubatch_nodes import (
+    AsyncChunkFetchNode,
+    ChunkPool,
+    ChunkPoolNode,
+    FillCancelled,
+    GatherNode,
+    PipelineInterrupted,
+    PrefetcherNode,
+    ReadPlanNode,
+    _runtime,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
+
+pytestmark = pytest.mark.timeout(60)
+TESTS = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("waits") / "store.zarr"
+    write_era5(path, n_time=96, n_lat=8, n_lon=16, inner_chunks=(4, 8), variables=("t2m",))
+    return path
+
+
+def views(store: Any) -> dict[str, Any]:
+    g = open_geometries(store, ["t2m"])["t2m"]
+    return {"x": g, "y": g.shift(1)}
+
+
+def hand_composed(store: Any, pool: ChunkPool, **plan_kwargs: Any) -> PrefetcherNode[Any]:
+    labels = views(store)
+    plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, batch_size=8, **plan_kwargs)
+    fetch = AsyncChunkFetchNode(plan, store, {"t2m": labels["x"]}, pool)
+    return PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
+
+
+def first_batch_gets(root: Path, **kwargs: Any) -> int:
+    """Stored-object GETs batch 0 needs (its chunks' tiles)."""
+    pipe = insitu_pipeline(root, split_by_chunk(views(root)["x"]), views(root), **kwargs)
+    plan = pipe.stages.plan.epoch_plan(0)
+    geom = views(root)["x"]
+    return len(plan.batch_fetches(0)) * geom.n_tiles
+
+
+# ---------------------------------------------------------------------------------------------
+# Fills always resolve
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_pool_shared_by_two_pipelines_keeps_serving_the_second_after_the_first_closes(
+    root: Path,
+) -> None:
+    store = counting_store(root, delay=0.05)
+    pool = ChunkPool()
+    first, second = hand_composed(store, pool, seed=3), hand_composed(store, pool, seed=3)
+    next(first)  # its read-ahead fills are in flight now
+    batch = next(second)  # the second pipeline pins the same chunks, still arriving
+    first.close()
+    oracle = Oracle(root)
+    oviews = {"x": View("t2m"), "y": View("t2m", 0, 1)}
+    assert_batch_matches(batch, oracle, oviews)
+    rest = run_epoch(second, oracle, oviews)
+    assert len(rest) + 1 == len(second.source.source.source.source)  # type: ignore[attr-defined]
+    second.close()
+    assert pool.pinned_count() == 0
+
+
+def test_a_fill_cancelled_before_it_ever_ran_still_resolves_its_entry(root: Path) -> None:
+    pool = ChunkPool(budget_bytes=2**30)
+    labels = views(root)
+    plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, batch_size=8)
+    fetch = AsyncChunkFetchNode(plan, counting_store(root), {"t2m": labels["x"]}, pool)
+    geom = labels["x"]
+    got = pool.acquire(("t2m", 0), (geom.samples_per_chunk, *geom.inner_shape), geom.dtype)
+    assert got is not None
+    entry, _ = got
+
+    def spawn_then_cancel_at_once() -> None:
+        fetch._spawn([(entry, 0)])
+        entry.filler.cancel()  # before the task took a single step
+
+    _runtime.io_loop().call_soon_threadsafe(spawn_then_cancel_at_once)
+    with pytest.raises(FillCancelled):
+        entry.ready.result(timeout=5)
+    assert pool.lookup(("t2m", 0)) is None  # the next request is a fresh miss, not a wait
+
+
+def test_a_chunk_another_pipeline_pins_is_not_cancelled_when_one_pipeline_resets(
+    root: Path,
+) -> None:
+    store = counting_store(root, delay=0.05)
+    pool = ChunkPool()
+    first, second = hand_composed(store, pool, seed=9), hand_composed(store, pool, seed=9)
+    next(first)
+    next(second)
+    first.reset()  # drops its pins; chunks the second still pins keep arriving
+    oviews = {"x": View("t2m"), "y": View("t2m", 0, 1)}
+    run_epoch(second, Oracle(root), oviews)
+    first.close()
+    second.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping never waits for a GET
+# ---------------------------------------------------------------------------------------------
+
+
+def test_close_returns_within_two_seconds_while_gets_stall_and_wakes_a_waiting_consumer(
+    root: Path,
+) -> None:
+    store = counting_store(root, stall_after=0)  # every chunk GET hangs
+    pipe = insitu_pipeline(store, split_by_chunk(views(root)["x"]), views(root), batch_size=8)
+    seen: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            next(pipe)
+        except BaseException as exc:
+            seen.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    deadline = time.monotonic() + 10
+    while store.active == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.active > 0, "no GET was in flight"
+    t0 = time.monotonic()
+    pipe.close()
+    assert time.monotonic() - t0 < 2.0
+    consumer.join(2.0)
+    assert not consumer.is_alive(), "next() still waits after close()"
+    assert len(seen) == 1 and isinstance(seen[0], PipelineInterrupted)
+    assert pipe.stages.pool.pinned_count() == 0
+    deadline = time.monotonic() + 2
+    while store.active and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.active == 0, "the stalled GETs were not cancelled"
+
+
+@pytest.mark.parametrize("how", ["reset", "close", "del"])
+def test_reset_close_and_del_return_within_two_seconds_while_read_ahead_gets_stall(
+    root: Path, how: str
+) -> None:
+    n = first_batch_gets(root, batch_size=8, max_inflight=1)
+    store = counting_store(root, stall_after=n)
+    pipe = insitu_pipeline(
+        store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, max_inflight=1
+    )
+    assert next(pipe).index == 0
+    deadline = time.monotonic() + 10
+    while store.active == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.active > 0, "no read-ahead GET was in flight"
+    pool = pipe.stages.pool
+    t0 = time.monotonic()
+    if how == "reset":
+        pipe.reset()
+    elif how == "close":
+        pipe.close()
+    else:
+        del pipe
+        gc.collect()  # the pipeline refers to itself through its stages
+    assert time.monotonic() - t0 < 2.0
+    deadline = time.monotonic() + 2
+    while (store.active or pool.pinned_count()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.active == 0 and pool.pinned_count() == 0
+
+
+_STALLED_SCRIPT = """
+import sys, time
+sys.path.insert(0, {tests!r})
+from helpers import counting_store
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+
+store = counting_store({root!r}, stall_after={stall_after})
+g = open_geometries(store, ["t2m"])["t2m"]
+pipe = insitu_pipeline(store, split_by_chunk(g), {{"x": g}}, batch_size=8, max_inflight=1)
+print("ready", flush=True)
+{action}
+"""
+
+
+def run_stalled(root: Path, stall_after: int, action: str) -> subprocess.Popen[str]:
+    script = _STALLED_SCRIPT.format(
+        tests=str(TESTS), root=str(root), stall_after=stall_after, action=textwrap.dedent(action)
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", script],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
+    )
+
+
+def test_interpreter_exit_with_gets_stalled_takes_under_three_seconds_and_exits_zero(
+    root: Path,
+) -> None:
+    n = first_batch_gets(root, batch_size=8, max_inflight=1)
+    action = """
+        next(pipe)
+        while store.active == 0:
+            time.sleep(0.01)
+        print("exiting", time.monotonic(), flush=True)
+    """
+    proc = run_stalled(root, n, action)
+    out, err = proc.communicate(timeout=40)
+    ended = time.monotonic()
+    assert proc.returncode == 0, err
+    said = [line for line in out.splitlines() if line.startswith("exiting")]
+    assert said, out + err
+    assert ended - float(said[0].split()[1]) < 3.0
+
+
+def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds(
+    root: Path,
+) -> None:
+    proc = run_stalled(root, 0, "next(pipe)")
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip() == "ready"
+    time.sleep(1.0)  # next() is waiting on GETs that never answer
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGINT)
+    try:
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert time.monotonic() - t0 < 3.0
+    assert "KeyboardInterrupt" in err
+    assert proc.returncode in (1, 130, -signal.SIGINT), err  # no SIGABRT, no segfault
+
+
+# ---------------------------------------------------------------------------------------------
+# fork
+# ---------------------------------------------------------------------------------------------
+
+
+def in_forked_child(fn: Any, timeout: float = 20.0) -> str:
+    """Run ``fn()`` in a forked child; return what it reported (or why it failed)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(read_end)
+        try:
+            message = f"ok {fn()}"
+        except BaseException as exc:
+            message = f"raised {type(exc).__name__}: {exc}"
+        os.write(write_end, message.encode())
+        os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        os.close(read_end)
+        return "hung"
+    with os.fdopen(read_end) as f:
+        return f.read()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
+def test_a_forked_child_gets_a_clear_error_from_the_parents_pipeline_not_a_hang(
+    root: Path,
+) -> None:
+    pipe = insitu_pipeline(root, split_by_chunk(views(root)["x"]), views(root), batch_size=8)
+    next(pipe)
+    said = in_forked_child(lambda: next(pipe).index)
+    assert said.startswith("raised RuntimeError"), said
+    assert "fork" in said
+    assert next(pipe).index == 1  # the parent is unaffected
+    pipe.close()
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_a_forked_child_builds_its_own_pipeline_and_reads_correct_batches(root: Path) -> None:
+    parent = insitu_pipeline(root, split_by_chunk(views(root)["x"]), views(root), batch_size=8)
+    next(parent)  # the parent's IO loop, decode threads and obstore runtime are all running
+
+    def child_reads_through_zarrs_local_store() -> int:
+        store = zarr.storage.LocalStore(root, read_only=True)
+        pipe = insitu_pipeline(store, split_by_chunk(views(store)["x"]), views(store))
+        batch = next(pipe)
+        want = Oracle(root)("t2m", batch.sample_indices["y"])
+        assert np.array_equal(batch["y"], want)
+        pipe.close()
+        return batch.index
+
+    assert in_forked_child(child_reads_through_zarrs_local_store) == "ok 0"
+
+    def child_uses_obstore_again() -> int:
+        return next(insitu_pipeline(root, split_by_chunk(views(root)["x"]), views(root))).index
+
+    said = in_forked_child(child_uses_obstore_again)
+    assert said.startswith("raised RuntimeError") and "obstore" in said, said
+    parent.close()
