@@ -176,7 +176,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._check_process()
+        _runtime.check_same_process(self._pid)
         self._teardown()
         self.source.reset(initial_state["source"] if initial_state is not None else None)
         self._exhausted = False
@@ -187,7 +187,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return {"source": self._last_state}
 
     def next(self) -> FetchedBatch:
-        self._check_process()
+        _runtime.check_same_process(self._pid)
         self._top_up()
         if not self._queue:
             raise StopIteration
@@ -384,9 +384,6 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._queue.clear()
         self._ahead_bytes = 0
         self._epoch_plan = None
-
-    def _check_process(self) -> None:
-        _runtime.check_same_process(self._pid)
 
     @property
     def scratch_bytes(self) -> int:
