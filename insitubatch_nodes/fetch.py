@@ -39,6 +39,7 @@ from insitubatch_nodes.decode import ChunkDecoder
 from insitubatch_nodes.geometry import ArrayGeometry
 from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
 from insitubatch_nodes.pool import ChunkEntry, ChunkPool, working_set_bytes
+from insitubatch_nodes.stores import RetryPolicy, describe_store, retry_policy
 
 __all__ = ["AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
 
@@ -60,12 +61,25 @@ def _cancel_all_at_exit() -> None:
 
 
 class ChunkReadError(RuntimeError):
-    """A stored object could not be read or decoded. The cause is chained (``__cause__``)."""
+    """A stored object could not be read or decoded. The cause is chained (``__cause__``).
 
-    def __init__(self, array: str, chunk_index: int, tile: tuple[int, ...], key: str, what: str):
+    The message names the array, the chunk (and tile), the store key and the store.
+    """
+
+    def __init__(
+        self,
+        array: str,
+        chunk_index: int,
+        tile: tuple[int, ...],
+        key: str,
+        what: str,
+        store: str = "",
+    ):
         self.array, self.chunk_index, self.tile, self.key = array, chunk_index, tile, key
+        self.store = store
         where = f"chunk {chunk_index}" + (f" tile {tile}" if any(tile) else "")
-        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r})")
+        source = f" in store {store}" if store else ""
+        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,6 +115,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     ``geoms`` maps array path to its (unshifted) geometry; ``store`` is the zarr store the paths
     live in. When it is a ``zarr.storage.ObjectStore`` the GETs go straight to the obstore store
     underneath (``obstore.get_async``); any other zarr store is read with its own ``get``.
+    Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (default: the policy the
+    store was opened with, see :func:`~insitubatch_nodes.stores.retry_policy`).
     """
 
     def __init__(
@@ -112,6 +128,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         *,
         max_inflight: int = 32,
         decode_threads: int | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(max_inflight, int) or max_inflight < 1:
@@ -124,7 +141,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
         self._loop = _runtime.io_loop()
-        self._get = _zarr_compat.make_async_getter(store)
+        self.retry = retry_policy(store) if retry is None else retry
+        self._get = _zarr_compat.make_async_getter(store, timeout_s=self.retry.timeout_s)
+        self._store_name = describe_store(store)
         self._sem: asyncio.Semaphore | None = None
         self._counters = _Counters()
         self._queue: deque[_Pending] = deque()
@@ -293,7 +312,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 try:
                     raw = await self._get(key)
                 except Exception as exc:
-                    raise ChunkReadError(geom.path, chunk, tile, key, "read") from exc
+                    raise ChunkReadError(
+                        geom.path, chunk, tile, key, "read", self._store_name
+                    ) from exc
                 stats.gets += 1
                 stats.bytes_fetched += 0 if raw is None else len(raw)
                 out = region[(slice(None), *geom.tile_slices(tile))]
@@ -306,7 +327,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                         await asyncio.sleep(0.001)
                     raise
                 except Exception as exc:
-                    raise ChunkReadError(geom.path, chunk, tile, key, "decode") from exc
+                    raise ChunkReadError(
+                        geom.path, chunk, tile, key, "decode", self._store_name
+                    ) from exc
             finally:
                 self._counters.inflight -= 1
                 stats.inflight -= 1
