@@ -65,26 +65,39 @@ def unreadable_metadata(store: Any, keys: Sequence[str] | None = None) -> list[t
     if keys is None:
         keys = sorted(k for k in sync(listed()) if k.rsplit("/", 1)[-1] in METADATA_DOCUMENTS)
     prototype = default_buffer_prototype()
+    docs: dict[str, Any] = {}
     bad: list[tuple[str, str]] = []
     for key in keys:
         buf = sync(store.get(key, prototype=prototype))
         if buf is None:
             continue
         try:
-            json.loads(buf.to_bytes())
+            docs[key] = json.loads(buf.to_bytes())
         except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
             bad.append((key, f"is not valid JSON ({exc})"))
-            continue
+    if bad:  # a node fails to open when any of its documents is not JSON: name only those
+        return bad
+    for key, doc in docs.items():
         node, _, name = key.rpartition("/")
         try:
             if name == "zarr.json":
-                zarr.open(store=store, path=node, mode="r", zarr_format=3)
+                kind = doc.get("node_type") if isinstance(doc, dict) else None
+                if kind == "array":
+                    zarr.open_array(store=store, path=node, mode="r", zarr_format=3)
+                elif kind == "group":
+                    zarr.open_group(
+                        store=store, path=node, mode="r", zarr_format=3, use_consolidated=False
+                    )
+                else:
+                    bad.append((key, f"has no valid node_type ('array' or 'group'): {kind!r}"))
             elif name == ".zarray":
                 zarr.open_array(store=store, path=node, mode="r", zarr_format=2)
             elif name == ".zgroup":
                 zarr.open_group(
                     store=store, path=node, mode="r", zarr_format=2, use_consolidated=False
                 )
+            elif not isinstance(doc, dict):
+                bad.append((key, f"is not a JSON object ({type(doc).__name__})"))
         except FileNotFoundError:
             continue
         except Exception as exc:

@@ -50,6 +50,21 @@ _LABEL_ATTR = "_insitubatch_label"
 # client_options keys that RetryPolicy sets (refused in options: one place says how long).
 _TIMEOUT_KEYS = ("connect_timeout", "read_timeout", "timeout")
 
+# obstore 0.12 ignores client options from the environment (AWS_ALLOW_HTTP, ...) as soon as
+# client_options is passed, which the policy's timeouts require: they are read here instead.
+_ENV_CLIENT_KEYS = (
+    "allow_http",
+    "allow_invalid_certificates",
+    "default_content_type",
+    "http1_only",
+    "http2_only",
+    "proxy_url",
+    "proxy_ca_certificate",
+    "proxy_excludes",
+    "user_agent",
+)
+_ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+
 
 @dataclass(frozen=True)
 class RetryPolicy:
@@ -191,6 +206,10 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
             f"client_options {clash} are set by retry=RetryPolicy(...) (timeout_s, "
             "stall_timeout_s, connect_timeout_s); set them there"
         )
+    for key in _ENV_CLIENT_KEYS:
+        value = os.environ.get(_ENV_PREFIX[scheme] + key.upper())
+        if value is not None and key not in client:
+            client[key] = value
     client.update(policy.obstore_client_timeouts())
     return {**options, "client_options": client, "retry_config": policy.obstore_retry_config()}
 

@@ -212,8 +212,9 @@ class FaultProxy:
     The first ``fail_first`` GETs of each path (the object's URL path; the query string and
     byte range do not matter) are answered by the proxy itself with ``status`` (503 by default,
     an S3 ``SlowDown`` body) on the same keep-alive connection — or, with ``reset=True``,
-    forwarded and cut off half-way through the body by a connection reset. Every later
-    request, and every request that is not a GET, is forwarded to the target unchanged.
+    forwarded and cut off half-way through the body (of a 200/206 answer) by a connection
+    reset. With ``match``, only paths that contain it are faulted. Every other request is
+    forwarded to the target unchanged.
     ``gets`` counts the GETs seen per path and ``injected`` the faults injected. Requests with
     a body must carry a ``Content-Length`` (what S3 clients send); responses are relayed by
     ``Content-Length``, chunked encoding or connection close. It runs its own event loop on a
@@ -228,12 +229,13 @@ class FaultProxy:
         fail_first: int = 2,
         status: int = 503,
         reset: bool = False,
+        match: str = "",
         port: int | None = None,
     ) -> None:
         if fail_first < 0:
             raise ValueError(f"fail_first must be >= 0, got {fail_first}")
         self.target_port, self.fail_first, self.status = target_port, fail_first, status
-        self.reset = reset
+        self.reset, self.match = reset, match
         self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.gets: Counter[str] = Counter()
@@ -261,7 +263,7 @@ class FaultProxy:
         path = target.split("?", 1)[0]
         with self._lock:
             self.gets[path] += 1
-            fail = self.gets[path] <= self.fail_first
+            fail = self.match in path and self.gets[path] <= self.fail_first
             self.injected += fail
         return fail
 
@@ -315,6 +317,10 @@ class FaultProxy:
         async def _close() -> None:
             if self._server is not None:
                 self._server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
 
         if self._loop.is_running():
             asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
@@ -351,7 +357,7 @@ async def _relay_response(
     client.write(head)
     status = int(head.split(b" ", 2)[1])
     headers = _parse_headers(head)
-    if cut:
+    if cut and status in (200, 206):
         half = int(headers.get("content-length", "0")) // 2
         client.write(await up.readexactly(half))
         await client.drain()
