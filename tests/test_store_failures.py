@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import zarr
 from helpers import CountingStore, Oracle, View, run_epoch, write_era5
@@ -46,9 +45,9 @@ QUICK = {"timeout_s": 3.0, "stall_timeout_s": 1.0, "connect_timeout_s": 1.0}
 
 @pytest.fixture(scope="module")
 def era5_local(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """64 one-tile chunks of t2m (4 samples each) and an inner-chunked z."""
+    """t2m and z in 32 one-tile chunks of 4 samples each."""
     root = tmp_path_factory.mktemp("failures") / "era5.zarr"
-    return write_era5(root, n_time=256, samples_per_chunk=4)
+    return write_era5(root, n_time=128, samples_per_chunk=4)
 
 
 @pytest.fixture
@@ -278,6 +277,5 @@ def test_a_zarr_store_that_never_answers_fails_at_the_deadline_of_retry(era5_loc
     elapsed = time.monotonic() - t0
     assert 0.9 <= elapsed < 5.0, elapsed
     assert isinstance(info.value.__cause__, TimeoutError)
-    assert "CountingStore" in str(info.value) or str(era5_local) in str(info.value)
+    assert "'t2m'" in str(info.value) and str(era5_local) in str(info.value)  # array, store
     pipe.close()
-    assert np.isfinite(elapsed)
