@@ -25,6 +25,7 @@ import pytest
 import zarr
 from helpers import CountingStore, Oracle, View, run_epoch, write_era5
 
+import insitubatch_nodes
 from insitubatch_nodes import (
     ChunkReadError,
     RetryPolicy,
@@ -73,13 +74,13 @@ _CHILD = textwrap.dedent(
         ChunkReadError, RetryPolicy, insitu_pipeline, open_geometries, split_by_chunk
     )
 
-    url, policy = sys.argv[1], json.loads(sys.argv[2])
+    url, policy, max_inflight = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     retry = None if policy is None else RetryPolicy(**policy)
     g = open_geometries(url)  # the endpoint and credentials come from AWS_* variables
     manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
     pipe = insitu_pipeline(
         url, manifest, {"x": g["t2m"]}, batch_size=4, block_chunks=1, shuffle=False,
-        max_inflight=4, retry=retry,
+        max_inflight=max_inflight, retry=retry,
     )
     it = iter(pipe)
     next(it)
@@ -104,14 +105,21 @@ _CHILD = textwrap.dedent(
 
 
 def _fail_mid_epoch(
-    tmp_path: Path, moto: MotoServer, how: str, policy: dict[str, Any] | None
+    tmp_path: Path,
+    moto: MotoServer,
+    how: str,
+    policy: dict[str, Any] | None,
+    url: str = URL,
+    max_inflight: int = 4,
 ) -> tuple[dict[str, Any], float, float, subprocess.CompletedProcess[str]]:
     """Run the child, fail the endpoint after its first batch; return (report, seconds from
     the failure to the report, seconds from the report to exit, the finished process)."""
     script = tmp_path / "train.py"
     script.write_text(_CHILD)
+    package_root = str(Path(insitubatch_nodes.__file__).resolve().parents[1])
     env = {
         **os.environ,
+        "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
         "AWS_ENDPOINT_URL": moto.endpoint,
         "AWS_ACCESS_KEY_ID": "testing",
         "AWS_SECRET_ACCESS_KEY": "testing",
@@ -119,7 +127,7 @@ def _fail_mid_epoch(
         "AWS_ALLOW_HTTP": "true",
     }
     child = subprocess.Popen(
-        [sys.executable, str(script), URL, json.dumps(policy)],
+        [sys.executable, str(script), url, json.dumps(policy), str(max_inflight)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -152,13 +160,15 @@ def _fail_mid_epoch(
     return json.loads(line), t_report - t_fail, t_exit - t_report, done
 
 
-def _assert_clean_failure(report: dict[str, Any], done: subprocess.CompletedProcess[str]) -> None:
+def _assert_clean_failure(
+    report: dict[str, Any], done: subprocess.CompletedProcess[str], url: str = URL
+) -> None:
     assert report["outcome"] == "error", report
     assert report["batches"] < report["n_batches"]  # it failed mid-epoch
     message = report["message"]
     assert "'t2m'" in message and "chunk " in message  # the array and the chunk
     assert "t2m/c/" in message  # the store key
-    assert URL in message  # the store
+    assert url in message  # the store
     assert done.returncode == 1, (done.returncode, done.stderr[-3000:])  # not -6 / -11
     assert "panicked" not in done.stderr and "Abort" not in done.stderr, done.stderr[-3000:]
     assert "Segmentation" not in done.stderr, done.stderr[-3000:]
@@ -177,6 +187,22 @@ def test_an_endpoint_that_stops_answering_mid_epoch_raises_naming_array_chunk_an
         assert to_error >= QUICK["timeout_s"] - 0.5, (to_error, report)
         assert "TimeoutError" in report["cause"] and "RetryPolicy.timeout_s" in report["cause"]
     assert to_exit < 10.0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="BUG: a chunk's tiles queued behind max_inflight each wait out their own deadline "
+    "against a frozen endpoint (fetch._fill waits for every tile before failing the chunk)",
+)
+def test_a_tiled_chunk_against_a_frozen_endpoint_fails_within_one_deadline(
+    tmp_path: Path, era5_local: Path, moto: MotoServer
+) -> None:
+    tiled = write_era5(tmp_path / "tiled.zarr", n_time=64, samples_per_chunk=4, inner_chunks=(4, 8))
+    upload_folder(tiled, BUCKET, "tiled/era5.zarr", **moto.options())  # 4 tiles per chunk
+    url = f"s3://{BUCKET}/tiled/era5.zarr"
+    report, to_error, _, done = _fail_mid_epoch(tmp_path, moto, "frozen", QUICK, url, 1)
+    _assert_clean_failure(report, done, url)
+    assert to_error < QUICK["timeout_s"] + 2.0, (to_error, report)
 
 
 @pytest.mark.slow
