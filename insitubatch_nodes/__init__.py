@@ -24,7 +24,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.decode import ChunkDecoder, DecodeError
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
 from insitubatch_nodes.gather import GatherNode
-from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
+from insitubatch_nodes.geometry import ArrayGeometry, CorruptMetadataError, open_geometries
 from insitubatch_nodes.loader import Loader
 from insitubatch_nodes.pipeline import InSituPipeline, PipelineStages, insitu_pipeline
 from insitubatch_nodes.plan import (
@@ -47,7 +47,7 @@ from insitubatch_nodes.residency import (
     working_set_bytes,
 )
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
-from insitubatch_nodes.stores import SUPPORTED_SCHEMES, open_store
+from insitubatch_nodes.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 
 __version__ = "0.1.0.dev0"
@@ -64,6 +64,7 @@ __all__ = [
     "ChunkPool",
     "ChunkPoolNode",
     "ChunkReadError",
+    "CorruptMetadataError",
     "DecodeError",
     "EpochPlan",
     "FetchedBatch",
@@ -79,6 +80,7 @@ __all__ = [
     "RamBacking",
     "ReadPlanNode",
     "ResidentBatch",
+    "RetryPolicy",
     "SlotBacking",
     "SplitManifest",
     "__version__",

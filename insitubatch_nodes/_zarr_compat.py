@@ -17,10 +17,13 @@ import zarr
 
 __all__ = [
     "array_dimension_names",
+    "array_metadata_keys",
     "encode_chunk_key",
+    "open_array_readonly",
     "open_group_readonly",
     "read_chunk_shape",
     "stored_chunk_shape",
+    "unreadable_metadata",
     "walk_arrays",
 ]
 
@@ -28,6 +31,78 @@ __all__ = [
 def open_group_readonly(store: Any) -> zarr.Group:
     """Open the root group of ``store`` for reading (v2 or v3, consolidated or not)."""
     return zarr.open_group(store=store, mode="r")
+
+
+def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
+    """Open the array at ``path`` of ``store`` for reading: one metadata read (v2: two)."""
+    return zarr.open_array(store=store, path=path, mode="r", zarr_format=zarr_format)  # type: ignore[arg-type]
+
+
+METADATA_DOCUMENTS: tuple[str, ...] = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
+
+
+def array_metadata_keys(path: str, zarr_format: int) -> tuple[str, ...]:
+    """The metadata documents zarr reads to open the array at ``path``."""
+    names = ("zarr.json",) if zarr_format == 3 else (".zarray", ".zattrs")
+    return tuple(f"{path}/{n}" if path else n for n in names)
+
+
+def unreadable_metadata(store: Any, keys: Sequence[str] | None = None) -> list[tuple[str, str]]:
+    """``(key, reason)`` for each metadata document zarr cannot read (slow: for diagnosis only).
+
+    ``keys`` are the documents to check; ``None`` lists the whole store for them. A document
+    that is missing is skipped; one that is not JSON, or that zarr refuses to open the node
+    from, is reported with the reason.
+    """
+    import json
+
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    async def listed() -> list[str]:
+        return [k async for k in store.list_prefix("")]
+
+    if keys is None:
+        keys = sorted(k for k in sync(listed()) if k.rsplit("/", 1)[-1] in METADATA_DOCUMENTS)
+    prototype = default_buffer_prototype()
+    docs: dict[str, Any] = {}
+    bad: list[tuple[str, str]] = []
+    for key in keys:
+        buf = sync(store.get(key, prototype=prototype))
+        if buf is None:
+            continue
+        try:
+            docs[key] = json.loads(buf.to_bytes())
+        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
+            bad.append((key, f"is not valid JSON ({exc})"))
+    if bad:  # a node fails to open when any of its documents is not JSON: name only those
+        return bad
+    for key, doc in docs.items():
+        node, _, name = key.rpartition("/")
+        try:
+            if name == "zarr.json":
+                kind = doc.get("node_type") if isinstance(doc, dict) else None
+                if kind == "array":
+                    zarr.open_array(store=store, path=node, mode="r", zarr_format=3)
+                elif kind == "group":
+                    zarr.open_group(
+                        store=store, path=node, mode="r", zarr_format=3, use_consolidated=False
+                    )
+                else:
+                    bad.append((key, f"has no valid node_type ('array' or 'group'): {kind!r}"))
+            elif name == ".zarray":
+                zarr.open_array(store=store, path=node, mode="r", zarr_format=2)
+            elif name == ".zgroup":
+                zarr.open_group(
+                    store=store, path=node, mode="r", zarr_format=2, use_consolidated=False
+                )
+            elif not isinstance(doc, dict):
+                bad.append((key, f"is not a JSON object ({type(doc).__name__})"))
+        except FileNotFoundError:
+            continue
+        except Exception as exc:
+            bad.append((key, f"is not valid zarr metadata ({type(exc).__name__}: {exc})"))
+    return bad
 
 
 def walk_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
@@ -250,15 +325,17 @@ def crc32c(data: np.ndarray) -> int:
     return int(google_crc32c.value(data))
 
 
-def make_async_getter(store: Any) -> Any:
+def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     """An ``async get(key) -> bytes-like | None`` for ``store`` (None = object missing).
 
     A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
     (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
-    ``Store.get``.
+    ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
+    finished after that many seconds is cancelled and raises ``TimeoutError``.
     """
     from zarr.storage import ObjectStore
 
+    get: Any
     if isinstance(store, ObjectStore):
         import obstore
 
@@ -271,14 +348,33 @@ def make_async_getter(store: Any) -> Any:
                 return None
             return await response.bytes_async()
 
-        return get_obstore
+        get = get_obstore
+    else:
+        from zarr.core.buffer import default_buffer_prototype
 
-    from zarr.core.buffer import default_buffer_prototype
+        prototype = default_buffer_prototype()
 
-    prototype = default_buffer_prototype()
+        async def get_zarr(key: str) -> Any:
+            buf = await store.get(key, prototype=prototype)
+            return None if buf is None else buf.as_numpy_array()
 
-    async def get_zarr(key: str) -> Any:
-        buf = await store.get(key, prototype=prototype)
-        return None if buf is None else buf.as_numpy_array()
+        get = get_zarr
 
-    return get_zarr
+    if timeout_s is None:
+        return get
+    import asyncio
+
+    async def get_with_deadline(key: str) -> Any:
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                return await get(key)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the store's own TimeoutError, not our deadline
+            raise TimeoutError(
+                f"no complete answer for {key!r} within {timeout_s:g} s "
+                "(RetryPolicy.timeout_s): the store stopped answering or is too slow"
+            ) from None
+
+    return get_with_deadline

@@ -49,6 +49,7 @@ from insitubatch_nodes.decode import ChunkDecoder
 from insitubatch_nodes.geometry import ArrayGeometry
 from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
 from insitubatch_nodes.residency import ChunkEntry, ChunkPool, FillCancelled, working_set_bytes
+from insitubatch_nodes.stores import RetryPolicy, describe_store, retry_policy
 
 __all__ = ["AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
 
@@ -89,12 +90,25 @@ async def _cancel_tasks(nodes: Iterable[AsyncChunkFetchNode]) -> None:
 
 
 class ChunkReadError(RuntimeError):
-    """A stored object could not be read or decoded. The cause is chained (``__cause__``)."""
+    """A stored object could not be read or decoded. The cause is chained (``__cause__``).
 
-    def __init__(self, array: str, chunk_index: int, tile: tuple[int, ...], key: str, what: str):
+    The message names the array, the chunk (and tile), the store key and the store.
+    """
+
+    def __init__(
+        self,
+        array: str,
+        chunk_index: int,
+        tile: tuple[int, ...],
+        key: str,
+        what: str,
+        store: str = "",
+    ):
         self.array, self.chunk_index, self.tile, self.key = array, chunk_index, tile, key
+        self.store = store
         where = f"chunk {chunk_index}" + (f" tile {tile}" if any(tile) else "")
-        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r})")
+        source = f" in store {store}" if store else ""
+        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
 
 
 @dataclass(frozen=True, eq=False)
@@ -129,6 +143,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     ``geoms`` maps array path to its (unshifted) geometry; ``store`` is the zarr store the paths
     live in. When it is a ``zarr.storage.ObjectStore`` the GETs go straight to the obstore store
     underneath (``obstore.get_async``); any other zarr store is read with its own ``get``.
+    Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (default: the policy the
+    store was opened with, see :func:`~insitubatch_nodes.stores.retry_policy`).
     """
 
     def __init__(
@@ -140,6 +156,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         *,
         max_inflight: int = 32,
         decode_threads: int | None = None,
+        retry: RetryPolicy | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(max_inflight, int) or max_inflight < 1:
@@ -155,7 +172,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._uses_obstore = isinstance(store, ObjectStore)
         if self._uses_obstore:
             _runtime.check_obstore_usable()
-        self._get = _zarr_compat.make_async_getter(store)
+        self.retry = retry_policy(store) if retry is None else retry
+        self._get = _zarr_compat.make_async_getter(store, timeout_s=self.retry.timeout_s)
+        self._store_name = describe_store(store)
         self._sem: asyncio.Semaphore | None = None
         self._inflight = 0
         self._tasks: set[asyncio.Task[None]] = set()  # touched on the IO loop only
@@ -311,15 +330,24 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         geom, decoder = self.geoms[path], self._decoders[path]
         start, stop = geom.chunk_range(chunk)
         region = entry.slot[: stop - start]
-        tiles = [self._fill_tile(geom, decoder, region, chunk, t, ticket) for t in geom.tiles()]
-        results = await asyncio.gather(*tiles, return_exceptions=True)
-        # gather() returns (or raises CancelledError) only once every tile task has finished,
-        # so no decode is still writing into the slot when it is discarded or marked ready.
-        errors = [r for r in results if isinstance(r, BaseException)]
+        tasks = [
+            asyncio.ensure_future(self._fill_tile(geom, decoder, region, chunk, t, ticket))
+            for t in geom.tiles()
+        ]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        finally:
+            # The first failed tile fails the chunk: the others (maybe still queued behind
+            # max_inflight, each with its own deadline) are cancelled. gather() completes only
+            # once every tile task has, so no decode still writes into the slot afterwards.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        errors = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
         if errors:
             self.pool.discard(entry, errors[0])
-            if any(isinstance(e, asyncio.CancelledError) for e in errors):
-                raise asyncio.CancelledError
+        elif any(t.cancelled() for t in tasks):
+            raise asyncio.CancelledError  # the done-callback resolves the entry
         else:
             self.pool.mark_ready(entry)
 
@@ -356,7 +384,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 try:
                     raw = await self._get(key)
                 except Exception as exc:
-                    raise ChunkReadError(geom.path, chunk, tile, key, "read") from exc
+                    raise ChunkReadError(
+                        geom.path, chunk, tile, key, "read", self._store_name
+                    ) from exc
                 stats.gets += 1
                 stats.bytes_fetched += 0 if raw is None else len(raw)
                 out = region[(slice(None), *geom.tile_slices(tile))]
@@ -369,7 +399,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                         await asyncio.sleep(0.001)
                     raise
                 except Exception as exc:
-                    raise ChunkReadError(geom.path, chunk, tile, key, "decode") from exc
+                    raise ChunkReadError(
+                        geom.path, chunk, tile, key, "decode", self._store_name
+                    ) from exc
             finally:
                 self._inflight -= 1
                 stats.inflight -= 1

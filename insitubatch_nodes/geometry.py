@@ -22,9 +22,51 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes import _zarr_compat
-from insitubatch_nodes.stores import StoreLike, as_store
+from insitubatch_nodes.stores import StoreLike, as_store, describe_store
 
-__all__ = ["ArrayGeometry", "open_geometries"]
+__all__ = ["ArrayGeometry", "CorruptMetadataError", "check_arrays_in_store", "open_geometries"]
+
+
+class CorruptMetadataError(ValueError):
+    """A zarr metadata document (``zarr.json``, ``.zarray``, ...) cannot be read.
+
+    ``documents`` lists ``(store key, reason)`` for each unreadable document and ``store``
+    names the store; zarr's own error is chained (``__cause__``).
+    """
+
+    def __init__(self, store: str, documents: Sequence[tuple[str, str]], detail: str = ""):
+        self.store, self.documents = store, list(documents)
+        if self.documents:
+            what = "; ".join(
+                f"{key!r} (the metadata of {_node_name(key)}) {reason}"
+                for key, reason in self.documents
+            )
+        else:
+            what = f"a metadata document is not valid JSON ({detail})"
+        super().__init__(
+            f"corrupt zarr metadata in store {store}: {what}. Restore or rewrite the "
+            "document(s): zarr cannot open the array or group without them"
+        )
+
+
+def _node_name(key: str) -> str:
+    node = key.rpartition("/")[0]
+    return f"array/group {node!r}" if node else "the root group"
+
+
+def _corrupt_metadata(
+    store: Any, exc: BaseException, keys: Sequence[str] | None = None
+) -> CorruptMetadataError | None:
+    """The error to raise for zarr's ``exc`` when metadata in ``store`` is unreadable."""
+    import json
+
+    try:
+        bad = _zarr_compat.unreadable_metadata(store, keys)
+    except Exception:  # the diagnosis is best effort: the store may not list, or be gone
+        bad = []
+    if bad or isinstance(exc, json.JSONDecodeError):
+        return CorruptMetadataError(describe_store(store), bad, str(exc))
+    return None
 
 
 @dataclass(frozen=True)
@@ -220,12 +262,33 @@ def open_geometries(
 
     ``sample_axis`` is one physical axis for every array, or a ``{path: axis}`` mapping (arrays
     it does not name use axis 0). Raises ``KeyError`` for an unknown name (listing the arrays
-    that exist) and ``ValueError`` for a sample axis out of range.
+    that exist), ``ValueError`` for a sample axis out of range, ``FileNotFoundError`` naming
+    the store when there is no group at its root (wrong path or prefix, missing bucket) and
+    :class:`CorruptMetadataError` naming the document(s) when a metadata document cannot be
+    read.
     """
     if isinstance(variables, str):
         variables = [variables]
-    group = _zarr_compat.open_group_readonly(as_store(store))
-    arrays = dict(_zarr_compat.walk_arrays(group))
+    zstore = as_store(store)
+    try:
+        group = _zarr_compat.open_group_readonly(zstore)
+    except FileNotFoundError as exc:  # zarr's GroupNotFoundError
+        raise FileNotFoundError(
+            f"no zarr group in store {describe_store(zstore)}: nothing at its root. Check the "
+            "path, or the URL's bucket and prefix (and the endpoint and credentials)"
+        ) from exc
+    except (ValueError, TypeError, KeyError) as exc:
+        error = _corrupt_metadata(zstore, exc)
+        if error is None:
+            raise
+        raise error from exc
+    try:
+        arrays = dict(_zarr_compat.walk_arrays(group))
+    except (ValueError, TypeError, KeyError) as exc:
+        error = _corrupt_metadata(zstore, exc)
+        if error is None:
+            raise
+        raise error from exc
 
     def axis_for(path: str) -> int:
         if isinstance(sample_axis, Mapping):
@@ -245,3 +308,52 @@ def open_geometries(
             )
         names = [v.strip("/") for v in variables]
     return {name: _geometry(name, arrays[name], axis_for(name)) for name in names}
+
+
+def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> None:
+    """Check that ``store`` holds every array ``geoms`` describes, with that layout.
+
+    One metadata read per array (two for zarr v2). Raises ``FileNotFoundError`` naming the
+    array and the store when there is no such array there (a wrong path or prefix, a missing
+    bucket, geometries read from another store), ``ValueError`` when the array there has
+    another shape, chunking, dtype or chunk key encoding, and :class:`CorruptMetadataError`
+    when its metadata cannot be read. Without this check a pipeline over a store that holds
+    nothing would read every chunk as missing, i.e. as the fill value.
+    """
+    zstore = as_store(store)
+    name = describe_store(zstore)
+    for path, geom in geoms.items():
+        geom = geom.base
+        try:
+            array = _zarr_compat.open_array_readonly(zstore, path, geom.zarr_format)
+        except FileNotFoundError as exc:
+            keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)
+            raise FileNotFoundError(
+                f"array {path!r} is not in store {name}: no zarr v{geom.zarr_format} array "
+                f"metadata at {keys[0]!r}. Check the path, or the URL's bucket and prefix (and "
+                "the endpoint), and that the geometries were read from this store"
+            ) from exc
+        except (ValueError, TypeError, KeyError) as exc:
+            keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)
+            error = _corrupt_metadata(zstore, exc, keys)
+            if error is None:
+                raise
+            raise error from exc
+        found = _geometry(path, array, geom.sample_axis)
+        diffs = [
+            f"{field} {getattr(found, field)} in the store, {getattr(geom, field)} in the geometry"
+            for field in ("shape", "chunks", "read_chunks", "dtype")
+            if getattr(found, field) != getattr(geom, field)
+        ]
+        if not diffs and geom.metadata is not None and found.store_key(0) != geom.store_key(0):
+            diffs.append(
+                f"chunk keys like {found.store_key(0)!r} in the store, "
+                f"{geom.store_key(0)!r} in the geometry"
+            )
+        if diffs:
+            raise ValueError(
+                f"array {path!r} in store {name} does not match the geometry passed for it: "
+                + "; ".join(diffs)
+                + ". Were the geometries read from another store? Read them from this one "
+                "with open_geometries(store)"
+            )

@@ -18,13 +18,13 @@ from zarr.abc.store import Store
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.gather import GatherNode
-from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
+from insitubatch_nodes.geometry import ArrayGeometry, check_arrays_in_store, open_geometries
 from insitubatch_nodes.plan import ReadPlanNode
 from insitubatch_nodes.pool import ChunkPoolNode
 from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
 from insitubatch_nodes.splits import SplitManifest
-from insitubatch_nodes.stores import as_store
+from insitubatch_nodes.stores import RetryPolicy, as_store
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
 
@@ -139,6 +139,7 @@ def insitu_pipeline(
     world_size: int | None = None,
     batch_transforms: Sequence[BatchTransform] = (),
     backing: SlotBacking | None = None,
+    retry: RetryPolicy | None = None,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -150,8 +151,25 @@ def insitu_pipeline(
     epoch); a larger budget keeps drained chunks for later epochs; a smaller one raises
     ``ValueError`` stating the floor. ``max_inflight`` bounds concurrent stored-object GETs;
     ``decode_threads`` sizes the shared decode pool (default: one per core).
+
+    ``retry`` (a :class:`~insitubatch_nodes.stores.RetryPolicy`) bounds every read: with a URL
+    or path it is what the store is opened with; with an opened ``Store`` its ``timeout_s`` is
+    the deadline of each stored-object GET (retries are then the store's own). ``None`` uses
+    the policy the store was opened with (the default one for any other store). Construction
+    checks that the store holds every array read (one metadata read per array) and raises
+    ``FileNotFoundError`` naming the array and the store when it does not.
     """
-    zstore = as_store(store)
+    # -- the store, its retry policy, and a check that it holds the arrays --------------------
+    if retry is not None and not isinstance(retry, RetryPolicy):
+        raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
+    zstore = (
+        as_store(store)
+        if retry is None or isinstance(store, Store)
+        else as_store(store, retry=retry)
+    )
+    if isinstance(variables, Mapping):  # views may come from elsewhere: check this store
+        views = {label: v for label, v in variables.items() if isinstance(v, ArrayGeometry)}
+        check_arrays_in_store(zstore, {v.path: v.base for v in views.values()})
     if isinstance(variables, Mapping):
         labels = dict(variables)
     else:
@@ -181,7 +199,13 @@ def insitu_pipeline(
     pool = ChunkPool(cache_budget_bytes, backing=backing)
     choose_schedule(plan, pool, geoms)  # fails fast, here, when the budget is too small
     fetch = AsyncChunkFetchNode(
-        plan, zstore, geoms, pool, max_inflight=max_inflight, decode_threads=decode_threads
+        plan,
+        zstore,
+        geoms,
+        pool,
+        max_inflight=max_inflight,
+        decode_threads=decode_threads,
+        retry=retry,
     )
     resident = ChunkPoolNode(fetch)
     gather = GatherNode(resident, labels, batch_size, batch_transforms)

@@ -1,15 +1,22 @@
-"""Open a zarr store by URL or path, backed by obstore.
+"""Open a zarr store by URL or path, backed by obstore, with a bounded retry policy.
 
 Every API in this package that takes a store also accepts any ``zarr.abc.store.Store``; this
 module turns the common spellings (a local path, ``file://``, ``memory://``, ``s3://``,
 ``gs://``, ``az://``) into a read-only ``zarr.storage.ObjectStore`` whose underlying obstore
 store the fetch stage can drive directly with ``get_async``.
+
+:class:`RetryPolicy` is the one place that says how long a read may take: how often a failed
+request is retried, with what backoff, and the deadline after which a stored-object read fails
+for good (so a store that stops answering surfaces as an error, never as a hang).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,7 +24,15 @@ from urllib.parse import urlsplit
 from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
-__all__ = ["SUPPORTED_SCHEMES", "StoreLike", "as_store", "open_store"]
+__all__ = [
+    "SUPPORTED_SCHEMES",
+    "RetryPolicy",
+    "StoreLike",
+    "as_store",
+    "describe_store",
+    "open_store",
+    "retry_policy",
+]
 
 SUPPORTED_SCHEMES: tuple[str, ...] = ("file", "memory", "s3", "gs", "az")
 
@@ -28,9 +43,183 @@ StoreLike = Store | str | os.PathLike[str]
 _MEMORY_STORES: dict[str, Any] = {}
 _MEMORY_LOCK = threading.Lock()
 
+# What open_store() remembers on the stores it returns (plain attributes of the zarr store).
+_POLICY_ATTR = "_insitubatch_retry_policy"
+_LABEL_ATTR = "_insitubatch_label"
+
+# client_options keys that RetryPolicy sets (refused in options: one place says how long).
+_TIMEOUT_KEYS = ("connect_timeout", "read_timeout", "timeout")
+
+# obstore 0.12 ignores client options from the environment (AWS_ALLOW_HTTP, ...) as soon as
+# client_options is passed, which the policy's timeouts require: they are read here instead.
+_ENV_CLIENT_KEYS = (
+    "allow_http",
+    "allow_invalid_certificates",
+    "default_content_type",
+    "http1_only",
+    "http2_only",
+    "proxy_url",
+    "proxy_ca_certificate",
+    "proxy_excludes",
+    "user_agent",
+)
+_ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How reads from a store are retried, and when they give up.
+
+    ``timeout_s`` is the deadline of one stored-object read, start to finish: every attempt,
+    every backoff and the transfer of the bytes. A read still unfinished then fails with
+    ``TimeoutError`` (raised to the consumer as a ``ChunkReadError`` naming array, chunk and
+    store). It applies to every store, obstore-backed or not. For an obstore-backed remote
+    store (``s3://``, ``gs://``, ``az://``) it is also obstore's ``retry_timeout`` (no new
+    attempt starts after it) and its per-request ``timeout``, so zarr's own metadata reads
+    through the same store end near it too (within one ``stall_timeout_s``).
+
+    The other fields configure obstore's HTTP client and only apply to remote stores:
+
+    * ``max_retries`` — retries of one request after the first attempt (0 disables them);
+    * ``initial_backoff_s``, ``max_backoff_s``, ``backoff_base`` — exponential backoff with
+      jitter between attempts;
+    * ``connect_timeout_s`` — an attempt that cannot connect within it fails (and is retried);
+    * ``stall_timeout_s`` — an attempt that receives nothing for this long fails (and is
+      retried): what catches an endpoint that accepts connections but no longer answers.
+
+    Retried (transient) by obstore 0.12: HTTP 5xx and 429, S3's 200-with-``SlowDown``/
+    ``InternalError`` body, connection errors (refused, reset, dropped mid-body) and
+    timeouts of reads. Not retried: other 4xx (a 404 on a chunk reads as the fill value, like
+    zarr; 403/401 raise at once). The defaults fail a read against a killed endpoint in a few
+    seconds (connection refused, retried with backoff) and one that is frozen at
+    ``timeout_s`` = 30 s (three stalled attempts of ``stall_timeout_s``); 30 s is obstore's
+    own per-request default, so a transfer that obstore would allow still fits.
+    """
+
+    timeout_s: float = 30.0
+    max_retries: int = 10
+    initial_backoff_s: float = 0.1
+    max_backoff_s: float = 5.0
+    backoff_base: float = 2.0
+    connect_timeout_s: float = 5.0
+    stall_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in (
+            "timeout_s",
+            "initial_backoff_s",
+            "max_backoff_s",
+            "connect_timeout_s",
+            "stall_timeout_s",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"RetryPolicy.{name} must be a number of seconds, got {value!r}")
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"RetryPolicy.{name} must be positive and finite, got {value!r}")
+        if isinstance(self.max_retries, bool) or not isinstance(self.max_retries, int):
+            raise TypeError(f"RetryPolicy.max_retries must be an int, got {self.max_retries!r}")
+        if self.max_retries < 0:
+            raise ValueError(f"RetryPolicy.max_retries must be >= 0, got {self.max_retries}")
+        if not (isinstance(self.backoff_base, int | float) and self.backoff_base >= 1):
+            raise ValueError(f"RetryPolicy.backoff_base must be >= 1, got {self.backoff_base!r}")
+        if self.initial_backoff_s > self.max_backoff_s:
+            raise ValueError(
+                f"RetryPolicy.initial_backoff_s ({self.initial_backoff_s}) is above "
+                f"max_backoff_s ({self.max_backoff_s})"
+            )
+
+    def obstore_retry_config(self) -> dict[str, Any]:
+        """The policy as obstore's ``retry_config``."""
+        return {
+            "max_retries": self.max_retries,
+            "retry_timeout": timedelta(seconds=self.timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(seconds=self.initial_backoff_s),
+                "max_backoff": timedelta(seconds=self.max_backoff_s),
+                "base": float(self.backoff_base),
+            },
+        }
+
+    def obstore_client_timeouts(self) -> dict[str, timedelta]:
+        """The policy's timeouts as obstore ``client_options`` entries."""
+        return {
+            "connect_timeout": timedelta(seconds=self.connect_timeout_s),
+            "read_timeout": timedelta(seconds=self.stall_timeout_s),
+            "timeout": timedelta(seconds=self.timeout_s),
+        }
+
+
+DEFAULT_RETRY = RetryPolicy()
+
+
+def retry_policy(store: Store) -> RetryPolicy:
+    """The policy :func:`open_store` opened ``store`` with (the default for any other store)."""
+    policy = getattr(store, _POLICY_ATTR, None)
+    return policy if isinstance(policy, RetryPolicy) else DEFAULT_RETRY
+
+
+def describe_store(store: Any) -> str:
+    """A short human name for ``store``, for error messages.
+
+    The URL a store was opened with by :func:`open_store` (plus the endpoint, when one was
+    given); for another obstore-backed store its bucket and prefix or its folder; else its repr.
+    """
+    label = getattr(store, _LABEL_ATTR, None)
+    if isinstance(label, str):
+        return label
+    if isinstance(store, ObjectStore):
+        inner = store.store
+        name = type(inner).__name__
+        config = getattr(inner, "config", None) or {}
+        prefix = str(getattr(inner, "prefix", None) or "")
+        for cls, scheme, key in (
+            ("S3Store", "s3", "bucket"),
+            ("GCSStore", "gs", "bucket"),
+            ("AzureStore", "az", "container_name"),
+        ):
+            if name == cls:
+                url = f"{scheme}://{config.get(key, '?')}/{prefix}".rstrip("/")
+                endpoint = config.get("endpoint")
+                return f"{url} (endpoint {endpoint})" if endpoint else url
+        if name == "LocalStore" and prefix:
+            return str(prefix)
+    return repr(store)
+
+
+def _remember(store: Store, label: str, policy: RetryPolicy) -> Store:
+    setattr(store, _LABEL_ATTR, label)
+    setattr(store, _POLICY_ATTR, policy)
+    return store
+
+
+def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -> dict[str, Any]:
+    """``options`` with the policy's retry config and client timeouts merged in."""
+    if "retry_config" in options:
+        raise ValueError(
+            f"{scheme}:// stores take retries from retry=RetryPolicy(...), not retry_config="
+        )
+    client = dict(options.get("client_options") or {})
+    clash = sorted(k for k in _TIMEOUT_KEYS if k in client)
+    if clash:
+        raise ValueError(
+            f"client_options {clash} are set by retry=RetryPolicy(...) (timeout_s, "
+            "stall_timeout_s, connect_timeout_s); set them there"
+        )
+    for key in _ENV_CLIENT_KEYS:
+        value = os.environ.get(_ENV_PREFIX[scheme] + key.upper())
+        if value is not None and key not in client:
+            client[key] = value
+    client.update(policy.obstore_client_timeouts())
+    return {**options, "client_options": client, "retry_config": policy.obstore_retry_config()}
+
 
 def open_store(
-    url_or_path: str | os.PathLike[str], *, read_only: bool = True, **options: Any
+    url_or_path: str | os.PathLike[str],
+    *,
+    read_only: bool = True,
+    retry: RetryPolicy | None = None,
+    **options: Any,
 ) -> Store:
     """Return a zarr ``Store`` for ``url_or_path``, backed by obstore.
 
@@ -40,9 +229,16 @@ def open_store(
     * ``memory://NAME`` — a process-wide in-memory store (same NAME, same objects);
     * ``s3://bucket/prefix`` — obstore ``S3Store``; ``options`` are passed through, e.g.
       ``endpoint=``, ``region=``, ``access_key_id=``, ``secret_access_key=``, ``session_token=``,
-      ``skip_signature=True``, ``client_options={"allow_http": True}``, ``retry_config=``;
+      ``skip_signature=True``, ``client_options={"allow_http": True}``;
     * ``gs://bucket/prefix`` — obstore ``GCSStore`` (options passed through);
     * ``az://container/prefix`` — obstore ``AzureStore`` (options passed through).
+
+    ``retry`` (default ``RetryPolicy()``) bounds every read: for the remote schemes it becomes
+    obstore's ``retry_config`` and the client's connect/stall/request timeouts (so
+    ``retry_config=`` and those ``client_options`` keys are refused: set them in the policy);
+    for every scheme its ``timeout_s`` is the deadline the fetch stage puts on each
+    stored-object read. Opening does no IO: a missing bucket or prefix is reported at first
+    use (:func:`~insitubatch_nodes.open_geometries`, :func:`~insitubatch_nodes.insitu_pipeline`).
 
     The store is read-only unless ``read_only=False``. Any other scheme raises ``ValueError``
     naming the supported ones; passing an existing ``zarr.abc.store.Store`` is an error here
@@ -56,6 +252,10 @@ def open_store(
     _runtime.note_obstore_use()
     if isinstance(url_or_path, Store):
         raise TypeError("open_store() takes a URL or path; a zarr Store can be used as it is")
+    if retry is None:
+        retry = DEFAULT_RETRY
+    elif not isinstance(retry, RetryPolicy):
+        raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
     text = os.fspath(url_or_path)
     if not text:
         raise ValueError("open_store() needs a URL or a path, got an empty string")
@@ -63,28 +263,30 @@ def open_store(
     scheme = parts.scheme.lower()
     # A Windows drive letter ("C:\\data") parses as a one-letter scheme: treat it as a path.
     if scheme == "" or len(scheme) == 1:
-        return _local(LocalStore, Path(text), read_only, options)
+        return _local(LocalStore, Path(text), read_only, options, retry)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"file:// URLs must be local (file:///abs/path), got {text!r}")
-        return _local(LocalStore, Path(parts.path), read_only, options)
+        return _local(LocalStore, Path(parts.path), read_only, options, retry)
     if scheme == "memory":
         if options:
             raise ValueError(f"memory:// takes no options, got {sorted(options)}")
         name = (parts.netloc + parts.path).strip("/")
         with _MEMORY_LOCK:
             mem = _MEMORY_STORES.setdefault(name, MemoryStore())
-        return ObjectStore(mem, read_only=read_only)
+        return _remember(ObjectStore(mem, read_only=read_only), f"memory://{name}", retry)
     bucket = parts.netloc
     prefix = parts.path.strip("/") or None
     if scheme in ("s3", "gs", "az") and not bucket:
         raise ValueError(f"{scheme}:// URLs need a bucket: {scheme}://BUCKET/optional/prefix")
-    if scheme == "s3":
-        return ObjectStore(S3Store(bucket, prefix=prefix, **options), read_only=read_only)
-    if scheme == "gs":
-        return ObjectStore(GCSStore(bucket, prefix=prefix, **options), read_only=read_only)
-    if scheme == "az":
-        return ObjectStore(AzureStore(bucket, prefix=prefix, **options), read_only=read_only)
+    classes = {"s3": S3Store, "gs": GCSStore, "az": AzureStore}
+    if scheme in classes:
+        merged = _remote_options(scheme, options, retry)
+        inner = classes[scheme](bucket, prefix=prefix, **merged)
+        label = f"{scheme}://{bucket}/{prefix or ''}".rstrip("/")
+        if options.get("endpoint"):
+            label += f" (endpoint {options['endpoint']})"
+        return _remember(ObjectStore(inner, read_only=read_only), label, retry)
     raise ValueError(
         f"unsupported store scheme {scheme!r} in {text!r}; supported: "
         + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
@@ -92,17 +294,22 @@ def open_store(
     )
 
 
-def _local(local_cls: Any, path: Path, read_only: bool, options: dict[str, Any]) -> Store:
+def _local(
+    local_cls: Any, path: Path, read_only: bool, options: dict[str, Any], retry: RetryPolicy
+) -> Store:
     if options:
         raise ValueError(f"local stores take no options, got {sorted(options)}")
     path = path.expanduser().absolute()
     if read_only and not path.is_dir():
         raise FileNotFoundError(f"no zarr store at {str(path)!r}: the folder does not exist")
-    return ObjectStore(local_cls(path, mkdir=not read_only), read_only=read_only)
+    store = ObjectStore(local_cls(path, mkdir=not read_only), read_only=read_only)
+    return _remember(store, str(path), retry)
 
 
 def as_store(store: StoreLike, **options: Any) -> Store:
-    """A zarr ``Store`` as it is, or :func:`open_store` of a URL/path (read-only)."""
+    """A zarr ``Store`` as it is, or :func:`open_store` of a URL/path (read-only).
+
+    ``options`` (``retry=`` included) apply to a URL or path only."""
     if isinstance(store, Store):
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")

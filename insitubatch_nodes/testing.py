@@ -5,6 +5,9 @@
 * :class:`LatencyProxy` — a TCP proxy on ``127.0.0.1`` that delays every chunk of bytes the
   client sends by ``delay_s`` (so each request pays roughly one extra round trip), to imitate a
   remote store. It runs its own event loop on a daemon thread.
+* :class:`FaultProxy` — an HTTP/1.1 proxy on ``127.0.0.1`` that answers the first few GETs of
+  every object with an error status (503 by default) and forwards the rest, to check that
+  transient errors are retried and the data still arrive exact.
 * :func:`upload_folder` — copy a local zarr folder into a bucket.
 
 Nothing here talks to anything but the loopback interface.
@@ -22,12 +25,13 @@ import sys
 import threading
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["LatencyProxy", "MotoServer", "free_port", "upload_folder"]
+__all__ = ["FaultProxy", "LatencyProxy", "MotoServer", "free_port", "upload_folder"]
 
 
 def free_port() -> int:
@@ -197,3 +201,196 @@ class LatencyProxy:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+_REASONS = {429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy ``127.0.0.1:port`` → ``127.0.0.1:target_port`` that injects errors.
+
+    The first ``fail_first`` GETs of each path (the object's URL path; the query string and
+    byte range do not matter) are answered by the proxy itself with ``status`` (503 by default,
+    an S3 ``SlowDown`` body) on the same keep-alive connection — or, with ``reset=True``,
+    forwarded and cut off half-way through the body (of a 200/206 answer) by a connection
+    reset. With ``match``, only paths that contain it are faulted. Every other request is
+    forwarded to the target unchanged.
+    ``gets`` counts the GETs seen per path and ``injected`` the faults injected. Requests with
+    a body must carry a ``Content-Length`` (what S3 clients send); responses are relayed by
+    ``Content-Length``, chunked encoding or connection close. It runs its own event loop on a
+    daemon thread; use it
+    as a context manager or call :meth:`stop`.
+    """
+
+    def __init__(
+        self,
+        target_port: int,
+        *,
+        fail_first: int = 2,
+        status: int = 503,
+        reset: bool = False,
+        match: str = "",
+        port: int | None = None,
+    ) -> None:
+        if fail_first < 0:
+            raise ValueError(f"fail_first must be >= 0, got {fail_first}")
+        self.target_port, self.fail_first, self.status = target_port, fail_first, status
+        self.reset, self.match = reset, match
+        self.port = port or free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.gets: Counter[str] = Counter()
+        self.injected = 0
+        self._lock = threading.Lock()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._server: asyncio.base_events.Server | None = None
+        self._thread = threading.Thread(target=self._main, name="fault-proxy", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(10):
+            raise RuntimeError("fault proxy did not start")
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._handle, "127.0.0.1", self.port)
+        )
+        self._ready.set()
+        self._loop.run_forever()
+
+    def _should_fail(self, method: str, target: str) -> bool:
+        if method != "GET":
+            return False
+        path = target.split("?", 1)[0]
+        with self._lock:
+            self.gets[path] += 1
+            fail = self.match in path and self.gets[path] <= self.fail_first
+            self.injected += fail
+        return fail
+
+    def _error_response(self) -> bytes:
+        body = (
+            b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
+            b"<Message>injected by FaultProxy</Message></Error>"
+        )
+        reason = _REASONS.get(self.status, "Error")
+        head = (
+            f"HTTP/1.1 {self.status} {reason}\r\nContent-Type: application/xml\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        )
+        return head.encode() + body
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                method, target = head.split(b" ", 2)[:2]
+                headers = _parse_headers(head)
+                body = await reader.readexactly(int(headers.get("content-length", "0")))
+                fail = self._should_fail(method.decode(), target.decode())
+                if fail and not self.reset:
+                    writer.write(self._error_response())
+                    await writer.drain()
+                    continue
+                # One upstream connection per request: the target may close after each answer.
+                up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+                try:
+                    up_w.write(head + body)
+                    await up_w.drain()
+                    keep = await _relay_response(
+                        up_r, writer, head_only=method == b"HEAD", cut=fail
+                    )
+                finally:
+                    with contextlib.suppress(Exception):
+                        up_w.close()
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError, OSError):
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+    def stop(self) -> None:
+        async def _close() -> None:
+            if self._server is not None:
+                self._server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self) -> FaultProxy:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _parse_headers(head: bytes) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for line in head.split(b"\r\n")[1:]:
+        name, sep, value = line.partition(b":")
+        if sep:
+            out[name.strip().lower().decode()] = value.strip().decode()
+    return out
+
+
+async def _relay_response(
+    up: asyncio.StreamReader, client: asyncio.StreamWriter, *, head_only: bool, cut: bool = False
+) -> bool:
+    """Copy one HTTP response from ``up`` to ``client``; False when the connection must close.
+
+    With ``cut`` only the head and half the body (by ``Content-Length``) are sent, then the
+    client connection is reset.
+    """
+    head = await up.readuntil(b"\r\n\r\n")
+    client.write(head)
+    status = int(head.split(b" ", 2)[1])
+    headers = _parse_headers(head)
+    if cut and status in (200, 206):
+        half = int(headers.get("content-length", "0")) // 2
+        client.write(await up.readexactly(half))
+        await client.drain()
+        client.transport.abort()  # an RST, not an orderly close
+        return False
+    if head_only or status in (204, 304) or 100 <= status < 200:
+        pass
+    elif "content-length" in headers:
+        left = int(headers["content-length"])
+        while left:
+            data = await up.read(min(left, 1 << 16))
+            if not data:
+                raise ConnectionResetError("upstream closed mid-body")
+            client.write(data)
+            left -= len(data)
+            await client.drain()
+    elif "chunked" in headers.get("transfer-encoding", "").lower():
+        while True:
+            size_line = await up.readuntil(b"\r\n")
+            client.write(size_line)
+            size = int(size_line.split(b";", 1)[0], 16)
+            if size == 0:
+                while (trailer := await up.readuntil(b"\r\n")) != b"\r\n":
+                    client.write(trailer)
+                client.write(b"\r\n")
+                break
+            client.write(await up.readexactly(size + 2))
+            await client.drain()
+    else:  # delimited by the connection closing
+        while data := await up.read(1 << 16):
+            client.write(data)
+            await client.drain()
+        await client.drain()
+        return False
+    await client.drain()
+    return headers.get("connection", "").lower() != "close"

@@ -13,9 +13,15 @@ import zarr.storage
 from zarr.abc.store import Store
 from zarr.core.buffer import cpu
 
-from insitubatch_nodes import SUPPORTED_SCHEMES, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes import (
+    SUPPORTED_SCHEMES,
+    RetryPolicy,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
 from insitubatch_nodes.plan import ReadPlanNode
-from insitubatch_nodes.stores import as_store
+from insitubatch_nodes.stores import as_store, describe_store, retry_policy
 
 
 def _assert_same_group(store: Store, local: Path) -> None:
@@ -195,3 +201,66 @@ def test_every_api_accepts_a_plain_zarr_local_store(era5_v3_path: Path) -> None:
     manifest = split_by_chunk(geoms["t2m"])
     node = ReadPlanNode(manifest, {"x": geoms["t2m"]}, batch_size=5, rank=0, world_size=1)
     assert sum(len(batch) for batch in node) == len(manifest.samples("train"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The retry policy
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"timeout_s": 0},
+        {"timeout_s": float("inf")},
+        {"stall_timeout_s": -1.0},
+        {"max_retries": -1},
+        {"max_retries": 1.5},
+        {"connect_timeout_s": True},
+        {"backoff_base": 0.5},
+        {"initial_backoff_s": 10.0, "max_backoff_s": 1.0},
+    ],
+)
+def test_a_retry_policy_refuses_values_that_cannot_bound_a_read(bad: dict[str, object]) -> None:
+    with pytest.raises((ValueError, TypeError), match="RetryPolicy"):
+        RetryPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_open_store_takes_retries_and_timeouts_only_from_the_retry_policy() -> None:
+    with pytest.raises(ValueError, match="RetryPolicy"):
+        open_store("s3://bucket/x", retry_config={"max_retries": 3})
+    with pytest.raises(ValueError, match="RetryPolicy"):
+        open_store("s3://bucket/x", client_options={"timeout": "5s"})
+    with pytest.raises(TypeError, match="RetryPolicy"):
+        open_store("s3://bucket/x", retry={"timeout_s": 5})  # type: ignore[arg-type]
+
+
+def test_an_s3_store_is_configured_with_its_retry_policy() -> None:
+    policy = RetryPolicy(timeout_s=12.0, max_retries=4, stall_timeout_s=3.0, connect_timeout_s=2)
+    store = open_store("s3://bucket/x", retry=policy, client_options={"allow_http": True})
+    inner = store.store  # type: ignore[attr-defined]
+    assert inner.retry_config["max_retries"] == 4
+    assert inner.retry_config["retry_timeout"].total_seconds() == 12.0
+    assert inner.client_options["read_timeout"] == "3s"
+    assert inner.client_options["connect_timeout"] == "2s"
+    assert inner.client_options["timeout"] == "12s"
+    assert inner.client_options["allow_http"] in (True, "true")  # the user's options stay
+    assert retry_policy(store) == policy
+    assert retry_policy(open_store("s3://bucket/x")) == RetryPolicy()
+
+
+@pytest.mark.xdist_group("s3")
+def test_client_options_from_the_environment_still_apply_next_to_the_policy(
+    era5_v3_path: Path, era5_v3_s3_url: str, s3_options, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """obstore drops AWS_ALLOW_HTTP & co. once client_options is passed; open_store keeps them."""
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    options = {k: v for k, v in s3_options.items() if k != "client_options"}
+    _assert_same_group(open_store(era5_v3_s3_url, **options), era5_v3_path)
+
+
+def test_describe_store_names_what_open_store_was_given(era5_v3_path: Path) -> None:
+    assert describe_store(open_store(era5_v3_path)) == str(era5_v3_path.absolute())
+    s3 = open_store("s3://bucket/some/prefix", endpoint="http://127.0.0.1:9")
+    assert describe_store(s3) == "s3://bucket/some/prefix (endpoint http://127.0.0.1:9)"
+    assert str(era5_v3_path) in describe_store(zarr.storage.LocalStore(era5_v3_path))

@@ -1,0 +1,148 @@
+"""A store that does not hold what the pipeline was told it holds, or holds it corrupt.
+
+Wrong prefix, missing bucket, geometries read from another store: the pipeline raises at
+construction, naming the array and the store (before, every chunk read as missing, i.e. as the
+fill value: all-NaN batches and no error). A metadata document that is not valid zarr metadata
+raises naming the document and its array, not a bare ``JSONDecodeError``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zarr
+from helpers import write_era5, write_microscopy
+
+from insitubatch_nodes import (
+    CorruptMetadataError,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_era5(tmp_path_factory.mktemp("contents") / "era5.zarr", n_time=32)
+
+
+def _pipeline(store: Any, geoms: dict[str, Any]) -> Any:
+    views = {"x": geoms["t2m"], "y": geoms["t2m"].shift(1)}
+    return insitu_pipeline(store, split_by_chunk(geoms["t2m"]), views, batch_size=4)
+
+
+# ---------------------------------------------------------------------------------------------
+# Nothing at the given location
+# ---------------------------------------------------------------------------------------------
+
+
+def test_geometries_from_another_store_raise_at_construction_naming_array_and_store(
+    era5: Path, tmp_path: Path
+) -> None:
+    other = write_microscopy(tmp_path / "micro.zarr")  # a zarr group without t2m
+    geoms = open_geometries(era5)
+    with pytest.raises(FileNotFoundError) as info:
+        _pipeline(other, geoms)
+    message = str(info.value)
+    assert "'t2m'" in message and str(other) in message
+    assert "t2m/zarr.json" in message
+
+
+def test_a_local_prefix_that_holds_no_group_raises_naming_the_store(era5: Path) -> None:
+    parent = era5.parent  # an existing folder, but the group is one level down
+    geoms = open_geometries(era5)
+    with pytest.raises(FileNotFoundError) as info:
+        _pipeline(parent, geoms)
+    assert "'t2m'" in str(info.value) and str(parent) in str(info.value)
+    with pytest.raises(FileNotFoundError) as info:
+        open_geometries(parent)
+    assert str(parent) in str(info.value) and "prefix" in str(info.value)
+
+
+def test_an_array_with_another_layout_at_the_same_path_raises_naming_what_differs(
+    era5: Path, tmp_path: Path
+) -> None:
+    other = write_era5(tmp_path / "other.zarr", n_time=48)  # same names, other shape
+    with pytest.raises(ValueError, match=r"'t2m'.*shape \(48, 8, 16\) in the store"):
+        _pipeline(other, open_geometries(era5))
+
+
+def test_geometries_read_from_the_same_store_pass_the_check(era5: Path) -> None:
+    pipe = _pipeline(era5, open_geometries(era5))
+    assert next(pipe) is not None
+    pipe.close()
+
+
+@pytest.mark.xdist_group("s3")
+def test_an_s3_prefix_or_bucket_that_holds_nothing_raises_naming_array_and_store(
+    era5: Path, s3_upload: Callable[[Path, str], str], s3_options: dict[str, Any]
+) -> None:
+    url = s3_upload(era5, "data/era5.zarr")
+    geoms = open_geometries(open_store(url, **s3_options))
+    for wrong in (url + "-typo", url.replace("s3://", "s3://missing-", 1)):
+        store = open_store(wrong, **s3_options)
+        with pytest.raises(FileNotFoundError) as info:
+            _pipeline(store, geoms)
+        assert "'t2m'" in str(info.value) and wrong in str(info.value)
+        with pytest.raises(FileNotFoundError) as info:
+            open_geometries(store)  # first use of the store on its own
+        assert wrong in str(info.value) and "bucket" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Corrupt metadata documents
+# ---------------------------------------------------------------------------------------------
+
+CORRUPT = [
+    (3, "zarr.json", b"{not json"),
+    (3, "t2m/zarr.json", b"{not json"),
+    (3, "t2m/zarr.json", b'{"zarr_format": 3}'),  # JSON, but no node_type
+    (2, ".zgroup", b"\x00\xff garbage"),
+    (2, "t2m/.zarray", b"{not json"),
+    (2, "t2m/.zattrs", b"[1, 2"),
+]
+
+
+@pytest.mark.parametrize(("zarr_format", "key", "content"), CORRUPT)
+def test_a_corrupt_metadata_document_raises_naming_the_document_and_its_array(
+    tmp_path: Path, zarr_format: int, key: str, content: bytes
+) -> None:
+    root = write_era5(tmp_path / "era5.zarr", n_time=16, zarr_format=zarr_format)
+    (root / key).write_bytes(content)
+    with pytest.raises(CorruptMetadataError) as info:
+        open_geometries(root)
+    message = str(info.value)
+    assert repr(key) in message and str(root) in message
+    node = key.rpartition("/")[0]
+    assert (repr(node) if node else "root group") in message
+    assert [k for k, _ in info.value.documents] == [key]
+    assert not isinstance(info.value, json.JSONDecodeError)
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_document_corrupted_after_the_geometries_were_read_fails_construction(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = write_era5(tmp_path / "era5.zarr", n_time=16, zarr_format=zarr_format)
+    geoms = open_geometries(root)
+    key = "t2m/zarr.json" if zarr_format == 3 else "t2m/.zarray"
+    (root / key).write_bytes(b"{truncated")
+    with pytest.raises(CorruptMetadataError, match=re.escape(f"'{key}'") + ".*'t2m'"):
+        _pipeline(root, geoms)
+
+
+def test_a_corrupt_document_in_a_zarr_store_that_is_not_obstore_is_named_too(
+    tmp_path: Path,
+) -> None:
+    root = write_era5(tmp_path / "era5.zarr", n_time=16)
+    (root / "z" / "zarr.json").write_bytes(b"")
+    with pytest.raises(CorruptMetadataError, match=re.escape("'z/zarr.json'")):
+        open_geometries(zarr.storage.LocalStore(root, read_only=True))
+    shutil.rmtree(root)

@@ -1,0 +1,303 @@
+"""An object store that fails: killed, frozen, or answering with transient errors.
+
+Every test runs a real moto S3 server of its own (``insitubatch_nodes.testing.MotoServer``) so
+it can kill it (SIGKILL) or freeze it (SIGSTOP). The training process is a subprocess: the test
+asserts what it reports (a ``ChunkReadError`` naming array, chunk and store), how long the error
+took after the failure, and that the process then exits 0 or 1 within 10 s, without SIGABRT or
+a segfault. Transient errors are injected by ``insitubatch_nodes.testing.FaultProxy``; zarr's
+read of the local copy is the oracle for the data.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import zarr
+from helpers import CountingStore, Oracle, View, run_epoch, write_era5
+
+import insitubatch_nodes
+from insitubatch_nodes import (
+    ChunkReadError,
+    RetryPolicy,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
+from insitubatch_nodes.testing import FaultProxy, MotoServer, upload_folder
+
+pytestmark = pytest.mark.timeout(180)
+
+BUCKET, PREFIX = "failures", "data/era5.zarr"
+URL = f"s3://{BUCKET}/{PREFIX}"
+# A policy small enough to keep the tests quick: the claims are about the mechanism.
+QUICK = {"timeout_s": 3.0, "stall_timeout_s": 1.0, "connect_timeout_s": 1.0}
+
+
+@pytest.fixture(scope="module")
+def era5_local(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """t2m and z in 32 one-tile chunks of 4 samples each."""
+    root = tmp_path_factory.mktemp("failures") / "era5.zarr"
+    return write_era5(root, n_time=128, samples_per_chunk=4)
+
+
+@pytest.fixture
+def moto(era5_local: Path) -> Iterator[MotoServer]:
+    """A moto server of this test's own, holding ``era5_local`` at ``URL``."""
+    with MotoServer() as server:
+        upload_folder(era5_local, BUCKET, PREFIX, **server.options())
+        try:
+            yield server
+        finally:
+            if server._proc.poll() is None:  # a frozen server must run again to be stopped
+                os.kill(server._proc.pid, signal.SIGCONT)
+
+
+# ---------------------------------------------------------------------------------------------
+# A store that stops answering mid-epoch
+# ---------------------------------------------------------------------------------------------
+
+_CHILD = textwrap.dedent(
+    """
+    import json, sys, time
+    from insitubatch_nodes import (
+        ChunkReadError, RetryPolicy, insitu_pipeline, open_geometries, split_by_chunk
+    )
+
+    url, policy, max_inflight = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+    retry = None if policy is None else RetryPolicy(**policy)
+    g = open_geometries(url)  # the endpoint and credentials come from AWS_* variables
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(
+        url, manifest, {"x": g["t2m"]}, batch_size=4, block_chunks=1, shuffle=False,
+        max_inflight=max_inflight, retry=retry,
+    )
+    it = iter(pipe)
+    next(it)
+    print("first", flush=True)
+    sys.stdin.readline()                      # the test kills or freezes the endpoint here
+    t0 = time.monotonic()
+    n = 1
+    try:
+        for _ in it:
+            n += 1
+    except ChunkReadError as exc:
+        cause = exc.__cause__
+        print(json.dumps({
+            "outcome": "error", "message": str(exc), "elapsed": time.monotonic() - t0,
+            "cause": f"{type(cause).__name__}: {cause}"[:300], "batches": n,
+            "n_batches": len(pipe),
+        }), flush=True)
+        sys.exit(1)
+    print(json.dumps({"outcome": "finished", "batches": n}), flush=True)
+    """
+)
+
+
+def _fail_mid_epoch(
+    tmp_path: Path,
+    moto: MotoServer,
+    how: str,
+    policy: dict[str, Any] | None,
+    url: str = URL,
+    max_inflight: int = 4,
+) -> tuple[dict[str, Any], float, float, subprocess.CompletedProcess[str]]:
+    """Run the child, fail the endpoint after its first batch; return (report, seconds from
+    the failure to the report, seconds from the report to exit, the finished process)."""
+    script = tmp_path / "train.py"
+    script.write_text(_CHILD)
+    package_root = str(Path(insitubatch_nodes.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
+        "AWS_ENDPOINT_URL": moto.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+    }
+    child = subprocess.Popen(
+        [sys.executable, str(script), url, json.dumps(policy), str(max_inflight)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    try:
+        first = child.stdout.readline()
+        assert first.strip() == "first", (first, child.stderr.read()[-3000:])
+        if how == "killed":
+            moto._proc.kill()
+            moto._proc.wait()
+        else:
+            os.kill(moto._proc.pid, signal.SIGSTOP)
+        t_fail = time.monotonic()
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        line = child.stdout.readline()
+        t_report = time.monotonic()
+        returncode = child.wait(timeout=10)  # raises TimeoutExpired: the process hangs
+        t_exit = time.monotonic()
+        stderr = child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    done = subprocess.CompletedProcess(child.args, returncode, line, stderr)
+    assert line, f"no report from the child (exit {returncode}): {stderr[-3000:]}"
+    return json.loads(line), t_report - t_fail, t_exit - t_report, done
+
+
+def _assert_clean_failure(
+    report: dict[str, Any], done: subprocess.CompletedProcess[str], url: str = URL
+) -> None:
+    assert report["outcome"] == "error", report
+    assert report["batches"] < report["n_batches"]  # it failed mid-epoch
+    message = report["message"]
+    assert "'t2m'" in message and "chunk " in message  # the array and the chunk
+    assert "t2m/c/" in message  # the store key
+    assert url in message  # the store
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])  # not -6 / -11
+    assert "panicked" not in done.stderr and "Abort" not in done.stderr, done.stderr[-3000:]
+    assert "Segmentation" not in done.stderr, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_an_endpoint_that_stops_answering_mid_epoch_raises_naming_array_chunk_and_store(
+    tmp_path: Path, moto: MotoServer, how: str
+) -> None:
+    report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, how, QUICK)
+    _assert_clean_failure(report, done)
+    # killed: connection refused, retried with backoff until max_retries or the deadline;
+    # frozen: connections hang, so the read fails at the deadline (timeout_s = 3 s)
+    assert to_error < QUICK["timeout_s"] + 2.0, (to_error, report)
+    if how == "frozen":
+        assert to_error >= QUICK["timeout_s"] - 0.5, (to_error, report)
+        assert "TimeoutError" in report["cause"] and "RetryPolicy.timeout_s" in report["cause"]
+    assert to_exit < 10.0
+
+
+def test_a_tiled_chunk_against_a_frozen_endpoint_fails_within_one_deadline(
+    tmp_path: Path, era5_local: Path, moto: MotoServer
+) -> None:
+    tiled = write_era5(tmp_path / "tiled.zarr", n_time=64, samples_per_chunk=4, inner_chunks=(4, 8))
+    upload_folder(tiled, BUCKET, "tiled/era5.zarr", **moto.options())  # 4 tiles per chunk
+    url = f"s3://{BUCKET}/tiled/era5.zarr"
+    report, to_error, _, done = _fail_mid_epoch(tmp_path, moto, "frozen", QUICK, url, 1)
+    _assert_clean_failure(report, done, url)
+    assert to_error < QUICK["timeout_s"] + 2.0, (to_error, report)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_under_the_default_policy_a_dead_endpoint_fails_within_60_s(
+    tmp_path: Path, moto: MotoServer, how: str
+) -> None:
+    report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, how, None)
+    _assert_clean_failure(report, done)
+    assert to_error <= 60.0, (to_error, report)
+    if how == "killed":  # refused connections fail fast, long before the deadline
+        assert to_error < 10.0, (to_error, report)
+    else:
+        assert to_error >= RetryPolicy().timeout_s - 1.0, (to_error, report)
+    assert to_exit < 10.0
+
+
+def test_metadata_reads_against_a_frozen_endpoint_end_near_the_policy_deadline(
+    moto: MotoServer,
+) -> None:
+    """zarr's own reads (opening the group) go through obstore's retry config and timeouts,
+    not through the fetch stage's deadline: the policy reaches them too."""
+    store = open_store(URL, retry=RetryPolicy(**QUICK), **moto.options())
+    os.kill(moto._proc.pid, signal.SIGSTOP)
+    t0 = time.monotonic()
+    with pytest.raises(Exception) as info:
+        open_geometries(store)
+    elapsed = time.monotonic() - t0
+    # timeout_s, plus at most one attempt started just before it (stall_timeout_s), plus slack
+    assert elapsed < QUICK["timeout_s"] + QUICK["stall_timeout_s"] + 2.0, (elapsed, info.value)
+    assert "timed out" in str(info.value).lower() or "timeout" in str(info.value).lower()
+
+
+# ---------------------------------------------------------------------------------------------
+# Transient errors that clear within the budget
+# ---------------------------------------------------------------------------------------------
+
+
+def _views(store: Any) -> tuple[dict[str, Any], dict[str, View], Any]:
+    g = open_geometries(store, ["t2m", "z"])
+    views = {"x": g["t2m"], "y": g["t2m"].shift(1), "z": g["z"]}
+    oviews = {"x": View("t2m"), "y": View("t2m", 0, 1), "z": View("z")}
+    return views, oviews, split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+
+
+@pytest.mark.parametrize(
+    "fault", [{"status": 503}, {"status": 429}, {"status": 500}, {"reset": True}]
+)
+def test_transient_errors_on_the_first_two_gets_of_every_object_still_yield_exact_data(
+    era5_local: Path, moto: MotoServer, fault: dict[str, Any]
+) -> None:
+    with FaultProxy(moto.port, fail_first=2, match="/c/", **fault) as proxy:
+        store = open_store(URL, **moto.options(endpoint=proxy.endpoint))
+        views, oviews, manifest = _views(store)
+        pipe = insitu_pipeline(store, manifest, views, batch_size=16, block_chunks=8)
+        records = run_epoch(pipe, Oracle(era5_local), oviews)  # zarr's read is the oracle
+        assert len(records) == len(pipe)
+        chunk_gets = {p: n for p, n in proxy.gets.items() if "/c/" in p}
+        n_objects = sum(1 for p in (era5_local / "t2m").rglob("*") if p.is_file()) - 1
+        n_objects += sum(1 for p in (era5_local / "z").rglob("*") if p.is_file()) - 1
+        assert len(chunk_gets) == n_objects  # every stored object was read ...
+        assert all(n == 3 for n in chunk_gets.values()), chunk_gets  # ... after two faults
+        assert pipe.stats()["gets"] == n_objects
+
+
+def test_a_transient_error_that_outlasts_max_retries_raises_naming_the_store(
+    era5_local: Path, moto: MotoServer
+) -> None:
+    with FaultProxy(moto.port, fail_first=2, status=503, match="/c/") as proxy:
+        setup = open_store(URL, **moto.options())
+        views, _, manifest = _views(setup)
+        store = open_store(
+            URL, retry=RetryPolicy(max_retries=1), **moto.options(endpoint=proxy.endpoint)
+        )
+        pipe = insitu_pipeline(store, manifest, views, batch_size=16)
+        with pytest.raises(ChunkReadError) as info:
+            run_epoch(pipe)
+        assert f"{URL} (endpoint {proxy.endpoint})" in str(info.value)
+        assert "503" in str(info.value.__cause__)
+        assert pipe.stages.pool.pinned_count() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Any zarr store: the deadline applies to every GET
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_zarr_store_that_never_answers_fails_at_the_deadline_of_retry(era5_local: Path) -> None:
+    views, _, manifest = _views(zarr.storage.LocalStore(era5_local, read_only=True))
+    hanging = CountingStore(zarr.storage.LocalStore(era5_local, read_only=True), delay=3600.0)
+    pipe = insitu_pipeline(
+        hanging, manifest, views, batch_size=16, retry=RetryPolicy(timeout_s=1.0)
+    )
+    t0 = time.monotonic()
+    with pytest.raises(ChunkReadError) as info:
+        next(pipe)
+    elapsed = time.monotonic() - t0
+    assert 0.9 <= elapsed < 5.0, elapsed
+    assert isinstance(info.value.__cause__, TimeoutError)
+    assert info.value.array in {v.path for v in views.values()}
+    assert f"'{info.value.array}'" in str(info.value) and str(era5_local) in str(info.value)
+    pipe.close()
