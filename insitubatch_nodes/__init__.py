@@ -23,13 +23,21 @@ from insitubatch_nodes.decode import ChunkDecoder, DecodeError
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
-from insitubatch_nodes.pipeline import InSituPipeline, PipelineStages, insitu_pipeline
+from insitubatch_nodes.pipeline import (
+    InSituPipeline,
+    PipelineStages,
+    choose_schedule,
+    insitu_pipeline,
+)
 from insitubatch_nodes.plan import (
     BatchPlan,
     ChunkKey,
     EpochPlan,
+    PinSchedule,
     ReadPlanNode,
+    ScheduleFloors,
     plan_epoch,
+    schedule_floors,
     shuffle_quality,
 )
 from insitubatch_nodes.pool import (
@@ -66,20 +74,24 @@ __all__ = [
     "GatherNode",
     "InSituIterableDataset",
     "InSituPipeline",
+    "PinSchedule",
     "PipelineStages",
     "PoolStats",
     "PrefetcherNode",
     "RamBacking",
     "ReadPlanNode",
     "ResidentBatch",
+    "ScheduleFloors",
     "SlotBacking",
     "SplitManifest",
     "__version__",
     "as_dataset",
+    "choose_schedule",
     "insitu_pipeline",
     "open_geometries",
     "open_store",
     "plan_epoch",
+    "schedule_floors",
     "shuffle_quality",
     "split_by_chunk",
     "to_torch",
