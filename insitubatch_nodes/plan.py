@@ -504,6 +504,13 @@ def _check_plan_inputs(
     return dict(variables)
 
 
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` of a 1-D int array by sorting (numpy's hash-based path is far slower on
+    millions of keys)."""
+    out = np.sort(values)
+    return out[np.concatenate([[True], out[1:] != out[:-1]])] if len(out) else out
+
+
 def _anchor_chunk_bytes(
     manifest: SplitManifest,
     variables: Mapping[str, ArrayGeometry],
@@ -530,11 +537,13 @@ def _anchor_chunk_bytes(
             )
             ids.append(np.repeat(first, span) + step)
         owner, cid = np.concatenate(owners), np.concatenate(ids)
-        pairs = np.unique(np.stack([owner, cid], axis=1), axis=0)
-        weight += nbytes * np.bincount(pairs[:, 0], minlength=len(chunks))
-        distinct = np.unique(pairs[:, 1])
-        total += nbytes * len(distinct)
-        shared = shared or len(distinct) < len(pairs)
+        # one int64 key per (anchor chunk, stored chunk) pair: 1-D uniques sort fast
+        pairs = _sorted_unique(owner * (int(cid.max()) + 1) + cid)
+        n_pairs = len(pairs)
+        weight += nbytes * np.bincount(pairs // (int(cid.max()) + 1), minlength=len(chunks))
+        distinct = len(_sorted_unique(cid))
+        total += nbytes * distinct
+        shared = shared or distinct < n_pairs
     return weight, total, shared
 
 
