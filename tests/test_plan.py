@@ -1009,3 +1009,72 @@ def json_round_trips(state: dict[str, object]) -> bool:
     import json
 
     return json.loads(json.dumps(state)) == state
+
+
+# -- residency bounds ----------------------------------------------------------------------------
+
+
+def _floor(plan: object, variables: Mapping[str, ArrayGeometry]) -> int:
+    from insitubatch_nodes import working_set_bytes
+
+    return working_set_bytes(plan, {g.path: g.base for g in variables.values()})[0]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",
+        "shift",
+        "windows",
+        "long_window_ranks",
+        "interleaved",
+        "batch_over_blocks",
+        "mixed_grids",
+        "unshuffled",
+    ],
+)
+def test_schedule_floors_bound_every_epochs_floor_under_either_schedule(
+    partial: ArrayGeometry, micro: dict[str, ArrayGeometry], big: ArrayGeometry, case: str
+) -> None:
+    from insitubatch_nodes import schedule_floors
+
+    kw: dict[str, object] = {"batch_size": 5, "block_chunks": 3}
+    node_kw: dict[str, object] = {}
+    g = partial
+    variables: dict[str, ArrayGeometry] = {"x": g}
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    worlds = [1]
+    if case == "shift":
+        variables = {"x": g, "y": g.shift(1)}
+    elif case == "windows":
+        variables = {"x": g, "y": g.shift(2), "prev": g.shift(-3)}
+    elif case == "long_window_ranks":
+        variables, worlds = {"x": g, "y": g.shift(9)}, [1, 2, 3]
+    elif case == "interleaved":
+        g = big
+        manifest = split_by_chunk(g, (0.02, 0.49, 0.49), contiguous=False, seed=3)
+        variables, kw = {"x": g, "y": g.shift(1)}, {"batch_size": 24, "block_chunks": 4}
+    elif case == "batch_over_blocks":
+        variables, kw = {"x": g, "y": g.shift(1)}, {"batch_size": 23, "block_chunks": 2}
+    elif case == "mixed_grids":
+        variables = {"image": micro["image"], "mask": micro["mask"]}
+        manifest = split_by_chunk(micro["image"], (1.0, 0.0, 0.0))
+        kw = {"batch_size": 3, "block_chunks": 2}
+    elif case == "unshuffled":
+        variables, node_kw = {"x": g, "y": g.shift(1)}, {"shuffle": False}
+    floors = schedule_floors(manifest, variables, **kw)  # type: ignore[arg-type]
+    for world in worlds:
+        for rank in range(world):
+            for ramp in (True, False):
+                for epoch in range(12):
+                    args = {**kw, **node_kw, "epoch": epoch, "rank": rank, "world_size": world}
+                    once = plan_epoch(manifest, variables, ramp=ramp, **args)  # type: ignore[arg-type]
+                    assert _floor(once, variables) <= floors.read_once
+                    bounded = plan_epoch(
+                        manifest,
+                        variables,
+                        ramp=ramp,
+                        pin_gap=floors.pin_gap,
+                        **args,  # type: ignore[arg-type]
+                    )
+                    assert _floor(bounded, variables) <= floors.bounded
