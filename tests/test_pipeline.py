@@ -1222,6 +1222,9 @@ def test_a_pipeline_composed_by_hand_plans_and_schedules_like_the_builders(
 class _NotABacking:
     name = "nothing"
 
+    def __repr__(self) -> str:  # a stable test id (xdist workers must collect the same ids)
+        return "_NotABacking()"
+
 
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
