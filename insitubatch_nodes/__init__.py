@@ -26,13 +26,21 @@ from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, Fetched
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, CorruptMetadataError, open_geometries
 from insitubatch_nodes.loader import Loader
-from insitubatch_nodes.pipeline import InSituPipeline, PipelineStages, insitu_pipeline
+from insitubatch_nodes.pipeline import (
+    InSituPipeline,
+    PipelineStages,
+    choose_schedule,
+    insitu_pipeline,
+)
 from insitubatch_nodes.plan import (
     BatchPlan,
     ChunkKey,
     EpochPlan,
+    PinSchedule,
     ReadPlanNode,
+    ScheduleFloors,
     plan_epoch,
+    schedule_floors,
     shuffle_quality,
 )
 from insitubatch_nodes.pool import ChunkPoolNode, ResidentBatch
@@ -49,6 +57,8 @@ from insitubatch_nodes.residency import (
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
+
+__version__ = "0.1.0.dev0"
 
 __version__ = "0.1.0.dev0"
 
@@ -73,6 +83,7 @@ __all__ = [
     "InSituIterableDataset",
     "InSituPipeline",
     "Loader",
+    "PinSchedule",
     "PipelineInterrupted",
     "PipelineStages",
     "PoolStats",
@@ -81,14 +92,17 @@ __all__ = [
     "ReadPlanNode",
     "ResidentBatch",
     "RetryPolicy",
+    "ScheduleFloors",
     "SlotBacking",
     "SplitManifest",
     "__version__",
     "as_dataset",
+    "choose_schedule",
     "insitu_pipeline",
     "open_geometries",
     "open_store",
     "plan_epoch",
+    "schedule_floors",
     "shuffle_quality",
     "split_by_chunk",
     "to_torch",

@@ -15,11 +15,12 @@ from typing import Any
 
 from zarr.abc.store import Store
 
+from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, check_arrays_in_store, open_geometries
-from insitubatch_nodes.plan import ReadPlanNode
+from insitubatch_nodes.plan import PinSchedule, ReadPlanNode, schedule_floors
 from insitubatch_nodes.pool import ChunkPoolNode
 from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
@@ -88,37 +89,75 @@ def _auto_cap_bytes() -> int:
 
 
 def choose_schedule(
-    plan: ReadPlanNode, pool: ChunkPool, geoms: Mapping[str, ArrayGeometry]
-) -> None:
-    """Pick how long chunks stay pinned, from the budget, and check the budget's floor.
+    manifest: SplitManifest,
+    variables: Mapping[str, ArrayGeometry],
+    budget_bytes: int | None,
+    *,
+    split: str = "train",
+    batch_size: int = 32,
+    block_chunks: int = 16,
+    cross_split_windows: bool = False,
+) -> PinSchedule:
+    """The residency schedule for a budget: pure, computed before the read plan is built.
 
-    Read-once (each chunk pinned from its first reading batch to its last) is the default. A
-    shifted view can make that schedule hold a large part of the split — chunk ``c + 1`` is read
-    by the last anchors of chunk ``c`` and again, much later, in its own block. When the budget
-    cannot hold it (an explicit budget below the read-once floor, or an automatic one whose
-    read-once floor is above a quarter of RAM), chunks are instead released after a block without
-    reads and fetched again at their next use: bounded memory for some re-reads.
+    Pass the result as ``ReadPlanNode(..., schedule=...)``; :func:`insitu_pipeline` does exactly
+    this, so a pipeline composed by hand behaves like the builder's.
+
+    Read-once (each chunk pinned from its first reading batch to its last, fetched once per
+    epoch) is the default. A shifted view can make that schedule hold a large part of the split —
+    chunk ``c + 1`` is read by the last anchors of chunk ``c`` and again, much later, in its own
+    block — and how much depends on each epoch's permutation. So the choice is made per epoch
+    against :func:`~insitubatch_nodes.plan.schedule_floors`, bounds that hold for every epoch:
+
+    * an explicit budget at or above the read-once bound: read-once, every epoch;
+    * else, at or above the bounded bound: each epoch reads once if *its* read-once floor fits
+      the budget and otherwise releases chunks idle for a block and re-reads them (that epoch's
+      floor is within the bounded bound, hence within the budget);
+    * else ``ValueError`` stating the smallest budget that fits every epoch — here, never in a
+      later epoch; and a larger budget never fails where a smaller one succeeds.
+
+    ``budget_bytes=None`` (automatic) reads once every epoch while the read-once bound is under a
+    quarter of RAM; above that, an epoch whose read-once floor exceeds a quarter of RAM uses the
+    bounded schedule (a warning says so).
     """
-    plan.pin_gap = None
-    read_once = working_set_bytes(plan.epoch_plan(0), geoms)[0]
-    if pool.fits(read_once) and (not pool.auto or read_once <= _auto_cap_bytes()):
-        pool.ensure_floor(read_once)
-        return
-    plan.pin_gap = plan.block_batches
-    bounded = working_set_bytes(plan.epoch_plan(0), geoms)[0]
-    if bounded >= read_once:  # releasing between uses saves nothing: keep read-once
-        plan.pin_gap = None
-        pool.ensure_floor(read_once)
-        return
-    if pool.auto:
+    floors = schedule_floors(
+        manifest,
+        variables,
+        split=split,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        cross_split_windows=cross_split_windows,
+    )
+    if budget_bytes is None:
+        cap = _auto_cap_bytes()
+        if floors.read_once <= cap:
+            return PinSchedule()
         log.warning(
-            "insitubatch_nodes: reading each chunk once per epoch would pin %.1f GiB (over a "
-            "quarter of RAM); chunks idle for a block are released and re-read instead (floor "
-            "%.1f GiB). Pass cache_budget_bytes to choose.",
-            read_once / 2**30,
-            bounded / 2**30,
+            "insitubatch_nodes: reading each chunk once per epoch could pin up to %.1f GiB "
+            "(over a quarter of RAM); epochs whose read-once floor exceeds that release chunks "
+            "idle for a block and re-read them instead (floor at most %.1f GiB). Pass "
+            "cache_budget_bytes to choose.",
+            floors.read_once / 2**30,
+            floors.bounded / 2**30,
         )
-    pool.ensure_floor(bounded, read_once_bytes=read_once)
+        return PinSchedule(pin_gap=floors.pin_gap, read_once_bytes=cap)
+    budget = check_int("cache_budget_bytes", budget_bytes, minimum=1)
+    if budget >= floors.read_once:
+        return PinSchedule()
+    if budget >= floors.bounded:
+        return PinSchedule(pin_gap=floors.pin_gap, read_once_bytes=budget)
+    floor = floors.guaranteed
+    once = (
+        f"; reading each chunk once per epoch needs up to {floors.read_once:,} bytes"
+        if floors.read_once > floor
+        else ""
+    )
+    raise ValueError(
+        f"cache_budget_bytes={budget:,} is below the working-set floor of {floor:,} bytes "
+        f"({floor / 2**20:.1f} MiB) that every epoch is guaranteed to fit (chunks live at once "
+        f"plus one block of read-ahead, bounded over every permutation){once}; raise it to at "
+        "least the floor, lower block_chunks, or pass None for the automatic budget"
+    )
 
 
 def insitu_pipeline(
@@ -140,17 +179,22 @@ def insitu_pipeline(
     batch_transforms: Sequence[BatchTransform] = (),
     backing: SlotBacking | None = None,
     retry: RetryPolicy | None = None,
+    cross_split_windows: bool = False,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
     ``variables`` is a list of array names (each becomes a label) or ``{label: view}`` with
     :class:`ArrayGeometry` views (e.g. ``{"x": g, "y": g.shift(1)}``). Batches are
     :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``.
+    An anchor is used only when every view reads inside ``split``'s own chunks;
+    ``cross_split_windows=True`` lets windows read across the split's edge.
 
-    ``cache_budget_bytes=None`` sizes the pool to the working set (each chunk read once per
-    epoch); a larger budget keeps drained chunks for later epochs; a smaller one raises
-    ``ValueError`` stating the floor. ``max_inflight`` bounds concurrent stored-object GETs;
-    ``decode_threads`` sizes the shared decode pool (default: one per core).
+    ``cache_budget_bytes=None`` sizes the pool to each epoch's working set (each chunk read once
+    per epoch); a larger budget keeps drained chunks for later epochs; one too small for some
+    epoch raises ``ValueError`` here, stating the floor (see :func:`choose_schedule`).
+    ``max_inflight`` bounds concurrent stored-object GETs; ``decode_threads`` sizes the shared
+    decode pool (default: one per core). Every argument is checked here: counts must be ``int``
+    (not ``bool``), flags ``bool``.
 
     ``retry`` (a :class:`~insitubatch_nodes.stores.RetryPolicy`) bounds every read: with a URL
     or path it is what the store is opened with; with an opened ``Store`` its ``timeout_s`` is
@@ -159,6 +203,29 @@ def insitu_pipeline(
     checks that the store holds every array read (one metadata read per array) and raises
     ``FileNotFoundError`` naming the array and the store when it does not.
     """
+    batch_size = check_int("batch_size", batch_size, minimum=1)
+    block_chunks = check_int("block_chunks", block_chunks, minimum=1)
+    shuffle = check_bool("shuffle", shuffle)
+    seed = check_int("seed", seed, minimum=0)
+    max_inflight = check_int("max_inflight", max_inflight, minimum=1)
+    prefetch_depth = check_int("prefetch_depth", prefetch_depth, minimum=1)
+    cache_budget_bytes = check_optional_int("cache_budget_bytes", cache_budget_bytes, minimum=1)
+    decode_threads = check_optional_int("decode_threads", decode_threads, minimum=1)
+    rank = check_optional_int("rank", rank)
+    world_size = check_optional_int("world_size", world_size)
+    cross_split_windows = check_bool("cross_split_windows", cross_split_windows)
+    if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
+        raise TypeError(
+            f"batch_transforms must be a sequence of callables Batch -> Batch, got "
+            f"{batch_transforms!r}"
+        )
+    if backing is not None and not all(
+        callable(getattr(backing, m, None)) for m in ("allocate", "release")
+    ):
+        raise TypeError(
+            f"backing must be a SlotBacking (with allocate() and release()) or None, got "
+            f"{backing!r}"
+        )
     # -- the store, its retry policy, and a check that it holds the arrays --------------------
     if retry is not None and not isinstance(retry, RetryPolicy):
         raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
@@ -185,6 +252,16 @@ def insitu_pipeline(
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
 
+    # the schedule is decided first (and fails fast, here, when the budget is too small)
+    schedule = choose_schedule(
+        manifest,
+        labels,
+        cache_budget_bytes,
+        split=split,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        cross_split_windows=cross_split_windows,
+    )
     plan = ReadPlanNode(
         manifest,
         labels,
@@ -195,9 +272,11 @@ def insitu_pipeline(
         seed=seed,
         rank=rank,
         world_size=world_size,
+        cross_split_windows=cross_split_windows,
+        schedule=schedule,
     )
     pool = ChunkPool(cache_budget_bytes, backing=backing)
-    choose_schedule(plan, pool, geoms)  # fails fast, here, when the budget is too small
+    pool.ensure_floor(working_set_bytes(plan.epoch_plan(0), geoms)[0])  # sizes an automatic one
     fetch = AsyncChunkFetchNode(
         plan,
         zstore,

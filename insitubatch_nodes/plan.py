@@ -13,6 +13,13 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
    chunks instead of (nearly) the whole block;
 4. batches are cut over the whole ledger: ``ceil(N / batch_size)`` batches, only the last short.
 
+**Valid anchors.** An anchor ``a`` of the split is emitted only if every view's sample
+``a + offset`` lies in the array *and*, by default, on an anchor-grid chunk of the same split
+(``(a + offset) // samples_per_chunk`` is one of the split's chunks), so no window reads a sample
+of another split. ``cross_split_windows=True`` drops the second condition (windows may read
+across the split's edge). In each chunk the valid anchors are one contiguous run, so a chunk's
+count is a constant of the configuration and every epoch, rank and resume stays exact.
+
 Each :class:`BatchPlan` says which stored chunks the batch gathers from (``reads``), which of them
 it is the first to need this epoch (``fetches`` — each chunk is fetched once per epoch) and which
 it reads for the last time (``releases`` — the pool may unpin them once the batch is gathered).
@@ -25,15 +32,28 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
 
+from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.residency import working_set_bytes
 from insitubatch_nodes.splits import SPLITS, SplitManifest
 
-__all__ = ["BatchPlan", "ChunkKey", "EpochPlan", "ReadPlanNode", "plan_epoch", "shuffle_quality"]
+__all__ = [
+    "BatchPlan",
+    "ChunkKey",
+    "EpochPlan",
+    "PinSchedule",
+    "ReadPlanNode",
+    "ScheduleFloors",
+    "plan_epoch",
+    "schedule_floors",
+    "shuffle_quality",
+]
 
 ChunkKey = tuple[str, int]
 """A stored chunk row: ``(array path, chunk index along that array's sample axis)``; it stands
@@ -73,6 +93,7 @@ class EpochPlan:
     chunks: np.ndarray  # this rank's anchor chunks, in visiting order
     order: np.ndarray  # (N, 2) ledger (chunk_id, within)
     labels: Mapping[str, ArrayGeometry]
+    pin_gap: int | None  # the residency schedule this epoch uses (None = read-once)
     _first: dict[ChunkKey, int] = field(repr=False)
     _segments: list[tuple[ChunkKey, int, int]] = field(repr=False)
     _fetch_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
@@ -198,11 +219,32 @@ def _valid_anchor_range(n_samples: int, offsets: Sequence[int]) -> tuple[int, in
 
 
 def _chunk_counts(
-    chunks: np.ndarray, spc: int, n_samples: int, lo: int, hi: int
+    manifest: SplitManifest,
+    split: str,
+    chunks: np.ndarray,
+    offsets: Sequence[int],
+    cross_split_windows: bool,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """First valid anchor and number of valid anchors in each chunk."""
+    """First valid anchor and number of valid anchors in each of ``chunks`` (see the module
+    docstring for the rule). Element-wise: the order of ``chunks`` does not matter."""
+    spc, n = manifest.samples_per_chunk, manifest.n_samples
+    lo, hi = _valid_anchor_range(n, offsets)
     start = np.maximum(chunks * spc, lo)
-    stop = np.minimum(np.minimum((chunks + 1) * spc, n_samples), hi)
+    stop = np.minimum(np.minimum((chunks + 1) * spc, n), hi)
+    if not cross_split_windows:
+        member = np.zeros(manifest.n_chunks + 2, dtype=bool)  # index -1 and n_chunks: outside
+        member[np.asarray(manifest.chunks(split), dtype=np.int64)] = True
+
+        def in_split(d: np.ndarray) -> np.ndarray:
+            return member[np.clip(d, -1, manifest.n_chunks)]
+
+        for k in set(offsets):
+            # the samples a + k of chunk c's anchors fall in anchor-grid chunks d and d + 1;
+            # anchors from `edge` on read d + 1
+            d = (chunks * spc + k) // spc
+            edge = (d + 1) * spc - k
+            start = np.where(in_split(d), start, np.maximum(start, edge))
+            stop = np.where(in_split(d + 1), stop, np.minimum(stop, edge))
     return start, np.maximum(stop - start, 0)
 
 
@@ -220,6 +262,7 @@ def plan_epoch(
     world_size: int = 1,
     ramp: bool = True,
     pin_gap: int | None = None,
+    cross_split_windows: bool = False,
 ) -> EpochPlan:
     """Draw one rank's plan for one epoch. Pure: same arguments, same plan.
 
@@ -227,13 +270,14 @@ def plan_epoch(
     fetched once per epoch). With ``pin_gap=g`` a chunk that goes more than ``g`` batches
     without being read is released and fetched again at its next use — the schedule for a
     budget too small to hold shifted views' neighbours across the epoch.
+    ``cross_split_windows`` is the anchor rule of the module docstring.
     """
-    spc, n = manifest.samples_per_chunk, manifest.n_samples
-    lo, hi = _valid_anchor_range(n, [g.offset for g in labels.values()])
+    spc = manifest.samples_per_chunk
+    offsets = [g.offset for g in labels.values()]
     chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
     if shuffle:
         chunks = np.random.default_rng([seed, epoch, 0]).permutation(chunks)
-    starts_all, counts_all = _chunk_counts(chunks, spc, n, lo, hi)
+    starts_all, counts_all = _chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     if world_size > 1:
         # A chunk with no valid anchor (a view's offset pushes them all off the array) holds
         # nothing to deal; dealing it would only shorten some rank's share.
@@ -310,6 +354,7 @@ def plan_epoch(
         chunks=chunks,
         order=order,
         labels=dict(labels),
+        pin_gap=pin_gap,
         _first=first,
         _segments=segments,
         _fetch_by_batch=[tuple(x) for x in fetch_by_batch],
@@ -365,6 +410,283 @@ def shuffle_quality(
     return max(0.0, spread(arr) / ref) if ref > 0 else 1.0
 
 
+# -- residency schedules -------------------------------------------------------------------------
+
+
+def block_batches(samples_per_chunk: int, block_chunks: int, batch_size: int) -> int:
+    """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
+    return max(1, math.ceil(block_chunks * samples_per_chunk / batch_size))
+
+
+@dataclass(frozen=True)
+class PinSchedule:
+    """How long the chunks a plan reads stay pinned, epoch by epoch.
+
+    ``pin_gap=None`` (the default): *read-once* every epoch — a chunk is pinned from the first
+    batch that reads it to the last, so it is fetched once per epoch. ``pin_gap=g``: *bounded* — a
+    chunk that goes more than ``g`` batches without being read is released and fetched again at
+    its next use; except that, with ``read_once_bytes`` set, an epoch whose read-once
+    working-set floor (:func:`~insitubatch_nodes.pool.working_set_bytes`) is at most
+    ``read_once_bytes`` uses read-once. Each epoch's choice is a function of that epoch's plan
+    only, so a resumed run makes the same choice.
+    :func:`~insitubatch_nodes.pipeline.choose_schedule` computes the schedule from a budget.
+    """
+
+    pin_gap: int | None = None
+    read_once_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pin_gap", check_optional_int("pin_gap", self.pin_gap, minimum=0))
+        object.__setattr__(
+            self,
+            "read_once_bytes",
+            check_optional_int("read_once_bytes", self.read_once_bytes, minimum=0),
+        )
+        if self.read_once_bytes is not None and self.pin_gap is None:
+            raise ValueError(
+                "read_once_bytes chooses between read-once and a pin_gap: set pin_gap too "
+                "(or leave both None for read-once every epoch)"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduleFloors:
+    """Upper bounds, valid for *every* epoch, rank, seed, ``shuffle`` and ``ramp``, of the
+    working-set floor (:func:`~insitubatch_nodes.pool.working_set_bytes`) of one configuration
+    under each schedule, in bytes. ``pin_gap`` is the bounded schedule's gap."""
+
+    read_once: int
+    bounded: int
+    pin_gap: int
+
+    @property
+    def guaranteed(self) -> int:
+        """The smallest budget with which every epoch has a schedule that fits."""
+        return min(self.read_once, self.bounded)
+
+
+def _check_plan_inputs(
+    manifest: Any, variables: Any, split: Any, cross_split_windows: bool
+) -> dict[str, ArrayGeometry]:
+    """Validate the data a plan is drawn over; the views as a plain dict."""
+    if not isinstance(manifest, SplitManifest):
+        raise TypeError(f"manifest must be a SplitManifest, got {type(manifest).__name__}")
+    if not isinstance(split, str) or split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not isinstance(variables, Mapping) or not variables:
+        raise ValueError("variables must be a non-empty {label: ArrayGeometry} mapping")
+    for label, geom in variables.items():
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"labels must be non-empty strings, got {label!r}")
+        if not isinstance(geom, ArrayGeometry):
+            raise TypeError(f"variables[{label!r}] must be an ArrayGeometry, got {geom!r}")
+        if geom.n_samples != manifest.n_samples:
+            raise ValueError(
+                f"variables[{label!r}] ({geom.path}) has {geom.n_samples} samples along its "
+                f"sample axis but the manifest's anchor grid has {manifest.n_samples}; all "
+                "labels must share the sample-axis length"
+            )
+    offsets = [g.offset for g in variables.values()]
+    lo, hi = _valid_anchor_range(manifest.n_samples, offsets)
+    if hi <= lo and manifest.n_samples > 0:
+        raise ValueError(
+            f"the views' offsets {offsets} leave no valid anchor in an array of "
+            f"{manifest.n_samples} samples"
+        )
+    split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    _, counts = _chunk_counts(manifest, split, split_chunks, offsets, cross_split_windows)
+    if len(split_chunks) and not counts.any():
+        raise ValueError(
+            f"split {split!r} has {len(split_chunks)} chunks, but with the views' offsets "
+            f"{offsets} none of its anchors reads only samples of split {split!r}; use a "
+            "longer split or shorter windows, or pass cross_split_windows=True to let windows "
+            "read across the split's edge"
+        )
+    return dict(variables)
+
+
+def _sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique`` of a 1-D int array by sorting (numpy's hash-based path is far slower on
+    millions of keys)."""
+    out = np.sort(values)
+    return out[np.concatenate([[True], out[1:] != out[:-1]])] if len(out) else out
+
+
+def _anchor_chunk_bytes(
+    manifest: SplitManifest,
+    variables: Mapping[str, ArrayGeometry],
+    chunks: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[np.ndarray, int, bool]:
+    """For anchor chunks with valid anchors ``[start, start + count)``: the bytes of the
+    distinct stored chunks each one's anchors read (all views), the bytes of every chunk any of
+    them reads, and whether some stored chunk is read by two different anchor chunks."""
+    weight = np.zeros(len(chunks), dtype=np.int64)
+    total, shared = 0, False
+    for path in dict.fromkeys(g.path for g in variables.values()):
+        views = [g for g in variables.values() if g.path == path]
+        pspc, nbytes = views[0].samples_per_chunk, views[0].chunk_nbytes
+        owners, ids = [], []
+        for g in views:
+            first = (starts + g.offset) // pspc
+            last = (starts + counts - 1 + g.offset) // pspc
+            span = last - first + 1
+            owners.append(np.repeat(np.arange(len(chunks), dtype=np.int64), span))
+            step = np.arange(int(span.sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(span) - span, span
+            )
+            ids.append(np.repeat(first, span) + step)
+        owner, cid = np.concatenate(owners), np.concatenate(ids)
+        # one int64 key per (anchor chunk, stored chunk) pair: 1-D uniques sort fast
+        pairs = _sorted_unique(owner * (int(cid.max()) + 1) + cid)
+        n_pairs = len(pairs)
+        weight += nbytes * np.bincount(pairs // (int(cid.max()) + 1), minlength=len(chunks))
+        distinct = len(_sorted_unique(cid))
+        total += nbytes * distinct
+        shared = shared or distinct < n_pairs
+    return weight, total, shared
+
+
+def _layout_maxima(
+    n_chunks: int, block_chunks: int, lead: int, q: int, slack: int, batch_size: int, gap: int
+) -> tuple[int, int, int] | None:
+    """Most anchor chunks ``(read in g consecutive batches, live at one batch under read-once
+    without shared chunks, fetched by the batches of one block)`` for every ledger whose chunks
+    hold at most ``q`` rows and ``slack`` rows fewer than ``q`` each in all.
+
+    The blocks of such a ledger lie where they would with ``q`` rows per chunk, each moved
+    earlier by at most ``slack`` rows: block ``k`` occupies rows inside
+    ``[start_k - slack, end_k)``. ``None`` when that leaves too wide a spread to be useful."""
+    sizes = np.bincount(block_index(n_chunks, block_chunks, lead))
+    hi = np.cumsum(sizes * q)
+    lo = hi - sizes * q - slack
+    n_rows = int(hi[-1])
+    last = len(sizes) - 1
+
+    def touch(x: np.ndarray, end: np.ndarray, own: np.ndarray | None = None) -> Any:
+        k0 = np.searchsorted(hi, x, side="right")  # first block that can end after x
+        k1 = np.searchsorted(lo, end, side="left")  # blocks before k1 can start before end
+        width = int((k1 - k0).max(initial=0))
+        if width > 64:
+            return None
+        total = np.zeros(len(x), dtype=np.int64)
+        for t in range(width):
+            k = k0 + t
+            kc = np.minimum(k, last)
+            overlap = np.minimum(end, hi[kc]) - np.maximum(x, lo[kc])
+            overlap = np.where(k < k1, np.maximum(overlap, 0), 0)
+            count = np.minimum(sizes[kc], overlap)
+            if own is not None:
+                count = np.where((k < k1) & (kc == own), sizes[kc], count)
+            total += count
+        return total, k1 - k0, k0
+
+    batches = np.arange(math.ceil(n_rows / batch_size), dtype=np.int64)
+    window = touch(np.maximum(0, (batches - gap + 1) * batch_size), (batches + 1) * batch_size)
+    single = touch(batches * batch_size, (batches + 1) * batch_size)
+    blocks = np.arange(len(sizes), dtype=np.int64)
+    ahead = touch(
+        np.maximum(0, lo // batch_size * batch_size),
+        -(-hi // batch_size) * batch_size,
+        own=blocks,
+    )
+    if window is None or single is None or ahead is None:
+        return None
+    # one batch inside one block: that block's chunks may all be live; else what it reads
+    once = np.where(single[1] == 1, sizes[np.minimum(single[2], last)], single[0])
+    return int(window[0].max()), int(once.max()), int(ahead[0].max())
+
+
+def schedule_floors(
+    manifest: SplitManifest,
+    variables: Mapping[str, ArrayGeometry],
+    *,
+    split: str = "train",
+    batch_size: int = 32,
+    block_chunks: int = 16,
+    cross_split_windows: bool = False,
+) -> ScheduleFloors:
+    """Permutation-independent upper bounds of each schedule's working-set floor.
+
+    They hold for every epoch, seed, rank and world size, with or without ``shuffle`` and
+    ``ramp``. Let ``w(c)`` be the bytes of the stored chunks anchor chunk ``c``'s anchors read,
+    ``top(k)`` the sum of the ``k`` largest ``w`` and ``g`` the bounded schedule's gap
+    (:func:`block_batches`). The ledger is a run of blocks of at most ``block_chunks`` chunks;
+    each chunk holds at most ``q`` rows (its valid anchors), so a block lies within a known
+    distance of where it would lie with ``q`` rows per chunk, and so does every batch. From
+    that layout (and, as a fallback, from the fewest rows a block can hold) come the most anchor
+    chunks a run of rows can touch:
+
+    * Bounded: a chunk live at batch ``b`` was read in batches ``(b - g, b]`` (a gap of more than
+      ``g`` batches would have released it): live bytes ``<= top(most chunks in g batches)``.
+    * Read-ahead (both schedules): the fetches counted for a block ``B`` are those of batches
+      whose first row (rows are sorted within a batch) lies in ``B``; they intersect ``B``, span
+      at most ``g`` batches and so fetch each chunk once: ``<= top(most chunks in the batches
+      that intersect one block)``.
+    * Read-once: live bytes are at most every chunk the split reads. When no stored chunk is
+      read by two anchor chunks (no window reaches a neighbour, labels' grids nest), a chunk
+      live at ``b`` is read by ``b`` or belongs to the one block ``b`` lies inside:
+      ``<= top(max(block chunks, most chunks in one batch))`` — and read-once is then the
+      bounded schedule, so the bounded bound holds for it too.
+    """
+    variables = _check_plan_inputs(manifest, variables, split, cross_split_windows)
+    bs = check_int("batch_size", batch_size, minimum=1)
+    bc = check_int("block_chunks", block_chunks, minimum=1)
+    spc = manifest.samples_per_chunk
+    gap = block_batches(spc, bc, bs)
+    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    offsets = [g.offset for g in variables.values()]
+    starts, counts = _chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
+    keep = counts > 0
+    if not keep.any():
+        return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
+    weight, total, shared = _anchor_chunk_bytes(
+        manifest, variables, chunks[keep], starts[keep], counts[keep]
+    )
+    heaviest = np.concatenate([[0], np.cumsum(np.sort(weight)[::-1])])
+    n = int(keep.sum())
+    # With one rank, chunks without a valid anchor stay in the order (they hold no rows);
+    # with several they are dropped before dealing. Count them: a bound for both.
+    m = int(np.sort(counts)[: min(bc, len(counts))].sum())  # fewest rows in a full block
+
+    def most(rows: int, aligned: bool) -> int:
+        if rows <= 0:
+            return 0
+        if m == 0:
+            return min(rows, n)
+        blocks = 1 + (rows - 1) // m if aligned else 2 + max(0, rows - 2) // m
+        return min(rows, n, bc * blocks)
+
+    def top(k: int) -> int:
+        return int(heaviest[min(k, n)])
+
+    live_chunks = most(gap * bs, aligned=False)
+    once_chunks = max(min(bc, n), most(bs, aligned=False))
+    ahead_chunks = min(n, bc + 2 * most(bs - 1, aligned=True))
+    q = int(counts.max())
+    slack = int((q - counts).sum())
+    leads = {0, _ramp_unit(True, spc, bs)}
+    for lead in leads:
+        found = _layout_maxima(len(chunks), bc, lead if lead < bc else 0, q, slack, bs, gap)
+        if found is None:
+            break
+    else:
+        tight = [
+            _layout_maxima(len(chunks), bc, lead if lead < bc else 0, q, slack, bs, gap)
+            for lead in leads
+        ]
+        live_chunks = min(live_chunks, max(t[0] for t in tight if t))
+        once_chunks = min(once_chunks, max(t[1] for t in tight if t))
+        ahead_chunks = min(ahead_chunks, max(t[2] for t in tight if t))
+    read_ahead = top(ahead_chunks)
+    bounded = top(live_chunks) + read_ahead
+    read_once = total + read_ahead
+    if not shared:
+        read_once = min(read_once, top(once_chunks) + read_ahead, bounded)
+    return ScheduleFloors(read_once=read_once, bounded=bounded, pin_gap=gap)
+
+
 def _default_rank_world() -> tuple[int, int]:
     try:
         import torch.distributed as dist
@@ -376,12 +698,32 @@ def _default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+_CONFIG_ATTRS = frozenset(
+    {
+        "manifest",
+        "variables",
+        "split",
+        "batch_size",
+        "block_chunks",
+        "shuffle",
+        "ramp",
+        "seed",
+        "rank",
+        "world_size",
+        "cross_split_windows",
+        "schedule",
+    }
+)
+
+
 class ReadPlanNode(BaseNode[BatchPlan]):
     """A torchdata node whose items are :class:`BatchPlan` s, one per batch, epoch after epoch.
 
     ``variables`` maps each label to an :class:`ArrayGeometry` view; every view must have the
     manifest's sample-axis length (labels may chunk the sample axis differently and carry
-    ``shift`` offsets; anchors whose ``anchor + offset`` falls off the array are dropped).
+    ``shift`` offsets). An anchor is emitted only if every view's ``anchor + offset`` lies in the
+    array and — unless ``cross_split_windows=True`` — on an anchor-grid chunk of ``split``, so no
+    window reads another split's samples. A split that has chunks but no such anchor is refused.
 
     **Ranks.** ``rank``/``world_size`` default to ``torch.distributed``'s when it is initialised,
     else 0/1. Each epoch the permuted list of the ``C`` chunks that hold at least one valid
@@ -399,13 +741,18 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     unchanged, and the epoch's :func:`shuffle_quality` moves by about one epoch-to-epoch
     standard deviation.
 
+    **Residency schedule.** ``schedule`` (a :class:`PinSchedule`; default read-once every epoch)
+    decides each epoch's ``fetches``/``releases``; it never changes which samples a batch holds.
+    :func:`~insitubatch_nodes.pipeline.choose_schedule` computes it from a budget.
+
     **Epochs and state.** ``reset(None)`` starts an epoch: the next one if the previous epoch
     yielded a batch, else the same one again (so the extra ``iter()`` calls Lightning makes do not
     skip epochs); :meth:`set_epoch` pins the epoch the next ``reset(None)`` starts. The state is
     O(1) plain Python — the epoch, the batches emitted, and the configuration the plan is a
-    function of — and ``reset(state)`` resumes at exactly the next batch. A state taken after the
-    last batch of an epoch resumes at the start of the next epoch. Restoring a state whose
-    configuration differs raises ``ValueError`` naming the field.
+    function of (computed once, at construction: the configuration is fixed, and assigning to
+    it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
+    state taken after the last batch of an epoch resumes at the start of the next epoch.
+    Restoring a state whose configuration differs raises ``ValueError`` naming the field.
     """
 
     def __init__(
@@ -421,42 +768,31 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         rank: int | None = None,
         world_size: int | None = None,
         ramp: bool = True,
+        cross_split_windows: bool = False,
+        schedule: PinSchedule | None = None,
     ) -> None:
         super().__init__()
-        if not isinstance(manifest, SplitManifest):
-            raise TypeError(f"manifest must be a SplitManifest, got {type(manifest).__name__}")
-        if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-        if not isinstance(variables, Mapping) or not variables:
-            raise ValueError("variables must be a non-empty {label: ArrayGeometry} mapping")
-        for label, geom in variables.items():
-            if not isinstance(label, str) or not label:
-                raise ValueError(f"labels must be non-empty strings, got {label!r}")
-            if not isinstance(geom, ArrayGeometry):
-                raise TypeError(f"variables[{label!r}] must be an ArrayGeometry, got {geom!r}")
-            if geom.n_samples != manifest.n_samples:
-                raise ValueError(
-                    f"variables[{label!r}] ({geom.path}) has {geom.n_samples} samples along its "
-                    f"sample axis but the manifest's anchor grid has {manifest.n_samples}; all "
-                    "labels must share the sample-axis length"
-                )
-        lo, hi = _valid_anchor_range(manifest.n_samples, [g.offset for g in variables.values()])
-        if hi <= lo and manifest.n_samples > 0:
-            raise ValueError(
-                f"the views' offsets {[g.offset for g in variables.values()]} leave no valid "
-                f"anchor in an array of {manifest.n_samples} samples"
-            )
-        for name, value in (("batch_size", batch_size), ("block_chunks", block_chunks)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cross = check_bool("cross_split_windows", cross_split_windows)
+        views = _check_plan_inputs(manifest, variables, split, cross)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        block_chunks = check_int("block_chunks", block_chunks, minimum=1)
+        shuffle = check_bool("shuffle", shuffle)
+        ramp = check_bool("ramp", ramp)
+        seed = check_int("seed", seed, minimum=0)
+        world_arg = check_optional_int("world_size", world_size)
+        rank_arg = check_optional_int("rank", rank)
+        if schedule is None:
+            schedule = PinSchedule()
+        if not isinstance(schedule, PinSchedule):
+            raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
         d_rank, d_world = _default_rank_world()
-        world = d_world if world_size is None else int(world_size)
-        rk = (d_rank if world_size is None else 0) if rank is None else int(rank)
+        world = d_world if world_arg is None else world_arg
+        rk = (d_rank if world_arg is None else 0) if rank_arg is None else rank_arg
         if world < 1 or not 0 <= rk < world:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rk}, world_size={world}")
         split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
         _, counts = _chunk_counts(
-            split_chunks, manifest.samples_per_chunk, manifest.n_samples, lo, hi
+            manifest, split, split_chunks, [g.offset for g in views.values()], cross
         )
         n_chunks = int(np.count_nonzero(counts))
         if world > 1 and len(split_chunks) and n_chunks < world:
@@ -465,24 +801,33 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 f"{world}: every rank needs at least one (use a larger split or fewer ranks)"
             )
         self.manifest = manifest
-        self.variables: dict[str, ArrayGeometry] = dict(variables)
+        self.variables: Mapping[str, ArrayGeometry] = MappingProxyType(views)
         self.split = split
         self.batch_size = batch_size
         self.block_chunks = block_chunks
-        self.shuffle = bool(shuffle)
-        self.ramp = bool(ramp)
-        self.seed = int(seed)
+        self.shuffle = shuffle
+        self.ramp = ramp
+        self.seed = seed
         self.rank = rk
         self.world_size = world
-        self.pin_gap: int | None = None  # residency schedule, set by the pipeline's budget
+        self.cross_split_windows = cross
+        self.schedule = schedule
         self._epoch = 0
         self._pinned_epoch: int | None = None
         self._emitted = 0
         self._plan: EpochPlan | None = None
+        self._config = self._fingerprint()  # the configuration is fixed from here on
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CONFIG_ATTRS and "_config" in self.__dict__:
+            raise AttributeError(
+                f"ReadPlanNode.{name} is fixed at construction (the plan, its state and its "
+                "fingerprint depend on it); build a new node instead"
+            )
+        super().__setattr__(name, value)
 
     # -- configuration identity -----------------------------------------------------------------
-    def config(self) -> dict[str, Any]:
-        """What the plan is a function of, besides the epoch (plain, rank-independent)."""
+    def _fingerprint(self) -> dict[str, Any]:
         views = sorted(
             (k, g.path, g.offset, g.samples_per_chunk) for k, g in self.variables.items()
         )
@@ -498,17 +843,25 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             "ramp": self.ramp,
             "seed": self.seed,
             "world_size": self.world_size,
+            "cross_split_windows": self.cross_split_windows,
         }
 
-    def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's plan for ``epoch`` (default: the current one)."""
-        if epoch is None and self._plan is not None:
-            return self._plan
+    def config(self) -> dict[str, Any]:
+        """What the plan is a function of, besides the epoch (plain, rank-independent; computed
+        once at construction — a copy is returned)."""
+        return dict(self._config)
+
+    @property
+    def pin_gap(self) -> int | None:
+        """The schedule's ``pin_gap`` (``None``: read-once every epoch)."""
+        return self.schedule.pin_gap
+
+    def _draw(self, epoch: int, pin_gap: int | None) -> EpochPlan:
         return plan_epoch(
             self.manifest,
             self.variables,
             split=self.split,
-            epoch=self._epoch if epoch is None else int(epoch),
+            epoch=epoch,
             batch_size=self.batch_size,
             block_chunks=self.block_chunks,
             shuffle=self.shuffle,
@@ -516,8 +869,24 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             rank=self.rank,
             world_size=self.world_size,
             ramp=self.ramp,
-            pin_gap=self.pin_gap,
+            pin_gap=pin_gap,
+            cross_split_windows=self.cross_split_windows,
         )
+
+    def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
+        """This rank's plan for ``epoch`` (default: the current one), under the schedule."""
+        if epoch is None and self._plan is not None:
+            return self._plan
+        e = self._epoch if epoch is None else int(epoch)
+        gap, within = self.schedule.pin_gap, self.schedule.read_once_bytes
+        if gap is None:
+            return self._draw(e, None)
+        if within is not None:
+            once = self._draw(e, None)
+            paths = {g.path: g.base for g in self.variables.values()}
+            if working_set_bytes(once, paths)[0] <= within:
+                return once
+        return self._draw(e, gap)
 
     @property
     def epoch(self) -> int:
@@ -534,20 +903,21 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch (the same every epoch)."""
-        return self.epoch_plan(0 if self._plan is None else None).n_batches
+        if self._plan is not None:
+            return self._plan.n_batches
+        return self._draw(0, None).n_batches
 
     @property
     def block_batches(self) -> int:
         """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
-        return max(
-            1, math.ceil(self.block_chunks * self.manifest.samples_per_chunk / self.batch_size)
-        )
+        return block_batches(self.manifest.samples_per_chunk, self.block_chunks, self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
         """Make the next ``reset(None)`` start ``epoch`` (e.g. from a trainer's epoch counter)."""
+        epoch = check_int("epoch", epoch)
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self._pinned_epoch = int(epoch)
+        self._pinned_epoch = epoch
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -589,11 +959,28 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._check_config(state["config"])
 
     def _check_config(self, saved: Mapping[str, Any]) -> None:
-        mine = self.config()
+        mine = self._config
         for key, value in mine.items():
+            if key == "cross_split_windows" and key not in saved and self._rule_matters():
+                # saved before the rule existed: its windows read across the split's edge
+                raise ValueError(
+                    "cannot restore this read-plan state: it predates cross_split_windows and "
+                    "its windows read across the split's edge; pass cross_split_windows=True "
+                    "to resume it"
+                )
             if key in saved and saved[key] != value:
                 what = "dataset (arrays, views or split chunks)" if key == "dataset" else key
                 raise ValueError(
                     f"cannot restore this read-plan state: its {what} differs "
                     f"(saved {saved[key]!r}, this pipeline {value!r})"
                 )
+
+    def _rule_matters(self) -> bool:
+        """Whether ``cross_split_windows`` changes this configuration's anchors."""
+        if self.cross_split_windows:
+            return False
+        chunks = np.asarray(self.manifest.chunks(self.split), dtype=np.int64)
+        offsets = [g.offset for g in self.variables.values()]
+        inside = _chunk_counts(self.manifest, self.split, chunks, offsets, False)[1]
+        across = _chunk_counts(self.manifest, self.split, chunks, offsets, True)[1]
+        return not np.array_equal(inside, across)

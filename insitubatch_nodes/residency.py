@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from insitubatch_nodes._checks import check_optional_int
 from insitubatch_nodes.geometry import ArrayGeometry
 
 if TYPE_CHECKING:
@@ -154,10 +155,7 @@ class ChunkPool:
     """
 
     def __init__(self, budget_bytes: int | None = None, backing: SlotBacking | None = None):
-        if budget_bytes is not None and (not isinstance(budget_bytes, int) or budget_bytes <= 0):
-            raise ValueError(
-                f"cache_budget_bytes must be a positive int or None, got {budget_bytes!r}"
-            )
+        budget_bytes = check_optional_int("cache_budget_bytes", budget_bytes, minimum=1)
         self.auto = budget_bytes is None
         self.budget_bytes = budget_bytes or 0
         self.backing: SlotBacking = backing or RamBacking()

@@ -37,6 +37,7 @@ from insitubatch_nodes import (
     GatherNode,
     PrefetcherNode,
     ReadPlanNode,
+    choose_schedule,
     open_geometries,
     open_store,
     split_by_chunk,
@@ -69,6 +70,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--max-inflight", type=int, default=16)
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cache-budget-bytes",
+        type=int,
+        default=None,
+        help="the pool's byte budget (default: automatic, grown to each epoch's working set)",
+    )
     return p.parse_args(argv)
 
 
@@ -98,28 +105,27 @@ def build_nodes(
     first = next(iter(views.values()))
     manifest = split_by_chunk(first.base, (0.8, 0.1, 0.1))
 
+    # The residency schedule, from the budget: a pure function of the configuration, decided
+    # before the read plan exists (it raises here, not in a later epoch, when the budget cannot
+    # hold every epoch). insitu_pipeline() calls the same function with the same arguments.
+    budget = args.cache_budget_bytes  # None = the automatic budget
+    config = {"split": "train", "batch_size": args.batch_size, "block_chunks": args.block_chunks}
+    schedule = choose_schedule(manifest, views, budget, **config)
+
     # 1. What to read and when: one BatchPlan per batch, epoch after epoch.
-    plan = ReadPlanNode(
-        manifest,
-        views,
-        split="train",
-        batch_size=args.batch_size,
-        block_chunks=args.block_chunks,
-        shuffle=True,
-        seed=args.seed,
-    )
+    plan = ReadPlanNode(manifest, views, shuffle=True, seed=args.seed, schedule=schedule, **config)
 
     # The stored arrays behind the views, by path (views of one array share its chunks).
     geoms = {view.path: view.base for view in views.values()}
 
-    # The pool: None = the automatic budget, grown to each epoch's working-set floor. The fetch
-    # stage applies the floor when an epoch starts; checking epoch 0 here fails fast instead.
-    pool = ChunkPool(budget_bytes=None)
+    # The pool. The fetch stage grows an automatic budget to each epoch's working-set floor when
+    # the epoch starts; sizing it for epoch 0 here is what the builder does too.
+    pool = ChunkPool(budget_bytes=budget)
     floor, read_ahead = working_set_bytes(plan.epoch_plan(0), geoms)
     pool.ensure_floor(floor)
     print(
         f"epoch 0 working set: floor {floor / 2**20:.2f} MiB "
-        f"(read-ahead {read_ahead / 2**20:.2f} MiB)"
+        f"(read-ahead {read_ahead / 2**20:.2f} MiB), schedule {schedule}"
     )
 
     # 2. GETs on zarr's IO loop, decoded on the shared decode pool straight into pool slots.

@@ -243,14 +243,25 @@ def assert_same_records(got: Sequence[dict[str, Any]], want: Sequence[dict[str, 
                 np.testing.assert_array_equal(g["arrays"][label], w["arrays"][label])
 
 
-def expected_anchors(manifest: SplitManifest, split: str, offsets: Sequence[int]) -> np.ndarray:
-    """Sorted anchors of ``split`` whose every shifted sample lies inside the array."""
+def expected_anchors(
+    manifest: SplitManifest,
+    split: str,
+    offsets: Sequence[int],
+    *,
+    cross_split_windows: bool = False,
+) -> np.ndarray:
+    """Sorted anchors of ``split`` whose every shifted sample lies inside the array and (unless
+    ``cross_split_windows``) on an anchor-grid chunk of ``split`` itself — the documented rule,
+    written out sample by sample."""
     spc, n = manifest.samples_per_chunk, manifest.n_samples
+    own = set(manifest.chunks(split))
     parts = [np.arange(c * spc, min((c + 1) * spc, n)) for c in manifest.chunks(split)]
     anchors = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     ok = np.ones(anchors.shape, dtype=bool)
     for k in offsets:
         ok &= (anchors + k >= 0) & (anchors + k < n)
+        if not cross_split_windows:
+            ok &= np.array([(int(a) + k) // spc in own for a in anchors], dtype=bool)
     return np.sort(anchors[ok])
 
 

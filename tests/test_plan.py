@@ -741,3 +741,340 @@ def test_a_plan_resumed_mid_epoch_lists_the_chunks_earlier_batches_first_read(
         from_k = {key for b in range(k, plan.n_batches) for key in plan.batch(b).reads}
         assert carried == before & from_k
     assert plan.carried_into(0) == ()
+
+
+# -- windows and split edges ---------------------------------------------------------------------
+
+
+def _split_of_chunk(manifest: SplitManifest) -> dict[int, str]:
+    return {c: name for name in SPLITS for c in manifest.chunks(name)}
+
+
+@pytest.mark.parametrize("contiguous", [True, False])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_no_batch_reads_a_sample_outside_its_splits_chunks_by_default(
+    partial: ArrayGeometry, contiguous: bool, shuffle: bool
+) -> None:
+    manifest = split_by_chunk(partial, (0.6, 0.2, 0.2), contiguous=contiguous, seed=4)
+    views = {"x": partial, "y": partial.shift(1), "y_prev": partial.shift(-2)}
+    owner = _split_of_chunk(manifest)
+    spc = manifest.samples_per_chunk
+    for split in SPLITS:
+        node = _node(manifest, views, split=split, shuffle=shuffle)
+        for _ in range(2):
+            batches = _epoch(node)
+            assert len(batches) == len(node)
+            for batch in batches:
+                for label, samples in batch.sample_indices.items():
+                    outside = [int(s) for s in samples if owner[int(s) // spc] != split]
+                    assert not outside, f"{split}/{label} reads samples {outside} of other splits"
+            got = np.sort(_anchors(batches))
+            # exactly the anchors whose every view stays in the split: nothing more is dropped
+            want = [
+                a
+                for a in manifest.samples(split).tolist()
+                if all(0 <= a + g.offset < partial.n_samples for g in views.values())
+                and all(owner[(a + g.offset) // spc] == split for g in views.values())
+            ]
+            assert got.tolist() == want
+            assert len(node) == math.ceil(len(want) / node.batch_size)
+
+
+def test_a_forecasting_pair_on_a_contiguous_split_stops_one_sample_before_the_edge(
+    partial: ArrayGeometry,
+) -> None:
+    manifest = split_by_chunk(partial, (0.6, 0.2, 0.2))  # train = chunks 0..6 = samples 0..27
+    views = {"x": partial, "y": partial.shift(1)}
+    last_train = manifest.samples("train")[-1]
+    inside = _anchors(_epoch(_node(manifest, views)))
+    assert last_train not in inside.tolist() and last_train - 1 in inside.tolist()
+    across = _node(manifest, views, cross_split_windows=True)
+    batches = _epoch(across)
+    # the old behaviour: the edge anchor is there, and its target is val's first sample
+    assert last_train in _anchors(batches).tolist()
+    first_val = manifest.samples("val")[0]
+    assert any(first_val in b.sample_indices["y"].tolist() for b in batches)
+    assert sorted(_anchors(batches).tolist()) == manifest.samples("train").tolist()
+
+
+@pytest.mark.parametrize("grid", ["image", "mask"])
+def test_the_split_rule_uses_the_anchor_grid_whatever_a_labels_own_chunking(
+    micro: dict[str, ArrayGeometry], grid: str
+) -> None:
+    image, mask = micro["image"], micro["mask"]
+    manifest = split_by_chunk(micro[grid], (0.5, 0.25, 0.25))
+    owner = _split_of_chunk(manifest)
+    spc = manifest.samples_per_chunk
+    views = {"image": image, "mask_next": mask.shift(1)}
+    for split in SPLITS:
+        if not manifest.chunks(split):
+            continue
+        for batch in _epoch(_node(manifest, views, split=split, batch_size=3)):
+            for samples in batch.sample_indices.values():
+                assert {owner[int(s) // spc] for s in samples} == {split}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("cross", [False, True])
+def test_ranks_stay_disjoint_and_equal_under_either_window_rule(
+    big: ArrayGeometry, world_size: int, cross: bool
+) -> None:
+    manifest = split_by_chunk(big, (0.05, 0.9, 0.05))
+    views = {"x": big, "y": big.shift(3), "prev": big.shift(-17)}
+    owner = _split_of_chunk(manifest)
+    spc = manifest.samples_per_chunk
+    for epoch in range(2):
+        seen: list[set[int]] = []
+        counts = []
+        for rank in range(world_size):
+            node = _node(
+                manifest, views, rank=rank, world_size=world_size, cross_split_windows=cross
+            )
+            node.set_epoch(epoch)
+            batches = _epoch(node)
+            counts.append(len(batches))
+            assert len(batches) == len(node)
+            seen.append(set(_anchors(batches).tolist()))
+            if not cross:
+                for b in batches:
+                    for samples in b.sample_indices.values():
+                        assert {owner[int(s) // spc] for s in samples} == {"train"}
+        assert len(set(counts)) == 1
+        assert sum(len(s) for s in seen) == len(set().union(*seen))
+
+
+@pytest.mark.parametrize("cross", [False, True])
+def test_a_plan_resumed_mid_epoch_is_exact_under_either_window_rule(
+    partial: ArrayGeometry, cross: bool
+) -> None:
+    manifest = split_by_chunk(partial, (0.6, 0.2, 0.2))
+    views = {"x": partial, "y": partial.shift(1), "y2": partial.shift(-2)}
+    a = _node(manifest, views, seed=9, cross_split_windows=cross)
+    _epoch(a)
+    a.reset(None)
+    next(a)
+    next(a)
+    state = a.get_state()
+    assert state["config"]["cross_split_windows"] is cross
+    b = _node(manifest, views, seed=9, cross_split_windows=cross)
+    b.reset(state)
+    rest_a, rest_b = list(a), list(b)
+    assert rest_b and len(rest_a) == len(rest_b) == len(a) - 2
+    assert all(_same_batch(x, y) for x, y in zip(rest_a, rest_b, strict=True))
+    # the other rule is another plan: its state is refused, naming the field
+    other = _node(manifest, views, seed=9, cross_split_windows=not cross)
+    with pytest.raises(ValueError, match="cross_split_windows differs"):
+        other.reset(state)
+
+
+def test_a_state_saved_before_the_split_rule_existed_is_refused_when_the_rule_matters(
+    partial: ArrayGeometry,
+) -> None:
+    manifest = split_by_chunk(partial, (0.6, 0.2, 0.2))
+    shifted = {"x": partial, "y": partial.shift(1)}
+    a = _node(manifest, shifted)
+    next(a)
+    old = a.get_state()
+    del old["config"]["cross_split_windows"]
+    with pytest.raises(ValueError, match="predates cross_split_windows"):
+        _node(manifest, shifted).reset(old)
+    _node(manifest, shifted, cross_split_windows=True).reset(old)  # its own behaviour: fine
+    plain = _node(manifest, {"x": partial})
+    next(plain)
+    old = plain.get_state()
+    del old["config"]["cross_split_windows"]
+    _node(manifest, {"x": partial}).reset(old)  # no window: both rules agree
+
+
+def test_a_split_whose_windows_leave_no_anchor_inside_it_is_refused(
+    partial: ArrayGeometry,
+) -> None:
+    manifest = split_by_chunk(partial, (0.8, 0.1, 0.1))
+    assert len(manifest.chunks("val")) == 1  # 4 samples
+    views = {"x": partial, "y": partial.shift(4)}
+    with pytest.raises(ValueError, match="cross_split_windows=True"):
+        _node(manifest, views, split="val")
+    assert len(_node(manifest, views, split="val", cross_split_windows=True)) == 1
+
+
+# -- the configuration fingerprint ---------------------------------------------------------------
+
+
+def test_get_state_does_not_recompute_the_manifest_fingerprint(
+    big: ArrayGeometry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = split_by_chunk(big, (1.0, 0.0, 0.0))
+    assert len(manifest.chunks("train")) == 2048
+    calls = []
+    real = SplitManifest.fingerprint
+
+    def counted(self: SplitManifest) -> str:
+        calls.append(1)
+        return real(self)
+
+    monkeypatch.setattr(SplitManifest, "fingerprint", counted)
+    node = _node(manifest, {"x": big, "y": big.shift(1)}, batch_size=64)
+    assert len(calls) == 1  # once, at construction
+    first = node.get_state()
+    for _ in range(5):
+        next(node)
+        assert node.get_state()["config"] == first["config"]
+        node.state_dict()
+        node.config()["seed"] = 99  # a copy: the node's own fingerprint cannot be changed
+    node.reset(node.get_state())
+    assert len(calls) == 1
+    assert node.config() == first["config"]
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("seed", 3),
+        ("batch_size", 7),
+        ("shuffle", False),
+        ("cross_split_windows", True),
+        ("variables", {}),
+        ("schedule", None),
+    ],
+)
+def test_the_configuration_is_fixed_after_construction(
+    partial: ArrayGeometry, all_train: SplitManifest, field: str, value: object
+) -> None:
+    node = _node(all_train, {"x": partial})
+    with pytest.raises(AttributeError, match="fixed at construction"):
+        setattr(node, field, value)
+    with pytest.raises(TypeError):
+        node.variables["y"] = partial  # type: ignore[index]
+
+
+# -- arguments -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"seed": 1.5}, TypeError, "seed must be an integer"),
+        ({"seed": 2.0}, TypeError, "seed must be an integer"),
+        ({"seed": True}, TypeError, "seed must be an integer"),
+        ({"seed": "0"}, TypeError, "seed must be an integer"),
+        ({"seed": -1}, ValueError, "seed must be an integer >= 0"),
+        ({"batch_size": True}, TypeError, "batch_size must be an integer"),
+        ({"batch_size": 4.0}, TypeError, "batch_size must be an integer"),
+        ({"batch_size": 0}, ValueError, "batch_size must be a positive integer"),
+        ({"block_chunks": False}, TypeError, "block_chunks must be an integer"),
+        ({"block_chunks": -2}, ValueError, "block_chunks must be a positive integer"),
+        ({"shuffle": "no"}, TypeError, "shuffle must be True or False"),
+        ({"shuffle": 0}, TypeError, "shuffle must be True or False"),
+        ({"shuffle": None}, TypeError, "shuffle must be True or False"),
+        ({"ramp": "yes"}, TypeError, "ramp must be True or False"),
+        ({"ramp": 1}, TypeError, "ramp must be True or False"),
+        ({"cross_split_windows": "False"}, TypeError, "cross_split_windows must be True or"),
+        ({"rank": 0.0}, TypeError, "rank must be an integer"),
+        ({"rank": True, "world_size": 2}, TypeError, "rank must be an integer"),
+        ({"world_size": 2.0}, TypeError, "world_size must be an integer"),
+        ({"world_size": True}, TypeError, "world_size must be an integer"),
+        ({"split": 0}, ValueError, "split must be one of"),
+        ({"schedule": 3}, TypeError, "schedule must be a PinSchedule"),
+    ],
+    ids=lambda v: repr(v) if not isinstance(v, type) else v.__name__,
+)
+def test_bad_node_arguments_raise_with_a_sentence(
+    partial: ArrayGeometry,
+    all_train: SplitManifest,
+    kwargs: dict[str, object],
+    error: type[Exception],
+    match: str,
+) -> None:
+    with pytest.raises(error, match=match):
+        ReadPlanNode(all_train, {"x": partial}, **kwargs)  # type: ignore[arg-type]
+
+
+def test_numpy_integers_and_bools_are_accepted(
+    partial: ArrayGeometry, all_train: SplitManifest
+) -> None:
+    node = ReadPlanNode(
+        all_train,
+        {"x": partial},
+        seed=np.int64(3),
+        batch_size=np.int32(5),
+        shuffle=np.bool_(True),
+        rank=np.int64(0),
+        world_size=np.int64(1),
+    )
+    assert type(node.seed) is int and type(node.batch_size) is int and node.shuffle is True
+    assert json_round_trips(node.get_state())
+
+
+def json_round_trips(state: dict[str, object]) -> bool:
+    import json
+
+    return json.loads(json.dumps(state)) == state
+
+
+# -- residency bounds ----------------------------------------------------------------------------
+
+
+def _floor(plan: object, variables: Mapping[str, ArrayGeometry]) -> int:
+    from insitubatch_nodes import working_set_bytes
+
+    return working_set_bytes(plan, {g.path: g.base for g in variables.values()})[0]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "plain",
+        "shift",
+        "windows",
+        "long_window_ranks",
+        "interleaved",
+        "batch_over_blocks",
+        "mixed_grids",
+        "unshuffled",
+    ],
+)
+def test_schedule_floors_bound_every_epochs_floor_under_either_schedule(
+    partial: ArrayGeometry, micro: dict[str, ArrayGeometry], big: ArrayGeometry, case: str
+) -> None:
+    from insitubatch_nodes import schedule_floors
+
+    kw: dict[str, object] = {"batch_size": 5, "block_chunks": 3}
+    node_kw: dict[str, object] = {}
+    g = partial
+    variables: dict[str, ArrayGeometry] = {"x": g}
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    worlds = [1]
+    if case == "shift":
+        variables = {"x": g, "y": g.shift(1)}
+    elif case == "windows":
+        variables = {"x": g, "y": g.shift(2), "prev": g.shift(-3)}
+    elif case == "long_window_ranks":
+        variables, worlds = {"x": g, "y": g.shift(9)}, [1, 2, 3]
+    elif case == "interleaved":
+        g = big
+        manifest = split_by_chunk(g, (0.02, 0.49, 0.49), contiguous=False, seed=3)
+        variables, kw = {"x": g, "y": g.shift(1)}, {"batch_size": 24, "block_chunks": 4}
+    elif case == "batch_over_blocks":
+        variables, kw = {"x": g, "y": g.shift(1)}, {"batch_size": 23, "block_chunks": 2}
+    elif case == "mixed_grids":
+        variables = {"image": micro["image"], "mask": micro["mask"]}
+        manifest = split_by_chunk(micro["image"], (1.0, 0.0, 0.0))
+        kw = {"batch_size": 3, "block_chunks": 2}
+    elif case == "unshuffled":
+        variables, node_kw = {"x": g, "y": g.shift(1)}, {"shuffle": False}
+    floors = schedule_floors(manifest, variables, **kw)  # type: ignore[arg-type]
+    for world in worlds:
+        for rank in range(world):
+            for ramp in (True, False):
+                for epoch in range(12):
+                    args = {**kw, **node_kw, "epoch": epoch, "rank": rank, "world_size": world}
+                    once = plan_epoch(manifest, variables, ramp=ramp, **args)  # type: ignore[arg-type]
+                    assert _floor(once, variables) <= floors.read_once
+                    bounded = plan_epoch(
+                        manifest,
+                        variables,
+                        ramp=ramp,
+                        pin_gap=floors.pin_gap,
+                        **args,  # type: ignore[arg-type]
+                    )
+                    assert _floor(bounded, variables) <= floors.bounded

@@ -1,0 +1,48 @@
+"""Argument checks at the public boundary: one sentence that says what to pass instead.
+
+``insitu_pipeline`` and ``ReadPlanNode`` (and the pool's budget) use these, so a float seed, a
+string flag or a ``bool`` where a count belongs is refused the same way everywhere, rather than
+being truncated by ``int()`` or taken as truthy.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+__all__ = ["check_bool", "check_int", "check_optional_int"]
+
+
+def _name_of(value: Any) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a ``bool`` (``numpy.bool_`` included), else ``TypeError``."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {_name_of(value)}")
+
+
+def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """``value`` as a Python ``int`` if it is an integer (not a ``bool``) ``>= minimum``.
+
+    A ``bool``, a float (even ``3.0``) or a string raises ``TypeError``; an integer below
+    ``minimum`` raises ``ValueError``. NumPy integers are accepted.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an integer, got {_name_of(value)}")
+    out = int(value)
+    if minimum is not None and out < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {what}, got {out}")
+    return out
+
+
+def check_optional_int(name: str, value: Any, *, minimum: int | None = None) -> int | None:
+    """``None``, or :func:`check_int` of ``value``."""
+    if value is None:
+        return None
+    return check_int(name, value, minimum=minimum)
