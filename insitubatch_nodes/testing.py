@@ -29,7 +29,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 __all__ = ["FaultProxy", "LatencyProxy", "MotoServer", "free_port", "upload_folder"]
 
@@ -121,20 +121,25 @@ def upload_folder(folder: str | os.PathLike[str], bucket: str, prefix: str, **op
     return count
 
 
-class LatencyProxy:
-    """Forward ``127.0.0.1:port`` to ``target_port``, delaying each client→server chunk."""
+class _LoopbackServer:
+    """A TCP server on ``127.0.0.1:port`` with its own event loop on a daemon thread.
 
-    def __init__(self, target_port: int, delay_s: float = 0.010, port: int | None = None) -> None:
-        self.target_port, self.delay_s = target_port, delay_s
+    Subclasses implement ``_handle(reader, writer)``. Use as a context manager or call
+    :meth:`stop`, which closes the server and cancels the connections it is handling.
+    """
+
+    name = "loopback-server"
+
+    def __init__(self, port: int | None = None) -> None:
         self.port = port or free_port()
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._server: asyncio.base_events.Server | None = None
-        self._thread = threading.Thread(target=self._main, name="latency-proxy", daemon=True)
+        self._thread = threading.Thread(target=self._main, name=self.name, daemon=True)
         self._thread.start()
         if not self._ready.wait(10):
-            raise RuntimeError("latency proxy did not start")
+            raise RuntimeError(f"{self.name} did not start")
 
     def _main(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -143,6 +148,41 @@ class LatencyProxy:
         )
         self._ready.set()
         self._loop.run_forever()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        async def _close() -> None:
+            if self._server is not None:
+                self._server.close()
+            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in handlers:
+                task.cancel()
+            await asyncio.gather(*handlers, return_exceptions=True)
+
+        if self._loop.is_running():
+            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(5)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+class LatencyProxy(_LoopbackServer):
+    """Forward ``127.0.0.1:port`` to ``target_port``, delaying each client→server chunk."""
+
+    name = "latency-proxy"
+
+    def __init__(self, target_port: int, delay_s: float = 0.010, port: int | None = None) -> None:
+        self.target_port, self.delay_s = target_port, delay_s
+        super().__init__(port)
 
     async def _pipe(
         self,
@@ -184,29 +224,11 @@ class LatencyProxy:
         a subclass can count requests)."""
         return None, None
 
-    def stop(self) -> None:
-        async def _close() -> None:
-            if self._server is not None:
-                self._server.close()
-
-        if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-
-    def __enter__(self) -> LatencyProxy:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
-
 
 _REASONS = {429: "Too Many Requests", 500: "Internal Server Error", 503: "Service Unavailable"}
 
 
-class FaultProxy:
+class FaultProxy(_LoopbackServer):
     """An HTTP/1.1 proxy ``127.0.0.1:port`` → ``127.0.0.1:target_port`` that injects errors.
 
     The first ``fail_first`` GETs of each path (the object's URL path; the query string and
@@ -222,6 +244,8 @@ class FaultProxy:
     as a context manager or call :meth:`stop`.
     """
 
+    name = "fault-proxy"
+
     def __init__(
         self,
         target_port: int,
@@ -236,26 +260,10 @@ class FaultProxy:
             raise ValueError(f"fail_first must be >= 0, got {fail_first}")
         self.target_port, self.fail_first, self.status = target_port, fail_first, status
         self.reset, self.match = reset, match
-        self.port = port or free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
         self.gets: Counter[str] = Counter()
         self.injected = 0
         self._lock = threading.Lock()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._server: asyncio.base_events.Server | None = None
-        self._thread = threading.Thread(target=self._main, name="fault-proxy", daemon=True)
-        self._thread.start()
-        if not self._ready.wait(10):
-            raise RuntimeError("fault proxy did not start")
-
-    def _main(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        self._server = self._loop.run_until_complete(
-            asyncio.start_server(self._handle, "127.0.0.1", self.port)
-        )
-        self._ready.set()
-        self._loop.run_forever()
+        super().__init__(port)
 
     def _should_fail(self, method: str, target: str) -> bool:
         if method != "GET":
@@ -312,28 +320,6 @@ class FaultProxy:
         finally:
             with contextlib.suppress(Exception):
                 writer.close()
-
-    def stop(self) -> None:
-        async def _close() -> None:
-            if self._server is not None:
-                self._server.close()
-            handlers = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in handlers:
-                task.cancel()
-            await asyncio.gather(*handlers, return_exceptions=True)
-
-        if self._loop.is_running():
-            asyncio.run_coroutine_threadsafe(_close(), self._loop).result(5)
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(5)
-
-    def __enter__(self) -> FaultProxy:
-        return self
-
-    def __exit__(
-        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def _parse_headers(head: bytes) -> dict[str, str]:
