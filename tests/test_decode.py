@@ -30,7 +30,7 @@ from zarr.codecs import (
 )
 
 from insitubatch_nodes import ArrayGeometry, open_geometries
-from insitubatch_nodes.decode import ChunkDecoder, DecodeError
+from insitubatch_nodes.decode import ChunkDecoder, DecodeError, _ShardPlan
 
 with warnings.catch_warnings():  # zarr warns that numcodecs codecs are not in the v3 spec
     warnings.simplefilter("ignore")
@@ -257,6 +257,24 @@ def test_a_sharded_array_with_the_index_at_the_start_and_crc32c_inner_chunks(
     geom, array = _write(root, data, chunks=(8, 6, 4), serializer=serializer, compressors=None)
     dec = _check_all_chunks(root, geom, array)
     assert dec.strategy == "sharded"
+
+
+def test_a_shard_index_off_the_fast_path_is_read_with_zarrs_index_codecs(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s.zarr"
+    data = _random((20, 6, 4), "f4")
+    data[2:4] = 0  # one inner chunk equal to the fill value: never written, marked in the index
+    serializer = ShardingCodec(
+        chunk_shape=(2, 3, 4),
+        codecs=[BytesCodec(), ZstdCodec()],
+        index_codecs=[BytesCodec(endian="big"), Crc32cCodec()],
+    )
+    geom, array = _write(root, data, chunks=(8, 6, 4), serializer=serializer, compressors=None)
+    dec = _check_all_chunks(root, geom, array)
+    plan = dec._plan
+    assert isinstance(plan, _ShardPlan) and plan.index_crcs == -1  # zarr decoded the index
+    assert plan.index_nbytes == 16 * 8 + 4 and dec._stats.filled >= 1
 
 
 def test_inner_chunks_that_are_contiguous_in_the_slot_are_decoded_in_place(
