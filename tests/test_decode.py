@@ -435,8 +435,8 @@ def test_a_zero_byte_stored_object_is_a_decode_error_as_zarr_refuses_to_read_it(
     (root / geom.store_key(1, (0, 0))).write_bytes(b"")
     array = zarr.open_group(root, mode="r")["a"]
     # zarr's read of one sample of that object (a partial read of a shard). A whole-shard read
-    # with zarr 3.1 gives the fill value instead, which its own partial read contradicts; zarr
-    # 3.4 rejects a shard too short for its index on every path.
+    # with zarr 3.1–3.3 gives the fill value instead, which its own partial read contradicts;
+    # zarr 3.4 rejects a shard too short for its index on every path.
     with pytest.raises(Exception):  # noqa: B017 - zarr's error type depends on the codec
         array[stored[0]]
     slot = _slot(geom)
