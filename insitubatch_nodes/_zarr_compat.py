@@ -1,8 +1,24 @@
-"""Everything that depends on zarr's internal layout lives here (zarr >= 3.1).
+"""Everything that depends on zarr's version or internal layout lives here.
 
-zarr 3.1 and later name things differently from release to release; the rest of the package asks
-this module for plain facts (stored chunk shape, dimension names, chunk keys) and never reaches
-into zarr's metadata classes itself.
+Supported and tested: zarr 3.1.6 through 3.4.x (3.1.6, 3.2.1, 3.3.0, 3.4.2 run through the decode,
+geometry and pipeline tests), v2 and v3 formats, sharded or not. The rest of the package asks this
+module for plain facts (stored chunk shape, dimension names, chunk keys, codec descriptions) and
+never reaches into zarr's metadata or codec classes itself.
+
+Names used here that zarr does not export publicly (each verified on zarr 3.1.6 – 3.4.2):
+
+* ``zarr.core.sync._get_loop`` (:func:`io_loop`): zarr's store-IO event loop, so that our GETs
+  share it with zarr's own reads.
+* ``zarr.core.sync.sync`` (:func:`_decode_one`): runs a codec's public async ``decode`` on that
+  loop, for codecs without a synchronous decode.
+* ``zarr.core.array_spec.ArraySpec`` / ``ArrayConfig`` (:func:`_array_spec`): the spec type every
+  method of ``zarr.abc.codec`` takes; zarr has no public constructor for it.
+* ``Codec._decode_sync`` / ``Codec._sync_capable`` (:func:`_decode_one`): the method of the
+  exported ``zarr.abc.codec.SupportsSyncCodec`` protocol, and zarr 3.4's run-time opt-out from it.
+
+Differences between releases handled here: ``ArrayV3Metadata.get_chunk_spec`` was removed in 3.2
+(:func:`chunk_spec` builds the spec itself); ``BytesCodec.endian`` and
+``ShardingCodec.index_location`` are enums up to 3.2 and strings from 3.3 (:func:`_enum_value`).
 """
 
 from __future__ import annotations
@@ -41,11 +57,22 @@ def walk_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
 
 
 def stored_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
-    """Shape of one stored object: the shard of a sharded v3 array, else the chunk."""
-    shards = getattr(array, "shards", None)
-    if shards is not None:
-        return tuple(int(s) for s in shards)
-    return tuple(int(c) for c in array.chunks)
+    """Shape of one stored object: the shard of a sharded v3 array, else the chunk.
+
+    Raises ``ValueError`` for a chunk grid that is not regular (zarr 3.4's rectilinear grids,
+    where zarr itself raises ``NotImplementedError`` for ``chunks`` / ``shards``).
+    """
+    try:
+        shards = getattr(array, "shards", None)
+        if shards is not None:
+            return tuple(int(s) for s in shards)
+        return tuple(int(c) for c in array.chunks)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"array {array.path!r} has a chunk grid that is not regular (variable chunk sizes); "
+            "insitubatch_nodes reads arrays with a regular chunk grid only: rewrite the array "
+            "with one chunk shape"
+        ) from exc
 
 
 def read_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
@@ -77,8 +104,8 @@ def io_loop() -> Any:
 
 
 # -- decoding (used by insitubatch_nodes.decode) -------------------------------------------------
-# zarr's codec classes, chunk specs and the sharding codec's private helpers are imported lazily
-# inside these functions: they are exactly the names that move between zarr releases.
+# zarr's codec classes and chunk-spec types are imported lazily inside these functions: they are
+# the names that move between zarr releases.
 
 
 @dataclass(frozen=True)
