@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv demo test lint bench-smoke clean
+.PHONY: venv demo test test-newest-zarr lint bench-smoke clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,32 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
 
+# Second CI leg: Python 3.12 with the newest zarr the package allows (docs/development.md,
+# "Which zarr"). .venv312 is built once (torch==2.13.0 resolves the cp312 wheel and its CUDA
+# dependencies from the index); `make clean` drops it so that the next run takes the newest zarr.
+# PYTHON312 defaults to pyenv's newest 3.12, else python3.12 on PATH.
+PYTHON312 ?= $(or $(lastword $(sort $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python3.12))),$(shell command -v python3.12 2>/dev/null))
+VENV312   := .venv312
+PY312     := $(VENV312)/bin/python
+STAMP312  := $(VENV312)/.installed
+# Everything but the end-to-end tests (Lightning, DDP, recipes, benchmarks: the `slow` marker).
+NEWEST_ZARR_PYTEST_ARGS ?= -m "not slow"
+
+$(STAMP312): pyproject.toml constraints.txt
+	@test -n "$(PYTHON312)" || { echo "make test-newest-zarr: no Python 3.12 in" \
+		"~/.pyenv/versions/3.12.*/bin or on PATH: install one or pass PYTHON312=..." >&2; exit 1; }
+	@$(PYTHON312) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' || { \
+		echo "make test-newest-zarr: $(PYTHON312) is not Python 3.12" >&2; exit 1; }
+	@test -x $(PY312) || $(PYTHON312) -m venv $(VENV312)
+	$(PY312) -m pip install --quiet --upgrade pip
+	$(PY312) -m pip install --quiet -c constraints.txt torch==2.13.0
+	$(PY312) -m pip install --quiet -c constraints.txt --upgrade -e '.[dev,lightning]' zarr
+	@touch $(STAMP312)
+
+test-newest-zarr: $(STAMP312)
+	@$(PY312) -c 'import sys, zarr, numcodecs, numpy; print(f"== python {sys.version.split()[0]}, zarr {zarr.__version__}, numcodecs {numcodecs.__version__}, numpy {numpy.__version__}")'
+	$(PY312) -m pytest -n 2 --dist loadgroup $(NEWEST_ZARR_PYTEST_ARGS) $(PYTEST_ARGS)
+
 # Benchmarks (benchmarks/README.md). Both install the `bench` extra when it is missing.
 .PHONY: bench
 bench: $(STAMP)
@@ -44,4 +70,4 @@ bench-smoke: $(STAMP)
 		rm -rf $$tmp
 
 clean:
-	rm -rf $(VENV) data .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VENV312) data .pytest_cache .mypy_cache .ruff_cache

@@ -1,12 +1,29 @@
-"""Everything that depends on zarr's internal layout lives here (zarr >= 3.1).
+"""Everything that depends on zarr's version or internal layout lives here.
 
-zarr 3.1 and later name things differently from release to release; the rest of the package asks
-this module for plain facts (stored chunk shape, dimension names, chunk keys) and never reaches
-into zarr's metadata classes itself.
+Supported and tested: zarr 3.1.6 through 3.4.x (3.1.6, 3.2.1, 3.3.0, 3.4.2 run through the decode,
+geometry and pipeline tests), v2 and v3 formats, sharded or not. The rest of the package asks this
+module for plain facts (stored chunk shape, dimension names, chunk keys, codec descriptions) and
+never reaches into zarr's metadata or codec classes itself.
+
+Names used here that zarr does not export publicly (each verified on zarr 3.1.6 – 3.4.2):
+
+* ``zarr.core.sync._get_loop`` (:func:`io_loop`): zarr's store-IO event loop, so that our GETs
+  share it with zarr's own reads.
+* ``zarr.core.sync.sync`` (:func:`_decode_one`): runs a codec's public async ``decode`` on that
+  loop, for codecs without a synchronous decode.
+* ``zarr.core.array_spec.ArraySpec`` / ``ArrayConfig`` (:func:`_array_spec`): the spec type every
+  method of ``zarr.abc.codec`` takes; zarr has no public constructor for it.
+* ``Codec._decode_sync`` / ``Codec._sync_capable`` (:func:`_decode_one`): the method of the
+  exported ``zarr.abc.codec.SupportsSyncCodec`` protocol, and zarr 3.4's run-time opt-out from it.
+
+Differences between releases handled here: ``ArrayV3Metadata.get_chunk_spec`` was removed in 3.2
+(:func:`chunk_spec` builds the spec itself); ``BytesCodec.endian`` and
+``ShardingCodec.index_location`` are enums up to 3.2 and strings from 3.3 (:func:`_enum_value`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -115,11 +132,22 @@ def walk_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
 
 
 def stored_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
-    """Shape of one stored object: the shard of a sharded v3 array, else the chunk."""
-    shards = getattr(array, "shards", None)
-    if shards is not None:
-        return tuple(int(s) for s in shards)
-    return tuple(int(c) for c in array.chunks)
+    """Shape of one stored object: the shard of a sharded v3 array, else the chunk.
+
+    Raises ``ValueError`` for a chunk grid that is not regular (zarr 3.4's rectilinear grids,
+    where zarr itself raises ``NotImplementedError`` for ``chunks`` / ``shards``).
+    """
+    try:
+        shards = getattr(array, "shards", None)
+        if shards is not None:
+            return tuple(int(s) for s in shards)
+        return tuple(int(c) for c in array.chunks)
+    except NotImplementedError as exc:
+        raise ValueError(
+            f"array {array.path!r} has a chunk grid that is not regular (variable chunk sizes); "
+            "insitubatch_nodes reads arrays with a regular chunk grid only: rewrite the array "
+            "with one chunk shape"
+        ) from exc
 
 
 def read_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
@@ -151,8 +179,8 @@ def io_loop() -> Any:
 
 
 # -- decoding (used by insitubatch_nodes.decode) -------------------------------------------------
-# zarr's codec classes, chunk specs and the sharding codec's private helpers are imported lazily
-# inside these functions: they are exactly the names that move between zarr releases.
+# zarr's codec classes and chunk-spec types are imported lazily inside these functions: they are
+# the names that move between zarr releases.
 
 
 @dataclass(frozen=True)
@@ -203,7 +231,7 @@ def describe_codec(codec: Any) -> CodecDescription:
         return CodecDescription("array_array", "other", codec)
     if isinstance(codec, ArrayBytesCodec):
         if isinstance(codec, BytesCodec):
-            endian = None if codec.endian is None else str(codec.endian.value)
+            endian = None if codec.endian is None else _enum_value(codec.endian)
             return CodecDescription("array_bytes", "bytes", codec, endian=endian)
         if isinstance(codec, ShardingCodec):
             return CodecDescription("array_bytes", "sharding", codec)
@@ -228,15 +256,19 @@ def describe_codec(codec: Any) -> CodecDescription:
     return CodecDescription("bytes_bytes", "numcodecs", codec, numcodec_config=config)
 
 
+def _enum_value(value: Any) -> str:
+    """The string of a zarr codec option: an enum member up to zarr 3.2 (``Endian.little``,
+    ``ShardingCodecIndexLocation.end``), a plain string literal from zarr 3.3 on."""
+    return str(getattr(value, "value", value))
+
+
 def sharding_layout(codec: Any) -> ShardingLayout:
     """Inner chunk shape, inner codecs, index codecs and index location of a sharding codec."""
-    from zarr.codecs import ShardingCodecIndexLocation
-
     return ShardingLayout(
         chunk_shape=tuple(int(c) for c in codec.chunk_shape),
         codecs=tuple(codec.codecs),
         index_codecs=tuple(codec.index_codecs),
-        index_at_end=codec.index_location == ShardingCodecIndexLocation.end,
+        index_at_end=_enum_value(codec.index_location) == "end",
     )
 
 
@@ -262,25 +294,67 @@ def default_fill_value(metadata: Any) -> Any:
     return metadata.dtype.default_scalar() if fill is None else fill
 
 
-def chunk_spec(metadata: Any, coords: Sequence[int], order: str = "C") -> Any:
-    """zarr's ``ArraySpec`` of the stored object at chunk-grid ``coords`` (for codec calls)."""
-    from zarr.core.array_spec import ArrayConfig
-    from zarr.core.buffer import default_buffer_prototype
+def _array_spec(shape: Sequence[int], dtype: Any, fill_value: Any, order: str) -> Any:
+    # ``ArraySpec`` / ``ArrayConfig`` live in ``zarr.core.array_spec`` (no public re-export) but are
+    # the types every codec method of ``zarr.abc.codec`` takes. Constructor verified unchanged on
+    # zarr 3.1.6 – 3.4.2 (``ArrayConfig.from_dict`` fills the fields zarr 3.4 added).
+    from zarr.buffer import default_buffer_prototype
+    from zarr.core.array_spec import ArrayConfig, ArraySpec
 
-    config = ArrayConfig(order=order, write_empty_chunks=False)  # type: ignore[arg-type]
-    return metadata.get_chunk_spec(
-        tuple(int(c) for c in coords), config, default_buffer_prototype()
+    config = ArrayConfig.from_dict({"order": order, "write_empty_chunks": False})  # type: ignore[typeddict-item]
+    return ArraySpec(
+        shape=tuple(int(c) for c in shape),
+        dtype=dtype,
+        fill_value=fill_value,
+        config=config,
+        prototype=default_buffer_prototype(),
     )
+
+
+def chunk_spec(metadata: Any, shape: Sequence[int], order: str = "C") -> Any:
+    """zarr's ``ArraySpec`` of one stored object of ``shape`` (what zarr's codec calls take).
+
+    Built from the metadata's dtype and fill value: ``ArrayV3Metadata.get_chunk_spec`` existed up
+    to zarr 3.1 and was removed in 3.2.
+    """
+    return _array_spec(shape, metadata.dtype, metadata.fill_value, order)
 
 
 def inner_chunk_spec(sharding_codec: Any, shard_spec: Any) -> Any:
     """The ``ArraySpec`` of one inner chunk of a shard described by ``shard_spec``."""
-    return sharding_codec._get_chunk_spec(shard_spec)
+    return _array_spec(
+        sharding_codec.chunk_shape, shard_spec.dtype, shard_spec.fill_value, shard_spec.config.order
+    )
+
+
+def _index_spec(chunks_per_shard: Sequence[int]) -> Any:
+    # The shard index, as the sharding_indexed spec defines it: ``(*chunks_per_shard, 2)``
+    # little-endian uint64, ``2**64 - 1`` marking a missing inner chunk.
+    from zarr.dtype import UInt64
+
+    return _array_spec(
+        (*(int(c) for c in chunks_per_shard), 2), UInt64(endianness="little"), 2**64 - 1, "C"
+    )
+
+
+def _resolved_specs(codecs: Sequence[Any], spec: Any) -> list[Any]:
+    """The spec each codec of a chain sees (encode order), via ``Codec.resolve_metadata``."""
+    specs: list[Any] = []
+    current = spec
+    for codec in codecs:
+        specs.append(current)
+        current = codec.resolve_metadata(current)
+    return specs
 
 
 def shard_index_nbytes(sharding_codec: Any, chunks_per_shard: Sequence[int]) -> int:
     """Encoded size of a shard's index (``(*chunks_per_shard, 2)`` uint64 plus checksums)."""
-    return int(sharding_codec._shard_index_size(tuple(int(c) for c in chunks_per_shard)))
+    codecs = tuple(sharding_codec.index_codecs)
+    specs = _resolved_specs(codecs, _index_spec(chunks_per_shard))
+    size = 16 * math.prod(int(c) for c in chunks_per_shard)
+    for codec, spec in zip(codecs, specs, strict=True):
+        size = int(codec.compute_encoded_size(size, spec))
+    return size
 
 
 def decode_shard_index(
@@ -288,18 +362,24 @@ def decode_shard_index(
 ) -> np.ndarray:
     """Decode an encoded shard index with zarr's index codecs: ``(*chunks_per_shard, 2)`` u8."""
     cps = tuple(int(c) for c in chunks_per_shard)
-    spec = sharding_codec._get_index_chunk_spec(cps)
-    index = decode_with_zarr_codecs(tuple(sharding_codec.index_codecs), index_bytes, spec)
+    index = decode_with_zarr_codecs(
+        tuple(sharding_codec.index_codecs), index_bytes, _index_spec(cps)
+    )
     return np.asarray(index, dtype=np.uint64).reshape(*cps, 2)
 
 
 def _decode_one(codec: Any, data: Any, spec: Any) -> Any:
+    # ``_decode_sync`` is the method of ``zarr.abc.codec.SupportsSyncCodec``, a protocol zarr
+    # exports (3.1.6 – 3.4.2 verified); zarr 3.4 lets a codec opt out of it at run time with
+    # ``_sync_capable = False`` (a sharding codec whose inner codecs are async only). Everything
+    # else goes through the public async ``BaseCodec.decode`` on zarr's own event loop.
     decode_sync = getattr(codec, "_decode_sync", None)
-    if decode_sync is not None:
+    if decode_sync is not None and getattr(codec, "_sync_capable", True):
         return decode_sync(data, spec)
     from zarr.core.sync import sync
 
-    return sync(codec._decode_single(data, spec))
+    (decoded,) = sync(codec.decode([(data, spec)]))
+    return decoded
 
 
 def decode_with_zarr_codecs(codecs: Sequence[Any], raw: np.ndarray, spec: Any) -> np.ndarray:
@@ -307,16 +387,16 @@ def decode_with_zarr_codecs(codecs: Sequence[Any], raw: np.ndarray, spec: Any) -
 
     ``raw`` is the encoded bytes as a 1-D uint8 array; ``spec`` the chunk's ``ArraySpec``.
     Returns the chunk as a numpy array of the chunk shape (physical axis order). Codecs with a
-    ``_decode_sync`` are called directly; others run their async decode on zarr's event loop.
+    synchronous decode are called directly; others run their async decode on zarr's event loop.
+    Raises ``ValueError`` when a codec yields nothing (zarr's codecs return ``None`` for an
+    empty input in some releases).
     """
-    specs: list[Any] = []
-    current = spec
-    for codec in codecs:  # resolve the spec each codec sees, in encode order
-        specs.append(current)
-        current = codec.resolve_metadata(current)
+    specs = _resolved_specs(codecs, spec)
     data: Any = spec.prototype.buffer.from_array_like(raw)
     for codec, codec_spec in zip(reversed(codecs), reversed(specs), strict=True):
         data = _decode_one(codec, data, codec_spec)
+        if data is None:
+            raise ValueError(f"zarr's {type(codec).__name__} decoded nothing")
     return np.asarray(data.as_numpy_array())
 
 
@@ -350,7 +430,7 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
 
         get = get_obstore
     else:
-        from zarr.core.buffer import default_buffer_prototype
+        from zarr.buffer import default_buffer_prototype
 
         prototype = default_buffer_prototype()
 

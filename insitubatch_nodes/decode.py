@@ -448,7 +448,7 @@ class ChunkDecoder:
         if geom.zarr_format == 2:
             self._plan = _plan_v2(metadata, geom.chunks)
         else:
-            spec = _zarr_compat.chunk_spec(metadata, (0,) * geom.ndim)
+            spec = _zarr_compat.chunk_spec(metadata, geom.chunks)
             dtype = _zarr_compat.native_dtype(metadata)
             self._plan = _plan_v3(_zarr_compat.v3_codecs(metadata), geom.chunks, dtype, spec)
         self._local = threading.local()

@@ -322,3 +322,21 @@ def test_invalid_geometries_are_refused() -> None:
         ArrayGeometry(
             "x", shape=(10, 2), chunks=(5, 2), dtype=np.dtype("f4"), fill_value=0, sample_axis=2
         )
+
+
+@pytest.mark.skipif(
+    "rectilinear_chunks" not in zarr.config.get("array"),
+    reason="this zarr has no rectilinear chunk grids (zarr >= 3.4 has)",
+)
+def test_an_array_with_a_rectilinear_chunk_grid_is_refused_with_a_value_error(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "s.zarr"
+    with zarr.config.set({"array.rectilinear_chunks": True}):
+        group = zarr.open_group(root, mode="w", zarr_format=3)
+        array = group.create_array("a", shape=(10, 4), chunks=[[2, 3, 5], [4]], dtype="f4")
+        array[...] = 1.0
+        with pytest.raises(ValueError, match=r"'a' has a chunk grid that is not regular"):
+            open_geometries(root)
+    with pytest.raises(ValueError, match=r"(?i)rectilinear"):  # zarr refuses to open it by default
+        open_geometries(root)

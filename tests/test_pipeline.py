@@ -49,6 +49,7 @@ from insitubatch_nodes import (
     split_by_chunk,
     to_torch,
 )
+from insitubatch_nodes.decode import DecodeError
 from insitubatch_nodes.gather import BufferPool
 
 # zarr warns that numcodecs' LZ4 is not in the v3 spec whenever it opens the v3_lz4 layout
@@ -621,6 +622,30 @@ def test_a_corrupt_stored_chunk_raises_chunk_read_error_naming_array_chunk_and_k
     assert pipe.threads == []
     assert pipe.stages.pool.pinned_count() == 0
     assert pipe.stages.fetch.pinned == 0
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reader", ["obstore", "zarr_local_store"])
+@pytest.mark.parametrize("layout", ["v3", "v2", "inner_chunked", "sharded_v3"])
+def test_a_zero_byte_stored_object_fails_the_epoch_as_zarrs_own_read_of_it_fails(
+    tmp_path: Path, reader: str, layout: str
+) -> None:
+    case = build_case(layout, tmp_path / "store.zarr")
+    chunk = case.manifest.chunks("train")[2]
+    keys = chunk_keys_on_disk(case.root, "t2m")
+    key = sorted(k for k, c in keys.items() if c[0] == chunk)[0]
+    (case.root / key).write_bytes(b"")
+    oracle = Oracle(case.root)
+    first = chunk * oracle.stored_samples_per_chunk("t2m")
+    with pytest.raises(Exception):  # noqa: B017 - zarr's error type depends on the codec
+        oracle("t2m", np.array([first]))
+    store = case.root if reader == "obstore" else counting_store(case.root)
+    pipe = insitu_pipeline(store, case.manifest, case.views, batch_size=10, block_chunks=3)
+    with pytest.raises(ChunkReadError, match=re.escape(key)) as info:
+        run_epoch(pipe)
+    assert "decode" in str(info.value)
+    assert isinstance(info.value.__cause__, DecodeError)
+    assert pipe.threads == []
 
 
 @pytest.mark.timeout(60)
