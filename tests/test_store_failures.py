@@ -301,3 +301,86 @@ def test_a_zarr_store_that_never_answers_fails_at_the_deadline_of_retry(era5_loc
     assert info.value.array in {v.path for v in views.values()}
     assert f"'{info.value.array}'" in str(info.value) and str(era5_local) in str(info.value)
     pipe.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping while an endpoint is frozen: close, break and exit never wait for a GET
+# ---------------------------------------------------------------------------------------------
+
+_STOPPER = textwrap.dedent(
+    """
+    import sys, threading, time
+    from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+
+    url = sys.argv[1]
+    g = open_geometries(url)
+    pipe = insitu_pipeline(
+        url, split_by_chunk(g["t2m"], (1.0, 0.0, 0.0)), {"x": g["t2m"]}, batch_size=4,
+        block_chunks=1, shuffle=False, max_inflight=4,
+    )                                         # the default RetryPolicy: a 30 s deadline
+    next(pipe)
+    print("first", flush=True)
+    sys.stdin.readline()                      # the test freezes the endpoint here
+
+    def consume():                            # drains what is resident, then waits on GETs
+        try:
+            for _ in pipe:
+                pass
+        except Exception as exc:
+            print("consumer", type(exc).__name__, flush=True)
+
+    consumer = threading.Thread(target=consume, daemon=True)
+    consumer.start()
+    time.sleep(2.0)
+    t0 = time.monotonic()
+    pipe.close()
+    took = time.monotonic() - t0
+    consumer.join(2.0)
+    print("closed", took, consumer.is_alive(), time.monotonic(), flush=True)
+    """
+)
+
+
+def test_close_and_exit_return_within_two_seconds_while_an_obstore_endpoint_is_frozen(
+    tmp_path: Path, moto: MotoServer
+) -> None:
+    script = tmp_path / "stop.py"
+    script.write_text(_STOPPER)
+    package_root = str(Path(insitubatch_nodes.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
+        "AWS_ENDPOINT_URL": moto.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+    }
+    child = subprocess.Popen(
+        [sys.executable, str(script), URL],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    try:
+        assert child.stdout.readline().strip() == "first", child.stderr.read()[-3000:]
+        os.kill(moto._proc.pid, signal.SIGSTOP)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        said = [child.stdout.readline(), child.stdout.readline()]
+        returncode = child.wait(timeout=10)
+        t_exit = time.monotonic()
+        stderr = child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert said[0].strip() == "consumer PipelineInterrupted", (said, stderr[-3000:])
+    _, took, consumer_alive, t_closed = said[1].split()
+    assert float(took) < 2.0  # close() did not wait for the frozen GETs (30 s deadline)
+    assert consumer_alive == "False"  # the consumer blocked in next() was woken
+    assert t_exit - float(t_closed) < 3.0  # nor did interpreter exit
+    assert returncode == 0, stderr[-3000:]  # no SIGABRT, no segfault
