@@ -104,6 +104,21 @@ _CHILD = textwrap.dedent(
 )
 
 
+def _child_env(moto: MotoServer) -> dict[str, str]:
+    """The environment of a training subprocess: this package importable, the endpoint and its
+    dummy credentials in ``AWS_*`` variables."""
+    package_root = str(Path(insitubatch_nodes.__file__).resolve().parents[1])
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
+        "AWS_ENDPOINT_URL": moto.endpoint,
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_REGION": "us-east-1",
+        "AWS_ALLOW_HTTP": "true",
+    }
+
+
 def _fail_mid_epoch(
     tmp_path: Path,
     moto: MotoServer,
@@ -116,16 +131,7 @@ def _fail_mid_epoch(
     the failure to the report, seconds from the report to exit, the finished process)."""
     script = tmp_path / "train.py"
     script.write_text(_CHILD)
-    package_root = str(Path(insitubatch_nodes.__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
-        "AWS_ENDPOINT_URL": moto.endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-    }
+    env = _child_env(moto)
     child = subprocess.Popen(
         [sys.executable, str(script), url, json.dumps(policy), str(max_inflight)],
         stdin=subprocess.PIPE,
@@ -346,16 +352,7 @@ def test_close_and_exit_return_within_two_seconds_while_an_obstore_endpoint_is_f
 ) -> None:
     script = tmp_path / "stop.py"
     script.write_text(_STOPPER)
-    package_root = str(Path(insitubatch_nodes.__file__).resolve().parents[1])
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([package_root, os.environ.get("PYTHONPATH", "")]),
-        "AWS_ENDPOINT_URL": moto.endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_REGION": "us-east-1",
-        "AWS_ALLOW_HTTP": "true",
-    }
+    env = _child_env(moto)
     child = subprocess.Popen(
         [sys.executable, str(script), URL],
         stdin=subprocess.PIPE,
