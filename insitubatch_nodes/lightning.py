@@ -44,6 +44,7 @@ class InSituDataModule(pl.LightningDataModule):
         batch_size, block_chunks, seed, max_inflight, prefetch_depth, cache_budget_bytes,
             decode_threads, batch_transforms: as for :func:`insitu_pipeline` (training).
         eval_batch_size: batch size of the val/test loaders (default: ``batch_size``).
+        remainder: ``"drop"`` or ``"pad"``, as for :func:`insitu_pipeline` (every split).
         transform: ``Batch -> item`` applied to every batch (default: ``to_torch``).
     """
 
@@ -66,6 +67,7 @@ class InSituDataModule(pl.LightningDataModule):
         batch_transforms: Sequence[BatchTransform] = (),
         transform: Callable[[Batch], Any] = to_torch,
         store_options: Mapping[str, Any] | None = None,
+        remainder: str = "drop",
     ) -> None:
         super().__init__()
         self._store_arg = store
@@ -80,6 +82,7 @@ class InSituDataModule(pl.LightningDataModule):
             "max_inflight": max_inflight,
             "prefetch_depth": prefetch_depth,
             "decode_threads": decode_threads,
+            "remainder": remainder,
         }
         self.cache_budget_bytes = cache_budget_bytes
         self.batch_transforms = tuple(batch_transforms)

@@ -20,7 +20,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, check_arrays_in_store, open_geometries
-from insitubatch_nodes.plan import PinSchedule, ReadPlanNode, schedule_floors
+from insitubatch_nodes.plan import PinSchedule, ReadPlanNode, check_remainder, schedule_floors
 from insitubatch_nodes.pool import ChunkPoolNode
 from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
@@ -97,6 +97,8 @@ def choose_schedule(
     batch_size: int = 32,
     block_chunks: int = 16,
     cross_split_windows: bool = False,
+    remainder: str = "drop",
+    world_size: int | None = None,
 ) -> PinSchedule:
     """The residency schedule for a budget: pure, computed before the read plan is built.
 
@@ -127,6 +129,8 @@ def choose_schedule(
         batch_size=batch_size,
         block_chunks=block_chunks,
         cross_split_windows=cross_split_windows,
+        remainder=remainder,
+        world_size=world_size,
     )
     if budget_bytes is None:
         cap = _auto_cap_bytes()
@@ -180,6 +184,7 @@ def insitu_pipeline(
     backing: SlotBacking | None = None,
     retry: RetryPolicy | None = None,
     cross_split_windows: bool = False,
+    remainder: str = "drop",
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -187,7 +192,9 @@ def insitu_pipeline(
     :class:`ArrayGeometry` views (e.g. ``{"x": g, "y": g.shift(1)}``). Batches are
     :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``.
     An anchor is used only when every view reads inside ``split``'s own chunks;
-    ``cross_split_windows=True`` lets windows read across the split's edge.
+    ``cross_split_windows=True`` lets windows read across the split's edge. ``remainder``
+    (``"drop"`` or ``"pad"``) is what several ranks do with the samples that do not divide
+    evenly between them (see :class:`~insitubatch_nodes.plan.ReadPlanNode`).
 
     ``cache_budget_bytes=None`` sizes the pool to each epoch's working set (each chunk read once
     per epoch); a larger budget keeps drained chunks for later epochs; one too small for some
@@ -214,6 +221,7 @@ def insitu_pipeline(
     rank = check_optional_int("rank", rank)
     world_size = check_optional_int("world_size", world_size)
     cross_split_windows = check_bool("cross_split_windows", cross_split_windows)
+    remainder = check_remainder(remainder)
     if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
         raise TypeError(
             f"batch_transforms must be a sequence of callables Batch -> Batch, got "
@@ -261,6 +269,8 @@ def insitu_pipeline(
         batch_size=batch_size,
         block_chunks=block_chunks,
         cross_split_windows=cross_split_windows,
+        remainder=remainder,
+        world_size=world_size,
     )
     plan = ReadPlanNode(
         manifest,
@@ -274,6 +284,7 @@ def insitu_pipeline(
         world_size=world_size,
         cross_split_windows=cross_split_windows,
         schedule=schedule,
+        remainder=remainder,
     )
     pool = ChunkPool(cache_budget_bytes, backing=backing)
     pool.ensure_floor(working_set_bytes(plan.epoch_plan(0), geoms)[0])  # sizes an automatic one

@@ -4,8 +4,11 @@ Everything here is a pure function of ``(seed, epoch)`` and the configuration, c
 vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
 
 1. the split's anchor-grid chunks are permuted (``shuffle=True``) or kept in order;
-2. with several ranks, the first ``world_size * (C // world_size)`` chunks of that order are dealt
-   round-robin, so ranks read disjoint chunks (the other ``C % world_size`` chunks rest this epoch);
+2. with several ranks, :func:`deal` hands each rank the same number of samples — the
+   ``V // world_size`` (``remainder="drop"``) or ``ceil(V / world_size)`` (``"pad"``) of the
+   ``V`` valid anchors: whole chunks round-robin while they last, then consecutive pieces of the
+   remaining (*tail*) chunks' samples; so at most ``world_size - 1`` samples sit out (or are
+   repeated) per epoch, and only tail chunks are read by more than one rank;
 3. each rank cuts its chunks into *blocks* of ``block_chunks`` chunks and shuffles all valid
    anchors within each block; the result is the *order ledger*, rows ``(chunk_id, within)``.
    With ``ramp=True`` (and shuffling) the epoch's first block is split in two: a lead block of
@@ -44,12 +47,14 @@ from insitubatch_nodes.residency import working_set_bytes
 from insitubatch_nodes.splits import SPLITS, SplitManifest
 
 __all__ = [
+    "REMAINDERS",
     "BatchPlan",
     "ChunkKey",
     "EpochPlan",
     "PinSchedule",
     "ReadPlanNode",
     "ScheduleFloors",
+    "deal",
     "plan_epoch",
     "schedule_floors",
     "shuffle_quality",
@@ -248,6 +253,93 @@ def _chunk_counts(
     return start, np.maximum(stop - start, 0)
 
 
+REMAINDERS = ("drop", "pad")
+
+
+def samples_per_rank(n_samples: int, world_size: int, remainder: str = "drop") -> int:
+    """Samples each of ``world_size`` ranks emits from ``n_samples``: ``floor`` (``"drop"``:
+    at most ``world_size - 1`` sit out) or ``ceil`` (``"pad"``: at most ``world_size - 1``
+    are repeated) of ``n_samples / world_size``."""
+    if remainder == "pad":
+        return -(-n_samples // world_size)
+    return n_samples // world_size
+
+
+def deal(
+    counts: np.ndarray,
+    world_size: int,
+    *,
+    remainder: str = "drop",
+    pad_seed: Sequence[int] = (0,),
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Deal ``counts[g]`` samples of each group ``g`` (a chunk, in visiting order) to ranks.
+
+    Each rank gets exactly :func:`samples_per_rank` samples. Whole groups are dealt
+    round-robin (group ``k * world_size + r`` to rank ``r``) for as many rounds as no rank
+    goes over its share; the samples of the groups left (the *tail*) are then laid end to end
+    and cut into consecutive pieces, rank 0 first, each rank taking what its share still
+    lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out.
+    ``"pad"``: ``(-sum(counts)) % world_size`` samples, drawn without replacement from all
+    samples by ``numpy.random.default_rng([*pad_seed, 2])``, are appended to the tail (each a
+    piece of its own), so none sits out and those few are delivered twice.
+
+    A tail group is read by every rank whose piece touches it: pieces are consecutive, so at
+    most ``world_size - 1`` groups are split, plus one group per padded sample.
+
+    Returns, for each rank, ``(group, lo, count)``: the rank's pieces, each the samples
+    ``[lo, lo + count)`` (positions within the group) of group ``group`` — its whole groups in
+    visiting order, then its (at most two) partial pieces, then its padded samples. Pure.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    w = int(world_size)
+    n_groups, total = len(counts), int(counts.sum())
+    share = samples_per_rank(total, w, remainder)
+    rounds_max = n_groups // w
+    cum = np.cumsum(counts[: rounds_max * w].reshape(rounds_max, w), axis=0)
+    fits = (cum <= share).all(axis=1)
+    rounds = int(rounds_max if fits.all() else np.argmin(fits))
+    owned = cum[rounds - 1] if rounds else np.zeros(w, dtype=np.int64)
+    need = share - owned
+    cuts = np.concatenate([[0], np.cumsum(need)])
+    tail = np.arange(rounds * w, n_groups, dtype=np.int64)
+    tail_end = np.cumsum(counts[tail])
+    tail_start = tail_end - counts[tail]
+    n_tail = int(tail_end[-1]) if len(tail) else 0
+    n_pad = max(0, int(cuts[-1]) - n_tail)
+    pads = np.zeros(0, dtype=np.int64)
+    if n_pad:
+        flat = np.random.default_rng([*map(int, pad_seed), 2]).choice(total, n_pad, replace=False)
+        ends = np.cumsum(counts)
+        pad_group = np.searchsorted(ends, flat, side="right")
+        pads = np.stack([pad_group, flat - (ends[pad_group] - counts[pad_group])], axis=1)
+    out = []
+    for r in range(w):
+        mine = np.arange(rounds, dtype=np.int64) * w + r
+        groups, los, sizes = [mine], [np.zeros(rounds, dtype=np.int64)], [counts[mine]]
+        a, b = int(cuts[r]), int(cuts[r + 1])
+        ta, tb = min(a, n_tail), min(b, n_tail)
+        if tb > ta:
+            first = int(np.searchsorted(tail_end, ta, side="right"))
+            last = int(np.searchsorted(tail_end, tb - 1, side="right"))
+            sel = np.arange(first, last + 1)
+            lo = np.maximum(tail_start[sel], ta) - tail_start[sel]
+            hi = np.minimum(tail_end[sel], tb) - tail_start[sel]
+            # whole tail chunks first, then the (at most two) partial pieces: a rank's ledger
+            # is whole chunks up to its last block (what schedule_floors relies on)
+            partial = (hi - lo) < counts[tail[sel]]
+            keep = np.concatenate([np.flatnonzero((hi > lo) & ~partial), np.flatnonzero(partial)])
+            groups.append(tail[sel][keep])
+            los.append(lo[keep])
+            sizes.append((hi - lo)[keep])
+        pa, pb = max(a, n_tail) - n_tail, max(b, n_tail) - n_tail
+        if pb > pa:
+            groups.append(pads[pa:pb, 0])
+            los.append(pads[pa:pb, 1])
+            sizes.append(np.ones(pb - pa, dtype=np.int64))
+        out.append(tuple(np.concatenate(x).astype(np.int64) for x in (groups, los, sizes)))
+    return out  # type: ignore[return-value]
+
+
 def plan_epoch(
     manifest: SplitManifest,
     labels: Mapping[str, ArrayGeometry],
@@ -263,6 +355,7 @@ def plan_epoch(
     ramp: bool = True,
     pin_gap: int | None = None,
     cross_split_windows: bool = False,
+    remainder: str = "drop",
 ) -> EpochPlan:
     """Draw one rank's plan for one epoch. Pure: same arguments, same plan.
 
@@ -280,18 +373,16 @@ def plan_epoch(
     starts_all, counts_all = _chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     if world_size > 1:
         # A chunk with no valid anchor (a view's offset pushes them all off the array) holds
-        # nothing to deal; dealing it would only shorten some rank's share.
+        # nothing to deal.
         keep = counts_all > 0
         chunks, starts_all, counts_all = chunks[keep], starts_all[keep], counts_all[keep]
-        per_rank = len(chunks) // world_size
-        # Equal lengths on every rank, constant across epochs: the smallest total any rank can
-        # be dealt (its per_rank chunks with the fewest valid anchors).
-        n_emit = int(np.sort(counts_all)[:per_rank].sum())
-        dealt = np.arange(per_rank) * world_size + rank
-        chunks, starts, counts = chunks[dealt], starts_all[dealt], counts_all[dealt]
+        group, lo, counts = deal(
+            counts_all, world_size, remainder=remainder, pad_seed=(seed, epoch)
+        )[rank]
+        chunks, starts = chunks[group], starts_all[group] + lo
     else:
         starts, counts = starts_all, counts_all
-        n_emit = int(counts.sum())
+    n_emit = int(counts.sum())
 
     total = int(counts.sum())
     chunk_pos = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
@@ -465,6 +556,18 @@ class ScheduleFloors:
         return min(self.read_once, self.bounded)
 
 
+def check_remainder(remainder: Any) -> str:
+    """``remainder`` if it is one of :data:`REMAINDERS`, else ``ValueError``/``TypeError``."""
+    if not isinstance(remainder, str):
+        raise TypeError(f"remainder must be one of {REMAINDERS}, got {remainder!r}")
+    if remainder not in REMAINDERS:
+        raise ValueError(
+            f"remainder must be 'drop' (at most world_size - 1 samples sit out each epoch) or "
+            f"'pad' (at most world_size - 1 are repeated), got {remainder!r}"
+        )
+    return remainder
+
+
 def _check_plan_inputs(
     manifest: Any, variables: Any, split: Any, cross_split_windows: bool
 ) -> dict[str, ArrayGeometry]:
@@ -606,11 +709,27 @@ def schedule_floors(
     batch_size: int = 32,
     block_chunks: int = 16,
     cross_split_windows: bool = False,
+    remainder: str = "drop",
+    world_size: int | None = None,
 ) -> ScheduleFloors:
     """Permutation-independent upper bounds of each schedule's working-set floor.
 
-    They hold for every epoch, seed, rank and world size, with or without ``shuffle`` and
-    ``ramp``. Let ``w(c)`` be the bytes of the stored chunks anchor chunk ``c``'s anchors read,
+    They hold for every epoch, seed and rank of ``world_size`` ranks (default:
+    ``torch.distributed``'s, else 1 — as :class:`ReadPlanNode` resolves it), with or without
+    ``shuffle`` and ``ramp``; with ``remainder="drop"`` the bounds for any ``world_size > 1``
+    hold for every world size.
+
+    **Tails.** With several ranks a rank's ledger (:func:`deal`) is whole chunks — no two the
+    same — then at most two partial pieces of tail chunks: at most ``len(split chunks)``
+    distinct positions, falling short of ``q`` rows by at most the single-rank total, plus at
+    most ``q`` for the first partial piece (which only the last block can follow). So the
+    layout below is computed with ``q`` more slack, and a full block that is not the last holds
+    at least its smallest whole chunks and one row. A padded sample (``remainder="pad"``) is a
+    one-row piece after those, possibly of a chunk the rank reads elsewhere: the layout then
+    allows ``world_size - 1`` more positions, ``2q`` more slack and ``q - 1`` per padded sample,
+    and a full block counts one row per piece.
+
+    Let ``w(c)`` be the bytes of the stored chunks anchor chunk ``c``'s anchors read,
     ``top(k)`` the sum of the ``k`` largest ``w`` and ``g`` the bounded schedule's gap
     (:func:`block_batches`). The ledger is a run of blocks of at most ``block_chunks`` chunks;
     each chunk holds at most ``q`` rows (its valid anchors), so a block lies within a known
@@ -648,7 +767,14 @@ def schedule_floors(
     n = int(keep.sum())
     # With one rank, chunks without a valid anchor stay in the order (they hold no rows);
     # with several they are dropped before dealing. Count them: a bound for both.
-    m = int(np.sort(counts)[: min(bc, len(counts))].sum())  # fewest rows in a full block
+    remainder = check_remainder(remainder)
+    world = _default_rank_world()[1] if world_size is None else check_int("world_size", world_size)
+    n_pad = world - 1 if remainder == "pad" else 0  # padded samples: one-row pieces of their own
+    shared = shared or n_pad > 0  # a padded sample's chunk may be read twice
+    # partial pieces a full block before the last may hold (none with one rank)
+    pieces = 2 + n_pad if n_pad else int(world > 1)
+    whole = max(0, min(bc, len(counts)) - pieces)
+    m = int(np.sort(counts)[:whole].sum()) + min(bc, len(counts)) - whole  # fewest rows in a block
 
     def most(rows: int, aligned: bool) -> int:
         if rows <= 0:
@@ -666,15 +792,17 @@ def schedule_floors(
     ahead_chunks = min(n, bc + 2 * most(bs - 1, aligned=True))
     q = int(counts.max())
     slack = int((q - counts).sum())
+    if world > 1:
+        slack += 2 * q + n_pad * (q - 1) if n_pad else q
+    n_pos = len(chunks) + n_pad
     leads = {0, _ramp_unit(True, spc, bs)}
     for lead in leads:
-        found = _layout_maxima(len(chunks), bc, lead if lead < bc else 0, q, slack, bs, gap)
+        found = _layout_maxima(n_pos, bc, lead if lead < bc else 0, q, slack, bs, gap)
         if found is None:
             break
     else:
         tight = [
-            _layout_maxima(len(chunks), bc, lead if lead < bc else 0, q, slack, bs, gap)
-            for lead in leads
+            _layout_maxima(n_pos, bc, lead if lead < bc else 0, q, slack, bs, gap) for lead in leads
         ]
         live_chunks = min(live_chunks, max(t[0] for t in tight if t))
         once_chunks = min(once_chunks, max(t[1] for t in tight if t))
@@ -712,6 +840,7 @@ _CONFIG_ATTRS = frozenset(
         "world_size",
         "cross_split_windows",
         "schedule",
+        "remainder",
     }
 )
 
@@ -726,14 +855,20 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     window reads another split's samples. A split that has chunks but no such anchor is refused.
 
     **Ranks.** ``rank``/``world_size`` default to ``torch.distributed``'s when it is initialised,
-    else 0/1. Each epoch the permuted list of the ``C`` chunks that hold at least one valid
-    anchor is cut to ``world_size * (C // world_size)`` chunks and dealt round-robin, so ranks
-    draw their samples from disjoint chunks (a shifted view's neighbour chunk — ``c + 1`` for
-    the last anchors of ``c`` — may also be read by the rank that holds ``c``); the
-    ``C % world_size`` chunks left over rest for that epoch (which ones changes with the
-    permutation). Every rank then emits the same number of samples — the fewest any rank can be
-    dealt, a constant across epochs — by dropping the tail of its own order, so all ranks yield
-    the same number of batches. With one rank nothing is dropped.
+    else 0/1. Every rank emits the same number of samples, a constant across epochs — with ``V``
+    valid anchors, ``V // world_size`` (``remainder="drop"``, the default) or
+    ``ceil(V / world_size)`` (``"pad"``) — so all ranks yield the same number of batches. Each
+    epoch :func:`deal` hands the permuted chunks out round-robin as whole chunks while every
+    rank stays within its share, then cuts the remaining chunks' samples into consecutive
+    pieces, one per rank. ``"drop"``: the last ``V % world_size`` of them (at most
+    ``world_size - 1``, changing with the permutation) sit out this epoch. ``"pad"``: none does;
+    ``(-V) % world_size`` samples drawn by the epoch's seed are delivered twice, like
+    ``DistributedSampler(drop_last=False)``. A rank reads each chunk it holds once per epoch;
+    a tail chunk cut between ranks is read by each of them (at most ``world_size - 1`` extra
+    chunk reads per epoch, plus one per padded sample), and a shifted view's neighbour chunk —
+    ``c + 1`` for the last anchors of ``c`` — may also be read by the rank that holds ``c``.
+    With one rank nothing is dropped or repeated. A split with fewer valid anchors than ranks
+    is refused.
 
     **Ramp.** With ``ramp=True`` (the default; only when shuffling) the epoch's first block is
     split into a lead block of just enough chunks for one batch and the rest, so the first batch
@@ -770,9 +905,11 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         ramp: bool = True,
         cross_split_windows: bool = False,
         schedule: PinSchedule | None = None,
+        remainder: str = "drop",
     ) -> None:
         super().__init__()
         cross = check_bool("cross_split_windows", cross_split_windows)
+        remainder = check_remainder(remainder)
         views = _check_plan_inputs(manifest, variables, split, cross)
         batch_size = check_int("batch_size", batch_size, minimum=1)
         block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -794,11 +931,11 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         _, counts = _chunk_counts(
             manifest, split, split_chunks, [g.offset for g in views.values()], cross
         )
-        n_chunks = int(np.count_nonzero(counts))
-        if world > 1 and len(split_chunks) and n_chunks < world:
+        n_valid = int(counts.sum())
+        if world > 1 and len(split_chunks) and n_valid < world:
             raise ValueError(
-                f"split {split!r} has {n_chunks} chunks with valid anchors but world_size is "
-                f"{world}: every rank needs at least one (use a larger split or fewer ranks)"
+                f"split {split!r} has {n_valid} valid anchors but world_size is {world}: every "
+                "rank needs at least one sample (use a larger split or fewer ranks)"
             )
         self.manifest = manifest
         self.variables: Mapping[str, ArrayGeometry] = MappingProxyType(views)
@@ -811,6 +948,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self.rank = rk
         self.world_size = world
         self.cross_split_windows = cross
+        self.remainder = remainder
         self.schedule = schedule
         self._epoch = 0
         self._pinned_epoch: int | None = None
@@ -844,6 +982,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             "seed": self.seed,
             "world_size": self.world_size,
             "cross_split_windows": self.cross_split_windows,
+            "remainder": self.remainder,
         }
 
     def config(self) -> dict[str, Any]:
@@ -871,6 +1010,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             ramp=self.ramp,
             pin_gap=pin_gap,
             cross_split_windows=self.cross_split_windows,
+            remainder=self.remainder,
         )
 
     def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
@@ -967,6 +1107,13 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                     "cannot restore this read-plan state: it predates cross_split_windows and "
                     "its windows read across the split's edge; pass cross_split_windows=True "
                     "to resume it"
+                )
+            if key == "remainder" and key not in saved and int(saved.get("world_size", 1)) > 1:
+                # saved before the tail was dealt: its ranks dealt and dropped differently
+                raise ValueError(
+                    "cannot restore this read-plan state: it was saved with several ranks "
+                    "before samples of the remainder chunks were dealt (its remainder policy "
+                    "differs); start this run's data order afresh"
                 )
             if key in saved and saved[key] != value:
                 what = "dataset (arrays, views or split chunks)" if key == "dataset" else key
