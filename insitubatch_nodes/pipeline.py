@@ -71,7 +71,6 @@ class InSituPipeline(PrefetcherNode[Batch]):
             self.recorder = fetch.recorder = self.stages.resident.recorder = rec
             gather.recorder = rec
 
-
     def report(self) -> EpochReport | None:
         """The epoch report: the epoch in progress once it has delivered a batch, else the last
         finished one (``None`` before the first batch, or when built with ``report=False``).

@@ -260,3 +260,15 @@ def test_a_decode_limited_report_with_every_core_busy_suggests_more_cores_not_th
     r.limiting = limiting_stage(r)
     assert r.limiting == "decode"
     assert "more cores" in suggestion_for(r) and "decode_threads=" not in suggestion_for(r)
+
+
+def test_the_demo_prints_the_report_after_each_epoch(
+    era5: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from insitubatch_nodes import demo
+
+    demo.main(["--url", str(era5), "--epochs", "2", "--no-progress", "--batch-size", "16"])
+    out = capsys.readouterr().out
+    for epoch in range(2):
+        assert f"\nepoch {epoch}: 13 batches, 207 samples in " in out, out
+    assert out.count("  store     ") == 2 and out.count(" - limited by ") == 2, out
