@@ -52,6 +52,7 @@ from typing import Any, Literal
 
 __all__ = [
     "CONSUMER_WAIT_FRACTION",
+    "STAGES",
     "EpochRecorder",
     "EpochReport",
     "limiting_stage",
@@ -61,6 +62,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 Stage = Literal["store", "decode", "gather", "consumer"]
+STAGES: tuple[Stage, ...] = ("store", "decode", "gather", "consumer")
 
 #: The consumer is the limit when it waited for batches less than this share of the wall time.
 CONSUMER_WAIT_FRACTION = 0.10
@@ -123,6 +125,31 @@ class EpochReport:
     def as_dict(self) -> dict[str, Any]:
         """Plain Python (numbers and strings), e.g. for a logger or JSON."""
         return asdict(self)
+
+    def metrics(self) -> dict[str, float]:
+        """The headline numbers as floats, for a metrics logger (``limited_by_<stage>`` is 1.0
+        for the limiting stage and 0.0 for the others)."""
+        out = {
+            "samples_per_s": self.samples_per_s,
+            "wall_s": self.wall_s,
+            "first_batch_s": self.first_batch_s,
+            "wait_fraction": self.wait_fraction,
+            "get_s": self.get_s,
+            "decode_s": self.decode_s,
+            "gather_s": self.gather_s,
+            "consumer_s": self.consumer_s,
+            "inflight_mean": self.inflight_mean,
+            "decode_depth_mean": self.decode_depth_mean,
+            "resident_peak_bytes": float(self.resident_peak_bytes),
+            "hits": float(self.hits),
+            "misses": float(self.misses),
+            "re_reads": float(self.re_reads),
+            "bytes_fetched": float(self.bytes_fetched),
+            "bytes_delivered": float(self.bytes_delivered),
+        }
+        for stage in STAGES:
+            out[f"limited_by_{stage}"] = float(stage == self.limiting)
+        return out
 
     @property
     def samples_per_s(self) -> float:

@@ -18,7 +18,12 @@ import zarr
 from helpers import CountingStore, counting_store, write_era5
 
 from insitubatch_nodes import EpochReport, Loader, insitu_pipeline, open_geometries, split_by_chunk
-from insitubatch_nodes.report import CONSUMER_WAIT_FRACTION, limiting_stage, suggestion_for
+from insitubatch_nodes.report import (
+    CONSUMER_WAIT_FRACTION,
+    STAGES,
+    limiting_stage,
+    suggestion_for,
+)
 
 N_TIME, SPC = 256, 8  # 32 chunks of t2m
 
@@ -272,3 +277,47 @@ def test_the_demo_prints_the_report_after_each_epoch(
     for epoch in range(2):
         assert f"\nepoch {epoch}: 13 batches, 207 samples in " in out, out
     assert out.count("  store     ") == 2 and out.count(" - limited by ") == 2, out
+
+
+@pytest.mark.slow  # a real Trainer: about 15 s
+def test_the_lightning_datamodule_logs_each_training_epochs_report_through_self_log(
+    era5: Path, tmp_path: Path
+) -> None:
+    import csv
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(16 * 32, 16 * 32)
+
+        def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
+            x = (batch["t2m"].flatten(1) - 270.0) / 30.0
+            return torch.nn.functional.mse_loss(self.layer(x), x)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    dm = InSituDataModule(era5, ["t2m"], (0.75, 0.125, 0.125), batch_size=16, block_chunks=4)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=CSVLogger(tmp_path, name="run"),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Model(), datamodule=dm)
+    report = dm.train_report()
+    assert report is not None and report.epoch == 1
+    with open(next(tmp_path.rglob("metrics.csv"))) as fh:
+        rows = list(csv.DictReader(fh))
+    logged = [r for r in rows if r.get("insitu/samples_per_s")]
+    assert [int(r["epoch"]) for r in logged] == [0, 1]
+    last = logged[-1]
+    assert float(last["insitu/samples_per_s"]) > 0
+    assert float(last["insitu/hits"]) + float(last["insitu/misses"]) == report.hits + report.misses
+    assert sum(float(last[f"insitu/limited_by_{s}"]) for s in STAGES) == 1.0
+    assert float(last[f"insitu/limited_by_{report.limiting}"]) == 1.0
