@@ -446,7 +446,9 @@ class EpochRecorder:
         """The epoch ended (``StopIteration``): finalize it."""
         ep = self._epoch
         if ep is not None:
-            ep["handoff_wait_s"] += _now() - called
+            now = _now()
+            ep["handoff_wait_s"] += now - called
+            ep["last"] = now  # the wall time ends with the epoch, so wait + consumer = wall
         self.finalize()
 
     def on_reset(self) -> None:

@@ -148,6 +148,16 @@ def test_samples_and_bytes_add_up_against_the_store_and_the_files_on_disk(era5: 
     assert second.samples == N_TIME
 
 
+def test_the_consumers_time_and_its_wait_for_batches_add_up_to_the_wall_time(era5: Path) -> None:
+    for delay, sleep in ((0.0, 0.02), (0.05, 0.0)):
+        pipe, _ = _pipe(counting_store(era5, delay=delay))
+        with pipe:
+            report = _epoch(pipe, sleep=sleep)
+        assert report.handoff_wait_s + report.consumer_s <= report.wall_s
+        assert report.handoff_wait_s + report.consumer_s >= 0.95 * report.wall_s - 0.005
+        assert 0.0 <= report.wait_fraction <= 1.0
+
+
 def t2m_split_bytes(root: Path) -> int:
     t2m = open_geometries(counting_store(root), ["t2m"])["t2m"]
     return t2m.n_chunks * t2m.chunk_nbytes
