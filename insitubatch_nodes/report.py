@@ -240,7 +240,8 @@ def suggestion_for(r: EpochReport) -> str:
     * decode-limited: more decode threads while they are fewer than the cores, else more cores
       or a cheaper codec;
     * gather-limited with batch transforms (they run in the gather stage): lighten them or move
-      them to the consumer. Without transforms the gather is one copy per chunk: no knob.
+      them to the consumer; without, and with decode threads on every core at least half busy:
+      the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob.
     """
     stage = r.limiting
     if stage in ("store", "decode") and r.re_reads and r.split_bytes:
@@ -272,12 +273,20 @@ def suggestion_for(r: EpochReport) -> str:
             f"decode is busy {100 * busy:.0f}% of {r.decode_threads} thread(s) = all "
             f"{r.cores} cores: more cores, or a cheaper codec for the store"
         )
-    if stage == "gather" and r.batch_transforms:
+    if stage == "gather":
         per = 1000 * r.gather_s / max(1, r.batches)
-        return (
-            f"gather takes {per:.1f} ms/batch on the producer thread (batch_transforms run "
-            "there): lighten the transforms or move them to the consumer"
-        )
+        if r.batch_transforms:
+            return (
+                f"gather takes {per:.1f} ms/batch on the producer thread (batch_transforms run "
+                "there): lighten the transforms or move them to the consumer"
+            )
+        busy = r.decode_s / (max(r.wall_s, 1e-9) * max(1, r.decode_threads))
+        if r.decode_threads >= r.cores and busy >= 0.5:
+            return (
+                f"gather ({per:.1f} ms/batch) shares {r.cores} cores with {r.decode_threads} "
+                f"decode threads busy {100 * busy:.0f}%: the CPU is the limit; more cores would "
+                "speed both"
+            )
     return ""
 
 

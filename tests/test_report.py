@@ -331,3 +331,16 @@ def test_the_lightning_datamodule_logs_each_training_epochs_report_through_self_
     assert float(last["insitu/hits"]) + float(last["insitu/misses"]) == report.hits + report.misses
     assert sum(float(last[f"insitu/limited_by_{s}"]) for s in STAGES) == 1.0
     assert float(last[f"insitu/limited_by_{report.limiting}"]) == 1.0
+
+
+def test_a_gather_limited_report_names_the_cpu_when_decode_threads_fill_every_core() -> None:
+    shared = _made(gather_s=0.5, chunk_wait_s=0.2, decode_threads=4, decode_s=3.0)
+    shared.limiting = limiting_stage(shared)
+    assert shared.limiting == "gather"
+    assert "CPU is the limit" in suggestion_for(shared)
+    idle_decode = _made(gather_s=0.5, chunk_wait_s=0.2, decode_threads=4, decode_s=0.1)
+    idle_decode.limiting = limiting_stage(idle_decode)
+    assert suggestion_for(idle_decode) == ""
+    with_transforms = _made(gather_s=0.5, chunk_wait_s=0.2, batch_transforms=1)
+    with_transforms.limiting = limiting_stage(with_transforms)
+    assert "move them to the consumer" in suggestion_for(with_transforms)
