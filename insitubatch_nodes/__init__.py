@@ -13,6 +13,7 @@ Follow a batch top-down through the modules:
 * :mod:`~insitubatch_nodes.gather` — ``GatherNode``: vectorised batch assembly;
 * :mod:`~insitubatch_nodes.prefetch` — ``PrefetcherNode``: bounded look-ahead thread;
 * :mod:`~insitubatch_nodes.pipeline` — ``insitu_pipeline``: the five stages in one call;
+* :mod:`~insitubatch_nodes.report` — ``EpochReport``: which stage limits an epoch, and why;
 * :mod:`~insitubatch_nodes.loader` — ``Loader``: torchdata's, with resume in any call order;
 * :mod:`~insitubatch_nodes.batch` — ``Batch`` and ``to_torch``;
 * :mod:`~insitubatch_nodes.torch_data` — ``as_dataset`` for ``StatefulDataLoader``;
@@ -45,6 +46,7 @@ from insitubatch_nodes.plan import (
 )
 from insitubatch_nodes.pool import ChunkPoolNode, ResidentBatch
 from insitubatch_nodes.prefetch import PrefetcherNode
+from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.residency import (
     ChunkPool,
     FillCancelled,
@@ -77,6 +79,7 @@ __all__ = [
     "CorruptMetadataError",
     "DecodeError",
     "EpochPlan",
+    "EpochReport",
     "FetchedBatch",
     "FillCancelled",
     "GatherNode",

@@ -2,7 +2,8 @@
 
 By default it writes a synthetic ERA5-like store to ``data/era5_demo.zarr`` (once), prints its
 geometry, the split and one epoch's read plan, then trains a small convolutional network to
-predict ``t2m`` at ``t+1`` from ``t2m`` at ``t`` for a few epochs on the CPU. ``--url`` trains
+predict ``t2m`` at ``t+1`` from ``t2m`` at ``t`` for a few epochs on the CPU, printing the epoch
+report (:meth:`~insitubatch_nodes.pipeline.InSituPipeline.report`) after each. ``--url`` trains
 from any store instead (``s3://bucket/path.zarr --endpoint http://127.0.0.1:9000 ...``).
 
 Run ``python -m insitubatch_nodes.demo --help`` for the options.
@@ -157,16 +158,10 @@ def _train(
     last_losses: list[float] = []
     with pipe:
         for epoch in range(args.epochs):
-            t0 = time.perf_counter()
-            ttfb = None
-            n = 0
             losses: list[float] = []
-            before = pipe.stats()
             iterator = iter(pipe)
             progress = bar(total=len(pipe), desc=f"epoch {epoch}", leave=False) if bar else None
             for batch in iterator:
-                if ttfb is None:
-                    ttfb = time.perf_counter() - t0
                 t = to_torch(batch)
                 x = ((t["x"] - mean) / std).unsqueeze(1)
                 y = ((t["y"] - mean) / std).unsqueeze(1)
@@ -175,24 +170,16 @@ def _train(
                 loss.backward()
                 opt.step()
                 losses.append(loss.item())
-                n += len(batch)
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{losses[-1]:.4f}")
             if progress is not None:
                 progress.close()
-            dt = time.perf_counter() - t0
-            after = pipe.stats()
-            mb = n * sum(v.sample_nbytes for v in views.values()) / 2**20
-            fetched = (after["bytes_fetched"] - before["bytes_fetched"]) / 2**20
             print(
-                f"epoch {epoch}: loss {np.mean(losses[:5]):.4f} -> {np.mean(losses[-5:]):.4f}"
-                f" | {n / dt:,.0f} samples/s, {mb / dt:,.1f} MB/s delivered, "
-                f"{fetched:,.1f} MB fetched | first batch {1000 * (ttfb or 0):.0f} ms | "
-                f"pool hits {after['hits'] - before['hits']}, "
-                f"misses {after['misses'] - before['misses']}",
+                f"epoch {epoch}: loss {np.mean(losses[:5]):.4f} -> {np.mean(losses[-5:]):.4f}",
                 flush=True,
             )
+            print(pipe.report(), flush=True)  # where the time went, and what limits the epoch
             if epoch == 0:
                 first_losses = losses[:5]
             last_losses = losses[-5:]

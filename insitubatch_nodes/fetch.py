@@ -37,6 +37,7 @@ import os
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +49,7 @@ from insitubatch_nodes import _runtime, _zarr_compat
 from insitubatch_nodes.decode import ChunkDecoder
 from insitubatch_nodes.geometry import ArrayGeometry
 from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
+from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import ChunkEntry, ChunkPool, FillCancelled, working_set_bytes
 from insitubatch_nodes.stores import RetryPolicy, describe_store, retry_policy
 
@@ -190,6 +192,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._epoch_plan: EpochPlan | None = None
         self._exhausted = False
         self._last_state: dict[str, Any] | None = None
+        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
         _LIVE.add(self)
 
     # -- BaseNode ----------------------------------------------------------------------------
@@ -290,6 +293,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 ok = False
                 break
             entry, hit = got
+            if self.recorder is not None:
+                self.recorder.on_admit(key, hit)
             self._live[key] = entry
             self._pins[key] = self._pins.get(key, 0) + 1
             if not hit:  # tickets follow first need: the decode pool serves them in that order
@@ -381,27 +386,50 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             stats.inflight += 1
             stats.inflight_peak = max(stats.inflight_peak, self._inflight)
             try:
+                rec = self.recorder
+                started = rec.on_get_start() if rec is not None else 0.0
                 try:
                     raw = await self._get(key)
-                except Exception as exc:
+                except BaseException as exc:
+                    if rec is not None:
+                        rec.on_get_end(started, 0, ok=False)
+                    if not isinstance(exc, Exception):
+                        raise
                     raise ChunkReadError(
                         geom.path, chunk, tile, key, "read", self._store_name
                     ) from exc
+                nbytes = 0 if raw is None else len(raw)
                 stats.gets += 1
-                stats.bytes_fetched += 0 if raw is None else len(raw)
+                stats.bytes_fetched += nbytes
                 out = region[(slice(None), *geom.tile_slices(tile))]
-                job = self._decode_pool.submit(ticket, decoder.decode_into, raw, out, chunk, tile)
+                job: Future[Any]
+                if rec is None:
+                    job = self._decode_pool.submit(
+                        ticket, decoder.decode_into, raw, out, chunk, tile
+                    )
+                else:
+                    rec.on_get_end(started, nbytes)
+                    submitted = rec.on_decode_submit()
+                    job = self._decode_pool.submit(
+                        ticket, rec.timed, decoder.decode_into, raw, out, chunk, tile
+                    )
                 try:
-                    await asyncio.wrap_future(job)
+                    busy = await asyncio.wrap_future(job)
                 except asyncio.CancelledError:
                     job.cancel()
                     while not job.done():  # a running decode cannot be interrupted: let it land
                         await asyncio.sleep(0.001)
+                    if rec is not None:
+                        rec.on_decode_end(submitted, None)
                     raise
                 except Exception as exc:
+                    if rec is not None:
+                        rec.on_decode_end(submitted, None)
                     raise ChunkReadError(
                         geom.path, chunk, tile, key, "decode", self._store_name
                     ) from exc
+                if rec is not None:
+                    rec.on_decode_end(submitted, busy)
             finally:
                 self._inflight -= 1
                 stats.inflight -= 1

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import time
 import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -25,6 +26,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.geometry import ArrayGeometry
 from insitubatch_nodes.pool import ResidentBatch
+from insitubatch_nodes.report import EpochRecorder
 
 __all__ = ["BufferPool", "GatherNode", "gather_label"]
 
@@ -139,6 +141,7 @@ class GatherNode(BaseNode[Batch]):
             label: np.empty((min(batch_size, g.samples_per_chunk), *g.inner_shape), g.dtype)
             for label, g in labels.items()
         }
+        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -149,6 +152,7 @@ class GatherNode(BaseNode[Batch]):
 
     def next(self) -> Batch:
         resident: ResidentBatch = next(self.source)
+        t0 = time.perf_counter()
         plan = resident.plan
         n = len(plan)
         arrays: dict[str, np.ndarray] = {}
@@ -171,6 +175,8 @@ class GatherNode(BaseNode[Batch]):
         )
         for transform in self.batch_transforms:
             batch = transform(batch)
+        if self.recorder is not None:
+            self.recorder.add("gather_s", time.perf_counter() - t0)
         return batch
 
     def close(self) -> None:

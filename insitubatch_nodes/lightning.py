@@ -24,11 +24,46 @@ from zarr.abc.store import Store
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
 from insitubatch_nodes.pipeline import insitu_pipeline
+from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stores import as_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 
-__all__ = ["InSituDataModule"]
+__all__ = ["InSituDataModule", "InSituReportCallback"]
+
+
+class InSituReportCallback(pl.Callback):
+    """Logs the training pipeline's epoch report through ``LightningModule.log`` at the end of
+    every training epoch, so its headline numbers reach whatever logger the Trainer has.
+
+    Metrics are ``{prefix}{name}`` for each entry of
+    :meth:`~insitubatch_nodes.report.EpochReport.metrics` (throughput, time to first batch, the
+    consumer's wait fraction, per-stage seconds, pool counts, and ``limited_by_<stage>``).
+    :class:`InSituDataModule` adds one to its Trainer by itself (``log_report=True``); add it
+    yourself only for a DataModule built otherwise, passing ``report`` (a callable returning the
+    report, or ``None``).
+    """
+
+    def __init__(
+        self,
+        prefix: str = "insitu/",
+        report: Callable[[pl.Trainer], EpochReport | None] | None = None,
+    ) -> None:
+        self.prefix = prefix
+        self._report = report
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        report = self._find(trainer)
+        if report is None:
+            return
+        metrics = {self.prefix + k: v for k, v in report.metrics().items()}
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True)
+
+    def _find(self, trainer: pl.Trainer) -> EpochReport | None:
+        if self._report is not None:
+            return self._report(trainer)
+        dm = getattr(trainer, "datamodule", None)
+        return dm.train_report() if isinstance(dm, InSituDataModule) else None
 
 
 class InSituDataModule(pl.LightningDataModule):
@@ -46,6 +81,8 @@ class InSituDataModule(pl.LightningDataModule):
         eval_batch_size: batch size of the val/test loaders (default: ``batch_size``).
         remainder: ``"drop"`` or ``"pad"``, as for :func:`insitu_pipeline` (every split).
         transform: ``Batch -> item`` applied to every batch (default: ``to_torch``).
+        log_report: add an :class:`InSituReportCallback` to the Trainer (when it has none), so
+            every training epoch's report is logged through ``self.log`` (``insitu/...``).
     """
 
     def __init__(
@@ -68,8 +105,10 @@ class InSituDataModule(pl.LightningDataModule):
         transform: Callable[[Batch], Any] = to_torch,
         store_options: Mapping[str, Any] | None = None,
         remainder: str = "drop",
+        log_report: bool = True,
     ) -> None:
         super().__init__()
+        self.log_report = log_report
         self._store_arg = store
         self._store_options = dict(store_options or {})
         self._variables_arg = variables
@@ -147,7 +186,25 @@ class InSituDataModule(pl.LightningDataModule):
         return dataset
 
     # -- loaders ------------------------------------------------------------------------------
+    def train_report(self) -> EpochReport | None:
+        """The training pipeline's epoch report (see
+        :meth:`~insitubatch_nodes.pipeline.InSituPipeline.report`), or ``None`` before any."""
+        train = self._loaders.get("train")
+        return None if train is None else train.pipeline.report()
+
+    def _attach_report_callback(self) -> None:
+        trainer = self.trainer
+        if not self.log_report or trainer is None:
+            return
+        callbacks: list[Any] | None = getattr(trainer, "callbacks", None)
+        if callbacks is not None and not any(
+            isinstance(c, InSituReportCallback) for c in callbacks
+        ):
+            # first, so a ModelCheckpoint (always last) can monitor the metrics it logs
+            callbacks.insert(0, InSituReportCallback())
+
     def train_dataloader(self) -> InSituIterableDataset:
+        self._attach_report_callback()
         dataset = self._build("train", shuffle=True)
         if self._pending_train_state is not None:
             dataset.load_state_dict(self._pending_train_state)

@@ -7,6 +7,7 @@ result is a ``torchdata.nodes.BaseNode`` to iterate directly or wrap in
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,7 @@ from insitubatch_nodes.geometry import ArrayGeometry, check_arrays_in_store, ope
 from insitubatch_nodes.plan import PinSchedule, ReadPlanNode, check_remainder, schedule_floors
 from insitubatch_nodes.pool import ChunkPoolNode
 from insitubatch_nodes.prefetch import PrefetcherNode
+from insitubatch_nodes.report import EpochRecorder, EpochReport
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
 from insitubatch_nodes.splits import SplitManifest
 from insitubatch_nodes.stores import RetryPolicy, as_store
@@ -47,9 +49,38 @@ class PipelineStages:
 class InSituPipeline(PrefetcherNode[Batch]):
     """The root node :func:`insitu_pipeline` returns: a ``PrefetcherNode`` that knows its stages."""
 
-    def __init__(self, gather: GatherNode, prefetch_depth: int, stages: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        gather: GatherNode,
+        prefetch_depth: int,
+        stages: dict[str, Any],
+        report: bool = True,
+    ) -> None:
         super().__init__(gather, prefetch_depth)
         self.stages = PipelineStages(prefetch=self, gather=gather, **stages)
+        if report:
+            fetch = self.stages.fetch
+            rec = EpochRecorder(
+                self.stages.pool,
+                max_inflight=fetch.max_inflight,
+                decode_threads=len(fetch._decode_pool.threads),
+                batch_transforms=len(gather.batch_transforms),
+                # not a bound method: the recorder must not keep this node alive (``del pipe``)
+                split_bytes=functools.partial(_split_bytes, self.stages.plan, fetch.geoms),
+            )
+            self.recorder = fetch.recorder = self.stages.resident.recorder = rec
+            gather.recorder = rec
+
+    def report(self) -> EpochReport | None:
+        """The epoch report: the epoch in progress once it has delivered a batch, else the last
+        finished one (``None`` before the first batch, or when built with ``report=False``).
+
+        ``print(pipe.report())`` shows where the time went and which stage limits the epoch
+        (``limiting``: ``"store"``, ``"decode"``, ``"gather"`` or ``"consumer"``), with a
+        suggestion when one applies; ``.as_dict()`` gives plain numbers. See
+        :mod:`insitubatch_nodes.report` for every field and the rule.
+        """
+        return None if self.recorder is None else self.recorder.report()
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch."""
@@ -78,6 +109,14 @@ class InSituPipeline(PrefetcherNode[Batch]):
         out["decode_scratch_bytes"] = self.stages.fetch.scratch_bytes
         out["outside_pool_bytes"] = out["batch_buffer_bytes"] + out["decode_scratch_bytes"]
         return out
+
+
+def _split_bytes(node: ReadPlanNode, geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:
+    """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
+    plan = node.epoch_plan(epoch)
+    keys = {k for b in range(plan.n_batches) for k in plan.batch_fetches(b)}
+    size = {path: g.chunk_nbytes for path, g in geoms.items()}
+    return sum(size[path] for path, _ in keys)
 
 
 def _auto_cap_bytes() -> int:
@@ -185,6 +224,7 @@ def insitu_pipeline(
     retry: RetryPolicy | None = None,
     cross_split_windows: bool = False,
     remainder: str = "drop",
+    report: bool = True,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -209,6 +249,9 @@ def insitu_pipeline(
     the policy the store was opened with (the default one for any other store). Construction
     checks that the store holds every array read (one metadata read per array) and raises
     ``FileNotFoundError`` naming the array and the store when it does not.
+
+    ``report=True`` (the default) measures every epoch for :meth:`InSituPipeline.report` (which
+    stage limits it, and what to change); ``False`` turns the measurement off.
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -222,6 +265,7 @@ def insitu_pipeline(
     world_size = check_optional_int("world_size", world_size)
     cross_split_windows = check_bool("cross_split_windows", cross_split_windows)
     remainder = check_remainder(remainder)
+    report = check_bool("report", report)
     if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
         raise TypeError(
             f"batch_transforms must be a sequence of callables Batch -> Batch, got "
@@ -303,4 +347,5 @@ def insitu_pipeline(
         gather,
         prefetch_depth,
         {"plan": plan, "fetch": fetch, "resident": resident, "pool": pool},
+        report=report,
     )

@@ -14,6 +14,7 @@ wait at once from any thread (the prefetch stage calls it when it stops its thre
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.plan import BatchPlan, ChunkKey
+from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import ChunkEntry, PipelineInterrupted
 
 __all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
@@ -61,6 +63,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         self.source = source
         self._held: AdmittedBatch | None = None
         self._interrupt: Future[None] = Future()
+        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -72,10 +75,14 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         self._release_held()
         item: AdmittedBatch = next(self.source)
         slots: dict[ChunkKey, np.ndarray] = {}
+        rec = self.recorder
+        t0 = time.perf_counter() if rec is not None else 0.0
         for key in item.plan.reads:
             entry = item.entries[key]
             self._wait(entry.ready)
             slots[key] = entry.slot
+        if rec is not None:
+            rec.add("chunk_wait_s", time.perf_counter() - t0)
         self._held = item
         return ResidentBatch(plan=item.plan, slots=slots)
 

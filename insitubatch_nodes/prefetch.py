@@ -35,6 +35,7 @@ from typing import Any, Generic, TypeVar
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
+from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import PipelineInterrupted
 
 __all__ = ["PrefetcherNode"]
@@ -170,6 +171,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self._source_at_delivered = False  # the source sits exactly at the delivered position
         self._ended = False
         self._pid = os.getpid()
+        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
         _LIVE.add(self)
 
     # -- BaseNode ----------------------------------------------------------------------------
@@ -177,6 +179,8 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         super().reset(initial_state)
         _runtime.check_same_process(self._pid)
         self._halt(close_source=False)
+        if self.recorder is not None:
+            self.recorder.on_reset()
         self.source.reset(initial_state["source"] if initial_state is not None else None)
         self._delivered = self.source.state_dict()
         self._source_at_delivered = True
@@ -186,6 +190,8 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         _runtime.check_same_process(self._pid)
         if self._ended:
             raise StopIteration
+        rec = self.recorder
+        called = rec.on_next() if rec is not None else 0.0
         if self._worker is None:  # first next() since reset, or closed earlier: resume
             if not self._source_at_delivered:
                 self.source.reset(self._delivered)
@@ -206,11 +212,15 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                     raise RuntimeError(f"{self.name}: the prefetch thread died") from None
         if kind == "item":
             self._delivered = state
+            if rec is not None:
+                rec.on_deliver(called, payload)
             return payload
         self._worker = None
         worker.thread.join()
         if kind == "end":
             self._ended = True
+            if rec is not None:
+                rec.on_end(called)
             raise StopIteration
         _close(self.source)
         raise payload

@@ -1,0 +1,567 @@
+"""The epoch report: which stage holds the batches back, and what knob moves it.
+
+Every pipeline built by :func:`~insitubatch_nodes.pipeline.insitu_pipeline` carries an
+:class:`EpochRecorder` (``report=False`` turns it off). Each stage tells it, with one
+``time.perf_counter()`` per event and integer counters, where its time went:
+
+* **store** — each stored-object GET, from its start to the bytes received (on the IO loop);
+  the number in flight is a time-weighted level (mean and peak) and the wall time with at least
+  one GET in flight is kept;
+* **decode** — each decode, timed on the decode thread that runs it (thread-busy seconds); the
+  decode queue depth (decodes submitted and not finished: waiting or running) is a
+  time-weighted level;
+* **chunk wait** — the producer thread's time waiting for the chunks of a batch to be ready;
+* **gather** — the time in the gather stage excluding the wait on its source (batch transforms
+  included);
+* **hand-off** — the time the consumer waits in ``next()`` for a finished batch;
+* **consumer** — the time between ``next()`` returning a batch and the next call.
+
+Resident pool bytes are sampled at each batch delivery (mean and peak of those samples).
+
+An epoch follows *delivered* batches: it starts at the first ``next()`` after a reset and is
+finalized when the pipeline raises ``StopIteration`` (or at the next reset, if it delivered a
+batch). :meth:`EpochRecorder.report` returns the epoch in progress when it has delivered a batch,
+else the last finalized one. Each finalized epoch logs one INFO line (its headline) on the
+``insitubatch_nodes.report`` logger; nothing is printed unless asked (``print(pipe.report())``).
+
+**The limiting rule** (:func:`limiting_stage`), over the epoch without its first batch (the
+start-up wait is reported separately as the time to first batch):
+
+1. ``consumer`` when the consumer waited for batches less than
+   :data:`CONSUMER_WAIT_FRACTION` of the wall time: the pipeline was ahead, a faster one would
+   not deliver sooner;
+2. otherwise the producer thread is the bottleneck, and its time is the chunk wait plus the
+   gather: ``gather`` when the gather time is at least the chunk wait;
+3. otherwise the chunks were late: ``decode`` when the time-weighted decode queue depth exceeds
+   the time-weighted number of GETs in flight (chunks spent more of their fill time waiting for
+   or in decode than in the store), else ``store``.
+
+Means of levels are ``sum of level × time / wall time``, so the rule compares the summed GET
+seconds with the summed decode seconds (queued + running).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+__all__ = [
+    "CONSUMER_WAIT_FRACTION",
+    "STAGES",
+    "EpochRecorder",
+    "EpochReport",
+    "limiting_stage",
+    "suggestion_for",
+]
+
+log = logging.getLogger(__name__)
+
+Stage = Literal["store", "decode", "gather", "consumer"]
+STAGES: tuple[Stage, ...] = ("store", "decode", "gather", "consumer")
+
+#: The consumer is the limit when it waited for batches less than this share of the wall time.
+CONSUMER_WAIT_FRACTION = 0.10
+#: A budget suggestion is made only when the bytes fit in this share of the machine's RAM.
+_BUDGET_RAM_SHARE = 0.5
+
+_now = time.perf_counter
+
+
+@dataclass
+class EpochReport:
+    """One epoch of one pipeline, as measured (see the module docstring for each number).
+
+    Times are seconds, sizes bytes. ``complete`` is False for an epoch still in progress.
+    """
+
+    epoch: int = 0
+    complete: bool = False
+    batches: int = 0
+    samples: int = 0
+    wall_s: float = 0.0
+    first_batch_s: float = 0.0
+    # where the time went
+    handoff_wait_s: float = 0.0  # the consumer waiting in next() (first batch included)
+    first_wait_s: float = 0.0  # the part of handoff_wait_s spent on the first batch
+    consumer_s: float = 0.0  # the consumer's own time between batches
+    get_s: float = 0.0  # summed over GETs: start to bytes received
+    get_active_s: float = 0.0  # wall time with at least one GET in flight
+    decode_s: float = 0.0  # decode-thread busy seconds
+    decode_queued_s: float = 0.0  # summed over decodes: submitted to finished
+    chunk_wait_s: float = 0.0  # producer thread waiting for a batch's chunks
+    gather_s: float = 0.0  # gather stage, source wait excluded (batch transforms included)
+    # levels: time-weighted mean and peak
+    inflight_mean: float = 0.0
+    inflight_peak: int = 0
+    decode_depth_mean: float = 0.0
+    decode_depth_peak: int = 0
+    resident_mean_bytes: float = 0.0  # sampled at each delivery
+    resident_peak_bytes: int = 0
+    # counts
+    gets: int = 0
+    decodes: int = 0
+    hits: int = 0
+    misses: int = 0
+    re_reads: int = 0  # misses on chunks this pipeline fetched before (this or an earlier epoch)
+    evictions: int = 0
+    bytes_fetched: int = 0
+    bytes_delivered: int = 0
+    # the knobs, for the suggestion
+    max_inflight: int = 0
+    decode_threads: int = 0
+    cores: int = 0
+    budget_bytes: int = 0
+    auto_budget: bool = True
+    batch_transforms: int = 0
+    split_bytes: int | None = None  # every chunk the epoch read, in bytes (when re-reads > 0)
+    limiting: Stage = "consumer"
+    suggestion: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain Python (numbers and strings), e.g. for a logger or JSON."""
+        return asdict(self)
+
+    def metrics(self) -> dict[str, float]:
+        """The headline numbers as floats, for a metrics logger (``limited_by_<stage>`` is 1.0
+        for the limiting stage and 0.0 for the others)."""
+        out = {
+            "samples_per_s": self.samples_per_s,
+            "wall_s": self.wall_s,
+            "first_batch_s": self.first_batch_s,
+            "wait_fraction": self.wait_fraction,
+            "get_s": self.get_s,
+            "decode_s": self.decode_s,
+            "gather_s": self.gather_s,
+            "consumer_s": self.consumer_s,
+            "inflight_mean": self.inflight_mean,
+            "decode_depth_mean": self.decode_depth_mean,
+            "resident_peak_bytes": float(self.resident_peak_bytes),
+            "hits": float(self.hits),
+            "misses": float(self.misses),
+            "re_reads": float(self.re_reads),
+            "bytes_fetched": float(self.bytes_fetched),
+            "bytes_delivered": float(self.bytes_delivered),
+        }
+        for stage in STAGES:
+            out[f"limited_by_{stage}"] = float(stage == self.limiting)
+        return out
+
+    @property
+    def samples_per_s(self) -> float:
+        return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def wait_fraction(self) -> float:
+        """Share of the wall time the consumer waited for batches after the first one."""
+        wall = self.wall_s - self.first_batch_s
+        wait = self.handoff_wait_s - self.first_wait_s
+        if self.batches <= 1 or wall <= 0:
+            return self.handoff_wait_s / self.wall_s if self.wall_s > 0 else 0.0
+        return max(0.0, wait) / wall
+
+    def headline(self) -> str:
+        """One line: epoch, batches, throughput, first batch, the limit."""
+        state = "" if self.complete else " (in progress)"
+        return (
+            f"epoch {self.epoch}{state}: {self.batches} batches, {self.samples:,} samples in "
+            f"{self.wall_s:.2f} s ({self.samples_per_s:,.0f} samples/s), first batch "
+            f"{1000 * self.first_batch_s:.0f} ms, consumer waited {100 * self.wait_fraction:.0f}%"
+            f" - limited by {self.limiting}"
+        )
+
+    def __str__(self) -> str:
+        wall = self.wall_s or 1.0
+        n = max(1, self.batches)
+        threads = max(1, self.decode_threads)
+        lines = [
+            self.headline(),
+            f"  consumer  {1000 * self.consumer_s / n:8.1f} ms/batch of its own work; waited "
+            f"{self.handoff_wait_s:.2f} s for batches ({1000 * self.first_wait_s:.0f} ms of it "
+            "for the first)",
+            f"  store     {self.gets:,} GETs, {_size(self.bytes_fetched)} in {self.get_s:.2f} "
+            f"GET-s; >=1 in flight {100 * self.get_active_s / wall:.0f}% of the wall; in flight "
+            f"mean {self.inflight_mean:.1f}, peak {self.inflight_peak} "
+            f"(max_inflight {self.max_inflight})",
+            f"  decode    {self.decodes:,} decodes, busy {self.decode_s:.2f} s = "
+            f"{100 * self.decode_s / (wall * threads):.0f}% of {threads} thread(s); queue mean "
+            f"{self.decode_depth_mean:.1f}, peak {self.decode_depth_peak}",
+            f"  producer  waited {self.chunk_wait_s:.2f} s for chunks; gather "
+            f"{1000 * self.gather_s / n:.1f} ms/batch",
+            f"  pool      resident mean {_size(self.resident_mean_bytes)}, peak "
+            f"{_size(self.resident_peak_bytes)} (budget {_size(self.budget_bytes)}); "
+            f"{self.hits:,} hits, {self.misses:,} misses ({self.re_reads:,} re-reads), "
+            f"{self.evictions:,} evictions",
+            f"  delivered {_size(self.bytes_delivered)} "
+            f"({self.bytes_delivered / wall / 2**20:,.1f} MiB/s)",
+        ]
+        if self.suggestion:
+            lines.append(f"  suggestion: {self.suggestion}")
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,.0f} B"
+
+
+def limiting_stage(r: EpochReport) -> Stage:
+    """The stage that limits the epoch, by the rule in the module docstring."""
+    if r.wait_fraction < CONSUMER_WAIT_FRACTION:
+        return "consumer"
+    if r.gather_s >= r.chunk_wait_s:
+        return "gather"
+    if r.decode_depth_mean > r.inflight_mean:
+        return "decode"
+    return "store"
+
+
+def _ram_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 0
+
+
+def suggestion_for(r: EpochReport) -> str:
+    """One suggestion computed from the report's numbers, or ``""`` when none applies.
+
+    * store- or decode-limited with re-reads, and the bytes of every chunk the epoch read fit
+      under half the RAM and above the budget: ``cache_budget_bytes`` of that size (the
+      re-reads become hits);
+    * store-limited with ``max_inflight`` saturated (the peak reached it): raise it (doubled);
+      not saturated: the read-ahead bounds the GETs — raise ``block_chunks``;
+    * decode-limited: more decode threads while they are fewer than the cores, else more cores
+      or a cheaper codec;
+    * gather-limited with batch transforms (they run in the gather stage): lighten them or move
+      them to the consumer; without, and with decode threads on every core at least half busy:
+      the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob.
+    """
+    stage = r.limiting
+    if stage in ("store", "decode") and r.re_reads and r.split_bytes:
+        ram = _ram_bytes()
+        if r.split_bytes > r.budget_bytes and (not ram or r.split_bytes <= ram * _BUDGET_RAM_SHARE):
+            return (
+                f"{r.re_reads:,} of {r.misses:,} misses re-read chunks fetched before; "
+                f"cache_budget_bytes={r.split_bytes} ({_size(r.split_bytes)}, every chunk this "
+                f"epoch read; budget now {_size(r.budget_bytes)}) would make them hits"
+            )
+    if stage == "store":
+        if r.inflight_peak >= r.max_inflight:
+            return (
+                f"GETs in flight reached max_inflight={r.max_inflight} (mean "
+                f"{r.inflight_mean:.1f}); raise it, e.g. max_inflight={2 * r.max_inflight}"
+            )
+        return (
+            f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: the "
+            "read-ahead (one block of chunks) bounds them; raise block_chunks"
+        )
+    if stage == "decode":
+        busy = r.decode_s / (max(r.wall_s, 1e-9) * max(1, r.decode_threads))
+        if r.decode_threads < r.cores:
+            return (
+                f"decode threads busy {100 * busy:.0f}% of {r.decode_threads} thread(s) with "
+                f"{r.cores} cores: raise decode_threads, e.g. decode_threads={r.cores}"
+            )
+        return (
+            f"decode is busy {100 * busy:.0f}% of {r.decode_threads} thread(s) = all "
+            f"{r.cores} cores: more cores, or a cheaper codec for the store"
+        )
+    if stage == "gather":
+        per = 1000 * r.gather_s / max(1, r.batches)
+        if r.batch_transforms:
+            return (
+                f"gather takes {per:.1f} ms/batch on the producer thread (batch_transforms run "
+                "there): lighten the transforms or move them to the consumer"
+            )
+        busy = r.decode_s / (max(r.wall_s, 1e-9) * max(1, r.decode_threads))
+        if r.decode_threads >= r.cores and busy >= 0.5:
+            return (
+                f"gather ({per:.1f} ms/batch) shares {r.cores} cores with {r.decode_threads} "
+                f"decode threads busy {100 * busy:.0f}%: the CPU is the limit; more cores would "
+                "speed both"
+            )
+    return ""
+
+
+class _Level:
+    """A count that goes up and down: current value, peak, and its integral over time."""
+
+    __slots__ = ("active", "area", "last", "peak", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.peak = 0
+        self.area = 0.0  # sum of value * dt
+        self.active = 0.0  # time with value >= 1
+        self.last = _now()
+
+    def change(self, delta: int, now: float) -> None:
+        dt = now - self.last
+        self.area += self.value * dt
+        if self.value > 0:
+            self.active += dt
+        self.last = now
+        self.value += delta
+        if self.value > self.peak:
+            self.peak = self.value
+
+    def snapshot(self, now: float) -> tuple[float, float]:
+        dt = now - self.last
+        return self.area + self.value * dt, self.active + (dt if self.value > 0 else 0.0)
+
+
+_CUMULATIVE = (
+    "get_s",
+    "decode_s",
+    "decode_queued_s",
+    "chunk_wait_s",
+    "gather_s",
+    "gets",
+    "decodes",
+    "hits",
+    "misses",
+    "re_reads",
+    "bytes_fetched",
+)
+
+
+class EpochRecorder:
+    """Measures one pipeline (module docstring). Stages call the ``on_*`` hooks; cheap.
+
+    ``pool`` is the pipeline's :class:`~insitubatch_nodes.residency.ChunkPool` (resident bytes,
+    evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads (asked
+    only when an epoch had re-reads).
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        max_inflight: int,
+        decode_threads: int,
+        batch_transforms: int = 0,
+        split_bytes: Callable[[int], int] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.batch_transforms = batch_transforms
+        self.max_inflight = max_inflight
+        self.decode_threads = decode_threads
+        self._split_bytes = split_bytes
+        self._lock = threading.Lock()
+        self._inflight = _Level()
+        self._depth = _Level()
+        self._fetched: set[Any] = set()
+        self.totals: dict[str, float] = dict.fromkeys(_CUMULATIVE, 0)
+        self._epoch: dict[str, Any] | None = None
+        self.last: EpochReport | None = None
+
+    # -- producer-side hooks (any thread) ------------------------------------------------------
+    def on_get_start(self) -> float:
+        now = _now()
+        with self._lock:
+            self._inflight.change(1, now)
+        return now
+
+    def on_get_end(self, started: float, nbytes: int, ok: bool = True) -> None:
+        """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted)."""
+        now = _now()
+        with self._lock:
+            self._inflight.change(-1, now)
+            if ok:
+                t = self.totals
+                t["get_s"] += now - started
+                t["gets"] += 1
+                t["bytes_fetched"] += nbytes
+
+    def on_decode_submit(self) -> float:
+        now = _now()
+        with self._lock:
+            self._depth.change(1, now)
+        return now
+
+    def on_decode_end(self, submitted: float, busy: float | None) -> None:
+        """A decode finished (``busy`` its seconds on the thread) or was cancelled (None)."""
+        now = _now()
+        with self._lock:
+            self._depth.change(-1, now)
+            if busy is not None:
+                t = self.totals
+                t["decode_s"] += busy
+                t["decode_queued_s"] += now - submitted
+                t["decodes"] += 1
+
+    def timed(self, fn: Callable[..., Any], *args: Any) -> float:
+        """Run ``fn(*args)`` (on a decode thread); its busy seconds."""
+        t0 = _now()
+        fn(*args)
+        return _now() - t0
+
+    def on_admit(self, key: Any, hit: bool) -> None:
+        t = self.totals
+        if hit:
+            t["hits"] += 1
+            return
+        t["misses"] += 1
+        if key in self._fetched:
+            t["re_reads"] += 1
+        else:
+            self._fetched.add(key)
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add producer-thread seconds to ``chunk_wait_s`` or ``gather_s``."""
+        self.totals[name] += seconds
+
+    # -- consumer-side hooks (the consumer's thread) -------------------------------------------
+    def on_next(self) -> float:
+        """The consumer calls ``next()``: opens an epoch if none is open; returns the time."""
+        now = _now()
+        ep = self._epoch
+        if ep is None:
+            self._epoch = self._open(now)
+        elif ep["returned"] is not None:
+            ep["consumer_s"] += now - ep["returned"]
+        return now
+
+    def on_deliver(self, called: float, item: Any) -> None:
+        now = _now()
+        ep = self._epoch
+        if ep is None:  # pragma: no cover - on_next always opens one
+            return
+        wait = now - called
+        ep["handoff_wait_s"] += wait
+        if ep["batches"] == 0:
+            ep["first_batch_s"] = now - ep["t0"]
+            ep["first_wait_s"] = wait
+        ep["batches"] += 1
+        ep["returned"] = now
+        ep["last"] = now
+        arrays = getattr(item, "arrays", None)
+        if arrays is not None:
+            ep["samples"] += len(item)
+            ep["bytes_delivered"] += sum(int(a.nbytes) for a in arrays.values())
+        resident = int(self.pool.stats.resident_bytes)
+        ep["resident_sum"] += resident
+        ep["resident_peak"] = max(ep["resident_peak"], resident)
+        ep["epoch"] = getattr(item, "epoch", ep["epoch"])
+
+    def on_end(self, called: float) -> None:
+        """The epoch ended (``StopIteration``): finalize it."""
+        ep = self._epoch
+        if ep is not None:
+            now = _now()
+            ep["handoff_wait_s"] += now - called
+            ep["last"] = now  # the wall time ends with the epoch, so wait + consumer = wall
+        self.finalize()
+
+    def on_reset(self) -> None:
+        """Finalize the open epoch if it delivered a batch (else forget it)."""
+        self.finalize()
+
+    # -- reports -------------------------------------------------------------------------------
+    def finalize(self) -> EpochReport | None:
+        ep, self._epoch = self._epoch, None
+        if ep is None or ep["batches"] == 0:
+            return None
+        report = self._build(ep, complete=True)
+        self.last = report
+        log.info("insitubatch_nodes: %s", report.headline())
+        return report
+
+    def report(self) -> EpochReport | None:
+        """The epoch in progress if it delivered a batch, else the last finalized one."""
+        ep = self._epoch
+        if ep is not None and ep["batches"] > 0:
+            return self._build(ep, complete=False)
+        return self.last
+
+    def _open(self, now: float) -> dict[str, Any]:
+        with self._lock:
+            self._inflight.change(0, now)
+            self._depth.change(0, now)
+            self._inflight.peak, self._depth.peak = self._inflight.value, self._depth.value
+            inflight, depth = self._inflight.snapshot(now), self._depth.snapshot(now)
+            totals = dict(self.totals)
+        return {
+            "t0": now,
+            "epoch": -1,
+            "returned": None,
+            "last": now,
+            "batches": 0,
+            "samples": 0,
+            "bytes_delivered": 0,
+            "handoff_wait_s": 0.0,
+            "first_wait_s": 0.0,
+            "first_batch_s": 0.0,
+            "consumer_s": 0.0,
+            "resident_sum": 0,
+            "resident_peak": 0,
+            "inflight0": inflight,
+            "depth0": depth,
+            "totals0": totals,
+            "evictions0": int(self.pool.stats.evictions),
+        }
+
+    def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
+        end = ep["last"] if complete else _now()
+        with self._lock:
+            inflight, depth = self._inflight.snapshot(end), self._depth.snapshot(end)
+            peaks = self._inflight.peak, self._depth.peak
+            totals = dict(self.totals)
+        wall = max(end - ep["t0"], 1e-9)
+        d = {k: totals[k] - ep["totals0"][k] for k in _CUMULATIVE}
+        r = EpochReport(
+            epoch=int(ep["epoch"]),
+            complete=complete,
+            batches=ep["batches"],
+            samples=ep["samples"],
+            wall_s=wall,
+            first_batch_s=ep["first_batch_s"],
+            handoff_wait_s=ep["handoff_wait_s"],
+            first_wait_s=ep["first_wait_s"],
+            consumer_s=ep["consumer_s"],
+            get_s=d["get_s"],
+            get_active_s=inflight[1] - ep["inflight0"][1],
+            decode_s=d["decode_s"],
+            decode_queued_s=d["decode_queued_s"],
+            chunk_wait_s=d["chunk_wait_s"],
+            gather_s=d["gather_s"],
+            inflight_mean=(inflight[0] - ep["inflight0"][0]) / wall,
+            inflight_peak=peaks[0],
+            decode_depth_mean=(depth[0] - ep["depth0"][0]) / wall,
+            decode_depth_peak=peaks[1],
+            resident_mean_bytes=ep["resident_sum"] / max(1, ep["batches"]),
+            resident_peak_bytes=ep["resident_peak"],
+            gets=int(d["gets"]),
+            decodes=int(d["decodes"]),
+            hits=int(d["hits"]),
+            misses=int(d["misses"]),
+            re_reads=int(d["re_reads"]),
+            evictions=int(self.pool.stats.evictions) - ep["evictions0"],
+            bytes_fetched=int(d["bytes_fetched"]),
+            bytes_delivered=ep["bytes_delivered"],
+            max_inflight=self.max_inflight,
+            decode_threads=self.decode_threads,
+            cores=_cores(),
+            budget_bytes=int(self.pool.budget_bytes),
+            auto_budget=bool(self.pool.auto),
+            batch_transforms=self.batch_transforms,
+        )
+        r.limiting = limiting_stage(r)
+        if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
+            r.split_bytes = self._split_bytes(r.epoch)
+        r.suggestion = suggestion_for(r)
+        return r
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)

@@ -1,0 +1,346 @@
+"""The epoch report names the stage that holds the batches back, and its numbers add up.
+
+Each limiting case is built with a large margin (a consumer sleeping 50 ms per batch, a store
+answering every GET after 100 ms, one decode thread on bzip2) so the verdict does not depend on
+how busy the machine is. Counts are checked against the store's own counts and the files on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import numcodecs
+import numpy as np
+import pytest
+import zarr
+from helpers import CountingStore, counting_store, write_era5
+
+from insitubatch_nodes import EpochReport, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.report import (
+    CONSUMER_WAIT_FRACTION,
+    STAGES,
+    limiting_stage,
+    suggestion_for,
+)
+
+N_TIME, SPC = 256, 8  # 32 chunks of t2m
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_era5(tmp_path_factory.mktemp("report") / "era5.zarr", n_time=N_TIME, n_lat=16,
+                      n_lon=32, samples_per_chunk=SPC)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bz2_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("report-bz2") / "bz2.zarr"
+    group = zarr.open_group(str(root), mode="w", zarr_format=2)
+    arr = group.create_array(
+        "v", shape=(256, 64, 64), chunks=(16, 64, 64), dtype="float32",
+        compressors=numcodecs.BZ2(level=9),
+    )  # fmt: skip
+    arr[...] = np.random.default_rng(0).normal(size=arr.shape).astype("float32")
+    return root
+
+
+def _pipe(store: CountingStore, **kw: object):  # type: ignore[no-untyped-def]
+    t2m = open_geometries(store, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    opts: dict[str, object] = {"batch_size": 16, "block_chunks": 4}
+    opts.update(kw)
+    return insitu_pipeline(store, manifest, {"x": t2m}, **opts), t2m  # type: ignore[arg-type]
+
+
+def _epoch(pipe, sleep: float = 0.0) -> EpochReport:  # type: ignore[no-untyped-def]
+    for _ in Loader(pipe):
+        if sleep:
+            time.sleep(sleep)
+    report = pipe.report()
+    assert report is not None and report.complete
+    return report
+
+
+def test_a_consumer_that_sleeps_50ms_per_batch_is_reported_consumer_limited(era5: Path) -> None:
+    pipe, _ = _pipe(counting_store(era5))
+    with pipe:
+        report = _epoch(pipe, sleep=0.05)
+    assert report.limiting == "consumer", str(report)
+    assert report.wait_fraction < CONSUMER_WAIT_FRACTION
+    assert report.consumer_s >= 0.05 * report.batches
+    assert report.suggestion == ""
+
+
+def test_a_store_answering_after_100ms_is_reported_store_limited(era5: Path) -> None:
+    pipe, _ = _pipe(counting_store(era5, delay=0.1))
+    with pipe:
+        report = _epoch(pipe)
+    assert report.limiting == "store", str(report)
+    assert report.wait_fraction > 0.5
+    assert report.get_active_s > 0.5 * report.wall_s
+    assert report.inflight_mean > report.decode_depth_mean
+    assert report.get_s >= 0.1 * report.gets  # every GET took at least the delay
+
+
+def test_a_store_limited_epoch_with_max_inflight_saturated_suggests_raising_it(
+    era5: Path,
+) -> None:
+    pipe, _ = _pipe(counting_store(era5, delay=0.1), max_inflight=2)
+    with pipe:
+        report = _epoch(pipe)
+    assert report.limiting == "store", str(report)
+    assert report.inflight_peak == 2
+    assert "max_inflight=4" in report.suggestion, report.suggestion
+
+
+def test_a_store_limited_epoch_below_max_inflight_suggests_a_larger_read_ahead(
+    era5: Path,
+) -> None:
+    pipe, _ = _pipe(counting_store(era5, delay=0.1), max_inflight=64, block_chunks=2)
+    with pipe:
+        report = _epoch(pipe)
+    assert report.limiting == "store", str(report)
+    assert report.inflight_peak < 64
+    assert "block_chunks" in report.suggestion, report.suggestion
+
+
+def test_one_decode_thread_on_a_bzip2_store_is_reported_decode_limited(bz2_store: Path) -> None:
+    store = counting_store(bz2_store)
+    v = open_geometries(store, ["v"])["v"]
+    manifest = split_by_chunk(v, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, {"x": v}, batch_size=16, decode_threads=1)
+    with pipe:
+        report = _epoch(pipe)
+    assert report.limiting == "decode", str(report)
+    assert report.decode_threads == 1
+    assert report.decode_depth_mean > report.inflight_mean
+    if report.cores > 1:
+        assert f"decode_threads={report.cores}" in report.suggestion, report.suggestion
+
+
+def test_samples_and_bytes_add_up_against_the_store_and_the_files_on_disk(era5: Path) -> None:
+    store = counting_store(era5)
+    pipe, t2m = _pipe(store, cache_budget_bytes=t2m_split_bytes(era5))
+    delivered_samples = delivered_bytes = 0
+    gets_before = store.chunk_gets
+    with pipe:
+        for batch in Loader(pipe):
+            delivered_samples += len(batch)
+            delivered_bytes += sum(a.nbytes for a in batch.arrays.values())
+        first = pipe.report()
+        counts = store.chunk_counts()
+        gets_first = store.chunk_gets - gets_before
+        store.reset_counts()
+        second = _epoch(pipe)
+    assert first is not None
+    assert first.batches == len(pipe)
+    assert first.samples == delivered_samples == N_TIME
+    assert first.bytes_delivered == delivered_bytes == N_TIME * t2m.sample_nbytes
+    assert first.gets == gets_first == sum(counts.values()) == N_TIME // SPC
+    assert first.bytes_fetched == sum((era5 / key).stat().st_size for key in counts)
+    assert (first.misses, first.hits, first.re_reads) == (N_TIME // SPC, 0, 0)
+    # the whole split is resident: the second epoch is all hits and reads nothing
+    assert store.chunk_counts() == {}
+    assert (second.gets, second.bytes_fetched, second.misses) == (0, 0, 0)
+    assert second.hits == N_TIME // SPC
+    assert second.samples == N_TIME
+
+
+def test_the_consumers_time_and_its_wait_for_batches_add_up_to_the_wall_time(era5: Path) -> None:
+    for delay, sleep in ((0.0, 0.02), (0.05, 0.0)):
+        pipe, _ = _pipe(counting_store(era5, delay=delay))
+        with pipe:
+            report = _epoch(pipe, sleep=sleep)
+        assert report.handoff_wait_s + report.consumer_s <= report.wall_s
+        assert report.handoff_wait_s + report.consumer_s >= 0.95 * report.wall_s - 0.005
+        assert 0.0 <= report.wait_fraction <= 1.0
+
+
+def t2m_split_bytes(root: Path) -> int:
+    t2m = open_geometries(counting_store(root), ["t2m"])["t2m"]
+    return t2m.n_chunks * t2m.chunk_nbytes
+
+
+def test_re_reads_suggest_the_budget_that_holds_the_split_and_that_budget_removes_them(
+    era5: Path,
+) -> None:
+    pipe, t2m = _pipe(counting_store(era5, delay=0.05))  # automatic budget: one epoch's floor
+    with pipe:
+        _epoch(pipe)
+        second = _epoch(pipe)
+    split_bytes = t2m.n_chunks * t2m.chunk_nbytes
+    assert second.re_reads > 0, str(second)
+    assert second.re_reads == second.misses  # every chunk was fetched in epoch 0
+    assert second.split_bytes == split_bytes
+    assert second.limiting == "store", str(second)
+    assert f"cache_budget_bytes={split_bytes}" in second.suggestion, second.suggestion
+    # following the suggestion turns the re-reads into hits
+    pipe, _ = _pipe(counting_store(era5), cache_budget_bytes=split_bytes)
+    with pipe:
+        _epoch(pipe)
+        again = _epoch(pipe)
+    assert (again.misses, again.re_reads, again.hits) == (0, 0, t2m.n_chunks)
+
+
+def test_the_report_follows_delivered_batches_not_the_read_ahead(era5: Path) -> None:
+    pipe, _ = _pipe(counting_store(era5), prefetch_depth=4)
+    with pipe:
+        assert pipe.report() is None
+        it = iter(Loader(pipe))
+        for _ in range(3):
+            next(it)
+        time.sleep(0.2)  # the producer runs ahead meanwhile
+        current = pipe.report()
+        assert current is not None and not current.complete
+        assert (current.batches, current.samples) == (3, 3 * 16)
+        rest = sum(1 for _ in it)
+        done = pipe.report()
+        assert done is not None and done.complete
+        assert done.batches == 3 + rest == len(pipe)
+        pipe.reset()  # nothing consumed yet: the finished epoch is still the report
+        assert pipe.report() is done
+
+
+def test_a_pipeline_built_with_report_false_measures_nothing(era5: Path) -> None:
+    pipe, _ = _pipe(counting_store(era5), report=False)
+    with pipe:
+        for _ in Loader(pipe):
+            pass
+        assert pipe.report() is None
+        assert pipe.stages.fetch.recorder is None and pipe.stages.gather.recorder is None
+
+
+def test_each_finished_epoch_logs_one_info_line_and_prints_nothing(
+    era5: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pipe, _ = _pipe(counting_store(era5))
+    with caplog.at_level(logging.INFO, logger="insitubatch_nodes"), pipe:
+        for _ in range(2):
+            _epoch(pipe)
+    lines = [r for r in caplog.records if r.name == "insitubatch_nodes.report"]
+    assert [r.levelno for r in lines] == [logging.INFO, logging.INFO]
+    assert "epoch 0: 16 batches" in lines[0].getMessage()
+    assert "epoch 1: 16 batches" in lines[1].getMessage()
+    assert capsys.readouterr() == ("", "")
+
+
+def test_print_renders_the_headline_and_one_aligned_line_per_stage(era5: Path) -> None:
+    pipe, _ = _pipe(counting_store(era5, delay=0.05), max_inflight=2)
+    with pipe:
+        report = _epoch(pipe)
+    lines = str(report).splitlines()
+    assert lines[0] == report.headline()
+    assert lines[0].endswith(f"limited by {report.limiting}")
+    stages = ["consumer", "store", "decode", "producer", "pool", "delivered"]
+    assert [line[:12] for line in lines[1:-1]] == [f"  {s:<10}" for s in stages]
+    assert lines[-1] == f"  suggestion: {report.suggestion}"
+    d = report.as_dict()
+    assert d["limiting"] == "store" and d["gets"] == report.gets
+    assert isinstance(d["wall_s"], float)
+
+
+# -- the rule on its own ---------------------------------------------------------------------
+
+
+def _made(**kw: float) -> EpochReport:
+    base: dict[str, float] = {
+        "batches": 10, "samples": 100, "wall_s": 1.0, "first_batch_s": 0.1,
+        "handoff_wait_s": 0.6, "first_wait_s": 0.1, "max_inflight": 8, "decode_threads": 2,
+        "cores": 4,
+    }  # fmt: skip
+    base.update(kw)
+    return EpochReport(**base)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("numbers", "stage"),
+    [
+        ({"handoff_wait_s": 0.12}, "consumer"),  # waited 2% of the steady-state wall
+        ({"gather_s": 0.5, "chunk_wait_s": 0.2}, "gather"),
+        ({"chunk_wait_s": 0.5, "gather_s": 0.1, "inflight_mean": 6.0}, "store"),
+        ({"chunk_wait_s": 0.5, "decode_depth_mean": 7.0, "inflight_mean": 1.0}, "decode"),
+    ],
+    ids=["consumer", "gather", "store", "decode"],
+)
+def test_the_limiting_rule_names_each_stage_from_the_reported_numbers(
+    numbers: dict[str, float], stage: str
+) -> None:
+    assert limiting_stage(_made(**numbers)) == stage
+
+
+def test_a_decode_limited_report_with_every_core_busy_suggests_more_cores_not_threads() -> None:
+    r = _made(chunk_wait_s=0.5, decode_depth_mean=7.0, decode_threads=4, decode_s=3.6)
+    r.limiting = limiting_stage(r)
+    assert r.limiting == "decode"
+    assert "more cores" in suggestion_for(r) and "decode_threads=" not in suggestion_for(r)
+
+
+def test_the_demo_prints_the_report_after_each_epoch(
+    era5: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from insitubatch_nodes import demo
+
+    demo.main(["--url", str(era5), "--epochs", "2", "--no-progress", "--batch-size", "16"])
+    out = capsys.readouterr().out
+    for epoch in range(2):
+        assert f"\nepoch {epoch}: 13 batches, 207 samples in " in out, out
+    assert out.count("  store     ") == 2 and out.count(" - limited by ") == 2, out
+
+
+@pytest.mark.slow  # a real Trainer: about 15 s
+def test_the_lightning_datamodule_logs_each_training_epochs_report_through_self_log(
+    era5: Path, tmp_path: Path
+) -> None:
+    import csv
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.loggers import CSVLogger
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(16 * 32, 16 * 32)
+
+        def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
+            x = (batch["t2m"].flatten(1) - 270.0) / 30.0
+            return torch.nn.functional.mse_loss(self.layer(x), x)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    dm = InSituDataModule(era5, ["t2m"], (0.75, 0.125, 0.125), batch_size=16, block_chunks=4)
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=CSVLogger(tmp_path, name="run"),
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+        limit_val_batches=0, num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(Model(), datamodule=dm)
+    report = dm.train_report()
+    assert report is not None and report.epoch == 1
+    with open(next(tmp_path.rglob("metrics.csv"))) as fh:
+        rows = list(csv.DictReader(fh))
+    logged = [r for r in rows if r.get("insitu/samples_per_s")]
+    assert [int(r["epoch"]) for r in logged] == [0, 1]
+    last = logged[-1]
+    assert float(last["insitu/samples_per_s"]) > 0
+    assert float(last["insitu/hits"]) + float(last["insitu/misses"]) == report.hits + report.misses
+    assert sum(float(last[f"insitu/limited_by_{s}"]) for s in STAGES) == 1.0
+    assert float(last[f"insitu/limited_by_{report.limiting}"]) == 1.0
+
+
+def test_a_gather_limited_report_names_the_cpu_when_decode_threads_fill_every_core() -> None:
+    shared = _made(gather_s=0.5, chunk_wait_s=0.2, decode_threads=4, decode_s=3.0)
+    shared.limiting = limiting_stage(shared)
+    assert shared.limiting == "gather"
+    assert "CPU is the limit" in suggestion_for(shared)
+    idle_decode = _made(gather_s=0.5, chunk_wait_s=0.2, decode_threads=4, decode_s=0.1)
+    idle_decode.limiting = limiting_stage(idle_decode)
+    assert suggestion_for(idle_decode) == ""
+    with_transforms = _made(gather_s=0.5, chunk_wait_s=0.2, batch_transforms=1)
+    with_transforms.limiting = limiting_stage(with_transforms)
+    assert "move them to the consumer" in suggestion_for(with_transforms)
