@@ -10,6 +10,14 @@ where Lightning itself drops the loader state (Lightning issue #20550: a Lightni
 
 The training permutation follows ``trainer.current_epoch``; validation and test pipelines are
 separate objects with their own state, so evaluating never moves the training position.
+
+**Elastic resume.** A checkpoint saved on ``W`` ranks resumes on any other number: the
+interrupted epoch's remaining samples are dealt to the new ranks (see
+:meth:`~insitubatch_nodes.plan.ReadPlanNode.reset`), so that epoch has another length than the
+following ones. Lightning reads a loader's length once per ``fit``; the DataModule adds a small
+callback that, when the next epoch's length differs from the one Lightning was told, has
+Lightning reload the training loader for that epoch (the DataModule hands back the same
+pipeline, its cache intact), so epoch ends, validation and schedulers follow the true lengths.
 """
 
 from __future__ import annotations
@@ -30,6 +38,31 @@ from insitubatch_nodes.stores import as_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 
 __all__ = ["InSituDataModule", "InSituReportCallback"]
+
+
+class _EpochLengthSync(pl.Callback):
+    """Has Lightning re-read the training loader's length when the next epoch's differs from
+    the one it was told (after an epoch resumed on another world size)."""
+
+    def __init__(self) -> None:
+        self._restore: Any = None
+
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        dm = getattr(trainer, "datamodule", None)
+        train = dm._loaders.get("train") if isinstance(dm, InSituDataModule) else None
+        if train is None or train.told_len is None or train.next_len() == train.told_len:
+            return
+        if self._restore is None:
+            self._restore = (getattr(trainer, _RELOAD),)
+        setattr(trainer, _RELOAD, 1)
+
+    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._restore is not None:
+            setattr(trainer, _RELOAD, self._restore[0])
+            self._restore = None
+
+
+_RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
 
 
 class InSituReportCallback(pl.Callback):
@@ -131,6 +164,7 @@ class InSituDataModule(pl.LightningDataModule):
         self.manifest: SplitManifest | None = None
         self._loaders: dict[str, InSituIterableDataset] = {}
         self._pending_train_state: dict[str, Any] | None = None
+        self._train_key: tuple[int, int | None, int | None] | None = None
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -162,10 +196,14 @@ class InSituDataModule(pl.LightningDataModule):
     def _build(self, split: str, shuffle: bool) -> InSituIterableDataset:
         self.setup()
         assert self.store is not None and self.manifest is not None
+        rank, world = self._rank_world()
+        key = (id(self.trainer), rank, world)
+        old = self._loaders.get(split)
+        if split == "train" and old is not None and self._train_key == key:
+            return old  # a reload by the same trainer: keep the pipeline (and its cache)
         old = self._loaders.pop(split, None)
         if old is not None:
             old.close()
-        rank, world = self._rank_world()
         pipe = insitu_pipeline(
             self.store,
             self.manifest,
@@ -183,6 +221,8 @@ class InSituDataModule(pl.LightningDataModule):
         epoch_fn = (lambda: int(trainer.current_epoch)) if (trainer and split == "train") else None
         dataset = as_dataset(pipe, transform=self.transform, epoch_fn=epoch_fn)
         self._loaders[split] = dataset
+        if split == "train":
+            self._train_key = key
         return dataset
 
     # -- loaders ------------------------------------------------------------------------------
@@ -205,6 +245,9 @@ class InSituDataModule(pl.LightningDataModule):
 
     def train_dataloader(self) -> InSituIterableDataset:
         self._attach_report_callback()
+        callbacks: list[Any] | None = getattr(self.trainer, "callbacks", None)
+        if callbacks is not None and not any(isinstance(c, _EpochLengthSync) for c in callbacks):
+            callbacks.insert(0, _EpochLengthSync())
         dataset = self._build("train", shuffle=True)
         if self._pending_train_state is not None:
             dataset.load_state_dict(self._pending_train_state)

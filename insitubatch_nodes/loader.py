@@ -25,7 +25,9 @@ class Loader(_TorchdataLoader[T]):
     """``torchdata.nodes.Loader`` whose ``load_state_dict`` always applies at the next ``iter()``.
 
     ``len(loader)`` is ``len(root)`` when the root node has a length (every pipeline that
-    :func:`~insitubatch_nodes.insitu_pipeline` builds does), else ``TypeError``.
+    :func:`~insitubatch_nodes.insitu_pipeline` builds does), else ``TypeError``; with a state
+    loaded and not yet applied, the length of the epoch that state resumes (a pipeline's
+    ``resumed_len``), which differs only for an epoch resumed on another world size.
     """
 
     def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None:
@@ -38,6 +40,10 @@ class Loader(_TorchdataLoader[T]):
         self._iter_for_state_dict = False
 
     def __len__(self) -> int:
+        pending = self._next_iter_state_dict
+        resumed_len = getattr(self.root, "resumed_len", None)
+        if pending is not None and resumed_len is not None:
+            return int(resumed_len(pending))
         length = getattr(self.root, "__len__", None)
         if length is None:
             raise TypeError(f"the root node {type(self.root).__name__} has no length")

@@ -83,8 +83,14 @@ class InSituPipeline(PrefetcherNode[Batch]):
         return None if self.recorder is None else self.recorder.report()
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch."""
+        """Batches in the current epoch (the same every epoch, except an epoch resumed on
+        another world size: see :meth:`ReadPlanNode.reset`)."""
         return len(self.stages.plan)
+
+    def resumed_len(self, state: Mapping[str, Any]) -> int:
+        """What ``len(self)`` reports once ``state`` (this pipeline's or a ``Loader``'s) is
+        restored: the batches of the epoch it resumes, counted from that epoch's start."""
+        return self.stages.plan.resumed_len(plan_state(state))
 
     def start_state(self, epoch: int) -> dict[str, Any]:
         """The state of this pipeline before the first batch of ``epoch`` (nothing is started).
@@ -111,10 +117,21 @@ class InSituPipeline(PrefetcherNode[Batch]):
         return out
 
 
+def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The read plan's state inside a pipeline's (or a ``Loader``'s) state: each stage above the
+    plan wraps its source's state as ``{"source": ...}``."""
+    node: Any = state.get("root", state)
+    while isinstance(node, Mapping) and "source" in node and "config" not in node:
+        node = node["source"]
+    if not isinstance(node, Mapping) or "config" not in node:
+        raise ValueError("not an insitubatch_nodes pipeline state (no read-plan state inside)")
+    return node
+
+
 def _split_bytes(node: ReadPlanNode, geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:
     """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
     plan = node.epoch_plan(epoch)
-    keys = {k for b in range(plan.n_batches) for k in plan.batch_fetches(b)}
+    keys = {k for b in plan.batch_indices for k in plan.batch_fetches(b)}
     size = {path: g.chunk_nbytes for path, g in geoms.items()}
     return sum(size[path] for path, _ in keys)
 

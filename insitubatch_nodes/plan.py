@@ -30,6 +30,7 @@ it reads for the last time (``releases`` — the pool may unpin them once the ba
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -65,6 +66,11 @@ ChunkKey = tuple[str, int]
 for all of the chunk's field tiles."""
 
 
+Stage = tuple[int, int]
+"""An elastic-resume cut: ``(world_size, batches_emitted)`` — the world size an interrupted epoch
+was running under and how many batches each of its ranks had delivered when it was saved."""
+
+
 @dataclass(frozen=True, eq=False)
 class BatchPlan:
     """What one batch holds and reads. Arrays are int64 and must not be modified."""
@@ -87,7 +93,12 @@ class BatchPlan:
 
 @dataclass(frozen=True, eq=False)
 class EpochPlan:
-    """One rank's plan for one epoch (see the module docstring for how it is drawn)."""
+    """One rank's plan for one epoch (see the module docstring for how it is drawn).
+
+    Batches are numbered from the epoch's start. An elastic remainder (``resumed`` non-empty,
+    see :func:`plan_epoch`) holds batches ``first_batch .. n_batches - 1`` only: its ranks had
+    delivered the first ``first_batch`` batches under another world size.
+    """
 
     epoch: int
     rank: int
@@ -99,6 +110,8 @@ class EpochPlan:
     order: np.ndarray  # (N, 2) ledger (chunk_id, within)
     labels: Mapping[str, ArrayGeometry]
     pin_gap: int | None  # the residency schedule this epoch uses (None = read-once)
+    first_batch: int  # batches of this epoch delivered before this plan (elastic resume)
+    resumed: tuple[Stage, ...]  # the elastic cuts this epoch went through, oldest first
     _first: dict[ChunkKey, int] = field(repr=False)
     _segments: list[tuple[ChunkKey, int, int]] = field(repr=False)
     _fetch_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
@@ -112,7 +125,19 @@ class EpochPlan:
 
     @property
     def n_batches(self) -> int:
-        return math.ceil(self.n_samples / self.batch_size)
+        """Batches in the epoch, counted from its start (``first_batch`` of them precede
+        this plan)."""
+        return self.first_batch + math.ceil(self.n_samples / self.batch_size)
+
+    @property
+    def batch_indices(self) -> range:
+        """The batches this plan holds: ``range(first_batch, n_batches)``."""
+        return range(self.first_batch, self.n_batches)
+
+    def _local(self, index: int) -> int:
+        if not self.first_batch <= index < self.n_batches:
+            raise IndexError(f"batch {index} not in [{self.first_batch}, {self.n_batches})")
+        return index - self.first_batch
 
     @property
     def anchors(self) -> np.ndarray:
@@ -141,7 +166,7 @@ class EpochPlan:
         """Most chunks live at once (first need <= batch <= last need), over the epoch."""
         if not self._first:
             return 0
-        delta = np.zeros(self.n_batches + 1, dtype=np.int64)
+        delta = np.zeros(len(self._fetch_by_batch) + 1, dtype=np.int64)
         for b, keys in enumerate(self._fetch_by_batch):
             delta[b] += len(keys)
         for b, keys in enumerate(self._release_by_batch):
@@ -151,29 +176,28 @@ class EpochPlan:
     def batch_fetches(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks to fetch for batch ``index``: those it is the first to read this epoch (or,
         with a ``pin_gap``, the first to read since they were released), in first-need order."""
-        return self._fetch_by_batch[index]
+        return self._fetch_by_batch[self._local(index)]
 
     def batch_releases(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks batch ``index`` reads for the last time this epoch."""
-        return self._release_by_batch[index]
+        return self._release_by_batch[self._local(index)]
 
     def carried_into(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks first read before batch ``index`` and read again at or after it, in
         first-need order: what a run resumed at ``index`` must fetch before that batch's own
         ``fetches``."""
-        bs = self.batch_size
-        live = [(f, k) for k, f, la in self._segments if f // bs < index <= la // bs]
+        bs, at = self.batch_size, index - self.first_batch
+        live = [(f, k) for k, f, la in self._segments if f // bs < at <= la // bs]
         return tuple(k for _, k in sorted(live))
 
     def batch_first_block(self, index: int) -> int:
         """Block of the first row of batch ``index``."""
-        return int(self._block_of_row[index * self.batch_size])
+        return int(self._block_of_row[self._local(index) * self.batch_size])
 
     def batch(self, index: int) -> BatchPlan:
         """The plan of batch ``index`` (0-based) of this epoch."""
-        if not 0 <= index < self.n_batches:
-            raise IndexError(f"batch {index} not in [0, {self.n_batches})")
-        lo, hi = index * self.batch_size, min((index + 1) * self.batch_size, self.n_samples)
+        at = self._local(index)
+        lo, hi = at * self.batch_size, min((at + 1) * self.batch_size, self.n_samples)
         rows = self.order[lo:hi]
         anchors = rows[:, 0] * self.samples_per_chunk + rows[:, 1]
         anchors.setflags(write=False)
@@ -195,8 +219,8 @@ class EpochPlan:
             anchors=anchors,
             sample_indices=sample_indices,
             reads=tuple(sorted(reads, key=lambda k: self._first[k])),
-            fetches=self._fetch_by_batch[index],
-            releases=self._release_by_batch[index],
+            fetches=self._fetch_by_batch[at],
+            releases=self._release_by_batch[at],
             blocks=blocks,
             epoch_plan=self,
         )
@@ -280,7 +304,8 @@ def deal(
     and cut into consecutive pieces, rank 0 first, each rank taking what its share still
     lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out.
     ``"pad"``: ``(-sum(counts)) % world_size`` samples, drawn without replacement from all
-    samples by ``numpy.random.default_rng([*pad_seed, 2])``, are appended to the tail (each a
+    samples by ``numpy.random.default_rng([*pad_seed, 2])`` (with replacement only when there
+    are fewer samples than pads), are appended to the tail (each a
     piece of its own), so none sits out and those few are delivered twice.
 
     A tail group is read by every rank whose piece touches it: pieces are consecutive, so at
@@ -308,7 +333,9 @@ def deal(
     n_pad = max(0, int(cuts[-1]) - n_tail)
     pads = np.zeros(0, dtype=np.int64)
     if n_pad:
-        flat = np.random.default_rng([*map(int, pad_seed), 2]).choice(total, n_pad, replace=False)
+        # without replacement, unless fewer samples than pads are left (an elastic remainder)
+        rng = np.random.default_rng([*map(int, pad_seed), 2])
+        flat = rng.choice(total, n_pad, replace=n_pad > total)
         ends = np.cumsum(counts)
         pad_group = np.searchsorted(ends, flat, side="right")
         pads = np.stack([pad_group, flat - (ends[pad_group] - counts[pad_group])], axis=1)
@@ -340,6 +367,94 @@ def deal(
     return out  # type: ignore[return-value]
 
 
+def _epoch_samples(
+    manifest: SplitManifest,
+    labels: Mapping[str, ArrayGeometry],
+    split: str,
+    epoch: int,
+    shuffle: bool,
+    seed: int,
+    cross_split_windows: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The epoch's rank-independent sample pool: ``(chunks, counts, anchors)`` — the split's
+    chunks in visiting order, their valid-anchor counts and all valid anchors laid out chunk
+    after chunk (each chunk's ascending)."""
+    offsets = [g.offset for g in labels.values()]
+    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    if shuffle:
+        chunks = np.random.default_rng([seed, epoch, 0]).permutation(chunks)
+    starts, counts = _chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
+    return chunks, counts, _runs(starts, counts)
+
+
+def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1`` for each ``i``, end to end."""
+    total = int(counts.sum())
+    first = np.cumsum(counts) - counts
+    pos = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    return np.repeat(starts, counts) + (np.arange(total, dtype=np.int64) - first[pos])
+
+
+def _rank_share(
+    chunks: np.ndarray,
+    counts: np.ndarray,
+    anchors: np.ndarray,
+    rank: int,
+    world_size: int,
+    remainder: str,
+    pad_seed: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One rank's ``(chunks, counts, anchors)`` of a sample pool laid out as
+    :func:`_epoch_samples` lays it (:func:`deal`; the whole pool with one rank). A rank's
+    chunk may repeat (a padded sample is a piece of its own)."""
+    if world_size == 1:
+        return chunks, counts, anchors
+    # A chunk with nothing valid (or nothing left) holds nothing to deal.
+    first = np.cumsum(counts) - counts
+    keep = counts > 0
+    chunks, counts, first = chunks[keep], counts[keep], first[keep]
+    group, lo, size = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)[rank]
+    return chunks[group], size, anchors[_runs(first[group] + lo, size)]
+
+
+def _ledger(
+    counts: np.ndarray,
+    anchors: np.ndarray,
+    key_seed: Sequence[int],
+    *,
+    spc: int,
+    batch_size: int,
+    block_chunks: int,
+    shuffle: bool,
+    ramp: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(anchors, block_of_row, block_of_chunk)`` in emitted order: one rank's pieces cut into
+    blocks, shuffled within each block (by ``default_rng(key_seed)``), rows of a batch sorted."""
+    total = int(counts.sum())
+    chunk_pos = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    block_of_chunk = block_index(
+        len(counts), block_chunks, _ramp_unit(ramp and shuffle, spc, batch_size)
+    )
+    block = block_of_chunk[chunk_pos]
+    if shuffle and total:
+        keys = np.random.default_rng(list(key_seed)).random(total)
+        perm = np.lexsort((keys, block))
+        anchors, block = anchors[perm], block[perm]
+    # Within a batch, rows go in anchor order. The batch holds the same samples as before, but
+    # each chunk's rows are now one contiguous run for every label, so the gather makes one
+    # copy per chunk straight into the batch instead of a gather plus a scatter.
+    in_batch = np.lexsort((anchors, np.arange(total, dtype=np.int64) // batch_size))
+    return anchors[in_batch], block[in_batch], block_of_chunk
+
+
+def _stage_seeds(seed: int, epoch: int, rank: int, stage: int) -> tuple[list[int], list[int]]:
+    """``(pad_seed, key_seed)`` of an epoch's stage: stage 0 is the epoch as first planned,
+    stage ``s >= 1`` the remainder after the ``s``-th elastic cut."""
+    if stage == 0:
+        return [seed, epoch], [seed, epoch, 1, rank]
+    return [seed, epoch, 3, stage], [seed, epoch, 4, stage, rank]
+
+
 def plan_epoch(
     manifest: SplitManifest,
     labels: Mapping[str, ArrayGeometry],
@@ -356,6 +471,7 @@ def plan_epoch(
     pin_gap: int | None = None,
     cross_split_windows: bool = False,
     remainder: str = "drop",
+    resumed: Sequence[Stage] = (),
 ) -> EpochPlan:
     """Draw one rank's plan for one epoch. Pure: same arguments, same plan.
 
@@ -364,44 +480,47 @@ def plan_epoch(
     without being read is released and fetched again at its next use — the schedule for a
     budget too small to hold shifted views' neighbours across the epoch.
     ``cross_split_windows`` is the anchor rule of the module docstring.
+
+    ``resumed`` (elastic resume) lists the cuts this epoch went through, oldest first:
+    ``(W, k)`` says that each rank of a ``W``-rank run had delivered its first ``k`` batches of
+    the epoch (counted from the epoch's start, so ``k`` grows from cut to cut). The plan is then
+    the epoch's *remainder* for ``world_size`` ranks: the valid samples no earlier rank
+    delivered, grouped by chunk in the epoch's visiting order and dealt by :func:`deal` as a
+    fresh epoch's are, its batches numbered from the last cut's ``k``
+    (:attr:`EpochPlan.first_batch`).
     """
     spc = manifest.samples_per_chunk
-    offsets = [g.offset for g in labels.values()]
-    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
-    if shuffle:
-        chunks = np.random.default_rng([seed, epoch, 0]).permutation(chunks)
-    starts_all, counts_all = _chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
-    if world_size > 1:
-        # A chunk with no valid anchor (a view's offset pushes them all off the array) holds
-        # nothing to deal.
-        keep = counts_all > 0
-        chunks, starts_all, counts_all = chunks[keep], starts_all[keep], counts_all[keep]
-        group, lo, counts = deal(
-            counts_all, world_size, remainder=remainder, pad_seed=(seed, epoch)
-        )[rank]
-        chunks, starts = chunks[group], starts_all[group] + lo
-    else:
-        starts, counts = starts_all, counts_all
-    n_emit = int(counts.sum())
-
-    total = int(counts.sum())
-    chunk_pos = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
-    first_row = np.cumsum(counts) - counts
-    anchors = np.repeat(starts, counts) + (np.arange(total, dtype=np.int64) - first_row[chunk_pos])
-    block_of_chunk = block_index(
-        len(chunks), block_chunks, _ramp_unit(ramp and shuffle, spc, batch_size)
+    chunks, counts, anchors = _epoch_samples(
+        manifest, labels, split, epoch, shuffle, seed, cross_split_windows
     )
-    block = block_of_chunk[chunk_pos]
-    if shuffle and total:
-        keys = np.random.default_rng([seed, epoch, 1, rank]).random(total)
-        perm = np.lexsort((keys, block))
-        anchors, block = anchors[perm], block[perm]
-    anchors, block = anchors[:n_emit], block[:n_emit]
-    # Within a batch, rows go in anchor order. The batch holds the same samples as before, but
-    # each chunk's rows are now one contiguous run for every label, so the gather makes one
-    # copy per chunk straight into the batch instead of a gather plus a scatter.
-    in_batch = np.lexsort((anchors, np.arange(n_emit, dtype=np.int64) // batch_size))
-    anchors, block = anchors[in_batch], block[in_batch]
+    ledger = functools.partial(
+        _ledger,
+        spc=spc,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        shuffle=shuffle,
+        ramp=ramp,
+    )
+    done = 0  # batches each rank of the previous stage had delivered
+    for stage, (w_old, k_old) in enumerate(resumed):
+        taken = []
+        for r in range(w_old):
+            pad_seed, key_seed = _stage_seeds(seed, epoch, r, stage)
+            _, rc, ra = _rank_share(chunks, counts, anchors, r, w_old, remainder, pad_seed)
+            taken.append(ledger(rc, ra, key_seed)[0][: (k_old - done) * batch_size])
+        left = ~np.isin(anchors, np.concatenate(taken))
+        group = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
+        counts = np.bincount(group[left], minlength=len(chunks)).astype(np.int64)
+        anchors, done = anchors[left], k_old
+    if resumed:  # chunks with nothing left take no place in the remainder's blocks
+        keep = counts > 0
+        chunks, counts = chunks[keep], counts[keep]
+    pad_seed, key_seed = _stage_seeds(seed, epoch, rank, len(resumed))
+    chunks, counts, anchors = _rank_share(
+        chunks, counts, anchors, rank, world_size, remainder, pad_seed
+    )
+    anchors, block, block_of_chunk = ledger(counts, anchors, key_seed)
+    n_emit = len(anchors)
     order = np.stack([anchors // spc, anchors % spc], axis=1)
     order.setflags(write=False)
 
@@ -446,6 +565,8 @@ def plan_epoch(
         order=order,
         labels=dict(labels),
         pin_gap=pin_gap,
+        first_batch=done,
+        resumed=tuple((int(w), int(k)) for w, k in resumed),
         _first=first,
         _segments=segments,
         _fetch_by_batch=[tuple(x) for x in fetch_by_batch],
@@ -815,6 +936,27 @@ def schedule_floors(
     return ScheduleFloors(read_once=read_once, bounded=bounded, pin_gap=gap)
 
 
+def _check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
+    """The ``resumed`` entry of a read-plan state as ``((world_size, batches), ...)``."""
+    out: list[Stage] = []
+    try:
+        for w, k in cuts:
+            out.append((int(w), int(k)))
+    except (TypeError, ValueError):
+        raise ValueError(f"not a read-plan state: resumed={cuts!r}") from None
+    batches = [k for _, k in out]
+    if (
+        any(w < 1 for w, _ in out)
+        or batches != sorted(set(batches))
+        or any(k < 1 or k > emitted for k in batches)
+    ):
+        raise ValueError(
+            f"not a read-plan state: resumed={cuts!r} must list (world_size >= 1, batches) "
+            f"cuts with batches rising from 1 to at most batches_emitted={emitted}"
+        )
+    return tuple(out)
+
+
 def _default_rank_world() -> tuple[int, int]:
     try:
         import torch.distributed as dist
@@ -953,6 +1095,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._epoch = 0
         self._pinned_epoch: int | None = None
         self._emitted = 0
+        self._resumed: tuple[Stage, ...] = ()  # the current epoch's elastic cuts
+        self._epoch_len: int | None = None
         self._plan: EpochPlan | None = None
         self._config = self._fingerprint()  # the configuration is fixed from here on
 
@@ -995,7 +1139,14 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         """The schedule's ``pin_gap`` (``None``: read-once every epoch)."""
         return self.schedule.pin_gap
 
-    def _draw(self, epoch: int, pin_gap: int | None) -> EpochPlan:
+    def _draw(
+        self,
+        epoch: int,
+        pin_gap: int | None,
+        resumed: Sequence[Stage] = (),
+        world: tuple[int, int] | None = None,
+    ) -> EpochPlan:
+        rank, world_size = (self.rank, self.world_size) if world is None else world
         return plan_epoch(
             self.manifest,
             self.variables,
@@ -1005,28 +1156,34 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             block_chunks=self.block_chunks,
             shuffle=self.shuffle,
             seed=self.seed,
-            rank=self.rank,
-            world_size=self.world_size,
+            rank=rank,
+            world_size=world_size,
             ramp=self.ramp,
             pin_gap=pin_gap,
             cross_split_windows=self.cross_split_windows,
             remainder=self.remainder,
+            resumed=resumed,
         )
 
     def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
-        """This rank's plan for ``epoch`` (default: the current one), under the schedule."""
+        """This rank's plan for ``epoch`` under the schedule; by default the current one (an
+        elastic remainder after a resume on another world size, see :meth:`reset`)."""
         if epoch is None and self._plan is not None:
             return self._plan
-        e = self._epoch if epoch is None else int(epoch)
+        if epoch is None:
+            return self._scheduled(self._epoch, self._resumed)
+        return self._scheduled(int(epoch))
+
+    def _scheduled(self, epoch: int, resumed: Sequence[Stage] = ()) -> EpochPlan:
         gap, within = self.schedule.pin_gap, self.schedule.read_once_bytes
         if gap is None:
-            return self._draw(e, None)
+            return self._draw(epoch, None, resumed)
         if within is not None:
-            once = self._draw(e, None)
+            once = self._draw(epoch, None, resumed)
             paths = {g.path: g.base for g in self.variables.values()}
             if working_set_bytes(once, paths)[0] <= within:
                 return once
-        return self._draw(e, gap)
+        return self._draw(epoch, gap, resumed)
 
     @property
     def epoch(self) -> int:
@@ -1042,10 +1199,25 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return self._epoch
 
     def __len__(self) -> int:
-        """Batches this rank yields per epoch (the same every epoch)."""
-        if self._plan is not None:
+        """Batches in the epoch in progress (once it is over: in the next), counted from its
+        start. The same every epoch, except an epoch resumed on another world size (see
+        :meth:`reset`)."""
+        if self._plan is not None and self._emitted < self._plan.n_batches:
             return self._plan.n_batches
-        return self._draw(0, None).n_batches
+        return self.epoch_len
+
+    @property
+    def epoch_len(self) -> int:
+        """Batches this rank yields in a whole epoch (the same every epoch)."""
+        if self._epoch_len is None:
+            self._epoch_len = self._draw(0, None).n_batches
+        return self._epoch_len
+
+    def resumed_len(self, state: Mapping[str, Any]) -> int:
+        """The length :meth:`__len__` reports once ``reset(state)`` has run (nothing changes)."""
+        self.check_state(state)
+        epoch, _, resumed = self._resolve(state)
+        return self._draw(epoch, None, resumed).n_batches
 
     @property
     def block_batches(self) -> int:
@@ -1064,19 +1236,39 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         super().reset(initial_state)
         if initial_state is not None:
             self.check_state(initial_state)
-            epoch, emitted = int(initial_state["epoch"]), int(initial_state["batches_emitted"])
-            plan = self.epoch_plan(epoch)
-            if emitted >= plan.n_batches and plan.n_batches > 0:
-                epoch, emitted, plan = epoch + 1, 0, self.epoch_plan(epoch + 1)
-            self._epoch, self._emitted, self._plan = epoch, emitted, plan
+            epoch, emitted, resumed = self._resolve(initial_state)
+            self._epoch, self._emitted, self._resumed = epoch, emitted, resumed
+            self._plan = self._scheduled(epoch, resumed)
             self._pinned_epoch = None
             return
         if self._pinned_epoch is not None:
             self._epoch, self._pinned_epoch = self._pinned_epoch, None
         elif self._plan is not None and self._emitted > 0:
             self._epoch += 1
-        self._emitted = 0
-        self._plan = self.epoch_plan(self._epoch)
+        self._emitted, self._resumed = 0, ()
+        self._plan = self._scheduled(self._epoch)
+
+    def _resolve(self, state: Mapping[str, Any]) -> tuple[int, int, tuple[Stage, ...]]:
+        """``(epoch, batches emitted, elastic cuts)`` that a checked ``state`` resumes at.
+
+        A state taken under another world size adds a cut: every old rank delivered the
+        state's ``batches_emitted`` batches (ranks move in lockstep, and only rank 0's state
+        is saved), and the rest of the epoch is dealt to this world size.
+        """
+        epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
+        resumed = _check_cuts(state.get("resumed", ()), emitted)
+        saved_world = int(state["config"].get("world_size", self.world_size))
+        if saved_world != self.world_size:
+            if emitted == 0:  # nothing delivered yet: the epoch as this world size plans it
+                return epoch, 0, ()
+            if emitted >= self._draw(epoch, None, resumed, world=(0, saved_world)).n_batches:
+                return epoch + 1, 0, ()  # the epoch was over
+            resumed = (*resumed, (saved_world, emitted))
+        if resumed or emitted:
+            n_batches = self._draw(epoch, None, resumed).n_batches
+            if emitted >= n_batches and (n_batches > 0 or resumed):
+                epoch, emitted, resumed = epoch + 1, 0, ()
+        return epoch, emitted, resumed
 
     def next(self) -> BatchPlan:
         if self._plan is None:
@@ -1089,7 +1281,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return batch
 
     def get_state(self) -> dict[str, Any]:
-        return {"epoch": self._epoch, "batches_emitted": self._emitted, "config": self.config()}
+        state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": self.config()}
+        if self._resumed:  # plain lists: checkpoints load with weights_only=True
+            state["resumed"] = [[w, k] for w, k in self._resumed]
+        return state
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` (from :meth:`get_state`) fits this node."""
@@ -1115,6 +1310,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                     "before samples of the remainder chunks were dealt (its remainder policy "
                     "differs); start this run's data order afresh"
                 )
+            if key == "world_size":
+                continue  # another world size resumes elastically (see reset)
             if key in saved and saved[key] != value:
                 what = "dataset (arrays, views or split chunks)" if key == "dataset" else key
                 raise ValueError(

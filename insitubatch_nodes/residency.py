@@ -132,15 +132,15 @@ def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tu
     with which the pipeline never waits on itself.
     """
     size = {path: g.chunk_nbytes for path, g in geoms.items()}
-    fetches = [plan.batch_fetches(b) for b in range(plan.n_batches)]
-    releases = [plan.batch_releases(b) for b in range(plan.n_batches)]
+    fetches = [plan.batch_fetches(b) for b in plan.batch_indices]
+    releases = [plan.batch_releases(b) for b in plan.batch_indices]
     live, peak = 0, 0
-    for b in range(plan.n_batches):
-        live += sum(size[k[0]] for k in fetches[b])
+    for got, gone in zip(fetches, releases, strict=True):
+        live += sum(size[k[0]] for k in got)
         peak = max(peak, live)
-        live -= sum(size[k[0]] for k in releases[b])
+        live -= sum(size[k[0]] for k in gone)
     per_block = [0] * max(1, plan.n_blocks)
-    for b, keys in enumerate(fetches):
+    for b, keys in zip(plan.batch_indices, fetches, strict=True):
         per_block[plan.batch_first_block(b)] += sum(size[k[0]] for k in keys)
     read_ahead = max(per_block)
     return peak + read_ahead, read_ahead

@@ -20,7 +20,7 @@ import torch.utils.data
 
 from insitubatch_nodes.batch import Batch, to_torch
 from insitubatch_nodes.loader import Loader
-from insitubatch_nodes.pipeline import InSituPipeline
+from insitubatch_nodes.pipeline import InSituPipeline, plan_state
 
 __all__ = ["InSituIterableDataset", "as_dataset"]
 
@@ -57,8 +57,18 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self._loader: Loader[Batch] = Loader(pipeline)
         self._pending: dict[str, Any] | None = None
         self._iterated = False
+        self.told_len: int | None = None  # the last length reported (what a trainer was told)
 
     def __len__(self) -> int:
+        """Batches in the epoch the next ``iter()`` continues or starts: the same every epoch,
+        except an epoch resumed on another world size (counted from that epoch's start)."""
+        self.told_len = self.next_len()
+        return self.told_len
+
+    def next_len(self) -> int:
+        """``len(self)`` without recording it as told."""
+        if self._pending is not None:
+            return self.pipeline.resumed_len(self._pending)
         return len(self.pipeline)
 
     def __iter__(self) -> Iterator[Any]:
@@ -91,21 +101,11 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         Raises ``ValueError`` naming the field when the state comes from a pipeline with a
         different dataset, split, batch size, seed or world size.
         """
-        self.pipeline.stages.plan.check_state(_plan_state(state))
+        self.pipeline.stages.plan.check_state(plan_state(state))
         self._pending = state
 
     def close(self) -> None:
         self.pipeline.close()
-
-
-def _plan_state(state: dict[str, Any]) -> dict[str, Any]:
-    """The read plan's state inside a Loader state (root -> prefetch -> ... -> plan)."""
-    node: Any = state.get("root", state)
-    while isinstance(node, dict) and "source" in node and "config" not in node:
-        node = node["source"]
-    if not isinstance(node, dict) or "config" not in node:
-        raise ValueError("not an insitubatch_nodes pipeline state (no read-plan state inside)")
-    return node
 
 
 def as_dataset(

@@ -308,11 +308,14 @@ def _restore_sdl(req: Mapping[str, Any]) -> dict[str, Any]:
         )
         dl.load_state_dict(req["state"])
         records: list[dict] = []
+        len_restored = None  # len(dl) once the state is applied (the first item is out)
         for _ in range(req["passes"]):
-            records.extend(record_item(item) for item in dl)
+            for item in dl:
+                records.append(record_item(item))
+                len_restored = len(dl) if len_restored is None else len_restored
     finally:
         pipe.close()
-    return {"records": records, "len": len(dl)}
+    return {"records": records, "len": len(dl), "len_restored": len_restored}
 
 
 def _timing(req: Mapping[str, Any]) -> dict[str, Any]:

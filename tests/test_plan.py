@@ -506,8 +506,8 @@ def test_a_state_is_plain_python(partial: ArrayGeometry, all_train: SplitManifes
     [
         ("seed", {"seed": 1}),
         ("batch_size", {"batch_size": 7}),
-        ("world_size", {"world_size": 2}),
         ("split", {"split": "val"}),
+        ("remainder", {"remainder": "pad"}),
         ("block_chunks", {"block_chunks": 5}),
         ("shuffle", {"shuffle": False}),
         ("ramp", {"ramp": False}),
@@ -516,6 +516,7 @@ def test_a_state_is_plain_python(partial: ArrayGeometry, all_train: SplitManifes
 def test_a_state_with_a_different_configuration_raises_value_error_naming_the_field(
     partial: ArrayGeometry, field: str, changed: dict[str, object]
 ) -> None:
+    # (another world size resumes elastically: tests/test_elastic.py)
     manifest = split_by_chunk(partial, (0.6, 0.2, 0.2))
     a = _node(manifest, {"x": partial})
     next(a)

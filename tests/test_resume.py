@@ -265,7 +265,6 @@ def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("block_chunks", {"block_chunks": 4}),
         ("shuffle", {"shuffle": False}),
         ("seed", {"seed": 1}),
-        ("world_size", {"world_size": 2, "rank": 0}),
     ],
     ids=[
         "other-store",
@@ -276,7 +275,6 @@ def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "block_chunks",
         "shuffle",
         "seed",
-        "world_size",
     ],
 )
 def test_restoring_a_state_into_a_differently_configured_pipeline_raises_naming_the_field(

@@ -347,7 +347,7 @@ _STOPPER = textwrap.dedent(
 )
 
 
-def test_close_and_exit_return_within_two_seconds_while_an_obstore_endpoint_is_frozen(
+def test_close_and_exit_do_not_wait_out_the_retry_deadline_while_an_obstore_endpoint_is_frozen(
     tmp_path: Path, moto: MotoServer
 ) -> None:
     script = tmp_path / "stop.py"
@@ -377,7 +377,10 @@ def test_close_and_exit_return_within_two_seconds_while_an_obstore_endpoint_is_f
             child.wait()
     assert said[0].strip() == "consumer PipelineInterrupted", (said, stderr[-3000:])
     _, took, consumer_alive, t_closed = said[1].split()
-    assert float(took) < 2.0  # close() did not wait for the frozen GETs (30 s deadline)
+    # The frozen GETs would hold on for the 30 s retry deadline. close() joins for at most 2 s
+    # and the at-exit cancel waits at most 2 s; the margins cover a loaded 2-core machine
+    # (interpreter exit alone, with torch imported, took 5.6 s once under 3x oversubscription).
+    assert float(took) < 4.0  # close() did not wait for the frozen GETs
     assert consumer_alive == "False"  # the consumer blocked in next() was woken
-    assert t_exit - float(t_closed) < 3.0  # nor did interpreter exit
+    assert t_exit - float(t_closed) < 12.0  # nor did interpreter exit
     assert returncode == 0, stderr[-3000:]  # no SIGABRT, no segfault
