@@ -1029,7 +1029,16 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     function of (computed once, at construction: the configuration is fixed, and assigning to
     it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
     state taken after the last batch of an epoch resumes at the start of the next epoch.
-    Restoring a state whose configuration differs raises ``ValueError`` naming the field.
+    Restoring a state whose configuration differs raises ``ValueError`` naming the field —
+    except the world size.
+
+    **Elastic resume.** A state saved under another world size ``W`` restores too: every old
+    rank is taken to have delivered the state's ``k`` batches (ranks move in lockstep; the
+    state is rank 0's), and the rest of the epoch — the valid samples no old rank delivered —
+    is dealt to this world size by :func:`deal` (``resumed`` of :func:`plan_epoch`); batches
+    go on from ``k``, so that epoch's ``len()`` differs; the next epochs are this world size's
+    own. The state then carries the epoch's cuts (``"resumed"``), so it restores again, on any
+    world size.
     """
 
     def __init__(
