@@ -65,3 +65,18 @@ def test_the_microscopy_segmenter_learns_the_mask_from_z_planes(tmp_path: Path) 
     assert proc.returncode == 0, _explain(proc)
     assert "loss fell" in proc.stdout, _explain(proc)
     assert "above the all-background" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_the_elastic_resume_recipe_finishes_an_epoch_cut_on_two_ranks_on_three(
+    tmp_path: Path, remainder: str
+) -> None:
+    proc = _run_recipe(
+        "elastic_resume.py", "--old-world", "2", "--new-world", "3", "--cut", "2",
+        "--remainder", remainder, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "every batch matches zarr's own read" in proc.stdout, _explain(proc)
+    if remainder == "drop":
+        assert ", 0 twice," in proc.stdout, _explain(proc)
