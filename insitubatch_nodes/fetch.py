@@ -171,6 +171,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
         self._loop = _runtime.io_loop()
+        _runtime.tune_allocator()  # reuse GET and scratch buffers' memory (see its docstring)
         self._uses_obstore = isinstance(store, ObjectStore)
         if self._uses_obstore:
             _runtime.check_obstore_usable()

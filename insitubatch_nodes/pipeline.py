@@ -82,6 +82,10 @@ class InSituPipeline(PrefetcherNode[Batch]):
         """
         return None if self.recorder is None else self.recorder.report()
 
+    def close(self) -> None:
+        self.stages.pool.stop_reserve()
+        super().close()
+
     def __len__(self) -> int:
         """Batches in the current epoch (the same every epoch, except an epoch resumed on
         another world size: see :meth:`ReadPlanNode.reset`)."""
@@ -348,7 +352,14 @@ def insitu_pipeline(
         remainder=remainder,
     )
     pool = ChunkPool(cache_budget_bytes, backing=backing)
-    pool.ensure_floor(working_set_bytes(plan.epoch_plan(0), geoms)[0])  # sizes an automatic one
+    first = plan.epoch_plan(0)
+    pool.ensure_floor(working_set_bytes(first, geoms)[0])  # sizes an automatic one
+    # Pay for the first epoch's slot memory ahead of need, in the order it will be needed
+    # (a fresh process faults new pages in slowly; see ChunkPool.reserve).
+    pool.reserve(
+        ((geoms[p].samples_per_chunk, *geoms[p].inner_shape), geoms[p].dtype)
+        for p, _ in first.distinct_chunks()
+    )
     fetch = AsyncChunkFetchNode(
         plan,
         zstore,

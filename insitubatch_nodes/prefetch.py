@@ -24,6 +24,7 @@ in any stage re-raises in the consumer with its original traceback.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import logging
 import os
@@ -92,11 +93,15 @@ class _Worker:
         if close_source:
             self.close_source.set()
         self.stop.set()
-        while True:  # unblock a producer parked on a full queue
+        while True:  # unblock a producer parked on a full queue, then wake a waiting consumer
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    self.queue.get_nowait()
             try:
-                self.queue.get_nowait()
-            except queue.Empty:
+                self.queue.put_nowait(("halted", None, None))
                 break
+            except queue.Full:  # the producer slipped one more item in: drop it too
+                continue
         interrupt_chain(self.source)
         if not join or self.thread is threading.current_thread():
             return
@@ -198,18 +203,14 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             self._source_at_delivered = False
             self._worker = _Worker(self.source, self.prefetch_depth, self.name)
         worker = self._worker
-        while True:
-            try:
-                kind, payload, state = worker.queue.get(timeout=_POLL_S)
-                break
-            except queue.Empty:
-                if worker.stop.is_set():  # closed or reset from another thread meanwhile
-                    raise PipelineInterrupted(
-                        f"{self.name} was closed or reset while next() waited for a batch"
-                    ) from None
-                if not worker.thread.is_alive() and worker.queue.empty():
-                    self._worker = None
-                    raise RuntimeError(f"{self.name}: the prefetch thread died") from None
+        # A blocking hand-off: the producer always ends with an "end" or "error" message, and
+        # halting (close or reset, from any thread) puts a "halted" one.
+        kind, payload, state = worker.queue.get()
+        if kind == "halted":
+            worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
+            raise PipelineInterrupted(
+                f"{self.name} was closed or reset while next() waited for a batch"
+            )
         if kind == "item":
             self._delivered = state
             if rec is not None:

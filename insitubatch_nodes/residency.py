@@ -25,6 +25,8 @@ under it.
 from __future__ import annotations
 
 import math
+import mmap
+import sys
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
@@ -75,12 +77,33 @@ class SlotBacking(Protocol):
 
 
 class RamBacking:
-    """Slots in anonymous process memory."""
+    """Slots in anonymous process memory.
+
+    :meth:`allocate` returns untouched memory (its pages fault in on first write, on whichever
+    thread writes). :meth:`allocate_populated` returns memory whose pages are already faulted
+    in — one anonymous ``mmap`` with ``MAP_POPULATE`` on Linux, where the kernel maps the whole
+    range in one pass several times faster than first writes fault it in page by page
+    (measured on the project's VM: ~4 GB/s against 0.4–1 GB/s); elsewhere it writes zeros
+    into a fresh array (the same first-touch cost, paid by the caller's thread). The pool
+    uses it to pay for slot memory ahead of need, on a thread that is otherwise idle.
+    """
 
     name = "ram"
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         return np.empty(shape, dtype=dtype)
+
+    def allocate_populated(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        nbytes = math.prod(shape) * dtype.itemsize
+        populate = getattr(mmap, "MAP_POPULATE", 0)
+        if nbytes == 0 or not populate or not sys.platform.startswith("linux"):
+            out = np.empty(shape, dtype=dtype)
+            out.fill(0)
+            return out
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
+        region = mmap.mmap(-1, nbytes, flags=flags)  # unmapped when the array is dropped
+        return np.frombuffer(region, dtype=dtype).reshape(shape)
 
     def release(self, buffer: np.ndarray) -> None:
         del buffer
@@ -165,6 +188,8 @@ class ChunkPool:
         self._lru: OrderedDict[ChunkKey, ChunkEntry] = OrderedDict()
         self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
         self._allocated = 0
+        self._reserver: threading.Thread | None = None
+        self._stop_reserve = threading.Event()
 
     # -- budget -----------------------------------------------------------------------------
     def fits(self, floor_bytes: int) -> bool:
@@ -193,6 +218,51 @@ class ChunkPool:
     def allocated_bytes(self) -> int:
         """Bytes of slot memory handed out by the backing (in use + free-listed)."""
         return self._allocated
+
+    # -- paying for memory ahead of need ----------------------------------------------------
+    def reserve(self, shapes: Iterable[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
+        """Allocate slots of ``shapes`` (in that order: the order they will be needed) into the
+        free lists on a background thread, with their pages already faulted in, while the budget
+        has room. A fresh process otherwise pays for each new slot's pages on first write,
+        inside the decode that fills it — in the first epoch, that is most of its slots.
+
+        Allocation on demand goes on meanwhile: whichever comes first takes the budget, and
+        the reserve stops at the first shape that no longer fits. Backings without
+        ``allocate_populated`` are left alone. :meth:`stop_reserve` ends it early.
+        """
+        populated = getattr(self.backing, "allocate_populated", None)
+        if populated is None:
+            return
+        todo = [(tuple(shape), np.dtype(dtype)) for shape, dtype in shapes]
+        self.stop_reserve()
+        self._stop_reserve.clear()
+
+        def run() -> None:
+            for shape, dtype in todo:
+                nbytes = math.prod(shape) * dtype.itemsize
+                with self._lock:
+                    if self._stop_reserve.is_set() or self._allocated + nbytes > self.budget_bytes:
+                        return
+                    self._allocated += nbytes  # claimed: on-demand allocation sees it taken
+                try:
+                    buf = populated(shape, dtype)
+                except (OSError, MemoryError, ValueError):
+                    with self._lock:
+                        self._allocated -= nbytes
+                    return
+                with self._lock:
+                    self.stats.allocations += 1
+                    self._recycle(buf)
+
+        self._reserver = threading.Thread(target=run, name="insitu-slot-reserve", daemon=True)
+        self._reserver.start()
+
+    def stop_reserve(self, timeout: float = 2.0) -> None:
+        """Stop a running :meth:`reserve` (waits for the slot in progress, at most ``timeout``)."""
+        self._stop_reserve.set()
+        thread, self._reserver = self._reserver, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
 
     # -- admission ------------------------------------------------------------------------
     def lookup(self, key: ChunkKey) -> ChunkEntry | None:
@@ -324,6 +394,7 @@ class ChunkPool:
 
     def clear(self) -> None:
         """Drop every unpinned chunk and free list (pinned chunks stay)."""
+        self.stop_reserve()
         with self._lock:
             for key, entry in list(self._lru.items()):
                 del self._entries[key]
