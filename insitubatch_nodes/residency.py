@@ -226,8 +226,9 @@ class ChunkPool:
         has room. A fresh process otherwise pays for each new slot's pages on first write,
         inside the decode that fills it — in the first epoch, that is most of its slots.
 
-        Allocation on demand goes on meanwhile: whichever comes first takes the budget, and
-        the reserve stops at the first shape that no longer fits. Backings without
+        Allocation on demand goes on meanwhile and never waits for the reserve: a slot the
+        reserve finishes after the budget was taken is dropped, and the reserve stops at the
+        first shape that no longer fits. Backings without
         ``allocate_populated`` are left alone. :meth:`stop_reserve` ends it early.
         """
         populated = getattr(self.backing, "allocate_populated", None)
@@ -243,14 +244,17 @@ class ChunkPool:
                 with self._lock:
                     if self._stop_reserve.is_set() or self._allocated + nbytes > self.budget_bytes:
                         return
-                    self._allocated += nbytes  # claimed: on-demand allocation sees it taken
                 try:
                     buf = populated(shape, dtype)
                 except (OSError, MemoryError, ValueError):
-                    with self._lock:
-                        self._allocated -= nbytes
                     return
                 with self._lock:
+                    # On-demand allocation never waits for the reserve: if it took the budget
+                    # meanwhile, this buffer is not needed.
+                    if self._stop_reserve.is_set() or self._allocated + nbytes > self.budget_bytes:
+                        self.backing.release(buf)
+                        return
+                    self._allocated += nbytes
                     self.stats.allocations += 1
                     self._recycle(buf)
 

@@ -1,0 +1,126 @@
+"""Memory paid for once and reused.
+
+A fresh process pays for every new page on first write. Two places did that over and over:
+the first epoch's slots (faulted in by the decodes that fill them) and every GET's bytes
+(allocated by obstore through glibc ``malloc``, which maps and unmaps buffers of that size
+each time). The pipeline now reserves the first epoch's slots ahead of need on a thread of
+their own, with their pages mapped in bulk, and tunes ``malloc`` to keep large buffers for
+reuse. These tests pin the behaviour (not the speed: that is ``benchmarks/``).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.plan import schedule_floors
+from insitubatch_nodes.residency import ChunkPool, RamBacking
+
+LINUX = sys.platform.startswith("linux")
+
+
+def test_a_populated_slot_is_writable_zeroed_memory_of_the_asked_shape() -> None:
+    slot = RamBacking().allocate_populated((3, 5, 7), np.dtype("f4"))
+    assert slot.shape == (3, 5, 7) and slot.dtype == np.float32 and slot.flags.c_contiguous
+    assert not slot.any()
+    slot[...] = 2.0
+    assert float(slot.sum()) == 2.0 * 3 * 5 * 7
+
+
+def _wait_reserved(pool: ChunkPool, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while pool._reserver is not None and pool._reserver.is_alive():
+        assert time.monotonic() < deadline, "the reserve did not finish"
+        time.sleep(0.01)
+
+
+def test_the_pool_reserves_slots_in_need_order_up_to_its_budget_and_no_further() -> None:
+    shape_a, shape_b = ((4, 8), np.dtype("f8")), ((2, 8), np.dtype("f8"))  # 256 and 128 bytes
+    pool = ChunkPool(budget_bytes=900)
+    pool.reserve([shape_a, shape_b, shape_a, shape_a, shape_b, shape_b])  # the 2nd `b` won't fit
+    _wait_reserved(pool)
+    assert pool.allocated_bytes == 256 + 128 + 256 + 256 <= 900
+    assert pool.stats.allocations == 4
+    # acquisitions take the reserved slots: no allocation of their own
+    for i in range(2):
+        got = pool.acquire(("a", i), *shape_a)
+        assert got is not None and got[1] is False
+    assert pool.stats.allocations == 4
+
+
+def test_allocation_on_demand_never_waits_for_the_reserve() -> None:
+    # the reserve may be populating the budget's last slot when the pipeline asks for one:
+    # the pipeline gets it, and the reserve's late buffer is dropped
+    shape = ((64, 1024), np.dtype("f8"))  # 512 KiB
+    nbytes = 64 * 1024 * 8
+    for _ in range(20):
+        pool = ChunkPool(budget_bytes=2 * nbytes)
+        pool.reserve([shape] * 2)
+        got = [pool.acquire(("a", i), *shape) for i in range(2)]
+        assert all(g is not None for g in got)
+        _wait_reserved(pool)
+        assert pool.allocated_bytes <= 2 * nbytes
+
+
+def test_closing_a_pipeline_stops_its_reserve(era5_v3_path: Path) -> None:
+    geoms = open_geometries(era5_v3_path, ["t2m"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
+    pipe = insitu_pipeline(era5_v3_path, manifest, {"x": geoms["t2m"]}, batch_size=4)
+    pipe.close()
+    assert pipe.stages.pool._reserver is None
+
+
+@pytest.mark.parametrize("budget", ["automatic", "floor"])
+def test_the_first_epoch_draws_its_slots_from_the_reserve_and_matches_zarr(
+    era5_v3_path: Path, budget: str
+) -> None:
+    geoms = open_geometries(era5_v3_path, ["t2m", "z"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
+    labels = {"x": geoms["t2m"], "y": geoms["t2m"].shift(1), "z": geoms["z"]}
+    kw = {"batch_size": 5, "block_chunks": 2}
+    if budget == "floor":  # the smallest explicit budget accepted: little slack for a race
+        kw["cache_budget_bytes"] = schedule_floors(manifest, labels, **kw).bounded
+    pipe = insitu_pipeline(era5_v3_path, manifest, labels, **kw)
+    try:
+        pool = pipe.stages.pool
+        _wait_reserved(pool)
+        reserved = pool.stats.allocations
+        assert reserved > 0 and pool.allocated_bytes <= pool.budget_bytes
+        group = zarr.open_group(era5_v3_path, mode="r")
+        full = {p: np.asarray(group[p][...]) for p in ("t2m", "z")}
+        n = 0
+        for batch in Loader(pipe):
+            for label, g in labels.items():
+                idx = np.asarray(batch.sample_indices[label])
+                np.testing.assert_array_equal(batch.arrays[label], full[g.path][idx])
+            n += len(batch)
+        assert n > 0
+        assert pool.stats.allocations == reserved, "the first epoch allocated slots of its own"
+    finally:
+        pipe.close()
+
+
+_TUNED = "from insitubatch_nodes import _runtime; print(_runtime.tune_allocator())"
+
+
+@pytest.mark.skipif(not LINUX, reason="the allocator tuning is for glibc on Linux")
+@pytest.mark.parametrize(("setting", "tuned"), [(None, "True"), ("0", "False"), ("1", "True")])
+def test_the_allocator_is_tuned_once_per_process_unless_the_environment_opts_out(
+    setting: str | None, tuned: str
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "INSITUBATCH_NODES_MALLOC_TUNING"}
+    if setting is not None:
+        env["INSITUBATCH_NODES_MALLOC_TUNING"] = setting
+    proc = subprocess.run(
+        [sys.executable, "-c", _TUNED], capture_output=True, text=True, timeout=60, env=env
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == tuned
