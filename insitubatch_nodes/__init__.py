@@ -22,7 +22,7 @@ Follow a batch top-down through the modules:
 * :mod:`~insitubatch_nodes.synthetic` — deterministic ERA5-like and microscopy-like stores.
 """
 
-from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.batch import Batch, BatchTransform, DeviceTransform, to_torch
 from insitubatch_nodes.decode import ChunkDecoder, DecodeError
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
 from insitubatch_nodes.gather import GatherNode
@@ -91,6 +91,7 @@ __all__ = [
     "CorruptMetadataError",
     "DecodeError",
     "DecodedChunk",
+    "DeviceTransform",
     "EpochPlan",
     "EpochReport",
     "FetchedBatch",

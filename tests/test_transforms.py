@@ -366,3 +366,54 @@ def test_the_lightning_data_module_passes_chunk_transforms_and_on_bad_chunk_to_e
         np.testing.assert_allclose(batch.arrays["t2m"], want, rtol=1e-6)
         assert loader.pipeline.stages.fetch.on_bad_chunk == "nan"
     dm.teardown()
+
+
+# ---------------------------------------------------------------------------------------------
+# Device transforms (to_torch)
+# ---------------------------------------------------------------------------------------------
+
+
+def _device_transform_check(era5: Path, device: str) -> None:
+    import torch
+
+    from insitubatch_nodes import to_torch
+
+    g = open_geometries(era5, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(era5, manifest, {"x": g["t2m"], "z": g["z"]}, batch_size=8)
+    batch = next(pipe)
+    pipe.close()
+    want_x = np.array(batch["x"])
+    seen: list[tuple[str, str]] = []
+
+    def standardize(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        seen.append(("standardize", t["x"].device.type))
+        return {**t, "x": (t["x"] - 1.5) * 2}
+
+    def stack(t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        seen.append(("stack", t["x"].device.type))
+        return {"xz": torch.cat([t["x"][:, None], t["z"]], dim=1)}
+
+    out = to_torch(batch, device=device, device_transforms=[standardize, stack])
+    assert seen == [("standardize", device), ("stack", device)]  # in order, after the copy
+    assert list(out) == ["xz"] and out["xz"].device.type == device
+    got = out["xz"].cpu().numpy()
+    np.testing.assert_allclose(got[:, 0], (want_x - 1.5) * 2, rtol=1e-6)
+    np.testing.assert_array_equal(got[:, 1:], batch["z"])
+    np.testing.assert_array_equal(batch["x"], want_x)  # the batch itself is untouched
+    with pytest.raises(TypeError, match="must return the"):
+        to_torch(batch, device=device, device_transforms=[lambda t: list(t.values())])
+    with pytest.raises(TypeError, match="device_transforms must be callables"):
+        to_torch(batch, device=device, device_transforms=["x"])  # type: ignore[list-item]
+
+
+def test_device_transforms_run_in_order_on_the_tensors_after_the_copy(era5: Path) -> None:
+    _device_transform_check(era5, "cpu")
+
+
+def test_device_transforms_run_on_the_cuda_tensors(era5: Path) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    _device_transform_check(era5, "cuda")
