@@ -91,6 +91,8 @@ def transform_name(transform: Any) -> str:
     if name is not None and not isinstance(inner, type):
         module = getattr(inner, "__module__", None)
         return f"{module}.{name}" if module and module != "__main__" else str(name)
+    if type(inner).__repr__ is object.__repr__:  # the default repr only shows an address
+        return f"{type(inner).__qualname__} instance"
     return repr(inner)
 
 
