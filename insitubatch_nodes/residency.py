@@ -19,7 +19,8 @@ arriving is dropped, the entry is *detached*: removed from the index at once (a 
 a fresh miss, never a wait on a fill nobody owns) and :meth:`ChunkPool.unpin` returns it so its
 owner can cancel the fill; if the fill completes anyway, the chunk is kept as an ordinary
 resident chunk. A chunk that another pipeline sharing the pool still pins is never cancelled
-under it.
+under it. A chunk with ``bad_tiles`` (stored objects filled under ``on_bad_chunk="nan"``) is
+dropped as soon as nothing pins it: it is never a hit for a later reader.
 """
 
 from __future__ import annotations
