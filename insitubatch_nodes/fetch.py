@@ -212,9 +212,12 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         #: path -> the geometry of what a slot holds (after the chunk transforms)
         self.slot_geoms = self.transforms.outputs
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
+        self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._spare_bytes = 0
         self.max_inflight = max_inflight
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
+        self._max_spares = max(2, len(self._decode_pool.threads))
         self._loop = _runtime.io_loop()
         self._uses_obstore = isinstance(store, ObjectStore)
         if self._uses_obstore:
@@ -391,11 +394,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         region = entry.slot[: stop - start]
         # Decode straight into the slot, unless the transforms change the shape or dtype: then
         # into a chunk-sized buffer of the stored layout that the transforms turn into the slot.
-        decoded = (
-            np.empty((stop - start, *geom.inner_shape), dtype=geom.dtype)
-            if self.transforms.reshapes(path)
-            else region
-        )
+        reshapes = self.transforms.reshapes(path)
+        decoded = self._take_spare(geom, stop - start) if reshapes else region
         tasks = [
             asyncio.ensure_future(self._fill_tile(geom, decoder, decoded, entry, t, ticket))
             for t in geom.tiles()
@@ -412,6 +412,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         errors = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
         if errors:
             self.pool.discard(entry, errors[0])
+            if reshapes:  # every tile task has finished: nothing writes into it any more
+                self._give_spare(path, decoded)
             return
         if any(t.cancelled() for t in tasks):
             raise asyncio.CancelledError  # the done-callback resolves the entry
@@ -420,8 +422,29 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 await self._transform(path, chunk, (start, stop), decoded, region, ticket)
             except Exception as exc:
                 self.pool.discard(entry, exc)
+                if reshapes:
+                    self._give_spare(path, decoded)
                 return
+        if reshapes:
+            self._give_spare(path, decoded)
         self.pool.mark_ready(entry)
+
+    # Buffers a chunk is decoded into when its transforms reshape it, recycled (touched on the
+    # IO loop only): a fresh allocation of a few MB costs its page faults on every chunk.
+    # A buffer whose fill was cancelled is not recycled (a decode may still be landing in it).
+    def _take_spare(self, geom: ArrayGeometry, n: int) -> np.ndarray:
+        free = self._spares.get((geom.path, n))
+        if free:
+            buf = free.pop()
+            self._spare_bytes -= buf.nbytes
+            return buf
+        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
+
+    def _give_spare(self, path: str, buf: np.ndarray) -> None:
+        free = self._spares.setdefault((path, buf.shape[0]), [])
+        if len(free) < self._max_spares:
+            free.append(buf)
+            self._spare_bytes += buf.nbytes
 
     async def _transform(
         self,
@@ -583,8 +606,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     @property
     def scratch_bytes(self) -> int:
-        """Decode scratch memory this node's decoders hold (over all decode threads)."""
-        return sum(d.scratch_bytes for d in self._decoders.values())
+        """Decode scratch memory this node's decoders hold (over all decode threads), plus the
+        idle buffers kept for decoding chunks that a transform reshapes."""
+        return sum(d.scratch_bytes for d in self._decoders.values()) + self._spare_bytes
 
     @property
     def inflight(self) -> int:

@@ -417,3 +417,48 @@ def test_device_transforms_run_on_the_cuda_tensors(era5: Path) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     _device_transform_check(era5, "cuda")
+
+
+def test_a_reshaping_transform_on_an_array_sampled_along_z_sees_samples_first(
+    microscopy_path: Path, layout: Any
+) -> None:
+    g = open_geometries(microscopy_path, ["image", "mask"], sample_axis=2)
+    manifest = split_by_chunk(g["mask"], (1.0, 0.0, 0.0))
+    rec = Recorder()
+    pool_xy = Coarsen((1, 1, 2, 2))  # (t, c, y, x): halve y and x
+    pipe = insitu_pipeline(
+        microscopy_path,
+        manifest,
+        {"image": g["image"], "mask": g["mask"]},
+        batch_size=5,
+        chunk_transforms=[rec, pool_xy],
+    )
+    oracle = Oracle(microscopy_path)
+    t, c, z, y, x = layout.MICRO_SHAPE
+    for arrays, idx in _epoch(pipe):
+        assert arrays["image"].shape[1:] == (t, c, y // 2, x // 2)
+        assert arrays["mask"].shape[1:] == (t, 1, y // 2, x // 2)
+        for label in ("image", "mask"):
+            want = np.stack(
+                [
+                    pool_xy(DecodedChunk(label, 0, (0, 1), oracle(label, [i], 2).copy())).data[0]
+                    for i in idx[label].tolist()
+                ]
+            )
+            np.testing.assert_allclose(arrays[label], want, rtol=1e-6)
+    image_chunks = [s for s in rec.seen if s[0] == "image"]
+    assert len(image_chunks) == z // layout.MICRO_IMAGE_CHUNKS[2]
+    assert all(shape == (2, t, c, y, x) for _, _, _, shape in image_chunks)
+
+
+def test_buffers_for_reshaped_chunks_are_reused_not_allocated_per_chunk(era5: Path) -> None:
+    g = open_geometries(era5, ["t2m"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(
+        era5, manifest, {"x": g["t2m"]}, batch_size=8, chunk_transforms=[Coarsen(2)]
+    )
+    fetch = pipe.stages.fetch
+    _epoch(pipe)
+    kept = fetch.scratch_bytes - sum(d.scratch_bytes for d in fetch._decoders.values())
+    chunk = g["t2m"].chunk_nbytes
+    assert 0 < kept <= fetch._max_spares * chunk  # bounded, whatever the number of chunks (12)
