@@ -34,6 +34,7 @@ import atexit
 import functools
 import logging
 import os
+import threading
 import time
 import weakref
 from collections import deque
@@ -211,7 +212,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         )
         #: path -> the geometry of what a slot holds (after the chunk transforms)
         self.slot_geoms = self.transforms.outputs
+        # bad stored objects of this epoch (written on the IO loop, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
+        self._bad_lock = threading.Lock()
         self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
         self._spare_bytes = 0
         self.max_inflight = max_inflight
@@ -248,7 +251,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         super().reset(initial_state)
         _runtime.check_same_process(self._pid)
         self._teardown()
-        self._bad.clear()
+        with self._bad_lock:
+            self._bad.clear()
         self.source.reset(initial_state["source"] if initial_state is not None else None)
         self._exhausted = False
         self._last_state = self.source.state_dict()
@@ -297,7 +301,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
         """``(array, chunk_index, tile)`` of every stored object read as bad since the last
         reset (this epoch), in the order they were found; empty under ``on_bad_chunk="raise"``."""
-        return list(self._bad)
+        with self._bad_lock:
+            return list(self._bad)
 
     @property
     def pinned(self) -> int:
@@ -348,8 +353,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 ok = False
                 break
             entry, hit = got
-            for tile in entry.bad_tiles:  # read as bad by an earlier fill: still bad here
-                self._bad[(key[0], key[1], tile)] = None
+            if entry.bad_tiles:  # read as bad by an earlier fill: still bad here
+                self._note_bad(self._generation, key[0], key[1], entry.bad_tiles)
             if self.recorder is not None:
                 self.recorder.on_admit(key, hit)
             self._live[key] = entry
@@ -397,7 +402,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         reshapes = self.transforms.reshapes(path)
         decoded = self._take_spare(geom, stop - start) if reshapes else region
         tasks = [
-            asyncio.ensure_future(self._fill_tile(geom, decoder, decoded, entry, t, ticket))
+            asyncio.ensure_future(
+                self._fill_tile(geom, decoder, decoded, entry, t, ticket, self._generation)
+            )
             for t in geom.tiles()
         ]
         try:
@@ -509,6 +516,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         entry: ChunkEntry,
         tile: tuple[int, ...],
         ticket: int,
+        generation: int,
     ) -> None:
         chunk = entry.key[1]
         out = region[(slice(None), *geom.tile_slices(tile))]
@@ -525,9 +533,21 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             )
             out[...] = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
             entry.bad_tiles.append(tuple(tile))
-            self._bad[(geom.path, chunk, tuple(tile))] = None
-            if self.recorder is not None:
+            noted = self._note_bad(generation, geom.path, chunk, [tuple(tile)])
+            if noted and self.recorder is not None:
                 self.recorder.on_bad_chunk()
+
+    def _note_bad(
+        self, generation: int, path: str, chunk: int, tiles: Iterable[tuple[int, ...]]
+    ) -> bool:
+        """List bad stored objects for this epoch; False (nothing listed) for a fill started
+        before the last reset, which belongs to an epoch that is over."""
+        with self._bad_lock:
+            if generation != self._generation:
+                return False
+            for tile in tiles:
+                self._bad[(path, chunk, tile)] = None
+            return True
 
     async def _read_tile(
         self,

@@ -151,6 +151,8 @@ class EpochReport:
             "re_reads": float(self.re_reads),
             "bytes_fetched": float(self.bytes_fetched),
             "bytes_delivered": float(self.bytes_delivered),
+            "transform_s": self.transform_s,
+            "bad_chunks": float(self.bad_chunks),
         }
         for stage in STAGES:
             out[f"limited_by_{stage}"] = float(stage == self.limiting)
