@@ -8,6 +8,7 @@ Follow a batch top-down through the modules:
 * :mod:`~insitubatch_nodes.plan` — ``ReadPlanNode``: per-epoch order, batches, chunk reads;
 * :mod:`~insitubatch_nodes.fetch` — ``AsyncChunkFetchNode``: GETs on one loop, decode off the GIL;
 * :mod:`~insitubatch_nodes.decode` — one stored object into its slot memory;
+* :mod:`~insitubatch_nodes.transforms` — chunk transforms (``applies``, ``StandardScaler``, ...);
 * :mod:`~insitubatch_nodes.residency` — ``ChunkPool``: budget, pins, LRU, slot memory;
 * :mod:`~insitubatch_nodes.pool` — ``ChunkPoolNode``: waits until a batch's chunks are resident;
 * :mod:`~insitubatch_nodes.gather` — ``GatherNode``: vectorised batch assembly;
@@ -21,7 +22,7 @@ Follow a batch top-down through the modules:
 * :mod:`~insitubatch_nodes.synthetic` — deterministic ERA5-like and microscopy-like stores.
 """
 
-from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.batch import Batch, BatchTransform, DeviceTransform, to_torch
 from insitubatch_nodes.decode import ChunkDecoder, DecodeError
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
 from insitubatch_nodes.gather import GatherNode
@@ -59,6 +60,14 @@ from insitubatch_nodes.residency import (
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
+from insitubatch_nodes.transforms import (
+    ChunkTransform,
+    ChunkTransformError,
+    Coarsen,
+    DecodedChunk,
+    StandardScaler,
+    applies,
+)
 
 __version__ = "0.1.0.dev0"
 
@@ -76,8 +85,13 @@ __all__ = [
     "ChunkPool",
     "ChunkPoolNode",
     "ChunkReadError",
+    "ChunkTransform",
+    "ChunkTransformError",
+    "Coarsen",
     "CorruptMetadataError",
     "DecodeError",
+    "DecodedChunk",
+    "DeviceTransform",
     "EpochPlan",
     "EpochReport",
     "FetchedBatch",
@@ -98,7 +112,9 @@ __all__ = [
     "ScheduleFloors",
     "SlotBacking",
     "SplitManifest",
+    "StandardScaler",
     "__version__",
+    "applies",
     "as_dataset",
     "choose_schedule",
     "insitu_pipeline",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -11,7 +11,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "BatchTransform", "to_torch"]
+__all__ = ["Batch", "BatchTransform", "DeviceTransform", "to_torch"]
 
 
 @dataclass
@@ -52,8 +52,14 @@ def _pinned_copy(arr: np.ndarray) -> torch.Tensor:
     return staging
 
 
+DeviceTransform = Callable[[dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
+"""A callable on the ``{label: tensor}`` dict after the copy to the device (:func:`to_torch`)."""
+
+
 def to_torch(
-    batch: Batch | Mapping[str, np.ndarray], device: str | torch.device | None = None
+    batch: Batch | Mapping[str, np.ndarray],
+    device: str | torch.device | None = None,
+    device_transforms: Sequence[DeviceTransform] = (),
 ) -> dict[str, torch.Tensor]:
     """Convert a batch to ``{label: torch.Tensor}``.
 
@@ -61,8 +67,27 @@ def to_torch(
     copy). For a CUDA device each array is staged through page-locked host memory and copied
     with ``non_blocking=True`` on the current stream; use the tensors on that stream (or
     synchronise) before reading them on the host. Other devices get a plain ``.to(device)``.
+
+    ``device_transforms`` run in order on the ``{label: tensor}`` dict once every tensor is on
+    ``device``, each returning the dict to pass on (it may add, drop or replace labels). They
+    run on the calling thread and, for CUDA, are queued on the current stream after the copies:
+    the place for work that is cheap on the device (normalizing, interpolating, FFTs). On the
+    CPU the tensors share memory with the batch: a transform that writes in place writes into
+    the batch.
     """
     import torch
+
+    if isinstance(device_transforms, (str, bytes)) or not isinstance(device_transforms, Sequence):
+        raise TypeError(
+            "device_transforms must be a list of callables {label: tensor} -> {label: tensor}, "
+            f"got {device_transforms!r}"
+        )
+    for t in device_transforms:
+        if not callable(t):
+            raise TypeError(
+                f"device_transforms must be callables {{label: tensor}} -> {{label: tensor}}, "
+                f"got {t!r}"
+            )
 
     arrays = batch.arrays if isinstance(batch, Batch) else batch
     dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -79,4 +104,12 @@ def to_torch(
             out[label] = _pinned_copy(arr).to(dev, non_blocking=True)
         else:
             out[label] = torch.from_numpy(arr).to(dev)
+    for transform in device_transforms:
+        result = transform(out)
+        if not isinstance(result, dict):
+            raise TypeError(
+                f"device transform {transform!r} returned {type(result).__name__}; it must "
+                "return the {label: tensor} dict"
+            )
+        out = result
     return out

@@ -460,6 +460,11 @@ class ChunkDecoder:
         return (ChunkDecoder, (self._geom,))
 
     @property
+    def fill_value(self) -> Any:
+        """What a missing stored object reads as (the array's fill value, as zarr reads it)."""
+        return self._fill
+
+    @property
     def geometry(self) -> ArrayGeometry:
         """The (unshifted) array this decoder decodes."""
         return self._geom

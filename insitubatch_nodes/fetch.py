@@ -34,13 +34,16 @@ import atexit
 import functools
 import logging
 import os
+import threading
+import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from torchdata.nodes import BaseNode
 from zarr.abc.store import Store
 from zarr.storage import ObjectStore
@@ -52,8 +55,26 @@ from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
 from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import ChunkEntry, ChunkPool, FillCancelled, working_set_bytes
 from insitubatch_nodes.stores import RetryPolicy, describe_store, retry_policy
+from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
-__all__ = ["AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
+__all__ = ["BAD_CHUNK_POLICIES", "AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
+
+#: What ``on_bad_chunk`` accepts: fail the epoch, or fill the bad stored chunk and go on.
+BAD_CHUNK_POLICIES = ("raise", "nan")
+
+
+def check_on_bad_chunk(value: Any) -> str:
+    """``value`` if it is one of :data:`BAD_CHUNK_POLICIES`, else ``ValueError``/``TypeError``."""
+    if not isinstance(value, str):
+        raise TypeError(f"on_bad_chunk must be 'raise' or 'nan', got {value!r}")
+    if value not in BAD_CHUNK_POLICIES:
+        raise ValueError(
+            "on_bad_chunk must be 'raise' (a stored chunk that cannot be read or decoded fails "
+            "the epoch) or 'nan' (it is filled with NaN, or the fill value for non-float "
+            f"arrays, and listed in bad_chunks), got {value!r}"
+        )
+    return value
+
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +168,20 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     underneath (``obstore.get_async``); any other zarr store is read with its own ``get``.
     Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (default: the policy the
     store was opened with, see :func:`~insitubatch_nodes.stores.retry_policy`).
+
+    ``chunk_transforms`` (see :mod:`~insitubatch_nodes.transforms`) run on the decode threads
+    on every chunk this node decodes, once all of its stored objects have landed; slots are
+    sized at their output (:attr:`slot_geoms`). Pass the same list (or the
+    :class:`~insitubatch_nodes.transforms.ChunkTransforms` built from it) that sizes the
+    gather stage's labels.
+
+    ``on_bad_chunk="raise"`` (default): a stored object that still cannot be read after the
+    store's retries, or cannot be decoded, fails its chunk, and the error reaches the consumer.
+    ``"nan"``: that object's rectangle of the chunk is filled with NaN (floating-point arrays)
+    or the array's fill value (others) before the chunk transforms run, the epoch goes on, and
+    :attr:`bad_chunks` lists ``(array, chunk_index, tile)``. A chunk with a bad object is not
+    kept resident once its last reader is done (the next epoch reads it again). Errors in
+    chunk transforms are not bad chunks: they always reach the consumer.
     """
 
     def __init__(
@@ -159,6 +194,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         max_inflight: int = 32,
         decode_threads: int | None = None,
         retry: RetryPolicy | None = None,
+        chunk_transforms: Sequence[ChunkTransform] | ChunkTransforms = (),
+        on_bad_chunk: str = "raise",
     ) -> None:
         super().__init__()
         if not isinstance(max_inflight, int) or max_inflight < 1:
@@ -167,9 +204,23 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self.store = store
         self.pool = pool
         self.geoms = {path: g.base for path, g in geoms.items()}
+        self.on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
+        self.transforms = (
+            chunk_transforms
+            if isinstance(chunk_transforms, ChunkTransforms)
+            else ChunkTransforms(chunk_transforms, self.geoms)
+        )
+        #: path -> the geometry of what a slot holds (after the chunk transforms)
+        self.slot_geoms = self.transforms.outputs
+        # bad stored objects of this epoch (written on the IO loop, read from any thread)
+        self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
+        self._bad_lock = threading.Lock()
+        self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._spare_bytes = 0
         self.max_inflight = max_inflight
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
+        self._max_spares = max(2, len(self._decode_pool.threads))
         self._loop = _runtime.io_loop()
         _runtime.tune_allocator()  # reuse GET and scratch buffers' memory (see its docstring)
         self._uses_obstore = isinstance(store, ObjectStore)
@@ -201,6 +252,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         super().reset(initial_state)
         _runtime.check_same_process(self._pid)
         self._teardown()
+        with self._bad_lock:
+            self._bad.clear()
         self.source.reset(initial_state["source"] if initial_state is not None else None)
         self._exhausted = False
         self._last_state = self.source.state_dict()
@@ -246,6 +299,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._cancel_fills(self.pool.unpin(done))
 
     @property
+    def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        """``(array, chunk_index, tile)`` of every stored object read as bad since the last
+        reset (this epoch), in the order they were found; empty under ``on_bad_chunk="raise"``."""
+        with self._bad_lock:
+            return list(self._bad)
+
+    @property
     def pinned(self) -> int:
         """Chunks this node currently holds pinned."""
         return sum(self._pins.values())
@@ -277,7 +337,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 return
 
     def _start_epoch(self, plan: EpochPlan) -> None:
-        floor, read_ahead = working_set_bytes(plan, self.geoms)
+        floor, read_ahead = working_set_bytes(plan, self.slot_geoms)
         self.pool.ensure_floor(floor)  # an automatic budget grows; an explicit one may raise
         self._epoch_plan, self._read_ahead = plan, read_ahead
 
@@ -288,12 +348,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         ok = True
         while pending.admitted < len(fetches):
             key = fetches[pending.admitted]
-            geom = self.geoms[key[0]]
+            geom = self.slot_geoms[key[0]]
             got = self.pool.acquire(key, (geom.samples_per_chunk, *geom.inner_shape), geom.dtype)
             if got is None:
                 ok = False
                 break
             entry, hit = got
+            if entry.bad_tiles:  # read as bad by an earlier fill: still bad here
+                self._note_bad(self._generation, key[0], key[1], entry.bad_tiles)
             if self.recorder is not None:
                 self.recorder.on_admit(key, hit)
             self._live[key] = entry
@@ -336,8 +398,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         geom, decoder = self.geoms[path], self._decoders[path]
         start, stop = geom.chunk_range(chunk)
         region = entry.slot[: stop - start]
+        # Decode straight into the slot, unless the transforms change the shape or dtype: then
+        # into a chunk-sized buffer of the stored layout that the transforms turn into the slot.
+        reshapes = self.transforms.reshapes(path)
+        decoded = self._take_spare(geom, stop - start) if reshapes else region
         tasks = [
-            asyncio.ensure_future(self._fill_tile(geom, decoder, region, chunk, t, ticket))
+            asyncio.ensure_future(
+                self._fill_tile(geom, decoder, decoded, entry, t, ticket, self._generation)
+            )
             for t in geom.tiles()
         ]
         try:
@@ -352,10 +420,81 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         errors = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
         if errors:
             self.pool.discard(entry, errors[0])
-        elif any(t.cancelled() for t in tasks):
+            if reshapes:  # every tile task has finished: nothing writes into it any more
+                self._give_spare(path, decoded)
+            return
+        if any(t.cancelled() for t in tasks):
             raise asyncio.CancelledError  # the done-callback resolves the entry
-        else:
-            self.pool.mark_ready(entry)
+        if self.transforms.active(path):
+            try:
+                await self._transform(path, chunk, (start, stop), decoded, region, ticket)
+            except Exception as exc:
+                self.pool.discard(entry, exc)
+                if reshapes:
+                    self._give_spare(path, decoded)
+                return
+        if reshapes:
+            self._give_spare(path, decoded)
+        self.pool.mark_ready(entry)
+
+    # Buffers a chunk is decoded into when its transforms reshape it, recycled (touched on the
+    # IO loop only): a fresh allocation of a few MB costs its page faults on every chunk.
+    # A buffer whose fill was cancelled is not recycled (a decode may still be landing in it).
+    def _take_spare(self, geom: ArrayGeometry, n: int) -> np.ndarray:
+        free = self._spares.get((geom.path, n))
+        if free:
+            buf = free.pop()
+            self._spare_bytes -= buf.nbytes
+            return buf
+        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
+
+    def _give_spare(self, path: str, buf: np.ndarray) -> None:
+        free = self._spares.setdefault((path, buf.shape[0]), [])
+        if len(free) < self._max_spares:
+            free.append(buf)
+            self._spare_bytes += buf.nbytes
+
+    async def _transform(
+        self,
+        path: str,
+        chunk: int,
+        sample_range: tuple[int, int],
+        decoded: np.ndarray,
+        region: np.ndarray,
+        ticket: int,
+    ) -> None:
+        """Run the chunk transforms of ``path`` on a decode thread; the result lands in
+        ``region`` (the slot). Raises what the transforms raise."""
+        rec = self.recorder
+        submitted = rec.on_transform_submit() if rec is not None else 0.0
+        job = self._decode_pool.submit(
+            ticket, self._run_transforms, path, chunk, sample_range, decoded, region
+        )
+        busy: float | None = None
+        try:
+            busy = await asyncio.wrap_future(job)
+        except asyncio.CancelledError:
+            job.cancel()
+            while not job.done():  # a running transform cannot be interrupted: let it land
+                await asyncio.sleep(0.001)
+            raise
+        finally:
+            if rec is not None:
+                rec.on_transform_end(submitted, busy)
+
+    def _run_transforms(
+        self,
+        path: str,
+        chunk: int,
+        sample_range: tuple[int, int],
+        decoded: np.ndarray,
+        region: np.ndarray,
+    ) -> float:
+        t0 = time.perf_counter()
+        out = self.transforms.apply(path, chunk, sample_range, decoded)
+        if out is not region:
+            np.copyto(region, out)
+        return time.perf_counter() - t0
 
     def _cancel_fills(self, entries: list[ChunkEntry]) -> None:
         """Cancel the fills of detached entries (no pin left on them), from any thread."""
@@ -375,6 +514,47 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         geom: ArrayGeometry,
         decoder: ChunkDecoder,
         region: Any,
+        entry: ChunkEntry,
+        tile: tuple[int, ...],
+        ticket: int,
+        generation: int,
+    ) -> None:
+        chunk = entry.key[1]
+        out = region[(slice(None), *geom.tile_slices(tile))]
+        try:
+            await self._read_tile(geom, decoder, out, chunk, tile, ticket)
+        except ChunkReadError as exc:
+            if self.on_bad_chunk == "raise":
+                raise
+            # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
+            log.warning(
+                "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
+                exc,
+                exc.__cause__,
+            )
+            out[...] = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
+            entry.bad_tiles.append(tuple(tile))
+            noted = self._note_bad(generation, geom.path, chunk, [tuple(tile)])
+            if noted and self.recorder is not None:
+                self.recorder.on_bad_chunk()
+
+    def _note_bad(
+        self, generation: int, path: str, chunk: int, tiles: Iterable[tuple[int, ...]]
+    ) -> bool:
+        """List bad stored objects for this epoch; False (nothing listed) for a fill started
+        before the last reset, which belongs to an epoch that is over."""
+        with self._bad_lock:
+            if generation != self._generation:
+                return False
+            for tile in tiles:
+                self._bad[(path, chunk, tile)] = None
+            return True
+
+    async def _read_tile(
+        self,
+        geom: ArrayGeometry,
+        decoder: ChunkDecoder,
+        out: Any,
         chunk: int,
         tile: tuple[int, ...],
         ticket: int,
@@ -402,7 +582,6 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 nbytes = 0 if raw is None else len(raw)
                 stats.gets += 1
                 stats.bytes_fetched += nbytes
-                out = region[(slice(None), *geom.tile_slices(tile))]
                 job: Future[Any]
                 if rec is None:
                     job = self._decode_pool.submit(
@@ -448,8 +627,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     @property
     def scratch_bytes(self) -> int:
-        """Decode scratch memory this node's decoders hold (over all decode threads)."""
-        return sum(d.scratch_bytes for d in self._decoders.values())
+        """Decode scratch memory this node's decoders hold (over all decode threads), plus the
+        idle buffers kept for decoding chunks that a transform reshapes."""
+        return sum(d.scratch_bytes for d in self._decoders.values()) + self._spare_bytes
 
     @property
     def inflight(self) -> int:

@@ -208,6 +208,29 @@ class ArrayGeometry:
         """The unshifted array this view reads."""
         return replace(self, offset=0) if self.offset else self
 
+    def with_inner(self, inner_shape: Sequence[int], dtype: Any) -> ArrayGeometry:
+        """This view as a chunk transform leaves it: same path, sample axis, chunking along it
+        and offset, but a sample payload of ``inner_shape`` and ``dtype`` (one tile).
+
+        The result describes slots and batches, not stored objects: it has no zarr metadata,
+        so it cannot name store keys or build a decoder. Returns ``self`` when nothing changes.
+        """
+        inner = tuple(int(n) for n in inner_shape)
+        dtype = np.dtype(dtype)
+        if inner == self.inner_shape and dtype == self.dtype:
+            return self
+        if len(inner) != len(self.field_axes) or any(n <= 0 for n in inner):
+            raise ValueError(
+                f"{self.path}: a transformed sample must keep {len(self.field_axes)} field "
+                f"axes of positive length, got inner shape {inner}"
+            )
+        axis = self.sample_axis
+        shape = (*inner[:axis], self.n_samples, *inner[axis:])
+        chunks = (*inner[:axis], self.samples_per_chunk, *inner[axis:])
+        return replace(
+            self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype, metadata=None
+        )
+
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
         return (

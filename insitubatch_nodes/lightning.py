@@ -36,6 +36,7 @@ from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stores import as_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
+from insitubatch_nodes.transforms import ChunkTransform
 
 __all__ = ["InSituDataModule", "InSituReportCallback"]
 
@@ -113,6 +114,7 @@ class InSituDataModule(pl.LightningDataModule):
             decode_threads, batch_transforms: as for :func:`insitu_pipeline` (training).
         eval_batch_size: batch size of the val/test loaders (default: ``batch_size``).
         remainder: ``"drop"`` or ``"pad"``, as for :func:`insitu_pipeline` (every split).
+        chunk_transforms, on_bad_chunk: as for :func:`insitu_pipeline` (every split).
         transform: ``Batch -> item`` applied to every batch (default: ``to_torch``).
         log_report: add an :class:`InSituReportCallback` to the Trainer (when it has none), so
             every training epoch's report is logged through ``self.log`` (``insitu/...``).
@@ -139,6 +141,8 @@ class InSituDataModule(pl.LightningDataModule):
         store_options: Mapping[str, Any] | None = None,
         remainder: str = "drop",
         log_report: bool = True,
+        chunk_transforms: Sequence[ChunkTransform] = (),
+        on_bad_chunk: str = "raise",
     ) -> None:
         super().__init__()
         self.log_report = log_report
@@ -155,6 +159,8 @@ class InSituDataModule(pl.LightningDataModule):
             "prefetch_depth": prefetch_depth,
             "decode_threads": decode_threads,
             "remainder": remainder,
+            "chunk_transforms": tuple(chunk_transforms),
+            "on_bad_chunk": on_bad_chunk,
         }
         self.cache_budget_bytes = cache_budget_bytes
         self.batch_transforms = tuple(batch_transforms)

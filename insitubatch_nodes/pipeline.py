@@ -18,7 +18,7 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.fetch import AsyncChunkFetchNode
+from insitubatch_nodes.fetch import AsyncChunkFetchNode, check_on_bad_chunk
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, check_arrays_in_store, open_geometries
 from insitubatch_nodes.plan import PinSchedule, ReadPlanNode, check_remainder, schedule_floors
@@ -28,6 +28,7 @@ from insitubatch_nodes.report import EpochRecorder, EpochReport
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
 from insitubatch_nodes.splits import SplitManifest
 from insitubatch_nodes.stores import RetryPolicy, as_store
+from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
 
@@ -66,7 +67,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
                 decode_threads=len(fetch._decode_pool.threads),
                 batch_transforms=len(gather.batch_transforms),
                 # not a bound method: the recorder must not keep this node alive (``del pipe``)
-                split_bytes=functools.partial(_split_bytes, self.stages.plan, fetch.geoms),
+                split_bytes=functools.partial(_split_bytes, self.stages.plan, fetch.slot_geoms),
             )
             self.recorder = fetch.recorder = self.stages.resident.recorder = rec
             gather.recorder = rec
@@ -85,6 +86,14 @@ class InSituPipeline(PrefetcherNode[Batch]):
     def close(self) -> None:
         self.stages.pool.stop_reserve()
         super().close()
+
+    @property
+    def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
+        """``(array, chunk_index, tile)`` of the stored objects this epoch read as bad and
+        filled (``on_bad_chunk="nan"``), in the order found; cleared when the pipeline is reset
+        for the next epoch. ``tile`` is the object's position in the chunk's grid of stored
+        objects over the field axes (``(0, 0)`` when a 2-D field is stored whole)."""
+        return self.stages.fetch.bad_chunks
 
     def __len__(self) -> int:
         """Batches in the current epoch (the same every epoch, except an epoch resumed on
@@ -246,6 +255,8 @@ def insitu_pipeline(
     cross_split_windows: bool = False,
     remainder: str = "drop",
     report: bool = True,
+    chunk_transforms: Sequence[ChunkTransform] = (),
+    on_bad_chunk: str = "raise",
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -273,6 +284,16 @@ def insitu_pipeline(
 
     ``report=True`` (the default) measures every epoch for :meth:`InSituPipeline.report` (which
     stage limits it, and what to change); ``False`` turns the measurement off.
+
+    ``chunk_transforms`` (callables ``DecodedChunk -> DecodedChunk``, see
+    :mod:`~insitubatch_nodes.transforms`) run on the decode threads once per decoded chunk,
+    before any batch gathers from it; :func:`~insitubatch_nodes.transforms.applies` scopes one
+    to arrays (a path that names no array read here raises ``ValueError`` now). Batches and
+    slots take the shape and dtype the transforms declare (``output_inner``); the budget and
+    its floor are counted at that size. ``on_bad_chunk`` is ``"raise"`` (default: a stored
+    object that cannot be read after the store's retries, or cannot be decoded, fails the
+    epoch) or ``"nan"`` (its rectangle is filled with NaN, or the fill value for non-float
+    arrays, the epoch goes on and :attr:`InSituPipeline.bad_chunks` lists it).
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -287,6 +308,7 @@ def insitu_pipeline(
     cross_split_windows = check_bool("cross_split_windows", cross_split_windows)
     remainder = check_remainder(remainder)
     report = check_bool("report", report)
+    on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
     if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
         raise TypeError(
             f"batch_transforms must be a sequence of callables Batch -> Batch, got "
@@ -324,6 +346,10 @@ def insitu_pipeline(
         base = geoms.setdefault(view.path, view.base)
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
+    # the chunk transforms are checked here, and say what the slots and batches hold
+    transforms = ChunkTransforms(chunk_transforms, geoms)
+    labels = {label: transforms.output_view(view) for label, view in labels.items()}
+    slot_geoms = transforms.outputs
 
     # the schedule is decided first (and fails fast, here, when the budget is too small)
     schedule = choose_schedule(
@@ -353,11 +379,11 @@ def insitu_pipeline(
     )
     pool = ChunkPool(cache_budget_bytes, backing=backing)
     first = plan.epoch_plan(0)
-    pool.ensure_floor(working_set_bytes(first, geoms)[0])  # sizes an automatic one
+    pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one
     # Pay for the first epoch's slot memory ahead of need, in the order it will be needed
     # (a fresh process faults new pages in slowly; see ChunkPool.reserve).
     pool.reserve(
-        ((geoms[p].samples_per_chunk, *geoms[p].inner_shape), geoms[p].dtype)
+        ((slot_geoms[p].samples_per_chunk, *slot_geoms[p].inner_shape), slot_geoms[p].dtype)
         for p, _ in first.distinct_chunks()
     )
     fetch = AsyncChunkFetchNode(
@@ -368,6 +394,8 @@ def insitu_pipeline(
         max_inflight=max_inflight,
         decode_threads=decode_threads,
         retry=retry,
+        chunk_transforms=transforms,
+        on_bad_chunk=on_bad_chunk,
     )
     resident = ChunkPoolNode(fetch)
     gather = GatherNode(resident, labels, batch_size, batch_transforms)

@@ -9,7 +9,9 @@ Every pipeline built by :func:`~insitubatch_nodes.pipeline.insitu_pipeline` carr
   one GET in flight is kept;
 * **decode** — each decode, timed on the decode thread that runs it (thread-busy seconds); the
   decode queue depth (decodes submitted and not finished: waiting or running) is a
-  time-weighted level;
+  time-weighted level. Chunk transforms run on the same threads: their busy seconds are
+  ``transform_s`` (not in ``decode_s``), and while queued or running they count in the decode
+  queue depth, so transform work is attributed to the decode stage by the limiting rule;
 * **chunk wait** — the producer thread's time waiting for the chunks of a batch to be ready;
 * **gather** — the time in the gather stage excluding the wait on its source (batch transforms
   included);
@@ -111,6 +113,9 @@ class EpochReport:
     evictions: int = 0
     bytes_fetched: int = 0
     bytes_delivered: int = 0
+    transform_s: float = 0.0  # decode-thread busy seconds in chunk transforms
+    transforms: int = 0  # chunks the chunk transforms ran on
+    bad_chunks: int = 0  # stored objects filled under on_bad_chunk="nan"
     # the knobs, for the suggestion
     max_inflight: int = 0
     decode_threads: int = 0
@@ -146,6 +151,8 @@ class EpochReport:
             "re_reads": float(self.re_reads),
             "bytes_fetched": float(self.bytes_fetched),
             "bytes_delivered": float(self.bytes_delivered),
+            "transform_s": self.transform_s,
+            "bad_chunks": float(self.bad_chunks),
         }
         for stage in STAGES:
             out[f"limited_by_{stage}"] = float(stage == self.limiting)
@@ -189,7 +196,12 @@ class EpochReport:
             f"(max_inflight {self.max_inflight})",
             f"  decode    {self.decodes:,} decodes, busy {self.decode_s:.2f} s = "
             f"{100 * self.decode_s / (wall * threads):.0f}% of {threads} thread(s); queue mean "
-            f"{self.decode_depth_mean:.1f}, peak {self.decode_depth_peak}",
+            f"{self.decode_depth_mean:.1f}, peak {self.decode_depth_peak}"
+            + (
+                f"; chunk transforms on {self.transforms:,} chunks, busy {self.transform_s:.2f} s"
+                if self.transforms
+                else ""
+            ),
             f"  producer  waited {self.chunk_wait_s:.2f} s for chunks; gather "
             f"{1000 * self.gather_s / n:.1f} ms/batch",
             f"  pool      resident mean {_size(self.resident_mean_bytes)}, peak "
@@ -199,6 +211,11 @@ class EpochReport:
             f"  delivered {_size(self.bytes_delivered)} "
             f"({self.bytes_delivered / wall / 2**20:,.1f} MiB/s)",
         ]
+        if self.bad_chunks:
+            lines.append(
+                f"  bad       {self.bad_chunks:,} stored objects could not be read or decoded "
+                "and were filled (on_bad_chunk='nan'; see bad_chunks)"
+            )
         if self.suggestion:
             lines.append(f"  suggestion: {self.suggestion}")
         return "\n".join(lines)
@@ -329,6 +346,9 @@ _CUMULATIVE = (
     "misses",
     "re_reads",
     "bytes_fetched",
+    "transform_s",
+    "transforms",
+    "bad_chunks",
 )
 
 
@@ -396,6 +416,28 @@ class EpochRecorder:
                 t["decode_s"] += busy
                 t["decode_queued_s"] += now - submitted
                 t["decodes"] += 1
+
+    def on_transform_submit(self) -> float:
+        now = _now()
+        with self._lock:
+            self._depth.change(1, now)
+        return now
+
+    def on_transform_end(self, submitted: float, busy: float | None) -> None:
+        """Chunk transforms finished on one chunk (``busy`` seconds) or did not (None)."""
+        now = _now()
+        with self._lock:
+            self._depth.change(-1, now)
+            if busy is not None:
+                t = self.totals
+                t["transform_s"] += busy
+                t["decode_queued_s"] += now - submitted
+                t["transforms"] += 1
+
+    def on_bad_chunk(self) -> None:
+        """A stored object was filled under ``on_bad_chunk="nan"``."""
+        with self._lock:
+            self.totals["bad_chunks"] += 1
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> float:
         """Run ``fn(*args)`` (on a decode thread); its busy seconds."""
@@ -546,6 +588,9 @@ class EpochRecorder:
             evictions=int(self.pool.stats.evictions) - ep["evictions0"],
             bytes_fetched=int(d["bytes_fetched"]),
             bytes_delivered=ep["bytes_delivered"],
+            transform_s=d["transform_s"],
+            transforms=int(d["transforms"]),
+            bad_chunks=int(d["bad_chunks"]),
             max_inflight=self.max_inflight,
             decode_threads=self.decode_threads,
             cores=_cores(),

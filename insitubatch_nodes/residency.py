@@ -19,7 +19,8 @@ arriving is dropped, the entry is *detached*: removed from the index at once (a 
 a fresh miss, never a wait on a fill nobody owns) and :meth:`ChunkPool.unpin` returns it so its
 owner can cancel the fill; if the fill completes anyway, the chunk is kept as an ordinary
 resident chunk. A chunk that another pipeline sharing the pool still pins is never cancelled
-under it.
+under it. A chunk with ``bad_tiles`` (stored objects filled under ``on_bad_chunk="nan"``) is
+dropped as soon as nothing pins it: it is never a hit for a later reader.
 """
 
 from __future__ import annotations
@@ -140,6 +141,9 @@ class ChunkEntry:
     filler: Any = None  # the task filling the slot (set and read on the IO loop only)
     detached: bool = False  # dropped from the index while its fill was still running
     slot_returned: bool = False  # the slot went back to the free list
+    # tiles filled in place of a stored object that could not be read or decoded
+    # (on_bad_chunk="nan"): such a chunk is not kept resident once nothing pins it
+    bad_tiles: list[tuple[int, ...]] = field(default_factory=list)
 
     @property
     def is_ready(self) -> bool:
@@ -340,7 +344,7 @@ class ChunkPool:
             if not entry.detached:
                 return
             entry.detached = False
-            if entry.key in self._entries:
+            if entry.key in self._entries or entry.bad_tiles:
                 self._return_slot(entry)
             else:
                 self._entries[entry.key] = entry
@@ -374,7 +378,10 @@ class ChunkPool:
                 if entry.pins < 0:
                     raise RuntimeError(f"chunk {entry.key} unpinned more often than pinned")
                 if entry.pins == 0 and self._entries.get(entry.key) is entry:
-                    if entry.is_ready:
+                    if entry.is_ready and entry.bad_tiles:  # never a hit for a later reader
+                        del self._entries[entry.key]
+                        self._return_slot(entry)
+                    elif entry.is_ready:
                         self._lru[entry.key] = entry
                     elif not entry.ready.done():  # still arriving: nobody will wait on it
                         del self._entries[entry.key]

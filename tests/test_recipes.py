@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
@@ -80,3 +83,47 @@ def test_the_elastic_resume_recipe_finishes_an_epoch_cut_on_two_ranks_on_three(
     assert "every batch matches zarr's own read" in proc.stdout, _explain(proc)
     if remainder == "drop":
         assert ", 0 twice," in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_scaler_fitted_over_the_loader_standardizes_what_the_model_sees(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "fit_scaler.py", "--n-time", "96", "--epochs", "2", "--fit-with", "numpy", cwd=tmp_path
+    )
+    assert proc.returncode == 0, _explain(proc)
+    assert "fit (numpy) over" in proc.stdout, _explain(proc)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("epoch ")]
+    assert len(lines) == 2, _explain(proc)
+    for line in lines:  # standardized per array: mean ~0, std ~1
+        assert "t2m mean +0.000 std 1.000" in line or "t2m mean -0.000 std 1.000" in line, line
+        assert "std 1.000; the scaler ran on" in line, line
+    assert "the scaler ran on 10 chunks" in lines[0], _explain(proc)  # 5 chunks x 2 arrays
+
+
+def _recipe_module(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("oracle", ["numpy", "sklearn"])
+def test_the_recipes_running_moments_equal_the_statistics_of_all_the_data(oracle: str) -> None:
+    moments = _recipe_module("fit_scaler").RunningMoments
+    rng = np.random.default_rng(4)
+    data = rng.normal(5.0, 3.0, size=(1000, 3))
+    fit = moments()
+    for lo, hi in ((0, 7), (7, 400), (400, 401), (401, 1000)):  # uneven batches
+        fit.partial_fit(data[lo:hi])
+    if oracle == "sklearn":
+        sk = pytest.importorskip("sklearn.preprocessing").StandardScaler()
+        for lo in range(0, 1000, 100):
+            sk.partial_fit(data[lo : lo + 100])
+        want_mean, want_std = sk.mean_, sk.scale_
+    else:
+        want_mean, want_std = data.mean(axis=0), data.std(axis=0)
+    np.testing.assert_allclose(fit.mean_, want_mean, rtol=1e-12)
+    np.testing.assert_allclose(fit.scale_, want_std, rtol=1e-12)

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import zarr
 from helpers import CountingStore, Oracle, View, run_epoch, write_era5
@@ -384,3 +385,44 @@ def test_close_and_exit_do_not_wait_out_the_retry_deadline_while_an_obstore_endp
     assert consumer_alive == "False"  # the consumer blocked in next() was woken
     assert t_exit - float(t_closed) < 12.0  # nor did interpreter exit
     assert returncode == 0, stderr[-3000:]  # no SIGABRT, no segfault
+
+
+# ---------------------------------------------------------------------------------------------
+# on_bad_chunk="nan": only what still fails after the retries is a bad chunk
+# ---------------------------------------------------------------------------------------------
+
+
+def test_under_on_bad_chunk_nan_transient_errors_are_retried_first_and_not_listed_as_bad(
+    era5_local: Path, moto: MotoServer
+) -> None:
+    with FaultProxy(moto.port, fail_first=2, status=503, match="/c/") as proxy:
+        store = open_store(URL, **moto.options(endpoint=proxy.endpoint))
+        views, oviews, manifest = _views(store)
+        pipe = insitu_pipeline(store, manifest, views, batch_size=16, on_bad_chunk="nan")
+        run_epoch(pipe, Oracle(era5_local), oviews)  # exact data: nothing was filled
+        assert pipe.bad_chunks == []
+        assert proxy.injected > 0
+
+
+def test_under_on_bad_chunk_nan_an_error_that_outlasts_the_retries_fills_and_lists_the_chunk(
+    era5_local: Path, moto: MotoServer
+) -> None:
+    with FaultProxy(moto.port, fail_first=2, status=503, match="t2m/c/3/") as proxy:
+        setup = open_store(URL, **moto.options())
+        views, _, manifest = _views(setup)
+        store = open_store(
+            URL, retry=RetryPolicy(max_retries=1), **moto.options(endpoint=proxy.endpoint)
+        )
+        pipe = insitu_pipeline(store, manifest, views, batch_size=16, on_bad_chunk="nan")
+        oracle = Oracle(era5_local)
+        seen = 0
+        for batch in pipe:
+            for label in ("x", "y"):
+                idx = batch.sample_indices[label]
+                bad = idx // 4 == 3
+                seen += int(bad.sum())
+                assert np.isnan(batch.arrays[label][bad]).all()
+                np.testing.assert_array_equal(batch.arrays[label][~bad], oracle("t2m", idx[~bad]))
+        assert seen > 0
+        assert pipe.bad_chunks == [("t2m", 3, (0, 0))]
+        assert proxy.gets[f"/{BUCKET}/{PREFIX}/t2m/c/3/0/0"] == 2  # the first try and one retry

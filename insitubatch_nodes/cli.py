@@ -1,0 +1,302 @@
+"""The ``insitubatch-nodes`` console script.
+
+``insitubatch-nodes check-transform URL --var NAME --transform TARGET`` checks a chunk transform
+against one real chunk of a store before a training run finds out the hard way:
+
+1. it prints the array's geometry and the decoded size of one chunk (what a slot holds);
+2. it builds the transform's scope and declaration exactly as :func:`insitu_pipeline` would
+   (an ``applies`` scope that misses the array, a ``validate`` that refuses the array, a failing
+   ``output_inner`` are all reported);
+3. it runs the transform on the chunk as zarr reads it and checks the output against the
+   declared ``output_inner`` — or, with no declaration, against the input's shape and dtype
+   (an undeclared reshape);
+4. unless ``--no-gil-probe``: a GIL probe. The transform runs over and over in a second thread
+   while this thread runs Python code and measures how long it is kept waiting for the GIL.
+   A vectorized transform spends its time in numpy, which releases the GIL, so the waits stay
+   short; a transform that runs Python per element holds the GIL, and this thread waits for
+   whole switch intervals (``--gil-threshold`` of the time or more fails the check). Such a
+   transform would serialize every decode thread behind it. The probe measures contention
+   directly rather than thread scaling, so its verdict does not depend on idle cores; it
+   wants a realistically sized chunk (on a toy chunk the Python call overhead dominates).
+
+``TARGET`` is ``module:attr`` (importable) or ``path/to/file.py:attr``; a class is instantiated
+without arguments. The exit status is 0 when every check passed, 1 when one failed, 2 for a
+usage error (unknown array, unloadable target).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["gil_probe", "load_target", "main"]
+
+_OK, _FAILED, _USAGE = 0, 1, 2
+
+
+class _UsageError(Exception):
+    pass
+
+
+def load_target(spec: str) -> Any:
+    """The object ``module:attr`` or ``path.py:attr`` names (a class is instantiated)."""
+    where, sep, attr = spec.rpartition(":")
+    if not sep or not where or not attr:
+        raise _UsageError(f"--transform takes module:attr or path.py:attr, got {spec!r}")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise _UsageError(f"--transform: no file {where!r}")
+        name = (
+            path.stem
+            if path.stem.isidentifier() and path.stem not in sys.modules
+            else (f"_insitubatch_check_{abs(hash(str(path.resolve())))}")
+        )
+        module_spec = importlib.util.spec_from_file_location(name, path)
+        if module_spec is None or module_spec.loader is None:
+            raise _UsageError(f"--transform: cannot import {where!r}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(where)
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise _UsageError(f"--transform: {where!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    if isinstance(obj, type):
+        try:
+            obj = obj()
+        except TypeError as exc:
+            raise _UsageError(
+                f"--transform: class {attr} cannot be built without arguments ({exc}); point "
+                "at an instance or a factory's result instead"
+            ) from exc
+    if not callable(obj):
+        raise _UsageError(f"--transform: {spec} is not callable")
+    return obj
+
+
+def gil_probe(
+    call: Callable[[], Any], seconds: float = 1.0, interval: float = 0.05, min_calls: int = 2
+) -> tuple[float, int, float]:
+    """Run ``call`` repeatedly in a thread while this thread runs Python; returns ``(held,
+    calls, wall)``: the share of the wall time this thread waited ``interval / 2`` or longer
+    for the GIL, the calls completed and the probe's wall time in seconds.
+
+    The switch interval is set to ``interval`` for the probe (and restored): a thread holding
+    the GIL is made to give it up after that long, so a GIL-holding ``call`` shows as waits of
+    one interval each, about half the time; a GIL-releasing one as waits near zero. Runs for at
+    least ``seconds`` and ``min_calls`` calls. An exception in ``call`` is re-raised.
+    """
+    stop = threading.Event()
+    done = [0]
+    errors: list[BaseException] = []
+
+    def work() -> None:
+        try:
+            while not stop.is_set():
+                call()
+                done[0] += 1
+        except BaseException as exc:
+            errors.append(exc)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(interval)
+    try:
+        thread = threading.Thread(target=work, name="gil-probe", daemon=True)
+        start = last = time.perf_counter()
+        thread.start()
+        blocked = 0.0
+        long_wait = interval / 2
+        while True:
+            now = time.perf_counter()
+            gap = now - last
+            if gap >= long_wait:
+                blocked += gap
+            last = now
+            if errors or not thread.is_alive():
+                break
+            if now - start >= seconds and done[0] >= min_calls:
+                break
+        stop.set()
+        thread.join()
+    finally:
+        sys.setswitchinterval(old)
+    if errors:
+        raise errors[0]
+    wall = max(last - start, 1e-9)
+    return blocked / wall, done[0], wall
+
+
+def _read_chunk(zstore: Any, geom: Any, chunk: int) -> np.ndarray:
+    from insitubatch_nodes import _zarr_compat
+
+    array = _zarr_compat.open_array_readonly(zstore, geom.path, geom.zarr_format)
+    start, stop = geom.chunk_range(chunk)
+    sel: list[Any] = [slice(None)] * geom.ndim
+    sel[geom.sample_axis] = slice(start, stop)
+    data = np.asarray(array[tuple(sel)])
+    return np.ascontiguousarray(np.moveaxis(data, geom.sample_axis, 0))
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:,.2f} MB"
+
+
+def check_transform(args: argparse.Namespace) -> int:
+    from insitubatch_nodes.geometry import open_geometries
+    from insitubatch_nodes.stores import as_store
+    from insitubatch_nodes.transforms import ChunkTransformError, ChunkTransforms, transform_name
+
+    out = print
+    try:
+        transform = load_target(args.transform)
+    except _UsageError as exc:
+        out(f"error: {exc}", file=sys.stderr)
+        return _USAGE
+    zstore = as_store(args.url)
+    try:
+        geom = open_geometries(zstore, [args.var], sample_axis=args.sample_axis)[
+            args.var.strip("/")
+        ]
+    except KeyError as exc:
+        out(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return _USAGE
+    if not 0 <= args.chunk < geom.n_chunks:
+        out(f"error: --chunk {args.chunk} is not in [0, {geom.n_chunks})", file=sys.stderr)
+        return _USAGE
+    start, stop = geom.chunk_range(args.chunk)
+    out(f"array     {geom.path!r}: shape {geom.shape}, stored chunks {geom.chunks}, {geom.dtype}")
+    out(
+        f"chunk     {args.chunk} of {geom.n_chunks}: samples [{start}, {stop}), sample shape "
+        f"{geom.inner_shape}, {geom.n_tiles} stored object(s); decoded {_mb(geom.chunk_nbytes)}"
+    )
+    name = transform_name(transform)
+    out(f"transform {name}")
+    failed = False
+    # 1. scope, validation and declaration, as the pipeline builds them
+    try:
+        chain = ChunkTransforms([transform], {geom.path: geom})
+    except (ValueError, TypeError) as exc:
+        out(f"FAIL      construction: {exc}")
+        return _FAILED
+    expected = chain.outputs[geom.path]
+    declared = callable(getattr(getattr(transform, "transform", transform), "output_inner", None))
+    if declared:
+        out(f"declared  output_inner -> {expected.inner_shape} {expected.dtype}")
+    else:
+        out("declared  no output_inner (the sample shape and dtype must not change)")
+    # 2. the transform on the real chunk
+    data = _read_chunk(zstore, geom, args.chunk)
+    t0 = time.perf_counter()
+    try:
+        result = chain.apply(geom.path, args.chunk, (start, stop), data.copy())
+    except ChunkTransformError as exc:
+        out(f"FAIL      output: {exc}")
+        if exc.__cause__ is not None:
+            out(f"          caused by {type(exc.__cause__).__name__}: {exc.__cause__}")
+        return _FAILED
+    took = time.perf_counter() - t0
+    out(
+        f"output    {result.shape[1:]} {result.dtype} per sample ({_mb(expected.chunk_nbytes)} "
+        f"per chunk), {1000 * took:.1f} ms on one chunk ({_mb(geom.chunk_nbytes / took)}/s): "
+        "matches the declaration"
+        if declared
+        else f"output    {result.shape[1:]} {result.dtype} per sample, unchanged as required; "
+        f"{1000 * took:.1f} ms on one chunk"
+    )
+    # 3. the GIL probe
+    if args.no_gil_probe:
+        out("gil       probe skipped (--no-gil-probe)")
+    else:
+        from insitubatch_nodes.transforms import DecodedChunk
+
+        work = data.copy()
+
+        def call() -> None:
+            with np.errstate(all="ignore"):  # the same buffer over and over: values may overflow
+                transform(DecodedChunk(geom.path, args.chunk, (start, stop), work))
+
+        try:
+            held, calls, wall = gil_probe(call, seconds=args.probe_seconds)
+        except Exception as exc:
+            out(f"FAIL      gil probe: the transform raised {type(exc).__name__}: {exc}")
+            return _FAILED
+        verdict = "holds the GIL" if held >= args.gil_threshold else "releases the GIL"
+        out(
+            f"gil       {calls} calls in {wall:.2f} s; another thread waited for the GIL "
+            f"{100 * held:.0f}% of the time (fails at {100 * args.gil_threshold:.0f}%): {verdict}"
+        )
+        if held >= args.gil_threshold:
+            failed = True
+            out(
+                "FAIL      the transform runs Python while holding the GIL and would serialize "
+                "the decode threads: vectorize it (whole-array numpy operations)"
+                + (
+                    "; the chunk is small, so Python call overhead may dominate: probe a "
+                    "realistically sized chunk"
+                    if geom.chunk_nbytes < 1_000_000
+                    else ""
+                )
+            )
+    out("FAILED" if failed else "OK")
+    return _FAILED if failed else _OK
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="insitubatch-nodes", description="insitubatch_nodes command-line tools"
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    check = sub.add_parser(
+        "check-transform",
+        help="check a chunk transform on one real chunk of a store",
+        description=(
+            "Run a chunk transform on one real chunk of a store: print the chunk's geometry, "
+            "check its output against its declared output_inner (or its input), and probe "
+            "whether it holds the GIL. Exit status 0: every check passed; 1: one failed; "
+            "2: a usage error."
+        ),
+    )
+    check.add_argument("url", help="the store: a path or URL (file://, s3://, gs://, ...)")
+    check.add_argument("--var", required=True, help="zarr path of the array to check against")
+    check.add_argument(
+        "--transform", required=True, help="module:attr or path.py:attr (a class is instantiated)"
+    )
+    check.add_argument("--chunk", type=int, default=0, help="chunk index along the sample axis")
+    check.add_argument("--sample-axis", type=int, default=0, help="the array's sample axis")
+    check.add_argument(
+        "--no-gil-probe", action="store_true", help="only the fast, deterministic checks"
+    )
+    check.add_argument(
+        "--probe-seconds", type=float, default=1.0, help="minimum duration of the GIL probe"
+    )
+    check.add_argument(
+        "--gil-threshold",
+        type=float,
+        default=0.2,
+        help="fail when the probe thread waited for the GIL this share of the time or more",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "check-transform":
+        return check_transform(args)
+    return _USAGE  # pragma: no cover - argparse requires a command
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

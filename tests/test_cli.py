@@ -1,0 +1,160 @@
+"""``insitubatch-nodes check-transform``: run as a subprocess against a real store on disk.
+
+The store holds one array with 2 MB chunks (a realistic size for the GIL probe: on a toy chunk
+the Python call overhead of any transform dominates). The transforms live in a file written by
+the test and are loaded both as ``path.py:attr`` and as ``module:attr``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import textwrap
+import tomllib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+import insitubatch_nodes
+
+pytestmark = pytest.mark.timeout(180)
+
+ROOT = Path(insitubatch_nodes.__file__).resolve().parents[1]
+
+TRANSFORMS = textwrap.dedent(
+    """
+    import numpy as np
+
+    def vectorized(chunk):
+        np.subtract(chunk.data, 0.5, out=chunk.data)
+        np.multiply(chunk.data, 2.0, out=chunk.data)
+        return chunk
+
+    def python_per_element(chunk):
+        data = chunk.data
+        for i in range(data.shape[0]):
+            for j in range(data.shape[1]):
+                data[i, j] = [v * 0.5 for v in data[i, j].tolist()]
+        return chunk
+
+    class LyingHalf:
+        # declares both field axes halved but halves only the first
+        def output_inner(self, geometry):
+            lat, lon = geometry.inner_shape
+            return (lat // 2, lon // 2), geometry.dtype
+
+        def __call__(self, chunk):
+            chunk.data = np.ascontiguousarray(chunk.data[:, ::2, :])
+            return chunk
+
+    def undeclared_half(chunk):
+        chunk.data = np.ascontiguousarray(chunk.data[:, ::2, ::2])
+        return chunk
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("cli") / "fields.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    arr = group.create_array(
+        "t2m", shape=(24, 256, 256), chunks=(8, 256, 256), dtype="f4", fill_value=0
+    )
+    arr[...] = np.random.default_rng(2).random((24, 256, 256)).astype("f4") + 1
+    return root
+
+
+@pytest.fixture(scope="module")
+def transforms(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    folder = tmp_path_factory.mktemp("user_code")
+    path = folder / "my_transforms.py"
+    path.write_text(TRANSFORMS)
+    return path
+
+
+def check(store: Path, target: str, *extra: str, cwd: Path | None = None) -> tuple[int, str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(cwd or ROOT)])}
+    command = [sys.executable, "-m", "insitubatch_nodes.cli", "check-transform", str(store)]
+    proc = subprocess.run(
+        [*command, "--var", "t2m", "--transform", target, *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=150,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def test_check_transform_exits_zero_on_a_vectorized_transform(
+    store: Path, transforms: Path
+) -> None:
+    rc, out = check(store, f"{transforms}:vectorized")
+    assert rc == 0, out
+    assert "decoded 2.10 MB" in out and "sample shape (256, 256)" in out
+    assert "releases the GIL" in out and out.rstrip().endswith("OK")
+    # the same transform named as module:attr (importable from the working directory)
+    rc, out = check(store, "my_transforms:vectorized", "--no-gil-probe", cwd=transforms.parent)
+    assert rc == 0, out
+    assert "probe skipped" in out
+
+
+def test_check_transform_exits_non_zero_on_a_gil_holding_pure_python_transform(
+    store: Path, transforms: Path
+) -> None:
+    rc, out = check(store, f"{transforms}:python_per_element")
+    assert rc == 1, out
+    assert "holds the GIL" in out and "vectorize it" in out
+    # the deterministic checks alone pass: the shape and dtype are right
+    rc, out = check(store, f"{transforms}:python_per_element", "--no-gil-probe")
+    assert rc == 0, out
+
+
+def test_check_transform_exits_non_zero_on_a_lying_output_inner_naming_both_shapes(
+    store: Path, transforms: Path
+) -> None:
+    rc, out = check(store, f"{transforms}:LyingHalf", "--no-gil-probe")
+    assert rc == 1, out
+    assert "declared  output_inner -> (128, 128) float32" in out
+    assert "LyingHalf" in out and "(8, 128, 256)" in out and "(8, 128, 128)" in out
+
+
+def test_check_transform_reports_an_undeclared_reshape(store: Path, transforms: Path) -> None:
+    rc, out = check(store, f"{transforms}:undeclared_half", "--no-gil-probe")
+    assert rc == 1, out
+    assert "declares no output_inner" in out and "(8, 128, 128)" in out
+
+
+def test_check_transform_refuses_an_unknown_array_or_target_with_a_usage_error(
+    store: Path, transforms: Path
+) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    base = [sys.executable, "-m", "insitubatch_nodes.cli", "check-transform", str(store)]
+    bad_var = subprocess.run(
+        [*base, "--var", "nope", "--transform", f"{transforms}:vectorized"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    assert bad_var.returncode == 2 and "available arrays: ['t2m']" in bad_var.stderr
+    rc, out = check(store, f"{transforms}:missing")
+    assert rc == 2 and "has no attribute 'missing'" in out
+
+
+def test_the_console_script_insitubatch_nodes_runs_the_cli() -> None:
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    target = config["project"]["scripts"]["insitubatch-nodes"]
+    module, _, attr = target.partition(":")
+    main = getattr(importlib.import_module(module), attr)
+    from insitubatch_nodes.cli import main as cli_main
+
+    assert main is cli_main
+    with pytest.raises(SystemExit) as info:
+        main(["check-transform", "--help"])
+    assert info.value.code == 0
