@@ -96,9 +96,12 @@ class InSituPipeline(PrefetcherNode[Batch]):
         return self.stages.fetch.bad_chunks
 
     def __len__(self) -> int:
-        """Batches in the current epoch (the same every epoch, except an epoch resumed on
-        another world size: see :meth:`ReadPlanNode.reset`)."""
-        return len(self.stages.plan)
+        """Batches in the epoch being delivered (once it is over: in the next), counted from
+        its start. The same every epoch, except an epoch resumed on another world size (see
+        :meth:`ReadPlanNode.reset`). Decided by the delivered position: the read plan itself
+        runs ahead of it by the read-ahead and the prefetch queue."""
+        plan = self.stages.plan
+        return plan.epoch_len if self._ended else plan.current_len
 
     def resumed_len(self, state: Mapping[str, Any]) -> int:
         """What ``len(self)`` reports once ``state`` (this pipeline's or a ``Loader``'s) is

@@ -1216,6 +1216,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return self.epoch_len
 
     @property
+    def current_len(self) -> int:
+        """Batches in the epoch this node is in (its current plan, however far the stages
+        below have read it), or in a whole epoch before the first ``reset``."""
+        return self.epoch_len if self._plan is None else self._plan.n_batches
+
+    @property
     def epoch_len(self) -> int:
         """Batches this rank yields in a whole epoch (the same every epoch)."""
         if self._epoch_len is None:
