@@ -101,7 +101,11 @@ class InSituPipeline(PrefetcherNode[Batch]):
         :meth:`ReadPlanNode.reset`). Decided by the delivered position: the read plan itself
         runs ahead of it by the read-ahead and the prefetch queue."""
         plan = self.stages.plan
-        return plan.epoch_len if self._ended else plan.current_len
+        current = plan.current_len
+        delivered = None if self._delivered is None else plan_state(self._delivered)
+        if self._ended or (delivered is not None and delivered["batches_emitted"] >= current):
+            return plan.epoch_len
+        return current
 
     def resumed_len(self, state: Mapping[str, Any]) -> int:
         """What ``len(self)`` reports once ``state`` (this pipeline's or a ``Loader``'s) is
