@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt torch==2.13.0
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,lightning,bench]'
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[dev,lightning,bench,recipes]'
 	@touch $(STAMP)
 
 demo: $(STAMP)
