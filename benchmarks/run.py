@@ -11,7 +11,8 @@ worker count), run in a fresh interpreter (``benchmarks/engines.py``, or
 3. measures two ceilings of each (store, dataset) once: ``rawget`` (every stored chunk object,
    ``obstore.get_async`` at 32 in flight, no decode) and ``decode`` (every stored object of the
    train chunks fetched the same way and decoded on the pipeline's default decode threads into
-   preallocated, reused buffers);
+   preallocated, reused buffers) — for the suite's ``ceilings_every_round`` datasets (the
+   reference shape) in every round instead, right before that round's engines on it;
 4. sweeps the per-sample loaders' worker counts once per store on the tuning dataset and keeps
    the best (by warm samples/s) for the rounds;
 5. runs ``--repeats`` rounds; in each round, for every store and dataset, the engines in an
@@ -51,7 +52,14 @@ from typing import Any
 import numpy as np
 
 from benchmarks import insitubatch_env
-from benchmarks.datasets import SUITES, DatasetSpec, chunk_sizes, ensure_dataset, needed_bytes
+from benchmarks.datasets import (
+    REFERENCE,
+    SUITES,
+    DatasetSpec,
+    chunk_sizes,
+    ensure_dataset,
+    needed_bytes,
+)
 from benchmarks.datasets import object_keys as list_objects
 from benchmarks.sampler import TreeSampler, rss_source
 
@@ -80,7 +88,7 @@ REQUIRED_FIELDS = (
     "config",
 )
 ALWAYS_AVAILABLE = ("nodes", "workers", "memory")
-CEILINGS = ("rawget", "decode")  # once per store and dataset, before the rounds
+CEILINGS = ("rawget", "decode")  # per store and dataset: before the rounds, or in every round
 
 
 @dataclass
@@ -101,6 +109,9 @@ class Suite:
     # engine is (each skip is recorded): the suite ends in time whatever the machine's load.
     soft_budget_s: float | None = None
     hard_budget_s: float | None = None
+    # The ceilings of these datasets are measured in every round, right before its engines (the
+    # targets' ratios pair an epoch with its own round's ceiling); the others' once, up front.
+    ceilings_every_round: tuple[str, ...] = ()
 
 
 def make_suite(name: str) -> Suite:
@@ -128,6 +139,7 @@ def make_suite(name: str) -> Suite:
         # (~11 loaded) to the spc series' ~10: past these the later cells are skipped instead.
         soft_budget_s=24 * 60,
         hard_budget_s=28 * 60,
+        ceilings_every_round=(REFERENCE.name,),
     )
 
 
@@ -411,19 +423,9 @@ class Harness:
         phase: str = "round",
     ) -> None:
         where = {"store": "ram" if engine == "memory" else store, "dataset": info.spec.name}
-        elapsed = time.monotonic() - self.t_run
-        limit = self.suite.hard_budget_s
-        if engine in PER_SAMPLE and self.suite.soft_budget_s is not None:
-            limit = self.suite.soft_budget_s
-        if limit is not None and not self.args.no_time_budget and elapsed > limit:
-            self.skip(
-                engine,
-                f"time budget: {elapsed / 60:.1f} min elapsed > {limit / 60:.0f} min "
-                f"({'per-sample loaders' if engine in PER_SAMPLE else 'all engines'})",
-                **where,
-                repeat=repeat,
-                variant=variant,
-            )
+        over = self.over_budget(engine)
+        if over:
+            self.skip(engine, over, **where, repeat=repeat, variant=variant)
             return
         store_cfg, stats_port = self.store_config(store, info)
         cfg = {
@@ -540,10 +542,28 @@ class Harness:
             "extra": ep.get("extra") or {},
         }
 
-    def ceiling(self, engine: str, store: str, info: DatasetInfo) -> None:
+    def over_budget(self, engine: str) -> str | None:
+        """Why ``engine`` is not run now (past the suite's time budget), or None."""
+        elapsed = time.monotonic() - self.t_run
+        limit = self.suite.hard_budget_s
+        if engine in PER_SAMPLE and self.suite.soft_budget_s is not None:
+            limit = self.suite.soft_budget_s
+        if limit is None or self.args.no_time_budget or elapsed <= limit:
+            return None
+        return (
+            f"time budget: {elapsed / 60:.1f} min elapsed > {limit / 60:.0f} min "
+            f"({'per-sample loaders' if engine in PER_SAMPLE else 'all engines'})"
+        )
+
+    def ceiling(self, engine: str, store: str, info: DatasetInfo, repeat: int | None) -> None:
         """One pass of a ceiling engine on (store, dataset): ``rawget`` (every stored object,
         no decode) or ``decode`` (the train chunks' objects fetched and decoded into reused
-        buffers). One row of type ``engine``."""
+        buffers). One row of type ``engine``; ``repeat`` is None for the pass before the rounds.
+        A pass within a round is skipped past the time budget, like the engines."""
+        over = self.over_budget(engine) if repeat is not None else None
+        if over:
+            self.skip(engine, over, store=store, dataset=info.spec.name, repeat=repeat)
+            return
         store_cfg, stats_port = self.store_config(store, info)
         cfg: dict[str, Any] = {
             "engine": engine,
@@ -558,7 +578,7 @@ class Harness:
         child = run_child(
             [sys.executable, "-m", "benchmarks.engines"], cfg, self.tmp, self.suite.child_timeout_s
         )
-        where = {"store": store, "dataset": info.spec.name}
+        where = {"store": store, "dataset": info.spec.name, "repeat": repeat}
         if child.result is None:
             status = "timeout" if child.timed_out else f"rc={child.rc}"
             print(f"[bench] FAIL {engine} {where}: {status}\n{child.log_tail}")
@@ -714,6 +734,7 @@ class Harness:
                     k: list(v) for k, v in self.suite.per_sample_datasets.items()
                 },
                 "soft_budget_s": self.suite.soft_budget_s,
+                "ceilings_every_round": list(self.suite.ceilings_every_round),
                 "hard_budget_s": self.suite.hard_budget_s,
                 "per_sample_batches": self.suite.per_sample_batches,
                 "full_sweep": self.args.full_sweep,
@@ -740,16 +761,21 @@ class Harness:
                 _, self.proxy = stack.enter_context(
                     s3_endpoint({i.spec.folder: i.path for i in infos}, self.args.latency_ms)
                 )
+            every_round = set(self.suite.ceilings_every_round)
             for store in self.args.stores:
                 for info in infos:
-                    for ceiling in CEILINGS:
-                        self.ceiling(ceiling, store, info)
+                    if info.spec.name not in every_round:
+                        for ceiling in CEILINGS:
+                            self.ceiling(ceiling, store, info, None)
             self.sweep(engines, infos)
             for repeat in range(self.suite.repeats):
                 k = repeat % len(engines) if engines else 0
                 order = engines[k:] + engines[:k]
                 for store in self.args.stores:
                     for info in infos:
+                        if info.spec.name in every_round:
+                            for ceiling in CEILINGS:
+                                self.ceiling(ceiling, store, info, repeat)
                         for engine in order:
                             for variant in self.variants(engine, store, info, repeat):
                                 self.measure(engine, store, info, repeat, variant)
