@@ -20,10 +20,11 @@ Engines:
 * ``memory`` — the split already in RAM; a random permutation gathered batch by batch with
   ``np.take(..., out=)`` into preallocated buffers (the ceiling).
 * ``rawget`` — every stored chunk object fetched with ``obstore.get_async`` at 32 in flight, no
-  decode (the store's ceiling).
+  decode (the store's ceiling), with the pipeline's allocator setting (:func:`tune_allocator`).
 * ``decode`` — every stored object of the train chunks fetched the same way and decoded with
   ``ChunkDecoder.decode_into`` on the pipeline's default number of decode threads, into
-  preallocated destinations that are reused (the fetch + decode ceiling: no pool, no gather).
+  preallocated destinations that are reused (the fetch + decode ceiling: no pool, no gather),
+  with the pipeline's allocator setting.
 """
 
 from __future__ import annotations
@@ -287,9 +288,21 @@ def run_memory(cfg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+def tune_allocator() -> bool:
+    """Apply the pipeline's own allocator setting (``insitubatch_nodes._runtime.tune_allocator``:
+    glibc keeps freed GET buffers for reuse instead of unmapping them), so that a ceiling pays
+    for memory what the pipeline pays. False where the package has no such setting or it is not
+    in effect (not glibc, or ``INSITUBATCH_NODES_MALLOC_TUNING=0``)."""
+    from insitubatch_nodes import _runtime
+
+    tune = getattr(_runtime, "tune_allocator", None)
+    return bool(tune()) if tune is not None else False
+
+
 def run_rawget(cfg: dict[str, Any]) -> dict[str, Any]:
     import obstore
 
+    tuned = tune_allocator()
     store = make_obstore(cfg["store"])
     keys = [k for k, _ in cfg["objects"]]
     limit = int(cfg["max_inflight"])
@@ -308,7 +321,7 @@ def run_rawget(cfg: dict[str, Any]) -> dict[str, Any]:
         nbytes = asyncio.run(fetch_all())
         count_batch(rec, 0, None)
     out = rec.as_dict()
-    out["extra"] = {"objects": len(keys), "bytes": nbytes}
+    out["extra"] = {"objects": len(keys), "bytes": nbytes, "allocator_tuned": tuned}
     return {"setup_s": 0.0, "epochs": [out]}
 
 
@@ -337,6 +350,7 @@ def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
     from insitubatch_nodes.decode import ChunkDecoder
 
     t0 = time.monotonic()
+    tuned = tune_allocator()
     geoms = open_geometries(make_zarr_store(cfg["store"]), list(VARIABLES))
     store = make_obstore(cfg["store"])
     decoders = {v: ChunkDecoder(g) for v, g in geoms.items()}
@@ -397,6 +411,7 @@ def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
         "decoded_bytes": decoded,
         "threads": threads,
         "strategy": {v: d.strategy for v, d in decoders.items()},
+        "allocator_tuned": tuned,
     }
     return {"setup_s": setup_s, "epochs": [out]}
 

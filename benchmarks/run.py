@@ -607,7 +607,11 @@ class Harness:
             "cpu_s": ep["cpu_s"],
             "rss_peak_MB": _mb(child.sampler.peak(ep["t_start"], ep["t_end"])["rss_peak_bytes"]),
             "proxy": ep.get("proxy"),
-            "config": {"max_inflight": 32, "latency_ms": self.args.latency_ms},
+            "config": {
+                "max_inflight": 32,
+                "latency_ms": self.args.latency_ms,
+                "allocator_tuned": extra.get("allocator_tuned"),
+            },
         }
         text = (
             f"{extra['objects']:5d} objects {row['MB_per_s']:8.1f} MB/s "
