@@ -1,4 +1,4 @@
-"""Measurement children that run in this project's venv: nodes, workers, xbatcher, memory, rawget.
+"""Measurement children in this project's venv: nodes, workers, xbatcher, memory, rawget, decode.
 
 Run as ``python -m benchmarks.engines CONFIG_JSON RESULT_JSON`` by ``benchmarks/run.py``, one
 fresh interpreter per measurement. The config names the engine, the store, the dataset, the
@@ -20,7 +20,11 @@ Engines:
 * ``memory`` — the split already in RAM; a random permutation gathered batch by batch with
   ``np.take(..., out=)`` into preallocated buffers (the ceiling).
 * ``rawget`` — every stored chunk object fetched with ``obstore.get_async`` at 32 in flight, no
-  decode (the store's ceiling).
+  decode (the store's ceiling), with the pipeline's allocator setting (:func:`tune_allocator`).
+* ``decode`` — every stored object of the train chunks fetched the same way and decoded with
+  ``ChunkDecoder.decode_into`` on the pipeline's default number of decode threads, into
+  preallocated destinations that are reused (the fetch + decode ceiling: no pool, no gather),
+  with the pipeline's allocator setting.
 """
 
 from __future__ import annotations
@@ -284,9 +288,21 @@ def run_memory(cfg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+def tune_allocator() -> bool:
+    """Apply the pipeline's own allocator setting (``insitubatch_nodes._runtime.tune_allocator``:
+    glibc keeps freed GET buffers for reuse instead of unmapping them), so that a ceiling pays
+    for memory what the pipeline pays. False where the package has no such setting or it is not
+    in effect (not glibc, or ``INSITUBATCH_NODES_MALLOC_TUNING=0``)."""
+    from insitubatch_nodes import _runtime
+
+    tune = getattr(_runtime, "tune_allocator", None)
+    return bool(tune()) if tune is not None else False
+
+
 def run_rawget(cfg: dict[str, Any]) -> dict[str, Any]:
     import obstore
 
+    tuned = tune_allocator()
     store = make_obstore(cfg["store"])
     keys = [k for k, _ in cfg["objects"]]
     limit = int(cfg["max_inflight"])
@@ -305,8 +321,99 @@ def run_rawget(cfg: dict[str, Any]) -> dict[str, Any]:
         nbytes = asyncio.run(fetch_all())
         count_batch(rec, 0, None)
     out = rec.as_dict()
-    out["extra"] = {"objects": len(keys), "bytes": nbytes}
+    out["extra"] = {"objects": len(keys), "bytes": nbytes, "allocator_tuned": tuned}
     return {"setup_s": 0.0, "epochs": [out]}
+
+
+# --------------------------------------------------------------------------------------------
+# decode: the fetch + decode ceiling
+# --------------------------------------------------------------------------------------------
+
+
+def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
+    """GET every stored object of the train chunks (32 in flight) and decode each on
+    ``default_decode_threads()`` threads into preallocated, reused chunk buffers.
+
+    Like the pipeline's fetch stage, a GET's in-flight slot is held until its object is decoded
+    (at most ``max_inflight`` raw objects in memory). Each decode borrows one of ``threads``
+    buffer sets (one ``(samples_per_chunk, *inner_shape)`` array per variable, allocated and
+    written once before the timed window), writes its tile's region (``tile_slices``, as
+    ``fetch.py`` does) and returns the set: the timed window allocates no destination memory.
+    """
+    import queue
+    from concurrent.futures import ThreadPoolExecutor
+
+    import obstore
+
+    from insitubatch_nodes import open_geometries
+    from insitubatch_nodes._runtime import default_decode_threads
+    from insitubatch_nodes.decode import ChunkDecoder
+
+    t0 = time.monotonic()
+    tuned = tune_allocator()
+    geoms = open_geometries(make_zarr_store(cfg["store"]), list(VARIABLES))
+    store = make_obstore(cfg["store"])
+    decoders = {v: ChunkDecoder(g) for v, g in geoms.items()}
+    threads = default_decode_threads()
+    buffers: queue.SimpleQueue[dict[str, np.ndarray]] = queue.SimpleQueue()
+    for _ in range(threads):
+        bufs = {
+            v: np.empty((g.samples_per_chunk, *g.inner_shape), g.dtype) for v, g in geoms.items()
+        }
+        for b in bufs.values():
+            b.fill(0)  # first touch outside the timed window
+        buffers.put(bufs)
+    jobs = [
+        (v, chunk, tile, g.store_key(chunk, tile))
+        for v, g in geoms.items()
+        for chunk in cfg["train_chunks"]
+        for tile in g.tiles()
+    ]
+    ranges = [geoms["t2m"].chunk_range(c) for c in cfg["train_chunks"]]
+    samples = sum(stop - start for start, stop in ranges)
+    pool = ThreadPoolExecutor(threads, thread_name_prefix="decode")
+    list(pool.map(lambda _: None, range(threads)))  # start the threads before the clock
+    limit = int(cfg["max_inflight"])
+    setup_s = time.monotonic() - t0
+
+    def decode(v: str, chunk: int, tile: tuple[int, ...], raw: Any) -> None:
+        g = geoms[v]
+        start, stop = g.chunk_range(chunk)
+        bufs = buffers.get()
+        try:
+            out = bufs[v][: stop - start][(slice(None), *g.tile_slices(tile))]
+            decoders[v].decode_into(raw, out, chunk, tile)
+        finally:
+            buffers.put(bufs)
+
+    async def fetch_decode_all() -> int:
+        loop = asyncio.get_running_loop()
+        sem = asyncio.Semaphore(limit)
+
+        async def one(v: str, chunk: int, tile: tuple[int, ...], key: str) -> int:
+            async with sem:
+                result = await obstore.get_async(store, key)
+                raw = await result.bytes_async()
+                await loop.run_in_executor(pool, decode, v, chunk, tile, raw)
+                return len(raw)
+
+        return sum(await asyncio.gather(*(one(*job) for job in jobs)))
+
+    with timed_epoch("decode", cfg.get("proxy_stats_port")) as rec:
+        nbytes = asyncio.run(fetch_decode_all())
+        count_batch(rec, samples, None)
+    pool.shutdown()
+    out = rec.as_dict()
+    decoded = sum(g.sample_nbytes for g in geoms.values()) * samples
+    out["extra"] = {
+        "objects": len(jobs),
+        "bytes": nbytes,
+        "decoded_bytes": decoded,
+        "threads": threads,
+        "strategy": {v: d.strategy for v, d in decoders.items()},
+        "allocator_tuned": tuned,
+    }
+    return {"setup_s": setup_s, "epochs": [out]}
 
 
 RUNNERS = {
@@ -315,6 +422,7 @@ RUNNERS = {
     "xbatcher": run_torch_loader,
     "memory": run_memory,
     "rawget": run_rawget,
+    "decode": run_decode,
 }
 
 

@@ -49,6 +49,16 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert {r["store"] for r in raw} == {"local", "s3"}
     assert all(r["objects"] > 0 and r["bytes"] > 0 for r in raw)
 
+    # the decode-only ceiling: the train chunks' objects, every train sample decoded once
+    decode = [r for r in rows if r["type"] == "decode"]
+    assert {r["store"] for r in decode} == {"local", "s3"}
+    train = run["datasets"][0]
+    for r in decode:
+        assert r["samples"] == train["train_samples"]
+        assert r["decoded_bytes"] == train["decoded_train_bytes"]
+        assert r["samples_per_s"] > 0 and r["threads"] >= 1
+        assert 0 < r["bytes"] <= train["needed_bytes"]
+
     skipped = {r["engine"]: r["reason"] for r in rows if r["type"] == "skip" and "store" not in r}
     for engine in skipped:
         assert engine in OPTIONAL, f"{engine} must not be skipped: {skipped[engine]}"
