@@ -28,8 +28,6 @@ import textwrap
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-REFERENCE = {"n_time": 2048, "n_lat": 181, "n_lon": 360, "n_level": 4, "samples_per_chunk": 16}
-
 _GETS = textwrap.dedent(
     """
     import asyncio, json, os, resource, sys, time
@@ -96,14 +94,11 @@ _EPOCHS = textwrap.dedent(
 
 
 def dataset(root: Path) -> Path:
+    """The suite's reference dataset (``benchmarks.datasets.REFERENCE``), written if missing."""
     sys.path.insert(0, str(HERE.parent))
-    from benchmarks.datasets import DatasetSpec, ensure_dataset
+    from benchmarks.datasets import REFERENCE, ensure_dataset
 
-    spec = DatasetSpec("reference", **REFERENCE)
-    path = root / spec.folder
-    if path.is_dir() and (root / (spec.folder + ".bench-spec.json")).is_file():
-        return path  # written by this script or the suite (the name is not part of the layout)
-    return ensure_dataset(spec, root)[0]
+    return ensure_dataset(REFERENCE, root)[0]
 
 
 def child(script: str, path: Path, env: dict[str, str]) -> dict:
