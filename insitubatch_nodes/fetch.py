@@ -41,7 +41,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -110,6 +110,22 @@ async def _cancel_tasks(nodes: Iterable[AsyncChunkFetchNode]) -> None:
         task.cancel()
     if tasks:
         await asyncio.wait(tasks, timeout=_EXIT_GRACE_S)
+
+
+R = TypeVar("R")
+
+
+async def _landed(job: Future[R]) -> R:
+    """The result of a decode-pool job. Cancelled while it runs, the job is not interrupted
+    (decode and transforms write into a slot): this waits for it to finish, then re-raises the
+    cancellation, so nothing writes into the slot once the caller has gone."""
+    try:
+        return await asyncio.wrap_future(job)
+    except asyncio.CancelledError:
+        job.cancel()
+        while not job.done():
+            await asyncio.sleep(0.001)
+        raise
 
 
 class ChunkReadError(RuntimeError):
@@ -472,12 +488,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         )
         busy: float | None = None
         try:
-            busy = await asyncio.wrap_future(job)
-        except asyncio.CancelledError:
-            job.cancel()
-            while not job.done():  # a running transform cannot be interrupted: let it land
-                await asyncio.sleep(0.001)
-            raise
+            busy = await _landed(job)
         finally:
             if rec is not None:
                 rec.on_transform_end(submitted, busy)
@@ -594,11 +605,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                         ticket, rec.timed, decoder.decode_into, raw, out, chunk, tile
                     )
                 try:
-                    busy = await asyncio.wrap_future(job)
+                    busy = await _landed(job)
                 except asyncio.CancelledError:
-                    job.cancel()
-                    while not job.done():  # a running decode cannot be interrupted: let it land
-                        await asyncio.sleep(0.001)
                     if rec is not None:
                         rec.on_decode_end(submitted, None)
                     raise
