@@ -306,7 +306,7 @@ def test_a_cached_chunk_with_another_valid_sample_count_is_a_miss_not_an_error(
 
 
 def test_a_stale_array_raises_naming_it_and_reset_rebuilds_only_the_stale_arrays(
-    era5: Path, tmp_path: Path
+    era5: Path, tmp_path: Path, children: list[Child]
 ) -> None:
     cache = tmp_path / "cache"
     warm(era5, cache, chunk_transforms=[applies("t2m", AddConstant(1.0, cache_key="v1"))])
@@ -314,6 +314,11 @@ def test_a_stale_array_raises_naming_it_and_reset_rebuilds_only_the_stale_arrays
     with pytest.raises(StaleCacheError, match="'t2m'") as err:
         build(era5, cache, persist=True, chunk_transforms=changed)
     assert "'z'" not in str(err.value) and "reset_stale_cache=True" in str(err.value)
+    # the construction that raised let go of the directory: another process takes it at once
+    other = spawn(children, action="hold", store=str(era5), cache_dir=str(cache))
+    assert other.event()["event"] == "ready"
+    assert other.go_on()["event"] == "closed"
+    other.proc.wait(30)
     z_files = {p.name: p.stat().st_ino for p in cache.glob(f"{chunk_file_name('z', 0)[:-5]}*")}
     pipe, store = build(era5, cache, persist=True, reset_stale_cache=True, chunk_transforms=changed)
     got = epoch(pipe)
@@ -499,6 +504,20 @@ def test_a_readonly_run_writes_nothing(era5: Path, tmp_path: Path) -> None:
     epoch(pipe)
     pipe.close()
     assert snapshot() == before and store.chunk_gets == 0
+
+
+def test_a_cache_dir_on_a_network_file_system_warns_that_writers_are_not_arbitrated(
+    era5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from insitubatch_nodes import cache as cache_module
+
+    local = cache_module._mount_type(tmp_path)
+    assert local is not None and local not in cache_module._NETWORK_FS  # read from /proc/mounts
+    monkeypatch.setattr(cache_module, "_mount_type", lambda path: "nfs4")
+    with pytest.warns(
+        UserWarning, match=r"not arbitrated: it is on a network file system \(nfs4\)"
+    ):
+        build(era5, tmp_path / "cache", persist=True)[0].close()
 
 
 def test_readonly_refuses_reset_stale_cache_and_every_flag_needs_a_cache_dir(
