@@ -84,7 +84,7 @@ class PriorityPool:
             del fut, fn, args
 
 
-_POOLS: dict[int, PriorityPool] = {}
+_POOLS: dict[int | str, PriorityPool] = {}
 _POOLS_LOCK = threading.Lock()
 
 # The process that ran obstore GETs through a pipeline. obstore's IO runtime is a set of threads
@@ -156,6 +156,18 @@ def decode_pool(threads: int | None = None) -> PriorityPool:
         if pool is None:
             pool = PriorityPool(n, name=f"insitu-decode{n}")
             _POOLS[n] = pool
+        return pool
+
+
+def gather_helper() -> PriorityPool | None:
+    """The shared thread that copies half of each large batch while the pipeline's own thread
+    copies the other half (created once); ``None`` with a single usable core."""
+    if default_decode_threads() < 2:
+        return None
+    with _POOLS_LOCK:
+        pool = _POOLS.get("gather")
+        if pool is None:
+            pool = _POOLS["gather"] = PriorityPool(1, name="insitu-gather")
         return pool
 
 

@@ -376,7 +376,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             if entry.bad_tiles:  # read as bad by an earlier fill: still bad here
                 self._note_bad(self._generation, key[0], key[1], entry.bad_tiles)
             if self.recorder is not None:
-                self.recorder.on_admit(key, hit)
+                self.recorder.on_admit(key, hit or entry.cached is not None)
             self._live[key] = entry
             self._pins[key] = self._pins.get(key, 0) + 1
             if not hit:  # tickets follow first need: the decode pool serves them in that order
@@ -413,6 +413,11 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             self.pool.discard(entry, error or FillCancelled(f"chunk {entry.key} was cancelled"))
 
     async def _fill(self, entry: ChunkEntry, ticket: int) -> None:
+        if entry.cached is not None:  # a hit in the persistent cache: map its file, no GET
+            job = self._decode_pool.submit(ticket, self.pool.map_cached, entry)
+            if await _landed(job):
+                self.pool.mark_ready(entry)
+                return
         path, chunk = entry.key
         geom, decoder = self.geoms[path], self._decoders[path]
         start, stop = geom.chunk_range(chunk)

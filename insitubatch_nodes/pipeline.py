@@ -446,7 +446,7 @@ def insitu_pipeline(
         pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
         first = plan.epoch_plan(0)
         pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one
-        if cache is None:
+        if cache is None:  # (with a cache_dir, slots are files)
             # Pay for the first epoch's slot memory ahead of need, in the order it will be
             # needed (a fresh process faults new pages in slowly; see ChunkPool.reserve).
             pool.reserve(

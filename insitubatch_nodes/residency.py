@@ -42,6 +42,8 @@ from insitubatch_nodes.cache import CacheMissError
 from insitubatch_nodes.geometry import ArrayGeometry
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from insitubatch_nodes.cache import ChunkCache, SlotFile
     from insitubatch_nodes.plan import ChunkKey, EpochPlan
 
@@ -55,6 +57,9 @@ __all__ = [
     "SlotBacking",
     "working_set_bytes",
 ]
+
+
+_UNMAPPED = np.empty(0, dtype=np.uint8)  # the slot of a disk hit until its file is mapped
 
 
 class FillCancelled(RuntimeError):
@@ -151,6 +156,9 @@ class ChunkEntry:
     recycle: bool = True  # the slot goes back to a free list (False: a cache file's mapping)
     file: SlotFile | None = None  # the cache file this slot becomes once filled (persist)
     valid: int | None = None  # valid samples the chunk holds (the slot's length when None)
+    # a hit on disk: (file, shape, dtype) its fill maps instead of fetching (``slot`` is
+    # empty until then)
+    cached: tuple[Path, tuple[int, ...], np.dtype[Any]] | None = None
 
     @property
     def is_ready(self) -> bool:
@@ -326,13 +334,15 @@ class ChunkPool:
                 nbytes = math.prod(shape) * dtype.itemsize
                 if not self._make_room(nbytes):
                     return None
-                slot = cache.revive(key, shape, dtype, valid)
-                if slot is not None:
-                    entry = self._admit(key, slot, recycle=False, valid=valid)
-                    entry.ready.set_result(None)
+                file = cache.find(key, shape, dtype, valid)
+                if file is not None:
+                    # a hit on disk: its fill maps the file, on a decode thread (no GET, no
+                    # decode); the slot is that mapping (budgeted as page cache)
+                    entry = self._admit(key, _UNMAPPED, recycle=False, valid=valid, nbytes=nbytes)
+                    entry.cached = (file, shape, dtype)
                     self.stats.hits += 1
                     self.stats.disk_hits += 1
-                    return entry, True
+                    return entry, False
                 if cache.readonly:
                     raise CacheMissError(
                         f"chunk {key[1]} of array {key[0]!r} is not in the read-only cache at "
@@ -341,10 +351,10 @@ class ChunkPool:
                         "another split, sample range, or ran other chunk transforms. Warm it "
                         "with this configuration and persist=True, or drop readonly_cache."
                     )
-                file = cache.new_slot(key, shape, dtype, valid)
-                if file is not None:
-                    entry = self._admit(key, file.array, recycle=False, valid=valid)
-                    entry.file = file
+                written = cache.new_slot(key, shape, dtype, valid)
+                if written is not None:
+                    entry = self._admit(key, written.array, recycle=False, valid=valid)
+                    entry.file = written
                     self.stats.misses += 1
                     return entry, False
             slot = self._take_buffer(shape, dtype)
@@ -354,11 +364,19 @@ class ChunkPool:
             self.stats.misses += 1
             return entry, False
 
-    def _admit(self, key: ChunkKey, slot: np.ndarray, recycle: bool, valid: int) -> ChunkEntry:
+    def _admit(
+        self,
+        key: ChunkKey,
+        slot: np.ndarray,
+        recycle: bool,
+        valid: int,
+        nbytes: int | None = None,
+    ) -> ChunkEntry:
+        nbytes = slot.nbytes if nbytes is None else nbytes
         if not recycle:  # a file's mapping: budgeted like a slot, never reused for another chunk
-            self._allocated += slot.nbytes
+            self._allocated += nbytes
             self.stats.allocations += 1
-        entry = ChunkEntry(key=key, slot=slot, nbytes=slot.nbytes, pins=1, recycle=recycle)
+        entry = ChunkEntry(key=key, slot=slot, nbytes=nbytes, pins=1, recycle=recycle)
         entry.valid = valid
         self._entries[key] = entry
         self.stats.resident_bytes += entry.nbytes
@@ -366,6 +384,35 @@ class ChunkPool:
             self.stats.resident_peak_bytes, self.stats.resident_bytes
         )
         return entry
+
+    def map_cached(self, entry: ChunkEntry) -> bool:
+        """Fill an entry admitted as a hit on disk by mapping its cached file (any thread).
+
+        Returns False when the file turned out unusable (deleted or truncated since it was
+        found): the entry then holds a fresh in-memory slot (already budgeted) and its owner
+        fetches the chunk into it, as a miss. A read-only cache raises
+        :class:`~insitubatch_nodes.cache.CacheMissError` instead.
+        """
+        assert entry.cached is not None and self.cache is not None
+        file, shape, dtype = entry.cached
+        slot = self.cache.map_file(file, shape, dtype)
+        if slot is not None:
+            entry.slot = slot
+            return True
+        with self._lock:
+            self.cache.forget(entry.key)
+            self.stats.hits -= 1
+            self.stats.disk_hits -= 1
+            self.stats.misses += 1
+            readonly = self.cache.readonly
+        if readonly:
+            raise CacheMissError(
+                f"chunk {entry.key[1]} of array {entry.key[0]!r} is logged in the read-only "
+                f"cache at {self.cache.root} but its file {file.name} cannot be read (deleted "
+                "or truncated); warm the cache again"
+            )
+        entry.slot = np.empty(shape, dtype=dtype)
+        return False
 
     def _make_room(self, nbytes: int) -> bool:
         """Free memory until ``nbytes`` more fit the budget (free lists, then LRU chunks)."""
