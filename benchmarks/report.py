@@ -769,6 +769,30 @@ def _persist_targets(warm: dict[str, dict], cold: dict[str, dict], memory: dict)
     return table(["ratio", "measured", "target", "median"], lines)
 
 
+def _persist_setup(run: Row) -> list[str]:
+    """The Setup bullet of the persistent-cache measurement (none when the run had none)."""
+    cells = [
+        f"`{name}` on {store}"
+        for store, names in (run.get("persist_datasets") or {}).items()
+        for name in names
+        if store in run.get("stores", [])
+    ]
+    if not cells or "persist" not in run.get("variants", ["persist"]):
+        return []
+    return [PERSIST_SETUP.format(cells=", ".join(cells))]
+
+
+PERSIST_SETUP = (
+    "- Persistent chunk cache (nodes and insitubatch, on {cells}): in every round, one process "
+    "runs an epoch with `cache_dir=DIR, persist=True` and the `split` budget over a new folder "
+    "in the harness's temporary folder on local disk (`cold_persist`: it fetches and decodes "
+    "every chunk and writes it to the folder) and exits; a second, fresh process over the same "
+    "folder runs its epoch 0 (`warm_disk`), served from the folder (no chunk fetched or "
+    "decoded); then the folder is deleted. That epoch's ceiling is the in-RAM gather of the "
+    "same round (see *Persistent chunk cache*)."
+)
+
+
 def _budget_text(run: Row) -> str:
     soft, hard = run.get("soft_budget_s"), run.get("hard_budget_s")
     if soft is None or hard is None:
@@ -879,6 +903,7 @@ def render(rows: list[Row], source: Path, plots: dict[str, Path | None], doc: Pa
         "`warm_default`); `budget=split` sets `cache_budget_bytes` to hold the whole split "
         "(cold, then `warm_cached`: pool hits). workers / xbatcher: `cold` is the first epoch "
         "(spawns the workers), `warm` the second (persistent workers).",
+        *_persist_setup(run),
         "",
         "### Datasets",
         "",
