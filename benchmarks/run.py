@@ -573,6 +573,7 @@ class Harness:
             f"[bench] r{repeat} {store:5s} {info.spec.name:12s} {engine:11s} {label:14s} "
             f"{first['samples'] / first['wall_s']:9.1f} -> {last['samples'] / last['wall_s']:9.1f}"
             f" samples/s  (process {child.wall_s:5.1f} s, {status})"
+            + (f" [{', '.join(ep['kind'] for ep in res['epochs'])}]" if extra_cfg else "")
         )
         return True
 
