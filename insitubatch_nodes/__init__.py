@@ -23,6 +23,12 @@ Follow a batch top-down through the modules:
 """
 
 from insitubatch_nodes.batch import Batch, BatchTransform, DeviceTransform, to_torch
+from insitubatch_nodes.cache import (
+    CacheBusyError,
+    CacheMissError,
+    CorruptCacheError,
+    StaleCacheError,
+)
 from insitubatch_nodes.decode import ChunkDecoder, DecodeError
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
 from insitubatch_nodes.gather import GatherNode
@@ -80,6 +86,8 @@ __all__ = [
     "Batch",
     "BatchPlan",
     "BatchTransform",
+    "CacheBusyError",
+    "CacheMissError",
     "ChunkDecoder",
     "ChunkKey",
     "ChunkPool",
@@ -88,6 +96,7 @@ __all__ = [
     "ChunkTransform",
     "ChunkTransformError",
     "Coarsen",
+    "CorruptCacheError",
     "CorruptMetadataError",
     "DecodeError",
     "DecodedChunk",
@@ -112,6 +121,7 @@ __all__ = [
     "ScheduleFloors",
     "SlotBacking",
     "SplitManifest",
+    "StaleCacheError",
     "StandardScaler",
     "__version__",
     "applies",

@@ -79,6 +79,9 @@ class PriorityPool:
                 fut.set_result(fn(*args))
             except BaseException as exc:
                 fut.set_exception(exc)
+            # drop the finished job before waiting for the next: its arguments (a slot, maybe
+            # a mapping of a cache file) must not stay alive for as long as the thread idles
+            del fut, fn, args
 
 
 _POOLS: dict[int, PriorityPool] = {}

@@ -365,7 +365,10 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         while pending.admitted < len(fetches):
             key = fetches[pending.admitted]
             geom = self.slot_geoms[key[0]]
-            got = self.pool.acquire(key, (geom.samples_per_chunk, *geom.inner_shape), geom.dtype)
+            start, stop = geom.chunk_range(key[1])
+            got = self.pool.acquire(
+                key, (geom.samples_per_chunk, *geom.inner_shape), geom.dtype, stop - start
+            )
             if got is None:
                 ok = False
                 break

@@ -18,7 +18,9 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform
+from insitubatch_nodes.cache import ChunkCache
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, check_on_bad_chunk
+from insitubatch_nodes.fingerprint import array_fingerprint
 from insitubatch_nodes.gather import GatherNode
 from insitubatch_nodes.geometry import ArrayGeometry, check_arrays_in_store, open_geometries
 from insitubatch_nodes.plan import PinSchedule, ReadPlanNode, check_remainder, schedule_floors
@@ -84,8 +86,11 @@ class InSituPipeline(PrefetcherNode[Batch]):
         return None if self.recorder is None else self.recorder.report()
 
     def close(self) -> None:
+        """Stop the pipeline (see :meth:`PrefetcherNode.close`); with a ``cache_dir``, also let
+        go of the directory (resident chunks are dropped; iterating again takes it back)."""
         self.stages.pool.stop_reserve()
         super().close()
+        self.stages.pool.close_cache()
 
     @property
     def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -148,6 +153,36 @@ def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
     return node
 
 
+def _check_cache_args(
+    cache_dir: Any, persist: Any, readonly: Any, reset_stale: Any, backing: Any
+) -> dict[str, Any] | None:
+    """The cache arguments checked together (``None`` without a ``cache_dir``)."""
+    persist = check_bool("persist", persist)
+    readonly = check_bool("readonly_cache", readonly)
+    reset_stale = check_bool("reset_stale_cache", reset_stale)
+    if cache_dir is None:
+        named = [n for n, v in (("persist", persist), ("readonly_cache", readonly),
+                                ("reset_stale_cache", reset_stale)) if v]  # fmt: skip
+        if named:
+            raise ValueError(f"{' and '.join(named)} need a cache_dir: pass cache_dir=PATH")
+        return None
+    if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
+        raise TypeError(f"cache_dir must be a path (str or os.PathLike) or None, got {cache_dir!r}")
+    if backing is not None:
+        raise ValueError("cache_dir chooses the slot backing itself: pass cache_dir or backing")
+    if readonly and reset_stale:
+        raise ValueError(
+            "reset_stale_cache=True deletes files and readonly_cache=True writes nothing: reset "
+            "the cache with a writing run first"
+        )
+    return {
+        "cache_dir": cache_dir,
+        "persist": persist or readonly,
+        "readonly": readonly,
+        "reset_stale": reset_stale,
+    }
+
+
 def _split_bytes(node: ReadPlanNode, geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:
     """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
     plan = node.epoch_plan(epoch)
@@ -175,6 +210,7 @@ def choose_schedule(
     cross_split_windows: bool = False,
     remainder: str = "drop",
     world_size: int | None = None,
+    revive: bool = False,
 ) -> PinSchedule:
     """The residency schedule for a budget: pure, computed before the read plan is built.
 
@@ -197,6 +233,11 @@ def choose_schedule(
     ``budget_bytes=None`` (automatic) reads once every epoch while the read-once bound is under a
     quarter of RAM; above that, an epoch whose read-once floor exceeds a quarter of RAM uses the
     bounded schedule (a warning says so).
+
+    ``revive=True`` (a shuffled pipeline with a persistent cache: a released chunk comes back
+    from disk, neither fetched nor decoded) with views at different offsets uses the bounded
+    schedule every epoch (when the budget holds its bound): residency stays near a couple of
+    blocks instead of the part of the split a shifted view keeps pinned between its uses.
     """
     floors = schedule_floors(
         manifest,
@@ -208,6 +249,10 @@ def choose_schedule(
         remainder=remainder,
         world_size=world_size,
     )
+    windowed = len({view.offset for view in variables.values()}) > 1
+    fits_bounded = budget_bytes is None or budget_bytes >= floors.bounded
+    if revive and windowed and fits_bounded:
+        return PinSchedule(pin_gap=floors.pin_gap)
     if budget_bytes is None:
         cap = _auto_cap_bytes()
         if floors.read_once <= cap:
@@ -264,6 +309,10 @@ def insitu_pipeline(
     report: bool = True,
     chunk_transforms: Sequence[ChunkTransform] = (),
     on_bad_chunk: str = "raise",
+    cache_dir: str | os.PathLike[str] | None = None,
+    persist: bool = False,
+    readonly_cache: bool = False,
+    reset_stale_cache: bool = False,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -316,6 +365,7 @@ def insitu_pipeline(
     remainder = check_remainder(remainder)
     report = check_bool("report", report)
     on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
+    cache_args = _check_cache_args(cache_dir, persist, readonly_cache, reset_stale_cache, backing)
     if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
         raise TypeError(
             f"batch_transforms must be a sequence of callables Batch -> Batch, got "
@@ -369,6 +419,7 @@ def insitu_pipeline(
         cross_split_windows=cross_split_windows,
         remainder=remainder,
         world_size=world_size,
+        revive=cache_args is not None and cache_args["persist"] and shuffle,
     )
     plan = ReadPlanNode(
         manifest,
@@ -384,26 +435,39 @@ def insitu_pipeline(
         schedule=schedule,
         remainder=remainder,
     )
-    pool = ChunkPool(cache_budget_bytes, backing=backing)
-    first = plan.epoch_plan(0)
-    pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one
-    # Pay for the first epoch's slot memory ahead of need, in the order it will be needed
-    # (a fresh process faults new pages in slowly; see ChunkPool.reserve).
-    pool.reserve(
-        ((slot_geoms[p].samples_per_chunk, *slot_geoms[p].inner_shape), slot_geoms[p].dtype)
-        for p, _ in first.distinct_chunks()
-    )
-    fetch = AsyncChunkFetchNode(
-        plan,
-        zstore,
-        geoms,
-        pool,
-        max_inflight=max_inflight,
-        decode_threads=decode_threads,
-        retry=retry,
-        chunk_transforms=transforms,
-        on_bad_chunk=on_bad_chunk,
-    )
+    cache = None
+    if cache_args is not None:
+        fingerprints = {
+            path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
+            for path, out in slot_geoms.items()
+        }
+        cache = ChunkCache(cache_args.pop("cache_dir"), fingerprints, rank=plan.rank, **cache_args)
+    try:
+        pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
+        first = plan.epoch_plan(0)
+        pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one
+        if cache is None:
+            # Pay for the first epoch's slot memory ahead of need, in the order it will be
+            # needed (a fresh process faults new pages in slowly; see ChunkPool.reserve).
+            pool.reserve(
+                ((slot_geoms[p].samples_per_chunk, *slot_geoms[p].inner_shape), slot_geoms[p].dtype)
+                for p, _ in first.distinct_chunks()
+            )
+        fetch = AsyncChunkFetchNode(
+            plan,
+            zstore,
+            geoms,
+            pool,
+            max_inflight=max_inflight,
+            decode_threads=decode_threads,
+            retry=retry,
+            chunk_transforms=transforms,
+            on_bad_chunk=on_bad_chunk,
+        )
+    except BaseException:
+        if cache is not None:
+            cache.close()
+        raise
     resident = ChunkPoolNode(fetch)
     gather = GatherNode(resident, labels, batch_size, batch_transforms)
     return InSituPipeline(

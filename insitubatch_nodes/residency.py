@@ -38,9 +38,11 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
+from insitubatch_nodes.cache import CacheMissError
 from insitubatch_nodes.geometry import ArrayGeometry
 
 if TYPE_CHECKING:
+    from insitubatch_nodes.cache import ChunkCache, SlotFile
     from insitubatch_nodes.plan import ChunkKey, EpochPlan
 
 __all__ = [
@@ -124,6 +126,8 @@ class PoolStats:
     resident_peak_bytes: int = 0
     inflight: int = 0
     inflight_peak: int = 0
+    disk_hits: int = 0  # chunks served from the persistent cache (also counted in hits)
+    disk_writes: int = 0  # chunks written to the persistent cache
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -144,6 +148,9 @@ class ChunkEntry:
     # tiles filled in place of a stored object that could not be read or decoded
     # (on_bad_chunk="nan"): such a chunk is not kept resident once nothing pins it
     bad_tiles: list[tuple[int, ...]] = field(default_factory=list)
+    recycle: bool = True  # the slot goes back to a free list (False: a cache file's mapping)
+    file: SlotFile | None = None  # the cache file this slot becomes once filled (persist)
+    valid: int | None = None  # valid samples the chunk holds (the slot's length when None)
 
     @property
     def is_ready(self) -> bool:
@@ -181,11 +188,20 @@ class ChunkPool:
     ``ValueError`` naming the floor when that epoch starts (the builder checks epoch 0 up front).
     """
 
-    def __init__(self, budget_bytes: int | None = None, backing: SlotBacking | None = None):
+    def __init__(
+        self,
+        budget_bytes: int | None = None,
+        backing: SlotBacking | None = None,
+        cache: ChunkCache | None = None,
+    ):
         budget_bytes = check_optional_int("cache_budget_bytes", budget_bytes, minimum=1)
+        if backing is not None and cache is not None and not cache.persistent:
+            raise ValueError("pass a backing or a spill cache_dir, not both")
         self.auto = budget_bytes is None
         self.budget_bytes = budget_bytes or 0
-        self.backing: SlotBacking = backing or RamBacking()
+        self.cache = cache
+        spill = cache.spill if cache is not None else None
+        self.backing: SlotBacking = backing or spill or RamBacking()
         self.stats = PoolStats()
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, ChunkEntry] = {}
@@ -278,10 +294,23 @@ class ChunkPool:
             return self._entries.get(key)
 
     def acquire(
-        self, key: ChunkKey, shape: tuple[int, ...], dtype: np.dtype[Any]
+        self,
+        key: ChunkKey,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        valid: int | None = None,
     ) -> tuple[ChunkEntry, bool] | None:
         """Pin ``key``: ``(entry, True)`` if already present (a hit), ``(new entry, False)``
-        with a fresh slot to fill (a miss), or ``None`` when the budget has no room now."""
+        with a fresh slot to fill (a miss), or ``None`` when the budget has no room now.
+
+        With a persistent cache a chunk it holds comes back as a ready hit (a read-only mapping
+        of its file); ``valid`` is the number of valid samples the chunk holds (the slot's
+        length by default) — a cached chunk with another count is a miss. With
+        ``readonly_cache`` a chunk the cache lacks raises
+        :class:`~insitubatch_nodes.cache.CacheMissError`.
+        """
+        shape, dtype = tuple(shape), np.dtype(dtype)
+        valid = shape[0] if valid is None else valid
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -289,17 +318,68 @@ class ChunkPool:
                 self._lru.pop(key, None)
                 self.stats.hits += 1
                 return entry, True
-            slot = self._take_buffer(tuple(shape), np.dtype(dtype))
+            cache = self.cache
+            if cache is not None and cache.closed:  # closed with its pipeline, used again
+                cache.open()
+                self.backing = cache.spill or self.backing
+            if cache is not None and cache.persistent:
+                nbytes = math.prod(shape) * dtype.itemsize
+                if not self._make_room(nbytes):
+                    return None
+                slot = cache.revive(key, shape, dtype, valid)
+                if slot is not None:
+                    entry = self._admit(key, slot, recycle=False, valid=valid)
+                    entry.ready.set_result(None)
+                    self.stats.hits += 1
+                    self.stats.disk_hits += 1
+                    return entry, True
+                if cache.readonly:
+                    raise CacheMissError(
+                        f"chunk {key[1]} of array {key[0]!r} is not in the read-only cache at "
+                        f"{cache.root} (readonly_cache=True asserts that the cache holds every "
+                        "chunk the run reads). The usual cause: the run that warmed it read "
+                        "another split, sample range, or ran other chunk transforms. Warm it "
+                        "with this configuration and persist=True, or drop readonly_cache."
+                    )
+                file = cache.new_slot(key, shape, dtype, valid)
+                if file is not None:
+                    entry = self._admit(key, file.array, recycle=False, valid=valid)
+                    entry.file = file
+                    self.stats.misses += 1
+                    return entry, False
+            slot = self._take_buffer(shape, dtype)
             if slot is None:
                 return None
-            entry = ChunkEntry(key=key, slot=slot, nbytes=slot.nbytes, pins=1)
-            self._entries[key] = entry
+            entry = self._admit(key, slot, recycle=True, valid=valid)
             self.stats.misses += 1
-            self.stats.resident_bytes += entry.nbytes
-            self.stats.resident_peak_bytes = max(
-                self.stats.resident_peak_bytes, self.stats.resident_bytes
-            )
             return entry, False
+
+    def _admit(self, key: ChunkKey, slot: np.ndarray, recycle: bool, valid: int) -> ChunkEntry:
+        if not recycle:  # a file's mapping: budgeted like a slot, never reused for another chunk
+            self._allocated += slot.nbytes
+            self.stats.allocations += 1
+        entry = ChunkEntry(key=key, slot=slot, nbytes=slot.nbytes, pins=1, recycle=recycle)
+        entry.valid = valid
+        self._entries[key] = entry
+        self.stats.resident_bytes += entry.nbytes
+        self.stats.resident_peak_bytes = max(
+            self.stats.resident_peak_bytes, self.stats.resident_bytes
+        )
+        return entry
+
+    def _make_room(self, nbytes: int) -> bool:
+        """Free memory until ``nbytes`` more fit the budget (free lists, then LRU chunks)."""
+        while self._allocated + nbytes > self.budget_bytes:
+            if self._drop_other_free(None):
+                continue
+            if self._lru:
+                _, victim = self._lru.popitem(last=False)
+                del self._entries[victim.key]
+                self.stats.evictions += 1
+                self._return_slot(victim)
+                continue
+            return False
+        return True
 
     def _take_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
         size_key = (shape, dtype.str)
@@ -322,7 +402,7 @@ class ChunkPool:
                 continue
             return None
 
-    def _drop_other_free(self, keep: tuple[tuple[int, ...], str]) -> bool:
+    def _drop_other_free(self, keep: tuple[tuple[int, ...], str] | None) -> bool:
         for size_key, bufs in self._free.items():
             if size_key != keep and bufs:
                 buf = bufs.pop()
@@ -338,6 +418,10 @@ class ChunkPool:
     def mark_ready(self, entry: ChunkEntry) -> None:
         """The fill finished: waiters wake. A detached chunk becomes an unpinned resident one
         (or gives its slot back when a newer entry took its key meanwhile)."""
+        if entry.file is not None and not entry.bad_tiles and self.cache is not None:
+            with self._lock:  # before waiters wake: a chunk a batch used is already logged
+                if self.cache.commit(entry.file, entry.valid or entry.slot.shape[0]):
+                    self.stats.disk_writes += 1
         if not entry.ready.done():
             entry.ready.set_result(None)
         with self._lock:
@@ -393,7 +477,12 @@ class ChunkPool:
         if not entry.slot_returned:
             entry.slot_returned = True
             self.stats.resident_bytes -= entry.nbytes
-            self._recycle(entry.slot)
+            if entry.recycle:
+                self._recycle(entry.slot)
+                return
+            self._allocated -= entry.nbytes  # a file's mapping: unmapped once unreferenced
+            if entry.file is not None and self.cache is not None:
+                self.cache.drop(entry.file)
 
     def pinned_count(self) -> int:
         with self._lock:
@@ -402,6 +491,15 @@ class ChunkPool:
     def resident_keys(self) -> list[ChunkKey]:
         with self._lock:
             return list(self._entries)
+
+    def close_cache(self) -> None:
+        """Let go of the cache directory: drop every resident chunk and free slot (nothing may
+        be pinned) and release its lock once their mappings are gone. A later :meth:`acquire`
+        takes the directory again (a persistent cache; a spill one stays closed)."""
+        if self.cache is None:
+            return
+        self.clear()
+        self.cache.close()
 
     def clear(self) -> None:
         """Drop every unpinned chunk and free list (pinned chunks stay)."""

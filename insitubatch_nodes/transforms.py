@@ -265,6 +265,14 @@ class ChunkTransforms:
         out = self._chains[view.path].output
         return out.shift(view.offset) if view.offset else out
 
+    def chain(self, path: str) -> tuple[ChunkTransform, ...]:
+        """The transforms that run on ``path``, in order (what its cached chunks depend on)."""
+        return tuple(step.transform for step in self._chains[path].steps)
+
+    def source(self, path: str) -> ArrayGeometry:
+        """The geometry of ``path`` as decoded, before any transform."""
+        return self._chains[path].source
+
     def active(self, path: str) -> bool:
         """Whether any transform runs on ``path``."""
         return bool(self._chains[path].steps)
@@ -422,6 +430,13 @@ class StandardScaler:
     def __repr__(self) -> str:
         key = f", cache_key={self.cache_key!r}" if self.cache_key is not None else ""
         return f"StandardScaler(arrays={sorted(self.mean)}{key})"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the per-dtype casts are derived on use: leaving them out keeps a pickle (and the
+        # persistent cache's fingerprint of this scaler) the same before and after use
+        state = dict(self.__dict__)
+        state["_cast"] = {}
+        return state
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
         return geometry.inner_shape, _float_dtype(geometry.dtype)

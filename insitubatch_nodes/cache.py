@@ -1,0 +1,845 @@
+"""The cache directory: slots in files, chunks kept across runs, and one writer per directory.
+
+``cache_dir`` moves the pool's slots from anonymous memory into memory-mapped files on local disk,
+so the budget is held as page cache the kernel can write back and reclaim. Two modes:
+
+* **spill** (``persist=False``): each slot is a file mapped and unlinked at once — it takes disk
+  space only while mapped, and nothing is left behind, even by a killed process;
+* **persistent** (``persist=True``): every chunk that completes (after its chunk transforms) is a
+  ``.npy`` file that stays, and one line in the append-only log ``insitu_cache.jsonl`` records it
+  the moment it lands (a single ``os.write`` of the whole line on an ``O_APPEND`` descriptor). A
+  later pipeline over the same directory — a fresh process included — serves those chunks as
+  hits: no fetch, no decode, no transform. Since the log is written as chunks land, a process
+  killed mid-epoch (SIGKILL, OOM, preemption) leaves a cache the next run uses for everything
+  that completed.
+
+**Keys and identity.** A cached chunk is keyed by ``(array path, chunk index along the sample
+axis)`` — the array's own index, so overlapping splits and sample ranges share entries. Every log
+line carries the fingerprint of its array (:mod:`~insitubatch_nodes.fingerprint`: the geometry and
+the chunk transforms scoped to that array). Opening a cache whose lines disagree with the current
+fingerprint of an array the pipeline reads raises :class:`StaleCacheError` naming those arrays;
+``reset_stale_cache=True`` deletes just their files and log lines instead. A line whose chunk no
+longer has the same shape, dtype or number of valid samples is a miss (the chunk is fetched again
+and its file replaced). A log that cannot be trusted — an unparseable line before the last, a file
+name that is not a bare name in the directory — raises :class:`CorruptCacheError` whatever the
+flags say (a last line cut short by a crash is dropped).
+
+**Replace, never truncate.** A chunk file is written under a temporary name and renamed into
+place once its data is complete, so a process that maps the old file keeps reading the old,
+intact bytes (the rename gives the name a new inode; the old one lives as long as a mapping
+does). Temporary files a killed writer left are swept by the next writer of that directory.
+
+**One writer per directory.** An advisory ``flock`` on ``.insitu.lock`` is taken when the cache
+opens and released only after every mapping of its files is gone: exclusive for a writer (spill
+or persistent), shared for ``readonly_cache=True``. A second writer, a writer while readers run,
+or a reader while a writer runs, fails at once with :class:`CacheBusyError` naming the holder.
+The kernel drops the lock when its holder exits, however it exits: there is no stale lock and no
+cleanup step. Never delete the lock file: that releases nothing and lets the next two processes
+lock different files. A network file system (where ``flock`` may be local to each client) or a
+platform without ``flock`` warns that writers there are not arbitrated.
+
+**Read-only.** ``readonly_cache=True`` writes nothing (not even the lock file) and a chunk missing
+from the cache raises :class:`CacheMissError` naming the array and chunk: the run asserts that the
+cache is complete for what it reads.
+
+**Ranks.** Under DDP each rank writes its own directory — ``cache_dir`` itself for rank 0,
+``cache_dir/rank-<r>`` for rank ``r`` — holding that directory's lock, and reads the logs of all of
+them (re-reading the others' as they grow), so a chunk any rank completed is a hit for every
+rank, in this run and the next, and the disk holds one copy of it. Two ranks that miss the same
+chunk at once (the tail chunks several ranks share, or an epoch boundary) do not both write it:
+the first to create its claim file in ``cache_dir/.claims`` writes it, the other keeps its copy in
+memory. A second *job* on the same directory fails at construction, on rank 0's lock.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import io
+import itertools
+import json
+import math
+import mmap
+import os
+import socket
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = [
+    "CLAIMS_NAME",
+    "LOCK_NAME",
+    "LOG_NAME",
+    "CacheBusyError",
+    "CacheMissError",
+    "ChunkCache",
+    "CorruptCacheError",
+    "SlotFile",
+    "SpillBacking",
+    "StaleCacheError",
+    "chunk_file_name",
+    "rank_dir",
+]
+
+LOG_NAME = "insitu_cache.jsonl"
+LOCK_NAME = ".insitu.lock"
+CLAIMS_NAME = ".claims"
+LOG_FORMAT = 1
+_HEADER_KEY = "insitubatch_nodes_cache"
+_TMP_SUFFIX = ".tmp"
+# file systems on which flock may be emulated per client (two hosts can both "hold" it)
+_NETWORK_FS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "lustre", "gpfs", "beegfs",
+    "glusterfs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone",
+    "fuse.juicefs", "fuse.ceph", "virtiofs",
+}  # fmt: skip
+
+
+class CacheBusyError(RuntimeError):
+    """Another process holds the cache directory in a conflicting mode (see the module doc)."""
+
+
+class StaleCacheError(RuntimeError):
+    """The cache holds chunks of arrays whose geometry or chunk transforms have changed."""
+
+
+class CacheMissError(RuntimeError):
+    """``readonly_cache=True`` and a chunk the run reads is not in the cache."""
+
+
+class CorruptCacheError(RuntimeError):
+    """The cache's log cannot be trusted (malformed line, or a file outside the directory)."""
+
+
+def rank_dir(cache_dir: Path, rank: int) -> Path:
+    """The directory rank ``rank`` writes: ``cache_dir`` for rank 0, ``cache_dir/rank-<r>``."""
+    return cache_dir if rank == 0 else cache_dir / f"rank-{rank}"
+
+
+def _writer_dirs(cache_dir: Path) -> list[Path]:
+    found = [cache_dir]
+    if cache_dir.is_dir():
+        found += sorted(
+            (p for p in cache_dir.glob("rank-*") if p.is_dir() and p.name[5:].isdigit()),
+            key=lambda p: int(p.name[5:]),
+        )
+    return found
+
+
+def _file_prefix(path: str) -> str:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in path) or "array"
+    return f"{safe}-{hashlib.sha256(path.encode()).hexdigest()[:8]}."
+
+
+def chunk_file_name(path: str, chunk: int) -> str:
+    """The file a cached chunk lives in: a bare name, readable, unique per ``(path, chunk)``."""
+    return f"{_file_prefix(path)}{int(chunk)}.npy"
+
+
+def _npy_header(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes:
+    buf = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(dtype), "fortran_order": False, "shape": shape}
+    np.lib.format.write_array_header_1_0(buf, header)
+    return buf.getvalue()
+
+
+def _read_npy_header(fd: int) -> tuple[tuple[int, ...], np.dtype[Any], int]:
+    with os.fdopen(os.dup(fd), "rb") as fh:
+        version = np.lib.format.read_magic(fh)
+        if version == (1, 0):
+            shape, fortran, dtype = np.lib.format.read_array_header_1_0(fh)
+        else:
+            shape, fortran, dtype = np.lib.format.read_array_header_2_0(fh)
+        if fortran:
+            raise ValueError("a Fortran-ordered file is not a cached slot")
+        return tuple(shape), np.dtype(dtype), fh.tell()
+
+
+# -------------------------------------------------------------------------------------------
+# The lock
+# -------------------------------------------------------------------------------------------
+
+
+def _lock_pids(lock: Path) -> list[tuple[int, str]]:
+    """``(pid, "READ"|"WRITE")`` of the processes holding a flock on ``lock`` (Linux only)."""
+    try:
+        st = lock.stat()
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    out = []
+    for line in lines:
+        parts = line.split()
+        if "->" in parts:  # a waiter, not a holder
+            continue
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == dev:
+            out.append((int(parts[4]), parts[3]))
+    return out
+
+
+def _mount_type(path: Path) -> str | None:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    real, best, kind = str(path.resolve()), "", None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, parts[2]
+    return kind
+
+
+def _warn_unarbitrated(directory: Path) -> None:
+    if fcntl is None:  # pragma: no cover - Windows
+        reason = "this platform has no POSIX flock"
+    else:
+        kind = _mount_type(directory)
+        if kind is None or kind not in _NETWORK_FS:
+            return
+        reason = f"it is on a network file system ({kind}), where flock may hold on one client only"
+    warnings.warn(
+        f"insitubatch_nodes: cache_dir {directory} is not arbitrated: {reason}. Two processes "
+        "writing it at once can corrupt each other's chunks there. Use a local disk, or make "
+        "sure only one job writes this directory (any number may read it with "
+        "readonly_cache=True).",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+class DirLock:
+    """The advisory lock on one directory's ``.insitu.lock``, released only after :meth:`release`
+    has been called *and* every mapping registered with :meth:`track` has been unmapped."""
+
+    def __init__(self, directory: Path, *, shared: bool) -> None:
+        self.path = directory / LOCK_NAME
+        self.shared = shared
+        self._mutex = threading.Lock()
+        self._live = 0
+        self._closing = False
+        if shared:
+            fd = os.open(self.path, os.O_RDONLY)
+        else:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    os.close(fd)
+                    raise
+                message = self._busy_message(fd)
+                os.close(fd)
+                raise CacheBusyError(message) from None
+        if not shared:  # who holds it, for the message a second writer gets
+            note = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
+        self._fd: int | None = fd
+
+    def _busy_message(self, fd: int) -> str:
+        want = "read" if self.shared else "write"
+        held_shared = False
+        if not self.shared and fcntl is not None:
+            try:  # a shared lock we can take means readers hold it, not a writer
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                held_shared = True
+            except OSError:
+                pass
+        pids = _lock_pids(self.path)
+        host = socket.gethostname()
+        if held_shared:
+            readers = sorted({p for p, kind in pids if kind == "READ"})
+            who = (
+                f"{len(readers) or 'some'} read-only process(es) "
+                f"({', '.join(f'pid {p}' for p in readers) or 'pids unknown'}, on {host}) "
+                "hold it shared (readonly_cache=True); a writer must wait until they finish"
+            )
+        else:
+            try:
+                note = json.loads(self.path.read_text() or "{}")
+            except (OSError, ValueError):
+                note = {}
+            if note.get("pid") is not None:
+                who = (
+                    f"pid {note['pid']} on host {note.get('host', '?')} (since "
+                    f"{note.get('since', '?')}) writes it"
+                )
+            else:
+                writers = [p for p, kind in pids if kind == "WRITE"]
+                who = f"pid {writers[0]} on {host} writes it" if writers else "a writer holds it"
+        return (
+            f"cannot {want} cache_dir {self.path.parent}: {who}. Only one process may write a "
+            "cache_dir, and no reader may use it meanwhile; readers (readonly_cache=True) share "
+            "it with each other. If that process is still running, give this run its own "
+            "cache_dir, wait for it, or read alongside other readers with readonly_cache=True. "
+            "A process that has exited holds nothing — the kernel drops its lock — so if it is "
+            f"gone, just retry. See who holds it: `fuser -v {self.path}` or `lsof {self.path}`. "
+            f"Never delete {self.path}: that releases nothing and lets two writers in."
+        )
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def track(self, region: mmap.mmap) -> None:
+        """Keep the lock until ``region`` has been unmapped (garbage collected)."""
+        with self._mutex:
+            self._live += 1
+        weakref.finalize(region, self._unmapped)
+
+    def _unmapped(self) -> None:
+        with self._mutex:
+            self._live -= 1
+            if self._closing and self._live == 0:
+                self._drop()
+
+    def release(self) -> None:
+        """Release once every tracked mapping is gone (at once when none is left)."""
+        with self._mutex:
+            self._closing = True
+            if self._live == 0:
+                self._drop()
+
+    def _drop(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+# -------------------------------------------------------------------------------------------
+# Mapped files
+# -------------------------------------------------------------------------------------------
+
+_counter = itertools.count()
+
+
+def _map_new(
+    directory: Path,
+    stem: str,
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    track: Callable[[mmap.mmap], None],
+) -> tuple[np.ndarray, Path]:
+    """A writable mapping of a new ``.npy`` file in ``directory`` under a temporary name."""
+    header = _npy_header(shape, dtype)
+    nbytes = math.prod(shape) * dtype.itemsize
+    tmp = directory / f".{stem}.{os.getpid()}.{next(_counter)}{_TMP_SUFFIX}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.ftruncate(fd, len(header) + nbytes)
+        os.pwrite(fd, header, 0)
+        region = mmap.mmap(fd, len(header) + nbytes)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    track(region)
+    count = math.prod(shape)
+    array = np.frombuffer(region, dtype=dtype, count=count, offset=len(header)).reshape(shape)
+    return array, tmp
+
+
+class SpillBacking:
+    """Slot memory from files in a directory, each mapped and unlinked at once (spill mode)."""
+
+    name = "spill"
+
+    def __init__(self, directory: Path, lock: DirLock) -> None:
+        self.directory = directory
+        self.lock = lock
+
+    def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        array, tmp = _map_new(
+            self.directory, "spill", tuple(shape), np.dtype(dtype), self.lock.track
+        )
+        tmp.unlink()  # the mapping keeps the inode: disk space only while mapped
+        return array
+
+    def release(self, buffer: np.ndarray) -> None:
+        del buffer  # unmapped when the last view is dropped
+
+
+@dataclass(eq=False)
+class SlotFile:
+    """A writable slot that becomes the cached file of ``key`` once :meth:`ChunkCache.commit` ed."""
+
+    key: tuple[str, int]
+    array: np.ndarray
+    tmp: Path
+    final: Path
+    claim: Path
+    committed: bool = False
+    dropped: bool = False
+
+
+@dataclass(frozen=True)
+class _Logged:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+    valid: int
+    fp: str
+
+
+class _Log:
+    """One writer directory's log, read incrementally (whole lines only)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / LOG_NAME
+        self.offset = 0
+        self.line_no = 0
+        self.header_seen = False
+
+    def read_new(self) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
+        """New complete lines since the last call; ``(entries, torn)`` — ``torn`` when the file
+        ends in a partial line (a crash cut the last write short)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return [], False
+        lines = data.split(b"\n")
+        tail = lines.pop()  # after the last newline: empty, or a partial line
+        entries: list[tuple[int, dict[str, Any]]] = []
+        for raw in lines:
+            self.line_no += 1
+            self.offset += len(raw) + 1
+            try:
+                item = json.loads(raw)
+                if not isinstance(item, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                raise CorruptCacheError(
+                    f"{self.path} line {self.line_no} is not a cache entry ({raw[:80]!r}); the "
+                    "log cannot be trusted. Delete the cache directory to start over."
+                ) from None
+            if not self.header_seen:
+                self.header_seen = True
+                if _HEADER_KEY not in item:
+                    raise CorruptCacheError(
+                        f"{self.path} does not start with a cache header; it was not written by "
+                        "insitubatch_nodes. Point cache_dir at a directory of its own."
+                    )
+            entries.append((self.line_no, item))
+        return entries, bool(tail)
+
+
+def _parse_entry(
+    log: _Log, line_no: int, item: Mapping[str, Any]
+) -> tuple[tuple[str, int], _Logged]:
+    where = f"{log.path} line {line_no}"
+    try:
+        array, chunk, name = item["array"], item["chunk"], item["file"]
+        shape = tuple(int(n) for n in item["shape"])
+        dtype, valid, fp = str(item["dtype"]), int(item["valid"]), str(item["fp"])
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCacheError(
+            f"{where} lacks a field of a cache entry ({dict(item)!r}); delete the cache "
+            "directory to start over"
+        ) from None
+    if not isinstance(array, str) or not isinstance(chunk, int) or not isinstance(name, str):
+        raise CorruptCacheError(f"{where} has a malformed entry {dict(item)!r}")
+    bare = name not in ("", ".", "..") and os.path.basename(name) == name and "\\" not in name
+    if not bare or name.startswith("."):
+        raise CorruptCacheError(
+            f"{where} names file {name!r}, which is not a bare file name inside {log.directory}; "
+            "the log has been tampered with or corrupted. Delete the cache directory."
+        )
+    return (array, chunk), _Logged(log.directory / name, shape, dtype, valid, fp)
+
+
+# -------------------------------------------------------------------------------------------
+# The cache
+# -------------------------------------------------------------------------------------------
+
+
+class ChunkCache:
+    """One pipeline's view of a cache directory (see the module docstring).
+
+    ``fingerprints`` maps every array path the pipeline reads to its
+    :func:`~insitubatch_nodes.fingerprint.array_fingerprint`. The pool calls :meth:`revive`,
+    :meth:`new_slot`, :meth:`commit` and :meth:`drop` (all under its own lock); :meth:`close`
+    releases the directory once every mapping is gone and :meth:`open` takes it again.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str | os.PathLike[str],
+        fingerprints: Mapping[str, str],
+        *,
+        persist: bool = False,
+        readonly: bool = False,
+        reset_stale: bool = False,
+        rank: int = 0,
+    ) -> None:
+        if readonly and reset_stale:
+            raise ValueError(
+                "reset_stale_cache=True deletes files, and readonly_cache=True writes nothing: "
+                "reset the cache with a writing run (readonly_cache=False) first"
+            )
+        self.root = Path(os.path.abspath(os.fspath(cache_dir)))
+        self.fingerprints = dict(fingerprints)
+        self.readonly = bool(readonly)
+        self.persistent = bool(persist) or self.readonly
+        self.reset_stale = bool(reset_stale)
+        self.rank = int(rank)
+        self.own = rank_dir(self.root, self.rank)
+        self.stats = {"revived": 0, "committed": 0, "claimed_elsewhere": 0, "reset_files": 0}
+        self._locks: list[DirLock] = []
+        self._index: dict[tuple[str, int], _Logged] = {}
+        self._logs: dict[Path, _Log] = {}
+        self._log_fd: int | None = None
+        self._spill: SpillBacking | None = None
+        self._warned_commit = False
+        self.closed = True
+        self.open()
+        weakref.finalize(self, ChunkCache._release_locks, self._locks)
+
+    # -- opening and closing ----------------------------------------------------------------
+    def open(self) -> None:
+        """Take the directory (locks, sweep, log) — at construction, and again after close."""
+        if not self.closed:
+            return
+        if self.readonly:
+            if not (self.root / LOG_NAME).exists() and not self.root.is_dir():
+                raise FileNotFoundError(
+                    f"readonly_cache=True, but cache_dir {self.root} does not exist: warm it "
+                    "first with a run that has persist=True"
+                )
+        else:
+            self.own.mkdir(parents=True, exist_ok=True)
+        _warn_unarbitrated(self.root)
+        locks: list[DirLock] = []
+        try:
+            if self.readonly:
+                for d in _writer_dirs(self.root):
+                    if (d / LOCK_NAME).exists():
+                        locks.append(DirLock(d, shared=True))
+            else:
+                locks.append(DirLock(self.own, shared=False))
+                self._sweep()
+            self._locks[:] = locks
+            self._index.clear()
+            self._logs.clear()
+            if self.persistent:
+                self._load()
+            if self.persistent and not self.readonly:
+                self._open_log()
+            if not self.persistent:
+                self._spill = SpillBacking(self.own, locks[0])
+        except BaseException:
+            # construction failed after taking the lock (a stale cache, a corrupt log): release
+            # it here — nothing else would until the process exits
+            self._close_log()
+            for lock in locks:
+                lock.release()
+            self._locks[:] = []
+            raise
+        self.closed = False
+
+    def close(self) -> None:
+        """Stop writing and release the directory once every mapping of it is gone."""
+        self._close_log()
+        self._release_locks(self._locks)
+        self._locks[:] = []
+        self._spill = None
+        self.closed = True
+
+    @staticmethod
+    def _release_locks(locks: list[DirLock]) -> None:
+        for lock in locks:
+            lock.release()
+
+    def _close_log(self) -> None:
+        fd, self._log_fd = self._log_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    @property
+    def spill(self) -> SpillBacking | None:
+        """The slot backing in spill mode (``None`` when persistent)."""
+        return self._spill
+
+    def _track(self, region: mmap.mmap) -> None:
+        for lock in self._locks:  # each directory stays locked while this mapping lives
+            lock.track(region)
+
+    def _sweep(self) -> None:
+        """Remove what killed writers left: temp files here, claims of dead processes."""
+        for tmp in self.own.glob(f".*{_TMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
+        claims = self.root / CLAIMS_NAME
+        if not claims.is_dir():
+            return
+        host = socket.gethostname()
+        for claim in claims.iterdir():
+            try:
+                owner_host, pid = claim.read_text().split()
+                if owner_host == host and not _alive(int(pid)):
+                    claim.unlink(missing_ok=True)
+            except (OSError, ValueError):
+                continue
+
+    # -- the log -----------------------------------------------------------------------------
+    def _load(self) -> None:
+        stale: dict[str, list[Path]] = {}
+        own_entries: list[tuple[tuple[str, int], _Logged]] = []
+        torn_own = False
+        dirs = _writer_dirs(self.root)
+        if self.own not in dirs:
+            dirs.append(self.own)
+        for d in dirs:
+            log = self._logs[d] = _Log(d)
+            items, torn = log.read_new()
+            if d == self.own:
+                torn_own = torn
+            for line_no, item in items:
+                if _HEADER_KEY in item:
+                    if item[_HEADER_KEY] != LOG_FORMAT:
+                        # a log of another format tells us nothing we can check: all stale
+                        for path in self.fingerprints:
+                            stale.setdefault(path, []).append(d)
+                        break
+                    continue
+                key, logged = _parse_entry(log, line_no, item)
+                want = self.fingerprints.get(key[0])
+                if want is not None and logged.fp != want:
+                    stale.setdefault(key[0], []).append(d)
+                    continue
+                if d == self.own:
+                    own_entries.append((key, logged))
+                self._index[key] = logged
+        if stale and not self.reset_stale:
+            where = ", ".join(
+                f"{path!r} (in {', '.join(sorted({str(p) for p in dirs_}))})"
+                for path, dirs_ in sorted(stale.items())
+            )
+            raise StaleCacheError(
+                f"cache_dir {self.root} holds chunks of {where} made with another geometry or "
+                "other chunk transforms than this pipeline's. Pass reset_stale_cache=True to "
+                "delete just those arrays' cached chunks and rebuild them, or use another "
+                "cache_dir (delete this one to start over)."
+            )
+        if (stale and self.own in {p for ps in stale.values() for p in ps}) or torn_own:
+            self._rewrite_own_log(set(stale), own_entries)
+
+    def _rewrite_own_log(
+        self, stale_paths: set[str], kept: list[tuple[tuple[str, int], _Logged]]
+    ) -> None:
+        """Drop the stale arrays' files and lines (and a torn last line) from our own log:
+        written under a temporary name and renamed, so a crash leaves the old or the new."""
+        keep_files = {logged.file.name for _, logged in kept}
+        prefixes = tuple(_file_prefix(path) for path in stale_paths)
+        for f in self.own.glob("*.npy"):
+            if prefixes and f.name.startswith(prefixes) and f.name not in keep_files:
+                f.unlink(missing_ok=True)
+                self.stats["reset_files"] += 1
+        lines = [json.dumps({_HEADER_KEY: LOG_FORMAT})]
+        last: dict[tuple[str, int], _Logged] = dict(kept)
+        for key, logged in last.items():
+            lines.append(_entry_line(key, logged))
+        tmp = self.own / f".{LOG_NAME}.{os.getpid()}{_TMP_SUFFIX}"
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, self.own / LOG_NAME)
+        log = self._logs[self.own] = _Log(self.own)
+        log.read_new()  # positions past what we just wrote
+
+    def _open_log(self) -> None:
+        path = self.own / LOG_NAME
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        if os.fstat(fd).st_size == 0:
+            os.write(fd, (json.dumps({_HEADER_KEY: LOG_FORMAT}) + "\n").encode())
+            self._logs[self.own].read_new()
+        self._log_fd = fd
+
+    def _refresh(self) -> None:
+        """Read what the other writers (ranks) appended since the last look."""
+        for d in _writer_dirs(self.root):
+            if d == self.own and not self.readonly:
+                continue
+            log = self._logs.get(d)
+            if log is None:
+                log = self._logs[d] = _Log(d)
+            items, _ = log.read_new()
+            for line_no, item in items:
+                if _HEADER_KEY in item:
+                    continue
+                key, logged = _parse_entry(log, line_no, item)
+                if self.fingerprints.get(key[0]) == logged.fp:
+                    self._index[key] = logged
+
+    # -- slots -------------------------------------------------------------------------------
+    def revive(
+        self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
+    ) -> np.ndarray | None:
+        """A read-only mapping of ``key``'s cached file, or ``None`` (not cached, or cached
+        with another shape, dtype or valid-sample count, or its file is gone)."""
+        logged = self._index.get(key)
+        if logged is None:
+            self._refresh()
+            logged = self._index.get(key)
+        if not _matches(logged, shape, dtype, valid):
+            return None
+        assert logged is not None
+        try:
+            fd = os.open(logged.file, os.O_RDONLY)
+        except OSError:
+            self._index.pop(key, None)
+            return None
+        try:
+            got_shape, got_dtype, offset = _read_npy_header(fd)
+            nbytes = math.prod(shape) * dtype.itemsize
+            if got_shape != shape or got_dtype != dtype or os.fstat(fd).st_size < offset + nbytes:
+                self._index.pop(key, None)
+                return None
+            region = mmap.mmap(fd, offset + nbytes, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            self._index.pop(key, None)
+            return None
+        finally:
+            os.close(fd)
+        self._track(region)
+        self.stats["revived"] += 1
+        count = math.prod(shape)
+        return np.frombuffer(region, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+    def new_slot(
+        self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
+    ) -> SlotFile | None:
+        """A writable slot that :meth:`commit` turns into ``key``'s cached file, or ``None``
+        when another writer (rank) is writing that chunk now (keep it in memory instead)."""
+        name = chunk_file_name(*key)
+        claims = self.root / CLAIMS_NAME
+        claims.mkdir(exist_ok=True)
+        claim = claims / name
+        try:
+            fd = os.open(claim, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            self.stats["claimed_elsewhere"] += 1
+            return None
+        try:
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        finally:
+            os.close(fd)
+        try:
+            self._refresh()  # logged by another rank just before our claim: read that instead
+            if _matches(self._index.get(key), shape, dtype, valid):
+                claim.unlink(missing_ok=True)
+                return None
+            array, tmp = _map_new(self.own, name[:-4], shape, dtype, self._track)
+        except BaseException:
+            claim.unlink(missing_ok=True)
+            raise
+        return SlotFile(key, array, tmp, self.own / name, claim)
+
+    def commit(self, slot: SlotFile, valid: int) -> bool:
+        """The slot holds its chunk's final bytes: rename it into place and log it. A failure
+        (disk full, ...) warns once and leaves the chunk uncached; returns whether it stuck."""
+        if slot.committed or slot.dropped or self._log_fd is None:
+            return False
+        try:
+            os.replace(slot.tmp, slot.final)
+            slot.committed = True
+            logged = _Logged(
+                slot.final,
+                tuple(slot.array.shape),
+                slot.array.dtype.str,
+                int(valid),
+                self.fingerprints[slot.key[0]],
+            )
+            os.write(self._log_fd, (_entry_line(slot.key, logged) + "\n").encode())
+            self._index[slot.key] = logged
+            self.stats["committed"] += 1
+        except OSError as exc:
+            if not self._warned_commit:
+                self._warned_commit = True
+                warnings.warn(
+                    f"insitubatch_nodes: could not keep chunk {slot.key} in cache_dir "
+                    f"{self.root} ({exc}); chunks that cannot be written stay uncached",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return False
+        finally:
+            slot.claim.unlink(missing_ok=True)
+        return True
+
+    def drop(self, slot: SlotFile) -> None:
+        """The pool no longer uses ``slot``: an uncommitted file is removed with its claim."""
+        if slot.dropped:
+            return
+        slot.dropped = True
+        if not slot.committed:
+            slot.tmp.unlink(missing_ok=True)
+            slot.claim.unlink(missing_ok=True)
+
+    def has(self, key: tuple[str, int]) -> bool:
+        """Whether ``key`` is logged (with this pipeline's fingerprint)."""
+        return key in self._index
+
+    def __repr__(self) -> str:
+        mode = "readonly" if self.readonly else "persistent" if self.persistent else "spill"
+        return f"ChunkCache({str(self.root)!r}, {mode}, rank={self.rank})"
+
+
+def _matches(
+    logged: _Logged | None, shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
+) -> bool:
+    return (
+        logged is not None
+        and logged.shape == shape
+        and logged.dtype == dtype.str
+        and logged.valid == valid
+    )
+
+
+def _entry_line(key: tuple[str, int], logged: _Logged) -> str:
+    return json.dumps(
+        {
+            "array": key[0],
+            "chunk": int(key[1]),
+            "file": logged.file.name,
+            "shape": list(logged.shape),
+            "dtype": logged.dtype,
+            "valid": logged.valid,
+            "fp": logged.fp,
+        },
+        separators=(",", ":"),
+    )
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,126 @@
+"""Cache identity: what a persisted chunk must have been made by for a later run to reuse it.
+
+A persistent cache (:mod:`~insitubatch_nodes.cache`) keeps chunks *after* their chunk transforms,
+so a cached chunk is valid for a later run only if that run would produce the same bytes: same
+decoded geometry (dtype, stored chunking, fill value, inner shape) and the same chunk transforms,
+in the same order, on that array. :func:`array_fingerprint` hashes exactly that, per array — a
+transform scoped to ``t2m`` with :func:`~insitubatch_nodes.transforms.applies` is part of
+``t2m``'s identity only, so editing it leaves ``z``'s cached chunks valid.
+
+The array's *length* along the sample axis is deliberately not part of it: appending samples does
+not change the chunks already stored (each cached chunk records how many valid samples it holds,
+and a chunk whose count changed is a miss). Nor is the store's URL or the data's content: the
+``cache_dir`` is the dataset's identity (bury a version in its path and bump it when the source
+data changes).
+
+Each transform is identified, in order of preference, by
+
+1. its ``cache_key`` attribute, when it is a string — authoritative: bump it whenever the
+   transform's behaviour or its parameters change (e.g. a scaler's statistics version);
+2. a hash of its ``cloudpickle`` serialisation — captures the code, the closed-over values and
+   referenced globals, and an instance's state including array values (an instance may exclude
+   derived state with ``__getstate__``). The function's source position is part of it, so moving
+   a function inside its file makes the cache stale — loudly, never wrongly;
+3. when it cannot be pickled: a hash of its source and ``repr`` — weaker (closed-over values,
+   globals and large arrays, which numpy's ``repr`` summarises, are invisible to it), so it warns
+   once per transform type. Give such a transform a ``cache_key``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import threading
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.transforms import Scoped, transform_name
+
+__all__ = ["FINGERPRINT_FORMAT", "array_fingerprint", "transform_identity"]
+
+FINGERPRINT_FORMAT = 1
+"""Bumped when what a fingerprint covers changes: every cached array is then stale."""
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def transform_identity(transform: Any) -> str:
+    """A string that changes when ``transform`` would produce different bytes (module doc)."""
+    if isinstance(transform, Scoped):  # the scope decides which arrays it runs on, not what
+        transform = transform.transform
+    key = getattr(transform, "cache_key", None)
+    if isinstance(key, str):
+        return f"key:{type(transform).__module__}.{type(transform).__qualname__}:{key}"
+    try:
+        import cloudpickle
+
+        return f"pickle:{_digest(cloudpickle.dumps(transform, protocol=5))}"
+    except Exception as exc:  # unpicklable (a lock, an open file, ...): the weaker fallback
+        reason = f"{type(exc).__name__}: {exc}"
+    return f"source:{_source_digest(transform, reason)}"
+
+
+def _source_digest(transform: Any, reason: str) -> str:
+    target = transform if inspect.isroutine(transform) else type(transform)
+    try:
+        source = inspect.getsource(target)
+    except (OSError, TypeError):
+        source = getattr(target, "__qualname__", type(transform).__qualname__)
+    name = transform_name(transform)
+    with _warned_lock:
+        first = name not in _warned
+        _warned.add(name)
+    if first:
+        warnings.warn(
+            f"insitubatch_nodes: chunk transform {name} cannot be serialised ({reason}), so "
+            "the persistent cache identifies it by its source and repr only: a change in the "
+            "values it closes over, the globals it reads or large arrays it holds goes "
+            "unnoticed and the cache would serve chunks made by the old transform. Give it a "
+            "cache_key string attribute that you change whenever its behaviour changes.",
+            UserWarning,
+            stacklevel=3,
+        )
+    return _digest(f"{source}\n{transform!r}".encode())
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if isinstance(value, (bytes, bytearray)):
+        return value.hex()
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    return repr(value)
+
+
+def array_fingerprint(
+    source: ArrayGeometry, output: ArrayGeometry, transforms: Sequence[Any]
+) -> str:
+    """16 hex digits identifying the chunks a pipeline keeps for one array: ``source`` is the
+    decoded array's geometry, ``output`` what the slots hold, ``transforms`` the chunk transforms
+    that run on it, in order (see the module docstring for what is and is not covered)."""
+    identity = {
+        "format": FINGERPRINT_FORMAT,
+        "array": source.path,
+        "dtype": source.dtype.str,
+        "chunks": list(source.chunks),
+        "read_chunks": list(source.read_chunks),
+        "sample_axis": source.sample_axis,
+        "inner_shape": list(source.inner_shape),
+        "fill_value": _jsonable(source.fill_value),
+        "output": [list(output.inner_shape), output.dtype.str],
+        "transforms": [transform_identity(t) for t in transforms],
+    }
+    return _digest(json.dumps(identity, sort_keys=True).encode())
