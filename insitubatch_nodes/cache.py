@@ -234,6 +234,7 @@ class DirLock:
         self.shared = shared
         self._mutex = threading.Lock()
         self._live = 0
+        self._holders = 1
         self._closing = False
         if shared:
             fd = os.open(self.path, os.O_RDONLY)
@@ -291,6 +292,11 @@ class DirLock:
             else:
                 writers = [p for p, kind in pids if kind == "WRITE"]
                 who = f"pid {writers[0]} on {host} writes it" if writers else "a writer holds it"
+        if any(pid == os.getpid() for pid, _ in pids) or f"pid {os.getpid()} " in who:
+            who += (
+                " — that is this process: close its other pipeline on this cache_dir first "
+                "(pipelines of one process may all write it, or all read it, not both)"
+            )
         return (
             f"cannot {want} cache_dir {self.path.parent}: {who}. Only one process may write a "
             "cache_dir, and no reader may use it meanwhile; readers (readonly_cache=True) share "
@@ -318,16 +324,47 @@ class DirLock:
                 self._drop()
 
     def release(self) -> None:
-        """Release once every tracked mapping is gone (at once when none is left)."""
+        """One holder lets go; the last one's release takes effect once every tracked mapping
+        is gone (at once when none is left)."""
         with self._mutex:
+            self._holders -= 1
+            if self._holders > 0:
+                return
             self._closing = True
             if self._live == 0:
                 self._drop()
+
+    def _join(self) -> bool:
+        """Become one more holder of this (still held) lock."""
+        with self._mutex:
+            if self._fd is None:
+                return False
+            self._holders += 1
+            self._closing = False
+            return True
 
     def _drop(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
+
+
+_WRITERS: dict[str, DirLock] = {}  # lock file -> the exclusive lock this process holds on it
+_WRITERS_LOCK = threading.Lock()
+
+
+def take_lock(directory: Path, *, shared: bool) -> DirLock:
+    """Lock ``directory``: a shared lock of its own, or this process's exclusive one — pipelines
+    of one process (a training and a validation pipeline) write one ``cache_dir`` together."""
+    if shared:
+        return DirLock(directory, shared=True)
+    key = os.path.realpath(directory / LOCK_NAME)
+    with _WRITERS_LOCK:
+        lock = _WRITERS.get(key)
+        if lock is not None and lock._join():
+            return lock
+        lock = _WRITERS[key] = DirLock(directory, shared=False)
+        return lock
 
 
 # -------------------------------------------------------------------------------------------
@@ -541,9 +578,9 @@ class ChunkCache:
             if self.readonly:
                 for d in _writer_dirs(self.root):
                     if (d / LOCK_NAME).exists():
-                        locks.append(DirLock(d, shared=True))
+                        locks.append(take_lock(d, shared=True))
             else:
-                locks.append(DirLock(self.own, shared=False))
+                locks.append(take_lock(self.own, shared=False))
                 self._sweep()
             self._locks[:] = locks
             self._index.clear()
@@ -680,10 +717,9 @@ class ChunkCache:
         self._log_fd = fd
 
     def _refresh(self) -> None:
-        """Read what the other writers (ranks) appended since the last look."""
+        """Read what the other writers (ranks, and other pipelines of this process) appended
+        since the last look."""
         for d in _writer_dirs(self.root):
-            if d == self.own and not self.readonly:
-                continue
             log = self._logs.get(d)
             if log is None:
                 log = self._logs[d] = _Log(d)

@@ -306,7 +306,7 @@ def test_a_cached_chunk_with_another_valid_sample_count_is_a_miss_not_an_error(
 
 
 def test_a_stale_array_raises_naming_it_and_reset_rebuilds_only_the_stale_arrays(
-    era5: Path, tmp_path: Path
+    era5: Path, tmp_path: Path, children: list[Child]
 ) -> None:
     cache = tmp_path / "cache"
     warm(era5, cache, chunk_transforms=[applies("t2m", AddConstant(1.0, cache_key="v1"))])
@@ -314,6 +314,11 @@ def test_a_stale_array_raises_naming_it_and_reset_rebuilds_only_the_stale_arrays
     with pytest.raises(StaleCacheError, match="'t2m'") as err:
         build(era5, cache, persist=True, chunk_transforms=changed)
     assert "'z'" not in str(err.value) and "reset_stale_cache=True" in str(err.value)
+    # the construction that raised let go of the directory: another process takes it at once
+    other = spawn(children, action="hold", store=str(era5), cache_dir=str(cache))
+    assert other.event()["event"] == "ready"
+    assert other.go_on()["event"] == "closed"
+    other.proc.wait(30)
     z_files = {p.name: p.stat().st_ino for p in cache.glob(f"{chunk_file_name('z', 0)[:-5]}*")}
     pipe, store = build(era5, cache, persist=True, reset_stale_cache=True, chunk_transforms=changed)
     got = epoch(pipe)
@@ -501,6 +506,20 @@ def test_a_readonly_run_writes_nothing(era5: Path, tmp_path: Path) -> None:
     assert snapshot() == before and store.chunk_gets == 0
 
 
+def test_a_cache_dir_on_a_network_file_system_warns_that_writers_are_not_arbitrated(
+    era5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from insitubatch_nodes import cache as cache_module
+
+    local = cache_module._mount_type(tmp_path)
+    assert local is not None and local not in cache_module._NETWORK_FS  # read from /proc/mounts
+    monkeypatch.setattr(cache_module, "_mount_type", lambda path: "nfs4")
+    with pytest.warns(
+        UserWarning, match=r"not arbitrated: it is on a network file system \(nfs4\)"
+    ):
+        build(era5, tmp_path / "cache", persist=True)[0].close()
+
+
 def test_readonly_refuses_reset_stale_cache_and_every_flag_needs_a_cache_dir(
     era5: Path, tmp_path: Path
 ) -> None:
@@ -638,3 +657,126 @@ def test_a_windowed_shuffled_pass_with_persist_holds_a_few_blocks_and_revives_fr
     assert stats["disk_hits"] > 0  # released chunks came back from disk, not from the store
     # measured: 188 chunks live at the peak without the cache, 48 with it
     assert stats["resident_peak_bytes"] * 3 < plain_stats["resident_peak_bytes"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Lightning and DDP
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow  # two real Trainer fits
+def test_a_lightning_fit_warms_the_cache_for_train_and_val_and_a_readonly_fit_fetches_nothing(
+    era5: Path, tmp_path: Path
+) -> None:
+    import lightning.pytorch as pl
+    import torch
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(8 * 16, 8 * 16)
+
+        def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
+            x = batch["t2m"].flatten(1)
+            return torch.nn.functional.mse_loss(self.layer(x), x)
+
+        def validation_step(self, batch: dict[str, torch.Tensor], _: int) -> None:
+            self.log("val", batch["t2m"].mean())
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    def fit(**cache: Any) -> Any:
+        store = counting_store(era5)
+        dm = InSituDataModule(
+            store, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, block_chunks=4,
+            cache_dir=tmp_path / "cache", **cache,
+        )  # fmt: skip
+        trainer = pl.Trainer(
+            accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, enable_checkpointing=False, num_sanity_val_steps=0,
+        )  # fmt: skip
+        trainer.fit(Model(), datamodule=dm)
+        dm.teardown("fit")
+        return store
+
+    warmed = fit(persist=True)  # the train and val pipelines write one directory together
+    assert warmed.chunk_gets == N_CHUNKS
+    assert sorted(e["chunk"] for e in logged(tmp_path / "cache")) == list(range(N_CHUNKS))
+    again = fit(readonly_cache=True)
+    assert again.chunk_gets == 0
+
+
+@pytest.mark.slow  # gloo processes
+@pytest.mark.timeout(300)
+def test_gloo_ranks_share_one_cache_with_no_chunk_fetched_twice_nor_written_twice(
+    tmp_path: Path,
+) -> None:
+    import torch.multiprocessing as mp
+    from cache_child import ddp_cache_worker
+
+    # 100 samples in 13 chunks (the last holds 4): 50 per rank, so one chunk is cut in two
+    root = write_era5(tmp_path / "era5.zarr", n_time=100)
+    world, cache = 2, tmp_path / "cache"
+    cfg = {"store": str(root), "cache_dir": str(cache), "persist": True, "epochs": 2}
+    out = str(tmp_path / "rank{}.json")
+    mp.spawn(ddp_cache_worker, args=(world, str(tmp_path / "init"), cfg, out), nprocs=world)
+    results = [json.loads(Path(out.format(r)).read_text()) for r in range(world)]
+    # Over both epochs every stored object was fetched once, by one rank — a chunk another rank
+    # completed came from disk — except the tail chunk both ranks read at once in epoch 0
+    # (the deal cuts one chunk's samples between the ranks: which one, the shuffle decides).
+    fetched: dict[str, int] = {}
+    for r in results:
+        for e in r["epochs"]:
+            for key, n in e["gets"].items():
+                fetched[key] = fetched.get(key, 0) + n
+    assert len(fetched) == 3 * 13  # t2m: one object per chunk, z: two
+    twice = {k for k, n in fetched.items() if n != 1}
+    assert len({k.split("/")[2] for k in twice}) <= world - 1  # the tail chunk's objects only
+    assert all(n <= 2 for n in fetched.values())
+    # each chunk written once: one log line per chunk over the ranks' directories (the claim
+    # kept the second rank from writing the tail chunk too)
+    lines = logged(cache) + logged(cache / "rank-1")
+    keys = [(e["array"], e["chunk"]) for e in lines]
+    assert len(keys) == len(set(keys)) == 2 * 13
+    assert logged(cache) and logged(cache / "rank-1")  # both ranks wrote their share
+    for r in results:
+        for e in r["epochs"]:
+            assert len(e["samples"]) == 50
+    # a second job over the same directory reads everything from disk, and gets the same
+    # batches as the first job, whose first epoch decoded them from the store
+    out2 = str(tmp_path / "again{}.json")
+    mp.spawn(ddp_cache_worker, args=(world, str(tmp_path / "init2"), cfg, out2), nprocs=world)
+    again = [json.loads(Path(out2.format(r)).read_text()) for r in range(world)]
+    assert all(not e["gets"] for r in again for e in r["epochs"])
+    assert sum(r["stats"]["disk_hits"] for r in again) >= 2 * 13
+    for first, second in zip(results, again, strict=True):
+        for e1, e2 in zip(first["epochs"], second["epochs"], strict=True):
+            assert e1["samples"] == e2["samples"]
+            assert e1["digests"] == e2["digests"]
+
+
+def test_two_ranks_missing_one_chunk_at_once_write_it_once_and_both_read_it_after(
+    tmp_path: Path,
+) -> None:
+    from insitubatch_nodes.cache import ChunkCache
+
+    fps = {"t2m": "0123456789abcdef"}
+    rank0 = ChunkCache(tmp_path, fps, persist=True, rank=0)
+    rank1 = ChunkCache(tmp_path, fps, persist=True, rank=1)  # writes tmp_path/rank-1
+    key, shape, dtype = ("t2m", 5), (8, 4), np.dtype("f4")
+    first = rank0.new_slot(key, shape, dtype, 8)
+    assert first is not None
+    assert rank1.new_slot(key, shape, dtype, 8) is None  # claimed: rank 1 keeps it in memory
+    first.array[...] = np.arange(32, dtype="f4").reshape(shape)
+    assert rank0.commit(first, 8)
+    got = rank1.revive(key, shape, dtype, 8)  # rank 0's log, read as it grew
+    assert got is not None and not got.flags.writeable
+    np.testing.assert_array_equal(got, np.arange(32, dtype="f4").reshape(shape))
+    assert rank1.new_slot(key, shape, dtype, 8) is None  # logged now: nothing to write
+    assert not list((tmp_path / ".claims").iterdir())
+    del got
+    rank0.close()
+    rank1.close()

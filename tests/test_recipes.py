@@ -127,3 +127,14 @@ def test_the_recipes_running_moments_equal_the_statistics_of_all_the_data(oracle
         want_mean, want_std = data.mean(axis=0), data.std(axis=0)
     np.testing.assert_allclose(fit.mean_, want_mean, rtol=1e-12)
     np.testing.assert_allclose(fit.scale_, want_std, rtol=1e-12)
+
+
+@pytest.mark.slow
+def test_the_warm_then_score_recipe_scores_from_the_cache_in_parallel_without_a_get(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe("warm_then_score.py", "--scorers", "2", "--n-time", "128", cwd=tmp_path)
+    assert proc.returncode == 0, _explain(proc)
+    assert "a second writer is refused while they read" in proc.stdout, _explain(proc)
+    assert proc.stdout.count(", 0 GETs,") == 2, _explain(proc)
+    assert "every batch matches zarr's own read" in proc.stdout, _explain(proc)
