@@ -18,6 +18,9 @@ worker count), run in a fresh interpreter (``benchmarks/engines.py``, or
 5. runs ``--repeats`` rounds; in each round, for every store and dataset, the engines in an
    order that rotates from round to round; a tree sampler in the harness records the RSS of
    each child's whole process tree; past the suite's time budget it records skips instead;
+   on the suite's ``persist_datasets`` nodes and insitubatch also run their persistent chunk
+   cache: one child warms a fresh cache folder (``cold_persist``), a second fresh child reads
+   its epoch 0 from it (``warm_disk``), then the folder is deleted;
 6. appends one JSONL row per (measurement, epoch kind) to
    ``<out>/bench-<suite>-<UTC time>.jsonl`` (plus ``run``/``end`` rows, ``rawget`` and
    ``decode`` rows, ``best_workers`` rows, and ``skip``/``error`` rows that say why).
@@ -45,7 +48,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +115,9 @@ class Suite:
     # The ceilings of these datasets are measured in every round, right before its engines (the
     # targets' ratios pair an epoch with its own round's ceiling); the others' once, up front.
     ceilings_every_round: tuple[str, ...] = ()
+    # Where nodes and insitubatch also run their persistent chunk cache (store -> datasets):
+    # a warming process, then a fresh process whose epoch 0 reads the warm cache.
+    persist_datasets: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def make_suite(name: str) -> Suite:
@@ -125,6 +131,7 @@ def make_suite(name: str) -> Suite:
             tune_dataset="smoke-spc8",
             per_sample_datasets={"local": ("smoke-spc8",), "s3": ("smoke-spc8",)},
             per_sample_batches=None,
+            persist_datasets={"local": ("smoke-spc8",)},
         )
     return Suite(
         "full",
@@ -140,10 +147,15 @@ def make_suite(name: str) -> Suite:
         soft_budget_s=24 * 60,
         hard_budget_s=28 * 60,
         ceilings_every_round=(REFERENCE.name,),
+        # A warm cache's epoch reads no store: one store is enough (the warming epoch on
+        # `local` is the cheap one). Each round adds ~4 processes on the reference shape.
+        persist_datasets={"local": (REFERENCE.name,)},
     )
 
 
 PER_SAMPLE = ("workers", "xbatcher")
+POOL_VARIANTS = ("default", "split", "persist")  # what nodes and insitubatch run (--variants)
+PERSIST = {"budget": "split", "cache": "persist"}
 
 
 # --------------------------------------------------------------------------------------------
@@ -427,10 +439,70 @@ class Harness:
         if over:
             self.skip(engine, over, **where, repeat=repeat, variant=variant)
             return
+        if variant.get("cache") == "persist":
+            self.measure_persist(engine, store, info, repeat, variant, phase)
+        else:
+            self.run_measurement(engine, store, info, repeat, variant, phase)
+
+    def measure_persist(
+        self,
+        engine: str,
+        store: str,
+        info: DatasetInfo,
+        repeat: int,
+        variant: dict[str, Any],
+        phase: str,
+    ) -> None:
+        """The persistent chunk cache, in two fresh processes over one new folder: the first
+        runs one epoch with ``persist=True`` (``cold_persist``: it warms the folder), the second
+        is a new process over the warm folder whose epoch 0 (``warm_disk``) is served from it.
+        The folder (under the harness's temporary folder, on local disk unless ``TMPDIR`` says
+        otherwise) is deleted afterwards; its size after warming is on the ``warm_disk`` row."""
+        cache_dir = Path(tempfile.mkdtemp(prefix=f"cache-{engine}-", dir=self.tmp))
+        cache = {"cache_dir": str(cache_dir), "persist": True}
+        try:
+            warmed = self.run_measurement(
+                engine,
+                store,
+                info,
+                repeat,
+                variant,
+                phase,
+                {**cache, "epoch_kinds": ["cold_persist"]},
+            )
+            if warmed:
+                on_disk = sum(p.stat().st_size for p in cache_dir.rglob("*") if p.is_file())
+                self.run_measurement(
+                    engine,
+                    store,
+                    info,
+                    repeat,
+                    variant,
+                    phase,
+                    {**cache, "epoch_kinds": ["warm_disk"]},
+                    {"cache_dir_bytes": on_disk},
+                )
+        finally:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+
+    def run_measurement(
+        self,
+        engine: str,
+        store: str,
+        info: DatasetInfo,
+        repeat: int,
+        variant: dict[str, Any],
+        phase: str,
+        extra_cfg: dict[str, Any] | None = None,
+        extra_row: dict[str, Any] | None = None,
+    ) -> bool:
+        """One child process: its epochs become one row each. False when it failed."""
+        where = {"store": "ram" if engine == "memory" else store, "dataset": info.spec.name}
         store_cfg, stats_port = self.store_config(store, info)
         cfg = {
             **self.base_config(info),
             **variant,
+            **(extra_cfg or {}),
             "engine": engine,
             "store": store_cfg,
             "proxy_stats_port": stats_port,
@@ -459,7 +531,7 @@ class Harness:
                     "log_tail": child.log_tail[-1500:],
                 }
             )
-            return
+            return False
         res = child.result
         config = {k: v for k, v in cfg.items() if k not in ("samples", "store", "split_chunks")}
         config["store_kind"] = store_cfg["kind"]
@@ -481,6 +553,7 @@ class Harness:
                     "num_workers": variant.get("num_workers"),
                     "max_batches": variant.get("max_batches"),
                     "budget": variant.get("budget"),
+                    "cache": variant.get("cache"),
                     "setup_s": res.get("setup_s"),
                     "process_wall_s": child.wall_s,
                     "process_rc": child.rc,
@@ -492,6 +565,7 @@ class Harness:
             for key in ("budget_bytes", "block_chunks_used", "version"):
                 if key in res:
                     row["config"] = {**row["config"], key: res[key]}
+            row.update(extra_row or {})
             self.emit(row)
         first = res["epochs"][0]
         last = res["epochs"][-1]
@@ -499,7 +573,9 @@ class Harness:
             f"[bench] r{repeat} {store:5s} {info.spec.name:12s} {engine:11s} {label:14s} "
             f"{first['samples'] / first['wall_s']:9.1f} -> {last['samples'] / last['wall_s']:9.1f}"
             f" samples/s  (process {child.wall_s:5.1f} s, {status})"
+            + (f" [{', '.join(ep['kind'] for ep in res['epochs'])}]" if extra_cfg else "")
         )
+        return True
 
     def epoch_row(
         self, engine: str, store: str, info: DatasetInfo, ep: dict[str, Any], child: ChildResult
@@ -638,7 +714,11 @@ class Harness:
     def variants(self, engine: str, store: str, info: DatasetInfo, repeat: int) -> list[dict]:
         """What to run for one engine in one cell of one round."""
         if engine in ("nodes", "insitubatch"):
-            return [{"budget": "default"}, {"budget": "split"}]
+            out = [{"budget": "default"}, {"budget": "split"}]
+            if info.spec.name in self.suite.persist_datasets.get(store, ()):
+                out.append(dict(PERSIST))
+            wanted = self.args.variants
+            return [v for v in out if v.get("cache", v["budget"]) in wanted]
         if engine == "memory":
             return [{}] if store == "local" else []
         name = info.spec.name
@@ -739,6 +819,8 @@ class Harness:
                 },
                 "soft_budget_s": self.suite.soft_budget_s,
                 "ceilings_every_round": list(self.suite.ceilings_every_round),
+                "persist_datasets": {k: list(v) for k, v in self.suite.persist_datasets.items()},
+                "variants": list(self.args.variants),
                 "hard_budget_s": self.suite.hard_budget_s,
                 "per_sample_batches": self.suite.per_sample_batches,
                 "full_sweep": self.args.full_sweep,
@@ -825,7 +907,9 @@ def print_summary(rows: list[dict[str, Any]]) -> None:
 def check_rows(rows: list[dict[str, Any]], engines: list[str], stores: list[str]) -> list[str]:
     """Problems with a run's rows (empty = the harness works): every requested engine has
     complete measurement rows for every store (memory: once, in RAM) or a skip row saying why;
-    nodes, workers and memory may not be skipped."""
+    nodes, workers and memory may not be skipped. Where the run planned the persistent cache,
+    nodes and insitubatch have a warming epoch and a ``warm_disk`` epoch that missed no chunk
+    and was served by chunks revived from the folder."""
     problems = []
     kinds = {r.get("type") for r in rows}
     for needed in ("run", "end", *CEILINGS):
@@ -862,6 +946,41 @@ def check_rows(rows: list[dict[str, Any]], engines: list[str], stores: list[str]
                     problems.append(f"{engine}/{store}/{r.get('epoch_kind')}: no RSS")
                 if engine != "memory" and r.get("gets") is None:
                     problems.append(f"{engine}/{store}/{r.get('epoch_kind')}: no GET count")
+    problems += _check_persist_rows(rows, [e for e in engines if e not in skipped], stores)
+    return problems
+
+
+def _check_persist_rows(
+    rows: list[dict[str, Any]], engines: list[str], stores: list[str]
+) -> list[str]:
+    run = next((r for r in rows if r.get("type") == "run"), {})
+    if "persist" not in run.get("variants", POOL_VARIANTS):
+        return []
+    problems = []
+    for store, names in (run.get("persist_datasets") or {}).items():
+        if store not in stores:
+            continue
+        for dataset in names:
+            for engine in [e for e in engines if e in ("nodes", "insitubatch")]:
+                mine = {
+                    r["epoch_kind"]: r
+                    for r in rows
+                    if r.get("type") == "measurement"
+                    and (r["engine"], r["store"], r["dataset"]) == (engine, store, dataset)
+                    and r.get("cache") == "persist"
+                }
+                where = f"{engine}/{store}/{dataset} persistent cache"
+                if "cold_persist" not in mine:
+                    problems.append(f"{where}: no warming epoch")
+                disk = mine.get("warm_disk")
+                if disk is None:
+                    problems.append(f"{where}: no epoch read from the warm cache")
+                    continue
+                extra = disk.get("extra") or {}
+                if extra.get("misses") != 0:  # (insitubatch re-reads metadata: GETs, no chunks)
+                    problems.append(f"{where}: {extra.get('misses')} chunks missed the warm cache")
+                if not extra.get("disk_hits"):
+                    problems.append(f"{where}: the warm epoch revived no chunk from disk")
     return problems
 
 
@@ -886,6 +1005,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-time-budget",
         action="store_true",
         help="never skip measurements to stay within the suite's time budget",
+    )
+    p.add_argument(
+        "--variants",
+        nargs="+",
+        choices=POOL_VARIANTS,
+        default=list(POOL_VARIANTS),
+        help="what nodes and insitubatch run: the automatic pool budget, a budget holding the "
+        "split, the persistent chunk cache (warming process, then a fresh one reading it)",
     )
     p.add_argument("--check", action="store_true", help="assert complete rows (smoke)")
     return p.parse_args(argv)

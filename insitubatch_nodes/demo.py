@@ -6,6 +6,12 @@ predict ``t2m`` at ``t+1`` from ``t2m`` at ``t`` for a few epochs on the CPU, pr
 report (:meth:`~insitubatch_nodes.pipeline.InSituPipeline.report`) after each. ``--url`` trains
 from any store instead (``s3://bucket/path.zarr --endpoint http://127.0.0.1:9000 ...``).
 
+``--cache-dir DIR`` shows the persistent chunk cache: the demo runs twice, each time in a fresh
+process with ``insitu_pipeline(..., cache_dir=DIR, persist=True)``. The first run warms the
+cache (it fetches and decodes every chunk it reads, and keeps them in ``DIR``); the second
+finds it warm and reads its chunks from disk. At the end it prints, per run, the first batch's
+latency, the epoch times, the GETs and the chunks revived from ``DIR``.
+
 Run ``python -m insitubatch_nodes.demo --help`` for the options.
 """
 
@@ -13,7 +19,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -49,6 +59,14 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--plan-only", action="store_true", help="print the plan summary and stop")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    p.add_argument(
+        "--cache-dir",
+        help="run the demo twice in fresh processes with a persistent chunk cache in this "
+        "folder: the first run warms it, the second reads it from disk",
+    )
+    # Internal: set by the --cache-dir parent on its two child processes.
+    p.add_argument("--cache-run", type=int, choices=(1, 2), help=argparse.SUPPRESS)
+    p.add_argument("--cache-report", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 
 
@@ -93,16 +111,15 @@ def describe(geom: ArrayGeometry, manifest: SplitManifest, node: ReadPlanNode) -
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
-    if args.url is None:
-        if not (DEFAULT_PATH / "zarr.json").exists():
-            print(f"writing the synthetic ERA5-like store to {DEFAULT_PATH} ...", flush=True)
-            t0 = time.perf_counter()
-            make_era5_like(DEFAULT_PATH, n_time=1024, n_lat=48, n_lon=96, samples_per_chunk=16)
-            print(f"  done in {time.perf_counter() - t0:.1f} s", flush=True)
-        store = open_store(DEFAULT_PATH)
-    else:
-        store = open_store(args.url, **_store_options(args))
+    if args.cache_dir is not None and args.cache_run is None:
+        if args.plan_only:
+            print("--cache-dir runs the training twice: it cannot be combined with --plan-only")
+            return 2
+        _prepare_store(args)
+        return _two_cached_runs(args, argv)
+    store = _prepare_store(args)
 
     geom = open_geometries(store, [args.variable])[args.variable]
     manifest = split_by_chunk(geom, (0.8, 0.1, 0.1))
@@ -112,6 +129,74 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plan_only:
         return 0
     return _train(args, store, geom, manifest, views)
+
+
+def _prepare_store(args: argparse.Namespace) -> Any:
+    """The store to train from: ``--url``, or the synthetic store (written once)."""
+    if args.url is None:
+        if not (DEFAULT_PATH / "zarr.json").exists():
+            print(f"writing the synthetic ERA5-like store to {DEFAULT_PATH} ...", flush=True)
+            t0 = time.perf_counter()
+            make_era5_like(DEFAULT_PATH, n_time=1024, n_lat=48, n_lon=96, samples_per_chunk=16)
+            print(f"  done in {time.perf_counter() - t0:.1f} s", flush=True)
+        return open_store(DEFAULT_PATH)
+    return open_store(args.url, **_store_options(args))
+
+
+def _two_cached_runs(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--cache-dir``: the demo twice, each in a fresh child process over the same cache
+    folder (the first warms it, the second reads it), then what each run measured."""
+    import insitubatch_nodes
+
+    # The children import the package this process runs (not another install of it).
+    root = str(Path(insitubatch_nodes.__file__).resolve().parents[1])
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+    }
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="insitubatch-demo-") as tmp:
+        for run in (1, 2):
+            what = "warms the cache" if run == 1 else "reads the warm cache"
+            print(
+                f"\n=== run {run} of 2 ({what} in {args.cache_dir}): a fresh process ===",
+                flush=True,
+            )
+            report = Path(tmp) / f"run{run}.json"
+            cmd = [sys.executable, "-m", "insitubatch_nodes.demo", *argv]
+            cmd += ["--cache-run", str(run), "--cache-report", str(report)]
+            rc = _run_child(cmd, env)
+            if not report.is_file():
+                print(f"run {run} failed (exit status {rc})")
+                return rc or 1
+            runs.append({**json.loads(report.read_text()), "rc": rc})
+    print(f"\npersistent chunk cache in {args.cache_dir}:")
+    for run, r in enumerate(runs, 1):
+        epochs = ", ".join(
+            f"{t:.2f} s ({w:.2f} s waiting for data)"
+            for t, w in zip(r["epoch_s"], r["wait_s"], strict=True)
+        )
+        print(
+            f"  run {run} (pid {r['pid']}): first batch after {r['first_batch_s']:.3f} s; "
+            f"epoch 0: {r['gets']} GETs, {r['disk_hits']} chunks read from the cache; "
+            f"epochs: {epochs}"
+        )
+    first, second = runs
+    print(
+        f"  with the warm cache: the first batch after {second['first_batch_s']:.3f} s instead "
+        f"of {first['first_batch_s']:.3f} s; epoch 0 waited {second['wait_s'][0]:.2f} s for "
+        f"data instead of {first['wait_s'][0]:.2f} s"
+    )
+    return max(r["rc"] for r in runs)
+
+
+def _run_child(cmd: list[str], env: dict[str, str]) -> int:
+    """Run one child, passing its standard output through this process's (line by line)."""
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+    return proc.returncode
 
 
 def _train(
@@ -126,6 +211,9 @@ def _train(
     from insitubatch_nodes.batch import to_torch
 
     torch.manual_seed(args.seed)
+    cache: dict[str, Any] = {}
+    if args.cache_dir is not None:
+        cache = {"cache_dir": args.cache_dir, "persist": True}
     pipe = insitu_pipeline(
         store,
         manifest,
@@ -134,6 +222,7 @@ def _train(
         block_chunks=args.block_chunks,
         max_inflight=args.max_inflight,
         seed=args.seed,
+        **cache,
     )
     if len(geom.inner_shape) != 2:
         print(f"the demo model expects 2-D fields; {geom.path} has {geom.inner_shape}")
@@ -156,12 +245,21 @@ def _train(
     )
     first_losses: list[float] = []
     last_losses: list[float] = []
+    # What --cache-dir's summary shows: per epoch, the wall time and the part of it the loop
+    # spent waiting for batches; epoch 0's first-batch latency, GETs and chunks read from disk.
+    timing: dict[str, Any] = {"pid": os.getpid(), "epoch_s": [], "wait_s": []}
     with pipe:
         for epoch in range(args.epochs):
             losses: list[float] = []
+            before = pipe.stats()
+            t_start = t_asked = time.perf_counter()
+            wait = 0.0
             iterator = iter(pipe)
             progress = bar(total=len(pipe), desc=f"epoch {epoch}", leave=False) if bar else None
             for batch in iterator:
+                wait += time.perf_counter() - t_asked
+                if not losses and epoch == 0:
+                    timing["first_batch_s"] = time.perf_counter() - t_start
                 t = to_torch(batch)
                 x = ((t["x"] - mean) / std).unsqueeze(1)
                 y = ((t["y"] - mean) / std).unsqueeze(1)
@@ -173,6 +271,13 @@ def _train(
                 if progress is not None:
                     progress.update(1)
                     progress.set_postfix(loss=f"{losses[-1]:.4f}")
+                t_asked = time.perf_counter()
+            timing["epoch_s"].append(time.perf_counter() - t_start)
+            timing["wait_s"].append(wait)
+            if epoch == 0:
+                after = pipe.stats()
+                timing["gets"] = after["gets"] - before["gets"]
+                timing["disk_hits"] = after.get("disk_hits", 0) - before.get("disk_hits", 0)
             if progress is not None:
                 progress.close()
             print(
@@ -184,6 +289,8 @@ def _train(
                 first_losses = losses[:5]
             last_losses = losses[-5:]
             pipe.reset()
+    if args.cache_report:
+        Path(args.cache_report).write_text(json.dumps(timing))
     falling = float(np.mean(last_losses)) < float(np.mean(first_losses))
     print(
         f"loss {'fell' if falling else 'did NOT fall'}: "

@@ -109,3 +109,60 @@ def test_bench_smoke(tmp_path: Path) -> None:
     text = doc.read_text()
     assert "shared, noisy 2-core machine" in text
     assert "| nodes |" in text or "nodes cold" in text
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_persistent_cache_bench_warms_in_one_process_and_reads_every_chunk_in_a_fresh_one(
+    tmp_path: Path,
+) -> None:
+    """``--variants persist`` on the smoke shape: per engine, a warming process and a fresh one
+    over the warm cache folder (insitubatch only where its venv is already built)."""
+    from benchmarks import insitubatch_env
+
+    engines = ["nodes", "memory"]
+    if (insitubatch_env.VENV / insitubatch_env.MARKER).is_file():
+        engines.insert(1, "insitubatch")
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.run", "--suite", "smoke", "--out", str(out)]
+    cmd += ["--engines", *engines, "--stores", "local", "--variants", "persist", "--check"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (jsonl,) = out.glob("bench-smoke-*.jsonl")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    train = rows[0]["datasets"][0]
+    for engine in [e for e in engines if e != "memory"]:
+        mine = {
+            r["epoch_kind"]: r
+            for r in rows
+            if r["type"] == "measurement" and r["engine"] == engine and r.get("cache") == "persist"
+        }
+        assert sorted(mine) == ["cold_persist", "warm_disk"], engine
+        warming, warm = mine["cold_persist"], mine["warm_disk"]
+        # the warming process fetched every chunk; the fresh one read each of them from disk
+        assert warming["gets"] > 0 and warming["extra"]["misses"] > 0, engine
+        assert warm["extra"]["misses"] == 0, engine
+        assert warm["extra"]["disk_hits"] == warming["extra"]["misses"], engine
+        assert warm["samples"] == warming["samples"] == train["train_samples"]
+        assert warm["cache_dir_bytes"] > 0
+        # one folder for both processes, deleted after the measurement
+        assert warm["config"]["cache_dir"] == warming["config"]["cache_dir"]
+        assert not Path(warm["config"]["cache_dir"]).exists()
+        if engine == "nodes":  # (insitubatch re-reads array metadata: a few small GETs)
+            assert warm["gets"] == 0 and warm["bytes_fetched"] == 0
+
+    doc = tmp_path / "benchmarks.md"
+    report = [sys.executable, "-m", "benchmarks.report", str(jsonl), "--doc", str(doc)]
+    rep = subprocess.run(
+        [*report, "--plots", str(tmp_path / "plots")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
+    text = doc.read_text()
+    assert "## Persistent chunk cache (smoke-spc8, local)" in text
+    assert "| nodes warm-cache epoch 0 / in-RAM gather |" in text
+    if "insitubatch" in engines:
+        assert "| nodes / insitubatch, warm-cache epoch 0 |" in text
