@@ -239,6 +239,21 @@ def test_a_process_killed_mid_epoch_leaves_a_cache_that_serves_every_completed_c
     assert not list(cache.glob(".*.tmp"))  # the killed writer's temp files were swept
 
 
+def test_temp_files_a_killed_writer_left_are_swept_by_the_next_writer_not_by_a_reader(
+    era5: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    warm(era5, cache)
+    litter = cache / f".{chunk_file_name('t2m', 4)[:-4]}.99999.0.tmp"
+    litter.write_bytes(b"half a chunk")
+    pipe, _ = build(era5, cache, readonly_cache=True)
+    pipe.close()
+    assert litter.exists()  # a reader writes nothing, removes nothing
+    pipe, _ = build(era5, cache, persist=True)
+    pipe.close()
+    assert not litter.exists()
+
+
 def test_a_torn_last_log_line_is_dropped_and_a_corrupt_one_before_it_raises(
     era5: Path, tmp_path: Path
 ) -> None:
