@@ -54,6 +54,7 @@ memory. A second *job* on the same directory fails at construction, on rank 0's 
 from __future__ import annotations
 
 import errno
+import gc
 import hashlib
 import io
 import itertools
@@ -83,6 +84,7 @@ __all__ = [
     "LOCK_NAME",
     "LOG_NAME",
     "CacheBusyError",
+    "CacheClosed",
     "CacheMissError",
     "ChunkCache",
     "CorruptCacheError",
@@ -99,6 +101,7 @@ CLAIMS_NAME = ".claims"
 LOG_FORMAT = 1
 _HEADER_KEY = "insitubatch_nodes_cache"
 _TMP_SUFFIX = ".tmp"
+_CLOSE_WAIT_S = 2.0  # the most close() waits for winding-down fills to unmap (module doc)
 # file systems on which flock may be emulated per client (two hosts can both "hold" it)
 _NETWORK_FS = {
     "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "lustre", "gpfs", "beegfs",
@@ -117,6 +120,10 @@ class StaleCacheError(RuntimeError):
 
 class CacheMissError(RuntimeError):
     """``readonly_cache=True`` and a chunk the run reads is not in the cache."""
+
+
+class CacheClosed(RuntimeError):
+    """The cache was closed (its pipeline closed) while a fill still wanted a file mapped."""
 
 
 class CorruptCacheError(RuntimeError):
@@ -310,6 +317,12 @@ class DirLock:
     @property
     def held(self) -> bool:
         return self._fd is not None
+
+    @property
+    def waiting(self) -> bool:
+        """Released by every holder, still held for mappings alive."""
+        with self._mutex:
+            return self._closing and self._fd is not None
 
     def track(self, region: mmap.mmap) -> None:
         """Keep the lock until ``region`` has been unmapped (garbage collected)."""
@@ -555,6 +568,7 @@ class ChunkCache:
         self._log_fd: int | None = None
         self._spill: SpillBacking | None = None
         self._warned_commit = False
+        self._mutex = threading.Lock()  # orders map_file against close
         self.closed = True
         self.open()
         weakref.finalize(self, ChunkCache._release_locks, self._locks)
@@ -602,12 +616,31 @@ class ChunkCache:
         self.closed = False
 
     def close(self) -> None:
-        """Stop writing and release the directory once every mapping of it is gone."""
+        """Stop writing and release the directory once every mapping of it is gone.
+
+        No mapping is made once this has started. A mapping the pipeline no longer uses can
+        still be alive for a moment — in a reference cycle (the traceback of an error that
+        stopped an epoch holds frames that held slots), or in a fill that is winding down — so
+        while a lock waits for mappings this collects garbage once and waits up to
+        ``_CLOSE_WAIT_S`` for them to go; mappings you hold (a slot) keep it locked after."""
+        self.stop()
         self._close_log()
-        self._release_locks(self._locks)
+        locks = list(self._locks)
+        self._release_locks(locks)
         self._locks[:] = []
         self._spill = None
         self.closed = True
+        if any(lock.waiting for lock in locks):
+            gc.collect()
+            # a fill that mapped a file just before the close lets go of it as it winds down
+            deadline = time.monotonic() + _CLOSE_WAIT_S
+            while any(lock.waiting for lock in locks) and time.monotonic() < deadline:
+                time.sleep(0.01)
+
+    def stop(self) -> None:
+        """The first step of :meth:`close`: from now on no file is mapped (idempotent)."""
+        with self._mutex:
+            self.closed = True
 
     @staticmethod
     def _release_locks(locks: list[DirLock]) -> None:
@@ -758,6 +791,12 @@ class ChunkCache:
     ) -> np.ndarray | None:
         """A read-only mapping of a cached file (``None`` when the file is gone, truncated, or
         holds another array). Thread-safe: the fetch stage calls it on a decode thread."""
+        with self._mutex:
+            if self.closed:
+                raise CacheClosed(f"{self!r} was closed")
+            return self._map(file, shape, dtype)
+
+    def _map(self, file: Path, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
         try:
             fd = os.open(file, os.O_RDONLY)
         except OSError:

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
-from insitubatch_nodes.cache import CacheMissError
+from insitubatch_nodes.cache import CacheClosed, CacheMissError
 from insitubatch_nodes.geometry import ArrayGeometry
 
 if TYPE_CHECKING:
@@ -395,7 +395,10 @@ class ChunkPool:
         """
         assert entry.cached is not None and self.cache is not None
         file, shape, dtype = entry.cached
-        slot = self.cache.map_file(file, shape, dtype)
+        try:
+            slot = self.cache.map_file(file, shape, dtype)
+        except CacheClosed:
+            raise FillCancelled(f"chunk {entry.key} was cancelled (its cache closed)") from None
         if slot is not None:
             entry.slot = slot
             return True
@@ -475,7 +478,8 @@ class ChunkPool:
             if not entry.detached:
                 return
             entry.detached = False
-            if entry.key in self._entries or entry.bad_tiles:
+            closed = self.cache is not None and self.cache.closed  # it let go of its files
+            if entry.key in self._entries or entry.bad_tiles or closed:
                 self._return_slot(entry)
             else:
                 self._entries[entry.key] = entry
@@ -545,6 +549,8 @@ class ChunkPool:
         takes the directory again (a persistent cache; a spill one stays closed)."""
         if self.cache is None:
             return
+        with self._lock:  # from here no fill that lands re-admits its chunk (see mark_ready)
+            self.cache.stop()
         self.clear()
         self.cache.close()
 
