@@ -733,8 +733,10 @@ def persist_section(rows: list[Row], run: Row) -> list[str]:
             "second process over the same folder runs the measured epoch; then the folder is "
             "deleted. *chunks from disk*: chunks (per variable) revived from the folder in "
             "that epoch; *GETs* of the warm epoch are metadata reads, if any. The folder is on "
-            "local disk, and its files are in the page cache (just written), as the local "
-            "store's are. The ceiling is the in-RAM gather of the same round. Ratios are taken "
+            "local disk; between the two processes its files are written back to disk (`fsync`, "
+            "as a later run finds them: the warming run's writeback is not the reader's cost), "
+            "and they stay in the page cache, as the local store's files do. The ceiling is the "
+            "in-RAM gather of the same round. Ratios are taken "
             "per round, then summarised as median (min–max).",
             "",
             table(header, lines),
