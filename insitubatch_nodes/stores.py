@@ -250,6 +250,7 @@ def open_store(
 
     _runtime.check_obstore_usable()  # a fork of a process that used obstore would hang
     _runtime.note_obstore_use()
+    _runtime.tune_allocator()  # before obstore's threads allocate (see its docstring)
     if isinstance(url_or_path, Store):
         raise TypeError("open_store() takes a URL or path; a zarr Store can be used as it is")
     if retry is None:

@@ -5,7 +5,8 @@ the first epoch's slots (faulted in by the decodes that fill them) and every GET
 (allocated by obstore through glibc ``malloc``, which maps and unmaps buffers of that size
 each time). The pipeline now reserves the first epoch's slots ahead of need on a thread of
 their own, with their pages mapped in bulk, and tunes ``malloc`` to keep large buffers for
-reuse. These tests pin the behaviour (not the speed: that is ``benchmarks/``).
+reuse, in one arena shared by every thread (obstore's included). These tests pin the behaviour
+(not the speed: that is ``benchmarks/``).
 """
 
 from __future__ import annotations
@@ -124,3 +125,56 @@ def test_the_allocator_is_tuned_once_per_process_unless_the_environment_opts_out
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == tuned
+
+
+# Eight threads each malloc (and free) 4 MiB at the same moment, after opening a store, then
+# glibc's own malloc_info() says how many arenas (heaps) the process has.
+_ARENAS = """
+import ctypes, sys, tempfile, threading
+from insitubatch_nodes import open_store
+open_store(sys.argv[1])
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+barrier = threading.Barrier(8)
+def work():
+    barrier.wait()
+    p = libc.malloc(4 << 20)
+    ctypes.memset(p, 1, 4 << 20)
+    libc.free(p)
+threads = [threading.Thread(target=work) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
+libc.fclose.argtypes, libc.malloc_info.argtypes = [ctypes.c_void_p], [ctypes.c_int, ctypes.c_void_p]
+with tempfile.NamedTemporaryFile("r") as out:
+    f = libc.fopen(out.name.encode(), b"w")
+    libc.malloc_info(0, f)
+    libc.fclose(f)
+    print(out.read().count("<heap nr="))
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="the allocator tuning is for glibc on Linux")
+@pytest.mark.parametrize(("setting", "one_arena"), [(None, True), ("0", False)])
+def test_once_a_store_is_open_every_thread_allocates_from_one_arena_unless_opted_out(
+    tmp_path: Path, setting: str | None, one_arena: bool
+) -> None:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("INSITUBATCH_NODES_MALLOC_TUNING", "MALLOC_ARENA_MAX")
+    }
+    if setting is not None:
+        env["INSITUBATCH_NODES_MALLOC_TUNING"] = setting
+    proc = subprocess.run(
+        [sys.executable, "-c", _ARENAS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    arenas = int(proc.stdout.strip())
+    # one arena: obstore's threads reuse each other's freed GET buffers (see tune_allocator)
+    assert (arenas == 1) if one_arena else (arenas > 1), arenas
