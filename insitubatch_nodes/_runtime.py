@@ -199,9 +199,12 @@ def tune_allocator() -> bool:
     allocating from another, so the process holds many sets of them and faults fresh memory
     in for each. With one arena every thread reuses the same heap — measured at the reference
     shape (default budget, two epochs): peak RSS 1,216–1,225 MB against 1,418–1,449 MB, the
-    same throughput. The cap applies to arenas created after it, so it is set as early as the
-    package's first store is opened (:func:`~insitubatch_nodes.open_store`) and again when a
-    fetch stage is built; ``MALLOC_ARENA_MAX`` in the environment sets it from process start.
+    same throughput. The cap binds only threads that have no arena yet — obstore's threads
+    keep the ones they took on their first reads — so it is set before the package's first
+    read: when a store is opened or first handed to it (:func:`~insitubatch_nodes.open_store`,
+    :func:`~insitubatch_nodes.stores.as_store`, which every entry point calls), and when a fetch
+    stage is built. A store read through obstore before that (zarr calls of your own) keeps its
+    threads' arenas; ``MALLOC_ARENA_MAX=1`` in the environment sets the cap from process start.
 
     A no-op off Linux/glibc. Set the environment variable
     ``INSITUBATCH_NODES_MALLOC_TUNING=0`` to leave the allocator alone. Returns whether the

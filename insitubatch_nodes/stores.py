@@ -310,9 +310,14 @@ def _local(
 def as_store(store: StoreLike, **options: Any) -> Store:
     """A zarr ``Store`` as it is, or :func:`open_store` of a URL/path (read-only).
 
-    ``options`` (``retry=`` included) apply to a URL or path only."""
+    ``options`` (``retry=`` included) apply to a URL or path only. Every entry point of the
+    package passes its store through here, before its first read, which is when the allocator
+    is tuned (:func:`~insitubatch_nodes._runtime.tune_allocator`: once per process)."""
     if isinstance(store, Store):
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")
+        from insitubatch_nodes import _runtime
+
+        _runtime.tune_allocator()  # before obstore's threads allocate (see its docstring)
         return store
     return open_store(store, **options)

@@ -127,12 +127,19 @@ def test_the_allocator_is_tuned_once_per_process_unless_the_environment_opts_out
     assert proc.stdout.strip() == tuned
 
 
-# Eight threads each malloc (and free) 4 MiB at the same moment, after opening a store, then
+# Eight threads each malloc (and free) 4 MiB at the same moment, after a store was opened by
+# the package (argv[2] "url") or handed to it ("store": a zarr store built by hand), then
 # glibc's own malloc_info() says how many arenas (heaps) the process has.
 _ARENAS = """
 import ctypes, sys, tempfile, threading
+import zarr.storage
+from obstore.store import LocalStore
 from insitubatch_nodes import open_store
-open_store(sys.argv[1])
+from insitubatch_nodes.stores import as_store
+if sys.argv[2] == "url":
+    open_store(sys.argv[1])
+else:
+    as_store(zarr.storage.ObjectStore(LocalStore(sys.argv[1]), read_only=True))
 libc = ctypes.CDLL(None)
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
@@ -156,9 +163,10 @@ with tempfile.NamedTemporaryFile("r") as out:
 
 
 @pytest.mark.skipif(not LINUX, reason="the allocator tuning is for glibc on Linux")
+@pytest.mark.parametrize("given", ["url", "store"])
 @pytest.mark.parametrize(("setting", "one_arena"), [(None, True), ("0", False)])
 def test_once_a_store_is_open_every_thread_allocates_from_one_arena_unless_opted_out(
-    tmp_path: Path, setting: str | None, one_arena: bool
+    tmp_path: Path, setting: str | None, one_arena: bool, given: str
 ) -> None:
     env = {
         k: v
@@ -168,7 +176,7 @@ def test_once_a_store_is_open_every_thread_allocates_from_one_arena_unless_opted
     if setting is not None:
         env["INSITUBATCH_NODES_MALLOC_TUNING"] = setting
     proc = subprocess.run(
-        [sys.executable, "-c", _ARENAS, str(tmp_path)],
+        [sys.executable, "-c", _ARENAS, str(tmp_path), given],
         capture_output=True,
         text=True,
         timeout=60,
