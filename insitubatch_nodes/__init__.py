@@ -77,8 +77,6 @@ from insitubatch_nodes.transforms import (
 
 __version__ = "0.1.0.dev0"
 
-__version__ = "0.1.0.dev0"
-
 __all__ = [
     "SUPPORTED_SCHEMES",
     "ArrayGeometry",
