@@ -243,14 +243,26 @@ def test_interpreter_exit_with_gets_stalled_takes_under_three_seconds_and_exits_
 def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds(
     root: Path,
 ) -> None:
-    proc = run_stalled(root, 0, "next(pipe)")
+    # A watcher thread says when a GET has stalled: only then is next() waiting on it (a fixed
+    # sleep was not always long enough on a loaded 2-core machine).
+    action = """
+        import threading
+        def watch():
+            while store.active == 0:
+                time.sleep(0.01)
+            print("stalled", flush=True)
+        threading.Thread(target=watch, daemon=True).start()
+        next(pipe)
+    """
+    proc = run_stalled(root, 0, action)
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "ready"
-    time.sleep(1.0)  # next() is waiting on GETs that never answer
+    assert proc.stdout.readline().strip() == "stalled"
+    time.sleep(0.2)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     try:
-        _, err = proc.communicate(timeout=10)
+        _, err = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert time.monotonic() - t0 < 3.0
