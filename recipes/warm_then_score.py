@@ -4,7 +4,7 @@ The workload the cache is shaped around: one job reads the store, normalises eve
 :class:`~insitubatch_nodes.StandardScaler` (a chunk transform) and keeps the result on local disk
 (``persist=True``); then several scoring processes read that cache with
 ``readonly_cache=True`` — in parallel, without fetching or decoding anything, and failing loudly
-should the cache lack a chunk they read. While they run, a second *writer* on the directory is
+should the cache lack a chunk they read. While they hold it, a second *writer* on the directory is
 refused at once (one writer per ``cache_dir``); it gets in as soon as they are done.
 
 Every batch the scorers see is checked against zarr's own read of the same samples, normalised
@@ -90,7 +90,6 @@ def score(path: Path, cache_dir: Path) -> None:
         mse += float(np.mean(batch.arrays["t2m"] ** 2))
         batches += 1
     stats = pipe.stats()
-    pipe.close()
     print(
         json.dumps(
             {
@@ -103,6 +102,19 @@ def score(path: Path, cache_dir: Path) -> None:
         ),
         flush=True,
     )
+    # Keep the directory until the parent has shown that a writer is refused: a pass this small
+    # can end before the parent gets to try, and the demonstration would then depend on timing.
+    sys.stdin.readline()
+    pipe.close()
+
+
+def _line_from(proc: subprocess.Popen[str]) -> str:
+    """The scorer's next line of output; raises if it exited first."""
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # one reader per pipe: no communicate() beside readline()
+    if not line:
+        raise SystemExit(f"a scorer exited early (exit code {proc.wait()})")
+    return line
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -131,28 +143,23 @@ def main(argv: Sequence[str] | None = None) -> None:
         command = [sys.executable, __file__, "--score", "--path", str(path)]
         command += ["--cache-dir", str(cache_dir)]
         scorers = [
-            subprocess.Popen(
-                command,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             for _ in range(args.scorers)
         ]
         for proc in scorers:  # each says when it holds the directory
-            assert proc.stdout is not None
-            if "ready" not in proc.stdout.readline():
+            if "ready" not in _line_from(proc):
                 raise SystemExit("a scorer failed to open the cache")
         try:
             build(path, cache_dir, persist=True).close()
             raise SystemExit("a writer got in while the scorers were reading")
         except CacheBusyError as exc:
             print(f"a second writer is refused while they read: {str(exc).split('. ')[0]}")
-        results = []
-        for proc in scorers:
-            out, _ = proc.communicate(timeout=300)
-            if proc.returncode != 0:
+        results = [json.loads(_line_from(proc)) for proc in scorers]
+        for proc in scorers:  # now let them go
+            assert proc.stdin is not None
+            proc.stdin.close()  # the scorer's readline sees end of file
+            if proc.wait(timeout=60) != 0:
                 raise SystemExit(f"a scorer failed (exit code {proc.returncode})")
-            results.append(json.loads(out.strip().splitlines()[-1]))
         for i, r in enumerate(results):
             print(
                 f"scorer {i}: {r['batches']} batches in {r['seconds']} s, {r['gets']} GETs, "
