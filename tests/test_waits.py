@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -195,7 +196,8 @@ def test_reset_close_and_del_return_within_two_seconds_while_read_ahead_gets_sta
 
 
 _STALLED_SCRIPT = """
-import sys, time
+import faulthandler, signal, sys, time
+faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
 sys.path.insert(0, {tests!r})
 from helpers import counting_store
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
@@ -219,6 +221,38 @@ def run_stalled(root: Path, stall_after: int, action: str) -> subprocess.Popen[s
         text=True,
         env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
     )
+
+
+def hung_child_report(proc: subprocess.Popen[str]) -> str:
+    """What a child that did not exit is doing: its threads' kernel waits and Python stacks."""
+    tasks = Path(f"/proc/{proc.pid}/task")
+    lines = []
+    for task in sorted(tasks.iterdir()) if tasks.exists() else []:
+        try:
+            comm = (task / "comm").read_text().strip()
+            wchan = (task / "wchan").read_text().strip()
+            state = (task / "stat").read_text().split(") ")[1].split()[0]
+        except OSError:
+            continue
+        lines.append(f"thread {task.name} {comm!r} state {state} wchan {wchan}")
+    gdb = shutil.which("gdb")
+    if gdb:  # native stacks too, where a debugger is installed
+        bt = subprocess.run(
+            [gdb, "-p", str(proc.pid), "-batch", "-ex", "thread apply all bt"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        lines.append("--- gdb\n" + bt.stdout[-20000:])
+    proc.send_signal(signal.SIGUSR1)  # faulthandler writes every thread's stack to stderr
+    time.sleep(1.0)
+    proc.kill()
+    _, err = proc.communicate(timeout=10)
+    report = "\n".join(lines) + "\n--- stderr (stacks at the end)\n" + err
+    dump = os.environ.get("INSITU_HANG_DUMP")  # a file to keep the report in, when asked
+    if dump:
+        Path(dump).write_text(report)
+    return report
 
 
 def test_interpreter_exit_with_gets_stalled_takes_under_three_seconds_and_exits_zero(
@@ -269,6 +303,8 @@ def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds
     proc.send_signal(signal.SIGINT)
     try:
         _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the child did not exit after SIGINT:\n{hung_child_report(proc)}")
     finally:
         proc.kill()
     assert time.monotonic() - t0 < 3.0
