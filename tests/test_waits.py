@@ -16,6 +16,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -226,7 +227,11 @@ def run_stalled(root: Path, stall_after: int, action: str) -> subprocess.Popen[s
 def hung_child_report(proc: subprocess.Popen[str]) -> str:
     """What a child that did not exit is doing: its threads' kernel waits and Python stacks."""
     tasks = Path(f"/proc/{proc.pid}/task")
-    lines = []
+    lines = [f"child alive: {proc.poll() is None}"]
+    environ = Path(f"/proc/{proc.pid}/environ")
+    if environ.exists():
+        names = sorted(v.split("=", 1)[0] for v in environ.read_text().split("\0") if v)
+        lines.append("environment names: " + " ".join(names))
     for task in sorted(tasks.iterdir()) if tasks.exists() else []:
         try:
             comm = (task / "comm").read_text().strip()
@@ -274,12 +279,6 @@ def test_interpreter_exit_with_gets_stalled_takes_under_three_seconds_and_exits_
     assert ended - float(said[0].split()[1]) < 3.0
 
 
-@pytest.mark.xfail(
-    reason="the child does not exit after SIGINT in every fresh-clone full run of the suite "
-    "(4 of 4 on 2026-12-01, with and without that session's allocator change) and in none of "
-    "~135 targeted runs; root cause open (see that session's closing note)",
-    strict=False,
-)
 def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds(
     root: Path,
 ) -> None:
@@ -304,7 +303,14 @@ def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds
     try:
         _, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
-        pytest.fail(f"the child did not exit after SIGINT:\n{hung_child_report(proc)}")
+        # A known, open bug: in 4 fresh-clone full runs of the suite on 2026-12-01 the child did
+        # not exit (never in ~135 targeted runs, nor in the full runs since). Until it is found,
+        # a hang is reported — with every thread's stacks, in the warnings summary, where CI
+        # prints it in full — and the test is marked xfail rather than failing the run.
+        warnings.warn(
+            f"the child did not exit after SIGINT:\n{hung_child_report(proc)}", stacklevel=1
+        )
+        pytest.xfail("the child did not exit after SIGINT (open bug): its stacks are in warnings")
     finally:
         proc.kill()
     assert time.monotonic() - t0 < 3.0
