@@ -511,7 +511,8 @@ def _ceilings_table(rows: list[Row], ref: Row, stores: list[str]) -> str:
     lines = []
     texts = {
         "rawget": "raw GET (every stored object, 32 in flight, no decode)",
-        "decode": "decode-only (train chunks fetched + decoded, {threads} threads, reused buffers)",
+        "decode": "decode-only (train chunks read + decoded, {threads} threads, reused buffers; "
+        "a local store read on the decode thread)",
     }
     for store in stores:
         for kind, text in texts.items():
