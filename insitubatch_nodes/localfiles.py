@@ -7,7 +7,7 @@ until a decode thread is free — so a process holds up to ``max_inflight`` obje
 of them in memory no thread has touched yet (slow to fault in on a fresh process), and the
 decoder reads them cold from RAM.
 
-:class:`LocalReader` instead reads each stored object with ``pread`` on the decode thread, right
+:class:`LocalReader` instead reads each stored object with one ``read`` on the decode thread, right
 before decoding it, into one buffer per thread that is reused for every object: nothing is
 zeroed, nothing new is faulted in after the first few objects, and the bytes are still in the
 core's cache when the decoder reads them. Because a read now waits on a decode thread, every
@@ -28,6 +28,7 @@ kernel returns. Set ``INSITUBATCH_NODES_LOCAL_READS=0`` to read local stores thr
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 import stat
@@ -99,21 +100,24 @@ class LocalReader:
             return None
         try:
             info = os.fstat(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        if not stat.S_ISREG(info.st_mode):
+            os.close(fd)
             if stat.S_ISDIR(info.st_mode):
                 return None  # a folder is no object: missing, as obstore and zarr read it
-            if not stat.S_ISREG(info.st_mode):
-                raise OSError(f"{self.path(key)!r} is not a regular file")
+            raise OSError(f"{self.path(key)!r} is not a regular file")
+        with io.FileIO(fd, "rb", closefd=True) as file:  # unbuffered: readinto is one read()
             size = info.st_size
             view = self._buffer(size).data  # a memoryview of the whole buffer
             done = 0
             while done < size:  # a short read is not the end unless it returns 0
-                got = os.preadv(fd, [view[done:size]], done)
-                if got == 0:
+                got = file.readinto(view[done:size])
+                if not got:
                     break  # the file shrank since fstat: decode what there is (and fail loudly)
                 done += got
             return view[:done]
-        finally:
-            os.close(fd)
 
     def _buffer(self, size: int) -> np.ndarray:
         buf: np.ndarray | None = getattr(self._local, "buf", None)

@@ -205,3 +205,18 @@ def test_every_local_object_is_announced_to_the_kernel_for_readahead(
     want = {str((root / k).resolve()) for k in stored_keys(root)}
     assert wait_until(lambda: advised >= want, timeout=10), sorted(want - advised)[:3]
     pipe.close()
+
+
+def test_a_folder_a_fifo_or_a_missing_file_never_blocks_a_read_nor_leaks_a_descriptor(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "folder").mkdir()
+    os.mkfifo(tmp_path / "fifo")  # opening it for reading would wait for a writer
+    reader = LocalReader(tmp_path)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(50):
+        assert reader.read("folder") is None
+        assert reader.read("missing") is None
+        with pytest.raises(OSError, match="not a regular file"):
+            reader.read("fifo")
+    assert len(os.listdir("/proc/self/fd")) == before
