@@ -7,6 +7,7 @@ Follow a batch top-down through the modules:
 * :mod:`~insitubatch_nodes.splits` — chunk-aligned train/val/test manifests;
 * :mod:`~insitubatch_nodes.plan` — ``ReadPlanNode``: per-epoch order, batches, chunk reads;
 * :mod:`~insitubatch_nodes.fetch` — ``AsyncChunkFetchNode``: GETs on one loop, decode off the GIL;
+* :mod:`~insitubatch_nodes.localfiles` — a local store's objects read on the decode threads;
 * :mod:`~insitubatch_nodes.decode` — one stored object into its slot memory;
 * :mod:`~insitubatch_nodes.transforms` — chunk transforms (``applies``, ``StandardScaler``, ...);
 * :mod:`~insitubatch_nodes.residency` — ``ChunkPool``: budget, pins, LRU, slot memory;
