@@ -4,7 +4,9 @@
 ahead of the consumer and, for every chunk a plan is the first to read, pins a slot in the
 :class:`~insitubatch_nodes.pool.ChunkPool` (a chunk the pool already holds is a hit and is not
 fetched again) and starts a task on the process's IO loop that GETs each of the chunk's stored
-objects and decodes it, on the shared decode pool, straight into the slot.
+objects and decodes it, on the shared decode pool, straight into the slot (a store on local
+disk is read on the decode pool itself, right before the decode: see
+:mod:`~insitubatch_nodes.localfiles`).
 
 Two bounds keep it honest:
 
@@ -182,7 +184,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     ``geoms`` maps array path to its (unshifted) geometry; ``store`` is the zarr store the paths
     live in. When it is a ``zarr.storage.ObjectStore`` the GETs go straight to the obstore store
-    underneath (``obstore.get_async``); any other zarr store is read with its own ``get``.
+    underneath (``obstore.get_async``); any other zarr store is read with its own ``get``. A
+    store that is exactly a local folder is not read with GETs: each object is read and decoded
+    by one decode-pool job (:mod:`~insitubatch_nodes.localfiles`; no deadline applies there).
     Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (default: the policy the
     store was opened with, see :func:`~insitubatch_nodes.stores.retry_policy`).
 
