@@ -594,7 +594,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             stats.inflight_peak = max(stats.inflight_peak, self._inflight)
             try:
                 if self._local is not None:
-                    nbytes = await self._read_local_tile(geom, decoder, out, chunk, tile, ticket)
+                    nbytes = await self._read_local_tile(
+                        geom, decoder, key, out, chunk, tile, ticket
+                    )
                     stats.gets += 1
                     stats.bytes_fetched += nbytes
                     return
@@ -646,6 +648,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self,
         geom: ArrayGeometry,
         decoder: ChunkDecoder,
+        key: str,
         out: Any,
         chunk: int,
         tile: tuple[int, ...],
@@ -654,12 +657,11 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         """Read + decode one stored object of a local store as one decode-thread job (the
         bytes stay in that thread's buffer); its size in bytes. Errors as :meth:`_read_tile`."""
         assert self._local is not None
-        key = geom.store_key(chunk, tile)
         self._local.advise(key)  # the kernel reads ahead while the job waits for a thread
         rec = self.recorder
         submitted = rec.on_decode_submit() if rec is not None else 0.0
         job = self._decode_pool.submit(
-            ticket, self._local_job, geom, decoder, key, out, chunk, tile, self.recorder
+            ticket, self._local_job, geom, decoder, key, out, chunk, tile, rec
         )
         try:
             nbytes, busy = await _landed(job)
@@ -680,8 +682,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         chunk: int,
         tile: tuple[int, ...],
         rec: EpochRecorder | None,
-    ) -> tuple[int, float]:
-        # On a decode thread. The read counts as a GET in the report, the decode as a decode.
+    ) -> tuple[int, float | None]:
+        # On a decode thread. The read counts as a GET in the report, the decode as a decode
+        # (timed as the GET path times it; None without a recorder).
         assert self._local is not None
         started = rec.on_get_start() if rec is not None else 0.0
         try:
@@ -693,12 +696,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         nbytes = 0 if raw is None else len(raw)
         if rec is not None:
             rec.on_get_end(started, nbytes)
-        t0 = time.perf_counter()
         try:
-            decoder.decode_into(raw, out, chunk, tile)
+            if rec is None:
+                decoder.decode_into(raw, out, chunk, tile)
+                return nbytes, None
+            return nbytes, rec.timed(decoder.decode_into, raw, out, chunk, tile)
         except Exception as exc:
             raise ChunkReadError(geom.path, chunk, tile, key, "decode", self._store_name) from exc
-        return nbytes, time.perf_counter() - t0
 
     def _teardown(self) -> None:
         """Drop every pin this node holds and cancel the fills left unpinned (no waiting)."""
