@@ -348,6 +348,15 @@ def run_rawget(cfg: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
+def _chunk_buffer(g: Any) -> np.ndarray:
+    """A chunk buffer laid out as the pipeline lays out its slot: level-major for an array
+    stored one level per object (its objects then decode in place, as in the pipeline)."""
+    shape = (g.samples_per_chunk, *g.inner_shape)
+    if g.one_level_per_object:
+        return np.empty((shape[1], shape[0], *shape[2:]), g.dtype).swapaxes(0, 1)
+    return np.empty(shape, g.dtype)
+
+
 def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
     """GET every stored object of the train chunks (32 in flight) and decode each on
     ``default_decode_threads()`` threads into preallocated, reused chunk buffers.
@@ -357,7 +366,8 @@ def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
     stage reads one (``insitubatch_nodes.localfiles``): on the decode thread, into a buffer that
     thread reuses, right before the decode — without the readahead, as nothing else competes
     for the disk here. Each decode borrows one of ``threads``
-    buffer sets (one ``(samples_per_chunk, *inner_shape)`` array per variable, allocated and
+    buffer sets (one ``(samples_per_chunk, *inner_shape)`` array per variable, level-major
+    for an array stored one level per object as the pipeline's slots are, allocated and
     written once before the timed window), writes its tile's region (``tile_slices``, as
     ``fetch.py`` does) and returns the set: the timed window allocates no destination memory.
     """
@@ -379,9 +389,7 @@ def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
     threads = default_decode_threads()
     buffers: queue.SimpleQueue[dict[str, np.ndarray]] = queue.SimpleQueue()
     for _ in range(threads):
-        bufs = {
-            v: np.empty((g.samples_per_chunk, *g.inner_shape), g.dtype) for v, g in geoms.items()
-        }
+        bufs = {v: _chunk_buffer(g) for v, g in geoms.items()}
         for b in bufs.values():
             b.fill(0)  # first touch outside the timed window
         buffers.put(bufs)

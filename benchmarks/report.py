@@ -511,8 +511,8 @@ def _ceilings_table(rows: list[Row], ref: Row, stores: list[str]) -> str:
     lines = []
     texts = {
         "rawget": "raw GET (every stored object, 32 in flight, no decode)",
-        "decode": "decode-only (train chunks read + decoded, {threads} threads, reused buffers; "
-        "a local store read on the decode thread)",
+        "decode": "decode-only (train chunks read + decoded, {threads} threads, reused "
+        "buffers laid out as the slots; a local store read on the decode thread)",
     }
     for store in stores:
         for kind, text in texts.items():
@@ -939,7 +939,9 @@ def render(rows: list[Row], source: Path, plots: dict[str, Path | None], doc: Pa
         "`obstore.get_async`, 32 in flight, no decode. `decode`: every stored object of the "
         "train chunks fetched the same way and decoded with `ChunkDecoder.decode_into` on the "
         "pipeline's default number of decode threads into preallocated buffers that are reused "
-        "(no pool, no gather). One pass each per store and dataset before the rounds (round "
+        "and laid out as the pipeline's slots (level-major for an array stored one level per "
+        "object; no pool, no gather). A local store is read on the decode thread, as the "
+        "pipeline reads it. One pass each per store and dataset before the rounds (round "
         "`before`), or in every round for the reference shape.",
         "",
         rawget_table(rows),

@@ -233,6 +233,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         )
         #: path -> the geometry of what a slot holds (after the chunk transforms)
         self.slot_geoms = self.transforms.outputs
+        # Arrays stored one level per object get level-major slots, which their objects decode
+        # into in place (see residency). Not under chunk transforms: those see the slot, and a
+        # transform written for C-ordered data (``data.reshape(n, -1)[...] = ...``) would
+        # silently write into a copy of a level-major one.
+        self._level_major = {
+            path: g.one_level_per_object and not self.transforms.active(path)
+            for path, g in self.geoms.items()
+        }
         # bad stored objects of this epoch (written on the IO loop, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
         self._bad_lock = threading.Lock()
@@ -305,6 +313,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return FetchedBatch(plan=head.plan, entries=entries, release=release)
 
     # -- pins -------------------------------------------------------------------------------
+    def slot_spec(self, path: str) -> tuple[tuple[int, ...], np.dtype[Any], bool]:
+        """``(shape, dtype, level_major)`` of the slots this node fills for array ``path`` (as
+        :meth:`ChunkPool.acquire` and :meth:`ChunkPool.reserve` take them)."""
+        geom = self.slot_geoms[path]
+        shape = (geom.samples_per_chunk, *geom.inner_shape)
+        return shape, geom.dtype, self._level_major[path]
+
     def _release(self, generation: int, keys: Iterable[ChunkKey]) -> None:
         """Unpin chunks the consumer has read for the last time this epoch."""
         if generation != self._generation:  # the pins went with a reset or close
@@ -371,11 +386,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         ok = True
         while pending.admitted < len(fetches):
             key = fetches[pending.admitted]
-            geom = self.slot_geoms[key[0]]
-            start, stop = geom.chunk_range(key[1])
-            got = self.pool.acquire(
-                key, (geom.samples_per_chunk, *geom.inner_shape), geom.dtype, stop - start
-            )
+            start, stop = self.slot_geoms[key[0]].chunk_range(key[1])
+            shape, dtype, level_major = self.slot_spec(key[0])
+            got = self.pool.acquire(key, shape, dtype, stop - start, level_major)
             if got is None:
                 ok = False
                 break

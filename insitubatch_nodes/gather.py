@@ -28,6 +28,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.geometry import ArrayGeometry
 from insitubatch_nodes.pool import ResidentBatch
 from insitubatch_nodes.report import EpochRecorder
+from insitubatch_nodes.residency import is_level_major
 
 __all__ = ["PARALLEL_GATHER_BYTES", "BufferPool", "GatherNode", "gather_label"]
 
@@ -106,7 +107,7 @@ def gather_label(
             if w1 - w0 == hi - lo - 1:  # consecutive samples: a plain slice copy
                 out[lo:hi] = slot[w0 : w1 + 1]
             else:
-                np.take(slot, within[lo:hi], axis=0, out=out[lo:hi], mode="clip")
+                take_rows(slot, within[lo:hi], out[lo:hi])
         return
     order = np.argsort(chunk, kind="stable")
     sorted_chunks = chunk[order]
@@ -114,8 +115,25 @@ def gather_label(
     for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
         rows = order[lo:hi]
         block = scratch[: hi - lo]
-        np.take(slots[(path, int(sorted_chunks[lo]))], within[rows], axis=0, out=block, mode="clip")
+        take_rows(slots[(path, int(sorted_chunks[lo]))], within[rows], block)
         out[rows] = block
+
+
+def take_rows(slot: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
+    """``out[:] = slot[rows]`` with one ``np.take`` into the C-contiguous ``out``.
+
+    ``np.take`` copies a non-contiguous source whole before it gathers, so a level-major slot
+    (see :mod:`insitubatch_nodes.residency`) is gathered from its memory instead: seen as rows
+    ``(level, sample)``, every sample's level is one contiguous run, and row ``r`` of ``out``
+    is the runs ``level * spc + rows[r]`` for every level, in order.
+    """
+    if is_level_major(slot) and out.flags.c_contiguous:
+        spc, levels = slot.shape[0], slot.shape[1]
+        memory = slot.swapaxes(0, 1).reshape(levels * spc, -1)  # a view: it is C-contiguous
+        index = (rows[:, None] + spc * np.arange(levels)).ravel()
+        np.take(memory, index, axis=0, out=out.reshape(len(rows) * levels, -1), mode="clip")
+    else:
+        np.take(slot, rows, axis=0, out=out, mode="clip")
 
 
 class GatherNode(BaseNode[Batch]):

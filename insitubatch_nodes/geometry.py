@@ -171,6 +171,26 @@ class ArrayGeometry:
         """True when a stored object is a shard holding several zarr chunks."""
         return self.read_chunks != self.chunks
 
+    @property
+    def one_level_per_object(self) -> bool:
+        """True when each stored object holds one index of the first field axis and the whole
+        of the others, with the sample axis first (ERA5 pressure levels stored one level per
+        object: chunks ``(spc, 1, lat, lon)`` of ``(time, level, lat, lon)``).
+
+        In a slot with the usual sample-first layout such an object's region is strided (one
+        run per sample), so it cannot be decoded in place; in a *level-major* slot (see
+        :mod:`insitubatch_nodes.residency`) each object's decoded bytes are one contiguous run
+        and the decompressor writes them straight into the slot."""
+        inner, tile = self.inner_shape, self.tile_shape
+        return (
+            self.sample_axis == 0
+            and self.samples_per_chunk > 1
+            and len(inner) >= 2
+            and inner[0] > 1
+            and tile[0] == 1
+            and tile[1:] == inner[1:]
+        )
+
     def tiles(self) -> Iterator[tuple[int, ...]]:
         """Every tile coordinate (over the field axes), in C order."""
         return product(*(range(n) for n in self.tile_grid))

@@ -446,13 +446,6 @@ def insitu_pipeline(
         pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
         first = plan.epoch_plan(0)
         pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one
-        if cache is None:  # (with a cache_dir, slots are files)
-            # Pay for the first epoch's slot memory ahead of need, in the order it will be
-            # needed (a fresh process faults new pages in slowly; see ChunkPool.reserve).
-            pool.reserve(
-                ((slot_geoms[p].samples_per_chunk, *slot_geoms[p].inner_shape), slot_geoms[p].dtype)
-                for p, _ in first.distinct_chunks()
-            )
         fetch = AsyncChunkFetchNode(
             plan,
             zstore,
@@ -464,6 +457,10 @@ def insitu_pipeline(
             chunk_transforms=transforms,
             on_bad_chunk=on_bad_chunk,
         )
+        if cache is None:  # (with a cache_dir, slots are files)
+            # Pay for the first epoch's slot memory ahead of need, in the order it will be
+            # needed (a fresh process faults new pages in slowly; see ChunkPool.reserve).
+            pool.reserve(fetch.slot_spec(p) for p, _ in first.distinct_chunks())
     except BaseException:
         if cache is not None:
             cache.close()

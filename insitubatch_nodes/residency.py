@@ -10,6 +10,16 @@ Slot buffers come from a :class:`SlotBacking` and are recycled through per-size 
 steady-state epoch allocates nothing. The bytes the backing has handed out (slots in use plus
 free-listed ones) never exceed the budget.
 
+**Slot layouts.** A slot is always *indexed* sample-first, but its memory comes in one of two
+layouts. The usual one is C order ``(spc, *inner)``. A *level-major* slot (``level_major=True``
+in :meth:`ChunkPool.acquire`; for arrays stored one level per object,
+:attr:`~insitubatch_nodes.geometry.ArrayGeometry.one_level_per_object`) is C order
+``(inner[0], spc, *inner[1:])`` seen through ``swapaxes(0, 1)``: each stored object's region is
+then one contiguous run that the decompressor writes in place, where the usual layout would
+need a scratch decode and a strided copy of every such object. Readers see an ordinary numpy
+view either way; :func:`is_level_major` tells them apart (the gather uses it to keep one copy
+per row). Files of the persistent cache keep the usual layout.
+
 **Fill lifetime.** An entry admitted as a miss is filled by exactly one task (whoever admitted
 it). Its ``ready`` future always resolves: with ``None`` once the slot holds the data, or with
 the error that stopped the fill — also when the fill is cancelled before it ever ran (the fill's
@@ -55,11 +65,40 @@ __all__ = [
     "PoolStats",
     "RamBacking",
     "SlotBacking",
+    "is_level_major",
     "working_set_bytes",
 ]
 
 
 _UNMAPPED = np.empty(0, dtype=np.uint8)  # the slot of a disk hit until its file is mapped
+_SlotKey = tuple[tuple[int, ...], str, bool]  # (shape, dtype, level-major): one free list each
+
+
+def is_level_major(slot: np.ndarray) -> bool:
+    """Whether ``slot`` is a level-major view: C-ordered memory ``(inner[0], spc, ...)`` seen as
+    ``(spc, inner[0], ...)`` (see the module docstring)."""
+    return (
+        slot.ndim >= 3
+        and not slot.flags.c_contiguous
+        and bool(slot.swapaxes(0, 1).flags.c_contiguous)
+    )
+
+
+def _wants_level_major(shape: tuple[int, ...], level_major: bool) -> bool:
+    # with a single sample or a single level both layouts are the same memory
+    return level_major and len(shape) >= 3 and shape[0] > 1 and shape[1] > 1
+
+
+def _memory_shape(shape: tuple[int, ...], level_major: bool) -> tuple[int, ...]:
+    return (shape[1], shape[0], *shape[2:]) if level_major else shape
+
+
+def _as_slot(memory: np.ndarray, level_major: bool) -> np.ndarray:
+    return memory.swapaxes(0, 1) if level_major else memory
+
+
+def _slot_key(slot: np.ndarray) -> _SlotKey:
+    return (tuple(slot.shape), slot.dtype.str, is_level_major(slot))
 
 
 class FillCancelled(RuntimeError):
@@ -214,7 +253,7 @@ class ChunkPool:
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, ChunkEntry] = {}
         self._lru: OrderedDict[ChunkKey, ChunkEntry] = OrderedDict()
-        self._free: dict[tuple[tuple[int, ...], str], list[np.ndarray]] = {}
+        self._free: dict[_SlotKey, list[np.ndarray]] = {}
         self._allocated = 0
         self._reserver: threading.Thread | None = None
         self._stop_reserve = threading.Event()
@@ -248,11 +287,12 @@ class ChunkPool:
         return self._allocated
 
     # -- paying for memory ahead of need ----------------------------------------------------
-    def reserve(self, shapes: Iterable[tuple[tuple[int, ...], np.dtype[Any]]]) -> None:
-        """Allocate slots of ``shapes`` (in that order: the order they will be needed) into the
-        free lists on a background thread, with their pages already faulted in, while the budget
-        has room. A fresh process otherwise pays for each new slot's pages on first write,
-        inside the decode that fills it — in the first epoch, that is most of its slots.
+    def reserve(self, shapes: Iterable[tuple[Any, ...]]) -> None:
+        """Allocate slots of ``shapes`` — ``(shape, dtype)`` or ``(shape, dtype, level_major)``
+        as :meth:`acquire` takes them, in the order they will be needed — into the free lists
+        on a background thread, with their pages already faulted in, while the budget has room.
+        A fresh process otherwise pays for each new slot's pages on first write, inside the
+        decode that fills it — in the first epoch, that is most of its slots.
 
         Allocation on demand goes on meanwhile and never waits for the reserve: a slot the
         reserve finishes after the budget was taken is dropped, and the reserve stops at the
@@ -262,18 +302,21 @@ class ChunkPool:
         populated = getattr(self.backing, "allocate_populated", None)
         if populated is None:
             return
-        todo = [(tuple(shape), np.dtype(dtype)) for shape, dtype in shapes]
+        todo = [
+            (tuple(s[0]), np.dtype(s[1]), _wants_level_major(tuple(s[0]), bool(s[2:] and s[2])))
+            for s in shapes
+        ]
         self.stop_reserve()
         self._stop_reserve.clear()
 
         def run() -> None:
-            for shape, dtype in todo:
+            for shape, dtype, major in todo:
                 nbytes = math.prod(shape) * dtype.itemsize
                 with self._lock:
                     if self._stop_reserve.is_set() or self._allocated + nbytes > self.budget_bytes:
                         return
                 try:
-                    buf = populated(shape, dtype)
+                    buf = _as_slot(populated(_memory_shape(shape, major), dtype), major)
                 except (OSError, MemoryError, ValueError):
                     return
                 with self._lock:
@@ -307,9 +350,14 @@ class ChunkPool:
         shape: tuple[int, ...],
         dtype: np.dtype[Any],
         valid: int | None = None,
+        level_major: bool = False,
     ) -> tuple[ChunkEntry, bool] | None:
         """Pin ``key``: ``(entry, True)`` if already present (a hit), ``(new entry, False)``
         with a fresh slot to fill (a miss), or ``None`` when the budget has no room now.
+
+        ``shape`` is the slot's sample-first shape; ``level_major`` asks for a level-major slot
+        (module docstring) when the chunk is a miss held in memory — a hit keeps the layout
+        it was filled in, and a file of the persistent cache has the usual one.
 
         With a persistent cache a chunk it holds comes back as a ready hit (a read-only mapping
         of its file); ``valid`` is the number of valid samples the chunk holds (the slot's
@@ -357,7 +405,7 @@ class ChunkPool:
                     entry.file = written
                     self.stats.misses += 1
                     return entry, False
-            slot = self._take_buffer(shape, dtype)
+            slot = self._take_buffer(shape, dtype, _wants_level_major(shape, level_major))
             if slot is None:
                 return None
             entry = self._admit(key, slot, recycle=True, valid=valid)
@@ -431,8 +479,10 @@ class ChunkPool:
             return False
         return True
 
-    def _take_buffer(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
-        size_key = (shape, dtype.str)
+    def _take_buffer(
+        self, shape: tuple[int, ...], dtype: np.dtype[Any], level_major: bool
+    ) -> np.ndarray | None:
+        size_key = (shape, dtype.str, level_major)
         nbytes = math.prod(shape) * dtype.itemsize
         while True:
             free = self._free.get(size_key)
@@ -441,7 +491,8 @@ class ChunkPool:
             if self._allocated + nbytes <= self.budget_bytes:
                 self._allocated += nbytes
                 self.stats.allocations += 1
-                return self.backing.allocate(shape, dtype)
+                memory = self.backing.allocate(_memory_shape(shape, level_major), dtype)
+                return _as_slot(memory, level_major)
             if self._drop_other_free(size_key):
                 continue
             if self._lru:
@@ -452,7 +503,7 @@ class ChunkPool:
                 continue
             return None
 
-    def _drop_other_free(self, keep: tuple[tuple[int, ...], str] | None) -> bool:
+    def _drop_other_free(self, keep: _SlotKey | None) -> bool:
         for size_key, bufs in self._free.items():
             if size_key != keep and bufs:
                 buf = bufs.pop()
@@ -462,7 +513,7 @@ class ChunkPool:
         return False
 
     def _recycle(self, slot: np.ndarray) -> None:
-        self._free.setdefault((slot.shape, slot.dtype.str), []).append(slot)
+        self._free.setdefault(_slot_key(slot), []).append(slot)
 
     # -- completion and release --------------------------------------------------------------
     def mark_ready(self, entry: ChunkEntry) -> None:
