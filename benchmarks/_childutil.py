@@ -98,7 +98,7 @@ def _descendants(pid: int) -> list[int]:
     return tree_pids(pid)[1:]
 
 
-def _proc_cpu(pid: int) -> float:
+def proc_cpu_seconds(pid: int) -> float:
     """user+sys seconds of a live process from /proc (0 if it is gone)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
@@ -112,7 +112,7 @@ def tree_cpu_seconds() -> float:
     """user+sys CPU seconds of this process, its reaped children and its live descendants."""
     me = resource.getrusage(resource.RUSAGE_SELF)
     reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
-    live = sum(_proc_cpu(p) for p in _descendants(os.getpid()))
+    live = sum(proc_cpu_seconds(p) for p in _descendants(os.getpid()))
     return me.ru_utime + me.ru_stime + reaped.ru_utime + reaped.ru_stime + live
 
 

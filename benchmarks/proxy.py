@@ -6,7 +6,10 @@ round trip) plus a small HTTP/1.1 parser on both directions of every connection.
 requests by method and the body bytes of the responses, and serves its cumulative counters as
 one JSON object to anyone who connects to ``stats_port`` (see
 ``benchmarks._childutil.proxy_snapshot``), so a measurement child can difference them around
-each epoch whatever engine it runs.
+each epoch whatever engine it runs. The object also carries the CPU the S3 stand-in spends on
+this machine, in ms: ``proxy_cpu_ms`` (the proxy's own thread) and ``server_cpu_ms`` (the
+server process ``server_pid`` and its descendants, when given) — on a small machine the
+engines share the cores with both.
 
 The bytes are forwarded unchanged; the parser only looks at them.
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from collections import deque
 from collections.abc import Callable
 
+from benchmarks._childutil import proc_cpu_seconds, tree_pids
 from insitubatch_nodes.testing import LatencyProxy, free_port
 
 __all__ = ["CountingLatencyProxy"]
@@ -168,8 +173,15 @@ class _HttpConn:
 class CountingLatencyProxy(LatencyProxy):
     """``LatencyProxy`` that counts requests/bytes and serves the counters on ``stats_port``."""
 
-    def __init__(self, target_port: int, delay_s: float = 0.015, port: int | None = None) -> None:
+    def __init__(
+        self,
+        target_port: int,
+        delay_s: float = 0.015,
+        port: int | None = None,
+        server_pid: int | None = None,
+    ) -> None:
         self.counters: dict[str, int] = dict.fromkeys(_COUNTERS, 0)
+        self.server_pid = server_pid
         self.stats_port = free_port()
         self._stats_server: asyncio.base_events.Server | None = None
         super().__init__(target_port, delay_s=delay_s, port=port)
@@ -186,16 +198,25 @@ class CountingLatencyProxy(LatencyProxy):
     async def _serve_stats(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
     ) -> None:
-        writer.write(json.dumps(self.counters).encode())
+        writer.write(json.dumps(self._with_cpu(dict(self.counters))).encode())
         with contextlib.suppress(ConnectionError):
             await writer.drain()
         writer.close()
 
+    def _with_cpu(self, counters: dict[str, int]) -> dict[str, int]:
+        """``counters`` plus the CPU ms of the proxy's thread (call on the proxy's loop) and of
+        the server's process tree."""
+        counters["proxy_cpu_ms"] = round(1000 * time.thread_time())
+        if self.server_pid is not None:
+            cpu = sum(proc_cpu_seconds(p) for p in tree_pids(self.server_pid))
+            counters["server_cpu_ms"] = round(1000 * cpu)
+        return counters
+
     def snapshot(self) -> dict[str, int]:
-        """A copy of the counters, taken on the proxy's loop."""
+        """A copy of the counters (CPU included), taken on the proxy's loop."""
 
         async def copy() -> dict[str, int]:
-            return dict(self.counters)
+            return self._with_cpu(dict(self.counters))
 
         return asyncio.run_coroutine_threadsafe(copy(), self._loop).result(5)
 

@@ -498,6 +498,8 @@ def reference_section(rows: list[Row], run: Row) -> list[str]:
             "",
         ]
     out += ["### Ceilings (same run)", "", _ceilings_table(rows, ref, stores), ""]
+    if "s3" in stores:
+        out += ["### Where the cores go on `s3`", "", _s3_cpu_table(rows), ""]
     out += [
         "### Targets (issue 13), as measured in this run",
         "",
@@ -562,6 +564,47 @@ def _ceilings_table(rows: list[Row], ref: Row, stores: list[str]) -> str:
         return "_No ceiling was measured on the reference shape in this run._"
     header = ["store", "ceiling", "samples/s", "MB/s", "s", "CPU-s"]
     return table(header, lines)
+
+
+def _s3_cpu_table(rows: list[Row]) -> str:
+    """Per pass on the reference shape over s3: wall time and the CPU of the engine, the S3
+    server (moto) and the latency proxy, all on the same cores (medians over the rounds)."""
+    passes: list[tuple[str, list[Row]]] = [
+        (kind, [r for r in rows if r.get("type") == kind and r.get("store") == "s3"])
+        for kind in ("rawget", "decode")
+    ]
+    for engine in ("nodes", "insitubatch"):
+        for kind, label in (("cold", "epoch 0"), ("warm_default", "epoch 1")):
+            got = _by_repeat(rows, engine, "s3", "default", kind)
+            passes.append((f"{engine} {label} (`default`)", list(got.values())))
+    lines = []
+    for name, group in passes:
+        group = [
+            r
+            for r in group
+            if r.get("dataset") == REFERENCE.name
+            and "server_cpu_ms" in (r.get("proxy") or {})
+            and r.get("wall_s")
+        ]
+        if not group:
+            continue
+        wall = [r["wall_s"] for r in group]
+        client = [r["cpu_s"] for r in group]
+        server = [r["proxy"]["server_cpu_ms"] / 1000 for r in group]
+        proxy = [r["proxy"]["proxy_cpu_ms"] / 1000 for r in group]
+        busy = [(c + sv + px) / w for c, sv, px, w in zip(client, server, proxy, wall, strict=True)]
+        lines.append(
+            [name, span(wall, 3), span(client, 3), span(server, 3), span(proxy, 3), span(busy, 3)]
+        )
+    if not lines:
+        return "_No s3 pass on the reference shape recorded the server's CPU in this run._"
+    header = ["pass", "s", "engine CPU-s", "moto CPU-s", "proxy CPU-s", "cores busy"]
+    note = (
+        "\n\n*cores busy* = (engine + moto + proxy CPU-s) / wall s. Against the machine's "
+        "cores it shows how much of the raw-GET ceiling is the stand-in server's own CPU: an "
+        "epoch that must also decode shares the same cores with it."
+    )
+    return table(header, lines) + note
 
 
 def _targets_table(rows: list[Row], ref: Row, stores: list[str]) -> str:
@@ -980,7 +1023,7 @@ def render(rows: list[Row], source: Path, plots: dict[str, Path | None], doc: Pa
         "- The S3 endpoint is moto (Python) on loopback behind a Python proxy: its request rate "
         "and bandwidth (see the raw-GET table) are those of this stand-in, not of a cloud "
         "service; moto answers every request on a new connection. Server and proxy CPU is not "
-        "in any engine's CPU-s.",
+        "in any engine's CPU-s; *Where the cores go on `s3`* shows it, per pass.",
         "- `local` reads come from the page cache, not from a cold disk.",
         "- The per-sample loaders' epochs are shorter than the others' (see Setup), so their "
         "cold samples/s carries their worker start-up over fewer samples; compare their warm "

@@ -275,7 +275,7 @@ def s3_endpoint(datasets: dict[str, Path], latency_ms: float) -> Iterator[tuple[
         t0 = time.monotonic()
         n = sum(upload_dataset(path, prefix, moto.endpoint) for prefix, path in datasets.items())
         print(f"[bench] uploaded {n} objects to moto in {time.monotonic() - t0:.1f} s")
-        proxy = CountingLatencyProxy(moto.port, delay_s=latency_ms / 1000.0)
+        proxy = CountingLatencyProxy(moto.port, delay_s=latency_ms / 1000.0, server_pid=moto.pid)
         try:
             yield moto, proxy
         finally:

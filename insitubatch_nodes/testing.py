@@ -66,6 +66,11 @@ class MotoServer:
                     raise RuntimeError(f"moto_server did not start on port {self.port}") from None
                 time.sleep(0.1)
 
+    @property
+    def pid(self) -> int:
+        """The server process's id (to account its CPU, say)."""
+        return self._proc.pid
+
     def stop(self) -> None:
         if self._proc.poll() is None:
             self._proc.terminate()
