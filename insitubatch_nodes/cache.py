@@ -534,8 +534,9 @@ class ChunkCache:
     """One pipeline's view of a cache directory (see the module docstring).
 
     ``fingerprints`` maps every array path the pipeline reads to its
-    :func:`~insitubatch_nodes.fingerprint.array_fingerprint`. The pool calls :meth:`revive`,
-    :meth:`new_slot`, :meth:`commit` and :meth:`drop` (all under its own lock); :meth:`close`
+    :func:`~insitubatch_nodes.fingerprint.array_fingerprint`. The pool calls :meth:`find`,
+    :meth:`new_slot`, :meth:`commit` and :meth:`drop` under its own lock, and :meth:`map_file`
+    on a decode thread (a hit on disk is mapped there, off the IO loop); :meth:`close`
     releases the directory once every mapping is gone and :meth:`open` takes it again.
     """
 
@@ -816,16 +817,6 @@ class ChunkCache:
         self._track(region)
         count = math.prod(shape)
         return np.frombuffer(region, dtype=dtype, count=count, offset=offset).reshape(shape)
-
-    def revive(
-        self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
-    ) -> np.ndarray | None:
-        """:meth:`find` and :meth:`map_file` in one call (``None`` when either finds nothing)."""
-        file = self.find(key, shape, dtype, valid)
-        slot = None if file is None else self.map_file(file, shape, dtype)
-        if file is not None and slot is None:
-            self.forget(key)
-        return slot
 
     def new_slot(
         self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int

@@ -61,7 +61,7 @@ def moto(era5_local: Path) -> Iterator[MotoServer]:
             yield server
         finally:
             if server._proc.poll() is None:  # a frozen server must run again to be stopped
-                os.kill(server._proc.pid, signal.SIGCONT)
+                os.kill(server.pid, signal.SIGCONT)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -120,6 +120,30 @@ def _child_env(moto: MotoServer) -> dict[str, str]:
     }
 
 
+def _start_child(
+    tmp_path: Path, moto: MotoServer, source: str, *argv: str
+) -> subprocess.Popen[str]:
+    """Start ``source`` as a script against ``moto`` (pipes on all three streams) and wait for
+    its first line, ``first``: its pipeline has delivered a batch."""
+    script = tmp_path / "child.py"
+    script.write_text(source)
+    child = subprocess.Popen(
+        [sys.executable, str(script), *argv],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_child_env(moto),
+    )
+    assert child.stdin is not None and child.stdout is not None and child.stderr is not None
+    first = child.stdout.readline()
+    if first.strip() != "first":
+        child.kill()
+        child.wait()
+        raise AssertionError(f"the child did not start: {first!r}\n{child.stderr.read()[-3000:]}")
+    return child
+
+
 def _fail_mid_epoch(
     tmp_path: Path,
     moto: MotoServer,
@@ -130,26 +154,14 @@ def _fail_mid_epoch(
 ) -> tuple[dict[str, Any], float, float, subprocess.CompletedProcess[str]]:
     """Run the child, fail the endpoint after its first batch; return (report, seconds from
     the failure to the report, seconds from the report to exit, the finished process)."""
-    script = tmp_path / "train.py"
-    script.write_text(_CHILD)
-    env = _child_env(moto)
-    child = subprocess.Popen(
-        [sys.executable, str(script), url, json.dumps(policy), str(max_inflight)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    child = _start_child(tmp_path, moto, _CHILD, url, json.dumps(policy), str(max_inflight))
     assert child.stdin is not None and child.stdout is not None and child.stderr is not None
     try:
-        first = child.stdout.readline()
-        assert first.strip() == "first", (first, child.stderr.read()[-3000:])
         if how == "killed":
             moto._proc.kill()
             moto._proc.wait()
         else:
-            os.kill(moto._proc.pid, signal.SIGSTOP)
+            os.kill(moto.pid, signal.SIGSTOP)
         t_fail = time.monotonic()
         child.stdin.write("go\n")
         child.stdin.flush()
@@ -229,7 +241,7 @@ def test_metadata_reads_against_a_frozen_endpoint_end_near_the_policy_deadline(
     """zarr's own reads (opening the group) go through obstore's retry config and timeouts,
     not through the fetch stage's deadline: the policy reaches them too."""
     store = open_store(URL, retry=RetryPolicy(**QUICK), **moto.options())
-    os.kill(moto._proc.pid, signal.SIGSTOP)
+    os.kill(moto.pid, signal.SIGSTOP)
     t0 = time.monotonic()
     with pytest.raises(Exception) as info:
         open_geometries(store)
@@ -351,21 +363,10 @@ _STOPPER = textwrap.dedent(
 def test_close_and_exit_do_not_wait_out_the_retry_deadline_while_an_obstore_endpoint_is_frozen(
     tmp_path: Path, moto: MotoServer
 ) -> None:
-    script = tmp_path / "stop.py"
-    script.write_text(_STOPPER)
-    env = _child_env(moto)
-    child = subprocess.Popen(
-        [sys.executable, str(script), URL],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
+    child = _start_child(tmp_path, moto, _STOPPER, URL)
     assert child.stdin is not None and child.stdout is not None and child.stderr is not None
     try:
-        assert child.stdout.readline().strip() == "first", child.stderr.read()[-3000:]
-        os.kill(moto._proc.pid, signal.SIGSTOP)
+        os.kill(moto.pid, signal.SIGSTOP)
         child.stdin.write("go\n")
         child.stdin.flush()
         said = [child.stdout.readline(), child.stdout.readline()]
