@@ -40,7 +40,7 @@ import mmap
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
@@ -89,12 +89,17 @@ def _wants_level_major(shape: tuple[int, ...], level_major: bool) -> bool:
     return level_major and len(shape) >= 3 and shape[0] > 1 and shape[1] > 1
 
 
-def _memory_shape(shape: tuple[int, ...], level_major: bool) -> tuple[int, ...]:
-    return (shape[1], shape[0], *shape[2:]) if level_major else shape
-
-
-def _as_slot(memory: np.ndarray, level_major: bool) -> np.ndarray:
-    return memory.swapaxes(0, 1) if level_major else memory
+def _new_slot(
+    allocate: Callable[[tuple[int, ...], np.dtype[Any]], np.ndarray],
+    shape: tuple[int, ...],
+    dtype: np.dtype[Any],
+    level_major: bool,
+) -> np.ndarray:
+    """A slot of sample-first ``shape`` in the layout asked for, its memory from
+    ``allocate(memory_shape, dtype)`` (a backing's ``allocate`` or ``allocate_populated``)."""
+    if not level_major:
+        return allocate(shape, dtype)
+    return allocate((shape[1], shape[0], *shape[2:]), dtype).swapaxes(0, 1)
 
 
 def _slot_key(slot: np.ndarray) -> _SlotKey:
@@ -316,7 +321,7 @@ class ChunkPool:
                     if self._stop_reserve.is_set() or self._allocated + nbytes > self.budget_bytes:
                         return
                 try:
-                    buf = _as_slot(populated(_memory_shape(shape, major), dtype), major)
+                    buf = _new_slot(populated, shape, dtype, major)
                 except (OSError, MemoryError, ValueError):
                     return
                 with self._lock:
@@ -491,8 +496,7 @@ class ChunkPool:
             if self._allocated + nbytes <= self.budget_bytes:
                 self._allocated += nbytes
                 self.stats.allocations += 1
-                memory = self.backing.allocate(_memory_shape(shape, level_major), dtype)
-                return _as_slot(memory, level_major)
+                return _new_slot(self.backing.allocate, shape, dtype, level_major)
             if self._drop_other_free(size_key):
                 continue
             if self._lru:
