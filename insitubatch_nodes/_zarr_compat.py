@@ -411,13 +411,17 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
     (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
     ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
-    finished after that many seconds is cancelled and raises ``TimeoutError``.
+    finished after that many seconds is cancelled and raises ``TimeoutError``. A signed cloud
+    store that finds no credentials raises :func:`~insitubatch_nodes.stores.credentials_error`'s
+    ``PermissionError`` (obstore's error chained).
     """
     from zarr.storage import ObjectStore
 
     get: Any
     if isinstance(store, ObjectStore):
         import obstore
+
+        from insitubatch_nodes.stores import credentials_error
 
         inner = store.store
 
@@ -426,6 +430,11 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
                 response = await obstore.get_async(inner, key)
             except FileNotFoundError:
                 return None
+            except obstore.exceptions.BaseError as exc:
+                error = credentials_error(store, exc)  # no credentials: say anonymous=True
+                if error is None:
+                    raise
+                raise error from exc
             return await response.bytes_async()
 
         get = get_obstore

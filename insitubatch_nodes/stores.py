@@ -2,8 +2,14 @@
 
 Every API in this package that takes a store also accepts any ``zarr.abc.store.Store``; this
 module turns the common spellings (a local path, ``file://``, ``memory://``, ``s3://``,
-``gs://``, ``az://``) into a read-only ``zarr.storage.ObjectStore`` whose underlying obstore
-store the fetch stage can drive directly with ``get_async``.
+``gs://``, ``az://``, ``http://``, ``https://``) into a read-only ``zarr.storage.ObjectStore``
+whose underlying obstore store the fetch stage can drive directly with ``get_async``.
+
+Public buckets are read with ``open_store(url, anonymous=True)`` (unsigned requests, no
+credential lookup). A signed store whose first read finds no credentials, or is refused with
+401/403, raises ``PermissionError`` naming the store and suggesting ``anonymous=True``
+(:func:`credentials_error`; the zarr reads of such a store go through
+:class:`_SigningObjectStore`, the fetch stage's GETs through the same helper).
 
 :class:`RetryPolicy` is the one place that says how long a read may take: how often a failed
 request is retried, with what backoff, and the deadline after which a stored-object read fails
@@ -29,12 +35,13 @@ __all__ = [
     "RetryPolicy",
     "StoreLike",
     "as_store",
+    "credentials_error",
     "describe_store",
     "open_store",
     "retry_policy",
 ]
 
-SUPPORTED_SCHEMES: tuple[str, ...] = ("file", "memory", "s3", "gs", "az")
+SUPPORTED_SCHEMES: tuple[str, ...] = ("file", "memory", "s3", "gs", "az", "http", "https")
 
 StoreLike = Store | str | os.PathLike[str]
 
@@ -64,6 +71,34 @@ _ENV_CLIENT_KEYS = (
     "user_agent",
 )
 _ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+
+# Options that give a signed store its credentials: refused together with anonymous=True.
+_CREDENTIAL_KEYS = (
+    "access_key_id",
+    "secret_access_key",
+    "session_token",
+    "token",
+    "credential_provider",
+    "service_account",
+    "service_account_path",
+    "service_account_key",
+    "application_credentials",
+    "bearer_token",
+    "account_key",
+    "sas_key",
+    "client_secret",
+)
+
+# What obstore 0.12's message says when it found no credentials and fell back to a credential
+# service that is not there: AWS's instance metadata (PUT /latest/api/token, IMDSv2), ECS's
+# container credentials, GCP's and Azure's metadata token endpoints ("token request").
+_NO_CREDENTIALS_MARKERS = (
+    "/latest/api/token",
+    "/latest/meta-data/iam",
+    "computemetadata",
+    "token request",
+    "credential",
+)
 
 
 @dataclass(frozen=True)
@@ -173,6 +208,8 @@ def describe_store(store: Any) -> str:
         name = type(inner).__name__
         config = getattr(inner, "config", None) or {}
         prefix = str(getattr(inner, "prefix", None) or "")
+        if name == "HTTPStore":
+            return str(getattr(inner, "url", "") or repr(store))
         for cls, scheme, key in (
             ("S3Store", "s3", "bucket"),
             ("GCSStore", "gs", "bucket"),
@@ -185,6 +222,75 @@ def describe_store(store: Any) -> str:
         if name == "LocalStore" and prefix:
             return str(prefix)
     return repr(store)
+
+
+class _SigningObjectStore(ObjectStore[Any]):
+    """zarr's ``ObjectStore`` over a signed cloud store (``s3://``, ``gs://``, ``az://`` opened
+    without ``anonymous=True``): a read that finds no credentials, or is refused with 401/403,
+    raises :func:`credentials_error`'s ``PermissionError`` instead of obstore's error (chained).
+    Every other behaviour is zarr's."""
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        try:
+            return await super().get(key, prototype, byte_range)
+        except Exception as exc:
+            _raise_credentials_error(self, exc)
+            raise
+
+    async def get_partial_values(self, prototype: Any, key_ranges: Any) -> Any:
+        try:
+            return await super().get_partial_values(prototype, key_ranges)
+        except Exception as exc:
+            _raise_credentials_error(self, exc)
+            raise
+
+    async def exists(self, key: str) -> bool:
+        try:
+            return await super().exists(key)
+        except Exception as exc:
+            _raise_credentials_error(self, exc)
+            raise
+
+
+def credentials_error(store: Any, exc: BaseException) -> PermissionError | None:
+    """A ``PermissionError`` that explains ``exc``, or ``None`` when ``exc`` is not about
+    credentials.
+
+    Only for a signed cloud store from :func:`open_store` (``s3://``, ``gs://``, ``az://``
+    opened without ``anonymous=True``) and an obstore error that says no credentials were
+    found (obstore then asks the cloud's metadata service, which is not there) or that the
+    request was refused (401/403). The message names the store and says how to read a public
+    bucket: ``open_store(url, anonymous=True)``.
+    """
+    if not isinstance(store, _SigningObjectStore):
+        return None
+    from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
+
+    if not isinstance(exc, BaseError):
+        return None
+    name = describe_store(store)
+    fix = (
+        f"If the bucket is public, open it without credentials: open_store({name.split()[0]!r}, "
+        "anonymous=True), and pass that store"
+    )
+    if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+        return PermissionError(
+            f"{name} refused the request ({type(exc).__name__}): check the credentials. {fix}"
+        )
+    text = str(exc).lower()
+    if any(marker in text for marker in _NO_CREDENTIALS_MARKERS):
+        return PermissionError(
+            f"no credentials found to sign requests to {name} (none in the options or the "
+            f"environment, and no cloud metadata service answered). {fix}; else pass "
+            "credentials (options or environment variables)"
+        )
+    return None
+
+
+def _raise_credentials_error(store: Any, exc: BaseException) -> None:
+    error = credentials_error(store, exc)
+    if error is not None:
+        raise error from exc
 
 
 def _remember(store: Store, label: str, policy: RetryPolicy) -> Store:
@@ -206,8 +312,9 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
             f"client_options {clash} are set by retry=RetryPolicy(...) (timeout_s, "
             "stall_timeout_s, connect_timeout_s); set them there"
         )
-    for key in _ENV_CLIENT_KEYS:
-        value = os.environ.get(_ENV_PREFIX[scheme] + key.upper())
+    env_prefix = _ENV_PREFIX.get(scheme)  # HTTPStore reads no environment variables
+    for key in _ENV_CLIENT_KEYS if env_prefix else ():
+        value = os.environ.get(f"{env_prefix}{key.upper()}")
         if value is not None and key not in client:
             client[key] = value
     client.update(policy.obstore_client_timeouts())
@@ -219,6 +326,7 @@ def open_store(
     *,
     read_only: bool = True,
     retry: RetryPolicy | None = None,
+    anonymous: bool = False,
     **options: Any,
 ) -> Store:
     """Return a zarr ``Store`` for ``url_or_path``, backed by obstore.
@@ -231,20 +339,32 @@ def open_store(
       ``endpoint=``, ``region=``, ``access_key_id=``, ``secret_access_key=``, ``session_token=``,
       ``skip_signature=True``, ``client_options={"allow_http": True}``;
     * ``gs://bucket/prefix`` — obstore ``GCSStore`` (options passed through);
-    * ``az://container/prefix`` — obstore ``AzureStore`` (options passed through).
+    * ``az://container/prefix`` — obstore ``AzureStore`` (options passed through);
+    * ``https://host/path`` and ``http://host/path`` — obstore ``HTTPStore`` over a plain web
+      server (any server that answers GETs with byte ranges, e.g. nginx): the only option is
+      ``client_options`` (``http://`` sets ``allow_http``). HTTP cannot list a folder, so
+      arrays are found by name or through consolidated metadata, never by listing.
 
-    ``retry`` (default ``RetryPolicy()``) bounds every read: for the remote schemes it becomes
+    ``anonymous=True`` reads a public ``s3://``, ``gs://`` or ``az://`` bucket without
+    credentials: requests are not signed and no credentials are looked up (obstore's
+    ``skip_signature``); credential options are then refused. HTTP stores are always
+    anonymous. A signed store whose first read finds no credentials, or is refused with
+    401/403, raises ``PermissionError`` naming the store and suggesting ``anonymous=True``.
+
+    ``retry`` (default ``RetryPolicy()``) bounds every read: for the remote schemes (the cloud
+    ones and ``http(s)://``) it becomes
     obstore's ``retry_config`` and the client's connect/stall/request timeouts (so
     ``retry_config=`` and those ``client_options`` keys are refused: set them in the policy);
     for every scheme its ``timeout_s`` is the deadline the fetch stage puts on each
-    stored-object read. Opening does no IO: a missing bucket or prefix is reported at first
-    use (:func:`~insitubatch_nodes.open_geometries`, :func:`~insitubatch_nodes.insitu_pipeline`).
+    stored-object read. Opening does no IO: a missing bucket or prefix (or missing
+    credentials) is reported at first use
+    (:func:`~insitubatch_nodes.open_geometries`, :func:`~insitubatch_nodes.insitu_pipeline`).
 
     The store is read-only unless ``read_only=False``. Any other scheme raises ``ValueError``
     naming the supported ones; passing an existing ``zarr.abc.store.Store`` is an error here
     (use :func:`as_store`, which passes stores through).
     """
-    from obstore.store import AzureStore, GCSStore, LocalStore, MemoryStore, S3Store
+    from obstore.store import AzureStore, GCSStore, HTTPStore, LocalStore, MemoryStore, S3Store
 
     from insitubatch_nodes import _runtime
 
@@ -257,11 +377,18 @@ def open_store(
         retry = DEFAULT_RETRY
     elif not isinstance(retry, RetryPolicy):
         raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
+    if not isinstance(anonymous, bool):
+        raise TypeError(f"anonymous must be True or False, got {anonymous!r}")
     text = os.fspath(url_or_path)
     if not text:
         raise ValueError("open_store() needs a URL or a path, got an empty string")
     parts = urlsplit(text)
     scheme = parts.scheme.lower()
+    if anonymous and (scheme in ("", "file", "memory") or len(scheme) == 1):
+        raise ValueError(
+            "anonymous=True applies to s3://, gs:// and az:// URLs (unsigned requests); "
+            f"{text!r} is a local or in-memory store"
+        )
     # A Windows drive letter ("C:\\data") parses as a one-letter scheme: treat it as a path.
     if scheme == "" or len(scheme) == 1:
         return _local(LocalStore, Path(text), read_only, options, retry)
@@ -276,23 +403,62 @@ def open_store(
         with _MEMORY_LOCK:
             mem = _MEMORY_STORES.setdefault(name, MemoryStore())
         return _remember(ObjectStore(mem, read_only=read_only), f"memory://{name}", retry)
+    if scheme in ("http", "https"):
+        return _http(HTTPStore, text, parts, read_only, options, retry)
     bucket = parts.netloc
     prefix = parts.path.strip("/") or None
     if scheme in ("s3", "gs", "az") and not bucket:
         raise ValueError(f"{scheme}:// URLs need a bucket: {scheme}://BUCKET/optional/prefix")
     classes = {"s3": S3Store, "gs": GCSStore, "az": AzureStore}
     if scheme in classes:
+        if anonymous:
+            given = sorted(k for k in ("skip_signature", *_CREDENTIAL_KEYS) if k in options)
+            if given:
+                raise ValueError(
+                    f"anonymous=True reads without credentials; drop the options {given}"
+                )
+            options = {**options, "skip_signature": True}
         merged = _remote_options(scheme, options, retry)
         inner = classes[scheme](bucket, prefix=prefix, **merged)
         label = f"{scheme}://{bucket}/{prefix or ''}".rstrip("/")
         if options.get("endpoint"):
             label += f" (endpoint {options['endpoint']})"
-        return _remember(ObjectStore(inner, read_only=read_only), label, retry)
+        signed = not options.get("skip_signature")
+        zstore = (_SigningObjectStore if signed else ObjectStore)(inner, read_only=read_only)
+        return _remember(zstore, label, retry)
     raise ValueError(
         f"unsupported store scheme {scheme!r} in {text!r}; supported: "
         + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
         + ", or a plain local path (or pass any zarr.abc.store.Store)"
     )
+
+
+def _http(
+    http_cls: Any,
+    text: str,
+    parts: Any,
+    read_only: bool,
+    options: dict[str, Any],
+    retry: RetryPolicy,
+) -> Store:
+    """An ``ObjectStore`` over obstore's ``HTTPStore`` at ``text`` (the URL's path is the
+    prefix of every key); labelled with the URL, its password (if any) left out."""
+    if not parts.netloc:
+        raise ValueError(f"{parts.scheme}:// URLs need a host: {parts.scheme}://HOST/path")
+    extra = sorted(set(options) - {"client_options"})
+    if extra:
+        raise ValueError(
+            f"{parts.scheme}:// stores take client_options= (and retry=) only, got {extra}"
+        )
+    merged = _remote_options(parts.scheme, options, retry)
+    if parts.scheme == "http":
+        merged["client_options"].setdefault("allow_http", True)
+    url = text.rstrip("/")
+    label = url
+    if parts.password is not None:
+        label = url.replace(f":{parts.password}@", ":***@", 1)
+    inner = http_cls.from_url(url, **merged)
+    return _remember(ObjectStore(inner, read_only=read_only), label, retry)
 
 
 def _local(

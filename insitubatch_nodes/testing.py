@@ -8,6 +8,9 @@
 * :class:`FaultProxy` — an HTTP/1.1 proxy on ``127.0.0.1`` that answers the first few GETs of
   every object with an error status (503 by default) and forwards the rest, to check that
   transient errors are retried and the data still arrive exact.
+* :class:`NginxServer` — nginx (the Debian package, run as a child process with a config of
+  its own) serving a local folder over HTTP on ``127.0.0.1``, byte ranges included, with chosen
+  paths answered by a fixed status (404, 503, ...): a plain web server for ``http://`` stores.
 * :func:`upload_folder` — copy a local zarr folder into a bucket.
 
 Nothing here talks to anything but the loopback interface.
@@ -22,16 +25,25 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
 
-__all__ = ["FaultProxy", "LatencyProxy", "MotoServer", "free_port", "upload_folder"]
+__all__ = [
+    "FaultProxy",
+    "LatencyProxy",
+    "MotoServer",
+    "NginxServer",
+    "free_port",
+    "nginx_executable",
+    "upload_folder",
+]
 
 
 def free_port() -> int:
@@ -92,6 +104,128 @@ class MotoServer:
         }
 
     def __enter__(self) -> MotoServer:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def nginx_executable() -> str | None:
+    """The nginx binary (``PATH``, then ``/usr/sbin/nginx``, which a non-root ``PATH`` may
+    lack), or ``None`` when nginx is not installed (``apt-get install nginx``)."""
+    found = shutil.which("nginx")
+    if found:
+        return found
+    return "/usr/sbin/nginx" if os.access("/usr/sbin/nginx", os.X_OK) else None
+
+
+class NginxServer:
+    r"""nginx on ``127.0.0.1:port`` serving the folder ``root`` read-only (a plain web server).
+
+    ``endpoint`` is its URL: a file ``root/a/b`` is at ``endpoint + "/a/b"``; nginx answers
+    ``Range`` requests with 206 and a missing file with 404, and cannot list (``PROPFIND`` is
+    405). ``statuses`` maps nginx location regexes (matched against the URL path, e.g.
+    ``r"^/broken\.zarr/t2m/c/"``) to a status nginx returns for them instead of the file.
+
+    nginx runs as a child process in the foreground, single-process (``daemon off;
+    master_process off;``), with its config, pid file, logs and temporary folders in a
+    temporary directory of its own; :meth:`stop` (or leaving the ``with`` block) ends it and
+    removes that directory. ``access_log()`` returns the requests logged so far. Raises
+    ``FileNotFoundError`` when nginx is not installed and ``RuntimeError`` (with nginx's error
+    log) when it does not start.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        *,
+        statuses: Mapping[str, int] | None = None,
+        port: int | None = None,
+        startup_timeout_s: float = 10.0,
+    ) -> None:
+        exe = nginx_executable()
+        if exe is None:
+            raise FileNotFoundError("nginx not found: apt-get install nginx")
+        self.root = Path(root).absolute()
+        self.port = port or free_port()
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._dir = tempfile.TemporaryDirectory(prefix="insitubatch-nginx-")
+        work = Path(self._dir.name)
+        self._access_log = work / "access.log"
+        self._error_log = work / "error.log"
+        specials = "".join(
+            f'        location ~ "{pattern}" {{ return {int(status)}; }}\n'
+            for pattern, status in (statuses or {}).items()
+        )
+        temps = "".join(
+            f"    {name}_temp_path {work / name};\n"
+            for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
+        )
+        config = work / "nginx.conf"
+        config.write_text(
+            "daemon off;\nmaster_process off;\nworker_processes 1;\n"
+            f"pid {work / 'nginx.pid'};\nerror_log {self._error_log} warn;\n"
+            "events { worker_connections 256; }\n"
+            "http {\n"
+            '    map $http_authorization $signed { "" "unsigned"; default "signed"; }\n'
+            "    log_format plain '$request $status $signed';\n"
+            f"    access_log {self._access_log} plain;\n"
+            f"{temps}"
+            "    default_type application/octet-stream;\n"
+            "    keepalive_requests 100000;\n"
+            "    server {\n"
+            f"        listen 127.0.0.1:{self.port};\n"
+            f'        root "{self.root}";\n'
+            f"{specials}"
+            "        location / { }\n"
+            "    }\n"
+            "}\n"
+        )
+        self._proc = subprocess.Popen(
+            [exe, "-p", str(work), "-e", str(self._error_log), "-c", str(config)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + startup_timeout_s
+        while not self._answers():
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                log = self._error_log.read_text() if self._error_log.exists() else ""
+                self.stop()
+                raise RuntimeError(f"nginx did not start on port {self.port}: {log.strip()}")
+            time.sleep(0.05)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    @property
+    def pid(self) -> int:
+        """The nginx process's id."""
+        return self._proc.pid
+
+    def access_log(self) -> list[str]:
+        """The requests logged so far, one line each: ``"GET /path HTTP/1.1 206 unsigned"``
+        (request line, status, and whether it carried an ``Authorization`` header)."""
+        if not self._access_log.exists():
+            return []
+        return self._access_log.read_text().splitlines()
+
+    def stop(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(timeout=10)
+        self._dir.cleanup()
+
+    def __enter__(self) -> NginxServer:
         return self
 
     def __exit__(
