@@ -138,7 +138,7 @@ def test_an_s3_url_needs_a_bucket() -> None:
         open_store("s3:///prefix-only")
 
 
-@pytest.mark.parametrize("url", ["ftp://host/data.zarr", "http://example.com/x.zarr", "hdfs://n/x"])
+@pytest.mark.parametrize("url", ["ftp://host/data.zarr", "dav://example.com/x.zarr", "hdfs://n/x"])
 def test_an_unsupported_scheme_raises_value_error_naming_the_supported_ones(url: str) -> None:
     with pytest.raises(ValueError) as info:
         open_store(url)
@@ -149,7 +149,7 @@ def test_an_unsupported_scheme_raises_value_error_naming_the_supported_ones(url:
 
 
 def test_supported_schemes_are_the_documented_ones() -> None:
-    assert set(SUPPORTED_SCHEMES) == {"file", "memory", "s3", "gs", "az"}
+    assert set(SUPPORTED_SCHEMES) == {"file", "memory", "s3", "gs", "az", "http", "https"}
 
 
 def test_a_missing_local_folder_raises_file_not_found(tmp_path: Path) -> None:
