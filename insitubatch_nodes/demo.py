@@ -49,7 +49,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--region", help="S3 region")
     p.add_argument("--access-key-id", help="S3 access key id")
     p.add_argument("--secret-access-key", help="S3 secret access key")
-    p.add_argument("--skip-signature", action="store_true", help="anonymous (public) reads")
+    p.add_argument(
+        "--anonymous",
+        "--skip-signature",
+        dest="anonymous",
+        action="store_true",
+        help="read a public bucket without credentials (open_store(..., anonymous=True))",
+    )
     p.add_argument("--allow-http", action="store_true", help="allow http:// endpoints")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
@@ -75,8 +81,8 @@ def _store_options(args: argparse.Namespace) -> dict[str, Any]:
     for name in ("endpoint", "region", "access_key_id", "secret_access_key"):
         if getattr(args, name):
             opts[name] = getattr(args, name)
-    if args.skip_signature:
-        opts["skip_signature"] = True
+    if args.anonymous:
+        opts["anonymous"] = True
     if args.allow_http:
         opts["client_options"] = {"allow_http": True}
     return opts

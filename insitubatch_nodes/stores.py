@@ -337,7 +337,7 @@ def open_store(
     * ``memory://NAME`` — a process-wide in-memory store (same NAME, same objects);
     * ``s3://bucket/prefix`` — obstore ``S3Store``; ``options`` are passed through, e.g.
       ``endpoint=``, ``region=``, ``access_key_id=``, ``secret_access_key=``, ``session_token=``,
-      ``skip_signature=True``, ``client_options={"allow_http": True}``;
+      ``client_options={"allow_http": True}`` (a public bucket: ``anonymous=True``);
     * ``gs://bucket/prefix`` — obstore ``GCSStore`` (options passed through);
     * ``az://container/prefix`` — obstore ``AzureStore`` (options passed through);
     * ``https://host/path`` and ``http://host/path`` — obstore ``HTTPStore`` over a plain web
