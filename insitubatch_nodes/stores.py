@@ -352,9 +352,9 @@ def open_store(
     401/403, raises ``PermissionError`` naming the store and suggesting ``anonymous=True``.
 
     ``retry`` (default ``RetryPolicy()``) bounds every read: for the remote schemes (the cloud
-    ones and ``http(s)://``) it becomes
-    obstore's ``retry_config`` and the client's connect/stall/request timeouts (so
-    ``retry_config=`` and those ``client_options`` keys are refused: set them in the policy);
+    ones and ``http(s)://``) it becomes obstore's ``retry_config`` and the client's
+    connect/stall/request timeouts (so ``retry_config=`` and those ``client_options`` keys are
+    refused: set them in the policy);
     for every scheme its ``timeout_s`` is the deadline the fetch stage puts on each
     stored-object read. Opening does no IO: a missing bucket or prefix (or missing
     credentials) is reported at first use
@@ -404,7 +404,7 @@ def open_store(
             mem = _MEMORY_STORES.setdefault(name, MemoryStore())
         return _remember(ObjectStore(mem, read_only=read_only), f"memory://{name}", retry)
     if scheme in ("http", "https"):
-        return _http(HTTPStore, text, parts, read_only, options, retry)
+        return _http(HTTPStore, scheme, text, parts, read_only, options, retry)
     bucket = parts.netloc
     prefix = parts.path.strip("/") or None
     if scheme in ("s3", "gs", "az") and not bucket:
@@ -435,6 +435,7 @@ def open_store(
 
 def _http(
     http_cls: Any,
+    scheme: str,
     text: str,
     parts: Any,
     read_only: bool,
@@ -444,14 +445,12 @@ def _http(
     """An ``ObjectStore`` over obstore's ``HTTPStore`` at ``text`` (the URL's path is the
     prefix of every key); labelled with the URL, its password (if any) left out."""
     if not parts.netloc:
-        raise ValueError(f"{parts.scheme}:// URLs need a host: {parts.scheme}://HOST/path")
+        raise ValueError(f"{scheme}:// URLs need a host: {scheme}://HOST/path")
     extra = sorted(set(options) - {"client_options"})
     if extra:
-        raise ValueError(
-            f"{parts.scheme}:// stores take client_options= (and retry=) only, got {extra}"
-        )
-    merged = _remote_options(parts.scheme, options, retry)
-    if parts.scheme == "http":
+        raise ValueError(f"{scheme}:// stores take client_options= (and retry=) only, got {extra}")
+    merged = _remote_options(scheme, options, retry)
+    if scheme == "http":
         merged["client_options"].setdefault("allow_http", True)
     url = text.rstrip("/")
     label = url
