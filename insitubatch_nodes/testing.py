@@ -10,7 +10,8 @@
   transient errors are retried and the data still arrive exact.
 * :class:`NginxServer` — nginx (the Debian package, run as a child process with a config of
   its own) serving a local folder over HTTP on ``127.0.0.1``, byte ranges included, with chosen
-  paths answered by a fixed status (404, 503, ...): a plain web server for ``http://`` stores.
+  paths answered by a fixed status (404, 503, ...): a plain web server for ``http://`` stores
+  (``https://`` with a self-signed certificate, ``tls=True``).
 * :func:`upload_folder` — copy a local zarr folder into a bucket.
 
 Nothing here talks to anything but the loopback interface.
@@ -128,6 +129,9 @@ class NginxServer:
     ``Range`` requests with 206 and a missing file with 404, and cannot list (``PROPFIND`` is
     405). ``statuses`` maps nginx location regexes (matched against the URL path, e.g.
     ``r"^/broken\.zarr/t2m/c/"``) to a status nginx returns for them instead of the file.
+    With ``tls=True`` it serves HTTPS (``endpoint`` is ``https://127.0.0.1:port``) with a
+    self-signed certificate made by the ``openssl`` command for this server alone: clients
+    must skip verification (obstore: ``client_options={"allow_invalid_certificates": True}``).
 
     nginx runs as a child process in the foreground, single-process (``daemon off;
     master_process off;``), with its config, pid file, logs and temporary folders in a
@@ -142,17 +146,31 @@ class NginxServer:
         root: str | os.PathLike[str],
         *,
         statuses: Mapping[str, int] | None = None,
+        tls: bool = False,
         port: int | None = None,
         startup_timeout_s: float = 10.0,
     ) -> None:
         exe = nginx_executable()
         if exe is None:
             raise FileNotFoundError("nginx not found: apt-get install nginx")
+        openssl = shutil.which("openssl") if tls else None
+        if tls and openssl is None:
+            raise FileNotFoundError("openssl not found (tls=True makes a certificate with it)")
         self.root = Path(root).absolute()
         self.port = port or free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self.endpoint = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self._dir = tempfile.TemporaryDirectory(prefix="insitubatch-nginx-")
         work = Path(self._dir.name)
+        listen = f"127.0.0.1:{self.port}"
+        if openssl is not None:
+            cert, key = work / "cert.pem", work / "key.pem"
+            request = ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
+            subject = ["-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"]
+            files = ["-keyout", str(key), "-out", str(cert)]
+            subprocess.run([openssl, *request, *subject, *files], check=True, capture_output=True)
+            listen += f' ssl;\n        ssl_certificate "{cert}";\n'
+            listen += f'        ssl_certificate_key "{key}"'
+
         self._access_log = work / "access.log"
         self._error_log = work / "error.log"
         specials = "".join(
@@ -176,7 +194,7 @@ class NginxServer:
             "    default_type application/octet-stream;\n"
             "    keepalive_requests 100000;\n"
             "    server {\n"
-            f"        listen 127.0.0.1:{self.port};\n"
+            f"        listen {listen};\n"
             f'        root "{self.root}";\n'
             f"{specials}"
             "        location / { }\n"

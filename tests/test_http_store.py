@@ -187,6 +187,21 @@ def test_a_store_served_by_nginx_reads_like_zarr_end_to_end(site: Site, name: st
         assert [line for line in log if f"/{name}.zarr/t2m/c/" in line and " 206 " in line]
 
 
+def test_an_https_store_reads_like_zarr_and_checks_the_certificate(site: Site) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed (it makes the server's self-signed certificate)")
+    with NginxServer(site.root, tls=True) as server:
+        url = f"{server.endpoint}/v3.zarr"
+        assert url.startswith("https://")
+        # the certificate is self-signed: verified by default, so refused
+        with pytest.raises(Exception, match="InvalidCertificate"):
+            open_geometries(open_store(url, retry=RetryPolicy(timeout_s=3.0, max_retries=1)))
+        store = open_store(url, client_options={"allow_invalid_certificates": True})
+        assert describe_store(store) == url
+        _read_all(store, site.local("v3"))
+        assert [line for line in server.access_log() if "/v3.zarr/t2m/c/" in line]
+
+
 def test_geometries_read_elsewhere_find_the_arrays_of_an_http_store_without_listing(
     site: Site,
 ) -> None:
