@@ -103,9 +103,10 @@ class RetryPolicy:
     ``InternalError`` body, connection errors (refused, reset, dropped mid-body) and
     timeouts of reads. Not retried: other 4xx (a 404 on a chunk reads as the fill value, like
     zarr; 403/401 raise at once). Under the defaults a 6 s burst of 503s or 500s on every
-    object is absorbed (the reads finish 0–2 s after it clears), and an endpoint that is dead
-    (refused) or frozen fails each read at ``timeout_s`` = 30 s; 30 s is obstore's own
-    per-request default, so a transfer that obstore would allow still fits.
+    object is absorbed (a read caught in it ends at most one ``max_backoff_s`` after the burst;
+    measured: within 2.4 s), and an endpoint that is dead (refused) or frozen fails each read
+    at ``timeout_s`` = 30 s; 30 s is obstore's own per-request default, so a transfer that
+    obstore would allow still fits.
     """
 
     timeout_s: float = 30.0

@@ -6,8 +6,9 @@
   client sends by ``delay_s`` (so each request pays roughly one extra round trip), to imitate a
   remote store. It runs its own event loop on a daemon thread.
 * :class:`FaultProxy` — an HTTP/1.1 proxy on ``127.0.0.1`` that answers the first few GETs of
-  every object with an error status (503 by default) and forwards the rest, to check that
-  transient errors are retried and the data still arrive exact.
+  every object (or every GET for ``burst_s`` seconds) with an error status (503 by default)
+  and forwards the rest, to check that transient errors are retried and the data still
+  arrive exact.
 * :func:`upload_folder` — copy a local zarr folder into a bucket.
 
 Nothing here talks to anything but the loopback interface.
