@@ -339,10 +339,11 @@ def test_an_endpoint_that_refuses_connections_for_6_s_is_waited_for_within_the_d
         proxy.stop()  # from here every connection is refused
         t_down = time.monotonic()
         time.sleep(BURST_S)
-        with FaultProxy(moto.port, fail_first=0, port=port):
+        with FaultProxy(moto.port, fail_first=0, port=port) as back:
             rest = run_epoch(it, oracle, oviews)
     assert len(rest) == len(pipe) - 1
     assert time.monotonic() - t_down >= BURST_S
+    assert sum(back.gets.values()) > 0  # reads were still to come when the endpoint went away
 
 
 def test_a_dead_endpoint_fails_at_the_deadline_not_at_a_retry_count(
