@@ -232,6 +232,25 @@ def _warn_unarbitrated(directory: Path) -> None:
     )
 
 
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def not_writable(directory: Path, exc: OSError) -> OSError | None:
+    """``exc`` (an ``OSError`` creating or writing something in ``directory``) as the same
+    error type with a message that says what to do, when the cause is that the directory is
+    read-only to this process (``EROFS``, ``EACCES``, ``EPERM``); else ``None``."""
+    if exc.errno not in _NOT_WRITABLE:
+        return None
+    return type(exc)(
+        exc.errno,
+        f"cache_dir {directory} is not writable ({os.strerror(exc.errno)}: cannot write "
+        f"{exc.filename or directory}); a pipeline that warms or spills to a cache_dir writes "
+        "there. To read a cache warmed elsewhere without writing, pass readonly_cache=True; "
+        "to warm one, point cache_dir at a directory this process can write",
+        exc.filename,
+    )
+
+
 class DirLock:
     """The advisory lock on one directory's ``.insitu.lock``, released only after :meth:`release`
     has been called *and* every mapping registered with :meth:`track` has been unmapped."""
@@ -246,7 +265,12 @@ class DirLock:
         if shared:
             fd = os.open(self.path, os.O_RDONLY)
         else:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                if (better := not_writable(directory, exc)) is None:
+                    raise
+                raise better from exc
         if fcntl is not None:
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
@@ -586,7 +610,12 @@ class ChunkCache:
                     "first with a run that has persist=True"
                 )
         else:
-            self.own.mkdir(parents=True, exist_ok=True)
+            try:
+                self.own.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                if (better := not_writable(self.root, exc)) is None:
+                    raise
+                raise better from exc
         _warn_unarbitrated(self.root)
         locks: list[DirLock] = []
         try:

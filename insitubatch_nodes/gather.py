@@ -141,6 +141,10 @@ class GatherNode(BaseNode[Batch]):
 
     ``labels`` maps each label to its :class:`ArrayGeometry` view; ``batch_transforms`` run in
     order on every gathered batch (on the pipeline's thread, so they overlap the consumer).
+    ``rows`` (default ``batch_size``) sizes the batch buffers: the most samples one batch holds,
+    which :func:`~insitubatch_nodes.pipeline.insitu_pipeline` sets to ``min(batch_size,
+    samples the rank delivers per epoch)``. A batch with more rows (an epoch resumed on
+    another world size) gets buffers of its size, allocated then.
     """
 
     def __init__(
@@ -149,6 +153,8 @@ class GatherNode(BaseNode[Batch]):
         labels: Mapping[str, ArrayGeometry],
         batch_size: int,
         batch_transforms: Sequence[BatchTransform] = (),
+        *,
+        rows: int | None = None,
     ) -> None:
         super().__init__()
         for t in batch_transforms:
@@ -158,18 +164,23 @@ class GatherNode(BaseNode[Batch]):
         self.labels = dict(labels)
         self.batch_size = batch_size
         self.batch_transforms = tuple(batch_transforms)
+        self._size(batch_size if rows is None else max(1, min(rows, batch_size)))
+        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
+
+    def _size(self, rows: int) -> None:
+        """Batch buffers of ``rows`` rows, and scratch to match."""
+        self.rows = rows
         self._buffers = {
-            label: BufferPool((batch_size, *g.inner_shape), g.dtype) for label, g in labels.items()
+            label: BufferPool((rows, *g.inner_shape), g.dtype) for label, g in self.labels.items()
         }
         # one scratch set per gathering thread (used only for rows out of sample order)
         self._scratch = [
             {
-                label: np.empty((min(batch_size, g.samples_per_chunk), *g.inner_shape), g.dtype)
-                for label, g in labels.items()
+                label: np.empty((min(rows, g.samples_per_chunk), *g.inner_shape), g.dtype)
+                for label, g in self.labels.items()
             }
             for _ in range(2)
         ]
-        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -183,6 +194,8 @@ class GatherNode(BaseNode[Batch]):
         t0 = time.perf_counter()
         plan = resident.plan
         n = len(plan)
+        if n > self.rows:  # batches of more rows than sized for (elastic resume): resize
+            self._size(min(n, self.batch_size))
         arrays = {label: self._buffers[label].take()[:n] for label in self.labels}
         nbytes = sum(out.nbytes for out in arrays.values())
         helper = _runtime.gather_helper() if n > 1 and nbytes >= PARALLEL_GATHER_BYTES else None

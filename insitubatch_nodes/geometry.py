@@ -347,7 +347,9 @@ def open_geometries(
         missing = [v for v in variables if v.strip("/") not in arrays]
         if missing:
             raise KeyError(
-                f"no array named {missing} in the group; available arrays: {sorted(arrays)}"
+                f"no array named {missing} in store {describe_store(zstore)}; available "
+                f"arrays: {sorted(arrays)} (an array whose metadata document, zarr.json or "
+                "v2's .zarray, is missing from the store is not found either)"
             )
         names = [v.strip("/") for v in variables]
     return {name: _geometry(name, arrays[name], axis_for(name)) for name in names}

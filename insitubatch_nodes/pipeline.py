@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -285,6 +286,51 @@ def choose_schedule(
     )
 
 
+def _physical_memory_bytes() -> int:
+    """This machine's physical memory (a very large number where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return 2**62
+
+
+def _batch_rows(
+    batch_size: int,
+    delivered: int,
+    labels: Mapping[str, ArrayGeometry],
+    split: str,
+    rank: int,
+    world_size: int,
+) -> int:
+    """Rows of the batch buffers: ``min(batch_size, delivered)`` (``delivered``: the samples
+    this rank yields per epoch, so no batch holds more); ``ValueError`` naming ``batch_size``,
+    the split and what fits when one batch of ``batch_size`` samples would not fit in this
+    machine's memory (such a request is a mistake whatever the split holds)."""
+    sample_bytes = sum(math.prod(v.inner_shape) * v.dtype.itemsize for v in labels.values())
+    memory = _physical_memory_bytes()
+    if batch_size * sample_bytes <= memory:
+        return max(1, min(batch_size, delivered))
+    on_rank = f" on rank {rank} of {world_size}" if world_size > 1 else ""
+    fits = memory // max(1, sample_bytes)
+    raise ValueError(
+        f"batch_size={batch_size:,} is impossible here: one batch of that many samples would "
+        f"take {_human_bytes(batch_size * sample_bytes)} ({sample_bytes:,} bytes per sample "
+        f"over every label), more than this machine's {_human_bytes(memory)} of memory (at "
+        f"most {fits:,} samples fit in one batch). Split {split!r} delivers {delivered:,} "
+        f"samples per epoch{on_rank}, so batch_size={delivered:,} already puts all of them in "
+        f"one batch: pass a batch_size of at most {min(delivered, fits):,}"
+    )
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{value:,.0f} {unit}" if unit == "bytes" else f"{value:,.1f} {unit}"
+        value /= 1024
+    raise AssertionError  # pragma: no cover
+
+
 def insitu_pipeline(
     store: Store | str | os.PathLike[str],
     manifest: SplitManifest,
@@ -435,6 +481,8 @@ def insitu_pipeline(
         schedule=schedule,
         remainder=remainder,
     )
+    first = plan.epoch_plan(0)
+    rows = _batch_rows(batch_size, first.n_samples, labels, split, plan.rank, plan.world_size)
     cache = None
     if cache_args is not None:
         fingerprints = {
@@ -444,7 +492,6 @@ def insitu_pipeline(
         cache = ChunkCache(cache_args.pop("cache_dir"), fingerprints, rank=plan.rank, **cache_args)
     try:
         pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
-        first = plan.epoch_plan(0)
         pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one
         fetch = AsyncChunkFetchNode(
             plan,
@@ -466,7 +513,7 @@ def insitu_pipeline(
             cache.close()
         raise
     resident = ChunkPoolNode(fetch)
-    gather = GatherNode(resident, labels, batch_size, batch_transforms)
+    gather = GatherNode(resident, labels, batch_size, batch_transforms, rows=rows)
     return InSituPipeline(
         gather,
         prefetch_depth,

@@ -6,8 +6,9 @@
   client sends by ``delay_s`` (so each request pays roughly one extra round trip), to imitate a
   remote store. It runs its own event loop on a daemon thread.
 * :class:`FaultProxy` — an HTTP/1.1 proxy on ``127.0.0.1`` that answers the first few GETs of
-  every object with an error status (503 by default) and forwards the rest, to check that
-  transient errors are retried and the data still arrive exact.
+  every object (or every GET for ``burst_s`` seconds) with an error status (503 by default)
+  and forwards the rest, to check that transient errors are retried and the data still
+  arrive exact.
 * :class:`NginxServer` — nginx (the Debian package, run as a child process with a config of
   its own) serving a local folder over HTTP on ``127.0.0.1``, byte ranges included, with chosen
   paths answered by a fixed status (404, 503, ...): a plain web server for ``http://`` stores
@@ -394,6 +395,10 @@ class FaultProxy(_LoopbackServer):
     forwarded and cut off half-way through the body (of a 200/206 answer) by a connection
     reset. With ``match``, only paths that contain it are faulted. Every other request is
     forwarded to the target unchanged.
+    With ``burst_s``, every matching GET is faulted for ``burst_s`` seconds from the first
+    matching GET on (a burst: what an overloaded S3 prefix answers), whatever ``fail_first``
+    says; the ones after it are forwarded. ``burst_started`` is that first GET's
+    ``time.monotonic()`` (None before it).
     ``gets`` counts the GETs seen per path and ``injected`` the faults injected. Requests with
     a body must carry a ``Content-Length`` (what S3 clients send); responses are relayed by
     ``Content-Length``, chunked encoding or connection close. It runs its own event loop on a
@@ -411,12 +416,16 @@ class FaultProxy(_LoopbackServer):
         status: int = 503,
         reset: bool = False,
         match: str = "",
+        burst_s: float | None = None,
         port: int | None = None,
     ) -> None:
         if fail_first < 0:
             raise ValueError(f"fail_first must be >= 0, got {fail_first}")
+        if burst_s is not None and not burst_s > 0:
+            raise ValueError(f"burst_s must be positive seconds, got {burst_s}")
         self.target_port, self.fail_first, self.status = target_port, fail_first, status
-        self.reset, self.match = reset, match
+        self.reset, self.match, self.burst_s = reset, match, burst_s
+        self.burst_started: float | None = None
         self.gets: Counter[str] = Counter()
         self.injected = 0
         self._lock = threading.Lock()
@@ -428,7 +437,15 @@ class FaultProxy(_LoopbackServer):
         path = target.split("?", 1)[0]
         with self._lock:
             self.gets[path] += 1
-            fail = self.match in path and self.gets[path] <= self.fail_first
+            if self.match not in path:
+                return False
+            if self.burst_s is None:
+                fail = self.gets[path] <= self.fail_first
+            else:
+                now = time.monotonic()
+                if self.burst_started is None:
+                    self.burst_started = now
+                fail = now - self.burst_started < self.burst_s
             self.injected += fail
         return fail
 

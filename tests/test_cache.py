@@ -814,3 +814,54 @@ def test_two_ranks_missing_one_chunk_at_once_write_it_once_and_both_read_it_afte
     del got
     rank0.close()
     rank1.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# A cache_dir this process cannot write
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def read_only_view(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    """``(writable, read_only)``: one directory, and the same directory seen read-only — a
+    read-only bind mount as root (root writes through file modes), mode 0555 otherwise."""
+    writable, view = tmp_path / "cache", tmp_path / "ro"
+    writable.mkdir()
+    if os.geteuid() != 0:
+        yield writable, writable
+        return
+    view.mkdir()
+    bound = subprocess.run(["mount", "--bind", str(writable), str(view)], capture_output=True)
+    if bound.returncode != 0:
+        pytest.skip(f"a read-only bind mount needs CAP_SYS_ADMIN: {bound.stderr.decode()}")
+    try:
+        remount = ["mount", "-o", "remount,ro,bind", str(view)]
+        if subprocess.run(remount, capture_output=True).returncode != 0:
+            pytest.skip("this kernel refused to remount the bind mount read-only")
+        yield writable, view
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False)
+
+
+def test_a_writer_on_a_read_only_cache_dir_is_told_to_pass_readonly_cache(
+    era5: Path, read_only_view: tuple[Path, Path]
+) -> None:
+    writable, view = read_only_view
+    warm, _ = build(era5, writable, persist=True)
+    want = epoch(warm)
+    warm.close()
+    if view == writable:  # not root: take the write permission away instead
+        os.chmod(writable, 0o555)
+        os.chmod(writable / LOCK_NAME, 0o444)
+    try:
+        with pytest.raises(OSError) as info:
+            build(era5, view, persist=True)
+        message = str(info.value)
+        assert "readonly_cache=True" in message and str(view) in message
+        assert "not writable" in message
+        reader, store = build(era5, view, readonly_cache=True)  # what the message says works
+        same_batches(epoch(reader), want)
+        assert store.chunk_gets == 0  # every chunk came from the cache
+        reader.close()
+    finally:
+        os.chmod(writable, 0o755)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,7 +14,7 @@ import zarr
 import zarr.storage
 from zarr.core.buffer import cpu
 
-from insitubatch_nodes import ArrayGeometry, open_geometries
+from insitubatch_nodes import ArrayGeometry, open_geometries, open_store
 
 DATA_ARRAYS = {"t2m", "z", "station_t2m"}
 
@@ -180,6 +181,23 @@ def test_an_unknown_name_raises_key_error_listing_the_available_arrays(
     assert "precip" in message
     for name in ("t2m", "z", "time", "crs", "station_t2m"):
         assert name in message
+
+
+@pytest.mark.xdist_group("s3")
+def test_an_array_whose_metadata_is_missing_raises_key_error_naming_the_store(
+    era5_v3_path: Path, tmp_path: Path, s3_upload, s3_options
+) -> None:
+    """A 404 on ``t2m/zarr.json``, locally and over S3: the message names the store."""
+    copy = tmp_path / "era5.zarr"
+    shutil.copytree(era5_v3_path, copy)
+    (copy / "t2m" / "zarr.json").unlink()
+    url = s3_upload(copy, "no-t2m/era5.zarr")
+    for store, name in ((copy, str(copy)), (open_store(url, **s3_options), url)):
+        with pytest.raises(KeyError) as info:
+            open_geometries(store, ["t2m"])
+        message = str(info.value)
+        assert f"in store {name}" in message, message
+        assert "'t2m'" in message and "'z'" in message  # what was asked, and what exists
 
 
 def test_a_sample_axis_mapping_naming_an_unknown_array_raises_key_error(

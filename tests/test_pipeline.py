@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import re
 import threading
 import traceback
@@ -799,6 +800,49 @@ def test_extreme_batch_sizes_deliver_every_sample_once(era5: Case, batch_size: i
     want = expected_anchors(era5.manifest, "train", [0, 1])
     assert len(records) == -(-len(want) // batch_size)
     np.testing.assert_array_equal(np.sort(anchors_of(records, "x")), want)
+
+
+def _small_split(era5: Case) -> tuple[SplitManifest, np.ndarray]:
+    """A train split of 8 chunks (64 samples; 63 valid anchors for x and y = x.shift(1))."""
+    manifest = split_by_chunk(era5.views["x"], (0.4, 0.6, 0.0))
+    want = expected_anchors(manifest, "train", [0, 1])
+    assert len(manifest.samples("train")) == 64 and len(want) == 63
+    return manifest, want
+
+
+@pytest.mark.parametrize(("rank", "world"), [(0, 1), (0, 2), (1, 2)])
+def test_a_batch_size_far_above_the_split_builds_buffers_of_what_the_rank_delivers(
+    era5: Case, rank: int, world: int
+) -> None:
+    manifest, want = _small_split(era5)
+    pipe = insitu_pipeline(
+        era5.root, manifest, era5.views, batch_size=100_000, rank=rank, world_size=world
+    )
+    delivered = len(want) // world  # remainder="drop": at most world - 1 samples sit out
+    records = run_epoch(pipe, Oracle(era5.root), era5.oracle_views)
+    assert len(pipe) == len(records) == 1  # the whole split of this rank in one batch
+    got = anchors_of(records, "x")
+    assert len(got) == delivered and set(got.tolist()) <= set(want.tolist())
+    sample_bytes = sum(math.prod(v.inner_shape) * v.dtype.itemsize for v in era5.views.values())
+    # buffers of 100,000 rows would take 100 MB; these hold the rank's 63 (or 31) samples
+    assert pipe.stages.gather.buffer_bytes <= 8 * delivered * sample_bytes
+    assert pipe.stages.gather.rows == delivered
+    pipe.close()
+
+
+def test_a_batch_size_no_batch_could_hold_is_refused_at_build_naming_the_split_and_what_fits(
+    era5: Case,
+) -> None:
+    manifest, want = _small_split(era5)
+    with pytest.raises(ValueError) as info:
+        insitu_pipeline(era5.root, manifest, era5.views, batch_size=10**12)
+    message = str(info.value)
+    assert "batch_size=1,000,000,000,000" in message  # what was asked
+    assert "TiB" in message and "memory" in message  # why it cannot be
+    assert f"Split 'train' delivers {len(want)} samples per epoch" in message  # the split
+    assert f"at most {len(want)}" in message  # what fits
+    with pytest.raises(ValueError, match="on rank 1 of 2"):
+        insitu_pipeline(era5.root, manifest, era5.views, batch_size=10**12, rank=1, world_size=2)
 
 
 def test_a_retained_batch_keeps_its_data_while_later_batches_are_produced(era5: Case) -> None:

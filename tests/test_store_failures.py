@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import CountingStore, Oracle, View, run_epoch, write_era5
+from helpers import CountingStore, Oracle, View, assert_batch_matches, run_epoch, write_era5
 
 import insitubatch_nodes
 from insitubatch_nodes import (
@@ -199,8 +199,8 @@ def test_an_endpoint_that_stops_answering_mid_epoch_raises_naming_array_chunk_an
 ) -> None:
     report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, how, QUICK)
     _assert_clean_failure(report, done)
-    # killed: connection refused, retried with backoff until max_retries or the deadline;
-    # frozen: connections hang, so the read fails at the deadline (timeout_s = 3 s)
+    # killed: connection refused, retried with backoff until the deadline (timeout_s = 3 s);
+    # frozen: connections hang, so the read fails at the deadline too
     assert to_error < QUICK["timeout_s"] + 2.0, (to_error, report)
     if how == "frozen":
         assert to_error >= QUICK["timeout_s"] - 0.5, (to_error, report)
@@ -228,10 +228,8 @@ def test_under_the_default_policy_a_dead_endpoint_fails_within_60_s(
     report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, how, None)
     _assert_clean_failure(report, done)
     assert to_error <= 60.0, (to_error, report)
-    if how == "killed":  # refused connections fail fast, long before the deadline
-        assert to_error < 10.0, (to_error, report)
-    else:
-        assert to_error >= RetryPolicy().timeout_s - 1.0, (to_error, report)
+    # refused connections and stalled ones alike are retried until the 30 s deadline
+    assert to_error >= RetryPolicy().timeout_s - 1.0, (to_error, report)
     assert to_exit < 10.0
 
 
@@ -298,6 +296,77 @@ def test_a_transient_error_that_outlasts_max_retries_raises_naming_the_store(
         assert f"{URL} (endpoint {proxy.endpoint})" in str(info.value)
         assert "503" in str(info.value.__cause__)
         assert pipe.stages.pool.pinned_count() == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# Retries spend the deadline: a burst that clears within timeout_s costs time, not the read
+# ---------------------------------------------------------------------------------------------
+
+BURST_S = 6.0  # longer than obstore's 10 jittered retries last (1.4-5.5 s)
+
+
+@pytest.mark.parametrize("status", [503, 500])
+def test_a_6_s_burst_of_server_errors_on_every_object_is_absorbed_with_exact_data(
+    era5_local: Path, moto: MotoServer, status: int
+) -> None:
+    with FaultProxy(moto.port, burst_s=BURST_S, status=status, match="/c/") as proxy:
+        views, oviews, manifest = _views(open_store(URL, **moto.options()))
+        store = open_store(URL, **moto.options(endpoint=proxy.endpoint))  # the default policy
+        pipe = insitu_pipeline(store, manifest, views, batch_size=16, block_chunks=8)
+        with pipe:
+            records = run_epoch(pipe, Oracle(era5_local), oviews)  # zarr's read is the oracle
+        assert len(records) == len(pipe)
+        assert proxy.burst_started is not None
+        assert time.monotonic() - proxy.burst_started >= BURST_S  # the epoch outlasted it
+        chunk_gets = [n for p, n in proxy.gets.items() if "/c/" in p]
+        assert max(chunk_gets) > 11  # more than obstore's old 10 retries on some object
+        assert proxy.injected > len(chunk_gets)
+
+
+def test_an_endpoint_that_refuses_connections_for_6_s_is_waited_for_within_the_deadline(
+    era5_local: Path, moto: MotoServer
+) -> None:
+    """Connection refused is transient too: the proxy is down for 6 s, then back on its port."""
+    views, oviews, manifest = _views(open_store(URL, **moto.options()))
+    proxy = FaultProxy(moto.port, fail_first=0)
+    port, endpoint = proxy.port, proxy.endpoint
+    store = open_store(URL, **moto.options(endpoint=endpoint))
+    pipe = insitu_pipeline(store, manifest, views, batch_size=16, block_chunks=1, shuffle=False)
+    oracle = Oracle(era5_local)
+    with pipe:
+        it = iter(pipe)
+        assert_batch_matches(next(it), oracle, oviews)
+        proxy.stop()  # from here every connection is refused
+        t_down = time.monotonic()
+        time.sleep(BURST_S)
+        with FaultProxy(moto.port, fail_first=0, port=port) as back:
+            rest = run_epoch(it, oracle, oviews)
+    assert len(rest) == len(pipe) - 1
+    assert time.monotonic() - t_down >= BURST_S
+    assert sum(back.gets.values()) > 0  # reads were still to come when the endpoint went away
+
+
+def test_a_dead_endpoint_fails_at_the_deadline_not_at_a_retry_count(
+    tmp_path: Path, moto: MotoServer
+) -> None:
+    policy = {**QUICK, "timeout_s": 5.0}
+    report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, "killed", policy)
+    _assert_clean_failure(report, done)
+    # refused connections are retried until the deadline, then the read fails naming the store
+    assert policy["timeout_s"] - 0.5 <= to_error < policy["timeout_s"] + 2.0, (to_error, report)
+    assert to_exit < 10.0
+
+
+def test_zarr_metadata_reads_absorb_a_6_s_burst_of_503s_too(
+    era5_local: Path, moto: MotoServer
+) -> None:
+    with FaultProxy(moto.port, burst_s=BURST_S, match="zarr.json") as proxy:
+        store = open_store(URL, **moto.options(endpoint=proxy.endpoint))
+        geoms = open_geometries(store, ["t2m", "z"])
+        assert proxy.burst_started is not None
+        assert time.monotonic() - proxy.burst_started >= BURST_S
+    local = open_geometries(era5_local, ["t2m", "z"])
+    assert {k: repr(g) for k, g in geoms.items()} == {k: repr(g) for k, g in local.items()}
 
 
 # ---------------------------------------------------------------------------------------------

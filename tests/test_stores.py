@@ -249,6 +249,16 @@ def test_an_s3_store_is_configured_with_its_retry_policy() -> None:
     assert retry_policy(open_store("s3://bucket/x")) == RetryPolicy()
 
 
+def test_by_default_obstore_gets_more_retries_than_fit_in_the_deadline() -> None:
+    """max_retries=None: the deadline, not a count, ends the retries (every backoff is at
+    least initial_backoff_s, so more than timeout_s / initial_backoff_s retries never run)."""
+    policy = RetryPolicy(timeout_s=12.0, initial_backoff_s=0.5)
+    assert policy.max_retries is None
+    inner = open_store("s3://bucket/x", retry=policy).store  # type: ignore[attr-defined]
+    assert inner.retry_config["max_retries"] > 12.0 / 0.5
+    assert RetryPolicy(max_retries=3).obstore_retry_config()["max_retries"] == 3
+
+
 @pytest.mark.xdist_group("s3")
 def test_client_options_from_the_environment_still_apply_next_to_the_policy(
     era5_v3_path: Path, era5_v3_s3_url: str, s3_options, monkeypatch: pytest.MonkeyPatch
