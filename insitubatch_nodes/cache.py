@@ -596,12 +596,9 @@ class ChunkCache:
         self.rank = int(rank)
         self.verify = bool(verify)
         self.own = rank_dir(self.root, self.rank)
-        # corrupt: revived files whose bytes failed their check; unverified: lines without a
-        # checksum, treated as misses
-        self.stats = {
-            "committed": 0, "claimed_elsewhere": 0, "reset_files": 0, "corrupt": 0,
-            "unverified": 0,
-        }  # fmt: skip
+        # unverified: lines without a checksum found by a writer, treated as misses (corrupt
+        # files are counted by the pool, which refetches them)
+        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0, "unverified": 0}
         self._locks: list[DirLock] = []
         self._index: dict[tuple[str, int], _Logged] = {}
         self._logs: dict[Path, _Log] = {}

@@ -486,8 +486,8 @@ class ChunkPool:
                 )
             raise CacheMissError(
                 f"chunk {entry.key[1]} of array {entry.key[0]!r} is logged in the read-only "
-                f"cache at {cache.root} but its file {file.name} cannot be read (deleted "
-                "or truncated); warm the cache again"
+                f"cache at {cache.root} but its file {file.name} is gone (deleted "
+                "since the run found it); warm the cache again"
             )
         if corrupt is not None:
             log.warning(
