@@ -24,6 +24,19 @@ and its file replaced). A log that cannot be trusted — an unparseable line bef
 name that is not a bare name in the directory — raises :class:`CorruptCacheError` whatever the
 flags say (a last line cut short by a crash is dropped).
 
+**Content checks.** Every log line also carries a checksum of its chunk's bytes (``"sum":
+"xxh3-64:<hex>"``, xxhash's XXH3 over the file's data, header excluded), computed once the slot
+holds its final bytes, on a decode thread, before the line is written. A chunk revived from the
+directory is checked once when its file is mapped (:meth:`ChunkCache.map_file`), before any batch
+reads it. A chunk whose bytes disagree — a flipped bit on disk, a bad copy, a file cut short or
+garbled — is never served: a writer logs a warning, fetches the chunk again and rewrites its file
+(the pool counts it, and the epoch report's ``corrupt``); a ``readonly_cache`` reader raises
+:class:`CorruptCacheError` naming the file. A line written without a checksum (by a version
+before these checks) is not trusted: for a writer it is a miss whose chunk is fetched and
+rewritten, with a checksum this time; a reader raises :class:`CacheMissError` saying so.
+``verify=False`` skips both checks (it still writes checksums). Fields a version does not know
+are ignored when a line is read.
+
 **Replace, never truncate.** A chunk file is written under a temporary name and renamed into
 place once its data is complete, so a process that maps the old file keeps reading the old,
 intact bytes (the rename gives the name a new inode; the old one lives as long as a mapping
@@ -73,6 +86,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 try:  # POSIX
     import fcntl
@@ -100,6 +114,8 @@ LOCK_NAME = ".insitu.lock"
 CLAIMS_NAME = ".claims"
 LOG_FORMAT = 1
 _HEADER_KEY = "insitubatch_nodes_cache"
+_SUM_KEY = "sum"  # the log field of a chunk's checksum
+_SUM_ALGO = "xxh3-64"  # the only algorithm written; a line with another is a miss, unverified
 _TMP_SUFFIX = ".tmp"
 _CLOSE_WAIT_S = 2.0  # the most close() waits for winding-down fills to unmap (module doc)
 # file systems on which flock may be emulated per client (two hosts can both "hold" it)
@@ -127,7 +143,8 @@ class CacheClosed(RuntimeError):
 
 
 class CorruptCacheError(RuntimeError):
-    """The cache's log cannot be trusted (malformed line, or a file outside the directory)."""
+    """The cache's log cannot be trusted (malformed line, or a file outside the directory), or
+    a cached chunk's bytes no longer match the checksum logged with it (read-only readers)."""
 
 
 def rank_dir(cache_dir: Path, rank: int) -> Path:
@@ -153,6 +170,14 @@ def _file_prefix(path: str) -> str:
 def chunk_file_name(path: str, chunk: int) -> str:
     """The file a cached chunk lives in: a bare name, readable, unique per ``(path, chunk)``."""
     return f"{_file_prefix(path)}{int(chunk)}.npy"
+
+
+def content_sum(array: np.ndarray) -> str:
+    """The checksum the log records for a chunk: ``"xxh3-64:<16 hex digits>"``, xxhash's
+    XXH3 (64 bits) over ``array``'s bytes in C order — for a cached file, its data after the
+    ``.npy`` header. xxhash releases the GIL while it hashes."""
+    data = array if array.flags.c_contiguous else np.ascontiguousarray(array)
+    return f"{_SUM_ALGO}:{xxhash.xxh3_64_intdigest(data.data):016x}"
 
 
 def _npy_header(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes:
@@ -469,6 +494,7 @@ class SlotFile:
     claim: Path
     committed: bool = False
     dropped: bool = False
+    checksum: str | None = None  # set by ChunkCache.seal (else by commit) over the final bytes
 
 
 @dataclass(frozen=True)
@@ -478,6 +504,7 @@ class _Logged:
     dtype: str
     valid: int
     fp: str
+    checksum: str | None = None  # content_sum of the file's data; None: logged without one
 
 
 class _Log:
@@ -533,6 +560,7 @@ def _parse_entry(
         array, chunk, name = item["array"], item["chunk"], item["file"]
         shape = tuple(int(n) for n in item["shape"])
         dtype, valid, fp = str(item["dtype"]), int(item["valid"]), str(item["fp"])
+        checksum = item.get(_SUM_KEY)
     except (KeyError, TypeError, ValueError):
         raise CorruptCacheError(
             f"{where} lacks a field of a cache entry ({dict(item)!r}); delete the cache "
@@ -546,7 +574,9 @@ def _parse_entry(
             f"{where} names file {name!r}, which is not a bare file name inside {log.directory}; "
             "the log has been tampered with or corrupted. Delete the cache directory."
         )
-    return (array, chunk), _Logged(log.directory / name, shape, dtype, valid, fp)
+    if checksum is not None and not isinstance(checksum, str):
+        raise CorruptCacheError(f"{where} has a malformed checksum {checksum!r}")
+    return (array, chunk), _Logged(log.directory / name, shape, dtype, valid, fp, checksum)
 
 
 # -------------------------------------------------------------------------------------------
@@ -560,8 +590,10 @@ class ChunkCache:
     ``fingerprints`` maps every array path the pipeline reads to its
     :func:`~insitubatch_nodes.fingerprint.array_fingerprint`. The pool calls :meth:`find`,
     :meth:`new_slot`, :meth:`commit` and :meth:`drop` under its own lock, and :meth:`map_file`
-    on a decode thread (a hit on disk is mapped there, off the IO loop); :meth:`close`
-    releases the directory once every mapping is gone and :meth:`open` takes it again.
+    and :meth:`seal` on a decode thread (a hit on disk is mapped and checked there, off the IO
+    loop); :meth:`close` releases the directory once every mapping is gone and :meth:`open`
+    takes it again. ``verify=False`` serves cached chunks without checking their content (and
+    trusts lines logged without a checksum); see the module docstring.
     """
 
     def __init__(
@@ -573,6 +605,7 @@ class ChunkCache:
         readonly: bool = False,
         reset_stale: bool = False,
         rank: int = 0,
+        verify: bool = True,
     ) -> None:
         if readonly and reset_stale:
             raise ValueError(
@@ -585,8 +618,11 @@ class ChunkCache:
         self.persistent = bool(persist) or self.readonly
         self.reset_stale = bool(reset_stale)
         self.rank = int(rank)
+        self.verify = bool(verify)
         self.own = rank_dir(self.root, self.rank)
-        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0}
+        # unverified: lines without a checksum found by a writer, treated as misses (corrupt
+        # files are counted by the pool, which refetches them)
+        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0, "unverified": 0}
         self._locks: list[DirLock] = []
         self._index: dict[tuple[str, int], _Logged] = {}
         self._logs: dict[Path, _Log] = {}
@@ -799,13 +835,27 @@ class ChunkCache:
         self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
     ) -> Path | None:
         """The cached file of ``key``, or ``None`` (not cached, cached with another shape,
-        dtype or valid-sample count, or its file is gone). Reads what other writers logged
-        meanwhile."""
+        dtype or valid-sample count, logged without a checksum, or its file is gone). Reads
+        what other writers logged meanwhile. A read-only cache raises :class:`CacheMissError`
+        for a chunk logged without a checksum (unless ``verify=False``)."""
         logged = self._index.get(key)
         if logged is None:
             self._refresh()
             logged = self._index.get(key)
         if logged is None or not _matches(logged, shape, dtype, valid):
+            return None
+        if self.verify and not _checked(logged):
+            if self.readonly:
+                raise CacheMissError(
+                    f"chunk {key[1]} of array {key[0]!r} is in the read-only cache at "
+                    f"{self.root}, but its file {logged.file.name} was logged without a "
+                    "checksum (by a version before content checks), so its bytes cannot be "
+                    "verified. Run a writer (persist=True) over the cache once: it fetches such "
+                    "chunks again and rewrites them with a checksum. Or pass verify_cache=False "
+                    "to trust the cache unchecked."
+                )
+            self.stats["unverified"] += 1
+            self.forget(key)  # a miss: the chunk is fetched and its file rewritten
             return None
         if not logged.file.exists():  # deleted since it was logged: a miss, written again
             self.forget(key)
@@ -817,14 +867,31 @@ class ChunkCache:
         self._index.pop(key, None)
 
     def map_file(
-        self, file: Path, shape: tuple[int, ...], dtype: np.dtype[Any]
+        self, file: Path, shape: tuple[int, ...], dtype: np.dtype[Any], key: tuple[str, int]
     ) -> np.ndarray | None:
-        """A read-only mapping of a cached file (``None`` when the file is gone, truncated, or
-        holds another array). Thread-safe: the fetch stage calls it on a decode thread."""
+        """A read-only mapping of ``key``'s cached file (``None`` when the file is gone,
+        truncated, or holds another array), its bytes checked against the checksum logged with
+        them: a mismatch raises :class:`CorruptCacheError` naming the file (the pool refetches
+        the chunk when it writes the cache). Thread-safe: the fetch stage calls it on a decode
+        thread; the check reads every page of the file once, outside the cache's mutex."""
         with self._mutex:
             if self.closed:
                 raise CacheClosed(f"{self!r} was closed")
-            return self._map(file, shape, dtype)
+            array = self._map(file, shape, dtype)
+        if array is None or not self.verify:
+            return array
+        logged = self._index.get(key)
+        want = logged.checksum if logged is not None and logged.file == file else None
+        got = content_sum(array)
+        if got != want:
+            raise CorruptCacheError(
+                f"cached file {file} (chunk {key[1]} of array {key[0]!r}) does not match the "
+                f"checksum logged with it ({got}, logged {want}): its bytes changed on disk "
+                "since they were written (a disk or memory fault, a bad copy). It is never "
+                "served. A writer (persist=True) fetches the chunk again and rewrites the "
+                "file; or delete the file and warm the cache again."
+            )
+        return array
 
     def _map(self, file: Path, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray | None:
         try:
@@ -867,7 +934,8 @@ class ChunkCache:
             os.close(fd)
         try:
             self._refresh()  # logged by another rank just before our claim: read that instead
-            if _matches(self._index.get(key), shape, dtype, valid):
+            logged = self._index.get(key)
+            if _matches(logged, shape, dtype, valid) and (not self.verify or _checked(logged)):
                 claim.unlink(missing_ok=True)
                 return None
             array, tmp = _map_new(self.own, name[:-4], shape, dtype, self._track)
@@ -876,12 +944,21 @@ class ChunkCache:
             raise
         return SlotFile(key, array, tmp, self.own / name, claim)
 
+    @staticmethod
+    def seal(slot: SlotFile) -> None:
+        """The slot holds its chunk's final bytes: compute their checksum for :meth:`commit`
+        (call it on a decode thread, not under the pool's lock; nothing may write the slot
+        afterwards)."""
+        slot.checksum = content_sum(slot.array)
+
     def commit(self, slot: SlotFile, valid: int) -> bool:
-        """The slot holds its chunk's final bytes: rename it into place and log it. A failure
-        (disk full, ...) warns once and leaves the chunk uncached; returns whether it stuck."""
+        """The slot holds its chunk's final bytes: rename it into place and log it with their
+        checksum (the one :meth:`seal` computed, else computed here). A failure (disk full, ...)
+        warns once and leaves the chunk uncached; returns whether it stuck."""
         if slot.committed or slot.dropped or self._log_fd is None:
             return False
         try:
+            checksum = slot.checksum or content_sum(slot.array)
             os.replace(slot.tmp, slot.final)
             slot.committed = True
             logged = _Logged(
@@ -890,6 +967,7 @@ class ChunkCache:
                 slot.array.dtype.str,
                 int(valid),
                 self.fingerprints[slot.key[0]],
+                checksum,
             )
             os.write(self._log_fd, (_entry_line(slot.key, logged) + "\n").encode())
             self._index[slot.key] = logged
@@ -937,6 +1015,15 @@ def _matches(
     )
 
 
+def _checked(logged: _Logged | None) -> bool:
+    """Whether ``logged`` carries a checksum this version verifies."""
+    return (
+        logged is not None
+        and logged.checksum is not None
+        and logged.checksum.startswith(f"{_SUM_ALGO}:")
+    )
+
+
 def _entry_line(key: tuple[str, int], logged: _Logged) -> str:
     return json.dumps(
         {
@@ -947,6 +1034,7 @@ def _entry_line(key: tuple[str, int], logged: _Logged) -> str:
             "dtype": logged.dtype,
             "valid": logged.valid,
             "fp": logged.fp,
+            **({_SUM_KEY: logged.checksum} if logged.checksum is not None else {}),
         },
         separators=(",", ":"),
     )

@@ -438,6 +438,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             if await _landed(job):
                 self.pool.mark_ready(entry)
                 return
+            if entry.corrupt and self.recorder is not None:  # fetched below, as a miss
+                self.recorder.on_corrupt()
         path, chunk = entry.key
         geom, decoder = self.geoms[path], self._decoders[path]
         start, stop = geom.chunk_range(chunk)
@@ -479,6 +481,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 return
         if reshapes:
             self._give_spare(path, decoded)
+        if entry.file is not None:  # a new cache file: checksum it on a decode thread first
+            await _landed(self._decode_pool.submit(ticket, self.pool.seal, entry))
         self.pool.mark_ready(entry)
 
     # Buffers a chunk is decoded into when its transforms reshape it, recycled (touched on the

@@ -359,6 +359,7 @@ def insitu_pipeline(
     persist: bool = False,
     readonly_cache: bool = False,
     reset_stale_cache: bool = False,
+    verify_cache: bool = True,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -396,6 +397,11 @@ def insitu_pipeline(
     object that cannot be read after the store's retries, or cannot be decoded, fails the
     epoch) or ``"nan"`` (its rectangle is filled with NaN, or the fill value for non-float
     arrays, the epoch goes on and :attr:`InSituPipeline.bad_chunks` lists it).
+
+    ``cache_dir``, ``persist``, ``readonly_cache``, ``reset_stale_cache``: the chunk cache on
+    local disk (:mod:`~insitubatch_nodes.cache`, docs/caching.md). ``verify_cache=True`` (the
+    default) checks each chunk revived from a persistent cache against the checksum written
+    with it, once per revive; ``False`` serves cached chunks unchecked.
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -412,6 +418,9 @@ def insitu_pipeline(
     report = check_bool("report", report)
     on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
     cache_args = _check_cache_args(cache_dir, persist, readonly_cache, reset_stale_cache, backing)
+    verify_cache = check_bool("verify_cache", verify_cache)
+    if not verify_cache and cache_dir is None:
+        raise ValueError("verify_cache=False needs a cache_dir: pass cache_dir=PATH")
     if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
         raise TypeError(
             f"batch_transforms must be a sequence of callables Batch -> Batch, got "
@@ -489,7 +498,13 @@ def insitu_pipeline(
             path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
             for path, out in slot_geoms.items()
         }
-        cache = ChunkCache(cache_args.pop("cache_dir"), fingerprints, rank=plan.rank, **cache_args)
+        cache = ChunkCache(
+            cache_args.pop("cache_dir"),
+            fingerprints,
+            rank=plan.rank,
+            verify=verify_cache,
+            **cache_args,
+        )
     try:
         pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
         pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one

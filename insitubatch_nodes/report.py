@@ -116,6 +116,9 @@ class EpochReport:
     transform_s: float = 0.0  # decode-thread busy seconds in chunk transforms
     transforms: int = 0  # chunks the chunk transforms ran on
     bad_chunks: int = 0  # stored objects filled under on_bad_chunk="nan"
+    # chunks whose persistent-cache file failed its content check when revived: fetched again
+    # (counted in misses, not hits) and rewritten
+    corrupt: int = 0
     # the knobs, for the suggestion
     max_inflight: int = 0
     decode_threads: int = 0
@@ -153,6 +156,7 @@ class EpochReport:
             "bytes_delivered": float(self.bytes_delivered),
             "transform_s": self.transform_s,
             "bad_chunks": float(self.bad_chunks),
+            "corrupt": float(self.corrupt),
         }
         for stage in STAGES:
             out[f"limited_by_{stage}"] = float(stage == self.limiting)
@@ -215,6 +219,11 @@ class EpochReport:
             lines.append(
                 f"  bad       {self.bad_chunks:,} stored objects could not be read or decoded "
                 "and were filled (on_bad_chunk='nan'; see bad_chunks)"
+            )
+        if self.corrupt:
+            lines.append(
+                f"  corrupt   {self.corrupt:,} cached chunk files failed their content check "
+                "and were fetched again and rewritten (see the warnings logged)"
             )
         if self.suggestion:
             lines.append(f"  suggestion: {self.suggestion}")
@@ -349,6 +358,7 @@ _CUMULATIVE = (
     "transform_s",
     "transforms",
     "bad_chunks",
+    "corrupt",
 )
 
 
@@ -438,6 +448,12 @@ class EpochRecorder:
         """A stored object was filled under ``on_bad_chunk="nan"``."""
         with self._lock:
             self.totals["bad_chunks"] += 1
+
+    def on_corrupt(self) -> None:
+        """A chunk admitted as a hit on disk was corrupt there: it is fetched, a miss (the
+        report moves it from ``hits`` to ``misses``)."""
+        with self._lock:
+            self.totals["corrupt"] += 1
 
     def timed(self, fn: Callable[..., Any], *args: Any) -> float:
         """Run ``fn(*args)`` (on a decode thread); its busy seconds."""
@@ -582,8 +598,8 @@ class EpochRecorder:
             resident_peak_bytes=ep["resident_peak"],
             gets=int(d["gets"]),
             decodes=int(d["decodes"]),
-            hits=int(d["hits"]),
-            misses=int(d["misses"]),
+            hits=int(d["hits"] - d["corrupt"]),
+            misses=int(d["misses"] + d["corrupt"]),
             re_reads=int(d["re_reads"]),
             evictions=int(self.pool.stats.evictions) - ep["evictions0"],
             bytes_fetched=int(d["bytes_fetched"]),
@@ -591,6 +607,7 @@ class EpochRecorder:
             transform_s=d["transform_s"],
             transforms=int(d["transforms"]),
             bad_chunks=int(d["bad_chunks"]),
+            corrupt=int(d["corrupt"]),
             max_inflight=self.max_inflight,
             decode_threads=self.decode_threads,
             cores=_cores(),

@@ -35,6 +35,7 @@ dropped as soon as nothing pins it: it is never a hit for a later reader.
 
 from __future__ import annotations
 
+import logging
 import math
 import mmap
 import sys
@@ -48,7 +49,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
-from insitubatch_nodes.cache import CacheClosed, CacheMissError
+from insitubatch_nodes.cache import CacheClosed, CacheMissError, CorruptCacheError
 from insitubatch_nodes.geometry import ArrayGeometry
 
 if TYPE_CHECKING:
@@ -56,6 +57,8 @@ if TYPE_CHECKING:
 
     from insitubatch_nodes.cache import ChunkCache, SlotFile
     from insitubatch_nodes.plan import ChunkKey, EpochPlan
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "ChunkEntry",
@@ -177,6 +180,9 @@ class PoolStats:
     inflight_peak: int = 0
     disk_hits: int = 0  # chunks served from the persistent cache (also counted in hits)
     disk_writes: int = 0  # chunks written to the persistent cache
+    # cached files found corrupt when revived (checksum mismatch, cut short or garbled):
+    # fetched again (counted in misses, not in disk_hits) and rewritten
+    corrupt: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -203,6 +209,7 @@ class ChunkEntry:
     # a hit on disk: (file, shape, dtype) its fill maps instead of fetching (``slot`` is
     # empty until then)
     cached: tuple[Path, tuple[int, ...], np.dtype[Any]] | None = None
+    corrupt: bool = False  # its cached file failed its check when revived (then fetched)
 
     @property
     def is_ready(self) -> bool:
@@ -439,36 +446,79 @@ class ChunkPool:
         return entry
 
     def map_cached(self, entry: ChunkEntry) -> bool:
-        """Fill an entry admitted as a hit on disk by mapping its cached file (any thread).
+        """Fill an entry admitted as a hit on disk by mapping its cached file, checked against
+        its checksum (any thread; a decode thread in the pipeline).
 
-        Returns False when the file turned out unusable (deleted or truncated since it was
-        found): the entry then holds a fresh in-memory slot (already budgeted) and its owner
-        fetches the chunk into it, as a miss. A read-only cache raises
-        :class:`~insitubatch_nodes.cache.CacheMissError` instead.
+        Returns False when the file turned out unusable — deleted since it was found, or
+        *corrupt*: its bytes fail their checksum, or it is cut short or garbled. The entry then
+        holds a fresh slot (already budgeted) and its owner fetches the chunk into it, as a
+        miss; that slot is a new cache file when the cache can write it, so the fetched chunk
+        replaces the unusable one. A corrupt file is logged (a warning) and counted
+        (``stats.corrupt``, ``entry.corrupt``). A read-only cache raises instead:
+        :class:`~insitubatch_nodes.cache.CorruptCacheError` naming a corrupt file,
+        :class:`~insitubatch_nodes.cache.CacheMissError` for one that cannot be read.
         """
         assert entry.cached is not None and self.cache is not None
         file, shape, dtype = entry.cached
+        cache = self.cache
+        corrupt: str | None = None  # why the file is corrupt
         try:
-            slot = self.cache.map_file(file, shape, dtype)
+            slot = cache.map_file(file, shape, dtype, entry.key)
         except CacheClosed:
             raise FillCancelled(f"chunk {entry.key} was cancelled (its cache closed)") from None
+        except CorruptCacheError as exc:
+            if cache.readonly:
+                raise
+            slot, corrupt = None, str(exc)
         if slot is not None:
             entry.slot = slot
             return True
+        if corrupt is None and file.exists():  # there, but it does not map: cut short, garbled
+            corrupt = (
+                f"cached file {file} (chunk {entry.key[1]} of array {entry.key[0]!r}) is cut "
+                "short or garbled"
+            )
+        if cache.readonly:
+            if corrupt is not None:
+                raise CorruptCacheError(
+                    f"{corrupt}: it is never served. Run a writer (persist=True) over the cache "
+                    f"at {cache.root} to rewrite it, or delete the file and warm the cache again."
+                )
+            raise CacheMissError(
+                f"chunk {entry.key[1]} of array {entry.key[0]!r} is logged in the read-only "
+                f"cache at {cache.root} but its file {file.name} is gone (deleted "
+                "since the run found it); warm the cache again"
+            )
+        if corrupt is not None:
+            log.warning(
+                "insitubatch_nodes: corrupt chunk in cache_dir, fetched again and rewritten: %s",
+                corrupt,
+            )
         with self._lock:
-            self.cache.forget(entry.key)
+            cache.forget(entry.key)
             self.stats.hits -= 1
             self.stats.disk_hits -= 1
             self.stats.misses += 1
-            readonly = self.cache.readonly
-        if readonly:
-            raise CacheMissError(
-                f"chunk {entry.key[1]} of array {entry.key[0]!r} is logged in the read-only "
-                f"cache at {self.cache.root} but its file {file.name} cannot be read (deleted "
-                "or truncated); warm the cache again"
-            )
-        entry.slot = np.empty(shape, dtype=dtype)
+            if corrupt is not None:
+                self.stats.corrupt += 1
+                entry.corrupt = True
+            valid = entry.valid if entry.valid is not None else shape[0]
+            try:
+                written = None if cache.closed else cache.new_slot(entry.key, shape, dtype, valid)
+            except OSError:  # cannot write the directory now: the chunk stays in memory
+                written = None
+            if written is not None:  # the fetched chunk replaces the file (committed when ready)
+                entry.file = written
+                entry.slot = written.array
+            else:  # another rank writes it now, or the cache closed: kept in memory
+                entry.slot = np.empty(shape, dtype=dtype)
         return False
+
+    def seal(self, entry: ChunkEntry) -> None:
+        """The chunk a fill wrote into a cache file is complete: checksum its bytes for the
+        commit in :meth:`mark_ready` (on a decode thread, outside the pool's lock)."""
+        if entry.file is not None and self.cache is not None and not entry.bad_tiles:
+            self.cache.seal(entry.file)
 
     def _make_room(self, nbytes: int) -> bool:
         """Free memory until ``nbytes`` more fit the budget (free lists, then LRU chunks)."""

@@ -10,7 +10,8 @@ Actions:
 * ``"hold"``: build a pipeline over ``cache_dir`` and keep it (and its lock) until a line on
   stdin, then close it;
 * ``"epoch"``: build a pipeline and run epochs; with ``stop_after=n`` stop after ``n`` batches,
-  report, and wait to be killed; else report chunk GETs, pool stats and batch digests.
+  report, and wait to be killed; else report chunk GETs, pool stats, batch digests and the
+  last epoch report's hits, misses and corrupt chunks.
 
 A pipeline that fails to build reports ``{"event": "error", "type", "message"}`` and exits 0.
 """
@@ -79,6 +80,7 @@ def build(cfg: dict[str, Any]) -> tuple[Any, Any]:
         readonly_cache=cfg.get("readonly", False),
         reset_stale_cache=cfg.get("reset", False),
         chunk_transforms=transforms,
+        **({"verify_cache": cfg["verify"]} if "verify" in cfg else {}),
     )
     return pipe, store
 
@@ -112,8 +114,10 @@ def main() -> None:
                 say(event="stopped", batches=i + 1)
                 time.sleep(3600)  # the test kills us here
     stats = pipe.stats()
+    last = pipe.report()
+    counts = {k: getattr(last, k, None) for k in ("hits", "misses", "corrupt")} if last else None
     pipe.close()
-    say(event="done", gets=store.chunk_gets, stats=stats, digests=digests)
+    say(event="done", gets=store.chunk_gets, stats=stats, digests=digests, report=counts)
 
 
 if __name__ == "__main__":

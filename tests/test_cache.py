@@ -806,7 +806,7 @@ def test_two_ranks_missing_one_chunk_at_once_write_it_once_and_both_read_it_afte
     assert rank0.commit(first, 8)
     file = rank1.find(key, shape, dtype, 8)  # rank 0's log, read as it grew
     assert file is not None
-    got = rank1.map_file(file, shape, dtype)
+    got = rank1.map_file(file, shape, dtype, key)
     assert got is not None
     np.testing.assert_array_equal(got, np.arange(32, dtype="f4").reshape(shape))
     assert rank1.new_slot(key, shape, dtype, 8) is None  # logged now: nothing to write
