@@ -59,6 +59,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import mmap
 import os
@@ -73,6 +74,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from insitubatch_nodes import store_identity
 
 try:  # POSIX
     import fcntl
@@ -100,6 +103,7 @@ LOCK_NAME = ".insitu.lock"
 CLAIMS_NAME = ".claims"
 LOG_FORMAT = 1
 _HEADER_KEY = "insitubatch_nodes_cache"
+_log = logging.getLogger(__name__)
 _TMP_SUFFIX = ".tmp"
 _CLOSE_WAIT_S = 2.0  # the most close() waits for winding-down fills to unmap (module doc)
 # file systems on which flock may be emulated per client (two hosts can both "hold" it)
@@ -115,7 +119,8 @@ class CacheBusyError(RuntimeError):
 
 
 class StaleCacheError(RuntimeError):
-    """The cache holds chunks of arrays whose geometry or chunk transforms have changed."""
+    """The cache holds chunks of arrays whose geometry or chunk transforms have changed, or
+    whose stored objects changed since they were cached (see ``store_identity``)."""
 
 
 class CacheMissError(RuntimeError):
@@ -549,6 +554,7 @@ class ChunkCache:
         readonly: bool = False,
         reset_stale: bool = False,
         rank: int = 0,
+        store_check: store_identity.StoreCheck | None = None,
     ) -> None:
         if readonly and reset_stale:
             raise ValueError(
@@ -562,7 +568,10 @@ class ChunkCache:
         self.reset_stale = bool(reset_stale)
         self.rank = int(rank)
         self.own = rank_dir(self.root, self.rank)
-        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0}
+        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0, "stale_chunks": 0}
+        #: the store the chunks come from: checked at open, recorded by a writer (store_identity)
+        self.store_check = store_check
+        self.identity: store_identity.IdentityRecorder | None = None
         self._locks: list[DirLock] = []
         self._index: dict[tuple[str, int], _Logged] = {}
         self._logs: dict[Path, _Log] = {}
@@ -602,14 +611,19 @@ class ChunkCache:
             self._logs.clear()
             if self.persistent:
                 self._load()
+                self._check_store()
             if self.persistent and not self.readonly:
                 self._open_log()
+                kind = None if self.store_check is None else self.store_check.kind
+                if kind is not None:
+                    self.identity = store_identity.IdentityRecorder(self.own, kind)
             if not self.persistent:
                 self._spill = SpillBacking(self.own, locks[0])
         except BaseException:
             # construction failed after taking the lock (a stale cache, a corrupt log): release
             # it here — nothing else would until the process exits
             self._close_log()
+            self._close_identity()
             for lock in locks:
                 lock.release()
             self._locks[:] = []
@@ -626,6 +640,7 @@ class ChunkCache:
         ``_CLOSE_WAIT_S`` for them to go; mappings you hold (a slot) keep it locked after."""
         self.stop()
         self._close_log()
+        self._close_identity()
         locks = list(self._locks)
         self._release_locks(locks)
         self._locks[:] = []
@@ -652,6 +667,47 @@ class ChunkCache:
         fd, self._log_fd = self._log_fd, None
         if fd is not None:
             os.close(fd)
+
+    def _close_identity(self) -> None:
+        recorder, self.identity = self.identity, None
+        if recorder is not None:
+            recorder.close()
+
+    def _check_store(self) -> None:
+        """Drop (a writer) or refuse (``readonly``) the cached chunks whose stored objects
+        changed since they were cached: one listing per array (see store_identity)."""
+        check = self.store_check
+        if check is None or not check.enabled or not self._index:
+            return
+        report = check.stale(store_identity.chunks_by_array(
+            (key, logged.file) for key, logged in self._index.items()
+        ))  # fmt: skip
+        if report.unchecked is not None:
+            warnings.warn(
+                f"insitubatch_nodes: cache_dir {self.root} is trusted without checking store "
+                f"{check.name}: {report.unchecked}. A chunk whose stored objects changed since "
+                "it was cached would be served as cached. Pass check_store=False if the store "
+                "is known not to change (this warning goes), or give the changed data a new "
+                "cache_dir.",
+                UserWarning,
+                stacklevel=4,
+            )
+            return
+        if not report.chunks:
+            return
+        if self.readonly:
+            raise StaleCacheError(store_identity.stale_message(self.root, check.name, report))
+        for key in report.chunks:
+            self._index.pop(key, None)
+        self.stats["stale_chunks"] += len(report.chunks)
+        _log.warning(
+            "insitubatch_nodes: %d cached chunk(s) in %s are stale (their stored objects in %s "
+            "changed): they are fetched again and rewritten: %s",
+            len(report.chunks),
+            self.root,
+            check.name,
+            report.describe(),
+        )
 
     @property
     def spill(self) -> SpillBacking | None:
@@ -845,6 +901,8 @@ class ChunkCache:
         except BaseException:
             claim.unlink(missing_ok=True)
             raise
+        if self.identity is not None:  # what its fill reads is recorded from now on
+            self.identity.expect(key)
         return SlotFile(key, array, tmp, self.own / name, claim)
 
     def commit(self, slot: SlotFile, valid: int) -> bool:
@@ -855,6 +913,8 @@ class ChunkCache:
         try:
             os.replace(slot.tmp, slot.final)
             slot.committed = True
+            if self.identity is not None:  # after the file is in place, before its log line
+                self.identity.commit(slot.key)
             logged = _Logged(
                 slot.final,
                 tuple(slot.array.shape),
@@ -885,6 +945,8 @@ class ChunkCache:
             return
         slot.dropped = True
         if not slot.committed:
+            if self.identity is not None:
+                self.identity.discard(slot.key)
             slot.tmp.unlink(missing_ok=True)
             slot.claim.unlink(missing_ok=True)
 
