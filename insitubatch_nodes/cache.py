@@ -18,11 +18,15 @@ axis)`` — the array's own index, so overlapping splits and sample ranges share
 line carries the fingerprint of its array (:mod:`~insitubatch_nodes.fingerprint`: the geometry and
 the chunk transforms scoped to that array). Opening a cache whose lines disagree with the current
 fingerprint of an array the pipeline reads raises :class:`StaleCacheError` naming those arrays;
-``reset_stale_cache=True`` deletes just their files and log lines instead. A line whose chunk no
-longer has the same shape, dtype or number of valid samples is a miss (the chunk is fetched again
-and its file replaced). A log that cannot be trusted — an unparseable line before the last, a file
-name that is not a bare name in the directory — raises :class:`CorruptCacheError` whatever the
-flags say (a last line cut short by a crash is dropped).
+``reset_stale_cache=True`` deletes just their files and log lines instead. The data is checked
+too (:mod:`~insitubatch_nodes.store_identity`): a writer records what identifies each stored
+object it read in ``insitu_identity.jsonl`` as each chunk is committed, and opening lists each
+cached array's prefix once — chunks whose objects changed, went or appeared are dropped (a
+writer fetches them again) or raise :class:`StaleCacheError` naming them (``readonly``). A line
+whose chunk no longer has the same shape, dtype or number of valid samples is a miss (the chunk
+is fetched again and its file replaced). A log that cannot be trusted — an unparseable line
+before the last, a file name that is not a bare name in the directory — raises
+:class:`CorruptCacheError` whatever the flags say (a last line cut short by a crash is dropped).
 
 **Replace, never truncate.** A chunk file is written under a temporary name and renamed into
 place once its data is complete, so a process that maps the old file keeps reading the old,
@@ -367,6 +371,7 @@ class DirLock:
             os.close(fd)  # closing the descriptor drops the flock
 
 
+_WARNED_UNCHECKED: set[tuple[str, str]] = set()  # (cache_dir, store) warned about, once each
 _WRITERS: dict[str, DirLock] = {}  # lock file -> the exclusive lock this process holds on it
 _WRITERS_LOCK = threading.Lock()
 
@@ -683,6 +688,9 @@ class ChunkCache:
             (key, logged.file) for key, logged in self._index.items()
         ))  # fmt: skip
         if report.unchecked is not None:
+            if (str(self.root), check.name) in _WARNED_UNCHECKED:
+                return
+            _WARNED_UNCHECKED.add((str(self.root), check.name))
             warnings.warn(
                 f"insitubatch_nodes: cache_dir {self.root} is trusted without checking store "
                 f"{check.name}: {report.unchecked}. A chunk whose stored objects changed since "
@@ -690,7 +698,7 @@ class ChunkCache:
                 "is known not to change (this warning goes), or give the changed data a new "
                 "cache_dir.",
                 UserWarning,
-                stacklevel=4,
+                stacklevel=5,
             )
             return
         if not report.chunks:

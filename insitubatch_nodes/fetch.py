@@ -619,7 +619,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 ids = self._identities()
                 meta: list[Any] | None = None if ids is None else []
                 try:
-                    raw = await self._get(key, meta)
+                    raw = await (self._get(key) if meta is None else self._get(key, meta))
                 except BaseException as exc:
                     if rec is not None:
                         rec.on_get_end(started, 0, ok=False)
@@ -708,7 +708,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         ids = self._identities()
         info: list[Any] | None = None if ids is None else []
         try:
-            raw = self._local.read(key, info)
+            raw = self._local.read(key) if info is None else self._local.read(key, info)
         except OSError as exc:
             if rec is not None:
                 rec.on_get_end(started, 0, ok=False)

@@ -62,6 +62,7 @@ __all__ = [
     "IDENTITY_NAME",
     "IdentityRecorder",
     "Listing",
+    "Recorded",
     "StaleReport",
     "StoreCheck",
     "lister_for",
@@ -109,12 +110,18 @@ class Listing:
 
     @classmethod
     def build(cls, rows: list[tuple[str, int, str, int]]) -> Listing:
-        rows.sort()
-        keys = np.array([r[0] for r in rows], dtype=str)
-        sizes = np.array([r[1] for r in rows], dtype=np.int64)
-        tags = np.array([r[2] for r in rows], dtype=str)
-        mtimes = np.array([r[3] for r in rows], dtype=np.int64)
-        return cls(keys, sizes, tags, mtimes)
+        if not rows:
+            empty = np.zeros(0, dtype=np.int64)
+            return cls(np.zeros(0, dtype=str), empty, np.zeros(0, dtype=str), empty)
+        keys, sizes, tags, mtimes = zip(*rows, strict=True)
+        k = np.array(keys, dtype=str)
+        order = np.argsort(k, kind="stable")
+        return cls(
+            k[order],
+            np.array(sizes, dtype=np.int64)[order],
+            np.array(tags, dtype=str)[order],
+            np.array(mtimes, dtype=np.int64)[order],
+        )
 
 
 class LocalLister:
@@ -142,8 +149,7 @@ class LocalLister:
                         continue
                     info = entry.stat()
                     if stat.S_ISREG(info.st_mode):
-                        size, tag, mtime = stat_identity(info)
-                        rows.append((key, size, tag, mtime))
+                        rows.append((key, info.st_size, f"ino:{info.st_ino}", info.st_mtime_ns))
         return Listing.build(rows)
 
 
@@ -240,15 +246,32 @@ class IdentityRecorder:
             os.close(fd)
 
 
-def read_identities(directory: Path) -> dict[str, dict[str, Row]]:
-    """``{array: {store key: row}}`` recorded in ``directory`` (the last row of a key wins; a
-    torn last line, or a line that is not a row, is skipped: its chunks are unrecorded)."""
+@dataclass(frozen=True)
+class Recorded:
+    """The rows one writer directory recorded for one array, as columns (last row of a key)."""
+
+    chunks: np.ndarray  # int64
+    keys: np.ndarray  # str
+    sizes: np.ndarray  # int64 (-1: absent)
+    tags: np.ndarray  # str
+    mtimes: np.ndarray  # int64
+    kinds: np.ndarray  # str
+
+    def take(self, mask: np.ndarray) -> Recorded:
+        return Recorded(*(getattr(self, f)[mask] for f in _RECORDED_FIELDS))
+
+
+_RECORDED_FIELDS = ("chunks", "keys", "sizes", "tags", "mtimes", "kinds")
+
+
+def read_identities(directory: Path) -> dict[str, Recorded]:
+    """``{array: rows}`` recorded in ``directory`` (the last row of a store key wins; a torn last
+    line, or a line that is not a row, is skipped: its chunks are unrecorded)."""
     try:
         data = (directory / IDENTITY_NAME).read_bytes()
     except FileNotFoundError:
         return {}
     text = data[: data.rfind(b"\n") + 1].decode("utf-8", "replace")
-    out: dict[str, dict[str, Row]] = {}
     try:
         rows = json.loads("[" + text.rstrip("\n").replace("\n", ",") + "]") if text else []
     except ValueError:  # a damaged line: read line by line, skipping what does not parse
@@ -258,10 +281,28 @@ def read_identities(directory: Path) -> dict[str, dict[str, Row]]:
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-    for row in rows:
-        if isinstance(row, list) and len(row) == 7 and isinstance(row[0], str):
-            out.setdefault(row[0], {})[str(row[2])] = tuple(row)
-    return out
+    rows = [r for r in rows if type(r) is list and len(r) == 7]
+    if not rows:
+        return {}
+    try:
+        arrays, chunks, keys, sizes, tags, mtimes, kinds = (
+            np.array(col) for col in zip(*rows, strict=True)
+        )
+        cols = Recorded(
+            chunks.astype(np.int64),
+            keys.astype(str),
+            sizes.astype(np.int64),
+            tags.astype(str),
+            mtimes.astype(np.int64),
+            kinds.astype(str),
+        )
+    except (TypeError, ValueError):  # a row of the wrong types: nothing here can be vouched for
+        return {}
+    # the last row of each key: the first of the reversed rows
+    _, first = np.unique(cols.keys[::-1], return_index=True)
+    last = np.sort(len(rows) - 1 - first)
+    arrays, cols = arrays[last].astype(str), cols.take(last)
+    return {str(a): cols.take(arrays == a) for a in np.unique(arrays)}
 
 
 # -------------------------------------------------------------------------------------------
@@ -302,16 +343,16 @@ class StoreCheck:
         """The kind of read path identities are recorded through (``None``: not recorded)."""
         return None if isinstance(self.lister, str) else self.lister.kind
 
-    def stale(self, cached: Mapping[str, Mapping[int, Path]]) -> StaleReport:
-        """The stale chunks among ``cached`` (``{array: {chunk: directory that logged it}}``),
-        listing each array's prefix once."""
+    def stale(self, cached: Mapping[str, Mapping[Path, np.ndarray]]) -> StaleReport:
+        """The stale chunks among ``cached`` (``{array: {directory that logged them: chunk
+        indices}}``, see :func:`chunks_by_array`), listing each array's prefix once."""
         report = StaleReport()
         if isinstance(self.lister, str):
             report.unchecked = self.lister
             return report
-        recorded: dict[Path, dict[str, dict[str, Row]]] = {}
-        for array, chunks in sorted(cached.items()):
-            if not chunks:
+        recorded: dict[Path, dict[str, Recorded]] = {}
+        for array, by_dir in sorted(cached.items()):
+            if not by_dir:
                 continue
             try:
                 listing = self.lister.list(array)
@@ -320,61 +361,62 @@ class StoreCheck:
                 report.reasons.clear()
                 report.unchecked = f"listing {array!r} failed ({type(exc).__name__}: {exc})"
                 return report
-            rows: list[Row] = []
-            for directory in sorted(set(chunks.values())):
+            for directory, chunks in sorted(by_dir.items()):
                 if directory not in recorded:
                     recorded[directory] = read_identities(directory)
-                mine = {c for c, d in chunks.items() if d == directory}
-                rows.extend(
-                    r
-                    for r in recorded[directory].get(array, {}).values()
-                    if r[1] in mine and r[6] == self.lister.kind
-                )
-            self._compare(array, chunks, rows, listing, report)
+                rows = recorded[directory].get(array)
+                want = np.unique(np.asarray(chunks, dtype=np.int64))
+                if rows is not None:  # rows of this directory's cached chunks, read the same way
+                    rows = rows.take(np.isin(rows.chunks, want) & (rows.kinds == self.lister.kind))
+                self._compare(array, want, rows, listing, report)
         return report
 
     def _compare(
         self,
         array: str,
-        chunks: Mapping[int, Path],
-        rows: list[Row],
+        want: np.ndarray,
+        rows: Recorded | None,
         listing: Listing,
         report: StaleReport,
     ) -> None:
-        n = len(rows)
-        chunk = np.fromiter((r[1] for r in rows), dtype=np.int64, count=n)
-        keys = np.array([r[2] for r in rows], dtype=str) if n else np.zeros(0, dtype=str)
-        size = np.fromiter((r[3] for r in rows), dtype=np.int64, count=n)
-        tags = np.array([r[4] for r in rows], dtype=str) if n else np.zeros(0, dtype=str)
-        mtime = np.fromiter((r[5] for r in rows), dtype=np.int64, count=n)
-        listed = len(listing.keys)
-        at = np.minimum(np.searchsorted(listing.keys, keys), max(listed - 1, 0))
-        if listed:
-            found = listing.keys[at] == keys
-            l_size, l_tag, l_mtime = listing.sizes[at], listing.tags[at], listing.mtimes[at]
+        """Add to ``report`` the chunks of ``want`` (sorted, unique) that ``rows`` does not
+        vouch for against ``listing``."""
+        if rows is not None and len(rows.keys):
+            keys, size, tags, mtime, chunk = (
+                rows.keys,
+                rows.sizes,
+                rows.tags,
+                rows.mtimes,
+                rows.chunks,
+            )
+            listed = len(listing.keys)
+            at = np.minimum(np.searchsorted(listing.keys, keys), max(listed - 1, 0))
+            if listed:
+                found = listing.keys[at] == keys
+                l_size, l_tag, l_mtime = listing.sizes[at], listing.tags[at], listing.mtimes[at]
+            else:
+                found = np.zeros(len(keys), dtype=bool)
+                l_size, l_tag, l_mtime = size, tags, mtime
+            absent = size == _ABSENT
+            tagged = (tags != "") & (l_tag != "")
+            differ = (l_size != size) | np.where(tagged, l_tag != tags, l_mtime != mtime)
+            for mask, why in (
+                (~absent & found & differ, "changed"),
+                (~absent & ~found, "deleted"),
+                (absent & found, "new"),
+            ):
+                for i in np.flatnonzero(mask):
+                    detail = ""
+                    if why == "changed" and l_size[i] != size[i]:
+                        detail = f" (size {size[i]} -> {l_size[i]})"
+                    report.reasons.append(f"{str(keys[i])!r} {why}{detail}")
+                    report.chunks.add((array, int(chunk[i])))
+            ids, counts = np.unique(chunk, return_counts=True)
         else:
-            found = np.zeros(n, dtype=bool)
-            l_size, l_tag, l_mtime = size, tags, mtime
-        absent = size == _ABSENT
-        new = absent & found
-        missing = ~absent & ~found
-        both = ~absent & found
-        tagged = (tags != "") & (l_tag != "")
-        differ = (l_size != size) | np.where(tagged, l_tag != tags, l_mtime != mtime)
-        changed = both & differ
-        for mask, why in ((changed, "changed"), (missing, "deleted"), (new, "new")):
-            for i in np.flatnonzero(mask):
-                detail = ""
-                if why == "changed":
-                    detail = f" (size {size[i]} -> {l_size[i]})" if l_size[i] != size[i] else ""
-                report.reasons.append(f"{str(keys[i])!r} {why}{detail}")
-                report.chunks.add((array, int(chunk[i])))
+            ids, counts = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
         # every cached chunk must have a row for each of its stored objects
-        want = np.array(sorted(chunks), dtype=np.int64)
-        ids, counts = np.unique(chunk, return_counts=True)
         have = np.zeros(len(want), dtype=np.int64)
-        pos = np.searchsorted(want, ids)
-        have[pos] = counts  # every row's chunk is cached (filtered by the caller)
+        have[np.searchsorted(want, ids)] = counts  # every row's chunk is in want (filtered)
         for c in want[have < self.tiles.get(array, 1)]:
             report.reasons.append(f"{array!r} chunk {int(c)}: no recorded store identity")
             report.chunks.add((array, int(c)))
@@ -391,9 +433,14 @@ def stale_message(root: Path, store: str, report: StaleReport) -> str:
     )
 
 
-def chunks_by_array(entries: Iterable[tuple[tuple[str, int], Path]]) -> dict[str, dict[int, Path]]:
-    """``{array: {chunk: directory}}`` of ``((array, chunk), file)`` pairs."""
-    out: dict[str, dict[int, Path]] = {}
+def chunks_by_array(
+    entries: Iterable[tuple[tuple[str, int], Path]],
+) -> dict[str, dict[Path, np.ndarray]]:
+    """``{array: {directory: chunk indices}}`` of ``((array, chunk), file)`` pairs."""
+    grouped: dict[tuple[str, str], list[int]] = {}
     for (array, chunk), file in entries:
-        out.setdefault(array, {})[int(chunk)] = file.parent
+        grouped.setdefault((array, os.path.dirname(file)), []).append(chunk)
+    out: dict[str, dict[Path, np.ndarray]] = {}
+    for (array, directory), chunks in grouped.items():
+        out.setdefault(array, {})[Path(directory)] = np.array(chunks, dtype=np.int64)
     return out
