@@ -91,7 +91,7 @@ def stat_identity(info: os.stat_result | None) -> tuple[int, str, int]:
     """``(size, tag, mtime_ns)`` of a local file's ``stat`` (the tag is its inode)."""
     if info is None:
         return _ABSENT, "", -1
-    return int(info.st_size), f"ino:{info.st_ino}", int(info.st_mtime_ns)
+    return int(info.st_size), str(info.st_ino), int(info.st_mtime_ns)
 
 
 # -------------------------------------------------------------------------------------------
@@ -109,18 +109,15 @@ class Listing:
     mtimes: np.ndarray  # int64 (-1 when the store gives none)
 
     @classmethod
-    def build(cls, rows: list[tuple[str, int, str, int]]) -> Listing:
-        if not rows:
-            empty = np.zeros(0, dtype=np.int64)
-            return cls(np.zeros(0, dtype=str), empty, np.zeros(0, dtype=str), empty)
-        keys, sizes, tags, mtimes = zip(*rows, strict=True)
+    def build(cls, keys: list[str], sizes: Any, tags: Any, mtimes: Any) -> Listing:
+        """Columns in any order, sorted here by key."""
         k = np.array(keys, dtype=str)
         order = np.argsort(k, kind="stable")
         return cls(
             k[order],
-            np.array(sizes, dtype=np.int64)[order],
-            np.array(tags, dtype=str)[order],
-            np.array(mtimes, dtype=np.int64)[order],
+            np.asarray(sizes, dtype=np.int64)[order],
+            np.asarray(tags).astype(str)[order],
+            np.asarray(mtimes, dtype=np.int64)[order],
         )
 
 
@@ -133,7 +130,10 @@ class LocalLister:
         self.root = os.fspath(root)
 
     def list(self, prefix: str) -> Listing:
-        rows: list[tuple[str, int, str, int]] = []
+        keys: list[str] = []
+        sizes: list[int] = []
+        inodes: list[int] = []
+        mtimes: list[int] = []
         stack = [prefix.strip("/")]
         while stack:
             rel = stack.pop()
@@ -149,8 +149,11 @@ class LocalLister:
                         continue
                     info = entry.stat()
                     if stat.S_ISREG(info.st_mode):
-                        rows.append((key, info.st_size, f"ino:{info.st_ino}", info.st_mtime_ns))
-        return Listing.build(rows)
+                        keys.append(key)
+                        sizes.append(info.st_size)
+                        inodes.append(info.st_ino)
+                        mtimes.append(info.st_mtime_ns)
+        return Listing.build(keys, sizes, np.array(inodes, dtype=np.uint64), mtimes)
 
 
 class ObstoreLister:
@@ -164,12 +167,18 @@ class ObstoreLister:
     def list(self, prefix: str) -> Listing:
         import obstore
 
-        rows: list[tuple[str, int, str, int]] = []
+        keys: list[str] = []
+        sizes: list[int] = []
+        tags: list[str] = []
+        mtimes: list[int] = []
         for batch in obstore.list(self.inner, prefix=prefix.strip("/") + "/", chunk_size=1000):
             for meta in batch:
                 size, tag, mtime = meta_identity(meta)
-                rows.append((str(meta["path"]), size, tag, mtime))
-        return Listing.build(rows)
+                keys.append(str(meta["path"]))
+                sizes.append(size)
+                tags.append(tag)
+                mtimes.append(mtime)
+        return Listing.build(keys, sizes, np.array(tags, dtype=str), mtimes)
 
 
 def lister_for(store: Any) -> LocalLister | ObstoreLister | str:
