@@ -171,7 +171,10 @@ class ObstoreLister:
         sizes: list[int] = []
         tags: list[str] = []
         mtimes: list[int] = []
-        for batch in obstore.list(self.inner, prefix=prefix.strip("/") + "/", chunk_size=1000):
+        folder = prefix.strip("/")  # an array at the store's root lists the whole store
+        for batch in obstore.list(
+            self.inner, prefix=folder + "/" if folder else None, chunk_size=1000
+        ):
             for meta in batch:
                 size, tag, mtime = meta_identity(meta)
                 keys.append(str(meta["path"]))

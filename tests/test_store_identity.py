@@ -85,6 +85,20 @@ def test_a_store_rewritten_after_warming_serves_the_new_values_refetching_only_w
     assert again["gets"] == 0
 
 
+@pytest.mark.parametrize(
+    "layout", [{"zarr_format": 2}, {"shard_samples": 16}], ids=["v2", "sharded"]
+)
+def test_a_rewritten_v2_or_sharded_store_is_refetched_where_it_changed(
+    tmp_path: Path, layout: dict[str, Any]
+) -> None:
+    root = write_era5(tmp_path / "era5.zarr", **layout)
+    cache = tmp_path / "cache"
+    run(pipeline(root, cache), Oracle(root))
+    rewrite(root, "t2m", [1])  # one stored object: chunk 1, or the shard holding it
+    stats = run(pipeline(root, cache), Oracle(root))
+    assert stats["gets"] == 1
+
+
 def test_a_readonly_reader_of_a_rewritten_store_raises_naming_the_changed_objects(
     root: Path, tmp_path: Path
 ) -> None:
