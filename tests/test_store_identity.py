@@ -153,6 +153,25 @@ def test_an_append_along_the_sample_axis_fetches_the_new_and_grown_chunks_and_ke
     assert stats["disk_hits"] == 2 * 11  # chunks 0-10 of both arrays, kept
 
 
+def test_each_ranks_directory_is_checked_and_a_rank_refetches_what_another_rank_cached(
+    root: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+
+    def ranks(**kw: Any) -> list[dict[str, int]]:  # rank 0, then rank 1, of a 2-rank job
+        return [
+            run(pipeline(root, cache, rank=r, world_size=2, **kw), Oracle(root)) for r in (0, 1)
+        ]
+
+    ranks()
+    assert (cache / "rank-1" / IDENTITY_NAME).stat().st_size > 0
+    rewrite(root, "t2m", list(range(12)))  # chunks cached by both ranks
+    with pytest.raises(StaleCacheError, match=r"12 chunk\(s\)"):
+        pipeline(root, cache, readonly_cache=True, rank=1, world_size=2)
+    assert sum(s["gets"] for s in ranks()) == 12  # each changed object fetched once
+    assert sum(s["gets"] for s in ranks(readonly_cache=True)) == 0
+
+
 def test_check_store_false_trusts_the_cache_of_a_store_known_not_to_change(
     root: Path, tmp_path: Path
 ) -> None:
