@@ -71,7 +71,6 @@ __all__ = [
 
 IDENTITY_NAME = "insitu_identity.jsonl"
 _ABSENT = -1  # the size recorded for an object that was not there (read as the fill value)
-_FLUSH_ROWS = 4096
 
 # one row: [array, chunk, store key, size (-1: absent), tag ("" when none), mtime_ns (-1), kind]
 Row = tuple[str, int, str, int, str, int, str]
