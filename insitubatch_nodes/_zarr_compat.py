@@ -406,7 +406,9 @@ def crc32c(data: np.ndarray) -> int:
 
 
 def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
-    """An ``async get(key) -> bytes-like | None`` for ``store`` (None = object missing).
+    """An ``async get(key, meta=None) -> bytes-like | None`` for ``store`` (None = object
+    missing). A list passed as ``meta`` receives the obstore ``ObjectMeta`` of the object read
+    (``None`` when missing) — what identifies it (see store_identity); other stores add nothing.
 
     A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
     (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
@@ -425,16 +427,20 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
 
         inner = store.store
 
-        async def get_obstore(key: str) -> Any:
+        async def get_obstore(key: str, meta: list[Any] | None = None) -> Any:
             try:
                 response = await obstore.get_async(inner, key)
             except FileNotFoundError:
+                if meta is not None:
+                    meta.append(None)
                 return None
             except obstore.exceptions.BaseError as exc:
                 error = credentials_error(store, exc)  # no credentials: say anonymous=True
                 if error is None:
                     raise
                 raise error from exc
+            if meta is not None:
+                meta.append(response.meta)
             return await response.bytes_async()
 
         get = get_obstore
@@ -443,7 +449,7 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
 
         prototype = default_buffer_prototype()
 
-        async def get_zarr(key: str) -> Any:
+        async def get_zarr(key: str, meta: list[Any] | None = None) -> Any:
             buf = await store.get(key, prototype=prototype)
             return None if buf is None else buf.as_numpy_array()
 
@@ -453,11 +459,11 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
         return get
     import asyncio
 
-    async def get_with_deadline(key: str) -> Any:
+    async def get_with_deadline(key: str, meta: list[Any] | None = None) -> Any:
         deadline = asyncio.timeout(timeout_s)
         try:
             async with deadline:
-                return await get(key)
+                return await get(key, meta)
         except TimeoutError:
             if not deadline.expired():
                 raise  # the store's own TimeoutError, not our deadline

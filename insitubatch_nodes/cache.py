@@ -18,11 +18,15 @@ axis)`` — the array's own index, so overlapping splits and sample ranges share
 line carries the fingerprint of its array (:mod:`~insitubatch_nodes.fingerprint`: the geometry and
 the chunk transforms scoped to that array). Opening a cache whose lines disagree with the current
 fingerprint of an array the pipeline reads raises :class:`StaleCacheError` naming those arrays;
-``reset_stale_cache=True`` deletes just their files and log lines instead. A line whose chunk no
-longer has the same shape, dtype or number of valid samples is a miss (the chunk is fetched again
-and its file replaced). A log that cannot be trusted — an unparseable line before the last, a file
-name that is not a bare name in the directory — raises :class:`CorruptCacheError` whatever the
-flags say (a last line cut short by a crash is dropped).
+``reset_stale_cache=True`` deletes just their files and log lines instead. The data is checked
+too (:mod:`~insitubatch_nodes.store_identity`): a writer records what identifies each stored
+object it read in ``insitu_identity.jsonl`` as each chunk is committed, and opening lists each
+cached array's prefix once — chunks whose objects changed, went or appeared are dropped (a
+writer fetches them again) or raise :class:`StaleCacheError` naming them (``readonly``). A line
+whose chunk no longer has the same shape, dtype or number of valid samples is a miss (the chunk
+is fetched again and its file replaced). A log that cannot be trusted — an unparseable line
+before the last, a file name that is not a bare name in the directory — raises
+:class:`CorruptCacheError` whatever the flags say (a last line cut short by a crash is dropped).
 
 **Content checks.** Every log line also carries a checksum of its chunk's bytes (``"sum":
 "xxh3-64:<hex>"``, xxhash's XXH3 over the file's data, header excluded), computed once the slot
@@ -72,6 +76,7 @@ import hashlib
 import io
 import itertools
 import json
+import logging
 import math
 import mmap
 import os
@@ -87,6 +92,8 @@ from typing import Any
 
 import numpy as np
 import xxhash
+
+from insitubatch_nodes import store_identity
 
 try:  # POSIX
     import fcntl
@@ -116,6 +123,7 @@ LOG_FORMAT = 1
 _HEADER_KEY = "insitubatch_nodes_cache"
 _SUM_KEY = "sum"  # the log field of a chunk's checksum
 _SUM_ALGO = "xxh3-64"  # the only algorithm written; a line with another is a miss, unverified
+_log = logging.getLogger(__name__)
 _TMP_SUFFIX = ".tmp"
 _CLOSE_WAIT_S = 2.0  # the most close() waits for winding-down fills to unmap (module doc)
 # file systems on which flock may be emulated per client (two hosts can both "hold" it)
@@ -131,7 +139,8 @@ class CacheBusyError(RuntimeError):
 
 
 class StaleCacheError(RuntimeError):
-    """The cache holds chunks of arrays whose geometry or chunk transforms have changed."""
+    """The cache holds chunks of arrays whose geometry or chunk transforms have changed, or
+    whose stored objects changed since they were cached (see ``store_identity``)."""
 
 
 class CacheMissError(RuntimeError):
@@ -411,6 +420,7 @@ class DirLock:
             os.close(fd)  # closing the descriptor drops the flock
 
 
+_WARNED_UNCHECKED: set[tuple[str, str]] = set()  # (cache_dir, store) warned about, once each
 _WRITERS: dict[str, DirLock] = {}  # lock file -> the exclusive lock this process holds on it
 _WRITERS_LOCK = threading.Lock()
 
@@ -606,6 +616,7 @@ class ChunkCache:
         reset_stale: bool = False,
         rank: int = 0,
         verify: bool = True,
+        store_check: store_identity.StoreCheck | None = None,
     ) -> None:
         if readonly and reset_stale:
             raise ValueError(
@@ -622,7 +633,16 @@ class ChunkCache:
         self.own = rank_dir(self.root, self.rank)
         # unverified: lines without a checksum found by a writer, treated as misses (corrupt
         # files are counted by the pool, which refetches them)
-        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0, "unverified": 0}
+        self.stats = {
+            "committed": 0,
+            "claimed_elsewhere": 0,
+            "reset_files": 0,
+            "unverified": 0,
+            "stale_chunks": 0,
+        }
+        #: the store the chunks come from: checked at open, recorded by a writer (store_identity)
+        self.store_check = store_check
+        self.identity: store_identity.IdentityRecorder | None = None
         self._locks: list[DirLock] = []
         self._index: dict[tuple[str, int], _Logged] = {}
         self._logs: dict[Path, _Log] = {}
@@ -667,14 +687,19 @@ class ChunkCache:
             self._logs.clear()
             if self.persistent:
                 self._load()
+                self._check_store()
             if self.persistent and not self.readonly:
                 self._open_log()
+                kind = None if self.store_check is None else self.store_check.kind
+                if kind is not None:
+                    self.identity = store_identity.IdentityRecorder(self.own, kind)
             if not self.persistent:
                 self._spill = SpillBacking(self.own, locks[0])
         except BaseException:
             # construction failed after taking the lock (a stale cache, a corrupt log): release
             # it here — nothing else would until the process exits
             self._close_log()
+            self._close_identity()
             for lock in locks:
                 lock.release()
             self._locks[:] = []
@@ -691,6 +716,7 @@ class ChunkCache:
         ``_CLOSE_WAIT_S`` for them to go; mappings you hold (a slot) keep it locked after."""
         self.stop()
         self._close_log()
+        self._close_identity()
         locks = list(self._locks)
         self._release_locks(locks)
         self._locks[:] = []
@@ -717,6 +743,50 @@ class ChunkCache:
         fd, self._log_fd = self._log_fd, None
         if fd is not None:
             os.close(fd)
+
+    def _close_identity(self) -> None:
+        recorder, self.identity = self.identity, None
+        if recorder is not None:
+            recorder.close()
+
+    def _check_store(self) -> None:
+        """Drop (a writer) or refuse (``readonly``) the cached chunks whose stored objects
+        changed since they were cached: one listing per array (see store_identity)."""
+        check = self.store_check
+        if check is None or not check.enabled or not self._index:
+            return
+        report = check.stale(store_identity.chunks_by_array(
+            (key, logged.file) for key, logged in self._index.items()
+        ))  # fmt: skip
+        if report.unchecked is not None:
+            if (str(self.root), check.name) in _WARNED_UNCHECKED:
+                return
+            _WARNED_UNCHECKED.add((str(self.root), check.name))
+            warnings.warn(
+                f"insitubatch_nodes: cache_dir {self.root} is trusted without checking store "
+                f"{check.name}: {report.unchecked}. A chunk whose stored objects changed since "
+                "it was cached would be served as cached. Pass check_store=False if the store "
+                "is known not to change (this warning goes), or give the changed data a new "
+                "cache_dir.",
+                UserWarning,
+                stacklevel=5,
+            )
+            return
+        if not report.chunks:
+            return
+        if self.readonly:
+            raise StaleCacheError(store_identity.stale_message(self.root, check.name, report))
+        for key in report.chunks:
+            self._index.pop(key, None)
+        self.stats["stale_chunks"] += len(report.chunks)
+        _log.warning(
+            "insitubatch_nodes: %d cached chunk(s) in %s are stale (their stored objects in %s "
+            "changed): they are fetched again and rewritten: %s",
+            len(report.chunks),
+            self.root,
+            check.name,
+            report.describe(),
+        )
 
     @property
     def spill(self) -> SpillBacking | None:
@@ -942,6 +1012,8 @@ class ChunkCache:
         except BaseException:
             claim.unlink(missing_ok=True)
             raise
+        if self.identity is not None:  # what its fill reads is recorded from now on
+            self.identity.expect(key)
         return SlotFile(key, array, tmp, self.own / name, claim)
 
     @staticmethod
@@ -961,6 +1033,8 @@ class ChunkCache:
             checksum = slot.checksum or content_sum(slot.array)
             os.replace(slot.tmp, slot.final)
             slot.committed = True
+            if self.identity is not None:  # after the file is in place, before its log line
+                self.identity.commit(slot.key)
             logged = _Logged(
                 slot.final,
                 tuple(slot.array.shape),
@@ -992,6 +1066,8 @@ class ChunkCache:
             return
         slot.dropped = True
         if not slot.committed:
+            if self.identity is not None:
+                self.identity.discard(slot.key)
             slot.tmp.unlink(missing_ok=True)
             slot.claim.unlink(missing_ok=True)
 

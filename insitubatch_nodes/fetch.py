@@ -57,6 +57,7 @@ from insitubatch_nodes.localfiles import local_reader
 from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
 from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import ChunkEntry, ChunkPool, FillCancelled, working_set_bytes
+from insitubatch_nodes.store_identity import IdentityRecorder, meta_identity, stat_identity
 from insitubatch_nodes.stores import RetryPolicy, describe_store, retry_policy
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
@@ -619,8 +620,10 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                     return
                 rec = self.recorder
                 started = rec.on_get_start() if rec is not None else 0.0
+                ids = self._identities()
+                meta: list[Any] | None = None if ids is None else []
                 try:
-                    raw = await self._get(key)
+                    raw = await (self._get(key) if meta is None else self._get(key, meta))
                 except BaseException as exc:
                     if rec is not None:
                         rec.on_get_end(started, 0, ok=False)
@@ -629,6 +632,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                     raise ChunkReadError(
                         geom.path, chunk, tile, key, "read", self._store_name
                     ) from exc
+                if ids is not None and meta:  # what identifies the object (store_identity)
+                    ids.note(geom.path, chunk, key, meta_identity(meta[0]))
                 nbytes = 0 if raw is None else len(raw)
                 stats.gets += 1
                 stats.bytes_fetched += nbytes
@@ -704,12 +709,16 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         # (timed as the GET path times it; None without a recorder).
         assert self._local is not None
         started = rec.on_get_start() if rec is not None else 0.0
+        ids = self._identities()
+        info: list[Any] | None = None if ids is None else []
         try:
-            raw = self._local.read(key)
+            raw = self._local.read(key) if info is None else self._local.read(key, info)
         except OSError as exc:
             if rec is not None:
                 rec.on_get_end(started, 0, ok=False)
             raise ChunkReadError(geom.path, chunk, tile, key, "read", self._store_name) from exc
+        if ids is not None and info:  # what identifies the file (store_identity)
+            ids.note(geom.path, chunk, key, stat_identity(info[0]))
         nbytes = 0 if raw is None else len(raw)
         if rec is not None:
             rec.on_get_end(started, nbytes)
@@ -720,6 +729,11 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             return nbytes, rec.timed(decoder.decode_into, raw, out, chunk, tile)
         except Exception as exc:
             raise ChunkReadError(geom.path, chunk, tile, key, "decode", self._store_name) from exc
+
+    def _identities(self) -> IdentityRecorder | None:
+        """Where the objects' identities go: a persistent cache writer's recorder, or ``None``."""
+        cache = self.pool.cache
+        return None if cache is None else cache.identity
 
     def _teardown(self) -> None:
         """Drop every pin this node holds and cancel the fills left unpinned (no waiting)."""

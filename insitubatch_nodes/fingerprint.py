@@ -9,9 +9,9 @@ transform scoped to ``t2m`` with :func:`~insitubatch_nodes.transforms.applies` i
 
 The array's *length* along the sample axis is deliberately not part of it: appending samples does
 not change the chunks already stored (each cached chunk records how many valid samples it holds,
-and a chunk whose count changed is a miss). Nor is the store's URL or the data's content: the
-``cache_dir`` is the dataset's identity (bury a version in its path and bump it when the source
-data changes).
+and a chunk whose count changed is a miss). Nor is the data's content: that is the store
+identity's part (:mod:`~insitubatch_nodes.store_identity`: what identifies each stored object a
+cached chunk was made from, checked against one listing of the store at open).
 
 Each transform is identified, in order of preference, by
 

@@ -115,9 +115,9 @@ class InSituDataModule(pl.LightningDataModule):
         eval_batch_size: batch size of the val/test loaders (default: ``batch_size``).
         remainder: ``"drop"`` or ``"pad"``, as for :func:`insitu_pipeline` (every split).
         chunk_transforms, on_bad_chunk: as for :func:`insitu_pipeline` (every split).
-        cache_dir, persist, readonly_cache, reset_stale_cache: as for :func:`insitu_pipeline`
-            (every split; the pipelines of one process share the directory, and each DDP rank
-            writes its own part of it — see docs/caching.md).
+        cache_dir, persist, readonly_cache, reset_stale_cache, check_store: as for
+            :func:`insitu_pipeline` (every split; the pipelines of one process share the
+            directory, and each DDP rank writes its own part of it — see docs/caching.md).
         transform: ``Batch -> item`` applied to every batch (default: ``to_torch``).
         log_report: add an :class:`InSituReportCallback` to the Trainer (when it has none), so
             every training epoch's report is logged through ``self.log`` (``insitu/...``).
@@ -150,6 +150,7 @@ class InSituDataModule(pl.LightningDataModule):
         persist: bool = False,
         readonly_cache: bool = False,
         reset_stale_cache: bool = False,
+        check_store: bool = True,
     ) -> None:
         super().__init__()
         self.log_report = log_report
@@ -172,6 +173,7 @@ class InSituDataModule(pl.LightningDataModule):
             "persist": persist,
             "readonly_cache": readonly_cache,
             "reset_stale_cache": reset_stale_cache,
+            "check_store": check_store,
         }
         self.cache_budget_bytes = cache_budget_bytes
         self.batch_transforms = tuple(batch_transforms)

@@ -88,15 +88,20 @@ class LocalReader:
         if _HAS_FADVISE:
             _readahead_queue().put(self.path(key))
 
-    def read(self, key: str) -> memoryview | None:
+    def read(self, key: str, info_out: list[Any] | None = None) -> memoryview | None:
         """The whole object ``key`` in this thread's buffer; ``None`` when there is no such file
         (or a folder in its place: obstore and zarr read both as a missing chunk).
+
+        A list passed as ``info_out`` receives the ``fstat`` of the file read (``None`` when
+        missing): what identifies it (see store_identity), at no extra system call.
 
         Raises ``OSError`` when it exists but cannot be read, or is not a regular file."""
         try:
             # O_NONBLOCK: opening a FIFO planted in the store must not hang (no effect on files)
             fd = os.open(self.path(key), _FLAGS | getattr(os, "O_NONBLOCK", 0))
         except _MISSING:
+            if info_out is not None:
+                info_out.append(None)
             return None
         try:
             info = os.fstat(fd)
@@ -106,8 +111,12 @@ class LocalReader:
         if not stat.S_ISREG(info.st_mode):
             os.close(fd)
             if stat.S_ISDIR(info.st_mode):
+                if info_out is not None:
+                    info_out.append(None)
                 return None  # a folder is no object: missing, as obstore and zarr read it
             raise OSError(f"{self.path(key)!r} is not a regular file")
+        if info_out is not None:
+            info_out.append(info)
         with io.FileIO(fd, "rb", closefd=True) as file:  # unbuffered: readinto is one read()
             size = info.st_size
             view = self._buffer(size).data  # a memoryview of the whole buffer

@@ -30,7 +30,8 @@ from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.report import EpochRecorder, EpochReport
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
 from insitubatch_nodes.splits import SplitManifest
-from insitubatch_nodes.stores import RetryPolicy, as_store
+from insitubatch_nodes.store_identity import StoreCheck
+from insitubatch_nodes.stores import RetryPolicy, as_store, describe_store
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
@@ -155,17 +156,25 @@ def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
 
 
 def _check_cache_args(
-    cache_dir: Any, persist: Any, readonly: Any, reset_stale: Any, backing: Any
+    cache_dir: Any,
+    persist: Any,
+    readonly: Any,
+    reset_stale: Any,
+    backing: Any,
+    check_store: Any = True,
 ) -> dict[str, Any] | None:
     """The cache arguments checked together (``None`` without a ``cache_dir``)."""
     persist = check_bool("persist", persist)
     readonly = check_bool("readonly_cache", readonly)
     reset_stale = check_bool("reset_stale_cache", reset_stale)
+    check_store = check_bool("check_store", check_store)
     if cache_dir is None:
         named = [n for n, v in (("persist", persist), ("readonly_cache", readonly),
                                 ("reset_stale_cache", reset_stale)) if v]  # fmt: skip
         if named:
             raise ValueError(f"{' and '.join(named)} need a cache_dir: pass cache_dir=PATH")
+        if not check_store:
+            raise ValueError("check_store=False needs a persistent cache: pass cache_dir=PATH")
         return None
     if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
         raise TypeError(f"cache_dir must be a path (str or os.PathLike) or None, got {cache_dir!r}")
@@ -181,6 +190,7 @@ def _check_cache_args(
         "persist": persist or readonly,
         "readonly": readonly,
         "reset_stale": reset_stale,
+        "check_store": check_store,
     }
 
 
@@ -360,6 +370,7 @@ def insitu_pipeline(
     readonly_cache: bool = False,
     reset_stale_cache: bool = False,
     verify_cache: bool = True,
+    check_store: bool = True,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -401,7 +412,13 @@ def insitu_pipeline(
     ``cache_dir``, ``persist``, ``readonly_cache``, ``reset_stale_cache``: the chunk cache on
     local disk (:mod:`~insitubatch_nodes.cache`, docs/caching.md). ``verify_cache=True`` (the
     default) checks each chunk revived from a persistent cache against the checksum written
-    with it, once per revive; ``False`` serves cached chunks unchecked.
+    with it, once per revive; ``False`` serves cached chunks unchecked. With a persistent
+    cache, a writer records what identifies each stored object it reads, and building the
+    pipeline checks the cached chunks against one listing of each array's prefix: chunks whose
+    objects changed, went or appeared are fetched again (a writer) or raise
+    ``StaleCacheError`` naming them (``readonly_cache=True``). ``check_store=False`` trusts
+    the cache without listing (an archive known not to change); see
+    :mod:`~insitubatch_nodes.store_identity`.
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -417,7 +434,9 @@ def insitu_pipeline(
     remainder = check_remainder(remainder)
     report = check_bool("report", report)
     on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
-    cache_args = _check_cache_args(cache_dir, persist, readonly_cache, reset_stale_cache, backing)
+    cache_args = _check_cache_args(
+        cache_dir, persist, readonly_cache, reset_stale_cache, backing, check_store
+    )
     verify_cache = check_bool("verify_cache", verify_cache)
     if not verify_cache and cache_dir is None:
         raise ValueError("verify_cache=False needs a cache_dir: pass cache_dir=PATH")
@@ -498,11 +517,18 @@ def insitu_pipeline(
             path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
             for path, out in slot_geoms.items()
         }
+        store_check = StoreCheck(
+            zstore,
+            {path: g.n_tiles for path, g in geoms.items()},
+            enabled=cache_args.pop("check_store"),
+            name=describe_store(zstore),
+        )
         cache = ChunkCache(
             cache_args.pop("cache_dir"),
             fingerprints,
             rank=plan.rank,
             verify=verify_cache,
+            store_check=store_check,
             **cache_args,
         )
     try:

@@ -279,6 +279,12 @@ class _SigningObjectStore(ObjectStore[Any]):
             raise
 
 
+def plain_object_store(store: Any) -> bool:
+    """Whether ``store`` is zarr's own ``ObjectStore`` as :func:`open_store` makes it (a wrapper
+    or subclass of anyone else's may read its objects another way)."""
+    return type(store) is ObjectStore or type(store) is _SigningObjectStore
+
+
 def credentials_error(store: Any, exc: BaseException) -> PermissionError | None:
     """A ``PermissionError`` that explains ``exc``, or ``None`` when ``exc`` is not about
     credentials.

@@ -1,0 +1,202 @@
+"""What the store-identity check costs a warm start (docs/caching.md, *Store identity*).
+
+For ``N`` stored objects of one array (``shape (N,)``, one sample per chunk, one byte per
+object: the check reads no data, so the objects' size does not matter), on a local folder and
+in a bucket of a moto S3 server on loopback, this records every object's identity as a warming
+run does (:class:`~insitubatch_nodes.store_identity.IdentityRecorder`, one committed chunk at a
+time: locally from each file's ``stat``, as the decode thread's ``fstat`` gives it; on S3 from
+one listing's ``ObjectMeta``, the fields a GET's ``meta`` carries), then times
+:meth:`StoreCheck.stale` — the listing of the array's prefix, reading the recorded rows, and
+the vectorised comparison — over every cached chunk, ``--repeats`` times, and once more after
+``--change`` objects were rewritten (which must all be found).
+
+    python -m benchmarks.store_identity_check --objects 10000 100000 --stores local s3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from insitubatch_nodes import open_store
+from insitubatch_nodes.store_identity import (
+    IdentityRecorder,
+    StoreCheck,
+    meta_identity,
+    read_identities,
+    stat_identity,
+)
+from insitubatch_nodes.testing import MotoServer
+
+
+def _array(root: Path, n: int) -> None:
+    zarr.create_array(root, name="a", shape=(n,), chunks=(1,), dtype="u1", fill_value=0)
+
+
+def _record(cache: Path, kind: str, idents: dict[int, tuple[str, tuple[int, str, int]]]) -> None:
+    rec = IdentityRecorder(cache, kind)
+    for chunk, (key, ident) in idents.items():
+        rec.expect(("a", chunk))
+        rec.note("a", chunk, key, ident)
+        rec.commit(("a", chunk))
+    rec.close()
+
+
+def _time_check(
+    store: Any, cache: Path, n: int, repeats: int
+) -> tuple[list[float], list[float], list[float]]:
+    check = StoreCheck(store, {"a": 1}, name="bench")
+    cached = {"a": {cache: np.arange(n)}}
+    total, listing, rows = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        report = check.stale(cached)
+        total.append(time.perf_counter() - t0)
+        assert not report.chunks and report.unchecked is None, report.describe()
+        assert not isinstance(check.lister, str)
+        t0 = time.perf_counter()
+        check.lister.list("a")
+        listing.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        read_identities(cache)
+        rows.append(time.perf_counter() - t0)
+    return total, listing, rows
+
+
+def _stale_found(store: Any, cache: Path, n: int, changed: int) -> float:
+    check = StoreCheck(store, {"a": 1}, name="bench")
+    t0 = time.perf_counter()
+    report = check.stale({"a": {cache: np.arange(n)}})
+    elapsed = time.perf_counter() - t0
+    assert len(report.chunks) == changed, (len(report.chunks), changed)
+    return elapsed
+
+
+def bench_local(n: int, repeats: int, change: int, work: Path) -> dict[str, Any]:
+    root, cache = work / f"local-{n}.zarr", work / f"cache-local-{n}"
+    cache.mkdir()
+    _array(root, n)
+    t0 = time.perf_counter()
+    folder = root / "a" / "c"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        fd = os.open(folder / str(i), os.O_WRONLY | os.O_CREAT, 0o644)
+        os.write(fd, b"\x01")
+        os.close(fd)
+    made = time.perf_counter() - t0
+    _record(
+        cache, "local", {i: (f"a/c/{i}", stat_identity(os.stat(folder / str(i)))) for i in range(n)}
+    )
+    store = open_store(root)
+    total, listing, rows = _time_check(store, cache, n, repeats)
+    for i in range(0, n, max(1, n // change))[:change]:
+        (folder / str(i)).write_bytes(b"\x02\x02")
+    stale = _stale_found(store, cache, n, change)
+    return _row("local", n, made, total, listing, rows, stale)
+
+
+async def _put_all(inner: Any, n: int, concurrency: int = 64) -> None:
+    import obstore
+
+    sem = asyncio.Semaphore(concurrency)
+
+    async def put(i: int) -> None:
+        async with sem:
+            await obstore.put_async(inner, f"a/c/{i}", b"\x01")
+
+    await asyncio.gather(*(put(i) for i in range(n)))
+
+
+def bench_s3(n: int, repeats: int, change: int, work: Path, moto: MotoServer) -> dict[str, Any]:
+    import boto3
+    import obstore
+
+    bucket = f"identity-{n}"
+    boto3.client(
+        "s3",
+        endpoint_url=moto.endpoint,
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    ).create_bucket(Bucket=bucket)
+    local = work / f"meta-{n}.zarr"
+    _array(local, n)
+    store = open_store(f"s3://{bucket}/data.zarr", read_only=False, **moto.options())
+    inner = store.store  # type: ignore[attr-defined]
+    obstore.put(inner, "zarr.json", (local / "zarr.json").read_bytes())
+    obstore.put(inner, "a/zarr.json", (local / "a" / "zarr.json").read_bytes())
+    t0 = time.perf_counter()
+    asyncio.run(_put_all(inner, n))
+    made = time.perf_counter() - t0
+    cache = work / f"cache-s3-{n}"
+    cache.mkdir()
+    metas = [m for batch in obstore.list(inner, prefix="a/c/", chunk_size=1000) for m in batch]
+    _record(
+        cache,
+        "obstore",
+        {int(m["path"].rsplit("/", 1)[1]): (m["path"], meta_identity(m)) for m in metas},
+    )
+    total, listing, rows = _time_check(store, cache, n, repeats)
+    for i in range(0, n, max(1, n // change))[:change]:
+        obstore.put(inner, f"a/c/{i}", b"\x02\x02")
+    stale = _stale_found(store, cache, n, change)
+    return _row("s3 (moto)", n, made, total, listing, rows, stale)
+
+
+def _row(
+    where: str,
+    n: int,
+    made: float,
+    total: list[float],
+    listing: list[float],
+    rows: list[float],
+    stale: float,
+) -> dict[str, Any]:
+    return {
+        "store": where,
+        "objects": n,
+        "write_s": round(made, 2),
+        "check_s_median": round(statistics.median(total), 3),
+        "check_s_min": round(min(total), 3),
+        "check_s_max": round(max(total), 3),
+        "list_s_median": round(statistics.median(listing), 3),
+        "read_rows_s_median": round(statistics.median(rows), 3),
+        "check_with_changes_s": round(stale, 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--objects", type=int, nargs="+", default=[10_000, 100_000])
+    parser.add_argument("--stores", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--change", type=int, default=10)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="identity-bench-") as tmp:
+        work = Path(tmp)
+        moto = MotoServer() if "s3" in args.stores else None
+        try:
+            for n in args.objects:
+                if "local" in args.stores:
+                    print(json.dumps(bench_local(n, args.repeats, args.change, work)), flush=True)
+                if moto is not None:
+                    print(
+                        json.dumps(bench_s3(n, args.repeats, args.change, work, moto)), flush=True
+                    )
+        finally:
+            if moto is not None:
+                moto.stop()
+
+
+if __name__ == "__main__":
+    main()

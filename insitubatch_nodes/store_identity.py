@@ -1,0 +1,456 @@
+"""Store identity: which stored objects a persisted chunk was made from, checked before reuse.
+
+A persistent cache (:mod:`~insitubatch_nodes.cache`) keeps chunks after their chunk transforms;
+its fingerprint (:mod:`~insitubatch_nodes.fingerprint`) covers the geometry and the transforms,
+not the data. This module covers the data: a rewritten store (same shape, new values), a deleted
+object, or an object that appeared where the warming run read none (the chunk was the fill
+value) makes the chunks it belongs to *stale*.
+
+**Recording (the warming run, free).** Every stored object a writing run reads comes with what
+identifies it — nothing is requested for it:
+
+* through obstore (``s3://``, ``gs://``, ``az://``, ``memory://``, a local folder read through
+  obstore): the GET result's ``meta`` — size, ``e_tag`` and ``last_modified``;
+* a local folder read on the decode threads (:mod:`~insitubatch_nodes.localfiles`): the
+  ``fstat`` of the file it read — size, ``mtime_ns`` and inode;
+* an object that is not there (read as the fill value): recorded as *absent*.
+
+:class:`IdentityRecorder` keeps what a chunk's fill read and writes it when the chunk is
+committed — after the chunk file was renamed into place and before its log line — as compact
+JSON rows in ``insitu_identity.jsonl``, a file of each writer directory's own (append-only, last
+row of a key wins). A crash between the two leaves a row that describes the file's bytes, or
+the old row, which then no longer matches the store: never a row that vouches for bytes it did
+not describe.
+
+**Checking (a later run, one listing per array).** :class:`StoreCheck` lists each cached array's
+prefix once (obstore ``list``: one LIST request per 1,000 objects on S3; ``os.scandir`` over the
+array's folder locally, one ``stat`` per file) and compares the listing with the recorded rows,
+vectorised over sorted keys. A chunk is stale when one of its objects
+
+* changed — another size, or another ETag (obstore) / mtime or inode (local files); an object
+  rewritten with the same bytes keeps its S3 ETag and stays valid;
+* is missing — recorded present, not listed;
+* is new — recorded absent, listed now;
+* has no recorded identity (a cache warmed by a version that did not record, or through another
+  kind of read path): it cannot be vouched for.
+
+Objects the cache holds nothing of (metadata documents, chunks appended since) are not
+compared: they are misses anyway. So an append that grows the sample axis keeps every chunk
+whose objects are unchanged, and the grown last chunk, whose object was rewritten, is stale.
+
+A store that cannot be listed (obstore's ``HTTPStore`` over plain HTTP, a zarr store that is
+neither a local folder nor obstore-backed — a wrapper, ``FsspecStore``) or whose listing fails
+is trusted with a warning naming why; ``check_store=False`` (an archive known immutable) skips
+the check and its warning. What is not caught: a file rewritten in place with the same size
+within one tick of the file system's clock (mtime and inode unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "IDENTITY_NAME",
+    "IdentityRecorder",
+    "Listing",
+    "Recorded",
+    "StaleReport",
+    "StoreCheck",
+    "lister_for",
+    "read_identities",
+]
+
+IDENTITY_NAME = "insitu_identity.jsonl"
+_ABSENT = -1  # the size recorded for an object that was not there (read as the fill value)
+
+# one row: [array, chunk, store key, size (-1: absent), tag ("" when none), mtime_ns (-1), kind]
+Row = tuple[str, int, str, int, str, int, str]
+
+
+def meta_identity(meta: Mapping[str, Any] | None) -> tuple[int, str, int]:
+    """``(size, tag, mtime_ns)`` of an obstore ``ObjectMeta`` (a GET result's ``meta`` or a
+    listing's entry); ``None`` (no such object) is absent."""
+    if meta is None:
+        return _ABSENT, "", -1
+    modified = meta.get("last_modified")
+    mtime = -1 if modified is None else round(modified.timestamp() * 1e6) * 1000
+    return int(meta.get("size") or 0), str(meta.get("e_tag") or ""), mtime
+
+
+def stat_identity(info: os.stat_result | None) -> tuple[int, str, int]:
+    """``(size, tag, mtime_ns)`` of a local file's ``stat`` (the tag is its inode)."""
+    if info is None:
+        return _ABSENT, "", -1
+    return int(info.st_size), str(info.st_ino), int(info.st_mtime_ns)
+
+
+# -------------------------------------------------------------------------------------------
+# Listing a store
+# -------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The objects under one prefix, sorted by key (numpy arrays of one length)."""
+
+    keys: np.ndarray  # str
+    sizes: np.ndarray  # int64
+    tags: np.ndarray  # str ("" when the store gives none)
+    mtimes: np.ndarray  # int64 (-1 when the store gives none)
+
+    @classmethod
+    def build(cls, keys: list[str], sizes: Any, tags: Any, mtimes: Any) -> Listing:
+        """Columns in any order, sorted here by key."""
+        k = np.array(keys, dtype=str)
+        order = np.argsort(k, kind="stable")
+        return cls(
+            k[order],
+            np.asarray(sizes, dtype=np.int64)[order],
+            np.asarray(tags).astype(str)[order],
+            np.asarray(mtimes, dtype=np.int64)[order],
+        )
+
+
+class LocalLister:
+    """Lists a folder store with ``os.scandir`` (recursively under the array's folder)."""
+
+    kind = "local"
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = os.fspath(root)
+
+    def list(self, prefix: str) -> Listing:
+        keys: list[str] = []
+        sizes: list[int] = []
+        inodes: list[int] = []
+        mtimes: list[int] = []
+        stack = [prefix.strip("/")]
+        while stack:
+            rel = stack.pop()
+            try:
+                it = os.scandir(os.path.join(self.root, rel))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            with it:
+                for entry in it:
+                    key = f"{rel}/{entry.name}" if rel else entry.name
+                    if entry.is_dir(follow_symlinks=False):
+                        stack.append(key)
+                        continue
+                    info = entry.stat()
+                    if stat.S_ISREG(info.st_mode):
+                        keys.append(key)
+                        sizes.append(info.st_size)
+                        inodes.append(info.st_ino)
+                        mtimes.append(info.st_mtime_ns)
+        return Listing.build(keys, sizes, np.array(inodes, dtype=np.uint64), mtimes)
+
+
+class ObstoreLister:
+    """Lists an obstore store with ``obstore.list`` (one LIST request per 1,000 objects on S3)."""
+
+    kind = "obstore"
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def list(self, prefix: str) -> Listing:
+        import obstore
+
+        keys: list[str] = []
+        sizes: list[int] = []
+        tags: list[str] = []
+        mtimes: list[int] = []
+        folder = prefix.strip("/")  # an array at the store's root lists the whole store
+        for batch in obstore.list(
+            self.inner, prefix=folder + "/" if folder else None, chunk_size=1000
+        ):
+            for meta in batch:
+                size, tag, mtime = meta_identity(meta)
+                keys.append(str(meta["path"]))
+                sizes.append(size)
+                tags.append(tag)
+                mtimes.append(mtime)
+        return Listing.build(keys, sizes, np.array(tags, dtype=str), mtimes)
+
+
+def lister_for(store: Any) -> LocalLister | ObstoreLister | str:
+    """How ``store`` is listed — the same read path the fetch stage records through (a folder
+    read on the decode threads is listed as a folder; an obstore-backed store with obstore) — or
+    a sentence saying why it cannot be."""
+    from insitubatch_nodes.localfiles import local_reader
+    from insitubatch_nodes.stores import plain_object_store
+
+    reader = local_reader(store)
+    if reader is not None:
+        return LocalLister(reader.root)
+    if plain_object_store(store):
+        inner = store.store
+        if type(inner).__name__ == "HTTPStore":
+            return "an obstore HTTPStore cannot list its objects"
+        return ObstoreLister(inner)
+    return (
+        f"a {type(store).__name__} is neither a local folder nor an obstore-backed zarr "
+        "ObjectStore, so its objects' identities are neither recorded nor listed"
+    )
+
+
+# -------------------------------------------------------------------------------------------
+# Recording
+# -------------------------------------------------------------------------------------------
+
+
+class IdentityRecorder:
+    """What a writer's fills read, written to its directory's ``insitu_identity.jsonl`` as each
+    chunk is committed (thread-safe: fills note from the IO loop and the decode threads).
+
+    Only chunks given a cache file (:meth:`expect`) are recorded: :meth:`commit` writes a chunk's
+    rows, :meth:`discard` forgets them.
+    """
+
+    def __init__(self, directory: Path, kind: str) -> None:
+        self.path = directory / IDENTITY_NAME
+        self.kind = kind
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], dict[str, Row]] = {}
+        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+
+    def expect(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            self._pending[key] = {}
+
+    def note(self, array: str, chunk: int, store_key: str, ident: tuple[int, str, int]) -> None:
+        """Stored object ``store_key`` of chunk ``(array, chunk)`` was read with ``ident``."""
+        with self._lock:
+            rows = self._pending.get((array, chunk))
+            if rows is not None:
+                rows[store_key] = (array, int(chunk), store_key, *ident, self.kind)
+
+    def commit(self, key: tuple[str, int]) -> None:
+        """Write ``key``'s rows (call after its file is in place, before its log line)."""
+        with self._lock:
+            rows = self._pending.pop(key, None)
+            fd = self._fd
+        if rows and fd is not None:
+            text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows.values())
+            os.write(fd, text.encode())
+
+    def discard(self, key: tuple[str, int]) -> None:
+        with self._lock:
+            self._pending.pop(key, None)
+
+    def close(self) -> None:
+        with self._lock:
+            fd, self._fd = self._fd, None
+            self._pending.clear()
+        if fd is not None:
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class Recorded:
+    """The rows one writer directory recorded for one array, as columns (last row of a key)."""
+
+    chunks: np.ndarray  # int64
+    keys: np.ndarray  # str
+    sizes: np.ndarray  # int64 (-1: absent)
+    tags: np.ndarray  # str
+    mtimes: np.ndarray  # int64
+    kinds: np.ndarray  # str
+
+    def take(self, mask: np.ndarray) -> Recorded:
+        return Recorded(*(getattr(self, f)[mask] for f in _RECORDED_FIELDS))
+
+
+_RECORDED_FIELDS = ("chunks", "keys", "sizes", "tags", "mtimes", "kinds")
+
+
+def read_identities(directory: Path) -> dict[str, Recorded]:
+    """``{array: rows}`` recorded in ``directory`` (the last row of a store key wins; a torn last
+    line, or a line that is not a row, is skipped: its chunks are unrecorded)."""
+    try:
+        data = (directory / IDENTITY_NAME).read_bytes()
+    except FileNotFoundError:
+        return {}
+    text = data[: data.rfind(b"\n") + 1].decode("utf-8", "replace")
+    try:
+        rows = json.loads("[" + text.rstrip("\n").replace("\n", ",") + "]") if text else []
+    except ValueError:  # a damaged line: read line by line, skipping what does not parse
+        rows = []
+        for line in text.splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    rows = [r for r in rows if type(r) is list and len(r) == 7]
+    if not rows:
+        return {}
+    try:
+        arrays, chunks, keys, sizes, tags, mtimes, kinds = (
+            np.array(col) for col in zip(*rows, strict=True)
+        )
+        cols = Recorded(
+            chunks.astype(np.int64),
+            keys.astype(str),
+            sizes.astype(np.int64),
+            tags.astype(str),
+            mtimes.astype(np.int64),
+            kinds.astype(str),
+        )
+    except (TypeError, ValueError):  # a row of the wrong types: nothing here can be vouched for
+        return {}
+    # the last row of each key: the first of the reversed rows
+    _, first = np.unique(cols.keys[::-1], return_index=True)
+    last = np.sort(len(rows) - 1 - first)
+    arrays, cols = arrays[last].astype(str), cols.take(last)
+    return {str(a): cols.take(arrays == a) for a in np.unique(arrays)}
+
+
+# -------------------------------------------------------------------------------------------
+# Checking
+# -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StaleReport:
+    """What :meth:`StoreCheck.stale` found: the stale chunks and why (one reason per object)."""
+
+    chunks: set[tuple[str, int]] = field(default_factory=set)
+    reasons: list[str] = field(default_factory=list)
+    unchecked: str | None = None  # why the store could not be checked (then nothing is stale)
+
+    def describe(self, first: int = 5) -> str:
+        shown = "; ".join(self.reasons[:first])
+        more = len(self.reasons) - first
+        return shown + (f"; and {more} more" if more > 0 else "")
+
+
+class StoreCheck:
+    """The store a cache's chunks came from, and how to check them against it.
+
+    ``tiles`` maps each array path to its stored objects per chunk; ``enabled=False``
+    (``check_store=False``) records identities but trusts the cache without listing."""
+
+    def __init__(
+        self, store: Any, tiles: Mapping[str, int], *, enabled: bool = True, name: str = ""
+    ) -> None:
+        self.lister = lister_for(store)
+        self.tiles = dict(tiles)
+        self.enabled = bool(enabled)
+        self.name = name or repr(store)
+
+    @property
+    def kind(self) -> str | None:
+        """The kind of read path identities are recorded through (``None``: not recorded)."""
+        return None if isinstance(self.lister, str) else self.lister.kind
+
+    def stale(self, cached: Mapping[str, Mapping[Path, np.ndarray]]) -> StaleReport:
+        """The stale chunks among ``cached`` (``{array: {directory that logged them: chunk
+        indices}}``, see :func:`chunks_by_array`), listing each array's prefix once."""
+        report = StaleReport()
+        if isinstance(self.lister, str):
+            report.unchecked = self.lister
+            return report
+        recorded: dict[Path, dict[str, Recorded]] = {}
+        for array, by_dir in sorted(cached.items()):
+            if not by_dir:
+                continue
+            try:
+                listing = self.lister.list(array)
+            except Exception as exc:  # NotSupported, a denied ListBucket, a network error
+                report.chunks.clear()
+                report.reasons.clear()
+                report.unchecked = f"listing {array!r} failed ({type(exc).__name__}: {exc})"
+                return report
+            for directory, chunks in sorted(by_dir.items()):
+                if directory not in recorded:
+                    recorded[directory] = read_identities(directory)
+                rows = recorded[directory].get(array)
+                want = np.unique(np.asarray(chunks, dtype=np.int64))
+                if rows is not None:  # rows of this directory's cached chunks, read the same way
+                    rows = rows.take(np.isin(rows.chunks, want) & (rows.kinds == self.lister.kind))
+                self._compare(array, want, rows, listing, report)
+        return report
+
+    def _compare(
+        self,
+        array: str,
+        want: np.ndarray,
+        rows: Recorded | None,
+        listing: Listing,
+        report: StaleReport,
+    ) -> None:
+        """Add to ``report`` the chunks of ``want`` (sorted, unique) that ``rows`` does not
+        vouch for against ``listing``."""
+        if rows is not None and len(rows.keys):
+            keys, size, tags, mtime, chunk = (
+                rows.keys,
+                rows.sizes,
+                rows.tags,
+                rows.mtimes,
+                rows.chunks,
+            )
+            listed = len(listing.keys)
+            at = np.minimum(np.searchsorted(listing.keys, keys), max(listed - 1, 0))
+            if listed:
+                found = listing.keys[at] == keys
+                l_size, l_tag, l_mtime = listing.sizes[at], listing.tags[at], listing.mtimes[at]
+            else:
+                found = np.zeros(len(keys), dtype=bool)
+                l_size, l_tag, l_mtime = size, tags, mtime
+            absent = size == _ABSENT
+            tagged = (tags != "") & (l_tag != "")
+            differ = (l_size != size) | np.where(tagged, l_tag != tags, l_mtime != mtime)
+            for mask, why in (
+                (~absent & found & differ, "changed"),
+                (~absent & ~found, "deleted"),
+                (absent & found, "new"),
+            ):
+                for i in np.flatnonzero(mask):
+                    detail = ""
+                    if why == "changed" and l_size[i] != size[i]:
+                        detail = f" (size {size[i]} -> {l_size[i]})"
+                    report.reasons.append(f"{str(keys[i])!r} {why}{detail}")
+                    report.chunks.add((array, int(chunk[i])))
+            ids, counts = np.unique(chunk, return_counts=True)
+        else:
+            ids, counts = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        # every cached chunk must have a row for each of its stored objects
+        have = np.zeros(len(want), dtype=np.int64)
+        have[np.searchsorted(want, ids)] = counts  # every row's chunk is in want (filtered)
+        for c in want[have < self.tiles.get(array, 1)]:
+            report.reasons.append(f"{array!r} chunk {int(c)}: no recorded store identity")
+            report.chunks.add((array, int(c)))
+
+
+def stale_message(root: Path, store: str, report: StaleReport) -> str:
+    """The :class:`~insitubatch_nodes.cache.StaleCacheError` message of a read-only cache."""
+    return (
+        f"cache_dir {root} holds {len(report.chunks)} chunk(s) whose stored objects in store "
+        f"{store} changed since they were cached, or cannot be vouched for: "
+        f"{report.describe()}. Warm the cache again with a writing run (readonly_cache=False), "
+        "which refetches just those chunks; or pass check_store=False if the store is known "
+        "not to change."
+    )
+
+
+def chunks_by_array(
+    entries: Iterable[tuple[tuple[str, int], Path]],
+) -> dict[str, dict[Path, np.ndarray]]:
+    """``{array: {directory: chunk indices}}`` of ``((array, chunk), file)`` pairs."""
+    grouped: dict[tuple[str, str], list[int]] = {}
+    for (array, chunk), file in entries:
+        grouped.setdefault((array, os.path.dirname(file)), []).append(chunk)
+    out: dict[str, dict[Path, np.ndarray]] = {}
+    for (array, directory), chunks in grouped.items():
+        out.setdefault(array, {})[Path(directory)] = np.array(chunks, dtype=np.int64)
+    return out

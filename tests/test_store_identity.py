@@ -1,0 +1,256 @@
+"""Store identity: a persisted cache is checked against the store it came from before reuse.
+
+Each test warms a cache over a real zarr store (on disk, or in a moto S3 bucket), then changes
+the store from outside the package — rewrites chunks through zarr, deletes an object, writes one
+where there was none, appends samples — and checks what a later run gets: the new values
+(zarr's own read of the changed store is the oracle) with only the changed chunks fetched, or a
+``StaleCacheError`` naming the objects for a read-only reader.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from helpers import Oracle, View, counting_store, run_epoch, write_era5
+
+from insitubatch_nodes import (
+    StaleCacheError,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
+from insitubatch_nodes.store_identity import IDENTITY_NAME, lister_for
+
+pytestmark = pytest.mark.timeout(120)
+
+VIEWS = {"t2m": View("t2m"), "z": View("z")}
+SPC = 8  # samples per chunk of write_era5's store
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """t2m (96, 8, 16) and z (96, 2, 8, 16), 8 samples per chunk (12 chunks); a fresh copy per
+    test, since the tests change it."""
+    return write_era5(tmp_path / "era5.zarr")
+
+
+def pipeline(store: Any, cache_dir: Path, **kw: Any) -> Any:
+    store = open_store(str(store)) if isinstance(store, Path) else store
+    geoms = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    kw.setdefault("persist", not kw.get("readonly_cache", False))
+    return insitu_pipeline(
+        store, manifest, ["t2m", "z"], batch_size=8, block_chunks=4, cache_dir=cache_dir, **kw
+    )
+
+
+def run(pipe: Any, oracle: Oracle | None) -> dict[str, int]:
+    """One epoch, every batch checked against ``oracle``; the pool's counters after it."""
+    try:
+        run_epoch(pipe, oracle, VIEWS if oracle is not None else None)
+        return pipe.stats()
+    finally:
+        pipe.close()
+
+
+def rewrite(root: Path, name: str, chunks: list[int], delta: float = 100.0) -> None:
+    """New values in ``chunks`` of array ``name``, same shape, written by zarr."""
+    array = zarr.open_array(root / name, mode="r+")
+    for c in chunks:
+        array[c * SPC : (c + 1) * SPC] = array[c * SPC : (c + 1) * SPC] + delta
+
+
+def test_a_store_rewritten_after_warming_serves_the_new_values_refetching_only_what_changed(
+    root: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    run(pipeline(root, cache), Oracle(root))
+    rewrite(root, "t2m", [1, 5])
+    pipe = pipeline(root, cache)
+    stats = run(pipe, Oracle(root))  # zarr's read of the rewritten store
+    assert stats["gets"] == 2  # the two rewritten objects, nothing else
+    assert pipe.stages.pool.cache.stats["stale_chunks"] == 2
+    assert stats["disk_hits"] == 2 * 12 - 2
+    # the refetched chunks were rewritten with their new identity: the next run trusts them
+    again = run(pipeline(root, cache), Oracle(root))
+    assert again["gets"] == 0
+
+
+@pytest.mark.parametrize(
+    "layout", [{"zarr_format": 2}, {"shard_samples": 16}], ids=["v2", "sharded"]
+)
+def test_a_rewritten_v2_or_sharded_store_is_refetched_where_it_changed(
+    tmp_path: Path, layout: dict[str, Any]
+) -> None:
+    root = write_era5(tmp_path / "era5.zarr", **layout)
+    cache = tmp_path / "cache"
+    run(pipeline(root, cache), Oracle(root))
+    rewrite(root, "t2m", [1])  # one stored object: chunk 1, or the shard holding it
+    stats = run(pipeline(root, cache), Oracle(root))
+    assert stats["gets"] == 1
+
+
+def test_a_readonly_reader_of_a_rewritten_store_raises_naming_the_changed_objects(
+    root: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    run(pipeline(root, cache), None)
+    rewrite(root, "t2m", [3])
+    with pytest.raises(StaleCacheError) as info:
+        pipeline(root, cache, readonly_cache=True)
+    message = str(info.value)
+    assert "1 chunk(s)" in message and "'t2m/c/3/0/0' changed" in message
+    assert "check_store=False" in message and "readonly_cache=False" in message
+    rewrite(root, "z", list(range(12)))  # every z object (2 per chunk): named by the first few
+    with pytest.raises(StaleCacheError, match=r"13 chunk\(s\).*and 20 more"):
+        pipeline(root, cache, readonly_cache=True)
+
+
+def test_a_deleted_object_and_a_new_one_are_stale_for_a_reader_and_refetched_by_a_writer(
+    root: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    (root / "t2m" / "c" / "4" / "0" / "0").unlink()  # chunk 4 is the fill value when warmed
+    run(pipeline(root, cache), Oracle(root))
+    rewrite_from = np.asarray(zarr.open_array(root / "t2m")[:SPC])
+    zarr.open_array(root / "t2m", mode="r+")[4 * SPC : 5 * SPC] = rewrite_from + 1.0  # new
+    (root / "t2m" / "c" / "9" / "0" / "0").unlink()  # deleted: the fill value from now on
+    with pytest.raises(StaleCacheError) as info:
+        pipeline(root, cache, readonly_cache=True)
+    message = str(info.value)
+    assert "'t2m/c/4/0/0' new" in message and "'t2m/c/9/0/0' deleted" in message
+    stats = run(pipeline(root, cache), Oracle(root))
+    assert stats["gets"] == 2
+    values = np.asarray(zarr.open_array(root / "t2m")[9 * SPC : 10 * SPC])
+    assert np.isnan(values).all()  # the oracle did read the deletion as the fill value
+
+
+def test_an_append_along_the_sample_axis_fetches_the_new_and_grown_chunks_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
+    root = write_era5(tmp_path / "era5.zarr", n_time=92)  # 12 chunks, the last holds 4
+    cache = tmp_path / "cache"
+    run(pipeline(root, cache), Oracle(root))
+    for name in ("t2m", "z"):
+        array = zarr.open_array(root / name, mode="r+")
+        tail = np.asarray(array[84:92])
+        array.resize((100, *array.shape[1:]))
+        array[92:100] = tail + 1.0  # chunk 11 grows to 8 samples, chunk 12 is new
+    pipe = pipeline(root, cache)
+    assert pipe.stages.pool.cache.stats["stale_chunks"] == 2  # chunk 11's rewritten objects
+    stats = run(pipe, Oracle(root))
+    n_tiles = 1 + 2  # t2m one object per chunk, z one per level
+    assert stats["gets"] == 2 * n_tiles  # chunks 11 and 12 of both arrays
+    assert stats["disk_hits"] == 2 * 11  # chunks 0-10 of both arrays, kept
+
+
+def test_each_ranks_directory_is_checked_and_a_rank_refetches_what_another_rank_cached(
+    root: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+
+    def ranks(**kw: Any) -> list[dict[str, int]]:  # rank 0, then rank 1, of a 2-rank job
+        return [
+            run(pipeline(root, cache, rank=r, world_size=2, **kw), Oracle(root)) for r in (0, 1)
+        ]
+
+    ranks()
+    assert (cache / "rank-1" / IDENTITY_NAME).stat().st_size > 0
+    rewrite(root, "t2m", list(range(12)))  # chunks cached by both ranks
+    with pytest.raises(StaleCacheError, match=r"12 chunk\(s\)"):
+        pipeline(root, cache, readonly_cache=True, rank=1, world_size=2)
+    assert sum(s["gets"] for s in ranks()) == 12  # each changed object fetched once
+    assert sum(s["gets"] for s in ranks(readonly_cache=True)) == 0
+
+
+def test_check_store_false_trusts_the_cache_of_a_store_known_not_to_change(
+    root: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    before = tmp_path / "before.zarr"
+    shutil.copytree(root, before)
+    run(pipeline(root, cache), None)
+    rewrite(root, "t2m", [2])
+    stats = run(pipeline(root, cache, check_store=False), Oracle(before))  # the cached values
+    assert stats["gets"] == 0
+    run(pipeline(root, cache, readonly_cache=True, check_store=False), Oracle(before))
+    with pytest.raises(TypeError, match="check_store"):
+        pipeline(root, cache, check_store="no")
+    with pytest.raises(ValueError, match="check_store=False needs"):
+        pipeline(root, None, check_store=False, persist=False)  # type: ignore[arg-type]
+
+
+def test_a_cache_without_recorded_identities_is_refetched_by_a_writer_and_refused_by_a_reader(
+    root: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = tmp_path / "cache"
+    run(pipeline(root, cache), None)
+    (cache / IDENTITY_NAME).unlink()  # as warmed by a version that did not record
+    with pytest.raises(StaleCacheError, match="no recorded store identity"):
+        pipeline(root, cache, readonly_cache=True)
+    with caplog.at_level(logging.WARNING, logger="insitubatch_nodes.cache"):
+        stats = run(pipeline(root, cache), Oracle(root))
+    assert stats["gets"] == 12 * 3 and "24 cached chunk(s)" in caplog.text
+    assert run(pipeline(root, cache, readonly_cache=True), Oracle(root))["gets"] == 0
+
+
+def test_a_store_that_cannot_be_listed_is_trusted_with_a_warning(
+    root: Path, tmp_path: Path
+) -> None:
+    cache = tmp_path / "cache"
+    run(pipeline(counting_store(root), cache), None)  # a wrapper: records nothing
+    rewrite(root, "t2m", [0])
+    with pytest.warns(UserWarning, match="trusted without checking") as caught:
+        pipe = pipeline(counting_store(root), cache)
+    assert "CountingStore" in str(caught[0].message)
+    assert run(pipe, None)["gets"] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the opt-out silences it
+        run(pipeline(counting_store(root), cache, check_store=False), None)
+    from obstore.store import HTTPStore
+    from zarr.storage import ObjectStore
+
+    http = ObjectStore(HTTPStore.from_url("http://127.0.0.1:9/"), read_only=True)
+    assert "HTTPStore cannot list" in str(lister_for(http))
+
+
+@pytest.mark.xdist_group("s3")
+def test_an_object_rewritten_on_s3_is_refetched_and_a_readonly_reader_names_it(
+    root: Path,
+    tmp_path: Path,
+    s3_upload: Callable[[Path, str], str],
+    s3_options: dict[str, Any],
+) -> None:
+    import boto3
+
+    url = s3_upload(root, "data/era5.zarr")
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    cache = tmp_path / "cache"
+    run(pipeline(open_store(url, **s3_options), cache), Oracle(root))
+    rewrite(root, "t2m", [6])
+    key = "t2m/c/6/0/0"
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_options["endpoint"],
+        region_name=s3_options["region"],
+        aws_access_key_id=s3_options["access_key_id"],
+        aws_secret_access_key=s3_options["secret_access_key"],
+    )
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=(root / key).read_bytes())
+    with pytest.raises(StaleCacheError, match=rf"1 chunk\(s\).*'{key}' changed"):
+        pipeline(open_store(url, **s3_options), cache, readonly_cache=True)
+    remote = open_store(url, **s3_options)
+    stats = run(pipeline(remote, cache), Oracle(remote))  # zarr's read of the bucket
+    assert stats["gets"] == 1
+    # the same bytes uploaded again: a new last-modified, the same ETag — still valid
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=(root / key).read_bytes())
+    assert run(pipeline(open_store(url, **s3_options), cache), None)["gets"] == 0
