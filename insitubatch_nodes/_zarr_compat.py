@@ -35,7 +35,10 @@ import zarr
 __all__ = [
     "array_dimension_names",
     "array_metadata_keys",
+    "consolidated_arrays",
     "encode_chunk_key",
+    "list_dir",
+    "node_kind",
     "open_array_readonly",
     "open_group_readonly",
     "read_chunk_shape",
@@ -53,6 +56,60 @@ def open_group_readonly(store: Any) -> zarr.Group:
 def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
     """Open the array at ``path`` of ``store`` for reading: one metadata read (v2: two)."""
     return zarr.open_array(store=store, path=path, mode="r", zarr_format=zarr_format)  # type: ignore[arg-type]
+
+
+def node_kind(store: Any, path: str) -> tuple[str, int] | None:
+    """What is at ``path`` of ``store`` (``""``: the root), read by name: ``("array", format)``,
+    ``("group", format)``, or ``None`` when there is no zarr metadata there.
+
+    GETs of the metadata documents only (``zarr.json``, ``.zarray``, ``.zgroup``, concurrently),
+    never a listing: stores served over HTTP cannot list. Raises ``ValueError`` when a
+    ``zarr.json`` is not JSON or names no valid ``node_type``.
+    """
+    import asyncio
+    import json
+
+    from zarr.core.buffer import default_buffer_prototype
+    from zarr.core.sync import sync
+
+    prototype = default_buffer_prototype()
+    keys = [f"{path}/{n}" if path else n for n in ("zarr.json", ".zarray", ".zgroup")]
+
+    async def fetch() -> list[Any]:
+        return list(await asyncio.gather(*(store.get(k, prototype=prototype) for k in keys)))
+
+    v3, v2_array, v2_group = sync(fetch())
+    if v3 is not None:
+        doc = json.loads(v3.to_bytes())
+        kind = doc.get("node_type") if isinstance(doc, dict) else None
+        if kind not in ("array", "group"):
+            raise ValueError(f"{keys[0]!r} has no valid node_type ('array' or 'group'): {kind!r}")
+        return str(kind), 3
+    if v2_array is not None:
+        return "array", 2
+    if v2_group is not None:
+        return "group", 2
+    return None
+
+
+def consolidated_arrays(group: zarr.Group) -> dict[str, zarr.Array] | None:
+    """Every array the consolidated metadata of ``group`` lists (relative path -> array, no
+    store read), or ``None`` when the group was not opened from consolidated metadata."""
+    if getattr(group.metadata, "consolidated_metadata", None) is None:
+        return None
+    return dict(walk_arrays(group))
+
+
+def list_dir(store: Any, prefix: str) -> list[str]:
+    """The names directly below ``prefix`` (``""``: the store root): keys and "folders" alike,
+    as zarr's ``Store.list_dir`` yields them. One delimited listing; raises whatever the store
+    raises when it cannot list."""
+    from zarr.core.sync import sync
+
+    async def listed() -> list[str]:
+        return [name.rstrip("/") async for name in store.list_dir(prefix)]
+
+    return sorted(set(sync(listed())))
 
 
 METADATA_DOCUMENTS: tuple[str, ...] = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")

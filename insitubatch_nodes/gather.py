@@ -5,6 +5,10 @@ from one chunk are one contiguous run of the batch: each distinct chunk contribu
 ``np.take`` (or slice copy) straight into the batch — Python work is O(chunks in the batch),
 never O(samples).
 
+Batches are in native byte order whatever the slots hold: the buffers are allocated native and
+the copy converts (a slot is native already unless a chunk transform declared otherwise: the
+decoder swaps big-endian chunks as it writes them, see :mod:`insitubatch_nodes.geometry`).
+
 Batch arrays are carved from reusable buffers, lent under one explicit ownership rule (see
 :class:`BufferPool`): a buffer is handed out again only once every array, view and tensor made
 from the batch that borrowed it is gone, so a batch (or anything made from it) that you keep is
@@ -25,7 +29,7 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.pool import ResidentBatch
 from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import is_level_major
@@ -158,13 +162,18 @@ class GatherNode(BaseNode[Batch]):
         self.labels = dict(labels)
         self.batch_size = batch_size
         self.batch_transforms = tuple(batch_transforms)
+        # batches are native-endian: torch takes no other byte order (the copy converts)
+        dtypes = {label: in_native_byte_order(g.dtype) for label, g in labels.items()}
         self._buffers = {
-            label: BufferPool((batch_size, *g.inner_shape), g.dtype) for label, g in labels.items()
+            label: BufferPool((batch_size, *g.inner_shape), dtypes[label])
+            for label, g in labels.items()
         }
         # one scratch set per gathering thread (used only for rows out of sample order)
         self._scratch = [
             {
-                label: np.empty((min(batch_size, g.samples_per_chunk), *g.inner_shape), g.dtype)
+                label: np.empty(
+                    (min(batch_size, g.samples_per_chunk), *g.inner_shape), dtypes[label]
+                )
                 for label, g in labels.items()
             }
             for _ in range(2)

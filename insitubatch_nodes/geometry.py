@@ -9,11 +9,22 @@ is the shard shape.
 
 A *view* is ``(path, offset)``: ``geom.shift(k)`` reads ``array[anchor + k]`` for anchor ``anchor``.
 Several views of one array share its path, so the engine decodes their chunks once.
+
+An array's *path* is zarr's own (``array.path``): ``"t2m"``, ``"group/z"``, ``"a/b/t2m"`` below
+folders that hold no group metadata, and ``""`` for an array at the store root (written by
+``zarr.save_array(store, data)`` or tensorstore); ``"/"`` names the root array too.
+
+``ArrayGeometry.dtype`` is the array's dtype in *native byte order*: a zarr v2 array stored
+big-endian (``">f4"``, which zarr's own read returns) has geometry dtype ``float32``. The decoder
+swaps the bytes as it copies each chunk into its slot, so chunk transforms, the persistent cache
+and the batches all see that one native dtype (zarr v3 arrays with a big-endian ``bytes`` codec
+behave the same way); the stored byte order stays in ``metadata``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
@@ -24,7 +35,13 @@ import numpy as np
 from insitubatch_nodes import _zarr_compat
 from insitubatch_nodes.stores import StoreLike, as_store, describe_store
 
-__all__ = ["ArrayGeometry", "CorruptMetadataError", "check_arrays_in_store", "open_geometries"]
+__all__ = [
+    "ArrayGeometry",
+    "CorruptMetadataError",
+    "check_arrays_in_store",
+    "in_native_byte_order",
+    "open_geometries",
+]
 
 
 class CorruptMetadataError(ValueError):
@@ -47,6 +64,26 @@ class CorruptMetadataError(ValueError):
             f"corrupt zarr metadata in store {store}: {what}. Restore or rewrite the "
             "document(s): zarr cannot open the array or group without them"
         )
+
+
+def _fill_token(value: Any) -> Any:
+    """A hashable stand-in for a fill value that compares by value (NaN equals NaN)."""
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value)
+        if arr.ndim == 0 and arr.dtype.kind in "biufc":
+            return (arr.dtype.kind, repr(arr.item()))
+    except (TypeError, ValueError):
+        pass
+    return ("repr", repr(value))
+
+
+def in_native_byte_order(dtype: Any) -> np.dtype[Any]:
+    """``dtype`` in this machine's byte order (``">f4"`` -> ``float32``); a dtype without a byte
+    order (bool, bytes, objects) is returned unchanged."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _node_name(key: str) -> str:
@@ -82,12 +119,15 @@ class ArrayGeometry:
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     dtype: np.dtype[Any]
-    fill_value: Any
+    fill_value: Any = field(compare=False)
     sample_axis: int = 0
     offset: int = 0
     read_chunks: tuple[int, ...] = ()
     zarr_format: int = 3
     metadata: Any = field(default=None, compare=False, repr=False, hash=False)
+    # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
+    # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
+    _fill_token: Any = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if len(self.chunks) != len(self.shape):
@@ -102,6 +142,7 @@ class ArrayGeometry:
         if not self.read_chunks:
             object.__setattr__(self, "read_chunks", self.chunks)
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "_fill_token", _fill_token(self.fill_value))
 
     # -- the sample axis -------------------------------------------------------------------
     @property
@@ -280,7 +321,7 @@ def _geometry(path: str, array: Any, sample_axis: int) -> ArrayGeometry:
         path=path,
         shape=tuple(int(s) for s in array.shape),
         chunks=_zarr_compat.stored_chunk_shape(array),
-        dtype=np.dtype(array.dtype),
+        dtype=in_native_byte_order(array.dtype),
         fill_value=array.fill_value,
         sample_axis=axis,
         read_chunks=_zarr_compat.read_chunk_shape(array),
@@ -295,62 +336,273 @@ def open_geometries(
     *,
     sample_axis: int | Mapping[str, int] = 0,
 ) -> dict[str, ArrayGeometry]:
-    """Read the geometry of the arrays in a zarr v2 or v3 group.
+    """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
+    there, keyed by its path.
 
-    ``store`` is a URL, a path or any ``zarr.abc.store.Store``. With ``variables=None`` every
-    data array in the group (nested groups included) is returned and coordinates are skipped:
-    a 1-D array whose only dimension is named like the array itself (``time``, ``lat``) and any
-    0-D array (a grid mapping). Naming an array in ``variables`` bypasses that test (a 0-D
-    array still has no sample axis, so naming one raises ``ValueError``).
+    ``store`` is a URL, a path or any ``zarr.abc.store.Store``. The arrays are those of the root
+    group (nested groups included), arrays below folders that hold no group metadata
+    (``"a/b/t2m"``: tensorstore writes arrays, never groups), or the array at the store root
+    itself, returned under its path ``""`` (``zarr.save_array`` and tensorstore write these).
+
+    With ``variables=None`` every data array is returned and coordinates are skipped: a 1-D
+    array whose only dimension is named like the array itself (``time``, ``lat``) and any 0-D
+    array (a grid mapping). Finding them lists the store, unless its root group has consolidated
+    metadata and the store cannot list (a store served over HTTP): then the arrays the
+    consolidated metadata names are returned. Naming arrays in ``variables`` (``"t2m"``,
+    ``"group/z"``, ``""`` or ``"/"`` for a root array) reads each one's own metadata by name and
+    never lists the store; it bypasses the coordinate test (a 0-D array still has no sample axis,
+    so naming one raises ``ValueError``).
+
+    Every geometry is built from the array's own metadata. Where the store's consolidated
+    metadata (``.zmetadata``, or the root ``zarr.json``) describes an array otherwise (it was
+    appended to or resized after consolidation), the array's own metadata wins and a
+    ``UserWarning`` says the consolidated copy is stale. An array written after consolidation
+    (xarray's ``to_zarr(mode="a", consolidated=False)``) is found by name, and by the listing.
 
     ``sample_axis`` is one physical axis for every array, or a ``{path: axis}`` mapping (arrays
-    it does not name use axis 0). Raises ``KeyError`` for an unknown name (listing the arrays
-    that exist), ``ValueError`` for a sample axis out of range, ``FileNotFoundError`` naming
-    the store when there is no group at its root (wrong path or prefix, missing bucket) and
-    :class:`CorruptMetadataError` naming the document(s) when a metadata document cannot be
-    read.
+    it does not name use axis 0). Raises ``KeyError`` for a name that is no array (saying what
+    was looked for, in which store, and which arrays exist), ``ValueError`` for a sample axis out
+    of range, ``FileNotFoundError`` naming the store when it holds no array at all (wrong path
+    or prefix, missing bucket) and :class:`CorruptMetadataError` naming the document(s) when a
+    metadata document cannot be read.
     """
     if isinstance(variables, str):
         variables = [variables]
     zstore = as_store(store)
+    missing: list[str] = []
     try:
-        group = _zarr_compat.open_group_readonly(zstore)
-    except FileNotFoundError as exc:  # zarr's GroupNotFoundError
-        raise FileNotFoundError(
-            f"no zarr group in store {describe_store(zstore)}: nothing at its root. Check the "
-            "path, or the URL's bucket and prefix (and the endpoint and credentials)"
-        ) from exc
+        root = _open_root(zstore)
+        if variables is None:
+            found = _find_arrays(zstore, root)
+            arrays = {p: a for p, a in found.items() if not _is_coordinate(p, a)}
+        else:
+            arrays, missing = _named_arrays(zstore, [v.strip("/") for v in variables])
+        arrays = _fresh(zstore, root[1], arrays, read_by_name=variables is not None)
     except (ValueError, TypeError, KeyError) as exc:
         error = _corrupt_metadata(zstore, exc)
         if error is None:
             raise
         raise error from exc
-    try:
-        arrays = dict(_zarr_compat.walk_arrays(group))
-    except (ValueError, TypeError, KeyError) as exc:
-        error = _corrupt_metadata(zstore, exc)
-        if error is None:
-            raise
-        raise error from exc
+    if missing:
+        _raise_not_found(zstore, missing)
 
     def axis_for(path: str) -> int:
         if isinstance(sample_axis, Mapping):
-            unknown = set(sample_axis) - set(arrays)
+            unknown = {p.strip("/") for p in sample_axis} - set(arrays)
             if unknown:
                 raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
-            return int(sample_axis.get(path, 0))
+            return int({p.strip("/"): a for p, a in sample_axis.items()}.get(path, 0))
         return int(sample_axis)
 
-    if variables is None:
-        names = [p for p, a in arrays.items() if not _is_coordinate(p, a)]
-    else:
-        missing = [v for v in variables if v.strip("/") not in arrays]
-        if missing:
-            raise KeyError(
-                f"no array named {missing} in the group; available arrays: {sorted(arrays)}"
+    return {path: _geometry(path, array, axis_for(path)) for path, array in arrays.items()}
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _open_root(zstore: Any) -> tuple[Any, Any]:
+    """``(root array, root group)`` of ``zstore``: at most one of them, or neither."""
+    kind = _zarr_compat.node_kind(zstore, "")
+    if kind is None:
+        return None, None
+    if kind[0] == "array":
+        return _zarr_compat.open_array_readonly(zstore, "", kind[1]), None
+    return None, _zarr_compat.open_group_readonly(zstore)
+
+
+def _open_array(zstore: Any, path: str) -> Any:
+    """The array at ``path`` (read by name), or ``None`` when no array is there."""
+    kind = _zarr_compat.node_kind(zstore, path)
+    if kind is None or kind[0] != "array":
+        return None
+    return _zarr_compat.open_array_readonly(zstore, path, kind[1])
+
+
+def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
+    """Every array in ``zstore`` (path -> zarr array), for ``open_geometries(store)``.
+
+    A root array is the only array. Else the store is listed from the root down: each name is
+    opened as an array or a group, and a name that is neither (a folder without group metadata)
+    is listed in turn; arrays are not looked into. A root group with consolidated metadata
+    contributes the arrays it lists without a read; when the store cannot list, those are all.
+    """
+    root_array, group = root
+    if root_array is not None:
+        return {"": root_array}
+    consolidated = None if group is None else _zarr_compat.consolidated_arrays(group)
+    known: dict[str, Any] = dict(consolidated or {})
+    try:
+        known.update(_listed_arrays(zstore, set(known)))
+    except _ListingError as exc:
+        if consolidated is None:
+            raise FileNotFoundError(
+                f"cannot find the arrays of store {describe_store(zstore)}: it has "
+                + ("no consolidated metadata" if group is not None else "no group at its root")
+                + f", and listing it failed ({exc.reason}). Check the path, or the URL's bucket "
+                "and prefix (and the endpoint and credentials); a store that cannot list (HTTP) "
+                "needs the arrays named: open_geometries(store, ['t2m', 'group/z'])"
+            ) from exc
+    if not known:
+        what = "an empty group" if group is not None else "no zarr array or group"
+        raise FileNotFoundError(
+            f"no zarr array in store {describe_store(zstore)}: it holds {what} (no zarr.json, "
+            ".zarray or .zgroup at its root or below). Check the path, or the URL's bucket and "
+            "prefix (and the endpoint and credentials)"
+        )
+    return dict(sorted(known.items()))
+
+
+class _ListingError(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _listed_arrays(zstore: Any, known: set[str]) -> dict[str, Any]:
+    """The arrays found by listing ``zstore`` from its root, skipping the paths in ``known``.
+
+    One listing per group, folder and array met (a listing also tells a folder from a plain
+    key, which lists empty); only a name whose listing holds array metadata is opened.
+    """
+    found: dict[str, Any] = {}
+    todo = [""]
+    while todo:
+        prefix = todo.pop()
+        try:
+            names = _zarr_compat.list_dir(zstore, prefix)
+        except Exception as exc:  # the store cannot list (HTTP), or the listing failed
+            raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
+        if prefix and {".zarray", "zarr.json"} & set(names):
+            array = _open_array(zstore, prefix)
+            if array is not None:
+                found[prefix] = array
+                continue  # its chunks are not looked into
+        for name in names:
+            path = _join(prefix, name)
+            if name not in _zarr_compat.METADATA_DOCUMENTS and path not in known:
+                todo.append(path)
+    return found
+
+
+def _named_arrays(zstore: Any, paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """The arrays at ``paths``, each opened by name (no listing), and the paths that hold none."""
+    arrays: dict[str, Any] = {}
+    missing: list[str] = []
+    for path in paths:
+        array = _open_array(zstore, path)
+        if array is not None:
+            arrays[path] = array
+        else:
+            missing.append(path)
+    return arrays, missing
+
+
+def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
+    """Raise for names that are no array: what was looked for, where, and what exists.
+
+    ``KeyError`` when the store holds other arrays, ``FileNotFoundError`` when it holds none.
+    """
+    name = describe_store(zstore)
+    looked = "; ".join(
+        f"{p!r}: "
+        + (
+            "a group, not an array"
+            if _is_group_at(zstore, p)
+            else "no " + " or ".join(repr(k) for k in _metadata_keys(p))
+        )
+        for p in missing
+    )
+    try:
+        existing = sorted(_find_arrays(zstore, _open_root(zstore)))
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(
+            f"no array named {list(missing)} in store {name} ({looked}), and {exc}"
+        ) from None
+    except Exception as exc:  # the listing is best effort here
+        raise KeyError(
+            f"no array named {list(missing)} in store {name} ({looked}); which arrays it holds "
+            f"could not be found ({type(exc).__name__}: {exc})"
+        ) from None
+    raise KeyError(
+        f"no array named {list(missing)} in store {name} ({looked}); available arrays: "
+        f"{existing} (a root array is named '')"
+    )
+
+
+def _is_group_at(zstore: Any, path: str) -> bool:
+    try:
+        kind = _zarr_compat.node_kind(zstore, path)
+    except ValueError:
+        return False
+    return kind is not None and kind[0] == "group"
+
+
+def _metadata_keys(path: str) -> tuple[str, ...]:
+    return (
+        *_zarr_compat.array_metadata_keys(path, 3),
+        _zarr_compat.array_metadata_keys(path, 2)[0],
+    )
+
+
+def _fresh(
+    zstore: Any, group: Any, arrays: Mapping[str, Any], *, read_by_name: bool
+) -> dict[str, Any]:
+    """``arrays`` with each one described by its own metadata, where the root group's
+    consolidated metadata has a stale copy of it (a ``UserWarning`` says which, and how).
+
+    With ``read_by_name=False`` the arrays the consolidated metadata lists were taken from it
+    (:func:`_find_arrays`): each is read again by name. Arrays read by name are only compared.
+    """
+    consolidated = None if group is None else _zarr_compat.consolidated_arrays(group)
+    if not consolidated:
+        return dict(arrays)
+    out: dict[str, Any] = {}
+    for path, array in arrays.items():
+        copy = consolidated.get(path)
+        if copy is None:
+            out[path] = array
+            continue
+        own = array
+        if not read_by_name:  # the consolidated copy itself: read the array's own
+            fmt = int(copy.metadata.zarr_format)
+            try:
+                own = _zarr_compat.open_array_readonly(zstore, path, fmt)
+            except FileNotFoundError:
+                keys = _zarr_compat.array_metadata_keys(path, fmt)
+                warnings.warn(
+                    f"the consolidated metadata of store {describe_store(zstore)} lists array "
+                    f"{path!r}, which has no metadata of its own ({keys[0]!r} is missing): it "
+                    "is skipped. Re-consolidate with zarr.consolidate_metadata(store)",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                continue
+        diffs = _layout_differences(_geometry(path, own, 0), _geometry(path, copy, 0))
+        if diffs:
+            warnings.warn(
+                f"the consolidated metadata of store {describe_store(zstore)} is stale for "
+                f"array {path!r}: "
+                + "; ".join(f"{d} in the consolidated copy" for d in diffs)
+                + ". The array's own metadata is used. Re-consolidate with "
+                "zarr.consolidate_metadata(store) so that other readers see it too",
+                UserWarning,
+                stacklevel=4,
             )
-        names = [v.strip("/") for v in variables]
-    return {name: _geometry(name, arrays[name], axis_for(name)) for name in names}
+        out[path] = own
+    return out
+
+
+def _layout_differences(own: ArrayGeometry, other: ArrayGeometry) -> list[str]:
+    """What differs between two geometries of one array, as ``"FIELD A, B"`` phrases."""
+    diffs = [
+        f"{name} {getattr(own, name)} in the array's own metadata, {getattr(other, name)}"
+        for name in ("shape", "chunks", "read_chunks", "dtype")
+        if getattr(own, name) != getattr(other, name)
+    ]
+    if not diffs and own.store_key(0) != other.store_key(0):
+        diffs.append(f"chunk keys like {own.store_key(0)!r} in its own, {other.store_key(0)!r}")
+    return diffs
 
 
 def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> None:
