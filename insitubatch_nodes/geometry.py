@@ -369,6 +369,10 @@ def open_geometries(
     if isinstance(variables, str):
         variables = [variables]
     zstore = as_store(store)
+    if isinstance(sample_axis, Mapping):
+        axes, default_axis = {str(p).strip("/"): int(a) for p, a in sample_axis.items()}, 0
+    else:
+        axes, default_axis = {}, int(sample_axis)
     missing: list[str] = []
     try:
         root = _open_root(zstore)
@@ -376,6 +380,7 @@ def open_geometries(
             found = _find_arrays(zstore, root)
             arrays = {p: a for p, a in found.items() if not _is_coordinate(p, a)}
         else:
+            found = {}
             arrays, missing = _named_arrays(zstore, [v.strip("/") for v in variables])
         arrays = _fresh(zstore, root[1], arrays, read_by_name=variables is not None)
     except (ValueError, TypeError, KeyError) as exc:
@@ -385,16 +390,15 @@ def open_geometries(
         raise error from exc
     if missing:
         _raise_not_found(zstore, missing)
-
-    def axis_for(path: str) -> int:
-        if isinstance(sample_axis, Mapping):
-            unknown = {p.strip("/") for p in sample_axis} - set(arrays)
-            if unknown:
-                raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
-            return int({p.strip("/"): a for p, a in sample_axis.items()}.get(path, 0))
-        return int(sample_axis)
-
-    return {path: _geometry(path, array, axis_for(path)) for path, array in arrays.items()}
+    # a name in the sample_axis mapping must be an array of the store
+    unknown = [
+        p for p in axes if p not in arrays and p not in found and _open_array(zstore, p) is None
+    ]
+    if unknown:
+        raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
+    return {
+        path: _geometry(path, array, axes.get(path, default_axis)) for path, array in arrays.items()
+    }
 
 
 def _join(prefix: str, name: str) -> str:
@@ -445,12 +449,16 @@ def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
             ) from exc
     if not known:
         what = "an empty group" if group is not None else "no zarr array or group"
-        raise FileNotFoundError(
+        raise _NoArrays(
             f"no zarr array in store {describe_store(zstore)}: it holds {what} (no zarr.json, "
             ".zarray or .zgroup at its root or below). Check the path, or the URL's bucket and "
             "prefix (and the endpoint and credentials)"
         )
     return dict(sorted(known.items()))
+
+
+class _NoArrays(FileNotFoundError):
+    """The store holds no zarr array at all (as opposed to: its arrays could not be listed)."""
 
 
 class _ListingError(Exception):
@@ -515,7 +523,7 @@ def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
     )
     try:
         existing = sorted(_find_arrays(zstore, _open_root(zstore)))
-    except FileNotFoundError as exc:
+    except _NoArrays as exc:
         raise FileNotFoundError(
             f"no array named {list(missing)} in store {name} ({looked}), and {exc}"
         ) from None

@@ -20,7 +20,14 @@ import zarr
 import zarr.storage
 from zarr.abc.store import Store
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, to_torch
+from insitubatch_nodes import (
+    DecodedChunk,
+    applies,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    to_torch,
+)
 
 # zarr says so of every v3 consolidation; the claims here are about what we read back
 pytestmark = pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")
@@ -92,6 +99,38 @@ def test_an_array_saved_at_the_store_root_by_zarr_save_array_is_found_under_the_
     assert open_geometries(root, [""])[""] == geoms[""]
     assert open_geometries(root, "/")[""] == geoms[""]
     assert _epoch_equals_zarr(root, "", want) == 23
+
+
+def _plus_one(chunk: DecodedChunk) -> DecodedChunk:
+    chunk.data += 1
+    return chunk
+
+
+def test_a_chunk_transform_is_scoped_to_a_root_array_by_its_path(tmp_path: Path) -> None:
+    root = tmp_path / "root.zarr"
+    zarr.save_array(str(root), _values((12, 3)))
+    geom = open_geometries(root)[""]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    want = zarr.open_array(root, mode="r")
+    for name in ("", "/"):
+        pipe = insitu_pipeline(
+            root, manifest, {"x": geom}, batch_size=4, chunk_transforms=[applies(name, _plus_one)]
+        )
+        with pipe:
+            for batch in pipe:
+                np.testing.assert_array_equal(
+                    batch["x"], want.oindex[batch.sample_indices["x"]] + 1
+                )
+    other = tmp_path / "group.zarr"
+    zarr.open_group(other, mode="w").create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")
+    g = open_geometries(other, ["t2m"])["t2m"]
+    with pytest.raises(ValueError, match="''"):  # no root array there: named at build
+        insitu_pipeline(
+            other,
+            split_by_chunk(g, (1.0, 0.0, 0.0)),
+            {"x": g},
+            chunk_transforms=[applies("/", _plus_one)],
+        )
 
 
 @pytest.mark.parametrize("zarr_format", [2, 3])
@@ -174,6 +213,8 @@ def test_naming_arrays_reads_them_by_name_in_a_store_that_cannot_list(tmp_path: 
     with pytest.raises(FileNotFoundError, match=r"cannot be listed|listing it failed") as info:
         open_geometries(store)
     assert "open_geometries(store, [" in str(info.value)
+    with pytest.raises(KeyError, match=r"'a/b/t2'.*could not be found.*listing it failed"):
+        open_geometries(store, ["a/b/t2"])  # a typo: what was looked for, and why no list
 
 
 def test_a_consolidated_group_in_a_store_that_cannot_list_yields_its_consolidated_arrays(
