@@ -40,11 +40,13 @@ __all__ = [
     "list_dir",
     "node_kind",
     "open_array_readonly",
+    "open_arrays_by_name",
     "open_group_readonly",
     "read_chunk_shape",
     "stored_chunk_shape",
     "unreadable_metadata",
     "walk_arrays",
+    "walk_nodes",
 ]
 
 
@@ -58,27 +60,20 @@ def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
     return zarr.open_array(store=store, path=path, mode="r", zarr_format=zarr_format)  # type: ignore[arg-type]
 
 
-def node_kind(store: Any, path: str) -> tuple[str, int] | None:
-    """What is at ``path`` of ``store`` (``""``: the root), read by name: ``("array", format)``,
-    ``("group", format)``, or ``None`` when there is no zarr metadata there.
+_NAMED_READS = 32  # metadata documents read at once by open_arrays_by_name
 
-    GETs of the metadata documents only (``zarr.json``, ``.zarray``, ``.zgroup``, concurrently),
-    never a listing: stores served over HTTP cannot list. Raises ``ValueError`` when a
-    ``zarr.json`` is not JSON or names no valid ``node_type``.
-    """
+
+async def _node_kind(store: Any, path: str) -> tuple[str, int] | None:
     import asyncio
     import json
 
     from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
 
     prototype = default_buffer_prototype()
     keys = [f"{path}/{n}" if path else n for n in ("zarr.json", ".zarray", ".zgroup")]
-
-    async def fetch() -> list[Any]:
-        return list(await asyncio.gather(*(store.get(k, prototype=prototype) for k in keys)))
-
-    v3, v2_array, v2_group = sync(fetch())
+    v3, v2_array, v2_group = await asyncio.gather(
+        *(store.get(k, prototype=prototype) for k in keys)
+    )
     if v3 is not None:
         doc = json.loads(v3.to_bytes())
         kind = doc.get("node_type") if isinstance(doc, dict) else None
@@ -90,6 +85,56 @@ def node_kind(store: Any, path: str) -> tuple[str, int] | None:
     if v2_group is not None:
         return "group", 2
     return None
+
+
+def node_kind(store: Any, path: str) -> tuple[str, int] | None:
+    """What is at ``path`` of ``store`` (``""``: the root), read by name: ``("array", format)``,
+    ``("group", format)``, or ``None`` when there is no zarr metadata there.
+
+    GETs of the metadata documents only (``zarr.json``, ``.zarray``, ``.zgroup``, concurrently),
+    never a listing: stores served over HTTP cannot list. Raises ``ValueError`` when a
+    ``zarr.json`` is not JSON or names no valid ``node_type``.
+    """
+    from zarr.core.sync import sync
+
+    return sync(_node_kind(store, path))
+
+
+def open_arrays_by_name(
+    store: Any, paths: Sequence[str], zarr_format: int | None = None
+) -> list[zarr.Array | None]:
+    """The array at each of ``paths`` (``None`` where there is none), read by name and
+    concurrently (at most 32 paths at a time): GETs only, never a listing.
+
+    With ``zarr_format`` the array's documents of that format are read straight away; without
+    it :func:`node_kind` finds the format first. Raises what :func:`node_kind` and zarr raise
+    for unreadable metadata (``ValueError``, ``TypeError``, ``KeyError``).
+    """
+    import asyncio
+
+    from zarr.api.asynchronous import open_array
+    from zarr.core.sync import sync
+
+    limit = asyncio.Semaphore(_NAMED_READS)
+
+    async def one(path: str) -> zarr.Array | None:
+        async with limit:
+            fmt = zarr_format
+            if fmt is None:
+                kind = await _node_kind(store, path)
+                if kind is None or kind[0] != "array":
+                    return None
+                fmt = kind[1]
+            try:
+                found = await open_array(store=store, path=path, mode="r", zarr_format=fmt)  # type: ignore[arg-type]
+            except FileNotFoundError:  # zarr's ArrayNotFoundError
+                return None
+            return zarr.Array(found)
+
+    async def every() -> list[zarr.Array | None]:
+        return list(await asyncio.gather(*(one(p) for p in paths)))
+
+    return sync(every())
 
 
 def consolidated_arrays(group: zarr.Group) -> dict[str, zarr.Array] | None:
@@ -181,11 +226,22 @@ def unreadable_metadata(store: Any, keys: Sequence[str] | None = None) -> list[t
 
 def walk_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
     """Every array under ``group`` (nested groups included) as ``(relative path, array)``."""
-    out: list[tuple[str, zarr.Array]] = []
+    return walk_nodes(group)[0]
+
+
+def walk_nodes(group: zarr.Group) -> tuple[list[tuple[str, zarr.Array]], list[str]]:
+    """``(arrays, groups)`` under ``group``, nested groups included, as zarr's ``members`` finds
+    them: ``(relative path, array)`` pairs and the relative paths of the groups. Without
+    consolidated metadata zarr lists each group once and reads its children concurrently; a
+    folder without group metadata is not a member (nothing below it is found)."""
+    arrays: list[tuple[str, zarr.Array]] = []
+    groups: list[str] = []
     for name, member in group.members(max_depth=None):
         if isinstance(member, zarr.Array):
-            out.append((name, member))
-    return sorted(out, key=lambda item: item[0])
+            arrays.append((name, member))
+        else:
+            groups.append(name)
+    return sorted(arrays, key=lambda item: item[0]), sorted(groups)
 
 
 def stored_chunk_shape(array: zarr.Array) -> tuple[int, ...]:

@@ -426,20 +426,31 @@ def _open_array(zstore: Any, path: str) -> Any:
 def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
     """Every array in ``zstore`` (path -> zarr array), for ``open_geometries(store)``.
 
-    A root array is the only array. Else the store is listed from the root down: each name is
-    opened as an array or a group, and a name that is neither (a folder without group metadata)
-    is listed in turn; arrays are not looked into. A root group with consolidated metadata
-    contributes the arrays it lists without a read; when the store cannot list, those are all.
+    A root array is the only array. Else zarr finds the members of the root group (from its
+    consolidated metadata, or listing each group once), and the root and every group are listed
+    once more for what zarr does not report: a folder without group metadata, listed in turn
+    down to the arrays in it (arrays are not looked into). When the store cannot list, a root
+    group's consolidated metadata gives the arrays.
     """
     root_array, group = root
     if root_array is not None:
         return {"": root_array}
-    consolidated = None if group is None else _zarr_compat.consolidated_arrays(group)
-    known: dict[str, Any] = dict(consolidated or {})
+    consolidated = group is not None and _zarr_compat.consolidated_arrays(group) is not None
+    known: dict[str, Any] = {}
+    groups = [""]
     try:
-        known.update(_listed_arrays(zstore, set(known)))
+        if group is not None:
+            try:
+                arrays, subgroups = _zarr_compat.walk_nodes(group)
+            except (ValueError, TypeError, KeyError):
+                raise  # unreadable metadata: diagnosed by the caller
+            except Exception as exc:  # zarr lists each group (without consolidated metadata)
+                raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
+            known.update(arrays)
+            groups += subgroups
+        known.update(_listed_arrays(zstore, set(known), groups))
     except _ListingError as exc:
-        if consolidated is None:
+        if not consolidated:
             raise FileNotFoundError(
                 f"cannot find the arrays of store {describe_store(zstore)}: it has "
                 + ("no consolidated metadata" if group is not None else "no group at its root")
@@ -467,43 +478,41 @@ class _ListingError(Exception):
         self.reason = reason
 
 
-def _listed_arrays(zstore: Any, known: set[str]) -> dict[str, Any]:
-    """The arrays found by listing ``zstore`` from its root, skipping the paths in ``known``.
+def _listed_arrays(zstore: Any, known: set[str], groups: Sequence[str]) -> dict[str, Any]:
+    """The arrays below ``groups`` (their paths; ``""`` the root) that are not in ``known``.
 
-    One listing per group, folder and array met (a listing also tells a folder from a plain
-    key, which lists empty); only a name whose listing holds array metadata is opened.
+    Each group is listed once; a name in it that is neither a known array nor a known group
+    (a folder without group metadata, or a plain key, which lists empty) is listed in turn, and
+    only a name whose listing holds array metadata is opened.
     """
     found: dict[str, Any] = {}
-    todo = [""]
+    skip = set(known) | set(groups)
+    todo = list(groups)
     while todo:
         prefix = todo.pop()
         try:
             names = _zarr_compat.list_dir(zstore, prefix)
         except Exception as exc:  # the store cannot list (HTTP), or the listing failed
             raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
-        if prefix and {".zarray", "zarr.json"} & set(names):
+        if prefix not in skip and {".zarray", "zarr.json"} & set(names):
             array = _open_array(zstore, prefix)
             if array is not None:
                 found[prefix] = array
                 continue  # its chunks are not looked into
         for name in names:
             path = _join(prefix, name)
-            if name not in _zarr_compat.METADATA_DOCUMENTS and path not in known:
+            if name not in _zarr_compat.METADATA_DOCUMENTS and path not in skip:
                 todo.append(path)
     return found
 
 
 def _named_arrays(zstore: Any, paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """The arrays at ``paths``, each opened by name (no listing), and the paths that hold none."""
-    arrays: dict[str, Any] = {}
-    missing: list[str] = []
-    for path in paths:
-        array = _open_array(zstore, path)
-        if array is not None:
-            arrays[path] = array
-        else:
-            missing.append(path)
-    return arrays, missing
+    """The arrays at ``paths``, opened by name (concurrently, no listing), and the paths that
+    hold none."""
+    paths = list(dict.fromkeys(paths))
+    opened = _zarr_compat.open_arrays_by_name(zstore, paths)
+    arrays = {p: a for p, a in zip(paths, opened, strict=True) if a is not None}
+    return arrays, [p for p, a in zip(paths, opened, strict=True) if a is None]
 
 
 def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
@@ -565,27 +574,26 @@ def _fresh(
     consolidated = None if group is None else _zarr_compat.consolidated_arrays(group)
     if not consolidated:
         return dict(arrays)
+    fmt = int(group.metadata.zarr_format)
+    reread = [] if read_by_name else [p for p in arrays if p in consolidated]
+    owns = dict(zip(reread, _zarr_compat.open_arrays_by_name(zstore, reread, fmt), strict=True))
     out: dict[str, Any] = {}
     for path, array in arrays.items():
         copy = consolidated.get(path)
         if copy is None:
             out[path] = array
             continue
-        own = array
-        if not read_by_name:  # the consolidated copy itself: read the array's own
-            fmt = int(copy.metadata.zarr_format)
-            try:
-                own = _zarr_compat.open_array_readonly(zstore, path, fmt)
-            except FileNotFoundError:
-                keys = _zarr_compat.array_metadata_keys(path, fmt)
-                warnings.warn(
-                    f"the consolidated metadata of store {describe_store(zstore)} lists array "
-                    f"{path!r}, which has no metadata of its own ({keys[0]!r} is missing): it "
-                    "is skipped. Re-consolidate with zarr.consolidate_metadata(store)",
-                    UserWarning,
-                    stacklevel=4,
-                )
-                continue
+        own = owns.get(path, array)  # the consolidated copy itself: the array's own, re-read
+        if own is None:
+            keys = _zarr_compat.array_metadata_keys(path, fmt)
+            warnings.warn(
+                f"the consolidated metadata of store {describe_store(zstore)} lists array "
+                f"{path!r}, which has no metadata of its own ({keys[0]!r} is missing): it is "
+                "skipped. Re-consolidate with zarr.consolidate_metadata(store)",
+                UserWarning,
+                stacklevel=4,
+            )
+            continue
         diffs = _layout_differences(_geometry(path, own, 0), _geometry(path, copy, 0))
         if diffs:
             warnings.warn(
