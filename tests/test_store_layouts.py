@@ -10,7 +10,7 @@ by name: a store that cannot list (HTTP) works for named arrays.
 from __future__ import annotations
 
 import warnings
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from insitubatch_nodes import (
     applies,
     insitu_pipeline,
     open_geometries,
+    open_store,
     split_by_chunk,
     to_torch,
 )
@@ -197,6 +198,22 @@ def test_a_group_with_a_folder_holding_arrays_but_no_group_metadata_yields_both(
     zarr.consolidate_metadata(root)
     _groupless(root, 2)
     assert set(open_geometries(root)) == {"t2m", "a/b/t2m", "c/z"}
+
+
+@pytest.mark.xdist_group("s3")
+def test_a_root_array_and_arrays_without_group_metadata_are_found_in_an_s3_bucket(
+    tmp_path: Path, s3_upload: Callable[[Path, str], str], s3_options: dict[str, Any]
+) -> None:
+    root = tmp_path / "store"
+    _groupless(root, 2)
+    store = open_store(s3_upload(root, "layouts/groupless"), **s3_options)
+    assert set(open_geometries(store)) == {"a/b/t2m", "c/z"}
+    _epoch_equals_zarr(store, "c/z", zarr.open_array(root, path="c/z", mode="r"))
+    single = tmp_path / "root.zarr"
+    zarr.save_array(str(single), _values((10, 2)))
+    store = open_store(s3_upload(single, "layouts/root.zarr"), **s3_options)
+    assert list(open_geometries(store)) == [""]
+    _epoch_equals_zarr(store, "", zarr.open_array(single, mode="r"))
 
 
 def test_naming_arrays_reads_them_by_name_in_a_store_that_cannot_list(tmp_path: Path) -> None:
