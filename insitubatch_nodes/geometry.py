@@ -547,6 +547,17 @@ def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
     )
 
 
+def _what_exists(zstore: Any) -> str:
+    """Which arrays ``zstore`` holds, as a phrase for an error message (best effort)."""
+    try:
+        paths = sorted(_find_arrays(zstore, _open_root(zstore)))
+    except _NoArrays:
+        return "the store holds no zarr array at all"
+    except Exception as exc:
+        return f"which arrays it holds could not be found ({type(exc).__name__}: {exc})"
+    return f"arrays there: {paths}"
+
+
 def _is_group_at(zstore: Any, path: str) -> bool:
     try:
         kind = _zarr_compat.node_kind(zstore, path)
@@ -641,8 +652,9 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)
             raise FileNotFoundError(
                 f"array {path!r} is not in store {name}: no zarr v{geom.zarr_format} array "
-                f"metadata at {keys[0]!r}. Check the path, or the URL's bucket and prefix (and "
-                "the endpoint), and that the geometries were read from this store"
+                f"metadata at {keys[0]!r}; {_what_exists(zstore)}. Check the path, or the URL's "
+                "bucket and prefix (and the endpoint), and that the geometries were read from "
+                "this store"
             ) from exc
         except (ValueError, TypeError, KeyError) as exc:
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)

@@ -53,6 +53,8 @@ def test_geometries_from_another_store_raise_at_construction_naming_array_and_st
     message = str(info.value)
     assert "'t2m'" in message and str(other) in message
     assert "t2m/zarr.json" in message
+    # and what is there instead
+    assert "arrays there:" in message and repr(sorted(open_geometries(other))[0]) in message
 
 
 def test_a_local_prefix_one_level_up_raises_naming_the_store_and_the_paths_that_exist(
@@ -63,6 +65,7 @@ def test_a_local_prefix_one_level_up_raises_naming_the_store_and_the_paths_that_
     with pytest.raises(FileNotFoundError) as info:
         _pipeline(parent, geoms)
     assert "'t2m'" in str(info.value) and str(parent) in str(info.value)
+    assert "'era5.zarr/t2m'" in str(info.value)  # the same array, one folder down
     # naming the array: what was looked for, where, and the paths zarr opens there instead
     with pytest.raises(KeyError) as key_info:
         open_geometries(parent, ["t2m"])
