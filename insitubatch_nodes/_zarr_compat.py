@@ -39,6 +39,7 @@ __all__ = [
     "encode_chunk_key",
     "list_dir",
     "node_kind",
+    "node_kinds",
     "open_array_readonly",
     "open_arrays_by_name",
     "open_group_readonly",
@@ -98,6 +99,31 @@ def node_kind(store: Any, path: str) -> tuple[str, int] | None:
     from zarr.core.sync import sync
 
     return sync(_node_kind(store, path))
+
+
+def node_kinds(store: Any, paths: Sequence[str]) -> list[tuple[str, int] | None]:
+    """:func:`node_kind` of each of ``paths``, concurrently (at most 32 at a time). A path the
+    store cannot read metadata below (a plain key: a local store answers "not a directory") is
+    ``None``; unreadable metadata still raises ``ValueError``."""
+    import asyncio
+
+    from zarr.core.sync import sync
+
+    limit = asyncio.Semaphore(_NAMED_READS)
+
+    async def one(path: str) -> tuple[str, int] | None:
+        async with limit:
+            try:
+                return await _node_kind(store, path)
+            except ValueError:
+                raise
+            except Exception:  # no metadata can live below this key
+                return None
+
+    async def every() -> list[tuple[str, int] | None]:
+        return list(await asyncio.gather(*(one(p) for p in paths)))
+
+    return sync(every())
 
 
 def open_arrays_by_name(

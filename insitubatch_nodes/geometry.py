@@ -481,9 +481,10 @@ class _ListingError(Exception):
 def _listed_arrays(zstore: Any, known: set[str], groups: Sequence[str]) -> dict[str, Any]:
     """The arrays below ``groups`` (their paths; ``""`` the root) that are not in ``known``.
 
-    Each group is listed once; a name in it that is neither a known array nor a known group
-    (a folder without group metadata, or a plain key, which lists empty) is listed in turn, and
-    only a name whose listing holds array metadata is opened.
+    Each group is listed once. The names in it that are neither a known array nor a known group
+    are probed by name, concurrently: an array is opened (never listed: a v2 array's folder
+    holds every chunk key), anything else — a group, a folder without group metadata, a plain
+    key (which lists empty) — is listed in turn.
     """
     found: dict[str, Any] = {}
     skip = set(known) | set(groups)
@@ -494,15 +495,21 @@ def _listed_arrays(zstore: Any, known: set[str], groups: Sequence[str]) -> dict[
             names = _zarr_compat.list_dir(zstore, prefix)
         except Exception as exc:  # the store cannot list (HTTP), or the listing failed
             raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
-        if prefix not in skip and {".zarray", "zarr.json"} & set(names):
-            array = _open_array(zstore, prefix)
-            if array is not None:
-                found[prefix] = array
-                continue  # its chunks are not looked into
-        for name in names:
-            path = _join(prefix, name)
-            if name not in _zarr_compat.METADATA_DOCUMENTS and path not in skip:
+        paths = [
+            _join(prefix, n)
+            for n in names
+            if n not in _zarr_compat.METADATA_DOCUMENTS and _join(prefix, n) not in skip
+        ]
+        kinds = _zarr_compat.node_kinds(zstore, paths) if paths else []
+        by_format: dict[int, list[str]] = {}
+        for path, kind in zip(paths, kinds, strict=True):
+            if kind is not None and kind[0] == "array":
+                by_format.setdefault(kind[1], []).append(path)
+            else:
                 todo.append(path)
+        for fmt, array_paths in by_format.items():
+            opened = _zarr_compat.open_arrays_by_name(zstore, array_paths, fmt)
+            found.update((p, a) for p, a in zip(array_paths, opened, strict=True) if a is not None)
     return found
 
 

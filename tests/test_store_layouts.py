@@ -200,6 +200,31 @@ def test_a_group_with_a_folder_holding_arrays_but_no_group_metadata_yields_both(
     assert set(open_geometries(root)) == {"t2m", "a/b/t2m", "c/z"}
 
 
+class ListingRecorder(zarr.storage.WrapperStore[Store]):
+    """A zarr store that records the prefixes it is asked to list."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.listed: list[str] = []
+
+    def _with_store(self, store: Store) -> ListingRecorder:
+        return type(self)(store)
+
+    def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        self.listed.append(prefix)
+        return self._store.list_dir(prefix)
+
+
+def test_finding_arrays_below_folders_without_group_metadata_lists_folders_never_arrays(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    _groupless(root, 2)  # a v2 array's folder holds every chunk key: listing it is costly
+    store = ListingRecorder(zarr.storage.LocalStore(root, read_only=True))
+    assert set(open_geometries(store)) == {"a/b/t2m", "c/z"}
+    assert sorted(store.listed) == ["", "a", "a/b", "c"]  # the folders, not the arrays
+
+
 @pytest.mark.xdist_group("s3")
 def test_a_root_array_and_arrays_without_group_metadata_are_found_in_an_s3_bucket(
     tmp_path: Path, s3_upload: Callable[[Path, str], str], s3_options: dict[str, Any]
