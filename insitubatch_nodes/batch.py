@@ -82,9 +82,9 @@ def to_torch(
 
     On the CPU (``device=None`` or ``"cpu"``) the tensors share memory with the batch arrays (no
     copy). Every dtype a pipeline batch holds converts: bool, integers (unsigned too), floats and
-    complex, always in native byte order (the gather converts big-endian zarr v2 data). An array
-    of your own in another byte order is converted with one copy; a dtype torch has no tensor
-    type for (``datetime64``, strings, objects) raises ``TypeError`` naming the label.
+    complex, always in native byte order (big-endian zarr v2 data is swapped as it is decoded).
+    An array of your own in another byte order is converted with one copy; a dtype torch has no
+    tensor type for (``datetime64``, strings, objects) raises ``TypeError`` naming the label.
 
     For a CUDA device each array is staged through page-locked host memory and copied
     with ``non_blocking=True`` on the current stream; use the tensors on that stream (or

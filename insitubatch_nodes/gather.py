@@ -51,11 +51,13 @@ class BufferPool:
     again only once that weak reference is dead — once nothing made from the batch exists. This
     rests on weak-reference semantics, not on reference-count values (which free-threaded
     Python changes). ``take()`` allocates only when every buffer is still out; at most
-    ``max_idle`` buffers that nobody borrows are kept.
+    ``max_idle`` buffers that nobody borrows are kept. The arrays are in native byte order
+    whatever ``dtype`` says; the gather's copy into them converts.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], max_idle: int = 4) -> None:
-        self.shape, self.dtype, self.max_idle = tuple(shape), np.dtype(dtype), max_idle
+        # native byte order whatever ``dtype`` says (">f4" lends float32): torch takes no other
+        self.shape, self.dtype, self.max_idle = tuple(shape), in_native_byte_order(dtype), max_idle
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._buffers: list[np.ndarray] = []  # raw memory, uint8
         self._leases: list[weakref.ref[Any] | None] = []
@@ -162,18 +164,13 @@ class GatherNode(BaseNode[Batch]):
         self.labels = dict(labels)
         self.batch_size = batch_size
         self.batch_transforms = tuple(batch_transforms)
-        # batches are native-endian: torch takes no other byte order (the copy converts)
-        dtypes = {label: in_native_byte_order(g.dtype) for label, g in labels.items()}
         self._buffers = {
-            label: BufferPool((batch_size, *g.inner_shape), dtypes[label])
-            for label, g in labels.items()
+            label: BufferPool((batch_size, *g.inner_shape), g.dtype) for label, g in labels.items()
         }
         # one scratch set per gathering thread (used only for rows out of sample order)
         self._scratch = [
             {
-                label: np.empty(
-                    (min(batch_size, g.samples_per_chunk), *g.inner_shape), dtypes[label]
-                )
+                label: np.empty((min(batch_size, g.samples_per_chunk), *g.inner_shape), g.dtype)
                 for label, g in labels.items()
             }
             for _ in range(2)
