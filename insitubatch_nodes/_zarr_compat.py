@@ -35,13 +35,19 @@ import zarr
 __all__ = [
     "array_dimension_names",
     "array_metadata_keys",
+    "consolidated_arrays",
     "encode_chunk_key",
+    "list_dir",
+    "node_kind",
+    "node_kinds",
     "open_array_readonly",
+    "open_arrays_by_name",
     "open_group_readonly",
     "read_chunk_shape",
     "stored_chunk_shape",
     "unreadable_metadata",
     "walk_arrays",
+    "walk_nodes",
 ]
 
 
@@ -53,6 +59,128 @@ def open_group_readonly(store: Any) -> zarr.Group:
 def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
     """Open the array at ``path`` of ``store`` for reading: one metadata read (v2: two)."""
     return zarr.open_array(store=store, path=path, mode="r", zarr_format=zarr_format)  # type: ignore[arg-type]
+
+
+_NAMED_READS = 32  # metadata documents read at once by open_arrays_by_name
+
+
+async def _node_kind(store: Any, path: str) -> tuple[str, int] | None:
+    import asyncio
+    import json
+
+    from zarr.core.buffer import default_buffer_prototype
+
+    prototype = default_buffer_prototype()
+    keys = [f"{path}/{n}" if path else n for n in ("zarr.json", ".zarray", ".zgroup")]
+    v3, v2_array, v2_group = await asyncio.gather(
+        *(store.get(k, prototype=prototype) for k in keys)
+    )
+    if v3 is not None:
+        doc = json.loads(v3.to_bytes())
+        kind = doc.get("node_type") if isinstance(doc, dict) else None
+        if kind not in ("array", "group"):
+            raise ValueError(f"{keys[0]!r} has no valid node_type ('array' or 'group'): {kind!r}")
+        return str(kind), 3
+    if v2_array is not None:
+        return "array", 2
+    if v2_group is not None:
+        return "group", 2
+    return None
+
+
+def node_kind(store: Any, path: str) -> tuple[str, int] | None:
+    """What is at ``path`` of ``store`` (``""``: the root), read by name: ``("array", format)``,
+    ``("group", format)``, or ``None`` when there is no zarr metadata there.
+
+    GETs of the metadata documents only (``zarr.json``, ``.zarray``, ``.zgroup``, concurrently),
+    never a listing: stores served over HTTP cannot list. Raises ``ValueError`` when a
+    ``zarr.json`` is not JSON or names no valid ``node_type``.
+    """
+    from zarr.core.sync import sync
+
+    return sync(_node_kind(store, path))
+
+
+def node_kinds(store: Any, paths: Sequence[str]) -> list[tuple[str, int] | None]:
+    """:func:`node_kind` of each of ``paths``, concurrently (at most 32 at a time). A path the
+    store cannot read metadata below (a plain key: a local store answers "not a directory") is
+    ``None``; unreadable metadata still raises ``ValueError``."""
+    import asyncio
+
+    from zarr.core.sync import sync
+
+    limit = asyncio.Semaphore(_NAMED_READS)
+
+    async def one(path: str) -> tuple[str, int] | None:
+        async with limit:
+            try:
+                return await _node_kind(store, path)
+            except ValueError:
+                raise
+            except Exception:  # no metadata can live below this key
+                return None
+
+    async def every() -> list[tuple[str, int] | None]:
+        return list(await asyncio.gather(*(one(p) for p in paths)))
+
+    return sync(every())
+
+
+def open_arrays_by_name(
+    store: Any, paths: Sequence[str], zarr_format: int | None = None
+) -> list[zarr.Array | None]:
+    """The array at each of ``paths`` (``None`` where there is none), read by name and
+    concurrently (at most 32 paths at a time): GETs only, never a listing.
+
+    With ``zarr_format`` the array's documents of that format are read straight away; without
+    it :func:`node_kind` finds the format first. Raises what :func:`node_kind` and zarr raise
+    for unreadable metadata (``ValueError``, ``TypeError``, ``KeyError``).
+    """
+    import asyncio
+
+    from zarr.api.asynchronous import open_array
+    from zarr.core.sync import sync
+
+    limit = asyncio.Semaphore(_NAMED_READS)
+
+    async def one(path: str) -> zarr.Array | None:
+        async with limit:
+            fmt = zarr_format
+            if fmt is None:
+                kind = await _node_kind(store, path)
+                if kind is None or kind[0] != "array":
+                    return None
+                fmt = kind[1]
+            try:
+                found = await open_array(store=store, path=path, mode="r", zarr_format=fmt)  # type: ignore[arg-type]
+            except FileNotFoundError:  # zarr's ArrayNotFoundError
+                return None
+            return zarr.Array(found)
+
+    async def every() -> list[zarr.Array | None]:
+        return list(await asyncio.gather(*(one(p) for p in paths)))
+
+    return sync(every())
+
+
+def consolidated_arrays(group: zarr.Group) -> dict[str, zarr.Array] | None:
+    """Every array the consolidated metadata of ``group`` lists (relative path -> array, no
+    store read), or ``None`` when the group was not opened from consolidated metadata."""
+    if getattr(group.metadata, "consolidated_metadata", None) is None:
+        return None
+    return dict(walk_arrays(group))
+
+
+def list_dir(store: Any, prefix: str) -> list[str]:
+    """The names directly below ``prefix`` (``""``: the store root): keys and "folders" alike,
+    as zarr's ``Store.list_dir`` yields them. One delimited listing; raises whatever the store
+    raises when it cannot list."""
+    from zarr.core.sync import sync
+
+    async def listed() -> list[str]:
+        return [name.rstrip("/") async for name in store.list_dir(prefix)]
+
+    return sorted(set(sync(listed())))
 
 
 METADATA_DOCUMENTS: tuple[str, ...] = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
@@ -124,11 +252,22 @@ def unreadable_metadata(store: Any, keys: Sequence[str] | None = None) -> list[t
 
 def walk_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:
     """Every array under ``group`` (nested groups included) as ``(relative path, array)``."""
-    out: list[tuple[str, zarr.Array]] = []
+    return walk_nodes(group)[0]
+
+
+def walk_nodes(group: zarr.Group) -> tuple[list[tuple[str, zarr.Array]], list[str]]:
+    """``(arrays, groups)`` under ``group``, nested groups included, as zarr's ``members`` finds
+    them: ``(relative path, array)`` pairs and the relative paths of the groups. Without
+    consolidated metadata zarr lists each group once and reads its children concurrently; a
+    folder without group metadata is not a member (nothing below it is found)."""
+    arrays: list[tuple[str, zarr.Array]] = []
+    groups: list[str] = []
     for name, member in group.members(max_depth=None):
         if isinstance(member, zarr.Array):
-            out.append((name, member))
-    return sorted(out, key=lambda item: item[0])
+            arrays.append((name, member))
+        else:
+            groups.append(name)
+    return sorted(arrays, key=lambda item: item[0]), sorted(groups)
 
 
 def stored_chunk_shape(array: zarr.Array) -> tuple[int, ...]:

@@ -52,6 +52,23 @@ def _pinned_copy(arr: np.ndarray) -> torch.Tensor:
     return staging
 
 
+def _torch_ready(label: str, arr: np.ndarray) -> np.ndarray:
+    """``arr`` as ``torch.from_numpy`` takes it: native byte order (one copy when it is not:
+    pipeline batches always are), and a dtype torch has."""
+    if arr.dtype.kind in "biufc":
+        return arr if arr.dtype.isnative else arr.astype(arr.dtype.newbyteorder("="))
+    hint = (
+        f'e.g. batch.arrays[{label!r}].view("int64") in a batch transform'
+        if arr.dtype.kind in "mM"
+        else "convert it to numbers in a batch transform"
+    )
+    raise TypeError(
+        f"to_torch: label {label!r} holds dtype {arr.dtype}, which torch has no tensor type "
+        f"for (torch takes bool, integer, float and complex arrays): {hint}, or leave the "
+        "label out of the dict passed to to_torch"
+    )
+
+
 DeviceTransform = Callable[[dict[str, "torch.Tensor"]], dict[str, "torch.Tensor"]]
 """A callable on the ``{label: tensor}`` dict after the copy to the device (:func:`to_torch`)."""
 
@@ -64,7 +81,12 @@ def to_torch(
     """Convert a batch to ``{label: torch.Tensor}``.
 
     On the CPU (``device=None`` or ``"cpu"``) the tensors share memory with the batch arrays (no
-    copy). For a CUDA device each array is staged through page-locked host memory and copied
+    copy). Every dtype a pipeline batch holds converts: bool, integers (unsigned too), floats and
+    complex, always in native byte order (big-endian zarr v2 data is swapped as it is decoded).
+    An array of your own in another byte order is converted with one copy; a dtype torch has no
+    tensor type for (``datetime64``, strings, objects) raises ``TypeError`` naming the label.
+
+    For a CUDA device each array is staged through page-locked host memory and copied
     with ``non_blocking=True`` on the current stream; use the tensors on that stream (or
     synchronise) before reading them on the host. Other devices get a plain ``.to(device)``.
 
@@ -93,6 +115,7 @@ def to_torch(
     dev = torch.device(device) if device is not None else torch.device("cpu")
     out: dict[str, torch.Tensor] = {}
     for label, arr in arrays.items():
+        arr = _torch_ready(label, np.asarray(arr))
         if dev.type == "cpu":
             out[label] = torch.from_numpy(arr)
         elif dev.type == "cuda":

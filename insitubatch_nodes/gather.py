@@ -5,6 +5,10 @@ from one chunk are one contiguous run of the batch: each distinct chunk contribu
 ``np.take`` (or slice copy) straight into the batch — Python work is O(chunks in the batch),
 never O(samples).
 
+Batches are in native byte order whatever the slots hold: the buffers are allocated native and
+the copy converts (a slot is native already unless a chunk transform declared otherwise: the
+decoder swaps big-endian chunks as it writes them, see :mod:`insitubatch_nodes.geometry`).
+
 Batch arrays are carved from reusable buffers, lent under one explicit ownership rule (see
 :class:`BufferPool`): a buffer is handed out again only once every array, view and tensor made
 from the batch that borrowed it is gone, so a batch (or anything made from it) that you keep is
@@ -25,7 +29,7 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.pool import ResidentBatch
 from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import is_level_major
@@ -47,11 +51,13 @@ class BufferPool:
     again only once that weak reference is dead — once nothing made from the batch exists. This
     rests on weak-reference semantics, not on reference-count values (which free-threaded
     Python changes). ``take()`` allocates only when every buffer is still out; at most
-    ``max_idle`` buffers that nobody borrows are kept.
+    ``max_idle`` buffers that nobody borrows are kept. The arrays are in native byte order
+    whatever ``dtype`` says; the gather's copy into them converts.
     """
 
     def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], max_idle: int = 4) -> None:
-        self.shape, self.dtype, self.max_idle = tuple(shape), np.dtype(dtype), max_idle
+        # native byte order whatever ``dtype`` says (">f4" lends float32): torch takes no other
+        self.shape, self.dtype, self.max_idle = tuple(shape), in_native_byte_order(dtype), max_idle
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._buffers: list[np.ndarray] = []  # raw memory, uint8
         self._leases: list[weakref.ref[Any] | None] = []

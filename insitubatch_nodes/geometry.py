@@ -9,11 +9,22 @@ is the shard shape.
 
 A *view* is ``(path, offset)``: ``geom.shift(k)`` reads ``array[anchor + k]`` for anchor ``anchor``.
 Several views of one array share its path, so the engine decodes their chunks once.
+
+An array's *path* is zarr's own (``array.path``): ``"t2m"``, ``"group/z"``, ``"a/b/t2m"`` below
+folders that hold no group metadata, and ``""`` for an array at the store root (written by
+``zarr.save_array(store, data)`` or tensorstore); ``"/"`` names the root array too.
+
+``ArrayGeometry.dtype`` is the array's dtype in *native byte order*: a zarr v2 array stored
+big-endian (``">f4"``, which zarr's own read returns) has geometry dtype ``float32``. The decoder
+swaps the bytes as it copies each chunk into its slot, so chunk transforms, the persistent cache
+and the batches all see that one native dtype (zarr v3 arrays with a big-endian ``bytes`` codec
+behave the same way); the stored byte order stays in ``metadata``.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
@@ -24,7 +35,13 @@ import numpy as np
 from insitubatch_nodes import _zarr_compat
 from insitubatch_nodes.stores import StoreLike, as_store, describe_store
 
-__all__ = ["ArrayGeometry", "CorruptMetadataError", "check_arrays_in_store", "open_geometries"]
+__all__ = [
+    "ArrayGeometry",
+    "CorruptMetadataError",
+    "check_arrays_in_store",
+    "in_native_byte_order",
+    "open_geometries",
+]
 
 
 class CorruptMetadataError(ValueError):
@@ -47,6 +64,26 @@ class CorruptMetadataError(ValueError):
             f"corrupt zarr metadata in store {store}: {what}. Restore or rewrite the "
             "document(s): zarr cannot open the array or group without them"
         )
+
+
+def _fill_token(value: Any) -> Any:
+    """A hashable stand-in for a fill value that compares by value (NaN equals NaN)."""
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value)
+        if arr.ndim == 0 and arr.dtype.kind in "biufc":
+            return (arr.dtype.kind, repr(arr.item()))
+    except (TypeError, ValueError):
+        pass
+    return ("repr", repr(value))
+
+
+def in_native_byte_order(dtype: Any) -> np.dtype[Any]:
+    """``dtype`` in this machine's byte order (``">f4"`` -> ``float32``); a dtype without a byte
+    order (bool, bytes, objects) is returned unchanged."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
 def _node_name(key: str) -> str:
@@ -82,12 +119,15 @@ class ArrayGeometry:
     shape: tuple[int, ...]
     chunks: tuple[int, ...]
     dtype: np.dtype[Any]
-    fill_value: Any
+    fill_value: Any = field(compare=False)
     sample_axis: int = 0
     offset: int = 0
     read_chunks: tuple[int, ...] = ()
     zarr_format: int = 3
     metadata: Any = field(default=None, compare=False, repr=False, hash=False)
+    # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
+    # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
+    _fill_token: Any = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         if len(self.chunks) != len(self.shape):
@@ -102,6 +142,7 @@ class ArrayGeometry:
         if not self.read_chunks:
             object.__setattr__(self, "read_chunks", self.chunks)
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "_fill_token", _fill_token(self.fill_value))
 
     # -- the sample axis -------------------------------------------------------------------
     @property
@@ -280,7 +321,7 @@ def _geometry(path: str, array: Any, sample_axis: int) -> ArrayGeometry:
         path=path,
         shape=tuple(int(s) for s in array.shape),
         chunks=_zarr_compat.stored_chunk_shape(array),
-        dtype=np.dtype(array.dtype),
+        dtype=in_native_byte_order(array.dtype),
         fill_value=array.fill_value,
         sample_axis=axis,
         read_chunks=_zarr_compat.read_chunk_shape(array),
@@ -295,64 +336,307 @@ def open_geometries(
     *,
     sample_axis: int | Mapping[str, int] = 0,
 ) -> dict[str, ArrayGeometry]:
-    """Read the geometry of the arrays in a zarr v2 or v3 group.
+    """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
+    there, keyed by its path.
 
-    ``store`` is a URL, a path or any ``zarr.abc.store.Store``. With ``variables=None`` every
-    data array in the group (nested groups included) is returned and coordinates are skipped:
-    a 1-D array whose only dimension is named like the array itself (``time``, ``lat``) and any
-    0-D array (a grid mapping). Naming an array in ``variables`` bypasses that test (a 0-D
-    array still has no sample axis, so naming one raises ``ValueError``).
+    ``store`` is a URL, a path or any ``zarr.abc.store.Store``. The arrays are those of the root
+    group (nested groups included), arrays below folders that hold no group metadata
+    (``"a/b/t2m"``: tensorstore writes arrays, never groups), or the array at the store root
+    itself, returned under its path ``""`` (``zarr.save_array`` and tensorstore write these).
+
+    With ``variables=None`` every data array is returned and coordinates are skipped: a 1-D
+    array whose only dimension is named like the array itself (``time``, ``lat``) and any 0-D
+    array (a grid mapping). Finding them lists the store, unless its root group has consolidated
+    metadata and the store cannot list (a store served over HTTP): then the arrays the
+    consolidated metadata names are returned. Naming arrays in ``variables`` (``"t2m"``,
+    ``"group/z"``, ``""`` or ``"/"`` for a root array) reads each one's own metadata by name and
+    never lists the store; it bypasses the coordinate test (a 0-D array still has no sample axis,
+    so naming one raises ``ValueError``).
+
+    Every geometry is built from the array's own metadata. Where the store's consolidated
+    metadata (``.zmetadata``, or the root ``zarr.json``) describes an array otherwise (it was
+    appended to or resized after consolidation), the array's own metadata wins and a
+    ``UserWarning`` says the consolidated copy is stale. An array written after consolidation
+    (xarray's ``to_zarr(mode="a", consolidated=False)``) is found by name, and by the listing.
 
     ``sample_axis`` is one physical axis for every array, or a ``{path: axis}`` mapping (arrays
-    it does not name use axis 0). Raises ``KeyError`` for an unknown name (listing the arrays
-    that exist), ``ValueError`` for a sample axis out of range, ``FileNotFoundError`` naming
-    the store when there is no group at its root (wrong path or prefix, missing bucket) and
-    :class:`CorruptMetadataError` naming the document(s) when a metadata document cannot be
-    read.
+    it does not name use axis 0). Raises ``KeyError`` for a name that is no array (saying what
+    was looked for, in which store, and which arrays exist), ``ValueError`` for a sample axis out
+    of range, ``FileNotFoundError`` naming the store when it holds no array at all (wrong path
+    or prefix, missing bucket) and :class:`CorruptMetadataError` naming the document(s) when a
+    metadata document cannot be read.
     """
     if isinstance(variables, str):
         variables = [variables]
     zstore = as_store(store)
-    try:
-        group = _zarr_compat.open_group_readonly(zstore)
-    except FileNotFoundError as exc:  # zarr's GroupNotFoundError
-        raise FileNotFoundError(
-            f"no zarr group in store {describe_store(zstore)}: nothing at its root. Check the "
-            "path, or the URL's bucket and prefix (and the endpoint and credentials)"
-        ) from exc
-    except (ValueError, TypeError, KeyError) as exc:
-        error = _corrupt_metadata(zstore, exc)
-        if error is None:
-            raise
-        raise error from exc
-    try:
-        arrays = dict(_zarr_compat.walk_arrays(group))
-    except (ValueError, TypeError, KeyError) as exc:
-        error = _corrupt_metadata(zstore, exc)
-        if error is None:
-            raise
-        raise error from exc
-
-    def axis_for(path: str) -> int:
-        if isinstance(sample_axis, Mapping):
-            unknown = set(sample_axis) - set(arrays)
-            if unknown:
-                raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
-            return int(sample_axis.get(path, 0))
-        return int(sample_axis)
-
-    if variables is None:
-        names = [p for p, a in arrays.items() if not _is_coordinate(p, a)]
+    if isinstance(sample_axis, Mapping):
+        axes, default_axis = {str(p).strip("/"): int(a) for p, a in sample_axis.items()}, 0
     else:
-        missing = [v for v in variables if v.strip("/") not in arrays]
-        if missing:
-            raise KeyError(
-                f"no array named {missing} in store {describe_store(zstore)}; available "
-                f"arrays: {sorted(arrays)} (an array whose metadata document, zarr.json or "
-                "v2's .zarray, is missing from the store is not found either)"
+        axes, default_axis = {}, int(sample_axis)
+    missing: list[str] = []
+    try:
+        root = _open_root(zstore)
+        if variables is None:
+            found = _find_arrays(zstore, root)
+            arrays = {p: a for p, a in found.items() if not _is_coordinate(p, a)}
+        else:
+            found = {}
+            arrays, missing = _named_arrays(zstore, [v.strip("/") for v in variables])
+        arrays = _fresh(zstore, root[1], arrays, read_by_name=variables is not None)
+    except (ValueError, TypeError, KeyError) as exc:
+        error = _corrupt_metadata(zstore, exc)
+        if error is None:
+            raise
+        raise error from exc
+    if missing:
+        _raise_not_found(zstore, missing)
+    # a name in the sample_axis mapping must be an array of the store
+    unknown = [
+        p for p in axes if p not in arrays and p not in found and _open_array(zstore, p) is None
+    ]
+    if unknown:
+        raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
+    return {
+        path: _geometry(path, array, axes.get(path, default_axis)) for path, array in arrays.items()
+    }
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}/{name}" if prefix else name
+
+
+def _open_root(zstore: Any) -> tuple[Any, Any]:
+    """``(root array, root group)`` of ``zstore``: at most one of them, or neither."""
+    kind = _zarr_compat.node_kind(zstore, "")
+    if kind is None:
+        return None, None
+    if kind[0] == "array":
+        return _zarr_compat.open_array_readonly(zstore, "", kind[1]), None
+    return None, _zarr_compat.open_group_readonly(zstore)
+
+
+def _open_array(zstore: Any, path: str) -> Any:
+    """The array at ``path`` (read by name), or ``None`` when no array is there."""
+    kind = _zarr_compat.node_kind(zstore, path)
+    if kind is None or kind[0] != "array":
+        return None
+    return _zarr_compat.open_array_readonly(zstore, path, kind[1])
+
+
+def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
+    """Every array in ``zstore`` (path -> zarr array), for ``open_geometries(store)``.
+
+    A root array is the only array. Else zarr finds the members of the root group (from its
+    consolidated metadata, or listing each group once), and the root and every group are listed
+    once more for what zarr does not report: a folder without group metadata, listed in turn
+    down to the arrays in it (arrays are not looked into). When the store cannot list, a root
+    group's consolidated metadata gives the arrays.
+    """
+    root_array, group = root
+    if root_array is not None:
+        return {"": root_array}
+    consolidated = group is not None and _zarr_compat.consolidated_arrays(group) is not None
+    known: dict[str, Any] = {}
+    groups = [""]
+    try:
+        if group is not None:
+            try:
+                arrays, subgroups = _zarr_compat.walk_nodes(group)
+            except (ValueError, TypeError, KeyError):
+                raise  # unreadable metadata: diagnosed by the caller
+            except Exception as exc:  # zarr lists each group (without consolidated metadata)
+                raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
+            known.update(arrays)
+            groups += subgroups
+        known.update(_listed_arrays(zstore, set(known), groups))
+    except _ListingError as exc:
+        if not consolidated:
+            raise FileNotFoundError(
+                f"cannot find the arrays of store {describe_store(zstore)}: it has "
+                + ("no consolidated metadata" if group is not None else "no group at its root")
+                + f", and listing it failed ({exc.reason}). Check the path, or the URL's bucket "
+                "and prefix (and the endpoint and credentials); a store that cannot list (HTTP) "
+                "needs the arrays named: open_geometries(store, ['t2m', 'group/z'])"
+            ) from exc
+    if not known:
+        what = "an empty group" if group is not None else "no zarr array or group"
+        raise _NoArrays(
+            f"no zarr array in store {describe_store(zstore)}: it holds {what} (no zarr.json, "
+            ".zarray or .zgroup at its root or below). Check the path, or the URL's bucket and "
+            "prefix (and the endpoint and credentials)"
+        )
+    return dict(sorted(known.items()))
+
+
+class _NoArrays(FileNotFoundError):
+    """The store holds no zarr array at all (as opposed to: its arrays could not be listed)."""
+
+
+class _ListingError(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _listed_arrays(zstore: Any, known: set[str], groups: Sequence[str]) -> dict[str, Any]:
+    """The arrays below ``groups`` (their paths; ``""`` the root) that are not in ``known``.
+
+    Each group is listed once. The names in it that are neither a known array nor a known group
+    are probed by name, concurrently: an array is opened (never listed: a v2 array's folder
+    holds every chunk key), anything else — a group, a folder without group metadata, a plain
+    key (which lists empty) — is listed in turn.
+    """
+    found: dict[str, Any] = {}
+    skip = set(known) | set(groups)
+    todo = list(groups)
+    while todo:
+        prefix = todo.pop()
+        try:
+            names = _zarr_compat.list_dir(zstore, prefix)
+        except Exception as exc:  # the store cannot list (HTTP), or the listing failed
+            raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
+        paths = [
+            _join(prefix, n)
+            for n in names
+            if n not in _zarr_compat.METADATA_DOCUMENTS and _join(prefix, n) not in skip
+        ]
+        kinds = _zarr_compat.node_kinds(zstore, paths) if paths else []
+        by_format: dict[int, list[str]] = {}
+        for path, kind in zip(paths, kinds, strict=True):
+            if kind is not None and kind[0] == "array":
+                by_format.setdefault(kind[1], []).append(path)
+            else:
+                todo.append(path)
+        for fmt, array_paths in by_format.items():
+            opened = _zarr_compat.open_arrays_by_name(zstore, array_paths, fmt)
+            found.update((p, a) for p, a in zip(array_paths, opened, strict=True) if a is not None)
+    return found
+
+
+def _named_arrays(zstore: Any, paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """The arrays at ``paths``, opened by name (concurrently, no listing), and the paths that
+    hold none."""
+    paths = list(dict.fromkeys(paths))
+    opened = _zarr_compat.open_arrays_by_name(zstore, paths)
+    arrays = {p: a for p, a in zip(paths, opened, strict=True) if a is not None}
+    return arrays, [p for p, a in zip(paths, opened, strict=True) if a is None]
+
+
+def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
+    """Raise for names that are no array: what was looked for, where, and what exists.
+
+    ``KeyError`` when the store holds other arrays, ``FileNotFoundError`` when it holds none.
+    """
+    name = describe_store(zstore)
+    looked = "; ".join(
+        f"{p!r}: "
+        + (
+            "a group, not an array"
+            if _is_group_at(zstore, p)
+            else "no " + " or ".join(repr(k) for k in _metadata_keys(p))
+        )
+        for p in missing
+    )
+    try:
+        existing = sorted(_find_arrays(zstore, _open_root(zstore)))
+    except _NoArrays as exc:
+        raise FileNotFoundError(
+            f"no array named {list(missing)} in store {name} ({looked}), and {exc}"
+        ) from None
+    except Exception as exc:  # the listing is best effort here
+        raise KeyError(
+            f"no array named {list(missing)} in store {name} ({looked}); which arrays it holds "
+            f"could not be found ({type(exc).__name__}: {exc})"
+        ) from None
+    raise KeyError(
+        f"no array named {list(missing)} in store {name} ({looked}); available arrays: "
+        f"{existing} (a root array is named '')"
+    )
+
+
+def _what_exists(zstore: Any) -> str:
+    """Which arrays ``zstore`` holds, as a phrase for an error message (best effort)."""
+    try:
+        paths = sorted(_find_arrays(zstore, _open_root(zstore)))
+    except _NoArrays:
+        return "the store holds no zarr array at all"
+    except Exception as exc:
+        return f"which arrays it holds could not be found ({type(exc).__name__}: {exc})"
+    return f"arrays there: {paths}"
+
+
+def _is_group_at(zstore: Any, path: str) -> bool:
+    try:
+        kind = _zarr_compat.node_kind(zstore, path)
+    except ValueError:
+        return False
+    return kind is not None and kind[0] == "group"
+
+
+def _metadata_keys(path: str) -> tuple[str, ...]:
+    return (
+        *_zarr_compat.array_metadata_keys(path, 3),
+        _zarr_compat.array_metadata_keys(path, 2)[0],
+    )
+
+
+def _fresh(
+    zstore: Any, group: Any, arrays: Mapping[str, Any], *, read_by_name: bool
+) -> dict[str, Any]:
+    """``arrays`` with each one described by its own metadata, where the root group's
+    consolidated metadata has a stale copy of it (a ``UserWarning`` says which, and how).
+
+    With ``read_by_name=False`` the arrays the consolidated metadata lists were taken from it
+    (:func:`_find_arrays`): each is read again by name. Arrays read by name are only compared.
+    """
+    consolidated = None if group is None else _zarr_compat.consolidated_arrays(group)
+    if not consolidated:
+        return dict(arrays)
+    fmt = int(group.metadata.zarr_format)
+    reread = [] if read_by_name else [p for p in arrays if p in consolidated]
+    owns = dict(zip(reread, _zarr_compat.open_arrays_by_name(zstore, reread, fmt), strict=True))
+    out: dict[str, Any] = {}
+    for path, array in arrays.items():
+        copy = consolidated.get(path)
+        if copy is None:
+            out[path] = array
+            continue
+        own = owns.get(path, array)  # the consolidated copy itself: the array's own, re-read
+        if own is None:
+            keys = _zarr_compat.array_metadata_keys(path, fmt)
+            warnings.warn(
+                f"the consolidated metadata of store {describe_store(zstore)} lists array "
+                f"{path!r}, which has no metadata of its own ({keys[0]!r} is missing): it is "
+                "skipped. Re-consolidate with zarr.consolidate_metadata(store)",
+                UserWarning,
+                stacklevel=4,
             )
-        names = [v.strip("/") for v in variables]
-    return {name: _geometry(name, arrays[name], axis_for(name)) for name in names}
+            continue
+        diffs = _layout_differences(_geometry(path, own, 0), _geometry(path, copy, 0))
+        if diffs:
+            warnings.warn(
+                f"the consolidated metadata of store {describe_store(zstore)} is stale for "
+                f"array {path!r}: "
+                + "; ".join(f"{d} in the consolidated copy" for d in diffs)
+                + ". The array's own metadata is used. Re-consolidate with "
+                "zarr.consolidate_metadata(store) so that other readers see it too",
+                UserWarning,
+                stacklevel=4,
+            )
+        out[path] = own
+    return out
+
+
+def _layout_differences(own: ArrayGeometry, other: ArrayGeometry) -> list[str]:
+    """What differs between two geometries of one array, as ``"FIELD A, B"`` phrases."""
+    diffs = [
+        f"{name} {getattr(own, name)} in the array's own metadata, {getattr(other, name)}"
+        for name in ("shape", "chunks", "read_chunks", "dtype")
+        if getattr(own, name) != getattr(other, name)
+    ]
+    if not diffs and own.store_key(0) != other.store_key(0):
+        diffs.append(f"chunk keys like {own.store_key(0)!r} in its own, {other.store_key(0)!r}")
+    return diffs
 
 
 def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> None:
@@ -375,8 +659,9 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)
             raise FileNotFoundError(
                 f"array {path!r} is not in store {name}: no zarr v{geom.zarr_format} array "
-                f"metadata at {keys[0]!r}. Check the path, or the URL's bucket and prefix (and "
-                "the endpoint), and that the geometries were read from this store"
+                f"metadata at {keys[0]!r}; {_what_exists(zstore)}. Check the path, or the URL's "
+                "bucket and prefix (and the endpoint), and that the geometries were read from "
+                "this store"
             ) from exc
         except (ValueError, TypeError, KeyError) as exc:
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)

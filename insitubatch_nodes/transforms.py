@@ -113,7 +113,8 @@ class Scoped:
 def applies(names: Sequence[str] | str, transform: ChunkTransform) -> Scoped:
     """Run ``transform`` only on the arrays whose zarr paths are in ``names``.
 
-    The names are array paths (``"t2m"``, ``"group/z"``), not batch labels: two labels that
+    The names are array paths (``"t2m"``, ``"group/z"``; ``""`` or ``"/"`` for an array at the
+    store root), not batch labels: two labels that
     read one array share its chunks, so they share its chunk transforms too (per-label work
     belongs in a ``batch_transform``). A name that matches no array of the pipeline raises
     ``ValueError`` when the pipeline is built. Wrapping a scoped transform again keeps only
@@ -125,8 +126,8 @@ def applies(names: Sequence[str] | str, transform: ChunkTransform) -> Scoped:
         raise TypeError(f"applies() takes a non-empty list of array paths, got {names!r}")
     cleaned: list[str] = []
     for name in names:
-        if not isinstance(name, str) or not name.strip("/"):
-            raise TypeError(f"applies(): array paths must be non-empty strings, got {name!r}")
+        if not isinstance(name, str):
+            raise TypeError(f"applies(): array paths must be strings, got {name!r}")
         cleaned.append(name.strip("/"))
     if not callable(transform):
         raise TypeError(

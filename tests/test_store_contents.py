@@ -53,17 +53,40 @@ def test_geometries_from_another_store_raise_at_construction_naming_array_and_st
     message = str(info.value)
     assert "'t2m'" in message and str(other) in message
     assert "t2m/zarr.json" in message
+    # and what is there instead
+    assert "arrays there:" in message and repr(sorted(open_geometries(other))[0]) in message
 
 
-def test_a_local_prefix_that_holds_no_group_raises_naming_the_store(era5: Path) -> None:
+def test_a_local_prefix_one_level_up_raises_naming_the_store_and_the_paths_that_exist(
+    era5: Path,
+) -> None:
     parent = era5.parent  # an existing folder, but the group is one level down
     geoms = open_geometries(era5)
     with pytest.raises(FileNotFoundError) as info:
         _pipeline(parent, geoms)
     assert "'t2m'" in str(info.value) and str(parent) in str(info.value)
+    assert "'era5.zarr/t2m'" in str(info.value)  # the same array, one folder down
+    # naming the array: what was looked for, where, and the paths zarr opens there instead
+    with pytest.raises(KeyError) as key_info:
+        open_geometries(parent, ["t2m"])
+    message = str(key_info.value)
+    assert "'t2m/zarr.json'" in message and str(parent) in message
+    assert "'era5.zarr/t2m'" in message
+    # zarr opens the arrays there by their longer path, and so does open_geometries
+    assert "era5.zarr/t2m" in open_geometries(parent)
+    assert zarr.open_array(parent, path="era5.zarr/t2m", mode="r").shape == geoms["t2m"].shape
+
+
+def test_a_folder_that_holds_no_zarr_metadata_raises_naming_the_store(tmp_path: Path) -> None:
+    (tmp_path / "empty" / "sub").mkdir(parents=True)
+    (tmp_path / "empty" / "notes.txt").write_text("not zarr")
     with pytest.raises(FileNotFoundError) as info:
-        open_geometries(parent)
-    assert str(parent) in str(info.value) and "prefix" in str(info.value)
+        open_geometries(tmp_path / "empty")
+    assert str(tmp_path / "empty") in str(info.value) and "prefix" in str(info.value)
+    with pytest.raises(FileNotFoundError) as info:
+        open_geometries(tmp_path / "empty", ["t2m"])
+    message = str(info.value)
+    assert str(tmp_path / "empty") in message and "'t2m/zarr.json'" in message
 
 
 def test_an_array_with_another_layout_at_the_same_path_raises_naming_what_differs(

@@ -1,0 +1,373 @@
+"""Every array zarr-python opens, open_geometries finds, on stores written by real writers.
+
+Root arrays (``zarr.save_array``, tensorstore), arrays below folders with no group metadata
+(tensorstore writes arrays, never groups), variables written after the consolidated metadata
+(xarray's ``to_zarr(mode="a", consolidated=False)``), and arrays appended to after
+consolidation. zarr's own read is the oracle for every delivered row. Naming an array reads it
+by name: a store that cannot list (HTTP) works for named arrays.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+import zarr.storage
+from zarr.abc.store import Store
+
+from insitubatch_nodes import (
+    DecodedChunk,
+    applies,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+    to_torch,
+)
+
+# zarr says so of every v3 consolidation; the claims here are about what we read back
+pytestmark = pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")
+
+
+def _values(shape: tuple[int, ...], dtype: str = "f4", seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal(shape) * 10 + 100).astype(dtype)  # never the fill value
+
+
+def _epoch_equals_zarr(store: Any, path: str, want: zarr.Array, **kwargs: Any) -> int:
+    """Run one epoch over array ``path`` of ``store``; every row equals ``want``'s read."""
+    geom = open_geometries(store, [path])[path]
+    pipe = insitu_pipeline(
+        store, split_by_chunk(geom, (1.0, 0.0, 0.0)), {"x": geom}, batch_size=4, **kwargs
+    )
+    rows = 0
+    try:
+        for batch in pipe:
+            idx = batch.sample_indices["x"]
+            np.testing.assert_array_equal(
+                batch["x"], want[idx.min() : idx.max() + 1][idx - idx.min()]
+            )
+            np.testing.assert_array_equal(to_torch(batch)["x"].numpy(), want.oindex[idx])
+            rows += len(batch)
+    finally:
+        pipe.close()
+    assert rows == want.shape[0]
+    return rows
+
+
+class NoListStore(zarr.storage.WrapperStore[Store]):
+    """A zarr store that cannot list, as a store served over plain HTTP cannot."""
+
+    def _with_store(self, store: Store) -> NoListStore:
+        return type(self)(store)
+
+    @property
+    def supports_listing(self) -> bool:
+        return False
+
+    def list(self) -> AsyncIterator[str]:
+        raise NotImplementedError("this store cannot list (like HTTP)")
+
+    def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        raise NotImplementedError("this store cannot list (like HTTP)")
+
+    def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        raise NotImplementedError("this store cannot list (like HTTP)")
+
+
+# ---------------------------------------------------------------------------------------------
+# An array at the store root
+# ---------------------------------------------------------------------------------------------
+
+
+def test_an_array_saved_at_the_store_root_by_zarr_save_array_is_found_under_the_path_empty(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "root.zarr"
+    data = _values((23, 3, 5))
+    zarr.save_array(str(root), data)
+    geoms = open_geometries(root)
+    assert list(geoms) == [""]
+    want = zarr.open_array(root, mode="r")
+    assert geoms[""].shape == want.shape and geoms[""].chunks == want.chunks
+    assert geoms[""].store_key(0) in {"c/0/0/0", "0.0.0"}
+    # named as "" or "/", by name
+    assert open_geometries(root, [""])[""] == geoms[""]
+    assert open_geometries(root, "/")[""] == geoms[""]
+    assert _epoch_equals_zarr(root, "", want) == 23
+
+
+def _plus_one(chunk: DecodedChunk) -> DecodedChunk:
+    chunk.data += 1
+    return chunk
+
+
+def test_a_chunk_transform_is_scoped_to_a_root_array_by_its_path(tmp_path: Path) -> None:
+    root = tmp_path / "root.zarr"
+    zarr.save_array(str(root), _values((12, 3)))
+    geom = open_geometries(root)[""]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    want = zarr.open_array(root, mode="r")
+    for name in ("", "/"):
+        pipe = insitu_pipeline(
+            root, manifest, {"x": geom}, batch_size=4, chunk_transforms=[applies(name, _plus_one)]
+        )
+        with pipe:
+            for batch in pipe:
+                np.testing.assert_array_equal(
+                    batch["x"], want.oindex[batch.sample_indices["x"]] + 1
+                )
+    other = tmp_path / "group.zarr"
+    zarr.open_group(other, mode="w").create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")
+    g = open_geometries(other, ["t2m"])["t2m"]
+    with pytest.raises(ValueError, match="''"):  # no root array there: named at build
+        insitu_pipeline(
+            other,
+            split_by_chunk(g, (1.0, 0.0, 0.0)),
+            {"x": g},
+            chunk_transforms=[applies("/", _plus_one)],
+        )
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_root_array_created_by_zarr_create_array_trains_like_zarr_reads_it(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = tmp_path / "root.zarr"
+    arr = zarr.create_array(
+        store=zarr.storage.LocalStore(root),
+        shape=(18, 6),
+        chunks=(5, 4),
+        dtype="i4",
+        fill_value=0,
+        zarr_format=zarr_format,  # type: ignore[arg-type]
+    )
+    arr[...] = _values((18, 6), "i4")
+    assert set(open_geometries(root)) == {""}
+    _epoch_equals_zarr(root, "", zarr.open_array(root, mode="r"))
+
+
+# ---------------------------------------------------------------------------------------------
+# Arrays below folders without group metadata
+# ---------------------------------------------------------------------------------------------
+
+
+def _groupless(root: Path, zarr_format: int) -> dict[str, np.ndarray]:
+    """Arrays written at nested paths with no group metadata anywhere above them."""
+    data = {"a/b/t2m": _values((17, 4, 3), seed=1), "c/z": _values((9, 2), "f8", seed=2)}
+    for path, values in data.items():
+        arr = zarr.create_array(
+            store=zarr.storage.LocalStore(root / path),
+            shape=values.shape,
+            chunks=(4, *values.shape[1:]),
+            dtype=values.dtype,
+            zarr_format=zarr_format,  # type: ignore[arg-type]
+        )
+        arr[...] = values
+    return data
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_arrays_below_folders_without_group_metadata_are_found_by_their_path(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = tmp_path / "store"
+    data = _groupless(root, zarr_format)
+    for meta in ("zarr.json", ".zgroup", ".zattrs"):  # really no group metadata
+        assert not (root / meta).exists() and not (root / "a" / meta).exists()
+    geoms = open_geometries(root)
+    assert set(geoms) == set(data)
+    for path in data:
+        want = zarr.open_array(root, path=path, mode="r")
+        assert geoms[path].shape == want.shape
+        assert geoms[path].store_key(0).startswith(f"{path}/")
+    _epoch_equals_zarr(root, "a/b/t2m", zarr.open_array(root, path="a/b/t2m", mode="r"))
+
+
+def test_a_group_with_a_folder_holding_arrays_but_no_group_metadata_yields_both(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=2)
+    group.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")[...] = _values((8, 3))
+    zarr.consolidate_metadata(root)
+    _groupless(root, 2)
+    assert set(open_geometries(root)) == {"t2m", "a/b/t2m", "c/z"}
+
+
+class ListingRecorder(zarr.storage.WrapperStore[Store]):
+    """A zarr store that records the prefixes it is asked to list."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.listed: list[str] = []
+
+    def _with_store(self, store: Store) -> ListingRecorder:
+        return type(self)(store)
+
+    def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        self.listed.append(prefix)
+        return self._store.list_dir(prefix)
+
+
+def test_finding_arrays_below_folders_without_group_metadata_lists_folders_never_arrays(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    _groupless(root, 2)  # a v2 array's folder holds every chunk key: listing it is costly
+    store = ListingRecorder(zarr.storage.LocalStore(root, read_only=True))
+    assert set(open_geometries(store)) == {"a/b/t2m", "c/z"}
+    assert sorted(store.listed) == ["", "a", "a/b", "c"]  # the folders, not the arrays
+
+
+@pytest.mark.xdist_group("s3")
+def test_a_root_array_and_arrays_without_group_metadata_are_found_in_an_s3_bucket(
+    tmp_path: Path, s3_upload: Callable[[Path, str], str], s3_options: dict[str, Any]
+) -> None:
+    root = tmp_path / "store"
+    _groupless(root, 2)
+    store = open_store(s3_upload(root, "layouts/groupless"), **s3_options)
+    assert set(open_geometries(store)) == {"a/b/t2m", "c/z"}
+    _epoch_equals_zarr(store, "c/z", zarr.open_array(root, path="c/z", mode="r"))
+    single = tmp_path / "root.zarr"
+    zarr.save_array(str(single), _values((10, 2)))
+    store = open_store(s3_upload(single, "layouts/root.zarr"), **s3_options)
+    assert list(open_geometries(store)) == [""]
+    _epoch_equals_zarr(store, "", zarr.open_array(single, mode="r"))
+
+
+def test_naming_arrays_reads_them_by_name_in_a_store_that_cannot_list(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    _groupless(root, 3)
+    zarr.save_array(str(tmp_path / "root.zarr"), _values((10, 2)))
+    store = NoListStore(zarr.storage.LocalStore(root, read_only=True))
+    geoms = open_geometries(store, ["a/b/t2m", "c/z"])
+    assert geoms["a/b/t2m"].shape == (17, 4, 3)
+    _epoch_equals_zarr(store, "a/b/t2m", zarr.open_array(root, path="a/b/t2m", mode="r"))
+    root_store = NoListStore(zarr.storage.LocalStore(tmp_path / "root.zarr", read_only=True))
+    assert open_geometries(root_store)[""].shape == (10, 2)  # a root array needs no listing
+    # finding the arrays unnamed needs a listing (or consolidated metadata): the error says so
+    with pytest.raises(FileNotFoundError, match=r"cannot be listed|listing it failed") as info:
+        open_geometries(store)
+    assert "open_geometries(store, [" in str(info.value)
+    with pytest.raises(KeyError, match=r"'a/b/t2'.*could not be found.*listing it failed"):
+        open_geometries(store, ["a/b/t2"])  # a typo: what was looked for, and why no list
+
+
+def test_a_consolidated_group_in_a_store_that_cannot_list_yields_its_consolidated_arrays(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    group.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")
+    group.create_array("nested/z", shape=(8,), chunks=(4,), dtype="f4")
+    zarr.consolidate_metadata(root)
+    store = NoListStore(zarr.storage.LocalStore(root, read_only=True))
+    assert set(open_geometries(store)) == {"t2m", "nested/z"}
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_unknown_name_says_what_was_looked_for_where_and_what_exists(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = tmp_path / "store"
+    _groupless(root, zarr_format)
+    with pytest.raises(KeyError) as info:
+        open_geometries(root, ["a/b/t2m", "a/b/t2"])
+    message = str(info.value)
+    assert "'a/b/t2'" in message and "'a/b/t2/zarr.json'" in message
+    assert "'a/b/t2/.zarray'" in message and str(root) in message
+    assert "'a/b/t2m'" in message and "'c/z'" in message  # what exists
+    with pytest.raises(KeyError, match="'a/b': a group, not an array"):
+        group = zarr.open_group(tmp_path / "g.zarr", mode="w", zarr_format=zarr_format)
+        group.create_array("a/b/x", shape=(3,), dtype="f4")
+        open_geometries(tmp_path / "g.zarr", ["a/b"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Consolidated metadata that is out of date
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_created_after_consolidation_is_found_unnamed_and_by_name(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    group.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")[...] = _values((8, 3))
+    zarr.consolidate_metadata(root)
+    late = zarr.open_group(root, mode="a", use_consolidated=False)
+    late.create_array("late", shape=(11, 2), chunks=(3, 2), dtype="f4")[...] = _values((11, 2))
+    assert "late" not in zarr.open_group(root, mode="r")  # zarr's consolidated view lacks it
+    assert set(open_geometries(root)) == {"t2m", "late"}
+    _epoch_equals_zarr(root, "late", zarr.open_array(root, path="late", mode="r"))
+
+
+def test_a_variable_xarray_appends_without_consolidating_is_found(tmp_path: Path) -> None:
+    xr = pytest.importorskip("xarray")
+    root = tmp_path / "ds.zarr"
+    n = 12
+    base = xr.Dataset(
+        {"t2m": (("time", "lat"), _values((n, 3)))},
+        coords={"time": np.arange(n), "lat": np.arange(3.0)},
+    )
+    base.to_zarr(root, consolidated=True, zarr_format=2)
+    extra = xr.Dataset({"sst": (("time", "lat"), _values((n, 3), seed=5))})
+    extra.to_zarr(root, mode="a", consolidated=False)
+    assert set(open_geometries(root)) == {"t2m", "sst"}
+    _epoch_equals_zarr(root, "sst", zarr.open_array(root, path="sst", mode="r"))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_appended_after_consolidation_is_read_with_its_own_metadata_and_a_warning(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    group.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")[...] = _values((8, 3))
+    zarr.consolidate_metadata(root)
+    arr = zarr.open_array(root, path="t2m", mode="a")
+    arr.append(_values((6, 3), seed=9))  # now 14 samples; the consolidated copy says 8
+    assert zarr.open_group(root, mode="r")["t2m"].shape == (8, 3)  # zarr's consolidated view
+    for variables in (None, ["t2m"]):
+        with pytest.warns(UserWarning, match=r"stale.*'t2m'.*shape \(14, 3\).*\(8, 3\)"):
+            geoms = open_geometries(root, variables)
+        assert geoms["t2m"].shape == (14, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        # the store check reads the array's own metadata: it agrees now ("Were the geometries
+        # read from another store?" before), and the appended rows are delivered
+        assert _epoch_equals_zarr(root, "t2m", zarr.open_array(root, path="t2m", mode="r")) == 14
+        geom = open_geometries(root, ["t2m"])["t2m"]
+        views = {"x": geom, "y": geom.shift(1)}
+        pipe = insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), views, batch_size=4)
+        assert max(int(b.sample_indices["y"].max()) for b in pipe) == 13
+        pipe.close()
+
+
+def test_a_time_series_xarray_appends_to_without_consolidating_is_read_whole(
+    tmp_path: Path,
+) -> None:
+    xr = pytest.importorskip("xarray")
+    root = tmp_path / "ds.zarr"
+
+    def part(start: int, n: int) -> Any:
+        return xr.Dataset(
+            {"t2m": (("time", "lat"), _values((n, 3), seed=start))},
+            coords={"time": np.arange(start, start + n), "lat": np.arange(3.0)},
+        )
+
+    part(0, 8).to_zarr(root, consolidated=True, zarr_format=2, encoding={"t2m": {"chunks": (4, 3)}})
+    part(8, 5).to_zarr(root, mode="a", append_dim="time", consolidated=False)
+    with pytest.warns(UserWarning, match="stale"):
+        geom = open_geometries(root)["t2m"]
+    assert geom.shape == (13, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        _epoch_equals_zarr(root, "t2m", zarr.open_array(root, path="t2m", mode="r"))
