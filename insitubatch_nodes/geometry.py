@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes import _zarr_compat
-from insitubatch_nodes.stores import StoreLike, as_store, describe_store
+from insitubatch_nodes.stores import StoreLike, as_store, cannot_list, describe_store
 
 __all__ = [
     "ArrayGeometry",
@@ -448,6 +448,8 @@ def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
                 raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
             known.update(arrays)
             groups += subgroups
+        if consolidated and cannot_list(zstore):  # HTTP: the consolidated metadata is all
+            raise _ListingError("an HTTP server cannot list a folder")
         known.update(_listed_arrays(zstore, set(known), groups))
     except _ListingError as exc:
         if not consolidated:

@@ -285,6 +285,12 @@ def plain_object_store(store: Any) -> bool:
     return type(store) is ObjectStore or type(store) is _SigningObjectStore
 
 
+def cannot_list(store: Any) -> bool:
+    """Whether ``store`` is known to answer no listing: an obstore ``HTTPStore`` (a plain web
+    server answers WebDAV's ``PROPFIND`` with 405). Other stores are tried."""
+    return isinstance(store, ObjectStore) and type(store.store).__name__ == "HTTPStore"
+
+
 def credentials_error(store: Any, exc: BaseException) -> PermissionError | None:
     """A ``PermissionError`` that explains ``exc``, or ``None`` when ``exc`` is not about
     credentials.

@@ -210,7 +210,6 @@ def test_geometries_read_elsewhere_find_the_arrays_of_an_http_store_without_list
     _read_all(open_store(site.url("plain")), site.local("plain"), geoms)
 
 
-@pytest.mark.xfail(reason="needs open_geometries by-name lookup", strict=False)
 def test_open_geometries_finds_named_arrays_of_an_http_store_without_consolidated_metadata(
     site: Site,
 ) -> None:
