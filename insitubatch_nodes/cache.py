@@ -60,7 +60,6 @@ import io
 import itertools
 import json
 import math
-import mmap
 import os
 import socket
 import threading
@@ -74,6 +73,9 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes import _filemap
+from insitubatch_nodes._filemap import Region
+
 try:  # POSIX
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -85,6 +87,7 @@ __all__ = [
     "LOG_NAME",
     "CacheBusyError",
     "CacheClosed",
+    "CacheDiskFullError",
     "CacheMissError",
     "ChunkCache",
     "CorruptCacheError",
@@ -130,19 +133,59 @@ class CorruptCacheError(RuntimeError):
     """The cache's log cannot be trusted (malformed line, or a file outside the directory)."""
 
 
+class CacheDiskFullError(OSError):
+    """The file system of ``cache_dir`` has no room for the file slot memory needs (spill mode),
+    or for the cache's own files at construction. ``errno`` is ENOSPC (EDQUOT for a quota);
+    ``directory`` and ``nbytes`` say where and how much."""
+
+    def __init__(self, message: str, *, code: int, directory: Path, nbytes: int) -> None:
+        super().__init__(code, message)
+        self.directory = directory
+        self.nbytes = nbytes
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _free_bytes(directory: Path) -> str:
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):  # pragma: no cover - no statvfs (Windows)
+        return "an unknown number of bytes"
+    return f"{st.f_bavail * st.f_frsize:,} bytes"
+
+
 def rank_dir(cache_dir: Path, rank: int) -> Path:
     """The directory rank ``rank`` writes: ``cache_dir`` for rank 0, ``cache_dir/rank-<r>``."""
     return cache_dir if rank == 0 else cache_dir / f"rank-{rank}"
 
 
+_RANK_DIRS: dict[Path, tuple[tuple[int, int, int], list[Path]]] = {}
+
+
 def _writer_dirs(cache_dir: Path) -> list[Path]:
+    """``cache_dir`` and its ``rank-<r>`` directories, in rank order.
+
+    The cache asks at every miss, and listing a directory of 10,000 chunk files takes ~20 ms:
+    the list is made again only when the directory's link count — 2 plus its subdirectories on
+    ext4, XFS and tmpfs — has changed. Where it does not count them (btrfs: always 1) every
+    call lists the directory."""
+    try:
+        st = cache_dir.stat()
+    except OSError:
+        return [cache_dir]
+    stamp = (st.st_dev, st.st_ino, st.st_nlink)
+    known = _RANK_DIRS.get(cache_dir)
+    if known is not None and known[0] == stamp and st.st_nlink >= 2:
+        return list(known[1])
     found = [cache_dir]
     if cache_dir.is_dir():
         found += sorted(
             (p for p in cache_dir.glob("rank-*") if p.is_dir() and p.name[5:].isdigit()),
             key=lambda p: int(p.name[5:]),
         )
-    return found
+    _RANK_DIRS[cache_dir] = (stamp, found)
+    return list(found)
 
 
 def _file_prefix(path: str) -> str:
@@ -263,8 +306,13 @@ class DirLock:
                 "host": socket.gethostname(),
                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
+            except OSError as exc:  # a full disk: the note is only for the busy message
+                if not _filemap.is_full(exc):
+                    os.close(fd)
+                    raise
         self._fd: int | None = fd
 
     def _busy_message(self, fd: int) -> str:
@@ -324,11 +372,12 @@ class DirLock:
         with self._mutex:
             return self._closing and self._fd is not None
 
-    def track(self, region: mmap.mmap) -> None:
-        """Keep the lock until ``region`` has been unmapped (garbage collected)."""
+    def track(self, region: Region) -> None:
+        """Keep the lock until ``region`` has been unmapped (once it and every array over it
+        are garbage collected: :mod:`~insitubatch_nodes._filemap`)."""
         with self._mutex:
             self._live += 1
-        weakref.finalize(region, self._unmapped)
+        region.on_unmap(self._unmapped)
 
     def _unmapped(self) -> None:
         with self._mutex:
@@ -392,26 +441,29 @@ def _map_new(
     stem: str,
     shape: tuple[int, ...],
     dtype: np.dtype[Any],
-    track: Callable[[mmap.mmap], None],
+    track: Callable[[Region], None],
 ) -> tuple[np.ndarray, Path]:
-    """A writable mapping of a new ``.npy`` file in ``directory`` under a temporary name."""
+    """A writable mapping of a new ``.npy`` file in ``directory`` under a temporary name.
+
+    The file gets its blocks before it is mapped (:func:`~insitubatch_nodes._filemap.reserve`),
+    so no write into the array can fault for space: a file system without room raises
+    ``OSError`` here (ENOSPC or EDQUOT, :func:`~insitubatch_nodes._filemap.is_full`) and leaves
+    no file behind. The mapping holds no descriptor."""
     header = _npy_header(shape, dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     tmp = directory / f".{stem}.{os.getpid()}.{next(_counter)}{_TMP_SUFFIX}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.ftruncate(fd, len(header) + nbytes)
+        _filemap.reserve(fd, len(header) + nbytes)
         os.pwrite(fd, header, 0)
-        region = mmap.mmap(fd, len(header) + nbytes)
+        region = _filemap.map_file(fd, len(header) + nbytes, writable=True)
     except BaseException:
-        os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
     track(region)
-    count = math.prod(shape)
-    array = np.frombuffer(region, dtype=dtype, count=count, offset=len(header)).reshape(shape)
-    return array, tmp
+    return region.array(dtype, shape, len(header)), tmp
 
 
 class SpillBacking:
@@ -424,9 +476,27 @@ class SpillBacking:
         self.lock = lock
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        array, tmp = _map_new(
-            self.directory, "spill", tuple(shape), np.dtype(dtype), self.lock.track
-        )
+        """A slot file's mapping; raises :class:`CacheDiskFullError` when the file system has
+        no room for it (slot memory is what the user put on this disk: it does not move into
+        RAM behind the budget's back)."""
+        dtype = np.dtype(dtype)
+        try:
+            array, tmp = _map_new(self.directory, "spill", tuple(shape), dtype, self.lock.track)
+        except OSError as exc:
+            if not _filemap.is_full(exc):
+                raise
+            nbytes = math.prod(shape) * dtype.itemsize
+            raise CacheDiskFullError(
+                f"cache_dir {self.directory} is full: a spill slot of {nbytes:,} bytes cannot "
+                f"get its disk blocks there ({exc.strerror}; {_free_bytes(self.directory)} "
+                "free). Without persist=True the pool's slot memory — up to cache_budget_bytes "
+                "— lives in files in cache_dir, and that file system must hold it. Free space "
+                "there, point cache_dir at a larger local disk, lower cache_budget_bytes (None "
+                "sizes it to the working set), or drop cache_dir to keep the slots in RAM.",
+                code=exc.errno or errno.ENOSPC,
+                directory=self.directory,
+                nbytes=nbytes,
+            ) from exc
         tmp.unlink()  # the mapping keeps the inode: disk space only while mapped
         return array
 
@@ -562,13 +632,14 @@ class ChunkCache:
         self.reset_stale = bool(reset_stale)
         self.rank = int(rank)
         self.own = rank_dir(self.root, self.rank)
-        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0}
+        self.stats = {"committed": 0, "claimed_elsewhere": 0, "reset_files": 0, "not_persisted": 0}
         self._locks: list[DirLock] = []
         self._index: dict[tuple[str, int], _Logged] = {}
         self._logs: dict[Path, _Log] = {}
         self._log_fd: int | None = None
         self._spill: SpillBacking | None = None
         self._warned_commit = False
+        self._warned_full = False
         self._mutex = threading.Lock()  # orders map_file against close
         self.closed = True
         self.open()
@@ -606,13 +677,23 @@ class ChunkCache:
                 self._open_log()
             if not self.persistent:
                 self._spill = SpillBacking(self.own, locks[0])
-        except BaseException:
+        except BaseException as exc:
             # construction failed after taking the lock (a stale cache, a corrupt log): release
             # it here — nothing else would until the process exits
             self._close_log()
             for lock in locks:
                 lock.release()
             self._locks[:] = []
+            if _filemap.is_full(exc):
+                assert isinstance(exc, OSError)
+                raise CacheDiskFullError(
+                    f"cache_dir {self.own} is full: there is no room for the cache's own files "
+                    f"there ({exc}; {_free_bytes(self.own)} free). Free space there, or point "
+                    "cache_dir at a larger local disk.",
+                    code=exc.errno or errno.ENOSPC,
+                    directory=self.own,
+                    nbytes=0,
+                ) from exc
             raise
         self.closed = False
 
@@ -658,7 +739,7 @@ class ChunkCache:
         """The slot backing in spill mode (``None`` when persistent)."""
         return self._spill
 
-    def _track(self, region: mmap.mmap) -> None:
+    def _track(self, region: Region) -> None:
         for lock in self._locks:  # each directory stays locked while this mapping lives
             lock.track(region)
 
@@ -809,20 +890,44 @@ class ChunkCache:
                 return None
             # not MAP_POPULATE: the gather's page faults map 16 pages each (fault-around) and
             # measured faster at the reference shape (2,100-2,450 against 1,850-1,950 samples/s)
-            region = mmap.mmap(fd, offset + nbytes, access=mmap.ACCESS_READ)
+            region = _filemap.map_file(fd, offset + nbytes, writable=False)
         except (OSError, ValueError):
             return None
         finally:
-            os.close(fd)
+            os.close(fd)  # the mapping holds no descriptor
         self._track(region)
-        count = math.prod(shape)
-        return np.frombuffer(region, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return region.array(dtype, shape, offset)
 
     def new_slot(
         self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
     ) -> SlotFile | None:
         """A writable slot that :meth:`commit` turns into ``key``'s cached file, or ``None``
-        when another writer (rank) is writing that chunk now (keep it in memory instead)."""
+        when another writer (rank) is writing that chunk now, or when the disk has no room for
+        it (warned once): keep it in memory instead."""
+        try:
+            return self._new_slot(key, shape, dtype, valid)
+        except OSError as exc:
+            if not _filemap.is_full(exc):
+                raise
+        self.stats["not_persisted"] += 1
+        if not self._warned_full:
+            self._warned_full = True
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            warnings.warn(
+                f"insitubatch_nodes: cache_dir {self.own} is full: chunk {key[1]} of array "
+                f"{key[0]!r} ({nbytes:,} bytes) cannot get its disk blocks there "
+                f"({_free_bytes(self.own)} free). Chunks that do not fit are held in RAM for "
+                "this run and not persisted — the data trained on is the same — and a later "
+                "run fetches them again. Free space there, or point cache_dir at a larger local "
+                "disk, to keep them.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+
+    def _new_slot(
+        self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
+    ) -> SlotFile | None:
         name = chunk_file_name(*key)
         claims = self.root / CLAIMS_NAME
         claims.mkdir(exist_ok=True)
@@ -833,10 +938,10 @@ class ChunkCache:
             self.stats["claimed_elsewhere"] += 1
             return None
         try:
-            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
-        finally:
-            os.close(fd)
-        try:
+            try:
+                os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            finally:
+                os.close(fd)
             self._refresh()  # logged by another rank just before our claim: read that instead
             if _matches(self._index.get(key), shape, dtype, valid):
                 claim.unlink(missing_ok=True)
