@@ -42,6 +42,12 @@ platform without ``flock`` warns that writers there are not arbitrated.
 from the cache raises :class:`CacheMissError` naming the array and chunk: the run asserts that the
 cache is complete for what it reads.
 
+**A full disk.** A file is mapped writable only once it has its blocks
+(:mod:`~insitubatch_nodes._filemap`), so a full file system is never SIGBUS in a decode: the
+persistent cache warns once and leaves the chunks that do not fit in RAM slots, not persisted
+(:meth:`ChunkCache.new_slot` returns ``None``); spill raises :class:`CacheDiskFullError` (its
+slot memory does not move into RAM behind the budget's back). No mapping holds a descriptor.
+
 **Ranks.** Under DDP each rank writes its own directory — ``cache_dir`` itself for rank 0,
 ``cache_dir/rank-<r>`` for rank ``r`` — holding that directory's lock, and reads the logs of all of
 them (re-reading the others' as they grow), so a chunk any rank completed is a hit for every
