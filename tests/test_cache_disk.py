@@ -9,6 +9,7 @@ and not a crashed pytest worker. The full disk is a real tmpfs of 8 MiB mounted 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shutil
@@ -22,6 +23,8 @@ import numpy as np
 import pytest
 import zarr
 from helpers import write_era5
+
+from insitubatch_nodes._filemap import map_file, reserve
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -190,3 +193,42 @@ def test_chunks_resident_from_a_cache_dir_hold_no_descriptor_each(
     assert read["resident"] == read["mapped"] == n_chunks
     assert read["stats"]["disk_hits"] == n_chunks
     assert read["fds"] < 100, read  # the descriptors do not grow with resident chunks
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="reads /proc/self/maps")
+def test_a_mapping_lives_while_any_view_does_and_its_callbacks_run_once_it_is_unmapped(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "slot.bin"
+
+    def mapped() -> bool:
+        return str(path) in Path("/proc/self/maps").read_text()
+
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        reserve(fd, 3 * 4096)
+        assert os.fstat(fd).st_size == 3 * 4096
+        region = map_file(fd, 3 * 4096, writable=True)
+    finally:
+        os.close(fd)  # the mapping needs no descriptor
+    seen: list[bool] = []
+    region.on_unmap(lambda: seen.append(mapped()))
+    array = region.array(np.dtype("<f8"), (2, 8), 128)
+    array[:] = 7.0
+    view = array[1, 2:5]  # a view of a view: the chain keeps the region
+    del region, array
+    gc.collect()
+    assert mapped() and seen == []
+    np.testing.assert_array_equal(view, 7.0)
+    assert np.fromfile(path, dtype="<f8", count=16, offset=128).tolist() == [7.0] * 16
+    del view
+    assert seen == [False]  # the callback ran, and by then the range was unmapped
+    assert not mapped()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        frozen = map_file(fd, 3 * 4096, writable=False).array(np.dtype("<f8"), (16,), 128)
+    finally:
+        os.close(fd)
+    assert not frozen.flags.writeable
+    with pytest.raises(ValueError):
+        frozen.flags.writeable = True  # a read-only mapping stays read-only
