@@ -665,6 +665,8 @@ class ChunkCache:
         else:
             self.own.mkdir(parents=True, exist_ok=True)
         _warn_unarbitrated(self.root)
+        # list it afresh: a directory made again may reuse its inode
+        _RANK_DIRS.pop(self.root, None)
         locks: list[DirLock] = []
         try:
             if self.readonly:
