@@ -124,6 +124,25 @@ def test_spill_slots_on_a_full_disk_raise_a_named_error_saying_what_to_do(
     assert str(full_tmpfs) in message and "bytes" in message and "cache_budget_bytes" in message
 
 
+def test_a_cache_dir_too_full_for_its_own_log_is_a_named_error_at_build(
+    big_era5: Path, full_tmpfs: Path
+) -> None:
+    filler = full_tmpfs / "filler"
+    with open(filler, "wb") as fh:  # take every block there is
+        chunk = b"\0" * (1 << 20)
+        try:
+            while True:
+                fh.write(chunk)
+                fh.flush()
+        except OSError:
+            pass
+    got = run_child(
+        store=str(big_era5), arrays=["t2m"], cache_dir=str(full_tmpfs / "c"), persist=True
+    )
+    assert got["event"] == "error" and got["type"] == "CacheDiskFullError", got
+    assert str(full_tmpfs / "c") in got["message"] and "is full" in got["message"]
+
+
 @pytest.fixture
 def fast_dir(tmp_path: Path) -> Iterator[Path]:
     """Where the many-chunk claims write: a roomy tmpfs where it can mount one (a persisted
