@@ -26,6 +26,7 @@ Follow a batch top-down through the modules:
 from insitubatch_nodes.batch import Batch, BatchTransform, DeviceTransform, to_torch
 from insitubatch_nodes.cache import (
     CacheBusyError,
+    CacheDiskFullError,
     CacheMissError,
     CorruptCacheError,
     StaleCacheError,
@@ -86,6 +87,7 @@ __all__ = [
     "BatchPlan",
     "BatchTransform",
     "CacheBusyError",
+    "CacheDiskFullError",
     "CacheMissError",
     "ChunkDecoder",
     "ChunkKey",

@@ -59,6 +59,12 @@ platform without ``flock`` warns that writers there are not arbitrated.
 from the cache raises :class:`CacheMissError` naming the array and chunk: the run asserts that the
 cache is complete for what it reads.
 
+**A full disk.** A file is mapped writable only once it has its blocks
+(:mod:`~insitubatch_nodes._filemap`), so a full file system is never SIGBUS in a decode: the
+persistent cache warns once and leaves the chunks that do not fit in RAM slots, not persisted
+(:meth:`ChunkCache.new_slot` returns ``None``); spill raises :class:`CacheDiskFullError` (its
+slot memory does not move into RAM behind the budget's back). No mapping holds a descriptor.
+
 **Ranks.** Under DDP each rank writes its own directory — ``cache_dir`` itself for rank 0,
 ``cache_dir/rank-<r>`` for rank ``r`` — holding that directory's lock, and reads the logs of all of
 them (re-reading the others' as they grow), so a chunk any rank completed is a hit for every
@@ -78,7 +84,6 @@ import itertools
 import json
 import logging
 import math
-import mmap
 import os
 import socket
 import threading
@@ -93,7 +98,8 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from insitubatch_nodes import store_identity
+from insitubatch_nodes import _filemap, store_identity
+from insitubatch_nodes._filemap import Region
 
 try:  # POSIX
     import fcntl
@@ -106,6 +112,7 @@ __all__ = [
     "LOG_NAME",
     "CacheBusyError",
     "CacheClosed",
+    "CacheDiskFullError",
     "CacheMissError",
     "ChunkCache",
     "CorruptCacheError",
@@ -156,19 +163,59 @@ class CorruptCacheError(RuntimeError):
     a cached chunk's bytes no longer match the checksum logged with it (read-only readers)."""
 
 
+class CacheDiskFullError(OSError):
+    """The file system of ``cache_dir`` has no room for the file slot memory needs (spill mode),
+    or for the cache's own files at construction. ``errno`` is ENOSPC (EDQUOT for a quota);
+    ``directory`` and ``nbytes`` say where and how much."""
+
+    def __init__(self, message: str, *, code: int, directory: Path, nbytes: int) -> None:
+        super().__init__(code, message)
+        self.directory = directory
+        self.nbytes = nbytes
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+def _free_bytes(directory: Path) -> str:
+    try:
+        st = os.statvfs(directory)
+    except (OSError, AttributeError):  # pragma: no cover - no statvfs (Windows)
+        return "an unknown number of bytes"
+    return f"{st.f_bavail * st.f_frsize:,} bytes"
+
+
 def rank_dir(cache_dir: Path, rank: int) -> Path:
     """The directory rank ``rank`` writes: ``cache_dir`` for rank 0, ``cache_dir/rank-<r>``."""
     return cache_dir if rank == 0 else cache_dir / f"rank-{rank}"
 
 
+_RANK_DIRS: dict[Path, tuple[tuple[int, int, int], list[Path]]] = {}
+
+
 def _writer_dirs(cache_dir: Path) -> list[Path]:
+    """``cache_dir`` and its ``rank-<r>`` directories, in rank order.
+
+    The cache asks at every miss, and listing a directory of 10,000 chunk files takes ~20 ms:
+    the list is made again only when the directory's link count — 2 plus its subdirectories on
+    ext4, XFS and tmpfs — has changed. Where it does not count them (btrfs: always 1) every
+    call lists the directory."""
+    try:
+        st = cache_dir.stat()
+    except OSError:
+        return [cache_dir]
+    stamp = (st.st_dev, st.st_ino, st.st_nlink)
+    known = _RANK_DIRS.get(cache_dir)
+    if known is not None and known[0] == stamp and st.st_nlink >= 2:
+        return list(known[1])
     found = [cache_dir]
     if cache_dir.is_dir():
         found += sorted(
             (p for p in cache_dir.glob("rank-*") if p.is_dir() and p.name[5:].isdigit()),
             key=lambda p: int(p.name[5:]),
         )
-    return found
+    _RANK_DIRS[cache_dir] = (stamp, found)
+    return list(found)
 
 
 def _file_prefix(path: str) -> str:
@@ -321,8 +368,13 @@ class DirLock:
                 "host": socket.gethostname(),
                 "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             }
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
+            except OSError as exc:  # a full disk: the note is only for the busy message
+                if not _filemap.is_full(exc):
+                    os.close(fd)
+                    raise
         self._fd: int | None = fd
 
     def _busy_message(self, fd: int) -> str:
@@ -382,11 +434,12 @@ class DirLock:
         with self._mutex:
             return self._closing and self._fd is not None
 
-    def track(self, region: mmap.mmap) -> None:
-        """Keep the lock until ``region`` has been unmapped (garbage collected)."""
+    def track(self, region: Region) -> None:
+        """Keep the lock until ``region`` has been unmapped (once it and every array over it
+        are garbage collected: :mod:`~insitubatch_nodes._filemap`)."""
         with self._mutex:
             self._live += 1
-        weakref.finalize(region, self._unmapped)
+        region.on_unmap(self._unmapped)
 
     def _unmapped(self) -> None:
         with self._mutex:
@@ -451,26 +504,29 @@ def _map_new(
     stem: str,
     shape: tuple[int, ...],
     dtype: np.dtype[Any],
-    track: Callable[[mmap.mmap], None],
+    track: Callable[[Region], None],
 ) -> tuple[np.ndarray, Path]:
-    """A writable mapping of a new ``.npy`` file in ``directory`` under a temporary name."""
+    """A writable mapping of a new ``.npy`` file in ``directory`` under a temporary name.
+
+    The file gets its blocks before it is mapped (:func:`~insitubatch_nodes._filemap.reserve`),
+    so no write into the array can fault for space: a file system without room raises
+    ``OSError`` here (ENOSPC or EDQUOT, :func:`~insitubatch_nodes._filemap.is_full`) and leaves
+    no file behind. The mapping holds no descriptor."""
     header = _npy_header(shape, dtype)
     nbytes = math.prod(shape) * dtype.itemsize
     tmp = directory / f".{stem}.{os.getpid()}.{next(_counter)}{_TMP_SUFFIX}"
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.ftruncate(fd, len(header) + nbytes)
+        _filemap.reserve(fd, len(header) + nbytes)
         os.pwrite(fd, header, 0)
-        region = mmap.mmap(fd, len(header) + nbytes)
+        region = _filemap.map_file(fd, len(header) + nbytes, writable=True)
     except BaseException:
-        os.close(fd)
         tmp.unlink(missing_ok=True)
         raise
-    os.close(fd)
+    finally:
+        os.close(fd)
     track(region)
-    count = math.prod(shape)
-    array = np.frombuffer(region, dtype=dtype, count=count, offset=len(header)).reshape(shape)
-    return array, tmp
+    return region.array(dtype, shape, len(header)), tmp
 
 
 class SpillBacking:
@@ -483,9 +539,27 @@ class SpillBacking:
         self.lock = lock
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        array, tmp = _map_new(
-            self.directory, "spill", tuple(shape), np.dtype(dtype), self.lock.track
-        )
+        """A slot file's mapping; raises :class:`CacheDiskFullError` when the file system has
+        no room for it (slot memory is what the user put on this disk: it does not move into
+        RAM behind the budget's back)."""
+        dtype = np.dtype(dtype)
+        try:
+            array, tmp = _map_new(self.directory, "spill", tuple(shape), dtype, self.lock.track)
+        except OSError as exc:
+            if not _filemap.is_full(exc):
+                raise
+            nbytes = math.prod(shape) * dtype.itemsize
+            raise CacheDiskFullError(
+                f"cache_dir {self.directory} is full: a spill slot of {nbytes:,} bytes cannot "
+                f"get its disk blocks there ({exc.strerror}; {_free_bytes(self.directory)} "
+                "free). Without persist=True the pool's slot memory — up to cache_budget_bytes "
+                "— lives in files in cache_dir, and that file system must hold it. Free space "
+                "there, point cache_dir at a larger local disk, lower cache_budget_bytes (None "
+                "sizes it to the working set), or drop cache_dir to keep the slots in RAM.",
+                code=exc.errno or errno.ENOSPC,
+                directory=self.directory,
+                nbytes=nbytes,
+            ) from exc
         tmp.unlink()  # the mapping keeps the inode: disk space only while mapped
         return array
 
@@ -639,6 +713,7 @@ class ChunkCache:
             "reset_files": 0,
             "unverified": 0,
             "stale_chunks": 0,
+            "not_persisted": 0,
         }
         #: the store the chunks come from: checked at open, recorded by a writer (store_identity)
         self.store_check = store_check
@@ -649,6 +724,7 @@ class ChunkCache:
         self._log_fd: int | None = None
         self._spill: SpillBacking | None = None
         self._warned_commit = False
+        self._warned_full = False
         self._mutex = threading.Lock()  # orders map_file against close
         self.closed = True
         self.open()
@@ -673,6 +749,8 @@ class ChunkCache:
                     raise
                 raise better from exc
         _warn_unarbitrated(self.root)
+        # list it afresh: a directory made again may reuse its inode
+        _RANK_DIRS.pop(self.root, None)
         locks: list[DirLock] = []
         try:
             if self.readonly:
@@ -695,7 +773,7 @@ class ChunkCache:
                     self.identity = store_identity.IdentityRecorder(self.own, kind)
             if not self.persistent:
                 self._spill = SpillBacking(self.own, locks[0])
-        except BaseException:
+        except BaseException as exc:
             # construction failed after taking the lock (a stale cache, a corrupt log): release
             # it here — nothing else would until the process exits
             self._close_log()
@@ -703,6 +781,16 @@ class ChunkCache:
             for lock in locks:
                 lock.release()
             self._locks[:] = []
+            if _filemap.is_full(exc):
+                assert isinstance(exc, OSError)
+                raise CacheDiskFullError(
+                    f"cache_dir {self.own} is full: there is no room for the cache's own files "
+                    f"there ({exc}; {_free_bytes(self.own)} free). Free space there, or point "
+                    "cache_dir at a larger local disk.",
+                    code=exc.errno or errno.ENOSPC,
+                    directory=self.own,
+                    nbytes=0,
+                ) from exc
             raise
         self.closed = False
 
@@ -793,7 +881,7 @@ class ChunkCache:
         """The slot backing in spill mode (``None`` when persistent)."""
         return self._spill
 
-    def _track(self, region: mmap.mmap) -> None:
+    def _track(self, region: Region) -> None:
         for lock in self._locks:  # each directory stays locked while this mapping lives
             lock.track(region)
 
@@ -975,20 +1063,44 @@ class ChunkCache:
                 return None
             # not MAP_POPULATE: the gather's page faults map 16 pages each (fault-around) and
             # measured faster at the reference shape (2,100-2,450 against 1,850-1,950 samples/s)
-            region = mmap.mmap(fd, offset + nbytes, access=mmap.ACCESS_READ)
+            region = _filemap.map_file(fd, offset + nbytes, writable=False)
         except (OSError, ValueError):
             return None
         finally:
-            os.close(fd)
+            os.close(fd)  # the mapping holds no descriptor
         self._track(region)
-        count = math.prod(shape)
-        return np.frombuffer(region, dtype=dtype, count=count, offset=offset).reshape(shape)
+        return region.array(dtype, shape, offset)
 
     def new_slot(
         self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
     ) -> SlotFile | None:
         """A writable slot that :meth:`commit` turns into ``key``'s cached file, or ``None``
-        when another writer (rank) is writing that chunk now (keep it in memory instead)."""
+        when another writer (rank) is writing that chunk now, or when the disk has no room for
+        it (warned once): keep it in memory instead."""
+        try:
+            return self._new_slot(key, shape, dtype, valid)
+        except OSError as exc:
+            if not _filemap.is_full(exc):
+                raise
+        self.stats["not_persisted"] += 1
+        if not self._warned_full:
+            self._warned_full = True
+            nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+            warnings.warn(
+                f"insitubatch_nodes: cache_dir {self.own} is full: chunk {key[1]} of array "
+                f"{key[0]!r} ({nbytes:,} bytes) cannot get its disk blocks there "
+                f"({_free_bytes(self.own)} free). Chunks that do not fit are held in RAM for "
+                "this run and not persisted — the data trained on is the same — and a later "
+                "run fetches them again. Free space there, or point cache_dir at a larger local "
+                "disk, to keep them.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return None
+
+    def _new_slot(
+        self, key: tuple[str, int], shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
+    ) -> SlotFile | None:
         name = chunk_file_name(*key)
         claims = self.root / CLAIMS_NAME
         claims.mkdir(exist_ok=True)
@@ -999,10 +1111,10 @@ class ChunkCache:
             self.stats["claimed_elsewhere"] += 1
             return None
         try:
-            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
-        finally:
-            os.close(fd)
-        try:
+            try:
+                os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            finally:
+                os.close(fd)
             self._refresh()  # logged by another rank just before our claim: read that instead
             logged = self._index.get(key)
             if _matches(logged, shape, dtype, valid) and (not self.verify or _checked(logged)):

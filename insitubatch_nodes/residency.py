@@ -544,9 +544,11 @@ class ChunkPool:
             if free:
                 return free.pop()
             if self._allocated + nbytes <= self.budget_bytes:
+                # counted once it exists: a backing may raise (a spill disk that is full)
+                slot = _new_slot(self.backing.allocate, shape, dtype, level_major)
                 self._allocated += nbytes
                 self.stats.allocations += 1
-                return _new_slot(self.backing.allocate, shape, dtype, level_major)
+                return slot
             if self._drop_other_free(size_key):
                 continue
             if self._lru:
