@@ -31,11 +31,14 @@ from typing import Any
 import google_crc32c
 import numpy as np
 import zarr
+import zarr.errors
 
 __all__ = [
     "array_dimension_names",
     "array_metadata_keys",
     "encode_chunk_key",
+    "metadata_dimension_names",
+    "open_array_if_present",
     "open_array_readonly",
     "open_group_readonly",
     "read_chunk_shape",
@@ -53,6 +56,24 @@ def open_group_readonly(store: Any) -> zarr.Group:
 def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
     """Open the array at ``path`` of ``store`` for reading: one metadata read (v2: two)."""
     return zarr.open_array(store=store, path=path, mode="r", zarr_format=zarr_format)  # type: ignore[arg-type]
+
+
+_NOT_AN_ARRAY: tuple[type[BaseException], ...] = tuple(
+    getattr(zarr.errors, n)
+    for n in ("NodeTypeValidationError", "ContainsGroupError")
+    if isinstance(getattr(zarr.errors, n, None), type)
+)
+
+
+def open_array_if_present(store: Any, path: str, zarr_format: int) -> zarr.Array | None:
+    """The array at ``path`` of ``store`` (read-only), or ``None`` when there is none there:
+    nothing at all, or a group (zarr 3.1 says so with ``NodeTypeValidationError``)."""
+    try:
+        return open_array_readonly(store, path, zarr_format)
+    except FileNotFoundError:
+        return None
+    except _NOT_AN_ARRAY:
+        return None
 
 
 METADATA_DOCUMENTS: tuple[str, ...] = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
@@ -160,6 +181,18 @@ def array_dimension_names(array: zarr.Array) -> tuple[str, ...] | None:
     names: Sequence[Any] | None = getattr(array.metadata, "dimension_names", None)
     if names is None:
         attr = array.attrs.get("_ARRAY_DIMENSIONS")
+        names = attr if isinstance(attr, list) else None
+    if names is None or any(n is None for n in names):
+        return None
+    return tuple(str(n) for n in names)
+
+
+def metadata_dimension_names(metadata: Any) -> tuple[str, ...] | None:
+    """:func:`array_dimension_names` from an array's metadata alone (v3 ``dimension_names``,
+    v2 ``_ARRAY_DIMENSIONS`` in its attributes): what an :class:`ArrayGeometry` keeps."""
+    names: Sequence[Any] | None = getattr(metadata, "dimension_names", None)
+    if names is None:
+        attr = (getattr(metadata, "attributes", None) or {}).get("_ARRAY_DIMENSIONS")
         names = attr if isinstance(attr, list) else None
     if names is None or any(n is None for n in names):
         return None

@@ -141,6 +141,8 @@ class GatherNode(BaseNode[Batch]):
 
     ``labels`` maps each label to its :class:`ArrayGeometry` view; ``batch_transforms`` run in
     order on every gathered batch (on the pipeline's thread, so they overlap the consumer).
+    ``coords`` maps a label to ``{name: values}`` (1-D, one value per sample of its array): each
+    batch's ``coords[label][name]`` is ``values[sample_indices[label]]``, one vectorised take.
     """
 
     def __init__(
@@ -149,6 +151,7 @@ class GatherNode(BaseNode[Batch]):
         labels: Mapping[str, ArrayGeometry],
         batch_size: int,
         batch_transforms: Sequence[BatchTransform] = (),
+        coords: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
         super().__init__()
         for t in batch_transforms:
@@ -158,6 +161,14 @@ class GatherNode(BaseNode[Batch]):
         self.labels = dict(labels)
         self.batch_size = batch_size
         self.batch_transforms = tuple(batch_transforms)
+        unknown = set(coords or {}) - set(self.labels)
+        if unknown:
+            raise ValueError(f"coords name labels {sorted(unknown)} that are not in labels")
+        self.coords = {
+            label: {name: np.asarray(v) for name, v in named.items()}
+            for label, named in (coords or {}).items()
+            if named
+        }
         self._buffers = {
             label: BufferPool((batch_size, *g.inner_shape), g.dtype) for label, g in labels.items()
         }
@@ -200,6 +211,12 @@ class GatherNode(BaseNode[Batch]):
             sample_indices=dict(plan.sample_indices),
             epoch=plan.epoch,
             index=plan.index,
+            coords={
+                label: {
+                    name: values.take(plan.sample_indices[label]) for name, values in named.items()
+                }
+                for label, named in self.coords.items()
+            },
         )
         for transform in self.batch_transforms:
             batch = transform(batch)

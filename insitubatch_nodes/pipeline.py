@@ -19,6 +19,7 @@ from zarr.abc.store import Store
 from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache import ChunkCache
+from insitubatch_nodes.coords import carried_coordinates
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, check_on_bad_chunk
 from insitubatch_nodes.fingerprint import array_fingerprint
 from insitubatch_nodes.gather import GatherNode
@@ -313,6 +314,7 @@ def insitu_pipeline(
     persist: bool = False,
     readonly_cache: bool = False,
     reset_stale_cache: bool = False,
+    coords: Sequence[str] | None = None,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -350,6 +352,14 @@ def insitu_pipeline(
     object that cannot be read after the store's retries, or cannot be decoded, fails the
     epoch) or ``"nan"`` (its rectangle is filled with NaN, or the fill value for non-float
     arrays, the epoch goes on and :attr:`InSituPipeline.bad_chunks` lists it).
+
+    ``coords`` chooses the coordinates each batch carries as ``batch.coords[label][name]`` (one
+    value per row, indexed with the rows' sample indices; see :mod:`~insitubatch_nodes.coords`):
+    ``None`` (the default) carries each label's dimension coordinate of the sample axis where
+    the store has one (``time`` for a ``(time, lat, lon)`` array; one that cannot be decoded is
+    left out with a warning); a list of names carries those for every label (each must exist:
+    ``KeyError`` or ``ValueError`` here otherwise); ``()`` carries none and reads none. Each
+    coordinate array is read and decoded once, here.
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -403,6 +413,15 @@ def insitu_pipeline(
         base = geoms.setdefault(view.path, view.base)
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
+    if isinstance(coords, str):
+        coords = [coords]
+    if coords is not None and not isinstance(coords, Sequence):
+        raise TypeError(f"coords must be None or a sequence of coordinate names, got {coords!r}")
+    carried = (
+        carried_coordinates(zstore, labels, None if coords is None else list(coords))
+        if coords is None or len(coords)
+        else {}
+    )
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     labels = {label: transforms.output_view(view) for label, view in labels.items()}
@@ -466,7 +485,7 @@ def insitu_pipeline(
             cache.close()
         raise
     resident = ChunkPoolNode(fetch)
-    gather = GatherNode(resident, labels, batch_size, batch_transforms)
+    gather = GatherNode(resident, labels, batch_size, batch_transforms, coords=carried)
     return InSituPipeline(
         gather,
         prefetch_depth,
