@@ -42,6 +42,7 @@ __all__ = [
     "open_array_readonly",
     "open_group_readonly",
     "read_chunk_shape",
+    "read_whole_array",
     "stored_chunk_shape",
     "unreadable_metadata",
     "walk_arrays",
@@ -74,6 +75,30 @@ def open_array_if_present(store: Any, path: str, zarr_format: int) -> zarr.Array
         return None
     except _NOT_AN_ARRAY:
         return None
+
+
+def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:
+    """All of ``array``, read by zarr (its public ``AsyncArray.getitem``) on zarr's IO loop.
+
+    Raises ``TimeoutError`` when the read has not finished within ``timeout_s`` seconds (it is
+    cancelled); zarr's and the store's own errors pass through. Not for use on the IO loop.
+    """
+    import asyncio
+
+    async def read() -> Any:
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                return await array.async_array.getitem(Ellipsis)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise TimeoutError(
+                f"no complete answer within {timeout_s:g} s (RetryPolicy.timeout_s): the store "
+                "stopped answering or is too slow"
+            ) from None
+
+    return np.asarray(asyncio.run_coroutine_threadsafe(read(), io_loop()).result())
 
 
 METADATA_DOCUMENTS: tuple[str, ...] = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")

@@ -40,7 +40,7 @@ import numpy as np
 
 from insitubatch_nodes import _zarr_compat
 from insitubatch_nodes.geometry import ArrayGeometry
-from insitubatch_nodes.stores import StoreLike, as_store, describe_store
+from insitubatch_nodes.stores import StoreLike, as_store, describe_store, retry_policy
 
 __all__ = ["Coordinate", "decode_cf", "open_coordinates"]
 
@@ -350,8 +350,9 @@ def _candidates(geom_path: str, name: str) -> list[str]:
 class _Reader:
     """Reads and decodes coordinate arrays of one store, each once."""
 
-    def __init__(self, store: StoreLike) -> None:
+    def __init__(self, store: StoreLike, timeout_s: float | None = None) -> None:
         self.store = as_store(store)
+        self.timeout_s = retry_policy(self.store).timeout_s if timeout_s is None else timeout_s
         self.loaded: dict[str, Coordinate] = {}
 
     def find(self, geom: ArrayGeometry, name: str) -> tuple[str, Any] | None:
@@ -373,7 +374,15 @@ class _Reader:
             attrs = dict(array.attrs)
             v2_fill = array.fill_value if int(array.metadata.zarr_format) == 2 else None
             name = path.rsplit("/", 1)[-1]
-            values = decode_cf(array[...], attrs, v2_fill, name=name)
+            try:
+                raw = _zarr_compat.read_whole_array(array, self.timeout_s)
+            except Exception as exc:
+                error = TimeoutError if isinstance(exc, TimeoutError) else OSError
+                raise error(
+                    f"cannot read coordinate {path!r} from store {describe_store(self.store)}: "
+                    f"{exc}. Check the store, or pass coords=() to carry no coordinate"
+                ) from exc
+            values = decode_cf(raw, attrs, v2_fill, name=name)
             self.loaded[path] = Coordinate(name, values, path=path, attrs=attrs)
         return self.loaded[path]
 
@@ -452,13 +461,17 @@ def open_coordinates(
     one value per sample (``KeyError`` naming where it looked when missing, ``ValueError`` when
     it does not fit). Keys are the arrays' names (the last path component). Decoding errors
     (an unsupported calendar, units that are not CF) raise ``ValueError``. One metadata read and
-    the array's chunks per coordinate.
+    the array's chunks per coordinate, within the store's ``RetryPolicy.timeout_s`` (else
+    ``TimeoutError``; another read error raises ``OSError`` naming the coordinate).
     """
     return _coordinates(_Reader(store), geom, None if names is None else list(names))
 
 
 def carried_coordinates(
-    store: StoreLike, views: Mapping[str, ArrayGeometry], names: Sequence[str] | None
+    store: StoreLike,
+    views: Mapping[str, ArrayGeometry],
+    names: Sequence[str] | None,
+    timeout_s: float | None = None,
 ) -> dict[str, dict[str, np.ndarray]]:
     """``{label: {name: values}}`` for the builder: the coordinates each label's rows carry.
 
@@ -467,7 +480,7 @@ def carried_coordinates(
     coordinate otherwise. Explicit ``names`` fail loudly. Each coordinate array is read once,
     however many views share it.
     """
-    reader = _Reader(store)
+    reader = _Reader(store, timeout_s)
     out: dict[str, dict[str, np.ndarray]] = {}
     for label, view in views.items():
         if names is None:

@@ -30,7 +30,7 @@ from insitubatch_nodes.prefetch import PrefetcherNode
 from insitubatch_nodes.report import EpochRecorder, EpochReport
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
 from insitubatch_nodes.splits import SplitManifest
-from insitubatch_nodes.stores import RetryPolicy, as_store
+from insitubatch_nodes.stores import RetryPolicy, as_store, retry_policy
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
@@ -359,7 +359,8 @@ def insitu_pipeline(
     the store has one (``time`` for a ``(time, lat, lon)`` array; one that cannot be decoded is
     left out with a warning); a list of names carries those for every label (each must exist:
     ``KeyError`` or ``ValueError`` here otherwise); ``()`` carries none and reads none. Each
-    coordinate array is read and decoded once, here.
+    coordinate array is read and decoded once, here, within ``retry``'s ``timeout_s`` (a read
+    that fails raises ``OSError`` or ``TimeoutError`` naming the coordinate).
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -418,7 +419,12 @@ def insitu_pipeline(
     if coords is not None and not isinstance(coords, Sequence):
         raise TypeError(f"coords must be None or a sequence of coordinate names, got {coords!r}")
     carried = (
-        carried_coordinates(zstore, labels, None if coords is None else list(coords))
+        carried_coordinates(
+            zstore,
+            labels,
+            None if coords is None else list(coords),
+            timeout_s=(retry or retry_policy(zstore)).timeout_s,
+        )
         if coords is None or len(coords)
         else {}
     )
