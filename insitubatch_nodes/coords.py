@@ -328,6 +328,8 @@ class Coordinate:
                     f"{at} is {v[at]} after {v[at - 1]}): a value window is not one run of "
                     "samples there. Pass sample_range as sample indices instead (without coord)"
                 )
+        if self.is_time:  # compare in the values' own unit: a far bound must not overflow
+            lo, hi = _ceil_to(lo, v.dtype), _ceil_to(hi, v.dtype)
         inside = np.flatnonzero((v >= lo) & (v < hi))
         if inside.size == 0:
             first, last = (v[0], v[-1]) if len(v) else ("-", "-")
@@ -336,6 +338,25 @@ class Coordinate:
                 f"run from {first} to {last})"
             )
         return int(inside[0]), int(inside[-1]) + 1
+
+
+def _ceil_to(bound: np.datetime64, dtype: np.dtype[Any]) -> np.datetime64:
+    """The smallest ``dtype`` value at or after ``bound`` (clamped to what ``dtype`` holds), so
+    that ``v >= bound`` and ``v < bound`` can be decided in ``dtype``'s own unit."""
+    unit = np.datetime_data(dtype)[0]
+    info = np.iinfo(np.int64)
+    # a margin inside int64's ends: numpy's casts between units overflow right at them
+    first, last = np.array([info.min + 10**12, info.max - 10**12]).astype(f"M8[{unit}]")
+    common = unit if _NS_PER.get(unit, 10**18) >= _NS_PER["s"] else "s"  # no finer than s
+    b = bound.astype(f"M8[{common}]")
+    if b < first.astype(f"M8[{common}]"):
+        return first
+    if b > last.astype(f"M8[{common}]"):
+        return last
+    tick = bound.astype(dtype)
+    if tick < bound:  # (both near bound: representable in the finer unit)
+        tick = tick + np.array(1).astype(f"m8[{unit}]")
+    return tick
 
 
 def _candidates(geom_path: str, name: str) -> list[str]:
@@ -353,15 +374,18 @@ class _Reader:
     def __init__(self, store: StoreLike, timeout_s: float | None = None) -> None:
         self.store = as_store(store)
         self.timeout_s = retry_policy(self.store).timeout_s if timeout_s is None else timeout_s
+        self.arrays: dict[str, Any] = {}  # path -> the opened zarr array (None: not there)
         self.loaded: dict[str, Coordinate] = {}
 
     def find(self, geom: ArrayGeometry, name: str) -> tuple[str, Any] | None:
+        """The first candidate path of ``name`` that holds an array, and that array."""
         for path in _candidates(geom.path, name):
-            if path in self.loaded:
-                return path, None
-            array = _zarr_compat.open_array_if_present(self.store, path, geom.zarr_format)
-            if array is not None:
-                return path, array
+            if path not in self.arrays:
+                self.arrays[path] = _zarr_compat.open_array_if_present(
+                    self.store, path, geom.zarr_format
+                )
+            if self.arrays[path] is not None:
+                return path, self.arrays[path]
         return None
 
     def load(self, path: str, array: Any) -> Coordinate:
@@ -407,10 +431,8 @@ def _coordinates(
         if found is None:
             return {}
         path, array = found
-        if array is not None:
-            dims = _zarr_compat.metadata_dimension_names(array.metadata)
-            if array.ndim != 1 or dims != (dim,):
-                return {}
+        if array.ndim != 1 or _zarr_compat.metadata_dimension_names(array.metadata) != (dim,):
+            return {}
         coord = reader.load(path, array)
         if len(coord) != geom.n_samples:
             return {}
@@ -427,13 +449,12 @@ def _coordinates(
                 "to carry none"
             )
         path, array = found
-        if array is not None:
-            dims = _zarr_compat.metadata_dimension_names(array.metadata)
-            if array.ndim == 1 and dim is not None and dims is not None and dims != (dim,):
-                raise ValueError(
-                    f"coordinate {path!r} runs along dimension {dims[0]!r}, but the sample "
-                    f"axis of {geom.path!r} is {dim!r}: it is not a coordinate of the samples"
-                )
+        dims = _zarr_compat.metadata_dimension_names(array.metadata)
+        if array.ndim == 1 and dim is not None and dims is not None and dims != (dim,):
+            raise ValueError(
+                f"coordinate {path!r} runs along dimension {dims[0]!r}, but the sample "
+                f"axis of {geom.path!r} is {dim!r}: it is not a coordinate of the samples"
+            )
         coord = reader.load(path, array)
         if len(coord) != geom.n_samples:
             raise ValueError(

@@ -129,6 +129,9 @@ def test_a_date_window_selects_the_chunk_snapped_index_window(era5: Path) -> Non
     ]:
         again = split_by_chunk(geom, (1.0, 0.0, 0.0), sample_range=bounds, coord=time)
         assert again == manifest
+    # bounds far outside datetime64[ns]'s range still compare right: every chunk
+    everything = split_by_chunk(geom, sample_range=("1000-01-01", "3000-01-01"), coord=time)
+    assert everything.sample_range == (0, N_TIME)
 
 
 def test_a_value_window_is_refused_without_its_coordinate_and_with_the_wrong_kind(
