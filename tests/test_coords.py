@@ -359,3 +359,31 @@ def test_a_named_coordinate_that_is_missing_says_where_it_looked(era5: Path) -> 
         open_coordinates(era5, geom, ["valid_time"])
     with pytest.raises(ValueError, match="runs along dimension 'lat'"):
         open_coordinates(era5, geom, ["lat"])
+
+
+def test_a_coordinate_is_found_in_the_arrays_group_first_then_in_its_parents(
+    tmp_path: Path,
+) -> None:
+    root = zarr.open_group(tmp_path / "tree.zarr", mode="w", zarr_format=3)
+    hours = {"units": "hours since 2000-01-01"}
+    root.create_array("time", data=np.arange(16, dtype=np.int64), dimension_names=("time",))
+    root["time"].attrs.update(hours)
+    sub = root.create_group("sub")
+    field = np.zeros((16, 2), np.float32)
+    sub.create_array("t2m", data=field, chunks=(4, 2), dimension_names=("time", "x"))
+    own = root.create_group("own")
+    own.create_array("t2m", data=field, chunks=(4, 2), dimension_names=("time", "x"))
+    own.create_array("time", data=np.arange(16, dtype=np.int64) * 6, dimension_names=("time",))
+    own["time"].attrs.update(hours)
+    geoms = open_geometries(tmp_path / "tree.zarr")
+    assert sorted(geoms) == ["own/t2m", "sub/t2m"]
+    inherited = open_coordinates(tmp_path / "tree.zarr", geoms["sub/t2m"])["time"]
+    assert inherited.path == "time"
+    np.testing.assert_array_equal(
+        inherited.values, np.datetime64("2000-01-01") + np.arange(16).astype("m8[h]")
+    )
+    shadowing = open_coordinates(tmp_path / "tree.zarr", geoms["own/t2m"])["time"]
+    assert shadowing.path == "own/time"
+    np.testing.assert_array_equal(
+        shadowing.values, np.datetime64("2000-01-01") + (np.arange(16) * 6).astype("m8[h]")
+    )
