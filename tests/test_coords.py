@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import pytest
 import zarr
+from helpers import CountingStore, is_metadata_key
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import (
@@ -26,9 +26,9 @@ from insitubatch_nodes import (
     split_by_chunk,
     to_torch,
 )
-from tests.helpers import CountingStore, is_metadata_key
 
-xr = pytest.importorskip("xarray")
+xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
+pd = pytest.importorskip("pandas")  # (xarray's own dependency)
 
 N_TIME, SPC = 96, 8  # 12 chunks of 8 six-hourly steps: 2019-12-25 .. 2020-01-18
 START = "2019-12-25"
