@@ -387,3 +387,24 @@ def test_a_coordinate_is_found_in_the_arrays_group_first_then_in_its_parents(
     np.testing.assert_array_equal(
         shadowing.values, np.datetime64("2000-01-01") + (np.arange(16) * 6).astype("m8[h]")
     )
+
+
+def test_each_rank_carries_the_times_of_its_own_rows(era5: Path) -> None:
+    geom = open_geometries(era5)["t2m"]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    t = _xr_time(era5)
+    seen: list[np.ndarray] = []
+    for rank in (0, 1):
+        pipe = insitu_pipeline(
+            era5, manifest, {"x": geom, "y": geom.shift(1)}, batch_size=6, rank=rank, world_size=2
+        )
+        try:
+            for b in pipe:
+                for label in ("x", "y"):
+                    rows = b.sample_indices[label]
+                    np.testing.assert_array_equal(b.coords[label]["time"], t[rows])
+                seen.append(b.sample_indices["x"])
+        finally:
+            pipe.close()
+    rows = np.concatenate(seen)
+    assert len(rows) == len(set(rows.tolist())) > 0  # the ranks' rows (and so times) are disjoint
