@@ -136,6 +136,8 @@ def _decode_time(
     missing = np.zeros(values.shape, bool) if missing is None else missing.copy()
     if values.dtype.kind == "f":
         missing |= ~np.isfinite(values)
+    elif values.dtype == np.int64:  # NaT's own bit pattern (how xarray writes a NaT)
+        missing |= values == np.iinfo(np.int64).min
     if values.dtype.kind not in "iuf":
         raise ValueError(
             f"coordinate {name!r}: CF time values must be numbers, got dtype {values.dtype}"
@@ -215,8 +217,8 @@ def decode_cf(
     if (
         scale is not None
         or offset is not None
-        or (missing is not None and values.dtype.kind != "f")
-    ):
+        or (missing is not None and values.dtype.kind != "f" and not _is_cf_time(attrs))
+    ):  # (integer CF times stay integers: nanosecond counts do not fit a float exactly)
         values = values.astype(np.float64)
         if scale is not None:
             values = values * float(scale)

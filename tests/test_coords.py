@@ -408,3 +408,33 @@ def test_each_rank_carries_the_times_of_its_own_rows(era5: Path) -> None:
             pipe.close()
     rows = np.concatenate(seen)
     assert len(rows) == len(set(rows.tolist())) > 0  # the ranks' rows (and so times) are disjoint
+
+
+@pytest.mark.parametrize(
+    "encoding",
+    [
+        {"units": "nanoseconds since 1970-01-01"},  # int64, NaT as its own bit pattern
+        {"units": "hours since 1970-01-01", "dtype": "float64"},  # NaN; v3: a base64 _FillValue
+    ],
+    ids=["int64-ns", "float-hours"],
+)
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_missing_time_decodes_to_nat_and_a_named_coordinate_like_xarray(
+    tmp_path: Path, encoding: dict[str, object], zarr_format: int
+) -> None:
+    t = pd.date_range("2020-01-01", periods=N_TIME, freq="6h").values
+    valid = t + np.timedelta64(7, "ns")
+    valid[3] = np.datetime64("NaT")
+    ds = _dataset(t, valid_time=("time", valid))
+    root = tmp_path / "nat.zarr"
+    ds.to_zarr(root, mode="w", zarr_format=zarr_format, consolidated=False,  # type: ignore[attr-defined]
+               encoding={"valid_time": encoding})  # fmt: skip
+    geom = open_geometries(root)["t2m"]
+    got = open_coordinates(root, geom, ["valid_time"])["valid_time"].values
+    with xr.open_zarr(root, consolidated=False) as back:
+        want = back.valid_time.values
+    np.testing.assert_array_equal(got, want)
+    assert np.isnat(got[3]) and not np.isnat(np.delete(got, 3)).any()
+    with pytest.raises(ValueError, match="has missing values"):
+        split_by_chunk(geom, sample_range=("2020-01-01", "2020-01-05"),
+                       coord=Coordinate("valid_time", got))  # fmt: skip
