@@ -7,16 +7,16 @@ attributes, as xarray does for a zarr store, but without xarray:
 
 * ``_FillValue`` / ``missing_value`` mark missing values (for zarr v2 the array's own
   ``fill_value`` is the ``_FillValue``, as xarray reads v2; for v3 only the attribute counts),
-  then ``scale_factor`` / ``add_offset`` unpack — a masked or packed coordinate decodes to
+  then ``scale_factor`` / ``add_offset`` unpack — packed values and masked integers decode to
   ``float64`` (NaN where missing);
 * ``units`` of the CF form ``"<unit> since <reference date>"`` (unit ``days``, ``hours``,
   ``minutes``, ``seconds``, ``milliseconds``, ``microseconds`` or ``nanoseconds``) with
   ``calendar`` ``standard``, ``gregorian`` or ``proleptic_gregorian`` (absent means
-  ``standard``) decode to ``numpy.datetime64[ns]`` (``NaT`` where missing), as xarray decodes
-  them — ``[s]`` (or the encoding's finer unit) for dates outside the nanosecond range (years
-  1678–2261). Another calendar (``noleap``, ``360_day``,
-  ``julian``, ...) or a ``standard`` date before 1582-10-15 (a Julian date there) has no
-  ``datetime64`` value and raises ``ValueError``;
+  ``standard``) decode to ``numpy.datetime64[ns]`` (``NaT`` where missing, and for NaT's own
+  ``int64`` bit pattern, which is how xarray writes a NaT), as xarray decodes them — ``[s]``
+  (or the encoding's finer unit) for dates outside the nanosecond range (years 1678–2261).
+  Another calendar (``noleap``, ``360_day``, ``julian``, ...) or a ``standard`` date before
+  1582-10-15 (a Julian date there) has no ``datetime64`` value and raises ``ValueError``;
 * anything else comes as stored.
 
 A :class:`Coordinate` turns a value window into a sample window (:meth:`Coordinate.index_range`,
