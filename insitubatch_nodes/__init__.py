@@ -4,6 +4,7 @@ Follow a batch top-down through the modules:
 
 * :mod:`~insitubatch_nodes.stores` — open a store by URL or path (obstore-backed);
 * :mod:`~insitubatch_nodes.geometry` — what a sample is, and which stored objects hold it;
+* :mod:`~insitubatch_nodes.coords` — coordinates along the sample axis (CF time), per row;
 * :mod:`~insitubatch_nodes.splits` — chunk-aligned train/val/test manifests;
 * :mod:`~insitubatch_nodes.plan` — ``ReadPlanNode``: per-epoch order, batches, chunk reads;
 * :mod:`~insitubatch_nodes.fetch` — ``AsyncChunkFetchNode``: GETs on one loop, decode off the GIL;
@@ -31,6 +32,7 @@ from insitubatch_nodes.cache import (
     CorruptCacheError,
     StaleCacheError,
 )
+from insitubatch_nodes.coords import Coordinate, open_coordinates
 from insitubatch_nodes.decode import ChunkDecoder, DecodeError
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
 from insitubatch_nodes.gather import GatherNode
@@ -97,6 +99,7 @@ __all__ = [
     "ChunkTransform",
     "ChunkTransformError",
     "Coarsen",
+    "Coordinate",
     "CorruptCacheError",
     "CorruptMetadataError",
     "DecodeError",
@@ -129,6 +132,7 @@ __all__ = [
     "as_dataset",
     "choose_schedule",
     "insitu_pipeline",
+    "open_coordinates",
     "open_geometries",
     "open_store",
     "plan_epoch",

@@ -31,6 +31,7 @@ from typing import Any
 import google_crc32c
 import numpy as np
 import zarr
+import zarr.errors
 
 __all__ = [
     "array_dimension_names",
@@ -38,12 +39,15 @@ __all__ = [
     "consolidated_arrays",
     "encode_chunk_key",
     "list_dir",
+    "metadata_dimension_names",
     "node_kind",
     "node_kinds",
+    "open_array_if_present",
     "open_array_readonly",
     "open_arrays_by_name",
     "open_group_readonly",
     "read_chunk_shape",
+    "read_whole_array",
     "stored_chunk_shape",
     "unreadable_metadata",
     "walk_arrays",
@@ -183,6 +187,48 @@ def list_dir(store: Any, prefix: str) -> list[str]:
     return sorted(set(sync(listed())))
 
 
+_NOT_AN_ARRAY: tuple[type[BaseException], ...] = tuple(
+    getattr(zarr.errors, n)
+    for n in ("NodeTypeValidationError", "ContainsGroupError")
+    if isinstance(getattr(zarr.errors, n, None), type)
+)
+
+
+def open_array_if_present(store: Any, path: str, zarr_format: int) -> zarr.Array | None:
+    """The array at ``path`` of ``store`` (read-only), or ``None`` when there is none there:
+    nothing at all, or a group (zarr 3.1 says so with ``NodeTypeValidationError``)."""
+    try:
+        return open_array_readonly(store, path, zarr_format)
+    except FileNotFoundError:
+        return None
+    except _NOT_AN_ARRAY:
+        return None
+
+
+def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:
+    """All of ``array``, read by zarr (its public ``AsyncArray.getitem``) on zarr's IO loop.
+
+    Raises ``TimeoutError`` when the read has not finished within ``timeout_s`` seconds (it is
+    cancelled); zarr's and the store's own errors pass through. Not for use on the IO loop.
+    """
+    import asyncio
+
+    async def read() -> Any:
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                return await array.async_array.getitem(Ellipsis)
+        except TimeoutError:
+            if not deadline.expired():
+                raise
+            raise TimeoutError(
+                f"no complete answer within {timeout_s:g} s (RetryPolicy.timeout_s): the store "
+                "stopped answering or is too slow"
+            ) from None
+
+    return np.asarray(asyncio.run_coroutine_threadsafe(read(), io_loop()).result())
+
+
 METADATA_DOCUMENTS: tuple[str, ...] = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")
 
 
@@ -299,6 +345,18 @@ def array_dimension_names(array: zarr.Array) -> tuple[str, ...] | None:
     names: Sequence[Any] | None = getattr(array.metadata, "dimension_names", None)
     if names is None:
         attr = array.attrs.get("_ARRAY_DIMENSIONS")
+        names = attr if isinstance(attr, list) else None
+    if names is None or any(n is None for n in names):
+        return None
+    return tuple(str(n) for n in names)
+
+
+def metadata_dimension_names(metadata: Any) -> tuple[str, ...] | None:
+    """:func:`array_dimension_names` from an array's metadata alone (v3 ``dimension_names``,
+    v2 ``_ARRAY_DIMENSIONS`` in its attributes): what an :class:`ArrayGeometry` keeps."""
+    names: Sequence[Any] | None = getattr(metadata, "dimension_names", None)
+    if names is None:
+        attr = (getattr(metadata, "attributes", None) or {}).get("_ARRAY_DIMENSIONS")
         names = attr if isinstance(attr, list) else None
     if names is None or any(n is None for n in names):
         return None

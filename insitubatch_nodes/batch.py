@@ -22,6 +22,13 @@ class Batch:
     from (the anchor plus that label's view offset). ``epoch`` and ``index`` locate the batch in
     the run. The arrays may be views of reused buffers: a batch (or a tensor made from it) that
     you keep stays valid — its buffer is not reused while anything references it.
+
+    ``coords[label][name][i]`` is the value of coordinate ``name`` (e.g. ``"time"``) at row ``i``
+    of ``arrays[label]``: the decoded coordinate indexed with ``sample_indices[label]``, so a
+    shifted view has its own values (``numpy.datetime64`` for CF time; see
+    :mod:`insitubatch_nodes.coords`). Labels without coordinates are absent. Coordinates stay
+    numpy: :func:`to_torch` converts ``arrays`` only. A batch transform that drops or reorders
+    rows must do the same to ``sample_indices`` and ``coords``.
     """
 
     arrays: dict[str, np.ndarray]
@@ -29,6 +36,7 @@ class Batch:
     epoch: int
     index: int
     meta: dict[str, Any] = field(default_factory=dict)
+    coords: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         for arr in self.arrays.values():
@@ -78,7 +86,8 @@ def to_torch(
     device: str | torch.device | None = None,
     device_transforms: Sequence[DeviceTransform] = (),
 ) -> dict[str, torch.Tensor]:
-    """Convert a batch to ``{label: torch.Tensor}``.
+    """Convert a batch's ``arrays`` to ``{label: torch.Tensor}`` (``batch.coords`` stay numpy:
+    ``datetime64`` has no torch dtype; turn times into numeric features in a batch transform).
 
     On the CPU (``device=None`` or ``"cpu"``) the tensors share memory with the batch arrays (no
     copy). Every dtype a pipeline batch holds converts: bool, integers (unsigned too), floats and

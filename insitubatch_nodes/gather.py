@@ -151,6 +151,9 @@ class GatherNode(BaseNode[Batch]):
     which :func:`~insitubatch_nodes.pipeline.insitu_pipeline` sets to ``min(batch_size,
     samples the rank delivers per epoch)``. A batch with more rows (an epoch resumed on
     another world size) gets buffers of its size, allocated then.
+
+    ``coords`` maps a label to ``{name: values}`` (1-D, one value per sample of its array): each
+    batch's ``coords[label][name]`` is ``values[sample_indices[label]]``, one vectorised take.
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class GatherNode(BaseNode[Batch]):
         batch_transforms: Sequence[BatchTransform] = (),
         *,
         rows: int | None = None,
+        coords: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
         super().__init__()
         for t in batch_transforms:
@@ -170,6 +174,14 @@ class GatherNode(BaseNode[Batch]):
         self.labels = dict(labels)
         self.batch_size = batch_size
         self.batch_transforms = tuple(batch_transforms)
+        unknown = set(coords or {}) - set(self.labels)
+        if unknown:
+            raise ValueError(f"coords name labels {sorted(unknown)} that are not in labels")
+        self.coords = {
+            label: {name: np.asarray(v) for name, v in named.items()}
+            for label, named in (coords or {}).items()
+            if named
+        }
         self._size(batch_size if rows is None else max(1, min(rows, batch_size)))
         self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
 
@@ -219,6 +231,12 @@ class GatherNode(BaseNode[Batch]):
             sample_indices=dict(plan.sample_indices),
             epoch=plan.epoch,
             index=plan.index,
+            coords={
+                label: {
+                    name: values.take(plan.sample_indices[label]) for name, values in named.items()
+                }
+                for label, named in self.coords.items()
+            },
         )
         for transform in self.batch_transforms:
             batch = transform(batch)

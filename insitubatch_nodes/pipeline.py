@@ -20,6 +20,7 @@ from zarr.abc.store import Store
 from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache import ChunkCache
+from insitubatch_nodes.coords import carried_coordinates
 from insitubatch_nodes.fetch import AsyncChunkFetchNode, check_on_bad_chunk
 from insitubatch_nodes.fingerprint import array_fingerprint
 from insitubatch_nodes.gather import GatherNode
@@ -31,7 +32,7 @@ from insitubatch_nodes.report import EpochRecorder, EpochReport
 from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
 from insitubatch_nodes.splits import SplitManifest
 from insitubatch_nodes.store_identity import StoreCheck
-from insitubatch_nodes.stores import RetryPolicy, as_store, describe_store
+from insitubatch_nodes.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
@@ -371,6 +372,7 @@ def insitu_pipeline(
     reset_stale_cache: bool = False,
     verify_cache: bool = True,
     check_store: bool = True,
+    coords: Sequence[str] | None = None,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -419,6 +421,14 @@ def insitu_pipeline(
     ``StaleCacheError`` naming them (``readonly_cache=True``). ``check_store=False`` trusts
     the cache without listing (an archive known not to change); see
     :mod:`~insitubatch_nodes.store_identity`.
+    ``coords`` chooses the coordinates each batch carries as ``batch.coords[label][name]`` (one
+    value per row, indexed with the rows' sample indices; see :mod:`~insitubatch_nodes.coords`):
+    ``None`` (the default) carries each label's dimension coordinate of the sample axis where
+    the store has one (``time`` for a ``(time, lat, lon)`` array; one that cannot be decoded is
+    left out with a warning); a list of names carries those for every label (each must exist:
+    ``KeyError`` or ``ValueError`` here otherwise); ``()`` carries none and reads none. Each
+    coordinate array is read and decoded once, here, within ``retry``'s ``timeout_s`` (a read
+    that fails raises ``OSError`` or ``TimeoutError`` naming the coordinate).
     """
     batch_size = check_int("batch_size", batch_size, minimum=1)
     block_chunks = check_int("block_chunks", block_chunks, minimum=1)
@@ -477,6 +487,20 @@ def insitu_pipeline(
         base = geoms.setdefault(view.path, view.base)
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
+    if isinstance(coords, str):
+        coords = [coords]
+    if coords is not None and not isinstance(coords, Sequence):
+        raise TypeError(f"coords must be None or a sequence of coordinate names, got {coords!r}")
+    carried = (
+        carried_coordinates(
+            zstore,
+            labels,
+            None if coords is None else list(coords),
+            timeout_s=(retry or retry_policy(zstore)).timeout_s,
+        )
+        if coords is None or len(coords)
+        else {}
+    )
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     labels = {label: transforms.output_view(view) for label, view in labels.items()}
@@ -554,7 +578,7 @@ def insitu_pipeline(
             cache.close()
         raise
     resident = ChunkPoolNode(fetch)
-    gather = GatherNode(resident, labels, batch_size, batch_transforms, rows=rows)
+    gather = GatherNode(resident, labels, batch_size, batch_transforms, rows=rows, coords=carried)
     return InSituPipeline(
         gather,
         prefetch_depth,

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.coords import Coordinate
 from insitubatch_nodes.geometry import ArrayGeometry
 
 __all__ = ["SPLITS", "SplitManifest", "split_by_chunk"]
@@ -180,7 +181,8 @@ def split_by_chunk(
     *,
     contiguous: bool = True,
     seed: int = 0,
-    sample_range: tuple[int, int] | None = None,
+    sample_range: tuple[Any, Any] | None = None,
+    coord: Coordinate | None = None,
 ) -> SplitManifest:
     """Assign whole chunks of ``geom``'s sample axis to train/val/test.
 
@@ -189,6 +191,13 @@ def split_by_chunk(
     chunks are shuffled by ``seed`` first (for exchangeable samples). ``sample_range=(start,
     stop)`` keeps only the chunks overlapping that half-open sample range, snapping outward to
     chunk boundaries. A split with no chunks is legal and yields nothing.
+
+    With ``coord`` (a :class:`~insitubatch_nodes.coords.Coordinate` of ``geom``'s sample axis,
+    e.g. ``open_coordinates(store, geom)["time"]``) ``sample_range`` is a window of coordinate
+    *values* instead: the samples with ``start <= value < stop`` (half-open; dates as numpy
+    datetime64, datetime or ISO strings for a time coordinate), found by
+    :meth:`~insitubatch_nodes.coords.Coordinate.index_range` and then snapped outward to chunks
+    like an index range. The manifest records that index range as its ``sample_range``.
     """
     fr = tuple(float(f) for f in fractions)
     if len(fr) != 3:
@@ -199,7 +208,32 @@ def split_by_chunk(
         raise ValueError(f"fractions must sum to 1, got {fr} (sum {sum(fr):g})")
     spc, n = geom.samples_per_chunk, geom.n_samples
     first, stop_chunk = 0, geom.n_chunks
+    if coord is not None:
+        if not isinstance(coord, Coordinate):
+            raise TypeError(
+                f"coord must be a Coordinate (see open_coordinates), got {type(coord).__name__}"
+            )
+        if sample_range is None:
+            raise ValueError("coord picks a value window: pass sample_range=(start, stop) with it")
+        if len(coord) != n:
+            raise ValueError(
+                f"coordinate {coord.name!r} has {len(coord)} values but {geom.path!r} has {n} "
+                "samples: pass a coordinate of this array's sample axis"
+            )
     if sample_range is not None:
+        if isinstance(sample_range, (str, bytes)) or len(sample_range) != 2:
+            raise ValueError(f"sample_range must be a pair (start, stop), got {sample_range!r}")
+        if coord is not None:
+            sample_range = coord.index_range(*sample_range)
+        elif not all(
+            isinstance(x, int | np.integer) and not isinstance(x, bool) for x in sample_range
+        ):
+            raise TypeError(
+                f"sample_range {tuple(sample_range)!r} is not a pair of sample indices; for a "
+                "window of coordinate values (dates, heights) pass the coordinate too: "
+                "split_by_chunk(geom, ..., sample_range=(start, stop), "
+                "coord=open_coordinates(store, geom)['time'])"
+            )
         start, stop = (int(x) for x in sample_range)
         if not 0 <= start < stop <= n:
             raise ValueError(

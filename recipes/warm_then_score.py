@@ -70,6 +70,7 @@ def build(path: Path, cache_dir: Path, **cache: bool):  # type: ignore[no-untype
         shuffle=False,
         chunk_transforms=[scaler_for(path)],
         cache_dir=cache_dir,
+        coords=(),  # a scorer reads nothing from the store, not even the time coordinate
         **cache,
     )
 

@@ -72,6 +72,7 @@ def build(cfg: dict[str, Any]) -> tuple[Any, Any]:
         store,
         manifest,
         ["t2m", "z"],
+        coords=(),  # the parent counts the store's chunk GETs: no coordinate read at build
         batch_size=cfg.get("batch_size", 8),
         block_chunks=cfg.get("block_chunks", 4),
         seed=cfg.get("seed", 0),

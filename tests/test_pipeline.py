@@ -538,7 +538,9 @@ def test_a_budget_below_the_read_once_floor_releases_idle_chunks_and_reads_them_
         insitu_pipeline(root, manifest, views, cache_budget_bytes=bounded_floor - 1, **kwargs)
 
     store = counting_store(root)
-    pipe = insitu_pipeline(store, manifest, views, cache_budget_bytes=bounded_floor, **kwargs)
+    pipe = insitu_pipeline(  # no coordinate: the store's counts are the epoch's chunk reads
+        store, manifest, views, cache_budget_bytes=bounded_floor, coords=(), **kwargs
+    )
     oracle = Oracle(root)
     peaks: list[int] = []
     records = run_epoch(

@@ -138,3 +138,15 @@ def test_the_warm_then_score_recipe_scores_from_the_cache_in_parallel_without_a_
     assert "a second writer is refused while they read" in proc.stdout, _explain(proc)
     assert proc.stdout.count(", 0 GETs,") == 2, _explain(proc)
     assert "every batch matches zarr's own read" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_time_features_recipe_picks_its_window_by_date_and_trains_on_each_rows_time(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe("time_features.py", "--n-time", "400", "--stop", "2000-03-20", cwd=tmp_path)
+    assert proc.returncode == 0, _explain(proc)
+    # 2000-02-01 is step 31 * 4 = 124; 2000-03-20 is step 79 * 4 = 316 (excluded)
+    assert "[2000-02-01, 2000-03-20) is samples [124, 316)" in proc.stdout, _explain(proc)
+    assert "whole chunks 5..13 hold samples [120, 336)" in proc.stdout, _explain(proc)
+    assert "every row carried its own time" in proc.stdout, _explain(proc)

@@ -276,7 +276,9 @@ def test_transient_errors_on_the_first_two_gets_of_every_object_still_yield_exac
         chunk_gets = {p: n for p, n in proxy.gets.items() if "/c/" in p}
         n_objects = sum(1 for p in (era5_local / "t2m").rglob("*") if p.is_file()) - 1
         n_objects += sum(1 for p in (era5_local / "z").rglob("*") if p.is_file()) - 1
-        assert len(chunk_gets) == n_objects  # every stored object was read ...
+        n_coords = sum(1 for p in (era5_local / "time").rglob("*") if p.is_file()) - 1
+        # every stored object was read (the time coordinate's too, read once at build) ...
+        assert len(chunk_gets) == n_objects + n_coords
         assert all(n == 3 for n in chunk_gets.values()), chunk_gets  # ... after two faults
         assert pipe.stats()["gets"] == n_objects
 
@@ -290,7 +292,7 @@ def test_a_transient_error_that_outlasts_max_retries_raises_naming_the_store(
         store = open_store(
             URL, retry=RetryPolicy(max_retries=1), **moto.options(endpoint=proxy.endpoint)
         )
-        pipe = insitu_pipeline(store, manifest, views, batch_size=16)
+        pipe = insitu_pipeline(store, manifest, views, batch_size=16, coords=())
         with pytest.raises(ChunkReadError) as info:
             run_epoch(pipe)
         assert f"{URL} (endpoint {proxy.endpoint})" in str(info.value)
@@ -378,7 +380,7 @@ def test_a_zarr_store_that_never_answers_fails_at_the_deadline_of_retry(era5_loc
     views, _, manifest = _views(zarr.storage.LocalStore(era5_local, read_only=True))
     hanging = CountingStore(zarr.storage.LocalStore(era5_local, read_only=True), delay=3600.0)
     pipe = insitu_pipeline(
-        hanging, manifest, views, batch_size=16, retry=RetryPolicy(timeout_s=1.0)
+        hanging, manifest, views, batch_size=16, retry=RetryPolicy(timeout_s=1.0), coords=()
     )
     t0 = time.monotonic()
     with pytest.raises(ChunkReadError) as info:
@@ -389,6 +391,32 @@ def test_a_zarr_store_that_never_answers_fails_at_the_deadline_of_retry(era5_loc
     assert info.value.array in {v.path for v in views.values()}
     assert f"'{info.value.array}'" in str(info.value) and str(era5_local) in str(info.value)
     pipe.close()
+
+
+def test_a_coordinate_read_that_never_answers_fails_the_build_at_the_deadline(
+    era5_local: Path,
+) -> None:
+    views, _, manifest = _views(zarr.storage.LocalStore(era5_local, read_only=True))
+    hanging = CountingStore(zarr.storage.LocalStore(era5_local, read_only=True), delay=3600.0)
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"coordinate 'time' from store .*coords=\(\)"):
+        insitu_pipeline(hanging, manifest, views, batch_size=16, retry=RetryPolicy(timeout_s=1.0))
+    assert 0.9 <= time.monotonic() - t0 < 5.0
+    assert hanging.counts["time/c/0"] == 1 and hanging.active == 0  # the GET was cancelled
+
+
+def test_a_coordinate_read_that_outlasts_max_retries_fails_the_build_naming_it(
+    era5_local: Path, moto: MotoServer
+) -> None:
+    views, _, manifest = _views(open_store(URL, **moto.options()))
+    with FaultProxy(moto.port, fail_first=2, status=503, match="time/c/") as proxy:
+        store = open_store(
+            URL, retry=RetryPolicy(max_retries=1), **moto.options(endpoint=proxy.endpoint)
+        )
+        with pytest.raises(OSError, match=r"cannot read coordinate 'time' from store") as info:
+            insitu_pipeline(store, manifest, views, batch_size=16)
+        assert "503" in str(info.value.__cause__)
+        insitu_pipeline(store, manifest, views, batch_size=16, coords=()).close()  # builds
 
 
 # ---------------------------------------------------------------------------------------------

@@ -137,8 +137,10 @@ def test_a_chunk_another_pipeline_pins_is_not_cancelled_when_one_pipeline_resets
 def test_close_returns_within_two_seconds_while_gets_stall_and_wakes_a_waiting_consumer(
     root: Path,
 ) -> None:
-    store = counting_store(root, stall_after=0)  # every chunk GET hangs
-    pipe = insitu_pipeline(store, split_by_chunk(views(root)["x"]), views(root), batch_size=8)
+    store = counting_store(root, stall_after=0)  # every chunk GET hangs (so: no coordinate)
+    pipe = insitu_pipeline(
+        store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, coords=()
+    )
     seen: list[BaseException] = []
 
     def consume() -> None:
@@ -171,10 +173,11 @@ def test_reset_close_and_del_return_within_two_seconds_while_read_ahead_gets_sta
     root: Path, how: str
 ) -> None:
     n = first_batch_gets(root, batch_size=8, max_inflight=1)
-    store = counting_store(root, stall_after=n)
+    store = counting_store(root, stall_after=n)  # (no coordinate: n counts the epoch's GETs)
     pipe = insitu_pipeline(
-        store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, max_inflight=1
-    )
+        store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, max_inflight=1,
+        coords=(),
+    )  # fmt: skip
     assert next(pipe).index == 0
     deadline = time.monotonic() + 10
     while store.active == 0 and time.monotonic() < deadline:
@@ -205,7 +208,9 @@ from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 
 store = counting_store({root!r}, stall_after={stall_after})
 g = open_geometries(store, ["t2m"])["t2m"]
-pipe = insitu_pipeline(store, split_by_chunk(g), {{"x": g}}, batch_size=8, max_inflight=1)
+pipe = insitu_pipeline(
+    store, split_by_chunk(g), {{"x": g}}, batch_size=8, max_inflight=1, coords=()
+)  # no coordinate: stall_after counts the epoch's chunk GETs
 print("ready", flush=True)
 {action}
 """

@@ -1,0 +1,524 @@
+"""Coordinates along the sample axis: read once, CF-decoded, looked up by value, carried per row.
+
+A *coordinate* here is a 1-D array along an array's sample axis — ``time`` for a reanalysis,
+``z`` for a stack — that says where each sample sits. :func:`open_coordinates` reads one through
+zarr (it is small: one array of ``n_samples`` values) and decodes it with the store's own
+attributes, as xarray does for a zarr store, but without xarray:
+
+* ``_FillValue`` / ``missing_value`` mark missing values (for zarr v2 the array's own
+  ``fill_value`` is the ``_FillValue``, as xarray reads v2; for v3 only the attribute counts),
+  then ``scale_factor`` / ``add_offset`` unpack — packed values and masked integers decode to
+  ``float64`` (NaN where missing);
+* ``units`` of the CF form ``"<unit> since <reference date>"`` (unit ``days``, ``hours``,
+  ``minutes``, ``seconds``, ``milliseconds``, ``microseconds`` or ``nanoseconds``) with
+  ``calendar`` ``standard``, ``gregorian`` or ``proleptic_gregorian`` (absent means
+  ``standard``) decode to ``numpy.datetime64[ns]`` (``NaT`` where missing, and for NaT's own
+  ``int64`` bit pattern, which is how xarray writes a NaT), as xarray decodes them — ``[s]``
+  (or the encoding's finer unit) for dates outside the nanosecond range (years 1678–2261).
+  Another calendar (``noleap``, ``360_day``, ``julian``, ...) or a ``standard`` date before
+  1582-10-15 (a Julian date there) has no ``datetime64`` value and raises ``ValueError``;
+* anything else comes as stored.
+
+A :class:`Coordinate` turns a value window into a sample window (:meth:`Coordinate.index_range`,
+what ``split_by_chunk(..., coord=...)`` uses), and :class:`~insitubatch_nodes.gather.GatherNode`
+indexes its values with each batch's sample indices to deliver ``batch.coords``.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime as _dt
+import logging
+import math
+import re
+import struct
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes import _zarr_compat
+from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.stores import StoreLike, as_store, describe_store, retry_policy
+
+__all__ = ["Coordinate", "decode_cf", "open_coordinates"]
+
+log = logging.getLogger(__name__)
+
+CALENDARS: tuple[str, ...] = ("standard", "gregorian", "proleptic_gregorian")
+"""CF calendars whose dates are numpy ``datetime64`` values (proleptic Gregorian)."""
+
+_TIME_UNITS: dict[str, str] = {
+    "nanoseconds": "ns",
+    "microseconds": "us",
+    "milliseconds": "ms",
+    "seconds": "s",
+    "minutes": "m",
+    "hours": "h",
+    "days": "D",
+}
+_NS_PER: dict[str, int] = {
+    "ns": 1,
+    "us": 1_000,
+    "ms": 1_000_000,
+    "s": 10**9,
+    "m": 60 * 10**9,
+    "h": 3600 * 10**9,
+    "D": 86400 * 10**9,
+}
+_UNITS_RE = re.compile(r"^\s*(?P<unit>[A-Za-z]+)\s+since\s+(?P<ref>.+?)\s*$", re.IGNORECASE)
+_REF_RE = re.compile(
+    r"^(?P<y>\d{1,4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})"
+    r"(?:[T ]+(?P<h>\d{1,2})(?::(?P<mi>\d{1,2})(?::(?P<s>\d{1,2})(?P<frac>\.\d*)?)?)?)?"
+    r"\s*(?P<tz>Z|UTC|GMT|[+-]\d{1,2}(?::?\d{2})?)?$",
+    re.IGNORECASE,
+)
+_GREGORIAN_START = np.datetime64("1582-10-15", "s")
+_NS_MIN, _NS_MAX = np.datetime64("1678-01-01", "s"), np.datetime64("2262-04-11", "s")
+
+
+def _is_cf_time(attrs: Mapping[str, Any]) -> bool:
+    units = attrs.get("units")
+    return isinstance(units, str) and bool(_UNITS_RE.match(units))
+
+
+def _reference_date(ref: str, units: str, name: str) -> np.datetime64:
+    m = _REF_RE.match(ref.strip())
+    if m is None:
+        raise ValueError(
+            f"coordinate {name!r}: cannot read the reference date of units {units!r}; CF time "
+            "units look like 'hours since 1900-01-01' or 'seconds since 1970-01-01 00:00:00'"
+        )
+    g = m.groupdict()
+    iso = f"{int(g['y']):04d}-{int(g['mo']):02d}-{int(g['d']):02d}"
+    iso += f"T{int(g['h'] or 0):02d}:{int(g['mi'] or 0):02d}:{int(g['s'] or 0):02d}"
+    frac = (g["frac"] or "").rstrip("0").rstrip(".")
+    try:
+        date = np.datetime64(iso + frac, "ns" if frac else "s")
+    except ValueError as exc:
+        raise ValueError(
+            f"coordinate {name!r}: invalid reference date in {units!r}: {exc}"
+        ) from exc
+    tz = (g["tz"] or "").upper()
+    if tz and tz not in ("Z", "UTC", "GMT"):  # the reference is local time: make it UTC
+        sign = -1 if tz[0] == "-" else 1
+        digits = tz[1:].replace(":", "")
+        hours, minutes = (
+            (int(digits), 0) if len(digits) <= 2 else (int(digits[:-2]), int(digits[-2:]))
+        )
+        date = date - sign * np.timedelta64(hours * 60 + minutes, "m")
+    return date
+
+
+def _decode_time(
+    values: np.ndarray, missing: np.ndarray | None, units: str, calendar: Any, name: str
+) -> np.ndarray:
+    cal = "standard" if calendar is None else str(calendar).lower()
+    if cal not in CALENDARS:
+        raise ValueError(
+            f"coordinate {name!r}: calendar {calendar!r} is not supported: only "
+            f"{', '.join(repr(c) for c in CALENDARS)} dates are numpy datetime64 values. Leave "
+            "this coordinate out (insitu_pipeline(..., coords=())) or decode it yourself "
+            "(e.g. with cftime) and build a Coordinate from the values"
+        )
+    m = _UNITS_RE.match(units)
+    assert m is not None  # _is_cf_time checked it
+    word = m["unit"].lower()
+    unit = _TIME_UNITS.get(word if word.endswith("s") else word + "s")
+    if unit is None:
+        raise ValueError(
+            f"coordinate {name!r}: time unit {m['unit']!r} in {units!r} is not supported; CF "
+            f"time units are one of {', '.join(_TIME_UNITS)} (months and years have no fixed "
+            "length)"
+        )
+    ref = _reference_date(m["ref"], units, name)
+    missing = np.zeros(values.shape, bool) if missing is None else missing.copy()
+    if values.dtype.kind == "f":
+        missing |= ~np.isfinite(values)
+    elif values.dtype == np.int64:  # NaT's own bit pattern (how xarray writes a NaT)
+        missing |= values == np.iinfo(np.int64).min
+    if values.dtype.kind not in "iuf":
+        raise ValueError(
+            f"coordinate {name!r}: CF time values must be numbers, got dtype {values.dtype}"
+        )
+    valid = values[~missing]
+    if valid.dtype.kind in "iu":
+        span = float(np.abs(valid.astype(np.float64)).max()) if valid.size else 0.0
+        finest = min(_NS_PER[unit], _NS_PER[np.datetime_data(ref.dtype)[0]])
+        if span * (_NS_PER[unit] // finest) >= 2.0**62:
+            raise ValueError(
+                f"coordinate {name!r}: {units!r} values up to {span:g} overflow datetime64"
+            )
+        delta = np.zeros(values.shape, f"m8[{unit}]")
+        delta[~missing] = valid.astype(np.int64).astype(f"m8[{unit}]")
+    else:  # fractional offsets: counted in nanoseconds (rounded), as xarray does
+        fits = _NS_MIN <= ref.astype("M8[s]") < _NS_MAX
+        target = "ns" if fits else "us"  # (a reference outside ns's range: microseconds)
+        ticks = valid.astype(np.float64) * (_NS_PER[unit] // _NS_PER[target])
+        if ticks.size and float(np.abs(ticks).max()) >= 2.0**62:
+            raise ValueError(
+                f"coordinate {name!r}: {units!r} values up to {float(np.abs(valid).max()):g} "
+                f"overflow datetime64[{target}]"
+            )
+        delta = np.zeros(values.shape, f"m8[{target}]")
+        delta[~missing] = np.round(ticks).astype(np.int64).astype(f"m8[{target}]")
+        ref = ref.astype(f"M8[{target}]")
+    out = ref + delta
+    out[missing] = np.datetime64("NaT")
+    good = out[~missing].astype("M8[s]")  # coarser: every value fits
+    lo, hi = (good.min(), good.max()) if good.size else (ref.astype("M8[s]"),) * 2
+    if cal != "proleptic_gregorian" and min(lo, ref.astype("M8[s]")) < _GREGORIAN_START:
+        raise ValueError(
+            f"coordinate {name!r}: calendar {cal!r} counts dates before 1582-10-15 in the Julian "
+            f"calendar (reference {ref}, first value {lo}); numpy datetime64 is proleptic "
+            "Gregorian. Leave this coordinate out (coords=()) or decode it with cftime"
+        )
+    if lo >= _NS_MIN and hi < _NS_MAX:
+        return out.astype("M8[ns]")
+    return out  # outside datetime64[ns]'s range: seconds, or the encoding's finer unit
+
+
+def _fill_scalar(value: Any, dtype: np.dtype[Any]) -> Any:
+    """A ``_FillValue`` as a number (xarray writes float ones to v3 as base64 of ``<d``)."""
+    if isinstance(value, str) and dtype.kind == "f":
+        special = {"nan": math.nan, "infinity": math.inf, "-infinity": -math.inf}
+        if value.lower() in special:
+            return special[value.lower()]
+        try:
+            return struct.unpack("<d", base64.standard_b64decode(value))[0]
+        except (ValueError, struct.error):
+            return None
+    if isinstance(value, (list, tuple)) or value is None:
+        return None
+    return value
+
+
+def decode_cf(
+    raw: np.ndarray, attrs: Mapping[str, Any], fill_value: Any = None, *, name: str = ""
+) -> np.ndarray:
+    """Decode coordinate values as stored, with their CF attributes (see the module docstring).
+
+    ``fill_value`` is a ``_FillValue`` that does not sit in ``attrs`` (a zarr v2 array's own
+    fill value); ``name`` goes into error messages. Returns a new array.
+    """
+    values = np.asarray(raw)
+    if values.dtype.kind not in "iufb":
+        return values.copy()
+    missing: np.ndarray | None = None
+    for fill in (attrs.get("_FillValue", fill_value), attrs.get("missing_value")):
+        for f in np.atleast_1d(np.asarray(fill, dtype=object)) if fill is not None else ():
+            f = _fill_scalar(f, values.dtype)
+            if f is None:
+                continue
+            hit = np.isnan(values) if isinstance(f, float) and math.isnan(f) else values == f
+            missing = hit if missing is None else missing | hit
+    scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
+    if (
+        scale is not None
+        or offset is not None
+        or (missing is not None and values.dtype.kind != "f" and not _is_cf_time(attrs))
+    ):  # (integer CF times stay integers: nanosecond counts do not fit a float exactly)
+        values = values.astype(np.float64)
+        if scale is not None:
+            values = values * float(scale)
+        if offset is not None:
+            values = values + float(offset)
+    if _is_cf_time(attrs):
+        return _decode_time(values, missing, str(attrs["units"]), attrs.get("calendar"), name)
+    if missing is not None and missing.any():
+        values = values.astype(np.float64 if values.dtype.itemsize > 4 else np.float32)
+        values[missing] = np.nan
+    return values.copy() if values is raw else values
+
+
+@dataclass(frozen=True, eq=False)
+class Coordinate:
+    """A 1-D coordinate along the sample axis: ``values[i]`` is where sample ``i`` sits.
+
+    ``values`` is decoded (``datetime64`` for CF time; see the module docstring) and read-only;
+    ``path`` is the array it was read from (``""`` for one built by hand from values, e.g. ones
+    decoded by xarray) and ``attrs`` its attributes.
+    """
+
+    name: str
+    values: np.ndarray
+    path: str = ""
+    attrs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        values = np.array(self.values)  # a private copy: nobody can change ours
+        if values.ndim != 1:
+            raise ValueError(
+                f"coordinate {self.name!r} must be 1-D (one value per sample), got shape "
+                f"{values.shape}"
+            )
+        values.setflags(write=False)
+        object.__setattr__(self, "values", values)
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    @property
+    def is_time(self) -> bool:
+        """True for datetime64 values (a decoded CF time)."""
+        return self.values.dtype.kind == "M"
+
+    def _bound(self, x: Any, which: str) -> Any:
+        if self.is_time:
+            if isinstance(x, (bool, int, float, np.number)) or x is None:
+                raise TypeError(
+                    f"sample_range {which} for time coordinate {self.name!r} must be a date "
+                    f"(numpy datetime64, datetime or an ISO string like '2020-01-01'), got {x!r}"
+                )
+            if isinstance(x, _dt.datetime) and x.tzinfo is not None:
+                x = x.astimezone(_dt.UTC).replace(tzinfo=None)
+            try:
+                value = np.datetime64(x.strip() if isinstance(x, str) else x)
+            except (ValueError, TypeError) as exc:
+                raise ValueError(
+                    f"sample_range {which} {x!r} is not a date: write it as numpy datetime64, "
+                    "datetime or ISO 8601 ('2020-01-01', '2020-01-01T06:00')"
+                ) from exc
+            if np.isnat(value):
+                raise ValueError(f"sample_range {which} is NaT: give a date")
+            return value
+        if self.values.dtype.kind not in "iuf":
+            raise TypeError(
+                f"coordinate {self.name!r} holds {self.values.dtype} values: a value window "
+                "needs numbers or dates"
+            )
+        if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+            raise TypeError(
+                f"sample_range {which} for coordinate {self.name!r} must be a number, got {x!r}"
+            )
+        if not math.isfinite(float(x)):
+            raise ValueError(f"sample_range {which} must be finite, got {x!r}")
+        return x
+
+    def index_range(self, start: Any, stop: Any) -> tuple[int, int]:
+        """The half-open sample range ``[i0, i1)`` of the samples with ``start <= value < stop``.
+
+        Half-open like index ranges and Python slices (unlike xarray's ``sel(slice(a, b))``,
+        which includes ``b``): ``("2020-01-01", "2021-01-01")`` is all of 2020. The values must
+        be monotonic (increasing or decreasing) and free of NaN/NaT, so that the window is one
+        run of samples; ``start < stop`` whatever the direction. Raises ``TypeError`` for a bound
+        of the wrong kind (a number for a time coordinate, a date for a numeric one) and
+        ``ValueError`` for a non-monotonic coordinate or a window holding no sample.
+        """
+        lo, hi = self._bound(start, "start"), self._bound(stop, "stop")
+        if not lo < hi:
+            raise ValueError(
+                f"sample_range on coordinate {self.name!r} needs start < stop, got "
+                f"({start!r}, {stop!r})"
+            )
+        v = self.values
+        bad = np.isnat(v) if self.is_time else np.isnan(v) if v.dtype.kind == "f" else None
+        if bad is not None and bad.any():
+            raise ValueError(
+                f"coordinate {self.name!r} has missing values (first at sample "
+                f"{int(np.argmax(bad))}): a value window needs a value for every sample; pass "
+                "sample_range as sample indices instead (without coord)"
+            )
+        if len(v) > 1:
+            step = np.diff(v.view(np.int64) if self.is_time else v)
+            if not (bool(np.all(step >= 0)) or bool(np.all(step <= 0))):
+                rising = bool(step[np.flatnonzero(step)[0]] > 0)
+                at = int(np.flatnonzero(step < 0 if rising else step > 0)[0]) + 1
+                raise ValueError(
+                    f"coordinate {self.name!r} is not monotonic along the sample axis (sample "
+                    f"{at} is {v[at]} after {v[at - 1]}): a value window is not one run of "
+                    "samples there. Pass sample_range as sample indices instead (without coord)"
+                )
+        if self.is_time:  # compare in the values' own unit: a far bound must not overflow
+            lo, hi = _ceil_to(lo, v.dtype), _ceil_to(hi, v.dtype)
+        inside = np.flatnonzero((v >= lo) & (v < hi))
+        if inside.size == 0:
+            first, last = (v[0], v[-1]) if len(v) else ("-", "-")
+            raise ValueError(
+                f"no sample of coordinate {self.name!r} lies in [{start!r}, {stop!r}) (its values "
+                f"run from {first} to {last})"
+            )
+        return int(inside[0]), int(inside[-1]) + 1
+
+
+def _ceil_to(bound: np.datetime64, dtype: np.dtype[Any]) -> np.datetime64:
+    """The smallest ``dtype`` value at or after ``bound`` (clamped to what ``dtype`` holds), so
+    that ``v >= bound`` and ``v < bound`` can be decided in ``dtype``'s own unit."""
+    unit = np.datetime_data(dtype)[0]
+    info = np.iinfo(np.int64)
+    # a margin inside int64's ends: numpy's casts between units overflow right at them
+    first, last = np.array([info.min + 10**12, info.max - 10**12]).astype(f"M8[{unit}]")
+    common = unit if _NS_PER.get(unit, 10**18) >= _NS_PER["s"] else "s"  # no finer than s
+    b = bound.astype(f"M8[{common}]")
+    if b < first.astype(f"M8[{common}]"):
+        return first
+    if b > last.astype(f"M8[{common}]"):
+        return last
+    tick = bound.astype(dtype)
+    if tick < bound:  # (both near bound: representable in the finer unit)
+        tick = tick + np.array(1).astype(f"m8[{unit}]")
+    return tick
+
+
+def _candidates(geom_path: str, name: str) -> list[str]:
+    """Where a coordinate ``name`` of the array at ``geom_path`` may sit: a path with ``/`` is
+    from the store root; a bare name is looked up in the array's group, then each parent."""
+    if "/" in name.strip("/"):
+        return [name.strip("/")]
+    parts = geom_path.split("/")[:-1]
+    return ["/".join([*parts[:i], name]) for i in range(len(parts), -1, -1)]
+
+
+class _Reader:
+    """Reads and decodes coordinate arrays of one store, each once."""
+
+    def __init__(self, store: StoreLike, timeout_s: float | None = None) -> None:
+        self.store = as_store(store)
+        self.timeout_s = retry_policy(self.store).timeout_s if timeout_s is None else timeout_s
+        self.arrays: dict[str, Any] = {}  # path -> the opened zarr array (None: not there)
+        self.loaded: dict[str, Coordinate] = {}
+
+    def find(self, geom: ArrayGeometry, name: str) -> tuple[str, Any] | None:
+        """The first candidate path of ``name`` that holds an array, and that array."""
+        for path in _candidates(geom.path, name):
+            if path not in self.arrays:
+                self.arrays[path] = _zarr_compat.open_array_if_present(
+                    self.store, path, geom.zarr_format
+                )
+            if self.arrays[path] is not None:
+                return path, self.arrays[path]
+        return None
+
+    def load(self, path: str, array: Any) -> Coordinate:
+        if path not in self.loaded:
+            if array.ndim != 1:
+                raise ValueError(
+                    f"{path!r} in store {describe_store(self.store)} is not a 1-D coordinate "
+                    f"array (shape {tuple(array.shape)})"
+                )
+            attrs = dict(array.attrs)
+            v2_fill = array.fill_value if int(array.metadata.zarr_format) == 2 else None
+            name = path.rsplit("/", 1)[-1]
+            try:
+                raw = _zarr_compat.read_whole_array(array, self.timeout_s)
+            except Exception as exc:
+                error = TimeoutError if isinstance(exc, TimeoutError) else OSError
+                raise error(
+                    f"cannot read coordinate {path!r} from store {describe_store(self.store)}: "
+                    f"{exc}. Check the store, or pass coords=() to carry no coordinate"
+                ) from exc
+            values = decode_cf(raw, attrs, v2_fill, name=name)
+            self.loaded[path] = Coordinate(name, values, path=path, attrs=attrs)
+        return self.loaded[path]
+
+
+def _sample_dimension(geom: ArrayGeometry) -> str | None:
+    if geom.metadata is None:
+        return None
+    dims = _zarr_compat.metadata_dimension_names(geom.metadata)
+    return None if dims is None else dims[geom.sample_axis]
+
+
+def _coordinates(
+    reader: _Reader, geom: ArrayGeometry, names: Sequence[str] | None
+) -> dict[str, Coordinate]:
+    """The coordinates of ``geom``'s sample axis (``names=None``: its dimension coordinate)."""
+    dim = _sample_dimension(geom)
+    where = f"store {describe_store(reader.store)}"
+    if names is None:
+        if dim is None:
+            return {}
+        found = reader.find(geom, dim)
+        if found is None:
+            return {}
+        path, array = found
+        if array.ndim != 1 or _zarr_compat.metadata_dimension_names(array.metadata) != (dim,):
+            return {}
+        coord = reader.load(path, array)
+        if len(coord) != geom.n_samples:
+            return {}
+        return {coord.name: coord}
+    out: dict[str, Coordinate] = {}
+    for name in names:
+        if not isinstance(name, str) or not name.strip("/"):
+            raise TypeError(f"coordinate names must be non-empty strings, got {name!r}")
+        found = reader.find(geom, name)
+        if found is None:
+            raise KeyError(
+                f"no coordinate array {name!r} for array {geom.path!r} in {where}: looked at "
+                f"{_candidates(geom.path, name)}. Name an existing 1-D array, or pass coords=() "
+                "to carry none"
+            )
+        path, array = found
+        dims = _zarr_compat.metadata_dimension_names(array.metadata)
+        if array.ndim == 1 and dim is not None and dims is not None and dims != (dim,):
+            raise ValueError(
+                f"coordinate {path!r} runs along dimension {dims[0]!r}, but the sample "
+                f"axis of {geom.path!r} is {dim!r}: it is not a coordinate of the samples"
+            )
+        coord = reader.load(path, array)
+        if len(coord) != geom.n_samples:
+            raise ValueError(
+                f"coordinate {path!r} has {len(coord)} values but {geom.path!r} has "
+                f"{geom.n_samples} samples: it is not a coordinate of the sample axis"
+            )
+        key = name.strip("/").rsplit("/", 1)[-1]
+        if key in out:
+            raise ValueError(f"two coordinates named {key!r}: {out[key].path!r} and {path!r}")
+        out[key] = coord
+    return out
+
+
+def open_coordinates(
+    store: StoreLike, geom: ArrayGeometry, names: Sequence[str] | None = None
+) -> dict[str, Coordinate]:
+    """Read and decode the coordinates of ``geom``'s sample axis: ``{name: Coordinate}``.
+
+    ``names=None`` finds its *dimension coordinate*: the 1-D array named like the sample axis's
+    dimension (``time`` for a ``(time, lat, lon)`` array) whose only dimension is that one — what
+    :func:`~insitubatch_nodes.geometry.open_geometries` skips as a coordinate — looked up in the
+    array's group, then in each parent group; ``{}`` when there is none (no dimension names,
+    no such array, or one of another length). ``names`` lists arrays to read instead: a bare
+    name is looked up the same way, a path with ``/`` from the store root; each must be 1-D with
+    one value per sample (``KeyError`` naming where it looked when missing, ``ValueError`` when
+    it does not fit). Keys are the arrays' names (the last path component). Decoding errors
+    (an unsupported calendar, units that are not CF) raise ``ValueError``. One metadata read and
+    the array's chunks per coordinate, within the store's ``RetryPolicy.timeout_s`` (else
+    ``TimeoutError``; another read error raises ``OSError`` naming the coordinate).
+    """
+    return _coordinates(_Reader(store), geom, None if names is None else list(names))
+
+
+def carried_coordinates(
+    store: StoreLike,
+    views: Mapping[str, ArrayGeometry],
+    names: Sequence[str] | None,
+    timeout_s: float | None = None,
+) -> dict[str, dict[str, np.ndarray]]:
+    """``{label: {name: values}}`` for the builder: the coordinates each label's rows carry.
+
+    ``names=None`` is the default selection (each view's dimension coordinate): one that cannot
+    be decoded is left out with a warning rather than failing a pipeline that reads no
+    coordinate otherwise. Explicit ``names`` fail loudly. Each coordinate array is read once,
+    however many views share it.
+    """
+    reader = _Reader(store, timeout_s)
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for label, view in views.items():
+        if names is None:
+            try:
+                coords = _coordinates(reader, view, None)
+            except ValueError as exc:
+                log.warning(
+                    "insitubatch_nodes: batches of %r carry no coordinates: %s. Pass coords=() "
+                    "to silence this",
+                    label,
+                    exc,
+                )
+                coords = {}
+        else:
+            coords = _coordinates(reader, view, names)
+        if coords:
+            out[label] = {name: c.values for name, c in coords.items()}
+    return out
