@@ -109,9 +109,10 @@ class RetryPolicy:
     every backoff and the transfer of the bytes. A read still unfinished then fails with
     ``TimeoutError`` (raised to the consumer as a ``ChunkReadError`` naming array, chunk and
     store). It applies to every store, obstore-backed or not. For an obstore-backed remote
-    store (``s3://``, ``gs://``, ``az://``) it is also obstore's ``retry_timeout`` (no new
-    attempt starts after it) and its per-request ``timeout``, so zarr's own metadata reads
-    through the same store end near it too (within one ``stall_timeout_s``).
+    store (``s3://``, ``gs://``, ``az://``, ``http(s)://``) it is also obstore's
+    ``retry_timeout`` (no new attempt starts after it) and its per-request ``timeout``, so
+    zarr's own metadata reads through the same store end near it too (within one
+    ``stall_timeout_s``).
 
     **Retries spend the deadline.** A transient error is retried, with capped and jittered
     exponential backoff, until ``timeout_s`` is spent: a burst of 503s that clears within the
