@@ -118,6 +118,9 @@ class InSituDataModule(pl.LightningDataModule):
         cache_dir, persist, readonly_cache, reset_stale_cache, check_store: as for
             :func:`insitu_pipeline` (every split; the pipelines of one process share the
             directory, and each DDP rank writes its own part of it — see docs/caching.md).
+        coords: as for :func:`insitu_pipeline` (every split): the coordinates each batch
+            carries in ``batch.coords`` for ``batch_transforms`` and ``transform`` (``to_torch``
+            drops them); ``()`` reads none.
         transform: ``Batch -> item`` applied to every batch (default: ``to_torch``).
         log_report: add an :class:`InSituReportCallback` to the Trainer (when it has none), so
             every training epoch's report is logged through ``self.log`` (``insitu/...``).
@@ -151,6 +154,7 @@ class InSituDataModule(pl.LightningDataModule):
         readonly_cache: bool = False,
         reset_stale_cache: bool = False,
         check_store: bool = True,
+        coords: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.log_report = log_report
@@ -174,6 +178,7 @@ class InSituDataModule(pl.LightningDataModule):
             "readonly_cache": readonly_cache,
             "reset_stale_cache": reset_stale_cache,
             "check_store": check_store,
+            "coords": None if coords is None else tuple(coords),
         }
         self.cache_budget_bytes = cache_budget_bytes
         self.batch_transforms = tuple(batch_transforms)

@@ -438,3 +438,35 @@ def test_a_missing_time_decodes_to_nat_and_a_named_coordinate_like_xarray(
     with pytest.raises(ValueError, match="has missing values"):
         split_by_chunk(geom, sample_range=("2020-01-01", "2020-01-05"),
                        coord=Coordinate("valid_time", got))  # fmt: skip
+
+
+def test_the_lightning_data_module_hands_each_rows_time_to_its_transform(era5: Path) -> None:
+    pytest.importorskip("lightning")
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    t = _xr_time(era5)
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def keep(batch: Batch) -> dict[str, object]:
+        seen.append((batch.sample_indices["t2m"], batch.coords["t2m"]["time"]))
+        return to_torch(batch)
+
+    dm = InSituDataModule(
+        era5, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, transform=keep, log_report=False
+    )
+    dm.setup("fit")
+    try:
+        n = sum(1 for _ in dm.train_dataloader())
+    finally:
+        dm.teardown("fit")
+    assert n == len(seen) > 0
+    for rows, times in seen:
+        np.testing.assert_array_equal(times, t[rows])
+    off = InSituDataModule(
+        era5, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, coords=(), transform=lambda b: b.coords
+    )
+    off.setup("fit")
+    try:
+        assert next(iter(off.train_dataloader())) == {}
+    finally:
+        off.teardown("fit")
