@@ -424,7 +424,7 @@ def test_a_missing_time_decodes_to_nat_and_a_named_coordinate_like_xarray(
 ) -> None:
     t = pd.date_range("2020-01-01", periods=N_TIME, freq="6h").values
     valid = t + np.timedelta64(7, "ns")
-    valid[3] = np.datetime64("NaT")
+    valid[3] = np.datetime64("NaT", "ns")
     ds = _dataset(t, valid_time=("time", valid))
     root = tmp_path / "nat.zarr"
     ds.to_zarr(root, mode="w", zarr_format=zarr_format, consolidated=False,  # type: ignore[attr-defined]
