@@ -165,7 +165,7 @@ def _decode_time(
         delta[~missing] = np.round(ticks).astype(np.int64).astype(f"m8[{target}]")
         ref = ref.astype(f"M8[{target}]")
     out = ref + delta
-    out[missing] = np.datetime64("NaT", np.datetime_data(out.dtype)[0])
+    out[missing] = np.array("NaT", dtype=out.dtype)
     good = out[~missing].astype("M8[s]")  # coarser: every value fits
     lo, hi = (good.min(), good.max()) if good.size else (ref.astype("M8[s]"),) * 2
     if cal != "proleptic_gregorian" and min(lo, ref.astype("M8[s]")) < _GREGORIAN_START:
