@@ -895,9 +895,13 @@ def test_batch_buffer_allocations_stay_flat_when_batches_are_not_retained(era5: 
         run_epoch(pipe)
     n_labels = len(era5.views)
     assert len(pipe) > 20
-    # in flight at once: the consumer's batch, the queue, the one being gathered, plus slack
-    assert after_one <= n_labels * (depth + 4)
-    assert pipe.stages.gather.buffer_allocations == after_one
+    # in flight at once: the consumer's batch, the queue, the one being gathered, plus slack;
+    # the same bound after three epochs of >20 batches each (a leak would allocate per batch).
+    # Not "== after_one": on a loaded machine a buffer can still be referenced by the thread
+    # that lent it when the next take() runs, one extra allocation per label (seen in CI)
+    bound = n_labels * (depth + 4)
+    assert after_one <= bound
+    assert pipe.stages.gather.buffer_allocations <= bound
 
 
 def test_a_buffer_pool_hands_out_again_a_buffer_nobody_references() -> None:
