@@ -42,7 +42,6 @@ __all__ = [
     "metadata_dimension_names",
     "node_kind",
     "node_kinds",
-    "open_array_if_present",
     "open_array_readonly",
     "open_arrays_by_name",
     "open_group_readonly",
@@ -66,6 +65,17 @@ def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
 
 
 _NAMED_READS = 32  # metadata documents read at once by open_arrays_by_name
+
+# what zarr raises when a path given as an array holds no array: nothing (ArrayNotFoundError,
+# a FileNotFoundError) or a group (zarr 3.1: NodeTypeValidationError)
+_NOT_AN_ARRAY: tuple[type[BaseException], ...] = (
+    FileNotFoundError,
+    *(
+        getattr(zarr.errors, n)
+        for n in ("NodeTypeValidationError", "ContainsGroupError")
+        if isinstance(getattr(zarr.errors, n, None), type)
+    ),
+)
 
 
 async def _node_kind(store: Any, path: str) -> tuple[str, int] | None:
@@ -133,8 +143,8 @@ def node_kinds(store: Any, paths: Sequence[str]) -> list[tuple[str, int] | None]
 def open_arrays_by_name(
     store: Any, paths: Sequence[str], zarr_format: int | None = None
 ) -> list[zarr.Array | None]:
-    """The array at each of ``paths`` (``None`` where there is none), read by name and
-    concurrently (at most 32 paths at a time): GETs only, never a listing.
+    """The array at each of ``paths`` (``None`` where there is none: nothing, or a group),
+    read by name and concurrently (at most 32 paths at a time): GETs only, never a listing.
 
     With ``zarr_format`` the array's documents of that format are read straight away; without
     it :func:`node_kind` finds the format first. Raises what :func:`node_kind` and zarr raise
@@ -157,7 +167,7 @@ def open_arrays_by_name(
                 fmt = kind[1]
             try:
                 found = await open_array(store=store, path=path, mode="r", zarr_format=fmt)  # type: ignore[arg-type]
-            except FileNotFoundError:  # zarr's ArrayNotFoundError
+            except _NOT_AN_ARRAY:
                 return None
             return zarr.Array(found)
 
@@ -185,24 +195,6 @@ def list_dir(store: Any, prefix: str) -> list[str]:
         return [name.rstrip("/") async for name in store.list_dir(prefix)]
 
     return sorted(set(sync(listed())))
-
-
-_NOT_AN_ARRAY: tuple[type[BaseException], ...] = tuple(
-    getattr(zarr.errors, n)
-    for n in ("NodeTypeValidationError", "ContainsGroupError")
-    if isinstance(getattr(zarr.errors, n, None), type)
-)
-
-
-def open_array_if_present(store: Any, path: str, zarr_format: int) -> zarr.Array | None:
-    """The array at ``path`` of ``store`` (read-only), or ``None`` when there is none there:
-    nothing at all, or a group (zarr 3.1 says so with ``NodeTypeValidationError``)."""
-    try:
-        return open_array_readonly(store, path, zarr_format)
-    except FileNotFoundError:
-        return None
-    except _NOT_AN_ARRAY:
-        return None
 
 
 def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:

@@ -383,9 +383,9 @@ class _Reader:
         """The first candidate path of ``name`` that holds an array, and that array."""
         for path in _candidates(geom.path, name):
             if path not in self.arrays:
-                self.arrays[path] = _zarr_compat.open_array_if_present(
-                    self.store, path, geom.zarr_format
-                )
+                self.arrays[path] = _zarr_compat.open_arrays_by_name(
+                    self.store, [path], geom.zarr_format
+                )[0]
             if self.arrays[path] is not None:
                 return path, self.arrays[path]
         return None

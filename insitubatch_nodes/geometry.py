@@ -391,9 +391,9 @@ def open_geometries(
     if missing:
         _raise_not_found(zstore, missing)
     # a name in the sample_axis mapping must be an array of the store
-    unknown = [
-        p for p in axes if p not in arrays and p not in found and _open_array(zstore, p) is None
-    ]
+    maybe = [p for p in axes if p not in arrays and p not in found]
+    opened = _zarr_compat.open_arrays_by_name(zstore, maybe) if maybe else []
+    unknown = [p for p, a in zip(maybe, opened, strict=True) if a is None]
     if unknown:
         raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
     return {
@@ -413,14 +413,6 @@ def _open_root(zstore: Any) -> tuple[Any, Any]:
     if kind[0] == "array":
         return _zarr_compat.open_array_readonly(zstore, "", kind[1]), None
     return None, _zarr_compat.open_group_readonly(zstore)
-
-
-def _open_array(zstore: Any, path: str) -> Any:
-    """The array at ``path`` (read by name), or ``None`` when no array is there."""
-    kind = _zarr_compat.node_kind(zstore, path)
-    if kind is None or kind[0] != "array":
-        return None
-    return _zarr_compat.open_array_readonly(zstore, path, kind[1])
 
 
 def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:

@@ -188,16 +188,15 @@ def lister_for(store: Any) -> LocalLister | ObstoreLister | str:
     read on the decode threads is listed as a folder; an obstore-backed store with obstore) — or
     a sentence saying why it cannot be."""
     from insitubatch_nodes.localfiles import local_reader
-    from insitubatch_nodes.stores import plain_object_store
+    from insitubatch_nodes.stores import cannot_list, plain_object_store
 
     reader = local_reader(store)
     if reader is not None:
         return LocalLister(reader.root)
     if plain_object_store(store):
-        inner = store.store
-        if type(inner).__name__ == "HTTPStore":
+        if cannot_list(store):
             return "an obstore HTTPStore cannot list its objects"
-        return ObstoreLister(inner)
+        return ObstoreLister(store.store)
     return (
         f"a {type(store).__name__} is neither a local folder nor an obstore-backed zarr "
         "ObjectStore, so its objects' identities are neither recorded nor listed"
