@@ -163,12 +163,14 @@ def _check_cache_args(
     reset_stale: Any,
     backing: Any,
     check_store: Any = True,
+    verify: Any = True,
 ) -> dict[str, Any] | None:
     """The cache arguments checked together (``None`` without a ``cache_dir``)."""
     persist = check_bool("persist", persist)
     readonly = check_bool("readonly_cache", readonly)
     reset_stale = check_bool("reset_stale_cache", reset_stale)
     check_store = check_bool("check_store", check_store)
+    verify = check_bool("verify_cache", verify)
     if cache_dir is None:
         named = [n for n, v in (("persist", persist), ("readonly_cache", readonly),
                                 ("reset_stale_cache", reset_stale)) if v]  # fmt: skip
@@ -176,6 +178,8 @@ def _check_cache_args(
             raise ValueError(f"{' and '.join(named)} need a cache_dir: pass cache_dir=PATH")
         if not check_store:
             raise ValueError("check_store=False needs a persistent cache: pass cache_dir=PATH")
+        if not verify:
+            raise ValueError("verify_cache=False needs a cache_dir: pass cache_dir=PATH")
         return None
     if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
         raise TypeError(f"cache_dir must be a path (str or os.PathLike) or None, got {cache_dir!r}")
@@ -192,6 +196,7 @@ def _check_cache_args(
         "readonly": readonly,
         "reset_stale": reset_stale,
         "check_store": check_store,
+        "verify": verify,
     }
 
 
@@ -445,11 +450,8 @@ def insitu_pipeline(
     report = check_bool("report", report)
     on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
     cache_args = _check_cache_args(
-        cache_dir, persist, readonly_cache, reset_stale_cache, backing, check_store
+        cache_dir, persist, readonly_cache, reset_stale_cache, backing, check_store, verify_cache
     )
-    verify_cache = check_bool("verify_cache", verify_cache)
-    if not verify_cache and cache_dir is None:
-        raise ValueError("verify_cache=False needs a cache_dir: pass cache_dir=PATH")
     if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
         raise TypeError(
             f"batch_transforms must be a sequence of callables Batch -> Batch, got "
@@ -551,7 +553,6 @@ def insitu_pipeline(
             cache_args.pop("cache_dir"),
             fingerprints,
             rank=plan.rank,
-            verify=verify_cache,
             store_check=store_check,
             **cache_args,
         )
