@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -34,6 +33,7 @@ if __name__ == "__main__" and __package__ in (None, ""):  # pragma: no cover - d
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.datasets import REFERENCE, ensure_dataset
+from benchmarks.run import write_back
 
 BATCH_SIZE = 32
 
@@ -139,19 +139,6 @@ def hash_cost(folder: Path, passes: int = 3) -> dict[str, float]:
         "touch_cpu_s": statistics.median(touch),
         "hash_cpu_s": statistics.median(hashed),
     }
-
-
-def write_back(folder: Path) -> float:
-    """``fsync`` every file of ``folder``; the seconds it took."""
-    t0 = time.perf_counter()
-    for path in folder.rglob("*"):
-        if path.is_file():
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
