@@ -70,6 +70,15 @@ class PriorityPool:
         self._queue.put((priority, next(self._seq), fut, fn, args))
         return fut
 
+    def preempted(self, priority: int) -> bool:
+        """Whether a call of a smaller (sooner) ``priority`` waits in the queue: a long run of
+        work checks this between items and gives its thread up (a hint: not locked)."""
+        try:
+            head = self._queue.queue[0]
+        except IndexError:
+            return False
+        return head[0] < priority
+
     def _work(self) -> None:
         while True:
             _, _, fut, fn, args = self._queue.get()

@@ -360,6 +360,30 @@ def encode_chunk_key(metadata: Any, coords: Sequence[int]) -> str:
     return str(metadata.encode_chunk_key(tuple(int(c) for c in coords)))
 
 
+def chunk_key_format(metadata: Any, ndim: int) -> str | None:
+    """A ``str.format`` template equal to :func:`encode_chunk_key` for this array's
+    ``ndim``-d chunk coordinates (``template.format(*coords)``), or ``None`` when the key
+    encoding is not a plain decimal join (then encode each key with zarr).
+
+    Every zarr key encoding in use ("default" ``c/0/1``, "v2" ``0.1`` or ``0/1``, either
+    separator) writes each coordinate as its decimal digits between fixed separators: the
+    template is read off the key of distinctive probe coordinates and checked against zarr
+    on a few others."""
+    probe = tuple(913_579_000 + i for i in range(ndim))
+    key = encode_chunk_key(metadata, probe)
+    template = key.replace("{", "{{").replace("}", "}}")
+    for i, value in enumerate(probe):
+        token = str(value)
+        if template.count(token) != 1:
+            return None
+        template = template.replace(token, f"{{{i}}}")
+    checks = [tuple(0 for _ in range(ndim)), tuple(range(1, ndim + 1)), tuple([12] * ndim)]
+    for coords in checks:
+        if template.format(*coords) != encode_chunk_key(metadata, coords):
+            return None
+    return template
+
+
 def io_loop() -> Any:
     """zarr's process-wide store-IO event loop (started on first use, on its own thread)."""
     from zarr.core.sync import _get_loop

@@ -452,6 +452,7 @@ class ChunkDecoder:
             dtype = _zarr_compat.native_dtype(metadata)
             self._plan = _plan_v3(_zarr_compat.v3_codecs(metadata), geom.chunks, dtype, spec)
         self._local = threading.local()
+        self._crops: dict[tuple[int, ...], tuple[slice, ...]] = {}  # by destination shape
         self._stats = _Stats()
         self._scratch_lock = threading.Lock()
 
@@ -551,15 +552,30 @@ class ChunkDecoder:
                 f"{geom.path}: out has shape {out.shape}, stored object ({chunk_index}, {tile}) "
                 f"covers {extent} (samples first)"
             )
+        self.decode_trusted(raw, out, chunk_index, tile)
+
+    def decode_trusted(
+        self,
+        raw: bytes | memoryview | np.ndarray | None,
+        out: np.ndarray,
+        chunk_index: int,
+        tile: tuple[int, ...],
+    ) -> None:
+        """:meth:`decode_into` without its argument checks, for callers that checked the
+        shape of ``out`` once for every object of its kind (the fetch stage's fill runs):
+        ``out`` must be exactly the region :meth:`decode_into` would be given."""
         if raw is None:
             out[...] = self._fill
             self._stats.filled += 1
             return
-        dest = np.moveaxis(out, 0, geom.sample_axis)
-        crop = tuple(slice(0, n) for n in dest.shape)
+        axis = self._geom.sample_axis
+        dest = out if axis == 0 else np.moveaxis(out, 0, axis)
+        crop = self._crops.get(dest.shape)
+        if crop is None:
+            crop = self._crops[dest.shape] = tuple(slice(0, n) for n in dest.shape)
         try:
             self._plan.decode(_as_u8(raw), dest, crop, self)
         except Exception as exc:
             raise DecodeError(
-                f"{geom.path}: cannot decode stored object ({chunk_index}, {tile}): {exc}"
+                f"{self._geom.path}: cannot decode stored object ({chunk_index}, {tile}): {exc}"
             ) from exc

@@ -1,26 +1,39 @@
-"""The fetch stage: stored-object GETs on one shared event loop, decoded into pool slots.
+"""The fetch stage: which stored objects each batch needs fetched, admitted a batch at a time.
 
 :class:`AsyncChunkFetchNode` pulls :class:`~insitubatch_nodes.plan.BatchPlan` s from its source
-ahead of the consumer and, for every chunk a plan is the first to read, pins a slot in the
-:class:`~insitubatch_nodes.pool.ChunkPool` (a chunk the pool already holds is a hit and is not
-fetched again) and starts a task on the process's IO loop that GETs each of the chunk's stored
-objects and decodes it, on the shared decode pool, straight into the slot (a store on local
-disk is read on the decode pool itself, right before the decode: see
-:mod:`~insitubatch_nodes.localfiles`).
+ahead of the consumer. For every batch it works from the epoch plan's chunk ledgers (one per
+plan group, numpy: O(1) Python per group, not per chunk) and admits, in one step under one
+lock, the chunks the batch is the first to read: each is pinned in the
+:class:`~insitubatch_nodes.residency.ChunkPool` (a chunk the pool holds is a hit and is not
+fetched again), and every miss joins one :class:`~insitubatch_nodes._fill.FillJob` that GETs
+and decodes its stored objects (see :mod:`~insitubatch_nodes._fill`: runs on the decode
+threads, GETs on the shared IO loop, a store on local disk read on the decode threads).
+
+**Rows decoded straight into the batch.** At one sample per chunk a stored object *is* a batch
+row. When the plan says a chunk is read by exactly one row of one label this epoch (a plan
+group of one sample per chunk, every array read by one label, no chunk transforms, no
+persistent cache) and the pool would not keep it for a later epoch anyway (an automatic budget,
+or one below the bytes of every chunk the epoch reads), its objects are decoded into that row of
+the batch's own arrays — no slot, no pin, no copy by the gather. The arrays are the gather
+stage's reusable batch buffers (:class:`~insitubatch_nodes.gather.BatchBuffers`), which a
+:class:`~insitubatch_nodes.gather.GatherNode` offers to the fetch stage below it when it is
+built; without them every chunk goes through the pool. ``direct=False`` turns this off,
+``direct=True`` uses it whatever the budget.
 
 Two bounds keep it honest:
 
-* ``max_inflight`` — stored-object GETs (and the decodes they feed) in flight at once;
+* ``max_inflight`` — stored-object GETs (and the decodes they feed) in flight at once (a store
+  on local disk is read by the decode threads, at most one object per thread);
 * the read-ahead — the fetcher admits chunks for batches the consumer has not reached only
-  while those chunks take less than one block's worth of slot memory (computed from the plan,
-  not configured), and only while the pool's budget has room.
+  while those chunks (and rows) take less than one block's worth of memory (computed from the
+  plan, not configured), and only while the pool's budget has room.
 
 It yields :class:`FetchedBatch` items in plan order as soon as their chunks are *admitted*; the
-residency stage downstream waits for them to be *ready*. The node owns every pin it takes: each
-item carries a ``release`` handle that drops the pins of the chunks its batch reads for the last
-time (the residency stage calls it once the batch has been gathered), and ``reset``/``close``
-drop every pin at once and cancel the fills nobody else pins — without waiting for them: a slot
-is reused only once its fill has finished (see :mod:`~insitubatch_nodes.residency`), so neither
+residency stage downstream waits for their fills. The node owns every pin it takes: each item
+carries a ``release`` handle that drops the pins of the chunks its batch reads for the last time
+(the residency stage calls it once the batch has been gathered), and ``reset``/``close`` drop
+every pin at once and cancel the fills nobody else pins — without waiting for them: a slot is
+reused only once its fill has finished (see :mod:`~insitubatch_nodes.residency`), so neither
 call ever waits for a GET. A pool shared by several fetch nodes keeps working when one of them
 closes.
 
@@ -35,15 +48,15 @@ import asyncio
 import atexit
 import functools
 import logging
+import math
 import os
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -51,15 +64,19 @@ from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _runtime, _zarr_compat
+from insitubatch_nodes._checks import check_bool
+from insitubatch_nodes._fill import ArrayFill, ChunkReadError, Filler, FillJob, Getter
 from insitubatch_nodes.decode import ChunkDecoder
 from insitubatch_nodes.geometry import ArrayGeometry
 from insitubatch_nodes.localfiles import local_reader
-from insitubatch_nodes.plan import BatchPlan, ChunkKey, EpochPlan
+from insitubatch_nodes.plan import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
 from insitubatch_nodes.report import EpochRecorder
-from insitubatch_nodes.residency import ChunkEntry, ChunkPool, FillCancelled, working_set_bytes
-from insitubatch_nodes.store_identity import IdentityRecorder, meta_identity, stat_identity
+from insitubatch_nodes.residency import ChunkEntry, ChunkPool, working_set_bytes
 from insitubatch_nodes.stores import RetryPolicy, describe_store, retry_policy
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
+
+if TYPE_CHECKING:
+    from insitubatch_nodes.gather import BatchBuffers
 
 __all__ = ["BAD_CHUNK_POLICIES", "AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
 
@@ -100,84 +117,66 @@ def _cancel_all_at_exit() -> None:
         except Exception:  # pragma: no cover - best effort at exit
             log.debug("insitubatch_nodes: teardown at exit failed", exc_info=True)
     loop = _runtime.io_loop()
-    if nodes and loop.is_running():
-        done = asyncio.run_coroutine_threadsafe(_cancel_tasks(nodes), loop)
+    getters = [n._getter for n in nodes if n._getter is not None]
+    if getters and loop.is_running():
+        done = asyncio.run_coroutine_threadsafe(_cancel_gets(getters), loop)
         try:
             done.result(timeout=_EXIT_GRACE_S)
         except Exception:  # pragma: no cover - a wedged loop: exit anyway
             log.debug("insitubatch_nodes: in-flight GETs did not stop at exit", exc_info=True)
 
 
-async def _cancel_tasks(nodes: Iterable[AsyncChunkFetchNode]) -> None:
-    tasks = [t for node in nodes for t in node._tasks]
-    for task in tasks:
-        task.cancel()
-    if tasks:
-        await asyncio.wait(tasks, timeout=_EXIT_GRACE_S)
-
-
-R = TypeVar("R")
-
-
-async def _landed(job: Future[R]) -> R:
-    """The result of a decode-pool job. Cancelled while it runs, the job is not interrupted
-    (decode and transforms write into a slot): this waits for it to finish, then re-raises the
-    cancellation, so nothing writes into the slot once the caller has gone."""
-    try:
-        return await asyncio.wrap_future(job)
-    except asyncio.CancelledError:
-        job.cancel()
-        while not job.done():
-            await asyncio.sleep(0.001)
-        raise
-
-
-class ChunkReadError(RuntimeError):
-    """A stored object could not be read or decoded. The cause is chained (``__cause__``).
-
-    The message names the array, the chunk (and tile), the store key and the store.
-    """
-
-    def __init__(
-        self,
-        array: str,
-        chunk_index: int,
-        tile: tuple[int, ...],
-        key: str,
-        what: str,
-        store: str = "",
-    ):
-        self.array, self.chunk_index, self.tile, self.key = array, chunk_index, tile, key
-        self.store = store
-        where = f"chunk {chunk_index}" + (f" tile {tile}" if any(tile) else "")
-        source = f" in store {store}" if store else ""
-        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
+async def _cancel_gets(getters: Iterable[Getter]) -> None:
+    await asyncio.gather(*(g.cancel_all() for g in getters))
 
 
 @dataclass(frozen=True, eq=False)
 class FetchedBatch:
-    """A batch plan whose chunks are admitted: ``entries`` covers every chunk it reads.
+    """A batch plan whose chunks are admitted: ``entries`` covers every pool chunk it reads.
 
-    ``release()`` drops the pins of the chunks this batch reads for the last time; call it once
-    the batch has been gathered. It is a no-op after the fetch node was reset or closed.
+    ``jobs`` are the fills this batch started (wait for them too); ``arrays`` are its batch
+    arrays when some rows were decoded straight into them (``direct[label]`` rows of each
+    label), else ``None``. ``release()`` drops the pins of the chunks this batch reads for the
+    last time; call it once the batch has been gathered. It is a no-op after the fetch node was
+    reset or closed.
     """
 
     plan: BatchPlan
     entries: Mapping[ChunkKey, ChunkEntry]
     release: Callable[[], None]
+    jobs: tuple[FillJob, ...] = ()
+    arrays: Mapping[str, np.ndarray] | None = None
+    direct: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
 class _Pending:
     plan: BatchPlan
     state: dict[str, Any]  # the source's state right after this plan was pulled
-    keys: tuple[ChunkKey, ...]  # chunks to admit before this batch: its first reads (+ carry)
-    admitted: int = 0  # how many of keys are admitted
+    # pool chunks to admit before this batch (its first reads, plus any carried into it)
+    requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]]
+    direct: FillJob | None = None  # its rows decoded in place (submitted with the first job)
+    arrays: dict[str, np.ndarray] | None = None
+    rows: dict[str, int] = field(default_factory=dict)  # label -> rows decoded in place
+    # group index -> the chunks decoded in place (a slot of the same chunk is not read)
+    in_place: dict[int, set[int]] = field(default_factory=dict)
+    admitted: int = 0  # how many of requests are admitted
     ahead_bytes: int = 0
+    jobs: list[FillJob] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
-        return self.admitted == len(self.keys)
+        return self.admitted == len(self.requests)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """How the fetch stage treats one plan group (one ledger) in this node."""
+
+    paths: tuple[str, ...]
+    nbytes: int  # slot bytes of one chunk of every path
+    direct: Mapping[str, str] | None  # path -> the label its single-use chunks decode into
+    row_bytes: int  # batch bytes of one direct row over every path
 
 
 class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
@@ -187,7 +186,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     live in. When it is a ``zarr.storage.ObjectStore`` the GETs go straight to the obstore store
     underneath (``obstore.get_async``); any other zarr store is read with its own ``get``. A
     store that is exactly a local folder is not read with GETs: each object is read and decoded
-    by one decode-pool job (:mod:`~insitubatch_nodes.localfiles`; no deadline applies there).
+    by one decode-pool thread (:mod:`~insitubatch_nodes.localfiles`; no deadline applies there).
     Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (default: the policy the
     store was opened with, see :func:`~insitubatch_nodes.stores.retry_policy`).
 
@@ -204,6 +203,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     :attr:`bad_chunks` lists ``(array, chunk_index, tile)``. A chunk with a bad object is not
     kept resident once its last reader is done (the next epoch reads it again). Errors in
     chunk transforms are not bad chunks: they always reach the consumer.
+
+    ``direct`` (``None``: decide from the budget; ``True``/``False``) says whether chunks read by
+    a single row are decoded straight into the batch (module docstring).
     """
 
     def __init__(
@@ -218,6 +220,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         retry: RetryPolicy | None = None,
         chunk_transforms: Sequence[ChunkTransform] | ChunkTransforms = (),
         on_bad_chunk: str = "raise",
+        direct: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(max_inflight, int) or max_inflight < 1:
@@ -227,6 +230,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self.pool = pool
         self.geoms = {path: g.base for path, g in geoms.items()}
         self.on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
+        self.direct = None if direct is None else check_bool("direct", direct)
         self.transforms = (
             chunk_transforms
             if isinstance(chunk_transforms, ChunkTransforms)
@@ -242,28 +246,38 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             path: g.one_level_per_object and not self.transforms.active(path)
             for path, g in self.geoms.items()
         }
-        # bad stored objects of this epoch (written on the IO loop, read from any thread)
+        # bad stored objects of this epoch (written on any thread, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
         self._bad_lock = threading.Lock()
-        self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
-        self._spare_bytes = 0
         self.max_inflight = max_inflight
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
+        self._arrays = {path: ArrayFill(g, self._decoders[path]) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
-        self._max_spares = max(2, len(self._decode_pool.threads))
         self._loop = _runtime.io_loop()
         _runtime.tune_allocator()  # reuse GET and scratch buffers' memory (see its docstring)
         self._uses_obstore = isinstance(store, ObjectStore)
         if self._uses_obstore:
             _runtime.check_obstore_usable()
         self.retry = retry_policy(store) if retry is None else retry
-        self._get = _zarr_compat.make_async_getter(store, timeout_s=self.retry.timeout_s)
-        # A folder on this machine is read on the decode threads (see localfiles), not as GETs.
-        self._local = local_reader(store)
         self._store_name = describe_store(store)
-        self._sem: asyncio.Semaphore | None = None
-        self._inflight = 0
-        self._tasks: set[asyncio.Task[None]] = set()  # touched on the IO loop only
+        # A folder on this machine is read on the decode threads (see localfiles), not as GETs.
+        reader = local_reader(store)
+        self._getter: Getter | None = None
+        if reader is None:
+            get = _zarr_compat.make_async_getter(store, timeout_s=self.retry.timeout_s)
+            self._getter = Getter(
+                get, self._loop, max_inflight, self._store_name, lambda: self._filler
+            )
+        self._filler = Filler(
+            pool=pool,
+            decode_pool=self._decode_pool,
+            reader=reader,
+            getter=self._getter,
+            transforms=self.transforms,
+            on_bad_chunk=self.on_bad_chunk,
+            store_name=self._store_name,
+            note_bad=self._note_bad,
+        )
         self._pid = os.getpid()
         self._generation = 0  # bumped by every teardown: older release handles do nothing
         self._queue: deque[_Pending] = deque()
@@ -271,13 +285,33 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         # can already be re-admitted (read-ahead) for its next one before that release happens.
         self._live: dict[ChunkKey, ChunkEntry] = {}
         self._pins: dict[ChunkKey, int] = {}
+        self._jobs: weakref.WeakSet[FillJob] = weakref.WeakSet()  # started, maybe unfinished
         self._ahead_bytes = 0
         self._read_ahead = 0
         self._epoch_plan: EpochPlan | None = None
+        self._groups: list[_Group] = []
+        self._fetched: dict[str, np.ndarray] = {}  # path -> chunks fetched before (re-reads)
+        self._buffers: BatchBuffers | None = None
         self._exhausted = False
         self._last_state: dict[str, Any] | None = None
-        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
+        self._recorder: EpochRecorder | None = None
         _LIVE.add(self)
+
+    @property
+    def recorder(self) -> EpochRecorder | None:
+        """The epoch report's recorder (set by the pipeline; see report.py)."""
+        return self._recorder
+
+    @recorder.setter
+    def recorder(self, rec: EpochRecorder | None) -> None:
+        self._recorder = rec
+        self._filler.recorder = rec
+
+    def accept_batch_buffers(self, buffers: BatchBuffers) -> None:
+        """Decode rows straight into ``buffers`` where the plan allows (the gather stage above
+        offers its batch buffers when it is built; see the module docstring)."""
+        self._buffers = buffers
+        self._epoch_plan = None  # decided again at the next batch
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -296,6 +330,15 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     def next(self) -> FetchedBatch:
         _runtime.check_same_process(self._pid)
+        started = time.perf_counter()
+        try:
+            return self._next()
+        finally:
+            rec = self._recorder
+            if rec is not None:
+                rec.add("admit_s", time.perf_counter() - started)
+
+    def _next(self) -> FetchedBatch:
         self._top_up()
         if not self._queue:
             raise StopIteration
@@ -308,10 +351,37 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             )
         self._ahead_bytes -= head.ahead_bytes
         self._last_state = head.state
-        entries = {key: self._live[key] for key in head.plan.reads}
+        entries = self._entries_read(head.plan, head.in_place)
         self._top_up()
-        release = functools.partial(self._release, self._generation, head.plan.releases)
-        return FetchedBatch(plan=head.plan, entries=entries, release=release)
+        release = functools.partial(self._release, self._generation, head.plan)
+        return FetchedBatch(
+            plan=head.plan,
+            entries=entries,
+            release=release,
+            jobs=tuple(head.jobs),
+            arrays=head.arrays,
+            direct=head.rows,
+        )
+
+    def _entries_read(
+        self, plan: BatchPlan, in_place: Mapping[int, set[int]]
+    ) -> dict[ChunkKey, ChunkEntry]:
+        """The pinned entries of every pool chunk ``plan`` reads (not of the chunks decoded
+        straight into its rows, ``in_place``)."""
+        live = self._live
+        out: dict[ChunkKey, ChunkEntry] = {}
+        if not live:  # every chunk of it was decoded in place
+            return out
+        for i, group in enumerate(self._groups):
+            chunks = plan.chunks_read(i).tolist()
+            if i in in_place:
+                chunks = [c for c in chunks if c not in in_place[i]]
+            for path in group.paths:
+                for c in chunks:
+                    entry = live.get((path, c))
+                    if entry is not None:
+                        out[(path, c)] = entry
+        return out
 
     # -- pins -------------------------------------------------------------------------------
     def slot_spec(self, path: str) -> tuple[tuple[int, ...], np.dtype[Any], bool]:
@@ -321,21 +391,57 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         shape = (geom.samples_per_chunk, *geom.inner_shape)
         return shape, geom.dtype, self._level_major[path]
 
-    def _release(self, generation: int, keys: Iterable[ChunkKey]) -> None:
+    def reserve_specs(
+        self, plan: EpochPlan, limit_bytes: int
+    ) -> list[tuple[tuple[int, ...], np.dtype[Any], bool]]:
+        """Slot specs of the pool chunks ``plan`` fetches, in first-need order, up to
+        ``limit_bytes`` (what :meth:`ChunkPool.reserve` is worth paying for ahead of need;
+        rows decoded straight into batches take no slot)."""
+        groups = self._plan_groups(plan)
+        order: list[tuple[int, int, int]] = []  # (first row, group, segment)
+        for gi, (ledger, group) in enumerate(zip(plan.ledgers, groups, strict=True)):
+            seg = ledger.by_first
+            if group.direct is not None:
+                seg = seg[ledger.first[seg] != ledger.last[seg]]
+            seg = seg[: max(0, limit_bytes // max(1, group.nbytes)) + 1]
+            firsts = ledger.first[seg].tolist()
+            order.extend((f, gi, s) for f, s in zip(firsts, seg.tolist(), strict=True))
+        order.sort()
+        out: list[tuple[tuple[int, ...], np.dtype[Any], bool]] = []
+        total = 0
+        for _, gi, _ in order:
+            for path in groups[gi].paths:
+                spec = self.slot_spec(path)
+                total += math.prod(spec[0]) * spec[1].itemsize
+                if total > limit_bytes:
+                    return out
+                out.append(spec)
+        return out
+
+    def _release(self, generation: int, plan: BatchPlan) -> None:
         """Unpin chunks the consumer has read for the last time this epoch."""
         if generation != self._generation:  # the pins went with a reset or close
             return
+        epoch = plan.epoch_plan
+        at = plan.index - epoch.first_batch
+        pins, live = self._pins, self._live
         done: list[ChunkEntry] = []
-        for key in keys:
-            count = self._pins.get(key, 0)
-            if count == 0:
-                continue
-            done.append(self._live[key])
-            if count == 1:
-                del self._pins[key], self._live[key]
-            else:
-                self._pins[key] = count - 1
-        self._cancel_fills(self.pool.unpin(done))
+        for ledger, group in zip(epoch.ledgers, self._plan_groups(epoch), strict=True):
+            seg = ledger.released(at)
+            if group.direct is not None:  # rows decoded in place were never pinned
+                seg = seg[ledger.first[seg] != ledger.last[seg]]
+            for c in ledger.chunk[seg].tolist():
+                for path in group.paths:
+                    key = (path, c)
+                    count = pins.get(key, 0)
+                    if count == 0:
+                        continue
+                    done.append(live[key])
+                    if count == 1:
+                        del pins[key], live[key]
+                    else:
+                        pins[key] = count - 1
+        self._cancel(self.pool.unpin(done), ())
 
     @property
     def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -364,13 +470,10 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             except StopIteration:
                 self._exhausted = True
                 return
-            keys = plan.fetches
-            if plan.epoch_plan is not self._epoch_plan:
+            carried = plan.epoch_plan is not self._epoch_plan
+            if carried:
                 self._start_epoch(plan.epoch_plan)
-                # Resumed mid-epoch: chunks that earlier (undelivered-here) batches first read
-                # and later batches read again have to be fetched now.
-                keys = plan.epoch_plan.carried_into(plan.index) + keys
-            pending = _Pending(plan=plan, state=self.source.state_dict(), keys=keys)
+            pending = self._prepare(plan, carried)
             self._queue.append(pending)
             if not self._admit(pending):
                 return
@@ -379,208 +482,169 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         floor, read_ahead = working_set_bytes(plan, self.slot_geoms)
         self.pool.ensure_floor(floor)  # an automatic budget grows; an explicit one may raise
         self._epoch_plan, self._read_ahead = plan, read_ahead
+        self._groups = self._plan_groups(plan)
+
+    def _plan_groups(self, plan: EpochPlan) -> list[_Group]:
+        if plan is self._epoch_plan and self._groups:
+            return self._groups
+        direct_ok = self._direct_allowed(plan)
+        out = []
+        for ledger in plan.ledgers:
+            nbytes = sum(self.slot_geoms[p].chunk_nbytes for p in ledger.paths)
+            labels = self._direct_labels(plan, ledger) if direct_ok else None
+            row = 0 if labels is None else sum(self.geoms[p].sample_nbytes for p in ledger.paths)
+            out.append(_Group(tuple(ledger.paths), nbytes, labels, row))
+        return out
+
+    def _direct_allowed(self, plan: EpochPlan) -> bool:
+        """Whether rows may be decoded straight into batches this epoch (module docstring)."""
+        if self._buffers is None or self.direct is False:
+            return False
+        cache = self.pool.cache
+        if cache is not None and cache.persistent:
+            return False
+        if self.direct or self.pool.auto:
+            return True
+        reads = sum(
+            len(np.unique(ledger.chunk))
+            * sum(self.slot_geoms[p].chunk_nbytes for p in ledger.paths)
+            for ledger in plan.ledgers
+        )
+        return self.pool.budget_bytes < reads  # the pool could not keep the epoch anyway
+
+    def _direct_labels(self, plan: EpochPlan, ledger: ChunkLedger) -> dict[str, str] | None:
+        """``{path: label}`` when ``ledger``'s single-use chunks can be decoded straight into
+        the batch arrays: one sample per chunk, each array read by exactly one label (whose
+        batch array the gather stage lends, with the array's own shape and dtype), no chunk
+        transforms."""
+        if ledger.samples_per_chunk != 1 or len(ledger.offsets) != 1:
+            return None
+        assert self._buffers is not None
+        lent = self._buffers.labels
+        out = {}
+        for label, view in plan.labels.items():
+            if view.path not in ledger.paths:
+                continue
+            geom = self.geoms[view.path]
+            mine = lent.get(label)
+            if (
+                self.transforms.active(view.path)
+                or mine is None
+                or mine.path != view.path
+                or mine.offset != view.offset
+                or mine.inner_shape != geom.inner_shape
+                or mine.dtype != geom.dtype
+            ):
+                return None
+            out[view.path] = label
+        return out if len(out) == len(ledger.paths) else None
+
+    def _prepare(self, plan: BatchPlan, carried: bool) -> _Pending:
+        """What admitting ``plan`` takes: the pool chunks it (first) reads, in need order, and
+        a job for the rows decoded straight into its arrays."""
+        epoch = plan.epoch_plan
+        at = plan.index - epoch.first_batch
+        requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]] = []
+        pending = _Pending(plan=plan, state=self.source.state_dict(), requests=requests)
+        direct: list[tuple[_Group, np.ndarray, np.ndarray]] = []
+        misses = re_reads = 0
+        for gi, (ledger, group) in enumerate(zip(epoch.ledgers, self._groups, strict=True)):
+            seg = ledger.fetched(at)
+            if carried:  # resumed mid-epoch: chunks earlier batches first read, read again
+                seg = np.concatenate([ledger.carried(at, epoch.batch_size), seg])
+            if group.direct is not None and len(seg):
+                single = ledger.first[seg] == ledger.last[seg]
+                if self.pool.has_entries():  # a chunk the pool holds is a hit, not a read
+                    single &= ~self._resident(group, ledger.chunk[seg])
+                if single.any():
+                    chunks = ledger.chunk[seg[single]]
+                    rows = ledger.first[seg[single]] - at * epoch.batch_size
+                    direct.append((group, chunks, rows))
+                    pending.in_place[gi] = set(chunks.tolist())
+                    misses += len(chunks) * len(group.paths)
+                    re_reads += sum(self._seen(path, chunks) for path in group.paths)
+                    seg = seg[~single]
+            for c in ledger.chunk[seg].tolist():
+                for path in group.paths:
+                    shape, dtype, level_major = self.slot_spec(path)
+                    start, stop = self.slot_geoms[path].chunk_range(c)
+                    requests.append(((path, c), shape, dtype, stop - start, level_major))
+        if direct:
+            assert self._buffers is not None
+            job = pending.direct = FillJob(_runtime.next_ticket(), self._generation)
+            arrays = pending.arrays = self._buffers.take(len(plan))
+            for group, chunks, rows in direct:
+                assert group.direct is not None
+                chunk_list, row_list = chunks.tolist(), rows.tolist()
+                for path, label in group.direct.items():
+                    job.add_rows(self._arrays[path], arrays[label], chunk_list, row_list)
+                    pending.rows[label] = pending.rows.get(label, 0) + len(row_list)
+                pending.ahead_bytes += group.row_bytes * len(chunks)
+            self._ahead_bytes += pending.ahead_bytes
+            rec = self.recorder
+            if rec is not None:
+                rec.on_admit_counts(0, misses, re_reads)
+        return pending
+
+    def _resident(self, group: _Group, chunks: np.ndarray) -> np.ndarray:
+        lookup = self.pool.lookup
+        return np.array(
+            [any(lookup((p, c)) is not None for p in group.paths) for c in chunks.tolist()],
+            dtype=bool,
+        ).reshape(len(chunks))
+
+    def _seen(self, path: str, chunks: np.ndarray | int) -> int:
+        """How many of ``chunks`` of ``path`` this node fetched before (re-reads), marking
+        them all fetched now."""
+        bits = self._fetched.get(path)
+        need = int(np.max(chunks)) + 1
+        if bits is None or len(bits) < need:
+            grown = np.zeros(max(need, self.geoms[path].n_chunks), dtype=bool)
+            if bits is not None:
+                grown[: len(bits)] = bits
+            bits = self._fetched[path] = grown
+        seen = int(np.count_nonzero(bits[chunks]))
+        bits[chunks] = True
+        return seen
 
     def _admit(self, pending: _Pending) -> bool:
-        """Pin the plan's first reads in order; False when the pool has no room yet."""
-        fetches = pending.keys
-        spawn: list[tuple[ChunkEntry, int]] = []
-        ok = True
-        while pending.admitted < len(fetches):
-            key = fetches[pending.admitted]
-            start, stop = self.slot_geoms[key[0]].chunk_range(key[1])
-            shape, dtype, level_major = self.slot_spec(key[0])
-            got = self.pool.acquire(key, shape, dtype, stop - start, level_major)
-            if got is None:
-                ok = False
-                break
-            entry, hit = got
+        """Pin the plan's first reads in order and start their fill; False when the pool has no
+        room for all of them yet."""
+        job = pending.direct or FillJob(_runtime.next_ticket(), self._generation)
+        pending.direct = None
+        todo = pending.requests[pending.admitted :]
+        got = self.pool.acquire_many(todo, job.fill) if todo else []
+        hits = misses = re_reads = 0
+        live, pins, arrays = self._live, self._pins, self._arrays
+        for (entry, hit), request in zip(got, todo[: len(got)], strict=True):
+            key = request[0]
             if entry.bad_tiles:  # read as bad by an earlier fill: still bad here
                 self._note_bad(self._generation, key[0], key[1], entry.bad_tiles)
-            if self.recorder is not None:
-                self.recorder.on_admit(key, hit or entry.cached is not None)
-            self._live[key] = entry
-            self._pins[key] = self._pins.get(key, 0) + 1
-            if not hit:  # tickets follow first need: the decode pool serves them in that order
-                spawn.append((entry, _runtime.next_ticket()))
-            pending.admitted += 1
+            live[key] = entry
+            pins[key] = pins.get(key, 0) + 1
+            if hit or entry.cached is not None:
+                hits += 1
+            else:
+                misses += 1
+                re_reads += self._seen(key[0], key[1])
+            if not hit:
+                start, stop = self.slot_geoms[key[0]].chunk_range(key[1])
+                array = arrays[key[0]]
+                region = self._filler.region(job, entry, array, stop - start)
+                job.add_entry(entry, array, region)
             pending.ahead_bytes += entry.nbytes
             self._ahead_bytes += entry.nbytes
-        if spawn:
-            self._loop.call_soon_threadsafe(self._spawn, spawn)
-        return ok
-
-    # -- on the loop ------------------------------------------------------------------------
-    def _spawn(self, entries: list[tuple[ChunkEntry, int]]) -> None:
-        if self._sem is None:
-            self._sem = asyncio.Semaphore(self.max_inflight)
-        if self._uses_obstore:
-            _runtime.note_obstore_use()
-        for entry, ticket in entries:
-            if entry.detached and entry.pins == 0:  # abandoned before its fill could start
-                self.pool.discard(entry, FillCancelled(f"chunk {entry.key} was cancelled"))
-                continue
-            task = self._loop.create_task(self._fill(entry, ticket))
-            entry.filler = task
-            self._tasks.add(task)
-            task.add_done_callback(functools.partial(self._fill_done, entry))
-
-    def _fill_done(self, entry: ChunkEntry, task: asyncio.Task[None]) -> None:
-        # Runs however the task ended — even cancelled before its first step, when no code of
-        # _fill ran: the entry must still resolve, or its waiters would wait forever.
-        self._tasks.discard(task)
-        entry.filler = None
-        error = None if task.cancelled() else task.exception()  # retrieved: nothing is logged
-        if not entry.ready.done():
-            self.pool.discard(entry, error or FillCancelled(f"chunk {entry.key} was cancelled"))
-
-    async def _fill(self, entry: ChunkEntry, ticket: int) -> None:
-        if entry.cached is not None:  # a hit in the persistent cache: map its file, no GET
-            job = self._decode_pool.submit(ticket, self.pool.map_cached, entry)
-            if await _landed(job):
-                self.pool.mark_ready(entry)
-                return
-            if entry.corrupt and self.recorder is not None:  # fetched below, as a miss
-                self.recorder.on_corrupt()
-        path, chunk = entry.key
-        geom, decoder = self.geoms[path], self._decoders[path]
-        start, stop = geom.chunk_range(chunk)
-        region = entry.slot[: stop - start]
-        # Decode straight into the slot, unless the transforms change the shape or dtype: then
-        # into a chunk-sized buffer of the stored layout that the transforms turn into the slot.
-        reshapes = self.transforms.reshapes(path)
-        decoded = self._take_spare(geom, stop - start) if reshapes else region
-        tasks = [
-            asyncio.ensure_future(
-                self._fill_tile(geom, decoder, decoded, entry, t, ticket, self._generation)
-            )
-            for t in geom.tiles()
-        ]
-        try:
-            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        finally:
-            # The first failed tile fails the chunk: the others (maybe still queued behind
-            # max_inflight, each with its own deadline) are cancelled. gather() completes only
-            # once every tile task has, so no decode still writes into the slot afterwards.
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-        errors = [t.exception() for t in tasks if not t.cancelled() and t.exception()]
-        if errors:
-            self.pool.discard(entry, errors[0])
-            if reshapes:  # every tile task has finished: nothing writes into it any more
-                self._give_spare(path, decoded)
-            return
-        if any(t.cancelled() for t in tasks):
-            raise asyncio.CancelledError  # the done-callback resolves the entry
-        if self.transforms.active(path):
-            try:
-                await self._transform(path, chunk, (start, stop), decoded, region, ticket)
-            except Exception as exc:
-                self.pool.discard(entry, exc)
-                if reshapes:
-                    self._give_spare(path, decoded)
-                return
-        if reshapes:
-            self._give_spare(path, decoded)
-        if entry.file is not None:  # a new cache file: checksum it on a decode thread first
-            await _landed(self._decode_pool.submit(ticket, self.pool.seal, entry))
-        self.pool.mark_ready(entry)
-
-    # Buffers a chunk is decoded into when its transforms reshape it, recycled (touched on the
-    # IO loop only): a fresh allocation of a few MB costs its page faults on every chunk.
-    # A buffer whose fill was cancelled is not recycled (a decode may still be landing in it).
-    def _take_spare(self, geom: ArrayGeometry, n: int) -> np.ndarray:
-        free = self._spares.get((geom.path, n))
-        if free:
-            buf = free.pop()
-            self._spare_bytes -= buf.nbytes
-            return buf
-        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
-
-    def _give_spare(self, path: str, buf: np.ndarray) -> None:
-        free = self._spares.setdefault((path, buf.shape[0]), [])
-        if len(free) < self._max_spares:
-            free.append(buf)
-            self._spare_bytes += buf.nbytes
-
-    async def _transform(
-        self,
-        path: str,
-        chunk: int,
-        sample_range: tuple[int, int],
-        decoded: np.ndarray,
-        region: np.ndarray,
-        ticket: int,
-    ) -> None:
-        """Run the chunk transforms of ``path`` on a decode thread; the result lands in
-        ``region`` (the slot). Raises what the transforms raise."""
         rec = self.recorder
-        submitted = rec.on_transform_submit() if rec is not None else 0.0
-        job = self._decode_pool.submit(
-            ticket, self._run_transforms, path, chunk, sample_range, decoded, region
-        )
-        busy: float | None = None
-        try:
-            busy = await _landed(job)
-        finally:
-            if rec is not None:
-                rec.on_transform_end(submitted, busy)
-
-    def _run_transforms(
-        self,
-        path: str,
-        chunk: int,
-        sample_range: tuple[int, int],
-        decoded: np.ndarray,
-        region: np.ndarray,
-    ) -> float:
-        t0 = time.perf_counter()
-        out = self.transforms.apply(path, chunk, sample_range, decoded)
-        if out is not region:
-            np.copyto(region, out)
-        return time.perf_counter() - t0
-
-    def _cancel_fills(self, entries: list[ChunkEntry]) -> None:
-        """Cancel the fills of detached entries (no pin left on them), from any thread."""
-        if not entries:
-            return
-
-        def cancel() -> None:
-            for entry in entries:
-                if entry.filler is not None:
-                    entry.filler.cancel()
-
-        if self._pid == os.getpid() and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(cancel)
-
-    async def _fill_tile(
-        self,
-        geom: ArrayGeometry,
-        decoder: ChunkDecoder,
-        region: Any,
-        entry: ChunkEntry,
-        tile: tuple[int, ...],
-        ticket: int,
-        generation: int,
-    ) -> None:
-        chunk = entry.key[1]
-        out = region[(slice(None), *geom.tile_slices(tile))]
-        try:
-            await self._read_tile(geom, decoder, out, chunk, tile, ticket)
-        except ChunkReadError as exc:
-            if self.on_bad_chunk == "raise":
-                raise
-            # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
-            log.warning(
-                "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
-                exc,
-                exc.__cause__,
-            )
-            out[...] = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
-            entry.bad_tiles.append(tuple(tile))
-            noted = self._note_bad(generation, geom.path, chunk, [tuple(tile)])
-            if noted and self.recorder is not None:
-                self.recorder.on_bad_chunk()
+        if rec is not None and got:
+            rec.on_admit_counts(hits, misses, re_reads)
+        pending.admitted += len(got)
+        if job.units or job.rows:
+            pending.jobs.append(job)
+            self._jobs.add(job)
+            self._filler.submit(job)
+        else:
+            job.fill.resolve()  # nothing to fill: its entries (if any) were hits
+        return pending.done
 
     def _note_bad(
         self, generation: int, path: str, chunk: int, tiles: Iterable[tuple[int, ...]]
@@ -594,165 +658,40 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 self._bad[(path, chunk, tile)] = None
             return True
 
-    async def _read_tile(
-        self,
-        geom: ArrayGeometry,
-        decoder: ChunkDecoder,
-        out: Any,
-        chunk: int,
-        tile: tuple[int, ...],
-        ticket: int,
-    ) -> None:
-        assert self._sem is not None
-        key = geom.store_key(chunk, tile)
-        stats = self.pool.stats
-        async with self._sem:
-            self._inflight += 1
-            stats.inflight += 1
-            stats.inflight_peak = max(stats.inflight_peak, self._inflight)
-            try:
-                if self._local is not None:
-                    nbytes = await self._read_local_tile(
-                        geom, decoder, key, out, chunk, tile, ticket
-                    )
-                    stats.gets += 1
-                    stats.bytes_fetched += nbytes
-                    return
-                rec = self.recorder
-                started = rec.on_get_start() if rec is not None else 0.0
-                ids = self._identities()
-                meta: list[Any] | None = None if ids is None else []
-                try:
-                    raw = await (self._get(key) if meta is None else self._get(key, meta))
-                except BaseException as exc:
-                    if rec is not None:
-                        rec.on_get_end(started, 0, ok=False)
-                    if not isinstance(exc, Exception):
-                        raise
-                    raise ChunkReadError(
-                        geom.path, chunk, tile, key, "read", self._store_name
-                    ) from exc
-                if ids is not None and meta:  # what identifies the object (store_identity)
-                    ids.note(geom.path, chunk, key, meta_identity(meta[0]))
-                nbytes = 0 if raw is None else len(raw)
-                stats.gets += 1
-                stats.bytes_fetched += nbytes
-                job: Future[Any]
-                if rec is None:
-                    job = self._decode_pool.submit(
-                        ticket, decoder.decode_into, raw, out, chunk, tile
-                    )
-                else:
-                    rec.on_get_end(started, nbytes)
-                    submitted = rec.on_decode_submit()
-                    job = self._decode_pool.submit(
-                        ticket, rec.timed, decoder.decode_into, raw, out, chunk, tile
-                    )
-                try:
-                    busy = await _landed(job)
-                except asyncio.CancelledError:
-                    if rec is not None:
-                        rec.on_decode_end(submitted, None)
-                    raise
-                except Exception as exc:
-                    if rec is not None:
-                        rec.on_decode_end(submitted, None)
-                    raise ChunkReadError(
-                        geom.path, chunk, tile, key, "decode", self._store_name
-                    ) from exc
-                if rec is not None:
-                    rec.on_decode_end(submitted, busy)
-            finally:
-                self._inflight -= 1
-                stats.inflight -= 1
-
-    async def _read_local_tile(
-        self,
-        geom: ArrayGeometry,
-        decoder: ChunkDecoder,
-        key: str,
-        out: Any,
-        chunk: int,
-        tile: tuple[int, ...],
-        ticket: int,
-    ) -> int:
-        """Read + decode one stored object of a local store as one decode-thread job (the
-        bytes stay in that thread's buffer); its size in bytes. Errors as :meth:`_read_tile`."""
-        assert self._local is not None
-        self._local.advise(key)  # the kernel reads ahead while the job waits for a thread
-        rec = self.recorder
-        submitted = rec.on_decode_submit() if rec is not None else 0.0
-        job = self._decode_pool.submit(
-            ticket, self._local_job, geom, decoder, key, out, chunk, tile, rec
-        )
-        try:
-            nbytes, busy = await _landed(job)
-        except BaseException:
-            if rec is not None:
-                rec.on_decode_end(submitted, None)
-            raise
-        if rec is not None:
-            rec.on_decode_end(submitted, busy)
-        return nbytes
-
-    def _local_job(
-        self,
-        geom: ArrayGeometry,
-        decoder: ChunkDecoder,
-        key: str,
-        out: Any,
-        chunk: int,
-        tile: tuple[int, ...],
-        rec: EpochRecorder | None,
-    ) -> tuple[int, float | None]:
-        # On a decode thread. The read counts as a GET in the report, the decode as a decode
-        # (timed as the GET path times it; None without a recorder).
-        assert self._local is not None
-        started = rec.on_get_start() if rec is not None else 0.0
-        ids = self._identities()
-        info: list[Any] | None = None if ids is None else []
-        try:
-            raw = self._local.read(key) if info is None else self._local.read(key, info)
-        except OSError as exc:
-            if rec is not None:
-                rec.on_get_end(started, 0, ok=False)
-            raise ChunkReadError(geom.path, chunk, tile, key, "read", self._store_name) from exc
-        if ids is not None and info:  # what identifies the file (store_identity)
-            ids.note(geom.path, chunk, key, stat_identity(info[0]))
-        nbytes = 0 if raw is None else len(raw)
-        if rec is not None:
-            rec.on_get_end(started, nbytes)
-        try:
-            if rec is None:
-                decoder.decode_into(raw, out, chunk, tile)
-                return nbytes, None
-            return nbytes, rec.timed(decoder.decode_into, raw, out, chunk, tile)
-        except Exception as exc:
-            raise ChunkReadError(geom.path, chunk, tile, key, "decode", self._store_name) from exc
-
-    def _identities(self) -> IdentityRecorder | None:
-        """Where the objects' identities go: a persistent cache writer's recorder, or ``None``."""
-        cache = self.pool.cache
-        return None if cache is None else cache.identity
+    def _cancel(self, entries: Sequence[ChunkEntry], jobs: Iterable[FillJob]) -> None:
+        """Stop filling what nobody waits for any more (returns at once)."""
+        jobs = list(jobs)
+        if entries or jobs:
+            self._filler.cancel(jobs, entries)
 
     def _teardown(self) -> None:
         """Drop every pin this node holds and cancel the fills left unpinned (no waiting)."""
         self._generation += 1
         held = [self._live[k] for k, n in self._pins.items() for _ in range(n)]
-        self._cancel_fills(self.pool.unpin(held))
+        detached = self.pool.unpin(held)
+        jobs = list(self._jobs)
+        self._jobs = weakref.WeakSet()
+        for pending in self._queue:
+            if pending.direct is not None:  # built, never started
+                pending.direct.fill.resolve()
         self._live.clear()
         self._pins.clear()
         self._queue.clear()
         self._ahead_bytes = 0
         self._epoch_plan = None
+        self._groups = []
+        self._cancel(detached, jobs)
 
     @property
     def scratch_bytes(self) -> int:
         """Decode scratch memory this node's decoders hold (over all decode threads), plus the
         idle buffers kept for decoding chunks that a transform reshapes."""
-        return sum(d.scratch_bytes for d in self._decoders.values()) + self._spare_bytes
+        return sum(d.scratch_bytes for d in self._decoders.values()) + self._filler.spare_bytes
 
     @property
     def inflight(self) -> int:
-        """Stored-object GETs (and their decodes) in flight right now."""
-        return self._inflight
+        """Stored-object GETs (and their decodes) in flight right now (for a local store:
+        objects being read or decoded)."""
+        if self._getter is not None:
+            return self._getter.inflight
+        return sum(job.runs for job in list(self._jobs))

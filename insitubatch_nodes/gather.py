@@ -34,7 +34,7 @@ from insitubatch_nodes.pool import ResidentBatch
 from insitubatch_nodes.report import EpochRecorder
 from insitubatch_nodes.residency import is_level_major
 
-__all__ = ["PARALLEL_GATHER_BYTES", "BufferPool", "GatherNode", "gather_label"]
+__all__ = ["PARALLEL_GATHER_BYTES", "BatchBuffers", "BufferPool", "GatherNode", "gather_label"]
 
 PARALLEL_GATHER_BYTES = 8 * 2**20
 """A batch at least this large (all labels) is copied by two threads, half the rows each
@@ -88,6 +88,47 @@ class BufferPool:
         return np.frombuffer(owner, dtype=self.dtype).reshape(self.shape)
 
 
+class BatchBuffers:
+    """The reusable batch arrays of one gather stage, one :class:`BufferPool` per label.
+
+    :meth:`take` lends arrays for a batch of ``n`` rows (a prefix view of buffers of
+    :attr:`rows` rows; larger batches, after an elastic resume, grow the buffers). The gather
+    stage takes them for the batches it assembles; it also lends them to the fetch stage below
+    it (:meth:`~insitubatch_nodes.fetch.AsyncChunkFetchNode.accept_batch_buffers`), which
+    decodes rows straight into them. Both run on the pipeline's producer thread.
+    """
+
+    def __init__(self, labels: Mapping[str, ArrayGeometry], rows: int) -> None:
+        self.labels = dict(labels)
+        self._retired_allocations = 0
+        self._pools: dict[str, BufferPool] = {}
+        self.resize(rows)
+
+    def resize(self, rows: int) -> None:
+        """Lend buffers of ``rows`` rows from now on (buffers lent before stay valid)."""
+        self._retired_allocations += sum(p.allocations for p in self._pools.values())
+        self.rows = rows
+        self._pools = {
+            label: BufferPool((rows, *g.inner_shape), g.dtype) for label, g in self.labels.items()
+        }
+
+    def take(self, n: int) -> dict[str, np.ndarray]:
+        """Arrays ``(n, *inner)`` for every label (on the producer thread)."""
+        if n > self.rows:
+            self.resize(n)
+        return {label: pool.take()[:n] for label, pool in self._pools.items()}
+
+    @property
+    def allocations(self) -> int:
+        """Buffers allocated so far (stays flat in steady state)."""
+        return self._retired_allocations + sum(p.allocations for p in self._pools.values())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of buffer memory held now, lent out or idle."""
+        return sum(p.held_bytes for p in self._pools.values())
+
+
 def gather_label(
     out: np.ndarray,
     samples: np.ndarray,
@@ -95,34 +136,49 @@ def gather_label(
     path: str,
     slots: Mapping[tuple[str, int], np.ndarray],
     scratch: np.ndarray,
-) -> None:
-    """Fill ``out[i] = slot_of(samples[i])[samples[i] % spc]`` with one copy per chunk.
+    skip_missing: bool = False,
+) -> int:
+    """Fill ``out[i] = slot_of(samples[i])[samples[i] % spc]`` with one copy per chunk; the
+    number of rows copied.
 
     The read plan emits each batch's rows in sample order, so every chunk's rows form one
     contiguous run of ``out``: a single ``np.take`` (or slice copy) per chunk writes them in
     place. Rows in any other order still work, through ``scratch`` (a gather, then a scatter).
+    With ``skip_missing`` the rows of chunks that have no slot are left as they are (the fetch
+    stage decoded them in place).
     """
     chunk = samples // samples_per_chunk
     within = samples - chunk * samples_per_chunk
     n = len(samples)
+    copied = 0
     if n > 1 and bool(np.all(chunk[1:] >= chunk[:-1])):
         cuts = (np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist()
         for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
-            slot = slots[(path, int(chunk[lo]))]
+            slot = slots.get((path, int(chunk[lo]))) if skip_missing else None
+            if slot is None:
+                if skip_missing:
+                    continue
+                slot = slots[(path, int(chunk[lo]))]
             w0, w1 = int(within[lo]), int(within[hi - 1])
             if w1 - w0 == hi - lo - 1:  # consecutive samples: a plain slice copy
                 out[lo:hi] = slot[w0 : w1 + 1]
             else:
                 take_rows(slot, within[lo:hi], out[lo:hi])
-        return
+            copied += hi - lo
+        return copied
     order = np.argsort(chunk, kind="stable")
     sorted_chunks = chunk[order]
     cuts = (np.flatnonzero(sorted_chunks[1:] != sorted_chunks[:-1]) + 1).tolist()
     for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
+        key = (path, int(sorted_chunks[lo]))
+        if skip_missing and key not in slots:
+            continue
         rows = order[lo:hi]
         block = scratch[: hi - lo]
-        take_rows(slots[(path, int(sorted_chunks[lo]))], within[rows], block)
+        take_rows(slots[key], within[rows], block)
         out[rows] = block
+        copied += hi - lo
+    return copied
 
 
 def take_rows(slot: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
@@ -182,15 +238,17 @@ class GatherNode(BaseNode[Batch]):
             for label, named in (coords or {}).items()
             if named
         }
-        self._size(batch_size if rows is None else max(1, min(rows, batch_size)))
+        rows = batch_size if rows is None else max(1, min(rows, batch_size))
+        self.buffers = BatchBuffers(self.labels, rows)
+        self._size(rows)
         self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
+        _offer_buffers(source, self.buffers)
 
     def _size(self, rows: int) -> None:
         """Batch buffers of ``rows`` rows, and scratch to match."""
         self.rows = rows
-        self._buffers = {
-            label: BufferPool((rows, *g.inner_shape), g.dtype) for label, g in self.labels.items()
-        }
+        if self.buffers.rows < rows:
+            self.buffers.resize(rows)
         # one scratch set per gathering thread (used only for rows out of sample order)
         self._scratch = [
             {
@@ -214,18 +272,29 @@ class GatherNode(BaseNode[Batch]):
         n = len(plan)
         if n > self.rows:  # batches of more rows than sized for (elastic resume): resize
             self._size(min(n, self.batch_size))
-        arrays = {label: self._buffers[label].take()[:n] for label in self.labels}
-        nbytes = sum(out.nbytes for out in arrays.values())
+        given = resident.arrays
+        arrays = self.buffers.take(n) if given is None else dict(given)
+        # labels whose every row the fetch stage decoded in place need no copy at all
+        labels = [lb for lb in self.labels if resident.direct.get(lb, 0) < n]
+        nbytes = sum(arrays[lb].nbytes for lb in labels)
         helper = _runtime.gather_helper() if n > 1 and nbytes >= PARALLEL_GATHER_BYTES else None
         if helper is None:
-            self._gather_rows(arrays, resident, 0, n, 0)
+            copied = self._gather_rows(arrays, resident, labels, 0, n, 0)
         else:  # two threads copy half the rows each: copies from memory go ~1.5x as fast
             half = n // 2
-            other = helper.submit(-1, self._gather_rows, arrays, resident, half, n, 1)
+            other = helper.submit(-1, self._gather_rows, arrays, resident, labels, half, n, 1)
             try:
-                self._gather_rows(arrays, resident, 0, half, 0)
+                copied = self._gather_rows(arrays, resident, labels, 0, half, 0)
             finally:
-                other.result()  # also when ours raised: nothing writes into the batch after
+                more = other.result()  # also when ours raised: nothing writes into the batch
+            copied = {lb: copied[lb] + more[lb] for lb in labels}
+        for label in labels:
+            if copied[label] + resident.direct.get(label, 0) != n:
+                raise RuntimeError(
+                    f"batch {plan.index} of label {label!r}: {copied[label]} rows gathered and "
+                    f"{resident.direct.get(label, 0)} decoded in place, of {n}; this is a bug "
+                    "in insitubatch_nodes, please report it"
+                )
         batch = Batch(
             arrays=arrays,
             sample_indices=dict(plan.sample_indices),
@@ -248,20 +317,27 @@ class GatherNode(BaseNode[Batch]):
         self,
         arrays: Mapping[str, np.ndarray],
         resident: ResidentBatch,
+        labels: Sequence[str],
         lo: int,
         hi: int,
         scratch: int,
-    ) -> None:
-        """Rows ``lo:hi`` of every label (``scratch`` picks the scratch set of this thread)."""
-        for label, geom in self.labels.items():
-            gather_label(
+    ) -> dict[str, int]:
+        """Rows ``lo:hi`` of ``labels`` (``scratch`` picks the scratch set of this thread); the
+        rows copied per label (rows decoded in place are left as they are)."""
+        partial = resident.arrays is not None
+        out = {}
+        for label in labels:
+            geom = self.labels[label]
+            out[label] = gather_label(
                 arrays[label][lo:hi],
                 resident.plan.sample_indices[label][lo:hi],
                 geom.samples_per_chunk,
                 geom.path,
                 resident.slots,
                 self._scratch[scratch][label],
+                skip_missing=partial and resident.direct.get(label, 0) > 0,
             )
+        return out
 
     def close(self) -> None:
         closer = getattr(self.source, "close", None)
@@ -271,10 +347,24 @@ class GatherNode(BaseNode[Batch]):
     @property
     def buffer_allocations(self) -> int:
         """Batch buffers allocated so far (stays flat in steady state)."""
-        return sum(b.allocations for b in self._buffers.values())
+        return self.buffers.allocations
 
     @property
     def buffer_bytes(self) -> int:
         """Bytes of batch-buffer memory held now, lent out or idle (scratch included)."""
-        held = sum(b.held_bytes for b in self._buffers.values())
+        held = self.buffers.held_bytes
         return held + sum(s.nbytes for scratch in self._scratch for s in scratch.values())
+
+
+def _offer_buffers(source: Any, buffers: BatchBuffers) -> None:
+    """Lend ``buffers`` to the first stage down the ``source`` chain that decodes rows straight
+    into batches (the fetch stage), so a graph composed by hand does what the builder's does."""
+    seen: set[int] = set()
+    node = source
+    while node is not None and id(node) not in seen:
+        seen.add(id(node))
+        accept = getattr(node, "accept_batch_buffers", None)
+        if callable(accept):
+            accept(buffers)
+            return
+        node = getattr(node, "source", None)

@@ -23,6 +23,7 @@ behave the same way); the stored byte order stays in ``metadata``.
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from collections.abc import Iterator, Mapping, Sequence
@@ -172,37 +173,37 @@ class ArrayGeometry:
         return start, min(start + self.samples_per_chunk, self.n_samples)
 
     # -- the field (inner) axes ------------------------------------------------------------
-    @property
+    @functools.cached_property
     def field_axes(self) -> tuple[int, ...]:
         """Physical indices of the field axes, in order."""
         return tuple(a for a in range(self.ndim) if a != self.sample_axis)
 
-    @property
+    @functools.cached_property
     def inner_shape(self) -> tuple[int, ...]:
         """Shape of one sample's payload (the array shape without the sample axis)."""
         return tuple(self.shape[a] for a in self.field_axes)
 
-    @property
+    @functools.cached_property
     def tile_shape(self) -> tuple[int, ...]:
         """Stored-object extent along each field axis."""
         return tuple(self.chunks[a] for a in self.field_axes)
 
-    @property
+    @functools.cached_property
     def tile_grid(self) -> tuple[int, ...]:
         """Number of stored objects along each field axis."""
         return tuple(math.ceil(self.shape[a] / self.chunks[a]) for a in self.field_axes)
 
-    @property
+    @functools.cached_property
     def n_tiles(self) -> int:
         """Stored objects per chunk (1 when the field is not tiled)."""
         return math.prod(self.tile_grid)
 
-    @property
+    @functools.cached_property
     def sample_nbytes(self) -> int:
         """Decoded bytes of one sample's payload."""
         return math.prod(self.inner_shape) * self.dtype.itemsize
 
-    @property
+    @functools.cached_property
     def chunk_nbytes(self) -> int:
         """Decoded bytes of one full chunk (all its tiles)."""
         return self.samples_per_chunk * self.sample_nbytes
@@ -254,8 +255,25 @@ class ArrayGeometry:
         if self.metadata is None:
             raise ValueError(f"{self.path}: this geometry was built without zarr metadata")
         tile = tuple(tile) or (0,) * len(self.field_axes)
-        key = _zarr_compat.encode_chunk_key(self.metadata, self.chunk_coords(chunk_index, tile))
+        coords = self.chunk_coords(chunk_index, tile)
+        template = self.key_template
+        if template is not None:
+            return template.format(*coords)
+        key = _zarr_compat.encode_chunk_key(self.metadata, coords)
         return f"{self.path}/{key}" if self.path else key
+
+    @functools.cached_property
+    def key_template(self) -> str | None:
+        """The store keys of this array as a ``str.format`` template over the physical
+        chunk-grid coordinates (``key_template.format(*coords)`` is :meth:`store_key`), or
+        ``None`` when zarr must encode each key (no metadata, or an unusual key encoding)."""
+        if self.metadata is None:
+            return None
+        template = _zarr_compat.chunk_key_format(self.metadata, self.ndim)
+        if template is None:
+            return None
+        prefix = self.path.replace("{", "{{").replace("}", "}}")
+        return f"{prefix}/{template}" if self.path else template
 
     # -- views ---------------------------------------------------------------------------------
     def shift(self, k: int) -> ArrayGeometry:

@@ -28,11 +28,11 @@ kernel returns. Set ``INSITUBATCH_NODES_LOCAL_READS=0`` to read local stores thr
 
 from __future__ import annotations
 
-import io
 import os
 import queue
 import stat
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,7 @@ _ENV = "INSITUBATCH_NODES_LOCAL_READS"
 _MIN_BUFFER = 1 << 20
 _MISSING = (FileNotFoundError, NotADirectoryError)  # no such object: the chunk's fill value
 _FLAGS = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS = _FLAGS | getattr(os, "O_NONBLOCK", 0)
 
 
 def local_reader(store: Any) -> LocalReader | None:
@@ -76,57 +77,99 @@ class LocalReader:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.fspath(root)
+        self._prefix = os.path.join(self.root, "")  # keys are relative, "/"-separated
         self._local = threading.local()
+        self._cold = _COLD_READS  # reads lately that were not (wholly) in the page cache
 
     def path(self, key: str) -> str:
-        return os.path.join(self.root, key)
+        return self._prefix + key
+
+    @property
+    def cold(self) -> bool:
+        """Whether some of the last reads found their file outside the page cache (the
+        readahead is then worth asking for); True until reads say otherwise."""
+        return self._cold > 0
 
     def advise(self, key: str) -> None:
         """Ask the kernel, from the readahead thread, to start reading ``key``'s file into the
         page cache (returns at once; a missing file, or a platform without ``posix_fadvise``, is
         ignored)."""
-        if _HAS_FADVISE:
-            _readahead_queue().put(self.path(key))
+        self.advise_many([key])
 
-    def read(self, key: str, info_out: list[Any] | None = None) -> memoryview | None:
+    def advise_many(self, keys: Iterable[str]) -> None:
+        """:meth:`advise` for many keys at once (one hand-over to the readahead thread)."""
+        if _HAS_FADVISE:
+            paths = [self.path(key) for key in keys]
+            if paths:
+                _readahead_queue().put(paths)
+
+    def read(
+        self, key: str, info_out: list[Any] | None = None, probe: bool = False
+    ) -> memoryview | None:
         """The whole object ``key`` in this thread's buffer; ``None`` when there is no such file
         (or a folder in its place: obstore and zarr read both as a missing chunk).
 
         A list passed as ``info_out`` receives the ``fstat`` of the file read (``None`` when
         missing): what identifies it (see store_identity), at no extra system call.
+        ``probe=True`` asks first whether the file exists (``access``, no exception raised for
+        a missing one: a third of the cost of a failed open), for a caller that met missing
+        objects lately (zarr writes no object for a chunk of only the fill value).
 
         Raises ``OSError`` when it exists but cannot be read, or is not a regular file."""
+        if probe and not os.access(self._prefix + key, os.F_OK):
+            if info_out is not None:
+                info_out.append(None)
+            if self._cold:  # nothing to read ahead for a missing object
+                self._cold -= 1
+            return None
         try:
             # O_NONBLOCK: opening a FIFO planted in the store must not hang (no effect on files)
-            fd = os.open(self.path(key), _FLAGS | getattr(os, "O_NONBLOCK", 0))
+            fd = os.open(self._prefix + key, _OPEN_FLAGS)
         except _MISSING:
             if info_out is not None:
                 info_out.append(None)
+            if self._cold:  # nothing to read ahead for a missing object
+                self._cold -= 1
             return None
         try:
             info = os.fstat(fd)
-        except BaseException:
-            os.close(fd)
-            raise
-        if not stat.S_ISREG(info.st_mode):
-            os.close(fd)
-            if stat.S_ISDIR(info.st_mode):
-                if info_out is not None:
-                    info_out.append(None)
-                return None  # a folder is no object: missing, as obstore and zarr read it
-            raise OSError(f"{self.path(key)!r} is not a regular file")
-        if info_out is not None:
-            info_out.append(info)
-        with io.FileIO(fd, "rb", closefd=True) as file:  # unbuffered: readinto is one read()
+            if not stat.S_ISREG(info.st_mode):
+                if stat.S_ISDIR(info.st_mode):
+                    if info_out is not None:
+                        info_out.append(None)
+                    return None  # a folder is no object: missing, as obstore and zarr read it
+                raise OSError(f"{self.path(key)!r} is not a regular file")
+            if info_out is not None:
+                info_out.append(info)
             size = info.st_size
-            view = self._buffer(size).data  # a memoryview of the whole buffer
-            done = 0
+            view = self._buffer(size).data[:size]  # a memoryview of this thread's buffer
+            done = self._cached_prefix(fd, view)
             while done < size:  # a short read is not the end unless it returns 0
-                got = file.readinto(view[done:size])
+                got = _read_at(fd, view[done:], done)
                 if not got:
                     break  # the file shrank since fstat: decode what there is (and fail loudly)
                 done += got
             return view[:done]
+        finally:
+            os.close(fd)
+
+    def _cached_prefix(self, fd: int, view: memoryview) -> int:
+        """Read what the page cache holds of the file without waiting for the disk
+        (``RWF_NOWAIT``): the bytes read. All of them means the file was cached; fewer counts
+        as a cold read, which keeps the readahead asked for (:attr:`cold`)."""
+        if not _HAS_NOWAIT or not len(view):
+            return 0
+        try:
+            got = os.preadv(fd, [view], 0, os.RWF_NOWAIT)
+        except BlockingIOError:
+            got = 0
+        except OSError:  # not supported here (a file system, an old kernel): read as usual
+            return 0
+        if got < len(view):
+            self._cold = _COLD_READS
+        elif self._cold:
+            self._cold -= 1
+        return got
 
     def _buffer(self, size: int) -> np.ndarray:
         buf: np.ndarray | None = getattr(self._local, "buf", None)
@@ -139,8 +182,22 @@ class LocalReader:
 # -- the readahead thread (one per process, started on first use; again in a forked child) -----
 
 _HAS_FADVISE = hasattr(os, "posix_fadvise")
+_HAS_NOWAIT = hasattr(os, "preadv") and hasattr(os, "RWF_NOWAIT")
+
+
+def _read_at(fd: int, view: memoryview, offset: int) -> int:
+    """Read into ``view`` from ``offset`` of ``fd`` (one system call where ``preadv`` exists)."""
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, [view], offset)
+    os.lseek(fd, offset, os.SEEK_SET)  # pragma: no cover - platforms without preadv
+    return os.readv(fd, [view])  # pragma: no cover
+
+
+# A cold read asks for readahead over the next this-many reads: one cached read does not turn
+# it off while the rest of a cold store is still being read.
+_COLD_READS = 256
 _lock = threading.Lock()
-_queue: queue.SimpleQueue[str] | None = None
+_queue: queue.SimpleQueue[list[str]] | None = None
 
 
 def _after_fork_in_child() -> None:
@@ -153,12 +210,12 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def _readahead_queue() -> queue.SimpleQueue[str]:
+def _readahead_queue() -> queue.SimpleQueue[list[str]]:
     global _queue
     if _queue is None:
         with _lock:
             if _queue is None:
-                work: queue.SimpleQueue[str] = queue.SimpleQueue()
+                work: queue.SimpleQueue[list[str]] = queue.SimpleQueue()
                 thread = threading.Thread(
                     target=_readahead, args=(work,), name="insitu-readahead", daemon=True
                 )
@@ -167,16 +224,16 @@ def _readahead_queue() -> queue.SimpleQueue[str]:
     return _queue
 
 
-def _readahead(work: queue.SimpleQueue[str]) -> None:
+def _readahead(work: queue.SimpleQueue[list[str]]) -> None:
     while True:
-        path = work.get()
-        try:
-            fd = os.open(path, _FLAGS | getattr(os, "O_NONBLOCK", 0))
-        except OSError:
-            continue  # missing or unreadable: the read on the decode thread says so
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
+        for path in work.get():
+            try:
+                fd = os.open(path, _FLAGS | getattr(os, "O_NONBLOCK", 0))
+            except OSError:
+                continue  # missing or unreadable: the read on the decode thread says so
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            except OSError:
+                pass
+            finally:
+                os.close(fd)

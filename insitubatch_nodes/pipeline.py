@@ -570,16 +570,19 @@ def insitu_pipeline(
             chunk_transforms=transforms,
             on_bad_chunk=on_bad_chunk,
         )
+        resident = ChunkPoolNode(fetch)
+        # (the gather lends its batch buffers to the fetch stage: rows decoded in place)
+        gather = GatherNode(
+            resident, labels, batch_size, batch_transforms, rows=rows, coords=carried
+        )
         if cache is None:  # (with a cache_dir, slots are files)
             # Pay for the first epoch's slot memory ahead of need, in the order it will be
             # needed (a fresh process faults new pages in slowly; see ChunkPool.reserve).
-            pool.reserve(fetch.slot_spec(p) for p, _ in first.distinct_chunks())
+            pool.reserve(fetch.reserve_specs(first, pool.budget_bytes))
     except BaseException:
         if cache is not None:
             cache.close()
         raise
-    resident = ChunkPoolNode(fetch)
-    gather = GatherNode(resident, labels, batch_size, batch_transforms, rows=rows, coords=carried)
     return InSituPipeline(
         gather,
         prefetch_depth,

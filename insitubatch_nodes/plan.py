@@ -51,6 +51,7 @@ __all__ = [
     "REMAINDERS",
     "BatchPlan",
     "ChunkKey",
+    "ChunkLedger",
     "EpochPlan",
     "PinSchedule",
     "ReadPlanNode",
@@ -72,8 +73,91 @@ was running under and how many batches each of its ranks had delivered when it w
 
 
 @dataclass(frozen=True, eq=False)
+class ChunkLedger:
+    """Every use of one *plan group*'s chunks in one epoch, as numpy arrays (read-only).
+
+    Arrays whose views chunk the sample axis alike and sit at the same offsets (the sixty
+    arrays of a reanalysis archive, read as one label each) read the same chunk indices in the
+    same rows, so one ledger serves all of ``paths``: its size is the sample axis, not
+    samples x arrays. A *segment* is one use of one chunk: from its first reading row to its
+    last (a chunk read again after more than ``pin_gap`` idle batches has a second segment).
+    Segments are stored in ``(chunk, first)`` order; ``by_first``/``fetch_ptr`` list the
+    segments each batch fetches (CSR over the epoch's local batches), ``by_last``/
+    ``release_ptr`` those it releases.
+    """
+
+    paths: tuple[str, ...]
+    path_rank: tuple[int, ...]  # each path's position among the plan's paths (label order)
+    samples_per_chunk: int
+    offsets: tuple[int, ...]  # the views' offsets, sorted (a path read by two labels: twice)
+    chunk: np.ndarray  # (S,) chunk index of each segment
+    first: np.ndarray  # (S,) first row reading it (rows of this plan's ledger)
+    last: np.ndarray  # (S,) last row reading it
+    by_first: np.ndarray  # segment indices in first-need order
+    fetch_ptr: np.ndarray  # (local batches + 1,): by_first[fetch_ptr[b]:fetch_ptr[b + 1]]
+    by_last: np.ndarray  # segment indices in last-need order
+    release_ptr: np.ndarray  # (local batches + 1,): by_last[release_ptr[b]:...]
+
+    @property
+    def n_segments(self) -> int:
+        return int(self.chunk.shape[0])
+
+    def fetched(self, at: int) -> np.ndarray:
+        """Segments local batch ``at`` fetches, in first-need order."""
+        return self.by_first[self.fetch_ptr[at] : self.fetch_ptr[at + 1]]
+
+    def released(self, at: int) -> np.ndarray:
+        """Segments local batch ``at`` reads for the last time, in last-need order."""
+        return self.by_last[self.release_ptr[at] : self.release_ptr[at + 1]]
+
+    def carried(self, at: int, batch_size: int) -> np.ndarray:
+        """Segments first read before local batch ``at`` and read again at or after it, in
+        first-need order."""
+        seg = self.by_first[: self.fetch_ptr[at]]
+        return seg[self.last[seg] // batch_size >= at]
+
+    def first_need(self, chunks: np.ndarray) -> np.ndarray:
+        """The row that first reads each of ``chunks`` this epoch (each must be read)."""
+        heads = np.flatnonzero(np.r_[True, self.chunk[1:] != self.chunk[:-1]])
+        return self.first[heads[np.searchsorted(self.chunk[heads], chunks)]]
+
+    def read_by(self, anchors: np.ndarray) -> np.ndarray:
+        """The distinct chunks the rows with ``anchors`` read (ascending)."""
+        spc = self.samples_per_chunk
+        offsets = sorted(set(self.offsets))
+        if len(offsets) == 1:
+            cid = (anchors + offsets[0]) // spc
+        else:
+            cid = np.concatenate([(anchors + k) // spc for k in offsets])
+        return _sorted_unique(cid)
+
+    def keys(
+        self, segments: np.ndarray, rows: np.ndarray, names: Mapping[str, int] | None = None
+    ) -> list[tuple[int, int, int, ChunkKey]]:
+        """``(row, rank, chunk, key)`` sort keys of ``segments``' chunks for every path (the
+        tuple form of the plan: see :meth:`EpochPlan.batch_fetches`)."""
+        chunks = self.chunk[segments].tolist()
+        at = rows.tolist()
+        out: list[tuple[int, int, int, ChunkKey]] = []
+        for path, rank in zip(self.paths, self.path_rank, strict=True):
+            r = rank if names is None else names[path]
+            out.extend((w, r, c, (path, c)) for w, c in zip(at, chunks, strict=True))
+        return out
+
+
+def _tuple_order(entries: list[tuple[int, int, int, ChunkKey]]) -> tuple[ChunkKey, ...]:
+    entries.sort(key=lambda e: e[:3])
+    return tuple(e[3] for e in entries)
+
+
+@dataclass(frozen=True, eq=False)
 class BatchPlan:
-    """What one batch holds and reads. Arrays are int64 and must not be modified."""
+    """What one batch holds and reads. Arrays are int64 and must not be modified.
+
+    ``reads``, ``fetches`` and ``releases`` are the tuple form, built on first access: the
+    pipeline itself works from the epoch plan's :class:`ChunkLedger` s
+    (:meth:`EpochPlan.ledger_fetches`, :meth:`chunks_read`), O(1) Python per plan group.
+    """
 
     epoch: int
     index: int
@@ -81,14 +165,39 @@ class BatchPlan:
     rows: np.ndarray  # (len, 2): anchor-grid (chunk_id, within)
     anchors: np.ndarray  # (len,): anchor sample index of each row (before any view's offset)
     sample_indices: Mapping[str, np.ndarray]  # label -> (len,) sample-axis index read
-    reads: tuple[ChunkKey, ...]
-    fetches: tuple[ChunkKey, ...]
-    releases: tuple[ChunkKey, ...]
     blocks: tuple[int, ...]
     epoch_plan: EpochPlan = field(repr=False)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
+
+    def chunks_read(self, ledger: int) -> np.ndarray:
+        """Distinct chunks (ascending) this batch reads of the arrays of ledger ``ledger``."""
+        return self.epoch_plan.ledgers[ledger].read_by(self.anchors)
+
+    @functools.cached_property
+    def reads(self) -> tuple[ChunkKey, ...]:
+        """Every stored chunk row the batch gathers from, in first-need order."""
+        entries: list[tuple[int, int, int, ChunkKey]] = []
+        for ledger in self.epoch_plan.ledgers:
+            chunks = ledger.read_by(self.anchors)
+            rows = ledger.first_need(chunks)
+            for path, rank in zip(ledger.paths, ledger.path_rank, strict=True):
+                entries.extend(
+                    (w, rank, c, (path, c))
+                    for w, c in zip(rows.tolist(), chunks.tolist(), strict=True)
+                )
+        return _tuple_order(entries)
+
+    @functools.cached_property
+    def fetches(self) -> tuple[ChunkKey, ...]:
+        """Chunks this batch is the first to read (see :meth:`EpochPlan.batch_fetches`)."""
+        return self.epoch_plan.batch_fetches(self.index)
+
+    @functools.cached_property
+    def releases(self) -> tuple[ChunkKey, ...]:
+        """Chunks this batch reads for the last time (see :meth:`EpochPlan.batch_releases`)."""
+        return self.epoch_plan.batch_releases(self.index)
 
 
 @dataclass(frozen=True, eq=False)
@@ -98,6 +207,10 @@ class EpochPlan:
     Batches are numbered from the epoch's start. An elastic remainder (``resumed`` non-empty,
     see :func:`plan_epoch`) holds batches ``first_batch .. n_batches - 1`` only: its ranks had
     delivered the first ``first_batch`` batches under another world size.
+
+    Which chunks each batch fetches and releases lives in ``ledgers`` (one
+    :class:`ChunkLedger` per plan group, numpy); the ``batch_*`` methods and
+    :meth:`distinct_chunks` give the same as tuples of ``(path, chunk)`` keys.
     """
 
     epoch: int
@@ -112,10 +225,7 @@ class EpochPlan:
     pin_gap: int | None  # the residency schedule this epoch uses (None = read-once)
     first_batch: int  # batches of this epoch delivered before this plan (elastic resume)
     resumed: tuple[Stage, ...]  # the elastic cuts this epoch went through, oldest first
-    _first: dict[ChunkKey, int] = field(repr=False)
-    _segments: list[tuple[ChunkKey, int, int]] = field(repr=False)
-    _fetch_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
-    _release_by_batch: list[tuple[ChunkKey, ...]] = field(repr=False)
+    ledgers: tuple[ChunkLedger, ...] = field(repr=False)
     _block_of_row: np.ndarray = field(repr=False)
     _block_of_chunk: np.ndarray = field(repr=False)
 
@@ -154,41 +264,73 @@ class EpochPlan:
 
     def distinct_chunks(self) -> list[ChunkKey]:
         """Every stored chunk this rank reads this epoch, in first-need order."""
-        return sorted(self._first, key=self._first.__getitem__)
+        entries: list[tuple[int, int, int, ChunkKey]] = []
+        for ledger in self.ledgers:
+            heads = np.flatnonzero(np.r_[True, ledger.chunk[1:] != ledger.chunk[:-1]])
+            if ledger.n_segments:
+                entries.extend(ledger.keys(heads, ledger.first[heads]))
+        return list(_tuple_order(entries))
 
     @property
     def n_fetches(self) -> int:
         """Chunk fetches the schedule makes this epoch (``len(distinct_chunks())`` unless a
         ``pin_gap`` releases chunks between uses)."""
-        return len(self._segments)
+        return sum(ledger.n_segments * len(ledger.paths) for ledger in self.ledgers)
+
+    def fetch_counts(self) -> np.ndarray:
+        """Chunk fetches of each local batch (all arrays)."""
+        out = np.zeros(self.n_batches - self.first_batch, dtype=np.int64)
+        for ledger in self.ledgers:
+            out += np.diff(ledger.fetch_ptr) * len(ledger.paths)
+        return out
 
     def live_peak(self) -> int:
         """Most chunks live at once (first need <= batch <= last need), over the epoch."""
-        if not self._first:
+        n = self.n_batches - self.first_batch
+        if n == 0:
             return 0
-        delta = np.zeros(len(self._fetch_by_batch) + 1, dtype=np.int64)
-        for b, keys in enumerate(self._fetch_by_batch):
-            delta[b] += len(keys)
-        for b, keys in enumerate(self._release_by_batch):
-            delta[b + 1] -= len(keys)
-        return int(np.cumsum(delta).max())
+        delta = np.zeros(n + 1, dtype=np.int64)
+        for ledger in self.ledgers:
+            delta[:-1] += np.diff(ledger.fetch_ptr) * len(ledger.paths)
+            delta[1:] -= np.diff(ledger.release_ptr) * len(ledger.paths)
+        return int(np.cumsum(delta).max(initial=0))
 
     def batch_fetches(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks to fetch for batch ``index``: those it is the first to read this epoch (or,
         with a ``pin_gap``, the first to read since they were released), in first-need order."""
-        return self._fetch_by_batch[self._local(index)]
+        at = self._local(index)
+        entries: list[tuple[int, int, int, ChunkKey]] = []
+        for ledger in self.ledgers:
+            seg = ledger.fetched(at)
+            entries.extend(ledger.keys(seg, ledger.first[seg]))
+        return _tuple_order(entries)
 
     def batch_releases(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks batch ``index`` reads for the last time this epoch."""
-        return self._release_by_batch[self._local(index)]
+        at = self._local(index)
+        entries: list[tuple[int, int, int, ChunkKey]] = []
+        for ledger in self.ledgers:
+            seg = ledger.released(at)
+            # in last-need order; ties as the segments were made: path, then chunk
+            entries.extend(ledger.keys(seg, ledger.last[seg]))
+        return _tuple_order(entries)
 
     def carried_into(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks first read before batch ``index`` and read again at or after it, in
         first-need order: what a run resumed at ``index`` must fetch before that batch's own
         ``fetches``."""
-        bs, at = self.batch_size, index - self.first_batch
-        live = [(f, k) for k, f, la in self._segments if f // bs < at <= la // bs]
-        return tuple(k for _, k in sorted(live))
+        at = index - self.first_batch
+        if at <= 0:
+            return ()
+        names = {p: i for i, p in enumerate(sorted(self._paths()))}
+        entries: list[tuple[int, int, int, ChunkKey]] = []
+        for ledger in self.ledgers:
+            seg = ledger.carried(min(at, len(ledger.fetch_ptr) - 1), self.batch_size)
+            entries.extend(ledger.keys(seg, ledger.first[seg], names))
+        return _tuple_order(entries)
+
+    def _paths(self) -> list[str]:
+        return [p for ledger in self.ledgers for p in ledger.paths]
 
     def batch_first_block(self, index: int) -> int:
         """Block of the first row of batch ``index``."""
@@ -201,16 +343,14 @@ class EpochPlan:
         rows = self.order[lo:hi]
         anchors = rows[:, 0] * self.samples_per_chunk + rows[:, 1]
         anchors.setflags(write=False)
+        by_offset: dict[int, np.ndarray] = {}
         sample_indices: dict[str, np.ndarray] = {}
-        reads: set[ChunkKey] = set()
         for label, geom in self.labels.items():
-            samples = anchors + geom.offset
+            samples = by_offset.get(geom.offset)
+            if samples is None:  # labels at one offset share one (read-only) array
+                samples = by_offset[geom.offset] = anchors + geom.offset
+                samples.setflags(write=False)
             sample_indices[label] = samples
-            for c in np.unique(samples // geom.samples_per_chunk).tolist():
-                reads.add((geom.path, int(c)))
-        for arr in sample_indices.values():
-            arr.setflags(write=False)
-        blocks = tuple(int(b) for b in np.unique(self._block_of_row[lo:hi]))
         return BatchPlan(
             epoch=self.epoch,
             index=index,
@@ -218,10 +358,7 @@ class EpochPlan:
             rows=rows,
             anchors=anchors,
             sample_indices=sample_indices,
-            reads=tuple(sorted(reads, key=lambda k: self._first[k])),
-            fetches=self._fetch_by_batch[at],
-            releases=self._release_by_batch[at],
-            blocks=blocks,
+            blocks=tuple(int(b) for b in np.unique(self._block_of_row[lo:hi])),
             epoch_plan=self,
         )
 
@@ -525,35 +662,7 @@ def plan_epoch(
     order.setflags(write=False)
 
     n_batches = math.ceil(n_emit / batch_size)
-    first: dict[ChunkKey, int] = {}
-    segments: list[tuple[ChunkKey, int, int]] = []  # (chunk, first row, last row) of each use
     gap = n_batches if pin_gap is None else int(pin_gap)
-    if n_emit:
-        for path in dict.fromkeys(g.path for g in labels.values()):
-            views = [g for g in labels.values() if g.path == path]
-            pspc = views[0].samples_per_chunk
-            cid = np.concatenate([(anchors + g.offset) // pspc for g in views])
-            row = np.tile(np.arange(n_emit, dtype=np.int64), len(views))
-            by = np.lexsort((row, cid))
-            cid, row = cid[by], row[by]
-            batch = row // batch_size
-            # a new use segment starts at a new chunk, or after more than `gap` idle batches
-            starts = np.ones(len(cid), dtype=bool)
-            starts[1:] = (cid[1:] != cid[:-1]) | (batch[1:] - batch[:-1] > gap)
-            s_idx = np.flatnonzero(starts)
-            e_idx = np.append(s_idx[1:], len(cid)) - 1
-            for c, fr, lr in zip(
-                cid[s_idx].tolist(), row[s_idx].tolist(), row[e_idx].tolist(), strict=True
-            ):
-                key = (path, c)
-                first.setdefault(key, fr)
-                segments.append((key, fr, lr))
-    fetch_by_batch: list[list[ChunkKey]] = [[] for _ in range(n_batches)]
-    release_by_batch: list[list[ChunkKey]] = [[] for _ in range(n_batches)]
-    for key, fr, _ in sorted(segments, key=lambda seg: seg[1]):
-        fetch_by_batch[fr // batch_size].append(key)
-    for key, _, lr in sorted(segments, key=lambda seg: seg[2]):
-        release_by_batch[lr // batch_size].append(key)
     return EpochPlan(
         epoch=epoch,
         rank=rank,
@@ -567,13 +676,78 @@ def plan_epoch(
         pin_gap=pin_gap,
         first_batch=done,
         resumed=tuple((int(w), int(k)) for w, k in resumed),
-        _first=first,
-        _segments=segments,
-        _fetch_by_batch=[tuple(x) for x in fetch_by_batch],
-        _release_by_batch=[tuple(x) for x in release_by_batch],
+        ledgers=_ledgers(labels, anchors, batch_size, n_batches, gap),
         _block_of_row=block,
         _block_of_chunk=block_of_chunk,
     )
+
+
+def plan_groups(
+    labels: Mapping[str, ArrayGeometry],
+) -> list[tuple[int, tuple[int, ...], list[str]]]:
+    """``(samples_per_chunk, offsets, paths)`` of each plan group: the arrays whose views chunk
+    the sample axis alike and sit at the same (sorted) offsets, in label order. Such arrays
+    read the same chunk indices in the same rows of every plan."""
+    views: dict[str, list[ArrayGeometry]] = {}
+    for g in labels.values():
+        views.setdefault(g.path, []).append(g)
+    groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for path, vs in views.items():
+        key = (vs[0].samples_per_chunk, tuple(sorted(g.offset for g in vs)))
+        groups.setdefault(key, []).append(path)
+    return [(spc, offsets, paths) for (spc, offsets), paths in groups.items()]
+
+
+def _ledgers(
+    labels: Mapping[str, ArrayGeometry],
+    anchors: np.ndarray,
+    batch_size: int,
+    n_batches: int,
+    gap: int,
+) -> tuple[ChunkLedger, ...]:
+    """One :class:`ChunkLedger` per plan group for the rows ``anchors`` (emitted order)."""
+    n_emit = len(anchors)
+    rank = {path: i for i, path in enumerate(dict.fromkeys(g.path for g in labels.values()))}
+    bounds = np.arange(n_batches + 1, dtype=np.int64)
+    out = []
+    for pspc, offsets, paths in plan_groups(labels):
+        if len(set(offsets)) == 1:
+            cid = (anchors + offsets[0]) // pspc
+            row = np.arange(n_emit, dtype=np.int64)
+        else:
+            cid = np.concatenate([(anchors + k) // pspc for k in offsets])
+            row = np.tile(np.arange(n_emit, dtype=np.int64), len(offsets))
+        by = np.lexsort((row, cid))
+        cid, row = cid[by], row[by]
+        batch = row // batch_size
+        # a new use segment starts at a new chunk, or after more than `gap` idle batches
+        starts = np.ones(len(cid), dtype=bool)
+        starts[1:] = (cid[1:] != cid[:-1]) | (batch[1:] - batch[:-1] > gap)
+        s_idx = np.flatnonzero(starts)
+        e_idx = np.append(s_idx[1:], len(cid)).astype(np.int64) - 1 if len(cid) else s_idx
+        chunk, first, last = cid[s_idx], row[s_idx], row[e_idx]
+        by_first = np.argsort(first, kind="stable")
+        by_last = np.argsort(last, kind="stable")
+        fetch_ptr = np.searchsorted(first[by_first] // batch_size, bounds, side="left")
+        release_ptr = np.searchsorted(last[by_last] // batch_size, bounds, side="left")
+        for arr in (chunk, first, last, by_first, by_last, fetch_ptr, release_ptr):
+            arr.setflags(write=False)
+        out.append(
+            ChunkLedger(
+                paths=tuple(paths),
+                path_rank=tuple(rank[p] for p in paths),
+                samples_per_chunk=pspc,
+                offsets=offsets,
+                chunk=chunk,
+                first=first,
+                last=last,
+                by_first=by_first,
+                fetch_ptr=fetch_ptr,
+                by_last=by_last,
+                release_ptr=release_ptr,
+            )
+        )
+    return tuple(out)
 
 
 def shuffle_quality(
@@ -748,13 +922,14 @@ def _anchor_chunk_bytes(
     them reads, and whether some stored chunk is read by two different anchor chunks."""
     weight = np.zeros(len(chunks), dtype=np.int64)
     total, shared = 0, False
-    for path in dict.fromkeys(g.path for g in variables.values()):
-        views = [g for g in variables.values() if g.path == path]
-        pspc, nbytes = views[0].samples_per_chunk, views[0].chunk_nbytes
+    nbytes_of = {g.path: g.chunk_nbytes for g in reversed(list(variables.values()))}
+    for pspc, offsets, paths in plan_groups(variables):
+        # the arrays of a plan group read the same chunks: count them once, weigh by all
+        nbytes = sum(nbytes_of[path] for path in paths)
         owners, ids = [], []
-        for g in views:
-            first = (starts + g.offset) // pspc
-            last = (starts + counts - 1 + g.offset) // pspc
+        for offset in offsets:
+            first = (starts + offset) // pspc
+            last = (starts + counts - 1 + offset) // pspc
             span = last - first + 1
             owners.append(np.repeat(np.arange(len(chunks), dtype=np.int64), span))
             step = np.arange(int(span.sum()), dtype=np.int64) - np.repeat(
@@ -968,6 +1143,8 @@ def _default_rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+_DRAWN_KEPT = 3  # epoch plans a ReadPlanNode keeps (the current one, the next, len()'s)
+
 _CONFIG_ATTRS = frozenset(
     {
         "manifest",
@@ -1107,6 +1284,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._resumed: tuple[Stage, ...] = ()  # the current epoch's elastic cuts
         self._epoch_len: int | None = None
         self._plan: EpochPlan | None = None
+        # plans drawn lately (pure: the build, the first reset and len() share one draw)
+        self._drawn: dict[tuple[Any, ...], EpochPlan] = {}
         self._config = self._fingerprint()  # the configuration is fixed from here on
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -1156,6 +1335,17 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         world: tuple[int, int] | None = None,
     ) -> EpochPlan:
         rank, world_size = (self.rank, self.world_size) if world is None else world
+        key = (epoch, pin_gap, tuple(resumed), rank, world_size)
+        plan = self._drawn.get(key)
+        if plan is None:
+            plan = self._drawn[key] = self._draw_new(epoch, pin_gap, resumed, rank, world_size)
+            while len(self._drawn) > _DRAWN_KEPT:
+                del self._drawn[next(iter(self._drawn))]
+        return plan
+
+    def _draw_new(
+        self, epoch: int, pin_gap: int | None, resumed: Sequence[Stage], rank: int, world_size: int
+    ) -> EpochPlan:
         return plan_epoch(
             self.manifest,
             self.variables,

@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
@@ -25,13 +25,14 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.plan import BatchPlan, ChunkKey
 from insitubatch_nodes.report import EpochRecorder
-from insitubatch_nodes.residency import ChunkEntry, PipelineInterrupted
+from insitubatch_nodes.residency import PENDING, READY, ChunkEntry, PipelineInterrupted
 
 __all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
 
 
 class AdmittedBatch(Protocol):
-    """What the residency stage needs of an item: the plan, its entries, a release handle."""
+    """What the residency stage needs of an item: the plan, its entries, a release handle
+    (and, from the fetch stage, the fills it started and any arrays rows landed in)."""
 
     @property
     def plan(self) -> BatchPlan: ...
@@ -45,10 +46,16 @@ class AdmittedBatch(Protocol):
 
 @dataclass(frozen=True, eq=False)
 class ResidentBatch:
-    """A batch plan whose chunks are all resident: ``slots[(path, chunk)]`` is sample-first."""
+    """A batch plan whose chunks are all resident: ``slots[(path, chunk)]`` is sample-first.
+
+    ``arrays`` (or ``None``) are the batch's arrays when the fetch stage decoded rows straight
+    into them: ``direct[label]`` rows of each label are there already, the others come from
+    ``slots``."""
 
     plan: BatchPlan
     slots: Mapping[ChunkKey, np.ndarray]
+    arrays: Mapping[str, np.ndarray] | None = None
+    direct: Mapping[str, int] = field(default_factory=dict)
 
 
 class ChunkPoolNode(BaseNode[ResidentBatch]):
@@ -74,17 +81,33 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     def next(self) -> ResidentBatch:
         self._release_held()
         item: AdmittedBatch = next(self.source)
-        slots: dict[ChunkKey, np.ndarray] = {}
         rec = self.recorder
         t0 = time.perf_counter() if rec is not None else 0.0
-        for key in item.plan.reads:
-            entry = item.entries[key]
-            self._wait(entry.ready)
+        jobs = getattr(item, "jobs", ())
+        # one wait per fill (a fill is a group of chunks), not one per chunk
+        fills = {id(job.fill): job.fill for job in jobs}
+        for entry in item.entries.values():
+            if entry.state == PENDING:
+                fills.setdefault(id(entry.fill), entry.fill)
+        for fill in fills.values():
+            self._wait(fill.future)
+        for job in jobs:
+            if job.error is not None:  # a row decoded in place could not be read or decoded
+                raise job.error
+        slots: dict[ChunkKey, np.ndarray] = {}
+        for key, entry in item.entries.items():
+            if entry.state != READY:  # raises the fetch/decode error with its cause chained
+                entry.ready.result()
             slots[key] = entry.slot
         if rec is not None:
             rec.add("chunk_wait_s", time.perf_counter() - t0)
         self._held = item
-        return ResidentBatch(plan=item.plan, slots=slots)
+        return ResidentBatch(
+            plan=item.plan,
+            slots=slots,
+            arrays=getattr(item, "arrays", None),
+            direct=getattr(item, "direct", {}),
+        )
 
     def get_state(self) -> dict[str, Any]:
         return {"source": self.source.state_dict()}
@@ -107,9 +130,8 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         if held is not None:
             held.release()
 
-    def _wait(self, ready: Future[None]) -> None:
-        if not ready.done():
-            wait((ready, self._interrupt), return_when=FIRST_COMPLETED)
-            if not ready.done():
+    def _wait(self, done: Future[None]) -> None:
+        if not done.done():
+            wait((done, self._interrupt), return_when=FIRST_COMPLETED)
+            if not done.done():
                 raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
-        ready.result()  # raises the fetch/decode error with its cause chained

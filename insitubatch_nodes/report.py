@@ -1,22 +1,29 @@
 """The epoch report: which stage holds the batches back, and what knob moves it.
 
 Every pipeline built by :func:`~insitubatch_nodes.pipeline.insitu_pipeline` carries an
-:class:`EpochRecorder` (``report=False`` turns it off). Each stage tells it, with one
-``time.perf_counter()`` per event and integer counters, where its time went:
+:class:`EpochRecorder` (``report=False`` turns it off). The stages tell it where their time
+went, summed per group of work (a run of a fill job hands over its tallies once), never with a
+lock per stored object:
 
-* **store** — each stored-object GET, from its start to the bytes received (on the IO loop);
-  the number in flight is a time-weighted level (mean and peak) and the wall time with at least
-  one GET in flight is kept;
+* **store** — each stored-object GET, from its start to the bytes received (on the IO loop), or
+  each read of a local store's file (on the decode thread that reads it); the number in flight
+  is a time-weighted level (its mean is the summed GET seconds over the wall time) with its
+  peak, and the wall time with at least one GET in flight is kept;
 * **decode** — each decode, timed on the decode thread that runs it (thread-busy seconds); the
-  decode queue depth (decodes submitted and not finished: waiting or running) is a
-  time-weighted level. Chunk transforms run on the same threads: their busy seconds are
-  ``transform_s`` (not in ``decode_s``), and while queued or running they count in the decode
-  queue depth, so transform work is attributed to the decode stage by the limiting rule;
+  decode queue depth (objects handed to the decode threads and not finished: waiting, being
+  read from a local store, or decoding) is a time-weighted level, its mean the summed seconds
+  each object spent so over the wall time. Chunk transforms run on the same threads: their busy
+  seconds are ``transform_s`` (not in ``decode_s``);
+* **engine** — the engine's own Python work: ``admit_s``, the producer thread's time in the
+  fetch stage (pulling plans, pinning chunks, building fill jobs), and ``run_s``, the decode
+  threads' time in their runs, of which what is not reading, decoding or transforming is
+  bookkeeping (``engine_s`` adds the two parts up);
 * **chunk wait** — the producer thread's time waiting for the chunks of a batch to be ready;
 * **gather** — the time in the gather stage excluding the wait on its source (batch transforms
   included);
 * **hand-off** — the time the consumer waits in ``next()`` for a finished batch;
-* **consumer** — the time between ``next()`` returning a batch and the next call.
+* **consumer** — the time between ``next()`` returning a batch and the next call;
+* ``cpu_s`` — the CPU time of the whole process over the epoch.
 
 Resident pool bytes are sampled at each batch delivery (mean and peak of those samples).
 
@@ -32,14 +39,17 @@ start-up wait is reported separately as the time to first batch):
 1. ``consumer`` when the consumer waited for batches less than
    :data:`CONSUMER_WAIT_FRACTION` of the wall time: the pipeline was ahead, a faster one would
    not deliver sooner;
-2. otherwise the producer thread is the bottleneck, and its time is the chunk wait plus the
-   gather: ``gather`` when the gather time is at least the chunk wait;
-3. otherwise the chunks were late: ``decode`` when the time-weighted decode queue depth exceeds
-   the time-weighted number of GETs in flight (chunks spent more of their fill time waiting for
-   or in decode than in the store), else ``store``.
-
-Means of levels are ``sum of level × time / wall time``, so the rule compares the summed GET
-seconds with the summed decode seconds (queued + running).
+2. otherwise, when the producer thread's own work (gather plus admission) is at least its
+   chunk wait, the producer thread is the bottleneck: ``gather`` when the gather took longer
+   than the admission, else ``engine``;
+3. otherwise the chunks were late. When the time-weighted decode queue depth exceeds the
+   time-weighted number of GETs in flight (objects spent more of their fill time waiting for or
+   in the decode threads than in the store), the decode threads are the bottleneck — but which
+   of their work? ``decode`` when they were busy at least :data:`DECODE_BUSY_FRACTION` of the
+   time and reading, decoding and transforming took them at least as long as their bookkeeping;
+   ``engine`` when bookkeeping took longer, or when work waited while the threads were not busy
+   (they could not run: the engine's Python work elsewhere held the interpreter, or other
+   processes held the cores — the suggestion tells which from ``cpu_s``). Else ``store``.
 """
 
 from __future__ import annotations
@@ -54,6 +64,7 @@ from typing import Any, Literal
 
 __all__ = [
     "CONSUMER_WAIT_FRACTION",
+    "DECODE_BUSY_FRACTION",
     "STAGES",
     "EpochRecorder",
     "EpochReport",
@@ -63,11 +74,13 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-Stage = Literal["store", "decode", "gather", "consumer"]
-STAGES: tuple[Stage, ...] = ("store", "decode", "gather", "consumer")
+Stage = Literal["store", "decode", "gather", "engine", "consumer"]
+STAGES: tuple[Stage, ...] = ("store", "decode", "gather", "engine", "consumer")
 
 #: The consumer is the limit when it waited for batches less than this share of the wall time.
 CONSUMER_WAIT_FRACTION = 0.10
+#: Decode threads busy at least this share of the wall time (all of them) are saturated.
+DECODE_BUSY_FRACTION = 0.75
 #: A budget suggestion is made only when the bytes fit in this share of the machine's RAM.
 _BUDGET_RAM_SHARE = 0.5
 
@@ -97,6 +110,10 @@ class EpochReport:
     decode_queued_s: float = 0.0  # summed over decodes: submitted to finished
     chunk_wait_s: float = 0.0  # producer thread waiting for a batch's chunks
     gather_s: float = 0.0  # gather stage, source wait excluded (batch transforms included)
+    admit_s: float = 0.0  # producer thread in the fetch stage: plans, pins, fill jobs
+    run_s: float = 0.0  # decode threads in runs of fill jobs (reads, decodes, bookkeeping)
+    local_read_s: float = 0.0  # the part of get_s read on the decode threads (a local store)
+    cpu_s: float = 0.0  # CPU time of the whole process over the epoch
     # levels: time-weighted mean and peak
     inflight_mean: float = 0.0
     inflight_peak: int = 0
@@ -145,6 +162,8 @@ class EpochReport:
             "get_s": self.get_s,
             "decode_s": self.decode_s,
             "gather_s": self.gather_s,
+            "engine_s": self.engine_s,
+            "cpu_s": self.cpu_s,
             "consumer_s": self.consumer_s,
             "inflight_mean": self.inflight_mean,
             "decode_depth_mean": self.decode_depth_mean,
@@ -165,6 +184,28 @@ class EpochReport:
     @property
     def samples_per_s(self) -> float:
         return self.samples / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def work_s(self) -> float:
+        """Decode-thread seconds reading (a local store), decoding and transforming."""
+        return self.local_read_s + self.decode_s + self.transform_s
+
+    @property
+    def overhead_s(self) -> float:
+        """Decode-thread seconds in runs that were none of :attr:`work_s`: bookkeeping."""
+        return max(0.0, self.run_s - self.work_s)
+
+    @property
+    def engine_s(self) -> float:
+        """The engine's own Python work: admission on the producer thread plus the decode
+        threads' bookkeeping."""
+        return self.admit_s + self.overhead_s
+
+    @property
+    def decode_busy(self) -> float:
+        """Share of the wall time the decode threads (all of them) were busy."""
+        busy = max(self.run_s, self.work_s)
+        return busy / (max(self.wall_s, 1e-9) * max(1, self.decode_threads))
 
     @property
     def wait_fraction(self) -> float:
@@ -189,6 +230,7 @@ class EpochReport:
         wall = self.wall_s or 1.0
         n = max(1, self.batches)
         threads = max(1, self.decode_threads)
+        objects = max(1, self.decodes)
         lines = [
             self.headline(),
             f"  consumer  {1000 * self.consumer_s / n:8.1f} ms/batch of its own work; waited "
@@ -200,14 +242,17 @@ class EpochReport:
             f"(max_inflight {self.max_inflight})",
             f"  decode    {self.decodes:,} decodes, busy {self.decode_s:.2f} s = "
             f"{100 * self.decode_s / (wall * threads):.0f}% of {threads} thread(s); queue mean "
-            f"{self.decode_depth_mean:.1f}, peak {self.decode_depth_peak}"
+            f"{self.decode_depth_mean:.1f}, peak {self.decode_depth_peak}; threads busy "
+            f"{100 * self.decode_busy:.0f}%, {1e6 * self.overhead_s / objects:.0f} us/object "
+            "of it bookkeeping"
             + (
                 f"; chunk transforms on {self.transforms:,} chunks, busy {self.transform_s:.2f} s"
                 if self.transforms
                 else ""
             ),
             f"  producer  waited {self.chunk_wait_s:.2f} s for chunks; gather "
-            f"{1000 * self.gather_s / n:.1f} ms/batch",
+            f"{1000 * self.gather_s / n:.1f} ms/batch; admission {1000 * self.admit_s / n:.1f} "
+            f"ms/batch; process CPU {self.cpu_s:.2f} s",
             f"  pool      resident mean {_size(self.resident_mean_bytes)}, peak "
             f"{_size(self.resident_peak_bytes)} (budget {_size(self.budget_bytes)}); "
             f"{self.hits:,} hits, {self.misses:,} misses ({self.re_reads:,} re-reads), "
@@ -241,10 +286,12 @@ def limiting_stage(r: EpochReport) -> Stage:
     """The stage that limits the epoch, by the rule in the module docstring."""
     if r.wait_fraction < CONSUMER_WAIT_FRACTION:
         return "consumer"
-    if r.gather_s >= r.chunk_wait_s:
-        return "gather"
+    if r.gather_s + r.admit_s >= r.chunk_wait_s:
+        return "gather" if r.gather_s >= r.admit_s else "engine"
     if r.decode_depth_mean > r.inflight_mean:
-        return "decode"
+        if r.decode_busy >= DECODE_BUSY_FRACTION and r.work_s >= r.overhead_s:
+            return "decode"
+        return "engine"
     return "store"
 
 
@@ -288,6 +335,8 @@ def suggestion_for(r: EpochReport) -> str:
             f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: the "
             "read-ahead (one block of chunks) bounds them; raise block_chunks"
         )
+    if stage == "engine":
+        return _engine_suggestion(r)
     if stage == "decode":
         busy = r.decode_s / (max(r.wall_s, 1e-9) * max(1, r.decode_threads))
         if r.decode_threads < r.cores:
@@ -314,6 +363,27 @@ def suggestion_for(r: EpochReport) -> str:
                 "speed both"
             )
     return ""
+
+
+def _engine_suggestion(r: EpochReport) -> str:
+    """What helps when the engine's own work, or a CPU it cannot get, is the limit."""
+    wall = max(r.wall_s, 1e-9)
+    cores = max(1, r.cores)
+    per_object = 1e6 * r.engine_s / max(1, r.decodes)
+    used = r.cpu_s / (wall * cores)
+    if r.decode_busy < DECODE_BUSY_FRACTION and r.cpu_s and used < 0.6:
+        return (
+            f"decode threads were busy {100 * r.decode_busy:.0f}% with "
+            f"{r.decode_depth_mean:.0f} objects queued on average, while this process used "
+            f"{100 * used:.0f}% of {cores} cores: other processes hold the CPU; free cores "
+            "for this one"
+        )
+    return (
+        f"the engine's own Python work ({1000 * r.engine_s / max(1, r.batches):.1f} ms/batch, "
+        f"{per_object:.0f} us per stored object) holds the interpreter lock the decode threads "
+        "need: fewer, larger stored objects per sample (a store with more samples per chunk, "
+        "or fewer arrays) are what move it; more decode threads do not"
+    )
 
 
 class _Level:
@@ -344,6 +414,9 @@ class _Level:
 
 
 _CUMULATIVE = (
+    "admit_s",
+    "run_s",
+    "local_read_s",
     "get_s",
     "decode_s",
     "decode_queued_s",
@@ -410,39 +483,37 @@ class EpochRecorder:
                 t["gets"] += 1
                 t["bytes_fetched"] += nbytes
 
-    def on_decode_submit(self) -> float:
-        now = _now()
+    def on_fill_submit(self, objects: int, now: float) -> None:
+        """A fill job queued ``objects`` stored objects for the decode threads."""
         with self._lock:
-            self._depth.change(1, now)
-        return now
+            self._depth.change(objects, now)
 
-    def on_decode_end(self, submitted: float, busy: float | None) -> None:
-        """A decode finished (``busy`` its seconds on the thread) or was cancelled (None)."""
+    def on_fill_run(self, tally: Any) -> None:
+        """A decode thread ended a run of a fill job (``tally``: what it did, see
+        :mod:`~insitubatch_nodes._fill`): reads of a local store count as GETs."""
         now = _now()
         with self._lock:
-            self._depth.change(-1, now)
-            if busy is not None:
-                t = self.totals
-                t["decode_s"] += busy
-                t["decode_queued_s"] += now - submitted
-                t["decodes"] += 1
+            t = self.totals
+            if tally.reads:
+                t["gets"] += tally.reads
+                t["get_s"] += tally.read_s
+                t["bytes_fetched"] += tally.read_bytes
+                t["local_read_s"] += tally.read_s
+            t["decodes"] += tally.decodes
+            t["decode_s"] += tally.decode_s
+            t["decode_queued_s"] += tally.queued_s
+            t["transforms"] += tally.transforms
+            t["transform_s"] += tally.transform_s
+            t["run_s"] += tally.run_s
+            self._depth.change(-tally.handled, now)
 
-    def on_transform_submit(self) -> float:
-        now = _now()
-        with self._lock:
-            self._depth.change(1, now)
-        return now
-
-    def on_transform_end(self, submitted: float, busy: float | None) -> None:
-        """Chunk transforms finished on one chunk (``busy`` seconds) or did not (None)."""
-        now = _now()
-        with self._lock:
-            self._depth.change(-1, now)
-            if busy is not None:
-                t = self.totals
-                t["transform_s"] += busy
-                t["decode_queued_s"] += now - submitted
-                t["transforms"] += 1
+    def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
+        """The fetch stage admitted chunks: ``hits``, ``misses`` (``re_reads`` of them fetched
+        by this pipeline before)."""
+        t = self.totals
+        t["hits"] += hits
+        t["misses"] += misses
+        t["re_reads"] += re_reads
 
     def on_bad_chunk(self) -> None:
         """A stored object was filled under ``on_bad_chunk="nan"``."""
@@ -455,25 +526,8 @@ class EpochRecorder:
         with self._lock:
             self.totals["corrupt"] += 1
 
-    def timed(self, fn: Callable[..., Any], *args: Any) -> float:
-        """Run ``fn(*args)`` (on a decode thread); its busy seconds."""
-        t0 = _now()
-        fn(*args)
-        return _now() - t0
-
-    def on_admit(self, key: Any, hit: bool) -> None:
-        t = self.totals
-        if hit:
-            t["hits"] += 1
-            return
-        t["misses"] += 1
-        if key in self._fetched:
-            t["re_reads"] += 1
-        else:
-            self._fetched.add(key)
-
     def add(self, name: str, seconds: float) -> None:
-        """Add producer-thread seconds to ``chunk_wait_s`` or ``gather_s``."""
+        """Add producer-thread seconds to ``chunk_wait_s``, ``gather_s`` or ``admit_s``."""
         self.totals[name] += seconds
 
     # -- consumer-side hooks (the consumer's thread) -------------------------------------------
@@ -564,12 +618,13 @@ class EpochRecorder:
             "depth0": depth,
             "totals0": totals,
             "evictions0": int(self.pool.stats.evictions),
+            "cpu0": time.process_time(),
         }
 
     def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
         end = ep["last"] if complete else _now()
         with self._lock:
-            inflight, depth = self._inflight.snapshot(end), self._depth.snapshot(end)
+            inflight = self._inflight.snapshot(end)
             peaks = self._inflight.peak, self._depth.peak
             totals = dict(self.totals)
         wall = max(end - ep["t0"], 1e-9)
@@ -585,14 +640,19 @@ class EpochRecorder:
             first_wait_s=ep["first_wait_s"],
             consumer_s=ep["consumer_s"],
             get_s=d["get_s"],
-            get_active_s=inflight[1] - ep["inflight0"][1],
+            # reads of a local store (on the decode threads) count as GETs in flight
+            get_active_s=inflight[1] - ep["inflight0"][1] + min(d["local_read_s"], wall),
             decode_s=d["decode_s"],
             decode_queued_s=d["decode_queued_s"],
             chunk_wait_s=d["chunk_wait_s"],
             gather_s=d["gather_s"],
-            inflight_mean=(inflight[0] - ep["inflight0"][0]) / wall,
-            inflight_peak=peaks[0],
-            decode_depth_mean=(depth[0] - ep["depth0"][0]) / wall,
+            admit_s=d["admit_s"],
+            run_s=d["run_s"],
+            local_read_s=d["local_read_s"],
+            cpu_s=time.process_time() - ep["cpu0"],
+            inflight_mean=(inflight[0] - ep["inflight0"][0] + d["local_read_s"]) / wall,
+            inflight_peak=max(peaks[0], self.decode_threads if d["local_read_s"] else 0),
+            decode_depth_mean=d["decode_queued_s"] / wall,
             decode_depth_peak=peaks[1],
             resident_mean_bytes=ep["resident_sum"] / max(1, ep["batches"]),
             resident_peak_bytes=ep["resident_peak"],

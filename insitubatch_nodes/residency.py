@@ -41,9 +41,9 @@ import mmap
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "ChunkEntry",
     "ChunkPool",
+    "Fill",
     "FillCancelled",
     "PipelineInterrupted",
     "PoolStats",
@@ -188,32 +189,142 @@ class PoolStats:
         return dict(self.__dict__)
 
 
-@dataclass(eq=False)
-class ChunkEntry:
-    """One resident (or arriving) chunk. ``ready`` resolves when the slot holds the data."""
+class Fill:
+    """The completion of one fill: a set of chunk entries (and any other work) filled together.
 
-    key: ChunkKey
-    slot: np.ndarray
-    nbytes: int
-    ready: Future[None] = field(default_factory=Future)
-    pins: int = 0
-    filler: Any = None  # the task filling the slot (set and read on the IO loop only)
-    detached: bool = False  # dropped from the index while its fill was still running
-    slot_returned: bool = False  # the slot went back to the free list
-    # tiles filled in place of a stored object that could not be read or decoded
-    # (on_bad_chunk="nan"): such a chunk is not kept resident once nothing pins it
-    bad_tiles: list[tuple[int, ...]] = field(default_factory=list)
-    recycle: bool = True  # the slot goes back to a free list (False: a cache file's mapping)
-    file: SlotFile | None = None  # the cache file this slot becomes once filled (persist)
-    valid: int | None = None  # valid samples the chunk holds (the slot's length when None)
-    # a hit on disk: (file, shape, dtype) its fill maps instead of fetching (``slot`` is
-    # empty until then)
-    cached: tuple[Path, tuple[int, ...], np.dtype[Any]] | None = None
-    corrupt: bool = False  # its cached file failed its check when revived (then fetched)
+    A fetch stage fills the chunks one batch first needs as one unit of work; every entry it
+    admits for that batch shares one ``Fill``, so completion, waking and waiting happen once
+    per group of chunks, not once per chunk. ``members`` counts what must resolve (entries,
+    plus the work the owner adds); :meth:`resolve` is called once per member (any thread) and
+    the last one completes ``future``. A member that failed says so on its entry (``error``):
+    the future itself always completes with ``None``.
+    """
+
+    __slots__ = ("_left", "_lock", "future")
+
+    def __init__(self, members: int = 1) -> None:
+        self.future: Future[None] = Future()
+        self._left = members
+        self._lock = threading.Lock()
+        if members <= 0:
+            self.future.set_result(None)
+
+    def add(self, members: int) -> None:
+        """Count ``members`` more (before the fill can complete)."""
+        with self._lock:
+            self._left += members
+
+    def resolve(self, members: int = 1) -> None:
+        with self._lock:
+            self._left -= members
+            done = self._left == 0
+        if done:
+            self.future.set_result(None)
+
+    @property
+    def done(self) -> bool:
+        return self.future.done()
+
+
+_DONE = Fill(0)  # the fill of an entry that was never filled by a job (already resolved)
+
+PENDING, READY, FAILED = 0, 1, 2  # ChunkEntry.state
+
+
+class _Ready:
+    """``entry.ready``: the ``concurrent.futures.Future``-like face of one entry's state."""
+
+    __slots__ = ("_entry",)
+
+    def __init__(self, entry: ChunkEntry) -> None:
+        self._entry = entry
+
+    def done(self) -> bool:
+        return self._entry.state != PENDING
+
+    def exception(self, timeout: float | None = None) -> BaseException | None:
+        entry = self._entry
+        if entry.state == PENDING:
+            entry.fill.future.result(timeout)  # raises TimeoutError when it stays pending
+            if entry.state == PENDING:  # its fill completed without resolving it
+                raise RuntimeError(f"chunk {entry.key} was left unresolved by its fill")
+        return entry.error
+
+    def result(self, timeout: float | None = None) -> None:
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+
+
+class ChunkEntry:
+    """One resident (or arriving) chunk.
+
+    ``state`` goes once from ``PENDING`` to ``READY`` (the slot holds the data) or ``FAILED``
+    (``error`` says why: a read, decode or transform error, or :class:`FillCancelled`), and
+    ``fill`` completes no earlier than that: wait on ``fill.future``, then read ``state``.
+    ``ready`` offers the same as a future (``done()``, ``result(timeout)``).
+    """
+
+    __slots__ = (
+        "bad_tiles",
+        "cached",
+        "corrupt",
+        "detached",
+        "error",
+        "file",
+        "fill",
+        "key",
+        "nbytes",
+        "pins",
+        "recycle",
+        "slot",
+        "slot_returned",
+        "state",
+        "tiles_left",
+        "valid",
+    )
+
+    def __init__(
+        self,
+        key: ChunkKey,
+        slot: np.ndarray,
+        nbytes: int,
+        pins: int = 0,
+        recycle: bool = True,
+        fill: Fill | None = None,
+    ) -> None:
+        self.key = key
+        self.slot = slot
+        self.nbytes = nbytes
+        self.pins = pins
+        self.recycle = recycle  # the slot goes back to a free list (False: a file's mapping)
+        self.fill = Fill() if fill is None else fill
+        self.state = PENDING
+        self.error: BaseException | None = None
+        self.detached = False  # dropped from the index while its fill was still running
+        self.slot_returned = False  # the slot went back to the free list
+        # tiles filled in place of a stored object that could not be read or decoded
+        # (on_bad_chunk="nan"): such a chunk is not kept resident once nothing pins it
+        self.bad_tiles: list[tuple[int, ...]] = []
+        self.file: SlotFile | None = None  # the cache file this slot becomes once filled
+        self.valid: int | None = None  # valid samples the chunk holds (None: the slot's length)
+        # a hit on disk: (file, shape, dtype) its fill maps instead of fetching (``slot`` is
+        # empty until then)
+        self.cached: tuple[Path, tuple[int, ...], np.dtype[Any]] | None = None
+        self.corrupt = False  # its cached file failed its check when revived (then fetched)
+        self.tiles_left = 0  # stored objects still to land (kept by the filling job)
+
+    @property
+    def ready(self) -> _Ready:
+        return _Ready(self)
 
     @property
     def is_ready(self) -> bool:
-        return self.ready.done() and self.ready.exception() is None
+        return self.state == READY
+
+    def __repr__(self) -> str:
+        state = ("pending", "ready", "failed")[self.state]
+        return f"ChunkEntry({self.key!r}, {state}, pins={self.pins})"
 
 
 def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tuple[int, int]:
@@ -224,18 +335,21 @@ def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tu
     (chunks between their first and last reading batch) plus ``read_ahead``: the smallest budget
     with which the pipeline never waits on itself.
     """
-    size = {path: g.chunk_nbytes for path, g in geoms.items()}
-    fetches = [plan.batch_fetches(b) for b in plan.batch_indices]
-    releases = [plan.batch_releases(b) for b in plan.batch_indices]
-    live, peak = 0, 0
-    for got, gone in zip(fetches, releases, strict=True):
-        live += sum(size[k[0]] for k in got)
-        peak = max(peak, live)
-        live -= sum(size[k[0]] for k in gone)
-    per_block = [0] * max(1, plan.n_blocks)
-    for b, keys in zip(plan.batch_indices, fetches, strict=True):
-        per_block[plan.batch_first_block(b)] += sum(size[k[0]] for k in keys)
-    read_ahead = max(per_block)
+    n = plan.n_batches - plan.first_batch
+    if n == 0:
+        return 0, 0
+    got = np.zeros(n, dtype=np.int64)  # bytes each batch fetches
+    gone = np.zeros(n, dtype=np.int64)  # bytes each batch releases
+    for ledger in plan.ledgers:
+        nbytes = sum(geoms[path].chunk_nbytes for path in ledger.paths)
+        got += np.diff(ledger.fetch_ptr) * nbytes
+        gone += np.diff(ledger.release_ptr) * nbytes
+    live = np.cumsum(got) - np.concatenate([[0], np.cumsum(gone)[:-1]])
+    peak = int(live.max(initial=0))
+    first_rows = np.arange(n, dtype=np.int64) * plan.batch_size
+    blocks = plan._block_of_row[first_rows]
+    per_block = np.bincount(blocks, weights=got, minlength=max(1, plan.n_blocks))
+    read_ahead = int(per_block.max(initial=0))
     return peak + read_ahead, read_ahead
 
 
@@ -352,6 +466,22 @@ class ChunkPool:
             thread.join(timeout)
 
     # -- admission ------------------------------------------------------------------------
+    def note_io(self, gets: int = 0, nbytes: int = 0, inflight: int = 0) -> None:
+        """Count ``gets`` stored-object reads of ``nbytes`` bytes, and ``inflight`` more (or,
+        negative, fewer) reads in flight (any thread; once per group of objects)."""
+        with self._lock:
+            stats = self.stats
+            stats.gets += gets
+            stats.bytes_fetched += nbytes
+            if inflight:
+                stats.inflight += inflight
+                if stats.inflight > stats.inflight_peak:
+                    stats.inflight_peak = stats.inflight
+
+    def has_entries(self) -> bool:
+        """Whether any chunk is resident or arriving (a hint: not locked)."""
+        return bool(self._entries)
+
     def lookup(self, key: ChunkKey) -> ChunkEntry | None:
         with self._lock:
             return self._entries.get(key)
@@ -363,13 +493,16 @@ class ChunkPool:
         dtype: np.dtype[Any],
         valid: int | None = None,
         level_major: bool = False,
+        fill: Fill | None = None,
     ) -> tuple[ChunkEntry, bool] | None:
         """Pin ``key``: ``(entry, True)`` if already present (a hit), ``(new entry, False)``
         with a fresh slot to fill (a miss), or ``None`` when the budget has no room now.
 
         ``shape`` is the slot's sample-first shape; ``level_major`` asks for a level-major slot
         (module docstring) when the chunk is a miss held in memory — a hit keeps the layout
-        it was filled in, and a file of the persistent cache has the usual one.
+        it was filled in, and a file of the persistent cache has the usual one. A new entry
+        joins ``fill`` (its owner's group; a fill of its own by default), which counts it as a
+        member to resolve.
 
         With a persistent cache a chunk it holds comes back as a ready hit (a read-only mapping
         of its file); ``valid`` is the number of valid samples the chunk holds (the slot's
@@ -377,52 +510,85 @@ class ChunkPool:
         ``readonly_cache`` a chunk the cache lacks raises
         :class:`~insitubatch_nodes.cache.CacheMissError`.
         """
+        got = self.acquire_many([(key, shape, dtype, valid, level_major)], fill)
+        return got[0] if got else None
+
+    def acquire_many(
+        self,
+        requests: Sequence[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int | None, bool]],
+        fill: Fill | None = None,
+    ) -> list[tuple[ChunkEntry, bool]]:
+        """:meth:`acquire` for each ``(key, shape, dtype, valid, level_major)`` in order, under
+        one lock; stops at the first one the budget has no room for (the result is the
+        admitted prefix). New entries join ``fill`` (counted as its members)."""
+        out: list[tuple[ChunkEntry, bool]] = []
+        try:
+            with self._lock:
+                for key, shape, dtype, valid, level_major in requests:
+                    got = self._acquire(key, shape, dtype, valid, level_major, fill)
+                    if got is None:
+                        break
+                    out.append(got)
+        except BaseException:  # (a read-only cache that lacks a chunk): admit none of them
+            for entry in self.unpin([entry for entry, _ in out]):
+                self.discard(entry)
+            raise
+        return out
+
+    def _acquire(
+        self,
+        key: ChunkKey,
+        shape: tuple[int, ...],
+        dtype: np.dtype[Any],
+        valid: int | None,
+        level_major: bool,
+        fill: Fill | None,
+    ) -> tuple[ChunkEntry, bool] | None:
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.pins += 1
+            self._lru.pop(key, None)
+            self.stats.hits += 1
+            return entry, True
         shape, dtype = tuple(shape), np.dtype(dtype)
         valid = shape[0] if valid is None else valid
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.pins += 1
-                self._lru.pop(key, None)
-                self.stats.hits += 1
-                return entry, True
-            cache = self.cache
-            if cache is not None and cache.closed:  # closed with its pipeline, used again
-                cache.open()
-                self.backing = cache.spill or self.backing
-            if cache is not None and cache.persistent:
-                nbytes = math.prod(shape) * dtype.itemsize
-                if not self._make_room(nbytes):
-                    return None
-                file = cache.find(key, shape, dtype, valid)
-                if file is not None:
-                    # a hit on disk: its fill maps the file, on a decode thread (no GET, no
-                    # decode); the slot is that mapping (budgeted as page cache)
-                    entry = self._admit(key, _UNMAPPED, recycle=False, valid=valid, nbytes=nbytes)
-                    entry.cached = (file, shape, dtype)
-                    self.stats.hits += 1
-                    self.stats.disk_hits += 1
-                    return entry, False
-                if cache.readonly:
-                    raise CacheMissError(
-                        f"chunk {key[1]} of array {key[0]!r} is not in the read-only cache at "
-                        f"{cache.root} (readonly_cache=True asserts that the cache holds every "
-                        "chunk the run reads). The usual cause: the run that warmed it read "
-                        "another split, sample range, or ran other chunk transforms. Warm it "
-                        "with this configuration and persist=True, or drop readonly_cache."
-                    )
-                written = cache.new_slot(key, shape, dtype, valid)
-                if written is not None:
-                    entry = self._admit(key, written.array, recycle=False, valid=valid)
-                    entry.file = written
-                    self.stats.misses += 1
-                    return entry, False
-            slot = self._take_buffer(shape, dtype, _wants_level_major(shape, level_major))
-            if slot is None:
+        cache = self.cache
+        if cache is not None and cache.closed:  # closed with its pipeline, used again
+            cache.open()
+            self.backing = cache.spill or self.backing
+        if cache is not None and cache.persistent:
+            nbytes = math.prod(shape) * dtype.itemsize
+            if not self._make_room(nbytes):
                 return None
-            entry = self._admit(key, slot, recycle=True, valid=valid)
-            self.stats.misses += 1
-            return entry, False
+            file = cache.find(key, shape, dtype, valid)
+            if file is not None:
+                # a hit on disk: its fill maps the file, on a decode thread (no GET, no
+                # decode); the slot is that mapping (budgeted as page cache)
+                entry = self._admit(key, _UNMAPPED, False, valid, fill, nbytes)
+                entry.cached = (file, shape, dtype)
+                self.stats.hits += 1
+                self.stats.disk_hits += 1
+                return entry, False
+            if cache.readonly:
+                raise CacheMissError(
+                    f"chunk {key[1]} of array {key[0]!r} is not in the read-only cache at "
+                    f"{cache.root} (readonly_cache=True asserts that the cache holds every "
+                    "chunk the run reads). The usual cause: the run that warmed it read "
+                    "another split, sample range, or ran other chunk transforms. Warm it "
+                    "with this configuration and persist=True, or drop readonly_cache."
+                )
+            written = cache.new_slot(key, shape, dtype, valid)
+            if written is not None:
+                entry = self._admit(key, written.array, False, valid, fill)
+                entry.file = written
+                self.stats.misses += 1
+                return entry, False
+        slot = self._take_buffer(shape, dtype, _wants_level_major(shape, level_major))
+        if slot is None:
+            return None
+        entry = self._admit(key, slot, True, valid, fill)
+        self.stats.misses += 1
+        return entry, False
 
     def _admit(
         self,
@@ -430,19 +596,22 @@ class ChunkPool:
         slot: np.ndarray,
         recycle: bool,
         valid: int,
+        fill: Fill | None,
         nbytes: int | None = None,
     ) -> ChunkEntry:
         nbytes = slot.nbytes if nbytes is None else nbytes
         if not recycle:  # a file's mapping: budgeted like a slot, never reused for another chunk
             self._allocated += nbytes
             self.stats.allocations += 1
-        entry = ChunkEntry(key=key, slot=slot, nbytes=nbytes, pins=1, recycle=recycle)
+        if fill is not None:
+            fill.add(1)
+        entry = ChunkEntry(key, slot, nbytes, pins=1, recycle=recycle, fill=fill)
         entry.valid = valid
         self._entries[key] = entry
-        self.stats.resident_bytes += entry.nbytes
-        self.stats.resident_peak_bytes = max(
-            self.stats.resident_peak_bytes, self.stats.resident_bytes
-        )
+        stats = self.stats
+        stats.resident_bytes += nbytes
+        if stats.resident_bytes > stats.resident_peak_bytes:
+            stats.resident_peak_bytes = stats.resident_bytes
         return entry
 
     def map_cached(self, entry: ChunkEntry) -> bool:
@@ -573,39 +742,46 @@ class ChunkPool:
 
     # -- completion and release --------------------------------------------------------------
     def mark_ready(self, entry: ChunkEntry) -> None:
-        """The fill finished: waiters wake. A detached chunk becomes an unpinned resident one
-        (or gives its slot back when a newer entry took its key meanwhile)."""
+        """The fill finished: the entry is ready (its fill's waiters wake once the rest of the
+        fill resolved). A detached chunk becomes an unpinned resident one (or gives its slot
+        back when a newer entry took its key meanwhile). A no-op on a resolved entry."""
         if entry.file is not None and not entry.bad_tiles and self.cache is not None:
             with self._lock:  # before waiters wake: a chunk a batch used is already logged
-                if self.cache.commit(entry.file, entry.valid or entry.slot.shape[0]):
+                if entry.state == PENDING and self.cache.commit(
+                    entry.file, entry.valid or entry.slot.shape[0]
+                ):
                     self.stats.disk_writes += 1
-        if not entry.ready.done():
-            entry.ready.set_result(None)
         with self._lock:
-            if not entry.detached:
+            if entry.state != PENDING:
                 return
-            entry.detached = False
-            closed = self.cache is not None and self.cache.closed  # it let go of its files
-            if entry.key in self._entries or entry.bad_tiles or closed:
-                self._return_slot(entry)
-            else:
-                self._entries[entry.key] = entry
-                self._lru[entry.key] = entry
+            entry.state = READY
+            if entry.detached:
+                entry.detached = False
+                closed = self.cache is not None and self.cache.closed  # it let go of its files
+                if entry.key in self._entries or entry.bad_tiles or closed:
+                    self._return_slot(entry)
+                else:
+                    self._entries[entry.key] = entry
+                    self._lru[entry.key] = entry
+        entry.fill.resolve()
 
     def discard(self, entry: ChunkEntry, error: BaseException | None = None) -> None:
-        """Drop an entry whose fill failed or was cancelled; waiters see ``error``.
+        """Drop an entry whose fill failed or was cancelled; its waiters see ``error``.
 
-        Call only once nothing writes into its slot any more (from the fill itself, or from its
-        task's done-callback). Idempotent.
+        Call only once nothing writes into its slot any more (from the fill itself, once its
+        last stored object is done). Idempotent: a resolved entry stays as it is.
         """
         with self._lock:
+            if entry.state != PENDING:
+                return
+            entry.state = FAILED
+            entry.error = error or FillCancelled(f"chunk {entry.key} was cancelled")
             if self._entries.get(entry.key) is entry:
                 del self._entries[entry.key]
                 self._lru.pop(entry.key, None)
             entry.detached = False
             self._return_slot(entry)
-        if not entry.ready.done():
-            entry.ready.set_exception(error or FillCancelled(f"chunk {entry.key} was cancelled"))
+        entry.fill.resolve()
 
     def unpin(self, entries: Iterable[ChunkEntry]) -> list[ChunkEntry]:
         """Release one pin on each entry; fully released ready chunks become LRU-evictable.
@@ -620,12 +796,12 @@ class ChunkPool:
                 if entry.pins < 0:
                     raise RuntimeError(f"chunk {entry.key} unpinned more often than pinned")
                 if entry.pins == 0 and self._entries.get(entry.key) is entry:
-                    if entry.is_ready and entry.bad_tiles:  # never a hit for a later reader
+                    if entry.state == READY and entry.bad_tiles:  # never a later reader's hit
                         del self._entries[entry.key]
                         self._return_slot(entry)
-                    elif entry.is_ready:
+                    elif entry.state == READY:
                         self._lru[entry.key] = entry
-                    elif not entry.ready.done():  # still arriving: nobody will wait on it
+                    elif entry.state == PENDING:  # still arriving: nobody will wait on it
                         del self._entries[entry.key]
                         entry.detached = True
                         detached.append(entry)

@@ -262,14 +262,51 @@ def _made(**kw: float) -> EpochReport:
         ({"handoff_wait_s": 0.12}, "consumer"),  # waited 2% of the steady-state wall
         ({"gather_s": 0.5, "chunk_wait_s": 0.2}, "gather"),
         ({"chunk_wait_s": 0.5, "gather_s": 0.1, "inflight_mean": 6.0}, "store"),
-        ({"chunk_wait_s": 0.5, "decode_depth_mean": 7.0, "inflight_mean": 1.0}, "decode"),
+        # the decode threads busy 90% of the time, decoding
+        (
+            {"chunk_wait_s": 0.5, "decode_depth_mean": 7.0, "inflight_mean": 1.0, "decode_s": 1.8},
+            "decode",
+        ),
+        # work queued while the decode threads sat idle: something else held the interpreter
+        ({"chunk_wait_s": 0.5, "decode_depth_mean": 7.0, "inflight_mean": 1.0}, "engine"),
+        # the threads were busy, but mostly with bookkeeping rather than decoding
+        (
+            {
+                "chunk_wait_s": 0.5,
+                "decode_depth_mean": 7.0,
+                "inflight_mean": 1.0,
+                "decode_s": 0.5,
+                "run_s": 1.9,
+            },
+            "engine",
+        ),
+        # the producer thread spent longer admitting batches than waiting for their chunks
+        ({"admit_s": 0.4, "gather_s": 0.05, "chunk_wait_s": 0.3}, "engine"),
     ],
-    ids=["consumer", "gather", "store", "decode"],
+    ids=["consumer", "gather", "store", "decode", "engine-idle", "engine-runs", "engine-admit"],
 )
 def test_the_limiting_rule_names_each_stage_from_the_reported_numbers(
     numbers: dict[str, float], stage: str
 ) -> None:
     assert limiting_stage(_made(**numbers)) == stage
+
+
+def test_an_engine_limited_report_says_whether_other_processes_or_its_own_work_hold_the_cpu() -> (
+    None
+):
+    starved = _made(chunk_wait_s=0.5, decode_depth_mean=7.0, inflight_mean=1.0, cpu_s=0.3)
+    starved.limiting = limiting_stage(starved)
+    assert starved.limiting == "engine"
+    assert "other processes hold the CPU" in suggestion_for(starved)
+    busy = _made(
+        chunk_wait_s=0.5, decode_depth_mean=7.0, inflight_mean=1.0, decode_s=0.5, run_s=1.9,
+        cpu_s=3.8, decodes=1000,
+    )  # fmt: skip
+    busy.limiting = limiting_stage(busy)
+    assert busy.limiting == "engine"
+    text = suggestion_for(busy)
+    assert "per stored object" in text and "more samples per chunk" in text, text
+    assert "max_inflight" not in text and "decode_threads=" not in text
 
 
 def test_a_decode_limited_report_with_every_core_busy_suggests_more_cores_not_threads() -> None:

@@ -39,6 +39,7 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
+from insitubatch_nodes._fill import FillJob
 
 pytestmark = pytest.mark.timeout(60)
 TESTS = Path(__file__).parent
@@ -94,24 +95,31 @@ def test_a_pool_shared_by_two_pipelines_keeps_serving_the_second_after_the_first
     assert pool.pinned_count() == 0
 
 
-def test_a_fill_cancelled_before_it_ever_ran_still_resolves_its_entry(root: Path) -> None:
+@pytest.mark.parametrize("reads", ["local", "get"])
+def test_a_fill_cancelled_before_it_ever_ran_still_resolves_its_entry(
+    root: Path, reads: str
+) -> None:
     pool = ChunkPool(budget_bytes=2**30)
-    labels = views(root)
+    store = root if reads == "local" else counting_store(root)
+    labels = views(store)
     plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, batch_size=8)
-    fetch = AsyncChunkFetchNode(plan, counting_store(root), {"t2m": labels["x"]}, pool)
+    fetch = AsyncChunkFetchNode(plan, store, {"t2m": labels["x"]}, pool)
     geom = labels["x"]
-    got = pool.acquire(("t2m", 0), (geom.samples_per_chunk, *geom.inner_shape), geom.dtype)
+    job = FillJob(_runtime.next_ticket(), generation=0)
+    got = pool.acquire(
+        ("t2m", 0), (geom.samples_per_chunk, *geom.inner_shape), geom.dtype, fill=job.fill
+    )
     assert got is not None
     entry, _ = got
-
-    def spawn_then_cancel_at_once() -> None:
-        fetch._spawn([(entry, 0)])
-        entry.filler.cancel()  # before the task took a single step
-
-    _runtime.io_loop().call_soon_threadsafe(spawn_then_cancel_at_once)
+    job.add_entry(entry, fetch._arrays["t2m"], entry.slot)
+    # its last pin goes before any of its stored objects was read: nobody needs it any more
+    assert pool.unpin([entry]) == [entry]
+    fetch._filler.submit(job)
     with pytest.raises(FillCancelled):
         entry.ready.result(timeout=5)
+    assert job.fill.future.result(timeout=5) is None  # the fill resolved: no waiter hangs
     assert pool.lookup(("t2m", 0)) is None  # the next request is a fresh miss, not a wait
+    assert pool.allocated_bytes > 0 and pool.stats.resident_bytes == 0  # its slot came back
 
 
 def test_a_chunk_another_pipeline_pins_is_not_cancelled_when_one_pipeline_resets(

@@ -1,0 +1,858 @@
+"""The fetch stage's fill machinery: stored objects read, decoded and landed in groups.
+
+A :class:`FillJob` is the work one admission of the fetch stage starts: the stored objects of
+the chunks one batch is the first to read. Some land in pool slots (chunks other batches read
+too); at one sample per chunk, an object whose only reader is one row of this batch lands
+straight in that row of the batch's arrays (see :mod:`~insitubatch_nodes.fetch`). Everything
+per job is done once, not once per object: one admission, one :class:`~insitubatch_nodes.
+residency.Fill` that every entry of the job joins (one wake-up for the batch that waits on
+it), one priority ticket, one submission to the decode threads.
+
+**Decode threads take runs.** A job's objects wait in its own queue; up to one *run* per decode
+thread takes them one after the other — for a store on local disk each object is read on the
+run's thread (:mod:`~insitubatch_nodes.localfiles`) and decoded in place at once — with no
+round trip through the event loop between objects. A run gives its thread up between two
+objects when a job of a sooner ticket (an earlier batch) is waiting, and carries on later.
+
+**GETs on the loop.** For any other store a :class:`Getter` on the process's IO loop keeps at
+most ``max_inflight`` objects *in flight* — from the GET's start until its bytes are decoded,
+as before — taking objects in ticket order; a GET that lands queues its bytes on its job and
+starts a run there if none is running. A decode thread that frees a permit wakes the loop only
+when the loop ran out of permits (at most once per such stall), not once per object.
+
+**Resolution.** An entry resolves once every stored object of it has been handled: ready (after
+its chunk transforms and, for a cache file, its checksum) or failed (the first error of its
+objects, or :class:`~insitubatch_nodes.residency.FillCancelled` when it lost its last pin
+before all its objects landed; a fill that completes anyway keeps its chunk). A job resolves
+its own member of the fill once every object is handled; direct rows that failed set
+:attr:`FillJob.error`, which the batch re-raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes._runtime import PriorityPool
+from insitubatch_nodes.decode import ChunkDecoder
+from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.localfiles import LocalReader
+from insitubatch_nodes.residency import PENDING, ChunkEntry, ChunkPool, Fill, FillCancelled
+from insitubatch_nodes.store_identity import IdentityRecorder, meta_identity, stat_identity
+from insitubatch_nodes.transforms import ChunkTransforms
+
+__all__ = ["ArrayFill", "ChunkReadError", "FillJob", "Filler", "Getter"]
+
+log = logging.getLogger("insitubatch_nodes.fetch")
+_now = time.perf_counter
+
+
+class ChunkReadError(RuntimeError):
+    """A stored object could not be read or decoded. The cause is chained (``__cause__``).
+
+    The message names the array, the chunk (and tile), the store key and the store.
+    """
+
+    def __init__(
+        self,
+        array: str,
+        chunk_index: int,
+        tile: tuple[int, ...],
+        key: str,
+        what: str,
+        store: str = "",
+    ):
+        self.array, self.chunk_index, self.tile, self.key = array, chunk_index, tile, key
+        self.store = store
+        where = f"chunk {chunk_index}" + (f" tile {tile}" if any(tile) else "")
+        source = f" in store {store}" if store else ""
+        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
+
+
+class ArrayFill:
+    """What filling one array's stored objects needs, worked out once per array: its decoder,
+    its key template, its tiles and the rectangle each covers."""
+
+    __slots__ = (
+        "decoder",
+        "fill_value",
+        "geom",
+        "missing",
+        "path",
+        "row_key",
+        "template",
+        "tiles",
+        "whole",
+    )
+
+    def __init__(self, geom: ArrayGeometry, decoder: ChunkDecoder) -> None:
+        self.geom = geom
+        self.path = geom.path
+        self.decoder = decoder
+        self.template = geom.key_template
+        #: every tile and the (sample-first) index of its rectangle within a chunk's region
+        self.tiles = [(tuple(t), (slice(None), *geom.tile_slices(t))) for t in geom.tiles()]
+        self.whole = geom.n_tiles == 1  # one stored object covers the whole field
+        self.fill_value: Any = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
+        self.missing = False  # the last object read of this array was missing (a hint)
+        #: ``(before, after)``: the key of a whole chunk is ``before + str(chunk) + after``
+        self.row_key: tuple[str, str] | None = None
+        if self.whole and self.template is not None:
+            coords: list[Any] = ["0"] * geom.ndim
+            coords[geom.sample_axis] = "\x00"
+            parts = self.template.format(*coords).split("\x00")
+            if len(parts) == 2:
+                self.row_key = (parts[0], parts[1])
+
+    def key(self, chunk: int, tile: tuple[int, ...]) -> str:
+        if self.template is None:
+            return self.geom.store_key(chunk, tile)
+        coords = list(tile)
+        coords.insert(self.geom.sample_axis, chunk)
+        return self.template.format(*coords)
+
+
+# A unit is one stored object to fill: (array, chunk, tile, destination, entry or None).
+# A queued item is (unit, landed, raw, error, holds_a_permit): ``landed`` is when its GET
+# ended, 0.0 when the run reads the object itself (a local store).
+Unit = tuple[ArrayFill, int, tuple[int, ...], np.ndarray, "ChunkEntry | None"]
+_REVIVE: tuple[int, ...] = (-1,)  # the tile of a unit that maps a persistent-cache file
+ROWS_PER_ITEM = 8  # chunks one queued item of rows decoded in place holds (per array)
+#: Stored objects that take the decode threads less than this (read + decode) are filled by
+#: one thread at a time: a second thread would only pass the interpreter lock back and forth.
+SMALL_OBJECT_S = 40e-6
+
+
+class Rows:
+    """Chunks of one array (one sample each) decoded straight into rows of a batch array:
+    chunk ``chunks[i]`` into ``out[rows[i]]``. One queued item: a run takes all of them, with
+    no Python object per stored object (what keeps sixty arrays a sample cheap)."""
+
+    __slots__ = ("array", "chunks", "objects", "out", "rows")
+
+    def __init__(self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]):
+        self.array, self.out, self.chunks, self.rows = array, out, chunks, rows
+        self.objects = len(chunks) * len(array.tiles)
+
+    def units(self) -> list[Unit]:
+        """One unit per stored object (for GETs, which go one by one)."""
+        array, out = self.array, self.out
+        units: list[Unit] = []
+        for chunk, r in zip(self.chunks, self.rows, strict=True):
+            row = out[r : r + 1]
+            units.extend(
+                (array, chunk, tile, row if array.whole else row[box], None)
+                for tile, box in array.tiles
+            )
+        return units
+
+    def keys(self) -> list[str]:
+        return [self.array.key(c, t) for c in self.chunks for t, _ in self.array.tiles]
+
+
+class FillJob:
+    """The stored objects one admission fetches (module docstring); built on the producer
+    thread, then owned by the :class:`Filler`.
+
+    ``fill`` is shared with every entry the admission pins as a miss (pass it to
+    :meth:`~insitubatch_nodes.residency.ChunkPool.acquire_many`); the job itself is one of its
+    members, resolved when every object has been handled. ``arrays`` are the batch arrays its
+    direct rows land in (``None`` without direct rows); ``error`` is the first error of a
+    direct row (the batch fails with it).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "arrays",
+        "cancelled",
+        "error",
+        "fill",
+        "generation",
+        "left",
+        "lock",
+        "rows",
+        "runs",
+        "spares",
+        "submitted",
+        "ticket",
+        "todo",
+        "units",
+    )
+
+    def __init__(self, ticket: int, generation: int) -> None:
+        self.ticket = ticket
+        self.generation = generation
+        self.fill = Fill(1)
+        self.units: list[Unit] = []  # stored objects of pool entries
+        self.rows: list[Rows] = []  # rows decoded straight into the batch
+        self.arrays: dict[str, np.ndarray] | None = None
+        self.spares: dict[int, np.ndarray] = {}  # id(entry) -> decode buffer (reshaping)
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.lock = threading.Lock()
+        self.todo: deque[tuple[Unit | Rows, float, Any, BaseException | None, bool]] = deque()
+        self.left = 0
+        self.runs = 0
+        self.submitted = 0.0
+
+    @property
+    def done(self) -> bool:
+        return self.fill.done
+
+    def add_entry(self, entry: ChunkEntry, array: ArrayFill, region: np.ndarray) -> None:
+        """Fill ``entry`` (a miss) by this job: one unit per stored object (one for a chunk
+        found in the persistent cache, whose file is mapped instead)."""
+        chunk = entry.key[1]
+        if entry.cached is not None:
+            entry.tiles_left = 1
+            self.units.append((array, chunk, _REVIVE, region, entry))
+            return
+        entry.tiles_left = len(array.tiles)
+        self.units.extend((array, chunk, tile, region[box], entry) for tile, box in array.tiles)
+
+    def add_rows(
+        self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]
+    ) -> None:
+        """Decode chunk ``chunks[i]`` (one sample) of ``array`` straight into row ``rows[i]``
+        of the batch array ``out``."""
+        for lo in range(0, len(chunks), ROWS_PER_ITEM):
+            hi = lo + ROWS_PER_ITEM
+            self.rows.append(Rows(array, out, chunks[lo:hi], rows[lo:hi]))
+
+    def skips(self, unit: Unit) -> bool:
+        """Whether ``unit`` no longer needs filling: its entry failed, was resolved, or lost
+        its last pin (detached); a direct row of a cancelled or failed job."""
+        entry = unit[4]
+        if entry is None:
+            return self.cancelled or self.error is not None
+        return (
+            entry.state != PENDING
+            or entry.error is not None
+            or (entry.detached and entry.pins == 0)
+        )
+
+
+class Filler:
+    """Runs :class:`FillJob` s for one fetch stage (module docstring).
+
+    ``reader`` reads a local store on the decode threads; else ``getter`` GETs on the loop.
+    ``recorder`` (the epoch report's, or ``None``) may be set at any time.
+    """
+
+    def __init__(
+        self,
+        *,
+        pool: ChunkPool,
+        decode_pool: PriorityPool,
+        reader: LocalReader | None,
+        getter: Getter | None,
+        transforms: ChunkTransforms,
+        on_bad_chunk: str,
+        store_name: str,
+        note_bad: Callable[[int, str, int, Iterable[tuple[int, ...]]], bool],
+    ) -> None:
+        self.pool = pool
+        self.decode_pool = decode_pool
+        self.reader = reader
+        self.getter = getter
+        self.transforms = transforms
+        self.on_bad_chunk = on_bad_chunk
+        self.store_name = store_name
+        self.note_bad = note_bad
+        self.recorder: Any = None
+        self.threads = len(decode_pool.threads)
+        self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._spare_lock = threading.Lock()
+        self.spare_bytes = 0
+        self._max_spares = max(2, self.threads)
+        self._work_per_object = 1.0  # seconds; large until runs have measured it
+
+    # -- submission (producer thread) ----------------------------------------------------------
+    def submit(self, job: FillJob) -> None:
+        """Start ``job`` (its units and rows are final). An empty job resolves at once."""
+        units, job.units = job.units, []
+        rows, job.rows = job.rows, []
+        job.left = len(units) + sum(r.objects for r in rows)
+        job.submitted = _now()
+        if not job.left:
+            self._job_done(job)
+            return
+        revive = [u for u in units if u[2] is _REVIVE]
+        if self.reader is not None or self.getter is None:
+            if self.reader is not None and self.reader.cold:
+                keys = [u[0].key(u[1], u[2]) for u in units if u[2] is not _REVIVE]
+                self.reader.advise_many([*keys, *(k for r in rows for k in r.keys())])  # noqa: SIM118
+            items: list[tuple[Unit | Rows, float, Any, BaseException | None, bool]]
+            items = [(u, 0.0, None, None, False) for u in units]
+            items.extend((r, 0.0, None, None, False) for r in rows)
+            self.land_many(job, items, job.left)
+            return
+        if revive:  # cache files are mapped on the decode threads, never GET
+            self.land_many(job, [(u, 0.0, None, None, False) for u in revive])
+        fetch = [u for u in units if u[2] is not _REVIVE]
+        if fetch or rows:
+            self.getter.enqueue(job, fetch, rows)
+
+    def land_many(
+        self,
+        job: FillJob,
+        items: Sequence[tuple[Unit | Rows, float, Any, BaseException | None, bool]],
+        objects: int | None = None,
+    ) -> None:
+        """Queue items (``objects`` stored objects; one each by default) on ``job`` for the
+        decode threads (any thread); start runs while fewer than one per decode thread run."""
+        rec = self.recorder
+        if rec is not None:
+            rec.on_fill_submit(len(items) if objects is None else objects, _now())
+        starts = 0
+        # objects too small to be worth a second thread: the interpreter lock would be passed
+        # between the threads at every system call instead (measured: two threads opening
+        # missing files run slower than one)
+        limit = 1 if self._work_per_object < SMALL_OBJECT_S else self.threads
+        with job.lock:
+            job.todo.extend(items)
+            while job.runs < limit and job.runs < len(job.todo):
+                job.runs += 1
+                starts += 1
+        for _ in range(starts):
+            self.decode_pool.submit(job.ticket, self._run, job)
+
+    # -- runs (decode threads) -----------------------------------------------------------------
+    def _run(self, job: FillJob) -> None:
+        acc = _Tally()
+        t0 = _now()
+        pool = self.decode_pool
+        local = self.reader is not None
+        if local:  # a local store's reads in flight: one per running run
+            self.pool.note_io(inflight=1)
+        try:
+            while True:
+                with job.lock:
+                    if not job.todo:
+                        job.runs -= 1
+                        return
+                    item = job.todo.popleft()
+                self._handle(job, item, acc)
+                if job.todo and pool.preempted(job.ticket):
+                    pool.submit(job.ticket, self._run, job)  # carry on after sooner work
+                    return
+        finally:
+            acc.run_s = _now() - t0
+            if acc.handled:  # what one object costs the decode threads, lately
+                work = (acc.read_s + acc.decode_s) / acc.handled
+                self._work_per_object += 0.25 * (work - self._work_per_object)
+            self.pool.note_io(acc.reads, acc.read_bytes, -1 if local else 0)
+            rec = self.recorder
+            if rec is not None:
+                rec.on_fill_run(acc)
+
+    def _handle(
+        self,
+        job: FillJob,
+        item: tuple[Unit | Rows, float, Any, BaseException | None, bool],
+        acc: _Tally,
+    ) -> None:
+        unit, landed, raw, error, permit = item
+        if isinstance(unit, Rows):
+            self._fill_rows(job, unit, acc)
+            return
+        acc.handled += 1
+        try:
+            self._fill_one(job, unit, landed, raw, error, acc)
+        except BaseException as exc:  # a bug here must fail the batch, never leave it waiting
+            self._failed(job, unit, exc)
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            if permit and self.getter is not None:
+                self.getter.release()
+
+    def _fill_rows(self, job: FillJob, rows: Rows, acc: _Tally) -> None:
+        """Read and decode every stored object of ``rows`` into its batch row (a local store),
+        in one loop with no Python object made per stored object."""
+        array, out = rows.array, rows.out
+        acc.handled += rows.objects
+        try:
+            if array.whole and array.row_key is not None:
+                self._fill_whole_rows(job, rows, acc)
+                return
+            decode = array.decoder.decode_trusted
+            for chunk, r in zip(rows.chunks, rows.rows, strict=True):
+                if job.cancelled or job.error is not None:
+                    break  # the batch is abandoned, or failed already: nobody needs the rest
+                row = out[r : r + 1]
+                for tile, box in array.tiles:
+                    dest = row[box]
+                    key = array.key(chunk, tile)
+                    try:
+                        raw = self._read(array, chunk, tile, key, acc)
+                        t1 = _now()
+                        decode(raw, dest, chunk, tile)
+                        t2 = _now()
+                    except Exception as exc:
+                        self._bad(
+                            job,
+                            (array, chunk, tile, dest, None),
+                            key,
+                            self._wrap(array, chunk, tile, key, exc),
+                        )
+                        continue
+                    acc.decodes += 1
+                    acc.decode_s += t2 - t1
+                    acc.queued_s += t2 - job.submitted
+        except BaseException as exc:  # a bug here must fail the batch, never leave it waiting
+            if job.error is None:
+                job.error = exc
+            if not isinstance(exc, Exception):
+                raise
+        finally:
+            self._objects_done(job, rows.objects)
+
+    def _fill_whole_rows(self, job: FillJob, rows: Rows, acc: _Tally) -> None:
+        """:meth:`_fill_rows` for an array stored one object per chunk (no tiles): the lean
+        loop sixty arrays a sample go through. Missing objects are filled together."""
+        array, out = rows.array, rows.out
+        assert self.reader is not None and array.row_key is not None
+        read, decode = self.reader.read, array.decoder.decode_trusted
+        before, after = array.row_key
+        tile = array.tiles[0][0]
+        missing: list[int] = []
+        reads = nbytes = decodes = 0
+        read_s = decode_s = queued_s = 0.0
+        submitted = job.submitted
+        probe = array.missing  # after a missing object, ask whether the next one exists
+        for chunk, r in zip(rows.chunks, rows.rows, strict=True):
+            if job.cancelled or job.error is not None:
+                break  # the batch is abandoned, or failed already: nobody needs the rest
+            key = before + str(chunk) + after
+            t0 = _now()
+            try:
+                raw = read(key, None, probe)
+            except OSError as exc:
+                error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
+                error.__cause__ = exc
+                self._bad(job, (array, chunk, tile, out[r : r + 1], None), key, error)
+                continue
+            t1 = _now()
+            reads += 1
+            read_s += t1 - t0
+            if raw is None:
+                missing.append(r)
+                probe = True
+                continue
+            probe = False
+            nbytes += len(raw)
+            try:
+                decode(raw, out[r : r + 1], chunk, tile)
+            except Exception as exc:
+                error = self._wrap(array, chunk, tile, key, exc)
+                self._bad(job, (array, chunk, tile, out[r : r + 1], None), key, error)
+                continue
+            t2 = _now()
+            decodes += 1
+            decode_s += t2 - t1
+            queued_s += t2 - submitted
+        array.missing = probe
+        if missing:  # what zarr reads for a missing object: the fill value, in one go
+            out[missing] = array.decoder.fill_value
+            decodes += len(missing)
+        acc.reads += reads
+        acc.read_bytes += nbytes
+        acc.read_s += read_s
+        acc.decodes += decodes
+        acc.decode_s += decode_s
+        acc.queued_s += queued_s
+
+    def _wrap(
+        self, array: ArrayFill, chunk: int, tile: tuple[int, ...], key: str, exc: Exception
+    ) -> ChunkReadError:
+        if isinstance(exc, ChunkReadError):
+            return exc
+        error = ChunkReadError(array.path, chunk, tile, key, "decode", self.store_name)
+        error.__cause__ = exc
+        return error
+
+    def _objects_done(self, job: FillJob, n: int) -> None:
+        with job.lock:
+            job.left -= n
+            finish = job.left == 0
+        if finish:
+            self._job_done(job)
+
+    def _fill_one(
+        self,
+        job: FillJob,
+        unit: Unit,
+        landed: float,
+        raw: Any,
+        error: BaseException | None,
+        acc: _Tally,
+    ) -> None:
+        array, chunk, tile, out, entry = unit
+        if isinstance(error, FillCancelled) or job.skips(unit):
+            self._skip(job, unit)
+            return
+        if error is not None and not isinstance(error, ChunkReadError):
+            raise error  # the machinery failed, not the store
+        if tile is _REVIVE:
+            self._revive(job, unit, acc)
+            return
+        key = array.key(chunk, tile)
+        if error is None:
+            try:
+                if not landed:
+                    raw = self._read(array, chunk, tile, key, acc)
+                t1 = _now()
+                array.decoder.decode_trusted(raw, out, chunk, tile)
+                t2 = _now()
+                acc.decodes += 1
+                acc.decode_s += t2 - t1
+                acc.queued_s += t2 - (landed or job.submitted)
+            except ChunkReadError as exc:
+                error = exc
+            except Exception as exc:
+                error = ChunkReadError(array.path, chunk, tile, key, "decode", self.store_name)
+                error.__cause__ = exc
+        if error is not None:
+            self._bad(job, unit, key, error)
+        self._unit_done(job, entry, acc)
+
+    def _failed(self, job: FillJob, unit: Unit, error: BaseException) -> None:
+        """``unit`` failed in the machinery itself (not a read or a decode): it fails its
+        entry, or its batch, whatever ``on_bad_chunk`` says."""
+        entry = unit[4]
+        if entry is None:
+            if job.error is None:
+                job.error = error
+        elif entry.error is None:
+            entry.error = error
+        self._unit_done(job, entry, None)
+
+    def _read(
+        self, array: ArrayFill, chunk: int, tile: tuple[int, ...], key: str, acc: _Tally
+    ) -> Any:
+        assert self.reader is not None
+        ids = self._identities()
+        info: list[Any] | None = None if ids is None else []
+        t0 = _now()
+        try:
+            raw = self.reader.read(key) if info is None else self.reader.read(key, info)
+        except OSError as exc:
+            raise ChunkReadError(array.path, chunk, tile, key, "read", self.store_name) from exc
+        acc.reads += 1
+        acc.read_s += _now() - t0
+        acc.read_bytes += 0 if raw is None else len(raw)
+        if ids is not None and info:  # what identifies the file (store_identity)
+            ids.note(array.path, chunk, key, stat_identity(info[0]))
+        return raw
+
+    def _bad(self, job: FillJob, unit: Unit, key: str, error: ChunkReadError) -> None:
+        array, chunk, tile, out, entry = unit
+        if self.on_bad_chunk == "raise":
+            if entry is None:
+                if job.error is None:
+                    job.error = error
+            elif entry.error is None:
+                entry.error = error
+            return
+        # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
+        log.warning(
+            "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
+            error,
+            error.__cause__,
+        )
+        out[...] = array.fill_value
+        if entry is not None:
+            entry.bad_tiles.append(tuple(tile))
+        if self.note_bad(job.generation, array.path, chunk, [tuple(tile)]):
+            rec = self.recorder
+            if rec is not None:
+                rec.on_bad_chunk()
+
+    def _skip(self, job: FillJob, unit: Unit) -> None:
+        entry = unit[4]
+        if entry is not None and entry.error is None and entry.state == PENDING:
+            entry.error = FillCancelled(f"chunk {entry.key} was cancelled")
+        self._unit_done(job, entry, None)
+
+    def _revive(self, job: FillJob, unit: Unit, acc: _Tally) -> None:
+        """Map a persistent-cache file; a file that cannot be used is fetched instead, its
+        objects joining this job."""
+        array, chunk, _, _, entry = unit
+        assert entry is not None
+        try:
+            mapped = self.pool.map_cached(entry)
+        except Exception as exc:
+            entry.error = exc
+            self._unit_done(job, entry, acc)
+            return
+        if mapped:
+            self._unit_done(job, entry, acc)
+            return
+        rec = self.recorder
+        if entry.corrupt and rec is not None:  # fetched below, as a miss
+            rec.on_corrupt()
+        start, stop = array.geom.chunk_range(chunk)
+        region = self.region(job, entry, array, stop - start)
+        units = [(array, chunk, tile, region[box], entry) for tile, box in array.tiles]
+        with job.lock:
+            entry.tiles_left += len(units) - 1  # the revive unit becomes the fetch's units
+            job.left += len(units) - 1
+        if self.reader is not None or self.getter is None:
+            self.land_many(job, [(u, 0.0, None, None, False) for u in units])
+        else:
+            self.getter.enqueue(job, units)
+
+    def region(self, job: FillJob, entry: ChunkEntry, array: ArrayFill, n: int) -> np.ndarray:
+        """Where ``entry``'s objects decode: its slot, or a spare buffer of the stored layout
+        when its chunk transforms reshape it."""
+        if not self.transforms.reshapes(array.path):
+            return entry.slot[:n]
+        buf = self.take_spare(array.geom, n)
+        job.spares[id(entry)] = buf
+        return buf
+
+    def _unit_done(self, job: FillJob, entry: ChunkEntry | None, acc: _Tally | None) -> None:
+        finish_entry = False
+        with job.lock:
+            if entry is not None:
+                entry.tiles_left -= 1
+                finish_entry = entry.tiles_left == 0
+            job.left -= 1
+            finish_job = job.left == 0
+        if finish_entry:
+            assert entry is not None
+            self._entry_done(job, entry, acc)
+        if finish_job:
+            self._job_done(job)
+
+    def _entry_done(self, job: FillJob, entry: ChunkEntry, acc: _Tally | None) -> None:
+        """Every object of ``entry`` is handled: transforms, checksum, then ready; or the
+        first error (or the cancellation) fails it. Nothing writes into its slot any more."""
+        spare = job.spares.pop(id(entry), None)
+        try:
+            if entry.error is not None:
+                self.pool.discard(entry, entry.error)
+                return
+            path = entry.key[0]
+            if self.transforms.active(path) and entry.cached is None:
+                try:
+                    self._transform(entry, spare, acc)
+                except Exception as exc:
+                    self.pool.discard(entry, exc)
+                    return
+            if entry.file is not None:  # a new cache file: its checksum, before the commit
+                self.pool.seal(entry)
+            self.pool.mark_ready(entry)
+        except BaseException as exc:
+            self.pool.discard(entry, exc)
+            raise
+        finally:
+            if spare is not None:
+                self.give_spare(entry.key[0], spare)
+
+    def _transform(self, entry: ChunkEntry, decoded: np.ndarray | None, acc: _Tally | None) -> None:
+        path, chunk = entry.key
+        start, stop = self.transforms.source(path).chunk_range(chunk)
+        region = entry.slot[: stop - start]
+        data = region if decoded is None else decoded
+        t0 = _now()
+        out = self.transforms.apply(path, chunk, (start, stop), data)
+        if out is not region:
+            np.copyto(region, out)
+        if acc is not None:
+            acc.transforms += 1
+            acc.transform_s += _now() - t0
+
+    def _job_done(self, job: FillJob) -> None:
+        job.arrays = None  # the batch holds its arrays; a finished job holds nothing
+        job.spares.clear()
+        job.fill.resolve()
+
+    def _identities(self) -> IdentityRecorder | None:
+        cache = self.pool.cache
+        return None if cache is None else cache.identity
+
+    # -- spare decode buffers (chunks their transforms reshape) ----------------------------
+    def take_spare(self, geom: ArrayGeometry, n: int) -> np.ndarray:
+        with self._spare_lock:
+            free = self._spares.get((geom.path, n))
+            if free:
+                buf = free.pop()
+                self.spare_bytes -= buf.nbytes
+                return buf
+        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
+
+    def give_spare(self, path: str, buf: np.ndarray) -> None:
+        with self._spare_lock:
+            free = self._spares.setdefault((path, buf.shape[0]), [])
+            if len(free) < self._max_spares:
+                free.append(buf)
+                self.spare_bytes += buf.nbytes
+
+    # -- cancellation ---------------------------------------------------------------------
+    def cancel(self, jobs: Iterable[FillJob], entries: Sequence[ChunkEntry]) -> None:
+        """Stop work nobody waits for any more (any thread, returns at once): the direct rows
+        of ``jobs`` and the objects of ``entries`` that lost their last pin. Runs skip them;
+        their GETs in flight are cancelled on the loop."""
+        for job in jobs:
+            job.cancelled = True
+        if self.getter is not None:
+            self.getter.cancel_skipped()
+
+
+class _Tally:
+    """What one run did, handed to the recorder once at its end (no lock per object)."""
+
+    __slots__ = (
+        "decode_s",
+        "decodes",
+        "handled",
+        "queued_s",
+        "read_bytes",
+        "read_s",
+        "reads",
+        "run_s",
+        "transform_s",
+        "transforms",
+    )
+
+    def __init__(self) -> None:
+        self.handled = 0  # objects taken off the job's queue (decoded, failed or skipped)
+        self.reads = 0
+        self.read_s = 0.0
+        self.read_bytes = 0
+        self.decodes = 0
+        self.decode_s = 0.0
+        self.queued_s = 0.0
+        self.transforms = 0
+        self.transform_s = 0.0
+        self.run_s = 0.0
+
+
+class Getter:
+    """GETs on the IO loop for one fetch stage, at most ``max_inflight`` objects in flight
+    (module docstring). Everything but :meth:`release` and :meth:`enqueue` runs on the loop."""
+
+    def __init__(
+        self,
+        get: Callable[..., Any],
+        loop: asyncio.AbstractEventLoop,
+        max_inflight: int,
+        store_name: str,
+        filler: Callable[[], Filler],
+    ) -> None:
+        self._get = get
+        self.loop = loop
+        self.max_inflight = max_inflight
+        self.store_name = store_name
+        self._filler = filler
+        self._queue: deque[tuple[FillJob, Unit]] = deque()  # on the loop only
+        self._lock = threading.Lock()
+        self.inflight = 0  # permits taken: GETs started and not yet decoded
+        self._starved = False
+        self.tasks: dict[asyncio.Task[None], tuple[FillJob, Unit]] = {}  # loop only
+        self.obstore = False
+
+    def enqueue(self, job: FillJob, units: Sequence[Unit], rows: Sequence[Rows] = ()) -> None:
+        """Queue ``job``'s objects for GETs (any thread: one loop wake-up per call)."""
+        self.loop.call_soon_threadsafe(self._enqueue, job, units, rows)
+
+    def _enqueue(self, job: FillJob, units: Sequence[Unit], rows: Sequence[Rows]) -> None:
+        self._queue.extend((job, unit) for unit in units)
+        for r in rows:
+            self._queue.extend((job, unit) for unit in r.units())
+        self._pump()
+
+    def release(self) -> None:
+        """A permit's object is handled (any thread): wake the loop if it waits for one."""
+        self._filler().pool.note_io(inflight=-1)
+        with self._lock:
+            self.inflight -= 1
+            wake, self._starved = self._starved, False
+        if wake and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._pump)
+
+    def _pump(self) -> None:
+        queue = self._queue
+        filler = self._filler()
+        while queue:
+            job, unit = queue[0]
+            if job.skips(unit):
+                queue.popleft()
+                filler.land_many(job, [(unit, _now(), None, FillCancelled("cancelled"), False)])
+                continue
+            with self._lock:
+                if self.inflight >= self.max_inflight:
+                    self._starved = True
+                    return
+                self.inflight += 1
+            filler.pool.note_io(inflight=1)
+            queue.popleft()
+            task = self.loop.create_task(self._fetch(job, unit, filler))
+            self.tasks[task] = (job, unit)
+            task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self.tasks.pop(task, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure was landed already
+
+    async def _fetch(self, job: FillJob, unit: Unit, filler: Filler) -> None:
+        array, chunk, tile, _, _ = unit
+        rec = filler.recorder
+        ids = filler._identities()
+        meta: list[Any] | None = None if ids is None else []
+        started = rec.on_get_start() if rec is not None else 0.0
+        raw: Any = None
+        error: BaseException | None = None
+        try:
+            key = array.key(chunk, tile)
+        except Exception as exc:  # a bug, not a read error: it fails the batch as it is
+            filler.land_many(job, [(unit, _now(), None, exc, True)])
+            return
+        try:
+            raw = await (self._get(key) if meta is None else self._get(key, meta))
+        except asyncio.CancelledError:
+            error = FillCancelled(f"the read of {key!r} was cancelled")
+        except Exception as exc:
+            error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
+            error.__cause__ = exc
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: land, then go on up
+            error = exc
+        nbytes = 0 if raw is None else len(raw)
+        if error is None:
+            filler.pool.note_io(1, nbytes)
+        if rec is not None:
+            rec.on_get_end(started, nbytes, ok=error is None)
+        if error is None and ids is not None and meta:  # what identifies the object
+            ids.note(array.path, chunk, key, meta_identity(meta[0]))
+        filler.land_many(job, [(unit, _now(), raw, error, True)])
+        if error is not None and not isinstance(error, Exception | FillCancelled):
+            raise error
+
+    def cancel_skipped(self) -> None:
+        """Cancel the GETs in flight whose objects are no longer needed (any thread)."""
+
+        def cancel() -> None:
+            for task, (job, unit) in list(self.tasks.items()):
+                if job.skips(unit):
+                    task.cancel()
+
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(cancel)
+
+    async def cancel_all(self) -> None:
+        """Cancel every GET in flight and wait for them (interpreter exit)."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)
