@@ -610,9 +610,13 @@ class Filler:
         else:
             self.getter.enqueue(job, units)
 
-    def region(self, job: FillJob, entry: ChunkEntry, array: ArrayFill, n: int) -> np.ndarray:
-        """Where ``entry``'s objects decode: its slot, or a spare buffer of the stored layout
-        when its chunk transforms reshape it."""
+    def region(
+        self, job: FillJob, entry: ChunkEntry, array: ArrayFill, n: int | None
+    ) -> np.ndarray:
+        """Where ``entry``'s ``n`` samples decode (all of its slot with ``None``): its slot, or
+        a spare buffer of the stored layout when its chunk transforms reshape it."""
+        if n is None:
+            n = entry.slot.shape[0] if entry.cached is None else entry.cached[1][0]
         if not self.transforms.reshapes(array.path):
             return entry.slot[:n]
         buf = self.take_spare(array.geom, n)

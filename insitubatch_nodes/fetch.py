@@ -175,7 +175,8 @@ class _Group:
 
     paths: tuple[str, ...]
     nbytes: int  # slot bytes of one chunk of every path
-    direct: Mapping[str, str] | None  # path -> the label its single-use chunks decode into
+    # path -> {view offset: the label} its single-use chunks decode into (None: all via slots)
+    direct: Mapping[str, Mapping[int, str]] | None
     row_bytes: int  # batch bytes of one direct row over every path
 
 
@@ -251,6 +252,11 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._bad_lock = threading.Lock()
         self.max_inflight = max_inflight
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
+        # path -> (slot shape, dtype, level-major, samples per chunk, samples): a request's parts
+        self._specs = {
+            path: (*self.slot_spec(path), g.samples_per_chunk, g.n_samples)
+            for path, g in self.slot_geoms.items()
+        }
         self._arrays = {path: ArrayFill(g, self._decoders[path]) for path, g in self.geoms.items()}
         self._decode_pool = _runtime.decode_pool(decode_threads)
         self._loop = _runtime.io_loop()
@@ -290,7 +296,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._read_ahead = 0
         self._epoch_plan: EpochPlan | None = None
         self._groups: list[_Group] = []
-        self._fetched: dict[str, np.ndarray] = {}  # path -> chunks fetched before (re-reads)
+        self._fetched: dict[tuple[str, ...], np.ndarray] = {}  # paths -> chunks fetched before
         self._buffers: BatchBuffers | None = None
         self._exhausted = False
         self._last_state: dict[str, Any] | None = None
@@ -512,16 +518,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         )
         return self.pool.budget_bytes < reads  # the pool could not keep the epoch anyway
 
-    def _direct_labels(self, plan: EpochPlan, ledger: ChunkLedger) -> dict[str, str] | None:
-        """``{path: label}`` when ``ledger``'s single-use chunks can be decoded straight into
-        the batch arrays: one sample per chunk, each array read by exactly one label (whose
-        batch array the gather stage lends, with the array's own shape and dtype), no chunk
-        transforms."""
-        if ledger.samples_per_chunk != 1 or len(ledger.offsets) != 1:
+    def _direct_labels(
+        self, plan: EpochPlan, ledger: ChunkLedger
+    ) -> dict[str, dict[int, str]] | None:
+        """``{path: {offset: label}}`` when ``ledger``'s single-use chunks can be decoded
+        straight into the batch arrays: one sample per chunk, each view of an array (each
+        offset) read by exactly one label (whose batch array the gather stage lends, with the
+        array's own shape and dtype), no chunk transforms. A chunk read by one row is then read
+        by one view, whose offset tells the label."""
+        if ledger.samples_per_chunk != 1 or len(set(ledger.offsets)) != len(ledger.offsets):
             return None
         assert self._buffers is not None
         lent = self._buffers.labels
-        out = {}
+        out: dict[str, dict[int, str]] = {}
         for label, view in plan.labels.items():
             if view.path not in ledger.paths:
                 continue
@@ -536,7 +545,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 or mine.dtype != geom.dtype
             ):
                 return None
-            out[view.path] = label
+            out.setdefault(view.path, {})[view.offset] = label
         return out if len(out) == len(ledger.paths) else None
 
     def _prepare(self, plan: BatchPlan, carried: bool) -> _Pending:
@@ -546,7 +555,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         at = plan.index - epoch.first_batch
         requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]] = []
         pending = _Pending(plan=plan, state=self.source.state_dict(), requests=requests)
-        direct: list[tuple[_Group, np.ndarray, np.ndarray]] = []
+        direct: list[tuple[_Group, np.ndarray, np.ndarray, np.ndarray]] = []
         misses = re_reads = 0
         for gi, (ledger, group) in enumerate(zip(epoch.ledgers, self._groups, strict=True)):
             seg = ledger.fetched(at)
@@ -559,26 +568,32 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 if single.any():
                     chunks = ledger.chunk[seg[single]]
                     rows = ledger.first[seg[single]] - at * epoch.batch_size
-                    direct.append((group, chunks, rows))
+                    # which view reads each: at one sample per chunk, chunk = anchor + offset
+                    offsets = chunks - plan.anchors[rows]
+                    direct.append((group, chunks, rows, offsets))
                     pending.in_place[gi] = set(chunks.tolist())
                     misses += len(chunks) * len(group.paths)
-                    re_reads += sum(self._seen(path, chunks) for path in group.paths)
+                    re_reads += self._seen(group.paths, chunks)
                     seg = seg[~single]
-            for c in ledger.chunk[seg].tolist():
-                for path in group.paths:
-                    shape, dtype, level_major = self.slot_spec(path)
-                    start, stop = self.slot_geoms[path].chunk_range(c)
-                    requests.append(((path, c), shape, dtype, stop - start, level_major))
+            if len(seg):
+                specs = [(path, *self._specs[path]) for path in group.paths]
+                for c in ledger.chunk[seg].tolist():
+                    for path, shape, dtype, level_major, spc, n in specs:
+                        valid = min(spc, n - c * spc)  # samples the chunk holds
+                        requests.append(((path, c), shape, dtype, valid, level_major))
         if direct:
             assert self._buffers is not None
             job = pending.direct = FillJob(_runtime.next_ticket(), self._generation)
             arrays = pending.arrays = self._buffers.take(len(plan))
-            for group, chunks, rows in direct:
+            for group, chunks, rows, offsets in direct:
                 assert group.direct is not None
-                chunk_list, row_list = chunks.tolist(), rows.tolist()
-                for path, label in group.direct.items():
-                    job.add_rows(self._arrays[path], arrays[label], chunk_list, row_list)
-                    pending.rows[label] = pending.rows.get(label, 0) + len(row_list)
+                for offset in np.unique(offsets).tolist():
+                    pick = offsets == offset
+                    chunk_list, row_list = chunks[pick].tolist(), rows[pick].tolist()
+                    for path, labels in group.direct.items():
+                        label = labels[offset]
+                        job.add_rows(self._arrays[path], arrays[label], chunk_list, row_list)
+                        pending.rows[label] = pending.rows.get(label, 0) + len(row_list)
                 pending.ahead_bytes += group.row_bytes * len(chunks)
             self._ahead_bytes += pending.ahead_bytes
             rec = self.recorder
@@ -593,17 +608,17 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             dtype=bool,
         ).reshape(len(chunks))
 
-    def _seen(self, path: str, chunks: np.ndarray | int) -> int:
-        """How many of ``chunks`` of ``path`` this node fetched before (re-reads), marking
-        them all fetched now."""
-        bits = self._fetched.get(path)
-        need = int(np.max(chunks)) + 1
+    def _seen(self, paths: tuple[str, ...], chunks: np.ndarray) -> int:
+        """How many of ``chunks`` of every path of ``paths`` (read together) this node fetched
+        before (re-reads), marking them fetched now."""
+        bits = self._fetched.get(paths)
+        need = int(chunks.max()) + 1 if len(chunks) else 0
         if bits is None or len(bits) < need:
-            grown = np.zeros(max(need, self.geoms[path].n_chunks), dtype=bool)
+            grown = np.zeros(max(need, self.geoms[paths[0]].n_chunks), dtype=bool)
             if bits is not None:
                 grown[: len(bits)] = bits
-            bits = self._fetched[path] = grown
-        seen = int(np.count_nonzero(bits[chunks]))
+            bits = self._fetched[paths] = grown
+        seen = int(np.count_nonzero(bits[chunks])) * len(paths)
         bits[chunks] = True
         return seen
 
@@ -614,10 +629,12 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         pending.direct = None
         todo = pending.requests[pending.admitted :]
         got = self.pool.acquire_many(todo, job.fill) if todo else []
-        hits = misses = re_reads = 0
-        live, pins, arrays = self._live, self._pins, self._arrays
-        for (entry, hit), request in zip(got, todo[: len(got)], strict=True):
-            key = request[0]
+        hits = 0
+        live, pins, arrays, region = self._live, self._pins, self._arrays, self._filler.region
+        missed: dict[str, list[int]] = {}
+        ahead = 0
+        for entry, hit in got:
+            key = entry.key
             if entry.bad_tiles:  # read as bad by an earlier fill: still bad here
                 self._note_bad(self._generation, key[0], key[1], entry.bad_tiles)
             live[key] = entry
@@ -625,17 +642,17 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             if hit or entry.cached is not None:
                 hits += 1
             else:
-                misses += 1
-                re_reads += self._seen(key[0], key[1])
+                missed.setdefault(key[0], []).append(key[1])
             if not hit:
-                start, stop = self.slot_geoms[key[0]].chunk_range(key[1])
                 array = arrays[key[0]]
-                region = self._filler.region(job, entry, array, stop - start)
-                job.add_entry(entry, array, region)
-            pending.ahead_bytes += entry.nbytes
-            self._ahead_bytes += entry.nbytes
+                job.add_entry(entry, array, region(job, entry, array, entry.valid))
+            ahead += entry.nbytes
+        pending.ahead_bytes += ahead
+        self._ahead_bytes += ahead
         rec = self.recorder
         if rec is not None and got:
+            re_reads = sum(self._seen((p,), np.asarray(c)) for p, c in missed.items())
+            misses = sum(len(c) for c in missed.values())
             rec.on_admit_counts(hits, misses, re_reads)
         pending.admitted += len(got)
         if job.units or job.rows:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import threading
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -32,7 +33,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.pool import ResidentBatch
 from insitubatch_nodes.report import EpochRecorder
-from insitubatch_nodes.residency import is_level_major
+from insitubatch_nodes.residency import RamBacking, is_level_major
 
 __all__ = ["PARALLEL_GATHER_BYTES", "BatchBuffers", "BufferPool", "GatherNode", "gather_label"]
 
@@ -61,12 +62,21 @@ class BufferPool:
         self.nbytes = math.prod(self.shape) * self.dtype.itemsize
         self._buffers: list[np.ndarray] = []  # raw memory, uint8
         self._leases: list[weakref.ref[Any] | None] = []
+        self._ready: list[np.ndarray] = []  # buffers made ahead of need (see add_ready)
+        self._lock = threading.Lock()
         self.allocations = 0
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of buffer memory this pool holds (lent out or idle)."""
-        return len(self._buffers) * self.nbytes
+        """Bytes of buffer memory this pool holds (lent out, idle or made ahead)."""
+        return (len(self._buffers) + len(self._ready)) * self.nbytes
+
+    def add_ready(self, raw: np.ndarray) -> None:
+        """Keep ``raw`` (``nbytes`` of writable uint8 memory, its pages already faulted in) for
+        a later :meth:`take` that finds no idle buffer (any thread)."""
+        with self._lock:
+            self._ready.append(raw)
+            self.allocations += 1
 
     def take(self) -> np.ndarray:
         idle = [i for i, lease in enumerate(self._leases) if lease is None or lease() is None]
@@ -74,9 +84,12 @@ class BufferPool:
             del self._buffers[i], self._leases[i]
         if idle:
             return self._lend(idle[0])
-        self._buffers.append(np.empty(self.nbytes, dtype=np.uint8))
+        with self._lock:
+            raw = self._ready.pop(0) if self._ready else None
+            if raw is None:
+                self.allocations += 1
+        self._buffers.append(np.empty(self.nbytes, dtype=np.uint8) if raw is None else raw)
         self._leases.append(None)
-        self.allocations += 1
         return self._lend(len(self._buffers) - 1)
 
     def _lend(self, i: int) -> np.ndarray:
@@ -118,6 +131,29 @@ class BatchBuffers:
             self.resize(n)
         return {label: pool.take()[:n] for label, pool in self._pools.items()}
 
+    def reserve(self, batches: int) -> None:
+        """Make the buffers of ``batches`` batches ahead of need, on a thread of their own, with
+        their pages already faulted in (:meth:`RamBacking.allocate_populated
+        <insitubatch_nodes.residency.RamBacking.allocate_populated>`: one pass of the kernel
+        several times as fast as first writes faulting them in page by page, which a fresh
+        process would otherwise pay inside the decodes of its first batches). :meth:`take`
+        never waits for it: a batch that finds none ready allocates as before."""
+        pools = list(self._pools.values())
+        if batches <= 0 or not pools:
+            return
+
+        def run() -> None:
+            backing = RamBacking()
+            for _ in range(batches):
+                for pool in pools:
+                    try:
+                        raw = backing.allocate_populated((pool.nbytes,), np.dtype(np.uint8))
+                    except (OSError, MemoryError, ValueError):
+                        return
+                    pool.add_ready(raw)
+
+        threading.Thread(target=run, name="insitu-buffer-reserve", daemon=True).start()
+
     @property
     def allocations(self) -> int:
         """Buffers allocated so far (stays flat in steady state)."""
@@ -147,9 +183,13 @@ def gather_label(
     With ``skip_missing`` the rows of chunks that have no slot are left as they are (the fetch
     stage decoded them in place).
     """
+    n = len(samples)
+    if samples_per_chunk == 1 and not skip_missing and n > 1:
+        # a chunk per row: every row's slot is one sample, laid end to end by one call
+        np.concatenate([slots[(path, s)] for s in samples.tolist()], axis=0, out=out)
+        return n
     chunk = samples // samples_per_chunk
     within = samples - chunk * samples_per_chunk
-    n = len(samples)
     copied = 0
     if n > 1 and bool(np.all(chunk[1:] >= chunk[:-1])):
         cuts = (np.flatnonzero(chunk[1:] != chunk[:-1]) + 1).tolist()

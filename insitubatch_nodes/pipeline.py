@@ -575,9 +575,12 @@ def insitu_pipeline(
         gather = GatherNode(
             resident, labels, batch_size, batch_transforms, rows=rows, coords=carried
         )
-        if cache is None:  # (with a cache_dir, slots are files)
-            # Pay for the first epoch's slot memory ahead of need, in the order it will be
-            # needed (a fresh process faults new pages in slowly; see ChunkPool.reserve).
+        # Pay for memory ahead of need (a fresh process faults new pages in slowly): the batch
+        # buffers in flight at once (the consumer's, the queue's, the one being filled), and
+        # the first epoch's slots in the order they will be needed (with a cache_dir, slots
+        # are files). See BatchBuffers.reserve and ChunkPool.reserve.
+        gather.buffers.reserve(prefetch_depth + 2)
+        if cache is None:
             pool.reserve(fetch.reserve_specs(first, pool.budget_bytes))
     except BaseException:
         if cache is not None:

@@ -44,6 +44,7 @@ from insitubatch_nodes import (
     open_geometries,
     open_store,
     plan_epoch,
+    schedule_floors,
     split_by_chunk,
 )
 from insitubatch_nodes.synthetic import make_weatherbench_like
@@ -136,6 +137,30 @@ def test_a_shifted_target_at_one_sample_per_chunk_reads_each_object_once_through
     assert set(store.chunk_counts().values()) == {1}  # chunk t serves y of t-1 and x of t
     assert len(store.chunk_counts()) == N_TIME
     np.testing.assert_array_equal(_delivered(records, "x"), np.arange(N_TIME - 1))
+    pipe.close()
+
+
+def test_a_shifted_target_under_the_bounded_schedule_decodes_each_use_into_its_row(
+    archive: Path,
+) -> None:
+    store = counting_store(archive)
+    g = open_geometries(store, ["temperature"])["temperature"]
+    labels = {"x": g, "y": g.shift(1)}
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    floors = schedule_floors(manifest, labels, batch_size=8, block_chunks=2)
+    assert floors.bounded < floors.read_once  # a budget between them: the bounded schedule
+    pipe = insitu_pipeline(
+        store, manifest, labels, batch_size=8, block_chunks=2, coords=(),
+        cache_budget_bytes=floors.bounded,
+    )  # fmt: skip
+    views = {"x": View("temperature"), "y": View("temperature", 0, 1)}
+    run_epoch(pipe, Oracle(archive), views)
+    plan = pipe.stages.plan.epoch_plan(0)
+    assert plan.pin_gap is not None and plan.n_fetches > N_TIME  # chunks read once per use
+    # every use read once: as many GETs as the schedule's fetches, and fewer pool slots than
+    # chunks fetched (uses by one row were decoded into that row)
+    assert sum(store.chunk_counts().values()) == plan.n_fetches
+    assert pipe.stats()["misses"] < plan.n_fetches
     pipe.close()
 
 
