@@ -150,3 +150,20 @@ def test_the_time_features_recipe_picks_its_window_by_date_and_trains_on_each_ro
     assert "[2000-02-01, 2000-03-20) is samples [124, 316)" in proc.stdout, _explain(proc)
     assert "whole chunks 5..13 hold samples [120, 336)" in proc.stdout, _explain(proc)
     assert "every row carried its own time" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_into_batches(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "archive_forecast.py", "--n-time", "64", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "13 arrays, one time step per chunk: 13 stored objects" in proc.stdout, _explain(proc)
+    assert proc.stdout.count(" - limited by ") == 2, _explain(proc)
+    assert "every first batch matched zarr's own read" in proc.stdout, _explain(proc)
+    # only the target array (two views) used slots: one 8 x 16 float32 field per chunk
+    peaks = [line for line in proc.stdout.splitlines() if line.startswith("  pool peak ")]
+    assert len(peaks) == 2 and all("2m_temperature" in p for p in peaks), _explain(proc)
