@@ -153,7 +153,7 @@ class Rows:
             )
         return units
 
-    def keys(self) -> list[str]:
+    def store_keys(self) -> list[str]:
         return [self.array.key(c, t) for c in self.chunks for t, _ in self.array.tiles]
 
 
@@ -201,10 +201,6 @@ class FillJob:
         self.left = 0
         self.runs = 0
         self.submitted = 0.0
-
-    @property
-    def done(self) -> bool:
-        return self.fill.done
 
     def add_entry(self, entry: ChunkEntry, array: ArrayFill, region: np.ndarray) -> None:
         """Fill ``entry`` (a miss) by this job: one unit per stored object (one for a chunk
@@ -288,7 +284,7 @@ class Filler:
         if self.reader is not None or self.getter is None:
             if self.reader is not None and self.reader.cold:
                 keys = [u[0].key(u[1], u[2]) for u in units if u[2] is not _REVIVE]
-                self.reader.advise_many([*keys, *(k for r in rows for k in r.keys())])  # noqa: SIM118
+                self.reader.advise_many([*keys, *(k for r in rows for k in r.store_keys())])
             items: list[tuple[Unit | Rows, float, Any, BaseException | None, bool]]
             items = [(u, 0.0, None, None, False) for u in units]
             items.extend((r, 0.0, None, None, False) for r in rows)
@@ -702,10 +698,10 @@ class Filler:
                 self.spare_bytes += buf.nbytes
 
     # -- cancellation ---------------------------------------------------------------------
-    def cancel(self, jobs: Iterable[FillJob], entries: Sequence[ChunkEntry]) -> None:
-        """Stop work nobody waits for any more (any thread, returns at once): the direct rows
-        of ``jobs`` and the objects of ``entries`` that lost their last pin. Runs skip them;
-        their GETs in flight are cancelled on the loop."""
+    def cancel(self, jobs: Iterable[FillJob] = ()) -> None:
+        """Stop work nobody waits for any more (any thread, returns at once): the rows of
+        ``jobs``, and the objects of entries that lost their last pin (which runs skip by
+        themselves). GETs in flight for either are cancelled on the loop."""
         for job in jobs:
             job.cancelled = True
         if self.getter is not None:

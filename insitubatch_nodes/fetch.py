@@ -155,7 +155,7 @@ class _Pending:
     state: dict[str, Any]  # the source's state right after this plan was pulled
     # pool chunks to admit before this batch (its first reads, plus any carried into it)
     requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]]
-    direct: FillJob | None = None  # its rows decoded in place (submitted with the first job)
+    job: FillJob | None = None  # built with its rows decoded in place; submitted at admission
     arrays: dict[str, np.ndarray] | None = None
     rows: dict[str, int] = field(default_factory=dict)  # label -> rows decoded in place
     # group index -> the chunks decoded in place (a slot of the same chunk is not read)
@@ -447,7 +447,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                         del pins[key], live[key]
                     else:
                         pins[key] = count - 1
-        self._cancel(self.pool.unpin(done), ())
+        if self.pool.unpin(done):  # chunks left unpinned while still arriving
+            self._filler.cancel()
 
     @property
     def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -583,7 +584,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                         requests.append(((path, c), shape, dtype, valid, level_major))
         if direct:
             assert self._buffers is not None
-            job = pending.direct = FillJob(_runtime.next_ticket(), self._generation)
+            job = pending.job = FillJob(_runtime.next_ticket(), self._generation)
             arrays = pending.arrays = self._buffers.take(len(plan))
             for group, chunks, rows, offsets in direct:
                 assert group.direct is not None
@@ -625,8 +626,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def _admit(self, pending: _Pending) -> bool:
         """Pin the plan's first reads in order and start their fill; False when the pool has no
         room for all of them yet."""
-        job = pending.direct or FillJob(_runtime.next_ticket(), self._generation)
-        pending.direct = None
+        job = pending.job or FillJob(_runtime.next_ticket(), self._generation)
+        pending.job = None
         todo = pending.requests[pending.admitted :]
         got = self.pool.acquire_many(todo, job.fill) if todo else []
         hits = 0
@@ -675,12 +676,6 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 self._bad[(path, chunk, tile)] = None
             return True
 
-    def _cancel(self, entries: Sequence[ChunkEntry], jobs: Iterable[FillJob]) -> None:
-        """Stop filling what nobody waits for any more (returns at once)."""
-        jobs = list(jobs)
-        if entries or jobs:
-            self._filler.cancel(jobs, entries)
-
     def _teardown(self) -> None:
         """Drop every pin this node holds and cancel the fills left unpinned (no waiting)."""
         self._generation += 1
@@ -689,15 +684,16 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         jobs = list(self._jobs)
         self._jobs = weakref.WeakSet()
         for pending in self._queue:
-            if pending.direct is not None:  # built, never started
-                pending.direct.fill.resolve()
+            if pending.job is not None:  # built, never started
+                pending.job.fill.resolve()
         self._live.clear()
         self._pins.clear()
         self._queue.clear()
         self._ahead_bytes = 0
         self._epoch_plan = None
         self._groups = []
-        self._cancel(detached, jobs)
+        if detached or jobs:
+            self._filler.cancel(jobs)
 
     @property
     def scratch_bytes(self) -> int:

@@ -598,7 +598,7 @@ class EpochRecorder:
             self._inflight.change(0, now)
             self._depth.change(0, now)
             self._inflight.peak, self._depth.peak = self._inflight.value, self._depth.value
-            inflight, depth = self._inflight.snapshot(now), self._depth.snapshot(now)
+            inflight = self._inflight.snapshot(now)
             totals = dict(self.totals)
         return {
             "t0": now,
@@ -615,7 +615,6 @@ class EpochRecorder:
             "resident_sum": 0,
             "resident_peak": 0,
             "inflight0": inflight,
-            "depth0": depth,
             "totals0": totals,
             "evictions0": int(self.pool.stats.evictions),
             "cpu0": time.process_time(),
