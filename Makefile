@@ -53,20 +53,25 @@ test-newest-zarr: $(STAMP312)
 	$(PY312) -m pytest -n 2 --dist loadgroup $(NEWEST_ZARR_PYTEST_ARGS) $(PYTEST_ARGS)
 
 # Benchmarks (benchmarks/README.md). Both install the `bench` extra when it is missing.
+# `make bench` runs the side-by-side suite (BENCH_ARGS), then the archive-shape suite
+# (benchmarks/archive.py, ARCHIVE_ARGS), then renders docs/benchmarks.md from both JSONLs.
 .PHONY: bench
 bench: $(STAMP)
-	@$(PY) -c "import psutil, matplotlib, xarray, xbatcher" 2>/dev/null || \
+	@$(PY) -c "import psutil, matplotlib, xarray, xbatcher, tensorstore" 2>/dev/null || \
 		$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	BENCH_COMMAND="make bench" $(PY) -m benchmarks.run --suite full $(BENCH_ARGS)
+	BENCH_COMMAND="make bench" $(PY) -m benchmarks.archive --suite full $(ARCHIVE_ARGS)
 	$(PY) -m benchmarks.report
 
 bench-smoke: $(STAMP)
-	@$(PY) -c "import psutil, matplotlib, xarray, xbatcher" 2>/dev/null || \
+	@$(PY) -c "import psutil, matplotlib, xarray, xbatcher, tensorstore" 2>/dev/null || \
 		$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
 	@tmp=$$(mktemp -d) && \
 		BENCH_COMMAND="make bench-smoke" $(PY) -m benchmarks.run --suite smoke --out $$tmp --check && \
-		$(PY) -m benchmarks.report $$tmp/bench-smoke-*.jsonl --doc $$tmp/benchmarks.md \
-			--plots $$tmp/plots && \
+		BENCH_COMMAND="make bench-smoke" $(PY) -m benchmarks.archive --suite smoke --out $$tmp \
+			--check && \
+		$(PY) -m benchmarks.report $$tmp/bench-smoke-*.jsonl --archive $$tmp/archive-smoke-*.jsonl \
+			--doc $$tmp/benchmarks.md --plots $$tmp/plots && \
 		rm -rf $$tmp
 
 clean:

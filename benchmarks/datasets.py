@@ -19,12 +19,20 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["REFERENCE", "SUITES", "DatasetSpec", "chunk_sizes", "ensure_dataset", "needed_bytes"]
+__all__ = [
+    "REFERENCE",
+    "SUITES",
+    "DatasetSpec",
+    "chunk_sizes",
+    "ensure_dataset",
+    "ensure_written",
+    "needed_bytes",
+]
 
 MARKER = ".bench-spec.json"
 DATA_ARRAYS = ("t2m", "z")
@@ -120,30 +128,44 @@ def ensure_dataset(spec: DatasetSpec, root: Path) -> tuple[Path, bool]:
     """The dataset's folder under ``root``, written first if missing. Returns (path, written)."""
     from insitubatch_nodes.synthetic import make_era5_like
 
-    path = root / spec.folder
-    marker = root / (spec.folder + MARKER)  # next to the group: zarr lists the group's keys
+    def write(tmp: Path) -> None:
+        make_era5_like(
+            tmp,
+            n_time=spec.n_time,
+            n_lat=spec.n_lat,
+            n_lon=spec.n_lon,
+            n_level=spec.n_level,
+            samples_per_chunk=spec.samples_per_chunk,
+            inner_chunks=spec.inner_chunks,
+            shard_samples=spec.shard_samples,
+            compressor=spec.compressor,
+        )
+
+    return ensure_written(root, spec.folder, spec.to_json(), write)
+
+
+def ensure_written(
+    root: Path, folder: str, spec_json: dict[str, Any], write: Callable[[Path], None]
+) -> tuple[Path, bool]:
+    """``root / folder``, written by ``write(tmp_folder)`` first unless the marker next to it
+    (``FOLDER.bench-spec.json``) holds ``spec_json`` (its ``name`` aside). The folder is written
+    under a temporary name and renamed when complete; then the marker is written. Returns
+    (path, written). Shared by every suite's datasets (``benchmarks/archive.py`` too)."""
+    path = root / folder
+    marker = root / (folder + MARKER)  # next to the group: zarr lists the group's keys
+    layout = {k: v for k, v in spec_json.items() if k != "name"}
     if marker.is_file() and path.is_dir():
         written = {k: v for k, v in json.loads(marker.read_text()).items() if k != "name"}
-        if written == spec.layout_json():
+        if written == layout:
             return path, False
     root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{spec.folder}.tmp-{os.getpid()}"
+    tmp = root / f".{folder}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    make_era5_like(
-        tmp,
-        n_time=spec.n_time,
-        n_lat=spec.n_lat,
-        n_lon=spec.n_lon,
-        n_level=spec.n_level,
-        samples_per_chunk=spec.samples_per_chunk,
-        inner_chunks=spec.inner_chunks,
-        shard_samples=spec.shard_samples,
-        compressor=spec.compressor,
-    )
+    write(tmp)
     marker.unlink(missing_ok=True)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
-    marker.write_text(json.dumps(spec.to_json()))
+    marker.write_text(json.dumps(spec_json))
     return path, True
 
 

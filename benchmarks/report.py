@@ -2,7 +2,9 @@
 
 ``python -m benchmarks.report [JSONL] [--doc docs/benchmarks.md] [--plots benchmarks/plots]``
 
-Without a JSONL it takes the newest ``benchmarks/results/bench-full-*.jsonl``. Every number on
+Without a JSONL it takes the newest ``benchmarks/results/bench-full-*.jsonl``, and the newest
+``archive-full-*.jsonl`` of the archive-shape suite (``benchmarks/archive.py``; ``--archive``
+names one; without any, its section says how to produce it). Every number on
 the page is computed here from the rows (medians and min–max over repeats); nothing is typed by
 hand. Plots need matplotlib (the ``bench`` extra); without it the page is written and says so.
 """
@@ -839,6 +841,504 @@ PERSIST_SETUP = (
 )
 
 
+# --------------------------------------------------------------------------------------------
+# the archive shape (benchmarks/archive.py): one sample per chunk, many arrays
+# --------------------------------------------------------------------------------------------
+
+ARCHIVE_EPOCHS = (("epoch0", "0"), ("epoch1", "1"))
+ARCHIVE_PEERS = ("tensorstore", "zarr")
+ARCHIVE_CEILINGS = {
+    "bare": "bare loop: 2 threads, `open().read()` + `numcodecs.Blosc().decode(out=)`",
+    "decode": "decode-only: every train object read + `ChunkDecoder.decode_into`",
+    "rawget": "raw GET: every train object, `obstore.get_async`, 32 in flight",
+}
+ARCHIVE_HOW = (
+    "`python -m benchmarks.archive --suite full` (part of `make bench`), then "
+    "`python -m benchmarks.report`"
+)
+SCALE_TARGETS: dict[tuple[int, int], list[tuple[str, str, float]]] = {
+    (100_000, 60): [
+        ("build_s", "build (`insitu_pipeline`) s", 1.0),
+        ("first_batch_s", "first batch s", 0.5),
+        ("per_batch_ms", "ms per batch", 10.0),
+        ("peak_rss_MB", "peak RSS MB of the process", 600.0),
+    ],
+    (745_000, 60): [
+        ("build_s", "build (`insitu_pipeline`) s", 5.0),
+        ("first_batch_s", "first batch s", 2.0),
+        ("peak_rss_MB", "peak RSS MB of the process", 1500.0),
+    ],
+}
+"""The planning targets at scale: (steps, arrays) -> (field, label, at most)."""
+
+
+def newest_archive(results: Path, suite: str = "full") -> Path | None:
+    """The newest ``archive-<suite>-*.jsonl`` under ``results``, or None."""
+    files = sorted(results.glob(f"archive-{suite}-*.jsonl"))
+    return files[-1] if files else None
+
+
+def is_archive(rows: list[Row]) -> bool:
+    return any(r.get("type") == "run" and r.get("harness") == "archive" for r in rows)
+
+
+def _archive_rows(
+    rows: list[Row], engine: str, store: str, dataset: str, kind: str, variant: str | None = None
+) -> dict[Any, Row]:
+    """``{repeat: row}`` of one archive engine's epochs of one kind (one per round)."""
+    out = {}
+    for r in measurements(rows):
+        if (r["engine"], r["store"], r["dataset"], r["epoch_kind"]) != (
+            engine,
+            store,
+            dataset,
+            kind,
+        ):
+            continue
+        if variant is not None and (r.get("variant") or "") != variant:
+            continue
+        out[r["repeat"]] = r
+    return out
+
+
+def _archive_ceiling(rows: list[Row], engine: str, store: str, dataset: str, kind: str) -> dict:
+    """``{repeat: row}`` of a ceiling's pass of this epoch kind; where its process timed one
+    pass only (the s3 ceilings), that pass stands for both epochs."""
+    got = _archive_rows(rows, engine, store, dataset, kind)
+    first = _archive_rows(rows, engine, store, dataset, "epoch0")
+    return {**first, **got}
+
+
+def _best_peer(rows: list[Row], store: str, dataset: str, kind: str) -> dict[Any, float]:
+    """``{repeat: samples/s}`` of the fastest peer configuration in each round."""
+    best: dict[Any, float] = {}
+    for r in measurements(rows):
+        if r["engine"] in ARCHIVE_PEERS and (r["store"], r["dataset"], r["epoch_kind"]) == (
+            store,
+            dataset,
+            kind,
+        ):
+            best[r["repeat"]] = max(best.get(r["repeat"], 0.0), r["samples_per_s"])
+    return best
+
+
+def _peer_label(r: Row) -> str:
+    n = r.get("num_workers")
+    cap = r.get("max_batches")
+    text = f"{r['engine']} + DataLoader, {n} worker{'s' if n != 1 else ''}"
+    return text + (f" ({cap} batches/epoch)" if cap else "")
+
+
+def _archive_engine_table(rows: list[Row], store: str, dataset: str) -> str:
+    mine = [r for r in measurements(rows) if (r["store"], r["dataset"]) == (store, dataset)]
+    order = {"engine": 0, "peer": 1, "ceiling": 2}
+    ceiling_order = list(ARCHIVE_CEILINGS)
+    groups = group(mine, "engine", "variant", "epoch_kind")
+
+    def key(k: tuple[Any, ...]) -> tuple[Any, ...]:
+        r = groups[k][0]
+        role = r.get("role")
+        sub = ceiling_order.index(k[0]) if k[0] in ceiling_order else 0
+        peer = k[0] if role == "peer" else ""
+        return (order.get(role, 3), peer, sub, r.get("num_workers") or 0, k[2])
+
+    lines = []
+    for k in sorted(groups, key=key):
+        g = groups[k]
+        r0 = g[0]
+        if r0.get("role") == "peer":
+            label = _peer_label(r0)
+        elif r0.get("role") == "ceiling":
+            label = f"ceiling — {ARCHIVE_CEILINGS.get(k[0], k[0])}"
+        else:
+            label = "**nodes** — `insitu_pipeline(...)` through `Loader`"
+        lines.append(
+            [
+                label,
+                k[2].replace("epoch", ""),
+                span(r["samples_per_s"] for r in g),
+                num(med(r["decoded_MB_per_s"] for r in g)),
+                span((r["ttfb_s"] for r in g), 2),
+                span((r["cpu_s"] for r in g), 2),
+                num(med(r["rss_peak_MB"] for r in g)),
+                num(med(r["gets"] for r in g)),
+                num(med(mb(r["bytes_fetched"]) for r in g)),
+                str(len(g)),
+            ]
+        )
+    header = [
+        "engine",
+        "epoch",
+        "samples/s",
+        "decoded MB/s",
+        "TTFB s",
+        "CPU-s",
+        "peak RSS MB",
+        "GETs",
+        "MB fetched",
+        "n",
+    ]
+    return table(header, lines) if lines else "_No rows._"
+
+
+def _archive_ratios(rows: list[Row], store: str, dataset: str, spc: int) -> list[list[str]]:
+    """[ratio, epoch, measured, target, median] lines for one (store, dataset). The targets
+    apply at one sample per chunk; at more the same ratios are shown for comparison."""
+    one = spc == 1
+    nodes = {kind: _archive_rows(rows, "nodes", store, dataset, kind) for kind, _ in ARCHIVE_EPOCHS}
+
+    def rate(engine: str, kind: str) -> dict[Any, float]:
+        got = _archive_ceiling(rows, engine, store, dataset, kind)
+        return {k: r["samples_per_s"] for k, r in got.items()}
+
+    def cpu_beyond_decode(kind: str) -> list[float | None]:
+        mine, decode = nodes[kind], _archive_ceiling(rows, "decode", store, dataset, kind)
+        return [
+            (mine[k]["cpu_s"] - decode[k]["cpu_s"]) / mine[k]["objects"] * 1e6
+            for k in sorted(set(mine) & set(decode))
+            if mine[k].get("objects")
+        ]
+
+    # (ratio, values of an epoch kind, target or None, at most?)
+    ratios: list[tuple[str, Callable[[str], list[float | None]], float | None, bool]] = []
+    if store == "local":
+        ratios.append(
+            ("nodes / bare loop", lambda k: _over(nodes[k], rate("bare", k)), 0.85, False)
+        )
+    ratios += [
+        (
+            "nodes / best peer",
+            lambda k: _over(nodes[k], _best_peer(rows, store, dataset, k)),
+            1.5 if store == "local" else None,
+            False,
+        ),
+        ("nodes / decode-only", lambda k: _over(nodes[k], rate("decode", k)), None, False),
+        (
+            "nodes / raw GET",
+            lambda k: _over(nodes[k], rate("rawget", k)),
+            0.85 if store == "s3" else None,
+            False,
+        ),
+        ("engine CPU per stored object beyond decode, µs", cpu_beyond_decode, 30.0, True),
+    ]
+    lines: list[list[str]] = []
+    for name, values, target, below in ratios:
+        for kind, label in ARCHIVE_EPOCHS:
+            v = values(kind) if nodes[kind] else []
+            if not v:
+                continue
+            if target is None or not one:
+                lines.append([name, label, span(v, 3), "–", "–"])
+            else:
+                text = f"{'≤' if below else '≥'} {target:g}"
+                lines.append([name, label, span(v, 3), text, _met(v, target, below)])
+    return lines
+
+
+def _nodes_report_table(rows: list[Row], store: str, dataset: str) -> str:
+    """What the nodes epoch report said (``pipe.report().as_dict()``), per epoch."""
+    lines = []
+    fields = ("decode_s", "get_s", "gather_s", "engine_s", "cpu_s")
+    for kind, label in ARCHIVE_EPOCHS:
+        got = _archive_rows(rows, "nodes", store, dataset, kind)
+        reports = [(r.get("extra") or {}).get("report") or {} for r in got.values()]
+        reports = [rep for rep in reports if rep]
+        if not reports:
+            continue
+        limiting: dict[str, int] = defaultdict(int)
+        for rep in reports:
+            limiting[str(rep.get("limiting"))] += 1
+        text = ", ".join(f"{k} ({v}/{len(reports)})" for k, v in sorted(limiting.items()))
+        lines.append([label, text, *(num(med(rep.get(f) for rep in reports), 3) for f in fields)])
+    if not lines:
+        return ""
+    header = ["epoch", "limiting stage (rounds)", *(f"{f}" for f in fields)]
+    return table(header, lines)
+
+
+def archive_section(rows: list[Row], source: Path | None) -> list[str]:
+    """The archive shape, per store and dataset: the engines, peers and ceilings side by side
+    and the ratios (each taken per round, then median (min–max)), with the targets."""
+    if not rows:
+        return [
+            "## Archive shape: one sample per chunk",
+            "",
+            f"_No archive-shape run was found (`benchmarks/results/archive-full-*.jsonl`): run "
+            f"{ARCHIVE_HOW}._",
+            "",
+        ]
+    run = next(r for r in rows if r.get("type") == "run")
+    end = next((r for r in rows if r.get("type") == "end"), None)
+    total = f"{end['total_s'] / 60:.1f} minutes" if end else "the run did not finish"
+    stores = [s for s in run["stores"] if s in ("local", "s3")]
+    d0 = run["datasets"][0] if run["datasets"] else {}
+    peers = run.get("peers") or {}
+    peer_text = "; ".join(
+        f"{store}: "
+        + ", ".join(f"{e} with {'/'.join(map(str, ns))} workers" for e, ns in p["workers"].items())
+        + (f", epochs capped at {_caps(p)} batches" if p.get("base_batches") else "")
+        + (f", round(s) {', '.join(map(str, p['rounds']))} only" if p.get("rounds") else "")
+        + (
+            " (every worker count in round 0, then the one with the best epoch 1 of round 0: "
+            + (_best_text(rows, store) or "none")
+            + ")"
+            if p.get("sweep")
+            else ""
+        )
+        for store, p in peers.items()
+        if store in stores
+    )
+    once = "; ".join(
+        f"{', '.join(engines)} on {store} in round 0 only"
+        for store, engines in (run.get("once") or {}).items()
+        if store in stores and engines
+    )
+    ceiling_epochs = run.get("ceiling_epochs") or {}
+    one_pass = [s for s in stores if len(ceiling_epochs.get(s, [1, 2])) == 1]
+    out = [
+        "## Archive shape: one sample per chunk",
+        "",
+        f"Users' archives (WeatherBench2, ARCO-ERA5) store one time step per chunk in many "
+        f"arrays. `make_weatherbench_like`: {d0.get('surface')} surface arrays (time, lat, lon) "
+        f"+ {d0.get('levels')} level arrays (time, level, lat, lon: {d0.get('n_level')} levels, "
+        "all in one stored object), "
+        f"{d0.get('n_lat')}×{d0.get('n_lon')}, float32, {d0.get('compressor')}-zstd clevel "
+        f"{d0.get('clevel')} with shuffle: {num(d0.get('objects_per_sample'))} stored objects "
+        f"and {num(mb(d0.get('sample_nbytes')))} MB decoded per sample. Every data array is a "
+        f"label; batch size {run.get('batch_size')}; the train split of "
+        "`split_by_chunk(first array, (0.8, 0.1, 0.1))`, the same for every engine. From "
+        f"`{source.name if source else '?'}` ({total}, {run['repeats']} round(s), "
+        f"`{' '.join(run['argv'][1:])}`); each row is one fresh process timing epoch 0 and "
+        "epoch 1; within a round every engine runs on every store and dataset, in an order "
+        "that rotates from round to round. Medians over the rounds, (min–max) where they "
+        "differ; a ratio is taken per round (both sides from the same round; where a round "
+        "lacks the other side, against its median over the rounds), then its median "
+        "(min–max).",
+        "",
+        f"- Stores: `local` = obstore `LocalStore` (every file read once before the rounds: "
+        f"the page cache is warm); `s3` = moto on 127.0.0.1 behind the counting proxy adding "
+        f"{run.get('latency_ms'):g} ms per request (the datasets uploaded once).",
+        "- Ceilings: the *bare loop* (local only) is the ceiling the issue defines — two "
+        "threads reading each train object's file and decoding it with numcodecs' Blosc into "
+        "a buffer per thread, nothing else; *decode-only* fetches every train object "
+        "(local: read on the decode thread, as the pipeline does; s3: `obstore.get_async`, 32 "
+        "in flight) and decodes it with the package's `ChunkDecoder` on "
+        "`default_decode_threads()` threads into reused buffers; *raw GET* fetches every "
+        "train object, 32 in flight, no decode."
+        + (
+            f" On {', '.join(one_pass)} each ceiling process times one pass, which stands for "
+            "both epochs in the ratios."
+            if one_pass
+            else ""
+        )
+        + (f" To keep the suite short: {once}." if once else ""),
+        f"- Peers (a map-style `Dataset` reading one sample of every array per `__getitem__`, "
+        "in `DataLoader(batch_size, RandomSampler(seeded generator), spawn, "
+        "persistent_workers)`): `tensorstore` opens each array with the `zarr3` driver "
+        "(`file` or `s3` kvstore; one shared context per process) and starts the reads of all "
+        "arrays before waiting; `zarr` opens the group per process and reads `array[t]` per "
+        f"array. Only on {', '.join(run.get('peer_datasets') or [])}: {peer_text or 'none'}. "
+        "They keep no cache, so their rate does not change over an epoch; their epoch 0 "
+        "includes spawning the workers. *best peer* = the fastest peer row of the round.",
+        "- *engine CPU per stored object beyond decode* = (nodes CPU-s − decode-only CPU-s of "
+        "the same epoch and round) / stored objects of the epoch, in µs.",
+        "",
+    ]
+    for store in stores:
+        for d in run["datasets"]:
+            name = d["name"]
+            if not any(r["store"] == store and r["dataset"] == name for r in measurements(rows)):
+                continue
+            out += [
+                f"### {store} · {name} ({d['samples_per_chunk']} sample(s) per chunk)",
+                "",
+                f"{d['train_samples']} train samples in {num(d['train_objects'])} stored objects "
+                f"({num(mb(d['train_stored_bytes']))} MB stored, "
+                f"{num(mb(d['decoded_train_bytes']))} MB decoded).",
+                "",
+                _archive_engine_table(rows, store, name),
+                "",
+            ]
+            ratios = _archive_ratios(rows, store, name, d["samples_per_chunk"])
+            if ratios:
+                header = ["ratio", "epoch", "measured", "target", "median"]
+                out += [table(header, ratios), ""]
+            report = _nodes_report_table(rows, store, name)
+            if report:
+                out += ["nodes' epoch report (`pipe.report()`), medians:", "", report, ""]
+    targets = [
+        [line[0], f"{store} · {d['name']}", line[1], line[2], line[3], line[4]]
+        for store in stores
+        for d in run["datasets"]
+        for line in _archive_ratios(rows, store, d["name"], d["samples_per_chunk"])
+        if line[3] != "–"
+    ]
+    if targets:
+        header = ["target", "where", "epoch", "measured", "target", "median"]
+        out += ["### Archive-shape targets, as measured", "", table(header, targets), ""]
+    out += ["### Skipped or failed (archive shape)", "", _archive_problems(rows), ""]
+    return out
+
+
+def _best_text(rows: list[Row], store: str) -> str:
+    best = [r for r in rows if r.get("type") == "best_workers" and r.get("store") == store]
+    return ", ".join(f"{r['engine']} N={r['num_workers']}" for r in best)
+
+
+def _caps(plan: Row) -> str:
+    caps = sorted({c for per in (plan.get("max_batches") or {}).values() for c in per.values()})
+    return "/".join(str(c) for c in caps if c) or str(plan.get("base_batches"))
+
+
+def _archive_problems(rows: list[Row]) -> str:
+    lines = []
+    skips: dict[tuple[str, str], list[Row]] = defaultdict(list)
+    for r in rows:
+        if r.get("type") == "skip":
+            skips[(r["engine"], str(r.get("store")))].append(r)
+        elif r.get("type") == "error":
+            tail = (r.get("log_tail") or "").strip().splitlines()[-1:] or [""]
+            variant = r.get("variant") or {}
+            lines.append(
+                f"- **failed** `{r['engine']}` on {r.get('store')}/{r.get('dataset')} (round "
+                f"{r.get('repeat')}{', ' + str(variant) if variant else ''}): {r.get('status')} "
+                f"— `{tail[0][:200]}`"
+            )
+    for (engine, store), g in skips.items():
+        reason = g[0]["reason"]
+        cells = ", ".join(sorted({f"{r.get('dataset')} (round {r.get('repeat')})" for r in g}))
+        lines.append(f"- **skipped** `{engine}` on {store}: {reason} — {cells}")
+    n_err = sum(r.get("type") == "error" for r in rows)
+    n_skip = sum(r.get("type") == "skip" for r in rows)
+    counts = f"Failed measurements: {n_err}; skipped: {n_skip}."
+    return "\n".join([counts, "", *lines]) if lines else counts
+
+
+def scale_section(rows: list[Row]) -> list[str]:
+    """Planning at scale: metadata-only stores of 10^5-10^6 steps and tens of arrays."""
+    scale = sorted(
+        (r for r in rows if r.get("type") == "scale"), key=lambda r: (r["n_time"], r["arrays"])
+    )
+    errors = [r for r in rows if r.get("type") == "error" and r.get("engine") == "scale"]
+    if not scale and not errors:
+        return []
+    run = next((r for r in rows if r.get("type") == "run"), {})
+    lines = [
+        [
+            f"{r['n_time']:,}",
+            str(r["arrays"]),
+            num(r["open_s"], 3),
+            num(r["split_s"], 3),
+            num(r["build_s"], 3),
+            num(r["first_batch_s"], 3),
+            f"{num(r['per_batch_ms'], 3)} ({r['batches_after_first']})",
+            num(r["peak_rss_MB"]),
+            num(r.get("tree_rss_peak_MB")),
+            num(r.get("ru_maxrss_MB")),
+        ]
+        for r in scale
+    ]
+    for r in errors:
+        lines.append(
+            [
+                f"{r.get('n_time', 0):,}",
+                str(r.get("arrays")),
+                f"failed: {r.get('status')}",
+                *["–"] * 7,
+            ]
+        )
+    header = [
+        "steps",
+        "arrays",
+        "`open_geometries` s",
+        "`split_by_chunk` s",
+        "build s",
+        "first batch s",
+        "ms per batch (batches)",
+        "peak RSS MB (`VmHWM`)",
+        "peak RSS MB (sampled)",
+        "`ru_maxrss` MB",
+    ]
+    targets = []
+    for r in scale:
+        for field, label, limit in SCALE_TARGETS.get((r["n_time"], r["arrays"]), []):
+            value = r.get(field)
+            targets.append(
+                [
+                    f"{r['n_time']:,} × {r['arrays']}",
+                    label,
+                    num(value, 3),
+                    f"≤ {num(limit)}",
+                    _met([value], limit, below=True),
+                ]
+            )
+    out = [
+        "## Planning at scale",
+        "",
+        "Metadata-only stores (`make_weatherbench_like(..., n_lat=32, n_lon=64, levels=0, "
+        "write_chunks=False)`: every chunk is missing and reads as the fill value), one fresh "
+        "process each, once per run on `local`: `open_geometries(store)` (every data array, "
+        "found by listing), `split_by_chunk`, `insitu_pipeline(store, manifest, every array, "
+        f"batch_size={run.get('batch_size', 32)})` (*build*), `iter` + `next` through `Loader` "
+        "(*first batch*), then the mean time per batch over the next ones (up to "
+        f"{num(run.get('scale_max_s'))} s or {run.get('scale_max_batches')} batches). Peak RSS: "
+        "the process's own high-water mark (`VmHWM` at the end: the targets' measure), the "
+        "largest RSS the harness sampled from outside, and `getrusage`'s `ru_maxrss` — which on "
+        "Linux is at least the harness's own RSS when it started the child (`exec` keeps the "
+        "high-water mark of the memory it replaces, the parent's), so it overstates a small "
+        "child.",
+        "",
+        table(header, lines),
+        "",
+    ]
+    if targets:
+        header = ["store", "metric", "measured", "target", "met"]
+        out += [table(header, targets), ""]
+    return out
+
+
+def archive_only_page(rows: list[Row], source: Path) -> str:
+    """The page when only an archive-shape JSONL is given (no side-by-side run)."""
+    run = next(r for r in rows if r.get("type") == "run")
+    m = run["machine"]
+    v = m["versions"]
+    return "\n".join(
+        [
+            "# Benchmarks",
+            "",
+            "<!-- Generated by benchmarks/report.py from the JSONL named below. Do not edit by "
+            "hand. -->",
+            "",
+            f"**These numbers come from one run on a shared, noisy 2-core machine** "
+            f"(`{source.name}`). Only the archive-shape suite is on this page; the "
+            "side-by-side suite's sections come from `python -m benchmarks.run` (`make "
+            "bench`).",
+            "",
+            *archive_section(rows, source),
+            *scale_section(rows),
+            "## Machine",
+            "",
+            table(
+                ["", ""],
+                [
+                    ["CPU", f"{m['cpu_model']}, {m['cores']} cores"],
+                    ["Python", m["python"]],
+                    ["torch / torchdata", f"{v.get('torch')} / {v.get('torchdata')}"],
+                    [
+                        "zarr / numcodecs / numpy",
+                        f"{v.get('zarr')} / {v.get('numcodecs')} / {v.get('numpy')}",
+                    ],
+                    [
+                        "obstore / moto / tensorstore",
+                        f"{v.get('obstore')} / {v.get('moto')} / {v.get('tensorstore')}",
+                    ],
+                ],
+            ),
+            "",
+        ]
+    )
+
+
 def _budget_text(run: Row) -> str:
     soft, hard = run.get("soft_budget_s"), run.get("hard_budget_s")
     if soft is None or hard is None:
@@ -850,7 +1350,18 @@ def _budget_text(run: Row) -> str:
     )
 
 
-def render(rows: list[Row], source: Path, plots: dict[str, Path | None], doc: Path) -> str:
+def render(
+    rows: list[Row],
+    source: Path,
+    plots: dict[str, Path | None],
+    doc: Path,
+    archive: list[Row] | None = None,
+    archive_source: Path | None = None,
+) -> str:
+    """The page: the side-by-side run's sections, and the archive-shape run's (``archive``:
+    its rows; None or empty: the section says how to produce them)."""
+    archive = archive or []
+    archive_run = next((r for r in archive if r.get("type") == "run"), {})
     run = next(r for r in rows if r.get("type") == "run")
     end = next((r for r in rows if r.get("type") == "end"), None)
     m = run["machine"]
@@ -882,17 +1393,30 @@ def render(rows: list[Row], source: Path, plots: dict[str, Path | None], doc: Pa
         "",
         *reference_section(rows, run),
         *persist_section(rows, run),
+        *archive_section(archive, archive_source),
+        *scale_section(archive),
         "## How to reproduce",
         "",
         "```bash",
-        "make bench        # the full suite, then this page and the plots",
-        "make bench-smoke  # < 2 minutes: every engine once on a tiny dataset (a harness check)",
+        "make bench        # both suites (side by side, then the archive shape), then this page",
+        "make bench-smoke  # < 4 minutes: every engine once on tiny datasets (a harness check)",
+        "python -m benchmarks.archive --suite full   # the archive shape alone",
         "```",
         "",
         f"This run's command: `{run['command']}`  ",
         f"Harness arguments: `{' '.join(run['argv'][1:]) or '(defaults)'}`. "
         "What each engine is, and the caveats, are in "
         f"[benchmarks/README.md]({os.path.relpath(HERE / 'README.md', doc.parent)}).",
+        *(
+            [
+                "",
+                f"Archive-shape run: `{archive_source.name if archive_source else '?'}`, command "
+                f"`{archive_run.get('command')}`, arguments "
+                f"`{' '.join((archive_run.get('argv') or [])[1:]) or '(defaults)'}`.",
+            ]
+            if archive_run
+            else []
+        ),
         "",
         "## Machine",
         "",
@@ -910,6 +1434,14 @@ def render(rows: list[Row], source: Path, plots: dict[str, Path | None], doc: Pa
                 ],
                 ["obstore / moto", f"{v.get('obstore')} / {v.get('moto')}"],
                 ["xarray / xbatcher", f"{v.get('xarray')} / {v.get('xbatcher')}"],
+                [
+                    "tensorstore (archive shape)",
+                    str(
+                        ((archive_run.get("machine") or {}).get("versions") or {}).get(
+                            "tensorstore", "–"
+                        )
+                    ),
+                ],
                 [
                     "insitubatch venv",
                     f"Python {ib.get('python')}, insitubatch {ib.get('insitubatch')}, "
@@ -1131,19 +1663,59 @@ def draw_plots(rows: list[Row], out_dir: Path) -> dict[str, Path | None]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("jsonl", nargs="?", help="a bench JSONL (default: the newest full run)")
+    p.add_argument(
+        "jsonl",
+        nargs="?",
+        help="a bench JSONL (default: the newest full run); an archive-shape JSONL given here "
+        "is rendered alone",
+    )
+    p.add_argument(
+        "--archive",
+        help="the archive-shape JSONL (default: the newest benchmarks/results/archive-full-*."
+        "jsonl; for a smoke JSONL, the archive-smoke-*.jsonl next to it)",
+    )
     p.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"))
     p.add_argument("--plots", default=str(HERE / "plots"))
     args = p.parse_args(argv)
-    source = Path(args.jsonl) if args.jsonl else newest(HERE / "results")
-    rows = load(source)
-    if not any(r.get("type") == "run" for r in rows):
+    results = HERE / "results"
+    source: Path | None = None
+    rows: list[Row] | None = None
+    archive_source = Path(args.archive) if args.archive else None
+    if args.jsonl:
+        given = load(Path(args.jsonl))
+        if is_archive(given):
+            archive_source = Path(args.jsonl)
+        else:
+            source, rows = Path(args.jsonl), given
+    else:
+        files = sorted(results.glob("bench-full-*.jsonl"))
+        if files:
+            source, rows = files[-1], load(files[-1])
+    if rows is not None and not any(r.get("type") == "run" for r in rows):
         raise SystemExit(f"{source} has no run header row")
+    if archive_source is None and not (args.jsonl and rows is None):
+        suite = next((r.get("suite") for r in rows or [] if r.get("type") == "run"), "full")
+        where = source.parent if source is not None and suite != "full" else results
+        archive_source = newest_archive(where, "smoke" if suite == "smoke" else "full")
+    archive = load(archive_source) if archive_source is not None else []
+    if archive and not is_archive(archive):
+        raise SystemExit(f"{archive_source} is not an archive-shape JSONL (benchmarks.archive)")
     doc = Path(args.doc)
-    plots = draw_plots(rows, Path(args.plots))
     doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(render(rows, source, plots, doc))
+    if rows is None or source is None:
+        if not archive or archive_source is None:
+            raise SystemExit(
+                f"no bench-full-*.jsonl or archive-full-*.jsonl under {results}: run `make "
+                "bench` first"
+            )
+        doc.write_text(archive_only_page(archive, archive_source))
+        print(f"[report] {doc} (archive shape only, from {archive_source})")
+        return 0
+    plots = draw_plots(rows, Path(args.plots))
+    doc.write_text(render(rows, source, plots, doc, archive, archive_source))
     print(f"[report] {doc} and {', '.join(str(p) for p in plots.values() if p) or 'no plots'}")
+    if archive_source is not None:
+        print(f"[report] archive shape from {archive_source}")
     return 0
 
 

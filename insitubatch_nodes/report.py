@@ -308,6 +308,9 @@ def suggestion_for(r: EpochReport) -> str:
     * store- or decode-limited with re-reads, and the bytes of every chunk the epoch read fit
       under half the RAM and above the budget: ``cache_budget_bytes`` of that size (the
       re-reads become hits);
+    * store-limited, a store on local disk (its files read on the decode threads): the disk;
+      more decode threads for a disk that serves reads in parallel (``max_inflight`` does not
+      apply there);
     * store-limited with ``max_inflight`` saturated (the peak reached it): raise it (doubled);
       not saturated: the read-ahead bounds the GETs — raise ``block_chunks``;
     * decode-limited: more decode threads while they are fewer than the cores, else more cores
@@ -326,6 +329,15 @@ def suggestion_for(r: EpochReport) -> str:
                 f"epoch read; budget now {_size(r.budget_bytes)}) would make them hits"
             )
     if stage == "store":
+        if r.local_read_s > 0.5 * r.get_s:  # a store on local disk, read by the decode threads
+            per = 1e6 * r.local_read_s / max(1, r.gets)
+            return (
+                f"reading the store's files took the decode threads {r.local_read_s:.2f} s "
+                f"({per:.0f} us per object; max_inflight does not apply to a local store): the "
+                f"disk is the limit. More reads in flight help a disk that serves them in "
+                f"parallel: decode_threads={2 * max(1, r.decode_threads)}; else faster storage "
+                "or a warm page cache"
+            )
         if r.inflight_peak >= r.max_inflight:
             return (
                 f"GETs in flight reached max_inflight={r.max_inflight} (mean "

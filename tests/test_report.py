@@ -395,3 +395,16 @@ def test_a_gather_limited_report_names_the_cpu_when_decode_threads_fill_every_co
     with_transforms = _made(gather_s=0.5, chunk_wait_s=0.2, batch_transforms=1)
     with_transforms.limiting = limiting_stage(with_transforms)
     assert "move them to the consumer" in suggestion_for(with_transforms)
+
+
+def test_a_store_limited_epoch_on_local_disk_does_not_suggest_max_inflight() -> None:
+    # the reads of a local store run on the decode threads: max_inflight changes nothing there
+    r = _made(
+        chunk_wait_s=0.5, inflight_mean=2.0, get_s=2.0, local_read_s=2.0, gets=1000,
+        inflight_peak=2, max_inflight=32,
+    )  # fmt: skip
+    r.limiting = limiting_stage(r)
+    assert r.limiting == "store"
+    text = suggestion_for(r)
+    assert "max_inflight=" not in text and "block_chunks" not in text, text
+    assert "decode_threads=4" in text and "disk" in text, text

@@ -1,0 +1,135 @@
+"""The archive-shape suite cannot rot: run its smoke and check the rows and the report.
+
+``python -m benchmarks.archive --suite smoke --check`` (as ``make bench-smoke`` does) on a tiny
+one-sample-per-chunk archive, both stores: every engine, ceiling and peer has rows (tensorstore
+may be missing: then its skip rows say why), the scale store has its row, and the results
+page renders the *Archive shape* and *Planning at scale* sections. It asserts that the harness
+works, never speed. A fast test checks the report's per-round ratios on rows made by hand.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.archive import CEILINGS, PEERS, REQUIRED_FIELDS
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "benchmarks.archive", "--suite", "smoke", "--out", str(out)]
+    proc = subprocess.run([*cmd, "--check"], cwd=ROOT, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    (jsonl,) = out.glob("archive-smoke-*.jsonl")
+    rows = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    run = rows[0]
+    assert run["type"] == "run" and run["harness"] == "archive"
+    assert rows[-1]["type"] == "end"
+    assert not [r for r in rows if r["type"] == "error"]
+    (data,) = run["datasets"]
+    assert data["samples_per_chunk"] == 1 and data["arrays"] == len(data["variables"]) == 4
+    measured = [r for r in rows if r["type"] == "measurement"]
+    skipped = [r for r in rows if r["type"] == "skip"]
+
+    def mine(engine: str, store: str) -> list[dict]:
+        return [r for r in measured if (r["engine"], r["store"]) == (engine, store)]
+
+    for store in ("local", "s3"):
+        nodes = mine("nodes", store)
+        assert sorted(r["epoch_kind"] for r in nodes) == ["epoch0", "epoch1"]
+        for r in nodes:
+            assert not [f for f in REQUIRED_FIELDS if f not in r]
+            assert r["samples"] == data["train_samples"] and r["samples_per_s"] > 0
+            assert r["gets"] == data["train_objects"], r["gets"]  # every object once an epoch
+            assert r["rss_peak_MB"] > 0 and r["cpu_s"] >= 0
+            assert r["extra"]["report"]["samples"] == data["train_samples"]  # pipe.report()
+        for engine in CEILINGS:
+            got = mine(engine, store)
+            if engine == "bare" and store == "s3":
+                assert not got  # it reads files
+                continue
+            assert got, (engine, store)
+            for r in got:
+                assert r["role"] == "ceiling" and r["samples"] == data["train_samples"]
+                assert r["objects"] == data["train_objects"] and r["samples_per_s"] > 0
+        for engine in PEERS:
+            got = mine(engine, store)
+            why = [r["reason"] for r in skipped if (r["engine"], r["store"]) == (engine, store)]
+            assert got or why, (engine, store)
+            for r in got:
+                assert r["role"] == "peer" and 0 < r["samples"] <= data["train_samples"]
+                assert r["config"]["batch_size"] == 32
+            if store == "s3":
+                assert all(r["io_source"] == "proxy" and r["gets"] > 0 for r in got)
+    assert {r["num_workers"] for r in mine("zarr", "local")} == {0, 2}
+
+    (scale,) = [r for r in rows if r["type"] == "scale"]
+    assert (scale["n_time"], scale["arrays"]) == (5_000, 8)
+    assert scale["build_s"] > 0 and scale["first_batch_s"] > 0 and scale["per_batch_ms"] > 0
+    assert scale["peak_rss_MB"] > 0 and scale["batches_after_first"] > 0
+
+    doc = tmp_path / "benchmarks.md"
+    report = [sys.executable, "-m", "benchmarks.report", str(jsonl), "--doc", str(doc)]
+    rep = subprocess.run(report, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert rep.returncode == 0, rep.stdout[-2000:] + rep.stderr[-2000:]
+    text = doc.read_text()
+    assert "## Archive shape: one sample per chunk" in text
+    assert "### local · wb-smoke (1 sample(s) per chunk)" in text
+    assert "| nodes / bare loop | 0 |" in text and "| nodes / raw GET | 0 |" in text
+    assert "engine CPU per stored object beyond decode" in text
+    assert "## Planning at scale" in text and "| 5,000 | 8 |" in text
+
+
+def _row(engine: str, role: str, repeat: int, kind: str, rate: float, **more: object) -> dict:
+    return {
+        "type": "measurement",
+        "engine": engine,
+        "role": role,
+        "store": "local",
+        "dataset": "wb-c1",
+        "repeat": repeat,
+        "epoch_kind": kind,
+        "variant": more.pop("variant", None),
+        "samples": 400,
+        "samples_per_s": rate,
+        "decoded_MB_per_s": rate,
+        "ttfb_s": 0.1,
+        "cpu_s": more.pop("cpu_s", 1.0),
+        "rss_peak_MB": 500.0,
+        "gets": 5200,
+        "bytes_fetched": 1e9,
+        "objects": 5200,
+        **more,
+    }
+
+
+def test_the_archive_ratios_pair_each_round_with_its_own_ceilings_and_peers() -> None:
+    from benchmarks.report import _archive_ratios
+
+    rows = []
+    for repeat, (nodes, bare, peer) in enumerate([(90.0, 100.0, 30.0), (60.0, 50.0, 60.0)]):
+        rows.append(_row("nodes", "engine", repeat, "epoch0", nodes, cpu_s=1.26))
+        rows.append(_row("bare", "ceiling", repeat, "epoch0", bare))
+        rows.append(_row("decode", "ceiling", repeat, "epoch0", bare, cpu_s=1.0))
+        rows.append(_row("rawget", "ceiling", repeat, "epoch0", 4 * bare))
+        rows.append(_row("zarr", "peer", repeat, "epoch0", peer, variant="num_workers=2"))
+        rows.append(_row("zarr", "peer", repeat, "epoch0", peer / 2, variant="num_workers=0"))
+    lines = {line[0]: line for line in _archive_ratios(rows, "local", "wb-c1", 1)}
+    # per round: 0.9 and 1.2 -> median 1.05; against the fastest peer of the round: 3 and 1
+    assert lines["nodes / bare loop"][2:] == ["1.05 (0.900–1.20)", "≥ 0.85", "met"]
+    assert lines["nodes / best peer"][2:] == ["2 (1–3)", "≥ 1.5", "met"]
+    assert lines["nodes / raw GET"][3:] == ["–", "–"]  # a target on s3 only
+    # (1.26 - 1.0) CPU-s over 5,200 objects = 50 µs per object
+    cpu = lines["engine CPU per stored object beyond decode, µs"]
+    assert float(cpu[2]) == pytest.approx(50) and cpu[3:] == ["≤ 30", "**missed**"]
+    # at 16 samples per chunk the same ratios, no targets
+    c16 = _archive_ratios(rows, "local", "wb-c1", 16)
+    assert {line[3] for line in c16} == {"–"}
