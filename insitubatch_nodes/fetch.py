@@ -428,19 +428,18 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         """Unpin chunks the consumer has read for the last time this epoch."""
         if generation != self._generation:  # the pins went with a reset or close
             return
+        pins, live = self._pins, self._live
+        if not pins:  # every chunk so far was decoded into its rows: nothing is pinned
+            return
         epoch = plan.epoch_plan
         at = plan.index - epoch.first_batch
-        pins, live = self._pins, self._live
         done: list[ChunkEntry] = []
-        for ledger, group in zip(epoch.ledgers, self._plan_groups(epoch), strict=True):
-            seg = ledger.released(at)
-            if group.direct is not None:  # rows decoded in place were never pinned
-                seg = seg[ledger.first[seg] != ledger.last[seg]]
-            for c in ledger.chunk[seg].tolist():
-                for path in group.paths:
+        for ledger in epoch.ledgers:
+            for c in ledger.chunk[ledger.released(at)].tolist():
+                for path in ledger.paths:
                     key = (path, c)
                     count = pins.get(key, 0)
-                    if count == 0:
+                    if count == 0:  # (a row decoded in place: never pinned)
                         continue
                     done.append(live[key])
                     if count == 1:

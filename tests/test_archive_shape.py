@@ -302,6 +302,30 @@ def test_a_hand_composed_graph_decodes_rows_in_place_like_the_builders(archive: 
             np.testing.assert_array_equal(h["arrays"][name], b["arrays"][name])
 
 
+def test_one_sample_chunks_another_pipeline_left_in_a_shared_pool_are_hits_and_are_released(
+    archive: Path,
+) -> None:
+    labels = _labels(archive)
+    manifest = split_by_chunk(labels[NAMES[0]], (1.0, 0.0, 0.0))
+    pool = ChunkPool(budget_bytes=2**30)
+    store = open_store(archive)
+
+    def graph(direct: bool) -> PrefetcherNode[Any]:
+        plan = ReadPlanNode(manifest, labels, batch_size=8, block_chunks=4, seed=2)
+        fetch = AsyncChunkFetchNode(plan, store, labels, pool, direct=direct)
+        return PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
+
+    first = graph(direct=False)  # through slots: every chunk stays resident afterwards
+    run_epoch(first)
+    first.close()
+    gets = pool.stats.gets
+    second = graph(direct=True)  # the same chunks, now pool hits instead of reads
+    run_epoch(second, Oracle(archive), _oracle_views())
+    assert pool.stats.gets == gets and pool.stats.hits >= N_TIME * len(NAMES)
+    assert pool.pinned_count() == 0  # every hit was released after its batch
+    second.close()
+
+
 def test_batches_kept_by_the_consumer_are_never_overwritten_by_rows_decoded_later(
     archive: Path,
 ) -> None:
