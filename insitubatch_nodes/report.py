@@ -148,8 +148,13 @@ class EpochReport:
     suggestion: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain Python (numbers and strings), e.g. for a logger or JSON."""
-        return asdict(self)
+        """Plain Python (numbers and strings), e.g. for a logger or JSON: every field, and the
+        numbers derived from them (``samples_per_s``, ``wait_fraction``, ``decode_busy``,
+        ``overhead_s``, ``engine_s``)."""
+        out = asdict(self)
+        for name in ("samples_per_s", "wait_fraction", "decode_busy", "overhead_s", "engine_s"):
+            out[name] = getattr(self, name)
+        return out
 
     def metrics(self) -> dict[str, float]:
         """The headline numbers as floats, for a metrics logger (``limited_by_<stage>`` is 1.0

@@ -8,6 +8,7 @@ how busy the machine is. Counts are checked against the store's own counts and t
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import time
 from pathlib import Path
@@ -408,3 +409,11 @@ def test_a_store_limited_epoch_on_local_disk_does_not_suggest_max_inflight() -> 
     text = suggestion_for(r)
     assert "max_inflight=" not in text and "block_chunks" not in text, text
     assert "decode_threads=4" in text and "disk" in text, text
+
+
+def test_as_dict_carries_the_derived_numbers_a_logger_or_a_benchmark_wants() -> None:
+    r = _made(decode_s=1.0, run_s=1.5, admit_s=0.2, decodes=10)
+    d = r.as_dict()
+    assert d["engine_s"] == r.engine_s == pytest.approx(0.2 + 0.5)
+    assert d["decode_busy"] == r.decode_busy and d["samples_per_s"] == r.samples_per_s
+    assert json.loads(json.dumps(d)) == d  # plain Python
