@@ -1115,9 +1115,10 @@ def archive_section(rows: list[Row], source: Path | None) -> list[str]:
         "lacks the other side, against its median over the rounds), then its median "
         "(min–max).",
         "",
-        f"- Stores: `local` = obstore `LocalStore` (every file read once before the rounds: "
-        f"the page cache is warm); `s3` = moto on 127.0.0.1 behind the counting proxy adding "
-        f"{run.get('latency_ms'):g} ms per request (the datasets uploaded once).",
+        f"- Stores: `local` = obstore `LocalStore` (every file of the dataset read once right "
+        f"before each measurement: the page cache is warm); `s3` = moto on 127.0.0.1 behind "
+        f"the counting proxy adding {run.get('latency_ms'):g} ms per request (the datasets "
+        "uploaded once).",
         "- Ceilings: the *bare loop* (local only) is the ceiling the issue defines — two "
         "threads reading each train object's file and decoding it with numcodecs' Blosc into "
         "a buffer per thread, nothing else; *decode-only* fetches every train object "
