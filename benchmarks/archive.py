@@ -54,6 +54,7 @@ from benchmarks.run import (
     BUCKET,
     ChildResult,
     _dist_version,
+    _terminate,
     machine_info,
     run_child,
     s3_endpoint,
@@ -907,10 +908,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--check", action="store_true", help="assert complete rows (smoke)")
     return p.parse_args(argv)
-
-
-def _terminate(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds: the current child, the proxy and moto are stopped
 
 
 def main(argv: list[str] | None = None) -> int:
