@@ -23,8 +23,8 @@ import numpy as np
 import zarr
 
 from insitubatch_nodes import open_geometries
-from insitubatch_nodes.decode import ChunkDecoder
-from insitubatch_nodes.gather import take_rows
+from insitubatch_nodes.io.decode import ChunkDecoder
+from insitubatch_nodes.stages.gather import take_rows
 
 SHAPE = (256, 8192)  # float32: 8 MiB, one chunk of 256 samples
 REPEATS = 40

@@ -42,14 +42,9 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     """One process: build the pipeline over the cache, run epoch 0, return its numbers."""
     from torchdata.nodes import Loader
 
-    from insitubatch_nodes import (
-        ReadPlanNode,
-        insitu_pipeline,
-        open_geometries,
-        open_store,
-        split_by_chunk,
-        working_set_bytes,
-    )
+    from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+    from insitubatch_nodes.plan.schedule import working_set_bytes
+    from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
     store = open_store(cfg["store"])
     geoms = open_geometries(store, ["t2m", "z"])
@@ -103,13 +98,13 @@ def run_child(cfg: dict[str, Any]) -> dict[str, Any]:
 def hash_cost(folder: Path, passes: int = 3) -> dict[str, float]:
     """The check's own CPU over every cached file, apart from the pipeline: per pass, each file
     mapped afresh and either touched once per page (the page faults a gather pays anyway) or
-    hashed with :func:`~insitubatch_nodes.cache.content_sum` (faults and hash); thread CPU
+    hashed with :func:`~insitubatch_nodes.cache.files.content_sum` (faults and hash); thread CPU
     seconds, median of ``passes`` (alternating)."""
     import mmap
 
     import numpy as np
 
-    from insitubatch_nodes.cache import content_sum
+    from insitubatch_nodes.cache.files import content_sum
 
     files = sorted(folder.glob("*.npy"))
     page = mmap.PAGESIZE

@@ -17,7 +17,7 @@ import zarr
 from zarr.codecs import ZstdCodec
 
 from insitubatch_nodes import open_geometries
-from insitubatch_nodes.decode import ChunkDecoder
+from insitubatch_nodes.io.decode import ChunkDecoder
 
 SHAPE = (2048, 1024)  # float32: 8 MiB, one chunk
 REPEATS = 40

@@ -72,12 +72,8 @@ VARIABLES = ("t2m", "z")
 def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
     from torchdata.nodes import Loader
 
-    from insitubatch_nodes import (
-        insitu_pipeline,
-        open_geometries,
-        split_by_chunk,
-        working_set_bytes,
-    )
+    from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+    from insitubatch_nodes.plan.schedule import working_set_bytes
 
     t0 = time.monotonic()
     store = make_zarr_store(cfg["store"])
@@ -87,7 +83,7 @@ def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("the nodes split differs from the harness split")
     budget = None
     if cfg["budget"] == "split":
-        from insitubatch_nodes import ReadPlanNode
+        from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
         plan = ReadPlanNode(
             manifest, geoms, batch_size=cfg["batch_size"], block_chunks=cfg["block_chunks"]
@@ -400,7 +396,7 @@ def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
 
     Like the pipeline's fetch stage, a GET's in-flight slot is held until its object is decoded
     (at most ``max_inflight`` raw objects in memory). A local store is read the way the fetch
-    stage reads one (``insitubatch_nodes.localfiles``): on the decode thread, into a buffer that
+    stage reads one (``insitubatch_nodes.io.localfiles``): on the decode thread, into a buffer that
     thread reuses, right before the decode — without the readahead, as nothing else competes
     for the disk here. Each decode borrows one of ``threads``
     buffer sets (one ``(samples_per_chunk, *inner_shape)`` array per variable, level-major
@@ -415,8 +411,8 @@ def run_decode(cfg: dict[str, Any]) -> dict[str, Any]:
 
     from insitubatch_nodes import open_geometries
     from insitubatch_nodes._runtime import default_decode_threads
-    from insitubatch_nodes.decode import ChunkDecoder
-    from insitubatch_nodes.localfiles import LocalReader
+    from insitubatch_nodes.io.decode import ChunkDecoder
+    from insitubatch_nodes.io.localfiles import LocalReader
 
     t0 = time.monotonic()
     tuned = tune_allocator()

@@ -68,7 +68,7 @@ _GETS = textwrap.dedent(
 _EPOCHS = textwrap.dedent(
     """
     import json, os, resource, sys, time
-    import insitubatch_nodes.residency as residency
+    import insitubatch_nodes.pool as residency
     if os.environ.get("BENCH_NO_RESERVE") == "1":
         residency.ChunkPool.reserve = lambda self, shapes: None
     from insitubatch_nodes import Loader, _runtime, insitu_pipeline, open_geometries, split_by_chunk

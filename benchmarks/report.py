@@ -1532,7 +1532,7 @@ def render(
         "the engine for `local` (nodes: its pool counters; the others: a counting zarr store "
         "wrapper); *read amp.* = MB fetched / stored MB of the distinct objects the delivered "
         "samples live in (0 = served from the pool; below 1 = byte-range reads of parts of "
-        "objects); *shuffle q.* = `insitubatch_nodes.shuffle_quality` of the delivered sample "
+        "objects); *shuffle q.* = `insitubatch_nodes.plan.shuffle_quality` of the delivered sample "
         "order (≈1 = as mixed as a global shuffle).",
         "",
     ]

@@ -50,8 +50,9 @@ def hook_cost(n: int = 20000) -> dict[str, float]:
     next/deliver, chunk wait, gather)."""
     import numpy as np
 
-    from insitubatch_nodes import Batch, ChunkPool
-    from insitubatch_nodes.report import EpochRecorder
+    from insitubatch_nodes import Batch
+    from insitubatch_nodes.pool import ChunkPool
+    from insitubatch_nodes.recorder import EpochRecorder
 
     rec = EpochRecorder(ChunkPool(1 << 20), max_inflight=32, decode_threads=2)
     noop = lambda: None  # noqa: E731

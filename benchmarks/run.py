@@ -898,8 +898,8 @@ class Harness:
 
 
 def _shuffle_quality(order: list[int], info: DatasetInfo, ep: dict[str, Any]) -> float | None:
-    """``insitubatch_nodes.shuffle_quality`` of the emitted order, cut into batches of 32."""
-    from insitubatch_nodes import shuffle_quality
+    """``insitubatch_nodes.plan.shuffle_quality`` of the emitted order, cut into batches of 32."""
+    from insitubatch_nodes.plan.quality import shuffle_quality
 
     if len(order) < 3:
         return None

@@ -3,7 +3,7 @@
 For ``N`` stored objects of one array (``shape (N,)``, one sample per chunk, one byte per
 object: the check reads no data, so the objects' size does not matter), on a local folder and
 in a bucket of a moto S3 server on loopback, this records every object's identity as a warming
-run does (:class:`~insitubatch_nodes.store_identity.IdentityRecorder`, one committed chunk at a
+run does (:class:`~insitubatch_nodes.cache.identity.IdentityRecorder`, one committed chunk at a
 time: locally from each file's ``stat``, as the decode thread's ``fstat`` gives it; on S3 from
 one listing's ``ObjectMeta``, the fields a GET's ``meta`` carries), then times
 :meth:`StoreCheck.stale` — the listing of the array's prefix, reading the recorded rows, and
@@ -29,7 +29,7 @@ import numpy as np
 import zarr
 
 from insitubatch_nodes import open_store
-from insitubatch_nodes.store_identity import (
+from insitubatch_nodes.cache.identity import (
     IdentityRecorder,
     StoreCheck,
     meta_identity,

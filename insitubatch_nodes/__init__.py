@@ -1,78 +1,45 @@
 """insitubatch_nodes: train PyTorch models in place on chunked zarr arrays, as torchdata.nodes.
 
-Follow a batch top-down through the modules:
+The names here are what a training script needs: :func:`insitu_pipeline` builds the graph,
+:class:`Loader` or :func:`as_dataset` iterates it. The composition kit is one dotted name away,
+in folders that follow a batch top-down:
 
-* :mod:`~insitubatch_nodes.stores` — open a store by URL or path (obstore-backed);
-* :mod:`~insitubatch_nodes.geometry` — what a sample is, and which stored objects hold it;
-* :mod:`~insitubatch_nodes.coords` — coordinates along the sample axis (CF time), per row;
-* :mod:`~insitubatch_nodes.splits` — chunk-aligned train/val/test manifests;
-* :mod:`~insitubatch_nodes.plan` — ``ReadPlanNode``: per-epoch order, batches, chunk reads;
-* :mod:`~insitubatch_nodes.fetch` — ``AsyncChunkFetchNode``: GETs on one loop, decode off the GIL;
-* :mod:`~insitubatch_nodes.localfiles` — a local store's objects read on the decode threads;
-* :mod:`~insitubatch_nodes.decode` — one stored object into its slot memory;
-* :mod:`~insitubatch_nodes.transforms` — chunk transforms (``applies``, ``StandardScaler``, ...);
-* :mod:`~insitubatch_nodes.residency` — ``ChunkPool``: budget, pins, LRU, slot memory;
-* :mod:`~insitubatch_nodes.pool` — ``ChunkPoolNode``: waits until a batch's chunks are resident;
-* :mod:`~insitubatch_nodes.gather` — ``GatherNode``: vectorised batch assembly;
-* :mod:`~insitubatch_nodes.prefetch` — ``PrefetcherNode``: bounded look-ahead thread;
-* :mod:`~insitubatch_nodes.pipeline` — ``insitu_pipeline``: the five stages in one call;
-* :mod:`~insitubatch_nodes.report` — ``EpochReport``: which stage limits an epoch, and why;
-* :mod:`~insitubatch_nodes.loader` — ``Loader``: torchdata's, with resume in any call order;
-* :mod:`~insitubatch_nodes.batch` — ``Batch`` and ``to_torch``;
-* :mod:`~insitubatch_nodes.torch_data` — ``as_dataset`` for ``StatefulDataLoader``;
-* :mod:`~insitubatch_nodes.lightning` — ``InSituDataModule`` (the ``lightning`` extra);
-* :mod:`~insitubatch_nodes.synthetic` — deterministic ERA5-like and microscopy-like stores.
+* :mod:`insitubatch_nodes.io` — stores, array geometry, coordinates, decoding (knows zarr);
+* :mod:`insitubatch_nodes.plan` — splits, each epoch's order and chunk reads, the residency
+  schedule (pure numpy);
+* :mod:`insitubatch_nodes.pool` — ``ChunkPool``: byte budget, pins, LRU, slot memory;
+* :mod:`insitubatch_nodes.cache` — the persistent chunk cache on local disk;
+* :mod:`insitubatch_nodes.stages` — the five ``torchdata.nodes`` (the only folder importing
+  torchdata) and ``Loader``;
+* :mod:`insitubatch_nodes.errors` — every exception, with one base class ``InSituError``.
+
+Beside them: :mod:`~insitubatch_nodes.pipeline` (the builder), :mod:`~insitubatch_nodes.batch`,
+:mod:`~insitubatch_nodes.transforms`, :mod:`~insitubatch_nodes.report` and
+:mod:`~insitubatch_nodes.recorder` (what an epoch measured), :mod:`~insitubatch_nodes.torch_data`
+(``StatefulDataLoader``), :mod:`~insitubatch_nodes.lightning` (the ``lightning`` extra) and
+:mod:`~insitubatch_nodes.synthetic` (deterministic test stores).
+
+Names that were importable from here before the package was arranged in folders still are, with
+a ``DeprecationWarning`` that names their module.
 """
 
-from insitubatch_nodes.batch import Batch, BatchTransform, DeviceTransform, to_torch
-from insitubatch_nodes.cache import (
-    CacheBusyError,
-    CacheDiskFullError,
-    CacheMissError,
-    CorruptCacheError,
-    StaleCacheError,
-)
-from insitubatch_nodes.coords import Coordinate, open_coordinates
-from insitubatch_nodes.decode import ChunkDecoder, DecodeError
-from insitubatch_nodes.fetch import AsyncChunkFetchNode, ChunkReadError, FetchedBatch
-from insitubatch_nodes.gather import GatherNode
-from insitubatch_nodes.geometry import ArrayGeometry, CorruptMetadataError, open_geometries
-from insitubatch_nodes.loader import Loader
-from insitubatch_nodes.pipeline import (
-    InSituPipeline,
-    PipelineStages,
-    choose_schedule,
-    insitu_pipeline,
-)
-from insitubatch_nodes.plan import (
-    BatchPlan,
-    ChunkKey,
-    EpochPlan,
-    PinSchedule,
-    ReadPlanNode,
-    ScheduleFloors,
-    plan_epoch,
-    schedule_floors,
-    shuffle_quality,
-)
-from insitubatch_nodes.pool import ChunkPoolNode, ResidentBatch
-from insitubatch_nodes.prefetch import PrefetcherNode
+from __future__ import annotations
+
+import importlib
+import warnings
+from typing import Any
+
+from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import RetryPolicy, open_store
+from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.report import EpochReport
-from insitubatch_nodes.residency import (
-    ChunkPool,
-    FillCancelled,
-    PipelineInterrupted,
-    PoolStats,
-    RamBacking,
-    SlotBacking,
-    working_set_bytes,
-)
-from insitubatch_nodes.splits import SplitManifest, split_by_chunk
-from insitubatch_nodes.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
-from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
+from insitubatch_nodes.stages.loader import Loader
+from insitubatch_nodes.torch_data import as_dataset
 from insitubatch_nodes.transforms import (
     ChunkTransform,
-    ChunkTransformError,
     Coarsen,
     DecodedChunk,
     StandardScaler,
@@ -82,63 +49,79 @@ from insitubatch_nodes.transforms import (
 __version__ = "0.1.0.dev0"
 
 __all__ = [
-    "SUPPORTED_SCHEMES",
     "ArrayGeometry",
-    "AsyncChunkFetchNode",
     "Batch",
-    "BatchPlan",
     "BatchTransform",
-    "CacheBusyError",
-    "CacheDiskFullError",
-    "CacheMissError",
-    "ChunkDecoder",
-    "ChunkKey",
-    "ChunkPool",
-    "ChunkPoolNode",
-    "ChunkReadError",
     "ChunkTransform",
-    "ChunkTransformError",
     "Coarsen",
-    "Coordinate",
-    "CorruptCacheError",
-    "CorruptMetadataError",
-    "DecodeError",
     "DecodedChunk",
-    "DeviceTransform",
-    "EpochPlan",
     "EpochReport",
-    "FetchedBatch",
-    "FillCancelled",
-    "GatherNode",
-    "InSituIterableDataset",
     "InSituPipeline",
     "Loader",
-    "PinSchedule",
-    "PipelineInterrupted",
-    "PipelineStages",
-    "PoolStats",
-    "PrefetcherNode",
-    "RamBacking",
-    "ReadPlanNode",
-    "ResidentBatch",
     "RetryPolicy",
-    "ScheduleFloors",
-    "SlotBacking",
     "SplitManifest",
-    "StaleCacheError",
     "StandardScaler",
     "__version__",
     "applies",
     "as_dataset",
-    "choose_schedule",
     "insitu_pipeline",
-    "open_coordinates",
     "open_geometries",
     "open_store",
-    "plan_epoch",
-    "schedule_floors",
-    "shuffle_quality",
     "split_by_chunk",
     "to_torch",
-    "working_set_bytes",
 ]
+
+# The names this face held before the folders (module where each lives now).
+_MOVED = {
+    "SUPPORTED_SCHEMES": "insitubatch_nodes.io.stores",
+    "AsyncChunkFetchNode": "insitubatch_nodes.stages",
+    "BatchPlan": "insitubatch_nodes.plan",
+    "CacheBusyError": "insitubatch_nodes.errors",
+    "CacheDiskFullError": "insitubatch_nodes.errors",
+    "CacheMissError": "insitubatch_nodes.errors",
+    "ChunkDecoder": "insitubatch_nodes.io",
+    "ChunkKey": "insitubatch_nodes.plan",
+    "ChunkPool": "insitubatch_nodes.pool",
+    "ChunkPoolNode": "insitubatch_nodes.stages",
+    "ChunkReadError": "insitubatch_nodes.errors",
+    "ChunkTransformError": "insitubatch_nodes.errors",
+    "Coordinate": "insitubatch_nodes.io",
+    "CorruptCacheError": "insitubatch_nodes.errors",
+    "CorruptMetadataError": "insitubatch_nodes.errors",
+    "DecodeError": "insitubatch_nodes.errors",
+    "DeviceTransform": "insitubatch_nodes.batch",
+    "EpochPlan": "insitubatch_nodes.plan",
+    "FetchedBatch": "insitubatch_nodes.stages",
+    "FillCancelled": "insitubatch_nodes.errors",
+    "GatherNode": "insitubatch_nodes.stages",
+    "InSituIterableDataset": "insitubatch_nodes.torch_data",
+    "PinSchedule": "insitubatch_nodes.plan",
+    "PipelineInterrupted": "insitubatch_nodes.errors",
+    "PipelineStages": "insitubatch_nodes.pipeline",
+    "PoolStats": "insitubatch_nodes.pool",
+    "PrefetcherNode": "insitubatch_nodes.stages",
+    "RamBacking": "insitubatch_nodes.pool",
+    "ReadPlanNode": "insitubatch_nodes.stages",
+    "ResidentBatch": "insitubatch_nodes.stages",
+    "ScheduleFloors": "insitubatch_nodes.plan",
+    "SlotBacking": "insitubatch_nodes.pool",
+    "StaleCacheError": "insitubatch_nodes.errors",
+    "choose_schedule": "insitubatch_nodes.plan",
+    "open_coordinates": "insitubatch_nodes.io",
+    "plan_epoch": "insitubatch_nodes.plan",
+    "schedule_floors": "insitubatch_nodes.plan",
+    "shuffle_quality": "insitubatch_nodes.plan",
+    "working_set_bytes": "insitubatch_nodes.plan",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _MOVED.get(name)
+    if module is None:
+        raise AttributeError(f"module 'insitubatch_nodes' has no attribute {name!r}")
+    warnings.warn(
+        f"insitubatch_nodes.{name} moved: import it from {module} (this alias will be removed)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return getattr(importlib.import_module(module), name)

@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from insitubatch_nodes import _zarr_compat
+from insitubatch_nodes.io import _zarr_compat
 
 __all__ = [
     "PriorityPool",
@@ -211,7 +211,7 @@ def tune_allocator() -> bool:
     same throughput. The cap binds only threads that have no arena yet — obstore's threads
     keep the ones they took on their first reads — so it is set before the package's first
     read: when a store is opened or first handed to it (:func:`~insitubatch_nodes.open_store`,
-    :func:`~insitubatch_nodes.stores.as_store`, which every entry point calls), and when a fetch
+    :func:`~insitubatch_nodes.io.stores.as_store`, which every entry point calls), and when a fetch
     stage is built. A store read through obstore before that (zarr calls of your own) keeps its
     threads' arenas; ``MALLOC_ARENA_MAX=1`` in the environment sets the cap from process start.
 

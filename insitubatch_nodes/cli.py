@@ -140,7 +140,7 @@ def gil_probe(
 
 
 def _read_chunk(zstore: Any, geom: Any, chunk: int) -> np.ndarray:
-    from insitubatch_nodes import _zarr_compat
+    from insitubatch_nodes.io import _zarr_compat
 
     array = _zarr_compat.open_array_readonly(zstore, geom.path, geom.zarr_format)
     start, stop = geom.chunk_range(chunk)
@@ -155,9 +155,10 @@ def _mb(nbytes: float) -> str:
 
 
 def check_transform(args: argparse.Namespace) -> int:
-    from insitubatch_nodes.geometry import open_geometries
-    from insitubatch_nodes.stores import as_store
-    from insitubatch_nodes.transforms import ChunkTransformError, ChunkTransforms, transform_name
+    from insitubatch_nodes.errors import ChunkTransformError
+    from insitubatch_nodes.io.arrays import open_geometries
+    from insitubatch_nodes.io.stores import as_store
+    from insitubatch_nodes.transforms import ChunkTransforms, transform_name
 
     out = print
     try:

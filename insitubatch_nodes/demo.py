@@ -31,11 +31,12 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
+from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import open_store
 from insitubatch_nodes.pipeline import insitu_pipeline
-from insitubatch_nodes.plan import ReadPlanNode
-from insitubatch_nodes.splits import SplitManifest, split_by_chunk
-from insitubatch_nodes.stores import open_store
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.synthetic import make_era5_like
 
 DEFAULT_PATH = Path("data") / "era5_demo.zarr"

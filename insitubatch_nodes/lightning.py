@@ -13,7 +13,8 @@ separate objects with their own state, so evaluating never moves the training po
 
 **Elastic resume.** A checkpoint saved on ``W`` ranks resumes on any other number: the
 interrupted epoch's remaining samples are dealt to the new ranks (see
-:meth:`~insitubatch_nodes.plan.ReadPlanNode.reset`), so that epoch has another length than the
+:meth:`~insitubatch_nodes.stages.read_plan.ReadPlanNode.reset`), so that epoch has another length
+than the
 following ones. Lightning reads a loader's length once per ``fit``; the DataModule adds a small
 callback that, when the next epoch's length differs from the one Lightning was told, has
 Lightning reload the training loader for that epoch (the DataModule hands back the same
@@ -30,11 +31,12 @@ import lightning.pytorch as pl
 from zarr.abc.store import Store
 
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
-from insitubatch_nodes.geometry import ArrayGeometry, open_geometries
+from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import as_store
 from insitubatch_nodes.pipeline import insitu_pipeline
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.report import EpochReport
-from insitubatch_nodes.splits import SplitManifest, split_by_chunk
-from insitubatch_nodes.stores import as_store
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 from insitubatch_nodes.transforms import ChunkTransform
 

@@ -19,20 +19,25 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.cache import ChunkCache
-from insitubatch_nodes.coords import carried_coordinates
-from insitubatch_nodes.fetch import AsyncChunkFetchNode, check_on_bad_chunk
-from insitubatch_nodes.fingerprint import array_fingerprint
-from insitubatch_nodes.gather import GatherNode
-from insitubatch_nodes.geometry import ArrayGeometry, check_arrays_in_store, open_geometries
-from insitubatch_nodes.plan import PinSchedule, ReadPlanNode, check_remainder, schedule_floors
-from insitubatch_nodes.pool import ChunkPoolNode
-from insitubatch_nodes.prefetch import PrefetcherNode
-from insitubatch_nodes.report import EpochRecorder, EpochReport
-from insitubatch_nodes.residency import ChunkPool, SlotBacking, working_set_bytes
-from insitubatch_nodes.splits import SplitManifest
-from insitubatch_nodes.store_identity import StoreCheck
-from insitubatch_nodes.stores import RetryPolicy, as_store, describe_store, retry_policy
+from insitubatch_nodes.cache.directory import ChunkCache
+from insitubatch_nodes.cache.fingerprint import array_fingerprint
+from insitubatch_nodes.cache.identity import StoreCheck
+from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
+from insitubatch_nodes.io.coords import carried_coordinates
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
+from insitubatch_nodes.plan.ranks import check_remainder
+from insitubatch_nodes.plan.schedule import choose_schedule, working_set_bytes
+from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.report import EpochReport
+from insitubatch_nodes.slots import SlotBacking
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode, check_on_bad_chunk
+from insitubatch_nodes.stages.gather import GatherNode
+from insitubatch_nodes.stages.prefetch import PrefetcherNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.resident import ChunkPoolNode
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
@@ -208,100 +213,6 @@ def _split_bytes(node: ReadPlanNode, geoms: Mapping[str, ArrayGeometry], epoch: 
     return sum(size[path] for path, _ in keys)
 
 
-def _auto_cap_bytes() -> int:
-    """The most an automatic budget takes before it trades re-reads for memory: 1/4 of RAM."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 8 * 2**30
-
-
-def choose_schedule(
-    manifest: SplitManifest,
-    variables: Mapping[str, ArrayGeometry],
-    budget_bytes: int | None,
-    *,
-    split: str = "train",
-    batch_size: int = 32,
-    block_chunks: int = 16,
-    cross_split_windows: bool = False,
-    remainder: str = "drop",
-    world_size: int | None = None,
-    revive: bool = False,
-) -> PinSchedule:
-    """The residency schedule for a budget: pure, computed before the read plan is built.
-
-    Pass the result as ``ReadPlanNode(..., schedule=...)``; :func:`insitu_pipeline` does exactly
-    this, so a pipeline composed by hand behaves like the builder's.
-
-    Read-once (each chunk pinned from its first reading batch to its last, fetched once per
-    epoch) is the default. A shifted view can make that schedule hold a large part of the split —
-    chunk ``c + 1`` is read by the last anchors of chunk ``c`` and again, much later, in its own
-    block — and how much depends on each epoch's permutation. So the choice is made per epoch
-    against :func:`~insitubatch_nodes.plan.schedule_floors`, bounds that hold for every epoch:
-
-    * an explicit budget at or above the read-once bound: read-once, every epoch;
-    * else, at or above the bounded bound: each epoch reads once if *its* read-once floor fits
-      the budget and otherwise releases chunks idle for a block and re-reads them (that epoch's
-      floor is within the bounded bound, hence within the budget);
-    * else ``ValueError`` stating the smallest budget that fits every epoch — here, never in a
-      later epoch; and a larger budget never fails where a smaller one succeeds.
-
-    ``budget_bytes=None`` (automatic) reads once every epoch while the read-once bound is under a
-    quarter of RAM; above that, an epoch whose read-once floor exceeds a quarter of RAM uses the
-    bounded schedule (a warning says so).
-
-    ``revive=True`` (a shuffled pipeline with a persistent cache: a released chunk comes back
-    from disk, neither fetched nor decoded) with views at different offsets uses the bounded
-    schedule every epoch (when the budget holds its bound): residency stays near a couple of
-    blocks instead of the part of the split a shifted view keeps pinned between its uses.
-    """
-    floors = schedule_floors(
-        manifest,
-        variables,
-        split=split,
-        batch_size=batch_size,
-        block_chunks=block_chunks,
-        cross_split_windows=cross_split_windows,
-        remainder=remainder,
-        world_size=world_size,
-    )
-    windowed = len({view.offset for view in variables.values()}) > 1
-    fits_bounded = budget_bytes is None or budget_bytes >= floors.bounded
-    if revive and windowed and fits_bounded:
-        return PinSchedule(pin_gap=floors.pin_gap)
-    if budget_bytes is None:
-        cap = _auto_cap_bytes()
-        if floors.read_once <= cap:
-            return PinSchedule()
-        log.warning(
-            "insitubatch_nodes: reading each chunk once per epoch could pin up to %.1f GiB "
-            "(over a quarter of RAM); epochs whose read-once floor exceeds that release chunks "
-            "idle for a block and re-read them instead (floor at most %.1f GiB). Pass "
-            "cache_budget_bytes to choose.",
-            floors.read_once / 2**30,
-            floors.bounded / 2**30,
-        )
-        return PinSchedule(pin_gap=floors.pin_gap, read_once_bytes=cap)
-    budget = check_int("cache_budget_bytes", budget_bytes, minimum=1)
-    if budget >= floors.read_once:
-        return PinSchedule()
-    if budget >= floors.bounded:
-        return PinSchedule(pin_gap=floors.pin_gap, read_once_bytes=budget)
-    floor = floors.guaranteed
-    once = (
-        f"; reading each chunk once per epoch needs up to {floors.read_once:,} bytes"
-        if floors.read_once > floor
-        else ""
-    )
-    raise ValueError(
-        f"cache_budget_bytes={budget:,} is below the working-set floor of {floor:,} bytes "
-        f"({floor / 2**20:.1f} MiB) that every epoch is guaranteed to fit (chunks live at once "
-        f"plus one block of read-ahead, bounded over every permutation){once}; raise it to at "
-        "least the floor, lower block_chunks, or pass None for the automatic budget"
-    )
-
-
 def _physical_memory_bytes() -> int:
     """This machine's physical memory (a very large number where the OS does not say)."""
     try:
@@ -387,7 +298,7 @@ def insitu_pipeline(
     An anchor is used only when every view reads inside ``split``'s own chunks;
     ``cross_split_windows=True`` lets windows read across the split's edge. ``remainder``
     (``"drop"`` or ``"pad"``) is what several ranks do with the samples that do not divide
-    evenly between them (see :class:`~insitubatch_nodes.plan.ReadPlanNode`).
+    evenly between them (see :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`).
 
     ``cache_budget_bytes=None`` sizes the pool to each epoch's working set (each chunk read once
     per epoch); a larger budget keeps drained chunks for later epochs; one too small for some
@@ -396,7 +307,7 @@ def insitu_pipeline(
     decode pool (default: one per core). Every argument is checked here: counts must be ``int``
     (not ``bool``), flags ``bool``.
 
-    ``retry`` (a :class:`~insitubatch_nodes.stores.RetryPolicy`) bounds every read: with a URL
+    ``retry`` (a :class:`~insitubatch_nodes.io.stores.RetryPolicy`) bounds every read: with a URL
     or path it is what the store is opened with; with an opened ``Store`` its ``timeout_s`` is
     the deadline of each stored-object GET (retries are then the store's own). ``None`` uses
     the policy the store was opened with (the default one for any other store). Construction
@@ -425,9 +336,9 @@ def insitu_pipeline(
     objects changed, went or appeared are fetched again (a writer) or raise
     ``StaleCacheError`` naming them (``readonly_cache=True``). ``check_store=False`` trusts
     the cache without listing (an archive known not to change); see
-    :mod:`~insitubatch_nodes.store_identity`.
+    :mod:`~insitubatch_nodes.cache.identity`.
     ``coords`` chooses the coordinates each batch carries as ``batch.coords[label][name]`` (one
-    value per row, indexed with the rows' sample indices; see :mod:`~insitubatch_nodes.coords`):
+    value per row, indexed with the rows' sample indices; see :mod:`~insitubatch_nodes.io.coords`):
     ``None`` (the default) carries each label's dimension coordinate of the sample axis where
     the store has one (``time`` for a ``(time, lat, lon)`` array; one that cannot be decoded is
     left out with a warning); a list of names carries those for every label (each must exist:

@@ -19,8 +19,8 @@ from typing import Any
 import torch.utils.data
 
 from insitubatch_nodes.batch import Batch, to_torch
-from insitubatch_nodes.loader import Loader
 from insitubatch_nodes.pipeline import InSituPipeline, plan_state
+from insitubatch_nodes.stages.loader import Loader
 
 __all__ = ["InSituIterableDataset", "as_dataset"]
 

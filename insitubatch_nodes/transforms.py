@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.errors import ChunkTransformError
+from insitubatch_nodes.io.geometry import ArrayGeometry
 
 __all__ = [
     "ChunkTransform",
-    "ChunkTransformError",
     "ChunkTransforms",
     "Coarsen",
     "DecodedChunk",
@@ -77,11 +77,6 @@ class DecodedChunk:
 
 ChunkTransform = Callable[[DecodedChunk], DecodedChunk]
 """A callable run on every decoded chunk of the arrays in its scope (see the module doc)."""
-
-
-class ChunkTransformError(RuntimeError):
-    """A chunk transform raised, returned something else than a chunk, or produced data whose
-    shape or dtype disagrees with what it declared (or, undeclared, with its input)."""
 
 
 def transform_name(transform: Any) -> str:

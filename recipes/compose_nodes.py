@@ -28,21 +28,14 @@ import zarr
 from torchdata.nodes import Loader
 from zarr.abc.store import Store
 
-from insitubatch_nodes import (
-    ArrayGeometry,
-    AsyncChunkFetchNode,
-    Batch,
-    ChunkPool,
-    ChunkPoolNode,
-    GatherNode,
-    PrefetcherNode,
-    ReadPlanNode,
-    choose_schedule,
-    open_geometries,
-    open_store,
-    split_by_chunk,
-    working_set_bytes,
-)
+from insitubatch_nodes import ArrayGeometry, Batch, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes.plan.schedule import choose_schedule, working_set_bytes
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
+from insitubatch_nodes.stages.gather import GatherNode
+from insitubatch_nodes.stages.prefetch import PrefetcherNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.resident import ChunkPoolNode
 from insitubatch_nodes.synthetic import make_era5_like
 
 

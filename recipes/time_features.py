@@ -26,14 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from insitubatch_nodes import (
-    Batch,
-    insitu_pipeline,
-    open_coordinates,
-    open_geometries,
-    split_by_chunk,
-    to_torch,
-)
+from insitubatch_nodes import Batch, insitu_pipeline, open_geometries, split_by_chunk, to_torch
+from insitubatch_nodes.io.coords import open_coordinates
 from insitubatch_nodes.synthetic import make_era5_like
 
 

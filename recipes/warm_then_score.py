@@ -27,13 +27,8 @@ from pathlib import Path
 import numpy as np
 import zarr
 
-from insitubatch_nodes import (
-    CacheBusyError,
-    StandardScaler,
-    insitu_pipeline,
-    open_geometries,
-    split_by_chunk,
-)
+from insitubatch_nodes import StandardScaler, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import CacheBusyError
 from insitubatch_nodes.synthetic import make_era5_like
 
 VARIABLES = ["t2m", "z"]

@@ -40,7 +40,7 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
-from insitubatch_nodes.stores import as_store
+from insitubatch_nodes.io.stores import as_store
 from insitubatch_nodes.synthetic import make_era5_like
 
 HERE = Path(__file__).resolve()

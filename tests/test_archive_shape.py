@@ -32,21 +32,16 @@ from helpers import (
 )
 from resume_helpers import pipe_config, reference_run, run_fresh, take_state, write_store
 
-from insitubatch_nodes import (
-    AsyncChunkFetchNode,
-    ChunkPool,
-    ChunkPoolNode,
-    ChunkReadError,
-    GatherNode,
-    PrefetcherNode,
-    ReadPlanNode,
-    insitu_pipeline,
-    open_geometries,
-    open_store,
-    plan_epoch,
-    schedule_floors,
-    split_by_chunk,
-)
+from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.schedule import schedule_floors
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
+from insitubatch_nodes.stages.gather import GatherNode
+from insitubatch_nodes.stages.prefetch import PrefetcherNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.resident import ChunkPoolNode
 from insitubatch_nodes.synthetic import make_weatherbench_like
 
 pytestmark = pytest.mark.timeout(120)

@@ -18,13 +18,8 @@ import zarr
 import zarr.storage
 from helpers import CountingStore, Oracle, write_era5
 
-from insitubatch_nodes import (
-    ChunkReadError,
-    DecodedChunk,
-    insitu_pipeline,
-    open_geometries,
-    split_by_chunk,
-)
+from insitubatch_nodes import DecodedChunk, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import ChunkReadError
 
 pytestmark = pytest.mark.timeout(120)
 

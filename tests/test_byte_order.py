@@ -26,7 +26,7 @@ from insitubatch_nodes import (
     split_by_chunk,
     to_torch,
 )
-from insitubatch_nodes.gather import take_rows
+from insitubatch_nodes.stages.gather import take_rows
 
 DTYPES = [">f4", ">f8", ">i2", ">i8", ">u4", ">u2", "|b1", ">c8", "<f4"]
 

@@ -24,17 +24,16 @@ import zarr
 from cache_child import CALLS, AddConstant, digest
 from helpers import counting_store, write_era5
 
-from insitubatch_nodes import (
+from insitubatch_nodes import applies, open_geometries, split_by_chunk
+from insitubatch_nodes import insitu_pipeline as _insitu_pipeline
+from insitubatch_nodes.cache.files import LOG_NAME, chunk_file_name
+from insitubatch_nodes.cache.lock import LOCK_NAME
+from insitubatch_nodes.errors import (
     CacheBusyError,
     CacheMissError,
     CorruptCacheError,
     StaleCacheError,
-    applies,
-    open_geometries,
-    split_by_chunk,
 )
-from insitubatch_nodes import insitu_pipeline as _insitu_pipeline
-from insitubatch_nodes.cache import LOCK_NAME, LOG_NAME, chunk_file_name
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -382,7 +381,7 @@ sys.path.insert(0, {tests!r})
 import numpy as np
 from cache_child import CALLS, AddConstant, digest
 from insitubatch_nodes import Coarsen, StandardScaler, applies, open_geometries
-from insitubatch_nodes.fingerprint import array_fingerprint, transform_identity
+from insitubatch_nodes.cache.fingerprint import array_fingerprint, transform_identity
 from insitubatch_nodes.transforms import ChunkTransforms
 from helpers import counting_store
 store = counting_store({store!r})
@@ -532,7 +531,7 @@ def test_a_readonly_run_writes_nothing(era5: Path, tmp_path: Path) -> None:
 def test_a_cache_dir_on_a_network_file_system_warns_that_writers_are_not_arbitrated(
     era5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from insitubatch_nodes import cache as cache_module
+    from insitubatch_nodes.cache import lock as cache_module
 
     local = cache_module._mount_type(tmp_path)
     assert local is not None and local not in cache_module._NETWORK_FS  # read from /proc/mounts
@@ -801,7 +800,7 @@ def test_gloo_ranks_share_one_cache_with_no_chunk_fetched_twice_nor_written_twic
 def test_two_ranks_missing_one_chunk_at_once_write_it_once_and_both_read_it_after(
     tmp_path: Path,
 ) -> None:
-    from insitubatch_nodes.cache import ChunkCache
+    from insitubatch_nodes.cache.directory import ChunkCache
 
     fps = {"t2m": "0123456789abcdef"}
     rank0 = ChunkCache(tmp_path, fps, persist=True, rank=0)

@@ -24,7 +24,7 @@ import pytest
 import zarr
 from helpers import write_era5
 
-from insitubatch_nodes._filemap import map_file, reserve
+from insitubatch_nodes.cache._filemap import map_file, reserve
 
 pytestmark = pytest.mark.timeout(180)
 

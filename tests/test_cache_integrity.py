@@ -21,8 +21,8 @@ from cache_child import digest
 from helpers import write_era5
 from test_cache import N_CHUNKS, Child, build, children, logged, spawn, uncached, warm
 
-from insitubatch_nodes import CacheMissError, CorruptCacheError
-from insitubatch_nodes.cache import LOG_NAME, chunk_file_name, content_sum
+from insitubatch_nodes.cache.files import LOG_NAME, chunk_file_name, content_sum
+from insitubatch_nodes.errors import CacheMissError, CorruptCacheError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,15 +17,8 @@ import zarr
 from helpers import CountingStore, is_metadata_key
 from torchdata.nodes import Loader
 
-from insitubatch_nodes import (
-    Batch,
-    Coordinate,
-    insitu_pipeline,
-    open_coordinates,
-    open_geometries,
-    split_by_chunk,
-    to_torch,
-)
+from insitubatch_nodes import Batch, insitu_pipeline, open_geometries, split_by_chunk, to_torch
+from insitubatch_nodes.io.coords import Coordinate, open_coordinates
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")  # (xarray's own dependency)
@@ -335,7 +328,7 @@ def test_an_unknown_calendar_is_refused_with_a_clear_message(
     with pytest.raises(ValueError, match="calendar 'noleap' is not supported"):
         insitu_pipeline(root, manifest, ["t2m"], coords=["time"])
     # by default such a coordinate is left out, with a warning: the pipeline still trains
-    with caplog.at_level(logging.WARNING, logger="insitubatch_nodes.coords"):
+    with caplog.at_level(logging.WARNING, logger="insitubatch_nodes.io.coords"):
         pipe = insitu_pipeline(root, manifest, ["t2m"], batch_size=8)
     try:
         assert next(iter(pipe)).coords == {}

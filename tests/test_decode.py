@@ -30,7 +30,8 @@ from zarr.codecs import (
 )
 
 from insitubatch_nodes import ArrayGeometry, open_geometries
-from insitubatch_nodes.decode import ChunkDecoder, DecodeError, _ShardPlan
+from insitubatch_nodes.errors import DecodeError
+from insitubatch_nodes.io.decode import ChunkDecoder, _ShardPlan
 
 with warnings.catch_warnings():  # zarr warns that numcodecs codecs are not in the v3 spec
     warnings.simplefilter("ignore")

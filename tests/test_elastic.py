@@ -34,15 +34,10 @@ from resume_helpers import (
     write_store,
 )
 
-from insitubatch_nodes import (
-    ArrayGeometry,
-    ReadPlanNode,
-    SplitManifest,
-    open_geometries,
-    split_by_chunk,
-)
-from insitubatch_nodes.plan import plan_epoch, schedule_floors
-from insitubatch_nodes.residency import working_set_bytes
+from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.schedule import schedule_floors, working_set_bytes
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 N_TIME, SPC, SHIFT, BATCH, BLOCK = 203, 8, 2, 7, 3
 VALID = set(range(N_TIME - SHIFT))

@@ -9,7 +9,7 @@ import pytest
 from helpers import counting_store, write_era5
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
-from insitubatch_nodes._fill import ArrayFill
+from insitubatch_nodes.stages._jobs import ArrayFill
 
 
 @pytest.mark.timeout(60)

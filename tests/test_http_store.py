@@ -25,16 +25,15 @@ import zarr
 from helpers import Oracle, View, chunk_keys_on_disk, run_epoch, write_era5
 
 from insitubatch_nodes import (
-    SUPPORTED_SCHEMES,
-    ChunkReadError,
     RetryPolicy,
     insitu_pipeline,
     open_geometries,
     open_store,
     split_by_chunk,
 )
-from insitubatch_nodes._zarr_compat import make_async_getter
-from insitubatch_nodes.stores import describe_store
+from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.io._zarr_compat import make_async_getter
+from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, describe_store
 from insitubatch_nodes.testing import FaultProxy, NginxServer, free_port, nginx_executable
 
 pytestmark = [

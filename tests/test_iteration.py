@@ -35,20 +35,19 @@ from torchdata.nodes import Loader as TorchdataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from insitubatch_nodes import (
-    AsyncChunkFetchNode,
-    ChunkPool,
-    ChunkPoolNode,
-    GatherNode,
     Loader,
-    PrefetcherNode,
-    ReadPlanNode,
     as_dataset,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
     to_torch,
 )
-from insitubatch_nodes.gather import BufferPool
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
+from insitubatch_nodes.stages.gather import BufferPool, GatherNode
+from insitubatch_nodes.stages.prefetch import PrefetcherNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.resident import ChunkPoolNode
 
 pytestmark = pytest.mark.timeout(120)
 OVIEWS = {"x": View("t2m"), "y": View("t2m", 0, 1)}

@@ -23,8 +23,9 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
-from insitubatch_nodes.gather import gather_label, take_rows
-from insitubatch_nodes.residency import ChunkPool, is_level_major
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.slots import is_level_major
+from insitubatch_nodes.stages.gather import gather_label, take_rows
 
 VIEWS = {"t2m": View("t2m"), "z": View("z")}
 

@@ -21,9 +21,10 @@ import zarr
 from helpers import Oracle, View, counting_store, run_epoch, wait_until, write_era5
 from obstore.store import MemoryStore
 
-from insitubatch_nodes import ChunkReadError, insitu_pipeline, open_geometries, split_by_chunk
-from insitubatch_nodes.localfiles import LocalReader, local_reader
-from insitubatch_nodes.stores import open_store
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.io.localfiles import LocalReader, local_reader
+from insitubatch_nodes.io.stores import open_store
 
 VIEWS = {"t2m": View("t2m"), "z": View("z")}
 

@@ -22,8 +22,9 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
-from insitubatch_nodes.plan import schedule_floors
-from insitubatch_nodes.residency import ChunkPool, RamBacking
+from insitubatch_nodes.plan.schedule import schedule_floors
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.slots import RamBacking
 
 LINUX = sys.platform.startswith("linux")
 
@@ -135,7 +136,7 @@ import ctypes, sys, tempfile, threading
 import zarr.storage
 from obstore.store import LocalStore
 from insitubatch_nodes import open_store
-from insitubatch_nodes.stores import as_store
+from insitubatch_nodes.io.stores import as_store
 if sys.argv[2] == "url":
     open_store(sys.argv[1])
 else:

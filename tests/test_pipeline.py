@@ -42,16 +42,15 @@ from torchdata.nodes import Loader
 from insitubatch_nodes import (
     ArrayGeometry,
     Batch,
-    ChunkReadError,
     SplitManifest,
     insitu_pipeline,
     open_geometries,
-    schedule_floors,
     split_by_chunk,
     to_torch,
 )
-from insitubatch_nodes.decode import DecodeError
-from insitubatch_nodes.gather import BufferPool
+from insitubatch_nodes.errors import ChunkReadError, DecodeError
+from insitubatch_nodes.plan.schedule import schedule_floors
+from insitubatch_nodes.stages.gather import BufferPool
 
 # zarr warns that numcodecs' LZ4 is not in the v3 spec whenever it opens the v3_lz4 layout
 pytestmark = pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the Zarr")
@@ -564,13 +563,13 @@ def test_a_budget_below_the_read_once_floor_releases_idle_chunks_and_reads_them_
 def test_an_automatic_budget_over_a_quarter_of_ram_switches_to_the_bounded_schedule(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import insitubatch_nodes.pipeline as pipeline_module
+    import insitubatch_nodes.plan.schedule as schedule_module
 
     root, views, manifest = _shifted_store(tmp_path)
     kwargs: dict[str, Any] = {"batch_size": 8, "block_chunks": 4}
     once = insitu_pipeline(root, manifest, views, **kwargs).stages.pool.budget_bytes
-    monkeypatch.setattr(pipeline_module, "_auto_cap_bytes", lambda: once - 1)
-    with caplog.at_level("WARNING", logger="insitubatch_nodes.pipeline"):
+    monkeypatch.setattr(schedule_module, "_auto_cap_bytes", lambda: once - 1)
+    with caplog.at_level("WARNING", logger="insitubatch_nodes.plan.schedule"):
         pipe = insitu_pipeline(root, manifest, views, **kwargs)
     assert pipe.stages.plan.pin_gap is not None
     assert pipe.stages.pool.budget_bytes < once / 2
@@ -1145,7 +1144,8 @@ def _epoch_floors(
     manifest: SplitManifest, views: dict[str, ArrayGeometry], epochs: int, **kwargs: Any
 ) -> list[int]:
     """The exact read-once working-set floor of each epoch (seed 0, one rank)."""
-    from insitubatch_nodes import plan_epoch, working_set_bytes
+    from insitubatch_nodes.plan.epoch import plan_epoch
+    from insitubatch_nodes.plan.schedule import working_set_bytes
 
     geoms = {v.path: v.base for v in views.values()}
     return [
@@ -1186,7 +1186,7 @@ def test_a_budget_one_byte_over_epoch_0s_read_once_floor_runs_later_epochs_with_
 
 
 def test_more_memory_never_fails_where_less_succeeds(tmp_path: Path) -> None:
-    from insitubatch_nodes import working_set_bytes
+    from insitubatch_nodes.plan.schedule import working_set_bytes
 
     root, views, manifest = _shifted_store(tmp_path)
     kwargs: dict[str, Any] = {"batch_size": 8, "block_chunks": 4}
@@ -1230,7 +1230,7 @@ def test_a_budget_below_the_guaranteed_floor_raises_at_construction_never_in_a_l
         insitu_pipeline(root, manifest, views, cache_budget_bytes=guaranteed - 1, **kwargs)
     # the floor is an upper bound of every epoch's: a long run of epochs' plans stays under it
     pipe = insitu_pipeline(root, manifest, views, cache_budget_bytes=guaranteed, **kwargs)
-    from insitubatch_nodes import working_set_bytes
+    from insitubatch_nodes.plan.schedule import working_set_bytes
 
     geoms = {"t2m": views["x"].base}
     bounded = [working_set_bytes(pipe.stages.plan.epoch_plan(e), geoms)[0] for e in range(40)]

@@ -34,13 +34,13 @@ from helpers import (
 
 from insitubatch_nodes import (
     ArrayGeometry,
-    ChunkReadError,
     SplitManifest,
     insitu_pipeline,
     open_geometries,
     open_store,
     split_by_chunk,
 )
+from insitubatch_nodes.errors import ChunkReadError
 
 pytestmark = [pytest.mark.xdist_group("s3"), pytest.mark.timeout(120)]
 

@@ -16,17 +16,12 @@ import pytest
 import zarr
 from torchdata.nodes import Loader
 
-from insitubatch_nodes import (
-    ArrayGeometry,
-    BatchPlan,
-    ReadPlanNode,
-    SplitManifest,
-    open_geometries,
-    plan_epoch,
-    shuffle_quality,
-    split_by_chunk,
-)
-from insitubatch_nodes.splits import SPLITS
+from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.ledger import BatchPlan
+from insitubatch_nodes.plan.quality import shuffle_quality
+from insitubatch_nodes.plan.splits import SPLITS
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 # -- fixtures ------------------------------------------------------------------------------------
 
@@ -944,7 +939,7 @@ def json_round_trips(state: dict[str, object]) -> bool:
 
 
 def _floor(plan: object, variables: Mapping[str, ArrayGeometry]) -> int:
-    from insitubatch_nodes import working_set_bytes
+    from insitubatch_nodes.plan.schedule import working_set_bytes
 
     return working_set_bytes(plan, {g.path: g.base for g in variables.values()})[0]  # type: ignore[arg-type]
 
@@ -967,7 +962,7 @@ def _floor(plan: object, variables: Mapping[str, ArrayGeometry]) -> int:
 def test_schedule_floors_bound_every_epochs_floor_under_either_schedule(
     partial: ArrayGeometry, micro: dict[str, ArrayGeometry], big: ArrayGeometry, case: str
 ) -> None:
-    from insitubatch_nodes import schedule_floors
+    from insitubatch_nodes.plan.schedule import schedule_floors
 
     kw: dict[str, object] = {"batch_size": 5, "block_chunks": 3}
     node_kw: dict[str, object] = {}

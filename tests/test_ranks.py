@@ -17,14 +17,14 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import (
     ArrayGeometry,
-    ReadPlanNode,
     SplitManifest,
     insitu_pipeline,
     open_geometries,
-    plan_epoch,
     split_by_chunk,
 )
-from insitubatch_nodes.plan import deal
+from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.ranks import deal
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 N_TIME, SPC, SHIFT, BATCH = 203, 8, 2, 7  # 201 valid anchors with a shift(2) view
 # Sit-out per epoch measured with whole-chunk dealing (the policy before issue 12: C % W chunks

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
-from insitubatch_nodes.splits import SPLITS
+from insitubatch_nodes.plan.splits import SPLITS
 
 
 def _geom(n_samples: int, spc: int) -> ArrayGeometry:

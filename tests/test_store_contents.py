@@ -19,13 +19,8 @@ import pytest
 import zarr
 from helpers import write_era5, write_microscopy
 
-from insitubatch_nodes import (
-    CorruptMetadataError,
-    insitu_pipeline,
-    open_geometries,
-    open_store,
-    split_by_chunk,
-)
+from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes.errors import CorruptMetadataError
 
 
 @pytest.fixture(scope="module")

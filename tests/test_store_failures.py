@@ -28,13 +28,13 @@ from helpers import CountingStore, Oracle, View, assert_batch_matches, run_epoch
 
 import insitubatch_nodes
 from insitubatch_nodes import (
-    ChunkReadError,
     RetryPolicy,
     insitu_pipeline,
     open_geometries,
     open_store,
     split_by_chunk,
 )
+from insitubatch_nodes.errors import ChunkReadError
 from insitubatch_nodes.testing import FaultProxy, MotoServer, upload_folder
 
 pytestmark = pytest.mark.timeout(180)

@@ -21,14 +21,9 @@ import pytest
 import zarr
 from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
-from insitubatch_nodes import (
-    StaleCacheError,
-    insitu_pipeline,
-    open_geometries,
-    open_store,
-    split_by_chunk,
-)
-from insitubatch_nodes.store_identity import IDENTITY_NAME, lister_for
+from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes.cache.identity import IDENTITY_NAME, lister_for
+from insitubatch_nodes.errors import StaleCacheError
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -13,15 +13,9 @@ import zarr.storage
 from zarr.abc.store import Store
 from zarr.core.buffer import cpu
 
-from insitubatch_nodes import (
-    SUPPORTED_SCHEMES,
-    RetryPolicy,
-    open_geometries,
-    open_store,
-    split_by_chunk,
-)
-from insitubatch_nodes.plan import ReadPlanNode
-from insitubatch_nodes.stores import as_store, describe_store, retry_policy
+from insitubatch_nodes import RetryPolicy, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, as_store, describe_store, retry_policy
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 
 def _assert_same_group(store: Store, local: Path) -> None:

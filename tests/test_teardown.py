@@ -35,12 +35,12 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import (
     ArrayGeometry,
-    ChunkReadError,
     SplitManifest,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
 )
+from insitubatch_nodes.errors import ChunkReadError
 
 pytestmark = pytest.mark.timeout(60)
 

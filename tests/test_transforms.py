@@ -25,7 +25,7 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
-from insitubatch_nodes.transforms import ChunkTransformError
+from insitubatch_nodes.errors import ChunkTransformError
 
 pytestmark = pytest.mark.timeout(120)
 

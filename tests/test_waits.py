@@ -25,21 +25,15 @@ import pytest
 import zarr
 from helpers import Oracle, View, assert_batch_matches, counting_store, run_epoch, write_era5
 
-from insitubatch_nodes import (
-    AsyncChunkFetchNode,
-    ChunkPool,
-    ChunkPoolNode,
-    FillCancelled,
-    GatherNode,
-    PipelineInterrupted,
-    PrefetcherNode,
-    ReadPlanNode,
-    _runtime,
-    insitu_pipeline,
-    open_geometries,
-    split_by_chunk,
-)
-from insitubatch_nodes._fill import FillJob
+from insitubatch_nodes import _runtime, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import FillCancelled, PipelineInterrupted
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages._jobs import FillJob
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
+from insitubatch_nodes.stages.gather import GatherNode
+from insitubatch_nodes.stages.prefetch import PrefetcherNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.resident import ChunkPoolNode
 
 pytestmark = pytest.mark.timeout(60)
 TESTS = Path(__file__).parent

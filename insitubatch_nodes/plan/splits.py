@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.coords import Coordinate
-from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.io.coords import Coordinate
+from insitubatch_nodes.io.geometry import ArrayGeometry
 
 __all__ = ["SPLITS", "SplitManifest", "split_by_chunk"]
 
@@ -192,11 +192,11 @@ def split_by_chunk(
     stop)`` keeps only the chunks overlapping that half-open sample range, snapping outward to
     chunk boundaries. A split with no chunks is legal and yields nothing.
 
-    With ``coord`` (a :class:`~insitubatch_nodes.coords.Coordinate` of ``geom``'s sample axis,
+    With ``coord`` (a :class:`~insitubatch_nodes.io.coords.Coordinate` of ``geom``'s sample axis,
     e.g. ``open_coordinates(store, geom)["time"]``) ``sample_range`` is a window of coordinate
     *values* instead: the samples with ``start <= value < stop`` (half-open; dates as numpy
     datetime64, datetime or ISO strings for a time coordinate), found by
-    :meth:`~insitubatch_nodes.coords.Coordinate.index_range` and then snapped outward to chunks
+    :meth:`~insitubatch_nodes.io.coords.Coordinate.index_range` and then snapped outward to chunks
     like an index range. The manifest records that index range as its ``sample_range``.
     """
     fr = tuple(float(f) for f in fractions)

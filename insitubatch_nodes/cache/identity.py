@@ -1,7 +1,8 @@
 """Store identity: which stored objects a persisted chunk was made from, checked before reuse.
 
 A persistent cache (:mod:`~insitubatch_nodes.cache`) keeps chunks after their chunk transforms;
-its fingerprint (:mod:`~insitubatch_nodes.fingerprint`) covers the geometry and the transforms,
+its fingerprint (:mod:`~insitubatch_nodes.cache.fingerprint`) covers the geometry and the
+transforms,
 not the data. This module covers the data: a rewritten store (same shape, new values), a deleted
 object, or an object that appeared where the warming run read none (the chunk was the fill
 value) makes the chunks it belongs to *stale*.
@@ -11,7 +12,7 @@ identifies it — nothing is requested for it:
 
 * through obstore (``s3://``, ``gs://``, ``az://``, ``memory://``, a local folder read through
   obstore): the GET result's ``meta`` — size, ``e_tag`` and ``last_modified``;
-* a local folder read on the decode threads (:mod:`~insitubatch_nodes.localfiles`): the
+* a local folder read on the decode threads (:mod:`~insitubatch_nodes.io.localfiles`): the
   ``fstat`` of the file it read — size, ``mtime_ns`` and inode;
 * an object that is not there (read as the fill value): recorded as *absent*.
 
@@ -187,8 +188,8 @@ def lister_for(store: Any) -> LocalLister | ObstoreLister | str:
     """How ``store`` is listed — the same read path the fetch stage records through (a folder
     read on the decode threads is listed as a folder; an obstore-backed store with obstore) — or
     a sentence saying why it cannot be."""
-    from insitubatch_nodes.localfiles import local_reader
-    from insitubatch_nodes.stores import cannot_list, plain_object_store
+    from insitubatch_nodes.io.localfiles import local_reader
+    from insitubatch_nodes.io.stores import cannot_list, plain_object_store
 
     reader = local_reader(store)
     if reader is not None:

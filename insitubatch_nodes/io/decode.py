@@ -1,6 +1,6 @@
 """Decode one stored object straight into the caller's memory, with the GIL released.
 
-A :class:`ChunkDecoder` is built once per :class:`~insitubatch_nodes.geometry.ArrayGeometry`. It
+A :class:`ChunkDecoder` is built once per :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`. It
 inspects the array's codec chain once and picks a plan:
 
 * **numcodecs** — the chain is ``bytes`` (+ any mix of numcodecs compressors / checksums and
@@ -32,21 +32,19 @@ import numcodecs
 import numpy as np
 from numcodecs.compat import ensure_contiguous_ndarray
 
-from insitubatch_nodes import _zarr_compat
-from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.errors import DecodeError
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.geometry import ArrayGeometry
 
-__all__ = ["ChunkDecoder", "DecodeError"]
+__all__ = [
+    "ChunkDecoder",
+]
 
 _MISSING = 2**64 - 1  # shard index entry of an inner chunk that was never written
 _U8 = np.dtype(np.uint8)
 # numcodecs codecs that honour ``decode(buf, out=...)`` (checked: they write into ``out``) and
 # whose decoded size can be read from the encoded header before decoding.
 _INPLACE_IDS = frozenset({"zstd", "blosc", "lz4", "gzip"})
-
-
-class DecodeError(ValueError):
-    """A stored object could not be decoded (corrupt or truncated bytes, checksum mismatch, or a
-    decoded size that does not match the chunk). The underlying error is the ``__cause__``."""
 
 
 @dataclass

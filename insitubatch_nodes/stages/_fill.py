@@ -3,14 +3,14 @@
 A :class:`FillJob` is the work one admission of the fetch stage starts: the stored objects of
 the chunks one batch is the first to read. Some land in pool slots (chunks other batches read
 too); at one sample per chunk, an object whose only reader is one row of this batch lands
-straight in that row of the batch's arrays (see :mod:`~insitubatch_nodes.fetch`). Everything
+straight in that row of the batch's arrays (see :mod:`~insitubatch_nodes.stages.fetch`). Everything
 per job is done once, not once per object: one admission, one :class:`~insitubatch_nodes.
 residency.Fill` that every entry of the job joins (one wake-up for the batch that waits on
 it), one priority ticket, one submission to the decode threads.
 
 **Decode threads take runs.** A job's objects wait in its own queue; up to one *run* per decode
 thread takes them one after the other — for a store on local disk each object is read on the
-run's thread (:mod:`~insitubatch_nodes.localfiles`) and decoded in place at once — with no
+run's thread (:mod:`~insitubatch_nodes.io.localfiles`) and decoded in place at once — with no
 round trip through the event loop between objects. A run gives its thread up between two
 objects when a job of a sooner ticket (an earlier batch) is waiting, and carries on later.
 
@@ -22,7 +22,7 @@ when the loop ran out of permits (at most once per such stall), not once per obj
 
 **Resolution.** An entry resolves once every stored object of it has been handled: ready (after
 its chunk transforms and, for a cache file, its checksum) or failed (the first error of its
-objects, or :class:`~insitubatch_nodes.residency.FillCancelled` when it lost its last pin
+objects, or :class:`~insitubatch_nodes.pool.FillCancelled` when it lost its last pin
 before all its objects landed; a fill that completes anyway keeps its chunk). A job resolves
 its own member of the fill once every object is handled; direct rows that failed set
 :attr:`FillJob.error`, which the batch re-raises.
@@ -30,209 +30,29 @@ its own member of the fill once every object is handled; direct rows that failed
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
 from insitubatch_nodes._runtime import PriorityPool
-from insitubatch_nodes.decode import ChunkDecoder
-from insitubatch_nodes.geometry import ArrayGeometry
-from insitubatch_nodes.localfiles import LocalReader
-from insitubatch_nodes.residency import PENDING, ChunkEntry, ChunkPool, Fill, FillCancelled
-from insitubatch_nodes.store_identity import IdentityRecorder, meta_identity, stat_identity
+from insitubatch_nodes.cache.identity import IdentityRecorder, stat_identity
+from insitubatch_nodes.errors import ChunkReadError, FillCancelled
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.localfiles import LocalReader
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.slots import PENDING, ChunkEntry
+from insitubatch_nodes.stages._get import Getter
+from insitubatch_nodes.stages._jobs import REVIVE, SMALL_OBJECT_S, ArrayFill, FillJob, Rows, Unit
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["ArrayFill", "ChunkReadError", "FillJob", "Filler", "Getter"]
+__all__ = ["Filler"]
 
-log = logging.getLogger("insitubatch_nodes.fetch")
+log = logging.getLogger("insitubatch_nodes.stages.fetch")
 _now = time.perf_counter
-
-
-class ChunkReadError(RuntimeError):
-    """A stored object could not be read or decoded. The cause is chained (``__cause__``).
-
-    The message names the array, the chunk (and tile), the store key and the store.
-    """
-
-    def __init__(
-        self,
-        array: str,
-        chunk_index: int,
-        tile: tuple[int, ...],
-        key: str,
-        what: str,
-        store: str = "",
-    ):
-        self.array, self.chunk_index, self.tile, self.key = array, chunk_index, tile, key
-        self.store = store
-        where = f"chunk {chunk_index}" + (f" tile {tile}" if any(tile) else "")
-        source = f" in store {store}" if store else ""
-        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
-
-
-class ArrayFill:
-    """What filling one array's stored objects needs, worked out once per array: its decoder,
-    its key template, its tiles and the rectangle each covers."""
-
-    __slots__ = (
-        "decoder",
-        "fill_value",
-        "geom",
-        "missing",
-        "path",
-        "row_key",
-        "template",
-        "tiles",
-        "whole",
-    )
-
-    def __init__(self, geom: ArrayGeometry, decoder: ChunkDecoder) -> None:
-        self.geom = geom
-        self.path = geom.path
-        self.decoder = decoder
-        self.template = geom.key_template
-        #: every tile and the (sample-first) index of its rectangle within a chunk's region
-        self.tiles = [(tuple(t), (slice(None), *geom.tile_slices(t))) for t in geom.tiles()]
-        self.whole = geom.n_tiles == 1  # one stored object covers the whole field
-        self.fill_value: Any = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
-        self.missing = False  # the last object read of this array was missing (a hint)
-        #: ``(before, after)``: the key of a whole chunk is ``before + str(chunk) + after``
-        self.row_key: tuple[str, str] | None = None
-        if self.whole and self.template is not None:
-            coords: list[Any] = ["0"] * geom.ndim
-            coords[geom.sample_axis] = "\x00"
-            parts = self.template.format(*coords).split("\x00")
-            if len(parts) == 2:
-                self.row_key = (parts[0], parts[1])
-
-    def key(self, chunk: int, tile: tuple[int, ...]) -> str:
-        if self.template is None:
-            return self.geom.store_key(chunk, tile)
-        coords = list(tile)
-        coords.insert(self.geom.sample_axis, chunk)
-        return self.template.format(*coords)
-
-
-# A unit is one stored object to fill: (array, chunk, tile, destination, entry or None).
-# A queued item is (unit, landed, raw, error, holds_a_permit): ``landed`` is when its GET
-# ended, 0.0 when the run reads the object itself (a local store).
-Unit = tuple[ArrayFill, int, tuple[int, ...], np.ndarray, "ChunkEntry | None"]
-_REVIVE: tuple[int, ...] = (-1,)  # the tile of a unit that maps a persistent-cache file
-ROWS_PER_ITEM = 8  # chunks one queued item of rows decoded in place holds (per array)
-#: Stored objects that take the decode threads less than this (read + decode) are filled by
-#: one thread at a time: a second thread would only pass the interpreter lock back and forth.
-SMALL_OBJECT_S = 40e-6
-
-
-class Rows:
-    """Chunks of one array (one sample each) decoded straight into rows of a batch array:
-    chunk ``chunks[i]`` into ``out[rows[i]]``. One queued item: a run takes all of them, with
-    no Python object per stored object (what keeps sixty arrays a sample cheap)."""
-
-    __slots__ = ("array", "chunks", "objects", "out", "rows")
-
-    def __init__(self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]):
-        self.array, self.out, self.chunks, self.rows = array, out, chunks, rows
-        self.objects = len(chunks) * len(array.tiles)
-
-    def units(self) -> list[Unit]:
-        """One unit per stored object (for GETs, which go one by one)."""
-        array, out = self.array, self.out
-        units: list[Unit] = []
-        for chunk, r in zip(self.chunks, self.rows, strict=True):
-            row = out[r : r + 1]
-            units.extend(
-                (array, chunk, tile, row if array.whole else row[box], None)
-                for tile, box in array.tiles
-            )
-        return units
-
-    def store_keys(self) -> list[str]:
-        return [self.array.key(c, t) for c in self.chunks for t, _ in self.array.tiles]
-
-
-class FillJob:
-    """The stored objects one admission fetches (module docstring); built on the producer
-    thread, then owned by the :class:`Filler`.
-
-    ``fill`` is shared with every entry the admission pins as a miss (pass it to
-    :meth:`~insitubatch_nodes.residency.ChunkPool.acquire_many`); the job itself is one of its
-    members, resolved when every object has been handled. ``arrays`` are the batch arrays its
-    direct rows land in (``None`` without direct rows); ``error`` is the first error of a
-    direct row (the batch fails with it).
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "arrays",
-        "cancelled",
-        "error",
-        "fill",
-        "generation",
-        "left",
-        "lock",
-        "rows",
-        "runs",
-        "spares",
-        "submitted",
-        "ticket",
-        "todo",
-        "units",
-    )
-
-    def __init__(self, ticket: int, generation: int) -> None:
-        self.ticket = ticket
-        self.generation = generation
-        self.fill = Fill(1)
-        self.units: list[Unit] = []  # stored objects of pool entries
-        self.rows: list[Rows] = []  # rows decoded straight into the batch
-        self.arrays: dict[str, np.ndarray] | None = None
-        self.spares: dict[int, np.ndarray] = {}  # id(entry) -> decode buffer (reshaping)
-        self.error: BaseException | None = None
-        self.cancelled = False
-        self.lock = threading.Lock()
-        self.todo: deque[tuple[Unit | Rows, float, Any, BaseException | None, bool]] = deque()
-        self.left = 0
-        self.runs = 0
-        self.submitted = 0.0
-
-    def add_entry(self, entry: ChunkEntry, array: ArrayFill, region: np.ndarray) -> None:
-        """Fill ``entry`` (a miss) by this job: one unit per stored object (one for a chunk
-        found in the persistent cache, whose file is mapped instead)."""
-        chunk = entry.key[1]
-        if entry.cached is not None:
-            entry.tiles_left = 1
-            self.units.append((array, chunk, _REVIVE, region, entry))
-            return
-        entry.tiles_left = len(array.tiles)
-        self.units.extend((array, chunk, tile, region[box], entry) for tile, box in array.tiles)
-
-    def add_rows(
-        self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]
-    ) -> None:
-        """Decode chunk ``chunks[i]`` (one sample) of ``array`` straight into row ``rows[i]``
-        of the batch array ``out``."""
-        for lo in range(0, len(chunks), ROWS_PER_ITEM):
-            hi = lo + ROWS_PER_ITEM
-            self.rows.append(Rows(array, out, chunks[lo:hi], rows[lo:hi]))
-
-    def skips(self, unit: Unit) -> bool:
-        """Whether ``unit`` no longer needs filling: its entry failed, was resolved, or lost
-        its last pin (detached); a direct row of a cancelled or failed job."""
-        entry = unit[4]
-        if entry is None:
-            return self.cancelled or self.error is not None
-        return (
-            entry.state != PENDING
-            or entry.error is not None
-            or (entry.detached and entry.pins == 0)
-        )
 
 
 class Filler:
@@ -280,10 +100,10 @@ class Filler:
         if not job.left:
             self._job_done(job)
             return
-        revive = [u for u in units if u[2] is _REVIVE]
+        revive = [u for u in units if u[2] is REVIVE]
         if self.reader is not None or self.getter is None:
             if self.reader is not None and self.reader.cold:
-                keys = [u[0].key(u[1], u[2]) for u in units if u[2] is not _REVIVE]
+                keys = [u[0].key(u[1], u[2]) for u in units if u[2] is not REVIVE]
                 self.reader.advise_many([*keys, *(k for r in rows for k in r.store_keys())])
             items: list[tuple[Unit | Rows, float, Any, BaseException | None, bool]]
             items = [(u, 0.0, None, None, False) for u in units]
@@ -292,7 +112,7 @@ class Filler:
             return
         if revive:  # cache files are mapped on the decode threads, never GET
             self.land_many(job, [(u, 0.0, None, None, False) for u in revive])
-        fetch = [u for u in units if u[2] is not _REVIVE]
+        fetch = [u for u in units if u[2] is not REVIVE]
         if fetch or rows:
             self.getter.enqueue(job, fetch, rows)
 
@@ -497,7 +317,7 @@ class Filler:
             return
         if error is not None and not isinstance(error, ChunkReadError):
             raise error  # the machinery failed, not the store
-        if tile is _REVIVE:
+        if tile is REVIVE:
             self._revive(job, unit, acc)
             return
         key = array.key(chunk, tile)
@@ -735,124 +555,3 @@ class _Tally:
         self.transforms = 0
         self.transform_s = 0.0
         self.run_s = 0.0
-
-
-class Getter:
-    """GETs on the IO loop for one fetch stage, at most ``max_inflight`` objects in flight
-    (module docstring). Everything but :meth:`release` and :meth:`enqueue` runs on the loop."""
-
-    def __init__(
-        self,
-        get: Callable[..., Any],
-        loop: asyncio.AbstractEventLoop,
-        max_inflight: int,
-        store_name: str,
-        filler: Callable[[], Filler],
-    ) -> None:
-        self._get = get
-        self.loop = loop
-        self.max_inflight = max_inflight
-        self.store_name = store_name
-        self._filler = filler
-        self._queue: deque[tuple[FillJob, Unit]] = deque()  # on the loop only
-        self._lock = threading.Lock()
-        self.inflight = 0  # permits taken: GETs started and not yet decoded
-        self._starved = False
-        self.tasks: dict[asyncio.Task[None], tuple[FillJob, Unit]] = {}  # loop only
-        self.obstore = False
-
-    def enqueue(self, job: FillJob, units: Sequence[Unit], rows: Sequence[Rows] = ()) -> None:
-        """Queue ``job``'s objects for GETs (any thread: one loop wake-up per call)."""
-        self.loop.call_soon_threadsafe(self._enqueue, job, units, rows)
-
-    def _enqueue(self, job: FillJob, units: Sequence[Unit], rows: Sequence[Rows]) -> None:
-        self._queue.extend((job, unit) for unit in units)
-        for r in rows:
-            self._queue.extend((job, unit) for unit in r.units())
-        self._pump()
-
-    def release(self) -> None:
-        """A permit's object is handled (any thread): wake the loop if it waits for one."""
-        self._filler().pool.note_io(inflight=-1)
-        with self._lock:
-            self.inflight -= 1
-            wake, self._starved = self._starved, False
-        if wake and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._pump)
-
-    def _pump(self) -> None:
-        queue = self._queue
-        filler = self._filler()
-        while queue:
-            job, unit = queue[0]
-            if job.skips(unit):
-                queue.popleft()
-                filler.land_many(job, [(unit, _now(), None, FillCancelled("cancelled"), False)])
-                continue
-            with self._lock:
-                if self.inflight >= self.max_inflight:
-                    self._starved = True
-                    return
-                self.inflight += 1
-            filler.pool.note_io(inflight=1)
-            queue.popleft()
-            task = self.loop.create_task(self._fetch(job, unit, filler))
-            self.tasks[task] = (job, unit)
-            task.add_done_callback(self._forget)
-
-    def _forget(self, task: asyncio.Task[None]) -> None:
-        self.tasks.pop(task, None)
-        if not task.cancelled():
-            task.exception()  # retrieved: a failure was landed already
-
-    async def _fetch(self, job: FillJob, unit: Unit, filler: Filler) -> None:
-        array, chunk, tile, _, _ = unit
-        rec = filler.recorder
-        ids = filler._identities()
-        meta: list[Any] | None = None if ids is None else []
-        started = rec.on_get_start() if rec is not None else 0.0
-        raw: Any = None
-        error: BaseException | None = None
-        try:
-            key = array.key(chunk, tile)
-        except Exception as exc:  # a bug, not a read error: it fails the batch as it is
-            filler.land_many(job, [(unit, _now(), None, exc, True)])
-            return
-        try:
-            raw = await (self._get(key) if meta is None else self._get(key, meta))
-        except asyncio.CancelledError:
-            error = FillCancelled(f"the read of {key!r} was cancelled")
-        except Exception as exc:
-            error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
-            error.__cause__ = exc
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit: land, then go on up
-            error = exc
-        nbytes = 0 if raw is None else len(raw)
-        if error is None:
-            filler.pool.note_io(1, nbytes)
-        if rec is not None:
-            rec.on_get_end(started, nbytes, ok=error is None)
-        if error is None and ids is not None and meta:  # what identifies the object
-            ids.note(array.path, chunk, key, meta_identity(meta[0]))
-        filler.land_many(job, [(unit, _now(), raw, error, True)])
-        if error is not None and not isinstance(error, Exception | FillCancelled):
-            raise error
-
-    def cancel_skipped(self) -> None:
-        """Cancel the GETs in flight whose objects are no longer needed (any thread)."""
-
-        def cancel() -> None:
-            for task, (job, unit) in list(self.tasks.items()):
-                if job.skips(unit):
-                    task.cancel()
-
-        if not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(cancel)
-
-    async def cancel_all(self) -> None:
-        """Cancel every GET in flight and wait for them (interpreter exit)."""
-        tasks = list(self.tasks)
-        for task in tasks:
-            task.cancel()
-        if tasks:
-            await asyncio.wait(tasks, timeout=2.0)

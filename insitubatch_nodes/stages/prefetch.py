@@ -36,8 +36,8 @@ from typing import Any, Generic, TypeVar
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
-from insitubatch_nodes.report import EpochRecorder
-from insitubatch_nodes.residency import PipelineInterrupted
+from insitubatch_nodes.errors import PipelineInterrupted
+from insitubatch_nodes.recorder import EpochRecorder
 
 __all__ = ["PrefetcherNode"]
 

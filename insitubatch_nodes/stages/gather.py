@@ -7,7 +7,7 @@ never O(samples).
 
 Batches are in native byte order whatever the slots hold: the buffers are allocated native and
 the copy converts (a slot is native already unless a chunk transform declared otherwise: the
-decoder swaps big-endian chunks as it writes them, see :mod:`insitubatch_nodes.geometry`).
+decoder swaps big-endian chunks as it writes them, see :mod:`insitubatch_nodes.io.geometry`).
 
 Batch arrays are carved from reusable buffers, lent under one explicit ownership rule (see
 :class:`BufferPool`): a buffer is handed out again only once every array, view and tensor made
@@ -30,10 +30,10 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.pool import ResidentBatch
-from insitubatch_nodes.report import EpochRecorder
-from insitubatch_nodes.residency import RamBacking, is_level_major
+from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.slots import RamBacking, is_level_major
+from insitubatch_nodes.stages.resident import ResidentBatch
 
 __all__ = ["PARALLEL_GATHER_BYTES", "BatchBuffers", "BufferPool", "GatherNode", "gather_label"]
 
@@ -107,7 +107,7 @@ class BatchBuffers:
     :meth:`take` lends arrays for a batch of ``n`` rows (a prefix view of buffers of
     :attr:`rows` rows; larger batches, after an elastic resume, grow the buffers). The gather
     stage takes them for the batches it assembles; it also lends them to the fetch stage below
-    it (:meth:`~insitubatch_nodes.fetch.AsyncChunkFetchNode.accept_batch_buffers`), which
+    it (:meth:`~insitubatch_nodes.stages.fetch.AsyncChunkFetchNode.accept_batch_buffers`), which
     decodes rows straight into them. Both run on the pipeline's producer thread.
     """
 
@@ -134,7 +134,7 @@ class BatchBuffers:
     def reserve(self, batches: int) -> None:
         """Make the buffers of ``batches`` batches ahead of need, on a thread of their own, with
         their pages already faulted in (:meth:`RamBacking.allocate_populated
-        <insitubatch_nodes.residency.RamBacking.allocate_populated>`: one pass of the kernel
+        <insitubatch_nodes.slots.RamBacking.allocate_populated>`: one pass of the kernel
         several times as fast as first writes faulting them in page by page, which a fresh
         process would otherwise pay inside the decodes of its first batches). :meth:`take`
         never waits for it: a batch that finds none ready allocates as before."""
@@ -225,7 +225,7 @@ def take_rows(slot: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     """``out[:] = slot[rows]`` with one ``np.take`` into the C-contiguous ``out``.
 
     ``np.take`` copies a non-contiguous source whole before it gathers, so a level-major slot
-    (see :mod:`insitubatch_nodes.residency`) is gathered from its memory instead: seen as rows
+    (see :mod:`insitubatch_nodes.pool`) is gathered from its memory instead: seen as rows
     ``(level, sample)``, every sample's level is one contiguous run, and row ``r`` of ``out``
     is the runs ``level * spc + rows[r]`` for every level, in order.
     """

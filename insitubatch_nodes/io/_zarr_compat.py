@@ -391,7 +391,7 @@ def io_loop() -> Any:
     return _get_loop()
 
 
-# -- decoding (used by insitubatch_nodes.decode) -------------------------------------------------
+# -- decoding (used by insitubatch_nodes.io.decode) ---
 # zarr's codec classes and chunk-spec types are imported lazily inside these functions: they are
 # the names that move between zarr releases.
 
@@ -627,7 +627,7 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
     ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
     finished after that many seconds is cancelled and raises ``TimeoutError``. A signed cloud
-    store that finds no credentials raises :func:`~insitubatch_nodes.stores.credentials_error`'s
+    store that finds no credentials raises :func:`~insitubatch_nodes.io.stores.credentials_error`'s
     ``PermissionError`` (obstore's error chained).
     """
     from zarr.storage import ObjectStore
@@ -636,7 +636,7 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     if isinstance(store, ObjectStore):
         import obstore
 
-        from insitubatch_nodes.stores import credentials_error
+        from insitubatch_nodes.io.stores import credentials_error
 
         inner = store.store
 

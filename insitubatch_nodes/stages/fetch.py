@@ -1,12 +1,13 @@
 """The fetch stage: which stored objects each batch needs fetched, admitted a batch at a time.
 
-:class:`AsyncChunkFetchNode` pulls :class:`~insitubatch_nodes.plan.BatchPlan` s from its source
+:class:`AsyncChunkFetchNode` pulls :class:`~insitubatch_nodes.plan.ledger.BatchPlan` s from its
+source
 ahead of the consumer. For every batch it works from the epoch plan's chunk ledgers (one per
 plan group, numpy: O(1) Python per group, not per chunk) and admits, in one step under one
 lock, the chunks the batch is the first to read: each is pinned in the
-:class:`~insitubatch_nodes.residency.ChunkPool` (a chunk the pool holds is a hit and is not
-fetched again), and every miss joins one :class:`~insitubatch_nodes._fill.FillJob` that GETs
-and decodes its stored objects (see :mod:`~insitubatch_nodes._fill`: runs on the decode
+:class:`~insitubatch_nodes.pool.ChunkPool` (a chunk the pool holds is a hit and is not
+fetched again), and every miss joins one :class:`~insitubatch_nodes.stages._fill.FillJob` that GETs
+and decodes its stored objects (see :mod:`~insitubatch_nodes.stages._fill`: runs on the decode
 threads, GETs on the shared IO loop, a store on local disk read on the decode threads).
 
 **Rows decoded straight into the batch.** At one sample per chunk a stored object *is* a batch
@@ -15,8 +16,8 @@ group of one sample per chunk, every array read by one label, no chunk transform
 persistent cache) and the pool would not keep it for a later epoch anyway (an automatic budget,
 or one below the bytes of every chunk the epoch reads), its objects are decoded into that row of
 the batch's own arrays — no slot, no pin, no copy by the gather. The arrays are the gather
-stage's reusable batch buffers (:class:`~insitubatch_nodes.gather.BatchBuffers`), which a
-:class:`~insitubatch_nodes.gather.GatherNode` offers to the fetch stage below it when it is
+stage's reusable batch buffers (:class:`~insitubatch_nodes.stages.gather.BatchBuffers`), which a
+:class:`~insitubatch_nodes.stages.gather.GatherNode` offers to the fetch stage below it when it is
 built; without them every chunk goes through the pool. ``direct=False`` turns this off,
 ``direct=True`` uses it whatever the budget.
 
@@ -33,7 +34,7 @@ residency stage downstream waits for their fills. The node owns every pin it tak
 carries a ``release`` handle that drops the pins of the chunks its batch reads for the last time
 (the residency stage calls it once the batch has been gathered), and ``reset``/``close`` drop
 every pin at once and cancel the fills nobody else pins — without waiting for them: a slot is
-reused only once its fill has finished (see :mod:`~insitubatch_nodes.residency`), so neither
+reused only once its fill has finished (see :mod:`~insitubatch_nodes.pool`), so neither
 call ever waits for a GET. A pool shared by several fetch nodes keeps working when one of them
 closes.
 
@@ -54,8 +55,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -63,22 +63,28 @@ from torchdata.nodes import BaseNode
 from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
-from insitubatch_nodes import _runtime, _zarr_compat
+from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_bool
-from insitubatch_nodes._fill import ArrayFill, ChunkReadError, Filler, FillJob, Getter
-from insitubatch_nodes.decode import ChunkDecoder
-from insitubatch_nodes.geometry import ArrayGeometry
-from insitubatch_nodes.localfiles import local_reader
-from insitubatch_nodes.plan import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
-from insitubatch_nodes.report import EpochRecorder
-from insitubatch_nodes.residency import ChunkEntry, ChunkPool, working_set_bytes
-from insitubatch_nodes.stores import RetryPolicy, describe_store, retry_policy
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.decode import ChunkDecoder
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.localfiles import local_reader
+from insitubatch_nodes.io.stores import RetryPolicy, describe_store, retry_policy
+from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
+from insitubatch_nodes.plan.schedule import working_set_bytes
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.slots import ChunkEntry
+from insitubatch_nodes.stages._fill import Filler
+from insitubatch_nodes.stages._get import Getter
+from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, FillJob, PendingBatch, PlanGroup
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 if TYPE_CHECKING:
-    from insitubatch_nodes.gather import BatchBuffers
+    from insitubatch_nodes.stages.gather import BatchBuffers
 
-__all__ = ["BAD_CHUNK_POLICIES", "AsyncChunkFetchNode", "ChunkReadError", "FetchedBatch"]
+__all__ = ["BAD_CHUNK_POLICIES", "AsyncChunkFetchNode", "check_on_bad_chunk"]
+
 
 #: What ``on_bad_chunk`` accepts: fail the epoch, or fill the bad stored chunk and go on.
 BAD_CHUNK_POLICIES = ("raise", "nan")
@@ -130,56 +136,6 @@ async def _cancel_gets(getters: Iterable[Getter]) -> None:
     await asyncio.gather(*(g.cancel_all() for g in getters))
 
 
-@dataclass(frozen=True, eq=False)
-class FetchedBatch:
-    """A batch plan whose chunks are admitted: ``entries`` covers every pool chunk it reads.
-
-    ``jobs`` are the fills this batch started (wait for them too); ``arrays`` are its batch
-    arrays when some rows were decoded straight into them (``direct[label]`` rows of each
-    label), else ``None``. ``release()`` drops the pins of the chunks this batch reads for the
-    last time; call it once the batch has been gathered. It is a no-op after the fetch node was
-    reset or closed.
-    """
-
-    plan: BatchPlan
-    entries: Mapping[ChunkKey, ChunkEntry]
-    release: Callable[[], None]
-    jobs: tuple[FillJob, ...] = ()
-    arrays: Mapping[str, np.ndarray] | None = None
-    direct: Mapping[str, int] = field(default_factory=dict)
-
-
-@dataclass(eq=False)
-class _Pending:
-    plan: BatchPlan
-    state: dict[str, Any]  # the source's state right after this plan was pulled
-    # pool chunks to admit before this batch (its first reads, plus any carried into it)
-    requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]]
-    job: FillJob | None = None  # built with its rows decoded in place; submitted at admission
-    arrays: dict[str, np.ndarray] | None = None
-    rows: dict[str, int] = field(default_factory=dict)  # label -> rows decoded in place
-    # group index -> the chunks decoded in place (a slot of the same chunk is not read)
-    in_place: dict[int, set[int]] = field(default_factory=dict)
-    admitted: int = 0  # how many of requests are admitted
-    ahead_bytes: int = 0
-    jobs: list[FillJob] = field(default_factory=list)
-
-    @property
-    def done(self) -> bool:
-        return self.admitted == len(self.requests)
-
-
-@dataclass(frozen=True)
-class _Group:
-    """How the fetch stage treats one plan group (one ledger) in this node."""
-
-    paths: tuple[str, ...]
-    nbytes: int  # slot bytes of one chunk of every path
-    # path -> {view offset: the label} its single-use chunks decode into (None: all via slots)
-    direct: Mapping[str, Mapping[int, str]] | None
-    row_bytes: int  # batch bytes of one direct row over every path
-
-
 class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     """Fetch + decode stage (see the module docstring).
 
@@ -187,9 +143,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     live in. When it is a ``zarr.storage.ObjectStore`` the GETs go straight to the obstore store
     underneath (``obstore.get_async``); any other zarr store is read with its own ``get``. A
     store that is exactly a local folder is not read with GETs: each object is read and decoded
-    by one decode-pool thread (:mod:`~insitubatch_nodes.localfiles`; no deadline applies there).
+    by one decode-pool thread (:mod:`~insitubatch_nodes.io.localfiles`; no deadline applies there).
     Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (default: the policy the
-    store was opened with, see :func:`~insitubatch_nodes.stores.retry_policy`).
+    store was opened with, see :func:`~insitubatch_nodes.io.stores.retry_policy`).
 
     ``chunk_transforms`` (see :mod:`~insitubatch_nodes.transforms`) run on the decode threads
     on every chunk this node decodes, once all of its stored objects have landed; slots are
@@ -286,7 +242,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         )
         self._pid = os.getpid()
         self._generation = 0  # bumped by every teardown: older release handles do nothing
-        self._queue: deque[_Pending] = deque()
+        self._queue: deque[PendingBatch] = deque()
         # Chunks this node holds pins on, and how many: a chunk released after one use segment
         # can already be re-admitted (read-ahead) for its next one before that release happens.
         self._live: dict[ChunkKey, ChunkEntry] = {}
@@ -295,7 +251,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._ahead_bytes = 0
         self._read_ahead = 0
         self._epoch_plan: EpochPlan | None = None
-        self._groups: list[_Group] = []
+        self._groups: list[PlanGroup] = []
         self._fetched: dict[tuple[str, ...], np.ndarray] = {}  # paths -> chunks fetched before
         self._buffers: BatchBuffers | None = None
         self._exhausted = False
@@ -490,7 +446,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._epoch_plan, self._read_ahead = plan, read_ahead
         self._groups = self._plan_groups(plan)
 
-    def _plan_groups(self, plan: EpochPlan) -> list[_Group]:
+    def _plan_groups(self, plan: EpochPlan) -> list[PlanGroup]:
         if plan is self._epoch_plan and self._groups:
             return self._groups
         direct_ok = self._direct_allowed(plan)
@@ -499,7 +455,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             nbytes = sum(self.slot_geoms[p].chunk_nbytes for p in ledger.paths)
             labels = self._direct_labels(plan, ledger) if direct_ok else None
             row = 0 if labels is None else sum(self.geoms[p].sample_nbytes for p in ledger.paths)
-            out.append(_Group(tuple(ledger.paths), nbytes, labels, row))
+            out.append(PlanGroup(tuple(ledger.paths), nbytes, labels, row))
         return out
 
     def _direct_allowed(self, plan: EpochPlan) -> bool:
@@ -548,14 +504,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             out.setdefault(view.path, {})[view.offset] = label
         return out if len(out) == len(ledger.paths) else None
 
-    def _prepare(self, plan: BatchPlan, carried: bool) -> _Pending:
+    def _prepare(self, plan: BatchPlan, carried: bool) -> PendingBatch:
         """What admitting ``plan`` takes: the pool chunks it (first) reads, in need order, and
         a job for the rows decoded straight into its arrays."""
         epoch = plan.epoch_plan
         at = plan.index - epoch.first_batch
         requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]] = []
-        pending = _Pending(plan=plan, state=self.source.state_dict(), requests=requests)
-        direct: list[tuple[_Group, np.ndarray, np.ndarray, np.ndarray]] = []
+        pending = PendingBatch(plan=plan, state=self.source.state_dict(), requests=requests)
+        direct: list[tuple[PlanGroup, np.ndarray, np.ndarray, np.ndarray]] = []
         misses = re_reads = 0
         for gi, (ledger, group) in enumerate(zip(epoch.ledgers, self._groups, strict=True)):
             seg = ledger.fetched(at)
@@ -601,7 +557,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 rec.on_admit_counts(0, misses, re_reads)
         return pending
 
-    def _resident(self, group: _Group, chunks: np.ndarray) -> np.ndarray:
+    def _resident(self, group: PlanGroup, chunks: np.ndarray) -> np.ndarray:
         lookup = self.pool.lookup
         return np.array(
             [any(lookup((p, c)) is not None for p in group.paths) for c in chunks.tolist()],
@@ -622,7 +578,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         bits[chunks] = True
         return seen
 
-    def _admit(self, pending: _Pending) -> bool:
+    def _admit(self, pending: PendingBatch) -> bool:
         """Pin the plan's first reads in order and start their fill; False when the pool has no
         room for all of them yet."""
         job = pending.job or FillJob(_runtime.next_ticket(), self._generation)

@@ -20,7 +20,8 @@ attributes, as xarray does for a zarr store, but without xarray:
 * anything else comes as stored.
 
 A :class:`Coordinate` turns a value window into a sample window (:meth:`Coordinate.index_range`,
-what ``split_by_chunk(..., coord=...)`` uses), and :class:`~insitubatch_nodes.gather.GatherNode`
+what ``split_by_chunk(..., coord=...)`` uses), and
+:class:`~insitubatch_nodes.stages.gather.GatherNode`
 indexes its values with each batch's sample indices to deliver ``batch.coords``.
 """
 
@@ -38,9 +39,9 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes import _zarr_compat
-from insitubatch_nodes.geometry import ArrayGeometry
-from insitubatch_nodes.stores import StoreLike, as_store, describe_store, retry_policy
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 
 __all__ = ["Coordinate", "decode_cf", "open_coordinates"]
 
@@ -477,7 +478,7 @@ def open_coordinates(
 
     ``names=None`` finds its *dimension coordinate*: the 1-D array named like the sample axis's
     dimension (``time`` for a ``(time, lat, lon)`` array) whose only dimension is that one — what
-    :func:`~insitubatch_nodes.geometry.open_geometries` skips as a coordinate — looked up in the
+    :func:`~insitubatch_nodes.io.arrays.open_geometries` skips as a coordinate — looked up in the
     array's group, then in each parent group; ``{}`` when there is none (no dimension names,
     no such array, or one of another length). ``names`` lists arrays to read instead: a bare
     name is looked up the same way, a path with ``/`` from the store root; each must be 1-D with

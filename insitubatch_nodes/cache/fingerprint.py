@@ -10,7 +10,7 @@ transform scoped to ``t2m`` with :func:`~insitubatch_nodes.transforms.applies` i
 The array's *length* along the sample axis is deliberately not part of it: appending samples does
 not change the chunks already stored (each cached chunk records how many valid samples it holds,
 and a chunk whose count changed is a miss). Nor is the data's content: that is the store
-identity's part (:mod:`~insitubatch_nodes.store_identity`: what identifies each stored object a
+identity's part (:mod:`~insitubatch_nodes.cache.identity`: what identifies each stored object a
 cached chunk was made from, checked against one listing of the store at open).
 
 Each transform is identified, in order of preference, by
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.geometry import ArrayGeometry
+from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.transforms import Scoped, transform_name
 
 __all__ = ["FINGERPRINT_FORMAT", "array_fingerprint", "transform_identity"]

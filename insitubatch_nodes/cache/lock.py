@@ -1,0 +1,273 @@
+"""One writer per cache directory: the lock file, who holds it, and shared readers."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import threading
+import time
+import warnings
+from pathlib import Path
+
+from insitubatch_nodes.cache import _filemap
+from insitubatch_nodes.cache._filemap import Region
+from insitubatch_nodes.errors import CacheBusyError
+
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["LOCK_NAME", "DirLock", "not_writable", "take_lock"]
+
+LOCK_NAME = ".insitu.lock"
+# file systems on which flock may be emulated per client (two hosts can both "hold" it)
+_NETWORK_FS = {
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "afs", "ceph", "lustre", "gpfs", "beegfs",
+    "glusterfs", "fuse.glusterfs", "fuse.sshfs", "fuse.s3fs", "fuse.gcsfuse", "fuse.rclone",
+    "fuse.juicefs", "fuse.ceph", "virtiofs",
+}  # fmt: skip
+
+
+def _lock_pids(lock: Path) -> list[tuple[int, str]]:
+    """``(pid, "READ"|"WRITE")`` of the processes holding a flock on ``lock`` (Linux only)."""
+    try:
+        st = lock.stat()
+        lines = Path("/proc/locks").read_text().splitlines()
+    except OSError:
+        return []
+    dev = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    out = []
+    for line in lines:
+        parts = line.split()
+        if "->" in parts:  # a waiter, not a holder
+            continue
+        if len(parts) >= 6 and parts[1] == "FLOCK" and parts[5] == dev:
+            out.append((int(parts[4]), parts[3]))
+    return out
+
+
+def _mount_type(path: Path) -> str | None:
+    try:
+        mounts = Path("/proc/mounts").read_text().splitlines()
+    except OSError:
+        return None
+    real, best, kind = str(path.resolve()), "", None
+    for line in mounts:
+        parts = line.split()
+        if len(parts) < 3:
+            continue
+        point = parts[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) > len(best):
+            best, kind = point, parts[2]
+    return kind
+
+
+def warn_unarbitrated(directory: Path) -> None:
+    if fcntl is None:  # pragma: no cover - Windows
+        reason = "this platform has no POSIX flock"
+    else:
+        kind = _mount_type(directory)
+        if kind is None or kind not in _NETWORK_FS:
+            return
+        reason = f"it is on a network file system ({kind}), where flock may hold on one client only"
+    warnings.warn(
+        f"insitubatch_nodes: cache_dir {directory} is not arbitrated: {reason}. Two processes "
+        "writing it at once can corrupt each other's chunks there. Use a local disk, or make "
+        "sure only one job writes this directory (any number may read it with "
+        "readonly_cache=True).",
+        UserWarning,
+        stacklevel=4,
+    )
+
+
+_NOT_WRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+
+
+def not_writable(directory: Path, exc: OSError) -> OSError | None:
+    """``exc`` (an ``OSError`` creating or writing something in ``directory``) as the same
+    error type with a message that says what to do, when the cause is that the directory is
+    read-only to this process (``EROFS``, ``EACCES``, ``EPERM``); else ``None``."""
+    if exc.errno not in _NOT_WRITABLE:
+        return None
+    return type(exc)(
+        exc.errno,
+        f"cache_dir {directory} is not writable ({os.strerror(exc.errno)}: cannot write "
+        f"{exc.filename or directory}); a pipeline that warms or spills to a cache_dir writes "
+        "there. To read a cache warmed elsewhere without writing, pass readonly_cache=True; "
+        "to warm one, point cache_dir at a directory this process can write",
+        exc.filename,
+    )
+
+
+class DirLock:
+    """The advisory lock on one directory's ``.insitu.lock``, released only after :meth:`release`
+    has been called *and* every mapping registered with :meth:`track` has been unmapped."""
+
+    def __init__(self, directory: Path, *, shared: bool) -> None:
+        self.path = directory / LOCK_NAME
+        self.shared = shared
+        self._mutex = threading.Lock()
+        self._live = 0
+        self._holders = 1
+        self._closing = False
+        if shared:
+            fd = os.open(self.path, os.O_RDONLY)
+        else:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                if (better := not_writable(directory, exc)) is None:
+                    raise
+                raise better from exc
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    os.close(fd)
+                    raise
+                message = self._busy_message(fd)
+                os.close(fd)
+                raise CacheBusyError(message) from None
+        if not shared:  # who holds it, for the message a second writer gets
+            note = {
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            }
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, (json.dumps(note) + "\n").encode(), 0)
+            except OSError as exc:  # a full disk: the note is only for the busy message
+                if not _filemap.is_full(exc):
+                    os.close(fd)
+                    raise
+        self._fd: int | None = fd
+
+    def _busy_message(self, fd: int) -> str:
+        want = "read" if self.shared else "write"
+        held_shared = False
+        if not self.shared and fcntl is not None:
+            try:  # a shared lock we can take means readers hold it, not a writer
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+                held_shared = True
+            except OSError:
+                pass
+        pids = _lock_pids(self.path)
+        host = socket.gethostname()
+        if held_shared:
+            readers = sorted({p for p, kind in pids if kind == "READ"})
+            who = (
+                f"{len(readers) or 'some'} read-only process(es) "
+                f"({', '.join(f'pid {p}' for p in readers) or 'pids unknown'}, on {host}) "
+                "hold it shared (readonly_cache=True); a writer must wait until they finish"
+            )
+        else:
+            try:
+                note = json.loads(self.path.read_text() or "{}")
+            except (OSError, ValueError):
+                note = {}
+            if note.get("pid") is not None:
+                who = (
+                    f"pid {note['pid']} on host {note.get('host', '?')} (since "
+                    f"{note.get('since', '?')}) writes it"
+                )
+            else:
+                writers = [p for p, kind in pids if kind == "WRITE"]
+                who = f"pid {writers[0]} on {host} writes it" if writers else "a writer holds it"
+        if any(pid == os.getpid() for pid, _ in pids) or f"pid {os.getpid()} " in who:
+            who += (
+                " — that is this process: close its other pipeline on this cache_dir first "
+                "(pipelines of one process may all write it, or all read it, not both)"
+            )
+        return (
+            f"cannot {want} cache_dir {self.path.parent}: {who}. Only one process may write a "
+            "cache_dir, and no reader may use it meanwhile; readers (readonly_cache=True) share "
+            "it with each other. If that process is still running, give this run its own "
+            "cache_dir, wait for it, or read alongside other readers with readonly_cache=True. "
+            "A process that has exited holds nothing — the kernel drops its lock — so if it is "
+            f"gone, just retry. See who holds it: `fuser -v {self.path}` or `lsof {self.path}`. "
+            f"Never delete {self.path}: that releases nothing and lets two writers in."
+        )
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    @property
+    def waiting(self) -> bool:
+        """Released by every holder, still held for mappings alive."""
+        with self._mutex:
+            return self._closing and self._fd is not None
+
+    def track(self, region: Region) -> None:
+        """Keep the lock until ``region`` has been unmapped (once it and every array over it
+        are garbage collected: :mod:`~insitubatch_nodes.cache._filemap`)."""
+        with self._mutex:
+            self._live += 1
+        region.on_unmap(self._unmapped)
+
+    def _unmapped(self) -> None:
+        with self._mutex:
+            self._live -= 1
+            if self._closing and self._live == 0:
+                self._drop()
+
+    def release(self) -> None:
+        """One holder lets go; the last one's release takes effect once every tracked mapping
+        is gone (at once when none is left)."""
+        with self._mutex:
+            self._holders -= 1
+            if self._holders > 0:
+                return
+            self._closing = True
+            if self._live == 0:
+                self._drop()
+
+    def _join(self) -> bool:
+        """Become one more holder of this (still held) lock."""
+        with self._mutex:
+            if self._fd is None:
+                return False
+            self._holders += 1
+            self._closing = False
+            return True
+
+    def _drop(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the descriptor drops the flock
+
+
+WARNED_UNCHECKED: set[tuple[str, str]] = set()  # (cache_dir, store) warned about, once each
+_WRITERS: dict[str, DirLock] = {}  # lock file -> the exclusive lock this process holds on it
+_WRITERS_LOCK = threading.Lock()
+
+
+def take_lock(directory: Path, *, shared: bool) -> DirLock:
+    """Lock ``directory``: a shared lock of its own, or this process's exclusive one — pipelines
+    of one process (a training and a validation pipeline) write one ``cache_dir`` together."""
+    if shared:
+        return DirLock(directory, shared=True)
+    key = os.path.realpath(directory / LOCK_NAME)
+    with _WRITERS_LOCK:
+        lock = _WRITERS.get(key)
+        if lock is not None and lock._join():
+            return lock
+        lock = _WRITERS[key] = DirLock(directory, shared=False)
+        return lock
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

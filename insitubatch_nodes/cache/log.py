@@ -1,0 +1,138 @@
+"""The cache log: one JSON line per persisted chunk (file, shape, count, fingerprint, checksum)."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.cache.files import HEADER_KEY, LOG_NAME, SUM_ALGO, SUM_KEY
+from insitubatch_nodes.errors import CorruptCacheError
+
+try:  # POSIX
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = []
+
+
+@dataclass(frozen=True)
+class Logged:
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str
+    valid: int
+    fp: str
+    checksum: str | None = None  # content_sum of the file's data; None: logged without one
+
+
+class Log:
+    """One writer directory's log, read incrementally (whole lines only)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.path = directory / LOG_NAME
+        self.offset = 0
+        self.line_no = 0
+        self.header_seen = False
+
+    def read_new(self) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
+        """New complete lines since the last call; ``(entries, torn)`` — ``torn`` when the file
+        ends in a partial line (a crash cut the last write short)."""
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return [], False
+        lines = data.split(b"\n")
+        tail = lines.pop()  # after the last newline: empty, or a partial line
+        entries: list[tuple[int, dict[str, Any]]] = []
+        for raw in lines:
+            self.line_no += 1
+            self.offset += len(raw) + 1
+            try:
+                item = json.loads(raw)
+                if not isinstance(item, dict):
+                    raise ValueError("not an object")
+            except ValueError:
+                raise CorruptCacheError(
+                    f"{self.path} line {self.line_no} is not a cache entry ({raw[:80]!r}); the "
+                    "log cannot be trusted. Delete the cache directory to start over."
+                ) from None
+            if not self.header_seen:
+                self.header_seen = True
+                if HEADER_KEY not in item:
+                    raise CorruptCacheError(
+                        f"{self.path} does not start with a cache header; it was not written by "
+                        "insitubatch_nodes. Point cache_dir at a directory of its own."
+                    )
+            entries.append((self.line_no, item))
+        return entries, bool(tail)
+
+
+def parse_entry(log: Log, line_no: int, item: Mapping[str, Any]) -> tuple[tuple[str, int], Logged]:
+    where = f"{log.path} line {line_no}"
+    try:
+        array, chunk, name = item["array"], item["chunk"], item["file"]
+        shape = tuple(int(n) for n in item["shape"])
+        dtype, valid, fp = str(item["dtype"]), int(item["valid"]), str(item["fp"])
+        checksum = item.get(SUM_KEY)
+    except (KeyError, TypeError, ValueError):
+        raise CorruptCacheError(
+            f"{where} lacks a field of a cache entry ({dict(item)!r}); delete the cache "
+            "directory to start over"
+        ) from None
+    if not isinstance(array, str) or not isinstance(chunk, int) or not isinstance(name, str):
+        raise CorruptCacheError(f"{where} has a malformed entry {dict(item)!r}")
+    bare = name not in ("", ".", "..") and os.path.basename(name) == name and "\\" not in name
+    if not bare or name.startswith("."):
+        raise CorruptCacheError(
+            f"{where} names file {name!r}, which is not a bare file name inside {log.directory}; "
+            "the log has been tampered with or corrupted. Delete the cache directory."
+        )
+    if checksum is not None and not isinstance(checksum, str):
+        raise CorruptCacheError(f"{where} has a malformed checksum {checksum!r}")
+    return (array, chunk), Logged(log.directory / name, shape, dtype, valid, fp, checksum)
+
+
+def matches(
+    logged: Logged | None, shape: tuple[int, ...], dtype: np.dtype[Any], valid: int
+) -> bool:
+    return (
+        logged is not None
+        and logged.shape == shape
+        and logged.dtype == dtype.str
+        and logged.valid == valid
+    )
+
+
+def is_checked(logged: Logged | None) -> bool:
+    """Whether ``logged`` carries a checksum this version verifies."""
+    return (
+        logged is not None
+        and logged.checksum is not None
+        and logged.checksum.startswith(f"{SUM_ALGO}:")
+    )
+
+
+def entry_line(key: tuple[str, int], logged: Logged) -> str:
+    return json.dumps(
+        {
+            "array": key[0],
+            "chunk": int(key[1]),
+            "file": logged.file.name,
+            "shape": list(logged.shape),
+            "dtype": logged.dtype,
+            "valid": logged.valid,
+            "fp": logged.fp,
+            **({SUM_KEY: logged.checksum} if logged.checksum is not None else {}),
+        },
+        separators=(",", ":"),
+    )

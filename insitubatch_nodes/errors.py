@@ -1,0 +1,146 @@
+"""Every exception the package raises on purpose, with one common base class.
+
+Catch :class:`InSituError` to handle any of them. Each also derives from the builtin a caller
+would have caught before this base existed (``RuntimeError``, ``ValueError``, ``OSError``), so
+``except RuntimeError`` keeps working. What each error means and what to do about it is in its
+docstring; the message of each instance names the array, chunk, store or directory concerned.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+__all__ = [
+    "CacheBusyError",
+    "CacheClosed",
+    "CacheDiskFullError",
+    "CacheMissError",
+    "ChunkReadError",
+    "ChunkTransformError",
+    "CorruptCacheError",
+    "CorruptMetadataError",
+    "DecodeError",
+    "FillCancelled",
+    "InSituError",
+    "PipelineInterrupted",
+    "StaleCacheError",
+]
+
+
+class InSituError(Exception):
+    """The base of every exception raised by ``insitubatch_nodes`` on purpose."""
+
+
+# -- reading the store ---------------------------------------------------------------------------
+
+
+class CorruptMetadataError(InSituError, ValueError):
+    """A zarr metadata document (``zarr.json``, ``.zarray``, ...) cannot be read.
+
+    ``documents`` lists ``(store key, reason)`` for each unreadable document and ``store``
+    names the store; zarr's own error is chained (``__cause__``).
+    """
+
+    def __init__(self, store: str, documents: Sequence[tuple[str, str]], detail: str = ""):
+        self.store, self.documents = store, list(documents)
+        if self.documents:
+            what = "; ".join(
+                f"{key!r} (the metadata of {_node_name(key)}) {reason}"
+                for key, reason in self.documents
+            )
+        else:
+            what = f"a metadata document is not valid JSON ({detail})"
+        super().__init__(
+            f"corrupt zarr metadata in store {store}: {what}. Restore or rewrite the "
+            "document(s): zarr cannot open the array or group without them"
+        )
+
+
+def _node_name(key: str) -> str:
+    node = key.rpartition("/")[0]
+    return f"array/group {node!r}" if node else "the root group"
+
+
+class DecodeError(InSituError, ValueError):
+    """A stored object could not be decoded (corrupt or truncated bytes, checksum mismatch, or a
+    decoded size that does not match the chunk). The underlying error is the ``__cause__``."""
+
+
+class ChunkReadError(InSituError, RuntimeError):
+    """A stored object could not be read or decoded. The cause is chained (``__cause__``).
+
+    The message names the array, the chunk (and tile), the store key and the store.
+    """
+
+    def __init__(
+        self,
+        array: str,
+        chunk_index: int,
+        tile: tuple[int, ...],
+        key: str,
+        what: str,
+        store: str = "",
+    ):
+        self.array, self.chunk_index, self.tile, self.key = array, chunk_index, tile, key
+        self.store = store
+        where = f"chunk {chunk_index}" + (f" tile {tile}" if any(tile) else "")
+        source = f" in store {store}" if store else ""
+        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
+
+
+class ChunkTransformError(InSituError, RuntimeError):
+    """A chunk transform raised, returned something else than a chunk, or produced data whose
+    shape or dtype disagrees with what it declared (or, undeclared, with its input)."""
+
+
+# -- the pipeline stopping -----------------------------------------------------------------------
+
+
+class FillCancelled(InSituError, RuntimeError):
+    """A chunk's fill was cancelled (its pipeline closed or reset) before the data landed."""
+
+
+class PipelineInterrupted(InSituError, RuntimeError):
+    """A wait was cut short because its pipeline is stopping (``close`` or ``reset``)."""
+
+
+# -- the cache directory -------------------------------------------------------------------------
+
+
+class CacheBusyError(InSituError, RuntimeError):
+    """Another process holds the cache directory in a conflicting mode (see
+    :mod:`insitubatch_nodes.cache`)."""
+
+
+class StaleCacheError(InSituError, RuntimeError):
+    """The cache holds chunks of arrays whose geometry or chunk transforms have changed, or
+    whose stored objects changed since they were cached (see
+    :mod:`insitubatch_nodes.cache.identity`)."""
+
+
+class CacheMissError(InSituError, RuntimeError):
+    """``readonly_cache=True`` and a chunk the run reads is not in the cache."""
+
+
+class CacheClosed(InSituError, RuntimeError):
+    """The cache was closed (its pipeline closed) while a fill still wanted a file mapped."""
+
+
+class CorruptCacheError(InSituError, RuntimeError):
+    """The cache's log cannot be trusted (malformed line, or a file outside the directory), or
+    a cached chunk's bytes no longer match the checksum logged with it (read-only readers)."""
+
+
+class CacheDiskFullError(InSituError, OSError):
+    """The file system of ``cache_dir`` has no room for the file slot memory needs (spill mode),
+    or for the cache's own files at construction. ``errno`` is ENOSPC (EDQUOT for a quota);
+    ``directory`` and ``nbytes`` say where and how much."""
+
+    def __init__(self, message: str, *, code: int, directory: Path, nbytes: int) -> None:
+        super().__init__(code, message)
+        self.directory = directory
+        self.nbytes = nbytes
+
+    def __str__(self) -> str:
+        return str(self.strerror)

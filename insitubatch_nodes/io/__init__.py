@@ -1,0 +1,30 @@
+"""Everything that knows zarr and the object store: opening stores, reading array metadata
+into geometries, coordinates along the sample axis, decoding stored objects and reading local
+files. This face re-exports the names a composer uses; import the modules for the rest.
+
+* :mod:`~insitubatch_nodes.io.stores` — a store by URL or path (obstore), with a retry policy;
+* :mod:`~insitubatch_nodes.io.arrays` — finding arrays in a store, :func:`open_geometries`;
+* :mod:`~insitubatch_nodes.io.geometry` — :class:`ArrayGeometry`: what a sample is, which
+  stored objects hold it;
+* :mod:`~insitubatch_nodes.io.coords` — coordinates along the sample axis (CF time);
+* :mod:`~insitubatch_nodes.io.decode` — one stored object into its slot memory;
+* :mod:`~insitubatch_nodes.io.localfiles` — a local store's files, read on the decode threads;
+* :mod:`~insitubatch_nodes.io._zarr_compat` — the only module touching zarr's internals.
+"""
+
+from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.coords import Coordinate, open_coordinates
+from insitubatch_nodes.io.decode import ChunkDecoder
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
+
+__all__ = [
+    "SUPPORTED_SCHEMES",
+    "ArrayGeometry",
+    "ChunkDecoder",
+    "Coordinate",
+    "RetryPolicy",
+    "open_coordinates",
+    "open_geometries",
+    "open_store",
+]

@@ -1,0 +1,290 @@
+"""Sample geometry: what one sample of an array is, and which stored objects hold it.
+
+An array has exactly one *sample axis* (any physical axis; time for ERA5, Z for a microscopy
+stack). A sample is one index along it; its payload is the whole extent of every other (*field*)
+axis. Along the sample axis the array is cut into *chunks* of ``samples_per_chunk`` samples;
+the field axes may be cut further into *tiles*. One stored object (one ``store.get``) is one
+(chunk, tile) pair — on a sharded v3 array the object is the shard, so the geometry's ``chunks``
+is the shard shape.
+
+A *view* is ``(path, offset)``: ``geom.shift(k)`` reads ``array[anchor + k]`` for anchor ``anchor``.
+Several views of one array share its path, so the engine decodes their chunks once.
+
+An array's *path* is zarr's own (``array.path``): ``"t2m"``, ``"group/z"``, ``"a/b/t2m"`` below
+folders that hold no group metadata, and ``""`` for an array at the store root (written by
+``zarr.save_array(store, data)`` or tensorstore); ``"/"`` names the root array too.
+
+``ArrayGeometry.dtype`` is the array's dtype in *native byte order*: a zarr v2 array stored
+big-endian (``">f4"``, which zarr's own read returns) has geometry dtype ``float32``. The decoder
+swaps the bytes as it copies each chunk into its slot, so chunk transforms, the persistent cache
+and the batches all see that one native dtype (zarr v3 arrays with a big-endian ``bytes`` codec
+behave the same way); the stored byte order stays in ``metadata``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from itertools import product
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.errors import CorruptMetadataError
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.stores import describe_store
+
+__all__ = ["ArrayGeometry", "in_native_byte_order"]
+
+
+def _fill_token(value: Any) -> Any:
+    """A hashable stand-in for a fill value that compares by value (NaN equals NaN)."""
+    if value is None:
+        return None
+    try:
+        arr = np.asarray(value)
+        if arr.ndim == 0 and arr.dtype.kind in "biufc":
+            return (arr.dtype.kind, repr(arr.item()))
+    except (TypeError, ValueError):
+        pass
+    return ("repr", repr(value))
+
+
+def in_native_byte_order(dtype: Any) -> np.dtype[Any]:
+    """``dtype`` in this machine's byte order (``">f4"`` -> ``float32``); a dtype without a byte
+    order (bool, bytes, objects) is returned unchanged."""
+    dtype = np.dtype(dtype)
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def _node_name(key: str) -> str:
+    node = key.rpartition("/")[0]
+    return f"array/group {node!r}" if node else "the root group"
+
+
+def corrupt_metadata(
+    store: Any, exc: BaseException, keys: Sequence[str] | None = None
+) -> CorruptMetadataError | None:
+    """The error to raise for zarr's ``exc`` when metadata in ``store`` is unreadable."""
+    import json
+
+    try:
+        bad = _zarr_compat.unreadable_metadata(store, keys)
+    except Exception:  # the diagnosis is best effort: the store may not list, or be gone
+        bad = []
+    if bad or isinstance(exc, json.JSONDecodeError):
+        return CorruptMetadataError(describe_store(store), bad, str(exc))
+    return None
+
+
+@dataclass(frozen=True)
+class ArrayGeometry:
+    """The frozen, physical description of one array (or one shifted view of it).
+
+    ``shape`` and ``chunks`` are in physical (zarr) axis order. ``chunks`` is the stored object's
+    shape (the shard on a sharded array); ``read_chunks`` is zarr's own chunk (the inner chunk of
+    a shard). ``offset`` is the view's shift along the sample axis (0 for the array itself).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    chunks: tuple[int, ...]
+    dtype: np.dtype[Any]
+    fill_value: Any = field(compare=False)
+    sample_axis: int = 0
+    offset: int = 0
+    read_chunks: tuple[int, ...] = ()
+    zarr_format: int = 3
+    metadata: Any = field(default=None, compare=False, repr=False, hash=False)
+    # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
+    # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
+    _fill_token: Any = field(init=False, repr=False, default=None)
+
+    def __post_init__(self) -> None:
+        if len(self.chunks) != len(self.shape):
+            raise ValueError(f"{self.path}: chunks {self.chunks} do not match shape {self.shape}")
+        if not 0 <= self.sample_axis < len(self.shape):
+            raise ValueError(
+                f"{self.path}: sample_axis {self.sample_axis} is out of range for a "
+                f"{len(self.shape)}-d array of shape {self.shape}"
+            )
+        if any(c <= 0 for c in self.chunks):
+            raise ValueError(f"{self.path}: chunk sizes must be positive, got {self.chunks}")
+        if not self.read_chunks:
+            object.__setattr__(self, "read_chunks", self.chunks)
+        object.__setattr__(self, "dtype", np.dtype(self.dtype))
+        object.__setattr__(self, "_fill_token", _fill_token(self.fill_value))
+
+    # -- the sample axis -------------------------------------------------------------------
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def samples_per_chunk(self) -> int:
+        """Samples in one chunk along the sample axis (the last chunk may hold fewer)."""
+        return self.chunks[self.sample_axis]
+
+    @property
+    def n_samples(self) -> int:
+        """Length of the array along the sample axis."""
+        return self.shape[self.sample_axis]
+
+    @property
+    def n_chunks(self) -> int:
+        """Number of chunks along the sample axis (a partial final chunk counts)."""
+        return math.ceil(self.n_samples / self.samples_per_chunk)
+
+    def chunk_range(self, chunk_index: int) -> tuple[int, int]:
+        """Half-open sample range ``[start, stop)`` of chunk ``chunk_index``."""
+        if not 0 <= chunk_index < self.n_chunks:
+            raise IndexError(f"{self.path}: chunk {chunk_index} not in [0, {self.n_chunks})")
+        start = chunk_index * self.samples_per_chunk
+        return start, min(start + self.samples_per_chunk, self.n_samples)
+
+    # -- the field (inner) axes ------------------------------------------------------------
+    @functools.cached_property
+    def field_axes(self) -> tuple[int, ...]:
+        """Physical indices of the field axes, in order."""
+        return tuple(a for a in range(self.ndim) if a != self.sample_axis)
+
+    @functools.cached_property
+    def inner_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's payload (the array shape without the sample axis)."""
+        return tuple(self.shape[a] for a in self.field_axes)
+
+    @functools.cached_property
+    def tile_shape(self) -> tuple[int, ...]:
+        """Stored-object extent along each field axis."""
+        return tuple(self.chunks[a] for a in self.field_axes)
+
+    @functools.cached_property
+    def tile_grid(self) -> tuple[int, ...]:
+        """Number of stored objects along each field axis."""
+        return tuple(math.ceil(self.shape[a] / self.chunks[a]) for a in self.field_axes)
+
+    @functools.cached_property
+    def n_tiles(self) -> int:
+        """Stored objects per chunk (1 when the field is not tiled)."""
+        return math.prod(self.tile_grid)
+
+    @functools.cached_property
+    def sample_nbytes(self) -> int:
+        """Decoded bytes of one sample's payload."""
+        return math.prod(self.inner_shape) * self.dtype.itemsize
+
+    @functools.cached_property
+    def chunk_nbytes(self) -> int:
+        """Decoded bytes of one full chunk (all its tiles)."""
+        return self.samples_per_chunk * self.sample_nbytes
+
+    @property
+    def sharded(self) -> bool:
+        """True when a stored object is a shard holding several zarr chunks."""
+        return self.read_chunks != self.chunks
+
+    @property
+    def one_level_per_object(self) -> bool:
+        """True when each stored object holds one index of the first field axis and the whole
+        of the others, with the sample axis first (ERA5 pressure levels stored one level per
+        object: chunks ``(spc, 1, lat, lon)`` of ``(time, level, lat, lon)``).
+
+        In a slot with the usual sample-first layout such an object's region is strided (one
+        run per sample), so it cannot be decoded in place; in a *level-major* slot (see
+        :mod:`insitubatch_nodes.pool`) each object's decoded bytes are one contiguous run
+        and the decompressor writes them straight into the slot."""
+        inner, tile = self.inner_shape, self.tile_shape
+        return (
+            self.sample_axis == 0
+            and self.samples_per_chunk > 1
+            and len(inner) >= 2
+            and inner[0] > 1
+            and tile[0] == 1
+            and tile[1:] == inner[1:]
+        )
+
+    def tiles(self) -> Iterator[tuple[int, ...]]:
+        """Every tile coordinate (over the field axes), in C order."""
+        return product(*(range(n) for n in self.tile_grid))
+
+    def tile_slices(self, tile: Sequence[int]) -> tuple[slice, ...]:
+        """The rectangle a tile covers within ``inner_shape``."""
+        return tuple(
+            slice(t * c, min((t + 1) * c, n))
+            for t, c, n in zip(tile, self.tile_shape, self.inner_shape, strict=True)
+        )
+
+    def chunk_coords(self, chunk_index: int, tile: Sequence[int]) -> tuple[int, ...]:
+        """Physical chunk-grid coordinates of stored object ``(chunk_index, tile)``."""
+        coords = list(tile)
+        coords.insert(self.sample_axis, chunk_index)
+        return tuple(coords)
+
+    def store_key(self, chunk_index: int, tile: Sequence[int] = ()) -> str:
+        """Store key (from the store root) of stored object ``(chunk_index, tile)``."""
+        if self.metadata is None:
+            raise ValueError(f"{self.path}: this geometry was built without zarr metadata")
+        tile = tuple(tile) or (0,) * len(self.field_axes)
+        coords = self.chunk_coords(chunk_index, tile)
+        template = self.key_template
+        if template is not None:
+            return template.format(*coords)
+        key = _zarr_compat.encode_chunk_key(self.metadata, coords)
+        return f"{self.path}/{key}" if self.path else key
+
+    @functools.cached_property
+    def key_template(self) -> str | None:
+        """The store keys of this array as a ``str.format`` template over the physical
+        chunk-grid coordinates (``key_template.format(*coords)`` is :meth:`store_key`), or
+        ``None`` when zarr must encode each key (no metadata, or an unusual key encoding)."""
+        if self.metadata is None:
+            return None
+        template = _zarr_compat.chunk_key_format(self.metadata, self.ndim)
+        if template is None:
+            return None
+        prefix = self.path.replace("{", "{{").replace("}", "}}")
+        return f"{prefix}/{template}" if self.path else template
+
+    # -- views ---------------------------------------------------------------------------------
+    def shift(self, k: int) -> ArrayGeometry:
+        """A view that reads ``array[anchor + k]`` along the sample axis (offsets add up)."""
+        if not isinstance(k, int | np.integer):
+            raise TypeError(f"shift() takes an integer number of samples, got {k!r}")
+        return replace(self, offset=self.offset + int(k))
+
+    @property
+    def base(self) -> ArrayGeometry:
+        """The unshifted array this view reads."""
+        return replace(self, offset=0) if self.offset else self
+
+    def with_inner(self, inner_shape: Sequence[int], dtype: Any) -> ArrayGeometry:
+        """This view as a chunk transform leaves it: same path, sample axis, chunking along it
+        and offset, but a sample payload of ``inner_shape`` and ``dtype`` (one tile).
+
+        The result describes slots and batches, not stored objects: it has no zarr metadata,
+        so it cannot name store keys or build a decoder. Returns ``self`` when nothing changes.
+        """
+        inner = tuple(int(n) for n in inner_shape)
+        dtype = np.dtype(dtype)
+        if inner == self.inner_shape and dtype == self.dtype:
+            return self
+        if len(inner) != len(self.field_axes) or any(n <= 0 for n in inner):
+            raise ValueError(
+                f"{self.path}: a transformed sample must keep {len(self.field_axes)} field "
+                f"axes of positive length, got inner shape {inner}"
+            )
+        axis = self.sample_axis
+        shape = (*inner[:axis], self.n_samples, *inner[axis:])
+        chunks = (*inner[:axis], self.samples_per_chunk, *inner[axis:])
+        return replace(
+            self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype, metadata=None
+        )
+
+    def __repr__(self) -> str:
+        off = f", offset={self.offset}" if self.offset else ""
+        return (
+            f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
+            f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"
+        )

@@ -1,0 +1,45 @@
+"""What to read and when, as pure numpy: no torchdata, no pool, no threads.
+
+* :mod:`~insitubatch_nodes.plan.splits` — chunk-aligned train/val/test manifests;
+* :mod:`~insitubatch_nodes.plan.epoch` — drawing one epoch: permutation, blocks, batches;
+* :mod:`~insitubatch_nodes.plan.ranks` — dealing an epoch's samples between ranks;
+* :mod:`~insitubatch_nodes.plan.ledger` — what a drawn epoch is (:class:`EpochPlan`, its
+  ledgers and :class:`BatchPlan` s);
+* :mod:`~insitubatch_nodes.plan.schedule` — the residency schedule and its memory bounds;
+* :mod:`~insitubatch_nodes.plan.quality` — how well an order mixes the data.
+
+The node that serves these plans to a graph is
+:class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`.
+"""
+
+from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
+from insitubatch_nodes.plan.quality import shuffle_quality
+from insitubatch_nodes.plan.ranks import REMAINDERS, deal, samples_per_rank
+from insitubatch_nodes.plan.schedule import (
+    PinSchedule,
+    ScheduleFloors,
+    choose_schedule,
+    schedule_floors,
+    working_set_bytes,
+)
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
+
+__all__ = [
+    "REMAINDERS",
+    "BatchPlan",
+    "ChunkKey",
+    "ChunkLedger",
+    "EpochPlan",
+    "PinSchedule",
+    "ScheduleFloors",
+    "SplitManifest",
+    "choose_schedule",
+    "deal",
+    "plan_epoch",
+    "samples_per_rank",
+    "schedule_floors",
+    "shuffle_quality",
+    "split_by_chunk",
+    "working_set_bytes",
+]

@@ -1,0 +1,382 @@
+"""The read plan: which samples each batch holds and which stored chunks it reads.
+
+Everything here is a pure function of ``(seed, epoch)`` and the configuration, computed with
+vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
+
+1. the split's anchor-grid chunks are permuted (``shuffle=True``) or kept in order;
+2. with several ranks, :func:`deal` hands each rank the same number of samples — the
+   ``V // world_size`` (``remainder="drop"``) or ``ceil(V / world_size)`` (``"pad"``) of the
+   ``V`` valid anchors: whole chunks round-robin while they last, then consecutive pieces of the
+   remaining (*tail*) chunks' samples; so at most ``world_size - 1`` samples sit out (or are
+   repeated) per epoch, and only tail chunks are read by more than one rank;
+3. each rank cuts its chunks into *blocks* of ``block_chunks`` chunks and shuffles all valid
+   anchors within each block; the result is the *order ledger*, rows ``(chunk_id, within)``.
+   With ``ramp=True`` (and shuffling) the epoch's first block is split in two: a lead block of
+   just enough chunks to fill one batch, then the rest — so the first batch waits for those few
+   chunks instead of (nearly) the whole block;
+4. batches are cut over the whole ledger: ``ceil(N / batch_size)`` batches, only the last short.
+
+**Valid anchors.** An anchor ``a`` of the split is emitted only if every view's sample
+``a + offset`` lies in the array *and*, by default, on an anchor-grid chunk of the same split
+(``(a + offset) // samples_per_chunk`` is one of the split's chunks), so no window reads a sample
+of another split. ``cross_split_windows=True`` drops the second condition (windows may read
+across the split's edge). In each chunk the valid anchors are one contiguous run, so a chunk's
+count is a constant of the configuration and every epoch, rank and resume stays exact.
+
+Each :class:`BatchPlan` says which stored chunks the batch gathers from (``reads``), which of them
+it is the first to need this epoch (``fetches`` — each chunk is fetched once per epoch) and which
+it reads for the last time (``releases`` — the pool may unpin them once the batch is gathered).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
+from insitubatch_nodes.plan.ranks import deal
+from insitubatch_nodes.plan.splits import SPLITS, SplitManifest
+
+__all__ = ["block_index", "plan_epoch", "plan_groups"]
+
+
+def ramp_unit(enabled: bool, samples_per_chunk: int, batch_size: int) -> int:
+    """Chunks in the lead block (0 = no ramp): enough to fill one batch."""
+    return math.ceil(batch_size / samples_per_chunk) if enabled else 0
+
+
+def block_index(n_chunks: int, block_chunks: int, lead: int = 0) -> np.ndarray:
+    """Block of each chunk position: blocks of ``block_chunks``, except that with
+    ``0 < lead < block_chunks`` the first block is split into ``lead`` chunks and the rest."""
+    sizes = [lead, block_chunks - lead] if 0 < lead < block_chunks else []
+    covered = sum(sizes)
+    sizes.extend([block_chunks] * max(0, math.ceil((n_chunks - covered) / block_chunks)))
+    return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)[:n_chunks]
+
+
+def _valid_anchor_range(n_samples: int, offsets: Sequence[int]) -> tuple[int, int]:
+    """Anchors ``a`` with ``0 <= a + k < n_samples`` for every offset ``k``."""
+    lo = max(0, -min(offsets))
+    hi = min(n_samples, n_samples - max(offsets))
+    return lo, max(lo, hi)
+
+
+def chunk_counts(
+    manifest: SplitManifest,
+    split: str,
+    chunks: np.ndarray,
+    offsets: Sequence[int],
+    cross_split_windows: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """First valid anchor and number of valid anchors in each of ``chunks`` (see the module
+    docstring for the rule). Element-wise: the order of ``chunks`` does not matter."""
+    spc, n = manifest.samples_per_chunk, manifest.n_samples
+    lo, hi = _valid_anchor_range(n, offsets)
+    start = np.maximum(chunks * spc, lo)
+    stop = np.minimum(np.minimum((chunks + 1) * spc, n), hi)
+    if not cross_split_windows:
+        member = np.zeros(manifest.n_chunks + 2, dtype=bool)  # index -1 and n_chunks: outside
+        member[np.asarray(manifest.chunks(split), dtype=np.int64)] = True
+
+        def in_split(d: np.ndarray) -> np.ndarray:
+            return member[np.clip(d, -1, manifest.n_chunks)]
+
+        for k in set(offsets):
+            # the samples a + k of chunk c's anchors fall in anchor-grid chunks d and d + 1;
+            # anchors from `edge` on read d + 1
+            d = (chunks * spc + k) // spc
+            edge = (d + 1) * spc - k
+            start = np.where(in_split(d), start, np.maximum(start, edge))
+            stop = np.where(in_split(d + 1), stop, np.minimum(stop, edge))
+    return start, np.maximum(stop - start, 0)
+
+
+def _epoch_samples(
+    manifest: SplitManifest,
+    labels: Mapping[str, ArrayGeometry],
+    split: str,
+    epoch: int,
+    shuffle: bool,
+    seed: int,
+    cross_split_windows: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The epoch's rank-independent sample pool: ``(chunks, counts, anchors)`` — the split's
+    chunks in visiting order, their valid-anchor counts and all valid anchors laid out chunk
+    after chunk (each chunk's ascending)."""
+    offsets = [g.offset for g in labels.values()]
+    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    if shuffle:
+        chunks = np.random.default_rng([seed, epoch, 0]).permutation(chunks)
+    starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
+    return chunks, counts, _runs(starts, counts)
+
+
+def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """``starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1`` for each ``i``, end to end."""
+    total = int(counts.sum())
+    first = np.cumsum(counts) - counts
+    pos = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    return np.repeat(starts, counts) + (np.arange(total, dtype=np.int64) - first[pos])
+
+
+def _rank_share(
+    chunks: np.ndarray,
+    counts: np.ndarray,
+    anchors: np.ndarray,
+    rank: int,
+    world_size: int,
+    remainder: str,
+    pad_seed: Sequence[int],
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One rank's ``(chunks, counts, anchors)`` of a sample pool laid out as
+    :func:`_epoch_samples` lays it (:func:`deal`; the whole pool with one rank). A rank's
+    chunk may repeat (a padded sample is a piece of its own)."""
+    if world_size == 1:
+        return chunks, counts, anchors
+    # A chunk with nothing valid (or nothing left) holds nothing to deal.
+    first = np.cumsum(counts) - counts
+    keep = counts > 0
+    chunks, counts, first = chunks[keep], counts[keep], first[keep]
+    group, lo, size = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)[rank]
+    return chunks[group], size, anchors[_runs(first[group] + lo, size)]
+
+
+def _ledger(
+    counts: np.ndarray,
+    anchors: np.ndarray,
+    key_seed: Sequence[int],
+    *,
+    spc: int,
+    batch_size: int,
+    block_chunks: int,
+    shuffle: bool,
+    ramp: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(anchors, block_of_row, block_of_chunk)`` in emitted order: one rank's pieces cut into
+    blocks, shuffled within each block (by ``default_rng(key_seed)``), rows of a batch sorted."""
+    total = int(counts.sum())
+    chunk_pos = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    block_of_chunk = block_index(
+        len(counts), block_chunks, ramp_unit(ramp and shuffle, spc, batch_size)
+    )
+    block = block_of_chunk[chunk_pos]
+    if shuffle and total:
+        keys = np.random.default_rng(list(key_seed)).random(total)
+        perm = np.lexsort((keys, block))
+        anchors, block = anchors[perm], block[perm]
+    # Within a batch, rows go in anchor order. The batch holds the same samples as before, but
+    # each chunk's rows are now one contiguous run for every label, so the gather makes one
+    # copy per chunk straight into the batch instead of a gather plus a scatter.
+    in_batch = np.lexsort((anchors, np.arange(total, dtype=np.int64) // batch_size))
+    return anchors[in_batch], block[in_batch], block_of_chunk
+
+
+def _stage_seeds(seed: int, epoch: int, rank: int, stage: int) -> tuple[list[int], list[int]]:
+    """``(pad_seed, key_seed)`` of an epoch's stage: stage 0 is the epoch as first planned,
+    stage ``s >= 1`` the remainder after the ``s``-th elastic cut."""
+    if stage == 0:
+        return [seed, epoch], [seed, epoch, 1, rank]
+    return [seed, epoch, 3, stage], [seed, epoch, 4, stage, rank]
+
+
+def plan_epoch(
+    manifest: SplitManifest,
+    labels: Mapping[str, ArrayGeometry],
+    *,
+    split: str = "train",
+    epoch: int = 0,
+    batch_size: int = 32,
+    block_chunks: int = 16,
+    shuffle: bool = True,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    ramp: bool = True,
+    pin_gap: int | None = None,
+    cross_split_windows: bool = False,
+    remainder: str = "drop",
+    resumed: Sequence[Stage] = (),
+) -> EpochPlan:
+    """Draw one rank's plan for one epoch. Pure: same arguments, same plan.
+
+    ``pin_gap=None`` keeps each chunk from its first reading batch to its last (each chunk is
+    fetched once per epoch). With ``pin_gap=g`` a chunk that goes more than ``g`` batches
+    without being read is released and fetched again at its next use — the schedule for a
+    budget too small to hold shifted views' neighbours across the epoch.
+    ``cross_split_windows`` is the anchor rule of the module docstring.
+
+    ``resumed`` (elastic resume) lists the cuts this epoch went through, oldest first:
+    ``(W, k)`` says that each rank of a ``W``-rank run had delivered its first ``k`` batches of
+    the epoch (counted from the epoch's start, so ``k`` grows from cut to cut). The plan is then
+    the epoch's *remainder* for ``world_size`` ranks: the valid samples no earlier rank
+    delivered, grouped by chunk in the epoch's visiting order and dealt by :func:`deal` as a
+    fresh epoch's are, its batches numbered from the last cut's ``k``
+    (:attr:`EpochPlan.first_batch`).
+    """
+    spc = manifest.samples_per_chunk
+    chunks, counts, anchors = _epoch_samples(
+        manifest, labels, split, epoch, shuffle, seed, cross_split_windows
+    )
+    ledger = functools.partial(
+        _ledger,
+        spc=spc,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        shuffle=shuffle,
+        ramp=ramp,
+    )
+    done = 0  # batches each rank of the previous stage had delivered
+    for stage, (w_old, k_old) in enumerate(resumed):
+        taken = []
+        for r in range(w_old):
+            pad_seed, key_seed = _stage_seeds(seed, epoch, r, stage)
+            _, rc, ra = _rank_share(chunks, counts, anchors, r, w_old, remainder, pad_seed)
+            taken.append(ledger(rc, ra, key_seed)[0][: (k_old - done) * batch_size])
+        left = ~np.isin(anchors, np.concatenate(taken))
+        group = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
+        counts = np.bincount(group[left], minlength=len(chunks)).astype(np.int64)
+        anchors, done = anchors[left], k_old
+    if resumed:  # chunks with nothing left take no place in the remainder's blocks
+        keep = counts > 0
+        chunks, counts = chunks[keep], counts[keep]
+    pad_seed, key_seed = _stage_seeds(seed, epoch, rank, len(resumed))
+    chunks, counts, anchors = _rank_share(
+        chunks, counts, anchors, rank, world_size, remainder, pad_seed
+    )
+    anchors, block, block_of_chunk = ledger(counts, anchors, key_seed)
+    n_emit = len(anchors)
+    order = np.stack([anchors // spc, anchors % spc], axis=1)
+    order.setflags(write=False)
+
+    n_batches = math.ceil(n_emit / batch_size)
+    gap = n_batches if pin_gap is None else int(pin_gap)
+    return EpochPlan(
+        epoch=epoch,
+        rank=rank,
+        world_size=world_size,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        samples_per_chunk=spc,
+        chunks=chunks,
+        order=order,
+        labels=dict(labels),
+        pin_gap=pin_gap,
+        first_batch=done,
+        resumed=tuple((int(w), int(k)) for w, k in resumed),
+        ledgers=_ledgers(labels, anchors, batch_size, n_batches, gap),
+        _block_of_row=block,
+        _block_of_chunk=block_of_chunk,
+    )
+
+
+def plan_groups(
+    labels: Mapping[str, ArrayGeometry],
+) -> list[tuple[int, tuple[int, ...], list[str]]]:
+    """``(samples_per_chunk, offsets, paths)`` of each plan group: the arrays whose views chunk
+    the sample axis alike and sit at the same (sorted) offsets, in label order. Such arrays
+    read the same chunk indices in the same rows of every plan."""
+    views: dict[str, list[ArrayGeometry]] = {}
+    for g in labels.values():
+        views.setdefault(g.path, []).append(g)
+    groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    for path, vs in views.items():
+        key = (vs[0].samples_per_chunk, tuple(sorted(g.offset for g in vs)))
+        groups.setdefault(key, []).append(path)
+    return [(spc, offsets, paths) for (spc, offsets), paths in groups.items()]
+
+
+def _ledgers(
+    labels: Mapping[str, ArrayGeometry],
+    anchors: np.ndarray,
+    batch_size: int,
+    n_batches: int,
+    gap: int,
+) -> tuple[ChunkLedger, ...]:
+    """One :class:`ChunkLedger` per plan group for the rows ``anchors`` (emitted order)."""
+    n_emit = len(anchors)
+    rank = {path: i for i, path in enumerate(dict.fromkeys(g.path for g in labels.values()))}
+    bounds = np.arange(n_batches + 1, dtype=np.int64)
+    out = []
+    for pspc, offsets, paths in plan_groups(labels):
+        if len(set(offsets)) == 1:
+            cid = (anchors + offsets[0]) // pspc
+            row = np.arange(n_emit, dtype=np.int64)
+        else:
+            cid = np.concatenate([(anchors + k) // pspc for k in offsets])
+            row = np.tile(np.arange(n_emit, dtype=np.int64), len(offsets))
+        by = np.lexsort((row, cid))
+        cid, row = cid[by], row[by]
+        batch = row // batch_size
+        # a new use segment starts at a new chunk, or after more than `gap` idle batches
+        starts = np.ones(len(cid), dtype=bool)
+        starts[1:] = (cid[1:] != cid[:-1]) | (batch[1:] - batch[:-1] > gap)
+        s_idx = np.flatnonzero(starts)
+        e_idx = np.append(s_idx[1:], len(cid)).astype(np.int64) - 1 if len(cid) else s_idx
+        chunk, first, last = cid[s_idx], row[s_idx], row[e_idx]
+        by_first = np.argsort(first, kind="stable")
+        by_last = np.argsort(last, kind="stable")
+        fetch_ptr = np.searchsorted(first[by_first] // batch_size, bounds, side="left")
+        release_ptr = np.searchsorted(last[by_last] // batch_size, bounds, side="left")
+        for arr in (chunk, first, last, by_first, by_last, fetch_ptr, release_ptr):
+            arr.setflags(write=False)
+        out.append(
+            ChunkLedger(
+                paths=tuple(paths),
+                path_rank=tuple(rank[p] for p in paths),
+                samples_per_chunk=pspc,
+                offsets=offsets,
+                chunk=chunk,
+                first=first,
+                last=last,
+                by_first=by_first,
+                fetch_ptr=fetch_ptr,
+                by_last=by_last,
+                release_ptr=release_ptr,
+            )
+        )
+    return tuple(out)
+
+
+def check_plan_inputs(
+    manifest: Any, variables: Any, split: Any, cross_split_windows: bool
+) -> dict[str, ArrayGeometry]:
+    """Validate the data a plan is drawn over; the views as a plain dict."""
+    if not isinstance(manifest, SplitManifest):
+        raise TypeError(f"manifest must be a SplitManifest, got {type(manifest).__name__}")
+    if not isinstance(split, str) or split not in SPLITS:
+        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+    if not isinstance(variables, Mapping) or not variables:
+        raise ValueError("variables must be a non-empty {label: ArrayGeometry} mapping")
+    for label, geom in variables.items():
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"labels must be non-empty strings, got {label!r}")
+        if not isinstance(geom, ArrayGeometry):
+            raise TypeError(f"variables[{label!r}] must be an ArrayGeometry, got {geom!r}")
+        if geom.n_samples != manifest.n_samples:
+            raise ValueError(
+                f"variables[{label!r}] ({geom.path}) has {geom.n_samples} samples along its "
+                f"sample axis but the manifest's anchor grid has {manifest.n_samples}; all "
+                "labels must share the sample-axis length"
+            )
+    offsets = [g.offset for g in variables.values()]
+    lo, hi = _valid_anchor_range(manifest.n_samples, offsets)
+    if hi <= lo and manifest.n_samples > 0:
+        raise ValueError(
+            f"the views' offsets {offsets} leave no valid anchor in an array of "
+            f"{manifest.n_samples} samples"
+        )
+    split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    _, counts = chunk_counts(manifest, split, split_chunks, offsets, cross_split_windows)
+    if len(split_chunks) and not counts.any():
+        raise ValueError(
+            f"split {split!r} has {len(split_chunks)} chunks, but with the views' offsets "
+            f"{offsets} none of its anchors reads only samples of split {split!r}; use a "
+            "longer split or shorter windows, or pass cross_split_windows=True to let windows "
+            "read across the split's edge"
+        )
+    return dict(variables)

@@ -1,0 +1,418 @@
+"""The residency schedule: how long a plan's chunks stay pinned, and what that costs.
+
+Read-once (a chunk pinned from its first reading batch to its last) or *bounded* (released
+after ``pin_gap`` idle batches, fetched again at its next use), chosen per epoch against
+bounds that hold for every epoch (:func:`schedule_floors`): :func:`choose_schedule` turns a
+byte budget into a :class:`PinSchedule`; :func:`working_set_bytes` is one epoch's floor.
+Pure numpy over the plan: no pool, no threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes._checks import check_int, check_optional_int
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.epoch import (
+    block_index,
+    check_plan_inputs,
+    chunk_counts,
+    plan_groups,
+    ramp_unit,
+)
+from insitubatch_nodes.plan.ledger import EpochPlan, sorted_unique
+from insitubatch_nodes.plan.ranks import check_remainder, default_rank_world
+from insitubatch_nodes.plan.splits import SplitManifest
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "PinSchedule",
+    "ScheduleFloors",
+    "block_batches",
+    "choose_schedule",
+    "schedule_floors",
+    "working_set_bytes",
+]
+
+
+def block_batches(samples_per_chunk: int, block_chunks: int, batch_size: int) -> int:
+    """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
+    return max(1, math.ceil(block_chunks * samples_per_chunk / batch_size))
+
+
+@dataclass(frozen=True)
+class PinSchedule:
+    """How long the chunks a plan reads stay pinned, epoch by epoch.
+
+    ``pin_gap=None`` (the default): *read-once* every epoch — a chunk is pinned from the first
+    batch that reads it to the last, so it is fetched once per epoch. ``pin_gap=g``: *bounded* — a
+    chunk that goes more than ``g`` batches without being read is released and fetched again at
+    its next use; except that, with ``read_once_bytes`` set, an epoch whose read-once
+    working-set floor (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`) is at most
+    ``read_once_bytes`` uses read-once. Each epoch's choice is a function of that epoch's plan
+    only, so a resumed run makes the same choice.
+    :func:`~insitubatch_nodes.plan.schedule.choose_schedule` computes the schedule from a budget.
+    """
+
+    pin_gap: int | None = None
+    read_once_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pin_gap", check_optional_int("pin_gap", self.pin_gap, minimum=0))
+        object.__setattr__(
+            self,
+            "read_once_bytes",
+            check_optional_int("read_once_bytes", self.read_once_bytes, minimum=0),
+        )
+        if self.read_once_bytes is not None and self.pin_gap is None:
+            raise ValueError(
+                "read_once_bytes chooses between read-once and a pin_gap: set pin_gap too "
+                "(or leave both None for read-once every epoch)"
+            )
+
+
+@dataclass(frozen=True)
+class ScheduleFloors:
+    """Upper bounds, valid for *every* epoch, rank, seed, ``shuffle`` and ``ramp``, of the
+    working-set floor (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`) of one
+    configuration
+    under each schedule, in bytes. ``pin_gap`` is the bounded schedule's gap."""
+
+    read_once: int
+    bounded: int
+    pin_gap: int
+
+    @property
+    def guaranteed(self) -> int:
+        """The smallest budget with which every epoch has a schedule that fits."""
+        return min(self.read_once, self.bounded)
+
+
+def _anchor_chunk_bytes(
+    manifest: SplitManifest,
+    variables: Mapping[str, ArrayGeometry],
+    chunks: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[np.ndarray, int, bool]:
+    """For anchor chunks with valid anchors ``[start, start + count)``: the bytes of the
+    distinct stored chunks each one's anchors read (all views), the bytes of every chunk any of
+    them reads, and whether some stored chunk is read by two different anchor chunks."""
+    weight = np.zeros(len(chunks), dtype=np.int64)
+    total, shared = 0, False
+    nbytes_of = {g.path: g.chunk_nbytes for g in reversed(list(variables.values()))}
+    for pspc, offsets, paths in plan_groups(variables):
+        # the arrays of a plan group read the same chunks: count them once, weigh by all
+        nbytes = sum(nbytes_of[path] for path in paths)
+        owners, ids = [], []
+        for offset in offsets:
+            first = (starts + offset) // pspc
+            last = (starts + counts - 1 + offset) // pspc
+            span = last - first + 1
+            owners.append(np.repeat(np.arange(len(chunks), dtype=np.int64), span))
+            step = np.arange(int(span.sum()), dtype=np.int64) - np.repeat(
+                np.cumsum(span) - span, span
+            )
+            ids.append(np.repeat(first, span) + step)
+        owner, cid = np.concatenate(owners), np.concatenate(ids)
+        # one int64 key per (anchor chunk, stored chunk) pair: 1-D uniques sort fast
+        pairs = sorted_unique(owner * (int(cid.max()) + 1) + cid)
+        n_pairs = len(pairs)
+        weight += nbytes * np.bincount(pairs // (int(cid.max()) + 1), minlength=len(chunks))
+        distinct = len(sorted_unique(cid))
+        total += nbytes * distinct
+        shared = shared or distinct < n_pairs
+    return weight, total, shared
+
+
+def _layout_maxima(
+    n_chunks: int, block_chunks: int, lead: int, q: int, slack: int, batch_size: int, gap: int
+) -> tuple[int, int, int] | None:
+    """Most anchor chunks ``(read in g consecutive batches, live at one batch under read-once
+    without shared chunks, fetched by the batches of one block)`` for every ledger whose chunks
+    hold at most ``q`` rows and ``slack`` rows fewer than ``q`` each in all.
+
+    The blocks of such a ledger lie where they would with ``q`` rows per chunk, each moved
+    earlier by at most ``slack`` rows: block ``k`` occupies rows inside
+    ``[start_k - slack, end_k)``. ``None`` when that leaves too wide a spread to be useful."""
+    sizes = np.bincount(block_index(n_chunks, block_chunks, lead))
+    hi = np.cumsum(sizes * q)
+    lo = hi - sizes * q - slack
+    n_rows = int(hi[-1])
+    last = len(sizes) - 1
+
+    def touch(x: np.ndarray, end: np.ndarray, own: np.ndarray | None = None) -> Any:
+        k0 = np.searchsorted(hi, x, side="right")  # first block that can end after x
+        k1 = np.searchsorted(lo, end, side="left")  # blocks before k1 can start before end
+        width = int((k1 - k0).max(initial=0))
+        if width > 64:
+            return None
+        total = np.zeros(len(x), dtype=np.int64)
+        for t in range(width):
+            k = k0 + t
+            kc = np.minimum(k, last)
+            overlap = np.minimum(end, hi[kc]) - np.maximum(x, lo[kc])
+            overlap = np.where(k < k1, np.maximum(overlap, 0), 0)
+            count = np.minimum(sizes[kc], overlap)
+            if own is not None:
+                count = np.where((k < k1) & (kc == own), sizes[kc], count)
+            total += count
+        return total, k1 - k0, k0
+
+    batches = np.arange(math.ceil(n_rows / batch_size), dtype=np.int64)
+    window = touch(np.maximum(0, (batches - gap + 1) * batch_size), (batches + 1) * batch_size)
+    single = touch(batches * batch_size, (batches + 1) * batch_size)
+    blocks = np.arange(len(sizes), dtype=np.int64)
+    ahead = touch(
+        np.maximum(0, lo // batch_size * batch_size),
+        -(-hi // batch_size) * batch_size,
+        own=blocks,
+    )
+    if window is None or single is None or ahead is None:
+        return None
+    # one batch inside one block: that block's chunks may all be live; else what it reads
+    once = np.where(single[1] == 1, sizes[np.minimum(single[2], last)], single[0])
+    return int(window[0].max()), int(once.max()), int(ahead[0].max())
+
+
+def schedule_floors(
+    manifest: SplitManifest,
+    variables: Mapping[str, ArrayGeometry],
+    *,
+    split: str = "train",
+    batch_size: int = 32,
+    block_chunks: int = 16,
+    cross_split_windows: bool = False,
+    remainder: str = "drop",
+    world_size: int | None = None,
+) -> ScheduleFloors:
+    """Permutation-independent upper bounds of each schedule's working-set floor.
+
+    They hold for every epoch, seed and rank of ``world_size`` ranks (default:
+    ``torch.distributed``'s, else 1 — as :class:`ReadPlanNode` resolves it), with or without
+    ``shuffle`` and ``ramp``; with ``remainder="drop"`` the bounds for any ``world_size > 1``
+    hold for every world size.
+
+    **Tails.** With several ranks a rank's ledger (:func:`deal`) is whole chunks — no two the
+    same — then at most two partial pieces of tail chunks: at most ``len(split chunks)``
+    distinct positions, falling short of ``q`` rows by at most the single-rank total, plus at
+    most ``q`` for the first partial piece (which only the last block can follow). So the
+    layout below is computed with ``q`` more slack, and a full block that is not the last holds
+    at least its smallest whole chunks and one row. A padded sample (``remainder="pad"``) is a
+    one-row piece after those, possibly of a chunk the rank reads elsewhere: the layout then
+    allows ``world_size - 1`` more positions, ``2q`` more slack and ``q - 1`` per padded sample,
+    and a full block counts one row per piece.
+
+    Let ``w(c)`` be the bytes of the stored chunks anchor chunk ``c``'s anchors read,
+    ``top(k)`` the sum of the ``k`` largest ``w`` and ``g`` the bounded schedule's gap
+    (:func:`block_batches`). The ledger is a run of blocks of at most ``block_chunks`` chunks;
+    each chunk holds at most ``q`` rows (its valid anchors), so a block lies within a known
+    distance of where it would lie with ``q`` rows per chunk, and so does every batch. From
+    that layout (and, as a fallback, from the fewest rows a block can hold) come the most anchor
+    chunks a run of rows can touch:
+
+    * Bounded: a chunk live at batch ``b`` was read in batches ``(b - g, b]`` (a gap of more than
+      ``g`` batches would have released it): live bytes ``<= top(most chunks in g batches)``.
+    * Read-ahead (both schedules): the fetches counted for a block ``B`` are those of batches
+      whose first row (rows are sorted within a batch) lies in ``B``; they intersect ``B``, span
+      at most ``g`` batches and so fetch each chunk once: ``<= top(most chunks in the batches
+      that intersect one block)``.
+    * Read-once: live bytes are at most every chunk the split reads. When no stored chunk is
+      read by two anchor chunks (no window reaches a neighbour, labels' grids nest), a chunk
+      live at ``b`` is read by ``b`` or belongs to the one block ``b`` lies inside:
+      ``<= top(max(block chunks, most chunks in one batch))`` — and read-once is then the
+      bounded schedule, so the bounded bound holds for it too.
+    """
+    variables = check_plan_inputs(manifest, variables, split, cross_split_windows)
+    bs = check_int("batch_size", batch_size, minimum=1)
+    bc = check_int("block_chunks", block_chunks, minimum=1)
+    spc = manifest.samples_per_chunk
+    gap = block_batches(spc, bc, bs)
+    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    offsets = [g.offset for g in variables.values()]
+    starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
+    keep = counts > 0
+    if not keep.any():
+        return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
+    weight, total, shared = _anchor_chunk_bytes(
+        manifest, variables, chunks[keep], starts[keep], counts[keep]
+    )
+    heaviest = np.concatenate([[0], np.cumsum(np.sort(weight)[::-1])])
+    n = int(keep.sum())
+    # With one rank, chunks without a valid anchor stay in the order (they hold no rows);
+    # with several they are dropped before dealing. Count them: a bound for both.
+    remainder = check_remainder(remainder)
+    world = default_rank_world()[1] if world_size is None else check_int("world_size", world_size)
+    n_pad = world - 1 if remainder == "pad" else 0  # padded samples: one-row pieces of their own
+    shared = shared or n_pad > 0  # a padded sample's chunk may be read twice
+    # partial pieces a full block before the last may hold (none with one rank)
+    pieces = 2 + n_pad if n_pad else int(world > 1)
+    whole = max(0, min(bc, len(counts)) - pieces)
+    m = int(np.sort(counts)[:whole].sum()) + min(bc, len(counts)) - whole  # fewest rows in a block
+
+    def most(rows: int, aligned: bool) -> int:
+        if rows <= 0:
+            return 0
+        if m == 0:
+            return min(rows, n)
+        blocks = 1 + (rows - 1) // m if aligned else 2 + max(0, rows - 2) // m
+        return min(rows, n, bc * blocks)
+
+    def top(k: int) -> int:
+        return int(heaviest[min(k, n)])
+
+    live_chunks = most(gap * bs, aligned=False)
+    once_chunks = max(min(bc, n), most(bs, aligned=False))
+    ahead_chunks = min(n, bc + 2 * most(bs - 1, aligned=True))
+    q = int(counts.max())
+    slack = int((q - counts).sum())
+    if world > 1:
+        slack += 2 * q + n_pad * (q - 1) if n_pad else q
+    n_pos = len(chunks) + n_pad
+    leads = {0, ramp_unit(True, spc, bs)}
+    for lead in leads:
+        found = _layout_maxima(n_pos, bc, lead if lead < bc else 0, q, slack, bs, gap)
+        if found is None:
+            break
+    else:
+        tight = [
+            _layout_maxima(n_pos, bc, lead if lead < bc else 0, q, slack, bs, gap) for lead in leads
+        ]
+        live_chunks = min(live_chunks, max(t[0] for t in tight if t))
+        once_chunks = min(once_chunks, max(t[1] for t in tight if t))
+        ahead_chunks = min(ahead_chunks, max(t[2] for t in tight if t))
+    read_ahead = top(ahead_chunks)
+    bounded = top(live_chunks) + read_ahead
+    read_once = total + read_ahead
+    if not shared:
+        read_once = min(read_once, top(once_chunks) + read_ahead, bounded)
+    return ScheduleFloors(read_once=read_once, bounded=bounded, pin_gap=gap)
+
+
+def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tuple[int, int]:
+    """``(floor, read_ahead)`` in bytes for one epoch plan.
+
+    ``read_ahead`` is the most slot memory one block's first reads take; the fetcher may run at
+    most that far ahead of the batch being gathered. ``floor`` is the most memory live at once
+    (chunks between their first and last reading batch) plus ``read_ahead``: the smallest budget
+    with which the pipeline never waits on itself.
+    """
+    n = plan.n_batches - plan.first_batch
+    if n == 0:
+        return 0, 0
+    got = np.zeros(n, dtype=np.int64)  # bytes each batch fetches
+    gone = np.zeros(n, dtype=np.int64)  # bytes each batch releases
+    for ledger in plan.ledgers:
+        nbytes = sum(geoms[path].chunk_nbytes for path in ledger.paths)
+        got += np.diff(ledger.fetch_ptr) * nbytes
+        gone += np.diff(ledger.release_ptr) * nbytes
+    live = np.cumsum(got) - np.concatenate([[0], np.cumsum(gone)[:-1]])
+    peak = int(live.max(initial=0))
+    first_rows = np.arange(n, dtype=np.int64) * plan.batch_size
+    blocks = plan._block_of_row[first_rows]
+    per_block = np.bincount(blocks, weights=got, minlength=max(1, plan.n_blocks))
+    read_ahead = int(per_block.max(initial=0))
+    return peak + read_ahead, read_ahead
+
+
+def _auto_cap_bytes() -> int:
+    """The most an automatic budget takes before it trades re-reads for memory: 1/4 of RAM."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return 8 * 2**30
+
+
+def choose_schedule(
+    manifest: SplitManifest,
+    variables: Mapping[str, ArrayGeometry],
+    budget_bytes: int | None,
+    *,
+    split: str = "train",
+    batch_size: int = 32,
+    block_chunks: int = 16,
+    cross_split_windows: bool = False,
+    remainder: str = "drop",
+    world_size: int | None = None,
+    revive: bool = False,
+) -> PinSchedule:
+    """The residency schedule for a budget: pure, computed before the read plan is built.
+
+    Pass the result as ``ReadPlanNode(..., schedule=...)``; :func:`insitu_pipeline` does exactly
+    this, so a pipeline composed by hand behaves like the builder's.
+
+    Read-once (each chunk pinned from its first reading batch to its last, fetched once per
+    epoch) is the default. A shifted view can make that schedule hold a large part of the split —
+    chunk ``c + 1`` is read by the last anchors of chunk ``c`` and again, much later, in its own
+    block — and how much depends on each epoch's permutation. So the choice is made per epoch
+    against :func:`~insitubatch_nodes.plan.schedule.schedule_floors`, bounds that hold for every
+    epoch:
+
+    * an explicit budget at or above the read-once bound: read-once, every epoch;
+    * else, at or above the bounded bound: each epoch reads once if *its* read-once floor fits
+      the budget and otherwise releases chunks idle for a block and re-reads them (that epoch's
+      floor is within the bounded bound, hence within the budget);
+    * else ``ValueError`` stating the smallest budget that fits every epoch — here, never in a
+      later epoch; and a larger budget never fails where a smaller one succeeds.
+
+    ``budget_bytes=None`` (automatic) reads once every epoch while the read-once bound is under a
+    quarter of RAM; above that, an epoch whose read-once floor exceeds a quarter of RAM uses the
+    bounded schedule (a warning says so).
+
+    ``revive=True`` (a shuffled pipeline with a persistent cache: a released chunk comes back
+    from disk, neither fetched nor decoded) with views at different offsets uses the bounded
+    schedule every epoch (when the budget holds its bound): residency stays near a couple of
+    blocks instead of the part of the split a shifted view keeps pinned between its uses.
+    """
+    floors = schedule_floors(
+        manifest,
+        variables,
+        split=split,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        cross_split_windows=cross_split_windows,
+        remainder=remainder,
+        world_size=world_size,
+    )
+    windowed = len({view.offset for view in variables.values()}) > 1
+    fits_bounded = budget_bytes is None or budget_bytes >= floors.bounded
+    if revive and windowed and fits_bounded:
+        return PinSchedule(pin_gap=floors.pin_gap)
+    if budget_bytes is None:
+        cap = _auto_cap_bytes()
+        if floors.read_once <= cap:
+            return PinSchedule()
+        log.warning(
+            "insitubatch_nodes: reading each chunk once per epoch could pin up to %.1f GiB "
+            "(over a quarter of RAM); epochs whose read-once floor exceeds that release chunks "
+            "idle for a block and re-read them instead (floor at most %.1f GiB). Pass "
+            "cache_budget_bytes to choose.",
+            floors.read_once / 2**30,
+            floors.bounded / 2**30,
+        )
+        return PinSchedule(pin_gap=floors.pin_gap, read_once_bytes=cap)
+    budget = check_int("cache_budget_bytes", budget_bytes, minimum=1)
+    if budget >= floors.read_once:
+        return PinSchedule()
+    if budget >= floors.bounded:
+        return PinSchedule(pin_gap=floors.pin_gap, read_once_bytes=budget)
+    floor = floors.guaranteed
+    once = (
+        f"; reading each chunk once per epoch needs up to {floors.read_once:,} bytes"
+        if floors.read_once > floor
+        else ""
+    )
+    raise ValueError(
+        f"cache_budget_bytes={budget:,} is below the working-set floor of {floor:,} bytes "
+        f"({floor / 2**20:.1f} MiB) that every epoch is guaranteed to fit (chunks live at once "
+        f"plus one block of read-ahead, bounded over every permutation){once}; raise it to at "
+        "least the floor, lower block_chunks, or pass None for the automatic budget"
+    )

@@ -1,0 +1,324 @@
+"""What a pipeline measures while an epoch runs: the stages' waits, busy time and counters.
+
+The fetch, pool, gather and prefetch stages note into one :class:`EpochRecorder`; at the
+epoch's end it becomes an :class:`~insitubatch_nodes.report.EpochReport`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from insitubatch_nodes.report import EpochReport, limiting_stage, suggestion_for
+
+_now = time.perf_counter
+
+__all__ = ["EpochRecorder"]
+
+log = logging.getLogger("insitubatch_nodes.report")  # the epoch line keeps its logger name
+
+
+class _Level:
+    """A count that goes up and down: current value, peak, and its integral over time."""
+
+    __slots__ = ("active", "area", "last", "peak", "value")
+
+    def __init__(self) -> None:
+        self.value = 0
+        self.peak = 0
+        self.area = 0.0  # sum of value * dt
+        self.active = 0.0  # time with value >= 1
+        self.last = _now()
+
+    def change(self, delta: int, now: float) -> None:
+        dt = now - self.last
+        self.area += self.value * dt
+        if self.value > 0:
+            self.active += dt
+        self.last = now
+        self.value += delta
+        if self.value > self.peak:
+            self.peak = self.value
+
+    def snapshot(self, now: float) -> tuple[float, float]:
+        dt = now - self.last
+        return self.area + self.value * dt, self.active + (dt if self.value > 0 else 0.0)
+
+
+_CUMULATIVE = (
+    "admit_s",
+    "run_s",
+    "local_read_s",
+    "get_s",
+    "decode_s",
+    "decode_queued_s",
+    "chunk_wait_s",
+    "gather_s",
+    "gets",
+    "decodes",
+    "hits",
+    "misses",
+    "re_reads",
+    "bytes_fetched",
+    "transform_s",
+    "transforms",
+    "bad_chunks",
+    "corrupt",
+)
+
+
+class EpochRecorder:
+    """Measures one pipeline (module docstring). Stages call the ``on_*`` hooks; cheap.
+
+    ``pool`` is the pipeline's :class:`~insitubatch_nodes.pool.ChunkPool` (resident bytes,
+    evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads (asked
+    only when an epoch had re-reads).
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        max_inflight: int,
+        decode_threads: int,
+        batch_transforms: int = 0,
+        split_bytes: Callable[[int], int] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.batch_transforms = batch_transforms
+        self.max_inflight = max_inflight
+        self.decode_threads = decode_threads
+        self._split_bytes = split_bytes
+        self._lock = threading.Lock()
+        self._inflight = _Level()
+        self._depth = _Level()
+        self._fetched: set[Any] = set()
+        self.totals: dict[str, float] = dict.fromkeys(_CUMULATIVE, 0)
+        self._epoch: dict[str, Any] | None = None
+        self.last: EpochReport | None = None
+
+    # -- producer-side hooks (any thread) ------------------------------------------------------
+    def on_get_start(self) -> float:
+        now = _now()
+        with self._lock:
+            self._inflight.change(1, now)
+        return now
+
+    def on_get_end(self, started: float, nbytes: int, ok: bool = True) -> None:
+        """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted)."""
+        now = _now()
+        with self._lock:
+            self._inflight.change(-1, now)
+            if ok:
+                t = self.totals
+                t["get_s"] += now - started
+                t["gets"] += 1
+                t["bytes_fetched"] += nbytes
+
+    def on_fill_submit(self, objects: int, now: float) -> None:
+        """A fill job queued ``objects`` stored objects for the decode threads."""
+        with self._lock:
+            self._depth.change(objects, now)
+
+    def on_fill_run(self, tally: Any) -> None:
+        """A decode thread ended a run of a fill job (``tally``: what it did, see
+        :mod:`~insitubatch_nodes.stages._fill`): reads of a local store count as GETs."""
+        now = _now()
+        with self._lock:
+            t = self.totals
+            if tally.reads:
+                t["gets"] += tally.reads
+                t["get_s"] += tally.read_s
+                t["bytes_fetched"] += tally.read_bytes
+                t["local_read_s"] += tally.read_s
+            t["decodes"] += tally.decodes
+            t["decode_s"] += tally.decode_s
+            t["decode_queued_s"] += tally.queued_s
+            t["transforms"] += tally.transforms
+            t["transform_s"] += tally.transform_s
+            t["run_s"] += tally.run_s
+            self._depth.change(-tally.handled, now)
+
+    def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
+        """The fetch stage admitted chunks: ``hits``, ``misses`` (``re_reads`` of them fetched
+        by this pipeline before)."""
+        t = self.totals
+        t["hits"] += hits
+        t["misses"] += misses
+        t["re_reads"] += re_reads
+
+    def on_bad_chunk(self) -> None:
+        """A stored object was filled under ``on_bad_chunk="nan"``."""
+        with self._lock:
+            self.totals["bad_chunks"] += 1
+
+    def on_corrupt(self) -> None:
+        """A chunk admitted as a hit on disk was corrupt there: it is fetched, a miss (the
+        report moves it from ``hits`` to ``misses``)."""
+        with self._lock:
+            self.totals["corrupt"] += 1
+
+    def add(self, name: str, seconds: float) -> None:
+        """Add producer-thread seconds to ``chunk_wait_s``, ``gather_s`` or ``admit_s``."""
+        self.totals[name] += seconds
+
+    # -- consumer-side hooks (the consumer's thread) -------------------------------------------
+    def on_next(self) -> float:
+        """The consumer calls ``next()``: opens an epoch if none is open; returns the time."""
+        now = _now()
+        ep = self._epoch
+        if ep is None:
+            self._epoch = self._open(now)
+        elif ep["returned"] is not None:
+            ep["consumer_s"] += now - ep["returned"]
+        return now
+
+    def on_deliver(self, called: float, item: Any) -> None:
+        now = _now()
+        ep = self._epoch
+        if ep is None:  # pragma: no cover - on_next always opens one
+            return
+        wait = now - called
+        ep["handoff_wait_s"] += wait
+        if ep["batches"] == 0:
+            ep["first_batch_s"] = now - ep["t0"]
+            ep["first_wait_s"] = wait
+        ep["batches"] += 1
+        ep["returned"] = now
+        ep["last"] = now
+        arrays = getattr(item, "arrays", None)
+        if arrays is not None:
+            ep["samples"] += len(item)
+            ep["bytes_delivered"] += sum(int(a.nbytes) for a in arrays.values())
+        resident = int(self.pool.stats.resident_bytes)
+        ep["resident_sum"] += resident
+        ep["resident_peak"] = max(ep["resident_peak"], resident)
+        ep["epoch"] = getattr(item, "epoch", ep["epoch"])
+
+    def on_end(self, called: float) -> None:
+        """The epoch ended (``StopIteration``): finalize it."""
+        ep = self._epoch
+        if ep is not None:
+            now = _now()
+            ep["handoff_wait_s"] += now - called
+            ep["last"] = now  # the wall time ends with the epoch, so wait + consumer = wall
+        self.finalize()
+
+    def on_reset(self) -> None:
+        """Finalize the open epoch if it delivered a batch (else forget it)."""
+        self.finalize()
+
+    # -- reports -------------------------------------------------------------------------------
+    def finalize(self) -> EpochReport | None:
+        ep, self._epoch = self._epoch, None
+        if ep is None or ep["batches"] == 0:
+            return None
+        report = self._build(ep, complete=True)
+        self.last = report
+        log.info("insitubatch_nodes: %s", report.headline())
+        return report
+
+    def report(self) -> EpochReport | None:
+        """The epoch in progress if it delivered a batch, else the last finalized one."""
+        ep = self._epoch
+        if ep is not None and ep["batches"] > 0:
+            return self._build(ep, complete=False)
+        return self.last
+
+    def _open(self, now: float) -> dict[str, Any]:
+        with self._lock:
+            self._inflight.change(0, now)
+            self._depth.change(0, now)
+            self._inflight.peak, self._depth.peak = self._inflight.value, self._depth.value
+            inflight = self._inflight.snapshot(now)
+            totals = dict(self.totals)
+        return {
+            "t0": now,
+            "epoch": -1,
+            "returned": None,
+            "last": now,
+            "batches": 0,
+            "samples": 0,
+            "bytes_delivered": 0,
+            "handoff_wait_s": 0.0,
+            "first_wait_s": 0.0,
+            "first_batch_s": 0.0,
+            "consumer_s": 0.0,
+            "resident_sum": 0,
+            "resident_peak": 0,
+            "inflight0": inflight,
+            "totals0": totals,
+            "evictions0": int(self.pool.stats.evictions),
+            "cpu0": time.process_time(),
+        }
+
+    def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
+        end = ep["last"] if complete else _now()
+        with self._lock:
+            inflight = self._inflight.snapshot(end)
+            peaks = self._inflight.peak, self._depth.peak
+            totals = dict(self.totals)
+        wall = max(end - ep["t0"], 1e-9)
+        d = {k: totals[k] - ep["totals0"][k] for k in _CUMULATIVE}
+        r = EpochReport(
+            epoch=int(ep["epoch"]),
+            complete=complete,
+            batches=ep["batches"],
+            samples=ep["samples"],
+            wall_s=wall,
+            first_batch_s=ep["first_batch_s"],
+            handoff_wait_s=ep["handoff_wait_s"],
+            first_wait_s=ep["first_wait_s"],
+            consumer_s=ep["consumer_s"],
+            get_s=d["get_s"],
+            # reads of a local store (on the decode threads) count as GETs in flight
+            get_active_s=inflight[1] - ep["inflight0"][1] + min(d["local_read_s"], wall),
+            decode_s=d["decode_s"],
+            decode_queued_s=d["decode_queued_s"],
+            chunk_wait_s=d["chunk_wait_s"],
+            gather_s=d["gather_s"],
+            admit_s=d["admit_s"],
+            run_s=d["run_s"],
+            local_read_s=d["local_read_s"],
+            cpu_s=time.process_time() - ep["cpu0"],
+            inflight_mean=(inflight[0] - ep["inflight0"][0] + d["local_read_s"]) / wall,
+            inflight_peak=max(peaks[0], self.decode_threads if d["local_read_s"] else 0),
+            decode_depth_mean=d["decode_queued_s"] / wall,
+            decode_depth_peak=peaks[1],
+            resident_mean_bytes=ep["resident_sum"] / max(1, ep["batches"]),
+            resident_peak_bytes=ep["resident_peak"],
+            gets=int(d["gets"]),
+            decodes=int(d["decodes"]),
+            hits=int(d["hits"] - d["corrupt"]),
+            misses=int(d["misses"] + d["corrupt"]),
+            re_reads=int(d["re_reads"]),
+            evictions=int(self.pool.stats.evictions) - ep["evictions0"],
+            bytes_fetched=int(d["bytes_fetched"]),
+            bytes_delivered=ep["bytes_delivered"],
+            transform_s=d["transform_s"],
+            transforms=int(d["transforms"]),
+            bad_chunks=int(d["bad_chunks"]),
+            corrupt=int(d["corrupt"]),
+            max_inflight=self.max_inflight,
+            decode_threads=self.decode_threads,
+            cores=_cores(),
+            budget_bytes=int(self.pool.budget_bytes),
+            auto_budget=bool(self.pool.auto),
+            batch_transforms=self.batch_transforms,
+        )
+        r.limiting = limiting_stage(r)
+        if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
+            r.split_bytes = self._split_bytes(r.epoch)
+        r.suggestion = suggestion_for(r)
+        return r
+
+
+def _cores() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)

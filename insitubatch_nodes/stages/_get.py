@@ -1,0 +1,142 @@
+"""The GETs of a fetch stage: on the IO loop, under one permit budget, handed to the decoders."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from insitubatch_nodes.cache.identity import meta_identity
+from insitubatch_nodes.errors import ChunkReadError, FillCancelled
+from insitubatch_nodes.stages._jobs import FillJob, Rows, Unit
+
+if TYPE_CHECKING:
+    from insitubatch_nodes.stages._fill import Filler
+
+__all__ = ["Getter"]
+
+_now = time.perf_counter
+
+
+class Getter:
+    """GETs on the IO loop for one fetch stage, at most ``max_inflight`` objects in flight
+    (module docstring). Everything but :meth:`release` and :meth:`enqueue` runs on the loop."""
+
+    def __init__(
+        self,
+        get: Callable[..., Any],
+        loop: asyncio.AbstractEventLoop,
+        max_inflight: int,
+        store_name: str,
+        filler: Callable[[], Filler],
+    ) -> None:
+        self._get = get
+        self.loop = loop
+        self.max_inflight = max_inflight
+        self.store_name = store_name
+        self._filler = filler
+        self._queue: deque[tuple[FillJob, Unit]] = deque()  # on the loop only
+        self._lock = threading.Lock()
+        self.inflight = 0  # permits taken: GETs started and not yet decoded
+        self._starved = False
+        self.tasks: dict[asyncio.Task[None], tuple[FillJob, Unit]] = {}  # loop only
+        self.obstore = False
+
+    def enqueue(self, job: FillJob, units: Sequence[Unit], rows: Sequence[Rows] = ()) -> None:
+        """Queue ``job``'s objects for GETs (any thread: one loop wake-up per call)."""
+        self.loop.call_soon_threadsafe(self._enqueue, job, units, rows)
+
+    def _enqueue(self, job: FillJob, units: Sequence[Unit], rows: Sequence[Rows]) -> None:
+        self._queue.extend((job, unit) for unit in units)
+        for r in rows:
+            self._queue.extend((job, unit) for unit in r.units())
+        self._pump()
+
+    def release(self) -> None:
+        """A permit's object is handled (any thread): wake the loop if it waits for one."""
+        self._filler().pool.note_io(inflight=-1)
+        with self._lock:
+            self.inflight -= 1
+            wake, self._starved = self._starved, False
+        if wake and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._pump)
+
+    def _pump(self) -> None:
+        queue = self._queue
+        filler = self._filler()
+        while queue:
+            job, unit = queue[0]
+            if job.skips(unit):
+                queue.popleft()
+                filler.land_many(job, [(unit, _now(), None, FillCancelled("cancelled"), False)])
+                continue
+            with self._lock:
+                if self.inflight >= self.max_inflight:
+                    self._starved = True
+                    return
+                self.inflight += 1
+            filler.pool.note_io(inflight=1)
+            queue.popleft()
+            task = self.loop.create_task(self._fetch(job, unit, filler))
+            self.tasks[task] = (job, unit)
+            task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        self.tasks.pop(task, None)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failure was landed already
+
+    async def _fetch(self, job: FillJob, unit: Unit, filler: Filler) -> None:
+        array, chunk, tile, _, _ = unit
+        rec = filler.recorder
+        ids = filler._identities()
+        meta: list[Any] | None = None if ids is None else []
+        started = rec.on_get_start() if rec is not None else 0.0
+        raw: Any = None
+        error: BaseException | None = None
+        try:
+            key = array.key(chunk, tile)
+        except Exception as exc:  # a bug, not a read error: it fails the batch as it is
+            filler.land_many(job, [(unit, _now(), None, exc, True)])
+            return
+        try:
+            raw = await (self._get(key) if meta is None else self._get(key, meta))
+        except asyncio.CancelledError:
+            error = FillCancelled(f"the read of {key!r} was cancelled")
+        except Exception as exc:
+            error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
+            error.__cause__ = exc
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: land, then go on up
+            error = exc
+        nbytes = 0 if raw is None else len(raw)
+        if error is None:
+            filler.pool.note_io(1, nbytes)
+        if rec is not None:
+            rec.on_get_end(started, nbytes, ok=error is None)
+        if error is None and ids is not None and meta:  # what identifies the object
+            ids.note(array.path, chunk, key, meta_identity(meta[0]))
+        filler.land_many(job, [(unit, _now(), raw, error, True)])
+        if error is not None and not isinstance(error, Exception | FillCancelled):
+            raise error
+
+    def cancel_skipped(self) -> None:
+        """Cancel the GETs in flight whose objects are no longer needed (any thread)."""
+
+        def cancel() -> None:
+            for task, (job, unit) in list(self.tasks.items()):
+                if job.skips(unit):
+                    task.cancel()
+
+        if not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(cancel)
+
+    async def cancel_all(self) -> None:
+        """Cancel every GET in flight and wait for them (interpreter exit)."""
+        tasks = list(self.tasks)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=2.0)

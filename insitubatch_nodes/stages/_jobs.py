@@ -1,0 +1,238 @@
+"""What the fetch stage hands its fill machinery: a batch's fill job, its rows and units."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from insitubatch_nodes.io.decode import ChunkDecoder
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
+from insitubatch_nodes.slots import PENDING, ChunkEntry, Fill
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "ROWS_PER_ITEM",
+    "SMALL_OBJECT_S",
+    "ArrayFill",
+    "FetchedBatch",
+    "FillJob",
+    "Rows",
+    "Unit",
+]
+
+
+class ArrayFill:
+    """What filling one array's stored objects needs, worked out once per array: its decoder,
+    its key template, its tiles and the rectangle each covers."""
+
+    __slots__ = (
+        "decoder",
+        "fill_value",
+        "geom",
+        "missing",
+        "path",
+        "row_key",
+        "template",
+        "tiles",
+        "whole",
+    )
+
+    def __init__(self, geom: ArrayGeometry, decoder: ChunkDecoder) -> None:
+        self.geom = geom
+        self.path = geom.path
+        self.decoder = decoder
+        self.template = geom.key_template
+        #: every tile and the (sample-first) index of its rectangle within a chunk's region
+        self.tiles = [(tuple(t), (slice(None), *geom.tile_slices(t))) for t in geom.tiles()]
+        self.whole = geom.n_tiles == 1  # one stored object covers the whole field
+        self.fill_value: Any = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
+        self.missing = False  # the last object read of this array was missing (a hint)
+        #: ``(before, after)``: the key of a whole chunk is ``before + str(chunk) + after``
+        self.row_key: tuple[str, str] | None = None
+        if self.whole and self.template is not None:
+            coords: list[Any] = ["0"] * geom.ndim
+            coords[geom.sample_axis] = "\x00"
+            parts = self.template.format(*coords).split("\x00")
+            if len(parts) == 2:
+                self.row_key = (parts[0], parts[1])
+
+    def key(self, chunk: int, tile: tuple[int, ...]) -> str:
+        if self.template is None:
+            return self.geom.store_key(chunk, tile)
+        coords = list(tile)
+        coords.insert(self.geom.sample_axis, chunk)
+        return self.template.format(*coords)
+
+
+# A unit is one stored object to fill: (array, chunk, tile, destination, entry or None).
+# A queued item is (unit, landed, raw, error, holds_a_permit): ``landed`` is when its GET
+# ended, 0.0 when the run reads the object itself (a local store).
+Unit = tuple[ArrayFill, int, tuple[int, ...], np.ndarray, "ChunkEntry | None"]
+REVIVE: tuple[int, ...] = (-1,)  # the tile of a unit that maps a persistent-cache file
+ROWS_PER_ITEM = 8  # chunks one queued item of rows decoded in place holds (per array)
+#: Stored objects that take the decode threads less than this (read + decode) are filled by
+#: one thread at a time: a second thread would only pass the interpreter lock back and forth.
+SMALL_OBJECT_S = 40e-6
+
+
+class Rows:
+    """Chunks of one array (one sample each) decoded straight into rows of a batch array:
+    chunk ``chunks[i]`` into ``out[rows[i]]``. One queued item: a run takes all of them, with
+    no Python object per stored object (what keeps sixty arrays a sample cheap)."""
+
+    __slots__ = ("array", "chunks", "objects", "out", "rows")
+
+    def __init__(self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]):
+        self.array, self.out, self.chunks, self.rows = array, out, chunks, rows
+        self.objects = len(chunks) * len(array.tiles)
+
+    def units(self) -> list[Unit]:
+        """One unit per stored object (for GETs, which go one by one)."""
+        array, out = self.array, self.out
+        units: list[Unit] = []
+        for chunk, r in zip(self.chunks, self.rows, strict=True):
+            row = out[r : r + 1]
+            units.extend(
+                (array, chunk, tile, row if array.whole else row[box], None)
+                for tile, box in array.tiles
+            )
+        return units
+
+    def store_keys(self) -> list[str]:
+        return [self.array.key(c, t) for c in self.chunks for t, _ in self.array.tiles]
+
+
+class FillJob:
+    """The stored objects one admission fetches (module docstring); built on the producer
+    thread, then owned by the :class:`Filler`.
+
+    ``fill`` is shared with every entry the admission pins as a miss (pass it to
+    :meth:`~insitubatch_nodes.pool.ChunkPool.acquire_many`); the job itself is one of its
+    members, resolved when every object has been handled. ``arrays`` are the batch arrays its
+    direct rows land in (``None`` without direct rows); ``error`` is the first error of a
+    direct row (the batch fails with it).
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "arrays",
+        "cancelled",
+        "error",
+        "fill",
+        "generation",
+        "left",
+        "lock",
+        "rows",
+        "runs",
+        "spares",
+        "submitted",
+        "ticket",
+        "todo",
+        "units",
+    )
+
+    def __init__(self, ticket: int, generation: int) -> None:
+        self.ticket = ticket
+        self.generation = generation
+        self.fill = Fill(1)
+        self.units: list[Unit] = []  # stored objects of pool entries
+        self.rows: list[Rows] = []  # rows decoded straight into the batch
+        self.arrays: dict[str, np.ndarray] | None = None
+        self.spares: dict[int, np.ndarray] = {}  # id(entry) -> decode buffer (reshaping)
+        self.error: BaseException | None = None
+        self.cancelled = False
+        self.lock = threading.Lock()
+        self.todo: deque[tuple[Unit | Rows, float, Any, BaseException | None, bool]] = deque()
+        self.left = 0
+        self.runs = 0
+        self.submitted = 0.0
+
+    def add_entry(self, entry: ChunkEntry, array: ArrayFill, region: np.ndarray) -> None:
+        """Fill ``entry`` (a miss) by this job: one unit per stored object (one for a chunk
+        found in the persistent cache, whose file is mapped instead)."""
+        chunk = entry.key[1]
+        if entry.cached is not None:
+            entry.tiles_left = 1
+            self.units.append((array, chunk, REVIVE, region, entry))
+            return
+        entry.tiles_left = len(array.tiles)
+        self.units.extend((array, chunk, tile, region[box], entry) for tile, box in array.tiles)
+
+    def add_rows(
+        self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]
+    ) -> None:
+        """Decode chunk ``chunks[i]`` (one sample) of ``array`` straight into row ``rows[i]``
+        of the batch array ``out``."""
+        for lo in range(0, len(chunks), ROWS_PER_ITEM):
+            hi = lo + ROWS_PER_ITEM
+            self.rows.append(Rows(array, out, chunks[lo:hi], rows[lo:hi]))
+
+    def skips(self, unit: Unit) -> bool:
+        """Whether ``unit`` no longer needs filling: its entry failed, was resolved, or lost
+        its last pin (detached); a direct row of a cancelled or failed job."""
+        entry = unit[4]
+        if entry is None:
+            return self.cancelled or self.error is not None
+        return (
+            entry.state != PENDING
+            or entry.error is not None
+            or (entry.detached and entry.pins == 0)
+        )
+
+
+@dataclass(frozen=True, eq=False)
+class FetchedBatch:
+    """A batch plan whose chunks are admitted: ``entries`` covers every pool chunk it reads.
+
+    ``jobs`` are the fills this batch started (wait for them too); ``arrays`` are its batch
+    arrays when some rows were decoded straight into them (``direct[label]`` rows of each
+    label), else ``None``. ``release()`` drops the pins of the chunks this batch reads for the
+    last time; call it once the batch has been gathered. It is a no-op after the fetch node was
+    reset or closed.
+    """
+
+    plan: BatchPlan
+    entries: Mapping[ChunkKey, ChunkEntry]
+    release: Callable[[], None]
+    jobs: tuple[FillJob, ...] = ()
+    arrays: Mapping[str, np.ndarray] | None = None
+    direct: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class PendingBatch:
+    plan: BatchPlan
+    state: dict[str, Any]  # the source's state right after this plan was pulled
+    # pool chunks to admit before this batch (its first reads, plus any carried into it)
+    requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]]
+    job: FillJob | None = None  # built with its rows decoded in place; submitted at admission
+    arrays: dict[str, np.ndarray] | None = None
+    rows: dict[str, int] = field(default_factory=dict)  # label -> rows decoded in place
+    # group index -> the chunks decoded in place (a slot of the same chunk is not read)
+    in_place: dict[int, set[int]] = field(default_factory=dict)
+    admitted: int = 0  # how many of requests are admitted
+    ahead_bytes: int = 0
+    jobs: list[FillJob] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return self.admitted == len(self.requests)
+
+
+@dataclass(frozen=True)
+class PlanGroup:
+    """How the fetch stage treats one plan group (one ledger) in this node."""
+
+    paths: tuple[str, ...]
+    nbytes: int  # slot bytes of one chunk of every path
+    # path -> {view offset: the label} its single-use chunks decode into (None: all via slots)
+    direct: Mapping[str, Mapping[int, str]] | None
+    row_bytes: int  # batch bytes of one direct row over every path

@@ -1,0 +1,441 @@
+"""``ReadPlanNode``: the first stage; one :class:`~insitubatch_nodes.plan.ledger.BatchPlan`
+per batch.
+
+It draws each epoch's plan (:mod:`insitubatch_nodes.plan`), keeps what a resume needs (epoch,
+batches delivered, the elastic cuts) and checks that a saved state was made by the same
+configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.epoch import check_plan_inputs, chunk_counts, plan_epoch
+from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
+from insitubatch_nodes.plan.ranks import check_remainder, default_rank_world
+from insitubatch_nodes.plan.schedule import PinSchedule, block_batches, working_set_bytes
+from insitubatch_nodes.plan.splits import SplitManifest
+
+__all__ = ["ReadPlanNode"]
+
+
+def _check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
+    """The ``resumed`` entry of a read-plan state as ``((world_size, batches), ...)``."""
+    out: list[Stage] = []
+    try:
+        for w, k in cuts:
+            out.append((int(w), int(k)))
+    except (TypeError, ValueError):
+        raise ValueError(f"not a read-plan state: resumed={cuts!r}") from None
+    batches = [k for _, k in out]
+    if (
+        any(w < 1 for w, _ in out)
+        or batches != sorted(set(batches))
+        or any(k < 1 or k > emitted for k in batches)
+    ):
+        raise ValueError(
+            f"not a read-plan state: resumed={cuts!r} must list (world_size >= 1, batches) "
+            f"cuts with batches rising from 1 to at most batches_emitted={emitted}"
+        )
+    return tuple(out)
+
+
+_DRAWN_KEPT = 3  # epoch plans a ReadPlanNode keeps (the current one, the next, len()'s)
+
+_CONFIG_ATTRS = frozenset(
+    {
+        "manifest",
+        "variables",
+        "split",
+        "batch_size",
+        "block_chunks",
+        "shuffle",
+        "ramp",
+        "seed",
+        "rank",
+        "world_size",
+        "cross_split_windows",
+        "schedule",
+        "remainder",
+    }
+)
+
+
+class ReadPlanNode(BaseNode[BatchPlan]):
+    """A torchdata node whose items are :class:`BatchPlan` s, one per batch, epoch after epoch.
+
+    ``variables`` maps each label to an :class:`ArrayGeometry` view; every view must have the
+    manifest's sample-axis length (labels may chunk the sample axis differently and carry
+    ``shift`` offsets). An anchor is emitted only if every view's ``anchor + offset`` lies in the
+    array and — unless ``cross_split_windows=True`` — on an anchor-grid chunk of ``split``, so no
+    window reads another split's samples. A split that has chunks but no such anchor is refused.
+
+    **Ranks.** ``rank``/``world_size`` default to ``torch.distributed``'s when it is initialised,
+    else 0/1. Every rank emits the same number of samples, a constant across epochs — with ``V``
+    valid anchors, ``V // world_size`` (``remainder="drop"``, the default) or
+    ``ceil(V / world_size)`` (``"pad"``) — so all ranks yield the same number of batches. Each
+    epoch :func:`deal` hands the permuted chunks out round-robin as whole chunks while every
+    rank stays within its share, then cuts the remaining chunks' samples into consecutive
+    pieces, one per rank. ``"drop"``: the last ``V % world_size`` of them (at most
+    ``world_size - 1``, changing with the permutation) sit out this epoch. ``"pad"``: none does;
+    ``(-V) % world_size`` samples drawn by the epoch's seed are delivered twice, like
+    ``DistributedSampler(drop_last=False)``. A rank reads each chunk it holds once per epoch;
+    a tail chunk cut between ranks is read by each of them (at most ``world_size - 1`` extra
+    chunk reads per epoch, plus one per padded sample), and a shifted view's neighbour chunk —
+    ``c + 1`` for the last anchors of ``c`` — may also be read by the rank that holds ``c``.
+    With one rank nothing is dropped or repeated. A split with fewer valid anchors than ranks
+    is refused.
+
+    **Ramp.** With ``ramp=True`` (the default; only when shuffling) the epoch's first block is
+    split into a lead block of just enough chunks for one batch and the rest, so the first batch
+    waits for a few chunks rather than a whole block; memory and every later block are
+    unchanged, and the epoch's :func:`shuffle_quality` moves by about one epoch-to-epoch
+    standard deviation.
+
+    **Residency schedule.** ``schedule`` (a :class:`PinSchedule`; default read-once every epoch)
+    decides each epoch's ``fetches``/``releases``; it never changes which samples a batch holds.
+    :func:`~insitubatch_nodes.plan.schedule.choose_schedule` computes it from a budget.
+
+    **Epochs and state.** ``reset(None)`` starts an epoch: the next one if the previous epoch
+    yielded a batch, else the same one again (so the extra ``iter()`` calls Lightning makes do not
+    skip epochs); :meth:`set_epoch` pins the epoch the next ``reset(None)`` starts. The state is
+    O(1) plain Python — the epoch, the batches emitted, and the configuration the plan is a
+    function of (computed once, at construction: the configuration is fixed, and assigning to
+    it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
+    state taken after the last batch of an epoch resumes at the start of the next epoch.
+    Restoring a state whose configuration differs raises ``ValueError`` naming the field —
+    except the world size.
+
+    **Elastic resume.** A state saved under another world size ``W`` restores too: every old
+    rank is taken to have delivered the state's ``k`` batches (ranks move in lockstep; the
+    state is rank 0's), and the rest of the epoch — the valid samples no old rank delivered —
+    is dealt to this world size by :func:`deal` (``resumed`` of :func:`plan_epoch`); batches
+    go on from ``k``, so that epoch's ``len()`` differs; the next epochs are this world size's
+    own. The state then carries the epoch's cuts (``"resumed"``), so it restores again, on any
+    world size.
+    """
+
+    def __init__(
+        self,
+        manifest: SplitManifest,
+        variables: Mapping[str, ArrayGeometry],
+        *,
+        split: str = "train",
+        batch_size: int = 32,
+        block_chunks: int = 16,
+        shuffle: bool = True,
+        seed: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        ramp: bool = True,
+        cross_split_windows: bool = False,
+        schedule: PinSchedule | None = None,
+        remainder: str = "drop",
+    ) -> None:
+        super().__init__()
+        cross = check_bool("cross_split_windows", cross_split_windows)
+        remainder = check_remainder(remainder)
+        views = check_plan_inputs(manifest, variables, split, cross)
+        batch_size = check_int("batch_size", batch_size, minimum=1)
+        block_chunks = check_int("block_chunks", block_chunks, minimum=1)
+        shuffle = check_bool("shuffle", shuffle)
+        ramp = check_bool("ramp", ramp)
+        seed = check_int("seed", seed, minimum=0)
+        world_arg = check_optional_int("world_size", world_size)
+        rank_arg = check_optional_int("rank", rank)
+        if schedule is None:
+            schedule = PinSchedule()
+        if not isinstance(schedule, PinSchedule):
+            raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
+        d_rank, d_world = default_rank_world()
+        world = d_world if world_arg is None else world_arg
+        rk = (d_rank if world_arg is None else 0) if rank_arg is None else rank_arg
+        if world < 1 or not 0 <= rk < world:
+            raise ValueError(f"need 0 <= rank < world_size, got rank={rk}, world_size={world}")
+        split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+        _, counts = chunk_counts(
+            manifest, split, split_chunks, [g.offset for g in views.values()], cross
+        )
+        n_valid = int(counts.sum())
+        if world > 1 and len(split_chunks) and n_valid < world:
+            raise ValueError(
+                f"split {split!r} has {n_valid} valid anchors but world_size is {world}: every "
+                "rank needs at least one sample (use a larger split or fewer ranks)"
+            )
+        self.manifest = manifest
+        self.variables: Mapping[str, ArrayGeometry] = MappingProxyType(views)
+        self.split = split
+        self.batch_size = batch_size
+        self.block_chunks = block_chunks
+        self.shuffle = shuffle
+        self.ramp = ramp
+        self.seed = seed
+        self.rank = rk
+        self.world_size = world
+        self.cross_split_windows = cross
+        self.remainder = remainder
+        self.schedule = schedule
+        self._epoch = 0
+        self._pinned_epoch: int | None = None
+        self._emitted = 0
+        self._resumed: tuple[Stage, ...] = ()  # the current epoch's elastic cuts
+        self._epoch_len: int | None = None
+        self._plan: EpochPlan | None = None
+        # plans drawn lately (pure: the build, the first reset and len() share one draw)
+        self._drawn: dict[tuple[Any, ...], EpochPlan] = {}
+        self._config = self._fingerprint()  # the configuration is fixed from here on
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CONFIG_ATTRS and "_config" in self.__dict__:
+            raise AttributeError(
+                f"ReadPlanNode.{name} is fixed at construction (the plan, its state and its "
+                "fingerprint depend on it); build a new node instead"
+            )
+        super().__setattr__(name, value)
+
+    # -- configuration identity -----------------------------------------------------------------
+    def _fingerprint(self) -> dict[str, Any]:
+        views = sorted(
+            (k, g.path, g.offset, g.samples_per_chunk) for k, g in self.variables.items()
+        )
+        dataset = hashlib.sha256(
+            json.dumps([self.manifest.fingerprint(), views]).encode()
+        ).hexdigest()[:16]
+        return {
+            "dataset": dataset,
+            "split": self.split,
+            "batch_size": self.batch_size,
+            "block_chunks": self.block_chunks,
+            "shuffle": self.shuffle,
+            "ramp": self.ramp,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "cross_split_windows": self.cross_split_windows,
+            "remainder": self.remainder,
+        }
+
+    def config(self) -> dict[str, Any]:
+        """What the plan is a function of, besides the epoch (plain, rank-independent; computed
+        once at construction — a copy is returned)."""
+        return dict(self._config)
+
+    @property
+    def pin_gap(self) -> int | None:
+        """The schedule's ``pin_gap`` (``None``: read-once every epoch)."""
+        return self.schedule.pin_gap
+
+    def _draw(
+        self,
+        epoch: int,
+        pin_gap: int | None,
+        resumed: Sequence[Stage] = (),
+        world: tuple[int, int] | None = None,
+    ) -> EpochPlan:
+        rank, world_size = (self.rank, self.world_size) if world is None else world
+        key = (epoch, pin_gap, tuple(resumed), rank, world_size)
+        plan = self._drawn.get(key)
+        if plan is None:
+            plan = self._drawn[key] = self._draw_new(epoch, pin_gap, resumed, rank, world_size)
+            while len(self._drawn) > _DRAWN_KEPT:
+                del self._drawn[next(iter(self._drawn))]
+        return plan
+
+    def _draw_new(
+        self, epoch: int, pin_gap: int | None, resumed: Sequence[Stage], rank: int, world_size: int
+    ) -> EpochPlan:
+        return plan_epoch(
+            self.manifest,
+            self.variables,
+            split=self.split,
+            epoch=epoch,
+            batch_size=self.batch_size,
+            block_chunks=self.block_chunks,
+            shuffle=self.shuffle,
+            seed=self.seed,
+            rank=rank,
+            world_size=world_size,
+            ramp=self.ramp,
+            pin_gap=pin_gap,
+            cross_split_windows=self.cross_split_windows,
+            remainder=self.remainder,
+            resumed=resumed,
+        )
+
+    def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
+        """This rank's plan for ``epoch`` under the schedule; by default the current one (an
+        elastic remainder after a resume on another world size, see :meth:`reset`)."""
+        if epoch is None and self._plan is not None:
+            return self._plan
+        if epoch is None:
+            return self._scheduled(self._epoch, self._resumed)
+        return self._scheduled(int(epoch))
+
+    def _scheduled(self, epoch: int, resumed: Sequence[Stage] = ()) -> EpochPlan:
+        gap, within = self.schedule.pin_gap, self.schedule.read_once_bytes
+        if gap is None:
+            return self._draw(epoch, None, resumed)
+        if within is not None:
+            once = self._draw(epoch, None, resumed)
+            paths = {g.path: g.base for g in self.variables.values()}
+            if working_set_bytes(once, paths)[0] <= within:
+                return once
+        return self._draw(epoch, gap, resumed)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
+    def next_epoch(self) -> int:
+        """The epoch the next ``reset(None)`` starts."""
+        if self._pinned_epoch is not None:
+            return self._pinned_epoch
+        if self._plan is not None and self._emitted > 0:
+            return self._epoch + 1
+        return self._epoch
+
+    def __len__(self) -> int:
+        """Batches in the epoch in progress (once it is over: in the next), counted from its
+        start. The same every epoch, except an epoch resumed on another world size (see
+        :meth:`reset`)."""
+        if self._plan is not None and self._emitted < self._plan.n_batches:
+            return self._plan.n_batches
+        return self.epoch_len
+
+    @property
+    def current_len(self) -> int:
+        """Batches in the epoch this node is in (its current plan, however far the stages
+        below have read it), or in a whole epoch before the first ``reset``."""
+        return self.epoch_len if self._plan is None else self._plan.n_batches
+
+    @property
+    def epoch_len(self) -> int:
+        """Batches this rank yields in a whole epoch (the same every epoch)."""
+        if self._epoch_len is None:
+            self._epoch_len = self._draw(0, None).n_batches
+        return self._epoch_len
+
+    def resumed_len(self, state: Mapping[str, Any]) -> int:
+        """The length :meth:`__len__` reports once ``reset(state)`` has run (nothing changes)."""
+        self.check_state(state)
+        epoch, _, resumed = self._resolve(state)
+        return self._draw(epoch, None, resumed).n_batches
+
+    @property
+    def block_batches(self) -> int:
+        """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
+        return block_batches(self.manifest.samples_per_chunk, self.block_chunks, self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next ``reset(None)`` start ``epoch`` (e.g. from a trainer's epoch counter)."""
+        epoch = check_int("epoch", epoch)
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        self._pinned_epoch = epoch
+
+    # -- BaseNode ----------------------------------------------------------------------------
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        if initial_state is not None:
+            self.check_state(initial_state)
+            epoch, emitted, resumed = self._resolve(initial_state)
+            self._epoch, self._emitted, self._resumed = epoch, emitted, resumed
+            self._plan = self._scheduled(epoch, resumed)
+            self._pinned_epoch = None
+            return
+        if self._pinned_epoch is not None:
+            self._epoch, self._pinned_epoch = self._pinned_epoch, None
+        elif self._plan is not None and self._emitted > 0:
+            self._epoch += 1
+        self._emitted, self._resumed = 0, ()
+        self._plan = self._scheduled(self._epoch)
+
+    def _resolve(self, state: Mapping[str, Any]) -> tuple[int, int, tuple[Stage, ...]]:
+        """``(epoch, batches emitted, elastic cuts)`` that a checked ``state`` resumes at.
+
+        A state taken under another world size adds a cut: every old rank delivered the
+        state's ``batches_emitted`` batches (ranks move in lockstep, and only rank 0's state
+        is saved), and the rest of the epoch is dealt to this world size.
+        """
+        epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
+        resumed = _check_cuts(state.get("resumed", ()), emitted)
+        saved_world = int(state["config"].get("world_size", self.world_size))
+        if saved_world != self.world_size:
+            if emitted == 0:  # nothing delivered yet: the epoch as this world size plans it
+                return epoch, 0, ()
+            if emitted >= self._draw(epoch, None, resumed, world=(0, saved_world)).n_batches:
+                return epoch + 1, 0, ()  # the epoch was over
+            resumed = (*resumed, (saved_world, emitted))
+        if resumed or emitted:
+            n_batches = self._draw(epoch, None, resumed).n_batches
+            if emitted >= n_batches and (n_batches > 0 or resumed):
+                epoch, emitted, resumed = epoch + 1, 0, ()
+        return epoch, emitted, resumed
+
+    def next(self) -> BatchPlan:
+        if self._plan is None:
+            self.reset(None)
+        assert self._plan is not None
+        if self._emitted >= self._plan.n_batches:
+            raise StopIteration
+        batch = self._plan.batch(self._emitted)
+        self._emitted += 1
+        return batch
+
+    def get_state(self) -> dict[str, Any]:
+        state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": self.config()}
+        if self._resumed:  # plain lists: checkpoints load with weights_only=True
+            state["resumed"] = [[w, k] for w, k in self._resumed]
+        return state
+
+    def check_state(self, state: Mapping[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state`` (from :meth:`get_state`) fits this node."""
+        missing = {"epoch", "batches_emitted", "config"} - set(state)
+        if missing:
+            raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
+        self._check_config(state["config"])
+
+    def _check_config(self, saved: Mapping[str, Any]) -> None:
+        mine = self._config
+        for key, value in mine.items():
+            if key == "cross_split_windows" and key not in saved and self._rule_matters():
+                # saved before the rule existed: its windows read across the split's edge
+                raise ValueError(
+                    "cannot restore this read-plan state: it predates cross_split_windows and "
+                    "its windows read across the split's edge; pass cross_split_windows=True "
+                    "to resume it"
+                )
+            if key == "remainder" and key not in saved and int(saved.get("world_size", 1)) > 1:
+                # saved before the tail was dealt: its ranks dealt and dropped differently
+                raise ValueError(
+                    "cannot restore this read-plan state: it was saved with several ranks "
+                    "before samples of the remainder chunks were dealt (its remainder policy "
+                    "differs); start this run's data order afresh"
+                )
+            if key == "world_size":
+                continue  # another world size resumes elastically (see reset)
+            if key in saved and saved[key] != value:
+                what = "dataset (arrays, views or split chunks)" if key == "dataset" else key
+                raise ValueError(
+                    f"cannot restore this read-plan state: its {what} differs "
+                    f"(saved {saved[key]!r}, this pipeline {value!r})"
+                )
+
+    def _rule_matters(self) -> bool:
+        """Whether ``cross_split_windows`` changes this configuration's anchors."""
+        if self.cross_split_windows:
+            return False
+        chunks = np.asarray(self.manifest.chunks(self.split), dtype=np.int64)
+        offsets = [g.offset for g in self.variables.values()]
+        inside = chunk_counts(self.manifest, self.split, chunks, offsets, False)[1]
+        across = chunk_counts(self.manifest, self.split, chunks, offsets, True)[1]
+        return not np.array_equal(inside, across)

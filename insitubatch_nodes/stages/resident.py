@@ -1,0 +1,139 @@
+"""The residency stage: a batch moves on once every chunk it reads is resident.
+
+:class:`ChunkPoolNode` sits between the fetch stage and the gather stage. It knows nothing about
+who fetches: each item it receives (a :class:`~insitubatch_nodes.stages.fetch.FetchedBatch`)
+carries the
+pool entries of the chunks the batch reads and a ``release`` handle that drops the pins the batch
+held. The stage waits for the entries (a failed fetch or decode re-raises here, in the consumer's
+thread, with array, chunk and store key in the message), hands the slots downstream, and calls
+``release`` once the downstream stage has gathered the batch — when the next batch is requested.
+
+Every wait here is tied to the liveness of what it waits on: an entry's ``ready`` future always
+resolves (see :mod:`~insitubatch_nodes.pool`), and :meth:`ChunkPoolNode.interrupt` wakes a
+wait at once from any thread (the prefetch stage calls it when it stops its thread).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+from torchdata.nodes import BaseNode
+
+from insitubatch_nodes.errors import PipelineInterrupted
+from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
+from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.slots import PENDING, READY, ChunkEntry
+
+__all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
+
+
+class AdmittedBatch(Protocol):
+    """What the residency stage needs of an item: the plan, its entries, a release handle
+    (and, from the fetch stage, the fills it started and any arrays rows landed in)."""
+
+    @property
+    def plan(self) -> BatchPlan: ...
+
+    @property
+    def entries(self) -> Mapping[ChunkKey, ChunkEntry]: ...
+
+    @property
+    def release(self) -> Callable[[], None]: ...
+
+
+@dataclass(frozen=True, eq=False)
+class ResidentBatch:
+    """A batch plan whose chunks are all resident: ``slots[(path, chunk)]`` is sample-first.
+
+    ``arrays`` (or ``None``) are the batch's arrays when the fetch stage decoded rows straight
+    into them: ``direct[label]`` rows of each label are there already, the others come from
+    ``slots``."""
+
+    plan: BatchPlan
+    slots: Mapping[ChunkKey, np.ndarray]
+    arrays: Mapping[str, np.ndarray] | None = None
+    direct: Mapping[str, int] = field(default_factory=dict)
+
+
+class ChunkPoolNode(BaseNode[ResidentBatch]):
+    """Residency stage: yields a batch once every chunk it reads is resident (module doc).
+
+    ``source`` yields items with ``plan``, ``entries`` and ``release`` (the fetch stage's
+    :class:`~insitubatch_nodes.stages.fetch.FetchedBatch`).
+    """
+
+    def __init__(self, source: BaseNode[Any]) -> None:
+        super().__init__()
+        self.source = source
+        self._held: AdmittedBatch | None = None
+        self._interrupt: Future[None] = Future()
+        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._held = None
+        self._interrupt = Future()
+        self.source.reset(initial_state["source"] if initial_state is not None else None)
+
+    def next(self) -> ResidentBatch:
+        self._release_held()
+        item: AdmittedBatch = next(self.source)
+        rec = self.recorder
+        t0 = time.perf_counter() if rec is not None else 0.0
+        jobs = getattr(item, "jobs", ())
+        # one wait per fill (a fill is a group of chunks), not one per chunk
+        fills = {id(job.fill): job.fill for job in jobs}
+        for entry in item.entries.values():
+            if entry.state == PENDING:
+                fills.setdefault(id(entry.fill), entry.fill)
+        for fill in fills.values():
+            self._wait(fill.future)
+        for job in jobs:
+            if job.error is not None:  # a row decoded in place could not be read or decoded
+                raise job.error
+        slots: dict[ChunkKey, np.ndarray] = {}
+        for key, entry in item.entries.items():
+            if entry.state != READY:  # raises the fetch/decode error with its cause chained
+                entry.ready.result()
+            slots[key] = entry.slot
+        if rec is not None:
+            rec.add("chunk_wait_s", time.perf_counter() - t0)
+        self._held = item
+        return ResidentBatch(
+            plan=item.plan,
+            slots=slots,
+            arrays=getattr(item, "arrays", None),
+            direct=getattr(item, "direct", {}),
+        )
+
+    def get_state(self) -> dict[str, Any]:
+        return {"source": self.source.state_dict()}
+
+    def interrupt(self) -> None:
+        """Wake a wait in :meth:`next` now (thread-safe); it raises ``PipelineInterrupted``."""
+        interrupt = self._interrupt
+        if not interrupt.done():
+            interrupt.set_result(None)
+
+    def close(self) -> None:
+        """Release this pipeline's pins and cancel its in-flight fetches."""
+        self._release_held()
+        closer = getattr(self.source, "close", None)
+        if closer is not None:
+            closer()
+
+    def _release_held(self) -> None:
+        held, self._held = self._held, None
+        if held is not None:
+            held.release()
+
+    def _wait(self, done: Future[None]) -> None:
+        if not done.done():
+            wait((done, self._interrupt), return_when=FIRST_COMPLETED)
+            if not done.done():
+                raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
