@@ -15,13 +15,16 @@ answers.
 from __future__ import annotations
 
 import asyncio
+import atexit
+import contextlib
 import ctypes
 import itertools
 import os
 import queue
 import sys
 import threading
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
@@ -36,6 +39,7 @@ __all__ = [
     "io_loop",
     "next_ticket",
     "note_obstore_use",
+    "stop_at_exit",
     "tune_allocator",
 ]
 
@@ -140,6 +144,37 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+# -- the one exit hook ----------------------------------------------------------------------------
+# At interpreter exit every live pipeline is stopped in a fixed order, whatever the order its
+# modules were imported in: first the prefetch threads (so nothing admits new fetches), then the
+# fetch stages (their in-flight GETs cancelled and awaited while the IO loop still runs: a
+# request left in flight inside the object store's own runtime could otherwise complete into a
+# half-finalised interpreter). Each kind registers how to stop a list of its nodes.
+EXIT_ORDER = ("prefetch", "fetch")
+_EXIT_NODES: dict[str, weakref.WeakSet[Any]] = {kind: weakref.WeakSet() for kind in EXIT_ORDER}
+_EXIT_STOPS: dict[str, Callable[[Sequence[Any]], None]] = {}
+
+
+def stop_at_exit(kind: str, node: Any, stop_all: Callable[[Sequence[Any]], None]) -> None:
+    """Stop ``node`` at interpreter exit with ``stop_all`` (called once per ``kind`` with every
+    live node of that kind built in this process), in :data:`EXIT_ORDER`."""
+    if kind not in _EXIT_NODES:
+        raise ValueError(f"kind must be one of {EXIT_ORDER}, got {kind!r}")
+    _EXIT_STOPS.setdefault(kind, stop_all)
+    _EXIT_NODES[kind].add(node)
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    pid = os.getpid()
+    for kind in EXIT_ORDER:
+        nodes = [n for n in list(_EXIT_NODES[kind]) if getattr(n, "_pid", pid) == pid]
+        stop = _EXIT_STOPS.get(kind)
+        if nodes and stop is not None:
+            with contextlib.suppress(Exception):  # best effort at exit
+                stop(nodes)
 
 
 def io_loop() -> asyncio.AbstractEventLoop:

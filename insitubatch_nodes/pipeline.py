@@ -7,9 +7,7 @@ result is a ``torchdata.nodes.BaseNode`` to iterate directly or wrap in
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,11 +25,9 @@ from insitubatch_nodes.io.coords import carried_coordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.plan.ranks import check_remainder
-from insitubatch_nodes.plan.schedule import choose_schedule, working_set_bytes
+from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
-from insitubatch_nodes.recorder import EpochRecorder
-from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.slots import SlotBacking
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode, check_on_bad_chunk
 from insitubatch_nodes.stages.gather import GatherNode
@@ -65,40 +61,9 @@ class InSituPipeline(PrefetcherNode[Batch]):
         gather: GatherNode,
         prefetch_depth: int,
         stages: dict[str, Any],
-        report: bool = True,
     ) -> None:
         super().__init__(gather, prefetch_depth)
         self.stages = PipelineStages(prefetch=self, gather=gather, **stages)
-        if report:
-            fetch = self.stages.fetch
-            rec = EpochRecorder(
-                self.stages.pool,
-                max_inflight=fetch.max_inflight,
-                decode_threads=len(fetch._decode_pool.threads),
-                batch_transforms=len(gather.batch_transforms),
-                # not a bound method: the recorder must not keep this node alive (``del pipe``)
-                split_bytes=functools.partial(_split_bytes, self.stages.plan, fetch.slot_geoms),
-            )
-            self.recorder = fetch.recorder = self.stages.resident.recorder = rec
-            gather.recorder = rec
-
-    def report(self) -> EpochReport | None:
-        """The epoch report: the epoch in progress once it has delivered a batch, else the last
-        finished one (``None`` before the first batch, or when built with ``report=False``).
-
-        ``print(pipe.report())`` shows where the time went and which stage limits the epoch
-        (``limiting``: ``"store"``, ``"decode"``, ``"gather"`` or ``"consumer"``), with a
-        suggestion when one applies; ``.as_dict()`` gives plain numbers. See
-        :mod:`insitubatch_nodes.report` for every field and the rule.
-        """
-        return None if self.recorder is None else self.recorder.report()
-
-    def close(self) -> None:
-        """Stop the pipeline (see :meth:`PrefetcherNode.close`); with a ``cache_dir``, also let
-        go of the directory (resident chunks are dropped; iterating again takes it back)."""
-        self.stages.pool.stop_reserve()
-        super().close()
-        self.stages.pool.close_cache()
 
     @property
     def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
@@ -107,35 +72,6 @@ class InSituPipeline(PrefetcherNode[Batch]):
         for the next epoch. ``tile`` is the object's position in the chunk's grid of stored
         objects over the field axes (``(0, 0)`` when a 2-D field is stored whole)."""
         return self.stages.fetch.bad_chunks
-
-    def __len__(self) -> int:
-        """Batches in the epoch being delivered (once it is over: in the next), counted from
-        its start. The same every epoch, except an epoch resumed on another world size (see
-        :meth:`ReadPlanNode.reset`). Decided by the delivered position: the read plan itself
-        runs ahead of it by the read-ahead and the prefetch queue."""
-        plan = self.stages.plan
-        current = plan.current_len
-        delivered = None if self._delivered is None else plan_state(self._delivered)
-        if self._ended or (delivered is not None and delivered["batches_emitted"] >= current):
-            return plan.epoch_len
-        return current
-
-    def resumed_len(self, state: Mapping[str, Any]) -> int:
-        """What ``len(self)`` reports once ``state`` (this pipeline's or a ``Loader``'s) is
-        restored: the batches of the epoch it resumes, counted from that epoch's start."""
-        return self.stages.plan.resumed_len(plan_state(state))
-
-    def start_state(self, epoch: int) -> dict[str, Any]:
-        """The state of this pipeline before the first batch of ``epoch`` (nothing is started).
-
-        Every stage above the read plan reports its source's state as ``{"source": ...}``, so
-        this is the plan's state wrapped once per stage.
-        """
-        plan = self.stages.plan
-        state: dict[str, Any] = {"epoch": int(epoch), "batches_emitted": 0, "config": plan.config()}
-        for _ in ("fetch", "resident", "gather", "prefetch"):
-            state = {"source": state}
-        return state
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the
@@ -148,17 +84,6 @@ class InSituPipeline(PrefetcherNode[Batch]):
         out["decode_scratch_bytes"] = self.stages.fetch.scratch_bytes
         out["outside_pool_bytes"] = out["batch_buffer_bytes"] + out["decode_scratch_bytes"]
         return out
-
-
-def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
-    """The read plan's state inside a pipeline's (or a ``Loader``'s) state: each stage above the
-    plan wraps its source's state as ``{"source": ...}``."""
-    node: Any = state.get("root", state)
-    while isinstance(node, Mapping) and "source" in node and "config" not in node:
-        node = node["source"]
-    if not isinstance(node, Mapping) or "config" not in node:
-        raise ValueError("not an insitubatch_nodes pipeline state (no read-plan state inside)")
-    return node
 
 
 def _check_cache_args(
@@ -203,59 +128,6 @@ def _check_cache_args(
         "check_store": check_store,
         "verify": verify,
     }
-
-
-def _split_bytes(node: ReadPlanNode, geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:
-    """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
-    plan = node.epoch_plan(epoch)
-    keys = {k for b in plan.batch_indices for k in plan.batch_fetches(b)}
-    size = {path: g.chunk_nbytes for path, g in geoms.items()}
-    return sum(size[path] for path, _ in keys)
-
-
-def _physical_memory_bytes() -> int:
-    """This machine's physical memory (a very large number where the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
-        return 2**62
-
-
-def _batch_rows(
-    batch_size: int,
-    delivered: int,
-    labels: Mapping[str, ArrayGeometry],
-    split: str,
-    rank: int,
-    world_size: int,
-) -> int:
-    """Rows of the batch buffers: ``min(batch_size, delivered)`` (``delivered``: the samples
-    this rank yields per epoch, so no batch holds more); ``ValueError`` naming ``batch_size``,
-    the split and what fits when one batch of ``batch_size`` samples would not fit in this
-    machine's memory (such a request is a mistake whatever the split holds)."""
-    sample_bytes = sum(math.prod(v.inner_shape) * v.dtype.itemsize for v in labels.values())
-    memory = _physical_memory_bytes()
-    if batch_size * sample_bytes <= memory:
-        return max(1, min(batch_size, delivered))
-    on_rank = f" on rank {rank} of {world_size}" if world_size > 1 else ""
-    fits = memory // max(1, sample_bytes)
-    raise ValueError(
-        f"batch_size={batch_size:,} is impossible here: one batch of that many samples would "
-        f"take {_human_bytes(batch_size * sample_bytes)} ({sample_bytes:,} bytes per sample "
-        f"over every label), more than this machine's {_human_bytes(memory)} of memory (at "
-        f"most {fits:,} samples fit in one batch). Split {split!r} delivers {delivered:,} "
-        f"samples per epoch{on_rank}, so batch_size={delivered:,} already puts all of them in "
-        f"one batch: pass a batch_size of at most {min(delivered, fits):,}"
-    )
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if value < 1024 or unit == "PiB":
-            return f"{value:,.0f} {unit}" if unit == "bytes" else f"{value:,.1f} {unit}"
-        value /= 1024
-    raise AssertionError  # pragma: no cover
 
 
 def insitu_pipeline(
@@ -446,8 +318,6 @@ def insitu_pipeline(
         schedule=schedule,
         remainder=remainder,
     )
-    first = plan.epoch_plan(0)
-    rows = _batch_rows(batch_size, first.n_samples, labels, split, plan.rank, plan.world_size)
     cache = None
     if cache_args is not None:
         fingerprints = {
@@ -469,7 +339,6 @@ def insitu_pipeline(
         )
     try:
         pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
-        pool.ensure_floor(working_set_bytes(first, slot_geoms)[0])  # sizes an automatic one
         fetch = AsyncChunkFetchNode(
             plan,
             zstore,
@@ -480,19 +349,12 @@ def insitu_pipeline(
             retry=retry,
             chunk_transforms=transforms,
             on_bad_chunk=on_bad_chunk,
+            report=report,
         )
         resident = ChunkPoolNode(fetch)
-        # (the gather lends its batch buffers to the fetch stage: rows decoded in place)
-        gather = GatherNode(
-            resident, labels, batch_size, batch_transforms, rows=rows, coords=carried
-        )
-        # Pay for memory ahead of need (a fresh process faults new pages in slowly): the batch
-        # buffers in flight at once (the consumer's, the queue's, the one being filled), and
-        # the first epoch's slots in the order they will be needed (with a cache_dir, slots
-        # are files). See BatchBuffers.reserve and ChunkPool.reserve.
-        gather.buffers.reserve(prefetch_depth + 2)
-        if cache is None:
-            pool.reserve(fetch.reserve_specs(first, pool.budget_bytes))
+        # (the gather takes the views and batch size from the plan, sizes its buffers to the
+        # samples a rank delivers, and lends them to the fetch stage: rows decoded in place)
+        gather = GatherNode(resident, labels, batch_size, batch_transforms, coords=carried)
     except BaseException:
         if cache is not None:
             cache.close()
@@ -501,5 +363,4 @@ def insitu_pipeline(
         gather,
         prefetch_depth,
         {"plan": plan, "fetch": fetch, "resident": resident, "pool": pool},
-        report=report,
     )

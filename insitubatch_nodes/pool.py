@@ -127,10 +127,6 @@ class ChunkPool:
         self._stop_reserve = threading.Event()
 
     # -- budget -----------------------------------------------------------------------------
-    def fits(self, floor_bytes: int) -> bool:
-        """Whether an explicit budget holds ``floor_bytes`` (an automatic one always does)."""
-        return self.auto or self.budget_bytes >= floor_bytes
-
     def ensure_floor(self, floor_bytes: int, read_once_bytes: int | None = None) -> None:
         """Grow an automatic budget to ``floor_bytes``; an explicit one below it raises."""
         with self._lock:

@@ -17,7 +17,7 @@ from insitubatch_nodes.report import EpochReport, limiting_stage, suggestion_for
 
 _now = time.perf_counter
 
-__all__ = ["EpochRecorder"]
+__all__ = ["NULL_RECORDER", "EpochRecorder", "NullRecorder"]
 
 log = logging.getLogger("insitubatch_nodes.report")  # the epoch line keeps its logger name
 
@@ -78,6 +78,8 @@ class EpochRecorder:
     evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads (asked
     only when an epoch had re-reads).
     """
+
+    enabled = True
 
     def __init__(
         self,
@@ -322,3 +324,60 @@ def _cores() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # pragma: no cover - not Linux
         return max(1, os.cpu_count() or 1)
+
+
+class NullRecorder(EpochRecorder):
+    """The recorder of a pipeline that does not measure (``report=False``): every hook does
+    nothing and :meth:`report` is ``None``. Stages call their recorder unconditionally."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        self.batch_transforms = 0
+        self.last = None
+
+    def on_get_start(self) -> float:
+        return 0.0
+
+    def on_get_end(self, started: float, nbytes: int, ok: bool = True) -> None:
+        pass
+
+    def on_fill_submit(self, objects: int, now: float) -> None:
+        pass
+
+    def on_fill_run(self, tally: Any) -> None:
+        pass
+
+    def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
+        pass
+
+    def on_bad_chunk(self) -> None:
+        pass
+
+    def on_corrupt(self) -> None:
+        pass
+
+    def add(self, name: str, seconds: float) -> None:
+        pass
+
+    def on_next(self) -> float:
+        return 0.0
+
+    def on_deliver(self, called: float, item: Any) -> None:
+        pass
+
+    def on_end(self, called: float) -> None:
+        pass
+
+    def on_reset(self) -> None:
+        pass
+
+    def finalize(self) -> EpochReport | None:
+        return None
+
+    def report(self) -> EpochReport | None:
+        return None
+
+
+NULL_RECORDER = NullRecorder()
+"""The one recorder of every pipeline that does not measure."""

@@ -242,10 +242,6 @@ class ChunkEntry:
     def ready(self) -> _Ready:
         return _Ready(self)
 
-    @property
-    def is_ready(self) -> bool:
-        return self.state == READY
-
     def __repr__(self) -> str:
         state = ("pending", "ready", "failed")[self.state]
         return f"ChunkEntry({self.key!r}, {state}, pins={self.pins})"

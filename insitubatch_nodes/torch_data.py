@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch.utils.data
+from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.batch import Batch, to_torch
-from insitubatch_nodes.pipeline import InSituPipeline, plan_state
+from insitubatch_nodes.stages._graph import close_node, find_node, plan_state
 from insitubatch_nodes.stages.loader import Loader
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 __all__ = ["InSituIterableDataset", "as_dataset"]
 
@@ -36,6 +38,10 @@ _WORKERS_REFUSED = (
 class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     """An ``IterableDataset`` over a pipeline, with exact length and resumable state.
 
+    ``pipeline`` is what :func:`~insitubatch_nodes.insitu_pipeline` returns, or the root of a
+    graph composed by hand whose chain ends in a
+    :class:`~insitubatch_nodes.stages.ReadPlanNode` (a
+    :class:`~insitubatch_nodes.stages.PrefetcherNode` at the top gives the exact length).
     Each item is ``transform(batch)`` — by default :func:`~insitubatch_nodes.batch.to_torch`
     (``{label: tensor}``). ``epoch_fn``, when given, is asked for the epoch at every fresh
     ``iter()`` (e.g. a trainer's ``current_epoch``), so the permutation follows the trainer.
@@ -43,15 +49,18 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
 
     def __init__(
         self,
-        pipeline: InSituPipeline,
+        pipeline: BaseNode[Batch],
         transform: Callable[[Batch], Any] = to_torch,
         epoch_fn: Callable[[], int] | None = None,
     ) -> None:
-        if not isinstance(pipeline, InSituPipeline):
+        plan = find_node(pipeline, ReadPlanNode) if isinstance(pipeline, BaseNode) else None
+        if plan is None:
             raise TypeError(
-                f"as_dataset() takes the pipeline insitu_pipeline() returns, got {pipeline!r}"
+                "as_dataset() takes the pipeline insitu_pipeline() returns, or the root node of "
+                f"a graph whose chain ends in a ReadPlanNode, got {pipeline!r}"
             )
         self.pipeline = pipeline
+        self.plan = plan
         self.transform = transform
         self.epoch_fn = epoch_fn
         self._loader: Loader[Batch] = Loader(pipeline)
@@ -68,8 +77,13 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     def next_len(self) -> int:
         """``len(self)`` without recording it as told."""
         if self._pending is not None:
-            return self.pipeline.resumed_len(self._pending)
-        return len(self.pipeline)
+            resumed = getattr(self.pipeline, "resumed_len", None)
+            if callable(resumed):
+                return int(resumed(self._pending))
+            return self.plan.resumed_len(plan_state(self._pending))
+        if hasattr(self.pipeline, "__len__"):
+            return len(self.pipeline)
+        return self.plan.current_len
 
     def __iter__(self) -> Iterator[Any]:
         if torch.utils.data.get_worker_info() is not None:
@@ -79,7 +93,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
             self._loader.load_state_dict(self._pending)
             self._pending = None
         elif self.epoch_fn is not None:
-            self.pipeline.stages.plan.set_epoch(int(self.epoch_fn()))
+            self.plan.set_epoch(int(self.epoch_fn()))
         for batch in self._loader:
             yield self.transform(batch)
 
@@ -87,12 +101,14 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         """Plain-Python state as of the last batch delivered (rank-independent)."""
         if self._pending is not None:
             return self._pending
-        if not self._iterated:
+        start = getattr(self.pipeline, "start_state", None)
+        if not self._iterated and callable(start):
             # Asking torchdata's Loader would start the pipeline (and pin its epoch) just to
-            # report "before the first batch": say it directly instead.
-            plan = self.pipeline.stages.plan
-            epoch = int(self.epoch_fn()) if self.epoch_fn is not None else plan.next_epoch
-            return {"root": self.pipeline.start_state(epoch), "num_yielded": 0}
+            # report "before the first batch": say it directly instead, where the graph can.
+            epoch = int(self.epoch_fn()) if self.epoch_fn is not None else self.plan.next_epoch
+            state = start(epoch)
+            if state is not None:
+                return {"root": state, "num_yielded": 0}
         return self._loader.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -101,15 +117,15 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         Raises ``ValueError`` naming the field when the state comes from a pipeline with a
         different dataset, split, batch size, seed or world size.
         """
-        self.pipeline.stages.plan.check_state(plan_state(state))
+        self.plan.check_state(plan_state(state))
         self._pending = state
 
     def close(self) -> None:
-        self.pipeline.close()
+        close_node(self.pipeline)
 
 
 def as_dataset(
-    pipeline: InSituPipeline,
+    pipeline: BaseNode[Batch],
     transform: Callable[[Batch], Any] = to_torch,
     epoch_fn: Callable[[], int] | None = None,
 ) -> InSituIterableDataset:

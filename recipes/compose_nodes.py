@@ -5,9 +5,16 @@ each stage, and what it is given, is visible:
 
     ReadPlanNode -> AsyncChunkFetchNode -> ChunkPoolNode -> GatherNode -> PrefetcherNode
 
+The graph is the builder's, node for node: each stage finds what it needs down the chain (the
+read plan's views and batch size, the fetch stage's chunk transforms and its epoch-report
+recorder), sizes and reserves its own memory, and ``close()`` on the root reaches every stage
+(and a cache directory's lock) even through a plain torchdata node placed in between. The test
+``tests/test_compose.py`` holds that this graph and ``insitu_pipeline()``'s deliver identical
+batches, reports and teardown.
+
 It writes a small synthetic ERA5-like store to a temporary folder (or uses ``--path``), trains
-nothing, iterates one epoch through ``torchdata.nodes.Loader``, compares every label of every
-batch with zarr's own read of the same samples, and prints the pool's counters.
+nothing, iterates one epoch through ``Loader``, compares every label of every batch with zarr's
+own read of the same samples, and prints the epoch report and the pool's counters.
 
     .venv/bin/python recipes/compose_nodes.py
     .venv/bin/python recipes/compose_nodes.py --shard-samples 32 --batch-size 24
@@ -25,10 +32,17 @@ from typing import Any
 
 import numpy as np
 import zarr
-from torchdata.nodes import Loader
 from zarr.abc.store import Store
 
-from insitubatch_nodes import ArrayGeometry, Batch, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes import (
+    ArrayGeometry,
+    Batch,
+    Loader,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
+from insitubatch_nodes.io import open_coordinates
 from insitubatch_nodes.plan.schedule import choose_schedule, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
@@ -111,11 +125,10 @@ def build_nodes(
     # The stored arrays behind the views, by path (views of one array share its chunks).
     geoms = {view.path: view.base for view in views.values()}
 
-    # The pool. The fetch stage grows an automatic budget to each epoch's working-set floor when
-    # the epoch starts; sizing it for epoch 0 here is what the builder does too.
+    # The pool. The fetch stage sizes an automatic budget to epoch 0's working-set floor when
+    # it is built (and grows it to each later epoch's when that epoch starts).
     pool = ChunkPool(budget_bytes=budget)
     floor, read_ahead = working_set_bytes(plan.epoch_plan(0), geoms)
-    pool.ensure_floor(floor)
     print(
         f"epoch 0 working set: floor {floor / 2**20:.2f} MiB "
         f"(read-ahead {read_ahead / 2**20:.2f} MiB), schedule {schedule}"
@@ -125,8 +138,14 @@ def build_nodes(
     fetch = AsyncChunkFetchNode(plan, store, geoms, pool, max_inflight=args.max_inflight)
     # 3. Residency: waits until every chunk a batch reads is ready; releases drained chunks.
     resident = ChunkPoolNode(fetch)
-    # 4. Gather: one vectorised copy per (label, chunk) into reusable batch buffers.
-    gather = GatherNode(resident, views, args.batch_size)
+    # 4. Gather: one vectorised copy per (label, chunk) into reusable batch buffers. The views
+    # and batch size come from the read plan below it; each row also carries its label's
+    # coordinate along time (what the builder carries by default).
+    coords = {
+        label: {name: c.values for name, c in open_coordinates(store, view.base).items()}
+        for label, view in views.items()
+    }
+    gather = GatherNode(resident, coords=coords)
     # 5. Look-ahead: a thread keeps up to prefetch_depth finished batches ready.
     prefetch: PrefetcherNode[Batch] = PrefetcherNode(gather, prefetch_depth=args.prefetch_depth)
     return prefetch, plan, pool, gather
@@ -183,6 +202,7 @@ def run(path: Path, args: argparse.Namespace) -> int:
         f"{', '.join(views)}) match zarr's own read [{dt:.2f} s]"
     )
     stats = pool.stats.as_dict()
+    print(prefetch.report())
     print("pool stats: " + ", ".join(f"{k}={v:,}" for k, v in stats.items()))
     print(
         f"pool budget {pool.budget_bytes:,} bytes, slot memory allocated "

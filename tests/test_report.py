@@ -20,6 +20,7 @@ import zarr
 from helpers import CountingStore, counting_store, write_era5
 
 from insitubatch_nodes import EpochReport, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.report import (
     CONSUMER_WAIT_FRACTION,
     STAGES,
@@ -212,7 +213,9 @@ def test_a_pipeline_built_with_report_false_measures_nothing(era5: Path) -> None
         for _ in Loader(pipe):
             pass
         assert pipe.report() is None
-        assert pipe.stages.fetch.recorder is None and pipe.stages.gather.recorder is None
+        stages = pipe.stages
+        recorders = {stages.fetch.recorder, stages.resident.recorder, stages.gather.recorder}
+        assert recorders == {NULL_RECORDER} and pipe.recorder is NULL_RECORDER
 
 
 def test_each_finished_epoch_logs_one_info_line_and_prints_nothing(

@@ -195,6 +195,7 @@ class ChunkCache:
         self.store_check = store_check
         self.identity: store_identity.IdentityRecorder | None = None
         self._locks: list[DirLock] = []
+        self._closing: list[DirLock] = []  # released by close() but waiting for mappings to go
         self._index: dict[tuple[str, int], Logged] = {}
         self._logs: dict[Path, Log] = {}
         self._log_fd: int | None = None
@@ -283,15 +284,20 @@ class ChunkCache:
         self._close_identity()
         locks = list(self._locks)
         self._release_locks(locks)
+        # a close that had to leave locks waiting (an error's traceback still held a mapping)
+        # tries again here: by now that error may be gone
+        locks += [lock for lock in self._closing if lock.waiting]
         self._locks[:] = []
         self._spill = None
         self.closed = True
+        self._closing = [lock for lock in locks if lock.waiting]
         if any(lock.waiting for lock in locks):
             gc.collect()
             # a fill that mapped a file just before the close lets go of it as it winds down
             deadline = time.monotonic() + CLOSE_WAIT_S
             while any(lock.waiting for lock in locks) and time.monotonic() < deadline:
                 time.sleep(0.01)
+            self._closing = [lock for lock in locks if lock.waiting]
 
     def stop(self) -> None:
         """The first step of :meth:`close`: from now on no file is mapped (idempotent)."""

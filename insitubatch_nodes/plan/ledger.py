@@ -236,13 +236,6 @@ class EpochPlan:
         ``pin_gap`` releases chunks between uses)."""
         return sum(ledger.n_segments * len(ledger.paths) for ledger in self.ledgers)
 
-    def fetch_counts(self) -> np.ndarray:
-        """Chunk fetches of each local batch (all arrays)."""
-        out = np.zeros(self.n_batches - self.first_batch, dtype=np.int64)
-        for ledger in self.ledgers:
-            out += np.diff(ledger.fetch_ptr) * len(ledger.paths)
-        return out
-
     def live_peak(self) -> int:
         """Most chunks live at once (first need <= batch <= last need), over the epoch."""
         n = self.n_batches - self.first_batch
@@ -290,10 +283,6 @@ class EpochPlan:
 
     def _paths(self) -> list[str]:
         return [p for ledger in self.ledgers for p in ledger.paths]
-
-    def batch_first_block(self, index: int) -> int:
-        """Block of the first row of batch ``index``."""
-        return int(self._block_of_row[self._local(index) * self.batch_size])
 
     def batch(self, index: int) -> BatchPlan:
         """The plan of batch ``index`` (0-based) of this epoch."""

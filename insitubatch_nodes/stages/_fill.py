@@ -44,6 +44,7 @@ from insitubatch_nodes.errors import ChunkReadError, FillCancelled
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.localfiles import LocalReader
 from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.slots import PENDING, ChunkEntry
 from insitubatch_nodes.stages._get import Getter
 from insitubatch_nodes.stages._jobs import REVIVE, SMALL_OBJECT_S, ArrayFill, FillJob, Rows, Unit
@@ -59,7 +60,7 @@ class Filler:
     """Runs :class:`FillJob` s for one fetch stage (module docstring).
 
     ``reader`` reads a local store on the decode threads; else ``getter`` GETs on the loop.
-    ``recorder`` (the epoch report's, or ``None``) may be set at any time.
+    ``recorder`` (the epoch report's, or the null one) may be set at any time.
     """
 
     def __init__(
@@ -82,7 +83,7 @@ class Filler:
         self.on_bad_chunk = on_bad_chunk
         self.store_name = store_name
         self.note_bad = note_bad
-        self.recorder: Any = None
+        self.recorder: EpochRecorder = NULL_RECORDER
         self.threads = len(decode_pool.threads)
         self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
         self._spare_lock = threading.Lock()
@@ -125,8 +126,7 @@ class Filler:
         """Queue items (``objects`` stored objects; one each by default) on ``job`` for the
         decode threads (any thread); start runs while fewer than one per decode thread run."""
         rec = self.recorder
-        if rec is not None:
-            rec.on_fill_submit(len(items) if objects is None else objects, _now())
+        rec.on_fill_submit(len(items) if objects is None else objects, _now())
         starts = 0
         # objects too small to be worth a second thread: the interpreter lock would be passed
         # between the threads at every system call instead (measured: two threads opening
@@ -166,8 +166,7 @@ class Filler:
                 self._work_per_object += 0.25 * (work - self._work_per_object)
             self.pool.note_io(acc.reads, acc.read_bytes, -1 if local else 0)
             rec = self.recorder
-            if rec is not None:
-                rec.on_fill_run(acc)
+            rec.on_fill_run(acc)
 
     def _handle(
         self,
@@ -389,8 +388,7 @@ class Filler:
             entry.bad_tiles.append(tuple(tile))
         if self.note_bad(job.generation, array.path, chunk, [tuple(tile)]):
             rec = self.recorder
-            if rec is not None:
-                rec.on_bad_chunk()
+            rec.on_bad_chunk()
 
     def _skip(self, job: FillJob, unit: Unit) -> None:
         entry = unit[4]
@@ -413,7 +411,7 @@ class Filler:
             self._unit_done(job, entry, acc)
             return
         rec = self.recorder
-        if entry.corrupt and rec is not None:  # fetched below, as a miss
+        if entry.corrupt:  # fetched below, as a miss
             rec.on_corrupt()
         start, stop = array.geom.chunk_range(chunk)
         region = self.region(job, entry, array, stop - start)

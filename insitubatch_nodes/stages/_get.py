@@ -94,7 +94,7 @@ class Getter:
         rec = filler.recorder
         ids = filler._identities()
         meta: list[Any] | None = None if ids is None else []
-        started = rec.on_get_start() if rec is not None else 0.0
+        started = rec.on_get_start()
         raw: Any = None
         error: BaseException | None = None
         try:
@@ -114,8 +114,7 @@ class Getter:
         nbytes = 0 if raw is None else len(raw)
         if error is None:
             filler.pool.note_io(1, nbytes)
-        if rec is not None:
-            rec.on_get_end(started, nbytes, ok=error is None)
+        rec.on_get_end(started, nbytes, ok=error is None)
         if error is None and ids is not None and meta:  # what identifies the object
             ids.note(array.path, chunk, key, meta_identity(meta[0]))
         filler.land_many(job, [(unit, _now(), raw, error, True)])

@@ -46,7 +46,6 @@ store that the parent already read from is refused in the child (its GETs would 
 from __future__ import annotations
 
 import asyncio
-import atexit
 import functools
 import logging
 import math
@@ -64,7 +63,7 @@ from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _runtime
-from insitubatch_nodes._checks import check_bool
+from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -73,11 +72,13 @@ from insitubatch_nodes.io.stores import RetryPolicy, describe_store, retry_polic
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
 from insitubatch_nodes.plan.schedule import working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
-from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.slots import ChunkEntry
 from insitubatch_nodes.stages._fill import Filler
 from insitubatch_nodes.stages._get import Getter
+from insitubatch_nodes.stages._graph import SOURCE_KEY, find_node
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, FillJob, PendingBatch, PlanGroup
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 if TYPE_CHECKING:
@@ -105,18 +106,12 @@ def check_on_bad_chunk(value: Any) -> str:
 
 log = logging.getLogger(__name__)
 
-# Every fetch node alive in the process. At interpreter exit their in-flight GETs are cancelled
-# (and awaited) while the IO loop still runs: a request left in flight inside the object store's
-# own runtime could otherwise complete into a half-finalised interpreter.
-_LIVE: weakref.WeakSet[AsyncChunkFetchNode] = weakref.WeakSet()
-
-
 _EXIT_GRACE_S = 2.0
 
 
-@atexit.register
-def _cancel_all_at_exit() -> None:
-    nodes = [n for n in list(_LIVE) if n._pid == os.getpid()]
+def _cancel_all(nodes: Sequence[AsyncChunkFetchNode]) -> None:
+    """At exit (see :func:`insitubatch_nodes._runtime.stop_at_exit`): close every fetch stage,
+    then cancel and await their in-flight GETs while the IO loop still runs."""
     for node in nodes:
         try:
             node.close()
@@ -165,6 +160,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     a single row are decoded straight into the batch (module docstring).
     """
 
+    NESTS_SOURCE_STATE = True
+
     def __init__(
         self,
         source: BaseNode[BatchPlan],
@@ -178,10 +175,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         chunk_transforms: Sequence[ChunkTransform] | ChunkTransforms = (),
         on_bad_chunk: str = "raise",
         direct: bool | None = None,
+        report: bool = True,
     ) -> None:
         super().__init__()
-        if not isinstance(max_inflight, int) or max_inflight < 1:
-            raise ValueError(f"max_inflight must be a positive integer, got {max_inflight!r}")
+        max_inflight = check_int("max_inflight", max_inflight, minimum=1)
+        decode_threads = check_optional_int("decode_threads", decode_threads, minimum=1)
+        if retry is not None and not isinstance(retry, RetryPolicy):
+            raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
         self.source = source
         self.store = store
         self.pool = pool
@@ -256,16 +256,38 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._buffers: BatchBuffers | None = None
         self._exhausted = False
         self._last_state: dict[str, Any] | None = None
-        self._recorder: EpochRecorder | None = None
-        _LIVE.add(self)
+        self._recorder: EpochRecorder = NULL_RECORDER
+        if check_bool("report", report):
+            self.recorder = EpochRecorder(
+                pool,
+                max_inflight=max_inflight,
+                decode_threads=len(self._decode_pool.threads),
+                # not a bound method: the recorder must not keep this node alive (``del pipe``)
+                split_bytes=functools.partial(_split_bytes, source, self.slot_geoms),
+            )
+        _runtime.stop_at_exit("fetch", self, _cancel_all)
+        self._prepare_pool(source)
+
+    def _prepare_pool(self, source: Any) -> None:
+        """Size an automatic budget to the first epoch's working set, and (without a cache
+        directory) make that epoch's slots ahead of need, in the order they will be needed (a
+        fresh process faults new pages in slowly; see :meth:`ChunkPool.reserve`)."""
+        plan = find_node(source, ReadPlanNode)
+        if plan is None:  # a hand-made plan source: nothing to size from
+            return
+        first = plan.epoch_plan(0)
+        self.pool.ensure_floor(working_set_bytes(first, self.slot_geoms)[0])
+        if self.pool.cache is None:
+            self.pool.reserve(self.reserve_specs(first, self.pool.budget_bytes))
 
     @property
-    def recorder(self) -> EpochRecorder | None:
-        """The epoch report's recorder (set by the pipeline; see report.py)."""
+    def recorder(self) -> EpochRecorder:
+        """The epoch report's recorder (``report=True``; else the null one), which the stages
+        above find down the chain."""
         return self._recorder
 
     @recorder.setter
-    def recorder(self, rec: EpochRecorder | None) -> None:
+    def recorder(self, rec: EpochRecorder) -> None:
         self._recorder = rec
         self._filler.recorder = rec
 
@@ -282,13 +304,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._teardown()
         with self._bad_lock:
             self._bad.clear()
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self.source.reset(initial_state[SOURCE_KEY] if initial_state is not None else None)
         self._exhausted = False
         self._last_state = self.source.state_dict()
 
     def get_state(self) -> dict[str, Any]:
         # The state as of the last batch handed downstream, not of plans pulled ahead.
-        return {"source": self._last_state}
+        return {SOURCE_KEY: self._last_state}
 
     def next(self) -> FetchedBatch:
         _runtime.check_same_process(self._pid)
@@ -297,8 +319,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             return self._next()
         finally:
             rec = self._recorder
-            if rec is not None:
-                rec.add("admit_s", time.perf_counter() - started)
+            rec.add("admit_s", time.perf_counter() - started)
 
     def _next(self) -> FetchedBatch:
         self._top_up()
@@ -418,8 +439,12 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return sum(self._pins.values())
 
     def close(self) -> None:
-        """Drop this node's pins and cancel the fills nobody else pins; returns at once."""
+        """Drop this node's pins and cancel the fills nobody else pins; with a ``cache_dir``,
+        let go of the directory and its lock (resident chunks are dropped; iterating again
+        takes it back). Returns within a few seconds whatever the store does."""
+        self.pool.stop_reserve()
         self._teardown()
+        self.pool.close_cache()
 
     # -- read-ahead and admission ----------------------------------------------------------
     def _top_up(self) -> None:
@@ -553,8 +578,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 pending.ahead_bytes += group.row_bytes * len(chunks)
             self._ahead_bytes += pending.ahead_bytes
             rec = self.recorder
-            if rec is not None:
-                rec.on_admit_counts(0, misses, re_reads)
+            rec.on_admit_counts(0, misses, re_reads)
         return pending
 
     def _resident(self, group: PlanGroup, chunks: np.ndarray) -> np.ndarray:
@@ -606,7 +630,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         pending.ahead_bytes += ahead
         self._ahead_bytes += ahead
         rec = self.recorder
-        if rec is not None and got:
+        if got:
             re_reads = sum(self._seen((p,), np.asarray(c)) for p, c in missed.items())
             misses = sum(len(c) for c in missed.values())
             rec.on_admit_counts(hits, misses, re_reads)
@@ -663,3 +687,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         if self._getter is not None:
             return self._getter.inflight
         return sum(job.runs for job in list(self._jobs))
+
+
+def _split_bytes(source: Any, geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:
+    """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
+    node = find_node(source, ReadPlanNode)
+    if node is None:
+        return 0
+    plan = node.epoch_plan(epoch)
+    keys = {k for b in plan.batch_indices for k in plan.batch_fetches(b)}
+    size = {path: g.chunk_nbytes for path, g in geoms.items()}
+    return sum(size[path] for path, _ in keys)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 import time
 import weakref
@@ -29,10 +30,14 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
+from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.slots import RamBacking, is_level_major
+from insitubatch_nodes.stages._graph import SOURCE_KEY, find_attr, find_node
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ResidentBatch
 
 __all__ = ["PARALLEL_GATHER_BYTES", "BatchBuffers", "BufferPool", "GatherNode", "gather_label"]
@@ -252,23 +257,50 @@ class GatherNode(BaseNode[Batch]):
     batch's ``coords[label][name]`` is ``values[sample_indices[label]]``, one vectorised take.
     """
 
+    NESTS_SOURCE_STATE = True
+
     def __init__(
         self,
         source: BaseNode[ResidentBatch],
-        labels: Mapping[str, ArrayGeometry],
-        batch_size: int,
+        labels: Mapping[str, ArrayGeometry] | None = None,
+        batch_size: int | None = None,
         batch_transforms: Sequence[BatchTransform] = (),
         *,
         rows: int | None = None,
         coords: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
         super().__init__()
+        if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
+            raise TypeError(
+                f"batch_transforms must be a sequence of callables Batch -> Batch, got "
+                f"{batch_transforms!r}"
+            )
         for t in batch_transforms:
             if not callable(t):
                 raise TypeError(f"batch_transforms must be callables Batch -> Batch, got {t!r}")
         self.source = source
-        self.labels = dict(labels)
-        self.batch_size = batch_size
+        plan = find_node(source, ReadPlanNode)
+        fetch = find_node(source, AsyncChunkFetchNode)
+        if labels is None or batch_size is None:
+            if plan is None:
+                raise ValueError(
+                    "GatherNode needs labels and batch_size when no ReadPlanNode is down its "
+                    "chain to take them from"
+                )
+            labels = plan.variables if labels is None else labels
+            batch_size = plan.batch_size if batch_size is None else batch_size
+        self.labels = _gathered_views(labels, fetch)
+        self.batch_size = check_int("batch_size", batch_size, minimum=1)
+        batch_size = self.batch_size
+        if rows is None and plan is not None:
+            rows = batch_rows(
+                batch_size,
+                plan.epoch_plan(0).n_samples,
+                self.labels,
+                plan.split,
+                plan.rank,
+                plan.world_size,
+            )
         self.batch_transforms = tuple(batch_transforms)
         unknown = set(coords or {}) - set(self.labels)
         if unknown:
@@ -281,7 +313,9 @@ class GatherNode(BaseNode[Batch]):
         rows = batch_size if rows is None else max(1, min(rows, batch_size))
         self.buffers = BatchBuffers(self.labels, rows)
         self._size(rows)
-        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
+        self.recorder: EpochRecorder = find_attr(source, "recorder") or NULL_RECORDER
+        if self.recorder.enabled:
+            self.recorder.batch_transforms = len(self.batch_transforms)
         _offer_buffers(source, self.buffers)
 
     def _size(self, rows: int) -> None:
@@ -300,10 +334,10 @@ class GatherNode(BaseNode[Batch]):
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self.source.reset(initial_state[SOURCE_KEY] if initial_state is not None else None)
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}
+        return {SOURCE_KEY: self.source.state_dict()}
 
     def next(self) -> Batch:
         resident: ResidentBatch = next(self.source)
@@ -349,8 +383,7 @@ class GatherNode(BaseNode[Batch]):
         )
         for transform in self.batch_transforms:
             batch = transform(batch)
-        if self.recorder is not None:
-            self.recorder.add("gather_s", time.perf_counter() - t0)
+        self.recorder.add("gather_s", time.perf_counter() - t0)
         return batch
 
     def _gather_rows(
@@ -408,3 +441,68 @@ def _offer_buffers(source: Any, buffers: BatchBuffers) -> None:
             accept(buffers)
             return
         node = getattr(node, "source", None)
+
+
+def _physical_memory_bytes() -> int:
+    """This machine's physical memory (a very large number where the OS does not say)."""
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        return 2**62
+
+
+def batch_rows(
+    batch_size: int,
+    delivered: int,
+    labels: Mapping[str, ArrayGeometry],
+    split: str,
+    rank: int,
+    world_size: int,
+) -> int:
+    """Rows of the batch buffers: ``min(batch_size, delivered)`` (``delivered``: the samples
+    this rank yields per epoch, so no batch holds more); ``ValueError`` naming ``batch_size``,
+    the split and what fits when one batch of ``batch_size`` samples would not fit in this
+    machine's memory (such a request is a mistake whatever the split holds)."""
+    sample_bytes = sum(math.prod(v.inner_shape) * v.dtype.itemsize for v in labels.values())
+    memory = _physical_memory_bytes()
+    if batch_size * sample_bytes <= memory:
+        return max(1, min(batch_size, delivered))
+    on_rank = f" on rank {rank} of {world_size}" if world_size > 1 else ""
+    fits = memory // max(1, sample_bytes)
+    raise ValueError(
+        f"batch_size={batch_size:,} is impossible here: one batch of that many samples would "
+        f"take {_human_bytes(batch_size * sample_bytes)} ({sample_bytes:,} bytes per sample "
+        f"over every label), more than this machine's {_human_bytes(memory)} of memory (at "
+        f"most {fits:,} samples fit in one batch). Split {split!r} delivers {delivered:,} "
+        f"samples per epoch{on_rank}, so batch_size={delivered:,} already puts all of them in "
+        f"one batch: pass a batch_size of at most {min(delivered, fits):,}"
+    )
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024 or unit == "PiB":
+            return f"{value:,.0f} {unit}" if unit == "bytes" else f"{value:,.1f} {unit}"
+        value /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def _gathered_views(labels: Mapping[str, ArrayGeometry], fetch: Any) -> dict[str, ArrayGeometry]:
+    """Each label's view as batches carry it: a view of an array the fetch stage's chunk
+    transforms reshape becomes the transformed one (a view given already transformed stays)."""
+    out: dict[str, ArrayGeometry] = {}
+    for label, view in labels.items():
+        if not isinstance(view, ArrayGeometry):
+            raise TypeError(f"labels[{label!r}] must be an ArrayGeometry view, got {view!r}")
+        transforms = None if fetch is None else fetch.transforms
+        if transforms is not None and view.path in transforms.outputs:
+            if view.base == transforms.source(view.path) and transforms.active(view.path):
+                view = transforms.output_view(view)
+            elif view.base != transforms.outputs[view.path]:
+                raise ValueError(
+                    f"labels[{label!r}] is a view of {view.path!r} whose geometry is neither the "
+                    "stored array's nor what the fetch stage's chunk transforms make of it"
+                )
+        out[label] = view
+    return out

@@ -23,21 +23,33 @@ in any stage re-raises in the consumer with its original traceback.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import itertools
 import logging
 import os
 import queue
 import threading
-import weakref
+from collections.abc import Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
+from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.errors import PipelineInterrupted
-from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
+from insitubatch_nodes.report import EpochReport
+from insitubatch_nodes.stages._graph import (
+    SOURCE_KEY,
+    close_node,
+    find_attr,
+    find_node,
+    interrupt_below,
+    nests_source_state,
+    plan_state,
+)
+from insitubatch_nodes.stages.gather import GatherNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 __all__ = ["PrefetcherNode"]
 
@@ -46,28 +58,13 @@ log = logging.getLogger(__name__)
 _ids = itertools.count()
 _POLL_S = 0.05
 _JOIN_S = 2.0  # how long stopping waits for the thread (it is woken from every chunk wait)
-_LIVE: weakref.WeakSet[PrefetcherNode[Any]] = weakref.WeakSet()
 
 
-@atexit.register
-def _halt_all_at_exit() -> None:
-    # Runs before the fetch stage's own exit hook (registered earlier, so called later): stop
-    # every producer thread first, so nothing admits new fetches while those are cancelled.
-    for node in list(_LIVE):
-        if node._pid == os.getpid():
-            node._halt(close_source=True)
-
-
-def interrupt_chain(node: Any) -> None:
-    """Call ``interrupt()`` on ``node`` and every ``source`` below it that has one (thread-safe):
-    a stage blocked waiting on a chunk wakes at once."""
-    seen: set[int] = set()
-    while node is not None and id(node) not in seen:
-        seen.add(id(node))
-        interrupt = getattr(node, "interrupt", None)
-        if callable(interrupt):
-            interrupt()
-        node = getattr(node, "source", None)
+def _halt_all(nodes: Sequence[PrefetcherNode[Any]]) -> None:
+    """At exit (see :func:`insitubatch_nodes._runtime.stop_at_exit`): stop every producer
+    thread first, so nothing admits new fetches while the fetch stages cancel theirs."""
+    for node in nodes:
+        node._halt(close_source=True)
 
 
 class _Worker:
@@ -102,7 +99,7 @@ class _Worker:
                 break
             except queue.Full:  # the producer slipped one more item in: drop it too
                 continue
-        interrupt_chain(self.source)
+        interrupt_below(self.source)
         if not join or self.thread is threading.current_thread():
             return
         self.thread.join(_JOIN_S)
@@ -114,13 +111,7 @@ class _Worker:
                 _JOIN_S,
             )
         elif close_source:
-            _close(self.source)
-
-
-def _close(node: Any) -> None:
-    closer = getattr(node, "close", None)
-    if closer is not None:
-        closer()
+            close_node(self.source)
 
 
 def _put(
@@ -154,20 +145,17 @@ def _run(
         _put(q, stop, ("error", exc, None))
     finally:
         if close_source.is_set():
-            _close(source)
+            close_node(source)
 
 
 class PrefetcherNode(BaseNode[T], Generic[T]):
     """Keep up to ``prefetch_depth`` finished items ahead of the consumer (see module doc)."""
 
+    NESTS_SOURCE_STATE = True
+
     def __init__(self, source: BaseNode[T], prefetch_depth: int = 2) -> None:
         super().__init__()
-        if (
-            isinstance(prefetch_depth, bool)
-            or not isinstance(prefetch_depth, int)
-            or prefetch_depth < 1
-        ):
-            raise ValueError(f"prefetch_depth must be a positive integer, got {prefetch_depth!r}")
+        prefetch_depth = check_int("prefetch_depth", prefetch_depth, minimum=1)
         self.source = source
         self.prefetch_depth = prefetch_depth
         self.name = f"insitu-prefetch-{next(_ids)}"
@@ -176,17 +164,21 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self._source_at_delivered = False  # the source sits exactly at the delivered position
         self._ended = False
         self._pid = os.getpid()
-        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
-        _LIVE.add(self)
+        self.recorder: EpochRecorder = find_attr(source, "recorder") or NULL_RECORDER
+        _runtime.stop_at_exit("prefetch", self, _halt_all)
+        # Pay for batch memory ahead of need (a fresh process faults new pages in slowly): the
+        # buffers in flight at once are the consumer's, the queue's and the one being filled.
+        gather = find_node(source, GatherNode)
+        if gather is not None:
+            gather.buffers.reserve(prefetch_depth + 2)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         _runtime.check_same_process(self._pid)
         self._halt(close_source=False)
-        if self.recorder is not None:
-            self.recorder.on_reset()
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self.recorder.on_reset()
+        self.source.reset(initial_state[SOURCE_KEY] if initial_state is not None else None)
         self._delivered = self.source.state_dict()
         self._source_at_delivered = True
         self._ended = False
@@ -196,7 +188,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         if self._ended:
             raise StopIteration
         rec = self.recorder
-        called = rec.on_next() if rec is not None else 0.0
+        called = rec.on_next()
         if self._worker is None:  # first next() since reset, or closed earlier: resume
             if not self._source_at_delivered:
                 self.source.reset(self._delivered)
@@ -213,21 +205,73 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             )
         if kind == "item":
             self._delivered = state
-            if rec is not None:
-                rec.on_deliver(called, payload)
+            rec.on_deliver(called, payload)
             return payload
         self._worker = None
         worker.thread.join()
         if kind == "end":
             self._ended = True
-            if rec is not None:
-                rec.on_end(called)
+            rec.on_end(called)
             raise StopIteration
-        _close(self.source)
+        close_node(self.source)
         raise payload
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self._delivered}
+        return {SOURCE_KEY: self._delivered}
+
+    # -- what the graph below says ----------------------------------------------------------
+    def report(self) -> EpochReport | None:
+        """The epoch report: the epoch in progress once it has delivered a batch, else the last
+        finished one (``None`` before the first batch, or when the fetch stage was built with
+        ``report=False``).
+
+        ``print(pipe.report())`` shows where the time went and which stage limits the epoch
+        (``limiting``: ``"store"``, ``"decode"``, ``"gather"``, ``"engine"`` or
+        ``"consumer"``), with a suggestion when one applies; ``.as_dict()`` gives plain numbers.
+        See :mod:`insitubatch_nodes.report` for every field and the rule.
+        """
+        return self.recorder.report()
+
+    def _plan(self) -> ReadPlanNode:
+        plan = find_node(self.source, ReadPlanNode)
+        if plan is None:
+            raise TypeError(f"{self.name}: no ReadPlanNode under this node, so it has no length")
+        return plan
+
+    def __len__(self) -> int:
+        """Batches in the epoch being delivered (once it is over: in the next), counted from
+        its start, when a :class:`ReadPlanNode` is down the chain (else ``TypeError``). The same
+        every epoch, except an epoch resumed on another world size (see
+        :meth:`ReadPlanNode.reset`). Decided by the delivered position: the read plan itself
+        runs ahead of it by the read-ahead and the prefetch queue."""
+        plan = self._plan()
+        current = plan.current_len
+        delivered = None if self._delivered is None else plan_state(self._delivered)
+        if self._ended or (delivered is not None and delivered["batches_emitted"] >= current):
+            return plan.epoch_len
+        return current
+
+    def resumed_len(self, state: Mapping[str, Any]) -> int:
+        """What ``len(self)`` reports once ``state`` (this node's or a ``Loader``'s) is
+        restored: the batches of the epoch it resumes, counted from that epoch's start."""
+        return self._plan().resumed_len(plan_state(state))
+
+    def start_state(self, epoch: int) -> dict[str, Any] | None:
+        """The state of this graph before the first batch of ``epoch`` (nothing is started):
+        the plan's state wrapped once per stage above it. ``None`` when a node between here and
+        the plan is not one of this package's stages (its state cannot be made up)."""
+        plan = self._plan()
+        chain: list[Any] = []
+        node: Any = self
+        while node is not plan:
+            if not nests_source_state(node):
+                return None
+            chain.append(node)
+            node = node.source
+        state: dict[str, Any] = {"epoch": int(epoch), "batches_emitted": 0, "config": plan.config()}
+        for _ in chain:
+            state = {SOURCE_KEY: state}
+        return state
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -253,7 +297,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         if worker is not None:
             worker.halt(close_source=close_source)
         elif close_source:
-            _close(self.source)
+            close_node(self.source)
         if close_source:
             self._source_at_delivered = False
 

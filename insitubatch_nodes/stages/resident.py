@@ -26,8 +26,9 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
-from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.slots import PENDING, READY, ChunkEntry
+from insitubatch_nodes.stages._graph import SOURCE_KEY, find_attr
 
 __all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
 
@@ -67,24 +68,26 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     :class:`~insitubatch_nodes.stages.fetch.FetchedBatch`).
     """
 
+    NESTS_SOURCE_STATE = True
+
     def __init__(self, source: BaseNode[Any]) -> None:
         super().__init__()
         self.source = source
         self._held: AdmittedBatch | None = None
         self._interrupt: Future[None] = Future()
-        self.recorder: EpochRecorder | None = None  # set by the pipeline (see report.py)
+        self.recorder: EpochRecorder = find_attr(source, "recorder") or NULL_RECORDER
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._held = None
         self._interrupt = Future()
-        self.source.reset(initial_state["source"] if initial_state is not None else None)
+        self.source.reset(initial_state[SOURCE_KEY] if initial_state is not None else None)
 
     def next(self) -> ResidentBatch:
         self._release_held()
         item: AdmittedBatch = next(self.source)
         rec = self.recorder
-        t0 = time.perf_counter() if rec is not None else 0.0
+        t0 = time.perf_counter()
         jobs = getattr(item, "jobs", ())
         # one wait per fill (a fill is a group of chunks), not one per chunk
         fills = {id(job.fill): job.fill for job in jobs}
@@ -101,8 +104,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
             if entry.state != READY:  # raises the fetch/decode error with its cause chained
                 entry.ready.result()
             slots[key] = entry.slot
-        if rec is not None:
-            rec.add("chunk_wait_s", time.perf_counter() - t0)
+        rec.add("chunk_wait_s", time.perf_counter() - t0)
         self._held = item
         return ResidentBatch(
             plan=item.plan,
@@ -112,7 +114,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         )
 
     def get_state(self) -> dict[str, Any]:
-        return {"source": self.source.state_dict()}
+        return {SOURCE_KEY: self.source.state_dict()}
 
     def interrupt(self) -> None:
         """Wake a wait in :meth:`next` now (thread-safe); it raises ``PipelineInterrupted``."""

@@ -1,0 +1,232 @@
+"""A graph composed by hand is the builder's graph.
+
+``recipes/compose_nodes.py`` spells out the five stages; ``insitu_pipeline`` builds them in one
+call. With the same arguments the two deliver identical batches (indices, bytes, coordinates),
+identical epoch reports (every count; timings aside) and the same teardown. Each stage finds
+what it needs down the chain, also through a plain torchdata node placed between two stages.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import importlib.util
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import resume_helpers as rh
+import zarr
+from torchdata.nodes import IterableWrapper, Mapper
+
+from insitubatch_nodes import (
+    Loader,
+    as_dataset,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
+from insitubatch_nodes.cache.lock import LOCK_NAME
+from insitubatch_nodes.recorder import NULL_RECORDER
+from insitubatch_nodes.stages import (
+    AsyncChunkFetchNode,
+    ChunkPoolNode,
+    GatherNode,
+    PrefetcherNode,
+    ReadPlanNode,
+)
+
+RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "compose_nodes.py"
+ARGV = ["--batch-size", "12", "--block-chunks", "3", "--seed", "7", "--max-inflight", "8"]
+COUNTS = (
+    "epoch", "complete", "batches", "samples", "gets", "decodes", "hits", "misses", "re_reads",
+    "evictions", "bytes_fetched", "bytes_delivered", "transforms", "bad_chunks", "corrupt",
+    "max_inflight", "decode_threads", "budget_bytes", "auto_budget", "batch_transforms",
+    "split_bytes",
+)  # fmt: skip
+
+
+def _recipe() -> Any:
+    spec = importlib.util.spec_from_file_location("compose_nodes_recipe", RECIPE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return rh.write_store(tmp_path_factory.mktemp("compose") / "era5.zarr", n_time=96)
+
+
+def _views(store: Path) -> dict[str, Any]:
+    geoms = open_geometries(open_store(store), ["t2m", "z"])
+    return {"x": geoms["t2m"], "y": geoms["t2m"].shift(1), "z": geoms["z"]}
+
+
+def _hand(store: Path) -> PrefetcherNode[Any]:
+    recipe = _recipe()
+    root, _, _, _ = recipe.build_nodes(open_store(store), _views(store), recipe.parse_args(ARGV))
+    return root
+
+
+def _built(store: Path, **kw: Any) -> Any:
+    views = _views(store)
+    manifest = split_by_chunk(views["x"].base, (0.8, 0.1, 0.1))
+    return insitu_pipeline(
+        open_store(store), manifest, views, batch_size=12, block_chunks=3, seed=7,
+        max_inflight=8, **kw,
+    )  # fmt: skip
+
+
+def _record(batch: Any) -> dict[str, Any]:
+    out = rh.record(batch)
+    out["coords"] = {
+        label: {name: np.asarray(v).tobytes() for name, v in sorted(named.items())}
+        for label, named in sorted(batch.coords.items())
+    }
+    return out
+
+
+def _run(root: Any, epochs: int = 2) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    records, reports = [], []
+    loader = Loader(root)
+    for _ in range(epochs):
+        records += [_record(b) for b in loader]
+        report = root.report().as_dict()
+        reports.append({k: report[k] for k in COUNTS})
+    return records, reports
+
+
+def _stages(root: Any) -> dict[str, Any]:
+    from insitubatch_nodes.stages._graph import find_node
+
+    kinds = (ReadPlanNode, AsyncChunkFetchNode, ChunkPoolNode, GatherNode)
+    return {kind.__name__: find_node(root, kind) for kind in kinds}
+
+
+def test_a_graph_composed_by_hand_delivers_the_builders_batches_reports_and_teardown(
+    store: Path,
+) -> None:
+    hand, built = _hand(store), _built(store)
+    try:
+        hand_records, hand_reports = _run(hand)
+        built_records, built_reports = _run(built)
+        assert len(hand_records) == len(built_records) > 10
+        assert hand_records == built_records
+        assert hand_reports == built_reports
+        assert len(hand) == len(built)
+        t2m = np.asarray(zarr.open_group(str(store), mode="r")["t2m"][...])
+        last = next(iter(Loader(hand)))
+        np.testing.assert_array_equal(last.arrays["y"], t2m[last.sample_indices["y"]])
+    finally:
+        hand.close()
+        built.close()
+    for root in (hand, built):
+        stages = _stages(root)
+        assert stages["AsyncChunkFetchNode"].pinned == 0
+        assert stages["AsyncChunkFetchNode"].pool.pinned_count() == 0
+        assert not root.threads
+
+
+def test_each_stage_finds_the_fetch_stages_recorder_and_none_measures_without_one(
+    store: Path,
+) -> None:
+    hand = _hand(store)
+    try:
+        stages = _stages(hand)
+        recorder = stages["AsyncChunkFetchNode"].recorder
+        assert recorder.enabled
+        assert stages["ChunkPoolNode"].recorder is recorder
+        assert stages["GatherNode"].recorder is recorder and hand.recorder is recorder
+    finally:
+        hand.close()
+    quiet = _built(store, report=False)
+    try:
+        list(Loader(quiet))
+        assert quiet.report() is None and quiet.recorder is NULL_RECORDER
+    finally:
+        quiet.close()
+
+
+def test_a_torchdata_node_between_two_stages_keeps_the_report_close_and_interrupt(
+    store: Path,
+) -> None:
+    hand = _hand(store)
+    gather = _stages(hand)["GatherNode"]
+    between = Mapper(gather, lambda batch: batch)
+    root: PrefetcherNode[Any] = PrefetcherNode(between, prefetch_depth=2)
+    resident = _stages(root)["ChunkPoolNode"]
+    woken = threading.Event()
+    original = resident.interrupt
+
+    def interrupt() -> None:
+        woken.set()
+        original()
+
+    resident.interrupt = interrupt  # type: ignore[method-assign]
+    try:
+        records = [_record(b) for b in Loader(root)]
+        assert records and root.report() is not None and root.report().batches == len(records)
+        assert len(root) == len(records)
+        it = iter(Loader(root))
+        next(it)  # mid-epoch: the prefetch thread is running when close() comes
+        assert not woken.is_set()
+    finally:
+        root.close()
+    assert woken.is_set()  # close interrupted the pool stage through the Mapper
+    fetch = _stages(root)["AsyncChunkFetchNode"]
+    assert fetch.pinned == 0 and fetch.pool.pinned_count() == 0 and not root.threads
+    hand.close()
+
+
+def test_closing_a_hand_built_graph_lets_go_of_its_cache_directory(
+    store: Path, tmp_path: Path
+) -> None:
+    cache_dir = tmp_path / "cache"
+    donor = _built(store, cache_dir=cache_dir, persist=True)  # for its pool with a cache
+    pool = donor.stages.pool
+    views = _views(store)
+    plan = ReadPlanNode(
+        split_by_chunk(views["x"].base, (0.8, 0.1, 0.1)), views, batch_size=12, block_chunks=3
+    )
+    geoms = {v.path: v.base for v in views.values()}
+    fetch = AsyncChunkFetchNode(plan, open_store(store), geoms, pool)
+    root: PrefetcherNode[Any] = PrefetcherNode(Mapper(GatherNode(ChunkPoolNode(fetch)), len))
+    try:
+        assert sum(Loader(root)) > 0
+        assert pool.stats.disk_writes > 0
+    finally:
+        root.close()
+    with open(cache_dir / LOCK_NAME, "rb") as fh:  # a second open file: flock conflicts if held
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fh, fcntl.LOCK_UN)
+    donor.close()
+
+
+def test_as_dataset_takes_any_root_whose_chain_ends_in_a_read_plan(store: Path) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    hand = _hand(store)
+    root: PrefetcherNode[Any] = PrefetcherNode(Mapper(_stages(hand)["GatherNode"], lambda b: b))
+    try:
+        dataset = as_dataset(root, transform=rh.indexed_transform)
+        dl = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+        assert len(dataset) == len(hand)
+        it = iter(dl)
+        first = [rh.record_item(next(it)) for _ in range(3)]
+        state = dl.state_dict()
+        after = rh.record_item(next(it))
+        assert [r["index"] for r in first] == [0, 1, 2]
+        resumed = StatefulDataLoader(
+            as_dataset(root, transform=rh.indexed_transform), batch_size=None, num_workers=0
+        )
+        resumed.load_state_dict(state)
+        assert rh.record_item(next(iter(resumed))) == after
+    finally:
+        root.close()
+        hand.close()
+    with pytest.raises(TypeError, match="ReadPlanNode"):
+        as_dataset(IterableWrapper(range(3)))  # type: ignore[arg-type]
