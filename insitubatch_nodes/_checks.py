@@ -46,3 +46,20 @@ def check_optional_int(name: str, value: Any, *, minimum: int | None = None) -> 
     if value is None:
         return None
     return check_int(name, value, minimum=minimum)
+
+
+#: What ``on_bad_chunk`` accepts: fail the epoch, or fill the bad stored chunk and go on.
+BAD_CHUNK_POLICIES = ("raise", "nan")
+
+
+def check_on_bad_chunk(value: Any) -> str:
+    """``value`` if it is one of :data:`BAD_CHUNK_POLICIES`, else ``ValueError``/``TypeError``."""
+    if not isinstance(value, str):
+        raise TypeError(f"on_bad_chunk must be 'raise' or 'nan', got {value!r}")
+    if value not in BAD_CHUNK_POLICIES:
+        raise ValueError(
+            "on_bad_chunk must be 'raise' (a stored chunk that cannot be read or decoded fails "
+            "the epoch) or 'nan' (it is filled with NaN, or the fill value for non-float "
+            f"arrays, and listed in bad_chunks), got {value!r}"
+        )
+    return value

@@ -15,7 +15,7 @@ from typing import Any
 
 from zarr.abc.store import Store
 
-from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
+from insitubatch_nodes._checks import check_bool, check_int, check_on_bad_chunk, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
@@ -29,7 +29,7 @@ from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import SlotBacking
-from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode, check_on_bad_chunk
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode

@@ -45,7 +45,6 @@ store that the parent already read from is refused in the child (its GETs would 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import math
@@ -63,19 +62,20 @@ from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _runtime
-from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
+from insitubatch_nodes._checks import check_bool, check_int, check_on_bad_chunk, check_optional_int
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.stores import RetryPolicy, describe_store, retry_policy
-from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
+from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan
 from insitubatch_nodes.plan.schedule import working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.slots import ChunkEntry
+from insitubatch_nodes.stages._direct import direct_allowed, direct_labels
 from insitubatch_nodes.stages._fill import Filler
-from insitubatch_nodes.stages._get import Getter
+from insitubatch_nodes.stages._get import Getter, cancel_all_at_exit
 from insitubatch_nodes.stages._graph import SOURCE_KEY, find_node
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, FillJob, PendingBatch, PlanGroup
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
@@ -84,51 +84,10 @@ from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 if TYPE_CHECKING:
     from insitubatch_nodes.stages.gather import BatchBuffers
 
-__all__ = ["BAD_CHUNK_POLICIES", "AsyncChunkFetchNode", "check_on_bad_chunk"]
-
-
-#: What ``on_bad_chunk`` accepts: fail the epoch, or fill the bad stored chunk and go on.
-BAD_CHUNK_POLICIES = ("raise", "nan")
-
-
-def check_on_bad_chunk(value: Any) -> str:
-    """``value`` if it is one of :data:`BAD_CHUNK_POLICIES`, else ``ValueError``/``TypeError``."""
-    if not isinstance(value, str):
-        raise TypeError(f"on_bad_chunk must be 'raise' or 'nan', got {value!r}")
-    if value not in BAD_CHUNK_POLICIES:
-        raise ValueError(
-            "on_bad_chunk must be 'raise' (a stored chunk that cannot be read or decoded fails "
-            "the epoch) or 'nan' (it is filled with NaN, or the fill value for non-float "
-            f"arrays, and listed in bad_chunks), got {value!r}"
-        )
-    return value
+__all__ = ["AsyncChunkFetchNode"]
 
 
 log = logging.getLogger(__name__)
-
-_EXIT_GRACE_S = 2.0
-
-
-def _cancel_all(nodes: Sequence[AsyncChunkFetchNode]) -> None:
-    """At exit (see :func:`insitubatch_nodes._runtime.stop_at_exit`): close every fetch stage,
-    then cancel and await their in-flight GETs while the IO loop still runs."""
-    for node in nodes:
-        try:
-            node.close()
-        except Exception:  # pragma: no cover - best effort at exit
-            log.debug("insitubatch_nodes: teardown at exit failed", exc_info=True)
-    loop = _runtime.io_loop()
-    getters = [n._getter for n in nodes if n._getter is not None]
-    if getters and loop.is_running():
-        done = asyncio.run_coroutine_threadsafe(_cancel_gets(getters), loop)
-        try:
-            done.result(timeout=_EXIT_GRACE_S)
-        except Exception:  # pragma: no cover - a wedged loop: exit anyway
-            log.debug("insitubatch_nodes: in-flight GETs did not stop at exit", exc_info=True)
-
-
-async def _cancel_gets(getters: Iterable[Getter]) -> None:
-    await asyncio.gather(*(g.cancel_all() for g in getters))
 
 
 class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
@@ -265,7 +224,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                 # not a bound method: the recorder must not keep this node alive (``del pipe``)
                 split_bytes=functools.partial(_split_bytes, source, self.slot_geoms),
             )
-        _runtime.stop_at_exit("fetch", self, _cancel_all)
+        _runtime.stop_at_exit("fetch", self, cancel_all_at_exit)
         self._prepare_pool(source)
 
     def _prepare_pool(self, source: Any) -> None:
@@ -474,60 +433,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def _plan_groups(self, plan: EpochPlan) -> list[PlanGroup]:
         if plan is self._epoch_plan and self._groups:
             return self._groups
-        direct_ok = self._direct_allowed(plan)
+        buffers = self._buffers
+        direct_ok = direct_allowed(plan, self.pool, buffers, self.direct, self.slot_geoms)
         out = []
         for ledger in plan.ledgers:
             nbytes = sum(self.slot_geoms[p].chunk_nbytes for p in ledger.paths)
-            labels = self._direct_labels(plan, ledger) if direct_ok else None
+            labels = (
+                direct_labels(plan, ledger, buffers, self.geoms, self.transforms)
+                if direct_ok and buffers is not None
+                else None
+            )
             row = 0 if labels is None else sum(self.geoms[p].sample_nbytes for p in ledger.paths)
             out.append(PlanGroup(tuple(ledger.paths), nbytes, labels, row))
         return out
-
-    def _direct_allowed(self, plan: EpochPlan) -> bool:
-        """Whether rows may be decoded straight into batches this epoch (module docstring)."""
-        if self._buffers is None or self.direct is False:
-            return False
-        cache = self.pool.cache
-        if cache is not None and cache.persistent:
-            return False
-        if self.direct or self.pool.auto:
-            return True
-        reads = sum(
-            len(np.unique(ledger.chunk))
-            * sum(self.slot_geoms[p].chunk_nbytes for p in ledger.paths)
-            for ledger in plan.ledgers
-        )
-        return self.pool.budget_bytes < reads  # the pool could not keep the epoch anyway
-
-    def _direct_labels(
-        self, plan: EpochPlan, ledger: ChunkLedger
-    ) -> dict[str, dict[int, str]] | None:
-        """``{path: {offset: label}}`` when ``ledger``'s single-use chunks can be decoded
-        straight into the batch arrays: one sample per chunk, each view of an array (each
-        offset) read by exactly one label (whose batch array the gather stage lends, with the
-        array's own shape and dtype), no chunk transforms. A chunk read by one row is then read
-        by one view, whose offset tells the label."""
-        if ledger.samples_per_chunk != 1 or len(set(ledger.offsets)) != len(ledger.offsets):
-            return None
-        assert self._buffers is not None
-        lent = self._buffers.labels
-        out: dict[str, dict[int, str]] = {}
-        for label, view in plan.labels.items():
-            if view.path not in ledger.paths:
-                continue
-            geom = self.geoms[view.path]
-            mine = lent.get(label)
-            if (
-                self.transforms.active(view.path)
-                or mine is None
-                or mine.path != view.path
-                or mine.offset != view.offset
-                or mine.inner_shape != geom.inner_shape
-                or mine.dtype != geom.dtype
-            ):
-                return None
-            out.setdefault(view.path, {})[view.offset] = label
-        return out if len(out) == len(ledger.paths) else None
 
     def _prepare(self, plan: BatchPlan, carried: bool) -> PendingBatch:
         """What admitting ``plan`` takes: the pool chunks it (first) reads, in need order, and

@@ -1,0 +1,83 @@
+"""When the fetch stage decodes rows straight into batches, and into which label's rows.
+
+At one sample per chunk a chunk read by a single row need not pass through the pool: its stored
+object is decoded straight into that row of the batch arrays the gather stage lends (see
+:mod:`insitubatch_nodes.stages.fetch`). These two decisions are pure functions of the epoch
+plan, the pool and what the gather stage lent; the fetch stage asks them once per epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.transforms import ChunkTransforms
+
+if TYPE_CHECKING:
+    from insitubatch_nodes.stages.gather import BatchBuffers
+
+__all__ = ["direct_allowed", "direct_labels"]
+
+
+def direct_allowed(
+    plan: EpochPlan,
+    pool: ChunkPool,
+    buffers: BatchBuffers | None,
+    direct: bool | None,
+    slot_geoms: Mapping[str, ArrayGeometry],
+) -> bool:
+    """Whether rows may be decoded straight into batches this epoch: the gather stage lent its
+    buffers, ``direct`` does not forbid it, no persistent cache wants the chunks kept, and
+    either ``direct=True``, an automatic budget, or a budget that could not keep the epoch's
+    chunks anyway."""
+    if buffers is None or direct is False:
+        return False
+    cache = pool.cache
+    if cache is not None and cache.persistent:
+        return False
+    if direct or pool.auto:
+        return True
+    reads = sum(
+        len(np.unique(ledger.chunk)) * sum(slot_geoms[p].chunk_nbytes for p in ledger.paths)
+        for ledger in plan.ledgers
+    )
+    return pool.budget_bytes < reads
+
+
+def direct_labels(
+    plan: EpochPlan,
+    ledger: ChunkLedger,
+    buffers: BatchBuffers,
+    geoms: Mapping[str, ArrayGeometry],
+    transforms: ChunkTransforms,
+) -> dict[str, dict[int, str]] | None:
+    """``{path: {offset: label}}`` when ``ledger``'s single-use chunks can be decoded straight
+    into the batch arrays: one sample per chunk, each view of an array (each offset) read by
+    exactly one label (whose batch array the gather stage lends, with the array's own shape and
+    dtype), no chunk transforms. A chunk read by one row is then read by one view, whose offset
+    tells the label. ``None`` otherwise."""
+    if ledger.samples_per_chunk != 1 or len(set(ledger.offsets)) != len(ledger.offsets):
+        return None
+    lent = buffers.labels
+    out: dict[str, dict[int, str]] = {}
+    for label, view in plan.labels.items():
+        if view.path not in ledger.paths:
+            continue
+        geom = geoms[view.path]
+        mine = lent.get(label)
+        if (
+            transforms.active(view.path)
+            or mine is None
+            or mine.path != view.path
+            or mine.offset != view.offset
+            or mine.inner_shape != geom.inner_shape
+            or mine.dtype != geom.dtype
+        ):
+            return None
+        out.setdefault(view.path, {})[view.offset] = label
+    return out if len(out) == len(ledger.paths) else None
