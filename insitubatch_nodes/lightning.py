@@ -35,6 +35,7 @@ from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import as_store
 from insitubatch_nodes.pipeline import insitu_pipeline
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
@@ -105,6 +106,12 @@ class InSituReportCallback(pl.Callback):
 class InSituDataModule(pl.LightningDataModule):
     """Train/val/test loaders from one zarr store.
 
+    The read-plan settings are held as one :class:`~insitubatch_nodes.plan.config.PlanConfig`,
+    :attr:`plan_config` (training's: ``batch_size``, ``block_chunks``, ``seed``,
+    ``remainder``, checked here); the val/test pipelines use
+    :meth:`plan_config_for` — the same config, unshuffled, with ``eval_batch_size`` — and every
+    split takes the rank and world size from the Trainer.
+
     Args:
         store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``).
         variables: array names, or ``{label: ArrayGeometry view}`` (e.g. ``{"x": g,
@@ -164,15 +171,15 @@ class InSituDataModule(pl.LightningDataModule):
         self._store_options = dict(store_options or {})
         self._variables_arg = variables
         self._splits_arg = splits
-        self.batch_size = batch_size
+        # the training plan; val/test derive theirs from it (see plan_config_for)
+        self.plan_config = PlanConfig(
+            batch_size=batch_size, block_chunks=block_chunks, seed=seed, remainder=remainder
+        )
         self.eval_batch_size = eval_batch_size or batch_size
         self.knobs: dict[str, Any] = {
-            "block_chunks": block_chunks,
-            "seed": seed,
             "max_inflight": max_inflight,
             "prefetch_depth": prefetch_depth,
             "decode_threads": decode_threads,
-            "remainder": remainder,
             "chunk_transforms": tuple(chunk_transforms),
             "on_bad_chunk": on_bad_chunk,
             "cache_dir": cache_dir,
@@ -191,6 +198,24 @@ class InSituDataModule(pl.LightningDataModule):
         self._loaders: dict[str, InSituIterableDataset] = {}
         self._pending_train_state: dict[str, Any] | None = None
         self._train_key: tuple[int, int | None, int | None] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        """The training batch size (``plan_config.batch_size``); assigning it (as Lightning's
+        batch-size finder does) replaces ``plan_config`` with a checked copy."""
+        return self.plan_config.batch_size
+
+    @batch_size.setter
+    def batch_size(self, value: int) -> None:
+        self.plan_config = self.plan_config.replace(batch_size=value)
+
+    def plan_config_for(self, split: str) -> PlanConfig:
+        """The plan settings of ``split``'s pipeline, before the Trainer's rank and world size:
+        :attr:`plan_config` for ``"train"``; for ``"val"``/``"test"`` the same settings, in
+        order (no shuffle) and with ``eval_batch_size``."""
+        if split == "train":
+            return self.plan_config
+        return self.plan_config.replace(split=split, batch_size=self.eval_batch_size, shuffle=False)
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -219,7 +244,7 @@ class InSituDataModule(pl.LightningDataModule):
             return None, None
         return int(trainer.global_rank), int(trainer.world_size)
 
-    def _build(self, split: str, shuffle: bool) -> InSituIterableDataset:
+    def _build(self, split: str) -> InSituIterableDataset:
         self.setup()
         assert self.store is not None and self.manifest is not None
         rank, world = self._rank_world()
@@ -234,13 +259,9 @@ class InSituDataModule(pl.LightningDataModule):
             self.store,
             self.manifest,
             self.labels,
-            split=split,
-            batch_size=self.batch_size if split == "train" else self.eval_batch_size,
-            shuffle=shuffle,
             cache_budget_bytes=self.cache_budget_bytes if split == "train" else None,
             batch_transforms=self.batch_transforms,
-            rank=rank,
-            world_size=world,
+            config=self.plan_config_for(split).replace(rank=rank, world_size=world),
             **self.knobs,
         )
         trainer = self.trainer
@@ -274,20 +295,20 @@ class InSituDataModule(pl.LightningDataModule):
         callbacks: list[Any] | None = getattr(self.trainer, "callbacks", None)
         if callbacks is not None and not any(isinstance(c, _EpochLengthSync) for c in callbacks):
             callbacks.insert(0, _EpochLengthSync())
-        dataset = self._build("train", shuffle=True)
+        dataset = self._build("train")
         if self._pending_train_state is not None:
             dataset.load_state_dict(self._pending_train_state)
             self._pending_train_state = None
         return dataset
 
     def val_dataloader(self) -> InSituIterableDataset:
-        return self._build("val", shuffle=False)
+        return self._build("val")
 
     def test_dataloader(self) -> InSituIterableDataset:
-        return self._build("test", shuffle=False)
+        return self._build("test")
 
     def predict_dataloader(self) -> InSituIterableDataset:
-        return self._build("test", shuffle=False)
+        return self._build("test")
 
     # -- checkpoint state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

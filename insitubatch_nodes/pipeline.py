@@ -24,7 +24,7 @@ from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.coords import carried_coordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
-from insitubatch_nodes.plan.ranks import check_remainder
+from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
@@ -161,6 +161,7 @@ def insitu_pipeline(
     verify_cache: bool = True,
     check_store: bool = True,
     coords: Sequence[str] | None = None,
+    config: PlanConfig | None = None,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -171,6 +172,11 @@ def insitu_pipeline(
     ``cross_split_windows=True`` lets windows read across the split's edge. ``remainder``
     (``"drop"`` or ``"pad"``) is what several ranks do with the samples that do not divide
     evenly between them (see :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`).
+    ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes ``split``,
+    ``batch_size``, ``block_chunks``, ``shuffle``, ``seed``, ``rank``, ``world_size``,
+    ``cross_split_windows`` and ``remainder`` (and ``ramp``, which has no keyword here) as one
+    object; give either it or those keywords (one off its default beside ``config`` raises
+    ``TypeError``).
 
     ``cache_budget_bytes=None`` sizes the pool to each epoch's working set (each chunk read once
     per epoch); a larger budget keeps drained chunks for later epochs; one too small for some
@@ -218,18 +224,23 @@ def insitu_pipeline(
     coordinate array is read and decoded once, here, within ``retry``'s ``timeout_s`` (a read
     that fails raises ``OSError`` or ``TimeoutError`` naming the coordinate).
     """
-    batch_size = check_int("batch_size", batch_size, minimum=1)
-    block_chunks = check_int("block_chunks", block_chunks, minimum=1)
-    shuffle = check_bool("shuffle", shuffle)
-    seed = check_int("seed", seed, minimum=0)
+    plan_config = resolve_plan_config(
+        config,
+        "insitu_pipeline",
+        split=split,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        shuffle=shuffle,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        cross_split_windows=cross_split_windows,
+        remainder=remainder,
+    )
     max_inflight = check_int("max_inflight", max_inflight, minimum=1)
     prefetch_depth = check_int("prefetch_depth", prefetch_depth, minimum=1)
     cache_budget_bytes = check_optional_int("cache_budget_bytes", cache_budget_bytes, minimum=1)
     decode_threads = check_optional_int("decode_threads", decode_threads, minimum=1)
-    rank = check_optional_int("rank", rank)
-    world_size = check_optional_int("world_size", world_size)
-    cross_split_windows = check_bool("cross_split_windows", cross_split_windows)
-    remainder = check_remainder(remainder)
     report = check_bool("report", report)
     on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
     cache_args = _check_cache_args(
@@ -296,28 +307,10 @@ def insitu_pipeline(
         manifest,
         labels,
         cache_budget_bytes,
-        split=split,
-        batch_size=batch_size,
-        block_chunks=block_chunks,
-        cross_split_windows=cross_split_windows,
-        remainder=remainder,
-        world_size=world_size,
-        revive=cache_args is not None and cache_args["persist"] and shuffle,
+        revive=cache_args is not None and cache_args["persist"] and plan_config.shuffle,
+        config=plan_config,
     )
-    plan = ReadPlanNode(
-        manifest,
-        labels,
-        split=split,
-        batch_size=batch_size,
-        block_chunks=block_chunks,
-        shuffle=shuffle,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-        cross_split_windows=cross_split_windows,
-        schedule=schedule,
-        remainder=remainder,
-    )
+    plan = ReadPlanNode(manifest, labels, schedule=schedule, config=plan_config)
     cache = None
     if cache_args is not None:
         fingerprints = {
@@ -354,7 +347,7 @@ def insitu_pipeline(
         resident = ChunkPoolNode(fetch)
         # (the gather takes the views and batch size from the plan, sizes its buffers to the
         # samples a rank delivers, and lends them to the fetch stage: rows decoded in place)
-        gather = GatherNode(resident, labels, batch_size, batch_transforms, coords=carried)
+        gather = GatherNode(resident, labels, plan.batch_size, batch_transforms, coords=carried)
     except BaseException:
         if cache is not None:
             cache.close()

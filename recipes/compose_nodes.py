@@ -43,6 +43,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.io import open_coordinates
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import choose_schedule, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
@@ -115,12 +116,15 @@ def build_nodes(
     # The residency schedule, from the budget: a pure function of the configuration, decided
     # before the read plan exists (it raises here, not in a later epoch, when the budget cannot
     # hold every epoch). insitu_pipeline() calls the same function with the same arguments.
+    # One PlanConfig carries the plan's settings to both (checked once, here).
     budget = args.cache_budget_bytes  # None = the automatic budget
-    config = {"split": "train", "batch_size": args.batch_size, "block_chunks": args.block_chunks}
-    schedule = choose_schedule(manifest, views, budget, **config)
+    config = PlanConfig(
+        split="train", batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed
+    )
+    schedule = choose_schedule(manifest, views, budget, config=config)
 
     # 1. What to read and when: one BatchPlan per batch, epoch after epoch.
-    plan = ReadPlanNode(manifest, views, shuffle=True, seed=args.seed, schedule=schedule, **config)
+    plan = ReadPlanNode(manifest, views, schedule=schedule, config=config)
 
     # The stored arrays behind the views, by path (views of one array share its chunks).
     geoms = {view.path: view.base for view in views.values()}

@@ -1,6 +1,7 @@
 """What to read and when, as pure numpy: no torchdata, no pool, no threads.
 
 * :mod:`~insitubatch_nodes.plan.splits` — chunk-aligned train/val/test manifests;
+* :mod:`~insitubatch_nodes.plan.config` — what a plan draws, as one :class:`PlanConfig`;
 * :mod:`~insitubatch_nodes.plan.epoch` — drawing one epoch: permutation, blocks, batches;
 * :mod:`~insitubatch_nodes.plan.ranks` — dealing an epoch's samples between ranks;
 * :mod:`~insitubatch_nodes.plan.ledger` — what a drawn epoch is (:class:`EpochPlan`, its
@@ -12,6 +13,7 @@ The node that serves these plans to a graph is
 :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`.
 """
 
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
 from insitubatch_nodes.plan.quality import shuffle_quality
@@ -32,6 +34,7 @@ __all__ = [
     "ChunkLedger",
     "EpochPlan",
     "PinSchedule",
+    "PlanConfig",
     "ScheduleFloors",
     "SplitManifest",
     "choose_schedule",

@@ -20,6 +20,7 @@ import numpy as np
 
 from insitubatch_nodes._checks import check_int, check_optional_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
 from insitubatch_nodes.plan.epoch import (
     block_index,
     check_plan_inputs,
@@ -28,7 +29,7 @@ from insitubatch_nodes.plan.epoch import (
     ramp_unit,
 )
 from insitubatch_nodes.plan.ledger import EpochPlan, sorted_unique
-from insitubatch_nodes.plan.ranks import check_remainder, default_rank_world
+from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.splits import SplitManifest
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ def schedule_floors(
     cross_split_windows: bool = False,
     remainder: str = "drop",
     world_size: int | None = None,
+    config: PlanConfig | None = None,
 ) -> ScheduleFloors:
     """Permutation-independent upper bounds of each schedule's working-set floor.
 
@@ -200,6 +202,11 @@ def schedule_floors(
     ``torch.distributed``'s, else 1 — as :class:`ReadPlanNode` resolves it), with or without
     ``shuffle`` and ``ramp``; with ``remainder="drop"`` the bounds for any ``world_size > 1``
     hold for every world size.
+
+    ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes the same settings
+    as one object instead of the loose keywords (not both: a keyword off its default beside it
+    raises ``TypeError``); only its ``split, batch_size, block_chunks, cross_split_windows,
+    remainder, world_size`` matter here.
 
     **Tails.** With several ranks a rank's ledger (:func:`deal`) is whole chunks — no two the
     same — then at most two partial pieces of tail chunks: at most ``len(split chunks)``
@@ -231,9 +238,19 @@ def schedule_floors(
       ``<= top(max(block chunks, most chunks in one batch))`` — and read-once is then the
       bounded schedule, so the bounded bound holds for it too.
     """
+    cfg = resolve_plan_config(
+        config,
+        "schedule_floors",
+        split=split,
+        batch_size=batch_size,
+        block_chunks=block_chunks,
+        cross_split_windows=cross_split_windows,
+        remainder=remainder,
+        world_size=world_size,
+    )
+    split, cross_split_windows = cfg.split, cfg.cross_split_windows
     variables = check_plan_inputs(manifest, variables, split, cross_split_windows)
-    bs = check_int("batch_size", batch_size, minimum=1)
-    bc = check_int("block_chunks", block_chunks, minimum=1)
+    bs, bc = cfg.batch_size, cfg.block_chunks
     spc = manifest.samples_per_chunk
     gap = block_batches(spc, bc, bs)
     chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
@@ -249,9 +266,10 @@ def schedule_floors(
     n = int(keep.sum())
     # With one rank, chunks without a valid anchor stay in the order (they hold no rows);
     # with several they are dropped before dealing. Count them: a bound for both.
-    remainder = check_remainder(remainder)
-    world = default_rank_world()[1] if world_size is None else check_int("world_size", world_size)
-    n_pad = world - 1 if remainder == "pad" else 0  # padded samples: one-row pieces of their own
+    world = default_rank_world()[1] if cfg.world_size is None else cfg.world_size
+    n_pad = (
+        world - 1 if cfg.remainder == "pad" else 0
+    )  # padded samples: one-row pieces of their own
     shared = shared or n_pad > 0  # a padded sample's chunk may be read twice
     # partial pieces a full block before the last may hold (none with one rank)
     pieces = 2 + n_pad if n_pad else int(world > 1)
@@ -343,11 +361,14 @@ def choose_schedule(
     remainder: str = "drop",
     world_size: int | None = None,
     revive: bool = False,
+    config: PlanConfig | None = None,
 ) -> PinSchedule:
     """The residency schedule for a budget: pure, computed before the read plan is built.
 
     Pass the result as ``ReadPlanNode(..., schedule=...)``; :func:`insitu_pipeline` does exactly
-    this, so a pipeline composed by hand behaves like the builder's.
+    this, so a pipeline composed by hand behaves like the builder's. ``config`` (a
+    :class:`~insitubatch_nodes.plan.config.PlanConfig`, e.g. the one the read plan is built
+    with) replaces the loose plan keywords, as for :func:`schedule_floors`.
 
     Read-once (each chunk pinned from its first reading batch to its last, fetched once per
     epoch) is the default. A shifted view can make that schedule hold a large part of the split —
@@ -372,9 +393,9 @@ def choose_schedule(
     schedule every epoch (when the budget holds its bound): residency stays near a couple of
     blocks instead of the part of the split a shifted view keeps pinned between its uses.
     """
-    floors = schedule_floors(
-        manifest,
-        variables,
+    cfg = resolve_plan_config(
+        config,
+        "choose_schedule",
         split=split,
         batch_size=batch_size,
         block_chunks=block_chunks,
@@ -382,6 +403,7 @@ def choose_schedule(
         remainder=remainder,
         world_size=world_size,
     )
+    floors = schedule_floors(manifest, variables, config=cfg)
     windowed = len({view.offset for view in variables.values()}) > 1
     fits_bounded = budget_bytes is None or budget_bytes >= floors.bounded
     if revive and windowed and fits_bounded:

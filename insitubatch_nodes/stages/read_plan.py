@@ -17,11 +17,12 @@ from typing import Any
 import numpy as np
 from torchdata.nodes import BaseNode
 
-from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
+from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
 from insitubatch_nodes.plan.epoch import check_plan_inputs, chunk_counts, plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
-from insitubatch_nodes.plan.ranks import check_remainder, default_rank_world
+from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.schedule import PinSchedule, block_batches, working_set_bytes
 from insitubatch_nodes.plan.splits import SplitManifest
 
@@ -66,6 +67,7 @@ _CONFIG_ATTRS = frozenset(
         "cross_split_windows",
         "schedule",
         "remainder",
+        "plan_config",
     }
 )
 
@@ -122,6 +124,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     go on from ``k``, so that epoch's ``len()`` differs; the next epochs are this world size's
     own. The state then carries the epoch's cuts (``"resumed"``), so it restores again, on any
     world size.
+
+    **One config.** ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes
+    ``split`` to ``remainder`` as one object instead of the loose keywords (not both: a keyword
+    off its default beside ``config`` raises ``TypeError``). The node keeps the settings as
+    attributes (``split``, ``batch_size``, ..., ``rank`` and ``world_size`` resolved) and as
+    :attr:`plan_config`, the config with ``rank`` and ``world_size`` resolved.
     """
 
     def __init__(
@@ -140,27 +148,35 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         cross_split_windows: bool = False,
         schedule: PinSchedule | None = None,
         remainder: str = "drop",
+        config: PlanConfig | None = None,
     ) -> None:
         super().__init__()
-        cross = check_bool("cross_split_windows", cross_split_windows)
-        remainder = check_remainder(remainder)
+        given = resolve_plan_config(
+            config,
+            "ReadPlanNode",
+            split=split,
+            batch_size=batch_size,
+            block_chunks=block_chunks,
+            shuffle=shuffle,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            ramp=ramp,
+            cross_split_windows=cross_split_windows,
+            remainder=remainder,
+        )
+        split, cross = given.split, given.cross_split_windows
         views = check_plan_inputs(manifest, variables, split, cross)
-        batch_size = check_int("batch_size", batch_size, minimum=1)
-        block_chunks = check_int("block_chunks", block_chunks, minimum=1)
-        shuffle = check_bool("shuffle", shuffle)
-        ramp = check_bool("ramp", ramp)
-        seed = check_int("seed", seed, minimum=0)
-        world_arg = check_optional_int("world_size", world_size)
-        rank_arg = check_optional_int("rank", rank)
         if schedule is None:
             schedule = PinSchedule()
         if not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
         d_rank, d_world = default_rank_world()
-        world = d_world if world_arg is None else world_arg
-        rk = (d_rank if world_arg is None else 0) if rank_arg is None else rank_arg
+        world = d_world if given.world_size is None else given.world_size
+        rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
         if world < 1 or not 0 <= rk < world:
             raise ValueError(f"need 0 <= rank < world_size, got rank={rk}, world_size={world}")
+        cfg = given.replace(rank=rk, world_size=world)  # resolved: this node's rank and world
         split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
         _, counts = chunk_counts(
             manifest, split, split_chunks, [g.offset for g in views.values()], cross
@@ -173,16 +189,17 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             )
         self.manifest = manifest
         self.variables: Mapping[str, ArrayGeometry] = MappingProxyType(views)
-        self.split = split
-        self.batch_size = batch_size
-        self.block_chunks = block_chunks
-        self.shuffle = shuffle
-        self.ramp = ramp
-        self.seed = seed
-        self.rank = rk
-        self.world_size = world
-        self.cross_split_windows = cross
-        self.remainder = remainder
+        self.plan_config = cfg
+        self.split = cfg.split
+        self.batch_size = cfg.batch_size
+        self.block_chunks = cfg.block_chunks
+        self.shuffle = cfg.shuffle
+        self.ramp = cfg.ramp
+        self.seed = cfg.seed
+        self.rank: int = rk
+        self.world_size: int = world
+        self.cross_split_windows = cfg.cross_split_windows
+        self.remainder = cfg.remainder
         self.schedule = schedule
         self._epoch = 0
         self._pinned_epoch: int | None = None
