@@ -8,11 +8,19 @@ being truncated by ``int()`` or taken as truthy.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["check_bool", "check_int", "check_optional_int"]
+__all__ = [
+    "BAD_CHUNK_POLICIES",
+    "check_batch_transforms",
+    "check_bool",
+    "check_int",
+    "check_on_bad_chunk",
+    "check_optional_int",
+]
 
 
 def _name_of(value: Any) -> str:
@@ -63,3 +71,16 @@ def check_on_bad_chunk(value: Any) -> str:
             f"arrays, and listed in bad_chunks), got {value!r}"
         )
     return value
+
+
+def check_batch_transforms(value: Any) -> tuple[Any, ...]:
+    """``value`` as a tuple if it is a sequence (not a string) of callables ``Batch -> Batch``,
+    else ``TypeError`` naming what was given."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"batch_transforms must be a sequence of callables Batch -> Batch, got {value!r}"
+        )
+    for t in value:
+        if not callable(t):
+            raise TypeError(f"batch_transforms must be callables Batch -> Batch, got {t!r}")
+    return tuple(value)

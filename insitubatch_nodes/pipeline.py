@@ -15,7 +15,13 @@ from typing import Any
 
 from zarr.abc.store import Store
 
-from insitubatch_nodes._checks import check_bool, check_int, check_on_bad_chunk, check_optional_int
+from insitubatch_nodes._checks import (
+    check_batch_transforms,
+    check_bool,
+    check_int,
+    check_on_bad_chunk,
+    check_optional_int,
+)
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
@@ -246,11 +252,7 @@ def insitu_pipeline(
     cache_args = _check_cache_args(
         cache_dir, persist, readonly_cache, reset_stale_cache, backing, check_store, verify_cache
     )
-    if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
-        raise TypeError(
-            f"batch_transforms must be a sequence of callables Batch -> Batch, got "
-            f"{batch_transforms!r}"
-        )
+    batch_transforms = check_batch_transforms(batch_transforms)
     if backing is not None and not all(
         callable(getattr(backing, m, None)) for m in ("allocate", "release")
     ):

@@ -432,11 +432,7 @@ class ChunkPool:
         while self._allocated + nbytes > self.budget_bytes:
             if self._drop_other_free(None):
                 continue
-            if self._lru:
-                _, victim = self._lru.popitem(last=False)
-                del self._entries[victim.key]
-                self.stats.evictions += 1
-                self._return_slot(victim)
+            if self._evict_lru():
                 continue
             return False
         return True
@@ -458,13 +454,19 @@ class ChunkPool:
                 return slot
             if self._drop_other_free(size_key):
                 continue
-            if self._lru:
-                _, victim = self._lru.popitem(last=False)
-                del self._entries[victim.key]
-                self.stats.evictions += 1
-                self._return_slot(victim)
+            if self._evict_lru():
                 continue
             return None
+
+    def _evict_lru(self) -> bool:
+        """Evict the least recently used unpinned chunk (its slot goes back); ``False`` if none."""
+        if not self._lru:
+            return False
+        _, victim = self._lru.popitem(last=False)
+        del self._entries[victim.key]
+        self.stats.evictions += 1
+        self._return_slot(victim)
+        return True
 
     def _drop_other_free(self, keep: SlotKey | None) -> bool:
         for size_key, bufs in self._free.items():

@@ -77,9 +77,6 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     def next_len(self) -> int:
         """``len(self)`` without recording it as told."""
         if self._pending is not None:
-            resumed = getattr(self.pipeline, "resumed_len", None)
-            if callable(resumed):
-                return int(resumed(self._pending))
             return self.plan.resumed_len(plan_state(self._pending))
         if hasattr(self.pipeline, "__len__"):
             return len(self.pipeline)

@@ -30,7 +30,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
-from insitubatch_nodes._checks import check_int
+from insitubatch_nodes._checks import check_batch_transforms, check_int
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
@@ -270,14 +270,7 @@ class GatherNode(BaseNode[Batch]):
         coords: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
         super().__init__()
-        if isinstance(batch_transforms, (str, bytes)) or not isinstance(batch_transforms, Sequence):
-            raise TypeError(
-                f"batch_transforms must be a sequence of callables Batch -> Batch, got "
-                f"{batch_transforms!r}"
-            )
-        for t in batch_transforms:
-            if not callable(t):
-                raise TypeError(f"batch_transforms must be callables Batch -> Batch, got {t!r}")
+        batch_transforms = check_batch_transforms(batch_transforms)
         self.source = source
         plan = find_node(source, ReadPlanNode)
         fetch = find_node(source, AsyncChunkFetchNode)
@@ -491,11 +484,11 @@ def _human_bytes(n: int) -> str:
 def _gathered_views(labels: Mapping[str, ArrayGeometry], fetch: Any) -> dict[str, ArrayGeometry]:
     """Each label's view as batches carry it: a view of an array the fetch stage's chunk
     transforms reshape becomes the transformed one (a view given already transformed stays)."""
+    transforms = None if fetch is None else fetch.transforms
     out: dict[str, ArrayGeometry] = {}
     for label, view in labels.items():
         if not isinstance(view, ArrayGeometry):
             raise TypeError(f"labels[{label!r}] must be an ArrayGeometry view, got {view!r}")
-        transforms = None if fetch is None else fetch.transforms
         if transforms is not None and view.path in transforms.outputs:
             if view.base == transforms.source(view.path) and transforms.active(view.path):
                 view = transforms.output_view(view)

@@ -268,7 +268,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 return None
             chain.append(node)
             node = node.source
-        state: dict[str, Any] = {"epoch": int(epoch), "batches_emitted": 0, "config": plan.config()}
+        state = plan.start_state(epoch)
         for _ in chain:
             state = {SOURCE_KEY: state}
         return state

@@ -408,6 +408,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._emitted += 1
         return batch
 
+    def start_state(self, epoch: int) -> dict[str, Any]:
+        """This node's state before the first batch of ``epoch`` (nothing is drawn)."""
+        return {"epoch": int(epoch), "batches_emitted": 0, "config": self.config()}
+
     def get_state(self) -> dict[str, Any]:
         state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": self.config()}
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
