@@ -28,7 +28,13 @@ class Batch:
     shifted view has its own values (``numpy.datetime64`` for CF time; see
     :mod:`insitubatch_nodes.io.coords`). Labels without coordinates are absent. Coordinates stay
     numpy: :func:`to_torch` converts ``arrays`` only. A batch transform that drops or reorders
-    rows must do the same to ``sample_indices`` and ``coords``.
+    rows must do the same to ``sample_indices``, ``coords`` and ``patch_origins``.
+
+    ``patch_origins[label]`` (patched views only: see
+    :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.patches`) is an int array
+    ``(len(batch), n_patch_axes)``: row ``i`` of ``arrays[label]`` is the window of the field
+    starting at ``patch_origins[label][i]`` along the patched axes (in physical axis order).
+    Views patched alike hold the same origins row for row.
     """
 
     arrays: dict[str, np.ndarray]
@@ -37,6 +43,7 @@ class Batch:
     index: int
     meta: dict[str, Any] = field(default_factory=dict)
     coords: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
+    patch_origins: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         for arr in self.arrays.values():

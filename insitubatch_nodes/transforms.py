@@ -257,7 +257,10 @@ class ChunkTransforms:
         return {path: c.output for path, c in self._chains.items()}
 
     def output_view(self, view: ArrayGeometry) -> ArrayGeometry:
-        """A label's view as batches carry it (the output geometry, at the view's offset)."""
+        """A label's view as batches carry it (the output geometry, at the view's offset; a
+        patched view, which takes no chunk transforms, as it is)."""
+        if view.patch is not None and not self.active(view.path):
+            return view
         out = self._chains[view.path].output
         return out.shift(view.offset) if view.offset else out
 

@@ -10,6 +10,11 @@ is the shard shape.
 A *view* is ``(path, offset)``: ``geom.shift(k)`` reads ``array[anchor + k]`` for anchor ``anchor``.
 Several views of one array share its path, so the engine decodes their chunks once.
 
+A *patched* view (``geom.patches({"y": 256, "x": 256})``) makes a sample a window of the field:
+its samples are ``array[anchor, y0:y0 + 256, x0:x0 + 256]`` for origins the read plan draws
+(:class:`Patches` says how), and its :attr:`~ArrayGeometry.inner_shape` is the window's. The
+engine then holds and reads the stored tiles the windows touch, not whole fields.
+
 An array's *path* is zarr's own (``array.path``): ``"t2m"``, ``"group/z"``, ``"a/b/t2m"`` below
 folders that hold no group metadata, and ``""`` for an array at the store root (written by
 ``zarr.save_array(store, data)`` or tensorstore); ``"/"`` names the root array too.
@@ -25,7 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
@@ -36,7 +41,57 @@ from insitubatch_nodes.errors import CorruptMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.stores import describe_store
 
-__all__ = ["ArrayGeometry", "in_native_byte_order"]
+__all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
+
+ORIGIN_POLICIES = ("grid", "random")
+
+
+@dataclass(frozen=True)
+class Patches:
+    """How a patched view cuts its field into windows (see :meth:`ArrayGeometry.patches`).
+
+    ``axes`` are the physical axes that are cut (ascending), ``extent`` the window's size along
+    each and ``field`` the array's length along each. ``origins="grid"``: windows start every
+    ``stride`` along each axis, plus one flush with the far edge where the stride does not end
+    there, so the windows cover the field exactly; the same windows every epoch.
+    ``origins="random"``: each epoch draws new origins, uniform and *stratified by stored tile*:
+    ``per_tile`` windows start in each full tile of the grouping tiling (``tile``, the first
+    patched array's tiles along ``axes``), an edge tile's share in proportion to its area, so
+    every tile holds the same number of windows every epoch (what keeps batch counts, budget
+    floors and resume exact).
+    """
+
+    axes: tuple[int, ...]
+    extent: tuple[int, ...]
+    field: tuple[int, ...]
+    tile: tuple[int, ...]
+    origins: str = "grid"
+    stride: tuple[int, ...] | None = None
+    per_tile: int | None = None
+
+    @property
+    def n_axes(self) -> int:
+        return len(self.axes)
+
+    @property
+    def windows_per_tile(self) -> int:
+        """Random windows per full tile: ``per_tile``, or as many as the tile holds side by
+        side (at least 1)."""
+        if self.per_tile is not None:
+            return self.per_tile
+        return max(1, math.prod(t // e for t, e in zip(self.tile, self.extent, strict=True)))
+
+    def describe(self) -> list[Any]:
+        """A plain-Python description (for a saved state's configuration check)."""
+        return [
+            list(self.axes),
+            list(self.extent),
+            list(self.field),
+            list(self.tile),
+            self.origins,
+            None if self.stride is None else list(self.stride),
+            self.per_tile,
+        ]
 
 
 def _fill_token(value: Any) -> Any:
@@ -98,6 +153,7 @@ class ArrayGeometry:
     read_chunks: tuple[int, ...] = ()
     zarr_format: int = 3
     metadata: Any = field(default=None, compare=False, repr=False, hash=False)
+    patch: Patches | None = None
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -151,9 +207,18 @@ class ArrayGeometry:
         return tuple(a for a in range(self.ndim) if a != self.sample_axis)
 
     @functools.cached_property
-    def inner_shape(self) -> tuple[int, ...]:
-        """Shape of one sample's payload (the array shape without the sample axis)."""
+    def field_shape(self) -> tuple[int, ...]:
+        """The array's shape without the sample axis (the whole field, patched or not)."""
         return tuple(self.shape[a] for a in self.field_axes)
+
+    @functools.cached_property
+    def inner_shape(self) -> tuple[int, ...]:
+        """Shape of one sample's payload: the field (:attr:`field_shape`), or on a patched view
+        the window (the patched axes at their extent)."""
+        if self.patch is None:
+            return self.field_shape
+        size = dict(zip(self.patch.axes, self.patch.extent, strict=True))
+        return tuple(size.get(a, self.shape[a]) for a in self.field_axes)
 
     @functools.cached_property
     def tile_shape(self) -> tuple[int, ...]:
@@ -213,7 +278,7 @@ class ArrayGeometry:
         """The rectangle a tile covers within ``inner_shape``."""
         return tuple(
             slice(t * c, min((t + 1) * c, n))
-            for t, c, n in zip(tile, self.tile_shape, self.inner_shape, strict=True)
+            for t, c, n in zip(tile, self.tile_shape, self.field_shape, strict=True)
         )
 
     def chunk_coords(self, chunk_index: int, tile: Sequence[int]) -> tuple[int, ...]:
@@ -256,8 +321,111 @@ class ArrayGeometry:
 
     @property
     def base(self) -> ArrayGeometry:
-        """The unshifted array this view reads."""
-        return replace(self, offset=0) if self.offset else self
+        """The array this view reads: unshifted and whole (no patches)."""
+        return replace(self, offset=0, patch=None) if self.offset or self.patch else self
+
+    @functools.cached_property
+    def dims(self) -> tuple[str, ...] | None:
+        """The array's dimension names (zarr v3 ``dimension_names`` or xarray's
+        ``_ARRAY_DIMENSIONS``), or ``None`` when it has none."""
+        if self.metadata is None:
+            return None
+        return _zarr_compat.metadata_dimension_names(self.metadata)
+
+    def patches(
+        self,
+        extent: Mapping[int | str, int],
+        *,
+        stride: int | Mapping[int | str, int] | None = None,
+        origins: str = "grid",
+        per_tile: int | None = None,
+    ) -> ArrayGeometry:
+        """A view whose samples are windows of the field: ``extent`` maps field axes (physical
+        indices, or dimension names where the array has them) to the window's size along each,
+        e.g. ``g.patches({1: 256, 2: 256})`` or ``g.patches({"y": 256, "x": 256})``.
+
+        ``origins="grid"`` (the default): windows every ``stride`` (default: the extent, so
+        windows tile the field; smaller overlaps them; an int applies to every patched axis),
+        plus one flush with the far edge wherever the stride does not end there.
+        ``origins="random"``: new uniform origins every epoch, ``per_tile`` windows starting in
+        each stored tile (default: as many as the tile holds windows side by side, at least 1).
+        Composes with :meth:`shift`; views of several arrays patched alike take the same
+        origins, row for row. The batch holds ``(batch, *inner_shape)`` with the window's
+        shape, and ``batch.patch_origins[label]`` the origins.
+        """
+        if self.patch is not None:
+            raise ValueError(f"{self.path}: this view is patched already; patch the array once")
+        if not isinstance(extent, Mapping) or not extent:
+            raise TypeError(
+                f"patches() takes a mapping of field axes to sizes, e.g. {{1: 256, 2: 256}}, "
+                f"got {extent!r}"
+            )
+        if origins not in ORIGIN_POLICIES:
+            raise ValueError(f"origins must be one of {ORIGIN_POLICIES}, got {origins!r}")
+        sizes = {self._patch_axis(k): _positive(f"extent[{k!r}]", v) for k, v in extent.items()}
+        if len(sizes) != len(extent):
+            raise ValueError(f"{self.path}: extent {dict(extent)} names one axis twice")
+        axes = tuple(sorted(sizes))
+        ext = tuple(sizes[a] for a in axes)
+        for a, e in zip(axes, ext, strict=True):
+            if e > self.shape[a]:
+                raise ValueError(
+                    f"{self.path}: a window of {e} along axis {a} does not fit the field's "
+                    f"{self.shape[a]}"
+                )
+        steps: tuple[int, ...] | None = None
+        if origins == "grid":
+            if per_tile is not None:
+                raise ValueError("per_tile applies to origins='random'; a grid takes stride=")
+            if stride is None:
+                steps = ext
+            elif isinstance(stride, Mapping):
+                given = {
+                    self._patch_axis(k): _positive(f"stride[{k!r}]", v) for k, v in stride.items()
+                }
+                if set(given) - set(axes):
+                    raise ValueError(f"{self.path}: stride names axes that are not patched")
+                steps = tuple(given.get(a, e) for a, e in zip(axes, ext, strict=True))
+            else:
+                steps = (_positive("stride", stride),) * len(axes)
+        else:
+            if stride is not None:
+                raise ValueError("stride applies to origins='grid'; random origins take per_tile=")
+            if per_tile is not None:  # None: as many as fit side by side (Patches.windows_per_tile)
+                per_tile = _positive("per_tile", per_tile)
+        spec = Patches(
+            axes=axes,
+            extent=ext,
+            field=tuple(self.shape[a] for a in axes),
+            tile=tuple(self.chunks[a] for a in axes),
+            origins=origins,
+            stride=steps,
+            per_tile=per_tile,
+        )
+        return replace(self, patch=spec)
+
+    def _patch_axis(self, key: int | str) -> int:
+        """The physical field axis ``key`` names (an index or a dimension name)."""
+        if isinstance(key, str):
+            dims = self.dims
+            if dims is None or key not in dims:
+                raise KeyError(
+                    f"{self.path}: no dimension named {key!r} (the array's dimension names: "
+                    f"{dims}); name axes by index instead"
+                )
+            axis = dims.index(key)
+        elif isinstance(key, int | np.integer) and not isinstance(key, bool):
+            axis = int(key)
+            if axis < 0:
+                axis += self.ndim
+        else:
+            raise TypeError(f"a patched axis is an int or a dimension name, got {key!r}")
+        if axis not in self.field_axes:
+            raise ValueError(
+                f"{self.path}: axis {key!r} is not a field axis (the sample axis is "
+                f"{self.sample_axis}; field axes {self.field_axes})"
+            )
+        return axis
 
     def with_inner(self, inner_shape: Sequence[int], dtype: Any) -> ArrayGeometry:
         """This view as a chunk transform leaves it: same path, sample axis, chunking along it
@@ -284,7 +452,15 @@ class ArrayGeometry:
 
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
+        if self.patch is not None:
+            off += f", patches={dict(zip(self.patch.axes, self.patch.extent, strict=True))}"
         return (
             f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
             f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"
         )
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)

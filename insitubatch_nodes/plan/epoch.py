@@ -39,10 +39,11 @@ import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
+from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec
 from insitubatch_nodes.plan.ranks import deal
 from insitubatch_nodes.plan.splits import SPLITS, SplitManifest
 
-__all__ = ["block_index", "plan_epoch", "plan_groups"]
+__all__ = ["block_index", "patch_layout", "plan_epoch", "plan_groups"]
 
 
 def ramp_unit(enabled: bool, samples_per_chunk: int, batch_size: int) -> int:
@@ -114,6 +115,36 @@ def _epoch_samples(
         chunks = np.random.default_rng([seed, epoch, 0]).permutation(chunks)
     starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     return chunks, counts, _runs(starts, counts)
+
+
+def patch_layout(labels: Mapping[str, ArrayGeometry], block_chunks: int) -> PatchLayout | None:
+    """The :class:`PatchLayout` of a plan over ``labels`` (``None`` without patched views)."""
+    spec = patch_spec(labels)
+    return None if spec is None else PatchLayout(spec, block_chunks)
+
+
+def _patch_samples(
+    manifest: SplitManifest,
+    labels: Mapping[str, ArrayGeometry],
+    layout: PatchLayout,
+    split: str,
+    epoch: int,
+    shuffle: bool,
+    seed: int,
+    cross_split_windows: bool,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`_epoch_samples` of a patched plan: ``(patch chunks, counts, sample ids)`` (see
+    :mod:`~insitubatch_nodes.plan.patches`), the patch chunks permuted when shuffling."""
+    offsets = [g.offset for g in labels.values()]
+    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
+    pc, cnt, ids = layout.samples(chunks, starts, counts, manifest.n_chunks)
+    if shuffle and len(pc):
+        perm = np.random.default_rng([seed, epoch, 0]).permutation(len(pc))
+        first = np.cumsum(cnt) - cnt
+        ids = ids[_runs(first[perm], cnt[perm])]
+        pc, cnt = pc[perm], cnt[perm]
+    return pc, cnt, ids
 
 
 def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -219,14 +250,21 @@ def plan_epoch(
     (:attr:`EpochPlan.first_batch`).
     """
     spc = manifest.samples_per_chunk
-    chunks, counts, anchors = _epoch_samples(
-        manifest, labels, split, epoch, shuffle, seed, cross_split_windows
-    )
+    layout = patch_layout(labels, block_chunks)
+    if layout is None:
+        chunks, counts, anchors = _epoch_samples(
+            manifest, labels, split, epoch, shuffle, seed, cross_split_windows
+        )
+    else:  # "anchors" are sample ids (anchor * P + patch) until the ledger is drawn
+        chunks, counts, anchors = _patch_samples(
+            manifest, labels, layout, split, epoch, shuffle, seed, cross_split_windows
+        )
     ledger = functools.partial(
         _ledger,
-        spc=spc,
+        spc=spc if layout is None else 1,
         batch_size=batch_size,
-        block_chunks=block_chunks,
+        # a patched plan's block is one patch chunk: one region of tiles of one anchor chunk
+        block_chunks=block_chunks if layout is None else 1,
         shuffle=shuffle,
         ramp=ramp,
     )
@@ -250,6 +288,11 @@ def plan_epoch(
     )
     anchors, block, block_of_chunk = ledger(counts, anchors, key_seed)
     n_emit = len(anchors)
+    origins = None
+    if layout is not None:
+        origins = layout.origins(seed, epoch, anchors)
+        origins.setflags(write=False)
+        anchors = anchors // layout.n_patches
     order = np.stack([anchors // spc, anchors % spc], axis=1)
     order.setflags(write=False)
 
@@ -268,9 +311,10 @@ def plan_epoch(
         pin_gap=pin_gap,
         first_batch=done,
         resumed=tuple((int(w), int(k)) for w, k in resumed),
-        ledgers=_ledgers(labels, anchors, batch_size, n_batches, gap),
+        ledgers=_ledgers(labels, anchors, batch_size, n_batches, gap, origins),
         _block_of_row=block,
         _block_of_chunk=block_of_chunk,
+        origins=origins,
     )
 
 
@@ -283,11 +327,13 @@ def plan_groups(
     views: dict[str, list[ArrayGeometry]] = {}
     for g in labels.values():
         views.setdefault(g.path, []).append(g)
-    groups: dict[tuple[int, tuple[int, ...]], list[str]] = {}
+    groups: dict[tuple[int, tuple[int, ...], Any], list[str]] = {}
     for path, vs in views.items():
-        key = (vs[0].samples_per_chunk, tuple(sorted(g.offset for g in vs)))
+        # patched arrays read units of their own tiles: only arrays tiled alike share a ledger
+        tiling = None if vs[0].patch is None else (vs[0].shape, vs[0].chunks)
+        key = (vs[0].samples_per_chunk, tuple(sorted(g.offset for g in vs)), tiling)
         groups.setdefault(key, []).append(path)
-    return [(spc, offsets, paths) for (spc, offsets), paths in groups.items()]
+    return [(spc, offsets, paths) for (spc, offsets, _), paths in groups.items()]
 
 
 def _ledgers(
@@ -296,14 +342,23 @@ def _ledgers(
     batch_size: int,
     n_batches: int,
     gap: int,
+    origins: np.ndarray | None = None,
 ) -> tuple[ChunkLedger, ...]:
-    """One :class:`ChunkLedger` per plan group for the rows ``anchors`` (emitted order)."""
+    """One :class:`ChunkLedger` per plan group for the rows ``anchors`` (emitted order) and,
+    in a patched plan, their window ``origins``."""
     n_emit = len(anchors)
     rank = {path: i for i, path in enumerate(dict.fromkeys(g.path for g in labels.values()))}
+    by_path = {g.path: g for g in labels.values()}
+    spec = patch_spec(labels)
     bounds = np.arange(n_batches + 1, dtype=np.int64)
     out = []
     for pspc, offsets, paths in plan_groups(labels):
-        if len(set(offsets)) == 1:
+        windows = None
+        if by_path[paths[0]].patch is not None:
+            assert spec is not None and origins is not None
+            windows = WindowUnits(by_path[paths[0]].base, spec, offsets)
+            cid, row = windows.uses(anchors, origins)
+        elif len(set(offsets)) == 1:
             cid = (anchors + offsets[0]) // pspc
             row = np.arange(n_emit, dtype=np.int64)
         else:
@@ -337,6 +392,7 @@ def _ledgers(
                 fetch_ptr=fetch_ptr,
                 by_last=by_last,
                 release_ptr=release_ptr,
+                windows=windows,
             )
         )
     return tuple(out)
@@ -363,6 +419,14 @@ def check_plan_inputs(
                 f"sample axis but the manifest's anchor grid has {manifest.n_samples}; all "
                 "labels must share the sample-axis length"
             )
+    whole = {g.path for g in variables.values() if g.patch is None}
+    both = sorted({g.path for g in variables.values() if g.patch is not None} & whole)
+    if both:
+        raise ValueError(
+            f"arrays {both} are read both whole and patched; read an array one way in a plan "
+            "(a whole field and its windows would need two kinds of slot)"
+        )
+    patch_spec(variables)  # patched views must cut their fields alike
     offsets = [g.offset for g in variables.values()]
     lo, hi = _valid_anchor_range(manifest.n_samples, offsets)
     if hi <= lo and manifest.n_samples > 0:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.patches import WindowUnits
 from insitubatch_nodes.plan.quality import shuffle_quality
 
 __all__ = ["BatchPlan", "ChunkKey", "ChunkLedger", "EpochPlan", "Stage"]
@@ -56,6 +57,8 @@ class ChunkLedger:
     fetch_ptr: np.ndarray  # (local batches + 1,): by_first[fetch_ptr[b]:fetch_ptr[b + 1]]
     by_last: np.ndarray  # segment indices in last-need order
     release_ptr: np.ndarray  # (local batches + 1,): by_last[release_ptr[b]:...]
+    #: a patched group: its "chunks" are units (one stored tile each), which rows' windows read
+    windows: WindowUnits | None = None
 
     @property
     def n_segments(self) -> int:
@@ -80,8 +83,12 @@ class ChunkLedger:
         heads = np.flatnonzero(np.r_[True, self.chunk[1:] != self.chunk[:-1]])
         return self.first[heads[np.searchsorted(self.chunk[heads], chunks)]]
 
-    def read_by(self, anchors: np.ndarray) -> np.ndarray:
-        """The distinct chunks the rows with ``anchors`` read (ascending)."""
+    def read_by(self, anchors: np.ndarray, origins: np.ndarray | None = None) -> np.ndarray:
+        """The distinct chunks (units, in a patched group) the rows with ``anchors`` (and
+        window ``origins``) read (ascending)."""
+        if self.windows is not None:
+            assert origins is not None, "a patched ledger needs the rows' origins"
+            return sorted_unique(self.windows.uses(anchors, origins)[0])
         spc = self.samples_per_chunk
         offsets = sorted(set(self.offsets))
         if len(offsets) == 1:
@@ -126,20 +133,24 @@ class BatchPlan:
     sample_indices: Mapping[str, np.ndarray]  # label -> (len,) sample-axis index read
     blocks: tuple[int, ...]
     epoch_plan: EpochPlan = field(repr=False)
+    #: a patched plan: (len, n_patch_axes) window origin of each row (else None)
+    origins: np.ndarray | None = None
+    #: label -> the origins of its windows (every patched label; the same array)
+    patch_origins: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return int(self.rows.shape[0])
 
     def chunks_read(self, ledger: int) -> np.ndarray:
         """Distinct chunks (ascending) this batch reads of the arrays of ledger ``ledger``."""
-        return self.epoch_plan.ledgers[ledger].read_by(self.anchors)
+        return self.epoch_plan.ledgers[ledger].read_by(self.anchors, self.origins)
 
     @functools.cached_property
     def reads(self) -> tuple[ChunkKey, ...]:
         """Every stored chunk row the batch gathers from, in first-need order."""
         entries: list[tuple[int, int, int, ChunkKey]] = []
         for ledger in self.epoch_plan.ledgers:
-            chunks = ledger.read_by(self.anchors)
+            chunks = ledger.read_by(self.anchors, self.origins)
             rows = ledger.first_need(chunks)
             for path, rank in zip(ledger.paths, ledger.path_rank, strict=True):
                 entries.extend(
@@ -187,6 +198,8 @@ class EpochPlan:
     ledgers: tuple[ChunkLedger, ...] = field(repr=False)
     _block_of_row: np.ndarray = field(repr=False)
     _block_of_chunk: np.ndarray = field(repr=False)
+    #: a patched plan: (N, n_patch_axes) window origin of every row (else None)
+    origins: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def n_samples(self) -> int:
@@ -299,6 +312,7 @@ class EpochPlan:
                 samples = by_offset[geom.offset] = anchors + geom.offset
                 samples.setflags(write=False)
             sample_indices[label] = samples
+        origins = None if self.origins is None else self.origins[lo:hi]
         return BatchPlan(
             epoch=self.epoch,
             index=index,
@@ -308,6 +322,12 @@ class EpochPlan:
             sample_indices=sample_indices,
             blocks=tuple(int(b) for b in np.unique(self._block_of_row[lo:hi])),
             epoch_plan=self,
+            origins=origins,
+            patch_origins={
+                label: origins
+                for label, geom in self.labels.items()
+                if origins is not None and geom.patch is not None
+            },
         )
 
 

@@ -25,10 +25,12 @@ from insitubatch_nodes.plan.epoch import (
     block_index,
     check_plan_inputs,
     chunk_counts,
+    patch_layout,
     plan_groups,
     ramp_unit,
 )
 from insitubatch_nodes.plan.ledger import EpochPlan, sorted_unique
+from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, unit_geometry
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.splits import SplitManifest
 
@@ -40,6 +42,7 @@ __all__ = [
     "block_batches",
     "choose_schedule",
     "schedule_floors",
+    "slot_geometries",
     "working_set_bytes",
 ]
 
@@ -109,7 +112,7 @@ def _anchor_chunk_bytes(
     them reads, and whether some stored chunk is read by two different anchor chunks."""
     weight = np.zeros(len(chunks), dtype=np.int64)
     total, shared = 0, False
-    nbytes_of = {g.path: g.chunk_nbytes for g in reversed(list(variables.values()))}
+    nbytes_of = {g.path: g.base.chunk_nbytes for g in reversed(list(variables.values()))}
     for pspc, offsets, paths in plan_groups(variables):
         # the arrays of a plan group read the same chunks: count them once, weigh by all
         nbytes = sum(nbytes_of[path] for path in paths)
@@ -132,6 +135,47 @@ def _anchor_chunk_bytes(
         total += nbytes * distinct
         shared = shared or distinct < n_pairs
     return weight, total, shared
+
+
+def _patch_chunk_bytes(
+    manifest: SplitManifest,
+    variables: Mapping[str, ArrayGeometry],
+    layout: PatchLayout,
+    chunks: np.ndarray,
+    starts: np.ndarray,
+    counts: np.ndarray,
+) -> tuple[np.ndarray, int, np.ndarray]:
+    """:func:`_anchor_chunk_bytes` of a patched plan, over its patch chunks (every anchor
+    chunk's regions): ``(bytes each may read, bytes of every unit read, samples in each)``.
+    A patch chunk's windows read its region's tiles and the rim they reach into, in the
+    sample-axis chunks its anchors' views read."""
+    r = layout.n_regions
+    cnt = (counts[:, None] * layout.region_counts[None, :]).ravel()
+    weight = np.zeros(len(cnt), dtype=np.int64)
+    total = 0
+    views: dict[str, list[ArrayGeometry]] = {}
+    for g in variables.values():
+        views.setdefault(g.path, []).append(g)
+    for pspc, offsets, paths in plan_groups(variables):
+        geom = views[paths[0]][0]
+        if geom.patch is not None:
+            rim = WindowUnits(geom.base, layout.spec, offsets).rim(layout)
+            per_chunk = sum(unit_geometry(views[p][0]).chunk_nbytes for p in paths) * rim
+            every = sum(views[p][0].base.chunk_nbytes for p in paths)
+        else:
+            per_chunk = every = sum(views[p][0].chunk_nbytes for p in paths)
+        span_total = np.zeros(len(chunks), dtype=np.int64)
+        read = []
+        for offset in sorted(set(offsets)):
+            first = (starts + offset) // pspc
+            last = (starts + counts - 1 + offset) // pspc
+            span_total += last - first + 1
+            read.append(np.unique(np.concatenate([first, last])))
+        weight += np.repeat(span_total * per_chunk, r)
+        # every chunk a view reads lies between some anchor chunk's first and last read
+        total += every * len(np.unique(np.concatenate(read)))
+    keep = cnt > 0  # a plan leaves out patch chunks without samples
+    return weight[keep], total, cnt[keep]
 
 
 def _layout_maxima(
@@ -252,16 +296,27 @@ def schedule_floors(
     variables = check_plan_inputs(manifest, variables, split, cross_split_windows)
     bs, bc = cfg.batch_size, cfg.block_chunks
     spc = manifest.samples_per_chunk
-    gap = block_batches(spc, bc, bs)
     chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
     offsets = [g.offset for g in variables.values()]
     starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     keep = counts > 0
-    if not keep.any():
-        return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
-    weight, total, shared = _anchor_chunk_bytes(
-        manifest, variables, chunks[keep], starts[keep], counts[keep]
-    )
+    layout = patch_layout(variables, bc)
+    if layout is not None:  # the plan's chunks are patch chunks (one region of one chunk)
+        gap = block_batches(layout.most_per_chunk(spc), 1, bs)
+        if not keep.any():
+            return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
+        weight, total, counts = _patch_chunk_bytes(
+            manifest, variables, layout, chunks[keep], starts[keep], counts[keep]
+        )
+        chunks, keep, shared = counts, counts > 0, True
+        bc, spc = 1, 1
+    else:
+        gap = block_batches(spc, bc, bs)
+        if not keep.any():
+            return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
+        weight, total, shared = _anchor_chunk_bytes(
+            manifest, variables, chunks[keep], starts[keep], counts[keep]
+        )
     heaviest = np.concatenate([[0], np.cumsum(np.sort(weight)[::-1])])
     n = int(keep.sum())
     # With one rank, chunks without a valid anchor stay in the order (they hold no rows);
@@ -313,6 +368,15 @@ def schedule_floors(
     if not shared:
         read_once = min(read_once, top(once_chunks) + read_ahead, bounded)
     return ScheduleFloors(read_once=read_once, bounded=bounded, pin_gap=gap)
+
+
+def slot_geometries(views: Mapping[str, ArrayGeometry]) -> dict[str, ArrayGeometry]:
+    """What one slot of each array holds, by path: a whole chunk, or one stored tile of an
+    array read through patched views (before any chunk transform)."""
+    out: dict[str, ArrayGeometry] = {}
+    for g in views.values():
+        out[g.path] = unit_geometry(g) if g.patch is not None else g.base
+    return out
 
 
 def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tuple[int, int]:

@@ -61,7 +61,11 @@ def direct_labels(
     exactly one label (whose batch array the gather stage lends, with the array's own shape and
     dtype), no chunk transforms. A chunk read by one row is then read by one view, whose offset
     tells the label. ``None`` otherwise."""
-    if ledger.samples_per_chunk != 1 or len(set(ledger.offsets)) != len(ledger.offsets):
+    if (
+        ledger.windows is not None  # a patched array: rows are windows of tiles
+        or ledger.samples_per_chunk != 1
+        or len(set(ledger.offsets)) != len(ledger.offsets)
+    ):
         return None
     lent = buffers.labels
     out: dict[str, dict[int, str]] = {}

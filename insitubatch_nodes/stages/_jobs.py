@@ -13,6 +13,7 @@ import numpy as np
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
+from insitubatch_nodes.plan.patches import unit_chunk_tile
 from insitubatch_nodes.slots import PENDING, ChunkEntry, Fill
 
 if TYPE_CHECKING:
@@ -42,11 +43,14 @@ class ArrayFill:
         "row_key",
         "template",
         "tiles",
+        "units",
         "whole",
     )
 
-    def __init__(self, geom: ArrayGeometry, decoder: ChunkDecoder) -> None:
+    def __init__(self, geom: ArrayGeometry, decoder: ChunkDecoder, units: bool = False) -> None:
         self.geom = geom
+        #: a patched array: a pool entry's key names a unit (one stored tile), not a chunk
+        self.units = units
         self.path = geom.path
         self.decoder = decoder
         self.template = geom.key_template
@@ -63,6 +67,17 @@ class ArrayFill:
             parts = self.template.format(*coords).split("\x00")
             if len(parts) == 2:
                 self.row_key = (parts[0], parts[1])
+
+    def unit_parts(self, unit: int) -> tuple[int, tuple[int, ...], tuple[slice, ...]]:
+        """``(chunk, tile, box)`` of unit ``unit``: the stored object it is and where that
+        object's valid rectangle lies in the unit's slot (an edge tile or chunk fills part)."""
+        chunk, tile = unit_chunk_tile(self.geom, unit)
+        start, stop = self.geom.chunk_range(chunk)
+        box = (
+            slice(0, stop - start),
+            *(slice(0, s.stop - s.start) for s in self.geom.tile_slices(tile)),
+        )
+        return chunk, tile, box
 
     def key(self, chunk: int, tile: tuple[int, ...]) -> str:
         if self.template is None:
@@ -159,6 +174,11 @@ class FillJob:
         """Fill ``entry`` (a miss) by this job: one unit per stored object (one for a chunk
         found in the persistent cache, whose file is mapped instead)."""
         chunk = entry.key[1]
+        if array.units:  # one stored tile per slot
+            chunk, tile, box = array.unit_parts(chunk)
+            entry.tiles_left = 1
+            self.units.append((array, chunk, tile, region[box], entry))
+            return
         if entry.cached is not None:
             entry.tiles_left = 1
             self.units.append((array, chunk, REVIVE, region, entry))

@@ -69,6 +69,7 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.stores import RetryPolicy, describe_store, retry_policy
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan
+from insitubatch_nodes.plan.patches import unit_geometry
 from insitubatch_nodes.plan.schedule import working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
@@ -152,14 +153,33 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             if isinstance(chunk_transforms, ChunkTransforms)
             else ChunkTransforms(chunk_transforms, self.geoms)
         )
-        #: path -> the geometry of what a slot holds (after the chunk transforms)
-        self.slot_geoms = self.transforms.outputs
+        #: arrays read through patched views: their slots hold one stored tile each (a unit)
+        self.patched = _patched_paths(source, geoms)
+        #: path -> the geometry of what a slot holds (after the chunk transforms; one tile of a
+        #: patched array)
+        self.slot_geoms = dict(self.transforms.outputs)
+        for path in self.patched:
+            if self.transforms.active(path):
+                raise ValueError(
+                    f"array {path!r} is read through patched views, which take no chunk "
+                    "transforms (a slot holds one stored tile, not a chunk); transform the "
+                    "patches in a batch transform instead"
+                )
+            if pool.cache is not None and pool.cache.persistent:
+                raise ValueError(
+                    f"array {path!r} is read through patched views, which the persistent "
+                    "cache does not hold yet; leave cache_dir unset (or use cache_dir with "
+                    "persistent=False for slots on disk)"
+                )
+            self.slot_geoms[path] = unit_geometry(self.geoms[path])
         # Arrays stored one level per object get level-major slots, which their objects decode
         # into in place (see residency). Not under chunk transforms: those see the slot, and a
         # transform written for C-ordered data (``data.reshape(n, -1)[...] = ...``) would
         # silently write into a copy of a level-major one.
         self._level_major = {
-            path: g.one_level_per_object and not self.transforms.active(path)
+            path: g.one_level_per_object
+            and not self.transforms.active(path)
+            and path not in self.patched
             for path, g in self.geoms.items()
         }
         # bad stored objects of this epoch (written on any thread, read from any thread)
@@ -168,11 +188,20 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self.max_inflight = max_inflight
         self._decoders = {path: ChunkDecoder(g) for path, g in self.geoms.items()}
         # path -> (slot shape, dtype, level-major, samples per chunk, samples): a request's parts
+        # (a patched array's keys name units: n_tiles of them per chunk)
         self._specs = {
-            path: (*self.slot_spec(path), g.samples_per_chunk, g.n_samples)
+            path: (
+                *self.slot_spec(path),
+                g.samples_per_chunk,
+                g.n_samples,
+                self.geoms[path].n_tiles if path in self.patched else 1,
+            )
             for path, g in self.slot_geoms.items()
         }
-        self._arrays = {path: ArrayFill(g, self._decoders[path]) for path, g in self.geoms.items()}
+        self._arrays = {
+            path: ArrayFill(g, self._decoders[path], units=path in self.patched)
+            for path, g in self.geoms.items()
+        }
         self._decode_pool = _runtime.decode_pool(decode_threads)
         self._loop = _runtime.io_loop()
         _runtime.tune_allocator()  # reuse GET and scratch buffers' memory (see its docstring)
@@ -477,8 +506,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             if len(seg):
                 specs = [(path, *self._specs[path]) for path in group.paths]
                 for c in ledger.chunk[seg].tolist():
-                    for path, shape, dtype, level_major, spc, n in specs:
-                        valid = min(spc, n - c * spc)  # samples the chunk holds
+                    for path, shape, dtype, level_major, spc, n, per in specs:
+                        valid = min(spc, n - c // per * spc)  # samples the chunk holds
                         requests.append(((path, c), shape, dtype, valid, level_major))
         if direct:
             assert self._buffers is not None
@@ -605,6 +634,15 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         if self._getter is not None:
             return self._getter.inflight
         return sum(job.runs for job in list(self._jobs))
+
+
+def _patched_paths(source: Any, geoms: Mapping[str, ArrayGeometry]) -> frozenset[str]:
+    """Arrays read through patched views: those of ``geoms`` and of the read plan below."""
+    views = list(geoms.values())
+    plan = find_node(source, ReadPlanNode)
+    if plan is not None:
+        views.extend(plan.variables.values())
+    return frozenset(g.path for g in views if g.patch is not None)
 
 
 def _split_bytes(source: Any, geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:

@@ -36,6 +36,7 @@ from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.slots import RamBacking, is_level_major
 from insitubatch_nodes.stages._graph import SOURCE_KEY, find_attr, find_node
+from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ResidentBatch
@@ -365,6 +366,7 @@ class GatherNode(BaseNode[Batch]):
         batch = Batch(
             arrays=arrays,
             sample_indices=dict(plan.sample_indices),
+            patch_origins=dict(plan.patch_origins),
             epoch=plan.epoch,
             index=plan.index,
             coords={
@@ -394,6 +396,17 @@ class GatherNode(BaseNode[Batch]):
         out = {}
         for label in labels:
             geom = self.labels[label]
+            if geom.patch is not None:
+                origins = resident.plan.origins
+                assert origins is not None, "a patched view needs a patched read plan"
+                out[label] = gather_windows(
+                    arrays[label][lo:hi],
+                    resident.plan.sample_indices[label][lo:hi],
+                    origins[lo:hi],
+                    geom,
+                    resident.slots,
+                )
+                continue
             out[label] = gather_label(
                 arrays[label][lo:hi],
                 resident.plan.sample_indices[label][lo:hi],

@@ -20,10 +20,15 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
-from insitubatch_nodes.plan.epoch import check_plan_inputs, chunk_counts, plan_epoch
+from insitubatch_nodes.plan.epoch import check_plan_inputs, chunk_counts, patch_layout, plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.ranks import default_rank_world
-from insitubatch_nodes.plan.schedule import PinSchedule, block_batches, working_set_bytes
+from insitubatch_nodes.plan.schedule import (
+    PinSchedule,
+    block_batches,
+    slot_geometries,
+    working_set_bytes,
+)
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = ["ReadPlanNode"]
@@ -222,7 +227,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     # -- configuration identity -----------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
         views = sorted(
-            (k, g.path, g.offset, g.samples_per_chunk) for k, g in self.variables.items()
+            (k, g.path, g.offset, g.samples_per_chunk)
+            + (() if g.patch is None else (g.patch.describe(),))
+            for k, g in self.variables.items()
         )
         dataset = hashlib.sha256(
             json.dumps([self.manifest.fingerprint(), views]).encode()
@@ -302,8 +309,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return self._draw(epoch, None, resumed)
         if within is not None:
             once = self._draw(epoch, None, resumed)
-            paths = {g.path: g.base for g in self.variables.values()}
-            if working_set_bytes(once, paths)[0] <= within:
+            if working_set_bytes(once, slot_geometries(self.variables))[0] <= within:
                 return once
         return self._draw(epoch, gap, resumed)
 
@@ -350,6 +356,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     @property
     def block_batches(self) -> int:
         """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
+        layout = patch_layout(self.variables, self.block_chunks)
+        if layout is not None:  # a block is one patch chunk
+            most = layout.most_per_chunk(self.manifest.samples_per_chunk)
+            return block_batches(most, 1, self.batch_size)
         return block_batches(self.manifest.samples_per_chunk, self.block_chunks, self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:

@@ -1,0 +1,249 @@
+"""Patch origins and the stored tiles each window touches (pure numpy).
+
+A patched plan's sample is ``(anchor, patch)``: an anchor along the sample axis and one of the
+``P`` windows of the field (:class:`~insitubatch_nodes.io.geometry.Patches`). Its id is
+``anchor * P + patch``. Patches are numbered once per configuration, *region by region*: the
+field's home tiles (the stored tiles, along the patched axes, that windows start in) are
+grouped into square regions of about ``block_tiles`` tiles, and a patch belongs to the region
+its origin lies in. The plan's unit of shuffling is ``(anchor chunk, region)`` — a *patch
+chunk* — so a block of the shuffle reads one region's tiles (plus the rim its windows reach
+into), and each region holds the same number of patches every epoch.
+
+Grid origins are fixed. Random origins are drawn per ``(seed, epoch, sample id, axis)`` by a
+counter-based hash, uniform within the patch's home tile: the same origins whatever the rank,
+world size or resume point, without storing a table.
+
+:class:`WindowUnits` turns rows ``(anchor, origin)`` into the *units* one array's windows read:
+``unit = chunk * n_tiles + tile`` (the tile raveled in C order over the array's tile grid), one
+stored object each — what the pool holds a slot for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from itertools import product
+
+import numpy as np
+
+from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
+
+__all__ = ["PatchLayout", "WindowUnits", "patch_spec", "unit_chunk_tile", "unit_geometry"]
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def patch_spec(views: Mapping[str, ArrayGeometry]) -> Patches | None:
+    """The one :class:`Patches` every patched view of ``views`` shares (the first one's
+    grouping tiling), or ``None`` when no view is patched. Raises ``ValueError`` when patched
+    views cut their fields differently (their origins could not be shared row for row)."""
+    specs = [(label, g.patch) for label, g in views.items() if g.patch is not None]
+    if not specs:
+        return None
+    first_label, first = specs[0]
+    for label, spec in specs[1:]:
+        assert spec is not None and first is not None
+        mine = (spec.axes, spec.extent, spec.field, spec.origins, spec.stride, spec.per_tile)
+        theirs = (first.axes, first.extent, first.field, first.origins, first.stride)
+        if mine != (*theirs, first.per_tile):
+            raise ValueError(
+                f"patched views {first_label!r} and {label!r} cut their fields differently "
+                f"({first} vs {spec}); views read together take the same origins, so patch "
+                "them with the same axes, extent, field length, origins and stride"
+            )
+    return first
+
+
+def _uniform(keys: np.ndarray, seed: int, epoch: int, axis: int) -> np.ndarray:
+    """A uniform float in [0, 1) per key: splitmix64 of the key under ``(seed, epoch, axis)``."""
+    salt = np.random.SeedSequence([seed, epoch, 9, axis]).generate_state(1, np.uint64)[0]
+    z = keys.astype(np.uint64) * _GOLDEN + np.uint64(salt)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
+
+
+class PatchLayout:
+    """The patches of one plan: their order, home tiles, regions and origins.
+
+    ``block_tiles`` is the plan's ``block_chunks``: a region is a square (cube, ...) of
+    ``max(1, round(block_tiles ** (1 / n_axes)))`` home tiles per patched axis.
+    """
+
+    def __init__(self, spec: Patches, block_tiles: int) -> None:
+        self.spec = spec
+        k = spec.n_axes
+        span = [f - e + 1 for f, e in zip(spec.field, spec.extent, strict=True)]  # origins
+        self.home_grid = tuple(math.ceil(s / t) for s, t in zip(span, spec.tile, strict=True))
+        self.side = max(1, round(block_tiles ** (1.0 / k)))
+        region_grid = tuple(math.ceil(h / self.side) for h in self.home_grid)
+        self.n_regions = math.prod(region_grid)
+        if spec.origins == "grid":
+            assert spec.stride is not None
+            per_axis = []
+            for s, st in zip(span, spec.stride, strict=True):
+                o = list(range(0, s, st))
+                if o[-1] != s - 1:
+                    o.append(s - 1)  # flush with the far edge: the windows cover the field
+                per_axis.append(np.asarray(o, dtype=np.int64))
+            grids = np.meshgrid(*per_axis, indexing="ij")
+            origins = np.stack([g.ravel() for g in grids], axis=1)
+            home = origins // np.asarray(spec.tile, dtype=np.int64)
+            self._lo = origins
+            self._span = np.ones_like(origins)
+        else:
+            tiles = (
+                np.stack(
+                    [
+                        g.ravel()
+                        for g in np.meshgrid(*(np.arange(h) for h in self.home_grid), indexing="ij")
+                    ],
+                    axis=1,
+                )
+                .astype(np.int64)
+                .reshape(-1, k)
+            )
+            t = np.asarray(spec.tile, dtype=np.int64)
+            lo = tiles * t
+            width = np.minimum(lo + t, np.asarray(span, dtype=np.int64)) - lo  # origins in it
+            share = np.prod(width / t, axis=1)
+            per = np.maximum(1, np.rint(spec.windows_per_tile * share)).astype(np.int64)
+            home = np.repeat(tiles, per, axis=0)
+            self._lo = np.repeat(lo, per, axis=0)
+            self._span = np.repeat(width, per, axis=0)
+        region = np.ravel_multi_index(tuple((home // self.side).T), region_grid)
+        order = np.lexsort((np.arange(len(region)), region))  # region by region, stable
+        self._lo, self._span = self._lo[order], self._span[order]
+        self.region_of = region[order]
+        self.n_patches = len(order)
+        self.region_counts = np.bincount(self.region_of, minlength=self.n_regions).astype(np.int64)
+        self.region_start = np.cumsum(self.region_counts) - self.region_counts
+
+    def origins(self, seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:
+        """``(len(sample_ids), n_axes)`` window origins of the samples ``anchor * P + patch``."""
+        patch = sample_ids % self.n_patches
+        lo, span = self._lo[patch], self._span[patch]
+        if self.spec.origins == "grid":
+            return lo
+        out = np.empty_like(lo)
+        for axis in range(self.spec.n_axes):
+            u = _uniform(sample_ids, seed, epoch, axis)
+            out[:, axis] = lo[:, axis] + (u * span[:, axis]).astype(np.int64)
+        return out
+
+    def samples(
+        self, chunks: np.ndarray, starts: np.ndarray, counts: np.ndarray, n_chunks: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The patch chunks of anchor chunks ``chunks`` (valid anchors ``[start, start +
+        count)`` each, in this order): ``(patch chunk ids, counts, sample ids)``, each patch
+        chunk's samples laid out together (anchor, then patch, ascending). A patch chunk id is
+        ``anchor_chunk * n_regions + region``; empty ones are left out."""
+        r = self.n_regions
+        pc = (chunks[:, None] * r + np.arange(r, dtype=np.int64)).ravel()
+        n_anchor = np.repeat(counts, r)
+        per = np.tile(self.region_counts, len(chunks))
+        cnt = n_anchor * per
+        keep = cnt > 0
+        pc, cnt, n_anchor, per = pc[keep], cnt[keep], n_anchor[keep], per[keep]
+        first_anchor = np.repeat(starts, r)[keep]
+        first_patch = np.tile(self.region_start, len(chunks))[keep]
+        total = int(cnt.sum())
+        owner = np.repeat(np.arange(len(pc), dtype=np.int64), cnt)
+        step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        anchor = first_anchor[owner] + step // per[owner]
+        patch = first_patch[owner] + step % per[owner]
+        return pc, cnt, anchor * self.n_patches + patch
+
+    def most_per_chunk(self, anchors_per_chunk: int) -> int:
+        """The most samples one patch chunk holds."""
+        return anchors_per_chunk * int(self.region_counts.max(initial=0))
+
+
+def unit_geometry(geom: ArrayGeometry) -> ArrayGeometry:
+    """What one slot of a patched array holds: a chunk's samples of one stored tile."""
+    base = geom.base
+    return base.with_inner(base.tile_shape, base.dtype)
+
+
+def unit_chunk_tile(geom: ArrayGeometry, unit: int) -> tuple[int, tuple[int, ...]]:
+    """``(chunk, tile)`` of unit ``unit`` of ``geom`` (see the module docstring)."""
+    chunk, tile = divmod(int(unit), geom.n_tiles)
+    return chunk, tuple(int(t) for t in np.unravel_index(tile, geom.tile_grid))
+
+
+class WindowUnits:
+    """The units (stored objects) one array's windows read, for rows ``(anchor, origin)``.
+
+    ``geom`` is the array (unshifted, whole); ``offsets`` its views' offsets; ``spec`` the
+    plan's patches. Along a patched axis a window at origin ``o`` reads tiles ``o // t`` to
+    ``(o + extent - 1) // t``; along any other field axis every tile.
+    """
+
+    def __init__(self, geom: ArrayGeometry, spec: Patches, offsets: Sequence[int]) -> None:
+        self.geom = geom
+        self.spec = spec
+        self.offsets = tuple(sorted(set(offsets)))
+        self.spc = geom.samples_per_chunk
+        self.n_tiles = geom.n_tiles
+        pos = {a: i for i, a in enumerate(spec.axes)}
+        #: per field axis: (index into the origin columns or -1, tile size, extent, grid)
+        self._axes = [
+            (
+                pos.get(a, -1),
+                geom.chunks[a],
+                spec.extent[pos[a]] if a in pos else geom.shape[a],
+                math.ceil(geom.shape[a] / geom.chunks[a]),
+            )
+            for a in geom.field_axes
+        ]
+
+    def uses(self, anchors: np.ndarray, origins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(unit, row)`` pairs: every unit each row reads (rows index ``anchors``)."""
+        n = len(anchors)
+        lows, highs, widths = [], [], []
+        for col, t, e, grid in self._axes:
+            if col < 0:
+                lo = np.zeros(n, dtype=np.int64)
+                hi = np.full(n, grid - 1, dtype=np.int64)
+                widths.append(grid)
+            else:
+                o = origins[:, col]
+                lo, hi = o // t, (o + e - 1) // t
+                widths.append(min(grid, (e - 1) // t + 2))
+            lows.append(lo)
+            highs.append(hi)
+        tile_grid = [a[3] for a in self._axes]
+        units, rows = [], []
+        row_ids = np.arange(n, dtype=np.int64)
+        for k in self.offsets:
+            chunk = (anchors + k) // self.spc
+            for d in product(*(range(w) for w in widths)):
+                ok = np.ones(n, dtype=bool)
+                for lo, hi, dd in zip(lows, highs, d, strict=True):
+                    ok &= lo + dd <= hi
+                if not ok.any():
+                    continue
+                tile = tuple(lo[ok] + dd for lo, dd in zip(lows, d, strict=True))
+                flat = (
+                    np.ravel_multi_index(tile, tile_grid)
+                    if tile
+                    else np.zeros(int(ok.sum()), np.int64)
+                )
+                units.append(chunk[ok] * self.n_tiles + flat)
+                rows.append(row_ids[ok])
+        if not units:
+            return np.zeros(0, np.int64), np.zeros(0, np.int64)
+        return np.concatenate(units), np.concatenate(rows)
+
+    def rim(self, layout: PatchLayout) -> int:
+        """The most units of one sample-axis chunk the windows of one region read: its home
+        tiles widened by the reach of a window starting in them, in this array's tiling."""
+        count = 1
+        for col, t, e, grid in self._axes:
+            if col < 0:
+                count *= grid
+                continue
+            covered = layout.side * layout.spec.tile[col] + e - 1
+            count *= min(grid, math.ceil(covered / t) + 1)
+        return count
