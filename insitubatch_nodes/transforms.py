@@ -259,7 +259,13 @@ class ChunkTransforms:
     def output_view(self, view: ArrayGeometry) -> ArrayGeometry:
         """A label's view as batches carry it (the output geometry, at the view's offset; a
         patched view, which takes no chunk transforms, as it is)."""
-        if view.patch is not None and not self.active(view.path):
+        if view.patch is not None:
+            if self.active(view.path):
+                raise ValueError(
+                    f"array {view.path!r} is read through patched views, which take no chunk "
+                    "transforms (a slot holds one stored tile, not a chunk); transform the "
+                    "patches in a batch transform instead"
+                )
             return view
         out = self._chains[view.path].output
         return out.shift(view.offset) if view.offset else out

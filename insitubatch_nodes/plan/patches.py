@@ -244,6 +244,8 @@ class WindowUnits:
             if col < 0:
                 count *= grid
                 continue
-            covered = layout.side * layout.spec.tile[col] + e - 1
-            count *= min(grid, math.ceil(covered / t) + 1)
+            home = layout.spec.tile[col]
+            covered = layout.side * home + e - 1
+            aligned = home % t == 0  # a region starts on a tile edge of this array
+            count *= min(grid, math.ceil(covered / t) + (0 if aligned else 1))
         return count

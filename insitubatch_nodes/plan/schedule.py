@@ -340,7 +340,9 @@ def schedule_floors(
         return min(rows, n, bc * blocks)
 
     def top(k: int) -> int:
-        return int(heaviest[min(k, n)])
+        most_bytes = int(heaviest[min(k, n)])
+        # patch chunks share their rims: no more can be live than every unit there is
+        return most_bytes if layout is None else min(most_bytes, total)
 
     live_chunks = most(gap * bs, aligned=False)
     once_chunks = max(min(bc, n), most(bs, aligned=False))

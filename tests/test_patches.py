@@ -1,0 +1,437 @@
+"""Patches: samples that are windows of the field, read from the stored tiles they touch.
+
+zarr's own read of ``array[sample, y0:y0 + h, x0:x0 + w]`` is the oracle for every row.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from torchdata.nodes import Loader
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.patches import WindowUnits, unit_chunk_tile
+from insitubatch_nodes.plan.schedule import schedule_floors
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+
+
+def _write(
+    root: Path,
+    name: str,
+    data: np.ndarray,
+    chunks: tuple[int, ...],
+    *,
+    shards: tuple[int, ...] | None = None,
+    zarr_format: int = 3,
+    dims: tuple[str, ...] | None = None,
+) -> None:
+    kwargs: dict[str, Any] = {"zarr_format": zarr_format}
+    if shards is not None:
+        kwargs["shards"] = shards
+    if dims is not None and zarr_format == 3:
+        kwargs["dimension_names"] = dims
+    arr = zarr.create_array(
+        str(root), name=name, shape=data.shape, chunks=chunks, dtype=data.dtype, **kwargs
+    )
+    arr[...] = data
+
+
+def _window(
+    arr: Any, sample_axis: int, s: int, axes: tuple[int, ...], o: np.ndarray, ext: tuple[int, ...]
+) -> np.ndarray:
+    """zarr's read of one window, sample axis first."""
+    index: list[Any] = [slice(None)] * arr.ndim
+    index[sample_axis] = int(s)
+    for a, o0, e in zip(axes, o.tolist(), ext, strict=True):
+        index[a] = slice(o0, o0 + e)
+    return np.asarray(arr[tuple(index)])
+
+
+def _epochs(pipe: Any, n: int) -> list[list[Any]]:
+    out = []
+    for _ in range(n):
+        pipe.reset()
+        out.append(list(pipe))
+    return out
+
+
+def _check_against_zarr(
+    root: Path, batches: list[Any], labels: dict[str, Any], sample_axis: int = 0
+) -> int:
+    rows = 0
+    for label, view in labels.items():
+        arr = zarr.open_array(str(root), path=view.path, mode="r")
+        spec = view.patch
+        for b in batches:
+            origins = b.patch_origins[label]
+            assert origins.shape == (len(b), spec.n_axes) and origins.dtype.kind == "i"
+            assert b.arrays[label].shape == (len(b), *view.inner_shape)
+            for i in range(len(b)):
+                want = _window(
+                    arr, sample_axis, b.sample_indices[label][i], spec.axes, origins[i], spec.extent
+                )
+                np.testing.assert_array_equal(b.arrays[label][i], want)
+                rows += 1
+    return rows
+
+
+LAYOUTS = {
+    # name: (shape, chunks, shards, zarr_format, sample_axis)
+    "one-plane-per-chunk": ((3, 301, 257), (1, 64, 48), None, 3, 0),
+    "4-samples-per-chunk": ((9, 130, 200), (4, 50, 70), None, 3, 0),
+    "sample-axis-last": ((140, 150, 5), (60, 40, 2), None, 3, 2),
+    "sharded": ((2, 256, 192), (1, 32, 32), (1, 128, 96), 3, 0),
+    "zarr-v2": ((3, 200, 130), (1, 64, 64), None, 2, 0),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("origins", ["grid", "random"])
+def test_every_patch_equals_zarrs_read_of_its_window(
+    tmp_path: Path, layout: str, origins: str
+) -> None:
+    shape, chunks, shards, fmt, axis = LAYOUTS[layout]
+    rng = np.random.default_rng(7)
+    data = rng.standard_normal(shape).astype("f4")
+    _write(tmp_path, "img", data, chunks, shards=shards, zarr_format=fmt)
+    geom = open_geometries(str(tmp_path), ["img"], sample_axis=axis)["img"]
+    field = [a for a in range(3) if a != axis]
+    ext = {field[0]: 37, field[1]: min(29, shape[field[1]])}  # odd sizes: windows straddle tiles
+    stride = {field[0]: 23} if origins == "grid" else None
+    view = geom.patches(ext, origins=origins, stride=stride)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(
+        str(tmp_path), manifest, {"x": view}, batch_size=7, block_chunks=4, seed=1
+    )
+    try:
+        (batches,) = _epochs(pipe, 1)
+        rows = _check_against_zarr(tmp_path, batches, {"x": view}, axis)
+        assert rows == pipe.stages.plan.epoch_plan(0).n_samples > 0
+    finally:
+        pipe.close()
+
+
+def test_an_image_and_its_mask_tiled_differently_take_the_same_windows(tmp_path: Path) -> None:
+    rng = np.random.default_rng(0)
+    image = rng.standard_normal((2, 700, 520)).astype("f4")
+    _write(tmp_path, "image", image, (1, 128, 128), dims=("z", "y", "x"))
+    _write(tmp_path, "mask", (image > 0.5).astype("u1"), (1, 256, 200), dims=("z", "y", "x"))
+    geoms = open_geometries(str(tmp_path), ["image", "mask"])
+    labels = {
+        "x": geoms["image"].patches({"y": 96, "x": 64}, origins="random"),
+        "y": geoms["mask"].patches({"y": 96, "x": 64}, origins="random"),
+    }
+    manifest = split_by_chunk(geoms["image"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(str(tmp_path), manifest, labels, batch_size=16, seed=2)
+    try:
+        for batches in _epochs(pipe, 2):
+            for b in batches:
+                np.testing.assert_array_equal(b.patch_origins["x"], b.patch_origins["y"])
+            _check_against_zarr(tmp_path, batches, labels)
+    finally:
+        pipe.close()
+
+
+def test_a_shifted_patched_view_reads_the_next_sample_at_the_same_origin(tmp_path: Path) -> None:
+    data = np.random.default_rng(3).standard_normal((12, 90, 80)).astype("f4")
+    _write(tmp_path, "t2m", data, (4, 32, 32))
+    geom = open_geometries(str(tmp_path), ["t2m"])["t2m"]
+    labels = {
+        "x": geom.patches({1: 40, 2: 40}, origins="random"),
+        "y": geom.shift(1).patches({1: 40, 2: 40}, origins="random"),
+    }
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(str(tmp_path), manifest, labels, batch_size=8, seed=4)
+    try:
+        (batches,) = _epochs(pipe, 1)
+        for b in batches:
+            np.testing.assert_array_equal(b.sample_indices["y"], b.sample_indices["x"] + 1)
+        _check_against_zarr(tmp_path, batches, labels)
+    finally:
+        pipe.close()
+
+
+def _touched_objects(view: Any, plan: Any) -> set[tuple[int, tuple[int, ...]]]:
+    """Every stored object the epoch's windows touch, worked out pixel-free by brute force."""
+    base, spec = view.base, view.patch
+    out = set()
+    for s, o in zip(plan.anchors.tolist(), plan.origins.tolist(), strict=True):
+        ranges = []
+        for f, a in enumerate(base.field_axes):
+            t = base.chunks[a]
+            if a in spec.axes:
+                o0 = o[spec.axes.index(a)]
+                e = spec.extent[spec.axes.index(a)]
+                ranges.append(range(o0 // t, (o0 + e - 1) // t + 1))
+            else:
+                ranges.append(range(base.tile_grid[f]))
+        for tile in itertools.product(*ranges):
+            out.add(((s + view.offset) // base.samples_per_chunk, tile))
+    return out
+
+
+def test_each_stored_tile_is_fetched_once_per_epoch_when_the_budget_allows(tmp_path: Path) -> None:
+    data = np.random.default_rng(5).standard_normal((2, 400, 300)).astype("f4")
+    _write(tmp_path, "img", data, (1, 64, 64))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    view = geom.patches({1: 50, 2: 50}, origins="random", per_tile=3)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(str(tmp_path), manifest, {"x": view}, batch_size=8, block_chunks=4)
+    pool = pipe.stages.pool
+    try:
+        for epoch in range(2):
+            before = pool.stats.gets
+            pipe.reset()
+            list(pipe)
+            plan = pipe.stages.plan.epoch_plan(epoch)
+            touched = _touched_objects(view, plan)
+            # the units the plan names are exactly the stored objects the windows touch
+            units = {unit_chunk_tile(geom, u) for led in plan.ledgers for u in led.chunk.tolist()}
+            assert units == touched
+            if epoch == 0:  # (epoch 1 may find tiles still resident from epoch 0: hits)
+                assert pool.stats.gets - before == len(touched)
+            else:
+                assert pool.stats.gets - before <= len(touched)
+    finally:
+        pipe.close()
+
+
+def test_peak_residency_is_bounded_by_tiles_not_fields(tmp_path: Path) -> None:
+    data = np.random.default_rng(6).standard_normal((1, 2048, 2048)).astype("f4")
+    _write(tmp_path, "slide", data, (1, 128, 128))
+    geom = open_geometries(str(tmp_path), ["slide"])["slide"]
+    view = geom.patches({1: 64, 2: 64}, origins="random")
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    floors = schedule_floors(manifest, {"x": view}, batch_size=16, block_chunks=16)
+    field = geom.chunk_nbytes  # 16 MiB: 256 tiles
+    assert floors.bounded < 0.6 * field  # a bound over every epoch, rims counted apart
+    pipe = insitu_pipeline(
+        str(tmp_path),
+        manifest,
+        {"x": view},
+        batch_size=16,
+        block_chunks=16,
+        cache_budget_bytes=floors.bounded,
+    )
+    pool = pipe.stages.pool
+    try:
+        (batches,) = _epochs(pipe, 1)
+        _check_against_zarr(tmp_path, batches[::7], {"x": view})
+        # the pool keeps at most its budget, in tiles: never a whole field's bytes
+        assert pool.stats.resident_peak_bytes <= floors.bounded < 0.6 * field
+        # the bounded schedule re-reads only the rims of regions, never whole fields
+        assert 256 <= pool.stats.gets <= 1.6 * 256
+    finally:
+        pipe.close()
+
+
+def test_a_budget_below_the_tile_floor_is_refused_in_tile_bytes(tmp_path: Path) -> None:
+    data = np.zeros((1, 512, 512), dtype="f4")
+    _write(tmp_path, "slide", data, (1, 128, 128))
+    geom = open_geometries(str(tmp_path), ["slide"])["slide"]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="working-set floor"):
+        insitu_pipeline(
+            str(tmp_path),
+            manifest,
+            {"x": geom.patches({1: 64, 2: 64})},
+            cache_budget_bytes=128 * 128 * 4,
+        )
+
+
+@pytest.mark.parametrize("stride", [None, 16, 25])
+def test_grid_origins_cover_the_field_exactly(tmp_path: Path, stride: int | None) -> None:
+    data = np.zeros((2, 130, 97), dtype="f4")
+    _write(tmp_path, "img", data, (1, 32, 40))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    view = geom.patches({1: 30, 2: 30}, stride=stride)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    plan = plan_epoch(manifest, {"x": view}, batch_size=5, shuffle=True, seed=9)
+    step = stride or 30
+    for s in (0, 1):
+        cover = np.zeros((130, 97), dtype=np.int64)
+        mine = plan.origins[plan.anchors == s]
+        for y0, x0 in mine.tolist():
+            assert 0 <= y0 <= 100 and 0 <= x0 <= 67
+            cover[y0 : y0 + 30, x0 : x0 + 30] += 1
+        assert cover.min() >= 1  # every pixel of the field is in some window
+        ys = sorted({y for y, _ in mine.tolist()})
+        assert ys[-1] == 100 and all(b - a <= step for a, b in itertools.pairwise(ys))
+        assert len(mine) == len({tuple(o) for o in mine.tolist()})  # no window twice
+    # the same windows every epoch (only their order changes)
+    again = plan_epoch(manifest, {"x": view}, batch_size=5, shuffle=True, seed=9, epoch=1)
+    assert sorted(map(tuple, again.origins.tolist())) == sorted(map(tuple, plan.origins.tolist()))
+
+
+def test_random_origins_are_seeded_new_each_epoch_and_stratified_by_tile(tmp_path: Path) -> None:
+    data = np.zeros((3, 256, 256), dtype="f4")
+    _write(tmp_path, "img", data, (1, 64, 64))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    view = geom.patches({1: 32, 2: 32}, origins="random")
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+
+    def draw(epoch: int, seed: int = 0) -> Any:
+        return plan_epoch(manifest, {"x": view}, batch_size=8, seed=seed, epoch=epoch)
+
+    a, b = draw(0), draw(0)
+    np.testing.assert_array_equal(a.origins, b.origins)
+    assert not np.array_equal(np.sort(draw(1).origins, axis=0), np.sort(a.origins, axis=0))
+    assert not np.array_equal(np.sort(draw(0, seed=1).origins, axis=0), np.sort(a.origins, axis=0))
+    # stratified: 4 windows start in every full 64 x 64 tile of every plane, each epoch (the
+    # last tile row and column hold 33 of 64 origins: about half as many windows start there)
+    for plan in (a, draw(1)):
+        assert plan.n_samples == 3 * (9 * 4 + 6 * 2 + 1)
+        home = plan.origins // 64
+        full = (home < 3).all(axis=1)
+        counts = np.unique(np.c_[plan.anchors, home][full], axis=0, return_counts=True)[1]
+        assert len(counts) == 3 * 9 and set(counts.tolist()) == {4}
+
+
+def test_random_origins_resume_mid_epoch_bit_identically(tmp_path: Path) -> None:
+    data = np.random.default_rng(8).standard_normal((2, 300, 260)).astype("f4")
+    _write(tmp_path, "img", data, (1, 64, 64))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    labels = {"x": geom.patches({1: 48, 2: 48}, origins="random")}
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+
+    def build() -> Any:
+        return insitu_pipeline(str(tmp_path), manifest, labels, batch_size=10, seed=5)
+
+    def record(batches: list[Any]) -> list[tuple[Any, ...]]:
+        return [
+            (
+                b.epoch,
+                b.index,
+                b.sample_indices["x"].tolist(),
+                b.patch_origins["x"].tolist(),
+                b.arrays["x"].tobytes(),
+            )
+            for b in batches
+        ]
+
+    whole = build()
+    try:
+        reference = record([b for b in Loader(whole)]) + record([b for b in Loader(whole)])
+    finally:
+        whole.close()
+    first = build()
+    loader = Loader(first)
+    it = iter(loader)
+    head = [next(it) for _ in range(4)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    first.close()
+    again = build()
+    loader = Loader(again)
+    loader.load_state_dict(state)
+    try:
+        rest = record(list(loader))
+        rest += record(list(loader))
+    finally:
+        again.close()
+    # the rest of epoch 0, then epoch 1, as an uninterrupted run delivers them
+    assert (record(head) + rest)[: len(reference)] == reference
+
+
+def test_ranks_take_disjoint_windows_and_equal_batches(tmp_path: Path) -> None:
+    data = np.zeros((5, 200, 200), dtype="f4")
+    _write(tmp_path, "img", data, (1, 50, 50))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    view = geom.patches({1: 40, 2: 40}, origins="random")
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    every = plan_epoch(manifest, {"x": view}, batch_size=4, seed=3, epoch=2)
+    everything = {
+        (a, *o) for a, o in zip(every.anchors.tolist(), every.origins.tolist(), strict=True)
+    }
+    for world in (2, 3):
+        seen: list[tuple[int, ...]] = []
+        lens = set()
+        for rank in range(world):
+            p = plan_epoch(
+                manifest, {"x": view}, batch_size=4, seed=3, epoch=2, rank=rank, world_size=world
+            )
+            mine = [(a, *o) for a, o in zip(p.anchors.tolist(), p.origins.tolist(), strict=True)]
+            seen.extend(mine)
+            lens.add(p.n_batches)
+        assert len(lens) == 1
+        assert len(seen) == len(set(seen)) == len(everything) // world * world
+        assert set(seen) <= everything
+    # an elastic cut: two ranks delivered 3 batches each; one rank takes the rest exactly
+    delivered = []
+    for rank in range(2):
+        p = plan_epoch(
+            manifest, {"x": view}, batch_size=4, seed=3, epoch=2, rank=rank, world_size=2
+        )
+        delivered += [
+            (a, *o) for a, o in zip(p.anchors[:12].tolist(), p.origins[:12].tolist(), strict=True)
+        ]
+    rest = plan_epoch(manifest, {"x": view}, batch_size=4, seed=3, epoch=2, resumed=[(2, 3)])
+    left = [(a, *o) for a, o in zip(rest.anchors.tolist(), rest.origins.tolist(), strict=True)]
+    assert sorted(delivered + left) == sorted(everything)
+
+
+def test_units_of_a_window_are_the_tiles_it_overlaps(tmp_path: Path) -> None:
+    data = np.zeros((2, 100, 100), dtype="f4")
+    _write(tmp_path, "img", data, (1, 30, 40))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    view = geom.patches({1: 31, 2: 41})
+    units = WindowUnits(geom, view.patch, [0])
+    cid, row = units.uses(np.array([1, 0]), np.array([[29, 39], [0, 0]]))
+    got = sorted((int(r), unit_chunk_tile(geom, int(u))) for u, r in zip(cid, row, strict=True))
+    # row 0: y 29..59 spans tile rows 0..1 (and 59 is in 1), x 39..79 spans tile cols 0..1
+    assert got == [
+        (0, (1, (0, 0))),
+        (0, (1, (0, 1))),
+        (0, (1, (1, 0))),
+        (0, (1, (1, 1))),
+        (1, (0, (0, 0))),
+        (1, (0, (0, 1))),
+        (1, (0, (1, 0))),
+        (1, (0, (1, 1))),
+    ]
+
+
+def test_patches_take_dimension_names_and_refuse_what_cannot_be_cut(tmp_path: Path) -> None:
+    data = np.zeros((2, 64, 48), dtype="f4")
+    _write(tmp_path, "img", data, (1, 32, 32), dims=("t", "lat", "lon"))
+    _write(tmp_path, "other", data, (1, 32, 32))
+    geoms = open_geometries(str(tmp_path), ["img", "other"])
+    g = geoms["img"]
+    assert g.patches({"lat": 16, "lon": 8}) == g.patches({1: 16, 2: 8})
+    assert g.patches({"lat": 16, "lon": 8}).inner_shape == (16, 8)
+    assert g.shift(1).patches({1: 16}).inner_shape == (16, 48)
+    with pytest.raises(KeyError, match="no dimension named"):
+        g.patches({"y": 16})
+    with pytest.raises(ValueError, match="not a field axis"):
+        g.patches({0: 1})
+    with pytest.raises(ValueError, match="does not fit"):
+        g.patches({1: 65})
+    with pytest.raises(ValueError, match="positive"):
+        g.patches({1: 0})
+    with pytest.raises(ValueError, match="stride applies"):
+        g.patches({1: 8}, origins="random", stride=4)
+    with pytest.raises(ValueError, match="patched already"):
+        g.patches({1: 8}).patches({2: 8})
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="cut their fields differently"):
+        ReadPlanNode(manifest, {"a": g.patches({1: 8}), "b": geoms["other"].patches({1: 16})})
+    with pytest.raises(ValueError, match="both whole and patched"):
+        ReadPlanNode(manifest, {"a": g.patches({1: 8}), "b": g})
+    with pytest.raises(ValueError, match="no chunk transforms"):
+        insitu_pipeline(
+            str(tmp_path), manifest, {"a": g.patches({1: 8})}, chunk_transforms=[_Scale()]
+        )
+
+
+class _Scale:
+    """An elementwise chunk transform (patched views refuse every chunk transform)."""
+
+    def __call__(self, chunk: Any) -> Any:
+        chunk.data *= 2
+        return chunk
