@@ -218,7 +218,8 @@ def main(argv: list[str] | None = None) -> int:
         r = rows[name]
         print(
             f"{name:12s} {r['windows'] / r['seconds']:8.1f} windows/s  "
-            f"read {r['bytes_read'] / 2**20:8.1f} MiB  peak RSS {r['rss_peak_bytes'] / 2**20:7.0f} MiB"
+            f"read {r['bytes_read'] / 2**20:8.1f} MiB  "
+            f"peak RSS {r['rss_peak_bytes'] / 2**20:7.0f} MiB"
             + (
                 f"  (tiles touched {r['touched_tiles']}, {r['touched_bytes'] / 2**20:.1f} MiB "
                 f"stored; pool peak {r['pool_peak_bytes'] / 2**20:.0f} MiB of a "

@@ -1,4 +1,4 @@
-"""Segment a whole-slide-like plane from random 256 x 256 patches, reading only the tiles they touch.
+"""Segment a whole-slide-like plane from random 256 x 256 patches, reading only their tiles.
 
 The store holds ``image (2, N, N)`` float32 in 512 x 512 tiles and a ``mask (2, N, N)`` uint8
 in 1024 x 1024 tiles (two planes: plane 0 trains, plane 1 validates; N = 20,000 by default, a
