@@ -51,10 +51,18 @@ def write_plane(path: Path, size: int, tile: int) -> None:
 
 
 def _rss_peak_bytes() -> int:
+    """This process's peak resident memory: ``VmHWM`` (``ru_maxrss`` may carry the parent's
+    peak across fork and exec on Linux)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
+def run_nodes(args: argparse.Namespace, order: str = "shuffled") -> dict[str, Any]:
     from torchdata.nodes import Loader
 
     from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
@@ -63,7 +71,7 @@ def run_nodes(args: argparse.Namespace) -> dict[str, Any]:
 
     store = str(args.store)
     geom = open_geometries(store, ["slide"])["slide"]
-    view = geom.patches({"y": args.patch, "x": args.patch}, origins="random")
+    view = geom.patches({"y": args.patch, "x": args.patch}, origins="random", order=order)
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
     floors = schedule_floors(manifest, {"x": view}, batch_size=args.batch_size)
     budget = args.budget_mib * 2**20 if args.budget_mib else floors.guaranteed
@@ -180,7 +188,16 @@ def run_tensorstore(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-ENGINES = {"nodes": run_nodes, "crop": run_crop, "tensorstore": run_tensorstore}
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    return run_nodes(args, order="sweep")
+
+
+ENGINES = {
+    "nodes": run_nodes,
+    "nodes-sweep": run_sweep,
+    "crop": run_crop,
+    "tensorstore": run_tensorstore,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -194,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ts-windows", type=int, default=1600, help="windows tensorstore reads")
     ap.add_argument("--store", type=Path, default=Path("/tmp/insitu-bench/patch-plane.zarr"))
     ap.add_argument("--engine", choices=sorted(ENGINES))
-    ap.add_argument("--engines", nargs="+", default=["nodes", "tensorstore", "crop"])
+    ap.add_argument("--engines", nargs="+", default=["nodes", "nodes-sweep", "tensorstore", "crop"])
     ap.add_argument("--out", type=Path, default=None, help="append a JSONL record here")
     args = ap.parse_args(argv)
     if args.engine:  # a child: one engine, one JSON line
@@ -224,21 +241,23 @@ def main(argv: list[str] | None = None) -> int:
                 f"  (tiles touched {r['touched_tiles']}, {r['touched_bytes'] / 2**20:.1f} MiB "
                 f"stored; pool peak {r['pool_peak_bytes'] / 2**20:.0f} MiB of a "
                 f"{r['budget_bytes'] / 2**20:.0f} MiB budget)"
-                if name == "nodes"
+                if name.startswith("nodes")
                 else ""
             ),
             flush=True,
         )
-    if {"nodes", "crop", "tensorstore"} <= set(rows):
-        nodes, crop, tsr = rows["nodes"], rows["crop"], rows["tensorstore"]
-        ratios = {
-            "rss_vs_crop": nodes["rss_peak_bytes"] / crop["rss_peak_bytes"],
-            "read_vs_touched": nodes["bytes_read"] / nodes["touched_bytes"],
-            "speed_vs_tensorstore": (nodes["windows"] / nodes["seconds"])
-            / (tsr["windows"] / tsr["seconds"]),
-        }
-        print("ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
-        rows["ratios"] = ratios
+    if {"crop", "tensorstore"} <= set(rows):
+        crop, tsr = rows["crop"], rows["tensorstore"]
+        for name in [n for n in rows if n.startswith("nodes")]:
+            nodes = rows[name]
+            ratios = {
+                "rss_vs_crop": nodes["rss_peak_bytes"] / crop["rss_peak_bytes"],
+                "read_vs_touched": nodes["bytes_read"] / nodes["touched_bytes"],
+                "speed_vs_tensorstore": (nodes["windows"] / nodes["seconds"])
+                / (tsr["windows"] / tsr["seconds"]),
+            }
+            print(f"{name} ratios: " + ", ".join(f"{k} {v:.3f}" for k, v in ratios.items()))
+            nodes["ratios"] = ratios
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

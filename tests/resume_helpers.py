@@ -75,6 +75,8 @@ PIPE_DEFAULTS: dict[str, Any] = {
     "decode_threads": None,
     "cache_budget_bytes": None,
     "store_options": None,  # open_store options when "store" is a URL (e.g. s3://...)
+    # patched views: {"extent": [lat, lon], "origins": "grid" | "random", "order": ...} or None
+    "patches": None,
 }
 
 
@@ -92,15 +94,22 @@ def pipe_config(store: Path | str, **overrides: Any) -> dict[str, Any]:
     return {"store": str(store), **PIPE_DEFAULTS, **overrides}
 
 
-def labels_of(store: Any, array: str, windowed: bool) -> dict[str, ArrayGeometry]:
+def labels_of(
+    store: Any, array: str, windowed: bool, patches: Mapping[str, Any] | None = None
+) -> dict[str, ArrayGeometry]:
     g = open_geometries(store, [array])[array]
-    return {"x": g, "y": g.shift(1)} if windowed else {"x": g}
+    views = {"x": g, "y": g.shift(1)} if windowed else {"x": g}
+    if patches is not None:
+        extent = dict(zip(g.field_axes[-2:], patches["extent"], strict=True))
+        options = {k: v for k, v in patches.items() if k != "extent"}
+        views = {label: v.patches(extent, **options) for label, v in views.items()}
+    return views
 
 
 def build_pipeline(cfg: Mapping[str, Any]) -> InSituPipeline:
     """Build the pipeline ``cfg`` (from :func:`pipe_config`) describes, from scratch."""
     store = as_store(cfg["store"], **(cfg["store_options"] or {}))
-    labels = labels_of(store, cfg["array"], cfg["windowed"])
+    labels = labels_of(store, cfg["array"], cfg["windowed"], cfg.get("patches"))
     manifest = split_by_chunk(labels["x"].base, tuple(cfg["fractions"]))
     return insitu_pipeline(
         store,
@@ -140,6 +149,11 @@ def record(batch: Batch) -> dict[str, Any]:
         "index": int(batch.index),
         "idx": {k: [int(i) for i in v] for k, v in sorted(batch.sample_indices.items())},
         "hash": {k: digest(v) for k, v in sorted(batch.arrays.items())},
+        **(
+            {"origins": {k: v.tolist() for k, v in sorted(batch.patch_origins.items())}}
+            if batch.patch_origins
+            else {}
+        ),
     }
 
 
@@ -189,7 +203,13 @@ def reference_run(cfg: Mapping[str, Any], epochs: int, check_zarr: bool = True) 
                     for label, offset in views.items():
                         idx = np.asarray(batch.sample_indices[label])
                         np.testing.assert_array_equal(idx - offset, batch.sample_indices["x"])
-                        np.testing.assert_array_equal(batch.arrays[label], full[idx])
+                        if batch.patch_origins:  # each row: its window of the field
+                            h, w = batch.arrays[label].shape[-2:]
+                            for i, (y0, x0) in enumerate(batch.patch_origins[label].tolist()):
+                                want = full[idx[i], ..., y0 : y0 + h, x0 : x0 + w]
+                                np.testing.assert_array_equal(batch.arrays[label][i], want)
+                        else:
+                            np.testing.assert_array_equal(batch.arrays[label], full[idx])
                 out.append({**record(batch), "state": loader.state_dict()["root"]})
     finally:
         pipe.close()
@@ -549,7 +569,7 @@ def ddp_worker(rank: int, world: int, init_file: str, cfg: dict, epochs: int, ou
     )
     try:
         store = counting_store(Path(cfg["store"]))
-        labels = labels_of(store, cfg["array"], cfg["windowed"])
+        labels = labels_of(store, cfg["array"], cfg["windowed"], cfg.get("patches"))
         manifest = split_by_chunk(labels["x"].base, tuple(cfg["fractions"]))
         pipe = insitu_pipeline(
             store,
@@ -568,13 +588,18 @@ def ddp_worker(rank: int, world: int, init_file: str, cfg: dict, epochs: int, ou
         loader = Loader(pipe)
         for _ in range(epochs):
             store.reset_counts()
-            samples: list[int] = []
+            samples: list[Any] = []
             n_batches = 0
             for batch in loader:
                 t = torch.ones(1)
                 dist.all_reduce(t)  # every rank must reach this once per batch
                 assert int(t.item()) == world
-                samples.extend(int(i) for i in batch.sample_indices["x"])
+                if batch.patch_origins:  # a sample is (anchor, window origin)
+                    origins = batch.patch_origins["x"].tolist()
+                    idx = batch.sample_indices["x"].tolist()
+                    samples.extend([int(i), *o] for i, o in zip(idx, origins, strict=True))
+                else:
+                    samples.extend(int(i) for i in batch.sample_indices["x"])
                 n_batches += 1
             counts = torch.tensor([n_batches, -n_batches])
             dist.all_reduce(counts, op=dist.ReduceOp.MAX)

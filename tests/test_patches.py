@@ -232,6 +232,40 @@ def test_peak_residency_is_bounded_by_tiles_not_fields(tmp_path: Path) -> None:
         pipe.close()
 
 
+def test_a_sweep_reads_every_tile_once_in_a_budget_far_below_the_plane(tmp_path: Path) -> None:
+    data = np.random.default_rng(6).standard_normal((2, 2048, 2048)).astype("f4")
+    _write(tmp_path, "slide", data, (1, 128, 128))
+    geom = open_geometries(str(tmp_path), ["slide"])["slide"]
+    view = geom.patches({1: 64, 2: 64}, origins="random", order="sweep")
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    budget = schedule_floors(manifest, {"x": view}, batch_size=16, block_chunks=16).guaranteed
+    assert budget < 0.6 * geom.chunk_nbytes  # a plane is 16 MiB, 256 tiles
+    pipe = insitu_pipeline(
+        str(tmp_path), manifest, {"x": view}, batch_size=16, block_chunks=16,
+        cache_budget_bytes=budget,
+    )  # fmt: skip
+    pool = pipe.stages.pool
+    try:
+        for epoch in range(2):
+            before = pool.stats.gets
+            (batches,) = _epochs(pipe, 1)
+            if epoch == 0:
+                _check_against_zarr(tmp_path, batches[::9], {"x": view})
+            assert pool.stats.gets - before == 2 * 256  # every tile of both planes, once
+            plan = pipe.stages.plan.epoch_plan(epoch)
+            # one plane after the other, each swept region by region through neighbours
+            layout_side = 4  # round(sqrt(16)) tiles a side: a 4 x 4 grid of regions
+            chunk, region = plan.chunks // 16, plan.chunks % 16
+            assert np.count_nonzero(np.diff(chunk)) == 1
+            for c in (0, 1):
+                r = region[chunk == c]
+                step = np.abs(np.diff(r // layout_side)) + np.abs(np.diff(r % layout_side))
+                assert set(step.tolist()) == {1} and len(set(r.tolist())) == 16
+        assert pool.stats.resident_peak_bytes <= budget
+    finally:
+        pipe.close()
+
+
 def test_a_budget_below_the_tile_floor_is_refused_in_tile_bytes(tmp_path: Path) -> None:
     data = np.zeros((1, 512, 512), dtype="f4")
     _write(tmp_path, "slide", data, (1, 128, 128))
@@ -435,3 +469,68 @@ class _Scale:
     def __call__(self, chunk: Any) -> Any:
         chunk.data *= 2
         return chunk
+
+
+# -- real processes: gloo ranks, a restore in a fresh process, a Lightning-free loader -----------
+
+PATCHED = {"extent": [3, 5], "origins": "random"}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("order", ["shuffled", "sweep"])
+def test_gloo_ranks_take_disjoint_windows_in_equal_batch_counts(tmp_path: Path, order: str) -> None:
+    import torch.multiprocessing as mp
+    from resume_helpers import ddp_worker, pipe_config, write_store
+
+    store = write_store(tmp_path / "era5.zarr", n_time=64, inner_chunks=(4, 6), variables=("t2m",))
+    cfg = pipe_config(
+        store,
+        windowed=True,
+        fractions=[1.0, 0.0, 0.0],
+        batch_size=7,
+        block_chunks=4,
+        patches={**PATCHED, "order": order},
+    )
+    world = 2
+    mp.spawn(
+        ddp_worker,
+        args=(world, str(tmp_path / "init"), cfg, 2, str(tmp_path / "rank{}.json")),
+        nprocs=world,
+        join=True,
+    )
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    geom = open_geometries(str(store), ["t2m"])["t2m"]
+    views = {
+        "x": geom.patches({1: 3, 2: 5}, origins="random", order=order),
+        "y": geom.shift(1).patches({1: 3, 2: 5}, origins="random", order=order),
+    }
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    for e in range(2):
+        every = plan_epoch(manifest, views, batch_size=7, block_chunks=4, epoch=e)
+        valid = {
+            (a, *o) for a, o in zip(every.anchors.tolist(), every.origins.tolist(), strict=True)
+        }
+        per = [{tuple(s) for s in r["epochs"][e]["samples"]} for r in results]
+        assert per[0].isdisjoint(per[1]), "ranks share a window"
+        assert per[0] | per[1] <= valid
+        assert len(per[0]) == len(per[1]) == len(valid) // world
+        assert {r["epochs"][e]["n_batches"] for r in results} == {-(-len(valid) // world // 7)}
+
+
+@pytest.mark.slow
+def test_a_patched_run_restored_in_a_fresh_process_continues_exactly(tmp_path: Path) -> None:
+    from resume_helpers import pipe_config, reference_run, run_fresh, take_state, write_store
+
+    store = write_store(tmp_path / "era5.zarr", inner_chunks=(4, 6), variables=("t2m",))
+    cfg = pipe_config(store, patches=PATCHED)
+    reference = reference_run(cfg, epochs=3)  # each window checked against zarr's read
+    strip = [{key: v for key, v in r.items() if key != "state"} for r in reference]
+    n = len(reference) // 3
+    k = n + n // 2 + 1  # mid-way through epoch 1
+    before, state = take_state(cfg, k)
+    assert before == strip[:k] and all("origins" in r for r in before)
+    wire = json.loads(json.dumps(state))
+    resp = run_fresh("loader-restore", {"config": cfg, "state": wire, "passes": 2}, tmp_path)
+    got = [{key: v for key, v in r.items() if key != "state"} for r in resp["records"]]
+    assert got == strip[k:]  # the rest of epoch 1, then epoch 2

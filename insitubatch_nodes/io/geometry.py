@@ -44,6 +44,7 @@ from insitubatch_nodes.io.stores import describe_store
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
 
 ORIGIN_POLICIES = ("grid", "random")
+REGION_ORDERS = ("shuffled", "sweep")
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,14 @@ class Patches:
     patched array's tiles along ``axes``), an edge tile's share in proportion to its area, so
     every tile holds the same number of windows every epoch (what keeps batch counts, budget
     floors and resume exact).
+
+    ``order`` is how a shuffled plan visits the regions of tiles its windows are grouped in
+    (see :mod:`~insitubatch_nodes.plan.patches`): ``"shuffled"`` in a random order (neighbouring
+    batches come from anywhere; under a budget below the read-once floor the tiles on region
+    edges are read again), ``"sweep"`` plane by plane (planes in a random order), each swept
+    region by region along a boustrophedon in one of its symmetric variants drawn per epoch
+    (neighbouring batches come from neighbouring regions; every tile is read once per epoch in
+    little more than one row of regions' memory).
     """
 
     axes: tuple[int, ...]
@@ -68,6 +77,7 @@ class Patches:
     origins: str = "grid"
     stride: tuple[int, ...] | None = None
     per_tile: int | None = None
+    order: str = "shuffled"
 
     @property
     def n_axes(self) -> int:
@@ -91,6 +101,7 @@ class Patches:
             self.origins,
             None if self.stride is None else list(self.stride),
             self.per_tile,
+            self.order,
         ]
 
 
@@ -339,6 +350,7 @@ class ArrayGeometry:
         stride: int | Mapping[int | str, int] | None = None,
         origins: str = "grid",
         per_tile: int | None = None,
+        order: str = "shuffled",
     ) -> ArrayGeometry:
         """A view whose samples are windows of the field: ``extent`` maps field axes (physical
         indices, or dimension names where the array has them) to the window's size along each,
@@ -349,9 +361,10 @@ class ArrayGeometry:
         plus one flush with the far edge wherever the stride does not end there.
         ``origins="random"``: new uniform origins every epoch, ``per_tile`` windows starting in
         each stored tile (default: as many as the tile holds windows side by side, at least 1).
-        Composes with :meth:`shift`; views of several arrays patched alike take the same
-        origins, row for row. The batch holds ``(batch, *inner_shape)`` with the window's
-        shape, and ``batch.patch_origins[label]`` the origins.
+        ``order`` (``"shuffled"`` or ``"sweep"``) is how a shuffled plan visits regions of
+        tiles (:class:`Patches`). Composes with :meth:`shift`; views of several arrays patched
+        alike take the same origins, row for row. The batch holds ``(batch, *inner_shape)``
+        with the window's shape, and ``batch.patch_origins[label]`` the origins.
         """
         if self.patch is not None:
             raise ValueError(f"{self.path}: this view is patched already; patch the array once")
@@ -362,6 +375,8 @@ class ArrayGeometry:
             )
         if origins not in ORIGIN_POLICIES:
             raise ValueError(f"origins must be one of {ORIGIN_POLICIES}, got {origins!r}")
+        if order not in REGION_ORDERS:
+            raise ValueError(f"order must be one of {REGION_ORDERS}, got {order!r}")
         sizes = {self._patch_axis(k): _positive(f"extent[{k!r}]", v) for k, v in extent.items()}
         if len(sizes) != len(extent):
             raise ValueError(f"{self.path}: extent {dict(extent)} names one axis twice")
@@ -401,6 +416,7 @@ class ArrayGeometry:
             origins=origins,
             stride=steps,
             per_tile=per_tile,
+            order=order,
         )
         return replace(self, patch=spec)
 

@@ -140,7 +140,7 @@ def _patch_samples(
     starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     pc, cnt, ids = layout.samples(chunks, starts, counts, manifest.n_chunks)
     if shuffle and len(pc):
-        perm = np.random.default_rng([seed, epoch, 0]).permutation(len(pc))
+        perm = layout.visit_order(pc, shuffle, np.random.default_rng([seed, epoch, 0]))
         first = np.cumsum(cnt) - cnt
         ids = ids[_runs(first[perm], cnt[perm])]
         pc, cnt = pc[perm], cnt[perm]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from itertools import product
+from itertools import permutations, product
 
 import numpy as np
 
@@ -43,9 +43,8 @@ def patch_spec(views: Mapping[str, ArrayGeometry]) -> Patches | None:
     first_label, first = specs[0]
     for label, spec in specs[1:]:
         assert spec is not None and first is not None
-        mine = (spec.axes, spec.extent, spec.field, spec.origins, spec.stride, spec.per_tile)
-        theirs = (first.axes, first.extent, first.field, first.origins, first.stride)
-        if mine != (*theirs, first.per_tile):
+        keys = ("axes", "extent", "field", "origins", "stride", "per_tile", "order")
+        if any(getattr(spec, k) != getattr(first, k) for k in keys):
             raise ValueError(
                 f"patched views {first_label!r} and {label!r} cut their fields differently "
                 f"({first} vs {spec}); views read together take the same origins, so patch "
@@ -119,6 +118,26 @@ class PatchLayout:
         self.n_patches = len(order)
         self.region_counts = np.bincount(self.region_of, minlength=self.n_regions).astype(np.int64)
         self.region_start = np.cumsum(self.region_counts) - self.region_counts
+        #: (variants, n_regions): each region's place in each symmetric boustrophedon sweep
+        self.sweeps = _sweeps(region_grid)
+
+    def visit_order(
+        self, pc: np.ndarray, shuffle: bool, rng: np.random.Generator | None
+    ) -> np.ndarray:
+        """The order (a permutation of positions) a plan visits patch chunks ``pc`` in:
+        unshuffled as given; shuffled at random (``order="shuffled"``) or, with
+        ``order="sweep"``, anchor chunk by anchor chunk in a random order, each chunk's regions
+        along a sweep drawn per chunk."""
+        if not shuffle or not len(pc):
+            return np.arange(len(pc), dtype=np.int64)
+        assert rng is not None
+        if self.spec.order == "shuffled":
+            return rng.permutation(len(pc))
+        chunk, region = pc // self.n_regions, pc % self.n_regions
+        ids, at = np.unique(chunk, return_inverse=True)
+        rank = rng.permutation(len(ids))[at]
+        variant = rng.integers(0, len(self.sweeps), size=len(ids))[at]
+        return np.lexsort((self.sweeps[variant, region], rank))
 
     def origins(self, seed: int, epoch: int, sample_ids: np.ndarray) -> np.ndarray:
         """``(len(sample_ids), n_axes)`` window origins of the samples ``anchor * P + patch``."""
@@ -158,6 +177,32 @@ class PatchLayout:
     def most_per_chunk(self, anchors_per_chunk: int) -> int:
         """The most samples one patch chunk holds."""
         return anchors_per_chunk * int(self.region_counts.max(initial=0))
+
+
+def _snake(index: np.ndarray, grid: Sequence[int]) -> np.ndarray:
+    """Rank of each multi-index (rows of ``index``) along the boustrophedon over ``grid``:
+    C order, every axis after the first running backwards whenever the ranks of the axes
+    before it add up to an odd number (so consecutive ranks are neighbours)."""
+    if index.shape[1] == 0:
+        return np.zeros(len(index), dtype=np.int64)
+    inner = _snake(index[:, 1:], grid[1:])
+    size = math.prod(grid[1:])
+    odd = index[:, 0] % 2 == 1
+    return index[:, 0] * size + np.where(odd, size - 1 - inner, inner)
+
+
+def _sweeps(grid: Sequence[int]) -> np.ndarray:
+    """Every symmetric variant (axis order, direction per axis) of the boustrophedon over
+    ``grid``: ``(variants, prod(grid))``, each region's rank in each."""
+    k = len(grid)
+    cells = np.stack(np.unravel_index(np.arange(math.prod(grid)), grid), axis=1) if k else None
+    out = []
+    for axes in permutations(range(k)):
+        for flips in product((False, True), repeat=k):
+            assert cells is not None
+            moved = np.where(np.asarray(flips), np.asarray(grid) - 1 - cells, cells)
+            out.append(_snake(moved[:, list(axes)], [grid[a] for a in axes]))
+    return np.stack(out).astype(np.int64)
 
 
 def unit_geometry(geom: ArrayGeometry) -> ArrayGeometry:
