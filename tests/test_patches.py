@@ -328,6 +328,40 @@ def test_random_origins_are_seeded_new_each_epoch_and_stratified_by_tile(tmp_pat
         assert len(counts) == 3 * 9 and set(counts.tolist()) == {4}
 
 
+@pytest.mark.parametrize("origins", ["grid", "random"])
+def test_windows_within_disjoint_boxes_never_share_a_pixel(tmp_path: Path, origins: str) -> None:
+    data = np.random.default_rng(11).standard_normal((2, 300, 400)).astype("f4")
+    _write(tmp_path, "img", data, (1, 64, 64), dims=("z", "y", "x"))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    ext = {"y": 40, "x": 50}
+    boxes = {"train": (0, 270), "val": (270, 400)}  # along x, not on a tile edge
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    seen = {}
+    for name, box in boxes.items():
+        view = geom.patches(ext, origins=origins, within={"x": box})
+        assert view.patch.bounds == ((0, 300), box)
+        plan = plan_epoch(manifest, {"x": view}, batch_size=8, seed=1)
+        x0 = plan.origins[:, 1]
+        assert (x0 >= box[0]).all() and (x0 + 50 <= box[1]).all()
+        assert (plan.origins[:, 0] + 40 <= 300).all()
+        cover = np.zeros((2, 300, 400), dtype=bool)
+        for s, (y, x) in zip(plan.anchors.tolist(), plan.origins.tolist(), strict=True):
+            cover[s, y : y + 40, x : x + 50] = True
+        if origins == "grid":  # the windows cover the box exactly
+            assert cover[:, :, box[0] : box[1]].all() and not cover[:, :, : box[0]].any()
+        seen[name] = cover
+        # only tiles overlapping the box are read
+        cols = {unit_chunk_tile(geom, u)[1][1] for led in plan.ledgers for u in led.chunk.tolist()}
+        assert cols <= set(range(box[0] // 64, (box[1] - 1) // 64 + 1))
+        pipe = insitu_pipeline(str(tmp_path), manifest, {"x": view}, batch_size=8, seed=1)
+        try:
+            (batches,) = _epochs(pipe, 1)
+            _check_against_zarr(tmp_path, batches, {"x": view})
+        finally:
+            pipe.close()
+    assert not (seen["train"] & seen["val"]).any()
+
+
 def test_random_origins_resume_mid_epoch_bit_identically(tmp_path: Path) -> None:
     data = np.random.default_rng(8).standard_normal((2, 300, 260)).astype("f4")
     _write(tmp_path, "img", data, (1, 64, 64))
@@ -450,6 +484,10 @@ def test_patches_take_dimension_names_and_refuse_what_cannot_be_cut(tmp_path: Pa
         g.patches({1: 0})
     with pytest.raises(ValueError, match="stride applies"):
         g.patches({1: 8}, origins="random", stride=4)
+    with pytest.raises(ValueError, match="hold a window"):
+        g.patches({1: 16}, within={1: (0, 8)})
+    with pytest.raises(ValueError, match="not patched"):
+        g.patches({1: 16}, within={2: (0, 8)})
     with pytest.raises(ValueError, match="patched already"):
         g.patches({1: 8}).patches({2: 8})
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))

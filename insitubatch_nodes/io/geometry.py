@@ -68,6 +68,10 @@ class Patches:
     region by region along a boustrophedon in one of its symmetric variants drawn per epoch
     (neighbouring batches come from neighbouring regions; every tile is read once per epoch in
     little more than one row of regions' memory).
+
+    ``within`` (``[lo, hi)`` per patched axis, or ``None`` for the whole field) keeps every
+    window inside a box of the field: the patches of a spatial split. Views patched within
+    disjoint boxes never share a pixel (a held-out region for validation).
     """
 
     axes: tuple[int, ...]
@@ -78,6 +82,7 @@ class Patches:
     stride: tuple[int, ...] | None = None
     per_tile: int | None = None
     order: str = "shuffled"
+    within: tuple[tuple[int, int], ...] | None = None
 
     @property
     def n_axes(self) -> int:
@@ -102,7 +107,13 @@ class Patches:
             None if self.stride is None else list(self.stride),
             self.per_tile,
             self.order,
+            None if self.within is None else [list(b) for b in self.within],
         ]
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        """``[lo, hi)`` along each patched axis that windows lie in (``within``, or the field)."""
+        return self.within or tuple((0, f) for f in self.field)
 
 
 def _fill_token(value: Any) -> Any:
@@ -351,6 +362,7 @@ class ArrayGeometry:
         origins: str = "grid",
         per_tile: int | None = None,
         order: str = "shuffled",
+        within: Mapping[int | str, tuple[int, int]] | None = None,
     ) -> ArrayGeometry:
         """A view whose samples are windows of the field: ``extent`` maps field axes (physical
         indices, or dimension names where the array has them) to the window's size along each,
@@ -362,7 +374,9 @@ class ArrayGeometry:
         ``origins="random"``: new uniform origins every epoch, ``per_tile`` windows starting in
         each stored tile (default: as many as the tile holds windows side by side, at least 1).
         ``order`` (``"shuffled"`` or ``"sweep"``) is how a shuffled plan visits regions of
-        tiles (:class:`Patches`). Composes with :meth:`shift`; views of several arrays patched
+        tiles (:class:`Patches`). ``within`` maps patched axes to ``(lo, hi)``: every window
+        lies in that range (a spatial split; the whole field by default). Composes with
+        :meth:`shift`; views of several arrays patched
         alike take the same origins, row for row. The batch holds ``(batch, *inner_shape)``
         with the window's shape, and ``batch.patch_origins[label]`` the origins.
         """
@@ -408,6 +422,15 @@ class ArrayGeometry:
                 raise ValueError("stride applies to origins='grid'; random origins take per_tile=")
             if per_tile is not None:  # None: as many as fit side by side (Patches.windows_per_tile)
                 per_tile = _positive("per_tile", per_tile)
+        box: tuple[tuple[int, int], ...] | None = None
+        if within is not None:
+            given_box = {self._patch_axis(k): v for k, v in dict(within).items()}
+            if set(given_box) - set(axes):
+                raise ValueError(f"{self.path}: within names axes that are not patched")
+            box = tuple(
+                _bounds(a, given_box.get(a, (0, self.shape[a])), e, self.shape[a])
+                for a, e in zip(axes, ext, strict=True)
+            )
         spec = Patches(
             axes=axes,
             extent=ext,
@@ -417,6 +440,7 @@ class ArrayGeometry:
             stride=steps,
             per_tile=per_tile,
             order=order,
+            within=box,
         )
         return replace(self, patch=spec)
 
@@ -474,6 +498,19 @@ class ArrayGeometry:
             f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
             f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"
         )
+
+
+def _bounds(axis: int, value: Any, extent: int, length: int) -> tuple[int, int]:
+    """``within``'s ``(lo, hi)`` along ``axis``, checked: inside the field, a window wide."""
+    try:
+        lo, hi = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise TypeError(f"within[{axis}] must be a (lo, hi) pair, got {value!r}") from None
+    if not 0 <= lo < hi <= length or hi - lo < extent:
+        raise ValueError(
+            f"within[{axis}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of {extent}"
+        )
+    return lo, hi
 
 
 def _positive(name: str, value: Any) -> int:

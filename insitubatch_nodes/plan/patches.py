@@ -73,39 +73,34 @@ class PatchLayout:
     def __init__(self, spec: Patches, block_tiles: int) -> None:
         self.spec = spec
         k = spec.n_axes
-        span = [f - e + 1 for f, e in zip(spec.field, spec.extent, strict=True)]  # origins
-        self.home_grid = tuple(math.ceil(s / t) for s, t in zip(span, spec.tile, strict=True))
+        # origins along each axis: [first, last], so that every window lies within the bounds
+        first = np.asarray([lo for lo, _ in spec.bounds], dtype=np.int64)
+        last = np.asarray([hi - e for (_, hi), e in zip(spec.bounds, spec.extent, strict=True)])
+        t = np.asarray(spec.tile, dtype=np.int64)
+        home0 = first // t  # the first home tile along each axis
+        self.home_grid = tuple(int(n) for n in last // t - home0 + 1)
         self.side = max(1, round(block_tiles ** (1.0 / k)))
         region_grid = tuple(math.ceil(h / self.side) for h in self.home_grid)
         self.n_regions = math.prod(region_grid)
         if spec.origins == "grid":
             assert spec.stride is not None
             per_axis = []
-            for s, st in zip(span, spec.stride, strict=True):
-                o = list(range(0, s, st))
-                if o[-1] != s - 1:
-                    o.append(s - 1)  # flush with the far edge: the windows cover the field
+            for a0, a1, st in zip(first.tolist(), last.tolist(), spec.stride, strict=True):
+                o = list(range(a0, a1 + 1, st))
+                if o[-1] != a1:
+                    o.append(a1)  # flush with the far edge: the windows cover the box
                 per_axis.append(np.asarray(o, dtype=np.int64))
             grids = np.meshgrid(*per_axis, indexing="ij")
             origins = np.stack([g.ravel() for g in grids], axis=1)
-            home = origins // np.asarray(spec.tile, dtype=np.int64)
+            home = origins // t - home0
             self._lo = origins
             self._span = np.ones_like(origins)
         else:
-            tiles = (
-                np.stack(
-                    [
-                        g.ravel()
-                        for g in np.meshgrid(*(np.arange(h) for h in self.home_grid), indexing="ij")
-                    ],
-                    axis=1,
-                )
-                .astype(np.int64)
-                .reshape(-1, k)
-            )
-            t = np.asarray(spec.tile, dtype=np.int64)
-            lo = tiles * t
-            width = np.minimum(lo + t, np.asarray(span, dtype=np.int64)) - lo  # origins in it
+            grids = np.meshgrid(*(np.arange(h) for h in self.home_grid), indexing="ij")
+            tiles = np.stack([g.ravel() for g in grids], axis=1).astype(np.int64).reshape(-1, k)
+            lo = np.maximum((tiles + home0) * t, first)
+            hi = np.minimum((tiles + home0) * t + t - 1, last)
+            width = hi - lo + 1  # origins in this home tile
             share = np.prod(width / t, axis=1)
             per = np.maximum(1, np.rint(spec.windows_per_tile * share)).astype(np.int64)
             home = np.repeat(tiles, per, axis=0)
