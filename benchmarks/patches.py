@@ -261,7 +261,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        record = {"size": args.size, "tile": args.tile, "patch": args.patch, **rows}
+        record = {
+            "size": args.size,
+            "tile": args.tile,
+            "patch": args.patch,
+            "batch_size": args.batch_size,
+            **rows,
+        }
         with open(args.out / f"patches-{stamp}.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
     return 0

@@ -1298,6 +1298,85 @@ def scale_section(rows: list[Row]) -> list[str]:
     return out
 
 
+def newest_patches(results: Path) -> Path | None:
+    """The newest ``patches-*.jsonl`` (``benchmarks/patches.py``) under ``results``, or None."""
+    files = sorted(results.glob("patches-*.jsonl"))
+    return files[-1] if files else None
+
+
+def patches_section(source: Path | None) -> list[str]:
+    """Patches from a plane too large to hold (``benchmarks/patches.py``): this engine's two
+    region orders against the whole field + random crop and a tensorstore + DataLoader loop."""
+    out = ["## Patches", ""]
+    if source is None:
+        return [
+            *out,
+            "_No patches run was found (`benchmarks/results/patches-*.jsonl`): run `python -m "
+            "benchmarks.patches --out benchmarks/results`._",
+            "",
+        ]
+    rec = json.loads(source.read_text().strip().splitlines()[-1])
+    mib = 2**20
+    out += [
+        f"From `{source.name}`: one plane of {rec['size']:,}² float32 "
+        f"({rec['size'] ** 2 * 4 / 1e9:.1f} GB decoded) in {rec['tile']}² tiles (zstd), random "
+        f"{rec['patch']}² windows in batches of {rec.get('batch_size', 32)}; each engine in a "
+        "fresh process (peak RSS is its own `VmHWM`), all in one run. `nodes` reads a whole "
+        "epoch (every window of the plane once) under the plan's guaranteed budget floor; "
+        "`crop` reads the whole field per sample and cuts the windows in a batch transform; "
+        "`tensorstore` reads each window with tensorstore (no chunk cache) in a "
+        "`DataLoader(num_workers=0)`.",
+        "",
+    ]
+    names = [n for n in ("nodes", "nodes-sweep", "tensorstore", "crop") if n in rec]
+    rows = []
+    for n in names:
+        r = rec[n]
+        touched = (
+            f"{r['touched_tiles']:,} ({r['touched_bytes'] / mib:,.0f} MiB)"
+            if "touched_bytes" in r
+            else "—"
+        )
+        rows.append(
+            [
+                f"`{n}`",
+                f"{r['windows']:,}",
+                f"{r['windows'] / r['seconds']:,.0f}",
+                f"{r['bytes_read'] / mib:,.0f}",
+                touched,
+                f"{r['rss_peak_bytes'] / mib:,.0f}",
+                f"{r['budget_bytes'] / mib:,.0f}" if "budget_bytes" in r else "—",
+            ]
+        )
+    out += [
+        table(
+            [
+                "engine",
+                "windows",
+                "windows/s",
+                "MiB read",
+                "tiles touched (stored)",
+                "peak RSS MiB",
+                "pool budget MiB",
+            ],
+            rows,
+        ),
+        "",
+        "| engine | peak RSS / crop's (target ≤ 0.10) | bytes read / tiles touched (≤ 1.2) "
+        "| windows/s / tensorstore's (≥ 1) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for n in names:
+        ratios = rec[n].get("ratios")
+        if ratios:
+            out.append(
+                f"| `{n}` | {ratios['rss_vs_crop']:.3f} | {ratios['read_vs_touched']:.2f} | "
+                f"{ratios['speed_vs_tensorstore']:.1f} |"
+            )
+    out.append("")
+    return out
+
+
 def archive_only_page(rows: list[Row], source: Path) -> str:
     """The page when only an archive-shape JSONL is given (no side-by-side run)."""
     run = next(r for r in rows if r.get("type") == "run")
@@ -1317,6 +1396,7 @@ def archive_only_page(rows: list[Row], source: Path) -> str:
             "",
             *archive_section(rows, source),
             *scale_section(rows),
+            *patches_section(newest_patches(source.parent)),
             "## Machine",
             "",
             table(
@@ -1396,12 +1476,14 @@ def render(
         *persist_section(rows, run),
         *archive_section(archive, archive_source),
         *scale_section(archive),
+        *patches_section(newest_patches(source.parent)),
         "## How to reproduce",
         "",
         "```bash",
         "make bench        # both suites (side by side, then the archive shape), then this page",
         "make bench-smoke  # < 4 minutes: every engine once on tiny datasets (a harness check)",
         "python -m benchmarks.archive --suite full   # the archive shape alone",
+        "python -m benchmarks.patches --out benchmarks/results  # patches (a 20,000² plane)",
         "```",
         "",
         f"This run's command: `{run['command']}`  ",
