@@ -5,7 +5,7 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.stores` — a store by URL or path (obstore), with a retry policy;
 * :mod:`~insitubatch_nodes.io.arrays` — finding arrays in a store, :func:`open_geometries`;
 * :mod:`~insitubatch_nodes.io.geometry` — :class:`ArrayGeometry`: what a sample is, which
-  stored objects hold it;
+  stored objects hold it; :class:`Patches`: how a patched view cuts its field into windows;
 * :mod:`~insitubatch_nodes.io.coords` — coordinates along the sample axis (CF time);
 * :mod:`~insitubatch_nodes.io.decode` — one stored object into its slot memory;
 * :mod:`~insitubatch_nodes.io.localfiles` — a local store's files, read on the decode threads;
@@ -15,7 +15,7 @@ files. This face re-exports the names a composer uses; import the modules for th
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates
 from insitubatch_nodes.io.decode import ChunkDecoder
-from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
 from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "ArrayGeometry",
     "ChunkDecoder",
     "Coordinate",
+    "Patches",
     "RetryPolicy",
     "open_coordinates",
     "open_geometries",

@@ -3,6 +3,8 @@
 * :mod:`~insitubatch_nodes.plan.splits` — chunk-aligned train/val/test manifests;
 * :mod:`~insitubatch_nodes.plan.config` — what a plan draws, as one :class:`PlanConfig`;
 * :mod:`~insitubatch_nodes.plan.epoch` — drawing one epoch: permutation, blocks, batches;
+* :mod:`~insitubatch_nodes.plan.patches` — patched views: window origins, the regions of
+  tiles they are grouped in, the stored tiles each window touches;
 * :mod:`~insitubatch_nodes.plan.ranks` — dealing an epoch's samples between ranks;
 * :mod:`~insitubatch_nodes.plan.ledger` — what a drawn epoch is (:class:`EpochPlan`, its
   ledgers and :class:`BatchPlan` s);
