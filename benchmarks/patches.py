@@ -85,6 +85,7 @@ def run_nodes(args: argparse.Namespace, order: str = "shuffled") -> dict[str, An
         n += len(batch)
     wall = time.perf_counter() - t0
     stats = pipe.stats()
+    report = pipe.report()
     plan = pipe.stages.plan.epoch_plan(0)
     units = {u for led in plan.ledgers for u in led.chunk.tolist()}
     stored = 0
@@ -102,6 +103,9 @@ def run_nodes(args: argparse.Namespace, order: str = "shuffled") -> dict[str, An
         "budget_bytes": budget,
         "pool_peak_bytes": stats["resident_peak_bytes"],
         "rss_peak_bytes": _rss_peak_bytes(),
+        # the gather stage's own time per batch (windows copied out of their tiles)
+        "gather_ms_per_batch": 1000 * report.gather_s / max(1, report.batches),
+        "limited_by": report.limiting,
     }
 
 

@@ -572,3 +572,22 @@ def test_a_patched_run_restored_in_a_fresh_process_continues_exactly(tmp_path: P
     resp = run_fresh("loader-restore", {"config": cfg, "state": wire, "passes": 2}, tmp_path)
     got = [{key: v for key, v in r.items() if key != "state"} for r in resp["records"]]
     assert got == strip[k:]  # the rest of epoch 1, then epoch 2
+
+
+def test_a_state_saved_with_other_patches_is_refused(tmp_path: Path) -> None:
+    _write(tmp_path, "img", np.zeros((4, 64, 64), dtype="f4"), (1, 32, 32))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    saved = ReadPlanNode(manifest, {"x": geom.patches({1: 16, 2: 16})}, batch_size=4)
+    saved.reset()
+    next(saved)
+    state = saved.state_dict()
+    for other in (geom, geom.patches({1: 16, 2: 8}), geom.patches({1: 16, 2: 16}, stride=8)):
+        node = ReadPlanNode(manifest, {"x": other}, batch_size=4)
+        with pytest.raises(ValueError, match="dataset"):
+            node.reset(state)
+    same = ReadPlanNode(manifest, {"x": geom.patches({1: 16, 2: 16})}, batch_size=4)
+    same.reset(state)
+    nxt = next(same)
+    saved_next = next(saved)
+    np.testing.assert_array_equal(nxt.origins, saved_next.origins)
