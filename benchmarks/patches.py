@@ -6,6 +6,8 @@ random ``--patch``\\ ² windows, batches of ``--batch-size``. Each engine runs i
 
 * ``nodes``: ``image.patches(..., origins="random")`` under a pool budget of the plan's
   guaranteed floor (or ``--budget-mib``), a whole epoch (every window of the plane once);
+  ``nodes-sweep`` the same with ``order="sweep"``; ``nodes-read-once`` the shuffled order
+  under a budget of the epoch's read-once floor (every tile read once);
 * ``crop``: the whole field per sample + a batch transform cutting ``batch_size`` random
   windows out of it (the workaround patches replace);
 * ``tensorstore``: a map-style dataset whose ``__getitem__`` reads one window with
@@ -62,7 +64,9 @@ def _rss_peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def run_nodes(args: argparse.Namespace, order: str = "shuffled") -> dict[str, Any]:
+def run_nodes(
+    args: argparse.Namespace, order: str = "shuffled", read_once: bool = False
+) -> dict[str, Any]:
     from torchdata.nodes import Loader
 
     from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
@@ -75,6 +79,12 @@ def run_nodes(args: argparse.Namespace, order: str = "shuffled") -> dict[str, An
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
     floors = schedule_floors(manifest, {"x": view}, batch_size=args.batch_size)
     budget = args.budget_mib * 2**20 if args.budget_mib else floors.guaranteed
+    if read_once:  # enough to read this epoch's tiles once (its read-once floor)
+        from insitubatch_nodes.plan.epoch import plan_epoch
+        from insitubatch_nodes.plan.schedule import slot_geometries, working_set_bytes
+
+        first = plan_epoch(manifest, {"x": view}, batch_size=args.batch_size)
+        budget = max(budget, working_set_bytes(first, slot_geometries({"x": view}))[0])
     t0 = time.perf_counter()
     pipe = insitu_pipeline(
         store, manifest, {"x": view}, batch_size=args.batch_size, cache_budget_bytes=budget,
@@ -196,9 +206,14 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     return run_nodes(args, order="sweep")
 
 
+def run_once(args: argparse.Namespace) -> dict[str, Any]:
+    return run_nodes(args, read_once=True)
+
+
 ENGINES = {
     "nodes": run_nodes,
     "nodes-sweep": run_sweep,
+    "nodes-read-once": run_once,
     "crop": run_crop,
     "tensorstore": run_tensorstore,
 }
@@ -215,7 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ts-windows", type=int, default=1600, help="windows tensorstore reads")
     ap.add_argument("--store", type=Path, default=Path("/tmp/insitu-bench/patch-plane.zarr"))
     ap.add_argument("--engine", choices=sorted(ENGINES))
-    ap.add_argument("--engines", nargs="+", default=["nodes", "nodes-sweep", "tensorstore", "crop"])
+    ap.add_argument(
+        "--engines",
+        nargs="+",
+        default=["nodes", "nodes-sweep", "nodes-read-once", "tensorstore", "crop"],
+    )
     ap.add_argument("--out", type=Path, default=None, help="append a JSONL record here")
     args = ap.parse_args(argv)
     if args.engine:  # a child: one engine, one JSON line

@@ -1322,13 +1322,20 @@ def patches_section(source: Path | None) -> list[str]:
         f"({rec['size'] ** 2 * 4 / 1e9:.1f} GB decoded) in {rec['tile']}² tiles (zstd), random "
         f"{rec['patch']}² windows in batches of {rec.get('batch_size', 32)}; each engine in a "
         "fresh process (peak RSS is its own `VmHWM`), all in one run. `nodes` reads a whole "
-        "epoch (every window of the plane once) under the plan's guaranteed budget floor; "
+        "epoch (every window of the plane once) under the plan's guaranteed budget floor, "
+        'regions in a random order; `nodes-sweep` the same with `order="sweep"`; '
+        "`nodes-read-once` the random order under a budget of the epoch's read-once floor; "
         "`crop` reads the whole field per sample and cuts the windows in a batch transform; "
         "`tensorstore` reads each window with tensorstore (no chunk cache) in a "
-        "`DataLoader(num_workers=0)`.",
+        "`DataLoader(num_workers=0)`. `tensorstore`'s bytes read are counted, not measured: "
+        "the tiles each window touches (it reads all of them per window) times the mean stored "
+        "tile size. `crop` cuts `batch_size` windows per pass over the plane (a batch of one "
+        "whole field), so its run is shorter.",
         "",
     ]
-    names = [n for n in ("nodes", "nodes-sweep", "tensorstore", "crop") if n in rec]
+    names = [
+        n for n in ("nodes", "nodes-sweep", "nodes-read-once", "tensorstore", "crop") if n in rec
+    ]
     rows = []
     for n in names:
         r = rec[n]
