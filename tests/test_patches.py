@@ -271,7 +271,7 @@ def test_a_budget_below_the_tile_floor_is_refused_in_tile_bytes(tmp_path: Path) 
     _write(tmp_path, "slide", data, (1, 128, 128))
     geom = open_geometries(str(tmp_path), ["slide"])["slide"]
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
-    with pytest.raises(ValueError, match="working-set floor"):
+    with pytest.raises(ValueError, match=r"guaranteed to fit \(stored tiles of the patched"):
         insitu_pipeline(
             str(tmp_path),
             manifest,

@@ -30,7 +30,7 @@ from insitubatch_nodes.plan.epoch import (
     ramp_unit,
 )
 from insitubatch_nodes.plan.ledger import EpochPlan, sorted_unique
-from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, unit_geometry
+from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, unit_geometry
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.splits import SplitManifest
 
@@ -498,9 +498,14 @@ def choose_schedule(
         if floors.read_once > floor
         else ""
     )
+    what = (
+        "chunks"
+        if patch_spec(variables) is None
+        else "stored tiles of the patched arrays (and chunks of any other)"
+    )
     raise ValueError(
         f"cache_budget_bytes={budget:,} is below the working-set floor of {floor:,} bytes "
-        f"({floor / 2**20:.1f} MiB) that every epoch is guaranteed to fit (chunks live at once "
+        f"({floor / 2**20:.1f} MiB) that every epoch is guaranteed to fit ({what} live at once "
         f"plus one block of read-ahead, bounded over every permutation){once}; raise it to at "
         "least the floor, lower block_chunks, or pass None for the automatic budget"
     )
