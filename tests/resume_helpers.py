@@ -178,6 +178,11 @@ def indexed_transform(batch: Batch) -> dict[str, Any]:
         "idx": torch.from_numpy(np.array(batch.sample_indices["x"], dtype=np.int64)),
         "epoch": int(batch.epoch),
         "index": int(batch.index),
+        **(
+            {"origins": torch.from_numpy(np.asarray(batch.patch_origins["x"], dtype=np.int64))}
+            if batch.patch_origins
+            else {}
+        ),
     }
 
 
@@ -383,6 +388,7 @@ LIGHTNING_DEFAULTS: dict[str, Any] = {
     "limit_val_batches": 0,
     "val_check_interval": None,
     "num_sanity_val_steps": 0,
+    "patches": None,  # as PIPE_DEFAULTS["patches"]: both views patched alike
 }
 
 
@@ -468,6 +474,10 @@ def _lightning(req: Mapping[str, Any]) -> dict[str, Any]:
                 "hash": digest(batch["x"]) + digest(batch["y"]),
                 "idx": [int(i) for i in batch["idx"].tolist()],
             }
+            if "origins" in batch:
+                row["idx"] = [
+                    [i, *o] for i, o in zip(row["idx"], batch["origins"].tolist(), strict=True)
+                ]
             with open(f"{out_prefix}.rank{self.global_rank}.jsonl", "a") as fh:
                 fh.write(json.dumps(row) + "\n")
 
@@ -500,9 +510,20 @@ def _lightning(req: Mapping[str, Any]) -> dict[str, Any]:
                 os.kill(os.getpid(), signal.SIGKILL)
 
     store = req["store"]
+    patches = req["patches"]
+
+    def views(geoms: Mapping[str, Any]) -> dict[str, Any]:
+        out = {"x": geoms["t2m"], "y": geoms["t2m"].shift(1)}
+        if patches is None:
+            return out
+        g = geoms["t2m"]
+        extent = dict(zip(g.field_axes[-2:], patches["extent"], strict=True))
+        options = {k: v for k, v in patches.items() if k != "extent"}
+        return {label: v.patches(extent, **options) for label, v in out.items()}
+
     dm = InSituDataModule(
         store,
-        lambda geoms: {"x": geoms["t2m"], "y": geoms["t2m"].shift(1)},
+        views,
         (0.75, 0.125, 0.125),
         batch_size=req["batch_size"],
         eval_batch_size=req["eval_batch_size"],
@@ -511,7 +532,7 @@ def _lightning(req: Mapping[str, Any]) -> dict[str, Any]:
         transform=indexed_transform,
     )
     g = open_geometries(store, ["t2m"])["t2m"]
-    n_in = int(np.prod(g.inner_shape))
+    n_in = int(np.prod(g.inner_shape if patches is None else patches["extent"]))
     torch.manual_seed(0)
     model = Recorder(n_in)
     callbacks: list[Any] = []

@@ -591,3 +591,37 @@ def test_a_state_saved_with_other_patches_is_refused(tmp_path: Path) -> None:
     nxt = next(same)
     saved_next = next(saved)
     np.testing.assert_array_equal(nxt.origins, saved_next.origins)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lightning_run_killed_mid_epoch_resumes_on_the_same_windows(tmp_path: Path) -> None:
+    from resume_helpers import (
+        comparable,
+        lightning_request,
+        read_records,
+        run_lightning,
+        write_store,
+    )
+
+    store = write_store(tmp_path / "era5.zarr", inner_chunks=(4, 6), variables=("t2m",))
+    options = {"patches": PATCHED, "every_n_train_steps": 2}
+
+    def train(name: str, **more: Any) -> tuple[int, str, list[tuple]]:
+        out = tmp_path / name
+        req = lightning_request(store, out, tmp_path / f"{name}-ckpt", **options, **more)
+        rc, log = run_lightning(req, tmp_path)
+        return rc, log, comparable(read_records(out))
+
+    rc, log, reference = train("uninterrupted")
+    assert rc == 0, log[-5000:]
+    assert all(isinstance(i, list) and len(i) == 3 for row in reference for i in row[5])
+    per_epoch = len(reference) // 2
+    kill_at = per_epoch + 2 * (per_epoch // 4)  # mid-way through epoch 1, on a checkpoint step
+    rc, log, killed = train("killed", kill_at_step=kill_at)
+    assert rc == -9, log[-5000:]
+    ckpt = tmp_path / "killed-ckpt" / f"step={kill_at}.ckpt"
+    rc, log, resumed = train("resumed", ckpt_path=str(ckpt))
+    assert rc == 0, log[-5000:]
+    assert killed == reference[:kill_at]
+    assert resumed == reference[kill_at:]
