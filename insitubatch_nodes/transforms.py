@@ -260,15 +260,20 @@ class ChunkTransforms:
         """A label's view as batches carry it (the output geometry, at the view's offset; a
         patched view, which takes no chunk transforms, as it is)."""
         if view.patch is not None:
-            if self.active(view.path):
-                raise ValueError(
-                    f"array {view.path!r} is read through patched views, which take no chunk "
-                    "transforms (a slot holds one stored tile, not a chunk); transform the "
-                    "patches in a batch transform instead"
-                )
+            self.refuse_patched(view.path)
             return view
         out = self._chains[view.path].output
         return out.shift(view.offset) if view.offset else out
+
+    def refuse_patched(self, path: str) -> None:
+        """Raise ``ValueError`` when transforms run on ``path``, an array read through patched
+        views (its slots hold one stored tile, not a chunk)."""
+        if self.active(path):
+            raise ValueError(
+                f"array {path!r} is read through patched views, which take no chunk "
+                "transforms (a slot holds one stored tile, not a chunk); transform the "
+                "patches in a batch transform instead"
+            )
 
     def chain(self, path: str) -> tuple[ChunkTransform, ...]:
         """The transforms that run on ``path``, in order (what its cached chunks depend on)."""

@@ -138,9 +138,9 @@ def _patch_samples(
     offsets = [g.offset for g in labels.values()]
     chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
     starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
-    pc, cnt, ids = layout.samples(chunks, starts, counts, manifest.n_chunks)
+    pc, cnt, ids = layout.samples(chunks, starts, counts)
     if shuffle and len(pc):
-        perm = layout.visit_order(pc, shuffle, np.random.default_rng([seed, epoch, 0]))
+        perm = layout.visit_order(pc, np.random.default_rng([seed, epoch, 0]))
         first = np.cumsum(cnt) - cnt
         ids = ids[_runs(first[perm], cnt[perm])]
         pc, cnt = pc[perm], cnt[perm]

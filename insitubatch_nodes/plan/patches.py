@@ -21,7 +21,7 @@ stored object each — what the pool holds a slot for.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from itertools import permutations, product
 
 import numpy as np
@@ -116,16 +116,10 @@ class PatchLayout:
         #: (variants, n_regions): each region's place in each symmetric boustrophedon sweep
         self.sweeps = _sweeps(region_grid)
 
-    def visit_order(
-        self, pc: np.ndarray, shuffle: bool, rng: np.random.Generator | None
-    ) -> np.ndarray:
-        """The order (a permutation of positions) a plan visits patch chunks ``pc`` in:
-        unshuffled as given; shuffled at random (``order="shuffled"``) or, with
-        ``order="sweep"``, anchor chunk by anchor chunk in a random order, each chunk's regions
-        along a sweep drawn per chunk."""
-        if not shuffle or not len(pc):
-            return np.arange(len(pc), dtype=np.int64)
-        assert rng is not None
+    def visit_order(self, pc: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """The order (a permutation of positions) a shuffled plan visits patch chunks ``pc``
+        in: at random (``order="shuffled"``) or, with ``order="sweep"``, anchor chunk by anchor
+        chunk in a random order, each chunk's regions along a sweep drawn per chunk."""
         if self.spec.order == "shuffled":
             return rng.permutation(len(pc))
         chunk, region = pc // self.n_regions, pc % self.n_regions
@@ -147,7 +141,7 @@ class PatchLayout:
         return out
 
     def samples(
-        self, chunks: np.ndarray, starts: np.ndarray, counts: np.ndarray, n_chunks: int
+        self, chunks: np.ndarray, starts: np.ndarray, counts: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The patch chunks of anchor chunks ``chunks`` (valid anchors ``[start, start +
         count)`` each, in this order): ``(patch chunk ids, counts, sample ids)``, each patch
@@ -172,6 +166,10 @@ class PatchLayout:
     def most_per_chunk(self, anchors_per_chunk: int) -> int:
         """The most samples one patch chunk holds."""
         return anchors_per_chunk * int(self.region_counts.max(initial=0))
+
+    def block_batches(self, anchors_per_chunk: int, batch_size: int) -> int:
+        """Batches one full block (one patch chunk) takes: a patched plan's ``pin_gap``."""
+        return max(1, math.ceil(self.most_per_chunk(anchors_per_chunk) / batch_size))
 
 
 def _snake(index: np.ndarray, grid: Sequence[int]) -> np.ndarray:
@@ -238,40 +236,52 @@ class WindowUnits:
             for a in geom.field_axes
         ]
 
+    def spans(self, origins: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per field axis, each row's window as ``[start, stop)`` in field coordinates (the
+        whole axis where it is not patched)."""
+        n = len(origins)
+        out = []
+        for col, _, e, _ in self._axes:
+            start = origins[:, col].astype(np.int64) if col >= 0 else np.zeros(n, np.int64)
+            out.append((start, start + e))
+        return out
+
+    def pieces(
+        self, origins: np.ndarray, spans: list[tuple[np.ndarray, np.ndarray]] | None = None
+    ) -> Iterator[tuple[np.ndarray, tuple[np.ndarray, ...]]]:
+        """``(rows, tile)`` for each way a window can overlap the tile grid: the rows whose
+        window overlaps it that way, and the coordinate of the tile along each field axis
+        (``len(rows)`` each). Every ``(row, tile)`` pair a window overlaps comes once."""
+        spans = self.spans(origins) if spans is None else spans
+        lows, highs, widths = [], [], []
+        for (col, t, e, grid), (start, stop) in zip(self._axes, spans, strict=True):
+            lows.append(start // t)
+            highs.append((stop - 1) // t)
+            widths.append(grid if col < 0 else min(grid, (e - 1) // t + 2))
+        for d in product(*(range(w) for w in widths)):
+            ok = np.ones(len(origins), dtype=bool)
+            for lo, hi, dd in zip(lows, highs, d, strict=True):
+                ok &= lo + dd <= hi
+            rows = np.flatnonzero(ok)
+            if len(rows):
+                yield rows, tuple(lo[rows] + dd for lo, dd in zip(lows, d, strict=True))
+
+    def tile_index(self, tile: tuple[np.ndarray, ...], n: int) -> np.ndarray:
+        """The position of each of ``n`` tiles in C order over the array's tile grid (a unit
+        is ``chunk * n_tiles + position``)."""
+        if not tile:  # no field axes: one tile
+            return np.zeros(n, np.int64)
+        return np.ravel_multi_index(tile, [a[3] for a in self._axes])
+
     def uses(self, anchors: np.ndarray, origins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(unit, row)`` pairs: every unit each row reads (rows index ``anchors``)."""
-        n = len(anchors)
-        lows, highs, widths = [], [], []
-        for col, t, e, grid in self._axes:
-            if col < 0:
-                lo = np.zeros(n, dtype=np.int64)
-                hi = np.full(n, grid - 1, dtype=np.int64)
-                widths.append(grid)
-            else:
-                o = origins[:, col]
-                lo, hi = o // t, (o + e - 1) // t
-                widths.append(min(grid, (e - 1) // t + 2))
-            lows.append(lo)
-            highs.append(hi)
-        tile_grid = [a[3] for a in self._axes]
         units, rows = [], []
-        row_ids = np.arange(n, dtype=np.int64)
+        pieces = list(self.pieces(origins))
         for k in self.offsets:
             chunk = (anchors + k) // self.spc
-            for d in product(*(range(w) for w in widths)):
-                ok = np.ones(n, dtype=bool)
-                for lo, hi, dd in zip(lows, highs, d, strict=True):
-                    ok &= lo + dd <= hi
-                if not ok.any():
-                    continue
-                tile = tuple(lo[ok] + dd for lo, dd in zip(lows, d, strict=True))
-                flat = (
-                    np.ravel_multi_index(tile, tile_grid)
-                    if tile
-                    else np.zeros(int(ok.sum()), np.int64)
-                )
-                units.append(chunk[ok] * self.n_tiles + flat)
-                rows.append(row_ids[ok])
+            for r, tile in pieces:
+                units.append(chunk[r] * self.n_tiles + self.tile_index(tile, len(r)))
+                rows.append(r)
         if not units:
             return np.zeros(0, np.int64), np.zeros(0, np.int64)
         return np.concatenate(units), np.concatenate(rows)

@@ -138,7 +138,6 @@ def _anchor_chunk_bytes(
 
 
 def _patch_chunk_bytes(
-    manifest: SplitManifest,
     variables: Mapping[str, ArrayGeometry],
     layout: PatchLayout,
     chunks: np.ndarray,
@@ -302,11 +301,11 @@ def schedule_floors(
     keep = counts > 0
     layout = patch_layout(variables, bc)
     if layout is not None:  # the plan's chunks are patch chunks (one region of one chunk)
-        gap = block_batches(layout.most_per_chunk(spc), 1, bs)
+        gap = layout.block_batches(spc, bs)
         if not keep.any():
             return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
         weight, total, counts = _patch_chunk_bytes(
-            manifest, variables, layout, chunks[keep], starts[keep], counts[keep]
+            variables, layout, chunks[keep], starts[keep], counts[keep]
         )
         chunks, keep, shared = counts, counts > 0, True
         bc, spc = 1, 1

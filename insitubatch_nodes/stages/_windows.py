@@ -11,12 +11,12 @@ against a copy of ``tile_bytes / 4`` on average for windows half a tile wide).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from itertools import product
 from typing import Any
 
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.patches import WindowUnits
 
 __all__ = ["gather_windows"]
 
@@ -29,63 +29,39 @@ def gather_windows(
     slots: Mapping[tuple[str, int], np.ndarray],
 ) -> int:
     """Fill ``out[i]`` with the window of sample ``samples[i]`` at ``origins[i]`` (physical
-    order of the patched axes) from the unit slots of ``view``'s array; the rows copied."""
+    order of the patched axes) from the unit slots of ``view``'s array; the rows copied.
+
+    Which tiles each window overlaps is the read plan's own rule
+    (:meth:`~insitubatch_nodes.plan.patches.WindowUnits.pieces`), so the gather copies from
+    exactly the units the plan had fetched."""
     spec = view.patch
     assert spec is not None
     base = view.base
-    n = len(samples)
+    units = WindowUnits(base, spec, [0])
     spc = base.samples_per_chunk
     chunk = samples // spc
     within = (samples - chunk * spc).tolist()
-    col = {a: i for i, a in enumerate(spec.axes)}
-    tiles = base.tile_shape
-    grid = base.tile_grid
-    lows, highs, starts, ends, widths = [], [], [], [], []
-    for f, a in enumerate(base.field_axes):
-        t = tiles[f]
-        if a in col:
-            o = origins[:, col[a]].astype(np.int64)
-            e = spec.extent[col[a]]
-            widths.append(min(grid[f], (e - 1) // t + 2))
-        else:
-            o = np.zeros(n, dtype=np.int64)
-            e = base.shape[a]
-            widths.append(grid[f])
-        lows.append(o // t)
-        highs.append((o + e - 1) // t)
-        starts.append(o)
-        ends.append(o + e)
-    unit_base = chunk * base.n_tiles
+    sizes = base.tile_shape
+    spans = units.spans(origins)
     path = base.path
-    for d in product(*(range(w) for w in widths)):
-        tile = [lo + dd for lo, dd in zip(lows, d, strict=True)]
-        ok = np.ones(n, dtype=bool)
-        for tc, hi in zip(tile, highs, strict=True):
-            ok &= tc <= hi
-        rows = np.flatnonzero(ok)
-        if not len(rows):
-            continue
-        flat = (
-            np.ravel_multi_index(tuple(tc[rows] for tc in tile), grid)
-            if tile
-            else np.zeros(len(rows), np.int64)
-        )
-        units = (unit_base[rows] + flat).tolist()
-        # per axis: the rectangle in field coordinates, then in the slot and in the window
+    for rows, tile in units.pieces(origins, spans):
+        keys = (chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))).tolist()
+        # per axis: the overlap in field coordinates, then where it lies in the slot and in
+        # the window
         src_lo, src_hi, dst_lo = [], [], []
-        for f, tc in enumerate(tile):
-            t0 = tc[rows] * tiles[f]
-            lo = np.maximum(starts[f][rows], t0)
-            hi = np.minimum(ends[f][rows], t0 + tiles[f])
+        for (start, stop), tc, size in zip(spans, tile, sizes, strict=True):
+            t0 = tc * size
+            lo = np.maximum(start[rows], t0)
+            hi = np.minimum(stop[rows], t0 + size)
             src_lo.append((lo - t0).tolist())
             src_hi.append((hi - t0).tolist())
-            dst_lo.append((lo - starts[f][rows]).tolist())
+            dst_lo.append((lo - start[rows]).tolist())
         k = len(tile)
-        for j, (r, u) in enumerate(zip(rows.tolist(), units, strict=True)):
+        for j, (r, u) in enumerate(zip(rows.tolist(), keys, strict=True)):
             src = slots[(path, u)]
             s_box: tuple[Any, ...] = tuple(slice(src_lo[f][j], src_hi[f][j]) for f in range(k))
             d_box: tuple[Any, ...] = tuple(
                 slice(dst_lo[f][j], dst_lo[f][j] + src_hi[f][j] - src_lo[f][j]) for f in range(k)
             )
             out[(r, *d_box)] = src[(within[r], *s_box)]
-    return n
+    return len(samples)

@@ -159,12 +159,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         #: patched array)
         self.slot_geoms = dict(self.transforms.outputs)
         for path in self.patched:
-            if self.transforms.active(path):
-                raise ValueError(
-                    f"array {path!r} is read through patched views, which take no chunk "
-                    "transforms (a slot holds one stored tile, not a chunk); transform the "
-                    "patches in a batch transform instead"
-                )
+            self.transforms.refuse_patched(path)
             if pool.cache is not None and pool.cache.persistent:
                 raise ValueError(
                     f"array {path!r} is read through patched views, which the persistent "

@@ -358,8 +358,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
         layout = patch_layout(self.variables, self.block_chunks)
         if layout is not None:  # a block is one patch chunk
-            most = layout.most_per_chunk(self.manifest.samples_per_chunk)
-            return block_batches(most, 1, self.batch_size)
+            return layout.block_batches(self.manifest.samples_per_chunk, self.batch_size)
         return block_batches(self.manifest.samples_per_chunk, self.block_chunks, self.batch_size)
 
     def set_epoch(self, epoch: int) -> None:
