@@ -35,6 +35,7 @@ from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import open_store
 from insitubatch_nodes.pipeline import insitu_pipeline
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.synthetic import make_era5_like
@@ -131,7 +132,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     geom = open_geometries(store, [args.variable])[args.variable]
     manifest = split_by_chunk(geom, (0.8, 0.1, 0.1))
     views = {"x": geom, "y": geom.shift(1)}
-    node = ReadPlanNode(manifest, views, batch_size=args.batch_size, block_chunks=args.block_chunks)
+    config = PlanConfig(batch_size=args.batch_size, block_chunks=args.block_chunks)
+    node = ReadPlanNode(manifest, views, config=config)
     print(describe(geom, manifest, node), flush=True)
     if args.plan_only:
         return 0

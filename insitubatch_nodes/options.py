@@ -16,14 +16,18 @@ combination that cannot work, each naming what to pass instead); values are norm
 Python. Everything that receives one — the builder, the stages, the schedule, the pool, the
 Lightning module — trusts it and checks nothing again. Both are frozen and hashable (apart from
 a ``retry`` policy or ``backing`` that is not); :meth:`replace` returns a checked copy.
+
+:func:`~insitubatch_nodes.insitu_pipeline` builds each object from its loose keywords, or takes
+it whole (``config=``, ``fetch=``, ``cache=``): :func:`resolve_options` is that one rule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from insitubatch_nodes._checks import (
     check_bool,
@@ -34,7 +38,9 @@ from insitubatch_nodes._checks import (
 from insitubatch_nodes.io.stores import RetryPolicy
 from insitubatch_nodes.slots import SlotBacking
 
-__all__ = ["CacheOptions", "FetchOptions"]
+__all__ = ["CacheOptions", "FetchOptions", "resolve_options"]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -170,3 +176,43 @@ class CacheOptions:
     def replace(self, **changes: Any) -> CacheOptions:
         """A copy with ``changes`` (field names as keywords), checked like a new object."""
         return dataclasses.replace(self, **changes)
+
+
+def resolve_options(
+    given: T | None,
+    kind: type[T],
+    keywords: Mapping[str, tuple[str, Any]],
+    *,
+    where: str,
+    argument: str,
+) -> T:
+    """The one ``kind`` object a function that takes both ``argument=kind(...)`` and that
+    object's settings as loose keywords works from.
+
+    ``keywords`` maps each field of ``kind`` to ``(keyword, value)``: the loose keyword's name
+    (for messages) and the value ``where`` (the function's name) was called with. Without
+    ``given`` they build the object (checked there). With ``given`` (which must be a ``kind``:
+    ``TypeError`` otherwise) every one of them must still be at the field's default: one that
+    differs raises ``TypeError`` naming it — pass the settings one way, not both.
+    """
+    if given is None:
+        return kind(**{field: value for field, (_, value) in keywords.items()})
+    if not isinstance(given, kind):
+        raise TypeError(f"{where}: {argument} must be a {kind.__name__} or None, got {given!r}")
+    defaults = {f.name: f.default for f in dataclasses.fields(kind)}  # type: ignore[arg-type]
+    differ = [
+        keyword
+        for field, (keyword, value) in keywords.items()
+        if not _is_default(value, defaults[field])
+    ]
+    if differ:
+        raise TypeError(
+            f"{where}: pass {argument}={kind.__name__}(...) or the keywords it holds "
+            f"({', '.join(differ)}), not both (use {argument}.replace(...) to change a setting "
+            f"of a {kind.__name__})"
+        )
+    return given
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    return value is default or (type(value) is type(default) and value == default)

@@ -15,13 +15,6 @@ from typing import Any
 
 from zarr.abc.store import Store
 
-from insitubatch_nodes._checks import (
-    check_batch_transforms,
-    check_bool,
-    check_int,
-    check_on_bad_chunk,
-    check_optional_int,
-)
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
@@ -30,7 +23,8 @@ from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.coords import carried_coordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
-from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
+from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
@@ -92,50 +86,6 @@ class InSituPipeline(PrefetcherNode[Batch]):
         return out
 
 
-def _check_cache_args(
-    cache_dir: Any,
-    persist: Any,
-    readonly: Any,
-    reset_stale: Any,
-    backing: Any,
-    check_store: Any = True,
-    verify: Any = True,
-) -> dict[str, Any] | None:
-    """The cache arguments checked together (``None`` without a ``cache_dir``)."""
-    persist = check_bool("persist", persist)
-    readonly = check_bool("readonly_cache", readonly)
-    reset_stale = check_bool("reset_stale_cache", reset_stale)
-    check_store = check_bool("check_store", check_store)
-    verify = check_bool("verify_cache", verify)
-    if cache_dir is None:
-        named = [n for n, v in (("persist", persist), ("readonly_cache", readonly),
-                                ("reset_stale_cache", reset_stale)) if v]  # fmt: skip
-        if named:
-            raise ValueError(f"{' and '.join(named)} need a cache_dir: pass cache_dir=PATH")
-        if not check_store:
-            raise ValueError("check_store=False needs a persistent cache: pass cache_dir=PATH")
-        if not verify:
-            raise ValueError("verify_cache=False needs a cache_dir: pass cache_dir=PATH")
-        return None
-    if not isinstance(cache_dir, (str, os.PathLike)) or not os.fspath(cache_dir):
-        raise TypeError(f"cache_dir must be a path (str or os.PathLike) or None, got {cache_dir!r}")
-    if backing is not None:
-        raise ValueError("cache_dir chooses the slot backing itself: pass cache_dir or backing")
-    if readonly and reset_stale:
-        raise ValueError(
-            "reset_stale_cache=True deletes files and readonly_cache=True writes nothing: reset "
-            "the cache with a writing run first"
-        )
-    return {
-        "cache_dir": cache_dir,
-        "persist": persist or readonly,
-        "readonly": readonly,
-        "reset_stale": reset_stale,
-        "check_store": check_store,
-        "verify": verify,
-    }
-
-
 def insitu_pipeline(
     store: Store | str | os.PathLike[str],
     manifest: SplitManifest,
@@ -168,6 +118,8 @@ def insitu_pipeline(
     check_store: bool = True,
     coords: Sequence[str] | None = None,
     config: PlanConfig | None = None,
+    fetch: FetchOptions | None = None,
+    cache: CacheOptions | None = None,
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
@@ -181,15 +133,21 @@ def insitu_pipeline(
     ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes ``split``,
     ``batch_size``, ``block_chunks``, ``shuffle``, ``seed``, ``rank``, ``world_size``,
     ``cross_split_windows`` and ``remainder`` (and ``ramp``, which has no keyword here) as one
-    object; give either it or those keywords (one off its default beside ``config`` raises
-    ``TypeError``).
+    object. In the same way ``fetch`` (a :class:`~insitubatch_nodes.options.FetchOptions`)
+    holds ``max_inflight``, ``decode_threads``, ``retry``, ``on_bad_chunk``, ``report`` and
+    ``prefetch_depth`` (and ``direct``, which has no keyword here), and ``cache`` (a
+    :class:`~insitubatch_nodes.options.CacheOptions`) holds ``cache_budget_bytes``,
+    ``backing``, ``cache_dir``, ``persist``, ``readonly_cache``, ``reset_stale_cache``,
+    ``verify_cache`` and ``check_store``. Give each group either as its object or as keywords:
+    a keyword off its default beside the object raises ``TypeError``. Each object is checked
+    once, when it is made; the stages, the schedule and the pool trust it.
 
     ``cache_budget_bytes=None`` sizes the pool to each epoch's working set (each chunk read once
     per epoch); a larger budget keeps drained chunks for later epochs; one too small for some
     epoch raises ``ValueError`` here, stating the floor (see :func:`choose_schedule`).
     ``max_inflight`` bounds concurrent stored-object GETs; ``decode_threads`` sizes the shared
-    decode pool (default: one per core). Every argument is checked here: counts must be ``int``
-    (not ``bool``), flags ``bool``.
+    decode pool (default: one per core). Every argument is checked here, once: counts must be
+    ``int`` (not ``bool``), flags ``bool``.
 
     ``retry`` (a :class:`~insitubatch_nodes.io.stores.RetryPolicy`) bounds every read: with a URL
     or path it is what the store is opened with; with an opened ``Store`` its ``timeout_s`` is
@@ -230,121 +188,214 @@ def insitu_pipeline(
     coordinate array is read and decoded once, here, within ``retry``'s ``timeout_s`` (a read
     that fails raises ``OSError`` or ``TimeoutError`` naming the coordinate).
     """
-    plan_config = resolve_plan_config(
+    plan_config, fetch_options, cache_options = _options(
         config,
-        "insitu_pipeline",
-        split=split,
-        batch_size=batch_size,
-        block_chunks=block_chunks,
-        shuffle=shuffle,
-        seed=seed,
-        rank=rank,
-        world_size=world_size,
-        cross_split_windows=cross_split_windows,
-        remainder=remainder,
+        fetch,
+        cache,
+        plan={"split": split, "batch_size": batch_size, "block_chunks": block_chunks,
+              "shuffle": shuffle, "seed": seed, "rank": rank, "world_size": world_size,
+              "cross_split_windows": cross_split_windows, "remainder": remainder},
+        fetch={"max_inflight": max_inflight, "decode_threads": decode_threads, "retry": retry,
+               "on_bad_chunk": on_bad_chunk, "report": report,
+               "prefetch_depth": prefetch_depth},
+        cache={"cache_budget_bytes": cache_budget_bytes, "backing": backing,
+               "cache_dir": cache_dir, "persist": persist, "readonly_cache": readonly_cache,
+               "reset_stale_cache": reset_stale_cache, "verify_cache": verify_cache,
+               "check_store": check_store},
+    )  # fmt: skip
+    zstore = _open_store(store, fetch_options.retry)
+    views, geoms = _resolve_views(zstore, variables)
+    carried = _carried_coordinates(zstore, views, coords, fetch_options.retry)
+    # the chunk transforms are checked here, and say what the slots and batches hold
+    transforms = ChunkTransforms(chunk_transforms, geoms)
+    views = {label: transforms.output_view(view) for label, view in views.items()}
+    # the schedule is decided first (and fails fast, here, when the budget is too small)
+    schedule = choose_schedule(
+        manifest,
+        views,
+        cache_options.budget_bytes,
+        plan_config,
+        revive=cache_options.persistent and plan_config.shuffle,
     )
-    max_inflight = check_int("max_inflight", max_inflight, minimum=1)
-    prefetch_depth = check_int("prefetch_depth", prefetch_depth, minimum=1)
-    cache_budget_bytes = check_optional_int("cache_budget_bytes", cache_budget_bytes, minimum=1)
-    decode_threads = check_optional_int("decode_threads", decode_threads, minimum=1)
-    report = check_bool("report", report)
-    on_bad_chunk = check_on_bad_chunk(on_bad_chunk)
-    cache_args = _check_cache_args(
-        cache_dir, persist, readonly_cache, reset_stale_cache, backing, check_store, verify_cache
+    plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
+    chunk_cache = _open_cache(cache_options, zstore, geoms, transforms, plan.rank)
+    return _compose_stages(
+        plan,
+        zstore,
+        geoms,
+        views,
+        transforms,
+        batch_transforms,
+        carried,
+        fetch_options,
+        cache_options,
+        chunk_cache,
     )
-    batch_transforms = check_batch_transforms(batch_transforms)
-    if backing is not None and not all(
-        callable(getattr(backing, m, None)) for m in ("allocate", "release")
-    ):
-        raise TypeError(
-            f"backing must be a SlotBacking (with allocate() and release()) or None, got "
-            f"{backing!r}"
-        )
-    # -- the store, its retry policy, and a check that it holds the arrays --------------------
-    if retry is not None and not isinstance(retry, RetryPolicy):
-        raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
-    zstore = (
-        as_store(store)
-        if retry is None or isinstance(store, Store)
-        else as_store(store, retry=retry)
+
+
+# Each settings object's fields, by the builder keyword that sets it.
+_PLAN_KEYWORDS = {
+    name: name
+    for name in ("split", "batch_size", "block_chunks", "shuffle", "seed", "rank",
+                 "world_size", "cross_split_windows", "remainder")
+}  # fmt: skip
+_FETCH_KEYWORDS = {
+    name: name
+    for name in ("max_inflight", "decode_threads", "retry", "on_bad_chunk", "report",
+                 "prefetch_depth")
+}  # fmt: skip
+_CACHE_KEYWORDS = {
+    "cache_budget_bytes": "budget_bytes",
+    "backing": "backing",
+    "cache_dir": "cache_dir",
+    "persist": "persist",
+    "readonly_cache": "readonly",
+    "reset_stale_cache": "reset_stale",
+    "verify_cache": "verify",
+    "check_store": "check_store",
+}
+
+
+def _options(
+    config: PlanConfig | None,
+    fetch_options: FetchOptions | None,
+    cache_options: CacheOptions | None,
+    *,
+    plan: Mapping[str, Any],
+    fetch: Mapping[str, Any],
+    cache: Mapping[str, Any],
+) -> tuple[PlanConfig, FetchOptions, CacheOptions]:
+    """The three settings objects the pipeline is built from, each checked once: the one
+    given, or one made from the loose keywords (``plan``, ``fetch``, ``cache``: keyword ->
+    value); an object beside a keyword off its default raises ``TypeError``."""
+
+    def resolve(given: Any, kind: type, keywords: Mapping[str, Any], table: Mapping[str, str],
+                argument: str) -> Any:  # fmt: skip
+        fields = {table[kw]: (kw, value) for kw, value in keywords.items()}
+        return resolve_options(given, kind, fields, where="insitu_pipeline", argument=argument)
+
+    return (
+        resolve(config, PlanConfig, plan, _PLAN_KEYWORDS, "config"),
+        resolve(fetch_options, FetchOptions, fetch, _FETCH_KEYWORDS, "fetch"),
+        resolve(cache_options, CacheOptions, cache, _CACHE_KEYWORDS, "cache"),
     )
+
+
+def _open_store(store: Store | str | os.PathLike[str], retry: RetryPolicy | None) -> Store:
+    """The store to read: a URL or path opened (with ``retry`` when given), a ``Store`` as is
+    (``retry`` then bounds each GET's deadline only)."""
+    if retry is None or isinstance(store, Store):
+        return as_store(store)
+    return as_store(store, retry=retry)
+
+
+def _resolve_views(
+    zstore: Store, variables: Sequence[str] | Mapping[str, ArrayGeometry]
+) -> tuple[dict[str, ArrayGeometry], dict[str, ArrayGeometry]]:
+    """``(views, geoms)``: label -> view (array names opened from the store; given views
+    checked against it), and path -> the array's geometry, one per array read."""
     if isinstance(variables, Mapping):  # views may come from elsewhere: check this store
-        views = {label: v for label, v in variables.items() if isinstance(v, ArrayGeometry)}
-        check_arrays_in_store(zstore, {v.path: v.base for v in views.values()})
-    if isinstance(variables, Mapping):
-        labels = dict(variables)
+        given = {label: v for label, v in variables.items() if isinstance(v, ArrayGeometry)}
+        check_arrays_in_store(zstore, {v.path: v.base for v in given.values()})
+        views = dict(variables)
     else:
         names = [variables] if isinstance(variables, str) else list(variables)
-        labels = dict(open_geometries(zstore, names))
-    if not labels:
+        views = dict(open_geometries(zstore, names))
+    if not views:
         raise ValueError("variables is empty: name at least one array to train on")
     geoms: dict[str, ArrayGeometry] = {}
-    for label, view in labels.items():
+    for label, view in views.items():
         if not isinstance(view, ArrayGeometry):
             raise TypeError(f"variables[{label!r}] must be an ArrayGeometry view, got {view!r}")
         base = geoms.setdefault(view.path, view.base)
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
+    return views, geoms
+
+
+def _carried_coordinates(
+    zstore: Store,
+    views: Mapping[str, ArrayGeometry],
+    coords: Sequence[str] | None,
+    retry: RetryPolicy | None,
+) -> dict[str, Any]:
+    """The coordinates each batch carries (see ``coords`` of :func:`insitu_pipeline`), read
+    and decoded once, here."""
     if isinstance(coords, str):
         coords = [coords]
     if coords is not None and not isinstance(coords, Sequence):
         raise TypeError(f"coords must be None or a sequence of coordinate names, got {coords!r}")
-    carried = (
-        carried_coordinates(
-            zstore,
-            labels,
-            None if coords is None else list(coords),
-            timeout_s=(retry or retry_policy(zstore)).timeout_s,
-        )
-        if coords is None or len(coords)
-        else {}
+    if coords is not None and not len(coords):
+        return {}
+    return carried_coordinates(
+        zstore,
+        views,
+        None if coords is None else list(coords),
+        timeout_s=(retry or retry_policy(zstore)).timeout_s,
     )
-    # the chunk transforms are checked here, and say what the slots and batches hold
-    transforms = ChunkTransforms(chunk_transforms, geoms)
-    labels = {label: transforms.output_view(view) for label, view in labels.items()}
-    slot_geoms = transforms.outputs
 
-    # the schedule is decided first (and fails fast, here, when the budget is too small)
-    schedule = choose_schedule(
-        manifest,
-        labels,
-        cache_budget_bytes,
-        revive=cache_args is not None and cache_args["persist"] and plan_config.shuffle,
-        config=plan_config,
+
+def _open_cache(
+    options: CacheOptions,
+    zstore: Store,
+    geoms: Mapping[str, ArrayGeometry],
+    transforms: ChunkTransforms,
+    rank: int,
+) -> ChunkCache | None:
+    """The chunk cache on local disk (``None`` without a ``cache_dir``): the directory of
+    ``rank``, keyed by each array's fingerprint after its chunk transforms."""
+    if options.cache_dir is None:
+        return None
+    fingerprints = {
+        path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
+        for path, out in transforms.outputs.items()
+    }
+    store_check = StoreCheck(
+        zstore,
+        {path: g.n_tiles for path, g in geoms.items()},
+        enabled=options.check_store,
+        name=describe_store(zstore),
     )
-    plan = ReadPlanNode(manifest, labels, schedule=schedule, config=plan_config)
-    cache = None
-    if cache_args is not None:
-        fingerprints = {
-            path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
-            for path, out in slot_geoms.items()
-        }
-        store_check = StoreCheck(
-            zstore,
-            {path: g.n_tiles for path, g in geoms.items()},
-            enabled=cache_args.pop("check_store"),
-            name=describe_store(zstore),
-        )
-        cache = ChunkCache(
-            cache_args.pop("cache_dir"),
-            fingerprints,
-            rank=plan.rank,
-            store_check=store_check,
-            **cache_args,
-        )
+    return ChunkCache(
+        options.cache_dir,
+        fingerprints,
+        rank=rank,
+        store_check=store_check,
+        persist=options.persistent,
+        readonly=options.readonly,
+        reset_stale=options.reset_stale,
+        verify=options.verify,
+    )
+
+
+def _compose_stages(
+    plan: ReadPlanNode,
+    zstore: Store,
+    geoms: dict[str, ArrayGeometry],
+    labels: dict[str, ArrayGeometry],
+    transforms: ChunkTransforms,
+    batch_transforms: Sequence[BatchTransform],
+    carried: dict[str, Any],
+    options: FetchOptions,
+    cache_options: CacheOptions,
+    cache: ChunkCache | None,
+) -> InSituPipeline:
+    """The pool and the stages below the read plan, composed (``cache`` is closed when one of
+    them cannot be built)."""
     try:
-        pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
+        pool = ChunkPool(cache_options.budget_bytes, backing=cache_options.backing, cache=cache)
         fetch = AsyncChunkFetchNode(
             plan,
             zstore,
             geoms,
             pool,
-            max_inflight=max_inflight,
-            decode_threads=decode_threads,
-            retry=retry,
+            max_inflight=options.max_inflight,
+            decode_threads=options.decode_threads,
+            retry=options.retry,
             chunk_transforms=transforms,
-            on_bad_chunk=on_bad_chunk,
-            report=report,
+            on_bad_chunk=options.on_bad_chunk,
+            direct=options.direct,
+            report=options.report,
         )
         resident = ChunkPoolNode(fetch)
         # (the gather takes the views and batch size from the plan, sizes its buffers to the
@@ -356,6 +407,6 @@ def insitu_pipeline(
         raise
     return InSituPipeline(
         gather,
-        prefetch_depth,
+        options.prefetch_depth,
         {"plan": plan, "fetch": fetch, "resident": resident, "pool": pool},
     )

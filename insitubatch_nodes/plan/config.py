@@ -2,16 +2,18 @@
 
 The same ten settings — ``split, batch_size, block_chunks, shuffle, seed, rank, world_size,
 ramp, cross_split_windows, remainder`` — describe a read plan wherever one is drawn or sized:
+:func:`~insitubatch_nodes.plan.epoch.plan_epoch`,
 :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`,
-:func:`~insitubatch_nodes.plan.schedule.choose_schedule`,
-:func:`~insitubatch_nodes.plan.schedule.schedule_floors` and
-:func:`~insitubatch_nodes.insitu_pipeline` each take one as ``config=``, and still take the
-settings as loose keywords (:func:`resolve_plan_config` turns either into a ``PlanConfig``).
+:func:`~insitubatch_nodes.plan.schedule.choose_schedule` and
+:func:`~insitubatch_nodes.plan.schedule.schedule_floors` each take one as ``config`` and trust
+it (it was checked when it was made); only the builder,
+:func:`~insitubatch_nodes.insitu_pipeline`, also takes the settings as loose keywords.
 Pure Python: no torchdata, no numpy arrays.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -20,7 +22,7 @@ from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
 from insitubatch_nodes.plan.ranks import check_remainder
 from insitubatch_nodes.plan.splits import SPLITS
 
-__all__ = ["SCHEDULE_FIELDS", "PlanConfig", "resolve_plan_config"]
+__all__ = ["SCHEDULE_FIELDS", "PlanConfig", "plan_config"]
 
 # The settings the schedule functions (choose_schedule, schedule_floors) depend on: the bounds
 # hold for every shuffle, seed, rank and ramp, so those four are not among them.
@@ -103,38 +105,28 @@ class PlanConfig:
         unknown name raises ``TypeError``."""
         return dataclasses.replace(self, **changes)
 
-    def schedule_kwargs(self) -> dict[str, Any]:
-        """The keywords :func:`~insitubatch_nodes.plan.schedule.choose_schedule` and
-        :func:`~insitubatch_nodes.plan.schedule.schedule_floors` take (:data:`SCHEDULE_FIELDS`),
-        for a caller that passes them loose."""
-        return {name: getattr(self, name) for name in SCHEDULE_FIELDS}
+    def for_rank(self, rank: int, world_size: int) -> PlanConfig:
+        """A copy for ``rank`` of ``world_size`` ranks, as a read plan resolves them (from
+        ``torch.distributed``, or another world's share on elastic resume). Only those two are
+        checked (``ValueError`` unless ``0 <= rank < world_size``): the other fields were checked
+        when this config was made."""
+        rank, world_size = int(rank), int(world_size)
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(
+                f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+            )
+        out = copy.copy(self)
+        object.__setattr__(out, "rank", rank)
+        object.__setattr__(out, "world_size", world_size)
+        return out
 
 
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
-
-
-def _is_default(name: str, value: Any) -> bool:
-    default = _DEFAULTS[name]
-    return value is default or (type(value) is type(default) and value == default)
-
-
-def resolve_plan_config(config: PlanConfig | None, where: str, **keywords: Any) -> PlanConfig:
-    """The one :class:`PlanConfig` a function with both ``config=`` and the loose plan
-    keywords works from.
-
-    ``keywords`` are the loose plan keywords ``where`` (the function's name, for messages) was
-    called with, each a :class:`PlanConfig` field. Without ``config`` they build the config
-    (and are checked there). With ``config`` every one of them must still be at its default:
-    one that differs raises ``TypeError`` naming it — pass the settings one way, not both.
-    """
+def plan_config(config: PlanConfig | None, where: str) -> PlanConfig:
+    """``config``, or the default :class:`PlanConfig` for ``None``; anything else raises
+    ``TypeError`` naming ``where`` (the function it was passed to). Nothing is checked again:
+    a ``PlanConfig`` was checked when it was made."""
     if config is None:
-        return PlanConfig(**keywords)
+        return PlanConfig()
     if not isinstance(config, PlanConfig):
         raise TypeError(f"{where}: config must be a PlanConfig or None, got {config!r}")
-    given = [name for name, value in keywords.items() if not _is_default(name, value)]
-    if given:
-        raise TypeError(
-            f"{where}: pass config=PlanConfig(...) or the plan keywords ({', '.join(given)}), "
-            "not both (use config.replace(...) to change a setting of a config)"
-        )
     return config

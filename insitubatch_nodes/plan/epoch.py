@@ -38,10 +38,11 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec
 from insitubatch_nodes.plan.ranks import deal
-from insitubatch_nodes.plan.splits import SPLITS, SplitManifest
+from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = ["block_index", "patch_layout", "plan_epoch", "plan_groups"]
 
@@ -99,7 +100,7 @@ def chunk_counts(
 
 def _epoch_samples(
     manifest: SplitManifest,
-    labels: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
     split: str,
     epoch: int,
     shuffle: bool,
@@ -109,7 +110,7 @@ def _epoch_samples(
     """The epoch's rank-independent sample pool: ``(chunks, counts, anchors)`` — the split's
     chunks in visiting order, their valid-anchor counts and all valid anchors laid out chunk
     after chunk (each chunk's ascending)."""
-    offsets = [g.offset for g in labels.values()]
+    offsets = [g.offset for g in views.values()]
     chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
     if shuffle:
         chunks = np.random.default_rng([seed, epoch, 0]).permutation(chunks)
@@ -117,15 +118,15 @@ def _epoch_samples(
     return chunks, counts, _runs(starts, counts)
 
 
-def patch_layout(labels: Mapping[str, ArrayGeometry], block_chunks: int) -> PatchLayout | None:
-    """The :class:`PatchLayout` of a plan over ``labels`` (``None`` without patched views)."""
-    spec = patch_spec(labels)
+def patch_layout(views: Mapping[str, ArrayGeometry], block_chunks: int) -> PatchLayout | None:
+    """The :class:`PatchLayout` of a plan over ``views`` (``None`` without patched views)."""
+    spec = patch_spec(views)
     return None if spec is None else PatchLayout(spec, block_chunks)
 
 
 def _patch_samples(
     manifest: SplitManifest,
-    labels: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
     layout: PatchLayout,
     split: str,
     epoch: int,
@@ -135,7 +136,7 @@ def _patch_samples(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_epoch_samples` of a patched plan: ``(patch chunks, counts, sample ids)`` (see
     :mod:`~insitubatch_nodes.plan.patches`), the patch chunks permuted when shuffling."""
-    offsets = [g.offset for g in labels.values()]
+    offsets = [g.offset for g in views.values()]
     chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
     starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     pc, cnt, ids = layout.samples(chunks, starts, counts)
@@ -217,23 +218,18 @@ def _stage_seeds(seed: int, epoch: int, rank: int, stage: int) -> tuple[list[int
 
 def plan_epoch(
     manifest: SplitManifest,
-    labels: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
+    config: PlanConfig | None = None,
     *,
-    split: str = "train",
     epoch: int = 0,
-    batch_size: int = 32,
-    block_chunks: int = 16,
-    shuffle: bool = True,
-    seed: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
-    ramp: bool = True,
     pin_gap: int | None = None,
-    cross_split_windows: bool = False,
-    remainder: str = "drop",
     resumed: Sequence[Stage] = (),
 ) -> EpochPlan:
-    """Draw one rank's plan for one epoch. Pure: same arguments, same plan.
+    """Draw one rank's plan for one epoch of ``config`` (a
+    :class:`~insitubatch_nodes.plan.config.PlanConfig`; ``None``: the defaults). Pure: same
+    arguments, same plan. The config is trusted (it was checked when it was made); its
+    ``rank``/``world_size`` left at ``None`` mean rank 0 of 1 here (``ReadPlanNode`` resolves
+    them from ``torch.distributed`` before it draws).
 
     ``pin_gap=None`` keeps each chunk from its first reading batch to its last (each chunk is
     fetched once per epoch). With ``pin_gap=g`` a chunk that goes more than ``g`` batches
@@ -249,15 +245,21 @@ def plan_epoch(
     fresh epoch's are, its batches numbered from the last cut's ``k``
     (:attr:`EpochPlan.first_batch`).
     """
+    cfg = plan_config(config, "plan_epoch")
+    split, batch_size, block_chunks = cfg.split, cfg.batch_size, cfg.block_chunks
+    shuffle, seed, cross_split_windows = cfg.shuffle, cfg.seed, cfg.cross_split_windows
+    remainder, ramp = cfg.remainder, cfg.ramp
+    rank = 0 if cfg.rank is None else cfg.rank
+    world_size = 1 if cfg.world_size is None else cfg.world_size
     spc = manifest.samples_per_chunk
-    layout = patch_layout(labels, block_chunks)
+    layout = patch_layout(views, block_chunks)
     if layout is None:
         chunks, counts, anchors = _epoch_samples(
-            manifest, labels, split, epoch, shuffle, seed, cross_split_windows
+            manifest, views, split, epoch, shuffle, seed, cross_split_windows
         )
     else:  # "anchors" are sample ids (anchor * P + patch) until the ledger is drawn
         chunks, counts, anchors = _patch_samples(
-            manifest, labels, layout, split, epoch, shuffle, seed, cross_split_windows
+            manifest, views, layout, split, epoch, shuffle, seed, cross_split_windows
         )
     ledger = functools.partial(
         _ledger,
@@ -307,11 +309,11 @@ def plan_epoch(
         samples_per_chunk=spc,
         chunks=chunks,
         order=order,
-        labels=dict(labels),
+        views=dict(views),
         pin_gap=pin_gap,
         first_batch=done,
         resumed=tuple((int(w), int(k)) for w, k in resumed),
-        ledgers=_ledgers(labels, anchors, batch_size, n_batches, gap, origins),
+        ledgers=_ledgers(views, anchors, batch_size, n_batches, gap, origins),
         _block_of_row=block,
         _block_of_chunk=block_of_chunk,
         origins=origins,
@@ -319,16 +321,16 @@ def plan_epoch(
 
 
 def plan_groups(
-    labels: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
 ) -> list[tuple[int, tuple[int, ...], list[str]]]:
     """``(samples_per_chunk, offsets, paths)`` of each plan group: the arrays whose views chunk
     the sample axis alike and sit at the same (sorted) offsets, in label order. Such arrays
     read the same chunk indices in the same rows of every plan."""
-    views: dict[str, list[ArrayGeometry]] = {}
-    for g in labels.values():
-        views.setdefault(g.path, []).append(g)
+    by_path: dict[str, list[ArrayGeometry]] = {}
+    for g in views.values():
+        by_path.setdefault(g.path, []).append(g)
     groups: dict[tuple[int, tuple[int, ...], Any], list[str]] = {}
-    for path, vs in views.items():
+    for path, vs in by_path.items():
         # patched arrays read units of their own tiles: only arrays tiled alike share a ledger
         tiling = None if vs[0].patch is None else (vs[0].shape, vs[0].chunks)
         key = (vs[0].samples_per_chunk, tuple(sorted(g.offset for g in vs)), tiling)
@@ -337,7 +339,7 @@ def plan_groups(
 
 
 def _ledgers(
-    labels: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
     anchors: np.ndarray,
     batch_size: int,
     n_batches: int,
@@ -347,12 +349,12 @@ def _ledgers(
     """One :class:`ChunkLedger` per plan group for the rows ``anchors`` (emitted order) and,
     in a patched plan, their window ``origins``."""
     n_emit = len(anchors)
-    rank = {path: i for i, path in enumerate(dict.fromkeys(g.path for g in labels.values()))}
-    by_path = {g.path: g for g in labels.values()}
-    spec = patch_spec(labels)
+    rank = {path: i for i, path in enumerate(dict.fromkeys(g.path for g in views.values()))}
+    by_path = {g.path: g for g in views.values()}
+    spec = patch_spec(views)
     bounds = np.arange(n_batches + 1, dtype=np.int64)
     out = []
-    for pspc, offsets, paths in plan_groups(labels):
+    for pspc, offsets, paths in plan_groups(views):
         windows = None
         if by_path[paths[0]].patch is not None:
             assert spec is not None and origins is not None
@@ -399,35 +401,34 @@ def _ledgers(
 
 
 def check_plan_inputs(
-    manifest: Any, variables: Any, split: Any, cross_split_windows: bool
+    manifest: Any, views: Any, split: str, cross_split_windows: bool
 ) -> dict[str, ArrayGeometry]:
-    """Validate the data a plan is drawn over; the views as a plain dict."""
+    """Validate the data a plan is drawn over (``split`` and ``cross_split_windows`` come from a
+    checked :class:`PlanConfig`); the views as a plain dict."""
     if not isinstance(manifest, SplitManifest):
         raise TypeError(f"manifest must be a SplitManifest, got {type(manifest).__name__}")
-    if not isinstance(split, str) or split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if not isinstance(variables, Mapping) or not variables:
-        raise ValueError("variables must be a non-empty {label: ArrayGeometry} mapping")
-    for label, geom in variables.items():
+    if not isinstance(views, Mapping) or not views:
+        raise ValueError("views must be a non-empty {label: ArrayGeometry} mapping")
+    for label, geom in views.items():
         if not isinstance(label, str) or not label:
             raise ValueError(f"labels must be non-empty strings, got {label!r}")
         if not isinstance(geom, ArrayGeometry):
-            raise TypeError(f"variables[{label!r}] must be an ArrayGeometry, got {geom!r}")
+            raise TypeError(f"views[{label!r}] must be an ArrayGeometry, got {geom!r}")
         if geom.n_samples != manifest.n_samples:
             raise ValueError(
-                f"variables[{label!r}] ({geom.path}) has {geom.n_samples} samples along its "
+                f"views[{label!r}] ({geom.path}) has {geom.n_samples} samples along its "
                 f"sample axis but the manifest's anchor grid has {manifest.n_samples}; all "
                 "labels must share the sample-axis length"
             )
-    whole = {g.path for g in variables.values() if g.patch is None}
-    both = sorted({g.path for g in variables.values() if g.patch is not None} & whole)
+    whole = {g.path for g in views.values() if g.patch is None}
+    both = sorted({g.path for g in views.values() if g.patch is not None} & whole)
     if both:
         raise ValueError(
             f"arrays {both} are read both whole and patched; read an array one way in a plan "
             "(a whole field and its windows would need two kinds of slot)"
         )
-    patch_spec(variables)  # patched views must cut their fields alike
-    offsets = [g.offset for g in variables.values()]
+    patch_spec(views)  # patched views must cut their fields alike
+    offsets = [g.offset for g in views.values()]
     lo, hi = _valid_anchor_range(manifest.n_samples, offsets)
     if hi <= lo and manifest.n_samples > 0:
         raise ValueError(
@@ -443,4 +444,4 @@ def check_plan_inputs(
             "longer split or shorter windows, or pass cross_split_windows=True to let windows "
             "read across the split's edge"
         )
-    return dict(variables)
+    return dict(views)

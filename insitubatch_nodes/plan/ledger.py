@@ -191,7 +191,7 @@ class EpochPlan:
     samples_per_chunk: int
     chunks: np.ndarray  # this rank's anchor chunks, in visiting order
     order: np.ndarray  # (N, 2) ledger (chunk_id, within)
-    labels: Mapping[str, ArrayGeometry]
+    views: Mapping[str, ArrayGeometry]  # label -> the view it reads
     pin_gap: int | None  # the residency schedule this epoch uses (None = read-once)
     first_batch: int  # batches of this epoch delivered before this plan (elastic resume)
     resumed: tuple[Stage, ...]  # the elastic cuts this epoch went through, oldest first
@@ -306,7 +306,7 @@ class EpochPlan:
         anchors.setflags(write=False)
         by_offset: dict[int, np.ndarray] = {}
         sample_indices: dict[str, np.ndarray] = {}
-        for label, geom in self.labels.items():
+        for label, geom in self.views.items():
             samples = by_offset.get(geom.offset)
             if samples is None:  # labels at one offset share one (read-only) array
                 samples = by_offset[geom.offset] = anchors + geom.offset
@@ -325,7 +325,7 @@ class EpochPlan:
             origins=origins,
             patch_origins={
                 label: origins
-                for label, geom in self.labels.items()
+                for label, geom in self.views.items()
                 if origins is not None and geom.patch is not None
             },
         )

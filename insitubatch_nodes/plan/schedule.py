@@ -9,6 +9,7 @@ Pure numpy over the plan: no pool, no threads.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -18,9 +19,9 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes._checks import check_int, check_optional_int
+from insitubatch_nodes._checks import check_optional_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
+from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     block_index,
     check_plan_inputs,
@@ -102,7 +103,7 @@ class ScheduleFloors:
 
 def _anchor_chunk_bytes(
     manifest: SplitManifest,
-    variables: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
     chunks: np.ndarray,
     starts: np.ndarray,
     counts: np.ndarray,
@@ -112,8 +113,8 @@ def _anchor_chunk_bytes(
     them reads, and whether some stored chunk is read by two different anchor chunks."""
     weight = np.zeros(len(chunks), dtype=np.int64)
     total, shared = 0, False
-    nbytes_of = {g.path: g.base.chunk_nbytes for g in reversed(list(variables.values()))}
-    for pspc, offsets, paths in plan_groups(variables):
+    nbytes_of = {g.path: g.base.chunk_nbytes for g in reversed(list(views.values()))}
+    for pspc, offsets, paths in plan_groups(views):
         # the arrays of a plan group read the same chunks: count them once, weigh by all
         nbytes = sum(nbytes_of[path] for path in paths)
         owners, ids = [], []
@@ -138,7 +139,7 @@ def _anchor_chunk_bytes(
 
 
 def _patch_chunk_bytes(
-    variables: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
     layout: PatchLayout,
     chunks: np.ndarray,
     starts: np.ndarray,
@@ -152,17 +153,17 @@ def _patch_chunk_bytes(
     cnt = (counts[:, None] * layout.region_counts[None, :]).ravel()
     weight = np.zeros(len(cnt), dtype=np.int64)
     total = 0
-    views: dict[str, list[ArrayGeometry]] = {}
-    for g in variables.values():
-        views.setdefault(g.path, []).append(g)
-    for pspc, offsets, paths in plan_groups(variables):
-        geom = views[paths[0]][0]
+    view_of: dict[str, ArrayGeometry] = {}  # the first view of each array
+    for g in views.values():
+        view_of.setdefault(g.path, g)
+    for pspc, offsets, paths in plan_groups(views):
+        geom = view_of[paths[0]]
         if geom.patch is not None:
             rim = WindowUnits(geom.base, layout.spec, offsets).rim(layout)
-            per_chunk = sum(unit_geometry(views[p][0]).chunk_nbytes for p in paths) * rim
-            every = sum(views[p][0].base.chunk_nbytes for p in paths)
+            per_chunk = sum(unit_geometry(view_of[p]).chunk_nbytes for p in paths) * rim
+            every = sum(view_of[p].base.chunk_nbytes for p in paths)
         else:
-            per_chunk = every = sum(views[p][0].chunk_nbytes for p in paths)
+            per_chunk = every = sum(view_of[p].chunk_nbytes for p in paths)
         span_total = np.zeros(len(chunks), dtype=np.int64)
         read = []
         for offset in sorted(set(offsets)):
@@ -229,27 +230,18 @@ def _layout_maxima(
 
 def schedule_floors(
     manifest: SplitManifest,
-    variables: Mapping[str, ArrayGeometry],
-    *,
-    split: str = "train",
-    batch_size: int = 32,
-    block_chunks: int = 16,
-    cross_split_windows: bool = False,
-    remainder: str = "drop",
-    world_size: int | None = None,
+    views: Mapping[str, ArrayGeometry],
     config: PlanConfig | None = None,
 ) -> ScheduleFloors:
     """Permutation-independent upper bounds of each schedule's working-set floor.
 
-    They hold for every epoch, seed and rank of ``world_size`` ranks (default:
+    ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`, trusted; ``None``: the
+    defaults) is the plan's; only its ``split, batch_size, block_chunks, cross_split_windows,
+    remainder, world_size`` matter here (:data:`~insitubatch_nodes.plan.config.SCHEDULE_FIELDS`).
+    The bounds hold for every epoch, seed and rank of ``world_size`` ranks (default:
     ``torch.distributed``'s, else 1 — as :class:`ReadPlanNode` resolves it), with or without
     ``shuffle`` and ``ramp``; with ``remainder="drop"`` the bounds for any ``world_size > 1``
     hold for every world size.
-
-    ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes the same settings
-    as one object instead of the loose keywords (not both: a keyword off its default beside it
-    raises ``TypeError``); only its ``split, batch_size, block_chunks, cross_split_windows,
-    remainder, world_size`` matter here.
 
     **Tails.** With several ranks a rank's ledger (:func:`deal`) is whole chunks — no two the
     same — then at most two partial pieces of tail chunks: at most ``len(split chunks)``
@@ -259,15 +251,16 @@ def schedule_floors(
     at least its smallest whole chunks and one row. A padded sample (``remainder="pad"``) is a
     one-row piece after those, possibly of a chunk the rank reads elsewhere: the layout then
     allows ``world_size - 1`` more positions, ``2q`` more slack and ``q - 1`` per padded sample,
-    and a full block counts one row per piece.
+    and a full block counts one row per piece (:class:`_Deal`).
 
     Let ``w(c)`` be the bytes of the stored chunks anchor chunk ``c``'s anchors read,
-    ``top(k)`` the sum of the ``k`` largest ``w`` and ``g`` the bounded schedule's gap
-    (:func:`block_batches`). The ledger is a run of blocks of at most ``block_chunks`` chunks;
-    each chunk holds at most ``q`` rows (its valid anchors), so a block lies within a known
-    distance of where it would lie with ``q`` rows per chunk, and so does every batch. From
-    that layout (and, as a fallback, from the fewest rows a block can hold) come the most anchor
-    chunks a run of rows can touch:
+    ``top(k)`` the sum of the ``k`` largest ``w`` (:meth:`_Units.top`) and ``g`` the bounded
+    schedule's gap (:func:`block_batches`). The ledger is a run of blocks of at most
+    ``block_chunks`` chunks; each chunk holds at most ``q`` rows (its valid anchors), so a block
+    lies within a known distance of where it would lie with ``q`` rows per chunk, and so does
+    every batch (:func:`_layout_maxima`). From that layout (and, as a fallback, from the fewest
+    rows a block can hold: :func:`_most_units`) come the most anchor chunks a run of rows can
+    touch (:class:`_UnitCounts`):
 
     * Bounded: a chunk live at batch ``b`` was read in batches ``(b - g, b]`` (a gap of more than
       ``g`` batches would have released it): live bytes ``<= top(most chunks in g batches)``.
@@ -281,94 +274,169 @@ def schedule_floors(
       ``<= top(max(block chunks, most chunks in one batch))`` — and read-once is then the
       bounded schedule, so the bounded bound holds for it too.
     """
-    cfg = resolve_plan_config(
-        config,
-        "schedule_floors",
-        split=split,
-        batch_size=batch_size,
-        block_chunks=block_chunks,
-        cross_split_windows=cross_split_windows,
-        remainder=remainder,
-        world_size=world_size,
-    )
-    split, cross_split_windows = cfg.split, cfg.cross_split_windows
-    variables = check_plan_inputs(manifest, variables, split, cross_split_windows)
-    bs, bc = cfg.batch_size, cfg.block_chunks
-    spc = manifest.samples_per_chunk
-    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
-    offsets = [g.offset for g in variables.values()]
-    starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
-    keep = counts > 0
-    layout = patch_layout(variables, bc)
-    if layout is not None:  # the plan's chunks are patch chunks (one region of one chunk)
-        gap = layout.block_batches(spc, bs)
-        if not keep.any():
-            return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
-        weight, total, counts = _patch_chunk_bytes(
-            variables, layout, chunks[keep], starts[keep], counts[keep]
-        )
-        chunks, keep, shared = counts, counts > 0, True
-        bc, spc = 1, 1
-    else:
-        gap = block_batches(spc, bc, bs)
-        if not keep.any():
-            return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
-        weight, total, shared = _anchor_chunk_bytes(
-            manifest, variables, chunks[keep], starts[keep], counts[keep]
-        )
-    heaviest = np.concatenate([[0], np.cumsum(np.sort(weight)[::-1])])
-    n = int(keep.sum())
-    # With one rank, chunks without a valid anchor stay in the order (they hold no rows);
-    # with several they are dropped before dealing. Count them: a bound for both.
+    cfg = plan_config(config, "schedule_floors")
+    views = check_plan_inputs(manifest, views, cfg.split, cfg.cross_split_windows)
+    units, gap = _plan_units(manifest, views, cfg)
+    if units is None:
+        return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
     world = default_rank_world()[1] if cfg.world_size is None else cfg.world_size
-    n_pad = (
-        world - 1 if cfg.remainder == "pad" else 0
-    )  # padded samples: one-row pieces of their own
-    shared = shared or n_pad > 0  # a padded sample's chunk may be read twice
-    # partial pieces a full block before the last may hold (none with one rank)
-    pieces = 2 + n_pad if n_pad else int(world > 1)
-    whole = max(0, min(bc, len(counts)) - pieces)
-    m = int(np.sort(counts)[:whole].sum()) + min(bc, len(counts)) - whole  # fewest rows in a block
-
-    def most(rows: int, aligned: bool) -> int:
-        if rows <= 0:
-            return 0
-        if m == 0:
-            return min(rows, n)
-        blocks = 1 + (rows - 1) // m if aligned else 2 + max(0, rows - 2) // m
-        return min(rows, n, bc * blocks)
-
-    def top(k: int) -> int:
-        most_bytes = int(heaviest[min(k, n)])
-        # patch chunks share their rims: no more can be live than every unit there is
-        return most_bytes if layout is None else min(most_bytes, total)
-
-    live_chunks = most(gap * bs, aligned=False)
-    once_chunks = max(min(bc, n), most(bs, aligned=False))
-    ahead_chunks = min(n, bc + 2 * most(bs - 1, aligned=True))
-    q = int(counts.max())
-    slack = int((q - counts).sum())
-    if world > 1:
-        slack += 2 * q + n_pad * (q - 1) if n_pad else q
-    n_pos = len(chunks) + n_pad
-    leads = {0, ramp_unit(True, spc, bs)}
-    for lead in leads:
-        found = _layout_maxima(n_pos, bc, lead if lead < bc else 0, q, slack, bs, gap)
-        if found is None:
-            break
-    else:
-        tight = [
-            _layout_maxima(n_pos, bc, lead if lead < bc else 0, q, slack, bs, gap) for lead in leads
-        ]
-        live_chunks = min(live_chunks, max(t[0] for t in tight if t))
-        once_chunks = min(once_chunks, max(t[1] for t in tight if t))
-        ahead_chunks = min(ahead_chunks, max(t[2] for t in tight if t))
-    read_ahead = top(ahead_chunks)
-    bounded = top(live_chunks) + read_ahead
-    read_once = total + read_ahead
-    if not shared:
-        read_once = min(read_once, top(once_chunks) + read_ahead, bounded)
+    deal = _Deal(world=world, padded=world - 1 if cfg.remainder == "pad" else 0)
+    most = _UnitCounts.coarse(units, deal, gap, cfg.batch_size)
+    tight = _UnitCounts.from_layout(units, deal, gap, cfg.batch_size)
+    if tight is not None:
+        most = most.tightened(tight)
+    read_ahead = units.top(most.ahead)
+    bounded = units.top(most.live) + read_ahead
+    read_once = units.total + read_ahead
+    if not (units.shared or deal.padded):  # (a padded sample's chunk may be read twice)
+        read_once = min(read_once, units.top(most.once) + read_ahead, bounded)
     return ScheduleFloors(read_once=read_once, bounded=bounded, pin_gap=gap)
+
+
+@dataclass(frozen=True)
+class _Units:
+    """What a plan's blocks are made of, for :func:`schedule_floors`: anchor chunks, or — in a
+    patched plan — patch chunks (one region of tiles of one anchor chunk, a block each), with
+    the bytes each reads."""
+
+    rows: np.ndarray  # valid anchors of each unit, one block position each (0: none valid)
+    weight: np.ndarray  # bytes of the stored chunks each unit with rows reads (all views)
+    total: int  # bytes of every stored chunk (or tile) any unit reads
+    shared: bool  # whether some stored chunk is read by two units
+    block_units: int  # units per full block: block_chunks, or 1 in a patched plan
+    samples_per_unit: int  # anchors a unit spans: samples_per_chunk, or 1 in a patched plan
+    patched: bool
+
+    @property
+    def n(self) -> int:
+        """Units that hold rows."""
+        return len(self.weight)
+
+    @functools.cached_property
+    def _heaviest(self) -> np.ndarray:
+        """``[0, w1, w1 + w2, ...]`` over the weights, heaviest first."""
+        return np.concatenate([[0], np.cumsum(np.sort(self.weight)[::-1])])
+
+    def top(self, k: int) -> int:
+        """Most bytes ``k`` units can read: the ``k`` heaviest; a patched plan's units share
+        their rims, so never more than every unit there is."""
+        most_bytes = int(self._heaviest[min(k, self.n)])
+        return min(most_bytes, self.total) if self.patched else most_bytes
+
+
+def _plan_units(
+    manifest: SplitManifest, views: Mapping[str, ArrayGeometry], cfg: PlanConfig
+) -> tuple[_Units | None, int]:
+    """The plan's :class:`_Units` (``None`` when no anchor is valid) and the bounded schedule's
+    gap: :func:`block_batches`, or a patched plan's :meth:`PatchLayout.block_batches`."""
+    spc, bs, bc = manifest.samples_per_chunk, cfg.batch_size, cfg.block_chunks
+    chunks = np.asarray(manifest.chunks(cfg.split), dtype=np.int64)
+    offsets = [g.offset for g in views.values()]
+    starts, counts = chunk_counts(manifest, cfg.split, chunks, offsets, cfg.cross_split_windows)
+    keep = counts > 0
+    layout = patch_layout(views, bc)
+    gap = block_batches(spc, bc, bs) if layout is None else layout.block_batches(spc, bs)
+    if not keep.any():
+        return None, gap
+    if layout is None:
+        weight, total, shared = _anchor_chunk_bytes(
+            manifest, views, chunks[keep], starts[keep], counts[keep]
+        )
+        units = _Units(counts, weight, total, shared, bc, spc, patched=False)
+    else:
+        weight, total, rows = _patch_chunk_bytes(
+            views, layout, chunks[keep], starts[keep], counts[keep]
+        )
+        units = _Units(rows, weight, total, True, 1, 1, patched=True)
+    return units, gap
+
+
+@dataclass(frozen=True)
+class _Deal:
+    """How dealing between ranks can reshape a rank's ledger, for :func:`schedule_floors`."""
+
+    world: int  # ranks
+    padded: int  # padded samples (remainder="pad"): one-row pieces of their own
+
+    @property
+    def pieces(self) -> int:
+        """Partial pieces a full block before the last may hold (none with one rank)."""
+        return 2 + self.padded if self.padded else int(self.world > 1)
+
+    def slack(self, q: int) -> int:
+        """Rows a block may move earlier beyond the single-rank layout, for chunks of at most
+        ``q`` rows: the tail pieces' and the padded samples'."""
+        if self.world == 1:
+            return 0
+        return 2 * q + self.padded * (q - 1) if self.padded else q
+
+
+def _fewest_block_rows(units: _Units, deal: _Deal) -> int:
+    """The fewest rows a full block before the last can hold: its smallest whole units, and
+    one row per partial piece."""
+    size = min(units.block_units, len(units.rows))
+    whole = max(0, size - deal.pieces)
+    return int(np.sort(units.rows)[:whole].sum()) + size - whole
+
+
+def _most_units(rows: int, aligned: bool, units: _Units, fewest: int) -> int:
+    """Most units ``rows`` consecutive rows of the ledger can touch, when every full block
+    holds at least ``fewest`` rows; ``aligned``: the run starts at a block's start."""
+    if rows <= 0:
+        return 0
+    if fewest == 0:
+        return min(rows, units.n)
+    blocks = 1 + (rows - 1) // fewest if aligned else 2 + max(0, rows - 2) // fewest
+    return min(rows, units.n, units.block_units * blocks)
+
+
+@dataclass(frozen=True)
+class _UnitCounts:
+    """Most units a schedule can hold at once, for :func:`schedule_floors`."""
+
+    live: int  # read within one gap of batches: the bounded schedule's live units
+    once: int  # live at one batch under read-once, when no stored chunk is shared
+    ahead: int  # fetched by the batches that intersect one block: the read-ahead
+
+    @classmethod
+    def coarse(cls, units: _Units, deal: _Deal, gap: int, batch_size: int) -> _UnitCounts:
+        """From the fewest rows a block can hold (:func:`_fewest_block_rows`)."""
+        fewest = _fewest_block_rows(units, deal)
+        return cls(
+            live=_most_units(gap * batch_size, False, units, fewest),
+            once=max(
+                min(units.block_units, units.n), _most_units(batch_size, False, units, fewest)
+            ),
+            ahead=min(
+                units.n, units.block_units + 2 * _most_units(batch_size - 1, True, units, fewest)
+            ),
+        )
+
+    @classmethod
+    def from_layout(
+        cls, units: _Units, deal: _Deal, gap: int, batch_size: int
+    ) -> _UnitCounts | None:
+        """From where the blocks can lie (:func:`_layout_maxima`), the worst over an epoch with
+        and without the ramp's lead block; ``None`` when the layout is too loose to use."""
+        q = int(units.rows.max())
+        slack = int((q - units.rows).sum()) + deal.slack(q)
+        positions = len(units.rows) + deal.padded
+        bc = units.block_units
+        found = []
+        for lead in {0, ramp_unit(True, units.samples_per_unit, batch_size)}:
+            maxima = _layout_maxima(
+                positions, bc, lead if lead < bc else 0, q, slack, batch_size, gap
+            )
+            if maxima is None:
+                return None
+            found.append(maxima)
+        return cls(*(max(column) for column in zip(*found, strict=True)))
+
+    def tightened(self, other: _UnitCounts) -> _UnitCounts:
+        """The smaller of two bounds, count by count."""
+        return _UnitCounts(
+            min(self.live, other.live), min(self.once, other.once), min(self.ahead, other.ahead)
+        )
 
 
 def slot_geometries(views: Mapping[str, ArrayGeometry]) -> dict[str, ArrayGeometry]:
@@ -416,24 +484,20 @@ def _auto_cap_bytes() -> int:
 
 def choose_schedule(
     manifest: SplitManifest,
-    variables: Mapping[str, ArrayGeometry],
+    views: Mapping[str, ArrayGeometry],
     budget_bytes: int | None,
-    *,
-    split: str = "train",
-    batch_size: int = 32,
-    block_chunks: int = 16,
-    cross_split_windows: bool = False,
-    remainder: str = "drop",
-    world_size: int | None = None,
-    revive: bool = False,
     config: PlanConfig | None = None,
+    *,
+    revive: bool = False,
 ) -> PinSchedule:
     """The residency schedule for a budget: pure, computed before the read plan is built.
 
     Pass the result as ``ReadPlanNode(..., schedule=...)``; :func:`insitu_pipeline` does exactly
-    this, so a pipeline composed by hand behaves like the builder's. ``config`` (a
-    :class:`~insitubatch_nodes.plan.config.PlanConfig`, e.g. the one the read plan is built
-    with) replaces the loose plan keywords, as for :func:`schedule_floors`.
+    this, so a pipeline composed by hand behaves like the builder's. ``config`` is the
+    :class:`~insitubatch_nodes.plan.config.PlanConfig` the read plan is built with, as for
+    :func:`schedule_floors`. ``budget_bytes`` is ``None`` or a positive integer, trusted: it was
+    checked where it was made (``CacheOptions.budget_bytes``, the builder's
+    ``cache_budget_bytes``).
 
     Read-once (each chunk pinned from its first reading batch to its last, fetched once per
     epoch) is the default. A shifted view can make that schedule hold a large part of the split —
@@ -458,18 +522,9 @@ def choose_schedule(
     schedule every epoch (when the budget holds its bound): residency stays near a couple of
     blocks instead of the part of the split a shifted view keeps pinned between its uses.
     """
-    cfg = resolve_plan_config(
-        config,
-        "choose_schedule",
-        split=split,
-        batch_size=batch_size,
-        block_chunks=block_chunks,
-        cross_split_windows=cross_split_windows,
-        remainder=remainder,
-        world_size=world_size,
-    )
-    floors = schedule_floors(manifest, variables, config=cfg)
-    windowed = len({view.offset for view in variables.values()}) > 1
+    cfg = plan_config(config, "choose_schedule")
+    floors = schedule_floors(manifest, views, cfg)
+    windowed = len({view.offset for view in views.values()}) > 1
     fits_bounded = budget_bytes is None or budget_bytes >= floors.bounded
     if revive and windowed and fits_bounded:
         return PinSchedule(pin_gap=floors.pin_gap)
@@ -486,7 +541,7 @@ def choose_schedule(
             floors.bounded / 2**30,
         )
         return PinSchedule(pin_gap=floors.pin_gap, read_once_bytes=cap)
-    budget = check_int("cache_budget_bytes", budget_bytes, minimum=1)
+    budget = budget_bytes
     if budget >= floors.read_once:
         return PinSchedule()
     if budget >= floors.bounded:
@@ -499,7 +554,7 @@ def choose_schedule(
     )
     what = (
         "chunks"
-        if patch_spec(variables) is None
+        if patch_spec(views) is None
         else "stored tiles of the patched arrays (and chunks of any other)"
     )
     raise ValueError(

@@ -69,7 +69,7 @@ def direct_labels(
         return None
     lent = buffers.labels
     out: dict[str, dict[int, str]] = {}
-    for label, view in plan.labels.items():
+    for label, view in plan.views.items():
         if view.path not in ledger.paths:
             continue
         geom = geoms[view.path]

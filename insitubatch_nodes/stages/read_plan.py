@@ -19,7 +19,7 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
+from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import check_plan_inputs, chunk_counts, patch_layout, plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.ranks import default_rank_world
@@ -80,7 +80,7 @@ _CONFIG_ATTRS = frozenset(
 class ReadPlanNode(BaseNode[BatchPlan]):
     """A torchdata node whose items are :class:`BatchPlan` s, one per batch, epoch after epoch.
 
-    ``variables`` maps each label to an :class:`ArrayGeometry` view; every view must have the
+    ``views`` maps each label to an :class:`ArrayGeometry` view; every view must have the
     manifest's sample-axis length (labels may chunk the sample axis differently and carry
     ``shift`` offsets). An anchor is emitted only if every view's ``anchor + offset`` lies in the
     array and — unless ``cross_split_windows=True`` — on an anchor-grid chunk of ``split``, so no
@@ -130,48 +130,25 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     own. The state then carries the epoch's cuts (``"resumed"``), so it restores again, on any
     world size.
 
-    **One config.** ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes
-    ``split`` to ``remainder`` as one object instead of the loose keywords (not both: a keyword
-    off its default beside ``config`` raises ``TypeError``). The node keeps the settings as
-    attributes (``split``, ``batch_size``, ..., ``rank`` and ``world_size`` resolved) and as
-    :attr:`plan_config`, the config with ``rank`` and ``world_size`` resolved.
+    **One config.** ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`; ``None``:
+    the defaults) holds ``split`` to ``remainder``, checked when it was made and trusted here.
+    The node keeps the settings as attributes (``split``, ``batch_size``, ..., ``rank`` and
+    ``world_size`` resolved; the views as ``variables``) and as :attr:`plan_config`, the config
+    with ``rank`` and ``world_size`` resolved.
     """
 
     def __init__(
         self,
         manifest: SplitManifest,
-        variables: Mapping[str, ArrayGeometry],
+        views: Mapping[str, ArrayGeometry],
         *,
-        split: str = "train",
-        batch_size: int = 32,
-        block_chunks: int = 16,
-        shuffle: bool = True,
-        seed: int = 0,
-        rank: int | None = None,
-        world_size: int | None = None,
-        ramp: bool = True,
-        cross_split_windows: bool = False,
         schedule: PinSchedule | None = None,
-        remainder: str = "drop",
         config: PlanConfig | None = None,
     ) -> None:
         super().__init__()
-        given = resolve_plan_config(
-            config,
-            "ReadPlanNode",
-            split=split,
-            batch_size=batch_size,
-            block_chunks=block_chunks,
-            shuffle=shuffle,
-            seed=seed,
-            rank=rank,
-            world_size=world_size,
-            ramp=ramp,
-            cross_split_windows=cross_split_windows,
-            remainder=remainder,
-        )
+        given = plan_config(config, "ReadPlanNode")
         split, cross = given.split, given.cross_split_windows
-        views = check_plan_inputs(manifest, variables, split, cross)
+        views = check_plan_inputs(manifest, views, split, cross)
         if schedule is None:
             schedule = PinSchedule()
         if not isinstance(schedule, PinSchedule):
@@ -179,9 +156,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         d_rank, d_world = default_rank_world()
         world = d_world if given.world_size is None else given.world_size
         rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
-        if world < 1 or not 0 <= rk < world:
-            raise ValueError(f"need 0 <= rank < world_size, got rank={rk}, world_size={world}")
-        cfg = given.replace(rank=rk, world_size=world)  # resolved: this node's rank and world
+        cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
         split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
         _, counts = chunk_counts(
             manifest, split, split_chunks, [g.offset for g in views.values()], cross
@@ -276,22 +251,11 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def _draw_new(
         self, epoch: int, pin_gap: int | None, resumed: Sequence[Stage], rank: int, world_size: int
     ) -> EpochPlan:
+        config = self.plan_config
+        if (rank, world_size) != (config.rank, config.world_size):  # another world's share
+            config = config.for_rank(rank, world_size)
         return plan_epoch(
-            self.manifest,
-            self.variables,
-            split=self.split,
-            epoch=epoch,
-            batch_size=self.batch_size,
-            block_chunks=self.block_chunks,
-            shuffle=self.shuffle,
-            seed=self.seed,
-            rank=rank,
-            world_size=world_size,
-            ramp=self.ramp,
-            pin_gap=pin_gap,
-            cross_split_windows=self.cross_split_windows,
-            remainder=self.remainder,
-            resumed=resumed,
+            self.manifest, self.variables, config, epoch=epoch, pin_gap=pin_gap, resumed=resumed
         )
 
     def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
