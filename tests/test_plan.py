@@ -17,9 +17,11 @@ import zarr
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.plan.quality import shuffle_quality
+from insitubatch_nodes.plan.schedule import PinSchedule
 from insitubatch_nodes.plan.splits import SPLITS
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
@@ -52,12 +54,17 @@ def micro(microscopy_path: Path) -> dict[str, ArrayGeometry]:
 # -- helpers -------------------------------------------------------------------------------------
 
 
-def _node(manifest: SplitManifest, variables: Mapping[str, ArrayGeometry], **kw) -> ReadPlanNode:
+def _node(
+    manifest: SplitManifest,
+    views: Mapping[str, ArrayGeometry],
+    schedule: PinSchedule | None = None,
+    **kw,
+) -> ReadPlanNode:
     kw.setdefault("batch_size", 5)
     kw.setdefault("block_chunks", 3)
     kw.setdefault("rank", 0)
     kw.setdefault("world_size", 1)
-    return ReadPlanNode(manifest, variables, **kw)
+    return ReadPlanNode(manifest, views, schedule=schedule, config=PlanConfig(**kw))
 
 
 def _epoch(node: ReadPlanNode) -> list[BatchPlan]:
@@ -138,7 +145,7 @@ def test_rank_and_world_size_default_to_a_single_process(
 ) -> None:
     node = ReadPlanNode(all_train, {"x": partial})
     assert (node.rank, node.world_size) == (0, 1)
-    node = ReadPlanNode(all_train, {"x": partial}, world_size=3)
+    node = ReadPlanNode(all_train, {"x": partial}, config=PlanConfig(world_size=3))
     assert (node.rank, node.world_size) == (0, 3)
 
 
@@ -230,7 +237,7 @@ def test_a_label_with_a_different_sample_axis_length_is_refused(
     image = micro["image"]
     manifest = split_by_chunk(image)
     mask_along_t = open_geometries(microscopy_path, ["mask"])["mask"]  # sample axis T (2)
-    with pytest.raises(ValueError, match=r"variables\['mask'\] \(mask\) has 2 samples"):
+    with pytest.raises(ValueError, match=r"views\['mask'\] \(mask\) has 2 samples"):
         ReadPlanNode(manifest, {"image": image, "mask": mask_along_t})
     with pytest.raises(ValueError, match="share the sample-axis length"):
         ReadPlanNode(manifest, {"image": image, "other": partial})
@@ -242,11 +249,13 @@ def test_bad_node_arguments_are_refused(partial: ArrayGeometry, all_train: Split
     with pytest.raises(TypeError):
         ReadPlanNode(all_train.to_dict(), {"x": partial})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="split"):
-        ReadPlanNode(all_train, {"x": partial}, split="validation")
+        ReadPlanNode(all_train, {"x": partial}, config=PlanConfig(split="validation"))
     with pytest.raises(ValueError, match="batch_size"):
-        ReadPlanNode(all_train, {"x": partial}, batch_size=0)
+        ReadPlanNode(all_train, {"x": partial}, config=PlanConfig(batch_size=0))
     with pytest.raises(ValueError, match="block_chunks"):
-        ReadPlanNode(all_train, {"x": partial}, block_chunks=0)
+        ReadPlanNode(all_train, {"x": partial}, config=PlanConfig(block_chunks=0))
+    with pytest.raises(TypeError, match="config must be a PlanConfig"):
+        ReadPlanNode(all_train, {"x": partial}, config={"batch_size": 5})  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         ReadPlanNode(all_train, {"x": "partial"})  # type: ignore[dict-item]
 
@@ -286,7 +295,7 @@ def test_the_same_seed_and_epoch_give_the_identical_plan(
     assert len(a) == len(b)
     assert all(_same_batch(x, y) for x, y in zip(a, b, strict=True))
     # the pure function gives the same rows as the node
-    plan = plan_epoch(all_train, {"x": partial}, seed=7, batch_size=5, block_chunks=3)
+    plan = plan_epoch(all_train, {"x": partial}, PlanConfig(seed=7, batch_size=5, block_chunks=3))
     assert np.array_equal(plan.anchors, _anchors(a))
     # another seed gives another order
     c = _epoch(_node(all_train, {"x": partial}, seed=8))
@@ -563,7 +572,8 @@ def test_set_epoch_pins_the_epoch_the_next_reset_starts(
     node.reset(None)
     assert node.epoch == 4
     batches = list(node)
-    plan = plan_epoch(all_train, {"x": partial}, epoch=4, seed=5, batch_size=5, block_chunks=3)
+    config = PlanConfig(seed=5, batch_size=5, block_chunks=3)
+    plan = plan_epoch(all_train, {"x": partial}, config, epoch=4)
     assert np.array_equal(_anchors(batches), plan.anchors)
     assert all(b.epoch == 4 for b in batches)
     node.reset(None)  # the pin is used once; after a consumed epoch the count goes on
@@ -909,22 +919,28 @@ def test_bad_node_arguments_raise_with_a_sentence(
     error: type[Exception],
     match: str,
 ) -> None:
-    with pytest.raises(error, match=match):
-        ReadPlanNode(all_train, {"x": partial}, **kwargs)  # type: ignore[arg-type]
+    settings = dict(kwargs)
+    schedule = settings.pop("schedule", None)
+    with pytest.raises(error, match=match):  # where the config is made, or by the node
+        ReadPlanNode(
+            all_train,
+            {"x": partial},
+            schedule=schedule,  # type: ignore[arg-type]
+            config=PlanConfig(**settings),  # type: ignore[arg-type]
+        )
 
 
 def test_numpy_integers_and_bools_are_accepted(
     partial: ArrayGeometry, all_train: SplitManifest
 ) -> None:
-    node = ReadPlanNode(
-        all_train,
-        {"x": partial},
-        seed=np.int64(3),
-        batch_size=np.int32(5),
-        shuffle=np.bool_(True),
-        rank=np.int64(0),
-        world_size=np.int64(1),
+    config = PlanConfig(
+        seed=np.int64(3),  # type: ignore[arg-type]
+        batch_size=np.int32(5),  # type: ignore[arg-type]
+        shuffle=np.bool_(True),  # type: ignore[arg-type]
+        rank=np.int64(0),  # type: ignore[arg-type]
+        world_size=np.int64(1),  # type: ignore[arg-type]
     )
+    node = ReadPlanNode(all_train, {"x": partial}, config=config)
     assert type(node.seed) is int and type(node.batch_size) is int and node.shuffle is True
     assert json_round_trips(node.get_state())
 
@@ -1003,28 +1019,22 @@ def test_schedule_floors_bound_every_epochs_floor_under_either_schedule(
         floors = schedule_floors(
             manifest,
             variables,
-            remainder=remainder,
-            world_size=world,
-            **kw,  # type: ignore[arg-type]
+            PlanConfig(remainder=remainder, world_size=world, **kw),  # type: ignore[arg-type]
         )
         for rank in range(world):
             for ramp in (True, False):
                 for epoch in range(12):
-                    args = {
-                        **kw,
-                        **node_kw,
-                        "epoch": epoch,
-                        "rank": rank,
-                        "world_size": world,
-                        "remainder": remainder,
-                    }
-                    once = plan_epoch(manifest, variables, ramp=ramp, **args)  # type: ignore[arg-type]
+                    config = PlanConfig(
+                        **kw,  # type: ignore[arg-type]
+                        **node_kw,  # type: ignore[arg-type]
+                        rank=rank,
+                        world_size=world,
+                        remainder=remainder,
+                        ramp=ramp,
+                    )
+                    once = plan_epoch(manifest, variables, config, epoch=epoch)
                     assert _floor(once, variables) <= floors.read_once
                     bounded = plan_epoch(
-                        manifest,
-                        variables,
-                        ramp=ramp,
-                        pin_gap=floors.pin_gap,
-                        **args,  # type: ignore[arg-type]
+                        manifest, variables, config, epoch=epoch, pin_gap=floors.pin_gap
                     )
                     assert _floor(bounded, variables) <= floors.bounded
