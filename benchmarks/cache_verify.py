@@ -43,13 +43,14 @@ def child(cfg: dict[str, Any]) -> dict[str, Any]:
     from torchdata.nodes import Loader
 
     from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+    from insitubatch_nodes.plan.config import PlanConfig
     from insitubatch_nodes.plan.schedule import working_set_bytes
     from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
     store = open_store(cfg["store"])
     geoms = open_geometries(store, ["t2m", "z"])
     manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
-    plan = ReadPlanNode(manifest, geoms, batch_size=BATCH_SIZE)
+    plan = ReadPlanNode(manifest, geoms, config=PlanConfig(batch_size=BATCH_SIZE))
     floor, _ = working_set_bytes(plan.epoch_plan(0), geoms)
     split_bytes = sum(g.chunk_nbytes for g in geoms.values()) * len(manifest.chunks("train"))
     pipe = insitu_pipeline(

@@ -83,11 +83,11 @@ def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
         raise RuntimeError("the nodes split differs from the harness split")
     budget = None
     if cfg["budget"] == "split":
+        from insitubatch_nodes.plan.config import PlanConfig
         from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
-        plan = ReadPlanNode(
-            manifest, geoms, batch_size=cfg["batch_size"], block_chunks=cfg["block_chunks"]
-        )
+        config = PlanConfig(batch_size=cfg["batch_size"], block_chunks=cfg["block_chunks"])
+        plan = ReadPlanNode(manifest, geoms, config=config)
         floor, _ = working_set_bytes(plan.epoch_plan(0), geoms)
         split_bytes = sum(g.chunk_nbytes for g in geoms.values()) * len(cfg["train_chunks"])
         budget = split_bytes + floor

@@ -70,6 +70,7 @@ def run_nodes(
     from torchdata.nodes import Loader
 
     from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+    from insitubatch_nodes.plan.config import PlanConfig
     from insitubatch_nodes.plan.patches import unit_chunk_tile
     from insitubatch_nodes.plan.schedule import schedule_floors
 
@@ -77,13 +78,14 @@ def run_nodes(
     geom = open_geometries(store, ["slide"])["slide"]
     view = geom.patches({"y": args.patch, "x": args.patch}, origins="random", order=order)
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
-    floors = schedule_floors(manifest, {"x": view}, batch_size=args.batch_size)
+    config = PlanConfig(batch_size=args.batch_size)
+    floors = schedule_floors(manifest, {"x": view}, config)
     budget = args.budget_mib * 2**20 if args.budget_mib else floors.guaranteed
     if read_once:  # enough to read this epoch's tiles once (its read-once floor)
         from insitubatch_nodes.plan.epoch import plan_epoch
         from insitubatch_nodes.plan.schedule import slot_geometries, working_set_bytes
 
-        first = plan_epoch(manifest, {"x": view}, batch_size=args.batch_size)
+        first = plan_epoch(manifest, {"x": view}, config)
         budget = max(budget, working_set_bytes(first, slot_geometries({"x": view}))[0])
     t0 = time.perf_counter()
     pipe = insitu_pipeline(

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from zarr.abc.store import Store
@@ -34,6 +34,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import as_store
+from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
@@ -42,6 +43,20 @@ from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 from insitubatch_nodes.transforms import ChunkTransform
 
 __all__ = ["InSituDataModule", "InSituReportCallback"]
+
+T = TypeVar("T")
+
+
+def _given(value: T | None, kind: type[T], argument: str) -> T:
+    """``value``, or ``kind()`` for ``None``; anything else raises ``TypeError`` (the object
+    itself was checked when it was made)."""
+    if value is None:
+        return kind()
+    if not isinstance(value, kind):
+        raise TypeError(
+            f"InSituDataModule: {argument} must be a {kind.__name__} or None, got {value!r}"
+        )
+    return value
 
 
 class _EpochLengthSync(pl.Callback):
@@ -106,11 +121,19 @@ class InSituReportCallback(pl.Callback):
 class InSituDataModule(pl.LightningDataModule):
     """Train/val/test loaders from one zarr store.
 
-    The read-plan settings are held as one :class:`~insitubatch_nodes.plan.config.PlanConfig`,
-    :attr:`plan_config` (training's: ``batch_size``, ``block_chunks``, ``seed``,
-    ``remainder``, checked here); the val/test pipelines use
-    :meth:`plan_config_for` — the same config, unshuffled, with ``eval_batch_size`` — and every
-    split takes the rank and world size from the Trainer.
+    The pipelines are built from the same three settings objects as
+    :func:`~insitubatch_nodes.insitu_pipeline` takes, each checked once, when it was made:
+
+    * ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`, kept as
+      :attr:`plan_config`): training's read plan; the val/test pipelines use
+      :meth:`plan_config_for` — the same config, unshuffled, with ``eval_batch_size`` — and
+      every split takes the rank and world size from the Trainer (the config's own ``rank``
+      and ``world_size`` are replaced);
+    * ``fetch`` (a :class:`~insitubatch_nodes.options.FetchOptions`): every split's;
+    * ``cache`` (a :class:`~insitubatch_nodes.options.CacheOptions`): every split's chunk cache
+      on disk (the pipelines of one process share the directory, and each DDP rank writes its
+      own part of it — see docs/caching.md); its ``budget_bytes`` is training's, the val/test
+      pipelines size their pools automatically (:meth:`cache_options_for`).
 
     Args:
         store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``).
@@ -119,14 +142,10 @@ class InSituDataModule(pl.LightningDataModule):
             :meth:`setup` (useful when the store is only reachable at training time).
         splits: a :class:`SplitManifest`, or ``(train, val, test)`` chunk fractions for a
             contiguous :func:`split_by_chunk` over the first label's array.
-        batch_size, block_chunks, seed, max_inflight, prefetch_depth, cache_budget_bytes,
-            decode_threads, batch_transforms: as for :func:`insitu_pipeline` (training).
-        eval_batch_size: batch size of the val/test loaders (default: ``batch_size``).
-        remainder: ``"drop"`` or ``"pad"``, as for :func:`insitu_pipeline` (every split).
-        chunk_transforms, on_bad_chunk: as for :func:`insitu_pipeline` (every split).
-        cache_dir, persist, readonly_cache, reset_stale_cache, check_store: as for
-            :func:`insitu_pipeline` (every split; the pipelines of one process share the
-            directory, and each DDP rank writes its own part of it — see docs/caching.md).
+        config, fetch, cache: the settings objects above (``None``: their defaults).
+        eval_batch_size: batch size of the val/test loaders (default: training's).
+        batch_transforms: as for :func:`insitu_pipeline` (training).
+        chunk_transforms: as for :func:`insitu_pipeline` (every split).
         coords: as for :func:`insitu_pipeline` (every split): the coordinates each batch
             carries in ``batch.coords`` for ``batch_transforms`` and ``transform`` (``to_torch``
             drops them); ``()`` reads none.
@@ -143,27 +162,16 @@ class InSituDataModule(pl.LightningDataModule):
         | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry]],
         splits: SplitManifest | Sequence[float] = (0.8, 0.1, 0.1),
         *,
-        batch_size: int = 32,
+        config: PlanConfig | None = None,
+        fetch: FetchOptions | None = None,
+        cache: CacheOptions | None = None,
         eval_batch_size: int | None = None,
-        block_chunks: int = 16,
-        seed: int = 0,
-        max_inflight: int = 32,
-        prefetch_depth: int = 2,
-        cache_budget_bytes: int | None = None,
-        decode_threads: int | None = None,
         batch_transforms: Sequence[BatchTransform] = (),
+        chunk_transforms: Sequence[ChunkTransform] = (),
+        coords: Sequence[str] | None = None,
         transform: Callable[[Batch], Any] = to_torch,
         store_options: Mapping[str, Any] | None = None,
-        remainder: str = "drop",
         log_report: bool = True,
-        chunk_transforms: Sequence[ChunkTransform] = (),
-        on_bad_chunk: str = "raise",
-        cache_dir: str | os.PathLike[str] | None = None,
-        persist: bool = False,
-        readonly_cache: bool = False,
-        reset_stale_cache: bool = False,
-        check_store: bool = True,
-        coords: Sequence[str] | None = None,
     ) -> None:
         super().__init__()
         self.log_report = log_report
@@ -172,28 +180,17 @@ class InSituDataModule(pl.LightningDataModule):
         self._variables_arg = variables
         self._splits_arg = splits
         # the training plan; val/test derive theirs from it (see plan_config_for)
-        self.plan_config = PlanConfig(
-            batch_size=batch_size, block_chunks=block_chunks, seed=seed, remainder=remainder
-        )
-        self.eval_batch_size = eval_batch_size or batch_size
-        self.knobs: dict[str, Any] = {
-            "max_inflight": max_inflight,
-            "prefetch_depth": prefetch_depth,
-            "decode_threads": decode_threads,
-            "chunk_transforms": tuple(chunk_transforms),
-            "on_bad_chunk": on_bad_chunk,
-            "cache_dir": cache_dir,
-            "persist": persist,
-            "readonly_cache": readonly_cache,
-            "reset_stale_cache": reset_stale_cache,
-            "check_store": check_store,
-            "coords": None if coords is None else tuple(coords),
-        }
-        self.cache_budget_bytes = cache_budget_bytes
+        self.plan_config = _given(config, PlanConfig, "config")
+        self.fetch_options = _given(fetch, FetchOptions, "fetch")
+        self.cache_options = _given(cache, CacheOptions, "cache")
+        self.eval_batch_size = eval_batch_size
+        self.plan_config_for("val")  # checks eval_batch_size, here
+        self.chunk_transforms = tuple(chunk_transforms)
+        self.coords = None if coords is None else tuple(coords)
         self.batch_transforms = tuple(batch_transforms)
         self.transform = transform
         self.store: Store | None = None
-        self.labels: dict[str, ArrayGeometry] = {}
+        self.views: dict[str, ArrayGeometry] = {}
         self.manifest: SplitManifest | None = None
         self._loaders: dict[str, InSituIterableDataset] = {}
         self._pending_train_state: dict[str, Any] | None = None
@@ -212,10 +209,18 @@ class InSituDataModule(pl.LightningDataModule):
     def plan_config_for(self, split: str) -> PlanConfig:
         """The plan settings of ``split``'s pipeline, before the Trainer's rank and world size:
         :attr:`plan_config` for ``"train"``; for ``"val"``/``"test"`` the same settings, in
-        order (no shuffle) and with ``eval_batch_size``."""
+        order (no shuffle) and with ``eval_batch_size`` (default: training's batch size)."""
         if split == "train":
             return self.plan_config
-        return self.plan_config.replace(split=split, batch_size=self.eval_batch_size, shuffle=False)
+        batch_size = self.eval_batch_size or self.plan_config.batch_size
+        return self.plan_config.replace(split=split, batch_size=batch_size, shuffle=False)
+
+    def cache_options_for(self, split: str) -> CacheOptions:
+        """The cache settings of ``split``'s pipeline: :attr:`cache_options` for ``"train"``;
+        for ``"val"``/``"test"`` the same with an automatic pool budget."""
+        if split == "train" or self.cache_options.budget_bytes is None:
+            return self.cache_options
+        return self.cache_options.replace(budget_bytes=None)
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -224,19 +229,19 @@ class InSituDataModule(pl.LightningDataModule):
         store = as_store(self._store_arg, **self._store_options)
         variables = self._variables_arg
         if callable(variables):
-            labels = dict(variables(open_geometries(store)))
+            views = dict(variables(open_geometries(store)))
         elif isinstance(variables, Mapping):
-            labels = dict(variables)
+            views = dict(variables)
         else:
-            labels = dict(open_geometries(store, list(variables)))
-        if not labels:
+            views = dict(open_geometries(store, list(variables)))
+        if not views:
             raise ValueError("InSituDataModule needs at least one variable")
         splits = self._splits_arg
         if isinstance(splits, SplitManifest):
             manifest = splits
         else:
-            manifest = split_by_chunk(next(iter(labels.values())).base, tuple(splits))
-        self.store, self.labels, self.manifest = store, labels, manifest
+            manifest = split_by_chunk(next(iter(views.values())).base, tuple(splits))
+        self.store, self.views, self.manifest = store, views, manifest
 
     def _rank_world(self) -> tuple[int | None, int | None]:
         trainer = self.trainer
@@ -258,11 +263,13 @@ class InSituDataModule(pl.LightningDataModule):
         pipe = insitu_pipeline(
             self.store,
             self.manifest,
-            self.labels,
-            cache_budget_bytes=self.cache_budget_bytes if split == "train" else None,
+            self.views,
             batch_transforms=self.batch_transforms,
+            chunk_transforms=self.chunk_transforms,
+            coords=self.coords,
             config=self.plan_config_for(split).replace(rank=rank, world_size=world),
-            **self.knobs,
+            fetch=self.fetch_options,
+            cache=self.cache_options_for(split),
         )
         trainer = self.trainer
         epoch_fn = (lambda: int(trainer.current_epoch)) if (trainer and split == "train") else None

@@ -121,7 +121,7 @@ def build_nodes(
     config = PlanConfig(
         split="train", batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed
     )
-    schedule = choose_schedule(manifest, views, budget, config=config)
+    schedule = choose_schedule(manifest, views, budget, config)
 
     # 1. What to read and when: one BatchPlan per batch, epoch after epoch.
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=config)

@@ -40,6 +40,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from insitubatch_nodes import ArrayGeometry, SplitManifest
 from insitubatch_nodes.lightning import InSituDataModule
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.synthetic import make_era5_like
 
 
@@ -226,14 +227,14 @@ def run(source: str | Path, options: dict[str, Any], args: argparse.Namespace) -
         source,
         windowed,
         (0.8, 0.1, 0.1),
-        batch_size=args.batch_size,
-        block_chunks=args.block_chunks,
-        seed=args.seed,
+        config=PlanConfig(
+            batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed
+        ),
         store_options=options,
     )
     dm.setup()
     assert dm.store is not None and dm.manifest is not None
-    x = dm.labels["x"]
+    x = dm.views["x"]
     print(
         f"{x.path}: shape {x.shape}, chunks {x.chunks}; train/val/test chunks "
         f"{[len(dm.manifest.chunks(s)) for s in ('train', 'val', 'test')]}"

@@ -41,6 +41,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.io.stores import as_store
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.synthetic import make_era5_like
 
 HERE = Path(__file__).resolve()
@@ -525,10 +526,10 @@ def _lightning(req: Mapping[str, Any]) -> dict[str, Any]:
         store,
         views,
         (0.75, 0.125, 0.125),
-        batch_size=req["batch_size"],
+        config=PlanConfig(
+            batch_size=req["batch_size"], block_chunks=req["block_chunks"], seed=req["seed"]
+        ),
         eval_batch_size=req["eval_batch_size"],
-        block_chunks=req["block_chunks"],
-        seed=req["seed"],
         transform=indexed_transform,
     )
     g = open_geometries(store, ["t2m"])["t2m"]

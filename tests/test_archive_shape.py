@@ -34,6 +34,7 @@ from resume_helpers import pipe_config, reference_run, run_fresh, take_state, wr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
@@ -142,7 +143,7 @@ def test_a_shifted_target_under_the_bounded_schedule_decodes_each_use_into_its_r
     g = open_geometries(store, ["temperature"])["temperature"]
     labels = {"x": g, "y": g.shift(1)}
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
-    floors = schedule_floors(manifest, labels, batch_size=8, block_chunks=2)
+    floors = schedule_floors(manifest, labels, PlanConfig(batch_size=8, block_chunks=2))
     assert floors.bounded < floors.read_once  # a budget between them: the bounded schedule
     pipe = insitu_pipeline(
         store, manifest, labels, batch_size=8, block_chunks=2, coords=(),
@@ -282,7 +283,7 @@ def test_a_hand_composed_graph_decodes_rows_in_place_like_the_builders(archive: 
     labels = _labels(archive)
     manifest = split_by_chunk(labels[NAMES[0]], (1.0, 0.0, 0.0))
     pool = ChunkPool()
-    plan = ReadPlanNode(manifest, labels, batch_size=8, block_chunks=4)
+    plan = ReadPlanNode(manifest, labels, config=PlanConfig(batch_size=8, block_chunks=4))
     fetch = AsyncChunkFetchNode(plan, open_store(archive), labels, pool)
     graph = PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
     hand = run_epoch(graph, Oracle(archive), _oracle_views(), keep_arrays=True)
@@ -306,7 +307,8 @@ def test_one_sample_chunks_another_pipeline_left_in_a_shared_pool_are_hits_and_a
     store = open_store(archive)
 
     def graph(direct: bool) -> PrefetcherNode[Any]:
-        plan = ReadPlanNode(manifest, labels, batch_size=8, block_chunks=4, seed=2)
+        config = PlanConfig(batch_size=8, block_chunks=4, seed=2)
+        plan = ReadPlanNode(manifest, labels, config=config)
         fetch = AsyncChunkFetchNode(plan, store, labels, pool, direct=direct)
         return PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
 
@@ -390,8 +392,8 @@ def test_arrays_that_share_the_anchor_grid_share_one_ledger_whatever_their_numbe
 
     one, sixty = geoms(1), geoms(60)
     manifest = split_by_chunk(one["v0"], (1.0, 0.0, 0.0))
-    a = plan_epoch(manifest, one, batch_size=32, seed=1)
-    b = plan_epoch(manifest, sixty, batch_size=32, seed=1)
+    a = plan_epoch(manifest, one, PlanConfig(batch_size=32, seed=1))
+    b = plan_epoch(manifest, sixty, PlanConfig(batch_size=32, seed=1))
     assert len(b.ledgers) == 1 and b.ledgers[0].paths == tuple(sixty)
     # the plan's arrays are the sample axis's, not samples x arrays
     for x, y in zip(a.ledgers[0].__dict__.values(), b.ledgers[0].__dict__.values(), strict=True):
@@ -413,7 +415,7 @@ def test_views_at_another_offset_or_chunking_get_a_ledger_of_their_own() -> None
     plan = plan_epoch(
         split_by_chunk(a, (1.0, 0.0, 0.0)),
         {"a": a, "b": b, "b1": b.shift(1), "c": c},
-        batch_size=8,
+        PlanConfig(batch_size=8),
     )
     assert sorted(ledger.paths for ledger in plan.ledgers) == [("a",), ("b",), ("c",)]
 

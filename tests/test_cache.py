@@ -34,6 +34,8 @@ from insitubatch_nodes.errors import (
     CorruptCacheError,
     StaleCacheError,
 )
+from insitubatch_nodes.options import CacheOptions
+from insitubatch_nodes.plan.config import PlanConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -730,8 +732,9 @@ def test_a_lightning_fit_warms_the_cache_for_train_and_val_and_a_readonly_fit_fe
     def fit(**cache: Any) -> Any:
         store = counting_store(era5)
         dm = InSituDataModule(
-            store, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, block_chunks=4,
-            cache_dir=tmp_path / "cache", coords=(), **cache,  # GETs count chunks only
+            store, ["t2m"], (0.75, 0.25, 0.0), config=PlanConfig(batch_size=8, block_chunks=4),
+            cache=CacheOptions(cache_dir=tmp_path / "cache", **cache),
+            coords=(),  # GETs count chunks only
         )  # fmt: skip
         trainer = pl.Trainer(
             accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
@@ -744,7 +747,7 @@ def test_a_lightning_fit_warms_the_cache_for_train_and_val_and_a_readonly_fit_fe
     warmed = fit(persist=True)  # the train and val pipelines write one directory together
     assert warmed.chunk_gets == N_CHUNKS
     assert sorted(e["chunk"] for e in logged(tmp_path / "cache")) == list(range(N_CHUNKS))
-    again = fit(readonly_cache=True)
+    again = fit(readonly=True)
     assert again.chunk_gets == 0
 
 

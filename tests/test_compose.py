@@ -29,6 +29,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.cache.lock import LOCK_NAME
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.stages import (
     AsyncChunkFetchNode,
@@ -190,7 +191,9 @@ def test_closing_a_hand_built_graph_lets_go_of_its_cache_directory(
     pool = donor.stages.pool
     views = _views(store)
     plan = ReadPlanNode(
-        split_by_chunk(views["x"].base, (0.8, 0.1, 0.1)), views, batch_size=12, block_chunks=3
+        split_by_chunk(views["x"].base, (0.8, 0.1, 0.1)),
+        views,
+        config=PlanConfig(batch_size=12, block_chunks=3),
     )
     geoms = {v.path: v.base for v in views.values()}
     fetch = AsyncChunkFetchNode(plan, open_store(store), geoms, pool)

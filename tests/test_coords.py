@@ -19,6 +19,7 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import Batch, insitu_pipeline, open_geometries, split_by_chunk, to_torch
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates
+from insitubatch_nodes.plan.config import PlanConfig
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")  # (xarray's own dependency)
@@ -444,8 +445,9 @@ def test_the_lightning_data_module_hands_each_rows_time_to_its_transform(era5: P
         seen.append((batch.sample_indices["t2m"], batch.coords["t2m"]["time"]))
         return to_torch(batch)
 
+    config = PlanConfig(batch_size=8)
     dm = InSituDataModule(
-        era5, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, transform=keep, log_report=False
+        era5, ["t2m"], (0.75, 0.25, 0.0), config=config, transform=keep, log_report=False
     )
     dm.setup("fit")
     try:
@@ -456,7 +458,7 @@ def test_the_lightning_data_module_hands_each_rows_time_to_its_transform(era5: P
     for rows, times in seen:
         np.testing.assert_array_equal(times, t[rows])
     off = InSituDataModule(
-        era5, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, coords=(), transform=lambda b: b.coords
+        era5, ["t2m"], (0.75, 0.25, 0.0), config=config, coords=(), transform=lambda b: b.coords
     )
     off.setup("fit")
     try:

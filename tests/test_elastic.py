@@ -35,6 +35,7 @@ from resume_helpers import (
 )
 
 from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.schedule import schedule_floors, working_set_bytes
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
@@ -60,16 +61,10 @@ def manifest(geom: ArrayGeometry) -> SplitManifest:
 
 def _node(manifest: SplitManifest, geom: ArrayGeometry, rank: int, world: int, **kw: Any):
     views = {"x": geom, "y": geom.shift(SHIFT)}
-    return ReadPlanNode(
-        manifest,
-        views,
-        batch_size=BATCH,
-        block_chunks=BLOCK,
-        seed=3,
-        rank=rank,
-        world_size=world,
-        **kw,
+    config = PlanConfig(
+        batch_size=BATCH, block_chunks=BLOCK, seed=3, rank=rank, world_size=world, **kw
     )
+    return ReadPlanNode(manifest, views, config=config)
 
 
 def _deliver(node: ReadPlanNode, k: int | None = None) -> list[list[int]]:
@@ -227,14 +222,12 @@ def test_an_elastic_remainder_stays_within_the_schedule_bounds_of_a_fresh_epoch(
         views = {"x": g, "y": g.shift(shift)}
         for bs, bc in ((7, 3), (16, 4), (5, 8)):
             for old, new in ((2, 1), (2, 3), (8, 3), (1, 4)):
-                floors = schedule_floors(m, views, batch_size=bs, block_chunks=bc, world_size=new)
-                kw = {"batch_size": bs, "block_chunks": bc}
-                n = plan_epoch(m, views, world_size=old, **kw).n_batches
+                config = PlanConfig(batch_size=bs, block_chunks=bc, world_size=new)
+                floors = schedule_floors(m, views, config)
+                n = plan_epoch(m, views, config.replace(world_size=old)).n_batches
                 for k in (1, n // 3, n - 1):
                     for gap, bound in ((None, floors.read_once), (floors.pin_gap, floors.bounded)):
-                        plan = plan_epoch(
-                            m, views, world_size=new, pin_gap=gap, resumed=[(old, k)], **kw
-                        )
+                        plan = plan_epoch(m, views, config, pin_gap=gap, resumed=[(old, k)])
                         assert working_set_bytes(plan, {"t": g})[0] <= bound, (shift, bs, old, k)
 
 

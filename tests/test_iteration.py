@@ -42,6 +42,7 @@ from insitubatch_nodes import (
     split_by_chunk,
     to_torch,
 )
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import BufferPool, GatherNode
@@ -164,7 +165,7 @@ def test_our_loader_resumes_even_when_state_dict_was_called_before_load_state_di
 def compose(root: Path, between: Any) -> PrefetcherNode[Any]:
     g = open_geometries(root, ["t2m"])["t2m"]
     labels = {"x": g, "y": g.shift(1)}
-    plan = ReadPlanNode(split_by_chunk(g), labels, batch_size=8, seed=4)
+    plan = ReadPlanNode(split_by_chunk(g), labels, config=PlanConfig(batch_size=8, seed=4))
     fetch = AsyncChunkFetchNode(plan, counting_store(root), {"t2m": g}, ChunkPool())
     return PrefetcherNode(between(GatherNode(ChunkPoolNode(fetch), labels, 8)), 2)
 

@@ -22,6 +22,7 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import RamBacking
@@ -89,7 +90,8 @@ def test_the_first_epoch_draws_its_slots_from_the_reserve_and_matches_zarr(
     labels = {"x": geoms["t2m"], "y": geoms["t2m"].shift(1), "z": geoms["z"]}
     kw = {"batch_size": 5, "block_chunks": 2}
     if budget == "floor":  # the smallest explicit budget accepted: little slack for a race
-        kw["cache_budget_bytes"] = schedule_floors(manifest, labels, **kw).bounded
+        config = PlanConfig(**kw)  # type: ignore[arg-type]
+        kw["cache_budget_bytes"] = schedule_floors(manifest, labels, config).bounded
     pipe = insitu_pipeline(era5_v3_path, manifest, labels, **kw)
     try:
         pool = pipe.stages.pool

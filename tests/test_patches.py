@@ -16,6 +16,7 @@ import zarr
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.patches import WindowUnits, unit_chunk_tile
 from insitubatch_nodes.plan.schedule import schedule_floors
@@ -209,7 +210,7 @@ def test_peak_residency_is_bounded_by_tiles_not_fields(tmp_path: Path) -> None:
     geom = open_geometries(str(tmp_path), ["slide"])["slide"]
     view = geom.patches({1: 64, 2: 64}, origins="random")
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
-    floors = schedule_floors(manifest, {"x": view}, batch_size=16, block_chunks=16)
+    floors = schedule_floors(manifest, {"x": view}, PlanConfig(batch_size=16, block_chunks=16))
     field = geom.chunk_nbytes  # 16 MiB: 256 tiles
     assert floors.bounded < 0.6 * field  # a bound over every epoch, rims counted apart
     pipe = insitu_pipeline(
@@ -238,7 +239,8 @@ def test_a_sweep_reads_every_tile_once_in_a_budget_far_below_the_plane(tmp_path:
     geom = open_geometries(str(tmp_path), ["slide"])["slide"]
     view = geom.patches({1: 64, 2: 64}, origins="random", order="sweep")
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
-    budget = schedule_floors(manifest, {"x": view}, batch_size=16, block_chunks=16).guaranteed
+    config = PlanConfig(batch_size=16, block_chunks=16)
+    budget = schedule_floors(manifest, {"x": view}, config).guaranteed
     assert budget < 0.6 * geom.chunk_nbytes  # a plane is 16 MiB, 256 tiles
     pipe = insitu_pipeline(
         str(tmp_path), manifest, {"x": view}, batch_size=16, block_chunks=16,
@@ -287,7 +289,8 @@ def test_grid_origins_cover_the_field_exactly(tmp_path: Path, stride: int | None
     geom = open_geometries(str(tmp_path), ["img"])["img"]
     view = geom.patches({1: 30, 2: 30}, stride=stride)
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
-    plan = plan_epoch(manifest, {"x": view}, batch_size=5, shuffle=True, seed=9)
+    config = PlanConfig(batch_size=5, shuffle=True, seed=9)
+    plan = plan_epoch(manifest, {"x": view}, config)
     step = stride or 30
     for s in (0, 1):
         cover = np.zeros((130, 97), dtype=np.int64)
@@ -300,7 +303,7 @@ def test_grid_origins_cover_the_field_exactly(tmp_path: Path, stride: int | None
         assert ys[-1] == 100 and all(b - a <= step for a, b in itertools.pairwise(ys))
         assert len(mine) == len({tuple(o) for o in mine.tolist()})  # no window twice
     # the same windows every epoch (only their order changes)
-    again = plan_epoch(manifest, {"x": view}, batch_size=5, shuffle=True, seed=9, epoch=1)
+    again = plan_epoch(manifest, {"x": view}, config, epoch=1)
     assert sorted(map(tuple, again.origins.tolist())) == sorted(map(tuple, plan.origins.tolist()))
 
 
@@ -312,7 +315,7 @@ def test_random_origins_are_seeded_new_each_epoch_and_stratified_by_tile(tmp_pat
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
 
     def draw(epoch: int, seed: int = 0) -> Any:
-        return plan_epoch(manifest, {"x": view}, batch_size=8, seed=seed, epoch=epoch)
+        return plan_epoch(manifest, {"x": view}, PlanConfig(batch_size=8, seed=seed), epoch=epoch)
 
     a, b = draw(0), draw(0)
     np.testing.assert_array_equal(a.origins, b.origins)
@@ -340,7 +343,7 @@ def test_windows_within_disjoint_boxes_never_share_a_pixel(tmp_path: Path, origi
     for name, box in boxes.items():
         view = geom.patches(ext, origins=origins, within={"x": box})
         assert view.patch.bounds == ((0, 300), box)
-        plan = plan_epoch(manifest, {"x": view}, batch_size=8, seed=1)
+        plan = plan_epoch(manifest, {"x": view}, PlanConfig(batch_size=8, seed=1))
         x0 = plan.origins[:, 1]
         assert (x0 >= box[0]).all() and (x0 + 50 <= box[1]).all()
         assert (plan.origins[:, 0] + 40 <= 300).all()
@@ -413,7 +416,8 @@ def test_ranks_take_disjoint_windows_and_equal_batches(tmp_path: Path) -> None:
     geom = open_geometries(str(tmp_path), ["img"])["img"]
     view = geom.patches({1: 40, 2: 40}, origins="random")
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
-    every = plan_epoch(manifest, {"x": view}, batch_size=4, seed=3, epoch=2)
+    config = PlanConfig(batch_size=4, seed=3)
+    every = plan_epoch(manifest, {"x": view}, config, epoch=2)
     everything = {
         (a, *o) for a, o in zip(every.anchors.tolist(), every.origins.tolist(), strict=True)
     }
@@ -422,7 +426,7 @@ def test_ranks_take_disjoint_windows_and_equal_batches(tmp_path: Path) -> None:
         lens = set()
         for rank in range(world):
             p = plan_epoch(
-                manifest, {"x": view}, batch_size=4, seed=3, epoch=2, rank=rank, world_size=world
+                manifest, {"x": view}, config.replace(rank=rank, world_size=world), epoch=2
             )
             mine = [(a, *o) for a, o in zip(p.anchors.tolist(), p.origins.tolist(), strict=True)]
             seen.extend(mine)
@@ -433,13 +437,11 @@ def test_ranks_take_disjoint_windows_and_equal_batches(tmp_path: Path) -> None:
     # an elastic cut: two ranks delivered 3 batches each; one rank takes the rest exactly
     delivered = []
     for rank in range(2):
-        p = plan_epoch(
-            manifest, {"x": view}, batch_size=4, seed=3, epoch=2, rank=rank, world_size=2
-        )
+        p = plan_epoch(manifest, {"x": view}, config.replace(rank=rank, world_size=2), epoch=2)
         delivered += [
             (a, *o) for a, o in zip(p.anchors[:12].tolist(), p.origins[:12].tolist(), strict=True)
         ]
-    rest = plan_epoch(manifest, {"x": view}, batch_size=4, seed=3, epoch=2, resumed=[(2, 3)])
+    rest = plan_epoch(manifest, {"x": view}, config, epoch=2, resumed=[(2, 3)])
     left = [(a, *o) for a, o in zip(rest.anchors.tolist(), rest.origins.tolist(), strict=True)]
     assert sorted(delivered + left) == sorted(everything)
 
@@ -545,7 +547,7 @@ def test_gloo_ranks_take_disjoint_windows_in_equal_batch_counts(tmp_path: Path, 
     }
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
     for e in range(2):
-        every = plan_epoch(manifest, views, batch_size=7, block_chunks=4, epoch=e)
+        every = plan_epoch(manifest, views, PlanConfig(batch_size=7, block_chunks=4), epoch=e)
         valid = {
             (a, *o) for a, o in zip(every.anchors.tolist(), every.origins.tolist(), strict=True)
         }
@@ -578,15 +580,16 @@ def test_a_state_saved_with_other_patches_is_refused(tmp_path: Path) -> None:
     _write(tmp_path, "img", np.zeros((4, 64, 64), dtype="f4"), (1, 32, 32))
     geom = open_geometries(str(tmp_path), ["img"])["img"]
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
-    saved = ReadPlanNode(manifest, {"x": geom.patches({1: 16, 2: 16})}, batch_size=4)
+    config = PlanConfig(batch_size=4)
+    saved = ReadPlanNode(manifest, {"x": geom.patches({1: 16, 2: 16})}, config=config)
     saved.reset()
     next(saved)
     state = saved.state_dict()
     for other in (geom, geom.patches({1: 16, 2: 8}), geom.patches({1: 16, 2: 16}, stride=8)):
-        node = ReadPlanNode(manifest, {"x": other}, batch_size=4)
+        node = ReadPlanNode(manifest, {"x": other}, config=config)
         with pytest.raises(ValueError, match="dataset"):
             node.reset(state)
-    same = ReadPlanNode(manifest, {"x": geom.patches({1: 16, 2: 16})}, batch_size=4)
+    same = ReadPlanNode(manifest, {"x": geom.patches({1: 16, 2: 16})}, config=config)
     same.reset(state)
     nxt = next(same)
     saved_next = next(saved)

@@ -49,6 +49,7 @@ from insitubatch_nodes import (
     to_torch,
 )
 from insitubatch_nodes.errors import ChunkReadError, DecodeError
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.stages.gather import BufferPool
 
@@ -527,7 +528,7 @@ def test_a_budget_below_the_read_once_floor_releases_idle_chunks_and_reads_them_
 ) -> None:
     root, views, manifest = _shifted_store(tmp_path)
     kwargs: dict[str, Any] = {"batch_size": 8, "block_chunks": 4}
-    floors = schedule_floors(manifest, views, **kwargs)  # bounds over every epoch
+    floors = schedule_floors(manifest, views, PlanConfig(**kwargs))  # bounds over every epoch
     bounded_floor = _floor_of(root, manifest, views, **kwargs)
     assert bounded_floor == floors.bounded
     assert bounded_floor < floors.read_once / 2  # the bounded schedule needs far less memory
@@ -1149,7 +1150,7 @@ def _epoch_floors(
 
     geoms = {v.path: v.base for v in views.values()}
     return [
-        working_set_bytes(plan_epoch(manifest, views, epoch=e, **kwargs), geoms)[0]
+        working_set_bytes(plan_epoch(manifest, views, PlanConfig(**kwargs), epoch=e), geoms)[0]
         for e in range(epochs)
     ]
 

@@ -1,8 +1,9 @@
-"""``PlanConfig``: one object for the read-plan settings, interchangeable with the loose keywords.
+"""``PlanConfig``: one object for the read-plan settings, checked once, where it is made.
 
-A config and the same loose keywords build the same plans (epochs, fetches, checkpoint config)
-through every function that takes them; invalid values raise what the keywords raise; a config
-beside a keyword off its default is refused.
+The internal functions (``plan_epoch``, ``ReadPlanNode``, ``choose_schedule``,
+``schedule_floors``) take the config only; the builder takes it or the same loose keywords and
+builds the same plans (epochs, fetches, checkpoint config) from either; invalid values raise
+what the keywords raise; a config beside a keyword off its default is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +18,13 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan import PlanConfig, SplitManifest, choose_schedule, schedule_floors
+from insitubatch_nodes.plan import (
+    PlanConfig,
+    SplitManifest,
+    choose_schedule,
+    plan_epoch,
+    schedule_floors,
+)
 from insitubatch_nodes.plan.config import SCHEDULE_FIELDS
 from insitubatch_nodes.stages import ReadPlanNode
 from insitubatch_nodes.synthetic import make_era5_like
@@ -70,16 +77,19 @@ def _epochs(node: ReadPlanNode, n: int = 2) -> list[list[tuple[Any, ...]]]:
 # -- the same plans --------------------------------------------------------------------------
 
 
-def test_a_plan_config_and_the_same_loose_keywords_build_the_same_plan(
+def test_a_read_plan_node_draws_the_plans_plan_epoch_draws_from_its_config(
     manifest: SplitManifest, views: dict[str, ArrayGeometry]
 ) -> None:
-    loose = ReadPlanNode(manifest, views, **SETTINGS)
     config = PlanConfig(**SETTINGS)
     boxed = ReadPlanNode(manifest, views, config=config)
-    assert boxed.plan_config == loose.plan_config == config
-    assert boxed.config() == loose.config()
-    assert repr(boxed.get_state()) == repr(loose.get_state())
-    assert _epochs(boxed) == _epochs(loose)
+    assert boxed.plan_config == config
+    assert boxed.config() == ReadPlanNode(manifest, views, config=config).config()
+    epochs = _epochs(boxed)
+    for e, batches in enumerate(epochs):
+        plan = plan_epoch(manifest, views, config, epoch=e)
+        anchors = [a for batch in batches for a in batch[2]]
+        assert anchors == plan.anchors.tolist()
+        assert [b[4] for b in batches] == [plan.batch_releases(i) for i in range(len(batches))]
     for name in ("split", "batch_size", "block_chunks", "shuffle", "seed", "rank", "ramp"):
         assert getattr(boxed, name) == getattr(config, name)
     assert (boxed.rank, boxed.world_size, boxed.remainder) == (1, 2, "pad")
@@ -96,20 +106,22 @@ def test_a_read_plan_node_keeps_its_config_with_rank_and_world_size_resolved(
         node.plan_config = PlanConfig()
 
 
-def test_the_schedule_functions_give_the_same_answer_from_a_config(
+def test_the_schedule_functions_depend_only_on_the_schedule_fields_of_a_config(
     manifest: SplitManifest, views: dict[str, ArrayGeometry]
 ) -> None:
     config = PlanConfig(**SETTINGS)
-    loose = config.schedule_kwargs()
-    assert set(loose) == set(SCHEDULE_FIELDS)
-    floors = schedule_floors(manifest, views, **loose)
-    assert schedule_floors(manifest, views, config=config) == floors
+    assert set(SCHEDULE_FIELDS) <= {f.name for f in dataclasses.fields(PlanConfig)}
+    floors = schedule_floors(manifest, views, config)
+    # shuffle, seed, rank and ramp are not schedule fields: the bounds hold for all of them
+    other = config.replace(shuffle=False, seed=9, rank=0, ramp=False)
+    assert schedule_floors(manifest, views, other) == floors
     for budget in (None, floors.bounded, floors.read_once):
-        assert choose_schedule(manifest, views, budget, config=config) == choose_schedule(
-            manifest, views, budget, **loose
+        assert choose_schedule(manifest, views, budget, config) == choose_schedule(
+            manifest, views, budget, other
         )
+    assert schedule_floors(manifest, views, config.replace(batch_size=3)) != floors
     with pytest.raises(ValueError, match="floor"):
-        choose_schedule(manifest, views, 1, config=config)
+        choose_schedule(manifest, views, 1, config)
 
 
 def _run(pipe: Any) -> tuple[dict[str, Any], list[list[int]]]:
@@ -168,6 +180,7 @@ def test_a_pipeline_config_carries_ramp_which_has_no_keyword(
     ids=lambda v: repr(v) if not isinstance(v, type) else v.__name__,
 )
 def test_an_invalid_setting_raises_what_the_loose_keyword_raises(
+    store_path: Path,
     manifest: SplitManifest,
     views: dict[str, ArrayGeometry],
     kwargs: dict[str, Any],
@@ -176,8 +189,9 @@ def test_an_invalid_setting_raises_what_the_loose_keyword_raises(
 ) -> None:
     with pytest.raises(error, match=match):
         PlanConfig(**kwargs)
-    with pytest.raises(error, match=match):
-        ReadPlanNode(manifest, views, **kwargs)
+    if "ramp" not in kwargs:  # (ramp has no builder keyword)
+        with pytest.raises(error, match=match):
+            insitu_pipeline(store_path, manifest, views, **kwargs)
     with pytest.raises(error, match=match):
         PlanConfig().replace(**kwargs)
 
@@ -203,23 +217,55 @@ def test_replace_checks_the_copy_and_leaves_the_original() -> None:
         config.replace(nonsense=1)
 
 
-def test_a_config_beside_a_plan_keyword_is_refused(
+def test_a_config_beside_a_plan_keyword_is_refused_by_the_builder(
     store_path: Path, manifest: SplitManifest, views: dict[str, ArrayGeometry]
 ) -> None:
     config = PlanConfig(batch_size=8)
-    with pytest.raises(TypeError, match=r"ReadPlanNode: pass config=.* or the plan keywords"):
-        ReadPlanNode(manifest, views, config=config, seed=3)
-    with pytest.raises(TypeError, match=r"schedule_floors: .*\(batch_size\)"):
-        schedule_floors(manifest, views, config=config, batch_size=8.0)  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="choose_schedule: pass config"):
-        choose_schedule(manifest, views, None, config=config, remainder="pad")
-    with pytest.raises(TypeError, match="insitu_pipeline: pass config"):
+    with pytest.raises(TypeError, match=r"insitu_pipeline: pass config=.*\(shuffle\)"):
         insitu_pipeline(store_path, manifest, views, config=config, shuffle=False)
-    with pytest.raises(TypeError, match="config must be a PlanConfig"):
-        ReadPlanNode(manifest, views, config={"batch_size": 8})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"insitu_pipeline: pass config=.*\(batch_size\)"):
+        insitu_pipeline(store_path, manifest, views, config=config, batch_size=8.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="insitu_pipeline: config must be a PlanConfig"):
+        insitu_pipeline(store_path, manifest, views, config={"batch_size": 8})  # type: ignore[arg-type]
     # keywords left at their defaults are no conflict
-    node = ReadPlanNode(manifest, views, config=config, split="train", batch_size=32)
-    assert node.batch_size == 8
+    pipe = insitu_pipeline(
+        store_path, manifest, views, report=False, config=config, split="train", batch_size=32
+    )
+    with pipe:
+        assert pipe.stages.plan.batch_size == 8
+
+
+def test_the_internal_functions_take_a_config_and_no_loose_plan_keywords(
+    manifest: SplitManifest, views: dict[str, ArrayGeometry]
+) -> None:
+    """The new contract (issue 29): only the builder takes loose keywords; ``plan_epoch``,
+    ``ReadPlanNode``, ``choose_schedule`` and ``schedule_floors`` take a ``PlanConfig``
+    (``None``: the defaults), refuse anything else, and have no plan keywords to mix in."""
+    config = PlanConfig(batch_size=8)
+    loose: dict[str, Any] = {"seed": 3}
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        ReadPlanNode(manifest, views, config=config, **loose)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        schedule_floors(manifest, views, config, **loose)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        choose_schedule(manifest, views, None, config, **loose)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        plan_epoch(manifest, views, config, **loose)
+    not_a_config: Any = {"batch_size": 8}
+    for where, call in (
+        ("ReadPlanNode", lambda: ReadPlanNode(manifest, views, config=not_a_config)),
+        ("schedule_floors", lambda: schedule_floors(manifest, views, not_a_config)),
+        ("choose_schedule", lambda: choose_schedule(manifest, views, None, not_a_config)),
+        ("plan_epoch", lambda: plan_epoch(manifest, views, not_a_config)),
+    ):
+        with pytest.raises(TypeError, match=f"{where}: config must be a PlanConfig"):
+            call()
+    # None is the default config
+    assert ReadPlanNode(manifest, views).plan_config == PlanConfig(rank=0, world_size=1)
+    assert schedule_floors(manifest, views) == schedule_floors(manifest, views, PlanConfig())
+    assert plan_epoch(manifest, views).anchors.tolist() == (
+        plan_epoch(manifest, views, PlanConfig(rank=0, world_size=1)).anchors.tolist()
+    )
 
 
 # -- the DataModule --------------------------------------------------------------------------
@@ -235,11 +281,8 @@ def test_the_data_module_derives_val_and_test_from_its_training_config(
         store_path,
         ["t2m"],
         manifest,
-        batch_size=6,
+        config=PlanConfig(batch_size=6, block_chunks=3, seed=7, remainder="pad"),
         eval_batch_size=4,
-        block_chunks=3,
-        seed=7,
-        remainder="pad",
     )
     assert dm.plan_config == PlanConfig(batch_size=6, block_chunks=3, seed=7, remainder="pad")
     assert dm.plan_config_for("val") == dm.plan_config.replace(
@@ -257,4 +300,8 @@ def test_the_data_module_derives_val_and_test_from_its_training_config(
     finally:
         dm.teardown()
     with pytest.raises(ValueError, match="block_chunks must be a positive integer"):
-        InSituDataModule(store_path, ["t2m"], manifest, block_chunks=0)
+        InSituDataModule(store_path, ["t2m"], manifest, config=PlanConfig(block_chunks=0))
+    with pytest.raises(ValueError, match="batch_size must be a positive integer"):
+        InSituDataModule(store_path, ["t2m"], manifest, eval_batch_size=-1)
+    with pytest.raises(TypeError, match="config must be a PlanConfig"):
+        InSituDataModule(store_path, ["t2m"], manifest, config={"block_chunks": 3})  # type: ignore[arg-type]

@@ -22,6 +22,7 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.ranks import deal
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
@@ -64,12 +65,8 @@ def _rank_anchors(manifest: SplitManifest, views, world: int, epoch: int, **kw) 
         plan_epoch(
             manifest,
             views,
-            batch_size=BATCH,
-            block_chunks=3,
+            PlanConfig(batch_size=BATCH, block_chunks=3, rank=r, world_size=world, **kw),
             epoch=epoch,
-            rank=r,
-            world_size=world,
-            **kw,
         ).anchors.tolist()
         for r in range(world)
     ]
@@ -156,19 +153,20 @@ def test_a_rank_resumed_mid_epoch_continues_exactly_on_any_world_size(
                 remainder=remainder,
                 shuffle=shuffle,
             )
-            node = ReadPlanNode(manifest, _views(geom), **kw)
+            config = PlanConfig(**kw)  # type: ignore[arg-type]
+            node = ReadPlanNode(manifest, _views(geom), config=config)
             node.set_epoch(2)
             node.reset(None)
             full = [node.next() for _ in range(len(node))]
             cut = len(full) // 2
-            node = ReadPlanNode(manifest, _views(geom), **kw)
+            node = ReadPlanNode(manifest, _views(geom), config=config)
             node.set_epoch(2)
             node.reset(None)
             for _ in range(cut):
                 node.next()
             state = node.get_state()
             assert state["config"]["remainder"] == remainder
-            resumed = ReadPlanNode(manifest, _views(geom), **kw)
+            resumed = ReadPlanNode(manifest, _views(geom), config=config)
             resumed.reset(state)
             rest = []
             while True:
@@ -219,12 +217,11 @@ def test_only_tail_chunks_are_shared_costing_at_most_world_size_minus_one_extra_
 def test_a_state_from_the_other_remainder_policy_is_refused(
     geom: ArrayGeometry, manifest: SplitManifest
 ) -> None:
-    drop = ReadPlanNode(manifest, _views(geom), batch_size=BATCH, world_size=3, rank=1)
+    config = PlanConfig(batch_size=BATCH, world_size=3, rank=1)
+    drop = ReadPlanNode(manifest, _views(geom), config=config)
     drop.next()
     state = drop.get_state()
-    pad = ReadPlanNode(
-        manifest, _views(geom), batch_size=BATCH, world_size=3, rank=1, remainder="pad"
-    )
+    pad = ReadPlanNode(manifest, _views(geom), config=config.replace(remainder="pad"))
     with pytest.raises(ValueError, match="its remainder differs"):
         pad.reset(state)
     legacy = {**state, "config": {k: v for k, v in state["config"].items() if k != "remainder"}}
@@ -239,6 +236,6 @@ def test_remainder_must_be_drop_or_pad(
     store_203: Path, geom: ArrayGeometry, manifest: SplitManifest, value: object, error: type
 ) -> None:
     with pytest.raises(error, match="remainder must be"):
-        ReadPlanNode(manifest, _views(geom), remainder=value)  # type: ignore[arg-type]
+        PlanConfig(remainder=value)  # type: ignore[arg-type]
     with pytest.raises(error, match="remainder must be"):
         insitu_pipeline(store_203, manifest, _views(geom), remainder=value)  # type: ignore[arg-type]

@@ -20,6 +20,7 @@ import zarr
 from helpers import CountingStore, counting_store, write_era5
 
 from insitubatch_nodes import EpochReport, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.report import (
     CONSUMER_WAIT_FRACTION,
@@ -356,7 +357,8 @@ def test_the_lightning_datamodule_logs_each_training_epochs_report_through_self_
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-    dm = InSituDataModule(era5, ["t2m"], (0.75, 0.125, 0.125), batch_size=16, block_chunks=4)
+    config = PlanConfig(batch_size=16, block_chunks=4)
+    dm = InSituDataModule(era5, ["t2m"], (0.75, 0.125, 0.125), config=config)
     # the reports the callback logged, as they were when it logged them (a report asked for
     # after fit has seen more wall time, and may name another limiting stage)
     logged_reports: list[EpochReport] = []

@@ -15,6 +15,7 @@ from zarr.core.buffer import cpu
 
 from insitubatch_nodes import RetryPolicy, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, as_store, describe_store, retry_policy
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 
@@ -193,7 +194,8 @@ def test_every_api_accepts_a_plain_zarr_local_store(era5_v3_path: Path) -> None:
 
     # downstream APIs take the geometries read through the zarr store as they are
     manifest = split_by_chunk(geoms["t2m"])
-    node = ReadPlanNode(manifest, {"x": geoms["t2m"]}, batch_size=5, rank=0, world_size=1)
+    config = PlanConfig(batch_size=5, rank=0, world_size=1)
+    node = ReadPlanNode(manifest, {"x": geoms["t2m"]}, config=config)
     assert sum(len(batch) for batch in node) == len(manifest.samples("train"))
 
 

@@ -26,6 +26,8 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.errors import ChunkTransformError
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.plan.config import PlanConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -354,9 +356,9 @@ def test_the_lightning_data_module_passes_chunk_transforms_and_on_bad_chunk_to_e
         era5,
         ["t2m"],
         (0.5, 0.5, 0.0),
-        batch_size=8,
+        config=PlanConfig(batch_size=8),
+        fetch=FetchOptions(on_bad_chunk="nan"),
         chunk_transforms=[applies(["t2m"], Coarsen(2))],
-        on_bad_chunk="nan",
         transform=lambda b: b,
     )
     oracle = Oracle(era5)

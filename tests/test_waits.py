@@ -27,6 +27,7 @@ from helpers import Oracle, View, assert_batch_matches, counting_store, run_epoc
 
 from insitubatch_nodes import _runtime, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.errors import FillCancelled, PipelineInterrupted
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages._jobs import FillJob
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
@@ -53,7 +54,8 @@ def views(store: Any) -> dict[str, Any]:
 
 def hand_composed(store: Any, pool: ChunkPool, **plan_kwargs: Any) -> PrefetcherNode[Any]:
     labels = views(store)
-    plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, batch_size=8, **plan_kwargs)
+    config = PlanConfig(batch_size=8, **plan_kwargs)
+    plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, config=config)
     fetch = AsyncChunkFetchNode(plan, store, {"t2m": labels["x"]}, pool)
     return PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
 
@@ -96,7 +98,7 @@ def test_a_fill_cancelled_before_it_ever_ran_still_resolves_its_entry(
     pool = ChunkPool(budget_bytes=2**30)
     store = root if reads == "local" else counting_store(root)
     labels = views(store)
-    plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, batch_size=8)
+    plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, config=PlanConfig(batch_size=8))
     fetch = AsyncChunkFetchNode(plan, store, {"t2m": labels["x"]}, pool)
     geom = labels["x"]
     job = FillJob(_runtime.next_ticket(), generation=0)
