@@ -1,8 +1,9 @@
 """Argument checks at the public boundary: one sentence that says what to pass instead.
 
-``insitu_pipeline`` and ``ReadPlanNode`` (and the pool's budget) use these, so a float seed, a
-string flag or a ``bool`` where a count belongs is refused the same way everywhere, rather than
-being truncated by ``int()`` or taken as truthy.
+The settings objects (``PlanConfig``, ``FetchOptions``, ``CacheOptions``: checked once, where
+they are made) and the stages' own arguments use these, so a float seed, a string flag or a
+``bool`` where a count belongs is refused the same way everywhere, rather than being truncated
+by ``int()`` or taken as truthy.
 """
 
 from __future__ import annotations

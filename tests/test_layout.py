@@ -66,6 +66,7 @@ BELOW_STAGES = [
     "io",
     "pool",
     "slots",
+    "options",
     "errors",
     "report",
     "recorder",
