@@ -15,7 +15,7 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import NamedTuple
 
 import numpy as np
 
@@ -178,54 +178,87 @@ def _patch_chunk_bytes(
     return weight[keep], total, cnt[keep]
 
 
+class _Touched(NamedTuple):
+    """What runs of ledger rows can touch, one entry per run (see :meth:`_BlockLayout.touched`)."""
+
+    chunks: np.ndarray  # most anchor chunks the run can read
+    blocks: np.ndarray  # blocks the run can overlap
+    first_block: np.ndarray  # the first block it can overlap
+
+
+@dataclass(frozen=True)
+class _BlockLayout:
+    """Where the blocks of every ledger whose chunks hold at most ``q`` rows, ``slack`` rows
+    fewer than ``q`` each in all, can lie: where they would with ``q`` rows per chunk, each
+    moved earlier by at most ``slack`` rows, so block ``k`` occupies rows inside
+    ``[start[k], end[k])``."""
+
+    sizes: np.ndarray  # chunks in each block
+    start: np.ndarray  # the earliest row block k can start at
+    end: np.ndarray  # the row block k ends before, at the latest
+
+    #: Blocks one run may overlap before the layout is too loose to be useful.
+    MAX_SPREAD = 64
+
+    @classmethod
+    def of(cls, n_chunks: int, block_chunks: int, lead: int, q: int, slack: int) -> _BlockLayout:
+        sizes = np.bincount(block_index(n_chunks, block_chunks, lead))
+        end = np.cumsum(sizes * q)
+        return cls(sizes, end - sizes * q - slack, end)
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.end[-1])
+
+    def touched(
+        self, first: np.ndarray, stop: np.ndarray, own: np.ndarray | None = None
+    ) -> _Touched | None:
+        """For runs of rows ``[first, stop)``: the most chunks each can read, counting a block
+        it overlaps by its overlap (at most the block's size), or whole when it is the run's
+        ``own`` block; ``None`` when some run can overlap more than :attr:`MAX_SPREAD` blocks."""
+        last = len(self.sizes) - 1
+        k0 = np.searchsorted(self.end, first, side="right")  # first block that can end after
+        k1 = np.searchsorted(self.start, stop, side="left")  # blocks before k1 can start before
+        spread = int((k1 - k0).max(initial=0))
+        if spread > self.MAX_SPREAD:
+            return None
+        chunks = np.zeros(len(first), dtype=np.int64)
+        for step in range(spread):
+            k = k0 + step
+            block = np.minimum(k, last)
+            overlap = np.minimum(stop, self.end[block]) - np.maximum(first, self.start[block])
+            overlap = np.where(k < k1, np.maximum(overlap, 0), 0)
+            count = np.minimum(self.sizes[block], overlap)
+            if own is not None:
+                count = np.where((k < k1) & (block == own), self.sizes[block], count)
+            chunks += count
+        return _Touched(chunks, k1 - k0, k0)
+
+
 def _layout_maxima(
     n_chunks: int, block_chunks: int, lead: int, q: int, slack: int, batch_size: int, gap: int
 ) -> tuple[int, int, int] | None:
     """Most anchor chunks ``(read in g consecutive batches, live at one batch under read-once
     without shared chunks, fetched by the batches of one block)`` for every ledger whose chunks
-    hold at most ``q`` rows and ``slack`` rows fewer than ``q`` each in all.
-
-    The blocks of such a ledger lie where they would with ``q`` rows per chunk, each moved
-    earlier by at most ``slack`` rows: block ``k`` occupies rows inside
-    ``[start_k - slack, end_k)``. ``None`` when that leaves too wide a spread to be useful."""
-    sizes = np.bincount(block_index(n_chunks, block_chunks, lead))
-    hi = np.cumsum(sizes * q)
-    lo = hi - sizes * q - slack
-    n_rows = int(hi[-1])
-    last = len(sizes) - 1
-
-    def touch(x: np.ndarray, end: np.ndarray, own: np.ndarray | None = None) -> Any:
-        k0 = np.searchsorted(hi, x, side="right")  # first block that can end after x
-        k1 = np.searchsorted(lo, end, side="left")  # blocks before k1 can start before end
-        width = int((k1 - k0).max(initial=0))
-        if width > 64:
-            return None
-        total = np.zeros(len(x), dtype=np.int64)
-        for t in range(width):
-            k = k0 + t
-            kc = np.minimum(k, last)
-            overlap = np.minimum(end, hi[kc]) - np.maximum(x, lo[kc])
-            overlap = np.where(k < k1, np.maximum(overlap, 0), 0)
-            count = np.minimum(sizes[kc], overlap)
-            if own is not None:
-                count = np.where((k < k1) & (kc == own), sizes[kc], count)
-            total += count
-        return total, k1 - k0, k0
-
-    batches = np.arange(math.ceil(n_rows / batch_size), dtype=np.int64)
-    window = touch(np.maximum(0, (batches - gap + 1) * batch_size), (batches + 1) * batch_size)
-    single = touch(batches * batch_size, (batches + 1) * batch_size)
-    blocks = np.arange(len(sizes), dtype=np.int64)
-    ahead = touch(
-        np.maximum(0, lo // batch_size * batch_size),
-        -(-hi // batch_size) * batch_size,
-        own=blocks,
+    hold at most ``q`` rows and ``slack`` rows fewer than ``q`` each in all
+    (:class:`_BlockLayout`); ``None`` when that leaves too wide a spread to be useful."""
+    layout = _BlockLayout.of(n_chunks, block_chunks, lead, q, slack)
+    batches = np.arange(math.ceil(layout.n_rows / batch_size), dtype=np.int64)
+    batch_start, batch_stop = batches * batch_size, (batches + 1) * batch_size
+    window = layout.touched(np.maximum(0, batch_start - (gap - 1) * batch_size), batch_stop)
+    single = layout.touched(batch_start, batch_stop)
+    ahead = layout.touched(  # the batches that intersect each block
+        np.maximum(0, layout.start // batch_size * batch_size),
+        -(-layout.end // batch_size) * batch_size,
+        own=np.arange(len(layout.sizes), dtype=np.int64),
     )
     if window is None or single is None or ahead is None:
         return None
     # one batch inside one block: that block's chunks may all be live; else what it reads
-    once = np.where(single[1] == 1, sizes[np.minimum(single[2], last)], single[0])
-    return int(window[0].max()), int(once.max()), int(ahead[0].max())
+    last = len(layout.sizes) - 1
+    inside = layout.sizes[np.minimum(single.first_block, last)]
+    once = np.where(single.blocks == 1, inside, single.chunks)
+    return int(window.chunks.max()), int(once.max()), int(ahead.chunks.max())
 
 
 def schedule_floors(
