@@ -233,26 +233,12 @@ def insitu_pipeline(
     )
 
 
-# Each settings object's fields, by the builder keyword that sets it.
-_PLAN_KEYWORDS = {
-    name: name
-    for name in ("split", "batch_size", "block_chunks", "shuffle", "seed", "rank",
-                 "world_size", "cross_split_windows", "remainder")
-}  # fmt: skip
-_FETCH_KEYWORDS = {
-    name: name
-    for name in ("max_inflight", "decode_threads", "retry", "on_bad_chunk", "report",
-                 "prefetch_depth")
-}  # fmt: skip
-_CACHE_KEYWORDS = {
+# The builder keywords whose settings field is named otherwise (the rest are named alike).
+_FIELD_OF = {
     "cache_budget_bytes": "budget_bytes",
-    "backing": "backing",
-    "cache_dir": "cache_dir",
-    "persist": "persist",
     "readonly_cache": "readonly",
     "reset_stale_cache": "reset_stale",
     "verify_cache": "verify",
-    "check_store": "check_store",
 }
 
 
@@ -268,17 +254,16 @@ def _options(
     """The three settings objects the pipeline is built from, each checked once: the one
     given, or one made from the loose keywords (``plan``, ``fetch``, ``cache``: keyword ->
     value); an object beside a keyword off its default raises ``TypeError``."""
-
-    def resolve(given: Any, kind: type, keywords: Mapping[str, Any], table: Mapping[str, str],
-                argument: str) -> Any:  # fmt: skip
-        fields = {table[kw]: (kw, value) for kw, value in keywords.items()}
-        return resolve_options(given, kind, fields, where="insitu_pipeline", argument=argument)
-
     return (
-        resolve(config, PlanConfig, plan, _PLAN_KEYWORDS, "config"),
-        resolve(fetch_options, FetchOptions, fetch, _FETCH_KEYWORDS, "fetch"),
-        resolve(cache_options, CacheOptions, cache, _CACHE_KEYWORDS, "cache"),
+        _resolve(config, PlanConfig, plan, "config"),
+        _resolve(fetch_options, FetchOptions, fetch, "fetch"),
+        _resolve(cache_options, CacheOptions, cache, "cache"),
     )
+
+
+def _resolve(given: Any, kind: type, keywords: Mapping[str, Any], argument: str) -> Any:
+    fields = {_FIELD_OF.get(keyword, keyword): (keyword, v) for keyword, v in keywords.items()}
+    return resolve_options(given, kind, fields, where="insitu_pipeline", argument=argument)
 
 
 def _open_store(store: Store | str | os.PathLike[str], retry: RetryPolicy | None) -> Store:
