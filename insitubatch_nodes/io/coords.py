@@ -401,6 +401,7 @@ class Coordinate:
             lo, hi = counts_us(np.array([lo, hi], dtype=object)).tolist()
         elif self.is_time:  # compare in the values' own unit: a far bound must not overflow
             lo, hi = _ceil_to(lo, v.dtype), _ceil_to(hi, v.dtype)
+            keys = v
         inside = np.flatnonzero((keys >= lo) & (keys < hi))
         if inside.size == 0:
             first, last = (v[0], v[-1]) if len(v) else ("-", "-")
@@ -422,7 +423,7 @@ def time_offsets(
     ``epoch`` (default ``1970-01-01T00:00``) is a date read in the times' calendar as
     :meth:`Coordinate.index_range` reads a bound. Elapsed time is counted in the calendar: from
     ``2001-02-28T18`` to ``2001-03-01T00`` is ``1`` of ``"6h"`` in ``noleap`` and in
-    ``standard``, ``13`` in ``360_day`` (which has 02-29 and 02-30). So the samples on a 6-hourly
+    ``standard``, ``9`` in ``360_day`` (which has 02-29 and 02-30). So the samples on a 6-hourly
     grid are ``time_offsets(t, "1h") % 6 == 0``, and a step of 6 h between samples ``i`` and
     ``j`` is ``off[j] - off[i] == 6`` in every calendar.
 
