@@ -10,19 +10,23 @@ attributes, as xarray does for a zarr store, but without xarray:
   then ``scale_factor`` / ``add_offset`` unpack — packed values and masked integers decode to
   ``float64`` (NaN where missing);
 * ``units`` of the CF form ``"<unit> since <reference date>"`` (unit ``days``, ``hours``,
-  ``minutes``, ``seconds``, ``milliseconds``, ``microseconds`` or ``nanoseconds``) with
-  ``calendar`` ``standard``, ``gregorian`` or ``proleptic_gregorian`` (absent means
-  ``standard``) decode to ``numpy.datetime64[ns]`` (``NaT`` where missing, and for NaT's own
-  ``int64`` bit pattern, which is how xarray writes a NaT), as xarray decodes them — ``[s]``
-  (or the encoding's finer unit) for dates outside the nanosecond range (years 1678–2261).
-  Another calendar (``noleap``, ``360_day``, ``julian``, ...) or a ``standard`` date before
-  1582-10-15 (a Julian date there) has no ``datetime64`` value and raises ``ValueError``;
+  ``minutes``, ``seconds``, ``milliseconds``, ``microseconds`` or ``nanoseconds``) in any CF
+  ``calendar`` (absent means ``standard``) decode to the dates xarray gives
+  (:mod:`~insitubatch_nodes.io.calendars` states the rule): ``numpy.datetime64[ns]`` for
+  ``standard``, ``gregorian`` and ``proleptic_gregorian`` dates that all lie in its range
+  (``NaT`` where missing, and for NaT's own ``int64`` bit pattern, which is how xarray writes a
+  NaT), numpy alone; cftime dates in one ``object`` array (``None`` where missing) for dates
+  outside that range, ``standard`` dates before 1582-10-15 (Julian there), and the calendars
+  numpy lacks: ``noleap`` / ``365_day``, ``all_leap`` / ``366_day``, ``360_day``, ``julian``.
+  Another calendar raises ``ValueError``;
 * anything else comes as stored.
 
 A :class:`Coordinate` turns a value window into a sample window (:meth:`Coordinate.index_range`,
-what ``split_by_chunk(..., coord=...)`` uses), and
+what ``split_by_chunk(..., coord=...)`` uses; dates compared in their own calendar), and
 :class:`~insitubatch_nodes.stages.gather.GatherNode`
 indexes its values with each batch's sample indices to deliver ``batch.coords``.
+:func:`time_offsets` counts a time coordinate's values in a unit since an epoch, in its own
+calendar: what strides and windows given as time deltas compare.
 """
 
 from __future__ import annotations
