@@ -360,3 +360,32 @@ def test_a_coordinate_of_two_calendars_is_refused() -> None:
     mixed = np.array([cftime.DatetimeNoLeap(2000, 1, 1), cftime.Datetime360Day(2000, 1, 2)])
     with pytest.raises(ValueError, match=r"'time'.*calendars \['360_day', 'noleap'\]"):
         Coordinate("time", mixed)
+
+
+def test_the_lightning_data_module_hands_each_rows_noleap_date_to_its_transform(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("lightning")
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    root = _write_calendar_store(
+        tmp_path / "n.zarr", "noleap", "2001-02-20", "6h", "hours since 1850-01-01"
+    )
+    want = _xr_time(root)
+    seen: list[tuple[np.ndarray, np.ndarray]] = []
+
+    def keep(batch: Any) -> dict[str, object]:
+        seen.append((batch.sample_indices["t2m"], batch.coords["t2m"]["time"]))
+        return to_torch(batch)
+
+    dm = InSituDataModule(
+        root, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, transform=keep, log_report=False
+    )
+    dm.setup("fit")
+    try:
+        n = sum(1 for _ in dm.train_dataloader())
+    finally:
+        dm.teardown("fit")
+    assert n == len(seen) > 0
+    for rows, times in seen:
+        _assert_same_dates(times, want[rows])
