@@ -9,6 +9,7 @@ time are checked against cftime's own ``date2num`` and xarray's ``.dt`` accessor
 from __future__ import annotations
 
 import datetime
+import logging
 import sys
 import warnings
 from pathlib import Path
@@ -237,6 +238,25 @@ def test_standard_dates_in_range_need_no_cftime_and_others_say_how_to_get_it(
     for calendar in ("noleap", "360_day", "julian"):
         with pytest.raises(ModuleNotFoundError, match=r"'time'.*pip install cftime"):
             decode_cf(hours, {"units": "hours since 2000-01-01", "calendar": calendar}, name="time")
+
+
+def test_without_cftime_a_default_coordinate_is_left_out_saying_how_to_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = _write_calendar_store(
+        tmp_path / "n.zarr", "noleap", "2001-02-20", "6h", "hours since 1850-01-01"
+    )
+    geom = open_geometries(root)["t2m"]
+    monkeypatch.setitem(sys.modules, "cftime", None)  # as if it were not installed
+    with pytest.raises(ModuleNotFoundError, match="pip install cftime"):
+        insitu_pipeline(root, split_by_chunk(geom), ["t2m"], batch_size=8, coords=["time"])
+    with caplog.at_level(logging.WARNING, logger="insitubatch_nodes.io.coords"):
+        pipe = insitu_pipeline(root, split_by_chunk(geom), ["t2m"], batch_size=8)
+    try:
+        assert next(iter(pipe)).coords == {}  # it still trains
+    finally:
+        pipe.close()
+    assert "pip install cftime" in caplog.text
 
 
 def test_a_calendar_that_is_not_cf_or_a_date_the_calendar_lacks_is_refused() -> None:

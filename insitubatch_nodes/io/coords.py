@@ -643,7 +643,7 @@ def carried_coordinates(
     """``{label: {name: values}}`` for the builder: the coordinates each label's rows carry.
 
     ``names=None`` is the default selection (each view's dimension coordinate): one that cannot
-    be decoded is left out with a warning rather than failing a pipeline that reads no
+    be decoded (here) is left out with a warning rather than failing a pipeline that reads no
     coordinate otherwise. Explicit ``names`` fail loudly. Each coordinate array is read once,
     however many views share it.
     """
@@ -653,7 +653,7 @@ def carried_coordinates(
         if names is None:
             try:
                 coords = _coordinates(reader, view, None)
-            except ValueError as exc:
+            except (ValueError, ModuleNotFoundError) as exc:  # (cftime, were it missing)
                 log.warning(
                     "insitubatch_nodes: batches of %r carry no coordinates: %s. Pass coords=() "
                     "to silence this",
