@@ -368,6 +368,17 @@ def test_time_offsets_of_datetime64_are_numpys_own_arithmetic() -> None:
     np.testing.assert_array_equal(np.delete(seconds, 7), np.delete(np.arange(48) * 2 - 1, 7))
     with pytest.raises(ValueError, match="not a whole number of '1D'"):
         time_offsets(t, "1D")
+    # an epoch of another unit (a month), one whose nanoseconds numpy cannot hold
+    np.testing.assert_array_equal(
+        time_offsets(t[:7], "1h", epoch=np.datetime64("2020-01")), np.arange(7)
+    )
+    with pytest.raises(OverflowError, match="choose an epoch near them"):
+        time_offsets(t, "1h", epoch="1000-01-01")
+    far = np.array(["1000-01-01T06", "3000-01-01T12"], "M8[s]")  # seconds reach far
+    np.testing.assert_array_equal(
+        time_offsets(far, "6h", epoch="1000-01-01"),
+        (far - np.datetime64("1000-01-01", "s")) // np.timedelta64(6, "h"),
+    )
     with pytest.raises(ValueError, match="no fixed length"):
         time_offsets(t, "1M")
     with pytest.raises(ValueError, match="positive"):

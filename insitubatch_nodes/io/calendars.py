@@ -149,6 +149,45 @@ def counts_us(dates: np.ndarray) -> np.ndarray:
     return (days * _US_PER_DAY + tod).reshape(dates.shape)
 
 
+_TICK_NS: dict[str, int] = {
+    "ns": 1, "us": 1_000, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
+    "D": 86_400 * 10**9, "W": 7 * 86_400 * 10**9,
+}  # fmt: skip
+
+
+def elapsed_ticks(dates: np.ndarray, epoch: Any, shown: str) -> tuple[np.ndarray, int]:
+    """``dates - epoch`` as ``int64`` ticks and the nanoseconds in one tick, exactly.
+
+    ``dates`` (no missing value) are ``datetime64`` — ticks of the finer of their unit and
+    ``epoch``'s (a ``datetime64``) — or cftime dates, microseconds counted in their calendar
+    (``epoch`` a cftime date of it). A difference past ``int64`` raises ``OverflowError`` naming
+    the epoch as ``shown``.
+    """
+    if dates.dtype == object:
+        ticks = counts_us(dates) - int(counts_us(np.array([epoch], dtype=object))[0])
+        return ticks, _TICK_NS["us"]
+    if np.datetime_data(dates.dtype)[0] not in _TICK_NS:  # years or months: exact in days
+        dates = dates.astype("M8[D]")
+    if np.datetime_data(epoch.dtype)[0] not in _TICK_NS:
+        epoch = epoch.astype("M8[D]")
+    units = (np.datetime_data(dates.dtype)[0], np.datetime_data(epoch.dtype)[0])
+    tick = min(units, key=_TICK_NS.__getitem__)
+    e = epoch.astype(f"M8[{tick}]")
+    ratio = _TICK_NS[units[0]] // _TICK_NS[tick]
+    raw = dates.astype(np.int64)
+    if e.astype(epoch.dtype) != epoch or (
+        raw.size and float(np.abs(raw).max()) * ratio >= 2.0**62
+    ):  # (numpy's casts between units wrap around silently)
+        raise OverflowError(
+            f"the times cannot be counted in {tick} since epoch {shown}: choose an epoch near them"
+        )
+    et = int(e.astype(np.int64))
+    lo, hi = float(raw.min()) * ratio - et, float(raw.max()) * ratio - et
+    if max(abs(lo), abs(hi)) >= 2.0**62:
+        raise OverflowError(f"the times counted in {tick} since epoch {shown} overflow int64")
+    return raw * ratio - et, _TICK_NS[tick]
+
+
 def calendar_of(values: np.ndarray) -> str | None:
     """The calendar (cftime's name) of an ``object`` array of cftime dates (``None`` entries
     are missing values), or ``None`` when the array holds anything else. Dates of two calendars

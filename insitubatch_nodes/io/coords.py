@@ -52,6 +52,7 @@ from insitubatch_nodes.io.calendars import (
     counts_us,
     date_in,
     decode_with_cftime,
+    elapsed_ticks,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
@@ -81,7 +82,6 @@ _NS_PER: dict[str, int] = {
     "m": 60 * 10**9,
     "h": 3600 * 10**9,
     "D": 86400 * 10**9,
-    "W": 7 * 86400 * 10**9,
 }
 _UNITS_RE = re.compile(r"^\s*(?P<unit>[A-Za-z]+)\s+since\s+(?P<ref>.+?)\s*$", re.IGNORECASE)
 _REF_RE = re.compile(
@@ -451,28 +451,9 @@ def time_offsets(
     out = np.full(len(v), MISSING_OFFSET, np.int64)
     if bool(missing.all()):
         return out
-    if v.dtype == object:
-        dates = v[~missing]
-        e = coord._bound(epoch, "epoch")
-        ticks = counts_us(dates) - int(counts_us(np.array([e], dtype=object))[0])
-        tick = "us"
-    else:
-        if np.datetime_data(v.dtype)[0] not in _NS_PER:  # (years or months: exact in days)
-            v = v.astype("M8[D]")
-        e = coord._bound(epoch, "epoch")
-        tick = min(
-            np.datetime_data(v.dtype)[0], np.datetime_data(e.dtype)[0], key=_NS_PER.__getitem__
-        )
-        valid = v[~missing]
-        if tick != np.datetime_data(v.dtype)[0]:  # a finer epoch: counted in its unit
-            span = float(np.abs(valid.astype(np.int64)).max())
-            if span * (_NS_PER[np.datetime_data(v.dtype)[0]] // _NS_PER[tick]) >= 2.0**62:
-                raise OverflowError(f"times in {tick} since {epoch!r} overflow int64")
-        ticks = valid.astype(f"M8[{tick}]").astype(np.int64) - int(
-            e.astype(f"M8[{tick}]").astype(np.int64)
-        )
-    g = math.gcd(_NS_PER[tick], step_ns)
-    scale, per = _NS_PER[tick] // g, step_ns // g
+    ticks, tick_ns = elapsed_ticks(v[~missing], coord._bound(epoch, "epoch"), repr(epoch))
+    g = math.gcd(tick_ns, step_ns)
+    scale, per = tick_ns // g, step_ns // g
     if ticks.size and float(np.abs(ticks).max()) * scale >= 2.0**63:
         raise OverflowError(f"times counted in {unit!r} since {epoch!r} overflow int64")
     counts, rest = np.divmod(ticks * scale, per)
