@@ -259,6 +259,18 @@ def test_without_cftime_a_default_coordinate_is_left_out_saying_how_to_get_it(
     assert "pip install cftime" in caplog.text
 
 
+def test_nanoseconds_in_a_cftime_calendar_are_read_at_microseconds() -> None:
+    """xarray refuses ``nanoseconds since`` in a cftime calendar (cftime counts microseconds at
+    the finest); whole microseconds read exactly, finer ones round to cftime's resolution."""
+    us = np.arange(N_TIME, dtype=np.int64) * 90_000_000  # 90 s steps
+    want = decode_cf(us, {"units": "microseconds since 2000-02-28", "calendar": "noleap"})
+    ns = {"units": "nanoseconds since 2000-02-28", "calendar": "noleap"}
+    _assert_same_dates(decode_cf(us * 1000, ns), want)
+    _assert_same_dates(decode_cf(us * 1000 + 3, ns), want)
+    with pytest.raises(ValueError, match="nanoseconds"):
+        xr.decode_cf(xr.Dataset(coords={"time": ("time", us * 1000, ns)}))
+
+
 def test_a_calendar_that_is_not_cf_or_a_date_the_calendar_lacks_is_refused() -> None:
     with pytest.raises(ValueError, match=r"calendar 'martian' is not supported.*'360_day'"):
         decode_cf(np.arange(3), {"units": "days since 2000-01-01", "calendar": "martian"})
