@@ -25,10 +25,11 @@ class Batch:
 
     ``coords[label][name][i]`` is the value of coordinate ``name`` (e.g. ``"time"``) at row ``i``
     of ``arrays[label]``: the decoded coordinate indexed with ``sample_indices[label]``, so a
-    shifted view has its own values (``numpy.datetime64`` for CF time; see
-    :mod:`insitubatch_nodes.io.coords`). Labels without coordinates are absent. Coordinates stay
-    numpy: :func:`to_torch` converts ``arrays`` only. A batch transform that drops or reorders
-    rows must do the same to ``sample_indices``, ``coords`` and ``patch_origins``.
+    shifted view has its own values (``numpy.datetime64``, or cftime dates in an ``object``
+    array, for CF time; see :mod:`insitubatch_nodes.io.calendars`). Labels without coordinates
+    are absent. Coordinates stay numpy: :func:`to_torch` converts ``arrays`` only. A batch
+    transform that drops or reorders rows must do the same to ``sample_indices``, ``coords`` and
+    ``patch_origins``.
 
     ``patch_origins[label]`` (patched views only: see
     :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.patches`) is an int array

@@ -1,18 +1,23 @@
 """Pick a training window by date and feed the model hour-of-day and day-of-year inputs.
 
 1. **A window by date.** ``open_coordinates`` reads the store's CF-encoded ``time`` (int64 hours
-   since 2000-01-01) and decodes it to ``numpy.datetime64`` without xarray;
+   since 2000-01-01) and decodes it without xarray — to ``numpy.datetime64``, or with
+   ``--calendar noleap`` / ``360_day`` / ``julian`` / ... (the store's ``calendar`` attribute,
+   as a climate model writes it) to cftime dates, as xarray decodes them;
    ``split_by_chunk(..., sample_range=(START, STOP), coord=time)`` keeps the samples with
-   ``START <= time < STOP`` (half-open) and snaps outward to whole chunks.
+   ``START <= time < STOP`` (half-open, dates read in the calendar) and snaps outward to whole
+   chunks.
 2. **Times per row.** Every batch carries ``batch.coords[label]["time"]``: the time of each row
    of that label (the target ``y = t2m.shift(1)`` has its own, 6 h later).
 3. **Time features.** A batch transform turns the input's times into
-   ``sin/cos(2π·hour/24)`` and ``sin/cos(2π·day_of_year/365.25)`` — four float32 columns, a label
-   of their own that ``to_torch`` converts like any other — and a tiny linear model trains on
-   ``t2m`` plus those features.
+   ``sin/cos(2π·hour/24)`` and ``sin/cos(2π·day_of_year/year_length)`` (in the times' own
+   calendar: 360 days in ``360_day``) — four float32 columns, a label of their own that
+   ``to_torch`` converts like any other — and a tiny linear model trains on ``t2m`` plus those
+   features.
 
     .venv/bin/python recipes/time_features.py
     .venv/bin/python recipes/time_features.py --start 2000-03-01 --stop 2000-09-01
+    .venv/bin/python recipes/time_features.py --calendar 360_day --stop 2000-02-30
 """
 
 from __future__ import annotations
@@ -25,19 +30,32 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import zarr
 
 from insitubatch_nodes import Batch, insitu_pipeline, open_geometries, split_by_chunk, to_torch
-from insitubatch_nodes.io.coords import open_coordinates
+from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 from insitubatch_nodes.synthetic import make_era5_like
+
+YEAR_DAYS = {"360_day": 360.0, "noleap": 365.0, "all_leap": 366.0}  # others: 365.25 on average
+
+
+def hour_and_day_of_year(t: np.ndarray) -> tuple[np.ndarray, np.ndarray, float]:
+    """Hour of day (0.0 .. 23.x), day of year (1 ..) and the year's length in days, of each time
+    in its own calendar: ``datetime64`` values or cftime dates (``object``)."""
+    hour = (time_offsets(t, "1s") % 86_400) / 3600.0  # every calendar's day has 24 hours
+    if t.dtype.kind == "M":
+        day = t.astype("datetime64[D]")
+        doy = (day - t.astype("datetime64[Y]")).astype(np.int64) + 1  # 1 .. 366
+        return hour, doy, 365.25
+    doy = np.array([d.dayofyr for d in t])  # cftime dates know their calendar's day of year
+    return hour, doy, YEAR_DAYS.get(t[0].calendar, 365.25)
 
 
 def time_features(batch: Batch) -> Batch:
     """Add ``batch["time_features"]``: (rows, 4) float32 from the times of ``batch["x"]``."""
-    t = batch.coords["x"]["time"]  # datetime64[ns], one per row
-    day = t.astype("datetime64[D]")
-    hour = (t - day) / np.timedelta64(1, "h")  # 0.0 .. 23.x
-    doy = (day - t.astype("datetime64[Y]")).astype(np.int64) + 1  # 1 .. 366
-    angles = np.stack([2 * np.pi * hour / 24, 2 * np.pi * (doy - 1) / 365.25], axis=1)
+    t = batch.coords["x"]["time"]  # datetime64[ns] or cftime dates, one per row
+    hour, doy, year_days = hour_and_day_of_year(t)
+    angles = np.stack([2 * np.pi * hour / 24, 2 * np.pi * (doy - 1) / year_days], axis=1)
     batch.arrays["time_features"] = np.concatenate([np.sin(angles), np.cos(angles)], 1).astype(
         np.float32
     )
@@ -52,6 +70,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--stop", default="2000-11-01", help="end of the window (excluded)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument(
+        "--calendar", default="standard", help="CF calendar of the new store's time (noleap, ...)"
+    )
     args = parser.parse_args(argv)
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -59,6 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not path.exists():
             make_era5_like(path, n_time=args.n_time, n_lat=8, n_lon=16, n_level=2,
                            samples_per_chunk=24, variables=("t2m",))  # fmt: skip
+            # the same stored hours, read in another calendar (as a climate model writes them)
+            zarr.open_array(path / "time", mode="r+").attrs["calendar"] = args.calendar
         t2m = open_geometries(path, ["t2m"])["t2m"]
         time = open_coordinates(path, t2m)["time"]
         manifest = split_by_chunk(
@@ -67,6 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         i0, i1 = manifest.sample_range or (0, t2m.n_samples)
         first, last = manifest.chunks("train")[0], manifest.chunks("val")[-1]
         lo, hi = t2m.chunk_range(first)[0], t2m.chunk_range(last)[1]
+        kind = "cftime dates" if time.values.dtype == object else str(time.values.dtype)
+        print(f"time: {kind} in the {time.attrs.get('calendar', 'standard')} calendar")
         print(
             f"[{args.start}, {args.stop}) is samples [{i0}, {i1}) ({time.values[i0]} .. "
             f"{time.values[i1 - 1]}); whole chunks {first}..{last} hold samples [{lo}, {hi})"
@@ -85,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 losses = []
                 for batch in pipe:
                     tx, ty = batch.coords["x"]["time"], batch.coords["y"]["time"]
-                    assert np.all(ty - tx == np.timedelta64(6, "h")), "y is one step after x"
+                    step = time_offsets(ty, "1h") - time_offsets(tx, "1h")  # in any calendar
+                    assert np.all(step == 6), "y is one step after x"
                     assert np.all(tx >= time.values[lo]) and np.all(ty <= time.values[hi - 1])
                     t = to_torch(batch)  # coords stay numpy; time_features is a tensor now
                     x = (t["x"].reshape(len(batch), -1) - 280.0) / 15.0

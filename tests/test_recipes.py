@@ -163,6 +163,21 @@ def test_the_time_features_recipe_picks_its_window_by_date_and_trains_on_each_ro
 
 
 @pytest.mark.slow
+def test_the_time_features_recipe_runs_in_a_360_day_calendar_with_a_window_to_february_30th(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "time_features.py", "--n-time", "400", "--calendar", "360_day", "--stop", "2000-02-30",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "time: cftime dates in the 360_day calendar" in proc.stdout, _explain(proc)
+    # 30-day months: 2000-02-01 is step 30 * 4 = 120; 2000-02-30 is step 59 * 4 = 236 (excluded)
+    assert "[2000-02-01, 2000-02-30) is samples [120, 236)" in proc.stdout, _explain(proc)
+    assert "every row carried its own time" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
 def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_into_batches(
     tmp_path: Path,
 ) -> None:

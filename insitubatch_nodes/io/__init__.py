@@ -7,6 +7,7 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.geometry` — :class:`ArrayGeometry`: what a sample is, which
   stored objects hold it; :class:`Patches`: how a patched view cuts its field into windows;
 * :mod:`~insitubatch_nodes.io.coords` — coordinates along the sample axis (CF time);
+* :mod:`~insitubatch_nodes.io.calendars` — CF calendars: ``datetime64`` or cftime dates, counts;
 * :mod:`~insitubatch_nodes.io.decode` — one stored object into its slot memory;
 * :mod:`~insitubatch_nodes.io.localfiles` — a local store's files, read on the decode threads;
 * :mod:`~insitubatch_nodes.io._zarr_compat` — the only module touching zarr's internals.

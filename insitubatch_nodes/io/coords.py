@@ -10,19 +10,23 @@ attributes, as xarray does for a zarr store, but without xarray:
   then ``scale_factor`` / ``add_offset`` unpack — packed values and masked integers decode to
   ``float64`` (NaN where missing);
 * ``units`` of the CF form ``"<unit> since <reference date>"`` (unit ``days``, ``hours``,
-  ``minutes``, ``seconds``, ``milliseconds``, ``microseconds`` or ``nanoseconds``) with
-  ``calendar`` ``standard``, ``gregorian`` or ``proleptic_gregorian`` (absent means
-  ``standard``) decode to ``numpy.datetime64[ns]`` (``NaT`` where missing, and for NaT's own
-  ``int64`` bit pattern, which is how xarray writes a NaT), as xarray decodes them — ``[s]``
-  (or the encoding's finer unit) for dates outside the nanosecond range (years 1678–2261).
-  Another calendar (``noleap``, ``360_day``, ``julian``, ...) or a ``standard`` date before
-  1582-10-15 (a Julian date there) has no ``datetime64`` value and raises ``ValueError``;
+  ``minutes``, ``seconds``, ``milliseconds``, ``microseconds`` or ``nanoseconds``) in any CF
+  ``calendar`` (absent means ``standard``) decode to the dates xarray gives
+  (:mod:`~insitubatch_nodes.io.calendars` states the rule): ``numpy.datetime64[ns]`` for
+  ``standard``, ``gregorian`` and ``proleptic_gregorian`` dates that all lie in its range
+  (``NaT`` where missing, and for NaT's own ``int64`` bit pattern, which is how xarray writes a
+  NaT), numpy alone; cftime dates in one ``object`` array (``None`` where missing) for dates
+  outside that range, ``standard`` dates before 1582-10-15 (Julian there), and the calendars
+  numpy lacks: ``noleap`` / ``365_day``, ``all_leap`` / ``366_day``, ``360_day``, ``julian``.
+  Another calendar raises ``ValueError``;
 * anything else comes as stored.
 
 A :class:`Coordinate` turns a value window into a sample window (:meth:`Coordinate.index_range`,
-what ``split_by_chunk(..., coord=...)`` uses), and
+what ``split_by_chunk(..., coord=...)`` uses; dates compared in their own calendar), and
 :class:`~insitubatch_nodes.stages.gather.GatherNode`
 indexes its values with each batch's sample indices to deliver ``batch.coords``.
+:func:`time_offsets` counts a time coordinate's values in a unit since an epoch, in its own
+calendar: what strides and windows given as time deltas compare.
 """
 
 from __future__ import annotations
@@ -40,15 +44,26 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.calendars import (
+    CF_CALENDARS,
+    DATETIME64_CALENDARS,
+    as_timedelta,
+    calendar_of,
+    counts_us,
+    date_in,
+    decode_with_cftime,
+    elapsed_ticks,
+)
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 
-__all__ = ["Coordinate", "decode_cf", "open_coordinates"]
+__all__ = ["MISSING_OFFSET", "Coordinate", "decode_cf", "open_coordinates", "time_offsets"]
 
 log = logging.getLogger(__name__)
 
-CALENDARS: tuple[str, ...] = ("standard", "gregorian", "proleptic_gregorian")
-"""CF calendars whose dates are numpy ``datetime64`` values (proleptic Gregorian)."""
+CALENDARS: tuple[str, ...] = tuple(CF_CALENDARS)
+"""Every CF calendar a time coordinate may name (see the module docstring for what each decodes
+to)."""
 
 _TIME_UNITS: dict[str, str] = {
     "nanoseconds": "ns",
@@ -75,8 +90,13 @@ _REF_RE = re.compile(
     r"\s*(?P<tz>Z|UTC|GMT|[+-]\d{1,2}(?::?\d{2})?)?$",
     re.IGNORECASE,
 )
-_GREGORIAN_START = np.datetime64("1582-10-15", "s")
-_NS_MIN, _NS_MAX = np.datetime64("1678-01-01", "s"), np.datetime64("2262-04-11", "s")
+# whole seconds inside datetime64[ns]'s range (1677-09-21T00:12:43.145 .. 2262-04-11T23:47:16.854):
+# the numpy route decodes dates between them; the slivers beyond go through cftime, as in xarray
+_NS_FIRST_S = np.datetime64("1677-09-21T00:12:44", "s")
+_NS_LAST_S = np.datetime64("2262-04-11T23:47:15", "s")
+
+MISSING_OFFSET: int = int(np.iinfo(np.int64).min)
+""":func:`time_offsets` of a missing time (``NaT`` / ``None``): ``NaT``'s own ``int64`` pattern."""
 
 
 def _is_cf_time(attrs: Mapping[str, Any]) -> bool:
@@ -84,7 +104,9 @@ def _is_cf_time(attrs: Mapping[str, Any]) -> bool:
     return isinstance(units, str) and bool(_UNITS_RE.match(units))
 
 
-def _reference_date(ref: str, units: str, name: str) -> np.datetime64:
+def _parse_reference(ref: str, units: str, name: str) -> tuple[str, int]:
+    """The reference date of CF ``units`` as ISO ``YYYY-MM-DDThh:mm:ss[.f]`` (its own wall
+    clock, any calendar) and its UTC offset in minutes."""
     m = _REF_RE.match(ref.strip())
     if m is None:
         raise ValueError(
@@ -94,46 +116,63 @@ def _reference_date(ref: str, units: str, name: str) -> np.datetime64:
     g = m.groupdict()
     iso = f"{int(g['y']):04d}-{int(g['mo']):02d}-{int(g['d']):02d}"
     iso += f"T{int(g['h'] or 0):02d}:{int(g['mi'] or 0):02d}:{int(g['s'] or 0):02d}"
-    frac = (g["frac"] or "").rstrip("0").rstrip(".")
-    try:
-        date = np.datetime64(iso + frac, "ns" if frac else "s")
-    except ValueError as exc:
-        raise ValueError(
-            f"coordinate {name!r}: invalid reference date in {units!r}: {exc}"
-        ) from exc
+    iso += (g["frac"] or "").rstrip("0").rstrip(".")
     tz = (g["tz"] or "").upper()
-    if tz and tz not in ("Z", "UTC", "GMT"):  # the reference is local time: make it UTC
+    offset = 0
+    if tz and tz not in ("Z", "UTC", "GMT"):  # the reference is local time
         sign = -1 if tz[0] == "-" else 1
         digits = tz[1:].replace(":", "")
         hours, minutes = (
             (int(digits), 0) if len(digits) <= 2 else (int(digits[:-2]), int(digits[-2:]))
         )
-        date = date - sign * np.timedelta64(hours * 60 + minutes, "m")
-    return date
+        offset = sign * (hours * 60 + minutes)
+    return iso, offset
+
+
+def _reference_date(ref: str, units: str, name: str) -> np.datetime64:
+    iso, offset = _parse_reference(ref, units, name)
+    try:
+        date = np.datetime64(iso, "ns" if "." in iso else "s")
+    except ValueError as exc:
+        raise ValueError(
+            f"coordinate {name!r}: invalid reference date in {units!r}: {exc}"
+        ) from exc
+    return date - np.timedelta64(offset, "m")  # in UTC
+
+
+def _cftime_reference(ref: str, units: str, name: str) -> str:
+    """The reference date as cftime reads it, ``YYYY-MM-DD hh:mm:ss[.ffffff][+hh:mm]``."""
+    iso, offset = _parse_reference(ref, units, name)
+    date, _, frac = iso.replace("T", " ").partition(".")
+    text = f"{date}.{frac[:6]}" if frac else date
+    if offset:
+        sign = "-" if offset < 0 else "+"
+        text += f"{sign}{abs(offset) // 60:02d}:{abs(offset) % 60:02d}"
+    return text
 
 
 def _decode_time(
     values: np.ndarray, missing: np.ndarray | None, units: str, calendar: Any, name: str
 ) -> np.ndarray:
-    cal = "standard" if calendar is None else str(calendar).lower()
-    if cal not in CALENDARS:
+    cal = "standard" if calendar is None else str(calendar).strip().lower()
+    if cal not in CF_CALENDARS:
         raise ValueError(
-            f"coordinate {name!r}: calendar {calendar!r} is not supported: only "
-            f"{', '.join(repr(c) for c in CALENDARS)} dates are numpy datetime64 values. Leave "
-            "this coordinate out (insitu_pipeline(..., coords=())) or decode it yourself "
-            "(e.g. with cftime) and build a Coordinate from the values"
+            f"coordinate {name!r}: calendar {calendar!r} is not supported: CF calendars are "
+            f"{', '.join(repr(c) for c in CALENDARS)}. Leave this coordinate out "
+            "(insitu_pipeline(..., coords=())) or decode it yourself and build a Coordinate "
+            "from the values"
         )
     m = _UNITS_RE.match(units)
     assert m is not None  # _is_cf_time checked it
     word = m["unit"].lower()
-    unit = _TIME_UNITS.get(word if word.endswith("s") else word + "s")
+    word = word if word.endswith("s") else word + "s"
+    unit = _TIME_UNITS.get(word)
     if unit is None:
         raise ValueError(
             f"coordinate {name!r}: time unit {m['unit']!r} in {units!r} is not supported; CF "
             f"time units are one of {', '.join(_TIME_UNITS)} (months and years have no fixed "
             "length)"
         )
-    ref = _reference_date(m["ref"], units, name)
     missing = np.zeros(values.shape, bool) if missing is None else missing.copy()
     if values.dtype.kind == "f":
         missing |= ~np.isfinite(values)
@@ -143,41 +182,44 @@ def _decode_time(
         raise ValueError(
             f"coordinate {name!r}: CF time values must be numbers, got dtype {values.dtype}"
         )
+    if CF_CALENDARS[cal] in DATETIME64_CALENDARS:
+        out = _decode_datetime64(values, missing, unit, _reference_date(m["ref"], units, name))
+        if out is not None:
+            return out
+    return decode_with_cftime(
+        values, missing, word, _cftime_reference(m["ref"], units, name), cal, name
+    )
+
+
+def _decode_datetime64(
+    values: np.ndarray, missing: np.ndarray, unit: str, ref: np.datetime64
+) -> np.ndarray | None:
+    """``ref + values`` as ``datetime64[ns]`` (``NaT`` where missing) with numpy alone, when the
+    reference and every date lie in ``datetime64[ns]``'s range (xarray's pandas route); else
+    ``None``, for cftime to decode."""
+    if not _NS_FIRST_S <= ref.astype("M8[s]") <= _NS_LAST_S:
+        return None
     valid = values[~missing]
     if valid.dtype.kind in "iu":
         span = float(np.abs(valid.astype(np.float64)).max()) if valid.size else 0.0
         finest = min(_NS_PER[unit], _NS_PER[np.datetime_data(ref.dtype)[0]])
         if span * (_NS_PER[unit] // finest) >= 2.0**62:
-            raise ValueError(
-                f"coordinate {name!r}: {units!r} values up to {span:g} overflow datetime64"
-            )
+            return None
         delta = np.zeros(values.shape, f"m8[{unit}]")
         delta[~missing] = valid.astype(np.int64).astype(f"m8[{unit}]")
     else:  # fractional offsets: counted in nanoseconds (rounded), as xarray does
-        fits = _NS_MIN <= ref.astype("M8[s]") < _NS_MAX
-        target = "ns" if fits else "us"  # (a reference outside ns's range: microseconds)
-        ticks = valid.astype(np.float64) * (_NS_PER[unit] // _NS_PER[target])
+        ticks = valid.astype(np.float64) * _NS_PER[unit]
         if ticks.size and float(np.abs(ticks).max()) >= 2.0**62:
-            raise ValueError(
-                f"coordinate {name!r}: {units!r} values up to {float(np.abs(valid).max()):g} "
-                f"overflow datetime64[{target}]"
-            )
-        delta = np.zeros(values.shape, f"m8[{target}]")
-        delta[~missing] = np.round(ticks).astype(np.int64).astype(f"m8[{target}]")
-        ref = ref.astype(f"M8[{target}]")
+            return None
+        delta = np.zeros(values.shape, "m8[ns]")
+        delta[~missing] = np.round(ticks).astype(np.int64).astype("m8[ns]")
+        ref = ref.astype("M8[ns]")
     out = ref + delta
     out[missing] = np.array("NaT", dtype=out.dtype)
     good = out[~missing].astype("M8[s]")  # coarser: every value fits
-    lo, hi = (good.min(), good.max()) if good.size else (ref.astype("M8[s]"),) * 2
-    if cal != "proleptic_gregorian" and min(lo, ref.astype("M8[s]")) < _GREGORIAN_START:
-        raise ValueError(
-            f"coordinate {name!r}: calendar {cal!r} counts dates before 1582-10-15 in the Julian "
-            f"calendar (reference {ref}, first value {lo}); numpy datetime64 is proleptic "
-            "Gregorian. Leave this coordinate out (coords=()) or decode it with cftime"
-        )
-    if lo >= _NS_MIN and hi < _NS_MAX:
-        return out.astype("M8[ns]")
-    return out  # outside datetime64[ns]'s range: seconds, or the encoding's finer unit
+    if good.size and not (good.min() >= _NS_FIRST_S and good.max() <= _NS_LAST_S):
+        return None
+    return out.astype("M8[ns]")
 
 
 def _fill_scalar(value: Any, dtype: np.dtype[Any]) -> Any:
@@ -237,15 +279,16 @@ def decode_cf(
 class Coordinate:
     """A 1-D coordinate along the sample axis: ``values[i]`` is where sample ``i`` sits.
 
-    ``values`` is decoded (``datetime64`` for CF time; see the module docstring) and read-only;
-    ``path`` is the array it was read from (``""`` for one built by hand from values, e.g. ones
-    decoded by xarray) and ``attrs`` its attributes.
+    ``values`` is decoded (``datetime64[ns]`` or cftime dates for CF time; see the module
+    docstring) and read-only; ``path`` is the array it was read from (``""`` for one built by
+    hand from values, e.g. ones decoded by xarray) and ``attrs`` its attributes.
     """
 
     name: str
     values: np.ndarray
     path: str = ""
     attrs: Mapping[str, Any] = field(default_factory=dict)
+    _calendar: str | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         values = np.array(self.values)  # a private copy: nobody can change ours
@@ -256,33 +299,50 @@ class Coordinate:
             )
         values.setflags(write=False)
         object.__setattr__(self, "values", values)
+        try:
+            cal = "proleptic_gregorian" if values.dtype.kind == "M" else calendar_of(values)
+        except ValueError as exc:
+            raise ValueError(f"coordinate {self.name!r}: {exc}") from exc
+        object.__setattr__(self, "_calendar", cal)
 
     def __len__(self) -> int:
         return len(self.values)
 
     @property
     def is_time(self) -> bool:
-        """True for datetime64 values (a decoded CF time)."""
-        return self.values.dtype.kind == "M"
+        """True for dates: ``datetime64`` values, or cftime dates of one calendar (``None`` for
+        a missing one)."""
+        return self._calendar is not None
 
-    def _bound(self, x: Any, which: str) -> Any:
+    @property
+    def calendar(self) -> str | None:
+        """The dates' calendar as cftime names it (``"proleptic_gregorian"`` for ``datetime64``
+        values, ``"noleap"``, ``"360_day"``, ``"standard"``, ... for cftime dates); ``None``
+        when the values are not dates."""
+        return self._calendar
+
+    def _bound(self, x: Any, what: str) -> Any:
         if self.is_time:
             if isinstance(x, (bool, int, float, np.number)) or x is None:
                 raise TypeError(
-                    f"sample_range {which} for time coordinate {self.name!r} must be a date "
+                    f"{what} for time coordinate {self.name!r} must be a date "
                     f"(numpy datetime64, datetime or an ISO string like '2020-01-01'), got {x!r}"
                 )
+            if self.values.dtype == object:  # cftime dates: read x in their calendar
+                like = next(v for v in self.values if v is not None)
+                assert self._calendar is not None
+                return date_in(x, self._calendar, like, f"{what} for coordinate {self.name!r}")
             if isinstance(x, _dt.datetime) and x.tzinfo is not None:
                 x = x.astimezone(_dt.UTC).replace(tzinfo=None)
             try:
                 value = np.datetime64(x.strip() if isinstance(x, str) else x)
             except (ValueError, TypeError) as exc:
                 raise ValueError(
-                    f"sample_range {which} {x!r} is not a date: write it as numpy datetime64, "
+                    f"{what} {x!r} is not a date: write it as numpy datetime64, "
                     "datetime or ISO 8601 ('2020-01-01', '2020-01-01T06:00')"
                 ) from exc
             if np.isnat(value):
-                raise ValueError(f"sample_range {which} is NaT: give a date")
+                raise ValueError(f"{what} is NaT: give a date")
             return value
         if self.values.dtype.kind not in "iuf":
             raise TypeError(
@@ -290,39 +350,49 @@ class Coordinate:
                 "needs numbers or dates"
             )
         if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
-            raise TypeError(
-                f"sample_range {which} for coordinate {self.name!r} must be a number, got {x!r}"
-            )
+            raise TypeError(f"{what} for coordinate {self.name!r} must be a number, got {x!r}")
         if not math.isfinite(float(x)):
-            raise ValueError(f"sample_range {which} must be finite, got {x!r}")
+            raise ValueError(f"{what} must be finite, got {x!r}")
         return x
+
+    def _missing(self) -> np.ndarray | None:
+        v = self.values
+        if v.dtype.kind == "M":
+            return np.isnat(v)
+        if v.dtype.kind == "f":
+            return np.isnan(v)
+        return np.array([x is None for x in v], bool) if self.is_time else None
 
     def index_range(self, start: Any, stop: Any) -> tuple[int, int]:
         """The half-open sample range ``[i0, i1)`` of the samples with ``start <= value < stop``.
 
         Half-open like index ranges and Python slices (unlike xarray's ``sel(slice(a, b))``,
         which includes ``b``): ``("2020-01-01", "2021-01-01")`` is all of 2020. The values must
-        be monotonic (increasing or decreasing) and free of NaN/NaT, so that the window is one
-        run of samples; ``start < stop`` whatever the direction. Raises ``TypeError`` for a bound
-        of the wrong kind (a number for a time coordinate, a date for a numeric one) and
-        ``ValueError`` for a non-monotonic coordinate or a window holding no sample.
+        be monotonic (increasing or decreasing) and free of NaN/NaT/``None``, so that the window
+        is one run of samples; ``start < stop`` whatever the direction. Bounds of cftime dates
+        are read in their calendar (``"2000-02-30"`` is a ``360_day`` date). Raises
+        ``TypeError`` for a bound of the wrong kind (a number for a time coordinate, a date for
+        a numeric one) and ``ValueError`` for a non-monotonic coordinate, a date the calendar
+        lacks or a window holding no sample.
         """
-        lo, hi = self._bound(start, "start"), self._bound(stop, "stop")
+        lo, hi = self._bound(start, "sample_range start"), self._bound(stop, "sample_range stop")
         if not lo < hi:
             raise ValueError(
                 f"sample_range on coordinate {self.name!r} needs start < stop, got "
                 f"({start!r}, {stop!r})"
             )
+        bad = self._missing()
         v = self.values
-        bad = np.isnat(v) if self.is_time else np.isnan(v) if v.dtype.kind == "f" else None
         if bad is not None and bad.any():
             raise ValueError(
                 f"coordinate {self.name!r} has missing values (first at sample "
                 f"{int(np.argmax(bad))}): a value window needs a value for every sample; pass "
                 "sample_range as sample indices instead (without coord)"
             )
+        cf = self.is_time and v.dtype == object
+        keys = counts_us(v) if cf else v.view(np.int64) if self.is_time else v
         if len(v) > 1:
-            step = np.diff(v.view(np.int64) if self.is_time else v)
+            step = np.diff(keys)
             if not (bool(np.all(step >= 0)) or bool(np.all(step <= 0))):
                 rising = bool(step[np.flatnonzero(step)[0]] > 0)
                 at = int(np.flatnonzero(step < 0 if rising else step > 0)[0]) + 1
@@ -331,9 +401,12 @@ class Coordinate:
                     f"{at} is {v[at]} after {v[at - 1]}): a value window is not one run of "
                     "samples there. Pass sample_range as sample indices instead (without coord)"
                 )
-        if self.is_time:  # compare in the values' own unit: a far bound must not overflow
+        if cf:  # compare elapsed microseconds in the dates' own calendar
+            lo, hi = counts_us(np.array([lo, hi], dtype=object)).tolist()
+        elif self.is_time:  # compare in the values' own unit: a far bound must not overflow
             lo, hi = _ceil_to(lo, v.dtype), _ceil_to(hi, v.dtype)
-        inside = np.flatnonzero((v >= lo) & (v < hi))
+            keys = v
+        inside = np.flatnonzero((keys >= lo) & (keys < hi))
         if inside.size == 0:
             first, last = (v[0], v[-1]) if len(v) else ("-", "-")
             raise ValueError(
@@ -341,6 +414,57 @@ class Coordinate:
                 f"run from {first} to {last})"
             )
         return int(inside[0]), int(inside[-1]) + 1
+
+
+def time_offsets(
+    times: Coordinate | np.ndarray, unit: Any, *, epoch: Any = "1970-01-01"
+) -> np.ndarray:
+    """Each time as an ``int64`` count of ``unit`` since ``epoch``, in the times' own calendar.
+
+    ``times`` is a time :class:`Coordinate` or its values (``datetime64``, or cftime dates of one
+    calendar with ``None`` for a missing one). ``unit`` is a positive fixed length: ``"6h"``,
+    ``"1D"``, ``"30min"``, ``"s"``, a ``numpy.timedelta64`` or ``datetime.timedelta``.
+    ``epoch`` (default ``1970-01-01T00:00``) is a date read in the times' calendar as
+    :meth:`Coordinate.index_range` reads a bound. Elapsed time is counted in the calendar: from
+    ``2001-02-28T18`` to ``2001-03-01T00`` is ``1`` of ``"6h"`` in ``noleap`` and in
+    ``standard``, ``9`` in ``360_day`` (which has 02-29 and 02-30). So the samples on a 6-hourly
+    grid are ``time_offsets(t, "1h") % 6 == 0``, and a step of 6 h between samples ``i`` and
+    ``j`` is ``off[j] - off[i] == 6`` in every calendar.
+
+    A missing time gives :data:`MISSING_OFFSET` (``NaT``'s ``int64`` pattern). A time that is not
+    a whole number of ``unit`` after ``epoch`` raises ``ValueError`` naming it (count in a finer
+    unit, such as ``"1s"``, and divide); a count past ``int64`` raises ``OverflowError``.
+    Vectorised: numpy arithmetic for ``datetime64``, one pass over the dates for cftime.
+    """
+    coord = times if isinstance(times, Coordinate) else Coordinate("times", np.asarray(times))
+    if not coord.is_time:
+        raise TypeError(
+            f"time_offsets needs dates (datetime64 or cftime), got {coord.values.dtype} values"
+        )
+    step = as_timedelta(unit, "unit")
+    step_ns = int(step.astype("m8[ns]").astype(np.int64))
+    if step_ns <= 0:
+        raise ValueError(f"unit must be a positive length, got {unit!r}")
+    v = coord.values
+    missing = coord._missing()
+    assert missing is not None
+    out = np.full(len(v), MISSING_OFFSET, np.int64)
+    if bool(missing.all()):
+        return out
+    ticks, tick_ns = elapsed_ticks(v[~missing], coord._bound(epoch, "epoch"), repr(epoch))
+    g = math.gcd(tick_ns, step_ns)
+    scale, per = tick_ns // g, step_ns // g
+    if ticks.size and float(np.abs(ticks).max()) * scale >= 2.0**63:
+        raise OverflowError(f"times counted in {unit!r} since {epoch!r} overflow int64")
+    counts, rest = np.divmod(ticks * scale, per)
+    if rest.any():
+        at = int(np.flatnonzero(~missing)[int(np.flatnonzero(rest)[0])])
+        raise ValueError(
+            f"time {v[at]} (sample {at}) is not a whole number of {unit!r} after {epoch!r}: "
+            "count in a unit that divides every time's distance from the epoch (such as '1s')"
+        )
+    out[~missing] = counts
+    return out
 
 
 def _ceil_to(bound: np.datetime64, dtype: np.dtype[Any]) -> np.datetime64:
@@ -500,7 +624,7 @@ def carried_coordinates(
     """``{label: {name: values}}`` for the builder: the coordinates each label's rows carry.
 
     ``names=None`` is the default selection (each view's dimension coordinate): one that cannot
-    be decoded is left out with a warning rather than failing a pipeline that reads no
+    be decoded (here) is left out with a warning rather than failing a pipeline that reads no
     coordinate otherwise. Explicit ``names`` fail loudly. Each coordinate array is read once,
     however many views share it.
     """
@@ -510,7 +634,7 @@ def carried_coordinates(
         if names is None:
             try:
                 coords = _coordinates(reader, view, None)
-            except ValueError as exc:
+            except (ValueError, ModuleNotFoundError) as exc:  # (cftime, were it missing)
                 log.warning(
                     "insitubatch_nodes: batches of %r carry no coordinates: %s. Pass coords=() "
                     "to silence this",

@@ -195,7 +195,7 @@ def split_by_chunk(
     With ``coord`` (a :class:`~insitubatch_nodes.io.coords.Coordinate` of ``geom``'s sample axis,
     e.g. ``open_coordinates(store, geom)["time"]``) ``sample_range`` is a window of coordinate
     *values* instead: the samples with ``start <= value < stop`` (half-open; dates as numpy
-    datetime64, datetime or ISO strings for a time coordinate), found by
+    datetime64, datetime or ISO strings for a time coordinate, read in its calendar), found by
     :meth:`~insitubatch_nodes.io.coords.Coordinate.index_range` and then snapped outward to chunks
     like an index range. The manifest records that index range as its ``sample_range``.
     """
