@@ -30,11 +30,13 @@ from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.coords import carried_coordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.config import PlanConfig, resolve_plan_config
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import SlotBacking
+from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
@@ -62,13 +64,8 @@ class PipelineStages:
 class InSituPipeline(PrefetcherNode[Batch]):
     """The root node :func:`insitu_pipeline` returns: a ``PrefetcherNode`` that knows its stages."""
 
-    def __init__(
-        self,
-        gather: GatherNode,
-        prefetch_depth: int,
-        stages: dict[str, Any],
-    ) -> None:
-        super().__init__(gather, prefetch_depth)
+    def __init__(self, gather: GatherNode, context: StageContext, stages: dict[str, Any]) -> None:
+        super().__init__(gather, context=context)
         self.stages = PipelineStages(prefetch=self, gather=gather, **stages)
 
     @property
@@ -334,28 +331,25 @@ def insitu_pipeline(
         )
     try:
         pool = ChunkPool(cache_budget_bytes, backing=backing, cache=cache)
-        fetch = AsyncChunkFetchNode(
-            plan,
-            zstore,
-            geoms,
-            pool,
+        options = FetchOptions(
             max_inflight=max_inflight,
             decode_threads=decode_threads,
             retry=retry,
-            chunk_transforms=transforms,
             on_bad_chunk=on_bad_chunk,
             report=report,
+            prefetch_depth=prefetch_depth,
         )
-        resident = ChunkPoolNode(fetch)
-        # (the gather takes the views and batch size from the plan, sizes its buffers to the
-        # samples a rank delivers, and lends them to the fetch stage: rows decoded in place)
-        gather = GatherNode(resident, labels, plan.batch_size, batch_transforms, coords=carried)
+        # what the stages share (views, buffers, recorder, ...): one context, handed to each
+        context = StageContext.create(plan, pool, options=options, chunk_transforms=transforms)
+        fetch = AsyncChunkFetchNode(plan, zstore, context=context)
+        resident = ChunkPoolNode(fetch, context=context)
+        gather = GatherNode(
+            resident, context=context, batch_transforms=batch_transforms, coords=carried
+        )
     except BaseException:
         if cache is not None:
             cache.close()
         raise
     return InSituPipeline(
-        gather,
-        prefetch_depth,
-        {"plan": plan, "fetch": fetch, "resident": resident, "pool": pool},
+        gather, context, {"plan": plan, "fetch": fetch, "resident": resident, "pool": pool}
     )
