@@ -1270,7 +1270,8 @@ def test_a_pipeline_composed_by_hand_plans_and_schedules_like_the_builders(
     from insitubatch_nodes import open_store
 
     zstore = open_store(store)
-    prefetch, hand_plan, hand_pool, _ = recipe.build_nodes(zstore, views, recipe.parse_args(argv))
+    hand = recipe.build_nodes(zstore, views, recipe.parse_args(argv))
+    prefetch, hand_plan, hand_pool = hand.prefetch, hand.plan, hand.pool
     built = insitu_pipeline(zstore, manifest, views, seed=5, cache_budget_bytes=explicit, **kwargs)
     plan = built.stages.plan
     assert hand_plan.schedule == plan.schedule

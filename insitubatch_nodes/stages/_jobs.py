@@ -172,7 +172,7 @@ class Rows:
 
 class FillJob:
     """The stored objects one admission fetches (module docstring); built on the producer
-    thread, then owned by the :class:`Filler`.
+    thread, then owned by the :class:`~insitubatch_nodes.stages._fill.FillRunner`.
 
     ``fill`` is shared with every entry the admission pins as a miss (pass it to
     :meth:`~insitubatch_nodes.pool.ChunkPool.acquire_many`); the job itself is one of its
