@@ -61,7 +61,7 @@ from insitubatch_nodes.stages._jobs import (
 )
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["FillRunner", "NoteBad"]
+__all__ = ["FillRunner", "NoteBad", "SpareBuffers"]
 
 NoteBad = Callable[[int, str, int, Iterable[tuple[int, ...]]], bool]
 """``note_bad(generation, path, chunk, tiles)``: list bad stored objects (the fetch stage's);
@@ -116,10 +116,7 @@ class FillRunner:
                 land=self.land_many,
             )
         self.threads = len(decode_pool.threads)
-        self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
-        self._spare_lock = threading.Lock()
-        self.spare_bytes = 0
-        self._max_spares = max(2, self.threads)
+        self.spares = SpareBuffers(max_idle=max(2, self.threads))
         self._work_per_object = 1.0  # seconds; large until runs have measured it
 
     # -- submission (producer thread) ----------------------------------------------------------
@@ -458,7 +455,7 @@ class FillRunner:
             n = entry.slot.shape[0] if entry.cached is None else entry.cached[1][0]
         if not self.transforms.reshapes(array.path):
             return entry.slot[:n]
-        buf = self.take_spare(array.geom, n)
+        buf = self.spares.take(array.geom, n)
         job.spares[id(entry)] = buf
         return buf
 
@@ -499,7 +496,7 @@ class FillRunner:
             raise
         finally:
             if spare is not None:
-                self.give_spare(entry.key[0], spare)
+                self.spares.give(entry.key[0], spare)
 
     def _transform(self, entry: ChunkEntry, decoded: np.ndarray | None, acc: _Tally | None) -> None:
         path, chunk = entry.key
@@ -523,23 +520,6 @@ class FillRunner:
         cache = self.pool.cache
         return None if cache is None else cache.identity
 
-    # -- spare decode buffers (chunks their transforms reshape) ----------------------------
-    def take_spare(self, geom: ArrayGeometry, n: int) -> np.ndarray:
-        with self._spare_lock:
-            free = self._spares.get((geom.path, n))
-            if free:
-                buf = free.pop()
-                self.spare_bytes -= buf.nbytes
-                return buf
-        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
-
-    def give_spare(self, path: str, buf: np.ndarray) -> None:
-        with self._spare_lock:
-            free = self._spares.setdefault((path, buf.shape[0]), [])
-            if len(free) < self._max_spares:
-                free.append(buf)
-                self.spare_bytes += buf.nbytes
-
     # -- cancellation ---------------------------------------------------------------------
     def cancel(self, jobs: Iterable[FillJob] = ()) -> None:
         """Stop work nobody waits for any more (any thread, returns at once): the rows of
@@ -549,6 +529,36 @@ class FillRunner:
             job.cancelled = True
         if self.gets is not None:
             self.gets.cancel_skipped()
+
+
+class SpareBuffers:
+    """Idle decode buffers of the stored layout, for chunks their transforms reshape (the slot
+    holds the output; the stored chunk is decoded elsewhere first): at most ``max_idle`` kept
+    per array and length, any thread."""
+
+    def __init__(self, max_idle: int) -> None:
+        self.max_idle = max_idle
+        self._free: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0  # held idle
+
+    def take(self, geom: ArrayGeometry, n: int) -> np.ndarray:
+        """A buffer for ``n`` samples of ``geom`` as stored (an idle one, else a new one)."""
+        with self._lock:
+            free = self._free.get((geom.path, n))
+            if free:
+                buf = free.pop()
+                self.nbytes -= buf.nbytes
+                return buf
+        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
+
+    def give(self, path: str, buf: np.ndarray) -> None:
+        """Keep ``buf`` for a later :meth:`take` (dropped when ``max_idle`` are kept)."""
+        with self._lock:
+            free = self._free.setdefault((path, buf.shape[0]), [])
+            if len(free) < self.max_idle:
+                free.append(buf)
+                self.nbytes += buf.nbytes
 
 
 class _Tally:

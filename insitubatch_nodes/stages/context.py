@@ -109,24 +109,10 @@ class StageContext:
         options = FetchOptions() if options is None else options
         if not isinstance(options, FetchOptions):
             raise TypeError(f"options must be a FetchOptions, got {options!r}")
-        if isinstance(chunk_transforms, ChunkTransforms):
-            transforms = chunk_transforms
-            geoms = {path: g.base for path, g in transforms.geoms.items()}
-        else:
-            geoms = {v.path: v.base for v in plan.variables.values()}
-            transforms = ChunkTransforms(chunk_transforms, geoms)
+        transforms = _resolve_transforms(plan, chunk_transforms)
         views = {label: _carried_view(label, v, transforms) for label, v in plan.variables.items()}
         patched = frozenset(v.path for v in views.values() if v.patch is not None)
-        slot_geoms = dict(transforms.outputs)
-        for path in sorted(patched):
-            transforms.refuse_patched(path)
-            if pool.cache is not None and pool.cache.persistent:
-                raise ValueError(
-                    f"array {path!r} is read through patched views, which the persistent "
-                    "cache does not hold yet; leave cache_dir unset (or use cache_dir with "
-                    "persistent=False for slots on disk)"
-                )
-            slot_geoms[path] = unit_geometry(geoms[path])
+        slot_geoms = _slot_geometries(transforms, patched, pool)
         rows = batch_rows(
             plan.batch_size,
             plan.epoch_plan(0).n_samples,
@@ -141,12 +127,12 @@ class StageContext:
                 pool,
                 max_inflight=options.max_inflight,
                 decode_threads=len(_runtime.decode_pool(options.decode_threads).threads),
-                split_bytes=functools.partial(_split_bytes, plan, dict(slot_geoms)),
+                split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
             )
         return cls(
             plan=plan,
             views=MappingProxyType(views),
-            geoms=MappingProxyType(geoms),
+            geoms=MappingProxyType({path: g.base for path, g in transforms.geoms.items()}),
             slot_geoms=MappingProxyType(slot_geoms),
             patched=patched,
             pool=pool,
@@ -183,6 +169,35 @@ class StageContext:
         """Wake every registered stage's waits now (thread-safe)."""
         for stage in self._members:
             stage.interrupt()
+
+
+def _resolve_transforms(
+    plan: ReadPlanNode, chunk_transforms: Sequence[ChunkTransform] | ChunkTransforms
+) -> ChunkTransforms:
+    """The chunk transforms resolved against the stored arrays: as given when already built,
+    else against the arrays the plan's views read."""
+    if isinstance(chunk_transforms, ChunkTransforms):
+        return chunk_transforms
+    geoms = {v.path: v.base for v in plan.variables.values()}
+    return ChunkTransforms(chunk_transforms, geoms)
+
+
+def _slot_geometries(
+    transforms: ChunkTransforms, patched: frozenset[str], pool: ChunkPool
+) -> dict[str, ArrayGeometry]:
+    """Path -> what one slot holds: the transformed chunk, or one stored tile of an array read
+    through patched views (which take no chunk transforms and no persistent cache)."""
+    out = dict(transforms.outputs)
+    for path in sorted(patched):
+        transforms.refuse_patched(path)
+        if pool.cache is not None and pool.cache.persistent:
+            raise ValueError(
+                f"array {path!r} is read through patched views, which the persistent "
+                "cache does not hold yet; leave cache_dir unset (or use cache_dir with "
+                "persistent=False for slots on disk)"
+            )
+        out[path] = unit_geometry(transforms.geoms[path].base)
+    return out
 
 
 def _carried_view(label: str, view: ArrayGeometry, transforms: ChunkTransforms) -> ArrayGeometry:

@@ -308,7 +308,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def scratch_bytes(self) -> int:
         """Decode scratch memory this node's decoders hold (over all decode threads), plus the
         idle buffers kept for decoding chunks that a transform reshapes."""
-        return sum(d.scratch_bytes for d in self._decoders.values()) + self._runner.spare_bytes
+        return sum(d.scratch_bytes for d in self._decoders.values()) + self._runner.spares.nbytes
 
     @property
     def inflight(self) -> int:
