@@ -22,7 +22,9 @@ import zarr
 from torchdata.nodes import IterableWrapper, Mapper
 
 from insitubatch_nodes import (
+    Coarsen,
     Loader,
+    applies,
     as_dataset,
     insitu_pipeline,
     open_geometries,
@@ -31,6 +33,7 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.cache.lock import LOCK_NAME
 from insitubatch_nodes.pipeline import PipelineStages
+from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.stages import (
     AsyncChunkFetchNode,
@@ -233,3 +236,26 @@ def test_as_dataset_takes_any_root_stage_of_a_graph_made_with_a_stage_context(
         hand.close()
     with pytest.raises(TypeError, match="ReadPlanNode"):
         as_dataset(IterableWrapper(range(3)))  # type: ignore[arg-type]
+
+
+def test_a_context_made_with_chunk_transforms_gives_every_stage_the_transformed_views(
+    store: Path,
+) -> None:
+    views = _views(store)
+    manifest = split_by_chunk(views["x"].base, (0.8, 0.1, 0.1))
+    coarse = [applies("t2m", Coarsen(2))]
+    plan = ReadPlanNode(manifest, views, batch_size=12, block_chunks=3, seed=7)
+    context = StageContext.create(plan, ChunkPool(), chunk_transforms=coarse)
+    assert context.views["x"].inner_shape == tuple(n // 2 for n in views["x"].inner_shape)
+    assert context.views["z"] == views["z"]  # an array no transform reads keeps its view
+    fetch = AsyncChunkFetchNode(plan, open_store(store), context=context)
+    gather = GatherNode(ChunkPoolNode(fetch, context=context), context=context)
+    hand: PrefetcherNode[Any] = PrefetcherNode(gather, context=context)
+    built = _built(store, chunk_transforms=coarse, coords=())
+    try:
+        hand_records = [rh.record(b) for b in Loader(hand)]
+        assert hand_records == [rh.record(b) for b in Loader(built)]
+        assert hand_records and fetch.slot_geoms["t2m"] == context.views["x"].base
+    finally:
+        hand.close()
+        built.close()
