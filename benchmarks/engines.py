@@ -337,13 +337,13 @@ def run_memory(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 def tune_allocator() -> bool:
-    """Apply the pipeline's own allocator setting (``insitubatch_nodes._runtime.tune_allocator``:
+    """Apply the pipeline's own allocator setting (``insitubatch_nodes._process.tune_allocator``:
     glibc keeps freed GET buffers for reuse instead of unmapping them), so that a ceiling pays
     for memory what the pipeline pays. False where the package has no such setting or it is not
     in effect (not glibc, or ``INSITUBATCH_NODES_MALLOC_TUNING=0``)."""
-    from insitubatch_nodes import _runtime
+    from insitubatch_nodes import _process
 
-    tune = getattr(_runtime, "tune_allocator", None)
+    tune = getattr(_process, "tune_allocator", None)
     return bool(tune()) if tune is not None else False
 
 

@@ -33,9 +33,9 @@ _GETS = textwrap.dedent(
     import asyncio, json, os, resource, sys, time
     import obstore
     from obstore.store import LocalStore
-    from insitubatch_nodes import _runtime, open_geometries, split_by_chunk
+    from insitubatch_nodes import _process, open_geometries, split_by_chunk
     root = sys.argv[1]
-    tuned = _runtime.tune_allocator()
+    tuned = _process.tune_allocator()
     t2m = open_geometries(root, ["t2m"])["t2m"]
     train = set(split_by_chunk(t2m, (0.8, 0.1, 0.1)).chunks("train"))
     keys = []
@@ -71,7 +71,7 @@ _EPOCHS = textwrap.dedent(
     import insitubatch_nodes.pool as residency
     if os.environ.get("BENCH_NO_RESERVE") == "1":
         residency.ChunkPool.reserve = lambda self, shapes: None
-    from insitubatch_nodes import Loader, _runtime, insitu_pipeline, open_geometries, split_by_chunk
+    from insitubatch_nodes import Loader, _process, insitu_pipeline, open_geometries, split_by_chunk
     root = sys.argv[1]
     g = open_geometries(root, ["t2m", "z"])
     m = split_by_chunk(g["t2m"], (0.8, 0.1, 0.1))
@@ -87,7 +87,7 @@ _EPOCHS = textwrap.dedent(
         faults = ru1.ru_minflt - ru0.ru_minflt
         out.append({"samples_per_s": n / wall, "cpu_s": cpu, "faults": faults})
     pipe.close()
-    print(json.dumps({"tuned": _runtime.tune_allocator(), "epochs": out,
+    print(json.dumps({"tuned": _process.tune_allocator(), "epochs": out,
                       "maxrss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
     """
 )

@@ -18,16 +18,9 @@ Beside them: :mod:`~insitubatch_nodes.pipeline` (the builder), :mod:`~insitubatc
 :mod:`~insitubatch_nodes.recorder` (what an epoch measured), :mod:`~insitubatch_nodes.torch_data`
 (``StatefulDataLoader``), :mod:`~insitubatch_nodes.lightning` (the ``lightning`` extra) and
 :mod:`~insitubatch_nodes.synthetic` (deterministic test stores).
-
-Names that were importable from here before the package was arranged in folders still are, with
-a ``DeprecationWarning`` that names their module.
 """
 
 from __future__ import annotations
-
-import importlib
-import warnings
-from typing import Any
 
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
@@ -70,58 +63,3 @@ __all__ = [
     "split_by_chunk",
     "to_torch",
 ]
-
-# The names this face held before the folders (module where each lives now).
-_MOVED = {
-    "SUPPORTED_SCHEMES": "insitubatch_nodes.io.stores",
-    "AsyncChunkFetchNode": "insitubatch_nodes.stages",
-    "BatchPlan": "insitubatch_nodes.plan",
-    "CacheBusyError": "insitubatch_nodes.errors",
-    "CacheDiskFullError": "insitubatch_nodes.errors",
-    "CacheMissError": "insitubatch_nodes.errors",
-    "ChunkDecoder": "insitubatch_nodes.io",
-    "ChunkKey": "insitubatch_nodes.plan",
-    "ChunkPool": "insitubatch_nodes.pool",
-    "ChunkPoolNode": "insitubatch_nodes.stages",
-    "ChunkReadError": "insitubatch_nodes.errors",
-    "ChunkTransformError": "insitubatch_nodes.errors",
-    "Coordinate": "insitubatch_nodes.io",
-    "CorruptCacheError": "insitubatch_nodes.errors",
-    "CorruptMetadataError": "insitubatch_nodes.errors",
-    "DecodeError": "insitubatch_nodes.errors",
-    "DeviceTransform": "insitubatch_nodes.batch",
-    "EpochPlan": "insitubatch_nodes.plan",
-    "FetchedBatch": "insitubatch_nodes.stages",
-    "FillCancelled": "insitubatch_nodes.errors",
-    "GatherNode": "insitubatch_nodes.stages",
-    "InSituIterableDataset": "insitubatch_nodes.torch_data",
-    "PinSchedule": "insitubatch_nodes.plan",
-    "PipelineInterrupted": "insitubatch_nodes.errors",
-    "PipelineStages": "insitubatch_nodes.pipeline",
-    "PoolStats": "insitubatch_nodes.pool",
-    "PrefetcherNode": "insitubatch_nodes.stages",
-    "RamBacking": "insitubatch_nodes.pool",
-    "ReadPlanNode": "insitubatch_nodes.stages",
-    "ResidentBatch": "insitubatch_nodes.stages",
-    "ScheduleFloors": "insitubatch_nodes.plan",
-    "SlotBacking": "insitubatch_nodes.pool",
-    "StaleCacheError": "insitubatch_nodes.errors",
-    "choose_schedule": "insitubatch_nodes.plan",
-    "open_coordinates": "insitubatch_nodes.io",
-    "plan_epoch": "insitubatch_nodes.plan",
-    "schedule_floors": "insitubatch_nodes.plan",
-    "shuffle_quality": "insitubatch_nodes.plan",
-    "working_set_bytes": "insitubatch_nodes.plan",
-}
-
-
-def __getattr__(name: str) -> Any:
-    module = _MOVED.get(name)
-    if module is None:
-        raise AttributeError(f"module 'insitubatch_nodes' has no attribute {name!r}")
-    warnings.warn(
-        f"insitubatch_nodes.{name} moved: import it from {module} (this alias will be removed)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(module), name)

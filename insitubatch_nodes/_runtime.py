@@ -10,6 +10,9 @@ admitted (in the order batches first need chunks), and a stored object whose byt
 decoded before any object of a later ticket. Without that, the objects of the first batch wait
 behind the read-ahead of the rest of the block, whose GETs complete in whatever order the store
 answers.
+
+What the process itself has done that matters (obstore's runtime started, the allocator tuned)
+and the fork guards are in :mod:`insitubatch_nodes._process`, below the stores.
 """
 
 from __future__ import annotations
@@ -17,11 +20,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import itertools
 import os
 import queue
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -32,15 +33,12 @@ from insitubatch_nodes.io import _zarr_compat
 
 __all__ = [
     "PriorityPool",
-    "check_obstore_usable",
-    "check_same_process",
     "decode_pool",
     "default_decode_threads",
+    "gather_helper",
     "io_loop",
     "next_ticket",
-    "note_obstore_use",
     "stop_at_exit",
-    "tune_allocator",
 ]
 
 R = TypeVar("R")
@@ -99,39 +97,6 @@ class PriorityPool:
 
 _POOLS: dict[int | str, PriorityPool] = {}
 _POOLS_LOCK = threading.Lock()
-
-# The process that ran obstore GETs through a pipeline. obstore's IO runtime is a set of threads
-# that fork() does not copy: in a child of that process every obstore request waits forever.
-_OBSTORE_PID: int | None = None
-
-
-def check_same_process(built_in: int) -> None:
-    """Raise ``RuntimeError`` when a pipeline built in process ``built_in`` runs in a fork of it."""
-    if built_in != os.getpid():
-        raise RuntimeError(
-            f"this pipeline was built in process {built_in} and used in process {os.getpid()} "
-            "after a fork(): its IO loop, decode threads and prefetch thread do not survive "
-            "fork. Build a new pipeline in the child (or start workers with the 'spawn' or "
-            "'forkserver' method)."
-        )
-
-
-def note_obstore_use() -> None:
-    """Record that this process has started obstore's IO runtime (through a pipeline)."""
-    global _OBSTORE_PID
-    _OBSTORE_PID = os.getpid()
-
-
-def check_obstore_usable() -> None:
-    """Raise ``RuntimeError`` if this process is a fork of one that already used obstore: its
-    requests here would hang, not fail."""
-    if _OBSTORE_PID not in (None, os.getpid()):
-        raise RuntimeError(
-            f"this process was forked from process {_OBSTORE_PID} after it read through "
-            "obstore, whose IO threads do not survive fork(): obstore requests here would never "
-            "finish. Start child processes with the 'spawn' or 'forkserver' method, or build "
-            "pipelines only after forking."
-        )
 
 
 def _after_fork_in_child() -> None:
@@ -213,59 +178,3 @@ def gather_helper() -> PriorityPool | None:
         if pool is None:
             pool = _POOLS["gather"] = PriorityPool(1, name="insitu-gather")
         return pool
-
-
-# -- the C allocator ----------------------------------------------------------------------------
-
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters
-_MMAP_THRESHOLD = 32 * 2**20  # glibc's largest allowed value (64-bit)
-_TRIM_THRESHOLD = 2**30
-_ALLOCATOR_ENV = "INSITUBATCH_NODES_MALLOC_TUNING"
-_allocator_tuned: bool | None = None
-
-
-def tune_allocator() -> bool:
-    """Make glibc's ``malloc`` keep and reuse the memory of large buffers (once per process).
-
-    Every GET's bytes (allocated by obstore through ``malloc``), and decode scratch, are
-    buffers of up to tens of MB. glibc serves those with a fresh ``mmap`` each time and
-    unmaps them on ``free``, so every epoch faults all of that memory in anew — measured on
-    the project's VM at the reference shape: ~150,000 page faults per pass over 1.7 GB of
-    chunks, and raw GETs 25–40 % slower than with reused memory. Raising the mmap threshold
-    to 32 MiB (glibc's maximum) and the trim threshold to 1 GiB lets freed buffers go back
-    to malloc's heaps and be reused: ~9,000 faults per pass. The cost is that the process
-    keeps up to about the largest amount of such buffers it had live at once (``max_inflight``
-    GETs' bytes plus decode scratch) instead of returning it to the OS between uses.
-
-    It also caps glibc at **one arena** (``M_ARENA_MAX=1``). obstore reads on many threads
-    of its own, and glibc gives each new thread an arena of its own (up to 8 per core), each
-    keeping its own freed buffers: a GET buffer freed in one arena is no use to a thread
-    allocating from another, so the process holds many sets of them and faults fresh memory
-    in for each. With one arena every thread reuses the same heap — measured at the reference
-    shape (default budget, two epochs): peak RSS 1,216–1,225 MB against 1,418–1,449 MB, the
-    same throughput. The cap binds only threads that have no arena yet — obstore's threads
-    keep the ones they took on their first reads — so it is set before the package's first
-    read: when a store is opened or first handed to it (:func:`~insitubatch_nodes.open_store`,
-    :func:`~insitubatch_nodes.io.stores.as_store`, which every entry point calls), and when a fetch
-    stage is built. A store read through obstore before that (zarr calls of your own) keeps its
-    threads' arenas; ``MALLOC_ARENA_MAX=1`` in the environment sets the cap from process start.
-
-    A no-op off Linux/glibc. Set the environment variable
-    ``INSITUBATCH_NODES_MALLOC_TUNING=0`` to leave the allocator alone. Returns whether the
-    tuning is in effect.
-    """
-    global _allocator_tuned
-    if _allocator_tuned is None:
-        _allocator_tuned = False
-        if os.environ.get(_ALLOCATOR_ENV, "1") != "0" and sys.platform.startswith("linux"):
-            try:
-                mallopt = ctypes.CDLL(None).mallopt  # glibc only (musl has no mallopt)
-            except (OSError, AttributeError):
-                return False
-            mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-            _allocator_tuned = bool(
-                mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
-                and mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
-                and mallopt(_M_ARENA_MAX, 1)
-            )
-    return _allocator_tuned

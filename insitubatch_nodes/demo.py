@@ -96,7 +96,7 @@ def describe(geom: ArrayGeometry, manifest: SplitManifest, node: ReadPlanNode) -
     reads = collections.Counter(k for b in range(plan.n_batches) for k in plan.batch_fetches(b))
     per_chunk = collections.Counter(reads.values())
     distinct = len(reads)
-    tiles = sum(node.variables[label].n_tiles for label in node.variables) // len(node.variables)
+    tiles = sum(node.views[label].n_tiles for label in node.views) // len(node.views)
     lines = [
         f"array      {geom.path}: shape {geom.shape}, stored chunk {geom.chunks}, {geom.dtype}, "
         f"sample axis {geom.sample_axis}",

@@ -29,6 +29,7 @@ from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import SlotBacking
+from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
@@ -56,13 +57,8 @@ class PipelineStages:
 class InSituPipeline(PrefetcherNode[Batch]):
     """The root node :func:`insitu_pipeline` returns: a ``PrefetcherNode`` that knows its stages."""
 
-    def __init__(
-        self,
-        gather: GatherNode,
-        prefetch_depth: int,
-        stages: dict[str, Any],
-    ) -> None:
-        super().__init__(gather, prefetch_depth)
+    def __init__(self, gather: GatherNode, context: StageContext, stages: dict[str, Any]) -> None:
+        super().__init__(gather, context=context)
         self.stages = PipelineStages(prefetch=self, gather=gather, **stages)
 
     @property
@@ -222,8 +218,6 @@ def insitu_pipeline(
     return _compose_stages(
         plan,
         zstore,
-        geoms,
-        views,
         transforms,
         batch_transforms,
         carried,
@@ -356,8 +350,6 @@ def _open_cache(
 def _compose_stages(
     plan: ReadPlanNode,
     zstore: Store,
-    geoms: dict[str, ArrayGeometry],
-    labels: dict[str, ArrayGeometry],
     transforms: ChunkTransforms,
     batch_transforms: Sequence[BatchTransform],
     carried: dict[str, Any],
@@ -369,29 +361,17 @@ def _compose_stages(
     them cannot be built)."""
     try:
         pool = ChunkPool(cache_options.budget_bytes, backing=cache_options.backing, cache=cache)
-        fetch = AsyncChunkFetchNode(
-            plan,
-            zstore,
-            geoms,
-            pool,
-            max_inflight=options.max_inflight,
-            decode_threads=options.decode_threads,
-            retry=options.retry,
-            chunk_transforms=transforms,
-            on_bad_chunk=options.on_bad_chunk,
-            direct=options.direct,
-            report=options.report,
+        # what the stages share (views, buffers, recorder, ...): one context, handed to each
+        context = StageContext.create(plan, pool, options=options, chunk_transforms=transforms)
+        fetch = AsyncChunkFetchNode(plan, zstore, context=context)
+        resident = ChunkPoolNode(fetch, context=context)
+        gather = GatherNode(
+            resident, context=context, batch_transforms=batch_transforms, coords=carried
         )
-        resident = ChunkPoolNode(fetch)
-        # (the gather takes the views and batch size from the plan, sizes its buffers to the
-        # samples a rank delivers, and lends them to the fetch stage: rows decoded in place)
-        gather = GatherNode(resident, labels, plan.batch_size, batch_transforms, coords=carried)
     except BaseException:
         if cache is not None:
             cache.close()
         raise
     return InSituPipeline(
-        gather,
-        options.prefetch_depth,
-        {"plan": plan, "fetch": fetch, "resident": resident, "pool": pool},
+        gather, context, {"plan": plan, "fetch": fetch, "resident": resident, "pool": pool}
     )

@@ -20,9 +20,9 @@ import torch.utils.data
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.batch import Batch, to_torch
-from insitubatch_nodes.stages._graph import close_node, find_node, plan_state
+from insitubatch_nodes.stages._graph import plan_state
+from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.loader import Loader
-from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 __all__ = ["InSituIterableDataset", "as_dataset"]
 
@@ -38,9 +38,9 @@ _WORKERS_REFUSED = (
 class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     """An ``IterableDataset`` over a pipeline, with exact length and resumable state.
 
-    ``pipeline`` is what :func:`~insitubatch_nodes.insitu_pipeline` returns, or the root of a
-    graph composed by hand whose chain ends in a
-    :class:`~insitubatch_nodes.stages.ReadPlanNode` (a
+    ``pipeline`` is what :func:`~insitubatch_nodes.insitu_pipeline` returns, or the root stage
+    of a graph composed by hand (its :class:`~insitubatch_nodes.stages.StageContext` names the
+    :class:`~insitubatch_nodes.stages.ReadPlanNode`; a
     :class:`~insitubatch_nodes.stages.PrefetcherNode` at the top gives the exact length).
     Each item is ``transform(batch)`` — by default :func:`~insitubatch_nodes.batch.to_torch`
     (``{label: tensor}``). ``epoch_fn``, when given, is asked for the epoch at every fresh
@@ -53,14 +53,15 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         transform: Callable[[Batch], Any] = to_torch,
         epoch_fn: Callable[[], int] | None = None,
     ) -> None:
-        plan = find_node(pipeline, ReadPlanNode) if isinstance(pipeline, BaseNode) else None
-        if plan is None:
+        context = getattr(pipeline, "context", None)
+        if not isinstance(pipeline, BaseNode) or not isinstance(context, StageContext):
             raise TypeError(
-                "as_dataset() takes the pipeline insitu_pipeline() returns, or the root node of "
-                f"a graph whose chain ends in a ReadPlanNode, got {pipeline!r}"
+                "as_dataset() takes the pipeline insitu_pipeline() returns, or the root stage of "
+                "a graph composed with a StageContext (which names its ReadPlanNode), got "
+                f"{pipeline!r}"
             )
         self.pipeline = pipeline
-        self.plan = plan
+        self.plan = context.plan
         self.transform = transform
         self.epoch_fn = epoch_fn
         self._loader: Loader[Batch] = Loader(pipeline)
@@ -118,7 +119,12 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self._pending = state
 
     def close(self) -> None:
-        close_node(self.pipeline)
+        """Close the pipeline: every stage of its graph lets go of what it holds."""
+        closer = getattr(self.pipeline, "close", None)
+        if callable(closer):
+            closer()
+        else:
+            self.pipeline.context.close()
 
 
 def as_dataset(

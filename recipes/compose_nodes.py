@@ -5,12 +5,13 @@ each stage, and what it is given, is visible:
 
     ReadPlanNode -> AsyncChunkFetchNode -> ChunkPoolNode -> GatherNode -> PrefetcherNode
 
-The graph is the builder's, node for node: each stage finds what it needs down the chain (the
-read plan's views and batch size, the fetch stage's chunk transforms and its epoch-report
-recorder), sizes and reserves its own memory, and ``close()`` on the root reaches every stage
-(and a cache directory's lock) even through a plain torchdata node placed in between. The test
-``tests/test_compose.py`` holds that this graph and ``insitu_pipeline()``'s deliver identical
-batches, reports and teardown.
+The graph is the builder's, node for node: what the stages share (the read plan's views and
+batch size, the pool, the chunk transforms, the fetch options, the epoch-report recorder, the
+batch buffers) is made by one call, ``StageContext.create``, and handed to each stage; each
+sizes and reserves its own memory, and ``close()`` on the root reaches every stage (and a cache
+directory's lock) through the context, even with a plain torchdata node placed in between. The
+test ``tests/test_compose.py`` holds that this graph and ``insitu_pipeline()``'s deliver
+identical batches, reports and teardown.
 
 It writes a small synthetic ERA5-like store to a temporary folder (or uses ``--path``), trains
 nothing, iterates one epoch through ``Loader``, compares every label of every batch with zarr's
@@ -43,14 +44,19 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.io import open_coordinates
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.pipeline import PipelineStages
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import choose_schedule, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
-from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
-from insitubatch_nodes.stages.gather import GatherNode
-from insitubatch_nodes.stages.prefetch import PrefetcherNode
-from insitubatch_nodes.stages.read_plan import ReadPlanNode
-from insitubatch_nodes.stages.resident import ChunkPoolNode
+from insitubatch_nodes.stages import (
+    AsyncChunkFetchNode,
+    ChunkPoolNode,
+    GatherNode,
+    PrefetcherNode,
+    ReadPlanNode,
+    StageContext,
+)
 from insitubatch_nodes.synthetic import make_era5_like
 
 
@@ -107,8 +113,8 @@ def ensure_store(path: Path, args: argparse.Namespace) -> None:
 
 def build_nodes(
     store: Store, views: Mapping[str, ArrayGeometry], args: argparse.Namespace
-) -> tuple[PrefetcherNode[Batch], ReadPlanNode, ChunkPool, GatherNode]:
-    """The five stages, top-down, sharing one ``ChunkPool``."""
+) -> PipelineStages:
+    """The five stages, top-down, sharing one ``StageContext`` (and through it one pool)."""
     # The anchor grid: whole chunks of the array the first view reads, 80/10/10 in time order.
     first = next(iter(views.values()))
     manifest = split_by_chunk(first.base, (0.8, 0.1, 0.1))
@@ -138,21 +144,28 @@ def build_nodes(
         f"(read-ahead {read_ahead / 2**20:.2f} MiB), schedule {schedule}"
     )
 
+    # What the stages share, made by one call: the plan's views (after any chunk transforms:
+    # chunk_transforms=... here), batch size and rank, the pool, the fetch options (checked
+    # once, when made), the epoch-report recorder and the reusable batch buffers.
+    options = FetchOptions(max_inflight=args.max_inflight, prefetch_depth=args.prefetch_depth)
+    context = StageContext.create(plan, pool, options=options)
+
     # 2. GETs on zarr's IO loop, decoded on the shared decode pool straight into pool slots.
-    fetch = AsyncChunkFetchNode(plan, store, geoms, pool, max_inflight=args.max_inflight)
+    fetch = AsyncChunkFetchNode(plan, store, context=context)
     # 3. Residency: waits until every chunk a batch reads is ready; releases drained chunks.
-    resident = ChunkPoolNode(fetch)
-    # 4. Gather: one vectorised copy per (label, chunk) into reusable batch buffers. The views
-    # and batch size come from the read plan below it; each row also carries its label's
-    # coordinate along time (what the builder carries by default).
+    resident = ChunkPoolNode(fetch, context=context)
+    # 4. Gather: one vectorised copy per (label, chunk) into the context's batch buffers; each
+    # row also carries its label's coordinate along time (what the builder carries by default).
     coords = {
         label: {name: c.values for name, c in open_coordinates(store, view.base).items()}
         for label, view in views.items()
     }
-    gather = GatherNode(resident, coords=coords)
+    gather = GatherNode(resident, context=context, coords=coords)
     # 5. Look-ahead: a thread keeps up to prefetch_depth finished batches ready.
-    prefetch: PrefetcherNode[Batch] = PrefetcherNode(gather, prefetch_depth=args.prefetch_depth)
-    return prefetch, plan, pool, gather
+    prefetch: PrefetcherNode[Batch] = PrefetcherNode(gather, context=context)
+    return PipelineStages(
+        plan=plan, fetch=fetch, resident=resident, gather=gather, prefetch=prefetch, pool=pool
+    )
 
 
 def zarr_read(array: zarr.Array, geom: ArrayGeometry, samples: np.ndarray) -> np.ndarray:
@@ -177,7 +190,8 @@ def run(path: Path, args: argparse.Namespace) -> int:
     # Input at t, target at t+1, and the pressure-level field at t (tiled along level).
     views = {"x": t2m, "y": t2m.shift(1), "z": z}
 
-    prefetch, plan, pool, gather = build_nodes(store, views, args)
+    stages = build_nodes(store, views, args)
+    prefetch, plan, pool, gather = stages.prefetch, stages.plan, stages.pool, stages.gather
     arrays = {g.path: zarr.open_array(store=store, path=g.path, mode="r") for g in geoms.values()}
 
     t0 = time.perf_counter()

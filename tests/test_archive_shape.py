@@ -34,10 +34,12 @@ from resume_helpers import pipe_config, reference_run, run_fresh, take_state, wr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
@@ -284,8 +286,9 @@ def test_a_hand_composed_graph_decodes_rows_in_place_like_the_builders(archive: 
     manifest = split_by_chunk(labels[NAMES[0]], (1.0, 0.0, 0.0))
     pool = ChunkPool()
     plan = ReadPlanNode(manifest, labels, config=PlanConfig(batch_size=8, block_chunks=4))
-    fetch = AsyncChunkFetchNode(plan, open_store(archive), labels, pool)
-    graph = PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
+    ctx = StageContext.create(plan, pool)
+    fetch = AsyncChunkFetchNode(plan, open_store(archive), context=ctx)
+    graph = PrefetcherNode(GatherNode(ChunkPoolNode(fetch, context=ctx), context=ctx), context=ctx)
     hand = run_epoch(graph, Oracle(archive), _oracle_views(), keep_arrays=True)
     assert pool.stats.resident_peak_bytes == 0 and pool.stats.gets == N_TIME * len(NAMES)
     graph.close()
@@ -309,8 +312,10 @@ def test_one_sample_chunks_another_pipeline_left_in_a_shared_pool_are_hits_and_a
     def graph(direct: bool) -> PrefetcherNode[Any]:
         config = PlanConfig(batch_size=8, block_chunks=4, seed=2)
         plan = ReadPlanNode(manifest, labels, config=config)
-        fetch = AsyncChunkFetchNode(plan, store, labels, pool, direct=direct)
-        return PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
+        ctx = StageContext.create(plan, pool, options=FetchOptions(direct=direct))
+        fetch = AsyncChunkFetchNode(plan, store, context=ctx)
+        resident = ChunkPoolNode(fetch, context=ctx)
+        return PrefetcherNode(GatherNode(resident, context=ctx), context=ctx)
 
     first = graph(direct=False)  # through slots: every chunk stays resident afterwards
     run_epoch(first)

@@ -2,8 +2,9 @@
 
 ``recipes/compose_nodes.py`` spells out the five stages; ``insitu_pipeline`` builds them in one
 call. With the same arguments the two deliver identical batches (indices, bytes, coordinates),
-identical epoch reports (every count; timings aside) and the same teardown. Each stage finds
-what it needs down the chain, also through a plain torchdata node placed between two stages.
+identical epoch reports (every count; timings aside) and the same teardown. The stages share
+what they need through one ``StageContext``, which also closes and interrupts every stage
+through a plain torchdata node placed between two stages.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ import zarr
 from torchdata.nodes import IterableWrapper, Mapper
 
 from insitubatch_nodes import (
+    Coarsen,
     Loader,
+    applies,
     as_dataset,
     insitu_pipeline,
     open_geometries,
@@ -29,7 +32,9 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.cache.lock import LOCK_NAME
+from insitubatch_nodes.pipeline import PipelineStages
 from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.stages import (
     AsyncChunkFetchNode,
@@ -37,6 +42,7 @@ from insitubatch_nodes.stages import (
     GatherNode,
     PrefetcherNode,
     ReadPlanNode,
+    StageContext,
 )
 
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "compose_nodes.py"
@@ -67,10 +73,12 @@ def _views(store: Path) -> dict[str, Any]:
     return {"x": geoms["t2m"], "y": geoms["t2m"].shift(1), "z": geoms["z"]}
 
 
-def _hand(store: Path) -> PrefetcherNode[Any]:
+def _hand(store: Path) -> PipelineStages:
     recipe = _recipe()
-    root, _, _, _ = recipe.build_nodes(open_store(store), _views(store), recipe.parse_args(ARGV))
-    return root
+    stages: PipelineStages = recipe.build_nodes(
+        open_store(store), _views(store), recipe.parse_args(ARGV)
+    )
+    return stages
 
 
 def _built(store: Path, **kw: Any) -> Any:
@@ -101,17 +109,11 @@ def _run(root: Any, epochs: int = 2) -> tuple[list[dict[str, Any]], list[dict[st
     return records, reports
 
 
-def _stages(root: Any) -> dict[str, Any]:
-    from insitubatch_nodes.stages._graph import find_node
-
-    kinds = (ReadPlanNode, AsyncChunkFetchNode, ChunkPoolNode, GatherNode)
-    return {kind.__name__: find_node(root, kind) for kind in kinds}
-
-
 def test_a_graph_composed_by_hand_delivers_the_builders_batches_reports_and_teardown(
     store: Path,
 ) -> None:
-    hand, built = _hand(store), _built(store)
+    hand_stages, built = _hand(store), _built(store)
+    hand = hand_stages.prefetch
     try:
         hand_records, hand_reports = _run(hand)
         built_records, built_reports = _run(built)
@@ -125,23 +127,22 @@ def test_a_graph_composed_by_hand_delivers_the_builders_batches_reports_and_tear
     finally:
         hand.close()
         built.close()
-    for root in (hand, built):
-        stages = _stages(root)
-        assert stages["AsyncChunkFetchNode"].pinned == 0
-        assert stages["AsyncChunkFetchNode"].pool.pinned_count() == 0
-        assert not root.threads
+    for stages in (hand_stages, built.stages):
+        assert stages.fetch.pinned == 0
+        assert stages.fetch.pool.pinned_count() == 0
+        assert not stages.prefetch.threads
 
 
-def test_each_stage_finds_the_fetch_stages_recorder_and_none_measures_without_one(
+def test_every_stage_measures_into_the_contexts_recorder_and_none_measures_without_one(
     store: Path,
 ) -> None:
-    hand = _hand(store)
+    stages = _hand(store)
+    hand = stages.prefetch
     try:
-        stages = _stages(hand)
-        recorder = stages["AsyncChunkFetchNode"].recorder
-        assert recorder.enabled
-        assert stages["ChunkPoolNode"].recorder is recorder
-        assert stages["GatherNode"].recorder is recorder and hand.recorder is recorder
+        recorder = stages.fetch.recorder
+        assert recorder.enabled and hand.context.recorder is recorder
+        assert stages.resident.recorder is recorder
+        assert stages.gather.recorder is recorder and hand.recorder is recorder
     finally:
         hand.close()
     quiet = _built(store, report=False)
@@ -155,11 +156,10 @@ def test_each_stage_finds_the_fetch_stages_recorder_and_none_measures_without_on
 def test_a_torchdata_node_between_two_stages_keeps_the_report_close_and_interrupt(
     store: Path,
 ) -> None:
-    hand = _hand(store)
-    gather = _stages(hand)["GatherNode"]
+    stages = _hand(store)
+    hand, gather, resident = stages.prefetch, stages.gather, stages.resident
     between = Mapper(gather, lambda batch: batch)
-    root: PrefetcherNode[Any] = PrefetcherNode(between, prefetch_depth=2)
-    resident = _stages(root)["ChunkPoolNode"]
+    root: PrefetcherNode[Any] = PrefetcherNode(between, context=hand.context)
     woken = threading.Event()
     original = resident.interrupt
 
@@ -178,7 +178,7 @@ def test_a_torchdata_node_between_two_stages_keeps_the_report_close_and_interrup
     finally:
         root.close()
     assert woken.is_set()  # close interrupted the pool stage through the Mapper
-    fetch = _stages(root)["AsyncChunkFetchNode"]
+    fetch = stages.fetch
     assert fetch.pinned == 0 and fetch.pool.pinned_count() == 0 and not root.threads
     hand.close()
 
@@ -195,9 +195,10 @@ def test_closing_a_hand_built_graph_lets_go_of_its_cache_directory(
         views,
         config=PlanConfig(batch_size=12, block_chunks=3),
     )
-    geoms = {v.path: v.base for v in views.values()}
-    fetch = AsyncChunkFetchNode(plan, open_store(store), geoms, pool)
-    root: PrefetcherNode[Any] = PrefetcherNode(Mapper(GatherNode(ChunkPoolNode(fetch)), len))
+    context = StageContext.create(plan, pool)
+    fetch = AsyncChunkFetchNode(plan, open_store(store), context=context)
+    gather = GatherNode(ChunkPoolNode(fetch, context=context), context=context)
+    root: PrefetcherNode[Any] = PrefetcherNode(Mapper(gather, len), context=context)
     try:
         assert sum(Loader(root)) > 0
         assert pool.stats.disk_writes > 0
@@ -209,11 +210,16 @@ def test_closing_a_hand_built_graph_lets_go_of_its_cache_directory(
     donor.close()
 
 
-def test_as_dataset_takes_any_root_whose_chain_ends_in_a_read_plan(store: Path) -> None:
+def test_as_dataset_takes_any_root_stage_of_a_graph_made_with_a_stage_context(
+    store: Path,
+) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    hand = _hand(store)
-    root: PrefetcherNode[Any] = PrefetcherNode(Mapper(_stages(hand)["GatherNode"], lambda b: b))
+    stages = _hand(store)
+    hand = stages.prefetch
+    root: PrefetcherNode[Any] = PrefetcherNode(
+        Mapper(stages.gather, lambda b: b), context=hand.context
+    )
     try:
         dataset = as_dataset(root, transform=rh.indexed_transform)
         dl = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
@@ -233,3 +239,26 @@ def test_as_dataset_takes_any_root_whose_chain_ends_in_a_read_plan(store: Path) 
         hand.close()
     with pytest.raises(TypeError, match="ReadPlanNode"):
         as_dataset(IterableWrapper(range(3)))  # type: ignore[arg-type]
+
+
+def test_a_context_made_with_chunk_transforms_gives_every_stage_the_transformed_views(
+    store: Path,
+) -> None:
+    views = _views(store)
+    manifest = split_by_chunk(views["x"].base, (0.8, 0.1, 0.1))
+    coarse = [applies("t2m", Coarsen(2))]
+    plan = ReadPlanNode(manifest, views, batch_size=12, block_chunks=3, seed=7)
+    context = StageContext.create(plan, ChunkPool(), chunk_transforms=coarse)
+    assert context.views["x"].inner_shape == tuple(n // 2 for n in views["x"].inner_shape)
+    assert context.views["z"] == views["z"]  # an array no transform reads keeps its view
+    fetch = AsyncChunkFetchNode(plan, open_store(store), context=context)
+    gather = GatherNode(ChunkPoolNode(fetch, context=context), context=context)
+    hand: PrefetcherNode[Any] = PrefetcherNode(gather, context=context)
+    built = _built(store, chunk_transforms=coarse, coords=())
+    try:
+        hand_records = [rh.record(b) for b in Loader(hand)]
+        assert hand_records == [rh.record(b) for b in Loader(built)]
+        assert hand_records and fetch.slot_geoms["t2m"] == context.views["x"].base
+    finally:
+        hand.close()
+        built.close()

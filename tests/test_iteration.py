@@ -44,8 +44,10 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages.buffers import BufferPool
+from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
-from insitubatch_nodes.stages.gather import BufferPool, GatherNode
+from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ChunkPoolNode
@@ -166,8 +168,10 @@ def compose(root: Path, between: Any) -> PrefetcherNode[Any]:
     g = open_geometries(root, ["t2m"])["t2m"]
     labels = {"x": g, "y": g.shift(1)}
     plan = ReadPlanNode(split_by_chunk(g), labels, config=PlanConfig(batch_size=8, seed=4))
-    fetch = AsyncChunkFetchNode(plan, counting_store(root), {"t2m": g}, ChunkPool())
-    return PrefetcherNode(between(GatherNode(ChunkPoolNode(fetch), labels, 8)), 2)
+    ctx = StageContext.create(plan, ChunkPool())
+    fetch = AsyncChunkFetchNode(plan, counting_store(root), context=ctx)
+    gather = GatherNode(ChunkPoolNode(fetch, context=ctx), context=ctx)
+    return PrefetcherNode(between(gather), context=ctx)
 
 
 def test_a_torchdata_mapper_between_gather_and_prefetch_sees_correct_batches(

@@ -2,9 +2,9 @@
 
 The rules are read from the source with :mod:`ast`, without importing the package (only the
 tests of the top-level face import it). A dependency is a dependency wherever its import
-statement sits: rules a) to d) count every import, at module level, inside a function or under
-``if TYPE_CHECKING:``. The cycle test counts only what runs when a module is imported: module
-level, not inside a function, not under ``if TYPE_CHECKING:``.
+statement sits: every rule counts every import, at module level, inside a function or under
+``if TYPE_CHECKING:`` (an import moved into a function or under ``TYPE_CHECKING`` hides a cycle
+from Python, not from a reader).
 
 An import names the module it loads: ``from insitubatch_nodes.cache import lock`` names
 ``insitubatch_nodes.cache.lock``; ``from insitubatch_nodes.cache import ChunkCache`` names the
@@ -18,9 +18,7 @@ package under ``tmp_path`` and check that the rule finds it.
 from __future__ import annotations
 
 import ast
-import importlib
 import itertools
-import re
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -73,9 +71,31 @@ BELOW_STAGES = [
     "batch",
     "transforms",
     "_checks",
+    "_process",
     "_runtime",
 ]
 ABOVE = ["stages", "pipeline", "torch_data", "lightning"]
+# g) The stages' order, top-down as a batch flows: a module of stages/ imports only modules of
+# its own level or below (a stage never imports one above it). Private helpers sit at the level
+# of the stage they serve; what every stage shares (the context, the batch buffers, the state
+# key) sits with the read plan, which the context is made from.
+STAGE_LEVELS = {
+    "read_plan": 0,
+    "context": 0,
+    "buffers": 0,
+    "_graph": 0,
+    "fetch": 1,
+    "_admit": 1,
+    "_jobs": 1,
+    "_fill": 1,
+    "_get": 1,
+    "_direct": 1,
+    "resident": 2,
+    "gather": 3,
+    "_windows": 3,
+    "prefetch": 4,
+    "loader": 5,
+}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,10 +114,6 @@ class Import:
     line: int
     where: str  # "module level", "in a function" or "under TYPE_CHECKING"
     name: str | None = None  # for `from target import name` where name is not a module
-
-    @property
-    def runs_on_import(self) -> bool:
-        return self.where == MODULE_LEVEL
 
 
 @dataclass
@@ -291,13 +307,14 @@ def faces_doing_more_than_reexport(root: Path) -> list[str]:
 
 
 def import_cycles(root: Path) -> list[str]:
-    """e) the cycles among the package's modules, through imports that run on import; each as
-    ``a:12 -> b:30 -> a``, where ``a:12`` is the line of ``a`` that imports ``b``."""
+    """e) the cycles among the package's modules, through every import (at module level, in a
+    function or under ``if TYPE_CHECKING:``); each as ``a:12 -> b:30 -> a``, where ``a:12`` is
+    the line of ``a`` that imports ``b``."""
     modules = scan(root)
     edges: dict[str, dict[str, int]] = {name: {} for name in modules}
     for module in modules.values():
         for imp in module.imports:
-            if imp.runs_on_import and imp.target in modules:
+            if imp.target in modules:
                 edges[module.name].setdefault(imp.target, imp.line)
     cycles = []
     for component in _strongly_connected(edges):
@@ -370,6 +387,33 @@ def _cycle_through(start: str, component: set[str], edges: dict[str, dict[str, i
     raise AssertionError(f"{start} is in a cycle without a path back to itself")
 
 
+def stages_importing_upward(root: Path) -> list[str]:
+    """g) a module of stages/ imports one above it in the stages' order (:data:`STAGE_LEVELS`:
+    read_plan -> fetch -> resident -> gather -> prefetch), or has no place in that order."""
+    folder = f"{root.name}.stages"
+    modules = scan(root)
+
+    def level(name: str) -> int | None:
+        return STAGE_LEVELS.get(name.rpartition(".")[2])
+
+    problems = []
+    for module in modules.values():
+        if not _under(module.name, folder) or module.is_package:
+            continue
+        mine = level(module.name)
+        if mine is None:
+            problems.append(
+                f"{module.path.relative_to(root.parent)} has no place in the stages' order: "
+                "add it to STAGE_LEVELS"
+            )
+            continue
+        for imp in module.imports:
+            theirs = level(imp.target) if _under(imp.target, folder) else None
+            if theirs is not None and theirs > mine:
+                problems.append(_say(module, imp, root) + ", a stage above it")
+    return problems
+
+
 def long_modules(root: Path) -> list[str]:
     """f) runtime modules over MAX_LINES lines."""
     return [
@@ -415,7 +459,12 @@ def test_a_folder_face_holds_only_a_docstring_reexports_and_all() -> None:
 
 def test_no_two_modules_import_each_other_even_through_others() -> None:
     cycles = import_cycles(ROOT)
-    assert not cycles, "import cycles (module-level imports):" + _listed(cycles)
+    assert not cycles, "import cycles (any import, wherever it sits):" + _listed(cycles)
+
+
+def test_no_stage_imports_a_stage_above_it() -> None:
+    problems = stages_importing_upward(ROOT)
+    assert not problems, "stages/ imports against the flow of a batch:" + _listed(problems)
 
 
 def test_no_runtime_module_is_over_700_lines() -> None:
@@ -449,43 +498,25 @@ def test_every_name_on_the_face_imports_without_a_warning() -> None:
     assert not missing, "names on the face that do not import cleanly:" + _listed(missing)
 
 
-def test_every_moved_name_still_resolves_with_a_deprecation_warning_naming_its_module() -> None:
-    import insitubatch_nodes
-
-    moved: dict[str, str] = insitubatch_nodes._MOVED
-    assert moved, "insitubatch_nodes._MOVED is empty"
-    problems = [f"{name}: on the face and moved" for name in set(moved) & set(FACE)]
-    for name, where in moved.items():
-        if name in vars(insitubatch_nodes):
-            problems.append(f"{name}: bound on the face, so it resolves without a warning")
-            continue
-        try:
-            with pytest.warns(DeprecationWarning, match=re.escape(where) + r"(?![\w.])"):
-                value = getattr(insitubatch_nodes, name)
-        except AttributeError as err:
-            problems.append(f"{name}: {err}")
-            continue
-        if value is not getattr(importlib.import_module(where), name):
-            problems.append(f"{name}: not the object {where} holds")
-    assert not problems, "moved names that do not resolve:" + _listed(problems)
-
-
 # ---------------------------------------------------------------------------------------------
 # Each rule finds a planted violation
 # ---------------------------------------------------------------------------------------------
 
 GOOD = {
-    "__init__.py": '"""A face."""\nfrom pkg.stages.node import Node\n__all__ = ["Node"]\n',
-    "stages/__init__.py": '"""Nodes."""\nfrom pkg.stages.node import Node\n__all__ = ["Node"]\n',
-    "stages/node.py": "import torchdata.nodes\nfrom pkg.plan import epoch\n",
+    "__init__.py": '"""A face."""\nfrom pkg.stages.prefetch import Node\n__all__ = ["Node"]\n',
+    "stages/__init__.py": (
+        '"""Nodes."""\nfrom pkg.stages.prefetch import Node\n__all__ = ["Node"]\n'
+    ),
+    "stages/prefetch.py": "import torchdata.nodes\nfrom pkg.plan import epoch\n",
     "plan/__init__.py": '"""Plans."""\n',
     "plan/epoch.py": "import numpy as np\nfrom pkg.io.geometry import Geometry\n",
     "io/__init__.py": '"""IO."""\n',
     "io/geometry.py": "class Geometry:\n    pass\n",
     "pool.py": "import threading\nfrom pkg.plan.epoch import np\nfrom pkg import batch\n",
-    # imports that do not run on import close no cycle
-    "batch.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.pool import X\n"
-    "def f():\n    from pkg.pool import Y\n",
+    "batch.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import numpy\n",
+    "stages/read_plan.py": "from pkg.plan import epoch\n",
+    "stages/fetch.py": "from pkg.stages.read_plan import x\n",
+    "stages/gather.py": "from typing import TYPE_CHECKING\nfrom pkg.stages import fetch\n",
 }
 
 PLANTED: list[tuple[Callable[[Path], list[str]], dict[str, str], str]] = [
@@ -503,9 +534,9 @@ PLANTED: list[tuple[Callable[[Path], list[str]], dict[str, str], str]] = [
         lower_layers_importing_the_stages,
         {
             "io/geometry.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-            "    from pkg.stages.node import Node\n"
+            "    from pkg.stages.prefetch import Node\n"
         },
-        "geometry.py:3 imports Node from pkg.stages.node (under TYPE_CHECKING)",
+        "geometry.py:3 imports Node from pkg.stages.prefetch (under TYPE_CHECKING)",
     ),
     (lower_layers_importing_the_stages, {"pool.py": "from pkg import pipeline\n"}, "pipeline"),
     (plan_and_io_reaching_up, {"plan/epoch.py": "import concurrent.futures\n"}, "concurrent"),
@@ -524,6 +555,27 @@ PLANTED: list[tuple[Callable[[Path], list[str]], dict[str, str], str]] = [
         {"io/geometry.py": "from pkg.pool import x\n"},
         "pkg.io.geometry:1 -> pkg.pool:2 -> pkg.plan.epoch:2 -> pkg.io.geometry",
     ),
+    (  # a cycle hidden under TYPE_CHECKING still counts
+        import_cycles,
+        {"batch.py": "import typing\nif typing.TYPE_CHECKING:\n    from pkg.pool import X\n"},
+        "pkg.batch:3 -> pkg.pool:3 -> pkg.batch",
+    ),
+    (  # and so does one hidden inside a function
+        import_cycles,
+        {"batch.py": "def f():\n    from pkg.pool import Y\n"},
+        "pkg.batch:2 -> pkg.pool:3 -> pkg.batch",
+    ),
+    (
+        stages_importing_upward,
+        {"stages/fetch.py": "def f():\n    from pkg.stages.gather import G\n"},
+        "fetch.py:2 imports G from pkg.stages.gather (in a function), a stage above it",
+    ),
+    (
+        stages_importing_upward,
+        {"stages/read_plan.py": "from pkg.stages import fetch\n"},
+        "read_plan.py:1 imports pkg.stages.fetch (module level), a stage above it",
+    ),
+    (stages_importing_upward, {"stages/helper.py": "x = 1\n"}, "helper.py has no place"),
     (long_modules, {"plan/epoch.py": "x = 1\n" * (MAX_LINES + 1)}, "epoch.py: 701 lines"),
 ]
 

@@ -112,7 +112,7 @@ def test_the_first_epoch_draws_its_slots_from_the_reserve_and_matches_zarr(
         pipe.close()
 
 
-_TUNED = "from insitubatch_nodes import _runtime; print(_runtime.tune_allocator())"
+_TUNED = "from insitubatch_nodes import _process; print(_process.tune_allocator())"
 
 
 @pytest.mark.skipif(not LINUX, reason="the allocator tuning is for glibc on Linux")

@@ -51,7 +51,7 @@ from insitubatch_nodes import (
 from insitubatch_nodes.errors import ChunkReadError, DecodeError
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
-from insitubatch_nodes.stages.gather import BufferPool
+from insitubatch_nodes.stages.buffers import BufferPool
 
 # zarr warns that numcodecs' LZ4 is not in the v3 spec whenever it opens the v3_lz4 layout
 pytestmark = pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the Zarr")
@@ -1271,7 +1271,8 @@ def test_a_pipeline_composed_by_hand_plans_and_schedules_like_the_builders(
     from insitubatch_nodes import open_store
 
     zstore = open_store(store)
-    prefetch, hand_plan, hand_pool, _ = recipe.build_nodes(zstore, views, recipe.parse_args(argv))
+    hand = recipe.build_nodes(zstore, views, recipe.parse_args(argv))
+    prefetch, hand_plan, hand_pool = hand.prefetch, hand.plan, hand.pool
     built = insitu_pipeline(zstore, manifest, views, seed=5, cache_budget_bytes=explicit, **kwargs)
     plan = built.stages.plan
     assert hand_plan.schedule == plan.schedule

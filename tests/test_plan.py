@@ -878,7 +878,7 @@ def test_the_configuration_is_fixed_after_construction(
     with pytest.raises(AttributeError, match="fixed at construction"):
         setattr(node, field, value)
     with pytest.raises(TypeError):
-        node.variables["y"] = partial  # type: ignore[index]
+        node.views["y"] = partial  # type: ignore[index]
 
 
 # -- arguments -----------------------------------------------------------------------------------

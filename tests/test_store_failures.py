@@ -71,9 +71,8 @@ def moto(era5_local: Path) -> Iterator[MotoServer]:
 _CHILD = textwrap.dedent(
     """
     import json, sys, time
-    from insitubatch_nodes import (
-        ChunkReadError, RetryPolicy, insitu_pipeline, open_geometries, split_by_chunk
-    )
+    from insitubatch_nodes import RetryPolicy, insitu_pipeline, open_geometries, split_by_chunk
+    from insitubatch_nodes.errors import ChunkReadError
 
     url, policy, max_inflight = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
     retry = None if policy is None else RetryPolicy(**policy)

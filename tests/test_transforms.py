@@ -463,4 +463,4 @@ def test_buffers_for_reshaped_chunks_are_reused_not_allocated_per_chunk(era5: Pa
     _epoch(pipe)
     kept = fetch.scratch_bytes - sum(d.scratch_bytes for d in fetch._decoders.values())
     chunk = g["t2m"].chunk_nbytes
-    assert 0 < kept <= fetch._filler._max_spares * chunk  # bounded, whatever the chunks (12)
+    assert 0 < kept <= fetch._runner.spares.max_idle * chunk  # bounded, whatever the chunks (12)

@@ -30,6 +30,7 @@ from insitubatch_nodes.errors import FillCancelled, PipelineInterrupted
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages._jobs import FillJob
+from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
@@ -56,8 +57,9 @@ def hand_composed(store: Any, pool: ChunkPool, **plan_kwargs: Any) -> Prefetcher
     labels = views(store)
     config = PlanConfig(batch_size=8, **plan_kwargs)
     plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, config=config)
-    fetch = AsyncChunkFetchNode(plan, store, {"t2m": labels["x"]}, pool)
-    return PrefetcherNode(GatherNode(ChunkPoolNode(fetch), labels, 8))
+    ctx = StageContext.create(plan, pool)
+    fetch = AsyncChunkFetchNode(plan, store, context=ctx)
+    return PrefetcherNode(GatherNode(ChunkPoolNode(fetch, context=ctx), context=ctx), context=ctx)
 
 
 def first_batch_gets(root: Path, **kwargs: Any) -> int:
@@ -99,7 +101,7 @@ def test_a_fill_cancelled_before_it_ever_ran_still_resolves_its_entry(
     store = root if reads == "local" else counting_store(root)
     labels = views(store)
     plan = ReadPlanNode(split_by_chunk(labels["x"]), labels, config=PlanConfig(batch_size=8))
-    fetch = AsyncChunkFetchNode(plan, store, {"t2m": labels["x"]}, pool)
+    fetch = AsyncChunkFetchNode(plan, store, context=StageContext.create(plan, pool))
     geom = labels["x"]
     job = FillJob(_runtime.next_ticket(), generation=0)
     got = pool.acquire(
@@ -107,10 +109,10 @@ def test_a_fill_cancelled_before_it_ever_ran_still_resolves_its_entry(
     )
     assert got is not None
     entry, _ = got
-    job.add_entry(entry, fetch._arrays["t2m"], entry.slot)
+    job.add_entry(entry, fetch._setup.arrays["t2m"], entry.slot)
     # its last pin goes before any of its stored objects was read: nobody needs it any more
     assert pool.unpin([entry]) == [entry]
-    fetch._filler.submit(job)
+    fetch._runner.submit(job)
     with pytest.raises(FillCancelled):
         entry.ready.result(timeout=5)
     assert job.fill.future.result(timeout=5) is None  # the fill resolved: no waiter hangs

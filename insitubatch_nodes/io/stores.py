@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
+from insitubatch_nodes import _process
+
 __all__ = [
     "SUPPORTED_SCHEMES",
     "RetryPolicy",
@@ -406,11 +408,9 @@ def open_store(
     """
     from obstore.store import AzureStore, GCSStore, HTTPStore, LocalStore, MemoryStore, S3Store
 
-    from insitubatch_nodes import _runtime
-
-    _runtime.check_obstore_usable()  # a fork of a process that used obstore would hang
-    _runtime.note_obstore_use()
-    _runtime.tune_allocator()  # before obstore's threads allocate (see its docstring)
+    _process.check_obstore_usable()  # a fork of a process that used obstore would hang
+    _process.note_obstore_use()
+    _process.tune_allocator()  # before obstore's threads allocate (see its docstring)
     if isinstance(url_or_path, Store):
         raise TypeError("open_store() takes a URL or path; a zarr Store can be used as it is")
     if retry is None:
@@ -517,12 +517,10 @@ def as_store(store: StoreLike, **options: Any) -> Store:
 
     ``options`` (``retry=`` included) apply to a URL or path only. Every entry point of the
     package passes its store through here, before its first read, which is when the allocator
-    is tuned (:func:`~insitubatch_nodes._runtime.tune_allocator`: once per process)."""
+    is tuned (:func:`~insitubatch_nodes._process.tune_allocator`: once per process)."""
     if isinstance(store, Store):
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")
-        from insitubatch_nodes import _runtime
-
-        _runtime.tune_allocator()  # before obstore's threads allocate (see its docstring)
+        _process.tune_allocator()  # before obstore's threads allocate (see its docstring)
         return store
     return open_store(store, **options)

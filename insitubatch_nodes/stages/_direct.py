@@ -1,25 +1,22 @@
 """When the fetch stage decodes rows straight into batches, and into which label's rows.
 
 At one sample per chunk a chunk read by a single row need not pass through the pool: its stored
-object is decoded straight into that row of the batch arrays the gather stage lends (see
+object is decoded straight into that row of the graph's batch buffers (see
 :mod:`insitubatch_nodes.stages.fetch`). These two decisions are pure functions of the epoch
-plan, the pool and what the gather stage lent; the fetch stage asks them once per epoch.
+plan, the pool and the batch buffers; the fetch stage asks them once per epoch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan
 from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages.buffers import BatchBuffers
 from insitubatch_nodes.transforms import ChunkTransforms
-
-if TYPE_CHECKING:
-    from insitubatch_nodes.stages.gather import BatchBuffers
 
 __all__ = ["direct_allowed", "direct_labels"]
 
@@ -31,8 +28,8 @@ def direct_allowed(
     direct: bool | None,
     slot_geoms: Mapping[str, ArrayGeometry],
 ) -> bool:
-    """Whether rows may be decoded straight into batches this epoch: the gather stage lent its
-    buffers, ``direct`` does not forbid it, no persistent cache wants the chunks kept, and
+    """Whether rows may be decoded straight into batches this epoch: there are batch buffers,
+    ``direct`` does not forbid it, no persistent cache wants the chunks kept, and
     either ``direct=True``, an automatic budget, or a budget that could not keep the epoch's
     chunks anyway."""
     if buffers is None or direct is False:
@@ -58,8 +55,8 @@ def direct_labels(
 ) -> dict[str, dict[int, str]] | None:
     """``{path: {offset: label}}`` when ``ledger``'s single-use chunks can be decoded straight
     into the batch arrays: one sample per chunk, each view of an array (each offset) read by
-    exactly one label (whose batch array the gather stage lends, with the array's own shape and
-    dtype), no chunk transforms. A chunk read by one row is then read by one view, whose offset
+    exactly one label (whose batch buffer has the array's own shape and dtype), no chunk
+    transforms. A chunk read by one row is then read by one view, whose offset
     tells the label. ``None`` otherwise."""
     if (
         ledger.windows is not None  # a patched array: rows are windows of tiles
@@ -67,7 +64,7 @@ def direct_labels(
         or len(set(ledger.offsets)) != len(ledger.offsets)
     ):
         return None
-    lent = buffers.labels
+    lent = buffers.views
     out: dict[str, dict[int, str]] = {}
     for label, view in plan.views.items():
         if view.path not in ledger.paths:

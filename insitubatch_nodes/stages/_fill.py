@@ -14,7 +14,9 @@ run's thread (:mod:`~insitubatch_nodes.io.localfiles`) and decoded in place at o
 round trip through the event loop between objects. A run gives its thread up between two
 objects when a job of a sooner ticket (an earlier batch) is waiting, and carries on later.
 
-**GETs on the loop.** For any other store a :class:`Getter` on the process's IO loop keeps at
+**GETs on the loop.** For any other store a :class:`~insitubatch_nodes.stages._get.GetQueue`
+(which the runner owns, and which hands each object back through a callback) on the process's
+IO loop keeps at
 most ``max_inflight`` objects *in flight* — from the GET's start until its bytes are decoded,
 as before — taking objects in ticket order; a GET that lands queues its bytes on its job and
 starts a run there if none is running. A decode thread that frees a permit wakes the loop only
@@ -30,6 +32,7 @@ its own member of the fill once every object is handled; direct rows that failed
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -44,23 +47,38 @@ from insitubatch_nodes.errors import ChunkReadError, FillCancelled
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.localfiles import LocalReader
 from insitubatch_nodes.pool import ChunkPool
-from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
+from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import PENDING, ChunkEntry
-from insitubatch_nodes.stages._get import Getter
-from insitubatch_nodes.stages._jobs import REVIVE, SMALL_OBJECT_S, ArrayFill, FillJob, Rows, Unit
+from insitubatch_nodes.stages._get import GetQueue
+from insitubatch_nodes.stages._jobs import (
+    REVIVE,
+    SMALL_OBJECT_S,
+    ArrayFill,
+    FillJob,
+    Queued,
+    Rows,
+    Unit,
+)
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["Filler"]
+__all__ = ["FillRunner", "NoteBad", "SpareBuffers"]
+
+NoteBad = Callable[[int, str, int, Iterable[tuple[int, ...]]], bool]
+"""``note_bad(generation, path, chunk, tiles)``: list bad stored objects (the fetch stage's);
+False when the fill belongs to an epoch that is over."""
 
 log = logging.getLogger("insitubatch_nodes.stages.fetch")
 _now = time.perf_counter
 
 
-class Filler:
+class FillRunner:
     """Runs :class:`FillJob` s for one fetch stage (module docstring).
 
-    ``reader`` reads a local store on the decode threads; else ``getter`` GETs on the loop.
-    ``recorder`` (the epoch report's, or the null one) may be set at any time.
+    ``reader`` reads a local store on the decode threads; else ``get`` (an async GET, see
+    :func:`~insitubatch_nodes.io._zarr_compat.make_async_getter`) runs on ``loop`` through this
+    runner's own :class:`~insitubatch_nodes.stages._get.GetQueue`, at most ``max_inflight``
+    objects at once. Bad stored objects are reported to ``note_bad``; ``recorder`` is the epoch
+    report's (or the null one).
     """
 
     def __init__(
@@ -69,26 +87,36 @@ class Filler:
         pool: ChunkPool,
         decode_pool: PriorityPool,
         reader: LocalReader | None,
-        getter: Getter | None,
+        get: Callable[..., Any] | None,
+        loop: asyncio.AbstractEventLoop,
+        max_inflight: int,
         transforms: ChunkTransforms,
         on_bad_chunk: str,
         store_name: str,
-        note_bad: Callable[[int, str, int, Iterable[tuple[int, ...]]], bool],
+        note_bad: NoteBad,
+        recorder: EpochRecorder,
     ) -> None:
         self.pool = pool
         self.decode_pool = decode_pool
         self.reader = reader
-        self.getter = getter
         self.transforms = transforms
         self.on_bad_chunk = on_bad_chunk
         self.store_name = store_name
         self.note_bad = note_bad
-        self.recorder: EpochRecorder = NULL_RECORDER
+        self.recorder = recorder
+        self.gets: GetQueue | None = None
+        if reader is None and get is not None:
+            self.gets = GetQueue(
+                get,
+                loop,
+                max_inflight,
+                store_name,
+                pool=pool,
+                recorder=recorder,
+                land=self.land_many,
+            )
         self.threads = len(decode_pool.threads)
-        self._spares: dict[tuple[str, int], list[np.ndarray]] = {}
-        self._spare_lock = threading.Lock()
-        self.spare_bytes = 0
-        self._max_spares = max(2, self.threads)
+        self.spares = SpareBuffers(max_idle=max(2, self.threads))
         self._work_per_object = 1.0  # seconds; large until runs have measured it
 
     # -- submission (producer thread) ----------------------------------------------------------
@@ -101,26 +129,25 @@ class Filler:
         if not job.left:
             self._job_done(job)
             return
-        revive = [u for u in units if u[2] is REVIVE]
-        if self.reader is not None or self.getter is None:
+        revive = [u for u in units if u.tile is REVIVE]
+        if self.gets is None:
             if self.reader is not None and self.reader.cold:
-                keys = [u[0].key(u[1], u[2]) for u in units if u[2] is not REVIVE]
+                keys = [u.array.key(u.chunk, u.tile) for u in units if u.tile is not REVIVE]
                 self.reader.advise_many([*keys, *(k for r in rows for k in r.store_keys())])
-            items: list[tuple[Unit | Rows, float, Any, BaseException | None, bool]]
-            items = [(u, 0.0, None, None, False) for u in units]
-            items.extend((r, 0.0, None, None, False) for r in rows)
+            items = [Queued(u) for u in units]
+            items.extend(Queued(r) for r in rows)
             self.land_many(job, items, job.left)
             return
         if revive:  # cache files are mapped on the decode threads, never GET
-            self.land_many(job, [(u, 0.0, None, None, False) for u in revive])
-        fetch = [u for u in units if u[2] is not REVIVE]
+            self.land_many(job, [Queued(u) for u in revive])
+        fetch = [u for u in units if u.tile is not REVIVE]
         if fetch or rows:
-            self.getter.enqueue(job, fetch, rows)
+            self.gets.enqueue(job, fetch, rows)
 
     def land_many(
         self,
         job: FillJob,
-        items: Sequence[tuple[Unit | Rows, float, Any, BaseException | None, bool]],
+        items: Sequence[Queued],
         objects: int | None = None,
     ) -> None:
         """Queue items (``objects`` stored objects; one each by default) on ``job`` for the
@@ -168,12 +195,7 @@ class Filler:
             rec = self.recorder
             rec.on_fill_run(acc)
 
-    def _handle(
-        self,
-        job: FillJob,
-        item: tuple[Unit | Rows, float, Any, BaseException | None, bool],
-        acc: _Tally,
-    ) -> None:
+    def _handle(self, job: FillJob, item: Queued, acc: _Tally) -> None:
         unit, landed, raw, error, permit = item
         if isinstance(unit, Rows):
             self._fill_rows(job, unit, acc)
@@ -186,8 +208,8 @@ class Filler:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            if permit and self.getter is not None:
-                self.getter.release()
+            if permit and self.gets is not None:
+                self.gets.release()
 
     def _fill_rows(self, job: FillJob, rows: Rows, acc: _Tally) -> None:
         """Read and decode every stored object of ``rows`` into its batch row (a local store),
@@ -214,7 +236,7 @@ class Filler:
                     except Exception as exc:
                         self._bad(
                             job,
-                            (array, chunk, tile, dest, None),
+                            Unit(array, chunk, tile, dest, None),
                             key,
                             self._wrap(array, chunk, tile, key, exc),
                         )
@@ -253,7 +275,7 @@ class Filler:
             except OSError as exc:
                 error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
-                self._bad(job, (array, chunk, tile, out[r : r + 1], None), key, error)
+                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None), key, error)
                 continue
             t1 = _now()
             reads += 1
@@ -268,7 +290,7 @@ class Filler:
                 decode(raw, out[r : r + 1], chunk, tile)
             except Exception as exc:
                 error = self._wrap(array, chunk, tile, key, exc)
-                self._bad(job, (array, chunk, tile, out[r : r + 1], None), key, error)
+                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None), key, error)
                 continue
             t2 = _now()
             decodes += 1
@@ -342,7 +364,7 @@ class Filler:
     def _failed(self, job: FillJob, unit: Unit, error: BaseException) -> None:
         """``unit`` failed in the machinery itself (not a read or a decode): it fails its
         entry, or its batch, whatever ``on_bad_chunk`` says."""
-        entry = unit[4]
+        entry = unit.entry
         if entry is None:
             if job.error is None:
                 job.error = error
@@ -391,7 +413,7 @@ class Filler:
             rec.on_bad_chunk()
 
     def _skip(self, job: FillJob, unit: Unit) -> None:
-        entry = unit[4]
+        entry = unit.entry
         if entry is not None and entry.error is None and entry.state == PENDING:
             entry.error = FillCancelled(f"chunk {entry.key} was cancelled")
         self._unit_done(job, entry, None)
@@ -415,14 +437,14 @@ class Filler:
             rec.on_corrupt()
         start, stop = array.geom.chunk_range(chunk)
         region = self.region(job, entry, array, stop - start)
-        units = [(array, chunk, tile, region[box], entry) for tile, box in array.tiles]
+        units = [Unit(array, chunk, tile, region[box], entry) for tile, box in array.tiles]
         with job.lock:
             entry.tiles_left += len(units) - 1  # the revive unit becomes the fetch's units
             job.left += len(units) - 1
-        if self.reader is not None or self.getter is None:
-            self.land_many(job, [(u, 0.0, None, None, False) for u in units])
+        if self.gets is None:
+            self.land_many(job, [Queued(u) for u in units])
         else:
-            self.getter.enqueue(job, units)
+            self.gets.enqueue(job, units)
 
     def region(
         self, job: FillJob, entry: ChunkEntry, array: ArrayFill, n: int | None
@@ -433,7 +455,7 @@ class Filler:
             n = entry.slot.shape[0] if entry.cached is None else entry.cached[1][0]
         if not self.transforms.reshapes(array.path):
             return entry.slot[:n]
-        buf = self.take_spare(array.geom, n)
+        buf = self.spares.take(array.geom, n)
         job.spares[id(entry)] = buf
         return buf
 
@@ -474,7 +496,7 @@ class Filler:
             raise
         finally:
             if spare is not None:
-                self.give_spare(entry.key[0], spare)
+                self.spares.give(entry.key[0], spare)
 
     def _transform(self, entry: ChunkEntry, decoded: np.ndarray | None, acc: _Tally | None) -> None:
         path, chunk = entry.key
@@ -498,23 +520,6 @@ class Filler:
         cache = self.pool.cache
         return None if cache is None else cache.identity
 
-    # -- spare decode buffers (chunks their transforms reshape) ----------------------------
-    def take_spare(self, geom: ArrayGeometry, n: int) -> np.ndarray:
-        with self._spare_lock:
-            free = self._spares.get((geom.path, n))
-            if free:
-                buf = free.pop()
-                self.spare_bytes -= buf.nbytes
-                return buf
-        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
-
-    def give_spare(self, path: str, buf: np.ndarray) -> None:
-        with self._spare_lock:
-            free = self._spares.setdefault((path, buf.shape[0]), [])
-            if len(free) < self._max_spares:
-                free.append(buf)
-                self.spare_bytes += buf.nbytes
-
     # -- cancellation ---------------------------------------------------------------------
     def cancel(self, jobs: Iterable[FillJob] = ()) -> None:
         """Stop work nobody waits for any more (any thread, returns at once): the rows of
@@ -522,8 +527,38 @@ class Filler:
         themselves). GETs in flight for either are cancelled on the loop."""
         for job in jobs:
             job.cancelled = True
-        if self.getter is not None:
-            self.getter.cancel_skipped()
+        if self.gets is not None:
+            self.gets.cancel_skipped()
+
+
+class SpareBuffers:
+    """Idle decode buffers of the stored layout, for chunks their transforms reshape (the slot
+    holds the output; the stored chunk is decoded elsewhere first): at most ``max_idle`` kept
+    per array and length, any thread."""
+
+    def __init__(self, max_idle: int) -> None:
+        self.max_idle = max_idle
+        self._free: dict[tuple[str, int], list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self.nbytes = 0  # held idle
+
+    def take(self, geom: ArrayGeometry, n: int) -> np.ndarray:
+        """A buffer for ``n`` samples of ``geom`` as stored (an idle one, else a new one)."""
+        with self._lock:
+            free = self._free.get((geom.path, n))
+            if free:
+                buf = free.pop()
+                self.nbytes -= buf.nbytes
+                return buf
+        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
+
+    def give(self, path: str, buf: np.ndarray) -> None:
+        """Keep ``buf`` for a later :meth:`take` (dropped when ``max_idle`` are kept)."""
+        with self._lock:
+            free = self._free.setdefault((path, buf.shape[0]), [])
+            if len(free) < self.max_idle:
+                free.append(buf)
+                self.nbytes += buf.nbytes
 
 
 class _Tally:

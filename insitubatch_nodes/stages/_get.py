@@ -1,4 +1,9 @@
-"""The GETs of a fetch stage: on the IO loop, under one permit budget, handed to the decoders."""
+"""The GETs of a fetch stage: on the IO loop, under one permit budget, handed to the decoders.
+
+:class:`GetQueue` knows nothing of who decodes: every object whose GET ends (with its bytes, an
+error or a cancellation) is handed to the ``land`` callback it was built with, and the decode
+side hands each permit back with :meth:`GetQueue.release`.
+"""
 
 from __future__ import annotations
 
@@ -8,25 +13,29 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.cache.identity import meta_identity
 from insitubatch_nodes.errors import ChunkReadError, FillCancelled
-from insitubatch_nodes.stages._jobs import FillJob, Rows, Unit
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.recorder import EpochRecorder
+from insitubatch_nodes.stages._jobs import FillJob, Queued, Rows, Unit
 
-if TYPE_CHECKING:
-    from insitubatch_nodes.stages._fill import Filler
+__all__ = ["GetQueue", "Land", "cancel_all_at_exit", "cancel_gets"]
 
-__all__ = ["Getter", "cancel_all_at_exit", "cancel_gets"]
+Land = Callable[[FillJob, Sequence[Queued]], None]
+"""Where a GET's object goes when it ends: ``land(job, [Queued(unit, landed, raw, error,
+permit=True)])`` (any thread; the decode side)."""
 
 _now = time.perf_counter
 log = logging.getLogger("insitubatch_nodes.stages.fetch")
 
 
-class Getter:
+class GetQueue:
     """GETs on the IO loop for one fetch stage, at most ``max_inflight`` objects in flight
-    (module docstring). Everything but :meth:`release` and :meth:`enqueue` runs on the loop."""
+    (module docstring), each handed to ``land`` when it ends. Everything but :meth:`release`,
+    :meth:`enqueue` and :meth:`cancel_skipped` runs on the loop."""
 
     def __init__(
         self,
@@ -34,13 +43,18 @@ class Getter:
         loop: asyncio.AbstractEventLoop,
         max_inflight: int,
         store_name: str,
-        filler: Callable[[], Filler],
+        *,
+        pool: ChunkPool,
+        recorder: EpochRecorder,
+        land: Land,
     ) -> None:
         self._get = get
         self.loop = loop
         self.max_inflight = max_inflight
         self.store_name = store_name
-        self._filler = filler
+        self.pool = pool
+        self.recorder = recorder
+        self._land = land
         self._queue: deque[tuple[FillJob, Unit]] = deque()  # on the loop only
         self._lock = threading.Lock()
         self.inflight = 0  # permits taken: GETs started and not yet decoded
@@ -60,7 +74,7 @@ class Getter:
 
     def release(self) -> None:
         """A permit's object is handled (any thread): wake the loop if it waits for one."""
-        self._filler().pool.note_io(inflight=-1)
+        self.pool.note_io(inflight=-1)
         with self._lock:
             self.inflight -= 1
             wake, self._starved = self._starved, False
@@ -69,21 +83,20 @@ class Getter:
 
     def _pump(self) -> None:
         queue = self._queue
-        filler = self._filler()
         while queue:
             job, unit = queue[0]
             if job.skips(unit):
                 queue.popleft()
-                filler.land_many(job, [(unit, _now(), None, FillCancelled("cancelled"), False)])
+                self._land(job, [Queued(unit, _now(), error=FillCancelled("cancelled"))])
                 continue
             with self._lock:
                 if self.inflight >= self.max_inflight:
                     self._starved = True
                     return
                 self.inflight += 1
-            filler.pool.note_io(inflight=1)
+            self.pool.note_io(inflight=1)
             queue.popleft()
-            task = self.loop.create_task(self._fetch(job, unit, filler))
+            task = self.loop.create_task(self._fetch(job, unit))
             self.tasks[task] = (job, unit)
             task.add_done_callback(self._forget)
 
@@ -92,10 +105,11 @@ class Getter:
         if not task.cancelled():
             task.exception()  # retrieved: a failure was landed already
 
-    async def _fetch(self, job: FillJob, unit: Unit, filler: Filler) -> None:
-        array, chunk, tile, _, _ = unit
-        rec = filler.recorder
-        ids = filler._identities()
+    async def _fetch(self, job: FillJob, unit: Unit) -> None:
+        array, chunk, tile = unit.array, unit.chunk, unit.tile
+        rec = self.recorder
+        cache = self.pool.cache
+        ids = None if cache is None else cache.identity
         meta: list[Any] | None = None if ids is None else []
         started = rec.on_get_start()
         raw: Any = None
@@ -103,7 +117,7 @@ class Getter:
         try:
             key = array.key(chunk, tile)
         except Exception as exc:  # a bug, not a read error: it fails the batch as it is
-            filler.land_many(job, [(unit, _now(), None, exc, True)])
+            self._land(job, [Queued(unit, _now(), error=exc, permit=True)])
             return
         try:
             raw = await (self._get(key) if meta is None else self._get(key, meta))
@@ -116,11 +130,11 @@ class Getter:
             error = exc
         nbytes = 0 if raw is None else len(raw)
         if error is None:
-            filler.pool.note_io(1, nbytes)
+            self.pool.note_io(1, nbytes)
         rec.on_get_end(started, nbytes, ok=error is None)
         if error is None and ids is not None and meta:  # what identifies the object
             ids.note(array.path, chunk, key, meta_identity(meta[0]))
-        filler.land_many(job, [(unit, _now(), raw, error, True)])
+        self._land(job, [Queued(unit, _now(), raw, error, permit=True)])
         if error is not None and not isinstance(error, Exception | FillCancelled):
             raise error
 
@@ -148,15 +162,16 @@ _EXIT_GRACE_S = 2.0
 
 
 def cancel_all_at_exit(nodes: Sequence[Any]) -> None:
-    """At exit (see :func:`insitubatch_nodes._runtime.stop_at_exit`): close every fetch stage,
-    then cancel and await their in-flight GETs while the IO loop still runs."""
+    """At exit (see :func:`insitubatch_nodes._runtime.stop_at_exit`): release every fetch stage
+    (its pins, fills and cache lock), then cancel and await their in-flight GETs while the IO
+    loop still runs."""
     for node in nodes:
         try:
-            node.close()
+            node.release()
         except Exception:  # pragma: no cover - best effort at exit
             log.debug("insitubatch_nodes: teardown at exit failed", exc_info=True)
     loop = _runtime.io_loop()
-    getters = [n._getter for n in nodes if n._getter is not None]
+    getters = [n.gets for n in nodes if n.gets is not None]
     if getters and loop.is_running():
         done = asyncio.run_coroutine_threadsafe(cancel_gets(getters), loop)
         try:
@@ -165,5 +180,5 @@ def cancel_all_at_exit(nodes: Sequence[Any]) -> None:
             log.debug("insitubatch_nodes: in-flight GETs did not stop at exit", exc_info=True)
 
 
-async def cancel_gets(getters: Iterable[Getter]) -> None:
+async def cancel_gets(getters: Iterable[GetQueue]) -> None:
     await asyncio.gather(*(g.cancel_all() for g in getters))

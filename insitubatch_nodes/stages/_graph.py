@@ -1,95 +1,37 @@
-"""What every stage shares: the state key, and walking a graph of nodes.
+"""What every stage's state shares: the key a stage nests its source's state under, and the
+read plan's state found inside a graph's.
 
-A graph is the chain of ``torchdata.nodes`` from its root down to a
-:class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`. The stages of this package keep their
-source as ``source``; a plain torchdata node placed between two stages (a ``Mapper``, a
-``Batcher``) keeps its own the same way or under another attribute. So a walk follows every
-attribute that holds a node, and finds what a stage needs below it (the fetch stage's recorder
-and batch-buffer hand-off, the read plan) whatever sits in between. ``close`` and ``interrupt``
-reach every stage of ours the same way: a node without them is walked through.
+Stages never search a graph for each other (they are handed a
+:class:`~insitubatch_nodes.stages.context.StageContext`); only a *state* — a plain dict from a
+checkpoint, nested once per node above the plan — is read through, to find the read plan's.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any, TypeVar
+from collections.abc import Mapping
+from typing import Any
 
-from torchdata.nodes import BaseNode
-
-__all__ = [
-    "SOURCE_KEY",
-    "close_node",
-    "find_attr",
-    "find_node",
-    "interrupt_below",
-    "nests_source_state",
-    "nodes_below",
-    "plan_state",
-]
+__all__ = ["SOURCE_KEY", "plan_state", "source_start_state", "source_state"]
 
 SOURCE_KEY = "source"
 """Every stage above the read plan nests its source's state under this key (checkpoints carry
 it: renaming it breaks every saved state)."""
 
-N = TypeVar("N")
+
+def source_state(initial_state: Mapping[str, Any] | None) -> Any:
+    """The source's part of a stage's ``initial_state`` (``None`` starts a fresh epoch)."""
+    return None if initial_state is None else initial_state[SOURCE_KEY]
 
 
-def _children(node: Any) -> list[Any]:
-    """The nodes ``node`` holds, its ``source`` first."""
-    first = getattr(node, "source", None)
-    out = [first] if isinstance(first, BaseNode) else []
-    attrs = vars(node) if hasattr(node, "__dict__") else {}
-    out += [v for v in attrs.values() if isinstance(v, BaseNode) and v is not first]
-    return out
-
-
-def nodes_below(node: Any) -> Iterator[Any]:
-    """Every node under ``node`` (not ``node`` itself), depth first, each once."""
-    seen = {id(node)}
-    stack = list(reversed(_children(node)))
-    while stack:
-        child = stack.pop()
-        if id(child) in seen:
-            continue
-        seen.add(id(child))
-        yield child
-        stack.extend(reversed(_children(child)))
-
-
-def find_node(node: Any, kind: type[N]) -> N | None:
-    """``node`` itself or the first node under it that is a ``kind``; ``None`` if none is."""
-    if isinstance(node, kind):
-        return node
-    return next((n for n in nodes_below(node) if isinstance(n, kind)), None)
-
-
-def find_attr(node: Any, name: str) -> Any:
-    """The first non-``None`` attribute ``name`` of ``node`` or a node under it; else ``None``."""
-    for below in (node, *nodes_below(node)):
-        value = getattr(below, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def close_node(node: Any) -> None:
-    """``node.close()`` when it has one (our stages close their own sources); else close each
-    node it holds, so a plain torchdata node between two stages does not cut the chain."""
-    closer: Callable[[], None] | None = getattr(node, "close", None)
-    if callable(closer):
-        closer()
-        return
-    for child in _children(node):
-        close_node(child)
-
-
-def interrupt_below(node: Any) -> None:
-    """``interrupt()`` on ``node`` and on every node under it that has one (thread-safe): a
-    stage blocked waiting on a chunk wakes at once."""
-    for n in (node, *nodes_below(node)):
-        interrupt = getattr(n, "interrupt", None)
-        if callable(interrupt):
-            interrupt()
+def source_start_state(source: Any, epoch: int) -> dict[str, Any] | None:
+    """A stage's state before the first batch of ``epoch``: its source's, nested under
+    :data:`SOURCE_KEY`; ``None`` when the source cannot say (a plain torchdata node, whose
+    state cannot be made up)."""
+    start = getattr(source, "start_state", None)
+    if not callable(start):
+        return None
+    state = start(epoch)
+    return None if state is None else {SOURCE_KEY: state}
 
 
 def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -105,9 +47,3 @@ def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
                 return node
             stack.extend(reversed(list(node.values())))
     raise ValueError("not an insitubatch_nodes pipeline state (no read-plan state inside)")
-
-
-def nests_source_state(node: Any) -> bool:
-    """Whether ``node`` is a stage of this package above the plan (its state is its source's
-    state under :data:`SOURCE_KEY`, and nothing else that a fresh start would need)."""
-    return bool(getattr(node, "NESTS_SOURCE_STATE", False))

@@ -1,4 +1,5 @@
-"""What the fetch stage hands its fill machinery: a batch's fill job, its rows and units."""
+"""What the fetch stage's parts hand each other: a batch's fill job, its rows and units, what
+admission keeps per batch, and the item the fetch stage yields."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -16,16 +17,19 @@ from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.plan.patches import unit_chunk_tile
 from insitubatch_nodes.slots import PENDING, ChunkEntry, Fill
 
-if TYPE_CHECKING:
-    pass
-
 __all__ = [
+    "REVIVE",
     "ROWS_PER_ITEM",
     "SMALL_OBJECT_S",
     "ArrayFill",
     "FetchedBatch",
     "FillJob",
+    "PendingBatch",
+    "PlanGroup",
+    "Queued",
     "Rows",
+    "SlotLayout",
+    "SlotRequest",
     "Unit",
 ]
 
@@ -87,10 +91,51 @@ class ArrayFill:
         return self.template.format(*coords)
 
 
-# A unit is one stored object to fill: (array, chunk, tile, destination, entry or None).
-# A queued item is (unit, landed, raw, error, holds_a_permit): ``landed`` is when its GET
-# ended, 0.0 when the run reads the object itself (a local store).
-Unit = tuple[ArrayFill, int, tuple[int, ...], np.ndarray, "ChunkEntry | None"]
+class Unit(NamedTuple):
+    """One stored object to fill: ``tile`` of ``chunk`` of ``array``, decoded into ``out``
+    (a rectangle of ``entry``'s slot, or of a batch row when ``entry`` is ``None``)."""
+
+    array: ArrayFill
+    chunk: int
+    tile: tuple[int, ...]
+    out: np.ndarray
+    entry: ChunkEntry | None
+
+
+class Queued(NamedTuple):
+    """A unit (or rows) waiting for the decode threads. ``landed``: when its GET ended (0.0:
+    the run reads the object itself, a local store); ``raw``: the GET's bytes; ``error``: the
+    GET's error; ``permit``: it holds one of the GETs' in-flight permits."""
+
+    work: Unit | Rows
+    landed: float = 0.0
+    raw: Any = None
+    error: BaseException | None = None
+    permit: bool = False
+
+
+class SlotLayout(NamedTuple):
+    """How the fetch stage requests the slots of one array (worked out once per array)."""
+
+    shape: tuple[int, ...]  # a slot's shape, sample axis first
+    dtype: np.dtype[Any]
+    level_major: bool  # stored one level per object: level-major slots (see the pool)
+    samples_per_chunk: int
+    n_samples: int
+    units_per_chunk: int  # pool keys per chunk: stored tiles of a patched array, else 1
+
+
+class SlotRequest(NamedTuple):
+    """One pool chunk to admit, as :meth:`~insitubatch_nodes.pool.ChunkPool.acquire_many`
+    takes it (``valid``: samples the chunk holds)."""
+
+    key: ChunkKey
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    valid: int
+    level_major: bool
+
+
 REVIVE: tuple[int, ...] = (-1,)  # the tile of a unit that maps a persistent-cache file
 ROWS_PER_ITEM = 8  # chunks one queued item of rows decoded in place holds (per array)
 #: Stored objects that take the decode threads less than this (read + decode) are filled by
@@ -116,7 +161,7 @@ class Rows:
         for chunk, r in zip(self.chunks, self.rows, strict=True):
             row = out[r : r + 1]
             units.extend(
-                (array, chunk, tile, row if array.whole else row[box], None)
+                Unit(array, chunk, tile, row if array.whole else row[box], None)
                 for tile, box in array.tiles
             )
         return units
@@ -127,7 +172,7 @@ class Rows:
 
 class FillJob:
     """The stored objects one admission fetches (module docstring); built on the producer
-    thread, then owned by the :class:`Filler`.
+    thread, then owned by the :class:`~insitubatch_nodes.stages._fill.FillRunner`.
 
     ``fill`` is shared with every entry the admission pins as a miss (pass it to
     :meth:`~insitubatch_nodes.pool.ChunkPool.acquire_many`); the job itself is one of its
@@ -165,7 +210,7 @@ class FillJob:
         self.error: BaseException | None = None
         self.cancelled = False
         self.lock = threading.Lock()
-        self.todo: deque[tuple[Unit | Rows, float, Any, BaseException | None, bool]] = deque()
+        self.todo: deque[Queued] = deque()
         self.left = 0
         self.runs = 0
         self.submitted = 0.0
@@ -177,14 +222,14 @@ class FillJob:
         if array.units:  # one stored tile per slot
             chunk, tile, box = array.unit_parts(chunk)
             entry.tiles_left = 1
-            self.units.append((array, chunk, tile, region[box], entry))
+            self.units.append(Unit(array, chunk, tile, region[box], entry))
             return
         if entry.cached is not None:
             entry.tiles_left = 1
-            self.units.append((array, chunk, REVIVE, region, entry))
+            self.units.append(Unit(array, chunk, REVIVE, region, entry))
             return
         entry.tiles_left = len(array.tiles)
-        self.units.extend((array, chunk, tile, region[box], entry) for tile, box in array.tiles)
+        self.units.extend(Unit(array, chunk, tile, region[box], entry) for tile, box in array.tiles)
 
     def add_rows(
         self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]
@@ -198,7 +243,7 @@ class FillJob:
     def skips(self, unit: Unit) -> bool:
         """Whether ``unit`` no longer needs filling: its entry failed, was resolved, or lost
         its last pin (detached); a direct row of a cancelled or failed job."""
-        entry = unit[4]
+        entry = unit.entry
         if entry is None:
             return self.cancelled or self.error is not None
         return (
@@ -231,8 +276,9 @@ class FetchedBatch:
 class PendingBatch:
     plan: BatchPlan
     state: dict[str, Any]  # the source's state right after this plan was pulled
-    # pool chunks to admit before this batch (its first reads, plus any carried into it)
-    requests: list[tuple[ChunkKey, tuple[int, ...], np.dtype[Any], int, bool]]
+    # pool chunks to admit before this batch (its first reads, plus any re-read into it when
+    # it starts an epoch mid-way, see ChunkLedger.carried)
+    requests: list[SlotRequest]
     job: FillJob | None = None  # built with its rows decoded in place; submitted at admission
     arrays: dict[str, np.ndarray] | None = None
     rows: dict[str, int] = field(default_factory=dict)  # label -> rows decoded in place
@@ -254,5 +300,5 @@ class PlanGroup:
     paths: tuple[str, ...]
     nbytes: int  # slot bytes of one chunk of every path
     # path -> {view offset: the label} its single-use chunks decode into (None: all via slots)
-    direct: Mapping[str, Mapping[int, str]] | None
+    in_place: Mapping[str, Mapping[int, str]] | None
     row_bytes: int  # batch bytes of one direct row over every path

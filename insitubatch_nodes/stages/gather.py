@@ -9,20 +9,14 @@ Batches are in native byte order whatever the slots hold: the buffers are alloca
 the copy converts (a slot is native already unless a chunk transform declared otherwise: the
 decoder swaps big-endian chunks as it writes them, see :mod:`insitubatch_nodes.io.geometry`).
 
-Batch arrays are carved from reusable buffers, lent under one explicit ownership rule (see
-:class:`BufferPool`): a buffer is handed out again only once every array, view and tensor made
-from the batch that borrowed it is gone, so a batch (or anything made from it) that you keep is
-never overwritten. A short final batch is a prefix view of a full buffer.
+Batch arrays are carved from the graph's reusable batch buffers
+(:mod:`~insitubatch_nodes.stages.buffers`), which the stage context makes: a buffer is handed out
+again only once everything made from the batch that borrowed it is gone.
 """
 
 from __future__ import annotations
 
-import ctypes
-import math
-import os
-import threading
 import time
-import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -30,145 +24,20 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
-from insitubatch_nodes._checks import check_batch_transforms, check_int
+from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
-from insitubatch_nodes.slots import RamBacking, is_level_major
-from insitubatch_nodes.stages._graph import SOURCE_KEY, find_attr, find_node
+from insitubatch_nodes.slots import is_level_major
+from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
 from insitubatch_nodes.stages._windows import gather_windows
-from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
-from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
 
-__all__ = ["PARALLEL_GATHER_BYTES", "BatchBuffers", "BufferPool", "GatherNode", "gather_label"]
+__all__ = ["PARALLEL_GATHER_BYTES", "GatherNode", "gather_label", "take_rows"]
 
 PARALLEL_GATHER_BYTES = 8 * 2**20
 """A batch at least this large (all labels) is copied by two threads, half the rows each
 (with two or more usable cores): one thread copies memory at well under the machine's
 bandwidth, two ~1.5x faster (measured on the project's VM)."""
-
-
-class BufferPool:
-    """Reusable batch buffers of one shape and dtype, lent out under an explicit ownership rule.
-
-    Each array :meth:`take` returns is built on a *lease*: an owner object of its own (a ctypes
-    view of the buffer's memory) that every array, view and ``torch.from_numpy`` tensor derived
-    from it keeps alive. The pool holds only a weak reference to the lease, and lends the buffer
-    again only once that weak reference is dead — once nothing made from the batch exists. This
-    rests on weak-reference semantics, not on reference-count values (which free-threaded
-    Python changes). ``take()`` allocates only when every buffer is still out; at most
-    ``max_idle`` buffers that nobody borrows are kept. The arrays are in native byte order
-    whatever ``dtype`` says; the gather's copy into them converts.
-    """
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], max_idle: int = 4) -> None:
-        # native byte order whatever ``dtype`` says (">f4" lends float32): torch takes no other
-        self.shape, self.dtype, self.max_idle = tuple(shape), in_native_byte_order(dtype), max_idle
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-        self._buffers: list[np.ndarray] = []  # raw memory, uint8
-        self._leases: list[weakref.ref[Any] | None] = []
-        self._ready: list[np.ndarray] = []  # buffers made ahead of need (see add_ready)
-        self._lock = threading.Lock()
-        self.allocations = 0
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of buffer memory this pool holds (lent out, idle or made ahead)."""
-        return (len(self._buffers) + len(self._ready)) * self.nbytes
-
-    def add_ready(self, raw: np.ndarray) -> None:
-        """Keep ``raw`` (``nbytes`` of writable uint8 memory, its pages already faulted in) for
-        a later :meth:`take` that finds no idle buffer (any thread)."""
-        with self._lock:
-            self._ready.append(raw)
-            self.allocations += 1
-
-    def take(self) -> np.ndarray:
-        idle = [i for i, lease in enumerate(self._leases) if lease is None or lease() is None]
-        for i in reversed(idle[self.max_idle :]):
-            del self._buffers[i], self._leases[i]
-        if idle:
-            return self._lend(idle[0])
-        with self._lock:
-            raw = self._ready.pop(0) if self._ready else None
-            if raw is None:
-                self.allocations += 1
-        self._buffers.append(np.empty(self.nbytes, dtype=np.uint8) if raw is None else raw)
-        self._leases.append(None)
-        return self._lend(len(self._buffers) - 1)
-
-    def _lend(self, i: int) -> np.ndarray:
-        raw = self._buffers[i]
-        if raw.nbytes == 0:
-            return np.empty(self.shape, dtype=self.dtype)
-        owner: Any = (ctypes.c_char * raw.nbytes).from_buffer(raw)  # type: ignore[arg-type]
-        self._leases[i] = weakref.ref(owner)
-        return np.frombuffer(owner, dtype=self.dtype).reshape(self.shape)
-
-
-class BatchBuffers:
-    """The reusable batch arrays of one gather stage, one :class:`BufferPool` per label.
-
-    :meth:`take` lends arrays for a batch of ``n`` rows (a prefix view of buffers of
-    :attr:`rows` rows; larger batches, after an elastic resume, grow the buffers). The gather
-    stage takes them for the batches it assembles; it also lends them to the fetch stage below
-    it (:meth:`~insitubatch_nodes.stages.fetch.AsyncChunkFetchNode.accept_batch_buffers`), which
-    decodes rows straight into them. Both run on the pipeline's producer thread.
-    """
-
-    def __init__(self, labels: Mapping[str, ArrayGeometry], rows: int) -> None:
-        self.labels = dict(labels)
-        self._retired_allocations = 0
-        self._pools: dict[str, BufferPool] = {}
-        self.resize(rows)
-
-    def resize(self, rows: int) -> None:
-        """Lend buffers of ``rows`` rows from now on (buffers lent before stay valid)."""
-        self._retired_allocations += sum(p.allocations for p in self._pools.values())
-        self.rows = rows
-        self._pools = {
-            label: BufferPool((rows, *g.inner_shape), g.dtype) for label, g in self.labels.items()
-        }
-
-    def take(self, n: int) -> dict[str, np.ndarray]:
-        """Arrays ``(n, *inner)`` for every label (on the producer thread)."""
-        if n > self.rows:
-            self.resize(n)
-        return {label: pool.take()[:n] for label, pool in self._pools.items()}
-
-    def reserve(self, batches: int) -> None:
-        """Make the buffers of ``batches`` batches ahead of need, on a thread of their own, with
-        their pages already faulted in (:meth:`RamBacking.allocate_populated
-        <insitubatch_nodes.slots.RamBacking.allocate_populated>`: one pass of the kernel
-        several times as fast as first writes faulting them in page by page, which a fresh
-        process would otherwise pay inside the decodes of its first batches). :meth:`take`
-        never waits for it: a batch that finds none ready allocates as before."""
-        pools = list(self._pools.values())
-        if batches <= 0 or not pools:
-            return
-
-        def run() -> None:
-            backing = RamBacking()
-            for _ in range(batches):
-                for pool in pools:
-                    try:
-                        raw = backing.allocate_populated((pool.nbytes,), np.dtype(np.uint8))
-                    except (OSError, MemoryError, ValueError):
-                        return
-                    pool.add_ready(raw)
-
-        threading.Thread(target=run, name="insitu-buffer-reserve", daemon=True).start()
-
-    @property
-    def allocations(self) -> int:
-        """Buffers allocated so far (stays flat in steady state)."""
-        return self._retired_allocations + sum(p.allocations for p in self._pools.values())
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of buffer memory held now, lent out or idle."""
-        return sum(p.held_bytes for p in self._pools.values())
 
 
 def gather_label(
@@ -247,70 +116,43 @@ def take_rows(slot: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
 class GatherNode(BaseNode[Batch]):
     """Gather stage: :class:`ResidentBatch` in, :class:`~insitubatch_nodes.batch.Batch` out.
 
-    ``labels`` maps each label to its :class:`ArrayGeometry` view; ``batch_transforms`` run in
-    order on every gathered batch (on the pipeline's thread, so they overlap the consumer).
-    ``rows`` (default ``batch_size``) sizes the batch buffers: the most samples one batch holds,
-    which :func:`~insitubatch_nodes.pipeline.insitu_pipeline` sets to ``min(batch_size,
-    samples the rank delivers per epoch)``. A batch with more rows (an epoch resumed on
-    another world size) gets buffers of its size, allocated then.
+    The views (label -> view, as batches carry them), the batch size and the batch buffers are
+    the ``context``'s (:class:`~insitubatch_nodes.stages.context.StageContext`). The buffers
+    hold ``min(batch_size, samples the rank delivers per epoch)`` rows; a batch with more rows
+    (an epoch resumed on another world size) grows them. ``batch_transforms`` run in order on
+    every gathered batch (on the pipeline's thread, so they overlap the consumer).
 
     ``coords`` maps a label to ``{name: values}`` (1-D, one value per sample of its array): each
     batch's ``coords[label][name]`` is ``values[sample_indices[label]]``, one vectorised take.
     """
 
-    NESTS_SOURCE_STATE = True
-
     def __init__(
         self,
         source: BaseNode[ResidentBatch],
-        labels: Mapping[str, ArrayGeometry] | None = None,
-        batch_size: int | None = None,
-        batch_transforms: Sequence[BatchTransform] = (),
         *,
-        rows: int | None = None,
+        context: StageContext,
+        batch_transforms: Sequence[BatchTransform] = (),
         coords: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
         super().__init__()
-        batch_transforms = check_batch_transforms(batch_transforms)
         self.source = source
-        plan = find_node(source, ReadPlanNode)
-        fetch = find_node(source, AsyncChunkFetchNode)
-        if labels is None or batch_size is None:
-            if plan is None:
-                raise ValueError(
-                    "GatherNode needs labels and batch_size when no ReadPlanNode is down its "
-                    "chain to take them from"
-                )
-            labels = plan.variables if labels is None else labels
-            batch_size = plan.batch_size if batch_size is None else batch_size
-        self.labels = _gathered_views(labels, fetch)
-        self.batch_size = check_int("batch_size", batch_size, minimum=1)
-        batch_size = self.batch_size
-        if rows is None and plan is not None:
-            rows = batch_rows(
-                batch_size,
-                plan.epoch_plan(0).n_samples,
-                self.labels,
-                plan.split,
-                plan.rank,
-                plan.world_size,
-            )
-        self.batch_transforms = tuple(batch_transforms)
-        unknown = set(coords or {}) - set(self.labels)
+        self.context = context
+        self.views = context.views
+        self.batch_size = context.batch_size
+        self.batch_transforms = tuple(check_batch_transforms(batch_transforms))
+        unknown = set(coords or {}) - set(self.views)
         if unknown:
-            raise ValueError(f"coords name labels {sorted(unknown)} that are not in labels")
+            raise ValueError(f"coords name labels {sorted(unknown)} that are not in the views")
         self.coords = {
             label: {name: np.asarray(v) for name, v in named.items()}
             for label, named in (coords or {}).items()
             if named
         }
-        rows = batch_size if rows is None else max(1, min(rows, batch_size))
-        self.buffers = BatchBuffers(self.labels, rows)
-        self._size(rows)
-        self.recorder: EpochRecorder = find_attr(source, "recorder") or NULL_RECORDER
+        self.buffers = context.buffers
+        self._size(self.buffers.rows)
+        self.recorder = context.recorder
         if self.recorder.enabled:
             self.recorder.batch_transforms = len(self.batch_transforms)
-        _offer_buffers(source, self.buffers)
 
     def _size(self, rows: int) -> None:
         """Batch buffers of ``rows`` rows, and scratch to match."""
@@ -321,17 +163,21 @@ class GatherNode(BaseNode[Batch]):
         self._scratch = [
             {
                 label: np.empty((min(rows, g.samples_per_chunk), *g.inner_shape), g.dtype)
-                for label, g in self.labels.items()
+                for label, g in self.views.items()
             }
             for _ in range(2)
         ]
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self.source.reset(initial_state[SOURCE_KEY] if initial_state is not None else None)
+        self.source.reset(source_state(initial_state))
 
     def get_state(self) -> dict[str, Any]:
         return {SOURCE_KEY: self.source.state_dict()}
+
+    def start_state(self, epoch: int) -> dict[str, Any] | None:
+        """This stage's state before the first batch of ``epoch`` (see ``_graph``)."""
+        return source_start_state(self.source, epoch)
 
     def next(self) -> Batch:
         resident: ResidentBatch = next(self.source)
@@ -343,7 +189,7 @@ class GatherNode(BaseNode[Batch]):
         given = resident.arrays
         arrays = self.buffers.take(n) if given is None else dict(given)
         # labels whose every row the fetch stage decoded in place need no copy at all
-        labels = [lb for lb in self.labels if resident.direct.get(lb, 0) < n]
+        labels = [lb for lb in self.views if resident.direct.get(lb, 0) < n]
         nbytes = sum(arrays[lb].nbytes for lb in labels)
         helper = _runtime.gather_helper() if n > 1 and nbytes >= PARALLEL_GATHER_BYTES else None
         if helper is None:
@@ -395,7 +241,7 @@ class GatherNode(BaseNode[Batch]):
         partial = resident.arrays is not None
         out = {}
         for label in labels:
-            geom = self.labels[label]
+            geom = self.views[label]
             if geom.patch is not None:
                 origins = resident.plan.origins
                 assert origins is not None, "a patched view needs a patched read plan"
@@ -419,9 +265,8 @@ class GatherNode(BaseNode[Batch]):
         return out
 
     def close(self) -> None:
-        closer = getattr(self.source, "close", None)
-        if closer is not None:
-            closer()
+        """Release what the graph's stages hold (the context's close)."""
+        self.context.close()
 
     @property
     def buffer_allocations(self) -> int:
@@ -433,82 +278,3 @@ class GatherNode(BaseNode[Batch]):
         """Bytes of batch-buffer memory held now, lent out or idle (scratch included)."""
         held = self.buffers.held_bytes
         return held + sum(s.nbytes for scratch in self._scratch for s in scratch.values())
-
-
-def _offer_buffers(source: Any, buffers: BatchBuffers) -> None:
-    """Lend ``buffers`` to the first stage down the ``source`` chain that decodes rows straight
-    into batches (the fetch stage), so a graph composed by hand does what the builder's does."""
-    seen: set[int] = set()
-    node = source
-    while node is not None and id(node) not in seen:
-        seen.add(id(node))
-        accept = getattr(node, "accept_batch_buffers", None)
-        if callable(accept):
-            accept(buffers)
-            return
-        node = getattr(node, "source", None)
-
-
-def _physical_memory_bytes() -> int:
-    """This machine's physical memory (a very large number where the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
-        return 2**62
-
-
-def batch_rows(
-    batch_size: int,
-    delivered: int,
-    labels: Mapping[str, ArrayGeometry],
-    split: str,
-    rank: int,
-    world_size: int,
-) -> int:
-    """Rows of the batch buffers: ``min(batch_size, delivered)`` (``delivered``: the samples
-    this rank yields per epoch, so no batch holds more); ``ValueError`` naming ``batch_size``,
-    the split and what fits when one batch of ``batch_size`` samples would not fit in this
-    machine's memory (such a request is a mistake whatever the split holds)."""
-    sample_bytes = sum(math.prod(v.inner_shape) * v.dtype.itemsize for v in labels.values())
-    memory = _physical_memory_bytes()
-    if batch_size * sample_bytes <= memory:
-        return max(1, min(batch_size, delivered))
-    on_rank = f" on rank {rank} of {world_size}" if world_size > 1 else ""
-    fits = memory // max(1, sample_bytes)
-    raise ValueError(
-        f"batch_size={batch_size:,} is impossible here: one batch of that many samples would "
-        f"take {_human_bytes(batch_size * sample_bytes)} ({sample_bytes:,} bytes per sample "
-        f"over every label), more than this machine's {_human_bytes(memory)} of memory (at "
-        f"most {fits:,} samples fit in one batch). Split {split!r} delivers {delivered:,} "
-        f"samples per epoch{on_rank}, so batch_size={delivered:,} already puts all of them in "
-        f"one batch: pass a batch_size of at most {min(delivered, fits):,}"
-    )
-
-
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if value < 1024 or unit == "PiB":
-            return f"{value:,.0f} {unit}" if unit == "bytes" else f"{value:,.1f} {unit}"
-        value /= 1024
-    raise AssertionError  # pragma: no cover
-
-
-def _gathered_views(labels: Mapping[str, ArrayGeometry], fetch: Any) -> dict[str, ArrayGeometry]:
-    """Each label's view as batches carry it: a view of an array the fetch stage's chunk
-    transforms reshape becomes the transformed one (a view given already transformed stays)."""
-    transforms = None if fetch is None else fetch.transforms
-    out: dict[str, ArrayGeometry] = {}
-    for label, view in labels.items():
-        if not isinstance(view, ArrayGeometry):
-            raise TypeError(f"labels[{label!r}] must be an ArrayGeometry view, got {view!r}")
-        if transforms is not None and view.path in transforms.outputs:
-            if view.base == transforms.source(view.path) and transforms.active(view.path):
-                view = transforms.output_view(view)
-            elif view.base != transforms.outputs[view.path]:
-                raise ValueError(
-                    f"labels[{label!r}] is a view of {view.path!r} whose geometry is neither the "
-                    "stored array's nor what the fetch stage's chunk transforms make of it"
-                )
-        out[label] = view
-    return out

@@ -34,22 +34,16 @@ from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
-from insitubatch_nodes import _runtime
-from insitubatch_nodes._checks import check_int
+from insitubatch_nodes import _process, _runtime
 from insitubatch_nodes.errors import PipelineInterrupted
-from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stages._graph import (
     SOURCE_KEY,
-    close_node,
-    find_attr,
-    find_node,
-    interrupt_below,
-    nests_source_state,
     plan_state,
+    source_start_state,
+    source_state,
 )
-from insitubatch_nodes.stages.gather import GatherNode
-from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["PrefetcherNode"]
 
@@ -70,13 +64,16 @@ def _halt_all(nodes: Sequence[PrefetcherNode[Any]]) -> None:
 class _Worker:
     """The thread and its queue; holds no reference to the node (so ``del node`` works)."""
 
-    def __init__(self, source: BaseNode[Any], depth: int, name: str) -> None:
+    def __init__(self, source: BaseNode[Any], context: StageContext, depth: int, name: str) -> None:
         self.source = source
+        self.context = context
         self.queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
         self.stop = threading.Event()
         self.close_source = threading.Event()
         self.thread = threading.Thread(
-            target=_run, args=(source, self.queue, self.stop, self.close_source), name=name
+            target=_run,
+            args=(source, context, self.queue, self.stop, self.close_source),
+            name=name,
         )
         self.thread.daemon = True
         self.thread.start()
@@ -99,7 +96,7 @@ class _Worker:
                 break
             except queue.Full:  # the producer slipped one more item in: drop it too
                 continue
-        interrupt_below(self.source)
+        self.context.interrupt()
         if not join or self.thread is threading.current_thread():
             return
         self.thread.join(_JOIN_S)
@@ -111,7 +108,7 @@ class _Worker:
                 _JOIN_S,
             )
         elif close_source:
-            close_node(self.source)
+            self.context.close()
 
 
 def _put(
@@ -128,6 +125,7 @@ def _put(
 
 def _run(
     source: BaseNode[Any],
+    context: StageContext,
     q: queue.Queue[tuple[str, Any, Any]],
     stop: threading.Event,
     close_source: threading.Event,
@@ -145,46 +143,47 @@ def _run(
         _put(q, stop, ("error", exc, None))
     finally:
         if close_source.is_set():
-            close_node(source)
+            context.close()
 
 
 class PrefetcherNode(BaseNode[T], Generic[T]):
-    """Keep up to ``prefetch_depth`` finished items ahead of the consumer (see module doc)."""
+    """Keep up to ``prefetch_depth`` finished items ahead of the consumer (see module doc).
 
-    NESTS_SOURCE_STATE = True
+    ``context`` is the graph's :class:`~insitubatch_nodes.stages.context.StageContext`: the
+    depth is its options' ``prefetch_depth``; its plan gives the length; closing this node
+    closes every stage of the graph through it (also through plain torchdata nodes between).
+    """
 
-    def __init__(self, source: BaseNode[T], prefetch_depth: int = 2) -> None:
+    def __init__(self, source: BaseNode[T], *, context: StageContext) -> None:
         super().__init__()
-        prefetch_depth = check_int("prefetch_depth", prefetch_depth, minimum=1)
         self.source = source
-        self.prefetch_depth = prefetch_depth
+        self.context = context
+        self.prefetch_depth = context.options.prefetch_depth
         self.name = f"insitu-prefetch-{next(_ids)}"
         self._worker: _Worker | None = None
         self._delivered: dict[str, Any] | None = None
         self._source_at_delivered = False  # the source sits exactly at the delivered position
         self._ended = False
         self._pid = os.getpid()
-        self.recorder: EpochRecorder = find_attr(source, "recorder") or NULL_RECORDER
+        self.recorder = context.recorder
         _runtime.stop_at_exit("prefetch", self, _halt_all)
         # Pay for batch memory ahead of need (a fresh process faults new pages in slowly): the
         # buffers in flight at once are the consumer's, the queue's and the one being filled.
-        gather = find_node(source, GatherNode)
-        if gather is not None:
-            gather.buffers.reserve(prefetch_depth + 2)
+        context.buffers.reserve(self.prefetch_depth + 2)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        _runtime.check_same_process(self._pid)
+        _process.check_same_process(self._pid)
         self._halt(close_source=False)
         self.recorder.on_reset()
-        self.source.reset(initial_state[SOURCE_KEY] if initial_state is not None else None)
+        self.source.reset(source_state(initial_state))
         self._delivered = self.source.state_dict()
         self._source_at_delivered = True
         self._ended = False
 
     def next(self) -> T:
-        _runtime.check_same_process(self._pid)
+        _process.check_same_process(self._pid)
         if self._ended:
             raise StopIteration
         rec = self.recorder
@@ -193,7 +192,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             if not self._source_at_delivered:
                 self.source.reset(self._delivered)
             self._source_at_delivered = False
-            self._worker = _Worker(self.source, self.prefetch_depth, self.name)
+            self._worker = _Worker(self.source, self.context, self.prefetch_depth, self.name)
         worker = self._worker
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
         # halting (close or reset, from any thread) puts a "halted" one.
@@ -213,7 +212,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             self._ended = True
             rec.on_end(called)
             raise StopIteration
-        close_node(self.source)
+        self.context.close()
         raise payload
 
     def get_state(self) -> dict[str, Any]:
@@ -232,19 +231,12 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         """
         return self.recorder.report()
 
-    def _plan(self) -> ReadPlanNode:
-        plan = find_node(self.source, ReadPlanNode)
-        if plan is None:
-            raise TypeError(f"{self.name}: no ReadPlanNode under this node, so it has no length")
-        return plan
-
     def __len__(self) -> int:
         """Batches in the epoch being delivered (once it is over: in the next), counted from
-        its start, when a :class:`ReadPlanNode` is down the chain (else ``TypeError``). The same
-        every epoch, except an epoch resumed on another world size (see
+        its start. The same every epoch, except an epoch resumed on another world size (see
         :meth:`ReadPlanNode.reset`). Decided by the delivered position: the read plan itself
         runs ahead of it by the read-ahead and the prefetch queue."""
-        plan = self._plan()
+        plan = self.context.plan
         current = plan.current_len
         delivered = None if self._delivered is None else plan_state(self._delivered)
         if self._ended or (delivered is not None and delivered["batches_emitted"] >= current):
@@ -254,24 +246,13 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
     def resumed_len(self, state: Mapping[str, Any]) -> int:
         """What ``len(self)`` reports once ``state`` (this node's or a ``Loader``'s) is
         restored: the batches of the epoch it resumes, counted from that epoch's start."""
-        return self._plan().resumed_len(plan_state(state))
+        return self.context.plan.resumed_len(plan_state(state))
 
     def start_state(self, epoch: int) -> dict[str, Any] | None:
         """The state of this graph before the first batch of ``epoch`` (nothing is started):
         the plan's state wrapped once per stage above it. ``None`` when a node between here and
         the plan is not one of this package's stages (its state cannot be made up)."""
-        plan = self._plan()
-        chain: list[Any] = []
-        node: Any = self
-        while node is not plan:
-            if not nests_source_state(node):
-                return None
-            chain.append(node)
-            node = node.source
-        state = plan.start_state(epoch)
-        for _ in chain:
-            state = {SOURCE_KEY: state}
-        return state
+        return source_start_state(self.source, epoch)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -297,7 +278,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         if worker is not None:
             worker.halt(close_source=close_source)
         elif close_source:
-            close_node(self.source)
+            self.context.close()
         if close_source:
             self._source_at_delivered = False
 

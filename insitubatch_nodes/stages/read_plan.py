@@ -133,7 +133,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     **One config.** ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`; ``None``:
     the defaults) holds ``split`` to ``remainder``, checked when it was made and trusted here.
     The node keeps the settings as attributes (``split``, ``batch_size``, ..., ``rank`` and
-    ``world_size`` resolved; the views as ``variables``) and as :attr:`plan_config`, the config
+    ``world_size`` resolved; the views as ``views``) and as :attr:`plan_config`, the config
     with ``rank`` and ``world_size`` resolved.
     """
 
@@ -168,7 +168,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 "rank needs at least one sample (use a larger split or fewer ranks)"
             )
         self.manifest = manifest
-        self.variables: Mapping[str, ArrayGeometry] = MappingProxyType(views)
+        self.views: Mapping[str, ArrayGeometry] = MappingProxyType(views)
         self.plan_config = cfg
         self.split = cfg.split
         self.batch_size = cfg.batch_size
@@ -204,7 +204,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         views = sorted(
             (k, g.path, g.offset, g.samples_per_chunk)
             + (() if g.patch is None else (g.patch.describe(),))
-            for k, g in self.variables.items()
+            for k, g in self.views.items()
         )
         dataset = hashlib.sha256(
             json.dumps([self.manifest.fingerprint(), views]).encode()
@@ -255,7 +255,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if (rank, world_size) != (config.rank, config.world_size):  # another world's share
             config = config.for_rank(rank, world_size)
         return plan_epoch(
-            self.manifest, self.variables, config, epoch=epoch, pin_gap=pin_gap, resumed=resumed
+            self.manifest, self.views, config, epoch=epoch, pin_gap=pin_gap, resumed=resumed
         )
 
     def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
@@ -273,7 +273,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return self._draw(epoch, None, resumed)
         if within is not None:
             once = self._draw(epoch, None, resumed)
-            if working_set_bytes(once, slot_geometries(self.variables))[0] <= within:
+            if working_set_bytes(once, slot_geometries(self.views))[0] <= within:
                 return once
         return self._draw(epoch, gap, resumed)
 
@@ -320,7 +320,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     @property
     def block_batches(self) -> int:
         """Batches one full block takes: the ``pin_gap`` of the bounded-memory schedule."""
-        layout = patch_layout(self.variables, self.block_chunks)
+        layout = patch_layout(self.views, self.block_chunks)
         if layout is not None:  # a block is one patch chunk
             return layout.block_batches(self.manifest.samples_per_chunk, self.batch_size)
         return block_batches(self.manifest.samples_per_chunk, self.block_chunks, self.batch_size)
@@ -429,7 +429,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if self.cross_split_windows:
             return False
         chunks = np.asarray(self.manifest.chunks(self.split), dtype=np.int64)
-        offsets = [g.offset for g in self.variables.values()]
+        offsets = [g.offset for g in self.views.values()]
         inside = chunk_counts(self.manifest, self.split, chunks, offsets, False)[1]
         across = chunk_counts(self.manifest, self.split, chunks, offsets, True)[1]
         return not np.array_equal(inside, across)

@@ -26,9 +26,9 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
-from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.slots import PENDING, READY, ChunkEntry
-from insitubatch_nodes.stages._graph import SOURCE_KEY, find_attr
+from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
 
@@ -65,23 +65,25 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     """Residency stage: yields a batch once every chunk it reads is resident (module doc).
 
     ``source`` yields items with ``plan``, ``entries`` and ``release`` (the fetch stage's
-    :class:`~insitubatch_nodes.stages.fetch.FetchedBatch`).
+    :class:`~insitubatch_nodes.stages.fetch.FetchedBatch`); ``context`` is the graph's
+    :class:`~insitubatch_nodes.stages.context.StageContext` (its recorder; the stage joins it,
+    so closing or interrupting the graph reaches this stage).
     """
 
-    NESTS_SOURCE_STATE = True
-
-    def __init__(self, source: BaseNode[Any]) -> None:
+    def __init__(self, source: BaseNode[Any], *, context: StageContext) -> None:
         super().__init__()
         self.source = source
+        self.context = context
+        self.recorder = context.recorder
         self._held: AdmittedBatch | None = None
         self._interrupt: Future[None] = Future()
-        self.recorder: EpochRecorder = find_attr(source, "recorder") or NULL_RECORDER
+        context.join(self)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self._held = None
         self._interrupt = Future()
-        self.source.reset(initial_state[SOURCE_KEY] if initial_state is not None else None)
+        self.source.reset(source_state(initial_state))
 
     def next(self) -> ResidentBatch:
         self._release_held()
@@ -116,6 +118,10 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     def get_state(self) -> dict[str, Any]:
         return {SOURCE_KEY: self.source.state_dict()}
 
+    def start_state(self, epoch: int) -> dict[str, Any] | None:
+        """This stage's state before the first batch of ``epoch`` (see ``_graph``)."""
+        return source_start_state(self.source, epoch)
+
     def interrupt(self) -> None:
         """Wake a wait in :meth:`next` now (thread-safe); it raises ``PipelineInterrupted``."""
         interrupt = self._interrupt
@@ -123,11 +129,12 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
             interrupt.set_result(None)
 
     def close(self) -> None:
-        """Release this pipeline's pins and cancel its in-flight fetches."""
+        """Release this graph's pins and cancel its in-flight fetches (the context's close)."""
+        self.context.close()
+
+    def release(self) -> None:
+        """Hand back the batch last passed downstream (its pins go with it)."""
         self._release_held()
-        closer = getattr(self.source, "close", None)
-        if closer is not None:
-            closer()
 
     def _release_held(self) -> None:
         held, self._held = self._held, None

@@ -1,0 +1,228 @@
+"""What the stages of one graph share, made once and handed to each stage at construction.
+
+A graph is ``ReadPlanNode -> AsyncChunkFetchNode -> ChunkPoolNode -> GatherNode ->
+PrefetcherNode``. Its stages share facts and objects that none of them owns alone: the read
+plan and its views, the batch size and the rank, the :class:`~insitubatch_nodes.pool.ChunkPool`,
+the chunk transforms, the fetch options, the epoch report's recorder and the batch buffers (the
+gather stage fills them, the fetch stage decodes rows straight into them). One call makes them
+all, :meth:`StageContext.create`, and every stage receives the result::
+
+    ctx = StageContext.create(plan, pool, options=FetchOptions(max_inflight=8))
+    fetch = AsyncChunkFetchNode(plan, store, context=ctx)
+    resident = ChunkPoolNode(fetch, context=ctx)
+    gather = GatherNode(resident, context=ctx)
+    root = PrefetcherNode(gather, context=ctx)
+
+That is what :func:`~insitubatch_nodes.insitu_pipeline` does, so a graph composed by hand is
+the builder's graph. No stage looks for another: what one needs from the rest is here.
+
+The context also knows the stages that hold something (pins, a batch lent downstream, the
+cache directory's lock) or wait on something: each registers itself when it is built.
+:meth:`StageContext.close` and :meth:`StageContext.interrupt` reach every one of them, whatever
+plain ``torchdata`` node (a ``Mapper``, a ``Batcher``) sits between two stages.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Protocol
+
+from insitubatch_nodes import _runtime
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.plan.patches import unit_geometry
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
+from insitubatch_nodes.stages.buffers import BatchBuffers, batch_rows
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
+
+__all__ = ["Member", "StageContext"]
+
+
+class Member(Protocol):
+    """A stage that holds or waits on something (registered with :meth:`StageContext.join`)."""
+
+    def release(self) -> None:
+        """Let go of what this stage holds (its own pins, lent batch, cache lock); idempotent,
+        and nothing else: the context releases every member."""
+
+    def interrupt(self) -> None:
+        """Wake this stage's waits now (any thread); they raise ``PipelineInterrupted``."""
+
+
+@dataclass(frozen=True, eq=False)
+class StageContext:
+    """What the stages of one graph share (module docstring); make it with :meth:`create`.
+
+    * ``plan``: the graph's :class:`ReadPlanNode`; ``batch_size``, ``rank`` and
+      ``world_size`` are its own;
+    * ``views``: label -> the view batches carry (after the chunk transforms);
+    * ``geoms``: array path -> its stored geometry (what is decoded);
+    * ``slot_geoms``: array path -> what one pool slot of it holds (after the chunk transforms;
+      one stored tile of an array read through patched views);
+    * ``patched``: the arrays read through patched views;
+    * ``pool``, ``transforms``, ``options``: the chunk pool, the chunk transforms, the fetch
+      side's settings (:class:`~insitubatch_nodes.options.FetchOptions`, checked when made);
+    * ``recorder``: the epoch report's recorder (the null one with ``options.report=False``);
+    * ``buffers``: the batch buffers, sized to ``min(batch_size, samples this rank delivers per
+      epoch)`` rows.
+    """
+
+    plan: ReadPlanNode
+    views: Mapping[str, ArrayGeometry]
+    geoms: Mapping[str, ArrayGeometry]
+    slot_geoms: Mapping[str, ArrayGeometry]
+    patched: frozenset[str]
+    pool: ChunkPool
+    transforms: ChunkTransforms
+    options: FetchOptions
+    recorder: EpochRecorder
+    buffers: BatchBuffers
+    _members: list[Member] = field(default_factory=list, repr=False)
+
+    @classmethod
+    def create(
+        cls,
+        plan: ReadPlanNode,
+        pool: ChunkPool,
+        *,
+        options: FetchOptions | None = None,
+        chunk_transforms: Sequence[ChunkTransform] | ChunkTransforms = (),
+    ) -> StageContext:
+        """The context of a graph reading ``plan`` through ``pool``.
+
+        ``chunk_transforms``: the callables that run on every decoded chunk (checked here
+        against the plan's arrays), or the :class:`~insitubatch_nodes.transforms.ChunkTransforms`
+        already built from them. The plan's views may be views of the stored arrays or
+        already transformed ones. ``options`` (default ``FetchOptions()``) are the fetch and
+        prefetch stages' settings.
+
+        Raises ``ValueError`` when a view fits neither its stored array nor what the
+        transforms make of it, when an array read through patched views has chunk transforms
+        or ``pool`` keeps a persistent cache, and when one batch of ``batch_size`` samples
+        cannot fit in this machine's memory.
+        """
+        options = FetchOptions() if options is None else options
+        if not isinstance(options, FetchOptions):
+            raise TypeError(f"options must be a FetchOptions, got {options!r}")
+        transforms = _resolve_transforms(plan, chunk_transforms)
+        views = {label: _carried_view(label, v, transforms) for label, v in plan.views.items()}
+        patched = frozenset(v.path for v in views.values() if v.patch is not None)
+        slot_geoms = _slot_geometries(transforms, patched, pool)
+        rows = batch_rows(
+            plan.batch_size,
+            plan.epoch_plan(0).n_samples,
+            views,
+            plan.split,
+            plan.rank,
+            plan.world_size,
+        )
+        recorder: EpochRecorder = NULL_RECORDER
+        if options.report:
+            recorder = EpochRecorder(
+                pool,
+                max_inflight=options.max_inflight,
+                decode_threads=len(_runtime.decode_pool(options.decode_threads).threads),
+                split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
+            )
+        return cls(
+            plan=plan,
+            views=MappingProxyType(views),
+            geoms=MappingProxyType({path: g.base for path, g in transforms.geoms.items()}),
+            slot_geoms=MappingProxyType(slot_geoms),
+            patched=patched,
+            pool=pool,
+            transforms=transforms,
+            options=options,
+            recorder=recorder,
+            buffers=BatchBuffers(views, rows),
+        )
+
+    @property
+    def batch_size(self) -> int:
+        return self.plan.batch_size
+
+    @property
+    def rank(self) -> int:
+        return self.plan.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.plan.world_size
+
+    def join(self, stage: Member) -> None:
+        """Register ``stage`` (at its construction): :meth:`close` and :meth:`interrupt` reach
+        it from then on."""
+        self._members.append(stage)
+
+    def close(self) -> None:
+        """Release what every registered stage holds, the last built first (top-down: the
+        batch lent downstream, then the fetch stage's pins, fills and cache lock)."""
+        for stage in reversed(self._members):
+            stage.release()
+
+    def interrupt(self) -> None:
+        """Wake every registered stage's waits now (thread-safe)."""
+        for stage in self._members:
+            stage.interrupt()
+
+
+def _resolve_transforms(
+    plan: ReadPlanNode, chunk_transforms: Sequence[ChunkTransform] | ChunkTransforms
+) -> ChunkTransforms:
+    """The chunk transforms resolved against the stored arrays: as given when already built,
+    else against the arrays the plan's views read."""
+    if isinstance(chunk_transforms, ChunkTransforms):
+        return chunk_transforms
+    geoms = {v.path: v.base for v in plan.views.values()}
+    return ChunkTransforms(chunk_transforms, geoms)
+
+
+def _slot_geometries(
+    transforms: ChunkTransforms, patched: frozenset[str], pool: ChunkPool
+) -> dict[str, ArrayGeometry]:
+    """Path -> what one slot holds: the transformed chunk, or one stored tile of an array read
+    through patched views (which take no chunk transforms and no persistent cache)."""
+    out = dict(transforms.outputs)
+    for path in sorted(patched):
+        transforms.refuse_patched(path)
+        if pool.cache is not None and pool.cache.persistent:
+            raise ValueError(
+                f"array {path!r} is read through patched views, which the persistent "
+                "cache does not hold yet; leave cache_dir unset (or use cache_dir with "
+                "persistent=False for slots on disk)"
+            )
+        out[path] = unit_geometry(transforms.geoms[path].base)
+    return out
+
+
+def _carried_view(label: str, view: ArrayGeometry, transforms: ChunkTransforms) -> ArrayGeometry:
+    """``view`` as batches carry it: a view of an array the chunk transforms reshape becomes
+    the transformed one (a view given already transformed stays as it is)."""
+    if not isinstance(view, ArrayGeometry):
+        raise TypeError(f"views[{label!r}] must be an ArrayGeometry view, got {view!r}")
+    if view.path not in transforms.outputs:
+        raise ValueError(
+            f"views[{label!r}] reads {view.path!r}, which the chunk transforms were not built "
+            f"for (their arrays: {sorted(transforms.outputs)})"
+        )
+    if view.base == transforms.source(view.path) and transforms.active(view.path):
+        return transforms.output_view(view)
+    if view.base != transforms.outputs[view.path]:
+        raise ValueError(
+            f"views[{label!r}] is a view of {view.path!r} whose geometry is neither the stored "
+            "array's nor what the chunk transforms make of it"
+        )
+    return view
+
+
+def _split_bytes(plan: ReadPlanNode, slot_geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:
+    """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
+    drawn = plan.epoch_plan(epoch)
+    keys = {k for b in drawn.batch_indices for k in drawn.batch_fetches(b)}
+    size = {path: g.chunk_nbytes for path, g in slot_geoms.items()}
+    return sum(size[path] for path, _ in keys)
