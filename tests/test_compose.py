@@ -247,7 +247,7 @@ def test_a_context_made_with_chunk_transforms_gives_every_stage_the_transformed_
     views = _views(store)
     manifest = split_by_chunk(views["x"].base, (0.8, 0.1, 0.1))
     coarse = [applies("t2m", Coarsen(2))]
-    plan = ReadPlanNode(manifest, views, batch_size=12, block_chunks=3, seed=7)
+    plan = ReadPlanNode(manifest, views, config=PlanConfig(batch_size=12, block_chunks=3, seed=7))
     context = StageContext.create(plan, ChunkPool(), chunk_transforms=coarse)
     assert context.views["x"].inner_shape == tuple(n // 2 for n in views["x"].inner_shape)
     assert context.views["z"] == views["z"]  # an array no transform reads keeps its view

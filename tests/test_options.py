@@ -156,7 +156,7 @@ def test_fetch_options_carry_direct_which_has_no_keyword(
             store_path, manifest, views, batch_size=4, fetch=FetchOptions(direct=direct)
         )
         with pipe:
-            assert pipe.stages.fetch.direct is direct
+            assert pipe.stages.fetch.context.options.direct is direct
 
 
 def test_an_options_object_beside_one_of_its_keywords_is_refused(
