@@ -410,6 +410,7 @@ def test_the_lightning_data_module_hands_each_rows_noleap_date_to_its_transform(
 ) -> None:
     pytest.importorskip("lightning")
     from insitubatch_nodes.lightning import InSituDataModule
+    from insitubatch_nodes.plan.config import PlanConfig
 
     root = _write_calendar_store(
         tmp_path / "n.zarr", "noleap", "2001-02-20", "6h", "hours since 1850-01-01"
@@ -422,7 +423,12 @@ def test_the_lightning_data_module_hands_each_rows_noleap_date_to_its_transform(
         return to_torch(batch)
 
     dm = InSituDataModule(
-        root, ["t2m"], (0.75, 0.25, 0.0), batch_size=8, transform=keep, log_report=False
+        root,
+        ["t2m"],
+        (0.75, 0.25, 0.0),
+        config=PlanConfig(batch_size=8),
+        transform=keep,
+        log_report=False,
     )
     dm.setup("fit")
     try:
