@@ -371,3 +371,32 @@ def test_a_time_series_xarray_appends_to_without_consolidating_is_read_whole(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _epoch_equals_zarr(root, "t2m", zarr.open_array(root, path="t2m", mode="r"))
+
+
+@pytest.mark.parametrize(
+    "zarr_format, shards", [(2, None), (3, None), (3, (6, 4, 6))], ids=["v2", "v3", "v3-sharded"]
+)
+def test_a_zarr_zipstore_handed_in_unopened_reads_like_zarr_reads_it(
+    tmp_path: Path, zarr_format: int, shards: tuple[int, ...] | None
+) -> None:
+    path = tmp_path / "store.zip"
+    values = _values((12, 4, 6))
+    with zarr.storage.ZipStore(path, mode="w") as writer:
+        kwargs: dict[str, Any] = {"shards": shards} if shards else {}
+        array = zarr.create_array(
+            writer,
+            name="t2m",
+            shape=values.shape,
+            chunks=(2, 2, 3),
+            dtype="f4",
+            zarr_format=zarr_format,  # type: ignore[arg-type]
+            **kwargs,
+        )
+        array[:] = values
+    # a store as a user makes it: not opened (zarr's own open_array opens it first)
+    store = zarr.storage.ZipStore(path, mode="r", read_only=True)
+    geoms = open_geometries(store)
+    assert list(geoms) == ["t2m"] and geoms["t2m"].shape == values.shape
+    want = zarr.open_array(zarr.storage.ZipStore(path, mode="r", read_only=True), path="t2m")
+    np.testing.assert_array_equal(want[:], values)
+    assert _epoch_equals_zarr(zarr.storage.ZipStore(path, mode="r", read_only=True), "t2m", want)

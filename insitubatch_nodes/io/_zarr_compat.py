@@ -16,6 +16,9 @@ Names used here that zarr does not export publicly (each verified on zarr 3.1.6 
 * ``Codec._decode_sync`` / ``Codec._sync_capable`` (:func:`_decode_one`): the method of the
   exported ``zarr.abc.codec.SupportsSyncCodec`` protocol, and zarr 3.4's run-time opt-out from it.
 
+* ``Store._is_open`` / ``Store._ensure_open`` (:func:`opened`): how zarr opens a store handed to
+  it; ``WrapperStore._store`` (:func:`wrapped_store`): the store a wrapper wraps.
+
 Differences between releases handled here: ``ArrayV3Metadata.get_chunk_spec`` was removed in 3.2
 (:func:`chunk_spec` builds the spec itself); ``BytesCodec.endian`` and
 ``ShardingCodec.index_location`` are enums up to 3.2 and strings from 3.3 (:func:`_enum_value`).
@@ -45,13 +48,36 @@ __all__ = [
     "open_array_readonly",
     "open_arrays_by_name",
     "open_group_readonly",
+    "opened",
     "read_chunk_shape",
     "read_whole_array",
     "stored_chunk_shape",
     "unreadable_metadata",
     "walk_arrays",
     "walk_nodes",
+    "wrapped_store",
 ]
+
+
+def opened(store: Any) -> Any:
+    """``store``, opened as zarr's own ``open_array`` / ``open_group`` open a store handed to
+    them (``Store._ensure_open``): a ``ZipStore(path, mode="r")`` is built unopened, and its
+    ``get`` fails until it is opened. A store already open is returned as it is."""
+    if not getattr(store, "_is_open", True):
+        from zarr.core.sync import sync
+
+        sync(store._ensure_open())
+    return store
+
+
+def wrapped_store(store: Any) -> Any:
+    """The store beneath any number of ``zarr.storage.WrapperStore`` layers (``store`` itself
+    when it wraps nothing): whose objects a wrapper's reads return."""
+    from zarr.storage import WrapperStore
+
+    while isinstance(store, WrapperStore):
+        store = store._store
+    return store
 
 
 def open_group_readonly(store: Any) -> zarr.Group:

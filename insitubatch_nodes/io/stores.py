@@ -30,6 +30,8 @@ from urllib.parse import urlsplit
 from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
+from insitubatch_nodes.io import _zarr_compat
+
 __all__ = [
     "SUPPORTED_SCHEMES",
     "RetryPolicy",
@@ -513,7 +515,8 @@ def _local(
 
 
 def as_store(store: StoreLike, **options: Any) -> Store:
-    """A zarr ``Store`` as it is, or :func:`open_store` of a URL/path (read-only).
+    """A zarr ``Store`` as it is (opened first, as zarr opens a store handed to it: a
+    ``ZipStore`` is made unopened), or :func:`open_store` of a URL/path (read-only).
 
     ``options`` (``retry=`` included) apply to a URL or path only. Every entry point of the
     package passes its store through here, before its first read, which is when the allocator
@@ -524,5 +527,5 @@ def as_store(store: StoreLike, **options: Any) -> Store:
         from insitubatch_nodes import _runtime
 
         _runtime.tune_allocator()  # before obstore's threads allocate (see its docstring)
-        return store
+        return _zarr_compat.opened(store)
     return open_store(store, **options)
