@@ -39,10 +39,14 @@ Objects the cache holds nothing of (metadata documents, chunks appended since) a
 compared: they are misses anyway. So an append that grows the sample axis keeps every chunk
 whose objects are unchanged, and the grown last chunk, whose object was rewritten, is stale.
 
-A store that cannot be listed (obstore's ``HTTPStore`` over plain HTTP, a zarr store that is
-neither a local folder nor obstore-backed — a wrapper, ``FsspecStore``) or whose listing fails
-is trusted with a warning naming why; ``check_store=False`` (an archive known immutable) skips
-the check and its warning. What is not caught: a file rewritten in place with the same size
+A zarr ``WrapperStore`` (a logging, counting or caching wrapper) is checked as the store it
+wraps: its reads record the wrapped store's identities (a file's ``stat``, an object's ``head``,
+asked for before the read, so a rewrite racing the read is stale, never trusted). A store whose
+objects cannot be identified at all (obstore's ``HTTPStore`` over plain HTTP, which cannot
+list; a zarr ``MemoryStore``, ``FsspecStore`` or ``ZipStore``) is refused for a persistent cache
+(``ValueError`` at construction) unless ``check_store=False`` says the store is known not to
+change. A listing that fails (a network error) trusts the cache for that run with a warning
+naming why. What is not caught: a file rewritten in place with the same size
 within one tick of the file system's clock (mtime and inode unchanged).
 """
 
@@ -77,11 +81,14 @@ _ABSENT = -1  # the size recorded for an object that was not there (read as the 
 Row = tuple[str, int, str, int, str, int, str]
 
 
-def meta_identity(meta: Mapping[str, Any] | None) -> tuple[int, str, int]:
+def meta_identity(meta: Mapping[str, Any] | os.stat_result | None) -> tuple[int, str, int]:
     """``(size, tag, mtime_ns)`` of an obstore ``ObjectMeta`` (a GET result's ``meta`` or a
-    listing's entry); ``None`` (no such object) is absent."""
+    listing's entry), or of a local file's ``stat`` (a wrapper over a folder, see
+    :func:`stat_identity`); ``None`` (no such object) is absent."""
     if meta is None:
         return _ABSENT, "", -1
+    if isinstance(meta, os.stat_result):
+        return stat_identity(meta)
     modified = meta.get("last_modified")
     mtime = -1 if modified is None else round(modified.timestamp() * 1e6) * 1000
     return int(meta.get("size") or 0), str(meta.get("e_tag") or ""), mtime
@@ -188,9 +195,11 @@ def lister_for(store: Any) -> LocalLister | ObstoreLister | str:
     """How ``store`` is listed — the same read path the fetch stage records through (a folder
     read on the decode threads is listed as a folder; an obstore-backed store with obstore) — or
     a sentence saying why it cannot be."""
+    from insitubatch_nodes.io._zarr_compat import wrapped_store
     from insitubatch_nodes.io.localfiles import local_reader
     from insitubatch_nodes.io.stores import cannot_list, plain_object_store
 
+    outer, store = store, wrapped_store(store)  # a wrapper's objects are those it wraps
     reader = local_reader(store)
     if reader is not None:
         return LocalLister(reader.root)
@@ -198,9 +207,10 @@ def lister_for(store: Any) -> LocalLister | ObstoreLister | str:
         if cannot_list(store):
             return "an obstore HTTPStore cannot list its objects"
         return ObstoreLister(store.store)
+    wraps = f" (wrapped by a {type(outer).__name__})" if outer is not store else ""
     return (
-        f"a {type(store).__name__} is neither a local folder nor an obstore-backed zarr "
-        "ObjectStore, so its objects' identities are neither recorded nor listed"
+        f"a {type(store).__name__}{wraps} is neither a local folder nor an obstore-backed "
+        "zarr ObjectStore, so its objects' identities are neither recorded nor listed"
     )
 
 
@@ -347,6 +357,11 @@ class StoreCheck:
         self.tiles = dict(tiles)
         self.enabled = bool(enabled)
         self.name = name or repr(store)
+
+    @property
+    def cannot_check(self) -> str | None:
+        """Why this store's objects can never be checked (``None``: they can)."""
+        return self.lister if isinstance(self.lister, str) else None
 
     @property
     def kind(self) -> str | None:

@@ -639,6 +639,40 @@ def decode_with_zarr_codecs(codecs: Sequence[Any], raw: np.ndarray, spec: Any) -
     return np.asarray(data.as_numpy_array())
 
 
+def _identifier(inner: Any) -> Any:
+    """For a wrapper's reads: an ``async identify(key)`` of the store it wraps — a local
+    folder's file ``os.stat`` (``None`` when missing), an obstore store's ``head`` (its
+    ``ObjectMeta``) — or ``None`` when that store gives no identities."""
+    import asyncio
+    import os
+
+    from insitubatch_nodes.io.localfiles import local_reader
+    from insitubatch_nodes.io.stores import cannot_list, plain_object_store
+
+    reader = local_reader(inner)
+    if reader is not None:
+        root = os.fspath(reader.root)
+
+        async def stat(key: str) -> Any:
+            try:
+                return await asyncio.to_thread(os.stat, os.path.join(root, key))
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+
+        return stat
+    if plain_object_store(inner) and not cannot_list(inner):
+        import obstore
+
+        async def head(key: str) -> Any:
+            try:
+                return await obstore.head_async(inner.store, key)
+            except FileNotFoundError:
+                return None
+
+        return head
+    return None
+
+
 def crc32c(data: np.ndarray) -> int:
     """CRC-32C of a contiguous uint8 array (the checksum zarr's ``crc32c`` codec stores)."""
     return int(google_crc32c.value(data))
@@ -647,7 +681,10 @@ def crc32c(data: np.ndarray) -> int:
 def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     """An ``async get(key, meta=None) -> bytes-like | None`` for ``store`` (None = object
     missing). A list passed as ``meta`` receives the obstore ``ObjectMeta`` of the object read
-    (``None`` when missing) — what identifies it (see store_identity); other stores add nothing.
+    (``None`` when missing) — what identifies it (see store_identity). A zarr ``WrapperStore``
+    (a logging, counting or caching wrapper) is read through its own ``get``, and ``meta``
+    receives what identifies the object in the store it wraps, asked for before the read (a
+    local folder's ``os.stat``, an obstore store's ``head``); other stores add nothing.
 
     A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
     (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
@@ -687,8 +724,11 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
         from zarr.buffer import default_buffer_prototype
 
         prototype = default_buffer_prototype()
+        identify = _identifier(wrapped_store(store)) if store is not wrapped_store(store) else None
 
         async def get_zarr(key: str, meta: list[Any] | None = None) -> Any:
+            if meta is not None and identify is not None:
+                meta.append(await identify(key))  # before the read: never newer than the bytes
             buf = await store.get(key, prototype=prototype)
             return None if buf is None else buf.as_numpy_array()
 
