@@ -647,7 +647,7 @@ def _identifier(inner: Any) -> Any:
     import os
 
     from insitubatch_nodes.io.localfiles import local_reader
-    from insitubatch_nodes.io.stores import cannot_list, plain_object_store
+    from insitubatch_nodes.io.stores import plain_object_store
 
     reader = local_reader(inner)
     if reader is not None:
@@ -660,7 +660,7 @@ def _identifier(inner: Any) -> Any:
                 return None
 
         return stat
-    if plain_object_store(inner) and not cannot_list(inner):
+    if plain_object_store(inner):  # HTTP too: a HEAD gives its ETag / Last-Modified
         import obstore
 
         async def head(key: str) -> Any:
