@@ -276,6 +276,11 @@ def insitu_pipeline(
     else:
         names = [variables] if isinstance(variables, str) else list(variables)
         labels = dict(open_geometries(zstore, names))
+        if "" in labels:  # a root array: its path is no label
+            raise ValueError(
+                "the root array of the store (path '') has no name to label it by: pass the "
+                "views as a dict, e.g. variables={'x': open_geometries(store)['']}"
+            )
     if not labels:
         raise ValueError("variables is empty: name at least one array to train on")
     geoms: dict[str, ArrayGeometry] = {}

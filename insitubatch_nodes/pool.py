@@ -204,6 +204,12 @@ class ChunkPool:
             thread.join(timeout)
 
     # -- admission ------------------------------------------------------------------------
+    def note_misses(self, n: int) -> None:
+        """Count ``n`` chunks read from the store without a slot of this pool (rows decoded
+        straight into a batch): misses, as the epoch report counts them (any thread)."""
+        with self._lock:
+            self.stats.misses += n
+
     def note_io(self, gets: int = 0, nbytes: int = 0, inflight: int = 0) -> None:
         """Count ``gets`` stored-object reads of ``nbytes`` bytes, and ``inflight`` more (or,
         negative, fewer) reads in flight (any thread; once per group of objects)."""

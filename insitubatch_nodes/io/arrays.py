@@ -81,6 +81,12 @@ def open_geometries(
     of range and :class:`CorruptMetadataError` naming the document(s) when a
     metadata document cannot be read.
     """
+    if isinstance(variables, Mapping):
+        raise TypeError(
+            f"variables names arrays (a list such as ['t2m', 'z'] or None), got a mapping "
+            f"{dict(variables)!r}: to give arrays their sample axes pass it by keyword, "
+            f"open_geometries(store, sample_axis={dict(variables)!r})"
+        )
     if isinstance(variables, str):
         variables = [variables]
     zstore = as_store(store)

@@ -521,6 +521,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             self._ahead_bytes += pending.ahead_bytes
             rec = self.recorder
             rec.on_admit_counts(0, misses, re_reads)
+            self.pool.note_misses(misses)  # stats()["misses"] agrees with the report
         return pending
 
     def _resident(self, group: PlanGroup, chunks: np.ndarray) -> np.ndarray:
