@@ -42,7 +42,7 @@ from insitubatch_nodes.cache.identity import (
     read_identities,
     stat_identity,
 )
-from insitubatch_nodes.io.stores import head_objects
+from insitubatch_nodes.io.objects import head_objects
 from insitubatch_nodes.testing import MotoServer, NginxServer
 
 

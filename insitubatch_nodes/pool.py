@@ -90,6 +90,9 @@ class PoolStats:
     # cached files found corrupt when revived (checksum mismatch, cut short or garbled):
     # fetched again (counted in misses, not in disk_hits) and rewritten
     corrupt: int = 0
+    # chunks fetched and decoded straight into batch rows, never into a slot of this pool (rows
+    # of one-sample chunks): not in misses; the epoch report's misses count both
+    misses_in_place: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -204,11 +207,11 @@ class ChunkPool:
             thread.join(timeout)
 
     # -- admission ------------------------------------------------------------------------
-    def note_misses(self, n: int) -> None:
+    def note_misses_in_place(self, n: int) -> None:
         """Count ``n`` chunks read from the store without a slot of this pool (rows decoded
-        straight into a batch): misses, as the epoch report counts them (any thread)."""
+        straight into a batch; any thread): ``misses_in_place``."""
         with self._lock:
-            self.stats.misses += n
+            self.stats.misses_in_place += n
 
     def note_io(self, gets: int = 0, nbytes: int = 0, inflight: int = 0) -> None:
         """Count ``gets`` stored-object reads of ``nbytes`` bytes, and ``inflight`` more (or,

@@ -32,7 +32,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.errors import ChunkReadError, StaleCacheError
-from insitubatch_nodes.io._zarr_compat import make_async_getter
+from insitubatch_nodes.io.objects import make_async_getter
 from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, describe_store
 from insitubatch_nodes.testing import FaultProxy, NginxServer, free_port, nginx_executable
 

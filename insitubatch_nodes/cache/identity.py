@@ -197,7 +197,7 @@ class ObstoreLister:
 
 class HeadLister:
     """Checks the objects of an obstore store that cannot list (``HTTPStore``) one by one: a HEAD
-    request per recorded object (:func:`~insitubatch_nodes.io.stores.head_objects`, many in
+    request per recorded object (:func:`~insitubatch_nodes.io.objects.head_objects`, many in
     flight), whose ``ETag`` / ``Last-Modified`` / size are compared as a listing's would be."""
 
     kind = "obstore"  # GETs through the same store record obstore ObjectMeta
@@ -206,7 +206,7 @@ class HeadLister:
         self.store = store
 
     def list(self, prefix: str, keys: Iterable[str] = ()) -> Listing:
-        from insitubatch_nodes.io.stores import head_objects
+        from insitubatch_nodes.io.objects import head_objects
 
         wanted = sorted(set(keys))
         found = [

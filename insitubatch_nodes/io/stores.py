@@ -294,36 +294,6 @@ def cannot_list(store: Any) -> bool:
     return isinstance(store, ObjectStore) and type(store.store).__name__ == "HTTPStore"
 
 
-HEADS_IN_FLIGHT = 64  # HEAD requests at once when a cache checks objects one by one
-
-
-def head_objects(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) -> list[Any]:
-    """The obstore ``ObjectMeta`` of each of ``keys`` (``None`` where there is no such object)
-    in a zarr ``ObjectStore`` (:func:`plain_object_store`): one HEAD request each, ``in_flight``
-    at a time, on zarr's IO loop. What a cache checks a store that cannot list against (an
-    HTTP server's ``ETag`` / ``Last-Modified`` / ``Content-Length``). Raises what obstore
-    raises for anything but a missing object (a network error, a refusal)."""
-    import asyncio
-
-    import obstore
-
-    inner = store.store
-
-    async def heads() -> list[Any]:
-        limit = asyncio.Semaphore(in_flight)
-
-        async def one(key: str) -> Any:
-            async with limit:
-                try:
-                    return await obstore.head_async(inner, key)
-                except FileNotFoundError:
-                    return None
-
-        return list(await asyncio.gather(*(one(k) for k in keys)))
-
-    return asyncio.run_coroutine_threadsafe(heads(), _zarr_compat.io_loop()).result()
-
-
 def credentials_error(store: Any, exc: BaseException) -> PermissionError | None:
     """A ``PermissionError`` that explains ``exc``, or ``None`` when ``exc`` is not about
     credentials.

@@ -63,7 +63,7 @@ from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_bool, check_int, check_on_bad_chunk, check_optional_int
-from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io import objects
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.localfiles import local_reader
@@ -209,7 +209,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         reader = local_reader(store)
         self._getter: Getter | None = None
         if reader is None:
-            get = _zarr_compat.make_async_getter(store, timeout_s=self.retry.timeout_s)
+            get = objects.make_async_getter(store, timeout_s=self.retry.timeout_s)
             self._getter = Getter(
                 get, self._loop, max_inflight, self._store_name, lambda: self._filler
             )
@@ -521,7 +521,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             self._ahead_bytes += pending.ahead_bytes
             rec = self.recorder
             rec.on_admit_counts(0, misses, re_reads)
-            self.pool.note_misses(misses)  # stats()["misses"] agrees with the report
+            self.pool.note_misses_in_place(misses)  # the report counts them as misses
         return pending
 
     def _resident(self, group: PlanGroup, chunks: np.ndarray) -> np.ndarray:
