@@ -10,7 +10,13 @@ one listing's ``ObjectMeta``, the fields a GET's ``meta`` carries), then times
 the vectorised comparison — over every cached chunk, ``--repeats`` times, and once more after
 ``--change`` objects were rewritten (which must all be found).
 
-    python -m benchmarks.store_identity_check --objects 10000 100000 --stores local s3
+Over HTTP (nginx on loopback, which cannot list) the check is a HEAD request per recorded
+object, 64 in flight (:class:`~insitubatch_nodes.cache.identity.HeadLister`); the identities are
+recorded from one HEAD each (the fields a GET's ``meta`` carries). ``--epoch`` also times a warm
+epoch of an ERA5-like store served by nginx through a persistent cache: building the pipeline
+(which runs the check) and the epoch, with ``check_store=True`` and ``False``.
+
+    python -m benchmarks.store_identity_check --objects 10000 100000 --stores local s3 http
 """
 
 from __future__ import annotations
@@ -36,7 +42,8 @@ from insitubatch_nodes.cache.identity import (
     read_identities,
     stat_identity,
 )
-from insitubatch_nodes.testing import MotoServer
+from insitubatch_nodes.io.objects import head_objects
+from insitubatch_nodes.testing import MotoServer, NginxServer
 
 
 def _array(root: Path, n: int) -> None:
@@ -53,7 +60,7 @@ def _record(cache: Path, kind: str, idents: dict[int, tuple[str, tuple[int, str,
 
 
 def _time_check(
-    store: Any, cache: Path, n: int, repeats: int
+    store: Any, cache: Path, n: int, repeats: int, keys: list[str] | None = None
 ) -> tuple[list[float], list[float], list[float]]:
     check = StoreCheck(store, {"a": 1}, name="bench")
     cached = {"a": {cache: np.arange(n)}}
@@ -65,7 +72,7 @@ def _time_check(
         assert not report.chunks and report.unchecked is None, report.describe()
         assert not isinstance(check.lister, str)
         t0 = time.perf_counter()
-        check.lister.list("a")
+        check.lister.list("a", keys or ())
         listing.append(time.perf_counter() - t0)
         t0 = time.perf_counter()
         read_identities(cache)
@@ -153,6 +160,77 @@ def bench_s3(n: int, repeats: int, change: int, work: Path, moto: MotoServer) ->
     return _row("s3 (moto)", n, made, total, listing, rows, stale)
 
 
+def bench_http(n: int, repeats: int, change: int, work: Path) -> dict[str, Any]:
+    www = work / f"www-{n}"
+    root = www / "data.zarr"
+    _array(root, n)
+    folder = root / "a" / "c"
+    folder.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    for i in range(n):
+        (folder / str(i)).write_bytes(b"\x01")
+    made = time.perf_counter() - t0
+    with NginxServer(www) as server:
+        store = open_store(f"{server.endpoint}/data.zarr")
+        keys = [f"a/c/{i}" for i in range(n)]
+        metas = head_objects(store, keys)
+        cache = work / f"cache-http-{n}"
+        cache.mkdir()
+        _record(cache, "obstore", {i: (keys[i], meta_identity(metas[i])) for i in range(n)})
+        total, listing, rows = _time_check(store, cache, n, repeats, keys)
+        later = time.time() + 5  # a rewrite in a later second than the first write
+        for i in range(0, n, max(1, n // change))[:change]:
+            (folder / str(i)).write_bytes(b"\x02\x02")
+            os.utime(folder / str(i), (later, later))
+        stale = _stale_found(store, cache, n, change)
+    return _row("http (nginx)", n, made, total, listing, rows, stale)
+
+
+def bench_http_epoch(work: Path, repeats: int) -> list[dict[str, Any]]:
+    """A warm epoch over nginx through a persistent cache, with and without the check."""
+    from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+    from insitubatch_nodes.synthetic import make_era5_like
+
+    www = work / "www-epoch"
+    make_era5_like(www / "era5.zarr", n_time=2048, samples_per_chunk=1)
+    zarr.consolidate_metadata(www / "era5.zarr")
+    out = []
+    with NginxServer(www) as server:
+        url = f"{server.endpoint}/era5.zarr"
+        cache = work / "cache-epoch"
+
+        def epoch(check: bool) -> tuple[float, float, int]:
+            t0 = time.perf_counter()
+            store = open_store(url)
+            geoms = open_geometries(store, ["t2m", "z"])
+            pipe = insitu_pipeline(
+                store, split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0)), ["t2m", "z"],
+                batch_size=32, cache_dir=cache, persist=True, check_store=check,
+            )  # fmt: skip
+            built = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in pipe:
+                pass
+            gets = pipe.stats()["gets"]
+            pipe.close()
+            return built, time.perf_counter() - t0, gets
+
+        epoch(True)  # the warming run
+        for check in [True, False] * repeats:
+            built, ran, gets = epoch(check)
+            assert gets == 0, gets  # warm: every chunk from the cache
+            out.append(
+                {
+                    "store": "http (nginx) warm epoch",
+                    "objects": 2 * 2048,
+                    "check_store": check,
+                    "build_s": round(built, 3),
+                    "epoch_s": round(ran, 3),
+                }
+            )
+    return out
+
+
 def _row(
     where: str,
     n: int,
@@ -178,7 +256,10 @@ def _row(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--objects", type=int, nargs="+", default=[10_000, 100_000])
-    parser.add_argument("--stores", nargs="+", default=["local", "s3"], choices=["local", "s3"])
+    parser.add_argument(
+        "--stores", nargs="+", default=["local", "s3"], choices=["local", "s3", "http"]
+    )
+    parser.add_argument("--epoch", action="store_true", help="time a warm epoch over nginx")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--change", type=int, default=10)
     args = parser.parse_args()
@@ -193,6 +274,11 @@ def main() -> None:
                     print(
                         json.dumps(bench_s3(n, args.repeats, args.change, work, moto)), flush=True
                     )
+                if "http" in args.stores:
+                    print(json.dumps(bench_http(n, args.repeats, args.change, work)), flush=True)
+            if args.epoch:
+                for row in bench_http_epoch(work, args.repeats):
+                    print(json.dumps(row), flush=True)
         finally:
             if moto is not None:
                 moto.stop()

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 __all__ = [
+    "ArrayNotFoundError",
     "CacheBusyError",
     "CacheClosed",
     "CacheDiskFullError",
@@ -60,6 +61,19 @@ class CorruptMetadataError(InSituError, ValueError):
 def _node_name(key: str) -> str:
     node = key.rpartition("/")[0]
     return f"array/group {node!r}" if node else "the root group"
+
+
+class ArrayNotFoundError(InSituError, KeyError, FileNotFoundError):
+    """An array named by the caller is not in the store (or the store holds no array at all).
+
+    Raised alike by ``open_geometries`` and ``insitu_pipeline``; it is both a ``KeyError`` and
+    a ``FileNotFoundError`` (as zarr's own ``ArrayNotFoundError`` is a ``FileNotFoundError``),
+    so either ``except`` catches it. The message names what was looked for, in which store,
+    and which arrays exist there.
+    """
+
+    def __str__(self) -> str:  # the message as written, not KeyError's repr of it
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
 
 
 class DecodeError(InSituError, ValueError):

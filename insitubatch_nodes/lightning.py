@@ -94,6 +94,11 @@ class InSituReportCallback(pl.Callback):
     :class:`InSituDataModule` adds one to its Trainer by itself (``log_report=True``); add it
     yourself only for a DataModule built otherwise, passing ``report`` (a callable returning the
     report, or ``None``).
+
+    For an :class:`InSituDataModule` the epoch's report is finished (``complete``) when the
+    trainer's epoch ends: Lightning stops after ``len(loader)`` batches, without the call that
+    would end the pipeline's epoch. Metrics are logged with ``sync_dist=True``: under DDP each
+    is the mean over the ranks of their own pipelines' numbers.
     """
 
     def __init__(
@@ -109,13 +114,23 @@ class InSituReportCallback(pl.Callback):
         if report is None:
             return
         metrics = {self.prefix + k: v for k, v in report.metrics().items()}
-        pl_module.log_dict(metrics, on_step=False, on_epoch=True)
+        # each rank's numbers are its own pipeline's: averaged over the ranks (a no-op on one
+        # process), which also keeps Lightning from warning once per metric under DDP
+        pl_module.log_dict(metrics, on_step=False, on_epoch=True, sync_dist=True)
 
     def _find(self, trainer: pl.Trainer) -> EpochReport | None:
         if self._report is not None:
             return self._report(trainer)
         dm = getattr(trainer, "datamodule", None)
-        return dm.train_report() if isinstance(dm, InSituDataModule) else None
+        if not isinstance(dm, InSituDataModule):
+            return None
+        # Lightning stops after len(loader) batches, without the next() that would end the
+        # epoch: the epoch is over for the trainer, so its report is finished here
+        train = dm._loaders.get("train")
+        recorder = getattr(getattr(train, "pipeline", None), "recorder", None)
+        if recorder is not None:
+            recorder.finalize()
+        return dm.train_report()
 
 
 class InSituDataModule(pl.LightningDataModule):

@@ -280,6 +280,11 @@ def _resolve_views(
     else:
         names = [variables] if isinstance(variables, str) else list(variables)
         views = dict(open_geometries(zstore, names))
+        if "" in views:  # a root array: its path is no label
+            raise ValueError(
+                "the root array of the store (path '') has no name to label it by: pass the "
+                "views as a dict, e.g. variables={'x': open_geometries(store)['']}"
+            )
     if not views:
         raise ValueError("variables is empty: name at least one array to train on")
     geoms: dict[str, ArrayGeometry] = {}

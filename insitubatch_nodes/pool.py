@@ -89,6 +89,9 @@ class PoolStats:
     # cached files found corrupt when revived (checksum mismatch, cut short or garbled):
     # fetched again (counted in misses, not in disk_hits) and rewritten
     corrupt: int = 0
+    # chunks fetched and decoded straight into batch rows, never into a slot of this pool (rows
+    # of one-sample chunks): not in misses; the epoch report's misses count both
+    misses_in_place: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -203,6 +206,12 @@ class ChunkPool:
             thread.join(timeout)
 
     # -- admission ------------------------------------------------------------------------
+    def note_misses_in_place(self, n: int) -> None:
+        """Count ``n`` chunks read from the store without a slot of this pool (rows decoded
+        straight into a batch; any thread): ``misses_in_place``."""
+        with self._lock:
+            self.stats.misses_in_place += n
+
     def note_io(self, gets: int = 0, nbytes: int = 0, inflight: int = 0) -> None:
         """Count ``gets`` stored-object reads of ``nbytes`` bytes, and ``inflight`` more (or,
         negative, fewer) reads in flight (any thread; once per group of objects)."""

@@ -124,7 +124,7 @@ class EpochReport:
     gets: int = 0
     decodes: int = 0
     hits: int = 0
-    misses: int = 0
+    misses: int = 0  # fetched: into slots, or straight into rows (stats() misses + misses_in_place)
     re_reads: int = 0  # misses on chunks this pipeline fetched before (this or an earlier epoch)
     evictions: int = 0
     bytes_fetched: int = 0

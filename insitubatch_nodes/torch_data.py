@@ -13,7 +13,9 @@ on a thread pool in this process; worker processes would each fork a copy of tha
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any
 
 import torch.utils.data
@@ -33,6 +35,24 @@ _WORKERS_REFUSED = (
     "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0) and raise max_inflight "
     "or decode_threads for more throughput."
 )
+
+
+_BATCHED_AGAIN = (
+    "a DataLoader with a batch_size (torch's default is 1) would batch the pipeline's batches "
+    "again: each would arrive as (1, batch_size, ...). The pipeline batches itself: pass "
+    "batch_size=None, e.g. DataLoader(as_dataset(pipe), batch_size=None) or "
+    "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0)"
+)
+
+
+def _refuse_batching_again(caller: FrameType | None) -> None:
+    """Raise when the frame that asked for the first item is a torch DataLoader fetcher that
+    collates items into batches (``batch_size`` not ``None``): torch's ``_IterableDatasetFetcher``
+    (and torchdata's copy of it) keep ``auto_collation`` and the dataset's iterator on ``self``.
+    Anything else (a plain loop, ``batch_size=None``) passes."""
+    fetcher = None if caller is None else caller.f_locals.get("self")
+    if getattr(fetcher, "auto_collation", False) is True and hasattr(fetcher, "dataset_iter"):
+        raise ValueError(_BATCHED_AGAIN)
 
 
 class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
@@ -92,7 +112,11 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
             self._pending = None
         elif self.epoch_fn is not None:
             self.plan.set_epoch(int(self.epoch_fn()))
+        first = True
         for batch in self._loader:
+            if first:
+                first = False
+                _refuse_batching_again(sys._getframe(1))
             yield self.transform(batch)
 
     def state_dict(self) -> dict[str, Any]:

@@ -619,6 +619,53 @@ def test_a_cached_file_deleted_since_it_was_logged_is_fetched_and_cached_again_o
     same_batches(got, want)
 
 
+def test_a_lock_whose_release_waits_only_on_garbage_is_this_process_s_to_take_again(
+    tmp_path: Path,
+) -> None:
+    """The flaky CacheBusyError's cause, made deterministic: a pipeline stopped by an error
+    closes its cache while the error is alive, and the error's traceback (a reference cycle)
+    keeps a slot that is a view of a mapped file, so the lock's release waits for that mapping.
+    The same process asking for the directory again is waiting on itself: it collects garbage
+    and takes it, instead of raising CacheBusyError."""
+    import gc
+
+    from insitubatch_nodes.cache import _filemap
+    from insitubatch_nodes.cache.lock import take_lock
+
+    directory = tmp_path / "cache"
+    directory.mkdir()
+    path = directory / "chunk.npy"
+    (directory / LOCK_NAME).touch()  # as a writer leaves it: readers open it
+    path.write_bytes(bytes(4096))
+    for first_shared, then_shared in ((True, False), (False, True), (False, False)):
+        lock = take_lock(directory, shared=first_shared)
+        fd = os.open(path, os.O_RDONLY)
+        region = _filemap.map_file(fd, 4096, writable=False)
+        os.close(fd)
+        lock.track(region)
+
+        def fail(view: np.ndarray) -> None:
+            raise CacheMissError("chunk 3 is not in the read-only cache")
+
+        try:
+            fail(region.array(np.dtype("u1"), (4096,), 0))
+        except CacheMissError as exc:
+            error = exc
+        cycle: list[Any] = [error]
+        cycle.append(cycle)  # the error's frames and the list: garbage only a collection frees
+        del error, region
+        lock.release()
+        assert lock.waiting  # the mapping is alive, in the cycle
+        gc.disable()  # no automatic collection may free it first
+        try:
+            del cycle
+            again = take_lock(directory, shared=then_shared)
+        finally:
+            gc.enable()
+        assert not lock.waiting and again.held
+        again.release()
+
+
 def test_the_lock_outlives_every_mapping_the_pool_holds(
     era5: Path, tmp_path: Path, children: list[Child]
 ) -> None:

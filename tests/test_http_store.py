@@ -31,8 +31,8 @@ from insitubatch_nodes import (
     open_store,
     split_by_chunk,
 )
-from insitubatch_nodes.errors import ChunkReadError
-from insitubatch_nodes.io._zarr_compat import make_async_getter
+from insitubatch_nodes.errors import ChunkReadError, StaleCacheError
+from insitubatch_nodes.io.objects import make_async_getter
 from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, describe_store
 from insitubatch_nodes.testing import FaultProxy, NginxServer, free_port, nginx_executable
 
@@ -318,3 +318,50 @@ def test_a_bucket_that_refuses_signed_requests_suggests_anonymous_true(site: Sit
     with pytest.raises(PermissionError, match="refused the request") as info:
         open_geometries(store)
     assert "anonymous=True" in str(info.value) and "s3://private/v3.zarr" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# A persistent cache over a store that cannot list
+# ---------------------------------------------------------------------------------------------
+
+
+def _cached_run(url: str, local: Path, cache: Path, **kw: Any) -> tuple[dict[str, int], Any]:
+    store = open_store(url)
+    g = open_geometries(store, ["t2m", "z"])
+    views, oracle_views = _views(g)
+    pipe = insitu_pipeline(
+        store, split_by_chunk(g["t2m"]), views, batch_size=8, block_chunks=2, cache_dir=cache,
+        persist=not kw.get("readonly_cache", False), **kw,
+    )  # fmt: skip
+    try:
+        run_epoch(pipe, Oracle(local), oracle_views)
+        return pipe.stats(), pipe.stages.pool.cache
+    finally:
+        pipe.close()
+
+
+def test_an_object_rewritten_on_an_http_server_between_runs_is_refetched_or_named(
+    site: Site, tmp_path: Path
+) -> None:
+    """nginx cannot list: each cached object is checked with a HEAD (ETag, Last-Modified, size)
+    when the cache opens. Before, the cache was trusted with a warning and served old values."""
+    import os
+
+    local = site.root / "rewritten.zarr"
+    shutil.copytree(site.local("v3"), local)
+    url = site.url("rewritten")
+    cache = tmp_path / "cache"
+    first, _ = _cached_run(url, local, cache)
+    assert first["gets"] > 0
+    array = zarr.open_array(local / "t2m", mode="r+")
+    spc = array.chunks[0]
+    array[spc : 2 * spc] = array[spc : 2 * spc] + 100.0  # chunk 1 of t2m, same shape
+    later = time.time() + 5  # a rewrite between runs lands in a later second than the first write
+    rewritten = [k for k, c in chunk_keys_on_disk(local, "t2m").items() if c[0] == 1]
+    for key in rewritten:
+        os.utime(local / key, (later, later))
+    with pytest.raises(StaleCacheError, match=r"'t2m/c/1/"):
+        _cached_run(url, local, cache, readonly_cache=True)
+    stats, used = _cached_run(url, local, cache)  # zarr's read of the rewritten copy
+    assert stats["gets"] == len(rewritten) and used.stats["stale_chunks"] == 1
+    assert _cached_run(url, local, cache)[0]["gets"] == 0  # recorded anew: trusted again

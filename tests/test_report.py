@@ -12,6 +12,7 @@ import json
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 import numcodecs
 import numpy as np
@@ -422,3 +423,86 @@ def test_as_dict_carries_the_derived_numbers_a_logger_or_a_benchmark_wants() -> 
     assert d["engine_s"] == r.engine_s == pytest.approx(0.2 + 0.5)
     assert d["decode_busy"] == r.decode_busy and d["samples_per_s"] == r.samples_per_s
     assert json.loads(json.dumps(d)) == d  # plain Python
+
+
+def test_stats_count_rows_decoded_straight_into_batches_so_misses_add_up_to_the_report(
+    tmp_path: Path,
+) -> None:
+    """One-sample chunks are decoded straight into the batch, never into a pool slot: the pool
+    counted none of them, so stats() said 0 misses while the report said every chunk. They are
+    stats()["misses_in_place"], and the two counters add up to the report's misses."""
+    root = write_era5(tmp_path / "one.zarr", n_time=48, samples_per_chunk=1)
+    pipe, _ = _pipe(counting_store(root), batch_size=8, block_chunks=8)
+    try:
+        report = _epoch(pipe)
+        stats = pipe.stats()
+    finally:
+        pipe.close()
+    assert report.misses == 48  # every chunk read once, from the store
+    assert stats["misses"] == 0 and stats["misses_in_place"] == 48  # no pool slot was used
+    assert stats["misses"] + stats["misses_in_place"] == report.misses
+    assert stats["hits"] == report.hits
+
+
+def _lightning_fit(era5: Path, tmp_path: Path, distributed: bool) -> tuple[Any, list[str]]:
+    import warnings
+
+    import lightning.pytorch as pl
+    import torch
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(16 * 32, 16 * 32)
+
+        def training_step(self, batch: dict[str, torch.Tensor], _: int) -> torch.Tensor:
+            x = (batch["t2m"].flatten(1) - 270.0) / 30.0
+            return torch.nn.functional.mse_loss(self.layer(x), x)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+    dm = InSituDataModule(era5, ["t2m"], (0.75, 0.125, 0.125), batch_size=16, block_chunks=4)
+    options: dict[str, Any] = {}
+    if distributed:  # DDP with one CPU rank (gloo): Lightning's "distributed setting"
+        import os
+
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from insitubatch_nodes.testing import free_port
+
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+        options = {"strategy": DDPStrategy(process_group_backend="gloo"), "devices": 1}
+    trainer = pl.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False, limit_val_batches=0,
+        num_sanity_val_steps=0, default_root_dir=tmp_path, **options,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            trainer.fit(Model(), datamodule=dm)
+        finally:
+            if torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+    return dm, [str(w.message) for w in caught]
+
+
+def test_after_lightning_fit_the_report_is_the_finished_last_epoch(
+    era5: Path, tmp_path: Path
+) -> None:
+    dm, _ = _lightning_fit(era5, tmp_path, distributed=False)
+    report = dm.train_report()
+    assert report is not None and report.complete and report.epoch == 1
+    assert "(in progress)" not in str(report)
+    dm.teardown("fit")
+
+
+def test_the_report_callback_logs_without_sync_dist_warnings_in_a_distributed_setting(
+    era5: Path, tmp_path: Path
+) -> None:
+    dm, messages = _lightning_fit(era5, tmp_path, distributed=True)
+    assert not [m for m in messages if "sync_dist" in m], messages
+    dm.teardown("fit")

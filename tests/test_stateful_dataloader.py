@@ -165,3 +165,23 @@ def test_num_workers_2_raises_an_error_that_says_why_instead_of_hanging(store: P
     assert "num_workers=0" in message, message
     assert "fork" in message, message
     assert "event loop" in message, message
+
+
+def test_a_dataloader_that_would_batch_the_batches_again_says_to_pass_batch_size_none(
+    store: Path,
+) -> None:
+    """torch's default batch_size=1 used to turn each batch into (1, B, ...) silently."""
+    from torch.utils.data import DataLoader
+
+    pipe = build_pipeline(pipe_config(store))
+    try:
+        for batching in (DataLoader, StatefulDataLoader):
+            with pytest.raises(ValueError, match=r"\(1, batch_size, \.\.\.\).*batch_size=None"):
+                next(iter(batching(as_dataset(pipe))))
+            with pytest.raises(ValueError, match="batch_size=None"):
+                next(iter(batching(as_dataset(pipe), batch_size=4)))
+            item = next(iter(batching(as_dataset(pipe), batch_size=None)))  # as it says
+            assert item["x"].shape[0] == pipe_config(store)["batch_size"]
+        assert next(iter(as_dataset(pipe)))["x"].shape[0] == pipe_config(store)["batch_size"]
+    finally:
+        pipe.close()

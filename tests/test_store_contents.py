@@ -20,7 +20,7 @@ import zarr
 from helpers import write_era5, write_microscopy
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.errors import CorruptMetadataError
+from insitubatch_nodes.errors import ArrayNotFoundError, CorruptMetadataError, InSituError
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +70,25 @@ def test_a_local_prefix_one_level_up_raises_naming_the_store_and_the_paths_that_
     # zarr opens the arrays there by their longer path, and so does open_geometries
     assert "era5.zarr/t2m" in open_geometries(parent)
     assert zarr.open_array(parent, path="era5.zarr/t2m", mode="r").shape == geoms["t2m"].shape
+
+
+def test_a_missing_array_is_one_exception_type_caught_as_keyerror_and_filenotfounderror(
+    era5: Path, tmp_path: Path
+) -> None:
+    other = write_microscopy(tmp_path / "micro.zarr")
+    (tmp_path / "empty").mkdir()
+    raisers = [
+        lambda: open_geometries(era5, ["t2m_typo"]),  # a name the store does not hold
+        lambda: open_geometries(era5, sample_axis={"t2m_typo": 0}),
+        lambda: open_geometries(tmp_path / "empty"),  # a store that holds no array at all
+        lambda: _pipeline(other, open_geometries(era5)),  # geometries of another store
+    ]
+    for raiser in raisers:
+        for caught in (KeyError, FileNotFoundError, InSituError):
+            with pytest.raises(caught) as info:
+                raiser()
+            assert isinstance(info.value, ArrayNotFoundError)
+            assert not str(info.value).startswith(("'", '"'))  # the message, not KeyError's repr
 
 
 def test_a_folder_that_holds_no_zarr_metadata_raises_naming_the_store(tmp_path: Path) -> None:

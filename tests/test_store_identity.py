@@ -22,7 +22,7 @@ import zarr
 from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.cache.identity import IDENTITY_NAME, lister_for
+from insitubatch_nodes.cache.identity import IDENTITY_NAME, HeadLister, lister_for
 from insitubatch_nodes.errors import StaleCacheError
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,25 +198,41 @@ def test_a_cache_without_recorded_identities_is_refetched_by_a_writer_and_refuse
     assert run(pipeline(root, cache, readonly_cache=True), Oracle(root))["gets"] == 0
 
 
-def test_a_store_that_cannot_be_listed_is_trusted_with_a_warning(
+def test_a_store_rewritten_behind_a_wrapper_store_serves_the_new_values(
+    root: Path, tmp_path: Path
+) -> None:
+    """A zarr WrapperStore (here one counting GETs) over a local folder is checked as that
+    folder: before, the cache was trusted with a warning and served the old values."""
+    cache = tmp_path / "cache"
+    run(pipeline(counting_store(root), cache), Oracle(root))
+    rewrite(root, "t2m", [0, 7])
+    with pytest.raises(StaleCacheError, match=r"'t2m/c/0/0/0' changed"):
+        pipeline(counting_store(root), cache, readonly_cache=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checked, not trusted with a warning
+        pipe = pipeline(counting_store(root), cache)
+    stats = run(pipe, Oracle(root))  # zarr's read of the rewritten store
+    assert stats["gets"] == 2 and pipe.stages.pool.cache.stats["stale_chunks"] == 2
+    assert run(pipeline(counting_store(root), cache), Oracle(root))["gets"] == 0
+
+
+def test_a_store_whose_objects_cannot_be_identified_is_refused_for_a_persistent_cache(
     root: Path, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    run(pipeline(counting_store(root), cache), None)  # a wrapper: records nothing
-    rewrite(root, "t2m", [0])
-    with pytest.warns(UserWarning, match="trusted without checking") as caught:
-        pipe = pipeline(counting_store(root), cache)
-    trusted = [str(w.message) for w in caught if "trusted without checking" in str(w.message)]
-    assert len(trusted) == 1 and "CountingStore" in trusted[0], trusted
-    assert run(pipe, None)["gets"] == 0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the opt-out silences it
-        run(pipeline(counting_store(root), cache, check_store=False), None)
+    from helpers import CountingStore
     from obstore.store import HTTPStore
     from zarr.storage import ObjectStore
 
     http = ObjectStore(HTTPStore.from_url("http://127.0.0.1:9/"), read_only=True)
-    assert "HTTPStore cannot list" in str(lister_for(http))
+    assert isinstance(lister_for(http), HeadLister)  # checked object by object (test_http_store)
+    assert isinstance(lister_for(CountingStore(http)), HeadLister)  # unwrapped
+    unidentifiable = zarr.storage.FsspecStore.from_url(f"file://{root}", read_only=True)
+    with pytest.raises(ValueError, match=r"check_store=False.*known not to change"):
+        pipeline(unidentifiable, cache)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the opt-out, knowingly: no warning either
+        run(pipeline(unidentifiable, cache, check_store=False), Oracle(root))
 
 
 @pytest.mark.xdist_group("s3")

@@ -371,3 +371,83 @@ def test_a_time_series_xarray_appends_to_without_consolidating_is_read_whole(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         _epoch_equals_zarr(root, "t2m", zarr.open_array(root, path="t2m", mode="r"))
+
+
+@pytest.mark.parametrize(
+    "zarr_format, shards", [(2, None), (3, None), (3, (6, 4, 6))], ids=["v2", "v3", "v3-sharded"]
+)
+def test_a_zarr_zipstore_handed_in_unopened_reads_like_zarr_reads_it(
+    tmp_path: Path, zarr_format: int, shards: tuple[int, ...] | None
+) -> None:
+    path = tmp_path / "store.zip"
+    values = _values((12, 4, 6))
+    with zarr.storage.ZipStore(path, mode="w") as writer:
+        kwargs: dict[str, Any] = {"shards": shards} if shards else {}
+        array = zarr.create_array(
+            writer,
+            name="t2m",
+            shape=values.shape,
+            chunks=(2, 2, 3),
+            dtype="f4",
+            zarr_format=zarr_format,  # type: ignore[arg-type]
+            **kwargs,
+        )
+        array[:] = values
+    # a store as a user makes it: not opened (zarr's own open_array opens it first)
+    store = zarr.storage.ZipStore(path, mode="r", read_only=True)
+    geoms = open_geometries(store)
+    assert list(geoms) == ["t2m"] and geoms["t2m"].shape == values.shape
+    want = zarr.open_array(zarr.storage.ZipStore(path, mode="r", read_only=True), path="t2m")
+    np.testing.assert_array_equal(want[:], values)
+    assert _epoch_equals_zarr(zarr.storage.ZipStore(path, mode="r", read_only=True), "t2m", want)
+
+
+# ---------------------------------------------------------------------------------------------
+# What a new user passes by mistake: each refused with a message that names the fix
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_root_array_named_in_the_list_form_of_views_says_to_pass_a_dict(tmp_path: Path) -> None:
+    root = tmp_path / "root.zarr"
+    zarr.save_array(str(root), _values((16, 3)))
+    geoms = open_geometries(root)
+    manifest = split_by_chunk(geoms[""], (1.0, 0.0, 0.0))
+    for names in ([""], ["/"]):
+        with pytest.raises(ValueError, match=r"path ''.*pass the views as a dict.*\{'x'"):
+            insitu_pipeline(root, manifest, names, batch_size=4)
+    pipe = insitu_pipeline(root, manifest, {"x": geoms[""]}, batch_size=4)  # as it says
+    assert sum(len(b) for b in pipe) == 16
+    pipe.close()
+
+
+def test_a_dict_of_sample_axes_passed_as_variables_says_to_pass_sample_axis(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w")
+    group.create_array("a", shape=(4, 6), chunks=(2, 3), dtype="f4")
+    with pytest.raises(TypeError, match=r"sample_axis=\{'a': 1\}"):
+        open_geometries(root, {"a": 1})  # type: ignore[arg-type]
+    assert open_geometries(root, sample_axis={"a": 1})["a"].sample_axis == 1  # as it says
+
+
+def test_an_xarray_dataset_opened_from_zarr_stands_for_its_store_or_says_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    xr = pytest.importorskip("xarray")
+    root = tmp_path / "era5.zarr"
+    values = _values((16, 4, 6))
+    xr.Dataset({"t2m": (("time", "lat", "lon"), values)}).to_zarr(root, zarr_format=3)
+    want = zarr.open_array(root / "t2m", mode="r")
+    for ds in (
+        xr.open_zarr(root),  # from a path: ds.encoding["source"]
+        xr.open_zarr(zarr.storage.LocalStore(root, read_only=True)),  # from a zarr store
+    ):
+        assert list(open_geometries(ds)) == ["t2m"]
+        assert _epoch_equals_zarr(ds, "t2m", want) == 16
+    in_memory = xr.Dataset({"t2m": (("time",), np.zeros(4, "f4"))})
+    with pytest.raises(TypeError, match=r"not a zarr store.*pass the store itself, its path"):
+        open_geometries(in_memory)
+    xr.Dataset({"t2m": (("time",), np.zeros(4, "f4"))}).to_zarr(root.parent / "g.zarr", group="g")
+    with pytest.raises(TypeError, match=r"group 'g'.*\['g/t2m'\]"):
+        open_geometries(xr.open_zarr(root.parent / "g.zarr", group="g"))

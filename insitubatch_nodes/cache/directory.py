@@ -212,6 +212,15 @@ class ChunkCache:
         """Take the directory (locks, sweep, log) — at construction, and again after close."""
         if not self.closed:
             return
+        check = self.store_check
+        if self.persistent and check is not None and check.enabled and check.cannot_check:
+            raise ValueError(
+                f"a persistent cache (cache_dir {self.root}) over store {check.name} could serve "
+                f"values that changed in the store since they were cached: {check.cannot_check}"
+                ". Pass check_store=False if the store is known not to change (an archive "
+                "written once), or read the data through a local folder or an obstore-backed "
+                "store (open_store(url)), whose objects are checked"
+            )
         if self.readonly:
             if not (self.root / LOG_NAME).exists() and not self.root.is_dir():
                 raise FileNotFoundError(

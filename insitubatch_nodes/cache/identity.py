@@ -10,8 +10,8 @@ value) makes the chunks it belongs to *stale*.
 **Recording (the warming run, free).** Every stored object a writing run reads comes with what
 identifies it — nothing is requested for it:
 
-* through obstore (``s3://``, ``gs://``, ``az://``, ``memory://``, a local folder read through
-  obstore): the GET result's ``meta`` — size, ``e_tag`` and ``last_modified``;
+* through obstore (``s3://``, ``gs://``, ``az://``, ``http(s)://``, ``memory://``, a local folder
+  read through obstore): the GET result's ``meta`` — size, ``e_tag`` and ``last_modified``;
 * a local folder read on the decode threads (:mod:`~insitubatch_nodes.io.localfiles`): the
   ``fstat`` of the file it read — size, ``mtime_ns`` and inode;
 * an object that is not there (read as the fill value): recorded as *absent*.
@@ -39,11 +39,19 @@ Objects the cache holds nothing of (metadata documents, chunks appended since) a
 compared: they are misses anyway. So an append that grows the sample axis keeps every chunk
 whose objects are unchanged, and the grown last chunk, whose object was rewritten, is stale.
 
-A store that cannot be listed (obstore's ``HTTPStore`` over plain HTTP, a zarr store that is
-neither a local folder nor obstore-backed — a wrapper, ``FsspecStore``) or whose listing fails
-is trusted with a warning naming why; ``check_store=False`` (an archive known immutable) skips
-the check and its warning. What is not caught: a file rewritten in place with the same size
-within one tick of the file system's clock (mtime and inode unchanged).
+A zarr ``WrapperStore`` (a logging, counting or caching wrapper) is checked as the store it
+wraps: its reads record the wrapped store's identities (a file's ``stat``, an object's ``head``,
+asked for before the read, so a rewrite racing the read is stale, never trusted). A store that
+cannot list (obstore's ``HTTPStore``: a web server answers no listing) is checked one recorded
+object at a time, with a HEAD request each (64 in flight) whose ``ETag`` / ``Last-Modified`` /
+size are compared as a listing's entry would be (:class:`HeadLister`). A store whose objects
+cannot be identified at all (a zarr ``MemoryStore``, ``FsspecStore`` or ``ZipStore``) is
+refused for a persistent cache (``ValueError`` at construction) unless ``check_store=False``
+says the store is known not to change. A listing that fails (a network error) trusts the
+cache for that run with a warning naming why. What is not caught: a file rewritten in place
+with the same size within one tick of the file system's clock (mtime and inode unchanged),
+and an object a web server serves rewritten with the same size within the same second
+(nginx's ``ETag`` is its ``Last-Modified`` second and its size).
 """
 
 from __future__ import annotations
@@ -77,11 +85,14 @@ _ABSENT = -1  # the size recorded for an object that was not there (read as the 
 Row = tuple[str, int, str, int, str, int, str]
 
 
-def meta_identity(meta: Mapping[str, Any] | None) -> tuple[int, str, int]:
+def meta_identity(meta: Mapping[str, Any] | os.stat_result | None) -> tuple[int, str, int]:
     """``(size, tag, mtime_ns)`` of an obstore ``ObjectMeta`` (a GET result's ``meta`` or a
-    listing's entry); ``None`` (no such object) is absent."""
+    listing's entry), or of a local file's ``stat`` (a wrapper over a folder, see
+    :func:`stat_identity`); ``None`` (no such object) is absent."""
     if meta is None:
         return _ABSENT, "", -1
+    if isinstance(meta, os.stat_result):
+        return stat_identity(meta)
     modified = meta.get("last_modified")
     mtime = -1 if modified is None else round(modified.timestamp() * 1e6) * 1000
     return int(meta.get("size") or 0), str(meta.get("e_tag") or ""), mtime
@@ -129,7 +140,7 @@ class LocalLister:
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.fspath(root)
 
-    def list(self, prefix: str) -> Listing:
+    def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         keys: list[str] = []
         sizes: list[int] = []
         inodes: list[int] = []
@@ -164,7 +175,7 @@ class ObstoreLister:
     def __init__(self, inner: Any) -> None:
         self.inner = inner
 
-    def list(self, prefix: str) -> Listing:
+    def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         import obstore
 
         keys: list[str] = []
@@ -184,23 +195,56 @@ class ObstoreLister:
         return Listing.build(keys, sizes, np.array(tags, dtype=str), mtimes)
 
 
-def lister_for(store: Any) -> LocalLister | ObstoreLister | str:
+class HeadLister:
+    """Checks the objects of an obstore store that cannot list (``HTTPStore``) one by one: a HEAD
+    request per recorded object (:func:`~insitubatch_nodes.io.objects.head_objects`, many in
+    flight), whose ``ETag`` / ``Last-Modified`` / size are compared as a listing's would be."""
+
+    kind = "obstore"  # GETs through the same store record obstore ObjectMeta
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def list(self, prefix: str, keys: Iterable[str] = ()) -> Listing:
+        from insitubatch_nodes.io.objects import head_objects
+
+        wanted = sorted(set(keys))
+        found = [
+            (key, meta_identity(meta))
+            for key, meta in zip(wanted, head_objects(self.store, wanted), strict=True)
+            if meta is not None
+        ]
+        return Listing.build(
+            [k for k, _ in found],
+            [i[0] for _, i in found],
+            np.array([i[1] for _, i in found], dtype=str),
+            [i[2] for _, i in found],
+        )
+
+
+Lister = LocalLister | ObstoreLister | HeadLister
+
+
+def lister_for(store: Any) -> Lister | str:
     """How ``store`` is listed — the same read path the fetch stage records through (a folder
     read on the decode threads is listed as a folder; an obstore-backed store with obstore) — or
     a sentence saying why it cannot be."""
+    from insitubatch_nodes.io._zarr_compat import wrapped_store
     from insitubatch_nodes.io.localfiles import local_reader
     from insitubatch_nodes.io.stores import cannot_list, plain_object_store
 
+    outer, store = store, wrapped_store(store)  # a wrapper's objects are those it wraps
     reader = local_reader(store)
     if reader is not None:
         return LocalLister(reader.root)
     if plain_object_store(store):
         if cannot_list(store):
-            return "an obstore HTTPStore cannot list its objects"
+            return HeadLister(store)
         return ObstoreLister(store.store)
+    wraps = f" (wrapped by a {type(outer).__name__})" if outer is not store else ""
     return (
-        f"a {type(store).__name__} is neither a local folder nor an obstore-backed zarr "
-        "ObjectStore, so its objects' identities are neither recorded nor listed"
+        f"a {type(store).__name__}{wraps} is neither a local folder nor an obstore-backed "
+        "zarr ObjectStore, so its objects' identities are neither recorded nor listed"
     )
 
 
@@ -349,6 +393,11 @@ class StoreCheck:
         self.name = name or repr(store)
 
     @property
+    def cannot_check(self) -> str | None:
+        """Why this store's objects can never be checked (``None``: they can)."""
+        return self.lister if isinstance(self.lister, str) else None
+
+    @property
     def kind(self) -> str | None:
         """The kind of read path identities are recorded through (``None``: not recorded)."""
         return None if isinstance(self.lister, str) else self.lister.kind
@@ -364,13 +413,7 @@ class StoreCheck:
         for array, by_dir in sorted(cached.items()):
             if not by_dir:
                 continue
-            try:
-                listing = self.lister.list(array)
-            except Exception as exc:  # NotSupported, a denied ListBucket, a network error
-                report.chunks.clear()
-                report.reasons.clear()
-                report.unchecked = f"listing {array!r} failed ({type(exc).__name__}: {exc})"
-                return report
+            rows_of: list[tuple[np.ndarray, Recorded | None]] = []
             for directory, chunks in sorted(by_dir.items()):
                 if directory not in recorded:
                     recorded[directory] = read_identities(directory)
@@ -378,6 +421,17 @@ class StoreCheck:
                 want = np.unique(np.asarray(chunks, dtype=np.int64))
                 if rows is not None:  # rows of this directory's cached chunks, read the same way
                     rows = rows.take(np.isin(rows.chunks, want) & (rows.kinds == self.lister.kind))
+                rows_of.append((want, rows))
+            try:  # a HeadLister asks for the recorded objects only; the others list the prefix
+                listing = self.lister.list(
+                    array, {str(k) for _, rows in rows_of if rows is not None for k in rows.keys}
+                )
+            except Exception as exc:  # NotSupported, a denied ListBucket, a network error
+                report.chunks.clear()
+                report.reasons.clear()
+                report.unchecked = f"listing {array!r} failed ({type(exc).__name__}: {exc})"
+                return report
+            for want, rows in rows_of:
                 self._compare(array, want, rows, listing, report)
         return report
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import json
 import os
 import socket
@@ -114,6 +115,8 @@ class DirLock:
         self._live = 0
         self._holders = 1
         self._closing = False
+        self._key = os.path.realpath(self.path)
+        self._dropped = threading.Event()
         if shared:
             fd = os.open(self.path, os.O_RDONLY)
         else:
@@ -228,6 +231,9 @@ class DirLock:
             self._closing = True
             if self._live == 0:
                 self._drop()
+            else:  # this process still holds the lock, for its mappings: a later take waits
+                with _PENDING_LOCK:
+                    _PENDING.setdefault(self._key, set()).add(self)
 
     def _join(self) -> bool:
         """Become one more holder of this (still held) lock."""
@@ -236,31 +242,67 @@ class DirLock:
                 return False
             self._holders += 1
             self._closing = False
+            self._not_pending()
             return True
 
     def _drop(self) -> None:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)  # closing the descriptor drops the flock
+        self._not_pending()
+        self._dropped.set()
+
+    def _not_pending(self) -> None:
+        with _PENDING_LOCK:
+            pending = _PENDING.get(self._key)
+            if pending is not None:
+                pending.discard(self)
+                if not pending:
+                    del _PENDING[self._key]
 
 
 WARNED_UNCHECKED: set[tuple[str, str]] = set()  # (cache_dir, store) warned about, once each
 _WRITERS: dict[str, DirLock] = {}  # lock file -> the exclusive lock this process holds on it
 _WRITERS_LOCK = threading.Lock()
+# lock file -> this process's locks on it that every holder released but mappings still hold
+_PENDING: dict[str, set[DirLock]] = {}
+_PENDING_LOCK = threading.RLock()  # re-entrant: an unmap may run in a collection under it
+PENDING_WAIT_S = 2.0  # the most take_lock waits for this process's own pending releases
 
 
 def take_lock(directory: Path, *, shared: bool) -> DirLock:
     """Lock ``directory``: a shared lock of its own, or this process's exclusive one — pipelines
-    of one process (a training and a validation pipeline) write one ``cache_dir`` together."""
+    of one process (a training and a validation pipeline) write one ``cache_dir`` together.
+
+    A lock this process released whose release still waits for mappings (see :class:`DirLock`)
+    is this process's own, not another's: before taking the directory again this collects
+    garbage once — a pipeline stopped by an error closes its cache while the error is alive,
+    and the error's traceback keeps slots that are views of mapped files until it is collected
+    — and waits up to ``PENDING_WAIT_S`` for those releases (fills winding down let go of their
+    mappings). Only a mapping still alive after that (a slot the caller holds) makes a
+    conflicting lock raise ``CacheBusyError``."""
+    key = os.path.realpath(directory / LOCK_NAME)
+    _await_own_releases(key, shared)
     if shared:
         return DirLock(directory, shared=True)
-    key = os.path.realpath(directory / LOCK_NAME)
     with _WRITERS_LOCK:
         lock = _WRITERS.get(key)
         if lock is not None and lock._join():
             return lock
         lock = _WRITERS[key] = DirLock(directory, shared=False)
         return lock
+
+
+def _await_own_releases(key: str, shared: bool) -> None:
+    """Wait for this process's pending releases of ``key`` that conflict with a new lock."""
+    with _PENDING_LOCK:
+        pending = [lk for lk in _PENDING.get(key, ()) if lk.shared != shared]  # others coexist
+    if not pending:
+        return
+    gc.collect()
+    deadline = time.monotonic() + PENDING_WAIT_S
+    for lock in pending:
+        lock._dropped.wait(max(0.0, deadline - time.monotonic()))
 
 
 def pid_alive(pid: int) -> bool:

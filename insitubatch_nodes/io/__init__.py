@@ -10,6 +10,8 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.calendars` — CF calendars: ``datetime64`` or cftime dates, counts;
 * :mod:`~insitubatch_nodes.io.decode` — one stored object into its slot memory;
 * :mod:`~insitubatch_nodes.io.localfiles` — a local store's files, read on the decode threads;
+* :mod:`~insitubatch_nodes.io.objects` — stored objects read (GETs, with their identities) and
+  identified (HEADs);
 * :mod:`~insitubatch_nodes.io._zarr_compat` — the only module touching zarr's internals.
 """
 

@@ -16,6 +16,9 @@ Names used here that zarr does not export publicly (each verified on zarr 3.1.6 
 * ``Codec._decode_sync`` / ``Codec._sync_capable`` (:func:`_decode_one`): the method of the
   exported ``zarr.abc.codec.SupportsSyncCodec`` protocol, and zarr 3.4's run-time opt-out from it.
 
+* ``Store._is_open`` / ``Store._ensure_open`` (:func:`opened`): how zarr opens a store handed to
+  it; ``WrapperStore._store`` (:func:`wrapped_store`): the store a wrapper wraps.
+
 Differences between releases handled here: ``ArrayV3Metadata.get_chunk_spec`` was removed in 3.2
 (:func:`chunk_spec` builds the spec itself); ``BytesCodec.endian`` and
 ``ShardingCodec.index_location`` are enums up to 3.2 and strings from 3.3 (:func:`_enum_value`).
@@ -45,13 +48,36 @@ __all__ = [
     "open_array_readonly",
     "open_arrays_by_name",
     "open_group_readonly",
+    "opened",
     "read_chunk_shape",
     "read_whole_array",
     "stored_chunk_shape",
     "unreadable_metadata",
     "walk_arrays",
     "walk_nodes",
+    "wrapped_store",
 ]
+
+
+def opened(store: Any) -> Any:
+    """``store``, opened as zarr's own ``open_array`` / ``open_group`` open a store handed to
+    them (``Store._ensure_open``): a ``ZipStore(path, mode="r")`` is built unopened, and its
+    ``get`` fails until it is opened. A store already open is returned as it is."""
+    if not getattr(store, "_is_open", True):
+        from zarr.core.sync import sync
+
+        sync(store._ensure_open())
+    return store
+
+
+def wrapped_store(store: Any) -> Any:
+    """The store beneath any number of ``zarr.storage.WrapperStore`` layers (``store`` itself
+    when it wraps nothing): whose objects a wrapper's reads return."""
+    from zarr.storage import WrapperStore
+
+    while isinstance(store, WrapperStore):
+        store = store._store
+    return store
 
 
 def open_group_readonly(store: Any) -> zarr.Group:
@@ -616,73 +642,3 @@ def decode_with_zarr_codecs(codecs: Sequence[Any], raw: np.ndarray, spec: Any) -
 def crc32c(data: np.ndarray) -> int:
     """CRC-32C of a contiguous uint8 array (the checksum zarr's ``crc32c`` codec stores)."""
     return int(google_crc32c.value(data))
-
-
-def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
-    """An ``async get(key, meta=None) -> bytes-like | None`` for ``store`` (None = object
-    missing). A list passed as ``meta`` receives the obstore ``ObjectMeta`` of the object read
-    (``None`` when missing) — what identifies it (see store_identity); other stores add nothing.
-
-    A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
-    (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
-    ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
-    finished after that many seconds is cancelled and raises ``TimeoutError``. A signed cloud
-    store that finds no credentials raises :func:`~insitubatch_nodes.io.stores.credentials_error`'s
-    ``PermissionError`` (obstore's error chained).
-    """
-    from zarr.storage import ObjectStore
-
-    get: Any
-    if isinstance(store, ObjectStore):
-        import obstore
-
-        from insitubatch_nodes.io.stores import credentials_error
-
-        inner = store.store
-
-        async def get_obstore(key: str, meta: list[Any] | None = None) -> Any:
-            try:
-                response = await obstore.get_async(inner, key)
-            except FileNotFoundError:
-                if meta is not None:
-                    meta.append(None)
-                return None
-            except obstore.exceptions.BaseError as exc:
-                error = credentials_error(store, exc)  # no credentials: say anonymous=True
-                if error is None:
-                    raise
-                raise error from exc
-            if meta is not None:
-                meta.append(response.meta)
-            return await response.bytes_async()
-
-        get = get_obstore
-    else:
-        from zarr.buffer import default_buffer_prototype
-
-        prototype = default_buffer_prototype()
-
-        async def get_zarr(key: str, meta: list[Any] | None = None) -> Any:
-            buf = await store.get(key, prototype=prototype)
-            return None if buf is None else buf.as_numpy_array()
-
-        get = get_zarr
-
-    if timeout_s is None:
-        return get
-    import asyncio
-
-    async def get_with_deadline(key: str, meta: list[Any] | None = None) -> Any:
-        deadline = asyncio.timeout(timeout_s)
-        try:
-            async with deadline:
-                return await get(key, meta)
-        except TimeoutError:
-            if not deadline.expired():
-                raise  # the store's own TimeoutError, not our deadline
-            raise TimeoutError(
-                f"no complete answer for {key!r} within {timeout_s:g} s "
-                "(RetryPolicy.timeout_s): the store stopped answering or is too slow"
-            ) from None
-
-    return get_with_deadline

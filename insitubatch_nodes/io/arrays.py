@@ -6,6 +6,7 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
@@ -73,12 +74,19 @@ def open_geometries(
     (xarray's ``to_zarr(mode="a", consolidated=False)``) is found by name, and by the listing.
 
     ``sample_axis`` is one physical axis for every array, or a ``{path: axis}`` mapping (arrays
-    it does not name use axis 0). Raises ``KeyError`` for a name that is no array (saying what
-    was looked for, in which store, and which arrays exist), ``ValueError`` for a sample axis out
-    of range, ``FileNotFoundError`` naming the store when it holds no array at all (wrong path
-    or prefix, missing bucket) and :class:`CorruptMetadataError` naming the document(s) when a
+    it does not name use axis 0). Raises :class:`~insitubatch_nodes.errors.ArrayNotFoundError`
+    (a ``KeyError`` and a ``FileNotFoundError``) for a name that is no array (saying what was
+    looked for, in which store, and which arrays exist) and naming the store when it holds no
+    array at all (wrong path or prefix, missing bucket), ``ValueError`` for a sample axis out
+    of range and :class:`CorruptMetadataError` naming the document(s) when a
     metadata document cannot be read.
     """
+    if isinstance(variables, Mapping):
+        raise TypeError(
+            f"variables names arrays (a list such as ['t2m', 'z'] or None), got a mapping "
+            f"{dict(variables)!r}: to give arrays their sample axes pass it by keyword, "
+            f"open_geometries(store, sample_axis={dict(variables)!r})"
+        )
     if isinstance(variables, str):
         variables = [variables]
     zstore = as_store(store)
@@ -96,6 +104,8 @@ def open_geometries(
             found = {}
             arrays, missing = _named_arrays(zstore, [v.strip("/") for v in variables])
         arrays = _fresh(zstore, root[1], arrays, read_by_name=variables is not None)
+    except ArrayNotFoundError:
+        raise
     except (ValueError, TypeError, KeyError) as exc:
         error = corrupt_metadata(zstore, exc)
         if error is None:
@@ -108,7 +118,10 @@ def open_geometries(
     opened = _zarr_compat.open_arrays_by_name(zstore, maybe) if maybe else []
     unknown = [p for p, a in zip(maybe, opened, strict=True) if a is None]
     if unknown:
-        raise KeyError(f"sample_axis names unknown arrays {sorted(unknown)}")
+        raise ArrayNotFoundError(
+            f"sample_axis names unknown arrays {sorted(unknown)} in store "
+            f"{describe_store(zstore)}; arrays there: {sorted(set(arrays) | set(found))}"
+        )
     return {
         path: _geometry(path, array, axes.get(path, default_axis)) for path, array in arrays.items()
     }
@@ -175,7 +188,7 @@ def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
     return dict(sorted(known.items()))
 
 
-class _NoArrays(FileNotFoundError):
+class _NoArrays(ArrayNotFoundError):
     """The store holds no zarr array at all (as opposed to: its arrays could not be listed)."""
 
 
@@ -232,7 +245,7 @@ def _named_arrays(zstore: Any, paths: Sequence[str]) -> tuple[dict[str, Any], li
 def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
     """Raise for names that are no array: what was looked for, where, and what exists.
 
-    ``KeyError`` when the store holds other arrays, ``FileNotFoundError`` when it holds none.
+    :class:`ArrayNotFoundError` (a ``KeyError`` and a ``FileNotFoundError``) either way.
     """
     name = describe_store(zstore)
     looked = "; ".join(
@@ -247,15 +260,15 @@ def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
     try:
         existing = sorted(_find_arrays(zstore, _open_root(zstore)))
     except _NoArrays as exc:
-        raise FileNotFoundError(
+        raise ArrayNotFoundError(
             f"no array named {list(missing)} in store {name} ({looked}), and {exc}"
         ) from None
     except Exception as exc:  # the listing is best effort here
-        raise KeyError(
+        raise ArrayNotFoundError(
             f"no array named {list(missing)} in store {name} ({looked}); which arrays it holds "
             f"could not be found ({type(exc).__name__}: {exc})"
         ) from None
-    raise KeyError(
+    raise ArrayNotFoundError(
         f"no array named {list(missing)} in store {name} ({looked}); available arrays: "
         f"{existing} (a root array is named '')"
     )
@@ -349,7 +362,8 @@ def _layout_differences(own: ArrayGeometry, other: ArrayGeometry) -> list[str]:
 def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> None:
     """Check that ``store`` holds every array ``geoms`` describes, with that layout.
 
-    One metadata read per array (two for zarr v2). Raises ``FileNotFoundError`` naming the
+    One metadata read per array (two for zarr v2). Raises
+    :class:`~insitubatch_nodes.errors.ArrayNotFoundError` (a ``FileNotFoundError``) naming the
     array and the store when there is no such array there (a wrong path or prefix, a missing
     bucket, geometries read from another store), ``ValueError`` when the array there has
     another shape, chunking, dtype or chunk key encoding, and :class:`CorruptMetadataError`
@@ -364,7 +378,7 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
             array = _zarr_compat.open_array_readonly(zstore, path, geom.zarr_format)
         except FileNotFoundError as exc:
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)
-            raise FileNotFoundError(
+            raise ArrayNotFoundError(
                 f"array {path!r} is not in store {name}: no zarr v{geom.zarr_format} array "
                 f"metadata at {keys[0]!r}; {_what_exists(zstore)}. Check the path, or the URL's "
                 "bucket and prefix (and the endpoint), and that the geometries were read from "

@@ -31,6 +31,7 @@ from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _process
+from insitubatch_nodes.io import _zarr_compat
 
 __all__ = [
     "SUPPORTED_SCHEMES",
@@ -513,14 +514,53 @@ def _local(
 
 
 def as_store(store: StoreLike, **options: Any) -> Store:
-    """A zarr ``Store`` as it is, or :func:`open_store` of a URL/path (read-only).
+    """A zarr ``Store`` as it is (opened first, as zarr opens a store handed to it: a
+    ``ZipStore`` is made unopened), or :func:`open_store` of a URL/path (read-only).
 
     ``options`` (``retry=`` included) apply to a URL or path only. Every entry point of the
     package passes its store through here, before its first read, which is when the allocator
-    is tuned (:func:`~insitubatch_nodes._process.tune_allocator`: once per process)."""
+    is tuned (:func:`~insitubatch_nodes._process.tune_allocator`: once per process).
+
+    An xarray ``Dataset`` opened from zarr (``xr.open_zarr(path_or_store)``) stands for the
+    store it was opened from: the path or URL xarray recorded (``ds.encoding["source"]``), or
+    the zarr store beneath it; one opened any other way raises ``TypeError`` saying what to
+    pass."""
+    if _is_xarray_dataset(store):
+        store = _dataset_store(store)
     if isinstance(store, Store):
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")
         _process.tune_allocator()  # before obstore's threads allocate (see its docstring)
-        return store
+        return _zarr_compat.opened(store)
     return open_store(store, **options)
+
+
+def _is_xarray_dataset(obj: Any) -> bool:
+    return type(obj).__name__ == "Dataset" and type(obj).__module__.startswith("xarray")
+
+
+def _dataset_store(ds: Any) -> StoreLike:
+    """The store an xarray ``Dataset`` was opened from (see :func:`as_store`)."""
+    source = getattr(ds, "encoding", {}).get("source")
+    # xarray's zarr backend keeps its ZarrStore as the dataset's closer; its group is the
+    # zarr group opened (xarray internals, read defensively: a missing name means "unknown")
+    backend = getattr(getattr(ds, "_close", None), "__self__", None)
+    group = getattr(backend, "zarr_group", None)
+    path = str(getattr(group, "path", "") or "")
+    if path:
+        raise TypeError(
+            f"this xarray Dataset was opened from group {path!r} of a zarr store: pass the "
+            f"store itself (its path or URL, or the zarr Store) and name the arrays with their "
+            f"group, e.g. open_geometries(store, ['{path}/t2m'])"
+        )
+    if isinstance(source, str | os.PathLike) and str(source):
+        return source
+    store = getattr(group, "store", None)
+    if isinstance(store, Store):
+        return store
+    raise TypeError(
+        "an xarray Dataset is not a zarr store, and this one does not say which store it was "
+        "read from (it was not opened with xr.open_zarr / engine='zarr'): pass the store "
+        "itself, its path or URL (e.g. open_geometries('/data/era5.zarr')) or a zarr Store "
+        "(zarr.storage.LocalStore(path, read_only=True), open_store(url))"
+    )

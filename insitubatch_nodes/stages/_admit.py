@@ -338,6 +338,7 @@ class Admission:
         if rows_in_place:
             self._prepare_rows(plan, pending, rows_in_place)
             setup.recorder.on_admit_counts(0, misses, re_reads)
+            setup.pool.note_misses_in_place(misses)  # the report counts them as misses
         return pending
 
     def _prepare_rows(

@@ -75,7 +75,7 @@ class FillRunner:
     """Runs :class:`FillJob` s for one fetch stage (module docstring).
 
     ``reader`` reads a local store on the decode threads; else ``get`` (an async GET, see
-    :func:`~insitubatch_nodes.io._zarr_compat.make_async_getter`) runs on ``loop`` through this
+    :func:`~insitubatch_nodes.io.objects.make_async_getter`) runs on ``loop`` through this
     runner's own :class:`~insitubatch_nodes.stages._get.GetQueue`, at most ``max_inflight``
     objects at once. Bad stored objects are reported to ``note_bad``; ``recorder`` is the epoch
     report's (or the null one).

@@ -61,7 +61,7 @@ from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _process, _runtime
-from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io import objects
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.stores import describe_store, retry_policy
@@ -134,7 +134,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         reader = local_reader(store)
         get = None
         if reader is None:
-            get = _zarr_compat.make_async_getter(store, timeout_s=self.retry.timeout_s)
+            get = objects.make_async_getter(store, timeout_s=self.retry.timeout_s)
         self._runner = FillRunner(
             pool=self.pool,
             decode_pool=self._decode_pool,

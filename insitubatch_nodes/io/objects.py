@@ -1,0 +1,149 @@
+"""Reading stored objects: :func:`make_async_getter` (one GET per object, through obstore or
+the store's own ``get``, with what identifies the object and a deadline) and
+:func:`head_objects` (HEAD requests, many in flight: identities without the bytes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.localfiles import local_reader
+from insitubatch_nodes.io.stores import credentials_error, plain_object_store
+
+__all__ = ["HEADS_IN_FLIGHT", "head_objects", "make_async_getter"]
+
+
+def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
+    """An ``async get(key, meta=None) -> bytes-like | None`` for ``store`` (None = object
+    missing). A list passed as ``meta`` receives the obstore ``ObjectMeta`` of the object read
+    (``None`` when missing) — what identifies it (see store_identity). A zarr ``WrapperStore``
+    (a logging, counting or caching wrapper) is read through its own ``get``, and ``meta``
+    receives what identifies the object in the store it wraps, asked for before the read (a
+    local folder's ``os.stat``, an obstore store's ``head``); other stores add nothing.
+
+    A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
+    (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
+    ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
+    finished after that many seconds is cancelled and raises ``TimeoutError``. A signed cloud
+    store that finds no credentials raises :func:`~insitubatch_nodes.io.stores.credentials_error`'s
+    ``PermissionError`` (obstore's error chained).
+    """
+    from zarr.storage import ObjectStore
+
+    get: Any
+    if isinstance(store, ObjectStore):
+        import obstore
+
+        inner = store.store
+
+        async def get_obstore(key: str, meta: list[Any] | None = None) -> Any:
+            try:
+                response = await obstore.get_async(inner, key)
+            except FileNotFoundError:
+                if meta is not None:
+                    meta.append(None)
+                return None
+            except obstore.exceptions.BaseError as exc:
+                error = credentials_error(store, exc)  # no credentials: say anonymous=True
+                if error is None:
+                    raise
+                raise error from exc
+            if meta is not None:
+                meta.append(response.meta)
+            return await response.bytes_async()
+
+        get = get_obstore
+    else:
+        from zarr.buffer import default_buffer_prototype
+
+        prototype = default_buffer_prototype()
+        inner = _zarr_compat.wrapped_store(store)
+        identify = _identify_before_read(inner) if inner is not store else None
+
+        async def get_zarr(key: str, meta: list[Any] | None = None) -> Any:
+            if meta is not None and identify is not None:
+                meta.append(await identify(key))  # before the read: never newer than the bytes
+            buf = await store.get(key, prototype=prototype)
+            return None if buf is None else buf.as_numpy_array()
+
+        get = get_zarr
+
+    if timeout_s is None:
+        return get
+    import asyncio
+
+    async def get_with_deadline(key: str, meta: list[Any] | None = None) -> Any:
+        deadline = asyncio.timeout(timeout_s)
+        try:
+            async with deadline:
+                return await get(key, meta)
+        except TimeoutError:
+            if not deadline.expired():
+                raise  # the store's own TimeoutError, not our deadline
+            raise TimeoutError(
+                f"no complete answer for {key!r} within {timeout_s:g} s "
+                "(RetryPolicy.timeout_s): the store stopped answering or is too slow"
+            ) from None
+
+    return get_with_deadline
+
+
+def _identify_before_read(inner: Any) -> Any:
+    """For a wrapper's reads: an ``async identify(key)`` of the store it wraps — a local
+    folder's file ``os.stat`` (``None`` when missing), an obstore store's ``head`` (its
+    ``ObjectMeta``) — or ``None`` when that store gives no identities."""
+    import asyncio
+    import os
+
+    reader = local_reader(inner)
+    if reader is not None:
+        root = os.fspath(reader.root)
+
+        async def stat(key: str) -> Any:
+            try:
+                return await asyncio.to_thread(os.stat, os.path.join(root, key))
+            except (FileNotFoundError, NotADirectoryError):
+                return None
+
+        return stat
+    if plain_object_store(inner):  # HTTP too: a HEAD gives its ETag / Last-Modified
+        import obstore
+
+        async def head(key: str) -> Any:
+            try:
+                return await obstore.head_async(inner.store, key)
+            except FileNotFoundError:
+                return None
+
+        return head
+    return None
+
+
+HEADS_IN_FLIGHT = 64  # HEAD requests at once when a cache checks objects one by one
+
+
+def head_objects(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) -> list[Any]:
+    """The obstore ``ObjectMeta`` of each of ``keys`` (``None`` where there is no such object)
+    in a zarr ``ObjectStore`` (:func:`plain_object_store`): one HEAD request each, ``in_flight``
+    at a time, on zarr's IO loop. What a cache checks a store that cannot list against (an
+    HTTP server's ``ETag`` / ``Last-Modified`` / ``Content-Length``). Raises what obstore
+    raises for anything but a missing object (a network error, a refusal)."""
+    import asyncio
+
+    import obstore
+
+    inner = store.store
+
+    async def heads() -> list[Any]:
+        limit = asyncio.Semaphore(in_flight)
+
+        async def one(key: str) -> Any:
+            async with limit:
+                try:
+                    return await obstore.head_async(inner, key)
+                except FileNotFoundError:
+                    return None
+
+        return list(await asyncio.gather(*(one(k) for k in keys)))
+
+    return asyncio.run_coroutine_threadsafe(heads(), _zarr_compat.io_loop()).result()
