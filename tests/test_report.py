@@ -464,7 +464,9 @@ def _lightning_fit(era5: Path, tmp_path: Path, distributed: bool) -> tuple[Any, 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=1e-3)
 
-    dm = InSituDataModule(era5, ["t2m"], (0.75, 0.125, 0.125), batch_size=16, block_chunks=4)
+    dm = InSituDataModule(
+        era5, ["t2m"], (0.75, 0.125, 0.125), config=PlanConfig(batch_size=16, block_chunks=4)
+    )
     options: dict[str, Any] = {}
     if distributed:  # DDP with one CPU rank (gloo): Lightning's "distributed setting"
         import os
