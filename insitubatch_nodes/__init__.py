@@ -1,7 +1,9 @@
 """insitubatch_nodes: train PyTorch models in place on chunked zarr arrays, as torchdata.nodes.
 
 The names here are what a training script needs: :func:`insitu_pipeline` builds the graph,
-:class:`Loader` or :func:`as_dataset` iterates it. The composition kit is one dotted name away,
+:class:`Loader` or :func:`as_dataset` iterates it; :class:`PlanConfig`, :class:`FetchOptions`
+and :class:`CacheOptions` carry its settings as three checked objects (what ``InSituDataModule``
+takes). The composition kit is one dotted name away,
 in folders that follow a batch top-down:
 
 * :mod:`insitubatch_nodes.io` — stores, array geometry, coordinates, decoding (knows zarr);
@@ -26,7 +28,9 @@ from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, open_store
+from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
+from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stages.loader import Loader
@@ -45,12 +49,15 @@ __all__ = [
     "ArrayGeometry",
     "Batch",
     "BatchTransform",
+    "CacheOptions",
     "ChunkTransform",
     "Coarsen",
     "DecodedChunk",
     "EpochReport",
+    "FetchOptions",
     "InSituPipeline",
     "Loader",
+    "PlanConfig",
     "RetryPolicy",
     "SplitManifest",
     "StandardScaler",
