@@ -39,6 +39,7 @@ __all__ = [
     "consolidated_arrays",
     "encode_chunk_key",
     "list_dir",
+    "list_keys",
     "metadata_dimension_names",
     "node_kind",
     "node_kinds",
@@ -195,6 +196,17 @@ def list_dir(store: Any, prefix: str) -> list[str]:
         return [name.rstrip("/") async for name in store.list_dir(prefix)]
 
     return sorted(set(sync(listed())))
+
+
+def list_keys(store: Any, prefix: str) -> set[str]:
+    """Every key below ``prefix`` (from the store root), as zarr's ``Store.list_prefix`` yields
+    them: one (recursive) listing; raises whatever the store raises when it cannot list."""
+    from zarr.core.sync import sync
+
+    async def listed() -> list[str]:
+        return [key async for key in store.list_prefix(prefix)]
+
+    return set(sync(listed()))
 
 
 def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:

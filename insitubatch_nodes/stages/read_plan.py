@@ -24,6 +24,7 @@ from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     check_plan_inputs,
     chunk_anchors,
+    dropped_anchors,
     patch_layout,
     plan_epoch,
 )
@@ -239,6 +240,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         """What the plan is a function of, besides the epoch (plain, rank-independent; computed
         once at construction — a copy is returned)."""
         return dict(self._config)
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Anchors of the split the missing-step checks dropped, per reason (``{"nat": 3,
+        "gap": 2, ...}``; ``{}`` without the checks): see :mod:`~insitubatch_nodes.plan.anchors`."""
+        return dropped_anchors(self.manifest, self.variables, self.plan_config)
 
     @property
     def pin_gap(self) -> int | None:
