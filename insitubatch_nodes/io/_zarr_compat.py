@@ -199,14 +199,13 @@ def list_dir(store: Any, prefix: str) -> list[str]:
 
 
 def list_keys(store: Any, prefix: str) -> set[str]:
-    """Every key below ``prefix`` (from the store root), as zarr's ``Store.list_prefix`` yields
-    them: one (recursive) listing; raises whatever the store raises when it cannot list."""
+    """Every key below ``prefix`` (zarr's ``Store.list_prefix``): one recursive listing."""
     from zarr.core.sync import sync
 
-    async def listed() -> list[str]:
-        return [key async for key in store.list_prefix(prefix)]
+    async def listed() -> set[str]:
+        return {key async for key in store.list_prefix(prefix)}
 
-    return set(sync(listed()))
+    return sync(listed())
 
 
 def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:

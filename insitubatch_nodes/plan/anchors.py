@@ -25,6 +25,7 @@ no store, no zarr (the builder reads the times and lists the stored objects).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -78,12 +79,12 @@ class SampleSteps:
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
 
-    @property
+    @functools.cached_property
     def nat(self) -> np.ndarray | None:
         """Samples whose time is missing (``None`` without times)."""
         return None if self.ticks is None else self.ticks == _NO_TIME
 
-    @property
+    @functools.cached_property
     def data_step(self) -> int | None:
         """The data's step in ticks: the most common positive difference between
         consecutive present times, the smallest on a tie (``None`` without two times)."""
