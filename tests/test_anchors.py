@@ -21,6 +21,7 @@ from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.schedule import schedule_floors, working_set_bytes
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from tests.helpers import counting_store
 from tests.resume_helpers import (
@@ -304,3 +305,51 @@ def test_a_6h_stride_in_a_noleap_calendar_anchors_its_own_00_06_12_18(tmp_path: 
     assert sorted(rows.tolist()) == want
     for b in batches:
         assert list(b.coords["x"]["time"]) == list(times[b.sample_indices["x"]])
+
+
+def test_an_elastic_remainder_deals_the_strided_anchors_no_old_rank_delivered(
+    tmp_path: Path,
+) -> None:
+    root = _hourly_store(tmp_path / "h.zarr", 4)
+    manifest, views = _steps_manifest(root)
+    for stride, valid in ((3, range(0, N_TIME - 2, 3)), ("6h", range(3, N_TIME - 2, 6))):
+        for old, new in ((2, 3), (3, 2), (2, 1)):
+            config = PlanConfig(stride=stride, batch_size=3, block_chunks=2)
+            before = [plan_epoch(manifest, views, config.for_rank(r, old), epoch=1)
+                      for r in range(old)]  # fmt: skip
+            k = before[0].n_batches // 2
+            delivered = [a for p in before for a in p.anchors[: k * 3].tolist()]
+            after = [plan_epoch(manifest, views, config.for_rank(r, new), epoch=1,
+                                resumed=[(old, k)]) for r in range(new)]  # fmt: skip
+            rest = [a for p in after for a in p.anchors.tolist()]
+            both = delivered + rest
+            assert len(both) == len(set(both)) and set(both) <= set(valid)
+            assert len(valid) - len(both) <= (old - 1) + (new - 1)
+            assert len({p.n_batches for p in after}) == 1 and after[0].first_batch == k
+
+
+def test_the_schedule_floors_bound_every_strided_epoch(tmp_path: Path) -> None:
+    path = tmp_path / "b.zarr"
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    group.create_array("t", shape=(403, 3), chunks=(8, 3), dtype="f8", fill_value=0)
+    g = open_geometries(path, ["t"])["t"]
+    hours = np.arange(403, dtype=np.int64) + 5  # hourly, from 05 UTC
+    hours[100] = np.iinfo(np.int64).min  # a NaT
+    hours[200:] += 1  # a gap
+    steps = SampleSteps(403, ticks=hours, unit=np.timedelta64(1, "h"))
+    m = split_by_chunk(g, (1.0, 0.0, 0.0)).with_steps(steps)
+    for stride in (3, 13, "6h"):
+        for shift in (1, 9):
+            views = {"x": g, "y": g.shift(shift)}
+            for bs, bc, world in ((7, 3, 1), (4, 2, 2), (5, 8, 3)):
+                config = PlanConfig(stride=stride, batch_size=bs, block_chunks=bc,
+                                    world_size=world)  # fmt: skip
+                floors = schedule_floors(m, views, config)
+                for epoch in (0, 1):
+                    for rank in range(world):
+                        cfg = config.for_rank(rank, world)
+                        for gap, bound in ((None, floors.read_once),
+                                           (floors.pin_gap, floors.bounded)):  # fmt: skip
+                            plan = plan_epoch(m, views, cfg, epoch=epoch, pin_gap=gap)
+                            got = working_set_bytes(plan, {"t": g})[0]
+                            assert got <= bound, (stride, shift, bs, bc, world, epoch, gap)
