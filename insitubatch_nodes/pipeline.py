@@ -232,9 +232,7 @@ def insitu_pipeline(
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: transforms.output_view(view) for label, view in views.items()}
-    manifest = _anchor_steps(
-        zstore, manifest, views, geoms, plan_config, missing, missing_objects, fetch_options.retry
-    )
+    manifest = _anchor_steps(zstore, manifest, geoms, plan_config, missing, missing_objects)
     # the schedule is decided first (and fails fast, here, when the budget is too small)
     schedule = choose_schedule(
         manifest,
@@ -349,16 +347,15 @@ def _carried_coordinates(
 def _anchor_steps(
     zstore: Store,
     manifest: SplitManifest,
-    views: Mapping[str, ArrayGeometry],
     geoms: Mapping[str, ArrayGeometry],
     config: PlanConfig,
     missing: Sequence[Any] | None,
     missing_objects: str,
-    retry: RetryPolicy | None,
 ) -> SplitManifest:
     """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride and the
     missing-step checks (unchanged when neither is asked for): the anchor array's times, the
-    samples ``missing`` lists, the samples with an absent stored object."""
+    samples ``missing`` lists, the samples with an absent stored object. A manifest that
+    already carries steps (``manifest.with_steps``) is kept when only a stride is asked for."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
@@ -366,14 +363,14 @@ def _anchor_steps(
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
     timed = not isinstance(config.stride, int)
-    if not timed and missing is None and missing_objects == "read":
-        return manifest
+    if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
+        return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
     n = manifest.n_samples
     indices = [] if missing is None else [x for x in missing if _is_index(x)]
     dates = [] if missing is None else [x for x in missing if not _is_index(x)]
     ticks, coord_name, coord = None, "time", None
     if timed or missing is not None:
-        coord = _time_coordinate(zstore, manifest, views, geoms, retry, needed=timed or bool(dates))
+        coord = _time_coordinate(zstore, manifest, geoms, needed=timed or bool(dates))
         if coord is not None:
             ticks, coord_name = time_offsets(coord, "1s"), coord.name
     listed = np.zeros(n, dtype=bool)
@@ -404,9 +401,7 @@ def _is_index(x: Any) -> bool:
 def _time_coordinate(
     zstore: Store,
     manifest: SplitManifest,
-    views: Mapping[str, ArrayGeometry],
     geoms: Mapping[str, ArrayGeometry],
-    retry: RetryPolicy | None,
     *,
     needed: bool,
 ) -> Any:
