@@ -288,6 +288,10 @@ def test_a_default_config_has_the_fingerprint_it_always_had(tmp_path: Path) -> N
     assert keys == {"dataset", "split", "batch_size", "block_chunks", "shuffle", "ramp", "seed",
                     "world_size", "cross_split_windows", "remainder"}  # fmt: skip
     assert ReadPlanNode(manifest, {"x": g}, config=PlanConfig(stride=6)).config()["stride"] == 6
+    # a time step of one data step is a stride too (numpy finds timedelta64(1, "h") == 1)
+    hourly = manifest.with_steps(_steps_manifest(root)[0].steps)
+    node = ReadPlanNode(hourly, {"x": g}, config=PlanConfig(stride="1h"))
+    assert node.config()["stride"] == "1 hours"
 
 
 def test_a_6h_stride_in_a_noleap_calendar_anchors_its_own_00_06_12_18(tmp_path: Path) -> None:

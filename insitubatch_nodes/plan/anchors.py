@@ -33,7 +33,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["REASONS", "SampleSteps", "anchor_filter", "describe_stride", "stride_mask"]
+__all__ = [
+    "REASONS",
+    "SampleSteps",
+    "anchor_filter",
+    "describe_stride",
+    "every_sample",
+    "stride_mask",
+]
 
 #: why an anchor is dropped, in the order an anchor's reason is chosen
 REASONS: tuple[str, ...] = ("nat", "gap", "missing", "absent_object")
@@ -106,6 +113,12 @@ class SampleSteps:
         return h.hexdigest()[:16]
 
 
+def every_sample(stride: int | np.timedelta64) -> bool:
+    """Whether ``stride`` keeps every sample: the int 1 (a time step never does, ``"1h"``
+    included, though numpy finds ``timedelta64(1, "h") == 1``)."""
+    return isinstance(stride, int) and stride == 1
+
+
 def describe_stride(stride: int | np.timedelta64) -> int | str:
     """``stride`` as plain Python for a fingerprint: the int, or the step in its own unit
     (``"6 hours"`` as numpy writes it)."""
@@ -149,7 +162,7 @@ def stride_mask(n_samples: int, stride: int | np.timedelta64, steps: SampleSteps
     every sample (``stride == 1``). A time stride keeps the samples whose time is a whole
     multiple of it since ``1970-01-01T00:00`` (a missing time is not kept)."""
     if isinstance(stride, int):
-        if stride == 1:
+        if every_sample(stride):
             return None
         return np.arange(n_samples, dtype=np.int64) % stride == 0
     k, steps = _step_ticks(stride, steps)

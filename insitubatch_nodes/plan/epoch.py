@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts
+from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec
@@ -474,7 +474,7 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
             "(a whole field and its windows would need two kinds of slot)"
         )
     patch_spec(views)  # patched views must cut their fields alike
-    if (config.stride != 1 or manifest.steps is not None) and any(
+    if (not every_sample(config.stride) or manifest.steps is not None) and any(
         g.patch is not None for g in views.values()
     ):
         raise ValueError(

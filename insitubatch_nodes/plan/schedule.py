@@ -21,6 +21,7 @@ import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.anchors import every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     block_index,
@@ -369,7 +370,7 @@ def _plan_units(
     starts, counts = chunk_counts(manifest, cfg.split, chunks, offsets, cfg.cross_split_windows)
     layout = patch_layout(views, bc)
     spans = counts
-    if layout is None and (cfg.stride != 1 or manifest.steps is not None):
+    if layout is None and (not every_sample(cfg.stride) or manifest.steps is not None):
         # the stride and the missing-step checks keep a subset of each chunk's run: the rows
         # are the anchors kept; the bytes, those of the stored chunks between each chunk's
         # first and last anchor kept (an upper bound of what its anchors read)

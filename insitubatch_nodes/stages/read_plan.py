@@ -19,7 +19,7 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.anchors import describe_stride
+from insitubatch_nodes.plan.anchors import describe_stride, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     check_plan_inputs,
@@ -228,7 +228,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             "cross_split_windows": self.cross_split_windows,
             "remainder": self.remainder,
             # only when set, so a default config's fingerprint is what it always was
-            **({} if self.stride == 1 else {"stride": describe_stride(self.stride)}),
+            **({} if every_sample(self.stride) else {"stride": describe_stride(self.stride)}),
             **(
                 {}
                 if self.manifest.steps is None
