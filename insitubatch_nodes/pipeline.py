@@ -13,17 +13,19 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
-from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
-from insitubatch_nodes.io.coords import carried_coordinates
+from insitubatch_nodes.io.arrays import absent_samples, check_arrays_in_store, open_geometries
+from insitubatch_nodes.io.coords import carried_coordinates, open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
+from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
@@ -103,6 +105,9 @@ def insitu_pipeline(
     retry: RetryPolicy | None = None,
     cross_split_windows: bool = False,
     remainder: str = "drop",
+    stride: Any = 1,
+    missing: Sequence[Any] | None = None,
+    missing_objects: str = "read",
     report: bool = True,
     chunk_transforms: Sequence[ChunkTransform] = (),
     on_bad_chunk: str = "raise",
@@ -126,6 +131,23 @@ def insitu_pipeline(
     ``cross_split_windows=True`` lets windows read across the split's edge. ``remainder``
     (``"drop"`` or ``"pad"``) is what several ranks do with the samples that do not divide
     evenly between them (see :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`).
+
+    ``stride`` (a :class:`PlanConfig` field; default 1, every sample) picks the anchors: an
+    ``int`` ``k`` keeps every ``k``-th sample counted from index 0, a time step (``"6h"``,
+    ``numpy.timedelta64``) the samples whose time — read from the time coordinate of the
+    manifest's anchor array, in its own calendar — is a whole multiple of the step since
+    ``1970-01-01T00:00`` (00, 06, 12, 18 UTC); a step that is not a multiple of the data's step
+    raises ``ValueError`` naming both. Only the chunks holding an anchor or a step a view reads
+    are read. **Missing steps**: ``missing`` (``None``: no check) lists samples as indices or
+    times (``()`` lists none); given, or with a time stride, every anchor one of whose steps
+    (``anchor + offset`` of each view) has a missing time (NaT, ``None``), a time that is not
+    the anchor's plus the offset times the data's step (a gap or a duplicate), or is listed, is
+    dropped; ``missing_objects="drop"`` (default ``"read"``: an absent object reads as the
+    fill value) lists each array's prefix once and drops the anchors a step of which has an
+    absent stored object. Decided here, the same on every rank; ``pipe.stages.plan.dropped``
+    counts the dropped anchors per reason (see :mod:`~insitubatch_nodes.plan.anchors`), and
+    ``missing`` is part of the checkpoint's fingerprint when given.
+
     ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes ``split``,
     ``batch_size``, ``block_chunks``, ``shuffle``, ``seed``, ``rank``, ``world_size``,
     ``cross_split_windows`` and ``remainder`` (and ``ramp``, which has no keyword here) as one
@@ -190,7 +212,8 @@ def insitu_pipeline(
         cache,
         plan={"split": split, "batch_size": batch_size, "block_chunks": block_chunks,
               "shuffle": shuffle, "seed": seed, "rank": rank, "world_size": world_size,
-              "cross_split_windows": cross_split_windows, "remainder": remainder},
+              "cross_split_windows": cross_split_windows, "remainder": remainder,
+              "stride": stride},
         fetch={"max_inflight": max_inflight, "decode_threads": decode_threads, "retry": retry,
                "on_bad_chunk": on_bad_chunk, "report": report,
                "prefetch_depth": prefetch_depth},
@@ -205,6 +228,7 @@ def insitu_pipeline(
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: transforms.output_view(view) for label, view in views.items()}
+    manifest = _anchor_steps(zstore, manifest, geoms, plan_config, missing, missing_objects)
     # the schedule is decided first (and fails fast, here, when the budget is too small)
     schedule = choose_schedule(
         manifest,
@@ -317,6 +341,85 @@ def _carried_coordinates(
         None if coords is None else list(coords),
         timeout_s=(retry or retry_policy(zstore)).timeout_s,
     )
+
+
+def _anchor_steps(
+    zstore: Store,
+    manifest: SplitManifest,
+    geoms: Mapping[str, ArrayGeometry],
+    config: PlanConfig,
+    missing: Sequence[Any] | None,
+    missing_objects: str,
+) -> SplitManifest:
+    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride and the
+    missing-step checks (unchanged when neither is asked for): the anchor array's times, the
+    samples ``missing`` lists, the samples with an absent stored object. A manifest that
+    already carries steps (``manifest.with_steps``) is kept when only a stride is asked for."""
+    if missing_objects not in ("read", "drop"):
+        raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
+    if isinstance(missing, str | bytes) or (
+        missing is not None and not isinstance(missing, Sequence | np.ndarray)
+    ):
+        raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
+    timed = not isinstance(config.stride, int)
+    if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
+        return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
+    n = manifest.n_samples
+    indices = [] if missing is None else [x for x in missing if _is_index(x)]
+    dates = [] if missing is None else [x for x in missing if not _is_index(x)]
+    ticks, coord_name, coord = None, "time", None
+    if timed or missing is not None:
+        coord = _time_coordinate(zstore, manifest, geoms, needed=timed or bool(dates))
+        if coord is not None:
+            ticks, coord_name = time_offsets(coord, "1s"), coord.name
+    listed = np.zeros(n, dtype=bool)
+    for i in indices:
+        if not -n <= int(i) < n:
+            raise ValueError(f"missing lists sample {int(i)}, outside [0, {n})")
+        listed[int(i)] = True
+    if dates:
+        assert ticks is not None and coord is not None
+        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
+        listed |= np.isin(ticks, gone) & (ticks != np.iinfo(np.int64).min)
+    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
+    steps = SampleSteps(
+        n,
+        ticks=ticks,
+        unit=np.timedelta64(1, "s"),
+        listed=listed if missing is not None else None,
+        absent=absent,
+        coord=coord_name,
+    )
+    return manifest.with_steps(steps)
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.timedelta64)
+
+
+def _time_coordinate(
+    zstore: Store,
+    manifest: SplitManifest,
+    geoms: Mapping[str, ArrayGeometry],
+    *,
+    needed: bool,
+) -> Any:
+    """The time coordinate of the manifest's anchor array (``None`` when it has none and
+    ``needed`` is false; ``ValueError`` when it is needed)."""
+    geom = geoms.get(manifest.array)
+    if geom is None:
+        geom = next(iter(open_geometries(zstore, [manifest.array]).values()))
+    coords = open_coordinates(zstore, geom)
+    times = [c for c in coords.values() if c.is_time]
+    if not times:
+        if needed:
+            raise ValueError(
+                f"a time stride or dates in missing= need the time coordinate of "
+                f"{manifest.array!r} (the manifest's anchor array), and it has none: give an "
+                "int stride and sample indices in missing="
+            )
+        return None
+    return times[0]
 
 
 def _open_cache(

@@ -78,6 +78,7 @@ PIPE_DEFAULTS: dict[str, Any] = {
     "store_options": None,  # open_store options when "store" is a URL (e.g. s3://...)
     # patched views: {"extent": [lat, lon], "origins": "grid" | "random", "order": ...} or None
     "patches": None,
+    "stride": 1,  # the anchor stride: an int or a time step such as "6h"
 }
 
 
@@ -127,6 +128,7 @@ def build_pipeline(cfg: Mapping[str, Any]) -> InSituPipeline:
         max_inflight=cfg["max_inflight"],
         decode_threads=cfg["decode_threads"],
         cache_budget_bytes=cfg["cache_budget_bytes"],
+        stride=cfg.get("stride", 1),
     )
 
 

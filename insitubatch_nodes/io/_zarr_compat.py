@@ -42,6 +42,7 @@ __all__ = [
     "consolidated_arrays",
     "encode_chunk_key",
     "list_dir",
+    "list_keys",
     "metadata_dimension_names",
     "node_kind",
     "node_kinds",
@@ -221,6 +222,16 @@ def list_dir(store: Any, prefix: str) -> list[str]:
         return [name.rstrip("/") async for name in store.list_dir(prefix)]
 
     return sorted(set(sync(listed())))
+
+
+def list_keys(store: Any, prefix: str) -> set[str]:
+    """Every key below ``prefix`` (zarr's ``Store.list_prefix``): one recursive listing."""
+    from zarr.core.sync import sync
+
+    async def listed() -> set[str]:
+        return {key async for key in store.list_prefix(prefix)}
+
+    return sync(listed())
 
 
 def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:

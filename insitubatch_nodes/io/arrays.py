@@ -6,12 +6,14 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
 
-__all__ = ["check_arrays_in_store", "open_geometries"]
+__all__ = ["absent_samples", "check_arrays_in_store", "open_geometries"]
 
 
 def _is_coordinate(path: str, array: Any) -> bool:
@@ -408,3 +410,32 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
                 + ". Were the geometries read from another store? Read them from this one "
                 "with open_geometries(store)"
             )
+
+
+def absent_samples(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> np.ndarray:
+    """The samples (``bool``, one per sample of the arrays' common sample axis) one of whose
+    stored objects — in any of ``geoms`` (path -> geometry), any tile — is absent from
+    ``store``: one listing of each array's prefix (zarr's ``list_prefix``), compared with the
+    keys the geometry names. An absent object reads as the fill value; a plan can drop the
+    anchors that would read one (``missing_objects="drop"``). An inner chunk missing from a
+    shard that exists is not seen here (the shard is present). A store that cannot list raises
+    ``OSError`` naming it."""
+    zstore = as_store(store)
+    sizes = {g.n_samples for g in geoms.values()}
+    if len(sizes) != 1:
+        raise ValueError(f"arrays {sorted(geoms)} do not share one sample-axis length")
+    out = np.zeros(sizes.pop(), dtype=bool)
+    for path, geom in geoms.items():
+        try:
+            listed = _zarr_compat.list_keys(zstore, f"{path}/" if path else "")
+        except Exception as exc:
+            raise OSError(
+                f"cannot list {path!r} in {describe_store(zstore)} to find absent objects "
+                f"({type(exc).__name__}: {exc}); pass missing_objects='read' to read absent "
+                "objects as the fill value"
+            ) from exc
+        spc, tiles = geom.samples_per_chunk, list(geom.tiles())
+        for chunk in range(geom.n_chunks):
+            if any(geom.store_key(chunk, tile) not in listed for tile in tiles):
+                out[chunk * spc : (chunk + 1) * spc] = True
+    return out

@@ -355,6 +355,20 @@ class Coordinate:
             raise ValueError(f"{what} must be finite, got {x!r}")
         return x
 
+    def dates(self, values: Sequence[Any], what: str = "a date") -> np.ndarray:
+        """``values`` (dates as numpy ``datetime64``, ``datetime``, ISO strings or cftime dates)
+        read as dates of this time coordinate: ``datetime64`` values or cftime dates of its
+        calendar, as :meth:`index_range` reads a bound (``TypeError``/``ValueError`` naming
+        ``what`` for one that is not a date of it)."""
+        if not self.is_time:
+            raise TypeError(f"coordinate {self.name!r} holds no dates")
+        out = [self._bound(x, what) for x in values]
+        if self.values.dtype == object:
+            arr = np.empty(len(out), dtype=object)
+            arr[:] = out
+            return arr
+        return np.array(out, dtype="datetime64[ns]")
+
     def _missing(self) -> np.ndarray | None:
         v = self.values
         if v.dtype.kind == "M":

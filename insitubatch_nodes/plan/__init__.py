@@ -2,6 +2,8 @@
 
 * :mod:`~insitubatch_nodes.plan.splits` — chunk-aligned train/val/test manifests;
 * :mod:`~insitubatch_nodes.plan.config` — what a plan draws, as one :class:`PlanConfig`;
+* :mod:`~insitubatch_nodes.plan.anchors` — which samples are anchors: the stride, the anchors
+  dropped for missing steps (:class:`SampleSteps`);
 * :mod:`~insitubatch_nodes.plan.epoch` — drawing one epoch: permutation, blocks, batches;
 * :mod:`~insitubatch_nodes.plan.patches` — patched views: window origins, the regions of
   tiles they are grouped in, the stored tiles each window touches;
@@ -15,6 +17,7 @@ The node that serves these plans to a graph is
 :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`.
 """
 
+from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
@@ -37,6 +40,7 @@ __all__ = [
     "EpochPlan",
     "PinSchedule",
     "PlanConfig",
+    "SampleSteps",
     "ScheduleFloors",
     "SplitManifest",
     "choose_schedule",

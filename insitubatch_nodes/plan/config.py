@@ -1,14 +1,15 @@
 """``PlanConfig``: what a read plan draws, as one checked, immutable object.
 
-The same ten settings — ``split, batch_size, block_chunks, shuffle, seed, rank, world_size,
-ramp, cross_split_windows, remainder`` — describe a read plan wherever one is drawn or sized:
+The same eleven settings — ``split, batch_size, block_chunks, shuffle, seed, rank,
+world_size, ramp, cross_split_windows, remainder, stride`` —
+describe a read plan wherever one is drawn or sized:
 :func:`~insitubatch_nodes.plan.epoch.plan_epoch`,
 :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`,
 :func:`~insitubatch_nodes.plan.schedule.choose_schedule` and
 :func:`~insitubatch_nodes.plan.schedule.schedule_floors` each take one as ``config`` and trust
 it (it was checked when it was made); only the builder,
 :func:`~insitubatch_nodes.insitu_pipeline`, also takes the settings as loose keywords.
-Pure Python: no torchdata, no numpy arrays.
+Pure Python: no torchdata, no numpy arrays (a time ``stride`` is a ``numpy.timedelta64``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
+from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.plan.ranks import check_remainder
 from insitubatch_nodes.plan.splits import SPLITS
 
@@ -33,6 +37,7 @@ SCHEDULE_FIELDS = (
     "cross_split_windows",
     "remainder",
     "world_size",
+    "stride",
 )
 
 
@@ -53,7 +58,12 @@ class PlanConfig:
     * ``ramp`` (``True``): a small lead block first, so the first batch waits for few chunks;
     * ``cross_split_windows`` (``False``): let windows read samples of another split;
     * ``remainder`` (``"drop"``): ``"drop"`` or ``"pad"``, what several ranks do with the
-      samples that do not divide evenly between them.
+      samples that do not divide evenly between them;
+    * ``stride`` (1): which samples are anchors — an ``int`` ``k`` (every ``k``-th sample,
+      counted from index 0 of the array) or a time step (``"6h"``, ``numpy.timedelta64``,
+      ``datetime.timedelta``; kept as a ``numpy.timedelta64``): the samples whose time is a
+      whole multiple of the step since ``1970-01-01T00:00``, in the time coordinate's own
+      calendar (see :mod:`~insitubatch_nodes.plan.anchors`). 1 keeps every sample.
 
     **Contract.** Construction checks every field with the package's shared checks and raises
     what the loose keywords always raised: ``TypeError`` for the wrong kind of value (a float,
@@ -76,6 +86,7 @@ class PlanConfig:
     ramp: bool = True
     cross_split_windows: bool = False
     remainder: str = "drop"
+    stride: int | np.timedelta64 = 1
 
     def __post_init__(self) -> None:
         if not isinstance(self.split, str) or self.split not in SPLITS:
@@ -90,6 +101,7 @@ class PlanConfig:
             "ramp": check_bool("ramp", self.ramp),
             "cross_split_windows": check_bool("cross_split_windows", self.cross_split_windows),
             "remainder": check_remainder(self.remainder),
+            "stride": check_stride(self.stride),
         }
         world, rank = checked["world_size"], checked["rank"]
         if world is not None:
@@ -119,6 +131,26 @@ class PlanConfig:
         object.__setattr__(out, "rank", rank)
         object.__setattr__(out, "world_size", world_size)
         return out
+
+
+def check_stride(stride: Any) -> int | np.timedelta64:
+    """``stride`` as an ``int >= 1`` or a positive ``numpy.timedelta64`` (``"6h"``, a
+    ``datetime.timedelta``); ``TypeError``/``ValueError`` otherwise."""
+    timed = isinstance(stride, np.timedelta64)  # (a numpy integer subclass)
+    if not timed and isinstance(stride, int | np.integer) and not isinstance(stride, bool):
+        return check_int("stride", int(stride), minimum=1)
+    if isinstance(stride, bool | float | np.floating | np.bool_):
+        raise TypeError(
+            f"stride must be an int (every k-th sample) or a time step such as '6h', got {stride!r}"
+        )
+    step = as_timedelta(stride, "stride")
+    if step <= np.timedelta64(0, "s"):
+        raise ValueError(f"stride must be a positive time step, got {stride!r}")
+    for unit in ("D", "h", "m", "s", "ms", "us"):  # one spelling per length (equal, same hash)
+        coarse = step.astype(f"m8[{unit}]")
+        if coarse == step:
+            return coarse
+    return step.astype("m8[ns]")
 
 
 def plan_config(config: PlanConfig | None, where: str) -> PlanConfig:

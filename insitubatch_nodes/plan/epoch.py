@@ -20,8 +20,11 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
 ``a + offset`` lies in the array *and*, by default, on an anchor-grid chunk of the same split
 (``(a + offset) // samples_per_chunk`` is one of the split's chunks), so no window reads a sample
 of another split. ``cross_split_windows=True`` drops the second condition (windows may read
-across the split's edge). In each chunk the valid anchors are one contiguous run, so a chunk's
-count is a constant of the configuration and every epoch, rank and resume stays exact.
+across the split's edge). In each chunk these anchors are one contiguous run
+(:func:`chunk_counts`); the anchor stride and the missing-step checks
+(:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the sample
+axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the configuration and
+every epoch, rank and resume stays exact.
 
 Each :class:`BatchPlan` says which stored chunks the batch gathers from (``reads``), which of them
 it is the first to need this epoch (``fetches`` — each chunk is fetched once per epoch) and which
@@ -38,13 +41,21 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec
 from insitubatch_nodes.plan.ranks import deal
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["block_index", "patch_layout", "plan_epoch", "plan_groups"]
+__all__ = [
+    "block_index",
+    "chunk_anchors",
+    "dropped_anchors",
+    "patch_layout",
+    "plan_epoch",
+    "plan_groups",
+]
 
 
 def ramp_unit(enabled: bool, samples_per_chunk: int, batch_size: int) -> int:
@@ -98,24 +109,61 @@ def chunk_counts(
     return start, np.maximum(stop - start, 0)
 
 
+def chunk_anchors(
+    manifest: SplitManifest,
+    chunks: np.ndarray,
+    offsets: Sequence[int],
+    config: PlanConfig,
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, anchors)``: the number of valid anchors in each of ``chunks`` and the valid
+    anchors laid out chunk after chunk (each chunk's ascending) — :func:`chunk_counts`' runs,
+    narrowed by ``config.stride`` and the missing-step checks of ``manifest.steps`` (one
+    vectorised mask, :func:`~insitubatch_nodes.plan.anchors.anchor_filter`)."""
+    starts, counts = chunk_counts(
+        manifest, config.split, chunks, offsets, config.cross_split_windows
+    )
+    anchors = _runs(starts, counts)
+    keep, _ = anchor_filter(manifest.n_samples, offsets, config.stride, manifest.steps)
+    if keep is None:
+        return counts, anchors
+    ok = keep[anchors]
+    owner = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
+    return np.bincount(owner[ok], minlength=len(chunks)).astype(np.int64), anchors[ok]
+
+
+def dropped_anchors(
+    manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
+) -> dict[str, int]:
+    """Anchors of ``config.split`` the missing-step checks drop, per reason
+    (:data:`~insitubatch_nodes.plan.anchors.REASONS`; each anchor under its first reason; only
+    the reasons checked): the split's on-stride anchors whose views read inside the array (and
+    the split) but one of whose steps is missing. ``{}`` without ``manifest.steps``."""
+    if manifest.steps is None:
+        return {}
+    offsets = [g.offset for g in views.values()]
+    chunks = np.asarray(manifest.chunks(config.split), dtype=np.int64)
+    starts, counts = chunk_counts(
+        manifest, config.split, chunks, offsets, config.cross_split_windows
+    )
+    _, dropped = anchor_filter(manifest.n_samples, offsets, config.stride, manifest.steps)
+    return dropped_counts(dropped, _runs(starts, counts))
+
+
 def _epoch_samples(
     manifest: SplitManifest,
     views: Mapping[str, ArrayGeometry],
-    split: str,
+    config: PlanConfig,
     epoch: int,
-    shuffle: bool,
-    seed: int,
-    cross_split_windows: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The epoch's rank-independent sample pool: ``(chunks, counts, anchors)`` — the split's
     chunks in visiting order, their valid-anchor counts and all valid anchors laid out chunk
     after chunk (each chunk's ascending)."""
     offsets = [g.offset for g in views.values()]
-    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
-    if shuffle:
-        chunks = np.random.default_rng([seed, epoch, 0]).permutation(chunks)
-    starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
-    return chunks, counts, _runs(starts, counts)
+    chunks = np.asarray(manifest.chunks(config.split), dtype=np.int64)
+    if config.shuffle:
+        chunks = np.random.default_rng([config.seed, epoch, 0]).permutation(chunks)
+    counts, anchors = chunk_anchors(manifest, chunks, offsets, config)
+    return chunks, counts, anchors
 
 
 def patch_layout(views: Mapping[str, ArrayGeometry], block_chunks: int) -> PatchLayout | None:
@@ -254,9 +302,7 @@ def plan_epoch(
     spc = manifest.samples_per_chunk
     layout = patch_layout(views, block_chunks)
     if layout is None:
-        chunks, counts, anchors = _epoch_samples(
-            manifest, views, split, epoch, shuffle, seed, cross_split_windows
-        )
+        chunks, counts, anchors = _epoch_samples(manifest, views, cfg, epoch)
     else:  # "anchors" are sample ids (anchor * P + patch) until the ledger is drawn
         chunks, counts, anchors = _patch_samples(
             manifest, views, layout, split, epoch, shuffle, seed, cross_split_windows
@@ -314,6 +360,7 @@ def plan_epoch(
         first_batch=done,
         resumed=tuple((int(w), int(k)) for w, k in resumed),
         ledgers=_ledgers(views, anchors, batch_size, n_batches, gap, origins),
+        dropped=dropped_anchors(manifest, views, cfg),
         _block_of_row=block,
         _block_of_chunk=block_of_chunk,
         origins=origins,
@@ -400,11 +447,10 @@ def _ledgers(
     return tuple(out)
 
 
-def check_plan_inputs(
-    manifest: Any, views: Any, split: str, cross_split_windows: bool
-) -> dict[str, ArrayGeometry]:
-    """Validate the data a plan is drawn over (``split`` and ``cross_split_windows`` come from a
-    checked :class:`PlanConfig`); the views as a plain dict."""
+def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str, ArrayGeometry]:
+    """Validate the data a plan is drawn over for ``config`` (a checked :class:`PlanConfig`);
+    the views as a plain dict."""
+    split, cross_split_windows = config.split, config.cross_split_windows
     if not isinstance(manifest, SplitManifest):
         raise TypeError(f"manifest must be a SplitManifest, got {type(manifest).__name__}")
     if not isinstance(views, Mapping) or not views:
@@ -428,6 +474,13 @@ def check_plan_inputs(
             "(a whole field and its windows would need two kinds of slot)"
         )
     patch_spec(views)  # patched views must cut their fields alike
+    if (not every_sample(config.stride) or manifest.steps is not None) and any(
+        g.patch is not None for g in views.values()
+    ):
+        raise ValueError(
+            "an anchor stride or missing-step checks with patched views are not supported yet: "
+            "read the patched arrays without stride= and missing steps"
+        )
     offsets = [g.offset for g in views.values()]
     lo, hi = _valid_anchor_range(manifest.n_samples, offsets)
     if hi <= lo and manifest.n_samples > 0:
@@ -437,6 +490,17 @@ def check_plan_inputs(
         )
     split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
     _, counts = chunk_counts(manifest, split, split_chunks, offsets, cross_split_windows)
+    if (
+        len(split_chunks)
+        and counts.any()
+        and not chunk_anchors(manifest, split_chunks, offsets, config)[0].any()
+    ):
+        dropped = dropped_anchors(manifest, views, config)
+        raise ValueError(
+            f"split {split!r} has no anchor left with stride={config.stride} and the "
+            f"missing-step checks (dropped per reason: {dropped}); use a smaller stride or "
+            "check the times and missing steps"
+        )
     if len(split_chunks) and not counts.any():
         raise ValueError(
             f"split {split!r} has {len(split_chunks)} chunks, but with the views' offsets "

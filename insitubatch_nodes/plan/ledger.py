@@ -200,6 +200,9 @@ class EpochPlan:
     _block_of_chunk: np.ndarray = field(repr=False)
     #: a patched plan: (N, n_patch_axes) window origin of every row (else None)
     origins: np.ndarray | None = field(default=None, repr=False)
+    #: anchors of the split the missing-step checks dropped, per reason ({"nat": 3, ...};
+    #: empty without the checks), the same for every epoch and rank
+    dropped: Mapping[str, int] = field(default_factory=dict)
 
     @property
     def n_samples(self) -> int:

@@ -21,10 +21,12 @@ import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.anchors import every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     block_index,
     check_plan_inputs,
+    chunk_anchors,
     chunk_counts,
     patch_layout,
     plan_groups,
@@ -308,7 +310,7 @@ def schedule_floors(
       bounded schedule, so the bounded bound holds for it too.
     """
     cfg = plan_config(config, "schedule_floors")
-    views = check_plan_inputs(manifest, views, cfg.split, cfg.cross_split_windows)
+    views = check_plan_inputs(manifest, views, cfg)
     units, gap = _plan_units(manifest, views, cfg)
     if units is None:
         return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
@@ -366,14 +368,26 @@ def _plan_units(
     chunks = np.asarray(manifest.chunks(cfg.split), dtype=np.int64)
     offsets = [g.offset for g in views.values()]
     starts, counts = chunk_counts(manifest, cfg.split, chunks, offsets, cfg.cross_split_windows)
-    keep = counts > 0
     layout = patch_layout(views, bc)
+    spans = counts
+    if layout is None and (not every_sample(cfg.stride) or manifest.steps is not None):
+        # the stride and the missing-step checks keep a subset of each chunk's run: the rows
+        # are the anchors kept; the bytes, those of the stored chunks between each chunk's
+        # first and last anchor kept (an upper bound of what its anchors read)
+        counts, anchors = chunk_anchors(manifest, chunks, offsets, cfg)
+        if len(anchors):
+            first = np.cumsum(counts) - counts
+            has = counts > 0
+            starts = np.where(has, anchors[np.minimum(first, len(anchors) - 1)], starts)
+            last = np.where(has, anchors[np.maximum(first + counts - 1, 0)], starts)
+            spans = np.where(has, last - starts + 1, 0)
+    keep = counts > 0
     gap = block_batches(spc, bc, bs) if layout is None else layout.block_batches(spc, bs)
     if not keep.any():
         return None, gap
     if layout is None:
         weight, total, shared = _anchor_chunk_bytes(
-            manifest, views, chunks[keep], starts[keep], counts[keep]
+            manifest, views, chunks[keep], starts[keep], spans[keep]
         )
         units = _Units(counts, weight, total, shared, bc, spc, patched=False)
     else:

@@ -13,7 +13,7 @@ import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ import numpy as np
 
 from insitubatch_nodes.io.coords import Coordinate
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.anchors import SampleSteps
 
 __all__ = ["SPLITS", "SplitManifest", "split_by_chunk"]
 
@@ -34,6 +35,11 @@ class SplitManifest:
 
     ``array``, ``n_samples`` and ``samples_per_chunk`` describe the anchor grid the chunk indices
     refer to. The remaining fields record how the split was drawn, for reproducibility.
+
+    ``steps`` (a :class:`~insitubatch_nodes.plan.anchors.SampleSteps`, ``None`` by default) is
+    what the plan knows about each sample's time and missing objects, attached by the builder
+    (:meth:`with_steps`) for a time stride and the missing-step checks; it is neither saved
+    (:meth:`to_dict`) nor compared, and :meth:`fingerprint` covers it only when present.
     """
 
     array: str
@@ -44,6 +50,7 @@ class SplitManifest:
     contiguous: bool = True
     seed: int = 0
     sample_range: tuple[int, int] | None = None
+    steps: SampleSteps | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_samples < 0 or self.samples_per_chunk <= 0:
@@ -66,6 +73,15 @@ class SplitManifest:
                     raise ValueError(f"chunk {c} is in both {seen[c]!r} and {name!r}")
                 seen[c] = name
         object.__setattr__(self, "splits", normalized)
+        if self.steps is not None and self.steps.n_samples != self.n_samples:
+            raise ValueError(
+                f"steps cover {self.steps.n_samples} samples but the anchor grid has "
+                f"{self.n_samples}"
+            )
+
+    def with_steps(self, steps: SampleSteps | None) -> SplitManifest:
+        """This manifest carrying ``steps`` (its samples' times and missing objects)."""
+        return replace(self, steps=steps)
 
     @property
     def n_chunks(self) -> int:
@@ -98,6 +114,8 @@ class SplitManifest:
             ],
             sort_keys=True,
         )
+        if self.steps is not None:
+            body += "|steps:" + self.steps.fingerprint()
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     # -- persistence ---------------------------------------------------------------------------

@@ -19,8 +19,15 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.anchors import describe_stride, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
-from insitubatch_nodes.plan.epoch import check_plan_inputs, chunk_counts, patch_layout, plan_epoch
+from insitubatch_nodes.plan.epoch import (
+    check_plan_inputs,
+    chunk_anchors,
+    dropped_anchors,
+    patch_layout,
+    plan_epoch,
+)
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.schedule import (
@@ -73,6 +80,7 @@ _CONFIG_ATTRS = frozenset(
         "schedule",
         "remainder",
         "plan_config",
+        "stride",
     }
 )
 
@@ -147,8 +155,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     ) -> None:
         super().__init__()
         given = plan_config(config, "ReadPlanNode")
-        split, cross = given.split, given.cross_split_windows
-        views = check_plan_inputs(manifest, views, split, cross)
+        split = given.split
+        views = check_plan_inputs(manifest, views, given)
         if schedule is None:
             schedule = PinSchedule()
         if not isinstance(schedule, PinSchedule):
@@ -158,9 +166,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
         cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
         split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
-        _, counts = chunk_counts(
-            manifest, split, split_chunks, [g.offset for g in views.values()], cross
-        )
+        counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], given)
         n_valid = int(counts.sum())
         if world > 1 and len(split_chunks) and n_valid < world:
             raise ValueError(
@@ -180,6 +186,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self.world_size: int = world
         self.cross_split_windows = cfg.cross_split_windows
         self.remainder = cfg.remainder
+        self.stride = cfg.stride
         self.schedule = schedule
         self._epoch = 0
         self._pinned_epoch: int | None = None
@@ -220,12 +227,25 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             "world_size": self.world_size,
             "cross_split_windows": self.cross_split_windows,
             "remainder": self.remainder,
+            # only when set, so a default config's fingerprint is what it always was
+            **({} if every_sample(self.stride) else {"stride": describe_stride(self.stride)}),
+            **(
+                {}
+                if self.manifest.steps is None
+                else {"missing_steps": self.manifest.steps.fingerprint()}
+            ),
         }
 
     def config(self) -> dict[str, Any]:
         """What the plan is a function of, besides the epoch (plain, rank-independent; computed
         once at construction — a copy is returned)."""
         return dict(self._config)
+
+    @property
+    def dropped(self) -> dict[str, int]:
+        """Anchors of the split the missing-step checks dropped, per reason (``{"nat": 3,
+        "gap": 2, ...}``; ``{}`` without the checks): see :mod:`~insitubatch_nodes.plan.anchors`."""
+        return dropped_anchors(self.manifest, self.views, self.plan_config)
 
     @property
     def pin_gap(self) -> int | None:
@@ -400,6 +420,13 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     def _check_config(self, saved: Mapping[str, Any]) -> None:
         mine = self._config
+        for key, default in (("stride", 1), ("missing_steps", None)):  # absent = the default
+            if saved.get(key, default) != mine.get(key, default):
+                raise ValueError(
+                    f"cannot restore this read-plan state: its {key} differs (saved "
+                    f"{saved.get(key, default)!r}, this pipeline {mine.get(key, default)!r}); "
+                    "the anchors a plan draws depend on it"
+                )
         for key, value in mine.items():
             if key == "cross_split_windows" and key not in saved and self._rule_matters():
                 # saved before the rule existed: its windows read across the split's edge
@@ -430,6 +457,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return False
         chunks = np.asarray(self.manifest.chunks(self.split), dtype=np.int64)
         offsets = [g.offset for g in self.views.values()]
-        inside = chunk_counts(self.manifest, self.split, chunks, offsets, False)[1]
-        across = chunk_counts(self.manifest, self.split, chunks, offsets, True)[1]
+        inside = chunk_anchors(self.manifest, chunks, offsets, self.plan_config)[0]
+        across = chunk_anchors(
+            self.manifest, chunks, offsets, self.plan_config.replace(cross_split_windows=True)
+        )[0]
         return not np.array_equal(inside, across)

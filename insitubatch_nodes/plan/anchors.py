@@ -1,0 +1,234 @@
+"""Which anchors a plan may use: the anchor stride and the missing-step checks.
+
+A plan's anchors are the samples of the split whose every view reads inside the array (and,
+by default, inside the split: :func:`~insitubatch_nodes.plan.epoch.chunk_counts`). Two rules
+narrow that set, both as one boolean mask over the sample axis, computed with numpy (never a
+loop over samples), the same on every rank and every epoch:
+
+* **the stride** (``PlanConfig.stride``): an ``int`` ``k`` keeps the samples ``0, k, 2k, ...``
+  (counted from index 0 of the array); a time step (``np.timedelta64``) keeps the samples whose
+  time is a whole multiple of the step since ``1970-01-01T00:00`` in the coordinate's own
+  calendar (``"6h"``: 00, 06, 12 and 18 UTC). A time step needs the anchor array's times
+  (:class:`SampleSteps`) and must be a multiple of the data's step (``ValueError`` naming both).
+* **missing steps** (:class:`SampleSteps`, given by the builder): an anchor ``a`` is dropped
+  when a step ``a + k`` read by its views (``k`` in the set of the views' offsets) is missing,
+  for the first of these reasons (:data:`REASONS`, in this order): ``"nat"`` — its time is NaT
+  (``None`` for cftime dates); ``"gap"`` — its time is not ``time[a] + k * data_step`` (a gap, a
+  duplicated or an out-of-order step); ``"missing"`` — it was listed in ``missing=``;
+  ``"absent_object"`` — one of its stored objects is absent from the store
+  (``missing_objects="drop"``). The checks are over the set of offsets the views read, so any
+  view that reads a set of steps (a window) extends them.
+
+:func:`anchor_filter` returns the mask and the count of dropped anchors per reason. Pure numpy:
+no store, no zarr (the builder reads the times and lists the stored objects).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "REASONS",
+    "SampleSteps",
+    "anchor_filter",
+    "describe_stride",
+    "every_sample",
+    "stride_mask",
+]
+
+#: why an anchor is dropped, in the order an anchor's reason is chosen
+REASONS: tuple[str, ...] = ("nat", "gap", "missing", "absent_object")
+
+_NO_TIME = np.iinfo(np.int64).min  # a missing time's tick (NaT's int64 pattern)
+
+
+@dataclass(frozen=True, eq=False)
+class SampleSteps:
+    """What the plan knows about each sample of the anchor grid's sample axis, for the stride
+    and the missing-step checks (built by the builder, carried by the
+    :class:`~insitubatch_nodes.plan.splits.SplitManifest` as ``manifest.steps``).
+
+    * ``ticks`` (``int64``, one per sample, or ``None`` when the times were not read): each
+      sample's time as a count of ``unit`` since ``1970-01-01T00:00`` in the coordinate's own
+      calendar (``io.coords.time_offsets``); a missing time holds ``int64``'s minimum.
+    * ``unit``: the length of one tick (``np.timedelta64``).
+    * ``listed``: the samples listed in ``missing=`` (``bool``, one per sample).
+    * ``absent``: the samples one of whose stored objects is absent (``bool``, one per sample).
+    * ``coord``: the time coordinate's name (for messages).
+
+    With ``ticks``, the checks ``"nat"`` and ``"gap"`` run; ``data_step`` is then the most
+    common difference between consecutive times (ties: the smallest), in ticks.
+    """
+
+    n_samples: int
+    ticks: np.ndarray | None = None
+    unit: np.timedelta64 = field(default_factory=lambda: np.timedelta64(1, "s"))
+    listed: np.ndarray | None = None
+    absent: np.ndarray | None = None
+    coord: str = "time"
+
+    def __post_init__(self) -> None:
+        n = int(self.n_samples)
+        object.__setattr__(self, "n_samples", n)
+        for name, kind in (("ticks", np.int64), ("listed", bool), ("absent", bool)):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            arr = np.array(value, dtype=kind)
+            if arr.shape != (n,):
+                raise ValueError(f"SampleSteps.{name} must hold one value per sample ({n})")
+            arr.setflags(write=False)
+            object.__setattr__(self, name, arr)
+
+    @functools.cached_property
+    def nat(self) -> np.ndarray | None:
+        """Samples whose time is missing (``None`` without times)."""
+        return None if self.ticks is None else self.ticks == _NO_TIME
+
+    @functools.cached_property
+    def data_step(self) -> int | None:
+        """The data's step in ticks: the most common positive difference between
+        consecutive present times, the smallest on a tie (``None`` without two times)."""
+        if self.ticks is None:
+            return None
+        t = self.ticks[self.ticks != _NO_TIME]
+        d = np.diff(t)
+        d = d[d > 0]
+        if not len(d):
+            return None
+        values, counts = np.unique(d, return_counts=True)
+        return int(values[int(np.argmax(counts))])
+
+    def fingerprint(self) -> str:
+        """A short hash of everything here (what a plan's anchors are a function of)."""
+        h = hashlib.sha256(f"{self.n_samples}|{self.unit}|{self.coord}".encode())
+        for arr in (self.ticks, self.listed, self.absent):
+            h.update(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
+        return h.hexdigest()[:16]
+
+
+def every_sample(stride: int | np.timedelta64) -> bool:
+    """Whether ``stride`` keeps every sample: the int 1 (a time step never does, ``"1h"``
+    included, though numpy finds ``timedelta64(1, "h") == 1``)."""
+    return isinstance(stride, int) and stride == 1
+
+
+def describe_stride(stride: int | np.timedelta64) -> int | str:
+    """``stride`` as plain Python for a fingerprint: the int, or the step in its own unit
+    (``"6 hours"`` as numpy writes it)."""
+    return int(stride) if isinstance(stride, int) else str(stride)
+
+
+def _step_ticks(stride: np.timedelta64, steps: SampleSteps | None) -> tuple[int, SampleSteps]:
+    """A time stride in ticks of ``steps``, checked against the data's step."""
+    if steps is None or steps.ticks is None:
+        raise ValueError(
+            f"stride {stride} is a time step: it is resolved through the anchor array's time "
+            "coordinate, which this plan was not given (build with insitu_pipeline, or attach "
+            "SampleSteps to the manifest with manifest.with_steps(...)); or give an int stride"
+        )
+    unit_ns = int(steps.unit.astype("m8[ns]").astype(np.int64))
+    stride_ns = int(stride.astype("m8[ns]").astype(np.int64))
+    if stride_ns <= 0 or stride_ns % unit_ns:
+        raise ValueError(f"stride {stride} must be a positive whole number of {steps.unit}")
+    k = stride_ns // unit_ns
+    data = steps.data_step
+    if data is not None and k % data:
+        step = np.timedelta64(data * unit_ns, "ns")
+        raise ValueError(
+            f"stride {stride} is not a multiple of the data's step "
+            f"({_readable(step)} between samples of {steps.coord!r}): give a multiple of "
+            f"{_readable(step)}"
+        )
+    return k, steps
+
+
+def _readable(step: np.timedelta64) -> str:
+    ns = int(step.astype("m8[ns]").astype(np.int64))
+    for unit, size in (("D", 86_400 * 10**9), ("h", 3_600 * 10**9), ("min", 60 * 10**9)):
+        if ns % size == 0:
+            return f"{ns // size}{unit}"
+    return f"{ns / 1e9:g}s"
+
+
+def stride_mask(n_samples: int, stride: int | np.timedelta64, steps: SampleSteps | None) -> Any:
+    """The samples ``stride`` keeps as anchors (``bool``, one per sample), or ``None`` for
+    every sample (``stride == 1``). A time stride keeps the samples whose time is a whole
+    multiple of it since ``1970-01-01T00:00`` (a missing time is not kept)."""
+    if isinstance(stride, int):
+        if every_sample(stride):
+            return None
+        return np.arange(n_samples, dtype=np.int64) % stride == 0
+    k, steps = _step_ticks(stride, steps)
+    assert steps.ticks is not None
+    return (steps.ticks != _NO_TIME) & (steps.ticks % k == 0)
+
+
+def _reason_masks(steps: SampleSteps, offsets: Iterable[int]) -> dict[str, np.ndarray]:
+    """For each reason, the anchors one of whose steps ``a + k`` is missing for it (a step
+    outside the array is not counted here: the range rule drops those anchors)."""
+    n = steps.n_samples
+    a = np.arange(n, dtype=np.int64)
+    out: dict[str, np.ndarray] = {}
+    nat, data = steps.nat, steps.data_step
+    for k in sorted(set(int(k) for k in offsets)):
+        j = a + k
+        inside = (j >= 0) & (j < n)
+        jj = np.clip(j, 0, max(n - 1, 0))
+        per: dict[str, np.ndarray] = {}
+        if steps.ticks is not None and nat is not None:
+            per["nat"] = nat[jj] | nat  # the anchor's own time is a step too (k = 0)
+            if data is not None:
+                expected = steps.ticks + k * data
+                per["gap"] = ~per["nat"] & (steps.ticks[jj] != expected)
+        if steps.listed is not None:
+            per["missing"] = steps.listed[jj]
+        if steps.absent is not None:
+            per["absent_object"] = steps.absent[jj]
+        for reason, bad in per.items():
+            bad = bad & inside
+            out[reason] = out[reason] | bad if reason in out else bad
+    return out
+
+
+def anchor_filter(
+    n_samples: int,
+    offsets: Iterable[int],
+    stride: int | np.timedelta64,
+    steps: SampleSteps | None,
+) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+    """``(keep, dropped)``: the samples that may be anchors under ``stride`` and the
+    missing-step checks (``None``: every sample), and for each reason of :data:`REASONS` the
+    on-stride samples dropped for it (each under its first reason only)."""
+    offsets = list(offsets)
+    keep = stride_mask(n_samples, stride, steps)
+    dropped: dict[str, np.ndarray] = {}
+    if steps is None:
+        return keep, dropped
+    if steps.n_samples != n_samples:
+        raise ValueError(
+            f"the manifest's SampleSteps cover {steps.n_samples} samples but its anchor grid "
+            f"has {n_samples}"
+        )
+    masks = _reason_masks(steps, offsets)
+    taken = np.zeros(n_samples, dtype=bool) if keep is None else ~keep
+    for reason in REASONS:
+        if reason in masks:
+            dropped[reason] = masks[reason] & ~taken
+            taken = taken | masks[reason]
+    good = ~taken
+    return good, dropped
+
+
+def dropped_counts(
+    dropped: Mapping[str, np.ndarray], anchors_in_range: np.ndarray
+) -> dict[str, int]:
+    """Anchors of ``anchors_in_range`` (sample indices the range rule keeps) dropped for each
+    reason: ``{"nat": 3, "gap": 2, ...}`` (every checked reason, zeros included)."""
+    return {reason: int(mask[anchors_in_range].sum()) for reason, mask in dropped.items()}
