@@ -172,12 +172,14 @@ def elapsed_ticks(dates: np.ndarray, epoch: Any, shown: str) -> tuple[np.ndarray
         epoch = epoch.astype("M8[D]")
     units = (np.datetime_data(dates.dtype)[0], np.datetime_data(epoch.dtype)[0])
     tick = min(units, key=_TICK_NS.__getitem__)
-    e = epoch.astype(f"M8[{tick}]")
+    try:  # (numpy < 2.5 wraps around silently in casts between units; 2.5 raises)
+        e = epoch.astype(f"M8[{tick}]")
+        wrapped = e.astype(epoch.dtype) != epoch
+    except OverflowError:
+        wrapped = True
     ratio = _TICK_NS[units[0]] // _TICK_NS[tick]
     raw = dates.astype(np.int64)
-    if e.astype(epoch.dtype) != epoch or (
-        raw.size and float(np.abs(raw).max()) * ratio >= 2.0**62
-    ):  # (numpy's casts between units wrap around silently)
+    if wrapped or (raw.size and float(np.abs(raw).max()) * ratio >= 2.0**62):
         raise OverflowError(
             f"the times cannot be counted in {tick} since epoch {shown}: choose an epoch near them"
         )
