@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -127,7 +128,7 @@ def _start_child(
     its first line, ``first``: its pipeline has delivered a batch."""
     script = tmp_path / "child.py"
     script.write_text(source)
-    child = subprocess.Popen(
+    child = forkserver.popen(
         [sys.executable, str(script), *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
