@@ -205,8 +205,12 @@ def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:
     """
     import asyncio
 
+    from insitubatch_nodes.io.stores import retry_time_scale
+
+    scale = retry_time_scale()
+
     async def read() -> Any:
-        deadline = asyncio.timeout(timeout_s)
+        deadline = asyncio.timeout(timeout_s * scale)
         try:
             async with deadline:
                 return await array.async_array.getitem(Ellipsis)
@@ -626,7 +630,9 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
     (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
     ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
-    finished after that many seconds is cancelled and raises ``TimeoutError``. A signed cloud
+    finished after that many seconds (on the retry clock, see
+    :func:`~insitubatch_nodes.io.stores.retry_time_scale`) is cancelled and raises
+    ``TimeoutError``. A signed cloud
     store that finds no credentials raises :func:`~insitubatch_nodes.io.stores.credentials_error`'s
     ``PermissionError`` (obstore's error chained).
     """
@@ -672,8 +678,12 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
         return get
     import asyncio
 
+    from insitubatch_nodes.io.stores import retry_time_scale
+
+    scale = retry_time_scale()
+
     async def get_with_deadline(key: str, meta: list[Any] | None = None) -> Any:
-        deadline = asyncio.timeout(timeout_s)
+        deadline = asyncio.timeout(timeout_s * scale)
         try:
             async with deadline:
                 return await get(key, meta)
