@@ -31,6 +31,7 @@ from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 __all__ = [
+    "RETRY_TIME_SCALE_ENV",
     "SUPPORTED_SCHEMES",
     "RetryPolicy",
     "StoreLike",
@@ -39,6 +40,7 @@ __all__ = [
     "describe_store",
     "open_store",
     "retry_policy",
+    "retry_time_scale",
 ]
 
 SUPPORTED_SCHEMES: tuple[str, ...] = ("file", "memory", "s3", "gs", "az", "http", "https")
