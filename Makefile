@@ -23,8 +23,11 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check insitubatch_nodes tests recipes benchmarks
 	$(PY) -m mypy
 
+# Every test but the benchmark harness's smoke runs (the `bench` marker: `make bench-smoke`).
+TEST_SELECTION ?= -m "not bench"
+
 test: $(STAMP) lint
-	$(PY) -m pytest -n 2 --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -n 2 --dist loadgroup $(TEST_SELECTION) $(PYTEST_ARGS)
 
 # Second CI leg: Python 3.12 with the newest zarr the package allows (docs/development.md,
 # "Which zarr"). .venv312 is built once (torch==2.13.0 resolves the cp312 wheel and its CUDA
@@ -63,9 +66,12 @@ bench: $(STAMP)
 	BENCH_COMMAND="make bench" $(PY) -m benchmarks.archive --suite full $(ARCHIVE_ARGS)
 	$(PY) -m benchmarks.report
 
+# The harness's claims first (tests marked `bench`: each suite's smoke run and its report),
+# then both suites' smoke runs rendered together.
 bench-smoke: $(STAMP)
 	@$(PY) -c "import psutil, matplotlib, xarray, xbatcher, tensorstore" 2>/dev/null || \
 		$(PY) -m pip install --quiet -c constraints.txt -e '.[bench]'
+	$(PY) -m pytest -n 2 --dist loadgroup -m bench -p no:cacheprovider
 	@tmp=$$(mktemp -d) && \
 		BENCH_COMMAND="make bench-smoke" $(PY) -m benchmarks.run --suite smoke --out $$tmp --check && \
 		BENCH_COMMAND="make bench-smoke" $(PY) -m benchmarks.archive --suite smoke --out $$tmp \

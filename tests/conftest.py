@@ -24,6 +24,18 @@ import pytest
 import zarr
 
 # ---------------------------------------------------------------------------------------------
+# Order: the end-to-end tests first
+# ---------------------------------------------------------------------------------------------
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the tests marked ``slow`` (the long end-to-end ones) first, each file's in their
+    order, so that under ``-n 2`` the last minutes go to short tests that keep both workers
+    busy to the end, instead of one worker finishing a long test alone."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+# ---------------------------------------------------------------------------------------------
 # Layout constants the tests refer to (the one place the fixture shapes are written down).
 # ---------------------------------------------------------------------------------------------
 

@@ -28,6 +28,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import zarr
 from torchdata.nodes import Loader
@@ -290,13 +291,16 @@ def run_fresh(
     mode: str, request: Mapping[str, Any], workdir: Path, timeout: float = SUBPROCESS_TIMEOUT_S
 ) -> dict[str, Any]:
     """Run ``python resume_helpers.py MODE`` in a new process; the request and the response
-    travel as JSON files (so everything exchanged is plain Python)."""
+    travel as JSON files (so everything exchanged is plain Python). The process is forked from
+    the tests' fork server (``tests/forkserver.py``: new, with nothing of this one's state),
+    except for ``timing``, whose claim counts an interpreter's start: a fresh interpreter."""
     workdir.mkdir(parents=True, exist_ok=True)
     n = len(list(workdir.glob(f"{mode}-*.request.json")))
     req = workdir / f"{mode}-{n}.request.json"
     resp = workdir / f"{mode}-{n}.response.json"
     req.write_text(json.dumps(request))
-    proc = subprocess.run(
+    runner = subprocess.run if mode == "timing" else forkserver.run
+    proc = runner(
         [sys.executable, str(HERE), mode, str(req), str(resp)],
         capture_output=True,
         text=True,
@@ -428,8 +432,10 @@ def comparable(rows: Sequence[dict]) -> list[tuple]:
 def run_lightning(
     request: Mapping[str, Any], workdir: Path, timeout: float = SUBPROCESS_TIMEOUT_S
 ) -> tuple[int, str]:
-    """Run a Lightning training in a new process; returns (exit code, its log). stdout/stderr
-    go to a file so a DDP child that inherits them can never keep a pipe open."""
+    """Run a Lightning training in a new process (forked from the tests' fork server; under
+    ``strategy="ddp"`` Lightning starts rank 1 as a fresh interpreter); returns (exit code, its
+    log). stdout/stderr go to a file so a DDP child that inherits them can never keep a pipe
+    open."""
     workdir.mkdir(parents=True, exist_ok=True)
     n = len(list(workdir.glob("lightning-*.request.json")))
     req = workdir / f"lightning-{n}.request.json"
@@ -440,7 +446,7 @@ def run_lightning(
     env.pop("WORLD_SIZE", None)
     env["PYTHONUNBUFFERED"] = "1"
     with open(log, "w") as fh:
-        proc = subprocess.run(
+        proc = forkserver.run(
             [sys.executable, str(HERE), "lightning", str(req), str(workdir / f"lightning-{n}.out")],
             stdout=fh,
             stderr=subprocess.STDOUT,

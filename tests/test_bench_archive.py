@@ -22,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(600)
 def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path: Path) -> None:
     out = tmp_path / "bench"

@@ -24,6 +24,7 @@ FIELDS = REQUIRED_FIELDS
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(900)
 def test_bench_smoke(tmp_path: Path) -> None:
     out = tmp_path / "bench"
@@ -112,6 +113,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.bench
 @pytest.mark.timeout(600)
 def test_the_persistent_cache_bench_warms_in_one_process_and_reads_every_chunk_in_a_fresh_one(
     tmp_path: Path,

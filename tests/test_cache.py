@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -101,10 +102,11 @@ def logged(cache_dir: Path) -> list[dict[str, Any]]:
 
 
 class Child:
-    """A ``cache_child.py`` process that reports JSON events line by line."""
+    """A ``cache_child.py`` process that reports JSON events line by line (forked from the
+    tests' fork server: a new process that shares nothing with this one)."""
 
     def __init__(self, **cfg: Any) -> None:
-        self.proc = subprocess.Popen(
+        self.proc = forkserver.popen(
             [sys.executable, str(CHILD), json.dumps(cfg)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

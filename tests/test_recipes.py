@@ -1,4 +1,5 @@
-"""The recipes under ``recipes/`` run end to end (each in a subprocess, with small arguments)."""
+"""The recipes under ``recipes/`` run end to end (each in a subprocess, with small arguments;
+forked by ``tests/forkserver.py``, which runs the script as ``__main__`` as ``python`` would)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
 def _run_recipe(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return forkserver.run(
         [sys.executable, str(RECIPES / name), *args],
         cwd=cwd,
         capture_output=True,

@@ -1,11 +1,19 @@
 """An object store that fails: killed, frozen, or answering with transient errors.
 
-Every test runs a real moto S3 server of its own (``insitubatch_nodes.testing.MotoServer``) so
-it can kill it (SIGKILL) or freeze it (SIGSTOP). The training process is a subprocess: the test
-asserts what it reports (a ``ChunkReadError`` naming array, chunk and store), how long the error
-took after the failure, and that the process then exits 0 or 1 within 10 s, without SIGABRT or
-a segfault. Transient errors are injected by ``insitubatch_nodes.testing.FaultProxy``; zarr's
-read of the local copy is the oracle for the data.
+A test that kills (SIGKILL) or freezes (SIGSTOP) its endpoint runs a real moto S3 server of its
+own (``insitubatch_nodes.testing.MotoServer``, the ``moto`` fixture); the others share one per
+module and test process (``shared_moto``), reached through a
+``insitubatch_nodes.testing.FaultProxy`` that injects the transient errors. The training
+process of a killed or frozen endpoint is a subprocess (forked by ``tests/forkserver.py``): the
+test asserts what it reports (a ``ChunkReadError`` naming array, chunk and store), how long the
+error took after the failure, and that the process then exits 0 or 1 within 10 s, without
+SIGABRT or a segfault. zarr's read of the local copy is the oracle for the data.
+
+The tests of the default policy (its 30 s deadline) and of 6 s bursts run the retry clock
+faster (``retry_clock``: ``insitubatch_nodes.io.stores.retry_time_scale``): every wait the
+policy sets, and the burst, last ``SCALE`` of their seconds. The claims keep the policy's
+numbers; ``on_clock(s)`` is how long ``s`` policy seconds last, and the slack for what the clock
+does not govern (scheduling, a process's exit) stays in real seconds.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -35,6 +44,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.io.stores import RETRY_TIME_SCALE_ENV
 from insitubatch_nodes.testing import FaultProxy, MotoServer, upload_folder
 
 pytestmark = pytest.mark.timeout(180)
@@ -43,6 +53,8 @@ BUCKET, PREFIX = "failures", "data/era5.zarr"
 URL = f"s3://{BUCKET}/{PREFIX}"
 # A policy small enough to keep the tests quick: the claims are about the mechanism.
 QUICK = {"timeout_s": 3.0, "stall_timeout_s": 1.0, "connect_timeout_s": 1.0}
+# The retry clock's speed in the tests that use ``retry_clock``.
+SCALE = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +64,32 @@ def era5_local(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_era5(root, n_time=128, samples_per_chunk=4)
 
 
+def on_clock(policy_seconds: float) -> float:
+    """How long ``policy_seconds`` of a policy last under ``retry_clock``."""
+    return policy_seconds * SCALE
+
+
+@pytest.fixture
+def retry_clock(monkeypatch: pytest.MonkeyPatch) -> float:
+    """Every wait a retry policy sets runs ``SCALE`` times as long, here and in the training
+    subprocesses started after it (they inherit the environment)."""
+    monkeypatch.setenv(RETRY_TIME_SCALE_ENV, str(SCALE))
+    return SCALE
+
+
+@pytest.fixture(scope="module")
+def shared_moto(era5_local: Path) -> Iterator[MotoServer]:
+    """One moto server for the tests that neither kill nor freeze it, holding ``era5_local``
+    at ``URL`` (the faults come from a ``FaultProxy`` in front of it)."""
+    with MotoServer() as server:
+        upload_folder(era5_local, BUCKET, PREFIX, **server.options())
+        yield server
+
+
 @pytest.fixture
 def moto(era5_local: Path) -> Iterator[MotoServer]:
-    """A moto server of this test's own, holding ``era5_local`` at ``URL``."""
+    """A moto server of this test's own, holding ``era5_local`` at ``URL``: for the tests that
+    kill or freeze it."""
     with MotoServer() as server:
         upload_folder(era5_local, BUCKET, PREFIX, **server.options())
         try:
@@ -126,7 +161,7 @@ def _start_child(
     its first line, ``first``: its pipeline has delivered a batch."""
     script = tmp_path / "child.py"
     script.write_text(source)
-    child = subprocess.Popen(
+    child = forkserver.popen(
         [sys.executable, str(script), *argv],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
@@ -222,13 +257,13 @@ def test_a_tiled_chunk_against_a_frozen_endpoint_fails_within_one_deadline(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_under_the_default_policy_a_dead_endpoint_fails_within_60_s(
-    tmp_path: Path, moto: MotoServer, how: str
+    tmp_path: Path, moto: MotoServer, how: str, retry_clock: float
 ) -> None:
     report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, how, None)
     _assert_clean_failure(report, done)
-    assert to_error <= 60.0, (to_error, report)
+    assert to_error <= on_clock(60.0), (to_error, report)
     # refused connections and stalled ones alike are retried until the 30 s deadline
-    assert to_error >= RetryPolicy().timeout_s - 1.0, (to_error, report)
+    assert to_error >= on_clock(RetryPolicy().timeout_s - 1.0), (to_error, report)
     assert to_exit < 10.0
 
 
@@ -264,8 +299,9 @@ def _views(store: Any) -> tuple[dict[str, Any], dict[str, View], Any]:
     "fault", [{"status": 503}, {"status": 429}, {"status": 500}, {"reset": True}]
 )
 def test_transient_errors_on_the_first_two_gets_of_every_object_still_yield_exact_data(
-    era5_local: Path, moto: MotoServer, fault: dict[str, Any]
+    era5_local: Path, shared_moto: MotoServer, fault: dict[str, Any]
 ) -> None:
+    moto = shared_moto
     with FaultProxy(moto.port, fail_first=2, match="/c/", **fault) as proxy:
         store = open_store(URL, **moto.options(endpoint=proxy.endpoint))
         views, oviews, manifest = _views(store)
@@ -283,8 +319,9 @@ def test_transient_errors_on_the_first_two_gets_of_every_object_still_yield_exac
 
 
 def test_a_transient_error_that_outlasts_max_retries_raises_naming_the_store(
-    era5_local: Path, moto: MotoServer
+    era5_local: Path, shared_moto: MotoServer
 ) -> None:
+    moto = shared_moto
     with FaultProxy(moto.port, fail_first=2, status=503, match="/c/") as proxy:
         setup = open_store(URL, **moto.options())
         views, _, manifest = _views(setup)
@@ -308,9 +345,10 @@ BURST_S = 6.0  # longer than obstore's 10 jittered retries last (1.4-5.5 s)
 
 @pytest.mark.parametrize("status", [503, 500])
 def test_a_6_s_burst_of_server_errors_on_every_object_is_absorbed_with_exact_data(
-    era5_local: Path, moto: MotoServer, status: int
+    era5_local: Path, shared_moto: MotoServer, status: int, retry_clock: float
 ) -> None:
-    with FaultProxy(moto.port, burst_s=BURST_S, status=status, match="/c/") as proxy:
+    moto = shared_moto
+    with FaultProxy(moto.port, burst_s=on_clock(BURST_S), status=status, match="/c/") as proxy:
         views, oviews, manifest = _views(open_store(URL, **moto.options()))
         store = open_store(URL, **moto.options(endpoint=proxy.endpoint))  # the default policy
         # coords=(): the time coordinate read at build would meet the burst before any chunk
@@ -319,16 +357,17 @@ def test_a_6_s_burst_of_server_errors_on_every_object_is_absorbed_with_exact_dat
             records = run_epoch(pipe, Oracle(era5_local), oviews)  # zarr's read is the oracle
         assert len(records) == len(pipe)
         assert proxy.burst_started is not None
-        assert time.monotonic() - proxy.burst_started >= BURST_S  # the epoch outlasted it
+        assert time.monotonic() - proxy.burst_started >= on_clock(BURST_S)  # the epoch outlasted it
         chunk_gets = [n for p, n in proxy.gets.items() if "/c/" in p]
         assert max(chunk_gets) > 11  # more than obstore's old 10 retries on some object
         assert proxy.injected > len(chunk_gets)
 
 
 def test_an_endpoint_that_refuses_connections_for_6_s_is_waited_for_within_the_deadline(
-    era5_local: Path, moto: MotoServer
+    era5_local: Path, shared_moto: MotoServer, retry_clock: float
 ) -> None:
     """Connection refused is transient too: the proxy is down for 6 s, then back on its port."""
+    moto = shared_moto
     views, oviews, manifest = _views(open_store(URL, **moto.options()))
     proxy = FaultProxy(moto.port, fail_first=0)
     port, endpoint = proxy.port, proxy.endpoint
@@ -340,33 +379,35 @@ def test_an_endpoint_that_refuses_connections_for_6_s_is_waited_for_within_the_d
         assert_batch_matches(next(it), oracle, oviews)
         proxy.stop()  # from here every connection is refused
         t_down = time.monotonic()
-        time.sleep(BURST_S)
+        time.sleep(on_clock(BURST_S))
         with FaultProxy(moto.port, fail_first=0, port=port) as back:
             rest = run_epoch(it, oracle, oviews)
     assert len(rest) == len(pipe) - 1
-    assert time.monotonic() - t_down >= BURST_S
+    assert time.monotonic() - t_down >= on_clock(BURST_S)
     assert sum(back.gets.values()) > 0  # reads were still to come when the endpoint went away
 
 
 def test_a_dead_endpoint_fails_at_the_deadline_not_at_a_retry_count(
-    tmp_path: Path, moto: MotoServer
+    tmp_path: Path, moto: MotoServer, retry_clock: float
 ) -> None:
     policy = {**QUICK, "timeout_s": 5.0}
     report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, "killed", policy)
     _assert_clean_failure(report, done)
     # refused connections are retried until the deadline, then the read fails naming the store
-    assert policy["timeout_s"] - 0.5 <= to_error < policy["timeout_s"] + 2.0, (to_error, report)
+    deadline = policy["timeout_s"]
+    assert on_clock(deadline - 0.5) <= to_error < on_clock(deadline) + 2.0, (to_error, report)
     assert to_exit < 10.0
 
 
 def test_zarr_metadata_reads_absorb_a_6_s_burst_of_503s_too(
-    era5_local: Path, moto: MotoServer
+    era5_local: Path, shared_moto: MotoServer, retry_clock: float
 ) -> None:
-    with FaultProxy(moto.port, burst_s=BURST_S, match="zarr.json") as proxy:
+    moto = shared_moto
+    with FaultProxy(moto.port, burst_s=on_clock(BURST_S), match="zarr.json") as proxy:
         store = open_store(URL, **moto.options(endpoint=proxy.endpoint))
         geoms = open_geometries(store, ["t2m", "z"])
         assert proxy.burst_started is not None
-        assert time.monotonic() - proxy.burst_started >= BURST_S
+        assert time.monotonic() - proxy.burst_started >= on_clock(BURST_S)
     local = open_geometries(era5_local, ["t2m", "z"])
     assert {k: repr(g) for k, g in geoms.items()} == {k: repr(g) for k, g in local.items()}
 
@@ -406,8 +447,9 @@ def test_a_coordinate_read_that_never_answers_fails_the_build_at_the_deadline(
 
 
 def test_a_coordinate_read_that_outlasts_max_retries_fails_the_build_naming_it(
-    era5_local: Path, moto: MotoServer
+    era5_local: Path, shared_moto: MotoServer
 ) -> None:
+    moto = shared_moto
     views, _, manifest = _views(open_store(URL, **moto.options()))
     with FaultProxy(moto.port, fail_first=2, status=503, match="time/c/") as proxy:
         store = open_store(
@@ -491,8 +533,9 @@ def test_close_and_exit_do_not_wait_out_the_retry_deadline_while_an_obstore_endp
 
 
 def test_under_on_bad_chunk_nan_transient_errors_are_retried_first_and_not_listed_as_bad(
-    era5_local: Path, moto: MotoServer
+    era5_local: Path, shared_moto: MotoServer
 ) -> None:
+    moto = shared_moto
     with FaultProxy(moto.port, fail_first=2, status=503, match="/c/") as proxy:
         store = open_store(URL, **moto.options(endpoint=proxy.endpoint))
         views, oviews, manifest = _views(store)
@@ -503,8 +546,9 @@ def test_under_on_bad_chunk_nan_transient_errors_are_retried_first_and_not_liste
 
 
 def test_under_on_bad_chunk_nan_an_error_that_outlasts_the_retries_fills_and_lists_the_chunk(
-    era5_local: Path, moto: MotoServer
+    era5_local: Path, shared_moto: MotoServer
 ) -> None:
+    moto = shared_moto
     with FaultProxy(moto.port, fail_first=2, status=503, match="t2m/c/3/") as proxy:
         setup = open_store(URL, **moto.options())
         views, _, manifest = _views(setup)

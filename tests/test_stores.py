@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 
@@ -14,7 +15,15 @@ from zarr.abc.store import Store
 from zarr.core.buffer import cpu
 
 from insitubatch_nodes import RetryPolicy, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, as_store, describe_store, retry_policy
+from insitubatch_nodes.io.objects import make_async_getter
+from insitubatch_nodes.io.stores import (
+    RETRY_TIME_SCALE_ENV,
+    SUPPORTED_SCHEMES,
+    as_store,
+    describe_store,
+    retry_policy,
+    retry_time_scale,
+)
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
@@ -253,6 +262,42 @@ def test_by_default_obstore_gets_more_retries_than_fit_in_the_deadline() -> None
     inner = open_store("s3://bucket/x", retry=policy).store  # type: ignore[attr-defined]
     assert inner.retry_config["max_retries"] > 12.0 / 0.5
     assert RetryPolicy(max_retries=3).obstore_retry_config()["max_retries"] == 3
+
+
+def test_the_test_only_retry_clock_scales_every_wait_and_leaves_the_policy_as_it_is(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """INSITUBATCH_NODES_RETRY_TIME_SCALE (tests/test_store_failures.py runs its deadlines
+    on it): obstore's deadline, backoffs and timeouts, and the deadline of every read, shrink by
+    the scale; the policy, its retry count and the messages keep the policy's seconds."""
+    policy = RetryPolicy(timeout_s=12.0, stall_timeout_s=3.0, connect_timeout_s=2)
+    assert retry_time_scale() == 1.0
+    monkeypatch.setenv(RETRY_TIME_SCALE_ENV, "0.25")
+    assert retry_time_scale() == 0.25
+    inner = open_store("s3://bucket/x", retry=policy).store  # type: ignore[attr-defined]
+    assert inner.retry_config["retry_timeout"].total_seconds() == 3.0
+    assert inner.retry_config["backoff"]["init_backoff"].total_seconds() == 0.025
+    assert inner.retry_config["backoff"]["max_backoff"].total_seconds() == 1.25
+    assert inner.retry_config["max_retries"] == RetryPolicy(timeout_s=12.0).retry_count_limit
+    assert inner.client_options["read_timeout"] == "750ms"
+    assert inner.client_options["connect_timeout"] == "500ms"
+    assert inner.client_options["timeout"] == "3s"
+    assert policy.timeout_s == 12.0
+    assert retry_policy(open_store("s3://bucket/x")).timeout_s == 30.0  # the default, unscaled
+
+    class Never(zarr.storage.MemoryStore):
+        async def get(self, *args: object, **kwargs: object) -> None:
+            await asyncio.sleep(3600)
+
+    get = make_async_getter(Never(), timeout_s=4.0)  # 1 s on the scaled clock
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"within 4 s \(RetryPolicy.timeout_s\)"):
+        asyncio.run(get("k"))
+    assert 0.9 <= time.monotonic() - t0 < 3.0
+    for bad in ("0", "2", "-1", "fast"):
+        monkeypatch.setenv(RETRY_TIME_SCALE_ENV, bad)
+        with pytest.raises(ValueError, match=RETRY_TIME_SCALE_ENV):
+            retry_time_scale()
 
 
 @pytest.mark.xdist_group("s3")

@@ -242,8 +242,12 @@ def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:
     """
     import asyncio
 
+    from insitubatch_nodes.io.stores import retry_time_scale
+
+    scale = retry_time_scale()
+
     async def read() -> Any:
-        deadline = asyncio.timeout(timeout_s)
+        deadline = asyncio.timeout(timeout_s * scale)
         try:
             async with deadline:
                 return await array.async_array.getitem(Ellipsis)

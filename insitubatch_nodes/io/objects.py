@@ -8,7 +8,7 @@ from typing import Any
 
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.localfiles import local_reader
-from insitubatch_nodes.io.stores import credentials_error, plain_object_store
+from insitubatch_nodes.io.stores import credentials_error, plain_object_store, retry_time_scale
 
 __all__ = ["HEADS_IN_FLIGHT", "head_objects", "make_async_getter"]
 
@@ -24,8 +24,9 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     A ``zarr.storage.ObjectStore`` is read through the obstore store beneath it
     (``obstore.get_async``), skipping zarr's buffer layer; any other zarr store through its own
     ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
-    finished after that many seconds is cancelled and raises ``TimeoutError``. A signed cloud
-    store that finds no credentials raises :func:`~insitubatch_nodes.io.stores.credentials_error`'s
+    finished after that many seconds (on the retry clock, see
+    :func:`~insitubatch_nodes.io.stores.retry_time_scale`) is cancelled and raises
+    ``TimeoutError``. A signed cloud store that finds no credentials raises :func:`~insitubatch_nodes.io.stores.credentials_error`'s
     ``PermissionError`` (obstore's error chained).
     """
     from zarr.storage import ObjectStore
@@ -72,8 +73,10 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
         return get
     import asyncio
 
+    scale = retry_time_scale()
+
     async def get_with_deadline(key: str, meta: list[Any] | None = None) -> Any:
-        deadline = asyncio.timeout(timeout_s)
+        deadline = asyncio.timeout(timeout_s * scale)
         try:
             async with deadline:
                 return await get(key, meta)

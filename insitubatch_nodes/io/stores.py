@@ -34,6 +34,7 @@ from insitubatch_nodes import _process
 from insitubatch_nodes.io import _zarr_compat
 
 __all__ = [
+    "RETRY_TIME_SCALE_ENV",
     "SUPPORTED_SCHEMES",
     "RetryPolicy",
     "StoreLike",
@@ -42,6 +43,7 @@ __all__ = [
     "describe_store",
     "open_store",
     "retry_policy",
+    "retry_time_scale",
 ]
 
 SUPPORTED_SCHEMES: tuple[str, ...] = ("file", "memory", "s3", "gs", "az", "http", "https")
@@ -196,24 +198,54 @@ class RetryPolicy:
         return math.ceil(self.timeout_s / self.initial_backoff_s) + 1
 
     def obstore_retry_config(self) -> dict[str, Any]:
-        """The policy as obstore's ``retry_config``."""
+        """The policy as obstore's ``retry_config`` (its seconds on the retry clock, see
+        :func:`retry_time_scale`)."""
+        scale = retry_time_scale()
         return {
             "max_retries": self.retry_count_limit,
-            "retry_timeout": timedelta(seconds=self.timeout_s),
+            "retry_timeout": timedelta(seconds=self.timeout_s * scale),
             "backoff": {
-                "init_backoff": timedelta(seconds=self.initial_backoff_s),
-                "max_backoff": timedelta(seconds=self.max_backoff_s),
+                "init_backoff": timedelta(seconds=self.initial_backoff_s * scale),
+                "max_backoff": timedelta(seconds=self.max_backoff_s * scale),
                 "base": float(self.backoff_base),
             },
         }
 
     def obstore_client_timeouts(self) -> dict[str, timedelta]:
-        """The policy's timeouts as obstore ``client_options`` entries."""
+        """The policy's timeouts as obstore ``client_options`` entries (on the retry clock)."""
+        scale = retry_time_scale()
         return {
-            "connect_timeout": timedelta(seconds=self.connect_timeout_s),
-            "read_timeout": timedelta(seconds=self.stall_timeout_s),
-            "timeout": timedelta(seconds=self.timeout_s),
+            "connect_timeout": timedelta(seconds=self.connect_timeout_s * scale),
+            "read_timeout": timedelta(seconds=self.stall_timeout_s * scale),
+            "timeout": timedelta(seconds=self.timeout_s * scale),
         }
+
+
+# Test-only: the retry clock's speed (see retry_time_scale).
+RETRY_TIME_SCALE_ENV = "INSITUBATCH_NODES_RETRY_TIME_SCALE"
+
+
+def retry_time_scale() -> float:
+    """How many real seconds one second of a :class:`RetryPolicy` lasts: 1.0.
+
+    **A test-only hook.** The environment variable ``INSITUBATCH_NODES_RETRY_TIME_SCALE``, a
+    number in (0, 1], runs every wait a policy sets on a faster clock: the deadline
+    (``timeout_s``, in the fetch stage, in coordinate reads and in obstore), the backoffs and
+    obstore's connect and stall timeouts are all multiplied by it when a store is opened or a
+    read starts, so a test of the default policy's 30 s deadline can wait 3 s and still check
+    the same claim in the policy's units. The policy's numbers, its retry count limit and the
+    messages (which name the policy's seconds) are unchanged. Unset, the scale is 1.0.
+    """
+    raw = os.environ.get(RETRY_TIME_SCALE_ENV)
+    if not raw:
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = math.nan
+    if not (0.0 < scale <= 1.0):
+        raise ValueError(f"{RETRY_TIME_SCALE_ENV} must be a number in (0, 1], got {raw!r}")
+    return scale
 
 
 DEFAULT_RETRY = RetryPolicy()

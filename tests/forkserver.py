@@ -1,0 +1,450 @@
+"""New Python processes without a new interpreter start: a fork server for the tests.
+
+Many tests run a script in a process of its own (a training run killed and resumed, a reader
+of a cache another process wrote, a process whose endpoint dies under it). Each such process
+used to start a fresh interpreter and import torch, zarr, obstore and Lightning again: about
+2 s, and 4.6 s with Lightning, per process. Here one helper process per test process (per
+xdist worker) imports them once and then forks on request; the forked process runs the
+script as ``__main__`` and ends through the interpreter's normal exit (atexit hooks, thread
+joins, the exit code of ``sys.exit`` or of an uncaught exception), exactly as
+``python script.py`` would.
+
+What a forked process shares with a fresh interpreter: a new pid, nothing of the test
+process's state (the server forks from its own clean state, never from the test process), its
+own stdin/stdout/stderr (pipes or files, as asked), environment, working directory and
+``sys.argv``. What it does not: the modules the server imported are already imported, and
+``PYTHONHASHSEED`` and the other ``PYTHON*`` start-up variables are the server's. So
+:func:`popen` and :func:`run` fall back to a real interpreter (``subprocess``) whenever a
+request changes a ``PYTHON*`` variable other than ``PYTHONPATH``/``PYTHONUNBUFFERED``, uses an
+interpreter option other than ``-c``/``-m``/``-u``, or runs another executable; and a test
+whose claim is about a fresh interpreter (its start-up time, its hash seed, what ``import``
+loads) calls ``subprocess`` directly. ``INSITUBATCH_TESTS_NO_FORKSERVER=1`` sends every request
+to a real interpreter (to rule the server out when a test fails).
+
+Usage mirrors ``subprocess``: ``popen(argv, stdin=PIPE, stdout=PIPE, stderr=PIPE, text=True,
+env=..., cwd=...)`` returns an object with ``pid``, ``stdin``/``stdout``/``stderr``,
+``poll()``, ``wait(timeout)``, ``kill()``, ``terminate()``, ``send_signal()`` and
+``returncode``; ``run(argv, capture_output=True, text=True, timeout=..., ...)`` returns a
+``subprocess.CompletedProcess``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import io
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+PIPE = subprocess.PIPE
+DEVNULL = subprocess.DEVNULL
+STDOUT = subprocess.STDOUT
+
+# Imported once by the server, before it forks anything.
+PRELOAD = (
+    "numpy",
+    "zarr",
+    "obstore",
+    "torch",
+    "torch.distributed",
+    "torchdata.nodes",
+    "insitubatch_nodes",
+    "insitubatch_nodes.pipeline",
+    "insitubatch_nodes.torch_data",
+    "insitubatch_nodes.testing",
+    "lightning.pytorch",
+    "insitubatch_nodes.lightning",
+)
+
+# PYTHON* variables a forked process can honour (the rest are read at interpreter start).
+_HONOURED = {"PYTHONPATH", "PYTHONUNBUFFERED"}
+_MAX_MESSAGE = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# The test-process side
+# ---------------------------------------------------------------------------------------------
+
+
+class _Server:
+    """One fork server process and the socket to it; a thread collects exit statuses."""
+
+    def __init__(self) -> None:
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._log = open(  # noqa: SIM115 (kept open for the server's life)
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"forkserver-{os.getpid()}.log", "wb"
+        )
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, str(theirs.fileno())],
+            pass_fds=[theirs.fileno()],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+        )
+        theirs.close()
+        self.sock = ours
+        self._lock = threading.Lock()  # one request at a time
+        self._cond = threading.Condition()
+        self._exits: dict[int, int] = {}
+        self._replies: list[dict[str, Any]] = []
+        ready = json.loads(self.sock.recv(_MAX_MESSAGE) or b"{}")
+        if not ready.get("ready"):
+            raise RuntimeError(f"the fork server did not start: {ready}; see {self._log.name}")
+        threading.Thread(target=self._collect, name="forkserver-exits", daemon=True).start()
+
+    def _collect(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(_MAX_MESSAGE)
+            except OSError:
+                data = b""
+            with self._cond:
+                if not data:
+                    self._replies.append({"error": "the fork server exited"})
+                    self._cond.notify_all()
+                    return
+                msg = json.loads(data)
+                if "exit" in msg:
+                    self._exits[msg["exit"]] = msg["returncode"]
+                else:
+                    self._replies.append(msg)
+                self._cond.notify_all()
+
+    def fork(self, request: dict[str, Any], fds: Sequence[int]) -> int:
+        with self._lock:
+            socket.send_fds(self.sock, [json.dumps(request).encode()], list(fds))
+            with self._cond:
+                self._cond.wait_for(lambda: bool(self._replies), timeout=60)
+                if not self._replies:
+                    raise RuntimeError("the fork server did not answer within 60 s")
+                reply = self._replies.pop(0)
+        if "pid" not in reply:
+            raise RuntimeError(f"the fork server failed: {reply}; see {self._log.name}")
+        return int(reply["pid"])
+
+    def returncode(self, pid: int, timeout: float | None) -> int | None:
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._exits, timeout=timeout)
+            return self._exits.get(pid)
+
+    def close(self) -> None:
+        try:
+            self.sock.close()
+        finally:
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self._log.close()
+
+
+_SERVER: _Server | None = None
+_SERVER_LOCK = threading.Lock()
+
+
+def _server() -> _Server:
+    global _SERVER
+    with _SERVER_LOCK:
+        if _SERVER is None or _SERVER.proc.poll() is not None:
+            _SERVER = _Server()
+            atexit.register(_SERVER.close)
+        return _SERVER
+
+
+class ForkedProcess:
+    """A process forked by the server: the parts of ``subprocess.Popen`` the tests use."""
+
+    def __init__(
+        self, server: _Server, pid: int, args: list[str], streams: list[Any | None]
+    ) -> None:
+        self._server = server
+        self.pid = pid
+        self.args = args
+        self.stdin, self.stdout, self.stderr = streams
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            self.returncode = self._server.returncode(self.pid, timeout=0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            self.returncode = self._server.returncode(self.pid, timeout=timeout)
+            if self.returncode is None:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+        if self.stdin is not None:
+            self.stdin.close()
+        out_box: list[Any] = [None, None]
+        readers = []
+        for i, stream in enumerate((self.stdout, self.stderr)):
+            if stream is not None:
+
+                def read(i: int = i, stream: Any = stream) -> None:
+                    out_box[i] = stream.read()
+
+                t = threading.Thread(target=read, daemon=True)
+                t.start()
+                readers.append(t)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for t in readers:
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
+        self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        for stream in (self.stdout, self.stderr):
+            if stream is not None:
+                stream.close()
+        return out_box[0], out_box[1]
+
+
+def _forkable(argv: Sequence[str], env: Mapping[str, str] | None, server_env: dict) -> bool:
+    if os.environ.get("INSITUBATCH_TESTS_NO_FORKSERVER") == "1" or sys.platform != "linux":
+        return False
+    if not argv or os.path.realpath(argv[0]) != os.path.realpath(sys.executable):
+        return False
+    rest = list(argv[1:])
+    while rest and rest[0] == "-u":
+        rest.pop(0)
+    if not rest or (rest[0].startswith("-") and rest[0] not in ("-c", "-m")):
+        return False
+    want = dict(os.environ if env is None else env)
+    for key in set(want) | set(server_env):
+        if (
+            key.startswith("PYTHON")
+            and key not in _HONOURED
+            and want.get(key) != server_env.get(key)
+        ):
+            return False
+    return True
+
+
+def popen(
+    argv: Sequence[str],
+    *,
+    stdin: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+) -> Any:
+    """Like ``subprocess.Popen(argv, ...)``; a forked process where that is equivalent."""
+    argv = [os.fspath(a) for a in argv]
+    server = _server() if os.environ.get("INSITUBATCH_TESTS_NO_FORKSERVER") != "1" else None
+    if server is None or not _forkable(argv, env, server.env):
+        return subprocess.Popen(
+            argv, stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd
+        )
+    child_fds: list[int] = []
+    ours: list[Any | None] = [None, None, None]
+    to_close: list[int] = []
+    null = None
+    for i, spec in enumerate((stdin, stdout, stderr)):
+        if spec is PIPE:
+            r, w = os.pipe()
+            mine, theirs = (w, r) if i == 0 else (r, w)
+            mode = "w" if i == 0 else "r"
+            ours[i] = open(mine, mode if text else mode + "b", closefd=True)  # noqa: SIM115
+            child_fds.append(theirs)
+            to_close.append(theirs)
+        elif spec is DEVNULL:
+            if null is None:
+                null = os.open(os.devnull, os.O_RDWR)
+                to_close.append(null)
+            child_fds.append(null)
+        elif spec is STDOUT and i == 2:
+            child_fds.append(child_fds[1])
+        elif spec is None:
+            child_fds.append(i)
+        elif isinstance(spec, int):
+            child_fds.append(spec)
+        else:
+            child_fds.append(spec.fileno())
+    request = {
+        "argv": argv[1:],
+        "env": dict(os.environ if env is None else env),
+        "cwd": None if cwd is None else os.fspath(cwd),
+    }
+    try:
+        pid = server.fork(request, child_fds)
+    finally:
+        for fd in to_close:
+            os.close(fd)
+    return ForkedProcess(server, pid, argv, ours)
+
+
+def run(
+    argv: Sequence[str],
+    *,
+    capture_output: bool = False,
+    stdout: Any = None,
+    stderr: Any = None,
+    text: bool = False,
+    env: Mapping[str, str] | None = None,
+    cwd: str | os.PathLike[str] | None = None,
+    timeout: float | None = None,
+    check: bool = False,
+) -> subprocess.CompletedProcess[Any]:
+    """Like ``subprocess.run(argv, ...)`` (stdin is ``/dev/null``)."""
+    if capture_output:
+        stdout = stderr = PIPE
+    proc = popen(argv, stdin=DEVNULL, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise
+    done = subprocess.CompletedProcess(list(argv), proc.returncode, out, err)
+    if check:
+        done.check_returncode()
+    return done
+
+
+# ---------------------------------------------------------------------------------------------
+# The server side (this file run as a script)
+# ---------------------------------------------------------------------------------------------
+
+
+def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
+    """Fork on every request; return (request, fds) in a forked process, None in the server
+    once the test process has gone."""
+    children: dict[int, int] = {}  # pidfd -> pid
+    while True:
+        ready, _, _ = select.select([sock, *children], [], [])
+        for pidfd in [fd for fd in ready if fd in children]:
+            pid = children.pop(pidfd)
+            os.close(pidfd)
+            _, status = os.waitpid(pid, 0)
+            code = os.waitstatus_to_exitcode(status)
+            try:
+                sock.send(json.dumps({"exit": pid, "returncode": code}).encode())
+            except OSError:
+                return None
+        if sock not in ready:
+            continue
+        data, fds, _, _ = socket.recv_fds(sock, _MAX_MESSAGE, 3)
+        if not data:
+            return None
+        request = json.loads(data)
+        pid = os.fork()
+        if pid == 0:
+            for pidfd in children:
+                os.close(pidfd)
+            sock.close()
+            return request, fds
+        for fd in fds:
+            os.close(fd)
+        children[os.pidfd_open(pid)] = pid
+        sock.send(json.dumps({"pid": pid}).encode())
+
+
+def _become(request: dict[str, Any], fds: list[int]) -> list[str]:
+    """Turn this forked process into ``python ARGV...``: its streams, environment, working
+    directory and ``sys.path``; return the argv after the interpreter."""
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+    for fd in set(fds) - {0, 1, 2}:
+        os.close(fd)
+    env = request["env"]
+    os.environ.clear()
+    os.environ.update(env)
+    if request["cwd"] is not None:
+        os.chdir(request["cwd"])
+    unbuffered = bool(env.get("PYTHONUNBUFFERED"))
+    argv = list(request["argv"])
+    while argv and argv[0] == "-u":
+        unbuffered = True
+        argv.pop(0)
+    sys.stdin = sys.__stdin__ = io.TextIOWrapper(
+        io.BufferedReader(io.FileIO(0, "r", closefd=False)), encoding="utf-8"
+    )
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        raw = io.FileIO(fd, "w", closefd=False)
+        stream = io.TextIOWrapper(
+            io.BufferedWriter(raw),
+            encoding="utf-8",
+            errors="backslashreplace" if fd == 2 else "strict",
+            line_buffering=fd == 2 or os.isatty(fd),
+            write_through=unbuffered,
+        )
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+    # sys.path as a fresh interpreter would have it: the script's folder (or the working
+    # directory for -c/-m), then PYTHONPATH, then the rest of the server's path
+    base = [p for p in sys.path[1:] if p not in _SERVER_PYTHONPATH]
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = "" if argv[0] in ("-c", "-m") else os.path.dirname(os.path.abspath(argv[0]))
+    sys.path[:] = [first if first else os.getcwd(), *extra, *base]
+    return argv
+
+
+def _run(argv: list[str]) -> None:
+    import runpy
+
+    if argv[0] == "-c":
+        import types
+
+        sys.argv = ["-c", *argv[2:]]
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = main
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    elif argv[0] == "-m":
+        sys.argv = [argv[1], *argv[2:]]
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(argv)
+        runpy.run_path(argv[0], run_name="__main__")
+
+
+_SERVER_PYTHONPATH = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+if __name__ == "__main__":
+    _control = socket.socket(fileno=int(sys.argv[1]))
+    for _name in PRELOAD:
+        # an extra that is not installed: the scripts that need it import it themselves
+        with contextlib.suppress(ImportError):
+            __import__(_name)
+    # What the server imported is never collected in the forked processes: keep it out of
+    # their garbage collections (interpreter exit collects, and would walk all of torch).
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    _control.send(json.dumps({"ready": True}).encode())
+    _got = _serve(_control)
+    if _got is None:
+        sys.exit(0)
+    _argv = _become(*_got)
+    del _got, _control
+    _run(_argv)
+    sys.exit(0)
