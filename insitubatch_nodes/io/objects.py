@@ -26,8 +26,9 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     ``Store.get``. With ``timeout_s`` every read (request, retries and body) that has not
     finished after that many seconds (on the retry clock, see
     :func:`~insitubatch_nodes.io.stores.retry_time_scale`) is cancelled and raises
-    ``TimeoutError``. A signed cloud store that finds no credentials raises :func:`~insitubatch_nodes.io.stores.credentials_error`'s
-    ``PermissionError`` (obstore's error chained).
+    ``TimeoutError``. A signed cloud store that finds no credentials raises
+    :func:`~insitubatch_nodes.io.stores.credentials_error`'s ``PermissionError`` (obstore's
+    error chained).
     """
     from zarr.storage import ObjectStore
 
