@@ -1,5 +1,6 @@
 """What this process has done that a pipeline must know: obstore's runtime started, the C
-allocator tuned; and the guards against using either in a forked child.
+allocator tuned; the guards against using either in a forked child; and the retry clock's
+scale (a test-only hook, read from the environment).
 
 Below everything that reads a store (``io/stores`` calls it when it opens one; the fetch stage
 when it is built), and importing nothing of the package: the IO loop and the decode pools are
@@ -9,10 +10,18 @@ when it is built), and importing nothing of the package: the IO loop and the dec
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import sys
 
-__all__ = ["check_obstore_usable", "check_same_process", "note_obstore_use", "tune_allocator"]
+__all__ = [
+    "RETRY_TIME_SCALE_ENV",
+    "check_obstore_usable",
+    "check_same_process",
+    "note_obstore_use",
+    "retry_time_scale",
+    "tune_allocator",
+]
 
 # The process that ran obstore GETs through a pipeline. obstore's IO runtime is a set of threads
 # that fork() does not copy: in a child of that process every obstore request waits forever.
@@ -102,3 +111,30 @@ def tune_allocator() -> bool:
                 and mallopt(_M_ARENA_MAX, 1)
             )
     return _allocator_tuned
+
+
+RETRY_TIME_SCALE_ENV = "INSITUBATCH_NODES_RETRY_TIME_SCALE"
+
+
+def retry_time_scale() -> float:
+    """How many real seconds one second of a retry policy lasts: 1.0 (see
+    :class:`~insitubatch_nodes.io.stores.RetryPolicy`).
+
+    **A test-only hook.** The environment variable ``INSITUBATCH_NODES_RETRY_TIME_SCALE``, a
+    number in (0, 1], runs every wait a policy sets on a faster clock: the deadline
+    (``timeout_s``, in the fetch stage, in coordinate reads and in obstore), the backoffs and
+    obstore's connect and stall timeouts are all multiplied by it when a store is opened or a
+    read starts, so a test of the default policy's 30 s deadline can wait 3 s and still check
+    the same claim in the policy's units. The policy's numbers, its retry count limit and the
+    messages (which name the policy's seconds) are unchanged. Unset, the scale is 1.0.
+    """
+    raw = os.environ.get(RETRY_TIME_SCALE_ENV)
+    if not raw:
+        return 1.0
+    try:
+        scale = float(raw)
+    except ValueError:
+        scale = math.nan
+    if not (0.0 < scale <= 1.0):
+        raise ValueError(f"{RETRY_TIME_SCALE_ENV} must be a number in (0, 1], got {raw!r}")
+    return scale

@@ -242,7 +242,7 @@ def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:
     """
     import asyncio
 
-    from insitubatch_nodes.io.stores import retry_time_scale
+    from insitubatch_nodes._process import retry_time_scale
 
     scale = retry_time_scale()
 

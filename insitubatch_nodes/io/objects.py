@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from insitubatch_nodes._process import retry_time_scale
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.localfiles import local_reader
-from insitubatch_nodes.io.stores import credentials_error, plain_object_store, retry_time_scale
+from insitubatch_nodes.io.stores import credentials_error, plain_object_store
 
 __all__ = ["HEADS_IN_FLIGHT", "head_objects", "make_async_getter"]
 

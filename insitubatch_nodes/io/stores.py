@@ -31,6 +31,7 @@ from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _process
+from insitubatch_nodes._process import RETRY_TIME_SCALE_ENV, retry_time_scale
 from insitubatch_nodes.io import _zarr_compat
 
 __all__ = [
@@ -222,30 +223,6 @@ class RetryPolicy:
 
 
 # Test-only: the retry clock's speed (see retry_time_scale).
-RETRY_TIME_SCALE_ENV = "INSITUBATCH_NODES_RETRY_TIME_SCALE"
-
-
-def retry_time_scale() -> float:
-    """How many real seconds one second of a :class:`RetryPolicy` lasts: 1.0.
-
-    **A test-only hook.** The environment variable ``INSITUBATCH_NODES_RETRY_TIME_SCALE``, a
-    number in (0, 1], runs every wait a policy sets on a faster clock: the deadline
-    (``timeout_s``, in the fetch stage, in coordinate reads and in obstore), the backoffs and
-    obstore's connect and stall timeouts are all multiplied by it when a store is opened or a
-    read starts, so a test of the default policy's 30 s deadline can wait 3 s and still check
-    the same claim in the policy's units. The policy's numbers, its retry count limit and the
-    messages (which name the policy's seconds) are unchanged. Unset, the scale is 1.0.
-    """
-    raw = os.environ.get(RETRY_TIME_SCALE_ENV)
-    if not raw:
-        return 1.0
-    try:
-        scale = float(raw)
-    except ValueError:
-        scale = math.nan
-    if not (0.0 < scale <= 1.0):
-        raise ValueError(f"{RETRY_TIME_SCALE_ENV} must be a number in (0, 1], got {raw!r}")
-    return scale
 
 
 DEFAULT_RETRY = RetryPolicy()
