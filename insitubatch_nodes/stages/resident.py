@@ -104,6 +104,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         slots: dict[ChunkKey, np.ndarray] = {}
         for key, entry in item.entries.items():
             if entry.state != READY:  # raises the fetch/decode error with its cause chained
+                self._check_interrupt()
                 entry.ready.result()
             slots[key] = entry.slot
         rec.add("chunk_wait_s", time.perf_counter() - t0)
@@ -142,7 +143,13 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
             held.release()
 
     def _wait(self, done: Future[None]) -> None:
+        """Wait for ``done`` unless the graph is interrupted. An interrupt wins: a wait it ends
+        raises ``PipelineInterrupted`` even where the close that follows it has already
+        cancelled the fill (which would otherwise surface as ``FillCancelled``)."""
         if not done.done():
             wait((done, self._interrupt), return_when=FIRST_COMPLETED)
-            if not done.done():
-                raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
+        self._check_interrupt()
+
+    def _check_interrupt(self) -> None:
+        if self._interrupt.done():
+            raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
