@@ -1384,6 +1384,86 @@ def patches_section(source: Path | None) -> list[str]:
     return out
 
 
+def newest_forecast(results: Path) -> Path | None:
+    """The newest full ``forecast-*.jsonl`` (``benchmarks/forecast.py``) under ``results``."""
+    files = sorted(results.glob("forecast-full-*.jsonl")) or sorted(
+        results.glob("forecast-*.jsonl")
+    )
+    return files[-1] if files else None
+
+
+def forecast_section(source: Path | None) -> list[str]:
+    """Forecast samples on an hourly archive (``benchmarks/forecast.py``): windows and a time
+    stride against shifted views + a stacking transform, xarray + DataLoader and the bare loop."""
+    out = ["## Forecast samples", ""]
+    if source is None:
+        return [
+            *out,
+            "_No forecast run was found (`benchmarks/results/forecast-*.jsonl`): run `python -m "
+            "benchmarks.forecast --out benchmarks/results`._",
+            "",
+        ]
+    rec = json.loads(source.read_text().strip().splitlines()[-1])
+    cfg, summary, results = rec["config"], rec["summary"], rec["results"]
+    mib = 2**20
+    out += [
+        f"From `{source.name}`: an hourly ARCO-ERA5-like store written by xarray "
+        f"({cfg['steps']} steps, one per chunk; 6 arrays on {cfg['levels']} levels and 4 surface "
+        f"arrays on a {cfg['lat']} x {cfg['lon']} grid, blosc-lz4), GraphCast-style samples "
+        "(t-6h, t; t+6h ... t+24h) every 6 hours, batches of "
+        f"{cfg['batch_size']}; each engine in a fresh process, two epochs, best of "
+        f'{cfg["rounds"]} rounds. `nodes`: one `window()` view per array and `stride="6h"`; '
+        "`shifts`: 60 `shift()` views over a hand-built on-grid manifest and a batch transform "
+        "stacking them; `xarray`: `xr.open_zarr` + `isel` per sample in a `DataLoader` with "
+        f"{cfg['workers']} workers; `bare`: two threads reading and decoding every on-grid object "
+        "once, nothing else (the ceiling).",
+        "",
+    ]
+    rows = []
+    for engine, rates in summary["samples_per_s"].items():
+        first = results[engine][0]
+        objects = [ep.get("objects") for ep in first["epochs"]]
+        nbytes = [ep.get("bytes") for ep in first["epochs"]]
+        rows.append(
+            [
+                f"`{engine}`",
+                f"{rates[0]:,.0f}",
+                f"{rates[1]:,.0f}",
+                " / ".join("—" if o is None else f"{o:,}" for o in objects),
+                " / ".join("—" if b is None else f"{b / mib:,.1f}" for b in nbytes),
+                f"{summary['rss_peak_mib'][engine]:,.0f}",
+            ]
+        )
+    out += [
+        table(
+            [
+                "engine",
+                "samples/s epoch 0",
+                "samples/s epoch 1",
+                "objects read (e0 / e1)",
+                "MiB read (e0 / e1)",
+                "peak RSS MiB",
+            ],
+            rows,
+        ),
+        "",
+    ]
+    if "on_grid_bytes" in summary:
+        out += [
+            f"The on-grid objects hold {summary['on_grid_bytes'] / mib:,.2f} MiB; `nodes` read "
+            + " / ".join(f"{b / mib:,.2f}" for b in summary["nodes_bytes_per_epoch"])
+            + " MiB (epochs 0 / 1). Its batch buffers hold "
+            f"{summary['batch_memory_ratio']:.2f}x the delivered tensors' bytes.",
+            "",
+        ]
+    if summary["ratios"]:
+        out += [
+            table(["ratio", "measured"], [[k, f"{v:.2f}"] for k, v in summary["ratios"].items()]),
+            "",
+        ]
+    return out
+
+
 def archive_only_page(rows: list[Row], source: Path) -> str:
     """The page when only an archive-shape JSONL is given (no side-by-side run)."""
     run = next(r for r in rows if r.get("type") == "run")
@@ -1404,6 +1484,7 @@ def archive_only_page(rows: list[Row], source: Path) -> str:
             *archive_section(rows, source),
             *scale_section(rows),
             *patches_section(newest_patches(source.parent)),
+            *forecast_section(newest_forecast(source.parent)),
             "## Machine",
             "",
             table(
@@ -1484,6 +1565,7 @@ def render(
         *archive_section(archive, archive_source),
         *scale_section(archive),
         *patches_section(newest_patches(source.parent)),
+        *forecast_section(newest_forecast(source.parent)),
         "## How to reproduce",
         "",
         "```bash",
@@ -1491,6 +1573,7 @@ def render(
         "make bench-smoke  # < 4 minutes: every engine once on tiny datasets (a harness check)",
         "python -m benchmarks.archive --suite full   # the archive shape alone",
         "python -m benchmarks.patches --out benchmarks/results  # patches (a 20,000² plane)",
+        "python -m benchmarks.forecast --out benchmarks/results  # forecast samples (hourly)",
         "```",
         "",
         f"This run's command: `{run['command']}`  ",

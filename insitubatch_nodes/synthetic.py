@@ -601,6 +601,7 @@ def make_weatherbench_like(
     compressor: str = "blosc",
     clevel: int = 3,
     write_chunks: bool = True,
+    hours_per_step: int = ERA5_HOURS_PER_STEP,
     seed: int = 0,
     overwrite: bool = False,
 ) -> zarr.Group:
@@ -613,12 +614,16 @@ def make_weatherbench_like(
     decoded (121 x 240 grid, 10 surface arrays, 3 arrays on 13 levels), blosc-zstd at
     ``clevel`` 3 with byte shuffle, as WeatherBench2's stores are written.
 
+    ``hours_per_step`` is the time step (6 by default, as WeatherBench2; 1 for an hourly store
+    like ARCO-ERA5).
+
     ``surface`` and ``levels`` are a count (the first names of
     :data:`WEATHERBENCH_SURFACE_VARIABLES` / :data:`WEATHERBENCH_LEVEL_VARIABLES`, then
     ``surface_10``, ``level_3``... beyond those) or the names themselves. Coordinates ``time``
-    (hours since 1959-01-01, 6-hourly), ``latitude``, ``longitude`` and ``level`` are written
-    as xarray writes them. Each array holds a smooth pattern advecting eastward two cells per
-    step, plus small noise, scaled per array (and per level); values never contain NaN.
+    (hours since 1959-01-01, every ``hours_per_step``), ``latitude``, ``longitude`` and
+    ``level`` are written as xarray writes them. Each array holds a smooth pattern advecting
+    eastward two cells per step, plus small noise, scaled per array (and per level); values
+    never contain NaN.
 
     ``write_chunks=False`` writes the metadata and coordinates only: every data chunk is
     missing and reads as the fill value (a *metadata-only* store, for planning at 10^5-10^6
@@ -632,6 +637,7 @@ def make_weatherbench_like(
     n_level = _positive_int("n_level", n_level)
     spc = _positive_int("samples_per_chunk", samples_per_chunk)
     clevel = _positive_int("clevel", clevel)
+    hours_per_step = _positive_int("hours_per_step", hours_per_step)
     seed = _check_seed(seed)
     surface_names = _archive_names(surface, WEATHERBENCH_SURFACE_VARIABLES, "surface")
     level_names = _archive_names(levels, WEATHERBENCH_LEVEL_VARIABLES, "level")
@@ -660,7 +666,7 @@ def make_weatherbench_like(
     coords: list[tuple[str, npt.NDArray[Any], dict[str, Any]]] = [
         (
             "time",
-            np.arange(n_time, dtype=np.int64) * ERA5_HOURS_PER_STEP,
+            np.arange(n_time, dtype=np.int64) * hours_per_step,
             {"units": "hours since 1959-01-01", "calendar": _CALENDAR, "standard_name": "time"},
         ),
         ("latitude", lat64.astype(np.float32), {"units": "degrees_north"}),
