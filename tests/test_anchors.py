@@ -399,3 +399,23 @@ def test_the_data_module_drops_the_missing_steps_in_every_split_deciding_them_on
         InSituDataModule(root, ["t2m"], missing_objects="skip")
     with pytest.raises(TypeError, match="missing must be"):
         InSituDataModule(root, ["t2m"], missing="2020-01-01")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("coords", [None, ["time"], ()], ids=["default", "named", "none"])
+def test_a_time_stride_reads_and_decodes_the_time_coordinate_once_with_the_coords_carried(
+    tmp_path: Path, coords: Any
+) -> None:
+    root = _hourly_store(tmp_path / "h.zarr", 4)
+    store = counting_store(root)
+    g = open_geometries(store)["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    store.reset_counts()
+    pipe = insitu_pipeline(store, manifest, {"x": g, "y": g.shift(1)}, stride="6h",
+                           missing=[5], coords=coords, batch_size=4)  # fmt: skip
+    pipe.close()
+    # what xarray wrote for the time coordinate: its chunk objects (not its metadata)
+    objects = [str(p.relative_to(root)) for p in (root / "time").rglob("*") if p.is_file()]
+    time_chunks = [k for k in objects if k.rsplit("/", 1)[-1] != "zarr.json"]
+    assert time_chunks
+    counts = store.chunk_counts()
+    assert [counts.get(k, 0) for k in time_chunks] == [1] * len(time_chunks), counts
