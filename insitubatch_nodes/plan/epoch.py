@@ -99,7 +99,7 @@ def chunk_counts(
     stop = np.minimum(np.minimum((chunks + 1) * spc, n), hi)
     if not cross_split_windows:
         member = np.zeros(manifest.n_chunks + 2, dtype=bool)  # index -1 and n_chunks: outside
-        member[np.asarray(manifest.chunks(split), dtype=np.int64)] = True
+        member[manifest.chunk_array(split)] = True
 
         def in_split(d: np.ndarray) -> np.ndarray:
             return member[np.clip(d, -1, manifest.n_chunks)]
@@ -146,7 +146,7 @@ def dropped_anchors(
     if manifest.steps is None:
         return {}
     offsets = [g.offset for g in views.values()]
-    chunks = np.asarray(manifest.chunks(config.split), dtype=np.int64)
+    chunks = manifest.chunk_array(config.split)
     starts, counts = chunk_counts(
         manifest, config.split, chunks, offsets, config.cross_split_windows
     )
@@ -164,8 +164,8 @@ def _epoch_samples(
     chunks in visiting order, their valid-anchor counts and all valid anchors laid out chunk
     after chunk (each chunk's ascending)."""
     offsets = [g.offset for g in views.values()]
-    chunks = np.asarray(manifest.chunks(config.split), dtype=np.int64)
-    if config.shuffle:
+    chunks = manifest.chunk_array(config.split)
+    if config.shuffle and len(chunks):  # (numpy refuses to permute an empty read-only array)
         chunks = np.random.default_rng([config.seed, epoch, 0]).permutation(chunks)
     counts, anchors = chunk_anchors(manifest, chunks, offsets, config)
     return chunks, counts, anchors
@@ -190,7 +190,7 @@ def _patch_samples(
     """:func:`_epoch_samples` of a patched plan: ``(patch chunks, counts, sample ids)`` (see
     :mod:`~insitubatch_nodes.plan.patches`), the patch chunks permuted when shuffling."""
     offsets = [g.offset for g in views.values()]
-    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    chunks = manifest.chunk_array(split)
     starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     pc, cnt, ids = layout.samples(chunks, starts, counts)
     if shuffle and len(pc):
@@ -520,7 +520,7 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
             f"the views' offsets {offsets} leave no valid anchor in an array of "
             f"{manifest.n_samples} samples"
         )
-    split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    split_chunks = manifest.chunk_array(split)
     _, counts = chunk_counts(manifest, split, split_chunks, offsets, cross_split_windows)
     if (
         len(split_chunks)

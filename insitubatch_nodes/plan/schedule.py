@@ -366,7 +366,7 @@ def _plan_units(
     """The plan's :class:`_Units` (``None`` when no anchor is valid) and the bounded schedule's
     gap: :func:`block_batches`, or a patched plan's :meth:`PatchLayout.block_batches`."""
     spc, bs, bc = manifest.samples_per_chunk, cfg.batch_size, cfg.block_chunks
-    chunks = np.asarray(manifest.chunks(cfg.split), dtype=np.int64)
+    chunks = manifest.chunk_array(cfg.split)
     offsets = [g.offset for g in views.values()]
     starts, counts = chunk_counts(manifest, cfg.split, chunks, offsets, cfg.cross_split_windows)
     layout = patch_layout(views, bc)

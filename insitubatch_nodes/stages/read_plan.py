@@ -175,7 +175,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         world = d_world if given.world_size is None else given.world_size
         rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
         cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
-        split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+        split_chunks = manifest.chunk_array(split)
         counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], given)
         n_valid = int(counts.sum())
         if world > 1 and len(split_chunks) and n_valid < world:
@@ -495,7 +495,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         """Whether ``cross_split_windows`` changes this configuration's anchors."""
         if self.cross_split_windows:
             return False
-        chunks = np.asarray(self.manifest.chunks(self.split), dtype=np.int64)
+        chunks = self.manifest.chunk_array(self.split)
         offsets = [g.offset for g in self.views.values()]
         inside = chunk_anchors(self.manifest, chunks, offsets, self.plan_config)[0]
         across = chunk_anchors(
