@@ -64,8 +64,8 @@ def _epoch_through_pipelines(
     store: Path, manifest: SplitManifest, geom: ArrayGeometry, world: int, remainder: str
 ) -> tuple[list[list[int]], list[set[str]], list[int]]:
     """Every rank of ``world`` reads epoch 1 through its own pipeline and counting store:
-    each rank's anchors, the chunk keys it GETs, and its batch count (arrays checked
-    against zarr)."""
+    each rank's anchors, the chunk keys it GETs (each once: read-once per rank), and its batch
+    count (arrays checked against zarr)."""
     oracle = zarr.open_array(store / "t", mode="r")[...]
     anchors, gets, n_batches = [], [], []
     for rank in range(world):
@@ -95,7 +95,9 @@ def _epoch_through_pipelines(
         finally:
             pipe.close()
         anchors.append(mine)
-        gets.append(set(counting.chunk_counts()))
+        counts = counting.chunk_counts()
+        assert set(counts.values()) == {1}, "a rank read a chunk twice in one epoch"
+        gets.append(set(counts))
         n_batches.append(len(batches))
     return anchors, gets, n_batches
 
