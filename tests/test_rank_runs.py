@@ -369,3 +369,10 @@ def test_a_mid_epoch_state_from_before_runs_goes_on_dealt_in_chunks_then_deals_r
         after.extend(a for b in _rest(elastic) for a in b)
     seen = delivered + after
     assert len(seen) == len(set(seen)) and len(VALID) - len(seen) <= 1
+
+
+def test_a_dealing_other_than_chunks_or_runs_is_refused(
+    manifest: SplitManifest, geom: ArrayGeometry
+) -> None:
+    with pytest.raises(ValueError, match="dealing must be"):
+        plan_epoch(manifest, _window(geom), PlanConfig(world_size=2), dealing="round-robin")

@@ -49,7 +49,7 @@ from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts, every_
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec
-from insitubatch_nodes.plan.ranks import deal, deal_runs
+from insitubatch_nodes.plan.ranks import DEALINGS, deal, deal_runs
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = [
@@ -323,6 +323,8 @@ def plan_epoch(
     views. With one rank both give the same plan.
     """
     cfg = plan_config(config, "plan_epoch")
+    if dealing is not None and dealing not in DEALINGS:
+        raise ValueError(f"dealing must be None or one of {DEALINGS}, got {dealing!r}")
     how = dealing_for(views) if dealing is None else dealing
     split, batch_size, block_chunks = cfg.split, cfg.batch_size, cfg.block_chunks
     shuffle, seed, cross_split_windows = cfg.shuffle, cfg.seed, cfg.cross_split_windows
