@@ -165,6 +165,13 @@ class InSituDataModule(pl.LightningDataModule):
             carries in ``batch.coords`` for ``batch_transforms`` and ``transform`` (``to_torch``
             drops them); ``()`` reads none.
         transform: ``Batch -> item`` applied to every batch (default: ``to_torch``).
+        missing, missing_objects: as for :func:`insitu_pipeline` (every split): the steps
+            listed as missing (indices or times; ``None``: no check) and whether an absent
+            stored object drops the anchors that read it (``"drop"``) or reads as the fill
+            value (``"read"``). Decided once, when the first pipeline is built (one read of the
+            time coordinate, one listing of each array for ``"drop"``); every split drops the
+            same steps, and each pipeline's ``stages.plan.dropped`` counts its split's anchors
+            dropped per reason.
         log_report: add an :class:`InSituReportCallback` to the Trainer (when it has none), so
             every training epoch's report is logged through ``self.log`` (``insitu/...``).
     """
@@ -186,9 +193,21 @@ class InSituDataModule(pl.LightningDataModule):
         coords: Sequence[str] | None = None,
         transform: Callable[[Batch], Any] = to_torch,
         store_options: Mapping[str, Any] | None = None,
+        missing: Sequence[Any] | None = None,
+        missing_objects: str = "read",
         log_report: bool = True,
     ) -> None:
         super().__init__()
+        if missing_objects not in ("read", "drop"):  # checked here, as the builder checks it
+            raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
+        if isinstance(missing, str | bytes) or (
+            missing is not None and not isinstance(missing, Sequence)
+        ):
+            raise TypeError(
+                f"missing must be None or a sequence of indices or times, got {missing!r}"
+            )
+        self.missing = None if missing is None else tuple(missing)
+        self.missing_objects = missing_objects
         self.log_report = log_report
         self._store_arg = store
         self._store_options = dict(store_options or {})
@@ -208,6 +227,8 @@ class InSituDataModule(pl.LightningDataModule):
         self.views: dict[str, ArrayGeometry] = {}
         self.manifest: SplitManifest | None = None
         self._loaders: dict[str, InSituIterableDataset] = {}
+        # the manifest with the missing steps attached, once the first pipeline decided them
+        self._checked_manifest: SplitManifest | None = None
         self._pending_train_state: dict[str, Any] | None = None
         self._train_key: tuple[int, int | None, int | None] | None = None
 
@@ -275,9 +296,10 @@ class InSituDataModule(pl.LightningDataModule):
         old = self._loaders.pop(split, None)
         if old is not None:
             old.close()
+        checked = self._checked_manifest
         pipe = insitu_pipeline(
             self.store,
-            self.manifest,
+            self.manifest if checked is None else checked,
             self.views,
             batch_transforms=self.batch_transforms,
             chunk_transforms=self.chunk_transforms,
@@ -285,7 +307,12 @@ class InSituDataModule(pl.LightningDataModule):
             config=self.plan_config_for(split).replace(rank=rank, world_size=world),
             fetch=self.fetch_options,
             cache=self.cache_options_for(split),
+            # decided by the first build; the others take its manifest, which carries them
+            missing=self.missing if checked is None else None,
+            missing_objects=self.missing_objects if checked is None else "read",
         )
+        if checked is None and (self.missing is not None or self.missing_objects == "drop"):
+            self._checked_manifest = pipe.stages.plan.manifest
         trainer = self.trainer
         epoch_fn = (lambda: int(trainer.current_epoch)) if (trainer and split == "train") else None
         dataset = as_dataset(pipe, transform=self.transform, epoch_fn=epoch_fn)

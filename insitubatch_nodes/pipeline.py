@@ -21,7 +21,12 @@ from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
 from insitubatch_nodes.io.arrays import absent_samples, check_arrays_in_store, open_geometries
-from insitubatch_nodes.io.coords import carried_coordinates, open_coordinates, time_offsets
+from insitubatch_nodes.io.coords import (
+    carried_coordinates,
+    coordinate_reader,
+    open_coordinates,
+    time_offsets,
+)
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
@@ -224,11 +229,13 @@ def insitu_pipeline(
     )  # fmt: skip
     zstore = _open_store(store, fetch_options.retry)
     views, geoms = _resolve_views(zstore, variables)
-    carried = _carried_coordinates(zstore, views, coords, fetch_options.retry)
+    # one reader: the time coordinate the stride and missing= need is read once, shared
+    reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
+    carried = _carried_coordinates(zstore, views, coords, reader)
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: transforms.output_view(view) for label, view in views.items()}
-    manifest = _anchor_steps(zstore, manifest, geoms, plan_config, missing, missing_objects)
+    manifest = _anchor_steps(zstore, manifest, geoms, plan_config, missing, missing_objects, reader)
     # the schedule is decided first (and fails fast, here, when the budget is too small)
     schedule = choose_schedule(
         manifest,
@@ -325,10 +332,10 @@ def _carried_coordinates(
     zstore: Store,
     views: Mapping[str, ArrayGeometry],
     coords: Sequence[str] | None,
-    retry: RetryPolicy | None,
+    reader: Any,
 ) -> dict[str, Any]:
     """The coordinates each batch carries (see ``coords`` of :func:`insitu_pipeline`), read
-    and decoded once, here."""
+    and decoded once, here, by ``reader`` (:func:`coordinate_reader`)."""
     if isinstance(coords, str):
         coords = [coords]
     if coords is not None and not isinstance(coords, Sequence):
@@ -336,10 +343,7 @@ def _carried_coordinates(
     if coords is not None and not len(coords):
         return {}
     return carried_coordinates(
-        zstore,
-        views,
-        None if coords is None else list(coords),
-        timeout_s=(retry or retry_policy(zstore)).timeout_s,
+        zstore, views, None if coords is None else list(coords), reader=reader
     )
 
 
@@ -350,6 +354,7 @@ def _anchor_steps(
     config: PlanConfig,
     missing: Sequence[Any] | None,
     missing_objects: str,
+    reader: Any = None,
 ) -> SplitManifest:
     """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride and the
     missing-step checks (unchanged when neither is asked for): the anchor array's times, the
@@ -369,7 +374,7 @@ def _anchor_steps(
     dates = [] if missing is None else [x for x in missing if not _is_index(x)]
     ticks, coord_name, coord = None, "time", None
     if timed or missing is not None:
-        coord = _time_coordinate(zstore, manifest, geoms, needed=timed or bool(dates))
+        coord = _time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
         if coord is not None:
             ticks, coord_name = time_offsets(coord, "1s"), coord.name
     listed = np.zeros(n, dtype=bool)
@@ -401,6 +406,7 @@ def _time_coordinate(
     zstore: Store,
     manifest: SplitManifest,
     geoms: Mapping[str, ArrayGeometry],
+    reader: Any,
     *,
     needed: bool,
 ) -> Any:
@@ -409,7 +415,7 @@ def _time_coordinate(
     geom = geoms.get(manifest.array)
     if geom is None:
         geom = next(iter(open_geometries(zstore, [manifest.array]).values()))
-    coords = open_coordinates(zstore, geom)
+    coords = open_coordinates(zstore, geom, reader=reader)
     times = [c for c in coords.values() if c.is_time]
     if not times:
         if needed:

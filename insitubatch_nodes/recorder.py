@@ -10,7 +10,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from insitubatch_nodes.report import EpochReport, limiting_stage, suggestion_for
@@ -76,7 +76,8 @@ class EpochRecorder:
 
     ``pool`` is the pipeline's :class:`~insitubatch_nodes.pool.ChunkPool` (resident bytes,
     evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads (asked
-    only when an epoch had re-reads).
+    only when an epoch had re-reads); ``dropped`` the plan's anchors dropped for missing steps,
+    per reason (asked for each report).
     """
 
     enabled = True
@@ -89,8 +90,10 @@ class EpochRecorder:
         decode_threads: int,
         batch_transforms: int = 0,
         split_bytes: Callable[[int], int] | None = None,
+        dropped: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
         self.pool = pool
+        self._dropped = dropped
         self.batch_transforms = batch_transforms
         self.max_inflight = max_inflight
         self.decode_threads = decode_threads
@@ -316,6 +319,8 @@ class EpochRecorder:
         if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
             r.split_bytes = self._split_bytes(r.epoch)
         r.suggestion = suggestion_for(r)
+        if self._dropped is not None:
+            r.dropped = {why: int(n) for why, n in self._dropped().items()}
         return r
 
 

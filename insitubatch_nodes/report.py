@@ -26,6 +26,8 @@ lock per stored object:
 * ``cpu_s`` — the CPU time of the whole process over the epoch.
 
 Resident pool bytes are sampled at each batch delivery (mean and peak of those samples).
+``dropped`` is the read plan's count of the split's anchors dropped for missing steps, per
+reason (the same every epoch); the printed report names them when any were dropped.
 
 An epoch follows *delivered* batches: it starts at the first ``next()`` after a reset and is
 finalized when the pipeline raises ``StopIteration`` (or at the next reset, if it delivered a
@@ -57,7 +59,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 __all__ = [
@@ -145,6 +147,9 @@ class EpochReport:
     split_bytes: int | None = None  # every chunk the epoch read, in bytes (when re-reads > 0)
     limiting: Stage = "consumer"
     suggestion: str = ""
+    # anchors of the split the plan dropped for missing steps, per reason (the plan's
+    # ``dropped``: the same every epoch); empty without the missing-step checks
+    dropped: dict[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """Plain Python (numbers and strings), e.g. for a logger or JSON: every field, and the
@@ -273,6 +278,13 @@ class EpochReport:
             lines.append(
                 f"  corrupt   {self.corrupt:,} cached chunk files failed their content check "
                 "and were fetched again and rewritten (see the warnings logged)"
+            )
+        n_dropped = sum(self.dropped.values())
+        if n_dropped:
+            reasons = ", ".join(f"{n:,} {why}" for why, n in self.dropped.items() if n)
+            lines.append(
+                f"  dropped   {n_dropped:,} anchors of the split read a missing step and are "
+                f"never sampled ({reasons})"
             )
         if self.suggestion:
             lines.append(f"  suggestion: {self.suggestion}")

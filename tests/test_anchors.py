@@ -357,3 +357,65 @@ def test_the_schedule_floors_bound_every_strided_epoch(tmp_path: Path) -> None:
                             plan = plan_epoch(m, views, cfg, epoch=epoch, pin_gap=gap)
                             got = working_set_bytes(plan, {"t": g})[0]
                             assert got <= bound, (stride, shift, bs, bc, world, epoch, gap)
+
+
+def test_the_data_module_drops_the_missing_steps_in_every_split_deciding_them_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("lightning")
+    import insitubatch_nodes.pipeline as builder
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    times, oracle = _broken_times()
+    root = _hourly_store(tmp_path / "m.zarr", 4, times=times)
+    (root / "t2m" / "c" / "11" / "0" / "0").unlink()  # samples 44..47 have no stored object
+    oracle["missing"] = [4, 5, 39, 40]  # listed: sample 5 and the time of sample 40
+    oracle["absent_object"] = [43, 44, 45, 46]
+    gone = {a for anchors in oracle.values() for a in anchors}
+    listings = []
+    real = builder.absent_samples
+    monkeypatch.setattr(
+        builder, "absent_samples", lambda *a, **k: listings.append(1) or real(*a, **k)
+    )
+    g = open_geometries(root)["t2m"]
+    dm = InSituDataModule(root, {"x": g, "y": g.shift(1)}, (0.5, 0.25, 0.25),
+                          config=PlanConfig(batch_size=4), missing=[5, _xr_times(root)[40]],
+                          missing_objects="drop", transform=lambda b: b.sample_indices["x"],
+                          log_report=False)  # fmt: skip
+    # chunks of 4: train holds samples 0..23, val 24..35, test 36..47; y = x + 1 stays inside
+    splits = {"train": range(0, 23), "val": range(24, 35), "test": range(36, 47)}
+    loaders = {"train": dm.train_dataloader, "val": dm.val_dataloader, "test": dm.test_dataloader}
+    try:
+        for split, anchors in splits.items():
+            loader = loaders[split]()
+            rows = sorted(int(i) for idx in loader for i in idx)
+            assert rows == [a for a in anchors if a not in gone], split
+            want = {reason: len([a for a in a_s if a in anchors]) for reason, a_s in oracle.items()}
+            assert loader.pipeline.stages.plan.dropped == want, split
+    finally:
+        dm.teardown("fit")
+    assert len(listings) == 1  # the store's objects were listed once, for all three splits
+    with pytest.raises(ValueError, match="missing_objects"):
+        InSituDataModule(root, ["t2m"], missing_objects="skip")
+    with pytest.raises(TypeError, match="missing must be"):
+        InSituDataModule(root, ["t2m"], missing="2020-01-01")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("coords", [None, ["time"], ()], ids=["default", "named", "none"])
+def test_a_time_stride_reads_and_decodes_the_time_coordinate_once_with_the_coords_carried(
+    tmp_path: Path, coords: Any
+) -> None:
+    root = _hourly_store(tmp_path / "h.zarr", 4)
+    store = counting_store(root)
+    g = open_geometries(store)["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    store.reset_counts()
+    pipe = insitu_pipeline(store, manifest, {"x": g, "y": g.shift(1)}, stride="6h",
+                           missing=[5], coords=coords, batch_size=4)  # fmt: skip
+    pipe.close()
+    # what xarray wrote for the time coordinate: its chunk objects (not its metadata)
+    objects = [str(p.relative_to(root)) for p in (root / "time").rglob("*") if p.is_file()]
+    time_chunks = [k for k in objects if k.rsplit("/", 1)[-1] != "zarr.json"]
+    assert time_chunks
+    counts = store.chunk_counts()
+    assert [counts.get(k, 0) for k in time_chunks] == [1] * len(time_chunks), counts

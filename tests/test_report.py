@@ -508,3 +508,23 @@ def test_the_report_callback_logs_without_sync_dist_warnings_in_a_distributed_se
     dm, messages = _lightning_fit(era5, tmp_path, distributed=True)
     assert not [m for m in messages if "sync_dist" in m], messages
     dm.teardown("fit")
+
+
+def test_the_report_prints_the_anchors_dropped_for_missing_steps_per_reason(era5: Path) -> None:
+    t2m = open_geometries(era5, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    views = {"x": t2m, "y": t2m.shift(1)}
+    # listed steps 10 and 100: anchors 9, 10, 99 and 100 read one (hand-counted)
+    with insitu_pipeline(era5, manifest, views, batch_size=16, missing=[10, 100]) as pipe:
+        report = _epoch(pipe)
+    assert report.dropped.get("missing") == 4 and sum(report.dropped.values()) == 4
+    assert report.as_dict()["dropped"] == report.dropped
+    lines = str(report).splitlines()
+    want = (
+        "  dropped   4 anchors of the split read a missing step and are never sampled (4 missing)"
+    )
+    assert want in lines, lines
+    assert report.samples == N_TIME - 1 - 4
+    with insitu_pipeline(era5, manifest, views, batch_size=16) as plain:
+        quiet = _epoch(plain)
+    assert quiet.dropped == {} and not any("dropped" in line for line in str(quiet).splitlines())

@@ -57,7 +57,14 @@ from insitubatch_nodes.io.calendars import (
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 
-__all__ = ["MISSING_OFFSET", "Coordinate", "decode_cf", "open_coordinates", "time_offsets"]
+__all__ = [
+    "MISSING_OFFSET",
+    "Coordinate",
+    "coordinate_reader",
+    "decode_cf",
+    "open_coordinates",
+    "time_offsets",
+]
 
 log = logging.getLogger(__name__)
 
@@ -609,8 +616,19 @@ def _coordinates(
     return out
 
 
+def coordinate_reader(store: StoreLike, timeout_s: float | None = None) -> _Reader:
+    """A reader that reads and decodes each coordinate array of ``store`` once, however many
+    calls of :func:`open_coordinates` and :func:`carried_coordinates` it is passed to (as
+    ``reader=``); ``timeout_s`` bounds each read (default: the store's ``RetryPolicy``)."""
+    return _Reader(store, timeout_s)
+
+
 def open_coordinates(
-    store: StoreLike, geom: ArrayGeometry, names: Sequence[str] | None = None
+    store: StoreLike,
+    geom: ArrayGeometry,
+    names: Sequence[str] | None = None,
+    *,
+    reader: _Reader | None = None,
 ) -> dict[str, Coordinate]:
     """Read and decode the coordinates of ``geom``'s sample axis: ``{name: Coordinate}``.
 
@@ -625,8 +643,11 @@ def open_coordinates(
     (an unsupported calendar, units that are not CF) raise ``ValueError``. One metadata read and
     the array's chunks per coordinate, within the store's ``RetryPolicy.timeout_s`` (else
     ``TimeoutError``; another read error raises ``OSError`` naming the coordinate).
+    ``reader`` (from :func:`coordinate_reader` over the same store) shares the arrays already
+    read.
     """
-    return _coordinates(_Reader(store), geom, None if names is None else list(names))
+    reader = _Reader(store) if reader is None else reader
+    return _coordinates(reader, geom, None if names is None else list(names))
 
 
 def carried_coordinates(
@@ -634,15 +655,18 @@ def carried_coordinates(
     views: Mapping[str, ArrayGeometry],
     names: Sequence[str] | None,
     timeout_s: float | None = None,
+    *,
+    reader: _Reader | None = None,
 ) -> dict[str, dict[str, np.ndarray]]:
     """``{label: {name: values}}`` for the builder: the coordinates each label's rows carry.
 
     ``names=None`` is the default selection (each view's dimension coordinate): one that cannot
     be decoded (here) is left out with a warning rather than failing a pipeline that reads no
     coordinate otherwise. Explicit ``names`` fail loudly. Each coordinate array is read once,
-    however many views share it.
+    however many views share it (and not again with the ``reader`` of an earlier read; its
+    ``timeout_s`` then applies).
     """
-    reader = _Reader(store, timeout_s)
+    reader = _Reader(store, timeout_s) if reader is None else reader
     out: dict[str, dict[str, np.ndarray]] = {}
     for label, view in views.items():
         if names is None:

@@ -22,7 +22,7 @@ from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
 from insitubatch_nodes.plan.quality import shuffle_quality
-from insitubatch_nodes.plan.ranks import REMAINDERS, deal, samples_per_rank
+from insitubatch_nodes.plan.ranks import REMAINDERS, deal, deal_runs, samples_per_rank
 from insitubatch_nodes.plan.schedule import (
     PinSchedule,
     ScheduleFloors,
@@ -45,6 +45,7 @@ __all__ = [
     "SplitManifest",
     "choose_schedule",
     "deal",
+    "deal_runs",
     "plan_epoch",
     "samples_per_rank",
     "schedule_floors",

@@ -8,7 +8,11 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
    ``V // world_size`` (``remainder="drop"``) or ``ceil(V / world_size)`` (``"pad"``) of the
    ``V`` valid anchors: whole chunks round-robin while they last, then consecutive pieces of the
    remaining (*tail*) chunks' samples; so at most ``world_size - 1`` samples sit out (or are
-   repeated) per epoch, and only tail chunks are read by more than one rank;
+   repeated) per epoch, and only tail chunks are read by more than one rank. With windows
+   (views at several offsets, :func:`dealing_for`) :func:`deal_runs` deals instead: each rank
+   one contiguous run of the valid anchors along the sample axis, its chunks then visited in
+   the epoch's permuted order (shuffled within the rank), so ranks share only the chunks one
+   window span reaches across each cut;
 3. each rank cuts its chunks into *blocks* of ``block_chunks`` chunks and shuffles all valid
    anchors within each block; the result is the *order ledger*, rows ``(chunk_id, within)``.
    With ``ramp=True`` (and shuffling) the epoch's first block is split in two: a lead block of
@@ -45,12 +49,13 @@ from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts, every_
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec
-from insitubatch_nodes.plan.ranks import deal
+from insitubatch_nodes.plan.ranks import DEALINGS, deal, deal_runs
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = [
     "block_index",
     "chunk_anchors",
+    "dealing_for",
     "dropped_anchors",
     "patch_layout",
     "plan_epoch",
@@ -94,7 +99,7 @@ def chunk_counts(
     stop = np.minimum(np.minimum((chunks + 1) * spc, n), hi)
     if not cross_split_windows:
         member = np.zeros(manifest.n_chunks + 2, dtype=bool)  # index -1 and n_chunks: outside
-        member[np.asarray(manifest.chunks(split), dtype=np.int64)] = True
+        member[manifest.chunk_array(split)] = True
 
         def in_split(d: np.ndarray) -> np.ndarray:
             return member[np.clip(d, -1, manifest.n_chunks)]
@@ -141,7 +146,7 @@ def dropped_anchors(
     if manifest.steps is None:
         return {}
     offsets = [g.offset for g in views.values()]
-    chunks = np.asarray(manifest.chunks(config.split), dtype=np.int64)
+    chunks = manifest.chunk_array(config.split)
     starts, counts = chunk_counts(
         manifest, config.split, chunks, offsets, config.cross_split_windows
     )
@@ -159,8 +164,8 @@ def _epoch_samples(
     chunks in visiting order, their valid-anchor counts and all valid anchors laid out chunk
     after chunk (each chunk's ascending)."""
     offsets = [g.offset for g in views.values()]
-    chunks = np.asarray(manifest.chunks(config.split), dtype=np.int64)
-    if config.shuffle:
+    chunks = manifest.chunk_array(config.split)
+    if config.shuffle and len(chunks):  # (numpy refuses to permute an empty read-only array)
         chunks = np.random.default_rng([config.seed, epoch, 0]).permutation(chunks)
     counts, anchors = chunk_anchors(manifest, chunks, offsets, config)
     return chunks, counts, anchors
@@ -185,7 +190,7 @@ def _patch_samples(
     """:func:`_epoch_samples` of a patched plan: ``(patch chunks, counts, sample ids)`` (see
     :mod:`~insitubatch_nodes.plan.patches`), the patch chunks permuted when shuffling."""
     offsets = [g.offset for g in views.values()]
-    chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    chunks = manifest.chunk_array(split)
     starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
     pc, cnt, ids = layout.samples(chunks, starts, counts)
     if shuffle and len(pc):
@@ -204,6 +209,17 @@ def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     return np.repeat(starts, counts) + (np.arange(total, dtype=np.int64) - first[pos])
 
 
+def dealing_for(views: Mapping[str, ArrayGeometry]) -> str:
+    """How an epoch over ``views`` is dealt between ranks (one of
+    :data:`~insitubatch_nodes.plan.ranks.DEALINGS`): ``"runs"`` (contiguous runs along the
+    sample axis, :func:`deal_runs`) when the views sit at several offsets — windows, whose
+    anchors read their neighbours' chunks — and none is patched; else ``"chunks"``
+    (:func:`deal`), where an anchor chunk reads only its own."""
+    offsets = {g.offset for g in views.values()}
+    patched = any(g.patch is not None for g in views.values())
+    return "runs" if len(offsets) > 1 and not patched else "chunks"
+
+
 def _rank_share(
     chunks: np.ndarray,
     counts: np.ndarray,
@@ -212,17 +228,25 @@ def _rank_share(
     world_size: int,
     remainder: str,
     pad_seed: Sequence[int],
+    dealing: str = "chunks",
+    shuffle: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One rank's ``(chunks, counts, anchors)`` of a sample pool laid out as
-    :func:`_epoch_samples` lays it (:func:`deal`; the whole pool with one rank). A rank's
-    chunk may repeat (a padded sample is a piece of its own)."""
+    :func:`_epoch_samples` lays it (:func:`deal`, or :func:`deal_runs` for ``dealing="runs"``,
+    its draws from ``default_rng([*pad_seed, 5])`` when shuffling; the whole pool with one
+    rank). A rank's chunk may repeat (a padded sample is a piece of its own)."""
     if world_size == 1:
         return chunks, counts, anchors
     # A chunk with nothing valid (or nothing left) holds nothing to deal.
     first = np.cumsum(counts) - counts
     keep = counts > 0
     chunks, counts, first = chunks[keep], counts[keep], first[keep]
-    group, lo, size = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)[rank]
+    if dealing == "runs":
+        rng = np.random.default_rng([*map(int, pad_seed), 5]) if shuffle else None
+        pieces = deal_runs(counts, chunks, world_size, remainder=remainder, rng=rng)
+    else:
+        pieces = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)
+    group, lo, size = pieces[rank]
     return chunks[group], size, anchors[_runs(first[group] + lo, size)]
 
 
@@ -272,6 +296,7 @@ def plan_epoch(
     epoch: int = 0,
     pin_gap: int | None = None,
     resumed: Sequence[Stage] = (),
+    dealing: str | None = None,
 ) -> EpochPlan:
     """Draw one rank's plan for one epoch of ``config`` (a
     :class:`~insitubatch_nodes.plan.config.PlanConfig`; ``None``: the defaults). Pure: same
@@ -292,8 +317,15 @@ def plan_epoch(
     delivered, grouped by chunk in the epoch's visiting order and dealt by :func:`deal` as a
     fresh epoch's are, its batches numbered from the last cut's ``k``
     (:attr:`EpochPlan.first_batch`).
+
+    ``dealing`` (``"chunks"`` or ``"runs"``, see :mod:`~insitubatch_nodes.plan.ranks`) is how
+    every stage of the epoch is dealt between ranks; ``None`` takes :func:`dealing_for` the
+    views. With one rank both give the same plan.
     """
     cfg = plan_config(config, "plan_epoch")
+    if dealing is not None and dealing not in DEALINGS:
+        raise ValueError(f"dealing must be None or one of {DEALINGS}, got {dealing!r}")
+    how = dealing_for(views) if dealing is None else dealing
     split, batch_size, block_chunks = cfg.split, cfg.batch_size, cfg.block_chunks
     shuffle, seed, cross_split_windows = cfg.shuffle, cfg.seed, cfg.cross_split_windows
     remainder, ramp = cfg.remainder, cfg.ramp
@@ -321,7 +353,9 @@ def plan_epoch(
         taken = []
         for r in range(w_old):
             pad_seed, key_seed = _stage_seeds(seed, epoch, r, stage)
-            _, rc, ra = _rank_share(chunks, counts, anchors, r, w_old, remainder, pad_seed)
+            _, rc, ra = _rank_share(
+                chunks, counts, anchors, r, w_old, remainder, pad_seed, how, shuffle
+            )
             taken.append(ledger(rc, ra, key_seed)[0][: (k_old - done) * batch_size])
         left = ~np.isin(anchors, np.concatenate(taken))
         group = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
@@ -332,7 +366,7 @@ def plan_epoch(
         chunks, counts = chunks[keep], counts[keep]
     pad_seed, key_seed = _stage_seeds(seed, epoch, rank, len(resumed))
     chunks, counts, anchors = _rank_share(
-        chunks, counts, anchors, rank, world_size, remainder, pad_seed
+        chunks, counts, anchors, rank, world_size, remainder, pad_seed, how, shuffle
     )
     anchors, block, block_of_chunk = ledger(counts, anchors, key_seed)
     n_emit = len(anchors)
@@ -488,7 +522,7 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
             f"the views' offsets {offsets} leave no valid anchor in an array of "
             f"{manifest.n_samples} samples"
         )
-    split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+    split_chunks = manifest.chunk_array(split)
     _, counts = chunk_counts(manifest, split, split_chunks, offsets, cross_split_windows)
     if (
         len(split_chunks)

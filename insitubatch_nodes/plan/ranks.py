@@ -1,8 +1,18 @@
 """Dealing an epoch's samples between ranks: every rank the same number of samples.
 
-Whole chunks go round-robin while they last, then consecutive pieces of the remaining
-(*tail*) chunks' samples; ``remainder`` says what happens to the at most ``world_size - 1``
-samples that do not divide evenly (``"drop"``: they sit out; ``"pad"``: some repeat).
+Two dealings (:data:`DEALINGS`), each a pure function of the groups' sample counts:
+
+* ``"chunks"`` (:func:`deal`): whole chunks go round-robin while they last, then consecutive
+  pieces of the remaining (*tail*) chunks' samples. A rank's chunks are spread over the whole
+  split: right for views at one offset, where an anchor chunk's samples read only their own
+  chunk.
+* ``"runs"`` (:func:`deal_runs`): each rank gets one contiguous run of the samples along the
+  sample axis. With windows (views at several offsets) an anchor's window reads its
+  neighbours' chunks; a run reads its own chunks and, at each of its two ends, the few chunks
+  one window span reaches across: summed over the ranks, little beyond the split's reads.
+
+``remainder`` says what happens to the at most ``world_size - 1`` samples that do not divide
+evenly (``"drop"``: they sit out; ``"pad"``: some repeat).
 """
 
 from __future__ import annotations
@@ -13,15 +23,18 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "DEALINGS",
     "REMAINDERS",
     "check_remainder",
     "deal",
+    "deal_runs",
     "default_rank_world",
     "samples_per_rank",
 ]
 
 
 REMAINDERS = ("drop", "pad")
+DEALINGS = ("chunks", "runs")
 
 
 def samples_per_rank(n_samples: int, world_size: int, remainder: str = "drop") -> int:
@@ -108,6 +121,87 @@ def deal(
             los.append(pads[pa:pb, 1])
             sizes.append(np.ones(pb - pa, dtype=np.int64))
         out.append(tuple(np.concatenate(x).astype(np.int64) for x in (groups, los, sizes)))
+    return out  # type: ignore[return-value]
+
+
+def deal_runs(
+    counts: np.ndarray,
+    axis: np.ndarray,
+    world_size: int,
+    *,
+    remainder: str = "drop",
+    rng: np.random.Generator | None = None,
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Deal ``counts[g]`` samples of each group ``g`` (a chunk, in visiting order) to ranks as
+    contiguous runs along the sample axis; ``axis[g]`` is group ``g``'s place on it (its
+    chunk index: distinct, and each group's samples lie between its neighbours').
+
+    The samples are laid end to end in axis order and cut into ``world_size`` consecutive
+    *segments*, one per rank, each of :func:`samples_per_rank` samples:
+
+    * ``"drop"``: the ``sum(counts) % world_size`` samples left over sit out as one run at one
+      of the ``world_size + 1`` cuts (before the first segment, between two, after the last);
+    * ``"pad"``: ``(-sum(counts)) % world_size`` segments are one sample short and each takes,
+      as its padded sample, the sample just past its end (just before its start for the
+      segment at the axis' end) — delivered twice, by it and by its neighbour.
+
+    With ``rng`` (a shuffled epoch) the sit-out cut, the short segments and which rank gets
+    which segment are drawn from it (in that order); without, the sit-out run is the axis' last
+    samples, the short segments the last ones, and rank ``r`` gets segment ``r``.
+
+    Returns, for each rank, ``(group, lo, count)`` as :func:`deal` does: the rank's pieces, its
+    whole groups in visiting order, then its (at most two) partial pieces in axis order, then
+    its padded sample (a piece of its own). Runs do not share a sample, so two ranks read a
+    group in common only where a cut falls inside it, or a window reaches across a cut. Pure.
+    """
+    counts = np.asarray(counts, dtype=np.int64)
+    w = int(world_size)
+    total = int(counts.sum())
+    share = samples_per_rank(total, w, remainder)
+    by_axis = np.argsort(np.asarray(axis), kind="stable")
+    ends = np.cumsum(counts[by_axis])
+    starts = ends - counts[by_axis]
+    sizes = np.full(w, share, dtype=np.int64)
+    lead = np.zeros(w, dtype=np.int64)  # samples sitting out before each segment
+    n_pad = w * share - total
+    if remainder == "pad":
+        short = rng.choice(w, n_pad, replace=False) if rng is not None else np.arange(w - n_pad, w)
+        sizes[short] -= 1
+    else:
+        cut = int(rng.integers(w + 1)) if rng is not None else w
+        if cut < w:
+            lead[cut] = total - w * share
+    owner = rng.permutation(w) if rng is not None else np.arange(w)  # segment -> rank
+    seg_start = np.cumsum(lead + sizes) - sizes
+    segment_of = np.argsort(owner)  # rank -> segment
+    out = []
+    for r in range(w):
+        s = int(segment_of[r])
+        a, b = int(seg_start[s]), int(seg_start[s] + sizes[s])
+        empty = np.zeros(0, dtype=np.int64)
+        groups, los, cnts = [empty], [empty], [empty]
+        if b > a:
+            first = int(np.searchsorted(ends, a, side="right"))
+            last = int(np.searchsorted(ends, b - 1, side="right"))
+            sel = np.arange(first, last + 1)
+            lo = np.maximum(starts[sel], a) - starts[sel]
+            hi = np.minimum(ends[sel], b) - starts[sel]
+            got = hi > lo
+            sel, lo, hi = sel[got], lo[got], hi[got]
+            whole = (hi - lo) == counts[by_axis[sel]]
+            w_idx = np.flatnonzero(whole)
+            w_idx = w_idx[np.argsort(by_axis[sel[w_idx]], kind="stable")]  # visiting order
+            keep = np.concatenate([w_idx, np.flatnonzero(~whole)])
+            groups.append(by_axis[sel[keep]])
+            los.append(lo[keep])
+            cnts.append((hi - lo)[keep])
+        if sizes[s] < share:  # a short segment: its padded sample lies just past one end
+            pad = b if b < total else a - 1
+            g = int(np.searchsorted(ends, pad, side="right"))
+            groups.append(by_axis[[g]])
+            los.append(np.array([pad - starts[g]], dtype=np.int64))
+            cnts.append(np.ones(1, dtype=np.int64))
+        out.append(tuple(np.concatenate(x).astype(np.int64) for x in (groups, los, cnts)))
     return out  # type: ignore[return-value]
 
 

@@ -278,8 +278,9 @@ def schedule_floors(
     ``shuffle`` and ``ramp``; with ``remainder="drop"`` the bounds for any ``world_size > 1``
     hold for every world size.
 
-    **Tails.** With several ranks a rank's ledger (:func:`deal`) is whole chunks — no two the
-    same — then at most two partial pieces of tail chunks: at most ``len(split chunks)``
+    **Tails.** With several ranks a rank's ledger (:func:`deal`, or :func:`deal_runs` for
+    windows: the same shape) is whole chunks — no two the same — then at most two partial
+    pieces of tail chunks (of its run's two ends): at most ``len(split chunks)``
     distinct positions, falling short of ``q`` rows by at most the single-rank total, plus at
     most ``q`` for the first partial piece (which only the last block can follow). So the
     layout below is computed with ``q`` more slack, and a full block that is not the last holds
@@ -365,7 +366,7 @@ def _plan_units(
     """The plan's :class:`_Units` (``None`` when no anchor is valid) and the bounded schedule's
     gap: :func:`block_batches`, or a patched plan's :meth:`PatchLayout.block_batches`."""
     spc, bs, bc = manifest.samples_per_chunk, cfg.batch_size, cfg.block_chunks
-    chunks = np.asarray(manifest.chunks(cfg.split), dtype=np.int64)
+    chunks = manifest.chunk_array(cfg.split)
     offsets = [g.offset for g in views.values()]
     starts, counts = chunk_counts(manifest, cfg.split, chunks, offsets, cfg.cross_split_windows)
     layout = patch_layout(views, bc)

@@ -8,12 +8,14 @@ contiguous run of chunks so autocorrelated neighbours do not leak across the bou
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import math
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,17 +63,23 @@ class SplitManifest:
         unknown = set(self.splits) - set(SPLITS)
         if unknown:
             raise ValueError(f"unknown split names {sorted(unknown)}; expected {SPLITS}")
-        normalized = {
-            name: tuple(sorted(int(c) for c in self.splits.get(name, ()))) for name in SPLITS
-        }
-        seen: dict[int, str] = {}
-        for name, chunks in normalized.items():
-            for c in chunks:
-                if not 0 <= c < self.n_chunks:
-                    raise ValueError(f"split {name!r}: chunk {c} not in [0, {self.n_chunks})")
-                if c in seen:
-                    raise ValueError(f"chunk {c} is in both {seen[c]!r} and {name!r}")
-                seen[c] = name
+        # vectorised: a manifest of an hourly archive lists ~10^6 chunks
+        arrays = {name: _sorted_chunks(self.splits.get(name, ())) for name in SPLITS}
+        n_chunks = self.n_chunks
+        owner = np.full(n_chunks, -1, dtype=np.int64)  # which split holds each chunk
+        for k, (name, chunks) in enumerate(arrays.items()):
+            outside = chunks[(chunks < 0) | (chunks >= n_chunks)]
+            if len(outside):
+                raise ValueError(f"split {name!r}: chunk {outside[0]} not in [0, {n_chunks})")
+            twice = chunks[1:][chunks[1:] == chunks[:-1]]
+            if len(twice):
+                raise ValueError(f"chunk {twice[0]} is in both {name!r} and {name!r}")
+            taken = chunks[owner[chunks] >= 0]
+            if len(taken):
+                c = int(taken[0])
+                raise ValueError(f"chunk {c} is in both {SPLITS[owner[c]]!r} and {name!r}")
+            owner[chunks] = k
+        normalized = {name: tuple(chunks.tolist()) for name, chunks in arrays.items()}
         object.__setattr__(self, "splits", normalized)
         if self.steps is not None and self.steps.n_samples != self.n_samples:
             raise ValueError(
@@ -81,7 +89,13 @@ class SplitManifest:
 
     def with_steps(self, steps: SampleSteps | None) -> SplitManifest:
         """This manifest carrying ``steps`` (its samples' times and missing objects)."""
-        return replace(self, steps=steps)
+        if steps is not None and steps.n_samples != self.n_samples:
+            raise ValueError(
+                f"steps cover {steps.n_samples} samples but the anchor grid has {self.n_samples}"
+            )
+        out = copy.copy(self)  # the splits were checked when this manifest was made
+        object.__setattr__(out, "steps", steps)
+        return out
 
     @property
     def n_chunks(self) -> int:
@@ -94,14 +108,31 @@ class SplitManifest:
             raise KeyError(f"unknown split {split!r}; expected one of {SPLITS}")
         return list(self.splits[split])
 
+    def chunk_array(self, split: str) -> np.ndarray:
+        """:meth:`chunks` as a read-only int64 array, made once per manifest (plans ask for
+        it every epoch)."""
+        if split not in SPLITS:
+            raise KeyError(f"unknown split {split!r}; expected one of {SPLITS}")
+        return self._chunk_arrays[split]
+
+    @functools.cached_property
+    def _chunk_arrays(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, chunks in self.splits.items():
+            arr = np.asarray(chunks, dtype=np.int64)
+            arr.setflags(write=False)
+            out[name] = arr
+        return out
+
     def samples(self, split: str) -> np.ndarray:
         """Sorted sample-axis indices (anchors) covered by ``split``'s chunks."""
         spc = self.samples_per_chunk
-        parts = [
-            np.arange(c * spc, min((c + 1) * spc, self.n_samples), dtype=np.int64)
-            for c in self.chunks(split)
-        ]
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        chunks = self.chunk_array(split)
+        start = chunks * spc
+        count = np.minimum(start + spc, self.n_samples) - start
+        first = np.cumsum(count) - count
+        step = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(first, count)
+        return np.repeat(start, count) + step
 
     def fingerprint(self) -> str:
         """A short stable hash of the anchor grid and the split contents."""
@@ -265,7 +296,7 @@ def split_by_chunk(
     counts = _allocate(len(eligible), fr)
     bounds = np.cumsum([0, *counts])
     splits = {
-        name: tuple(sorted(int(c) for c in eligible[bounds[i] : bounds[i + 1]]))
+        name: tuple(np.sort(eligible[bounds[i] : bounds[i + 1]]).tolist())
         for i, name in enumerate(SPLITS)
     }
     return SplitManifest(
@@ -278,3 +309,9 @@ def split_by_chunk(
         seed=int(seed),
         sample_range=sample_range,
     )
+
+
+def _sorted_chunks(chunks: Any) -> np.ndarray:
+    """Chunk indices as a sorted int64 array."""
+    arr = np.asarray(list(chunks) if not isinstance(chunks, np.ndarray) else chunks)
+    return np.sort(arr.astype(np.int64, copy=False).ravel())

@@ -105,17 +105,26 @@ def plan_groups(setup: FetchSetup, plan: EpochPlan) -> list[PlanGroup]:
     return out
 
 
+#: Most slots :func:`reserve_specs` lists: slots are made one by one, so past this many the
+#: reserve's Python costs more than the page faults it saves (only chunks of a few KiB reach it:
+#: a budget holds far fewer larger ones).
+RESERVE_MAX_SLOTS = 1 << 15
+
+
 def reserve_specs(setup: FetchSetup, plan: EpochPlan, limit_bytes: int) -> list[SlotSpec]:
     """Slot specs of the pool chunks ``plan`` fetches, in first-need order, up to
-    ``limit_bytes`` (what :meth:`ChunkPool.reserve` is worth paying for ahead of need; rows
-    decoded straight into batches take no slot)."""
+    ``limit_bytes`` and :data:`RESERVE_MAX_SLOTS` slots (what :meth:`ChunkPool.reserve` is
+    worth paying for ahead of need; rows decoded straight into batches take no slot)."""
     groups = plan_groups(setup, plan)
     order: list[tuple[int, int, int]] = []  # (first row, group, segment)
     for gi, (ledger, group) in enumerate(zip(plan.ledgers, groups, strict=True)):
         seg = ledger.by_first
         if group.in_place is not None:
             seg = seg[ledger.first[seg] != ledger.last[seg]]
-        seg = seg[: max(0, limit_bytes // max(1, group.nbytes)) + 1]
+        # (each segment takes a slot of every path: none of the first RESERVE_MAX_SLOTS
+        # specs lies past this many of one group's segments)
+        most = min(limit_bytes // max(1, group.nbytes), RESERVE_MAX_SLOTS // len(group.paths))
+        seg = seg[: max(0, most) + 1]
         firsts = ledger.first[seg].tolist()
         order.extend((f, gi, s) for f, s in zip(firsts, seg.tolist(), strict=True))
     order.sort()
@@ -125,7 +134,7 @@ def reserve_specs(setup: FetchSetup, plan: EpochPlan, limit_bytes: int) -> list[
         for path in groups[gi].paths:
             layout = setup.layouts[path]
             total += math.prod(layout.shape) * layout.dtype.itemsize
-            if total > limit_bytes:
+            if total > limit_bytes or len(out) >= RESERVE_MAX_SLOTS:
                 return out
             out.append((layout.shape, layout.dtype, layout.level_major))
     return out

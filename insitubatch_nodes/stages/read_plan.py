@@ -24,6 +24,7 @@ from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     check_plan_inputs,
     chunk_anchors,
+    dealing_for,
     dropped_anchors,
     patch_layout,
     plan_epoch,
@@ -107,6 +108,15 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     a tail chunk cut between ranks is read by each of them (at most ``world_size - 1`` extra
     chunk reads per epoch, plus one per padded sample), and a shifted view's neighbour chunk —
     ``c + 1`` for the last anchors of ``c`` — may also be read by the rank that holds ``c``.
+    **Windows** (views at several offsets) are dealt in runs instead (:func:`deal_runs`): each
+    rank one contiguous run of the valid anchors along the sample axis (the sit-out run at one
+    of the cuts, a padded sample beside its run), which rank gets which run drawn each epoch,
+    its chunks visited in the epoch's permuted order. Ranks then share only the chunks a window
+    span reaches across the ``world_size - 1`` cuts: summed over the ranks at most
+    ``world_size - 1`` times ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array
+    beyond one rank's reads of the whole split (``s`` the span of the offsets), plus one per
+    padded sample. The state's configuration says ``"deal": "runs"``; a state saved without it
+    (before windows were dealt in runs) finishes its epoch dealt as it began.
     With one rank nothing is dropped or repeated. A split with fewer valid anchors than ranks
     is refused.
 
@@ -165,7 +175,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         world = d_world if given.world_size is None else given.world_size
         rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
         cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
-        split_chunks = np.asarray(manifest.chunks(split), dtype=np.int64)
+        split_chunks = manifest.chunk_array(split)
         counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], given)
         n_valid = int(counts.sum())
         if world > 1 and len(split_chunks) and n_valid < world:
@@ -192,6 +202,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._pinned_epoch: int | None = None
         self._emitted = 0
         self._resumed: tuple[Stage, ...] = ()  # the current epoch's elastic cuts
+        self._dealing: str | None = None  # the current epoch's, when not the views' (legacy)
         self._epoch_len: int | None = None
         self._plan: EpochPlan | None = None
         # plans drawn lately (pure: the build, the first reset and len() share one draw)
@@ -234,6 +245,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 if self.manifest.steps is None
                 else {"missing_steps": self.manifest.steps.fingerprint()}
             ),
+            # windows deal contiguous runs; a state without the key was dealt in chunks
+            **({"deal": "runs"} if dealing_for(self.views) == "runs" else {}),
         }
 
     def config(self) -> dict[str, Any]:
@@ -258,24 +271,39 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         pin_gap: int | None,
         resumed: Sequence[Stage] = (),
         world: tuple[int, int] | None = None,
+        dealing: str | None = None,
     ) -> EpochPlan:
         rank, world_size = (self.rank, self.world_size) if world is None else world
-        key = (epoch, pin_gap, tuple(resumed), rank, world_size)
+        key = (epoch, pin_gap, tuple(resumed), rank, world_size, dealing)
         plan = self._drawn.get(key)
         if plan is None:
-            plan = self._drawn[key] = self._draw_new(epoch, pin_gap, resumed, rank, world_size)
+            plan = self._drawn[key] = self._draw_new(
+                epoch, pin_gap, resumed, rank, world_size, dealing
+            )
             while len(self._drawn) > _DRAWN_KEPT:
                 del self._drawn[next(iter(self._drawn))]
         return plan
 
     def _draw_new(
-        self, epoch: int, pin_gap: int | None, resumed: Sequence[Stage], rank: int, world_size: int
+        self,
+        epoch: int,
+        pin_gap: int | None,
+        resumed: Sequence[Stage],
+        rank: int,
+        world_size: int,
+        dealing: str | None,
     ) -> EpochPlan:
         config = self.plan_config
         if (rank, world_size) != (config.rank, config.world_size):  # another world's share
             config = config.for_rank(rank, world_size)
         return plan_epoch(
-            self.manifest, self.views, config, epoch=epoch, pin_gap=pin_gap, resumed=resumed
+            self.manifest,
+            self.views,
+            config,
+            epoch=epoch,
+            pin_gap=pin_gap,
+            resumed=resumed,
+            dealing=dealing,
         )
 
     def epoch_plan(self, epoch: int | None = None) -> EpochPlan:
@@ -284,18 +312,20 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if epoch is None and self._plan is not None:
             return self._plan
         if epoch is None:
-            return self._scheduled(self._epoch, self._resumed)
+            return self._scheduled(self._epoch, self._resumed, self._dealing)
         return self._scheduled(int(epoch))
 
-    def _scheduled(self, epoch: int, resumed: Sequence[Stage] = ()) -> EpochPlan:
+    def _scheduled(
+        self, epoch: int, resumed: Sequence[Stage] = (), dealing: str | None = None
+    ) -> EpochPlan:
         gap, within = self.schedule.pin_gap, self.schedule.read_once_bytes
         if gap is None:
-            return self._draw(epoch, None, resumed)
+            return self._draw(epoch, None, resumed, dealing=dealing)
         if within is not None:
-            once = self._draw(epoch, None, resumed)
+            once = self._draw(epoch, None, resumed, dealing=dealing)
             if working_set_bytes(once, slot_geometries(self.views))[0] <= within:
                 return once
-        return self._draw(epoch, gap, resumed)
+        return self._draw(epoch, gap, resumed, dealing=dealing)
 
     @property
     def epoch(self) -> int:
@@ -334,8 +364,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def resumed_len(self, state: Mapping[str, Any]) -> int:
         """The length :meth:`__len__` reports once ``reset(state)`` has run (nothing changes)."""
         self.check_state(state)
-        epoch, _, resumed = self._resolve(state)
-        return self._draw(epoch, None, resumed).n_batches
+        epoch, _, resumed, dealing = self._resolve(state)
+        return self._draw(epoch, None, resumed, dealing=dealing).n_batches
 
     @property
     def block_batches(self) -> int:
@@ -357,20 +387,24 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         super().reset(initial_state)
         if initial_state is not None:
             self.check_state(initial_state)
-            epoch, emitted, resumed = self._resolve(initial_state)
+            epoch, emitted, resumed, dealing = self._resolve(initial_state)
             self._epoch, self._emitted, self._resumed = epoch, emitted, resumed
-            self._plan = self._scheduled(epoch, resumed)
+            self._dealing = dealing
+            self._plan = self._scheduled(epoch, resumed, dealing)
             self._pinned_epoch = None
             return
         if self._pinned_epoch is not None:
             self._epoch, self._pinned_epoch = self._pinned_epoch, None
         elif self._plan is not None and self._emitted > 0:
             self._epoch += 1
-        self._emitted, self._resumed = 0, ()
+        self._emitted, self._resumed, self._dealing = 0, (), None
         self._plan = self._scheduled(self._epoch)
 
-    def _resolve(self, state: Mapping[str, Any]) -> tuple[int, int, tuple[Stage, ...]]:
-        """``(epoch, batches emitted, elastic cuts)`` that a checked ``state`` resumes at.
+    def _resolve(self, state: Mapping[str, Any]) -> tuple[int, int, tuple[Stage, ...], str | None]:
+        """``(epoch, batches emitted, elastic cuts, dealing)`` that a checked ``state`` resumes
+        at; ``dealing`` is ``None`` (the views' own) unless the state resumes mid-epoch and
+        was saved before windows were dealt in runs (its config has no ``"deal"``): that epoch
+        then goes on dealt in chunks, as it began.
 
         A state taken under another world size adds a cut: every old rank delivered the
         state's ``batches_emitted`` batches (ranks move in lockstep, and only rank 0's state
@@ -379,17 +413,20 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
         resumed = _check_cuts(state.get("resumed", ()), emitted)
         saved_world = int(state["config"].get("world_size", self.world_size))
+        legacy = "deal" in self._config and "deal" not in state["config"]
+        dealing = "chunks" if legacy else None
         if saved_world != self.world_size:
             if emitted == 0:  # nothing delivered yet: the epoch as this world size plans it
-                return epoch, 0, ()
-            if emitted >= self._draw(epoch, None, resumed, world=(0, saved_world)).n_batches:
-                return epoch + 1, 0, ()  # the epoch was over
+                return epoch, 0, (), None
+            old = self._draw(epoch, None, resumed, world=(0, saved_world), dealing=dealing)
+            if emitted >= old.n_batches:
+                return epoch + 1, 0, (), None  # the epoch was over
             resumed = (*resumed, (saved_world, emitted))
         if resumed or emitted:
-            n_batches = self._draw(epoch, None, resumed).n_batches
+            n_batches = self._draw(epoch, None, resumed, dealing=dealing).n_batches
             if emitted >= n_batches and (n_batches > 0 or resumed):
                 epoch, emitted, resumed = epoch + 1, 0, ()
-        return epoch, emitted, resumed
+        return epoch, emitted, resumed, dealing if (resumed or emitted) else None
 
     def next(self) -> BatchPlan:
         if self._plan is None:
@@ -406,7 +443,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return {"epoch": int(epoch), "batches_emitted": 0, "config": self.config()}
 
     def get_state(self) -> dict[str, Any]:
-        state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": self.config()}
+        config = self.config()
+        if self._dealing is not None:  # an epoch resumed from a legacy state goes on as one
+            config.pop("deal", None)
+        state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": config}
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
             state["resumed"] = [[w, k] for w, k in self._resumed]
         return state
@@ -455,7 +495,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         """Whether ``cross_split_windows`` changes this configuration's anchors."""
         if self.cross_split_windows:
             return False
-        chunks = np.asarray(self.manifest.chunks(self.split), dtype=np.int64)
+        chunks = self.manifest.chunk_array(self.split)
         offsets = [g.offset for g in self.views.values()]
         inside = chunk_anchors(self.manifest, chunks, offsets, self.plan_config)[0]
         across = chunk_anchors(
