@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,7 @@ from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, r
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
 from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.parts import expand_views, resolve_windows
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
@@ -228,11 +229,15 @@ def insitu_pipeline(
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: transforms.output_view(view) for label, view in views.items()}
-    manifest = _anchor_steps(zstore, manifest, geoms, plan_config, missing, missing_objects)
-    # the schedule is decided first (and fails fast, here, when the budget is too small)
+    manifest = _anchor_steps(
+        zstore, manifest, geoms, plan_config, missing, missing_objects, views.values()
+    )
+    # the schedule is decided first (and fails fast, here, when the budget is too small), over
+    # the views the plan reads: a window's steps one by one
+    parts, _ = expand_views(resolve_windows(views, manifest.steps))
     schedule = choose_schedule(
         manifest,
-        views,
+        parts,
         cache_options.budget_bytes,
         plan_config,
         revive=cache_options.persistent and plan_config.shuffle,
@@ -350,18 +355,20 @@ def _anchor_steps(
     config: PlanConfig,
     missing: Sequence[Any] | None,
     missing_objects: str,
+    views: Iterable[ArrayGeometry] = (),
 ) -> SplitManifest:
-    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride and the
-    missing-step checks (unchanged when neither is asked for): the anchor array's times, the
-    samples ``missing`` lists, the samples with an absent stored object. A manifest that
-    already carries steps (``manifest.with_steps``) is kept when only a stride is asked for."""
+    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride,
+    windows in time deltas and the missing-step checks (unchanged when none is asked for): the
+    anchor array's times, the samples ``missing`` lists, the samples with an absent stored
+    object. A manifest that already carries steps (``manifest.with_steps``) is kept when only
+    a stride or time-delta windows are asked for."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
         missing is not None and not isinstance(missing, Sequence | np.ndarray)
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
-    timed = not isinstance(config.stride, int)
+    timed = not isinstance(config.stride, int) or any(v.timed_window for v in views)
     if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
         return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
     n = manifest.n_samples
@@ -414,9 +421,10 @@ def _time_coordinate(
     if not times:
         if needed:
             raise ValueError(
-                f"a time stride or dates in missing= need the time coordinate of "
-                f"{manifest.array!r} (the manifest's anchor array), and it has none: give an "
-                "int stride and sample indices in missing="
+                f"a time stride, window offsets in time deltas or dates in missing= need the "
+                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and it "
+                "has none: give an int stride, window offsets in samples and sample indices "
+                "in missing="
             )
         return None
     return times[0]
