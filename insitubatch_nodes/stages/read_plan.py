@@ -240,11 +240,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             and isinstance(views, Mapping)
             and all(isinstance(v, ArrayGeometry) for v in views.values())
         ):
-            views = resolve_windows(views, manifest.steps)
-            parts, layout = expand_views(views)
-        else:  # (check_plan_inputs says what is wrong)
-            parts, layout = views, BatchLayout({}, {})
-        return check_plan_inputs(manifest, parts, config), layout
+            parts, layout = expand_views(resolve_windows(views, manifest.steps))
+            return check_plan_inputs(manifest, parts, config), layout
+        # (check_plan_inputs says what is wrong)
+        return check_plan_inputs(manifest, views, config), BatchLayout({}, {})
 
     @property
     def batch_views(self) -> Mapping[str, ArrayGeometry]:
