@@ -210,6 +210,7 @@ class InSituDataModule(pl.LightningDataModule):
         self._loaders: dict[str, InSituIterableDataset] = {}
         self._pending_train_state: dict[str, Any] | None = None
         self._train_key: tuple[int, int | None, int | None] | None = None
+        self._train_views: dict[str, ArrayGeometry] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -278,7 +279,7 @@ class InSituDataModule(pl.LightningDataModule):
         pipe = insitu_pipeline(
             self.store,
             self.manifest,
-            self.views,
+            self._train_views if split == "train" and self._train_views else self.views,
             batch_transforms=self.batch_transforms,
             chunk_transforms=self.chunk_transforms,
             coords=self.coords,
@@ -293,6 +294,18 @@ class InSituDataModule(pl.LightningDataModule):
         if split == "train":
             self._train_key = key
         return dataset
+
+    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+        """Train on ``views`` (of the same arrays: other windows or shifts, a rollout that
+        grows) from the next epoch on: forwarded to the training pipeline's
+        :meth:`~insitubatch_nodes.pipeline.InSituPipeline.set_views` (checked there), and
+        kept for a training pipeline built later. Validation and testing keep the views the
+        module was made with. Call it between epochs, e.g. from a callback's
+        ``on_train_epoch_end``."""
+        train = self._loaders.get("train")
+        if train is not None:
+            train.pipeline.set_views(views)
+        self._train_views = dict(views)
 
     # -- loaders ------------------------------------------------------------------------------
     def train_report(self) -> EpochReport | None:

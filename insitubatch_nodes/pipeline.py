@@ -72,6 +72,51 @@ class InSituPipeline(PrefetcherNode[Batch]):
         objects over the field axes (``(0, 0)`` when a 2-D field is stored whole)."""
         return self.stages.fetch.bad_chunks
 
+    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+        """Read ``views`` (``{label: view}`` of the arrays this pipeline reads: other windows,
+        shifts or labels; a rollout that grows) from the next epoch on.
+
+        They take effect when the next epoch starts (the next ``iter()`` or ``reset()``, or a
+        ``load_state_dict``/``reset(state)``, which then restores under them); the epoch in
+        progress keeps its views. The batch buffers are resized then. A checkpoint taken
+        after the change resumes exactly (in a pipeline given the same views, at build or by
+        ``set_views``); a state saved with the views before the change restores at an epoch
+        boundary (its epoch not begun, or over) and is refused mid-epoch with a
+        ``ValueError`` naming both sets of views.
+
+        Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry``;
+        ``ValueError`` for views of other arrays (or of an array with another geometry), an
+        array patched otherwise, a split left with no anchor, and an explicit
+        ``cache_budget_bytes`` below the new views' floor (as at build). Time-delta windows
+        are resolved through the times the pipeline was built with (a time ``stride``, time
+        windows or ``missing=``): give offsets in samples otherwise.
+        """
+        if not isinstance(views, Mapping) or not views:
+            raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
+        plan, transforms = self.stages.plan, self.context.transforms
+        carried: dict[str, ArrayGeometry] = {}
+        for label, view in views.items():
+            if not isinstance(view, ArrayGeometry):
+                raise TypeError(f"views[{label!r}] must be an ArrayGeometry view, got {view!r}")
+            if view.path not in transforms.outputs or view.base != transforms.source(view.path):
+                raise ValueError(
+                    f"views[{label!r}] reads {view.path!r} with another geometry than this "
+                    f"pipeline's arrays ({sorted(transforms.outputs)}): set_views takes views "
+                    "of the arrays the pipeline was built on"
+                )
+            carried[label] = transforms.output_view(view)
+        parts, _ = expand_views(resolve_windows(carried, plan.manifest.steps))
+        pool = self.stages.pool
+        persistent = pool.cache is not None and pool.cache.persistent
+        schedule = choose_schedule(
+            plan.manifest,
+            parts,
+            None if pool.auto else pool.budget_bytes,
+            plan.plan_config,
+            revive=persistent and plan.shuffle,
+        )
+        plan.set_views(carried, schedule=schedule)
+
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the
         memory this pipeline holds outside the pool's budget, in bytes:

@@ -409,7 +409,7 @@ class ArrayGeometry:
             if step_ns <= 0 or k_ns % step_ns:
                 raise ValueError(
                     f"{self.path}: window offset {k} is not a whole multiple of the data's "
-                    f"step ({np.timedelta64(step_ns, 'ns').astype('m8[s]')} between samples of "
+                    f"step ({_readable_step(step_ns)} between samples of "
                     f"{coord!r}): give multiples of that step"
                 )
             out.append(k_ns // step_ns)
@@ -613,6 +613,14 @@ def _bounds(axis: int, value: Any, extent: int, length: int) -> tuple[int, int]:
             f"within[{axis}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of {extent}"
         )
     return lo, hi
+
+
+def _readable_step(ns: int) -> str:
+    """A length in nanoseconds as ``"6h"``, ``"30min"``, ``"1D"`` or seconds."""
+    for unit, size in (("D", 86_400 * 10**9), ("h", 3_600 * 10**9), ("min", 60 * 10**9)):
+        if ns and ns % size == 0:
+            return f"{ns // size}{unit}"
+    return f"{ns / 1e9:g}s"
 
 
 def _is_int(value: Any) -> bool:
