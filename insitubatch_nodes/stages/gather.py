@@ -239,7 +239,8 @@ class GatherNode(BaseNode[Batch]):
                     f"{resident.direct.get(label, 0)} decoded in place, of {n}; this is a bug "
                     "in insitubatch_nodes, please report it"
                 )
-        samples, origins = self._per_label(plan.sample_indices), self._per_label(plan.patch_origins)
+        samples = self._per_label(plan.sample_indices, stack=True)
+        origins = self._per_label(plan.patch_origins, stack=False)
         batch = Batch(
             arrays=arrays,
             sample_indices=samples,
@@ -256,7 +257,7 @@ class GatherNode(BaseNode[Batch]):
         self.recorder.add("gather_s", time.perf_counter() - t0)
         return batch
 
-    def _per_label(self, by_part: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _per_label(self, by_part: Mapping[str, np.ndarray], stack: bool) -> dict[str, np.ndarray]:
         """The plan's per-view values as the batch's per label: a window's steps side by side
         (``sample_indices`` ``(batch, T)``); a window's patch origins are its first step's
         (every step takes the same window of the field)."""
@@ -268,7 +269,7 @@ class GatherNode(BaseNode[Batch]):
                 continue
             if not lp.lead:
                 out[label] = by_part[lp.parts[0][0]]
-            elif by_part[lp.parts[0][0]].ndim == 1:  # sample indices: one column per step
+            elif stack:  # sample indices: one column per step
                 out[label] = np.stack([by_part[p] for p, _ in lp.parts], axis=1)
             else:  # patch origins: the same for every step
                 out[label] = by_part[lp.parts[0][0]]
