@@ -417,3 +417,26 @@ def test_set_views_refuses_other_arrays_and_a_budget_below_the_new_floor(tmp_pat
             pipe.set_views({"x": g.window(list(range(0, 40, 2)))})
     finally:
         pipe.close()
+
+
+def test_the_data_module_forwards_set_views_to_its_training_pipeline_and_keeps_them(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("lightning")
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    root = _hourly_store(tmp_path / "h.zarr", spc=2)
+    g = open_geometries(root)["t2m"]
+    dm = InSituDataModule(root, {"x": g.window([-1, 0]), "y": g.window([1])}, (1.0, 0.0, 0.0),
+                          config=PlanConfig(batch_size=4), transform=lambda b: b,
+                          log_report=False)  # fmt: skip
+    dm.setup("fit")
+    try:
+        loader = dm.train_dataloader()
+        first = {b["y"].shape[1] for b in loader}
+        dm.set_views({"x": g.window([-1, 0]), "y": g.window([1, 2])})
+        second = {b["y"].shape[1] for b in loader}
+        assert dm.train_dataloader() is loader  # the same pipeline, its views changed
+    finally:
+        dm.teardown("fit")
+    assert (first, second) == ({1}, {2})
