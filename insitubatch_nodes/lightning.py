@@ -306,6 +306,12 @@ class InSituDataModule(pl.LightningDataModule):
         if train is not None:
             train.pipeline.set_views(views)
         self._train_views = dict(views)
+        trainer = self.trainer
+        if trainer is None:
+            return
+        for callback in getattr(trainer, "callbacks", None) or []:
+            if isinstance(callback, _EpochLengthSync):  # the next epoch's length may differ
+                callback.on_train_epoch_end(trainer, trainer.lightning_module)
 
     # -- loaders ------------------------------------------------------------------------------
     def train_report(self) -> EpochReport | None:

@@ -433,10 +433,62 @@ def test_the_data_module_forwards_set_views_to_its_training_pipeline_and_keeps_t
     dm.setup("fit")
     try:
         loader = dm.train_dataloader()
-        first = {b["y"].shape[1] for b in loader}
-        dm.set_views({"x": g.window([-1, 0]), "y": g.window([1, 2])})
-        second = {b["y"].shape[1] for b in loader}
+        first = [b["y"].shape[1] for b in loader]
+        dm.set_views({"x": g.window([-1, 0]), "y": g.window([1, 2, 3, 4, 5])})
+        told = len(loader)  # what a trainer is told before the next epoch
+        second = [b["y"].shape[1] for b in loader]
         assert dm.train_dataloader() is loader  # the same pipeline, its views changed
     finally:
         dm.teardown("fit")
-    assert (first, second) == ({1}, {2})
+    # anchors 1 .. 46, then 1 .. 42, in batches of 4
+    assert (first, second) == ([1] * 12, [5] * 11)
+    assert told == 11
+
+
+@pytest.mark.slow
+def test_a_lightning_rollout_that_grows_each_epoch_gets_each_epochs_own_windows_and_length(
+    tmp_path: Path,
+) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    root = _hourly_store(tmp_path / "h.zarr", spc=2)
+    data = zarr.open_array(root / "t2m", mode="r")[...]
+    g = open_geometries(root)["t2m"]
+
+    def views(epoch: int) -> dict[str, Any]:  # the target window grows by a step each epoch
+        return {"x": g.window([-1, 0]), "y": g.window(list(range(1, epoch + 2)))}
+
+    seen: list[tuple[int, int]] = []
+
+    class Model(pl.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch: Any, index: int) -> Any:
+            a = batch.sample_indices["x"][:, 1]
+            steps = batch["y"].shape[1]
+            np.testing.assert_array_equal(batch["y"], data[a[:, None] + np.arange(1, steps + 1)])
+            seen.append((self.current_epoch, steps))
+            return (self.w * 0.0).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Grow(pl.Callback):  # type: ignore[misc]
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            trainer.datamodule.set_views(views(trainer.current_epoch + 1))
+
+    dm = InSituDataModule(root, views(0), (1.0, 0.0, 0.0), config=PlanConfig(batch_size=4),
+                          transform=lambda b: b, log_report=False)  # fmt: skip
+    trainer = pl.Trainer(max_epochs=3, accelerator="cpu", logger=False, callbacks=[Grow()],
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)  # fmt: skip
+    trainer.fit(Model(), datamodule=dm)
+    # anchors 1 .. N - 2 - epoch: 46, 45 and 44 of them, in batches of 4
+    per_epoch = [[s for e, s in seen if e == epoch] for epoch in range(3)]
+    assert [len(p) for p in per_epoch] == [12, 12, 11]
+    assert [set(p) for p in per_epoch] == [{1}, {2}, {3}]

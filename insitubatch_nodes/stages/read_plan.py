@@ -204,6 +204,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self.views: Mapping[str, ArrayGeometry] = MappingProxyType(views)
         self.layout: BatchLayout = layout
         self._pending: tuple[dict[str, ArrayGeometry], BatchLayout, PinSchedule] | None = None
+        self._pending_len = 0  # batches of an epoch of the pending views
         self.plan_config = cfg
         self.split = cfg.split
         self.batch_size = cfg.batch_size
@@ -278,6 +279,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if schedule is not None and not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
         self._pending = (parts, layout, self.schedule if schedule is None else schedule)
+        self._pending_len = plan_epoch(self.manifest, parts, self.plan_config).n_batches
         self._known[_dataset_hash(self.manifest, _views_list(parts))] = parts
 
     def _apply_pending(self) -> None:
@@ -405,9 +407,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return self._epoch
 
     def __len__(self) -> int:
-        """Batches in the epoch in progress (once it is over: in the next), counted from its
-        start. The same every epoch, except an epoch resumed on another world size (see
-        :meth:`reset`)."""
+        """Batches in the epoch in progress (once it is over: in the next, under the views
+        :meth:`set_views` gave), counted from its start. The same every epoch, except an epoch
+        resumed on another world size (see :meth:`reset`) or after :meth:`set_views`."""
         if self._plan is not None and self._emitted < self._plan.n_batches:
             return self._plan.n_batches
         return self.epoch_len
@@ -420,7 +422,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     @property
     def epoch_len(self) -> int:
-        """Batches this rank yields in a whole epoch (the same every epoch)."""
+        """Batches this rank yields in a whole epoch (the same every epoch); once
+        :meth:`set_views` gave views, in a whole epoch of those (the next one's)."""
+        if self._pending is not None:
+            return self._pending_len
         if self._epoch_len is None:
             self._epoch_len = self._draw(0, None).n_batches
         return self._epoch_len
