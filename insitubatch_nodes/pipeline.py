@@ -78,11 +78,13 @@ class InSituPipeline(PrefetcherNode[Batch]):
 
         They take effect when the next epoch starts (the next ``iter()`` or ``reset()``, or a
         ``load_state_dict``/``reset(state)``, which then restores under them); the epoch in
-        progress keeps its views. The batch buffers are resized then. A checkpoint taken
-        after the change resumes exactly (in a pipeline given the same views, at build or by
-        ``set_views``); a state saved with the views before the change restores at an epoch
-        boundary (its epoch not begun, or over) and is refused mid-epoch with a
-        ``ValueError`` naming both sets of views.
+        progress keeps its views (also when the pipeline is closed and resumed in it, or a
+        state saved mid-epoch under the views still in effect is restored). The batch buffers
+        are resized then. A checkpoint taken after the change resumes exactly (in a pipeline
+        given the same views, at build or by ``set_views``); a state saved with the views
+        before the change restores at an epoch boundary (its epoch not begun, or over), and a
+        pipeline reading the new views refuses it mid-epoch with a ``ValueError`` naming both
+        sets of views.
 
         Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry``;
         ``ValueError`` for views of other arrays (or of an array with another geometry), an

@@ -356,6 +356,30 @@ def test_set_views_takes_effect_at_the_next_epoch_and_a_later_state_resumes_exac
         assert _records(got) + _records(list(loader)) == _records(second)
 
 
+def test_set_views_mid_epoch_leaves_the_epoch_its_views_even_across_a_close(
+    tmp_path: Path,
+) -> None:
+    root = _hourly_store(tmp_path / "h.zarr", spc=2, n=96)
+    g = open_geometries(root)["t2m"]
+    short = {"x": g.window(["-6h", "0h"]), "y": g.window(["6h"])}
+    long = {"x": g.window(["-6h", "0h"]), "y": g.window(["6h", "12h", "18h"])}
+    with _windowed(root, views=short) as pipe:  # the reference: the change between epochs
+        loader = Loader(pipe)
+        want = _records(list(loader))
+        pipe.set_views(long)
+        want += _records(list(loader))
+    with _windowed(root, views=short) as pipe:
+        loader = Loader(pipe)
+        it = iter(loader)
+        got = [next(it), next(it)]
+        pipe.set_views(long)
+        got.append(next(it))
+        pipe.close()  # releases everything; the next batch resumes where the consumer was
+        got += list(it)
+        got += list(loader)
+    assert _records(got) == want
+
+
 def test_a_state_from_before_set_views_restores_at_an_epoch_boundary_and_not_mid_epoch(
     tmp_path: Path,
 ) -> None:
@@ -373,7 +397,7 @@ def test_a_state_from_before_set_views_restores_at_an_epoch_boundary_and_not_mid
         end = loader.state_dict()  # epoch 0 over
     with _windowed(root, views=short) as pipe:  # the reference: epoch 1 under the long views
         loader = Loader(pipe)
-        list(loader)
+        first = _records(list(loader))
         pipe.set_views(long)
         want = _records(list(loader))
     for build in ("built with them", "given by set_views"):
@@ -384,15 +408,22 @@ def test_a_state_from_before_set_views_restores_at_an_epoch_boundary_and_not_mid
             loader = Loader(pipe)
             loader.load_state_dict(end)
             assert _records(list(loader)) == want, build
-        with _windowed(root, views=views) as pipe:
-            if views is short:
-                pipe.set_views(long)
-            loader = Loader(pipe)
-            loader.load_state_dict(mid)
-            with pytest.raises(ValueError, match=r"saved mid-epoch .* with views \[x\[0\]: t2m "
-                               r"-6.* y\[0\]: t2m \+6\], and this pipeline reads .*y\[2\]: t2m "
-                               r"\+18"):  # fmt: skip
-                next(iter(loader))
+    # mid-epoch, a pipeline reading the new views refuses it, naming both sets of views
+    with _windowed(root, views=long) as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(mid)
+        with pytest.raises(ValueError, match=r"saved mid-epoch .* with views \[x\[0\]: t2m "
+                           r"-6.* y\[0\]: t2m \+6\], and this pipeline reads .*y\[2\]: t2m "
+                           r"\+18"):  # fmt: skip
+            next(iter(loader))
+    # one still reading the old views (the new ones given for the next epoch) ends the epoch
+    # under them, as the run that saved the state would have
+    with _windowed(root, views=short) as pipe:
+        pipe.set_views(long)
+        loader = Loader(pipe)
+        loader.load_state_dict(mid)
+        assert _records(list(loader)) == first[1:]
+        assert _records(list(loader)) == want
 
 
 def test_set_views_refuses_other_arrays_and_a_budget_below_the_new_floor(tmp_path: Path) -> None:

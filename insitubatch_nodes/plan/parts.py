@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.anchors import SampleSteps
@@ -30,7 +29,6 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 __all__ = [
     "BatchLayout",
     "LabelParts",
-    "describe_views",
     "expand_views",
     "part_label",
     "resolve_windows",
@@ -62,11 +60,6 @@ class BatchLayout:
 
     labels: Mapping[str, LabelParts]
     views: Mapping[str, ArrayGeometry]
-
-    @property
-    def part_labels(self) -> dict[str, tuple[str, tuple[int, ...]]]:
-        """Part label -> ``(batch label, index into its lead axes)``."""
-        return {p: (label, i) for label, lp in self.labels.items() for p, i in lp.parts}
 
     def is_plain(self) -> bool:
         """True when every label is one part (no window): batch labels are plan labels."""
@@ -102,26 +95,6 @@ def expand_views(
             members.append((name, (t,)))
         labels[label] = LabelParts((len(steps),), tuple(members))
     return parts, BatchLayout(labels, dict(views))
-
-
-def describe_views(views: Mapping[str, ArrayGeometry]) -> list[str]:
-    """The views as short readable lines, sorted (for messages and a state's fingerprint):
-    ``"x: t2m window [-1, 0]"``, ``"y: t2m +1"``, ``"z: z patches {1: 8, 2: 8}"``."""
-    out = []
-    for label, v in views.items():
-        text = f"{label}: {v.path or '/'}"
-        if v.offset:
-            text += f" {v.offset:+d}"
-        if v.window_offsets is not None:
-            text += f" window {[_step(k) for k in v.window_offsets]}"
-        if v.patch is not None:
-            text += f" patches {dict(zip(v.patch.axes, v.patch.extent, strict=True))}"
-        out.append(text)
-    return sorted(out)
-
-
-def _step(k: Any) -> Any:
-    return k if isinstance(k, int) else str(k)
 
 
 def resolve_windows(

@@ -175,9 +175,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     **Other views between epochs.** :meth:`set_views` gives views of the same arrays (other
     windows or shifts: a rollout that grows); they take effect at the next start of an epoch.
-    A state restores when it was saved with the views this node reads, and a state saved with
-    other views restores at an epoch boundary only (its epoch not begun, or over): mid-epoch it
-    is refused with a ``ValueError`` naming both sets of views.
+    A state restores when it was saved with the views this node reads (mid-epoch, with views
+    pending from :meth:`set_views`, it ends its epoch under its own views), and a state saved
+    with other views restores at an epoch boundary only (its epoch not begun, or over):
+    mid-epoch it is refused with a ``ValueError`` naming both sets of views.
     """
 
     def __init__(
@@ -257,7 +258,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     ) -> None:
         """Read ``views`` (label -> view of the same arrays: other windows, shifts, labels)
         from the next start of an epoch on: the next ``reset(None)``, or a ``reset(state)``
-        (which then restores under these views, see the class docstring). ``schedule`` is
+        (which then restores under these views, see the class docstring) — except a state
+        saved mid-epoch with the views in effect (a pipeline closed and resumed): its epoch
+        ends under its own views, and these start with the next. ``schedule`` is
         the residency schedule for them (default: the current one). Checked here:
         ``ValueError`` when they read other arrays, patch an array otherwise, or leave the
         split no anchor."""
@@ -281,6 +284,21 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._pending = (parts, layout, self.schedule if schedule is None else schedule)
         self._pending_len = plan_epoch(self.manifest, parts, self.plan_config).n_batches
         self._known[_dataset_hash(self.manifest, _views_list(parts))] = parts
+
+    def _resumes_mid_epoch(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` was saved with the views in effect and resumes inside its epoch
+        (a pipeline closed and resumed mid-epoch): views :meth:`set_views` gave then wait for
+        the next epoch."""
+        saved = state.get("config")
+        if self._pending is None or not isinstance(saved, Mapping):
+            return False
+        if saved.get("dataset") != self._config["dataset"]:
+            return False
+        try:
+            self.check_state(state)
+            return self._resolve(state)[1] > 0
+        except (KeyError, TypeError, ValueError):
+            return False  # (reset says what is wrong with it)
 
     def _apply_pending(self) -> None:
         """Take the views :meth:`set_views` gave (at the start of an epoch)."""
@@ -454,7 +472,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
-        self._apply_pending()  # views given by set_views start here
+        if initial_state is None or not self._resumes_mid_epoch(initial_state):
+            self._apply_pending()  # views given by set_views start here
         if initial_state is not None:
             self.check_state(initial_state)
             epoch, emitted, resumed = self._resolve(initial_state)
