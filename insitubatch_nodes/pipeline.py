@@ -174,7 +174,11 @@ def insitu_pipeline(
 
     ``variables`` is a list of array names (each becomes a label) or ``{label: view}`` with
     :class:`ArrayGeometry` views (e.g. ``{"x": g, "y": g.shift(1)}``). Batches are
-    :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``.
+    :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``, or
+    ``(batch, T, *inner_shape)`` for a window view (``g.window([-1, 0])``, or in time deltas
+    ``g.window(["-6h", "0h"])``, resolved here through the time coordinate of the manifest's
+    anchor array; see :meth:`ArrayGeometry.window`). :meth:`InSituPipeline.set_views` changes
+    the views between epochs.
     An anchor is used only when every view reads inside ``split``'s own chunks;
     ``cross_split_windows=True`` lets windows read across the split's edge. ``remainder``
     (``"drop"`` or ``"pad"``) is what several ranks do with the samples that do not divide

@@ -593,7 +593,7 @@ class ArrayGeometry:
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
         if self.window_offsets is not None:
-            off += f", window={[str(k) for k in self.window_offsets]}"
+            off += f", window={[k if isinstance(k, int) else str(k) for k in self.window_offsets]}"
         if self.patch is not None:
             off += f", patches={dict(zip(self.patch.axes, self.patch.extent, strict=True))}"
         return (
