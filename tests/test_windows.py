@@ -20,6 +20,7 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from tests.helpers import counting_store
@@ -151,6 +152,12 @@ def test_window_offsets_are_checked_where_the_window_is_made(tmp_path: Path) -> 
     assert g.window([-1, 0]).base == g
     with pytest.raises(ValueError, match="resolved through the time coordinate"):
         g.window(["-6h", "0h"]).parts()
+    # the plan's own functions take a window's steps, never the window whole
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="is a window: a plan reads its steps as plain views"):
+        plan_epoch(manifest, {"x": g.window([-1, 0])})
+    with pytest.raises(ValueError, match="is a window"):
+        schedule_floors(manifest, {"x": g.window([-1, 0])})
 
 
 def test_time_delta_windows_on_6h_anchors_hold_the_steps_xarray_selects_read_once(
