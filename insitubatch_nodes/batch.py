@@ -16,12 +16,15 @@ __all__ = ["Batch", "BatchTransform", "DeviceTransform", "to_torch"]
 
 @dataclass
 class Batch:
-    """One batch: per label, an array shaped ``(len(batch), *inner_shape)``.
+    """One batch: per label, an array shaped ``(len(batch), *inner_shape)`` — or, for a window
+    view (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.window`), ``(len(batch), T,
+    *inner_shape)``.
 
     ``sample_indices[label][i]`` is the sample-axis index row ``i`` of ``arrays[label]`` was read
-    from (the anchor plus that label's view offset). ``epoch`` and ``index`` locate the batch in
-    the run. The arrays may be views of reused buffers: a batch (or a tensor made from it) that
-    you keep stays valid — its buffer is not reused while anything references it.
+    from (the anchor plus that label's view offset); for a window it is ``(len(batch), T)``,
+    one index per step, and so are the label's ``coords``. ``epoch`` and ``index`` locate the
+    batch in the run. The arrays may be views of reused buffers: a batch (or a tensor made from
+    it) that you keep stays valid — its buffer is not reused while anything references it.
 
     ``coords[label][name][i]`` is the value of coordinate ``name`` (e.g. ``"time"``) at row ``i``
     of ``arrays[label]``: the decoded coordinate indexed with ``sample_indices[label]``, so a

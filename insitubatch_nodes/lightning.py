@@ -231,6 +231,7 @@ class InSituDataModule(pl.LightningDataModule):
         self._checked_manifest: SplitManifest | None = None
         self._pending_train_state: dict[str, Any] | None = None
         self._train_key: tuple[int, int | None, int | None] | None = None
+        self._train_views: dict[str, ArrayGeometry] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -300,7 +301,7 @@ class InSituDataModule(pl.LightningDataModule):
         pipe = insitu_pipeline(
             self.store,
             self.manifest if checked is None else checked,
-            self.views,
+            self._train_views if split == "train" and self._train_views else self.views,
             batch_transforms=self.batch_transforms,
             chunk_transforms=self.chunk_transforms,
             coords=self.coords,
@@ -320,6 +321,24 @@ class InSituDataModule(pl.LightningDataModule):
         if split == "train":
             self._train_key = key
         return dataset
+
+    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+        """Train on ``views`` (of the same arrays: other windows or shifts, a rollout that
+        grows) from the next epoch on: forwarded to the training pipeline's
+        :meth:`~insitubatch_nodes.pipeline.InSituPipeline.set_views` (checked there), and
+        kept for a training pipeline built later. Validation and testing keep the views the
+        module was made with. Call it between epochs, e.g. from a callback's
+        ``on_train_epoch_end``."""
+        train = self._loaders.get("train")
+        if train is not None:
+            train.pipeline.set_views(views)
+        self._train_views = dict(views)
+        trainer = self.trainer
+        if trainer is None:
+            return
+        for callback in getattr(trainer, "callbacks", None) or []:
+            if isinstance(callback, _EpochLengthSync):  # the next epoch's length may differ
+                callback.on_train_epoch_end(trainer, trainer.lightning_module)
 
     # -- loaders ------------------------------------------------------------------------------
     def train_report(self) -> EpochReport | None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,7 @@ from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, r
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
 from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.parts import expand_views, resolve_windows
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
@@ -75,6 +76,53 @@ class InSituPipeline(PrefetcherNode[Batch]):
         for the next epoch. ``tile`` is the object's position in the chunk's grid of stored
         objects over the field axes (``(0, 0)`` when a 2-D field is stored whole)."""
         return self.stages.fetch.bad_chunks
+
+    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+        """Read ``views`` (``{label: view}`` of the arrays this pipeline reads: other windows,
+        shifts or labels; a rollout that grows) from the next epoch on.
+
+        They take effect when the next epoch starts (the next ``iter()`` or ``reset()``, or a
+        ``load_state_dict``/``reset(state)``, which then restores under them); the epoch in
+        progress keeps its views (also when the pipeline is closed and resumed in it, or a
+        state saved mid-epoch under the views still in effect is restored). The batch buffers
+        are resized then. A checkpoint taken after the change resumes exactly (in a pipeline
+        given the same views, at build or by ``set_views``); a state saved with the views
+        before the change restores at an epoch boundary (its epoch not begun, or over), and a
+        pipeline reading the new views refuses it mid-epoch with a ``ValueError`` naming both
+        sets of views.
+
+        Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry``;
+        ``ValueError`` for views of other arrays (or of an array with another geometry), an
+        array patched otherwise, a split left with no anchor, and an explicit
+        ``cache_budget_bytes`` below the new views' floor (as at build). Time-delta windows
+        are resolved through the times the pipeline was built with (a time ``stride``, time
+        windows or ``missing=``): give offsets in samples otherwise.
+        """
+        if not isinstance(views, Mapping) or not views:
+            raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
+        plan, transforms = self.stages.plan, self.context.transforms
+        carried: dict[str, ArrayGeometry] = {}
+        for label, view in views.items():
+            if not isinstance(view, ArrayGeometry):
+                raise TypeError(f"views[{label!r}] must be an ArrayGeometry view, got {view!r}")
+            if view.path not in transforms.outputs or view.base != transforms.source(view.path):
+                raise ValueError(
+                    f"views[{label!r}] reads {view.path!r} with another geometry than this "
+                    f"pipeline's arrays ({sorted(transforms.outputs)}): set_views takes views "
+                    "of the arrays the pipeline was built on"
+                )
+            carried[label] = transforms.output_view(view)
+        parts, _ = expand_views(resolve_windows(carried, plan.manifest.steps))
+        pool = self.stages.pool
+        persistent = pool.cache is not None and pool.cache.persistent
+        schedule = choose_schedule(
+            plan.manifest,
+            parts,
+            None if pool.auto else pool.budget_bytes,
+            plan.plan_config,
+            revive=persistent and plan.shuffle,
+        )
+        plan.set_views(carried, schedule=schedule)
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the
@@ -131,7 +179,11 @@ def insitu_pipeline(
 
     ``variables`` is a list of array names (each becomes a label) or ``{label: view}`` with
     :class:`ArrayGeometry` views (e.g. ``{"x": g, "y": g.shift(1)}``). Batches are
-    :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``.
+    :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``, or
+    ``(batch, T, *inner_shape)`` for a window view (``g.window([-1, 0])``, or in time deltas
+    ``g.window(["-6h", "0h"])``, resolved here through the time coordinate of the manifest's
+    anchor array; see :meth:`ArrayGeometry.window`). :meth:`InSituPipeline.set_views` changes
+    the views between epochs.
     An anchor is used only when every view reads inside ``split``'s own chunks;
     ``cross_split_windows=True`` lets windows read across the split's edge. ``remainder``
     (``"drop"`` or ``"pad"``) is what several ranks do with the samples that do not divide
@@ -235,11 +287,15 @@ def insitu_pipeline(
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: transforms.output_view(view) for label, view in views.items()}
-    manifest = _anchor_steps(zstore, manifest, geoms, plan_config, missing, missing_objects, reader)
-    # the schedule is decided first (and fails fast, here, when the budget is too small)
+    manifest = _anchor_steps(
+        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, views.values()
+    )
+    # the schedule is decided first (and fails fast, here, when the budget is too small), over
+    # the views the plan reads: a window's steps one by one
+    parts, _ = expand_views(resolve_windows(views, manifest.steps))
     schedule = choose_schedule(
         manifest,
-        views,
+        parts,
         cache_options.budget_bytes,
         plan_config,
         revive=cache_options.persistent and plan_config.shuffle,
@@ -355,18 +411,20 @@ def _anchor_steps(
     missing: Sequence[Any] | None,
     missing_objects: str,
     reader: Any = None,
+    views: Iterable[ArrayGeometry] = (),
 ) -> SplitManifest:
-    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride and the
-    missing-step checks (unchanged when neither is asked for): the anchor array's times, the
-    samples ``missing`` lists, the samples with an absent stored object. A manifest that
-    already carries steps (``manifest.with_steps``) is kept when only a stride is asked for."""
+    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride,
+    windows in time deltas and the missing-step checks (unchanged when none is asked for): the
+    anchor array's times, the samples ``missing`` lists, the samples with an absent stored
+    object. A manifest that already carries steps (``manifest.with_steps``) is kept when only
+    a stride or time-delta windows are asked for."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
         missing is not None and not isinstance(missing, Sequence | np.ndarray)
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
-    timed = not isinstance(config.stride, int)
+    timed = not isinstance(config.stride, int) or any(v.timed_window for v in views)
     if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
         return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
     n = manifest.n_samples
@@ -420,9 +478,10 @@ def _time_coordinate(
     if not times:
         if needed:
             raise ValueError(
-                f"a time stride or dates in missing= need the time coordinate of "
-                f"{manifest.array!r} (the manifest's anchor array), and it has none: give an "
-                "int stride and sample indices in missing="
+                f"a time stride, window offsets in time deltas or dates in missing= need the "
+                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and it "
+                "has none: give an int stride, window offsets in samples and sample indices "
+                "in missing="
             )
         return None
     return times[0]

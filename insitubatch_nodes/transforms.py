@@ -257,13 +257,14 @@ class ChunkTransforms:
         return {path: c.output for path, c in self._chains.items()}
 
     def output_view(self, view: ArrayGeometry) -> ArrayGeometry:
-        """A label's view as batches carry it (the output geometry, at the view's offset; a
-        patched view, which takes no chunk transforms, as it is)."""
+        """A label's view as batches carry it (the output geometry, at the view's offset and
+        with its window; a patched view, which takes no chunk transforms, as it is)."""
         if view.patch is not None:
             self.refuse_patched(view.path)
             return view
         out = self._chains[view.path].output
-        return out.shift(view.offset) if view.offset else out
+        out = out.shift(view.offset) if view.offset else out
+        return out if view.window_offsets is None else out.window(view.window_offsets)
 
     def refuse_patched(self, path: str) -> None:
         """Raise ``ValueError`` when transforms run on ``path``, an array read through patched

@@ -10,6 +10,13 @@ is the shard shape.
 A *view* is ``(path, offset)``: ``geom.shift(k)`` reads ``array[anchor + k]`` for anchor ``anchor``.
 Several views of one array share its path, so the engine decodes their chunks once.
 
+A *window* (``geom.window([-1, 0, 1])``, or in time deltas ``geom.window(["-6h", "0h"])``)
+makes a sample several steps of the array: ``array[anchor + offset + k]`` for each ``k``, so its
+:attr:`~ArrayGeometry.sample_shape` is ``(len(offsets), *inner_shape)`` and a batch holds
+``(batch, T, *inner_shape)``. The engine reads it as ``T`` plain shifted views of the array, its
+*parts* (:meth:`~ArrayGeometry.parts`); time deltas are resolved through the time coordinate
+when the pipeline is built (:meth:`~ArrayGeometry.in_samples`).
+
 A *patched* view (``geom.patches({"y": 256, "x": 256})``) makes a sample a window of the field:
 its samples are ``array[anchor, y0:y0 + 256, x0:x0 + 256]`` for origins the read plan draws
 (:class:`Patches` says how), and its :attr:`~ArrayGeometry.inner_shape` is the window's. The
@@ -39,6 +46,7 @@ import numpy as np
 
 from insitubatch_nodes.errors import CorruptMetadataError
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
@@ -176,6 +184,7 @@ class ArrayGeometry:
     zarr_format: int = 3
     metadata: Any = field(default=None, compare=False, repr=False, hash=False)
     patch: Patches | None = None
+    window_offsets: tuple[Any, ...] | None = None
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -341,10 +350,101 @@ class ArrayGeometry:
             raise TypeError(f"shift() takes an integer number of samples, got {k!r}")
         return replace(self, offset=self.offset + int(k))
 
+    def window(self, offsets: Sequence[Any]) -> ArrayGeometry:
+        """A view whose sample is ``len(offsets)`` steps of the array: ``array[anchor + k]`` for
+        each ``k`` of ``offsets`` (plus this view's own offset), in the order given, so
+        :attr:`sample_shape` is ``(len(offsets), *inner_shape)`` and a batch holds
+        ``(batch, len(offsets), *inner_shape)``.
+
+        ``offsets`` are distinct samples (ints, e.g. ``[-1, 0]``) or distinct time deltas
+        (``["-6h", "0h"]``, ``numpy.timedelta64``, ``datetime.timedelta``), not both; deltas
+        are resolved when the pipeline is built, through the time coordinate of the manifest's
+        anchor array (:meth:`in_samples`): a delta that is not a whole multiple of the data's
+        step raises ``ValueError`` naming both. Composes with :meth:`shift` (the whole window
+        moves) and :meth:`patches` (every step takes the row's window of the field). Anchors
+        are kept only where every step reads inside the array (and the split), and the
+        missing-step checks look at every step.
+        """
+        if self.window_offsets is not None:
+            raise ValueError(f"{self.path}: this view is a window already; give all its steps once")
+        if isinstance(offsets, str | bytes) or not isinstance(offsets, Sequence | np.ndarray):
+            raise TypeError(
+                f"window() takes a sequence of offsets, e.g. [-1, 0] or ['-6h', '0h'], got "
+                f"{offsets!r}"
+            )
+        steps = list(offsets)
+        if not steps:
+            raise ValueError(f"{self.path}: a window needs at least one offset")
+        ints = [_is_int(k) for k in steps]
+        if all(ints):
+            out: tuple[Any, ...] = tuple(int(k) for k in steps)
+        elif any(ints):
+            raise TypeError(
+                f"{self.path}: window offsets {steps!r} mix samples and time deltas; give all "
+                "in samples (ints) or all as time deltas ('-6h')"
+            )
+        else:
+            out = tuple(as_timedelta(k, "a window offset") for k in steps)
+        if len(set(out)) != len(out):
+            raise ValueError(f"{self.path}: window offsets {steps!r} repeat a step")
+        return replace(self, window_offsets=out)
+
+    @property
+    def timed_window(self) -> bool:
+        """True for a window given in time deltas (not yet resolved to samples)."""
+        w = self.window_offsets
+        return w is not None and isinstance(w[0], np.timedelta64)
+
+    def in_samples(self, step: np.timedelta64, coord: str = "time") -> ArrayGeometry:
+        """This view with a time-delta window resolved to samples, the data's step between
+        samples being ``step`` (``self`` when the window is in samples already, or there is
+        none). ``ValueError`` naming both when a delta is not a whole multiple of ``step``."""
+        if not self.timed_window:
+            return self
+        assert self.window_offsets is not None
+        step_ns = int(np.timedelta64(step, "ns").astype(np.int64))
+        out = []
+        for k in self.window_offsets:
+            k_ns = int(k.astype("m8[ns]").astype(np.int64))
+            if step_ns <= 0 or k_ns % step_ns:
+                raise ValueError(
+                    f"{self.path}: window offset {k} is not a whole multiple of the data's "
+                    f"step ({_readable_step(step_ns)} between samples of "
+                    f"{coord!r}): give multiples of that step"
+                )
+            out.append(k_ns // step_ns)
+        return replace(self, window_offsets=tuple(out))
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """Shape of one batch row of this view: :attr:`inner_shape`, or on a window view
+        ``(len(window_offsets), *inner_shape)``."""
+        if self.window_offsets is None:
+            return self.inner_shape
+        return (len(self.window_offsets), *self.inner_shape)
+
+    def parts(self) -> list[ArrayGeometry]:
+        """The plain views this view is read as, one per step: ``[self]`` for a view of one
+        step, else one :meth:`shift` view per window offset, in the window's order.
+        ``ValueError`` for a window still in time deltas (resolve it with :meth:`in_samples`)."""
+        if self.window_offsets is None:
+            return [self]
+        if self.timed_window:
+            raise ValueError(
+                f"{self.path}: window offsets {[str(k) for k in self.window_offsets]} are time "
+                "deltas, resolved through the time coordinate when the pipeline is built; "
+                "resolve them with in_samples(step) to read the window by hand"
+            )
+        return [
+            replace(self, window_offsets=None, offset=self.offset + k) for k in self.window_offsets
+        ]
+
     @property
     def base(self) -> ArrayGeometry:
-        """The array this view reads: unshifted and whole (no patches)."""
-        return replace(self, offset=0, patch=None) if self.offset or self.patch else self
+        """The array this view reads: unshifted, whole (no patches) and one step (no window)."""
+        if self.offset or self.patch or self.window_offsets is not None:
+            return replace(self, offset=0, patch=None, window_offsets=None)
+        return self
 
     @functools.cached_property
     def dims(self) -> tuple[str, ...] | None:
@@ -492,6 +592,8 @@ class ArrayGeometry:
 
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
+        if self.window_offsets is not None:
+            off += f", window={[k if isinstance(k, int) else str(k) for k in self.window_offsets]}"
         if self.patch is not None:
             off += f", patches={dict(zip(self.patch.axes, self.patch.extent, strict=True))}"
         return (
@@ -511,6 +613,18 @@ def _bounds(axis: int, value: Any, extent: int, length: int) -> tuple[int, int]:
             f"within[{axis}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of {extent}"
         )
     return lo, hi
+
+
+def _readable_step(ns: int) -> str:
+    """A length in nanoseconds as ``"6h"``, ``"30min"``, ``"1D"`` or seconds."""
+    for unit, size in (("D", 86_400 * 10**9), ("h", 3_600 * 10**9), ("min", 60 * 10**9)):
+        if ns and ns % size == 0:
+            return f"{ns // size}{unit}"
+    return f"{ns / 1e9:g}s"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool | np.timedelta64)
 
 
 def _positive(name: str, value: Any) -> int:

@@ -4,6 +4,8 @@
 * :mod:`~insitubatch_nodes.plan.config` — what a plan draws, as one :class:`PlanConfig`;
 * :mod:`~insitubatch_nodes.plan.anchors` — which samples are anchors: the stride, the anchors
   dropped for missing steps (:class:`SampleSteps`);
+* :mod:`~insitubatch_nodes.plan.parts` — a batch label's parts: a window's steps as the plain
+  views the plan reads (:class:`BatchLayout`);
 * :mod:`~insitubatch_nodes.plan.epoch` — drawing one epoch: permutation, blocks, batches;
 * :mod:`~insitubatch_nodes.plan.patches` — patched views: window origins, the regions of
   tiles they are grouped in, the stored tiles each window touches;
@@ -21,6 +23,7 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, ChunkLedger, EpochPlan
+from insitubatch_nodes.plan.parts import BatchLayout
 from insitubatch_nodes.plan.quality import shuffle_quality
 from insitubatch_nodes.plan.ranks import REMAINDERS, deal, deal_runs, samples_per_rank
 from insitubatch_nodes.plan.schedule import (
@@ -34,6 +37,7 @@ from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 
 __all__ = [
     "REMAINDERS",
+    "BatchLayout",
     "BatchPlan",
     "ChunkKey",
     "ChunkLedger",

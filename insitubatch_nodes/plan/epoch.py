@@ -408,7 +408,13 @@ def plan_groups(
     the sample axis alike and sit at the same (sorted) offsets, in label order. Such arrays
     read the same chunk indices in the same rows of every plan."""
     by_path: dict[str, list[ArrayGeometry]] = {}
-    for g in views.values():
+    for label, g in views.items():
+        if g.window_offsets is not None:  # (a window's steps are planned one by one)
+            raise ValueError(
+                f"views[{label!r}] is a window: a plan reads its steps as plain views; expand "
+                "it with insitubatch_nodes.plan.parts.expand_views (ReadPlanNode and "
+                "insitu_pipeline do)"
+            )
         by_path.setdefault(g.path, []).append(g)
     groups: dict[tuple[int, tuple[int, ...], Any], list[str]] = {}
     for path, vs in by_path.items():

@@ -360,6 +360,7 @@ class Admission:
         offsets) straight into batch arrays taken from the batch buffers."""
         job = pending.job = FillJob(_runtime.next_ticket(), self.generation)
         arrays = pending.arrays = self.setup.buffers.take(len(plan))
+        dest = self.setup.buffers.parts(arrays)  # a window's step: its (row, t) slices
         for group, chunks, rows, offsets in rows_in_place:
             assert group.in_place is not None
             for offset in np.unique(offsets).tolist():
@@ -367,7 +368,7 @@ class Admission:
                 chunk_list, row_list = chunks[pick].tolist(), rows[pick].tolist()
                 for path, labels in group.in_place.items():
                     label = labels[offset]
-                    job.add_rows(self.setup.arrays[path], arrays[label], chunk_list, row_list)
+                    job.add_rows(self.setup.arrays[path], dest[label], chunk_list, row_list)
                     pending.rows[label] = pending.rows.get(label, 0) + len(row_list)
             pending.ahead_bytes += group.row_bytes * len(chunks)
         self.ahead_bytes += pending.ahead_bytes

@@ -9,6 +9,12 @@ take them on the pipeline's producer thread.
 A buffer is handed out again only once every array, view and tensor made from the batch that
 borrowed it is gone, so a batch (or anything made from it) that you keep is never overwritten
 (see :class:`BufferPool`). A short final batch is a prefix view of a full buffer.
+
+A label's buffer is filled by its *parts* (:mod:`~insitubatch_nodes.plan.parts`): the one
+plain view of a label of one step fills all of it; the ``T`` steps of a window fill
+``buffer[:, t]`` each (:meth:`BatchBuffers.parts` hands every part its destination, a view into
+the label's buffer, so the fetch stage decodes a step straight into its ``(row, t)`` slice and
+the gather copies into it: there is no per-part buffer and no copy into the batch after).
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.plan.parts import BatchLayout, LabelParts
 from insitubatch_nodes.slots import RamBacking
 
 __all__ = ["BatchBuffers", "BufferPool", "batch_rows"]
@@ -88,33 +95,68 @@ class BufferPool:
 
 
 class BatchBuffers:
-    """The reusable batch arrays of one graph, one :class:`BufferPool` per label of ``views``.
+    """The reusable batch arrays of one graph, one :class:`BufferPool` per batch label.
 
-    :meth:`take` lends arrays for a batch of ``n`` rows (a prefix view of buffers of
-    :attr:`rows` rows; larger batches, after an elastic resume, grow the buffers). The gather
-    stage takes them for the batches it assembles; the fetch stage takes them for the batches
-    whose rows it decodes straight into them. Both run on the pipeline's producer thread.
+    ``views`` are the plan's views (part label -> view, as batches carry them: after the chunk
+    transforms); ``layout`` says how each batch label is assembled from them (default: every
+    view is a label of its own). :meth:`take` lends arrays for a batch of ``n`` rows, per batch
+    label ``(n, *lead, *inner)`` (a prefix view of buffers of :attr:`rows` rows; larger batches,
+    after an elastic resume, grow the buffers); :meth:`parts` gives each part its destination
+    in them. The gather stage takes them for the batches it assembles; the fetch stage takes
+    them for the batches whose rows it decodes straight into them. Both run on the pipeline's
+    producer thread.
     """
 
-    def __init__(self, views: Mapping[str, ArrayGeometry], rows: int) -> None:
-        self.views = dict(views)
+    def __init__(
+        self, views: Mapping[str, ArrayGeometry], rows: int, layout: BatchLayout | None = None
+    ) -> None:
         self._retired_allocations = 0
         self._pools: dict[str, BufferPool] = {}
-        self.resize(rows)
+        self.rows = rows
+        self.set_views(views, layout)
+
+    def set_views(self, views: Mapping[str, ArrayGeometry], layout: BatchLayout | None) -> None:
+        """Lend buffers for ``views`` assembled by ``layout`` from now on (buffers lent before
+        stay valid): the views a pipeline reads after ``set_views``."""
+        self.views = dict(views)
+        if layout is None:
+            layout = BatchLayout({lb: LabelParts((), ((lb, ()),)) for lb in views}, dict(views))
+        self.layout = layout
+        self._plain = layout.is_plain()
+        self._shapes: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
+        for label, lp in layout.labels.items():
+            first = self.views[lp.parts[0][0]]
+            self._shapes[label] = ((*lp.lead, *first.inner_shape), first.dtype)
+        self.resize(self.rows)
 
     def resize(self, rows: int) -> None:
         """Lend buffers of ``rows`` rows from now on (buffers lent before stay valid)."""
         self._retired_allocations += sum(p.allocations for p in self._pools.values())
         self.rows = rows
         self._pools = {
-            label: BufferPool((rows, *g.inner_shape), g.dtype) for label, g in self.views.items()
+            label: BufferPool((rows, *shape), dtype)
+            for label, (shape, dtype) in self._shapes.items()
         }
 
     def take(self, n: int) -> dict[str, np.ndarray]:
-        """Arrays ``(n, *inner)`` for every label (on the producer thread)."""
+        """Arrays ``(n, *lead, *inner)`` for every batch label (on the producer thread)."""
         if n > self.rows:
             self.resize(n)
         return {label: pool.take()[:n] for label, pool in self._pools.items()}
+
+    def parts(self, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+        """Each part's destination in the batch ``arrays`` (from :meth:`take`): part label ->
+        ``arrays[label]`` itself, or the view ``arrays[label][:, t]`` of a window's step
+        ``t``. Views share the batch's memory (and keep its buffer lent)."""
+        if self._plain:
+            return arrays
+        out: dict[str, np.ndarray] = {}
+        for label, lp in self.layout.labels.items():
+            arr = arrays[label]
+            for part, index in lp.parts:
+                at: tuple[Any, ...] = (slice(None), *index)
+                out[part] = arr[at] if index else arr
+        return out
 
     def reserve(self, batches: int) -> None:
         """Make the buffers of ``batches`` batches ahead of need, on a thread of their own, with

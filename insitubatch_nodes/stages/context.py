@@ -60,7 +60,11 @@ class StageContext:
 
     * ``plan``: the graph's :class:`ReadPlanNode`; ``batch_size``, ``rank`` and
       ``world_size`` are its own;
-    * ``views``: label -> the view batches carry (after the chunk transforms);
+    * ``views``: label -> the view batches carry (after the chunk transforms): the plan's
+      views, a window's steps one by one (:mod:`~insitubatch_nodes.plan.parts`; the batch
+      buffers' ``layout`` assembles batch labels from them); after the plan's
+      :meth:`~insitubatch_nodes.stages.read_plan.ReadPlanNode.set_views`, the new ones from
+      the next epoch on (:meth:`sync_views`);
     * ``geoms``: array path -> its stored geometry (what is decoded);
     * ``slot_geoms``: array path -> what one pool slot of it holds (after the chunk transforms;
       one stored tile of an array read through patched views);
@@ -73,7 +77,6 @@ class StageContext:
     """
 
     plan: ReadPlanNode
-    views: Mapping[str, ArrayGeometry]
     geoms: Mapping[str, ArrayGeometry]
     slot_geoms: Mapping[str, ArrayGeometry]
     patched: frozenset[str]
@@ -132,7 +135,6 @@ class StageContext:
             )
         return cls(
             plan=plan,
-            views=MappingProxyType(views),
             geoms=MappingProxyType({path: g.base for path, g in transforms.geoms.items()}),
             slot_geoms=MappingProxyType(slot_geoms),
             patched=patched,
@@ -140,8 +142,25 @@ class StageContext:
             transforms=transforms,
             options=options,
             recorder=recorder,
-            buffers=BatchBuffers(views, rows),
+            buffers=BatchBuffers(views, rows, plan.layout),
         )
+
+    @property
+    def views(self) -> Mapping[str, ArrayGeometry]:
+        return MappingProxyType(self.buffers.views)
+
+    def sync_views(self) -> bool:
+        """Take the views the plan reads now, if :meth:`ReadPlanNode.set_views
+        <insitubatch_nodes.stages.read_plan.ReadPlanNode.set_views>` changed them (the stage
+        that assembles batches calls this once its source's reset returned, before any batch
+        of the epoch is pulled): the batch buffers' views and layout. True when they changed."""
+        if self.plan.layout is self.buffers.layout:
+            return False
+        views = {
+            label: _carried_view(label, v, self.transforms) for label, v in self.plan.views.items()
+        }
+        self.buffers.set_views(views, self.plan.layout)
+        return True
 
     @property
     def batch_size(self) -> int:

@@ -11,7 +11,9 @@ decoder swaps big-endian chunks as it writes them, see :mod:`insitubatch_nodes.i
 
 Batch arrays are carved from the graph's reusable batch buffers
 (:mod:`~insitubatch_nodes.stages.buffers`), which the stage context makes: a buffer is handed out
-again only once everything made from the batch that borrowed it is gone.
+again only once everything made from the batch that borrowed it is gone. The stage gathers
+each of the plan's views (a window's steps one by one) into its destination in the batch
+(``buffer[:, t]`` for step ``t``), so a window ``(batch, T, *inner)`` is assembled in place.
 """
 
 from __future__ import annotations
@@ -75,8 +77,13 @@ def gather_label(
                     continue
                 slot = slots[(path, int(chunk[lo]))]
             w0, w1 = int(within[lo]), int(within[hi - 1])
+            step = int(within[lo + 1] - w0) if hi - lo > 1 else 1
             if w1 - w0 == hi - lo - 1:  # consecutive samples: a plain slice copy
                 out[lo:hi] = slot[w0 : w1 + 1]
+            elif step > 1 and w1 - w0 == step * (hi - lo - 1) and _evenly(within[lo:hi], step):
+                # every step-th sample (an anchor stride): a strided slice, no temporary even
+                # into a window's strided destination (np.take buffers one)
+                out[lo:hi] = slot[w0 : w1 + 1 : step]
             else:
                 take_rows(slot, within[lo:hi], out[lo:hi])
             copied += hi - lo
@@ -94,6 +101,11 @@ def gather_label(
         out[rows] = block
         copied += hi - lo
     return copied
+
+
+def _evenly(within: np.ndarray, step: int) -> bool:
+    """Whether ``within`` rises by exactly ``step`` from one value to the next."""
+    return bool(np.all(np.diff(within) == step))
 
 
 def take_rows(slot: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
@@ -122,8 +134,15 @@ class GatherNode(BaseNode[Batch]):
     (an epoch resumed on another world size) grows them. ``batch_transforms`` run in order on
     every gathered batch (on the pipeline's thread, so they overlap the consumer).
 
-    ``coords`` maps a label to ``{name: values}`` (1-D, one value per sample of its array): each
-    batch's ``coords[label][name]`` is ``values[sample_indices[label]]``, one vectorised take.
+    A window label's rows are ``(T, *inner)``: its ``sample_indices`` are ``(batch, T)`` (row
+    ``i``, step ``t``: the anchor plus the view's offset plus the step's), and so are its
+    coordinates.
+
+    ``coords`` maps a batch label to ``{name: values}`` (1-D, one value per sample of its
+    array): each batch's ``coords[label][name]`` is ``values[sample_indices[label]]``, one
+    vectorised take. Coordinates belong to the array, so labels that
+    :meth:`~insitubatch_nodes.stages.read_plan.ReadPlanNode.set_views` adds carry those of
+    their array.
     """
 
     def __init__(
@@ -137,28 +156,36 @@ class GatherNode(BaseNode[Batch]):
         super().__init__()
         self.source = source
         self.context = context
-        self.views = context.views
+        self.buffers = context.buffers
         self.batch_size = context.batch_size
         self.batch_transforms = tuple(check_batch_transforms(batch_transforms))
-        unknown = set(coords or {}) - set(self.views)
+        batch_views = self.buffers.layout.views
+        unknown = set(coords or {}) - set(batch_views)
         if unknown:
             raise ValueError(f"coords name labels {sorted(unknown)} that are not in the views")
-        self.coords = {
-            label: {name: np.asarray(v) for name, v in named.items()}
+        # coordinates are the array's: kept by path, so other views of it carry them too
+        self._array_coords = {
+            batch_views[label].path: {name: np.asarray(v) for name, v in named.items()}
             for label, named in (coords or {}).items()
             if named
         }
-        self.buffers = context.buffers
         self._size(self.buffers.rows)
         self.recorder = context.recorder
         if self.recorder.enabled:
             self.recorder.batch_transforms = len(self.batch_transforms)
 
     def _size(self, rows: int) -> None:
-        """Batch buffers of ``rows`` rows, and scratch to match."""
+        """Batch buffers of ``rows`` rows, and scratch and coordinates to match the views."""
         self.rows = rows
         if self.buffers.rows < rows:
             self.buffers.resize(rows)
+        self.views = self.buffers.views
+        self.layout = self.buffers.layout
+        self.coords = {
+            label: self._array_coords[v.path]
+            for label, v in self.layout.views.items()
+            if v.path in self._array_coords
+        }
         # one scratch set per gathering thread (used only for rows out of sample order)
         self._scratch = [
             {
@@ -171,6 +198,8 @@ class GatherNode(BaseNode[Batch]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.source.reset(source_state(initial_state))
+        if self.context.sync_views():  # the plan took views given by set_views
+            self._size(self.buffers.rows)
 
     def get_state(self) -> dict[str, Any]:
         return {SOURCE_KEY: self.source.state_dict()}
@@ -188,17 +217,18 @@ class GatherNode(BaseNode[Batch]):
             self._size(min(n, self.batch_size))
         given = resident.arrays
         arrays = self.buffers.take(n) if given is None else dict(given)
+        dest = self.buffers.parts(arrays)  # each view's rows in the batch (a window's step)
         # labels whose every row the fetch stage decoded in place need no copy at all
         labels = [lb for lb in self.views if resident.direct.get(lb, 0) < n]
-        nbytes = sum(arrays[lb].nbytes for lb in labels)
+        nbytes = sum(dest[lb].nbytes for lb in labels)
         helper = _runtime.gather_helper() if n > 1 and nbytes >= PARALLEL_GATHER_BYTES else None
         if helper is None:
-            copied = self._gather_rows(arrays, resident, labels, 0, n, 0)
+            copied = self._gather_rows(dest, resident, labels, 0, n, 0)
         else:  # two threads copy half the rows each: copies from memory go ~1.5x as fast
             half = n // 2
-            other = helper.submit(-1, self._gather_rows, arrays, resident, labels, half, n, 1)
+            other = helper.submit(-1, self._gather_rows, dest, resident, labels, half, n, 1)
             try:
-                copied = self._gather_rows(arrays, resident, labels, 0, half, 0)
+                copied = self._gather_rows(dest, resident, labels, 0, half, 0)
             finally:
                 more = other.result()  # also when ours raised: nothing writes into the batch
             copied = {lb: copied[lb] + more[lb] for lb in labels}
@@ -209,16 +239,16 @@ class GatherNode(BaseNode[Batch]):
                     f"{resident.direct.get(label, 0)} decoded in place, of {n}; this is a bug "
                     "in insitubatch_nodes, please report it"
                 )
+        samples = self._per_label(plan.sample_indices, stack=True)
+        origins = self._per_label(plan.patch_origins, stack=False)
         batch = Batch(
             arrays=arrays,
-            sample_indices=dict(plan.sample_indices),
-            patch_origins=dict(plan.patch_origins),
+            sample_indices=samples,
+            patch_origins={label: origins[label] for label in origins},
             epoch=plan.epoch,
             index=plan.index,
             coords={
-                label: {
-                    name: values.take(plan.sample_indices[label]) for name, values in named.items()
-                }
+                label: {name: values.take(samples[label]) for name, values in named.items()}
                 for label, named in self.coords.items()
             },
         )
@@ -226,6 +256,24 @@ class GatherNode(BaseNode[Batch]):
             batch = transform(batch)
         self.recorder.add("gather_s", time.perf_counter() - t0)
         return batch
+
+    def _per_label(self, by_part: Mapping[str, np.ndarray], stack: bool) -> dict[str, np.ndarray]:
+        """The plan's per-view values as the batch's per label: a window's steps side by side
+        (``sample_indices`` ``(batch, T)``); a window's patch origins are its first step's
+        (every step takes the same window of the field)."""
+        if self.layout.is_plain():
+            return dict(by_part)
+        out: dict[str, np.ndarray] = {}
+        for label, lp in self.layout.labels.items():
+            if lp.parts[0][0] not in by_part:
+                continue
+            if not lp.lead:
+                out[label] = by_part[lp.parts[0][0]]
+            elif stack:  # sample indices: one column per step
+                out[label] = np.stack([by_part[p] for p, _ in lp.parts], axis=1)
+            else:  # patch origins: the same for every step
+                out[label] = by_part[lp.parts[0][0]]
+        return out
 
     def _gather_rows(
         self,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -30,6 +31,7 @@ from insitubatch_nodes.plan.epoch import (
     plan_epoch,
 )
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
+from insitubatch_nodes.plan.parts import BatchLayout, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.schedule import (
     PinSchedule,
@@ -40,6 +42,27 @@ from insitubatch_nodes.plan.schedule import (
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = ["ReadPlanNode"]
+
+
+def _dataset_hash(manifest: SplitManifest, views: Sequence[Sequence[Any]]) -> str:
+    """The fingerprint's ``dataset``: the manifest and the plan's views (sorted
+    ``(label, path, offset, samples_per_chunk[, patch])``)."""
+    return hashlib.sha256(json.dumps([manifest.fingerprint(), views]).encode()).hexdigest()[:16]
+
+
+def _check_ranks(
+    manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
+) -> None:
+    """``ValueError`` unless every rank of ``config`` gets a valid anchor of its split."""
+    world = 1 if config.world_size is None else config.world_size
+    split_chunks = manifest.chunk_array(config.split)
+    counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], config)
+    n_valid = int(counts.sum())
+    if world > 1 and len(split_chunks) and n_valid < world:
+        raise ValueError(
+            f"split {config.split!r} has {n_valid} valid anchors but world_size is {world}: "
+            "every rank needs at least one sample (use a larger split or fewer ranks)"
+        )
 
 
 def _check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
@@ -151,8 +174,21 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     **One config.** ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`; ``None``:
     the defaults) holds ``split`` to ``remainder``, checked when it was made and trusted here.
     The node keeps the settings as attributes (``split``, ``batch_size``, ..., ``rank`` and
-    ``world_size`` resolved; the views as ``views``) and as :attr:`plan_config`, the config
-    with ``rank`` and ``world_size`` resolved.
+    ``world_size`` resolved) and as :attr:`plan_config`, the config with ``rank`` and
+    ``world_size`` resolved.
+
+    **Windows.** A window view (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.window`)
+    is planned as its parts, one plain shifted view per step (:mod:`~insitubatch_nodes.plan.parts`;
+    time deltas resolved through ``manifest.steps``): :attr:`views` holds the parts the plan
+    reads (part label -> view), :attr:`layout` how each batch label is assembled from them, and
+    :attr:`batch_views` the views as given.
+
+    **Other views between epochs.** :meth:`set_views` gives views of the same arrays (other
+    windows or shifts: a rollout that grows); they take effect at the next start of an epoch.
+    A state restores when it was saved with the views this node reads (mid-epoch, with views
+    pending from :meth:`set_views`, it ends its epoch under its own views), and a state saved
+    with other views restores at an epoch boundary only (its epoch not begun, or over):
+    mid-epoch it is refused with a ``ValueError`` naming both sets of views.
     """
 
     def __init__(
@@ -165,8 +201,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     ) -> None:
         super().__init__()
         given = plan_config(config, "ReadPlanNode")
-        split = given.split
-        views = check_plan_inputs(manifest, views, given)
+        views, layout = self._plan_views(manifest, views, given)
         if schedule is None:
             schedule = PinSchedule()
         if not isinstance(schedule, PinSchedule):
@@ -175,16 +210,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         world = d_world if given.world_size is None else given.world_size
         rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
         cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
-        split_chunks = manifest.chunk_array(split)
-        counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], given)
-        n_valid = int(counts.sum())
-        if world > 1 and len(split_chunks) and n_valid < world:
-            raise ValueError(
-                f"split {split!r} has {n_valid} valid anchors but world_size is {world}: every "
-                "rank needs at least one sample (use a larger split or fewer ranks)"
-            )
+        _check_ranks(manifest, views, cfg)
         self.manifest = manifest
         self.views: Mapping[str, ArrayGeometry] = MappingProxyType(views)
+        self.layout: BatchLayout = layout
+        self._pending: tuple[dict[str, ArrayGeometry], BatchLayout, PinSchedule] | None = None
+        self._pending_len = 0  # batches of an epoch of the pending views
         self.plan_config = cfg
         self.split = cfg.split
         self.batch_size = cfg.batch_size
@@ -207,7 +238,92 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._plan: EpochPlan | None = None
         # plans drawn lately (pure: the build, the first reset and len() share one draw)
         self._drawn: dict[tuple[Any, ...], EpochPlan] = {}
+        # the plan's views by dataset fingerprint: those it had, and set_views gave
+        self._known: dict[str, dict[str, ArrayGeometry]] = {}
+        self._views_named = not layout.is_plain()
         self._config = self._fingerprint()  # the configuration is fixed from here on
+
+    @staticmethod
+    def _plan_views(
+        manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
+    ) -> tuple[dict[str, ArrayGeometry], BatchLayout]:
+        """``(parts, layout)`` of ``views`` (windows resolved and expanded), checked."""
+        if (
+            isinstance(manifest, SplitManifest)
+            and isinstance(views, Mapping)
+            and all(isinstance(v, ArrayGeometry) for v in views.values())
+        ):
+            parts, layout = expand_views(resolve_windows(views, manifest.steps))
+            return check_plan_inputs(manifest, parts, config), layout
+        # (check_plan_inputs says what is wrong)
+        return check_plan_inputs(manifest, views, config), BatchLayout({}, {})
+
+    @property
+    def batch_views(self) -> Mapping[str, ArrayGeometry]:
+        """The views as given (batch label -> view; a window view for a window), of the views
+        in effect."""
+        return self.layout.views
+
+    def set_views(
+        self, views: Mapping[str, ArrayGeometry], *, schedule: PinSchedule | None = None
+    ) -> None:
+        """Read ``views`` (label -> view of the same arrays: other windows, shifts, labels)
+        from the next start of an epoch on: the next ``reset(None)``, or a ``reset(state)``
+        (which then restores under these views, see the class docstring) — except a state
+        saved mid-epoch with the views in effect (a pipeline closed and resumed): its epoch
+        ends under its own views, and these start with the next. ``schedule`` is
+        the residency schedule for them (default: the current one). Checked here:
+        ``ValueError`` when they read other arrays, patch an array otherwise, or leave the
+        split no anchor."""
+        parts, layout = self._plan_views(self.manifest, views, self.plan_config)
+        mine = {g.path: g.patch for g in self.views.values()}
+        theirs = {g.path: g.patch for g in parts.values()}
+        if set(mine) != set(theirs):
+            raise ValueError(
+                f"set_views takes views of the same arrays: these read {sorted(theirs)}, the "
+                f"pipeline reads {sorted(mine)}; build a new pipeline for other arrays"
+            )
+        changed = sorted(p for p in mine if mine[p] != theirs[p])
+        if changed:
+            raise ValueError(
+                f"set_views keeps how each array is patched: {changed} would be patched "
+                "otherwise; build a new pipeline for that"
+            )
+        _check_ranks(self.manifest, parts, self.plan_config)
+        if schedule is not None and not isinstance(schedule, PinSchedule):
+            raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
+        self._pending = (parts, layout, self.schedule if schedule is None else schedule)
+        self._pending_len = plan_epoch(self.manifest, parts, self.plan_config).n_batches
+        self._known[_dataset_hash(self.manifest, _views_list(parts))] = parts
+
+    def _resumes_mid_epoch(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` was saved with the views in effect and resumes inside its epoch
+        (a pipeline closed and resumed mid-epoch): views :meth:`set_views` gave then wait for
+        the next epoch."""
+        saved = state.get("config")
+        if self._pending is None or not isinstance(saved, Mapping):
+            return False
+        if saved.get("dataset") != self._config["dataset"]:
+            return False
+        try:
+            self.check_state(state)
+            return self._resolve(state)[1] > 0
+        except (KeyError, TypeError, ValueError):
+            return False  # (reset says what is wrong with it)
+
+    def _apply_pending(self) -> None:
+        """Take the views :meth:`set_views` gave (at the start of an epoch)."""
+        if self._pending is None:
+            return
+        parts, layout, schedule = self._pending
+        self._pending = None
+        object.__setattr__(self, "schedule", schedule)  # (fixed otherwise: see __setattr__)
+        self.views = MappingProxyType(parts)
+        self.layout = layout
+        self._drawn.clear()
+        self._epoch_len = None
+        self._views_named = True
+        self._config = self._fingerprint()
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _CONFIG_ATTRS and "_config" in self.__dict__:
@@ -219,16 +335,14 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     # -- configuration identity -----------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
-        views = sorted(
-            (k, g.path, g.offset, g.samples_per_chunk)
-            + (() if g.patch is None else (g.patch.describe(),))
-            for k, g in self.views.items()
-        )
-        dataset = hashlib.sha256(
-            json.dumps([self.manifest.fingerprint(), views]).encode()
-        ).hexdigest()[:16]
+        views = _views_list(self.views)
+        dataset = _dataset_hash(self.manifest, views)
+        self._known[dataset] = dict(self.views)
         return {
             "dataset": dataset,
+            # the views, readable, with windows or after set_views (a state saved with other
+            # views restores at an epoch boundary; a default config's fingerprint is unchanged)
+            **({"views": views} if self._views_named else {}),
             "split": self.split,
             "batch_size": self.batch_size,
             "block_chunks": self.block_chunks,
@@ -341,9 +455,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return self._epoch
 
     def __len__(self) -> int:
-        """Batches in the epoch in progress (once it is over: in the next), counted from its
-        start. The same every epoch, except an epoch resumed on another world size (see
-        :meth:`reset`)."""
+        """Batches in the epoch in progress (once it is over: in the next, under the views
+        :meth:`set_views` gave), counted from its start. The same every epoch, except an epoch
+        resumed on another world size (see :meth:`reset`) or after :meth:`set_views`."""
         if self._plan is not None and self._emitted < self._plan.n_batches:
             return self._plan.n_batches
         return self.epoch_len
@@ -356,7 +470,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     @property
     def epoch_len(self) -> int:
-        """Batches this rank yields in a whole epoch (the same every epoch)."""
+        """Batches this rank yields in a whole epoch (the same every epoch); once
+        :meth:`set_views` gave views, in a whole epoch of those (the next one's)."""
+        if self._pending is not None:
+            return self._pending_len
         if self._epoch_len is None:
             self._epoch_len = self._draw(0, None).n_batches
         return self._epoch_len
@@ -385,6 +502,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
+        if initial_state is None or not self._resumes_mid_epoch(initial_state):
+            self._apply_pending()  # views given by set_views start here
         if initial_state is not None:
             self.check_state(initial_state)
             epoch, emitted, resumed, dealing = self._resolve(initial_state)
@@ -413,6 +532,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
         resumed = _check_cuts(state.get("resumed", ()), emitted)
         saved_world = int(state["config"].get("world_size", self.world_size))
+        if self._other_views(state["config"]) is not None:
+            # saved with other views at an epoch boundary (check_state): the next epoch is ours
+            over = emitted > 0 and emitted >= self._saved_len(state, resumed, saved_world)
+            return epoch + int(over), 0, (), None
         legacy = "deal" in self._config and "deal" not in state["config"]
         dealing = "chunks" if legacy else None
         if saved_world != self.world_size:
@@ -456,9 +579,71 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         missing = {"epoch", "batches_emitted", "config"} - set(state)
         if missing:
             raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
-        self._check_config(state["config"])
+        self._check_config(state["config"], other_views=self._check_views(state))
 
-    def _check_config(self, saved: Mapping[str, Any]) -> None:
+    def _other_views(self, saved: Mapping[str, Any]) -> dict[str, ArrayGeometry] | None:
+        """The plan's views a state's ``config`` was saved with, when they differ from this
+        node's and all else the dataset fingerprint covers is the same (``None`` otherwise)."""
+        dataset = saved.get("dataset")
+        if dataset == self._config["dataset"]:
+            return None
+        if dataset in self._known:  # views this node had, or was given
+            return self._known[dataset]
+        theirs = saved.get("views")
+        if not isinstance(theirs, list) or dataset != _dataset_hash(self.manifest, theirs):
+            return None  # the manifest or the arrays differ too: not a change of views
+        by_path = {g.path: g for g in self.views.values()}
+        out: dict[str, ArrayGeometry] = {}
+        for entry in theirs:
+            try:
+                label, path, offset = str(entry[0]), str(entry[1]), int(entry[2])
+            except (TypeError, ValueError, IndexError):
+                return None
+            if path not in by_path:
+                return None
+            out[label] = by_path[path].base.shift(offset)
+            if by_path[path].patch is not None:  # (set_views keeps an array's patches)
+                out[label] = replace(out[label], patch=by_path[path].patch)
+        return out
+
+    def _saved_len(self, state: Mapping[str, Any], resumed: Sequence[Stage], world: int) -> int:
+        """Batches of the state's epoch under the views it was saved with (rank 0 of its
+        ``world`` ranks, after its cuts ``resumed``)."""
+        views = self._other_views(state["config"])
+        assert views is not None
+        plan = plan_epoch(
+            self.manifest,
+            views,
+            self.plan_config.for_rank(0, world),
+            epoch=int(state["epoch"]),
+            resumed=resumed,
+            # a state saved before windows were dealt in runs has no "deal" (see _resolve)
+            dealing=None if "deal" in state["config"] else "chunks",
+        )
+        return plan.n_batches
+
+    def _check_views(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` was saved with other views (at an epoch boundary: ``ValueError``
+        naming both sets of views mid-epoch)."""
+        saved = state["config"]
+        theirs = self._other_views(saved)
+        if theirs is None:
+            return False
+        emitted = int(state["batches_emitted"])
+        resumed = _check_cuts(state.get("resumed", ()), emitted)
+        world = int(saved.get("world_size", self.world_size))
+        if emitted == 0 or emitted >= self._saved_len(state, resumed, world):
+            return True
+        raise ValueError(
+            f"cannot restore this read-plan state: its dataset's views differ, and it was "
+            f"saved mid-epoch (epoch "
+            f"{int(state['epoch'])}, after {emitted} batches) with views "
+            f"{_readable_views(_views_list(theirs))}, and this pipeline reads "
+            f"{_readable_views(_views_list(self.views))}; restore it where an epoch begins or "
+            "ends, or give the pipeline the state's views (set_views) to resume it mid-epoch"
+        )
+
+    def _check_config(self, saved: Mapping[str, Any], other_views: bool = False) -> None:
         mine = self._config
         for key, default in (("stride", 1), ("missing_steps", None)):  # absent = the default
             if saved.get(key, default) != mine.get(key, default):
@@ -484,6 +669,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 )
             if key == "world_size":
                 continue  # another world size resumes elastically (see reset)
+            if other_views and key in ("dataset", "views"):
+                continue  # the same manifest, other views: at an epoch boundary (see reset)
             if key in saved and saved[key] != value:
                 what = "dataset (arrays, views or split chunks)" if key == "dataset" else key
                 raise ValueError(
@@ -502,3 +689,18 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             self.manifest, chunks, offsets, self.plan_config.replace(cross_split_windows=True)
         )[0]
         return not np.array_equal(inside, across)
+
+
+def _views_list(views: Mapping[str, ArrayGeometry]) -> list[list[Any]]:
+    """The plan's views as the fingerprint lists them: sorted ``[label, path, offset,
+    samples_per_chunk(, patch)]``."""
+    return sorted(
+        [k, g.path, g.offset, g.samples_per_chunk]
+        + ([] if g.patch is None else [g.patch.describe()])
+        for k, g in views.items()
+    )
+
+
+def _readable_views(views: Sequence[Sequence[Any]]) -> str:
+    """A state's ``views`` entry as ``[x[0]: t2m -1, x[1]: t2m +0, y: t2m +1]``."""
+    return "[" + ", ".join(f"{v[0]}: {v[1] or '/'} {int(v[2]):+d}" for v in views) + "]"
