@@ -95,6 +95,7 @@ STAGE_LEVELS = {
     "_direct": 1,
     "resident": 2,
     "gather": 3,
+    "_select": 3,
     "_windows": 3,
     "prefetch": 4,
     "loader": 5,

@@ -28,6 +28,7 @@ from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.slots import is_level_major
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
@@ -149,6 +150,11 @@ class GatherNode(BaseNode[Batch]):
             if named
         }
         self.buffers = context.buffers
+        self._selected = {
+            label: SelectedGather(g, context.held.get(g.path))
+            for label, g in self.views.items()
+            if g.select is not None
+        }
         self._size(self.buffers.rows)
         self.recorder = context.recorder
         if self.recorder.enabled:
@@ -242,6 +248,14 @@ class GatherNode(BaseNode[Batch]):
         out = {}
         for label in labels:
             geom = self.views[label]
+            if geom.select is not None:  # a selected view (see _select)
+                out[label] = self._selected[label](
+                    arrays[label][lo:hi],
+                    resident.plan.sample_indices[label][lo:hi],
+                    resident.slots,
+                    skip_missing=partial and resident.direct.get(label, 0) > 0,
+                )
+                continue
             if geom.patch is not None:
                 origins = resident.plan.origins
                 assert origins is not None, "a patched view needs a patched read plan"
