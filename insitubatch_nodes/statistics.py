@@ -35,7 +35,7 @@ import numpy as np
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.stores import as_store, describe_store
+from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import read_static
@@ -237,8 +237,10 @@ def fit_statistics(
 ) -> Statistics:
     """Fit :class:`Statistics` on ``split`` of ``manifest`` for ``views`` (``{label: view}``,
     or array names), in one pass over the split's chunks (module docstring). A view's shift is
-    ignored (the statistics are of its array, as selected). ``pipeline_options`` go to
-    :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g. ``cache_budget_bytes``)."""
+    ignored (the statistics are of its array, as selected). Every rank that calls it reads the
+    whole split (``rank=0, world_size=1``): fit once and share the saved file.
+    ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
+    ``cache_budget_bytes``)."""
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
@@ -257,6 +259,8 @@ def fit_statistics(
             split=split,
             batch_size=batch_size,
             shuffle=False,
+            rank=0,
+            world_size=1,
             coords=(),
             report=False,
             **pipeline_options,
@@ -268,7 +272,7 @@ def fit_statistics(
         finally:
             pipe.close()
     if static:
-        for label, data in read_static(zstore, static, 60.0).items():
+        for label, data in read_static(zstore, static, retry_policy(zstore).timeout_s).items():
             channels = _channels(data.shape)
             moments[label].add(_as_channels(data[None], channels))
     fields: dict[str, dict[str, np.ndarray]] = {name: {} for name in FIELDS}
