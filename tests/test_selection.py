@@ -208,3 +208,82 @@ def test_a_selection_works_on_zarr_v2_stores(tmp_path: Path) -> None:
     )
     for indices, arrays in _epoch(root, {"x": view}):
         np.testing.assert_array_equal(arrays["x"], expected.values[indices["x"]])
+
+
+def _write_layout(root: Path, chunks: tuple[int, ...], shards: tuple[int, ...] | None) -> Path:
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(11)
+    group = zarr.open_group(root, mode="w")
+    data = rng.random((T, L, Y, X), dtype="f4")
+    arr = group.create_array(
+        "u", shape=data.shape, chunks=chunks, shards=shards, dtype="f4",
+        dimension_names=("time", "level", "latitude", "longitude"),
+    )  # fmt: skip
+    arr[...] = data
+    level = group.create_array("level", shape=(L,), dtype="i8", dimension_names=("level",))
+    level[...] = LEVELS
+    return root
+
+
+@pytest.mark.parametrize(
+    ("chunks", "shards"),
+    [((4, 1, Y, X), None), ((2, 1, 5, 8), (4, 7, 10, 16)), ((2, 1, 5, 8), (4, 1, 5, 16))],
+    ids=["one-level-per-object (level-major slots)", "sharded, levels whole", "sharded by level"],
+)
+def test_a_selection_equals_zarrs_read_for_level_major_and_sharded_layouts(
+    tmp_path: Path, chunks: tuple[int, ...], shards: tuple[int, ...] | None
+) -> None:
+    root = _write_layout(tmp_path / "l.zarr", chunks, shards)
+    whole = pytest.importorskip("zarr").open_array(root / "u")[...]
+    g = open_geometries(root)["u"]
+    views = {"a": g.sel(level=[850, 100]), "b": g.isel(level=4, latitude=slice(5, 10)).shift(1)}
+    for indices, arrays in _epoch(root, views):
+        np.testing.assert_array_equal(arrays["a"], whole[indices["a"]][:, [2, 6]])
+        np.testing.assert_array_equal(arrays["b"], whole[indices["b"]][:, 4, 5:10])
+
+
+def test_a_selected_view_takes_shape_preserving_chunk_transforms_where_slots_hold_chunks(
+    store: Path,
+) -> None:
+    from insitubatch_nodes import StandardScaler, applies
+
+    g = open_geometries(store)
+    scale = applies("t", StandardScaler({"t": 1.0}, {"t": 0.5}, eps=0.0))
+    expected = (xr.open_zarr(store, consolidated=False).t.sel(level=[500]).values - 1.0) / 0.5
+    for indices, arrays in _epoch(store, {"x": g["t"].sel(level=[500])}, chunk_transforms=[scale]):
+        np.testing.assert_allclose(arrays["x"], expected[indices["x"]], rtol=1e-6)
+    scale_u = applies("u", StandardScaler({"u": 1.0}, {"u": 0.5}))
+    with pytest.raises(ValueError, match="no chunk transforms"):
+        _epoch(store, {"x": g["u"].isel(level=1)}, chunk_transforms=[scale_u])
+
+
+def test_a_persistent_cache_holds_selections_of_whole_chunks_and_refuses_held_tiles(
+    store: Path, tmp_path: Path
+) -> None:
+    g = open_geometries(store)
+    expected = xr.open_zarr(store, consolidated=False).t.isel(level=[1, 2]).values
+    for _ in range(2):  # a writer, then a reader of the same cache
+        batches = _epoch(
+            store, {"x": g["t"].isel(level=[1, 2])}, cache_dir=tmp_path / "c", persist=True
+        )
+        for indices, arrays in batches:
+            np.testing.assert_array_equal(arrays["x"], expected[indices["x"]])
+    with pytest.raises(ValueError, match="persistent cache"):
+        _epoch(store, {"x": g["u"].isel(level=1)}, cache_dir=tmp_path / "d", persist=True)
+
+
+def test_a_selected_view_pickles_with_its_coordinate_reader(store: Path) -> None:
+    import pickle
+
+    view = open_geometries(store)["t"].sel(level=[500, 850])
+    back = pickle.loads(pickle.dumps(view))
+    assert back == view and back.inner_shape == (2, Y, X)
+    assert back.sel(level=500).inner_shape == (Y, X)
+
+
+def test_a_patched_view_cannot_be_selected_nor_a_selected_one_patched(store: Path) -> None:
+    g = open_geometries(store)["t"]
+    with pytest.raises(ValueError, match="select"):
+        g.patches({"latitude": 4}).isel(level=1)
+    with pytest.raises(ValueError, match="patch"):
+        g.isel(level=1).patches({"latitude": 4})

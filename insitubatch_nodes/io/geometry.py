@@ -504,7 +504,10 @@ class ArrayGeometry:
         object is decoded once into the pool (whole) and the batch receives the selection only.
         """
         if self.patch is not None:
-            raise ValueError(f"{self.path}: a patched view cannot be selected; select, then patch")
+            raise ValueError(
+                f"{self.path}: a patched view cannot be selected; select from its windows in a "
+                "batch transform"
+            )
         current = self.select.keys if self.select is not None else (None,) * len(self.field_axes)
         kept = [i for i, k in enumerate(current) if not isinstance(k, int)]
         keys: list[Any] = [None] * len(kept)
