@@ -287,3 +287,34 @@ def test_a_patched_view_cannot_be_selected_nor_a_selected_one_patched(store: Pat
         g.patches({"latitude": 4}).isel(level=1)
     with pytest.raises(ValueError, match="patch"):
         g.isel(level=1).patches({"latitude": 4})
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        ((1, 4, 2), None, (3, 0, 5, 6)),  # two uneven lists: the np.ix_ gather
+        ((5, 0, 2), 3, None),  # one uneven list and a dropped axis: a copy per entry
+        ((0, 2, 4), (7, 8), 1),  # evenly spaced lists: slices
+    ],
+    ids=["two-lists", "one-list", "slices"],
+)
+def test_the_gather_of_a_selection_equals_numpy_for_rows_in_any_order(
+    keys: tuple[object, ...],
+) -> None:
+    from insitubatch_nodes.io.geometry import ArrayGeometry
+    from insitubatch_nodes.io.selection import Selection
+    from insitubatch_nodes.stages._select import SelectedGather
+
+    shape, spc = (40, 6, 9, 7), 4
+    data = np.random.default_rng(5).random(shape).astype("f4")
+    view = ArrayGeometry("a", shape, (spc, 6, 9, 7), np.float32, None, select=Selection(keys))
+    slots = {("a", c): data[c * spc : (c + 1) * spc] for c in range(10)}
+    samples = np.array([13, 4, 5, 6, 15, 12, 39, 0, 37])  # runs in and out of sample order
+    out = np.empty((len(samples), *view.inner_shape), "f4")
+    assert SelectedGather(view, None)(out, samples, slots) == len(samples)
+    expected = data[samples]
+    for axis in reversed(range(3)):
+        key = keys[axis]
+        if key is not None:
+            expected = np.take(expected, key if isinstance(key, int) else list(key), axis=axis + 1)
+    np.testing.assert_array_equal(out, expected)

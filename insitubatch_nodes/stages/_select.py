@@ -3,10 +3,12 @@
 A selected view's slot holds the whole chunk, or the stored tiles its array's views touch side
 by side (:mod:`~insitubatch_nodes.io.selection`). Its index into one sample of the slot
 (:func:`~insitubatch_nodes.io.selection.slot_index`) is worked out once per view. As for an
-ordinary label, the rows of one chunk are one contiguous run of the batch, and each run is one
-copy: a slice assignment (a view of the slot, no temporary) when the rows are consecutive and
-every index is a slice or an integer, otherwise one ``np.ix_`` gather (a temporary the size of
-the run's selection, never of the slot).
+ordinary label, the rows of one chunk are one contiguous run of the batch, and each run is
+copied with basic indexing wherever it can be: one slice assignment (a view of the slot, no
+temporary) when every index is a slice or an integer (evenly spaced lists are slices), one per
+entry of the list when one axis takes an uneven list (13 levels of 37: 13 copies), and one
+``np.ix_`` gather (a temporary the size of the run's selection, never of the slot) when two
+axes do. Rows out of sample order within a chunk are taken with one index array.
 """
 
 from __future__ import annotations
@@ -29,19 +31,38 @@ class SelectedGather:
         assert view.select is not None
         self.path = view.path
         self.spc = view.samples_per_chunk
-        base = view.base
-        self.index = slot_index(view.select, held, base.tile_shape)
-        self.basic = all(not isinstance(i, np.ndarray) for i in self.index)
-        # the general gather: ints first (a view), then every kept axis as an index array
+        self.index = slot_index(view.select, held, view.base.tile_shape)
+        arrays = [a for a, i in enumerate(self.index) if isinstance(i, np.ndarray)]
+        #: one index array (a list of levels): copied entry by entry, each a basic copy
+        self.listed: tuple[int, int, np.ndarray] | None = None
+        if len(arrays) == 1:
+            axis = arrays[0]
+            kept = sum(not isinstance(i, int) for i in self.index[:axis])  # its place in out
+            listed = self.index[axis]
+            assert isinstance(listed, np.ndarray)
+            self.listed = (axis, kept, listed)
+        # the general gather (two or more index arrays): ints first, then np.ix_ over the rest
         self._ints = tuple(i if isinstance(i, int) else slice(None) for i in self.index)
         self._kept = [i for i in self.index if not isinstance(i, int)]
 
-    def _arrays(self, slot: np.ndarray) -> list[np.ndarray]:
-        picked = slot[(slice(None), *self._ints)]
-        return [
-            np.arange(n)[i] if isinstance(i, slice) else i
-            for i, n in zip(self._kept, picked.shape[1:], strict=True)
-        ]
+    def _copy(self, out: Any, rows: Any, slot: np.ndarray, w: Any) -> None:
+        """``out[rows] = slot[w][selection]`` (``rows``, ``w``: slices or index arrays)."""
+        if self.listed is None and not any(isinstance(i, np.ndarray) for i in self.index):
+            out[rows] = slot[(w, *self.index)]
+        elif self.listed is not None:
+            axis, place, listed = self.listed
+            before = (slice(None),) * place
+            for j, i in enumerate(listed.tolist()):
+                index = (*self.index[:axis], i, *self.index[axis + 1 :])
+                out[(rows, *before, j)] = slot[(w, *index)]
+        else:
+            picked = slot[(slice(None), *self._ints)]
+            w_array = np.arange(slot.shape[0])[w] if isinstance(w, slice) else w
+            spans = [
+                np.arange(n)[i] if isinstance(i, slice) else i
+                for i, n in zip(self._kept, picked.shape[1:], strict=True)
+            ]
+            out[rows] = picked[np.ix_(w_array, *spans)]
 
     def __call__(
         self,
@@ -63,16 +84,12 @@ class SelectedGather:
             key = (self.path, int(sorted_chunks[lo]))
             if skip_missing and key not in slots:
                 continue
-            slot = slots[key]
             rows = order[lo:hi]
             w = within[rows]
-            consecutive = bool(np.all(np.diff(rows) == 1)) and bool(np.all(np.diff(w) == 1))
-            if self.basic and consecutive:
-                r0, w0 = int(rows[0]), int(w[0])
-                out[r0 : r0 + len(rows)] = slot[(slice(w0, w0 + len(rows)), *self.index)]
+            if bool(np.all(np.diff(rows) == 1)) and bool(np.all(np.diff(w) == 1)):
+                r0, w0, k = int(rows[0]), int(w[0]), len(rows)
+                self._copy(out, slice(r0, r0 + k), slots[key], slice(w0, w0 + k))
             else:
-                picked = slot[(slice(None), *self._ints)]
-                index: Any = np.ix_(w, *self._arrays(slot))
-                out[rows] = picked[index]
+                self._copy(out, rows, slots[key], w)
             copied += hi - lo
         return copied
