@@ -109,16 +109,29 @@ class Statistics:
         return values.reshape(*values.shape, *(1,) * grid)
 
     def normalizer(
-        self, views: Mapping[str, ArrayGeometry], *, eps: float = 1e-8
+        self,
+        views: Mapping[str, ArrayGeometry],
+        *,
+        same_as: Mapping[str, str] | None = None,
+        eps: float = 1e-8,
     ) -> NormalizeBatch:
-        """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views`` (the labels
-        fitted), in place in the batch's arrays (float arrays; static labels get a copy)."""
-        missing = sorted(set(views) - set(self.mean))
+        """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views``, in place in
+        the batch's arrays (float arrays; a static label's broadcast rows get a new array).
+        ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
+        target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
+        source = {label: (same_as or {}).get(label, label) for label in views}
+        missing = sorted(label for label, fitted in source.items() if fitted not in self.mean)
         if missing:
-            raise ValueError(f"no statistics for labels {missing}; fit them with fit_statistics")
+            raise ValueError(
+                f"no statistics for labels {missing}: fit them with fit_statistics, or name the "
+                "fitted label they take theirs from with same_as={label: fitted}"
+            )
         return NormalizeBatch(
             {
-                label: (self.shaped(label, "mean", v), self.shaped(label, "std", v) + eps)
+                label: (
+                    self.shaped(source[label], "mean", v),
+                    self.shaped(source[label], "std", v) + eps,
+                )
                 for label, v in views.items()
             }
         )
