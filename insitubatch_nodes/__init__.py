@@ -16,15 +16,19 @@ in folders that follow a batch top-down:
 * :mod:`insitubatch_nodes.errors` — every exception, with one base class ``InSituError``.
 
 Beside them: :mod:`~insitubatch_nodes.pipeline` (the builder), :mod:`~insitubatch_nodes.batch`,
-:mod:`~insitubatch_nodes.transforms`, :mod:`~insitubatch_nodes.report` and
-:mod:`~insitubatch_nodes.recorder` (what an epoch measured), :mod:`~insitubatch_nodes.torch_data`
-(``StatefulDataLoader``), :mod:`~insitubatch_nodes.lightning` (the ``lightning`` extra) and
+:mod:`~insitubatch_nodes.transforms`, the model inputs (:mod:`~insitubatch_nodes.static`
+static fields, :mod:`~insitubatch_nodes.statistics` normalisation statistics,
+:mod:`~insitubatch_nodes.forcings` solar and calendar forcings),
+:mod:`~insitubatch_nodes.report` and :mod:`~insitubatch_nodes.recorder` (what an epoch
+measured), :mod:`~insitubatch_nodes.torch_data` (``StatefulDataLoader``),
+:mod:`~insitubatch_nodes.lightning` (the ``lightning`` extra) and
 :mod:`~insitubatch_nodes.synthetic` (deterministic test stores).
 """
 
 from __future__ import annotations
 
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, open_store
@@ -34,6 +38,7 @@ from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stages.loader import Loader
+from insitubatch_nodes.statistics import Statistics, fit_statistics
 from insitubatch_nodes.torch_data import as_dataset
 from insitubatch_nodes.transforms import (
     ChunkTransform,
@@ -55,15 +60,18 @@ __all__ = [
     "DecodedChunk",
     "EpochReport",
     "FetchOptions",
+    "Forcings",
     "InSituPipeline",
     "Loader",
     "PlanConfig",
     "RetryPolicy",
     "SplitManifest",
     "StandardScaler",
+    "Statistics",
     "__version__",
     "applies",
     "as_dataset",
+    "fit_statistics",
     "insitu_pipeline",
     "open_geometries",
     "open_store",

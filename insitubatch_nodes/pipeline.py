@@ -43,6 +43,7 @@ from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ChunkPoolNode
+from insitubatch_nodes.static import StaticFields, read_static
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
@@ -283,6 +284,9 @@ def insitu_pipeline(
     views, geoms = _resolve_views(zstore, variables)
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
+    views, geoms, batch_transforms = _static_fields(
+        zstore, views, geoms, batch_transforms, fetch_options.retry
+    )
     carried = _carried_coordinates(zstore, views, coords, reader)
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
@@ -382,6 +386,30 @@ def _resolve_views(
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
     return views, geoms
+
+
+def _static_fields(
+    zstore: Store,
+    views: dict[str, ArrayGeometry],
+    geoms: dict[str, ArrayGeometry],
+    batch_transforms: Sequence[BatchTransform],
+    retry: RetryPolicy | None,
+) -> tuple[dict[str, ArrayGeometry], dict[str, ArrayGeometry], Sequence[BatchTransform]]:
+    """The static views taken out of the plan: read once here, and put into every batch by
+    a :class:`~insitubatch_nodes.static.StaticFields` run before ``batch_transforms``."""
+    static = {label: v for label, v in views.items() if v.static}
+    if not static:
+        return views, geoms, batch_transforms
+    sampled = {label: v for label, v in views.items() if not v.static}
+    if not sampled:
+        raise ValueError(
+            f"every view ({sorted(static)}) is a static array: name at least one array with "
+            "samples to train on"
+        )
+    arrays = read_static(zstore, static, (retry or retry_policy(zstore)).timeout_s)
+    kept = {v.path for v in sampled.values()}
+    geoms = {path: g for path, g in geoms.items() if path in kept}
+    return sampled, geoms, (StaticFields(arrays), *batch_transforms)
 
 
 def _carried_coordinates(

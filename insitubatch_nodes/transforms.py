@@ -262,6 +262,14 @@ class ChunkTransforms:
         if view.patch is not None:
             self.refuse_patched(view.path)
             return view
+        if view.select is not None:  # the selection is taken from the (transformed) slot
+            if self.reshapes(view.path):
+                raise ValueError(
+                    f"array {view.path!r} is read through a selected view, and its chunk "
+                    "transforms change its shape or dtype: select from what they make in a "
+                    "batch transform instead, or keep transforms that preserve the shape"
+                )
+            return view
         out = self._chains[view.path].output
         out = out.shift(view.offset) if view.offset else out
         return out if view.window_offsets is None else out.window(view.window_offsets)

@@ -194,3 +194,18 @@ def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_int
     # only the target array (two views) used slots: one 8 x 16 float32 field per chunk
     peaks = [line for line in proc.stdout.splitlines() if line.startswith("  pool peak ")]
     assert len(peaks) == 2 and all("2m_temperature" in p for p in peaks), _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_forecast_inputs_recipe_selects_levels_carries_static_fields_and_forcings(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "forecast_inputs.py", "--n-time", "48", "--n-lat", "8", "--n-lon", "16", "--steps", "6",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "static arrays: ['land_sea_mask']" in proc.stdout, _explain(proc)
+    assert "the first batch matched zarr's own read of the 13 levels" in proc.stdout, _explain(proc)
+    # 2 x 13 levels + 2m temperature + the land-sea mask + 6 forcings; 27 targets
+    assert "inputs (8, 34, 8, 16) targets (8, 27, 8, 16)" in proc.stdout, _explain(proc)

@@ -10,6 +10,7 @@ import numpy as np
 
 from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.coords import FieldCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
 
@@ -25,24 +26,58 @@ def _is_coordinate(path: str, array: Any) -> bool:
     return False
 
 
-def _geometry(path: str, array: Any, sample_axis: int) -> ArrayGeometry:
+def _axis(path: str, array: Any, sample_axis: int | str) -> int | None:
+    """The physical sample axis ``sample_axis`` names in ``array`` (``None``: a dimension name
+    the array does not have: it is static)."""
     ndim = array.ndim
+    if isinstance(sample_axis, str):
+        dims = _zarr_compat.array_dimension_names(array)
+        if dims is None:
+            raise ValueError(
+                f"sample_axis={sample_axis!r} names a dimension, but array {path!r} has no "
+                "dimension names; give its sample axis as an index"
+            )
+        return dims.index(sample_axis) if sample_axis in dims else None
     axis = sample_axis + ndim if sample_axis < 0 else sample_axis
     if not 0 <= axis < ndim:
         raise ValueError(
             f"sample_axis={sample_axis} is out of range for array {path!r} of shape "
             f"{tuple(array.shape)} ({ndim} axes); pick an axis in [0, {ndim})"
         )
+    return axis
+
+
+def _sample_dimension(arrays: Mapping[str, Any], axis: int) -> str | None:
+    """The dimension most arrays name at ``axis`` (ties: the first path's), among arrays of
+    more than one axis with dimension names; ``None`` when none has any."""
+    counts: dict[str, int] = {}
+    for array in arrays.values():
+        dims = _zarr_compat.array_dimension_names(array)
+        if dims is not None and array.ndim > 1 and -len(dims) <= axis < len(dims):
+            counts[dims[axis]] = counts.get(dims[axis], 0) + 1
+    return max(counts, key=lambda d: counts[d]) if counts else None
+
+
+def _geometry(
+    path: str, array: Any, sample_axis: int | str, coordinates: Any, sample_dim: str | None
+) -> ArrayGeometry:
+    axis = _axis(path, array, sample_axis)
+    static = axis is None
+    if not static and sample_dim is not None and isinstance(sample_axis, int):
+        dims = _zarr_compat.array_dimension_names(array)
+        static = dims is not None and sample_dim not in dims
     return ArrayGeometry(
         path=path,
         shape=tuple(int(s) for s in array.shape),
         chunks=_zarr_compat.stored_chunk_shape(array),
         dtype=in_native_byte_order(array.dtype),
         fill_value=array.fill_value,
-        sample_axis=axis,
+        sample_axis=0 if axis is None else axis,
         read_chunks=_zarr_compat.read_chunk_shape(array),
         zarr_format=int(array.metadata.zarr_format),
         metadata=array.metadata,
+        static=static,
+        coordinates=coordinates,
     )
 
 
@@ -50,7 +85,7 @@ def open_geometries(
     store: StoreLike,
     variables: Sequence[str] | None = None,
     *,
-    sample_axis: int | Mapping[str, int] = 0,
+    sample_axis: int | str | Mapping[str, int | str] = 0,
 ) -> dict[str, ArrayGeometry]:
     """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
     there, keyed by its path.
@@ -75,8 +110,20 @@ def open_geometries(
     ``UserWarning`` says the consolidated copy is stale. An array written after consolidation
     (xarray's ``to_zarr(mode="a", consolidated=False)``) is found by name, and by the listing.
 
-    ``sample_axis`` is one physical axis for every array, or a ``{path: axis}`` mapping (arrays
-    it does not name use axis 0). Raises :class:`~insitubatch_nodes.errors.ArrayNotFoundError`
+    ``sample_axis`` is one physical axis or dimension name (``"time"``, ``"z"``) for every
+    array, or a ``{path: axis or name}`` mapping (arrays it does not name use axis 0).
+
+    **Static arrays.** An array without the sample dimension (WeatherBench2's
+    ``land_sea_mask (latitude, longitude)`` beside ``(time, latitude, longitude)`` data) is
+    *static* (``geom.static``): it has no sample axis and every batch carries it whole (see
+    ``insitu_pipeline``). The sample dimension is the one ``sample_axis`` names, or, for an
+    index, the dimension most of the multi-axis arrays name at that index; an array is static
+    when it has dimension names and that dimension is not among them (arrays without dimension
+    names are never static). Every geometry can look up its field coordinates for
+    :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` (a
+    :class:`~insitubatch_nodes.io.coords.FieldCoordinates` of this store, read on first use).
+
+    Raises :class:`~insitubatch_nodes.errors.ArrayNotFoundError`
     (a ``KeyError`` and a ``FileNotFoundError``) for a name that is no array (saying what was
     looked for, in which store, and which arrays exist) and naming the store when it holds no
     array at all (wrong path or prefix, missing bucket), ``ValueError`` for a sample axis out
@@ -92,10 +139,12 @@ def open_geometries(
     if isinstance(variables, str):
         variables = [variables]
     zstore = as_store(store)
+    axes: dict[str, int | str]
+    default_axis: int | str
     if isinstance(sample_axis, Mapping):
-        axes, default_axis = {str(p).strip("/"): int(a) for p, a in sample_axis.items()}, 0
+        axes, default_axis = {str(p).strip("/"): _axis_arg(a) for p, a in sample_axis.items()}, 0
     else:
-        axes, default_axis = {}, int(sample_axis)
+        axes, default_axis = {}, _axis_arg(sample_axis)
     missing: list[str] = []
     try:
         root = _open_root(zstore)
@@ -124,9 +173,23 @@ def open_geometries(
             f"sample_axis names unknown arrays {sorted(unknown)} in store "
             f"{describe_store(zstore)}; arrays there: {sorted(set(arrays) | set(found))}"
         )
+    coordinates = FieldCoordinates(zstore)
+    sample_dim = (
+        _sample_dimension(arrays, default_axis) if isinstance(default_axis, int) else default_axis
+    )
     return {
-        path: _geometry(path, array, axes.get(path, default_axis)) for path, array in arrays.items()
+        path: _geometry(path, array, axes.get(path, default_axis), coordinates, sample_dim)
+        for path, array in arrays.items()
     }
+
+
+def _axis_arg(value: Any) -> int | str:
+    """A ``sample_axis`` value: an index or a dimension name."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"sample_axis is an axis index or a dimension name, got {value!r}")
+    return int(value)
 
 
 def _join(prefix: str, name: str) -> str:
@@ -334,7 +397,9 @@ def _fresh(
                 stacklevel=4,
             )
             continue
-        diffs = _layout_differences(_geometry(path, own, 0), _geometry(path, copy, 0))
+        diffs = _layout_differences(
+            _geometry(path, own, 0, None, None), _geometry(path, copy, 0, None, None)
+        )
         if diffs:
             warnings.warn(
                 f"the consolidated metadata of store {describe_store(zstore)} is stale for "
@@ -392,7 +457,7 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
             if error is None:
                 raise
             raise error from exc
-        found = _geometry(path, array, geom.sample_axis)
+        found = _geometry(path, array, geom.sample_axis, None, None)
         diffs = [
             f"{field} {getattr(found, field)} in the store, {getattr(geom, field)} in the geometry"
             for field in ("shape", "chunks", "read_chunks", "dtype")

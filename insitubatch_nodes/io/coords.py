@@ -685,3 +685,30 @@ def carried_coordinates(
         if coords:
             out[label] = {name: c.values for name, c in coords.items()}
     return out
+
+
+class FieldCoordinates:
+    """Reads the coordinate of a field dimension (``level``, ``latitude``) of arrays in one
+    store, each once: ``reader(geom, "level")`` is the decoded 1-D array named like the
+    dimension, found as :func:`open_coordinates` finds the sample axis's (the array's group,
+    then each parent). What :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` looks values
+    up in; ``open_geometries`` gives each geometry one. Picklable when the store is."""
+
+    def __init__(self, store: StoreLike) -> None:
+        self.store = as_store(store)
+        self._reader: _Reader | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"store": self.store, "_reader": None}
+
+    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
+        if self._reader is None:
+            self._reader = _Reader(self.store)
+        found = self._reader.find(geom, dim)
+        if found is None:
+            raise KeyError(
+                f"no coordinate array {dim!r} for array {geom.path!r} in store "
+                f"{describe_store(self.store)}: looked at {_candidates(geom.path, dim)}; "
+                "select by index with isel()"
+            )
+        return np.asarray(self._reader.load(*found).values)

@@ -47,6 +47,7 @@ import numpy as np
 from insitubatch_nodes.errors import CorruptMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import as_timedelta
+from insitubatch_nodes.io.selection import Selection, axis_key
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
@@ -185,6 +186,13 @@ class ArrayGeometry:
     metadata: Any = field(default=None, compare=False, repr=False, hash=False)
     patch: Patches | None = None
     window_offsets: tuple[Any, ...] | None = None
+    #: what a selected view keeps of each field axis (:meth:`isel`, :meth:`sel`)
+    select: Selection | None = None
+    #: a static array: no sample axis, every axis a field axis (see :meth:`as_static`)
+    static: bool = False
+    #: reads a field dimension's coordinate values, ``coordinates(geom, dim)`` (what
+    #: :meth:`sel` looks values up in; set by ``open_geometries``)
+    coordinates: Any = field(default=None, compare=False, repr=False, hash=False)
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -234,7 +242,9 @@ class ArrayGeometry:
     # -- the field (inner) axes ------------------------------------------------------------
     @functools.cached_property
     def field_axes(self) -> tuple[int, ...]:
-        """Physical indices of the field axes, in order."""
+        """Physical indices of the field axes, in order (every axis of a static array)."""
+        if self.static:
+            return tuple(range(self.ndim))
         return tuple(a for a in range(self.ndim) if a != self.sample_axis)
 
     @functools.cached_property
@@ -244,8 +254,10 @@ class ArrayGeometry:
 
     @functools.cached_property
     def inner_shape(self) -> tuple[int, ...]:
-        """Shape of one sample's payload: the field (:attr:`field_shape`), or on a patched view
-        the window (the patched axes at their extent)."""
+        """Shape of one sample's payload: the field (:attr:`field_shape`), on a patched view
+        the window (the patched axes at their extent), on a selected view the selection."""
+        if self.select is not None:
+            return self.select.shape(self.field_shape)
         if self.patch is None:
             return self.field_shape
         size = dict(zip(self.patch.axes, self.patch.extent, strict=True))
@@ -313,7 +325,10 @@ class ArrayGeometry:
         )
 
     def chunk_coords(self, chunk_index: int, tile: Sequence[int]) -> tuple[int, ...]:
-        """Physical chunk-grid coordinates of stored object ``(chunk_index, tile)``."""
+        """Physical chunk-grid coordinates of stored object ``(chunk_index, tile)`` (a static
+        array's: the tile's)."""
+        if self.static:
+            return tuple(tile)
         coords = list(tile)
         coords.insert(self.sample_axis, chunk_index)
         return tuple(coords)
@@ -348,6 +363,8 @@ class ArrayGeometry:
         """A view that reads ``array[anchor + k]`` along the sample axis (offsets add up)."""
         if not isinstance(k, int | np.integer):
             raise TypeError(f"shift() takes an integer number of samples, got {k!r}")
+        if self.static:
+            raise ValueError(f"{self.path}: a static array has no samples to shift along")
         return replace(self, offset=self.offset + int(k))
 
     def window(self, offsets: Sequence[Any]) -> ArrayGeometry:
@@ -365,6 +382,8 @@ class ArrayGeometry:
         are kept only where every step reads inside the array (and the split), and the
         missing-step checks look at every step.
         """
+        if self.static:
+            raise ValueError(f"{self.path}: a static array has no samples to take a window of")
         if self.window_offsets is not None:
             raise ValueError(f"{self.path}: this view is a window already; give all its steps once")
         if isinstance(offsets, str | bytes) or not isinstance(offsets, Sequence | np.ndarray):
@@ -441,9 +460,10 @@ class ArrayGeometry:
 
     @property
     def base(self) -> ArrayGeometry:
-        """The array this view reads: unshifted, whole (no patches) and one step (no window)."""
-        if self.offset or self.patch or self.window_offsets is not None:
-            return replace(self, offset=0, patch=None, window_offsets=None)
+        """The array this view reads: unshifted, whole (no patches, no selection) and one step
+        (no window)."""
+        if self.offset or self.patch or self.select or self.window_offsets is not None:
+            return replace(self, offset=0, patch=None, select=None, window_offsets=None)
         return self
 
     @functools.cached_property
@@ -482,6 +502,11 @@ class ArrayGeometry:
         """
         if self.patch is not None:
             raise ValueError(f"{self.path}: this view is patched already; patch the array once")
+        if self.select is not None or self.static:
+            raise ValueError(
+                f"{self.path}: a selected or static view cannot be patched; patch the array, "
+                "and select in a batch transform"
+            )
         if not isinstance(extent, Mapping) or not extent:
             raise TypeError(
                 f"patches() takes a mapping of field axes to sizes, e.g. {{1: 256, 2: 256}}, "
@@ -567,6 +592,100 @@ class ArrayGeometry:
             )
         return axis
 
+    # -- selection on field axes --------------------------------------------------------------
+    def isel(self, **indexers: Any) -> ArrayGeometry:
+        """A view that keeps part of the field, by dimension name and index, as xarray's
+        ``isel``: ``g.isel(level=[3, 5, 9])``, ``g.isel(latitude=slice(10, 50))``,
+        ``g.isel(level=7)``. A list or a slice keeps the axis, an integer drops it (as numpy);
+        the view's :attr:`inner_shape` is the selection's. Selecting a selected view selects
+        within its selection. Composes with :meth:`shift` (not with :meth:`patches`).
+
+        What is read (see :mod:`~insitubatch_nodes.io.selection`): along an axis cut into stored
+        tiles only the tiles the selection touches; along an axis whole in a stored object the
+        object is decoded once into the pool (whole) and the batch receives the selection only.
+        """
+        if self.patch is not None:
+            raise ValueError(
+                f"{self.path}: a patched view cannot be selected; select from its windows in a "
+                "batch transform"
+            )
+        current = self.select.keys if self.select is not None else (None,) * len(self.field_axes)
+        kept = [i for i, k in enumerate(current) if not isinstance(k, int)]
+        keys: list[Any] = [None] * len(kept)
+        for name, key in indexers.items():
+            i = self._field_dim(name)
+            if i not in kept:
+                raise ValueError(f"{self.path}: dimension {name!r} was dropped by an earlier isel")
+            mine = current[i]
+            length = self.field_shape[i] if mine is None else len(mine)  # type: ignore[arg-type]
+            keys[kept.index(i)] = axis_key(name, key, length)
+        if all(k is None for k in keys):
+            return self
+        chosen = Selection(tuple(keys))
+        base = self.select if self.select is not None else Selection((None,) * len(current))
+        return replace(self, select=base.then(chosen))
+
+    def sel(self, **indexers: Any) -> ArrayGeometry:
+        """A view that keeps part of the field by coordinate value, as xarray's ``sel``:
+        ``g.sel(level=[500, 850])``, ``g.sel(latitude=slice(60, 30), longitude=slice(0, 40))``,
+        ``g.sel(level=500)``. A value or each value of a list must be in the coordinate
+        (``KeyError`` otherwise); a slice keeps the values between its ends, both included,
+        in the coordinate's order (a descending latitude takes ``slice(north, south)``). The
+        coordinate is the 1-D array named like the dimension, read once through
+        :attr:`coordinates` (set by ``open_geometries``). Then as :meth:`isel`.
+        """
+        positions: dict[str, Any] = {}
+        for name, key in indexers.items():
+            i = self._field_dim(name)
+            values = self._coordinate_values(name)
+            if self.select is not None:
+                mine = self.select.keys[i]
+                if isinstance(mine, int):
+                    raise ValueError(f"{self.path}: dimension {name!r} was dropped already")
+                if mine is not None:
+                    values = values[list(mine)]
+            positions[name] = _label_positions(self.path, name, values, key)
+        return self.isel(**positions)
+
+    def as_static(self) -> ArrayGeometry:
+        """This array as a *static* field: no sample axis, every axis a field axis; each batch
+        carries it whole (see ``open_geometries``, which recognises static arrays)."""
+        if self.offset or self.patch is not None:
+            raise ValueError(f"{self.path}: a shifted or patched view cannot be static")
+        return replace(self, static=True, select=None)
+
+    def _field_dim(self, name: str) -> int:
+        """The position among the field axes of the dimension ``name``."""
+        if not isinstance(name, str):
+            raise TypeError(f"dimensions are named by strings, got {name!r}")
+        dims = self.dims
+        if dims is None or name not in dims:
+            raise KeyError(
+                f"{self.path}: no dimension named {name!r} (the array's dimension names: {dims})"
+            )
+        axis = dims.index(name)
+        if axis not in self.field_axes:
+            raise ValueError(
+                f"{self.path}: {name!r} is the sample axis; select samples with the split, "
+                "and field axes with isel/sel"
+            )
+        return self.field_axes.index(axis)
+
+    def _coordinate_values(self, name: str) -> np.ndarray:
+        if self.coordinates is None:
+            raise ValueError(
+                f"{self.path}: sel() needs the coordinate values of {name!r}, and this "
+                "geometry has no coordinate reader: open it with open_geometries(store), or "
+                "select by index with isel()"
+            )
+        values = np.asarray(self.coordinates(self, name))
+        length = self.shape[self.field_axes[self._field_dim(name)]]
+        if values.ndim != 1 or len(values) != length:
+            raise ValueError(
+                f"{self.path}: the coordinate {name!r} has shape {values.shape}, not ({length},)"
+            )
+        return values
+
     def with_inner(self, inner_shape: Sequence[int], dtype: Any) -> ArrayGeometry:
         """This view as a chunk transform leaves it: same path, sample axis, chunking along it
         and offset, but a sample payload of ``inner_shape`` and ``dtype`` (one tile).
@@ -596,10 +715,60 @@ class ArrayGeometry:
             off += f", window={[k if isinstance(k, int) else str(k) for k in self.window_offsets]}"
         if self.patch is not None:
             off += f", patches={dict(zip(self.patch.axes, self.patch.extent, strict=True))}"
+        if self.select is not None:
+            off += f", inner_shape={self.inner_shape}"
+        if self.static:
+            off += ", static"
         return (
             f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
             f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"
         )
+
+
+def _label_positions(path: str, name: str, values: np.ndarray, key: Any) -> Any:
+    """The positions in ``values`` that label ``key`` selects (pandas' rules: an exact value,
+    a list of them, or a slice of a monotonic coordinate with both ends included)."""
+    if isinstance(key, slice):
+        if key.step is not None:
+            raise ValueError(f"sel({name}=...): a slice of values takes no step, got {key!r}")
+        diffs = np.diff(values.astype(np.float64)) if values.dtype.kind in "iuf" else None
+        ascending = diffs is None or bool(np.all(diffs >= 0))
+        descending = diffs is not None and bool(np.all(diffs <= 0))
+        if not (ascending or descending):
+            raise ValueError(f"{path}: coordinate {name!r} is not monotonic; select by value list")
+        lo_vals = values if ascending else values[::-1]
+        start = 0 if key.start is None else None
+        stop = len(values) if key.stop is None else None
+        if ascending:
+            if start is None:
+                start = int(np.searchsorted(lo_vals, key.start, side="left"))
+            if stop is None:
+                stop = int(np.searchsorted(lo_vals, key.stop, side="right"))
+        else:  # descending: the slice runs from high to low values
+            n = len(values)
+            if start is None:
+                start = n - int(np.searchsorted(lo_vals, key.start, side="right"))
+            if stop is None:
+                stop = n - int(np.searchsorted(lo_vals, key.stop, side="left"))
+        if stop <= start:
+            order = "descending" if descending and not ascending else "ascending"
+            raise IndexError(
+                f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
+                f"({values[0]} ... {values[-1]}): give the slice's ends in that order"
+            )
+        return slice(start, stop)
+    scalar = np.ndim(key) == 0
+    wanted = np.atleast_1d(np.asarray(key))
+    out = []
+    for v in wanted.tolist():
+        hits = np.flatnonzero(values == v)
+        if not len(hits):
+            raise KeyError(
+                f"{path}: {v!r} is not a value of coordinate {name!r} "
+                f"({values[:8].tolist()}{' ...' if len(values) > 8 else ''})"
+            )
+        out.append(int(hits[0]))
+    return out[0] if scalar else out
 
 
 def _bounds(axis: int, value: Any, extent: int, length: int) -> tuple[int, int]:

@@ -500,6 +500,13 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
             raise ValueError(f"labels must be non-empty strings, got {label!r}")
         if not isinstance(geom, ArrayGeometry):
             raise TypeError(f"views[{label!r}] must be an ArrayGeometry, got {geom!r}")
+        if geom.static:
+            raise ValueError(
+                f"views[{label!r}] ({geom.path}) is a static array (no sample axis), which a "
+                "read plan does not draw: insitu_pipeline carries static views itself; a graph "
+                "built by hand adds static.StaticFields(static.read_static(...)) as a batch "
+                "transform"
+            )
         if geom.n_samples != manifest.n_samples:
             raise ValueError(
                 f"views[{label!r}] ({geom.path}) has {geom.n_samples} samples along its "

@@ -165,7 +165,7 @@ def _patch_chunk_bytes(
             per_chunk = sum(unit_geometry(view_of[p]).chunk_nbytes for p in paths) * rim
             every = sum(view_of[p].base.chunk_nbytes for p in paths)
         else:
-            per_chunk = every = sum(view_of[p].chunk_nbytes for p in paths)
+            per_chunk = every = sum(view_of[p].base.chunk_nbytes for p in paths)
         span_total = np.zeros(len(chunks), dtype=np.int64)
         read = []
         for offset in sorted(set(offsets)):

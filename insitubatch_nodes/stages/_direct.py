@@ -76,6 +76,7 @@ def direct_labels(
             or mine is None
             or mine.path != view.path
             or mine.offset != view.offset
+            or mine.select is not None  # a selection is copied from a slot, never decoded
             or mine.inner_shape != geom.inner_shape
             or mine.dtype != geom.dtype
         ):

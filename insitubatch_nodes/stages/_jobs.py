@@ -13,6 +13,7 @@ import numpy as np
 
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held, held_boxes
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.plan.patches import unit_chunk_tile
 from insitubatch_nodes.slots import PENDING, ChunkEntry, Fill
@@ -51,15 +52,26 @@ class ArrayFill:
         "whole",
     )
 
-    def __init__(self, geom: ArrayGeometry, decoder: ChunkDecoder, units: bool = False) -> None:
+    def __init__(
+        self,
+        geom: ArrayGeometry,
+        decoder: ChunkDecoder,
+        units: bool = False,
+        held: Held | None = None,
+    ) -> None:
         self.geom = geom
         #: a patched array: a pool entry's key names a unit (one stored tile), not a chunk
         self.units = units
         self.path = geom.path
         self.decoder = decoder
         self.template = geom.key_template
-        #: every tile and the (sample-first) index of its rectangle within a chunk's region
-        self.tiles = [(tuple(t), (slice(None), *geom.tile_slices(t))) for t in geom.tiles()]
+        #: every tile read and the (sample-first) index of its rectangle within a chunk's
+        #: region: all of them, or the ``held`` ones side by side (see io/selection)
+        if held is None:
+            self.tiles = [(tuple(t), (slice(None), *geom.tile_slices(t))) for t in geom.tiles()]
+        else:
+            boxes = held_boxes(held, geom.tile_shape, geom.field_shape)
+            self.tiles = [(t, (slice(None), *box)) for t, box in boxes]
         self.whole = geom.n_tiles == 1  # one stored object covers the whole field
         self.fill_value: Any = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
         self.missing = False  # the last object read of this array was missing (a hint)

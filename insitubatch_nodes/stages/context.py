@@ -32,6 +32,7 @@ from typing import Protocol
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held, held_by_path, held_geometry
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.patches import unit_geometry
 from insitubatch_nodes.pool import ChunkPool
@@ -73,7 +74,9 @@ class StageContext:
       side's settings (:class:`~insitubatch_nodes.options.FetchOptions`, checked when made);
     * ``recorder``: the epoch report's recorder (the null one with ``options.report=False``);
     * ``buffers``: the batch buffers, sized to ``min(batch_size, samples this rank delivers per
-      epoch)`` rows.
+      epoch)`` rows;
+    * ``held``: array path -> the stored tiles its slots hold, for arrays whose selected views
+      touch only some tiles (:mod:`~insitubatch_nodes.io.selection`); absent: every tile.
     """
 
     plan: ReadPlanNode
@@ -85,6 +88,7 @@ class StageContext:
     options: FetchOptions
     recorder: EpochRecorder
     buffers: BatchBuffers
+    held: Mapping[str, Held] = field(default_factory=dict)
     _members: list[Member] = field(default_factory=list, repr=False)
 
     @classmethod
@@ -115,7 +119,8 @@ class StageContext:
         transforms = _resolve_transforms(plan, chunk_transforms)
         views = {label: _carried_view(label, v, transforms) for label, v in plan.views.items()}
         patched = frozenset(v.path for v in views.values() if v.patch is not None)
-        slot_geoms = _slot_geometries(transforms, patched, pool)
+        held = held_by_path(views.values())
+        slot_geoms = _slot_geometries(transforms, patched, pool, held)
         rows = batch_rows(
             plan.batch_size,
             plan.epoch_plan(0).n_samples,
@@ -143,6 +148,7 @@ class StageContext:
             options=options,
             recorder=recorder,
             buffers=BatchBuffers(views, rows, plan.layout),
+            held=MappingProxyType(held),
         )
 
     @property
@@ -203,11 +209,29 @@ def _resolve_transforms(
 
 
 def _slot_geometries(
-    transforms: ChunkTransforms, patched: frozenset[str], pool: ChunkPool
+    transforms: ChunkTransforms,
+    patched: frozenset[str],
+    pool: ChunkPool,
+    held: Mapping[str, Held],
 ) -> dict[str, ArrayGeometry]:
-    """Path -> what one slot holds: the transformed chunk, or one stored tile of an array read
-    through patched views (which take no chunk transforms and no persistent cache)."""
+    """Path -> what one slot holds: the transformed chunk, one stored tile of an array read
+    through patched views, or the held tiles of an array read through selected views (neither
+    takes chunk transforms or a persistent cache)."""
     out = dict(transforms.outputs)
+    for path in sorted(held):
+        if transforms.active(path):
+            raise ValueError(
+                f"array {path!r} is read through selected views that touch only some of its "
+                "stored tiles, so a slot holds those tiles, not a chunk, and takes no chunk "
+                "transforms; transform the selection in a batch transform instead"
+            )
+        if pool.cache is not None and pool.cache.persistent:
+            raise ValueError(
+                f"array {path!r} is read through selected views that touch only some of its "
+                "stored tiles, which the persistent cache does not hold; leave cache_dir unset "
+                "(or use cache_dir with persistent=False for slots on disk)"
+            )
+        out[path] = held_geometry(transforms.geoms[path].base, held[path])
     for path in sorted(patched):
         transforms.refuse_patched(path)
         if pool.cache is not None and pool.cache.persistent:

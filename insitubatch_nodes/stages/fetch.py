@@ -154,7 +154,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             slot_geoms=self.slot_geoms,
             layouts={path: self._layout(path) for path in self.slot_geoms},
             arrays={
-                path: ArrayFill(g, self._decoders[path], units=path in self.patched)
+                path: ArrayFill(
+                    g, self._decoders[path], units=path in self.patched, held=context.held.get(path)
+                )
                 for path, g in self.geoms.items()
             },
             transforms=self.transforms,

@@ -30,6 +30,7 @@ from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.slots import is_level_major
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
@@ -181,6 +182,11 @@ class GatherNode(BaseNode[Batch]):
             self.buffers.resize(rows)
         self.views = self.buffers.views
         self.layout = self.buffers.layout
+        self._selected = {
+            label: SelectedGather(g, self.context.held.get(g.path))
+            for label, g in self.views.items()
+            if g.select is not None
+        }
         self.coords = {
             label: self._array_coords[v.path]
             for label, v in self.layout.views.items()
@@ -290,6 +296,14 @@ class GatherNode(BaseNode[Batch]):
         out = {}
         for label in labels:
             geom = self.views[label]
+            if geom.select is not None:  # a selected view (see _select)
+                out[label] = self._selected[label](
+                    arrays[label][lo:hi],
+                    resident.plan.sample_indices[label][lo:hi],
+                    resident.slots,
+                    skip_missing=partial and resident.direct.get(label, 0) > 0,
+                )
+                continue
             if geom.patch is not None:
                 origins = resident.plan.origins
                 assert origins is not None, "a patched view needs a patched read plan"

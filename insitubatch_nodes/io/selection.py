@@ -1,0 +1,244 @@
+"""Selections on field axes: which indices of each field axis a view keeps, and what is read.
+
+A *selected* view (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.isel`, ``.sel``) keeps,
+along each field axis, either everything, a list of indices (a list or a slice: the axis is
+kept) or one index (an integer: the axis is dropped, as numpy drops it). Its ``inner_shape``
+is the selection's.
+
+What is read for it depends on how the array is chunked along the selected axes:
+
+* **An axis whole in a stored object** (ARCO-ERA5's 37 levels in one object): the object is
+  decoded once into its pool slot, whole, and the gather copies only the selection from the
+  slot into the batch. The pool holds the full chunk; the batch holds the selection only.
+* **An axis cut into tiles** (levels stored one per object, a tiled latitude/longitude grid):
+  only the tiles the selection touches are read, and a slot holds those tiles side by side
+  (a *held* slot, smaller than the chunk). Views of one array share its slots, so the tiles
+  held are the union of what every view of the array touches (all of them when one view reads
+  the whole field).
+
+Everything here is plain data worked out once per view or array, before any read (as zarr
+plans a selection); the fetch stage fills the held tiles, the gather indexes the slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from itertools import product
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "Held",
+    "Selection",
+    "axis_key",
+    "held_boxes",
+    "held_by_path",
+    "held_geometry",
+    "held_tiles",
+    "slot_index",
+]
+
+AxisKey = int | tuple[int, ...] | None
+"""What a selection keeps along one field axis: ``None`` everything, an ``int`` one index (the
+axis is dropped), a tuple of indices (the axis is kept, in that order)."""
+
+
+@dataclass(frozen=True)
+class Selection:
+    """What a view keeps of each field axis (``keys``, one per field axis, in physical order;
+    see :data:`AxisKey`); indices are non-negative and within the axis."""
+
+    keys: tuple[AxisKey, ...]
+
+    def shape(self, field_shape: Sequence[int]) -> tuple[int, ...]:
+        """The selected payload's shape: kept axes at their selected length, dropped ones out."""
+        out = []
+        for key, n in zip(self.keys, field_shape, strict=True):
+            if key is None:
+                out.append(int(n))
+            elif isinstance(key, tuple):
+                out.append(len(key))
+        return tuple(out)
+
+    def then(self, other: Selection) -> Selection:
+        """This selection followed by ``other`` (whose keys run over this one's kept axes)."""
+        kept = [i for i, k in enumerate(self.keys) if not isinstance(k, int)]
+        keys = list(self.keys)
+        for i, key in zip(kept, other.keys, strict=True):
+            if key is None:
+                continue
+            mine = keys[i]
+            if mine is None:
+                keys[i] = key
+            else:
+                assert isinstance(mine, tuple)
+                keys[i] = mine[key] if isinstance(key, int) else tuple(mine[j] for j in key)
+        return Selection(tuple(keys))
+
+    def describe(self) -> list[Any]:
+        """A plain-Python description (for a saved state's configuration check)."""
+        return [k if k is None or isinstance(k, int) else list(k) for k in self.keys]
+
+
+def axis_key(name: str, key: Any, length: int) -> AxisKey:
+    """``key`` (an int, a slice or a list of ints) along an axis of ``length``, normalised."""
+    if isinstance(key, bool):
+        raise TypeError(f"isel({name}=...) takes an int, a slice or a list of ints, got {key!r}")
+    if isinstance(key, int | np.integer):
+        i = int(key)
+        if not -length <= i < length:
+            raise IndexError(f"isel({name}={i}): index out of range for an axis of {length}")
+        return i % length
+    if isinstance(key, slice):
+        picked = tuple(range(length)[key])
+    else:
+        try:
+            values = np.asarray(key)
+        except (TypeError, ValueError):
+            values = np.asarray([], dtype=object)
+        if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
+            raise TypeError(
+                f"isel({name}=...) takes an int, a slice or a 1-D list of ints, got {key!r}"
+            )
+        bad = values[(values < -length) | (values >= length)]
+        if bad.size:
+            raise IndexError(
+                f"isel({name}=...): indices {bad.tolist()} out of range for an axis of {length}"
+            )
+        picked = tuple(int(v) % length for v in values.tolist())
+    if not picked:
+        raise IndexError(f"isel({name}={key!r}) selects nothing along an axis of {length}")
+    return picked
+
+
+# -- what one array's slots hold -------------------------------------------------------------
+Held = tuple[tuple[int, ...] | None, ...]
+"""Per field axis, the tiles a slot holds (ascending), or ``None`` for all of them."""
+
+
+def touched_tiles(selection: Selection | None, tile_shape: Sequence[int]) -> Held:
+    """The tiles one view reads along each field axis (``None``: every tile)."""
+    if selection is None:
+        return (None,) * len(tile_shape)
+    out: list[tuple[int, ...] | None] = []
+    for key, size in zip(selection.keys, tile_shape, strict=True):
+        if key is None:
+            out.append(None)
+        else:
+            idx = (key,) if isinstance(key, int) else key
+            out.append(tuple(sorted({i // size for i in idx})))
+    return tuple(out)
+
+
+def held_tiles(
+    selections: Sequence[Selection | None], tile_shape: Sequence[int], tile_grid: Sequence[int]
+) -> Held | None:
+    """The tiles the slots of one array hold for views with ``selections``: the union of what
+    each touches, per field axis; ``None`` when that is every tile (an ordinary slot)."""
+    held: list[set[int] | None] = [set() for _ in tile_shape]
+    for sel in selections:
+        for axis, tiles in enumerate(touched_tiles(sel, tile_shape)):
+            have = held[axis]
+            if tiles is None or have is None:
+                held[axis] = None
+            else:
+                have.update(tiles)
+    out = tuple(
+        None if h is None or len(h) == grid else tuple(sorted(h))
+        for h, grid in zip(held, tile_grid, strict=True)
+    )
+    return None if all(h is None for h in out) else out
+
+
+def _extent(tile: int, size: int, length: int) -> int:
+    return min((tile + 1) * size, length) - tile * size
+
+
+def held_shape(
+    held: Held, tile_shape: Sequence[int], field_shape: Sequence[int]
+) -> tuple[int, ...]:
+    """A held slot's payload shape: per field axis, the held tiles side by side."""
+    return tuple(
+        n if h is None else sum(_extent(t, c, n) for t in h)
+        for h, c, n in zip(held, tile_shape, field_shape, strict=True)
+    )
+
+
+def held_boxes(
+    held: Held, tile_shape: Sequence[int], field_shape: Sequence[int]
+) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
+    """Every held tile (its coordinates in the array's tile grid) and the rectangle it fills in
+    a held slot's payload, in C order."""
+    per_axis: list[list[tuple[int, slice]]] = []
+    for h, c, n in zip(held, tile_shape, field_shape, strict=True):
+        tiles = range(-(-n // c)) if h is None else h
+        at, spots = 0, []
+        for t in tiles:
+            e = _extent(t, c, n)
+            spots.append((t, slice(at, at + e) if h is not None else slice(t * c, t * c + e)))
+            at += e
+        per_axis.append(spots)
+    return [
+        (tuple(t for t, _ in combo), tuple(s for _, s in combo)) for combo in product(*per_axis)
+    ]
+
+
+def slot_index(
+    selection: Selection, held: Held | None, tile_shape: Sequence[int]
+) -> tuple[int | slice | np.ndarray, ...]:
+    """The index of ``selection`` into one sample of a slot (held or whole), per field axis:
+    an ``int`` (a dropped axis), a ``slice`` (everything, or evenly spaced indices) or an
+    index array; a payload ``slot[row][index]`` has the selection's shape."""
+    out: list[int | slice | np.ndarray] = []
+    for axis, (key, size) in enumerate(zip(selection.keys, tile_shape, strict=True)):
+        tiles = None if held is None else held[axis]
+        if key is None:
+            out.append(slice(None))
+            continue
+        idx = np.asarray((key,) if isinstance(key, int) else key, dtype=np.int64)
+        if tiles is not None:  # where each index lies among the held tiles, side by side
+            starts = np.cumsum([0] + [size] * (len(tiles) - 1))
+            place = np.searchsorted(np.asarray(tiles), idx // size)
+            idx = starts[place] + idx % size
+        if isinstance(key, int):
+            out.append(int(idx[0]))
+        else:
+            out.append(_as_slice(idx))
+    return tuple(out)
+
+
+def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
+    """``idx`` as a slice when it is evenly spaced (a view, no gather), else the array."""
+    if len(idx) == 1:
+        return slice(int(idx[0]), int(idx[0]) + 1)
+    step = int(idx[1] - idx[0])
+    if step == 0 or not np.all(np.diff(idx) == step):
+        return idx
+    stop = int(idx[-1]) + step
+    return slice(int(idx[0]), None if stop < 0 else stop, step)
+
+
+def held_by_path(views: Iterable[Any]) -> dict[str, Held]:
+    """Array path -> the tiles its slots hold, for the arrays (of ``views``, geometries) whose
+    views all touch only some stored tiles of a tiled axis; arrays left out hold every tile."""
+    selections: dict[str, list[Selection | None]] = {}
+    bases: dict[str, Any] = {}
+    for view in views:
+        if view.static:
+            continue
+        selections.setdefault(view.path, []).append(view.select)
+        bases.setdefault(view.path, view.base)
+    out = {}
+    for path, sels in selections.items():
+        base = bases[path]
+        held = held_tiles(sels, base.tile_shape, base.tile_grid)
+        if held is not None:
+            out[path] = held
+    return out
+
+
+def held_geometry(base: Any, held: Held) -> Any:
+    """What one slot of array ``base`` (a geometry) holds when it holds the tiles ``held``."""
+    return base.with_inner(held_shape(held, base.tile_shape, base.field_shape), base.dtype)

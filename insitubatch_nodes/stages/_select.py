@@ -1,0 +1,95 @@
+"""Gathering selected views: each row's selection copied out of its chunk's slot.
+
+A selected view's slot holds the whole chunk, or the stored tiles its array's views touch side
+by side (:mod:`~insitubatch_nodes.io.selection`). Its index into one sample of the slot
+(:func:`~insitubatch_nodes.io.selection.slot_index`) is worked out once per view. As for an
+ordinary label, the rows of one chunk are one contiguous run of the batch, and each run is
+copied with basic indexing wherever it can be: one slice assignment (a view of the slot, no
+temporary) when every index is a slice or an integer (evenly spaced lists are slices), one per
+entry of the list when one axis takes an uneven list (13 levels of 37: 13 copies), and one
+``np.ix_`` gather (a temporary the size of the run's selection, never of the slot) when two
+axes do. Rows out of sample order within a chunk are taken with one index array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held, slot_index
+
+__all__ = ["SelectedGather"]
+
+
+class SelectedGather:
+    """How one selected view is gathered: its slot index, worked out once."""
+
+    def __init__(self, view: ArrayGeometry, held: Held | None) -> None:
+        assert view.select is not None
+        self.path = view.path
+        self.spc = view.samples_per_chunk
+        self.index = slot_index(view.select, held, view.base.tile_shape)
+        arrays = [a for a, i in enumerate(self.index) if isinstance(i, np.ndarray)]
+        #: one index array (a list of levels): copied entry by entry, each a basic copy
+        self.listed: tuple[int, int, np.ndarray] | None = None
+        if len(arrays) == 1:
+            axis = arrays[0]
+            kept = sum(not isinstance(i, int) for i in self.index[:axis])  # its place in out
+            listed = self.index[axis]
+            assert isinstance(listed, np.ndarray)
+            self.listed = (axis, kept, listed)
+        # the general gather (two or more index arrays): ints first, then np.ix_ over the rest
+        self._ints = tuple(i if isinstance(i, int) else slice(None) for i in self.index)
+        self._kept = [i for i in self.index if not isinstance(i, int)]
+
+    def _copy(self, out: Any, rows: Any, slot: np.ndarray, w: Any) -> None:
+        """``out[rows] = slot[w][selection]`` (``rows``, ``w``: slices or index arrays)."""
+        if self.listed is None and not any(isinstance(i, np.ndarray) for i in self.index):
+            out[rows] = slot[(w, *self.index)]
+        elif self.listed is not None:
+            axis, place, listed = self.listed
+            before = (slice(None),) * place
+            for j, i in enumerate(listed.tolist()):
+                index = (*self.index[:axis], i, *self.index[axis + 1 :])
+                out[(rows, *before, j)] = slot[(w, *index)]
+        else:
+            picked = slot[(slice(None), *self._ints)]
+            w_array = np.arange(slot.shape[0])[w] if isinstance(w, slice) else w
+            spans = [
+                np.arange(n)[i] if isinstance(i, slice) else i
+                for i, n in zip(self._kept, picked.shape[1:], strict=True)
+            ]
+            out[rows] = picked[np.ix_(w_array, *spans)]
+
+    def __call__(
+        self,
+        out: np.ndarray,
+        samples: np.ndarray,
+        slots: Mapping[tuple[str, int], np.ndarray],
+        skip_missing: bool = False,
+    ) -> int:
+        """Fill ``out[i]`` with the selection of sample ``samples[i]``; the rows copied (with
+        ``skip_missing``, rows of chunks without a slot are left as they are)."""
+        n = len(samples)
+        chunk = samples // self.spc
+        within = samples - chunk * self.spc
+        order = np.argsort(chunk, kind="stable")
+        sorted_chunks = chunk[order]
+        cuts = (np.flatnonzero(sorted_chunks[1:] != sorted_chunks[:-1]) + 1).tolist()
+        copied = 0
+        for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
+            key = (self.path, int(sorted_chunks[lo]))
+            if skip_missing and key not in slots:
+                continue
+            rows = order[lo:hi]
+            w = within[rows]
+            if bool(np.all(np.diff(rows) == 1)) and bool(np.all(np.diff(w) == 1)):
+                r0, w0, k = int(rows[0]), int(w[0]), len(rows)
+                self._copy(out, slice(r0, r0 + k), slots[key], slice(w0, w0 + k))
+            else:
+                self._copy(out, rows, slots[key], w)
+            copied += hi - lo
+        return copied

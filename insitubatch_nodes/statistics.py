@@ -1,0 +1,354 @@
+"""Normalisation statistics fitted on a split: :func:`fit_statistics` and :class:`Statistics`.
+
+Per label, over the samples of one split (a leakage-safe range: the manifest's chunks of that
+split, nothing of the others): the mean, standard deviation, minimum and maximum, and the
+standard deviation of one-step differences (``x[t + 1] - x[t]`` for consecutive samples both in
+the split; GraphCast's and anemoi's *tendency* statistics). Each is computed **per channel**:
+reduced over the samples and the last two field axes (the horizontal grid), kept along the
+others, so a ``(level, lat, lon)`` view has one value per level, a ``(lat, lon)`` view one value.
+A static view's statistics are its field's (no differences).
+
+One pass: the pipeline's own engine reads every chunk of the split once, in sample order (no
+shuffle; a chunk never read twice), with the views' selections; each batch is accumulated in
+float64 (batch means and sums of squared deviations merged as Chan et al.; ``std`` with
+``ddof=0``). NaNs are skipped and counted (``nan_count``); a channel with no finite value has
+NaN statistics.
+
+:meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
+were fitted on (``dataset``: the store, the split, its sample range, the views), which
+:meth:`Statistics.load` can check. :meth:`Statistics.normalizer` is a batch transform that
+standardises each label in place; :meth:`Statistics.scaler` the chunk transform
+:class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.batch import Batch
+from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
+from insitubatch_nodes.pipeline import insitu_pipeline
+from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.static import read_static
+from insitubatch_nodes.transforms import StandardScaler
+
+__all__ = ["Statistics", "fit_statistics"]
+
+FORMAT = 1
+FIELDS = ("mean", "std", "min", "max", "diff_std", "count", "nan_count")
+
+
+@dataclass
+class Statistics:
+    """Fitted statistics, ``{label: array}`` each, one value per channel (see the module
+    docstring). ``count`` is the finite values per channel, ``nan_count`` the NaNs skipped;
+    ``diff_std`` is NaN for a static label or where no two consecutive samples are in the split.
+    ``dataset`` says what they were fitted on; ``paths`` maps each label to its array."""
+
+    mean: dict[str, np.ndarray]
+    std: dict[str, np.ndarray]
+    min: dict[str, np.ndarray]
+    max: dict[str, np.ndarray]
+    diff_std: dict[str, np.ndarray]
+    count: dict[str, np.ndarray]
+    nan_count: dict[str, np.ndarray]
+    dataset: dict[str, Any] = field(default_factory=dict)
+    paths: dict[str, str] = field(default_factory=dict)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write these statistics as JSON (values as nested lists, NaN as ``null``)."""
+        doc: dict[str, Any] = {"format": FORMAT, "dataset": self.dataset, "paths": self.paths}
+        for name in FIELDS:
+            doc[name] = {label: _to_json(np.asarray(v)) for label, v in getattr(self, name).items()}
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1, sort_keys=True)
+
+    @classmethod
+    def load(
+        cls, path: str | os.PathLike[str], *, dataset: Mapping[str, Any] | None = None
+    ) -> Statistics:
+        """Read statistics :meth:`save` wrote. With ``dataset`` (another fit's ``dataset``, or
+        the part of it to check), raise ``ValueError`` when they were fitted on another."""
+        with open(path) as f:
+            doc = json.load(f)
+        if doc.get("format") != FORMAT:
+            raise ValueError(f"{path}: not a statistics file of format {FORMAT}")
+        stats = cls(
+            **{name: {label: _from_json(v) for label, v in doc[name].items()} for name in FIELDS},
+            dataset=doc["dataset"],
+            paths=doc["paths"],
+        )
+        if dataset is not None:
+            wrong = {k: (stats.dataset.get(k), v) for k, v in dataset.items()}
+            wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
+            if wrong:
+                raise ValueError(
+                    f"{path}: these statistics were fitted on another dataset: "
+                    + "; ".join(
+                        f"{k} {a!r} in the file, {b!r} expected" for k, (a, b) in wrong.items()
+                    )
+                    + ". Fit them again with fit_statistics"
+                )
+        return stats
+
+    def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray:
+        """Statistic ``name`` of ``label`` shaped to broadcast against one sample of ``view``
+        (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view)."""
+        values = np.asarray(getattr(self, name)[label], dtype=np.float64)
+        inner = view.inner_shape
+        grid = min(2, len(inner))
+        return values.reshape(*values.shape, *(1,) * grid)
+
+    def normalizer(
+        self,
+        views: Mapping[str, ArrayGeometry],
+        *,
+        same_as: Mapping[str, str] | None = None,
+        eps: float = 1e-8,
+    ) -> NormalizeBatch:
+        """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views``, in place in
+        the batch's arrays (float arrays; a static label's broadcast rows get a new array).
+        ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
+        target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
+        source = {label: (same_as or {}).get(label, label) for label in views}
+        missing = sorted(label for label, fitted in source.items() if fitted not in self.mean)
+        if missing:
+            raise ValueError(
+                f"no statistics for labels {missing}: fit them with fit_statistics, or name the "
+                "fitted label they take theirs from with same_as={label: fitted}"
+            )
+        return NormalizeBatch(
+            {
+                label: (
+                    self.shaped(source[label], "mean", v),
+                    self.shaped(source[label], "std", v) + eps,
+                )
+                for label, v in views.items()
+            }
+        )
+
+    def scaler(
+        self, labels: Sequence[str] | None = None, *, cache_key: str | None = None
+    ) -> StandardScaler:
+        """A :class:`~insitubatch_nodes.transforms.StandardScaler` (a chunk transform, keyed by
+        array path) from the statistics of ``labels`` (default: all), which must read whole,
+        unselected arrays (the scaler runs on chunks, before any selection)."""
+        labels = list(self.mean) if labels is None else list(labels)
+        mean, std = {}, {}
+        for label in labels:
+            path = self.paths[label]
+            if self.dataset.get("views", {}).get(label, {}).get("select") is not None:
+                raise ValueError(
+                    f"label {label!r} reads a selection of {path!r}: a chunk transform sees "
+                    "the whole array; use Statistics.normalizer (a batch transform) instead"
+                )
+            m = np.asarray(self.mean[label])
+            grid = 2
+            mean[path] = m.reshape(*m.shape, *(1,) * grid)
+            s = np.asarray(self.std[label])
+            std[path] = s.reshape(*s.shape, *(1,) * grid)
+        return StandardScaler(mean, std, cache_key=cache_key)
+
+
+class NormalizeBatch:
+    """The batch transform :meth:`Statistics.normalizer` makes."""
+
+    def __init__(self, stats: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
+        self.stats = dict(stats)
+
+    def __call__(self, batch: Batch) -> Batch:
+        for label, (mean, std) in self.stats.items():
+            arr = batch.arrays[label]
+            if arr.dtype.kind == "f" and arr.flags.writeable and arr.strides[0] != 0:
+                arr -= mean.astype(arr.dtype)
+                arr /= std.astype(arr.dtype)
+            else:  # integers, or a static field's broadcast rows: a new float32 array
+                batch.arrays[label] = ((arr - mean) / std).astype(np.float32)
+        return batch
+
+
+class _Moments:
+    """Per-channel running count, mean, sum of squared deviations, min and max (float64)."""
+
+    def __init__(self) -> None:
+        self.started = False
+        empty = np.zeros(0)
+        self.n, self.mean, self.m2, self.lo, self.hi, self.nans = (empty,) * 6
+
+    def add(self, x: np.ndarray) -> None:
+        """``x``: ``(channels, values)`` float64."""
+        finite = ~np.isnan(x)
+        n = finite.sum(axis=1).astype(np.float64)
+        nans = x.shape[1] - n
+        safe = np.maximum(n, 1)
+        mean = np.where(finite, x, 0.0).sum(axis=1) / safe
+        m2 = (np.where(finite, x - mean[:, None], 0.0) ** 2).sum(axis=1)
+        lo = np.where(finite, x, np.inf).min(axis=1, initial=np.inf)
+        hi = np.where(finite, x, -np.inf).max(axis=1, initial=-np.inf)
+        if not self.started:
+            self.started = True
+            self.n, self.mean, self.m2, self.lo, self.hi, self.nans = n, mean, m2, lo, hi, nans
+            return
+        total = self.n + n
+        delta = mean - self.mean
+        share = n / np.maximum(total, 1)
+        self.mean = self.mean + delta * share
+        self.m2 = self.m2 + m2 + delta**2 * self.n * share
+        self.n = total
+        self.lo = np.minimum(self.lo, lo)
+        self.hi = np.maximum(self.hi, hi)
+        self.nans = self.nans + nans
+
+    def result(self, channels: tuple[int, ...]) -> dict[str, np.ndarray]:
+        size = math.prod(channels)
+        if not self.started:
+            nan, zero = np.full(size, np.nan), np.zeros(size)
+            out = {"mean": nan, "std": nan, "min": nan, "max": nan, "count": zero, "nan": zero}
+        else:
+            empty = self.n == 0
+            std = np.sqrt(self.m2 / np.maximum(self.n, 1))
+            out = {
+                "mean": np.where(empty, np.nan, self.mean),
+                "std": np.where(empty, np.nan, std),
+                "min": np.where(empty, np.nan, self.lo),
+                "max": np.where(empty, np.nan, self.hi),
+                "count": self.n,
+                "nan": self.nans,
+            }
+        return {k: v.reshape(channels) for k, v in out.items()}
+
+
+def _channels(inner: tuple[int, ...]) -> tuple[int, ...]:
+    return inner[: max(0, len(inner) - 2)]
+
+
+def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
+    """``(n, *channels, *grid)`` -> ``(prod(channels), n * prod(grid))`` float64."""
+    n = x.shape[0]
+    c = math.prod(channels)
+    y = x.reshape(n, c, -1).astype(np.float64)
+    return y.transpose(1, 0, 2).reshape(c, -1)
+
+
+def fit_statistics(
+    store: Any,
+    manifest: SplitManifest,
+    views: Mapping[str, ArrayGeometry] | Sequence[str],
+    split: str = "train",
+    *,
+    batch_size: int = 32,
+    **pipeline_options: Any,
+) -> Statistics:
+    """Fit :class:`Statistics` on ``split`` of ``manifest`` for ``views`` (``{label: view}``,
+    or array names), in one pass over the split's chunks (module docstring). A view's shift is
+    ignored (the statistics are of its array, as selected). Every rank that calls it reads the
+    whole split (``rank=0, world_size=1``): fit once and share the saved file.
+    ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
+    ``cache_budget_bytes``)."""
+    zstore = as_store(store)
+    if not isinstance(views, Mapping):
+        names = [views] if isinstance(views, str) else list(views)
+        views = open_geometries(zstore, names)
+    plain = {label: v.shift(-v.offset) if v.offset else v for label, v in views.items()}
+    sampled = {label: v for label, v in plain.items() if not v.static}
+    static = {label: v for label, v in plain.items() if v.static}
+    moments = {label: _Moments() for label in plain}
+    diffs = {label: _Moments() for label in sampled}
+    last: dict[str, tuple[int, np.ndarray]] = {}
+    if sampled:
+        pipe = insitu_pipeline(
+            zstore,
+            manifest,
+            {**sampled, **static},
+            split=split,
+            batch_size=batch_size,
+            shuffle=False,
+            rank=0,
+            world_size=1,
+            coords=(),
+            report=False,
+            **pipeline_options,
+        )
+        try:
+            for batch in pipe:
+                for label, view in sampled.items():
+                    _accumulate(batch, label, view, moments[label], diffs[label], last)
+        finally:
+            pipe.close()
+    if static:
+        for label, data in read_static(zstore, static, retry_policy(zstore).timeout_s).items():
+            channels = _channels(data.shape)
+            moments[label].add(_as_channels(data[None], channels))
+    fields: dict[str, dict[str, np.ndarray]] = {name: {} for name in FIELDS}
+    for label, view in plain.items():
+        channels = _channels(view.inner_shape)
+        r = moments[label].result(channels)
+        fields["mean"][label], fields["std"][label] = r["mean"], r["std"]
+        fields["min"][label], fields["max"][label] = r["min"], r["max"]
+        fields["count"][label], fields["nan_count"][label] = r["count"], r["nan"]
+        if label in diffs:
+            fields["diff_std"][label] = diffs[label].result(channels)["std"]
+        else:
+            fields["diff_std"][label] = np.full(channels, np.nan)
+    dataset = {
+        "store": describe_store(zstore),
+        "split": split,
+        "manifest": manifest.fingerprint(),
+        "chunks": [int(c) for c in manifest.chunks(split)],
+        "views": {
+            label: {
+                "path": v.path,
+                "inner_shape": list(v.inner_shape),
+                "select": None if v.select is None else v.select.describe(),
+            }
+            for label, v in plain.items()
+        },
+    }
+    return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
+
+
+def _accumulate(
+    batch: Batch,
+    label: str,
+    view: ArrayGeometry,
+    moments: _Moments,
+    diffs: _Moments,
+    last: dict[str, tuple[int, np.ndarray]],
+) -> None:
+    x = batch.arrays[label]
+    idx = np.asarray(batch.sample_indices[label])
+    channels = _channels(view.inner_shape)
+    moments.add(_as_channels(x, channels))
+    # one-step differences between consecutive samples, across the batch edge too
+    rows = np.concatenate([[last[label][0]], idx]) if label in last else idx
+    prev = np.concatenate([last[label][1][None], x]) if label in last else x
+    step = np.flatnonzero(np.diff(rows) == 1)
+    if len(step):
+        d = prev[step + 1].astype(np.float64) - prev[step].astype(np.float64)
+        diffs.add(_as_channels(d, channels))
+    if len(idx):
+        last[label] = (int(idx[-1]), np.array(x[-1]))
+
+
+def _to_json(values: np.ndarray) -> Any:
+    """``values`` as nested lists, NaN as ``None`` (JSON has no NaN)."""
+    if values.ndim == 0:
+        return None if np.isnan(values) else float(values)
+    return [_to_json(v) for v in values]
+
+
+def _from_json(values: Any) -> np.ndarray:
+    return np.array(values, dtype=np.float64)  # None (a NaN saved) reads as NaN
+
+
+def _plain(value: Any) -> Any:
+    return json.loads(json.dumps(value))

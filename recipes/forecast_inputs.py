@@ -1,0 +1,158 @@
+"""GraphCast-style inputs from an archive as it is stored: 13 of 37 levels, static fields,
+forcings, normalised by statistics fitted on the training split.
+
+The store is ARCO-ERA5-like (``make_weatherbench_like`` with 37 levels, every level in one
+stored object, one time step per chunk) with a static ``land_sea_mask (latitude, longitude)``
+written beside it. The recipe
+
+* selects the 13 WeatherBench2 levels by value (``geom.sel(level=LEVELS_13)``): each stored
+  object is decoded once, whole, into the pool, and only the 13 levels reach the batch;
+* lets ``open_geometries`` recognise the land-sea mask as static: every batch carries it as a
+  ``(batch, lat, lon)`` view of one array (no copy per row);
+* fits per-level statistics on the training split (``fit_statistics``, one pass, float64) and
+  saves them as JSON; a batch transform standardises each label with them;
+* adds top-of-atmosphere solar radiation, the cosine of the solar zenith angle, local time and
+  year progress computed from each row's time (``Forcings``): nothing read for them;
+* stacks the labels into ``(batch, channels, lat, lon)`` and trains a small convolutional
+  forecaster of the next step for a few batches; checks the first batch against zarr.
+
+    .venv/bin/python recipes/forecast_inputs.py
+    .venv/bin/python recipes/forecast_inputs.py --n-time 128 --n-lat 32 --n-lon 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from insitubatch_nodes import (
+    Forcings,
+    fit_statistics,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    to_torch,
+)
+from insitubatch_nodes.forcings import SOLAR_IRRADIANCE
+from insitubatch_nodes.synthetic import make_weatherbench_like
+
+LEVELS_13 = [50, 100, 150, 200, 250, 300, 400, 500, 600, 700, 850, 925, 1000]
+PROGNOSTIC = ("temperature", "geopotential", "2m_temperature")
+
+
+def write_store(root: Path, n_time: int, n_lat: int, n_lon: int) -> None:
+    make_weatherbench_like(
+        root, n_time=n_time, n_lat=n_lat, n_lon=n_lon, n_level=37,
+        surface=["2m_temperature"], levels=["temperature", "geopotential"],
+    )  # fmt: skip
+    lat = zarr.open_array(root / "latitude")[...]
+    lsm = zarr.create_array(
+        root / "land_sea_mask", shape=(n_lat, n_lon), chunks=(n_lat, n_lon), dtype="float32",
+        dimension_names=("latitude", "longitude"),
+    )  # fmt: skip
+    lsm[...] = (np.cos(np.radians(lat))[:, None] * np.sin(np.arange(n_lon) / 5.0) > 0.3) * 1.0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--path", type=Path, default=None, help="store (default: a temp folder)")
+    parser.add_argument("--n-time", type=int, default=96, help="6-hourly steps, one per chunk")
+    parser.add_argument("--n-lat", type=int, default=16)
+    parser.add_argument("--n-lon", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=12, help="training batches")
+    args = parser.parse_args(argv)
+    tmp = tempfile.TemporaryDirectory()
+    root = args.path or Path(tmp.name) / "arco_like.zarr"
+    if not root.exists():
+        write_store(root, args.n_time, args.n_lat, args.n_lon)
+
+    geoms = open_geometries(root)
+    print("static arrays:", sorted(p for p, g in geoms.items() if g.static))
+    inputs = {
+        "temperature": geoms["temperature"].sel(level=LEVELS_13),
+        "geopotential": geoms["geopotential"].sel(level=LEVELS_13),
+        "2m_temperature": geoms["2m_temperature"],
+    }
+    views = {
+        **inputs,
+        **{f"next_{name}": view.shift(1) for name, view in inputs.items()},
+        "land_sea_mask": geoms["land_sea_mask"],
+    }
+    stored = geoms["temperature"].sample_nbytes
+    delivered = inputs["temperature"].sample_nbytes
+    print(
+        f"temperature: {stored / 2**10:.0f} KiB decoded per step, {delivered / 2**10:.0f} KiB "
+        f"delivered ({len(LEVELS_13)} of 37 levels)"
+    )
+    manifest = split_by_chunk(geoms["temperature"], (0.75, 0.25, 0.0))
+
+    stats = fit_statistics(root, manifest, {**inputs, "land_sea_mask": views["land_sea_mask"]})
+    stats.save(Path(tmp.name) / "stats.json")
+    print("temperature mean per level (train):", np.round(stats.mean["temperature"], 1).tolist())
+    # the targets (next step) are standardised with their inputs' statistics
+    normalise = stats.normalizer(views, same_as={f"next_{name}": name for name in inputs})
+    forcings = Forcings("temperature", view=inputs["temperature"], period="6h")
+
+    # the first batch, as stored: compared with zarr's own read of the selection
+    check = insitu_pipeline(root, manifest, views, batch_size=args.batch_size, shuffle=False)
+    first = next(iter(check))
+    check.close()
+    want = zarr.open_array(root / "temperature")[first.sample_indices["temperature"]]
+    levels = zarr.open_array(root / "level")[...].tolist()
+    want = want[:, [levels.index(v) for v in LEVELS_13]]
+    assert np.array_equal(first.arrays["temperature"], want), "batch differs from zarr"
+    assert first.arrays["land_sea_mask"].strides[0] == 0
+    print("the first batch matched zarr's own read of the 13 levels")
+
+    def radiation_to_unit(batch: Any) -> Any:  # J m-2 over 6 h -> a fraction of the most
+        batch.arrays["toa_incident_solar_radiation"] /= SOLAR_IRRADIANCE * 6 * 3600
+        return batch
+
+    pipe = insitu_pipeline(
+        root, manifest, views, batch_size=args.batch_size,
+        batch_transforms=[normalise, forcings, radiation_to_unit],
+    )  # fmt: skip
+    order = [*inputs, "land_sea_mask", *forcings.names]
+    targets = [f"next_{name}" for name in inputs]
+
+    def stack(tensors: dict[str, torch.Tensor], labels: Sequence[str]) -> torch.Tensor:
+        parts = [t if t.dim() == 4 else t[:, None] for t in (tensors[label] for label in labels)]
+        return torch.cat([p.float() for p in parts], dim=1)
+
+    n_in = 2 * len(LEVELS_13) + 1 + 1 + len(forcings.names)
+    n_out = 2 * len(LEVELS_13) + 1
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(n_in, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, n_out, 1)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses: list[float] = []
+    while len(losses) < args.steps:
+        pipe.reset()  # a new epoch
+        for batch in pipe:
+            tensors = to_torch(batch)
+            x, y = stack(tensors, order), stack(tensors, targets)
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            losses.append(loss.item())
+            if len(losses) == args.steps:
+                break
+    pipe.close()
+    print(f"inputs {tuple(x.shape)} targets {tuple(y.shape)}")
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} batches")
+    tmp.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

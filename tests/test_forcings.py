@@ -1,0 +1,106 @@
+"""Forcings from time and coordinates, against published solar geometry."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.forcings import (
+    FORCINGS,
+    SOLAR_IRRADIANCE,
+    Forcings,
+    cos_solar_zenith,
+    local_time,
+    toa_incident_solar_radiation,
+    year_progress,
+)
+from insitubatch_nodes.synthetic import make_era5_like
+from tests.helpers import counting_store
+
+HOUR = np.timedelta64(1, "h")
+
+
+def test_the_sun_is_overhead_at_the_equinox_sub_solar_point() -> None:
+    # March equinox 2023-03-20 21:24 UTC; the equation of time then is -7.5 min, so local
+    # apparent noon is at longitude -15 * (21.4 - 12 - 0.125) = -139.1 degrees
+    t = np.datetime64("2023-03-20T21:24")
+    assert cos_solar_zenith(t, [0.0], [-139.1]).item() > 0.9999
+    lon = np.arange(-180.0, 180.0, 0.25)
+    overhead = lon[np.argmax(cos_solar_zenith(t, [0.0], lon))]
+    assert abs(overhead - -139.1) <= 0.5
+
+
+def test_polar_night_has_no_sun_and_no_radiation_all_day() -> None:
+    day = np.datetime64("2023-12-21T00") + np.arange(24) * HOUR
+    lon = np.arange(0.0, 360.0, 30.0)
+    assert cos_solar_zenith(day, [80.0, -90.0 + 1e-9], lon)[:, 0].max() < 0
+    assert toa_incident_solar_radiation(day, [80.0], lon).max() == 0.0
+    assert toa_incident_solar_radiation(day, [-80.0], lon).min() > 0  # midnight sun
+
+
+def test_at_the_pole_in_june_the_sun_stands_at_the_tilt_of_the_axis_all_day() -> None:
+    day = np.datetime64("2023-06-21T00") + np.arange(24) * HOUR
+    np.testing.assert_allclose(
+        cos_solar_zenith(day, [90.0], [0.0]), np.sin(np.radians(23.44)), atol=2e-4
+    )
+
+
+def test_the_equator_receives_the_irradiance_over_pi_on_an_equinox_day() -> None:
+    # daily mean insolation at the equator on an equinox: S / (pi r^2), r = 0.9960 AU on
+    # 2023-03-20 (published ephemeris); hourly accumulations in J m-2 sum to the day's energy
+    day = np.datetime64("2023-03-20T01") + np.arange(24) * HOUR
+    energy = toa_incident_solar_radiation(day, [0.0], [0.0, 120.0]).sum(axis=0) / 86_400
+    np.testing.assert_allclose(energy.ravel(), SOLAR_IRRADIANCE / (np.pi * 0.9960**2), rtol=3e-3)
+
+
+def test_radiation_accumulates_the_flux_over_the_hour_ending_at_the_time() -> None:
+    t = np.datetime64("2023-06-01T12:00")
+    minutes = t - np.arange(0, 61) * np.timedelta64(1, "m")
+    flux = SOLAR_IRRADIANCE * np.maximum(cos_solar_zenith(minutes, [40.0], [10.0]), 0)
+    g = np.radians(357.529 + 0.98560028 * 8552.0)  # 8552 days since J2000.0 (USNO)
+    r = 1.00014 - 0.01671 * np.cos(g) - 0.00014 * np.cos(2 * g)
+    expected = np.trapezoid(flux[::-1].ravel(), dx=60.0) / r**2
+    got = toa_incident_solar_radiation(t, [40.0], [10.0]).item()
+    assert got == pytest.approx(expected, rel=1e-4)
+
+
+def test_local_time_and_year_progress_follow_the_clock_and_the_calendar() -> None:
+    t = np.datetime64("2023-03-20T06:00")
+    np.testing.assert_allclose(local_time(t, [0.0, 90.0, -90.0, 180.0]), [[6.0, 12.0, 0.0, 18.0]])
+    times = np.array(["2023-01-01", "2023-07-02T12", "2024-07-02"], dtype="M8[ns]")
+    np.testing.assert_allclose(year_progress(times), [0.0, 0.5, 183 / 366])
+
+
+def test_forcings_come_with_every_batch_from_its_times_without_reading_the_store(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "e.zarr"
+    make_era5_like(root, n_time=48, n_lat=8, n_lon=16, n_level=2, samples_per_chunk=8)
+    geoms = open_geometries(root)
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    box = geoms["z"].isel(level=0, lat=slice(2, 6))
+    forcings = Forcings("x", view=box, prefix="f_")
+    assert forcings.lat.shape == (4,) and forcings.lon.shape == (16,)
+    plain, forced = counting_store(root), counting_store(root)
+    for store, transforms in ((plain, []), (forced, [forcings])):
+        pipe = insitu_pipeline(
+            store, manifest, {"x": box}, batch_size=6, batch_transforms=transforms
+        )
+        batches = list(pipe)
+        pipe.close()
+    assert forced.chunk_counts() == plain.chunk_counts()
+    for batch in batches:
+        times = batch.coords["x"]["time"]
+        for name in FORCINGS:
+            got = batch.arrays["f_" + name]
+            assert got.shape == (len(batch), 4, 16) and got.dtype == np.float32
+        np.testing.assert_allclose(
+            batch.arrays["f_cos_solar_zenith"],
+            cos_solar_zenith(times, forcings.lat, forcings.lon),
+            atol=1e-6,
+        )
+        steps = np.datetime64("2000-01-01") + batch.sample_indices["x"] * 6 * HOUR
+        np.testing.assert_array_equal(times, steps)

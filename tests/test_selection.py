@@ -1,0 +1,320 @@
+"""Selection on field axes (isel/sel), sample axes by name, and static fields.
+
+xarray's ``isel``/``sel`` on the same store is the oracle; zarr writes the stores (through
+xarray's ``to_zarr``), and a counting store counts the stored objects read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, to_torch
+from tests.helpers import counting_store
+
+xr = pytest.importorskip("xarray")
+
+T, L, Y, X = 12, 7, 10, 16
+LEVELS = np.array([1000, 925, 850, 700, 500, 300, 100])
+
+
+def _write(root: Path, *, descending: bool, zarr_format: int = 3) -> Path:
+    """A WeatherBench2-like store: ``t`` with every level in one object per step, ``u`` with
+    one level per object and latitude cut into tiles of 4, and a static ``lsm``."""
+    rng = np.random.default_rng(7)
+    lat = np.linspace(90, -90, Y) if descending else np.linspace(-90, 90, Y)
+    ds = xr.Dataset(
+        {
+            "t": (("time", "level", "latitude", "longitude"), rng.random((T, L, Y, X), "f4")),
+            "u": (("time", "level", "latitude", "longitude"), rng.random((T, L, Y, X), "f4")),
+            "lsm": (("latitude", "longitude"), rng.random((Y, X), "f4")),
+        },
+        coords={
+            "time": np.arange(T),
+            "level": LEVELS,
+            "latitude": lat,
+            "longitude": 22.5 * np.arange(X),
+        },
+    )
+    encoding = {
+        "t": {"chunks": (1, L, Y, X)},
+        "u": {"chunks": (2, 1, 4, X)},
+        "lsm": {"chunks": (Y, X)},
+    }
+    ds.to_zarr(root, mode="w", encoding=encoding, zarr_format=zarr_format, consolidated=False)
+    return root
+
+
+@pytest.fixture(scope="module", params=[True, False], ids=["lat-descending", "lat-ascending"])
+def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(tmp_path_factory.mktemp("sel") / "s.zarr", descending=request.param)
+
+
+def _box(store: Path) -> dict[str, Any]:
+    descending = xr.open_zarr(store, consolidated=False).latitude.values[0] > 0
+    return {"latitude": slice(60, -20) if descending else slice(-20, 60)}
+
+
+def _epoch(store: Any, views: dict[str, Any], **kwargs: Any) -> list[Any]:
+    manifest = split_by_chunk(open_geometries(store)["u"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, views, batch_size=4, coords=(), **kwargs)
+    try:
+        return [
+            (dict(b.sample_indices), {k: np.array(v) for k, v in b.arrays.items()}) for b in pipe
+        ]
+    finally:
+        pipe.close()
+
+
+SELECTIONS = {
+    "levels by value": ("sel", {"level": [500, 850]}),
+    "one level drops the axis": ("sel", {"level": 500}),
+    "a latitude-longitude box": ("sel", "box"),
+    "indices and a slice": ("isel", {"level": [6, 0, 3], "longitude": slice(2, 14, 3)}),
+    "one index of two axes": ("isel", {"level": 2, "latitude": 4}),
+}
+
+
+@pytest.mark.parametrize("array", ["t", "u"], ids=["levels-whole-in-a-chunk", "levels-chunked"])
+@pytest.mark.parametrize("case", list(SELECTIONS))
+def test_a_selected_view_delivers_what_xarray_selects_from_the_same_store(
+    store: Path, array: str, case: str
+) -> None:
+    method, key = SELECTIONS[case]
+    if key == "box":
+        key = {**_box(store), "longitude": slice(45, 200)}
+    view = getattr(open_geometries(store)[array], method)(**key)
+    expected = getattr(xr.open_zarr(store, consolidated=False)[array], method)(**key).values
+    assert view.inner_shape == expected.shape[1:]
+    batches = _epoch(store, {"x": view, "y": view.shift(1)})
+    assert batches
+    for indices, arrays in batches:
+        for label in ("x", "y"):
+            np.testing.assert_array_equal(arrays[label], expected[indices[label]])
+
+
+def test_selecting_a_selection_selects_within_it(store: Path) -> None:
+    g = open_geometries(store)["t"]
+    view = g.sel(level=[1000, 700, 300, 100]).isel(level=[3, 1]).sel(longitude=[90.0, 0.0])
+    ds = xr.open_zarr(store, consolidated=False).t
+    expected = ds.sel(level=[1000, 700, 300, 100]).isel(level=[3, 1]).sel(longitude=[90.0, 0.0])
+    for indices, arrays in _epoch(store, {"x": view}):
+        np.testing.assert_array_equal(arrays["x"], expected.values[indices["x"]])
+
+
+def test_a_chunked_selection_reads_only_the_tiles_it_touches(store: Path) -> None:
+    # u: levels one per object, latitude in tiles of 4 (3 tiles); two labels of one array
+    # share its slots: levels {2, 5} x latitude tiles {0, 2} of 7 x 3 objects per chunk
+    g = open_geometries(store)["u"]
+    views = {"a": g.isel(level=2, latitude=[0, 1]), "b": g.isel(level=[5], latitude=slice(8, 10))}
+    counting = counting_store(store)
+    batches = _epoch(counting, views)
+    ds = xr.open_zarr(store, consolidated=False).u
+    for indices, arrays in batches:
+        np.testing.assert_array_equal(
+            arrays["a"], ds.isel(level=2, latitude=[0, 1]).values[indices["a"]]
+        )
+    gets = counting.chunk_counts()
+    read = sorted({tuple(int(p) for p in key.split("/")[-4:]) for key in gets})
+    chunks = T // 2
+    assert read == sorted(
+        (c, lev, lat, 0) for c in range(chunks) for lev in (2, 5) for lat in (0, 2)
+    )
+    assert all(n == 1 for n in gets.values()), "every touched object is read once"
+
+
+def test_a_selection_whole_in_a_chunk_decodes_each_object_once(store: Path) -> None:
+    counting = counting_store(store)
+    view = open_geometries(store)["t"].sel(level=[500, 850])
+    _epoch(counting, {"x": view})
+    gets = counting.chunk_counts()
+    assert len(gets) == T and all(n == 1 for n in gets.values())
+
+
+def test_a_view_cannot_be_selected_by_an_unknown_dimension_or_value(store: Path) -> None:
+    g = open_geometries(store)["t"]
+    with pytest.raises(KeyError, match="no dimension named 'height'"):
+        g.isel(height=1)
+    with pytest.raises(KeyError, match="not a value of coordinate 'level'"):
+        g.sel(level=[500, 501])
+    with pytest.raises(ValueError, match="sample axis"):
+        g.isel(time=1)
+    with pytest.raises(IndexError, match="out of range"):
+        g.isel(level=[7])
+    with pytest.raises(IndexError, match="selects nothing"):
+        g.sel(latitude=slice(_box(store)["latitude"].stop, _box(store)["latitude"].start))
+    with pytest.raises(ValueError, match="dropped"):
+        g.isel(level=1).isel(level=0)
+
+
+def test_sample_axis_and_patches_take_dimension_names(tmp_path: Path) -> None:
+    zarr = pytest.importorskip("zarr")
+    data = np.arange(6 * 5 * 4, dtype="f4").reshape(6, 5, 4)
+    arr = zarr.create_array(
+        tmp_path / "s.zarr", shape=data.shape, chunks=(6, 1, 4), dtype="f4",
+        dimension_names=("y", "z", "x"),
+    )  # fmt: skip
+    arr[...] = data
+    g = open_geometries(tmp_path / "s.zarr", sample_axis="z")[""]
+    assert g.sample_axis == 1 and g.inner_shape == (6, 4)
+    assert g.patches({"y": 3}).inner_shape == (3, 4)
+    assert g.isel(x=[0, 3]).inner_shape == (6, 2)
+
+
+def test_static_arrays_are_recognised_and_carried_by_every_batch_without_a_copy(
+    store: Path,
+) -> None:
+    geoms = open_geometries(store)
+    assert geoms["lsm"].static and not geoms["t"].static
+    assert geoms["lsm"].inner_shape == (Y, X)
+    box = _box(store)
+    views = {"x": geoms["t"].sel(level=500), "lsm": geoms["lsm"], "box": geoms["lsm"].sel(**box)}
+    manifest = split_by_chunk(geoms["u"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, views, batch_size=5)
+    ds = xr.open_zarr(store, consolidated=False)
+    try:
+        seen = 0
+        for batch in pipe:
+            n = len(batch)
+            assert batch.arrays["lsm"].shape == (n, Y, X)
+            assert batch.arrays["lsm"].strides[0] == 0, "one field broadcast, not a copy per row"
+            np.testing.assert_array_equal(
+                batch.arrays["lsm"], np.broadcast_to(ds.lsm.values, (n, Y, X))
+            )
+            np.testing.assert_array_equal(batch.arrays["box"][n - 1], ds.lsm.sel(**box).values)
+            assert "lsm" not in batch.sample_indices and "lsm" not in batch.coords
+            assert to_torch(batch)["lsm"].stride()[0] == 0
+            seen += n
+        assert seen == T
+    finally:
+        pipe.close()
+
+
+def test_a_pipeline_of_static_arrays_only_says_what_to_add(store: Path) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["u"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="static array"):
+        insitu_pipeline(store, manifest, {"lsm": geoms["lsm"]})
+
+
+def test_a_selection_works_on_zarr_v2_stores(tmp_path: Path) -> None:
+    root = _write(tmp_path / "v2.zarr", descending=True, zarr_format=2)
+    view = open_geometries(root)["u"].sel(level=[850, 100], latitude=slice(60, -20))
+    expected = xr.open_zarr(root, consolidated=False).u.sel(
+        level=[850, 100], latitude=slice(60, -20)
+    )
+    for indices, arrays in _epoch(root, {"x": view}):
+        np.testing.assert_array_equal(arrays["x"], expected.values[indices["x"]])
+
+
+def _write_layout(root: Path, chunks: tuple[int, ...], shards: tuple[int, ...] | None) -> Path:
+    zarr = pytest.importorskip("zarr")
+    rng = np.random.default_rng(11)
+    group = zarr.open_group(root, mode="w")
+    data = rng.random((T, L, Y, X), dtype="f4")
+    arr = group.create_array(
+        "u", shape=data.shape, chunks=chunks, shards=shards, dtype="f4",
+        dimension_names=("time", "level", "latitude", "longitude"),
+    )  # fmt: skip
+    arr[...] = data
+    level = group.create_array("level", shape=(L,), dtype="i8", dimension_names=("level",))
+    level[...] = LEVELS
+    return root
+
+
+@pytest.mark.parametrize(
+    ("chunks", "shards"),
+    [((4, 1, Y, X), None), ((2, 1, 5, 8), (4, 7, 10, 16)), ((2, 1, 5, 8), (4, 1, 5, 16))],
+    ids=["one-level-per-object (level-major slots)", "sharded, levels whole", "sharded by level"],
+)
+def test_a_selection_equals_zarrs_read_for_level_major_and_sharded_layouts(
+    tmp_path: Path, chunks: tuple[int, ...], shards: tuple[int, ...] | None
+) -> None:
+    root = _write_layout(tmp_path / "l.zarr", chunks, shards)
+    whole = pytest.importorskip("zarr").open_array(root / "u")[...]
+    g = open_geometries(root)["u"]
+    views = {"a": g.sel(level=[850, 100]), "b": g.isel(level=4, latitude=slice(5, 10)).shift(1)}
+    for indices, arrays in _epoch(root, views):
+        np.testing.assert_array_equal(arrays["a"], whole[indices["a"]][:, [2, 6]])
+        np.testing.assert_array_equal(arrays["b"], whole[indices["b"]][:, 4, 5:10])
+
+
+def test_a_selected_view_takes_shape_preserving_chunk_transforms_where_slots_hold_chunks(
+    store: Path,
+) -> None:
+    from insitubatch_nodes import StandardScaler, applies
+
+    g = open_geometries(store)
+    scale = applies("t", StandardScaler({"t": 1.0}, {"t": 0.5}, eps=0.0))
+    expected = (xr.open_zarr(store, consolidated=False).t.sel(level=[500]).values - 1.0) / 0.5
+    for indices, arrays in _epoch(store, {"x": g["t"].sel(level=[500])}, chunk_transforms=[scale]):
+        np.testing.assert_allclose(arrays["x"], expected[indices["x"]], rtol=1e-6)
+    scale_u = applies("u", StandardScaler({"u": 1.0}, {"u": 0.5}))
+    with pytest.raises(ValueError, match="no chunk transforms"):
+        _epoch(store, {"x": g["u"].isel(level=1)}, chunk_transforms=[scale_u])
+
+
+def test_a_persistent_cache_holds_selections_of_whole_chunks_and_refuses_held_tiles(
+    store: Path, tmp_path: Path
+) -> None:
+    g = open_geometries(store)
+    expected = xr.open_zarr(store, consolidated=False).t.isel(level=[1, 2]).values
+    for _ in range(2):  # a writer, then a reader of the same cache
+        batches = _epoch(
+            store, {"x": g["t"].isel(level=[1, 2])}, cache_dir=tmp_path / "c", persist=True
+        )
+        for indices, arrays in batches:
+            np.testing.assert_array_equal(arrays["x"], expected[indices["x"]])
+    with pytest.raises(ValueError, match="persistent cache"):
+        _epoch(store, {"x": g["u"].isel(level=1)}, cache_dir=tmp_path / "d", persist=True)
+
+
+def test_a_selected_view_pickles_with_its_coordinate_reader(store: Path) -> None:
+    import pickle
+
+    view = open_geometries(store)["t"].sel(level=[500, 850])
+    back = pickle.loads(pickle.dumps(view))
+    assert back == view and back.inner_shape == (2, Y, X)
+    assert back.sel(level=500).inner_shape == (Y, X)
+
+
+def test_a_patched_view_cannot_be_selected_nor_a_selected_one_patched(store: Path) -> None:
+    g = open_geometries(store)["t"]
+    with pytest.raises(ValueError, match="select"):
+        g.patches({"latitude": 4}).isel(level=1)
+    with pytest.raises(ValueError, match="patch"):
+        g.isel(level=1).patches({"latitude": 4})
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [
+        ((1, 4, 2), None, (3, 0, 5, 6)),  # two uneven lists: the np.ix_ gather
+        ((5, 0, 2), 3, None),  # one uneven list and a dropped axis: a copy per entry
+        ((0, 2, 4), (7, 8), 1),  # evenly spaced lists: slices
+    ],
+    ids=["two-lists", "one-list", "slices"],
+)
+def test_the_gather_of_a_selection_equals_numpy_for_rows_in_any_order(
+    keys: tuple[object, ...],
+) -> None:
+    from insitubatch_nodes.io.geometry import ArrayGeometry
+    from insitubatch_nodes.io.selection import Selection
+    from insitubatch_nodes.stages._select import SelectedGather
+
+    shape, spc = (40, 6, 9, 7), 4
+    data = np.random.default_rng(5).random(shape).astype("f4")
+    view = ArrayGeometry("a", shape, (spc, 6, 9, 7), np.float32, None, select=Selection(keys))
+    slots = {("a", c): data[c * spc : (c + 1) * spc] for c in range(10)}
+    samples = np.array([13, 4, 5, 6, 15, 12, 39, 0, 37])  # runs in and out of sample order
+    out = np.empty((len(samples), *view.inner_shape), "f4")
+    assert SelectedGather(view, None)(out, samples, slots) == len(samples)
+    expected = data[samples]
+    for axis in reversed(range(3)):
+        key = keys[axis]
+        if key is not None:
+            expected = np.take(expected, key if isinstance(key, int) else list(key), axis=axis + 1)
+    np.testing.assert_array_equal(out, expected)

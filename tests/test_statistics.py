@@ -1,0 +1,117 @@
+"""fit_statistics: per-channel statistics over a split, against numpy in float64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.statistics import Statistics, fit_statistics
+
+T, L, Y, X = 40, 3, 6, 8
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stats") / "s.zarr"
+    group = zarr.open_group(root, mode="w")
+    rng = np.random.default_rng(3)
+    t = (rng.standard_normal((T, L, Y, X)) * [[[[1.0]], [[10.0]], [[100.0]]]] + 250).astype("f4")
+    t[5, 1, 2, 3] = np.nan
+    t[17, 0, :, :] = np.nan
+    t2 = (rng.standard_normal((T, Y, X)) + 280).astype("f4")
+    for name, data, chunks, dims in (
+        ("t", t, (4, 1, Y, 4), ("time", "level", "lat", "lon")),
+        ("t2", t2, (4, Y, X), ("time", "lat", "lon")),
+        ("lsm", rng.random((Y, X)).astype("f4"), (Y, X), ("lat", "lon")),
+    ):
+        arr = group.create_array(name, shape=data.shape, chunks=chunks, dtype="f4",
+                                 dimension_names=dims, fill_value=np.nan)  # fmt: skip
+        arr[...] = data
+    level = group.create_array("level", shape=(L,), dtype="i4", dimension_names=("level",))
+    level[...] = [850, 500, 250]
+    return root
+
+
+def _oracle(data: np.ndarray, samples: np.ndarray, channel_axes: int) -> dict[str, np.ndarray]:
+    x = data[samples].astype(np.float64)
+    axes = (0, *range(1 + channel_axes, x.ndim))
+    pairs = samples[:-1][np.diff(samples) == 1]
+    d = data[pairs + 1].astype(np.float64) - data[pairs].astype(np.float64)
+    return {
+        "mean": np.nanmean(x, axis=axes),
+        "std": np.nanstd(x, axis=axes),
+        "min": np.nanmin(x, axis=axes),
+        "max": np.nanmax(x, axis=axes),
+        "diff_std": np.nanstd(d, axis=axes),
+        "nan_count": np.isnan(x).sum(axis=axes),
+    }
+
+
+def test_statistics_equal_numpy_in_float64_over_the_split_with_nans_skipped_and_counted(
+    store: Path,
+) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (0.6, 0.2, 0.2), contiguous=False, seed=1)
+    views = {"t": geoms["t"], "t2": geoms["t2"], "t_hi": geoms["t"].sel(level=[250, 850])}
+    stats = fit_statistics(store, manifest, views, split="train", batch_size=5)
+    samples = manifest.samples("train")
+    assert np.any(np.diff(samples) != 1), "the split is not one run: differences skip its gaps"
+    t, t2 = zarr.open_array(store / "t")[...], zarr.open_array(store / "t2")[...]
+    for label, data, channel_axes in (("t", t, 1), ("t2", t2, 0), ("t_hi", t[:, [2, 0]], 1)):
+        want = _oracle(data, samples, channel_axes)
+        for name, expected in want.items():
+            got = getattr(stats, name)[label]
+            assert got.shape == expected.shape, (label, name)
+            np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=f"{label} {name}")
+    assert stats.nan_count["t"].tolist() == [Y * X * (17 in samples), 1 * (5 in samples), 0]
+
+
+def test_statistics_of_a_static_field_are_of_the_field_and_have_no_differences(
+    store: Path,
+) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (0.5, 0.5, 0.0))
+    stats = fit_statistics(store, manifest, {"t2": geoms["t2"], "lsm": geoms["lsm"]})
+    lsm = zarr.open_array(store / "lsm")[...].astype(np.float64)
+    np.testing.assert_allclose(stats.mean["lsm"], lsm.mean(), rtol=1e-6)
+    np.testing.assert_allclose(stats.std["lsm"], lsm.std(), rtol=1e-6)
+    assert np.isnan(stats.diff_std["lsm"])
+
+
+def test_statistics_saved_as_json_load_equal_and_check_their_dataset(
+    store: Path, tmp_path: Path
+) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (0.5, 0.5, 0.0))
+    stats = fit_statistics(store, manifest, ["t", "t2"])
+    stats.save(tmp_path / "stats.json")
+    back = Statistics.load(tmp_path / "stats.json", dataset=stats.dataset)
+    for name in ("mean", "std", "min", "max", "diff_std", "count", "nan_count"):
+        for label in ("t", "t2"):
+            np.testing.assert_array_equal(getattr(back, name)[label], getattr(stats, name)[label])
+    other = fit_statistics(store, manifest, ["t2"], split="val")
+    with pytest.raises(ValueError, match="another dataset"):
+        Statistics.load(tmp_path / "stats.json", dataset=other.dataset)
+
+
+def test_fitted_statistics_normalise_batches_to_zero_mean_and_unit_std(store: Path) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (1.0, 0.0, 0.0))
+    views = {"t": geoms["t"], "t2": geoms["t2"]}
+    stats = fit_statistics(store, manifest, views)
+    for transform in ("batch", "chunk"):
+        kwargs: dict = (
+            {"batch_transforms": [stats.normalizer(views)]}
+            if transform == "batch"
+            else {"chunk_transforms": [stats.scaler()]}
+        )
+        pipe = insitu_pipeline(store, manifest, views, batch_size=T, shuffle=False, **kwargs)
+        batch = next(iter(pipe))
+        pipe.close()
+        t = batch.arrays["t"].astype(np.float64)
+        np.testing.assert_allclose(np.nanmean(t, axis=(0, 2, 3)), 0.0, atol=1e-4)
+        np.testing.assert_allclose(np.nanstd(t, axis=(0, 2, 3)), 1.0, rtol=1e-4)
