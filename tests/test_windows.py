@@ -245,6 +245,25 @@ def test_single_use_steps_decode_straight_into_their_row_and_step_with_no_other_
     assert stats["batch_buffer_bytes"] <= 1.1 * allocations[-1] * batch_bytes
 
 
+def test_rows_gathered_into_a_windows_step_take_no_temporary_copy() -> None:
+    import tracemalloc
+
+    from insitubatch_nodes.stages.gather import take_rows
+
+    batch = np.zeros((8, 3, 64, 64), np.float32)  # (batch, T, *inner): step 1 is strided
+    slot = np.random.default_rng(0).standard_normal((8, 64, 64)).astype(np.float32)
+    rows = np.array([0, 1, 3, 6])  # not evenly spaced: no slice copy
+    tracemalloc.start()
+    try:
+        take_rows(slot, rows, batch[:4, 1])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    np.testing.assert_array_equal(batch[:4, 1], slot[rows])
+    assert not batch[:4, 0].any() and not batch[:4, 2].any()
+    assert peak < slot[0].nbytes  # not even one row's worth (np.take would buffer all four)
+
+
 def _records(batches: list[Any]) -> list[tuple[Any, ...]]:
     return [
         (b.epoch, b.index, *(b.sample_indices[k].tolist() for k in sorted(b.arrays)),

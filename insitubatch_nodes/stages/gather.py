@@ -115,9 +115,15 @@ def take_rows(slot: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
     ``np.take`` copies a non-contiguous source whole before it gathers, so a level-major slot
     (see :mod:`insitubatch_nodes.pool`) is gathered from its memory instead: seen as rows
     ``(level, sample)``, every sample's level is one contiguous run, and row ``r`` of ``out``
-    is the runs ``level * spc + rows[r]`` for every level, in order.
+    is the runs ``level * spc + rows[r]`` for every level, in order. A strided ``out`` (a
+    window's step in its batch buffer) is filled row by row, with no temporary.
     """
-    if is_level_major(slot) and out.flags.c_contiguous:
+    if not out.flags.c_contiguous:
+        # a window's step (``buffer[:, t]``): np.take would gather through a temporary as
+        # large as ``out`` and copy that; row by row, each row goes straight into the batch
+        for i, w in enumerate(rows.tolist()):
+            out[i] = slot[w]
+    elif is_level_major(slot):
         spc, levels = slot.shape[0], slot.shape[1]
         memory = slot.swapaxes(0, 1).reshape(levels * spc, -1)  # a view: it is C-contiguous
         index = (rows[:, None] + spc * np.arange(levels)).ravel()
