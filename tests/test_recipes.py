@@ -209,3 +209,33 @@ def test_the_forecast_inputs_recipe_selects_levels_carries_static_fields_and_for
     assert "the first batch matched zarr's own read of the 13 levels" in proc.stdout, _explain(proc)
     # 2 x 13 levels + 2m temperature + the land-sea mask + 6 forcings; 27 targets
     assert "inputs (8, 34, 8, 16) targets (8, 27, 8, 16)" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_rollout_recipe_grows_its_target_window_and_a_resumed_run_matches_one_never_stopped(
+    tmp_path: Path,
+) -> None:
+    common = [
+        "--days", "8", "--n-lat", "8", "--n-lon", "16", "--n-level", "5",
+        "--rollout-schedule", "1:0", "2:1", "3:2", "--path", str(tmp_path / "arco.zarr"),
+    ]  # fmt: skip
+
+    def losses(proc: subprocess.CompletedProcess[str]) -> list[str]:
+        assert proc.returncode == 0, _explain(proc)
+        return [line for line in proc.stdout.splitlines() if "val loss" in line]
+
+    whole = _run_recipe(
+        "forecast_rollout.py", *common, "--max-epochs", "3", "--ckpt-dir", "whole", cwd=tmp_path
+    )
+    assert "epoch 1 trains on 2 target steps" in whole.stdout, _explain(whole)
+    assert "epoch 2 trains on 3 target steps" in whole.stdout, _explain(whole)
+    first = _run_recipe(
+        "forecast_rollout.py", *common, "--max-epochs", "2", "--ckpt-dir", "cut", cwd=tmp_path
+    )
+    rest = _run_recipe(
+        "forecast_rollout.py", *common, "--max-epochs", "3", "--ckpt-dir", "cut", "--resume",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert len(losses(whole)) == 3, _explain(whole)
+    # the resumed run trains epoch 2 on the grown window, batch for batch as the whole run did
+    assert losses(first) + losses(rest) == losses(whole), _explain(rest)
