@@ -268,7 +268,7 @@ def fit_statistics(
         pipe = insitu_pipeline(
             zstore,
             manifest,
-            {**sampled, **static},
+            sampled,
             split=split,
             batch_size=batch_size,
             shuffle=False,
