@@ -10,9 +10,10 @@ A static view's statistics are its field's (no differences).
 
 One pass: the pipeline's own engine reads every chunk of the split once, in sample order (no
 shuffle; a chunk never read twice), with the views' selections; each batch is accumulated in
-float64 (batch means and sums of squared deviations merged as Chan et al.; ``std`` with
-``ddof=0``). NaNs are skipped and counted (``nan_count``); a channel with no finite value has
-NaN statistics.
+float64: its deviations from a per-channel reference near the mean (the running mean) are
+summed and squared in float64, and batches are merged as Chan et al.'s pairwise update
+(``std`` with ``ddof=0``); one-step differences are taken in float64. NaNs are skipped and
+counted (``nan_count``); a channel with no finite value has NaN statistics.
 
 :meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
 were fitted on (``dataset``: the store, the split, its sample range, the views), which
@@ -185,15 +186,26 @@ class _Moments:
         self.n, self.mean, self.m2, self.lo, self.hi, self.nans = (empty,) * 6
 
     def add(self, x: np.ndarray) -> None:
-        """``x``: ``(channels, values)`` float64."""
-        finite = ~np.isnan(x)
-        n = finite.sum(axis=1).astype(np.float64)
-        nans = x.shape[1] - n
-        safe = np.maximum(n, 1)
-        mean = np.where(finite, x, 0.0).sum(axis=1) / safe
-        m2 = (np.where(finite, x - mean[:, None], 0.0) ** 2).sum(axis=1)
-        lo = np.where(finite, x, np.inf).min(axis=1, initial=np.inf)
-        hi = np.where(finite, x, -np.inf).max(axis=1, initial=-np.inf)
+        """``x``: ``(rows, channels, values)``, any float or integer dtype."""
+        if x.size == 0:
+            return
+        if x.dtype.kind != "f" or x.dtype.itemsize < 4:
+            x = x.astype(np.float64)
+        lo, hi = x.min(axis=(0, 2)), x.max(axis=(0, 2))  # a NaN anywhere shows in both
+        if np.isnan(lo).any():
+            n, mean, m2, lo, hi, nans = _masked_moments(x)
+        else:
+            # deviations from a per-channel reference near the mean (the running mean, else
+            # the batch's first value) in the data's own dtype, summed and squared in float64:
+            # the reference keeps the squares' cancellation small (module docstring)
+            ref = (self.mean if self.started else x[0, :, 0]).astype(x.dtype)
+            d = x - ref[None, :, None]
+            n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
+            mean_d = d.sum(axis=(0, 2), dtype=np.float64) / n
+            m2 = np.maximum(np.einsum("rcv,rcv->c", d, d, dtype=np.float64) - n * mean_d**2, 0.0)
+            mean = ref.astype(np.float64) + mean_d
+            lo, hi = lo.astype(np.float64), hi.astype(np.float64)
+            nans = np.zeros_like(n)
         if not self.started:
             self.started = True
             self.n, self.mean, self.m2, self.lo, self.hi, self.nans = n, mean, m2, lo, hi, nans
@@ -227,16 +239,31 @@ class _Moments:
         return {k: v.reshape(channels) for k, v in out.items()}
 
 
+def _masked_moments(x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """``(count, mean, m2, min, max, nans)`` per channel of ``x`` with NaNs, skipping them."""
+    x64 = x.astype(np.float64)
+    nan = np.isnan(x64)
+    n = (~nan).sum(axis=(0, 2)).astype(np.float64)
+    x64[nan] = 0.0
+    mean = x64.sum(axis=(0, 2)) / np.maximum(n, 1)
+    x64 -= mean[None, :, None]
+    x64[nan] = 0.0
+    m2 = np.einsum("rcv,rcv->c", x64, x64)
+    x64 += mean[None, :, None]
+    x64[nan] = np.inf
+    lo = x64.min(axis=(0, 2))
+    x64[nan] = -np.inf
+    hi = x64.max(axis=(0, 2))
+    return n, mean, m2, lo, hi, nan.sum(axis=(0, 2)).astype(np.float64)
+
+
 def _channels(inner: tuple[int, ...]) -> tuple[int, ...]:
     return inner[: max(0, len(inner) - 2)]
 
 
 def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
-    """``(n, *channels, *grid)`` -> ``(prod(channels), n * prod(grid))`` float64."""
-    n = x.shape[0]
-    c = math.prod(channels)
-    y = x.reshape(n, c, -1).astype(np.float64)
-    return y.transpose(1, 0, 2).reshape(c, -1)
+    """``(n, *channels, *grid)`` -> ``(n, prod(channels), prod(grid))`` (a view when it can)."""
+    return x.reshape(x.shape[0], math.prod(channels), -1)
 
 
 def fit_statistics(
@@ -268,7 +295,7 @@ def fit_statistics(
         pipe = insitu_pipeline(
             zstore,
             manifest,
-            {**sampled, **static},
+            sampled,
             split=split,
             batch_size=batch_size,
             shuffle=False,
@@ -328,13 +355,16 @@ def _accumulate(
     idx = np.asarray(batch.sample_indices[label])
     channels = _channels(view.inner_shape)
     moments.add(_as_channels(x, channels))
-    # one-step differences between consecutive samples, across the batch edge too
-    rows = np.concatenate([[last[label][0]], idx]) if label in last else idx
-    prev = np.concatenate([last[label][1][None], x]) if label in last else x
-    step = np.flatnonzero(np.diff(rows) == 1)
-    if len(step):
-        d = prev[step + 1].astype(np.float64) - prev[step].astype(np.float64)
-        diffs.add(_as_channels(d, channels))
+    # one-step differences between consecutive samples (in float64), across the batch edge too
+    if label in last and len(idx) and idx[0] == last[label][0] + 1:
+        edge = np.subtract(x[:1], last[label][1][None], dtype=np.float64)
+        diffs.add(_as_channels(edge, channels))
+    step = np.diff(idx) == 1
+    if step.all() and len(idx) > 1:
+        diffs.add(_as_channels(np.subtract(x[1:], x[:-1], dtype=np.float64), channels))
+    elif step.any():
+        at = np.flatnonzero(step)
+        diffs.add(_as_channels(np.subtract(x[at + 1], x[at], dtype=np.float64), channels))
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]))
 
