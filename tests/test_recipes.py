@@ -183,9 +183,10 @@ def test_the_time_features_recipe_runs_in_a_360_day_calendar_with_a_window_to_fe
 def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_into_batches(
     tmp_path: Path,
 ) -> None:
+    # a budget short of the 5 MiB split (and over its floor): rows go straight into batches
     proc = _run_recipe(
-        "archive_forecast.py", "--n-time", "64", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
-        cwd=tmp_path,
+        "archive_forecast.py", "--n-time", "256", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        "--budget-mib", "2", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
     assert "13 arrays, one time step per chunk: 13 stored objects" in proc.stdout, _explain(proc)
@@ -194,3 +195,18 @@ def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_int
     # only the target array (two views) used slots: one 8 x 16 float32 field per chunk
     peaks = [line for line in proc.stdout.splitlines() if line.startswith("  pool peak ")]
     assert len(peaks) == 2 and all("2m_temperature" in p for p in peaks), _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_archive_recipe_keeps_a_split_that_fits_the_automatic_budget_and_reads_it_once(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "archive_forecast.py", "--n-time", "64", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "every first batch matched zarr's own read" in proc.stdout, _explain(proc)
+    kept = [line for line in proc.stdout.splitlines() if "the split is kept in the pool" in line]
+    assert len(kept) == 2 and kept[1].endswith("this epoch made 0 GETs"), _explain(proc)
+    assert not kept[0].endswith(" 0 GETs"), _explain(proc)

@@ -44,6 +44,7 @@ __all__ = [
     "ScheduleFloors",
     "block_batches",
     "choose_schedule",
+    "kept_bytes",
     "schedule_floors",
     "slot_geometries",
     "working_set_bytes",
@@ -519,6 +520,28 @@ def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tu
     per_block = np.bincount(blocks, weights=got, minlength=max(1, plan.n_blocks))
     read_ahead = int(per_block.max(initial=0))
     return peak + read_ahead, read_ahead
+
+
+def kept_bytes(
+    plan: EpochPlan, geoms: Mapping[str, ArrayGeometry], budget_bytes: int | None
+) -> int | None:
+    """The slot bytes of every chunk ``plan`` reads when the pool keeps them all for the next
+    epoch, else ``None``: they are kept when they fit ``budget_bytes`` — for the automatic
+    budget (``None``), a quarter of RAM, the most an automatic budget takes
+    (:func:`choose_schedule`). ``geoms`` is what one slot of each array holds
+    (:func:`slot_geometries`).
+
+    This decides the archive case (one sample per chunk, see
+    :mod:`~insitubatch_nodes.stages._direct`): a chunk read by one row is decoded straight into
+    that row when its epoch is not kept, and into a slot of the pool, where the next epoch
+    finds it (no GET, no decode), when it is. An automatic budget then grows to hold it.
+    """
+    reads = sum(
+        len(sorted_unique(ledger.chunk)) * sum(geoms[p].chunk_nbytes for p in ledger.paths)
+        for ledger in plan.ledgers
+    )
+    cap = _auto_cap_bytes() if budget_bytes is None else budget_bytes
+    return reads if reads <= cap else None
 
 
 def _auto_cap_bytes() -> int:

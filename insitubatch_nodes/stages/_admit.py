@@ -29,7 +29,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan
-from insitubatch_nodes.plan.schedule import working_set_bytes
+from insitubatch_nodes.plan.schedule import kept_bytes, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import ChunkEntry
@@ -47,7 +47,14 @@ from insitubatch_nodes.stages._jobs import (
 from insitubatch_nodes.stages.buffers import BatchBuffers
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["Admission", "FetchHistory", "FetchSetup", "plan_groups", "reserve_specs"]
+__all__ = [
+    "Admission",
+    "FetchHistory",
+    "FetchSetup",
+    "epoch_floor",
+    "plan_groups",
+    "reserve_specs",
+]
 
 SlotSpec = tuple[tuple[int, ...], np.dtype[Any], bool]  # (shape, dtype, level_major)
 
@@ -103,6 +110,17 @@ def plan_groups(setup: FetchSetup, plan: EpochPlan) -> list[PlanGroup]:
         row = 0 if in_place is None else sum(setup.geoms[p].sample_nbytes for p in ledger.paths)
         out.append(PlanGroup(tuple(ledger.paths), nbytes, in_place, row))
     return out
+
+
+def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
+    """:func:`~insitubatch_nodes.plan.schedule.working_set_bytes` of ``plan``, whose floor an
+    automatic budget grows to; at one sample per chunk, when the schedule keeps the epoch's
+    chunks for the next one (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor
+    is all of them."""
+    floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
+    if setup.pool.auto and setup.direct is None and plan.samples_per_chunk == 1:
+        floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
+    return floor, read_ahead
 
 
 def reserve_specs(setup: FetchSetup, plan: EpochPlan, limit_bytes: int) -> list[SlotSpec]:
@@ -292,7 +310,7 @@ class Admission:
                 return
 
     def _start_epoch(self, plan: EpochPlan) -> None:
-        floor, read_ahead = working_set_bytes(plan, self.setup.slot_geoms)
+        floor, read_ahead = epoch_floor(self.setup, plan)
         self.setup.pool.ensure_floor(floor)  # an automatic budget grows; an explicit one may raise
         self.epoch_plan, self.read_ahead = plan, read_ahead
         self.groups = plan_groups(self.setup, plan)
