@@ -4,6 +4,7 @@ forked by ``tests/forkserver.py``, which runs the script as ``__main__`` as ``py
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -210,3 +211,20 @@ def test_the_archive_recipe_keeps_a_split_that_fits_the_automatic_budget_and_rea
     kept = [line for line in proc.stdout.splitlines() if "the split is kept in the pool" in line]
     assert len(kept) == 2 and kept[1].endswith("this epoch made 0 GETs"), _explain(proc)
     assert not kept[0].endswith(" 0 GETs"), _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_trace_recipe_writes_an_epoch_trace_and_a_profile_with_the_loaders_ranges(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "traces"
+    proc = _run_recipe(
+        "trace_epoch.py", "--n-time", "256", "--steps", "4", "--out", str(out), cwd=tmp_path
+    )
+    assert proc.returncode == 0, _explain(proc)
+    epoch = json.loads((out / "epoch0.trace.json").read_text())
+    names = {e["name"] for e in epoch["traceEvents"]}
+    assert {"read", "decode", "fill run", "admit", "wait for chunks", "gather", "next"} <= names
+    profile = json.loads((out / "profile.trace.json").read_text())
+    ranges = {e.get("name") for e in profile["traceEvents"]}
+    assert {"insitu.next", "insitu.gather", "insitu.fill_run"} <= ranges, _explain(proc)

@@ -367,7 +367,7 @@ class Admission:
     ) -> None:
         """A job that decodes ``rows_in_place`` (per group: chunks, their rows, their views'
         offsets) straight into batch arrays taken from the batch buffers."""
-        job = pending.job = FillJob(_runtime.next_ticket(), self.generation)
+        job = pending.job = FillJob(_runtime.next_ticket(), self.generation, plan.index)
         arrays = pending.arrays = self.setup.buffers.take(len(plan))
         for group, chunks, rows, offsets in rows_in_place:
             assert group.in_place is not None
@@ -392,7 +392,7 @@ class Admission:
         """Pin the plan's first reads in order and start their fill; False when the pool has no
         room for all of them yet."""
         setup = self.setup
-        job = pending.job or FillJob(_runtime.next_ticket(), self.generation)
+        job = pending.job or FillJob(_runtime.next_ticket(), self.generation, pending.plan.index)
         pending.job = None
         todo = pending.requests[pending.admitted :]
         got = setup.pool.acquire_many(todo, job.fill) if todo else []

@@ -128,6 +128,7 @@ class StageContext:
                 max_inflight=options.max_inflight,
                 decode_threads=len(_runtime.decode_pool(options.decode_threads).threads),
                 split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
+                trace=options.trace,
             )
         return cls(
             plan=plan,

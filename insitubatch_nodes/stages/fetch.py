@@ -78,6 +78,7 @@ from insitubatch_nodes.stages._fill import FillRunner
 from insitubatch_nodes.stages._get import GetQueue, cancel_all_at_exit
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, SlotLayout
+from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["AsyncChunkFetchNode"]
@@ -238,16 +239,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def next(self) -> FetchedBatch:
         _process.check_same_process(self._pid)
         started = time.perf_counter()
+        index = -1
         try:
             admission = self._admission or self._start_admission()  # (after a close: go on)
-            got = admission.next_batch()
+            with profile_range("insitu.admit"):
+                got = admission.next_batch()
             if got is None:
                 raise StopIteration
             batch, self._last_state = got
+            index = batch.plan.index
             return batch
         finally:
             rec = self.recorder
-            rec.add("admit_s", time.perf_counter() - started)
+            rec.add("admit_s", time.perf_counter() - started, start=started, batch=index)
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
