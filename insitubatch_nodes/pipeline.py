@@ -161,7 +161,7 @@ def insitu_pipeline(
     once, when it is made; the stages, the schedule and the pool trust it.
 
     ``cache_budget_bytes=None`` sizes the pool to each epoch's working set (each chunk read once
-    per epoch) — at one sample per chunk, to the whole split when it fits in a quarter of RAM,
+    per epoch) — at one sample per chunk, to the whole split when it fits in 1/16 of RAM,
     so that later epochs read nothing (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`); a
     larger budget keeps drained chunks for later epochs; one too small for some epoch raises
     ``ValueError`` here, stating the floor (see :func:`choose_schedule`).

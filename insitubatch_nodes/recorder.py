@@ -322,6 +322,7 @@ class EpochRecorder:
             "totals0": totals,
             "evictions0": int(self.pool.stats.evictions),
             "cpu0": time.process_time(),
+            "usage0": _usage(),
         }
 
     def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
@@ -357,6 +358,8 @@ class EpochRecorder:
             run_s=d["run_s"],
             local_read_s=d["local_read_s"],
             cpu_s=time.process_time() - ep["cpu0"],
+            sys_s=_usage()[0] - ep["usage0"][0],
+            page_faults=_usage()[1] - ep["usage0"][1],
             inflight_mean=(inflight[0] - ep["inflight0"][0] + d["local_read_s"]) / wall,
             inflight_peak=max(peaks[0], self.decode_threads if d["local_read_s"] else 0),
             decode_depth_mean=d["decode_queued_s"] / wall,
@@ -393,6 +396,16 @@ class EpochRecorder:
 
 # the producer thread's seconds each span name stands for
 _SPAN_OF = {"admit_s": "admit", "chunk_wait_s": "wait for chunks", "gather_s": "gather"}
+
+
+def _usage() -> tuple[float, int]:
+    """(system CPU seconds, minor page faults) of this process so far."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return 0.0, 0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_stime, usage.ru_minflt
 
 
 def _cores() -> int:

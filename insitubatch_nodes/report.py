@@ -72,6 +72,8 @@ from typing import Any, Literal
 __all__ = [
     "CONSUMER_WAIT_FRACTION",
     "DECODE_BUSY_FRACTION",
+    "FAULT_MIN_BYTES",
+    "FAULT_SYS_FRACTION",
     "OBJECT_ARGS",
     "SPAN_CATEGORIES",
     "STAGES",
@@ -80,6 +82,7 @@ __all__ = [
     "Span",
     "Stage",
     "limiting_stage",
+    "memory_bound",
     "suggestion_for",
 ]
 
@@ -206,6 +209,8 @@ class EpochReport:
     run_s: float = 0.0  # decode threads in runs of fill jobs (reads, decodes, bookkeeping)
     local_read_s: float = 0.0  # the part of get_s read on the decode threads (a local store)
     cpu_s: float = 0.0  # CPU time of the whole process over the epoch
+    sys_s: float = 0.0  # the part of it in the kernel (page faults: clearing fresh pages)
+    page_faults: int = 0  # minor page faults of the process over the epoch (first touches)
     # levels: time-weighted mean and peak
     inflight_mean: float = 0.0
     inflight_peak: int = 0
@@ -362,7 +367,8 @@ class EpochReport:
             ),
             f"  producer  waited {self.chunk_wait_s:.2f} s for chunks; gather "
             f"{1000 * self.gather_s / n:.1f} ms/batch; admission {1000 * self.admit_s / n:.1f} "
-            f"ms/batch; process CPU {self.cpu_s:.2f} s",
+            f"ms/batch; process CPU {self.cpu_s:.2f} s ({self.sys_s:.2f} s in the kernel, "
+            f"{self.page_faults:,} page faults)",
             f"  pool      resident mean {_size(self.resident_mean_bytes)}, peak "
             f"{_size(self.resident_peak_bytes)} (budget {_size(self.budget_bytes)}); "
             f"{self.hits:,} hits, {self.misses:,} misses ({self.re_reads:,} re-reads), "
@@ -417,6 +423,21 @@ def limiting_stage(r: EpochReport) -> Stage:
     return "store"
 
 
+_PAGE = 4096
+#: Memory faulting is named when the kernel took at least this share of the wall time...
+FAULT_SYS_FRACTION = 0.25
+#: ...and the page faults touched at least this many bytes (4 KiB pages).
+FAULT_MIN_BYTES = 256 * 2**20
+
+
+def memory_bound(r: EpochReport) -> bool:
+    """Whether the epoch waited on fresh memory being faulted in: the process's kernel time
+    is at least :data:`FAULT_SYS_FRACTION` of the wall time and its page faults touched at
+    least :data:`FAULT_MIN_BYTES` (what a fresh process's first epoch through a large pool
+    does; the kernel clears every new page)."""
+    return r.sys_s >= FAULT_SYS_FRACTION * r.wall_s and r.page_faults * _PAGE >= FAULT_MIN_BYTES
+
+
 def _ram_bytes() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -427,6 +448,8 @@ def _ram_bytes() -> int:
 def suggestion_for(r: EpochReport) -> str:
     """One suggestion computed from the report's numbers, or ``""`` when none applies.
 
+    * not consumer-limited, and memory faulting took the epoch (:func:`memory_bound`): it says
+      so, with the kernel seconds and the fresh memory touched;
     * store- or decode-limited with re-reads, and the bytes of every chunk the epoch read fit
       under half the RAM and above the budget: ``cache_budget_bytes`` of that size (the
       re-reads become hits);
@@ -442,6 +465,14 @@ def suggestion_for(r: EpochReport) -> str:
       the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob.
     """
     stage = r.limiting
+    if stage != "consumer" and memory_bound(r):
+        return (
+            f"the process spent {r.sys_s:.2f} s of the epoch's {r.wall_s:.2f} s in the kernel "
+            f"and took {r.page_faults:,} page faults (~{_size(r.page_faults * _PAGE)} of fresh "
+            "memory touched): this epoch waited on memory being faulted in, not on the store "
+            "or the codec; later epochs reuse that memory. A budget near the working set "
+            "(the floor cache_budget_bytes errors state) touches less of it"
+        )
     if stage in ("store", "decode") and r.re_reads and r.split_bytes:
         ram = _ram_bytes()
         if r.split_bytes > r.budget_bytes and (not ram or r.split_bytes <= ram * _BUDGET_RAM_SHARE):

@@ -8,7 +8,7 @@ small convolutional forecaster of ``2m_temperature`` at ``t + 1`` from every arr
 
 * every array is one label (``{name: geometry}``): at one sample per chunk the fetch stage
   decodes each stored object straight into its row of the batch — the pool holds none of them —
-  unless the split fits the budget (the automatic one: a quarter of RAM): then it is decoded
+  unless the split fits the budget (the automatic one: 1/16 of RAM): then it is decoded
   once into the pool and later epochs read nothing (``--budget-mib`` smaller than the split
   shows the straight path);
 * the target is a shifted view of one of those arrays (``t2m.shift(1)``): that array's chunks are

@@ -345,15 +345,15 @@ def test_a_split_that_fits_the_budget_is_decoded_once_and_later_epochs_read_noth
     pipe.close()
 
 
-def test_an_automatic_budget_decodes_rows_in_place_when_the_split_exceeds_a_quarter_of_ram(
+def test_an_automatic_budget_decodes_rows_in_place_when_the_split_exceeds_a_16th_of_ram(
     archive: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from insitubatch_nodes.plan import schedule
 
     labels = _labels(archive)
     manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
-    # a machine whose quarter of RAM is a third of the split
-    monkeypatch.setattr(schedule, "_auto_cap_bytes", lambda: _short_of_split(labels, N_TRAIN))
+    # a machine whose 16th of RAM is one sample short of the split
+    monkeypatch.setattr(schedule, "_auto_keep_bytes", lambda: _short_of_split(labels, N_TRAIN))
     pipe = insitu_pipeline(archive, manifest, labels, batch_size=8, block_chunks=4, coords=())
     want = expected_anchors(manifest, "train", [0])
     for _ in range(2):  # every epoch reads and decodes each object into its row again

@@ -31,7 +31,7 @@ def direct_allowed(
     ``direct`` does not forbid it, no persistent cache wants the chunks kept, and either
     ``direct=True`` or the schedule does not keep the epoch's chunks for the next one
     (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`: they do not fit the budget, or a
-    quarter of RAM for the automatic one)."""
+    sixteenth of RAM for the automatic one)."""
     if buffers is None or direct is False:
         return False
     cache = pool.cache

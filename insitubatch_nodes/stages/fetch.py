@@ -19,8 +19,8 @@ source ahead of the consumer. It is three parts, each in its own module:
 row. When the plan says a chunk is read by exactly one row of one label this epoch (a plan
 group of one sample per chunk, every array read by one label, no chunk transforms, no
 persistent cache) and the schedule does not keep the epoch's chunks for the next epoch
-(:func:`~insitubatch_nodes.plan.schedule.kept_bytes`: they do not fit the budget, or a quarter of
-RAM for the automatic one), its objects are decoded into that row of
+(:func:`~insitubatch_nodes.plan.schedule.kept_bytes`: they do not fit the budget, or 1/16 of RAM
+for the automatic one), its objects are decoded into that row of
 the batch's own arrays — no slot, no pin, no copy by the gather. The arrays come from the
 context's batch buffers (:class:`~insitubatch_nodes.stages.buffers.BatchBuffers`), which the
 gather stage above fills with the other rows. ``FetchOptions(direct=False)`` turns this off (a
