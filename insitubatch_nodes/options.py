@@ -4,8 +4,8 @@ Beside :class:`~insitubatch_nodes.plan.config.PlanConfig` (what a read plan draw
 other two groups of settings a pipeline is built from:
 
 * :class:`FetchOptions`: how stored objects are read and decoded (``max_inflight``,
-  ``decode_threads``, ``retry``, ``on_bad_chunk``, ``report``, ``direct``) and how far the
-  prefetch stage looks ahead (``prefetch_depth``);
+  ``decode_threads``, ``retry``, ``on_bad_chunk``, ``report``, ``direct``, ``trace``) and how
+  far the prefetch stage looks ahead (``prefetch_depth``);
 * :class:`CacheOptions`: where decoded chunks live (``budget_bytes``, ``backing``) and the
   chunk cache on local disk (``cache_dir``, ``persist``, ``readonly``, ``reset_stale``,
   ``verify``, ``check_store``).
@@ -56,7 +56,9 @@ class FetchOptions:
     * ``direct`` (``None``: decided from the budget): decode chunks read by one row straight
       into the batch (``True``/``False`` force it);
     * ``prefetch_depth`` (2): finished batches the prefetch stage keeps ready, a positive
-      integer.
+      integer;
+    * ``trace`` (``False``): also record every epoch's spans, per thread, for
+      ``pipe.report().write_trace(path)`` (a Chrome-trace JSON file; needs ``report``).
     """
 
     max_inflight: int = 32
@@ -66,6 +68,7 @@ class FetchOptions:
     report: bool = True
     direct: bool | None = None
     prefetch_depth: int = 2
+    trace: bool = False
 
     def __post_init__(self) -> None:
         if self.retry is not None and not isinstance(self.retry, RetryPolicy):
@@ -80,7 +83,12 @@ class FetchOptions:
             "report": check_bool("report", self.report),
             "direct": None if self.direct is None else check_bool("direct", self.direct),
             "prefetch_depth": check_int("prefetch_depth", self.prefetch_depth, minimum=1),
+            "trace": check_bool("trace", self.trace),
         }
+        if checked["trace"] and not checked["report"]:
+            raise ValueError(
+                "trace=True records the spans of the epoch report: it needs report=True"
+            )
         for name, value in checked.items():
             object.__setattr__(self, name, value)
 

@@ -219,8 +219,10 @@ def insitu_pipeline(
     once, when it is made; the stages, the schedule and the pool trust it.
 
     ``cache_budget_bytes=None`` sizes the pool to each epoch's working set (each chunk read once
-    per epoch); a larger budget keeps drained chunks for later epochs; one too small for some
-    epoch raises ``ValueError`` here, stating the floor (see :func:`choose_schedule`).
+    per epoch) — at one sample per chunk, to the whole split when it fits in 1/16 of RAM,
+    so that later epochs read nothing (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`); a
+    larger budget keeps drained chunks for later epochs; one too small for some epoch raises
+    ``ValueError`` here, stating the floor (see :func:`choose_schedule`).
     ``max_inflight`` bounds concurrent stored-object GETs; ``decode_threads`` sizes the shared
     decode pool (default: one per core). Every argument is checked here, once: counts must be
     ``int`` (not ``bool``), flags ``bool``.

@@ -2,6 +2,16 @@
 
 The fetch, pool, gather and prefetch stages note into one :class:`EpochRecorder`; at the
 epoch's end it becomes an :class:`~insitubatch_nodes.report.EpochReport`.
+
+**The trace.** With ``trace=True`` (``FetchOptions(trace=True)``) the recorder also keeps a
+:class:`TraceLog`: one timestamped span per GET, local read, decode, chunk transform and fill
+run (on the thread that ran it), per admission, chunk wait and gather (the producer thread) and
+per hand-off wait and stretch of the consumer's own work (the consumer's thread), each with its
+chunk and batch ids; the epoch's report carries them
+(:class:`~insitubatch_nodes.report.EpochTrace`). The spans are handed over with the counters
+they match — a fill run's at its end, under the lock its tallies take — so the trace's counts
+are the report's. Without it ``trace`` is ``None`` and the hot paths test that once per run
+or per batch, never build anything.
 """
 
 from __future__ import annotations
@@ -13,13 +23,40 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from insitubatch_nodes.report import EpochReport, limiting_stage, suggestion_for
+from insitubatch_nodes.report import EpochReport, EpochTrace, Span, limiting_stage, suggestion_for
 
 _now = time.perf_counter
 
-__all__ = ["NULL_RECORDER", "EpochRecorder", "NullRecorder"]
+__all__ = ["NULL_RECORDER", "EpochRecorder", "NullRecorder", "TraceLog"]
 
 log = logging.getLogger("insitubatch_nodes.report")  # the epoch line keeps its logger name
+
+
+class TraceLog:
+    """The spans of the epoch in progress, for its trace (module docstring): appended from any
+    thread (a list's ``append`` and ``extend`` are atomic), taken by the recorder when the epoch
+    is reported. ``threads`` names each thread id seen."""
+
+    __slots__ = ("spans", "threads")
+
+    def __init__(self) -> None:
+        self.spans: list[Span] = []
+        self.threads: dict[int, str] = {}
+
+    def thread(self) -> int:
+        """The calling thread's id (the kernel's, as trace viewers show it), named once."""
+        tid = threading.get_native_id()
+        if tid not in self.threads:
+            self.threads[tid] = threading.current_thread().name
+        return tid
+
+    def span(self, name: str, t0: float, t1: float, args: dict[str, Any] | None = None) -> None:
+        """A span of the calling thread, ``t0`` to ``t1`` (``time.perf_counter``)."""
+        self.spans.append((name, t0, t1, self.thread(), args))
+
+    def take(self) -> list[Span]:
+        spans, self.spans = self.spans, []
+        return spans
 
 
 class _Level:
@@ -91,9 +128,12 @@ class EpochRecorder:
         batch_transforms: int = 0,
         split_bytes: Callable[[int], int] | None = None,
         dropped: Callable[[], Mapping[str, int]] | None = None,
+        trace: bool = False,
     ) -> None:
         self.pool = pool
         self._dropped = dropped
+        #: the spans of the epoch in progress (``None``: no trace asked for)
+        self.trace: TraceLog | None = TraceLog() if trace else None
         self.batch_transforms = batch_transforms
         self.max_inflight = max_inflight
         self.decode_threads = decode_threads
@@ -113,8 +153,11 @@ class EpochRecorder:
             self._inflight.change(1, now)
         return now
 
-    def on_get_end(self, started: float, nbytes: int, ok: bool = True) -> None:
-        """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted)."""
+    def on_get_end(
+        self, started: float, nbytes: int, ok: bool = True, args: dict[str, Any] | None = None
+    ) -> None:
+        """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted).
+        ``args`` (with a trace: what it read) go with its span."""
         now = _now()
         with self._lock:
             self._inflight.change(-1, now)
@@ -123,6 +166,8 @@ class EpochRecorder:
                 t["get_s"] += now - started
                 t["gets"] += 1
                 t["bytes_fetched"] += nbytes
+                if self.trace is not None:
+                    self.trace.span("GET", started, now, args)
 
     def on_fill_submit(self, objects: int, now: float) -> None:
         """A fill job queued ``objects`` stored objects for the decode threads."""
@@ -131,9 +176,15 @@ class EpochRecorder:
 
     def on_fill_run(self, tally: Any) -> None:
         """A decode thread ended a run of a fill job (``tally``: what it did, see
-        :mod:`~insitubatch_nodes.stages._fill`): reads of a local store count as GETs."""
+        :mod:`~insitubatch_nodes.stages._fill`): reads of a local store count as GETs. With a
+        trace, ``tally.spans`` (``(name, t0, t1, args)`` of its reads, decodes and transforms,
+        then the run's own) are the calling thread's."""
         now = _now()
         with self._lock:
+            trace = self.trace
+            if trace is not None and tally.spans:
+                tid = trace.thread()
+                trace.spans.extend((n, t0, t1, tid, a) for n, t0, t1, a in tally.spans)
             t = self.totals
             if tally.reads:
                 t["gets"] += tally.reads
@@ -167,9 +218,13 @@ class EpochRecorder:
         with self._lock:
             self.totals["corrupt"] += 1
 
-    def add(self, name: str, seconds: float) -> None:
-        """Add producer-thread seconds to ``chunk_wait_s``, ``gather_s`` or ``admit_s``."""
+    def add(self, name: str, seconds: float, *, start: float = 0.0, batch: int = -1) -> None:
+        """Add producer-thread seconds to ``chunk_wait_s``, ``gather_s`` or ``admit_s``; with a
+        trace, a span from ``start`` for batch ``batch``."""
         self.totals[name] += seconds
+        trace = self.trace
+        if trace is not None:
+            trace.span(_SPAN_OF[name], start, start + seconds, {"batch": batch})
 
     # -- consumer-side hooks (the consumer's thread) -------------------------------------------
     def on_next(self) -> float:
@@ -180,6 +235,8 @@ class EpochRecorder:
             self._epoch = self._open(now)
         elif ep["returned"] is not None:
             ep["consumer_s"] += now - ep["returned"]
+            if self.trace is not None:
+                self.trace.span("consumer", ep["returned"], now, {"batch": ep["index"]})
         return now
 
     def on_deliver(self, called: float, item: Any) -> None:
@@ -189,6 +246,10 @@ class EpochRecorder:
             return
         wait = now - called
         ep["handoff_wait_s"] += wait
+        index = getattr(item, "index", -1)
+        ep["index"] = index
+        if self.trace is not None:
+            self.trace.span("next", called, now, {"batch": index})
         if ep["batches"] == 0:
             ep["first_batch_s"] = now - ep["t0"]
             ep["first_wait_s"] = wait
@@ -211,6 +272,8 @@ class EpochRecorder:
             now = _now()
             ep["handoff_wait_s"] += now - called
             ep["last"] = now  # the wall time ends with the epoch, so wait + consumer = wall
+            if self.trace is not None:
+                self.trace.span("next", called, now, {"batch": -1, "end": True})
         self.finalize()
 
     def on_reset(self) -> None:
@@ -235,6 +298,8 @@ class EpochRecorder:
         return self.last
 
     def _open(self, now: float) -> dict[str, Any]:
+        if self.trace is not None:  # spans before the epoch's first next() are not its own
+            self.trace.take()
         with self._lock:
             self._inflight.change(0, now)
             self._depth.change(0, now)
@@ -245,6 +310,7 @@ class EpochRecorder:
             "t0": now,
             "epoch": -1,
             "returned": None,
+            "index": -1,
             "last": now,
             "batches": 0,
             "samples": 0,
@@ -259,6 +325,7 @@ class EpochRecorder:
             "totals0": totals,
             "evictions0": int(self.pool.stats.evictions),
             "cpu0": time.process_time(),
+            "usage0": _usage(),
         }
 
     def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
@@ -267,6 +334,10 @@ class EpochRecorder:
             inflight = self._inflight.snapshot(end)
             peaks = self._inflight.peak, self._depth.peak
             totals = dict(self.totals)
+            trace = self.trace
+            spans = None
+            if trace is not None:  # the spans that go with these counters
+                spans = trace.take() if complete else list(trace.spans)
         wall = max(end - ep["t0"], 1e-9)
         d = {k: totals[k] - ep["totals0"][k] for k in _CUMULATIVE}
         r = EpochReport(
@@ -290,6 +361,8 @@ class EpochRecorder:
             run_s=d["run_s"],
             local_read_s=d["local_read_s"],
             cpu_s=time.process_time() - ep["cpu0"],
+            sys_s=_usage()[0] - ep["usage0"][0],
+            page_faults=_usage()[1] - ep["usage0"][1],
             inflight_mean=(inflight[0] - ep["inflight0"][0] + d["local_read_s"]) / wall,
             inflight_peak=max(peaks[0], self.decode_threads if d["local_read_s"] else 0),
             decode_depth_mean=d["decode_queued_s"] / wall,
@@ -315,6 +388,8 @@ class EpochRecorder:
             auto_budget=bool(self.pool.auto),
             batch_transforms=self.batch_transforms,
         )
+        if spans is not None and trace is not None:
+            r.trace = EpochTrace(r.epoch, ep["t0"], end, spans, dict(trace.threads))
         r.limiting = limiting_stage(r)
         if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
             r.split_bytes = self._split_bytes(r.epoch)
@@ -322,6 +397,20 @@ class EpochRecorder:
         if self._dropped is not None:
             r.dropped = {why: int(n) for why, n in self._dropped().items()}
         return r
+
+
+# the producer thread's seconds each span name stands for
+_SPAN_OF = {"admit_s": "admit", "chunk_wait_s": "wait for chunks", "gather_s": "gather"}
+
+
+def _usage() -> tuple[float, int]:
+    """(system CPU seconds, minor page faults) of this process so far."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return 0.0, 0
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_stime, usage.ru_minflt
 
 
 def _cores() -> int:
@@ -340,11 +429,14 @@ class NullRecorder(EpochRecorder):
     def __init__(self) -> None:
         self.batch_transforms = 0
         self.last = None
+        self.trace = None
 
     def on_get_start(self) -> float:
         return 0.0
 
-    def on_get_end(self, started: float, nbytes: int, ok: bool = True) -> None:
+    def on_get_end(
+        self, started: float, nbytes: int, ok: bool = True, args: dict[str, Any] | None = None
+    ) -> None:
         pass
 
     def on_fill_submit(self, objects: int, now: float) -> None:
@@ -362,7 +454,7 @@ class NullRecorder(EpochRecorder):
     def on_corrupt(self) -> None:
         pass
 
-    def add(self, name: str, seconds: float) -> None:
+    def add(self, name: str, seconds: float, *, start: float = 0.0, batch: int = -1) -> None:
         pass
 
     def on_next(self) -> float:

@@ -35,6 +35,13 @@ batch). :meth:`EpochRecorder.report` returns the epoch in progress when it has d
 else the last finalized one. Each finalized epoch logs one INFO line (its headline) on the
 ``insitubatch_nodes.report`` logger; nothing is printed unless asked (``print(pipe.report())``).
 
+**The trace** (``FetchOptions(trace=True)``): the report also carries the epoch's spans
+(:class:`EpochTrace`), and :meth:`EpochReport.write_trace` writes them as a Chrome-trace JSON
+file (the Trace Event Format, which Perfetto, ``chrome://tracing`` and TensorBoard open): one
+track per thread, a span per GET (on the IO loop's track, as async spans, since they overlap),
+local read, decode, chunk transform, fill run, admission, chunk wait, gather, consumer wait and
+stretch of the consumer's own work, each with its array, chunk and batch ids.
+
 **The limiting rule** (:func:`limiting_stage`), over the epoch without its first batch (the
 start-up wait is reported separately as the time to first batch):
 
@@ -56,19 +63,28 @@ start-up wait is reported separately as the time to first batch):
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Literal
 
 __all__ = [
     "CONSUMER_WAIT_FRACTION",
     "DECODE_BUSY_FRACTION",
+    "FAULT_MIN_BYTES",
+    "FAULT_SYS_FRACTION",
+    "OBJECT_ARGS",
+    "SPAN_CATEGORIES",
     "STAGES",
     "EpochReport",
+    "EpochTrace",
+    "Span",
     "Stage",
     "limiting_stage",
+    "memory_bound",
     "suggestion_for",
 ]
 
@@ -86,6 +102,86 @@ DECODE_BUSY_FRACTION = 0.75
 _BUDGET_RAM_SHARE = 0.5
 
 _now = time.perf_counter
+
+Span = tuple[str, float, float, int, Any]
+"""One span of a trace: ``(name, start, end, thread id, args)``, times from
+``time.perf_counter``; ``args`` is a dict, ``None``, or the ids of a stored object as a tuple in
+the order of :data:`OBJECT_ARGS`."""
+
+#: The names of a stored object's ids when a span holds them as a tuple (``row``: ``-1`` when
+#: not decoded in place; ``missing``: present, 1, for a missing object filled with the fill
+#: value).
+OBJECT_ARGS = ("array", "chunk", "tile", "batch", "row", "missing")
+
+#: Every span name a trace holds, and the category (the stage) it is filed under.
+SPAN_CATEGORIES: dict[str, str] = {
+    "GET": "store",
+    "read": "store",
+    "decode": "decode",
+    "transform": "decode",
+    "fill run": "decode",
+    "admit": "engine",
+    "wait for chunks": "producer",
+    "gather": "gather",
+    "next": "consumer",
+    "consumer": "consumer",
+}
+_ASYNC = frozenset({"GET"})  # overlapping on one thread (the IO loop): async spans
+
+
+@dataclass(frozen=True, eq=False)
+class EpochTrace:
+    """The spans of one epoch (see the module docstring), from ``t0`` (its first ``next()``)
+    to ``t1``; ``threads`` names each thread id."""
+
+    epoch: int
+    t0: float
+    t1: float
+    spans: list[Span] = field(repr=False)
+    threads: dict[int, str] = field(default_factory=dict)
+
+    def counts(self) -> dict[str, int]:
+        """Spans per name."""
+        out: dict[str, int] = {}
+        for span in self.spans:
+            out[span[0]] = out.get(span[0], 0) + 1
+        return out
+
+    def chrome(self) -> dict[str, Any]:
+        """The trace as Chrome's Trace Event Format (a JSON-able dict): complete events
+        (``"ph": "X"``) per thread, GETs as async begin/end pairs, times in microseconds from
+        the epoch's first ``next()``, thread names as metadata events."""
+        pid = os.getpid()
+        t0 = self.t0
+        events: list[dict[str, Any]] = [
+            {"ph": "M", "pid": pid, "tid": 0, "name": "process_name",
+             "args": {"name": f"insitubatch_nodes epoch {self.epoch}"}},
+        ]  # fmt: skip
+        used = {span[3] for span in self.spans}
+        for tid, name in sorted(self.threads.items()):
+            if tid not in used:  # a thread of an earlier epoch
+                continue
+            events.append(
+                {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
+            )
+        spans = sorted(self.spans, key=lambda s: (s[1], -s[2]))  # parents before children
+        for i, (name, start, end, tid, args) in enumerate(spans):
+            ts = round((start - t0) * 1e6, 3)
+            cat = SPAN_CATEGORIES.get(name, "engine")
+            common = {"name": name, "cat": cat, "pid": pid, "tid": tid, "args": _named(args)}
+            if name in _ASYNC:
+                events.append({**common, "ph": "b", "ts": ts, "id": i})
+                events.append({**common, "ph": "e", "ts": round((end - t0) * 1e6, 3), "id": i})
+            else:
+                events.append({**common, "ph": "X", "ts": ts, "dur": round((end - start) * 1e6, 3)})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def write(self, path: str | os.PathLike[str]) -> Path:
+        """Write :meth:`chrome` as JSON to ``path``; returns the path."""
+        out = Path(path)
+        with out.open("w") as f:
+            json.dump(self.chrome(), f)
+        return out
 
 
 @dataclass
@@ -115,6 +211,8 @@ class EpochReport:
     run_s: float = 0.0  # decode threads in runs of fill jobs (reads, decodes, bookkeeping)
     local_read_s: float = 0.0  # the part of get_s read on the decode threads (a local store)
     cpu_s: float = 0.0  # CPU time of the whole process over the epoch
+    sys_s: float = 0.0  # the part of it in the kernel (page faults: clearing fresh pages)
+    page_faults: int = 0  # minor page faults of the process over the epoch (first touches)
     # levels: time-weighted mean and peak
     inflight_mean: float = 0.0
     inflight_peak: int = 0
@@ -150,12 +248,25 @@ class EpochReport:
     # anchors of the split the plan dropped for missing steps, per reason (the plan's
     # ``dropped``: the same every epoch); empty without the missing-step checks
     dropped: dict[str, int] = field(default_factory=dict)
+    #: the epoch's spans, with ``FetchOptions(trace=True)`` (else ``None``)
+    trace: EpochTrace | None = field(default=None, repr=False, compare=False)
+
+    def write_trace(self, path: str | os.PathLike[str]) -> Path:
+        """Write this epoch as a Chrome-trace JSON file (module docstring) to ``path`` and
+        return it: open it in https://ui.perfetto.dev, ``chrome://tracing`` or TensorBoard.
+        Raises ``ValueError`` for a pipeline built without ``FetchOptions(trace=True)``."""
+        if self.trace is None:
+            raise ValueError(
+                "this epoch was not traced: build the pipeline with "
+                "fetch=FetchOptions(trace=True) to record its spans"
+            )
+        return self.trace.write(path)
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain Python (numbers and strings), e.g. for a logger or JSON: every field, and the
-        numbers derived from them (``samples_per_s``, ``wait_fraction``, ``decode_busy``,
-        ``overhead_s``, ``engine_s``)."""
-        out = asdict(self)
+        """Plain Python (numbers and strings), e.g. for a logger or JSON: every field but the
+        trace, and the numbers derived from them (``samples_per_s``, ``wait_fraction``,
+        ``decode_busy``, ``overhead_s``, ``engine_s``)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "trace"}
         for name in ("samples_per_s", "wait_fraction", "decode_busy", "overhead_s", "engine_s"):
             out[name] = getattr(self, name)
         return out
@@ -261,7 +372,8 @@ class EpochReport:
             ),
             f"  producer  waited {self.chunk_wait_s:.2f} s for chunks; gather "
             f"{1000 * self.gather_s / n:.1f} ms/batch; admission {1000 * self.admit_s / n:.1f} "
-            f"ms/batch; process CPU {self.cpu_s:.2f} s",
+            f"ms/batch; process CPU {self.cpu_s:.2f} s ({self.sys_s:.2f} s in the kernel, "
+            f"{self.page_faults:,} page faults)",
             f"  pool      resident mean {_size(self.resident_mean_bytes)}, peak "
             f"{_size(self.resident_peak_bytes)} (budget {_size(self.budget_bytes)}); "
             f"{self.hits:,} hits, {self.misses:,} misses ({self.re_reads:,} re-reads), "
@@ -291,6 +403,18 @@ class EpochReport:
         return "\n".join(lines)
 
 
+def _named(args: Any) -> dict[str, Any]:
+    """A span's ``args`` as the trace's dict (a stored object's tuple named, see
+    :data:`OBJECT_ARGS`)."""
+    if not isinstance(args, tuple):
+        return args or {}
+    out = dict(zip(OBJECT_ARGS, args, strict=False))
+    out["tile"] = list(out["tile"])
+    if out["row"] < 0:
+        del out["row"]
+    return out
+
+
 def _size(n: float) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
@@ -311,6 +435,21 @@ def limiting_stage(r: EpochReport) -> Stage:
     return "store"
 
 
+_PAGE = 4096
+#: Memory faulting is named when the kernel took at least this share of the wall time...
+FAULT_SYS_FRACTION = 0.25
+#: ...and the page faults touched at least this many bytes (4 KiB pages).
+FAULT_MIN_BYTES = 256 * 2**20
+
+
+def memory_bound(r: EpochReport) -> bool:
+    """Whether the epoch waited on fresh memory being faulted in: the process's kernel time
+    is at least :data:`FAULT_SYS_FRACTION` of the wall time and its page faults touched at
+    least :data:`FAULT_MIN_BYTES` (what a fresh process's first epoch through a large pool
+    does; the kernel clears every new page)."""
+    return r.sys_s >= FAULT_SYS_FRACTION * r.wall_s and r.page_faults * _PAGE >= FAULT_MIN_BYTES
+
+
 def _ram_bytes() -> int:
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
@@ -321,6 +460,8 @@ def _ram_bytes() -> int:
 def suggestion_for(r: EpochReport) -> str:
     """One suggestion computed from the report's numbers, or ``""`` when none applies.
 
+    * not consumer-limited, and memory faulting took the epoch (:func:`memory_bound`): it says
+      so, with the kernel seconds and the fresh memory touched;
     * store- or decode-limited with re-reads, and the bytes of every chunk the epoch read fit
       under half the RAM and above the budget: ``cache_budget_bytes`` of that size (the
       re-reads become hits);
@@ -336,6 +477,14 @@ def suggestion_for(r: EpochReport) -> str:
       the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob.
     """
     stage = r.limiting
+    if stage != "consumer" and memory_bound(r):
+        return (
+            f"the process spent {r.sys_s:.2f} s of the epoch's {r.wall_s:.2f} s in the kernel "
+            f"and took {r.page_faults:,} page faults (~{_size(r.page_faults * _PAGE)} of fresh "
+            "memory touched): this epoch waited on memory being faulted in, not on the store "
+            "or the codec; later epochs reuse that memory. A budget near the working set "
+            "(the floor cache_budget_bytes errors state) touches less of it"
+        )
     if stage in ("store", "decode") and r.re_reads and r.split_bytes:
         ram = _ram_bytes()
         if r.split_bytes > r.budget_bytes and (not ram or r.split_bytes <= ram * _BUDGET_RAM_SHARE):

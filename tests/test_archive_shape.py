@@ -58,6 +58,7 @@ SURFACE, LEVELED = (
 )
 NAMES = SURFACE + LEVELED
 N_TIME = 96
+N_TRAIN = 72  # samples of the (0.75, 0.125, 0.125) split's train part
 
 
 @pytest.fixture(scope="module")
@@ -72,6 +73,14 @@ def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _labels(store: Any) -> dict[str, Any]:
     geoms = open_geometries(store, NAMES)
     return {name: geoms[name] for name in NAMES}
+
+
+def _short_of_split(geoms: Any, n_samples: int) -> int:
+    """A budget one sample short of ``n_samples`` samples of every array of ``geoms`` (label ->
+    view; ``n_samples``: those an epoch reads): too small to keep the split for the next
+    epoch, so the schedule decodes rows of one-sample chunks straight into the batches
+    (``kept_bytes``)."""
+    return sum(g.sample_nbytes for g in geoms.values()) * (n_samples - 1)
 
 
 def _oracle_views() -> dict[str, View]:
@@ -99,7 +108,10 @@ def test_rows_of_one_sample_chunks_are_decoded_straight_into_the_batch_as_zarr_r
     labels = _labels(store)
     manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
     # (coords=(): the time coordinate's own read would count as a GET)
-    pipe = insitu_pipeline(store, manifest, labels, batch_size=8, block_chunks=4, coords=())
+    budget = _short_of_split(labels, N_TRAIN)
+    pipe = insitu_pipeline(
+        store, manifest, labels, batch_size=8, block_chunks=4, coords=(), cache_budget_bytes=budget
+    )
     oracle = Oracle(archive)
     for epoch in range(2):
         records = run_epoch(pipe, oracle, _oracle_views())
@@ -203,7 +215,10 @@ def test_tiled_fields_and_edge_tiles_are_decoded_into_their_rows_tile_by_tile(
         arr[...] = rng.random(shape).astype("f4") + 1
     labels = {n: g for n, g in open_geometries(root, ["a", "b"]).items()}
     manifest = split_by_chunk(labels["a"], (1.0, 0.0, 0.0))
-    pipe = insitu_pipeline(root, manifest, labels, batch_size=6, block_chunks=3)
+    budget = _short_of_split(labels, 40)
+    pipe = insitu_pipeline(
+        root, manifest, labels, batch_size=6, block_chunks=3, cache_budget_bytes=budget
+    )
     run_epoch(pipe, Oracle(root), {"a": View("a"), "b": View("b")})
     assert pipe.stats()["resident_peak_bytes"] == 0
     assert pipe.stats()["gets"] == 40 * (9 + 1)
@@ -221,7 +236,13 @@ def test_objects_missing_from_the_store_read_as_the_fill_value_in_their_rows(
     arr[...] = data
     assert len(chunk_keys_on_disk(root, "p")) == 32
     g = open_geometries(root, ["p"])["p"]
-    pipe = insitu_pipeline(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"p": g}, batch_size=7)
+    pipe = insitu_pipeline(
+        root,
+        split_by_chunk(g, (1.0, 0.0, 0.0)),
+        {"p": g},
+        batch_size=7,
+        cache_budget_bytes=_short_of_split({"p": g}, 48),
+    )
     records = run_epoch(pipe, Oracle(root), {"p": View("p")}, keep_arrays=True)
     assert sum(len(r["sample_indices"]["p"]) for r in records) == 48
     pipe.close()
@@ -237,7 +258,14 @@ def test_a_corrupt_object_decoded_into_a_row_fails_the_batch_or_fills_the_row(
     bad.write_bytes(b"\x00not a blosc stream\x00" * 4)
     labels = _labels(root)
     manifest = split_by_chunk(labels[NAMES[0]], (1.0, 0.0, 0.0))
-    pipe = insitu_pipeline(root, manifest, labels, batch_size=8, on_bad_chunk=policy)
+    pipe = insitu_pipeline(
+        root,
+        manifest,
+        labels,
+        batch_size=8,
+        on_bad_chunk=policy,
+        cache_budget_bytes=_short_of_split(labels, len(manifest.samples("train"))),
+    )
     if policy == "raise":
         with pytest.raises(ChunkReadError, match=r"temperature.*chunk 10") as info:
             run_epoch(pipe)
@@ -281,10 +309,69 @@ def test_a_budget_that_holds_the_split_keeps_one_sample_chunks_for_the_next_epoc
     pipe.close()
 
 
+@pytest.mark.parametrize("budget", ["automatic", "explicit"])
+def test_a_split_that_fits_the_budget_is_decoded_once_and_later_epochs_read_nothing(
+    archive: Path, budget: str
+) -> None:
+    store = counting_store(archive)
+    labels = _labels(store)
+    manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
+    split = sum(g.sample_nbytes for g in labels.values()) * N_TIME  # more than the train split
+    pipe = insitu_pipeline(
+        store,
+        manifest,
+        labels,
+        batch_size=8,
+        block_chunks=4,
+        coords=(),
+        cache_budget_bytes=None if budget == "automatic" else split,
+    )
+    want = expected_anchors(manifest, "train", [0])
+    oracle = Oracle(archive)
+    for epoch in range(3):
+        records = run_epoch(pipe, oracle, _oracle_views())
+        for name in NAMES:  # each valid sample lands in exactly one batch, as zarr reads it
+            np.testing.assert_array_equal(_delivered(records, name), want)
+        report = pipe.report()
+        assert report is not None and report.epoch == epoch
+        if epoch == 0:  # decoded once, into slots of the pool
+            assert report.gets == report.decodes == report.misses == len(want) * len(NAMES)
+        else:  # served from the pool: no GET, no decode
+            assert (report.gets, report.decodes, report.misses) == (0, 0, 0), report
+            assert report.hits == len(want) * len(NAMES)
+        pipe.reset()
+    counts = store.chunk_counts()  # every stored object of the split fetched once, in all
+    assert len(counts) == len(want) * len(NAMES) and set(counts.values()) == {1}
+    pipe.close()
+
+
+def test_an_automatic_budget_decodes_rows_in_place_when_the_split_exceeds_a_16th_of_ram(
+    archive: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from insitubatch_nodes.plan import schedule
+
+    labels = _labels(archive)
+    manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
+    # a machine whose 16th of RAM is one sample short of the split
+    monkeypatch.setattr(schedule, "_auto_keep_bytes", lambda: _short_of_split(labels, N_TRAIN))
+    pipe = insitu_pipeline(archive, manifest, labels, batch_size=8, block_chunks=4, coords=())
+    want = expected_anchors(manifest, "train", [0])
+    for _ in range(2):  # every epoch reads and decodes each object into its row again
+        run_epoch(pipe, Oracle(archive), _oracle_views())
+        report = pipe.report()
+        assert report is not None
+        assert report.gets == report.decodes == report.misses == len(want) * len(NAMES)
+        assert report.hits == 0
+        pipe.reset()
+    assert pipe.stats()["resident_peak_bytes"] == 0 and pipe.stats()["misses"] == 0
+    pipe.close()
+
+
 def test_a_hand_composed_graph_decodes_rows_in_place_like_the_builders(archive: Path) -> None:
     labels = _labels(archive)
     manifest = split_by_chunk(labels[NAMES[0]], (1.0, 0.0, 0.0))
-    pool = ChunkPool()
+    budget = _short_of_split(labels, N_TIME)
+    pool = ChunkPool(budget)
     plan = ReadPlanNode(manifest, labels, config=PlanConfig(batch_size=8, block_chunks=4))
     ctx = StageContext.create(plan, pool)
     fetch = AsyncChunkFetchNode(plan, open_store(archive), context=ctx)
@@ -292,7 +379,15 @@ def test_a_hand_composed_graph_decodes_rows_in_place_like_the_builders(archive: 
     hand = run_epoch(graph, Oracle(archive), _oracle_views(), keep_arrays=True)
     assert pool.stats.resident_peak_bytes == 0 and pool.stats.gets == N_TIME * len(NAMES)
     graph.close()
-    pipe = insitu_pipeline(archive, manifest, labels, batch_size=8, block_chunks=4, coords=())
+    pipe = insitu_pipeline(
+        archive,
+        manifest,
+        labels,
+        batch_size=8,
+        block_chunks=4,
+        coords=(),
+        cache_budget_bytes=budget,
+    )
     built = run_epoch(pipe, keep_arrays=True)
     pipe.close()
     assert [r["index"] for r in hand] == [r["index"] for r in built]
@@ -333,7 +428,14 @@ def test_batches_kept_by_the_consumer_are_never_overwritten_by_rows_decoded_late
 ) -> None:
     labels = _labels(archive)
     manifest = split_by_chunk(labels[NAMES[0]], (1.0, 0.0, 0.0))
-    pipe = insitu_pipeline(archive, manifest, labels, batch_size=8, prefetch_depth=1)
+    pipe = insitu_pipeline(
+        archive,
+        manifest,
+        labels,
+        batch_size=8,
+        prefetch_depth=1,
+        cache_budget_bytes=_short_of_split(labels, N_TIME),
+    )
     kept = []
     for _ in range(3):
         kept.extend(pipe)  # the batches themselves, not copies
@@ -351,7 +453,10 @@ def test_stopping_mid_epoch_with_rows_in_flight_leaves_nothing_pinned_and_the_ne
     store = counting_store(archive, delay=0.01)  # GETs in flight when it stops
     labels = _labels(store)
     manifest = split_by_chunk(labels[NAMES[0]], (1.0, 0.0, 0.0))
-    pipe = insitu_pipeline(store, manifest, labels, batch_size=8, block_chunks=8)
+    budget = _short_of_split(labels, N_TIME)
+    pipe = insitu_pipeline(
+        store, manifest, labels, batch_size=8, block_chunks=8, cache_budget_bytes=budget
+    )
     it = iter(pipe)
     next(it)
     getattr(pipe, how)()
@@ -369,11 +474,16 @@ def test_stopping_mid_epoch_with_rows_in_flight_leaves_nothing_pinned_and_the_ne
 
 
 @pytest.mark.slow  # a fresh process
+@pytest.mark.parametrize("path", ["rows in place", "kept in the pool"])
 def test_a_state_taken_mid_epoch_at_one_sample_per_chunk_resumes_bit_identically_elsewhere(
-    tmp_path: Path,
+    tmp_path: Path, path: str
 ) -> None:
     root = write_store(tmp_path / "c1.zarr", samples_per_chunk=1)
-    cfg = pipe_config(root, windowed=False)  # one label per array: rows decoded in place
+    g = open_geometries(root, ["t2m"])["t2m"]
+    # one label per array: rows decoded in place, unless the budget keeps the split (automatic)
+    train = len(split_by_chunk(g, (0.75, 0.125, 0.125)).samples("train"))
+    budget = _short_of_split({"x": g}, train) if path == "rows in place" else None
+    cfg = pipe_config(root, windowed=False, cache_budget_bytes=budget)
     full = reference_run(cfg, epochs=2)
     k = 4
     _, state = take_state(cfg, k)
@@ -440,7 +550,10 @@ def test_rows_decoded_in_place_over_s3_equal_zarrs_read_and_each_object_is_one_g
     store = open_store(url, **s3_options)
     labels = _labels(store)
     manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
-    pipe = insitu_pipeline(store, manifest, labels, batch_size=8, coords=())
+    budget = _short_of_split(labels, N_TRAIN)
+    pipe = insitu_pipeline(
+        store, manifest, labels, batch_size=8, coords=(), cache_budget_bytes=budget
+    )
     records = run_epoch(pipe, Oracle(archive), _oracle_views())
     want = expected_anchors(manifest, "train", [0])
     np.testing.assert_array_equal(_delivered(records, NAMES[0]), want)

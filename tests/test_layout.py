@@ -90,6 +90,7 @@ STAGE_LEVELS = {
     "context": 0,
     "buffers": 0,
     "_graph": 0,
+    "_ranges": 0,
     "fetch": 1,
     "_admit": 1,
     "_jobs": 1,

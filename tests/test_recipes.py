@@ -4,6 +4,7 @@ forked by ``tests/forkserver.py``, which runs the script as ``__main__`` as ``py
 from __future__ import annotations
 
 import importlib.util
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -183,9 +184,10 @@ def test_the_time_features_recipe_runs_in_a_360_day_calendar_with_a_window_to_fe
 def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_into_batches(
     tmp_path: Path,
 ) -> None:
+    # a budget short of the 5 MiB split (and over its floor): rows go straight into batches
     proc = _run_recipe(
-        "archive_forecast.py", "--n-time", "64", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
-        cwd=tmp_path,
+        "archive_forecast.py", "--n-time", "256", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        "--budget-mib", "2", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
     assert "13 arrays, one time step per chunk: 13 stored objects" in proc.stdout, _explain(proc)
@@ -239,3 +241,35 @@ def test_the_rollout_recipe_grows_its_target_window_and_a_resumed_run_matches_on
     assert len(losses(whole)) == 3, _explain(whole)
     # the resumed run trains epoch 2 on the grown window, batch for batch as the whole run did
     assert losses(first) + losses(rest) == losses(whole), _explain(rest)
+
+
+@pytest.mark.slow
+def test_the_archive_recipe_keeps_a_split_that_fits_the_automatic_budget_and_reads_it_once(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "archive_forecast.py", "--n-time", "64", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "every first batch matched zarr's own read" in proc.stdout, _explain(proc)
+    kept = [line for line in proc.stdout.splitlines() if "the split is kept in the pool" in line]
+    assert len(kept) == 2 and kept[1].endswith("this epoch made 0 GETs"), _explain(proc)
+    assert not kept[0].endswith(" 0 GETs"), _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_trace_recipe_writes_an_epoch_trace_and_a_profile_with_the_loaders_ranges(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "traces"
+    proc = _run_recipe(
+        "trace_epoch.py", "--n-time", "256", "--steps", "4", "--out", str(out), cwd=tmp_path
+    )
+    assert proc.returncode == 0, _explain(proc)
+    epoch = json.loads((out / "epoch0.trace.json").read_text())
+    names = {e["name"] for e in epoch["traceEvents"]}
+    assert {"read", "decode", "fill run", "admit", "wait for chunks", "gather", "next"} <= names
+    profile = json.loads((out / "profile.trace.json").read_text())
+    ranges = {e.get("name") for e in profile["traceEvents"]}
+    assert {"insitu.next", "insitu.gather", "insitu.fill_run"} <= ranges, _explain(proc)

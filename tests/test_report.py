@@ -27,6 +27,7 @@ from insitubatch_nodes.report import (
     CONSUMER_WAIT_FRACTION,
     STAGES,
     limiting_stage,
+    memory_bound,
     suggestion_for,
 )
 
@@ -322,6 +323,33 @@ def test_a_decode_limited_report_with_every_core_busy_suggests_more_cores_not_th
     assert "more cores" in suggestion_for(r) and "decode_threads=" not in suggestion_for(r)
 
 
+def test_an_epoch_that_waited_on_page_faults_is_told_so_with_its_kernel_time() -> None:
+    # a fresh process's first epoch through a large pool: 2 of 4 s in the kernel, 2.3 GiB of
+    # fresh pages; its chunks looked late, so the rule says store
+    faulted = _made(wall_s=4.0, chunk_wait_s=2.5, inflight_mean=6.0, sys_s=2.0, page_faults=600_000)
+    faulted.limiting = limiting_stage(faulted)
+    assert faulted.limiting == "store"
+    text = suggestion_for(faulted)
+    assert "600,000 page faults" in text and "faulted in" in text and "2.00 s" in text, text
+    assert memory_bound(faulted)
+    # the same epoch with its memory already touched: the store's suggestion instead
+    warm = dataclasses.replace(faulted, sys_s=0.1, page_faults=2_000)
+    assert not memory_bound(warm) and "faulted in" not in suggestion_for(warm)
+    # kernel time without fresh memory (a disk's reads, say) is not page faulting
+    assert not memory_bound(dataclasses.replace(faulted, page_faults=2_000))
+    # a consumer-limited epoch is told nothing about the pipeline's memory
+    slow_consumer = dataclasses.replace(faulted, limiting="consumer")
+    assert "faulted in" not in suggestion_for(slow_consumer)
+
+
+def test_the_report_counts_the_page_faults_and_kernel_time_of_its_epoch(era5: Path) -> None:
+    pipe, _ = _pipe(counting_store(era5))
+    with pipe:
+        first = _epoch(pipe)
+    assert first.page_faults > 0 and 0 <= first.sys_s <= first.cpu_s + 0.05
+    assert f"{first.page_faults:,} page faults" in str(first)
+
+
 def test_the_demo_prints_the_report_after_each_epoch(
     era5: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -432,7 +460,10 @@ def test_stats_count_rows_decoded_straight_into_batches_so_misses_add_up_to_the_
     counted none of them, so stats() said 0 misses while the report said every chunk. They are
     stats()["misses_in_place"], and the two counters add up to the report's misses."""
     root = write_era5(tmp_path / "one.zarr", n_time=48, samples_per_chunk=1)
-    pipe, _ = _pipe(counting_store(root), batch_size=8, block_chunks=8)
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    # one sample short of the split: the schedule does not keep it, rows go straight in
+    budget = 47 * t2m.sample_nbytes
+    pipe, _ = _pipe(counting_store(root), batch_size=8, block_chunks=8, cache_budget_bytes=budget)
     try:
         report = _epoch(pipe)
         stats = pipe.stats()

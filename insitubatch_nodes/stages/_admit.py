@@ -29,7 +29,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan
-from insitubatch_nodes.plan.schedule import working_set_bytes
+from insitubatch_nodes.plan.schedule import kept_bytes, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import ChunkEntry
@@ -47,7 +47,14 @@ from insitubatch_nodes.stages._jobs import (
 from insitubatch_nodes.stages.buffers import BatchBuffers
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["Admission", "FetchHistory", "FetchSetup", "plan_groups", "reserve_specs"]
+__all__ = [
+    "Admission",
+    "FetchHistory",
+    "FetchSetup",
+    "epoch_floor",
+    "plan_groups",
+    "reserve_specs",
+]
 
 SlotSpec = tuple[tuple[int, ...], np.dtype[Any], bool]  # (shape, dtype, level_major)
 
@@ -109,6 +116,17 @@ def plan_groups(setup: FetchSetup, plan: EpochPlan) -> list[PlanGroup]:
 #: reserve's Python costs more than the page faults it saves (only chunks of a few KiB reach it:
 #: a budget holds far fewer larger ones).
 RESERVE_MAX_SLOTS = 1 << 15
+
+
+def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
+    """:func:`~insitubatch_nodes.plan.schedule.working_set_bytes` of ``plan``, whose floor an
+    automatic budget grows to; at one sample per chunk, when the schedule keeps the epoch's
+    chunks for the next one (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor
+    is all of them."""
+    floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
+    if setup.pool.auto and setup.direct is None and plan.samples_per_chunk == 1:
+        floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
+    return floor, read_ahead
 
 
 def reserve_specs(setup: FetchSetup, plan: EpochPlan, limit_bytes: int) -> list[SlotSpec]:
@@ -301,7 +319,7 @@ class Admission:
                 return
 
     def _start_epoch(self, plan: EpochPlan) -> None:
-        floor, read_ahead = working_set_bytes(plan, self.setup.slot_geoms)
+        floor, read_ahead = epoch_floor(self.setup, plan)
         self.setup.pool.ensure_floor(floor)  # an automatic budget grows; an explicit one may raise
         self.epoch_plan, self.read_ahead = plan, read_ahead
         self.groups = plan_groups(self.setup, plan)
@@ -358,7 +376,7 @@ class Admission:
     ) -> None:
         """A job that decodes ``rows_in_place`` (per group: chunks, their rows, their views'
         offsets) straight into batch arrays taken from the batch buffers."""
-        job = pending.job = FillJob(_runtime.next_ticket(), self.generation)
+        job = pending.job = FillJob(_runtime.next_ticket(), self.generation, plan.index)
         arrays = pending.arrays = self.setup.buffers.take(len(plan))
         dest = self.setup.buffers.parts(arrays)  # a window's step: its (row, t) slices
         for group, chunks, rows, offsets in rows_in_place:
@@ -384,7 +402,7 @@ class Admission:
         """Pin the plan's first reads in order and start their fill; False when the pool has no
         room for all of them yet."""
         setup = self.setup
-        job = pending.job or FillJob(_runtime.next_ticket(), self.generation)
+        job = pending.job or FillJob(_runtime.next_ticket(), self.generation, pending.plan.index)
         pending.job = None
         todo = pending.requests[pending.admitted :]
         got = setup.pool.acquire_many(todo, job.fill) if todo else []

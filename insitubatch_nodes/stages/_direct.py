@@ -10,10 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import numpy as np
-
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan
+from insitubatch_nodes.plan.schedule import kept_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages.buffers import BatchBuffers
 from insitubatch_nodes.transforms import ChunkTransforms
@@ -29,21 +28,18 @@ def direct_allowed(
     slot_geoms: Mapping[str, ArrayGeometry],
 ) -> bool:
     """Whether rows may be decoded straight into batches this epoch: there are batch buffers,
-    ``direct`` does not forbid it, no persistent cache wants the chunks kept, and
-    either ``direct=True``, an automatic budget, or a budget that could not keep the epoch's
-    chunks anyway."""
+    ``direct`` does not forbid it, no persistent cache wants the chunks kept, and either
+    ``direct=True`` or the schedule does not keep the epoch's chunks for the next one
+    (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`: they do not fit the budget, or a
+    sixteenth of RAM for the automatic one)."""
     if buffers is None or direct is False:
         return False
     cache = pool.cache
     if cache is not None and cache.persistent:
         return False
-    if direct or pool.auto:
+    if direct:
         return True
-    reads = sum(
-        len(np.unique(ledger.chunk)) * sum(slot_geoms[p].chunk_nbytes for p in ledger.paths)
-        for ledger in plan.ledgers
-    )
-    return pool.budget_bytes < reads
+    return kept_bytes(plan, slot_geoms, None if pool.auto else pool.budget_bytes) is None
 
 
 def direct_labels(

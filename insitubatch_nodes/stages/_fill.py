@@ -59,6 +59,7 @@ from insitubatch_nodes.stages._jobs import (
     Rows,
     Unit,
 )
+from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.transforms import ChunkTransforms
 
 __all__ = ["FillRunner", "NoteBad", "SpareBuffers"]
@@ -170,11 +171,15 @@ class FillRunner:
     # -- runs (decode threads) -----------------------------------------------------------------
     def _run(self, job: FillJob) -> None:
         acc = _Tally()
+        if self.recorder.trace is not None:  # a trace: this run's spans (the recorder's doc)
+            acc.spans, acc.batch = [], job.batch
         t0 = _now()
         pool = self.decode_pool
         local = self.reader is not None
         if local:  # a local store's reads in flight: one per running run
             self.pool.note_io(inflight=1)
+        span = profile_range("insitu.fill_run")
+        span.__enter__()
         try:
             while True:
                 with job.lock:
@@ -187,7 +192,13 @@ class FillRunner:
                     pool.submit(job.ticket, self._run, job)  # carry on after sooner work
                     return
         finally:
-            acc.run_s = _now() - t0
+            span.__exit__(None, None, None)
+            end = _now()
+            acc.run_s = end - t0
+            if acc.spans is not None:
+                acc.spans.append(
+                    ("fill run", t0, end, {"batch": job.batch, "objects": acc.handled})
+                )
             if acc.handled:  # what one object costs the decode threads, lately
                 work = (acc.read_s + acc.decode_s) / acc.handled
                 self._work_per_object += 0.25 * (work - self._work_per_object)
@@ -221,6 +232,7 @@ class FillRunner:
                 self._fill_whole_rows(job, rows, acc)
                 return
             decode = array.decoder.decode_trusted
+            spans = acc.spans
             for chunk, r in zip(rows.chunks, rows.rows, strict=True):
                 if job.cancelled or job.error is not None:
                     break  # the batch is abandoned, or failed already: nobody needs the rest
@@ -244,6 +256,8 @@ class FillRunner:
                     acc.decodes += 1
                     acc.decode_s += t2 - t1
                     acc.queued_s += t2 - job.submitted
+                    if spans is not None:
+                        spans.append(("decode", t1, t2, acc.args(array.path, chunk, tile, r)))
         except BaseException as exc:  # a bug here must fail the batch, never leave it waiting
             if job.error is None:
                 job.error = exc
@@ -264,6 +278,8 @@ class FillRunner:
         reads = nbytes = decodes = 0
         read_s = decode_s = queued_s = 0.0
         submitted = job.submitted
+        spans = acc.spans
+        path = array.path
         probe = array.missing  # after a missing object, ask whether the next one exists
         for chunk, r in zip(rows.chunks, rows.rows, strict=True):
             if job.cancelled or job.error is not None:
@@ -280,6 +296,8 @@ class FillRunner:
             t1 = _now()
             reads += 1
             read_s += t1 - t0
+            if spans is not None:
+                spans.append(("read", t0, t1, acc.args(path, chunk, tile, r)))
             if raw is None:
                 missing.append(r)
                 probe = True
@@ -296,10 +314,17 @@ class FillRunner:
             decodes += 1
             decode_s += t2 - t1
             queued_s += t2 - submitted
+            if spans is not None:
+                spans.append(("decode", t1, t2, acc.args(path, chunk, tile, r)))
         array.missing = probe
         if missing:  # what zarr reads for a missing object: the fill value, in one go
+            t1 = _now()
             out[missing] = array.decoder.fill_value
             decodes += len(missing)
+            if spans is not None:
+                t2 = _now()
+                for r in missing:
+                    spans.append(("decode", t1, t2, (*acc.args(path, -1, tile, r), 1)))
         acc.reads += reads
         acc.read_bytes += nbytes
         acc.read_s += read_s
@@ -352,6 +377,8 @@ class FillRunner:
                 acc.decodes += 1
                 acc.decode_s += t2 - t1
                 acc.queued_s += t2 - (landed or job.submitted)
+                if acc.spans is not None:
+                    acc.spans.append(("decode", t1, t2, acc.args(array.path, chunk, tile)))
             except ChunkReadError as exc:
                 error = exc
             except Exception as exc:
@@ -383,9 +410,12 @@ class FillRunner:
             raw = self.reader.read(key) if info is None else self.reader.read(key, info)
         except OSError as exc:
             raise ChunkReadError(array.path, chunk, tile, key, "read", self.store_name) from exc
+        t1 = _now()
         acc.reads += 1
-        acc.read_s += _now() - t0
+        acc.read_s += t1 - t0
         acc.read_bytes += 0 if raw is None else len(raw)
+        if acc.spans is not None:
+            acc.spans.append(("read", t0, t1, acc.args(array.path, chunk, tile)))
         if ids is not None and info:  # what identifies the file (store_identity)
             ids.note(array.path, chunk, key, stat_identity(info[0]))
         return raw
@@ -508,8 +538,11 @@ class FillRunner:
         if out is not region:
             np.copyto(region, out)
         if acc is not None:
+            t1 = _now()
             acc.transforms += 1
-            acc.transform_s += _now() - t0
+            acc.transform_s += t1 - t0
+            if acc.spans is not None:
+                acc.spans.append(("transform", t0, t1, acc.args(path, chunk)))
 
     def _job_done(self, job: FillJob) -> None:
         job.arrays = None  # the batch holds its arrays; a finished job holds nothing
@@ -565,6 +598,7 @@ class _Tally:
     """What one run did, handed to the recorder once at its end (no lock per object)."""
 
     __slots__ = (
+        "batch",
         "decode_s",
         "decodes",
         "handled",
@@ -573,6 +607,7 @@ class _Tally:
         "read_s",
         "reads",
         "run_s",
+        "spans",
         "transform_s",
         "transforms",
     )
@@ -588,3 +623,14 @@ class _Tally:
         self.transforms = 0
         self.transform_s = 0.0
         self.run_s = 0.0
+        #: with a trace: ``(name, t0, t1, args)`` of its reads, decodes, transforms and itself
+        self.spans: list[tuple[str, float, float, Any]] | None = None
+        self.batch = -1  # the batch whose admission made the run's job
+
+    def args(
+        self, path: str, chunk: int, tile: tuple[int, ...] = (), row: int = -1
+    ) -> tuple[Any, ...]:
+        """A span's ids, as a tuple (cheaper to make than a dict; the trace names them, see
+        :data:`~insitubatch_nodes.report.OBJECT_ARGS`): the array, chunk, tile (stored object),
+        batch and row (``-1``: not decoded in place)."""
+        return (path, chunk, tile, self.batch, row)

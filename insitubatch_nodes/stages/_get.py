@@ -131,7 +131,11 @@ class GetQueue:
         nbytes = 0 if raw is None else len(raw)
         if error is None:
             self.pool.note_io(1, nbytes)
-        rec.on_get_end(started, nbytes, ok=error is None)
+        args = None
+        if rec.trace is not None:
+            args = {"array": array.path, "chunk": chunk, "tile": list(tile), "key": key,
+                    "bytes": nbytes, "batch": job.batch}  # fmt: skip
+        rec.on_get_end(started, nbytes, ok=error is None, args=args)
         if error is None and ids is not None and meta:  # what identifies the object
             ids.note(array.path, chunk, key, meta_identity(meta[0]))
         self._land(job, [Queued(unit, _now(), raw, error, permit=True)])

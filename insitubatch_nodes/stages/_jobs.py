@@ -196,6 +196,7 @@ class FillJob:
     __slots__ = (
         "__weakref__",
         "arrays",
+        "batch",
         "cancelled",
         "error",
         "fill",
@@ -211,9 +212,10 @@ class FillJob:
         "units",
     )
 
-    def __init__(self, ticket: int, generation: int) -> None:
+    def __init__(self, ticket: int, generation: int, batch: int = -1) -> None:
         self.ticket = ticket
         self.generation = generation
+        self.batch = batch  # the index of the batch whose admission made it (for the trace)
         self.fill = Fill(1)
         self.units: list[Unit] = []  # stored objects of pool entries
         self.rows: list[Rows] = []  # rows decoded straight into the batch

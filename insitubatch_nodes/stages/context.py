@@ -137,6 +137,7 @@ class StageContext:
                 decode_threads=len(_runtime.decode_pool(options.decode_threads).threads),
                 split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
                 dropped=lambda: plan.epoch_plan().dropped,
+                trace=options.trace,
             )
         return cls(
             plan=plan,

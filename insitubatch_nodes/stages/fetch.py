@@ -18,8 +18,9 @@ source ahead of the consumer. It is three parts, each in its own module:
 **Rows decoded straight into the batch.** At one sample per chunk a stored object *is* a batch
 row. When the plan says a chunk is read by exactly one row of one label this epoch (a plan
 group of one sample per chunk, every array read by one label, no chunk transforms, no
-persistent cache) and the pool would not keep it for a later epoch anyway (an automatic budget,
-or one below the bytes of every chunk the epoch reads), its objects are decoded into that row of
+persistent cache) and the schedule does not keep the epoch's chunks for the next epoch
+(:func:`~insitubatch_nodes.plan.schedule.kept_bytes`: they do not fit the budget, or 1/16 of RAM
+for the automatic one), its objects are decoded into that row of
 the batch's own arrays — no slot, no pin, no copy by the gather. The arrays come from the
 context's batch buffers (:class:`~insitubatch_nodes.stages.buffers.BatchBuffers`), which the
 gather stage above fills with the other rows. ``FetchOptions(direct=False)`` turns this off (a
@@ -66,17 +67,18 @@ from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.stores import describe_store, retry_policy
 from insitubatch_nodes.plan.ledger import BatchPlan
-from insitubatch_nodes.plan.schedule import working_set_bytes
 from insitubatch_nodes.stages._admit import (
     Admission,
     FetchHistory,
     FetchSetup,
+    epoch_floor,
     reserve_specs,
 )
 from insitubatch_nodes.stages._fill import FillRunner
 from insitubatch_nodes.stages._get import GetQueue, cancel_all_at_exit
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, SlotLayout
+from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["AsyncChunkFetchNode"]
@@ -202,7 +204,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         directory) make that epoch's slots ahead of need, in the order they will be needed (a
         fresh process faults new pages in slowly; see :meth:`ChunkPool.reserve`)."""
         first = self.context.plan.epoch_plan(0)
-        self.pool.ensure_floor(working_set_bytes(first, self.slot_geoms)[0])
+        self.pool.ensure_floor(epoch_floor(self._setup, first)[0])
         if self.pool.cache is None:
             self.pool.reserve(reserve_specs(self._setup, first, self.pool.budget_bytes))
 
@@ -239,16 +241,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     def next(self) -> FetchedBatch:
         _process.check_same_process(self._pid)
         started = time.perf_counter()
+        index = -1
         try:
             admission = self._admission or self._start_admission()  # (after a close: go on)
-            got = admission.next_batch()
+            with profile_range("insitu.admit"):
+                got = admission.next_batch()
             if got is None:
                 raise StopIteration
             batch, self._last_state = got
+            index = batch.plan.index
             return batch
         finally:
             rec = self.recorder
-            rec.add("admit_s", time.perf_counter() - started)
+            rec.add("admit_s", time.perf_counter() - started, start=started, batch=index)
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:

@@ -30,6 +30,7 @@ from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.slots import is_level_major
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages._ranges import ranged
 from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
@@ -220,6 +221,7 @@ class GatherNode(BaseNode[Batch]):
         """This stage's state before the first batch of ``epoch`` (see ``_graph``)."""
         return source_start_state(self.source, epoch)
 
+    @ranged("insitu.gather")
     def next(self) -> Batch:
         resident: ResidentBatch = next(self.source)
         t0 = time.perf_counter()
@@ -266,7 +268,7 @@ class GatherNode(BaseNode[Batch]):
         )
         for transform in self.batch_transforms:
             batch = transform(batch)
-        self.recorder.add("gather_s", time.perf_counter() - t0)
+        self.recorder.add("gather_s", time.perf_counter() - t0, start=t0, batch=plan.index)
         return batch
 
     def _per_label(self, by_part: Mapping[str, np.ndarray], stack: bool) -> dict[str, np.ndarray]:

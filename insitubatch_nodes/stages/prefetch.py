@@ -43,6 +43,7 @@ from insitubatch_nodes.stages._graph import (
     source_start_state,
     source_state,
 )
+from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["PrefetcherNode"]
@@ -196,7 +197,8 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         worker = self._worker
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
         # halting (close or reset, from any thread) puts a "halted" one.
-        kind, payload, state = worker.queue.get()
+        with profile_range("insitu.next"):
+            kind, payload, state = worker.queue.get()
         if kind == "halted":
             worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
             raise PipelineInterrupted(

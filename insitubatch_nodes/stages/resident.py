@@ -28,6 +28,7 @@ from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.slots import PENDING, READY, ChunkEntry
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
@@ -96,8 +97,9 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         for entry in item.entries.values():
             if entry.state == PENDING:
                 fills.setdefault(id(entry.fill), entry.fill)
-        for fill in fills.values():
-            self._wait(fill.future)
+        with profile_range("insitu.wait_for_chunks"):
+            for fill in fills.values():
+                self._wait(fill.future)
         for job in jobs:
             if job.error is not None:  # a row decoded in place could not be read or decoded
                 raise job.error
@@ -107,7 +109,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
                 self._check_interrupt()
                 entry.ready.result()
             slots[key] = entry.slot
-        rec.add("chunk_wait_s", time.perf_counter() - t0)
+        rec.add("chunk_wait_s", time.perf_counter() - t0, start=t0, batch=item.plan.index)
         self._held = item
         return ResidentBatch(
             plan=item.plan,

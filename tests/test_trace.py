@@ -1,0 +1,191 @@
+"""The trace of an epoch: a Chrome-trace JSON file of every stage's spans, and the stages'
+ranges inside a ``torch.profiler`` trace.
+
+The file is checked as a trace viewer reads it (the Trace Event Format): it loads as JSON, has a
+span for every stage with its chunk and batch ids, the spans of one thread nest or follow each
+other, and its counts are the epoch report's, which the store's own counts back.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import Oracle, View, counting_store, run_epoch, write_era5
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.report import SPAN_CATEGORIES
+from insitubatch_nodes.stages import _ranges
+
+pytestmark = pytest.mark.timeout(120)
+
+N_TIME, SPC = 96, 4
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_era5(tmp_path_factory.mktemp("trace") / "era5.zarr", n_time=N_TIME, n_lat=8,
+                      n_lon=16, samples_per_chunk=SPC)  # fmt: skip
+
+
+def _pipe(store: Any, trace: bool = True, **kw: Any) -> Any:
+    g = open_geometries(store, ["t2m", "z"])
+    views = {"x": g["t2m"], "y": g["t2m"].shift(1), "z": g["z"]}
+    manifest = split_by_chunk(g["t2m"], (0.75, 0.25, 0.0))
+    return insitu_pipeline(
+        store, manifest, views, batch_size=8, block_chunks=4, coords=(),
+        fetch=FetchOptions(trace=trace), **kw,
+    )  # fmt: skip
+
+
+def _oracle_views() -> dict[str, View]:
+    return {"x": View("t2m"), "y": View("t2m", offset=1), "z": View("z")}
+
+
+def _complete(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in events if e["ph"] == "X"]
+
+
+def _assert_nested_per_thread(events: list[dict[str, Any]]) -> None:
+    """On each thread, two complete spans either nest or do not overlap (what a viewer's flame
+    chart needs)."""
+    by_thread: dict[int, list[tuple[float, float, str]]] = {}
+    for e in _complete(events):
+        by_thread.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"], e["name"]))
+    for tid, spans in by_thread.items():
+        spans.sort(key=lambda s: (s[0], -s[1]))
+        open_ends: list[float] = []
+        for start, end, name in spans:
+            while open_ends and open_ends[-1] <= start + 1e-3:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1] + 1e-3, (tid, name, start, end)
+            open_ends.append(end)
+
+
+def test_a_traced_epoch_is_chrome_trace_json_with_every_stage_and_the_reports_counts(
+    era5: Path, tmp_path: Path
+) -> None:
+    pipe = _pipe(era5)
+    records = run_epoch(pipe, Oracle(era5), _oracle_views())
+    report = pipe.report()
+    assert report is not None and report.complete
+    path = report.write_trace(tmp_path / "epoch0.json")
+    pipe.close()
+    doc = json.loads(path.read_text())  # a viewer's first step: it is JSON
+    events = doc["traceEvents"]
+    spans = _complete(events)
+    names = Counter(e["name"] for e in spans)
+    # a store on local disk is read on the decode threads: reads, not GETs
+    for name in ("read", "decode", "fill run", "admit", "wait for chunks", "gather", "next"):
+        assert names[name] > 0, names
+    # the consumer's waits: one per batch, and the call that ended the epoch; its own work
+    # after each batch
+    assert names["next"] == len(records) + 1 and names["consumer"] == len(records)
+    assert names["read"] == report.gets and names["decode"] == report.decodes
+    assert {e["cat"] for e in spans} <= set(SPAN_CATEGORIES.values())
+    # every batch's stages, with its id; every decode with its array, chunk and batch
+    delivered = sorted(r["index"] for r in records)
+    for name in ("gather", "wait for chunks"):
+        assert sorted(e["args"]["batch"] for e in spans if e["name"] == name) == delivered
+    decodes = [e for e in spans if e["name"] == "decode"]
+    assert {e["args"]["array"] for e in decodes} == {"t2m", "z"}
+    assert all(0 <= e["args"]["chunk"] < N_TIME // SPC for e in decodes)
+    assert {e["args"]["batch"] for e in decodes} <= set(delivered)
+    assert all(e["ts"] >= 0 and e["dur"] >= 0 for e in spans)
+    # threads are named, and each thread's spans nest
+    named = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    assert {e["tid"] for e in spans} <= set(named)
+    assert any(n.startswith("insitu-prefetch") for n in named.values()), named
+    assert any(n.startswith("insitu-decode") for n in named.values()), named
+    _assert_nested_per_thread(events)
+
+
+def test_gets_are_async_spans_with_their_keys_one_per_get_the_store_served(
+    era5: Path, tmp_path: Path
+) -> None:
+    store = counting_store(era5)  # read with GETs on the IO loop
+    pipe = _pipe(store)
+    run_epoch(pipe, Oracle(era5), _oracle_views())
+    report = pipe.report()
+    assert report is not None
+    events = json.loads(report.write_trace(tmp_path / "gets.json").read_text())["traceEvents"]
+    pipe.close()
+    begins = [e for e in events if e["ph"] == "b"]
+    ends = {e["id"]: e for e in events if e["ph"] == "e"}
+    assert len(begins) == len(ends) == report.gets > 0
+    assert all(e["name"] == "GET" and ends[e["id"]]["ts"] >= e["ts"] for e in begins)
+    keys = Counter(e["args"]["key"] for e in begins)
+    counts = store.chunk_counts()  # what the store served, object by object
+    assert keys == Counter({k: n for k, n in counts.items() if n}), (keys, counts)
+    assert Counter(e["name"] for e in _complete(events))["decode"] == report.decodes
+
+
+def test_each_epoch_has_its_own_trace_and_an_untraced_pipeline_records_none(
+    era5: Path, tmp_path: Path
+) -> None:
+    pipe = _pipe(era5)
+    first = []
+    for epoch in range(2):
+        run_epoch(pipe)
+        report = pipe.report()
+        assert report is not None and report.trace is not None and report.trace.epoch == epoch
+        first.append(min(s[1] for s in report.trace.spans))
+        assert min(s[1] for s in report.trace.spans) >= report.trace.t0
+        pipe.reset()
+    assert first[1] > first[0]
+    assert "trace" not in report.as_dict()  # plain numbers only
+    pipe.close()
+    plain = _pipe(era5, trace=False)
+    run_epoch(plain)
+    assert plain.stages.fetch.recorder.trace is None
+    report = plain.report()
+    assert report is not None and report.trace is None
+    with pytest.raises(ValueError, match=r"FetchOptions\(trace=True\)"):
+        report.write_trace(tmp_path / "none.json")
+    plain.close()
+
+
+def test_a_trace_needs_the_report() -> None:
+    with pytest.raises(ValueError, match="report=True"):
+        FetchOptions(trace=True, report=False)
+    with pytest.raises(TypeError):
+        FetchOptions(trace=1)  # type: ignore[arg-type]
+
+
+def test_the_stages_show_as_named_ranges_inside_a_torch_profiler_trace(era5: Path) -> None:
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import profile
+
+    pipe = _pipe(era5, trace=False, cache_budget_bytes=None)
+    assert not _ranges.profiling()
+    assert _ranges.profile_range("insitu.gather") is _ranges.profile_range("insitu.next")
+    with profile() as consumer_only:  # the consumer's thread: its wait for each batch
+        for i, _ in enumerate(pipe):
+            if i == 3:
+                break
+    got = Counter(e.name for e in consumer_only.events() if e.name.startswith("insitu."))
+    assert got["insitu.next"] == 4, got
+    pipe.close()
+    pipe = _pipe(era5, trace=False)
+    with profile(experimental_config=_ExperimentalConfig(profile_all_threads=True)) as every:
+        for i, _ in enumerate(pipe):
+            if i == 3:
+                break
+    pipe.close()
+    names = {e.name for e in every.events() if e.name.startswith("insitu.")}
+    assert names == set(_ranges.RANGE_NAMES), names
+    assert not _ranges.profiling()
+
+
+def test_tracing_leaves_the_batches_exactly_as_zarr_reads_them(era5: Path) -> None:
+    traced = run_epoch(_pipe(era5), Oracle(era5), _oracle_views(), keep_arrays=True)
+    plain = run_epoch(_pipe(era5, trace=False), keep_arrays=True)
+    assert [r["index"] for r in traced] == [r["index"] for r in plain]
+    for a, b in zip(traced, plain, strict=True):
+        for label in ("x", "y", "z"):
+            np.testing.assert_array_equal(a["arrays"][label], b["arrays"][label])
