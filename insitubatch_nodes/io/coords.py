@@ -507,7 +507,7 @@ def _ceil_to(bound: np.datetime64, dtype: np.dtype[Any]) -> np.datetime64:
     return tick
 
 
-def _candidates(geom_path: str, name: str) -> list[str]:
+def candidate_paths(geom_path: str, name: str) -> list[str]:
     """Where a coordinate ``name`` of the array at ``geom_path`` may sit: a path with ``/`` is
     from the store root; a bare name is looked up in the array's group, then each parent."""
     if "/" in name.strip("/"):
@@ -527,7 +527,7 @@ class _Reader:
 
     def find(self, geom: ArrayGeometry, name: str) -> tuple[str, Any] | None:
         """The first candidate path of ``name`` that holds an array, and that array."""
-        for path in _candidates(geom.path, name):
+        for path in candidate_paths(geom.path, name):
             if path not in self.arrays:
                 self.arrays[path] = _zarr_compat.open_arrays_by_name(
                     self.store, [path], geom.zarr_format
@@ -593,8 +593,8 @@ def _coordinates(
         if found is None:
             raise KeyError(
                 f"no coordinate array {name!r} for array {geom.path!r} in {where}: looked at "
-                f"{_candidates(geom.path, name)}. Name an existing 1-D array, or pass coords=() "
-                "to carry none"
+                f"{candidate_paths(geom.path, name)}. Name an existing 1-D array, or pass "
+                "coords=() to carry none"
             )
         path, array = found
         dims = _zarr_compat.metadata_dimension_names(array.metadata)
@@ -685,30 +685,3 @@ def carried_coordinates(
         if coords:
             out[label] = {name: c.values for name, c in coords.items()}
     return out
-
-
-class FieldCoordinates:
-    """Reads the coordinate of a field dimension (``level``, ``latitude``) of arrays in one
-    store, each once: ``reader(geom, "level")`` is the decoded 1-D array named like the
-    dimension, found as :func:`open_coordinates` finds the sample axis's (the array's group,
-    then each parent). What :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` looks values
-    up in; ``open_geometries`` gives each geometry one. Picklable when the store is."""
-
-    def __init__(self, store: StoreLike) -> None:
-        self.store = as_store(store)
-        self._reader: _Reader | None = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "_reader": None}
-
-    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
-        if self._reader is None:
-            self._reader = _Reader(self.store)
-        found = self._reader.find(geom, dim)
-        if found is None:
-            raise KeyError(
-                f"no coordinate array {dim!r} for array {geom.path!r} in store "
-                f"{describe_store(self.store)}: looked at {_candidates(geom.path, dim)}; "
-                "select by index with isel()"
-            )
-        return np.asarray(self._reader.load(*found).values)

@@ -54,6 +54,7 @@ from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = [
     "block_index",
+    "check_ranks",
     "chunk_anchors",
     "dealing_for",
     "dropped_anchors",
@@ -485,6 +486,21 @@ def _ledgers(
             )
         )
     return tuple(out)
+
+
+def check_ranks(
+    manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
+) -> None:
+    """``ValueError`` unless every rank of ``config`` gets a valid anchor of its split."""
+    world = 1 if config.world_size is None else config.world_size
+    split_chunks = manifest.chunk_array(config.split)
+    counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], config)
+    n_valid = int(counts.sum())
+    if world > 1 and len(split_chunks) and n_valid < world:
+        raise ValueError(
+            f"split {config.split!r} has {n_valid} valid anchors but world_size is {world}: "
+            "every rank needs at least one sample (use a larger split or fewer ranks)"
+        )
 
 
 def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str, ArrayGeometry]:

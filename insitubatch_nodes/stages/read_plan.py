@@ -24,6 +24,7 @@ from insitubatch_nodes.plan.anchors import describe_stride, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     check_plan_inputs,
+    check_ranks,
     chunk_anchors,
     dealing_for,
     dropped_anchors,
@@ -48,21 +49,6 @@ def _dataset_hash(manifest: SplitManifest, views: Sequence[Sequence[Any]]) -> st
     """The fingerprint's ``dataset``: the manifest and the plan's views (sorted
     ``(label, path, offset, samples_per_chunk[, patch])``)."""
     return hashlib.sha256(json.dumps([manifest.fingerprint(), views]).encode()).hexdigest()[:16]
-
-
-def _check_ranks(
-    manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
-) -> None:
-    """``ValueError`` unless every rank of ``config`` gets a valid anchor of its split."""
-    world = 1 if config.world_size is None else config.world_size
-    split_chunks = manifest.chunk_array(config.split)
-    counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], config)
-    n_valid = int(counts.sum())
-    if world > 1 and len(split_chunks) and n_valid < world:
-        raise ValueError(
-            f"split {config.split!r} has {n_valid} valid anchors but world_size is {world}: "
-            "every rank needs at least one sample (use a larger split or fewer ranks)"
-        )
 
 
 def _check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
@@ -210,7 +196,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         world = d_world if given.world_size is None else given.world_size
         rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
         cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
-        _check_ranks(manifest, views, cfg)
+        check_ranks(manifest, views, cfg)
         self.manifest = manifest
         self.views: Mapping[str, ArrayGeometry] = MappingProxyType(views)
         self.layout: BatchLayout = layout
@@ -289,7 +275,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 f"set_views keeps how each array is patched: {changed} would be patched "
                 "otherwise; build a new pipeline for that"
             )
-        _check_ranks(self.manifest, parts, self.plan_config)
+        check_ranks(self.manifest, parts, self.plan_config)
         if schedule is not None and not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
         self._pending = (parts, layout, self.schedule if schedule is None else schedule)
