@@ -5,7 +5,10 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.stores` — a store by URL or path (obstore), with a retry policy;
 * :mod:`~insitubatch_nodes.io.arrays` — finding arrays in a store, :func:`open_geometries`;
 * :mod:`~insitubatch_nodes.io.geometry` — :class:`ArrayGeometry`: what a sample is, which
-  stored objects hold it; :class:`Patches`: how a patched view cuts its field into windows;
+  stored objects hold it, and its views (shifts, windows, patches, selections);
+* :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field
+  into windows;
+* :mod:`~insitubatch_nodes.io.selection` — what a selected view keeps of each field axis;
 * :mod:`~insitubatch_nodes.io.coords` — coordinates along the sample axis (CF time);
 * :mod:`~insitubatch_nodes.io.calendars` — CF calendars: ``datetime64`` or cftime dates, counts;
 * :mod:`~insitubatch_nodes.io.decode` — one stored object into its slot memory;

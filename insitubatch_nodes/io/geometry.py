@@ -47,82 +47,11 @@ import numpy as np
 from insitubatch_nodes.errors import CorruptMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import as_timedelta
-from insitubatch_nodes.io.selection import Selection, axis_key
+from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
+from insitubatch_nodes.io.selection import Selection, axis_key, label_positions
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
-
-ORIGIN_POLICIES = ("grid", "random")
-REGION_ORDERS = ("shuffled", "sweep")
-
-
-@dataclass(frozen=True)
-class Patches:
-    """How a patched view cuts its field into windows (see :meth:`ArrayGeometry.patches`).
-
-    ``axes`` are the physical axes that are cut (ascending), ``extent`` the window's size along
-    each and ``field`` the array's length along each. ``origins="grid"``: windows start every
-    ``stride`` along each axis, plus one flush with the far edge where the stride does not end
-    there, so the windows cover the field exactly; the same windows every epoch.
-    ``origins="random"``: each epoch draws new origins, uniform and *stratified by stored tile*:
-    ``per_tile`` windows start in each full tile of the grouping tiling (``tile``, the first
-    patched array's tiles along ``axes``), an edge tile's share in proportion to its area, so
-    every tile holds the same number of windows every epoch (what keeps batch counts, budget
-    floors and resume exact).
-
-    ``order`` is how a shuffled plan visits the regions of tiles its windows are grouped in
-    (see :mod:`~insitubatch_nodes.plan.patches`): ``"shuffled"`` in a random order (neighbouring
-    batches come from anywhere; under a budget below the read-once floor the tiles on region
-    edges are read again), ``"sweep"`` plane by plane (planes in a random order), each swept
-    region by region along a boustrophedon in one of its symmetric variants drawn per epoch
-    (neighbouring batches come from neighbouring regions; every tile is read once per epoch in
-    little more than one row of regions' memory).
-
-    ``within`` (``[lo, hi)`` per patched axis, or ``None`` for the whole field) keeps every
-    window inside a box of the field: the patches of a spatial split. Views patched within
-    disjoint boxes never share a pixel (a held-out region for validation).
-    """
-
-    axes: tuple[int, ...]
-    extent: tuple[int, ...]
-    field: tuple[int, ...]
-    tile: tuple[int, ...]
-    origins: str = "grid"
-    stride: tuple[int, ...] | None = None
-    per_tile: int | None = None
-    order: str = "shuffled"
-    within: tuple[tuple[int, int], ...] | None = None
-
-    @property
-    def n_axes(self) -> int:
-        return len(self.axes)
-
-    @property
-    def windows_per_tile(self) -> int:
-        """Random windows per full tile: ``per_tile``, or as many as the tile holds side by
-        side (at least 1)."""
-        if self.per_tile is not None:
-            return self.per_tile
-        return max(1, math.prod(t // e for t, e in zip(self.tile, self.extent, strict=True)))
-
-    def describe(self) -> list[Any]:
-        """A plain-Python description (for a saved state's configuration check)."""
-        return [
-            list(self.axes),
-            list(self.extent),
-            list(self.field),
-            list(self.tile),
-            self.origins,
-            None if self.stride is None else list(self.stride),
-            self.per_tile,
-            self.order,
-            None if self.within is None else [list(b) for b in self.within],
-        ]
-
-    @property
-    def bounds(self) -> tuple[tuple[int, int], ...]:
-        """``[lo, hi)`` along each patched axis that windows lie in (``within``, or the field)."""
-        return self.within or tuple((0, f) for f in self.field)
 
 
 def _fill_token(value: Any) -> Any:
@@ -553,7 +482,7 @@ class ArrayGeometry:
             if set(given_box) - set(axes):
                 raise ValueError(f"{self.path}: within names axes that are not patched")
             box = tuple(
-                _bounds(a, given_box.get(a, (0, self.shape[a])), e, self.shape[a])
+                window_bounds(a, given_box.get(a, (0, self.shape[a])), e, self.shape[a])
                 for a, e in zip(axes, ext, strict=True)
             )
         spec = Patches(
@@ -644,7 +573,7 @@ class ArrayGeometry:
                     raise ValueError(f"{self.path}: dimension {name!r} was dropped already")
                 if mine is not None:
                     values = values[list(mine)]
-            positions[name] = _label_positions(self.path, name, values, key)
+            positions[name] = label_positions(self.path, name, values, key)
         return self.isel(**positions)
 
     def as_static(self) -> ArrayGeometry:
@@ -723,65 +652,6 @@ class ArrayGeometry:
             f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
             f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"
         )
-
-
-def _label_positions(path: str, name: str, values: np.ndarray, key: Any) -> Any:
-    """The positions in ``values`` that label ``key`` selects (pandas' rules: an exact value,
-    a list of them, or a slice of a monotonic coordinate with both ends included)."""
-    if isinstance(key, slice):
-        if key.step is not None:
-            raise ValueError(f"sel({name}=...): a slice of values takes no step, got {key!r}")
-        diffs = np.diff(values.astype(np.float64)) if values.dtype.kind in "iuf" else None
-        ascending = diffs is None or bool(np.all(diffs >= 0))
-        descending = diffs is not None and bool(np.all(diffs <= 0))
-        if not (ascending or descending):
-            raise ValueError(f"{path}: coordinate {name!r} is not monotonic; select by value list")
-        lo_vals = values if ascending else values[::-1]
-        start = 0 if key.start is None else None
-        stop = len(values) if key.stop is None else None
-        if ascending:
-            if start is None:
-                start = int(np.searchsorted(lo_vals, key.start, side="left"))
-            if stop is None:
-                stop = int(np.searchsorted(lo_vals, key.stop, side="right"))
-        else:  # descending: the slice runs from high to low values
-            n = len(values)
-            if start is None:
-                start = n - int(np.searchsorted(lo_vals, key.start, side="right"))
-            if stop is None:
-                stop = n - int(np.searchsorted(lo_vals, key.stop, side="left"))
-        if stop <= start:
-            order = "descending" if descending and not ascending else "ascending"
-            raise IndexError(
-                f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
-                f"({values[0]} ... {values[-1]}): give the slice's ends in that order"
-            )
-        return slice(start, stop)
-    scalar = np.ndim(key) == 0
-    wanted = np.atleast_1d(np.asarray(key))
-    out = []
-    for v in wanted.tolist():
-        hits = np.flatnonzero(values == v)
-        if not len(hits):
-            raise KeyError(
-                f"{path}: {v!r} is not a value of coordinate {name!r} "
-                f"({values[:8].tolist()}{' ...' if len(values) > 8 else ''})"
-            )
-        out.append(int(hits[0]))
-    return out[0] if scalar else out
-
-
-def _bounds(axis: int, value: Any, extent: int, length: int) -> tuple[int, int]:
-    """``within``'s ``(lo, hi)`` along ``axis``, checked: inside the field, a window wide."""
-    try:
-        lo, hi = (int(v) for v in value)
-    except (TypeError, ValueError):
-        raise TypeError(f"within[{axis}] must be a (lo, hi) pair, got {value!r}") from None
-    if not 0 <= lo < hi <= length or hi - lo < extent:
-        raise ValueError(
-            f"within[{axis}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of {extent}"
-        )
-    return lo, hi
 
 
 def _readable_step(ns: int) -> str:

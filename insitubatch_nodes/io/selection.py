@@ -242,3 +242,49 @@ def held_by_path(views: Iterable[Any]) -> dict[str, Held]:
 def held_geometry(base: Any, held: Held) -> Any:
     """What one slot of array ``base`` (a geometry) holds when it holds the tiles ``held``."""
     return base.with_inner(held_shape(held, base.tile_shape, base.field_shape), base.dtype)
+
+
+def label_positions(path: str, name: str, values: np.ndarray, key: Any) -> Any:
+    """The positions in ``values`` that label ``key`` selects (pandas' rules: an exact value,
+    a list of them, or a slice of a monotonic coordinate with both ends included)."""
+    if isinstance(key, slice):
+        if key.step is not None:
+            raise ValueError(f"sel({name}=...): a slice of values takes no step, got {key!r}")
+        diffs = np.diff(values.astype(np.float64)) if values.dtype.kind in "iuf" else None
+        ascending = diffs is None or bool(np.all(diffs >= 0))
+        descending = diffs is not None and bool(np.all(diffs <= 0))
+        if not (ascending or descending):
+            raise ValueError(f"{path}: coordinate {name!r} is not monotonic; select by value list")
+        lo_vals = values if ascending else values[::-1]
+        start = 0 if key.start is None else None
+        stop = len(values) if key.stop is None else None
+        if ascending:
+            if start is None:
+                start = int(np.searchsorted(lo_vals, key.start, side="left"))
+            if stop is None:
+                stop = int(np.searchsorted(lo_vals, key.stop, side="right"))
+        else:  # descending: the slice runs from high to low values
+            n = len(values)
+            if start is None:
+                start = n - int(np.searchsorted(lo_vals, key.start, side="right"))
+            if stop is None:
+                stop = n - int(np.searchsorted(lo_vals, key.stop, side="left"))
+        if stop <= start:
+            order = "descending" if descending and not ascending else "ascending"
+            raise IndexError(
+                f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
+                f"({values[0]} ... {values[-1]}): give the slice's ends in that order"
+            )
+        return slice(start, stop)
+    scalar = np.ndim(key) == 0
+    wanted = np.atleast_1d(np.asarray(key))
+    out = []
+    for v in wanted.tolist():
+        hits = np.flatnonzero(values == v)
+        if not len(hits):
+            raise KeyError(
+                f"{path}: {v!r} is not a value of coordinate {name!r} "
+                f"({values[:8].tolist()}{' ...' if len(values) > 8 else ''})"
+            )
+        out.append(int(hits[0]))
+    return out[0] if scalar else out

@@ -1,0 +1,97 @@
+"""How a patched view cuts its field into windows: :class:`Patches`, the plain description
+:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.patches` makes and the read plan
+(:mod:`~insitubatch_nodes.plan.patches`) draws origins from.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["ORIGIN_POLICIES", "REGION_ORDERS", "Patches", "window_bounds"]
+
+ORIGIN_POLICIES = ("grid", "random")
+REGION_ORDERS = ("shuffled", "sweep")
+
+
+@dataclass(frozen=True)
+class Patches:
+    """How a patched view cuts its field into windows (see :meth:`ArrayGeometry.patches`).
+
+    ``axes`` are the physical axes that are cut (ascending), ``extent`` the window's size along
+    each and ``field`` the array's length along each. ``origins="grid"``: windows start every
+    ``stride`` along each axis, plus one flush with the far edge where the stride does not end
+    there, so the windows cover the field exactly; the same windows every epoch.
+    ``origins="random"``: each epoch draws new origins, uniform and *stratified by stored tile*:
+    ``per_tile`` windows start in each full tile of the grouping tiling (``tile``, the first
+    patched array's tiles along ``axes``), an edge tile's share in proportion to its area, so
+    every tile holds the same number of windows every epoch (what keeps batch counts, budget
+    floors and resume exact).
+
+    ``order`` is how a shuffled plan visits the regions of tiles its windows are grouped in
+    (see :mod:`~insitubatch_nodes.plan.patches`): ``"shuffled"`` in a random order (neighbouring
+    batches come from anywhere; under a budget below the read-once floor the tiles on region
+    edges are read again), ``"sweep"`` plane by plane (planes in a random order), each swept
+    region by region along a boustrophedon in one of its symmetric variants drawn per epoch
+    (neighbouring batches come from neighbouring regions; every tile is read once per epoch in
+    little more than one row of regions' memory).
+
+    ``within`` (``[lo, hi)`` per patched axis, or ``None`` for the whole field) keeps every
+    window inside a box of the field: the patches of a spatial split. Views patched within
+    disjoint boxes never share a pixel (a held-out region for validation).
+    """
+
+    axes: tuple[int, ...]
+    extent: tuple[int, ...]
+    field: tuple[int, ...]
+    tile: tuple[int, ...]
+    origins: str = "grid"
+    stride: tuple[int, ...] | None = None
+    per_tile: int | None = None
+    order: str = "shuffled"
+    within: tuple[tuple[int, int], ...] | None = None
+
+    @property
+    def n_axes(self) -> int:
+        return len(self.axes)
+
+    @property
+    def windows_per_tile(self) -> int:
+        """Random windows per full tile: ``per_tile``, or as many as the tile holds side by
+        side (at least 1)."""
+        if self.per_tile is not None:
+            return self.per_tile
+        return max(1, math.prod(t // e for t, e in zip(self.tile, self.extent, strict=True)))
+
+    def describe(self) -> list[Any]:
+        """A plain-Python description (for a saved state's configuration check)."""
+        return [
+            list(self.axes),
+            list(self.extent),
+            list(self.field),
+            list(self.tile),
+            self.origins,
+            None if self.stride is None else list(self.stride),
+            self.per_tile,
+            self.order,
+            None if self.within is None else [list(b) for b in self.within],
+        ]
+
+    @property
+    def bounds(self) -> tuple[tuple[int, int], ...]:
+        """``[lo, hi)`` along each patched axis that windows lie in (``within``, or the field)."""
+        return self.within or tuple((0, f) for f in self.field)
+
+
+def window_bounds(axis: int, value: Any, extent: int, length: int) -> tuple[int, int]:
+    """``within``'s ``(lo, hi)`` along ``axis``, checked: inside the field, a window wide."""
+    try:
+        lo, hi = (int(v) for v in value)
+    except (TypeError, ValueError):
+        raise TypeError(f"within[{axis}] must be a (lo, hi) pair, got {value!r}") from None
+    if not 0 <= lo < hi <= length or hi - lo < extent:
+        raise ValueError(
+            f"within[{axis}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of {extent}"
+        )
+    return lo, hi
