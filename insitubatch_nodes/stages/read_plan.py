@@ -40,6 +40,7 @@ from insitubatch_nodes.plan.schedule import (
     working_set_bytes,
 )
 from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.stack import Stack
 
 __all__ = ["ReadPlanNode"]
 
@@ -251,7 +252,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if (
             isinstance(manifest, SplitManifest)
             and isinstance(views, Mapping)
-            and all(isinstance(v, ArrayGeometry) for v in views.values())
+            and all(isinstance(v, ArrayGeometry | Stack) for v in views.values())
         ):
             parts, layout = expand_views(resolve_windows(views, manifest.steps))
             return check_plan_inputs(manifest, parts, config), layout
@@ -259,7 +260,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return check_plan_inputs(manifest, views, config), BatchLayout({}, {})
 
     @property
-    def batch_views(self) -> Mapping[str, ArrayGeometry]:
+    def batch_views(self) -> Mapping[str, ArrayGeometry | Stack]:
         """The views as given (batch label -> view; a window view for a window), of the views
         in effect."""
         return self.layout.views
