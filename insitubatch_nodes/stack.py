@@ -30,14 +30,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
 
-if TYPE_CHECKING:
-    from insitubatch_nodes.statistics import Statistics
+
+class Statistics(Protocol):
+    """What :func:`stack` reads of :class:`~insitubatch_nodes.statistics.Statistics`."""
+
+    mean: Mapping[str, Any]
+
+    def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray: ...
+
 
 __all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "stack"]
 

@@ -36,6 +36,7 @@ from insitubatch_nodes.stack import Stack, channel_destination
 __all__ = [
     "BatchLayout",
     "LabelParts",
+    "Stack",
     "expand_views",
     "part_label",
     "resolve_windows",

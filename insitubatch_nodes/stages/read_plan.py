@@ -31,7 +31,7 @@ from insitubatch_nodes.plan.epoch import (
     plan_epoch,
 )
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
-from insitubatch_nodes.plan.parts import BatchLayout, expand_views, resolve_windows
+from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.schedule import (
     PinSchedule,
@@ -40,7 +40,6 @@ from insitubatch_nodes.plan.schedule import (
     working_set_bytes,
 )
 from insitubatch_nodes.plan.splits import SplitManifest
-from insitubatch_nodes.stack import Stack
 
 __all__ = ["ReadPlanNode"]
 
