@@ -289,7 +289,9 @@ def insitu_pipeline(
         zstore, views, geoms, batch_transforms, fetch_options.retry
     )
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
-    carried = _carried_coordinates(zstore, plain, coords, reader)
+    # a stack's rows carry its first sampled member's coordinates (its forcings' times)
+    firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
+    carried = _carried_coordinates(zstore, {**plain, **firsts}, coords, reader)
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: _output_view(transforms, label, view) for label, view in views.items()}
@@ -335,10 +337,10 @@ def _output_view(transforms: ChunkTransforms, label: str, view: Any) -> Any:
     if not isinstance(view, Stack):
         return transforms.output_view(view)
     for m in view.sampled:
-        if transforms.output_view(m.view) != m.view:
+        if m.view is None or transforms.output_view(m.view) != m.view:
             raise ValueError(
                 f"stack {label!r}: the chunk transforms change member {m.name!r} "
-                f"({m.view.path!r}); stack views of arrays whose transforms keep their "
+                f"({m.geometry.path!r}); stack views of arrays whose transforms keep their "
                 "shape and dtype"
             )
     return view
@@ -414,7 +416,7 @@ def _members(views: Mapping[str, Any]) -> list[Any]:
     out: list[Any] = []
     for v in views.values():
         if isinstance(v, Stack):
-            out.extend(m.view for m in v.members)
+            out.extend(v.views)
         else:
             out.append(v)
     return out
@@ -429,13 +431,16 @@ def _static_fields(
 ) -> tuple[dict[str, Any], dict[str, ArrayGeometry], Sequence[BatchTransform]]:
     """The static views taken out of the plan: read once here, and put into every batch by
     a :class:`~insitubatch_nodes.static.StaticFields` run before ``batch_transforms``; the
-    static members of stacks read once here too, written into every batch's channel slices
-    by a :class:`~insitubatch_nodes.stack.StackConstants` run first."""
+    static members of stacks read once here too, written (with their forcings) into every
+    batch's channel slices by a :class:`~insitubatch_nodes.stack.StackConstants` run first."""
     stacks: dict[str, Stack] = {label: v for label, v in views.items() if isinstance(v, Stack)}
     if stacks:
-        members = {f"{label}/{m.name}": m.view for label, st in stacks.items() for m in st.static}
-        if members:
-            data = read_static(zstore, members, (retry or retry_policy(zstore)).timeout_s)
+        members = {
+            f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static
+        }
+        if members or any(st.forcings for st in stacks.values()):
+            timeout = (retry or retry_policy(zstore)).timeout_s
+            data = read_static(zstore, members, timeout) if members else {}
             fill = StackConstants(
                 stacks,
                 {(label, m.name): data[f"{label}/{m.name}"] for label, st in stacks.items()

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 
 
@@ -54,14 +55,24 @@ LAYOUTS = ("channels_first", "channels_last")
 class StackMember:
     """One member of a :class:`Stack`: its ``name``, ``view``, its channels ``c0:c1`` of the
     stack, whether it has a channel axis of its own (``leveled``), and the ``(mean, std)``
-    it is standardised with (shaped to broadcast against one step of the view), if any."""
+    it is standardised with (shaped to broadcast against one step of the view), if any. A
+    forcing member has no view: ``forcing`` is the :class:`~insitubatch_nodes.forcings.Forcings`
+    that computes it (its channel is the forcing ``name``)."""
 
     name: str
-    view: ArrayGeometry
+    view: ArrayGeometry | None
     c0: int
     c1: int
     leveled: bool
     norm: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
+    forcing: Forcings | None = field(default=None, compare=False)
+
+    @property
+    def geometry(self) -> ArrayGeometry:
+        """The view of an array member (``ValueError`` for a forcing)."""
+        if self.view is None:
+            raise ValueError(f"stack member {self.name!r} is a forcing: it reads no array")
+        return self.view
 
     @property
     def channel(self) -> int | slice:
@@ -93,16 +104,28 @@ class Stack:
 
     @property
     def sampled(self) -> tuple[StackMember, ...]:
-        """The members read through the plan (every member but the static ones)."""
-        return tuple(m for m in self.members if not m.view.static)
+        """The members read through the plan (neither static nor forcings)."""
+        return tuple(m for m in self.members if m.view is not None and not m.view.static)
 
     @property
     def static(self) -> tuple[StackMember, ...]:
         """The static members: constant channels."""
-        return tuple(m for m in self.members if m.view.static)
+        return tuple(m for m in self.members if m.view is not None and m.view.static)
+
+    @property
+    def forcings(self) -> tuple[StackMember, ...]:
+        """The forcing members: computed per batch from the rows' times."""
+        return tuple(m for m in self.members if m.forcing is not None)
+
+    @property
+    def views(self) -> tuple[ArrayGeometry, ...]:
+        """Every view the stack reads (sampled and static members)."""
+        return tuple(m.view for m in self.members if m.view is not None)
 
     def __repr__(self) -> str:
-        names = ", ".join(f"{m.name}={m.view!r}" for m in self.members)
+        names = ", ".join(
+            f"{m.name}={m.view if m.view is not None else m.forcing!r}" for m in self.members
+        )
         return f"stack({{{names}}}, layout={self.layout!r})"
 
 
@@ -121,7 +144,7 @@ def channel_destination(
 
 
 def stack(
-    views: Mapping[str, ArrayGeometry] | Sequence[ArrayGeometry],
+    views: Mapping[str, ArrayGeometry | Forcings] | Sequence[ArrayGeometry | Forcings],
     *,
     layout: str = "channels_first",
     normalize: Statistics | None = None,
@@ -130,8 +153,12 @@ def stack(
     ``batch.arrays[label]`` is ``(batch, [T,] C, *field)`` (``layout="channels_last"``:
     ``(batch, [T,] *field, C)``) and ``batch.channels[label]`` the channel names (module
     docstring). ``views`` maps member names to views (a sequence names each by its array's
-    path). ``normalize``: fitted :class:`~insitubatch_nodes.statistics.Statistics` with an
-    entry per member name; each member is standardised during the copy into the batch.
+    path); a :class:`~insitubatch_nodes.forcings.Forcings` member is one channel per forcing
+    it names (channel and member named by the forcing, ``prefix`` included), computed for each
+    batch from the stack's times (the pipeline must carry the time coordinate: the default
+    ``coords=None`` does) and never normalised. ``normalize``: fitted
+    :class:`~insitubatch_nodes.statistics.Statistics` with an entry per member name; each
+    member is standardised during the copy into the batch.
 
     ``ValueError`` for an unknown ``layout``, no member, no sampled member, members that
     disagree on ``T``, the field shape or the dtype (naming the member and what it has), a
@@ -140,9 +167,10 @@ def stack(
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    named = _named(views)
-    if not named:
+    given = _named(views)
+    if not given:
         raise ValueError("stack() needs at least one view")
+    named = {k: v for k, v in given.items() if isinstance(v, ArrayGeometry)}
     if all(v.static for v in named.values()):
         raise ValueError(
             f"every member of the stack ({sorted(named)}) is static: stack at least one "
@@ -154,7 +182,25 @@ def stack(
     steps = _steps(first)
     members: list[StackMember] = []
     channels: list[str] = []
-    for name, view in named.items():
+    for name, view in given.items():
+        if isinstance(view, Forcings):
+            grid = (len(view.lat), len(view.lon))
+            if grid != field_shape:
+                raise ValueError(
+                    f"stack member {name!r} (forcings) is on a {grid} grid, but {first_name!r} "
+                    f"has field shape {field_shape}: give Forcings the members' grid "
+                    "(view=one of them)"
+                )
+            for forcing in view.names:
+                channels.append(view.prefix + forcing)
+                one = Forcings(
+                    view.time_label, names=[forcing], lat=view.lat, lon=view.lon,
+                    time_name=view.time_name, prefix=view.prefix, period=view.period,
+                    bins=view.bins, irradiance=view.irradiance,
+                )  # fmt: skip
+                c = len(channels) - 1
+                members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
+            continue
         if view.patch is not None:
             raise ValueError(
                 f"stack member {name!r} is patched: stack the views of whole fields or "
@@ -199,13 +245,17 @@ def stack(
 
 
 def _named(
-    views: Mapping[str, ArrayGeometry] | Sequence[ArrayGeometry],
-) -> dict[str, ArrayGeometry]:
+    views: Mapping[str, ArrayGeometry | Forcings] | Sequence[ArrayGeometry | Forcings],
+) -> dict[str, ArrayGeometry | Forcings]:
+    named: dict[str, ArrayGeometry | Forcings]
     if isinstance(views, Mapping):
         named = dict(views)
     else:
         named = {}
         for v in views:
+            if isinstance(v, Forcings):
+                named[f"forcings{len(named)}"] = v
+                continue
             if not isinstance(v, ArrayGeometry):
                 raise TypeError(f"stack() takes ArrayGeometry views, got {v!r}")
             if v.path in named:
@@ -214,8 +264,10 @@ def _named(
                 )
             named[v.path] = v
     for name, v in named.items():
-        if not isinstance(v, ArrayGeometry):
-            raise TypeError(f"stack member {name!r} must be an ArrayGeometry view, got {v!r}")
+        if not isinstance(v, ArrayGeometry | Forcings):
+            raise TypeError(
+                f"stack member {name!r} must be an ArrayGeometry view or Forcings, got {v!r}"
+            )
     return named
 
 
@@ -277,10 +329,12 @@ def _norm(
 
 
 class StackConstants:
-    """A batch transform that writes the static members of channel stacks into every batch's
-    channel slices (run first, on the gathered batch). ``stacks`` maps a label to its
-    :class:`Stack`; ``arrays`` maps ``(label, member name)`` to the static member's data
-    (as its view selects it). Each is standardised once, here, when the stack normalises."""
+    """A batch transform that writes the static and forcing members of channel stacks into
+    every batch's channel slices (run first, on the gathered batch). ``stacks`` maps a label
+    to its :class:`Stack`; ``arrays`` maps ``(label, member name)`` to a static member's data
+    (as its view selects it), standardised once, here, when the stack normalises. Forcings
+    are computed from ``batch.coords[label]["time"]`` (the stack's times, ``(batch,)`` or
+    ``(batch, T)``) for each batch."""
 
     def __init__(
         self, stacks: Mapping[str, Stack], arrays: Mapping[tuple[str, str], np.ndarray]
@@ -293,8 +347,26 @@ class StackConstants:
                     mean, std = member.norm
                     data = (data - mean.astype(np.float64)) / std.astype(np.float64)
                 self.fills.append((label, st, member, data.astype(st.dtype)))
+        self.forcings = [(label, st, m) for label, st in stacks.items() for m in st.forcings]
 
     def __call__(self, batch: Any) -> Any:
+        for label, st, member in self.forcings:
+            assert member.forcing is not None
+            time_name = member.forcing.time_name
+            times = batch.coords.get(label, {}).get(time_name)
+            if times is None:
+                raise KeyError(
+                    f"stack {label!r}: batches carry no coordinate {time_name!r} to compute "
+                    f"forcing {member.name!r} from; build the pipeline with coords=None or "
+                    f"coords=[{time_name!r}]"
+                )
+            values = next(iter(member.forcing.compute(times).values()))
+            arr = batch.arrays[label]
+            channels_last = st.layout == "channels_last"
+            for t in range(1) if st.steps is None else range(st.steps):
+                at = (member.channel,) if st.steps is None else (t, member.channel)
+                step = values if st.steps is None else values[:, t]
+                channel_destination(arr, at, channels_last)[...] = step
         for label, st, member, data in self.fills:
             arr = batch.arrays[label]
             channels_last = st.layout == "channels_last"
@@ -304,4 +376,6 @@ class StackConstants:
         return batch
 
     def __repr__(self) -> str:
-        return f"StackConstants({[(label, m.name) for label, _, m, _ in self.fills]})"
+        names = [(label, m.name) for label, _, m, _ in self.fills]
+        names += [(label, m.name) for label, _, m in self.forcings]
+        return f"StackConstants({names})"

@@ -17,6 +17,7 @@ import zarr
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import (
+    Forcings,
     InSituPipeline,
     fit_statistics,
     insitu_pipeline,
@@ -272,3 +273,38 @@ def test_one_sample_per_chunk_decodes_members_straight_into_their_channels_with_
     print(f"batch_buffer_bytes {stats['batch_buffer_bytes']}, {allocations} x {batch_bytes}")
     assert stats["misses_in_place"] > 0  # members decoded straight into their channels
     assert stats["batch_buffer_bytes"] <= 1.1 * allocations * batch_bytes
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_forcing_members_equal_the_forcings_transform_at_the_stacks_times(
+    tmp_path: Path, window: bool
+) -> None:
+    root = _store(tmp_path / "s.zarr", 2)
+    g = open_geometries(root)
+    names = ["cos_solar_zenith", "year_progress_sin"]
+    t2m = g["2m_temperature"].window([-1, 0]) if window else g["2m_temperature"]
+    forcings = Forcings("t2m", view=g["2m_temperature"], names=names, period="6h")
+    x = stack({"t2m": t2m, "sun": forcings}, layout="channels_last")
+    # the oracle: the same forcings as labels, from the same rows' times
+    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)),
+                           {"x": x, "t2m": t2m}, batch_size=4,
+                           batch_transforms=[forcings])  # fmt: skip
+    try:
+        batches = list(Loader(pipe))
+    finally:
+        pipe.close()
+    assert batches[0].channels["x"] == ["t2m", *names]
+    for b in batches:
+        np.testing.assert_array_equal(b.sample_indices["x"], b.sample_indices["t2m"])
+        np.testing.assert_array_equal(b.coords["x"]["time"], b.coords["t2m"]["time"])
+        np.testing.assert_array_equal(b["x"][..., 0], b["t2m"])
+        for c, name in enumerate(names, start=1):
+            np.testing.assert_array_equal(b["x"][..., c], b[name])
+
+
+def test_a_forcing_member_on_another_grid_is_refused(tmp_path: Path) -> None:
+    root = _store(tmp_path / "s.zarr", 1)
+    g = open_geometries(root)
+    other = Forcings("t", lat=[0.0, 10.0], lon=[0.0, 5.0, 10.0], names=["cos_solar_zenith"])
+    with pytest.raises(ValueError, match=r"member 'sun' \(forcings\) is on a \(2, 3\) grid"):
+        stack({"t2m": g["2m_temperature"], "sun": other})

@@ -169,7 +169,7 @@ def _stack_parts(
     for member in view.sampled:
         if "[" in member.name or "," in member.name or "]" in member.name:
             raise ValueError(f"stack member name {member.name!r} may not hold '[', ',' or ']'")
-        one = member.view.parts() if view.steps is not None else [member.view]
+        one = member.geometry.parts() if view.steps is not None else [member.geometry]
         for t, step in enumerate(one):
             at = (member.channel,) if view.steps is None else (t, member.channel)
             name = (

@@ -106,7 +106,9 @@ def gather_label(
 
 
 def _path(view: Any) -> str:
-    return "" if isinstance(view, Stack) else str(view.path)
+    """The path of the array whose coordinates a label's rows carry (a stack's: its first
+    sampled member's)."""
+    return str(view.sampled[0].geometry.path if isinstance(view, Stack) else view.path)
 
 
 def _standardise(rows: np.ndarray, norm: tuple[np.ndarray, np.ndarray]) -> None:
@@ -200,9 +202,9 @@ class GatherNode(BaseNode[Batch]):
             if g.select is not None
         }
         self.coords = {
-            label: self._array_coords[v.path]
+            label: self._array_coords[_path(v)]
             for label, v in self.layout.views.items()
-            if not isinstance(v, Stack) and v.path in self._array_coords
+            if _path(v) in self._array_coords
         }
         # stack members standardised during the copy: part -> (mean, std)
         self._norm = self.layout.normalized()
