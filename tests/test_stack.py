@@ -308,3 +308,38 @@ def test_a_forcing_member_on_another_grid_is_refused(tmp_path: Path) -> None:
     other = Forcings("t", lat=[0.0, 10.0], lon=[0.0, 5.0, 10.0], names=["cos_solar_zenith"])
     with pytest.raises(ValueError, match=r"member 'sun' \(forcings\) is on a \(2, 3\) grid"):
         stack({"t2m": g["2m_temperature"], "sun": other})
+
+
+@pytest.mark.parametrize("spc", [1, 3])
+def test_a_stack_of_arrays_sampled_along_their_last_axis_equals_the_concatenation(
+    tmp_path: Path, spc: int
+) -> None:
+    # the sample axis last, by name: "time" is axis 2 of (lat, lon, time) and axis 3 of
+    # (level, lat, lon, time)
+    root = tmp_path / "last.zarr"
+    group = zarr.open_group(root, mode="w")
+    rng = np.random.default_rng(0)
+    surface = rng.random((6, 8, 24), dtype=np.float32)
+    levels = rng.random((4, 6, 8, 24), dtype=np.float32)
+    a = group.create_array("a", shape=surface.shape, chunks=(6, 8, spc), dtype="float32",
+                           dimension_names=("lat", "lon", "time"))  # fmt: skip
+    b = group.create_array("b", shape=levels.shape, chunks=(4, 6, 8, spc), dtype="float32",
+                           dimension_names=("level", "lat", "lon", "time"))  # fmt: skip
+    a[...], b[...] = surface, levels
+    g = open_geometries(root, sample_axis="time")
+    x = stack({"b": g["b"].isel(level=[3, 1]), "a": g["a"].shift(1)})
+    pipe = insitu_pipeline(root, split_by_chunk(g["a"], (1.0, 0.0, 0.0)), {"x": x},
+                           batch_size=5, coords=())  # fmt: skip
+    try:
+        batches = list(Loader(pipe))
+    finally:
+        pipe.close()
+    assert sum(len(b) for b in batches) == 23
+    for batch in batches:
+        s = batch.sample_indices["x"]
+        want = np.concatenate(
+            [np.moveaxis(levels[[3, 1]][..., s], -1, 0),
+             np.moveaxis(surface[..., s + 1], -1, 0)[:, None]], axis=1,
+        )  # fmt: skip
+        np.testing.assert_array_equal(batch["x"], want)
+    assert batches[0].channels["x"] == ["b@3", "b@1", "a"]
