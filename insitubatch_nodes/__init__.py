@@ -37,6 +37,7 @@ from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.report import EpochReport
+from insitubatch_nodes.stack import stack
 from insitubatch_nodes.stages.loader import Loader
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 from insitubatch_nodes.torch_data import as_dataset
@@ -76,5 +77,6 @@ __all__ = [
     "open_geometries",
     "open_store",
     "split_by_chunk",
+    "stack",
     "to_torch",
 ]

@@ -39,6 +39,9 @@ class Batch:
     ``(len(batch), n_patch_axes)``: row ``i`` of ``arrays[label]`` is the window of the field
     starting at ``patch_origins[label][i]`` along the patched axes (in physical axis order).
     Views patched alike hold the same origins row for row.
+
+    ``channels[label]`` (channel stacks only: :func:`~insitubatch_nodes.stack.stack`) names
+    the channels of ``arrays[label]`` in order (``"temperature@500"``, ``"2m_temperature"``).
     """
 
     arrays: dict[str, np.ndarray]
@@ -48,6 +51,8 @@ class Batch:
     meta: dict[str, Any] = field(default_factory=dict)
     coords: dict[str, dict[str, np.ndarray]] = field(default_factory=dict)
     patch_origins: dict[str, np.ndarray] = field(default_factory=dict)
+    #: a channel stack's channel names in order (:func:`~insitubatch_nodes.stack.stack`)
+    channels: dict[str, list[str]] = field(default_factory=dict)
 
     def __len__(self) -> int:
         for arr in self.arrays.values():

@@ -37,6 +37,7 @@ from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import SlotBacking
+from insitubatch_nodes.stack import Stack, StackConstants
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
@@ -141,7 +142,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
 def insitu_pipeline(
     store: Store | str | os.PathLike[str],
     manifest: SplitManifest,
-    variables: Sequence[str] | Mapping[str, ArrayGeometry],
+    variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack],
     *,
     split: str = "train",
     batch_size: int = 32,
@@ -289,12 +290,15 @@ def insitu_pipeline(
     views, geoms, batch_transforms = _static_fields(
         zstore, views, geoms, batch_transforms, fetch_options.retry
     )
-    carried = _carried_coordinates(zstore, views, coords, reader)
+    plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
+    # a stack's rows carry its first sampled member's coordinates (its forcings' times)
+    firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
+    carried = _carried_coordinates(zstore, {**plain, **firsts}, coords, reader)
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
-    views = {label: transforms.output_view(view) for label, view in views.items()}
+    views = {label: _output_view(transforms, label, view) for label, view in views.items()}
     manifest = _anchor_steps(
-        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, views.values()
+        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, plain.values()
     )
     # the schedule is decided first (and fails fast, here, when the budget is too small), over
     # the views the plan reads: a window's steps one by one
@@ -327,6 +331,21 @@ _FIELD_OF = {
     "reset_stale_cache": "reset_stale",
     "verify_cache": "verify",
 }
+
+
+def _output_view(transforms: ChunkTransforms, label: str, view: Any) -> Any:
+    """The view as batches carry it; a stack's members must come out of their chunk
+    transforms as they went in."""
+    if not isinstance(view, Stack):
+        return transforms.output_view(view)
+    for m in view.sampled:
+        if m.view is None or transforms.output_view(m.view) != m.view:
+            raise ValueError(
+                f"stack {label!r}: the chunk transforms change member {m.name!r} "
+                f"({m.geometry.path!r}); stack views of arrays whose transforms keep their "
+                "shape and dtype"
+            )
+    return view
 
 
 def _options(
@@ -362,14 +381,14 @@ def _open_store(store: Store | str | os.PathLike[str], retry: RetryPolicy | None
 
 
 def _resolve_views(
-    zstore: Store, variables: Sequence[str] | Mapping[str, ArrayGeometry]
-) -> tuple[dict[str, ArrayGeometry], dict[str, ArrayGeometry]]:
+    zstore: Store, variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack]
+) -> tuple[dict[str, Any], dict[str, ArrayGeometry]]:
     """``(views, geoms)``: label -> view (array names opened from the store; given views
     checked against it), and path -> the array's geometry, one per array read."""
     if isinstance(variables, Mapping):  # views may come from elsewhere: check this store
-        given = {label: v for label, v in variables.items() if isinstance(v, ArrayGeometry)}
-        check_arrays_in_store(zstore, {v.path: v.base for v in given.values()})
-        views = dict(variables)
+        given = [v for v in _members(variables) if isinstance(v, ArrayGeometry)]
+        check_arrays_in_store(zstore, {v.path: v.base for v in given})
+        views: dict[str, Any] = dict(variables)
     else:
         names = [variables] if isinstance(variables, str) else list(variables)
         views = dict(open_geometries(zstore, names))
@@ -381,35 +400,68 @@ def _resolve_views(
     if not views:
         raise ValueError("variables is empty: name at least one array to train on")
     geoms: dict[str, ArrayGeometry] = {}
-    for label, view in views.items():
-        if not isinstance(view, ArrayGeometry):
-            raise TypeError(f"variables[{label!r}] must be an ArrayGeometry view, got {view!r}")
+    for label, given_view in views.items():
+        if not isinstance(given_view, ArrayGeometry | Stack):
+            raise TypeError(
+                f"variables[{label!r}] must be an ArrayGeometry view or a stack(), got "
+                f"{given_view!r}"
+            )
+    for view in _members(views):
         base = geoms.setdefault(view.path, view.base)
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
     return views, geoms
 
 
+def _members(views: Mapping[str, Any]) -> list[Any]:
+    """Every view ``views`` reads: the views, and the members of its stacks."""
+    out: list[Any] = []
+    for v in views.values():
+        if isinstance(v, Stack):
+            out.extend(v.views)
+        else:
+            out.append(v)
+    return out
+
+
 def _static_fields(
     zstore: Store,
-    views: dict[str, ArrayGeometry],
+    views: dict[str, Any],
     geoms: dict[str, ArrayGeometry],
     batch_transforms: Sequence[BatchTransform],
     retry: RetryPolicy | None,
-) -> tuple[dict[str, ArrayGeometry], dict[str, ArrayGeometry], Sequence[BatchTransform]]:
+) -> tuple[dict[str, Any], dict[str, ArrayGeometry], Sequence[BatchTransform]]:
     """The static views taken out of the plan: read once here, and put into every batch by
-    a :class:`~insitubatch_nodes.static.StaticFields` run before ``batch_transforms``."""
-    static = {label: v for label, v in views.items() if v.static}
+    a :class:`~insitubatch_nodes.static.StaticFields` run before ``batch_transforms``; the
+    static members of stacks read once here too, written (with their forcings) into every
+    batch's channel slices by a :class:`~insitubatch_nodes.stack.StackConstants` run first."""
+    stacks: dict[str, Stack] = {label: v for label, v in views.items() if isinstance(v, Stack)}
+    if stacks:
+        members = {
+            f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static
+        }
+        if members or any(st.forcings for st in stacks.values()):
+            timeout = (retry or retry_policy(zstore)).timeout_s
+            data = read_static(zstore, members, timeout) if members else {}
+            fill = StackConstants(
+                stacks,
+                {(label, m.name): data[f"{label}/{m.name}"] for label, st in stacks.items()
+                 for m in st.static},
+            )  # fmt: skip
+            batch_transforms = (fill, *batch_transforms)
+        kept = {v.path for v in _members(views) if not v.static}
+        geoms = {path: g for path, g in geoms.items() if path in kept}
+    static = {label: v for label, v in views.items() if not isinstance(v, Stack) and v.static}
     if not static:
         return views, geoms, batch_transforms
-    sampled = {label: v for label, v in views.items() if not v.static}
+    sampled = {label: v for label, v in views.items() if isinstance(v, Stack) or not v.static}
     if not sampled:
         raise ValueError(
             f"every view ({sorted(static)}) is a static array: name at least one array with "
             "samples to train on"
         )
     arrays = read_static(zstore, static, (retry or retry_policy(zstore)).timeout_s)
-    kept = {v.path for v in sampled.values()}
+    kept = {v.path for v in _members(sampled) if not v.static}
     geoms = {path: g for path, g in geoms.items() if path in kept}
     return sampled, geoms, (StaticFields(arrays), *batch_transforms)
 

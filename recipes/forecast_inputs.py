@@ -10,11 +10,13 @@ written beside it. The recipe
 * lets ``open_geometries`` recognise the land-sea mask as static: every batch carries it as a
   ``(batch, lat, lon)`` view of one array (no copy per row);
 * fits per-level statistics on the training split (``fit_statistics``, one pass, float64) and
-  saves them as JSON; a batch transform standardises each label with them;
+  saves them as JSON;
 * adds top-of-atmosphere solar radiation, the cosine of the solar zenith angle, local time and
   year progress computed from each row's time (``Forcings``): nothing read for them;
-* stacks the labels into ``(batch, channels, lat, lon)`` and trains a small convolutional
-  forecaster of the next step for a few batches; checks the first batch against zarr.
+* stacks inputs, mask and forcings into one label ``x (batch, channels, lat, lon)`` and the
+  next step into ``y`` (``stack``: each member copied from the pool straight into its channel
+  slice and standardised there, no second copy of the batch), checks the first batch against
+  zarr, and trains a small convolutional forecaster of the next step for a few batches.
 
     .venv/bin/python recipes/forecast_inputs.py
     .venv/bin/python recipes/forecast_inputs.py --n-time 128 --n-lat 32 --n-lon 64
@@ -39,6 +41,7 @@ from insitubatch_nodes import (
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
+    stack,
     to_torch,
 )
 from insitubatch_nodes.forcings import SOLAR_IRRADIANCE
@@ -82,11 +85,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "geopotential": geoms["geopotential"].sel(level=LEVELS_13),
         "2m_temperature": geoms["2m_temperature"],
     }
-    views = {
-        **inputs,
-        **{f"next_{name}": view.shift(1) for name, view in inputs.items()},
-        "land_sea_mask": geoms["land_sea_mask"],
-    }
+    constant = {"land_sea_mask": geoms["land_sea_mask"]}
     stored = geoms["temperature"].sample_nbytes
     delivered = inputs["temperature"].sample_nbytes
     print(
@@ -95,43 +94,44 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     manifest = split_by_chunk(geoms["temperature"], (0.75, 0.25, 0.0))
 
-    stats = fit_statistics(root, manifest, {**inputs, "land_sea_mask": views["land_sea_mask"]})
+    stats = fit_statistics(root, manifest, {**inputs, **constant})
     stats.save(Path(tmp.name) / "stats.json")
     print("temperature mean per level (train):", np.round(stats.mean["temperature"], 1).tolist())
-    # the targets (next step) are standardised with their inputs' statistics
-    normalise = stats.normalizer(views, same_as={f"next_{name}": name for name in inputs})
-    forcings = Forcings("temperature", view=inputs["temperature"], period="6h")
+    forcings = Forcings("x", view=inputs["temperature"], period="6h")
+    # one input tensor and one target tensor; the target (the next step) is standardised with
+    # its input's statistics: its members carry the same names
+    x = stack({**inputs, **constant, "forcings": forcings}, normalize=stats)
+    y = stack({name: view.shift(1) for name, view in inputs.items()}, normalize=stats)
+    print("channels:", len(x.channels), x.channels[:2], "...", x.channels[-2:])
 
     # the first batch, as stored: compared with zarr's own read of the selection
-    check = insitu_pipeline(root, manifest, views, batch_size=args.batch_size, shuffle=False)
+    check = insitu_pipeline(root, manifest, {"x": stack(inputs)}, batch_size=args.batch_size,
+                            shuffle=False)  # fmt: skip
     first = next(iter(check))
     check.close()
-    want = zarr.open_array(root / "temperature")[first.sample_indices["temperature"]]
+    rows = first.sample_indices["x"]
     levels = zarr.open_array(root / "level")[...].tolist()
-    want = want[:, [levels.index(v) for v in LEVELS_13]]
-    assert np.array_equal(first.arrays["temperature"], want), "batch differs from zarr"
-    assert first.arrays["land_sea_mask"].strides[0] == 0
-    print("the first batch matched zarr's own read of the 13 levels")
+    pick = [levels.index(v) for v in LEVELS_13]
+    want = np.concatenate(
+        [zarr.open_array(root / "temperature")[rows][:, pick],
+         zarr.open_array(root / "geopotential")[rows][:, pick],
+         zarr.open_array(root / "2m_temperature")[rows][:, None]], axis=1,
+    )  # fmt: skip
+    assert np.array_equal(first.arrays["x"], want), "batch differs from zarr"
+    print("the first batch matched zarr's own read of the 13 levels, stacked")
+
+    tisr = x.channels.index("toa_incident_solar_radiation")
 
     def radiation_to_unit(batch: Any) -> Any:  # J m-2 over 6 h -> a fraction of the most
-        batch.arrays["toa_incident_solar_radiation"] /= SOLAR_IRRADIANCE * 6 * 3600
+        batch.arrays["x"][:, tisr] /= SOLAR_IRRADIANCE * 6 * 3600
         return batch
 
-    pipe = insitu_pipeline(
-        root, manifest, views, batch_size=args.batch_size,
-        batch_transforms=[normalise, forcings, radiation_to_unit],
-    )  # fmt: skip
-    order = [*inputs, "land_sea_mask", *forcings.names]
-    targets = [f"next_{name}" for name in inputs]
-
-    def stack(tensors: dict[str, torch.Tensor], labels: Sequence[str]) -> torch.Tensor:
-        parts = [t if t.dim() == 4 else t[:, None] for t in (tensors[label] for label in labels)]
-        return torch.cat([p.float() for p in parts], dim=1)
-
-    n_in = 2 * len(LEVELS_13) + 1 + 1 + len(forcings.names)
-    n_out = 2 * len(LEVELS_13) + 1
+    pipe = insitu_pipeline(root, manifest, {"x": x, "y": y}, batch_size=args.batch_size,
+                           batch_transforms=[radiation_to_unit])  # fmt: skip
     model = torch.nn.Sequential(
-        torch.nn.Conv2d(n_in, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.Conv2d(32, n_out, 1)
+        torch.nn.Conv2d(len(x.channels), 32, 3, padding=1),
+        torch.nn.ReLU(),
+        torch.nn.Conv2d(32, len(y.channels), 1),
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     losses: list[float] = []
@@ -139,8 +139,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         pipe.reset()  # a new epoch
         for batch in pipe:
             tensors = to_torch(batch)
-            x, y = stack(tensors, order), stack(tensors, targets)
-            loss = torch.nn.functional.mse_loss(model(x), y)
+            inputs_t, targets_t = tensors["x"], tensors["y"]
+            loss = torch.nn.functional.mse_loss(model(inputs_t), targets_t)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if len(losses) == args.steps:
                 break
     pipe.close()
-    print(f"inputs {tuple(x.shape)} targets {tuple(y.shape)}")
+    print(f"inputs {tuple(inputs_t.shape)} targets {tuple(targets_t.shape)}")
     print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f} over {len(losses)} batches")
     tmp.cleanup()
     return 0

@@ -55,6 +55,7 @@ FACE = [
     "open_geometries",
     "open_store",
     "split_by_chunk",
+    "stack",
     "to_torch",
 ]
 

@@ -61,6 +61,7 @@ def direct_labels(
     ):
         return None
     lent = buffers.views
+    strided = buffers.layout.strided_parts()  # channels last: a row is not contiguous
     out: dict[str, dict[int, str]] = {}
     for label, view in plan.views.items():
         if view.path not in ledger.paths:
@@ -70,6 +71,7 @@ def direct_labels(
         if (
             transforms.active(view.path)
             or mine is None
+            or label in strided
             or mine.path != view.path
             or mine.offset != view.offset
             or mine.select is not None  # a selection is copied from a slot, never decoded

@@ -126,7 +126,7 @@ class BatchBuffers:
         self._shapes: dict[str, tuple[tuple[int, ...], np.dtype[Any]]] = {}
         for label, lp in layout.labels.items():
             first = self.views[lp.parts[0][0]]
-            self._shapes[label] = ((*lp.lead, *first.inner_shape), first.dtype)
+            self._shapes[label] = (lp.row_shape(first.inner_shape), first.dtype)
         self.resize(self.rows)
 
     def resize(self, rows: int) -> None:
@@ -146,16 +146,16 @@ class BatchBuffers:
 
     def parts(self, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """Each part's destination in the batch ``arrays`` (from :meth:`take`): part label ->
-        ``arrays[label]`` itself, or the view ``arrays[label][:, t]`` of a window's step
-        ``t``. Views share the batch's memory (and keep its buffer lent)."""
+        ``arrays[label]`` itself, the view ``arrays[label][:, t]`` of a window's step ``t``,
+        or a stack member's channel slice. Views share the batch's memory (and keep its
+        buffer lent)."""
         if self._plain:
             return arrays
         out: dict[str, np.ndarray] = {}
         for label, lp in self.layout.labels.items():
             arr = arrays[label]
             for part, index in lp.parts:
-                at: tuple[Any, ...] = (slice(None), *index)
-                out[part] = arr[at] if index else arr
+                out[part] = lp.destination(arr, index)
         return out
 
     def reserve(self, batches: int) -> None:

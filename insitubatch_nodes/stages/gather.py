@@ -29,6 +29,7 @@ from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.slots import is_level_major
+from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
 from insitubatch_nodes.stages._ranges import ranged
 from insitubatch_nodes.stages._select import SelectedGather
@@ -105,6 +106,19 @@ def gather_label(
     return copied
 
 
+def _path(view: Any) -> str:
+    """The path of the array whose coordinates a label's rows carry (a stack's: its first
+    sampled member's)."""
+    return str(view.sampled[0].geometry.path if isinstance(view, Stack) else view.path)
+
+
+def _standardise(rows: np.ndarray, norm: tuple[np.ndarray, np.ndarray]) -> None:
+    """``rows = (rows - mean) / std`` in place (``norm``: per channel, broadcasting)."""
+    mean, std = norm
+    np.subtract(rows, mean, out=rows)
+    np.divide(rows, std, out=rows)
+
+
 def _evenly(within: np.ndarray, step: int) -> bool:
     """Whether ``within`` rises by exactly ``step`` from one value to the next."""
     return bool(np.all(np.diff(within) == step))
@@ -173,7 +187,7 @@ class GatherNode(BaseNode[Batch]):
             raise ValueError(f"coords name labels {sorted(unknown)} that are not in the views")
         # coordinates are the array's: kept by path, so other views of it carry them too
         self._array_coords = {
-            batch_views[label].path: {name: np.asarray(v) for name, v in named.items()}
+            _path(batch_views[label]): {name: np.asarray(v) for name, v in named.items()}
             for label, named in (coords or {}).items()
             if named
         }
@@ -195,9 +209,16 @@ class GatherNode(BaseNode[Batch]):
             if g.select is not None
         }
         self.coords = {
-            label: self._array_coords[v.path]
+            label: self._array_coords[_path(v)]
             for label, v in self.layout.views.items()
-            if v.path in self._array_coords
+            if _path(v) in self._array_coords
+        }
+        # stack members standardised during the copy: part -> (mean, std)
+        self._norm = self.layout.normalized()
+        self.channels = {
+            label: list(v.channels)
+            for label, v in self.layout.views.items()
+            if isinstance(v, Stack)
         }
         # one scratch set per gathering thread (used only for rows out of sample order)
         self._scratch = [
@@ -246,6 +267,8 @@ class GatherNode(BaseNode[Batch]):
             finally:
                 more = other.result()  # also when ours raised: nothing writes into the batch
             copied = {lb: copied[lb] + more[lb] for lb in labels}
+        for label in self._norm.keys() - set(labels):  # decoded in place, every row
+            _standardise(dest[label], self._norm[label])
         for label in labels:
             if copied[label] + resident.direct.get(label, 0) != n:
                 raise RuntimeError(
@@ -261,6 +284,7 @@ class GatherNode(BaseNode[Batch]):
             patch_origins={label: origins[label] for label in origins},
             epoch=plan.epoch,
             index=plan.index,
+            channels={label: list(names) for label, names in self.channels.items()},
             coords={
                 label: {name: values.take(samples[label]) for name, values in named.items()}
                 for label, named in self.coords.items()
@@ -281,10 +305,8 @@ class GatherNode(BaseNode[Batch]):
         for label, lp in self.layout.labels.items():
             if lp.parts[0][0] not in by_part:
                 continue
-            if not lp.lead:
-                out[label] = by_part[lp.parts[0][0]]
-            elif stack:  # sample indices: one column per step
-                out[label] = np.stack([by_part[p] for p, _ in lp.parts], axis=1)
+            if stack:  # sample indices: one column per step (a stack's: its first member's)
+                out[label] = lp.indices(by_part)
             else:  # patch origins: the same for every step
                 out[label] = by_part[lp.parts[0][0]]
         return out
@@ -303,36 +325,52 @@ class GatherNode(BaseNode[Batch]):
         partial = resident.arrays is not None
         out = {}
         for label in labels:
-            geom = self.views[label]
-            if geom.select is not None:  # a selected view (see _select)
-                out[label] = self._selected[label](
+            out[label] = self._gather_part(arrays, resident, label, lo, hi, scratch, partial)
+            norm = self._norm.get(label)
+            if norm is not None:  # standardised in place while its rows are hot in cache
+                _standardise(arrays[label][lo:hi], norm)
+        return out
+
+    def _gather_part(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        resident: ResidentBatch,
+        label: str,
+        lo: int,
+        hi: int,
+        scratch: int,
+        partial: bool,
+    ) -> int:
+        """Rows ``lo:hi`` of the part ``label``; the rows copied."""
+        geom = self.views[label]
+        if geom.select is not None:  # a selected view (see _select)
+            return int(
+                self._selected[label](
                     arrays[label][lo:hi],
                     resident.plan.sample_indices[label][lo:hi],
                     resident.slots,
                     skip_missing=partial and resident.direct.get(label, 0) > 0,
                 )
-                continue
-            if geom.patch is not None:
-                origins = resident.plan.origins
-                assert origins is not None, "a patched view needs a patched read plan"
-                out[label] = gather_windows(
-                    arrays[label][lo:hi],
-                    resident.plan.sample_indices[label][lo:hi],
-                    origins[lo:hi],
-                    geom,
-                    resident.slots,
-                )
-                continue
-            out[label] = gather_label(
+            )
+        if geom.patch is not None:
+            origins = resident.plan.origins
+            assert origins is not None, "a patched view needs a patched read plan"
+            return gather_windows(
                 arrays[label][lo:hi],
                 resident.plan.sample_indices[label][lo:hi],
-                geom.samples_per_chunk,
-                geom.path,
+                origins[lo:hi],
+                geom,
                 resident.slots,
-                self._scratch[scratch][label],
-                skip_missing=partial and resident.direct.get(label, 0) > 0,
             )
-        return out
+        return gather_label(
+            arrays[label][lo:hi],
+            resident.plan.sample_indices[label][lo:hi],
+            geom.samples_per_chunk,
+            geom.path,
+            resident.slots,
+            self._scratch[scratch][label],
+            skip_missing=partial and resident.direct.get(label, 0) > 0,
+        )
 
     def close(self) -> None:
         """Release what the graph's stages hold (the context's close)."""

@@ -32,7 +32,7 @@ from insitubatch_nodes.plan.epoch import (
     plan_epoch,
 )
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
-from insitubatch_nodes.plan.parts import BatchLayout, expand_views, resolve_windows
+from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.schedule import (
     PinSchedule,
@@ -237,7 +237,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if (
             isinstance(manifest, SplitManifest)
             and isinstance(views, Mapping)
-            and all(isinstance(v, ArrayGeometry) for v in views.values())
+            and all(isinstance(v, ArrayGeometry | Stack) for v in views.values())
         ):
             parts, layout = expand_views(resolve_windows(views, manifest.steps))
             return check_plan_inputs(manifest, parts, config), layout
@@ -245,7 +245,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return check_plan_inputs(manifest, views, config), BatchLayout({}, {})
 
     @property
-    def batch_views(self) -> Mapping[str, ArrayGeometry]:
+    def batch_views(self) -> Mapping[str, ArrayGeometry | Stack]:
         """The views as given (batch label -> view; a window view for a window), of the views
         in effect."""
         return self.layout.views

@@ -1,0 +1,381 @@
+"""Channel stacks: several views delivered as one label, ``(batch, [T,] C, *field)``.
+
+:func:`stack` makes a :class:`Stack` from named views (members). Passed to the pipeline as a
+label's view, it is assembled in place: every sampled member is a *part* of the label
+(:mod:`~insitubatch_nodes.plan.parts`) whose destination is its channel slice of the label's
+batch buffer, so the gather copies each member from the pool straight into
+``buffer[:, t, c0:c1]`` (and, at one sample per chunk, the fetch stage decodes it there): one
+copy from pool to batch, as for a single label. Static members (:attr:`ArrayGeometry.static
+<insitubatch_nodes.io.geometry.ArrayGeometry.static>`) are constant channels, written into
+each batch's slice after the gather.
+
+**Channels, in order**: the members in the order given; a member with one more axis than the
+field (``(level, lat, lon)`` against a ``(lat, lon)`` field) is one channel per entry of its
+first axis, named ``"name@value"`` (the coordinate value where the view knows its coordinates,
+else the index), a member of the field's shape is one channel named ``name``.
+``batch.channels[label]`` lists them. The field is the last two axes of the members (one, for
+1-D members); every member must have the same field shape and the same number of steps
+``T`` (a window of ``T`` steps, or none), or :func:`stack` raises naming the member.
+
+**Normalisation**: with ``normalize=stats`` (:class:`~insitubatch_nodes.statistics.Statistics`
+fitted with the members' names) every member's channel slice is standardised ``(x - mean) /
+std`` per channel in place right after it is copied (statics once, when read): no pass over
+the batch after it is assembled.
+
+``batch.sample_indices[label]`` of a stack is its first sampled member's (``(batch,)``, or
+``(batch, T)``); its coordinates likewise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from insitubatch_nodes.forcings import Forcings
+from insitubatch_nodes.io.geometry import ArrayGeometry
+
+
+class Statistics(Protocol):
+    """What :func:`stack` reads of :class:`~insitubatch_nodes.statistics.Statistics`."""
+
+    mean: Mapping[str, Any]
+
+    def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray: ...
+
+
+__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "stack"]
+
+LAYOUTS = ("channels_first", "channels_last")
+
+
+@dataclass(frozen=True)
+class StackMember:
+    """One member of a :class:`Stack`: its ``name``, ``view``, its channels ``c0:c1`` of the
+    stack, whether it has a channel axis of its own (``leveled``), and the ``(mean, std)``
+    it is standardised with (shaped to broadcast against one step of the view), if any. A
+    forcing member has no view: ``forcing`` is the :class:`~insitubatch_nodes.forcings.Forcings`
+    that computes it (its channel is the forcing ``name``)."""
+
+    name: str
+    view: ArrayGeometry | None
+    c0: int
+    c1: int
+    leveled: bool
+    norm: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
+    forcing: Forcings | None = field(default=None, compare=False)
+
+    @property
+    def geometry(self) -> ArrayGeometry:
+        """The view of an array member (``ValueError`` for a forcing)."""
+        if self.view is None:
+            raise ValueError(f"stack member {self.name!r} is a forcing: it reads no array")
+        return self.view
+
+    @property
+    def channel(self) -> int | slice:
+        """The member's channel index into the stack: an int for a one-channel member."""
+        return slice(self.c0, self.c1) if self.leveled else self.c0
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A channel stack of :class:`StackMember` (made by :func:`stack`; see the module
+    docstring). ``steps`` is ``T`` for members that are windows, ``None`` otherwise;
+    ``field_shape`` the members' common field; ``channels`` the channel names in order."""
+
+    members: tuple[StackMember, ...]
+    layout: str
+    steps: int | None
+    field_shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    channels: tuple[str, ...]
+
+    @property
+    def row_shape(self) -> tuple[int, ...]:
+        """The shape of one row of the label's batch array (after the batch axis)."""
+        lead = () if self.steps is None else (self.steps,)
+        c = len(self.channels)
+        if self.layout == "channels_first":
+            return (*lead, c, *self.field_shape)
+        return (*lead, *self.field_shape, c)
+
+    @property
+    def sampled(self) -> tuple[StackMember, ...]:
+        """The members read through the plan (neither static nor forcings)."""
+        return tuple(m for m in self.members if m.view is not None and not m.view.static)
+
+    @property
+    def static(self) -> tuple[StackMember, ...]:
+        """The static members: constant channels."""
+        return tuple(m for m in self.members if m.view is not None and m.view.static)
+
+    @property
+    def forcings(self) -> tuple[StackMember, ...]:
+        """The forcing members: computed per batch from the rows' times."""
+        return tuple(m for m in self.members if m.forcing is not None)
+
+    @property
+    def views(self) -> tuple[ArrayGeometry, ...]:
+        """Every view the stack reads (sampled and static members)."""
+        return tuple(m.view for m in self.members if m.view is not None)
+
+    def __repr__(self) -> str:
+        names = ", ".join(
+            f"{m.name}={m.view if m.view is not None else m.forcing!r}" for m in self.members
+        )
+        return f"stack({{{names}}}, layout={self.layout!r})"
+
+
+def channel_destination(
+    arr: np.ndarray, index: tuple[int | slice, ...], channels_last: bool
+) -> np.ndarray:
+    """The view of the batch array ``arr`` (``(n, [T,] C, *field)``, or ``(n, [T,] *field,
+    C)`` with ``channels_last``) that a part at ``index`` (``([t,] channel)``) fills:
+    ``(n, *member's inner)`` — a leveled member's channels first, whatever the layout."""
+    *lead, channel = index
+    sub = arr[(slice(None), *lead)]
+    if not channels_last:
+        return sub[:, channel]
+    out = sub[..., channel]
+    return np.moveaxis(out, -1, 1) if isinstance(channel, slice) else out
+
+
+def stack(
+    views: Mapping[str, ArrayGeometry | Forcings] | Sequence[ArrayGeometry | Forcings],
+    *,
+    layout: str = "channels_first",
+    normalize: Statistics | None = None,
+) -> Stack:
+    """A view of ``views`` stacked along a channel axis, usable as a label of the pipeline:
+    ``batch.arrays[label]`` is ``(batch, [T,] C, *field)`` (``layout="channels_last"``:
+    ``(batch, [T,] *field, C)``) and ``batch.channels[label]`` the channel names (module
+    docstring). ``views`` maps member names to views (a sequence names each by its array's
+    path); a :class:`~insitubatch_nodes.forcings.Forcings` member is one channel per forcing
+    it names (channel and member named by the forcing, ``prefix`` included), computed for each
+    batch from the stack's times (the pipeline must carry the time coordinate: the default
+    ``coords=None`` does) and never normalised. ``normalize``: fitted
+    :class:`~insitubatch_nodes.statistics.Statistics` with an entry per member name; each
+    member is standardised during the copy into the batch.
+
+    ``ValueError`` for an unknown ``layout``, no member, no sampled member, members that
+    disagree on ``T``, the field shape or the dtype (naming the member and what it has), a
+    member of more than one axis beyond the field, a patched member, a window still in time
+    deltas, a member without statistics, or non-float members with ``normalize``.
+    """
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    given = _named(views)
+    if not given:
+        raise ValueError("stack() needs at least one view")
+    named = {k: v for k, v in given.items() if isinstance(v, ArrayGeometry)}
+    if all(v.static for v in named.values()):
+        raise ValueError(
+            f"every member of the stack ({sorted(named)}) is static: stack at least one "
+            "array with samples"
+        )
+    first_name, first = next((n, v) for n, v in named.items() if not v.static)
+    field_ndim = min(2, len(first.inner_shape))
+    field_shape = first.inner_shape[len(first.inner_shape) - field_ndim :]
+    steps = _steps(first)
+    members: list[StackMember] = []
+    channels: list[str] = []
+    for name, view in given.items():
+        if isinstance(view, Forcings):
+            grid = (len(view.lat), len(view.lon))
+            if grid != field_shape:
+                raise ValueError(
+                    f"stack member {name!r} (forcings) is on a {grid} grid, but {first_name!r} "
+                    f"has field shape {field_shape}: give Forcings the members' grid "
+                    "(view=one of them)"
+                )
+            for forcing in view.names:
+                channels.append(view.prefix + forcing)
+                one = Forcings(
+                    view.time_label, names=[forcing], lat=view.lat, lon=view.lon,
+                    time_name=view.time_name, prefix=view.prefix, period=view.period,
+                    bins=view.bins, irradiance=view.irradiance,
+                )  # fmt: skip
+                c = len(channels) - 1
+                members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
+            continue
+        if view.patch is not None:
+            raise ValueError(
+                f"stack member {name!r} is patched: stack the views of whole fields or "
+                "selections (isel/sel)"
+            )
+        inner = view.inner_shape
+        if len(inner) not in (field_ndim, field_ndim + 1):
+            raise ValueError(
+                f"stack member {name!r} has shape {inner}: a member is a field {field_shape} "
+                f"or channels of it (channels, *field); select one axis away with isel/sel"
+            )
+        if inner[len(inner) - field_ndim :] != field_shape:
+            raise ValueError(
+                f"stack member {name!r} has field shape {inner[len(inner) - field_ndim :]}, "
+                f"but {first_name!r} has {field_shape}: members must agree on the field "
+                "after selection (select the same box with isel/sel)"
+            )
+        if not view.static and _steps(view) != steps:
+            raise ValueError(
+                f"stack member {name!r} has {_describe_steps(_steps(view))}, but "
+                f"{first_name!r} has {_describe_steps(steps)}: members must agree on T"
+            )
+        if view.dtype != first.dtype and not view.static:
+            raise ValueError(
+                f"stack member {name!r} is {view.dtype}, but {first_name!r} is {first.dtype}: "
+                "stack members of one dtype (a chunk transform can cast one)"
+            )
+        leveled = len(inner) == field_ndim + 1
+        names = _channel_names(name, view) if leveled else [name]
+        norm = None
+        if normalize is not None:
+            norm = _norm(normalize, name, view, first.dtype)
+        c0 = len(channels)
+        channels.extend(names)
+        members.append(StackMember(name, view, c0, len(channels), leveled, norm))
+    if normalize is not None and first.dtype.kind != "f":
+        raise ValueError(
+            f"normalize needs float members, and these are {first.dtype}: cast them with a "
+            "chunk transform"
+        )
+    return Stack(tuple(members), layout, steps, field_shape, first.dtype, tuple(channels))
+
+
+def _named(
+    views: Mapping[str, ArrayGeometry | Forcings] | Sequence[ArrayGeometry | Forcings],
+) -> dict[str, ArrayGeometry | Forcings]:
+    named: dict[str, ArrayGeometry | Forcings]
+    if isinstance(views, Mapping):
+        named = dict(views)
+    else:
+        named = {}
+        for v in views:
+            if isinstance(v, Forcings):
+                named[f"forcings{len(named)}"] = v
+                continue
+            if not isinstance(v, ArrayGeometry):
+                raise TypeError(f"stack() takes ArrayGeometry views, got {v!r}")
+            if v.path in named:
+                raise ValueError(
+                    f"two members read {v.path!r}: name them, stack({{'a': ..., 'b': ...}})"
+                )
+            named[v.path] = v
+    for name, v in named.items():
+        if not isinstance(v, ArrayGeometry | Forcings):
+            raise TypeError(
+                f"stack member {name!r} must be an ArrayGeometry view or Forcings, got {v!r}"
+            )
+    return named
+
+
+def _steps(view: ArrayGeometry) -> int | None:
+    if view.window_offsets is None:
+        return None
+    if view.timed_window:
+        raise ValueError(
+            f"{view.path}: a stack member's window must be in samples: give its offsets as "
+            "ints (a window in time deltas is resolved by the pipeline, not by stack())"
+        )
+    return len(view.window_offsets)
+
+
+def _describe_steps(steps: int | None) -> str:
+    return "no window (one step)" if steps is None else f"a window of {steps} steps"
+
+
+def _channel_names(name: str, view: ArrayGeometry) -> list[str]:
+    """``name@value`` per entry of the member's first inner axis (value: the coordinate's
+    where the view can read it, else the index)."""
+    n = view.inner_shape[0]
+    keys = view.select.keys if view.select is not None else None
+    kept = [i for i in range(len(view.field_axes)) if keys is None or not isinstance(keys[i], int)]
+    axis = kept[0]
+    key = None if keys is None else keys[axis]
+    index = list(range(n)) if key is None else list(key)  # type: ignore[arg-type]
+    labels: list[Any] = index
+    dims = view.dims
+    if dims is not None and view.coordinates is not None:
+        dim = dims[view.field_axes[axis]]
+        try:
+            values = np.asarray(view.coordinates(view, dim))
+        except Exception:  # no such coordinate: the index names the channel
+            values = None
+        if values is not None and values.ndim == 1 and len(values) == view.field_shape[axis]:
+            labels = [_plain(values[i]) for i in index]
+    return [f"{name}@{v}" for v in labels]
+
+
+def _plain(value: Any) -> Any:
+    item = value.item() if isinstance(value, np.generic) else value
+    if isinstance(item, float) and item.is_integer():
+        return int(item)
+    return item
+
+
+def _norm(
+    stats: Statistics, name: str, view: ArrayGeometry, dtype: np.dtype[Any]
+) -> tuple[np.ndarray, np.ndarray]:
+    if name not in stats.mean:
+        raise ValueError(
+            f"normalize has no statistics for stack member {name!r} (it has "
+            f"{sorted(stats.mean)}): fit them with fit_statistics under the member's name"
+        )
+    mean = stats.shaped(name, "mean", view)
+    std = stats.shaped(name, "std", view)
+    return mean.astype(dtype), std.astype(dtype)
+
+
+class StackConstants:
+    """A batch transform that writes the static and forcing members of channel stacks into
+    every batch's channel slices (run first, on the gathered batch). ``stacks`` maps a label
+    to its :class:`Stack`; ``arrays`` maps ``(label, member name)`` to a static member's data
+    (as its view selects it), standardised once, here, when the stack normalises. Forcings
+    are computed from ``batch.coords[label]["time"]`` (the stack's times, ``(batch,)`` or
+    ``(batch, T)``) for each batch."""
+
+    def __init__(
+        self, stacks: Mapping[str, Stack], arrays: Mapping[tuple[str, str], np.ndarray]
+    ) -> None:
+        self.fills: list[tuple[str, Stack, StackMember, np.ndarray]] = []
+        for label, st in stacks.items():
+            for member in st.static:
+                data = np.asarray(arrays[(label, member.name)], dtype=np.float64)
+                if member.norm is not None:
+                    mean, std = member.norm
+                    data = (data - mean.astype(np.float64)) / std.astype(np.float64)
+                self.fills.append((label, st, member, data.astype(st.dtype)))
+        self.forcings = [(label, st, m) for label, st in stacks.items() for m in st.forcings]
+
+    def __call__(self, batch: Any) -> Any:
+        for label, st, member in self.forcings:
+            assert member.forcing is not None
+            time_name = member.forcing.time_name
+            times = batch.coords.get(label, {}).get(time_name)
+            if times is None:
+                raise KeyError(
+                    f"stack {label!r}: batches carry no coordinate {time_name!r} to compute "
+                    f"forcing {member.name!r} from; build the pipeline with coords=None or "
+                    f"coords=[{time_name!r}]"
+                )
+            values = next(iter(member.forcing.compute(times).values()))
+            arr = batch.arrays[label]
+            channels_last = st.layout == "channels_last"
+            for t in range(1) if st.steps is None else range(st.steps):
+                at = (member.channel,) if st.steps is None else (t, member.channel)
+                step = values if st.steps is None else values[:, t]
+                channel_destination(arr, at, channels_last)[...] = step
+        for label, st, member, data in self.fills:
+            arr = batch.arrays[label]
+            channels_last = st.layout == "channels_last"
+            for t in range(1) if st.steps is None else range(st.steps):
+                at = (member.channel,) if st.steps is None else (t, member.channel)
+                channel_destination(arr, at, channels_last)[...] = data
+        return batch
+
+    def __repr__(self) -> str:
+        names = [(label, m.name) for label, _, m, _ in self.fills]
+        names += [(label, m.name) for label, _, m in self.forcings]
+        return f"StackConstants({names})"

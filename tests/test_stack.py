@@ -1,0 +1,345 @@
+"""Channel stacks (issue 31): ``stack(views)`` as a label, assembled in place.
+
+zarr and numpy are the oracle: a stack equals ``np.concatenate`` of its members (read by zarr,
+selected and shifted by numpy) along the channel axis, in the order given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from torchdata.nodes import Loader
+
+from insitubatch_nodes import (
+    Forcings,
+    InSituPipeline,
+    fit_statistics,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    stack,
+)
+from insitubatch_nodes.synthetic import make_weatherbench_like
+
+N = 32
+LEVELS = [1000, 350, 1]  # of the store's five (1000, 775, 350, 70, 1)
+
+
+def _store(root: Path, spc: int = 1) -> Path:
+    make_weatherbench_like(
+        root, n_time=N, n_lat=6, n_lon=8, n_level=5, surface=["2m_temperature"],
+        levels=["temperature", "geopotential"], samples_per_chunk=spc,
+    )  # fmt: skip
+    lsm = zarr.create_array(
+        root / "land_sea_mask", shape=(6, 8), chunks=(6, 8), dtype="float32",
+        dimension_names=("latitude", "longitude"),
+    )  # fmt: skip
+    lsm[...] = np.arange(48, dtype=np.float32).reshape(6, 8) / 48
+    return root
+
+
+def _levels(root: Path) -> list[int]:
+    return [int(v) for v in zarr.open_array(root / "level")[...]]
+
+
+def _oracle(root: Path, name: str, samples: np.ndarray, levels: list[int] | None) -> np.ndarray:
+    """What zarr reads for member ``name`` at ``samples`` (any shape), as (..., C, H, W)."""
+    data = zarr.open_array(root / name, mode="r")[...]
+    out = data[samples]
+    if levels is not None:
+        idx = [_levels(root).index(v) for v in levels]
+        out = out[..., idx, :, :]
+    return out if out.ndim == samples.ndim + 3 else out[..., None, :, :]
+
+
+def _members(root: Path) -> dict[str, Any]:
+    g = open_geometries(root)
+    return {
+        "temperature": g["temperature"].sel(level=LEVELS),
+        "2m_temperature": g["2m_temperature"],
+        "geopotential": g["geopotential"].isel(level=[4, 0]),
+    }
+
+
+@pytest.mark.parametrize("spc", [1, 4])
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+def test_a_stack_equals_the_concatenation_of_its_members_in_the_order_given(
+    tmp_path: Path, spc: int, layout: str
+) -> None:
+    root = _store(tmp_path / "s.zarr", spc)
+    m = _members(root)
+    g = open_geometries(root)
+    views = {
+        "x": stack(m, layout=layout),
+        # a shifted member and a plain one: their own sample indices, the first member's
+        "y": stack({"t": m["temperature"].shift(1), "t2m": g["2m_temperature"].shift(1)},
+                   layout=layout),
+    }  # fmt: skip
+    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)), views,
+                           batch_size=5)  # fmt: skip
+    try:
+        batches = list(Loader(pipe))
+        stats = pipe.stats()
+    finally:
+        pipe.close()
+    assert sum(len(b) for b in batches) == N - 1  # the shift leaves the last anchor out
+    zlev = _levels(root)
+    for b in batches:
+        s = b.sample_indices["x"]
+        want_x = np.concatenate(
+            [_oracle(root, "temperature", s, LEVELS), _oracle(root, "2m_temperature", s, None),
+             _oracle(root, "geopotential", s, [zlev[4], zlev[0]])], axis=1,
+        )  # fmt: skip
+        want_y = np.concatenate(
+            [_oracle(root, "temperature", s + 1, LEVELS),
+             _oracle(root, "2m_temperature", s + 1, None)], axis=1,
+        )  # fmt: skip
+        if layout == "channels_last":
+            want_x, want_y = np.moveaxis(want_x, 1, -1), np.moveaxis(want_y, 1, -1)
+        np.testing.assert_array_equal(b["x"], want_x)
+        np.testing.assert_array_equal(b["y"], want_y)
+        np.testing.assert_array_equal(b.sample_indices["y"], s + 1)
+    assert batches[0].channels["x"] == [
+        "temperature@1000", "temperature@350", "temperature@1", "2m_temperature",
+        f"geopotential@{zlev[4]}", f"geopotential@{zlev[0]}",
+    ]  # fmt: skip
+    assert batches[0].channels["y"] == ["t@1000", "t@350", "t@1", "t2m"]
+    assert stats["misses"] > 0
+
+
+def test_a_stack_of_windows_is_batch_t_channels_field_and_equals_the_members_per_step(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr", 2)
+    g = open_geometries(root)
+    x = stack({"t": g["temperature"].sel(level=LEVELS).window([-1, 0]),
+               "t2m": g["2m_temperature"].window([-1, 0])})  # fmt: skip
+    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)), {"x": x},
+                           batch_size=4, shuffle=True)  # fmt: skip
+    try:
+        batches = list(Loader(pipe))
+    finally:
+        pipe.close()
+    assert sum(len(b) for b in batches) == N - 1
+    for b in batches:
+        s = b.sample_indices["x"]
+        assert s.shape == (len(b), 2)
+        want = np.concatenate(
+            [_oracle(root, "temperature", s, LEVELS), _oracle(root, "2m_temperature", s, None)],
+            axis=2,
+        )
+        assert b["x"].shape == (len(b), 2, 4, 6, 8)
+        np.testing.assert_array_equal(b["x"], want)
+
+
+def test_a_static_member_is_constant_channels_equal_to_the_static_array(tmp_path: Path) -> None:
+    root = _store(tmp_path / "s.zarr", 1)
+    g = open_geometries(root)
+    assert g["land_sea_mask"].static
+    x = stack({"t2m": g["2m_temperature"], "lsm": g["land_sea_mask"]}, layout="channels_last")
+    pipe = insitu_pipeline(root, split_by_chunk(g["2m_temperature"], (1.0, 0.0, 0.0)),
+                           {"x": x}, batch_size=8)  # fmt: skip
+    try:
+        batches = list(Loader(pipe))
+    finally:
+        pipe.close()
+    lsm = zarr.open_array(root / "land_sea_mask")[...]
+    for b in batches:
+        np.testing.assert_array_equal(b["x"][..., 1], np.broadcast_to(lsm, (len(b), 6, 8)))
+        np.testing.assert_array_equal(
+            b["x"][..., 0], _oracle(root, "2m_temperature", b.sample_indices["x"], None)[:, 0]
+        )
+    assert batches[0].channels["x"] == ["t2m", "lsm"]
+
+
+@pytest.mark.parametrize("spc", [1, 4])
+def test_normalize_standardises_each_channel_as_the_unstacked_members_would_be(
+    tmp_path: Path, spc: int
+) -> None:
+    root = _store(tmp_path / "s.zarr", spc)
+    g = open_geometries(root)
+    members = {"t": g["temperature"].sel(level=LEVELS), "t2m": g["2m_temperature"],
+               "lsm": g["land_sea_mask"]}  # fmt: skip
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    stats = fit_statistics(root, manifest, members)
+    x = stack(members, normalize=stats)
+    pipe = insitu_pipeline(root, manifest, {"x": x}, batch_size=6)
+    try:
+        batches = list(Loader(pipe))
+    finally:
+        pipe.close()
+    lsm = zarr.open_array(root / "land_sea_mask")[...][None, None]
+    for b in batches:
+        s = b.sample_indices["x"]
+        raw = [_oracle(root, "temperature", s, LEVELS), _oracle(root, "2m_temperature", s, None),
+               np.broadcast_to(lsm, (len(b), 1, 6, 8))]  # fmt: skip
+        means = [np.asarray(stats.mean[k], np.float64).reshape(-1, 1, 1) for k in members]
+        stds = [np.asarray(stats.std[k], np.float64).reshape(-1, 1, 1) for k in members]
+        want = np.concatenate(
+            [(r - m) / sd for r, m, sd in zip(raw, means, stds, strict=True)], axis=1
+        )
+        np.testing.assert_allclose(b["x"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_members_that_disagree_on_t_or_on_the_field_are_refused_naming_the_member(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr", 1)
+    g = open_geometries(root)
+    with pytest.raises(ValueError, match=r"member 't2m' has a window of 3 steps.*'t' has a "):
+        stack({"t": g["temperature"].window([0, 1]), "t2m": g["2m_temperature"].window([0, 1, 2])})
+    with pytest.raises(ValueError, match=r"member 'box' has field shape \(3, 8\).*\(6, 8\)"):
+        stack({"t2m": g["2m_temperature"], "box": g["temperature"].isel(latitude=[0, 1, 2])})
+    with pytest.raises(ValueError, match="layout must be one of"):
+        stack({"t2m": g["2m_temperature"]}, layout="nhwc")
+
+
+@contextmanager
+def _stacked(root: Path) -> Iterator[InSituPipeline]:
+    g = open_geometries(root)
+    x = stack({"t": g["temperature"].sel(level=LEVELS), "t2m": g["2m_temperature"].shift(1),
+               "lsm": g["land_sea_mask"]})  # fmt: skip
+    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)), {"x": x},
+                           batch_size=3, shuffle=True, seed=5)  # fmt: skip
+    try:
+        yield pipe
+    finally:
+        pipe.close()
+
+
+def _records(batches: list[Any]) -> list[tuple[Any, ...]]:
+    return [(b.epoch, b.index, b.sample_indices["x"].tolist(), b["x"].tobytes()) for b in batches]
+
+
+def test_a_mid_epoch_state_of_a_stack_resumes_at_exactly_the_next_batch(tmp_path: Path) -> None:
+    root = _store(tmp_path / "s.zarr", 2)
+    with _stacked(root) as pipe:
+        loader = Loader(pipe)
+        want = _records([b for _ in range(2) for b in loader])
+    n = len(want) // 2
+    for k in (2, n + 1):
+        with _stacked(root) as pipe:
+            loader = Loader(pipe)
+            got, it = [], iter(loader)
+            while len(got) < k:
+                try:
+                    got.append(next(it))
+                except StopIteration:
+                    it = iter(loader)
+            state = loader.state_dict()
+            got_records = _records(got)
+            del got
+        with _stacked(root) as pipe:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            rest = list(loader)
+            if k <= n:
+                rest += list(loader)
+            rest_records = _records(rest)
+        assert got_records + rest_records == want
+
+
+def test_one_sample_per_chunk_decodes_members_straight_into_their_channels_with_no_other_memory(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr", 1)
+    g = open_geometries(root)
+    m = {"t": g["temperature"], "t2m": g["2m_temperature"], "z": g["geopotential"]}
+    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)),
+                           {"x": stack(m)}, batch_size=8, prefetch_depth=1)  # fmt: skip
+    try:
+        loader = Loader(pipe)
+        batch_bytes, allocations = 0, 0
+        for _ in range(2):
+            for b in loader:
+                s = b.sample_indices["x"]
+                names = ("temperature", "2m_temperature", "geopotential")
+                want = np.concatenate([_oracle(root, k, s, None) for k in names], axis=1)
+                np.testing.assert_array_equal(b["x"], want)
+                batch_bytes = b["x"].nbytes
+                del b
+            allocations = pipe.stages.gather.buffer_allocations
+        stats = pipe.stats()
+    finally:
+        pipe.close()
+    # one (batch, C, H, W) buffer per batch in flight: no per-member buffer, no copy after
+    # (the gather's scratch, one row per member for rows out of sample order, is counted too)
+    print(f"batch_buffer_bytes {stats['batch_buffer_bytes']}, {allocations} x {batch_bytes}")
+    assert stats["misses_in_place"] > 0  # members decoded straight into their channels
+    assert stats["batch_buffer_bytes"] <= 1.1 * allocations * batch_bytes
+
+
+@pytest.mark.parametrize("window", [False, True])
+def test_forcing_members_equal_the_forcings_transform_at_the_stacks_times(
+    tmp_path: Path, window: bool
+) -> None:
+    root = _store(tmp_path / "s.zarr", 2)
+    g = open_geometries(root)
+    names = ["cos_solar_zenith", "year_progress_sin"]
+    t2m = g["2m_temperature"].window([-1, 0]) if window else g["2m_temperature"]
+    forcings = Forcings("t2m", view=g["2m_temperature"], names=names, period="6h")
+    x = stack({"t2m": t2m, "sun": forcings}, layout="channels_last")
+    # the oracle: the same forcings as labels, from the same rows' times
+    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)),
+                           {"x": x, "t2m": t2m}, batch_size=4,
+                           batch_transforms=[forcings])  # fmt: skip
+    try:
+        batches = list(Loader(pipe))
+    finally:
+        pipe.close()
+    assert batches[0].channels["x"] == ["t2m", *names]
+    for b in batches:
+        np.testing.assert_array_equal(b.sample_indices["x"], b.sample_indices["t2m"])
+        np.testing.assert_array_equal(b.coords["x"]["time"], b.coords["t2m"]["time"])
+        np.testing.assert_array_equal(b["x"][..., 0], b["t2m"])
+        for c, name in enumerate(names, start=1):
+            np.testing.assert_array_equal(b["x"][..., c], b[name])
+
+
+def test_a_forcing_member_on_another_grid_is_refused(tmp_path: Path) -> None:
+    root = _store(tmp_path / "s.zarr", 1)
+    g = open_geometries(root)
+    other = Forcings("t", lat=[0.0, 10.0], lon=[0.0, 5.0, 10.0], names=["cos_solar_zenith"])
+    with pytest.raises(ValueError, match=r"member 'sun' \(forcings\) is on a \(2, 3\) grid"):
+        stack({"t2m": g["2m_temperature"], "sun": other})
+
+
+@pytest.mark.parametrize("spc", [1, 3])
+def test_a_stack_of_arrays_sampled_along_their_last_axis_equals_the_concatenation(
+    tmp_path: Path, spc: int
+) -> None:
+    # the sample axis last, by name: "time" is axis 2 of (lat, lon, time) and axis 3 of
+    # (level, lat, lon, time)
+    root = tmp_path / "last.zarr"
+    group = zarr.open_group(root, mode="w")
+    rng = np.random.default_rng(0)
+    surface = rng.random((6, 8, 24), dtype=np.float32)
+    levels = rng.random((4, 6, 8, 24), dtype=np.float32)
+    a = group.create_array("a", shape=surface.shape, chunks=(6, 8, spc), dtype="float32",
+                           dimension_names=("lat", "lon", "time"))  # fmt: skip
+    b = group.create_array("b", shape=levels.shape, chunks=(4, 6, 8, spc), dtype="float32",
+                           dimension_names=("level", "lat", "lon", "time"))  # fmt: skip
+    a[...], b[...] = surface, levels
+    g = open_geometries(root, sample_axis="time")
+    x = stack({"b": g["b"].isel(level=[3, 1]), "a": g["a"].shift(1)})
+    pipe = insitu_pipeline(root, split_by_chunk(g["a"], (1.0, 0.0, 0.0)), {"x": x},
+                           batch_size=5, coords=())  # fmt: skip
+    try:
+        batches = list(Loader(pipe))
+    finally:
+        pipe.close()
+    assert sum(len(b) for b in batches) == 23
+    for batch in batches:
+        s = batch.sample_indices["x"]
+        want = np.concatenate(
+            [np.moveaxis(levels[[3, 1]][..., s], -1, 0),
+             np.moveaxis(surface[..., s + 1], -1, 0)[:, None]], axis=1,
+        )  # fmt: skip
+        np.testing.assert_array_equal(batch["x"], want)
+    assert batches[0].channels["x"] == ["b@3", "b@1", "a"]
