@@ -1416,7 +1416,11 @@ def forecast_section(source: Path | None) -> list[str]:
         "`shifts`: 60 `shift()` views over a hand-built on-grid manifest and a batch transform "
         "stacking them; `xarray`: `xr.open_zarr` + `isel` per sample in a `DataLoader` with "
         f"{cfg['workers']} workers; `bare`: two threads reading and decoding every on-grid object "
-        "once, nothing else (the ceiling).",
+        "once, nothing else; `deliver`: the ceiling for windows, `bare` plus the copies a batch "
+        "of windows needs (each decoded step into every `(row, t)` reading it; a window batch "
+        "holds each step up to six times, so it delivers ~4x the bytes it decodes; each thread "
+        "decodes the steps of its own batches, so steps shared across the two threads' batches "
+        "are read twice).",
         "",
     ]
     rows = []
