@@ -49,7 +49,10 @@ def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path:
         for r in nodes:
             assert not [f for f in REQUIRED_FIELDS if f not in r]
             assert r["samples"] == data["train_samples"] and r["samples_per_s"] > 0
-            assert r["gets"] == data["train_objects"], r["gets"]  # every object once an epoch
+            # every object once in epoch 0; the smoke split (a few MB) fits the automatic
+            # budget, so the schedule keeps it in the pool and epoch 1 reads nothing
+            want = data["train_objects"] if r["epoch_kind"] == "epoch0" else 0
+            assert r["gets"] == want, (r["epoch_kind"], r["gets"])
             assert r["rss_peak_MB"] > 0 and r["cpu_s"] >= 0
             assert r["extra"]["report"]["samples"] == data["train_samples"]  # pipe.report()
         for engine in CEILINGS:
