@@ -151,6 +151,40 @@ def _epochs(run_epoch: Any, n: int) -> list[dict[str, Any]]:
     return out
 
 
+def _run_pipeline(pipe: Any, cfg: dict[str, Any], setup_s: float) -> dict[str, Any]:
+    """``cfg["epochs"]`` epochs of ``pipe`` (then closed): samples, seconds, objects and bytes
+    read per epoch; the batch buffers held against the delivered batch's bytes."""
+    last = {"gets": 0, "bytes": 0}
+    delivered = 0
+
+    def epoch(e: int) -> tuple[int, dict[str, Any]]:
+        nonlocal delivered
+        if e:
+            pipe.reset()
+        n = 0
+        for batch in pipe:
+            n += len(batch)
+            delivered = max(delivered, sum(a.nbytes for a in batch.arrays.values()))
+        s = pipe.stats()
+        gets, nbytes = s["gets"] - last["gets"], s["bytes_fetched"] - last["bytes"]
+        last.update(gets=s["gets"], bytes=s["bytes_fetched"])
+        return n, {"objects": gets, "bytes": nbytes}
+
+    epochs = _epochs(epoch, cfg["epochs"])
+    stats = pipe.stats()
+    # a set is one buffer per label the gather assembles
+    sets = pipe.stages.gather.buffer_allocations / len(pipe.stages.gather.buffers.layout.views)
+    pipe.close()
+    return {
+        "setup_s": setup_s,
+        "epochs": epochs,
+        "batch_buffer_bytes": stats["batch_buffer_bytes"],
+        "batch_buffer_sets": sets,
+        "delivered_batch_bytes": delivered,
+        "rss_peak_bytes": _rss_peak_bytes(),
+    }
+
+
 def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
     from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 
@@ -162,35 +196,7 @@ def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
     pipe = insitu_pipeline(
         store, manifest, views, batch_size=cfg["batch_size"], stride=f"{STRIDE_H}h", coords=()
     )
-    setup_s = time.perf_counter() - t0
-    last = {"gets": 0, "bytes": 0}
-    delivered = {"bytes": 0}
-
-    def epoch(e: int) -> tuple[int, dict[str, Any]]:
-        pipe.reset() if e else None
-        n = 0
-        for batch in pipe:
-            n += len(batch)
-            delivered["bytes"] = max(
-                delivered["bytes"], sum(a.nbytes for a in batch.arrays.values())
-            )
-        s = pipe.stats()
-        gets, nbytes = s["gets"] - last["gets"], s["bytes_fetched"] - last["bytes"]
-        last.update(gets=s["gets"], bytes=s["bytes_fetched"])
-        return n, {"objects": gets, "bytes": nbytes}
-
-    epochs = _epochs(epoch, cfg["epochs"])
-    stats = pipe.stats()
-    sets = pipe.stages.gather.buffer_allocations / len(views)  # one buffer per label a set
-    pipe.close()
-    return {
-        "setup_s": setup_s,
-        "epochs": epochs,
-        "batch_buffer_bytes": stats["batch_buffer_bytes"],
-        "batch_buffer_sets": sets,
-        "delivered_batch_bytes": delivered["bytes"],
-        "rss_peak_bytes": _rss_peak_bytes(),
-    }
+    return _run_pipeline(pipe, cfg, time.perf_counter() - t0)
 
 
 def run_shifts(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -216,26 +222,7 @@ def run_shifts(cfg: dict[str, Any]) -> dict[str, Any]:
     pipe = insitu_pipeline(
         store, manifest, views, batch_size=cfg["batch_size"], batch_transforms=[stack], coords=()
     )
-    setup_s = time.perf_counter() - t0
-    last = {"gets": 0, "bytes": 0}
-
-    def epoch(e: int) -> tuple[int, dict[str, Any]]:
-        pipe.reset() if e else None
-        n = sum(len(b) for b in pipe)
-        s = pipe.stats()
-        gets, nbytes = s["gets"] - last["gets"], s["bytes_fetched"] - last["bytes"]
-        last.update(gets=s["gets"], bytes=s["bytes_fetched"])
-        return n, {"objects": gets, "bytes": nbytes}
-
-    epochs = _epochs(epoch, cfg["epochs"])
-    stats = pipe.stats()
-    pipe.close()
-    return {
-        "setup_s": setup_s,
-        "epochs": epochs,
-        "batch_buffer_bytes": stats["batch_buffer_bytes"],
-        "rss_peak_bytes": _rss_peak_bytes(),
-    }
+    return _run_pipeline(pipe, cfg, time.perf_counter() - t0)
 
 
 class XarrayWindows:
