@@ -46,6 +46,20 @@ def samples_per_rank(n_samples: int, world_size: int, remainder: str = "drop") -
     return n_samples // world_size
 
 
+def _covered(
+    starts: np.ndarray, ends: np.ndarray, a: int, b: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The chunks whose samples ``[starts, ends)`` (laid end to end, ascending) meet
+    ``[a, b)`` (``b > a``): their positions and the part of each inside, ``[lo, hi)`` counted
+    from the chunk's first sample (empty pieces possible at the ends)."""
+    first = int(np.searchsorted(ends, a, side="right"))
+    last = int(np.searchsorted(ends, b - 1, side="right"))
+    sel = np.arange(first, last + 1)
+    lo = np.maximum(starts[sel], a) - starts[sel]
+    hi = np.minimum(ends[sel], b) - starts[sel]
+    return sel, lo, hi
+
+
 def deal(
     counts: np.ndarray,
     world_size: int,
@@ -103,11 +117,7 @@ def deal(
         a, b = int(cuts[r]), int(cuts[r + 1])
         ta, tb = min(a, n_tail), min(b, n_tail)
         if tb > ta:
-            first = int(np.searchsorted(tail_end, ta, side="right"))
-            last = int(np.searchsorted(tail_end, tb - 1, side="right"))
-            sel = np.arange(first, last + 1)
-            lo = np.maximum(tail_start[sel], ta) - tail_start[sel]
-            hi = np.minimum(tail_end[sel], tb) - tail_start[sel]
+            sel, lo, hi = _covered(tail_start, tail_end, ta, tb)
             # whole tail chunks first, then the (at most two) partial pieces: a rank's ledger
             # is whole chunks up to its last block (what schedule_floors relies on)
             partial = (hi - lo) < counts[tail[sel]]
@@ -181,11 +191,7 @@ def deal_runs(
         empty = np.zeros(0, dtype=np.int64)
         groups, los, cnts = [empty], [empty], [empty]
         if b > a:
-            first = int(np.searchsorted(ends, a, side="right"))
-            last = int(np.searchsorted(ends, b - 1, side="right"))
-            sel = np.arange(first, last + 1)
-            lo = np.maximum(starts[sel], a) - starts[sel]
-            hi = np.minimum(ends[sel], b) - starts[sel]
+            sel, lo, hi = _covered(starts, ends, a, b)
             got = hi > lo
             sel, lo, hi = sel[got], lo[got], hi[got]
             whole = (hi - lo) == counts[by_axis[sel]]
