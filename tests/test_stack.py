@@ -27,6 +27,7 @@ from insitubatch_nodes import (
     stack,
 )
 from insitubatch_nodes.synthetic import make_weatherbench_like
+from tests.resume_helpers import epochs_of
 
 N = 32
 LEVELS = [1000, 350, 1]  # of the store's five (1000, 775, 350, 70, 1)
@@ -227,12 +228,8 @@ def test_a_mid_epoch_state_of_a_stack_resumes_at_exactly_the_next_batch(tmp_path
     for k in (2, n + 1):
         with _stacked(root) as pipe:
             loader = Loader(pipe)
-            got, it = [], iter(loader)
-            while len(got) < k:
-                try:
-                    got.append(next(it))
-                except StopIteration:
-                    it = iter(loader)
+            it = epochs_of(loader)
+            got = [next(it) for _ in range(k)]
             state = loader.state_dict()
             got_records = _records(got)
             del got

@@ -24,6 +24,7 @@ from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from tests.helpers import counting_store
+from tests.resume_helpers import epochs_of
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")
@@ -295,12 +296,8 @@ def test_a_mid_epoch_state_with_windows_and_a_time_stride_resumes_at_exactly_the
     for k in (1, n + 2):  # in the first epoch, and in the second
         with _windowed(root) as pipe:
             loader = Loader(pipe)
-            got, it = [], iter(loader)
-            while len(got) < k:
-                try:
-                    got.append(next(it))
-                except StopIteration:
-                    it = iter(loader)
+            it = epochs_of(loader)
+            got = [next(it) for _ in range(k)]
             state = loader.state_dict()
         with _windowed(root) as pipe:
             loader = Loader(pipe)
