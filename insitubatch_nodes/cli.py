@@ -294,9 +294,14 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command == "check-transform":
+    if args.command != "check-transform":  # pragma: no cover - argparse requires a command
+        return _USAGE
+    try:
         return check_transform(args)
-    return _USAGE  # pragma: no cover - argparse requires a command
+    finally:
+        from insitubatch_nodes.io._zarr_compat import stop_io_loop
+
+        stop_io_loop()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -432,6 +432,27 @@ def io_loop() -> Any:
     return _get_loop()
 
 
+def stop_io_loop(timeout_s: float = 10.0) -> None:
+    """Stop zarr's store-IO loop and join its thread while the interpreter is whole.
+
+    zarr stops it from an ``atexit`` hook that waits 0.2 s and then closes the loop whether or not
+    its daemon thread has finished; on a loaded machine that thread can still be running when the
+    interpreter finalizes, and the process has been seen to abort (status -6) after its work was
+    done. A command-line tool calls this before it returns its exit status. Idempotent; a later
+    use of zarr starts a new loop.
+    """
+    from zarr.core import sync
+
+    loop, thread = sync.loop[0], sync.iothread[0]
+    if loop is None:
+        return
+    if thread is not None and thread.is_alive():
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout_s)
+    if thread is None or not thread.is_alive():
+        sync.cleanup_resources()
+
+
 # -- decoding (used by insitubatch_nodes.io.decode) ---
 # zarr's codec classes and chunk-spec types are imported lazily inside these functions: they are
 # the names that move between zarr releases.
