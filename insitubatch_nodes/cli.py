@@ -293,15 +293,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line ``argv`` (``None``: the process's own arguments) and return its exit
+    status. Called for the process (``argv=None``: the console script, ``python -m``), it also
+    stops zarr's IO thread before returning (``_zarr_compat.stop_io_loop``); called from Python
+    with arguments, it leaves the process's zarr as it found it."""
     args = _parser().parse_args(argv)
     if args.command != "check-transform":  # pragma: no cover - argparse requires a command
         return _USAGE
     try:
         return check_transform(args)
     finally:
-        from insitubatch_nodes.io._zarr_compat import stop_io_loop
+        if argv is None:
+            from insitubatch_nodes.io._zarr_compat import stop_io_loop
 
-        stop_io_loop()
+            stop_io_loop()
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,4 +1,5 @@
-"""``insitubatch-nodes check-transform``: run as a subprocess against a real store on disk.
+"""``insitubatch-nodes check-transform`` against a real store on disk: in this process through
+``main``, and as a process where its exit status is the claim.
 
 The store holds one array with 2 MB chunks (a realistic size for the GIL probe: on a toy chunk
 the Python call overhead of any transform dominates). The transforms live in a file written by
@@ -7,7 +8,9 @@ the test and are loaded both as ``path.py:attr`` and as ``module:attr``.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import io
 import os
 import subprocess
 import sys
@@ -20,6 +23,7 @@ import pytest
 import zarr
 
 import insitubatch_nodes
+from insitubatch_nodes.cli import main
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -78,17 +82,20 @@ def transforms(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def check(store: Path, target: str, *extra: str, cwd: Path | None = None) -> tuple[int, str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(cwd or ROOT)])}
-    command = [sys.executable, "-m", "insitubatch_nodes.cli", "check-transform", str(store)]
-    proc = subprocess.run(
-        [*command, "--var", "t2m", "--transform", target, *extra],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=cwd,
-        timeout=150,
-    )
-    return proc.returncode, proc.stdout + proc.stderr
+    """The command run in this process (``main`` with arguments): its exit status and output.
+    ``cwd`` is the working directory it runs in, importable as a process's would be. The exit
+    status of a real process is claimed by the usage-error test below."""
+    out, err = io.StringIO(), io.StringIO()
+    argv = ["check-transform", str(store), "--var", "t2m", "--transform", target, *extra]
+    with contextlib.ExitStack() as stack:
+        if cwd is not None:
+            stack.enter_context(contextlib.chdir(cwd))
+            sys.path.insert(0, str(cwd))
+            stack.callback(sys.path.remove, str(cwd))
+        stack.enter_context(contextlib.redirect_stdout(out))
+        stack.enter_context(contextlib.redirect_stderr(err))
+        rc = main(argv)
+    return rc, out.getvalue() + err.getvalue()
 
 
 def test_check_transform_exits_zero_on_a_vectorized_transform(
