@@ -318,3 +318,9 @@ def test_the_gather_of_a_selection_equals_numpy_for_rows_in_any_order(
         if key is not None:
             expected = np.take(expected, key if isinstance(key, int) else list(key), axis=axis + 1)
     np.testing.assert_array_equal(out, expected)
+    # into a channel slice of a wider buffer (a stack member's destination: not contiguous)
+    inner = view.inner_shape
+    wide = np.full((len(samples), inner[0] + 3, *inner[1:]), np.nan, "f4")
+    assert SelectedGather(view, None)(wide[:, 1 : 1 + inner[0]], samples, slots) == len(samples)
+    np.testing.assert_array_equal(wide[:, 1 : 1 + inner[0]], expected)
+    assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, 1 + inner[0] :]).all()
