@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -287,9 +287,7 @@ def insitu_pipeline(
     views, geoms = _resolve_views(zstore, variables)
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
-    views, geoms, batch_transforms = _static_fields(
-        zstore, views, geoms, batch_transforms, fetch_options.retry
-    )
+    views, geoms, statics, constants = _static_fields(views, geoms)
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
     # a stack's rows carry its first sampled member's coordinates (its forcings' times)
     firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
@@ -311,7 +309,17 @@ def insitu_pipeline(
         revive=cache_options.persistent and plan_config.shuffle,
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
-    chunk_cache = _open_cache(cache_options, zstore, geoms, transforms, plan.rank)
+    chunk_cache = _open_cache(cache_options, zstore, geoms, transforms, plan.rank, statics)
+    try:  # the static fields: read once here, or taken from the persistent cache
+        timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
+        static_data = read_static(zstore, statics, timeout, cache=chunk_cache) if statics else {}
+    except BaseException:
+        if chunk_cache is not None:
+            chunk_cache.close()
+        raise
+    made = constants(static_data)
+    if made:  # put first; the transforms given are checked as given where they are used
+        batch_transforms = (*made, *batch_transforms)
     return _compose_stages(
         plan,
         zstore,
@@ -425,45 +433,47 @@ def _members(views: Mapping[str, Any]) -> list[Any]:
 
 
 def _static_fields(
-    zstore: Store,
-    views: dict[str, Any],
-    geoms: dict[str, ArrayGeometry],
-    batch_transforms: Sequence[BatchTransform],
-    retry: RetryPolicy | None,
-) -> tuple[dict[str, Any], dict[str, ArrayGeometry], Sequence[BatchTransform]]:
-    """The static views taken out of the plan: read once here, and put into every batch by
-    a :class:`~insitubatch_nodes.static.StaticFields` run before ``batch_transforms``; the
-    static members of stacks read once here too, written (with their forcings) into every
-    batch's channel slices by a :class:`~insitubatch_nodes.stack.StackConstants` run first."""
+    views: dict[str, Any], geoms: dict[str, ArrayGeometry]
+) -> tuple[
+    dict[str, Any],
+    dict[str, ArrayGeometry],
+    dict[str, ArrayGeometry],
+    Callable[[Mapping[str, np.ndarray]], tuple[BatchTransform, ...]],
+]:
+    """The static views taken out of the plan: ``(views, geoms, statics, constants)`` — the
+    views and arrays the plan reads, every static view to read once (stack members keyed
+    ``"label/member"``), and what makes the batch transforms from the arrays read: a
+    :class:`~insitubatch_nodes.static.StaticFields` that puts the static labels into every
+    batch, then a :class:`~insitubatch_nodes.stack.StackConstants` that writes the static and
+    forcing members of stacks into every batch's channel slices."""
     stacks: dict[str, Stack] = {label: v for label, v in views.items() if isinstance(v, Stack)}
-    if stacks:
-        members = {
-            f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static
-        }
-        if members or any(st.forcings for st in stacks.values()):
-            timeout = (retry or retry_policy(zstore)).timeout_s
-            data = read_static(zstore, members, timeout) if members else {}
-            fill = StackConstants(
-                stacks,
-                {(label, m.name): data[f"{label}/{m.name}"] for label, st in stacks.items()
-                 for m in st.static},
-            )  # fmt: skip
-            batch_transforms = (fill, *batch_transforms)
-        kept = {v.path for v in _members(views) if not v.static}
-        geoms = {path: g for path, g in geoms.items() if path in kept}
+    members = {f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static}
     static = {label: v for label, v in views.items() if not isinstance(v, Stack) and v.static}
-    if not static:
-        return views, geoms, batch_transforms
     sampled = {label: v for label, v in views.items() if isinstance(v, Stack) or not v.static}
     if not sampled:
         raise ValueError(
             f"every view ({sorted(static)}) is a static array: name at least one array with "
             "samples to train on"
         )
-    arrays = read_static(zstore, static, (retry or retry_policy(zstore)).timeout_s)
-    kept = {v.path for v in _members(sampled) if not v.static}
-    geoms = {path: g for path, g in geoms.items() if path in kept}
-    return sampled, geoms, (StaticFields(arrays), *batch_transforms)
+    if stacks or static:
+        kept = {v.path for v in _members(sampled) if not v.static}
+        geoms = {path: g for path, g in geoms.items() if path in kept}
+    fill = bool(members) or any(st.forcings for st in stacks.values())
+
+    def constants(data: Mapping[str, np.ndarray]) -> tuple[BatchTransform, ...]:
+        out: list[BatchTransform] = []
+        if static:
+            out.append(StaticFields({label: data[label] for label in static}))
+        if fill:
+            constant = {
+                (label, m.name): data[f"{label}/{m.name}"]
+                for label, st in stacks.items()
+                for m in st.static
+            }
+            out.append(StackConstants(stacks, constant))
+        return tuple(out)
+
+    return sampled, geoms, {**static, **members}, constants
 
 
 def _carried_coordinates(
@@ -575,18 +585,22 @@ def _open_cache(
     geoms: Mapping[str, ArrayGeometry],
     transforms: ChunkTransforms,
     rank: int,
+    statics: Mapping[str, ArrayGeometry],
 ) -> ChunkCache | None:
     """The chunk cache on local disk (``None`` without a ``cache_dir``): the directory of
-    ``rank``, keyed by each array's fingerprint after its chunk transforms."""
+    ``rank``, keyed by each array's fingerprint after its chunk transforms (a static array's
+    by its geometry: it takes no chunk transforms)."""
     if options.cache_dir is None:
         return None
     fingerprints = {
         path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
         for path, out in transforms.outputs.items()
     }
+    static_bases = {v.path: v.base for v in statics.values()}
+    fingerprints.update({path: array_fingerprint(g, g, ()) for path, g in static_bases.items()})
     store_check = StoreCheck(
         zstore,
-        {path: g.n_tiles for path, g in geoms.items()},
+        {path: g.n_tiles for path, g in {**geoms, **static_bases}.items()},
         enabled=options.check_store,
         name=describe_store(zstore),
     )
