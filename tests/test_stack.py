@@ -344,3 +344,50 @@ def test_a_stack_of_arrays_sampled_along_their_last_axis_equals_the_concatenatio
         )  # fmt: skip
         np.testing.assert_array_equal(batch["x"], want)
     assert batches[0].channels["x"] == ["b@3", "b@1", "a"]
+
+
+def test_a_stack_of_patched_members_equals_the_members_windows_at_the_rows_origins(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr", spc=4)
+    g = open_geometries(root)
+    cut = {"latitude": 4, "longitude": 4}
+    members = {
+        "t": g["temperature"].patches(cut, origins="random"),
+        "z": g["geopotential"].patches(cut, origins="random"),
+        "z_next": g["geopotential"].shift(1).patches(cut, origins="random"),
+    }
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": stack(members)}, batch_size=5, coords=())
+    t, z = (zarr.open_array(root / n, mode="r")[...] for n in ("temperature", "geopotential"))
+    rows = 0
+    try:
+        for batch in pipe:
+            x, origins = batch.arrays["x"], batch.patch_origins["x"]
+            samples = batch.sample_indices["x"]
+            assert x.shape == (len(batch), 15, 4, 4) and batch.channels["x"][5] == "z@1000"
+            for i, (s, (oy, ox)) in enumerate(zip(samples, origins, strict=True)):
+                box = (slice(oy, oy + 4), slice(ox, ox + 4))
+                want = np.concatenate([t[s][:, *box], z[s][:, *box], z[s + 1][:, *box]])
+                np.testing.assert_array_equal(x[i], want)
+                rows += 1
+    finally:
+        pipe.close()
+    assert rows == N - 1  # every anchor whose next step is in the store
+
+
+def test_patched_members_must_be_patched_alike_without_static_or_forcing_members(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr")
+    g = open_geometries(root)
+    cut = {"latitude": 4, "longitude": 4}
+    t = g["temperature"].patches(cut)
+    with pytest.raises(ValueError, match="'z' is not"):
+        stack({"t": t, "z": g["geopotential"]})
+    with pytest.raises(ValueError, match="patched differently"):
+        stack({"t": t, "z": g["geopotential"].patches({"latitude": 4, "longitude": 4}, stride=2)})
+    with pytest.raises(ValueError, match="static field of the whole grid"):
+        stack({"t": t, "lsm": g["land_sea_mask"]})
+    with pytest.raises(ValueError, match="forcings"):
+        stack({"t": t, "sun": Forcings("x", view=g["temperature"], names=["cos_solar_zenith"])})
