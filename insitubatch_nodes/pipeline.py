@@ -79,7 +79,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
         objects over the field axes (``(0, 0)`` when a 2-D field is stored whole)."""
         return self.stages.fetch.bad_chunks
 
-    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+    def set_views(self, views: Mapping[str, ArrayGeometry | Stack]) -> None:
         """Read ``views`` (``{label: view}`` of the arrays this pipeline reads: other windows,
         shifts or labels; a rollout that grows) from the next epoch on.
 
@@ -93,9 +93,17 @@ class InSituPipeline(PrefetcherNode[Batch]):
         pipeline reading the new views refuses it mid-epoch with a ``ValueError`` naming both
         sets of views.
 
-        Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry``;
+        A :func:`~insitubatch_nodes.stack.stack` is a view too: its sampled members may change
+        (other windows, shifts, selections, normalisation, order), its static and forcing
+        members and its layout stay those its label was built with (they were read or set up
+        at build), and a stack with forcings keeps the array of its first sampled member (its
+        rows' times).
+
+        Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry`` or a stack;
         ``ValueError`` for views of other arrays (or of an array with another geometry), an
-        array patched otherwise, a split left with no anchor, and an explicit
+        array patched otherwise, a stack whose static or forcing members, layout or first
+        array (with forcings) differ from its label's at build, a split left with no anchor,
+        and an explicit
         ``cache_budget_bytes`` below the new views' floor (as at build). Time-delta windows
         are resolved through the times the pipeline was built with (a time ``stride``, time
         windows or ``missing=``): give offsets in samples otherwise.
@@ -103,17 +111,25 @@ class InSituPipeline(PrefetcherNode[Batch]):
         if not isinstance(views, Mapping) or not views:
             raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
         plan, transforms = self.stages.plan, self.context.transforms
-        carried: dict[str, ArrayGeometry] = {}
+        carried: dict[str, Any] = {}
         for label, view in views.items():
-            if not isinstance(view, ArrayGeometry):
-                raise TypeError(f"views[{label!r}] must be an ArrayGeometry view, got {view!r}")
-            if view.path not in transforms.outputs or view.base != transforms.source(view.path):
-                raise ValueError(
-                    f"views[{label!r}] reads {view.path!r} with another geometry than this "
-                    f"pipeline's arrays ({sorted(transforms.outputs)}): set_views takes views "
-                    "of the arrays the pipeline was built on"
+            if not isinstance(view, ArrayGeometry | Stack):
+                raise TypeError(
+                    f"views[{label!r}] must be an ArrayGeometry view or a stack(), got {view!r}"
                 )
-            carried[label] = transforms.output_view(view)
+            sampled = view.views if isinstance(view, Stack) else (view,)
+            for member in (v for v in sampled if not v.static):
+                if member.path not in transforms.outputs or member.base != transforms.source(
+                    member.path
+                ):
+                    raise ValueError(
+                        f"views[{label!r}] reads {member.path!r} with another geometry than "
+                        f"this pipeline's arrays ({sorted(transforms.outputs)}): set_views "
+                        "takes views of the arrays the pipeline was built on"
+                    )
+            if isinstance(view, Stack):
+                self._check_constants(label, view)
+            carried[label] = _output_view(transforms, label, view)
         parts, _ = expand_views(resolve_windows(carried, plan.manifest.steps))
         pool = self.stages.pool
         persistent = pool.cache is not None and pool.cache.persistent
@@ -125,6 +141,31 @@ class InSituPipeline(PrefetcherNode[Batch]):
             revive=persistent and plan.shuffle,
         )
         plan.set_views(carried, schedule=schedule)
+
+    def _check_constants(self, label: str, view: Stack) -> None:
+        """A stack given to :meth:`set_views` keeps the static and forcing members its label
+        was built with (read, or computed, by the builder's ``StackConstants``)."""
+        built = [t for t in self.stages.gather.batch_transforms if isinstance(t, StackConstants)]
+        have = {(m.name, m.view) for t in built for lb, _, m, _ in t.fills if lb == label}
+        have |= {(m.name, None) for t in built for lb, _, m in t.forcings if lb == label}
+        layouts = {st.layout for t in built for lb, st, _, _ in t.fills if lb == label}
+        layouts |= {st.layout for t in built for lb, st, _ in t.forcings if lb == label}
+        want = {(m.name, m.view) for m in view.static} | {(m.name, None) for m in view.forcings}
+        if want != have or (layouts and layouts != {view.layout}):
+            raise ValueError(
+                f"set_views keeps a stack's static and forcing members (and its layout): "
+                f"stack {label!r} was built with {sorted(n for n, _ in have)}, and the one "
+                f"given has {sorted(n for n, _ in want)}; build a new pipeline for others"
+            )
+        firsts = {st.sampled[0].geometry.path for t in built for lb, st, _ in t.forcings
+                  if lb == label}  # fmt: skip
+        if firsts and firsts != {view.sampled[0].geometry.path}:
+            raise ValueError(
+                f"set_views keeps the array a stack's times come from (its first sampled "
+                f"member's, for its forcings): stack {label!r} was built with "
+                f"{sorted(firsts)} first, and the one given has "
+                f"{view.sampled[0].geometry.path!r}; put a member of that array first"
+            )
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the

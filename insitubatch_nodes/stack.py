@@ -360,6 +360,20 @@ def _norm(
     return mean.astype(dtype), std.astype(dtype)
 
 
+def _where(
+    batch: Any, label: str, st: Stack, member: StackMember
+) -> tuple[int | None, int | slice]:
+    """``(steps, channel)`` of ``member`` in this batch's array of ``label``: its steps ``T``
+    (``None`` without) and its channel index, found by its channel names in
+    ``batch.channels[label]`` (the stack in effect may have moved it: ``set_views``)."""
+    names = batch.channels.get(label) or st.channels
+    c0 = list(names).index(st.channels[member.c0])
+    channel: int | slice = slice(c0, c0 + member.c1 - member.c0) if member.leveled else c0
+    arr = batch.arrays[label]
+    steps = arr.shape[1] if arr.ndim == len(st.field_shape) + 3 else None
+    return steps, channel
+
+
 class StackConstants:
     """A batch transform that writes the static and forcing members of channel stacks into
     every batch's channel slices (run first, on the gathered batch). ``stacks`` maps a label
@@ -393,18 +407,18 @@ class StackConstants:
                     f"coords=[{time_name!r}]"
                 )
             values = next(iter(member.forcing.compute(times).values()))
+            steps, channel = _where(batch, label, st, member)
             arr = batch.arrays[label]
-            channels_last = st.layout == "channels_last"
-            for t in range(1) if st.steps is None else range(st.steps):
-                at = (member.channel,) if st.steps is None else (t, member.channel)
-                step = values if st.steps is None else values[:, t]
-                channel_destination(arr, at, channels_last)[...] = step
+            for t in range(1) if steps is None else range(steps):
+                at = (channel,) if steps is None else (t, channel)
+                step = values if steps is None else values[:, t]
+                channel_destination(arr, at, st.layout == "channels_last")[...] = step
         for label, st, member, data in self.fills:
+            steps, channel = _where(batch, label, st, member)
             arr = batch.arrays[label]
-            channels_last = st.layout == "channels_last"
-            for t in range(1) if st.steps is None else range(st.steps):
-                at = (member.channel,) if st.steps is None else (t, member.channel)
-                channel_destination(arr, at, channels_last)[...] = data
+            for t in range(1) if steps is None else range(steps):
+                at = (channel,) if steps is None else (t, channel)
+                channel_destination(arr, at, st.layout == "channels_last")[...] = data
         return batch
 
     def __repr__(self) -> str:

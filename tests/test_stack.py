@@ -391,3 +391,48 @@ def test_patched_members_must_be_patched_alike_without_static_or_forcing_members
         stack({"t": t, "lsm": g["land_sea_mask"]})
     with pytest.raises(ValueError, match="forcings"):
         stack({"t": t, "sun": Forcings("x", view=g["temperature"], names=["cos_solar_zenith"])})
+
+
+def test_set_views_takes_stacks_from_the_next_epoch_keeping_their_static_and_forcing_members(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr")
+    g = open_geometries(root)
+    lsm = zarr.open_array(root / "land_sea_mask", mode="r")[...]
+    sun = Forcings("x", view=g["2m_temperature"], names=["cos_solar_zenith"])
+    t = g["temperature"].sel(level=LEVELS)
+    before = stack({"t": t, "t2m": g["2m_temperature"], "lsm": g["land_sea_mask"], "sun": sun})
+    after = stack({"t": t.window([-1, 0]), "t2m": g["2m_temperature"].window([-1, 0]),
+                   "lsm": g["land_sea_mask"], "sun": sun})  # fmt: skip
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": before}, batch_size=4)
+    try:
+        assert next(iter(pipe)).arrays["x"].shape == (4, 6, 6, 8)
+        pipe.set_views({"x": after})
+        pipe.reset()
+        rows = 0
+        for b in pipe:
+            x, s = b.arrays["x"], b.sample_indices["x"]
+            assert x.shape == (len(b), 2, 6, 6, 8) and s.shape == (len(b), 2)
+            assert b.channels["x"] == ["t@1000", "t@350", "t@1", "t2m", "lsm",
+                                       "cos_solar_zenith"]  # fmt: skip
+            want = np.concatenate(
+                [_oracle(root, "temperature", s, LEVELS), _oracle(root, "2m_temperature", s, None)],
+                axis=2,
+            )
+            np.testing.assert_array_equal(x[:, :, :4], want)
+            np.testing.assert_array_equal(x[:, :, 4], np.broadcast_to(lsm, x[:, :, 4].shape))
+            suns = sun.compute(b.coords["x"]["time"])["cos_solar_zenith"]
+            np.testing.assert_allclose(x[:, :, 5], suns, rtol=1e-6)
+            rows += len(b)
+        assert rows == N - 1
+        with pytest.raises(ValueError, match="static and forcing members"):
+            pipe.set_views({"x": stack({"t": t, "t2m": g["2m_temperature"], "sun": sun})})
+        with pytest.raises(ValueError, match="times come from"):
+            pipe.set_views({"x": stack({"t2m": g["2m_temperature"], "t": t,
+                                        "lsm": g["land_sea_mask"], "sun": sun})})  # fmt: skip
+        with pytest.raises(ValueError, match="another geometry"):
+            pipe.set_views({"x": stack({"t": t, "q": g["geopotential"], "lsm": g["land_sea_mask"],
+                                        "sun": sun})})  # fmt: skip
+    finally:
+        pipe.close()
