@@ -65,6 +65,7 @@ bench: $(STAMP)
 	BENCH_COMMAND="make bench" $(PY) -m benchmarks.run --suite full $(BENCH_ARGS)
 	BENCH_COMMAND="make bench" $(PY) -m benchmarks.archive --suite full $(ARCHIVE_ARGS)
 	$(PY) -m benchmarks.forecast --out benchmarks/results $(FORECAST_ARGS)
+	$(PY) -m benchmarks.stack_inputs --out benchmarks/results $(STACK_INPUTS_ARGS)
 	$(PY) -m benchmarks.report
 
 # The harness's claims first (tests marked `bench`: each suite's smoke run and its report),
@@ -78,6 +79,7 @@ bench-smoke: $(STAMP)
 		BENCH_COMMAND="make bench-smoke" $(PY) -m benchmarks.archive --suite smoke --out $$tmp \
 			--check && \
 		$(PY) -m benchmarks.forecast --smoke --out $$tmp --check && \
+		$(PY) -m benchmarks.stack_inputs --smoke --out $$tmp --check && \
 		$(PY) -m benchmarks.report $$tmp/bench-smoke-*.jsonl --archive $$tmp/archive-smoke-*.jsonl \
 			--doc $$tmp/benchmarks.md --plots $$tmp/plots && \
 		rm -rf $$tmp

@@ -1468,6 +1468,93 @@ def forecast_section(source: Path | None) -> list[str]:
     return out
 
 
+def newest_stack_inputs(results: Path) -> Path | None:
+    """The newest full ``stack-inputs-*.jsonl`` (``benchmarks/stack_inputs.py``) under
+    ``results`` (else the newest of any kind)."""
+    files = sorted(results.glob("stack-inputs-full-*.jsonl")) or sorted(
+        results.glob("stack-inputs-*.jsonl")
+    )
+    return files[-1] if files else None
+
+
+def stack_inputs_section(source: Path | None) -> list[str]:
+    """GraphCast-style inputs stacked (``benchmarks/stack_inputs.py``): ``stack()`` labels
+    against per-member labels + a stacking transform, xarray + DataLoader and the bare loop;
+    ``fit_statistics`` against the bare loop over every object."""
+    out = ["## Model inputs: channel stacks and fitted statistics", ""]
+    if source is None:
+        return [
+            *out,
+            "_No run was found (`benchmarks/results/stack-inputs-*.jsonl`): run `python -m "
+            "benchmarks.stack_inputs --out benchmarks/results`._",
+            "",
+        ]
+    rec = json.loads(source.read_text().strip().splitlines()[-1])
+    cfg, summary = rec["config"], rec["summary"]
+    mib = 2**20
+    out += [
+        f"From `{source.name}`: the hourly ARCO-like store of the forecast section "
+        f"({cfg['steps']} steps, 37 levels whole in each object, a {cfg['lat']} x {cfg['lon']} "
+        "grid) with two static fields; 13 of the 37 levels of 6 arrays, 4 surface arrays, "
+        "anchors every 6 hours, `x` = 2 input steps with the statics and the solar radiation "
+        f"as channels, `y` = 4 target steps; batches of {cfg['batch_size']}, each engine in a "
+        f"fresh process, two epochs, best of {cfg['rounds']} rounds. `stack`: `stack()` labels; "
+        "`labels`: one label per member and a batch transform copying them into `x` and `y` "
+        "(today's route); `xarray`: `open_zarr` + `isel` per sample (no forcing channel) in a "
+        f"`DataLoader` with {cfg['workers']} workers; `bare`: two threads reading and decoding "
+        "every on-grid object; `fit`: `fit_statistics` of the 10 members over the whole store, "
+        "one fit per epoch; `bare_all`: the bare loop over every object (what a fit reads).",
+        "",
+    ]
+    rows = [
+        [
+            f"`{engine}`",
+            f"{rates[0]:,.0f}",
+            f"{rates[1]:,.0f}",
+            f"{summary['rss_peak_mib'][engine]:,.0f}",
+        ]
+        for engine, rates in summary["samples_per_s"].items()
+    ]
+    out += [
+        table(["engine", "samples/s epoch 0", "samples/s epoch 1", "peak RSS MiB"], rows),
+        "",
+    ]
+    route_rows = [
+        [
+            f"`{route}`",
+            " / ".join(f"{o:,}" for o in r["objects_per_epoch"]),
+            f"{r['decoded_bytes_per_epoch'] / mib:,.1f}",
+            f"{r['delivered_bytes_per_epoch'] / mib:,.1f}",
+            f"{r['batch_memory_ratio']:.2f}",
+            f"{r['gather_ms']:.2f}",
+            f"{r['gather_ms_without_stacking']:.2f}",
+        ]
+        for route, r in summary["routes"].items()
+    ]
+    if route_rows:
+        out += [
+            table(
+                [
+                    "route",
+                    "objects read (e0 / e1)",
+                    "MiB decoded / epoch",
+                    "MiB delivered / epoch",
+                    "batch buffers / delivered",
+                    "gather ms/batch",
+                    "without the stacking transform",
+                ],
+                route_rows,
+            ),
+            "",
+        ]
+    if summary["ratios"]:
+        out += [
+            table(["ratio", "measured"], [[k, f"{v:.2f}"] for k, v in summary["ratios"].items()]),
+            "",
+        ]
+    return out
+
+
 def archive_only_page(rows: list[Row], source: Path) -> str:
     """The page when only an archive-shape JSONL is given (no side-by-side run)."""
     run = next(r for r in rows if r.get("type") == "run")
@@ -1489,6 +1576,7 @@ def archive_only_page(rows: list[Row], source: Path) -> str:
             *scale_section(rows),
             *patches_section(newest_patches(source.parent)),
             *forecast_section(newest_forecast(source.parent)),
+            *stack_inputs_section(newest_stack_inputs(source.parent)),
             "## Machine",
             "",
             table(
@@ -1570,6 +1658,7 @@ def render(
         *scale_section(archive),
         *patches_section(newest_patches(source.parent)),
         *forecast_section(newest_forecast(source.parent)),
+        *stack_inputs_section(newest_stack_inputs(source.parent)),
         "## How to reproduce",
         "",
         "```bash",
@@ -1578,6 +1667,7 @@ def render(
         "python -m benchmarks.archive --suite full   # the archive shape alone",
         "python -m benchmarks.patches --out benchmarks/results  # patches (a 20,000² plane)",
         "python -m benchmarks.forecast --out benchmarks/results  # forecast samples (hourly)",
+        "python -m benchmarks.stack_inputs --out benchmarks/results  # stacked model inputs",
         "```",
         "",
         f"This run's command: `{run['command']}`  ",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,7 +79,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
         objects over the field axes (``(0, 0)`` when a 2-D field is stored whole)."""
         return self.stages.fetch.bad_chunks
 
-    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+    def set_views(self, views: Mapping[str, ArrayGeometry | Stack]) -> None:
         """Read ``views`` (``{label: view}`` of the arrays this pipeline reads: other windows,
         shifts or labels; a rollout that grows) from the next epoch on.
 
@@ -93,9 +93,17 @@ class InSituPipeline(PrefetcherNode[Batch]):
         pipeline reading the new views refuses it mid-epoch with a ``ValueError`` naming both
         sets of views.
 
-        Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry``;
+        A :func:`~insitubatch_nodes.stack.stack` is a view too: its sampled members may change
+        (other windows, shifts, selections, normalisation, order), its static and forcing
+        members and its layout stay those its label was built with (they were read or set up
+        at build), and a stack with forcings keeps the array of its first sampled member (its
+        rows' times).
+
+        Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry`` or a stack;
         ``ValueError`` for views of other arrays (or of an array with another geometry), an
-        array patched otherwise, a split left with no anchor, and an explicit
+        array patched otherwise, a stack whose static or forcing members, layout or first
+        array (with forcings) differ from its label's at build, a split left with no anchor,
+        and an explicit
         ``cache_budget_bytes`` below the new views' floor (as at build). Time-delta windows
         are resolved through the times the pipeline was built with (a time ``stride``, time
         windows or ``missing=``): give offsets in samples otherwise.
@@ -103,17 +111,25 @@ class InSituPipeline(PrefetcherNode[Batch]):
         if not isinstance(views, Mapping) or not views:
             raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
         plan, transforms = self.stages.plan, self.context.transforms
-        carried: dict[str, ArrayGeometry] = {}
+        carried: dict[str, Any] = {}
         for label, view in views.items():
-            if not isinstance(view, ArrayGeometry):
-                raise TypeError(f"views[{label!r}] must be an ArrayGeometry view, got {view!r}")
-            if view.path not in transforms.outputs or view.base != transforms.source(view.path):
-                raise ValueError(
-                    f"views[{label!r}] reads {view.path!r} with another geometry than this "
-                    f"pipeline's arrays ({sorted(transforms.outputs)}): set_views takes views "
-                    "of the arrays the pipeline was built on"
+            if not isinstance(view, ArrayGeometry | Stack):
+                raise TypeError(
+                    f"views[{label!r}] must be an ArrayGeometry view or a stack(), got {view!r}"
                 )
-            carried[label] = transforms.output_view(view)
+            sampled = view.views if isinstance(view, Stack) else (view,)
+            for member in (v for v in sampled if not v.static):
+                if member.path not in transforms.outputs or member.base != transforms.source(
+                    member.path
+                ):
+                    raise ValueError(
+                        f"views[{label!r}] reads {member.path!r} with another geometry than "
+                        f"this pipeline's arrays ({sorted(transforms.outputs)}): set_views "
+                        "takes views of the arrays the pipeline was built on"
+                    )
+            if isinstance(view, Stack):
+                self._check_constants(label, view)
+            carried[label] = _output_view(transforms, label, view)
         parts, _ = expand_views(resolve_windows(carried, plan.manifest.steps))
         pool = self.stages.pool
         persistent = pool.cache is not None and pool.cache.persistent
@@ -125,6 +141,31 @@ class InSituPipeline(PrefetcherNode[Batch]):
             revive=persistent and plan.shuffle,
         )
         plan.set_views(carried, schedule=schedule)
+
+    def _check_constants(self, label: str, view: Stack) -> None:
+        """A stack given to :meth:`set_views` keeps the static and forcing members its label
+        was built with (read, or computed, by the builder's ``StackConstants``)."""
+        built = [t for t in self.stages.gather.batch_transforms if isinstance(t, StackConstants)]
+        have = {(m.name, m.view) for t in built for lb, _, m, _ in t.fills if lb == label}
+        have |= {(m.name, None) for t in built for lb, _, m in t.forcings if lb == label}
+        layouts = {st.layout for t in built for lb, st, _, _ in t.fills if lb == label}
+        layouts |= {st.layout for t in built for lb, st, _ in t.forcings if lb == label}
+        want = {(m.name, m.view) for m in view.static} | {(m.name, None) for m in view.forcings}
+        if want != have or (layouts and layouts != {view.layout}):
+            raise ValueError(
+                f"set_views keeps a stack's static and forcing members (and its layout): "
+                f"stack {label!r} was built with {sorted(n for n, _ in have)}, and the one "
+                f"given has {sorted(n for n, _ in want)}; build a new pipeline for others"
+            )
+        firsts = {st.sampled[0].geometry.path for t in built for lb, st, _ in t.forcings
+                  if lb == label}  # fmt: skip
+        if firsts and firsts != {view.sampled[0].geometry.path}:
+            raise ValueError(
+                f"set_views keeps the array a stack's times come from (its first sampled "
+                f"member's, for its forcings): stack {label!r} was built with "
+                f"{sorted(firsts)} first, and the one given has "
+                f"{view.sampled[0].geometry.path!r}; put a member of that array first"
+            )
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the
@@ -287,9 +328,7 @@ def insitu_pipeline(
     views, geoms = _resolve_views(zstore, variables)
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
-    views, geoms, batch_transforms = _static_fields(
-        zstore, views, geoms, batch_transforms, fetch_options.retry
-    )
+    views, geoms, statics, constants = _static_fields(views, geoms)
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
     # a stack's rows carry its first sampled member's coordinates (its forcings' times)
     firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
@@ -311,7 +350,17 @@ def insitu_pipeline(
         revive=cache_options.persistent and plan_config.shuffle,
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
-    chunk_cache = _open_cache(cache_options, zstore, geoms, transforms, plan.rank)
+    chunk_cache = _open_cache(cache_options, zstore, geoms, transforms, plan.rank, statics)
+    try:  # the static fields: read once here, or taken from the persistent cache
+        timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
+        static_data = read_static(zstore, statics, timeout, cache=chunk_cache) if statics else {}
+    except BaseException:
+        if chunk_cache is not None:
+            chunk_cache.close()
+        raise
+    made = constants(static_data)
+    if made:  # put first; the transforms given are checked as given where they are used
+        batch_transforms = (*made, *batch_transforms)
     return _compose_stages(
         plan,
         zstore,
@@ -425,45 +474,47 @@ def _members(views: Mapping[str, Any]) -> list[Any]:
 
 
 def _static_fields(
-    zstore: Store,
-    views: dict[str, Any],
-    geoms: dict[str, ArrayGeometry],
-    batch_transforms: Sequence[BatchTransform],
-    retry: RetryPolicy | None,
-) -> tuple[dict[str, Any], dict[str, ArrayGeometry], Sequence[BatchTransform]]:
-    """The static views taken out of the plan: read once here, and put into every batch by
-    a :class:`~insitubatch_nodes.static.StaticFields` run before ``batch_transforms``; the
-    static members of stacks read once here too, written (with their forcings) into every
-    batch's channel slices by a :class:`~insitubatch_nodes.stack.StackConstants` run first."""
+    views: dict[str, Any], geoms: dict[str, ArrayGeometry]
+) -> tuple[
+    dict[str, Any],
+    dict[str, ArrayGeometry],
+    dict[str, ArrayGeometry],
+    Callable[[Mapping[str, np.ndarray]], tuple[BatchTransform, ...]],
+]:
+    """The static views taken out of the plan: ``(views, geoms, statics, constants)`` — the
+    views and arrays the plan reads, every static view to read once (stack members keyed
+    ``"label/member"``), and what makes the batch transforms from the arrays read: a
+    :class:`~insitubatch_nodes.static.StaticFields` that puts the static labels into every
+    batch, then a :class:`~insitubatch_nodes.stack.StackConstants` that writes the static and
+    forcing members of stacks into every batch's channel slices."""
     stacks: dict[str, Stack] = {label: v for label, v in views.items() if isinstance(v, Stack)}
-    if stacks:
-        members = {
-            f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static
-        }
-        if members or any(st.forcings for st in stacks.values()):
-            timeout = (retry or retry_policy(zstore)).timeout_s
-            data = read_static(zstore, members, timeout) if members else {}
-            fill = StackConstants(
-                stacks,
-                {(label, m.name): data[f"{label}/{m.name}"] for label, st in stacks.items()
-                 for m in st.static},
-            )  # fmt: skip
-            batch_transforms = (fill, *batch_transforms)
-        kept = {v.path for v in _members(views) if not v.static}
-        geoms = {path: g for path, g in geoms.items() if path in kept}
+    members = {f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static}
     static = {label: v for label, v in views.items() if not isinstance(v, Stack) and v.static}
-    if not static:
-        return views, geoms, batch_transforms
     sampled = {label: v for label, v in views.items() if isinstance(v, Stack) or not v.static}
     if not sampled:
         raise ValueError(
             f"every view ({sorted(static)}) is a static array: name at least one array with "
             "samples to train on"
         )
-    arrays = read_static(zstore, static, (retry or retry_policy(zstore)).timeout_s)
-    kept = {v.path for v in _members(sampled) if not v.static}
-    geoms = {path: g for path, g in geoms.items() if path in kept}
-    return sampled, geoms, (StaticFields(arrays), *batch_transforms)
+    if stacks or static:
+        kept = {v.path for v in _members(sampled) if not v.static}
+        geoms = {path: g for path, g in geoms.items() if path in kept}
+    fill = bool(members) or any(st.forcings for st in stacks.values())
+
+    def constants(data: Mapping[str, np.ndarray]) -> tuple[BatchTransform, ...]:
+        out: list[BatchTransform] = []
+        if static:
+            out.append(StaticFields({label: data[label] for label in static}))
+        if fill:
+            constant = {
+                (label, m.name): data[f"{label}/{m.name}"]
+                for label, st in stacks.items()
+                for m in st.static
+            }
+            out.append(StackConstants(stacks, constant))
+        return tuple(out)
+
+    return sampled, geoms, {**static, **members}, constants
 
 
 def _carried_coordinates(
@@ -575,18 +626,22 @@ def _open_cache(
     geoms: Mapping[str, ArrayGeometry],
     transforms: ChunkTransforms,
     rank: int,
+    statics: Mapping[str, ArrayGeometry],
 ) -> ChunkCache | None:
     """The chunk cache on local disk (``None`` without a ``cache_dir``): the directory of
-    ``rank``, keyed by each array's fingerprint after its chunk transforms."""
+    ``rank``, keyed by each array's fingerprint after its chunk transforms (a static array's
+    by its geometry: it takes no chunk transforms)."""
     if options.cache_dir is None:
         return None
     fingerprints = {
         path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
         for path, out in transforms.outputs.items()
     }
+    static_bases = {v.path: v.base for v in statics.values()}
+    fingerprints.update({path: array_fingerprint(g, g, ()) for path, g in static_bases.items()})
     store_check = StoreCheck(
         zstore,
-        {path: g.n_tiles for path, g in geoms.items()},
+        {path: g.n_tiles for path, g in {**geoms, **static_bases}.items()},
         enabled=options.check_store,
         name=describe_store(zstore),
     )

@@ -162,7 +162,8 @@ def stack(
 
     ``ValueError`` for an unknown ``layout``, no member, no sampled member, members that
     disagree on ``T``, the field shape or the dtype (naming the member and what it has), a
-    member of more than one axis beyond the field, a patched member, a window still in time
+    member of more than one axis beyond the field, patched members not patched alike (or
+    beside a static or forcing member), a window still in time
     deltas, a member without statistics, or non-float members with ``normalize``.
     """
     if layout not in LAYOUTS:
@@ -182,8 +183,15 @@ def stack(
     steps = _steps(first)
     members: list[StackMember] = []
     channels: list[str] = []
+    _check_patched(named, first_name, first)
     for name, view in given.items():
         if isinstance(view, Forcings):
+            if first.patch is not None:
+                raise ValueError(
+                    f"stack member {name!r} (forcings) is on the whole grid, but the stack's "
+                    "members are patched: compute forcings as a batch transform (Forcings) "
+                    "on the whole grid, or stack unpatched members"
+                )
             grid = (len(view.lat), len(view.lon))
             if grid != field_shape:
                 raise ValueError(
@@ -201,11 +209,6 @@ def stack(
                 c = len(channels) - 1
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
-        if view.patch is not None:
-            raise ValueError(
-                f"stack member {name!r} is patched: stack the views of whole fields or "
-                "selections (isel/sel)"
-            )
         inner = view.inner_shape
         if len(inner) not in (field_ndim, field_ndim + 1):
             raise ValueError(
@@ -242,6 +245,35 @@ def stack(
             "chunk transform"
         )
     return Stack(tuple(members), layout, steps, field_shape, first.dtype, tuple(channels))
+
+
+def _check_patched(
+    named: Mapping[str, ArrayGeometry], first_name: str, first: ArrayGeometry
+) -> None:
+    """Patched members: every sampled member patched alike (the same windows of the same
+    axes: they share each row's origins), no static member (its field is the whole grid)."""
+    for name, view in named.items():
+        if view.static:
+            if first.patch is not None:
+                raise ValueError(
+                    f"stack member {name!r} is a static field of the whole grid, but the "
+                    "stack's members are patched: give the static field as a label of its own"
+                )
+            continue
+        if (view.patch is None) != (first.patch is None):
+            patched, whole = (name, first_name) if view.patch is not None else (first_name, name)
+            raise ValueError(
+                f"stack member {patched!r} is patched and {whole!r} is not: patch every "
+                "sampled member alike, or none"
+            )
+        keys = ("axes", "extent", "field", "origins", "stride", "per_tile", "order", "within")
+        a, b = first.patch, view.patch
+        if a is not None and b is not None and any(getattr(a, k) != getattr(b, k) for k in keys):
+            raise ValueError(
+                f"stack members {first_name!r} and {name!r} are patched differently "
+                f"({a} vs {b}): members share each row's windows, so "
+                "patch arrays of one rank with the same extent, origins and stride"
+            )
 
 
 def _named(
@@ -328,6 +360,20 @@ def _norm(
     return mean.astype(dtype), std.astype(dtype)
 
 
+def _where(
+    batch: Any, label: str, st: Stack, member: StackMember
+) -> tuple[int | None, int | slice]:
+    """``(steps, channel)`` of ``member`` in this batch's array of ``label``: its steps ``T``
+    (``None`` without) and its channel index, found by its channel names in
+    ``batch.channels[label]`` (the stack in effect may have moved it: ``set_views``)."""
+    names = batch.channels.get(label) or st.channels
+    c0 = list(names).index(st.channels[member.c0])
+    channel: int | slice = slice(c0, c0 + member.c1 - member.c0) if member.leveled else c0
+    arr = batch.arrays[label]
+    steps = arr.shape[1] if arr.ndim == len(st.field_shape) + 3 else None
+    return steps, channel
+
+
 class StackConstants:
     """A batch transform that writes the static and forcing members of channel stacks into
     every batch's channel slices (run first, on the gathered batch). ``stacks`` maps a label
@@ -361,18 +407,18 @@ class StackConstants:
                     f"coords=[{time_name!r}]"
                 )
             values = next(iter(member.forcing.compute(times).values()))
+            steps, channel = _where(batch, label, st, member)
             arr = batch.arrays[label]
-            channels_last = st.layout == "channels_last"
-            for t in range(1) if st.steps is None else range(st.steps):
-                at = (member.channel,) if st.steps is None else (t, member.channel)
-                step = values if st.steps is None else values[:, t]
-                channel_destination(arr, at, channels_last)[...] = step
+            for t in range(1) if steps is None else range(steps):
+                at = (channel,) if steps is None else (t, channel)
+                step = values if steps is None else values[:, t]
+                channel_destination(arr, at, st.layout == "channels_last")[...] = step
         for label, st, member, data in self.fills:
+            steps, channel = _where(batch, label, st, member)
             arr = batch.arrays[label]
-            channels_last = st.layout == "channels_last"
-            for t in range(1) if st.steps is None else range(st.steps):
-                at = (member.channel,) if st.steps is None else (t, member.channel)
-                channel_destination(arr, at, channels_last)[...] = data
+            for t in range(1) if steps is None else range(steps):
+                at = (channel,) if steps is None else (t, channel)
+                channel_destination(arr, at, st.layout == "channels_last")[...] = data
         return batch
 
     def __repr__(self) -> str:

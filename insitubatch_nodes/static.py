@@ -6,6 +6,11 @@ latitude, longitude)`` data) has no sample dimension: ``open_geometries`` recogn
 the pipeline is built (its selection, if any, taken then), and :class:`StaticFields` — the
 first batch transform of the pipeline — puts it into every batch.
 
+**Cached with the persistent cache:** with ``cache_dir=..., persist=True`` a static array is
+one entry of the chunk cache (chunk 0 of its path, the whole array before any selection),
+written with the identity of its stored objects by the first pipeline and served to the next
+without a read; the cache's store check treats it as any chunk (:func:`read_static`).
+
 **The contract:** ``batch.arrays[label]`` of a static label is ``(len(batch), *inner_shape)``,
 like every other label, but its rows are one array broadcast along the batch axis (stride 0):
 no copy per row or per batch, and every row is the same memory. Treat it as read-only (a write
@@ -22,6 +27,9 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.batch import Batch
+from insitubatch_nodes.cache.directory import ChunkCache
+from insitubatch_nodes.cache.identity import meta_identity
+from insitubatch_nodes.errors import CorruptCacheError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
@@ -40,10 +48,17 @@ def select_static(view: ArrayGeometry, data: np.ndarray) -> np.ndarray:
 
 
 def read_static(
-    store: StoreLike, views: Mapping[str, ArrayGeometry], timeout_s: float
+    store: StoreLike,
+    views: Mapping[str, ArrayGeometry],
+    timeout_s: float,
+    *,
+    cache: ChunkCache | None = None,
 ) -> dict[str, np.ndarray]:
     """``{label: array}`` for the static ``views``: each array read whole once (however many
-    views share it) within ``timeout_s``, then selected per view."""
+    views share it) within ``timeout_s``, then selected per view. With a persistent ``cache``
+    (``persist=True``) a static array is one cached entry (chunk 0 of its path): served from
+    the cache when it is there (nothing read from the store), else read and kept there; a
+    read-only cache is never written."""
     zstore = as_store(store)
     whole: dict[str, np.ndarray] = {}
     out = {}
@@ -51,16 +66,81 @@ def read_static(
         if not view.static:
             raise ValueError(f"views[{label!r}] ({view.path!r}) is not a static array")
         if view.path not in whole:
-            array = _zarr_compat.open_array_readonly(zstore, view.path, view.zarr_format)
-            try:
-                whole[view.path] = _zarr_compat.read_whole_array(array, timeout_s)
-            except Exception as exc:
-                error = TimeoutError if isinstance(exc, TimeoutError) else OSError
-                raise error(
-                    f"cannot read static array {view.path!r} from store "
-                    f"{describe_store(zstore)}: {exc}"
-                ) from exc
+            base = view.base
+            if cache is not None and cache.persistent:
+                whole[view.path] = _cached_whole(zstore, base, timeout_s, cache)
+            else:
+                whole[view.path] = _read_whole(zstore, base, timeout_s)
         out[label] = select_static(view, whole[view.path]).astype(view.dtype, copy=False)
+    return out
+
+
+def _read_whole(zstore: Any, base: ArrayGeometry, timeout_s: float) -> np.ndarray:
+    array = _zarr_compat.open_array_readonly(zstore, base.path, base.zarr_format)
+    try:
+        data = _zarr_compat.read_whole_array(array, timeout_s)
+    except Exception as exc:
+        error = TimeoutError if isinstance(exc, TimeoutError) else OSError
+        raise error(
+            f"cannot read static array {base.path!r} from store {describe_store(zstore)}: {exc}"
+        ) from exc
+    return np.ascontiguousarray(data, dtype=base.dtype)
+
+
+def _cached_whole(
+    zstore: Any, base: ArrayGeometry, timeout_s: float, cache: ChunkCache
+) -> np.ndarray:
+    """The whole static array ``base`` from the persistent ``cache``, or read and kept there
+    with the identity of every stored object it was read from (listed before the read, so a
+    change during the read makes the entry stale, never wrongly fresh)."""
+    key, shape, dtype = (base.path, 0), tuple(base.inner_shape), base.dtype
+    file = cache.find(key, shape, dtype, 1)
+    if file is not None:
+        try:
+            mapped = cache.map_file(file, shape, dtype, key)
+        except CorruptCacheError:
+            if cache.readonly:
+                raise
+            mapped = None  # read again below and rewritten
+        if mapped is not None:
+            return np.array(mapped)  # a copy in memory: the mapping is released with it
+        cache.forget(key)
+    if cache.readonly:
+        return _read_whole(zstore, base, timeout_s)
+    identities = _identities(base, cache)
+    data = _read_whole(zstore, base, timeout_s)
+    slot = cache.new_slot(key, shape, dtype, 1)
+    if slot is None:  # another rank writes it, or no room on disk: kept in memory only
+        return data
+    try:
+        slot.array[...] = data
+        if cache.identity is not None:
+            for store_key, ident in identities:
+                cache.identity.note(base.path, 0, store_key, ident)
+        cache.seal(slot)
+        cache.commit(slot, 1)
+    finally:
+        cache.drop(slot)
+    return data
+
+
+def _identities(base: ArrayGeometry, cache: ChunkCache) -> list[tuple[str, tuple[int, str, int]]]:
+    """``(store key, (size, tag, mtime))`` of every stored object of the static array
+    ``base``, as the cache's store check lists them (absent objects recorded as absent)."""
+    check = cache.store_check
+    if check is None or cache.identity is None or isinstance(check.lister, str):
+        return []
+    keys = [base.store_key(0, tile) for tile in base.tiles()]
+    listing = check.lister.list(base.path, keys)
+    listed = {str(k): i for i, k in enumerate(listing.keys)}
+    out = []
+    for k in keys:
+        i = listed.get(k)
+        if i is None:
+            out.append((k, meta_identity(None)))
+        else:
+            ident = (int(listing.sizes[i]), str(listing.tags[i]), int(listing.mtimes[i]))
+            out.append((k, ident))
     return out
 
 

@@ -10,10 +10,14 @@ A static view's statistics are its field's (no differences).
 
 One pass: the pipeline's own engine reads every chunk of the split once, in sample order (no
 shuffle; a chunk never read twice), with the views' selections; each batch is accumulated in
-float64: its deviations from a per-channel reference near the mean (the running mean) are
-summed and squared in float64, and batches are merged as Chan et al.'s pairwise update
-(``std`` with ``ddof=0``); one-step differences are taken in float64. NaNs are skipped and
-counted (``nan_count``); a channel with no finite value has NaN statistics.
+float64 and batches are merged as Chan et al.'s pairwise update (``std`` with ``ddof=0``). A
+batch's sums and sums of squares are taken in float64 straight from the data (two reads,
+nothing written); where they would cancel (a channel's mean more than ``CANCEL ** 0.5``
+standard deviations from zero, or a constant channel) its deviations from a per-channel
+reference near the mean (the running mean) are summed and squared instead. One-step
+differences are taken in the data's float dtype (each within half an ulp of the float64
+difference; in float64 for integers) and summed in float64. NaNs are skipped and counted
+(``nan_count``); a channel with no finite value has NaN statistics.
 
 :meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
 were fitted on (``dataset``: the store, the split, its sample range, the views), which
@@ -46,6 +50,9 @@ __all__ = ["Statistics", "fit_statistics"]
 
 FORMAT = 1
 FIELDS = ("mean", "std", "min", "max", "diff_std", "count", "nan_count")
+#: the plain float64 sums serve while sum(x**2) <= CANCEL * sum((x - mean)**2) per channel
+#: (a relative error of about CANCEL * 2**-53 per term summed, ~1e-9 at most in practice)
+CANCEL = 1e5
 
 
 @dataclass
@@ -185,26 +192,32 @@ class _Moments:
         empty = np.zeros(0)
         self.n, self.mean, self.m2, self.lo, self.hi, self.nans = (empty,) * 6
 
-    def add(self, x: np.ndarray) -> None:
-        """``x``: ``(rows, channels, values)``, any float or integer dtype."""
+    def add(self, x: np.ndarray, *, extrema: bool = True) -> None:
+        """``x``: ``(rows, channels, values)``, any float or integer dtype. Without
+        ``extrema`` the minimum and maximum are not taken (they stay NaN)."""
         if x.size == 0:
             return
         if x.dtype.kind != "f" or x.dtype.itemsize < 4:
             x = x.astype(np.float64)
-        lo, hi = x.min(axis=(0, 2)), x.max(axis=(0, 2))  # a NaN anywhere shows in both
-        if np.isnan(lo).any():
+        s1 = np.einsum("rcv->c", x, dtype=np.float64)  # a NaN anywhere shows here
+        if np.isnan(s1).any():
             n, mean, m2, lo, hi, nans = _masked_moments(x)
         else:
-            # deviations from a per-channel reference near the mean (the running mean, else
-            # the batch's first value) in the data's own dtype, summed and squared in float64:
-            # the reference keeps the squares' cancellation small (module docstring)
-            ref = (self.mean if self.started else x[0, :, 0]).astype(x.dtype)
-            d = x - ref[None, :, None]
             n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
-            mean_d = d.sum(axis=(0, 2), dtype=np.float64) / n
-            m2 = np.maximum(np.einsum("rcv,rcv->c", d, d, dtype=np.float64) - n * mean_d**2, 0.0)
-            mean = ref.astype(np.float64) + mean_d
-            lo, hi = lo.astype(np.float64), hi.astype(np.float64)
+            mean = s1 / n
+            # the plain sums in float64 (two reads of x, nothing written): exact enough
+            # while the squares do not cancel, i.e. the mean is within CANCEL ** 0.5 standard
+            # deviations of zero; else the deviations from a reference near the mean
+            s2 = np.einsum("rcv,rcv->c", x, x, dtype=np.float64)
+            m2 = s2 - s1 * mean
+            if np.any(s2 > CANCEL * m2):
+                mean, m2 = self._about_reference(x, n)
+            m2 = np.maximum(m2, 0.0)
+            if extrema:
+                lo = x.min(axis=(0, 2)).astype(np.float64)
+                hi = x.max(axis=(0, 2)).astype(np.float64)
+            else:
+                lo = hi = np.full(x.shape[1], np.nan)
             nans = np.zeros_like(n)
         if not self.started:
             self.started = True
@@ -219,6 +232,16 @@ class _Moments:
         self.lo = np.minimum(self.lo, lo)
         self.hi = np.maximum(self.hi, hi)
         self.nans = self.nans + nans
+
+    def _about_reference(self, x: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(mean, m2)`` of ``x`` (no NaN) from its deviations from a per-channel reference
+        near the mean (the running mean, else the batch's first value), taken in the data's
+        own dtype and summed and squared in float64: no cancellation of large squares."""
+        ref = (self.mean if self.started else x[0, :, 0]).astype(x.dtype)
+        d = x - ref[None, :, None]
+        mean_d = np.einsum("rcv->c", d, dtype=np.float64) / n
+        m2 = np.einsum("rcv,rcv->c", d, d, dtype=np.float64) - n * mean_d**2
+        return ref.astype(np.float64) + mean_d, m2
 
     def result(self, channels: tuple[int, ...]) -> dict[str, np.ndarray]:
         size = math.prod(channels)
@@ -355,16 +378,21 @@ def _accumulate(
     idx = np.asarray(batch.sample_indices[label])
     channels = _channels(view.inner_shape)
     moments.add(_as_channels(x, channels))
-    # one-step differences between consecutive samples (in float64), across the batch edge too
+    # one-step differences between consecutive samples, across the batch edge too: taken in
+    # the data's float dtype (each within half an ulp of the float64 difference), in float64
+    # for other dtypes, and summed in float64
+    wide = np.float64 if x.dtype.kind != "f" or x.dtype.itemsize < 4 else x.dtype
     if label in last and len(idx) and idx[0] == last[label][0] + 1:
-        edge = np.subtract(x[:1], last[label][1][None], dtype=np.float64)
-        diffs.add(_as_channels(edge, channels))
+        edge = np.subtract(x[:1], last[label][1][None], dtype=wide)
+        diffs.add(_as_channels(edge, channels), extrema=False)
     step = np.diff(idx) == 1
     if step.all() and len(idx) > 1:
-        diffs.add(_as_channels(np.subtract(x[1:], x[:-1], dtype=np.float64), channels))
+        diff = np.subtract(x[1:], x[:-1], dtype=wide)
+        diffs.add(_as_channels(diff, channels), extrema=False)
     elif step.any():
         at = np.flatnonzero(step)
-        diffs.add(_as_channels(np.subtract(x[at + 1], x[at], dtype=np.float64), channels))
+        diff = np.subtract(x[at + 1], x[at], dtype=wide)
+        diffs.add(_as_channels(diff, channels), extrema=False)
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]))
 

@@ -6,13 +6,15 @@ xarray's ``to_zarr``), and a counting store counts the stored objects read.
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+import zarr
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, to_torch
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack, to_torch
 from tests.helpers import counting_store
 
 xr = pytest.importorskip("xarray")
@@ -193,6 +195,32 @@ def test_static_arrays_are_recognised_and_carried_by_every_batch_without_a_copy(
         pipe.close()
 
 
+def test_static_fields_are_kept_in_the_persistent_cache_and_the_next_pipeline_reads_none(
+    store: Path, tmp_path: Path
+) -> None:
+    root = tmp_path / "s.zarr"
+    shutil.copytree(store, root)
+    geoms = open_geometries(root)
+    t500 = geoms["t"].sel(level=500)
+    views = {"x": t500, "lsm": geoms["lsm"], "s": stack({"t": t500, "lsm": geoms["lsm"]})}
+    lsm = xr.open_zarr(root, consolidated=False).lsm.values
+    for run in range(3):
+        if run == 2:  # the static field changes in the store: the cache's check reads it again
+            lsm = lsm + 1.0
+            zarr.open_array(root / "lsm", mode="r+")[...] = lsm
+        counting = counting_store(root)
+        batches = _epoch(counting, views, cache_dir=tmp_path / "cache", persist=True)
+        static_reads = sum(n for k, n in counting.chunk_counts().items() if k.startswith("lsm/"))
+        assert static_reads == (0 if run == 1 else 1), f"run {run}: {counting.chunk_counts()}"
+        if run == 1:
+            assert counting.chunk_counts() == {}, "the second pipeline reads nothing at all"
+        for _, arrays in batches:
+            np.testing.assert_array_equal(arrays["lsm"][-1], lsm)
+            np.testing.assert_array_equal(
+                arrays["s"][:, 1], np.broadcast_to(lsm, arrays["s"][:, 1].shape)
+            )
+
+
 def test_a_pipeline_of_static_arrays_only_says_what_to_add(store: Path) -> None:
     geoms = open_geometries(store)
     manifest = split_by_chunk(geoms["u"], (1.0, 0.0, 0.0))
@@ -318,3 +346,9 @@ def test_the_gather_of_a_selection_equals_numpy_for_rows_in_any_order(
         if key is not None:
             expected = np.take(expected, key if isinstance(key, int) else list(key), axis=axis + 1)
     np.testing.assert_array_equal(out, expected)
+    # into a channel slice of a wider buffer (a stack member's destination: not contiguous)
+    inner = view.inner_shape
+    wide = np.full((len(samples), inner[0] + 3, *inner[1:]), np.nan, "f4")
+    assert SelectedGather(view, None)(wide[:, 1 : 1 + inner[0]], samples, slots) == len(samples)
+    np.testing.assert_array_equal(wide[:, 1 : 1 + inner[0]], expected)
+    assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, 1 + inner[0] :]).all()

@@ -344,3 +344,95 @@ def test_a_stack_of_arrays_sampled_along_their_last_axis_equals_the_concatenatio
         )  # fmt: skip
         np.testing.assert_array_equal(batch["x"], want)
     assert batches[0].channels["x"] == ["b@3", "b@1", "a"]
+
+
+def test_a_stack_of_patched_members_equals_the_members_windows_at_the_rows_origins(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr", spc=4)
+    g = open_geometries(root)
+    cut = {"latitude": 4, "longitude": 4}
+    members = {
+        "t": g["temperature"].patches(cut, origins="random"),
+        "z": g["geopotential"].patches(cut, origins="random"),
+        "z_next": g["geopotential"].shift(1).patches(cut, origins="random"),
+    }
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": stack(members)}, batch_size=5, coords=())
+    t, z = (zarr.open_array(root / n, mode="r")[...] for n in ("temperature", "geopotential"))
+    rows = 0
+    try:
+        for batch in pipe:
+            x, origins = batch.arrays["x"], batch.patch_origins["x"]
+            samples = batch.sample_indices["x"]
+            assert x.shape == (len(batch), 15, 4, 4) and batch.channels["x"][5] == "z@1000"
+            for i, (s, (oy, ox)) in enumerate(zip(samples, origins, strict=True)):
+                box = (slice(oy, oy + 4), slice(ox, ox + 4))
+                want = np.concatenate([t[s][:, *box], z[s][:, *box], z[s + 1][:, *box]])
+                np.testing.assert_array_equal(x[i], want)
+                rows += 1
+    finally:
+        pipe.close()
+    assert rows == N - 1  # every anchor whose next step is in the store
+
+
+def test_patched_members_must_be_patched_alike_without_static_or_forcing_members(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr")
+    g = open_geometries(root)
+    cut = {"latitude": 4, "longitude": 4}
+    t = g["temperature"].patches(cut)
+    with pytest.raises(ValueError, match="'z' is not"):
+        stack({"t": t, "z": g["geopotential"]})
+    with pytest.raises(ValueError, match="patched differently"):
+        stack({"t": t, "z": g["geopotential"].patches({"latitude": 4, "longitude": 4}, stride=2)})
+    with pytest.raises(ValueError, match="static field of the whole grid"):
+        stack({"t": t, "lsm": g["land_sea_mask"]})
+    with pytest.raises(ValueError, match="forcings"):
+        stack({"t": t, "sun": Forcings("x", view=g["temperature"], names=["cos_solar_zenith"])})
+
+
+def test_set_views_takes_stacks_from_the_next_epoch_keeping_their_static_and_forcing_members(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr")
+    g = open_geometries(root)
+    lsm = zarr.open_array(root / "land_sea_mask", mode="r")[...]
+    sun = Forcings("x", view=g["2m_temperature"], names=["cos_solar_zenith"])
+    t = g["temperature"].sel(level=LEVELS)
+    before = stack({"t": t, "t2m": g["2m_temperature"], "lsm": g["land_sea_mask"], "sun": sun})
+    after = stack({"t": t.window([-1, 0]), "t2m": g["2m_temperature"].window([-1, 0]),
+                   "lsm": g["land_sea_mask"], "sun": sun})  # fmt: skip
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": before}, batch_size=4)
+    try:
+        assert next(iter(pipe)).arrays["x"].shape == (4, 6, 6, 8)
+        pipe.set_views({"x": after})
+        pipe.reset()
+        rows = 0
+        for b in pipe:
+            x, s = b.arrays["x"], b.sample_indices["x"]
+            assert x.shape == (len(b), 2, 6, 6, 8) and s.shape == (len(b), 2)
+            assert b.channels["x"] == ["t@1000", "t@350", "t@1", "t2m", "lsm",
+                                       "cos_solar_zenith"]  # fmt: skip
+            want = np.concatenate(
+                [_oracle(root, "temperature", s, LEVELS), _oracle(root, "2m_temperature", s, None)],
+                axis=2,
+            )
+            np.testing.assert_array_equal(x[:, :, :4], want)
+            np.testing.assert_array_equal(x[:, :, 4], np.broadcast_to(lsm, x[:, :, 4].shape))
+            suns = sun.compute(b.coords["x"]["time"])["cos_solar_zenith"]
+            np.testing.assert_allclose(x[:, :, 5], suns, rtol=1e-6)
+            rows += len(b)
+        assert rows == N - 1
+        with pytest.raises(ValueError, match="static and forcing members"):
+            pipe.set_views({"x": stack({"t": t, "t2m": g["2m_temperature"], "sun": sun})})
+        with pytest.raises(ValueError, match="times come from"):
+            pipe.set_views({"x": stack({"t2m": g["2m_temperature"], "t": t,
+                                        "lsm": g["land_sea_mask"], "sun": sun})})  # fmt: skip
+        with pytest.raises(ValueError, match="another geometry"):
+            pipe.set_views({"x": stack({"t": t, "q": g["geopotential"], "lsm": g["land_sea_mask"],
+                                        "sun": sun})})  # fmt: skip
+    finally:
+        pipe.close()

@@ -70,6 +70,37 @@ def test_statistics_equal_numpy_in_float64_over_the_split_with_nans_skipped_and_
     assert stats.nan_count["t"].tolist() == [Y * X * (17 in samples), 1 * (5 in samples), 0]
 
 
+def test_statistics_of_fields_far_from_zero_and_of_constant_fields_equal_numpy(
+    tmp_path: Path,
+) -> None:
+    # a mean 3e6 standard deviations from zero (the squares cancel in float64 sums: the
+    # deviations from a reference are summed instead), a constant channel and an integer array
+    root = tmp_path / "far.zarr"
+    group = zarr.open_group(root, mode="w")
+    rng = np.random.default_rng(5)
+    far = np.empty((T, 3, Y, X), "f4")
+    far[:, 0] = 3e6 + rng.standard_normal((T, Y, X))
+    far[:, 1] = 7.5
+    far[:, 2] = rng.standard_normal((T, Y, X)) * 1e-3 - 40.0
+    counts = rng.integers(0, 1000, (T, Y, X)).astype("i4")
+    for name, data in (("far", far), ("counts", counts)):
+        dims = ("time", "level", "lat", "lon") if data.ndim == 4 else ("time", "lat", "lon")
+        arr = group.create_array(name, shape=data.shape, chunks=(4, *data.shape[1:]),
+                                 dtype=data.dtype, dimension_names=dims)  # fmt: skip
+        arr[...] = data
+    geoms = open_geometries(root)
+    manifest = split_by_chunk(geoms["far"], (0.75, 0.25, 0.0))
+    stats = fit_statistics(root, manifest, ["far", "counts"], batch_size=7)
+    samples = manifest.samples("train")
+    for label, data, channel_axes in (("far", far, 1), ("counts", counts, 0)):
+        for name, expected in _oracle(data, samples, channel_axes).items():
+            got = getattr(stats, name)[label]
+            np.testing.assert_allclose(
+                got, expected, rtol=1e-6, atol=1e-12, err_msg=f"{label} {name}"
+            )
+    assert stats.std["far"][1] == 0.0 and stats.diff_std["far"][1] == 0.0
+
+
 def test_statistics_of_a_static_field_are_of_the_field_and_have_no_differences(
     store: Path,
 ) -> None:

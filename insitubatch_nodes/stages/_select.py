@@ -5,8 +5,9 @@ by side (:mod:`~insitubatch_nodes.io.selection`). Its index into one sample of t
 (:func:`~insitubatch_nodes.io.selection.slot_index`) is worked out once per view. As for an
 ordinary label, the rows of one chunk are one contiguous run of the batch, and each run is
 copied with basic indexing wherever it can be: one slice assignment (a view of the slot, no
-temporary) when every index is a slice or an integer (evenly spaced lists are slices), one per
-entry of the list when one axis takes an uneven list (13 levels of 37: 13 copies), and one
+temporary) when every index is a slice or an integer (evenly spaced lists are slices), one
+``np.take`` along the axis straight into the batch when one axis takes an uneven list (13
+levels of 37: one call, not one copy per level), and one
 ``np.ix_`` gather (a temporary the size of the run's selection, never of the slot) when two
 axes do. Rows out of sample order within a chunk are taken with one index array.
 """
@@ -33,14 +34,15 @@ class SelectedGather:
         self.spc = view.samples_per_chunk
         self.index = slot_index(view.select, held, view.base.tile_shape)
         arrays = [a for a, i in enumerate(self.index) if isinstance(i, np.ndarray)]
-        #: one index array (a list of levels): copied entry by entry, each a basic copy
-        self.listed: tuple[int, int, np.ndarray] | None = None
+        #: one index array (a list of levels): basic indexing, then one np.take
+        self.listed: tuple[int, np.ndarray] | None = None
         if len(arrays) == 1:
             axis = arrays[0]
             kept = sum(not isinstance(i, int) for i in self.index[:axis])  # its place in out
             listed = self.index[axis]
             assert isinstance(listed, np.ndarray)
-            self.listed = (axis, kept, listed)
+            self.listed = (kept, listed)
+        self._others = tuple(slice(None) if isinstance(i, np.ndarray) else i for i in self.index)
         # the general gather (two or more index arrays): ints first, then np.ix_ over the rest
         self._ints = tuple(i if isinstance(i, int) else slice(None) for i in self.index)
         self._kept = [i for i in self.index if not isinstance(i, int)]
@@ -50,11 +52,14 @@ class SelectedGather:
         if self.listed is None and not any(isinstance(i, np.ndarray) for i in self.index):
             out[rows] = slot[(w, *self.index)]
         elif self.listed is not None:
-            axis, place, listed = self.listed
-            before = (slice(None),) * place
-            for j, i in enumerate(listed.tolist()):
-                index = (*self.index[:axis], i, *self.index[axis + 1 :])
-                out[(rows, *before, j)] = slot[(w, *index)]
+            place, listed = self.listed
+            # the other axes by basic indexing (a view of the slot), then one take along the
+            # listed axis straight into the destination (clip: no bounds pass, no buffering)
+            picked = slot[(w, *self._others)]
+            if isinstance(rows, slice):
+                np.take(picked, listed, axis=1 + place, out=out[rows], mode="clip")
+            else:  # rows out of order: out[rows] would be a copy
+                out[rows] = np.take(picked, listed, axis=1 + place, mode="clip")
         else:
             picked = slot[(slice(None), *self._ints)]
             w_array = np.arange(slot.shape[0])[w] if isinstance(w, slice) else w
