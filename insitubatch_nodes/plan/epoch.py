@@ -21,10 +21,11 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
 4. batches are cut over the whole ledger: ``ceil(N / batch_size)`` batches, only the last short.
 
 **Valid anchors.** An anchor ``a`` of the split is emitted only if every view's sample
-``a + offset`` lies in the array *and*, by default, on an anchor-grid chunk of the same split
-(``(a + offset) // samples_per_chunk`` is one of the split's chunks), so no window reads a sample
-of another split. ``cross_split_windows=True`` drops the second condition (windows may read
-across the split's edge). In each chunk these anchors are one contiguous run
+``a + offset`` lies in the array (in a collection's virtual array: in the anchor's own member,
+never in its padding nor in another member, see ``manifest.members``) *and*, by default, on an
+anchor-grid chunk of the same split (``(a + offset) // samples_per_chunk`` is one of the split's
+chunks), so no window reads a sample of another split. ``cross_split_windows=True`` drops the
+second condition (windows may read across the split's edge). In each chunk these anchors are one contiguous run
 (:func:`chunk_counts`); the anchor stride and the missing-step checks
 (:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the sample
 axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the configuration and
@@ -112,6 +113,10 @@ def chunk_counts(
             edge = (d + 1) * spc - k
             start = np.where(in_split(d), start, np.maximum(start, edge))
             stop = np.where(in_split(d + 1), stop, np.minimum(stop, edge))
+    if manifest.members is not None:  # a collection: every step inside the anchor's member
+        first, end = manifest.members.sample_bounds(chunks, spc)
+        start = np.maximum(start, first - min(offsets))
+        stop = np.minimum(stop, end - max(offsets))
     return start, np.maximum(stop - start, 0)
 
 

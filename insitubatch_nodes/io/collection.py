@@ -1,0 +1,424 @@
+"""Collections: many arrays of one schema read as one stream of samples.
+
+A :class:`Collection` holds *members* (the fields of an HCS plate, slides, scenes), each with
+the same *variables* (``"image"``, ``"labels/nuclei"``): member ``i``'s variable ``v`` is one
+zarr array. Every member of a variable has the same dtype, field shape, chunking and codecs;
+only the sample-axis length may differ, but all variables of one member have the same length.
+A sample is a pair (member, index along the member's sample axis).
+
+``collection["image"]`` is a *virtual array*: an
+:class:`~insitubatch_nodes.io.geometry.ArrayGeometry` whose sample axis lays the members end to
+end, each starting on a chunk boundary (:mod:`~insitubatch_nodes.io.members`), so it is used
+wherever a geometry is — labels of :func:`~insitubatch_nodes.insitu_pipeline`, ``shift``,
+``window`` (in samples), ``patches``, ``isel``, :func:`~insitubatch_nodes.split_by_chunk` — and
+the plan, the pool, the persistent cache, dealing between ranks and resume work on it as on
+one array. The plan never lets a sample or a window step fall into another member or into a
+member's padding (:func:`~insitubatch_nodes.plan.epoch.chunk_counts`); each batch says which
+member each row came from (``batch.members[label]``) and its index within that member
+(``batch.sample_indices[label]``).
+
+Building a collection reads the metadata of every member array once, concurrently (one
+``asyncio.gather`` on zarr's IO loop), and keeps a few numpy arrays per variable, never a
+Python object per member on the per-batch path. Members in several stores are read through a
+:class:`~insitubatch_nodes.io.routing.RoutingStore`; a collection of one store reads that store
+directly (a local folder keeps the decode threads' direct reads).
+
+Not supported yet (refused with a message where asked for): time coordinates on a collection
+(a time stride, window offsets in time deltas, dates in ``missing=``, carried coordinates of
+the sample axis) and ``missing_objects="drop"``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.abc.store import Store
+
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.io.members import MemberMap
+from insitubatch_nodes.io.routing import RoutingStore, routed_path
+from insitubatch_nodes.io.stores import as_store, describe_store
+
+__all__ = [
+    "Collection",
+    "check_collection_in_store",
+    "collection_of",
+    "refuse_collection_options",
+]
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+class Collection:
+    """Members of one schema as one stream (see the module docstring). Build one with
+    :meth:`from_groups` (members are groups of one store: an HCS plate's fields) or
+    :meth:`from_arrays` (any arrays, in any stores).
+
+    ``members`` are the member names in order (member ``i``), ``variables`` the variable
+    names, ``keys`` per-member group keys (``{"well": array of "A/1", ...}``: one value per
+    member, for :func:`~insitubatch_nodes.split_by_member`'s ``by=``), ``store`` the store
+    every member is read from (a :class:`~insitubatch_nodes.io.routing.RoutingStore` when they
+    live in several), ``lengths`` each member's sample count.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        members: Sequence[str],
+        paths: Mapping[str, Sequence[str]],
+        *,
+        keys: Mapping[str, Sequence[Any]] | None = None,
+        sample_axis: int | str = 0,
+    ) -> None:
+        self.store = store
+        self.members: tuple[str, ...] = tuple(str(m) for m in members)
+        if len(set(self.members)) != len(self.members):
+            twice = sorted({m for m in self.members if self.members.count(m) > 1})
+            raise ValueError(f"member names must be unique; {twice[:5]} appear more than once")
+        if not self.members:
+            raise ValueError("a collection needs at least one member")
+        if not paths:
+            raise ValueError("a collection needs at least one variable")
+        self.variables: tuple[str, ...] = tuple(paths)
+        self._paths = {v: tuple(p) for v, p in paths.items()}
+        for v, p in self._paths.items():
+            if len(p) != len(self.members):
+                raise ValueError(
+                    f"variable {v!r} has {len(p)} member paths for {len(self.members)} members"
+                )
+        self.keys: dict[str, np.ndarray] = {}
+        for name, values in (keys or {}).items():
+            arr = np.asarray(list(values))
+            if arr.shape != (len(self.members),):
+                raise ValueError(
+                    f"keys[{name!r}] has {arr.shape[0] if arr.ndim else 0} values for "
+                    f"{len(self.members)} members: give one per member"
+                )
+            arr.setflags(write=False)
+            self.keys[str(name)] = arr
+        digest = hashlib.sha256(describe_store(store).encode())
+        for v in self.variables:
+            digest.update(("\x01" + v + "\x00" + "\x00".join(self._paths[v])).encode())
+        #: the prefix of the virtual arrays' paths (``"<name>:<variable>"``): stable for the
+        #: same members in the same store, never a key of any store
+        self.name = f"collection-{digest.hexdigest()[:8]}"
+        self._geoms, self.lengths = self._read(sample_axis)
+
+    # -- the face ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, variable: str) -> ArrayGeometry:
+        """Variable ``variable``'s virtual array, usable as a pipeline label (a view)."""
+        if variable not in self._geoms:
+            raise KeyError(
+                f"{self.name}: no variable {variable!r}; the variables are {list(self.variables)}"
+            )
+        return self._geoms[variable]
+
+    def paths(self, variable: str) -> tuple[str, ...]:
+        """Each member's array path of ``variable`` in :attr:`store`."""
+        self[variable]
+        return self._paths[variable]
+
+    def __repr__(self) -> str:
+        return (
+            f"Collection({self.name!r}, {len(self)} members, variables={list(self.variables)}, "
+            f"store={describe_store(self.store)})"
+        )
+
+    # -- building ----------------------------------------------------------------------------
+    @classmethod
+    def from_groups(
+        cls,
+        store: Any,
+        groups: Sequence[str],
+        variables: Mapping[str, str],
+        *,
+        names: Sequence[str] | None = None,
+        keys: Mapping[str, Sequence[Any]] | None = None,
+        sample_axis: int | str = 0,
+    ) -> Collection:
+        """Members that are groups of one store: member ``i``'s variable ``v`` is the array at
+        ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). ``names``
+        (default: the groups) names the members; ``keys`` gives per-member group keys;
+        ``sample_axis`` is an index or a dimension name, the same for every array. Every
+        array's metadata is read once, concurrently; an absent array raises
+        ``FileNotFoundError`` and arrays that do not share the schema ``ValueError``, both
+        naming the member and the variable."""
+        if isinstance(groups, str) or not isinstance(variables, Mapping) or not variables:
+            raise TypeError(
+                "from_groups(store, groups, variables) takes a list of group paths and a "
+                "non-empty {variable: path below each group} mapping, e.g. {'image': '0'}"
+            )
+        groups = [str(g) for g in groups]
+        paths = {str(v): [_join(g, str(p)) for g in groups] for v, p in variables.items()}
+        return cls(
+            as_store(store),
+            groups if names is None else names,
+            paths,
+            keys=keys,
+            sample_axis=sample_axis,
+        )
+
+    @classmethod
+    def from_arrays(
+        cls,
+        arrays: Sequence[Any],
+        *,
+        names: Sequence[str] | None = None,
+        variable: str = "data",
+        sample_axis: int | str = 0,
+    ) -> Collection:
+        """Members that are arrays anywhere: each item a ``zarr.Array``, a ``(store, path)``
+        pair, or a URL or path (the array at that store's root). Members may live in different
+        stores (read through a :class:`~insitubatch_nodes.io.routing.RoutingStore`); each is one
+        member with one variable, ``variable``. ``names`` defaults to ``"0"``, ``"1"``, ..."""
+        if isinstance(arrays, str) or not len(arrays):
+            raise TypeError("from_arrays takes a non-empty list of arrays")
+        stores: list[Store] = []
+        located: list[tuple[int, str]] = []
+        for item in arrays:
+            if isinstance(item, zarr.Array):
+                store, path = item.store_path.store, item.path
+            elif isinstance(item, tuple) and len(item) == 2:
+                store, path = as_store(item[0]), str(item[1]).strip("/")
+            else:
+                store, path = as_store(item), ""
+            index = next((i for i, s in enumerate(stores) if s is store or s == store), None)
+            if index is None:
+                stores.append(store)
+                index = len(stores) - 1
+            located.append((index, path))
+        if len(stores) == 1:
+            zstore: Store = stores[0]
+            paths = [p for _, p in located]
+        else:
+            zstore = RoutingStore(stores)
+            paths = [routed_path(i, p) for i, p in located]
+        member_names = [str(i) for i in range(len(arrays))] if names is None else names
+        return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis)
+
+    def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
+        """Every member array's metadata (one concurrent read), checked against the schema;
+        the virtual array of each variable, and each member's sample count."""
+        store = _zarr_compat.opened(self.store)
+        every = [p for v in self.variables for p in self._paths[v]]
+        first = _zarr_compat.node_kind(store, every[0])
+        fmt = first[1] if first is not None and first[0] == "array" else None
+        found = _zarr_compat.open_arrays_by_name(store, every, zarr_format=fmt)
+        if fmt is not None and any(a is None for a in found):  # another format, or absent
+            again = [i for i, a in enumerate(found) if a is None]
+            retried = _zarr_compat.open_arrays_by_name(store, [every[i] for i in again])
+            for i, a in zip(again, retried, strict=True):
+                found[i] = a
+        n = len(self.members)
+        lengths: dict[str, np.ndarray] = {}
+        refs: dict[str, tuple[Any, int]] = {}
+        for k, v in enumerate(self.variables):
+            arrays = found[k * n : (k + 1) * n]
+            refs[v], lengths[v] = self._check_variable(v, arrays, sample_axis)
+        ref_len = lengths[self.variables[0]]
+        for v in self.variables[1:]:
+            bad = np.flatnonzero(lengths[v] != ref_len)
+            if len(bad):
+                m = int(bad[0])
+                raise ValueError(
+                    f"{self.name}: member {self.members[m]!r} has {int(ref_len[m])} samples in "
+                    f"variable {self.variables[0]!r} but {int(lengths[v][m])} in {v!r}: every "
+                    "variable of a member needs the same sample-axis length"
+                )
+        spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
+        align = math.lcm(*spcs)
+        geoms = {v: self._virtual(v, *refs[v], ref_len, align) for v in self.variables}
+        ref_len.setflags(write=False)
+        return geoms, ref_len
+
+    def _check_variable(
+        self, variable: str, arrays: Sequence[Any], sample_axis: int | str
+    ) -> tuple[tuple[Any, int], np.ndarray]:
+        """``((reference array, sample axis), lengths)`` of one variable's member arrays; an
+        absent array or one whose schema differs from the first member's raises."""
+        for m, a in enumerate(arrays):
+            if a is None:
+                raise FileNotFoundError(
+                    f"{self.name}: member {self.members[m]!r} has no array for variable "
+                    f"{variable!r} at {self._paths[variable][m]!r} of {describe_store(self.store)}"
+                )
+        ref = arrays[0]
+        axis = _sample_axis(ref, sample_axis, f"member {self.members[0]!r}, variable {variable!r}")
+        want = _schema(ref, axis)
+        lengths = np.empty(len(arrays), dtype=np.int64)
+        for m, a in enumerate(arrays):
+            lengths[m] = a.shape[axis] if a.ndim == ref.ndim else -1
+            got = want if m == 0 else _schema(a, axis)
+            if got != want:
+                what = next(
+                    name for name, x, y in zip(_SCHEMA_FIELDS, got, want, strict=True) if x != y
+                )
+                i = _SCHEMA_FIELDS.index(what)
+                raise ValueError(
+                    f"{self.name}: member {self.members[m]!r}, variable {variable!r}: its "
+                    f"{what} {got[i]!r} differs from member {self.members[0]!r}'s {want[i]!r}; "
+                    "the members of a variable need the same dtype, field shape, chunks and "
+                    "codecs (only the sample-axis length may differ)"
+                )
+        return (ref, axis), lengths
+
+    def _virtual(
+        self, variable: str, ref: Any, axis: int, lengths: np.ndarray, align: int
+    ) -> ArrayGeometry:
+        chunks = _zarr_compat.stored_chunk_shape(ref)
+        members = MemberMap(
+            f"{self.name}:{variable}",
+            self.members,
+            self._paths[variable],
+            lengths,
+            chunks[axis],
+            align,
+        )
+        shape = list(int(s) for s in ref.shape)
+        shape[axis] = members.n_samples
+        return ArrayGeometry(
+            path=f"{self.name}:{variable}",
+            shape=tuple(shape),
+            chunks=chunks,
+            dtype=in_native_byte_order(ref.dtype),
+            fill_value=ref.fill_value,
+            sample_axis=axis,
+            read_chunks=_zarr_compat.read_chunk_shape(ref),
+            zarr_format=int(ref.metadata.zarr_format),
+            metadata=ref.metadata,
+            members=members,
+        )
+
+
+_SCHEMA_FIELDS = (
+    "number of axes",
+    "dimension names",
+    "zarr format",
+    "dtype",
+    "field shape",
+    "chunk shape",
+    "inner chunk shape",
+    "codecs",
+    "fill value",
+    "chunk key encoding",
+)
+
+
+def _schema(array: Any, axis: int) -> tuple[Any, ...]:
+    """What every member array of a variable must share (in :data:`_SCHEMA_FIELDS` order)."""
+    meta = array.metadata
+    fmt = int(meta.zarr_format)
+    codecs = _zarr_compat.v3_codecs(meta) if fmt == 3 else _zarr_compat.v2_chunk_codecs(meta)
+    shape = tuple(int(s) for s in array.shape)
+    fill = np.asarray(array.fill_value) if array.fill_value is not None else None
+    return (
+        array.ndim,
+        _zarr_compat.array_dimension_names(array),
+        fmt,
+        str(array.dtype),
+        shape[:axis] + shape[axis + 1 :],
+        _zarr_compat.stored_chunk_shape(array),
+        _zarr_compat.read_chunk_shape(array),
+        repr(codecs),
+        None if fill is None else repr(fill.item() if fill.ndim == 0 else fill.tolist()),
+        _zarr_compat.encode_chunk_key(meta, (0,) * array.ndim),
+    )
+
+
+def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:
+    if isinstance(sample_axis, str):
+        dims = _zarr_compat.array_dimension_names(array)
+        if dims is None or sample_axis not in dims:
+            raise KeyError(
+                f"{where}: no dimension named {sample_axis!r} (its dimension names: {dims}); "
+                "give sample_axis as an index"
+            )
+        return dims.index(sample_axis)
+    if isinstance(sample_axis, bool) or not isinstance(sample_axis, int | np.integer):
+        raise TypeError(f"sample_axis must be an int or a dimension name, got {sample_axis!r}")
+    axis = int(sample_axis) + (array.ndim if sample_axis < 0 else 0)
+    if not 0 <= axis < array.ndim:
+        raise ValueError(
+            f"{where}: sample_axis {sample_axis} is out of range for {array.ndim} axes"
+        )
+    return axis
+
+
+def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
+    """The member map a plan over views with member maps ``maps`` follows: the first one
+    (``None`` when there is none). Collections whose members do not sit at the same virtual
+    samples cannot share a plan (``ValueError``)."""
+    given = [m for m in maps if m is not None]
+    if not given:
+        return None
+    first = given[0]
+    for other in given[1:]:
+        if not (
+            np.array_equal(other.sample_base, first.sample_base)
+            and np.array_equal(other.lengths, first.lengths)
+        ):
+            raise ValueError(
+                f"{first.collection!r} and {other.collection!r} lay their members out "
+                "differently: the labels (and the split) of one pipeline must come from one "
+                "collection"
+            )
+    return first
+
+
+def refuse_collection_options(
+    views: Sequence[ArrayGeometry],
+    *,
+    timed: bool,
+    missing: Any,
+    missing_objects: str,
+    coords: Sequence[str] | None,
+    plain_views: int,
+) -> None:
+    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet."""
+    if not any(v.members is not None for v in views):
+        return
+    if plain_views:
+        raise ValueError(
+            "a pipeline reads either collection views or plain arrays: its labels share one "
+            "sample axis; read a plain array of the same store in another pipeline"
+        )
+    if timed:
+        raise ValueError(
+            "collections have no time coordinate yet: a time stride and window offsets in time "
+            "deltas are not supported on collection views; give an int stride and offsets in "
+            "samples"
+        )
+    if missing is not None or missing_objects != "read":
+        raise ValueError(
+            "missing= and missing_objects='drop' are not supported on collection views yet"
+        )
+    if coords:
+        raise ValueError(
+            "collection views carry no coordinates yet: pass coords=() (or None); each row's "
+            "member and index are in batch.members and batch.sample_indices"
+        )
+
+
+def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
+    """Check that ``store`` is the one collection view ``geom`` reads its members from (its
+    first member is there): ``FileNotFoundError`` otherwise."""
+    members = geom.members
+    assert members is not None
+    found = _zarr_compat.node_kind(_zarr_compat.opened(store), members.paths[0])
+    if found is None or found[0] != "array":
+        raise FileNotFoundError(
+            f"{geom.path!r}: its first member {members.names[0]!r} ({members.paths[0]!r}) is not "
+            f"in store {describe_store(store)}: pass the collection itself (or its .store) as "
+            "the pipeline's store"
+        )
