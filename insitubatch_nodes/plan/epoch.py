@@ -25,11 +25,11 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
 never in its padding nor in another member, see ``manifest.members``) *and*, by default, on an
 anchor-grid chunk of the same split (``(a + offset) // samples_per_chunk`` is one of the split's
 chunks), so no window reads a sample of another split. ``cross_split_windows=True`` drops the
-second condition (windows may read across the split's edge). In each chunk these anchors are one contiguous run
-(:func:`chunk_counts`); the anchor stride and the missing-step checks
-(:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the sample
-axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the configuration and
-every epoch, rank and resume stays exact.
+second condition (windows may read across the split's edge). In each chunk these anchors are
+one contiguous run (:func:`chunk_counts`); the anchor stride and the missing-step checks
+(:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the
+sample axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the
+configuration and every epoch, rank and resume stays exact.
 
 Each :class:`BatchPlan` says which stored chunks the batch gathers from (``reads``), which of them
 it is the first to need this epoch (``fetches`` — each chunk is fetched once per epoch) and which
