@@ -32,12 +32,13 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import as_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
-from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 from insitubatch_nodes.transforms import ChunkTransform
@@ -151,12 +152,18 @@ class InSituDataModule(pl.LightningDataModule):
       pipelines size their pools automatically (:meth:`cache_options_for`).
 
     Args:
-        store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``).
+        store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``);
+            or a :class:`~insitubatch_nodes.Collection`, whose views (``{"x":
+            collection["image"]}``) are then the variables and
+            :func:`~insitubatch_nodes.split_by_member` the splits: each split holds whole
+            members (or groups of them), none in two splits.
         variables: array names, or ``{label: ArrayGeometry view}`` (e.g. ``{"x": g,
             "y": g.shift(1)}``); a callable ``geometries -> {label: view}`` is resolved in
             :meth:`setup` (useful when the store is only reachable at training time).
-        splits: a :class:`SplitManifest`, or ``(train, val, test)`` chunk fractions for a
-            contiguous :func:`split_by_chunk` over the first label's array.
+        splits: a :class:`SplitManifest` (of a collection: :func:`split_by_member`), or
+            ``(train, val, test)`` chunk fractions for a contiguous :func:`split_by_chunk` over
+            the first label's array (for a collection: fractions of its members, drawn with
+            the config's seed by :func:`split_by_member`).
         config, fetch, cache: the settings objects above (``None``: their defaults).
         eval_batch_size: batch size of the val/test loaders (default: training's).
         batch_transforms: as for :func:`insitu_pipeline` (training).
@@ -178,7 +185,7 @@ class InSituDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str],
+        store: Store | str | os.PathLike[str] | Collection,
         variables: Sequence[str]
         | Mapping[str, ArrayGeometry]
         | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry]],
@@ -263,7 +270,11 @@ class InSituDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.store is not None:
             return
-        store = as_store(self._store_arg, **self._store_options)
+        given = self._store_arg
+        # a collection is read from its store (one, or its members' stores routed)
+        store = (
+            given.store if isinstance(given, Collection) else as_store(given, **self._store_options)
+        )
         variables = self._variables_arg
         if callable(variables):
             views = dict(variables(open_geometries(store)))
@@ -276,6 +287,9 @@ class InSituDataModule(pl.LightningDataModule):
         splits = self._splits_arg
         if isinstance(splits, SplitManifest):
             manifest = splits
+        elif isinstance(given, Collection):  # fractions of whole members: nothing leaks
+            fractions = dict(zip(("train", "val", "test"), map(float, splits), strict=True))
+            manifest = split_by_member(given, fractions, seed=self.plan_config.seed)
         else:
             manifest = split_by_chunk(next(iter(views.values())).base, tuple(splits))
         self.store, self.views, self.manifest = store, views, manifest
