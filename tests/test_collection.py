@@ -181,17 +181,20 @@ def named_plate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[st
             dimension_names=("z", "y", "x"),
         )
         a[:] = 1000 * m + np.arange(n * 24, dtype="f4").reshape(n, 4, 6)
+        x = g.create_array("x", shape=(6,), chunks=(6,), dtype="f8", dimension_names=("x",))
+        x[:] = np.arange(6) * 0.5
         groups.append(f"f{m}")
     return root, groups
 
 
-def test_a_sample_axis_named_and_an_isel_by_name_read_their_members(
-    named_plate: tuple[Path, list[str]],
+@pytest.mark.parametrize("select", ["isel", "sel"])
+def test_a_sample_axis_named_and_a_selection_by_name_read_their_members(
+    named_plate: tuple[Path, list[str]], select: str
 ) -> None:
     root, groups = named_plate
     coll = Collection.from_groups(root, groups, {"image": "0"}, sample_axis="z")
     images = _oracle(root, groups, "0")
-    view = coll["image"].isel(x=[0, 4])
+    view = coll["image"].isel(x=[0, 4]) if select == "isel" else coll["image"].sel(x=[0.0, 2.0])
     pipe = insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), {"s": view}, batch_size=4)
     try:
         n = 0

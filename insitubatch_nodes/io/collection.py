@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,7 @@ import zarr
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.arrays import FieldCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
@@ -298,7 +300,21 @@ class Collection:
             zarr_format=int(ref.metadata.zarr_format),
             metadata=ref.metadata,
             members=members,
+            coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
         )
+
+
+class FirstMemberCoordinates:
+    """The field coordinates (``level``, ``y``) of a collection variable: its first member's
+    (every member has the same field), what ``sel`` on a collection view looks values up in.
+    Picklable when the store is."""
+
+    def __init__(self, store: Any, path: str) -> None:
+        self.path = path
+        self.reader = FieldCoordinates(store)
+
+    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
+        return self.reader(replace(geom, path=self.path, members=None), dim)
 
 
 _SCHEMA_FIELDS = (
