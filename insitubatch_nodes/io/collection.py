@@ -31,6 +31,7 @@ the sample axis) and ``missing_objects="drop"``.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
@@ -210,24 +211,30 @@ class Collection:
         return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis)
 
     def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
-        """Every member array's metadata (one concurrent read), checked against the schema;
-        the virtual array of each variable, and each member's sample count."""
+        """Every member array's metadata document (one concurrent read), checked against the
+        first member's; the virtual array of each variable, and each member's sample count.
+        Only the first member of each variable is opened as a zarr array."""
         store = _zarr_compat.opened(self.store)
-        every = [p for v in self.variables for p in self._paths[v]]
-        first = _zarr_compat.node_kind(store, every[0])
-        fmt = first[1] if first is not None and first[0] == "array" else None
-        found = _zarr_compat.open_arrays_by_name(store, every, zarr_format=fmt)
-        if fmt is not None and any(a is None for a in found):  # another format, or absent
-            again = [i for i, a in enumerate(found) if a is None]
-            retried = _zarr_compat.open_arrays_by_name(store, [every[i] for i in again])
-            for i, a in zip(again, retried, strict=True):
-                found[i] = a
         n = len(self.members)
-        lengths: dict[str, np.ndarray] = {}
         refs: dict[str, tuple[Any, int]] = {}
-        for k, v in enumerate(self.variables):
-            arrays = found[k * n : (k + 1) * n]
-            refs[v], lengths[v] = self._check_variable(v, arrays, sample_axis)
+        keys: list[str] = []
+        for v in self.variables:
+            path = self._paths[v][0]
+            kind = _zarr_compat.node_kind(store, path)
+            if kind is None or kind[0] != "array":
+                self._absent(v, 0)
+            assert kind is not None
+            ref = _zarr_compat.open_array_readonly(store, path, kind[1])
+            refs[v] = (
+                ref,
+                _sample_axis(ref, sample_axis, f"member {self.members[0]!r}, variable {v!r}"),
+            )
+            keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
+        docs = _zarr_compat.read_documents(store, keys)
+        lengths = {
+            v: self._check_variable(v, docs[k * n : (k + 1) * n], refs[v][1])
+            for k, v in enumerate(self.variables)
+        }
         ref_len = lengths[self.variables[0]]
         for v in self.variables[1:]:
             bad = np.flatnonzero(lengths[v] != ref_len)
@@ -244,36 +251,36 @@ class Collection:
         ref_len.setflags(write=False)
         return geoms, ref_len
 
-    def _check_variable(
-        self, variable: str, arrays: Sequence[Any], sample_axis: int | str
-    ) -> tuple[tuple[Any, int], np.ndarray]:
-        """``((reference array, sample axis), lengths)`` of one variable's member arrays; an
-        absent array or one whose schema differs from the first member's raises."""
-        for m, a in enumerate(arrays):
-            if a is None:
-                raise FileNotFoundError(
-                    f"{self.name}: member {self.members[m]!r} has no array for variable "
-                    f"{variable!r} at {self._paths[variable][m]!r} of {describe_store(self.store)}"
-                )
-        ref = arrays[0]
-        axis = _sample_axis(ref, sample_axis, f"member {self.members[0]!r}, variable {variable!r}")
-        want = _schema(ref, axis)
-        lengths = np.empty(len(arrays), dtype=np.int64)
-        for m, a in enumerate(arrays):
-            lengths[m] = a.shape[axis] if a.ndim == ref.ndim else -1
-            got = want if m == 0 else _schema(a, axis)
-            if got != want:
-                what = next(
-                    name for name, x, y in zip(_SCHEMA_FIELDS, got, want, strict=True) if x != y
-                )
-                i = _SCHEMA_FIELDS.index(what)
+    def _absent(self, variable: str, m: int) -> None:
+        raise FileNotFoundError(
+            f"{self.name}: member {self.members[m]!r} has no array for variable {variable!r} at "
+            f"{self._paths[variable][m]!r} of {describe_store(self.store)}"
+        )
+
+    def _check_variable(self, variable: str, docs: Sequence[bytes | None], axis: int) -> np.ndarray:
+        """Each member's sample count of ``variable``, from its metadata document; an absent
+        array, or one whose schema differs from the first member's, raises naming both."""
+        want = None
+        lengths = np.empty(len(docs), dtype=np.int64)
+        for m, raw in enumerate(docs):
+            doc = None if raw is None else json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("node_type", "array") != "array":
+                self._absent(variable, m)
+            assert isinstance(doc, dict)
+            got = _schema(doc, axis)
+            if want is None:
+                want = got
+            elif got != want:
+                what = next(k for k in _SCHEMA_FIELDS if got.get(k) != want.get(k))
                 raise ValueError(
                     f"{self.name}: member {self.members[m]!r}, variable {variable!r}: its "
-                    f"{what} {got[i]!r} differs from member {self.members[0]!r}'s {want[i]!r}; "
-                    "the members of a variable need the same dtype, field shape, chunks and "
-                    "codecs (only the sample-axis length may differ)"
+                    f"{what} {got.get(what)!r} differs from member {self.members[0]!r}'s "
+                    f"{want.get(what)!r}; the members of a variable need the same dtype, field "
+                    "shape, chunks and codecs (only the sample-axis length may differ)"
                 )
-        return (ref, axis), lengths
+            shape = doc.get("shape") or ()
+            lengths[m] = int(shape[axis]) if len(shape) > axis else -1
+        return lengths
 
     def _virtual(
         self, variable: str, ref: Any, axis: int, lengths: np.ndarray, align: int
@@ -317,39 +324,31 @@ class FirstMemberCoordinates:
         return self.reader(replace(geom, path=self.path, members=None), dim)
 
 
-_SCHEMA_FIELDS = (
-    "number of axes",
-    "dimension names",
-    "zarr format",
-    "dtype",
-    "field shape",
-    "chunk shape",
-    "inner chunk shape",
-    "codecs",
-    "fill value",
-    "chunk key encoding",
-)
+#: what every member array of a variable must share, by its name in messages: the metadata
+#: document's entries (v3 ``zarr.json``, v2 ``.zarray``) other than the sample-axis length
+_SCHEMA_FIELDS = {
+    "zarr format": ("zarr_format",),
+    "number of axes": (),
+    "dimension names": ("dimension_names",),
+    "dtype": ("data_type", "dtype"),
+    "field shape": (),
+    "chunk shape": ("chunk_grid", "chunks"),
+    "codecs": ("codecs", "compressor", "filters", "order", "storage_transformers"),
+    "fill value": ("fill_value",),
+    "chunk key encoding": ("chunk_key_encoding", "dimension_separator"),
+}
 
 
-def _schema(array: Any, axis: int) -> tuple[Any, ...]:
-    """What every member array of a variable must share (in :data:`_SCHEMA_FIELDS` order)."""
-    meta = array.metadata
-    fmt = int(meta.zarr_format)
-    codecs = _zarr_compat.v3_codecs(meta) if fmt == 3 else _zarr_compat.v2_chunk_codecs(meta)
-    shape = tuple(int(s) for s in array.shape)
-    fill = np.asarray(array.fill_value) if array.fill_value is not None else None
-    return (
-        array.ndim,
-        _zarr_compat.array_dimension_names(array),
-        fmt,
-        str(array.dtype),
-        shape[:axis] + shape[axis + 1 :],
-        _zarr_compat.stored_chunk_shape(array),
-        _zarr_compat.read_chunk_shape(array),
-        repr(codecs),
-        None if fill is None else repr(fill.item() if fill.ndim == 0 else fill.tolist()),
-        _zarr_compat.encode_chunk_key(meta, (0,) * array.ndim),
-    )
+def _schema(doc: Mapping[str, Any], axis: int) -> dict[str, Any]:
+    """A member's metadata document as :data:`_SCHEMA_FIELDS` (names -> values)."""
+    shape = list(doc.get("shape") or ())
+    out: dict[str, Any] = {}
+    for name, entries in _SCHEMA_FIELDS.items():
+        values = [doc[k] for k in entries if doc.get(k) is not None]
+        out[name] = values[0] if len(values) == 1 else tuple(values) or None
+    out["number of axes"] = len(shape)
+    out["field shape"] = tuple(shape[:axis] + shape[axis + 1 :])
+    return out
 
 
 def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:
