@@ -246,6 +246,34 @@ def test_members_in_several_stores_are_one_stream(tmp_path: Path) -> None:
     assert sorted(seen) == sorted(2 * [(m, i) for m, n in enumerate([3, 6, 2]) for i in range(n)])
 
 
+def test_groups_of_several_stores_with_two_variables_are_one_stream(tmp_path: Path) -> None:
+    groups: list[Any] = []
+    for s in range(2):
+        root = tmp_path / f"plate{s}.zarr"
+        groups += [(str(root), g) for g in _write_plate(root, [4 - s, 2 + 3 * s])]
+    coll = Collection.from_groups(
+        None, groups, {"image": "0", "labels": "labels/0"}, names=["a", "b", "c", "d"]
+    )
+    assert isinstance(coll.store, RoutingStore) and len(coll.store.stores) == 2
+    oracles = {
+        v: [np.asarray(zarr.open_array(r, path=f"{g}/{p}", mode="r")[...]) for r, g in groups]
+        for v, p in (("image", "0"), ("labels", "labels/0"))
+    }
+    views = {"x": coll["image"], "seg": coll["labels"]}
+    pipe = insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), views, batch_size=3)
+    try:
+        seen = []
+        for batch in _batches(pipe):
+            for r in range(len(batch)):
+                m, i = int(batch.members["x"][r]), int(batch.sample_indices["x"][r])
+                np.testing.assert_array_equal(batch["x"][r], oracles["image"][m][i])
+                np.testing.assert_array_equal(batch["seg"][r], oracles["labels"][m][i])
+                seen.append((m, i))
+    finally:
+        pipe.close()
+    assert sorted(seen) == [(m, i) for m, n in enumerate([4, 2, 3, 5]) for i in range(n)]
+
+
 def test_each_member_chunk_is_read_once_per_epoch(plate: tuple[Path, list[str]]) -> None:
     root, groups = plate
     store = counting_store(root)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -60,6 +61,30 @@ def _join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
 
 
+def _locate(given: Sequence[tuple[Any, str]]) -> tuple[Store, list[str]]:
+    """The store to read ``(store, path)`` pairs from, and each path in it: the one store, or
+    a :class:`~insitubatch_nodes.io.routing.RoutingStore` over several."""
+    stores: list[Store] = []
+    located: list[tuple[int, str]] = []
+    opened: dict[Any, Store] = {}
+    for store, path in given:
+        if store is None:
+            raise TypeError(f"{path!r} names no store: give a store, or a (store, path) pair")
+        # a path or URL is opened once, however often it is given
+        token = os.fspath(store) if isinstance(store, str | os.PathLike) else id(store)
+        if token not in opened:
+            opened[token] = as_store(store)
+        zstore = opened[token]
+        index = next((i for i, s in enumerate(stores) if s is zstore or s == zstore), None)
+        if index is None:
+            stores.append(zstore)
+            index = len(stores) - 1
+        located.append((index, path))
+    if len(stores) == 1:
+        return stores[0], [p for _, p in located]
+    return RoutingStore(stores), [routed_path(i, p) for i, p in located]
+
+
 class Collection:
     """Members of one schema as one stream (see the module docstring). Build one with
     :meth:`from_groups` (members are groups of one store: an HCS plate's fields) or
@@ -85,7 +110,10 @@ class Collection:
         self.members: tuple[str, ...] = tuple(str(m) for m in members)
         if len(set(self.members)) != len(self.members):
             twice = sorted({m for m in self.members if self.members.count(m) > 1})
-            raise ValueError(f"member names must be unique; {twice[:5]} appear more than once")
+            raise ValueError(
+                f"member names must be unique; {twice[:5]} appear more than once (members of "
+                "several stores at the same path: give names=)"
+            )
         if not self.members:
             raise ValueError("a collection needs at least one member")
         if not paths:
@@ -150,27 +178,24 @@ class Collection:
         keys: Mapping[str, Sequence[Any]] | None = None,
         sample_axis: int | str = 0,
     ) -> Collection:
-        """Members that are groups of one store: member ``i``'s variable ``v`` is the array at
-        ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). ``names``
-        (default: the groups) names the members; ``keys`` gives per-member group keys;
-        ``sample_axis`` is an index or a dimension name, the same for every array. Every
-        array's metadata is read once, concurrently; an absent array raises
-        ``FileNotFoundError`` and arrays that do not share the schema ``ValueError``, both
-        naming the member and the variable."""
+        """Members that are groups: member ``i``'s variable ``v`` is the array at
+        ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). A group may
+        also be a ``(store, path)`` pair, for members in several stores (``store`` is then
+        ``None`` or the default for plain paths). ``names`` (default: the group paths) names the
+        members; ``keys`` gives per-member group keys; ``sample_axis`` is an index or a
+        dimension name, the same for every array. Every array's metadata is read once,
+        concurrently; an absent array raises ``FileNotFoundError`` and arrays that do not share
+        the schema ``ValueError``, both naming the member and the variable."""
         if isinstance(groups, str) or not isinstance(variables, Mapping) or not variables:
             raise TypeError(
                 "from_groups(store, groups, variables) takes a list of group paths and a "
                 "non-empty {variable: path below each group} mapping, e.g. {'image': '0'}"
             )
-        groups = [str(g) for g in groups]
-        paths = {str(v): [_join(g, str(p)) for g in groups] for v, p in variables.items()}
-        return cls(
-            as_store(store),
-            groups if names is None else names,
-            paths,
-            keys=keys,
-            sample_axis=sample_axis,
-        )
+        pairs = [g if isinstance(g, tuple) else (store, g) for g in groups]
+        zstore, located = _locate([(s, str(g).strip("/")) for s, g in pairs])
+        member_names = [g for _, g in pairs] if names is None else names
+        paths = {str(v): [_join(g, str(p)) for g in located] for v, p in variables.items()}
+        return cls(zstore, member_names, paths, keys=keys, sample_axis=sample_axis)
 
     @classmethod
     def from_arrays(
@@ -187,26 +212,15 @@ class Collection:
         member with one variable, ``variable``. ``names`` defaults to ``"0"``, ``"1"``, ..."""
         if isinstance(arrays, str) or not len(arrays):
             raise TypeError("from_arrays takes a non-empty list of arrays")
-        stores: list[Store] = []
-        located: list[tuple[int, str]] = []
+        given: list[tuple[Any, str]] = []
         for item in arrays:
             if isinstance(item, zarr.Array):
-                store, path = item.store_path.store, item.path
+                given.append((item.store_path.store, item.path))
             elif isinstance(item, tuple) and len(item) == 2:
-                store, path = as_store(item[0]), str(item[1]).strip("/")
+                given.append((item[0], str(item[1]).strip("/")))
             else:
-                store, path = as_store(item), ""
-            index = next((i for i, s in enumerate(stores) if s is store or s == store), None)
-            if index is None:
-                stores.append(store)
-                index = len(stores) - 1
-            located.append((index, path))
-        if len(stores) == 1:
-            zstore: Store = stores[0]
-            paths = [p for _, p in located]
-        else:
-            zstore = RoutingStore(stores)
-            paths = [routed_path(i, p) for i, p in located]
+                given.append((item, ""))
+        zstore, paths = _locate(given)
         member_names = [str(i) for i in range(len(arrays))] if names is None else names
         return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis)
 
