@@ -140,6 +140,24 @@ def test_a_window_never_crosses_members(plate: tuple[Path, list[str]]) -> None:
     assert sorted(seen) == sorted(want)
 
 
+def test_an_int_stride_counts_from_each_members_first_sample(
+    plate: tuple[Path, list[str]],
+) -> None:
+    coll = _collection(plate)
+    pipe = insitu_pipeline(
+        coll, split_by_member(coll, {"train": 1.0}), {"x": coll["image"]}, batch_size=4, stride=3
+    )
+    try:
+        seen = [
+            (int(m), int(i))
+            for b in _batches(pipe)
+            for m, i in zip(b.members["x"], b.sample_indices["x"], strict=True)
+        ]
+    finally:
+        pipe.close()
+    assert sorted(seen) == [(m, i) for m, n in enumerate(LENGTHS) for i in range(0, n, 3)]
+
+
 def test_patches_of_a_collection_view_read_their_members(
     plate: tuple[Path, list[str]],
 ) -> None:

@@ -134,12 +134,23 @@ def chunk_anchors(
         manifest, config.split, chunks, offsets, config.cross_split_windows
     )
     anchors = _runs(starts, counts)
-    keep, _ = anchor_filter(manifest.n_samples, offsets, config.stride, manifest.steps)
+    keep, _ = anchor_filter(
+        manifest.n_samples, offsets, config.stride, manifest.steps, _origins(manifest, config)
+    )
     if keep is None:
         return counts, anchors
     ok = keep[anchors]
     owner = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
     return np.bincount(owner[ok], minlength=len(chunks)).astype(np.int64), anchors[ok]
+
+
+def _origins(manifest: SplitManifest, config: PlanConfig) -> np.ndarray | None:
+    """Where an int stride counts from, per sample: each collection member's first sample
+    (``None``: index 0 of the array)."""
+    members = manifest.members
+    if members is None or not isinstance(config.stride, int) or every_sample(config.stride):
+        return None
+    return members.sample_base[members.member_of(np.arange(manifest.n_samples))]
 
 
 def dropped_anchors(
@@ -156,7 +167,9 @@ def dropped_anchors(
     starts, counts = chunk_counts(
         manifest, config.split, chunks, offsets, config.cross_split_windows
     )
-    _, dropped = anchor_filter(manifest.n_samples, offsets, config.stride, manifest.steps)
+    _, dropped = anchor_filter(
+        manifest.n_samples, offsets, config.stride, manifest.steps, _origins(manifest, config)
+    )
     return dropped_counts(dropped, _runs(starts, counts))
 
 
