@@ -651,3 +651,40 @@ def test_a_collection_view_lays_members_end_to_end_on_chunk_boundaries_and_names
     # the labels (1 sample a chunk) share the image's member starts (2 a chunk)
     labels = coll["labels"].members
     assert labels is not None and np.array_equal(labels.sample_base, g.members.sample_base)
+
+
+def test_the_lightning_module_takes_one_collection_per_split_and_refuses_a_shared_member(
+    plate: tuple[Path, list[str]],
+) -> None:
+    pytest.importorskip("lightning")
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    coll = _collection(plate)
+    train, val = coll.subset(list(coll.members[:4])), coll.subset(list(coll.members[4:]))
+    assert train.members == coll.members[:4] and list(val.keys["well"]) == ["B/1", "B/2"]
+    dm = InSituDataModule(
+        None, ["image"], {"train": train, "val": val}, coords=(), transform=lambda b: b
+    )
+    try:
+        dm.setup()
+        got = {}
+        for split, loader, source in (
+            ("train", dm.train_dataloader(), train),
+            ("val", dm.val_dataloader(), val),
+        ):
+            got[split] = sorted(
+                (source.members[int(m)], int(i))
+                for b in loader
+                for m, i in zip(b.members["image"], b.sample_indices["image"], strict=True)
+            )
+        for split, source in (("train", train), ("val", val)):
+            want = [(n, i) for n, k in zip(source.members, source.lengths, strict=True)
+                    for i in range(k)]  # fmt: skip
+            assert got[split] == sorted(want)
+    finally:
+        dm.teardown()
+    shared = InSituDataModule(
+        None, ["image"], {"train": train, "val": coll.subset([coll.members[3]])}
+    )
+    with pytest.raises(ValueError, match="is in both the 'train' and the 'val' collection"):
+        shared.setup()

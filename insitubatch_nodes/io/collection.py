@@ -141,6 +141,7 @@ class Collection:
         #: the prefix of the virtual arrays' paths (``"<name>:<variable>"``): stable for the
         #: same members in the same store, never a key of any store
         self.name = f"collection-{digest.hexdigest()[:8]}"
+        self._sample_axis = sample_axis
         self._geoms, self.lengths = self._read(sample_axis)
 
     # -- the face ----------------------------------------------------------------------------
@@ -159,6 +160,34 @@ class Collection:
         """Each member's array path of ``variable`` in :attr:`store`."""
         self[variable]
         return self._paths[variable]
+
+    def subset(self, names: Sequence[str]) -> Collection:
+        """The collection of members ``names`` (in that order), with their keys: e.g. one
+        collection per split for ``InSituDataModule``. An unknown name raises ``KeyError``."""
+        index = {m: i for i, m in enumerate(self.members)}
+        missing = [n for n in names if n not in index]
+        if missing:
+            raise KeyError(f"{self.name}: no members {missing[:5]}")
+        rows = [index[n] for n in names]
+        return Collection(
+            self.store,
+            [self.members[i] for i in rows],
+            {v: [self._paths[v][i] for i in rows] for v in self.variables},
+            keys={k: list(v[rows]) for k, v in self.keys.items()},
+            sample_axis=self._sample_axis,
+        )
+
+    def sources(self) -> list[str]:
+        """Each member, as ``"<its store>::<its first variable's path there>"``: what
+        identifies a member across collections (checks that splits share no member)."""
+        out = []
+        for path in self._paths[self.variables[0]]:
+            store: Any = self.store
+            if isinstance(store, RoutingStore):
+                head, _, path = path.partition("/")
+                store = store.stores[int(head[1:])]
+            out.append(f"{describe_store(store)}::{path}")
+        return out
 
     def __repr__(self) -> str:
         return (
