@@ -44,6 +44,9 @@ class Batch:
     only) is each row's member index (``int64``, ``(len(batch),)``; a window never crosses
     members); for such a label ``sample_indices[label]`` is the index *within* that member, so
     row ``i`` is ``member_array[sample_indices[label][i]]`` of member ``members[label][i]``.
+    Stores joined along one axis (``Collection.concat``) keep one continuous index instead:
+    ``sample_indices`` count along the joined axis, and ``members[label]`` (shaped like them:
+    a window may span two stores) names the store of each step.
 
     ``channels[label]`` (channel stacks only: :func:`~insitubatch_nodes.stack.stack`) names
     the channels of ``arrays[label]`` in order (``"temperature@500"``, ``"2m_temperature"``).

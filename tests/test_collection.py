@@ -688,3 +688,71 @@ def test_the_lightning_module_takes_one_collection_per_split_and_refuses_a_share
     )
     with pytest.raises(ValueError, match="is in both the 'train' and the 'val' collection"):
         shared.setup()
+
+
+def _period(root: Path, start: int, n: int, step: int = 6) -> np.ndarray:
+    """A store of ``t2m (time, lat, lon)`` chunked 4 along time, with CF ``time`` in hours:
+    ``n`` steps of ``step`` hours from hour ``start``; returns the data."""
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    data = start + np.arange(n * 6, dtype="f4").reshape(n, 2, 3) / 10
+    t2m = group.create_array(
+        "t2m", shape=data.shape, chunks=(4, 2, 3), dtype="f4",
+        dimension_names=("time", "lat", "lon"),
+    )  # fmt: skip
+    t2m[:] = data
+    time_ = group.create_array(
+        "time", shape=(n,), chunks=(n,), dtype="i8", dimension_names=("time",)
+    )
+    time_[:] = start + step * np.arange(n)
+    time_.attrs.update({"units": "hours since 2000-01-01", "calendar": "standard"})
+    return data
+
+
+def test_stores_concatenated_along_time_are_one_continuous_axis(tmp_path: Path) -> None:
+    parts = [(0, 8), (48, 4), (72, 5)]  # hours from, steps: 6-hourly, continuing
+    data = np.concatenate(
+        [_period(tmp_path / f"p{k}.zarr", s, n) for k, (s, n) in enumerate(parts)]
+    )
+    stores = [tmp_path / f"p{k}.zarr" for k in range(3)]
+    coll = Collection.concat(stores, ["t2m"], dim="time", names=["early", "main", "recent"])
+    assert coll["t2m"].shape == (17, 2, 3)  # no padding: every store but the last whole chunks
+    view = coll["t2m"].window([-1, 0])
+    pipe = insitu_pipeline(coll, split_by_chunk(coll["t2m"], (1.0, 0.0, 0.0)), {"w": view})
+    try:
+        anchors = []
+        starts = np.cumsum([0] + [n for _, n in parts])
+        for batch in _batches(pipe):
+            idx = batch.sample_indices["w"]  # one index along the joined axis
+            np.testing.assert_array_equal(batch["w"], data[idx])
+            assert batch.members["w"].shape == idx.shape
+            np.testing.assert_array_equal(
+                batch.members["w"], np.searchsorted(starts, idx, "right") - 1
+            )
+            anchors += idx[:, 1].tolist()
+    finally:
+        pipe.close()
+    assert sorted(anchors) == list(range(1, 17))  # windows run across the stores' edges
+
+
+def test_concatenated_stores_that_leave_a_gap_or_overlap_or_end_mid_chunk_are_refused(
+    tmp_path: Path,
+) -> None:
+    _period(tmp_path / "a.zarr", 0, 8)
+    _period(tmp_path / "gap.zarr", 54, 4)  # 48 is next: 54 leaves a gap
+    _period(tmp_path / "overlap.zarr", 42, 4)
+    _period(tmp_path / "ragged.zarr", 0, 6)  # 6 steps: not whole chunks of 4
+    _period(tmp_path / "after.zarr", 36, 4)
+    _period(tmp_path / "hourly.zarr", 48, 4, step=1)
+    a = tmp_path / "a.zarr"
+    with pytest.raises(
+        ValueError, match=r"ends at 2000-01-02T18:00.* starts at 2000-01-03T06:00.*gap"
+    ):
+        Collection.concat([a, tmp_path / "gap.zarr"], ["t2m"])
+    with pytest.raises(ValueError, match=r"starts at 2000-01-02T18:00.*overlap"):
+        Collection.concat([a, tmp_path / "overlap.zarr"], ["t2m"])
+    with pytest.raises(
+        ValueError, match=r"ragged.zarr. holds 6 samples, not a whole number of chunks"
+    ):
+        Collection.concat([tmp_path / "ragged.zarr", tmp_path / "after.zarr"], ["t2m"])
+    with pytest.raises(ValueError, match=r"steps 3600 s, .* 21600 s"):
+        Collection.concat([a, tmp_path / "hourly.zarr"], ["t2m"])

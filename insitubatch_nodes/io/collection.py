@@ -43,7 +43,8 @@ import zarr
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.arrays import FieldCoordinates
+from insitubatch_nodes.io.arrays import FieldCoordinates, open_geometries
+from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
@@ -105,8 +106,11 @@ class Collection:
         *,
         keys: Mapping[str, Sequence[Any]] | None = None,
         sample_axis: int | str = 0,
+        continuous: bool = False,
     ) -> None:
         self.store = store
+        #: the members are consecutive pieces of one sample axis (:meth:`concat`)
+        self.continuous = bool(continuous)
         self.members: tuple[str, ...] = tuple(str(m) for m in members)
         if len(set(self.members)) != len(self.members):
             twice = sorted({m for m in self.members if self.members.count(m) > 1})
@@ -175,6 +179,7 @@ class Collection:
             {v: [self._paths[v][i] for i in rows] for v in self.variables},
             keys={k: list(v[rows]) for k, v in self.keys.items()},
             sample_axis=self._sample_axis,
+            continuous=self.continuous,
         )
 
     def sources(self) -> list[str]:
@@ -252,6 +257,36 @@ class Collection:
         zstore, paths = _locate(given)
         member_names = [str(i) for i in range(len(arrays))] if names is None else names
         return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis)
+
+    @classmethod
+    def concat(
+        cls,
+        stores: Sequence[Any],
+        variables: Sequence[str],
+        *,
+        dim: str = "time",
+        names: Sequence[str] | None = None,
+    ) -> Collection:
+        """Stores that continue one another along ``dim`` (an archive and its extension, one
+        store per period) as one sample axis: member ``i`` is store ``i``, with the arrays
+        ``variables`` (array paths, the same in every store), sampled along the dimension
+        ``dim``. Unlike other collections the index is continuous: windows, shifts and strides
+        run across the stores' edges (``batch.members`` still names each row's store).
+
+        Checked here: every store but the last holds whole chunks (of every variable), and the
+        times of ``dim``'s coordinate continue from store to store at one step, without a gap
+        or an overlap; otherwise ``ValueError`` naming the stores and the times."""
+        if isinstance(stores, str) or not len(stores):
+            raise TypeError("concat takes a non-empty list of stores (Store, path or URL)")
+        if isinstance(variables, str) or not len(variables):
+            raise TypeError("concat takes a list of array names, e.g. ['t2m', 'z']")
+        zstore, roots = _locate([(s, "") for s in stores])
+        if names is None:
+            names = [os.fspath(s) if isinstance(s, str | os.PathLike) else repr(s) for s in stores]
+        paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
+        out = cls(zstore, names, paths, sample_axis=dim, continuous=True)
+        _check_continuation(out, dim)
+        return out
 
     def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
@@ -336,6 +371,7 @@ class Collection:
             lengths,
             chunks[axis],
             align,
+            continuous=self.continuous,
         )
         shape = list(int(s) for s in ref.shape)
         shape[axis] = members.n_samples
@@ -480,3 +516,41 @@ def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
             f"in store {describe_store(store)}: pass the collection itself (or its .store) as "
             "the pipeline's store"
         )
+
+
+def _check_continuation(coll: Collection, dim: str) -> None:
+    """The times of ``dim`` continue from member to member of ``coll`` at one step."""
+    v = coll.variables[0]
+    ticks, values, steps = [], [], []
+    for name, path in zip(coll.members, coll.paths(v), strict=True):
+        geom = open_geometries(coll.store, [path])[path]
+        coord = open_coordinates(coll.store, geom).get(dim)
+        if coord is None or not coord.is_time:
+            raise ValueError(
+                f"concat: {name!r} has no time coordinate {dim!r} beside {v!r}: the stores are "
+                "joined by their times, checked to continue at one step"
+            )
+        t = time_offsets(coord, "1s")
+        d = np.unique(np.diff(t))
+        if len(d) > 1 or (len(d) and d[0] <= 0):
+            raise ValueError(f"concat: the times of {name!r} are not at one step ({d[:5]} s)")
+        ticks.append(t)
+        values.append(coord.values)
+        steps.append(int(d[0]) if len(d) else None)
+    step = next((s for s in steps if s is not None), None)
+    for k in range(len(ticks)):
+        if steps[k] is not None and steps[k] != step:
+            raise ValueError(
+                f"concat: {coll.members[k]!r} steps {steps[k]} s, {coll.members[0]!r} {step} s: "
+                "the stores must share one step"
+            )
+        if k and step is not None:
+            last, first = values[k - 1][-1], values[k][0]
+            gap = int(ticks[k][0] - ticks[k - 1][-1])
+            if gap != step:
+                what = "overlap" if gap <= 0 else "leave a gap"
+                raise ValueError(
+                    f"concat: {coll.members[k - 1]!r} ends at {last} and {coll.members[k]!r} "
+                    f"starts at {first}: they {what} (the next time at the step of {step} s "
+                    "would continue them)"
+                )

@@ -43,15 +43,27 @@ class MemberMap:
         lengths: Sequence[int] | np.ndarray,
         samples_per_chunk: int,
         align: int,
+        continuous: bool = False,
     ) -> None:
         if align % samples_per_chunk:
             raise ValueError(f"align {align} is not a multiple of {samples_per_chunk}")
+        #: the members are consecutive pieces of one sample axis (``Collection.concat``): no
+        #: padding between them, and windows and strides run across their edges
+        self.continuous = bool(continuous)
         self.collection = str(collection)
         self.names = tuple(str(n) for n in names)
         self.paths = tuple(str(p) for p in paths)
         n = np.asarray(lengths, dtype=np.int64)
         if n.shape != (len(self.paths),) or len(self.names) != len(self.paths):
             raise ValueError("a member map needs one name, path and length per member")
+        ragged = np.flatnonzero(n[:-1] % align) if continuous else np.zeros(0, dtype=np.int64)
+        if len(ragged):
+            m = int(ragged[0])
+            raise ValueError(
+                f"{collection}: {self.names[m]!r} holds {int(n[m])} samples, not a whole number "
+                f"of chunks of {align}: only the last piece of a continuous axis may end in a "
+                "partial chunk"
+            )
         self.lengths = n
         self.samples_per_chunk = int(samples_per_chunk)
         self.align = int(align)
@@ -63,7 +75,8 @@ class MemberMap:
         self.chunk_member = np.repeat(np.arange(len(n), dtype=np.int64), padded // spc)
         for arr in (self.lengths, self.sample_base, self.chunk_base, self.chunk_member):
             arr.setflags(write=False)
-        self.n_samples = int(padded.sum())
+        # a continuous axis ends where its last piece does (a partial last chunk, as an array's)
+        self.n_samples = int(n.sum()) if self.continuous else int(padded.sum())
 
     def __len__(self) -> int:
         return len(self.paths)
@@ -72,6 +85,8 @@ class MemberMap:
     def fingerprint(self) -> str:
         """16 hex digits of the collection's name, its member paths and lengths, and the grid."""
         h = hashlib.sha256(f"{self.collection}|{self.samples_per_chunk}|{self.align}|".encode())
+        if self.continuous:
+            h.update(b"continuous|")
         h.update("\x00".join(self.paths).encode())
         h.update(self.lengths.tobytes())
         return h.hexdigest()[:16]
@@ -109,7 +124,10 @@ class MemberMap:
     def sample_bounds(self, chunks: np.ndarray, samples_per_chunk: int) -> tuple[np.ndarray, ...]:
         """``(lo, hi)``: the virtual samples ``[lo, hi)`` of the member each of ``chunks`` (on a
         grid of ``samples_per_chunk``, which divides :attr:`align`) belongs to."""
-        m = self.member_of(np.asarray(chunks, dtype=np.int64) * samples_per_chunk)
+        chunks = np.asarray(chunks, dtype=np.int64)
+        if self.continuous:  # one axis: every sample of it
+            return np.zeros_like(chunks), np.full_like(chunks, int(self.lengths.sum()))
+        m = self.member_of(chunks * samples_per_chunk)
         lo = self.sample_base[np.maximum(m, 0)]
         return lo, lo + self.lengths[np.maximum(m, 0)]
 

@@ -33,9 +33,13 @@ class RoutingStore(Store):
         self.stores = tuple(stores)
         self._is_open = True
 
+    def _routes(self, key: str) -> bool:
+        head = key.partition("/")[0]
+        return head.startswith("s") and head[1:].isdigit() and int(head[1:]) < len(self.stores)
+
     def _route(self, key: str) -> tuple[Store, str]:
         head, _, rest = key.partition("/")
-        if not head.startswith("s") or not head[1:].isdigit() or int(head[1:]) >= len(self.stores):
+        if not self._routes(key):
             raise KeyError(f"{key!r} names none of the {len(self.stores)} routed stores")
         return self.stores[int(head[1:])], rest
 
@@ -56,6 +60,8 @@ class RoutingStore(Store):
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
+        if not self._routes(key):  # nothing lives above the routed stores (no root group)
+            return None
         store, rest = self._route(key)
         return await store.get(rest, prototype, byte_range)
 
@@ -65,6 +71,8 @@ class RoutingStore(Store):
         return [await self.get(k, prototype, r) for k, r in key_ranges]
 
     async def exists(self, key: str) -> bool:
+        if not self._routes(key):
+            return False
         store, rest = self._route(key)
         return await store.exists(rest)
 

@@ -148,7 +148,9 @@ def _origins(manifest: SplitManifest, config: PlanConfig) -> np.ndarray | None:
     """Where an int stride counts from, per sample: each collection member's first sample
     (``None``: index 0 of the array)."""
     members = manifest.members
-    if members is None or not isinstance(config.stride, int) or every_sample(config.stride):
+    if members is None or members.continuous:
+        return None
+    if not isinstance(config.stride, int) or every_sample(config.stride):
         return None
     return members.sample_base[members.member_of(np.arange(manifest.n_samples))]
 

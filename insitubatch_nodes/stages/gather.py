@@ -288,8 +288,11 @@ class GatherNode(BaseNode[Batch]):
         members = {}
         for label, member_map in self._members.items():
             m = member_map.member_of(samples[label])
+            if member_map.continuous:  # stores joined along one axis: the index runs on
+                members[label] = m
+                continue
             samples[label] = member_map.within(samples[label], m)
-            members[label] = m if m.ndim == 1 else m[:, 0]
+            members[label] = m if m.ndim == 1 else m[:, 0]  # a window never crosses members
         batch = Batch(
             arrays=arrays,
             sample_indices=samples,
