@@ -30,6 +30,7 @@ the sample axis) and ``missing_objects="drop"``.
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import math
@@ -549,8 +550,13 @@ def _check_continuation(coll: Collection, dim: str) -> None:
             gap = int(ticks[k][0] - ticks[k - 1][-1])
             if gap != step:
                 what = "overlap" if gap <= 0 else "leave a gap"
+                delta: Any = (
+                    np.timedelta64(step, "s")
+                    if isinstance(last, np.datetime64)
+                    else datetime.timedelta(seconds=step)
+                )
                 raise ValueError(
                     f"concat: {coll.members[k - 1]!r} ends at {last} and {coll.members[k]!r} "
-                    f"starts at {first}: they {what} (the next time at the step of {step} s "
-                    "would continue them)"
+                    f"starts at {first}: they {what} (at the step of {step} s, {last + delta} "
+                    "comes next)"
                 )
