@@ -23,9 +23,13 @@ Python object per member on the per-batch path. Members in several stores are re
 :class:`~insitubatch_nodes.io.routing.RoutingStore`; a collection of one store reads that store
 directly (a local folder keeps the decode threads' direct reads).
 
+:meth:`Collection.concat` joins stores that continue one another along time into one
+*continuous* axis instead: there windows run across the stores' edges and the index is the
+joined axis's.
+
 Not supported yet (refused with a message where asked for): time coordinates on a collection
 (a time stride, window offsets in time deltas, dates in ``missing=``, carried coordinates of
-the sample axis) and ``missing_objects="drop"``.
+the sample axis) and ``missing_objects="drop"``; product sample axes.
 """
 
 from __future__ import annotations
