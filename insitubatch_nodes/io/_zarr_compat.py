@@ -51,7 +51,6 @@ __all__ = [
     "open_group_readonly",
     "opened",
     "read_chunk_shape",
-    "read_documents",
     "read_whole_array",
     "stored_chunk_shape",
     "unreadable_metadata",
@@ -201,29 +200,6 @@ def open_arrays_by_name(
 
     async def every() -> list[zarr.Array | None]:
         return list(await asyncio.gather(*(one(p) for p in paths)))
-
-    return sync(every())
-
-
-def read_documents(store: Any, keys: Sequence[str]) -> list[bytes | None]:
-    """The bytes stored at each of ``keys`` (``None`` where there is nothing), read
-    concurrently (at most 64 at a time) on zarr's IO loop: metadata documents of many arrays
-    read without building a zarr array for each (a collection of 10^4 members)."""
-    import asyncio
-
-    from zarr.core.buffer import default_buffer_prototype
-    from zarr.core.sync import sync
-
-    limit = asyncio.Semaphore(2 * _NAMED_READS)
-    prototype = default_buffer_prototype()
-
-    async def one(key: str) -> bytes | None:
-        async with limit:
-            found = await store.get(key, prototype=prototype)
-            return None if found is None else found.to_bytes()
-
-    async def every() -> list[bytes | None]:
-        return list(await asyncio.gather(*(one(k) for k in keys)))
 
     return sync(every())
 

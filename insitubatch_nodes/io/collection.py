@@ -52,6 +52,7 @@ from insitubatch_nodes.io.arrays import FieldCoordinates, open_geometries
 from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import MemberMap
+from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
 from insitubatch_nodes.io.stores import as_store, describe_store
 
@@ -313,7 +314,7 @@ class Collection:
                 _sample_axis(ref, sample_axis, f"member {self.members[0]!r}, variable {v!r}"),
             )
             keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
-        docs = _zarr_compat.read_documents(store, keys)
+        docs = read_documents(store, keys)
         lengths = {
             v: self._check_variable(v, docs[k * n : (k + 1) * n], refs[v][1])
             for k, v in enumerate(self.variables)
