@@ -39,6 +39,7 @@ import hashlib
 import json
 import math
 import os
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -119,7 +120,7 @@ class Collection:
         self.continuous = bool(continuous)
         self.members: tuple[str, ...] = tuple(str(m) for m in members)
         if len(set(self.members)) != len(self.members):
-            twice = sorted({m for m in self.members if self.members.count(m) > 1})
+            twice = sorted(m for m, k in Counter(self.members).items() if k > 1)
             raise ValueError(
                 f"member names must be unique; {twice[:5]} appear more than once (members of "
                 "several stores at the same path: give names=)"
