@@ -96,6 +96,7 @@ def test_every_row_is_its_members_zarr_read_for_members_of_different_lengths(
     views = {"x": coll["image"], "y": coll["image"].shift(1), "seg": coll["labels"]}
     pipe = insitu_pipeline(coll, manifest, views, batch_size=4, block_chunks=2, seed=3)
     try:
+        assert pipe.stages.fetch.gets is None, "one local store: files read on the decode threads"
         seen = []
         for batch in _batches(pipe):
             for r in range(len(batch)):
@@ -253,6 +254,7 @@ def test_members_in_several_stores_are_one_stream(tmp_path: Path) -> None:
     assert isinstance(coll.store, RoutingStore) and coll.members == ("a", "b", "c")
     pipe = insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), {"x": coll["data"]})
     try:
+        assert pipe.stages.fetch.gets is not None  # each GET routed to its member's store
         seen = []
         for batch in _batches(pipe, epochs=2):
             for r in range(len(batch)):
