@@ -651,8 +651,14 @@ def test_a_collection_view_lays_members_end_to_end_on_chunk_boundaries_and_names
         local = c - int(g.members.chunk_base[m])
         assert g.store_key(c, (0, 1)) == f"{coll.paths('image')[m]}/c/{local}/0/1"
     # the labels (1 sample a chunk) share the image's member starts (2 a chunk)
-    labels = coll["labels"].members
+    lab = coll["labels"]
+    labels = lab.members
     assert labels is not None and np.array_equal(labels.sample_base, g.members.sample_base)
+    # an untiled variable's keys as the decode threads' lean loop writes them: the same keys
+    whole = labels.whole_chunk_key(lab.metadata, lab.ndim, lab.sample_axis)
+    assert [whole(c) for c in range(lab.n_chunks)] == [
+        lab.store_key(c) for c in range(lab.n_chunks)
+    ]
 
 
 def test_the_lightning_module_takes_one_collection_per_split_and_refuses_a_shared_member(

@@ -148,6 +148,27 @@ class MemberMap:
         path = self.paths[m]
         return f"{path}/{key}" if path else key
 
+    def whole_chunk_key(self, metadata: Any, ndim: int, sample_axis: int) -> Any:
+        """``key(chunk)``: the key of virtual chunk ``chunk`` of an array stored one object per
+        chunk (no tiles), without zarr's encoder — or ``None`` when its keys need zarr's."""
+        template = self._template(metadata, ndim)
+        if template is None:
+            return None
+        coords: list[Any] = ["0"] * ndim
+        coords[sample_axis] = "\x00"
+        parts = template.format(*coords).split("\x00")
+        if len(parts) != 2:
+            return None
+        before, after = parts
+        prefixes = [f"{p}/{before}" if p else before for p in self.paths]
+        member, base = self.chunk_member, self.chunk_base
+
+        def key(chunk: int) -> str:
+            m = int(member[chunk])
+            return prefixes[m] + str(chunk - int(base[m])) + after
+
+        return key
+
     def _template(self, metadata: Any, ndim: int) -> str | None:
         cached = self.__dict__.get("_key_template", False)
         if cached is False:
