@@ -115,12 +115,6 @@ class MemberMap:
         """Each virtual sample's index within its member (``members``: :meth:`member_of`)."""
         return np.asarray(samples, dtype=np.int64) - self.sample_base[members]
 
-    def valid(self) -> np.ndarray:
-        """``True`` for each virtual sample that is a member's sample (not padding)."""
-        at = np.arange(self.n_samples, dtype=np.int64)
-        m = self.member_of(at)
-        return at - self.sample_base[m] < self.lengths[m]
-
     def sample_bounds(self, chunks: np.ndarray, samples_per_chunk: int) -> tuple[np.ndarray, ...]:
         """``(lo, hi)``: the virtual samples ``[lo, hi)`` of the member each of ``chunks`` (on a
         grid of ``samples_per_chunk``, which divides :attr:`align`) belongs to."""
