@@ -6,7 +6,8 @@ and :class:`CacheOptions` carry its settings as three checked objects (what ``In
 takes). The composition kit is one dotted name away,
 in folders that follow a batch top-down:
 
-* :mod:`insitubatch_nodes.io` — stores, array geometry, coordinates, decoding (knows zarr);
+* :mod:`insitubatch_nodes.io` — stores, array geometry, collections, coordinates, decoding
+  (knows zarr);
 * :mod:`insitubatch_nodes.plan` — splits, each epoch's order and chunk reads, the residency
   schedule (pure numpy);
 * :mod:`insitubatch_nodes.pool` — ``ChunkPool``: byte budget, pins, LRU, slot memory;
@@ -30,12 +31,13 @@ from __future__ import annotations
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import RetryPolicy, open_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
-from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stack import stack
 from insitubatch_nodes.stages.loader import Loader
@@ -58,6 +60,7 @@ __all__ = [
     "CacheOptions",
     "ChunkTransform",
     "Coarsen",
+    "Collection",
     "DecodedChunk",
     "EpochReport",
     "FetchOptions",
@@ -77,6 +80,7 @@ __all__ = [
     "open_geometries",
     "open_store",
     "split_by_chunk",
+    "split_by_member",
     "stack",
     "to_torch",
 ]

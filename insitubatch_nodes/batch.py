@@ -40,6 +40,14 @@ class Batch:
     starting at ``patch_origins[label][i]`` along the patched axes (in physical axis order).
     Views patched alike hold the same origins row for row.
 
+    ``members[label]`` (labels read from a :class:`~insitubatch_nodes.io.collection.Collection`
+    only) is each row's member index (``int64``, ``(len(batch),)``; a window never crosses
+    members); for such a label ``sample_indices[label]`` is the index *within* that member, so
+    row ``i`` is ``member_array[sample_indices[label][i]]`` of member ``members[label][i]``.
+    Stores joined along one axis (``Collection.concat``) keep one continuous index instead:
+    ``sample_indices`` count along the joined axis, and ``members[label]`` (shaped like them:
+    a window may span two stores) names the store of each step.
+
     ``channels[label]`` (channel stacks only: :func:`~insitubatch_nodes.stack.stack`) names
     the channels of ``arrays[label]`` in order (``"temperature@500"``, ``"2m_temperature"``).
     """
@@ -53,6 +61,8 @@ class Batch:
     patch_origins: dict[str, np.ndarray] = field(default_factory=dict)
     #: a channel stack's channel names in order (:func:`~insitubatch_nodes.stack.stack`)
     channels: dict[str, list[str]] = field(default_factory=dict)
+    #: each row's member, for labels read from a collection
+    members: dict[str, np.ndarray] = field(default_factory=dict)
 
     def __len__(self) -> int:
         for arr in self.arrays.values():

@@ -32,12 +32,13 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import as_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
-from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 from insitubatch_nodes.transforms import ChunkTransform
@@ -151,12 +152,21 @@ class InSituDataModule(pl.LightningDataModule):
       pipelines size their pools automatically (:meth:`cache_options_for`).
 
     Args:
-        store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``).
+        store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``);
+            or a :class:`~insitubatch_nodes.Collection`, whose views (``{"x":
+            collection["image"]}``) are then the variables and
+            :func:`~insitubatch_nodes.split_by_member` the splits: each split holds whole
+            members (or groups of them), none in two splits.
         variables: array names, or ``{label: ArrayGeometry view}`` (e.g. ``{"x": g,
             "y": g.shift(1)}``); a callable ``geometries -> {label: view}`` is resolved in
             :meth:`setup` (useful when the store is only reachable at training time).
-        splits: a :class:`SplitManifest`, or ``(train, val, test)`` chunk fractions for a
-            contiguous :func:`split_by_chunk` over the first label's array.
+        splits: a :class:`SplitManifest` (of a collection: :func:`split_by_member`), a
+            mapping of ``"train"``, ``"val"`` and ``"test"`` to one
+            :class:`~insitubatch_nodes.Collection` each (none sharing a member; ``store`` is
+            then unused, ``variables`` names or a callable on each collection's variables), or
+            ``(train, val, test)`` chunk fractions for a contiguous :func:`split_by_chunk` over
+            the first label's array (for a collection: fractions of its members, drawn with
+            the config's seed by :func:`split_by_member`).
         config, fetch, cache: the settings objects above (``None``: their defaults).
         eval_batch_size: batch size of the val/test loaders (default: training's).
         batch_transforms: as for :func:`insitu_pipeline` (training).
@@ -178,11 +188,11 @@ class InSituDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str],
+        store: Store | str | os.PathLike[str] | Collection | None,
         variables: Sequence[str]
         | Mapping[str, ArrayGeometry]
         | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry]],
-        splits: SplitManifest | Sequence[float] = (0.8, 0.1, 0.1),
+        splits: SplitManifest | Sequence[float] | Mapping[str, Collection] = (0.8, 0.1, 0.1),
         *,
         config: PlanConfig | None = None,
         fetch: FetchOptions | None = None,
@@ -232,6 +242,8 @@ class InSituDataModule(pl.LightningDataModule):
         self._pending_train_state: dict[str, Any] | None = None
         self._train_key: tuple[int, int | None, int | None] | None = None
         self._train_views: dict[str, ArrayGeometry] | None = None
+        # splits given as one collection each: split -> (store, views, manifest)
+        self._split_sources: dict[str, tuple[Any, dict[str, Any], SplitManifest]] = {}
 
     @property
     def batch_size(self) -> int:
@@ -263,7 +275,18 @@ class InSituDataModule(pl.LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         if self.store is not None:
             return
-        store = as_store(self._store_arg, **self._store_options)
+        if isinstance(self._splits_arg, Mapping):  # one collection per split
+            self._split_sources = _per_split(self._splits_arg, self._variables_arg)
+            first = self._split_sources.get("train") or next(iter(self._split_sources.values()))
+            self.store, self.views, self.manifest = first
+            return
+        given = self._store_arg
+        if given is None:
+            raise TypeError("InSituDataModule needs a store (or splits of one collection each)")
+        # a collection is read from its store (one, or its members' stores routed)
+        store = (
+            given.store if isinstance(given, Collection) else as_store(given, **self._store_options)
+        )
         variables = self._variables_arg
         if callable(variables):
             views = dict(variables(open_geometries(store)))
@@ -276,6 +299,9 @@ class InSituDataModule(pl.LightningDataModule):
         splits = self._splits_arg
         if isinstance(splits, SplitManifest):
             manifest = splits
+        elif isinstance(given, Collection):  # fractions of whole members: nothing leaks
+            fractions = dict(zip(("train", "val", "test"), map(float, splits), strict=True))
+            manifest = split_by_member(given, fractions, seed=self.plan_config.seed)
         else:
             manifest = split_by_chunk(next(iter(views.values())).base, tuple(splits))
         self.store, self.views, self.manifest = store, views, manifest
@@ -298,10 +324,13 @@ class InSituDataModule(pl.LightningDataModule):
         if old is not None:
             old.close()
         checked = self._checked_manifest
+        store, views, manifest = self._split_sources.get(
+            split, (self.store, self.views, self.manifest)
+        )
         pipe = insitu_pipeline(
-            self.store,
-            self.manifest if checked is None else checked,
-            self._train_views if split == "train" and self._train_views else self.views,
+            store,
+            manifest if checked is None else checked,
+            self._train_views if split == "train" and self._train_views else views,
             batch_transforms=self.batch_transforms,
             chunk_transforms=self.chunk_transforms,
             coords=self.coords,
@@ -399,3 +428,38 @@ class InSituDataModule(pl.LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         for dataset in self._loaders.values():
             dataset.close()
+
+
+def _per_split(
+    splits: Mapping[str, Any], variables: Any
+) -> dict[str, tuple[Any, dict[str, Any], SplitManifest]]:
+    """``{split: (store, views, manifest)}`` of splits given as one collection each, checked to
+    share no member; ``variables`` are variable names, or a callable ``{variable: view} ->
+    {label: view}`` called with each split's collection's variables."""
+    out: dict[str, tuple[Any, dict[str, Any], SplitManifest]] = {}
+    owner: dict[str, str] = {}
+    for split, coll in splits.items():
+        if split not in ("train", "val", "test") or not isinstance(coll, Collection):
+            raise TypeError(
+                "splits given as a mapping take 'train', 'val' and 'test' to a Collection "
+                f"each; got {split!r}: {type(coll).__name__}"
+            )
+        for source in coll.sources():
+            if owner.setdefault(source, split) != split:
+                raise ValueError(
+                    f"member {source!r} is in both the {owner[source]!r} and the {split!r} "
+                    "collection: a member belongs to one split"
+                )
+        geometries = {v: coll[v] for v in coll.variables}
+        if callable(variables):
+            views = dict(variables(geometries))
+        elif isinstance(variables, Mapping | str):
+            raise TypeError(
+                "with one collection per split, variables are variable names (['image']) or "
+                "a callable {variable: view} -> {label: view}: each split has its own views"
+            )
+        else:
+            views = {v: geometries[v] for v in variables}
+        manifest = split_by_member(coll, {split: 1.0})
+        out[split] = (coll.store, views, manifest)
+    return out

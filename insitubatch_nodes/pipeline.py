@@ -21,6 +21,12 @@ from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
 from insitubatch_nodes.io.arrays import absent_samples, check_arrays_in_store, open_geometries
+from insitubatch_nodes.io.collection import (
+    Collection,
+    check_collection_in_store,
+    collection_of,
+    refuse_collection_options,
+)
 from insitubatch_nodes.io.coords import (
     carried_coordinates,
     coordinate_reader,
@@ -181,7 +187,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
 
 
 def insitu_pipeline(
-    store: Store | str | os.PathLike[str],
+    store: Store | str | os.PathLike[str] | Collection,
     manifest: SplitManifest,
     variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack],
     *,
@@ -324,21 +330,40 @@ def insitu_pipeline(
                "reset_stale_cache": reset_stale_cache, "verify_cache": verify_cache,
                "check_store": check_store},
     )  # fmt: skip
+    if isinstance(store, Collection):  # its store: one, or its members' stores routed
+        store = store.store
     zstore = _open_store(store, fetch_options.retry)
     views, geoms = _resolve_views(zstore, variables)
+    refuse_collection_options(
+        list(_members(views)),
+        timed=not isinstance(plan_config.stride, int)
+        or any(v.timed_window for v in _members(views)),
+        missing=missing,
+        missing_objects=missing_objects,
+        coords=coords,
+        plain_views=sum(v.members is None and not v.static for v in _members(views)),
+    )
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
     views, geoms, statics, constants = _static_fields(views, geoms)
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
     # a stack's rows carry its first sampled member's coordinates (its forcings' times)
     firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
-    carried = _carried_coordinates(zstore, {**plain, **firsts}, coords, reader)
+    carried = _carried_coordinates(
+        zstore,
+        {lb: v for lb, v in {**plain, **firsts}.items() if v.members is None},
+        coords,
+        reader,
+    )
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: _output_view(transforms, label, view) for label, view in views.items()}
     manifest = _anchor_steps(
         zstore, manifest, geoms, plan_config, missing, missing_objects, reader, plain.values()
     )
+    members = collection_of([manifest.members, *(v.members for v in geoms.values())])
+    if members is not None and manifest.members is None:  # no step leaves its member
+        manifest = manifest.with_members(members)
     # the schedule is decided first (and fails fast, here, when the budget is too small), over
     # the views the plan reads: a window's steps one by one
     parts, _ = expand_views(resolve_windows(views, manifest.steps))
@@ -436,7 +461,9 @@ def _resolve_views(
     checked against it), and path -> the array's geometry, one per array read."""
     if isinstance(variables, Mapping):  # views may come from elsewhere: check this store
         given = [v for v in _members(variables) if isinstance(v, ArrayGeometry)]
-        check_arrays_in_store(zstore, {v.path: v.base for v in given})
+        check_arrays_in_store(zstore, {v.path: v.base for v in given if v.members is None})
+        for v in {v.path: v for v in given if v.members is not None}.values():
+            check_collection_in_store(zstore, v)
         views: dict[str, Any] = dict(variables)
     else:
         names = [variables] if isinstance(variables, str) else list(variables)
@@ -644,6 +671,7 @@ def _open_cache(
         {path: g.n_tiles for path, g in {**geoms, **static_bases}.items()},
         enabled=options.check_store,
         name=describe_store(zstore),
+        prefixes={p: g.members.common_prefix for p, g in geoms.items() if g.members is not None},
     )
     return ChunkCache(
         options.cache_dir,

@@ -36,6 +36,7 @@ FACE = [
     "CacheOptions",
     "ChunkTransform",
     "Coarsen",
+    "Collection",
     "DecodedChunk",
     "EpochReport",
     "FetchOptions",
@@ -55,6 +56,7 @@ FACE = [
     "open_geometries",
     "open_store",
     "split_by_chunk",
+    "split_by_member",
     "stack",
     "to_torch",
 ]

@@ -83,6 +83,18 @@ def test_the_microscopy_segmenter_learns_the_mask_from_z_planes(tmp_path: Path) 
     assert "above the all-background" in proc.stdout, _explain(proc)
 
 
+def test_the_scenes_recipe_trains_on_one_stream_over_scenes_in_several_stores(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "scenes_collection.py", "--stores", "2", "--scenes", "3", "--epochs", "2", cwd=tmp_path
+    )
+    assert proc.returncode == 0, _explain(proc)
+    assert "equal to zarr's read" in proc.stdout, _explain(proc)
+    assert "loss fell" in proc.stdout, _explain(proc)
+    assert "above the all-background" in proc.stdout, _explain(proc)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("remainder", ["drop", "pad"])
 def test_the_elastic_resume_recipe_finishes_an_epoch_cut_on_two_ranks_on_three(

@@ -123,4 +123,6 @@ def array_fingerprint(
         "output": [list(output.inner_shape), output.dtype.str],
         "transforms": [transform_identity(t) for t in transforms],
     }
+    if source.members is not None:  # a collection: which members, of which lengths
+        identity["members"] = source.members.fingerprint
     return _digest(json.dumps(identity, sort_keys=True).encode())

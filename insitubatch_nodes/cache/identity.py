@@ -381,13 +381,23 @@ class StaleReport:
 class StoreCheck:
     """The store a cache's chunks came from, and how to check them against it.
 
-    ``tiles`` maps each array path to its stored objects per chunk; ``enabled=False``
+    ``tiles`` maps each array path to its stored objects per chunk (``prefixes``: the prefix to
+    list for an array whose objects are not below its path); ``enabled=False``
     (``check_store=False``) records identities but trusts the cache without listing."""
 
     def __init__(
-        self, store: Any, tiles: Mapping[str, int], *, enabled: bool = True, name: str = ""
+        self,
+        store: Any,
+        tiles: Mapping[str, int],
+        *,
+        enabled: bool = True,
+        name: str = "",
+        prefixes: Mapping[str, str] | None = None,
     ) -> None:
         self.lister = lister_for(store)
+        #: the prefix listed for an array whose objects are not below its path (a collection's
+        #: virtual array: the folder all its members are below)
+        self.prefixes = dict(prefixes or {})
         self.tiles = dict(tiles)
         self.enabled = bool(enabled)
         self.name = name or repr(store)
@@ -424,7 +434,8 @@ class StoreCheck:
                 rows_of.append((want, rows))
             try:  # a HeadLister asks for the recorded objects only; the others list the prefix
                 listing = self.lister.list(
-                    array, {str(k) for _, rows in rows_of if rows is not None for k in rows.keys}
+                    self.prefixes.get(array, array),
+                    {str(k) for _, rows in rows_of if rows is not None for k in rows.keys},
                 )
             except Exception as exc:  # NotSupported, a denied ListBucket, a network error
                 report.chunks.clear()

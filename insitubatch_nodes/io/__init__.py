@@ -6,6 +6,9 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.arrays` — finding arrays in a store, :func:`open_geometries`;
 * :mod:`~insitubatch_nodes.io.geometry` — :class:`ArrayGeometry`: what a sample is, which
   stored objects hold it, and its views (shifts, windows, patches, selections);
+* :mod:`~insitubatch_nodes.io.collection` — :class:`Collection`: many arrays of one schema as
+  one virtual array per variable; :mod:`~insitubatch_nodes.io.members` its member map;
+  :mod:`~insitubatch_nodes.io.routing` — several stores read as one;
 * :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field
   into windows;
 * :mod:`~insitubatch_nodes.io.selection` — what a selected view keeps of each field axis;
@@ -19,6 +22,7 @@ files. This face re-exports the names a composer uses; import the modules for th
 """
 
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
@@ -28,6 +32,7 @@ __all__ = [
     "SUPPORTED_SCHEMES",
     "ArrayGeometry",
     "ChunkDecoder",
+    "Collection",
     "Coordinate",
     "Patches",
     "RetryPolicy",

@@ -47,6 +47,7 @@ import numpy as np
 from insitubatch_nodes.errors import CorruptMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import as_timedelta
+from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
 from insitubatch_nodes.io.selection import Selection, axis_key, label_positions
 from insitubatch_nodes.io.stores import describe_store
@@ -122,6 +123,9 @@ class ArrayGeometry:
     #: reads a field dimension's coordinate values, ``coordinates(geom, dim)`` (what
     #: :meth:`sel` looks values up in; set by ``open_geometries``)
     coordinates: Any = field(default=None, compare=False, repr=False, hash=False)
+    #: a collection variable's virtual array: where each member's samples and stored objects
+    #: are (:mod:`~insitubatch_nodes.io.members`; ``None`` for an array of one store)
+    members: MemberMap | None = field(default=None, repr=False)
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -268,6 +272,8 @@ class ArrayGeometry:
             raise ValueError(f"{self.path}: this geometry was built without zarr metadata")
         tile = tuple(tile) or (0,) * len(self.field_axes)
         coords = self.chunk_coords(chunk_index, tile)
+        if self.members is not None:  # the member's own object
+            return self.members.store_key(self.metadata, coords, self.sample_axis)
         template = self.key_template
         if template is not None:
             return template.format(*coords)
@@ -279,7 +285,7 @@ class ArrayGeometry:
         """The store keys of this array as a ``str.format`` template over the physical
         chunk-grid coordinates (``key_template.format(*coords)`` is :meth:`store_key`), or
         ``None`` when zarr must encode each key (no metadata, or an unusual key encoding)."""
-        if self.metadata is None:
+        if self.metadata is None or self.members is not None:
             return None
         template = _zarr_compat.chunk_key_format(self.metadata, self.ndim)
         if template is None:

@@ -11,7 +11,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.stores import credentials_error, plain_object_store
 
-__all__ = ["HEADS_IN_FLIGHT", "head_objects", "make_async_getter"]
+__all__ = ["HEADS_IN_FLIGHT", "head_objects", "make_async_getter", "read_documents"]
 
 
 def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
@@ -152,3 +152,26 @@ def head_objects(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) 
         return list(await asyncio.gather(*(one(k) for k in keys)))
 
     return asyncio.run_coroutine_threadsafe(heads(), _zarr_compat.io_loop()).result()
+
+
+def read_documents(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) -> list[Any]:
+    """The bytes at each of ``keys`` of a zarr ``store`` (``None`` where there is nothing),
+    ``in_flight`` at a time on zarr's IO loop: the metadata documents of many arrays read
+    without building a zarr array for each (a collection's members)."""
+    import asyncio
+
+    from zarr.buffer import default_buffer_prototype
+
+    prototype = default_buffer_prototype()
+
+    async def documents() -> list[Any]:
+        limit = asyncio.Semaphore(in_flight)
+
+        async def one(key: str) -> bytes | None:
+            async with limit:
+                found = await store.get(key, prototype=prototype)
+            return None if found is None else found.to_bytes()
+
+        return list(await asyncio.gather(*(one(k) for k in keys)))
+
+    return asyncio.run_coroutine_threadsafe(documents(), _zarr_compat.io_loop()).result()

@@ -1,6 +1,7 @@
 """What to read and when, as pure numpy: no torchdata, no pool, no threads.
 
-* :mod:`~insitubatch_nodes.plan.splits` — chunk-aligned train/val/test manifests;
+* :mod:`~insitubatch_nodes.plan.splits` — chunk-aligned train/val/test manifests (by chunk, or by a
+  collection's member);
 * :mod:`~insitubatch_nodes.plan.config` — what a plan draws, as one :class:`PlanConfig`;
 * :mod:`~insitubatch_nodes.plan.anchors` — which samples are anchors: the stride, the anchors
   dropped for missing steps (:class:`SampleSteps`);
@@ -33,7 +34,7 @@ from insitubatch_nodes.plan.schedule import (
     schedule_floors,
     working_set_bytes,
 )
-from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 
 __all__ = [
     "REMAINDERS",
@@ -55,5 +56,6 @@ __all__ = [
     "schedule_floors",
     "shuffle_quality",
     "split_by_chunk",
+    "split_by_member",
     "working_set_bytes",
 ]

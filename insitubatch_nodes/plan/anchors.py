@@ -6,9 +6,10 @@ narrow that set, both as one boolean mask over the sample axis, computed with nu
 loop over samples), the same on every rank and every epoch:
 
 * **the stride** (``PlanConfig.stride``): an ``int`` ``k`` keeps the samples ``0, k, 2k, ...``
-  (counted from index 0 of the array); a time step (``np.timedelta64``) keeps the samples whose
-  time is a whole multiple of the step since ``1970-01-01T00:00`` in the coordinate's own
-  calendar (``"6h"``: 00, 06, 12 and 18 UTC). A time step needs the anchor array's times
+  (counted from index 0 of the array; of each member, in a collection's virtual array); a
+  time step (``np.timedelta64``) keeps the samples whose time is a whole multiple of the step
+  since ``1970-01-01T00:00`` in the coordinate's own calendar (``"6h"``: 00, 06, 12 and 18
+  UTC). A time step needs the anchor array's times
   (:class:`SampleSteps`) and must be a multiple of the data's step (``ValueError`` naming both).
 * **missing steps** (:class:`SampleSteps`, given by the builder): an anchor ``a`` is dropped
   when a step ``a + k`` read by its views (``k`` in the set of the views' offsets) is missing,
@@ -157,14 +158,22 @@ def _readable(step: np.timedelta64) -> str:
     return f"{ns / 1e9:g}s"
 
 
-def stride_mask(n_samples: int, stride: int | np.timedelta64, steps: SampleSteps | None) -> Any:
+def stride_mask(
+    n_samples: int,
+    stride: int | np.timedelta64,
+    steps: SampleSteps | None,
+    origins: np.ndarray | None = None,
+) -> Any:
     """The samples ``stride`` keeps as anchors (``bool``, one per sample), or ``None`` for
     every sample (``stride == 1``). A time stride keeps the samples whose time is a whole
-    multiple of it since ``1970-01-01T00:00`` (a missing time is not kept)."""
+    multiple of it since ``1970-01-01T00:00`` (a missing time is not kept). An int stride
+    counts from each sample's ``origins`` (one per sample: a collection member's first
+    sample), from index 0 without."""
     if isinstance(stride, int):
         if every_sample(stride):
             return None
-        return np.arange(n_samples, dtype=np.int64) % stride == 0
+        at = np.arange(n_samples, dtype=np.int64)
+        return (at if origins is None else at - origins) % stride == 0
     k, steps = _step_ticks(stride, steps)
     assert steps.ticks is not None
     return (steps.ticks != _NO_TIME) & (steps.ticks % k == 0)
@@ -202,12 +211,14 @@ def anchor_filter(
     offsets: Iterable[int],
     stride: int | np.timedelta64,
     steps: SampleSteps | None,
+    origins: np.ndarray | None = None,
 ) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
     """``(keep, dropped)``: the samples that may be anchors under ``stride`` and the
     missing-step checks (``None``: every sample), and for each reason of :data:`REASONS` the
-    on-stride samples dropped for it (each under its first reason only)."""
+    on-stride samples dropped for it (each under its first reason only). ``origins`` (one per
+    sample) is where an int stride counts from (:func:`stride_mask`)."""
     offsets = list(offsets)
-    keep = stride_mask(n_samples, stride, steps)
+    keep = stride_mask(n_samples, stride, steps, origins)
     dropped: dict[str, np.ndarray] = {}
     if steps is None:
         return keep, dropped

@@ -21,14 +21,15 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
 4. batches are cut over the whole ledger: ``ceil(N / batch_size)`` batches, only the last short.
 
 **Valid anchors.** An anchor ``a`` of the split is emitted only if every view's sample
-``a + offset`` lies in the array *and*, by default, on an anchor-grid chunk of the same split
-(``(a + offset) // samples_per_chunk`` is one of the split's chunks), so no window reads a sample
-of another split. ``cross_split_windows=True`` drops the second condition (windows may read
-across the split's edge). In each chunk these anchors are one contiguous run
-(:func:`chunk_counts`); the anchor stride and the missing-step checks
-(:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the sample
-axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the configuration and
-every epoch, rank and resume stays exact.
+``a + offset`` lies in the array (in a collection's virtual array: in the anchor's own member,
+never in its padding nor in another member, see ``manifest.members``) *and*, by default, on an
+anchor-grid chunk of the same split (``(a + offset) // samples_per_chunk`` is one of the split's
+chunks), so no window reads a sample of another split. ``cross_split_windows=True`` drops the
+second condition (windows may read across the split's edge). In each chunk these anchors are
+one contiguous run (:func:`chunk_counts`); the anchor stride and the missing-step checks
+(:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the
+sample axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the
+configuration and every epoch, rank and resume stays exact.
 
 Each :class:`BatchPlan` says which stored chunks the batch gathers from (``reads``), which of them
 it is the first to need this epoch (``fetches`` — each chunk is fetched once per epoch) and which
@@ -112,6 +113,10 @@ def chunk_counts(
             edge = (d + 1) * spc - k
             start = np.where(in_split(d), start, np.maximum(start, edge))
             stop = np.where(in_split(d + 1), stop, np.minimum(stop, edge))
+    if manifest.members is not None:  # a collection: every step inside the anchor's member
+        first, end = manifest.members.sample_bounds(chunks, spc)
+        start = np.maximum(start, first - min(offsets))
+        stop = np.minimum(stop, end - max(offsets))
     return start, np.maximum(stop - start, 0)
 
 
@@ -129,12 +134,25 @@ def chunk_anchors(
         manifest, config.split, chunks, offsets, config.cross_split_windows
     )
     anchors = _runs(starts, counts)
-    keep, _ = anchor_filter(manifest.n_samples, offsets, config.stride, manifest.steps)
+    keep, _ = anchor_filter(
+        manifest.n_samples, offsets, config.stride, manifest.steps, _origins(manifest, config)
+    )
     if keep is None:
         return counts, anchors
     ok = keep[anchors]
     owner = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
     return np.bincount(owner[ok], minlength=len(chunks)).astype(np.int64), anchors[ok]
+
+
+def _origins(manifest: SplitManifest, config: PlanConfig) -> np.ndarray | None:
+    """Where an int stride counts from, per sample: each collection member's first sample
+    (``None``: index 0 of the array)."""
+    members = manifest.members
+    if members is None or members.continuous:
+        return None
+    if not isinstance(config.stride, int) or every_sample(config.stride):
+        return None
+    return members.sample_base[members.member_of(np.arange(manifest.n_samples))]
 
 
 def dropped_anchors(
@@ -151,7 +169,9 @@ def dropped_anchors(
     starts, counts = chunk_counts(
         manifest, config.split, chunks, offsets, config.cross_split_windows
     )
-    _, dropped = anchor_filter(manifest.n_samples, offsets, config.stride, manifest.steps)
+    _, dropped = anchor_filter(
+        manifest.n_samples, offsets, config.stride, manifest.steps, _origins(manifest, config)
+    )
     return dropped_counts(dropped, _runs(starts, counts))
 
 

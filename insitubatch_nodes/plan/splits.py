@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.coords import Coordinate
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.plan.anchors import SampleSteps
 
-__all__ = ["SPLITS", "SplitManifest", "split_by_chunk"]
+__all__ = ["SPLITS", "SplitManifest", "split_by_chunk", "split_by_member"]
 
 SPLITS: tuple[str, ...] = ("train", "val", "test")
 FORMAT_VERSION = 1
@@ -53,6 +55,9 @@ class SplitManifest:
     seed: int = 0
     sample_range: tuple[int, int] | None = None
     steps: SampleSteps | None = field(default=None, compare=False, repr=False)
+    #: a collection's member map (:mod:`~insitubatch_nodes.io.members`): no anchor, and no
+    #: step of a view, falls outside its own member; attached like ``steps``, never saved
+    members: MemberMap | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_samples < 0 or self.samples_per_chunk <= 0:
@@ -95,6 +100,22 @@ class SplitManifest:
             )
         out = copy.copy(self)  # the splits were checked when this manifest was made
         object.__setattr__(out, "steps", steps)
+        return out
+
+    def with_members(self, members: MemberMap | None) -> SplitManifest:
+        """This manifest following ``members`` (a collection's member map, whose virtual
+        sample axis is this manifest's anchor grid)."""
+        if members is not None and (
+            members.n_samples != self.n_samples or members.align % self.samples_per_chunk
+        ):
+            raise ValueError(
+                f"the manifest's anchor grid ({self.n_samples} samples, "
+                f"{self.samples_per_chunk} a chunk) is not that of {members.collection!r} "
+                f"({members.n_samples} samples, members every {members.align}): split the "
+                "collection's own view (split_by_member, or split_by_chunk(collection[v]))"
+            )
+        out = copy.copy(self)
+        object.__setattr__(out, "members", members)
         return out
 
     @property
@@ -147,6 +168,8 @@ class SplitManifest:
         )
         if self.steps is not None:
             body += "|steps:" + self.steps.fingerprint()
+        if self.members is not None:
+            body += "|members:" + self.members.fingerprint
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     # -- persistence ---------------------------------------------------------------------------
@@ -308,6 +331,7 @@ def split_by_chunk(
         contiguous=contiguous,
         seed=int(seed),
         sample_range=sample_range,
+        members=geom.members,
     )
 
 
@@ -315,3 +339,96 @@ def _sorted_chunks(chunks: Any) -> np.ndarray:
     """Chunk indices as a sorted int64 array."""
     arr = np.asarray(list(chunks) if not isinstance(chunks, np.ndarray) else chunks)
     return np.sort(arr.astype(np.int64, copy=False).ravel())
+
+
+def split_by_member(
+    collection: Collection,
+    splits: Mapping[str, Sequence[str] | float],
+    *,
+    by: str | None = None,
+    seed: int = 0,
+) -> SplitManifest:
+    """Split ``collection`` by member: every member (with ``by``, every group of members
+    sharing ``collection.keys[by]``, e.g. ``by="well"``) lies wholly in one split, so no member
+    (nor group) is in two. ``splits`` maps ``"train"``, ``"val"`` and ``"test"`` either to
+    lists of member names (group values with ``by``), or to fractions of the members (groups),
+    drawn by ``seed`` and allocated by largest remainders (fractions summing to at most 1; what
+    is left over is in no split). A name listed in two splits raises ``ValueError``, an unknown
+    one ``KeyError``.
+
+    Returns a :class:`SplitManifest` over the collection's virtual sample axis (its first
+    variable's chunk grid; every variable shares it): a member's chunks are one contiguous
+    run of it, so each split is whole chunks, as for :func:`split_by_chunk`.
+    """
+    if not isinstance(collection, Collection):
+        raise TypeError(f"split_by_member takes a Collection, got {type(collection).__name__}")
+    if not isinstance(splits, Mapping) or not splits:
+        raise TypeError("splits maps 'train', 'val', 'test' to member names or fractions")
+    unknown = set(splits) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"unknown split names {sorted(unknown)}; expected {SPLITS}")
+    if by is None:
+        unit_of = np.arange(len(collection), dtype=np.int64)
+        units = list(collection.members)
+    else:
+        if by not in collection.keys:
+            raise KeyError(f"no member key {by!r}; the collection has {sorted(collection.keys)}")
+        values, unit_of = np.unique(collection.keys[by], return_inverse=True)
+        units = [str(v) for v in values.tolist()]
+    kinds = {isinstance(v, int | float) and not isinstance(v, bool) for v in splits.values()}
+    if len(kinds) != 1:
+        raise TypeError("give every split either a list of names or a fraction, not both")
+    owner = np.full(len(units), -1, dtype=np.int64)  # which split holds each unit
+    order = [name for name in SPLITS if name in splits]
+    if kinds == {True}:
+        fr = [float(splits[name]) for name in order]  # type: ignore[arg-type]
+        if any(f < 0 or not math.isfinite(f) for f in fr) or sum(fr) > 1 + 1e-6:
+            raise ValueError(f"fractions must be non-negative and sum to at most 1, got {fr}")
+        perm = np.random.default_rng(seed).permutation(len(units))
+        counts = _allocate(len(units), [*fr, max(0.0, 1 - sum(fr))])
+        bounds = np.cumsum([0, *counts])
+        for k in range(len(order)):
+            owner[perm[bounds[k] : bounds[k + 1]]] = k
+    else:
+        index = {u: i for i, u in enumerate(units)}
+        for k, name in enumerate(order):
+            given = splits[name]
+            if isinstance(given, str):
+                raise TypeError(f"splits[{name!r}] is a string: give a list of names")
+            for u in given:  # type: ignore[union-attr]
+                i = index.get(str(u))
+                if i is None:
+                    what = "member" if by is None else f"{by!r} value"
+                    raise KeyError(f"splits[{name!r}] names {u!r}, which is no {what}")
+                if owner[i] >= 0 and owner[i] != k:
+                    raise ValueError(f"{u!r} is in both {order[owner[i]]!r} and {name!r}")
+                owner[i] = k
+    geom = collection[collection.variables[0]]
+    members = geom.members
+    assert members is not None
+    spc = geom.samples_per_chunk
+    first = members.chunk_base
+    count = -(-members.lengths // spc)  # the chunks holding a member's samples
+    member_owner = owner[unit_of]
+    out: dict[str, tuple[int, ...]] = {}
+    for k, name in enumerate(order):
+        mine = np.flatnonzero(member_owner == k)
+        start, n = first[mine], count[mine]
+        offsets = np.arange(int(n.sum()), dtype=np.int64) - np.repeat(np.cumsum(n) - n, n)
+        out[name] = tuple((np.repeat(start, n) + offsets).tolist())
+    shares = [len(np.flatnonzero(owner == k)) / max(len(units), 1) for k in range(len(order))]
+    fractions = dict(zip(order, shares, strict=True))
+    return SplitManifest(
+        array=geom.path,
+        n_samples=geom.n_samples,
+        samples_per_chunk=spc,
+        splits=out,
+        fractions=(
+            fractions.get("train", 0.0),
+            fractions.get("val", 0.0),
+            fractions.get("test", 0.0),
+        ),
+        contiguous=False,
+        seed=int(seed),
+        members=members,
+    )

@@ -228,7 +228,7 @@ class FillRunner:
         array, out = rows.array, rows.out
         acc.handled += rows.objects
         try:
-            if array.whole and array.row_key is not None:
+            if array.whole and (array.row_key is not None or array.member_key is not None):
                 self._fill_whole_rows(job, rows, acc)
                 return
             decode = array.decoder.decode_trusted
@@ -270,9 +270,10 @@ class FillRunner:
         """:meth:`_fill_rows` for an array stored one object per chunk (no tiles): the lean
         loop sixty arrays a sample go through. Missing objects are filled together."""
         array, out = rows.array, rows.out
-        assert self.reader is not None and array.row_key is not None
+        assert self.reader is not None
         read, decode = self.reader.read, array.decoder.decode_trusted
-        before, after = array.row_key
+        before, after = array.row_key or ("", "")
+        member_key = array.member_key  # a collection's: the key is its member's
         tile = array.tiles[0][0]
         missing: list[int] = []
         reads = nbytes = decodes = 0
@@ -284,7 +285,7 @@ class FillRunner:
         for chunk, r in zip(rows.chunks, rows.rows, strict=True):
             if job.cancelled or job.error is not None:
                 break  # the batch is abandoned, or failed already: nobody needs the rest
-            key = before + str(chunk) + after
+            key = before + str(chunk) + after if member_key is None else member_key(chunk)
             t0 = _now()
             try:
                 raw = read(key, None, probe)

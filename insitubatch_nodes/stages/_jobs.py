@@ -43,6 +43,7 @@ class ArrayFill:
         "decoder",
         "fill_value",
         "geom",
+        "member_key",
         "missing",
         "path",
         "row_key",
@@ -77,6 +78,12 @@ class ArrayFill:
         self.missing = False  # the last object read of this array was missing (a hint)
         #: ``(before, after)``: the key of a whole chunk is ``before + str(chunk) + after``
         self.row_key: tuple[str, str] | None = None
+        #: a collection's whole-chunk keys: ``member_key(chunk)`` (its member's own object)
+        self.member_key: Any = None
+        if self.whole and geom.members is not None and geom.metadata is not None:
+            self.member_key = geom.members.whole_chunk_key(
+                geom.metadata, geom.ndim, geom.sample_axis
+            )
         if self.whole and self.template is not None:
             coords: list[Any] = ["0"] * geom.ndim
             coords[geom.sample_axis] = "\x00"

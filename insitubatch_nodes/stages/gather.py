@@ -28,6 +28,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
+from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.slots import is_level_major
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
@@ -215,6 +216,12 @@ class GatherNode(BaseNode[Batch]):
         }
         # stack members standardised during the copy: part -> (mean, std)
         self._norm = self.layout.normalized()
+        # a collection's labels: rows name their member, indices are within it
+        self._members = {
+            label: v.members
+            for label, v in self.layout.views.items()
+            if isinstance(v, ArrayGeometry) and v.members is not None
+        }
         self.channels = {
             label: list(v.channels)
             for label, v in self.layout.views.items()
@@ -278,6 +285,14 @@ class GatherNode(BaseNode[Batch]):
                 )
         samples = self._per_label(plan.sample_indices, stack=True)
         origins = self._per_label(plan.patch_origins, stack=False)
+        members = {}
+        for label, member_map in self._members.items():
+            m = member_map.member_of(samples[label])
+            if member_map.continuous:  # stores joined along one axis: the index runs on
+                members[label] = m
+                continue
+            samples[label] = member_map.within(samples[label], m)
+            members[label] = m if m.ndim == 1 else m[:, 0]  # a window never crosses members
         batch = Batch(
             arrays=arrays,
             sample_indices=samples,
@@ -285,6 +300,7 @@ class GatherNode(BaseNode[Batch]):
             epoch=plan.epoch,
             index=plan.index,
             channels={label: list(names) for label, names in self.channels.items()},
+            members=members,
             coords={
                 label: {name: values.take(samples[label]) for name, values in named.items()}
                 for label, named in self.coords.items()

@@ -1,0 +1,568 @@
+"""Collections: many arrays of one schema read as one stream of samples.
+
+A :class:`Collection` holds *members* (the fields of an HCS plate, slides, scenes), each with
+the same *variables* (``"image"``, ``"labels/nuclei"``): member ``i``'s variable ``v`` is one
+zarr array. Every member of a variable has the same dtype, field shape, chunking and codecs;
+only the sample-axis length may differ, but all variables of one member have the same length.
+A sample is a pair (member, index along the member's sample axis).
+
+``collection["image"]`` is a *virtual array*: an
+:class:`~insitubatch_nodes.io.geometry.ArrayGeometry` whose sample axis lays the members end to
+end, each starting on a chunk boundary (:mod:`~insitubatch_nodes.io.members`), so it is used
+wherever a geometry is — labels of :func:`~insitubatch_nodes.insitu_pipeline`, ``shift``,
+``window`` (in samples), ``patches``, ``isel``, :func:`~insitubatch_nodes.split_by_chunk` — and
+the plan, the pool, the persistent cache, dealing between ranks and resume work on it as on
+one array. The plan never lets a sample or a window step fall into another member or into a
+member's padding (:func:`~insitubatch_nodes.plan.epoch.chunk_counts`); each batch says which
+member each row came from (``batch.members[label]``) and its index within that member
+(``batch.sample_indices[label]``).
+
+Building a collection reads the metadata of every member array once, concurrently (one
+``asyncio.gather`` on zarr's IO loop), and keeps a few numpy arrays per variable, never a
+Python object per member on the per-batch path. Members in several stores are read through a
+:class:`~insitubatch_nodes.io.routing.RoutingStore`; a collection of one store reads that store
+directly (a local folder keeps the decode threads' direct reads).
+
+:meth:`Collection.concat` joins stores that continue one another along time into one
+*continuous* axis instead: there windows run across the stores' edges and the index is the
+joined axis's.
+
+Not supported yet (refused with a message where asked for): time coordinates on a collection
+(a time stride, window offsets in time deltas, dates in ``missing=``, carried coordinates of
+the sample axis) and ``missing_objects="drop"``; product sample axes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+import zarr
+from zarr.abc.store import Store
+
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.arrays import FieldCoordinates, open_geometries
+from insitubatch_nodes.io.coords import open_coordinates, time_offsets
+from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.io.members import MemberMap
+from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.routing import RoutingStore, routed_path
+from insitubatch_nodes.io.stores import as_store, describe_store
+
+__all__ = [
+    "Collection",
+    "check_collection_in_store",
+    "collection_of",
+    "refuse_collection_options",
+]
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def _locate(given: Sequence[tuple[Any, str]]) -> tuple[Store, list[str]]:
+    """The store to read ``(store, path)`` pairs from, and each path in it: the one store, or
+    a :class:`~insitubatch_nodes.io.routing.RoutingStore` over several."""
+    stores: list[Store] = []
+    located: list[tuple[int, str]] = []
+    opened: dict[Any, Store] = {}
+    for store, path in given:
+        if store is None:
+            raise TypeError(f"{path!r} names no store: give a store, or a (store, path) pair")
+        # a path or URL is opened once, however often it is given
+        token = os.fspath(store) if isinstance(store, str | os.PathLike) else id(store)
+        if token not in opened:
+            opened[token] = as_store(store)
+        zstore = opened[token]
+        index = next((i for i, s in enumerate(stores) if s is zstore or s == zstore), None)
+        if index is None:
+            stores.append(zstore)
+            index = len(stores) - 1
+        located.append((index, path))
+    if len(stores) == 1:
+        return stores[0], [p for _, p in located]
+    return RoutingStore(stores), [routed_path(i, p) for i, p in located]
+
+
+class Collection:
+    """Members of one schema as one stream (see the module docstring). Build one with
+    :meth:`from_groups` (members are groups of one store: an HCS plate's fields) or
+    :meth:`from_arrays` (any arrays, in any stores).
+
+    ``members`` are the member names in order (member ``i``), ``variables`` the variable
+    names, ``keys`` per-member group keys (``{"well": array of "A/1", ...}``: one value per
+    member, for :func:`~insitubatch_nodes.split_by_member`'s ``by=``), ``store`` the store
+    every member is read from (a :class:`~insitubatch_nodes.io.routing.RoutingStore` when they
+    live in several), ``lengths`` each member's sample count.
+    """
+
+    def __init__(
+        self,
+        store: Store,
+        members: Sequence[str],
+        paths: Mapping[str, Sequence[str]],
+        *,
+        keys: Mapping[str, Sequence[Any]] | None = None,
+        sample_axis: int | str = 0,
+        continuous: bool = False,
+    ) -> None:
+        self.store = store
+        #: the members are consecutive pieces of one sample axis (:meth:`concat`)
+        self.continuous = bool(continuous)
+        self.members: tuple[str, ...] = tuple(str(m) for m in members)
+        if len(set(self.members)) != len(self.members):
+            twice = sorted(m for m, k in Counter(self.members).items() if k > 1)
+            raise ValueError(
+                f"member names must be unique; {twice[:5]} appear more than once (members of "
+                "several stores at the same path: give names=)"
+            )
+        if not self.members:
+            raise ValueError("a collection needs at least one member")
+        if not paths:
+            raise ValueError("a collection needs at least one variable")
+        self.variables: tuple[str, ...] = tuple(paths)
+        self._paths = {v: tuple(p) for v, p in paths.items()}
+        for v, p in self._paths.items():
+            if len(p) != len(self.members):
+                raise ValueError(
+                    f"variable {v!r} has {len(p)} member paths for {len(self.members)} members"
+                )
+        self.keys: dict[str, np.ndarray] = {}
+        for name, values in (keys or {}).items():
+            arr = np.asarray(list(values))
+            if arr.shape != (len(self.members),):
+                raise ValueError(
+                    f"keys[{name!r}] has {arr.shape[0] if arr.ndim else 0} values for "
+                    f"{len(self.members)} members: give one per member"
+                )
+            arr.setflags(write=False)
+            self.keys[str(name)] = arr
+        digest = hashlib.sha256(describe_store(store).encode())
+        for v in self.variables:
+            digest.update(("\x01" + v + "\x00" + "\x00".join(self._paths[v])).encode())
+        #: the prefix of the virtual arrays' paths (``"<name>:<variable>"``): stable for the
+        #: same members in the same store, never a key of any store
+        self.name = f"collection-{digest.hexdigest()[:8]}"
+        self._sample_axis = sample_axis
+        self._geoms, self.lengths = self._read(sample_axis)
+
+    # -- the face ----------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return len(self.members)
+
+    def __getitem__(self, variable: str) -> ArrayGeometry:
+        """Variable ``variable``'s virtual array, usable as a pipeline label (a view)."""
+        if variable not in self._geoms:
+            raise KeyError(
+                f"{self.name}: no variable {variable!r}; the variables are {list(self.variables)}"
+            )
+        return self._geoms[variable]
+
+    def paths(self, variable: str) -> tuple[str, ...]:
+        """Each member's array path of ``variable`` in :attr:`store`."""
+        self[variable]
+        return self._paths[variable]
+
+    def subset(self, names: Sequence[str]) -> Collection:
+        """The collection of members ``names`` (in that order), with their keys: e.g. one
+        collection per split for ``InSituDataModule``. An unknown name raises ``KeyError``."""
+        index = {m: i for i, m in enumerate(self.members)}
+        missing = [n for n in names if n not in index]
+        if missing:
+            raise KeyError(f"{self.name}: no members {missing[:5]}")
+        rows = [index[n] for n in names]
+        return Collection(
+            self.store,
+            [self.members[i] for i in rows],
+            {v: [self._paths[v][i] for i in rows] for v in self.variables},
+            keys={k: list(v[rows]) for k, v in self.keys.items()},
+            sample_axis=self._sample_axis,
+            continuous=self.continuous,
+        )
+
+    def sources(self) -> list[str]:
+        """Each member, as ``"<its store>::<its first variable's path there>"``: what
+        identifies a member across collections (checks that splits share no member)."""
+        out = []
+        for path in self._paths[self.variables[0]]:
+            store: Any = self.store
+            if isinstance(store, RoutingStore):
+                head, _, path = path.partition("/")
+                store = store.stores[int(head[1:])]
+            out.append(f"{describe_store(store)}::{path}")
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"Collection({self.name!r}, {len(self)} members, variables={list(self.variables)}, "
+            f"store={describe_store(self.store)})"
+        )
+
+    # -- building ----------------------------------------------------------------------------
+    @classmethod
+    def from_groups(
+        cls,
+        store: Any,
+        groups: Sequence[str],
+        variables: Mapping[str, str],
+        *,
+        names: Sequence[str] | None = None,
+        keys: Mapping[str, Sequence[Any]] | None = None,
+        sample_axis: int | str = 0,
+    ) -> Collection:
+        """Members that are groups: member ``i``'s variable ``v`` is the array at
+        ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). A group may
+        also be a ``(store, path)`` pair, for members in several stores (``store`` is then
+        ``None`` or the default for plain paths). ``names`` (default: the group paths) names the
+        members; ``keys`` gives per-member group keys; ``sample_axis`` is an index or a
+        dimension name, the same for every array. Every array's metadata is read once,
+        concurrently; an absent array raises ``FileNotFoundError`` and arrays that do not share
+        the schema ``ValueError``, both naming the member and the variable."""
+        if isinstance(groups, str) or not isinstance(variables, Mapping) or not variables:
+            raise TypeError(
+                "from_groups(store, groups, variables) takes a list of group paths and a "
+                "non-empty {variable: path below each group} mapping, e.g. {'image': '0'}"
+            )
+        pairs = [g if isinstance(g, tuple) else (store, g) for g in groups]
+        zstore, located = _locate([(s, str(g).strip("/")) for s, g in pairs])
+        member_names = [g for _, g in pairs] if names is None else names
+        paths = {str(v): [_join(g, str(p)) for g in located] for v, p in variables.items()}
+        return cls(zstore, member_names, paths, keys=keys, sample_axis=sample_axis)
+
+    @classmethod
+    def from_arrays(
+        cls,
+        arrays: Sequence[Any],
+        *,
+        names: Sequence[str] | None = None,
+        variable: str = "data",
+        sample_axis: int | str = 0,
+    ) -> Collection:
+        """Members that are arrays anywhere: each item a ``zarr.Array``, a ``(store, path)``
+        pair, or a URL or path (the array at that store's root). Members may live in different
+        stores (read through a :class:`~insitubatch_nodes.io.routing.RoutingStore`); each is one
+        member with one variable, ``variable``. ``names`` defaults to ``"0"``, ``"1"``, ..."""
+        if isinstance(arrays, str) or not len(arrays):
+            raise TypeError("from_arrays takes a non-empty list of arrays")
+        given: list[tuple[Any, str]] = []
+        for item in arrays:
+            if isinstance(item, zarr.Array):
+                given.append((item.store_path.store, item.path))
+            elif isinstance(item, tuple) and len(item) == 2:
+                given.append((item[0], str(item[1]).strip("/")))
+            else:
+                given.append((item, ""))
+        zstore, paths = _locate(given)
+        member_names = [str(i) for i in range(len(arrays))] if names is None else names
+        return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis)
+
+    @classmethod
+    def concat(
+        cls,
+        stores: Sequence[Any],
+        variables: Sequence[str],
+        *,
+        dim: str = "time",
+        names: Sequence[str] | None = None,
+    ) -> Collection:
+        """Stores that continue one another along ``dim`` (an archive and its extension, one
+        store per period) as one sample axis: member ``i`` is store ``i``, with the arrays
+        ``variables`` (array paths, the same in every store), sampled along the dimension
+        ``dim``. Unlike other collections the index is continuous: windows, shifts and strides
+        run across the stores' edges (``batch.members`` still names each row's store).
+
+        Checked here: every store but the last holds whole chunks (of every variable), and the
+        times of ``dim``'s coordinate continue from store to store at one step, without a gap
+        or an overlap; otherwise ``ValueError`` naming the stores and the times."""
+        if isinstance(stores, str) or not len(stores):
+            raise TypeError("concat takes a non-empty list of stores (Store, path or URL)")
+        if isinstance(variables, str) or not len(variables):
+            raise TypeError("concat takes a list of array names, e.g. ['t2m', 'z']")
+        zstore, roots = _locate([(s, "") for s in stores])
+        if names is None:
+            names = [os.fspath(s) if isinstance(s, str | os.PathLike) else repr(s) for s in stores]
+        paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
+        out = cls(zstore, names, paths, sample_axis=dim, continuous=True)
+        _check_continuation(out, dim)
+        return out
+
+    def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
+        """Every member array's metadata document (one concurrent read), checked against the
+        first member's; the virtual array of each variable, and each member's sample count.
+        Only the first member of each variable is opened as a zarr array."""
+        store = _zarr_compat.opened(self.store)
+        n = len(self.members)
+        refs: dict[str, tuple[Any, int]] = {}
+        keys: list[str] = []
+        for v in self.variables:
+            path = self._paths[v][0]
+            kind = _zarr_compat.node_kind(store, path)
+            if kind is None or kind[0] != "array":
+                self._absent(v, 0)
+            assert kind is not None
+            ref = _zarr_compat.open_array_readonly(store, path, kind[1])
+            refs[v] = (
+                ref,
+                _sample_axis(ref, sample_axis, f"member {self.members[0]!r}, variable {v!r}"),
+            )
+            keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
+        docs = read_documents(store, keys)
+        lengths = {
+            v: self._check_variable(v, docs[k * n : (k + 1) * n], refs[v][1])
+            for k, v in enumerate(self.variables)
+        }
+        ref_len = lengths[self.variables[0]]
+        for v in self.variables[1:]:
+            bad = np.flatnonzero(lengths[v] != ref_len)
+            if len(bad):
+                m = int(bad[0])
+                raise ValueError(
+                    f"{self.name}: member {self.members[m]!r} has {int(ref_len[m])} samples in "
+                    f"variable {self.variables[0]!r} but {int(lengths[v][m])} in {v!r}: every "
+                    "variable of a member needs the same sample-axis length"
+                )
+        spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
+        align = math.lcm(*spcs)
+        geoms = {v: self._virtual(v, *refs[v], ref_len, align) for v in self.variables}
+        ref_len.setflags(write=False)
+        return geoms, ref_len
+
+    def _absent(self, variable: str, m: int) -> None:
+        raise FileNotFoundError(
+            f"{self.name}: member {self.members[m]!r} has no array for variable {variable!r} at "
+            f"{self._paths[variable][m]!r} of {describe_store(self.store)}"
+        )
+
+    def _check_variable(self, variable: str, docs: Sequence[bytes | None], axis: int) -> np.ndarray:
+        """Each member's sample count of ``variable``, from its metadata document; an absent
+        array, or one whose schema differs from the first member's, raises naming both."""
+        want = None
+        lengths = np.empty(len(docs), dtype=np.int64)
+        for m, raw in enumerate(docs):
+            doc = None if raw is None else json.loads(raw)
+            if not isinstance(doc, dict) or doc.get("node_type", "array") != "array":
+                self._absent(variable, m)
+            assert isinstance(doc, dict)
+            got = _schema(doc, axis)
+            if want is None:
+                want = got
+            elif got != want:
+                what = next(k for k in _SCHEMA_FIELDS if got.get(k) != want.get(k))
+                raise ValueError(
+                    f"{self.name}: member {self.members[m]!r}, variable {variable!r}: its "
+                    f"{what} {got.get(what)!r} differs from member {self.members[0]!r}'s "
+                    f"{want.get(what)!r}; the members of a variable need the same dtype, field "
+                    "shape, chunks and codecs (only the sample-axis length may differ)"
+                )
+            shape = doc.get("shape") or ()
+            lengths[m] = int(shape[axis]) if len(shape) > axis else -1
+        return lengths
+
+    def _virtual(
+        self, variable: str, ref: Any, axis: int, lengths: np.ndarray, align: int
+    ) -> ArrayGeometry:
+        chunks = _zarr_compat.stored_chunk_shape(ref)
+        members = MemberMap(
+            f"{self.name}:{variable}",
+            self.members,
+            self._paths[variable],
+            lengths,
+            chunks[axis],
+            align,
+            continuous=self.continuous,
+        )
+        shape = list(int(s) for s in ref.shape)
+        shape[axis] = members.n_samples
+        return ArrayGeometry(
+            path=f"{self.name}:{variable}",
+            shape=tuple(shape),
+            chunks=chunks,
+            dtype=in_native_byte_order(ref.dtype),
+            fill_value=ref.fill_value,
+            sample_axis=axis,
+            read_chunks=_zarr_compat.read_chunk_shape(ref),
+            zarr_format=int(ref.metadata.zarr_format),
+            metadata=ref.metadata,
+            members=members,
+            coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
+        )
+
+
+class FirstMemberCoordinates:
+    """The field coordinates (``level``, ``y``) of a collection variable: its first member's
+    (every member has the same field), what ``sel`` on a collection view looks values up in.
+    Picklable when the store is."""
+
+    def __init__(self, store: Any, path: str) -> None:
+        self.path = path
+        self.reader = FieldCoordinates(store)
+
+    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
+        return self.reader(replace(geom, path=self.path, members=None), dim)
+
+
+#: what every member array of a variable must share, by its name in messages: the metadata
+#: document's entries (v3 ``zarr.json``, v2 ``.zarray``) other than the sample-axis length
+_SCHEMA_FIELDS = {
+    "zarr format": ("zarr_format",),
+    "number of axes": (),
+    "dimension names": ("dimension_names",),
+    "dtype": ("data_type", "dtype"),
+    "field shape": (),
+    "chunk shape": ("chunk_grid", "chunks"),
+    "codecs": ("codecs", "compressor", "filters", "order", "storage_transformers"),
+    "fill value": ("fill_value",),
+    "chunk key encoding": ("chunk_key_encoding", "dimension_separator"),
+}
+
+
+def _schema(doc: Mapping[str, Any], axis: int) -> dict[str, Any]:
+    """A member's metadata document as :data:`_SCHEMA_FIELDS` (names -> values)."""
+    shape = list(doc.get("shape") or ())
+    out: dict[str, Any] = {}
+    for name, entries in _SCHEMA_FIELDS.items():
+        values = [doc[k] for k in entries if doc.get(k) is not None]
+        out[name] = values[0] if len(values) == 1 else tuple(values) or None
+    out["number of axes"] = len(shape)
+    out["field shape"] = tuple(shape[:axis] + shape[axis + 1 :])
+    return out
+
+
+def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:
+    if isinstance(sample_axis, str):
+        dims = _zarr_compat.array_dimension_names(array)
+        if dims is None or sample_axis not in dims:
+            raise KeyError(
+                f"{where}: no dimension named {sample_axis!r} (its dimension names: {dims}); "
+                "give sample_axis as an index"
+            )
+        return dims.index(sample_axis)
+    if isinstance(sample_axis, bool) or not isinstance(sample_axis, int | np.integer):
+        raise TypeError(f"sample_axis must be an int or a dimension name, got {sample_axis!r}")
+    axis = int(sample_axis) + (array.ndim if sample_axis < 0 else 0)
+    if not 0 <= axis < array.ndim:
+        raise ValueError(
+            f"{where}: sample_axis {sample_axis} is out of range for {array.ndim} axes"
+        )
+    return axis
+
+
+def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
+    """The member map a plan over views with member maps ``maps`` follows: the first one
+    (``None`` when there is none). Collections whose members do not sit at the same virtual
+    samples cannot share a plan (``ValueError``)."""
+    given = [m for m in maps if m is not None]
+    if not given:
+        return None
+    first = given[0]
+    for other in given[1:]:
+        if not (
+            np.array_equal(other.sample_base, first.sample_base)
+            and np.array_equal(other.lengths, first.lengths)
+        ):
+            raise ValueError(
+                f"{first.collection!r} and {other.collection!r} lay their members out "
+                "differently: the labels (and the split) of one pipeline must come from one "
+                "collection"
+            )
+    return first
+
+
+def refuse_collection_options(
+    views: Sequence[ArrayGeometry],
+    *,
+    timed: bool,
+    missing: Any,
+    missing_objects: str,
+    coords: Sequence[str] | None,
+    plain_views: int,
+) -> None:
+    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet."""
+    if not any(v.members is not None for v in views):
+        return
+    if plain_views:
+        raise ValueError(
+            "a pipeline reads either collection views or plain arrays: its labels share one "
+            "sample axis; read a plain array of the same store in another pipeline"
+        )
+    if timed:
+        raise ValueError(
+            "collections have no time coordinate yet: a time stride and window offsets in time "
+            "deltas are not supported on collection views; give an int stride and offsets in "
+            "samples"
+        )
+    if missing is not None or missing_objects != "read":
+        raise ValueError(
+            "missing= and missing_objects='drop' are not supported on collection views yet"
+        )
+    if coords:
+        raise ValueError(
+            "collection views carry no coordinates yet: pass coords=() (or None); each row's "
+            "member and index are in batch.members and batch.sample_indices"
+        )
+
+
+def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
+    """Check that ``store`` is the one collection view ``geom`` reads its members from (its
+    first member is there): ``FileNotFoundError`` otherwise."""
+    members = geom.members
+    assert members is not None
+    found = _zarr_compat.node_kind(_zarr_compat.opened(store), members.paths[0])
+    if found is None or found[0] != "array":
+        raise FileNotFoundError(
+            f"{geom.path!r}: its first member {members.names[0]!r} ({members.paths[0]!r}) is not "
+            f"in store {describe_store(store)}: pass the collection itself (or its .store) as "
+            "the pipeline's store"
+        )
+
+
+def _check_continuation(coll: Collection, dim: str) -> None:
+    """The times of ``dim`` continue from member to member of ``coll`` at one step."""
+    v = coll.variables[0]
+    ticks, values, steps = [], [], []
+    for name, path in zip(coll.members, coll.paths(v), strict=True):
+        geom = open_geometries(coll.store, [path])[path]
+        coord = open_coordinates(coll.store, geom).get(dim)
+        if coord is None or not coord.is_time:
+            raise ValueError(
+                f"concat: {name!r} has no time coordinate {dim!r} beside {v!r}: the stores are "
+                "joined by their times, checked to continue at one step"
+            )
+        t = time_offsets(coord, "1s")
+        d = np.unique(np.diff(t))
+        if len(d) > 1 or (len(d) and d[0] <= 0):
+            raise ValueError(f"concat: the times of {name!r} are not at one step ({d[:5]} s)")
+        ticks.append(t)
+        values.append(coord.values)
+        steps.append(int(d[0]) if len(d) else None)
+    step = next((s for s in steps if s is not None), None)
+    for k in range(len(ticks)):
+        if steps[k] is not None and steps[k] != step:
+            raise ValueError(
+                f"concat: {coll.members[k]!r} steps {steps[k]} s, {coll.members[0]!r} {step} s: "
+                "the stores must share one step"
+            )
+        if k and step is not None:
+            last, first = values[k - 1][-1], values[k][0]
+            gap = int(ticks[k][0] - ticks[k - 1][-1])
+            if gap != step:
+                what = "overlap" if gap <= 0 else "leave a gap"
+                delta: Any = (
+                    np.timedelta64(step, "s")
+                    if isinstance(last, np.datetime64)
+                    else datetime.timedelta(seconds=step)
+                )
+                raise ValueError(
+                    f"concat: {coll.members[k - 1]!r} ends at {last} and {coll.members[k]!r} "
+                    f"starts at {first}: they {what} (at the step of {step} s, {last + delta} "
+                    "comes next)"
+                )

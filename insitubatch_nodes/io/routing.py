@@ -1,0 +1,115 @@
+"""A read-only zarr store over several stores: what a collection whose members live in
+different stores (slides, scenes, archives) is read through.
+
+Key ``"s{i}/{key}"`` is ``key`` of store ``i`` (``"s{i}"`` alone is the root of store ``i``):
+each member's path is its array's path below its own store's prefix, so every stored-object
+GET, the metadata reads and listings go to the member's own store, with that store's own
+retries. A collection of one store never uses it (the fetch stage then keeps its fast paths,
+e.g. a local folder read on the decode threads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Sequence
+
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+
+from insitubatch_nodes.io.stores import describe_store
+
+__all__ = ["RoutingStore", "routed_path"]
+
+
+def routed_path(index: int, path: str) -> str:
+    """The path of ``path`` of store ``index`` in a :class:`RoutingStore`."""
+    return f"s{index}/{path}" if path else f"s{index}"
+
+
+class RoutingStore(Store):
+    """``stores`` as one read-only store (see the module docstring)."""
+
+    def __init__(self, stores: Sequence[Store]) -> None:
+        super().__init__(read_only=True)
+        self.stores = tuple(stores)
+        self._is_open = True
+
+    def _routes(self, key: str) -> bool:
+        head = key.partition("/")[0]
+        return head.startswith("s") and head[1:].isdigit() and int(head[1:]) < len(self.stores)
+
+    def _route(self, key: str) -> tuple[Store, str]:
+        head, _, rest = key.partition("/")
+        if not self._routes(key):
+            raise KeyError(f"{key!r} names none of the {len(self.stores)} routed stores")
+        return self.stores[int(head[1:])], rest
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RoutingStore) and other.stores == self.stores
+
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __repr__(self) -> str:
+        return f"RoutingStore({', '.join(describe_store(s) for s in self.stores)})"
+
+    async def _ensure_open(self) -> None:
+        for store in self.stores:
+            if not getattr(store, "_is_open", True):
+                await store._ensure_open()
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        if not self._routes(key):  # nothing lives above the routed stores (no root group)
+            return None
+        store, rest = self._route(key)
+        return await store.get(rest, prototype, byte_range)
+
+    async def get_partial_values(
+        self, prototype: BufferPrototype, key_ranges: Iterable[tuple[str, ByteRequest | None]]
+    ) -> list[Buffer | None]:
+        return [await self.get(k, prototype, r) for k, r in key_ranges]
+
+    async def exists(self, key: str) -> bool:
+        if not self._routes(key):
+            return False
+        store, rest = self._route(key)
+        return await store.exists(rest)
+
+    @property
+    def supports_writes(self) -> bool:
+        return False
+
+    async def set(self, key: str, value: Buffer) -> None:
+        raise ValueError("a RoutingStore is read-only")
+
+    @property
+    def supports_deletes(self) -> bool:
+        return False
+
+    async def delete(self, key: str) -> None:
+        raise ValueError("a RoutingStore is read-only")
+
+    @property
+    def supports_listing(self) -> bool:
+        return all(s.supports_listing for s in self.stores)
+
+    async def list(self) -> AsyncIterator[str]:
+        for i, store in enumerate(self.stores):
+            async for key in store.list():
+                yield f"s{i}/{key}"
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        store, rest = self._route(prefix)
+        head = prefix.partition("/")[0]
+        async for key in store.list_prefix(rest):
+            yield f"{head}/{key}"
+
+    async def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        if not prefix.strip("/"):
+            for i in range(len(self.stores)):
+                yield f"s{i}"
+            return
+        store, rest = self._route(prefix.strip("/"))
+        async for key in store.list_dir(rest):
+            yield key
