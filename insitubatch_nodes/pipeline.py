@@ -43,7 +43,7 @@ from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import SlotBacking
-from insitubatch_nodes.stack import Stack, StackConstants
+from insitubatch_nodes.stack import Stack, StackConstants, kept_constants
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
@@ -134,7 +134,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
                         "takes views of the arrays the pipeline was built on"
                     )
             if isinstance(view, Stack):
-                self._check_constants(label, view)
+                kept_constants(label, view, self.stages.gather.batch_transforms)
             carried[label] = _output_view(transforms, label, view)
         parts, _ = expand_views(resolve_windows(carried, plan.manifest.steps))
         pool = self.stages.pool
@@ -147,31 +147,6 @@ class InSituPipeline(PrefetcherNode[Batch]):
             revive=persistent and plan.shuffle,
         )
         plan.set_views(carried, schedule=schedule)
-
-    def _check_constants(self, label: str, view: Stack) -> None:
-        """A stack given to :meth:`set_views` keeps the static and forcing members its label
-        was built with (read, or computed, by the builder's ``StackConstants``)."""
-        built = [t for t in self.stages.gather.batch_transforms if isinstance(t, StackConstants)]
-        have = {(m.name, m.view) for t in built for lb, _, m, _ in t.fills if lb == label}
-        have |= {(m.name, None) for t in built for lb, _, m in t.forcings if lb == label}
-        layouts = {st.layout for t in built for lb, st, _, _ in t.fills if lb == label}
-        layouts |= {st.layout for t in built for lb, st, _ in t.forcings if lb == label}
-        want = {(m.name, m.view) for m in view.static} | {(m.name, None) for m in view.forcings}
-        if want != have or (layouts and layouts != {view.layout}):
-            raise ValueError(
-                f"set_views keeps a stack's static and forcing members (and its layout): "
-                f"stack {label!r} was built with {sorted(n for n, _ in have)}, and the one "
-                f"given has {sorted(n for n, _ in want)}; build a new pipeline for others"
-            )
-        firsts = {st.sampled[0].geometry.path for t in built for lb, st, _ in t.forcings
-                  if lb == label}  # fmt: skip
-        if firsts and firsts != {view.sampled[0].geometry.path}:
-            raise ValueError(
-                f"set_views keeps the array a stack's times come from (its first sampled "
-                f"member's, for its forcings): stack {label!r} was built with "
-                f"{sorted(firsts)} first, and the one given has "
-                f"{view.sampled[0].geometry.path!r}; put a member of that array first"
-            )
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the

@@ -46,7 +46,7 @@ class Statistics(Protocol):
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray: ...
 
 
-__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "stack"]
+__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "kept_constants", "stack"]
 
 LAYOUTS = ("channels_first", "channels_last")
 
@@ -425,3 +425,31 @@ class StackConstants:
         names = [(label, m.name) for label, _, m, _ in self.fills]
         names += [(label, m.name) for label, _, m in self.forcings]
         return f"StackConstants({names})"
+
+
+def kept_constants(label: str, view: Stack, batch_transforms: Sequence[Any]) -> None:
+    """Check that a stack given to ``InSituPipeline.set_views`` keeps the static and forcing
+    members, the layout and (with forcings) the first sampled array its label was built with
+    (read, or computed, at build by the :class:`StackConstants` among ``batch_transforms``);
+    ``ValueError`` naming both otherwise."""
+    built = [t for t in batch_transforms if isinstance(t, StackConstants)]
+    have = {(m.name, m.view) for t in built for lb, _, m, _ in t.fills if lb == label}
+    have |= {(m.name, None) for t in built for lb, _, m in t.forcings if lb == label}
+    layouts = {st.layout for t in built for lb, st, _, _ in t.fills if lb == label}
+    layouts |= {st.layout for t in built for lb, st, _ in t.forcings if lb == label}
+    want = {(m.name, m.view) for m in view.static} | {(m.name, None) for m in view.forcings}
+    if want != have or (layouts and layouts != {view.layout}):
+        raise ValueError(
+            f"set_views keeps a stack's static and forcing members (and its layout): "
+            f"stack {label!r} was built with {sorted(n for n, _ in have)}, and the one "
+            f"given has {sorted(n for n, _ in want)}; build a new pipeline for others"
+        )
+    firsts = {st.sampled[0].geometry.path for t in built for lb, st, _ in t.forcings
+              if lb == label}  # fmt: skip
+    if firsts and firsts != {view.sampled[0].geometry.path}:
+        raise ValueError(
+            f"set_views keeps the array a stack's times come from (its first sampled "
+            f"member's, for its forcings): stack {label!r} was built with "
+            f"{sorted(firsts)} first, and the one given has "
+            f"{view.sampled[0].geometry.path!r}; put a member of that array first"
+        )
