@@ -31,6 +31,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.ngff import open_plate
 from insitubatch_nodes.io.stores import RetryPolicy, open_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
@@ -75,6 +76,7 @@ __all__ = [
     "fit_statistics",
     "insitu_pipeline",
     "open_geometries",
+    "open_plate",
     "open_store",
     "split_by_chunk",
     "stack",

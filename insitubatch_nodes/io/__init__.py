@@ -6,6 +6,8 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.arrays` — finding arrays in a store, :func:`open_geometries`;
 * :mod:`~insitubatch_nodes.io.geometry` — :class:`ArrayGeometry`: what a sample is, which
   stored objects hold it, and its views (shifts, windows, patches, selections);
+* :mod:`~insitubatch_nodes.io.ngff` — OME-NGFF HCS plates: :func:`read_plate` (their
+  metadata, read concurrently), :func:`open_plate` (their fields as one collection);
 * :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field
   into windows;
 * :mod:`~insitubatch_nodes.io.selection` — what a selected view keeps of each field axis;
@@ -22,6 +24,7 @@ from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
+from insitubatch_nodes.io.ngff import Plate, PlateField, open_plate, read_plate
 from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
 
 __all__ = [
@@ -30,8 +33,12 @@ __all__ = [
     "ChunkDecoder",
     "Coordinate",
     "Patches",
+    "Plate",
+    "PlateField",
     "RetryPolicy",
     "open_coordinates",
     "open_geometries",
+    "open_plate",
     "open_store",
+    "read_plate",
 ]
