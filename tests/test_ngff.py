@@ -378,7 +378,7 @@ def test_collection_open_plate_rows_equal_their_fields_zarr_read_and_wells_split
     sparse_path: Path,
 ) -> None:
     pytest.importorskip("insitubatch_nodes.io.collection", reason="needs Collection (coll32)")
-    from insitubatch_nodes import Loader, insitu_pipeline, split_by_member  # type: ignore[attr-defined]
+    from insitubatch_nodes import Loader, insitu_pipeline, split_by_member
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # the absent well B/3
