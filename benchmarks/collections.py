@@ -4,7 +4,8 @@ Two plates, written once per run:
 
 * a plate of ``--rows x --columns`` wells x ``--fields`` fields (default 8 x 12 x 4 = 384
   fields) written with ome-zarr-py (``make_hcs_plate``: NGFF 0.5, zarr v3, zstd), each field
-  ``(1, 2, --z, --yx, --yx)`` uint16 with one Z plane per chunk;
+  ``(--t, 2, --z, --yx, --yx)`` uint16 (default ``(3, 2, 8, 256, 256)``, the issue's field)
+  with one Z plane per chunk;
 * a metadata-only plate of 1,536 wells x 9 fields = 13,824 fields (``make_plate_metadata_only``:
   no chunk at all, every pixel the fill value).
 
@@ -21,7 +22,8 @@ Engines, each in a fresh process (its peak RSS and first epoch its own), two epo
   epoch and zstd-decoding it into a buffer each reuses, nothing else (samples/s counts the Z
   planes those objects hold);
 * ``metadata``: the 13,824-field metadata-only plate: ``read_plate`` and ``open_plate`` time,
-  the build of one pipeline, the first batch, peak RSS (no epochs: it has no chunks).
+  the build of one pipeline, the first batch, RSS once built and at peak (no epochs: it has no
+  chunks; its fields are ``(1, 2, 16, 2048, 2048)``, so a batch buffer alone is 16 MB a row).
 
 Reported: open, build and first-batch seconds, samples/s per epoch (best of ``--rounds``),
 peak RSS; ratios ``collection/bare`` (target >= 0.85) and ``collection/per_field`` RSS (target
@@ -49,6 +51,13 @@ ROOT = Path(__file__).resolve().parent.parent
 def _rss_peak_bytes() -> int:
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     return 0
 
@@ -168,13 +177,14 @@ def run_metadata(cfg: dict[str, Any]) -> dict[str, Any]:
     pipe = insitu_pipeline(coll, split, {"image": coll["image"]}, batch_size=cfg["batch_size"])
     loader = Loader(pipe)
     t3 = time.perf_counter()
+    rss_built = _rss_bytes()
     next(iter(loader))
     t4 = time.perf_counter()
     pipe.close()
     return {
         "members": len(coll), "fields_read": len(plate.fields), "read_plate_s": t1 - t0,
         "open_s": t2 - t1, "build_s": t3 - t2, "first_batch_s": t4 - t3,
-        "rss_peak_bytes": _rss_peak_bytes(),
+        "rss_built_bytes": rss_built, "rss_peak_bytes": _rss_peak_bytes(),
     }  # fmt: skip
 
 
@@ -232,6 +242,10 @@ def summarise(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     out["rss_peak_mib"] = {
         engine: max(r["rss_peak_bytes"] for r in runs) / 2**20 for engine, runs in results.items()
     }
+    if "metadata" in results:  # the collection's own memory, before any batch buffer is filled
+        out["metadata_rss_built_mib"] = (
+            max(r["rss_built_bytes"] for r in results["metadata"]) / 2**20
+        )
     if "collection" in results and "per_field" in results:
         out["ratios"]["rss collection/per_field"] = (
             out["rss_peak_mib"]["collection"] / out["rss_peak_mib"]["per_field"]
@@ -244,8 +258,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rows", type=int, default=8)
     p.add_argument("--columns", type=int, default=12)
     p.add_argument("--fields", type=int, default=4)
+    p.add_argument("--t", type=int, default=3)
     p.add_argument("--z", type=int, default=8)
-    p.add_argument("--yx", type=int, default=128)
+    p.add_argument("--yx", type=int, default=256)
     p.add_argument("--mix-fields", type=int, default=96, help="pipelines the per_field route mixes")
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--rounds", type=int, default=2)
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
 
     meta_shape: dict[str, Any] = {}
     if args.smoke:
-        args.rows, args.columns, args.fields, args.z, args.yx = 2, 3, 2, 4, 32
+        args.rows, args.columns, args.fields, args.t, args.z, args.yx = 2, 3, 2, 1, 4, 32
         args.mix_fields, args.rounds, args.batch_size = 12, 1, 4
         meta_shape = {"rows": 4, "columns": 6, "fields": 3}
     with tempfile.TemporaryDirectory(prefix="collections-") as d:
@@ -265,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         plate = make_hcs_plate(
             tmp / "plate.zarr", rows=args.rows, columns=args.columns, fields=args.fields,
-            shape=(1, 2, args.z, args.yx, args.yx), levels=1, labels=(), ngff_version="0.5",
+            shape=(args.t, 2, args.z, args.yx, args.yx), levels=1, labels=(), ngff_version="0.5",
         )  # fmt: skip
         meta = make_plate_metadata_only(tmp / "metadata.zarr", **meta_shape)
         print(f"wrote the plates in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
