@@ -98,7 +98,7 @@ class Plate:
             f"{len(self.fields)} fields, axes {''.join(self.axes)}"
         ]
         for (level, sizes), n in levels.items():
-            shown = ", ".join(f"{a} {s:g}{self.units.get(a) or ''}" for a, s in sizes)
+            shown = ", ".join(f"{a} {s:g} {self.units.get(a) or ''}".rstrip() for a, s in sizes)
             lines.append(f"level {level} in {n} field(s): pixel size {shown}")
         if self.label_names:
             lines.append(f"labels: {', '.join(self.label_names)}")
