@@ -57,7 +57,8 @@ test-newest-zarr: $(STAMP312)
 
 # Benchmarks (benchmarks/README.md). Both install the `bench` extra when it is missing.
 # `make bench` runs the side-by-side suite (BENCH_ARGS), then the archive-shape suite
-# (benchmarks/archive.py, ARCHIVE_ARGS), then renders docs/benchmarks.md from both JSONLs.
+# (benchmarks/archive.py, ARCHIVE_ARGS), the forecast and collections (HCS plate) runs
+# (FORECAST_ARGS, COLLECTIONS_ARGS), then renders docs/benchmarks.md from the JSONLs.
 .PHONY: bench
 bench: $(STAMP)
 	@$(PY) -c "import psutil, matplotlib, xarray, xbatcher, tensorstore" 2>/dev/null || \
@@ -66,6 +67,7 @@ bench: $(STAMP)
 	BENCH_COMMAND="make bench" $(PY) -m benchmarks.archive --suite full $(ARCHIVE_ARGS)
 	$(PY) -m benchmarks.forecast --out benchmarks/results $(FORECAST_ARGS)
 	$(PY) -m benchmarks.stack_inputs --out benchmarks/results $(STACK_INPUTS_ARGS)
+	$(PY) -m benchmarks.collections --out benchmarks/results $(COLLECTIONS_ARGS)
 	$(PY) -m benchmarks.report
 
 # The harness's claims first (tests marked `bench`: each suite's smoke run and its report),
@@ -80,6 +82,7 @@ bench-smoke: $(STAMP)
 			--check && \
 		$(PY) -m benchmarks.forecast --smoke --out $$tmp --check && \
 		$(PY) -m benchmarks.stack_inputs --smoke --out $$tmp --check && \
+		$(PY) -m benchmarks.collections --smoke --out $$tmp && \
 		$(PY) -m benchmarks.report $$tmp/bench-smoke-*.jsonl --archive $$tmp/archive-smoke-*.jsonl \
 			--doc $$tmp/benchmarks.md --plots $$tmp/plots && \
 		rm -rf $$tmp

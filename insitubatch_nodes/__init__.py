@@ -33,6 +33,7 @@ from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.ngff import open_plate
 from insitubatch_nodes.io.stores import RetryPolicy, open_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
@@ -78,6 +79,7 @@ __all__ = [
     "fit_statistics",
     "insitu_pipeline",
     "open_geometries",
+    "open_plate",
     "open_store",
     "split_by_chunk",
     "split_by_member",

@@ -54,6 +54,7 @@ FACE = [
     "fit_statistics",
     "insitu_pipeline",
     "open_geometries",
+    "open_plate",
     "open_store",
     "split_by_chunk",
     "split_by_member",

@@ -285,3 +285,22 @@ def test_the_trace_recipe_writes_an_epoch_trace_and_a_profile_with_the_loaders_r
     profile = json.loads((out / "profile.trace.json").read_text())
     ranges = {e.get("name") for e in profile["traceEvents"]}
     assert {"insitu.next", "insitu.gather", "insitu.fill_run"} <= ranges, _explain(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ngff", ["0.4", "0.5"])
+def test_the_hcs_segmenter_trains_on_every_field_of_a_plate_split_by_well(
+    tmp_path: Path, ngff: str
+) -> None:
+    pytest.importorskip("insitubatch_nodes.io.collection", reason="needs Collection (coll32)")
+    pytest.importorskip("ome_zarr")
+    proc = _run_recipe(
+        "hcs_segmentation.py", "--ngff", ngff, "--z", "4", "--yx", "48", "--epochs", "2",
+        "--level", "0.65", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "level 0 in 12 field(s)" in proc.stdout, _explain(proc)
+    assert "equal to zarr's read" in proc.stdout, _explain(proc)
+    assert "; disjoint)" in proc.stdout, _explain(proc)
+    assert "loss fell" in proc.stdout, _explain(proc)
+    assert "above the all-background" in proc.stdout, _explain(proc)

@@ -9,6 +9,8 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.collection` — :class:`Collection`: many arrays of one schema as
   one virtual array per variable; :mod:`~insitubatch_nodes.io.members` its member map;
   :mod:`~insitubatch_nodes.io.routing` — several stores read as one;
+* :mod:`~insitubatch_nodes.io.ngff` — OME-NGFF HCS plates: :func:`read_plate` (their
+  metadata, read concurrently), :func:`open_plate` (their fields as one collection);
 * :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field
   into windows;
 * :mod:`~insitubatch_nodes.io.selection` — what a selected view keeps of each field axis;
@@ -26,6 +28,7 @@ from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
+from insitubatch_nodes.io.ngff import Plate, PlateField, open_plate, read_plate
 from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
 
 __all__ = [
@@ -35,8 +38,12 @@ __all__ = [
     "Collection",
     "Coordinate",
     "Patches",
+    "Plate",
+    "PlateField",
     "RetryPolicy",
     "open_coordinates",
     "open_geometries",
+    "open_plate",
     "open_store",
+    "read_plate",
 ]
