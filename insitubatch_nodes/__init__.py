@@ -31,7 +31,7 @@ from __future__ import annotations
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
-from insitubatch_nodes.io.collection import Collection
+from insitubatch_nodes.io.collection import Collection, concat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.ngff import open_plate
 from insitubatch_nodes.io.stores import RetryPolicy, open_store
@@ -76,6 +76,7 @@ __all__ = [
     "__version__",
     "applies",
     "as_dataset",
+    "concat",
     "fit_statistics",
     "insitu_pipeline",
     "open_geometries",

@@ -51,6 +51,7 @@ FACE = [
     "__version__",
     "applies",
     "as_dataset",
+    "concat",
     "fit_statistics",
     "insitu_pipeline",
     "open_geometries",

@@ -61,6 +61,7 @@ __all__ = [
     "Collection",
     "check_collection_in_store",
     "collection_of",
+    "concat",
     "refuse_collection_options",
 ]
 
@@ -566,3 +567,15 @@ def _check_continuation(coll: Collection, dim: str) -> None:
                     f"starts at {first}: they {what} (at the step of {step} s, {last + delta} "
                     "comes next)"
                 )
+
+
+def concat(
+    stores: Sequence[Any],
+    variables: Sequence[str],
+    *,
+    dim: str = "time",
+    names: Sequence[str] | None = None,
+) -> Collection:
+    """Stores that continue one another along ``dim`` as one sample axis:
+    :meth:`Collection.concat` (its contract and checks)."""
+    return Collection.concat(stores, variables, dim=dim, names=names)

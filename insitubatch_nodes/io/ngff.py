@@ -18,13 +18,11 @@ import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.stores import StoreLike, as_store
-
-if TYPE_CHECKING:
-    from insitubatch_nodes.io.collection import Collection
 
 __all__ = ["NGFF_VERSIONS", "Plate", "PlateField", "open_plate", "read_plate"]
 
@@ -500,8 +498,6 @@ def open_plate(
     ``Collection.from_groups``, concurrently, which also checks that the fields share one
     schema (dtypes and field shapes).
     """
-    from insitubatch_nodes.io.collection import Collection
-
     store = as_store(store)
     plate = read_plate(store, level=level, labels=labels)
     axis = _axis_index(plate, sample_axis)
