@@ -1477,6 +1477,77 @@ def newest_stack_inputs(results: Path) -> Path | None:
     return files[-1] if files else None
 
 
+def newest_collections(results: Path) -> Path | None:
+    """The newest full ``collections-*.jsonl`` (``benchmarks/collections.py``) under
+    ``results`` (else the newest of any kind)."""
+    files = sorted(results.glob("collections-full-*.jsonl")) or sorted(
+        results.glob("collections-*.jsonl")
+    )
+    return files[-1] if files else None
+
+
+def collections_section(source: Path | None) -> list[str]:
+    """HCS plates as one stream (``benchmarks/collections.py``): one collection over every
+    field against per-field pipelines mixed by ``MultiNodeWeightedSampler`` and the bare loop,
+    and the open/build/first-batch times of a 13,824-field metadata-only plate."""
+    out = ["## Collections (HCS plates)", ""]
+    if source is None:
+        return [
+            *out,
+            "_No collections run was found (`benchmarks/results/collections-*.jsonl`): run "
+            "`python -m benchmarks.collections --out benchmarks/results`._",
+            "",
+        ]
+    rec = json.loads(source.read_text().strip().splitlines()[-1])
+    cfg, summary = rec["config"], rec["summary"]
+    n_fields = cfg["rows"] * cfg["columns"] * cfg["fields"]
+    out += [
+        f"From `{source.name}`: an OME-NGFF 0.5 plate written by ome-zarr-py ({n_fields} fields, "
+        f"each `({cfg['t']}, 2, {cfg['z']}, {cfg['yx']}, {cfg['yx']})`, one Z plane per chunk), "
+        f"batches of {cfg['batch_size']}; each engine in a fresh process, two epochs, best of "
+        f"{cfg['rounds']} rounds. `collection`: `open_plate` and one pipeline over every field; "
+        f"`collection_mixed`: the same collection over the {cfg['mix_fields']} fields "
+        f"`per_field` mixes (one pipeline per field under `MultiNodeWeightedSampler`, today's "
+        "route); `bare`: two threads reading and decoding every stored object once.",
+        "",
+    ]
+    rows = []
+    for engine, rates in summary["samples_per_s"].items():
+        rows.append(
+            [
+                f"`{engine}`",
+                f"{rates[0]:,.0f}",
+                f"{rates[1]:,.0f}",
+                f"{summary['rss_peak_mib'].get(engine, float('nan')):,.0f}",
+            ]
+        )
+    out += [
+        table(["engine", "samples/s epoch 0", "samples/s epoch 1", "peak RSS MiB"], rows),
+        "",
+    ]
+    meta = summary["seconds"].get("metadata")
+    if meta:
+        out += [
+            "The metadata-only plate (1,536 wells x 9 fields unless `--smoke`): "
+            + ", ".join(
+                f"{k.removesuffix('_s').replace('_', ' ')} {v:.2f} s" for k, v in meta.items()
+            )
+            + (
+                f"; {summary['metadata_rss_built_mib']:,.0f} MiB once built"
+                if "metadata_rss_built_mib" in summary
+                else ""
+            )
+            + ".",
+            "",
+        ]
+    if summary["ratios"]:
+        out += [
+            table(["ratio", "measured"], [[k, f"{v:.2f}"] for k, v in summary["ratios"].items()]),
+            "",
+        ]
+    return out
+
+
 def stack_inputs_section(source: Path | None) -> list[str]:
     """GraphCast-style inputs stacked (``benchmarks/stack_inputs.py``): ``stack()`` labels
     against per-member labels + a stacking transform, xarray + DataLoader and the bare loop;
@@ -1577,6 +1648,7 @@ def archive_only_page(rows: list[Row], source: Path) -> str:
             *patches_section(newest_patches(source.parent)),
             *forecast_section(newest_forecast(source.parent)),
             *stack_inputs_section(newest_stack_inputs(source.parent)),
+            *collections_section(newest_collections(source.parent)),
             "## Machine",
             "",
             table(
@@ -1659,6 +1731,7 @@ def render(
         *patches_section(newest_patches(source.parent)),
         *forecast_section(newest_forecast(source.parent)),
         *stack_inputs_section(newest_stack_inputs(source.parent)),
+        *collections_section(newest_collections(source.parent)),
         "## How to reproduce",
         "",
         "```bash",
