@@ -199,7 +199,7 @@ def year_progress(times: Any) -> np.ndarray:
     t = np.asarray(times).astype("datetime64[ns]")
     year = t.astype("datetime64[Y]")
     start = year.astype("datetime64[ns]")
-    length = (year + 1).astype("datetime64[ns]") - start
+    length = (year + np.timedelta64(1, "Y")).astype("datetime64[ns]") - start
     return (t - start).astype(np.int64) / length.astype(np.int64)
 
 

@@ -156,7 +156,7 @@ def _broken_times() -> tuple[np.ndarray, dict[str, list[int]]]:
     """Hourly times with a NaT, a gap and a duplicate, and the anchors each must drop (views
     read ``a`` and ``a + 1``), written out by hand."""
     t = pd.date_range("2020-01-01", periods=48, freq="h").values.copy()
-    t[10] = np.datetime64("NaT")  # anchors 9 (its a + 1) and 10 (its a)
+    t[10] = np.datetime64("NaT", "ns")  # anchors 9 (its a + 1) and 10 (its a)
     t[21:] += np.timedelta64(1, "h")  # a gap between 20 and 21: anchor 20
     t[30] = t[29]  # a duplicate: anchors 29 (0 h to 30) and 30 (2 h to 31)
     return t, {"nat": [9, 10], "gap": [20, 29, 30]}

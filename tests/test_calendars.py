@@ -368,7 +368,7 @@ def test_time_offsets_count_each_calendars_own_elapsed_time_as_cftime_does(
 
 def test_time_offsets_of_datetime64_are_numpys_own_arithmetic() -> None:
     t = np.datetime64("2020-01-01T00", "ns") + np.arange(48).astype("m8[h]")
-    t[7] = np.datetime64("NaT")
+    t[7] = np.datetime64("NaT", "ns")
     off = time_offsets(Coordinate("time", t), "1h")
     want = (np.delete(t, 7) - np.datetime64("1970-01-01", "ns")) // np.timedelta64(1, "h")
     assert off[7] == MISSING_OFFSET
