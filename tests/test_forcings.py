@@ -114,12 +114,12 @@ def test_the_closed_form_radiation_equals_a_fine_trapezoid_at_every_latitude_and
 ) -> None:
     # random minutes over a leap year, every latitude from pole to pole (polar day and night,
     # sunrise and sunset inside the period): the mean flux over the period within `within`
-    # W m-2 of a 4,000-step trapezoid (the closed form holds the declination at the middle)
+    # W m-2 of a 1,000-step trapezoid (the closed form holds the declination at the middle)
     rng = np.random.default_rng(0)
-    minutes = rng.integers(0, 366 * 1440, 300) * np.timedelta64(1, "m")
+    minutes = rng.integers(0, 366 * 1440, 120) * np.timedelta64(1, "m")
     times = np.datetime64("2020-01-01T00") + minutes
     lat, lon = np.linspace(-90.0, 90.0, 37), np.linspace(0.0, 345.0, 24)
     exact = toa_incident_solar_radiation(times, lat, lon, period=period)
-    fine = toa_incident_solar_radiation(times, lat, lon, period=period, bins=4000)
+    fine = toa_incident_solar_radiation(times, lat, lon, period=period, bins=1000)
     assert np.abs(exact - fine).max() / seconds < within
     assert exact.min() >= 0.0 and fine.max() > 0.5 * SOLAR_IRRADIANCE * seconds

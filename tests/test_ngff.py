@@ -276,6 +276,20 @@ def test_wells_and_fields_are_read_concurrently_each_document_once(plate_path: P
     assert not any(k.endswith((".zarray", "s0/zarr.json")) for k in store.gets)
 
 
+def test_a_local_plate_is_read_from_its_files_with_what_the_store_itself_reads(
+    plate_path: Path,
+) -> None:
+    from insitubatch_nodes.io.objects import read_documents
+
+    local = zarr.storage.LocalStore(plate_path, read_only=True)
+    counting = _CountingStore(local)  # a wrapper: always read through its own get
+    keys = ["zarr.json", ".zattrs", "B/1/0/zarr.json", "B/1/0/.zattrs", "nope/zarr.json", "B"]
+    direct = read_documents(local, keys)
+    assert direct == read_documents(counting, keys)  # missing and a folder: None alike
+    assert any(d is not None for d in direct) and direct[-2:] == [None, None]
+    assert counting.gets and read_plate(local) == read_plate(counting)
+
+
 # -- the metadata-only plate (the scale tests' plate) ---
 
 
@@ -371,13 +385,12 @@ def test_open_plate_refuses_labels_whose_sample_axis_sits_elsewhere() -> None:
         ngff._axis_index(plate, "z")
 
 
-# -- open_plate end to end (needs io/collection.py: branch coll32) ---
+# -- open_plate end to end ---
 
 
 def test_collection_open_plate_rows_equal_their_fields_zarr_read_and_wells_split_apart(
     sparse_path: Path,
 ) -> None:
-    pytest.importorskip("insitubatch_nodes.io.collection", reason="needs Collection (coll32)")
     from insitubatch_nodes import Loader, insitu_pipeline, split_by_member
 
     with warnings.catch_warnings():

@@ -292,7 +292,6 @@ def test_the_trace_recipe_writes_an_epoch_trace_and_a_profile_with_the_loaders_r
 def test_the_hcs_segmenter_trains_on_every_field_of_a_plate_split_by_well(
     tmp_path: Path, ngff: str
 ) -> None:
-    pytest.importorskip("insitubatch_nodes.io.collection", reason="needs Collection (coll32)")
     pytest.importorskip("ome_zarr")
     proc = _run_recipe(
         "hcs_segmentation.py", "--ngff", ngff, "--z", "4", "--yx", "48", "--epochs", "2",

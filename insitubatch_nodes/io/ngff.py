@@ -12,7 +12,6 @@ at once, then all fields at once, on zarr's IO loop.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import math
 import warnings
@@ -20,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.collection import Collection
+from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.stores import StoreLike, as_store
 
 __all__ = ["NGFF_VERSIONS", "Plate", "PlateField", "open_plate", "read_plate"]
@@ -112,30 +111,15 @@ class Plate:
 
 
 def _read_documents(store: Any, keys: Sequence[str]) -> list[Any]:
-    """The JSON document at each of ``keys`` (``None`` where there is none), read concurrently
-    on zarr's IO loop by ``_IN_FLIGHT`` readers that each take the next key as they finish one
-    (cheaper than a task per key): public ``Store.get`` calls only."""
-    from zarr.buffer import default_buffer_prototype
-
-    prototype = default_buffer_prototype()
-    docs: list[Any] = [None] * len(keys)
-    todo = iter(enumerate(keys))
-
-    async def reader() -> None:
-        for i, key in todo:
-            try:
-                buf = await store.get(key, prototype=prototype)
-            except (FileNotFoundError, NotADirectoryError):
-                continue
-            try:
-                docs[i] = None if buf is None else json.loads(buf.to_bytes())
-            except ValueError as exc:
-                raise ValueError(f"{key!r} is not valid JSON ({exc})") from None
-
-    async def every() -> None:
-        await asyncio.gather(*(reader() for _ in range(min(_IN_FLIGHT, len(keys)))))
-
-    asyncio.run_coroutine_threadsafe(every(), _zarr_compat.io_loop()).result()
+    """The JSON document at each of ``keys`` (``None`` where there is none), read at once by
+    :func:`~insitubatch_nodes.io.objects.read_documents` (concurrently, or straight from the
+    files of a local folder)."""
+    docs: list[Any] = []
+    for key, raw in zip(keys, read_documents(store, keys, _IN_FLIGHT), strict=True):
+        try:
+            docs.append(None if raw is None else json.loads(raw))
+        except ValueError as exc:
+            raise ValueError(f"{key!r} is not valid JSON ({exc})") from None
     return docs
 
 

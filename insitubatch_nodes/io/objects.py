@@ -4,6 +4,7 @@ the store's own ``get``, with what identifies the object and a deadline) and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from insitubatch_nodes._process import retry_time_scale
@@ -154,24 +155,45 @@ def head_objects(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) 
     return asyncio.run_coroutine_threadsafe(heads(), _zarr_compat.io_loop()).result()
 
 
-def read_documents(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) -> list[Any]:
-    """The bytes at each of ``keys`` of a zarr ``store`` (``None`` where there is nothing),
-    ``in_flight`` at a time on zarr's IO loop: the metadata documents of many arrays read
-    without building a zarr array for each (a collection's members)."""
+def read_documents(store: Any, keys: Sequence[str], in_flight: int = HEADS_IN_FLIGHT) -> list[Any]:
+    """The bytes at each of ``keys`` of a zarr ``store`` (``None`` where there is nothing): the
+    metadata documents of many arrays or groups read without building a zarr object for each
+    (a collection's members, a plate's wells and fields).
+
+    A folder of files on this machine (:func:`~insitubatch_nodes.io.localfiles.local_reader`)
+    is read file by file on the calling thread (about 15 µs a document from the page cache,
+    against about 200 µs through the store's async ``get``); any other store on zarr's IO loop
+    by ``in_flight`` readers that each take the next key as they finish one (cheaper than a
+    task per key)."""
+    local = local_reader(store)
+    if local is not None:
+        return [_read_file(local.path(key)) for key in keys]
     import asyncio
 
     from zarr.buffer import default_buffer_prototype
 
     prototype = default_buffer_prototype()
+    docs: list[Any] = [None] * len(keys)
+    todo = iter(enumerate(keys))
 
-    async def documents() -> list[Any]:
-        limit = asyncio.Semaphore(in_flight)
-
-        async def one(key: str) -> bytes | None:
-            async with limit:
+    async def reader() -> None:
+        for i, key in todo:
+            try:
                 found = await store.get(key, prototype=prototype)
-            return None if found is None else found.to_bytes()
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            docs[i] = None if found is None else found.to_bytes()
 
-        return list(await asyncio.gather(*(one(k) for k in keys)))
+    async def every() -> None:
+        await asyncio.gather(*(reader() for _ in range(min(in_flight, len(keys)))))
 
-    return asyncio.run_coroutine_threadsafe(documents(), _zarr_compat.io_loop()).result()
+    asyncio.run_coroutine_threadsafe(every(), _zarr_compat.io_loop()).result()
+    return docs
+
+
+def _read_file(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
