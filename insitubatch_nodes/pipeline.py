@@ -34,6 +34,7 @@ from insitubatch_nodes.io.coords import (
     time_offsets,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.product import product_of
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
 from insitubatch_nodes.plan.anchors import SampleSteps
@@ -339,6 +340,9 @@ def insitu_pipeline(
     members = collection_of([manifest.members, *(v.members for v in geoms.values())])
     if members is not None and manifest.members is None:  # no step leaves its member
         manifest = manifest.with_members(members)
+    product = product_of([v for v in geoms.values() if not v.static], manifest.product)
+    if product is not None and manifest.product is None:  # no anchor in a block's padding
+        manifest = manifest.with_product(product)
     # the schedule is decided first (and fails fast, here, when the budget is too small), over
     # the views the plan reads: a window's steps one by one
     parts, _ = expand_views(resolve_windows(views, manifest.steps))
