@@ -21,6 +21,7 @@ from helpers import counting_store
 from resume_helpers import epochs_of, is_plain
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.product import ProductGrid
 
 T, C, Z, Y, X = 5, 2, 7, 4, 6
@@ -274,3 +275,80 @@ def test_a_pipeline_does_not_mix_product_and_plain_views(stack: Path) -> None:
     plain = open_geometries(stack, ["labels"], sample_axis="t")["labels"]
     with pytest.raises(ValueError, match=r"'labels' has one sample axis.*same product"):
         insitu_pipeline(stack, split_by_chunk(image, (1.0, 0.0, 0.0)), {"x": image, "y": plain})
+
+
+def test_member_by_time_pairs_of_an_ensemble_read_whole_blocks_from_a_warm_cache(
+    tmp_path: Path,
+) -> None:
+    # (member, time, lat, lon), members chunked 2 and times 3: the product axes are adjacent,
+    # so each block's rows are the stored object's own order (decoded straight, no permutation)
+    root = tmp_path / "ens.zarr"
+    data = np.arange(5 * 7 * 3 * 4, dtype="f4").reshape(5, 7, 3, 4)
+    arr = zarr.open_group(root, mode="w", zarr_format=3).create_array(
+        "t2m",
+        shape=data.shape,
+        chunks=(2, 3, 3, 4),
+        dtype="f4",
+        dimension_names=("member", "time", "lat", "lon"),
+    )
+    arr[:] = data
+    store = counting_store(root)
+    geom = open_geometries(store, ["t2m"], sample_axis=("member", "time"))["t2m"]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    for run in range(2):
+        store.reset_counts()
+        pipe = insitu_pipeline(
+            store,
+            manifest,
+            {"x": geom},
+            batch_size=4,
+            seed=2,
+            cache_dir=tmp_path / "cache",
+            persist=True,
+        )
+        try:
+            seen = []
+            for batch in Loader(pipe):
+                for r, (m, t) in enumerate(geom.sample_coords(batch.sample_indices["x"])):
+                    np.testing.assert_array_equal(batch["x"][r], data[m, t])
+                    seen.append((int(m), int(t)))
+        finally:
+            pipe.close()
+        assert sorted(seen) == [(m, t) for m in range(5) for t in range(7)]
+        if run == 0:
+            assert len(store.chunk_counts()) == 3 * 3 and set(store.chunk_counts().values()) == {1}
+        else:
+            assert store.chunk_counts() == {}, "a warm cache read the store"
+
+
+@pytest.mark.parametrize("axes", [("member", "time"), ("time", "member")])
+def test_a_block_decodes_straight_when_its_axes_lead_in_storage_order_else_in_one_copy(
+    tmp_path: Path, axes: tuple[str, str]
+) -> None:
+    root = tmp_path / "ens.zarr"
+    data = np.arange(5 * 7 * 3 * 4, dtype="f4").reshape(5, 7, 3, 4)
+    arr = zarr.open_group(root, mode="w", zarr_format=3).create_array(
+        "t2m",
+        shape=data.shape,
+        chunks=(2, 3, 3, 4),
+        dtype="f4",
+        dimension_names=("member", "time", "lat", "lon"),
+    )
+    arr[:] = data
+    geom = open_geometries(root, ["t2m"], sample_axis=axes)["t2m"]
+    decoder = ChunkDecoder(geom)
+    last = geom.n_chunks - 1  # the edge block: members 4, times 6 (1 x 1 valid of 2 x 3)
+    for chunk in (0, last):
+        slot = np.full((geom.samples_per_chunk, *geom.inner_shape), -1, dtype="f4")
+        start, stop = geom.chunk_range(chunk)
+        key = geom.store_key(chunk)
+        decoder.decode_into((root / key).read_bytes(), slot[: stop - start], chunk, (0, 0))
+        rows = geom.sample_coords(np.arange(start, stop))
+        want = data[rows[:, 0], rows[:, 1]] if axes[0] == "member" else data[rows[:, 1], rows[:, 0]]
+        np.testing.assert_array_equal(slot[: stop - start], want)
+        assert (slot[stop - start :] == -1).all(), "padding rows are left alone"
+    # a whole block whose axes lead in storage order is decompressed into the slot itself
+    if axes == ("member", "time"):
+        assert decoder._stats.inplace == 1 and decoder._stats.scratch == 1
+    else:
+        assert decoder._stats.inplace == 0 and decoder._stats.scratch == 2
