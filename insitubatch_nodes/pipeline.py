@@ -34,7 +34,7 @@ from insitubatch_nodes.io.coords import (
     time_offsets,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.product import product_of
+from insitubatch_nodes.io.product import product_of, refuse_product_options
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
 from insitubatch_nodes.plan.anchors import SampleSteps
@@ -318,6 +318,13 @@ def insitu_pipeline(
         missing_objects=missing_objects,
         coords=coords,
         plain_views=sum(v.members is None and not v.static for v in _members(views)),
+    )
+    refuse_product_options(
+        list(_members(views)),
+        stride=plan_config.stride,
+        missing=missing,
+        missing_objects=missing_objects,
+        coords=coords,
     )
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)

@@ -20,7 +20,7 @@ import zarr
 from helpers import counting_store
 from resume_helpers import epochs_of, is_plain
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import Collection, Loader, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.product import ProductGrid
 
@@ -270,6 +270,23 @@ def test_bad_product_axes_are_refused_by_name(stack: Path) -> None:
         open_geometries(stack, ["image"], sample_axis=(0, 1, 2, 3, 4))
 
 
+@pytest.mark.parametrize(
+    ("option", "message"),
+    [
+        ({"stride": 2}, r"stride 2 steps along one sample axis"),
+        ({"stride": "6h"}, r"stride 6 hours steps along one sample axis"),
+        ({"missing_objects": "drop"}, r"missing_objects='drop' are not supported on views"),
+        ({"coords": ["t"]}, r"carry no coordinates: pass coords=\(\)"),
+    ],
+)
+def test_time_options_on_product_axes_are_refused_by_name(
+    stack: Path, option: dict[str, Any], message: str
+) -> None:
+    image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
+    with pytest.raises(ValueError, match=message):
+        insitu_pipeline(stack, split_by_chunk(image, (1.0, 0.0, 0.0)), {"x": image}, **option)
+
+
 def test_a_pipeline_does_not_mix_product_and_plain_views(stack: Path) -> None:
     image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
     plain = open_geometries(stack, ["labels"], sample_axis="t")["labels"]
@@ -352,3 +369,8 @@ def test_a_block_decodes_straight_when_its_axes_lead_in_storage_order_else_in_on
         assert decoder._stats.inplace == 1 and decoder._stats.scratch == 1
     else:
         assert decoder._stats.inplace == 0 and decoder._stats.scratch == 2
+
+
+def test_a_collection_takes_one_sample_axis(stack: Path) -> None:
+    with pytest.raises(TypeError, match="sample_axis must be an int or a dimension name"):
+        Collection.from_arrays([(str(stack), "image")], sample_axis=("t", "z"))  # type: ignore[arg-type]

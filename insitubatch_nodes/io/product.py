@@ -169,3 +169,32 @@ def product_of(views: Sequence[Any], given: ProductGrid | None = None) -> Produc
                 "axes, lengths and stored extents along them)"
             )
     return first
+
+
+def refuse_product_options(
+    views: Sequence[Any],
+    *,
+    stride: Any,
+    missing: Any,
+    missing_objects: str,
+    coords: Sequence[str] | None,
+) -> None:
+    """Refuse, naming it, what a pipeline over views on product sample axes does not support:
+    anything that reads the time coordinate or steps along one sample axis."""
+    product = next((v.product for v in views if v.product is not None), None)
+    if product is None:
+        return
+    where = f"views on product sample axes {product.axes}"
+    if not (isinstance(stride, int) and stride == 1):
+        raise ValueError(
+            f"stride {stride} steps along one sample axis, and {where} have none: give "
+            "stride=1 and subsample in a batch transform (geom.sample_coords gives each row's "
+            "indices)"
+        )
+    if missing is not None or missing_objects != "read":
+        raise ValueError(f"missing= and missing_objects='drop' are not supported on {where}")
+    if coords:
+        raise ValueError(
+            f"{where} carry no coordinates: pass coords=() (or None); each row's indices along "
+            "the product axes are geom.sample_coords(batch.sample_indices[label])"
+        )
