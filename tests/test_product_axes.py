@@ -20,7 +20,14 @@ import zarr
 from helpers import counting_store
 from resume_helpers import epochs_of, is_plain
 
-from insitubatch_nodes import Collection, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import (
+    Coarsen,
+    Collection,
+    Loader,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.product import ProductGrid
 
@@ -374,3 +381,26 @@ def test_a_block_decodes_straight_when_its_axes_lead_in_storage_order_else_in_on
 def test_a_collection_takes_one_sample_axis(stack: Path) -> None:
     with pytest.raises(TypeError, match="sample_axis must be an int or a dimension name"):
         Collection.from_arrays([(str(stack), "image")], sample_axis=("t", "z"))  # type: ignore[arg-type]
+
+
+def test_a_chunk_transform_sees_each_blocks_valid_pairs_sample_first(stack: Path) -> None:
+    image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
+    data = _oracle(stack, "image")
+    pipe = insitu_pipeline(
+        stack,
+        split_by_chunk(image, (1.0, 0.0, 0.0)),
+        {"x": image},
+        batch_size=6,
+        chunk_transforms=[Coarsen((1, 2, 3))],
+    )
+    try:
+        n = 0
+        for batch in Loader(pipe):
+            assert batch["x"].shape[1:] == (C, Y // 2, X // 3)
+            for r, (t, z) in enumerate(image.sample_coords(batch.sample_indices["x"])):
+                want = data[t, :, z].reshape(C, Y // 2, 2, X // 3, 3).mean(axis=(2, 4))
+                np.testing.assert_allclose(batch["x"][r], want, rtol=1e-6)
+                n += 1
+    finally:
+        pipe.close()
+    assert n == T * Z
