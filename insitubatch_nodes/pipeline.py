@@ -320,11 +320,7 @@ def insitu_pipeline(
         plain_views=sum(v.members is None and not v.static for v in _members(views)),
     )
     refuse_product_options(
-        list(_members(views)),
-        stride=plan_config.stride,
-        missing=missing,
-        missing_objects=missing_objects,
-        coords=coords,
+        list(_members(views)), plan_config.stride, missing, missing_objects, coords
     )
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)

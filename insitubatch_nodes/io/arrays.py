@@ -12,6 +12,7 @@ from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
+from insitubatch_nodes.io.product import product_view
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
 
 __all__ = ["absent_samples", "check_arrays_in_store", "open_geometries"]
@@ -66,7 +67,7 @@ def _geometry(
 ) -> ArrayGeometry:
     if isinstance(sample_axis, tuple):  # product sample axes: static without the first one
         geom = _geometry(path, array, sample_axis[0], coordinates, sample_dim)
-        return geom if geom.static else geom.over(sample_axis)
+        return geom if geom.static else product_view(geom, sample_axis)
     axis = _axis(path, array, sample_axis)
     static = axis is None
     if not static and sample_dim is not None and isinstance(sample_axis, int):

@@ -49,7 +49,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
-from insitubatch_nodes.io.product import ProductGrid
+from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
 from insitubatch_nodes.io.selection import Selection, axis_key, label_positions
 from insitubatch_nodes.io.stores import describe_store
 
@@ -127,8 +127,7 @@ class ArrayGeometry:
     #: a collection variable's virtual array: where each member's samples and stored objects
     #: are (:mod:`~insitubatch_nodes.io.members`; ``None`` for an array of one store)
     members: MemberMap | None = field(default=None, repr=False)
-    #: product sample axes (:mod:`~insitubatch_nodes.io.product`, made by :meth:`over`): the
-    #: samples are every combination of indices along several axes, on one virtual axis
+    #: product sample axes: every combination of indices along several axes is a sample
     product: ProductGrid | None = field(default=None, repr=False)
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
@@ -156,16 +155,14 @@ class ArrayGeometry:
 
     @property
     def samples_per_chunk(self) -> int:
-        """Samples in one chunk along the sample axis (the last chunk may hold fewer); on
-        product axes, a stored block's combinations (its extents multiplied)."""
+        """Samples in one chunk along the sample axis (the last chunk may hold fewer)."""
         if self.product is not None:
             return self.product.samples_per_chunk
         return self.chunks[self.sample_axis]
 
     @property
     def n_samples(self) -> int:
-        """Length of the array along the sample axis (on product axes: of the virtual axis,
-        blocks and their padding, see :mod:`~insitubatch_nodes.io.product`)."""
+        """Length of the array along the sample axis (on product axes: the virtual one)."""
         if self.product is not None:
             return self.product.n_samples
         return self.shape[self.sample_axis]
@@ -184,15 +181,19 @@ class ArrayGeometry:
         start = chunk_index * self.samples_per_chunk
         return start, min(start + self.samples_per_chunk, self.n_samples)
 
+    def sample_coords(self, samples: Any) -> np.ndarray:
+        """Each sample index's indices along the sample axes, ``(len(samples), k)``: ``(t, z)``
+        rows on product axes ``("t", "z")`` (:mod:`~insitubatch_nodes.io.product`)."""
+        return sample_coords(self, samples)
+
     # -- the field (inner) axes ------------------------------------------------------------
     @functools.cached_property
     def field_axes(self) -> tuple[int, ...]:
         """Physical indices of the field axes, in order (every axis of a static array)."""
         if self.static:
             return tuple(range(self.ndim))
-        if self.product is not None:
-            return tuple(a for a in range(self.ndim) if a not in self.product.axes)
-        return tuple(a for a in range(self.ndim) if a != self.sample_axis)
+        skip = (self.sample_axis,) if self.product is None else self.product.axes
+        return tuple(a for a in range(self.ndim) if a not in skip)
 
     @functools.cached_property
     def field_shape(self) -> tuple[int, ...]:
@@ -278,9 +279,7 @@ class ArrayGeometry:
         if self.static:
             return tuple(tile)
         if self.product is not None:  # the block's coordinates along each product axis
-            where = dict(zip(self.product.axes, self.product.block_of(chunk_index), strict=True))
-            rest = iter(tile)
-            return tuple(where[a] if a in where else next(rest) for a in range(self.ndim))
+            return self.product.chunk_coords(chunk_index, tile, self.ndim)
         coords = list(tile)
         coords.insert(self.sample_axis, chunk_index)
         return tuple(coords)
@@ -312,65 +311,6 @@ class ArrayGeometry:
         prefix = self.path.replace("{", "{{").replace("}", "}}")
         return f"{prefix}/{template}" if self.path else template
 
-    # -- product sample axes ---------------------------------------------------------------
-    def over(self, axes: Sequence[int | str]) -> ArrayGeometry:
-        """This array with every combination of indices along ``axes`` (physical indices or
-        dimension names, two or more, in the order given) as one sample, and the remaining
-        axes as the field (:mod:`~insitubatch_nodes.io.product`): ``g.over(("t", "z"))`` of a
-        ``(t, c, z, y, x)`` array has samples of shape ``(c, y, x)``, one per ``(t, z)`` pair.
-        ``batch.sample_indices[label]`` then holds virtual sample indices;
-        :meth:`sample_coords` turns them into ``(t, z)`` rows."""
-        if self.static or self.offset or self.window_offsets is not None:
-            raise ValueError(f"{self.path}: take product axes of the array itself")
-        if self.patch is not None or self.select is not None or self.members is not None:
-            raise ValueError(
-                f"{self.path}: product sample axes apply to a whole array of one store (not a "
-                "patched, selected or collection view)"
-            )
-        if isinstance(axes, str | bytes) or not isinstance(axes, Sequence):
-            raise TypeError(f"over() takes a sequence of axes, e.g. ('t', 'z'), got {axes!r}")
-        phys = tuple(self._physical_axis(a) for a in axes)
-        if len(phys) < 2 or len(set(phys)) != len(phys):
-            raise ValueError(
-                f"{self.path}: product sample axes must be two or more distinct axes, got "
-                f"{tuple(axes)!r}"
-            )
-        if len(phys) == self.ndim:
-            raise ValueError(f"{self.path}: product axes {tuple(axes)!r} leave no field axis")
-        grid = ProductGrid(phys, self.shape, self.chunks)
-        return replace(self, sample_axis=phys[0], product=grid)
-
-    def sample_coords(self, samples: Any) -> np.ndarray:
-        """The array's indices along the sample axes of each sample index (e.g.
-        ``batch.sample_indices[label]``): ``(len(samples), k)`` — ``(t, z)`` rows on product
-        axes ``("t", "z")``, one column on a plain sample axis."""
-        if self.product is not None:
-            return self.product.coords(samples)
-        return np.asarray(samples, dtype=np.int64).reshape(-1, 1)
-
-    def _physical_axis(self, key: int | str) -> int:
-        if isinstance(key, str):
-            dims = self.dims
-            if dims is None or key not in dims:
-                raise KeyError(
-                    f"{self.path}: no dimension named {key!r} (the array's dimension names: "
-                    f"{dims}); name the product axes by index instead"
-                )
-            return dims.index(key)
-        if isinstance(key, bool) or not isinstance(key, int | np.integer):
-            raise TypeError(f"a product axis is an int or a dimension name, got {key!r}")
-        axis = int(key) + (self.ndim if key < 0 else 0)
-        if not 0 <= axis < self.ndim:
-            raise ValueError(f"{self.path}: axis {key} is out of range for {self.ndim} axes")
-        return axis
-
-    def _no_product(self, what: str) -> None:
-        if self.product is not None:
-            raise ValueError(
-                f"{self.path}: {what} is not supported on product sample axes "
-                f"{self.product.axes} yet; select or patch in a batch transform"
-            )
-
     # -- views ---------------------------------------------------------------------------------
     def shift(self, k: int) -> ArrayGeometry:
         """A view that reads ``array[anchor + k]`` along the sample axis (offsets add up)."""
@@ -378,17 +318,8 @@ class ArrayGeometry:
             raise TypeError(f"shift() takes an integer number of samples, got {k!r}")
         if self.static:
             raise ValueError(f"{self.path}: a static array has no samples to shift along")
-        self._no_offsets("shift()")
+        refuse_on_product(self, "shift()")
         return replace(self, offset=self.offset + int(k))
-
-    def _no_offsets(self, what: str) -> None:
-        """Refuse ``what`` (a shift or window) on product sample axes."""
-        if self.product is not None:
-            raise ValueError(
-                f"{self.path}: {what} moves along the sample axis, and this view's samples are "
-                f"the product of axes {self.product.axes}: an offset has no single meaning "
-                "there. Open the array with one sample axis to shift or window it"
-            )
 
     def window(self, offsets: Sequence[Any]) -> ArrayGeometry:
         """A view whose sample is ``len(offsets)`` steps of the array: ``array[anchor + k]`` for
@@ -409,7 +340,7 @@ class ArrayGeometry:
             raise ValueError(f"{self.path}: a static array has no samples to take a window of")
         if self.window_offsets is not None:
             raise ValueError(f"{self.path}: this view is a window already; give all its steps once")
-        self._no_offsets("window()")
+        refuse_on_product(self, "window()")
         if isinstance(offsets, str | bytes) or not isinstance(offsets, Sequence | np.ndarray):
             raise TypeError(
                 f"window() takes a sequence of offsets, e.g. [-1, 0] or ['-6h', '0h'], got "
@@ -526,7 +457,7 @@ class ArrayGeometry:
         """
         if self.patch is not None:
             raise ValueError(f"{self.path}: this view is patched already; patch the array once")
-        self._no_product("patches()")
+        refuse_on_product(self, "patches()")
         if self.select is not None or self.static:
             raise ValueError(
                 f"{self.path}: a selected or static view cannot be patched; patch the array, "
@@ -634,7 +565,7 @@ class ArrayGeometry:
                 f"{self.path}: a patched view cannot be selected; select from its windows in a "
                 "batch transform"
             )
-        self._no_product("isel()/sel()")
+        refuse_on_product(self, "isel()/sel()")
         current = self.select.keys if self.select is not None else (None,) * len(self.field_axes)
         kept = [i for i, k in enumerate(current) if not isinstance(k, int)]
         keys: list[Any] = [None] * len(kept)
@@ -731,16 +662,8 @@ class ArrayGeometry:
         axis = self.sample_axis if self.product is None else 0  # slots: the virtual axis
         shape = (*inner[:axis], self.n_samples, *inner[axis:])
         chunks = (*inner[:axis], self.samples_per_chunk, *inner[axis:])
-        return replace(
-            self,
-            shape=shape,
-            chunks=chunks,
-            read_chunks=chunks,
-            dtype=dtype,
-            metadata=None,
-            sample_axis=axis,
-            product=None,
-        )
+        return replace(self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype,
+                       metadata=None, sample_axis=axis, product=None)  # fmt: skip
 
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
@@ -752,8 +675,7 @@ class ArrayGeometry:
             off += f", inner_shape={self.inner_shape}"
         if self.static:
             off += ", static"
-        if self.product is not None:
-            off += f", product={self.product.axes}"
+        off += "" if self.product is None else f", product={self.product.axes}"
         return (
             f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
             f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"

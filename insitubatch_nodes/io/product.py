@@ -28,11 +28,12 @@ import functools
 import hashlib
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-__all__ = ["ProductGrid"]
+__all__ = ["ProductGrid", "product_view", "sample_coords"]
 
 
 class ProductGrid:
@@ -100,6 +101,13 @@ class ProductGrid:
         chunks = np.asarray(chunks, dtype=np.int64)
         lo = chunks * self.samples_per_chunk
         return lo, lo + self.counts[chunks]
+
+    def chunk_coords(self, chunk: int, tile: Sequence[int], ndim: int) -> tuple[int, ...]:
+        """Physical chunk-grid coordinates of stored object ``(chunk, tile)`` of an array of
+        ``ndim`` axes (``tile`` over its field axes, in order)."""
+        where = dict(zip(self.axes, self.block_of(chunk), strict=True))
+        rest = iter(tile)
+        return tuple(where[a] if a in where else next(rest) for a in range(ndim))
 
     # -- samples ---------------------------------------------------------------------------
     def coords(self, samples: np.ndarray | Sequence[int]) -> np.ndarray:
@@ -173,7 +181,6 @@ def product_of(views: Sequence[Any], given: ProductGrid | None = None) -> Produc
 
 def refuse_product_options(
     views: Sequence[Any],
-    *,
     stride: Any,
     missing: Any,
     missing_objects: str,
@@ -198,3 +205,72 @@ def refuse_product_options(
             f"{where} carry no coordinates: pass coords=() (or None); each row's indices along "
             "the product axes are geom.sample_coords(batch.sample_indices[label])"
         )
+
+
+def product_view(geom: Any, axes: Sequence[int | str]) -> Any:
+    """``geom`` with every combination of indices along ``axes`` (physical indices or
+    dimension names, two or more, in the order given) as one sample, and the remaining axes
+    as the field: ``product_view(g, ("t", "z"))`` of a ``(t, c, z, y, x)`` array has samples
+    of shape ``(c, y, x)``, one per ``(t, z)`` pair (``open_geometries(store,
+    sample_axis=("t", "z"))`` makes these). Checked here, once."""
+    if geom.static or geom.offset or geom.window_offsets is not None:
+        raise ValueError(f"{geom.path}: take product axes of the array itself")
+    if geom.patch is not None or geom.select is not None or geom.members is not None:
+        raise ValueError(
+            f"{geom.path}: product sample axes apply to a whole array of one store (not a "
+            "patched, selected or collection view)"
+        )
+    if isinstance(axes, str | bytes) or not isinstance(axes, Sequence):
+        raise TypeError(f"product axes are a sequence, e.g. ('t', 'z'), got {axes!r}")
+    phys = tuple(_physical_axis(geom, a) for a in axes)
+    if len(phys) < 2 or len(set(phys)) != len(phys):
+        raise ValueError(
+            f"{geom.path}: product sample axes must be two or more distinct axes, got "
+            f"{tuple(axes)!r}"
+        )
+    if len(phys) == geom.ndim:
+        raise ValueError(f"{geom.path}: product axes {tuple(axes)!r} leave no field axis")
+    return replace(geom, sample_axis=phys[0], product=ProductGrid(phys, geom.shape, geom.chunks))
+
+
+def _physical_axis(geom: Any, key: int | str) -> int:
+    if isinstance(key, str):
+        dims = geom.dims
+        if dims is None or key not in dims:
+            raise KeyError(
+                f"{geom.path}: no dimension named {key!r} (the array's dimension names: "
+                f"{dims}); name the product axes by index instead"
+            )
+        return dims.index(key)
+    if isinstance(key, bool) or not isinstance(key, int | np.integer):
+        raise TypeError(f"a product axis is an int or a dimension name, got {key!r}")
+    axis = int(key) + (geom.ndim if key < 0 else 0)
+    if not 0 <= axis < geom.ndim:
+        raise ValueError(f"{geom.path}: axis {key} is out of range for {geom.ndim} axes")
+    return axis
+
+
+def refuse_on_product(geom: Any, what: str) -> None:
+    """Refuse view ``what`` (``"shift()"``, ``"window()"``, ``"patches()"``, ...) on product
+    sample axes, naming why."""
+    product = geom.product
+    if product is None:
+        return
+    if what in ("shift()", "window()"):
+        raise ValueError(
+            f"{geom.path}: {what} moves along the sample axis, and this view's samples are "
+            f"the product of axes {product.axes}: an offset has no single meaning there. Open "
+            "the array with one sample axis to shift or window it"
+        )
+    raise ValueError(
+        f"{geom.path}: {what} is not supported on product sample axes {product.axes} yet; "
+        "select or patch in a batch transform"
+    )
+
+
+def sample_coords(geom: Any, samples: Any) -> np.ndarray:
+    """``geom.sample_coords(samples)``: ``(len(samples), k)`` indices along the sample axes
+    of an :class:`~insitubatch_nodes.io.geometry.ArrayGeometry` (one column on a plain one)."""
+    if geom.product is not None:
+        return geom.product.coords(samples)
+    return np.asarray(samples, dtype=np.int64).reshape(-1, 1)
