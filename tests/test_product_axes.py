@@ -30,6 +30,7 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.product import ProductGrid
+from insitubatch_nodes.options import FetchOptions
 
 T, C, Z, Y, X = 5, 2, 7, 4, 6
 CHUNKS = (2, 2, 3, 4, 3)  # t blocks 2+2+1, z blocks 3+3+1, two x tiles
@@ -404,3 +405,30 @@ def test_a_chunk_transform_sees_each_blocks_valid_pairs_sample_first(stack: Path
     finally:
         pipe.close()
     assert n == T * Z
+
+
+def test_one_pair_per_stored_object_decodes_straight_into_batch_rows(tmp_path: Path) -> None:
+    # chunks of one t and one z: one sample per chunk, which the fetch stage decodes straight
+    # into the batch rows (no pool slot) with FetchOptions(direct=True)
+    root = tmp_path / "planes.zarr"
+    data = np.arange(3 * 2 * 4 * 5, dtype="i4").reshape(3, 2, 4, 5)
+    arr = zarr.open_group(root, mode="w", zarr_format=3).create_array(
+        "image", shape=data.shape, chunks=(1, 2, 1, 5), dtype="i4"
+    )
+    arr[:] = data
+    geom = open_geometries(root, ["image"], sample_axis=(0, 2))["image"]
+    assert geom.samples_per_chunk == 1 and geom.inner_shape == (2, 5)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    fetch = FetchOptions(direct=True)
+    pipe = insitu_pipeline(root, manifest, {"x": geom}, batch_size=5, fetch=fetch)
+    try:
+        seen = []
+        for batch in Loader(pipe):
+            groups = pipe.stages.fetch._admission.groups  # type: ignore[union-attr]
+            assert all(g.in_place is not None for g in groups), "rows decoded in place"
+            for r, (t, z) in enumerate(geom.sample_coords(batch.sample_indices["x"])):
+                np.testing.assert_array_equal(batch["x"][r], data[t, :, z])
+                seen.append((int(t), int(z)))
+    finally:
+        pipe.close()
+    assert sorted(seen) == [(t, z) for t in range(3) for z in range(4)]
