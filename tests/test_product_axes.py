@@ -24,6 +24,7 @@ from insitubatch_nodes import (
     Coarsen,
     Collection,
     Loader,
+    SplitManifest,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
@@ -432,3 +433,19 @@ def test_one_pair_per_stored_object_decodes_straight_into_batch_rows(tmp_path: P
     finally:
         pipe.close()
     assert sorted(seen) == [(t, z) for t in range(3) for z in range(4)]
+
+
+def test_a_saved_manifest_reloaded_follows_the_product_grid_again(stack: Path) -> None:
+    image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
+    saved = split_by_chunk(image, (1.0, 0.0, 0.0))
+    loaded = SplitManifest.from_dict(saved.to_dict())
+    assert loaded.product is None  # never saved: the pipeline attaches it from the views
+    pipe = insitu_pipeline(stack, loaded, {"x": image}, batch_size=8)
+    try:
+        rows = _rows(pipe, image)
+    finally:
+        pipe.close()
+    assert sorted((t, z) for _, t, z in rows) == [(t, z) for t in range(T) for z in range(Z)]
+    other = open_geometries(stack, ["image"], sample_axis=("z", "t"))["image"]
+    with pytest.raises(ValueError, match=r"follow ProductGrid\(axes=\(0, 2\).*same product"):
+        insitu_pipeline(stack, saved, {"x": other})
