@@ -34,6 +34,7 @@ from insitubatch_nodes.io.coords import (
     time_offsets,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.product import product_of, refuse_product_options
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
 from insitubatch_nodes.plan.anchors import SampleSteps
@@ -318,6 +319,9 @@ def insitu_pipeline(
         coords=coords,
         plain_views=sum(v.members is None and not v.static for v in _members(views)),
     )
+    refuse_product_options(
+        list(_members(views)), plan_config.stride, missing, missing_objects, coords
+    )
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
     views, geoms, statics, constants = _static_fields(views, geoms)
@@ -339,6 +343,9 @@ def insitu_pipeline(
     members = collection_of([manifest.members, *(v.members for v in geoms.values())])
     if members is not None and manifest.members is None:  # no step leaves its member
         manifest = manifest.with_members(members)
+    product = product_of([v for v in geoms.values() if not v.static], manifest.product)
+    if product is not None and manifest.product is None:  # no anchor in a block's padding
+        manifest = manifest.with_product(product)
     # the schedule is decided first (and fails fast, here, when the budget is too small), over
     # the views the plan reads: a window's steps one by one
     parts, _ = expand_views(resolve_windows(views, manifest.steps))

@@ -96,6 +96,17 @@ def test_the_scenes_recipe_trains_on_one_stream_over_scenes_in_several_stores(
 
 
 @pytest.mark.slow
+def test_the_timelapse_recipe_trains_on_every_t_z_plane_checked_against_zarr(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe("timelapse_planes.py", "--epochs", "2", cwd=tmp_path)
+    assert proc.returncode == 0, _explain(proc)
+    assert "equal to zarr's read" in proc.stdout, _explain(proc)
+    assert "loss fell" in proc.stdout, _explain(proc)
+    assert "above the all-background" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("remainder", ["drop", "pad"])
 def test_the_elastic_resume_recipe_finishes_an_epoch_cut_on_two_ranks_on_three(
     tmp_path: Path, remainder: str

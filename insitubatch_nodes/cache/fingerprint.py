@@ -125,4 +125,6 @@ def array_fingerprint(
     }
     if source.members is not None:  # a collection: which members, of which lengths
         identity["members"] = source.members.fingerprint
+    if source.product is not None:  # product sample axes: the blocks' order and slot layout
+        identity["product"] = source.product.fingerprint
     return _digest(json.dumps(identity, sort_keys=True).encode())

@@ -9,6 +9,8 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.collection` — :class:`Collection`: many arrays of one schema as
   one virtual array per variable; :mod:`~insitubatch_nodes.io.members` its member map;
   :mod:`~insitubatch_nodes.io.routing` — several stores read as one;
+* :mod:`~insitubatch_nodes.io.product` — :class:`ProductGrid`: product sample axes
+  (``sample_axis=("t", "z")``), every combination of indices one sample on a virtual axis;
 * :mod:`~insitubatch_nodes.io.ngff` — OME-NGFF HCS plates: :func:`read_plate` (their
   metadata, read concurrently), :func:`open_plate` (their fields as one collection);
 * :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field

@@ -12,9 +12,13 @@ from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
+from insitubatch_nodes.io.product import product_view
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
 
 __all__ = ["absent_samples", "check_arrays_in_store", "open_geometries"]
+
+#: one ``sample_axis`` value, resolved: an index, a dimension name, or product axes
+AxisArg = int | str | tuple[int | str, ...]
 
 
 def _is_coordinate(path: str, array: Any) -> bool:
@@ -59,8 +63,11 @@ def _sample_dimension(arrays: Mapping[str, Any], axis: int) -> str | None:
 
 
 def _geometry(
-    path: str, array: Any, sample_axis: int | str, coordinates: Any, sample_dim: str | None
+    path: str, array: Any, sample_axis: AxisArg, coordinates: Any, sample_dim: str | None
 ) -> ArrayGeometry:
+    if isinstance(sample_axis, tuple):  # product sample axes: static without the first one
+        geom = _geometry(path, array, sample_axis[0], coordinates, sample_dim)
+        return geom if geom.static else product_view(geom, sample_axis)
     axis = _axis(path, array, sample_axis)
     static = axis is None
     if not static and sample_dim is not None and isinstance(sample_axis, int):
@@ -85,7 +92,7 @@ def open_geometries(
     store: StoreLike,
     variables: Sequence[str] | None = None,
     *,
-    sample_axis: int | str | Mapping[str, int | str] = 0,
+    sample_axis: int | str | Sequence[int | str] | Mapping[str, Any] = 0,
 ) -> dict[str, ArrayGeometry]:
     """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
     there, keyed by its path.
@@ -113,6 +120,12 @@ def open_geometries(
     ``sample_axis`` is one physical axis or dimension name (``"time"``, ``"z"``) for every
     array, or a ``{path: axis or name}`` mapping (arrays it does not name use axis 0).
 
+    **Product sample axes.** A tuple of axes (``sample_axis=("t", "z")``, names or indices)
+    makes every combination of indices along them one sample, the remaining axes its payload
+    (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.over`,
+    :mod:`~insitubatch_nodes.io.product`); an array without the first named dimension is
+    static, as above.
+
     **Static arrays.** An array without the sample dimension (WeatherBench2's
     ``land_sea_mask (latitude, longitude)`` beside ``(time, latitude, longitude)`` data) is
     *static* (``geom.static``): it has no sample axis and every batch carries it whole (see
@@ -139,8 +152,8 @@ def open_geometries(
     if isinstance(variables, str):
         variables = [variables]
     zstore = as_store(store)
-    axes: dict[str, int | str]
-    default_axis: int | str
+    axes: dict[str, AxisArg]
+    default_axis: AxisArg
     if isinstance(sample_axis, Mapping):
         axes, default_axis = {str(p).strip("/"): _axis_arg(a) for p, a in sample_axis.items()}, 0
     else:
@@ -174,8 +187,9 @@ def open_geometries(
             f"{describe_store(zstore)}; arrays there: {sorted(set(arrays) | set(found))}"
         )
     coordinates = FieldCoordinates(zstore)
+    first_axis = default_axis[0] if isinstance(default_axis, tuple) else default_axis
     sample_dim = (
-        _sample_dimension(arrays, default_axis) if isinstance(default_axis, int) else default_axis
+        _sample_dimension(arrays, first_axis) if isinstance(first_axis, int) else first_axis
     )
     return {
         path: _geometry(path, array, axes.get(path, default_axis), coordinates, sample_dim)
@@ -183,8 +197,22 @@ def open_geometries(
     }
 
 
-def _axis_arg(value: Any) -> int | str:
-    """A ``sample_axis`` value: an index or a dimension name."""
+def _axis_arg(value: Any) -> AxisArg:
+    """A ``sample_axis`` value: an index or a dimension name, or a tuple of them (product
+    sample axes)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, tuple | list):
+        if len(value) < 2:
+            raise ValueError(
+                f"product sample axes are two or more axes, got {value!r}: give one axis as "
+                "sample_axis=axis"
+            )
+        return tuple(_one_axis(v) for v in value)
+    return _one_axis(value)
+
+
+def _one_axis(value: Any) -> int | str:
     if isinstance(value, str):
         return value
     if isinstance(value, bool) or not isinstance(value, int | np.integer):

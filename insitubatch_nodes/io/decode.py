@@ -566,8 +566,12 @@ class ChunkDecoder:
             out[...] = self._fill
             self._stats.filled += 1
             return
-        axis = self._geom.sample_axis
-        dest = out if axis == 0 else np.moveaxis(out, 0, axis)
+        geom = self._geom
+        if geom.product is not None:  # a block's rows in the stored object's axis order
+            dest = geom.product.slot_view(out, chunk_index, geom.field_axes, geom.ndim)
+        else:
+            axis = geom.sample_axis
+            dest = out if axis == 0 else np.moveaxis(out, 0, axis)
         crop = self._crops.get(dest.shape)
         if crop is None:
             crop = self._crops[dest.shape] = tuple(slice(0, n) for n in dest.shape)

@@ -49,6 +49,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
+from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
 from insitubatch_nodes.io.selection import Selection, axis_key, label_positions
 from insitubatch_nodes.io.stores import describe_store
 
@@ -126,6 +127,8 @@ class ArrayGeometry:
     #: a collection variable's virtual array: where each member's samples and stored objects
     #: are (:mod:`~insitubatch_nodes.io.members`; ``None`` for an array of one store)
     members: MemberMap | None = field(default=None, repr=False)
+    #: product sample axes: every combination of indices along several axes is a sample
+    product: ProductGrid | None = field(default=None, repr=False)
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -153,11 +156,15 @@ class ArrayGeometry:
     @property
     def samples_per_chunk(self) -> int:
         """Samples in one chunk along the sample axis (the last chunk may hold fewer)."""
+        if self.product is not None:
+            return self.product.samples_per_chunk
         return self.chunks[self.sample_axis]
 
     @property
     def n_samples(self) -> int:
-        """Length of the array along the sample axis."""
+        """Length of the array along the sample axis (on product axes: the virtual one)."""
+        if self.product is not None:
+            return self.product.n_samples
         return self.shape[self.sample_axis]
 
     @property
@@ -169,8 +176,15 @@ class ArrayGeometry:
         """Half-open sample range ``[start, stop)`` of chunk ``chunk_index``."""
         if not 0 <= chunk_index < self.n_chunks:
             raise IndexError(f"{self.path}: chunk {chunk_index} not in [0, {self.n_chunks})")
+        if self.product is not None:  # a block's valid samples (its padding follows them)
+            return self.product.chunk_range(chunk_index)
         start = chunk_index * self.samples_per_chunk
         return start, min(start + self.samples_per_chunk, self.n_samples)
+
+    def sample_coords(self, samples: Any) -> np.ndarray:
+        """Each sample index's indices along the sample axes, ``(len(samples), k)``: ``(t, z)``
+        rows on product axes ``("t", "z")`` (:mod:`~insitubatch_nodes.io.product`)."""
+        return sample_coords(self, samples)
 
     # -- the field (inner) axes ------------------------------------------------------------
     @functools.cached_property
@@ -178,7 +192,8 @@ class ArrayGeometry:
         """Physical indices of the field axes, in order (every axis of a static array)."""
         if self.static:
             return tuple(range(self.ndim))
-        return tuple(a for a in range(self.ndim) if a != self.sample_axis)
+        skip = (self.sample_axis,) if self.product is None else self.product.axes
+        return tuple(a for a in range(self.ndim) if a not in skip)
 
     @functools.cached_property
     def field_shape(self) -> tuple[int, ...]:
@@ -239,6 +254,7 @@ class ArrayGeometry:
         inner, tile = self.inner_shape, self.tile_shape
         return (
             self.sample_axis == 0
+            and self.product is None
             and self.samples_per_chunk > 1
             and len(inner) >= 2
             and inner[0] > 1
@@ -262,6 +278,8 @@ class ArrayGeometry:
         array's: the tile's)."""
         if self.static:
             return tuple(tile)
+        if self.product is not None:  # the block's coordinates along each product axis
+            return self.product.chunk_coords(chunk_index, tile, self.ndim)
         coords = list(tile)
         coords.insert(self.sample_axis, chunk_index)
         return tuple(coords)
@@ -285,7 +303,7 @@ class ArrayGeometry:
         """The store keys of this array as a ``str.format`` template over the physical
         chunk-grid coordinates (``key_template.format(*coords)`` is :meth:`store_key`), or
         ``None`` when zarr must encode each key (no metadata, or an unusual key encoding)."""
-        if self.metadata is None or self.members is not None:
+        if self.metadata is None or self.members is not None or self.product is not None:
             return None
         template = _zarr_compat.chunk_key_format(self.metadata, self.ndim)
         if template is None:
@@ -300,6 +318,7 @@ class ArrayGeometry:
             raise TypeError(f"shift() takes an integer number of samples, got {k!r}")
         if self.static:
             raise ValueError(f"{self.path}: a static array has no samples to shift along")
+        refuse_on_product(self, "shift()")
         return replace(self, offset=self.offset + int(k))
 
     def window(self, offsets: Sequence[Any]) -> ArrayGeometry:
@@ -321,6 +340,7 @@ class ArrayGeometry:
             raise ValueError(f"{self.path}: a static array has no samples to take a window of")
         if self.window_offsets is not None:
             raise ValueError(f"{self.path}: this view is a window already; give all its steps once")
+        refuse_on_product(self, "window()")
         if isinstance(offsets, str | bytes) or not isinstance(offsets, Sequence | np.ndarray):
             raise TypeError(
                 f"window() takes a sequence of offsets, e.g. [-1, 0] or ['-6h', '0h'], got "
@@ -437,6 +457,7 @@ class ArrayGeometry:
         """
         if self.patch is not None:
             raise ValueError(f"{self.path}: this view is patched already; patch the array once")
+        refuse_on_product(self, "patches()")
         if self.select is not None or self.static:
             raise ValueError(
                 f"{self.path}: a selected or static view cannot be patched; patch the array, "
@@ -544,6 +565,7 @@ class ArrayGeometry:
                 f"{self.path}: a patched view cannot be selected; select from its windows in a "
                 "batch transform"
             )
+        refuse_on_product(self, "isel()/sel()")
         current = self.select.keys if self.select is not None else (None,) * len(self.field_axes)
         kept = [i for i, k in enumerate(current) if not isinstance(k, int)]
         keys: list[Any] = [None] * len(kept)
@@ -585,8 +607,8 @@ class ArrayGeometry:
     def as_static(self) -> ArrayGeometry:
         """This array as a *static* field: no sample axis, every axis a field axis; each batch
         carries it whole (see ``open_geometries``, which recognises static arrays)."""
-        if self.offset or self.patch is not None:
-            raise ValueError(f"{self.path}: a shifted or patched view cannot be static")
+        if self.offset or self.patch is not None or self.product is not None:
+            raise ValueError(f"{self.path}: a shifted, patched or product view cannot be static")
         return replace(self, static=True, select=None)
 
     def _field_dim(self, name: str) -> int:
@@ -637,12 +659,11 @@ class ArrayGeometry:
                 f"{self.path}: a transformed sample must keep {len(self.field_axes)} field "
                 f"axes of positive length, got inner shape {inner}"
             )
-        axis = self.sample_axis
+        axis = self.sample_axis if self.product is None else 0  # slots: the virtual axis
         shape = (*inner[:axis], self.n_samples, *inner[axis:])
         chunks = (*inner[:axis], self.samples_per_chunk, *inner[axis:])
-        return replace(
-            self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype, metadata=None
-        )
+        return replace(self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype,
+                       metadata=None, sample_axis=axis, product=None)  # fmt: skip
 
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
@@ -654,6 +675,7 @@ class ArrayGeometry:
             off += f", inner_shape={self.inner_shape}"
         if self.static:
             off += ", static"
+        off += "" if self.product is None else f", product={self.product.axes}"
         return (
             f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "
             f"dtype={self.dtype}, sample_axis={self.sample_axis}{off})"

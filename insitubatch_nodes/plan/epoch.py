@@ -117,6 +117,10 @@ def chunk_counts(
         first, end = manifest.members.sample_bounds(chunks, spc)
         start = np.maximum(start, first - min(offsets))
         stop = np.minimum(stop, end - max(offsets))
+    if manifest.product is not None:  # product axes: never in an edge block's padding
+        first, end = manifest.product.sample_bounds(chunks, spc)
+        start = np.maximum(start, first - min(offsets))
+        stop = np.minimum(stop, end - max(offsets))
     return start, np.maximum(stop - start, 0)
 
 

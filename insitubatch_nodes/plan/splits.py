@@ -25,6 +25,7 @@ from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.coords import Coordinate
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.members import MemberMap
+from insitubatch_nodes.io.product import ProductGrid
 from insitubatch_nodes.plan.anchors import SampleSteps
 
 __all__ = ["SPLITS", "SplitManifest", "split_by_chunk", "split_by_member"]
@@ -58,6 +59,9 @@ class SplitManifest:
     #: a collection's member map (:mod:`~insitubatch_nodes.io.members`): no anchor, and no
     #: step of a view, falls outside its own member; attached like ``steps``, never saved
     members: MemberMap | None = field(default=None, compare=False, repr=False)
+    #: product sample axes (:mod:`~insitubatch_nodes.io.product`): no anchor in the padding of
+    #: an edge block; attached like ``members``, never saved
+    product: ProductGrid | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.n_samples < 0 or self.samples_per_chunk <= 0:
@@ -118,6 +122,23 @@ class SplitManifest:
         object.__setattr__(out, "members", members)
         return out
 
+    def with_product(self, product: ProductGrid | None) -> SplitManifest:
+        """This manifest following ``product`` (product sample axes whose virtual sample axis
+        is this manifest's anchor grid)."""
+        if product is not None and (
+            product.n_samples != self.n_samples
+            or product.samples_per_chunk != self.samples_per_chunk
+        ):
+            raise ValueError(
+                f"the manifest's anchor grid ({self.n_samples} samples, "
+                f"{self.samples_per_chunk} a chunk) is not that of the product sample axes "
+                f"{product.axes} ({product.n_samples} samples, {product.samples_per_chunk} a "
+                "chunk): split the product view itself (split_by_chunk(geom))"
+            )
+        out = copy.copy(self)
+        object.__setattr__(out, "product", product)
+        return out
+
     @property
     def n_chunks(self) -> int:
         """Chunks on the anchor grid (the whole array, not only the splits)."""
@@ -170,6 +191,8 @@ class SplitManifest:
             body += "|steps:" + self.steps.fingerprint()
         if self.members is not None:
             body += "|members:" + self.members.fingerprint
+        if self.product is not None:
+            body += "|product:" + self.product.fingerprint
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     # -- persistence ---------------------------------------------------------------------------
@@ -332,6 +355,7 @@ def split_by_chunk(
         seed=int(seed),
         sample_range=sample_range,
         members=geom.members,
+        product=geom.product,
     )
 
 

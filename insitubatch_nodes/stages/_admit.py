@@ -359,6 +359,8 @@ class Admission:
                     for path, lay in layouts:
                         first_sample = c // lay.units_per_chunk * lay.samples_per_chunk
                         valid = min(lay.samples_per_chunk, lay.n_samples - first_sample)
+                        if lay.counts is not None:  # product axes: the block's valid pairs
+                            valid = int(lay.counts[c // lay.units_per_chunk])
                         requests.append(
                             SlotRequest((path, c), lay.shape, lay.dtype, valid, lay.level_major)
                         )

@@ -142,6 +142,9 @@ class SlotLayout(NamedTuple):
     samples_per_chunk: int
     n_samples: int
     units_per_chunk: int  # pool keys per chunk: stored tiles of a patched array, else 1
+    #: valid samples of each chunk on product sample axes (an edge block's padding is no
+    #: sample; see io/product), else ``None``
+    counts: np.ndarray | None = None
 
 
 class SlotRequest(NamedTuple):

@@ -197,6 +197,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             samples_per_chunk=geom.samples_per_chunk,
             n_samples=geom.n_samples,
             units_per_chunk=stored.n_tiles if path in self.patched else 1,
+            counts=None if stored.product is None else stored.product.counts,
         )
 
     def _prepare_pool(self) -> None:
