@@ -67,7 +67,7 @@ bench: $(STAMP)
 	BENCH_COMMAND="make bench" $(PY) -m benchmarks.archive --suite full $(ARCHIVE_ARGS)
 	$(PY) -m benchmarks.forecast --out benchmarks/results $(FORECAST_ARGS)
 	$(PY) -m benchmarks.stack_inputs --out benchmarks/results $(STACK_INPUTS_ARGS)
-	$(PY) -m benchmarks.collections --out benchmarks/results $(COLLECTIONS_ARGS)
+	$(PY) -m benchmarks.plates --out benchmarks/results $(COLLECTIONS_ARGS)
 	$(PY) -m benchmarks.report
 
 # The harness's claims first (tests marked `bench`: each suite's smoke run and its report),
@@ -82,7 +82,7 @@ bench-smoke: $(STAMP)
 			--check && \
 		$(PY) -m benchmarks.forecast --smoke --out $$tmp --check && \
 		$(PY) -m benchmarks.stack_inputs --smoke --out $$tmp --check && \
-		$(PY) -m benchmarks.collections --smoke --out $$tmp && \
+		$(PY) -m benchmarks.plates --smoke --out $$tmp && \
 		$(PY) -m benchmarks.report $$tmp/bench-smoke-*.jsonl --archive $$tmp/archive-smoke-*.jsonl \
 			--doc $$tmp/benchmarks.md --plots $$tmp/plots && \
 		rm -rf $$tmp

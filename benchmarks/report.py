@@ -1478,7 +1478,7 @@ def newest_stack_inputs(results: Path) -> Path | None:
 
 
 def newest_collections(results: Path) -> Path | None:
-    """The newest full ``collections-*.jsonl`` (``benchmarks/collections.py``) under
+    """The newest full ``collections-*.jsonl`` (``benchmarks/plates.py``) under
     ``results`` (else the newest of any kind)."""
     files = sorted(results.glob("collections-full-*.jsonl")) or sorted(
         results.glob("collections-*.jsonl")
@@ -1487,7 +1487,7 @@ def newest_collections(results: Path) -> Path | None:
 
 
 def collections_section(source: Path | None) -> list[str]:
-    """HCS plates as one stream (``benchmarks/collections.py``): one collection over every
+    """HCS plates as one stream (``benchmarks/plates.py``): one collection over every
     field against per-field pipelines mixed by ``MultiNodeWeightedSampler`` and the bare loop,
     and the open/build/first-batch times of a 13,824-field metadata-only plate."""
     out = ["## Collections (HCS plates)", ""]
@@ -1495,7 +1495,7 @@ def collections_section(source: Path | None) -> list[str]:
         return [
             *out,
             "_No collections run was found (`benchmarks/results/collections-*.jsonl`): run "
-            "`python -m benchmarks.collections --out benchmarks/results`._",
+            "`python -m benchmarks.plates --out benchmarks/results`._",
             "",
         ]
     rec = json.loads(source.read_text().strip().splitlines()[-1])

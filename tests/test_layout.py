@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import itertools
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -618,3 +619,12 @@ def test_each_rule_finds_a_planted_violation(
 ) -> None:
     problems = rule(_plant(tmp_path, changes))
     assert any(expected in p for p in problems), problems
+
+
+def test_no_script_folder_holds_a_module_named_like_the_standard_librarys() -> None:
+    # a script run from benchmarks/ or recipes/ has its own folder first on sys.path: a
+    # benchmarks/collections.py once shadowed the stdlib's `collections` and broke every
+    # benchmark engine run as a script
+    for folder in ("benchmarks", "recipes"):
+        names = {p.stem for p in (ROOT.parent / folder).glob("*.py")}
+        assert not names & sys.stdlib_module_names, (folder, names & sys.stdlib_module_names)

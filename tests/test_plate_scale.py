@@ -5,7 +5,7 @@ only, local) opens in at most 10 s, its metadata read concurrently.
 metadata) 6.2-8.8 s here, on 2 cores shared with other work (load average 5-10). The tests hold
 the issue's 10 s as the CPU time this process spends (all its threads), which other processes on
 a busy machine do not inflate, and three times that as wall time: a read made one object at a
-time would blow the wall bound (``benchmarks/collections.py`` reports the wall times).
+time would blow the wall bound (``benchmarks/plates.py`` reports the wall times).
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ Engines, each in a fresh process (its peak RSS and first epoch its own), two epo
 Reported: open, build and first-batch seconds, samples/s per epoch (best of ``--rounds``),
 peak RSS; ratios ``collection/bare`` (target >= 0.85) and ``collection_mixed/per_field`` RSS
 (target <= 1/10 at 96 fields); the scale targets (open <= 10 s, build <= 2 s, first batch
-<= 1 s, RSS <= 1 GB at 13,824 fields). ``python -m benchmarks.collections [--smoke] [--out DIR]``.
+<= 1 s, RSS <= 1 GB at 13,824 fields). ``python -m benchmarks.plates [--smoke] [--out DIR]``.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def _child(argv: list[str]) -> None:
 def run_engine(engine: str, cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
     out = tmp / f"{engine}.json"
     child = {**cfg, "engine": engine}
-    cmd = [sys.executable, "-m", "benchmarks.collections", "--child", json.dumps(child), str(out)]
+    cmd = [sys.executable, "-m", "benchmarks.plates", "--child", json.dumps(child), str(out)]
     subprocess.run(cmd, check=True, cwd=ROOT)
     return json.loads(out.read_text())
 
