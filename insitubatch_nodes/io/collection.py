@@ -27,9 +27,13 @@ directly (a local folder keeps the decode threads' direct reads).
 *continuous* axis instead: there windows run across the stores' edges and the index is the
 joined axis's.
 
+A concatenation is one timeline: its views' time coordinate is the stores' times joined
+(:func:`~insitubatch_nodes.io.coords.open_coordinates`), so a time stride, window offsets in
+time deltas, dates in ``missing=`` and carried coordinates work on it as on one array.
+
 Not supported yet (refused with a message where asked for): time coordinates on a collection
-(a time stride, window offsets in time deltas, dates in ``missing=``, carried coordinates of
-the sample axis) and ``missing_objects="drop"``; product sample axes.
+of independent members (a time stride, window offsets in time deltas, ``missing=``, carried
+coordinates of the sample axis) and ``missing_objects="drop"``; product sample axes.
 """
 
 from __future__ import annotations
@@ -115,6 +119,7 @@ class Collection:
         keys: Mapping[str, Sequence[Any]] | None = None,
         sample_axis: int | str = 0,
         continuous: bool = False,
+        spans: Sequence[tuple[int, int]] | None = None,
     ) -> None:
         self.store = store
         #: the members are consecutive pieces of one sample axis (:meth:`concat`)
@@ -150,6 +155,13 @@ class Collection:
         digest = hashlib.sha256(describe_store(store).encode())
         for v in self.variables:
             digest.update(("\x01" + v + "\x00" + "\x00".join(self._paths[v])).encode())
+        #: each member's stored samples ``[start, stop)`` it contributes (``None``: all): a
+        #: concatenation whose stores overlap keeps one store's steps (``concat(overlap=)``)
+        self.spans = None if spans is None else tuple((int(a), int(b)) for a, b in spans)
+        if self.spans is not None:
+            if len(self.spans) != len(self.members):
+                raise ValueError(f"{len(self.spans)} spans for {len(self.members)} members")
+            digest.update(("\x02" + repr(self.spans)).encode())
         #: the prefix of the virtual arrays' paths (``"<name>:<variable>"``): stable for the
         #: same members in the same store, never a key of any store
         self.name = f"collection-{digest.hexdigest()[:8]}"
@@ -188,6 +200,7 @@ class Collection:
             keys={k: list(v[rows]) for k, v in self.keys.items()},
             sample_axis=self._sample_axis,
             continuous=self.continuous,
+            spans=None if self.spans is None else [self.spans[i] for i in rows],
         )
 
     def sources(self) -> list[str]:
@@ -274,16 +287,29 @@ class Collection:
         *,
         dim: str = "time",
         names: Sequence[str] | None = None,
+        overlap: str = "error",
     ) -> Collection:
         """Stores that continue one another along ``dim`` (an archive and its extension, one
         store per period) as one sample axis: member ``i`` is store ``i``, with the arrays
         ``variables`` (array paths, the same in every store), sampled along the dimension
         ``dim``. Unlike other collections the index is continuous: windows, shifts and strides
-        run across the stores' edges (``batch.members`` still names each row's store).
+        run across the stores' edges (``batch.members`` still names each row's store), and the
+        views have a time coordinate, the stores' times joined: a time stride, window offsets
+        in time deltas, dates in ``missing=`` and carried coordinates (``coords=``) work on them
+        as on one array.
 
-        Checked here: every store but the last holds whole chunks (of every variable), and the
-        times of ``dim``'s coordinate continue from store to store at one step, without a gap
-        or an overlap; otherwise ``ValueError`` naming the stores and the times."""
+        ``overlap`` says which store wins where two consecutive stores hold the same times:
+        ``"error"`` (the default) refuses an overlap; ``"first"`` keeps the earlier store's
+        steps and skips the later store's overlapping ones at its start; ``"last"`` keeps the
+        later store's and drops the earlier store's overlapping tail. Only whole chunks (of
+        every variable) can be skipped: an overlap that is not is refused, naming the times.
+
+        Checked here: every store but the last holds whole chunks (of every variable) of what
+        it contributes, and the times of ``dim``'s coordinate continue from store to store at
+        one step, without a gap (nor an overlap, unless ``overlap`` says who wins); otherwise
+        ``ValueError`` naming the stores and the times."""
+        if overlap not in ("error", "first", "last"):
+            raise ValueError(f"overlap must be 'error', 'first' or 'last', got {overlap!r}")
         if isinstance(stores, str) or not len(stores):
             raise TypeError("concat takes a non-empty list of stores (Store, path or URL)")
         if isinstance(variables, str) or not len(variables):
@@ -292,9 +318,9 @@ class Collection:
         if names is None:
             names = [os.fspath(s) if isinstance(s, str | os.PathLike) else repr(s) for s in stores]
         paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
-        out = cls(zstore, names, paths, sample_axis=dim, continuous=True)
-        _check_continuation(out, dim)
-        return out
+        names = [str(n) for n in names]
+        spans = _continuation(zstore, names, paths, dim, overlap)
+        return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans)
 
     def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
@@ -333,7 +359,17 @@ class Collection:
                 )
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
-        geoms = {v: self._virtual(v, *refs[v], ref_len, align) for v in self.variables}
+        starts = None
+        if self.spans is not None:  # each member's kept samples
+            span = np.array(self.spans, dtype=np.int64).reshape(-1, 2)
+            if (
+                np.any(span[:, 0] < 0)
+                or np.any(span[:, 1] > ref_len)
+                or np.any(span[:, 1] <= span[:, 0])
+            ):
+                raise ValueError(f"{self.name}: spans {list(self.spans)} outside the members")
+            starts, ref_len = span[:, 0], span[:, 1] - span[:, 0]
+        geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts) for v in self.variables}
         ref_len.setflags(write=False)
         return geoms, ref_len
 
@@ -369,7 +405,13 @@ class Collection:
         return lengths
 
     def _virtual(
-        self, variable: str, ref: Any, axis: int, lengths: np.ndarray, align: int
+        self,
+        variable: str,
+        ref: Any,
+        axis: int,
+        lengths: np.ndarray,
+        align: int,
+        starts: np.ndarray | None = None,
     ) -> ArrayGeometry:
         chunks = _zarr_compat.stored_chunk_shape(ref)
         members = MemberMap(
@@ -380,6 +422,7 @@ class Collection:
             chunks[axis],
             align,
             continuous=self.continuous,
+            starts=starts,
         )
         shape = list(int(s) for s in ref.shape)
         shape[axis] = members.n_samples
@@ -487,7 +530,10 @@ def refuse_collection_options(
     coords: Sequence[str] | None,
     plain_views: int,
 ) -> None:
-    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet."""
+    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet.
+    Views of stores concatenated along time (``Collection.concat``) are one timeline with the
+    stores' times joined: time strides, timed windows, ``missing=`` and ``coords=`` work there;
+    the members of other collections are independent, and have no time coordinate."""
     if not any(v.members is not None for v in views):
         return
     if plain_views:
@@ -495,20 +541,30 @@ def refuse_collection_options(
             "a pipeline reads either collection views or plain arrays: its labels share one "
             "sample axis; read a plain array of the same store in another pipeline"
         )
+    if missing_objects != "read":
+        raise ValueError(
+            "absent objects skipped by missing_objects='drop' are not supported on collection "
+            "views yet"
+        )
+    if all(v.members.continuous for v in views if v.members is not None):
+        return
     if timed:
         raise ValueError(
-            "collections have no time coordinate yet: a time stride and window offsets in time "
-            "deltas are not supported on collection views; give an int stride and offsets in "
-            "samples"
+            "the members of a collection are independent arrays: the collection has no time "
+            "coordinate, so a time stride and window offsets in time deltas are not supported on "
+            "its views (stores that continue one another along time: use concat); give an int "
+            "stride and offsets in samples"
         )
-    if missing is not None or missing_objects != "read":
+    if missing is not None:
         raise ValueError(
-            "missing= and missing_objects='drop' are not supported on collection views yet"
+            "missing= is not supported on views of a collection of independent members (it is "
+            "on stores joined by concat)"
         )
     if coords:
         raise ValueError(
-            "collection views carry no coordinates yet: pass coords=() (or None); each row's "
-            "member and index are in batch.members and batch.sample_indices"
+            "views of a collection of independent members carry no coordinates: pass coords=() "
+            "(or None); each row's member and index are in batch.members and "
+            "batch.sample_indices (stores joined by concat carry their joined times)"
         )
 
 
@@ -526,17 +582,29 @@ def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
         )
 
 
-def _check_continuation(coll: Collection, dim: str) -> None:
-    """The times of ``dim`` continue from member to member of ``coll`` at one step."""
-    v = coll.variables[0]
+def _continuation(
+    store: Store, names: Sequence[str], paths: Mapping[str, Sequence[str]], dim: str, overlap: str
+) -> list[tuple[int, int]] | None:
+    """Each member's stored samples ``[start, stop)`` that make one continuous axis of the
+    times of ``dim`` (``None``: every member whole): the times continue from member to member at
+    one step; where they overlap, ``overlap`` keeps the earlier (``"first"``) or the later
+    (``"last"``) member's, skipping whole chunks only. ``ValueError`` names the members and the
+    times otherwise."""
+    first_var = next(iter(paths))
+    align = 1
     ticks, values, steps = [], [], []
-    for name, path in zip(coll.members, coll.paths(v), strict=True):
-        geom = open_geometries(coll.store, [path])[path]
-        coord = open_coordinates(coll.store, geom).get(dim)
+    for m, (name, path) in enumerate(zip(names, paths[first_var], strict=True)):
+        if m == 0:  # every member has the same chunks (checked when the collection is made)
+            heads = open_geometries(store, [p[0] for p in paths.values()])
+            align = math.lcm(*(g.samples_per_chunk for g in heads.values()))
+            geom = heads[path]
+        else:
+            geom = open_geometries(store, [path])[path]
+        coord = open_coordinates(store, geom).get(dim)
         if coord is None or not coord.is_time:
             raise ValueError(
-                f"concat: {name!r} has no time coordinate {dim!r} beside {v!r}: the stores are "
-                "joined by their times, checked to continue at one step"
+                f"concat: {name!r} has no time coordinate {dim!r} beside {first_var!r}: the "
+                "stores are joined by their times, checked to continue at one step"
             )
         t = time_offsets(coord, "1s")
         d = np.unique(np.diff(t))
@@ -546,27 +614,59 @@ def _check_continuation(coll: Collection, dim: str) -> None:
         values.append(coord.values)
         steps.append(int(d[0]) if len(d) else None)
     step = next((s for s in steps if s is not None), None)
+    spans = [[0, len(t)] for t in ticks]
     for k in range(len(ticks)):
         if steps[k] is not None and steps[k] != step:
             raise ValueError(
-                f"concat: {coll.members[k]!r} steps {steps[k]} s, {coll.members[0]!r} {step} s: "
-                "the stores must share one step"
+                f"concat: {names[k]!r} steps {steps[k]} s, {names[0]!r} {step} s: the stores "
+                "must share one step"
             )
-        if k and step is not None:
-            last, first = values[k - 1][-1], values[k][0]
-            gap = int(ticks[k][0] - ticks[k - 1][-1])
-            if gap != step:
-                what = "overlap" if gap <= 0 else "leave a gap"
-                delta: Any = (
-                    np.timedelta64(step, "s")
-                    if isinstance(last, np.datetime64)
-                    else datetime.timedelta(seconds=step)
-                )
-                raise ValueError(
-                    f"concat: {coll.members[k - 1]!r} ends at {last} and {coll.members[k]!r} "
-                    f"starts at {first}: they {what} (at the step of {step} s, {last + delta} "
-                    "comes next)"
-                )
+        if not k or step is None:
+            continue
+        a, b = spans[k - 1], spans[k]
+        last, first = values[k - 1][a[1] - 1], values[k][b[0]]
+        gap = int(ticks[k][b[0]] - ticks[k - 1][a[1] - 1])
+        if gap == step:
+            continue
+        what = "overlap" if gap <= 0 else "leave a gap"
+        delta: Any = (
+            np.timedelta64(step, "s")
+            if isinstance(last, np.datetime64)
+            else datetime.timedelta(seconds=step)
+        )
+        if gap > 0 or overlap == "error" or gap % step:
+            hint = (
+                ' (or give overlap="first" or "last" to say which store wins)'
+                if gap <= 0 and not gap % step
+                else ""
+            )
+            raise ValueError(
+                f"concat: {names[k - 1]!r} ends at {last} and {names[k]!r} starts at {first}: "
+                f"they {what} (at the step of {step} s, {last + delta} comes next){hint}"
+            )
+        shared = (step - gap) // step  # the steps both hold
+        if overlap == "first":  # the later member skips them at its start
+            b[0] += shared
+            loser, cut = k, b[0]
+        else:  # the earlier member drops them at its end
+            a[1] -= shared
+            loser, cut = k - 1, a[1]
+        if b[0] >= b[1] or a[1] <= a[0]:
+            raise ValueError(
+                f"concat: {names[k]!r} ({values[k][0]} .. {values[k][-1]}) and "
+                f"{names[k - 1]!r} ({values[k - 1][0]} .. {values[k - 1][-1]}): one holds "
+                f"all of the other's times left after the overlap; leave it out"
+            )
+        if cut % align:
+            raise ValueError(
+                f"concat: {names[k - 1]!r} and {names[k]!r} overlap from {first} to {last}, and "
+                f"overlap={overlap!r} would cut {names[loser]!r} at its step {cut} "
+                f"({values[loser][cut]}), inside a chunk of {align} steps: only whole chunks "
+                "can be skipped; give the other overlap= or trim the stores"
+            )
+    if all(a == 0 and b == len(t) for (a, b), t in zip(spans, ticks, strict=True)):
+        return None
+    return [(a, b) for a, b in spans]
 
 
 def concat(
@@ -575,7 +675,8 @@ def concat(
     *,
     dim: str = "time",
     names: Sequence[str] | None = None,
+    overlap: str = "error",
 ) -> Collection:
     """Stores that continue one another along ``dim`` as one sample axis:
     :meth:`Collection.concat` (its contract and checks)."""
-    return Collection.concat(stores, variables, dim=dim, names=names)
+    return Collection.concat(stores, variables, dim=dim, names=names, overlap=overlap)

@@ -44,6 +44,7 @@ class MemberMap:
         samples_per_chunk: int,
         align: int,
         continuous: bool = False,
+        starts: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         if align % samples_per_chunk:
             raise ValueError(f"align {align} is not a multiple of {samples_per_chunk}")
@@ -65,6 +66,17 @@ class MemberMap:
                 "partial chunk"
             )
         self.lengths = n
+        #: the samples each member skips at its start (whole chunks of ``align``: a
+        #: concatenation whose later store overlaps an earlier one, ``overlap="first"``); its
+        #: samples are its stored ``starts[m] .. starts[m] + lengths[m] - 1``
+        self.starts = (
+            np.zeros_like(n) if starts is None else np.asarray(starts, dtype=np.int64).copy()
+        )
+        if self.starts.shape != n.shape or np.any(self.starts % align) or np.any(self.starts < 0):
+            raise ValueError(
+                f"{collection}: members may skip only whole chunks of {align} at their start, "
+                f"not {self.starts.tolist()}"
+            )
         self.samples_per_chunk = int(samples_per_chunk)
         self.align = int(align)
         padded = -(-n // align) * align  # each member's span: its samples and their padding
@@ -73,7 +85,15 @@ class MemberMap:
         self.chunk_base = self.sample_base // spc
         #: the member each virtual chunk belongs to
         self.chunk_member = np.repeat(np.arange(len(n), dtype=np.int64), padded // spc)
-        for arr in (self.lengths, self.sample_base, self.chunk_base, self.chunk_member):
+        self.chunk_skip = self.starts // spc  # the stored chunks each member skips
+        for arr in (
+            self.lengths,
+            self.starts,
+            self.sample_base,
+            self.chunk_base,
+            self.chunk_skip,
+            self.chunk_member,
+        ):
             arr.setflags(write=False)
         # a continuous axis ends where its last piece does (a partial last chunk, as an array's)
         self.n_samples = int(n.sum()) if self.continuous else int(padded.sum())
@@ -89,6 +109,8 @@ class MemberMap:
             h.update(b"continuous|")
         h.update("\x00".join(self.paths).encode())
         h.update(self.lengths.tobytes())
+        if self.starts.any():  # (absent otherwise: the fingerprints of maps without stay)
+            h.update(b"starts|" + self.starts.tobytes())
         return h.hexdigest()[:16]
 
     def __eq__(self, other: object) -> bool:
@@ -132,7 +154,7 @@ class MemberMap:
         chunk = int(coords[sample_axis])
         m = int(self.chunk_member[chunk])
         local = list(coords)
-        local[sample_axis] = chunk - int(self.chunk_base[m])
+        local[sample_axis] = chunk - int(self.chunk_base[m]) + int(self.chunk_skip[m])
         template = self._template(metadata, len(local))
         key = (
             template.format(*local)
@@ -155,7 +177,7 @@ class MemberMap:
             return None
         before, after = parts
         prefixes = [f"{p}/{before}" if p else before for p in self.paths]
-        member, base = self.chunk_member, self.chunk_base
+        member, base = self.chunk_member, self.chunk_base - self.chunk_skip
 
         def key(chunk: int) -> str:
             m = int(member[chunk])
