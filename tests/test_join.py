@@ -174,3 +174,90 @@ def test_overlaps_without_a_winner_or_not_on_chunk_boundaries_are_refused_naming
         concat([a, tmp_path / "off.zarr"], ["t2m"], overlap="first")
     with pytest.raises(ValueError, match="overlap must be 'error', 'first' or 'last'"):
         concat([a, b], ["t2m"], overlap="both")
+
+
+def _store_at(root: Path, name: str, start: int, n: int, chunk: int, step: int = 6) -> None:
+    """A store with one array ``name (time, lat, lon)`` chunked ``chunk`` along time, and its
+    CF ``time`` in hours: ``n`` steps of ``step`` hours from hour ``start``."""
+    _period(root, start, n, chunk=chunk, step=step)
+    group = zarr.open_group(root, mode="a")
+    if name != "t2m":
+        group.create_array(name, data=np.asarray(group["t2m"][:]) * -1, chunks=(chunk, 2, 3),
+                           dimension_names=("time", "lat", "lon"))  # fmt: skip
+        del group["t2m"]
+
+
+def _at(root: Path, name: str, times: np.ndarray) -> np.ndarray:
+    """The oracle: zarr's read of ``name`` of ``root`` at ``times`` (found by value)."""
+    group = zarr.open_group(root, mode="r")
+    own = np.datetime64("2000-01-01T00", "ns") + np.asarray(group["time"][:]) * HOUR
+    index = np.searchsorted(own, times)
+    assert np.array_equal(own[index], times)
+    return np.asarray(group[name][:])[index]
+
+
+def test_arrays_of_stores_chunked_differently_are_joined_by_their_times(tmp_path: Path) -> None:
+    atmos, forcing = tmp_path / "atmos.zarr", tmp_path / "forcing.zarr"
+    _store_at(atmos, "t2m", 0, 20, chunk=4)  # hours 0 .. 114
+    _store_at(forcing, "sst", -24, 18, chunk=2)  # hours -24 .. 78: 4 steps (2 chunks) earlier
+    coll = Collection.join({"atmos": (atmos, ["t2m"]), "forcing": (forcing, ["sst"])})
+    assert coll.variables == ("atmos/t2m", "forcing/sst")
+    assert coll["atmos/t2m"].n_samples == coll["forcing/sst"].n_samples == 14  # hours 0 .. 78
+    views = {"t2m": coll["atmos/t2m"].window(["-6h", "0h"]), "sst": coll["forcing/sst"]}
+    manifest = split_by_chunk(coll["atmos/t2m"], (1.0, 0.0, 0.0))
+    batches = _rows(insitu_pipeline(coll, manifest, views, coords=["time"], stride="12h",
+                                    batch_size=3))  # fmt: skip
+    seen = []
+    for b in batches:
+        t2m_times, sst_times = b.coords["t2m"]["time"], b.coords["sst"]["time"]
+        np.testing.assert_array_equal(t2m_times[:, 1], sst_times)  # one time per row
+        np.testing.assert_array_equal(np.asarray(b["t2m"]), _at(atmos, "t2m", t2m_times))
+        np.testing.assert_array_equal(np.asarray(b["sst"]), _at(forcing, "sst", sst_times))
+        seen += sst_times.tolist()
+    hours = (np.array(sorted(seen), dtype="M8[ns]") - np.datetime64("2000-01-01", "ns")) // HOUR
+    assert hours.tolist() == list(range(12, 79, 12))  # every 12 h, windows inside 0 .. 78
+
+
+def test_a_join_starts_where_every_store_is_at_a_chunk_boundary(tmp_path: Path) -> None:
+    atmos, forcing = tmp_path / "atmos.zarr", tmp_path / "forcing.zarr"
+    _store_at(atmos, "t2m", 0, 20, chunk=4)
+    _store_at(forcing, "sst", -6, 20, chunk=3)  # hour 0 is its step 1: mid-chunk
+    coll = Collection.join({"atmos": (atmos, ["t2m"]), "forcing": (forcing, ["sst"])})
+    # hour 48 is atmos's step 8 and forcing's step 9: the first shared chunk boundary
+    manifest = split_by_chunk(coll["atmos/t2m"], (1.0, 0.0, 0.0))
+    views = {"t2m": coll["atmos/t2m"], "sst": coll["forcing/sst"]}
+    batches = _rows(insitu_pipeline(coll, manifest, views, coords=["time"], batch_size=4))
+    times = np.sort(np.concatenate([b.coords["sst"]["time"] for b in batches]))
+    hours = (times - np.datetime64("2000-01-01", "ns")) // HOUR
+    assert hours.tolist() == list(range(48, 109, 6))  # to forcing's last, hour 108
+    for b in batches:
+        np.testing.assert_array_equal(
+            np.asarray(b["t2m"]), _at(atmos, "t2m", b.coords["t2m"]["time"])
+        )
+        np.testing.assert_array_equal(
+            np.asarray(b["sst"]), _at(forcing, "sst", b.coords["sst"]["time"])
+        )
+
+
+def test_stores_that_do_not_align_are_refused_naming_their_times(tmp_path: Path) -> None:
+    atmos = tmp_path / "atmos.zarr"
+    _store_at(atmos, "t2m", 0, 8, chunk=4)
+    _store_at(tmp_path / "hourly.zarr", "sst", 0, 8, chunk=4, step=1)
+    _store_at(tmp_path / "offgrid.zarr", "sst", 3, 8, chunk=4)
+    _store_at(tmp_path / "later.zarr", "sst", 60, 8, chunk=4)
+    _store_at(tmp_path / "odd.zarr", "sst", -6, 8, chunk=2)  # its chunks start on odd steps
+
+    def join_with(other: str) -> Any:
+        return Collection.join({"a": (atmos, ["t2m"]), "b": (tmp_path / other, ["sst"])})
+
+    with pytest.raises(ValueError, match=r"'b' steps 3600 s, 'a' 21600 s"):
+        join_with("hourly.zarr")
+    with pytest.raises(ValueError, match=r"'b' starts at 2000-01-01T03:00.*not on one grid"):
+        join_with("offgrid.zarr")
+    with pytest.raises(ValueError, match=r"share no time .*'a' 2000-01-01T00:00.* \.\. "
+                                         r"2000-01-02T18:00"):  # fmt: skip
+        join_with("later.zarr")
+    with pytest.raises(ValueError, match=r"no shared time in it is at a chunk boundary"):
+        join_with("odd.zarr")
+    with pytest.raises(TypeError, match=r"\(store, \[array paths\]\)"):
+        Collection.join({"a": (atmos, "t2m")})

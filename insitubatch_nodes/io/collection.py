@@ -25,7 +25,9 @@ directly (a local folder keeps the decode threads' direct reads).
 
 :meth:`Collection.concat` joins stores that continue one another along time into one
 *continuous* axis instead: there windows run across the stores' edges and the index is the
-joined axis's.
+joined axis's; where stores overlap, ``overlap=`` names the store that wins (whole chunks
+skipped). :meth:`Collection.join` aligns arrays of several stores by their times instead (one
+member; each variable an array of its own store, offset by whole chunks to the shared times).
 
 A concatenation is one timeline: its views' time coordinate is the stores' times joined
 (:func:`~insitubatch_nodes.io.coords.open_coordinates`), so a time stride, window offsets in
@@ -66,6 +68,7 @@ __all__ = [
     "check_collection_in_store",
     "collection_of",
     "concat",
+    "join",
     "refuse_collection_options",
 ]
 
@@ -119,7 +122,7 @@ class Collection:
         keys: Mapping[str, Sequence[Any]] | None = None,
         sample_axis: int | str = 0,
         continuous: bool = False,
-        spans: Sequence[tuple[int, int]] | None = None,
+        spans: Sequence[tuple[int, int]] | Mapping[str, Sequence[tuple[int, int]]] | None = None,
     ) -> None:
         self.store = store
         #: the members are consecutive pieces of one sample axis (:meth:`concat`)
@@ -157,11 +160,14 @@ class Collection:
             digest.update(("\x01" + v + "\x00" + "\x00".join(self._paths[v])).encode())
         #: each member's stored samples ``[start, stop)`` it contributes (``None``: all): a
         #: concatenation whose stores overlap keeps one store's steps (``concat(overlap=)``)
-        self.spans = None if spans is None else tuple((int(a), int(b)) for a, b in spans)
-        if self.spans is not None:
-            if len(self.spans) != len(self.members):
-                raise ValueError(f"{len(self.spans)} spans for {len(self.members)} members")
-            digest.update(("\x02" + repr(self.spans)).encode())
+        #: (a mapping: per variable, for stores joined by time, :meth:`join`)
+        self.spans: dict[str, tuple[tuple[int, int], ...]] | None = None
+        if spans is not None:
+            given = spans if isinstance(spans, Mapping) else dict.fromkeys(paths, spans)
+            self.spans = {str(v): tuple((int(a), int(b)) for a, b in given[v]) for v in self._paths}
+            if any(len(x) != len(self.members) for x in self.spans.values()):
+                raise ValueError(f"spans {self.spans} need one span per member")
+            digest.update(("\x02" + repr(sorted(self.spans.items()))).encode())
         #: the prefix of the virtual arrays' paths (``"<name>:<variable>"``): stable for the
         #: same members in the same store, never a key of any store
         self.name = f"collection-{digest.hexdigest()[:8]}"
@@ -200,7 +206,9 @@ class Collection:
             keys={k: list(v[rows]) for k, v in self.keys.items()},
             sample_axis=self._sample_axis,
             continuous=self.continuous,
-            spans=None if self.spans is None else [self.spans[i] for i in rows],
+            spans=None
+            if self.spans is None
+            else {v: [x[i] for i in rows] for v, x in self.spans.items()},
         )
 
     def sources(self) -> list[str]:
@@ -322,6 +330,50 @@ class Collection:
         spans = _continuation(zstore, names, paths, dim, overlap)
         return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans)
 
+    @classmethod
+    def join(
+        cls,
+        stores: Mapping[str, tuple[Any, Sequence[str]]],
+        *,
+        dim: str = "time",
+    ) -> Collection:
+        """Arrays of several stores aligned by their times, as the variables of one collection:
+        ``stores`` maps a name to ``(store, [array paths])`` (a ``Store``, path or URL), and
+        variable ``"<name>/<path>"`` is that array, e.g. ``join({"atmos": (a, ["t2m"]),
+        "forcing": (b, ["sst"])})["forcing/sst"]``. Every view of it reads the same times at
+        the same index, so they are the labels of one pipeline (with the collection as its
+        store); its one member is named ``"joined"``, and it is one timeline, as a
+        :meth:`concat` is (time strides, windows in time deltas, ``missing=``, ``coords=``).
+
+        The joined axis is the stores' shared times: each store's times of ``dim`` (the
+        coordinate beside its first array) are at one step, the same in every store, on one grid
+        (a whole number of steps apart); each store's index is its own, offset. Each array is
+        read by whole chunks of its own chunking (stores may be chunked differently), so the
+        axis starts at the first shared time where every array is at a chunk boundary: up to a
+        few chunks' steps after the latest start; it ends at the earliest end. Otherwise
+        ``ValueError`` names the stores and their times."""
+        if not isinstance(stores, Mapping) or not stores:
+            raise TypeError(
+                "join takes {name: (store, [array paths])}, e.g. {'atmos': (a, ['t2m']), "
+                "'forcing': (b, ['sst'])}"
+            )
+        names = [str(k) for k in stores]
+        given = []
+        for k, item in stores.items():
+            if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
+                raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
+            given.append(item)
+        zstore, roots = _locate([(s, "") for s, _ in given])
+        paths = {
+            f"{name}/{str(v).strip('/')}": [_join(root, str(v))]
+            for name, root, (_, variables) in zip(names, roots, given, strict=True)
+            for v in variables
+        }
+        if len(paths) != sum(len(v) for _, v in given):
+            raise ValueError(f"join: an array is named twice in {names}")
+        spans = _alignment(zstore, names, roots, [list(v) for _, v in given], dim)
+        return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans)
+
     def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
         first member's; the virtual array of each variable, and each member's sample count.
@@ -347,6 +399,16 @@ class Collection:
             v: self._check_variable(v, docs[k * n : (k + 1) * n], refs[v][1])
             for k, v in enumerate(self.variables)
         }
+        starts: dict[str, np.ndarray | None] = dict.fromkeys(self.variables)
+        for v, kept in (self.spans or {}).items():  # each member's kept samples
+            span = np.array(kept, dtype=np.int64).reshape(-1, 2)
+            if (
+                np.any(span[:, 0] < 0)
+                or np.any(span[:, 1] > lengths[v])
+                or np.any(span[:, 1] <= span[:, 0])
+            ):
+                raise ValueError(f"{self.name}: spans {list(kept)} of {v!r} outside its members")
+            starts[v], lengths[v] = span[:, 0], span[:, 1] - span[:, 0]
         ref_len = lengths[self.variables[0]]
         for v in self.variables[1:]:
             bad = np.flatnonzero(lengths[v] != ref_len)
@@ -359,17 +421,7 @@ class Collection:
                 )
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
-        starts = None
-        if self.spans is not None:  # each member's kept samples
-            span = np.array(self.spans, dtype=np.int64).reshape(-1, 2)
-            if (
-                np.any(span[:, 0] < 0)
-                or np.any(span[:, 1] > ref_len)
-                or np.any(span[:, 1] <= span[:, 0])
-            ):
-                raise ValueError(f"{self.name}: spans {list(self.spans)} outside the members")
-            starts, ref_len = span[:, 0], span[:, 1] - span[:, 0]
-        geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts) for v in self.variables}
+        geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts[v]) for v in self.variables}
         ref_len.setflags(write=False)
         return geoms, ref_len
 
@@ -669,6 +721,87 @@ def _continuation(
     return [(a, b) for a, b in spans]
 
 
+def _alignment(
+    store: Store, names: Sequence[str], roots: Sequence[str], arrays: Sequence[list[str]], dim: str
+) -> dict[str, list[tuple[int, int]]]:
+    """Each joined array's stored samples ``[start, stop)`` on the stores' shared times (see
+    :meth:`Collection.join`), keyed by variable name; ``ValueError`` naming the stores and their
+    times where the stores do not align."""
+    ticks, values, spcs = [], [], []
+    for name, root, variables in zip(names, roots, arrays, strict=True):
+        if not variables:
+            raise ValueError(f"join: {name!r} names no array")
+        located = [_join(root, v) for v in variables]
+        geoms = open_geometries(store, located)
+        coord = open_coordinates(store, geoms[located[0]]).get(dim)
+        if coord is None or not coord.is_time:
+            raise ValueError(
+                f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
+                "stores are aligned by their times"
+            )
+        t = time_offsets(coord, "1s")
+        ticks.append(t)
+        values.append(coord.values)
+        spcs.append([geoms[p].samples_per_chunk for p in located])
+    steps = [np.unique(np.diff(t)) for t in ticks]
+    for name, d, v in zip(names, steps, values, strict=True):
+        if len(d) != 1 or d[0] <= 0:
+            raise ValueError(
+                f"join: the times of {name!r} ({v[0]} .. {v[-1]}) are not at one step (steps "
+                f"{d[:5].tolist()} s): only regular times are joined"
+            )
+    step = int(steps[0][0])
+    for k in range(1, len(names)):
+        if int(steps[k][0]) != step:
+            raise ValueError(
+                f"join: {names[k]!r} steps {int(steps[k][0])} s, {names[0]!r} {step} s: the "
+                "stores must share one step (coarsen one first)"
+            )
+        if (ticks[k][0] - ticks[0][0]) % step:
+            raise ValueError(
+                f"join: {names[k]!r} starts at {values[k][0]} and {names[0]!r} at "
+                f"{values[0][0]}: at the step of {step} s their times are not on one grid"
+            )
+    first = max(int(t[0]) for t in ticks)
+    last = min(int(t[-1]) for t in ticks)
+    spans_of = ", ".join(f"{n!r} {v[0]} .. {v[-1]}" for n, v in zip(names, values, strict=True))
+    if first > last:
+        raise ValueError(f"join: the stores share no time ({spans_of})")
+    offsets = [(first - int(t[0])) // step for t in ticks]  # each store's index of `first`
+    period = math.lcm(*(c for per in spcs for c in per))
+    skip = next(
+        (
+            j
+            for j in range(period)
+            if all((d + j) % c == 0 for d, per in zip(offsets, spcs, strict=True) for c in per)
+        ),
+        None,
+    )
+    n = (last - first) // step + 1 - (skip or 0)
+    if skip is None or n <= 0:
+        raise ValueError(
+            f"join: the stores share the times from {_time_at(values, ticks, first)} to "
+            f"{_time_at(values, ticks, last)} ({spans_of}), but no shared time in it is at a "
+            f"chunk boundary of every array (their chunks along {dim!r}: "
+            f"{dict(zip(names, spcs, strict=True))}): each array is read by whole chunks; "
+            "rechunk one store so that its chunks start on the other's"
+        )
+    out: dict[str, list[tuple[int, int]]] = {}
+    for store_name, variables, offset in zip(names, arrays, offsets, strict=True):
+        for path in variables:
+            out[f"{store_name}/{path.strip('/')}"] = [(offset + skip, offset + skip + n)]
+    return out
+
+
+def _time_at(values: Sequence[np.ndarray], ticks: Sequence[np.ndarray], tick: int) -> Any:
+    """The date at ``tick`` (seconds) in the first store that holds it."""
+    for v, t in zip(values, ticks, strict=True):
+        hit = np.flatnonzero(t == tick)
+        if len(hit):
+            return v[int(hit[0])]
+    return tick
+
+
 def concat(
     stores: Sequence[Any],
     variables: Sequence[str],
@@ -680,3 +813,9 @@ def concat(
     """Stores that continue one another along ``dim`` as one sample axis:
     :meth:`Collection.concat` (its contract and checks)."""
     return Collection.concat(stores, variables, dim=dim, names=names, overlap=overlap)
+
+
+def join(stores: Mapping[str, tuple[Any, Sequence[str]]], *, dim: str = "time") -> Collection:
+    """Arrays of several stores aligned by their times as one collection:
+    :meth:`Collection.join` (its contract and checks)."""
+    return Collection.join(stores, dim=dim)

@@ -66,15 +66,20 @@ class MemberMap:
                 "partial chunk"
             )
         self.lengths = n
-        #: the samples each member skips at its start (whole chunks of ``align``: a
-        #: concatenation whose later store overlaps an earlier one, ``overlap="first"``); its
-        #: samples are its stored ``starts[m] .. starts[m] + lengths[m] - 1``
+        #: the samples each member skips at its start, whole chunks (a concatenation whose
+        #: later store overlaps an earlier one, ``overlap="first"``; stores joined by time):
+        #: its samples are its stored ``starts[m] .. starts[m] + lengths[m] - 1``
         self.starts = (
             np.zeros_like(n) if starts is None else np.asarray(starts, dtype=np.int64).copy()
         )
-        if self.starts.shape != n.shape or np.any(self.starts % align) or np.any(self.starts < 0):
+        if (
+            self.starts.shape != n.shape
+            or np.any(self.starts % samples_per_chunk)
+            or np.any(self.starts < 0)
+        ):
             raise ValueError(
-                f"{collection}: members may skip only whole chunks of {align} at their start, "
+                f"{collection}: members may skip only whole chunks of {samples_per_chunk} at "
+                "their start, "
                 f"not {self.starts.tolist()}"
             )
         self.samples_per_chunk = int(samples_per_chunk)
