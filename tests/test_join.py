@@ -261,3 +261,72 @@ def test_stores_that_do_not_align_are_refused_naming_their_times(tmp_path: Path)
         join_with("odd.zarr")
     with pytest.raises(TypeError, match=r"\(store, \[array paths\]\)"):
         Collection.join({"a": (atmos, "t2m")})
+
+
+def test_a_join_reads_each_kept_chunk_once_resumes_exactly_and_its_warm_cache_reads_nothing(
+    tmp_path: Path,
+) -> None:
+    from helpers import counting_store
+    from resume_helpers import epochs_of
+
+    _store_at(tmp_path / "atmos.zarr", "t2m", 0, 20, chunk=4)  # hours 0 .. 114
+    _store_at(tmp_path / "forcing.zarr", "sst", -24, 18, chunk=2)  # shared: hours 0 .. 78
+    atmos, forcing = (
+        counting_store(tmp_path / "atmos.zarr"),
+        counting_store(tmp_path / "forcing.zarr"),
+    )
+    coll = Collection.join({"atmos": (atmos, ["t2m"]), "forcing": (forcing, ["sst"])})
+    manifest = split_by_chunk(coll["atmos/t2m"], (1.0, 0.0, 0.0))
+    views = {"t2m": coll["atmos/t2m"].window([-1, 0]), "sst": coll["forcing/sst"]}
+
+    def build(**cache: Any) -> Any:
+        return insitu_pipeline(coll, manifest, views, batch_size=3, block_chunks=2, seed=4,
+                               **cache)  # fmt: skip
+
+    def data_gets(store: Any) -> dict[str, int]:  # (the time coordinates' reads left out)
+        return {k: n for k, n in store.chunk_counts().items() if not k.startswith("time/")}
+
+    def records(batches: list[Any]) -> list[Any]:
+        return [(b.epoch, b.index, b.sample_indices["sst"].tolist()) for b in batches]
+
+    pipe = build()
+    try:
+        loader = Loader(pipe)
+        ref = records(list(loader))
+        # read-once: the chunks over the shared steps, each once; none before or after them
+        assert data_gets(atmos) == {f"t2m/c/{c}/0/0": 1 for c in range(4)}  # steps 0 .. 15
+        assert data_gets(forcing) == {f"sst/c/{c}/0/0": 1 for c in range(2, 9)}  # 4 .. 17
+        ref += records(list(loader))
+    finally:
+        pipe.close()
+    per_epoch = len(ref) // 2
+    for k in (1, per_epoch + 1):
+        pipe = build()
+        try:
+            loader = Loader(pipe)
+            it = epochs_of(loader)
+            head = [next(it) for _ in range(k)]
+            state = loader.state_dict()
+        finally:
+            pipe.close()
+        pipe = build()
+        try:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            rest = list(loader) + (list(loader) if k < per_epoch else [])
+        finally:
+            pipe.close()
+        assert records(head) + records(rest) == ref, f"resumed after {k} batches"
+    for run in range(2):
+        atmos.reset_counts()
+        forcing.reset_counts()
+        # (stores behind a routing store are not listed: a persistent cache skips the check)
+        pipe = build(cache_dir=tmp_path / "cache", persist=True, check_store=False)
+        try:
+            assert records(list(Loader(pipe)))  # (its epoch 0)
+        finally:
+            pipe.close()
+        if run:
+            assert data_gets(atmos) == data_gets(forcing) == {}, "a warm cache read the stores"
+        else:
+            assert data_gets(atmos) and data_gets(forcing)

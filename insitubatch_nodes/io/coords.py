@@ -38,7 +38,7 @@ import math
 import re
 import struct
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -570,8 +570,14 @@ def _coordinates(
     reader: _Reader, geom: ArrayGeometry, names: Sequence[str] | None
 ) -> dict[str, Coordinate]:
     """The coordinates of ``geom``'s sample axis (``names=None``: its dimension coordinate)."""
-    if geom.members is not None:
-        return _joined_coordinates(reader, geom, names)
+    if geom.members is not None:  # a collection view: its members' own, joined
+        joined = geom.members.joined(
+            geom, reader.store, bool(names), lambda g: _coordinates(reader, g, names)
+        )
+        return {
+            k: Coordinate(k, v, path=f"{geom.path}/{k}", attrs=attrs)
+            for k, (v, attrs) in joined.items()
+        }
     dim = _sample_dimension(geom)
     where = f"store {describe_store(reader.store)}"
     if names is None:
@@ -615,42 +621,6 @@ def _coordinates(
         if key in out:
             raise ValueError(f"two coordinates named {key!r}: {out[key].path!r} and {path!r}")
         out[key] = coord
-    return out
-
-
-def _joined_coordinates(
-    reader: _Reader, geom: ArrayGeometry, names: Sequence[str] | None
-) -> dict[str, Coordinate]:
-    """The coordinates of a collection view ``geom``: on stores concatenated along the sample
-    axis (``Collection.concat``: its member map is continuous) each is its members' joined, the
-    samples each member contributes in order; other collections have none (``{}``, or
-    ``ValueError`` when ``names`` asks for one)."""
-    members = geom.members
-    assert members is not None
-    if not members.continuous:
-        if not names:
-            return {}
-        raise ValueError(
-            f"{geom.path!r} is a collection of independent members: it carries no coordinates "
-            "(each row's member and index are in batch.members and batch.sample_indices)"
-        )
-    parts: list[dict[str, Coordinate]] = []
-    for path in members.paths:
-        # the member as stored: its coordinates hold all its samples, of which it gives some
-        stored = _zarr_compat.open_arrays_by_name(reader.store, [path], geom.zarr_format)[0]
-        if stored is None:
-            raise FileNotFoundError(f"{path!r} of {geom.path!r} is not in {reader.store}")
-        member = replace(geom, path=path, members=None, shape=tuple(stored.shape))
-        parts.append(_coordinates(reader, member, names))
-    out = {}
-    for k, c in parts[0].items():
-        if any(k not in p for p in parts):
-            continue  # (names=None: a dimension coordinate not every member has)
-        kept = [
-            p[k].values[int(a) : int(a) + int(n)]
-            for p, a, n in zip(parts, members.starts, members.lengths, strict=True)
-        ]
-        out[k] = Coordinate(k, np.concatenate(kept), path=f"{geom.path}/{k}", attrs=c.attrs)
     return out
 
 

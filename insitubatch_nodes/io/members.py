@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -151,6 +152,38 @@ class MemberMap:
         m = self.member_of(chunks * samples_per_chunk)
         lo = self.sample_base[np.maximum(m, 0)]
         return lo, lo + self.lengths[np.maximum(m, 0)]
+
+    def joined(
+        self, geom: Any, store: Any, named: bool, read: Callable[[Any], Mapping[str, Any]]
+    ) -> dict[str, tuple[np.ndarray, Mapping[str, Any]]]:
+        """The coordinates of the collection view ``geom`` (of this map), as ``{name: (values,
+        attrs)}``: on a continuous axis (stores concatenated or joined by time) each is its
+        members' own, ``read(member_geometry)`` (coordinates by name), the samples each member
+        gives, joined in order; a name not every member has is left out. Members of other
+        collections are independent: none (``ValueError`` when coordinates are ``named``)."""
+        if not self.continuous:
+            if named:
+                raise ValueError(
+                    f"{geom.path!r} is a collection of independent members: it carries no "
+                    "coordinates (each row's member and index are in batch.members and "
+                    "batch.sample_indices)"
+                )
+            return {}
+        parts = []
+        for path in self.paths:  # each member as stored: its coordinates cover all it holds
+            stored = _zarr_compat.open_arrays_by_name(store, [path], geom.zarr_format)[0]
+            if stored is None:
+                raise FileNotFoundError(f"{path!r} of {geom.path!r} is not in {store}")
+            parts.append(read(replace(geom, path=path, members=None, shape=tuple(stored.shape))))
+        out = {}
+        for name, first in parts[0].items():
+            if all(name in p for p in parts):
+                kept = [
+                    p[name].values[int(a) : int(a) + int(n)]
+                    for p, a, n in zip(parts, self.starts, self.lengths, strict=True)
+                ]
+                out[name] = (np.concatenate(kept), first.attrs)
+        return out
 
     # -- stored objects ----------------------------------------------------------------------
     def store_key(self, metadata: Any, coords: Sequence[int], sample_axis: int) -> str:
