@@ -330,7 +330,11 @@ def insitu_pipeline(
     firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
     carried = _carried_coordinates(
         zstore,
-        {lb: v for lb, v in {**plain, **firsts}.items() if v.members is None},
+        {
+            lb: v
+            for lb, v in {**plain, **firsts}.items()
+            if v.members is None or v.members.continuous  # (concat: the stores' times joined)
+        },
         coords,
         reader,
     )

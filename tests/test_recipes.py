@@ -83,6 +83,16 @@ def test_the_microscopy_segmenter_learns_the_mask_from_z_planes(tmp_path: Path) 
     assert "above the all-background" in proc.stdout, _explain(proc)
 
 
+def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a_joined_forcing(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe("joined_stores.py", "--steps", "160", "--epochs", "3", cwd=tmp_path)
+    assert proc.returncode == 0, _explain(proc)
+    assert "first batch equal to zarr's read" in proc.stdout, _explain(proc)
+    assert "160 shared steps" in proc.stdout, _explain(proc)
+    assert "loss fell" in proc.stdout, _explain(proc)
+
+
 def test_the_scenes_recipe_trains_on_one_stream_over_scenes_in_several_stores(
     tmp_path: Path,
 ) -> None:

@@ -25,16 +25,21 @@ directly (a local folder keeps the decode threads' direct reads).
 
 :meth:`Collection.concat` joins stores that continue one another along time into one
 *continuous* axis instead: there windows run across the stores' edges and the index is the
-joined axis's.
+joined axis's; where stores overlap, ``overlap=`` names the store that wins (whole chunks
+skipped). :meth:`Collection.join` aligns arrays of several stores by their times instead (one
+member; each variable an array of its own store, offset by whole chunks to the shared times).
+
+A concatenation is one timeline: its views' time coordinate is the stores' times joined
+(:func:`~insitubatch_nodes.io.coords.open_coordinates`), so a time stride, window offsets in
+time deltas, dates in ``missing=`` and carried coordinates work on it as on one array.
 
 Not supported yet (refused with a message where asked for): time coordinates on a collection
-(a time stride, window offsets in time deltas, dates in ``missing=``, carried coordinates of
-the sample axis) and ``missing_objects="drop"``; product sample axes.
+of independent members (a time stride, window offsets in time deltas, ``missing=``, carried
+coordinates of the sample axis) and ``missing_objects="drop"``; product sample axes.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import math
@@ -49,19 +54,20 @@ import zarr
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.arrays import FieldCoordinates, open_geometries
-from insitubatch_nodes.io.coords import open_coordinates, time_offsets
+from insitubatch_nodes.io.arrays import FieldCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
 from insitubatch_nodes.io.stores import as_store, describe_store
+from insitubatch_nodes.io.timeline import alignment, continuation
 
 __all__ = [
     "Collection",
     "check_collection_in_store",
     "collection_of",
     "concat",
+    "join",
     "refuse_collection_options",
 ]
 
@@ -115,6 +121,7 @@ class Collection:
         keys: Mapping[str, Sequence[Any]] | None = None,
         sample_axis: int | str = 0,
         continuous: bool = False,
+        spans: Sequence[tuple[int, int]] | Mapping[str, Sequence[tuple[int, int]]] | None = None,
     ) -> None:
         self.store = store
         #: the members are consecutive pieces of one sample axis (:meth:`concat`)
@@ -150,6 +157,16 @@ class Collection:
         digest = hashlib.sha256(describe_store(store).encode())
         for v in self.variables:
             digest.update(("\x01" + v + "\x00" + "\x00".join(self._paths[v])).encode())
+        #: each member's stored samples ``[start, stop)`` it contributes (``None``: all): a
+        #: concatenation whose stores overlap keeps one store's steps (``concat(overlap=)``)
+        #: (a mapping: per variable, for stores joined by time, :meth:`join`)
+        self.spans: dict[str, tuple[tuple[int, int], ...]] | None = None
+        if spans is not None:
+            given = spans if isinstance(spans, Mapping) else dict.fromkeys(paths, spans)
+            self.spans = {str(v): tuple((int(a), int(b)) for a, b in given[v]) for v in self._paths}
+            if any(len(x) != len(self.members) for x in self.spans.values()):
+                raise ValueError(f"spans {self.spans} need one span per member")
+            digest.update(("\x02" + repr(sorted(self.spans.items()))).encode())
         #: the prefix of the virtual arrays' paths (``"<name>:<variable>"``): stable for the
         #: same members in the same store, never a key of any store
         self.name = f"collection-{digest.hexdigest()[:8]}"
@@ -188,6 +205,9 @@ class Collection:
             keys={k: list(v[rows]) for k, v in self.keys.items()},
             sample_axis=self._sample_axis,
             continuous=self.continuous,
+            spans=None
+            if self.spans is None
+            else {v: [x[i] for i in rows] for v, x in self.spans.items()},
         )
 
     def sources(self) -> list[str]:
@@ -274,16 +294,29 @@ class Collection:
         *,
         dim: str = "time",
         names: Sequence[str] | None = None,
+        overlap: str = "error",
     ) -> Collection:
         """Stores that continue one another along ``dim`` (an archive and its extension, one
         store per period) as one sample axis: member ``i`` is store ``i``, with the arrays
         ``variables`` (array paths, the same in every store), sampled along the dimension
         ``dim``. Unlike other collections the index is continuous: windows, shifts and strides
-        run across the stores' edges (``batch.members`` still names each row's store).
+        run across the stores' edges (``batch.members`` still names each row's store), and the
+        views have a time coordinate, the stores' times joined: a time stride, window offsets
+        in time deltas, dates in ``missing=`` and carried coordinates (``coords=``) work on them
+        as on one array.
 
-        Checked here: every store but the last holds whole chunks (of every variable), and the
-        times of ``dim``'s coordinate continue from store to store at one step, without a gap
-        or an overlap; otherwise ``ValueError`` naming the stores and the times."""
+        ``overlap`` says which store wins where two consecutive stores hold the same times:
+        ``"error"`` (the default) refuses an overlap; ``"first"`` keeps the earlier store's
+        steps and skips the later store's overlapping ones at its start; ``"last"`` keeps the
+        later store's and drops the earlier store's overlapping tail. Only whole chunks (of
+        every variable) can be skipped: an overlap that is not is refused, naming the times.
+
+        Checked here: every store but the last holds whole chunks (of every variable) of what
+        it contributes, and the times of ``dim``'s coordinate continue from store to store at
+        one step, without a gap (nor an overlap, unless ``overlap`` says who wins); otherwise
+        ``ValueError`` naming the stores and the times."""
+        if overlap not in ("error", "first", "last"):
+            raise ValueError(f"overlap must be 'error', 'first' or 'last', got {overlap!r}")
         if isinstance(stores, str) or not len(stores):
             raise TypeError("concat takes a non-empty list of stores (Store, path or URL)")
         if isinstance(variables, str) or not len(variables):
@@ -292,9 +325,53 @@ class Collection:
         if names is None:
             names = [os.fspath(s) if isinstance(s, str | os.PathLike) else repr(s) for s in stores]
         paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
-        out = cls(zstore, names, paths, sample_axis=dim, continuous=True)
-        _check_continuation(out, dim)
-        return out
+        names = [str(n) for n in names]
+        spans = continuation(zstore, names, paths, dim, overlap)
+        return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans)
+
+    @classmethod
+    def join(
+        cls,
+        stores: Mapping[str, tuple[Any, Sequence[str]]],
+        *,
+        dim: str = "time",
+    ) -> Collection:
+        """Arrays of several stores aligned by their times, as the variables of one collection:
+        ``stores`` maps a name to ``(store, [array paths])`` (a ``Store``, path or URL), and
+        variable ``"<name>/<path>"`` is that array, e.g. ``join({"atmos": (a, ["t2m"]),
+        "forcing": (b, ["sst"])})["forcing/sst"]``. Every view of it reads the same times at
+        the same index, so they are the labels of one pipeline (with the collection as its
+        store); its one member is named ``"joined"``, and it is one timeline, as a
+        :meth:`concat` is (time strides, windows in time deltas, ``missing=``, ``coords=``).
+
+        The joined axis is the stores' shared times: each store's times of ``dim`` (the
+        coordinate beside its first array) are at one step, the same in every store, on one grid
+        (a whole number of steps apart); each store's index is its own, offset. Each array is
+        read by whole chunks of its own chunking (stores may be chunked differently), so the
+        axis starts at the first shared time where every array is at a chunk boundary: up to a
+        few chunks' steps after the latest start; it ends at the earliest end. Otherwise
+        ``ValueError`` names the stores and their times."""
+        if not isinstance(stores, Mapping) or not stores:
+            raise TypeError(
+                "join takes {name: (store, [array paths])}, e.g. {'atmos': (a, ['t2m']), "
+                "'forcing': (b, ['sst'])}"
+            )
+        names = [str(k) for k in stores]
+        given = []
+        for k, item in stores.items():
+            if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
+                raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
+            given.append(item)
+        zstore, roots = _locate([(s, "") for s, _ in given])
+        paths = {
+            f"{name}/{str(v).strip('/')}": [_join(root, str(v))]
+            for name, root, (_, variables) in zip(names, roots, given, strict=True)
+            for v in variables
+        }
+        if len(paths) != sum(len(v) for _, v in given):
+            raise ValueError(f"join: an array is named twice in {names}")
+        spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim)
+        return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans)
 
     def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
@@ -321,6 +398,16 @@ class Collection:
             v: self._check_variable(v, docs[k * n : (k + 1) * n], refs[v][1])
             for k, v in enumerate(self.variables)
         }
+        starts: dict[str, np.ndarray | None] = dict.fromkeys(self.variables)
+        for v, kept in (self.spans or {}).items():  # each member's kept samples
+            span = np.array(kept, dtype=np.int64).reshape(-1, 2)
+            if (
+                np.any(span[:, 0] < 0)
+                or np.any(span[:, 1] > lengths[v])
+                or np.any(span[:, 1] <= span[:, 0])
+            ):
+                raise ValueError(f"{self.name}: spans {list(kept)} of {v!r} outside its members")
+            starts[v], lengths[v] = span[:, 0], span[:, 1] - span[:, 0]
         ref_len = lengths[self.variables[0]]
         for v in self.variables[1:]:
             bad = np.flatnonzero(lengths[v] != ref_len)
@@ -333,7 +420,7 @@ class Collection:
                 )
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
-        geoms = {v: self._virtual(v, *refs[v], ref_len, align) for v in self.variables}
+        geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts[v]) for v in self.variables}
         ref_len.setflags(write=False)
         return geoms, ref_len
 
@@ -369,7 +456,13 @@ class Collection:
         return lengths
 
     def _virtual(
-        self, variable: str, ref: Any, axis: int, lengths: np.ndarray, align: int
+        self,
+        variable: str,
+        ref: Any,
+        axis: int,
+        lengths: np.ndarray,
+        align: int,
+        starts: np.ndarray | None = None,
     ) -> ArrayGeometry:
         chunks = _zarr_compat.stored_chunk_shape(ref)
         members = MemberMap(
@@ -380,6 +473,7 @@ class Collection:
             chunks[axis],
             align,
             continuous=self.continuous,
+            starts=starts,
         )
         shape = list(int(s) for s in ref.shape)
         shape[axis] = members.n_samples
@@ -487,7 +581,10 @@ def refuse_collection_options(
     coords: Sequence[str] | None,
     plain_views: int,
 ) -> None:
-    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet."""
+    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet.
+    Views of stores concatenated along time (``Collection.concat``) are one timeline with the
+    stores' times joined: time strides, timed windows, ``missing=`` and ``coords=`` work there;
+    the members of other collections are independent, and have no time coordinate."""
     if not any(v.members is not None for v in views):
         return
     if plain_views:
@@ -495,20 +592,30 @@ def refuse_collection_options(
             "a pipeline reads either collection views or plain arrays: its labels share one "
             "sample axis; read a plain array of the same store in another pipeline"
         )
+    if missing_objects != "read":
+        raise ValueError(
+            "absent objects skipped by missing_objects='drop' are not supported on collection "
+            "views yet"
+        )
+    if all(v.members.continuous for v in views if v.members is not None):
+        return
     if timed:
         raise ValueError(
-            "collections have no time coordinate yet: a time stride and window offsets in time "
-            "deltas are not supported on collection views; give an int stride and offsets in "
-            "samples"
+            "the members of a collection are independent arrays: the collection has no time "
+            "coordinate, so a time stride and window offsets in time deltas are not supported on "
+            "its views (stores that continue one another along time: use concat); give an int "
+            "stride and offsets in samples"
         )
-    if missing is not None or missing_objects != "read":
+    if missing is not None:
         raise ValueError(
-            "missing= and missing_objects='drop' are not supported on collection views yet"
+            "missing= is not supported on views of a collection of independent members (it is "
+            "on stores joined by concat)"
         )
     if coords:
         raise ValueError(
-            "collection views carry no coordinates yet: pass coords=() (or None); each row's "
-            "member and index are in batch.members and batch.sample_indices"
+            "views of a collection of independent members carry no coordinates: pass coords=() "
+            "(or None); each row's member and index are in batch.members and "
+            "batch.sample_indices (stores joined by concat carry their joined times)"
         )
 
 
@@ -526,56 +633,20 @@ def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
         )
 
 
-def _check_continuation(coll: Collection, dim: str) -> None:
-    """The times of ``dim`` continue from member to member of ``coll`` at one step."""
-    v = coll.variables[0]
-    ticks, values, steps = [], [], []
-    for name, path in zip(coll.members, coll.paths(v), strict=True):
-        geom = open_geometries(coll.store, [path])[path]
-        coord = open_coordinates(coll.store, geom).get(dim)
-        if coord is None or not coord.is_time:
-            raise ValueError(
-                f"concat: {name!r} has no time coordinate {dim!r} beside {v!r}: the stores are "
-                "joined by their times, checked to continue at one step"
-            )
-        t = time_offsets(coord, "1s")
-        d = np.unique(np.diff(t))
-        if len(d) > 1 or (len(d) and d[0] <= 0):
-            raise ValueError(f"concat: the times of {name!r} are not at one step ({d[:5]} s)")
-        ticks.append(t)
-        values.append(coord.values)
-        steps.append(int(d[0]) if len(d) else None)
-    step = next((s for s in steps if s is not None), None)
-    for k in range(len(ticks)):
-        if steps[k] is not None and steps[k] != step:
-            raise ValueError(
-                f"concat: {coll.members[k]!r} steps {steps[k]} s, {coll.members[0]!r} {step} s: "
-                "the stores must share one step"
-            )
-        if k and step is not None:
-            last, first = values[k - 1][-1], values[k][0]
-            gap = int(ticks[k][0] - ticks[k - 1][-1])
-            if gap != step:
-                what = "overlap" if gap <= 0 else "leave a gap"
-                delta: Any = (
-                    np.timedelta64(step, "s")
-                    if isinstance(last, np.datetime64)
-                    else datetime.timedelta(seconds=step)
-                )
-                raise ValueError(
-                    f"concat: {coll.members[k - 1]!r} ends at {last} and {coll.members[k]!r} "
-                    f"starts at {first}: they {what} (at the step of {step} s, {last + delta} "
-                    "comes next)"
-                )
-
-
 def concat(
     stores: Sequence[Any],
     variables: Sequence[str],
     *,
     dim: str = "time",
     names: Sequence[str] | None = None,
+    overlap: str = "error",
 ) -> Collection:
     """Stores that continue one another along ``dim`` as one sample axis:
     :meth:`Collection.concat` (its contract and checks)."""
-    return Collection.concat(stores, variables, dim=dim, names=names)
+    return Collection.concat(stores, variables, dim=dim, names=names, overlap=overlap)
+
+
+def join(stores: Mapping[str, tuple[Any, Sequence[str]]], *, dim: str = "time") -> Collection:
+    """Arrays of several stores aligned by their times as one collection:
+    :meth:`Collection.join` (its contract and checks)."""
+    return Collection.join(stores, dim=dim)

@@ -570,6 +570,14 @@ def _coordinates(
     reader: _Reader, geom: ArrayGeometry, names: Sequence[str] | None
 ) -> dict[str, Coordinate]:
     """The coordinates of ``geom``'s sample axis (``names=None``: its dimension coordinate)."""
+    if geom.members is not None:  # a collection view: its members' own, joined
+        joined = geom.members.joined(
+            geom, reader.store, bool(names), lambda g: _coordinates(reader, g, names)
+        )
+        return {
+            k: Coordinate(k, v, path=f"{geom.path}/{k}", attrs=attrs)
+            for k, (v, attrs) in joined.items()
+        }
     dim = _sample_dimension(geom)
     where = f"store {describe_store(reader.store)}"
     if names is None:

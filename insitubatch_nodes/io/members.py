@@ -16,7 +16,8 @@ from __future__ import annotations
 import functools
 import hashlib
 import posixpath
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,7 @@ class MemberMap:
         samples_per_chunk: int,
         align: int,
         continuous: bool = False,
+        starts: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         if align % samples_per_chunk:
             raise ValueError(f"align {align} is not a multiple of {samples_per_chunk}")
@@ -65,6 +67,22 @@ class MemberMap:
                 "partial chunk"
             )
         self.lengths = n
+        #: the samples each member skips at its start, whole chunks (a concatenation whose
+        #: later store overlaps an earlier one, ``overlap="first"``; stores joined by time):
+        #: its samples are its stored ``starts[m] .. starts[m] + lengths[m] - 1``
+        self.starts = (
+            np.zeros_like(n) if starts is None else np.asarray(starts, dtype=np.int64).copy()
+        )
+        if (
+            self.starts.shape != n.shape
+            or np.any(self.starts % samples_per_chunk)
+            or np.any(self.starts < 0)
+        ):
+            raise ValueError(
+                f"{collection}: members may skip only whole chunks of {samples_per_chunk} at "
+                "their start, "
+                f"not {self.starts.tolist()}"
+            )
         self.samples_per_chunk = int(samples_per_chunk)
         self.align = int(align)
         padded = -(-n // align) * align  # each member's span: its samples and their padding
@@ -73,7 +91,15 @@ class MemberMap:
         self.chunk_base = self.sample_base // spc
         #: the member each virtual chunk belongs to
         self.chunk_member = np.repeat(np.arange(len(n), dtype=np.int64), padded // spc)
-        for arr in (self.lengths, self.sample_base, self.chunk_base, self.chunk_member):
+        self.chunk_skip = self.starts // spc  # the stored chunks each member skips
+        for arr in (
+            self.lengths,
+            self.starts,
+            self.sample_base,
+            self.chunk_base,
+            self.chunk_skip,
+            self.chunk_member,
+        ):
             arr.setflags(write=False)
         # a continuous axis ends where its last piece does (a partial last chunk, as an array's)
         self.n_samples = int(n.sum()) if self.continuous else int(padded.sum())
@@ -89,6 +115,8 @@ class MemberMap:
             h.update(b"continuous|")
         h.update("\x00".join(self.paths).encode())
         h.update(self.lengths.tobytes())
+        if self.starts.any():  # (absent otherwise: the fingerprints of maps without stay)
+            h.update(b"starts|" + self.starts.tobytes())
         return h.hexdigest()[:16]
 
     def __eq__(self, other: object) -> bool:
@@ -125,6 +153,38 @@ class MemberMap:
         lo = self.sample_base[np.maximum(m, 0)]
         return lo, lo + self.lengths[np.maximum(m, 0)]
 
+    def joined(
+        self, geom: Any, store: Any, named: bool, read: Callable[[Any], Mapping[str, Any]]
+    ) -> dict[str, tuple[np.ndarray, Mapping[str, Any]]]:
+        """The coordinates of the collection view ``geom`` (of this map), as ``{name: (values,
+        attrs)}``: on a continuous axis (stores concatenated or joined by time) each is its
+        members' own, ``read(member_geometry)`` (coordinates by name), the samples each member
+        gives, joined in order; a name not every member has is left out. Members of other
+        collections are independent: none (``ValueError`` when coordinates are ``named``)."""
+        if not self.continuous:
+            if named:
+                raise ValueError(
+                    f"{geom.path!r} is a collection of independent members: it carries no "
+                    "coordinates (each row's member and index are in batch.members and "
+                    "batch.sample_indices)"
+                )
+            return {}
+        parts = []
+        for path in self.paths:  # each member as stored: its coordinates cover all it holds
+            stored = _zarr_compat.open_arrays_by_name(store, [path], geom.zarr_format)[0]
+            if stored is None:
+                raise FileNotFoundError(f"{path!r} of {geom.path!r} is not in {store}")
+            parts.append(read(replace(geom, path=path, members=None, shape=tuple(stored.shape))))
+        out = {}
+        for name, first in parts[0].items():
+            if all(name in p for p in parts):
+                kept = [
+                    p[name].values[int(a) : int(a) + int(n)]
+                    for p, a, n in zip(parts, self.starts, self.lengths, strict=True)
+                ]
+                out[name] = (np.concatenate(kept), first.attrs)
+        return out
+
     # -- stored objects ----------------------------------------------------------------------
     def store_key(self, metadata: Any, coords: Sequence[int], sample_axis: int) -> str:
         """The key of the stored object at virtual chunk-grid ``coords``: the member's own
@@ -132,7 +192,7 @@ class MemberMap:
         chunk = int(coords[sample_axis])
         m = int(self.chunk_member[chunk])
         local = list(coords)
-        local[sample_axis] = chunk - int(self.chunk_base[m])
+        local[sample_axis] = chunk - int(self.chunk_base[m]) + int(self.chunk_skip[m])
         template = self._template(metadata, len(local))
         key = (
             template.format(*local)
@@ -155,7 +215,7 @@ class MemberMap:
             return None
         before, after = parts
         prefixes = [f"{p}/{before}" if p else before for p in self.paths]
-        member, base = self.chunk_member, self.chunk_base
+        member, base = self.chunk_member, self.chunk_base - self.chunk_skip
 
         def key(chunk: int) -> str:
             m = int(member[chunk])

@@ -1,0 +1,197 @@
+"""Stores as one timeline: where each store's samples sit on a joined time axis.
+
+A :class:`~insitubatch_nodes.io.collection.Collection` made by ``concat`` lays stores that
+continue one another end to end (:func:`continuation`: one step, no gap; an overlap kept from
+the store ``overlap=`` names), and one made by ``join`` reads arrays of several stores at the
+times they share (:func:`alignment`: one step, one grid, each store offset by whole chunks).
+Both return each member's stored samples ``[start, stop)`` (its *span*), checked here from the
+stores' time coordinates, refusing what does not fit with the stores and their times named;
+the member map (:mod:`~insitubatch_nodes.io.members`) then reads whole chunks of those spans.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from zarr.abc.store import Store
+
+from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.coords import open_coordinates, time_offsets
+
+__all__ = ["alignment", "continuation"]
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def continuation(
+    store: Store, names: Sequence[str], paths: Mapping[str, Sequence[str]], dim: str, overlap: str
+) -> list[tuple[int, int]] | None:
+    """Each member's stored samples ``[start, stop)`` that make one continuous axis of the
+    times of ``dim`` (``None``: every member whole): the times continue from member to member at
+    one step; where they overlap, ``overlap`` keeps the earlier (``"first"``) or the later
+    (``"last"``) member's, skipping whole chunks only. ``ValueError`` names the members and the
+    times otherwise."""
+    first_var = next(iter(paths))
+    align = 1
+    ticks, values, steps = [], [], []
+    for m, (name, path) in enumerate(zip(names, paths[first_var], strict=True)):
+        if m == 0:  # every member has the same chunks (checked when the collection is made)
+            heads = open_geometries(store, [p[0] for p in paths.values()])
+            align = math.lcm(*(g.samples_per_chunk for g in heads.values()))
+            geom = heads[path]
+        else:
+            geom = open_geometries(store, [path])[path]
+        coord = open_coordinates(store, geom).get(dim)
+        if coord is None or not coord.is_time:
+            raise ValueError(
+                f"concat: {name!r} has no time coordinate {dim!r} beside {first_var!r}: the "
+                "stores are joined by their times, checked to continue at one step"
+            )
+        t = time_offsets(coord, "1s")
+        d = np.unique(np.diff(t))
+        if len(d) > 1 or (len(d) and d[0] <= 0):
+            raise ValueError(f"concat: the times of {name!r} are not at one step ({d[:5]} s)")
+        ticks.append(t)
+        values.append(coord.values)
+        steps.append(int(d[0]) if len(d) else None)
+    step = next((s for s in steps if s is not None), None)
+    spans = [[0, len(t)] for t in ticks]
+    for k in range(len(ticks)):
+        if steps[k] is not None and steps[k] != step:
+            raise ValueError(
+                f"concat: {names[k]!r} steps {steps[k]} s, {names[0]!r} {step} s: the stores "
+                "must share one step"
+            )
+        if not k or step is None:
+            continue
+        a, b = spans[k - 1], spans[k]
+        last, first = values[k - 1][a[1] - 1], values[k][b[0]]
+        gap = int(ticks[k][b[0]] - ticks[k - 1][a[1] - 1])
+        if gap == step:
+            continue
+        what = "overlap" if gap <= 0 else "leave a gap"
+        delta: Any = (
+            np.timedelta64(step, "s")
+            if isinstance(last, np.datetime64)
+            else datetime.timedelta(seconds=step)
+        )
+        if gap > 0 or overlap == "error" or gap % step:
+            hint = (
+                ' (or give overlap="first" or "last" to say which store wins)'
+                if gap <= 0 and not gap % step
+                else ""
+            )
+            raise ValueError(
+                f"concat: {names[k - 1]!r} ends at {last} and {names[k]!r} starts at {first}: "
+                f"they {what} (at the step of {step} s, {last + delta} comes next){hint}"
+            )
+        shared = (step - gap) // step  # the steps both hold
+        if overlap == "first":  # the later member skips them at its start
+            b[0] += shared
+            loser, cut = k, b[0]
+        else:  # the earlier member drops them at its end
+            a[1] -= shared
+            loser, cut = k - 1, a[1]
+        if b[0] >= b[1] or a[1] <= a[0]:
+            raise ValueError(
+                f"concat: {names[k]!r} ({values[k][0]} .. {values[k][-1]}) and "
+                f"{names[k - 1]!r} ({values[k - 1][0]} .. {values[k - 1][-1]}): one holds "
+                f"all of the other's times left after the overlap; leave it out"
+            )
+        if cut % align:
+            raise ValueError(
+                f"concat: {names[k - 1]!r} and {names[k]!r} overlap from {first} to {last}, and "
+                f"overlap={overlap!r} would cut {names[loser]!r} at its step {cut} "
+                f"({values[loser][cut]}), inside a chunk of {align} steps: only whole chunks "
+                "can be skipped; give the other overlap= or trim the stores"
+            )
+    if all(a == 0 and b == len(t) for (a, b), t in zip(spans, ticks, strict=True)):
+        return None
+    return [(a, b) for a, b in spans]
+
+
+def alignment(
+    store: Store, names: Sequence[str], roots: Sequence[str], arrays: Sequence[list[str]], dim: str
+) -> dict[str, list[tuple[int, int]]]:
+    """Each joined array's stored samples ``[start, stop)`` on the stores' shared times (see
+    ``Collection.join``), keyed by variable name; ``ValueError`` naming the stores and their
+    times where the stores do not align."""
+    ticks, values, spcs = [], [], []
+    for name, root, variables in zip(names, roots, arrays, strict=True):
+        if not variables:
+            raise ValueError(f"join: {name!r} names no array")
+        located = [_join(root, v) for v in variables]
+        geoms = open_geometries(store, located)
+        coord = open_coordinates(store, geoms[located[0]]).get(dim)
+        if coord is None or not coord.is_time:
+            raise ValueError(
+                f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
+                "stores are aligned by their times"
+            )
+        t = time_offsets(coord, "1s")
+        ticks.append(t)
+        values.append(coord.values)
+        spcs.append([geoms[p].samples_per_chunk for p in located])
+    steps = [np.unique(np.diff(t)) for t in ticks]
+    for name, d, v in zip(names, steps, values, strict=True):
+        if len(d) != 1 or d[0] <= 0:
+            raise ValueError(
+                f"join: the times of {name!r} ({v[0]} .. {v[-1]}) are not at one step (steps "
+                f"{d[:5].tolist()} s): only regular times are joined"
+            )
+    step = int(steps[0][0])
+    for k in range(1, len(names)):
+        if int(steps[k][0]) != step:
+            raise ValueError(
+                f"join: {names[k]!r} steps {int(steps[k][0])} s, {names[0]!r} {step} s: the "
+                "stores must share one step (coarsen one first)"
+            )
+        if (ticks[k][0] - ticks[0][0]) % step:
+            raise ValueError(
+                f"join: {names[k]!r} starts at {values[k][0]} and {names[0]!r} at "
+                f"{values[0][0]}: at the step of {step} s their times are not on one grid"
+            )
+    first = max(int(t[0]) for t in ticks)
+    last = min(int(t[-1]) for t in ticks)
+    spans_of = ", ".join(f"{n!r} {v[0]} .. {v[-1]}" for n, v in zip(names, values, strict=True))
+    if first > last:
+        raise ValueError(f"join: the stores share no time ({spans_of})")
+    offsets = [(first - int(t[0])) // step for t in ticks]  # each store's index of `first`
+    period = math.lcm(*(c for per in spcs for c in per))
+    skip = next(
+        (
+            j
+            for j in range(period)
+            if all((d + j) % c == 0 for d, per in zip(offsets, spcs, strict=True) for c in per)
+        ),
+        None,
+    )
+    n = (last - first) // step + 1 - (skip or 0)
+    if skip is None or n <= 0:
+        raise ValueError(
+            f"join: the stores share the times from {_time_at(values, ticks, first)} to "
+            f"{_time_at(values, ticks, last)} ({spans_of}), but no shared time in it is at a "
+            f"chunk boundary of every array (their chunks along {dim!r}: "
+            f"{dict(zip(names, spcs, strict=True))}): each array is read by whole chunks; "
+            "rechunk one store so that its chunks start on the other's"
+        )
+    out: dict[str, list[tuple[int, int]]] = {}
+    for store_name, variables, offset in zip(names, arrays, offsets, strict=True):
+        for path in variables:
+            out[f"{store_name}/{path.strip('/')}"] = [(offset + skip, offset + skip + n)]
+    return out
+
+
+def _time_at(values: Sequence[np.ndarray], ticks: Sequence[np.ndarray], tick: int) -> Any:
+    """The date at ``tick`` (seconds) in the first store that holds it."""
+    for v, t in zip(values, ticks, strict=True):
+        hit = np.flatnonzero(t == tick)
+        if len(hit):
+            return v[int(hit[0])]
+    return tick
