@@ -310,18 +310,16 @@ def insitu_pipeline(
         store = store.store
     zstore = _open_store(store, fetch_options.retry)
     views, geoms = _resolve_views(zstore, variables)
+    read = list(_members(views))
     refuse_collection_options(
-        list(_members(views)),
-        timed=not isinstance(plan_config.stride, int)
-        or any(v.timed_window for v in _members(views)),
+        read,
+        timed=not isinstance(plan_config.stride, int) or any(v.timed_window for v in read),
         missing=missing,
         missing_objects=missing_objects,
         coords=coords,
-        plain_views=sum(v.members is None and not v.static for v in _members(views)),
+        plain_views=sum(v.members is None and not v.static for v in read),
     )
-    refuse_product_options(
-        list(_members(views)), plan_config.stride, missing, missing_objects, coords
-    )
+    refuse_product_options(read, plan_config.stride, missing, missing_objects, coords)
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
     views, geoms, statics, constants = _static_fields(views, geoms)
