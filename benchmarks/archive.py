@@ -11,18 +11,22 @@ with its outside tree sampler, the moto server + counting latency proxy with the
 1. Datasets (``insitubatch_nodes.synthetic.make_weatherbench_like``) are written once under
    ``benchmarks/data/`` and reused while their spec matches the marker next to the folder.
    Full: 512 steps of the default archive (121 x 240, 10 surface + 3 thirteen-level arrays,
-   blosc-zstd) at 1 sample per chunk (``wb-c1``) and the same data at 16 (``wb-c16``). The
-   split is ``split_by_chunk(first array, (0.8, 0.1, 0.1))``'s train split; every data array is
-   a label; batch size 32.
+   blosc-zstd) at 1 sample per chunk (``wb-c1``) and the same data at 16 (``wb-c16``), and a
+   long store at 16 (``wb-c16-long``: 4,096 steps on 61 x 120, local only) whose train split is
+   6.4x the default budget, the regime of real archives. The split is ``split_by_chunk(first
+   array, (0.8, 0.1, 0.1))``'s train split; every data array is a label; batch size 32. On
+   ``wb-c16`` nodes also runs with a working-set budget (variant ``budget=working-set``).
 2. ``local`` = obstore ``LocalStore`` (every file read once right before each measurement: the
    page cache is warm);
    ``s3`` = moto on loopback behind the counting latency proxy (``--latency-ms``, default 10),
    the datasets uploaded once.
 3. Scale rows, once, before the rounds: metadata-only stores (every chunk missing), planning
    and the first batches at 10^5-10^6 steps and tens of arrays.
-4. ``--repeats`` rounds; within a round every engine runs on every (store, dataset) — the
-   chunk-1 dataset on every store first — in an order that rotates from round to round; each
-   measurement times epoch 0 and epoch 1 of one fresh process (a ceiling on s3: one pass).
+4. ``--repeats`` rounds, each starting with a fresh process measuring the machine's
+   first-touch rate (``benchmarks/first_touch.py``: a ``first_touch`` row); within a round
+   every engine runs on every (store, dataset) — the chunk-1 dataset on every store first — in
+   an order that rotates from round to round; each measurement times epoch 0 and epoch 1 of
+   one fresh process (a ceiling on s3: one pass).
    The peers run every worker count in round 0 and the best per peer after (local), or in
    round 0 only (s3). Past the suite's time budget the peers are skipped, then every engine
    (``skip`` rows say so).
@@ -42,6 +46,7 @@ import os
 import shutil
 import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -220,6 +225,15 @@ class ArchiveSuite:
     # past ``soft_budget_s`` the peers are skipped, past ``hard_budget_s`` every engine
     soft_budget_s: float | None = None
     hard_budget_s: float | None = None
+    # nodes also runs with a working-set budget on these datasets, local store
+    # (``budget=working-set``: the
+    # smallest budget every epoch's schedule fits, ``schedule_floors(...).guaranteed``)
+    working_set: tuple[str, ...] = ()
+    # these datasets run on the local store only (the long one: real archives' regime, where
+    # the split is many times the default budget)
+    local_only: tuple[str, ...] = ()
+    # MiB of the per-round first-touch measurement (``benchmarks/first_touch.py``)
+    first_touch_mib: int = 512
 
 
 def make_suite(name: str) -> ArchiveSuite:
@@ -243,12 +257,17 @@ def make_suite(name: str) -> ArchiveSuite:
             scale_max_s=2.0,
             scale_max_batches=50,
             scale_timeout_s=180,
+            working_set=(tiny.name,),
+            first_touch_mib=32,
         )
     c1 = ArchiveSpec("wb-c1", 512, samples_per_chunk=1)
     c16 = ArchiveSpec("wb-c16", 512, samples_per_chunk=16)
+    # the same arrays at a quarter of the grid over 8x the steps: the train split (4.7 GB
+    # decoded) is 6.4x the default budget (a working set of ~0.7 GB), as in real archives
+    long = ArchiveSpec("wb-c16-long", 4096, n_lat=61, n_lon=120, samples_per_chunk=16)
     return ArchiveSuite(
         "full",
-        [c1, c16],
+        [c1, c16, long],
         repeats=3,
         child_timeout_s=300,
         peer_datasets=(c1.name,),
@@ -273,6 +292,8 @@ def make_suite(name: str) -> ArchiveSuite:
         ],
         soft_budget_s=12 * 60,
         hard_budget_s=14 * 60,
+        working_set=(c16.name,),
+        local_only=(long.name,),
     )
 
 
@@ -442,6 +463,8 @@ class ArchiveHarness:
         """What one engine runs on one (store, dataset) in a round."""
         if engine == "bare" and store != "local":
             return []  # it reads files
+        if info.spec.name in self.suite.local_only and store != "local":
+            return []
         if repeat > 0 and engine in self.suite.once.get(store, ()):
             return []
         if engine in PEERS:
@@ -458,6 +481,8 @@ class ArchiveHarness:
                 cap = plan.max_batches(n)
                 out.append({"num_workers": n, **({"max_batches": cap} if cap else {})})
             return out
+        if engine == "nodes" and store == "local" and info.spec.name in self.suite.working_set:
+            return [{}, {"budget": "working-set"}]
         return [{}]
 
     def best_workers(
@@ -606,6 +631,37 @@ class ArchiveHarness:
             "extra": extra,
         }
 
+    # -- the machine's first-touch rate ----------------------------------------------------------
+    def first_touch(self, repeat: int) -> None:
+        """One fresh process measuring how fast this machine hands out fresh memory
+        (``benchmarks/first_touch.py``), at the start of every round: the rate every cold epoch
+        of that round pays for its pool and batch memory."""
+        out = self.tmp / f"first-touch-{repeat}.json"
+        cmd = [sys.executable, "-m", "benchmarks.first_touch"]
+        cmd += ["--mib", str(self.suite.first_touch_mib), "--out", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=HERE.parent)
+        if done.returncode != 0 or not out.exists():
+            tail = (done.stdout + done.stderr)[-1500:]
+            print(f"[archive] FAIL first-touch round {repeat}: rc={done.returncode}\n{tail}")
+            self.emit(
+                {
+                    "type": "error",
+                    "engine": "first_touch",
+                    "repeat": repeat,
+                    "status": f"rc={done.returncode}",
+                    "log_tail": tail,
+                }
+            )
+            return
+        rates = json.loads(out.read_text())
+        self.emit({"type": "first_touch", "repeat": repeat, **rates})
+        text = ", ".join(
+            f"{k.removesuffix('_GBps')} {v:.2f}"
+            for k, v in rates.items()
+            if k.endswith("_GBps") and v is not None
+        )
+        print(f"[archive] r{repeat} first touch of fresh memory, GB/s: {text}")
+
     # -- scale ---------------------------------------------------------------------------------
     def scale(self, spec: ArchiveSpec, data_dir: Path) -> None:
         t0 = time.monotonic()
@@ -731,6 +787,8 @@ class ArchiveHarness:
                 ],
                 "scale_max_s": self.suite.scale_max_s,
                 "scale_max_batches": self.suite.scale_max_batches,
+                "working_set": list(self.suite.working_set),
+                "local_only": list(self.suite.local_only),
             }
         )
         if "local" in self.args.stores:
@@ -749,6 +807,7 @@ class ArchiveHarness:
             # Within a round the first dataset (chunk 1: the targets) runs on every store
             # before the next, so the time budget cuts the comparison layouts first.
             for repeat in range(self.suite.repeats):
+                self.first_touch(repeat)
                 k = repeat % len(engines) if engines else 0
                 order = engines[k:] + engines[:k]
                 for info in infos:
@@ -822,6 +881,10 @@ def check_rows(rows: list[dict[str, Any]]) -> list[str]:
                     if not mine and key not in skipped:
                         problems.append(f"no rows for {where}")
                     problems += _check_measurements(run, engine, store, d, mine, where)
+    touched = {r["repeat"] for r in rows if r.get("type") == "first_touch"}
+    rounds = {r["repeat"] for r in rows if r.get("type") == "measurement"}
+    for rep in sorted(rounds - touched):
+        problems.append(f"no first-touch row for round {rep}")
     scale = {(r["n_time"], r["arrays"]) for r in rows if r.get("type") == "scale"}
     for s in run.get("scale", []):
         if (s["n_time"], s["arrays"]) not in scale:
@@ -846,6 +909,10 @@ def _planned(run: dict[str, Any], engine: str, store: str, dataset: str) -> list
     """The variants the run planned for one engine on one (store, dataset), in any round."""
     if engine == "bare" and store != "local":
         return []
+    if dataset in run.get("local_only", []) and store != "local":
+        return []
+    if engine == "nodes" and store == "local" and dataset in run.get("working_set", []):
+        return ["", "budget=working-set"]
     if engine not in PEERS:
         return [""]
     plan = (run.get("peers") or {}).get(store)

@@ -78,8 +78,18 @@ def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
     manifest = split_by_chunk(geoms[variables[0]], (0.8, 0.1, 0.1))
     if list(manifest.chunks("train")) != cfg["train_chunks"]:
         raise RuntimeError("the nodes split differs from the harness split")
+    views = {name: geoms[name] for name in variables}
+    budget = None
+    if cfg.get("budget") == "working-set":  # the smallest budget every epoch's schedule fits
+        from insitubatch_nodes import PlanConfig
+        from insitubatch_nodes.plan.schedule import schedule_floors
+
+        config = PlanConfig(batch_size=cfg["batch_size"])
+        budget = schedule_floors(manifest, views, config).guaranteed
+    elif cfg.get("budget") is not None:
+        raise ValueError(f"unknown budget variant {cfg['budget']!r}")
     pipe = insitu_pipeline(
-        store, manifest, {name: geoms[name] for name in variables}, batch_size=cfg["batch_size"]
+        store, manifest, views, batch_size=cfg["batch_size"], cache_budget_bytes=budget
     )
     loader = Loader(pipe)
     setup_s = time.monotonic() - t0
@@ -96,6 +106,7 @@ def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
                 count_batch(rec, len(batch), batch.sample_indices[anchor])
         report = pipe.report()
         rec.extra["report"] = report.as_dict() if report is not None else None
+        rec.extra["budget_bytes"] = pipe.context.pool.budget_bytes
         epochs.append(rec.as_dict())
     return {"setup_s": setup_s, "epochs": epochs}
 

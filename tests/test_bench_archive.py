@@ -40,8 +40,25 @@ def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path:
     measured = [r for r in rows if r["type"] == "measurement"]
     skipped = [r for r in rows if r["type"] == "skip"]
 
-    def mine(engine: str, store: str) -> list[dict]:
-        return [r for r in measured if (r["engine"], r["store"]) == (engine, store)]
+    def mine(engine: str, store: str, variant: str | None = None) -> list[dict]:
+        return [
+            r
+            for r in measured
+            if (r["engine"], r["store"], r["variant"]) == (engine, store, variant)
+            or (engine != "nodes" and (r["engine"], r["store"]) == (engine, store))
+        ]
+
+    # the machine's first-touch rate, measured in each round by a fresh process
+    (touch,) = [r for r in rows if r["type"] == "first_touch"]
+    assert touch["repeat"] == 0 and touch["first_write_GBps"] > 0 and touch["rewrite_GBps"] > 0
+    # nodes also ran with the working-set budget (local only), every object once in epoch 0
+    ws = mine("nodes", "local", "budget=working-set")
+    assert sorted(r["epoch_kind"] for r in ws) == ["epoch0", "epoch1"]
+    assert not mine("nodes", "s3", "budget=working-set")
+    for r in ws:
+        assert r["samples"] == data["train_samples"]
+        assert 0 < r["extra"]["budget_bytes"] <= mine("nodes", "local")[0]["extra"]["budget_bytes"]
+    assert ws[0]["gets"] == data["train_objects"]
 
     for store in ("local", "s3"):
         nodes = mine("nodes", store)
@@ -89,6 +106,8 @@ def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path:
     assert "### local · wb-smoke (1 sample(s) per chunk)" in text
     assert "| nodes / bare loop | 0 |" in text and "| nodes / raw GET | 0 |" in text
     assert "engine CPU per stored object beyond decode" in text
+    assert "| nodes, working-set budget / bare loop | 0 |" in text
+    assert "first touch of fresh memory in this run" in text
     assert "## Planning at scale" in text and "| 5,000 | 8 |" in text
 
 
@@ -126,7 +145,8 @@ def test_the_archive_ratios_pair_each_round_with_its_own_ceilings_and_peers() ->
         rows.append(_row("rawget", "ceiling", repeat, "epoch0", 4 * bare))
         rows.append(_row("zarr", "peer", repeat, "epoch0", peer, variant="num_workers=2"))
         rows.append(_row("zarr", "peer", repeat, "epoch0", peer / 2, variant="num_workers=0"))
-    lines = {line[0]: line for line in _archive_ratios(rows, "local", "wb-c1", 1)}
+    c1 = {"name": "wb-c1", "samples_per_chunk": 1, "decoded_train_bytes": 2e9}
+    lines = {line[0]: line for line in _archive_ratios(rows, "local", c1)}
     # per round: 0.9 and 1.2 -> median 1.05; against the fastest peer of the round: 3 and 1
     assert lines["nodes / bare loop"][2:] == ["1.05 (0.900–1.20)", "≥ 0.85", "met"]
     assert lines["nodes / best peer"][2:] == ["2 (1–3)", "≥ 1.5", "met"]
@@ -134,6 +154,41 @@ def test_the_archive_ratios_pair_each_round_with_its_own_ceilings_and_peers() ->
     # (1.26 - 1.0) CPU-s over 5,200 objects = 50 µs per object
     cpu = lines["engine CPU per stored object beyond decode, µs"]
     assert float(cpu[2]) == pytest.approx(50) and cpu[3:] == ["≤ 30", "**missed**"]
-    # at 16 samples per chunk the same ratios, no targets
-    c16 = _archive_ratios(rows, "local", "wb-c1", 16)
-    assert {line[3] for line in c16} == {"–"}
+    # at 16 samples per chunk: epoch 0 against the bare loop (>= 0.6), the rest for comparison
+    c16 = _archive_ratios(rows, "local", {**c1, "samples_per_chunk": 16})
+    assert [line[3] for line in c16 if line[3] != "–"] == ["≥ 0.6"]
+    assert [line[4] for line in c16 if line[3] != "–"] == ["met"]  # 1.05
+
+
+def test_the_archive_targets_of_the_cold_epoch_follow_the_budget_and_the_split() -> None:
+    from benchmarks.report import _archive_ratios
+
+    rows = []
+    for repeat, (nodes, ws, bare) in enumerate([(30.0, 80.0, 100.0), (40.0, 90.0, 100.0)]):
+        extra = {"budget_bytes": 1e9}
+        for kind in ("epoch0", "epoch1"):
+            rows.append(_row("nodes", "engine", repeat, kind, nodes, cpu_s=1.1, extra=extra))
+            more = {"cpu_s": 1.2, "variant": "budget=working-set", "extra": extra}
+            rows.append(_row("nodes", "engine", repeat, kind, ws, **more))
+            rows.append(_row("bare", "ceiling", repeat, kind, bare))
+            rows.append(_row("decode", "ceiling", repeat, kind, bare, cpu_s=1.0))
+    long = {"name": "wb-c1", "samples_per_chunk": 16, "decoded_train_bytes": 4e9}
+    lines = [line for line in _archive_ratios(rows, "local", long) if line[3] != "–"]
+    by = {(line[0], line[1]): line[2:] for line in lines}
+    # the default budget's rows only: 0.3 and 0.4 of the bare loop
+    assert by[("nodes / bare loop", "0")] == ["0.350 (0.300–0.400)", "≥ 0.6", "**missed**"]
+    assert by[("nodes, working-set budget / bare loop", "0")] == [
+        "0.850 (0.800–0.900)",
+        "≥ 0.85",
+        "met",
+    ]
+    # a split 4x the default budget: CPU beyond decode in epoch 0, (1.1 - 1.0) / 5,200 = 19 µs
+    cpu = by[("engine CPU per stored object beyond decode, µs", "0")]
+    assert float(cpu[0]) == pytest.approx(19.2) and cpu[1:] == ["≤ 30", "met"]
+    assert len(lines) == 3
+    # a split under 4x the budget: no CPU target at 16 samples per chunk
+    short = _archive_ratios(rows, "local", {**long, "decoded_train_bytes": 3.9e9})
+    assert [line[0] for line in short if line[3] != "–"] == [
+        "nodes / bare loop",
+        "nodes, working-set budget / bare loop",
+    ]

@@ -323,7 +323,7 @@ class EpochPlan:
             rows=rows,
             anchors=anchors,
             sample_indices=sample_indices,
-            blocks=tuple(int(b) for b in np.unique(self._block_of_row[lo:hi])),
+            blocks=tuple(sorted_unique(self._block_of_row[lo:hi]).tolist()),
             epoch_plan=self,
             origins=origins,
             patch_origins={

@@ -173,10 +173,10 @@ def _patch_chunk_bytes(
             first = (starts + offset) // pspc
             last = (starts + counts - 1 + offset) // pspc
             span_total += last - first + 1
-            read.append(np.unique(np.concatenate([first, last])))
+            read.append(sorted_unique(np.concatenate([first, last])))
         weight += np.repeat(span_total * per_chunk, r)
         # every chunk a view reads lies between some anchor chunk's first and last read
-        total += every * len(np.unique(np.concatenate(read)))
+        total += every * len(sorted_unique(np.concatenate(read)))
     keep = cnt > 0  # a plan leaves out patch chunks without samples
     return weight[keep], total, cnt[keep]
 

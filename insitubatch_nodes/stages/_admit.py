@@ -28,7 +28,7 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan
+from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan, sorted_unique
 from insitubatch_nodes.plan.schedule import kept_bytes, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
@@ -383,7 +383,7 @@ class Admission:
         dest = self.setup.buffers.parts(arrays)  # a window's step: its (row, t) slices
         for group, chunks, rows, offsets in rows_in_place:
             assert group.in_place is not None
-            for offset in np.unique(offsets).tolist():
+            for offset in sorted_unique(offsets).tolist():
                 pick = offsets == offset
                 chunk_list, row_list = chunks[pick].tolist(), rows[pick].tolist()
                 for path, labels in group.in_place.items():
