@@ -13,9 +13,9 @@ with its outside tree sampler, the moto server + counting latency proxy with the
    Full: 512 steps of the default archive (121 x 240, 10 surface + 3 thirteen-level arrays,
    blosc-zstd) at 1 sample per chunk (``wb-c1``) and the same data at 16 (``wb-c16``), and a
    long store at 16 (``wb-c16-long``: 4,096 steps on 61 x 120, local only) whose train split is
-   6.4x the default budget, the regime of real archives. The split is ``split_by_chunk(first
-   array, (0.8, 0.1, 0.1))``'s train split; every data array is a label; batch size 32. On
-   ``wb-c16`` nodes also runs with a working-set budget (variant ``budget=working-set``).
+   6.4x the default budget, the regime of real archives (there the automatic budget is the
+   working set, and slots are recycled within the epoch). The split is ``split_by_chunk(first
+   array, (0.8, 0.1, 0.1))``'s train split; every data array is a label; batch size 32.
 2. ``local`` = obstore ``LocalStore`` (every file read once right before each measurement: the
    page cache is warm);
    ``s3`` = moto on loopback behind the counting latency proxy (``--latency-ms``, default 10),
@@ -225,10 +225,6 @@ class ArchiveSuite:
     # past ``soft_budget_s`` the peers are skipped, past ``hard_budget_s`` every engine
     soft_budget_s: float | None = None
     hard_budget_s: float | None = None
-    # nodes also runs with a working-set budget on these datasets, local store
-    # (``budget=working-set``: the
-    # smallest budget every epoch's schedule fits, ``schedule_floors(...).guaranteed``)
-    working_set: tuple[str, ...] = ()
     # these datasets run on the local store only (the long one: real archives' regime, where
     # the split is many times the default budget)
     local_only: tuple[str, ...] = ()
@@ -257,7 +253,6 @@ def make_suite(name: str) -> ArchiveSuite:
             scale_max_s=2.0,
             scale_max_batches=50,
             scale_timeout_s=180,
-            working_set=(tiny.name,),
             first_touch_mib=32,
         )
     c1 = ArchiveSpec("wb-c1", 512, samples_per_chunk=1)
@@ -292,7 +287,6 @@ def make_suite(name: str) -> ArchiveSuite:
         ],
         soft_budget_s=12 * 60,
         hard_budget_s=14 * 60,
-        working_set=(c16.name,),
         local_only=(long.name,),
     )
 
@@ -481,8 +475,6 @@ class ArchiveHarness:
                 cap = plan.max_batches(n)
                 out.append({"num_workers": n, **({"max_batches": cap} if cap else {})})
             return out
-        if engine == "nodes" and store == "local" and info.spec.name in self.suite.working_set:
-            return [{}, {"budget": "working-set"}]
         return [{}]
 
     def best_workers(
@@ -787,7 +779,6 @@ class ArchiveHarness:
                 ],
                 "scale_max_s": self.suite.scale_max_s,
                 "scale_max_batches": self.suite.scale_max_batches,
-                "working_set": list(self.suite.working_set),
                 "local_only": list(self.suite.local_only),
             }
         )
@@ -911,8 +902,6 @@ def _planned(run: dict[str, Any], engine: str, store: str, dataset: str) -> list
         return []
     if dataset in run.get("local_only", []) and store != "local":
         return []
-    if engine == "nodes" and store == "local" and dataset in run.get("working_set", []):
-        return ["", "budget=working-set"]
     if engine not in PEERS:
         return [""]
     plan = (run.get("peers") or {}).get(store)

@@ -79,18 +79,7 @@ def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
     if list(manifest.chunks("train")) != cfg["train_chunks"]:
         raise RuntimeError("the nodes split differs from the harness split")
     views = {name: geoms[name] for name in variables}
-    budget = None
-    if cfg.get("budget") == "working-set":  # the smallest budget every epoch's schedule fits
-        from insitubatch_nodes import PlanConfig
-        from insitubatch_nodes.plan.schedule import schedule_floors
-
-        config = PlanConfig(batch_size=cfg["batch_size"])
-        budget = schedule_floors(manifest, views, config).guaranteed
-    elif cfg.get("budget") is not None:
-        raise ValueError(f"unknown budget variant {cfg['budget']!r}")
-    pipe = insitu_pipeline(
-        store, manifest, views, batch_size=cfg["batch_size"], cache_budget_bytes=budget
-    )
+    pipe = insitu_pipeline(store, manifest, views, batch_size=cfg["batch_size"])
     loader = Loader(pipe)
     setup_s = time.monotonic() - t0
 

@@ -40,25 +40,12 @@ def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path:
     measured = [r for r in rows if r["type"] == "measurement"]
     skipped = [r for r in rows if r["type"] == "skip"]
 
-    def mine(engine: str, store: str, variant: str | None = None) -> list[dict]:
-        return [
-            r
-            for r in measured
-            if (r["engine"], r["store"], r["variant"]) == (engine, store, variant)
-            or (engine != "nodes" and (r["engine"], r["store"]) == (engine, store))
-        ]
+    def mine(engine: str, store: str) -> list[dict]:
+        return [r for r in measured if (r["engine"], r["store"]) == (engine, store)]
 
     # the machine's first-touch rate, measured in each round by a fresh process
     (touch,) = [r for r in rows if r["type"] == "first_touch"]
     assert touch["repeat"] == 0 and touch["first_write_GBps"] > 0 and touch["rewrite_GBps"] > 0
-    # nodes also ran with the working-set budget (local only), every object once in epoch 0
-    ws = mine("nodes", "local", "budget=working-set")
-    assert sorted(r["epoch_kind"] for r in ws) == ["epoch0", "epoch1"]
-    assert not mine("nodes", "s3", "budget=working-set")
-    for r in ws:
-        assert r["samples"] == data["train_samples"]
-        assert 0 < r["extra"]["budget_bytes"] <= mine("nodes", "local")[0]["extra"]["budget_bytes"]
-    assert ws[0]["gets"] == data["train_objects"]
 
     for store in ("local", "s3"):
         nodes = mine("nodes", store)
@@ -106,7 +93,7 @@ def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path:
     assert "### local · wb-smoke (1 sample(s) per chunk)" in text
     assert "| nodes / bare loop | 0 |" in text and "| nodes / raw GET | 0 |" in text
     assert "engine CPU per stored object beyond decode" in text
-    assert "| nodes, working-set budget / bare loop | 0 |" in text
+    assert "split / automatic budget" in text
     assert "first touch of fresh memory in this run" in text
     assert "## Planning at scale" in text and "| 5,000 | 8 |" in text
 
@@ -164,31 +151,23 @@ def test_the_archive_targets_of_the_cold_epoch_follow_the_budget_and_the_split()
     from benchmarks.report import _archive_ratios
 
     rows = []
-    for repeat, (nodes, ws, bare) in enumerate([(30.0, 80.0, 100.0), (40.0, 90.0, 100.0)]):
-        extra = {"budget_bytes": 1e9}
+    for repeat, (nodes, bare) in enumerate([(80.0, 100.0), (90.0, 100.0)]):
         for kind in ("epoch0", "epoch1"):
+            extra = {"budget_bytes": 1e9}
             rows.append(_row("nodes", "engine", repeat, kind, nodes, cpu_s=1.1, extra=extra))
-            more = {"cpu_s": 1.2, "variant": "budget=working-set", "extra": extra}
-            rows.append(_row("nodes", "engine", repeat, kind, ws, **more))
             rows.append(_row("bare", "ceiling", repeat, kind, bare))
             rows.append(_row("decode", "ceiling", repeat, kind, bare, cpu_s=1.0))
     long = {"name": "wb-c1", "samples_per_chunk": 16, "decoded_train_bytes": 4e9}
     lines = [line for line in _archive_ratios(rows, "local", long) if line[3] != "–"]
     by = {(line[0], line[1]): line[2:] for line in lines}
-    # the default budget's rows only: 0.3 and 0.4 of the bare loop
-    assert by[("nodes / bare loop", "0")] == ["0.350 (0.300–0.400)", "≥ 0.6", "**missed**"]
-    assert by[("nodes, working-set budget / bare loop", "0")] == [
-        "0.850 (0.800–0.900)",
-        "≥ 0.85",
-        "met",
-    ]
-    # a split 4x the default budget: CPU beyond decode in epoch 0, (1.1 - 1.0) / 5,200 = 19 µs
+    # a split 4x the automatic budget (its working set): >= 0.85 of the bare loop in epoch 0
+    assert by[("nodes / bare loop", "0")] == ["0.850 (0.800–0.900)", "≥ 0.85", "met"]
+    # and CPU beyond decode in epoch 0, (1.1 - 1.0) / 5,200 = 19 µs
     cpu = by[("engine CPU per stored object beyond decode, µs", "0")]
     assert float(cpu[0]) == pytest.approx(19.2) and cpu[1:] == ["≤ 30", "met"]
-    assert len(lines) == 3
-    # a split under 4x the budget: no CPU target at 16 samples per chunk
+    assert len(lines) == 2
+    # a split under 4x the budget (the pool keeps it): >= 0.6 in epoch 0, no CPU target
     short = _archive_ratios(rows, "local", {**long, "decoded_train_bytes": 3.9e9})
-    assert [line[0] for line in short if line[3] != "–"] == [
-        "nodes / bare loop",
-        "nodes, working-set budget / bare loop",
+    assert [line[2:] for line in short if line[3] != "–"] == [
+        ["0.850 (0.800–0.900)", "≥ 0.6", "met"]
     ]
