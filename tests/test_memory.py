@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import RamBacking
+from insitubatch_nodes.stages.buffers import BufferPool
 
 LINUX = sys.platform.startswith("linux")
 
@@ -71,6 +73,61 @@ def test_allocation_on_demand_never_waits_for_the_reserve() -> None:
         assert all(g is not None for g in got)
         _wait_reserved(pool)
         assert pool.allocated_bytes <= 2 * nbytes
+
+
+def _until_waiting(pool: BufferPool, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not pool._made._waiters:  # type: ignore[attr-defined]
+        assert time.monotonic() < deadline, "take() did not wait for the reserve"
+        time.sleep(0.001)
+
+
+def test_a_batch_buffer_being_made_ahead_is_waited_for_not_allocated_again() -> None:
+    # the buffer reserve was measured leaving one populated buffer unused per wb-c1 epoch
+    # while takes faulted two others in page by page: a take now waits for the one on its way
+    pool = BufferPool((4, 1024), np.dtype("f8"))
+    pool.expect(2)
+    first = pool.take()  # the first batch does not wait: its decode threads would idle
+    assert pool.allocations == 1
+    raw = RamBacking().allocate_populated((pool.nbytes,), np.dtype(np.uint8))
+    got: list[np.ndarray] = []
+    taker = threading.Thread(target=lambda: got.append(pool.take()))
+    taker.start()
+    _until_waiting(pool)
+    pool.add_ready(raw)
+    taker.join(20)
+    (second,) = got
+    assert pool.allocations == 2  # the first and the reserved one: nothing faulted twice
+    assert np.shares_memory(second, raw) and not np.shares_memory(second, first)
+
+
+def test_a_reserve_that_ends_early_lets_a_waiting_take_allocate() -> None:
+    pool = BufferPool((4, 1024), np.dtype("f8"))
+    pool.expect(3)
+    first = pool.take()
+    got: list[np.ndarray] = []
+    taker = threading.Thread(target=lambda: got.append(pool.take()))
+    taker.start()
+    _until_waiting(pool)
+    pool.expect_no_more()  # the reserve failed or was stopped
+    taker.join(20)
+    (second,) = got
+    assert pool.allocations == 2 and not np.shares_memory(second, first)
+    assert pool.take() is not None and pool.allocations == 3  # nothing is expected any more
+
+
+def test_an_epoch_lends_every_batch_buffer_it_reserved(era5_v3_path: Path) -> None:
+    geoms = open_geometries(era5_v3_path, ["t2m"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
+    pipe = insitu_pipeline(era5_v3_path, manifest, {"x": geoms["t2m"]}, batch_size=4, coords=())
+    with pipe:
+        loader = Loader(pipe)
+        for _ in range(2):
+            for _batch in loader:
+                pass
+        (buffers,) = pipe.context.buffers._pools.values()
+        # every buffer made is lent (no populated buffer left over), and epoch 1 makes none
+        assert buffers.allocations == len(buffers._buffers) and not buffers._ready
 
 
 def test_closing_a_pipeline_stops_its_reserve(era5_v3_path: Path) -> None:

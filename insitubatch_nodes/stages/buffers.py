@@ -35,6 +35,10 @@ from insitubatch_nodes.slots import RamBacking
 
 __all__ = ["BatchBuffers", "BufferPool", "batch_rows"]
 
+#: The longest a :meth:`BufferPool.take` waits for a buffer being made ahead of need before it
+#: allocates one itself (making one of a few hundred MB takes a fraction of a second).
+RESERVE_WAIT_S = 2.0
+
 
 class BufferPool:
     """Reusable batch buffers of one shape and dtype, lent out under an explicit ownership rule.
@@ -44,7 +48,9 @@ class BufferPool:
     from it keeps alive. The pool holds only a weak reference to the lease, and lends the buffer
     again only once that weak reference is dead — once nothing made from the batch exists. This
     rests on weak-reference semantics, not on reference-count values (which free-threaded
-    Python changes). ``take()`` allocates only when every buffer is still out; at most
+    Python changes). ``take()`` allocates only when every buffer is still out and no buffer
+    is being made ahead of need (:meth:`expect`: then, once it has lent one, it waits for
+    that one, at most :data:`RESERVE_WAIT_S`, rather than fault another in page by page); at most
     ``max_idle`` buffers that nobody borrows are kept. The arrays are in native byte order
     whatever ``dtype`` says; the gather's copy into them converts.
     """
@@ -56,7 +62,9 @@ class BufferPool:
         self._buffers: list[np.ndarray] = []  # raw memory, uint8
         self._leases: list[weakref.ref[Any] | None] = []
         self._ready: list[np.ndarray] = []  # buffers made ahead of need (see add_ready)
+        self._expected = 0  # buffers still being made ahead of need (see expect)
         self._lock = threading.Lock()
+        self._made = threading.Condition(self._lock)
         self.allocations = 0
 
     @property
@@ -64,12 +72,27 @@ class BufferPool:
         """Bytes of buffer memory this pool holds (lent out, idle or made ahead)."""
         return (len(self._buffers) + len(self._ready)) * self.nbytes
 
+    def expect(self, n: int) -> None:
+        """Say that ``n`` more buffers are being made ahead of need (any thread): until each
+        arrives by :meth:`add_ready` or is called off by :meth:`expect_no_more`, a
+        :meth:`take` that finds no buffer waits for it instead of allocating."""
+        with self._lock:
+            self._expected += n
+
+    def expect_no_more(self) -> None:
+        """Call off the buffers :meth:`expect` announced and not yet added (any thread)."""
+        with self._made:
+            self._expected = 0
+            self._made.notify_all()
+
     def add_ready(self, raw: np.ndarray) -> None:
         """Keep ``raw`` (``nbytes`` of writable uint8 memory, its pages already faulted in) for
         a later :meth:`take` that finds no idle buffer (any thread)."""
-        with self._lock:
+        with self._made:
             self._ready.append(raw)
             self.allocations += 1
+            self._expected = max(0, self._expected - 1)
+            self._made.notify_all()
 
     def take(self) -> np.ndarray:
         idle = [i for i, lease in enumerate(self._leases) if lease is None or lease() is None]
@@ -77,7 +100,13 @@ class BufferPool:
             del self._buffers[i], self._leases[i]
         if idle:
             return self._lend(idle[0])
-        with self._lock:
+        with self._made:
+            # One being made ahead of need is on its way: faulting in another one page by page
+            # on the decode threads costs more CPU, and leaves that one unused. Not for the
+            # first buffer, though: the first batch's decode threads have nothing else to do
+            # meanwhile (later batches' waits overlap the decodes of the batches before).
+            if not self._ready and self._expected and self._buffers:
+                self._made.wait_for(lambda: self._ready or not self._expected, RESERVE_WAIT_S)
             raw = self._ready.pop(0) if self._ready else None
             if raw is None:
                 self.allocations += 1
@@ -168,16 +197,21 @@ class BatchBuffers:
         pools = list(self._pools.values())
         if batches <= 0 or not pools:
             return
+        for pool in pools:
+            pool.expect(batches)
 
         def run() -> None:
             backing = RamBacking()
-            for _ in range(batches):
-                for pool in pools:
-                    try:
+            try:
+                for _ in range(batches):
+                    for pool in pools:
                         raw = backing.allocate_populated((pool.nbytes,), np.dtype(np.uint8))
-                    except (OSError, MemoryError, ValueError):
-                        return
-                    pool.add_ready(raw)
+                        pool.add_ready(raw)
+            except (OSError, MemoryError, ValueError):
+                pass
+            finally:
+                for pool in pools:
+                    pool.expect_no_more()
 
         threading.Thread(target=run, name="insitu-buffer-reserve", daemon=True).start()
 
