@@ -990,7 +990,8 @@ def _archive_ratios(rows: list[Row], store: str, dataset: Row) -> list[list[str]
     epoch 0 >= 0.6x the bare loop where the automatic budget holds the split (it keeps it for
     the next epoch), and >= 0.85x where the split is >= 4x the automatic budget (then a
     working-set budget: slots are recycled within the epoch), with CPU per stored object beyond
-    decode <= 30 µs there. Other cells show the same ratios for comparison."""
+    decode <= 30 µs there; on s3 at one sample per chunk, nodes / raw GET >= 0.9 (epoch 0) and
+    0.85 (epoch 1). Other cells show the same ratios for comparison."""
     name, spc = dataset["name"], dataset["samples_per_chunk"]
     one = spc == 1
     nodes = {
@@ -1046,7 +1047,8 @@ def _archive_ratios(rows: list[Row], store: str, dataset: Row) -> list[list[str]
         (
             "nodes / raw GET",
             lambda k: _over(nodes[k], rate("rawget", k)),
-            lambda k: 0.85 if store == "s3" and one else None,
+            # issue 34: epoch 0 >= 0.9 (the stand-in server's CPU is that ceiling); issue 13: 0.85
+            lambda k: (0.9 if k == "epoch0" else 0.85) if store == "s3" and one else None,
             False,
         ),
         ("engine CPU per stored object beyond decode, µs", cpu_beyond_decode, cpu_target, True),
