@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,43 @@ def epochs_of(loader: Any) -> Iterator[Any]:
     """Items of ``loader`` epoch after epoch (each pass is one ``iter()``)."""
     while True:
         yield from loader
+
+
+def assert_resumes_exactly(
+    build: Callable[[], InSituPipeline],
+    records: Callable[[list[Any]], list[Any]],
+    ref: Sequence[Any],
+    ks: Iterable[int],
+    *,
+    epochs: int = 2,
+) -> None:
+    """The mid-epoch resume claim, for each ``k`` in ``ks``: a fresh ``build()`` delivers ``k``
+    batches through ``Loader`` (across epochs, as :func:`epochs_of`), and its
+    ``loader.state_dict()`` — plain Python — is saved; another fresh ``build()``, restored from
+    it, delivers the rest of the ``epochs`` epochs. The first ``k`` records equal ``ref[:k]``, and
+    with the rest exactly ``ref``: the records (``records(batches)``, taken while their pipeline is
+    open) of an uninterrupted run of ``epochs`` whole epochs."""
+    per_epoch, extra = divmod(len(ref), epochs)
+    assert per_epoch and not extra, f"{len(ref)} reference records are not {epochs} epochs"
+    for k in ks:
+        pipe = build()
+        try:
+            loader = Loader(pipe)
+            it = epochs_of(loader)
+            head = records([next(it) for _ in range(k)])
+            state = loader.state_dict()
+        finally:
+            pipe.close()
+        assert is_plain(state), f"the state after {k} batches is not plain Python"
+        assert head == list(ref[:k]), f"the first {k} batches are not the reference's"
+        pipe = build()
+        try:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            rest = records([b for _ in range(epochs - k // per_epoch) for b in loader])
+        finally:
+            pipe.close()
+        assert head + rest == list(ref), f"resumed after {k} batches"
 
 
 def reference_run(cfg: Mapping[str, Any], epochs: int, check_zarr: bool = True) -> list[dict]:
