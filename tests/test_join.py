@@ -320,8 +320,8 @@ def test_a_join_reads_each_kept_chunk_once_resumes_exactly_and_its_warm_cache_re
     for run in range(2):
         atmos.reset_counts()
         forcing.reset_counts()
-        # (stores behind a routing store are not listed: a persistent cache skips the check)
-        pipe = build(cache_dir=tmp_path / "cache", persist=True, check_store=False)
+        # (each store behind the routing store checked as it would be alone)
+        pipe = build(cache_dir=tmp_path / "cache", persist=True)
         try:
             assert records(list(Loader(pipe)))  # (its epoch 0)
         finally:

@@ -17,12 +17,21 @@ from zarr.core.buffer import Buffer, BufferPrototype
 
 from insitubatch_nodes.io.stores import describe_store
 
-__all__ = ["RoutingStore", "routed_path"]
+__all__ = ["RoutingStore", "routed_path", "split_routed"]
 
 
 def routed_path(index: int, path: str) -> str:
     """The path of ``path`` of store ``index`` in a :class:`RoutingStore`."""
     return f"s{index}/{path}" if path else f"s{index}"
+
+
+def split_routed(key: str) -> tuple[int, str]:
+    """``(store index, key in that store)`` of key ``key`` of a :class:`RoutingStore`
+    (``"s1/img/c/0"`` -> ``(1, "img/c/0")``); ``KeyError`` for a key below no routed store."""
+    head, _, rest = key.partition("/")
+    if not (head.startswith("s") and head[1:].isdigit()):
+        raise KeyError(f"{key!r} is below no routed store (keys start with 's<index>/')")
+    return int(head[1:]), rest
 
 
 class RoutingStore(Store):
