@@ -9,6 +9,7 @@ pipeline's own GETs and disk hits (``pipe.stats()``).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import pytest
 import zarr
 from helpers import counting_store, write_era5
 
-from insitubatch_nodes import Collection, Loader, insitu_pipeline, split_by_member
+from insitubatch_nodes import Collection, Loader, insitu_pipeline, open_store, split_by_member
 from insitubatch_nodes.cache.identity import RoutedLister, lister_for
 from insitubatch_nodes.errors import StaleCacheError
 from insitubatch_nodes.io.routing import RoutingStore
@@ -133,3 +134,43 @@ def test_a_member_store_that_cannot_be_identified_is_refused_naming_it(
         warnings.simplefilter("error")  # the opt-out, knowingly: no warning either
         pipe = _pipeline(coll, tmp_path / "cache", check_store=False)
     assert _epoch(pipe, roots)["gets"] == CHUNKS
+
+
+@pytest.mark.xdist_group("s3")
+def test_a_collection_of_a_folder_and_an_s3_bucket_is_checked_store_by_store(
+    roots: list[Path],
+    tmp_path: Path,
+    s3_upload: Callable[[Path, str], str],
+    s3_options: dict[str, Any],
+) -> None:
+    """Member b lives in a (moto) S3 bucket: its identities are the GETs' own size, ETag and
+    last-modified, listed with obstore; member a's a local file's stat."""
+    import boto3
+
+    url = s3_upload(roots[1], "data/b.zarr")
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+
+    def coll() -> Collection:
+        return _collection([(str(roots[0]), "t2m"), (open_store(url, **s3_options), "t2m")])
+
+    cache = tmp_path / "cache"
+    assert _epoch(_pipeline(coll(), cache), roots)["gets"] == CHUNKS
+    pipe = _pipeline(coll(), cache)
+    assert pipe.stages.pool.cache.store_check.kind == "routed:local,obstore"
+    assert _epoch(pipe, roots)["gets"] == 0
+    _rewrite(roots[1], 1)  # the local copy is the oracle; the bucket gets its bytes
+    key = "t2m/c/1/0/0"
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_options["endpoint"],
+        region_name=s3_options["region"],
+        aws_access_key_id=s3_options["access_key_id"],
+        aws_secret_access_key=s3_options["secret_access_key"],
+    )
+    client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=(roots[1] / key).read_bytes())
+    with pytest.raises(StaleCacheError, match=rf"1 chunk\(s\).*'s1/{key}' changed"):
+        _pipeline(coll(), cache, readonly_cache=True)
+    pipe = _pipeline(coll(), cache)
+    stats = _epoch(pipe, roots)
+    assert stats["gets"] == 1 and pipe.stages.pool.cache.stats["stale_chunks"] == 1
+    assert _epoch(_pipeline(coll(), cache), roots)["gets"] == 0
