@@ -47,10 +47,10 @@ class RoutingStore(Store):
         return head.startswith("s") and head[1:].isdigit() and int(head[1:]) < len(self.stores)
 
     def _route(self, key: str) -> tuple[Store, str]:
-        head, _, rest = key.partition("/")
         if not self._routes(key):
             raise KeyError(f"{key!r} names none of the {len(self.stores)} routed stores")
-        return self.stores[int(head[1:])], rest
+        index, rest = split_routed(key)
+        return self.stores[index], rest
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RoutingStore) and other.stores == self.stores
