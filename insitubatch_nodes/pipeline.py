@@ -655,7 +655,7 @@ def _open_cache(
         {path: g.n_tiles for path, g in {**geoms, **static_bases}.items()},
         enabled=options.check_store,
         name=describe_store(zstore),
-        prefixes={p: g.members.common_prefix for p, g in geoms.items() if g.members is not None},
+        members={p: g.members.paths for p, g in geoms.items() if g.members is not None},
     )
     return ChunkCache(
         options.cache_dir,

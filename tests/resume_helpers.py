@@ -23,7 +23,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -194,6 +194,43 @@ def epochs_of(loader: Any) -> Iterator[Any]:
     """Items of ``loader`` epoch after epoch (each pass is one ``iter()``)."""
     while True:
         yield from loader
+
+
+def assert_resumes_exactly(
+    build: Callable[[], InSituPipeline],
+    records: Callable[[list[Any]], list[Any]],
+    ref: Sequence[Any],
+    ks: Iterable[int],
+    *,
+    epochs: int = 2,
+) -> None:
+    """The mid-epoch resume claim, for each ``k`` in ``ks``: a fresh ``build()`` delivers ``k``
+    batches through ``Loader`` (across epochs, as :func:`epochs_of`), and its
+    ``loader.state_dict()`` — plain Python — is saved; another fresh ``build()``, restored from
+    it, delivers the rest of the ``epochs`` epochs. The first ``k`` records equal ``ref[:k]``, and
+    with the rest exactly ``ref``: the records (``records(batches)``, taken while their pipeline is
+    open) of an uninterrupted run of ``epochs`` whole epochs."""
+    per_epoch, extra = divmod(len(ref), epochs)
+    assert per_epoch and not extra, f"{len(ref)} reference records are not {epochs} epochs"
+    for k in ks:
+        pipe = build()
+        try:
+            loader = Loader(pipe)
+            it = epochs_of(loader)
+            head = records([next(it) for _ in range(k)])
+            state = loader.state_dict()
+        finally:
+            pipe.close()
+        assert is_plain(state), f"the state after {k} batches is not plain Python"
+        assert head == list(ref[:k]), f"the first {k} batches are not the reference's"
+        pipe = build()
+        try:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            rest = records([b for _ in range(epochs - k // per_epoch) for b in loader])
+        finally:
+            pipe.close()
+        assert head + rest == list(ref), f"resumed after {k} batches"
 
 
 def reference_run(cfg: Mapping[str, Any], epochs: int, check_zarr: bool = True) -> list[dict]:
@@ -649,9 +686,115 @@ def ddp_worker(rank: int, world: int, init_file: str, cfg: dict, epochs: int, ou
         dist.destroy_process_group()
 
 
+def _collection_ddp(req: Mapping[str, Any]) -> dict[str, Any]:
+    """One rank (``req["rank"]`` of ``req["world"]``, gloo through ``req["init_file"]``) reading
+    ``req["epochs"]`` epochs of a collection of the ``t2m`` arrays of the stores at
+    ``req["roots"]`` (one member each, each store wrapped in a counting store), rank and world
+    size from ``torch.distributed``, an ``all_reduce`` per batch; every row checked against
+    zarr's read of its member. Per epoch: the ``[member, index]`` samples, the batch count
+    (and the least and most over the ranks), and ``{"<member>:<key>": GETs}`` of stored
+    objects."""
+    import torch
+    import torch.distributed as dist
+    from helpers import counting_store
+
+    from insitubatch_nodes import Collection, split_by_member
+
+    world = int(req["world"])
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{req['init_file']}",
+        rank=int(req["rank"]),
+        world_size=world,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        roots = [Path(r) for r in req["roots"]]
+        stores = [counting_store(r) for r in roots]
+        oracles = [np.asarray(zarr.open_array(r / "t2m", mode="r")[...]) for r in roots]
+        coll = Collection.from_arrays([(s, "t2m") for s in stores])
+        pipe = insitu_pipeline(
+            coll,
+            split_by_member(coll, {"train": 1.0}),
+            {"x": coll["data"]},
+            batch_size=req["batch_size"],
+            block_chunks=2,
+            seed=req["seed"],
+            rank=None,
+            world_size=None,
+        )
+        plan = pipe.stages.plan
+        result: dict[str, Any] = {"rank": plan.rank, "world_size": plan.world_size, "epochs": []}
+        try:
+            loader = Loader(pipe)
+            for _ in range(req["epochs"]):
+                for store in stores:
+                    store.reset_counts()
+                samples: list[list[int]] = []
+                n_batches = 0
+                for batch in loader:
+                    t = torch.ones(1)
+                    dist.all_reduce(t)  # every rank must reach this once per batch
+                    assert int(t.item()) == world
+                    rows = zip(batch.members["x"].tolist(), batch.sample_indices["x"].tolist(),
+                               strict=True)  # fmt: skip
+                    for r, (m, i) in enumerate(rows):
+                        np.testing.assert_array_equal(batch["x"][r], oracles[m][i])
+                        samples.append([int(m), int(i)])
+                    n_batches += 1
+                counts = torch.tensor([n_batches, -n_batches])
+                dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+                gets = {
+                    f"{m}:{k}": n for m, s in enumerate(stores) for k, n in s.chunk_counts().items()
+                }
+                result["epochs"].append(
+                    {
+                        "samples": samples,
+                        "n_batches": n_batches,
+                        "max_batches": int(counts[0]),
+                        "min_batches": -int(counts[1]),
+                        "gets": gets,
+                    }
+                )
+        finally:
+            pipe.close()
+        dist.barrier()
+        return result
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(mode: str, requests: Sequence[Mapping[str, Any]], workdir: Path) -> list[dict]:
+    """Run ``python resume_helpers.py MODE`` once per request, all at once (forked from the
+    tests' fork server: the ranks of one job), and return their responses in order."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    procs, paths = [], []
+    for r, request in enumerate(requests):
+        req, resp = workdir / f"{mode}-{r}.request.json", workdir / f"{mode}-{r}.response.json"
+        req.write_text(json.dumps(dict(request)))
+        log = open(workdir / f"{mode}-{r}.log", "w")  # noqa: SIM115 (closed below)
+        procs.append((forkserver.popen([sys.executable, str(HERE), mode, str(req), str(resp)],
+                                       stdout=log, stderr=subprocess.STDOUT), log))  # fmt: skip
+        paths.append(resp)
+    codes = []
+    for proc, log in procs:
+        try:
+            codes.append(proc.wait(timeout=SUBPROCESS_TIMEOUT_S))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            codes.append(proc.wait())
+        finally:
+            log.close()
+    logs = [(workdir / f"{mode}-{r}.log").read_text()[-4000:] for r in range(len(requests))]
+    if any(codes) or not all(p.exists() for p in paths):
+        raise AssertionError(f"{mode} ranks exited with {codes}\n" + "\n---\n".join(logs))
+    return [json.loads(p.read_text()) for p in paths]
+
+
 # ---------------------------------------------------------------------------------------------
 
 MODES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "collection-ddp": _collection_ddp,
     "loader-restore": _restore_loader,
     "sdl-restore": _restore_sdl,
     "timing": _timing,

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import zarr
 from helpers import counting_store
-from resume_helpers import epochs_of, is_plain
+from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import (
     Coarsen,
@@ -204,27 +204,7 @@ def test_a_resumed_epoch_continues_exactly(stack: Path) -> None:
         pipe.close()
     per_epoch = len(ref) // 2
     assert per_epoch == -(-T * Z // 4)
-    for k in (1, per_epoch - 1, per_epoch + 2):
-        pipe = build()
-        try:
-            loader = Loader(pipe)
-            it = epochs_of(loader)
-            head = [next(it) for _ in range(k)]
-            state = loader.state_dict()
-        finally:
-            pipe.close()
-        assert is_plain(state)
-        assert _records(head) == ref[:k]
-        pipe = build()
-        try:
-            loader = Loader(pipe)
-            loader.load_state_dict(state)
-            rest = list(loader)
-            if k < per_epoch:
-                rest += list(loader)
-        finally:
-            pipe.close()
-        assert _records(head) + _records(rest) == ref, f"resumed after {k} batches"
+    assert_resumes_exactly(build, _records, ref, (1, per_epoch - 1, per_epoch + 2))
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -96,11 +97,12 @@ def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a
 def test_the_scenes_recipe_trains_on_one_stream_over_scenes_in_several_stores(
     tmp_path: Path,
 ) -> None:
-    proc = _run_recipe(
-        "scenes_collection.py", "--stores", "2", "--scenes", "3", "--epochs", "2", cwd=tmp_path
-    )
+    proc = _run_recipe("scenes_collection.py", "--stores", "2", "--scenes", "3", "--epochs", "2",
+                       "--cache-dir", str(tmp_path / "cache"), cwd=tmp_path)  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
     assert "equal to zarr's read" in proc.stdout, _explain(proc)
+    second = r"second pass over the training planes: .*; 0 GETs, [1-9]\d* chunks read from the"
+    assert re.search(second, proc.stdout), _explain(proc)
     assert "loss fell" in proc.stdout, _explain(proc)
     assert "above the all-background" in proc.stdout, _explain(proc)
 

@@ -24,7 +24,7 @@ from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from tests.helpers import counting_store
-from tests.resume_helpers import epochs_of
+from tests.resume_helpers import assert_resumes_exactly
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")
@@ -293,19 +293,8 @@ def test_a_mid_epoch_state_with_windows_and_a_time_stride_resumes_at_exactly_the
         reference = [b for _ in range(2) for b in loader]
     want = _records(reference)
     n = len(want) // 2
-    for k in (1, n + 2):  # in the first epoch, and in the second
-        with _windowed(root) as pipe:
-            loader = Loader(pipe)
-            it = epochs_of(loader)
-            got = [next(it) for _ in range(k)]
-            state = loader.state_dict()
-        with _windowed(root) as pipe:
-            loader = Loader(pipe)
-            loader.load_state_dict(state)
-            rest = list(loader)
-            if k <= n:
-                rest += list(loader)
-        assert _records(got) + _records(rest) == want
+    # in the first epoch, and in the second
+    assert_resumes_exactly(lambda: _windowed(root), _records, want, (1, n + 2))
 
 
 def test_ranks_cut_mid_epoch_with_windows_and_a_time_stride_resume_on_another_world_size(

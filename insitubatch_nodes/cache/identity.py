@@ -58,9 +58,10 @@ from __future__ import annotations
 
 import json
 import os
+import posixpath
 import stat
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -222,17 +223,61 @@ class HeadLister:
         )
 
 
-Lister = LocalLister | ObstoreLister | HeadLister
+class RoutedLister:
+    """Lists a :class:`~insitubatch_nodes.io.routing.RoutingStore` (a collection over several
+    stores) store by store: prefix ``"s{i}/rest"`` is ``rest`` listed by store ``i``'s own lister
+    (each member store checked as it would be alone), its keys given back below ``"s{i}/"``."""
+
+    kind: str  #: the read path of every routed store, in order (recorded rows carry it)
+
+    def __init__(self, listers: Sequence[Lister]) -> None:
+        self.listers = tuple(listers)
+        self.kind = "routed:" + ",".join(str(lister.kind) for lister in listers)
+
+    def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
+        from insitubatch_nodes.io.routing import split_routed
+
+        index, rest = split_routed(prefix.strip("/"))
+        head = f"s{index}/"
+        mine = [k[len(head) :] for k in keys_recorded if k.startswith(head)]
+        inner = self.listers[index].list(rest, mine)
+        return Listing(np.char.add(head, inner.keys), inner.sizes, inner.tags, inner.mtimes)
+
+    def prefixes(self, paths: Iterable[str]) -> tuple[str, ...]:
+        """The prefixes to list for objects below ``paths``: one per routed store, the folder
+        all of that store's ``paths`` are below."""
+        from insitubatch_nodes.io.routing import split_routed
+
+        by_store: dict[int, list[str]] = {}
+        for path in paths:
+            index, rest = split_routed(path.strip("/"))
+            by_store.setdefault(index, []).append("/" + rest)
+        return tuple(
+            f"s{i}/{posixpath.commonpath(rests).strip('/')}".rstrip("/")
+            for i, rests in sorted(by_store.items())
+        )
+
+
+Lister = LocalLister | ObstoreLister | HeadLister | RoutedLister
 
 
 def lister_for(store: Any) -> Lister | str:
     """How ``store`` is listed — the same read path the fetch stage records through (a folder
-    read on the decode threads is listed as a folder; an obstore-backed store with obstore) — or
-    a sentence saying why it cannot be."""
+    read on the decode threads is listed as a folder; an obstore-backed store with obstore; a
+    collection's stores each as it would be alone) — or a sentence saying why it cannot be."""
     from insitubatch_nodes.io._zarr_compat import wrapped_store
     from insitubatch_nodes.io.localfiles import local_reader
-    from insitubatch_nodes.io.stores import cannot_list, plain_object_store
+    from insitubatch_nodes.io.routing import RoutingStore
+    from insitubatch_nodes.io.stores import cannot_list, describe_store, plain_object_store
 
+    if isinstance(store, RoutingStore):
+        listers: list[Lister] = []
+        for i, member in enumerate(store.stores):
+            lister = lister_for(member)
+            if isinstance(lister, str):
+                return f"routed store s{i} ({describe_store(member)}): {lister}"
+            listers.append(lister)
+        return RoutedLister(listers)
     outer, store = store, wrapped_store(store)  # a wrapper's objects are those it wraps
     reader = local_reader(store)
     if reader is not None:
@@ -381,8 +426,8 @@ class StaleReport:
 class StoreCheck:
     """The store a cache's chunks came from, and how to check them against it.
 
-    ``tiles`` maps each array path to its stored objects per chunk (``prefixes``: the prefix to
-    list for an array whose objects are not below its path); ``enabled=False``
+    ``tiles`` maps each array path to its stored objects per chunk (``members``: the member
+    paths of an array whose objects are not below its own path, a collection's); ``enabled=False``
     (``check_store=False``) records identities but trusts the cache without listing."""
 
     def __init__(
@@ -392,12 +437,18 @@ class StoreCheck:
         *,
         enabled: bool = True,
         name: str = "",
-        prefixes: Mapping[str, str] | None = None,
+        members: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self.lister = lister_for(store)
-        #: the prefix listed for an array whose objects are not below its path (a collection's
-        #: virtual array: the folder all its members are below)
-        self.prefixes = dict(prefixes or {})
+        #: the prefixes listed for an array whose objects are not below its path (a collection's
+        #: virtual array: the folder all its members are below, or one such folder per store
+        #: of a collection over several)
+        self.prefixes: dict[str, Sequence[str]] = {}
+        for array, paths in (members or {}).items():
+            if isinstance(self.lister, RoutedLister):
+                self.prefixes[array] = self.lister.prefixes(paths)
+            else:
+                self.prefixes[array] = (posixpath.commonpath(["/" + p for p in paths]).strip("/"),)
         self.tiles = dict(tiles)
         self.enabled = bool(enabled)
         self.name = name or repr(store)
@@ -433,10 +484,14 @@ class StoreCheck:
                     rows = rows.take(np.isin(rows.chunks, want) & (rows.kinds == self.lister.kind))
                 rows_of.append((want, rows))
             try:  # a HeadLister asks for the recorded objects only; the others list the prefix
-                listing = self.lister.list(
-                    self.prefixes.get(array, array),
-                    {str(k) for _, rows in rows_of if rows is not None for k in rows.keys},
-                )
+                keys = {str(k) for _, rows in rows_of if rows is not None for k in rows.keys}
+                listings = [self.lister.list(p, keys) for p in self.prefixes.get(array, [array])]
+                listing = listings[0] if len(listings) == 1 else Listing.build(
+                    [str(k) for li in listings for k in li.keys],
+                    np.concatenate([li.sizes for li in listings]),
+                    np.concatenate([li.tags for li in listings]),
+                    np.concatenate([li.mtimes for li in listings]),
+                )  # fmt: skip
             except Exception as exc:  # NotSupported, a denied ListBucket, a network error
                 report.chunks.clear()
                 report.reasons.clear()

@@ -13,6 +13,7 @@ files. This face re-exports the names a composer uses; import the modules for th
   (``sample_axis=("t", "z")``), every combination of indices one sample on a virtual axis;
 * :mod:`~insitubatch_nodes.io.ngff` — OME-NGFF HCS plates: :func:`read_plate` (their
   metadata, read concurrently), :func:`open_plate` (their fields as one collection);
+* :mod:`~insitubatch_nodes.io.axes` — :func:`axis_of`: an axis named by index or dimension name;
 * :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field
   into windows;
 * :mod:`~insitubatch_nodes.io.selection` — what a selected view keeps of each field axis;

@@ -10,6 +10,7 @@ import numpy as np
 
 from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.axes import AxisNames, axis_of
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
 from insitubatch_nodes.io.product import product_view
@@ -33,22 +34,23 @@ def _is_coordinate(path: str, array: Any) -> bool:
 def _axis(path: str, array: Any, sample_axis: int | str) -> int | None:
     """The physical sample axis ``sample_axis`` names in ``array`` (``None``: a dimension name
     the array does not have: it is static)."""
-    ndim = array.ndim
+    ndim, dims = array.ndim, _zarr_compat.array_dimension_names(array)
     if isinstance(sample_axis, str):
-        dims = _zarr_compat.array_dimension_names(array)
         if dims is None:
             raise ValueError(
                 f"sample_axis={sample_axis!r} names a dimension, but array {path!r} has no "
                 "dimension names; give its sample axis as an index"
             )
-        return dims.index(sample_axis) if sample_axis in dims else None
-    axis = sample_axis + ndim if sample_axis < 0 else sample_axis
-    if not 0 <= axis < ndim:
-        raise ValueError(
-            f"sample_axis={sample_axis} is out of range for array {path!r} of shape "
+        if sample_axis not in dims:
+            return None
+    return axis_of(
+        AxisNames(path, dims, ndim),
+        sample_axis,
+        out_of_range=lambda k: (
+            f"sample_axis={k} is out of range for array {path!r} of shape "
             f"{tuple(array.shape)} ({ndim} axes); pick an axis in [0, {ndim})"
-        )
-    return axis
+        ),
+    )
 
 
 def _sample_dimension(arrays: Mapping[str, Any], axis: int) -> str | None:

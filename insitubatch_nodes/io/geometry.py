@@ -46,6 +46,7 @@ import numpy as np
 
 from insitubatch_nodes.errors import CorruptMetadataError
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.axes import axis_of
 from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
@@ -527,26 +528,16 @@ class ArrayGeometry:
 
     def _patch_axis(self, key: int | str) -> int:
         """The physical field axis ``key`` names (an index or a dimension name)."""
-        if isinstance(key, str):
-            dims = self.dims
-            if dims is None or key not in dims:
-                raise KeyError(
-                    f"{self.path}: no dimension named {key!r} (the array's dimension names: "
-                    f"{dims}); name axes by index instead"
-                )
-            axis = dims.index(key)
-        elif isinstance(key, int | np.integer) and not isinstance(key, bool):
-            axis = int(key)
-            if axis < 0:
-                axis += self.ndim
-        else:
-            raise TypeError(f"a patched axis is an int or a dimension name, got {key!r}")
-        if axis not in self.field_axes:
-            raise ValueError(
-                f"{self.path}: axis {key!r} is not a field axis (the sample axis is "
+        return axis_of(
+            self,
+            key,
+            allowed=self.field_axes,
+            what="a patched axis",
+            refused=lambda k: (
+                f"{self.path}: axis {k!r} is not a field axis (the sample axis is "
                 f"{self.sample_axis}; field axes {self.field_axes})"
-            )
-        return axis
+            ),
+        )
 
     # -- selection on field axes --------------------------------------------------------------
     def isel(self, **indexers: Any) -> ArrayGeometry:
@@ -615,17 +606,16 @@ class ArrayGeometry:
         """The position among the field axes of the dimension ``name``."""
         if not isinstance(name, str):
             raise TypeError(f"dimensions are named by strings, got {name!r}")
-        dims = self.dims
-        if dims is None or name not in dims:
-            raise KeyError(
-                f"{self.path}: no dimension named {name!r} (the array's dimension names: {dims})"
-            )
-        axis = dims.index(name)
-        if axis not in self.field_axes:
-            raise ValueError(
-                f"{self.path}: {name!r} is the sample axis; select samples with the split, "
+        axis = axis_of(
+            self,
+            name,
+            allowed=self.field_axes,
+            hint="",
+            refused=lambda k: (
+                f"{self.path}: {k!r} is the sample axis; select samples with the split, "
                 "and field axes with isel/sel"
-            )
+            ),
+        )
         return self.field_axes.index(axis)
 
     def _coordinate_values(self, name: str) -> np.ndarray:

@@ -34,7 +34,17 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     """
     from zarr.storage import ObjectStore
 
+    from insitubatch_nodes.io.routing import RoutingStore, split_routed
+
     get: Any
+    if isinstance(store, RoutingStore):  # each key read by its own store's getter
+        getters = [_member_getter(s, timeout_s) for s in store.stores]
+
+        async def get_routed(key: str, meta: list[Any] | None = None) -> Any:
+            index, rest = split_routed(key)
+            return await getters[index](rest, meta)
+
+        return get_routed
     if isinstance(store, ObjectStore):
         import obstore
 
@@ -92,6 +102,23 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
             ) from None
 
     return get_with_deadline
+
+
+def _member_getter(store: Any, timeout_s: float | None) -> Any:
+    """The getter of one store of a collection over several: as :func:`make_async_getter`'s,
+    except that a local folder (read as a GET here, not on the decode threads) is identified
+    by its file's ``os.stat`` before the read, as a wrapper's would be."""
+    get = make_async_getter(store, timeout_s)
+    if _zarr_compat.wrapped_store(store) is not store or local_reader(store) is None:
+        return get  # a wrapper's getter identifies its reads; obstore's GETs carry their own
+    identify = _identify_before_read(store)
+
+    async def get_identified(key: str, meta: list[Any] | None = None) -> Any:
+        if meta is not None:
+            meta.append(await identify(key))  # before the read: never newer than the bytes
+        return await get(key, None)
+
+    return get_identified
 
 
 def _identify_before_read(inner: Any) -> Any:

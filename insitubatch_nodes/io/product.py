@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.axes import axis_of
+
 __all__ = ["ProductGrid", "product_view", "sample_coords"]
 
 
@@ -234,20 +236,7 @@ def product_view(geom: Any, axes: Sequence[int | str]) -> Any:
 
 
 def _physical_axis(geom: Any, key: int | str) -> int:
-    if isinstance(key, str):
-        dims = geom.dims
-        if dims is None or key not in dims:
-            raise KeyError(
-                f"{geom.path}: no dimension named {key!r} (the array's dimension names: "
-                f"{dims}); name the product axes by index instead"
-            )
-        return dims.index(key)
-    if isinstance(key, bool) or not isinstance(key, int | np.integer):
-        raise TypeError(f"a product axis is an int or a dimension name, got {key!r}")
-    axis = int(key) + (geom.ndim if key < 0 else 0)
-    if not 0 <= axis < geom.ndim:
-        raise ValueError(f"{geom.path}: axis {key} is out of range for {geom.ndim} axes")
-    return axis
+    return axis_of(geom, key, what="a product axis", hint="name the product axes by index instead")
 
 
 def refuse_on_product(geom: Any, what: str) -> None:

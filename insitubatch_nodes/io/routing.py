@@ -17,12 +17,21 @@ from zarr.core.buffer import Buffer, BufferPrototype
 
 from insitubatch_nodes.io.stores import describe_store
 
-__all__ = ["RoutingStore", "routed_path"]
+__all__ = ["RoutingStore", "routed_path", "split_routed"]
 
 
 def routed_path(index: int, path: str) -> str:
     """The path of ``path`` of store ``index`` in a :class:`RoutingStore`."""
     return f"s{index}/{path}" if path else f"s{index}"
+
+
+def split_routed(key: str) -> tuple[int, str]:
+    """``(store index, key in that store)`` of key ``key`` of a :class:`RoutingStore`
+    (``"s1/img/c/0"`` -> ``(1, "img/c/0")``); ``KeyError`` for a key below no routed store."""
+    head, _, rest = key.partition("/")
+    if not (head.startswith("s") and head[1:].isdigit()):
+        raise KeyError(f"{key!r} is below no routed store (keys start with 's<index>/')")
+    return int(head[1:]), rest
 
 
 class RoutingStore(Store):
@@ -38,10 +47,10 @@ class RoutingStore(Store):
         return head.startswith("s") and head[1:].isdigit() and int(head[1:]) < len(self.stores)
 
     def _route(self, key: str) -> tuple[Store, str]:
-        head, _, rest = key.partition("/")
         if not self._routes(key):
             raise KeyError(f"{key!r} names none of the {len(self.stores)} routed stores")
-        return self.stores[int(head[1:])], rest
+        index, rest = split_routed(key)
+        return self.stores[index], rest
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, RoutingStore) and other.stores == self.stores
