@@ -28,6 +28,7 @@ standardises each label in place; :meth:`Statistics.scaler` the chunk transform
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,6 +42,7 @@ from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import read_static
@@ -325,7 +327,7 @@ def fit_statistics(
             rank=0,
             world_size=1,
             coords=(),
-            report=False,
+            fetch=_one_pass(pipeline_options),
             **pipeline_options,
         )
         try:
@@ -364,6 +366,20 @@ def fit_statistics(
         },
     }
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
+
+
+def _one_pass(options: dict[str, Any]) -> FetchOptions:
+    """The fetch options of a fit (taking ``fetch=`` or its keywords out of ``options``): no
+    epoch report, and rows decoded straight into the batch (``direct=True``, unless given):
+    nothing is kept for a next epoch, so the pool holds only the working set and reuses its
+    memory, where the automatic budget would keep a small split whole, in fresh memory."""
+    fetch = options.pop("fetch", None)
+    if fetch is None:
+        names = {f.name for f in dataclasses.fields(FetchOptions)} - {"direct", "trace"}
+        fetch = FetchOptions(**{k: options.pop(k) for k in names if k in options})
+    elif not isinstance(fetch, FetchOptions):
+        raise TypeError(f"fetch must be a FetchOptions or None, got {fetch!r}")
+    return fetch.replace(report=False, direct=True if fetch.direct is None else fetch.direct)
 
 
 def _accumulate(
