@@ -305,7 +305,12 @@ def fit_statistics(
     ignored (the statistics are of its array, as selected). Every rank that calls it reads the
     whole split (``rank=0, world_size=1``): fit once and share the saved file.
     ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
-    ``cache_budget_bytes``)."""
+    ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
+    keywords). The pass keeps nothing for a next epoch: rows read by one sample are decoded
+    straight into the batches (``direct=True`` unless ``fetch`` says otherwise) and the
+    automatic budget holds only the working set, whose slots are reused, where a pipeline
+    built for training keeps a split that fits a sixteenth of RAM whole (in fresh memory,
+    slow to touch the first time)."""
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
