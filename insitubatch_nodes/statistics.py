@@ -384,7 +384,8 @@ def _one_pass(options: dict[str, Any]) -> FetchOptions:
         fetch = FetchOptions(**{k: options.pop(k) for k in names if k in options})
     elif not isinstance(fetch, FetchOptions):
         raise TypeError(f"fetch must be a FetchOptions or None, got {fetch!r}")
-    return fetch.replace(report=False, direct=True if fetch.direct is None else fetch.direct)
+    direct = True if fetch.direct is None else fetch.direct
+    return fetch.replace(report=False, trace=False, direct=direct)
 
 
 def _accumulate(

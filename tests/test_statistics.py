@@ -107,7 +107,7 @@ def test_statistics_at_one_sample_per_chunk_equal_numpy_with_fetch_options_eithe
 ) -> None:
     # one sample per chunk: the fit decodes rows straight into its batches and keeps nothing
     # for a next epoch; fetch settings as keywords or as one FetchOptions (the fit sets its
-    # own report and direct on it) give the same statistics
+    # own report, trace and direct on it) give the same statistics
     root = tmp_path / "one.zarr"
     group = zarr.open_group(root, mode="w")
     rng = np.random.default_rng(7)
@@ -125,7 +125,7 @@ def test_statistics_at_one_sample_per_chunk_equal_numpy_with_fetch_options_eithe
     samples = manifest.samples("train")
     as_keywords = fit_statistics(root, manifest, views, batch_size=6, decode_threads=1)
     as_object = fit_statistics(root, manifest, views, batch_size=6,
-                               fetch=FetchOptions(decode_threads=1, report=True))  # fmt: skip
+                               fetch=FetchOptions(decode_threads=1, trace=True))  # fmt: skip
     for stats in (as_keywords, as_object):
         for label, data, channel_axes in (("t", t, 1), ("t2", t2, 0), ("t_pair", t[:, [2, 0]], 1)):
             for name, expected in _oracle(data, samples, channel_axes).items():
