@@ -9,7 +9,8 @@ temporary) when every index is a slice or an integer (evenly spaced lists are sl
 ``np.take`` along the axis straight into the batch when one axis takes an uneven list (13
 levels of 37: one call, not one copy per level), and one
 ``np.ix_`` gather (a temporary the size of the run's selection, never of the slot) when two
-axes do. Rows out of sample order within a chunk are taken with one index array.
+axes do. Rows out of sample order within a chunk are taken with one index array. At one
+sample per chunk every row is its own run: one such copy per row, with no sort or run search.
 """
 
 from __future__ import annotations
