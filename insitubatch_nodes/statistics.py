@@ -28,6 +28,7 @@ standardises each label in place; :meth:`Statistics.scaler` the chunk transform
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -41,6 +42,7 @@ from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import read_static
@@ -303,7 +305,12 @@ def fit_statistics(
     ignored (the statistics are of its array, as selected). Every rank that calls it reads the
     whole split (``rank=0, world_size=1``): fit once and share the saved file.
     ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
-    ``cache_budget_bytes``)."""
+    ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
+    keywords). The pass keeps nothing for a next epoch: rows read by one sample are decoded
+    straight into the batches (``direct=True`` unless ``fetch`` says otherwise) and the
+    automatic budget holds only the working set, whose slots are reused, where a pipeline
+    built for training keeps a split that fits a sixteenth of RAM whole (in fresh memory,
+    slow to touch the first time)."""
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
@@ -325,7 +332,7 @@ def fit_statistics(
             rank=0,
             world_size=1,
             coords=(),
-            report=False,
+            fetch=_one_pass(pipeline_options),
             **pipeline_options,
         )
         try:
@@ -364,6 +371,21 @@ def fit_statistics(
         },
     }
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
+
+
+def _one_pass(options: dict[str, Any]) -> FetchOptions:
+    """The fetch options of a fit (taking ``fetch=`` or its keywords out of ``options``): no
+    epoch report, and rows decoded straight into the batch (``direct=True``, unless given):
+    nothing is kept for a next epoch, so the pool holds only the working set and reuses its
+    memory, where the automatic budget would keep a small split whole, in fresh memory."""
+    fetch = options.pop("fetch", None)
+    if fetch is None:
+        names = {f.name for f in dataclasses.fields(FetchOptions)} - {"direct", "trace"}
+        fetch = FetchOptions(**{k: options.pop(k) for k in names if k in options})
+    elif not isinstance(fetch, FetchOptions):
+        raise TypeError(f"fetch must be a FetchOptions or None, got {fetch!r}")
+    direct = True if fetch.direct is None else fetch.direct
+    return fetch.replace(report=False, trace=False, direct=direct)
 
 
 def _accumulate(

@@ -326,17 +326,18 @@ def test_a_patched_view_cannot_be_selected_nor_a_selected_one_patched(store: Pat
     ],
     ids=["two-lists", "one-list", "slices"],
 )
+@pytest.mark.parametrize("spc", [4, 1], ids=["4 samples per chunk", "one sample per chunk"])
 def test_the_gather_of_a_selection_equals_numpy_for_rows_in_any_order(
-    keys: tuple[object, ...],
+    keys: tuple[object, ...], spc: int
 ) -> None:
     from insitubatch_nodes.io.geometry import ArrayGeometry
     from insitubatch_nodes.io.selection import Selection
     from insitubatch_nodes.stages._select import SelectedGather
 
-    shape, spc = (40, 6, 9, 7), 4
+    shape = (40, 6, 9, 7)
     data = np.random.default_rng(5).random(shape).astype("f4")
     view = ArrayGeometry("a", shape, (spc, 6, 9, 7), np.float32, None, select=Selection(keys))
-    slots = {("a", c): data[c * spc : (c + 1) * spc] for c in range(10)}
+    slots = {("a", c): data[c * spc : (c + 1) * spc] for c in range(40 // spc)}
     samples = np.array([13, 4, 5, 6, 15, 12, 39, 0, 37])  # runs in and out of sample order
     out = np.empty((len(samples), *view.inner_shape), "f4")
     assert SelectedGather(view, None)(out, samples, slots) == len(samples)
@@ -352,3 +353,11 @@ def test_the_gather_of_a_selection_equals_numpy_for_rows_in_any_order(
     assert SelectedGather(view, None)(wide[:, 1 : 1 + inner[0]], samples, slots) == len(samples)
     np.testing.assert_array_equal(wide[:, 1 : 1 + inner[0]], expected)
     assert np.isnan(wide[:, 0]).all() and np.isnan(wide[:, 1 + inner[0] :]).all()
+    # rows of chunks without a slot (decoded in place) are left as they are, and not counted
+    gone = {key: slot for key, slot in slots.items() if key != ("a", 12 // spc)}
+    left = np.full_like(out, -1.0)
+    kept = samples // spc != 12 // spc
+    copied = SelectedGather(view, None)(left, samples, gone, skip_missing=True)
+    assert copied == kept.sum() < len(samples)
+    np.testing.assert_array_equal(left[kept], expected[kept])
+    assert (left[~kept] == -1.0).all()

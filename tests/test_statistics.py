@@ -9,6 +9,7 @@ import pytest
 import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 
 T, L, Y, X = 40, 3, 6, 8
@@ -99,6 +100,39 @@ def test_statistics_of_fields_far_from_zero_and_of_constant_fields_equal_numpy(
                 got, expected, rtol=1e-6, atol=1e-12, err_msg=f"{label} {name}"
             )
     assert stats.std["far"][1] == 0.0 and stats.diff_std["far"][1] == 0.0
+
+
+def test_statistics_at_one_sample_per_chunk_equal_numpy_with_fetch_options_either_way(
+    tmp_path: Path,
+) -> None:
+    # one sample per chunk: the fit decodes rows straight into its batches and keeps nothing
+    # for a next epoch; fetch settings as keywords or as one FetchOptions (the fit sets its
+    # own report, trace and direct on it) give the same statistics
+    root = tmp_path / "one.zarr"
+    group = zarr.open_group(root, mode="w")
+    rng = np.random.default_rng(7)
+    t = (rng.standard_normal((T, L, Y, X)) * 3 + 250).astype("f4")
+    t[9, 2, 1, 1] = np.nan
+    t2 = (rng.standard_normal((T, Y, X)) + 280).astype("f4")
+    for name, data in (("t", t), ("t2", t2)):
+        dims = ("time", "level", "lat", "lon") if data.ndim == 4 else ("time", "lat", "lon")
+        arr = group.create_array(name, shape=data.shape, chunks=(1, *data.shape[1:]),
+                                 dtype="f4", dimension_names=dims)  # fmt: skip
+        arr[...] = data
+    geoms = open_geometries(root)
+    manifest = split_by_chunk(geoms["t"], (0.5, 0.25, 0.25), contiguous=False, seed=2)
+    views = {"t": geoms["t"], "t2": geoms["t2"], "t_pair": geoms["t"].isel(level=[2, 0])}
+    samples = manifest.samples("train")
+    as_keywords = fit_statistics(root, manifest, views, batch_size=6, decode_threads=1)
+    as_object = fit_statistics(root, manifest, views, batch_size=6,
+                               fetch=FetchOptions(decode_threads=1, trace=True))  # fmt: skip
+    for stats in (as_keywords, as_object):
+        for label, data, channel_axes in (("t", t, 1), ("t2", t2, 0), ("t_pair", t[:, [2, 0]], 1)):
+            for name, expected in _oracle(data, samples, channel_axes).items():
+                got = getattr(stats, name)[label]
+                np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=f"{label} {name}")
+    with pytest.raises(TypeError, match="FetchOptions"):
+        fit_statistics(root, manifest, views, fetch={"decode_threads": 1})
 
 
 def test_statistics_of_a_static_field_are_of_the_field_and_have_no_differences(

@@ -9,7 +9,8 @@ temporary) when every index is a slice or an integer (evenly spaced lists are sl
 ``np.take`` along the axis straight into the batch when one axis takes an uneven list (13
 levels of 37: one call, not one copy per level), and one
 ``np.ix_`` gather (a temporary the size of the run's selection, never of the slot) when two
-axes do. Rows out of sample order within a chunk are taken with one index array.
+axes do. Rows out of sample order within a chunk are taken with one index array. At one
+sample per chunk every row is its own run: one such copy per row, with no sort or run search.
 """
 
 from __future__ import annotations
@@ -78,6 +79,8 @@ class SelectedGather:
     ) -> int:
         """Fill ``out[i]`` with the selection of sample ``samples[i]``; the rows copied (with
         ``skip_missing``, rows of chunks without a slot are left as they are)."""
+        if self.spc == 1:  # a chunk per row: each row is its own run, no sort
+            return self._per_row(out, samples, slots, skip_missing)
         n = len(samples)
         chunk = samples // self.spc
         within = samples - chunk * self.spc
@@ -97,4 +100,24 @@ class SelectedGather:
             else:
                 self._copy(out, rows, slots[key], w)
             copied += hi - lo
+        return copied
+
+    def _per_row(
+        self,
+        out: np.ndarray,
+        samples: np.ndarray,
+        slots: Mapping[tuple[str, int], np.ndarray],
+        skip_missing: bool,
+    ) -> int:
+        """``__call__`` at one sample per chunk: row ``i`` is sample 0 of chunk ``samples[i]``'s
+        slot, copied by one call (no sort, no run search: their Python cost is most of a
+        small row's copy)."""
+        copied = 0
+        one = slice(0, 1)
+        for r, s in enumerate(samples.tolist()):
+            key = (self.path, s)
+            if skip_missing and key not in slots:
+                continue
+            self._copy(out, slice(r, r + 1), slots[key], one)
+            copied += 1
         return copied
