@@ -22,7 +22,6 @@ from resume_helpers import epochs_of, is_plain
 
 from insitubatch_nodes import (
     Coarsen,
-    Collection,
     Loader,
     SplitManifest,
     insitu_pipeline,
@@ -378,11 +377,6 @@ def test_a_block_decodes_straight_when_its_axes_lead_in_storage_order_else_in_on
         assert decoder._stats.inplace == 1 and decoder._stats.scratch == 1
     else:
         assert decoder._stats.inplace == 0 and decoder._stats.scratch == 2
-
-
-def test_a_collection_takes_one_sample_axis(stack: Path) -> None:
-    with pytest.raises(TypeError, match="sample_axis must be an int or a dimension name"):
-        Collection.from_arrays([(str(stack), "image")], sample_axis=("t", "z"))  # type: ignore[arg-type]
 
 
 def test_a_chunk_transform_sees_each_blocks_valid_pairs_sample_first(stack: Path) -> None:

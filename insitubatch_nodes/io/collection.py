@@ -56,8 +56,9 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.io.members import MemberMap
+from insitubatch_nodes.io.members import MemberMap, collection_of
 from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.product import ProductGrid, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
 from insitubatch_nodes.io.stores import as_store, describe_store
 from insitubatch_nodes.io.timeline import alignment, continuation
@@ -70,6 +71,10 @@ __all__ = [
     "join",
     "refuse_collection_options",
 ]
+
+
+#: a sample axis (an index or a dimension name), or product sample axes (a tuple of them)
+SampleAxis = int | str | tuple[int | str, ...]
 
 
 def _join(*parts: str) -> str:
@@ -119,7 +124,7 @@ class Collection:
         paths: Mapping[str, Sequence[str]],
         *,
         keys: Mapping[str, Sequence[Any]] | None = None,
-        sample_axis: int | str = 0,
+        sample_axis: SampleAxis = 0,
         continuous: bool = False,
         spans: Sequence[tuple[int, int]] | Mapping[str, Sequence[tuple[int, int]]] | None = None,
     ) -> None:
@@ -238,7 +243,7 @@ class Collection:
         *,
         names: Sequence[str] | None = None,
         keys: Mapping[str, Sequence[Any]] | None = None,
-        sample_axis: int | str = 0,
+        sample_axis: SampleAxis = 0,
     ) -> Collection:
         """Members that are groups: member ``i``'s variable ``v`` is the array at
         ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). A group may
@@ -266,7 +271,7 @@ class Collection:
         *,
         names: Sequence[str] | None = None,
         variable: str = "data",
-        sample_axis: int | str = 0,
+        sample_axis: SampleAxis = 0,
     ) -> Collection:
         """Members that are arrays anywhere: each item a ``zarr.Array``, a ``(store, path)``
         pair, or a URL or path (the array at that store's root). Members may live in different
@@ -373,13 +378,14 @@ class Collection:
         spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim)
         return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans)
 
-    def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
+    def _read(self, sample_axis: SampleAxis) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
         first member's; the virtual array of each variable, and each member's sample count.
         Only the first member of each variable is opened as a zarr array."""
         store = _zarr_compat.opened(self.store)
         n = len(self.members)
         refs: dict[str, tuple[Any, int]] = {}
+        products: dict[str, tuple[int, ...]] = {}  # product sample axes, per variable
         keys: list[str] = []
         for v in self.variables:
             path = self._paths[v][0]
@@ -388,10 +394,12 @@ class Collection:
                 self._absent(v, 0)
             assert kind is not None
             ref = _zarr_compat.open_array_readonly(store, path, kind[1])
-            refs[v] = (
-                ref,
-                _sample_axis(ref, sample_axis, f"member {self.members[0]!r}, variable {v!r}"),
-            )
+            where = f"member {self.members[0]!r}, variable {v!r}"
+            if isinstance(sample_axis, tuple | list):  # product sample axes
+                products[v] = product_axes(ref, [_sample_axis(ref, a, where) for a in sample_axis])
+                refs[v] = (ref, products[v][0])
+            else:
+                refs[v] = (ref, _sample_axis(ref, sample_axis, where))
             keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
         docs = read_documents(store, keys)
         lengths = {
@@ -418,6 +426,16 @@ class Collection:
                     f"variable {self.variables[0]!r} but {int(lengths[v][m])} in {v!r}: every "
                     "variable of a member needs the same sample-axis length"
                 )
+        if products:  # every member on one product grid, members laid end to end
+            if self.continuous:
+                raise ValueError(f"{self.name}: product sample axes take independent members")
+            geoms = {
+                v: self._virtual_product(v, refs[v][0], products[v], ref_len)
+                for v in self.variables
+            }
+            same_grids(self.name, {v: g.product for v, g in geoms.items()})
+            ref_len.setflags(write=False)
+            return geoms, ref_len
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
         geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts[v]) for v in self.variables}
@@ -454,6 +472,48 @@ class Collection:
             shape = doc.get("shape") or ()
             lengths[m] = int(shape[axis]) if len(shape) > axis else -1
         return lengths
+
+    def _virtual_product(
+        self, variable: str, ref: Any, axes: tuple[int, ...], lengths: np.ndarray
+    ) -> ArrayGeometry:
+        """Variable ``variable``'s virtual array on product sample axes ``axes``: every member's
+        blocks of one :class:`~insitubatch_nodes.io.product.ProductGrid`, member after member
+        (the members' lengths along the axes must be the same)."""
+        differs = np.flatnonzero(lengths != lengths[0])
+        if len(differs):
+            m = int(differs[0])
+            raise ValueError(
+                f"{self.name}: member {self.members[m]!r} has {int(lengths[m])} steps along axis "
+                f"{axes[0]} of {variable!r}, member {self.members[0]!r} {int(lengths[0])}: on "
+                "product sample axes every member needs the same lengths along them (open the "
+                "members of each length as a collection of their own)"
+            )
+        chunks = _zarr_compat.stored_chunk_shape(ref)
+        grid = ProductGrid(axes, ref.shape, chunks, members=len(self.members))
+        spc = grid.samples_per_chunk
+        members = MemberMap(
+            f"{self.name}:{variable}",
+            self.members,
+            self._paths[variable],
+            np.full(len(self.members), grid.n_blocks * spc, dtype=np.int64),
+            spc,
+            spc,
+            product=True,
+        )
+        return ArrayGeometry(
+            path=f"{self.name}:{variable}",
+            shape=tuple(int(s) for s in ref.shape),  # one member's (the grid spans them all)
+            chunks=chunks,
+            dtype=in_native_byte_order(ref.dtype),
+            fill_value=ref.fill_value,
+            sample_axis=axes[0],
+            read_chunks=_zarr_compat.read_chunk_shape(ref),
+            zarr_format=int(ref.metadata.zarr_format),
+            metadata=ref.metadata,
+            members=members,
+            product=grid,
+            coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
+        )
 
     def _virtual(
         self,
@@ -551,27 +611,6 @@ def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:
     return axis
 
 
-def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
-    """The member map a plan over views with member maps ``maps`` follows: the first one
-    (``None`` when there is none). Collections whose members do not sit at the same virtual
-    samples cannot share a plan (``ValueError``)."""
-    given = [m for m in maps if m is not None]
-    if not given:
-        return None
-    first = given[0]
-    for other in given[1:]:
-        if not (
-            np.array_equal(other.sample_base, first.sample_base)
-            and np.array_equal(other.lengths, first.lengths)
-        ):
-            raise ValueError(
-                f"{first.collection!r} and {other.collection!r} lay their members out "
-                "differently: the labels (and the split) of one pipeline must come from one "
-                "collection"
-            )
-    return first
-
-
 def refuse_collection_options(
     views: Sequence[ArrayGeometry],
     *,
@@ -581,10 +620,11 @@ def refuse_collection_options(
     coords: Sequence[str] | None,
     plain_views: int,
 ) -> None:
-    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet.
-    Views of stores concatenated along time (``Collection.concat``) are one timeline with the
-    stores' times joined: time strides, timed windows, ``missing=`` and ``coords=`` work there;
-    the members of other collections are independent, and have no time coordinate."""
+    """Refuse, naming it, what a pipeline over collection ``views`` does not support. Time
+    strides, timed windows, ``missing=`` dates and ``coords=`` read each member's own time
+    coordinate (:meth:`MemberMap.joined`); on independent members (not a concatenation or a
+    join) ``missing=`` takes dates only: a sample index there would count along the virtual
+    axis, not within a member."""
     if not any(v.members is not None for v in views):
         return
     if plain_views:
@@ -599,24 +639,15 @@ def refuse_collection_options(
         )
     if all(v.members.continuous for v in views if v.members is not None):
         return
-    if timed:
+    if missing is not None and any(
+        isinstance(x, int | np.integer) and not isinstance(x, bool) for x in missing
+    ):
         raise ValueError(
-            "the members of a collection are independent arrays: the collection has no time "
-            "coordinate, so a time stride and window offsets in time deltas are not supported on "
-            "its views (stores that continue one another along time: use concat); give an int "
-            "stride and offsets in samples"
+            "missing= on a collection of independent members takes dates (each member's "
+            "times), not sample indices: an index would count along the collection's virtual "
+            "axis, not within a member"
         )
-    if missing is not None:
-        raise ValueError(
-            "missing= is not supported on views of a collection of independent members (it is "
-            "on stores joined by concat)"
-        )
-    if coords:
-        raise ValueError(
-            "views of a collection of independent members carry no coordinates: pass coords=() "
-            "(or None); each row's member and index are in batch.members and "
-            "batch.sample_indices (stores joined by concat carry their joined times)"
-        )
+    del timed, coords  # (read per member: see MemberMap.joined)
 
 
 def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
