@@ -258,3 +258,27 @@ def test_open_plate_on_t_and_z_reads_every_fields_planes(tmp_path: Path) -> None
                 np.testing.assert_array_equal(batch["y"][r], lab)
                 seen.add((member, int(t), int(z)))
     assert seen == {(f, t, z) for f in coll.members for t in range(2) for z in range(3)}
+
+
+def test_absent_objects_of_a_member_drop_their_planes_with_drop(tmp_path: Path) -> None:
+    root = tmp_path / "holes.zarr"
+    _write(root)
+    # member 1's image object at t block 0, z block 1, x tile 1: its planes t 0-1, z 2-3
+    (root / GROUPS[1] / "0" / "c" / "0" / "0" / "1" / "0" / "1").unlink()
+    coll = _collection(root)
+    image = coll["image"]
+    manifest = split_by_member(coll, {"train": 1.0})
+    pipe = insitu_pipeline(coll, manifest, {"x": image}, missing_objects="drop", batch_size=6)
+    dropped = pipe.stages.plan.dropped
+    data = [_oracle(root, f"{g}/0") for g in GROUPS]
+    seen = set()
+    with pipe:
+        for batch in Loader(pipe):
+            tz = image.sample_coords(batch.sample_indices["x"])
+            for r, (m, (t, z)) in enumerate(zip(batch.members["x"], tz, strict=True)):
+                np.testing.assert_array_equal(batch["x"][r], data[int(m)][t, :, z])
+                seen.add((int(m), int(t), int(z)))
+    gone = {(1, t, z) for t in (0, 1) for z in (2, 3)}
+    every = {(m, t, z) for m in range(len(GROUPS)) for t in range(T) for z in range(Z)}
+    assert seen == every - gone
+    assert dropped["absent_object"] == len(gone)

@@ -283,7 +283,7 @@ def test_bad_product_axes_are_refused_by_name(stack: Path) -> None:
     [
         ({"stride": 2}, r"stride 2 steps along one sample axis"),
         ({"stride": "6h"}, r"stride 6 hours steps along one sample axis"),
-        ({"missing_objects": "drop"}, r"missing_objects='drop' are not supported on views"),
+        ({"missing": [np.datetime64("2000-01-01")]}, r"missing= is not supported on views"),
         ({"coords": ["t"]}, r"carry no coordinates: pass coords=\(\)"),
     ],
 )

@@ -622,20 +622,15 @@ def refuse_collection_options(
 ) -> None:
     """Refuse, naming it, what a pipeline over collection ``views`` does not support. Time
     strides, timed windows, ``missing=`` dates and ``coords=`` read each member's own time
-    coordinate (:meth:`MemberMap.joined`); on independent members (not a concatenation or a
-    join) ``missing=`` takes dates only: a sample index there would count along the virtual
-    axis, not within a member."""
+    coordinate (:meth:`MemberMap.joined`), ``missing_objects="drop"`` lists each member's
+    folder; on independent members (not a concatenation or a join) ``missing=`` takes dates
+    only: a sample index there would count along the virtual axis, not within a member."""
     if not any(v.members is not None for v in views):
         return
     if plain_views:
         raise ValueError(
             "a pipeline reads either collection views or plain arrays: its labels share one "
             "sample axis; read a plain array of the same store in another pipeline"
-        )
-    if missing_objects != "read":
-        raise ValueError(
-            "absent objects skipped by missing_objects='drop' are not supported on collection "
-            "views yet"
         )
     if all(v.members.continuous for v in views if v.members is not None):
         return
@@ -647,7 +642,7 @@ def refuse_collection_options(
             "times), not sample indices: an index would count along the collection's virtual "
             "axis, not within a member"
         )
-    del timed, coords  # (read per member: see MemberMap.joined)
+    del timed, coords, missing_objects  # (supported: times read per member, MemberMap.joined)
 
 
 def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:

@@ -142,6 +142,16 @@ class MemberMap:
         """The folder every member's objects are below (``""``: the store's root)."""
         return posixpath.commonpath(["/" + p for p in self.paths]).strip("/")
 
+    @functools.cached_property
+    def listing_prefixes(self) -> tuple[str, ...]:
+        """Folders whose listings, together, name every member's objects: the members' common
+        folder, or else each top-level folder a member is below (each store's, for members of
+        several stores); ``("",)``: the whole store."""
+        if self.common_prefix:
+            return (self.common_prefix,)
+        heads = sorted({p.strip("/").partition("/")[0] for p in self.paths})
+        return ("",) if "" in heads else tuple(heads)
+
     # -- samples ---------------------------------------------------------------------------
     def member_of(self, samples: np.ndarray) -> np.ndarray:
         """The member of each virtual sample index (``int64``, same shape)."""

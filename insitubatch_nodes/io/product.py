@@ -219,8 +219,8 @@ def refuse_product_options(
             "stride=1 and subsample in a batch transform (geom.sample_coords gives each row's "
             "indices)"
         )
-    if missing is not None or missing_objects != "read":
-        raise ValueError(f"missing= and missing_objects='drop' are not supported on {where}")
+    if missing is not None:
+        raise ValueError(f"missing= is not supported on {where} (missing_objects='drop' is)")
     if coords:
         raise ValueError(
             f"{where} carry no coordinates: pass coords=() (or None); each row's indices along "
