@@ -32,10 +32,16 @@ member; each variable an array of its own store, offset by whole chunks to the s
 A concatenation is one timeline: its views' time coordinate is the stores' times joined
 (:func:`~insitubatch_nodes.io.coords.open_coordinates`), so a time stride, window offsets in
 time deltas, dates in ``missing=`` and carried coordinates work on it as on one array.
+Independent members keep their own times
+(:meth:`~insitubatch_nodes.io.members.MemberMap.joined`: each member's at its own virtual
+samples, one step in all), so the same options work within each member.
 
-Not supported yet (refused with a message where asked for): time coordinates on a collection
-of independent members (a time stride, window offsets in time deltas, ``missing=``, carried
-coordinates of the sample axis) and ``missing_objects="drop"``; product sample axes.
+``sample_axis=("t", "z")`` gives every member product sample axes
+(:mod:`~insitubatch_nodes.io.product`): each member lays out the same grid of stored blocks,
+member after member. ``missing_objects="drop"`` lists each member's folder.
+
+Not supported yet: :meth:`Collection.join` of a concatenation (a join's stores are plain
+stores).
 """
 
 from __future__ import annotations
@@ -622,9 +628,10 @@ def refuse_collection_options(
 ) -> None:
     """Refuse, naming it, what a pipeline over collection ``views`` does not support. Time
     strides, timed windows, ``missing=`` dates and ``coords=`` read each member's own time
-    coordinate (:meth:`MemberMap.joined`), ``missing_objects="drop"`` lists each member's
-    folder; on independent members (not a concatenation or a join) ``missing=`` takes dates
-    only: a sample index there would count along the virtual axis, not within a member."""
+    coordinate (:meth:`~insitubatch_nodes.io.members.MemberMap.joined`),
+    ``missing_objects="drop"`` lists each member's folder; on independent members (not a
+    concatenation or a join) ``missing=`` takes dates only: a sample index there would count
+    along the virtual axis, not within a member."""
     if not any(v.members is not None for v in views):
         return
     if plain_views:

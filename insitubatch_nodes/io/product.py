@@ -20,6 +20,12 @@ pool, the gather, resume, DDP dealing and the persistent cache work on it unchan
 back into the array's indices along the product axes — a ``(B, k)`` array of e.g. ``(t, z)``
 rows. Shifts and windows along a product axis are refused: an offset has no single meaning on
 the virtual axis.
+
+On a collection (``Collection.from_groups(..., sample_axis=("t", "z"))``, ``open_plate``) one
+grid serves every member: ``ProductGrid(..., members=n)`` lays member after member, virtual
+chunk ``c`` being block ``c % n_blocks`` of member ``c // n_blocks``, and the member map keys
+each block below its member's path
+(:meth:`~insitubatch_nodes.io.members.MemberMap.store_key`).
 """
 
 from __future__ import annotations
