@@ -390,3 +390,38 @@ def test_a_join_reads_each_kept_chunk_once_resumes_exactly_and_its_warm_cache_re
             assert data_gets(atmos) == data_gets(forcing) == {}, "a warm cache read the stores"
         else:
             assert data_gets(atmos) and data_gets(forcing)
+
+
+def test_a_join_takes_a_concatenation_cut_where_its_stores_meet(tmp_path: Path) -> None:
+    back, main, forcing = (tmp_path / n for n in ("back.zarr", "main.zarr", "forcing.zarr"))
+    _period(back, 0, 8)  # 2000-01-01T00 .. 01-02T18
+    _period(main, 48, 10)  # 2000-01-03T00 .. 01-05T06
+    _period(forcing, -24, 30)  # 1999-12-31T00 ..: its index 4 is 2000-01-01T00
+    archive = concat([back, main], ["t2m"], dim="time")
+    joined = Collection.join(
+        {"atmos": (archive, ["t2m"]), "forcing": (forcing, ["t2m"])}, dim="time"
+    )
+    assert [Path(m).name for m in joined.members] == ["back.zarr", "main.zarr"]  # two pieces
+    atmos = np.concatenate([_read(back)[0], _read(main)[0]])
+    atmos_times = np.concatenate([_read(back)[1], _read(main)[1]])
+    sst, sst_times = _read(forcing)
+    n = joined["atmos/t2m"].n_samples
+    assert n == 18  # every archive step: the forcing covers them all
+    views = {"x": joined["atmos/t2m"].window(["-6h", "0h"]), "f": joined["forcing/t2m"]}
+    manifest = split_by_chunk(joined["atmos/t2m"], (1.0, 0.0, 0.0))
+    batches = _rows(insitu_pipeline(joined, manifest, views, coords=["time"], batch_size=4))
+    seen = []
+    for b in batches:
+        idx, f_idx = b.sample_indices["x"], b.sample_indices["f"]
+        np.testing.assert_array_equal(np.asarray(b["x"]), atmos[idx])  # across the seam too
+        np.testing.assert_array_equal(np.asarray(b["f"]), sst[f_idx + 4])
+        np.testing.assert_array_equal(b.coords["x"]["time"], atmos_times[idx])
+        np.testing.assert_array_equal(b.coords["f"]["time"], sst_times[f_idx + 4])
+        np.testing.assert_array_equal(idx[:, 1], f_idx)
+        seen.extend(f_idx.tolist())
+    assert sorted(seen) == list(range(1, n))  # every anchor whose window fits, once
+    # a forcing chunked by 8 from 1999-12-31T00: the seam (2000-01-03T00) falls mid-chunk
+    other = tmp_path / "forcing8.zarr"
+    _period(other, -24, 30, chunk=8)
+    with pytest.raises(ValueError, match=r"stores meet at 2000-01-03T00.* inside a chunk of 8"):
+        Collection.join({"atmos": (archive, ["t2m"]), "forcing": (other, ["t2m"])}, dim="time")

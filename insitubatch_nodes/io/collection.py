@@ -40,8 +40,8 @@ samples, one step in all), so the same options work within each member.
 (:mod:`~insitubatch_nodes.io.product`): each member lays out the same grid of stored blocks,
 member after member. ``missing_objects="drop"`` lists each member's folder.
 
-Not supported yet: :meth:`Collection.join` of a concatenation (a join's stores are plain
-stores).
+A join may take a concatenation as one of its stores (an archive's back-extension and main
+store, joined with a forcing store): its axis is cut where the concatenated stores meet.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.product import ProductGrid, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
 from insitubatch_nodes.io.stores import as_store, describe_store
-from insitubatch_nodes.io.timeline import alignment, continuation
+from insitubatch_nodes.io.timeline import alignment, continuation, pieces_of_join
 
 __all__ = [
     "Collection",
@@ -361,7 +361,10 @@ class Collection:
         read by whole chunks of its own chunking (stores may be chunked differently), so the
         axis starts at the first shared time where every array is at a chunk boundary: up to a
         few chunks' steps after the latest start; it ends at the earliest end. Otherwise
-        ``ValueError`` names the stores and their times."""
+        ``ValueError`` names the stores and their times. A store may be a concatenation
+        (:meth:`concat`, with array paths of its variables): the joined axis is then cut where
+        its stores meet, one member per piece, and each cut must fall on a chunk boundary of
+        every array."""
         if not isinstance(stores, Mapping) or not stores:
             raise TypeError(
                 "join takes {name: (store, [array paths])}, e.g. {'atmos': (a, ['t2m']), "
@@ -373,6 +376,16 @@ class Collection:
             if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
                 raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
             given.append(item)
+        if any(isinstance(s, Collection) for s, _ in given):  # a concatenation: in pieces
+            entries = [
+                (n, s, [str(v) for v in vs]) for n, (s, vs) in zip(names, given, strict=True)
+            ]
+            pieces, rows = pieces_of_join(entries, dim)
+            zstore, flat = _locate([(st, p) for r in rows.values() for st, p, _, _ in r])
+            at = iter(flat)
+            paths = {v: [next(at) for _ in r] for v, r in rows.items()}
+            spans = {v: [(a, b) for *_, a, b in r] for v, r in rows.items()}
+            return cls(zstore, pieces, paths, sample_axis=dim, continuous=True, spans=spans)
         zstore, roots = _locate([(s, "") for s, _ in given])
         paths = {
             f"{name}/{str(v).strip('/')}": [_join(root, str(v))]
