@@ -7,6 +7,8 @@ times they share (:func:`alignment`: one step, one grid, each store offset by wh
 Both return each member's stored samples ``[start, stop)`` (its *span*), checked here from the
 stores' time coordinates, refusing what does not fit with the stores and their times named;
 the member map (:mod:`~insitubatch_nodes.io.members`) then reads whole chunks of those spans.
+A join one of whose stores is a concatenation (:func:`pieces_of_join`) is cut where the
+concatenated stores meet: one member per piece, each piece's span per array.
 """
 
 from __future__ import annotations
