@@ -86,6 +86,7 @@ def test_every_row_is_its_members_zarr_plane_at_its_t_and_z(plate: Path) -> None
     assert image.product is not None and image.product.axes == (0, 2)
     assert image.inner_shape == (C, Y, X) and labels.inner_shape == (1, Y, X)
     assert image.samples_per_chunk == 4 and image.n_chunks == 6 * len(GROUPS)
+    assert coll.lengths.tolist() == [T * Z] * len(GROUPS)  # each member's (t, z) pairs
     data = {g: (_oracle(plate, f"{g}/0"), _oracle(plate, f"{g}/labels/0")) for g in GROUPS}
     views = {"x": image, "y": labels}
     manifest = split_by_member(coll, {"train": 1.0})

@@ -120,8 +120,7 @@ class Collection:
     names, ``keys`` per-member group keys (``{"well": array of "A/1", ...}``: one value per
     member, for :func:`~insitubatch_nodes.split_by_member`'s ``by=``), ``store`` the store
     every member is read from (a :class:`~insitubatch_nodes.io.routing.RoutingStore` when they
-    live in several), ``lengths`` each member's sample count.
-    """
+    live in several), ``lengths`` each member's sample count (on product axes: its pairs)."""
 
     def __init__(
         self,
@@ -452,9 +451,10 @@ class Collection:
                 v: self._virtual_product(v, refs[v][0], products[v], ref_len)
                 for v in self.variables
             }
-            same_grids(self.name, {v: g.product for v, g in geoms.items()})
-            ref_len.setflags(write=False)
-            return geoms, ref_len
+            grid = same_grids(self.name, {v: g.product for v, g in geoms.items()})
+            pairs = np.full(n, math.prod(grid.lengths), dtype=np.int64)  # samples: (t, z) pairs
+            pairs.setflags(write=False)
+            return geoms, pairs
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
         geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts[v]) for v in self.variables}

@@ -270,10 +270,11 @@ def _checked(where: str, phys: Sequence[int], ndim: int, given: Any) -> tuple[in
     return out
 
 
-def same_grids(where: str, grids: Mapping[str, ProductGrid | None]) -> None:
-    """Check that the variables of collection ``where`` share one product grid (the same axes,
+def same_grids(where: str, grids: Mapping[str, ProductGrid | None]) -> ProductGrid:
+    """The one product grid the variables of collection ``where`` share (the same axes,
     lengths and stored extents along them): they are read as labels of one plan."""
     (first, grid), *rest = grids.items()
+    assert grid is not None
     for name, other in rest:
         if other != grid:
             raise ValueError(
@@ -281,6 +282,7 @@ def same_grids(where: str, grids: Mapping[str, ProductGrid | None]) -> None:
                 "sample axes every variable of a collection needs the same lengths and stored "
                 "extents along them (rechunk, or open the variables as collections of their own)"
             )
+    return grid
 
 
 def _physical_axis(geom: Any, key: int | str) -> int:
