@@ -295,6 +295,24 @@ def test_time_options_on_product_axes_are_refused_by_name(
         insitu_pipeline(stack, split_by_chunk(image, (1.0, 0.0, 0.0)), {"x": image}, **option)
 
 
+def test_an_absent_stored_object_drops_its_blocks_pairs_with_drop(tmp_path: Path) -> None:
+    root = tmp_path / "holes.zarr"
+    data = _write(root)
+    (root / "image" / "c" / "1" / "0" / "0" / "0" / "1").unlink()  # t block 1, z block 0, tile 1
+    image = open_geometries(root, ["image"], sample_axis=("t", "z"))["image"]
+    pipe = _pipeline(root, {"x": image}, missing_objects="drop", batch_size=5)
+    dropped = pipe.stages.plan.dropped
+    seen = set()
+    with pipe:
+        for batch in Loader(pipe):
+            for r, (t, z) in enumerate(image.sample_coords(batch.sample_indices["x"])):
+                np.testing.assert_array_equal(batch["x"][r], data[t, :, z])
+                seen.add((int(t), int(z)))
+    gone = {(t, z) for t in (2, 3) for z in (0, 1, 2)}
+    assert seen == {(t, z) for t in range(T) for z in range(Z)} - gone
+    assert dropped["absent_object"] == len(gone)
+
+
 def test_a_pipeline_does_not_mix_product_and_plain_views(stack: Path) -> None:
     image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
     plain = open_geometries(stack, ["labels"], sample_axis="t")["labels"]
