@@ -5,7 +5,8 @@ Members are ``(t, c, z, y, x)`` fields whose t and z lengths are not multiples o
 (edge blocks with padding), with a label image beside each. Every row equals
 ``member_array[t, :, z]`` of the member ``batch.members`` names, at the ``(t, z)`` that
 ``geom.sample_coords(batch.sample_indices[label])`` gives; each stored object is read once per
-epoch; ``split_by_member`` keeps whole members; a resumed epoch continues exactly; members of
+epoch; ``split_by_member`` keeps whole members; ranks deal disjoint planes in equal batch
+counts; a resumed epoch continues exactly; members of
 other lengths along the axes, and variables on other grids, are refused by name; an
 OME-NGFF plate opened with ``sample_axis=("t", "z")`` reads its fields' planes.
 """
@@ -283,3 +284,33 @@ def test_absent_objects_of_a_member_drop_their_planes_with_drop(tmp_path: Path) 
     every = {(m, t, z) for m in range(len(GROUPS)) for t in range(T) for z in range(Z)}
     assert seen == every - gone
     assert dropped["absent_object"] == len(gone)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_deal_disjoint_planes_of_all_members_in_equal_batch_counts(
+    plate: Path, world: int
+) -> None:
+    coll = _collection(plate)
+    image = coll["image"]
+    data = [_oracle(plate, f"{g}/0") for g in GROUPS]
+    manifest = split_by_member(coll, {"train": 1.0})
+    per_rank, counts = [], []
+    for rank in range(world):
+        pipe = insitu_pipeline(
+            coll, manifest, {"x": image}, batch_size=4, seed=5, rank=rank, world_size=world
+        )
+        with pipe:
+            mine, batches = [], 0
+            for batch in Loader(pipe):
+                batches += 1
+                tz = image.sample_coords(batch.sample_indices["x"])
+                for r, (m, (t, z)) in enumerate(zip(batch.members["x"], tz, strict=True)):
+                    np.testing.assert_array_equal(batch["x"][r], data[int(m)][t, :, z])
+                    mine.append((int(m), int(t), int(z)))
+            assert batches == len(pipe)
+        per_rank.append(mine)
+        counts.append(batches)
+    flat = [p for mine in per_rank for p in mine]
+    assert len(flat) == len(set(flat)), "ranks share a plane"
+    assert len(GROUPS) * T * Z - len(flat) <= world - 1
+    assert len(set(counts)) == 1, f"unequal batch counts {counts}"
