@@ -331,7 +331,7 @@ def insitu_pipeline(
         {
             lb: v
             for lb, v in {**plain, **firsts}.items()
-            if v.members is None or v.members.continuous  # (concat: the stores' times joined)
+            if v.members is None or v.members.continuous or coords  # (named: each member's)
         },
         coords,
         reader,

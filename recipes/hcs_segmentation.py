@@ -16,8 +16,14 @@ A batch transform folds T into the batch and standardises each plane per channel
 convolutional network learns the labels on the CPU, printing the loss per epoch and the
 validation pixel accuracy against the all-background one.
 
+A timelapse plate (``--t 3``) can be drawn as (t, z) planes instead, with ``--tz``: product
+sample axes on the collection, ``open_plate(..., sample_axis=("t", "z"))``, every (t, z) plane
+of every field one sample of the same stream (``coll["image"].sample_coords(...)`` gives each
+row's (t, z) within its field).
+
     .venv/bin/python recipes/hcs_segmentation.py
     .venv/bin/python recipes/hcs_segmentation.py --rows 3 --columns 4 --fields 3 --level 1.3
+    .venv/bin/python recipes/hcs_segmentation.py --t 3 --tz
 """
 
 from __future__ import annotations
@@ -59,7 +65,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--columns", type=int, default=3)
     p.add_argument("--fields", type=int, default=2, help="fields (images) per well")
+    p.add_argument("--t", type=int, default=1, help="time points per field")
     p.add_argument("--z", type=int, default=8, help="Z planes per field")
+    p.add_argument("--tz", action="store_true", help="draw (t, z) planes: product sample axes")
     p.add_argument("--yx", type=int, default=64, help="Y and X extent of each field")
     p.add_argument("--ngff", choices=("0.4", "0.5"), default="0.5", help="NGFF version to write")
     p.add_argument(
@@ -83,7 +91,7 @@ def ensure_plate(path: Path, args: argparse.Namespace) -> None:
         return
     make_hcs_plate(
         path, rows=args.rows, columns=args.columns, fields=args.fields,
-        shape=(1, 2, args.z, args.yx, args.yx), levels=2, labels=("cells",),
+        shape=(args.t, 2, args.z, args.yx, args.yx), levels=2, labels=("cells",),
         ngff_version=args.ngff, seed=args.seed,
     )  # fmt: skip
     print(f"wrote a synthetic NGFF {args.ngff} plate with ome-zarr-py to {path}")
@@ -91,8 +99,11 @@ def ensure_plate(path: Path, args: argparse.Namespace) -> None:
 
 def standardise(batch: Batch) -> Batch:
     """(B, T, C, Y, X) uint16 -> (B*T, C, Y, X) float32, each plane and channel standardised;
-    the label ids (B, T, 1, Y, X) -> (B*T, Y, X) foreground 1 / background 0."""
+    the label ids (B, T, 1, Y, X) -> (B*T, Y, X) foreground 1 / background 0. (t, z) planes
+    come as (B, C, Y, X): one time point each."""
     image, labels = batch["image"], batch["labels/cells"]
+    if image.ndim == 4:  # (t, z) planes
+        image, labels = image[:, None], labels[:, None]
     b, t, c, y, x = image.shape
     planes = image.reshape(b * t, c, y, x).astype(np.float32)
     planes -= planes.mean(axis=(2, 3), keepdims=True)
@@ -103,16 +114,20 @@ def standardise(batch: Batch) -> Batch:
 
 
 def check_first_batch(coll: Collection, pipe: InSituPipeline, path: Path) -> None:
-    """Each row of one batch is its field's Z plane as zarr reads it."""
+    """Each row of one batch is its field's Z plane (or (t, z) plane) as zarr reads it."""
     batch = next(iter(Loader(pipe)))
     for variable in ("image", "labels/cells"):
+        where = coll[variable].sample_coords(batch.sample_indices[variable])  # (z) or (t, z)
         for r in range(len(batch)):
             m = int(batch.members[variable][r])
-            z = int(batch.sample_indices[variable][r])
             array = zarr.open_array(str(path), path=coll.paths(variable)[m], mode="r")
-            assert np.array_equal(batch[variable][r], array[:, :, z]), (variable, r)
+            if where.shape[1] == 2:
+                expected = array[int(where[r, 0]), :, int(where[r, 1])]
+            else:
+                expected = array[:, :, int(where[r, 0])]
+            assert np.array_equal(batch[variable][r], expected), (variable, r)
     fields = sorted({coll.members[m] for m in batch.members["image"].tolist()})
-    print(f"first batch: {len(batch)} Z planes from {len(fields)} fields, equal to zarr's read")
+    print(f"first batch: {len(batch)} planes from {len(fields)} fields, equal to zarr's read")
 
 
 def wells_in(coll: Collection, pipe: InSituPipeline) -> set[str]:
@@ -142,8 +157,15 @@ def run(path: Path, args: argparse.Namespace) -> int:
     ensure_plate(path, args)
     level: Any = int(args.level) if float(args.level).is_integer() else args.level
     print(read_plate(path, level=level, labels=["cells"]).describe())
-    coll = open_plate(path, level=level, labels=["cells"], sample_axis="z")
-    print(f"{coll}: {int(coll.lengths.sum())} Z planes in {len(coll)} fields")
+    axes: Any = ("t", "z") if args.tz else "z"
+    coll = open_plate(path, level=level, labels=["cells"], sample_axis=axes)
+    product = coll["image"].product
+    if product is None:
+        print(f"{coll}: {int(coll.lengths.sum())} Z planes in {len(coll)} fields")
+    else:
+        n_t, n_z = product.lengths
+        planes = len(coll) * n_t * n_z
+        print(f"{coll}: {planes} (t, z) planes ({n_t} x {n_z}) in {len(coll)} fields")
     n_wells = len(set(coll.keys["well"].tolist()))
     split = split_by_member(
         coll, {"train": 1.0 - args.val_wells, "val": args.val_wells}, by="well", seed=args.seed

@@ -513,17 +513,54 @@ def test_members_that_do_not_share_the_schema_are_refused_by_name(tmp_path: Path
         Collection.from_groups(root, groups, {"image": "0", "labels": "labels"})
 
 
-def test_what_collections_do_not_support_yet_is_refused(plate: tuple[Path, list[str]]) -> None:
+def test_time_options_on_members_without_times_and_what_is_not_supported_are_refused(
+    plate: tuple[Path, list[str]],
+) -> None:
     coll = _collection(plate)
     manifest = split_by_member(coll, {"train": 1.0})
-    with pytest.raises(ValueError, match="no time coordinate"):
+    with pytest.raises(ValueError, match=r"need the time coordinate of .* it has none"):
         insitu_pipeline(coll, manifest, {"x": coll["image"]}, stride=np.timedelta64(6, "h"))
-    with pytest.raises(ValueError, match="carry no coordinates"):
+    with pytest.raises(KeyError, match="no coordinate array 'time'"):
         insitu_pipeline(coll, manifest, {"x": coll["image"]}, coords=["time"])
-    with pytest.raises(ValueError, match="missing_objects='drop' are not supported"):
-        insitu_pipeline(coll, manifest, {"x": coll["image"]}, missing_objects="drop")
     with pytest.raises(FileNotFoundError, match="pass the collection itself"):
         insitu_pipeline(plate[0].parent, manifest, {"x": coll["image"]})
+
+
+def test_absent_objects_of_any_member_are_skipped_and_counted_with_drop(tmp_path: Path) -> None:
+    root = tmp_path / "holes.zarr"
+    groups = _write_plate(root)
+    # member 0 loses its image chunk 1 (samples 2, 3), tile 1 only; member 2 its label of
+    # sample 5 (labels are chunked one sample per object)
+    (root / groups[0] / "0" / "c" / "1" / "0" / "1").unlink()
+    (root / groups[2] / "labels" / "0" / "c" / "5" / "0" / "0").unlink()
+    absent = {(0, 2), (0, 3), (2, 5)}
+    store = counting_store(root)
+    coll = Collection.from_groups(store, groups, {"image": "0", "labels": "labels/0"})
+    manifest = split_by_member(coll, {"train": 1.0})
+    views = {"x": coll["image"], "y": coll["labels"], "next": coll["image"].shift(1)}
+    images, labels = _oracle(root, groups, "0"), _oracle(root, groups, "labels/0")
+    pipe = insitu_pipeline(coll, manifest, views, missing_objects="drop", batch_size=4, seed=1)
+    dropped = pipe.stages.plan.dropped
+    store.reset_counts()
+    got = []
+    for batch in _batches(pipe):
+        for r, (m, i) in enumerate(zip(batch.members["x"], batch.sample_indices["x"], strict=True)):
+            m, i = int(m), int(i)
+            np.testing.assert_array_equal(batch["x"][r], images[m][i])
+            np.testing.assert_array_equal(batch["y"][r], labels[m][i])
+            np.testing.assert_array_equal(batch["next"][r], images[m][i + 1])
+            got.append((m, i))
+    pipe.close()
+    # every anchor but those reading an absent object (itself or its next step), once
+    want = [
+        (m, i)
+        for m, n in enumerate(LENGTHS)
+        for i in range(n - 1)
+        if (m, i) not in absent and (m, i + 1) not in absent
+    ]
+    assert sorted(got) == want
+    assert dropped["absent_object"] == 5  # (0, 1), (0, 2), (0, 3), (2, 4), (2, 5)
+    assert not any(key.startswith(f"{groups[0]}/0/c/1/") for key in store.chunk_counts())
 
 
 def test_a_changed_member_list_changes_the_cache_fingerprint_and_a_warm_cache_reads_nothing(

@@ -108,19 +108,79 @@ def test_a_concatenation_has_the_stores_times_joined_for_strides_windows_missing
     assert times[8] in anchors  # 2000-01-03T00: a window across the first stores' edge
 
 
-def test_collections_of_independent_members_still_refuse_time_options(tmp_path: Path) -> None:
-    for k in range(2):
-        _period(tmp_path / f"m{k}.zarr", 0, 8)
-    coll = Collection.from_arrays([(tmp_path / f"m{k}.zarr", "t2m") for k in range(2)])
+def _xarray_times(root: Path) -> np.ndarray:
+    """The oracle's times: xarray's decoding of a store's CF ``time``."""
+    xr = pytest.importorskip("xarray")
+    with xr.open_zarr(root, consolidated=False) as ds:
+        return np.asarray(ds["time"].values)
+
+
+def test_independent_members_stride_window_miss_and_carry_their_own_times(
+    tmp_path: Path,
+) -> None:
+    # scenes, each its own 6-hourly timeline from its own start, of its own length
+    spans = [(0, 9), (30, 6), (102, 11)]
+    stores = [tmp_path / f"scene{k}.zarr" for k in range(len(spans))]
+    for root, (s, n) in zip(stores, spans, strict=True):
+        _period(root, s, n)
+    times = [_xarray_times(root) for root in stores]
+    data = [_read(root)[0] for root in stores]
+    coll = Collection.from_arrays([(root, "t2m") for root in stores], sample_axis="time")
+    gone = times[2][4]  # 2000-01-06T06 in scene 2: a date in missing=
+    view = coll["data"].window(["-6h", "0h"])
     manifest = split_by_chunk(coll["data"], (1.0, 0.0, 0.0))
-    with pytest.raises(ValueError, match="no time coordinate"):
-        insitu_pipeline(coll, manifest, {"x": coll["data"]}, stride="12h")
-    with pytest.raises(ValueError, match="no time coordinate"):
-        insitu_pipeline(coll, manifest, {"x": coll["data"].window(["-6h", "0h"])})
-    with pytest.raises(ValueError, match="missing= is not supported"):
+    pipe = insitu_pipeline(
+        coll, manifest, {"w": view}, stride="12h", missing=[gone], coords=["time"],
+        batch_size=4, seed=2,
+    )  # fmt: skip
+    dropped = pipe.stages.plan.dropped
+    batches = _rows(pipe)
+    got = set()
+    for b in batches:
+        for r, (m, idx) in enumerate(zip(b.members["w"], b.sample_indices["w"], strict=True)):
+            m = int(m)
+            assert idx[1] == idx[0] + 1  # a window never leaves its member
+            np.testing.assert_array_equal(np.asarray(b["w"][r]), data[m][idx])
+            np.testing.assert_array_equal(b.coords["w"]["time"][r], times[m][idx])
+            got.add((m, int(idx[1])))
+    # the oracle: per member, the anchors whose own time is on a 12-hour multiple and whose
+    # window (the step before and the anchor) is inside the member and misses no date
+    want = {
+        (m, i)
+        for m, t in enumerate(times)
+        for i in range(1, len(t))
+        if (t[i] - np.datetime64("1970-01-01", "ns")) % (12 * HOUR) == np.timedelta64(0)
+        and gone not in t[i - 1 : i + 1]
+    }
+    assert got == want and len(want) > 6
+    # the windows reading scene 2's 2000-01-06T06 are anchored at 06 (off the stride) and 12:
+    # one on-stride anchor dropped, counted
+    assert dropped.get("missing") == 1 and (2, 5) not in got and (2, 7) in got
+
+
+def test_independent_members_whose_times_are_not_one_step_are_refused_by_name(
+    tmp_path: Path,
+) -> None:
+    _period(tmp_path / "a.zarr", 0, 8)
+    _period(tmp_path / "b.zarr", 0, 8, step=3)  # 3-hourly: another step
+    g = zarr.open_group(tmp_path / "c.zarr", mode="w", zarr_format=3)
+    _period(tmp_path / "c.zarr", 0, 8)
+    g = zarr.open_group(tmp_path / "c.zarr", mode="a")
+    hours = np.asarray(g["time"][:])
+    hours[5:] += 6  # a gap of 12 hours after 2000-01-02T00
+    g["time"][:] = hours
+    for other, why in (("b", "steps from"), ("c", "steps from 2000-01-02")):
+        coll = Collection.from_arrays(
+            [(tmp_path / "a.zarr", "t2m"), (tmp_path / f"{other}.zarr", "t2m")],
+            names=["a", other],
+        )
+        manifest = split_by_chunk(coll["data"], (1.0, 0.0, 0.0))
+        with pytest.raises(ValueError, match=f"member '{other}''s 'time' {why}"):
+            insitu_pipeline(coll, manifest, {"x": coll["data"]}, stride="12h")
+    coll = Collection.from_arrays([(tmp_path / "a.zarr", "t2m"), (tmp_path / "b.zarr", "t2m")])
+    manifest = split_by_chunk(coll["data"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"takes dates .* not sample indices"):
         insitu_pipeline(coll, manifest, {"x": coll["data"]}, missing=[0])
-    with pytest.raises(ValueError, match="carry no coordinates"):
-        insitu_pipeline(coll, manifest, {"x": coll["data"]}, coords=["time"])
 
 
 @pytest.mark.parametrize("winner", ["first", "last"])
@@ -313,3 +373,38 @@ def test_a_join_reads_each_kept_chunk_once_resumes_exactly_and_its_warm_cache_re
             assert data_gets(atmos) == data_gets(forcing) == {}, "a warm cache read the stores"
         else:
             assert data_gets(atmos) and data_gets(forcing)
+
+
+def test_a_join_takes_a_concatenation_cut_where_its_stores_meet(tmp_path: Path) -> None:
+    back, main, forcing = (tmp_path / n for n in ("back.zarr", "main.zarr", "forcing.zarr"))
+    _period(back, 0, 8)  # 2000-01-01T00 .. 01-02T18
+    _period(main, 48, 10)  # 2000-01-03T00 .. 01-05T06
+    _period(forcing, -24, 30)  # 1999-12-31T00 ..: its index 4 is 2000-01-01T00
+    archive = concat([back, main], ["t2m"], dim="time")
+    joined = Collection.join(
+        {"atmos": (archive, ["t2m"]), "forcing": (forcing, ["t2m"])}, dim="time"
+    )
+    assert [Path(m).name for m in joined.members] == ["back.zarr", "main.zarr"]  # two pieces
+    atmos = np.concatenate([_read(back)[0], _read(main)[0]])
+    atmos_times = np.concatenate([_read(back)[1], _read(main)[1]])
+    sst, sst_times = _read(forcing)
+    n = joined["atmos/t2m"].n_samples
+    assert n == 18  # every archive step: the forcing covers them all
+    views = {"x": joined["atmos/t2m"].window(["-6h", "0h"]), "f": joined["forcing/t2m"]}
+    manifest = split_by_chunk(joined["atmos/t2m"], (1.0, 0.0, 0.0))
+    batches = _rows(insitu_pipeline(joined, manifest, views, coords=["time"], batch_size=4))
+    seen = []
+    for b in batches:
+        idx, f_idx = b.sample_indices["x"], b.sample_indices["f"]
+        np.testing.assert_array_equal(np.asarray(b["x"]), atmos[idx])  # across the seam too
+        np.testing.assert_array_equal(np.asarray(b["f"]), sst[f_idx + 4])
+        np.testing.assert_array_equal(b.coords["x"]["time"], atmos_times[idx])
+        np.testing.assert_array_equal(b.coords["f"]["time"], sst_times[f_idx + 4])
+        np.testing.assert_array_equal(idx[:, 1], f_idx)
+        seen.extend(f_idx.tolist())
+    assert sorted(seen) == list(range(1, n))  # every anchor whose window fits, once
+    # a forcing chunked by 8 from 1999-12-31T00: the seam (2000-01-03T00) falls mid-chunk
+    other = tmp_path / "forcing8.zarr"
+    _period(other, -24, 30, chunk=8)
+    with pytest.raises(ValueError, match=r"stores meet at 2000-01-03T00.* inside a chunk of 8"):
+        Collection.join({"atmos": (archive, ["t2m"]), "forcing": (other, ["t2m"])}, dim="time")

@@ -22,7 +22,6 @@ from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import (
     Coarsen,
-    Collection,
     Loader,
     SplitManifest,
     insitu_pipeline,
@@ -264,7 +263,7 @@ def test_bad_product_axes_are_refused_by_name(stack: Path) -> None:
     [
         ({"stride": 2}, r"stride 2 steps along one sample axis"),
         ({"stride": "6h"}, r"stride 6 hours steps along one sample axis"),
-        ({"missing_objects": "drop"}, r"missing_objects='drop' are not supported on views"),
+        ({"missing": [np.datetime64("2000-01-01")]}, r"missing= is not supported on views"),
         ({"coords": ["t"]}, r"carry no coordinates: pass coords=\(\)"),
     ],
 )
@@ -274,6 +273,24 @@ def test_time_options_on_product_axes_are_refused_by_name(
     image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
     with pytest.raises(ValueError, match=message):
         insitu_pipeline(stack, split_by_chunk(image, (1.0, 0.0, 0.0)), {"x": image}, **option)
+
+
+def test_an_absent_stored_object_drops_its_blocks_pairs_with_drop(tmp_path: Path) -> None:
+    root = tmp_path / "holes.zarr"
+    data = _write(root)
+    (root / "image" / "c" / "1" / "0" / "0" / "0" / "1").unlink()  # t block 1, z block 0, tile 1
+    image = open_geometries(root, ["image"], sample_axis=("t", "z"))["image"]
+    pipe = _pipeline(root, {"x": image}, missing_objects="drop", batch_size=5)
+    dropped = pipe.stages.plan.dropped
+    seen = set()
+    with pipe:
+        for batch in Loader(pipe):
+            for r, (t, z) in enumerate(image.sample_coords(batch.sample_indices["x"])):
+                np.testing.assert_array_equal(batch["x"][r], data[t, :, z])
+                seen.add((int(t), int(z)))
+    gone = {(t, z) for t in (2, 3) for z in (0, 1, 2)}
+    assert seen == {(t, z) for t in range(T) for z in range(Z)} - gone
+    assert dropped["absent_object"] == len(gone)
 
 
 def test_a_pipeline_does_not_mix_product_and_plain_views(stack: Path) -> None:
@@ -358,11 +375,6 @@ def test_a_block_decodes_straight_when_its_axes_lead_in_storage_order_else_in_on
         assert decoder._stats.inplace == 1 and decoder._stats.scratch == 1
     else:
         assert decoder._stats.inplace == 0 and decoder._stats.scratch == 2
-
-
-def test_a_collection_takes_one_sample_axis(stack: Path) -> None:
-    with pytest.raises(TypeError, match="sample_axis must be an int or a dimension name"):
-        Collection.from_arrays([(str(stack), "image")], sample_axis=("t", "z"))  # type: ignore[arg-type]
 
 
 def test_a_chunk_transform_sees_each_blocks_valid_pairs_sample_first(stack: Path) -> None:

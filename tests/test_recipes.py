@@ -326,3 +326,17 @@ def test_the_hcs_segmenter_trains_on_every_field_of_a_plate_split_by_well(
     assert "; disjoint)" in proc.stdout, _explain(proc)
     assert "loss fell" in proc.stdout, _explain(proc)
     assert "above the all-background" in proc.stdout, _explain(proc)
+
+
+@pytest.mark.slow
+def test_the_hcs_segmenter_trains_on_the_t_z_planes_of_a_timelapse_plate(tmp_path: Path) -> None:
+    pytest.importorskip("ome_zarr")
+    proc = _run_recipe(
+        "hcs_segmentation.py", "--t", "2", "--tz", "--z", "3", "--yx", "48", "--epochs", "2",
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "72 (t, z) planes (2 x 3) in 12 fields" in proc.stdout, _explain(proc)
+    assert "equal to zarr's read" in proc.stdout, _explain(proc)
+    assert "; disjoint)" in proc.stdout, _explain(proc)
+    assert "loss fell" in proc.stdout, _explain(proc)

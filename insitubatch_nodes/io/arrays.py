@@ -521,8 +521,11 @@ def absent_samples(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> np.n
         raise ValueError(f"arrays {sorted(geoms)} do not share one sample-axis length")
     out = np.zeros(sizes.pop(), dtype=bool)
     for path, geom in geoms.items():
-        try:
-            listed = _zarr_compat.list_keys(zstore, f"{path}/" if path else "")
+        try:  # (a collection's members: their folders)
+            heads = [path] if geom.members is None else geom.members.listing_prefixes
+            listed = set().union(
+                *(_zarr_compat.list_keys(zstore, f"{p}/" if p else "") for p in heads)
+            )
         except Exception as exc:
             raise OSError(
                 f"cannot list {path!r} in {describe_store(zstore)} to find absent objects "

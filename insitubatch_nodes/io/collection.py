@@ -32,10 +32,16 @@ member; each variable an array of its own store, offset by whole chunks to the s
 A concatenation is one timeline: its views' time coordinate is the stores' times joined
 (:func:`~insitubatch_nodes.io.coords.open_coordinates`), so a time stride, window offsets in
 time deltas, dates in ``missing=`` and carried coordinates work on it as on one array.
+Independent members keep their own times
+(:meth:`~insitubatch_nodes.io.members.MemberMap.joined`: each member's at its own virtual
+samples, one step in all), so the same options work within each member.
 
-Not supported yet (refused with a message where asked for): time coordinates on a collection
-of independent members (a time stride, window offsets in time deltas, ``missing=``, carried
-coordinates of the sample axis) and ``missing_objects="drop"``; product sample axes.
+``sample_axis=("t", "z")`` gives every member product sample axes
+(:mod:`~insitubatch_nodes.io.product`): each member lays out the same grid of stored blocks,
+member after member. ``missing_objects="drop"`` lists each member's folder.
+
+A join may take a concatenation as one of its stores (an archive's back-extension and main
+store, joined with a forcing store): its axis is cut where the concatenated stores meet.
 """
 
 from __future__ import annotations
@@ -56,11 +62,12 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.io.members import MemberMap
+from insitubatch_nodes.io.members import MemberMap, collection_of
 from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.product import ProductGrid, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
 from insitubatch_nodes.io.stores import as_store, describe_store
-from insitubatch_nodes.io.timeline import alignment, continuation
+from insitubatch_nodes.io.timeline import alignment, continuation, pieces_of_join
 
 __all__ = [
     "Collection",
@@ -70,6 +77,10 @@ __all__ = [
     "join",
     "refuse_collection_options",
 ]
+
+
+#: a sample axis (an index or a dimension name), or product sample axes (a tuple of them)
+SampleAxis = int | str | tuple[int | str, ...]
 
 
 def _join(*parts: str) -> str:
@@ -109,8 +120,7 @@ class Collection:
     names, ``keys`` per-member group keys (``{"well": array of "A/1", ...}``: one value per
     member, for :func:`~insitubatch_nodes.split_by_member`'s ``by=``), ``store`` the store
     every member is read from (a :class:`~insitubatch_nodes.io.routing.RoutingStore` when they
-    live in several), ``lengths`` each member's sample count.
-    """
+    live in several), ``lengths`` each member's sample count (on product axes: its pairs)."""
 
     def __init__(
         self,
@@ -119,7 +129,7 @@ class Collection:
         paths: Mapping[str, Sequence[str]],
         *,
         keys: Mapping[str, Sequence[Any]] | None = None,
-        sample_axis: int | str = 0,
+        sample_axis: SampleAxis = 0,
         continuous: bool = False,
         spans: Sequence[tuple[int, int]] | Mapping[str, Sequence[tuple[int, int]]] | None = None,
     ) -> None:
@@ -238,7 +248,7 @@ class Collection:
         *,
         names: Sequence[str] | None = None,
         keys: Mapping[str, Sequence[Any]] | None = None,
-        sample_axis: int | str = 0,
+        sample_axis: SampleAxis = 0,
     ) -> Collection:
         """Members that are groups: member ``i``'s variable ``v`` is the array at
         ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). A group may
@@ -266,7 +276,7 @@ class Collection:
         *,
         names: Sequence[str] | None = None,
         variable: str = "data",
-        sample_axis: int | str = 0,
+        sample_axis: SampleAxis = 0,
     ) -> Collection:
         """Members that are arrays anywhere: each item a ``zarr.Array``, a ``(store, path)``
         pair, or a URL or path (the array at that store's root). Members may live in different
@@ -350,7 +360,10 @@ class Collection:
         read by whole chunks of its own chunking (stores may be chunked differently), so the
         axis starts at the first shared time where every array is at a chunk boundary: up to a
         few chunks' steps after the latest start; it ends at the earliest end. Otherwise
-        ``ValueError`` names the stores and their times."""
+        ``ValueError`` names the stores and their times. A store may be a concatenation
+        (:meth:`concat`, with array paths of its variables): the joined axis is then cut where
+        its stores meet, one member per piece, and each cut must fall on a chunk boundary of
+        every array."""
         if not isinstance(stores, Mapping) or not stores:
             raise TypeError(
                 "join takes {name: (store, [array paths])}, e.g. {'atmos': (a, ['t2m']), "
@@ -362,6 +375,16 @@ class Collection:
             if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
                 raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
             given.append(item)
+        if any(isinstance(s, Collection) for s, _ in given):  # a concatenation: in pieces
+            entries = [
+                (n, s, [str(v) for v in vs]) for n, (s, vs) in zip(names, given, strict=True)
+            ]
+            pieces, rows = pieces_of_join(entries, dim)
+            zstore, flat = _locate([(st, p) for r in rows.values() for st, p, _, _ in r])
+            at = iter(flat)
+            paths = {v: [next(at) for _ in r] for v, r in rows.items()}
+            spans = {v: [(a, b) for *_, a, b in r] for v, r in rows.items()}
+            return cls(zstore, pieces, paths, sample_axis=dim, continuous=True, spans=spans)
         zstore, roots = _locate([(s, "") for s, _ in given])
         paths = {
             f"{name}/{str(v).strip('/')}": [_join(root, str(v))]
@@ -373,13 +396,14 @@ class Collection:
         spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim)
         return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans)
 
-    def _read(self, sample_axis: int | str) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
+    def _read(self, sample_axis: SampleAxis) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
         first member's; the virtual array of each variable, and each member's sample count.
         Only the first member of each variable is opened as a zarr array."""
         store = _zarr_compat.opened(self.store)
         n = len(self.members)
         refs: dict[str, tuple[Any, int]] = {}
+        products: dict[str, tuple[int, ...]] = {}  # product sample axes, per variable
         keys: list[str] = []
         for v in self.variables:
             path = self._paths[v][0]
@@ -388,10 +412,12 @@ class Collection:
                 self._absent(v, 0)
             assert kind is not None
             ref = _zarr_compat.open_array_readonly(store, path, kind[1])
-            refs[v] = (
-                ref,
-                _sample_axis(ref, sample_axis, f"member {self.members[0]!r}, variable {v!r}"),
-            )
+            where = f"member {self.members[0]!r}, variable {v!r}"
+            if isinstance(sample_axis, tuple | list):  # product sample axes
+                products[v] = product_axes(ref, [_sample_axis(ref, a, where) for a in sample_axis])
+                refs[v] = (ref, products[v][0])
+            else:
+                refs[v] = (ref, _sample_axis(ref, sample_axis, where))
             keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
         docs = read_documents(store, keys)
         lengths = {
@@ -418,6 +444,17 @@ class Collection:
                     f"variable {self.variables[0]!r} but {int(lengths[v][m])} in {v!r}: every "
                     "variable of a member needs the same sample-axis length"
                 )
+        if products:  # every member on one product grid, members laid end to end
+            if self.continuous:
+                raise ValueError(f"{self.name}: product sample axes take independent members")
+            geoms = {
+                v: self._virtual_product(v, refs[v][0], products[v], ref_len)
+                for v in self.variables
+            }
+            grid = same_grids(self.name, {v: g.product for v, g in geoms.items()})
+            pairs = np.full(n, math.prod(grid.lengths), dtype=np.int64)  # samples: (t, z) pairs
+            pairs.setflags(write=False)
+            return geoms, pairs
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
         geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts[v]) for v in self.variables}
@@ -454,6 +491,48 @@ class Collection:
             shape = doc.get("shape") or ()
             lengths[m] = int(shape[axis]) if len(shape) > axis else -1
         return lengths
+
+    def _virtual_product(
+        self, variable: str, ref: Any, axes: tuple[int, ...], lengths: np.ndarray
+    ) -> ArrayGeometry:
+        """Variable ``variable``'s virtual array on product sample axes ``axes``: every member's
+        blocks of one :class:`~insitubatch_nodes.io.product.ProductGrid`, member after member
+        (the members' lengths along the axes must be the same)."""
+        differs = np.flatnonzero(lengths != lengths[0])
+        if len(differs):
+            m = int(differs[0])
+            raise ValueError(
+                f"{self.name}: member {self.members[m]!r} has {int(lengths[m])} steps along axis "
+                f"{axes[0]} of {variable!r}, member {self.members[0]!r} {int(lengths[0])}: on "
+                "product sample axes every member needs the same lengths along them (open the "
+                "members of each length as a collection of their own)"
+            )
+        chunks = _zarr_compat.stored_chunk_shape(ref)
+        grid = ProductGrid(axes, ref.shape, chunks, members=len(self.members))
+        spc = grid.samples_per_chunk
+        members = MemberMap(
+            f"{self.name}:{variable}",
+            self.members,
+            self._paths[variable],
+            np.full(len(self.members), grid.n_blocks * spc, dtype=np.int64),
+            spc,
+            spc,
+            product=True,
+        )
+        return ArrayGeometry(
+            path=f"{self.name}:{variable}",
+            shape=tuple(int(s) for s in ref.shape),  # one member's (the grid spans them all)
+            chunks=chunks,
+            dtype=in_native_byte_order(ref.dtype),
+            fill_value=ref.fill_value,
+            sample_axis=axes[0],
+            read_chunks=_zarr_compat.read_chunk_shape(ref),
+            zarr_format=int(ref.metadata.zarr_format),
+            metadata=ref.metadata,
+            members=members,
+            product=grid,
+            coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
+        )
 
     def _virtual(
         self,
@@ -551,27 +630,6 @@ def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:
     return axis
 
 
-def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
-    """The member map a plan over views with member maps ``maps`` follows: the first one
-    (``None`` when there is none). Collections whose members do not sit at the same virtual
-    samples cannot share a plan (``ValueError``)."""
-    given = [m for m in maps if m is not None]
-    if not given:
-        return None
-    first = given[0]
-    for other in given[1:]:
-        if not (
-            np.array_equal(other.sample_base, first.sample_base)
-            and np.array_equal(other.lengths, first.lengths)
-        ):
-            raise ValueError(
-                f"{first.collection!r} and {other.collection!r} lay their members out "
-                "differently: the labels (and the split) of one pipeline must come from one "
-                "collection"
-            )
-    return first
-
-
 def refuse_collection_options(
     views: Sequence[ArrayGeometry],
     *,
@@ -581,10 +639,12 @@ def refuse_collection_options(
     coords: Sequence[str] | None,
     plain_views: int,
 ) -> None:
-    """Refuse, naming it, what a pipeline over collection ``views`` does not support yet.
-    Views of stores concatenated along time (``Collection.concat``) are one timeline with the
-    stores' times joined: time strides, timed windows, ``missing=`` and ``coords=`` work there;
-    the members of other collections are independent, and have no time coordinate."""
+    """Refuse, naming it, what a pipeline over collection ``views`` does not support. Time
+    strides, timed windows, ``missing=`` dates and ``coords=`` read each member's own time
+    coordinate (:meth:`~insitubatch_nodes.io.members.MemberMap.joined`),
+    ``missing_objects="drop"`` lists each member's folder; on independent members (not a
+    concatenation or a join) ``missing=`` takes dates only: a sample index there would count
+    along the virtual axis, not within a member."""
     if not any(v.members is not None for v in views):
         return
     if plain_views:
@@ -592,31 +652,17 @@ def refuse_collection_options(
             "a pipeline reads either collection views or plain arrays: its labels share one "
             "sample axis; read a plain array of the same store in another pipeline"
         )
-    if missing_objects != "read":
-        raise ValueError(
-            "absent objects skipped by missing_objects='drop' are not supported on collection "
-            "views yet"
-        )
     if all(v.members.continuous for v in views if v.members is not None):
         return
-    if timed:
+    if missing is not None and any(
+        isinstance(x, int | np.integer) and not isinstance(x, bool) for x in missing
+    ):
         raise ValueError(
-            "the members of a collection are independent arrays: the collection has no time "
-            "coordinate, so a time stride and window offsets in time deltas are not supported on "
-            "its views (stores that continue one another along time: use concat); give an int "
-            "stride and offsets in samples"
+            "missing= on a collection of independent members takes dates (each member's "
+            "times), not sample indices: an index would count along the collection's virtual "
+            "axis, not within a member"
         )
-    if missing is not None:
-        raise ValueError(
-            "missing= is not supported on views of a collection of independent members (it is "
-            "on stores joined by concat)"
-        )
-    if coords:
-        raise ValueError(
-            "views of a collection of independent members carry no coordinates: pass coords=() "
-            "(or None); each row's member and index are in batch.members and "
-            "batch.sample_indices (stores joined by concat carry their joined times)"
-        )
+    del timed, coords, missing_objects  # (supported: times read per member, MemberMap.joined)
 
 
 def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:

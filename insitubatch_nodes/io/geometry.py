@@ -292,7 +292,7 @@ class ArrayGeometry:
         tile = tuple(tile) or (0,) * len(self.field_axes)
         coords = self.chunk_coords(chunk_index, tile)
         if self.members is not None:  # the member's own object
-            return self.members.store_key(self.metadata, coords, self.sample_axis)
+            return self.members.store_key(self.metadata, coords, self.sample_axis, chunk_index)
         template = self.key_template
         if template is not None:
             return template.format(*coords)

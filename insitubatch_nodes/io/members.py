@@ -24,7 +24,7 @@ import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
 
-__all__ = ["MemberMap"]
+__all__ = ["MemberMap", "collection_of"]
 
 
 class MemberMap:
@@ -46,12 +46,19 @@ class MemberMap:
         align: int,
         continuous: bool = False,
         starts: Sequence[int] | np.ndarray | None = None,
+        product: bool = False,
     ) -> None:
         if align % samples_per_chunk:
             raise ValueError(f"align {align} is not a multiple of {samples_per_chunk}")
         #: the members are consecutive pieces of one sample axis (``Collection.concat``): no
         #: padding between them, and windows and strides run across their edges
         self.continuous = bool(continuous)
+        #: the members are on product sample axes (:mod:`~insitubatch_nodes.io.product`): a
+        #: virtual chunk is one block of its member's product grid, whose chunk-grid
+        #: coordinates the grid gives (:meth:`store_key` takes them as they are)
+        self.product = bool(product)
+        if self.product and (self.continuous or starts is not None):
+            raise ValueError(f"{collection}: product sample axes take independent members")
         self.collection = str(collection)
         self.names = tuple(str(n) for n in names)
         self.paths = tuple(str(p) for p in paths)
@@ -113,6 +120,8 @@ class MemberMap:
         h = hashlib.sha256(f"{self.collection}|{self.samples_per_chunk}|{self.align}|".encode())
         if self.continuous:
             h.update(b"continuous|")
+        if self.product:
+            h.update(b"product|")
         h.update("\x00".join(self.paths).encode())
         h.update(self.lengths.tobytes())
         if self.starts.any():  # (absent otherwise: the fingerprints of maps without stay)
@@ -132,6 +141,16 @@ class MemberMap:
     def common_prefix(self) -> str:
         """The folder every member's objects are below (``""``: the store's root)."""
         return posixpath.commonpath(["/" + p for p in self.paths]).strip("/")
+
+    @functools.cached_property
+    def listing_prefixes(self) -> tuple[str, ...]:
+        """Folders whose listings, together, name every member's objects: the members' common
+        folder, or else each top-level folder a member is below (each store's, for members of
+        several stores); ``("",)``: the whole store."""
+        if self.common_prefix:
+            return (self.common_prefix,)
+        heads = sorted({p.strip("/").partition("/")[0] for p in self.paths})
+        return ("",) if "" in heads else tuple(heads)
 
     # -- samples ---------------------------------------------------------------------------
     def member_of(self, samples: np.ndarray) -> np.ndarray:
@@ -156,17 +175,21 @@ class MemberMap:
     def joined(
         self, geom: Any, store: Any, named: bool, read: Callable[[Any], Mapping[str, Any]]
     ) -> dict[str, tuple[np.ndarray, Mapping[str, Any]]]:
-        """The coordinates of the collection view ``geom`` (of this map), as ``{name: (values,
-        attrs)}``: on a continuous axis (stores concatenated or joined by time) each is its
-        members' own, ``read(member_geometry)`` (coordinates by name), the samples each member
-        gives, joined in order; a name not every member has is left out. Members of other
-        collections are independent: none (``ValueError`` when coordinates are ``named``)."""
-        if not self.continuous:
+        """The coordinates of the collection view ``geom`` (of this map) along its virtual
+        sample axis, as ``{name: (values, attrs)}``: each is its members' own,
+        ``read(member_geometry)`` (coordinates by name). On a continuous axis (stores
+        concatenated or joined by time) the samples each member gives, joined in order; for
+        independent members (scenes, slides) each member's values at its own virtual samples,
+        its padding a missing value (``NaT``, or ``None`` for cftime dates), and a time
+        coordinate must run at **one step**, the same in every member (``ValueError`` naming the
+        member otherwise: a time stride and window offsets in time deltas count steps within
+        each member). A name not every member has is left out. Product sample axes have none
+        (``ValueError`` when coordinates are ``named``)."""
+        if self.product:
             if named:
                 raise ValueError(
-                    f"{geom.path!r} is a collection of independent members: it carries no "
-                    "coordinates (each row's member and index are in batch.members and "
-                    "batch.sample_indices)"
+                    f"{geom.path!r} is on product sample axes: it carries no coordinates (each "
+                    "row's indices are geom.sample_coords(batch.sample_indices[label]))"
                 )
             return {}
         parts = []
@@ -177,22 +200,71 @@ class MemberMap:
             parts.append(read(replace(geom, path=path, members=None, shape=tuple(stored.shape))))
         out = {}
         for name, first in parts[0].items():
-            if all(name in p for p in parts):
-                kept = [
-                    p[name].values[int(a) : int(a) + int(n)]
-                    for p, a, n in zip(parts, self.starts, self.lengths, strict=True)
-                ]
+            if not all(name in p for p in parts):
+                continue
+            kept = [
+                p[name].values[int(a) : int(a) + int(n)]
+                for p, a, n in zip(parts, self.starts, self.lengths, strict=True)
+            ]
+            if self.continuous:
                 out[name] = (np.concatenate(kept), first.attrs)
+                continue
+            if first.is_time:
+                self._check_steps(name, kept)
+            out[name] = (self._laid_out(kept), first.attrs)
         return out
 
+    def _laid_out(self, values: Sequence[np.ndarray]) -> np.ndarray:
+        """Each member's ``values`` at its virtual samples, its padding a missing value."""
+        dtype = values[0].dtype
+        missing: Any = None
+        if dtype.kind in "mM":
+            missing = np.array("NaT", dtype=dtype)
+        elif dtype.kind == "f":
+            missing = np.nan
+        elif dtype.kind != "O":
+            dtype = np.dtype(object)
+        out = np.full(self.n_samples, missing, dtype=dtype)
+        for base, v in zip(self.sample_base.tolist(), values, strict=True):
+            out[base : base + len(v)] = v
+        return out
+
+    def _check_steps(self, name: str, values: Sequence[np.ndarray]) -> None:
+        """Every member's times of ``name`` at one step, the first member's."""
+        step = None
+        for m, v in enumerate(values):
+            d = np.diff(v)
+            if not len(d):
+                continue
+            if step is None:
+                step, first = d[0], m
+            bad = np.flatnonzero(d != step)
+            if len(bad):
+                i = int(bad[0])
+                raise ValueError(
+                    f"{self.collection}: member {self.names[m]!r}'s {name!r} steps from "
+                    f"{v[i]} to {v[i + 1]}, but member {self.names[first]!r} runs at one step of "
+                    f"{step}: a time stride, window offsets in time deltas and missing= dates "
+                    "count steps within each member, so every member's times need one step, "
+                    "the same in all (leave this member out, or open it on its own)"
+                )
+
     # -- stored objects ----------------------------------------------------------------------
-    def store_key(self, metadata: Any, coords: Sequence[int], sample_axis: int) -> str:
+    def store_key(
+        self, metadata: Any, coords: Sequence[int], sample_axis: int, chunk: int | None = None
+    ) -> str:
         """The key of the stored object at virtual chunk-grid ``coords``: the member's own
-        chunk ``coords[sample_axis] - chunk_base[member]``, below the member's path."""
-        chunk = int(coords[sample_axis])
-        m = int(self.chunk_member[chunk])
+        chunk ``coords[sample_axis] - chunk_base[member]``, below the member's path. On
+        product axes (:attr:`product`) ``coords`` are the member's own already and virtual chunk
+        ``chunk`` names the member."""
         local = list(coords)
-        local[sample_axis] = chunk - int(self.chunk_base[m]) + int(self.chunk_skip[m])
+        if self.product:
+            assert chunk is not None, "a product grid's key needs its virtual chunk"
+            m = int(self.chunk_member[int(chunk)])
+        else:
+            chunk = int(coords[sample_axis])
+            m = int(self.chunk_member[chunk])
+            local[sample_axis] = chunk - int(self.chunk_base[m]) + int(self.chunk_skip[m])
         template = self._template(metadata, len(local))
         key = (
             template.format(*local)
@@ -206,7 +278,7 @@ class MemberMap:
         """``key(chunk)``: the key of virtual chunk ``chunk`` of an array stored one object per
         chunk (no tiles), without zarr's encoder — or ``None`` when its keys need zarr's."""
         template = self._template(metadata, ndim)
-        if template is None:
+        if template is None or self.product:  # (a block's key needs its product coordinates)
             return None
         coords: list[Any] = ["0"] * ndim
         coords[sample_axis] = "\x00"
@@ -229,3 +301,24 @@ class MemberMap:
             cached = _zarr_compat.chunk_key_format(metadata, ndim)
             self.__dict__["_key_template"] = cached
         return cached
+
+
+def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
+    """The member map a plan over views with member maps ``maps`` follows: the first one
+    (``None`` when there is none). Collections whose members do not sit at the same virtual
+    samples cannot share a plan (``ValueError``)."""
+    given = [m for m in maps if m is not None]
+    if not given:
+        return None
+    first = given[0]
+    for other in given[1:]:
+        if not (
+            np.array_equal(other.sample_base, first.sample_base)
+            and np.array_equal(other.lengths, first.lengths)
+        ):
+            raise ValueError(
+                f"{first.collection!r} and {other.collection!r} lay their members out "
+                "differently: the labels (and the split) of one pipeline must come from one "
+                "collection"
+            )
+    return first

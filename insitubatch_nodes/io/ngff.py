@@ -466,7 +466,7 @@ def open_plate(
     *,
     level: int | float | Mapping[str, float] = 0,
     labels: str | Sequence[str] | None = None,
-    sample_axis: int | str = "z",
+    sample_axis: int | str | tuple[int | str, ...] = "z",
 ) -> Collection:
     """An OME-NGFF HCS plate as one :class:`~insitubatch_nodes.io.collection.Collection`:
     one member per field (named by its group, ``"A/1/0"``), variables ``"image"`` and
@@ -476,15 +476,19 @@ def open_plate(
     splits on.
 
     ``sample_axis`` is an axis name of the plate's images (``"z"``: one Z plane per sample) or
-    an index; the label images must have it at the same index (``ValueError`` otherwise, naming
-    both axes). Every field must keep its chosen level at the same path within its group (the
-    collection names one path per variable); the arrays' own metadata is read by
-    ``Collection.from_groups``, concurrently, which also checks that the fields share one
-    schema (dtypes and field shapes).
+    an index, or a tuple of them: product sample axes (``("t", "z")``: every (t, z) plane of
+    every field is a sample, :mod:`~insitubatch_nodes.io.product`); the label images must have
+    each at the same index (``ValueError`` otherwise, naming both axes). Every field must keep
+    its chosen level at the same path within its group (the collection names one path per
+    variable); the arrays' own metadata is read by ``Collection.from_groups``, concurrently,
+    which also checks that the fields share one schema (dtypes and field shapes).
     """
     store = as_store(store)
     plate = read_plate(store, level=level, labels=labels)
-    axis = _axis_index(plate, sample_axis)
+    if isinstance(sample_axis, tuple | list):
+        axis: int | tuple[int, ...] = tuple(_axis_index(plate, a) for a in sample_axis)
+    else:
+        axis = _axis_index(plate, sample_axis)
     first = plate.fields[0]
     variables = {"image": first.image[len(first.path) + 1 :]}
     for name in plate.label_names:

@@ -20,6 +20,12 @@ pool, the gather, resume, DDP dealing and the persistent cache work on it unchan
 back into the array's indices along the product axes — a ``(B, k)`` array of e.g. ``(t, z)``
 rows. Shifts and windows along a product axis are refused: an offset has no single meaning on
 the virtual axis.
+
+On a collection (``Collection.from_groups(..., sample_axis=("t", "z"))``, ``open_plate``) one
+grid serves every member: ``ProductGrid(..., members=n)`` lays member after member, virtual
+chunk ``c`` being block ``c % n_blocks`` of member ``c // n_blocks``, and the member map keys
+each block below its member's path
+(:meth:`~insitubatch_nodes.io.members.MemberMap.store_key`).
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -35,32 +41,49 @@ import numpy as np
 
 from insitubatch_nodes.io.axes import axis_of
 
-__all__ = ["ProductGrid", "product_view", "sample_coords"]
+__all__ = ["ProductGrid", "product_axes", "product_view", "same_grids", "sample_coords"]
 
 
 class ProductGrid:
     """The product of the physical axes ``axes`` (in the order given) of an array of shape
     ``shape`` stored in objects of shape ``chunks``, as one virtual sample axis.
 
+    ``members`` > 1: the product grids of that many arrays of the same shape along the product
+    axes (a collection's members, :mod:`~insitubatch_nodes.io.collection`), laid end to end:
+    virtual chunk ``c`` is block ``c % n_blocks`` of member ``c // n_blocks``, and every
+    per-chunk array (:attr:`block_coords`, :attr:`valid`, :attr:`counts`) repeats per member;
+    :meth:`coords` gives indices within the member.
+
     Immutable; compares and hashes by :attr:`fingerprint`.
     """
 
-    def __init__(self, axes: Sequence[int], shape: Sequence[int], chunks: Sequence[int]) -> None:
+    def __init__(
+        self,
+        axes: Sequence[int],
+        shape: Sequence[int],
+        chunks: Sequence[int],
+        members: int = 1,
+    ) -> None:
         self.axes = tuple(int(a) for a in axes)
         if len(self.axes) < 2 or len(set(self.axes)) != len(self.axes):
             raise ValueError(f"a product needs two or more distinct axes, got {self.axes}")
+        if members < 1:
+            raise ValueError(f"a product grid needs at least one member, got {members}")
+        self.members = int(members)
         #: the array's length and stored-object extent along each product axis, in product order
         self.lengths = tuple(int(shape[a]) for a in self.axes)
         self.extents = tuple(int(chunks[a]) for a in self.axes)
-        #: stored objects along each product axis
+        #: stored objects along each product axis (of one member)
         self.grid = tuple(math.ceil(n / c) for n, c in zip(self.lengths, self.extents, strict=True))
         self.samples_per_chunk = math.prod(self.extents)
-        self.n_chunks = math.prod(self.grid)
+        #: blocks of one member; virtual chunks of all members
+        self.n_blocks = math.prod(self.grid)
+        self.n_chunks = self.n_blocks * self.members
         self.n_samples = self.n_chunks * self.samples_per_chunk
         # valid steps of each block along each product axis: (n_chunks, k)
-        blocks = np.stack(np.unravel_index(np.arange(self.n_chunks), self.grid), axis=1)
+        blocks = np.stack(np.unravel_index(np.arange(self.n_blocks), self.grid), axis=1)
         ext = np.asarray(self.extents, dtype=np.int64)
-        self.block_coords = blocks.astype(np.int64)
+        self.block_coords = np.tile(blocks.astype(np.int64), (self.members, 1))
         self.valid = np.minimum(ext, np.asarray(self.lengths) - self.block_coords * ext)
         #: valid samples of each block (the rest of its ``samples_per_chunk`` is padding)
         self.counts = np.prod(self.valid, axis=1).astype(np.int64)
@@ -69,8 +92,9 @@ class ProductGrid:
 
     @functools.cached_property
     def fingerprint(self) -> str:
-        """16 hex digits of the axes, lengths and extents."""
+        """16 hex digits of the axes, lengths and extents (and the member count, if > 1)."""
         body = f"product|{self.axes}|{self.lengths}|{self.extents}"
+        body += f"|members:{self.members}" if self.members > 1 else ""
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
     def __eq__(self, other: object) -> bool:
@@ -80,7 +104,10 @@ class ProductGrid:
         return hash(self.fingerprint)
 
     def __repr__(self) -> str:
-        return f"ProductGrid(axes={self.axes}, lengths={self.lengths}, extents={self.extents})"
+        more = f", members={self.members}" if self.members > 1 else ""
+        return (
+            f"ProductGrid(axes={self.axes}, lengths={self.lengths}, extents={self.extents}{more})"
+        )
 
     # -- blocks ----------------------------------------------------------------------------
     def block_of(self, chunk: int) -> tuple[int, ...]:
@@ -132,7 +159,7 @@ class ProductGrid:
 
     def samples(self, coords: np.ndarray | Sequence[Sequence[int]]) -> np.ndarray:
         """The virtual sample of each row of indices along the product axes (inverse of
-        :meth:`coords`)."""
+        :meth:`coords`; within a member: member 0's)."""
         c = np.asarray(coords, dtype=np.int64).reshape(-1, len(self.axes))
         ext = np.asarray(self.extents, dtype=np.int64)
         block, step = np.divmod(c, ext)
@@ -200,8 +227,8 @@ def refuse_product_options(
             "stride=1 and subsample in a batch transform (geom.sample_coords gives each row's "
             "indices)"
         )
-    if missing is not None or missing_objects != "read":
-        raise ValueError(f"missing= and missing_objects='drop' are not supported on {where}")
+    if missing is not None:
+        raise ValueError(f"missing= is not supported on {where} (missing_objects='drop' is)")
     if coords:
         raise ValueError(
             f"{where} carry no coordinates: pass coords=() (or None); each row's indices along "
@@ -224,15 +251,40 @@ def product_view(geom: Any, axes: Sequence[int | str]) -> Any:
         )
     if isinstance(axes, str | bytes) or not isinstance(axes, Sequence):
         raise TypeError(f"product axes are a sequence, e.g. ('t', 'z'), got {axes!r}")
-    phys = tuple(_physical_axis(geom, a) for a in axes)
-    if len(phys) < 2 or len(set(phys)) != len(phys):
-        raise ValueError(
-            f"{geom.path}: product sample axes must be two or more distinct axes, got "
-            f"{tuple(axes)!r}"
-        )
-    if len(phys) == geom.ndim:
-        raise ValueError(f"{geom.path}: product axes {tuple(axes)!r} leave no field axis")
+    phys = _checked(geom.path, [_physical_axis(geom, a) for a in axes], geom.ndim, axes)
     return replace(geom, sample_axis=phys[0], product=ProductGrid(phys, geom.shape, geom.chunks))
+
+
+def product_axes(array: Any, axes: Sequence[int]) -> tuple[int, ...]:
+    """Physical axes ``axes`` of ``array`` (a collection's first member) checked as product
+    sample axes: two or more, distinct, leaving a field axis (``ValueError`` otherwise)."""
+    return _checked(str(getattr(array, "path", "")), axes, array.ndim, axes)
+
+
+def _checked(where: str, phys: Sequence[int], ndim: int, given: Any) -> tuple[int, ...]:
+    out = tuple(int(a) for a in phys)
+    if len(out) < 2 or len(set(out)) != len(out):
+        raise ValueError(
+            f"{where}: product sample axes must be two or more distinct axes, got {tuple(given)!r}"
+        )
+    if len(out) == ndim:
+        raise ValueError(f"{where}: product axes {tuple(given)!r} leave no field axis")
+    return out
+
+
+def same_grids(where: str, grids: Mapping[str, ProductGrid | None]) -> ProductGrid:
+    """The one product grid the variables of collection ``where`` share (the same axes,
+    lengths and stored extents along them): they are read as labels of one plan."""
+    (first, grid), *rest = grids.items()
+    assert grid is not None
+    for name, other in rest:
+        if other != grid:
+            raise ValueError(
+                f"{where}: variable {name!r} is on {other!r}, {first!r} on {grid!r}: on product "
+                "sample axes every variable of a collection needs the same lengths and stored "
+                "extents along them (rechunk, or open the variables as collections of their own)"
+            )
+    return grid
 
 
 def _physical_axis(geom: Any, key: int | str) -> int:

@@ -7,11 +7,14 @@ times they share (:func:`alignment`: one step, one grid, each store offset by wh
 Both return each member's stored samples ``[start, stop)`` (its *span*), checked here from the
 stores' time coordinates, refusing what does not fit with the stores and their times named;
 the member map (:mod:`~insitubatch_nodes.io.members`) then reads whole chunks of those spans.
+A join one of whose stores is a concatenation (:func:`pieces_of_join`) is cut where the
+concatenated stores meet: one member per piece, each piece's span per array.
 """
 
 from __future__ import annotations
 
 import datetime
+import itertools
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,7 +25,7 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 
-__all__ = ["alignment", "continuation"]
+__all__ = ["alignment", "continuation", "pieces_of_join"]
 
 
 def _join(*parts: str) -> str:
@@ -134,10 +137,28 @@ def alignment(
                 f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
                 "stores are aligned by their times"
             )
-        t = time_offsets(coord, "1s")
-        ticks.append(t)
+        ticks.append(time_offsets(coord, "1s"))
         values.append(coord.values)
         spcs.append([geoms[p].samples_per_chunk for p in located])
+    starts, n = _shared(names, ticks, values, spcs, dim)
+    out: dict[str, list[tuple[int, int]]] = {}
+    for store_name, variables, start in zip(names, arrays, starts, strict=True):
+        for path in variables:
+            out[f"{store_name}/{path.strip('/')}"] = [(start, start + n)]
+    return out
+
+
+def _shared(
+    names: Sequence[str],
+    ticks: Sequence[np.ndarray],
+    values: Sequence[np.ndarray],
+    spcs: Sequence[Sequence[int]],
+    dim: str,
+) -> tuple[list[int], int]:
+    """``(starts, n)``: the joined axis is ``n`` shared steps, from each timeline's index
+    ``starts[k]`` on, the first shared time at which every array (chunked ``spcs[k]`` along
+    ``dim``) is at a chunk boundary; ``ValueError`` naming the timelines and their times where
+    they do not align (another step, another grid, no shared time at a chunk boundary)."""
     steps = [np.unique(np.diff(t)) for t in ticks]
     for name, d, v in zip(names, steps, values, strict=True):
         if len(d) != 1 or d[0] <= 0:
@@ -181,11 +202,105 @@ def alignment(
             f"{dict(zip(names, spcs, strict=True))}): each array is read by whole chunks; "
             "rechunk one store so that its chunks start on the other's"
         )
-    out: dict[str, list[tuple[int, int]]] = {}
-    for store_name, variables, offset in zip(names, arrays, offsets, strict=True):
-        for path in variables:
-            out[f"{store_name}/{path.strip('/')}"] = [(offset + skip, offset + skip + n)]
-    return out
+    return [d + skip for d in offsets], n
+
+
+def pieces_of_join(
+    entries: Sequence[tuple[str, Any, Sequence[str]]], dim: str
+) -> tuple[list[str], dict[str, list[tuple[Any, str, int, int]]]]:
+    """A join one of whose stores is a concatenation (``Collection.concat``, or any
+    continuous collection): ``entries`` are ``(name, store or collection, [array paths])``.
+    The joined axis is cut where a concatenation's store ends, so each *piece* reads one store
+    of every entry: returns the pieces' names and, per variable ``"<name>/<path>"``, each
+    piece's ``(store, path, start, stop)`` (its stored samples). Every cut must fall on a chunk
+    boundary of every array (``ValueError`` naming the time and the array otherwise)."""
+    from insitubatch_nodes.io.routing import RoutingStore  # (routing needs no timeline)
+
+    ticks, values, spcs, cuts = [], [], [], []
+    located: list[list[list[tuple[Any, str, int, int]]]] = []  # [entry][variable][member]
+    for name, source, variables in entries:
+        if not variables:
+            raise ValueError(f"join: {name!r} names no array")
+        if hasattr(source, "continuous"):  # a collection
+            unknown = [v for v in variables if v not in source.variables]
+            if unknown or not source.continuous:
+                raise ValueError(
+                    f"join: {name!r} is a collection; a join takes a concatenation (concat) "
+                    f"and arrays of its variables {list(source.variables)}, not {unknown}"
+                )
+            geoms = [source[v] for v in variables]
+            base = geoms[0].members.sample_base
+            cuts.append(base[1:])
+            per_var = []
+            for g in geoms:
+                mm = g.members
+                rows = []
+                for path, a, n in zip(mm.paths, mm.starts, mm.lengths, strict=True):
+                    store: Any = source.store
+                    if isinstance(store, RoutingStore):
+                        head, _, path = path.partition("/")
+                        store = store.stores[int(head[1:])]
+                    rows.append((store, path, int(a), int(a) + int(n)))
+                per_var.append(rows)
+            located.append(per_var)
+            coord = open_coordinates(source.store, geoms[0]).get(dim)
+        else:
+            geoms_by = open_geometries(source, list(variables))
+            geoms = [geoms_by[v] for v in variables]
+            cuts.append(np.zeros(0, dtype=np.int64))
+            located.append(
+                [[(source, v, 0, g.n_samples)] for v, g in zip(variables, geoms, strict=True)]
+            )
+            coord = open_coordinates(source, geoms[0]).get(dim)
+        if coord is None or not coord.is_time:
+            raise ValueError(
+                f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
+                "stores are aligned by their times"
+            )
+        ticks.append(time_offsets(coord, "1s"))
+        values.append(coord.values)
+        spcs.append([g.samples_per_chunk for g in geoms])
+    names = [e[0] for e in entries]
+    starts, n = _shared(names, ticks, values, spcs, dim)
+    bounds = sorted({0, n, *(int(c) - s for c, s in _cuts(cuts, starts) if 0 < int(c) - s < n)})
+    piece_names: list[str] = []
+    out: dict[str, list[tuple[Any, str, int, int]]] = {}
+    for lo, hi in itertools.pairwise(bounds):
+        parts = []
+        for (name, source, variables), start, per_var, per_spc in zip(
+            entries, starts, located, spcs, strict=True
+        ):
+            at = start + lo  # the entry's own index of the piece's first step
+            for v, rows, spc in zip(variables, per_var, per_spc, strict=True):
+                m = _member_at(rows, at)
+                store, path, a, _ = rows[m]
+                offset = at - sum(r[3] - r[2] for r in rows[:m])
+                begin = a + offset
+                if begin % spc or (hi < n and (hi - lo) % spc):
+                    seam = values[0][starts[0] + (lo if begin % spc else hi)]
+                    raise ValueError(
+                        f"join: the concatenation's stores meet at {seam}, inside a chunk of "
+                        f"{spc} steps of {name!r}'s {v!r}: each array is "
+                        "read by whole chunks, so every store boundary of a concatenation must "
+                        "fall on a chunk boundary of every joined array (rechunk, or trim)"
+                    )
+                out.setdefault(f"{name}/{v.strip('/')}", []).append(
+                    (store, path, begin, begin + hi - lo)
+                )
+            if hasattr(source, "continuous"):
+                parts.append(str(source.members[_member_at(per_var[0], at)]))
+        piece_names.append(" + ".join(parts))
+    return piece_names, out
+
+
+def _cuts(cuts: Sequence[np.ndarray], starts: Sequence[int]) -> list[tuple[int, int]]:
+    return [(int(c), s) for per, s in zip(cuts, starts, strict=True) for c in per]
+
+
+def _member_at(rows: Sequence[tuple[Any, str, int, int]], at: int) -> int:
+    """The member of a concatenation (its rows' kept spans, in order) holding its index ``at``."""
+    ends = np.cumsum([r[3] - r[2] for r in rows])
+    return int(np.searchsorted(ends, at, side="right"))
 
 
 def _time_at(values: Sequence[np.ndarray], ticks: Sequence[np.ndarray], tick: int) -> Any:

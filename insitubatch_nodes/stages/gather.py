@@ -284,6 +284,7 @@ class GatherNode(BaseNode[Batch]):
                     "in insitubatch_nodes, please report it"
                 )
         samples = self._per_label(plan.sample_indices, stack=True)
+        virtual = dict(samples)  # (a collection's coordinates lie along its virtual axis)
         origins = self._per_label(plan.patch_origins, stack=False)
         members = {}
         for label, member_map in self._members.items():
@@ -302,7 +303,7 @@ class GatherNode(BaseNode[Batch]):
             channels={label: list(names) for label, names in self.channels.items()},
             members=members,
             coords={
-                label: {name: values.take(samples[label]) for name, values in named.items()}
+                label: {name: values.take(virtual[label]) for name, values in named.items()}
                 for label, named in self.coords.items()
             },
         )
