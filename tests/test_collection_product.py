@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import zarr
 from helpers import counting_store
-from resume_helpers import epochs_of, is_plain
+from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import (
     Collection,
@@ -160,7 +160,6 @@ def _records(batches: list[Any]) -> list[tuple]:
 
 
 def test_a_resumed_epoch_continues_exactly(plate: Path) -> None:
-    # (a local resume loop: tests/resume_helpers.py's shared one is not on main yet)
     coll = _collection(plate)
     manifest = split_by_member(coll, {"train": 1.0})
     views = {"x": coll["image"], "y": coll["labels"]}
@@ -174,27 +173,7 @@ def test_a_resumed_epoch_continues_exactly(plate: Path) -> None:
         ref = _records(list(islice(epochs_of(Loader(pipe)), 2 * per_epoch)))
     finally:
         pipe.close()
-    for k in (1, per_epoch - 1, per_epoch + 2):
-        pipe = build()
-        try:
-            loader = Loader(pipe)
-            it = epochs_of(loader)
-            head = [next(it) for _ in range(k)]
-            state = loader.state_dict()
-        finally:
-            pipe.close()
-        assert is_plain(state)
-        assert _records(head) == ref[:k]
-        pipe = build()
-        try:
-            loader = Loader(pipe)
-            loader.load_state_dict(state)
-            rest = list(loader)
-            if k < per_epoch:
-                rest += list(loader)
-        finally:
-            pipe.close()
-        assert _records(head) + _records(rest) == ref, f"resumed after {k} batches"
+    assert_resumes_exactly(build, _records, ref, (1, per_epoch - 1, per_epoch + 2))
 
 
 def test_from_arrays_takes_product_axes_by_index_and_split_by_chunk(plate: Path) -> None:
