@@ -1613,6 +1613,13 @@ def collections_section(source: Path | None) -> list[str]:
                 if "metadata_rss_built_mib" in summary
                 else ""
             )
+            + (
+                f" ({summary['metadata_rss_built_without_buffers_mib']:,.0f} MiB without the "
+                "batch buffers made ahead of need by then: the batch size's memory, 16 rows of "
+                "16 MiB each here, not the collection's)"
+                if "metadata_rss_built_without_buffers_mib" in summary
+                else ""
+            )
             + ".",
             "",
         ]
