@@ -501,7 +501,7 @@ def run_lightnings_side_by_side(
     """Run independent Lightning trainings (``(request, workdir)`` pairs, each workdir its own)
     at the same time, each as :func:`run_lightning` runs it; returns their (exit code, log) in
     the order of ``runs``. For runs that share nothing but read-only inputs (a store, a
-    checkpoint): a reference run beside a run to be killed, resumes on different world sizes."""
+    checkpoint), such as a reference run beside a run to be killed."""
     from concurrent.futures import ThreadPoolExecutor
 
     if len({workdir for _, workdir in runs}) != len(runs):
