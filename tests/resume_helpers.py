@@ -495,6 +495,21 @@ def run_lightning(
     return proc.returncode, log.read_text()
 
 
+def run_lightnings_side_by_side(
+    runs: Sequence[tuple[Mapping[str, Any], Path]],
+) -> list[tuple[int, str]]:
+    """Run independent Lightning trainings (``(request, workdir)`` pairs, each workdir its own)
+    at the same time, each as :func:`run_lightning` runs it; returns their (exit code, log) in
+    the order of ``runs``. For runs that share nothing but read-only inputs (a store, a
+    checkpoint), such as a reference run beside a run to be killed."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if len({workdir for _, workdir in runs}) != len(runs):
+        raise ValueError("each run needs a workdir of its own")
+    with ThreadPoolExecutor(max_workers=max(1, len(runs))) as pool:
+        return list(pool.map(lambda run: run_lightning(*run), runs))
+
+
 def _lightning(req: Mapping[str, Any]) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -33,7 +34,8 @@ TMPFS_BYTES = 8 << 20
 
 
 def run_child(**cfg: Any) -> dict[str, Any]:
-    proc = subprocess.run(
+    # a process of its own (forked from tests/forkserver.py), so a SIGBUS kills it, not pytest
+    proc = forkserver.run(
         [sys.executable, str(CHILD), json.dumps(cfg)],
         capture_output=True,
         text=True,

@@ -26,6 +26,7 @@ from resume_helpers import (
     pipe_config,
     read_records,
     run_lightning,
+    run_lightnings_side_by_side,
     write_store,
 )
 
@@ -106,7 +107,18 @@ def test_lightning_ddp_resumes_a_killed_run_exactly_on_both_ranks(tmp_path: Path
     kill_at = 3
 
     ref_req = lightning_request(store, tmp_path / "ref", tmp_path / "ref-ckpt", **ddp)
-    rc, log = run_lightning(ref_req, tmp_path / "ref-run")
+    kill_req = lightning_request(
+        store,
+        tmp_path / "killed",
+        tmp_path / "ckpt",
+        every_n_train_steps=kill_at,
+        kill_at_step=kill_at,
+        **ddp,
+    )
+    # the reference and the run to be killed share nothing but the store: side by side
+    (rc, log), (kill_rc, kill_log) = run_lightnings_side_by_side(
+        [(ref_req, tmp_path / "ref-run"), (kill_req, tmp_path / "killed-run")]
+    )
     assert rc == 0, log[-6000:]
     reference = _ddp_rows(tmp_path / "ref")
     for rows in reference:
@@ -116,18 +128,9 @@ def test_lightning_ddp_resumes_a_killed_run_exactly_on_both_ranks(tmp_path: Path
     idx = [{i for row in rows[:n_batches] for i in row[5]} for rows in reference]
     assert not idx[0] & idx[1], "the two ranks trained on shared samples"
 
-    kill_req = lightning_request(
-        store,
-        tmp_path / "killed",
-        tmp_path / "ckpt",
-        every_n_train_steps=kill_at,
-        kill_at_step=kill_at,
-        **ddp,
-    )
-    rc, log = run_lightning(kill_req, tmp_path / "killed-run")
-    assert rc == -9, f"exit code {rc}\n{log[-6000:]}"
+    assert kill_rc == -9, f"exit code {kill_rc}\n{kill_log[-6000:]}"
     ckpt = tmp_path / "ckpt" / f"step={kill_at}.ckpt"
-    assert ckpt.exists(), log[-6000:]
+    assert ckpt.exists(), kill_log[-6000:]
 
     resume_req = lightning_request(
         store, tmp_path / "resumed", tmp_path / "ckpt2", ckpt_path=str(ckpt), **ddp

@@ -2,7 +2,8 @@
 
 The conventions (also in docs/development.md, *Code blocks in the docs are tests*):
 
-* The blocks of one file run in order, in one namespace, in a fresh interpreter whose working
+* The blocks of one file run in order, in one namespace, in a new process (forked from the
+  tests' fork server, ``tests/forkserver.py``: nothing of the test process's state) whose working
   directory is an empty temporary folder: a block may use what an earlier block of its file
   defined (``docs/pipeline.md`` builds its store in its first block and uses it after).
 * ``<!-- doctest-setup ... -->`` — an HTML comment (invisible on the rendered page) holding
@@ -22,12 +23,12 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
+import forkserver
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,7 +82,7 @@ def stand_in(code: str) -> str:
 _RUNNER = """
 import json, sys
 from pathlib import Path
-spec = json.loads(sys.stdin.read())
+spec = json.loads(Path(sys.argv[1]).read_text())
 ns = {"__name__": "__doc_example__", "DOC_STORE": spec["store"], "DOC_DIR": Path(spec["dir"])}
 exec(compile(spec["setup"], spec["doc"] + " (doctest-setup)", "exec"), ns)
 for line, code in spec["blocks"]:
@@ -112,9 +113,10 @@ def test_every_python_block_of_the_doc_runs(doc: Path, doc_store: Path, tmp_path
         "setup": setup_of(doc),
         "blocks": [(b.line, stand_in(b.code)) for b in blocks],
     }
-    run = subprocess.run(
-        [sys.executable, "-c", _RUNNER],
-        input=json.dumps(spec),
+    spec_file = tmp_path.parent / f"{tmp_path.name}.doc-spec.json"  # not in the doc's folder
+    spec_file.write_text(json.dumps(spec))
+    run = forkserver.run(
+        [sys.executable, "-c", _RUNNER, str(spec_file)],
         capture_output=True,
         text=True,
         cwd=tmp_path,

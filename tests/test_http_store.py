@@ -33,7 +33,7 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.errors import ChunkReadError, StaleCacheError
 from insitubatch_nodes.io.objects import make_async_getter
-from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, describe_store
+from insitubatch_nodes.io.stores import RETRY_TIME_SCALE_ENV, SUPPORTED_SCHEMES, describe_store
 from insitubatch_nodes.testing import FaultProxy, NginxServer, free_port, nginx_executable
 
 pytestmark = [
@@ -285,6 +285,8 @@ def test_a_signed_bucket_read_without_credentials_says_to_pass_anonymous_true(
     site: Site, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _no_cloud_credentials(monkeypatch)
+    # the claim is the message, not the retry window: the policy's 3 s run on a 4x clock
+    monkeypatch.setenv(RETRY_TIME_SCALE_ENV, "0.25")
 
     def store() -> Any:  # a fresh one each time: obstore waits longer once a lookup has failed
         # No credentials anywhere: obstore asks the instance metadata service (a closed port).

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import pytest
 import torch
 from resume_helpers import comparable, lightning_request, read_records, run_lightning, write_store
@@ -141,7 +142,9 @@ def test_the_checkpoint_loads_with_weights_only_and_holds_the_exact_loader_posit
 
 
 def _run_recipe(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    # the recipe runs as ``__main__`` of a forked process (tests/forkserver.py), as ``python
+    # recipes/lightning_forecast.py`` would: its claim is the run, not the interpreter start
+    return forkserver.run(
         [sys.executable, str(RECIPE), *args],
         cwd=cwd,
         capture_output=True,

@@ -282,21 +282,29 @@ def tiled_case(
 
 
 def _run_child(script: Path, url: str, options: dict[str, Any], mode: str, attempts: int) -> None:
+    """Run ``attempts`` fresh interpreters side by side (each is its own trial of the exit; an
+    abort at exit is intermittent, so try more than once) and check every one exited cleanly."""
     import json
 
-    for attempt in range(attempts):  # an abort at exit is intermittent: try more than once
-        proc = subprocess.run(
-            [sys.executable, str(script), url, json.dumps(options), mode],
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
-        assert proc.stdout.startswith("ok"), (attempt, proc.returncode, proc.stderr[-3000:])
+    argv = [sys.executable, str(script), url, json.dumps(options), mode]
+    procs = [
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for _ in range(attempts)
+    ]
+    try:
+        outputs = [proc.communicate(timeout=90) for proc in procs]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for attempt, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs, strict=True)):
+        assert stdout.startswith("ok"), (attempt, proc.returncode, stderr[-3000:])
         assert proc.returncode == 0, (
             f"attempt {attempt}: exit code {proc.returncode} after a clean run "
-            f"(-6 is SIGABRT); stderr: {proc.stderr[-3000:]}"
+            f"(-6 is SIGABRT); stderr: {stderr[-3000:]}"
         )
-        assert "panicked" not in proc.stderr and "Abort" not in proc.stderr, proc.stderr[-3000:]
+        assert "panicked" not in stderr and "Abort" not in stderr, stderr[-3000:]
 
 
 @pytest.mark.parametrize("mode", ["closed", "running"])
