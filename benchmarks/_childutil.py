@@ -31,12 +31,30 @@ __all__ = [
     "finish",
     "load_config",
     "make_zarr_store",
+    "proc_status_bytes",
     "proxy_snapshot",
     "timed_epoch",
     "tree_cpu_seconds",
 ]
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_status_bytes(field: str) -> int | None:
+    """A memory figure of this process from ``/proc/self/status`` in bytes (``"VmHWM"``: its own
+    peak RSS since its ``exec``; ``"VmRSS"``: now), or None where there is none (off Linux).
+
+    ``ru_maxrss`` is not the peak on Linux: ``exec`` keeps the high-water mark of the memory it
+    replaces, which after ``fork``/``vfork`` is the *parent's* (the harness, with torch
+    imported), so a small child would report at least its parent's RSS."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def load_config(argv: list[str]) -> tuple[dict[str, Any], Path]:

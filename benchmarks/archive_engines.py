@@ -50,6 +50,7 @@ from benchmarks._childutil import (
     finish,
     load_config,
     make_zarr_store,
+    proc_status_bytes,
     timed_epoch,
 )
 from benchmarks.engines import ZarrSamples, loader_epochs, run_decode, run_rawget
@@ -276,19 +277,9 @@ def _maxrss_bytes() -> int:
 
 
 def _hwm_bytes() -> int | None:
-    """This process's own peak RSS since its ``exec`` (Linux ``VmHWM``), or None.
-
-    ``ru_maxrss`` is not that on Linux: ``exec`` keeps the high-water mark of the memory it
-    replaces, which after ``fork``/``vfork`` is the *parent's* (the harness, with torch
-    imported), so a small child reports at least its parent's RSS."""
-    try:
-        with open("/proc/self/status") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+    """This process's own peak RSS since its ``exec`` (Linux ``VmHWM``), or None (see
+    :func:`~benchmarks._childutil.proc_status_bytes`)."""
+    return proc_status_bytes("VmHWM")
 
 
 def run_scale(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._childutil import proc_status_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 LEVEL_VARS = (
     "temperature",
@@ -135,10 +137,7 @@ def on_grid_objects(store: Path, steps: int) -> tuple[list[tuple[str, Path]], in
 
 
 def _rss_peak_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmHWM") or 0
 
 
 def _epochs(run_epoch: Any, n: int) -> list[dict[str, Any]]:

@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._childutil import proc_status_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -54,13 +56,10 @@ def write_plane(path: Path, size: int, tile: int) -> None:
 
 def _rss_peak_bytes() -> int:
     """This process's peak resident memory: ``VmHWM`` (``ru_maxrss`` may carry the parent's
-    peak across fork and exec on Linux)."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    peak across fork and exec on Linux), else ``ru_maxrss``."""
+    hwm = proc_status_bytes("VmHWM")
+    if hwm is not None:
+        return hwm
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

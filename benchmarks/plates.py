@@ -47,21 +47,17 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks._childutil import proc_status_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _rss_peak_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmHWM") or 0
 
 
 def _rss_bytes() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_status_bytes("VmRSS") or 0
 
 
 def _epochs(run_epoch: Any, n: int) -> list[dict[str, Any]]:
