@@ -189,19 +189,33 @@ class _NumcodecsPlan(_Plan):
             and last.codec_id in _INPLACE_IDS
             and stored_dtype.kind != "O"
         )
+        #: one decompressor and nothing else (the common case): a whole chunk goes straight
+        #: from it into the destination, with no per-step bookkeeping
+        self._lone = self.inplace_capable and len(self.steps) == 1
+        self._lone_id = self.steps[0].codec_id if self._lone else ""
 
-    def _is_direct(self, dest: np.ndarray, crop: tuple[slice, ...]) -> bool:
-        if dest.dtype != self.stored_dtype or not dest.flags.writeable:
-            return False
+    def _is_direct(self, dest: np.ndarray) -> bool:
+        """Whether the chunk can be decoded straight into ``dest``: the whole chunk (a crop as
+        large as the chunk starts at 0), in the stored dtype and memory order, writeable."""
         if dest.shape != self.shape:  # an edge chunk: zarr stored it full size, crop it
             return False
-        if any(s.start != 0 for s in crop):
+        if dest.dtype != self.stored_dtype:
             return False
-        return bool(dest.flags.c_contiguous if self.order == "C" else dest.flags.f_contiguous)
+        flags = dest.flags
+        return bool(
+            flags.writeable and (flags.c_contiguous if self.order == "C" else flags.f_contiguous)
+        )
 
     def decode(
         self, data: np.ndarray, dest: np.ndarray, crop: tuple[slice, ...], rt: ChunkDecoder
     ) -> None:
+        if self._lone and self._is_direct(dest):
+            step = self.steps[0]
+            if _decoded_size(self._lone_id, data) == self.nbytes:
+                _decode_into(rt._codec(step), data, _flat_bytes(dest, self.order))
+                rt._stats.inplace += 1
+                return
+            # a size the header does not announce, or a wrong one: the general path says which
         n_steps = len(self.steps)
         used_scratch = False
         for k, step in enumerate(self.steps):
@@ -224,7 +238,7 @@ class _NumcodecsPlan(_Plan):
             if size is None:
                 data = _as_u8(codec.decode(data))
                 continue
-            if self.inplace_capable and self._is_direct(dest, crop):
+            if self.inplace_capable and self._is_direct(dest):
                 target = _flat_bytes(dest, self.order)
                 _decode_into(codec, data, target)
                 rt._stats.inplace += 1
@@ -263,7 +277,9 @@ class _NumcodecsPlan(_Plan):
 def _decode_into(codec: Any, data: np.ndarray, target: np.ndarray) -> None:
     """``codec.decode(data, out=target)``; copies when a codec returns a buffer of its own."""
     result = codec.decode(data, out=target)
-    if isinstance(result, np.ndarray) and result.ctypes.data == target.ctypes.data:
+    if result is target or (
+        isinstance(result, np.ndarray) and result.ctypes.data == target.ctypes.data
+    ):
         return
     got = _as_u8(result)
     if len(got) != len(target):
