@@ -16,6 +16,10 @@ Engines:
   reading its half of the train split's stored objects (``open(path, 'rb',
   buffering=0).read()``, paths from zarr's own key encoding) and decoding each with
   ``numcodecs.Blosc().decode(raw, out=buffer)`` into a buffer per array that the thread reuses.
+* ``bare_batches`` / ``bare_kept`` (local store only) — the same loop, its decodes landing in
+  the rows of a ring of batch buffers, or in a populated slot per object kept for the next
+  epoch (whose rows are copied into the ring): the least a loader that hands out batches, or
+  that also keeps the split, must do on this machine (:func:`run_bare`).
 * ``decode`` / ``rawget`` — ``benchmarks.engines.run_decode`` / ``run_rawget`` on the arrays of
   the config: every stored object of the train chunks fetched (a local store read on the decode
   thread) and decoded with ``ChunkDecoder.decode_into`` on ``default_decode_threads()``
@@ -33,6 +37,7 @@ Engines:
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import sys
@@ -102,20 +107,44 @@ def run_nodes(cfg: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------------------------
-# bare: two threads, read + blosc decode into reused buffers, nothing else
+# bare: two threads, read + blosc decode into reused buffers, nothing else (and its variants
+# that deliver batches, or keep the split, at the least cost this machine allows)
 # --------------------------------------------------------------------------------------------
+
+BATCH_RING = 5  # batch buffers in flight, as the nodes engine lends them (prefetch_depth + 2)
 
 
 def run_bare(cfg: dict[str, Any]) -> dict[str, Any]:
     """The bare loop: the train split's stored objects (paths from zarr's own chunk-key
     encoding, listed before the clock) read whole with an unbuffered ``open().read()`` and
-    decoded with ``numcodecs.Blosc().decode(raw, out=...)`` into a per-thread buffer per array,
-    on two threads that split the objects between them (every other object)."""
+    decoded with ``numcodecs.Blosc().decode(raw, out=...)`` on two threads that split the
+    objects between them (every other object). Where the decoded bytes land is ``cfg["into"]``:
+
+    * ``"buffers"`` (``bare``, the issue's ceiling): a per-thread buffer per array, reused for
+      every object — it stays in the core's cache, and no batch is made.
+    * ``"batches"`` (``bare_batches``): the rows of a batch. A ring of ``BATCH_RING`` batch
+      buffers (``batch_size`` rows of every array, made populated inside epoch 0's clock, as a
+      fresh process's loader must make its own) stands for the batches a loader has in
+      flight; each train sample has a row in it (a seeded permutation of the split, as a
+      shuffled epoch places them). At one sample per chunk an object is decoded
+      straight into its row; at more, into the thread's buffer, then each row is copied to its
+      own. The least any loader that hands out batches must do.
+    * ``"kept"`` (``bare_kept``): epoch 0 decodes each object into a slot of its own, an
+      anonymous ``mmap`` with ``MAP_POPULATE`` made on the decoding thread inside the timed
+      window (the fastest way this machine gives a process fresh memory, see
+      ``benchmarks/first_touch.py``), kept for the next epoch, and copies its rows into the
+      batch ring as ``"batches"`` does; epoch 1 only copies the kept rows into the ring. The
+      least a loader that keeps the split for the next epoch must do in a fresh process.
+    """
+    import mmap
     from concurrent.futures import ThreadPoolExecutor
 
     import numcodecs
     import zarr
 
+    into = cfg.get("into", "buffers")
+    if into not in ("buffers", "batches", "kept"):
+        raise ValueError(f"into={into!r}: one of buffers, batches, kept")
     if cfg["store"]["kind"] != "local":
         raise ValueError("the bare loop reads files: local store only")
     t0 = time.monotonic()
@@ -126,12 +155,24 @@ def run_bare(cfg: dict[str, Any]) -> dict[str, Any]:
         codecs = [type(c).__name__ for c in arr.metadata.codecs]
         if codecs != ["BytesCodec", "BloscCodec"] or arr.dtype.byteorder == ">":
             raise ValueError(f"{name}: the bare loop decodes plain blosc chunks, not {codecs}")
-    jobs: list[tuple[str, str]] = []
+        if arr.chunks[1:] != arr.shape[1:]:
+            raise ValueError(f"{name}: the bare loop takes whole fields in each stored object")
+    spc = arrays[variables[0]].chunks[0]
+    samples = [int(s) for s in cfg["samples"]]
+    batch = int(cfg.get("batch_size", 32))
+    ring = BATCH_RING * batch
+    # each sample's row in the batch ring: its place in a seeded shuffle of the split
+    order = np.random.default_rng(0).permutation(len(samples))
+    row_of = dict(zip(samples, (order % ring).tolist(), strict=True))
+    jobs: list[tuple[str, str, list[tuple[int, int]]]] = []
     for chunk in cfg["train_chunks"]:
+        start = chunk * spc
+        # (row within the chunk, row in the ring) of the chunk's train samples
+        rows = [(t - start, row_of[t]) for t in range(start, start + spc) if t in row_of]
         for name, arr in arrays.items():
             for coords in _chunk_coords(arr, chunk):
                 key = arr.metadata.encode_chunk_key(coords)
-                jobs.append((name, str(root / name / key)))
+                jobs.append((name, str(root / name / key), rows))
     threads = 2
     shares = [jobs[i::threads] for i in range(threads)]
     codec = numcodecs.Blosc()
@@ -141,28 +182,71 @@ def run_bare(cfg: dict[str, Any]) -> dict[str, Any]:
         for b in bufs.values():
             b.fill(0)  # first touch outside the timed window
         buffers.append(bufs)
+    batches: dict[str, np.ndarray] = {}
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+
+    def make_ring() -> None:
+        """The batch buffers, made populated inside epoch 0's clock: a fresh process's loader
+        has to obtain its own, and ``MAP_POPULATE`` is the fastest way this machine gives."""
+        for name, arr in arrays.items():
+            nbytes = ring * arr.dtype.itemsize * math.prod(arr.shape[1:])
+            slab = mmap.mmap(-1, nbytes, flags=flags)
+            batches[name] = np.frombuffer(slab, arr.dtype).reshape(ring, *arr.shape[1:])
+
+    kept: list[list[tuple[str, Any, np.ndarray, list[tuple[int, int]]]]] = [[] for _ in shares]
     pool = ThreadPoolExecutor(threads, thread_name_prefix="bare")
     list(pool.map(lambda _: None, range(threads)))  # start the threads before the clock
-    samples = len(cfg["samples"])
     setup_s = time.monotonic() - t0
+
+    def read(path: str) -> bytes:
+        with open(path, "rb", buffering=0) as fh:
+            return fh.read()
+
+    def copy_rows(name: str, chunk: np.ndarray, rows: list[tuple[int, int]]) -> None:
+        dest = batches[name]
+        for j, r in rows:
+            dest[r] = chunk[j]
 
     def work(i: int) -> int:
         bufs = buffers[i]
         nbytes = 0
-        for name, path in shares[i]:
-            with open(path, "rb", buffering=0) as fh:
-                raw = fh.read()
-            codec.decode(raw, out=bufs[name])
+        for name, path, rows in shares[i]:
+            raw = read(path)
             nbytes += len(raw)
+            if into == "buffers":
+                codec.decode(raw, out=bufs[name])
+            elif into == "batches" and spc == 1:
+                r = rows[0][1]
+                codec.decode(raw, out=batches[name][r : r + 1])
+            elif into == "batches":
+                codec.decode(raw, out=bufs[name])
+                copy_rows(name, bufs[name], rows)
+            else:
+                arr = arrays[name]
+                slot = mmap.mmap(-1, bufs[name].nbytes, flags=flags)
+                out = np.frombuffer(slot, arr.dtype).reshape(arr.chunks)
+                codec.decode(raw, out=out)
+                kept[i].append((name, slot, out, rows))
+                copy_rows(name, out, rows)
         return nbytes
 
+    def revisit(i: int) -> int:
+        for name, _slot, out, rows in kept[i]:
+            copy_rows(name, out, rows)
+        return 0
+
     epochs = []
-    for kind in _kinds(cfg):
+    for n, kind in enumerate(_kinds(cfg)):
+        step = revisit if into == "kept" and n > 0 else work
         with timed_epoch(kind, None) as rec:
-            nbytes = sum(pool.map(work, range(threads)))
-            count_batch(rec, samples, None)
+            if into != "buffers" and not batches:
+                make_ring()
+            nbytes = sum(pool.map(step, range(threads)))
+            count_batch(rec, len(samples), None)
         out = rec.as_dict()
-        out["extra"] = {"objects": len(jobs), "bytes": nbytes, "threads": threads}
+        out["extra"] = {"objects": len(jobs), "bytes": nbytes, "threads": threads, "into": into}
+        if step is revisit:  # nothing read: the kept slots are the epoch's source
+            out["extra"]["gets"] = 0
         epochs.append(out)
     pool.shutdown()
     return {"setup_s": setup_s, "epochs": epochs}
@@ -351,6 +435,8 @@ def run_scale(cfg: dict[str, Any]) -> dict[str, Any]:
 RUNNERS = {
     "nodes": run_nodes,
     "bare": run_bare,
+    "bare_batches": lambda cfg: run_bare({**cfg, "into": "batches"}),
+    "bare_kept": lambda cfg: run_bare({**cfg, "into": "kept"}),
     "decode": run_decode_ceiling,
     "rawget": run_rawget_ceiling,
     "zarr": run_peer,

@@ -61,7 +61,7 @@ def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path:
             assert r["extra"]["report"]["samples"] == data["train_samples"]  # pipe.report()
         for engine in CEILINGS:
             got = mine(engine, store)
-            if engine == "bare" and store == "s3":
+            if engine.startswith("bare") and store == "s3":
                 assert not got  # it reads files
                 continue
             assert got, (engine, store)
@@ -92,6 +92,12 @@ def test_archive_smoke_measures_every_engine_and_the_report_renders_it(tmp_path:
     assert "## Archive shape: one sample per chunk" in text
     assert "### local · wb-smoke (1 sample(s) per chunk)" in text
     assert "| nodes / bare loop | 0 |" in text and "| nodes / raw GET | 0 |" in text
+    # the loops that also deliver batches, and keep the split (the smoke split is kept): what
+    # the bare-loop target leaves out; keeping it reads nothing in epoch 1
+    assert "| nodes / bare loop into batch rows | 0 |" in text
+    assert "| bare loop keeping the split / bare loop | 1 |" in text
+    kept = {r["epoch_kind"]: r["gets"] for r in mine("bare_kept", "local")}
+    assert kept == {"epoch0": data["train_objects"], "epoch1": 0}
     assert "engine CPU per stored object beyond decode" in text
     assert "split / automatic budget" in text
     assert "first touch of fresh memory in this run" in text
@@ -171,3 +177,29 @@ def test_the_archive_targets_of_the_cold_epoch_follow_the_budget_and_the_split()
     assert [line[2:] for line in short if line[3] != "–"] == [
         ["0.850 (0.800–0.900)", "≥ 0.6", "met"]
     ]
+
+
+def test_the_archive_ratios_show_what_batches_and_a_kept_split_cost_the_bare_loop() -> None:
+    from benchmarks.report import _archive_ratios
+
+    rows = []
+    for repeat in (0, 1):
+        for kind, nodes, batches, kept in (
+            ("epoch0", 60.0, 90.0, 20.0),
+            ("epoch1", 80.0, 90.0, 400.0),
+        ):
+            rows.append(_row("nodes", "engine", repeat, kind, nodes))
+            rows.append(_row("bare", "ceiling", repeat, kind, 100.0))
+            rows.append(_row("bare_batches", "ceiling", repeat, kind, batches))
+            rows.append(_row("bare_kept", "ceiling", repeat, kind, kept))
+    c1 = {"name": "wb-c1", "samples_per_chunk": 1, "decoded_train_bytes": 2e9}
+    by = {(line[0], line[1]): line[2:] for line in _archive_ratios(rows, "local", c1)}
+    assert by[("nodes / bare loop", "0")] == ["0.600", "≥ 0.85", "**missed**"]
+    # comparisons, no targets: the engine against each loop, each loop against the bare one
+    assert by[("nodes / bare loop into batch rows", "0")] == ["0.667", "–", "–"]
+    assert by[("bare loop into batch rows / bare loop", "1")] == ["0.900", "–", "–"]
+    assert by[("nodes / bare loop keeping the split", "0")] == ["3", "–", "–"]
+    assert by[("bare loop keeping the split / bare loop", "1")] == ["4", "–", "–"]
+    # no such rows where the loops did not run (s3, or a dataset they skip)
+    plain = [r for r in rows if not r["engine"].startswith("bare_")]
+    assert not [line for line in _archive_ratios(plain, "local", c1) if "batch rows" in line[0]]
