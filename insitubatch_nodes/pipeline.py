@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from zarr.abc.store import Store
 
+from insitubatch_nodes.anchor_steps import anchor_steps
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
-from insitubatch_nodes.io.arrays import absent_samples, check_arrays_in_store, open_geometries
+from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.collection import (
     Collection,
     check_collection_in_store,
@@ -30,14 +31,11 @@ from insitubatch_nodes.io.collection import (
 from insitubatch_nodes.io.coords import (
     carried_coordinates,
     coordinate_reader,
-    open_coordinates,
-    time_offsets,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.product import product_of, refuse_product_options
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
-from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
 from insitubatch_nodes.plan.schedule import choose_schedule
@@ -339,12 +337,12 @@ def insitu_pipeline(
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: _output_view(transforms, label, view) for label, view in views.items()}
-    manifest = _anchor_steps(
-        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, plain.values()
-    )
     members = collection_of([manifest.members, *(v.members for v in geoms.values())])
     if members is not None and manifest.members is None:  # no step leaves its member
         manifest = manifest.with_members(members)
+    manifest = anchor_steps(
+        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, plain.values()
+    )
     product = product_of([v for v in geoms.values() if not v.static], manifest.product)
     if product is not None and manifest.product is None:  # no anchor in a block's padding
         manifest = manifest.with_product(product)
@@ -545,90 +543,6 @@ def _carried_coordinates(
     return carried_coordinates(
         zstore, views, None if coords is None else list(coords), reader=reader
     )
-
-
-def _anchor_steps(
-    zstore: Store,
-    manifest: SplitManifest,
-    geoms: Mapping[str, ArrayGeometry],
-    config: PlanConfig,
-    missing: Sequence[Any] | None,
-    missing_objects: str,
-    reader: Any = None,
-    views: Iterable[ArrayGeometry] = (),
-) -> SplitManifest:
-    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride,
-    windows in time deltas and the missing-step checks (unchanged when none is asked for): the
-    anchor array's times, the samples ``missing`` lists, the samples with an absent stored
-    object. A manifest that already carries steps (``manifest.with_steps``) is kept when only
-    a stride or time-delta windows are asked for."""
-    if missing_objects not in ("read", "drop"):
-        raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
-    if isinstance(missing, str | bytes) or (
-        missing is not None and not isinstance(missing, Sequence | np.ndarray)
-    ):
-        raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
-    timed = not isinstance(config.stride, int) or any(v.timed_window for v in views)
-    if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
-        return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
-    n = manifest.n_samples
-    indices = [] if missing is None else [x for x in missing if _is_index(x)]
-    dates = [] if missing is None else [x for x in missing if not _is_index(x)]
-    ticks, coord_name, coord = None, "time", None
-    if timed or missing is not None:
-        coord = _time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
-        if coord is not None:
-            ticks, coord_name = time_offsets(coord, "1s"), coord.name
-    listed = np.zeros(n, dtype=bool)
-    for i in indices:
-        if not -n <= int(i) < n:
-            raise ValueError(f"missing lists sample {int(i)}, outside [0, {n})")
-        listed[int(i)] = True
-    if dates:
-        assert ticks is not None and coord is not None
-        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
-        listed |= np.isin(ticks, gone) & (ticks != np.iinfo(np.int64).min)
-    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
-    steps = SampleSteps(
-        n,
-        ticks=ticks,
-        unit=np.timedelta64(1, "s"),
-        listed=listed if missing is not None else None,
-        absent=absent,
-        coord=coord_name,
-    )
-    return manifest.with_steps(steps)
-
-
-def _is_index(x: Any) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.timedelta64)
-
-
-def _time_coordinate(
-    zstore: Store,
-    manifest: SplitManifest,
-    geoms: Mapping[str, ArrayGeometry],
-    reader: Any,
-    *,
-    needed: bool,
-) -> Any:
-    """The time coordinate of the manifest's anchor array (``None`` when it has none and
-    ``needed`` is false; ``ValueError`` when it is needed)."""
-    geom = geoms.get(manifest.array)
-    if geom is None:
-        geom = next(iter(open_geometries(zstore, [manifest.array]).values()))
-    coords = open_coordinates(zstore, geom, reader=reader)
-    times = [c for c in coords.values() if c.is_time]
-    if not times:
-        if needed:
-            raise ValueError(
-                f"a time stride, window offsets in time deltas or dates in missing= need the "
-                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and it "
-                "has none: give an int stride, window offsets in samples and sample indices "
-                "in missing="
-            )
-        return None
-    return times[0]
 
 
 def _open_cache(
