@@ -38,6 +38,7 @@ from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, r
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
+from insitubatch_nodes.plan.patches import unit_geometry
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
@@ -357,7 +358,10 @@ def insitu_pipeline(
         revive=cache_options.persistent and plan_config.shuffle,
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
-    chunk_cache = _open_cache(cache_options, zstore, geoms, transforms, plan.rank, statics)
+    patched = {v.path for v in views.values() if isinstance(v, ArrayGeometry) and v.patch}
+    chunk_cache = _open_cache(
+        cache_options, zstore, geoms, transforms, plan.rank, statics, frozenset(patched)
+    )
     try:  # the static fields: read once here, or taken from the persistent cache
         timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
         static_data = read_static(zstore, statics, timeout, cache=chunk_cache) if statics else {}
@@ -552,21 +556,31 @@ def _open_cache(
     transforms: ChunkTransforms,
     rank: int,
     statics: Mapping[str, ArrayGeometry],
+    patched: frozenset[str] = frozenset(),
 ) -> ChunkCache | None:
     """The chunk cache on local disk (``None`` without a ``cache_dir``): the directory of
     ``rank``, keyed by each array's fingerprint after its chunk transforms (a static array's
-    by its geometry: it takes no chunk transforms)."""
+    by its geometry: it takes no chunk transforms). An array read through patched views
+    (``patched``) is cached by unit, one stored tile of a chunk each: its fingerprint is that
+    of a unit's slot, and each cached unit is one stored object."""
     if options.cache_dir is None:
         return None
     fingerprints = {
-        path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
+        path: array_fingerprint(
+            transforms.source(path),
+            unit_geometry(out) if path in patched else out,
+            transforms.chain(path),
+        )
         for path, out in transforms.outputs.items()
     }
     static_bases = {v.path: v.base for v in statics.values()}
     fingerprints.update({path: array_fingerprint(g, g, ()) for path, g in static_bases.items()})
     store_check = StoreCheck(
         zstore,
-        {path: g.n_tiles for path, g in {**geoms, **static_bases}.items()},
+        {
+            path: 1 if path in patched else g.n_tiles
+            for path, g in {**geoms, **static_bases}.items()
+        },
         enabled=options.check_store,
         name=describe_store(zstore),
         members={p: g.members.paths for p, g in geoms.items() if g.members is not None},
