@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 from zarr.abc.store import Store
 
+from insitubatch_nodes.anchor_steps import anchor_steps
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
-from insitubatch_nodes.io.arrays import absent_samples, check_arrays_in_store, open_geometries
+from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.collection import (
     Collection,
     check_collection_in_store,
@@ -30,16 +31,14 @@ from insitubatch_nodes.io.collection import (
 from insitubatch_nodes.io.coords import (
     carried_coordinates,
     coordinate_reader,
-    open_coordinates,
-    time_offsets,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.product import product_of, refuse_product_options
 from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
-from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
+from insitubatch_nodes.plan.patches import unit_geometry
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
@@ -339,12 +338,12 @@ def insitu_pipeline(
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: _output_view(transforms, label, view) for label, view in views.items()}
-    manifest = _anchor_steps(
-        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, plain.values()
-    )
     members = collection_of([manifest.members, *(v.members for v in geoms.values())])
     if members is not None and manifest.members is None:  # no step leaves its member
         manifest = manifest.with_members(members)
+    manifest = anchor_steps(
+        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, plain.values()
+    )
     product = product_of([v for v in geoms.values() if not v.static], manifest.product)
     if product is not None and manifest.product is None:  # no anchor in a block's padding
         manifest = manifest.with_product(product)
@@ -359,7 +358,10 @@ def insitu_pipeline(
         revive=cache_options.persistent and plan_config.shuffle,
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
-    chunk_cache = _open_cache(cache_options, zstore, geoms, transforms, plan.rank, statics)
+    patched = {v.path for v in views.values() if isinstance(v, ArrayGeometry) and v.patch}
+    chunk_cache = _open_cache(
+        cache_options, zstore, geoms, transforms, plan.rank, statics, frozenset(patched)
+    )
     try:  # the static fields: read once here, or taken from the persistent cache
         timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
         static_data = read_static(zstore, statics, timeout, cache=chunk_cache) if statics else {}
@@ -547,90 +549,6 @@ def _carried_coordinates(
     )
 
 
-def _anchor_steps(
-    zstore: Store,
-    manifest: SplitManifest,
-    geoms: Mapping[str, ArrayGeometry],
-    config: PlanConfig,
-    missing: Sequence[Any] | None,
-    missing_objects: str,
-    reader: Any = None,
-    views: Iterable[ArrayGeometry] = (),
-) -> SplitManifest:
-    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride,
-    windows in time deltas and the missing-step checks (unchanged when none is asked for): the
-    anchor array's times, the samples ``missing`` lists, the samples with an absent stored
-    object. A manifest that already carries steps (``manifest.with_steps``) is kept when only
-    a stride or time-delta windows are asked for."""
-    if missing_objects not in ("read", "drop"):
-        raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
-    if isinstance(missing, str | bytes) or (
-        missing is not None and not isinstance(missing, Sequence | np.ndarray)
-    ):
-        raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
-    timed = not isinstance(config.stride, int) or any(v.timed_window for v in views)
-    if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
-        return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
-    n = manifest.n_samples
-    indices = [] if missing is None else [x for x in missing if _is_index(x)]
-    dates = [] if missing is None else [x for x in missing if not _is_index(x)]
-    ticks, coord_name, coord = None, "time", None
-    if timed or missing is not None:
-        coord = _time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
-        if coord is not None:
-            ticks, coord_name = time_offsets(coord, "1s"), coord.name
-    listed = np.zeros(n, dtype=bool)
-    for i in indices:
-        if not -n <= int(i) < n:
-            raise ValueError(f"missing lists sample {int(i)}, outside [0, {n})")
-        listed[int(i)] = True
-    if dates:
-        assert ticks is not None and coord is not None
-        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
-        listed |= np.isin(ticks, gone) & (ticks != np.iinfo(np.int64).min)
-    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
-    steps = SampleSteps(
-        n,
-        ticks=ticks,
-        unit=np.timedelta64(1, "s"),
-        listed=listed if missing is not None else None,
-        absent=absent,
-        coord=coord_name,
-    )
-    return manifest.with_steps(steps)
-
-
-def _is_index(x: Any) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.timedelta64)
-
-
-def _time_coordinate(
-    zstore: Store,
-    manifest: SplitManifest,
-    geoms: Mapping[str, ArrayGeometry],
-    reader: Any,
-    *,
-    needed: bool,
-) -> Any:
-    """The time coordinate of the manifest's anchor array (``None`` when it has none and
-    ``needed`` is false; ``ValueError`` when it is needed)."""
-    geom = geoms.get(manifest.array)
-    if geom is None:
-        geom = next(iter(open_geometries(zstore, [manifest.array]).values()))
-    coords = open_coordinates(zstore, geom, reader=reader)
-    times = [c for c in coords.values() if c.is_time]
-    if not times:
-        if needed:
-            raise ValueError(
-                f"a time stride, window offsets in time deltas or dates in missing= need the "
-                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and it "
-                "has none: give an int stride, window offsets in samples and sample indices "
-                "in missing="
-            )
-        return None
-    return times[0]
-
-
 def _open_cache(
     options: CacheOptions,
     zstore: Store,
@@ -638,21 +556,31 @@ def _open_cache(
     transforms: ChunkTransforms,
     rank: int,
     statics: Mapping[str, ArrayGeometry],
+    patched: frozenset[str] = frozenset(),
 ) -> ChunkCache | None:
     """The chunk cache on local disk (``None`` without a ``cache_dir``): the directory of
     ``rank``, keyed by each array's fingerprint after its chunk transforms (a static array's
-    by its geometry: it takes no chunk transforms)."""
+    by its geometry: it takes no chunk transforms). An array read through patched views
+    (``patched``) is cached by unit, one stored tile of a chunk each: its fingerprint is that
+    of a unit's slot, and each cached unit is one stored object."""
     if options.cache_dir is None:
         return None
     fingerprints = {
-        path: array_fingerprint(transforms.source(path), out, transforms.chain(path))
+        path: array_fingerprint(
+            transforms.source(path),
+            unit_geometry(out) if path in patched else out,
+            transforms.chain(path),
+        )
         for path, out in transforms.outputs.items()
     }
     static_bases = {v.path: v.base for v in statics.values()}
     fingerprints.update({path: array_fingerprint(g, g, ()) for path, g in static_bases.items()})
     store_check = StoreCheck(
         zstore,
-        {path: g.n_tiles for path, g in {**geoms, **static_bases}.items()},
+        {
+            path: 1 if path in patched else g.n_tiles
+            for path, g in {**geoms, **static_bases}.items()
+        },
         enabled=options.check_store,
         name=describe_store(zstore),
         members={p: g.members.paths for p, g in geoms.items() if g.members is not None},

@@ -10,10 +10,15 @@ Two things weather archives need, on small synthetic stores (6-hourly, CF ``time
 2. **Variables of two stores at the same times** — ``t2m`` in an atmosphere store and ``sst``
    in a forcing store that starts earlier and is chunked differently — joined by their times
    with ``Collection.join``; a linear model learns ``t2m(t)`` from ``t2m(t - 6h)`` and
-   ``sst(t)`` on the CPU, and the recipe prints the loss per epoch.
+   ``sst(t)`` on the CPU, and the recipe prints the loss per epoch. With ``--atmos-stores N``
+   the atmosphere is itself split over ``N`` stores (a back-extension and the main archive),
+   concatenated with ``concat(...)`` and joined as one of the join's stores: the joined axis is
+   cut where the atmosphere's stores meet (``batch.members`` names each row's piece), windows
+   run across the cut, and every row is checked against the data written at its time.
 
     .venv/bin/python recipes/joined_stores.py
     .venv/bin/python recipes/joined_stores.py --steps 400 --epochs 3
+    .venv/bin/python recipes/joined_stores.py --atmos-stores 2
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,7 +50,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--atmos-stores",
+        type=int,
+        default=1,
+        help="write the atmosphere as this many stores, concatenated, then joined",
+    )
+    args = p.parse_args(argv)
+    if args.atmos_stores < 1 or args.steps < 24 * args.atmos_stores:
+        p.error("--atmos-stores needs >= 1 and --steps of 24 or more per atmosphere store")
+    return args
 
 
 def write(root: Path, name: str, data: np.ndarray, first_hour: int, chunk: int) -> None:
@@ -96,17 +111,31 @@ def forcing_joined(folder: Path, args: argparse.Namespace, rng: np.random.Genera
     t2m = np.zeros((n, 4, 8), dtype="f4")
     for t in range(1, n):
         t2m[t] = 0.8 * t2m[t - 1] + 0.5 * sst[lead + t] + 0.1 * rng.normal(size=(4, 8))
-    write(folder / "atmos.zarr", "t2m", t2m, 0, chunk=8)
     write(folder / "forcing.zarr", "sst", sst, -6 * lead, chunk=12)
+    # the atmosphere in --atmos-stores pieces: each cut on a chunk of both stores (every 24
+    # steps: 8-step chunks of t2m, 12-step chunks of sst from 24 steps earlier)
+    k = args.atmos_stores
+    cuts = [0, *(i * n // k // 24 * 24 for i in range(1, k)), n]
+    atmos: Any = folder / "atmos.zarr"
+    if k == 1:
+        write(atmos, "t2m", t2m, 0, chunk=8)
+    else:
+        parts = [folder / f"atmos{i}.zarr" for i in range(k)]
+        for part, lo, hi in zip(parts, cuts, cuts[1:], strict=False):
+            write(part, "t2m", t2m[lo:hi], 6 * lo, chunk=8)
+        atmos = concat(parts, ["t2m"], dim="time")  # one of the join's stores
     coll = Collection.join(
-        {"atmos": (folder / "atmos.zarr", ["t2m"]), "forcing": (folder / "forcing.zarr", ["sst"])}
+        {"atmos": (atmos, ["t2m"]), "forcing": (folder / "forcing.zarr", ["sst"])}
     )
-    print(f"joined: {coll['atmos/t2m'].n_samples} shared steps of atmos and forcing")
+    print(f"joined: {coll['atmos/t2m'].n_samples} shared steps of atmos ({k} store(s)) and "
+          f"forcing, members {[Path(m).name for m in coll.members]}")  # fmt: skip
     views = {"t2m": coll["atmos/t2m"].window(["-6h", "0h"]), "sst": coll["forcing/sst"]}
     manifest = split_by_chunk(coll["atmos/t2m"], (1.0, 0.0, 0.0))
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
-    losses = []
+    losses: list[float] = []
+    pieces: set[int] = set()
+    across = 0  # windows whose two steps come from two atmosphere stores
     with insitu_pipeline(coll, manifest, views, coords=["time"], batch_size=args.batch_size,
                          seed=args.seed) as pipe:  # fmt: skip
         loader = Loader(pipe)
@@ -115,6 +144,12 @@ def forcing_joined(folder: Path, args: argparse.Namespace, rng: np.random.Genera
             for batch in loader:
                 times = batch.coords["t2m"]["time"][:, 1]
                 assert np.array_equal(times, batch.coords["sst"]["time"])  # one time per row
+                at = (times - EPOCH) // (6 * HOUR)  # each row's step, as written
+                assert np.array_equal(batch["t2m"], np.stack([t2m[at - 1], t2m[at]], axis=1))
+                assert np.array_equal(batch["sst"], sst[lead + at])
+                steps_of = batch.members["t2m"]  # each window step's piece
+                pieces.update(steps_of.ravel().tolist())
+                across += int((steps_of[:, 0] != steps_of[:, 1]).sum())
                 t = to_torch(batch)
                 x = torch.stack([t["t2m"][:, 0], t["sst"]], dim=-1).reshape(-1, 2)
                 loss = torch.nn.functional.mse_loss(model(x)[:, 0], t["t2m"][:, 1].reshape(-1))
@@ -124,6 +159,8 @@ def forcing_joined(folder: Path, args: argparse.Namespace, rng: np.random.Genera
                 epoch_losses.append(loss.item())
             losses.append(float(np.mean(epoch_losses)))
             print(f"epoch {epoch}: {len(epoch_losses)} batches, mean loss {losses[-1]:.4f}")
+    print(f"every row equal to the data written at its time, from {len(pieces)} piece(s); "
+          f"{across} windows across a cut")  # fmt: skip
     weights = [round(float(w), 2) for w in model.weight[0].detach()]
     fell = len(losses) > 1 and losses[-1] < losses[0]
     print(f"loss {'fell' if fell else 'did NOT fall'}: {losses[0]:.4f} -> {losses[-1]:.4f}; "

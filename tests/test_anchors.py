@@ -21,6 +21,7 @@ from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
+from insitubatch_nodes.plan.parts import resolve_windows
 from insitubatch_nodes.plan.schedule import schedule_floors, working_set_bytes
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from tests.helpers import counting_store
@@ -363,7 +364,7 @@ def test_the_data_module_drops_the_missing_steps_in_every_split_deciding_them_on
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("lightning")
-    import insitubatch_nodes.pipeline as builder
+    import insitubatch_nodes.anchor_steps as builder
     from insitubatch_nodes.lightning import InSituDataModule
 
     times, oracle = _broken_times()
@@ -419,3 +420,24 @@ def test_a_time_stride_reads_and_decodes_the_time_coordinate_once_with_the_coord
     assert time_chunks
     counts = store.chunk_counts()
     assert [counts.get(k, 0) for k in time_chunks] == [1] * len(time_chunks), counts
+
+
+def test_the_data_step_of_runs_is_taken_within_each_run_and_absent_when_no_run_holds_two(
+    tmp_path: Path,
+) -> None:
+    # runs [0, 4), [4], [5], [6], [7]: the first 6 ticks apart, the others 3 apart from each
+    # other (the most common difference across runs, not a step of any)
+    ticks = np.array([0, 6, 12, 18, 1000, 1003, 1006, 1009], dtype=np.int64)
+    one = SampleSteps(8, ticks=ticks)
+    runs = SampleSteps(8, ticks=ticks, runs=np.array([0, 4, 5, 6, 7]))
+    assert one.data_step == 3 and runs.data_step == 6
+    assert runs.fingerprint() != one.fingerprint()
+    singles = SampleSteps(4, ticks=np.array([0, 6, 12, 18]), runs=np.arange(4))
+    assert singles.data_step is None
+    group = zarr.open_group(tmp_path / "s.zarr", mode="w", zarr_format=3)
+    group.create_array("x", shape=(4, 2), chunks=(1, 2), dtype="f4")
+    view = open_geometries(tmp_path / "s.zarr", ["x"])["x"].window(["-6h", "0h"])
+    with pytest.raises(ValueError, match=r"no two consecutive times in one run .* in samples"):
+        resolve_windows({"w": view}, singles)
+    with pytest.raises(ValueError, match="must ascend from 0"):
+        SampleSteps(4, ticks=np.arange(4), runs=np.array([1, 2]))

@@ -160,30 +160,40 @@ def test_an_int_stride_counts_from_each_members_first_sample(
     assert sorted(seen) == [(m, i) for m, n in enumerate(LENGTHS) for i in range(0, n, 3)]
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["uncached", "warm-persistent-cache"])
 def test_patches_of_a_collection_view_read_their_members(
-    plate: tuple[Path, list[str]],
+    plate: tuple[Path, list[str]], tmp_path: Path, cached: bool
 ) -> None:
     root, groups = plate
-    coll = _collection(plate)
+    store = counting_store(root)
+    coll = _collection((store, groups))  # type: ignore[arg-type]
     images = _oracle(root, groups, "0")
     manifest = split_by_member(coll, {"train": 1.0})
     view = coll["image"].patches({1: 2, 2: 3})
-    pipe = insitu_pipeline(coll, manifest, {"p": view}, batch_size=5, seed=2)
-    try:
-        seen = []
-        for batch in _batches(pipe):
-            for r in range(len(batch)):
-                m, i = int(batch.members["p"][r]), int(batch.sample_indices["p"][r])
-                y0, x0 = (int(v) for v in batch.patch_origins["p"][r])
-                want = images[m][i, y0 : y0 + 2, x0 : x0 + 3]
-                np.testing.assert_array_equal(batch["p"][r], want)
-                seen.append((m, i, y0, x0))
-    finally:
-        pipe.close()
+    options: dict[str, Any] = {"cache_dir": tmp_path / "cache", "persist": True} if cached else {}
+    runs = []
+    for _ in range(2 if cached else 1):  # with a cache: warm it, then read from it
+        store.reset_counts()
+        pipe = insitu_pipeline(coll, manifest, {"p": view}, batch_size=5, seed=2, **options)
+        try:
+            seen = []
+            for batch in _batches(pipe):
+                for r in range(len(batch)):
+                    m, i = int(batch.members["p"][r]), int(batch.sample_indices["p"][r])
+                    y0, x0 = (int(v) for v in batch.patch_origins["p"][r])
+                    want = images[m][i, y0 : y0 + 2, x0 : x0 + 3]
+                    np.testing.assert_array_equal(batch["p"][r], want)
+                    seen.append((m, i, y0, x0))
+        finally:
+            pipe.close()
+        runs.append((seen, store.chunk_counts()))
     # every window of every member's every sample, once (a 2 x 2 grid of windows per field)
     want_rows = {(m, i, y, x) for m, n in enumerate(LENGTHS) for i in range(n)
                  for y in (0, 2) for x in (0, 3)}  # fmt: skip
-    assert sorted(seen) == sorted(want_rows)
+    assert sorted(runs[0][0]) == sorted(want_rows)
+    assert set(runs[0][1].values()) == {1}  # each member's stored tile once
+    if cached:  # the warm cache: the same windows, no object read
+        assert runs[1] == (runs[0][0], {}), runs[1][1]
 
 
 @pytest.fixture(scope="module")

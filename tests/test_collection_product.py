@@ -6,7 +6,9 @@ Members are ``(t, c, z, y, x)`` fields whose t and z lengths are not multiples o
 ``member_array[t, :, z]`` of the member ``batch.members`` names, at the ``(t, z)`` that
 ``geom.sample_coords(batch.sample_indices[label])`` gives; each stored object is read once per
 epoch; ``split_by_member`` keeps whole members; ranks deal disjoint planes in equal batch
-counts; a resumed epoch continues exactly; members of
+counts; a resumed epoch continues exactly, also through ``InSituDataModule`` under a real
+Lightning ``Trainer`` resumed from a mid-epoch checkpoint; a warm persistent cache reads no
+object and gives zarr's planes; members of
 other lengths along the axes, and variables on other grids, are refused by name; an
 OME-NGFF plate opened with ``sample_axis=("t", "z")`` reads its fields' planes.
 """
@@ -293,3 +295,116 @@ def test_ranks_deal_disjoint_planes_of_all_members_in_equal_batch_counts(
     assert len(flat) == len(set(flat)), "ranks share a plane"
     assert len(GROUPS) * T * Z - len(flat) <= world - 1
     assert len(set(counts)) == 1, f"unequal batch counts {counts}"
+
+
+def _planes(batch: Any, image: Any, data: dict[str, np.ndarray], coll: Collection) -> list[tuple]:
+    """Each row checked against zarr's plane of its member at its (t, z); their keys."""
+    tz = image.sample_coords(batch.sample_indices["x"])
+    out = []
+    for r, (m, (t, z)) in enumerate(zip(batch.members["x"], tz, strict=True)):
+        np.testing.assert_array_equal(batch["x"][r], data[coll.members[int(m)]][t, :, z])
+        out.append((int(m), int(t), int(z)))
+    return out
+
+
+def test_a_warm_persistent_cache_of_product_axes_reads_nothing_and_gives_zarrs_planes(
+    plate: Path, tmp_path: Path
+) -> None:
+    store = counting_store(plate)
+    coll = _collection(store)
+    image, labels = coll["image"], coll["labels"]
+    data = {g: _oracle(plate, f"{g}/0") for g in GROUPS}
+    lab = {g: _oracle(plate, f"{g}/labels/0") for g in GROUPS}
+    manifest = split_by_member(coll, {"train": 1.0})
+    every = sorted((m, t, z) for m in range(len(GROUPS)) for t in range(T) for z in range(Z))
+    for run in range(2):
+        store.reset_counts()
+        pipe = insitu_pipeline(
+            coll, manifest, {"x": image, "y": labels}, batch_size=5, block_chunks=2, seed=4,
+            cache_dir=tmp_path / "cache", persist=True,
+        )  # fmt: skip
+        seen = []
+        with pipe:
+            for batch in Loader(pipe):
+                planes = _planes(batch, image, data, coll)
+                for r, (m, t, z) in enumerate(planes):
+                    np.testing.assert_array_equal(batch["y"][r], lab[GROUPS[m]][t, :, z])
+                seen.extend(planes)
+        assert sorted(seen) == every
+        gets = store.chunk_counts()
+        if run == 0:  # per member 2 x 3 image blocks of 2 tiles, 2 x 3 label blocks
+            assert len(gets) == len(GROUPS) * 18 and set(gets.values()) == {1}
+        else:
+            assert gets == {}, "a warm cache read the store"
+
+
+def test_the_lightning_module_resumes_a_product_axes_collection_mid_epoch_exactly(
+    plate: Path, tmp_path: Path
+) -> None:
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+
+    from insitubatch_nodes.lightning import InSituDataModule
+    from insitubatch_nodes.plan.config import PlanConfig
+
+    coll = _collection(plate)
+    image = coll["image"]
+    data = {g: _oracle(plate, f"{g}/0") for g in GROUPS}
+
+    def item(batch: Any) -> dict[str, Any]:
+        _planes(batch, image, data, coll)  # every row is zarr's plane
+        return {
+            "x": torch.from_numpy(np.asarray(batch["x"])),
+            "m": torch.as_tensor(batch.members["x"]),
+            "i": torch.as_tensor(batch.sample_indices["x"]),
+            "at": torch.tensor([batch.epoch, batch.index]),
+        }
+
+    class Recorder(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(()))
+            self.seen: list[tuple] = []
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> Any:
+            x = batch["x"]
+            self.seen.append((*batch["at"].tolist(), batch["m"].tolist(), batch["i"].tolist(),
+                              float(x.sum())))  # fmt: skip
+            return (self.w * x.mean()) ** 2
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def fit(ckpt: Path | None, save: bool) -> list[tuple]:
+        dm = InSituDataModule(
+            coll, {"x": image}, split_by_member(coll, {"train": 1.0}), coords=(),
+            config=PlanConfig(batch_size=7, block_chunks=2, seed=9), transform=item,
+            log_report=False,
+        )  # fmt: skip
+        model = Recorder()
+        callbacks = [
+            pl.callbacks.ModelCheckpoint(
+                dirpath=tmp_path / "ckpt", filename="{step}", every_n_train_steps=1,
+                save_top_k=-1,
+            )
+        ] if save else []  # fmt: skip
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, max_epochs=2, logger=False, callbacks=callbacks,
+            enable_checkpointing=save, enable_progress_bar=False, enable_model_summary=False,
+            limit_val_batches=0, num_sanity_val_steps=0,
+        )  # fmt: skip
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # (few batches, no val loader, no workers)
+                trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+        finally:
+            dm.teardown()
+        return model.seen
+
+    per_epoch = -(-len(GROUPS) * T * Z // 7)
+    ref = fit(None, save=True)
+    assert len(ref) == 2 * per_epoch and [r[:2] for r in ref[:per_epoch]] == [
+        (0, k) for k in range(per_epoch)
+    ]
+    for step in (3, per_epoch + 2):  # mid-epoch in the first and in the second epoch
+        assert fit(tmp_path / "ckpt" / f"step={step}.ckpt", save=False) == ref[step:], step

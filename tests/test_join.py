@@ -183,6 +183,59 @@ def test_independent_members_whose_times_are_not_one_step_are_refused_by_name(
         insitu_pipeline(coll, manifest, {"x": coll["data"]}, missing=[0])
 
 
+def _mostly_single(tmp_path: Path) -> tuple[Collection, list[np.ndarray], list[np.ndarray]]:
+    """Scene ``a``: four 6-hourly samples; scenes ``s0`` .. ``s4``: one sample each, 3 hours
+    apart (hours 1000, 1003, ...). Between consecutive present times, 3 hours is the most
+    common difference: only scene ``a`` can tell the step (6 hours)."""
+    _period(tmp_path / "a.zarr", 0, 4)
+    for k in range(5):
+        _period(tmp_path / f"s{k}.zarr", 1000 + 3 * k, 1)
+    roots = [tmp_path / "a.zarr"] + [tmp_path / f"s{k}.zarr" for k in range(5)]
+    coll = Collection.from_arrays(
+        [(root, "t2m") for root in roots], names=["a"] + [f"s{k}" for k in range(5)]
+    )
+    return coll, [_read(r)[0] for r in roots], [_read(r)[1] for r in roots]
+
+
+@pytest.mark.parametrize("asked", ["timed window", "missing date"])
+def test_members_mostly_one_sample_long_take_the_step_of_those_holding_two(
+    tmp_path: Path, asked: str
+) -> None:
+    coll, data, times = _mostly_single(tmp_path)
+    manifest = split_by_chunk(coll["data"], (1.0, 0.0, 0.0))
+    if asked == "timed window":  # "-6h": one step back in scene a
+        view, options = coll["data"].window(["-6h", "0h"]), {}
+    else:  # a window in samples, its steps checked against the data's step (no gap)
+        view, options = coll["data"].window([-1, 0]), {"missing": [times[3][0]]}
+    pipe = insitu_pipeline(coll, manifest, {"w": view}, batch_size=2, coords=["time"], **options)
+    dropped = pipe.stages.plan.dropped
+    got = set()
+    for b in _rows(pipe):
+        for r, (m, idx) in enumerate(zip(b.members["w"], b.sample_indices["w"], strict=True)):
+            np.testing.assert_array_equal(np.asarray(b["w"][r]), data[int(m)][idx])
+            np.testing.assert_array_equal(b.coords["w"]["time"][r], times[int(m)][idx])
+            got.add((int(m), *map(int, idx)))
+    # the oracle: scene a's windows (i - 1, i); a one-sample scene has no step before its own
+    assert got == {(0, 0, 1), (0, 1, 2), (0, 2, 3)}
+    assert not dropped.get("gap")
+
+
+def test_members_none_of_which_holds_two_times_refuse_a_timed_window_and_keep_a_time_stride(
+    tmp_path: Path,
+) -> None:
+    for k in range(4):
+        _period(tmp_path / f"s{k}.zarr", 6 * k, 1)  # hours 0, 6, 12, 18: one each
+    roots = [tmp_path / f"s{k}.zarr" for k in range(4)]
+    coll = Collection.from_arrays([(r, "t2m") for r in roots], names=[f"s{k}" for k in range(4)])
+    manifest = split_by_chunk(coll["data"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"no member .* holds two times.* offsets in samples"):
+        insitu_pipeline(coll, manifest, {"w": coll["data"].window(["-6h", "0h"])})
+    # a time stride keeps the samples on its multiples: no step needed
+    pipe = insitu_pipeline(coll, manifest, {"x": coll["data"]}, stride="12h", batch_size=4)
+    kept = {int(m) for b in _rows(pipe) for m in b.members["x"]}
+    assert kept == {0, 2}
+
+
 @pytest.mark.parametrize("winner", ["first", "last"])
 def test_overlapping_stores_are_read_from_the_store_overlap_names(
     tmp_path: Path, winner: str

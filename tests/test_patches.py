@@ -628,3 +628,72 @@ def test_a_lightning_run_killed_mid_epoch_resumes_on_the_same_windows(tmp_path: 
     assert rc == 0, log[-5000:]
     assert killed == reference[:kill_at]
     assert resumed == reference[kill_at:]
+
+
+def _cached_run(store: Any, root: Path, labels: dict[str, Any], cache: Path, **kw: Any) -> Any:
+    """One epoch of patched views over ``store`` with a persistent cache at ``cache``: its
+    ``(sample, origin)`` rows, each checked against zarr's read of its window, and the GETs."""
+    store.reset_counts()
+    manifest = split_by_chunk(labels["x"].base, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, labels, batch_size=5, block_chunks=2, seed=3,
+                           cache_dir=cache, persist=True, **kw)  # fmt: skip
+    try:
+        (batches,) = _epochs(pipe, 1)
+        _check_against_zarr(root, batches, labels)
+        rows = [
+            (int(s), *map(int, o))
+            for b in batches
+            for s, o in zip(b.sample_indices["x"], b.patch_origins["x"], strict=True)
+        ]
+        return rows, store.chunk_counts(), {**pipe.stages.pool.cache.stats, **pipe.stats()}
+    finally:
+        pipe.close()
+
+
+def test_patched_views_from_a_warm_persistent_cache_give_zarrs_windows_and_read_no_object(
+    tmp_path: Path,
+) -> None:
+    from helpers import counting_store
+
+    from insitubatch_nodes.cache.files import chunk_file_name
+    from insitubatch_nodes.errors import StaleCacheError
+
+    root = tmp_path / "s.zarr"
+    rng = np.random.default_rng(11)
+    image = rng.standard_normal((4, 130, 100)).astype("f4")  # edge tiles on both axes
+    _write(root, "image", image, (2, 48, 40), dims=("z", "y", "x"))
+    _write(root, "mask", (image > 0).astype("u1"), (1, 64, 100), dims=("z", "y", "x"))
+    store = counting_store(root)
+    geoms = open_geometries(store, ["image", "mask"])
+    labels = {
+        "x": geoms["image"].patches({"y": 37, "x": 29}, origins="random"),
+        "y": geoms["mask"].patches({"y": 37, "x": 29}, origins="random"),
+    }
+    cache = tmp_path / "cache"
+    rows, gets, _ = _cached_run(store, root, labels, cache)
+    assert rows and set(gets.values()) == {1}  # each touched object once
+    again, warm, _ = _cached_run(store, root, labels, cache)
+    assert again == rows and warm == {}, "a warm cache read the store"
+    assert _cached_run(store, root, labels, cache, readonly_cache=True)[1] == {}
+    # one stored tile rewritten: that unit alone is read again, the rows are zarr's new read
+    zarr.open_array(str(root), path="image", mode="a")[0:2, 48:96, 40:80] = 7.0
+    stale = "'image/c/0/1/1' changed"
+    with pytest.raises(StaleCacheError, match=rf"1 chunk\(s\).*{stale}"):
+        _cached_run(store, root, labels, cache, readonly_cache=True)
+    again, gets, stats = _cached_run(store, root, labels, cache)
+    assert again == rows and gets == {"image/c/0/1/1": 1} and stats["stale_chunks"] == 1
+    # a flipped byte in a cached unit's file: never served, that one object read again
+    unit = 0 * geoms["image"].n_tiles + 1 * 3 + 1  # chunk 0, tile (1, 1) of a 3 x 3 grid
+    victim = cache / chunk_file_name("image", unit)
+    with open(victim, "r+b") as fh:
+        fh.seek(np.load(victim, mmap_mode="r").offset + 4 * 100)
+        byte = fh.read(1)[0]
+        fh.seek(-1, 1)
+        fh.write(bytes([byte ^ 0x10]))
+    again, gets, stats = _cached_run(store, root, labels, cache)  # (it logs a warning)
+    assert again == rows and gets == {"image/c/0/1/1": 1} and stats["corrupt"] == 1
+    # whole fields are other slots than units: that cache is not theirs (named, not served)
+    whole = {"x": geoms["image"], "y": geoms["mask"]}
+    with pytest.raises(StaleCacheError, match="image"):
+        insitu_pipeline(store, split_by_chunk(geoms["image"], (1.0, 0.0, 0.0)), whole,
+                        batch_size=5, cache_dir=cache, persist=True)  # fmt: skip

@@ -91,7 +91,24 @@ def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a
     assert proc.returncode == 0, _explain(proc)
     assert "first batch equal to zarr's read" in proc.stdout, _explain(proc)
     assert "160 shared steps" in proc.stdout, _explain(proc)
+    assert "every row equal to the data written at its time" in proc.stdout, _explain(proc)
     assert "loss fell" in proc.stdout, _explain(proc)
+
+
+def test_the_joined_stores_recipe_joins_an_atmosphere_concatenated_from_two_stores(
+    tmp_path: Path,
+) -> None:
+    args = ("--steps", "160", "--epochs", "3")
+    one = _run_recipe("joined_stores.py", *args, cwd=tmp_path)
+    two = _run_recipe("joined_stores.py", *args, "--atmos-stores", "2", cwd=tmp_path)
+    assert one.returncode == 0 and two.returncode == 0, _explain(one) + _explain(two)
+    out = two.stdout
+    assert "160 shared steps of atmos (2 store(s))" in out, _explain(two)
+    assert "['atmos0.zarr', 'atmos1.zarr']" in out, _explain(two)
+    assert re.search(r"from 2 piece\(s\); [1-9]\d* windows across a cut", out), _explain(two)
+    # the same samples in the same order as from one store: the same losses, epoch by epoch
+    epochs = [re.findall(r"epoch \d+: .*", p.stdout) for p in (one, two)]
+    assert len(epochs[0]) == 3 and epochs[0] == epochs[1], epochs
 
 
 def test_the_scenes_recipe_trains_on_one_stream_over_scenes_in_several_stores(

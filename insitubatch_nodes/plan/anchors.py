@@ -62,9 +62,12 @@ class SampleSteps:
     * ``listed``: the samples listed in ``missing=`` (``bool``, one per sample).
     * ``absent``: the samples one of whose stored objects is absent (``bool``, one per sample).
     * ``coord``: the time coordinate's name (for messages).
+    * ``runs`` (``int64``, ascending, the first ``0``; ``None``: one run): the first sample of
+      each run of times that continue one another — a collection's independent members, each
+      its own timeline. No difference is taken across a run's edge.
 
     With ``ticks``, the checks ``"nat"`` and ``"gap"`` run; ``data_step`` is then the most
-    common difference between consecutive times (ties: the smallest), in ticks.
+    common difference between consecutive times of one run (ties: the smallest), in ticks.
     """
 
     n_samples: int
@@ -73,6 +76,7 @@ class SampleSteps:
     listed: np.ndarray | None = None
     absent: np.ndarray | None = None
     coord: str = "time"
+    runs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         n = int(self.n_samples)
@@ -86,6 +90,14 @@ class SampleSteps:
                 raise ValueError(f"SampleSteps.{name} must hold one value per sample ({n})")
             arr.setflags(write=False)
             object.__setattr__(self, name, arr)
+        if self.runs is not None:
+            runs = np.array(self.runs, dtype=np.int64)
+            if runs.ndim != 1 or not len(runs) or runs[0] != 0 or np.any(np.diff(runs) <= 0):
+                raise ValueError("SampleSteps.runs must ascend from 0: each run's first sample")
+            if runs[-1] >= max(n, 1):
+                raise ValueError(f"SampleSteps.runs must start runs inside the {n} samples")
+            runs.setflags(write=False)
+            object.__setattr__(self, "runs", runs)
 
     @functools.cached_property
     def nat(self) -> np.ndarray | None:
@@ -95,11 +107,17 @@ class SampleSteps:
     @functools.cached_property
     def data_step(self) -> int | None:
         """The data's step in ticks: the most common positive difference between
-        consecutive present times, the smallest on a tie (``None`` without two times)."""
+        consecutive present times of one run, the smallest on a tie (``None`` when no run
+        holds two times: a member's single time, or the gap between two members' times, never
+        tells the step)."""
         if self.ticks is None:
             return None
-        t = self.ticks[self.ticks != _NO_TIME]
+        present = self.ticks != _NO_TIME
+        t = self.ticks[present]
         d = np.diff(t)
+        if self.runs is not None:  # only differences within one run
+            run = np.searchsorted(self.runs, np.flatnonzero(present), side="right")
+            d = d[run[1:] == run[:-1]]
         d = d[d > 0]
         if not len(d):
             return None
@@ -111,6 +129,8 @@ class SampleSteps:
         h = hashlib.sha256(f"{self.n_samples}|{self.unit}|{self.coord}".encode())
         for arr in (self.ticks, self.listed, self.absent):
             h.update(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
+        if self.runs is not None:  # (absent otherwise: the fingerprints without runs stay)
+            h.update(b"runs|" + self.runs.tobytes())
         return h.hexdigest()[:16]
 
 

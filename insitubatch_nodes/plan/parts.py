@@ -195,19 +195,28 @@ def resolve_windows(
     """``views`` with every time-delta window resolved to samples through ``steps`` (the
     anchor array's times, :class:`~insitubatch_nodes.plan.anchors.SampleSteps`): a delta must
     be a whole multiple of the data's step (``ValueError`` naming both). ``ValueError`` when a
-    window is in time deltas and there are no times to resolve it with."""
+    window is in time deltas and there are no times to resolve it with, or no step (fewer
+    than two times; with ``steps.runs``, no run holding two) — never a guessed step."""
     timed = sorted(
         label for label, v in views.items() if not isinstance(v, Stack) and v.timed_window
     )
     if not timed:
         return dict(views)
-    if steps is None or steps.ticks is None or steps.data_step is None:
+    if steps is not None and steps.ticks is not None and steps.data_step is None:
+        where = "in one run (member)" if steps.runs is not None else "in the array"
+        raise ValueError(
+            f"the windows of {timed} are in time deltas, but the times of {steps.coord!r} give "
+            f"no step to count them in (no two consecutive times {where}): give their offsets "
+            "in samples"
+        )
+    if steps is None or steps.ticks is None:
         raise ValueError(
             f"the windows of {timed} are in time deltas: they are resolved through the anchor "
             "array's time coordinate, which this plan was not given (build with "
             "insitu_pipeline, or attach SampleSteps with manifest.with_steps(...)); or give "
             "their offsets in samples"
         )
+    assert steps.data_step is not None
     step = steps.unit * steps.data_step
     return {
         label: v if isinstance(v, Stack) else v.in_samples(step, steps.coord)

@@ -418,7 +418,7 @@ class FillRunner:
         if acc.spans is not None:
             acc.spans.append(("read", t0, t1, acc.args(array.path, chunk, tile)))
         if ids is not None and info:  # what identifies the file (store_identity)
-            ids.note(array.path, chunk, key, stat_identity(info[0]))
+            ids.note(array.path, array.entry_index(chunk, tile), key, stat_identity(info[0]))
         return raw
 
     def _bad(self, job: FillJob, unit: Unit, key: str, error: ChunkReadError) -> None:
@@ -466,9 +466,15 @@ class FillRunner:
         rec = self.recorder
         if entry.corrupt:  # fetched below, as a miss
             rec.on_corrupt()
-        start, stop = array.geom.chunk_range(chunk)
-        region = self.region(job, entry, array, stop - start)
-        units = [Unit(array, chunk, tile, region[box], entry) for tile, box in array.tiles]
+        if array.units:  # a patched array's unit: its one stored tile
+            chunk, tile, box = array.unit_parts(chunk)
+            start, stop = array.geom.chunk_range(chunk)
+            region = self.region(job, entry, array, stop - start)
+            units = [Unit(array, chunk, tile, region[box], entry)]
+        else:
+            start, stop = array.geom.chunk_range(chunk)
+            region = self.region(job, entry, array, stop - start)
+            units = [Unit(array, chunk, tile, region[box], entry) for tile, box in array.tiles]
         with job.lock:
             entry.tiles_left += len(units) - 1  # the revive unit becomes the fetch's units
             job.left += len(units) - 1

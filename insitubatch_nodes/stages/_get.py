@@ -137,7 +137,7 @@ class GetQueue:
                     "bytes": nbytes, "batch": job.batch}  # fmt: skip
         rec.on_get_end(started, nbytes, ok=error is None, args=args)
         if error is None and ids is not None and meta:  # what identifies the object
-            ids.note(array.path, chunk, key, meta_identity(meta[0]))
+            ids.note(array.path, array.entry_index(chunk, tile), key, meta_identity(meta[0]))
         self._land(job, [Queued(unit, _now(), raw, error, permit=True)])
         if error is not None and not isinstance(error, Exception | FillCancelled):
             raise error

@@ -102,6 +102,13 @@ class ArrayFill:
         )
         return chunk, tile, box
 
+    def entry_index(self, chunk: int, tile: tuple[int, ...]) -> int:
+        """The index of the pool entry (and cache key) stored object ``tile`` of ``chunk``
+        fills: the chunk, or for a patched array its unit (``chunk * n_tiles + tile``)."""
+        if not self.units:
+            return chunk
+        return chunk * self.geom.n_tiles + int(np.ravel_multi_index(tile, self.geom.tile_grid))
+
     def key(self, chunk: int, tile: tuple[int, ...]) -> str:
         if self.template is None:
             return self.geom.store_key(chunk, tile)
@@ -243,14 +250,14 @@ class FillJob:
         """Fill ``entry`` (a miss) by this job: one unit per stored object (one for a chunk
         found in the persistent cache, whose file is mapped instead)."""
         chunk = entry.key[1]
+        if entry.cached is not None:  # (a patched array's unit, too)
+            entry.tiles_left = 1
+            self.units.append(Unit(array, chunk, REVIVE, region, entry))
+            return
         if array.units:  # one stored tile per slot
             chunk, tile, box = array.unit_parts(chunk)
             entry.tiles_left = 1
             self.units.append(Unit(array, chunk, tile, region[box], entry))
-            return
-        if entry.cached is not None:
-            entry.tiles_left = 1
-            self.units.append(Unit(array, chunk, REVIVE, region, entry))
             return
         entry.tiles_left = len(array.tiles)
         self.units.extend(Unit(array, chunk, tile, region[box], entry) for tile, box in array.tiles)

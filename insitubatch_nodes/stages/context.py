@@ -217,7 +217,7 @@ def _slot_geometries(
 ) -> dict[str, ArrayGeometry]:
     """Path -> what one slot holds: the transformed chunk, one stored tile of an array read
     through patched views, or the held tiles of an array read through selected views (neither
-    takes chunk transforms or a persistent cache)."""
+    takes chunk transforms; held tiles take no persistent cache)."""
     out = dict(transforms.outputs)
     for path in sorted(held):
         if transforms.active(path):
@@ -235,12 +235,6 @@ def _slot_geometries(
         out[path] = held_geometry(transforms.geoms[path].base, held[path])
     for path in sorted(patched):
         transforms.refuse_patched(path)
-        if pool.cache is not None and pool.cache.persistent:
-            raise ValueError(
-                f"array {path!r} is read through patched views, which the persistent "
-                "cache does not hold yet; leave cache_dir unset (or use cache_dir with "
-                "persistent=False for slots on disk)"
-            )
         out[path] = unit_geometry(transforms.geoms[path].base)
     return out
 

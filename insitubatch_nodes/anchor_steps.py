@@ -1,0 +1,124 @@
+"""The anchor array's samples as the plan's anchor rules see them: each sample's time, the
+samples ``missing=`` lists and those with an absent stored object
+(:class:`~insitubatch_nodes.plan.anchors.SampleSteps`), read for :func:`insitu_pipeline`'s
+time stride, windows in time deltas and missing-step checks.
+
+A collection's independent members (scenes, slides) are each their own timeline: the data's
+step is taken within members only (``SampleSteps.runs``), never from the time between two
+members, and a window in time deltas is refused when no member holds two times.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from zarr.abc.store import Store
+
+from insitubatch_nodes.io.arrays import absent_samples, open_geometries
+from insitubatch_nodes.io.coords import open_coordinates, time_offsets
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.anchors import SampleSteps
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.splits import SplitManifest
+
+__all__ = ["anchor_steps"]
+
+
+def anchor_steps(
+    zstore: Store,
+    manifest: SplitManifest,
+    geoms: Mapping[str, ArrayGeometry],
+    config: PlanConfig,
+    missing: Sequence[Any] | None,
+    missing_objects: str,
+    reader: Any = None,
+    views: Iterable[ArrayGeometry] = (),
+) -> SplitManifest:
+    """``manifest`` carrying the :class:`SampleSteps` the plan needs for a time stride,
+    windows in time deltas and the missing-step checks (unchanged when none is asked for): the
+    anchor array's times, the samples ``missing`` lists, the samples with an absent stored
+    object. A manifest that already carries steps (``manifest.with_steps``) is kept when only
+    a stride or time-delta windows are asked for. On a collection of independent members
+    (``manifest.members``, attached first) each member is a run of its own
+    (``SampleSteps.runs``), and windows in time deltas (``views``) are refused, naming the
+    collection, when no member holds two times."""
+    if missing_objects not in ("read", "drop"):
+        raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
+    if isinstance(missing, str | bytes) or (
+        missing is not None and not isinstance(missing, Sequence | np.ndarray)
+    ):
+        raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
+    windowed = any(v.timed_window for v in views)
+    timed = not isinstance(config.stride, int) or windowed
+    if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
+        return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
+    n = manifest.n_samples
+    indices = [] if missing is None else [x for x in missing if _is_index(x)]
+    dates = [] if missing is None else [x for x in missing if not _is_index(x)]
+    ticks, coord_name, coord = None, "time", None
+    if timed or missing is not None:
+        coord = _time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
+        if coord is not None:
+            ticks, coord_name = time_offsets(coord, "1s"), coord.name
+    listed = np.zeros(n, dtype=bool)
+    for i in indices:
+        if not -n <= int(i) < n:
+            raise ValueError(f"missing lists sample {int(i)}, outside [0, {n})")
+        listed[int(i)] = True
+    if dates:
+        assert ticks is not None and coord is not None
+        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
+        listed |= np.isin(ticks, gone) & (ticks != np.iinfo(np.int64).min)
+    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
+    members, runs = manifest.members, None
+    if members is not None and not (members.continuous or members.product) and ticks is not None:
+        runs = members.sample_base  # independent members: no difference across their edges
+    steps = SampleSteps(
+        n,
+        ticks=ticks,
+        unit=np.timedelta64(1, "s"),
+        listed=listed if missing is not None else None,
+        absent=absent,
+        coord=coord_name,
+        runs=runs,
+    )
+    if members is not None and runs is not None and windowed and steps.data_step is None:
+        raise ValueError(
+            f"{members.collection}: no member of its {len(members)} holds two times of "
+            f"{coord_name!r}, so the data's step cannot be told (the time between two members "
+            "is not a step of either): give the window offsets in samples"
+        )
+    return manifest.with_steps(steps)
+
+
+def _is_index(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool | np.timedelta64)
+
+
+def _time_coordinate(
+    zstore: Store,
+    manifest: SplitManifest,
+    geoms: Mapping[str, ArrayGeometry],
+    reader: Any,
+    *,
+    needed: bool,
+) -> Any:
+    """The time coordinate of the manifest's anchor array (``None`` when it has none and
+    ``needed`` is false; ``ValueError`` when it is needed)."""
+    geom = geoms.get(manifest.array)
+    if geom is None:
+        geom = next(iter(open_geometries(zstore, [manifest.array]).values()))
+    coords = open_coordinates(zstore, geom, reader=reader)
+    times = [c for c in coords.values() if c.is_time]
+    if not times:
+        if needed:
+            raise ValueError(
+                f"a time stride, window offsets in time deltas or dates in missing= need the "
+                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and it "
+                "has none: give an int stride, window offsets in samples and sample indices "
+                "in missing="
+            )
+        return None
+    return times[0]
