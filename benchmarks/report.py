@@ -1688,7 +1688,23 @@ def stack_inputs_section(source: Path | None) -> list[str]:
         "(today's route); `xarray`: `open_zarr` + `isel` per sample (no forcing channel) in a "
         f"`DataLoader` with {cfg['workers']} workers; `bare`: two threads reading and decoding "
         "every on-grid object; `fit`: `fit_statistics` of the 10 members over the whole store, "
-        "one fit per epoch; `bare_all`: the bare loop over every object (what a fit reads).",
+        "one fit per epoch; `bare_all`: the bare loop over every object (what a fit reads)."
+        + (
+            " `deliver`: the bare loop plus the copies of each window's channels into `x` and "
+            "`y` buffers, row by row (statics and forcings left out; it re-decodes every "
+            "epoch, so it bounds no kept epoch): what delivering these tensors adds to a "
+            "decode."
+            if "deliver" in summary["samples_per_s"]
+            else ""
+        )
+        + (
+            " `bare_stats`: `bare_all` also taking, on its threads, the float64 moments "
+            "`fit_statistics` takes of each run of a batch's steps and of their one-step "
+            "differences (the package's `statistics._Moments`): a fit's sums with these numpy "
+            "passes, engine aside."
+            if "bare_stats" in summary["samples_per_s"]
+            else ""
+        ),
         "",
     ]
     rows = [

@@ -19,9 +19,16 @@ engine runs in a fresh process, two epochs:
   no forcing channel), in a ``DataLoader(batch_size, shuffle=True, num_workers=2)``;
 * ``bare``: two threads reading and blosc-decoding every on-grid object once per epoch into
   reused buffers, nothing else (``benchmarks/forecast.py``'s, samples/s counts the anchors);
+* ``deliver``: the bare loop plus the copies the stacked batch needs (each window's selected
+  channels copied from the decoded object into ``x``/``y`` buffers the thread reuses; statics
+  and forcings left out; it re-decodes every epoch): what delivering these tensors adds to
+  a decode;
 * ``fit``: ``fit_statistics`` of the 10 members (13 levels selected) over the whole store,
   each "epoch" one fit, against ``bare_all``: the bare loop over every object of the store
-  (what a fit must read).
+  (what a fit must read), and ``bare_stats``: that loop also taking, on its decoding
+  threads, the float64 moments ``fit_statistics`` takes of each run of ``batch_size`` steps
+  and of their one-step differences (the package's own ``statistics._Moments``): what any fit
+  that does its sums with these numpy passes costs on this machine, engine aside.
 
 Reported: samples/s per engine and epoch, objects and bytes read, bytes decoded against
 delivered, the batch buffers against the delivered tensors, gather ms per batch (batch
@@ -287,9 +294,15 @@ def run_xarray(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"setup_s": setup_s, "epochs": epochs, "rss_peak_bytes": _rss_peak_bytes()}
 
 
-def _bare(cfg: dict[str, Any], jobs: list[tuple[str, Path]], samples: int) -> dict[str, Any]:
+def _bare(
+    cfg: dict[str, Any], jobs: list[tuple[str, Path]], samples: int, stats: bool = False
+) -> dict[str, Any]:
     """Two threads, each reading its share of ``jobs`` whole and blosc-decoding every object
-    into a buffer it reuses; ``samples`` counted per epoch."""
+    into a buffer it reuses; ``samples`` counted per epoch. With ``stats`` (``bare_stats``)
+    each thread takes a contiguous half of ``jobs``, decodes runs of ``batch_size``
+    consecutive steps of an array into the rows of a buffer it reuses, and takes of each run
+    what ``fit_statistics`` takes of a batch: the package's float64 moments
+    (``statistics._Moments``) of the selected channels and of the one-step differences."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numcodecs
@@ -302,9 +315,14 @@ def _bare(cfg: dict[str, Any], jobs: list[tuple[str, Path]], samples: int) -> di
         arr = zarr.open_array(store=str(store / name), mode="r")
         shapes[name] = (arr.chunks, arr.dtype)
     threads = 2
-    shares = [jobs[i::threads] for i in range(threads)]
+    if stats:
+        half = (len(jobs) + 1) // 2
+        shares = [jobs[:half], jobs[half:]]
+    else:
+        shares = [jobs[i::threads] for i in range(threads)]
     codec = numcodecs.Blosc()
     buffers = [{n: np.ones(s, d) for n, (s, d) in shapes.items()} for _ in range(threads)]
+    levels = level_index()
     pool = ThreadPoolExecutor(threads)
     list(pool.map(lambda _: None, range(threads)))
     setup_s = time.perf_counter() - t0
@@ -314,13 +332,51 @@ def _bare(cfg: dict[str, Any], jobs: list[tuple[str, Path]], samples: int) -> di
         for name, path in shares[i]:
             with open(path, "rb", buffering=0) as fh:
                 raw = fh.read()
-            codec.decode(raw, out=buffers[i][name])
+            buf = buffers[i][name]
+            codec.decode(raw, out=buf)
             nbytes += len(raw)
-            decoded += buffers[i][name].nbytes
+            decoded += buf.nbytes
+        return nbytes, decoded
+
+    bs = int(cfg["batch_size"])
+    # stats: each thread's share in runs of up to ``bs`` consecutive steps of one array, each
+    # decoded into a row of a (bs, *field) buffer the thread reuses, as fit's batches are
+    runs: list[list[tuple[str, list[Path]]]] = [[] for _ in shares]
+    for i, share in enumerate(shares):
+        for name, path in share:
+            if not runs[i] or runs[i][-1][0] != name or len(runs[i][-1][1]) == bs:
+                runs[i].append((name, []))
+            runs[i][-1][1].append(path)
+    rows = [{n: np.ones((bs, *s[1:]), d) for n, (s, d) in shapes.items()} for _ in shares]
+
+    def work_stats(i: int) -> tuple[int, int]:
+        from insitubatch_nodes.statistics import _Moments
+
+        nbytes = decoded = 0
+        moments: dict[str, _Moments] = {}
+        diffs: dict[str, _Moments] = {}
+        last: dict[str, np.ndarray] = {}  # each array's last row of this thread's previous run
+        for name, paths in runs[i]:
+            out = rows[i][name]
+            for j, path in enumerate(paths):
+                with open(path, "rb", buffering=0) as fh:
+                    raw = fh.read()
+                codec.decode(raw, out=out[j : j + 1])
+                nbytes += len(raw)
+            k = len(paths)
+            decoded += out[:k].nbytes
+            x = out[:k, levels] if out.ndim == 4 else out[:k, None]  # (k, C, lat, lon)
+            x = x.reshape(k, x.shape[1], -1)
+            moments.setdefault(name, _Moments()).add(x)
+            d = np.subtract(x[1:], x[:-1])
+            if name in last:  # the run continues this array's previous one
+                d = np.concatenate([np.subtract(x[:1], last[name]), d])
+            diffs.setdefault(name, _Moments()).add(d, extrema=False)
+            last[name] = np.array(x[-1:])
         return nbytes, decoded
 
     def epoch(e: int) -> tuple[int, dict[str, Any]]:
-        done = list(pool.map(work, range(threads)))
+        done = list(pool.map(work_stats if stats else work, range(threads)))
         return samples, {
             "objects": len(jobs),
             "bytes": sum(b for b, _ in done),
@@ -350,8 +406,81 @@ def all_objects(store: Path, steps: int) -> list[tuple[str, Path]]:
     return out
 
 
+def run_deliver(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The bare loop plus the copies the stacked batch needs: two threads, each taking every
+    other batch of anchors; for each array, each step of the batch's windows is decoded once
+    (into a buffer the thread reuses) and its channels (13 selected levels, or the one surface
+    field) copied into the ``(row, step, channel slice)`` of every window that reads it, in
+    ``x (batch, 2, C, lat, lon)`` and ``y (batch, 4, C', lat, lon)`` buffers the thread reuses.
+    The statics and the forcing channel are not written (their cost is not the data's). The
+    least any loader delivering these tensors must do: decode, and copy each window's bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numcodecs
+    import zarr
+
+    t0 = time.perf_counter()
+    store = Path(cfg["store"])
+    arrays = {n: zarr.open_array(store=str(store / n), mode="r") for n in forecast.variables()}
+    levels = level_index()
+    width = {n: len(levels) if a.ndim == 4 else 1 for n, a in arrays.items()}
+    lat, lon = arrays[SURFACE_VARS[0]].shape[-2:]
+    a_all = anchors(cfg["steps"])
+    bs, threads = cfg["batch_size"], 2
+    batches = [a_all[i : i + bs] for i in range(0, len(a_all), bs)]
+    c_x = sum(width.values()) + len(STATICS) + 1  # + the statics and the forcing (unwritten)
+    c_y = sum(width.values())
+    xs = [np.ones((bs, len(X_STEPS), c_x, lat, lon), "f4") for _ in range(threads)]
+    ys = [np.ones((bs, len(Y_STEPS), c_y, lat, lon), "f4") for _ in range(threads)]
+    decoded = [{n: np.ones(a.chunks, a.dtype) for n, a in arrays.items()} for _ in range(threads)]
+    first = {}  # each array's first channel in x and y (the documented member order)
+    c = 0
+    for n in arrays:
+        first[n], c = c, c + width[n]
+    keys = {
+        n: {t: store / n / a.metadata.encode_chunk_key((t,) + (0,) * (a.ndim - 1))
+            for t in forecast.on_grid_steps(cfg["steps"]).tolist()}
+        for n, a in arrays.items()
+    }  # fmt: skip
+    codec = numcodecs.Blosc()
+    pool = ThreadPoolExecutor(threads)
+    list(pool.map(lambda _: None, range(threads)))
+    setup_s = time.perf_counter() - t0
+    # (buffers, step index in the window, offset in hours) of every window step
+    offsets = [(xs, k, h) for k, h in enumerate(X_STEPS)]
+    offsets += [(ys, k, h) for k, h in enumerate(Y_STEPS)]
+
+    def work(i: int) -> int:
+        nbytes = 0
+        for batch in batches[i::threads]:
+            for name in arrays:
+                dec, c0, w = decoded[i][name], first[name], width[name]
+                for t in np.unique(batch[:, None] + np.asarray(forecast.OFFSETS_H)).tolist():
+                    with open(keys[name][t], "rb", buffering=0) as fh:
+                        raw = fh.read()
+                    codec.decode(raw, out=dec)
+                    nbytes += len(raw)
+                    src = dec[0][levels] if dec.ndim == 4 else dec  # (w, lat, lon)
+                    for out, k, off in offsets:
+                        for r in np.flatnonzero(batch + off == t).tolist():
+                            out[i][r, k, c0 : c0 + w] = src
+        return nbytes
+
+    def epoch(e: int) -> tuple[int, dict[str, Any]]:
+        nbytes = sum(pool.map(work, range(threads)))
+        return len(a_all), {"bytes": nbytes}
+
+    epochs = _epochs(epoch, cfg["epochs"])
+    pool.shutdown()
+    return {"setup_s": setup_s, "epochs": epochs, "rss_peak_bytes": _rss_peak_bytes()}
+
+
 def run_bare_all(cfg: dict[str, Any]) -> dict[str, Any]:
     return _bare(cfg, all_objects(Path(cfg["store"]), cfg["steps"]), cfg["steps"])
+
+
+def run_bare_stats(cfg: dict[str, Any]) -> dict[str, Any]:
+    return _bare(cfg, all_objects(Path(cfg["store"]), cfg["steps"]), cfg["steps"], stats=True)
 
 
 def run_fit(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -376,8 +505,10 @@ ENGINES = {
     "labels": run_labels,
     "xarray": run_xarray,
     "bare": run_bare,
+    "deliver": run_deliver,
     "fit": run_fit,
     "bare_all": run_bare_all,
+    "bare_stats": run_bare_stats,
 }
 
 
@@ -387,7 +518,19 @@ def _child(argv: list[str]) -> None:
     Path(argv[1]).write_text(json.dumps(result))
 
 
+def warm_page_cache(store: Path) -> None:
+    """Read every file of the store once, so that each engine's epoch 0 finds the page cache
+    warm (this machine's kernel reclaims idle page cache within minutes): epoch 0 then
+    measures the engine's cold start, not the disk."""
+    for path in store.rglob("*"):
+        if path.is_file():
+            with open(path, "rb", buffering=0) as fh:
+                while fh.read(1 << 22):
+                    pass
+
+
 def run_engine(engine: str, cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    warm_page_cache(Path(cfg["store"]))
     out = tmp / f"{engine}.json"
     child = {**cfg, "engine": engine}
     cmd = [sys.executable, "-m", "benchmarks.stack_inputs", "--child", json.dumps(child), str(out)]
@@ -432,7 +575,16 @@ def summarise(results: dict[str, list[dict[str, Any]]], decoded_per_epoch: int) 
         return min(r["epochs"][epoch].get("cpu_s", float("nan")) / r["epochs"][epoch]["samples"]
                    for r in results[engine])  # fmt: skip
 
-    pairs = [("stack", "bare"), ("stack", "labels"), ("stack", "xarray"), ("fit", "bare_all")]
+    pairs = [
+        ("stack", "bare"),
+        ("stack", "deliver"),
+        ("deliver", "bare"),
+        ("stack", "labels"),
+        ("stack", "xarray"),
+        ("fit", "bare_all"),
+        ("fit", "bare_stats"),
+        ("bare_stats", "bare_all"),
+    ]
     out["cpu_ratios"] = {}
     for e in (0, 1):
         for a, b in pairs:
