@@ -236,6 +236,22 @@ class GatherNode(BaseNode[Batch]):
             for _ in range(2)
         ]
 
+    def carries(self, path: str, name: str) -> bool:
+        """Whether batches carry coordinate ``name`` of array ``path`` (for any label of it)."""
+        return name in self._array_coords.get(path, {})
+
+    def carried_coordinates(self) -> dict[str, list[str]]:
+        """``{array path: [coordinate names]}`` of the coordinates batches carry."""
+        return {path: sorted(named) for path, named in self._array_coords.items()}
+
+    def run_first(self, transform: BatchTransform) -> None:
+        """Run ``transform`` first on every batch gathered from now on (``InSituPipeline.
+        set_views`` puts there the constants of channel stacks a pipeline built without any
+        is given)."""
+        self.batch_transforms = (*check_batch_transforms([transform]), *self.batch_transforms)
+        if self.recorder.enabled:
+            self.recorder.batch_transforms = len(self.batch_transforms)
+
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         self.source.reset(source_state(initial_state))
