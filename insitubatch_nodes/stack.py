@@ -37,6 +37,7 @@ import numpy as np
 
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.patching import Patches
 
 
 class Statistics(Protocol):
@@ -47,7 +48,7 @@ class Statistics(Protocol):
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray: ...
 
 
-__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "stack"]
+__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "stack", "static_window"]
 
 LAYOUTS = ("channels_first", "channels_last")
 
@@ -211,6 +212,8 @@ def stack(
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
         inner = view.inner_shape
+        if isinstance(view, ArrayGeometry) and view.static and first.patch is not None:
+            inner = static_window(name, view, first.patch)[1]
         if len(inner) not in (field_ndim, field_ndim + 1):
             raise ValueError(
                 f"stack member {name!r} has shape {inner}: a member is a field {field_shape} "
@@ -252,14 +255,12 @@ def _check_patched(
     named: Mapping[str, ArrayGeometry], first_name: str, first: ArrayGeometry
 ) -> None:
     """Patched members: every sampled member patched alike (the same windows of the same
-    axes: they share each row's origins), no static member (its field is the whole grid)."""
+    dimensions: they share each row's origins), and a static member cut by those windows
+    (:func:`static_window`)."""
     for name, view in named.items():
         if view.static:
             if first.patch is not None:
-                raise ValueError(
-                    f"stack member {name!r} is a static field of the whole grid, but the "
-                    "stack's members are patched: give the static field as a label of its own"
-                )
+                static_window(name, view, first.patch)  # (raises when it has no such window)
             continue
         if (view.patch is None) != (first.patch is None):
             patched, whole = (name, first_name) if view.patch is not None else (first_name, name)
@@ -267,14 +268,44 @@ def _check_patched(
                 f"stack member {patched!r} is patched and {whole!r} is not: patch every "
                 "sampled member alike, or none"
             )
-        keys = ("axes", "extent", "field", "origins", "stride", "per_tile", "order", "within")
         a, b = first.patch, view.patch
-        if a is not None and b is not None and any(getattr(a, k) != getattr(b, k) for k in keys):
+        if a is not None and b is not None and (not a.alike(b) or a.within != b.within):
             raise ValueError(
                 f"stack members {first_name!r} and {name!r} are patched differently "
-                f"({a} vs {b}): members share each row's windows, so "
-                "patch arrays of one rank with the same extent, origins and stride"
+                f"({a} vs {b}): members share each row's windows, so patch the same "
+                "dimensions (by name: arrays of any rank) with the same extent, origins and "
+                "stride"
             )
+
+
+def static_window(
+    name: str, view: ArrayGeometry, spec: Patches
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(axes, shape)``: where the windows of ``spec`` (a patched stack's) cut the data of
+    static member ``name`` (the axes of its selected data named like the patched dimensions),
+    and the shape of one window of it. ``ValueError`` when the member lacks one of those
+    dimensions, selects along one, or has another length there."""
+    keys = view.select.keys if view.select is not None else (None,) * view.ndim
+    key_of = dict(zip(view.dims or (), keys, strict=False))
+    kept = [d for d, k in key_of.items() if not isinstance(k, int)]
+    if spec.dims is None or not set(spec.dims) <= set(kept):
+        raise ValueError(
+            f"stack member {name!r} is a static field without the patched dimensions "
+            f"{spec.dims or spec.axes}, but the stack's members are patched: give it as a "
+            "label of its own, or stack arrays whose dimensions are named"
+        )
+    axes = tuple(kept.index(d) for d in spec.dims)
+    shape = list(view.inner_shape)
+    for d, a, e, n in zip(spec.dims, axes, spec.extent, spec.field, strict=True):
+        if key_of[d] is not None or shape[a] != n:
+            raise ValueError(
+                f"stack member {name!r} (static) is cut by the stack's patches along {d!r}: "
+                f"it must be whole there, of length {n}, as the patched members' field (it "
+                f"has {shape[a]}{', selected' if key_of[d] is not None else ''}); select on "
+                "other dimensions"
+            )
+        shape[a] = e
+    return axes, tuple(shape)
 
 
 def _named(

@@ -26,7 +26,7 @@ import numpy as np
 
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.stack import Stack, StackMember, channel_destination
+from insitubatch_nodes.stack import Stack, StackMember, channel_destination, static_window
 from insitubatch_nodes.static import StaticFields
 
 if TYPE_CHECKING:
@@ -50,6 +50,9 @@ class _Prepared:
     stack: Stack
     fills: tuple[tuple[StackMember, np.ndarray, np.ndarray], ...]
     forcings: tuple[StackMember, ...]
+    #: a patched stack's: the extent of its windows, and where they cut each static member
+    extent: tuple[int, ...] = ()
+    cuts: tuple[tuple[int, ...], ...] = ()
 
 
 class StackConstants:
@@ -92,7 +95,13 @@ class StackConstants:
                     mean, std = member.norm
                     data = (data - mean.astype(np.float64)) / std.astype(np.float64)
                 fills.append((member, raw, data.astype(st.dtype)))
-            self._variants.setdefault(label, []).append(_Prepared(st, tuple(fills), st.forcings))
+            spec = st.sampled[0].geometry.patch
+            cuts = () if spec is None else tuple(
+                static_window(m.name, m.geometry, spec)[0] for m in st.static
+            )  # fmt: skip
+            extent = () if spec is None else spec.extent
+            prepared = _Prepared(st, tuple(fills), st.forcings, extent, cuts)
+            self._variants.setdefault(label, []).append(prepared)
 
     def held(self, view: ArrayGeometry) -> np.ndarray | None:
         """The data of a static member read through ``view``, if a stack prepared here has
@@ -142,10 +151,15 @@ class StackConstants:
                     at = (member.channel,) if t is None else (t, member.channel)
                     step = values if t is None else values[:, t]
                     channel_destination(arr, at, last)[...] = step
-            for member, _, data in prepared.fills:
+            for i, (member, _, data) in enumerate(prepared.fills):
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)
-                    channel_destination(arr, at, last)[...] = data
+                    out = channel_destination(arr, at, last)
+                    if prepared.cuts:  # each row's window of the static field
+                        _cut(out, data, batch.patch_origins[label], prepared.cuts[i],
+                             prepared.extent)  # fmt: skip
+                    else:
+                        out[...] = data
         return batch
 
     def __repr__(self) -> str:
@@ -156,6 +170,21 @@ class StackConstants:
             for m in (*(f[0] for f in p.fills), *p.forcings)
         ]
         return f"StackConstants({names})"
+
+
+def _cut(
+    out: np.ndarray,
+    data: np.ndarray,
+    origins: np.ndarray,
+    axes: tuple[int, ...],
+    extent: tuple[int, ...],
+) -> None:
+    """``out[i] = data`` cut along ``axes`` to the window of ``extent`` at ``origins[i]``."""
+    box: list[slice] = [slice(None)] * data.ndim
+    for i, origin in enumerate(origins.tolist()):
+        for a, o, e in zip(axes, origin, extent, strict=True):
+            box[a] = slice(o, o + e)
+        out[i] = data[tuple(box)]
 
 
 def static_fields(

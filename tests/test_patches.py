@@ -628,3 +628,27 @@ def test_a_lightning_run_killed_mid_epoch_resumes_on_the_same_windows(tmp_path: 
     assert rc == 0, log[-5000:]
     assert killed == reference[:kill_at]
     assert resumed == reference[kill_at:]
+
+
+@pytest.mark.parametrize(
+    "key", [[4, 0, 3], 3, slice(1, 4)], ids=["list across tiles", "index", "slice"]
+)
+def test_a_patched_view_selected_along_a_tiled_axis_equals_numpys_window_of_the_selection(
+    tmp_path: Path, key: Any
+) -> None:
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((6, 5, 10, 12)).astype("f4")
+    _write(tmp_path, "q", data, (2, 2, 4, 5), dims=("time", "level", "y", "x"))
+    geom = open_geometries(str(tmp_path), ["q"])["q"]
+    view = geom.patches({"y": 6, "x": 7}, origins="random").isel(level=key)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(str(tmp_path), manifest, {"x": view}, batch_size=4, seed=3)
+    try:
+        (batches,) = _epochs(pipe, 1)
+    finally:
+        pipe.close()
+    assert sum(map(len, batches)) == pipe.stages.plan.epoch_plan(0).n_samples > 0
+    for b in batches:
+        rows = zip(b["x"], b.sample_indices["x"], b.patch_origins["x"], strict=True)
+        for row, s, (oy, ox) in rows:
+            np.testing.assert_array_equal(row, data[s][key][..., oy : oy + 6, ox : ox + 7])

@@ -376,7 +376,7 @@ def test_a_stack_of_patched_members_equals_the_members_windows_at_the_rows_origi
     assert rows == N - 1  # every anchor whose next step is in the store
 
 
-def test_patched_members_must_be_patched_alike_without_static_or_forcing_members(
+def test_patched_members_must_be_patched_alike_with_static_members_whole_and_no_forcings(
     tmp_path: Path,
 ) -> None:
     root = _store(tmp_path / "s.zarr")
@@ -387,8 +387,10 @@ def test_patched_members_must_be_patched_alike_without_static_or_forcing_members
         stack({"t": t, "z": g["geopotential"]})
     with pytest.raises(ValueError, match="patched differently"):
         stack({"t": t, "z": g["geopotential"].patches({"latitude": 4, "longitude": 4}, stride=2)})
-    with pytest.raises(ValueError, match="static field of the whole grid"):
-        stack({"t": t, "lsm": g["land_sea_mask"]})
+    with pytest.raises(ValueError, match="must be whole there"):
+        stack({"t": t, "lsm": g["land_sea_mask"].isel(latitude=slice(0, 4))})
+    with pytest.raises(ValueError, match="without the patched dimensions"):
+        stack({"t": t, "lsm": g["land_sea_mask"].isel(latitude=0)})
     with pytest.raises(ValueError, match="forcings"):
         stack({"t": t, "sun": Forcings("x", view=g["temperature"], names=["cos_solar_zenith"])})
 
@@ -434,3 +436,50 @@ def test_set_views_takes_stacks_from_the_next_epoch_with_their_static_and_forcin
                                         "sun": sun})})  # fmt: skip
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("first", ["t2m", "q"])
+def test_a_patched_stack_of_arrays_of_any_rank_equals_each_members_window_at_the_rows_origin(
+    tmp_path: Path, first: str
+) -> None:
+    root = _store(tmp_path / "s.zarr", spc=2)
+    q = zarr.create_array(
+        root / "q", shape=(N, 5, 6, 8), chunks=(2, 5, 3, 4), dtype="float32",
+        dimension_names=("time", "level", "latitude", "longitude"),
+    )  # fmt: skip
+    q[...] = np.random.default_rng(3).standard_normal(q.shape).astype(np.float32)
+    g = open_geometries(root)
+    cut = {"latitude": 4, "longitude": 4}
+    members = {
+        "t2m": g["2m_temperature"].patches(cut, stride=3),  # (time, lat, lon)
+        "q": g["q"].isel(level=[4, 0, 2]).patches(cut, stride=3),  # (time, level, lat, lon)
+        "lsm": g["land_sea_mask"],  # static (lat, lon)
+        "t": g["temperature"].patches(cut, stride=3).isel(level=1),  # a level dropped
+    }
+    if first == "q":
+        members = {"q": members.pop("q"), **members}
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": stack(members)}, batch_size=5, coords=())
+    data = {n: zarr.open_array(root / n, mode="r")[...] for n in
+            ("2m_temperature", "q", "land_sea_mask", "temperature")}  # fmt: skip
+    seen = set()
+    try:
+        batches = list(pipe)
+    finally:
+        pipe.close()
+    for batch in batches:
+        x, origins = batch.arrays["x"], batch.patch_origins["x"]
+        assert x.shape == (len(batch), 6, 4, 4)
+        for i, (s, (oy, ox)) in enumerate(zip(batch.sample_indices["x"], origins, strict=True)):
+            box = (slice(oy, oy + 4), slice(ox, ox + 4))
+            parts = {
+                "t2m": data["2m_temperature"][s][None, *box],
+                "q": data["q"][s][[4, 0, 2]][:, *box],
+                "lsm": data["land_sea_mask"][None, *box],
+                "t": data["temperature"][s][1][None, *box],
+            }
+            np.testing.assert_array_equal(x[i], np.concatenate([parts[m] for m in members]))
+            seen.add((int(oy), int(ox)))
+    # every window of the grid, the edge ones flush with the far side included
+    assert seen == {(a, b) for a in (0, 2) for b in (0, 3, 4)}
+    assert sum(map(len, batches)) == N * 6

@@ -207,7 +207,7 @@ class GatherNode(BaseNode[Batch]):
         self._selected = {
             label: SelectedGather(g, self.context.held.get(g.path))
             for label, g in self.views.items()
-            if g.select is not None
+            if g.select is not None and g.patch is None  # (patched: gather_windows selects)
         }
         self.coords = {
             label: self._array_coords[_path(v)]
@@ -376,7 +376,7 @@ class GatherNode(BaseNode[Batch]):
     ) -> int:
         """Rows ``lo:hi`` of the part ``label``; the rows copied."""
         geom = self.views[label]
-        if geom.select is not None:  # a selected view (see _select)
+        if geom.select is not None and geom.patch is None:  # a selected view (see _select)
             return int(
                 self._selected[label](
                     arrays[label][lo:hi],
