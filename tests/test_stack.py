@@ -6,8 +6,6 @@ selected and shifted by numpy) along the channel axis, in the order given.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +17,6 @@ from torchdata.nodes import Loader
 from insitubatch_nodes import (
     FetchOptions,
     Forcings,
-    InSituPipeline,
     fit_statistics,
     insitu_pipeline,
     open_geometries,
@@ -27,7 +24,6 @@ from insitubatch_nodes import (
     stack,
 )
 from insitubatch_nodes.synthetic import make_weatherbench_like
-from tests.resume_helpers import epochs_of
 
 N = 32
 LEVELS = [1000, 350, 1]  # of the store's five (1000, 775, 350, 70, 1)
@@ -200,47 +196,6 @@ def test_members_that_disagree_on_t_or_on_the_field_are_refused_naming_the_membe
         stack({"t2m": g["2m_temperature"], "box": g["temperature"].isel(latitude=[0, 1, 2])})
     with pytest.raises(ValueError, match="layout must be one of"):
         stack({"t2m": g["2m_temperature"]}, layout="nhwc")
-
-
-@contextmanager
-def _stacked(root: Path) -> Iterator[InSituPipeline]:
-    g = open_geometries(root)
-    x = stack({"t": g["temperature"].sel(level=LEVELS), "t2m": g["2m_temperature"].shift(1),
-               "lsm": g["land_sea_mask"]})  # fmt: skip
-    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)), {"x": x},
-                           batch_size=3, shuffle=True, seed=5)  # fmt: skip
-    try:
-        yield pipe
-    finally:
-        pipe.close()
-
-
-def _records(batches: list[Any]) -> list[tuple[Any, ...]]:
-    return [(b.epoch, b.index, b.sample_indices["x"].tolist(), b["x"].tobytes()) for b in batches]
-
-
-def test_a_mid_epoch_state_of_a_stack_resumes_at_exactly_the_next_batch(tmp_path: Path) -> None:
-    root = _store(tmp_path / "s.zarr", 2)
-    with _stacked(root) as pipe:
-        loader = Loader(pipe)
-        want = _records([b for _ in range(2) for b in loader])
-    n = len(want) // 2
-    for k in (2, n + 1):
-        with _stacked(root) as pipe:
-            loader = Loader(pipe)
-            it = epochs_of(loader)
-            got = [next(it) for _ in range(k)]
-            state = loader.state_dict()
-            got_records = _records(got)
-            del got
-        with _stacked(root) as pipe:
-            loader = Loader(pipe)
-            loader.load_state_dict(state)
-            rest = list(loader)
-            if k <= n:
-                rest += list(loader)
-            rest_records = _records(rest)
-        assert got_records + rest_records == want
 
 
 def test_one_sample_per_chunk_decodes_members_straight_into_their_channels_with_no_other_memory(
