@@ -353,7 +353,8 @@ class InSituDataModule(pl.LightningDataModule):
 
     def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
         """Train on ``views`` (of the same arrays: other windows or shifts, a rollout that
-        grows) from the next epoch on: forwarded to the training pipeline's
+        grows; stacks with other static or forcing members) from the next epoch on: forwarded
+        to the training pipeline's
         :meth:`~insitubatch_nodes.pipeline.InSituPipeline.set_views` (checked there), and
         kept for a training pipeline built later. Validation and testing keep the views the
         module was made with. Call it between epochs, e.g. from a callback's

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.anchor_steps import anchor_steps
@@ -43,14 +42,15 @@ from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import SlotBacking
-from insitubatch_nodes.stack import Stack, StackConstants, kept_constants
+from insitubatch_nodes.stack import Stack
+from insitubatch_nodes.stack_constants import prepare_constants, static_fields
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ChunkPoolNode
-from insitubatch_nodes.static import StaticFields, read_static
+from insitubatch_nodes.static import read_static
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
@@ -99,18 +99,20 @@ class InSituPipeline(PrefetcherNode[Batch]):
         pipeline reading the new views refuses it mid-epoch with a ``ValueError`` naming both
         sets of views.
 
-        A :func:`~insitubatch_nodes.stack.stack` is a view too: its sampled members may change
-        (other windows, shifts, selections, normalisation, order), its static and forcing
-        members and its layout stay those its label was built with (they were read or set up
-        at build), and a stack with forcings keeps the array of its first sampled member (its
-        rows' times).
+        A :func:`~insitubatch_nodes.stack.stack` is a view too, and any of it may change: its
+        sampled members (other windows, shifts, selections, order), its static members and
+        forcings, its layout and normalisation (a label may also become a stack). The static
+        arrays a new stack needs that the pipeline does not hold yet are read here, once, as
+        at build (through the persistent cache, with ``cache_dir=..., persist=True``); see
+        :mod:`~insitubatch_nodes.stack_constants`. A stack's forcings are computed from the
+        times of its first sampled member's array: batches must carry them.
 
         Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry`` or a stack;
         ``ValueError`` for views of other arrays (or of an array with another geometry), an
-        array patched otherwise, a stack whose static or forcing members, layout or first
-        array (with forcings) differ from its label's at build, a split left with no anchor,
-        and an explicit
-        ``cache_budget_bytes`` below the new views' floor (as at build). Time-delta windows
+        array patched otherwise, a stack with forcings whose first sampled member's times the
+        batches do not carry, a split left with no anchor, and an explicit
+        ``cache_budget_bytes`` below the new views' floor (as at build); a static array that
+        cannot be read raises as at build. Time-delta windows
         are resolved through the times the pipeline was built with (a time ``stride``, time
         windows or ``missing=``): give offsets in samples otherwise.
         """
@@ -133,11 +135,14 @@ class InSituPipeline(PrefetcherNode[Batch]):
                         f"this pipeline's arrays ({sorted(transforms.outputs)}): set_views "
                         "takes views of the arrays the pipeline was built on"
                     )
-            if isinstance(view, Stack):
-                kept_constants(label, view, self.stages.gather.batch_transforms)
             carried[label] = _output_view(transforms, label, view)
         parts, _ = expand_views(resolve_windows(carried, plan.manifest.steps))
-        pool = self.stages.pool
+        pool, store = self.stages.pool, self.stages.fetch.store
+        timeout = (self.context.options.retry or retry_policy(store)).timeout_s
+        commit = prepare_constants(  # the static arrays new stacks need: read now, once
+            carried, self.stages.gather, plan,
+            lambda need: read_static(store, need, timeout, cache=pool.cache),
+        )  # fmt: skip
         persistent = pool.cache is not None and pool.cache.persistent
         schedule = choose_schedule(
             plan.manifest,
@@ -147,6 +152,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
             revive=persistent and plan.shuffle,
         )
         plan.set_views(carried, schedule=schedule)
+        commit()
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the
@@ -321,7 +327,7 @@ def insitu_pipeline(
     refuse_product_options(read, plan_config.stride, missing, missing_objects, coords)
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
-    views, geoms, statics, constants = _static_fields(views, geoms)
+    views, geoms, statics, constants = static_fields(views, geoms)
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
     # a stack's rows carry its first sampled member's coordinates (its forcings' times)
     firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
@@ -369,7 +375,7 @@ def insitu_pipeline(
         if chunk_cache is not None:
             chunk_cache.close()
         raise
-    made = constants(static_data)
+    made = constants(static_data, plan)
     if made:  # put first; the transforms given are checked as given where they are used
         batch_transforms = (*made, *batch_transforms)
     return _compose_stages(
@@ -484,50 +490,6 @@ def _members(views: Mapping[str, Any]) -> list[Any]:
         else:
             out.append(v)
     return out
-
-
-def _static_fields(
-    views: dict[str, Any], geoms: dict[str, ArrayGeometry]
-) -> tuple[
-    dict[str, Any],
-    dict[str, ArrayGeometry],
-    dict[str, ArrayGeometry],
-    Callable[[Mapping[str, np.ndarray]], tuple[BatchTransform, ...]],
-]:
-    """The static views taken out of the plan: ``(views, geoms, statics, constants)`` — the
-    views and arrays the plan reads, every static view to read once (stack members keyed
-    ``"label/member"``), and what makes the batch transforms from the arrays read: a
-    :class:`~insitubatch_nodes.static.StaticFields` that puts the static labels into every
-    batch, then a :class:`~insitubatch_nodes.stack.StackConstants` that writes the static and
-    forcing members of stacks into every batch's channel slices."""
-    stacks: dict[str, Stack] = {label: v for label, v in views.items() if isinstance(v, Stack)}
-    members = {f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static}
-    static = {label: v for label, v in views.items() if not isinstance(v, Stack) and v.static}
-    sampled = {label: v for label, v in views.items() if isinstance(v, Stack) or not v.static}
-    if not sampled:
-        raise ValueError(
-            f"every view ({sorted(static)}) is a static array: name at least one array with "
-            "samples to train on"
-        )
-    if stacks or static:
-        kept = {v.path for v in _members(sampled) if not v.static}
-        geoms = {path: g for path, g in geoms.items() if path in kept}
-    fill = bool(members) or any(st.forcings for st in stacks.values())
-
-    def constants(data: Mapping[str, np.ndarray]) -> tuple[BatchTransform, ...]:
-        out: list[BatchTransform] = []
-        if static:
-            out.append(StaticFields({label: data[label] for label in static}))
-        if fill:
-            constant = {
-                (label, m.name): data[f"{label}/{m.name}"]
-                for label, st in stacks.items()
-                for m in st.static
-            }
-            out.append(StackConstants(stacks, constant))
-        return tuple(out)
-
-    return sampled, geoms, {**static, **members}, constants
 
 
 def _carried_coordinates(

@@ -7,7 +7,8 @@ batch buffer, so the gather copies each member from the pool straight into
 ``buffer[:, t, c0:c1]`` (and, at one sample per chunk, the fetch stage decodes it there): one
 copy from pool to batch, as for a single label. Static members (:attr:`ArrayGeometry.static
 <insitubatch_nodes.io.geometry.ArrayGeometry.static>`) are constant channels, written into
-each batch's slice after the gather.
+each batch's slice after the gather, and so are forcings
+(:mod:`~insitubatch_nodes.stack_constants`).
 
 **Channels, in order**: the members in the order given; a member with one more axis than the
 field (``(level, lat, lon)`` against a ``(lat, lon)`` field) is one channel per entry of its
@@ -36,6 +37,7 @@ import numpy as np
 
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.patching import Patches
 
 
 class Statistics(Protocol):
@@ -46,7 +48,7 @@ class Statistics(Protocol):
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray: ...
 
 
-__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "kept_constants", "stack"]
+__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "stack", "static_window"]
 
 LAYOUTS = ("channels_first", "channels_last")
 
@@ -210,6 +212,8 @@ def stack(
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
         inner = view.inner_shape
+        if isinstance(view, ArrayGeometry) and view.static and first.patch is not None:
+            inner = static_window(name, view, first.patch)[1]
         if len(inner) not in (field_ndim, field_ndim + 1):
             raise ValueError(
                 f"stack member {name!r} has shape {inner}: a member is a field {field_shape} "
@@ -251,14 +255,12 @@ def _check_patched(
     named: Mapping[str, ArrayGeometry], first_name: str, first: ArrayGeometry
 ) -> None:
     """Patched members: every sampled member patched alike (the same windows of the same
-    axes: they share each row's origins), no static member (its field is the whole grid)."""
+    dimensions: they share each row's origins), and a static member cut by those windows
+    (:func:`static_window`)."""
     for name, view in named.items():
         if view.static:
             if first.patch is not None:
-                raise ValueError(
-                    f"stack member {name!r} is a static field of the whole grid, but the "
-                    "stack's members are patched: give the static field as a label of its own"
-                )
+                static_window(name, view, first.patch)  # (raises when it has no such window)
             continue
         if (view.patch is None) != (first.patch is None):
             patched, whole = (name, first_name) if view.patch is not None else (first_name, name)
@@ -266,14 +268,44 @@ def _check_patched(
                 f"stack member {patched!r} is patched and {whole!r} is not: patch every "
                 "sampled member alike, or none"
             )
-        keys = ("axes", "extent", "field", "origins", "stride", "per_tile", "order", "within")
         a, b = first.patch, view.patch
-        if a is not None and b is not None and any(getattr(a, k) != getattr(b, k) for k in keys):
+        if a is not None and b is not None and (not a.alike(b) or a.within != b.within):
             raise ValueError(
                 f"stack members {first_name!r} and {name!r} are patched differently "
-                f"({a} vs {b}): members share each row's windows, so "
-                "patch arrays of one rank with the same extent, origins and stride"
+                f"({a} vs {b}): members share each row's windows, so patch the same "
+                "dimensions (by name: arrays of any rank) with the same extent, origins and "
+                "stride"
             )
+
+
+def static_window(
+    name: str, view: ArrayGeometry, spec: Patches
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(axes, shape)``: where the windows of ``spec`` (a patched stack's) cut the data of
+    static member ``name`` (the axes of its selected data named like the patched dimensions),
+    and the shape of one window of it. ``ValueError`` when the member lacks one of those
+    dimensions, selects along one, or has another length there."""
+    keys = view.select.keys if view.select is not None else (None,) * view.ndim
+    key_of = dict(zip(view.dims or (), keys, strict=False))
+    kept = [d for d, k in key_of.items() if not isinstance(k, int)]
+    if spec.dims is None or not set(spec.dims) <= set(kept):
+        raise ValueError(
+            f"stack member {name!r} is a static field without the patched dimensions "
+            f"{spec.dims or spec.axes}, but the stack's members are patched: give it as a "
+            "label of its own, or stack arrays whose dimensions are named"
+        )
+    axes = tuple(kept.index(d) for d in spec.dims)
+    shape = list(view.inner_shape)
+    for d, a, e, n in zip(spec.dims, axes, spec.extent, spec.field, strict=True):
+        if key_of[d] is not None or shape[a] != n:
+            raise ValueError(
+                f"stack member {name!r} (static) is cut by the stack's patches along {d!r}: "
+                f"it must be whole there, of length {n}, as the patched members' field (it "
+                f"has {shape[a]}{', selected' if key_of[d] is not None else ''}); select on "
+                "other dimensions"
+            )
+        shape[a] = e
+    return axes, tuple(shape)
 
 
 def _named(
@@ -358,98 +390,3 @@ def _norm(
     mean = stats.shaped(name, "mean", view)
     std = stats.shaped(name, "std", view)
     return mean.astype(dtype), std.astype(dtype)
-
-
-def _where(
-    batch: Any, label: str, st: Stack, member: StackMember
-) -> tuple[int | None, int | slice]:
-    """``(steps, channel)`` of ``member`` in this batch's array of ``label``: its steps ``T``
-    (``None`` without) and its channel index, found by its channel names in
-    ``batch.channels[label]`` (the stack in effect may have moved it: ``set_views``)."""
-    names = batch.channels.get(label) or st.channels
-    c0 = list(names).index(st.channels[member.c0])
-    channel: int | slice = slice(c0, c0 + member.c1 - member.c0) if member.leveled else c0
-    arr = batch.arrays[label]
-    steps = arr.shape[1] if arr.ndim == len(st.field_shape) + 3 else None
-    return steps, channel
-
-
-class StackConstants:
-    """A batch transform that writes the static and forcing members of channel stacks into
-    every batch's channel slices (run first, on the gathered batch). ``stacks`` maps a label
-    to its :class:`Stack`; ``arrays`` maps ``(label, member name)`` to a static member's data
-    (as its view selects it), standardised once, here, when the stack normalises. Forcings
-    are computed from ``batch.coords[label]["time"]`` (the stack's times, ``(batch,)`` or
-    ``(batch, T)``) for each batch."""
-
-    def __init__(
-        self, stacks: Mapping[str, Stack], arrays: Mapping[tuple[str, str], np.ndarray]
-    ) -> None:
-        self.fills: list[tuple[str, Stack, StackMember, np.ndarray]] = []
-        for label, st in stacks.items():
-            for member in st.static:
-                data = np.asarray(arrays[(label, member.name)], dtype=np.float64)
-                if member.norm is not None:
-                    mean, std = member.norm
-                    data = (data - mean.astype(np.float64)) / std.astype(np.float64)
-                self.fills.append((label, st, member, data.astype(st.dtype)))
-        self.forcings = [(label, st, m) for label, st in stacks.items() for m in st.forcings]
-
-    def __call__(self, batch: Any) -> Any:
-        for label, st, member in self.forcings:
-            assert member.forcing is not None
-            time_name = member.forcing.time_name
-            times = batch.coords.get(label, {}).get(time_name)
-            if times is None:
-                raise KeyError(
-                    f"stack {label!r}: batches carry no coordinate {time_name!r} to compute "
-                    f"forcing {member.name!r} from; build the pipeline with coords=None or "
-                    f"coords=[{time_name!r}]"
-                )
-            values = next(iter(member.forcing.compute(times).values()))
-            steps, channel = _where(batch, label, st, member)
-            arr = batch.arrays[label]
-            for t in range(1) if steps is None else range(steps):
-                at = (channel,) if steps is None else (t, channel)
-                step = values if steps is None else values[:, t]
-                channel_destination(arr, at, st.layout == "channels_last")[...] = step
-        for label, st, member, data in self.fills:
-            steps, channel = _where(batch, label, st, member)
-            arr = batch.arrays[label]
-            for t in range(1) if steps is None else range(steps):
-                at = (channel,) if steps is None else (t, channel)
-                channel_destination(arr, at, st.layout == "channels_last")[...] = data
-        return batch
-
-    def __repr__(self) -> str:
-        names = [(label, m.name) for label, _, m, _ in self.fills]
-        names += [(label, m.name) for label, _, m in self.forcings]
-        return f"StackConstants({names})"
-
-
-def kept_constants(label: str, view: Stack, batch_transforms: Sequence[Any]) -> None:
-    """Check that a stack given to ``InSituPipeline.set_views`` keeps the static and forcing
-    members, the layout and (with forcings) the first sampled array its label was built with
-    (read, or computed, at build by the :class:`StackConstants` among ``batch_transforms``);
-    ``ValueError`` naming both otherwise."""
-    built = [t for t in batch_transforms if isinstance(t, StackConstants)]
-    have = {(m.name, m.view) for t in built for lb, _, m, _ in t.fills if lb == label}
-    have |= {(m.name, None) for t in built for lb, _, m in t.forcings if lb == label}
-    layouts = {st.layout for t in built for lb, st, _, _ in t.fills if lb == label}
-    layouts |= {st.layout for t in built for lb, st, _ in t.forcings if lb == label}
-    want = {(m.name, m.view) for m in view.static} | {(m.name, None) for m in view.forcings}
-    if want != have or (layouts and layouts != {view.layout}):
-        raise ValueError(
-            f"set_views keeps a stack's static and forcing members (and its layout): "
-            f"stack {label!r} was built with {sorted(n for n, _ in have)}, and the one "
-            f"given has {sorted(n for n, _ in want)}; build a new pipeline for others"
-        )
-    firsts = {st.sampled[0].geometry.path for t in built for lb, st, _ in t.forcings
-              if lb == label}  # fmt: skip
-    if firsts and firsts != {view.sampled[0].geometry.path}:
-        raise ValueError(
-            f"set_views keeps the array a stack's times come from (its first sampled "
-            f"member's, for its forcings): stack {label!r} was built with "
-            f"{sorted(firsts)} first, and the one given has "
-            f"{view.sampled[0].geometry.path!r}; put a member of that array first"
-        )

@@ -28,6 +28,7 @@ import numpy as np
 
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.cache.directory import ChunkCache
+from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import meta_identity
 from insitubatch_nodes.errors import CorruptCacheError
 from insitubatch_nodes.io import _zarr_compat
@@ -68,6 +69,10 @@ def read_static(
         if view.path not in whole:
             base = view.base
             if cache is not None and cache.persistent:
+                # (a static array set_views adds: the cache was opened without it)
+                cache.adopt(
+                    {base.path: array_fingerprint(base, base, ())}, {base.path: base.n_tiles}
+                )
                 whole[view.path] = _cached_whole(zstore, base, timeout_s, cache)
             else:
                 whole[view.path] = _read_whole(zstore, base, timeout_s)

@@ -303,7 +303,8 @@ def fit_statistics(
     """Fit :class:`Statistics` on ``split`` of ``manifest`` for ``views`` (``{label: view}``,
     or array names), in one pass over the split's chunks (module docstring). A view's shift is
     ignored (the statistics are of its array, as selected). Every rank that calls it reads the
-    whole split (``rank=0, world_size=1``): fit once and share the saved file.
+    whole split (``rank=0, world_size=1``): fit once and share the saved file. A window view's
+    window is ignored too (its statistics, per channel, are those of every step).
     ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
     ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
     keywords). The pass keeps nothing for a next epoch: rows read by one sample are decoded
@@ -315,7 +316,7 @@ def fit_statistics(
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
         views = open_geometries(zstore, names)
-    plain = {label: v.shift(-v.offset) if v.offset else v for label, v in views.items()}
+    plain = {label: _unmoved(v) for label, v in views.items()}
     sampled = {label: v for label, v in plain.items() if not v.static}
     static = {label: v for label, v in plain.items() if v.static}
     moments = {label: _Moments() for label in plain}
@@ -417,6 +418,13 @@ def _accumulate(
         diffs.add(_as_channels(diff, channels), extrema=False)
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]))
+
+
+def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
+    """``view`` without its shift or window: the array as it selects it."""
+    if view.window_offsets is not None:
+        view = dataclasses.replace(view, window_offsets=None)
+    return view.shift(-view.offset) if view.offset else view
 
 
 def _to_json(values: np.ndarray) -> Any:

@@ -697,3 +697,27 @@ def test_patched_views_from_a_warm_persistent_cache_give_zarrs_windows_and_read_
     with pytest.raises(StaleCacheError, match="image"):
         insitu_pipeline(store, split_by_chunk(geoms["image"], (1.0, 0.0, 0.0)), whole,
                         batch_size=5, cache_dir=cache, persist=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "key", [[4, 0, 3], 3, slice(1, 4)], ids=["list across tiles", "index", "slice"]
+)
+def test_a_patched_view_selected_along_a_tiled_axis_equals_numpys_window_of_the_selection(
+    tmp_path: Path, key: Any
+) -> None:
+    rng = np.random.default_rng(5)
+    data = rng.standard_normal((6, 5, 10, 12)).astype("f4")
+    _write(tmp_path, "q", data, (2, 2, 4, 5), dims=("time", "level", "y", "x"))
+    geom = open_geometries(str(tmp_path), ["q"])["q"]
+    view = geom.patches({"y": 6, "x": 7}, origins="random").isel(level=key)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(str(tmp_path), manifest, {"x": view}, batch_size=4, seed=3)
+    try:
+        (batches,) = _epochs(pipe, 1)
+    finally:
+        pipe.close()
+    assert sum(map(len, batches)) == pipe.stages.plan.epoch_plan(0).n_samples > 0
+    for b in batches:
+        rows = zip(b["x"], b.sample_indices["x"], b.patch_origins["x"], strict=True)
+        for row, s, (oy, ox) in rows:
+            np.testing.assert_array_equal(row, data[s][key][..., oy : oy + 6, ox : ox + 7])

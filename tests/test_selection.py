@@ -309,12 +309,16 @@ def test_a_selected_view_pickles_with_its_coordinate_reader(store: Path) -> None
     assert back.sel(level=500).inner_shape == (Y, X)
 
 
-def test_a_patched_view_cannot_be_selected_nor_a_selected_one_patched(store: Path) -> None:
+def test_patches_and_selections_compose_on_other_axes_only(store: Path) -> None:
     g = open_geometries(store)["t"]
-    with pytest.raises(ValueError, match="select"):
-        g.patches({"latitude": 4}).isel(level=1)
-    with pytest.raises(ValueError, match="patch"):
-        g.isel(level=1).patches({"latitude": 4})
+    both = g.patches({"latitude": 4}).isel(level=[1, 0])
+    assert both == g.isel(level=[1, 0]).patches({"latitude": 4})
+    assert both.inner_shape == (2, 4, g.field_shape[2])
+    assert g.patches({"latitude": 4}).isel(level=1).inner_shape == (4, g.field_shape[2])
+    with pytest.raises(ValueError, match="is patched"):
+        g.patches({"latitude": 4}).isel(latitude=1)
+    with pytest.raises(ValueError, match="selected axis cannot be patched"):
+        g.isel(latitude=[1, 2, 3, 4]).patches({"latitude": 4})
 
 
 @pytest.mark.parametrize(

@@ -147,6 +147,15 @@ def test_statistics_of_a_static_field_are_of_the_field_and_have_no_differences(
     assert np.isnan(stats.diff_std["lsm"])
 
 
+def test_statistics_of_a_window_or_shifted_view_are_those_of_its_array(store: Path) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (0.5, 0.5, 0.0))
+    plain = fit_statistics(store, manifest, {"t2": geoms["t2"]})
+    moved = fit_statistics(store, manifest, {"t2": geoms["t2"].shift(1).window([-1, 0])})
+    for name in ("mean", "std", "min", "max", "diff_std"):
+        np.testing.assert_array_equal(getattr(moved, name)["t2"], getattr(plain, name)["t2"])
+
+
 def test_statistics_saved_as_json_load_equal_and_check_their_dataset(
     store: Path, tmp_path: Path
 ) -> None:

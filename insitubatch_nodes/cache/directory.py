@@ -328,6 +328,18 @@ class ChunkCache:
         if recorder is not None:
             recorder.close()
 
+    def adopt(self, fingerprints: Mapping[str, str], tiles: Mapping[str, int]) -> None:
+        """Cache arrays this cache was opened without too (``{path: fingerprint}``, ``{path:
+        stored objects per chunk}``: a static array that ``set_views`` adds). Their chunks
+        logged with another fingerprint are misses (rewritten by a writer); those whose stored
+        objects changed were dropped (or refused) at open, as every array's."""
+        new = {p: fp for p, fp in fingerprints.items() if p not in self.fingerprints}
+        self.fingerprints.update(new)
+        if self.store_check is not None:
+            self.store_check.tiles.update({p: tiles[p] for p in new})
+        for key in [k for k, lg in self._index.items() if new.get(k[0], lg.fp) != lg.fp]:
+            self.forget(key)
+
     def _check_store(self) -> None:
         """Drop (a writer) or refuse (``readonly``) the cached chunks whose stored objects
         changed since they were cached: one listing per array (see store_identity)."""

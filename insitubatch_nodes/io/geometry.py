@@ -205,12 +205,10 @@ class ArrayGeometry:
     def inner_shape(self) -> tuple[int, ...]:
         """Shape of one sample's payload: the field (:attr:`field_shape`), on a patched view
         the window (the patched axes at their extent), on a selected view the selection."""
-        if self.select is not None:
-            return self.select.shape(self.field_shape)
-        if self.patch is None:
-            return self.field_shape
-        size = dict(zip(self.patch.axes, self.patch.extent, strict=True))
-        return tuple(size.get(a, self.shape[a]) for a in self.field_axes)
+        p = self.patch
+        size = {} if p is None else dict(zip(p.axes, p.extent, strict=True))
+        shape = tuple(size.get(a, self.shape[a]) for a in self.field_axes)
+        return shape if self.select is None else self.select.shape(shape)
 
     @functools.cached_property
     def tile_shape(self) -> tuple[int, ...]:
@@ -459,11 +457,8 @@ class ArrayGeometry:
         if self.patch is not None:
             raise ValueError(f"{self.path}: this view is patched already; patch the array once")
         refuse_on_product(self, "patches()")
-        if self.select is not None or self.static:
-            raise ValueError(
-                f"{self.path}: a selected or static view cannot be patched; patch the array, "
-                "and select in a batch transform"
-            )
+        if self.static:
+            raise ValueError(f"{self.path}: a static view cannot be patched; patch the arrays")
         if not isinstance(extent, Mapping) or not extent:
             raise TypeError(
                 f"patches() takes a mapping of field axes to sizes, e.g. {{1: 256, 2: 256}}, "
@@ -477,6 +472,8 @@ class ArrayGeometry:
         if len(sizes) != len(extent):
             raise ValueError(f"{self.path}: extent {dict(extent)} names one axis twice")
         axes = tuple(sorted(sizes))
+        if self.select is not None and any(self.select.keys[self._fi(a)] is not None for a in axes):
+            raise ValueError(f"{self.path}: a selected axis cannot be patched; patch the others")
         ext = tuple(sizes[a] for a in axes)
         for a, e in zip(axes, ext, strict=True):
             if e > self.shape[a]:
@@ -515,6 +512,7 @@ class ArrayGeometry:
             )
         spec = Patches(
             axes=axes,
+            dims=None if self.dims is None else tuple(self.dims[a] for a in axes),
             extent=ext,
             field=tuple(self.shape[a] for a in axes),
             tile=tuple(self.chunks[a] for a in axes),
@@ -525,6 +523,9 @@ class ArrayGeometry:
             within=box,
         )
         return replace(self, patch=spec)
+
+    def _fi(self, axis: int) -> int:
+        return self.field_axes.index(axis)
 
     def _patch_axis(self, key: int | str) -> int:
         """The physical field axis ``key`` names (an index or a dimension name)."""
@@ -545,23 +546,21 @@ class ArrayGeometry:
         ``isel``: ``g.isel(level=[3, 5, 9])``, ``g.isel(latitude=slice(10, 50))``,
         ``g.isel(level=7)``. A list or a slice keeps the axis, an integer drops it (as numpy);
         the view's :attr:`inner_shape` is the selection's. Selecting a selected view selects
-        within its selection. Composes with :meth:`shift` (not with :meth:`patches`).
+        within its selection. Composes with :meth:`shift` and with :meth:`patches` (on axes
+        not patched).
 
         What is read (see :mod:`~insitubatch_nodes.io.selection`): along an axis cut into stored
         tiles only the tiles the selection touches; along an axis whole in a stored object the
         object is decoded once into the pool (whole) and the batch receives the selection only.
         """
-        if self.patch is not None:
-            raise ValueError(
-                f"{self.path}: a patched view cannot be selected; select from its windows in a "
-                "batch transform"
-            )
         refuse_on_product(self, "isel()/sel()")
         current = self.select.keys if self.select is not None else (None,) * len(self.field_axes)
         kept = [i for i, k in enumerate(current) if not isinstance(k, int)]
         keys: list[Any] = [None] * len(kept)
         for name, key in indexers.items():
             i = self._field_dim(name)
+            if self.patch is not None and self.field_axes[i] in self.patch.axes:
+                raise ValueError(f"{self.path}: {name!r} is patched; select on other axes")
             if i not in kept:
                 raise ValueError(f"{self.path}: dimension {name!r} was dropped by an earlier isel")
             mine = current[i]

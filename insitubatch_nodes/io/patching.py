@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,8 +20,9 @@ REGION_ORDERS = ("shuffled", "sweep")
 class Patches:
     """How a patched view cuts its field into windows (see :meth:`ArrayGeometry.patches`).
 
-    ``axes`` are the physical axes that are cut (ascending), ``extent`` the window's size along
-    each and ``field`` the array's length along each. ``origins="grid"``: windows start every
+    ``axes`` are the physical axes that are cut (ascending), ``dims`` their dimension names
+    (``None`` for an array without), ``extent`` the window's size along each and ``field`` the
+    array's length along each. ``origins="grid"``: windows start every
     ``stride`` along each axis, plus one flush with the far edge where the stride does not end
     there, so the windows cover the field exactly; the same windows every epoch.
     ``origins="random"``: each epoch draws new origins, uniform and *stratified by stored tile*:
@@ -43,6 +45,7 @@ class Patches:
     """
 
     axes: tuple[int, ...]
+    dims: tuple[str, ...] | None
     extent: tuple[int, ...]
     field: tuple[int, ...]
     tile: tuple[int, ...]
@@ -51,6 +54,24 @@ class Patches:
     per_tile: int | None = None
     order: str = "shuffled"
     within: tuple[tuple[int, int], ...] | None = None
+
+    def alike(self, other: Patches) -> bool:
+        """Whether views patched by ``self`` and ``other`` can share each row's origins: the
+        same dimensions cut (by name where both arrays name them, so arrays of other ranks
+        too, e.g. ``(time, lat, lon)`` and ``(time, level, lat, lon)``; else the same axes),
+        the same extent, field, origins, stride, windows per tile and order."""
+        named = self.dims is not None and other.dims is not None
+        if (self.dims != other.dims) if named else (self.axes != other.axes):
+            return False
+        keys = ("extent", "field", "origins", "stride", "per_tile", "order")
+        return all(getattr(self, k) == getattr(other, k) for k in keys)
+
+    def axes_of(self, dims: Sequence[str] | None) -> tuple[int, ...]:
+        """The axes these patches cut in an array of dimensions ``dims`` (patched alike,
+        :meth:`alike`): found by name where both are named, else :attr:`axes`."""
+        if self.dims is None or dims is None or not set(self.dims) <= set(dims):
+            return self.axes
+        return tuple(list(dims).index(d) for d in self.dims)
 
     @property
     def n_axes(self) -> int:

@@ -226,7 +226,7 @@ def held_by_path(views: Iterable[Any]) -> dict[str, Held]:
     selections: dict[str, list[Selection | None]] = {}
     bases: dict[str, Any] = {}
     for view in views:
-        if view.static:
+        if view.static or view.patch is not None:  # (patched: its slots hold one tile each)
             continue
         selections.setdefault(view.path, []).append(view.select)
         bases.setdefault(view.path, view.base)

@@ -43,12 +43,12 @@ def patch_spec(views: Mapping[str, ArrayGeometry]) -> Patches | None:
     first_label, first = specs[0]
     for label, spec in specs[1:]:
         assert spec is not None and first is not None
-        keys = ("axes", "extent", "field", "origins", "stride", "per_tile", "order")
-        if any(getattr(spec, k) != getattr(first, k) for k in keys):
+        if not first.alike(spec):
             raise ValueError(
                 f"patched views {first_label!r} and {label!r} cut their fields differently "
                 f"({first} vs {spec}); views read together take the same origins, so patch "
-                "them with the same axes, extent, field length, origins and stride"
+                "them with the same dimensions (or axes), extent, field length, origins and "
+                "stride"
             )
     return first
 
@@ -214,8 +214,10 @@ class WindowUnits:
     """The units (stored objects) one array's windows read, for rows ``(anchor, origin)``.
 
     ``geom`` is the array (unshifted, whole); ``offsets`` its views' offsets; ``spec`` the
-    plan's patches. Along a patched axis a window at origin ``o`` reads tiles ``o // t`` to
-    ``(o + extent - 1) // t``; along any other field axis every tile.
+    plan's patches (the first patched view's: another array patched alike may have other
+    axes, matched by dimension name: :meth:`~insitubatch_nodes.io.patching.Patches.axes_of`).
+    Along a patched axis a window at origin ``o`` reads tiles ``o // t`` to ``(o + extent -
+    1) // t``; along any other field axis every tile.
     """
 
     def __init__(self, geom: ArrayGeometry, spec: Patches, offsets: Sequence[int]) -> None:
@@ -224,7 +226,8 @@ class WindowUnits:
         self.offsets = tuple(sorted(set(offsets)))
         self.spc = geom.samples_per_chunk
         self.n_tiles = geom.n_tiles
-        pos = {a: i for i, a in enumerate(spec.axes)}
+        # the columns of the rows' origins, on this array's own axes (found by name)
+        pos = {a: i for i, a in enumerate(spec.axes_of(geom.dims))}
         #: per field axis: (index into the origin columns or -1, tile size, extent, grid)
         self._axes = [
             (

@@ -44,6 +44,9 @@ def gather_windows(
     sizes = base.tile_shape
     spans = units.spans(origins)
     path = base.path
+    if view.select is not None:  # patched, and selected along other axes
+        _select_windows(out, within, chunk, origins, view, units, spans, slots)
+        return len(samples)
     for rows, tile in units.pieces(origins, spans):
         keys = (chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))).tolist()
         # per axis: the overlap in field coordinates, then where it lies in the slot and in
@@ -65,3 +68,46 @@ def gather_windows(
             )
             out[(r, *d_box)] = src[(within[r], *s_box)]
     return len(samples)
+
+
+def _select_windows(
+    out: np.ndarray,
+    within: list[int],
+    chunk: np.ndarray,
+    origins: np.ndarray,
+    view: ArrayGeometry,
+    units: WindowUnits,
+    spans: list[tuple[np.ndarray, np.ndarray]],
+    slots: Mapping[tuple[str, int], np.ndarray],
+) -> None:
+    """:func:`gather_windows` of a patched view selected along unpatched axes: per ``(row,
+    tile)`` pair, the selected entries the tile holds along each selected axis (an index drops
+    the axis), at their places in the selection; the window's box along the others."""
+    assert view.select is not None
+    base = view.base
+    keys, sizes = view.select.keys, base.tile_shape
+    for rows, tile in units.pieces(origins, spans):
+        for j, r in enumerate(rows.tolist()):
+            src: list[Any] = [within[r]]
+            dst: list[Any] = [r]
+            for f, key in enumerate(keys):
+                start, stop = int(spans[f][0][r]), int(spans[f][1][r])
+                t0 = int(tile[f][j]) * sizes[f]
+                lo, hi = max(start, t0), min(stop, t0 + sizes[f])
+                if key is None:
+                    src.append(np.arange(lo - t0, hi - t0))
+                    dst.append(np.arange(lo - start, hi - start))
+                    continue
+                wanted = [key] if isinstance(key, int) else list(key)
+                at = [i for i, k in enumerate(wanted) if lo <= k < hi]
+                if not at:
+                    break  # the tile holds none of the selection: nothing to copy
+                src.append(np.asarray([wanted[i] - t0 for i in at]))
+                if not isinstance(key, int):
+                    dst.append(np.asarray(at))
+            else:
+                unit = int(chunk[r]) * base.n_tiles + int(units.tile_index(
+                    tuple(t[j : j + 1] for t in tile), 1)[0])  # fmt: skip
+                picked = slots[(base.path, unit)][np.ix_([src[0]], *src[1:])]
+                shape = (1, *(len(d) for d in dst[1:]))  # (a dropped axis has length 1)
+                out[np.ix_([dst[0]], *dst[1:])] = picked.reshape(shape)

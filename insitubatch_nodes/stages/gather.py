@@ -207,7 +207,7 @@ class GatherNode(BaseNode[Batch]):
         self._selected = {
             label: SelectedGather(g, self.context.held.get(g.path))
             for label, g in self.views.items()
-            if g.select is not None
+            if g.select is not None and g.patch is None  # (patched: gather_windows selects)
         }
         self.coords = {
             label: self._array_coords[_path(v)]
@@ -235,6 +235,22 @@ class GatherNode(BaseNode[Batch]):
             }
             for _ in range(2)
         ]
+
+    def carries(self, path: str, name: str) -> bool:
+        """Whether batches carry coordinate ``name`` of array ``path`` (for any label of it)."""
+        return name in self._array_coords.get(path, {})
+
+    def carried_coordinates(self) -> dict[str, list[str]]:
+        """``{array path: [coordinate names]}`` of the coordinates batches carry."""
+        return {path: sorted(named) for path, named in self._array_coords.items()}
+
+    def run_first(self, transform: BatchTransform) -> None:
+        """Run ``transform`` first on every batch gathered from now on (``InSituPipeline.
+        set_views`` puts there the constants of channel stacks a pipeline built without any
+        is given)."""
+        self.batch_transforms = (*check_batch_transforms([transform]), *self.batch_transforms)
+        if self.recorder.enabled:
+            self.recorder.batch_transforms = len(self.batch_transforms)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -360,7 +376,7 @@ class GatherNode(BaseNode[Batch]):
     ) -> int:
         """Rows ``lo:hi`` of the part ``label``; the rows copied."""
         geom = self.views[label]
-        if geom.select is not None:  # a selected view (see _select)
+        if geom.select is not None and geom.patch is None:  # a selected view (see _select)
             return int(
                 self._selected[label](
                     arrays[label][lo:hi],

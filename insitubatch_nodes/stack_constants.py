@@ -1,0 +1,283 @@
+"""The constant channels of channel stacks: static members read once, forcings per batch.
+
+A :func:`~insitubatch_nodes.stack.stack`'s sampled members are gathered straight into their
+channel slices; its static members (arrays without a sample axis, read once) and its forcings
+(computed from each row's time) are written by :class:`StackConstants`, the batch transform
+the pipeline runs first on every gathered batch.
+
+**Stacks given by set_views**: ``InSituPipeline.set_views`` may give a label a stack with
+other static or forcing members, another layout or normalisation (or a stack where the label
+had a plain view). :func:`prepare_constants` reads, then, the static arrays the new stacks need
+that the pipeline does not hold yet (once, with :func:`~insitubatch_nodes.static.read_static`:
+through the persistent cache when the pipeline has one), and the pipeline's
+:class:`StackConstants` keeps the constants of the stacks in effect beside those of the new
+ones. Each batch gets those of the stack its label is assembled with: the plan's views in
+effect (``ReadPlanNode.batch_views``), which change only when an epoch starts, so an epoch
+still in progress keeps its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+from insitubatch_nodes.batch import Batch, BatchTransform
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.stack import Stack, StackMember, channel_destination, static_window
+from insitubatch_nodes.static import StaticFields
+
+if TYPE_CHECKING:
+    from insitubatch_nodes.stages.gather import GatherNode
+
+__all__ = ["StackConstants", "prepare_constants", "static_fields"]
+
+
+class ViewsInEffect(Protocol):
+    """What :class:`StackConstants` reads of the plan: the batch views in effect."""
+
+    @property
+    def batch_views(self) -> Mapping[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """The constants of one stack: each static member with its data as read (``raw``) and as
+    written (standardised when the stack normalises, in the stack's dtype), and its forcings."""
+
+    stack: Stack
+    fills: tuple[tuple[StackMember, np.ndarray, np.ndarray], ...]
+    forcings: tuple[StackMember, ...]
+    #: a patched stack's: the extent of its windows, and where they cut each static member
+    extent: tuple[int, ...] = ()
+    cuts: tuple[tuple[int, ...], ...] = ()
+
+
+class StackConstants:
+    """A batch transform that writes the static and forcing members of channel stacks into
+    every batch's channel slices (run first, on the gathered batch). ``stacks`` maps a label
+    to its :class:`~insitubatch_nodes.stack.Stack`; ``arrays`` maps ``(label, member name)``
+    to a static member's data (as its view selects it), standardised once, here, when the
+    stack normalises. Forcings are computed from ``batch.coords[label][time_name]`` (the
+    stack's times, ``(batch,)`` or ``(batch, T)``) for each batch.
+
+    ``plan`` (a :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`) says which stack
+    each label is assembled with (its ``batch_views``); :meth:`add` prepares the constants of
+    stacks given later (module docstring). Without a plan, the stacks given here are written.
+    """
+
+    def __init__(
+        self,
+        stacks: Mapping[str, Stack],
+        arrays: Mapping[tuple[str, str], np.ndarray],
+        plan: ViewsInEffect | None = None,
+    ) -> None:
+        self.plan = plan
+        self._variants: dict[str, list[_Prepared]] = {}
+        self.add(stacks, arrays)
+
+    def add(
+        self, stacks: Mapping[str, Stack], arrays: Mapping[tuple[str, str], np.ndarray]
+    ) -> None:
+        """Prepare the constants of ``stacks`` (as in the constructor); those of stacks that
+        are neither in effect nor among ``stacks`` are dropped."""
+        effect = {} if self.plan is None else dict(self.plan.batch_views)
+        for label, variants in self._variants.items():
+            variants[:] = [p for p in variants if p.stack is effect.get(label)]
+        for label, st in stacks.items():
+            fills = []
+            for member in st.static:
+                raw = np.asarray(arrays[(label, member.name)])
+                data = raw.astype(np.float64)
+                if member.norm is not None:
+                    mean, std = member.norm
+                    data = (data - mean.astype(np.float64)) / std.astype(np.float64)
+                fills.append((member, raw, data.astype(st.dtype)))
+            spec = st.sampled[0].geometry.patch
+            cuts = () if spec is None else tuple(
+                static_window(m.name, m.geometry, spec)[0] for m in st.static
+            )  # fmt: skip
+            extent = () if spec is None else spec.extent
+            prepared = _Prepared(st, tuple(fills), st.forcings, extent, cuts)
+            self._variants.setdefault(label, []).append(prepared)
+
+    def held(self, view: ArrayGeometry) -> np.ndarray | None:
+        """The data of a static member read through ``view``, if a stack prepared here has
+        one (as read, before any standardisation)."""
+        for variants in self._variants.values():
+            for prepared in variants:
+                for member, raw, _ in prepared.fills:
+                    if member.view == view:
+                        return raw
+        return None
+
+    def _in_effect(self) -> list[tuple[str, _Prepared]]:
+        if self.plan is None:
+            return [(label, v[0]) for label, v in self._variants.items() if v]
+        out = []
+        for label, view in self.plan.batch_views.items():
+            if not isinstance(view, Stack) or not (view.static or view.forcings):
+                continue
+            found = next((p for p in self._variants.get(label, ()) if p.stack is view), None)
+            if found is None:
+                raise ValueError(
+                    f"stack {label!r} has static or forcing members that no one read or set up "
+                    "for this pipeline: give stacks to a built pipeline with "
+                    "InSituPipeline.set_views (it reads them), not to its plan"
+                )
+            out.append((label, found))
+        return out
+
+    def __call__(self, batch: Batch) -> Batch:
+        for label, prepared in self._in_effect():
+            st = prepared.stack
+            arr = batch.arrays[label]
+            last = st.layout == "channels_last"
+            steps = [None] if st.steps is None else list(range(st.steps))
+            for member in prepared.forcings:
+                assert member.forcing is not None
+                time_name = member.forcing.time_name
+                times = batch.coords.get(label, {}).get(time_name)
+                if times is None:
+                    raise KeyError(
+                        f"stack {label!r}: batches carry no coordinate {time_name!r} to compute "
+                        f"forcing {member.name!r} from; build the pipeline with coords=None or "
+                        f"coords=[{time_name!r}]"
+                    )
+                values = next(iter(member.forcing.compute(times).values()))
+                for t in steps:
+                    at = (member.channel,) if t is None else (t, member.channel)
+                    step = values if t is None else values[:, t]
+                    channel_destination(arr, at, last)[...] = step
+            for i, (member, _, data) in enumerate(prepared.fills):
+                for t in steps:
+                    at = (member.channel,) if t is None else (t, member.channel)
+                    out = channel_destination(arr, at, last)
+                    if prepared.cuts:  # each row's window of the static field
+                        _cut(out, data, batch.patch_origins[label], prepared.cuts[i],
+                             prepared.extent)  # fmt: skip
+                    else:
+                        out[...] = data
+        return batch
+
+    def __repr__(self) -> str:
+        names = [
+            (label, m.name)
+            for label, variants in self._variants.items()
+            for p in variants[:1]
+            for m in (*(f[0] for f in p.fills), *p.forcings)
+        ]
+        return f"StackConstants({names})"
+
+
+def _cut(
+    out: np.ndarray,
+    data: np.ndarray,
+    origins: np.ndarray,
+    axes: tuple[int, ...],
+    extent: tuple[int, ...],
+) -> None:
+    """``out[i] = data`` cut along ``axes`` to the window of ``extent`` at ``origins[i]``."""
+    box: list[slice] = [slice(None)] * data.ndim
+    for i, origin in enumerate(origins.tolist()):
+        for a, o, e in zip(axes, origin, extent, strict=True):
+            box[a] = slice(o, o + e)
+        out[i] = data[tuple(box)]
+
+
+def static_fields(
+    views: dict[str, Any], geoms: dict[str, ArrayGeometry]
+) -> tuple[
+    dict[str, Any],
+    dict[str, ArrayGeometry],
+    dict[str, ArrayGeometry],
+    Callable[[Mapping[str, np.ndarray], ViewsInEffect], tuple[BatchTransform, ...]],
+]:
+    """The static views taken out of the plan: ``(views, geoms, statics, constants)`` — the
+    views and arrays the plan reads, every static view to read once (stack members keyed
+    ``"label/member"``), and what makes the batch transforms from the arrays read and the
+    plan: a :class:`~insitubatch_nodes.static.StaticFields` that puts the static labels into
+    every batch, then a :class:`StackConstants` that writes the static and forcing members of
+    stacks into every batch's channel slices."""
+    stacks: dict[str, Stack] = {label: v for label, v in views.items() if isinstance(v, Stack)}
+    members = {f"{label}/{m.name}": m.geometry for label, st in stacks.items() for m in st.static}
+    static = {label: v for label, v in views.items() if not isinstance(v, Stack) and v.static}
+    sampled = {label: v for label, v in views.items() if isinstance(v, Stack) or not v.static}
+    if not sampled:
+        raise ValueError(
+            f"every view ({sorted(static)}) is a static array: name at least one array with "
+            "samples to train on"
+        )
+    if stacks or static:
+        kept = {
+            m.path
+            for v in sampled.values()
+            for m in (v.views if isinstance(v, Stack) else (v,))
+            if not m.static
+        }
+        geoms = {path: g for path, g in geoms.items() if path in kept}
+    fill = bool(members) or any(st.forcings for st in stacks.values())
+
+    def constants(
+        data: Mapping[str, np.ndarray], plan: ViewsInEffect
+    ) -> tuple[BatchTransform, ...]:
+        out: list[BatchTransform] = []
+        if static:
+            out.append(StaticFields({label: data[label] for label in static}))
+        if fill:
+            constant = {
+                (label, m.name): data[f"{label}/{m.name}"]
+                for label, st in stacks.items()
+                for m in st.static
+            }
+            out.append(StackConstants(stacks, constant, plan))
+        return tuple(out)
+
+    return sampled, geoms, {**static, **members}, constants
+
+
+def prepare_constants(
+    views: Mapping[str, Any],
+    gather: GatherNode,
+    plan: ViewsInEffect,
+    read: Callable[[Mapping[str, ArrayGeometry]], Mapping[str, np.ndarray]],
+) -> Callable[[], None]:
+    """The static and forcing members of the stacks among ``views`` (given to
+    ``InSituPipeline.set_views``), checked and read now: ``ValueError`` for a stack with
+    forcings whose first sampled member's array has no times the batches carry; the static
+    arrays no stack of ``gather``'s :class:`StackConstants` holds are read with ``read``
+    (``{key: view} -> {key: data}``), once. Returns what makes them take effect: call it
+    once the plan took ``views`` (it adds them to the pipeline's :class:`StackConstants`,
+    putting one first among ``gather``'s batch transforms if it has none)."""
+    stacks = {label: v for label, v in views.items() if isinstance(v, Stack)}
+    for label, st in stacks.items():
+        path = st.sampled[0].geometry.path
+        for m in st.forcings:
+            assert m.forcing is not None
+            if not gather.carries(path, m.forcing.time_name):
+                raise ValueError(
+                    f"stack {label!r} computes forcing {m.name!r} from the times of its first "
+                    f"sampled member's array {path!r}, which this pipeline's batches do not "
+                    f"carry (they carry {gather.carried_coordinates()}): put first a member "
+                    f"of an array whose times come with the batches, or build the pipeline "
+                    f"with coords=None"
+                )
+    found = [t for t in gather.batch_transforms if isinstance(t, StackConstants)]
+    constants = found[0] if found else StackConstants({}, {}, plan)
+    want = {(lb, m.name): m.geometry for lb, st in stacks.items() for m in st.static}
+    need = {f"{lb}/{name}": v for (lb, name), v in want.items() if constants.held(v) is None}
+    data = dict(read(need)) if need else {}
+    arrays: dict[tuple[str, str], np.ndarray] = {}
+    for (label, name), view in want.items():
+        held = data[f"{label}/{name}"] if f"{label}/{name}" in data else constants.held(view)
+        assert held is not None  # (read now, or held: that is how need was made)
+        arrays[(label, name)] = held
+
+    def commit() -> None:
+        constants.add(stacks, arrays)
+        if not found and any(st.static or st.forcings for st in stacks.values()):
+            gather.run_first(constants)
+
+    return commit
