@@ -1615,7 +1615,14 @@ def collections_section(source: Path | None) -> list[str]:
         f"{cfg['rounds']} rounds. `collection`: `open_plate` and one pipeline over every field; "
         f"`collection_mixed`: the same collection over the {cfg['mix_fields']} fields "
         f"`per_field` mixes (one pipeline per field under `MultiNodeWeightedSampler`, today's "
-        "route); `bare`: two threads reading and decoding every stored object once.",
+        "route); `bare`: two threads reading and decoding every stored object once."
+        + (
+            " `collection_mixed_direct`: `collection_mixed` keeping nothing "
+            "(`FetchOptions(direct=True)`: every plane decoded straight into its batch row "
+            "every epoch), its memory without the planes the pool keeps when they fit."
+            if "collection_mixed_direct" in summary["samples_per_s"]
+            else ""
+        ),
         "",
     ]
     rows = []
