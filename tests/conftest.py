@@ -28,11 +28,29 @@ import zarr
 # ---------------------------------------------------------------------------------------------
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(trylast=True)  # after pytest-xdist's own hook, which names the group first
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the tests marked ``slow`` (the long end-to-end ones) first, each file's in their
     order, so that under ``-n 2`` the last minutes go to short tests that keep both workers
-    busy to the end, instead of one worker finishing a long test alone."""
+    busy to the end, instead of one worker finishing a long test alone.
+
+    Under ``--dist loadgroup``, also put each ``xdist_group`` mark's name into the test's node
+    id, as pytest-xdist does: pytest-xdist 3.8 writes ``item._nodeid``, which pytest 9 no
+    longer reads (a node id is ``item._id`` there), so its groups were silently not formed and a
+    group's tests ran on both workers, each paying the group's fixtures (a moto server, uploads,
+    a Lightning reference run)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted(
+            {str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+             for m in item.iter_markers("xdist_group")}
+        )  # fmt: skip
+        if names and "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -806,9 +806,31 @@ def run_ranks(mode: str, requests: Sequence[Mapping[str, Any]], workdir: Path) -
     return [json.loads(p.read_text()) for p in paths]
 
 
+def spawn_ranks(fn: Callable[..., None], args: Sequence[Any], nprocs: int, workdir: Path) -> None:
+    """Like ``torch.multiprocessing.spawn(fn, args=args, nprocs=nprocs, join=True)``: call
+    ``fn(rank, *args)`` in ``nprocs`` processes at once and raise when one fails, but each
+    rank is forked from the tests' fork server (new, with nothing of this process's state; its
+    modules already imported) instead of a fresh interpreter importing torch again. ``fn`` is a
+    module-level function and ``args`` are JSON values; logs and requests go to ``workdir``."""
+    requests = [
+        {"module": fn.__module__, "function": fn.__qualname__, "rank": r, "args": list(args)}
+        for r in range(nprocs)
+    ]
+    run_ranks("call", requests, workdir)
+
+
+def _call(req: Mapping[str, Any]) -> dict[str, Any]:
+    import importlib
+
+    fn = getattr(importlib.import_module(req["module"]), req["function"])
+    fn(int(req["rank"]), *req["args"])
+    return {}
+
+
 # ---------------------------------------------------------------------------------------------
 
 MODES: dict[str, Callable[[Mapping[str, Any]], dict[str, Any]]] = {
+    "call": _call,
     "collection-ddp": _collection_ddp,
     "loader-restore": _restore_loader,
     "sdl-restore": _restore_sdl,

@@ -812,15 +812,15 @@ def test_a_lightning_fit_warms_the_cache_for_train_and_val_and_a_readonly_fit_fe
 def test_gloo_ranks_share_one_cache_with_no_chunk_fetched_twice_nor_written_twice(
     tmp_path: Path,
 ) -> None:
-    import torch.multiprocessing as mp
     from cache_child import ddp_cache_worker
+    from resume_helpers import spawn_ranks
 
     # 100 samples in 13 chunks (the last holds 4): 50 per rank, so one chunk is cut in two
     root = write_era5(tmp_path / "era5.zarr", n_time=100)
     world, cache = 2, tmp_path / "cache"
     cfg = {"store": str(root), "cache_dir": str(cache), "persist": True, "epochs": 2}
     out = str(tmp_path / "rank{}.json")
-    mp.spawn(ddp_cache_worker, args=(world, str(tmp_path / "init"), cfg, out), nprocs=world)
+    spawn_ranks(ddp_cache_worker, (world, str(tmp_path / "init"), cfg, out), world, tmp_path / "j1")
     results = [json.loads(Path(out.format(r)).read_text()) for r in range(world)]
     # Over both epochs every stored object was fetched once, by one rank — a chunk another rank
     # completed came from disk — except the tail chunk both ranks read at once in epoch 0
@@ -846,7 +846,8 @@ def test_gloo_ranks_share_one_cache_with_no_chunk_fetched_twice_nor_written_twic
     # a second job over the same directory reads everything from disk, and gets the same
     # batches as the first job, whose first epoch decoded them from the store
     out2 = str(tmp_path / "again{}.json")
-    mp.spawn(ddp_cache_worker, args=(world, str(tmp_path / "init2"), cfg, out2), nprocs=world)
+    args2 = (world, str(tmp_path / "init2"), cfg, out2)
+    spawn_ranks(ddp_cache_worker, args2, world, tmp_path / "j2")
     again = [json.loads(Path(out2.format(r)).read_text()) for r in range(world)]
     assert all(not e["gets"] for r in again for e in r["epochs"])
     assert sum(r["stats"]["disk_hits"] for r in again) >= 2 * 13

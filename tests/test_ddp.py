@@ -1,6 +1,7 @@
 """Real multi-process runs on the gloo backend.
 
-1. ``torch.multiprocessing.spawn`` with 2 and 3 ranks: each rank builds
+1. 2 and 3 ranks (processes forked at once from the tests' fork server, as
+   ``torch.multiprocessing.spawn`` would start them, without a new interpreter): each rank builds
    ``insitu_pipeline(..., rank=None, world_size=None)`` (rank and world size from
    ``torch.distributed``) and reads two epochs, with an ``all_reduce`` per batch. Per epoch the
    ranks' samples are disjoint, they yield the same number of batches, at most
@@ -18,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch.multiprocessing as mp
 from resume_helpers import (
     comparable,
     ddp_worker,
@@ -27,6 +27,7 @@ from resume_helpers import (
     read_records,
     run_lightning,
     run_lightnings_side_by_side,
+    spawn_ranks,
     write_store,
 )
 
@@ -52,11 +53,11 @@ def test_gloo_ranks_deliver_all_but_world_minus_one_samples_in_equal_batch_count
     )
     epochs = 2
     outs = [tmp_path / f"rank{r}.json" for r in range(world)]
-    mp.spawn(
+    spawn_ranks(
         ddp_worker,
         args=(world, str(tmp_path / "init"), cfg, epochs, str(tmp_path / "rank{}.json")),
         nprocs=world,
-        join=True,
+        workdir=tmp_path / "ranks",
     )
     results = [json.loads(Path(str(o)).read_text()) for o in outs]
     assert [r["rank"] for r in results] == list(range(world))

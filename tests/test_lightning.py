@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,8 @@ from resume_helpers import comparable, lightning_request, read_records, run_ligh
 N_BATCHES = 10  # per epoch: 12 train chunks of 8 samples, batch_size 10
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "lightning_forecast.py"
 
-pytestmark = pytest.mark.slow
+# one worker runs the module: the reference and the killed runs are made once, not per worker
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lightning")]
 
 
 @pytest.fixture(scope="module")
@@ -70,15 +72,36 @@ def kill_and_resume(
     return comparable(read_records(killed)), comparable(read_records(resumed)), ckpt
 
 
+Resumed = tuple[list[tuple], list[tuple], Path]
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(
+    store: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[int], Resumed]:
+    """``kill_at -> kill_and_resume(store, ..., kill_at)``, each run at most once per module
+    (the runs are read only afterwards): the weights-only test reads the checkpoint the
+    mid-epoch-0 resume started from instead of killing a run of its own."""
+    runs: dict[int, Resumed] = {}
+
+    def get(kill_at: int) -> Resumed:
+        if kill_at not in runs:
+            workdir = tmp_path_factory.mktemp(f"kill{kill_at}")
+            runs[kill_at] = kill_and_resume(store, workdir, kill_at)
+        return runs[kill_at]
+
+    return get
+
+
 @pytest.mark.parametrize(
     "kill_at",
     [4, N_BATCHES, N_BATCHES + 4],
     ids=["mid-epoch-0", "end-of-epoch-0", "mid-epoch-1"],
 )
 def test_a_run_killed_after_a_checkpoint_resumes_with_no_batch_skipped_or_repeated(
-    store: Path, reference: list[tuple], tmp_path: Path, kill_at: int
+    killed_and_resumed: Callable[[int], Resumed], reference: list[tuple], kill_at: int
 ) -> None:
-    before, after, _ = kill_and_resume(store, tmp_path, kill_at)
+    before, after, _ = killed_and_resumed(kill_at)
     assert before == reference[:kill_at]
     assert after == reference[kill_at:]
 
@@ -125,12 +148,10 @@ def _plan_states(obj: Any) -> list[dict]:
 
 
 def test_the_checkpoint_loads_with_weights_only_and_holds_the_exact_loader_position(
-    store: Path, tmp_path: Path
+    killed_and_resumed: Callable[[int], Resumed],
 ) -> None:
-    kill_at = 4
-    rc, log, _ = train(store, tmp_path, "killed", every_n_train_steps=2, kill_at_step=kill_at)
-    assert rc == -9, log[-5000:]
-    ckpt = torch.load(tmp_path / "killed-ckpt" / f"step={kill_at}.ckpt", weights_only=True)
+    kill_at = 4  # the run killed after its step-4 checkpoint (checked by kill_and_resume)
+    ckpt = torch.load(killed_and_resumed(kill_at)[2], weights_only=True)
     assert ckpt["global_step"] == kill_at
     states = _plan_states(ckpt)
     assert states, "the checkpoint holds no loader state"

@@ -520,8 +520,7 @@ PATCHED = {"extent": [3, 5], "origins": "random"}
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("order", ["shuffled", "sweep"])
 def test_gloo_ranks_take_disjoint_windows_in_equal_batch_counts(tmp_path: Path, order: str) -> None:
-    import torch.multiprocessing as mp
-    from resume_helpers import ddp_worker, pipe_config, write_store
+    from resume_helpers import ddp_worker, pipe_config, spawn_ranks, write_store
 
     store = write_store(tmp_path / "era5.zarr", n_time=64, inner_chunks=(4, 6), variables=("t2m",))
     cfg = pipe_config(
@@ -533,11 +532,11 @@ def test_gloo_ranks_take_disjoint_windows_in_equal_batch_counts(tmp_path: Path, 
         patches={**PATCHED, "order": order},
     )
     world = 2
-    mp.spawn(
+    spawn_ranks(
         ddp_worker,
         args=(world, str(tmp_path / "init"), cfg, 2, str(tmp_path / "rank{}.json")),
         nprocs=world,
-        join=True,
+        workdir=tmp_path / "ranks",
     )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     geom = open_geometries(str(store), ["t2m"])["t2m"]

@@ -21,6 +21,9 @@ from insitubatch_nodes.synthetic import make_plate_metadata_only
 FIELDS = 1536 * 9
 OPEN_S = 10.0  # the bound for opening the 13,824-field plate
 
+# one worker runs both tests: the plate (about 10 s to write here) is written once, not per worker
+pytestmark = pytest.mark.xdist_group("plate-scale")
+
 
 @pytest.fixture(scope="module")
 def big_plate(tmp_path_factory: pytest.TempPathFactory) -> Path:
