@@ -342,12 +342,14 @@ def _bare(
     # stats: each thread's share in runs of up to ``bs`` consecutive steps of one array, each
     # decoded into a row of a (bs, *field) buffer the thread reuses, as fit's batches are
     runs: list[list[tuple[str, list[Path]]]] = [[] for _ in shares]
-    for i, share in enumerate(shares):
-        for name, path in share:
-            if not runs[i] or runs[i][-1][0] != name or len(runs[i][-1][1]) == bs:
-                runs[i].append((name, []))
-            runs[i][-1][1].append(path)
-    rows = [{n: np.ones((bs, *s[1:]), d) for n, (s, d) in shapes.items()} for _ in shares]
+    rows: list[dict[str, np.ndarray]] = []
+    if stats:
+        for i, share in enumerate(shares):
+            for name, path in share:
+                if not runs[i] or runs[i][-1][0] != name or len(runs[i][-1][1]) == bs:
+                    runs[i].append((name, []))
+                runs[i][-1][1].append(path)
+        rows = [{n: np.ones((bs, *s[1:]), d) for n, (s, d) in shapes.items()} for _ in shares]
 
     def work_stats(i: int) -> tuple[int, int]:
         from insitubatch_nodes.statistics import _Moments
@@ -412,8 +414,9 @@ def run_deliver(cfg: dict[str, Any]) -> dict[str, Any]:
     (into a buffer the thread reuses) and its channels (13 selected levels, or the one surface
     field) copied into the ``(row, step, channel slice)`` of every window that reads it, in
     ``x (batch, 2, C, lat, lon)`` and ``y (batch, 4, C', lat, lon)`` buffers the thread reuses.
-    The statics and the forcing channel are not written (their cost is not the data's). The
-    least any loader delivering these tensors must do: decode, and copy each window's bytes."""
+    The statics and the forcing channel are not written (their cost is not the data's). What
+    delivering these tensors adds to a decode; no bound on an epoch served from kept chunks
+    (it re-decodes every epoch, and copies row by row)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import numcodecs
@@ -518,18 +521,11 @@ def _child(argv: list[str]) -> None:
     Path(argv[1]).write_text(json.dumps(result))
 
 
-def warm_page_cache(store: Path) -> None:
-    """Read every file of the store once, so that each engine's epoch 0 finds the page cache
-    warm (this machine's kernel reclaims idle page cache within minutes): epoch 0 then
-    measures the engine's cold start, not the disk."""
-    for path in store.rglob("*"):
-        if path.is_file():
-            with open(path, "rb", buffering=0) as fh:
-                while fh.read(1 << 22):
-                    pass
-
-
 def run_engine(engine: str, cfg: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    # each engine's epoch 0 finds the page cache warm (this machine's kernel reclaims idle page
+    # cache within minutes): it measures the engine's cold start, not the disk
+    from benchmarks.archive import warm_page_cache
+
     warm_page_cache(Path(cfg["store"]))
     out = tmp / f"{engine}.json"
     child = {**cfg, "engine": engine}
