@@ -438,3 +438,29 @@ def test_a_patched_stack_of_arrays_of_any_rank_equals_each_members_window_at_the
     # every window of the grid, the edge ones flush with the far side included
     assert seen == {(a, b) for a in (0, 2) for b in (0, 3, 4)}
     assert sum(map(len, batches)) == N * 6
+
+
+@pytest.mark.parametrize(
+    ("shape", "axes", "extent"),
+    [((6, 8), (0, 1), (3, 4)), ((5, 6, 8), (1, 2), (2, 3)), ((6, 5, 8), (0, 2), (2, 3)),
+     ((6, 8), (1, 0), (3, 2))],
+)  # fmt: skip
+def test_a_static_field_is_cut_to_every_rows_window_at_once_in_its_own_axis_order(
+    shape: tuple[int, ...], axes: tuple[int, ...], extent: tuple[int, ...]
+) -> None:
+    from insitubatch_nodes.stack_constants import _cut
+
+    rng = np.random.default_rng(0)
+    data = rng.random(shape).astype("f4")
+    pairs = zip(axes, extent, strict=True)
+    origins = np.stack([rng.integers(0, shape[a] - e + 1, 7) for a, e in pairs], 1)
+    row = list(shape)
+    for a, e in zip(axes, extent, strict=True):
+        row[a] = e
+    out = np.empty((7, *row), "f4")
+    _cut(out, data, origins, axes, extent)
+    for i, origin in enumerate(origins.tolist()):
+        box = [slice(None)] * data.ndim
+        for a, o, e in zip(axes, origin, extent, strict=True):
+            box[a] = slice(o, o + e)
+        np.testing.assert_array_equal(out[i], data[tuple(box)])
