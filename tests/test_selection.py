@@ -136,6 +136,71 @@ def test_a_selection_whole_in_a_chunk_decodes_each_object_once(store: Path) -> N
     assert len(gets) == T and all(n == 1 for n in gets.values())
 
 
+def test_a_selection_whole_in_a_chunk_keeps_only_the_selected_levels_in_the_pool(
+    store: Path,
+) -> None:
+    # t: 7 levels whole in each object; two views select 3 of them between them (the union is
+    # held: 3/7 of the memory), one in the held order (a contiguous copy), one out of it
+    g = open_geometries(store)["t"]
+    views = {"a": g.sel(level=[850, 500]), "b": g.isel(level=[6, 4]), "c": g.sel(level=500)}
+    manifest = split_by_chunk(open_geometries(store)["u"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, views, batch_size=4, coords=())
+    ds = xr.open_zarr(store, consolidated=False).t
+    expected = {
+        "a": ds.sel(level=[850, 500]).values,
+        "b": ds.isel(level=[6, 4]).values,
+        "c": ds.sel(level=500).values,
+    }
+    try:
+        for _ in range(2):  # epoch 1 from the pool: the kept levels, still in their places
+            pipe.reset()
+            for batch in pipe:
+                for label, want in expected.items():
+                    rows = batch.sample_indices[label]
+                    np.testing.assert_array_equal(np.array(batch.arrays[label]), want[rows])
+        stats = pipe.stats()
+    finally:
+        pipe.close()
+    assert stats["gets"] == T, "each stored object is read once"
+    assert stats["resident_peak_bytes"] == T * 3 * Y * X * 4, "3 levels of 7 are kept per step"
+
+
+def test_set_views_selects_within_what_the_slots_hold_or_says_what_to_build(
+    store: Path,
+) -> None:
+    # the slots hold what the build's views select: levels {300, 500, 850} of t (whole in each
+    # object) and the tile of u's level 2 (one level per object); a later set of views may
+    # select within that, and is refused (not an IndexError mid-epoch) beyond it
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["u"], (1.0, 0.0, 0.0))
+    built = {"x": g["t"].sel(level=[500, 850, 300]), "y": g["u"].isel(level=[2])}
+    pipe = insitu_pipeline(store, manifest, built, batch_size=4, coords=())
+    ds = xr.open_zarr(store, consolidated=False)
+    try:
+        list(pipe)
+        pipe.set_views({"x": g["t"].sel(level=[850, 300]), "y": g["u"].isel(level=2)})
+        pipe.reset()
+        batches = list(pipe)
+        assert batches
+        for batch in batches:
+            rows = batch.sample_indices
+            np.testing.assert_array_equal(
+                np.array(batch.arrays["x"]), ds.t.sel(level=[850, 300]).values[rows["x"]]
+            )
+            np.testing.assert_array_equal(
+                np.array(batch.arrays["y"]), ds.u.isel(level=2).values[rows["y"]]
+            )
+        for beyond in (
+            {"x": g["t"].sel(level=1000), "y": g["u"].isel(level=2)},
+            {"x": g["t"], "y": g["u"].isel(level=2)},
+            {"x": g["t"].sel(level=500), "y": g["u"].isel(level=5)},
+        ):
+            with pytest.raises(ValueError, match="do not hold"):
+                pipe.set_views(beyond)
+    finally:
+        pipe.close()
+
+
 def test_a_view_cannot_be_selected_by_an_unknown_dimension_or_value(store: Path) -> None:
     g = open_geometries(store)["t"]
     with pytest.raises(KeyError, match="no dimension named 'height'"):

@@ -8,13 +8,18 @@ is the selection's.
 What is read for it depends on how the array is chunked along the selected axes:
 
 * **An axis whole in a stored object** (ARCO-ERA5's 37 levels in one object): the object is
-  decoded once into its pool slot, whole, and the gather copies only the selection from the
-  slot into the batch. The pool holds the full chunk; the batch holds the selection only.
+  decoded once, and its slot keeps only the indices the array's views select (13 levels of
+  37: 13/37 of the memory), copied out of the decoded object on the decoding thread while it
+  is hot in cache. A view selecting exactly what is held is then one contiguous copy per row.
+  (A slot holds the whole object where it must: the array has chunk transforms, which take
+  the stored chunk, or the pool keeps a persistent cache, whose files are stored chunks.)
 * **An axis cut into tiles** (levels stored one per object, a tiled latitude/longitude grid):
-  only the tiles the selection touches are read, and a slot holds those tiles side by side
-  (a *held* slot, smaller than the chunk). Views of one array share its slots, so the tiles
-  held are the union of what every view of the array touches (all of them when one view reads
-  the whole field).
+  only the tiles the selection touches are read, each decoded straight into its place in the
+  slot, the touched tiles side by side (smaller than the chunk).
+
+Views of one array share its slots, so what a slot holds is the union of what every view of
+the array selects (everything when one view reads the whole field); a later ``set_views``
+may select only within it.
 
 Everything here is plain data worked out once per view or array, before any read (as zarr
 plans a selection); the fetch stage fills the held tiles, the gather indexes the slot.
@@ -31,12 +36,14 @@ import numpy as np
 
 __all__ = [
     "Held",
+    "HeldBox",
     "Selection",
     "axis_key",
+    "covers",
     "held_boxes",
     "held_by_path",
     "held_geometry",
-    "held_tiles",
+    "held_indices",
     "slot_index",
 ]
 
@@ -115,93 +122,114 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
 
 # -- what one array's slots hold -------------------------------------------------------------
 Held = tuple[tuple[int, ...] | None, ...]
-"""Per field axis, the tiles a slot holds (ascending), or ``None`` for all of them."""
+"""Per field axis, the indices of the axis a slot holds (ascending, side by side in the slot),
+or ``None`` for all of them."""
 
 
-def touched_tiles(selection: Selection | None, tile_shape: Sequence[int]) -> Held:
-    """The tiles one view reads along each field axis (``None``: every tile)."""
-    if selection is None:
-        return (None,) * len(tile_shape)
-    out: list[tuple[int, ...] | None] = []
-    for key, size in zip(selection.keys, tile_shape, strict=True):
-        if key is None:
-            out.append(None)
-        else:
-            idx = (key,) if isinstance(key, int) else key
-            out.append(tuple(sorted({i // size for i in idx})))
-    return tuple(out)
+def _selected(key: AxisKey) -> tuple[int, ...] | None:
+    if key is None:
+        return None
+    return (key,) if isinstance(key, int) else tuple(key)
 
 
-def held_tiles(
-    selections: Sequence[Selection | None], tile_shape: Sequence[int], tile_grid: Sequence[int]
+def held_indices(
+    selections: Sequence[Selection | None],
+    tile_shape: Sequence[int],
+    field_shape: Sequence[int],
+    *,
+    exact: bool = True,
 ) -> Held | None:
-    """The tiles the slots of one array hold for views with ``selections``: the union of what
-    each touches, per field axis; ``None`` when that is every tile (an ordinary slot)."""
+    """The indices the slots of one array hold for views with ``selections``, per field axis:
+    along an axis stored whole in each object (one tile), the union of what the views select
+    when ``exact`` (the object is decoded once, and only those indices are kept); along an
+    axis cut into tiles, every index of the tiles the views touch (each decodes straight into
+    its place). ``None`` when that is everything (an ordinary slot)."""
     held: list[set[int] | None] = [set() for _ in tile_shape]
     for sel in selections:
-        for axis, tiles in enumerate(touched_tiles(sel, tile_shape)):
-            have = held[axis]
-            if tiles is None or have is None:
+        keys = (None,) * len(tile_shape) if sel is None else sel.keys
+        for axis, key in enumerate(keys):
+            have, idx = held[axis], _selected(key)
+            if idx is None or have is None:
                 held[axis] = None
             else:
-                have.update(tiles)
-    out = tuple(
-        None if h is None or len(h) == grid else tuple(sorted(h))
-        for h, grid in zip(held, tile_grid, strict=True)
-    )
-    return None if all(h is None for h in out) else out
+                have.update(idx)
+    out: list[tuple[int, ...] | None] = []
+    for h, size, n in zip(held, tile_shape, field_shape, strict=True):
+        if h is not None and not (exact and size >= n):  # whole touched tiles
+            h = {
+                i for t in {i // size for i in h} for i in range(t * size, min(n, t * size + size))
+            }
+        out.append(None if h is None or len(h) == n else tuple(sorted(h)))
+    return None if all(h is None for h in out) else tuple(out)
+
+
+def held_shape(held: Held, field_shape: Sequence[int]) -> tuple[int, ...]:
+    """A held slot's payload shape: per field axis, the held indices side by side."""
+    return tuple(n if h is None else len(h) for h, n in zip(held, field_shape, strict=True))
+
+
+HeldBox = tuple[tuple[int, ...], tuple[slice, ...], tuple[np.ndarray | None, ...]]
+"""One stored tile a held slot takes from: its coordinates in the array's tile grid, the
+rectangle it fills in the slot's payload, and per field axis the indices within the tile it
+keeps (``None``: the tile's whole extent, decoded straight into the rectangle)."""
+
+
+def held_boxes(held: Held, tile_shape: Sequence[int], field_shape: Sequence[int]) -> list[HeldBox]:
+    """Every stored tile a held slot takes indices from, in C order (see :data:`HeldBox`)."""
+    per_axis: list[list[tuple[int, slice, np.ndarray | None]]] = []
+    for h, c, n in zip(held, tile_shape, field_shape, strict=True):
+        idx = np.arange(n) if h is None else np.asarray(h, dtype=np.int64)
+        tiles = idx // c
+        spots = []
+        for t in np.unique(tiles).tolist():
+            place = np.flatnonzero(tiles == t)
+            within = idx[place] - t * c
+            whole = len(within) == _extent(t, c, n)  # (ascending: then it is 0, 1, ..., e - 1)
+            box = slice(int(place[0]), int(place[-1]) + 1)
+            spots.append((int(t), box, None if whole else within))
+        per_axis.append(spots)
+    return [
+        (
+            tuple(t for t, _, _ in combo),
+            tuple(s for _, s, _ in combo),
+            tuple(w for _, _, w in combo),
+        )
+        for combo in product(*per_axis)
+    ]
 
 
 def _extent(tile: int, size: int, length: int) -> int:
     return min((tile + 1) * size, length) - tile * size
 
 
-def held_shape(
-    held: Held, tile_shape: Sequence[int], field_shape: Sequence[int]
-) -> tuple[int, ...]:
-    """A held slot's payload shape: per field axis, the held tiles side by side."""
-    return tuple(
-        n if h is None else sum(_extent(t, c, n) for t in h)
-        for h, c, n in zip(held, tile_shape, field_shape, strict=True)
-    )
+def covers(held: Held | None, selection: Selection | None) -> bool:
+    """Whether slots holding ``held`` hold every index ``selection`` takes."""
+    if held is None:
+        return True
+    keys = (None,) * len(held) if selection is None else selection.keys
+    for h, key in zip(held, keys, strict=True):
+        if h is None:
+            continue
+        if key is None:
+            return False
+        if not set((key,) if isinstance(key, int) else key) <= set(h):
+            return False
+    return True
 
 
-def held_boxes(
-    held: Held, tile_shape: Sequence[int], field_shape: Sequence[int]
-) -> list[tuple[tuple[int, ...], tuple[slice, ...]]]:
-    """Every held tile (its coordinates in the array's tile grid) and the rectangle it fills in
-    a held slot's payload, in C order."""
-    per_axis: list[list[tuple[int, slice]]] = []
-    for h, c, n in zip(held, tile_shape, field_shape, strict=True):
-        tiles = range(-(-n // c)) if h is None else h
-        at, spots = 0, []
-        for t in tiles:
-            e = _extent(t, c, n)
-            spots.append((t, slice(at, at + e) if h is not None else slice(t * c, t * c + e)))
-            at += e
-        per_axis.append(spots)
-    return [
-        (tuple(t for t, _ in combo), tuple(s for _, s in combo)) for combo in product(*per_axis)
-    ]
-
-
-def slot_index(
-    selection: Selection, held: Held | None, tile_shape: Sequence[int]
-) -> tuple[int | slice | np.ndarray, ...]:
+def slot_index(selection: Selection, held: Held | None) -> tuple[int | slice | np.ndarray, ...]:
     """The index of ``selection`` into one sample of a slot (held or whole), per field axis:
     an ``int`` (a dropped axis), a ``slice`` (everything, or evenly spaced indices) or an
     index array; a payload ``slot[row][index]`` has the selection's shape."""
     out: list[int | slice | np.ndarray] = []
-    for axis, (key, size) in enumerate(zip(selection.keys, tile_shape, strict=True)):
-        tiles = None if held is None else held[axis]
+    for axis, key in enumerate(selection.keys):
+        kept = None if held is None else held[axis]
         if key is None:
             out.append(slice(None))
             continue
         idx = np.asarray((key,) if isinstance(key, int) else key, dtype=np.int64)
-        if tiles is not None:  # where each index lies among the held tiles, side by side
-            starts = np.cumsum([0] + [size] * (len(tiles) - 1))
-            place = np.searchsorted(np.asarray(tiles), idx // size)
-            idx = starts[place] + idx % size
+        if kept is not None:  # where each index lies among the held ones, side by side
+            idx = np.searchsorted(np.asarray(kept, dtype=np.int64), idx)
         if isinstance(key, int):
             out.append(int(idx[0]))
         else:
@@ -220,9 +248,11 @@ def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
     return slice(int(idx[0]), None if stop < 0 else stop, step)
 
 
-def held_by_path(views: Iterable[Any]) -> dict[str, Held]:
-    """Array path -> the tiles its slots hold, for the arrays (of ``views``, geometries) whose
-    views all touch only some stored tiles of a tiled axis; arrays left out hold every tile."""
+def held_by_path(views: Iterable[Any], exact: Any = lambda path: True) -> dict[str, Held]:
+    """Array path -> the indices its slots hold (:func:`held_indices`), for the arrays (of
+    ``views``, geometries) whose views all select only part of a field axis; arrays left out
+    hold everything. ``exact(path)``: whether the array's slots may keep only the selected
+    indices of an axis stored whole in each object (else they keep whole tiles)."""
     selections: dict[str, list[Selection | None]] = {}
     bases: dict[str, Any] = {}
     for view in views:
@@ -233,15 +263,15 @@ def held_by_path(views: Iterable[Any]) -> dict[str, Held]:
     out = {}
     for path, sels in selections.items():
         base = bases[path]
-        held = held_tiles(sels, base.tile_shape, base.tile_grid)
+        held = held_indices(sels, base.tile_shape, base.field_shape, exact=bool(exact(path)))
         if held is not None:
             out[path] = held
     return out
 
 
 def held_geometry(base: Any, held: Held) -> Any:
-    """What one slot of array ``base`` (a geometry) holds when it holds the tiles ``held``."""
-    return base.with_inner(held_shape(held, base.tile_shape, base.field_shape), base.dtype)
+    """What one slot of array ``base`` (a geometry) holds when it holds the indices ``held``."""
+    return base.with_inner(held_shape(held, base.field_shape), base.dtype)
 
 
 def label_positions(path: str, name: str, values: np.ndarray, key: Any) -> Any:

@@ -25,6 +25,7 @@ __all__ = [
     "ArrayFill",
     "FetchedBatch",
     "FillJob",
+    "KeepingDecoder",
     "PendingBatch",
     "PlanGroup",
     "Queued",
@@ -64,7 +65,7 @@ class ArrayFill:
         #: a patched array: a pool entry's key names a unit (one stored tile), not a chunk
         self.units = units
         self.path = geom.path
-        self.decoder = decoder
+        self.decoder: ChunkDecoder | KeepingDecoder = decoder
         self.template = geom.key_template
         #: every tile read and the (sample-first) index of its rectangle within a chunk's
         #: region: all of them, or the ``held`` ones side by side (see io/selection)
@@ -72,7 +73,10 @@ class ArrayFill:
             self.tiles = [(tuple(t), (slice(None), *geom.tile_slices(t))) for t in geom.tiles()]
         else:
             boxes = held_boxes(held, geom.tile_shape, geom.field_shape)
-            self.tiles = [(t, (slice(None), *box)) for t, box in boxes]
+            self.tiles = [(t, (slice(None), *box)) for t, box, _ in boxes]
+            kept = {t: within for t, _, within in boxes if any(w is not None for w in within)}
+            if kept:  # tiles of which the slot keeps some indices: decoded aside, then taken
+                self.decoder = KeepingDecoder(decoder, kept)
         self.whole = geom.n_tiles == 1  # one stored object covers the whole field
         self.fill_value: Any = np.nan if geom.dtype.kind in "fc" else decoder.fill_value
         self.missing = False  # the last object read of this array was missing (a hint)
@@ -115,6 +119,55 @@ class ArrayFill:
         coords = list(tile)
         coords.insert(self.geom.sample_axis, chunk)
         return self.template.format(*coords)
+
+
+class KeepingDecoder:
+    """A :class:`~insitubatch_nodes.io.decode.ChunkDecoder` for slots that keep only some
+    indices of a stored object (:func:`~insitubatch_nodes.io.selection.held_boxes`): such an
+    object is decoded whole into this thread's buffer, then the kept indices are copied into
+    the slot while they are hot in cache; other objects decode straight into the slot."""
+
+    __slots__ = ("_inner", "_kept", "_local")
+
+    def __init__(
+        self, inner: ChunkDecoder, kept: Mapping[tuple[int, ...], tuple[np.ndarray | None, ...]]
+    ) -> None:
+        self._inner = inner
+        #: tile -> per field axis the indices within it the slot keeps (None: all)
+        self._kept = dict(kept)
+        self._local = threading.local()
+
+    @property
+    def fill_value(self) -> Any:
+        return self._inner.fill_value
+
+    def decode_trusted(
+        self, raw: Any, out: np.ndarray, chunk_index: int, tile: tuple[int, ...]
+    ) -> None:
+        """``ChunkDecoder.decode_trusted`` into ``out``, the kept indices of the object's
+        rectangle (all of it for a tile kept whole)."""
+        within = self._kept.get(tuple(tile))
+        if within is None or raw is None:  # (a missing object: the fill value, straight)
+            self._inner.decode_trusted(raw, out, chunk_index, tile)
+            return
+        geom = self._inner.geometry
+        extent = (out.shape[0], *(s.stop - s.start for s in geom.tile_slices(tile)))
+        buffers: dict[tuple[int, ...], np.ndarray] | None = getattr(self._local, "buffers", None)
+        if buffers is None:
+            buffers = self._local.buffers = {}
+        whole = buffers.get(extent)
+        if whole is None:
+            whole = buffers[extent] = np.empty(extent, geom.dtype)
+        self._inner.decode_trusted(raw, whole, chunk_index, tile)
+        axes = [(1 + a, w) for a, w in enumerate(within) if w is not None]
+        if len(axes) == 1:
+            axis, w = axes[0]
+            np.take(whole, w, axis=axis, out=out, mode="clip")
+            return
+        picked = whole
+        for axis, w in axes:
+            picked = np.take(picked, w, axis=axis, mode="clip")
+        out[...] = picked
 
 
 class Unit(NamedTuple):

@@ -1,7 +1,8 @@
 """Gathering selected views: each row's selection copied out of its chunk's slot.
 
-A selected view's slot holds the whole chunk, or the stored tiles its array's views touch side
-by side (:mod:`~insitubatch_nodes.io.selection`). Its index into one sample of the slot
+A selected view's slot holds the whole chunk, or the indices its array's views select side by
+side (:mod:`~insitubatch_nodes.io.selection`): a view selecting exactly what is held takes
+each row with one contiguous copy. Its index into one sample of the slot
 (:func:`~insitubatch_nodes.io.selection.slot_index`) is worked out once per view. As for an
 ordinary label, the rows of one chunk are one contiguous run of the batch, and each run is
 copied with basic indexing wherever it can be: one slice assignment (a view of the slot, no
@@ -33,7 +34,7 @@ class SelectedGather:
         assert view.select is not None
         self.path = view.path
         self.spc = view.samples_per_chunk
-        self.index = slot_index(view.select, held, view.base.tile_shape)
+        self.index = slot_index(view.select, held)
         arrays = [a for a, i in enumerate(self.index) if isinstance(i, np.ndarray)]
         #: one index array (a list of levels): basic indexing, then one np.take
         self.listed: tuple[int, np.ndarray] | None = None

@@ -75,8 +75,11 @@ class StageContext:
     * ``recorder``: the epoch report's recorder (the null one with ``options.report=False``);
     * ``buffers``: the batch buffers, sized to ``min(batch_size, samples this rank delivers per
       epoch)`` rows;
-    * ``held``: array path -> the stored tiles its slots hold, for arrays whose selected views
-      touch only some tiles (:mod:`~insitubatch_nodes.io.selection`); absent: every tile.
+    * ``held``: array path -> the indices of its field axes its slots hold, for arrays whose
+      selected views select only part of a field axis (:mod:`~insitubatch_nodes.io.selection`:
+      the selected indices of an axis whole in each object, the touched tiles of a tiled
+      one); absent: everything. The plan is told (:meth:`ReadPlanNode.hold`), so that
+      ``set_views`` selects only within it.
     """
 
     plan: ReadPlanNode
@@ -119,8 +122,14 @@ class StageContext:
         transforms = _resolve_transforms(plan, chunk_transforms)
         views = {label: _carried_view(label, v, transforms) for label, v in plan.views.items()}
         patched = frozenset(v.path for v in views.values() if v.patch is not None)
-        held = held_by_path(views.values())
+        persistent = pool.cache is not None and pool.cache.persistent
+        # slots keep only the selected indices of an axis whole in each object, unless they
+        # must hold stored chunks: for chunk transforms, or as a persistent cache's files
+        held = held_by_path(
+            views.values(), exact=lambda path: not (persistent or transforms.active(path))
+        )
         slot_geoms = _slot_geometries(transforms, patched, pool, held)
+        plan.hold(held)
         rows = batch_rows(
             plan.batch_size,
             plan.epoch_plan(0).n_samples,
@@ -216,8 +225,8 @@ def _slot_geometries(
     held: Mapping[str, Held],
 ) -> dict[str, ArrayGeometry]:
     """Path -> what one slot holds: the transformed chunk, one stored tile of an array read
-    through patched views, or the held tiles of an array read through selected views (neither
-    takes chunk transforms; held tiles take no persistent cache)."""
+    through patched views, or the held indices of an array read through selected views (held
+    tiles of a tiled axis take neither chunk transforms nor a persistent cache)."""
     out = dict(transforms.outputs)
     for path in sorted(held):
         if transforms.active(path):

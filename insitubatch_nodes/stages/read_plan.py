@@ -8,8 +8,6 @@ configuration.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
@@ -20,6 +18,7 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes._checks import check_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held, covers
 from insitubatch_nodes.plan.anchors import describe_stride, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
@@ -31,6 +30,7 @@ from insitubatch_nodes.plan.epoch import (
     patch_layout,
     plan_epoch,
 )
+from insitubatch_nodes.plan.fingerprint import dataset_hash, readable_views, views_list
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import default_rank_world
@@ -43,12 +43,6 @@ from insitubatch_nodes.plan.schedule import (
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = ["ReadPlanNode"]
-
-
-def _dataset_hash(manifest: SplitManifest, views: Sequence[Sequence[Any]]) -> str:
-    """The fingerprint's ``dataset``: the manifest and the plan's views (sorted
-    ``(label, path, offset, samples_per_chunk[, patch])``)."""
-    return hashlib.sha256(json.dumps([manifest.fingerprint(), views]).encode()).hexdigest()[:16]
 
 
 def _check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
@@ -227,6 +221,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         # the plan's views by dataset fingerprint: those it had, and set_views gave
         self._known: dict[str, dict[str, ArrayGeometry]] = {}
         self._views_named = not layout.is_plain()
+        self._held: dict[str, Held] = {}  # what the slots hold (hold)
         self._config = self._fingerprint()  # the configuration is fixed from here on
 
     @staticmethod
@@ -259,8 +254,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         saved mid-epoch with the views in effect (a pipeline closed and resumed): its epoch
         ends under its own views, and these start with the next. ``schedule`` is
         the residency schedule for them (default: the current one). Checked here:
-        ``ValueError`` when they read other arrays, patch an array otherwise, or leave the
-        split no anchor."""
+        ``ValueError`` when they read other arrays, patch an array otherwise, select what the
+        pool's slots do not hold (:meth:`hold`), or leave the split no anchor."""
         parts, layout = self._plan_views(self.manifest, views, self.plan_config)
         mine = {g.path: g.patch for g in self.views.values()}
         theirs = {g.path: g.patch for g in parts.values()}
@@ -275,12 +270,27 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 f"set_views keeps how each array is patched: {changed} would be patched "
                 "otherwise; build a new pipeline for that"
             )
+        beyond = sorted(
+            {g.path for g in parts.values() if not covers(self._held.get(g.path), g.select)}
+        )
+        if beyond:
+            raise ValueError(
+                f"set_views selects parts of {beyond} that the pool's slots do not hold: they "
+                "hold what the views the pipeline was built with select (their union), fixed "
+                "at build; build it with views that select everything each set of views needs"
+            )
         check_ranks(self.manifest, parts, self.plan_config)
         if schedule is not None and not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
         self._pending = (parts, layout, self.schedule if schedule is None else schedule)
         self._pending_len = plan_epoch(self.manifest, parts, self.plan_config).n_batches
-        self._known[_dataset_hash(self.manifest, _views_list(parts))] = parts
+        self._known[dataset_hash(self.manifest, views_list(parts))] = parts
+
+    def hold(self, held: Mapping[str, Held]) -> None:
+        """What the pool's slots hold of each array read through selected views (the stage
+        context says, see :mod:`~insitubatch_nodes.io.selection`): ``set_views`` then takes
+        only views that select within it."""
+        self._held = dict(held)
 
     def _resumes_mid_epoch(self, state: Mapping[str, Any]) -> bool:
         """Whether ``state`` was saved with the views in effect and resumes inside its epoch
@@ -321,8 +331,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     # -- configuration identity -----------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
-        views = _views_list(self.views)
-        dataset = _dataset_hash(self.manifest, views)
+        views = views_list(self.views)
+        dataset = dataset_hash(self.manifest, views)
         self._known[dataset] = dict(self.views)
         return {
             "dataset": dataset,
@@ -576,7 +586,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if dataset in self._known:  # views this node had, or was given
             return self._known[dataset]
         theirs = saved.get("views")
-        if not isinstance(theirs, list) or dataset != _dataset_hash(self.manifest, theirs):
+        if not isinstance(theirs, list) or dataset != dataset_hash(self.manifest, theirs):
             return None  # the manifest or the arrays differ too: not a change of views
         by_path = {g.path: g for g in self.views.values()}
         out: dict[str, ArrayGeometry] = {}
@@ -624,8 +634,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             f"cannot restore this read-plan state: its dataset's views differ, and it was "
             f"saved mid-epoch (epoch "
             f"{int(state['epoch'])}, after {emitted} batches) with views "
-            f"{_readable_views(_views_list(theirs))}, and this pipeline reads "
-            f"{_readable_views(_views_list(self.views))}; restore it where an epoch begins or "
+            f"{readable_views(views_list(theirs))}, and this pipeline reads "
+            f"{readable_views(views_list(self.views))}; restore it where an epoch begins or "
             "ends, or give the pipeline the state's views (set_views) to resume it mid-epoch"
         )
 
@@ -675,18 +685,3 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             self.manifest, chunks, offsets, self.plan_config.replace(cross_split_windows=True)
         )[0]
         return not np.array_equal(inside, across)
-
-
-def _views_list(views: Mapping[str, ArrayGeometry]) -> list[list[Any]]:
-    """The plan's views as the fingerprint lists them: sorted ``[label, path, offset,
-    samples_per_chunk(, patch)]``."""
-    return sorted(
-        [k, g.path, g.offset, g.samples_per_chunk]
-        + ([] if g.patch is None else [g.patch.describe()])
-        for k, g in views.items()
-    )
-
-
-def _readable_views(views: Sequence[Sequence[Any]]) -> str:
-    """A state's ``views`` entry as ``[x[0]: t2m -1, x[1]: t2m +0, y: t2m +1]``."""
-    return "[" + ", ".join(f"{v[0]}: {v[1] or '/'} {int(v[2]):+d}" for v in views) + "]"
