@@ -38,6 +38,7 @@ a minute, is below the formula's accuracy for these uses).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -203,6 +204,11 @@ def year_progress(times: Any) -> np.ndarray:
     return (t - start).astype(np.int64) / length.astype(np.int64)
 
 
+MEMO_BYTES = 64 * 2**20
+"""The fields one :class:`Forcings` remembers, at most (bytes): 64 MiB holds 2,048 times of
+one forcing on a 64 x 128 grid, 16 on ERA5's 0.25° grid."""
+
+
 class Forcings:
     """A batch transform adding forcings (module docstring) as labels.
 
@@ -246,10 +252,59 @@ class Forcings:
         self.period = as_timedelta(period, "the accumulation period")
         self.bins = None if bins is None else int(bins)
         self.irradiance = float(irradiance)
+        #: time (ns since the epoch) -> {name: (n_lat, n_lon) float32}, oldest first
+        self._memo: dict[int, dict[str, np.ndarray]] = {}
+        self._memo_bytes = 0
+        self._lock = threading.Lock()
 
     def compute(self, times: Any) -> dict[str, np.ndarray]:
-        """``{name: (*times.shape, n_lat, n_lon) float32}`` for ``times``."""
+        """``{name: (*times.shape, n_lat, n_lon) float32}`` for ``times``.
+
+        Each distinct time is computed once and its fields are remembered (up to
+        :data:`MEMO_BYTES` per instance, the oldest forgotten first): a time several rows or
+        steps share (overlapping windows), or that a later epoch meets again, costs a copy,
+        not the trigonometry."""
         times = np.asarray(times)
+        if times.dtype.kind != "M":
+            return self._compute(times)  # (it says what is wrong with them)
+        keys = times.astype("datetime64[ns]").view(np.int64).ravel()
+        distinct, inverse = np.unique(keys, return_inverse=True)
+        with self._lock:
+            known = [self._memo.get(k) for k in distinct.tolist()]
+        new = [i for i, fields in enumerate(known) if fields is None]
+        if new:
+            fresh = self._compute(distinct[new].view("datetime64[ns]"))
+            with self._lock:
+                for j, i in enumerate(new):
+                    known[i] = fields = {name: v[j].copy() for name, v in fresh.items()}
+                    self._remember(int(distinct[i]), fields)
+        shape = (*times.shape, len(self.lat), len(self.lon))
+        out = {}
+        for name in self.names:
+            table = np.stack([fields[name] for fields in known])  # type: ignore[index]
+            out[name] = np.take(table, inverse.ravel(), axis=0).reshape(shape)
+        return out
+
+    def _remember(self, key: int, fields: dict[str, np.ndarray]) -> None:
+        if key in self._memo:
+            return
+        self._memo[key] = fields
+        self._memo_bytes += sum(v.nbytes for v in fields.values())
+        while self._memo_bytes > MEMO_BYTES and len(self._memo) > 1:
+            oldest = next(iter(self._memo))
+            self._memo_bytes -= sum(v.nbytes for v in self._memo.pop(oldest).values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.update(_memo={}, _memo_bytes=0, _lock=None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def _compute(self, times: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`compute` without the memory: every time computed."""
         shape = (*times.shape, len(self.lat), len(self.lon))
         out: dict[str, np.ndarray] = {}
         for name in self.names:

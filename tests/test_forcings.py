@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -123,3 +124,41 @@ def test_the_closed_form_radiation_equals_a_fine_trapezoid_at_every_latitude_and
     fine = toa_incident_solar_radiation(times, lat, lon, period=period, bins=1000)
     assert np.abs(exact - fine).max() / seconds < within
     assert exact.min() >= 0.0 and fine.max() > 0.5 * SOLAR_IRRADIANCE * seconds
+
+
+def test_forcings_compute_each_distinct_time_once_and_remember_it_exactly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import pickle
+
+    import insitubatch_nodes.forcings as forcings
+
+    lat, lon = np.linspace(-80, 80, 5), np.linspace(0, 350, 8)
+    f = Forcings("x", lat=lat, lon=lon)
+    start = np.datetime64("2021-03-20T00:00", "ns")
+    hour = np.timedelta64(1, "h")
+    # (batch, T) windows overlapping by a step: 4 rows x 2 steps, 5 distinct times
+    times = start + hour * (np.arange(4)[:, None] + np.arange(2)[None, :])
+    computed: list[int] = []
+    real = forcings.Forcings._compute
+
+    def counting(self: Any, t: np.ndarray) -> dict[str, np.ndarray]:
+        computed.append(t.size)
+        return real(self, t)
+
+    monkeypatch.setattr(forcings.Forcings, "_compute", counting)
+    first = f.compute(times)
+    again = f.compute(times[::-1])  # a later batch (or epoch) of the same times
+    assert computed == [5], "each distinct time once, none again"
+    fresh = real(f, times)
+    for name in FORCINGS:
+        assert first[name].shape == (4, 2, 5, 8) and first[name].dtype == np.float32
+        np.testing.assert_array_equal(first[name], fresh[name])
+        np.testing.assert_array_equal(again[name], fresh[name][::-1])
+    assert pickle.loads(pickle.dumps(f))._memo == {}, "a pickled copy carries nothing"
+    monkeypatch.setattr(forcings, "MEMO_BYTES", 3 * 5 * 8 * 4 * len(FORCINGS))
+    small = Forcings("x", lat=lat, lon=lon)
+    np.testing.assert_array_equal(
+        small.compute(times)["cos_solar_zenith"], fresh["cos_solar_zenith"]
+    )
+    assert len(small._memo) == 3, "the oldest times are forgotten past MEMO_BYTES"
