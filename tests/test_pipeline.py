@@ -1335,3 +1335,37 @@ def test_bad_pipeline_arguments_raise_with_a_sentence(
 ) -> None:
     with pytest.raises(error, match=match):
         insitu_pipeline(era5.root, era5.manifest, era5.views, **kwargs)
+
+
+def test_a_batch_is_copied_by_two_threads_only_when_its_copies_are_large(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import insitubatch_nodes._runtime as runtime
+    import insitubatch_nodes.stages.gather as gather
+
+    # thresholds scaled down to a small store: every batch is "large"; what decides is the
+    # piece one copy moves: a 16 KiB row at one sample per chunk, 8 such rows at eight
+    monkeypatch.setattr(gather, "PARALLEL_GATHER_BYTES", 0)
+    monkeypatch.setattr(gather, "PARALLEL_PIECE_BYTES", 64 * 2**10)
+    asked: list[bool] = []
+    real = runtime.gather_helper
+
+    def helper() -> Any:
+        asked.append(True)
+        return real()
+
+    monkeypatch.setattr(runtime, "gather_helper", helper)
+    data = np.random.default_rng(3).random((64, 64, 64), dtype=np.float32)
+    for spc, two_threads in ((1, False), (8, True)):
+        path = tmp_path / f"spc{spc}.zarr"
+        arr = zarr.open_array(path, mode="w", shape=data.shape, chunks=(spc, 64, 64), dtype="f4")
+        arr[:] = data
+        g = open_geometries(path)[""]
+        pipe = insitu_pipeline(path, split_by_chunk(g, (1.0, 0.0, 0.0)), {"x": g}, batch_size=16)
+        asked.clear()
+        try:
+            for batch in pipe:
+                np.testing.assert_array_equal(batch.arrays["x"], data[batch.sample_indices["x"]])
+        finally:
+            pipe.close()
+        assert bool(asked) is two_threads, f"{spc} samples per chunk"

@@ -48,10 +48,14 @@ class SelectedGather:
         # the general gather (two or more index arrays): ints first, then np.ix_ over the rest
         self._ints = tuple(i if isinstance(i, int) else slice(None) for i in self.index)
         self._kept = [i for i in self.index if not isinstance(i, int)]
+        #: every index a slice or an integer: basic indexing, a view of the slot
+        self._basic = self.listed is None and not any(isinstance(i, np.ndarray) for i in self.index)
+        #: the index of one row's selection into a slot's row 0 (one sample per chunk)
+        self._row = (0, *self.index)
 
     def _copy(self, out: Any, rows: Any, slot: np.ndarray, w: Any) -> None:
         """``out[rows] = slot[w][selection]`` (``rows``, ``w``: slices or index arrays)."""
-        if self.listed is None and not any(isinstance(i, np.ndarray) for i in self.index):
+        if self._basic:
             out[rows] = slot[(w, *self.index)]
         elif self.listed is not None:
             place, listed = self.listed
@@ -114,9 +118,21 @@ class SelectedGather:
         slot, copied by one call (no sort, no run search: their Python cost is most of a
         small row's copy)."""
         copied = 0
+        path = self.path
+        if self._basic:  # the usual case: each row one assignment from a view of its slot
+            row = self._row
+            for r, s in enumerate(samples.tolist()):
+                slot = slots.get((path, s))
+                if slot is None:
+                    if skip_missing:
+                        continue
+                    raise KeyError((path, s))
+                out[r] = slot[row]
+                copied += 1
+            return copied
         one = slice(0, 1)
         for r, s in enumerate(samples.tolist()):
-            key = (self.path, s)
+            key = (path, s)
             if skip_missing and key not in slots:
                 continue
             self._copy(out, slice(r, r + 1), slots[key], one)

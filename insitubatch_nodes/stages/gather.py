@@ -38,12 +38,26 @@ from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
 
-__all__ = ["PARALLEL_GATHER_BYTES", "GatherNode", "gather_label", "take_rows"]
+__all__ = [
+    "PARALLEL_GATHER_BYTES",
+    "PARALLEL_PIECE_BYTES",
+    "GatherNode",
+    "gather_label",
+    "take_rows",
+]
 
 PARALLEL_GATHER_BYTES = 8 * 2**20
 """A batch at least this large (all labels) is copied by two threads, half the rows each
-(with two or more usable cores): one thread copies memory at well under the machine's
-bandwidth, two ~1.5x faster (measured on the project's VM)."""
+(with two or more usable cores), when its copies are large (:data:`PARALLEL_PIECE_BYTES`):
+one thread copies memory at well under the machine's bandwidth, two ~1.5x faster (measured
+on the project's VM)."""
+
+PARALLEL_PIECE_BYTES = 2**20
+"""...but only when one copy call moves this much on average (a run of a chunk's rows: a row
+times the samples per chunk, up to the batch). Each copy releases and retakes the GIL, and
+for small pieces two threads contend for it more than they gain: copying 64 MiB from
+separate arrays into one took, one thread against two, 6.7 / 3.2 GB/s in pieces of 8 KiB,
+10.4 / 9.7 at 106 KiB, 10.9 / 14.0 at 1 MiB, 11.9 / 20.9 at 4 MiB (this VM, 2026-12-04)."""
 
 
 def gather_label(
@@ -227,6 +241,14 @@ class GatherNode(BaseNode[Batch]):
             for label, v in self.layout.views.items()
             if isinstance(v, Stack)
         }
+        # per label: (bytes of one row, rows one copy moves at most: a chunk's run of rows)
+        self._piece = {
+            label: (
+                int(np.prod(g.inner_shape)) * g.dtype.itemsize,
+                1 if g.patch is not None else g.samples_per_chunk,
+            )
+            for label, g in self.views.items()
+        }
         # one scratch set per gathering thread (used only for rows out of sample order)
         self._scratch = [
             {
@@ -279,7 +301,12 @@ class GatherNode(BaseNode[Batch]):
         # labels whose every row the fetch stage decoded in place need no copy at all
         labels = [lb for lb in self.views if resident.direct.get(lb, 0) < n]
         nbytes = sum(dest[lb].nbytes for lb in labels)
-        helper = _runtime.gather_helper() if n > 1 and nbytes >= PARALLEL_GATHER_BYTES else None
+        helper = None
+        if n > 1 and nbytes >= PARALLEL_GATHER_BYTES:
+            piece = self._piece
+            mean = sum(dest[lb].nbytes * min(piece[lb][1], n) * piece[lb][0] for lb in labels)
+            if mean >= PARALLEL_PIECE_BYTES * nbytes:
+                helper = _runtime.gather_helper()
         if helper is None:
             copied = self._gather_rows(dest, resident, labels, 0, n, 0)
         else:  # two threads copy half the rows each: copies from memory go ~1.5x as fast
