@@ -188,18 +188,13 @@ def stack(
     _check_patched(named, first_name, first)
     for name, view in given.items():
         if isinstance(view, Forcings):
-            if first.patch is not None:
-                raise ValueError(
-                    f"stack member {name!r} (forcings) is on the whole grid, but the stack's "
-                    "members are patched: compute forcings as a batch transform (Forcings) "
-                    "on the whole grid, or stack unpatched members"
-                )
             grid = (len(view.lat), len(view.lon))
-            if grid != field_shape:
+            whole = field_shape if first.patch is None else forcing_window(name, first)[1]
+            if grid != whole:
                 raise ValueError(
                     f"stack member {name!r} (forcings) is on a {grid} grid, but {first_name!r} "
-                    f"has field shape {field_shape}: give Forcings the members' grid "
-                    "(view=one of them)"
+                    f"has field shape {whole}{' (unpatched)' if first.patch else ''}: give "
+                    "Forcings the members' grid (view=one of them)"
                 )
             for forcing in view.names:
                 channels.append(view.prefix + forcing)
@@ -306,6 +301,31 @@ def static_window(
             )
         shape[a] = e
     return axes, tuple(shape)
+
+
+def forcing_window(name: str, first: ArrayGeometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(axes, grid)`` of forcing member ``name`` of a patched stack whose first sampled
+    member is ``first``: which of the forcing's two grid axes (its last two kept field axes)
+    the stack's patches cut, in the patches' order, and the whole grid's shape (the field's
+    length along the cut axes). ``ValueError`` when the patches cut another axis."""
+    spec = first.patch
+    assert spec is not None
+    keys = first.select.keys if first.select is not None else (None,) * len(first.field_axes)
+    kept = [a for a, k in zip(first.field_axes, keys, strict=True) if not isinstance(k, int)]
+    grid_axes = kept[-2:]
+    shape = list(first.inner_shape[len(first.inner_shape) - len(grid_axes) :])
+    axes = []
+    for axis, n in zip(spec.axes_of(first.dims), spec.field, strict=True):
+        if axis not in grid_axes:
+            dim = axis if first.dims is None else first.dims[axis]
+            raise ValueError(
+                f"stack member {name!r} (forcings) is on the grid of the last two field "
+                f"dimensions, but the stack's patches also cut {dim!r}: patch the grid only, "
+                "or compute forcings as a batch transform (Forcings)"
+            )
+        axes.append(grid_axes.index(axis))
+        shape[axes[-1]] = n
+    return tuple(axes), tuple(shape)
 
 
 def _named(

@@ -26,7 +26,13 @@ import numpy as np
 
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.stack import Stack, StackMember, channel_destination, static_window
+from insitubatch_nodes.stack import (
+    Stack,
+    StackMember,
+    channel_destination,
+    forcing_window,
+    static_window,
+)
 from insitubatch_nodes.static import StaticFields
 
 if TYPE_CHECKING:
@@ -53,6 +59,8 @@ class _Prepared:
     #: a patched stack's: the extent of its windows, and where they cut each static member
     extent: tuple[int, ...] = ()
     cuts: tuple[tuple[int, ...], ...] = ()
+    #: ... and which of each forcing's two grid axes they cut
+    forcing_cuts: tuple[tuple[int, ...], ...] = ()
 
 
 class StackConstants:
@@ -100,7 +108,11 @@ class StackConstants:
                 static_window(m.name, m.geometry, spec)[0] for m in st.static
             )  # fmt: skip
             extent = () if spec is None else spec.extent
-            prepared = _Prepared(st, tuple(fills), st.forcings, extent, cuts)
+            first = st.sampled[0].geometry
+            forcing_cuts = () if spec is None else tuple(
+                forcing_window(m.name, first)[0] for m in st.forcings
+            )  # fmt: skip
+            prepared = _Prepared(st, tuple(fills), st.forcings, extent, cuts, forcing_cuts)
             self._variants.setdefault(label, []).append(prepared)
 
     def held(self, view: ArrayGeometry) -> np.ndarray | None:
@@ -136,7 +148,7 @@ class StackConstants:
             arr = batch.arrays[label]
             last = st.layout == "channels_last"
             steps = [None] if st.steps is None else list(range(st.steps))
-            for member in prepared.forcings:
+            for k, member in enumerate(prepared.forcings):
                 assert member.forcing is not None
                 time_name = member.forcing.time_name
                 times = batch.coords.get(label, {}).get(time_name)
@@ -147,6 +159,9 @@ class StackConstants:
                         f"coords=[{time_name!r}]"
                     )
                 values = next(iter(member.forcing.compute(times).values()))
+                if prepared.forcing_cuts:  # each row's window of the grid
+                    values = _cut_rows(values, batch.patch_origins[label],
+                                       prepared.forcing_cuts[k], prepared.extent)  # fmt: skip
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)
                     step = values if t is None else values[:, t]
@@ -189,6 +204,25 @@ def _cut(
     # each row back in the data's axis order: a cut axis at its own place
     order = [len(rest) + axes.index(a) if a in axes else rest.index(a) for a in range(data.ndim)]
     out[...] = picked.transpose(0, *(1 + k for k in order))
+
+
+def _cut_rows(
+    values: np.ndarray, origins: np.ndarray, axes: tuple[int, ...], extent: tuple[int, ...]
+) -> np.ndarray:
+    """Row ``i`` of ``values`` (``(rows, *steps, n0, n1)``: a forcing on the whole grid) cut
+    along grid ``axes`` (0, 1: of its last two) to the window of ``extent`` at ``origins[i]``,
+    every row at once: one gather from the windows' strided view."""
+    grid = tuple(values.ndim - 2 + a for a in axes)
+    windows = np.lib.stride_tricks.sliding_window_view(values, extent, axis=grid)
+    # (rows, *cut axes, *steps, uncut grid axis?, *window) then one index per row
+    windows = np.moveaxis(windows, grid, range(1, 1 + len(grid)))
+    at = (np.arange(len(values)), *(np.asarray(origins)[:, k] for k in range(len(grid))))
+    picked = windows[at]
+    # the grid's two axes back in their order: an uncut one leads the windows' axes
+    kept = [a for a in (0, 1) if a not in axes]
+    order = [*kept, *axes]
+    lead = picked.ndim - 2
+    return picked.transpose(*range(lead), *(lead + order.index(a) for a in (0, 1)))
 
 
 def static_fields(

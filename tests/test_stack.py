@@ -331,7 +331,7 @@ def test_a_stack_of_patched_members_equals_the_members_windows_at_the_rows_origi
     assert rows == N - 1  # every anchor whose next step is in the store
 
 
-def test_patched_members_must_be_patched_alike_with_static_members_whole_and_no_forcings(
+def test_patched_members_must_be_patched_alike_with_static_members_and_forcings_whole(
     tmp_path: Path,
 ) -> None:
     root = _store(tmp_path / "s.zarr")
@@ -346,8 +346,55 @@ def test_patched_members_must_be_patched_alike_with_static_members_whole_and_no_
         stack({"t": t, "lsm": g["land_sea_mask"].isel(latitude=slice(0, 4))})
     with pytest.raises(ValueError, match="without the patched dimensions"):
         stack({"t": t, "lsm": g["land_sea_mask"].isel(latitude=0)})
-    with pytest.raises(ValueError, match="forcings"):
-        stack({"t": t, "sun": Forcings("x", view=g["temperature"], names=["cos_solar_zenith"])})
+    sun = Forcings("x", view=g["temperature"], names=["cos_solar_zenith"])
+    with pytest.raises(ValueError, match="also cut 'level'"):  # forcings have no level axis
+        stack({"t": g["temperature"].patches({"level": 2, "latitude": 4}), "sun": sun})
+    half = Forcings(
+        "x", view=g["temperature"].isel(latitude=slice(0, 3)), names=["cos_solar_zenith"]
+    )
+    with pytest.raises(ValueError, match=r"\(unpatched\)"):  # the grid of the whole field
+        stack({"t": t, "sun": half})
+
+
+@pytest.mark.parametrize("cut", [{"latitude": 4, "longitude": 4}, {"longitude": 3}])
+def test_a_patched_stacks_forcings_are_each_rows_window_of_the_whole_grids_forcing(
+    tmp_path: Path, cut: dict[str, int]
+) -> None:
+    root = _store(tmp_path / "s.zarr", spc=2)
+    g = open_geometries(root)
+    sun = Forcings("x", view=g["temperature"], names=["toa_incident_solar_radiation"])
+    zenith = Forcings("x", view=g["temperature"], names=["cos_solar_zenith"])
+    members = {
+        "t2m": g["2m_temperature"].window([-1, 0]).patches(cut, stride=2),
+        "sun": sun,
+        "lsm": g["land_sea_mask"],
+        "zenith": zenith,
+    }
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": stack(members)}, batch_size=5)
+    t2m = zarr.open_array(root / "2m_temperature", mode="r")[...]
+    lsm = zarr.open_array(root / "land_sea_mask", mode="r")[...]
+    axes = [("latitude", "longitude").index(d) for d in cut]
+    try:
+        batches = list(pipe)
+    finally:
+        pipe.close()
+    assert batches
+    for batch in batches:
+        x, origins = batch.arrays["x"], batch.patch_origins["x"]
+        times = batch.coords["x"]["time"]  # (batch, 2)
+        assert batch.channels["x"] == ["t2m", "toa_incident_solar_radiation", "lsm",
+                                       "cos_solar_zenith"]  # fmt: skip
+        whole = {"sun": sun.compute(times)["toa_incident_solar_radiation"],
+                 "zenith": zenith.compute(times)["cos_solar_zenith"]}  # fmt: skip
+        for i, (steps, origin) in enumerate(zip(batch.sample_indices["x"], origins, strict=True)):
+            box = [slice(None), slice(None)]
+            for a, o, (_, e) in zip(axes, origin, cut.items(), strict=True):
+                box[a] = slice(int(o), int(o) + e)
+            for t in range(2):
+                want = np.stack([t2m[steps[t]][*box], whole["sun"][i, t][*box], lsm[*box],
+                                 whole["zenith"][i, t][*box]])  # fmt: skip
+                np.testing.assert_array_equal(x[i, t], want)
 
 
 def test_set_views_takes_stacks_from_the_next_epoch_with_their_static_and_forcing_members(
