@@ -18,6 +18,9 @@ against one real chunk of a store before a training run finds out the hard way:
    transform would serialize every decode thread behind it. The probe measures contention
    directly rather than thread scaling, so its verdict does not depend on idle cores; it
    wants a realistically sized chunk (on a toy chunk the Python call overhead dominates).
+   Other processes taking the cores also keep this thread waiting now and then, so a probe
+   between the threshold and twice it is run again, up to three in all, and the lowest
+   counts: a transform that holds the GIL keeps it waiting about half the time in every one.
 
 ``TARGET`` is ``module:attr`` (importable) or ``path/to/file.py:attr``; a class is instantiated
 without arguments. The exit status is 0 when every check passed, 1 when one failed, 2 for a
@@ -85,6 +88,10 @@ def load_target(spec: str) -> Any:
     if not callable(obj):
         raise _UsageError(f"--transform: {spec} is not callable")
     return obj
+
+
+PROBES = 3
+"""GIL probes at most, while they find the threshold reached (the lowest counts)."""
 
 
 def gil_probe(
@@ -229,15 +236,27 @@ def check_transform(args: argparse.Namespace) -> int:
             with np.errstate(all="ignore"):  # the same buffer over and over: values may overflow
                 transform(DecodedChunk(geom.path, args.chunk, (start, stop), work))
 
-        try:
-            held, calls, wall = gil_probe(call, seconds=args.probe_seconds)
-        except Exception as exc:
-            out(f"FAIL      gil probe: the transform raised {type(exc).__name__}: {exc}")
-            return _FAILED
+        # a transform that holds the GIL shows in every probe (about half the time); other
+        # processes taking the cores (a busy machine) show as waits too, now and then: a
+        # probe between the threshold and twice it is run again, up to PROBES, the lowest
+        # counting
+        probes = 0
+        held = float("inf")
+        threshold = args.gil_threshold
+        while (probes < PROBES and threshold <= held < 2 * threshold) or not probes:
+            try:
+                found = gil_probe(call, seconds=args.probe_seconds)
+            except Exception as exc:
+                out(f"FAIL      gil probe: the transform raised {type(exc).__name__}: {exc}")
+                return _FAILED
+            probes += 1
+            if found[0] < held:
+                held, calls, wall = found
         verdict = "holds the GIL" if held >= args.gil_threshold else "releases the GIL"
         out(
             f"gil       {calls} calls in {wall:.2f} s; another thread waited for the GIL "
-            f"{100 * held:.0f}% of the time (fails at {100 * args.gil_threshold:.0f}%): {verdict}"
+            f"{100 * held:.0f}% of the time (fails at {100 * args.gil_threshold:.0f}%"
+            f"{f'; the lowest of {probes} probes' if probes > 1 else ''}): {verdict}"
         )
         if held >= args.gil_threshold:
             failed = True

@@ -17,6 +17,7 @@ import sys
 import textwrap
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -120,6 +121,31 @@ def test_check_transform_exits_non_zero_on_a_gil_holding_pure_python_transform(
     # the deterministic checks alone pass: the shape and dtype are right
     rc, out = check(store, f"{transforms}:python_per_element", "--no-gil-probe")
     assert rc == 0, out
+
+
+def test_a_gil_probe_near_the_threshold_is_run_again_and_the_lowest_counts(
+    store: Path, transforms: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import insitubatch_nodes.cli as cli
+
+    # what the probe finds, in turn: a busy machine's one-off waits (30%) then the truth (5%);
+    # a transform holding the GIL (50%: twice the threshold of 20% or more) is judged at once
+    for found, rc_wanted, probes in (([0.3, 0.05], 0, 2), ([0.5, 0.0], 1, 1),
+                                     ([0.3, 0.25, 0.35], 1, 3)):  # fmt: skip
+        given = iter(found)
+        calls: list[int] = []
+
+        def probe(
+            call: object, seconds: float = 1.0, _given: Any = given, _calls: Any = calls
+        ) -> tuple[float, int, float]:
+            _calls.append(1)
+            return next(_given), 10, 1.0
+
+        monkeypatch.setattr(cli, "gil_probe", probe)
+        rc, out = check(store, f"{transforms}:vectorized")
+        assert rc == rc_wanted, out
+        assert len(calls) == probes
+        assert (f"the lowest of {probes} probes" in out) is (probes > 1)
 
 
 def test_check_transform_exits_non_zero_on_a_lying_output_inner_naming_both_shapes(
