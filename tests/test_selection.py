@@ -165,6 +165,41 @@ def test_a_selection_whole_in_a_chunk_keeps_only_the_selected_levels_in_the_pool
     assert stats["resident_peak_bytes"] == T * 3 * Y * X * 4, "3 levels of 7 are kept per step"
 
 
+def test_at_one_sample_per_chunk_a_level_selection_decodes_straight_into_the_batch(
+    store: Path,
+) -> None:
+    from insitubatch_nodes import FetchOptions
+
+    # t: one step per object, 7 levels whole in each; the labels select exactly what the
+    # slots hold (levels 850 and 500, in the held order), so their rows need no slot when the
+    # schedule decodes rows straight into batches (a split larger than the budget; forced
+    # here with direct=True on this small store)
+    g = open_geometries(store)["t"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    view = g.sel(level=[850, 500])
+    ds = xr.open_zarr(store, consolidated=False).t.sel(level=[850, 500]).values
+    for direct in (True, None):
+        pipe = insitu_pipeline(
+            store, manifest, {"x": view, "y": view.shift(1)}, batch_size=4, coords=(),
+            fetch=FetchOptions(direct=direct),
+        )  # fmt: skip
+        try:
+            for _ in range(2):
+                pipe.reset()
+                for batch in pipe:
+                    for label in ("x", "y"):
+                        rows = batch.sample_indices[label]
+                        np.testing.assert_array_equal(np.array(batch.arrays[label]), ds[rows])
+            stats = pipe.stats()
+        finally:
+            pipe.close()
+        if direct:
+            assert stats["misses_in_place"] > 0, "rows decoded straight into the batch"
+            assert stats["resident_peak_bytes"] < T * 2 * Y * X * 4
+        else:  # the split fits the budget: kept in the pool, the second epoch all hits
+            assert stats["misses_in_place"] == 0 and stats["gets"] == T
+
+
 def test_set_views_selects_within_what_the_slots_hold_or_says_what_to_build(
     store: Path,
 ) -> None:

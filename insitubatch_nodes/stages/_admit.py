@@ -28,6 +28,7 @@ from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan, sorted_unique
 from insitubatch_nodes.plan.schedule import kept_bytes, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
@@ -72,6 +73,7 @@ class FetchSetup:
     buffers: BatchBuffers
     direct: bool | None  # FetchOptions.direct
     recorder: EpochRecorder
+    held: Mapping[str, Held]  # path -> what its slots hold of a selected field
 
 
 class FetchHistory:
@@ -105,9 +107,13 @@ def plan_groups(setup: FetchSetup, plan: EpochPlan) -> list[PlanGroup]:
     for ledger in plan.ledgers:
         nbytes = sum(setup.slot_geoms[p].chunk_nbytes for p in ledger.paths)
         in_place = (
-            direct_labels(plan, ledger, buffers, setup.geoms, setup.transforms) if allowed else None
+            direct_labels(plan, ledger, buffers, setup.slot_geoms, setup.transforms, setup.held)
+            if allowed
+            else None
         )
-        row = 0 if in_place is None else sum(setup.geoms[p].sample_nbytes for p in ledger.paths)
+        row = (
+            0 if in_place is None else sum(setup.slot_geoms[p].sample_nbytes for p in ledger.paths)
+        )
         out.append(PlanGroup(tuple(ledger.paths), nbytes, in_place, row))
     return out
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan
 from insitubatch_nodes.plan.schedule import kept_bytes
 from insitubatch_nodes.pool import ChunkPool
@@ -48,12 +49,16 @@ def direct_labels(
     buffers: BatchBuffers,
     geoms: Mapping[str, ArrayGeometry],
     transforms: ChunkTransforms,
+    held: Mapping[str, Held] | None = None,
 ) -> dict[str, dict[int, str]] | None:
     """``{path: {offset: label}}`` when ``ledger``'s single-use chunks can be decoded straight
     into the batch arrays: one sample per chunk, each view of an array (each offset) read by
-    exactly one label (whose batch buffer has the array's own shape and dtype), no chunk
-    transforms. A chunk read by one row is then read by one view, whose offset
-    tells the label. ``None`` otherwise."""
+    exactly one label (whose batch buffer row has the shape and dtype of what the array's
+    slots hold: ``geoms`` maps a path to that), no chunk transforms. A selected view is
+    decoded straight in when it selects exactly what the slots hold (``held``, see
+    :mod:`~insitubatch_nodes.io.selection`), in that order. A chunk read by one row is then
+    read by one view, whose offset tells the label. ``None`` otherwise."""
+    held = {} if held is None else held
     if (
         ledger.windows is not None  # a patched array: rows are windows of tiles
         or ledger.samples_per_chunk != 1
@@ -74,10 +79,23 @@ def direct_labels(
             or label in strided
             or mine.path != view.path
             or mine.offset != view.offset
-            or mine.select is not None  # a selection is copied from a slot, never decoded
+            or not _holds_exactly(mine, held.get(view.path))
             or mine.inner_shape != geom.inner_shape
             or mine.dtype != geom.dtype
         ):
             return None
         out.setdefault(view.path, {})[view.offset] = label
     return out if len(out) == len(ledger.paths) else None
+
+
+def _holds_exactly(view: ArrayGeometry, held: Held | None) -> bool:
+    """Whether ``view`` selects exactly what slots holding ``held`` hold, in that order (no
+    axis dropped): a row of it is then laid out as a slot's row."""
+    if view.select is None:
+        return held is None
+    if held is None:
+        return False
+    return all(
+        not isinstance(key, int) and key == kept
+        for key, kept in zip(view.select.keys, held, strict=True)
+    )

@@ -165,6 +165,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             buffers=context.buffers,
             direct=options.direct,
             recorder=self.recorder,
+            held=context.held,
         )
         self._history = FetchHistory(self.geoms)
         self._pid = os.getpid()
