@@ -21,7 +21,7 @@ from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.plan.quality import shuffle_quality
-from insitubatch_nodes.plan.schedule import PinSchedule
+from insitubatch_nodes.plan.schedule import PinSchedule, schedule_floors
 from insitubatch_nodes.plan.splits import SPLITS
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
@@ -449,6 +449,34 @@ def test_each_chunk_is_fetched_once_at_its_first_read_and_released_at_its_last(
         plan = node.epoch_plan()
         assert plan.distinct_chunks() == [k for b in batches for k in b.fetches]
         assert 0 < plan.live_peak() <= len(fetched)
+
+
+@pytest.mark.parametrize("case", ["single", "windowed", "microscopy", "ranks"])
+def test_the_bytes_an_epoch_reads_count_every_distinct_chunk_it_fetches_once(
+    case: str, partial: ArrayGeometry, micro: dict[str, ArrayGeometry]
+) -> None:
+    # the oracle: the set of every batch's fetches (a chunk re-fetched after a release, or read
+    # by two views, counts once), each at its path's size
+    if case == "microscopy":
+        views = {"image": micro["image"], "mask": micro["mask"]}
+        manifest = split_by_chunk(micro["image"], (1.0, 0.0, 0.0))
+    else:
+        views = {"x": partial}
+        if case == "windowed":
+            views |= {"y": partial.shift(1), "y2": partial.shift(-2)}
+        manifest = split_by_chunk(partial, (1.0, 0.0, 0.0))
+    world = 2 if case == "ranks" else 1
+    sizes = {g.path: 1000 + 7 * i for i, g in enumerate(views.values())}
+    config = PlanConfig(batch_size=3, block_chunks=2, world_size=world)
+    gaps = {None, schedule_floors(manifest, views, config).pin_gap}
+    checked = 0
+    for gap, epoch, rank, resumed in itertools.product(gaps, (0, 1), range(world), ((), ((2, 1),))):
+        plan = plan_epoch(manifest, views, config.for_rank(rank, world), epoch=epoch,
+                          pin_gap=gap, resumed=resumed)  # fmt: skip
+        keys = {k for b in plan.batch_indices for k in plan.batch_fetches(b)}
+        assert plan.read_bytes(sizes) == sum(sizes[path] for path, _ in keys)
+        checked += len(keys) > 0
+    assert checked
 
 
 # -- state ---------------------------------------------------------------------------------------

@@ -246,6 +246,17 @@ class EpochPlan:
                 entries.extend(ledger.keys(heads, ledger.first[heads]))
         return list(_tuple_order(entries))
 
+    def read_bytes(self, nbytes: Mapping[str, int]) -> int:
+        """Bytes of every distinct chunk this rank reads this epoch, ``nbytes[path]`` each
+        (what a budget must hold for no re-read): the set of every batch's
+        :meth:`batch_fetches`, counted from the ledgers with O(ledgers) Python, not O(chunks)."""
+        chunks: dict[str, list[np.ndarray]] = {}
+        for ledger in self.ledgers:
+            fetched = ledger.chunk[ledger.by_first[ledger.fetch_ptr[0] : ledger.fetch_ptr[-1]]]
+            for path in ledger.paths:
+                chunks.setdefault(path, []).append(fetched)
+        return sum(nbytes[p] * len(np.unique(np.concatenate(c))) for p, c in chunks.items())
+
     @property
     def n_fetches(self) -> int:
         """Chunk fetches the schedule makes this epoch (``len(distinct_chunks())`` unless a

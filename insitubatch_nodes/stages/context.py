@@ -270,7 +270,5 @@ def _carried_view(label: str, view: ArrayGeometry, transforms: ChunkTransforms) 
 
 def _split_bytes(plan: ReadPlanNode, slot_geoms: Mapping[str, ArrayGeometry], epoch: int) -> int:
     """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
-    drawn = plan.epoch_plan(epoch)
-    keys = {k for b in drawn.batch_indices for k in drawn.batch_fetches(b)}
-    size = {path: g.chunk_nbytes for path, g in slot_geoms.items()}
-    return sum(size[path] for path, _ in keys)
+    sizes = {path: g.chunk_nbytes for path, g in slot_geoms.items()}
+    return plan.epoch_plan(epoch).read_bytes(sizes)
