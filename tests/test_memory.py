@@ -7,6 +7,13 @@ each time). The pipeline now reserves the first epoch's slots ahead of need on a
 their own, with their pages mapped in bulk, and tunes ``malloc`` to keep large buffers for
 reuse, in one arena shared by every thread (obstore's included). These tests pin the behaviour
 (not the speed: that is ``benchmarks/``).
+
+The allocator's claims are about a process: each runs in one of its own, forked from the
+tests' fork server (``tests/forkserver.py``), which imports the package but never opens a store
+nor starts a thread, so a forked process has glibc's one main arena and an untuned allocator,
+as a fresh interpreter has, without importing torch again (2-3 s of CPU each). glibc reads
+``MALLOC_ARENA_MAX`` only at a process's start, so when the tests' own environment sets it
+they start fresh interpreters instead.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import threading
 import time
 from pathlib import Path
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -178,6 +186,13 @@ def test_the_first_epoch_draws_its_slots_from_the_reserve_and_matches_zarr(
 _TUNED = "from insitubatch_nodes import _process; print(_process.tune_allocator())"
 
 
+def _run_process(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``argv`` (``python -c ...``) in a process of its own with ``env``: forked from the fork
+    server, or a fresh interpreter where the server started with ``MALLOC_ARENA_MAX`` set."""
+    runner = subprocess.run if "MALLOC_ARENA_MAX" in os.environ else forkserver.run
+    return runner(argv, capture_output=True, text=True, timeout=60, env=env)
+
+
 @pytest.mark.skipif(not LINUX, reason="the allocator tuning is for glibc on Linux")
 @pytest.mark.parametrize(("setting", "tuned"), [(None, "True"), ("0", "False"), ("1", "True")])
 def test_the_allocator_is_tuned_once_per_process_unless_the_environment_opts_out(
@@ -186,9 +201,7 @@ def test_the_allocator_is_tuned_once_per_process_unless_the_environment_opts_out
     env = {k: v for k, v in os.environ.items() if k != "INSITUBATCH_NODES_MALLOC_TUNING"}
     if setting is not None:
         env["INSITUBATCH_NODES_MALLOC_TUNING"] = setting
-    proc = subprocess.run(
-        [sys.executable, "-c", _TUNED], capture_output=True, text=True, timeout=60, env=env
-    )
+    proc = _run_process([sys.executable, "-c", _TUNED], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == tuned
 
@@ -241,13 +254,7 @@ def test_once_a_store_is_open_every_thread_allocates_from_one_arena_unless_opted
     }
     if setting is not None:
         env["INSITUBATCH_NODES_MALLOC_TUNING"] = setting
-    proc = subprocess.run(
-        [sys.executable, "-c", _ARENAS, str(tmp_path), given],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    proc = _run_process([sys.executable, "-c", _ARENAS, str(tmp_path), given], env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     arenas = int(proc.stdout.strip())
     # one arena: obstore's threads reuse each other's freed GET buffers (see tune_allocator)

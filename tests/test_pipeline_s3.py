@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import forkserver
 import numpy as np
 import pytest
 from helpers import (
@@ -282,13 +283,17 @@ def tiled_case(
 
 
 def _run_child(script: Path, url: str, options: dict[str, Any], mode: str, attempts: int) -> None:
-    """Run ``attempts`` fresh interpreters side by side (each is its own trial of the exit; an
-    abort at exit is intermittent, so try more than once) and check every one exited cleanly."""
+    """Run ``attempts`` processes side by side (each is its own trial of the exit; an abort at
+    exit is intermittent, so try more than once) and check every one exited cleanly. Each is
+    forked from the tests' fork server (``tests/forkserver.py``: the script runs as
+    ``__main__`` and ends through the interpreter's normal exit, as ``python script.py``
+    would; obstore's runtime starts in the process itself), not a new interpreter that
+    imports torch again: 2-3 s of CPU per attempt."""
     import json
 
     argv = [sys.executable, str(script), url, json.dumps(options), mode]
     procs = [
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        forkserver.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for _ in range(attempts)
     ]
     try:

@@ -236,10 +236,11 @@ def test_the_time_features_recipe_runs_in_a_360_day_calendar_with_a_window_to_fe
 def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_into_batches(
     tmp_path: Path,
 ) -> None:
-    # a budget short of the 5 MiB split (and over its floor): rows go straight into batches
+    # a budget short of the 2.5 MiB split (and over its 1.2 MiB floor): rows go straight into
+    # batches
     proc = _run_recipe(
-        "archive_forecast.py", "--n-time", "256", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
-        "--budget-mib", "2", cwd=tmp_path,
+        "archive_forecast.py", "--n-time", "128", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        "--budget-mib", "1.5", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
     assert "13 arrays, one time step per chunk: 13 stored objects" in proc.stdout, _explain(proc)

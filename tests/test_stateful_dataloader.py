@@ -3,6 +3,7 @@ checkpoint/resume across processes, and a clear refusal of worker processes."""
 
 from __future__ import annotations
 
+import gc
 import io
 import json
 from pathlib import Path
@@ -157,11 +158,18 @@ def test_without_an_early_state_dict_the_first_batch_follows_epoch_fn(store: Pat
 def test_num_workers_2_raises_an_error_that_says_why_instead_of_hanging(store: Path) -> None:
     loader, pipe = sdl(pipe_config(store), num_workers=2)
     try:
+        it = iter(loader)
         with pytest.raises(RuntimeError) as info:
-            next(iter(loader))
+            next(it)
+        message = str(info.value)
+        # The failed iterator (its traceback holds it too) stops its two workers here, while
+        # the pipeline is open. Collected after pipe.close(), its shutdown waited torch's 5 s
+        # join timeout per worker, in whichever later test the garbage collector ran (10 s of
+        # a suite run, measured).
+        del info, it
+        gc.collect()
     finally:
         pipe.close()
-    message = str(info.value)
     assert "num_workers=0" in message, message
     assert "fork" in message, message
     assert "event loop" in message, message

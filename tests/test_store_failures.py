@@ -1,9 +1,10 @@
 """An object store that fails: killed, frozen, or answering with transient errors.
 
-A test that kills (SIGKILL) or freezes (SIGSTOP) its endpoint runs a real moto S3 server of its
-own (``insitubatch_nodes.testing.MotoServer``, the ``moto`` fixture); the others share one per
-module and test process (``shared_moto``), reached through a
-``insitubatch_nodes.testing.FaultProxy`` that injects the transient errors. The training
+A test that kills (SIGKILL) its endpoint runs a real moto S3 server of its own
+(``insitubatch_nodes.testing.MotoServer``, the ``moto`` fixture); the others share one per
+module and test process (``shared_moto``): a test that freezes it (SIGSTOP, ``frozen_moto``)
+lets it run again (SIGCONT) when it ends, and the tests of transient errors reach it through a
+``insitubatch_nodes.testing.FaultProxy`` that injects them. The training
 process of a killed or frozen endpoint is a subprocess (forked by ``tests/forkserver.py``): the
 test asserts what it reports (a ``ChunkReadError`` naming array, chunk and store), how long the
 error took after the failure, and that the process then exits 0 or 1 within 10 s, without
@@ -79,17 +80,8 @@ def retry_clock(monkeypatch: pytest.MonkeyPatch) -> float:
 
 @pytest.fixture(scope="module")
 def shared_moto(era5_local: Path) -> Iterator[MotoServer]:
-    """One moto server for the tests that neither kill nor freeze it, holding ``era5_local``
-    at ``URL`` (the faults come from a ``FaultProxy`` in front of it)."""
-    with MotoServer() as server:
-        upload_folder(era5_local, BUCKET, PREFIX, **server.options())
-        yield server
-
-
-@pytest.fixture
-def moto(era5_local: Path) -> Iterator[MotoServer]:
-    """A moto server of this test's own, holding ``era5_local`` at ``URL``: for the tests that
-    kill or freeze it."""
+    """One moto server for the tests that do not kill it, holding ``era5_local`` at ``URL``
+    (the transient faults come from a ``FaultProxy`` in front of it)."""
     with MotoServer() as server:
         upload_folder(era5_local, BUCKET, PREFIX, **server.options())
         try:
@@ -97,6 +89,33 @@ def moto(era5_local: Path) -> Iterator[MotoServer]:
         finally:
             if server._proc.poll() is None:  # a frozen server must run again to be stopped
                 os.kill(server.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def frozen_moto(shared_moto: MotoServer) -> Iterator[MotoServer]:
+    """``shared_moto`` for a test that freezes it (SIGSTOP): it runs again (SIGCONT) when the
+    test ends, so a freeze costs no server start and upload (about 2 s each)."""
+    try:
+        yield shared_moto
+    finally:
+        os.kill(shared_moto.pid, signal.SIGCONT)
+
+
+@pytest.fixture
+def moto(era5_local: Path) -> Iterator[MotoServer]:
+    """A moto server of this test's own, holding ``era5_local`` at ``URL``: for the tests that
+    kill it."""
+    with MotoServer() as server:
+        upload_folder(era5_local, BUCKET, PREFIX, **server.options())
+        yield server
+
+
+@pytest.fixture
+def stopped_moto(request: pytest.FixtureRequest, how: str) -> MotoServer:
+    """The server a test parametrized by ``how`` stops: its own when it is ``killed``, the
+    shared one when it is ``frozen``."""
+    server: MotoServer = request.getfixturevalue("moto" if how == "killed" else "frozen_moto")
+    return server
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,9 +248,9 @@ def _assert_clean_failure(
 
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_an_endpoint_that_stops_answering_mid_epoch_raises_naming_array_chunk_and_store(
-    tmp_path: Path, moto: MotoServer, how: str
+    tmp_path: Path, stopped_moto: MotoServer, how: str
 ) -> None:
-    report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, how, QUICK)
+    report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, stopped_moto, how, QUICK)
     _assert_clean_failure(report, done)
     # killed: connection refused, retried with backoff until the deadline (timeout_s = 3 s);
     # frozen: connections hang, so the read fails at the deadline too
@@ -243,8 +262,9 @@ def test_an_endpoint_that_stops_answering_mid_epoch_raises_naming_array_chunk_an
 
 
 def test_a_tiled_chunk_against_a_frozen_endpoint_fails_within_one_deadline(
-    tmp_path: Path, era5_local: Path, moto: MotoServer
+    tmp_path: Path, era5_local: Path, frozen_moto: MotoServer
 ) -> None:
+    moto = frozen_moto
     tiled = write_era5(tmp_path / "tiled.zarr", n_time=64, samples_per_chunk=4, inner_chunks=(4, 8))
     upload_folder(tiled, BUCKET, "tiled/era5.zarr", **moto.options())  # 4 tiles per chunk
     url = f"s3://{BUCKET}/tiled/era5.zarr"
@@ -257,9 +277,9 @@ def test_a_tiled_chunk_against_a_frozen_endpoint_fails_within_one_deadline(
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("how", ["killed", "frozen"])
 def test_under_the_default_policy_a_dead_endpoint_fails_within_60_s(
-    tmp_path: Path, moto: MotoServer, how: str, retry_clock: float
+    tmp_path: Path, stopped_moto: MotoServer, how: str, retry_clock: float
 ) -> None:
-    report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, moto, how, None)
+    report, to_error, to_exit, done = _fail_mid_epoch(tmp_path, stopped_moto, how, None)
     _assert_clean_failure(report, done)
     assert to_error <= on_clock(60.0), (to_error, report)
     # refused connections and stalled ones alike are retried until the 30 s deadline
@@ -268,10 +288,11 @@ def test_under_the_default_policy_a_dead_endpoint_fails_within_60_s(
 
 
 def test_metadata_reads_against_a_frozen_endpoint_end_near_the_policy_deadline(
-    moto: MotoServer,
+    frozen_moto: MotoServer,
 ) -> None:
     """zarr's own reads (opening the group) go through obstore's retry config and timeouts,
     not through the fetch stage's deadline: the policy reaches them too."""
+    moto = frozen_moto
     store = open_store(URL, retry=RetryPolicy(**QUICK), **moto.options())
     os.kill(moto.pid, signal.SIGSTOP)
     t0 = time.monotonic()
@@ -500,8 +521,9 @@ _STOPPER = textwrap.dedent(
 
 
 def test_close_and_exit_do_not_wait_out_the_retry_deadline_while_an_obstore_endpoint_is_frozen(
-    tmp_path: Path, moto: MotoServer
+    tmp_path: Path, frozen_moto: MotoServer
 ) -> None:
+    moto = frozen_moto
     child = _start_child(tmp_path, moto, _STOPPER, URL)
     assert child.stdin is not None and child.stdout is not None and child.stderr is not None
     try:
