@@ -140,6 +140,51 @@ def test_a_chunk_another_pipeline_pins_is_not_cancelled_when_one_pipeline_resets
 # ---------------------------------------------------------------------------------------------
 
 
+def test_close_stops_a_producer_that_the_first_next_is_still_starting(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import insitubatch_nodes.stages.prefetch as prefetch
+
+    # the first next() starts the producer thread, whose GETs begin at once; a close() from
+    # another thread in the moment before next() recorded that producer must still stop it
+    # (it found none, and next() then waited forever on the stalled GETs: seen once in
+    # make test under load)
+    store = counting_store(root, stall_after=0)  # every chunk GET hangs
+    pipe = insitu_pipeline(
+        store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, coords=()
+    )
+    real = prefetch._Worker
+
+    class SlowToRecord(real):  # type: ignore[misc, valid-type]
+        def start(self) -> None:
+            super().start()
+            deadline = time.monotonic() + 10
+            while store.active == 0 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.5)  # the GETs are in flight: time for close() to come in
+
+    monkeypatch.setattr(prefetch, "_Worker", SlowToRecord)
+    seen: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            next(pipe)
+        except BaseException as exc:
+            seen.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    deadline = time.monotonic() + 10
+    while store.active == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.active > 0, "no GET was in flight"
+    pipe.close()
+    consumer.join(5.0)
+    assert not consumer.is_alive(), "next() still waits after close()"
+    assert len(seen) == 1 and isinstance(seen[0], PipelineInterrupted), seen
+    assert not pipe.threads
+
+
 def test_close_returns_within_two_seconds_while_gets_stall_and_wakes_a_waiting_consumer(
     root: Path,
 ) -> None:

@@ -77,6 +77,8 @@ class _Worker:
             name=name,
         )
         self.thread.daemon = True
+
+    def start(self) -> None:
         self.thread.start()
 
     def halt(self, close_source: bool, join: bool = True) -> None:
@@ -166,6 +168,11 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self._source_at_delivered = False  # the source sits exactly at the delivered position
         self._ended = False
         self._pid = os.getpid()
+        # a worker is started and recorded, and taken by a halt, under this lock; each halt
+        # counts, so a next() that a close() or reset() from another thread overtook while it
+        # started its worker stops instead of waiting on a producer nobody halts
+        self._lock = threading.RLock()
+        self._halts = 0
         self.recorder = context.recorder
         _runtime.stop_at_exit("prefetch", self, _halt_all)
         # Pay for batch memory ahead of need (a fresh process faults new pages in slowly): the
@@ -189,12 +196,20 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             raise StopIteration
         rec = self.recorder
         called = rec.on_next()
-        if self._worker is None:  # first next() since reset, or closed earlier: resume
+        worker = self._worker
+        if worker is None:  # first next() since reset, or closed earlier: resume
+            halts = self._halts
             if not self._source_at_delivered:
                 self.source.reset(self._delivered)
             self._source_at_delivered = False
-            self._worker = _Worker(self.source, self.context, self.prefetch_depth, self.name)
-        worker = self._worker
+            with self._lock:
+                if self._halts != halts:
+                    raise PipelineInterrupted(
+                        f"{self.name} was closed or reset while next() started its producer"
+                    )
+                worker = _Worker(self.source, self.context, self.prefetch_depth, self.name)
+                worker.start()
+                self._worker = worker
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
         # halting (close or reset, from any thread) puts a "halted" one.
         with profile_range("insitu.next"):
@@ -276,7 +291,9 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             worker.halt(close_source=True, join=False)
 
     def _halt(self, close_source: bool) -> None:
-        worker, self._worker = self._worker, None
+        with self._lock:
+            worker, self._worker = self._worker, None
+            self._halts += 1
         if worker is not None:
             worker.halt(close_source=close_source)
         elif close_source:
