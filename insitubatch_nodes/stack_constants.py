@@ -159,9 +159,9 @@ class StackConstants:
                         f"coords=[{time_name!r}]"
                     )
                 values = next(iter(member.forcing.compute(times).values()))
-                if prepared.forcing_cuts:  # each row's window of the grid
-                    values = _cut_rows(values, batch.patch_origins[label],
-                                       prepared.forcing_cuts[k], prepared.extent)  # fmt: skip
+                if prepared.forcing_cuts:  # each row's window of the grid (its last two axes)
+                    grid = tuple(values.ndim - 3 + a for a in prepared.forcing_cuts[k])
+                    values = _cut_rows(values, batch.patch_origins[label], grid, prepared.extent)
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)
                     step = values if t is None else values[:, t]
@@ -195,34 +195,29 @@ def _cut(
     extent: tuple[int, ...],
 ) -> None:
     """``out[i] = data`` cut along ``axes`` to the window of ``extent`` at ``origins[i]``, for
-    every row at once (no Python per row): one gather from the windows' strided view."""
-    windows = np.lib.stride_tricks.sliding_window_view(data, extent, axis=axes)
-    # the cut axes first (one window origin each), then the other axes, then the windows'
-    windows = np.moveaxis(windows, axes, range(len(axes)))
-    picked = windows[tuple(np.asarray(origins)[:, k] for k in range(len(axes)))]
-    rest = [a for a in range(data.ndim) if a not in axes]
-    # each row back in the data's axis order: a cut axis at its own place
-    order = [len(rest) + axes.index(a) if a in axes else rest.index(a) for a in range(data.ndim)]
-    out[...] = picked.transpose(0, *(1 + k for k in order))
+    every row at once (no Python per row): :func:`_cut_rows` of ``data`` broadcast to every
+    row (no copy)."""
+    rows = np.broadcast_to(data, (len(origins), *data.shape))
+    out[...] = _cut_rows(rows, origins, axes, extent)
 
 
 def _cut_rows(
     values: np.ndarray, origins: np.ndarray, axes: tuple[int, ...], extent: tuple[int, ...]
 ) -> np.ndarray:
-    """Row ``i`` of ``values`` (``(rows, *steps, n0, n1)``: a forcing on the whole grid) cut
-    along grid ``axes`` (0, 1: of its last two) to the window of ``extent`` at ``origins[i]``,
+    """Row ``i`` of ``values`` (``(rows, *row)``) cut along ``axes`` (of a row, in the order of
+    ``extent`` and of ``origins``' columns) to the window of ``extent`` at ``origins[i]``,
     every row at once: one gather from the windows' strided view."""
-    grid = tuple(values.ndim - 2 + a for a in axes)
-    windows = np.lib.stride_tricks.sliding_window_view(values, extent, axis=grid)
-    # (rows, *cut axes, *steps, uncut grid axis?, *window) then one index per row
-    windows = np.moveaxis(windows, grid, range(1, 1 + len(grid)))
-    at = (np.arange(len(values)), *(np.asarray(origins)[:, k] for k in range(len(grid))))
-    picked = windows[at]
-    # the grid's two axes back in their order: an uncut one leads the windows' axes
-    kept = [a for a in (0, 1) if a not in axes]
-    order = [*kept, *axes]
-    lead = picked.ndim - 2
-    return picked.transpose(*range(lead), *(lead + order.index(a) for a in (0, 1)))
+    ndim = values.ndim - 1
+    cut = tuple(1 + a for a in axes)
+    windows = np.lib.stride_tricks.sliding_window_view(values, extent, axis=cut)
+    # (rows, *cut axes (one window origin each), *other axes, *window) then one index per row
+    windows = np.moveaxis(windows, cut, range(1, 1 + len(cut)))
+    at = (np.arange(len(values)), *(np.asarray(origins)[:, k] for k in range(len(cut))))
+    picked = windows[at]  # (rows, *other axes, *window)
+    rest = [a for a in range(ndim) if a not in axes]
+    # each row back in its own axis order: a cut axis at its own place
+    order = [len(rest) + axes.index(a) if a in axes else rest.index(a) for a in range(ndim)]
+    return picked.transpose(0, *(1 + k for k in order))
 
 
 def static_fields(
