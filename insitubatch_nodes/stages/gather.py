@@ -243,10 +243,7 @@ class GatherNode(BaseNode[Batch]):
         }
         # per label: (bytes of one row, rows one copy moves at most: a chunk's run of rows)
         self._piece = {
-            label: (
-                int(np.prod(g.inner_shape)) * g.dtype.itemsize,
-                1 if g.patch is not None else g.samples_per_chunk,
-            )
+            label: (g.sample_nbytes, 1 if g.patch is not None else g.samples_per_chunk)
             for label, g in self.views.items()
         }
         # one scratch set per gathering thread (used only for rows out of sample order)
