@@ -27,7 +27,7 @@ plans a selection); the fetch stage fills the held tiles, the gather indexes the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import product
 from typing import Any
@@ -127,6 +127,7 @@ or ``None`` for all of them."""
 
 
 def _selected(key: AxisKey) -> tuple[int, ...] | None:
+    """The indices ``key`` takes along its axis (``None``: all of them)."""
     if key is None:
         return None
     return (key,) if isinstance(key, int) else tuple(key)
@@ -210,9 +211,8 @@ def covers(held: Held | None, selection: Selection | None) -> bool:
     for h, key in zip(held, keys, strict=True):
         if h is None:
             continue
-        if key is None:
-            return False
-        if not set((key,) if isinstance(key, int) else key) <= set(h):
+        selected = _selected(key)
+        if selected is None or not set(selected) <= set(h):
             return False
     return True
 
@@ -227,7 +227,7 @@ def slot_index(selection: Selection, held: Held | None) -> tuple[int | slice | n
         if key is None:
             out.append(slice(None))
             continue
-        idx = np.asarray((key,) if isinstance(key, int) else key, dtype=np.int64)
+        idx = np.asarray(_selected(key), dtype=np.int64)
         if kept is not None:  # where each index lies among the held ones, side by side
             idx = np.searchsorted(np.asarray(kept, dtype=np.int64), idx)
         if isinstance(key, int):
@@ -248,7 +248,9 @@ def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
     return slice(int(idx[0]), None if stop < 0 else stop, step)
 
 
-def held_by_path(views: Iterable[Any], exact: Any = lambda path: True) -> dict[str, Held]:
+def held_by_path(
+    views: Iterable[Any], exact: Callable[[str], bool] = lambda path: True
+) -> dict[str, Held]:
     """Array path -> the indices its slots hold (:func:`held_indices`), for the arrays (of
     ``views``, geometries) whose views all select only part of a field axis; arrays left out
     hold everything. ``exact(path)``: whether the array's slots may keep only the selected
@@ -263,7 +265,7 @@ def held_by_path(views: Iterable[Any], exact: Any = lambda path: True) -> dict[s
     out = {}
     for path, sels in selections.items():
         base = bases[path]
-        held = held_indices(sels, base.tile_shape, base.field_shape, exact=bool(exact(path)))
+        held = held_indices(sels, base.tile_shape, base.field_shape, exact=exact(path))
         if held is not None:
             out[path] = held
     return out
