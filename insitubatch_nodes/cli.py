@@ -240,18 +240,20 @@ def check_transform(args: argparse.Namespace) -> int:
         # processes taking the cores (a busy machine) show as waits too, now and then: a
         # probe between the threshold and twice it is run again, up to PROBES, the lowest
         # counting
-        probes = 0
         held = float("inf")
         threshold = args.gil_threshold
-        while (probes < PROBES and threshold <= held < 2 * threshold) or not probes:
+        probes = 0
+        while probes < PROBES:
+            probes += 1
             try:
                 found = gil_probe(call, seconds=args.probe_seconds)
             except Exception as exc:
                 out(f"FAIL      gil probe: the transform raised {type(exc).__name__}: {exc}")
                 return _FAILED
-            probes += 1
             if found[0] < held:
                 held, calls, wall = found
+            if not threshold <= held < 2 * threshold:
+                break
         verdict = "holds the GIL" if held >= args.gil_threshold else "releases the GIL"
         out(
             f"gil       {calls} calls in {wall:.2f} s; another thread waited for the GIL "
