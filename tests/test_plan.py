@@ -403,18 +403,26 @@ def test_the_ramp_changes_only_the_first_block(big: ArrayGeometry) -> None:
 # -- reads, fetches, releases --------------------------------------------------------------------
 
 
+def _case_views(
+    case: str, partial: ArrayGeometry, micro: dict[str, ArrayGeometry]
+) -> tuple[dict[str, ArrayGeometry], SplitManifest]:
+    """The views and manifest of a reads case: a microscopy pair, or ``partial`` alone (with
+    two shifted views when ``windowed``)."""
+    if case == "microscopy":
+        return {"image": micro["image"], "mask": micro["mask"]}, split_by_chunk(
+            micro["image"], (1.0, 0.0, 0.0)
+        )
+    views = {"x": partial}
+    if case == "windowed":
+        views |= {"y": partial.shift(1), "y2": partial.shift(-2)}
+    return views, split_by_chunk(partial, (1.0, 0.0, 0.0))
+
+
 @pytest.mark.parametrize("case", ["single", "windowed", "microscopy", "ranks"])
 def test_each_chunk_is_fetched_once_at_its_first_read_and_released_at_its_last(
     case: str, partial: ArrayGeometry, micro: dict[str, ArrayGeometry]
 ) -> None:
-    if case == "microscopy":
-        variables = {"image": micro["image"], "mask": micro["mask"]}
-        manifest = split_by_chunk(micro["image"], (1.0, 0.0, 0.0))
-    else:
-        variables = {"x": partial}
-        if case == "windowed":
-            variables |= {"y": partial.shift(1), "y2": partial.shift(-2)}
-        manifest = split_by_chunk(partial, (1.0, 0.0, 0.0))
+    variables, manifest = _case_views(case, partial, micro)
     world_size = 2 if case == "ranks" else 1
     node = _node(manifest, variables, batch_size=3, rank=world_size - 1, world_size=world_size)
     for _ in range(2):
@@ -457,14 +465,7 @@ def test_the_bytes_an_epoch_reads_count_every_distinct_chunk_it_fetches_once(
 ) -> None:
     # the oracle: the set of every batch's fetches (a chunk re-fetched after a release, or read
     # by two views, counts once), each at its path's size
-    if case == "microscopy":
-        views = {"image": micro["image"], "mask": micro["mask"]}
-        manifest = split_by_chunk(micro["image"], (1.0, 0.0, 0.0))
-    else:
-        views = {"x": partial}
-        if case == "windowed":
-            views |= {"y": partial.shift(1), "y2": partial.shift(-2)}
-        manifest = split_by_chunk(partial, (1.0, 0.0, 0.0))
+    views, manifest = _case_views(case, partial, micro)
     world = 2 if case == "ranks" else 1
     sizes = {g.path: 1000 + 7 * i for i, g in enumerate(views.values())}
     config = PlanConfig(batch_size=3, block_chunks=2, world_size=world)

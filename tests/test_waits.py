@@ -140,6 +140,31 @@ def test_a_chunk_another_pipeline_pins_is_not_cancelled_when_one_pipeline_resets
 # ---------------------------------------------------------------------------------------------
 
 
+def _gets_in_flight(store: Any) -> bool:
+    """Wait (at most 10 s) until ``store`` (a counting store) has a GET in flight."""
+    deadline = time.monotonic() + 10
+    while store.active == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return store.active > 0
+
+
+def _consumer_in_next(pipe: Any, store: Any) -> tuple[threading.Thread, list[BaseException]]:
+    """A thread calling ``next(pipe)`` (what it raised lands in the list), returned once a GET
+    is in flight."""
+    seen: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            next(pipe)
+        except BaseException as exc:
+            seen.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert _gets_in_flight(store), "no GET was in flight"
+    return consumer, seen
+
+
 def test_close_stops_a_producer_that_the_first_next_is_still_starting(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -158,26 +183,11 @@ def test_close_stops_a_producer_that_the_first_next_is_still_starting(
     class SlowToRecord(real):  # type: ignore[misc, valid-type]
         def start(self) -> None:
             super().start()
-            deadline = time.monotonic() + 10
-            while store.active == 0 and time.monotonic() < deadline:
-                time.sleep(0.01)
+            _gets_in_flight(store)
             time.sleep(0.5)  # the GETs are in flight: time for close() to come in
 
     monkeypatch.setattr(prefetch, "_Worker", SlowToRecord)
-    seen: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            next(pipe)
-        except BaseException as exc:
-            seen.append(exc)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    deadline = time.monotonic() + 10
-    while store.active == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.active > 0, "no GET was in flight"
+    consumer, seen = _consumer_in_next(pipe, store)
     pipe.close()
     consumer.join(5.0)
     assert not consumer.is_alive(), "next() still waits after close()"
@@ -192,20 +202,7 @@ def test_close_returns_within_two_seconds_while_gets_stall_and_wakes_a_waiting_c
     pipe = insitu_pipeline(
         store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, coords=()
     )
-    seen: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            next(pipe)
-        except BaseException as exc:
-            seen.append(exc)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    deadline = time.monotonic() + 10
-    while store.active == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.active > 0, "no GET was in flight"
+    consumer, seen = _consumer_in_next(pipe, store)
     t0 = time.monotonic()
     pipe.close()
     assert time.monotonic() - t0 < 2.0
@@ -230,10 +227,7 @@ def test_reset_close_and_del_return_within_two_seconds_while_read_ahead_gets_sta
         coords=(),
     )  # fmt: skip
     assert next(pipe).index == 0
-    deadline = time.monotonic() + 10
-    while store.active == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert store.active > 0, "no read-ahead GET was in flight"
+    assert _gets_in_flight(store), "no read-ahead GET was in flight"
     pool = pipe.stages.pool
     t0 = time.monotonic()
     if how == "reset":
