@@ -49,7 +49,7 @@ def direct_labels(
     buffers: BatchBuffers,
     geoms: Mapping[str, ArrayGeometry],
     transforms: ChunkTransforms,
-    held: Mapping[str, Held] | None = None,
+    held: Mapping[str, Held],
 ) -> dict[str, dict[int, str]] | None:
     """``{path: {offset: label}}`` when ``ledger``'s single-use chunks can be decoded straight
     into the batch arrays: one sample per chunk, each view of an array (each offset) read by
@@ -58,7 +58,6 @@ def direct_labels(
     decoded straight in when it selects exactly what the slots hold (``held``, see
     :mod:`~insitubatch_nodes.io.selection`), in that order. A chunk read by one row is then
     read by one view, whose offset tells the label. ``None`` otherwise."""
-    held = {} if held is None else held
     if (
         ledger.windows is not None  # a patched array: rows are windows of tiles
         or ledger.samples_per_chunk != 1
