@@ -1,8 +1,9 @@
 """What the trace costs: its hooks timed on their own, and epochs with and without it.
 
-The hooks first: the producer-side span hook (``EpochRecorder.add``) and a stored object's span
-in a decode loop (``_Tally.args`` + append, and the ``is not None`` test that is all a run pays
-without a trace), per call, with the trace off and on; then the per-run hand-over of 100 spans.
+The hooks first: the producer-side span hook (``EpochRecorder.add``) and a stored object's read
+and decode spans in a decode loop (one ``PackedSpans.add``, and the ``is not None`` test that is
+all a run pays without a trace), per call, with the trace off and on; then the per-run hand-over
+of 100 objects' spans.
 Then A/B epochs: a WeatherBench2-like store (13 arrays, one time step per chunk; written once)
 read by two pipelines that differ only in ``FetchOptions(trace=...)``, with a budget short of
 the split (every epoch decodes each stored object straight into its row), epochs alternated
@@ -25,6 +26,7 @@ from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.stages._fill import _Tally
 from insitubatch_nodes.synthetic import make_weatherbench_like
+from insitubatch_nodes.trace import READ_DECODE, PackedSpans
 
 N = 200_000
 
@@ -34,25 +36,28 @@ def _hook_costs(trace: bool, base: float) -> str:
     add = timeit.timeit(lambda: rec.add("gather_s", 1e-3, start=1.0, batch=3), number=N) / N
     acc = _Tally()
     if trace:
-        acc.spans, acc.batch = [], 3
-    spans = acc.spans
+        acc.spans, acc.packed = [], PackedSpans(3)
+    packed = acc.packed
+    ref = -1 if packed is None else packed.ref("t2m", (0, 0))
 
     def one() -> None:
-        if spans is not None:
-            spans.append(("decode", 1.0, 2.0, acc.args("t2m", 5, (0, 0), 3)))
+        if packed is not None:
+            packed.add(READ_DECODE, 1.0, 2.0, 3.0, ref, 5, 3)
 
     obj = timeit.timeit(one, number=N) / N
 
-    def run() -> None:
+    tallies = []
+    for _ in range(20_000):
         tally = _Tally()
         if trace:
-            tally.spans = [("decode", 1.0, 2.0, {"array": "x"})] * 100
-        rec.on_fill_run(tally)
-
-    hand = timeit.timeit(run, number=20_000) / 20_000
+            tally.spans, tally.packed = [("fill run", 1.0, 2.0, {"batch": 3})], PackedSpans(3)
+            for _ in range(100):
+                tally.packed.add(READ_DECODE, 1.0, 2.0, 3.0, 0, 5, 3)
+        tallies.append(tally)
+    hand = timeit.timeit(lambda: rec.on_fill_run(tallies.pop()), number=20_000) / 20_000
     return (
-        f"trace={trace}: add() {1e9 * (add - base):.0f} ns/call; a stored object's span "
-        f"{1e9 * (obj - base):.0f} ns; a run's hand-over with 100 spans {1e6 * hand:.1f} us"
+        f"trace={trace}: add() {1e9 * (add - base):.0f} ns/call; a stored object's read and decode "
+        f"spans {1e9 * (obj - base):.0f} ns; a run's hand-over with 100 objects {1e6 * hand:.1f} us"
     )
 
 

@@ -4,14 +4,15 @@ The fetch, pool, gather and prefetch stages note into one :class:`EpochRecorder`
 epoch's end it becomes an :class:`~insitubatch_nodes.report.EpochReport`.
 
 **The trace.** With ``trace=True`` (``FetchOptions(trace=True)``) the recorder also keeps a
-:class:`TraceLog`: one timestamped span per GET, local read, decode, chunk transform and fill
-run (on the thread that ran it), per admission, chunk wait and gather (the producer thread) and
-per hand-off wait and stretch of the consumer's own work (the consumer's thread), each with its
-chunk and batch ids; the epoch's report carries them
-(:class:`~insitubatch_nodes.report.EpochTrace`). The spans are handed over with the counters
-they match — a fill run's at its end, under the lock its tallies take — so the trace's counts
-are the report's. Without it ``trace`` is ``None`` and the hot paths test that once per run
-or per batch, never build anything.
+:class:`~insitubatch_nodes.trace.TraceLog`: one timestamped span per GET, local read, decode,
+chunk transform and fill run (on the thread that ran it), per admission, chunk wait and gather
+(the producer thread) and per hand-off wait and stretch of the consumer's own work (the
+consumer's thread), each with its chunk and batch ids; the epoch's report carries them
+(:class:`~insitubatch_nodes.trace.EpochTrace`). A stored object's spans are packed as numbers
+as they are recorded (:class:`~insitubatch_nodes.trace.PackedSpans`: no lasting Python object
+per span). The spans are handed over with the counters they match — a fill run's at its end,
+under the lock its tallies take — so the trace's counts are the report's. Without it ``trace``
+is ``None`` and the hot paths test that once per run or per batch, never build anything.
 """
 
 from __future__ import annotations
@@ -23,40 +24,14 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from insitubatch_nodes.report import EpochReport, EpochTrace, Span, limiting_stage, suggestion_for
+from insitubatch_nodes.report import EpochReport, limiting_stage, suggestion_for
+from insitubatch_nodes.trace import EpochTrace, TraceLog
 
 _now = time.perf_counter
 
 __all__ = ["NULL_RECORDER", "EpochRecorder", "NullRecorder", "TraceLog"]
 
 log = logging.getLogger("insitubatch_nodes.report")  # the epoch line keeps its logger name
-
-
-class TraceLog:
-    """The spans of the epoch in progress, for its trace (module docstring): appended from any
-    thread (a list's ``append`` and ``extend`` are atomic), taken by the recorder when the epoch
-    is reported. ``threads`` names each thread id seen."""
-
-    __slots__ = ("spans", "threads")
-
-    def __init__(self) -> None:
-        self.spans: list[Span] = []
-        self.threads: dict[int, str] = {}
-
-    def thread(self) -> int:
-        """The calling thread's id (the kernel's, as trace viewers show it), named once."""
-        tid = threading.get_native_id()
-        if tid not in self.threads:
-            self.threads[tid] = threading.current_thread().name
-        return tid
-
-    def span(self, name: str, t0: float, t1: float, args: dict[str, Any] | None = None) -> None:
-        """A span of the calling thread, ``t0`` to ``t1`` (``time.perf_counter``)."""
-        self.spans.append((name, t0, t1, self.thread(), args))
-
-    def take(self) -> list[Span]:
-        spans, self.spans = self.spans, []
-        return spans
 
 
 class _Level:
@@ -154,10 +129,11 @@ class EpochRecorder:
         return now
 
     def on_get_end(
-        self, started: float, nbytes: int, ok: bool = True, args: dict[str, Any] | None = None
+        self, started: float, nbytes: int, ok: bool = True, what: tuple[Any, ...] | None = None
     ) -> None:
         """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted).
-        ``args`` (with a trace: what it read) go with its span."""
+        ``what`` (with a trace: the array path, chunk, tile, key and batch it read) goes with
+        its span."""
         now = _now()
         with self._lock:
             self._inflight.change(-1, now)
@@ -166,8 +142,9 @@ class EpochRecorder:
                 t["get_s"] += now - started
                 t["gets"] += 1
                 t["bytes_fetched"] += nbytes
-                if self.trace is not None:
-                    self.trace.span("GET", started, now, args)
+                if self.trace is not None and what is not None:
+                    path, chunk, tile, key, batch = what
+                    self.trace.get(started, now, path, chunk, tile, key, nbytes, batch)
 
     def on_fill_submit(self, objects: int, now: float) -> None:
         """A fill job queued ``objects`` stored objects for the decode threads."""
@@ -177,14 +154,16 @@ class EpochRecorder:
     def on_fill_run(self, tally: Any) -> None:
         """A decode thread ended a run of a fill job (``tally``: what it did, see
         :mod:`~insitubatch_nodes.stages._fill`): reads of a local store count as GETs. With a
-        trace, ``tally.spans`` (``(name, t0, t1, args)`` of its reads, decodes and transforms,
-        then the run's own) are the calling thread's."""
+        trace, ``tally.packed`` (its reads, decodes and transforms) and ``tally.spans``
+        (``(name, t0, t1, args)``: the run's own) are the calling thread's."""
         now = _now()
         with self._lock:
             trace = self.trace
-            if trace is not None and tally.spans:
+            if trace is not None and tally.spans is not None:
                 tid = trace.thread()
                 trace.spans.extend((n, t0, t1, tid, a) for n, t0, t1, a in tally.spans)
+                if tally.packed:
+                    trace.packed.append((tid, tally.packed))
             t = self.totals
             if tally.reads:
                 t["gets"] += tally.reads
@@ -337,7 +316,7 @@ class EpochRecorder:
             trace = self.trace
             spans = None
             if trace is not None:  # the spans that go with these counters
-                spans = trace.take() if complete else list(trace.spans)
+                spans = trace.take(keep=not complete)
         wall = max(end - ep["t0"], 1e-9)
         d = {k: totals[k] - ep["totals0"][k] for k in _CUMULATIVE}
         r = EpochReport(
@@ -389,7 +368,7 @@ class EpochRecorder:
             batch_transforms=self.batch_transforms,
         )
         if spans is not None and trace is not None:
-            r.trace = EpochTrace(r.epoch, ep["t0"], end, spans, dict(trace.threads))
+            r.trace = EpochTrace(r.epoch, ep["t0"], end, spans[0], dict(trace.threads), spans[1])
         r.limiting = limiting_stage(r)
         if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
             r.split_bytes = self._split_bytes(r.epoch)
@@ -435,7 +414,7 @@ class NullRecorder(EpochRecorder):
         return 0.0
 
     def on_get_end(
-        self, started: float, nbytes: int, ok: bool = True, args: dict[str, Any] | None = None
+        self, started: float, nbytes: int, ok: bool = True, what: tuple[Any, ...] | None = None
     ) -> None:
         pass
 

@@ -63,13 +63,14 @@ start-up wait is reported separately as the time to first batch):
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
+
+from insitubatch_nodes.trace import OBJECT_ARGS, SPAN_CATEGORIES, EpochTrace, Span
 
 __all__ = [
     "CONSUMER_WAIT_FRACTION",
@@ -102,86 +103,6 @@ DECODE_BUSY_FRACTION = 0.75
 _BUDGET_RAM_SHARE = 0.5
 
 _now = time.perf_counter
-
-Span = tuple[str, float, float, int, Any]
-"""One span of a trace: ``(name, start, end, thread id, args)``, times from
-``time.perf_counter``; ``args`` is a dict, ``None``, or the ids of a stored object as a tuple in
-the order of :data:`OBJECT_ARGS`."""
-
-#: The names of a stored object's ids when a span holds them as a tuple (``row``: ``-1`` when
-#: not decoded in place; ``missing``: present, 1, for a missing object filled with the fill
-#: value).
-OBJECT_ARGS = ("array", "chunk", "tile", "batch", "row", "missing")
-
-#: Every span name a trace holds, and the category (the stage) it is filed under.
-SPAN_CATEGORIES: dict[str, str] = {
-    "GET": "store",
-    "read": "store",
-    "decode": "decode",
-    "transform": "decode",
-    "fill run": "decode",
-    "admit": "engine",
-    "wait for chunks": "producer",
-    "gather": "gather",
-    "next": "consumer",
-    "consumer": "consumer",
-}
-_ASYNC = frozenset({"GET"})  # overlapping on one thread (the IO loop): async spans
-
-
-@dataclass(frozen=True, eq=False)
-class EpochTrace:
-    """The spans of one epoch (see the module docstring), from ``t0`` (its first ``next()``)
-    to ``t1``; ``threads`` names each thread id."""
-
-    epoch: int
-    t0: float
-    t1: float
-    spans: list[Span] = field(repr=False)
-    threads: dict[int, str] = field(default_factory=dict)
-
-    def counts(self) -> dict[str, int]:
-        """Spans per name."""
-        out: dict[str, int] = {}
-        for span in self.spans:
-            out[span[0]] = out.get(span[0], 0) + 1
-        return out
-
-    def chrome(self) -> dict[str, Any]:
-        """The trace as Chrome's Trace Event Format (a JSON-able dict): complete events
-        (``"ph": "X"``) per thread, GETs as async begin/end pairs, times in microseconds from
-        the epoch's first ``next()``, thread names as metadata events."""
-        pid = os.getpid()
-        t0 = self.t0
-        events: list[dict[str, Any]] = [
-            {"ph": "M", "pid": pid, "tid": 0, "name": "process_name",
-             "args": {"name": f"insitubatch_nodes epoch {self.epoch}"}},
-        ]  # fmt: skip
-        used = {span[3] for span in self.spans}
-        for tid, name in sorted(self.threads.items()):
-            if tid not in used:  # a thread of an earlier epoch
-                continue
-            events.append(
-                {"ph": "M", "pid": pid, "tid": tid, "name": "thread_name", "args": {"name": name}}
-            )
-        spans = sorted(self.spans, key=lambda s: (s[1], -s[2]))  # parents before children
-        for i, (name, start, end, tid, args) in enumerate(spans):
-            ts = round((start - t0) * 1e6, 3)
-            cat = SPAN_CATEGORIES.get(name, "engine")
-            common = {"name": name, "cat": cat, "pid": pid, "tid": tid, "args": _named(args)}
-            if name in _ASYNC:
-                events.append({**common, "ph": "b", "ts": ts, "id": i})
-                events.append({**common, "ph": "e", "ts": round((end - t0) * 1e6, 3), "id": i})
-            else:
-                events.append({**common, "ph": "X", "ts": ts, "dur": round((end - start) * 1e6, 3)})
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
-
-    def write(self, path: str | os.PathLike[str]) -> Path:
-        """Write :meth:`chrome` as JSON to ``path``; returns the path."""
-        out = Path(path)
-        with out.open("w") as f:
-            json.dump(self.chrome(), f)
-        return out
 
 
 @dataclass
@@ -401,18 +322,6 @@ class EpochReport:
         if self.suggestion:
             lines.append(f"  suggestion: {self.suggestion}")
         return "\n".join(lines)
-
-
-def _named(args: Any) -> dict[str, Any]:
-    """A span's ``args`` as the trace's dict (a stored object's tuple named, see
-    :data:`OBJECT_ARGS`)."""
-    if not isinstance(args, tuple):
-        return args or {}
-    out = dict(zip(OBJECT_ARGS, args, strict=False))
-    out["tile"] = list(out["tile"])
-    if out["row"] < 0:
-        del out["row"]
-    return out
 
 
 def _size(n: float) -> str:

@@ -80,6 +80,7 @@ BELOW_STAGES = [
     "errors",
     "report",
     "recorder",
+    "trace",
     "batch",
     "transforms",
     "_checks",

@@ -8,6 +8,7 @@ other, and its counts are the epoch report's, which the store's own counts back.
 
 from __future__ import annotations
 
+import gc
 import json
 from collections import Counter
 from pathlib import Path
@@ -19,8 +20,8 @@ from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.options import FetchOptions
-from insitubatch_nodes.report import SPAN_CATEGORIES
 from insitubatch_nodes.stages import _ranges
+from insitubatch_nodes.trace import SPAN_CATEGORIES
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -189,3 +190,70 @@ def test_tracing_leaves_the_batches_exactly_as_zarr_reads_them(era5: Path) -> No
     for a, b in zip(traced, plain, strict=True):
         for label in ("x", "y", "z"):
             np.testing.assert_array_equal(a["arrays"][label], b["arrays"][label])
+
+
+@pytest.fixture(scope="module")
+def one_step_per_object(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """1,200 steps of two arrays, one step per stored object: 2,400 objects an epoch."""
+    return write_era5(tmp_path_factory.mktemp("trace") / "steps.zarr", n_time=1200, n_lat=2,
+                      n_lon=4, n_level=1, samples_per_chunk=1)  # fmt: skip
+
+
+def _collections_in_an_epoch(store: Path, trace: bool) -> tuple[int, Any]:
+    """Garbage collections during one epoch (any generation), and its report. Batches of 100:
+    the few spans each batch records (admission, gather, waits) are not what is measured."""
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, {"x": g["t2m"], "z": g["z"]}, batch_size=100,
+                           coords=(), fetch=FetchOptions(trace=trace))  # fmt: skip
+    started = []
+
+    def note(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.collect()
+    gc.callbacks.append(note)
+    try:
+        run_epoch(pipe)
+    finally:
+        gc.callbacks.remove(note)
+    report = pipe.report()
+    pipe.close()
+    return len(started), report
+
+
+def test_a_traced_epoch_wakes_the_garbage_collector_no_more_than_an_untraced_one(
+    one_step_per_object: Path,
+) -> None:
+    # each stored object's read and decode spans were kept as tuples: ~4 live containers per
+    # object, a young collection every 700 of them (~13 here, and more with every object)
+    _collections_in_an_epoch(one_step_per_object, trace=False)  # the process's first: warm-up
+    plain, _ = _collections_in_an_epoch(one_step_per_object, trace=False)
+    traced, report = _collections_in_an_epoch(one_step_per_object, trace=True)
+    assert report is not None and report.trace is not None
+    counts = report.trace.counts()
+    assert counts["read"] == report.gets == 2400 and counts["decode"] == report.decodes == 2400
+    assert traced <= plain + 1, (traced, plain)
+
+
+def test_a_report_mid_epoch_has_the_spans_so_far_and_the_epochs_end_has_them_all(
+    era5: Path,
+) -> None:
+    store = counting_store(era5)  # GETs, recorded on the IO loop's own buffer
+    pipe = _pipe(store)
+    it = iter(pipe)
+    next(it)
+    next(it)
+    partial = pipe.report()
+    assert partial is not None and not partial.complete and partial.trace is not None
+    so_far = partial.trace.counts()
+    assert 0 < so_far["GET"] <= partial.gets and so_far["decode"] <= partial.decodes
+    for _ in it:
+        pass
+    final = pipe.report()
+    pipe.close()
+    assert final is not None and final.complete and final.trace is not None
+    counts = final.trace.counts()
+    assert counts["GET"] == final.gets >= so_far["GET"]
+    assert counts["decode"] == final.decodes >= so_far["decode"]

@@ -60,6 +60,7 @@ from insitubatch_nodes.stages._jobs import (
     Unit,
 )
 from insitubatch_nodes.stages._ranges import profile_range
+from insitubatch_nodes.trace import DECODE, MISSING, READ, READ_DECODE, TRANSFORM, PackedSpans
 from insitubatch_nodes.transforms import ChunkTransforms
 
 __all__ = ["FillRunner", "NoteBad", "SpareBuffers"]
@@ -172,7 +173,7 @@ class FillRunner:
     def _run(self, job: FillJob) -> None:
         acc = _Tally()
         if self.recorder.trace is not None:  # a trace: this run's spans (the recorder's doc)
-            acc.spans, acc.batch = [], job.batch
+            acc.spans, acc.packed = [], PackedSpans(job.batch)
         t0 = _now()
         pool = self.decode_pool
         local = self.reader is not None
@@ -232,7 +233,7 @@ class FillRunner:
                 self._fill_whole_rows(job, rows, acc)
                 return
             decode = array.decoder.decode_trusted
-            spans = acc.spans
+            packed = acc.packed
             for chunk, r in zip(rows.chunks, rows.rows, strict=True):
                 if job.cancelled or job.error is not None:
                     break  # the batch is abandoned, or failed already: nobody needs the rest
@@ -256,8 +257,8 @@ class FillRunner:
                     acc.decodes += 1
                     acc.decode_s += t2 - t1
                     acc.queued_s += t2 - job.submitted
-                    if spans is not None:
-                        spans.append(("decode", t1, t2, acc.args(array.path, chunk, tile, r)))
+                    if packed is not None:
+                        packed.add(DECODE, t1, t1, t2, packed.ref(array.path, tile), chunk, r)
         except BaseException as exc:  # a bug here must fail the batch, never leave it waiting
             if job.error is None:
                 job.error = exc
@@ -279,8 +280,8 @@ class FillRunner:
         reads = nbytes = decodes = 0
         read_s = decode_s = queued_s = 0.0
         submitted = job.submitted
-        spans = acc.spans
-        path = array.path
+        packed = acc.packed
+        ref = -1 if packed is None else packed.ref(array.path, tile)
         probe = array.missing  # after a missing object, ask whether the next one exists
         for chunk, r in zip(rows.chunks, rows.rows, strict=True):
             if job.cancelled or job.error is not None:
@@ -297,9 +298,9 @@ class FillRunner:
             t1 = _now()
             reads += 1
             read_s += t1 - t0
-            if spans is not None:
-                spans.append(("read", t0, t1, acc.args(path, chunk, tile, r)))
             if raw is None:
+                if packed is not None:
+                    packed.add(READ, t0, t1, t1, ref, chunk, r)
                 missing.append(r)
                 probe = True
                 continue
@@ -308,6 +309,8 @@ class FillRunner:
             try:
                 decode(raw, out[r : r + 1], chunk, tile)
             except Exception as exc:
+                if packed is not None:
+                    packed.add(READ, t0, t1, t1, ref, chunk, r)
                 error = self._wrap(array, chunk, tile, key, exc)
                 self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None), key, error)
                 continue
@@ -315,17 +318,17 @@ class FillRunner:
             decodes += 1
             decode_s += t2 - t1
             queued_s += t2 - submitted
-            if spans is not None:
-                spans.append(("decode", t1, t2, acc.args(path, chunk, tile, r)))
+            if packed is not None:
+                packed.add(READ_DECODE, t0, t1, t2, ref, chunk, r)
         array.missing = probe
         if missing:  # what zarr reads for a missing object: the fill value, in one go
             t1 = _now()
             out[missing] = array.decoder.fill_value
             decodes += len(missing)
-            if spans is not None:
+            if packed is not None:
                 t2 = _now()
                 for r in missing:
-                    spans.append(("decode", t1, t2, (*acc.args(path, -1, tile, r), 1)))
+                    packed.add(MISSING, t1, t1, t2, ref, -1, r)
         acc.reads += reads
         acc.read_bytes += nbytes
         acc.read_s += read_s
@@ -378,8 +381,8 @@ class FillRunner:
                 acc.decodes += 1
                 acc.decode_s += t2 - t1
                 acc.queued_s += t2 - (landed or job.submitted)
-                if acc.spans is not None:
-                    acc.spans.append(("decode", t1, t2, acc.args(array.path, chunk, tile)))
+                if acc.packed is not None:
+                    acc.packed.add(DECODE, t1, t1, t2, acc.packed.ref(array.path, tile), chunk)
             except ChunkReadError as exc:
                 error = exc
             except Exception as exc:
@@ -415,8 +418,8 @@ class FillRunner:
         acc.reads += 1
         acc.read_s += t1 - t0
         acc.read_bytes += 0 if raw is None else len(raw)
-        if acc.spans is not None:
-            acc.spans.append(("read", t0, t1, acc.args(array.path, chunk, tile)))
+        if acc.packed is not None:
+            acc.packed.add(READ, t0, t1, t1, acc.packed.ref(array.path, tile), chunk)
         if ids is not None and info:  # what identifies the file (store_identity)
             ids.note(array.path, array.entry_index(chunk, tile), key, stat_identity(info[0]))
         return raw
@@ -548,8 +551,8 @@ class FillRunner:
             t1 = _now()
             acc.transforms += 1
             acc.transform_s += t1 - t0
-            if acc.spans is not None:
-                acc.spans.append(("transform", t0, t1, acc.args(path, chunk)))
+            if acc.packed is not None:
+                acc.packed.add(TRANSFORM, t0, t0, t1, acc.packed.ref(path), chunk)
 
     def _job_done(self, job: FillJob) -> None:
         job.arrays = None  # the batch holds its arrays; a finished job holds nothing
@@ -605,10 +608,10 @@ class _Tally:
     """What one run did, handed to the recorder once at its end (no lock per object)."""
 
     __slots__ = (
-        "batch",
         "decode_s",
         "decodes",
         "handled",
+        "packed",
         "queued_s",
         "read_bytes",
         "read_s",
@@ -630,14 +633,7 @@ class _Tally:
         self.transforms = 0
         self.transform_s = 0.0
         self.run_s = 0.0
-        #: with a trace: ``(name, t0, t1, args)`` of its reads, decodes, transforms and itself
+        #: with a trace: ``(name, t0, t1, args)`` of the run itself
         self.spans: list[tuple[str, float, float, Any]] | None = None
-        self.batch = -1  # the batch whose admission made the run's job
-
-    def args(
-        self, path: str, chunk: int, tile: tuple[int, ...] = (), row: int = -1
-    ) -> tuple[Any, ...]:
-        """A span's ids, as a tuple (cheaper to make than a dict; the trace names them, see
-        :data:`~insitubatch_nodes.report.OBJECT_ARGS`): the array, chunk, tile (stored object),
-        batch and row (``-1``: not decoded in place)."""
-        return (path, chunk, tile, self.batch, row)
+        #: with a trace: its reads, decodes and transforms, packed (the batch its job's)
+        self.packed: PackedSpans | None = None

@@ -131,11 +131,8 @@ class GetQueue:
         nbytes = 0 if raw is None else len(raw)
         if error is None:
             self.pool.note_io(1, nbytes)
-        args = None
-        if rec.trace is not None:
-            args = {"array": array.path, "chunk": chunk, "tile": list(tile), "key": key,
-                    "bytes": nbytes, "batch": job.batch}  # fmt: skip
-        rec.on_get_end(started, nbytes, ok=error is None, args=args)
+        what = None if rec.trace is None else (array.path, chunk, tile, key, job.batch)
+        rec.on_get_end(started, nbytes, ok=error is None, what=what)
         if error is None and ids is not None and meta:  # what identifies the object
             ids.note(array.path, array.entry_index(chunk, tile), key, meta_identity(meta[0]))
         self._land(job, [Queued(unit, _now(), raw, error, permit=True)])
