@@ -44,7 +44,7 @@ from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import SlotBacking
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stack_constants import prepare_constants, static_fields
-from insitubatch_nodes.stages.context import StageContext
+from insitubatch_nodes.stages.context import StageContext, slot_holdings
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
@@ -150,6 +150,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
             None if pool.auto else pool.budget_bytes,
             plan.plan_config,
             revive=persistent and plan.shuffle,
+            held=plan.held,
         )
         plan.set_views(carried, schedule=schedule)
         commit()
@@ -362,6 +363,7 @@ def insitu_pipeline(
         cache_options.budget_bytes,
         plan_config,
         revive=cache_options.persistent and plan_config.shuffle,
+        held=slot_holdings(parts.values(), transforms, cache_options.persistent),
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
     patched = {v.path for v in views.values() if isinstance(v, ArrayGeometry) and v.patch}

@@ -165,6 +165,40 @@ def test_a_selection_whole_in_a_chunk_keeps_only_the_selected_levels_in_the_pool
     assert stats["resident_peak_bytes"] == T * 3 * Y * X * 4, "3 levels of 7 are kept per step"
 
 
+def test_a_budget_that_holds_the_selected_levels_is_enough_though_whole_objects_would_not_fit(
+    store: Path,
+) -> None:
+    from insitubatch_nodes.io.selection import held_by_path
+    from insitubatch_nodes.plan.config import PlanConfig
+    from insitubatch_nodes.plan.schedule import schedule_floors
+
+    # t keeps 2 of its 7 levels per slot: the plan's floors are 2/7 of whole objects'. An
+    # explicit budget at the held floor was refused, with a floor 3.5 times what it needs
+    g = open_geometries(store)["t"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    views = {"x": g.sel(level=[850, 500]), "y": g.sel(level=[850, 500]).shift(1)}
+    cfg = PlanConfig(batch_size=4)
+    whole = schedule_floors(manifest, views, cfg)
+    held = schedule_floors(manifest, views, cfg, held_by_path(views.values()))
+    assert (held.read_once * 7, held.bounded * 7) == (whole.read_once * 2, whole.bounded * 2)
+    budget = held.guaranteed
+    assert budget < whole.guaranteed
+    ds = xr.open_zarr(store, consolidated=False).t.sel(level=[850, 500]).values
+    pipe = insitu_pipeline(store, manifest, views, batch_size=4, coords=(),
+                           cache_budget_bytes=budget)  # fmt: skip
+    try:
+        for _ in range(2):
+            pipe.reset()
+            for batch in pipe:
+                for label in ("x", "y"):
+                    rows = batch.sample_indices[label]
+                    np.testing.assert_array_equal(np.array(batch.arrays[label]), ds[rows])
+        stats = pipe.stats()
+    finally:
+        pipe.close()
+    assert stats["resident_peak_bytes"] <= budget
+
+
 def test_at_one_sample_per_chunk_a_level_selection_decodes_straight_into_the_batch(
     store: Path,
 ) -> None:

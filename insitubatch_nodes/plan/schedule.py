@@ -21,6 +21,7 @@ import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held, held_geometry
 from insitubatch_nodes.plan.anchors import every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
@@ -110,13 +111,15 @@ def _anchor_chunk_bytes(
     chunks: np.ndarray,
     starts: np.ndarray,
     counts: np.ndarray,
+    held: Mapping[str, Held],
 ) -> tuple[np.ndarray, int, bool]:
     """For anchor chunks with valid anchors ``[start, start + count)``: the bytes of the
-    distinct stored chunks each one's anchors read (all views), the bytes of every chunk any of
-    them reads, and whether some stored chunk is read by two different anchor chunks."""
+    distinct stored chunks each one's anchors read (all views; a slot's, as ``held``), the
+    bytes of every chunk any of them reads, and whether some stored chunk is read by two
+    different anchor chunks."""
     weight = np.zeros(len(chunks), dtype=np.int64)
     total, shared = 0, False
-    nbytes_of = {g.path: g.base.chunk_nbytes for g in reversed(list(views.values()))}
+    nbytes_of = {path: g.chunk_nbytes for path, g in slot_geometries(views, held).items()}
     for pspc, offsets, paths in plan_groups(views):
         # the arrays of a plan group read the same chunks: count them once, weigh by all
         nbytes = sum(nbytes_of[path] for path in paths)
@@ -147,6 +150,7 @@ def _patch_chunk_bytes(
     chunks: np.ndarray,
     starts: np.ndarray,
     counts: np.ndarray,
+    held: Mapping[str, Held],
 ) -> tuple[np.ndarray, int, np.ndarray]:
     """:func:`_anchor_chunk_bytes` of a patched plan, over its patch chunks (every anchor
     chunk's regions): ``(bytes each may read, bytes of every unit read, samples in each)``.
@@ -159,6 +163,7 @@ def _patch_chunk_bytes(
     view_of: dict[str, ArrayGeometry] = {}  # the first view of each array
     for g in views.values():
         view_of.setdefault(g.path, g)
+    slot = slot_geometries(views, held)
     for pspc, offsets, paths in plan_groups(views):
         geom = view_of[paths[0]]
         if geom.patch is not None:
@@ -166,7 +171,7 @@ def _patch_chunk_bytes(
             per_chunk = sum(unit_geometry(view_of[p]).chunk_nbytes for p in paths) * rim
             every = sum(view_of[p].base.chunk_nbytes for p in paths)
         else:
-            per_chunk = every = sum(view_of[p].base.chunk_nbytes for p in paths)
+            per_chunk = every = sum(slot[p].chunk_nbytes for p in paths)
         span_total = np.zeros(len(chunks), dtype=np.int64)
         read = []
         for offset in sorted(set(offsets)):
@@ -268,8 +273,14 @@ def schedule_floors(
     manifest: SplitManifest,
     views: Mapping[str, ArrayGeometry],
     config: PlanConfig | None = None,
+    held: Mapping[str, Held] | None = None,
 ) -> ScheduleFloors:
     """Permutation-independent upper bounds of each schedule's working-set floor.
+
+    ``held`` (array path -> the indices its slots hold, as the stage context decides: see
+    :func:`~insitubatch_nodes.io.selection.held_by_path`) sizes the slots of arrays read through
+    selected views: a slot keeping 13 of 37 levels counts 13 levels' bytes, not the stored
+    chunk's.
 
     ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`, trusted; ``None``: the
     defaults) is the plan's; only its ``split, batch_size, block_chunks, cross_split_windows,
@@ -313,7 +324,7 @@ def schedule_floors(
     """
     cfg = plan_config(config, "schedule_floors")
     views = check_plan_inputs(manifest, views, cfg)
-    units, gap = _plan_units(manifest, views, cfg)
+    units, gap = _plan_units(manifest, views, cfg, {} if held is None else held)
     if units is None:
         return ScheduleFloors(read_once=0, bounded=0, pin_gap=gap)
     world = default_rank_world()[1] if cfg.world_size is None else cfg.world_size
@@ -362,7 +373,10 @@ class _Units:
 
 
 def _plan_units(
-    manifest: SplitManifest, views: Mapping[str, ArrayGeometry], cfg: PlanConfig
+    manifest: SplitManifest,
+    views: Mapping[str, ArrayGeometry],
+    cfg: PlanConfig,
+    held: Mapping[str, Held],
 ) -> tuple[_Units | None, int]:
     """The plan's :class:`_Units` (``None`` when no anchor is valid) and the bounded schedule's
     gap: :func:`block_batches`, or a patched plan's :meth:`PatchLayout.block_batches`."""
@@ -389,12 +403,12 @@ def _plan_units(
         return None, gap
     if layout is None:
         weight, total, shared = _anchor_chunk_bytes(
-            manifest, views, chunks[keep], starts[keep], spans[keep]
+            manifest, views, chunks[keep], starts[keep], spans[keep], held
         )
         units = _Units(counts, weight, total, shared, bc, spc, patched=False)
     else:
         weight, total, rows = _patch_chunk_bytes(
-            views, layout, chunks[keep], starts[keep], counts[keep]
+            views, layout, chunks[keep], starts[keep], counts[keep], held
         )
         units = _Units(rows, weight, total, True, 1, 1, patched=True)
     return units, gap
@@ -488,12 +502,20 @@ class _UnitCounts:
         )
 
 
-def slot_geometries(views: Mapping[str, ArrayGeometry]) -> dict[str, ArrayGeometry]:
-    """What one slot of each array holds, by path: a whole chunk, or one stored tile of an
-    array read through patched views (before any chunk transform)."""
+def slot_geometries(
+    views: Mapping[str, ArrayGeometry], held: Mapping[str, Held] | None = None
+) -> dict[str, ArrayGeometry]:
+    """What one slot of each array holds, by path: a whole chunk, one stored tile of an array
+    read through patched views, or the indices ``held`` says its slots keep (before any chunk
+    transform)."""
     out: dict[str, ArrayGeometry] = {}
     for g in views.values():
-        out[g.path] = unit_geometry(g) if g.patch is not None else g.base
+        if g.patch is not None:
+            out[g.path] = unit_geometry(g)
+        elif held and g.path in held:
+            out[g.path] = held_geometry(g.base, held[g.path])
+        else:
+            out[g.path] = g.base
     return out
 
 
@@ -573,15 +595,16 @@ def choose_schedule(
     config: PlanConfig | None = None,
     *,
     revive: bool = False,
+    held: Mapping[str, Held] | None = None,
 ) -> PinSchedule:
     """The residency schedule for a budget: pure, computed before the read plan is built.
 
     Pass the result as ``ReadPlanNode(..., schedule=...)``; :func:`insitu_pipeline` does exactly
     this, so a pipeline composed by hand behaves like the builder's. ``config`` is the
-    :class:`~insitubatch_nodes.plan.config.PlanConfig` the read plan is built with, as for
-    :func:`schedule_floors`. ``budget_bytes`` is ``None`` or a positive integer, trusted: it was
-    checked where it was made (``CacheOptions.budget_bytes``, the builder's
-    ``cache_budget_bytes``).
+    :class:`~insitubatch_nodes.plan.config.PlanConfig` the read plan is built with, and ``held``
+    what the slots of selected arrays keep, as for :func:`schedule_floors`. ``budget_bytes`` is
+    ``None`` or a positive integer, trusted: it was checked where it was made
+    (``CacheOptions.budget_bytes``, the builder's ``cache_budget_bytes``).
 
     Read-once (each chunk pinned from its first reading batch to its last, fetched once per
     epoch) is the default. A shifted view can make that schedule hold a large part of the split —
@@ -607,7 +630,7 @@ def choose_schedule(
     blocks instead of the part of the split a shifted view keeps pinned between its uses.
     """
     cfg = plan_config(config, "choose_schedule")
-    floors = schedule_floors(manifest, views, cfg)
+    floors = schedule_floors(manifest, views, cfg, held)
     windowed = len({view.offset for view in views.values()}) > 1
     fits_bounded = budget_bytes is None or budget_bytes >= floors.bounded
     if revive and windowed and fits_bounded:

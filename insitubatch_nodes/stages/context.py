@@ -25,7 +25,7 @@ plain ``torchdata`` node (a ``Mapper``, a ``Batcher``) sits between two stages.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Protocol
@@ -41,7 +41,7 @@ from insitubatch_nodes.stages.buffers import BatchBuffers, batch_rows
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
-__all__ = ["Member", "StageContext"]
+__all__ = ["Member", "StageContext", "slot_holdings"]
 
 
 class Member(Protocol):
@@ -123,11 +123,7 @@ class StageContext:
         views = {label: _carried_view(label, v, transforms) for label, v in plan.views.items()}
         patched = frozenset(v.path for v in views.values() if v.patch is not None)
         persistent = pool.cache is not None and pool.cache.persistent
-        # slots keep only the selected indices of an axis whole in each object, unless they
-        # must hold stored chunks: for chunk transforms, or as a persistent cache's files
-        held = held_by_path(
-            views.values(), exact=lambda path: not (persistent or transforms.active(path))
-        )
+        held = slot_holdings(views.values(), transforms, persistent)
         slot_geoms = _slot_geometries(transforms, patched, pool, held)
         plan.hold(held)
         rows = batch_rows(
@@ -205,6 +201,17 @@ class StageContext:
         """Wake every registered stage's waits now (thread-safe)."""
         for stage in self._members:
             stage.interrupt()
+
+
+def slot_holdings(
+    views: Iterable[ArrayGeometry], transforms: ChunkTransforms, persistent: bool
+) -> dict[str, Held]:
+    """Array path -> the indices its slots hold, for arrays read only through selected views
+    (:func:`~insitubatch_nodes.io.selection.held_by_path`): just the selected indices of an
+    axis whole in each object, unless the slots must hold stored chunks — for chunk transforms,
+    or as a ``persistent`` cache's files. The builder sizes the schedule by it before the
+    stages exist; the context then hands it to the plan (:meth:`ReadPlanNode.hold`)."""
+    return held_by_path(views, exact=lambda path: not (persistent or transforms.active(path)))
 
 
 def _resolve_transforms(

@@ -289,8 +289,14 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def hold(self, held: Mapping[str, Held]) -> None:
         """What the pool's slots hold of each array read through selected views (the stage
         context says, see :mod:`~insitubatch_nodes.io.selection`): ``set_views`` then takes
-        only views that select within it."""
+        only views that select within it, and each epoch's choice of schedule sizes those
+        slots as they are."""
         self._held = dict(held)
+
+    @property
+    def held(self) -> Mapping[str, Held]:
+        """What :meth:`hold` was told (empty before)."""
+        return MappingProxyType(self._held)
 
     def _resumes_mid_epoch(self, state: Mapping[str, Any]) -> bool:
         """Whether ``state`` was saved with the views in effect and resumes inside its epoch
@@ -433,7 +439,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return self._draw(epoch, None, resumed, dealing=dealing)
         if within is not None:
             once = self._draw(epoch, None, resumed, dealing=dealing)
-            if working_set_bytes(once, slot_geometries(self.views))[0] <= within:
+            if working_set_bytes(once, slot_geometries(self.views, self._held))[0] <= within:
                 return once
         return self._draw(epoch, gap, resumed, dealing=dealing)
 
