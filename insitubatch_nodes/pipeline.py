@@ -160,7 +160,8 @@ class InSituPipeline(PrefetcherNode[Batch]):
         memory this pipeline holds outside the pool's budget, in bytes:
         ``batch_buffer_bytes`` (reusable batch buffers, lent out or idle — the prefetch queue's
         batches live in them — plus gather scratch), ``decode_scratch_bytes`` (per decode
-        thread) and their sum ``outside_pool_bytes``."""
+        thread: scratch, and the buffers objects are decoded into before a slot keeps a
+        selection of them) and their sum ``outside_pool_bytes``."""
         out = self.stages.pool.stats.as_dict()
         out["batch_buffer_bytes"] = self.stages.gather.buffer_bytes
         out["decode_scratch_bytes"] = self.stages.fetch.scratch_bytes

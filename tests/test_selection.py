@@ -199,6 +199,31 @@ def test_a_budget_that_holds_the_selected_levels_is_enough_though_whole_objects_
     assert stats["resident_peak_bytes"] <= budget
 
 
+def test_the_buffers_a_kept_selection_is_decoded_into_count_as_decode_scratch(
+    store: Path,
+) -> None:
+    # t: each object (7 levels) is decoded whole into a buffer of its thread, then 2 levels
+    # are kept in the slot: that buffer is memory outside the pool, as the decoders' scratch is
+    g = open_geometries(store)["t"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, {"x": g.sel(level=[850, 500])}, batch_size=4,
+                           coords=())  # fmt: skip
+    try:
+        before = pipe.stats()["decode_scratch_bytes"]
+        for _ in pipe:
+            pass
+        stats = pipe.stats()
+        report = pipe.report()
+        assert report is not None
+    finally:
+        pipe.close()
+    whole = L * Y * X * 4  # one stored object, decoded
+    aside = stats["decode_scratch_bytes"] - before
+    # at least one thread's buffer; at most one per thread, beside each thread's own scratch
+    assert whole <= aside <= 2 * report.decode_threads * whole, (aside, whole)
+    assert stats["outside_pool_bytes"] >= stats["batch_buffer_bytes"] + aside
+
+
 def test_at_one_sample_per_chunk_a_level_selection_decodes_straight_into_the_batch(
     store: Path,
 ) -> None:

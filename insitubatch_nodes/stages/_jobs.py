@@ -127,7 +127,7 @@ class KeepingDecoder:
     object is decoded whole into this thread's buffer, then the kept indices are copied into
     the slot while they are hot in cache; other objects decode straight into the slot."""
 
-    __slots__ = ("_inner", "_kept", "_local")
+    __slots__ = ("_inner", "_kept", "_local", "_lock", "aside_bytes")
 
     def __init__(
         self, inner: ChunkDecoder, kept: Mapping[tuple[int, ...], tuple[np.ndarray | None, ...]]
@@ -136,6 +136,10 @@ class KeepingDecoder:
         #: tile -> per field axis the indices within it the slot keeps (None: all)
         self._kept = dict(kept)
         self._local = threading.local()
+        self._lock = threading.Lock()
+        #: the buffers objects are decoded into aside, over all threads (one per thread and
+        #: object shape; the inner decoder's own scratch is its ``scratch_bytes``)
+        self.aside_bytes = 0
 
     @property
     def fill_value(self) -> Any:
@@ -158,6 +162,8 @@ class KeepingDecoder:
         whole = buffers.get(extent)
         if whole is None:
             whole = buffers[extent] = np.empty(extent, geom.dtype)
+            with self._lock:
+                self.aside_bytes += whole.nbytes
         self._inner.decode_trusted(raw, whole, chunk_index, tile)
         axes = [(1 + a, w) for a, w in enumerate(within) if w is not None]
         if len(axes) == 1:

@@ -77,7 +77,7 @@ from insitubatch_nodes.stages._admit import (
 from insitubatch_nodes.stages._fill import FillRunner
 from insitubatch_nodes.stages._get import GetQueue, cancel_all_at_exit
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
-from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, SlotLayout
+from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, KeepingDecoder, SlotLayout
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
 
@@ -315,9 +315,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     @property
     def scratch_bytes(self) -> int:
-        """Decode scratch memory this node's decoders hold (over all decode threads), plus the
-        idle buffers kept for decoding chunks that a transform reshapes."""
-        return sum(d.scratch_bytes for d in self._decoders.values()) + self._runner.spares.nbytes
+        """Decode scratch memory this node's decoders hold (over all decode threads), the
+        buffers objects of which slots keep a selection are decoded into aside, and the idle
+        buffers kept for decoding chunks that a transform reshapes."""
+        aside = sum(
+            a.decoder.aside_bytes
+            for a in self._setup.arrays.values()
+            if isinstance(a.decoder, KeepingDecoder)
+        )
+        return (
+            sum(d.scratch_bytes for d in self._decoders.values())
+            + aside
+            + self._runner.spares.nbytes
+        )
 
     @property
     def inflight(self) -> int:
