@@ -239,6 +239,10 @@ class WindowUnits:
             for a in geom.field_axes
         ]
 
+    def patched(self, axis: int) -> bool:
+        """Whether field axis ``axis`` is cut into windows (else a window spans all of it)."""
+        return self._axes[axis][0] >= 0
+
     def spans(self, origins: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per field axis, each row's window as ``[start, stop)`` in field coordinates (the
         whole axis where it is not patched)."""

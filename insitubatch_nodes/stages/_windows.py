@@ -5,7 +5,11 @@ A patched array's slots hold one stored tile each (a *unit*, see
 from up to ``2 ** n_patch_axes`` of them (more when the window is larger than a tile): one
 rectangle copy per ``(row, tile)`` pair. The rectangles are worked out for the whole batch at
 once in numpy; Python then issues one slice assignment per pair (about a microsecond each,
-against a copy of ``tile_bytes / 4`` on average for windows half a tile wide).
+against a copy of ``tile_bytes / 4`` on average for windows half a tile wide). A view also
+selected along unpatched axes (levels of a patched field) works out what each piece's tile
+holds of the selection once per piece, then takes one indexing per pair (measured: 13 of 37
+levels, 48 x 96 windows of 32 x 64 tiles, batches of 16: 3.2-3.9 ms per batch, against 11-15
+ms when each pair built its index arrays).
 """
 
 from __future__ import annotations
@@ -80,34 +84,81 @@ def _select_windows(
     spans: list[tuple[np.ndarray, np.ndarray]],
     slots: Mapping[tuple[str, int], np.ndarray],
 ) -> None:
-    """:func:`gather_windows` of a patched view selected along unpatched axes: per ``(row,
-    tile)`` pair, the selected entries the tile holds along each selected axis (an index drops
-    the axis), at their places in the selection; the window's box along the others."""
+    """:func:`gather_windows` of a patched view selected along unpatched axes (a patched axis
+    takes no selection: the view refuses it). All rows of one piece share its tile along every
+    unpatched axis, so what that tile holds of each selection — the entries within it and their
+    places in the selection (an index drops the axis) — is worked out once per piece; each
+    ``(row, tile)`` pair then takes one indexing of its slot (and one ``take`` per listed
+    axis) and one assignment."""
     assert view.select is not None
     base = view.base
     keys, sizes = view.select.keys, base.tile_shape
     for rows, tile in units.pieces(origins, spans):
-        for j, r in enumerate(rows.tolist()):
-            src: list[Any] = [within[r]]
-            dst: list[Any] = [r]
-            for f, key in enumerate(keys):
-                start, stop = int(spans[f][0][r]), int(spans[f][1][r])
-                t0 = int(tile[f][j]) * sizes[f]
-                lo, hi = max(start, t0), min(stop, t0 + sizes[f])
-                if key is None:
-                    src.append(np.arange(lo - t0, hi - t0))
-                    dst.append(np.arange(lo - start, hi - start))
-                    continue
+        src: list[Any] = []  # per field axis: the tile's part (None: the row's window)
+        dst: list[Any] = []  # per axis of the delivered window (an index drops the axis)
+        takes: list[tuple[int, np.ndarray]] = []  # (axis of the cut slot, indices) per list
+        for f, key in enumerate(keys):
+            t0 = int(tile[f][0]) * sizes[f]
+            if units.patched(f):  # (no selection here) the row's window, per row
+                src.append(None)
+                dst.append(None)
+            elif key is None:  # a whole unpatched axis: the tile's part of it, in its place
+                hi = min(int(spans[f][1][0]), t0 + sizes[f])
+                src.append(slice(0, hi - t0))
+                dst.append(slice(t0, hi))
+            else:
                 wanted = [key] if isinstance(key, int) else list(key)
-                at = [i for i, k in enumerate(wanted) if lo <= k < hi]
+                at = [i for i, k in enumerate(wanted) if t0 <= k < t0 + sizes[f]]
                 if not at:
                     break  # the tile holds none of the selection: nothing to copy
-                src.append(np.asarray([wanted[i] - t0 for i in at]))
-                if not isinstance(key, int):
-                    dst.append(np.asarray(at))
-            else:
-                unit = int(chunk[r]) * base.n_tiles + int(units.tile_index(
-                    tuple(t[j : j + 1] for t in tile), 1)[0])  # fmt: skip
-                picked = slots[(base.path, unit)][np.ix_([src[0]], *src[1:])]
-                shape = (1, *(len(d) for d in dst[1:]))  # (a dropped axis has length 1)
-                out[np.ix_([dst[0]], *dst[1:])] = picked.reshape(shape)
+                if isinstance(key, int):
+                    src.append(key - t0)  # drops the axis, in the cut and in the window
+                    continue
+                takes.append((len(dst), np.asarray([wanted[i] - t0 for i in at], np.intp)))
+                src.append(slice(None))
+                runs = at == list(range(at[0], at[-1] + 1))
+                dst.append(slice(at[0], at[-1] + 1) if runs else np.asarray(at, np.intp))
+        else:
+            _copy_piece(out, within, chunk, rows, tile, units, spans, slots, base, src, dst,
+                        takes)  # fmt: skip
+
+
+def _copy_piece(
+    out: np.ndarray,
+    within: list[int],
+    chunk: np.ndarray,
+    rows: np.ndarray,
+    tile: tuple[np.ndarray, ...],
+    units: WindowUnits,
+    spans: list[tuple[np.ndarray, np.ndarray]],
+    slots: Mapping[tuple[str, int], np.ndarray],
+    base: ArrayGeometry,
+    src: list[Any],
+    dst: list[Any],
+    takes: list[tuple[int, np.ndarray]],
+) -> None:
+    """One piece of :func:`_select_windows`: ``src``/``dst`` hold the piece's parts, ``None``
+    along patched axes, filled per row with the window's overlap with the row's tile."""
+    keys = (chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))).tolist()
+    per_row = [f for f, part in enumerate(src) if part is None]
+    lo_hi = []
+    for f in per_row:
+        start, stop = spans[f][0][rows], spans[f][1][rows]
+        t0 = tile[f] * base.tile_shape[f]
+        lo, hi = np.maximum(start, t0), np.minimum(stop, t0 + base.tile_shape[f])
+        lo_hi.append(((lo - t0).tolist(), (hi - t0).tolist(), (lo - start).tolist()))
+    at_dst = [i for i, part in enumerate(dst) if part is None]
+    arrays = sum(isinstance(part, np.ndarray) for part in dst)
+    for j, (r, u) in enumerate(zip(rows.tolist(), keys, strict=True)):
+        for k, (f, d) in enumerate(zip(per_row, at_dst, strict=True)):
+            s_lo, s_hi, d_lo = lo_hi[k]
+            src[f] = slice(s_lo[j], s_hi[j])
+            dst[d] = slice(d_lo[j], d_lo[j] + s_hi[j] - s_lo[j])
+        piece = slots[(base.path, u)][within[r]][tuple(src)]
+        for axis, idx in takes:
+            piece = np.take(piece, idx, axis=axis)
+        if arrays > 1:  # two listed axes out of order: an open mesh, not a broadcast
+            mesh = [np.arange(p.start, p.stop) if isinstance(p, slice) else p for p in dst]
+            out[r][np.ix_(*mesh)] = piece
+        else:
+            out[r][tuple(dst)] = piece
