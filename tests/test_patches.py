@@ -770,3 +770,38 @@ def test_a_patched_view_selected_along_other_axes_in_any_order_equals_numpys_win
                 elif name == "x":
                     field = np.take(field, range(ox, ox + 7), axis=axis)
             np.testing.assert_array_equal(row, field)
+
+
+def test_a_patched_view_selecting_levels_stored_whole_keeps_only_those_levels_per_tile(
+    tmp_path: Path,
+) -> None:
+    # every level in each stored object (ARCO-ERA5's layout): the issue's contract holds for
+    # patches too — each object decoded once, and the unit's slot keeps only the levels the
+    # views select (their union), not all of them
+    rng = np.random.default_rng(2)
+    data = rng.standard_normal((8, 7, 10, 12)).astype("f4")
+    _write(tmp_path, "q", data, (1, 7, 4, 5), dims=("time", "level", "y", "x"))
+    geom = open_geometries(str(tmp_path), ["q"])["q"]
+    cut = {"y": 6, "x": 7}
+    views = {
+        "a": geom.patches(cut, origins="random").isel(level=[4, 0, 2]),
+        "b": geom.shift(1).patches(cut, origins="random").isel(level=1),
+    }
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(str(tmp_path), manifest, views, batch_size=3, seed=4, coords=())
+    try:
+        epochs = _epochs(pipe, 2)  # epoch 1 from the pool: the kept levels, in their places
+        stats = pipe.stats()
+        n_tiles = geom.n_tiles
+    finally:
+        pipe.close()
+    for batches in epochs:
+        assert sum(map(len, batches)) > 0
+        for b in batches:
+            for label, key in (("a", [4, 0, 2]), ("b", 1)):
+                rows = zip(b[label], b.sample_indices[label], b.patch_origins[label], strict=True)
+                for row, s, (oy, ox) in rows:
+                    np.testing.assert_array_equal(row, data[s][key][..., oy : oy + 6, ox : ox + 7])
+    assert stats["gets"] == 8 * n_tiles, "each stored object read once"
+    # 4 of 7 levels kept (0, 1, 2, 4) per unit slot of 4 x 5
+    assert stats["resident_peak_bytes"] <= 8 * n_tiles * 4 * 4 * 5 * 4

@@ -254,18 +254,33 @@ def held_by_path(
     """Array path -> the indices its slots hold (:func:`held_indices`), for the arrays (of
     ``views``, geometries) whose views all select only part of a field axis; arrays left out
     hold everything. ``exact(path)``: whether the array's slots may keep only the selected
-    indices of an axis stored whole in each object (else they keep whole tiles)."""
+    indices of an axis stored whole in each object (else they keep whole tiles).
+
+    A patched array's slot holds one stored tile (a unit): it keeps only the selected indices
+    of an unpatched axis stored whole in each object, and all of any other axis."""
     selections: dict[str, list[Selection | None]] = {}
     bases: dict[str, Any] = {}
+    patched: dict[str, set[int]] = {}
     for view in views:
-        if view.static or view.patch is not None:  # (patched: its slots hold one tile each)
+        if view.static:
             continue
         selections.setdefault(view.path, []).append(view.select)
         bases.setdefault(view.path, view.base)
+        if view.patch is not None:
+            patched.setdefault(view.path, set()).update(view.patch.axes_of(view.base.dims))
     out = {}
     for path, sels in selections.items():
         base = bases[path]
         held = held_indices(sels, base.tile_shape, base.field_shape, exact=exact(path))
+        if held is not None and path in patched:  # a unit: one tile of every tiled axis
+            held = tuple(
+                h if exact(path) and a not in patched[path] and c >= n else None
+                for h, a, c, n in zip(
+                    held, base.field_axes, base.tile_shape, base.field_shape, strict=True
+                )
+            )
+            if all(h is None for h in held):
+                held = None
         if held is not None:
             out[path] = held
     return out

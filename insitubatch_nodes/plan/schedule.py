@@ -168,8 +168,13 @@ def _patch_chunk_bytes(
         geom = view_of[paths[0]]
         if geom.patch is not None:
             rim = WindowUnits(geom.base, layout.spec, offsets).rim(layout)
-            per_chunk = sum(unit_geometry(view_of[p]).chunk_nbytes for p in paths) * rim
-            every = sum(view_of[p].base.chunk_nbytes for p in paths)
+            per_chunk = sum(slot[p].chunk_nbytes for p in paths) * rim
+            every = sum(  # every stored tile of a chunk, as its units keep them
+                (
+                    held_geometry(view_of[p].base, held[p]) if p in held else view_of[p].base
+                ).chunk_nbytes
+                for p in paths
+            )
         else:
             per_chunk = every = sum(slot[p].chunk_nbytes for p in paths)
         span_total = np.zeros(len(chunks), dtype=np.int64)
@@ -511,7 +516,8 @@ def slot_geometries(
     out: dict[str, ArrayGeometry] = {}
     for g in views.values():
         if g.patch is not None:
-            out[g.path] = unit_geometry(g)
+            unit = unit_geometry(g)
+            out[g.path] = held_geometry(unit, held[g.path]) if held and g.path in held else unit
         elif held and g.path in held:
             out[g.path] = held_geometry(g.base, held[g.path])
         else:

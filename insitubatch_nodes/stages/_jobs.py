@@ -44,6 +44,7 @@ class ArrayFill:
         "decoder",
         "fill_value",
         "geom",
+        "held",
         "member_key",
         "missing",
         "path",
@@ -67,6 +68,7 @@ class ArrayFill:
         self.path = geom.path
         self.decoder: ChunkDecoder | KeepingDecoder = decoder
         self.template = geom.key_template
+        self.held = held
         #: every tile read and the (sample-first) index of its rectangle within a chunk's
         #: region: all of them, or the ``held`` ones side by side (see io/selection)
         if held is None:
@@ -97,12 +99,17 @@ class ArrayFill:
 
     def unit_parts(self, unit: int) -> tuple[int, tuple[int, ...], tuple[slice, ...]]:
         """``(chunk, tile, box)`` of unit ``unit``: the stored object it is and where that
-        object's valid rectangle lies in the unit's slot (an edge tile or chunk fills part)."""
+        object's valid rectangle lies in the unit's slot (an edge tile or chunk fills part; a
+        held axis, the indices the slot keeps)."""
         chunk, tile = unit_chunk_tile(self.geom, unit)
         start, stop = self.geom.chunk_range(chunk)
+        held = self.held or (None,) * len(tile)
         box = (
             slice(0, stop - start),
-            *(slice(0, s.stop - s.start) for s in self.geom.tile_slices(tile)),
+            *(
+                slice(0, s.stop - s.start if h is None else len(h))
+                for s, h in zip(self.geom.tile_slices(tile), held, strict=True)
+            ),
         )
         return chunk, tile, box
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Held
 from insitubatch_nodes.plan.patches import WindowUnits
 
 __all__ = ["gather_windows"]
@@ -31,9 +32,12 @@ def gather_windows(
     origins: np.ndarray,
     view: ArrayGeometry,
     slots: Mapping[tuple[str, int], np.ndarray],
+    held: Held | None = None,
 ) -> int:
     """Fill ``out[i]`` with the window of sample ``samples[i]`` at ``origins[i]`` (physical
     order of the patched axes) from the unit slots of ``view``'s array; the rows copied.
+    ``held``: the indices the slots keep along unpatched axes stored whole in each object
+    (:func:`~insitubatch_nodes.io.selection.held_by_path`), else ``None``: the whole tile.
 
     Which tiles each window overlaps is the read plan's own rule
     (:meth:`~insitubatch_nodes.plan.patches.WindowUnits.pieces`), so the gather copies from
@@ -49,8 +53,9 @@ def gather_windows(
     spans = units.spans(origins)
     path = base.path
     if view.select is not None:  # patched, and selected along other axes
-        _select_windows(out, within, chunk, origins, view, units, spans, slots)
+        _select_windows(out, within, chunk, origins, view, units, spans, slots, held)
         return len(samples)
+    assert held is None, "a view that selects nothing reads slots that hold everything"
     for rows, tile in units.pieces(origins, spans):
         keys = (chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))).tolist()
         # per axis: the overlap in field coordinates, then where it lies in the slot and in
@@ -83,6 +88,7 @@ def _select_windows(
     units: WindowUnits,
     spans: list[tuple[np.ndarray, np.ndarray]],
     slots: Mapping[tuple[str, int], np.ndarray],
+    held: Held | None,
 ) -> None:
     """:func:`gather_windows` of a patched view selected along unpatched axes (a patched axis
     takes no selection: the view refuses it). All rows of one piece share its tile along every
@@ -93,6 +99,10 @@ def _select_windows(
     assert view.select is not None
     base = view.base
     keys, sizes = view.select.keys, base.tile_shape
+    # along a held axis a slot keeps some indices, side by side: an index's place among them
+    place: list[dict[int, int] | None] = [None] * len(keys)
+    if held is not None:
+        place = [None if h is None else {v: i for i, v in enumerate(h)} for h in held]
     for rows, tile in units.pieces(origins, spans):
         src: list[Any] = []  # per field axis: the tile's part (None: the row's window)
         dst: list[Any] = []  # per axis of the delivered window (an index drops the axis)
@@ -111,10 +121,12 @@ def _select_windows(
                 at = [i for i, k in enumerate(wanted) if t0 <= k < t0 + sizes[f]]
                 if not at:
                     break  # the tile holds none of the selection: nothing to copy
+                where = place[f]
+                inside = [wanted[i] - t0 if where is None else where[wanted[i]] for i in at]
                 if isinstance(key, int):
-                    src.append(key - t0)  # drops the axis, in the cut and in the window
+                    src.append(inside[0])  # drops the axis, in the cut and in the window
                     continue
-                takes.append((len(dst), np.asarray([wanted[i] - t0 for i in at], np.intp)))
+                takes.append((len(dst), np.asarray(inside, np.intp)))
                 src.append(slice(None))
                 runs = at == list(range(at[0], at[-1] + 1))
                 dst.append(slice(at[0], at[-1] + 1) if runs else np.asarray(at, np.intp))

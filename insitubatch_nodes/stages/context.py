@@ -232,8 +232,9 @@ def _slot_geometries(
     held: Mapping[str, Held],
 ) -> dict[str, ArrayGeometry]:
     """Path -> what one slot holds: the transformed chunk, one stored tile of an array read
-    through patched views, or the held indices of an array read through selected views (held
-    tiles of a tiled axis take neither chunk transforms nor a persistent cache)."""
+    through patched views, or the held indices of an array read through selected views (of
+    its one tile, when patched; held tiles of a tiled axis take neither chunk transforms nor a
+    persistent cache)."""
     out = dict(transforms.outputs)
     for path in sorted(held):
         if transforms.active(path):
@@ -251,7 +252,8 @@ def _slot_geometries(
         out[path] = held_geometry(transforms.geoms[path].base, held[path])
     for path in sorted(patched):
         transforms.refuse_patched(path)
-        out[path] = unit_geometry(transforms.geoms[path].base)
+        unit = unit_geometry(transforms.geoms[path].base)
+        out[path] = held_geometry(unit, held[path]) if path in held else unit
     return out
 
 

@@ -418,6 +418,7 @@ class GatherNode(BaseNode[Batch]):
                 origins[lo:hi],
                 geom,
                 resident.slots,
+                self.context.held.get(geom.path),
             )
         return gather_label(
             arrays[label][lo:hi],
