@@ -165,6 +165,22 @@ def test_a_selection_whole_in_a_chunk_keeps_only_the_selected_levels_in_the_pool
     assert stats["resident_peak_bytes"] == T * 3 * Y * X * 4, "3 levels of 7 are kept per step"
 
 
+def _two_epochs_of_850_and_500(store: Path, pipe: Any) -> dict[str, int]:
+    """Two epochs of ``pipe``, whose labels ``x`` and ``y`` read t's levels 850 and 500, each
+    row checked against xarray's; the pipeline's stats after them (it is closed)."""
+    ds = xr.open_zarr(store, consolidated=False).t.sel(level=[850, 500]).values
+    try:
+        for _ in range(2):
+            pipe.reset()
+            for batch in pipe:
+                for label in ("x", "y"):
+                    rows = batch.sample_indices[label]
+                    np.testing.assert_array_equal(np.array(batch.arrays[label]), ds[rows])
+        return dict(pipe.stats())
+    finally:
+        pipe.close()
+
+
 def test_a_budget_that_holds_the_selected_levels_is_enough_though_whole_objects_would_not_fit(
     store: Path,
 ) -> None:
@@ -183,19 +199,9 @@ def test_a_budget_that_holds_the_selected_levels_is_enough_though_whole_objects_
     assert (held.read_once * 7, held.bounded * 7) == (whole.read_once * 2, whole.bounded * 2)
     budget = held.guaranteed
     assert budget < whole.guaranteed
-    ds = xr.open_zarr(store, consolidated=False).t.sel(level=[850, 500]).values
     pipe = insitu_pipeline(store, manifest, views, batch_size=4, coords=(),
                            cache_budget_bytes=budget)  # fmt: skip
-    try:
-        for _ in range(2):
-            pipe.reset()
-            for batch in pipe:
-                for label in ("x", "y"):
-                    rows = batch.sample_indices[label]
-                    np.testing.assert_array_equal(np.array(batch.arrays[label]), ds[rows])
-        stats = pipe.stats()
-    finally:
-        pipe.close()
+    stats = _two_epochs_of_850_and_500(store, pipe)
     assert stats["resident_peak_bytes"] <= budget
 
 
@@ -236,22 +242,12 @@ def test_at_one_sample_per_chunk_a_level_selection_decodes_straight_into_the_bat
     g = open_geometries(store)["t"]
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
     view = g.sel(level=[850, 500])
-    ds = xr.open_zarr(store, consolidated=False).t.sel(level=[850, 500]).values
     for direct in (True, None):
         pipe = insitu_pipeline(
             store, manifest, {"x": view, "y": view.shift(1)}, batch_size=4, coords=(),
             fetch=FetchOptions(direct=direct),
         )  # fmt: skip
-        try:
-            for _ in range(2):
-                pipe.reset()
-                for batch in pipe:
-                    for label in ("x", "y"):
-                        rows = batch.sample_indices[label]
-                        np.testing.assert_array_equal(np.array(batch.arrays[label]), ds[rows])
-            stats = pipe.stats()
-        finally:
-            pipe.close()
+        stats = _two_epochs_of_850_and_500(store, pipe)
         if direct:
             assert stats["misses_in_place"] > 0, "rows decoded straight into the batch"
             assert stats["resident_peak_bytes"] < T * 2 * Y * X * 4
