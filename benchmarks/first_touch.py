@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import mmap
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -46,6 +47,15 @@ def first_touch_rates(nbytes: int) -> dict[str, Any]:
     arr.fill(2)
     out["rewrite_GBps"] = nbytes / (time.perf_counter() - t) / 1e9
     return out
+
+
+def in_child(mib: int) -> dict[str, Any]:
+    """:func:`first_touch_rates` over ``mib`` MiB, measured in a fresh interpreter (a child)."""
+    cmd = [sys.executable, "-m", "benchmarks.first_touch", "--mib", str(mib)]
+    root = Path(__file__).resolve().parent.parent
+    out = subprocess.run(cmd, check=True, cwd=root, capture_output=True, text=True).stdout
+    rates: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return rates
 
 
 def main(argv: list[str] | None = None) -> int:

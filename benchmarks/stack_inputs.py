@@ -35,7 +35,10 @@ delivered, the batch buffers against the delivered tensors, gather ms per batch 
 transforms included; for ``labels`` also without its stacking transform), peak RSS, and the
 ratios the issue sets targets on; each epoch's CPU seconds (every thread, user + system) and
 page faults, and ``cpu_ratios``: the CPU per sample of the bare loop against each engine's,
-which a machine shared with other work disturbs less than the wall clock.
+which a machine shared with other work disturbs less than the wall clock; the machine's
+first-touch rates each round (``benchmarks/first_touch.py``), and for ``stack`` and ``labels``
+what epoch 0 adds to epoch 1 beside the time their fresh memory (pool and batch buffers) takes
+at each round's ``MAP_POPULATE`` rate.
 ``python -m benchmarks.stack_inputs [--smoke] [--out DIR] [--check]``.
 """
 
@@ -52,7 +55,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import forecast
+from benchmarks import first_touch, forecast
 from benchmarks.forecast import LEVEL_VARS, SURFACE_VARS, _rss_peak_bytes, anchors
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,6 +163,7 @@ def _run(pipe: Any, cfg: dict[str, Any], setup_s: float, timer: list[float]) -> 
         "setup_s": setup_s,
         "epochs": epochs,
         "batch_buffer_bytes": stats["batch_buffer_bytes"],
+        "pool_bytes": stats["resident_peak_bytes"],
         "batch_buffer_sets": sets,
         "delivered_batch_bytes": delivered,
         "rss_peak_bytes": _rss_peak_bytes(),
@@ -547,6 +551,9 @@ def summarise(results: dict[str, list[dict[str, Any]]], decoded_per_epoch: int) 
         return min(r["epochs"][epoch][key] for r in results[engine])
 
     out: dict[str, Any] = {"samples_per_s": {}, "ratios": {}, "routes": {}}
+    rounds = results.pop("first_touch", [])  # (the machine's, per round: benchmarks/first_touch)
+    touch = {k: [t[f"{k}_GBps"] for t in rounds] for k in ("populate", "first_write")}
+    out["first_touch_GBps"] = touch
     for engine in results:
         out["samples_per_s"][engine] = [rate(engine, 0), rate(engine, 1)]
     for route in ("stack", "labels"):
@@ -562,6 +569,12 @@ def summarise(results: dict[str, list[dict[str, Any]]], decoded_per_epoch: int) 
             "batch_memory_ratio": run["batch_buffer_bytes"]
             / max(1, run["batch_buffer_sets"] * run["delivered_batch_bytes"]),
             "gather_ms": least(route, "gather_ms"),
+            # epoch 0 less epoch 1 per round, against its fresh memory at each round's rate
+            "epoch0_extra_s": [
+                r["epochs"][0]["seconds"] - r["epochs"][1]["seconds"] for r in results[route]
+            ],
+            "fresh_bytes": (fresh := run["pool_bytes"] + run["batch_buffer_bytes"]),
+            "fresh_s_at_populate_rate": [fresh / g / 1e9 for g in touch["populate"] if g],
             "gather_ms_without_stacking": min(
                 e["gather_ms"] - e["stacking_ms"] for r in results[route] for e in r["epochs"][1:]
             ),
@@ -632,6 +645,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         }
         results: dict[str, list[dict[str, Any]]] = {e: [] for e in args.engines}
         for r in range(args.rounds):
+            results.setdefault("first_touch", []).append(first_touch.in_child(192))
             order = args.engines[r % len(args.engines) :] + args.engines[: r % len(args.engines)]
             for engine in order:
                 results[engine].append(run_engine(engine, cfg, tmp))

@@ -132,7 +132,10 @@ class KeepingDecoder:
     """A :class:`~insitubatch_nodes.io.decode.ChunkDecoder` for slots that keep only some
     indices of a stored object (:func:`~insitubatch_nodes.io.selection.held_boxes`): such an
     object is decoded whole into this thread's buffer, then the kept indices are copied into
-    the slot while they are hot in cache; other objects decode straight into the slot."""
+    the slot while they are hot in cache; other objects decode straight into the slot. What
+    each tile keeps (its rectangle's extent, the axes taken and their indices) is worked out
+    once, here: a call does the decode and the copy, and little Python beside (it runs once
+    per stored object)."""
 
     __slots__ = ("_inner", "_kept", "_local", "_lock", "aside_bytes")
 
@@ -140,8 +143,16 @@ class KeepingDecoder:
         self, inner: ChunkDecoder, kept: Mapping[tuple[int, ...], tuple[np.ndarray | None, ...]]
     ) -> None:
         self._inner = inner
-        #: tile -> per field axis the indices within it the slot keeps (None: all)
-        self._kept = dict(kept)
+        geom = inner.geometry
+        #: tile -> (its rectangle's extent, (slot axis, indices kept) per field axis that
+        #: keeps only some)
+        self._kept = {
+            tuple(tile): (
+                tuple(s.stop - s.start for s in geom.tile_slices(tuple(tile))),
+                tuple((1 + a, w) for a, w in enumerate(within) if w is not None),
+            )
+            for tile, within in kept.items()
+        }
         self._local = threading.local()
         self._lock = threading.Lock()
         #: the buffers objects are decoded into aside, over all threads (one per thread and
@@ -157,22 +168,22 @@ class KeepingDecoder:
     ) -> None:
         """``ChunkDecoder.decode_trusted`` into ``out``, the kept indices of the object's
         rectangle (all of it for a tile kept whole)."""
-        within = self._kept.get(tuple(tile))
-        if within is None or raw is None:  # (a missing object: the fill value, straight)
+        kept = self._kept.get(tile)
+        if kept is None or raw is None:  # (a missing object: the fill value, straight)
             self._inner.decode_trusted(raw, out, chunk_index, tile)
             return
-        geom = self._inner.geometry
-        extent = (out.shape[0], *(s.stop - s.start for s in geom.tile_slices(tile)))
-        buffers: dict[tuple[int, ...], np.ndarray] | None = getattr(self._local, "buffers", None)
-        if buffers is None:
+        extent, axes = kept
+        try:
+            buffers: dict[tuple[int, ...], np.ndarray] = self._local.buffers
+        except AttributeError:
             buffers = self._local.buffers = {}
-        whole = buffers.get(extent)
+        shape = (out.shape[0], *extent)
+        whole = buffers.get(shape)
         if whole is None:
-            whole = buffers[extent] = np.empty(extent, geom.dtype)
+            whole = buffers[shape] = np.empty(shape, self._inner.geometry.dtype)
             with self._lock:
                 self.aside_bytes += whole.nbytes
         self._inner.decode_trusted(raw, whole, chunk_index, tile)
-        axes = [(1 + a, w) for a, w in enumerate(within) if w is not None]
         if len(axes) == 1:
             axis, w = axes[0]
             np.take(whole, w, axis=axis, out=out, mode="clip")
