@@ -793,3 +793,39 @@ def test_a_patched_view_selecting_levels_stored_whole_keeps_only_those_levels_pe
     assert stats["gets"] == 8 * n_tiles, "each stored object read once"
     # 4 of 7 levels kept (0, 1, 2, 4) per unit slot of 4 x 5
     assert stats["resident_peak_bytes"] <= 8 * n_tiles * 4 * 4 * 5 * 4
+
+
+def test_a_patched_view_selecting_channels_stored_apart_reads_only_their_objects(
+    tmp_path: Path,
+) -> None:
+    from helpers import counting_store
+
+    # an OME-Zarr-like stack: one channel per stored object, the plane cut into tiles; two
+    # views take channels 1 and 3 (and 3 again) of 5: only their objects are read, once each
+    # (every channel was, before: 5 / 2 the GETs and decodes)
+    rng = np.random.default_rng(8)
+    data = rng.standard_normal((6, 5, 10, 12)).astype("f4")
+    _write(tmp_path, "img", data, (2, 1, 4, 5), dims=("t", "c", "y", "x"))
+    store = counting_store(tmp_path)
+    geom = open_geometries(store, ["img"])["img"]
+    cut = {"y": 6, "x": 7}
+    views = {
+        "a": geom.patches(cut, origins="random").isel(c=[3, 1]),
+        "b": geom.patches(cut, origins="random").isel(c=3),
+    }
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, views, batch_size=4, seed=2, coords=())
+    try:
+        (batches,) = _epochs(pipe, 1)
+    finally:
+        pipe.close()
+    assert sum(map(len, batches)) > 0
+    for b in batches:
+        for label, key in (("a", [3, 1]), ("b", 3)):
+            rows = zip(b[label], b.sample_indices[label], b.patch_origins[label], strict=True)
+            for row, s, (oy, ox) in rows:
+                np.testing.assert_array_equal(row, data[s][key][..., oy : oy + 6, ox : ox + 7])
+    gets = store.chunk_counts()
+    channels = {int(k.split("/")[3]) for k, n in gets.items() if n}
+    assert channels == {1, 3}, sorted(gets)
+    assert set(gets.values()) <= {0, 1}, "each object read once"

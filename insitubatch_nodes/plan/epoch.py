@@ -49,7 +49,7 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
-from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec
+from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, touched_tiles
 from insitubatch_nodes.plan.ranks import DEALINGS, deal, deal_runs
 from insitubatch_nodes.plan.splits import SplitManifest
 
@@ -470,7 +470,8 @@ def _ledgers(
         windows = None
         if by_path[paths[0]].patch is not None:
             assert spec is not None and origins is not None
-            windows = WindowUnits(by_path[paths[0]].base, spec, offsets)
+            group = [g for g in views.values() if g.path in paths]
+            windows = WindowUnits(by_path[paths[0]].base, spec, offsets, touched_tiles(group))
             cid, row = windows.uses(anchors, origins)
         elif len(set(offsets)) == 1:
             cid = (anchors + offsets[0]) // pspc

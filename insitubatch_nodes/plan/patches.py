@@ -28,7 +28,14 @@ import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
 
-__all__ = ["PatchLayout", "WindowUnits", "patch_spec", "unit_chunk_tile", "unit_geometry"]
+__all__ = [
+    "PatchLayout",
+    "WindowUnits",
+    "patch_spec",
+    "touched_tiles",
+    "unit_chunk_tile",
+    "unit_geometry",
+]
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
@@ -210,6 +217,25 @@ def unit_chunk_tile(geom: ArrayGeometry, unit: int) -> tuple[int, tuple[int, ...
     return chunk, tuple(int(t) for t in np.unravel_index(tile, geom.tile_grid))
 
 
+def touched_tiles(views: Sequence[ArrayGeometry]) -> tuple[tuple[int, ...] | None, ...] | None:
+    """Per field axis of the (alike tiled) arrays of ``views``, the tiles their selections
+    touch — the union over the views; ``None`` where some view takes the whole axis or every
+    tile is touched. ``None`` when that is every axis (no view selects part of one)."""
+    base = views[0].base
+    out: list[tuple[int, ...] | None] = []
+    for f, (t, n) in enumerate(zip(base.tile_shape, base.field_shape, strict=True)):
+        tiles: set[int] | None = set()
+        for view in views:
+            key = None if view.select is None else view.select.keys[f]
+            if key is None or tiles is None:
+                tiles = None
+                break
+            tiles.update(i // t for i in ((key,) if isinstance(key, int) else key))
+        grid = math.ceil(n / t)
+        out.append(None if tiles is None or len(tiles) == grid else tuple(sorted(tiles)))
+    return None if all(x is None for x in out) else tuple(out)
+
+
 class WindowUnits:
     """The units (stored objects) one array's windows read, for rows ``(anchor, origin)``.
 
@@ -217,10 +243,17 @@ class WindowUnits:
     plan's patches (the first patched view's: another array patched alike may have other
     axes, matched by dimension name: :meth:`~insitubatch_nodes.io.patching.Patches.axes_of`).
     Along a patched axis a window at origin ``o`` reads tiles ``o // t`` to ``(o + extent -
-    1) // t``; along any other field axis every tile.
+    1) // t``; along any other field axis every tile, or the tiles ``touched`` names
+    (:func:`touched_tiles`: what the views' selections take of an axis cut into tiles).
     """
 
-    def __init__(self, geom: ArrayGeometry, spec: Patches, offsets: Sequence[int]) -> None:
+    def __init__(
+        self,
+        geom: ArrayGeometry,
+        spec: Patches,
+        offsets: Sequence[int],
+        touched: Sequence[tuple[int, ...] | None] | None = None,
+    ) -> None:
         self.geom = geom
         self.spec = spec
         self.offsets = tuple(sorted(set(offsets)))
@@ -238,6 +271,8 @@ class WindowUnits:
             )
             for a in geom.field_axes
         ]
+        #: per field axis: the tiles read along an unpatched axis (``None``: all of them)
+        self._touched = tuple(touched) if touched is not None else (None,) * len(self._axes)
 
     def patched(self, axis: int) -> bool:
         """Whether field axis ``axis`` is cut into windows (else a window spans all of it)."""
@@ -260,12 +295,17 @@ class WindowUnits:
         window overlaps it that way, and the coordinate of the tile along each field axis
         (``len(rows)`` each). Every ``(row, tile)`` pair a window overlaps comes once."""
         spans = self.spans(origins) if spans is None else spans
-        lows, highs, widths = [], [], []
-        for (col, t, e, grid), (start, stop) in zip(self._axes, spans, strict=True):
+        lows, highs, steps = [], [], []
+        for (col, t, e, grid), (start, stop), only in zip(
+            self._axes, spans, self._touched, strict=True
+        ):
             lows.append(start // t)
             highs.append((stop - 1) // t)
-            widths.append(grid if col < 0 else min(grid, (e - 1) // t + 2))
-        for d in product(*(range(w) for w in widths)):
+            if col < 0:  # an unpatched axis: every tile, or those the selections touch
+                steps.append(range(grid) if only is None else only)
+            else:
+                steps.append(range(min(grid, (e - 1) // t + 2)))
+        for d in product(*steps):
             ok = np.ones(len(origins), dtype=bool)
             for lo, hi, dd in zip(lows, highs, d, strict=True):
                 ok &= lo + dd <= hi
@@ -297,9 +337,9 @@ class WindowUnits:
         """The most units of one sample-axis chunk the windows of one region read: its home
         tiles widened by the reach of a window starting in them, in this array's tiling."""
         count = 1
-        for col, t, e, grid in self._axes:
+        for (col, t, e, grid), only in zip(self._axes, self._touched, strict=True):
             if col < 0:
-                count *= grid
+                count *= grid if only is None else len(only)
                 continue
             home = layout.spec.tile[col]
             covered = layout.side * home + e - 1

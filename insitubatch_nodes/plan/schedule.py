@@ -34,7 +34,13 @@ from insitubatch_nodes.plan.epoch import (
     ramp_unit,
 )
 from insitubatch_nodes.plan.ledger import EpochPlan, sorted_unique
-from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, unit_geometry
+from insitubatch_nodes.plan.patches import (
+    PatchLayout,
+    WindowUnits,
+    patch_spec,
+    touched_tiles,
+    unit_geometry,
+)
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.splits import SplitManifest
 
@@ -167,7 +173,8 @@ def _patch_chunk_bytes(
     for pspc, offsets, paths in plan_groups(views):
         geom = view_of[paths[0]]
         if geom.patch is not None:
-            rim = WindowUnits(geom.base, layout.spec, offsets).rim(layout)
+            group = [g for g in views.values() if g.path in paths]
+            rim = WindowUnits(geom.base, layout.spec, offsets, touched_tiles(group)).rim(layout)
             per_chunk = sum(slot[p].chunk_nbytes for p in paths) * rim
             every = sum(  # every stored tile of a chunk, as its units keep them
                 (
