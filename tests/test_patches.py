@@ -760,6 +760,17 @@ def test_a_patched_view_selected_along_other_axes_equals_numpys_window_of_the_se
             np.testing.assert_array_equal(row, field)
 
 
+def _assert_6x7_windows(batches: list[Any], data: np.ndarray, keys: dict[str, Any]) -> None:
+    """Each row of each label equals numpy's 6 x 7 window of its sample, at its origin, of the
+    label's selection (``keys``: label -> the key along the first field axis)."""
+    assert sum(map(len, batches)) > 0
+    for b in batches:
+        for label, key in keys.items():
+            rows = zip(b[label], b.sample_indices[label], b.patch_origins[label], strict=True)
+            for row, s, (oy, ox) in rows:
+                np.testing.assert_array_equal(row, data[s][key][..., oy : oy + 6, ox : ox + 7])
+
+
 def test_a_patched_view_selecting_levels_stored_whole_keeps_only_those_levels_per_tile(
     tmp_path: Path,
 ) -> None:
@@ -784,12 +795,7 @@ def test_a_patched_view_selecting_levels_stored_whole_keeps_only_those_levels_pe
     finally:
         pipe.close()
     for batches in epochs:
-        assert sum(map(len, batches)) > 0
-        for b in batches:
-            for label, key in (("a", [4, 0, 2]), ("b", 1)):
-                rows = zip(b[label], b.sample_indices[label], b.patch_origins[label], strict=True)
-                for row, s, (oy, ox) in rows:
-                    np.testing.assert_array_equal(row, data[s][key][..., oy : oy + 6, ox : ox + 7])
+        _assert_6x7_windows(batches, data, {"a": [4, 0, 2], "b": 1})
     assert stats["gets"] == 8 * n_tiles, "each stored object read once"
     # 4 of 7 levels kept (0, 1, 2, 4) per unit slot of 4 x 5
     assert stats["resident_peak_bytes"] <= 8 * n_tiles * 4 * 4 * 5 * 4
@@ -819,12 +825,7 @@ def test_a_patched_view_selecting_channels_stored_apart_reads_only_their_objects
         (batches,) = _epochs(pipe, 1)
     finally:
         pipe.close()
-    assert sum(map(len, batches)) > 0
-    for b in batches:
-        for label, key in (("a", [3, 1]), ("b", 3)):
-            rows = zip(b[label], b.sample_indices[label], b.patch_origins[label], strict=True)
-            for row, s, (oy, ox) in rows:
-                np.testing.assert_array_equal(row, data[s][key][..., oy : oy + 6, ox : ox + 7])
+    _assert_6x7_windows(batches, data, {"a": [3, 1], "b": 3})
     gets = store.chunk_counts()
     channels = {int(k.split("/")[3]) for k, n in gets.items() if n}
     assert channels == {1, 3}, sorted(gets)
