@@ -368,7 +368,8 @@ class EpochRecorder:
             batch_transforms=self.batch_transforms,
         )
         if spans is not None and trace is not None:
-            r.trace = EpochTrace(r.epoch, ep["t0"], end, spans[0], dict(trace.threads), spans[1])
+            loose, packed = spans
+            r.trace = EpochTrace(r.epoch, ep["t0"], end, loose, dict(trace.threads), packed)
         r.limiting = limiting_stage(r)
         if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
             r.split_bytes = self._split_bytes(r.epoch)

@@ -470,8 +470,8 @@ def _ledgers(
         windows = None
         if by_path[paths[0]].patch is not None:
             assert spec is not None and origins is not None
-            group = [g for g in views.values() if g.path in paths]
-            windows = WindowUnits(by_path[paths[0]].base, spec, offsets, touched_tiles(group))
+            touched = touched_tiles(views, paths)
+            windows = WindowUnits(by_path[paths[0]].base, spec, offsets, touched)
             cid, row = windows.uses(anchors, origins)
         elif len(set(offsets)) == 1:
             cid = (anchors + offsets[0]) // pspc

@@ -27,6 +27,7 @@ from itertools import permutations, product
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
+from insitubatch_nodes.io.selection import held_indices
 
 __all__ = [
     "PatchLayout",
@@ -217,23 +218,23 @@ def unit_chunk_tile(geom: ArrayGeometry, unit: int) -> tuple[int, tuple[int, ...
     return chunk, tuple(int(t) for t in np.unravel_index(tile, geom.tile_grid))
 
 
-def touched_tiles(views: Sequence[ArrayGeometry]) -> tuple[tuple[int, ...] | None, ...] | None:
-    """Per field axis of the (alike tiled) arrays of ``views``, the tiles their selections
-    touch — the union over the views; ``None`` where some view takes the whole axis or every
-    tile is touched. ``None`` when that is every axis (no view selects part of one)."""
-    base = views[0].base
-    out: list[tuple[int, ...] | None] = []
-    for f, (t, n) in enumerate(zip(base.tile_shape, base.field_shape, strict=True)):
-        tiles: set[int] | None = set()
-        for view in views:
-            key = None if view.select is None else view.select.keys[f]
-            if key is None or tiles is None:
-                tiles = None
-                break
-            tiles.update(i // t for i in ((key,) if isinstance(key, int) else key))
-        grid = math.ceil(n / t)
-        out.append(None if tiles is None or len(tiles) == grid else tuple(sorted(tiles)))
-    return None if all(x is None for x in out) else tuple(out)
+def touched_tiles(
+    views: Mapping[str, ArrayGeometry], paths: Sequence[str]
+) -> tuple[tuple[int, ...] | None, ...] | None:
+    """Per field axis of the (alike tiled) arrays ``paths``, the tiles their views' selections
+    touch — the union over the views, as
+    :func:`~insitubatch_nodes.io.selection.held_indices` takes it; ``None`` where some view
+    takes the whole axis or every tile is touched. ``None`` when that is every axis."""
+    group = [g for g in views.values() if g.path in paths]
+    base = group[0].base
+    shape, tiles = base.field_shape, base.tile_shape
+    held = held_indices([g.select for g in group], tiles, shape, exact=False)
+    if held is None:
+        return None
+    return tuple(
+        None if h is None else tuple(sorted({i // t for i in h}))
+        for h, t in zip(held, tiles, strict=True)
+    )
 
 
 class WindowUnits:

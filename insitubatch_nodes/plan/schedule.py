@@ -173,8 +173,8 @@ def _patch_chunk_bytes(
     for pspc, offsets, paths in plan_groups(views):
         geom = view_of[paths[0]]
         if geom.patch is not None:
-            group = [g for g in views.values() if g.path in paths]
-            rim = WindowUnits(geom.base, layout.spec, offsets, touched_tiles(group)).rim(layout)
+            touched = touched_tiles(views, paths)
+            rim = WindowUnits(geom.base, layout.spec, offsets, touched).rim(layout)
             per_chunk = sum(slot[p].chunk_nbytes for p in paths) * rim
             every = sum(  # every stored tile of a chunk, as its units keep them
                 (
