@@ -100,6 +100,32 @@ def test_cf_time_decodes_to_the_datetimes_xarray_decodes(
     np.testing.assert_array_equal(time.values, expected)
 
 
+@pytest.mark.parametrize(
+    ("units", "raw"),
+    [
+        ("days since 2001-01-01", (np.arange(N_TIME) / 24).astype(np.float32)),
+        ("hours since 1900-01-01", np.arange(N_TIME) / 24),
+        ("seconds since 2001-01-01", np.linspace(0.0, 1e6, N_TIME)),
+    ],
+    ids=["hourly-float32-days", "float64-fractional-hours", "float64-seconds"],
+)
+def test_fractional_cf_times_decode_to_xarrays_nanosecond_exactly(
+    tmp_path: Path, units: str, raw: np.ndarray
+) -> None:
+    # xarray counts a fractional offset in nanoseconds and truncates it (float64 * ns per
+    # unit, cast to int64); rounding instead puts some dates 1 ns off xarray's, so
+    # ``ds.sel(time=batch.coords[...])`` would miss them. The first case is hourly data stored
+    # as float32 days: 01:00 is 01:00:00.000107288 to both, 02:00 is ...214576 to xarray.
+    ds = _dataset(np.arange(N_TIME))
+    ds = ds.assign_coords(time=("time", raw, {"units": units}))  # type: ignore[attr-defined]
+    root = tmp_path / "t.zarr"
+    ds.to_zarr(root, mode="w", zarr_format=3, consolidated=False)  # type: ignore[attr-defined]
+    time = open_coordinates(root, open_geometries(root)["t2m"])["time"]
+    want = _xr_time(root)
+    assert want.dtype == np.dtype("M8[ns]")
+    np.testing.assert_array_equal(time.values, want)
+
+
 def test_a_date_window_selects_the_chunk_snapped_index_window(era5: Path) -> None:
     geom = open_geometries(era5)["t2m"]
     time = open_coordinates(era5, geom)["time"]

@@ -214,12 +214,12 @@ def _decode_datetime64(
             return None
         delta = np.zeros(values.shape, f"m8[{unit}]")
         delta[~missing] = valid.astype(np.int64).astype(f"m8[{unit}]")
-    else:  # fractional offsets: counted in nanoseconds (rounded), as xarray does
+    else:  # fractional offsets: float64 nanoseconds truncated to int64, as xarray counts them
         ticks = valid.astype(np.float64) * _NS_PER[unit]
         if ticks.size and float(np.abs(ticks).max()) >= 2.0**62:
             return None
         delta = np.zeros(values.shape, "m8[ns]")
-        delta[~missing] = np.round(ticks).astype(np.int64).astype("m8[ns]")
+        delta[~missing] = ticks.astype(np.int64).astype("m8[ns]")
         ref = ref.astype("M8[ns]")
     out = ref + delta
     out[missing] = np.array("NaT", dtype=out.dtype)
