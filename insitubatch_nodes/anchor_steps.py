@@ -19,6 +19,7 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
 from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
@@ -61,7 +62,13 @@ def anchor_steps(
     if timed or missing is not None:
         coord = _time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
         if coord is not None:
-            ticks, coord_name = time_offsets(coord, "1s"), coord.name
+            ticks = whole_seconds(
+                coord,
+                f"{manifest.array!r}'s time coordinate",
+                "a time stride, window offsets in time deltas and dates in missing=",
+                "or give an int stride, window offsets in samples and sample indices in missing=",
+            )
+            coord_name = coord.name
     listed = np.zeros(n, dtype=bool)
     for i in indices:
         if not -n <= int(i) < n:

@@ -153,6 +153,34 @@ def test_a_stride_that_is_not_a_multiple_of_the_data_step_is_refused_naming_both
         plan_epoch(manifest, {"x": g}, PlanConfig(stride="6h"))
 
 
+@pytest.mark.parametrize("calendar", ["standard", "noleap"])
+def test_times_off_the_whole_second_are_refused_saying_why_and_what_to_do(
+    tmp_path: Path, calendar: str
+) -> None:
+    # hourly times stored as float32 days: xarray decodes 01:00 as 01:00:00.000107 (float32
+    # cannot hold 1/24). A time stride compares whole seconds, and the user chose no unit: the
+    # refusal names the coordinate, the time in full and the way out, not "count in '1s'".
+    root = tmp_path / "f32.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    group.create_array("t2m", shape=(48, 2), chunks=(8, 2), dtype="f4",
+                       dimension_names=("time", "x"))  # fmt: skip
+    time = group.create_array("time", shape=(48,), chunks=(48,), dtype="f4",
+                              dimension_names=("time",))  # fmt: skip
+    time[:] = (np.arange(48) / 24).astype(np.float32)
+    time.attrs.update({"units": "days since 2001-01-01", "calendar": calendar})
+    assert str(_xr_times(root)[1]).startswith("2001-01-01") and "01:00:00.0001" in str(
+        _xr_times(root)[1]
+    ).replace("T", " ")  # the oracle: off the whole second
+    g = open_geometries(root)["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError) as info:
+        insitu_pipeline(root, manifest, {"x": g}, stride="6h")
+    message = str(info.value)
+    assert "'time'" in message and "whole second" in message and "01:00:00.0001" in message
+    assert "float32" in message and "int stride" in message
+    assert "such as '1s'" not in message  # the stride counts in seconds already
+
+
 def _broken_times() -> tuple[np.ndarray, dict[str, list[int]]]:
     """Hourly times with a NaT, a gap and a duplicate, and the anchors each must drop (views
     read ``a`` and ``a + 1``), written out by hand."""

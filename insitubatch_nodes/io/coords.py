@@ -480,8 +480,9 @@ def time_offsets(
     counts, rest = np.divmod(ticks * scale, per)
     if rest.any():
         at = int(np.flatnonzero(~missing)[int(np.flatnonzero(rest)[0])])
+        shown = v[at].isoformat() if hasattr(v[at], "isoformat") else v[at]  # cftime: all of it
         raise ValueError(
-            f"time {v[at]} (sample {at}) is not a whole number of {unit!r} after {epoch!r}: "
+            f"time {shown} (sample {at}) is not a whole number of {unit!r} after {epoch!r}: "
             "count in a unit that divides every time's distance from the epoch (such as '1s')"
         )
     out[~missing] = counts

@@ -25,11 +25,27 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 
-__all__ = ["alignment", "continuation", "pieces_of_join"]
+__all__ = ["alignment", "continuation", "pieces_of_join", "whole_seconds"]
 
 
 def _join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
+
+
+def whole_seconds(coord: Any, whose: str, compared_by: str, or_else: str = "") -> np.ndarray:
+    """``coord``'s times as whole seconds since 1970 (what strides, time-delta windows,
+    ``missing=`` dates and joins compare); a time off the whole second (float32 times) is
+    refused naming it, ``whose`` coordinate it is and what to do (``or_else``, a way around)."""
+    try:
+        return time_offsets(coord, "1s")
+    except ValueError as exc:
+        found = str(exc).split(" is not a whole number")[0]
+        raise ValueError(
+            f"{compared_by} compare the times of {coord.name!r} ({whose}) in whole seconds, and "
+            f"{found} is off the whole second (times stored as float32 lose precision: hourly "
+            f"float32 'days since' is ~0.1 ms off). Store the times as integers or float64"
+            + (f", {or_else}" if or_else else "")
+        ) from exc
 
 
 def continuation(
@@ -56,7 +72,7 @@ def continuation(
                 f"concat: {name!r} has no time coordinate {dim!r} beside {first_var!r}: the "
                 "stores are joined by their times, checked to continue at one step"
             )
-        t = time_offsets(coord, "1s")
+        t = whole_seconds(coord, f"store {name!r}", "concat's continuity checks")
         d = np.unique(np.diff(t))
         if len(d) > 1 or (len(d) and d[0] <= 0):
             raise ValueError(f"concat: the times of {name!r} are not at one step ({d[:5]} s)")
@@ -137,7 +153,7 @@ def alignment(
                 f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
                 "stores are aligned by their times"
             )
-        ticks.append(time_offsets(coord, "1s"))
+        ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([geoms[p].samples_per_chunk for p in located])
     starts, n = _shared(names, ticks, values, spcs, dim)
@@ -257,7 +273,7 @@ def pieces_of_join(
                 f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
                 "stores are aligned by their times"
             )
-        ticks.append(time_offsets(coord, "1s"))
+        ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([g.samples_per_chunk for g in geoms])
     names = [e[0] for e in entries]
