@@ -23,7 +23,9 @@ from insitubatch_nodes import (
 HOUR = np.timedelta64(1, "h")
 
 
-def _period(root: Path, start: int, n: int, *, chunk: int = 4, step: int = 6) -> None:
+def _period(
+    root: Path, start: int, n: int, *, chunk: int = 4, step: int = 6, calendar: str = "standard"
+) -> None:
     """A store of ``t2m (time, lat, lon)`` chunked ``chunk`` along time and a CF ``time`` in
     hours: ``n`` steps of ``step`` hours from hour ``start``. The values say the store and the
     step (``1000 * start + index``), so a row read from the wrong store shows."""
@@ -39,7 +41,7 @@ def _period(root: Path, start: int, n: int, *, chunk: int = 4, step: int = 6) ->
         "time", shape=(n,), chunks=(n,), dtype="i8", dimension_names=("time",)
     )
     time_[:] = start + step * np.arange(n)
-    time_.attrs.update({"units": "hours since 2000-01-01", "calendar": "standard"})
+    time_.attrs.update({"units": "hours since 2000-01-01", "calendar": calendar})
 
 
 def _read(root: Path, lo: int = 0, hi: int | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -461,3 +463,33 @@ def test_a_join_takes_a_concatenation_cut_where_its_stores_meet(tmp_path: Path) 
     _period(other, -24, 30, chunk=8)
     with pytest.raises(ValueError, match=r"stores meet at 2000-01-03T00.* inside a chunk of 8"):
         Collection.join({"atmos": (archive, ["t2m"]), "forcing": (other, ["t2m"])}, dim="time")
+
+
+def test_stores_or_members_whose_times_are_in_other_calendars_are_refused_naming_them(
+    tmp_path: Path,
+) -> None:
+    # 2000-01-01 in noleap is 7 days (1972..1996's leap days) fewer seconds after 1970 than in
+    # the standard calendar: a noleap store from hour 216 "continues" a standard one ending at
+    # hour 42 second for second, though its dates are 2000-01-10 on. Seconds of two calendars
+    # are not one timeline: concat and join must refuse, not jump 7 days (or align them).
+    _period(tmp_path / "std.zarr", 0, 8)
+    _period(tmp_path / "nl.zarr", 48 + 168, 8, calendar="noleap")
+    _period(tmp_path / "nl0.zarr", 0, 8, calendar="noleap")
+    std, nl = str(tmp_path / "std.zarr"), str(tmp_path / "nl.zarr")
+    with pytest.raises(ValueError, match=r"calendar") as info:
+        concat([std, nl], ["t2m"], dim="time")
+    assert "std.zarr" in str(info.value) and "nl.zarr" in str(info.value)
+    assert "noleap" in str(info.value)
+    _period(tmp_path / "nl_join.zarr", 168, 8, calendar="noleap")  # the same seconds as std
+    with pytest.raises(ValueError, match=r"calendar.*noleap|noleap.*calendar"):
+        Collection.join(
+            {"a": (std, ["t2m"]), "b": (str(tmp_path / "nl_join.zarr"), ["t2m"])}, dim="time"
+        )
+    scenes = Collection.from_arrays(
+        [(std, "t2m"), (str(tmp_path / "nl0.zarr"), "t2m")], names=["s", "n"], sample_axis="time"
+    )
+    view = scenes["data"]
+    with pytest.raises(ValueError, match=r"calendar") as info:
+        insitu_pipeline(scenes, split_by_chunk(view, (1.0, 0.0, 0.0)), {"w": view},
+                        stride="6h", coords=["time"])  # fmt: skip
+    assert "'n'" in str(info.value) and "noleap" in str(info.value)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -43,6 +44,7 @@ __all__ = [
     "counts_us",
     "date_in",
     "decode_with_cftime",
+    "one_calendar",
     "require_cftime",
 ]
 
@@ -207,6 +209,29 @@ def calendar_of(values: np.ndarray) -> str | None:
     if len(found) != 1:
         raise ValueError(f"dates of calendars {sorted(found)} in one coordinate: use one calendar")
     return str(found.pop())
+
+
+def one_calendar(names: Sequence[str], values: Sequence[np.ndarray], what: str) -> None:
+    """Refuse time coordinates ``values`` (decoded; one per name in ``names``) that count their
+    dates in different calendars: a second of ``noleap`` and a second of ``standard`` since 1970
+    are other dates, so such times are not one timeline (nor one coordinate). ``ValueError``
+    names the first two that differ, prefixed by ``what``."""
+    kinds = [_time_kind(v) for v in values]
+    for k, kind in enumerate(kinds):
+        if kind != kinds[0]:
+            raise ValueError(
+                f"{what}: the times of {names[0]!r} are {kinds[0]} and those of {names[k]!r} "
+                f"{kind}: times in two calendars are not one timeline (the same count of "
+                "seconds is another date in each), so they are not joined or stepped through "
+                "together: write them in one calendar, or read them in separate pipelines"
+            )
+
+
+def _time_kind(values: np.ndarray) -> str:
+    if values.dtype.kind == "M":
+        return "datetime64 dates (the standard calendar)"
+    calendar = calendar_of(values)
+    return f"cftime dates of calendar {calendar!r}" if calendar else f"{values.dtype} values"
 
 
 _ISO_RE = re.compile(

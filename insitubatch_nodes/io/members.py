@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.calendars import one_calendar
 
 __all__ = ["MemberMap", "collection_of"]
 
@@ -210,6 +211,7 @@ class MemberMap:
                 out[name] = (np.concatenate(kept), first.attrs)
                 continue
             if first.is_time:
+                one_calendar(self.names, kept, self.collection)
                 self._check_steps(name, kept)
             out[name] = (self._laid_out(kept), first.attrs)
         return out

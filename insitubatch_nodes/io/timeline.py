@@ -23,6 +23,7 @@ import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.calendars import one_calendar
 from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 
 __all__ = ["alignment", "continuation", "pieces_of_join", "whole_seconds"]
@@ -79,6 +80,7 @@ def continuation(
         ticks.append(t)
         values.append(coord.values)
         steps.append(int(d[0]) if len(d) else None)
+    one_calendar(names, values, "concat")
     step = next((s for s in steps if s is not None), None)
     spans = [[0, len(t)] for t in ticks]
     for k in range(len(ticks)):
@@ -175,6 +177,7 @@ def _shared(
     ``starts[k]`` on, the first shared time at which every array (chunked ``spcs[k]`` along
     ``dim``) is at a chunk boundary; ``ValueError`` naming the timelines and their times where
     they do not align (another step, another grid, no shared time at a chunk boundary)."""
+    one_calendar(names, values, "join")
     steps = [np.unique(np.diff(t)) for t in ticks]
     for name, d, v in zip(names, steps, values, strict=True):
         if len(d) != 1 or d[0] <= 0:
