@@ -523,6 +523,20 @@ def test_members_that_do_not_share_the_schema_are_refused_by_name(tmp_path: Path
         Collection.from_groups(root, groups, {"image": "0", "labels": "labels"})
 
 
+def test_members_in_two_zarr_formats_are_refused_naming_the_formats_not_as_absent(
+    tmp_path: Path,
+) -> None:
+    # slides from two sources, one written as zarr v3 and one as v2: the v2 array is there
+    # (zarr opens it), so "has no array" would send the user looking for a missing file
+    for name, fmt in (("v3.zarr", 3), ("v2.zarr", 2)):
+        group = zarr.open_group(tmp_path / name, mode="w", zarr_format=fmt)
+        group.create_array("scene/image", shape=(4, 4, 6), chunks=(2, 4, 3), dtype="f4")
+    assert zarr.open_array(tmp_path / "v2.zarr", path="scene/image").metadata.zarr_format == 2
+    groups = [(tmp_path / "v3.zarr", "scene"), (tmp_path / "v2.zarr", "scene")]
+    with pytest.raises(ValueError, match=r"member 'b'.* zarr v2 array.*member 'a'.* v3"):
+        Collection.from_groups(None, groups, {"image": "image"}, names=["a", "b"])
+
+
 def test_time_options_on_members_without_times_and_what_is_not_supported_are_refused(
     plate: tuple[Path, list[str]],
 ) -> None:

@@ -29,12 +29,10 @@ joined axis's; where stores overlap, ``overlap=`` names the store that wins (who
 skipped). :meth:`Collection.join` aligns arrays of several stores by their times instead (one
 member; each variable an array of its own store, offset by whole chunks to the shared times).
 
-A concatenation is one timeline: its views' time coordinate is the stores' times joined
-(:func:`~insitubatch_nodes.io.coords.open_coordinates`), so a time stride, window offsets in
-time deltas, dates in ``missing=`` and carried coordinates work on it as on one array.
-Independent members keep their own times
-(:meth:`~insitubatch_nodes.io.members.MemberMap.joined`: each member's at its own virtual
-samples, one step in all), so the same options work within each member.
+A concatenation is one timeline (its views' time coordinate is the stores' times joined), so
+a time stride, time-delta windows, ``missing=`` dates and carried coordinates work on it as on
+one array; independent members keep their own times (``MemberMap.joined``: one step and one
+calendar in all), so the same options work within each member.
 
 ``sample_axis=("t", "z")`` gives every member product sample axes
 (:mod:`~insitubatch_nodes.io.product`): each member lays out the same grid of stored blocks,
@@ -62,7 +60,7 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.io.members import MemberMap, collection_of
+from insitubatch_nodes.io.members import SCHEMA_FIELDS, MemberMap, collection_of, member_schema
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.product import ProductGrid, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
@@ -462,6 +460,15 @@ class Collection:
         return geoms, ref_len
 
     def _absent(self, variable: str, m: int) -> None:
+        """Refuse member ``m``'s ``variable``: absent, or an array of another zarr format."""
+        paths = self._paths[variable]
+        got, first = _zarr_compat.node_kinds(_zarr_compat.opened(self.store), [paths[m], paths[0]])
+        if m and got is not None and got[0] == "array" and first is not None:
+            raise ValueError(
+                f"{self.name}: member {self.members[m]!r}'s {variable!r} is a zarr v{got[1]} "
+                f"array and member {self.members[0]!r}'s v{first[1]}: the members of a variable "
+                "need one zarr format (rewrite one, or read them in separate pipelines)"
+            )
         raise FileNotFoundError(
             f"{self.name}: member {self.members[m]!r} has no array for variable {variable!r} at "
             f"{self._paths[variable][m]!r} of {describe_store(self.store)}"
@@ -477,11 +484,11 @@ class Collection:
             if not isinstance(doc, dict) or doc.get("node_type", "array") != "array":
                 self._absent(variable, m)
             assert isinstance(doc, dict)
-            got = _schema(doc, axis)
+            got = member_schema(doc, axis)
             if want is None:
                 want = got
             elif got != want:
-                what = next(k for k in _SCHEMA_FIELDS if got.get(k) != want.get(k))
+                what = next(k for k in SCHEMA_FIELDS if got.get(k) != want.get(k))
                 raise ValueError(
                     f"{self.name}: member {self.members[m]!r}, variable {variable!r}: its "
                     f"{what} {got.get(what)!r} differs from member {self.members[0]!r}'s "
@@ -582,33 +589,6 @@ class FirstMemberCoordinates:
 
     def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
         return self.reader(replace(geom, path=self.path, members=None), dim)
-
-
-#: what every member array of a variable must share, by its name in messages: the metadata
-#: document's entries (v3 ``zarr.json``, v2 ``.zarray``) other than the sample-axis length
-_SCHEMA_FIELDS = {
-    "zarr format": ("zarr_format",),
-    "number of axes": (),
-    "dimension names": ("dimension_names",),
-    "dtype": ("data_type", "dtype"),
-    "field shape": (),
-    "chunk shape": ("chunk_grid", "chunks"),
-    "codecs": ("codecs", "compressor", "filters", "order", "storage_transformers"),
-    "fill value": ("fill_value",),
-    "chunk key encoding": ("chunk_key_encoding", "dimension_separator"),
-}
-
-
-def _schema(doc: Mapping[str, Any], axis: int) -> dict[str, Any]:
-    """A member's metadata document as :data:`_SCHEMA_FIELDS` (names -> values)."""
-    shape = list(doc.get("shape") or ())
-    out: dict[str, Any] = {}
-    for name, entries in _SCHEMA_FIELDS.items():
-        values = [doc[k] for k in entries if doc.get(k) is not None]
-        out[name] = values[0] if len(values) == 1 else tuple(values) or None
-    out["number of axes"] = len(shape)
-    out["field shape"] = tuple(shape[:axis] + shape[axis + 1 :])
-    return out
 
 
 def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:

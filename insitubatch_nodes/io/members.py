@@ -8,7 +8,9 @@ A :class:`~insitubatch_nodes.io.collection.Collection` presents each of its vari
 tail up to the next boundary is *padding*: no sample, never an anchor). So the plan, the pool,
 the gather, resume and the persistent cache work on it unchanged; only the stored object's key
 is the member's (:meth:`MemberMap.store_key`), worked out from a few numpy arrays — never a
-Python object per member on the per-batch path.
+Python object per member on the per-batch path. What the member arrays of a variable must
+share (:data:`SCHEMA_FIELDS`: zarr format, dtype, field shape, chunks, codecs, ...) is read
+from each one's metadata document by :func:`member_schema`.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import one_calendar
 
-__all__ = ["MemberMap", "collection_of"]
+__all__ = ["SCHEMA_FIELDS", "MemberMap", "collection_of", "member_schema"]
 
 
 class MemberMap:
@@ -303,6 +305,33 @@ class MemberMap:
             cached = _zarr_compat.chunk_key_format(metadata, ndim)
             self.__dict__["_key_template"] = cached
         return cached
+
+
+#: what every member array of a variable must share, by its name in messages: the metadata
+#: document's entries (v3 ``zarr.json``, v2 ``.zarray``) other than the sample-axis length
+SCHEMA_FIELDS = {
+    "zarr format": ("zarr_format",),
+    "number of axes": (),
+    "dimension names": ("dimension_names",),
+    "dtype": ("data_type", "dtype"),
+    "field shape": (),
+    "chunk shape": ("chunk_grid", "chunks"),
+    "codecs": ("codecs", "compressor", "filters", "order", "storage_transformers"),
+    "fill value": ("fill_value",),
+    "chunk key encoding": ("chunk_key_encoding", "dimension_separator"),
+}
+
+
+def member_schema(doc: Mapping[str, Any], axis: int) -> dict[str, Any]:
+    """A member's metadata document as :data:`SCHEMA_FIELDS` (names -> values)."""
+    shape = list(doc.get("shape") or ())
+    out: dict[str, Any] = {}
+    for name, entries in SCHEMA_FIELDS.items():
+        values = [doc[k] for k in entries if doc.get(k) is not None]
+        out[name] = values[0] if len(values) == 1 else tuple(values) or None
+    out["number of axes"] = len(shape)
+    out["field shape"] = tuple(shape[:axis] + shape[axis + 1 :])
+    return out
 
 
 def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
