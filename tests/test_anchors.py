@@ -22,6 +22,7 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import plan_epoch
 from insitubatch_nodes.plan.parts import resolve_windows
+from insitubatch_nodes.plan.patches import unit_geometry
 from insitubatch_nodes.plan.schedule import schedule_floors, working_set_bytes
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from tests.helpers import counting_store
@@ -385,6 +386,35 @@ def test_the_schedule_floors_bound_every_strided_epoch(tmp_path: Path) -> None:
                                            (floors.pin_gap, floors.bounded)):  # fmt: skip
                             plan = plan_epoch(m, views, cfg, epoch=epoch, pin_gap=gap)
                             got = working_set_bytes(plan, {"t": g})[0]
+                            assert got <= bound, (stride, shift, bs, bc, world, epoch, gap)
+
+
+def test_the_schedule_floors_bound_every_strided_epoch_of_patched_views(tmp_path: Path) -> None:
+    # as above, over windows of a field cut into 2 x 3 tiles (a patched plan's units are
+    # tiles: its working set counts one tile's bytes a unit)
+    path = tmp_path / "p.zarr"
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    group.create_array("t", shape=(203, 4, 6), chunks=(8, 2, 3), dtype="f4", fill_value=0)
+    g = open_geometries(path, ["t"])["t"]
+    hours = np.arange(203, dtype=np.int64) + 5  # hourly, from 05 UTC
+    hours[100:] += 1  # a gap
+    steps = SampleSteps(203, ticks=hours, unit=np.timedelta64(1, "h"))
+    m = split_by_chunk(g, (1.0, 0.0, 0.0)).with_steps(steps)
+    patched = g.patches({1: 2, 2: 3})
+    for stride in (3, 13, "6h"):
+        for shift in (1, 9):
+            views = {"x": patched, "y": patched.shift(shift)}
+            for bs, bc, world in ((3, 3, 1), (2, 2, 2), (5, 8, 3)):
+                config = PlanConfig(stride=stride, batch_size=bs, block_chunks=bc,
+                                    world_size=world)  # fmt: skip
+                floors = schedule_floors(m, views, config)
+                for epoch in (0, 1):
+                    for rank in range(world):
+                        cfg = config.for_rank(rank, world)
+                        for gap, bound in ((None, floors.read_once),
+                                           (floors.pin_gap, floors.bounded)):  # fmt: skip
+                            plan = plan_epoch(m, views, cfg, epoch=epoch, pin_gap=gap)
+                            got = working_set_bytes(plan, {"t": unit_geometry(g)})[0]
                             assert got <= bound, (stride, shift, bs, bc, world, epoch, gap)
 
 

@@ -72,6 +72,13 @@ def _hourly_store(root: Path, spc: int = 1, start: str = "2020-01-01T03:00", n: 
     return root
 
 
+def _xr_times(root: Path) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with xr.open_zarr(root, consolidated=False) as ds:
+            return np.asarray(ds.time.values)
+
+
 def _epoch(pipe: Any) -> list[Any]:
     return list(pipe)
 
@@ -199,6 +206,54 @@ def test_time_delta_windows_on_6h_anchors_hold_the_steps_xarray_selects_read_onc
     data_gets = {k: n for k, n in store.chunk_counts().items() if k.startswith("t2m/")}
     assert data_gets == dict.fromkeys(on_grid_objects, 1)  # each on-grid step once
     assert stats["gets"] == len(on_grid_objects) < N // 4 + 2
+
+
+def test_patched_time_delta_windows_on_a_6h_stride_hold_xarrays_steps_cut_at_each_origin(
+    tmp_path: Path,
+) -> None:
+    # the docs compose windows in time deltas with a time stride and with patches: a regional
+    # forecaster on 2 x 2 windows of the field, anchors at 00/06/12/18 UTC, inputs (t - 6h, t),
+    # target t + 6h; a listed date and an absent object drop the anchors that read them
+    root = _hourly_store(tmp_path / "h.zarr", spc=2)
+    (root / "t2m" / "c" / "22" / "0" / "0").unlink()  # steps 44, 45 lose their object
+    times = _xr_times(root)
+    data = zarr.open_array(root / "t2m", mode="r")[...]
+    g = open_geometries(root)["t2m"]
+    patched = g.patches({"lat": 2, "lon": 2})
+    views = {"x": patched.window(["-6h", "0h"]), "y": patched.window(["6h"])}
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    listed = times[9]  # read by anchors 9 (at 0h) and 15 (at -6h); 3 reads before the start
+    pipe = insitu_pipeline(root, manifest, views, stride="6h", missing=[listed],
+                           missing_objects="drop", batch_size=5, coords=["time"])  # fmt: skip
+    try:
+        batches = _epoch(pipe)
+        dropped = dict(pipe.stages.plan.dropped)
+    finally:
+        pipe.close()
+    on_grid = [a for a in range(N) if pd.Timestamp(times[a]).hour % 6 == 0]
+    steps = {a: (a - 6, a, a + 6) for a in on_grid}
+    gone = {9, 44, 45}  # 44 and 45: read by anchor 39 (at +6h)
+    want = sorted(a for a, s in steps.items() if s[0] >= 0 and s[-1] < N and not set(s) & gone)
+    got: list[tuple[int, tuple[int, ...]]] = []
+    for b in batches:
+        np.testing.assert_array_equal(b.patch_origins["x"], b.patch_origins["y"])
+        for i, (y0, x0) in enumerate(b.patch_origins["x"].tolist()):
+            for label in ("x", "y"):
+                rows = b.sample_indices[label][i]
+                np.testing.assert_array_equal(b[label][i], data[rows, y0 : y0 + 2, x0 : x0 + 2])
+                np.testing.assert_array_equal(b.coords[label]["time"][i], times[rows])
+            got.append((int(b.sample_indices["x"][i, 1]), (y0, x0)))
+    # every window of every kept anchor once: the origins of the plain (unstrided) plan's rows
+    plain = {"x": patched.window([-6, 0]), "y": patched.window([6])}
+    pipe = insitu_pipeline(root, manifest, plain, batch_size=5, coords=())
+    try:
+        origins = {tuple(o) for b in _epoch(pipe) for o in b.patch_origins["x"].tolist()}
+    finally:
+        pipe.close()
+    assert len(got) == len(set(got)) == len(want) * len(origins)
+    assert {a for a, _ in got} == set(want) and {o for _, o in got} == origins
+    assert want == [21, 27, 33]
+    assert dropped == {"nat": 0, "gap": 0, "missing": 2, "absent_object": 1}
 
 
 def test_a_time_delta_that_is_not_a_multiple_of_the_data_step_is_refused_naming_both(

@@ -206,20 +206,18 @@ def _patch_samples(
     manifest: SplitManifest,
     views: Mapping[str, ArrayGeometry],
     layout: PatchLayout,
-    split: str,
+    config: PlanConfig,
     epoch: int,
-    shuffle: bool,
-    seed: int,
-    cross_split_windows: bool,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """:func:`_epoch_samples` of a patched plan: ``(patch chunks, counts, sample ids)`` (see
-    :mod:`~insitubatch_nodes.plan.patches`), the patch chunks permuted when shuffling."""
+    :mod:`~insitubatch_nodes.plan.patches`) over the anchors :func:`chunk_anchors` keeps (the
+    stride and the missing-step checks too), the patch chunks permuted when shuffling."""
     offsets = [g.offset for g in views.values()]
-    chunks = manifest.chunk_array(split)
-    starts, counts = chunk_counts(manifest, split, chunks, offsets, cross_split_windows)
-    pc, cnt, ids = layout.samples(chunks, starts, counts)
-    if shuffle and len(pc):
-        perm = layout.visit_order(pc, np.random.default_rng([seed, epoch, 0]))
+    chunks = manifest.chunk_array(config.split)
+    counts, anchors = chunk_anchors(manifest, chunks, offsets, config)
+    pc, cnt, ids = layout.samples(chunks, counts, anchors)
+    if config.shuffle and len(pc):
+        perm = layout.visit_order(pc, np.random.default_rng([config.seed, epoch, 0]))
         first = np.cumsum(cnt) - cnt
         ids = ids[_runs(first[perm], cnt[perm])]
         pc, cnt = pc[perm], cnt[perm]
@@ -351,8 +349,12 @@ def plan_epoch(
     if dealing is not None and dealing not in DEALINGS:
         raise ValueError(f"dealing must be None or one of {DEALINGS}, got {dealing!r}")
     how = dealing_for(views) if dealing is None else dealing
-    split, batch_size, block_chunks = cfg.split, cfg.batch_size, cfg.block_chunks
-    shuffle, seed, cross_split_windows = cfg.shuffle, cfg.seed, cfg.cross_split_windows
+    batch_size, block_chunks, shuffle, seed = (
+        cfg.batch_size,
+        cfg.block_chunks,
+        cfg.shuffle,
+        cfg.seed,
+    )
     remainder, ramp = cfg.remainder, cfg.ramp
     rank = 0 if cfg.rank is None else cfg.rank
     world_size = 1 if cfg.world_size is None else cfg.world_size
@@ -361,9 +363,7 @@ def plan_epoch(
     if layout is None:
         chunks, counts, anchors = _epoch_samples(manifest, views, cfg, epoch)
     else:  # "anchors" are sample ids (anchor * P + patch) until the ledger is drawn
-        chunks, counts, anchors = _patch_samples(
-            manifest, views, layout, split, epoch, shuffle, seed, cross_split_windows
-        )
+        chunks, counts, anchors = _patch_samples(manifest, views, layout, cfg, epoch)
     ledger = functools.partial(
         _ledger,
         spc=spc if layout is None else 1,
@@ -562,13 +562,6 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
             "(a whole field and its windows would need two kinds of slot)"
         )
     patch_spec(views)  # patched views must cut their fields alike
-    if (not every_sample(config.stride) or manifest.steps is not None) and any(
-        g.patch is not None for g in views.values()
-    ):
-        raise ValueError(
-            "an anchor stride or missing-step checks with patched views are not supported yet: "
-            "read the patched arrays without stride= and missing steps"
-        )
     offsets = [g.offset for g in views.values()]
     lo, hi = _valid_anchor_range(manifest.n_samples, offsets)
     if hi <= lo and manifest.n_samples > 0:

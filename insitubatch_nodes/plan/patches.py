@@ -149,12 +149,13 @@ class PatchLayout:
         return out
 
     def samples(
-        self, chunks: np.ndarray, starts: np.ndarray, counts: np.ndarray
+        self, chunks: np.ndarray, counts: np.ndarray, anchors: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The patch chunks of anchor chunks ``chunks`` (valid anchors ``[start, start +
-        count)`` each, in this order): ``(patch chunk ids, counts, sample ids)``, each patch
-        chunk's samples laid out together (anchor, then patch, ascending). A patch chunk id is
-        ``anchor_chunk * n_regions + region``; empty ones are left out."""
+        """The patch chunks of anchor chunks ``chunks`` (``counts[i]`` valid anchors each, laid
+        out chunk after chunk in ``anchors``, each chunk's ascending: a run, or the anchors a
+        stride and the missing-step checks keep): ``(patch chunk ids, counts, sample ids)``,
+        each patch chunk's samples laid out together (anchor, then patch, ascending). A patch
+        chunk id is ``anchor_chunk * n_regions + region``; empty ones are left out."""
         r = self.n_regions
         pc = (chunks[:, None] * r + np.arange(r, dtype=np.int64)).ravel()
         n_anchor = np.repeat(counts, r)
@@ -162,12 +163,12 @@ class PatchLayout:
         cnt = n_anchor * per
         keep = cnt > 0
         pc, cnt, n_anchor, per = pc[keep], cnt[keep], n_anchor[keep], per[keep]
-        first_anchor = np.repeat(starts, r)[keep]
+        first_anchor = np.repeat(np.cumsum(counts) - counts, r)[keep]  # its chunk's first
         first_patch = np.tile(self.region_start, len(chunks))[keep]
         total = int(cnt.sum())
         owner = np.repeat(np.arange(len(pc), dtype=np.int64), cnt)
         step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(cnt) - cnt, cnt)
-        anchor = first_anchor[owner] + step // per[owner]
+        anchor = anchors[first_anchor[owner] + step // per[owner]]
         patch = first_patch[owner] + step % per[owner]
         return pc, cnt, anchor * self.n_patches + patch
 
