@@ -17,7 +17,7 @@ import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
-from insitubatch_nodes.io.coords import open_coordinates, time_offsets
+from insitubatch_nodes.io.coords import MISSING_OFFSET, Coordinate, open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.plan.anchors import SampleSteps
@@ -77,7 +77,8 @@ def anchor_steps(
     if dates:
         assert ticks is not None and coord is not None
         gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
-        listed |= np.isin(ticks, gone) & (ticks != np.iinfo(np.int64).min)
+        _refuse_dates_between_steps(dates, gone, ticks, coord)
+        listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
     absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
     members, runs = manifest.members, None
     if members is not None and not (members.continuous or members.product) and ticks is not None:
@@ -129,3 +130,32 @@ def _time_coordinate(
             )
         return None
     return times[0]
+
+
+def _refuse_dates_between_steps(
+    dates: Sequence[Any], gone: np.ndarray, ticks: np.ndarray, coord: Coordinate
+) -> None:
+    """Refuse a date of ``missing=`` that lies strictly inside one step of the data: between
+    two consecutive times the data's smallest spacing apart. No sample has that time, so it
+    would drop nothing: a typo (a wrong hour, a minute off) that would go unnoticed. A date
+    outside the times, or inside a gap of them, passes (a list kept for a whole archive names
+    steps other stores or other years hold)."""
+    times = np.unique(ticks[ticks != MISSING_OFFSET])
+    if len(times) < 2:
+        return
+    spacing = np.diff(times)
+    at = np.searchsorted(times, gone)  # times[at - 1] < gone <= times[at]
+    inside = (at > 0) & (at < len(times))
+    inside[inside] = times[at[inside]] != gone[inside]
+    inside[inside] = spacing[at[inside] - 1] == spacing.min()
+    if not inside.any():
+        return
+    i = int(np.flatnonzero(inside)[0])
+    before, after = (
+        coord.values[int(np.flatnonzero(ticks == t)[0])] for t in times[at[i] - 1 : at[i] + 1]
+    )
+    raise ValueError(
+        f"missing lists {dates[i]!r}, which falls between two consecutive times of "
+        f"{coord.name!r} ({before} and {after}): no sample has it, so it would drop nothing. "
+        "List the time of a step (or its sample index)"
+    )

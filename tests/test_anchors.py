@@ -224,6 +224,28 @@ def test_anchors_are_dropped_for_nat_gaps_duplicates_listed_steps_and_absent_obj
     bare.close()
 
 
+def test_a_missing_date_between_two_steps_is_refused_naming_them_and_one_outside_or_in_a_gap_passes(
+    tmp_path: Path,
+) -> None:
+    """A typo in missing= (a wrong hour) used to drop nothing, silently."""
+    times, _ = _broken_times()  # hourly from 2020-01-01T00, a 2 h gap after 20:00
+    root = _hourly_store(tmp_path / "m.zarr", 4, times=times)
+    g = open_geometries(root)["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    views = {"x": g, "y": g.shift(1)}
+    said = (
+        r"'2020-01-01T05:30'.*between two consecutive times of 'time' "
+        r"\(2020-01-01T05:00.*and 2020-01-01T06:00.*no sample has it"
+    )
+    with pytest.raises(ValueError, match=said):
+        insitu_pipeline(root, manifest, views, missing=[3, "2020-01-01T05:30"])
+    # outside the times (a list kept for a whole archive), and on the hour inside the gap
+    for date in ("2019-06-01T00:00", "2020-01-03T12:00", "2020-01-01T21:00"):
+        pipe = insitu_pipeline(root, manifest, views, missing=[date])
+        assert pipe.stages.plan.dropped == {"nat": 2, "gap": 3, "missing": 0}, date
+        pipe.close()
+
+
 def test_a_time_stride_counts_only_its_own_anchors_as_dropped(tmp_path: Path) -> None:
     times, _ = _broken_times()
     root = _hourly_store(tmp_path / "m.zarr", 4, times=times)
