@@ -345,6 +345,33 @@ def test_a_split_that_fits_the_budget_is_decoded_once_and_later_epochs_read_noth
     pipe.close()
 
 
+def test_an_automatic_budget_keeps_one_sample_chunks_when_the_anchor_array_has_larger_chunks(
+    tmp_path: Path,
+) -> None:
+    # the manifest's array holds 4 samples per chunk, the other one sample per chunk: the
+    # schedule keeps the small split (no row decoded straight in), so the automatic budget must
+    # grow to hold it, or epoch 1 reads it again (it did: 54 of 60 chunks)
+    root = tmp_path / "mixed.zarr"
+    group = zarr.open_group(str(root), mode="w")
+    values = np.arange(64 * 6 * 8, dtype="float32").reshape(64, 6, 8)
+    group.create_array("coarse", shape=values.shape, chunks=(4, 6, 8), dtype="f4")[:] = values
+    group.create_array("fine", shape=values.shape, chunks=(1, 6, 8), dtype="f4")[:] = -values
+    store = counting_store(root)
+    geoms = open_geometries(store, ["coarse", "fine"])
+    manifest = split_by_chunk(geoms["coarse"], (0.75, 0.25, 0.0))
+    pipe = insitu_pipeline(store, manifest, geoms, batch_size=4, block_chunks=4, coords=())
+    oracle = Oracle(root)
+    with pipe:
+        for epoch in range(2):
+            run_epoch(pipe, oracle, {"coarse": View("coarse"), "fine": View("fine")})
+            report = pipe.report()
+            assert report is not None and report.epoch == epoch
+            if epoch == 1:  # served from the pool: no GET
+                assert (report.gets, report.misses) == (0, 0), report
+            pipe.reset()
+    assert set(store.chunk_counts().values()) == {1}  # every object of the split read once
+
+
 def test_an_automatic_budget_decodes_rows_in_place_when_the_split_exceeds_a_16th_of_ram(
     archive: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -126,11 +126,18 @@ RESERVE_MAX_SLOTS = 1 << 15
 
 def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
     """:func:`~insitubatch_nodes.plan.schedule.working_set_bytes` of ``plan``, whose floor an
-    automatic budget grows to; at one sample per chunk, when the schedule keeps the epoch's
-    chunks for the next one (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor
-    is all of them."""
+    automatic budget grows to; when a plan group holds one sample per chunk and the schedule
+    keeps the epoch's chunks for the next one
+    (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor is all of them. It asks
+    of every group, not of the anchor grid, as :func:`~insitubatch_nodes.stages._direct.
+    direct_allowed` does: a one-sample-per-chunk array beside an anchor array of larger chunks
+    is kept too, not left in slots an epoch's floor cannot hold (read again every epoch)."""
     floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
-    if setup.pool.auto and setup.direct is None and plan.samples_per_chunk == 1:
+    if (
+        setup.pool.auto
+        and setup.direct is None
+        and any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
+    ):
         floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
     return floor, read_ahead
 
