@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import mmap
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -340,6 +342,40 @@ def test_an_epoch_that_waited_on_page_faults_is_told_so_with_its_kernel_time() -
     # a consumer-limited epoch is told nothing about the pipeline's memory
     slow_consumer = dataclasses.replace(faulted, limiting="consumer")
     assert "faulted in" not in suggestion_for(slow_consumer)
+
+
+def test_page_faults_of_the_consumers_own_work_are_not_named_as_the_pipelines() -> None:
+    # a store-limited epoch whose training step touched 2.2 GiB of fresh memory: the process's
+    # kernel time and faults are the consumer's, not what the pipeline waited on
+    r = _made(
+        wall_s=4.0, chunk_wait_s=2.5, inflight_mean=6.0, sys_s=2.0, page_faults=600_000,
+        consumer_sys_s=1.9, consumer_page_faults=590_000,
+    )  # fmt: skip
+    r.limiting = limiting_stage(r)
+    assert r.limiting == "store" and not memory_bound(r)
+    assert "faulted in" not in suggestion_for(r) and "max_inflight" in suggestion_for(r)
+    # the pipeline's own share still counts when it is large
+    assert memory_bound(dataclasses.replace(r, consumer_sys_s=0.2, consumer_page_faults=9_000))
+
+
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="per-thread usage is Linux's")
+def test_the_consumers_own_page_faults_are_measured_apart_and_not_told_as_the_pipelines(
+    era5: Path,
+) -> None:
+    pages = 16 * 2**20 // mmap.PAGESIZE  # each step touches 16 MiB of fresh memory
+    pipe, _ = _pipe(counting_store(era5, delay=0.05), max_inflight=2)
+    with pipe:
+        for _ in Loader(pipe):
+            fresh = mmap.mmap(-1, pages * mmap.PAGESIZE)
+            np.frombuffer(fresh, dtype=np.uint8)[:: mmap.PAGESIZE] = 1
+            fresh.close()
+        report = pipe.report()
+    assert report is not None and report.complete and report.limiting != "consumer"
+    touched = pages * report.batches
+    assert touched <= report.consumer_page_faults <= report.page_faults, report.as_dict()
+    assert 0 <= report.consumer_sys_s <= report.sys_s + 0.05
+    assert report.page_faults - report.consumer_page_faults < touched // 4  # the pipeline's
+    assert not memory_bound(report) and "faulted in" not in report.suggestion
 
 
 def test_the_report_counts_the_page_faults_and_kernel_time_of_its_epoch(era5: Path) -> None:
