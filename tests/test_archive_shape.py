@@ -201,6 +201,33 @@ def test_ranks_read_disjoint_rows_at_one_sample_per_chunk_and_padded_repeats_are
         assert len(everything) == -(-len(valid) // world) * world  # a few delivered twice
 
 
+def test_a_rank_keeping_its_share_reads_only_the_chunks_its_next_share_adds(
+    archive: Path,
+) -> None:
+    # the automatic budget holds one share: the kept chunks the next share reads again must
+    # not be evicted for the ones it adds (LRU evicted them: 12 of 18 reads were re-reads)
+    store = counting_store(archive)
+    labels = _labels(store)
+    manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
+    pipe = insitu_pipeline(
+        store, manifest, labels, batch_size=4, block_chunks=4, rank=0, world_size=2, coords=()
+    )
+    oracle = Oracle(archive)
+    shares: list[set[int]] = []
+    with pipe:
+        for epoch in range(3):
+            records = run_epoch(pipe, oracle, _oracle_views())
+            shares.append(set(_delivered(records, NAMES[0]).tolist()))
+            report = pipe.report()
+            assert report is not None and report.epoch == epoch
+            if epoch:
+                new = shares[-1] - shares[-2]
+                assert 0 < len(new) < len(shares[-1])  # the deal changed, in part
+                assert report.gets == report.misses == len(new) * len(NAMES), report
+                assert report.hits == (len(shares[-1]) - len(new)) * len(NAMES)
+            pipe.reset()
+
+
 def test_tiled_fields_and_edge_tiles_are_decoded_into_their_rows_tile_by_tile(
     tmp_path: Path,
 ) -> None:
