@@ -252,6 +252,22 @@ class EpochRecorder:
         ep["resident_peak"] = max(ep["resident_peak"], resident)
         ep["epoch"] = getattr(item, "epoch", ep["epoch"])
 
+    def on_error(self, called: float, error: BaseException) -> None:
+        """``next()`` raised ``error`` after waiting since ``called``: the wait counts as one
+        (and, with a trace, is a ``next`` span naming the error), and the consumer's own work
+        is counted from here if it calls ``next()`` again. The epoch stays open."""
+        ep = self._epoch
+        if ep is None:  # pragma: no cover - on_next always opens one
+            return
+        now = _now()
+        ep["handoff_wait_s"] += now - called
+        if ep["batches"]:
+            ep["returned"] = now
+            ep["returned_usage"] = None
+        if self.trace is not None:
+            args = {"batch": -1, "error": type(error).__name__}
+            self.trace.span("next", called, now, args)
+
     def on_end(self, called: float) -> None:
         """The epoch ended (``StopIteration``): finalize it."""
         ep = self._epoch
@@ -479,6 +495,9 @@ class NullRecorder(EpochRecorder):
         return 0.0
 
     def on_deliver(self, called: float, item: Any) -> None:
+        pass
+
+    def on_error(self, called: float, error: BaseException) -> None:
         pass
 
     def on_end(self, called: float) -> None:

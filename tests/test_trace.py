@@ -19,6 +19,7 @@ import pytest
 from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import ChunkReadError
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.stages import _ranges
 from insitubatch_nodes.trace import SPAN_CATEGORIES
@@ -303,3 +304,31 @@ def test_rows_decoded_in_place_carry_the_batch_and_row_whose_sample_they_are(
                 else:  # straight into the row that is that sample
                     assert samples[a["batch"]][a["array"]][a["row"]] == a["chunk"], a
             pipe.reset()
+
+
+def test_a_next_that_fails_shows_its_wait_and_error_in_the_trace(tmp_path: Path) -> None:
+    # the consumer's row of a failed epoch ends with the wait that raised, not with the last
+    # batch it got (the wait before an error, up to a GET's deadline, was not in the trace)
+    root = write_era5(tmp_path / "bad.zarr", n_time=24, n_lat=2, n_lon=4, n_level=1,
+                      samples_per_chunk=1)  # fmt: skip
+    g = open_geometries(root, ["t2m"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    (root / "t2m" / "c" / "9" / "0" / "0").write_bytes(b"not zstd")  # sample 9: batch 2
+    pipe = insitu_pipeline(
+        root, manifest, {"x": g["t2m"]}, batch_size=4, block_chunks=1, shuffle=False,
+        coords=(), fetch=FetchOptions(trace=True),
+    )  # fmt: skip
+    got = 0
+    with pipe, pytest.raises(ChunkReadError):
+        for _ in pipe:
+            got += 1
+    assert got == 2
+    report = pipe.report()
+    assert report is not None and not report.complete and report.batches == 2
+    spans = _complete(report.trace.chrome()["traceEvents"])  # type: ignore[union-attr]
+    waits = sorted((e for e in spans if e["name"] == "next"), key=lambda e: e["ts"])
+    assert [e["args"]["batch"] for e in waits] == [0, 1, -1]
+    assert waits[-1]["args"]["error"] == "ChunkReadError"
+    assert waits[-1]["ts"] + waits[-1]["dur"] >= max(e["ts"] for e in spans)
+    wait_s = sum(e["dur"] for e in waits) / 1e6
+    assert report.handoff_wait_s == pytest.approx(wait_s, abs=1e-4)
