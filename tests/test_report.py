@@ -20,9 +20,10 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
-from helpers import CountingStore, counting_store, write_era5
+from helpers import CountingStore, counting_store, wait_until, write_era5
 
 from insitubatch_nodes import EpochReport, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.report import (
@@ -210,6 +211,37 @@ def test_the_report_follows_delivered_batches_not_the_read_ahead(era5: Path) -> 
         assert done.batches == 3 + rest == len(pipe)
         pipe.reset()  # nothing consumed yet: the finished epoch is still the report
         assert pipe.report() is done
+
+
+@pytest.mark.parametrize("trace", [False, True])
+def test_an_epoch_ended_by_a_reset_counts_its_work_up_to_its_last_batch(
+    era5: Path, trace: bool
+) -> None:
+    # broken off after 2 batches while a block of read-ahead went on: the report ends at the
+    # last batch delivered, so its producer numbers must too (they ran on to the reset: 190%
+    # of the wall with a GET in flight, a mean of 51 in flight against a peak of 32)
+    store = counting_store(era5, delay=0.01)
+    pipe, _ = _pipe(store, batch_size=4, block_chunks=8, fetch=FetchOptions(trace=trace))
+    with pipe:
+        for i, _batch in enumerate(pipe):
+            if i == 1:
+                break
+        mid = pipe.report()  # the epoch so far, just after its last batch
+        assert mid is not None and not mid.complete
+        # the read-ahead goes on after it
+        assert wait_until(lambda: sum(store.chunk_counts().values()) > mid.gets + 4)
+        pipe.reset()
+        report = pipe.report()
+    assert report is not None and report.complete and report.batches == 2
+    assert report.gets <= mid.gets and report.decodes <= mid.decodes, (report.gets, mid.gets)
+    assert report.get_active_s <= report.wall_s + 1e-6
+    assert report.inflight_mean <= report.inflight_peak
+    assert report.chunk_wait_s + report.gather_s + report.admit_s <= report.wall_s + 1e-6
+    if trace:
+        assert report.trace is not None
+        counts = report.trace.counts()
+        assert counts.get("GET", 0) == report.gets and counts.get("decode", 0) == report.decodes
+        assert max(end for _, _, end, _, _ in report.trace.spans) <= report.trace.t1 + 1e-6
 
 
 def test_a_pipeline_built_with_report_false_measures_nothing(era5: Path) -> None:
