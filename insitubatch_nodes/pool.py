@@ -566,6 +566,20 @@ class ChunkPool:
             if entry.file is not None and self.cache is not None:
                 self.cache.drop(entry.file)
 
+    def evict_last(self, keys: Iterable[ChunkKey]) -> None:
+        """Move the unpinned resident chunks among ``keys`` to the most-recently-used end of
+        the LRU list, in that order: they are evicted after every other unpinned chunk, the
+        last of them last. Only the order changes (a key not resident, or pinned, is skipped).
+        The fetch stage calls this when an epoch starts, with the chunks that epoch reads
+        again, so the ones it adds evict what it no longer reads, not what it is about to hit
+        (an LRU order alone evicts the oldest: under DDP, a rank whose automatic budget held
+        its share made 23 reads for the 18 chunks its next share added)."""
+        with self._lock:
+            lru = self._lru
+            for key in keys:
+                if key in lru:
+                    lru.move_to_end(key)
+
     def pinned_count(self) -> int:
         with self._lock:
             return sum(1 for e in self._entries.values() if e.pins > 0)

@@ -22,10 +22,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from insitubatch_nodes.report import EpochReport, limiting_stage, suggestion_for
-from insitubatch_nodes.trace import EpochTrace, TraceLog
+from insitubatch_nodes.trace import EpochTrace, TraceLog, TraceMark
 
 _now = time.perf_counter
 
@@ -214,6 +214,13 @@ class EpochRecorder:
             self._epoch = self._open(now)
         elif ep["returned"] is not None:
             ep["consumer_s"] += now - ep["returned"]
+            usage, ep["returned_usage"] = ep["returned_usage"], None
+            if usage is not None:
+                thread, sys_s, faults = usage
+                mine = _thread_usage()
+                if mine is not None and mine[0] == thread:  # the same thread returned it
+                    ep["consumer_sys_s"] += max(0.0, mine[1] - sys_s)
+                    ep["consumer_faults"] += max(0, mine[2] - faults)
             if self.trace is not None:
                 self.trace.span("consumer", ep["returned"], now, {"batch": ep["index"]})
         return now
@@ -234,6 +241,7 @@ class EpochRecorder:
             ep["first_wait_s"] = wait
         ep["batches"] += 1
         ep["returned"] = now
+        ep["returned_usage"] = _thread_usage()
         ep["last"] = now
         arrays = getattr(item, "arrays", None)
         if arrays is not None:
@@ -243,6 +251,24 @@ class EpochRecorder:
         ep["resident_sum"] += resident
         ep["resident_peak"] = max(ep["resident_peak"], resident)
         ep["epoch"] = getattr(item, "epoch", ep["epoch"])
+        ep["mark"] = self._mark(now)  # what a report ending at this batch counts
+
+    def on_error(self, called: float, error: BaseException) -> None:
+        """``next()`` raised ``error`` after waiting since ``called``: the wait counts as one
+        (and, with a trace, is a ``next`` span naming the error), and the consumer's own work
+        is counted from here if it calls ``next()`` again. The epoch stays open."""
+        ep = self._epoch
+        if ep is None:  # pragma: no cover - on_next always opens one
+            return
+        now = _now()
+        ep["handoff_wait_s"] += now - called
+        if self.trace is not None:
+            args = {"batch": -1, "error": type(error).__name__}
+            self.trace.span("next", called, now, args)
+        if ep["batches"]:  # the epoch's wall runs to the error
+            ep["returned"] = ep["last"] = now
+            ep["returned_usage"] = None
+            ep["mark"] = self._mark(now)
 
     def on_end(self, called: float) -> None:
         """The epoch ended (``StopIteration``): finalize it."""
@@ -253,6 +279,7 @@ class EpochRecorder:
             ep["last"] = now  # the wall time ends with the epoch, so wait + consumer = wall
             if self.trace is not None:
                 self.trace.span("next", called, now, {"batch": -1, "end": True})
+            ep["mark"] = self._mark(now)
         self.finalize()
 
     def on_reset(self) -> None:
@@ -261,6 +288,10 @@ class EpochRecorder:
 
     # -- reports -------------------------------------------------------------------------------
     def finalize(self) -> EpochReport | None:
+        """Finish the open epoch (if it delivered a batch): its report ends at its last batch
+        delivered (or at ``StopIteration``, or at the error ``next()`` raised), and counts
+        what the stages had done by then — not the read-ahead that went on until the reset
+        (a broken-off epoch of 2 batches counted a block of it: more GET-seconds than wall)."""
         ep, self._epoch = self._epoch, None
         if ep is None or ep["batches"] == 0:
             return None
@@ -298,6 +329,9 @@ class EpochRecorder:
             "first_wait_s": 0.0,
             "first_batch_s": 0.0,
             "consumer_s": 0.0,
+            "returned_usage": None,
+            "consumer_sys_s": 0.0,
+            "consumer_faults": 0,
             "resident_sum": 0,
             "resident_peak": 0,
             "inflight0": inflight,
@@ -307,16 +341,43 @@ class EpochRecorder:
             "usage0": _usage(),
         }
 
-    def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
-        end = ep["last"] if complete else _now()
+    def _mark(self, now: float) -> _Mark:
+        """The counters, levels and spans as of ``now`` (one dict copy and a few numbers: a
+        few us per batch)."""
         with self._lock:
-            inflight = self._inflight.snapshot(end)
-            peaks = self._inflight.peak, self._depth.peak
-            totals = dict(self.totals)
-            trace = self.trace
+            trace = None if self.trace is None else self.trace.mark()
+            return _Mark(
+                now,
+                dict(self.totals),
+                self._inflight.snapshot(now),
+                (self._inflight.peak, self._depth.peak),
+                int(self.pool.stats.evictions),
+                time.process_time(),
+                _usage(),
+                trace,
+            )
+
+    def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
+        if complete:  # as of its last batch (see finalize)
+            m = ep["mark"]
+            end, totals, inflight, peaks = m.end, m.totals, m.inflight, m.peaks
+            evictions, cpu, usage = m.evictions, m.cpu, m.usage
             spans = None
-            if trace is not None:  # the spans that go with these counters
-                spans = trace.take(keep=not complete)
+            trace = self.trace
+            if trace is not None:
+                with self._lock:
+                    spans = trace.take(upto=m.trace)
+        else:
+            end = _now()
+            with self._lock:
+                inflight = self._inflight.snapshot(end)
+                peaks = self._inflight.peak, self._depth.peak
+                totals = dict(self.totals)
+                trace = self.trace
+                spans = None
+                if trace is not None:  # the spans that go with these counters
+                    spans = trace.take(keep=True)
+            evictions, cpu, usage = int(self.pool.stats.evictions), time.process_time(), _usage()
         wall = max(end - ep["t0"], 1e-9)
         d = {k: totals[k] - ep["totals0"][k] for k in _CUMULATIVE}
         r = EpochReport(
@@ -339,9 +400,11 @@ class EpochRecorder:
             admit_s=d["admit_s"],
             run_s=d["run_s"],
             local_read_s=d["local_read_s"],
-            cpu_s=time.process_time() - ep["cpu0"],
-            sys_s=_usage()[0] - ep["usage0"][0],
-            page_faults=_usage()[1] - ep["usage0"][1],
+            cpu_s=cpu - ep["cpu0"],
+            sys_s=usage[0] - ep["usage0"][0],
+            page_faults=usage[1] - ep["usage0"][1],
+            consumer_sys_s=ep["consumer_sys_s"],
+            consumer_page_faults=ep["consumer_faults"],
             inflight_mean=(inflight[0] - ep["inflight0"][0] + d["local_read_s"]) / wall,
             inflight_peak=max(peaks[0], self.decode_threads if d["local_read_s"] else 0),
             decode_depth_mean=d["decode_queued_s"] / wall,
@@ -353,7 +416,7 @@ class EpochRecorder:
             hits=int(d["hits"] - d["corrupt"]),
             misses=int(d["misses"] + d["corrupt"]),
             re_reads=int(d["re_reads"]),
-            evictions=int(self.pool.stats.evictions) - ep["evictions0"],
+            evictions=evictions - ep["evictions0"],
             bytes_fetched=int(d["bytes_fetched"]),
             bytes_delivered=ep["bytes_delivered"],
             transform_s=d["transform_s"],
@@ -379,6 +442,19 @@ class EpochRecorder:
         return r
 
 
+class _Mark(NamedTuple):
+    """What a report ending at ``end`` counts (:meth:`EpochRecorder._mark`)."""
+
+    end: float
+    totals: dict[str, float]
+    inflight: tuple[float, float]
+    peaks: tuple[int, int]
+    evictions: int
+    cpu: float
+    usage: tuple[float, int]
+    trace: TraceMark | None
+
+
 # the producer thread's seconds each span name stands for
 _SPAN_OF = {"admit_s": "admit", "chunk_wait_s": "wait for chunks", "gather_s": "gather"}
 
@@ -391,6 +467,31 @@ def _usage() -> tuple[float, int]:
         return 0.0, 0
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_stime, usage.ru_minflt
+
+
+def _thread_usage() -> tuple[int, float, int] | None:
+    """(thread id, system CPU seconds, minor page faults) of the calling thread so far, or
+    ``None`` where the OS does not count per thread (``RUSAGE_THREAD`` is Linux's): what the
+    consumer's own work between two batches took, apart from the pipeline's threads. About
+    1 us per call, two calls per batch."""
+    if _THREAD_RUSAGE is None:  # pragma: no cover - not Linux
+        return None
+    getrusage, who = _THREAD_RUSAGE
+    usage = getrusage(who)
+    return threading.get_ident(), usage.ru_stime, usage.ru_minflt
+
+
+def _thread_rusage() -> tuple[Callable[[int], Any], int] | None:
+    """``(resource.getrusage, resource.RUSAGE_THREAD)``, or ``None`` where there is none."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - not POSIX
+        return None
+    who = getattr(resource, "RUSAGE_THREAD", None)
+    return None if who is None else (resource.getrusage, who)
+
+
+_THREAD_RUSAGE = _thread_rusage()
 
 
 def _cores() -> int:
@@ -441,6 +542,9 @@ class NullRecorder(EpochRecorder):
         return 0.0
 
     def on_deliver(self, called: float, item: Any) -> None:
+        pass
+
+    def on_error(self, called: float, error: BaseException) -> None:
         pass
 
     def on_end(self, called: float) -> None:

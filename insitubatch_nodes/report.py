@@ -134,6 +134,10 @@ class EpochReport:
     cpu_s: float = 0.0  # CPU time of the whole process over the epoch
     sys_s: float = 0.0  # the part of it in the kernel (page faults: clearing fresh pages)
     page_faults: int = 0  # minor page faults of the process over the epoch (first touches)
+    # the parts of sys_s and page_faults the consumer's thread took in its own work between
+    # batches (its training step: not what the pipeline waited on); 0 where not measured
+    consumer_sys_s: float = 0.0
+    consumer_page_faults: int = 0
     # levels: time-weighted mean and peak
     inflight_mean: float = 0.0
     inflight_peak: int = 0
@@ -276,7 +280,13 @@ class EpochReport:
             self.headline(),
             f"  consumer  {1000 * self.consumer_s / n:8.1f} ms/batch of its own work; waited "
             f"{self.handoff_wait_s:.2f} s for batches ({1000 * self.first_wait_s:.0f} ms of it "
-            "for the first)",
+            "for the first)"
+            + (
+                f"; its own work {self.consumer_sys_s:.2f} s in the kernel, "
+                f"{self.consumer_page_faults:,} page faults"
+                if self.consumer_page_faults
+                else ""
+            ),
             f"  store     {self.gets:,} GETs, {_size(self.bytes_fetched)} in {self.get_s:.2f} "
             f"GET-s; >=1 in flight {100 * self.get_active_s / wall:.0f}% of the wall; in flight "
             f"mean {self.inflight_mean:.1f}, peak {self.inflight_peak} "
@@ -355,8 +365,19 @@ def memory_bound(r: EpochReport) -> bool:
     """Whether the epoch waited on fresh memory being faulted in: the process's kernel time
     is at least :data:`FAULT_SYS_FRACTION` of the wall time and its page faults touched at
     least :data:`FAULT_MIN_BYTES` (what a fresh process's first epoch through a large pool
-    does; the kernel clears every new page)."""
-    return r.sys_s >= FAULT_SYS_FRACTION * r.wall_s and r.page_faults * _PAGE >= FAULT_MIN_BYTES
+    does; the kernel clears every new page) — both without the consumer's own share
+    (``consumer_sys_s``, ``consumer_page_faults``: a training step that touches fresh memory
+    is not the pipeline waiting on it)."""
+    sys_s, faults = _pipeline_faults(r)
+    return sys_s >= FAULT_SYS_FRACTION * r.wall_s and faults * _PAGE >= FAULT_MIN_BYTES
+
+
+def _pipeline_faults(r: EpochReport) -> tuple[float, int]:
+    """The process's kernel seconds and page faults over the epoch, less the consumer's own."""
+    return (
+        max(0.0, r.sys_s - r.consumer_sys_s),
+        max(0, r.page_faults - r.consumer_page_faults),
+    )
 
 
 def _ram_bytes() -> int:
@@ -387,10 +408,12 @@ def suggestion_for(r: EpochReport) -> str:
     """
     stage = r.limiting
     if stage != "consumer" and memory_bound(r):
+        sys_s, faults = _pipeline_faults(r)
         return (
-            f"the process spent {r.sys_s:.2f} s of the epoch's {r.wall_s:.2f} s in the kernel "
-            f"and took {r.page_faults:,} page faults (~{_size(r.page_faults * _PAGE)} of fresh "
-            "memory touched): this epoch waited on memory being faulted in, not on the store "
+            f"the process spent {sys_s:.2f} s of the epoch's {r.wall_s:.2f} s in the kernel "
+            f"and took {faults:,} page faults (~{_size(faults * _PAGE)} of fresh "
+            "memory touched) outside the consumer's own work: this epoch waited on memory "
+            "being faulted in, not on the store "
             "or the codec; later epochs reuse that memory. A budget near the working set "
             "(the floor cache_budget_bytes errors state) touches less of it"
         )

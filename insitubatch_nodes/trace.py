@@ -146,6 +146,11 @@ class PackedSpans:
                 yield ("transform", t1, t2, tid, ids)
 
 
+TraceMark = tuple[int, int, dict[int, tuple[int, int]]]
+"""How far a :class:`TraceLog` had got (:meth:`TraceLog.mark`): its loose spans, its finished
+runs, and per GET thread its records and keys."""
+
+
 class TraceLog:
     """The spans of the epoch in progress: :attr:`spans`, tuples appended from any thread (a
     list's ``append`` and ``extend`` are atomic); :attr:`packed`, the stored objects' spans of
@@ -184,9 +189,28 @@ class TraceLog:
         buf.add(GET, t0, t1, t1, buf.ref(path, tile), chunk, batch, nbytes)
         buf.keys.append(key)
 
-    def take(self, keep: bool = False) -> tuple[list[Span], list[tuple[int, PackedSpans]]]:
+    def mark(self) -> TraceMark:
+        """How far the log has got (under the recorder's lock: no GET is being added)."""
+        gets = {tid: (len(buf.records), len(buf.keys)) for tid, buf in self.gets.items()}
+        return len(self.spans), len(self.packed), gets
+
+    def take(
+        self, keep: bool = False, upto: TraceMark | None = None
+    ) -> tuple[list[Span], list[tuple[int, PackedSpans]]]:
         """The spans so far, as :class:`EpochTrace` takes them; forgotten unless ``keep``
-        (then copies, for an epoch still in progress)."""
+        (then copies, for an epoch still in progress). With ``upto`` (a :meth:`mark`), only
+        those recorded before that mark; everything is forgotten."""
+        if upto is not None:
+            n_spans, n_packed, n_gets = upto
+            spans, packed, by_thread = self.spans, self.packed, self.gets
+            self.spans, self.packed, self.gets = [], [], {}
+            cut: list[tuple[int, PackedSpans]] = []
+            for tid, (n_records, n_keys) in n_gets.items():
+                buf, part = by_thread[tid], PackedSpans()
+                part.records, part.refs = buf.records[:n_records], buf.refs
+                part.keys = buf.keys[:n_keys]
+                cut.append((tid, part))
+            return spans[:n_spans], [*packed[:n_packed], *cut]
         if keep:
             gets = [(tid, buf.copy()) for tid, buf in self.gets.items()]
             return list(self.spans), [*self.packed, *gets]

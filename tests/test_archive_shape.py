@@ -201,6 +201,33 @@ def test_ranks_read_disjoint_rows_at_one_sample_per_chunk_and_padded_repeats_are
         assert len(everything) == -(-len(valid) // world) * world  # a few delivered twice
 
 
+def test_a_rank_keeping_its_share_reads_only_the_chunks_its_next_share_adds(
+    archive: Path,
+) -> None:
+    # the automatic budget holds one share: the kept chunks the next share reads again must
+    # not be evicted for the ones it adds (LRU evicted them: 12 of 18 reads were re-reads)
+    store = counting_store(archive)
+    labels = _labels(store)
+    manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
+    pipe = insitu_pipeline(
+        store, manifest, labels, batch_size=4, block_chunks=4, rank=0, world_size=2, coords=()
+    )
+    oracle = Oracle(archive)
+    shares: list[set[int]] = []
+    with pipe:
+        for epoch in range(3):
+            records = run_epoch(pipe, oracle, _oracle_views())
+            shares.append(set(_delivered(records, NAMES[0]).tolist()))
+            report = pipe.report()
+            assert report is not None and report.epoch == epoch
+            if epoch:
+                new = shares[-1] - shares[-2]
+                assert 0 < len(new) < len(shares[-1])  # the deal changed, in part
+                assert report.gets == report.misses == len(new) * len(NAMES), report
+                assert report.hits == (len(shares[-1]) - len(new)) * len(NAMES)
+            pipe.reset()
+
+
 def test_tiled_fields_and_edge_tiles_are_decoded_into_their_rows_tile_by_tile(
     tmp_path: Path,
 ) -> None:
@@ -343,6 +370,33 @@ def test_a_split_that_fits_the_budget_is_decoded_once_and_later_epochs_read_noth
     counts = store.chunk_counts()  # every stored object of the split fetched once, in all
     assert len(counts) == len(want) * len(NAMES) and set(counts.values()) == {1}
     pipe.close()
+
+
+def test_an_automatic_budget_keeps_one_sample_chunks_when_the_anchor_array_has_larger_chunks(
+    tmp_path: Path,
+) -> None:
+    # the manifest's array holds 4 samples per chunk, the other one sample per chunk: the
+    # schedule keeps the small split (no row decoded straight in), so the automatic budget must
+    # grow to hold it, or epoch 1 reads it again (it did: 54 of 60 chunks)
+    root = tmp_path / "mixed.zarr"
+    group = zarr.open_group(str(root), mode="w")
+    values = np.arange(64 * 6 * 8, dtype="float32").reshape(64, 6, 8)
+    group.create_array("coarse", shape=values.shape, chunks=(4, 6, 8), dtype="f4")[:] = values
+    group.create_array("fine", shape=values.shape, chunks=(1, 6, 8), dtype="f4")[:] = -values
+    store = counting_store(root)
+    geoms = open_geometries(store, ["coarse", "fine"])
+    manifest = split_by_chunk(geoms["coarse"], (0.75, 0.25, 0.0))
+    pipe = insitu_pipeline(store, manifest, geoms, batch_size=4, block_chunks=4, coords=())
+    oracle = Oracle(root)
+    with pipe:
+        for epoch in range(2):
+            run_epoch(pipe, oracle, {"coarse": View("coarse"), "fine": View("fine")})
+            report = pipe.report()
+            assert report is not None and report.epoch == epoch
+            if epoch == 1:  # served from the pool: no GET
+                assert (report.gets, report.misses) == (0, 0), report
+            pipe.reset()
+    assert set(store.chunk_counts().values()) == {1}  # every object of the split read once
 
 
 def test_an_automatic_budget_decodes_rows_in_place_when_the_split_exceeds_a_16th_of_ram(

@@ -18,6 +18,7 @@ they start fresh interpreters instead.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -259,3 +260,46 @@ def test_once_a_store_is_open_every_thread_allocates_from_one_arena_unless_opted
     arenas = int(proc.stdout.strip())
     # one arena: obstore's threads reuse each other's freed GET buffers (see tune_allocator)
     assert (arenas == 1) if one_arena else (arenas > 1), arenas
+
+
+# Two epochs over a split that the automatic budget keeps (one sample per chunk, 48 MiB), in a
+# process of its own: the peak resident set grew by the pool's budget, the batch buffers and
+# decode scratch (the largest ``outside_pool_bytes`` seen), and a few MiB of buffers the
+# decode threads read into (measured: 3.2 MiB).
+_KEPT_RSS = """
+import json, sys
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+def status(key):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
+geoms = open_geometries(sys.argv[1], ["a", "b"])
+manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
+base = status("VmRSS:")
+pipe = insitu_pipeline(sys.argv[1], manifest, geoms, batch_size=16, coords=(), decode_threads=2)
+outside, gets = 0, []
+for _ in range(2):
+    for batch in Loader(pipe):
+        outside = max(outside, pipe.stats()["outside_pool_bytes"])
+    gets.append(pipe.report().gets)
+print(json.dumps({"grew": status("VmHWM:") - base, "budget": pipe.stages.pool.budget_bytes,
+                  "outside": outside, "gets": gets}))
+pipe.close()
+"""
+
+
+@pytest.mark.skipif(not LINUX, reason="VmHWM is Linux's")
+def test_a_kept_splits_peak_rss_is_its_budget_plus_the_batch_buffers_and_scratch(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "kept.zarr"
+    group = zarr.open_group(str(root), mode="w")
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):  # 256 samples of 128 KiB each
+        arr = group.create_array(name, shape=(256, 128, 256), chunks=(1, 128, 256), dtype="f4")
+        arr[...] = rng.standard_normal(arr.shape, dtype="float32")
+    split = 2 * 192 * 128 * 256 * 4  # the train split: 48 MiB
+    proc = _run_process([sys.executable, "-c", _KEPT_RSS, str(root)], dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["gets"] == [2 * 192, 0] and got["budget"] == split  # kept: epoch 1 reads nothing
+    assert got["grew"] <= got["budget"] + got["outside"] + 8 * 2**20, got

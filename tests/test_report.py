@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import mmap
+import resource
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +20,10 @@ import numcodecs
 import numpy as np
 import pytest
 import zarr
-from helpers import CountingStore, counting_store, write_era5
+from helpers import CountingStore, counting_store, wait_until, write_era5
 
 from insitubatch_nodes import EpochReport, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.report import (
@@ -210,6 +213,37 @@ def test_the_report_follows_delivered_batches_not_the_read_ahead(era5: Path) -> 
         assert pipe.report() is done
 
 
+@pytest.mark.parametrize("trace", [False, True])
+def test_an_epoch_ended_by_a_reset_counts_its_work_up_to_its_last_batch(
+    era5: Path, trace: bool
+) -> None:
+    # broken off after 2 batches while a block of read-ahead went on: the report ends at the
+    # last batch delivered, so its producer numbers must too (they ran on to the reset: 190%
+    # of the wall with a GET in flight, a mean of 51 in flight against a peak of 32)
+    store = counting_store(era5, delay=0.01)
+    pipe, _ = _pipe(store, batch_size=4, block_chunks=8, fetch=FetchOptions(trace=trace))
+    with pipe:
+        for i, _batch in enumerate(pipe):
+            if i == 1:
+                break
+        mid = pipe.report()  # the epoch so far, just after its last batch
+        assert mid is not None and not mid.complete
+        # the read-ahead goes on after it
+        assert wait_until(lambda: sum(store.chunk_counts().values()) > mid.gets + 4)
+        pipe.reset()
+        report = pipe.report()
+    assert report is not None and report.complete and report.batches == 2
+    assert report.gets <= mid.gets and report.decodes <= mid.decodes, (report.gets, mid.gets)
+    assert report.get_active_s <= report.wall_s + 1e-6
+    assert report.inflight_mean <= report.inflight_peak
+    assert report.chunk_wait_s + report.gather_s + report.admit_s <= report.wall_s + 1e-6
+    if trace:
+        assert report.trace is not None
+        counts = report.trace.counts()
+        assert counts.get("GET", 0) == report.gets and counts.get("decode", 0) == report.decodes
+        assert max(end for _, _, end, _, _ in report.trace.spans) <= report.trace.t1 + 1e-6
+
+
 def test_a_pipeline_built_with_report_false_measures_nothing(era5: Path) -> None:
     pipe, _ = _pipe(counting_store(era5), report=False)
     with pipe:
@@ -340,6 +374,40 @@ def test_an_epoch_that_waited_on_page_faults_is_told_so_with_its_kernel_time() -
     # a consumer-limited epoch is told nothing about the pipeline's memory
     slow_consumer = dataclasses.replace(faulted, limiting="consumer")
     assert "faulted in" not in suggestion_for(slow_consumer)
+
+
+def test_page_faults_of_the_consumers_own_work_are_not_named_as_the_pipelines() -> None:
+    # a store-limited epoch whose training step touched 2.2 GiB of fresh memory: the process's
+    # kernel time and faults are the consumer's, not what the pipeline waited on
+    r = _made(
+        wall_s=4.0, chunk_wait_s=2.5, inflight_mean=6.0, sys_s=2.0, page_faults=600_000,
+        consumer_sys_s=1.9, consumer_page_faults=590_000,
+    )  # fmt: skip
+    r.limiting = limiting_stage(r)
+    assert r.limiting == "store" and not memory_bound(r)
+    assert "faulted in" not in suggestion_for(r) and "max_inflight" in suggestion_for(r)
+    # the pipeline's own share still counts when it is large
+    assert memory_bound(dataclasses.replace(r, consumer_sys_s=0.2, consumer_page_faults=9_000))
+
+
+@pytest.mark.skipif(not hasattr(resource, "RUSAGE_THREAD"), reason="per-thread usage is Linux's")
+def test_the_consumers_own_page_faults_are_measured_apart_and_not_told_as_the_pipelines(
+    era5: Path,
+) -> None:
+    pages = 16 * 2**20 // mmap.PAGESIZE  # each step touches 16 MiB of fresh memory
+    pipe, _ = _pipe(counting_store(era5, delay=0.05), max_inflight=2)
+    with pipe:
+        for _ in Loader(pipe):
+            fresh = mmap.mmap(-1, pages * mmap.PAGESIZE)
+            np.frombuffer(fresh, dtype=np.uint8)[:: mmap.PAGESIZE] = 1
+            fresh.close()
+        report = pipe.report()
+    assert report is not None and report.complete and report.limiting != "consumer"
+    touched = pages * report.batches
+    assert touched <= report.consumer_page_faults <= report.page_faults, report.as_dict()
+    assert 0 <= report.consumer_sys_s <= report.sys_s + 0.05
+    assert report.page_faults - report.consumer_page_faults < touched // 4  # the pipeline's
+    assert not memory_bound(report) and "faulted in" not in report.suggestion
 
 
 def test_the_report_counts_the_page_faults_and_kernel_time_of_its_epoch(era5: Path) -> None:

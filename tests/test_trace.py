@@ -19,6 +19,7 @@ import pytest
 from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import ChunkReadError
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.stages import _ranges
 from insitubatch_nodes.trace import SPAN_CATEGORIES
@@ -263,3 +264,71 @@ def test_a_report_mid_epoch_has_the_spans_so_far_and_the_epochs_end_has_them_all
     counts = final.trace.counts()
     assert counts["GET"] == final.gets >= so_far["GET"]
     assert counts["decode"] == final.decodes >= so_far["decode"]
+
+
+@pytest.mark.parametrize("reads", ["local", "get"])
+@pytest.mark.parametrize("kept", [False, True])
+def test_rows_decoded_in_place_carry_the_batch_and_row_whose_sample_they_are(
+    tmp_path: Path, kept: bool, reads: str
+) -> None:
+    # one sample per chunk: a chunk is a row's sample, so each read and decode span names the
+    # (batch, row) it filled (z is stored one level per object: two per row); kept (the split
+    # fits the budget) it is filled into a slot for the first batch reading it, and epoch 1
+    # has no read at all. (Decodes after a GET, and reads of z, carried no row.)
+    root = write_era5(tmp_path / "one.zarr", n_time=24, n_lat=2, n_lon=4, n_level=2,
+                      samples_per_chunk=1)  # fmt: skip
+    store = root if reads == "local" else counting_store(root)
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (0.75, 0.25, 0.0))
+    split = 18 * (g["t2m"].chunk_nbytes + g["z"].chunk_nbytes)
+    pipe = insitu_pipeline(
+        store, manifest, {"t2m": g["t2m"], "z": g["z"]}, batch_size=4, block_chunks=2,
+        coords=(), cache_budget_bytes=split if kept else split - 1,
+        fetch=FetchOptions(trace=True),
+    )  # fmt: skip
+    with pipe:
+        for epoch in range(2):
+            samples = {b.index: {k: np.array(v) for k, v in b.sample_indices.items()} for b in pipe}
+            report = pipe.report()
+            assert report is not None and report.trace is not None
+            objects = [
+                e for e in report.trace.chrome()["traceEvents"] if e["name"] in ("read", "decode")
+            ]
+            per_pass = 18 * 3  # t2m and z's 2 levels: 3 stored objects a sample
+            assert len(objects) == (0 if kept and epoch else per_pass * (1 + (reads == "local")))
+            for e in objects:
+                a = e["args"]
+                readers = [i for i, s in samples.items() if a["chunk"] in s[a["array"]]]
+                if kept:  # into a slot, for its first reader
+                    assert "row" not in a and a["batch"] == min(readers), a
+                else:  # straight into the row that is that sample
+                    assert samples[a["batch"]][a["array"]][a["row"]] == a["chunk"], a
+            pipe.reset()
+
+
+def test_a_next_that_fails_shows_its_wait_and_error_in_the_trace(tmp_path: Path) -> None:
+    # the consumer's row of a failed epoch ends with the wait that raised, not with the last
+    # batch it got (the wait before an error, up to a GET's deadline, was not in the trace)
+    root = write_era5(tmp_path / "bad.zarr", n_time=24, n_lat=2, n_lon=4, n_level=1,
+                      samples_per_chunk=1)  # fmt: skip
+    g = open_geometries(root, ["t2m"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    (root / "t2m" / "c" / "9" / "0" / "0").write_bytes(b"not zstd")  # sample 9: batch 2
+    pipe = insitu_pipeline(
+        root, manifest, {"x": g["t2m"]}, batch_size=4, block_chunks=1, shuffle=False,
+        coords=(), fetch=FetchOptions(trace=True),
+    )  # fmt: skip
+    got = 0
+    with pipe, pytest.raises(ChunkReadError):
+        for _ in pipe:
+            got += 1
+    assert got == 2
+    report = pipe.report()
+    assert report is not None and not report.complete and report.batches == 2
+    spans = _complete(report.trace.chrome()["traceEvents"])  # type: ignore[union-attr]
+    waits = sorted((e for e in spans if e["name"] == "next"), key=lambda e: e["ts"])
+    assert [e["args"]["batch"] for e in waits] == [0, 1, -1]
+    assert waits[-1]["args"]["error"] == "ChunkReadError"
+    assert waits[-1]["ts"] + waits[-1]["dur"] >= max(e["ts"] for e in spans)
+    wait_s = sum(e["dur"] for e in waits) / 1e6
+    assert report.handoff_wait_s == pytest.approx(wait_s, abs=1e-4)

@@ -118,6 +118,34 @@ def plan_groups(setup: FetchSetup, plan: EpochPlan) -> list[PlanGroup]:
     return out
 
 
+def reread_order(plan: EpochPlan, resident: list[ChunkKey]) -> list[ChunkKey]:
+    """The chunks of ``resident`` that ``plan`` reads, the one it first reads last first (the
+    order for :meth:`ChunkPool.evict_last`: the chunk needed soonest is evicted last). A
+    patched group's tiles keep their LRU order. Numpy over each ledger's sorted chunks: one
+    ``searchsorted`` per path, not a Python loop over the epoch's segments."""
+    by_path: dict[str, list[int]] = {}
+    for path, chunk in resident:
+        by_path.setdefault(path, []).append(chunk)
+    firsts: list[np.ndarray] = []
+    keys: list[ChunkKey] = []
+    for ledger in plan.ledgers:
+        if ledger.windows is not None or not ledger.n_segments:
+            continue
+        for path in ledger.paths:
+            held = by_path.get(path)
+            if not held:
+                continue
+            chunks = np.asarray(held, dtype=np.int64)
+            at = np.minimum(np.searchsorted(ledger.chunk, chunks), ledger.n_segments - 1)
+            read = ledger.chunk[at] == chunks  # (chunk, first) order: its first segment
+            firsts.append(ledger.first[at[read]])
+            keys.extend((path, c) for c in chunks[read].tolist())
+    if not keys:
+        return []
+    order = np.argsort(-np.concatenate(firsts), kind="stable")
+    return [keys[i] for i in order.tolist()]
+
+
 #: Most slots :func:`reserve_specs` lists: slots are made one by one, so past this many the
 #: reserve's Python costs more than the page faults it saves (only chunks of a few KiB reach it:
 #: a budget holds far fewer larger ones).
@@ -126,11 +154,18 @@ RESERVE_MAX_SLOTS = 1 << 15
 
 def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
     """:func:`~insitubatch_nodes.plan.schedule.working_set_bytes` of ``plan``, whose floor an
-    automatic budget grows to; at one sample per chunk, when the schedule keeps the epoch's
-    chunks for the next one (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor
-    is all of them."""
+    automatic budget grows to; when a plan group holds one sample per chunk and the schedule
+    keeps the epoch's chunks for the next one
+    (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor is all of them. It asks
+    of every group, not of the anchor grid, as :func:`~insitubatch_nodes.stages._direct.
+    direct_allowed` does: a one-sample-per-chunk array beside an anchor array of larger chunks
+    is kept too, not left in slots an epoch's floor cannot hold (read again every epoch)."""
     floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
-    if setup.pool.auto and setup.direct is None and plan.samples_per_chunk == 1:
+    if (
+        setup.pool.auto
+        and setup.direct is None
+        and any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
+    ):
         floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
     return floor, read_ahead
 
@@ -326,7 +361,10 @@ class Admission:
 
     def _start_epoch(self, plan: EpochPlan) -> None:
         floor, read_ahead = epoch_floor(self.setup, plan)
-        self.setup.pool.ensure_floor(floor)  # an automatic budget grows; an explicit one may raise
+        pool = self.setup.pool
+        pool.ensure_floor(floor)  # an automatic budget grows; an explicit one may raise
+        if pool.has_entries():  # what this epoch reads again is evicted last
+            pool.evict_last(reread_order(plan, pool.resident_keys()))
         self.epoch_plan, self.read_ahead = plan, read_ahead
         self.groups = plan_groups(self.setup, plan)
 

@@ -242,14 +242,14 @@ class FillRunner:
                     dest = row[box]
                     key = array.key(chunk, tile)
                     try:
-                        raw = self._read(array, chunk, tile, key, acc)
+                        raw = self._read(array, chunk, tile, key, acc, r)
                         t1 = _now()
                         decode(raw, dest, chunk, tile)
                         t2 = _now()
                     except Exception as exc:
                         self._bad(
                             job,
-                            Unit(array, chunk, tile, dest, None),
+                            Unit(array, chunk, tile, dest, None, r),
                             key,
                             self._wrap(array, chunk, tile, key, exc),
                         )
@@ -293,7 +293,7 @@ class FillRunner:
             except OSError as exc:
                 error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
-                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None), key, error)
+                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
                 continue
             t1 = _now()
             reads += 1
@@ -312,7 +312,7 @@ class FillRunner:
                 if packed is not None:
                     packed.add(READ, t0, t1, t1, ref, chunk, r)
                 error = self._wrap(array, chunk, tile, key, exc)
-                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None), key, error)
+                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
                 continue
             t2 = _now()
             decodes += 1
@@ -361,7 +361,7 @@ class FillRunner:
         error: BaseException | None,
         acc: _Tally,
     ) -> None:
-        array, chunk, tile, out, entry = unit
+        array, chunk, tile, out, entry, row = unit
         if isinstance(error, FillCancelled) or job.skips(unit):
             self._skip(job, unit)
             return
@@ -374,7 +374,7 @@ class FillRunner:
         if error is None:
             try:
                 if not landed:
-                    raw = self._read(array, chunk, tile, key, acc)
+                    raw = self._read(array, chunk, tile, key, acc, row)
                 t1 = _now()
                 array.decoder.decode_trusted(raw, out, chunk, tile)
                 t2 = _now()
@@ -382,7 +382,8 @@ class FillRunner:
                 acc.decode_s += t2 - t1
                 acc.queued_s += t2 - (landed or job.submitted)
                 if acc.packed is not None:
-                    acc.packed.add(DECODE, t1, t1, t2, acc.packed.ref(array.path, tile), chunk)
+                    ref = acc.packed.ref(array.path, tile)
+                    acc.packed.add(DECODE, t1, t1, t2, ref, chunk, row)
             except ChunkReadError as exc:
                 error = exc
             except Exception as exc:
@@ -404,8 +405,16 @@ class FillRunner:
         self._unit_done(job, entry, None)
 
     def _read(
-        self, array: ArrayFill, chunk: int, tile: tuple[int, ...], key: str, acc: _Tally
+        self,
+        array: ArrayFill,
+        chunk: int,
+        tile: tuple[int, ...],
+        key: str,
+        acc: _Tally,
+        row: int = -1,
     ) -> Any:
+        """Read one stored object of a local store (``row``: the batch row it is decoded
+        into, ``-1`` for a slot; for the trace)."""
         assert self.reader is not None
         ids = self._identities()
         info: list[Any] | None = None if ids is None else []
@@ -419,13 +428,13 @@ class FillRunner:
         acc.read_s += t1 - t0
         acc.read_bytes += 0 if raw is None else len(raw)
         if acc.packed is not None:
-            acc.packed.add(READ, t0, t1, t1, acc.packed.ref(array.path, tile), chunk)
+            acc.packed.add(READ, t0, t1, t1, acc.packed.ref(array.path, tile), chunk, row)
         if ids is not None and info:  # what identifies the file (store_identity)
             ids.note(array.path, array.entry_index(chunk, tile), key, stat_identity(info[0]))
         return raw
 
     def _bad(self, job: FillJob, unit: Unit, key: str, error: ChunkReadError) -> None:
-        array, chunk, tile, out, entry = unit
+        array, chunk, tile, out, entry, _ = unit
         if self.on_bad_chunk == "raise":
             if entry is None:
                 if job.error is None:
@@ -455,7 +464,7 @@ class FillRunner:
     def _revive(self, job: FillJob, unit: Unit, acc: _Tally) -> None:
         """Map a persistent-cache file; a file that cannot be used is fetched instead, its
         objects joining this job."""
-        array, chunk, _, _, entry = unit
+        array, chunk, _, _, entry, _ = unit
         assert entry is not None
         try:
             mapped = self.pool.map_cached(entry)

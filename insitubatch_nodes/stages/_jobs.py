@@ -196,13 +196,15 @@ class KeepingDecoder:
 
 class Unit(NamedTuple):
     """One stored object to fill: ``tile`` of ``chunk`` of ``array``, decoded into ``out``
-    (a rectangle of ``entry``'s slot, or of a batch row when ``entry`` is ``None``)."""
+    (a rectangle of ``entry``'s slot, or of a batch row when ``entry`` is ``None``: ``row``
+    is then that row's index in its batch, for the trace)."""
 
     array: ArrayFill
     chunk: int
     tile: tuple[int, ...]
     out: np.ndarray
     entry: ChunkEntry | None
+    row: int = -1
 
 
 class Queued(NamedTuple):
@@ -267,7 +269,7 @@ class Rows:
         for chunk, r in zip(self.chunks, self.rows, strict=True):
             row = out[r : r + 1]
             units.extend(
-                Unit(array, chunk, tile, row if array.whole else row[box], None)
+                Unit(array, chunk, tile, row if array.whole else row[box], None, r)
                 for tile, box in array.tiles
             )
         return units

@@ -216,9 +216,11 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             kind, payload, state = worker.queue.get()
         if kind == "halted":
             worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
-            raise PipelineInterrupted(
+            interrupted = PipelineInterrupted(
                 f"{self.name} was closed or reset while next() waited for a batch"
             )
+            rec.on_error(called, interrupted)
+            raise interrupted
         if kind == "item":
             self._delivered = state
             rec.on_deliver(called, payload)
@@ -230,6 +232,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             rec.on_end(called)
             raise StopIteration
         self.context.close()
+        rec.on_error(called, payload)
         raise payload
 
     def get_state(self) -> dict[str, Any]:
