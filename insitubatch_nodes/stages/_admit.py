@@ -159,11 +159,13 @@ def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
     (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor is all of them. It asks
     of every group, not of the anchor grid, as :func:`~insitubatch_nodes.stages._direct.
     direct_allowed` does: a one-sample-per-chunk array beside an anchor array of larger chunks
-    is kept too, not left in slots an epoch's floor cannot hold (read again every epoch)."""
+    is kept too, not left in slots an epoch's floor cannot hold (read again every epoch).
+    ``direct=False`` (rows always through slots) keeps a split that fits as the default does;
+    ``direct=True`` (rows straight into batches whatever the budget) keeps nothing."""
     floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
     if (
         setup.pool.auto
-        and setup.direct is None
+        and setup.direct is not True
         and any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
     ):
         floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
