@@ -350,6 +350,25 @@ def test_static_arrays_are_recognised_and_carried_by_every_batch_without_a_copy(
         pipe.close()
 
 
+def test_static_fields_that_outnumber_the_data_arrays_or_are_named_first_are_still_static(
+    tmp_path: Path,
+) -> None:
+    # three static fields beside one (time, latitude, longitude) array: latitude is at index
+    # 0 of more arrays than time is, but it is a field axis of t2m, so it is not sampled along
+    rng = np.random.default_rng(2)
+    statics = {name: (("latitude", "longitude"), rng.random((Y, X), "f4")) for name in
+               ("lsm", "orography", "soil_type")}  # fmt: skip
+    ds = xr.Dataset(
+        {"t2m": (("time", "latitude", "longitude"), rng.random((T, Y, X), "f4")), **statics},
+        coords={"time": np.arange(T), "latitude": np.linspace(90, -90, Y)},
+    )
+    ds.to_zarr(tmp_path / "s.zarr", mode="w", consolidated=False)
+    for variables in (None, ["lsm", "t2m"], ["t2m", "lsm"]):
+        geoms = open_geometries(tmp_path / "s.zarr", variables)
+        assert not geoms["t2m"].static and geoms["t2m"].sample_axis == 0
+        assert all(geoms[name].static for name in geoms if name != "t2m"), variables
+
+
 def test_static_fields_are_kept_in_the_persistent_cache_and_the_next_pipeline_reads_none(
     store: Path, tmp_path: Path
 ) -> None:
