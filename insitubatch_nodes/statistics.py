@@ -41,6 +41,7 @@ import numpy as np
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Selection
 from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
@@ -307,11 +308,14 @@ def fit_statistics(
     window is ignored too (its statistics, per channel, are those of every step).
     ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
     ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
-    keywords). The pass keeps nothing for a next epoch: rows read by one sample are decoded
-    straight into the batches (``direct=True`` unless ``fetch`` says otherwise) and the
-    automatic budget holds only the working set, whose slots are reused, where a pipeline
-    built for training keeps a split that fits a sixteenth of RAM whole (in fresh memory,
-    slow to touch the first time)."""
+    keywords). A patched view's statistics are those of its field within the box its windows
+    lie in (``within``, else the whole field; the fit reads whole samples of it), so a
+    patched stack member is normalised with the statistics of every point it may cut. The
+    pass keeps nothing for a next epoch: rows read by one sample are decoded straight into the
+    batches (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds
+    only the working set, whose slots are reused, where a pipeline built for training keeps a
+    split that fits a sixteenth of RAM whole (in fresh memory, slow to touch the first
+    time)."""
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
@@ -421,10 +425,41 @@ def _accumulate(
 
 
 def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
-    """``view`` without its shift or window: the array as it selects it."""
+    """``view`` without its shift, window or patches: the array as it selects it. A patched
+    view is its field within the box its windows lie in (``within``; the whole field without
+    it): overlapping or random windows would count points twice or not at all, and
+    consecutive rows are other windows, not the same points one step later."""
     if view.window_offsets is not None:
         view = dataclasses.replace(view, window_offsets=None)
+    if view.patch is not None:
+        spec = view.patch
+        view = dataclasses.replace(view, patch=None)
+        kept = [
+            a for a, k in zip(view.field_axes, _keys(view), strict=True) if not isinstance(k, int)
+        ]
+        channel_axes = [a for a in spec.axes if a in kept[: max(0, len(kept) - 2)]]
+        if channel_axes:
+            raise ValueError(
+                f"{view.path}: the view is patched along a channel axis ({channel_axes}; "
+                "statistics are per entry of every field axis but the last two): fit the "
+                "unpatched view, or patch the last two field axes only"
+            )
+        boxed = {
+            view.field_axes.index(axis): (lo, hi)
+            for axis, (lo, hi), n in zip(spec.axes, spec.bounds, spec.field, strict=True)
+            if (lo, hi) != (0, n)
+        }
+        if boxed:
+            keys = tuple(
+                tuple(range(*boxed[i])) if i in boxed else key for i, key in enumerate(_keys(view))
+            )
+            view = dataclasses.replace(view, select=Selection(keys))
     return view.shift(-view.offset) if view.offset else view
+
+
+def _keys(view: ArrayGeometry) -> tuple[Any, ...]:
+    """The view's selection key per field axis (``None`` everywhere when it selects none)."""
+    return view.select.keys if view.select is not None else (None,) * len(view.field_axes)
 
 
 def _to_json(values: np.ndarray) -> Any:
