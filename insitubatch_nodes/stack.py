@@ -166,7 +166,8 @@ def stack(
     disagree on ``T``, the field shape or the dtype (naming the member and what it has), a
     member of more than one axis beyond the field, patched members not patched alike (or
     beside a static or forcing member), a window still in time
-    deltas, a member without statistics, or non-float members with ``normalize``.
+    deltas, a member without statistics or with statistics fitted on other channels (other
+    levels, another order), or non-float members with ``normalize``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")

@@ -113,11 +113,32 @@ class Statistics:
 
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray:
         """Statistic ``name`` of ``label`` shaped to broadcast against one sample of ``view``
-        (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view)."""
+        (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view). ``ValueError`` when ``view``
+        has other channels than the view ``label`` was fitted on: another number, or other
+        indices of an axis that is not the grid (levels in another order, another dropped
+        level); its shift, window, patches and box on the grid may differ."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
+        self._check_channels(label, view, values.shape)
         inner = view.inner_shape
         grid = min(2, len(inner))
         return values.reshape(*values.shape, *(1,) * grid)
+
+    def _check_channels(self, label: str, view: ArrayGeometry, shape: tuple[int, ...]) -> None:
+        field = view.field_shape
+        mine = _channel_keys(field, _keys(_unmoved(view)))
+        fitted = self.dataset.get("views", {}).get(label)
+        keys = None if fitted is None else fitted.get("select") or [None] * len(field)
+        theirs = None
+        if keys is not None and len(keys) == len(field):
+            theirs = _channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
+                                           for k in keys])  # fmt: skip
+        if shape != _channels(view.inner_shape) or (keys is not None and theirs != mine):
+            raise ValueError(
+                f"statistics of {label!r} were fitted on other channels than {view!r} has "
+                f"(shape {shape}, selection {keys}; the view: {_channels(view.inner_shape)}, "
+                f"{list(_keys(view))}): fit them on the view's levels, in its order, under "
+                "its name"
+            )
 
     def normalizer(
         self,
@@ -455,6 +476,18 @@ def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
             )
             view = dataclasses.replace(view, select=Selection(keys))
     return view.shift(-view.offset) if view.offset else view
+
+
+def _channel_keys(field_shape: Sequence[int], keys: Sequence[Any]) -> list[Any]:
+    """``keys`` (a selection key per field axis) without the grid's (the last two kept axes),
+    a key taking a whole axis in order as ``None``: what says which channel is which."""
+    kept = [i for i, k in enumerate(keys) if not isinstance(k, int)]
+    grid = set(kept[max(0, len(kept) - 2) :])
+    return [
+        None if k == tuple(range(n)) else k
+        for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))
+        if i not in grid
+    ]
 
 
 def _keys(view: ArrayGeometry) -> tuple[Any, ...]:

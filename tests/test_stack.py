@@ -185,6 +185,32 @@ def test_normalize_standardises_each_channel_as_the_unstacked_members_would_be(
         np.testing.assert_allclose(b["x"], want, rtol=1e-5, atol=1e-5)
 
 
+def test_normalize_refuses_statistics_fitted_on_other_channels_and_takes_those_of_the_same(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr", 2)
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    fitted = {"t": g["temperature"].sel(level=[1000, 350]), "t1": g["temperature"].sel(level=1),
+              "all": g["temperature"], "t2m": g["2m_temperature"]}  # fmt: skip
+    stats = fit_statistics(root, manifest, fitted)
+    t2m = fitted["t2m"]
+    for name, member in (
+        ("t", g["temperature"].sel(level=[350, 1000])),  # the levels in another order
+        ("t1", g["temperature"].sel(level=1000)),  # another level, dropped
+        ("all", g["temperature"].isel(level=[0, 2])),  # fewer channels
+    ):
+        with pytest.raises(ValueError, match=f"statistics of {name!r} were fitted"):
+            stack({name: member, "t2m": t2m}, normalize=stats)
+        with pytest.raises(ValueError, match=f"statistics of {name!r} were fitted"):
+            stats.normalizer({name: member})
+    # what they were fitted on, shifted, as a window, in a box, or selecting every level
+    stack({"t": g["temperature"].sel(level=[1000, 350]).shift(1).window([0, 1]),
+           "all": g["temperature"].isel(level=slice(None)).window([0, 1])},
+          normalize=stats)  # fmt: skip
+    stats.normalizer({"t": fitted["t"].isel(latitude=[0, 1]).shift(2)})
+
+
 def test_members_that_disagree_on_t_or_on_the_field_are_refused_naming_the_member(
     tmp_path: Path,
 ) -> None:
