@@ -291,6 +291,29 @@ def test_set_views_selects_within_what_the_slots_hold_or_says_what_to_build(
         pipe.close()
 
 
+@pytest.mark.parametrize("descending", [True, False], ids=["descending", "ascending"])
+def test_sel_compares_values_in_the_coordinates_float32_as_xarray_does(
+    tmp_path: Path, descending: bool
+) -> None:
+    # a 0.1-degree grid stored in float32 (ERA5-Land): 37.2 is 37.200000763 there, so a slice
+    # ending at 37.2 compared in float64 left that row out, and np.float64(37.2) was no value
+    lat = np.round(np.arange(35.7, 37.25, 0.1), 1).astype("f4")
+    lat = lat[::-1] if descending else lat
+    ds = xr.Dataset({"t": (("time", "lat"), np.zeros((2, len(lat)), "f4"))},
+                    coords={"time": [0, 1], "lat": lat})  # fmt: skip
+    ds.to_zarr(tmp_path / "s.zarr", mode="w", consolidated=False)
+    g = open_geometries(tmp_path / "s.zarr")["t"]
+    ends = (37.2, 36.5) if descending else (36.5, 37.2)
+    for key in (slice(*ends), slice(ends[1], None), slice(36.5, 36.5), [np.float64(37.2), 36.5]):
+        want = ds.t.sel(lat=key).lat.values
+        got = g.sel(lat=key).select.keys[0]
+        np.testing.assert_array_equal(lat[list(got)], want, err_msg=str(key))
+    assert lat[g.sel(lat=np.float64(36.9)).select.keys[0]] == np.float32(36.9)
+    between = (36.59, 36.51) if descending else (36.51, 36.59)
+    with pytest.raises(IndexError, match="no value of it lies between the slice's ends"):
+        g.sel(lat=slice(*between))
+
+
 def test_a_view_cannot_be_selected_by_an_unknown_dimension_or_value(store: Path) -> None:
     g = open_geometries(store)["t"]
     with pytest.raises(KeyError, match="no dimension named 'height'"):
