@@ -172,13 +172,15 @@ class Statistics:
         self, labels: Sequence[str] | None = None, *, cache_key: str | None = None
     ) -> StandardScaler:
         """A :class:`~insitubatch_nodes.transforms.StandardScaler` (a chunk transform, keyed by
-        array path) from the statistics of ``labels`` (default: all), which must read whole,
-        unselected arrays (the scaler runs on chunks, before any selection)."""
+        array path) from the statistics of ``labels`` (default: all), which must read every
+        channel of their arrays (the scaler runs on chunks, before any selection): no level
+        selection, at most a box on the grid (a patched view's ``within``)."""
         labels = list(self.mean) if labels is None else list(labels)
         mean, std = {}, {}
         for label in labels:
             path = self.paths[label]
-            if self.dataset.get("views", {}).get(label, {}).get("select") is not None:
+            keys = self.dataset.get("views", {}).get(label, {}).get("select") or [None, None]
+            if any(k is not None for k in keys[:-2]) or any(isinstance(k, int) for k in keys):
                 raise ValueError(
                     f"label {label!r} reads a selection of {path!r}: a chunk transform sees "
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
