@@ -224,6 +224,22 @@ def test_members_that_disagree_on_t_or_on_the_field_are_refused_naming_the_membe
         stack({"t2m": g["2m_temperature"]}, layout="nhwc")
 
 
+def test_a_member_on_the_transposed_grid_is_refused_even_where_the_grid_is_square(
+    tmp_path: Path,
+) -> None:
+    # (lon, lat) against (lat, lon) on a 5 x 5 grid: the shapes agree, the points do not
+    group = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    for name, shape, dims in (("t", (4, 5, 5), ("time", "lat", "lon")),
+                              ("u", (4, 5, 5), ("time", "lon", "lat")),
+                              ("mask", (5, 5), ("lon", "lat"))):  # fmt: skip
+        group.create_array(name, shape=shape, chunks=shape, dtype="f4", dimension_names=dims)
+    g = open_geometries(tmp_path / "s.zarr", sample_axis="time")
+    for name in ("u", "mask"):
+        with pytest.raises(ValueError, match=rf"member {name!r} is on the grid \('lon', 'lat'\)"):
+            stack({"t": g["t"], name: g[name]})
+    assert stack({"t": g["t"], "t_next": g["t"].shift(1)}).channels == ("t", "t_next")
+
+
 def test_one_sample_per_chunk_decodes_members_straight_into_their_channels_with_no_other_memory(
     tmp_path: Path,
 ) -> None:
