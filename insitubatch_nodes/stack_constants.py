@@ -258,7 +258,7 @@ def static_fields(
     ) -> tuple[BatchTransform, ...]:
         out: list[BatchTransform] = []
         if static:
-            out.append(StaticFields({label: data[label] for label in static}))
+            out.append(StaticFields({label: data[label] for label in static}, static))
         if fill:
             constant = {
                 (label, m.name): data[f"{label}/{m.name}"]

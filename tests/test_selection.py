@@ -392,6 +392,35 @@ def test_static_fields_that_outnumber_the_data_arrays_or_are_named_first_are_sti
         assert all(geoms[name].static for name in geoms if name != "t2m"), variables
 
 
+def test_set_views_keeps_the_static_labels_of_the_build_and_says_how_to_change_them(
+    store: Path,
+) -> None:
+    # a static label passed again as it was built (a rollout's next views) was a KeyError;
+    # adding, dropping or reselecting one is refused, naming the stack as the way to do it
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["u"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, {"x": g["t"].sel(level=500), "lsm": g["lsm"]},
+                           batch_size=4, coords=())  # fmt: skip
+    lsm = xr.open_zarr(store, consolidated=False).lsm.values
+    try:
+        list(pipe)
+        pipe.set_views({"x": g["t"].sel(level=500).shift(1), "lsm": g["lsm"]})
+        pipe.reset()
+        batches = list(pipe)
+        assert batches and all(b.sample_indices["x"].min() >= 1 for b in batches)
+        for batch in batches:
+            np.testing.assert_array_equal(batch.arrays["lsm"][-1], lsm)
+        for other in (
+            {"x": g["t"].sel(level=500)},
+            {"x": g["t"].sel(level=500), "lsm": g["lsm"].isel(latitude=[0])},
+            {"x": g["t"].sel(level=500), "lsm": g["lsm"], "mask": g["lsm"]},
+        ):
+            with pytest.raises(ValueError, match=r"static labels .*\['lsm'\].*stack"):
+                pipe.set_views(other)
+    finally:
+        pipe.close()
+
+
 def test_static_fields_are_kept_in_the_persistent_cache_and_the_next_pipeline_reads_none(
     store: Path, tmp_path: Path
 ) -> None:
