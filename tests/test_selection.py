@@ -421,6 +421,33 @@ def test_set_views_keeps_the_static_labels_of_the_build_and_says_how_to_change_t
         pipe.close()
 
 
+def test_a_static_array_is_read_once_though_set_views_selects_it_otherwise(store: Path) -> None:
+    # built with the whole mask as a label; later stacks take it whole and boxed: each is
+    # taken from the array already read, not read again (it was read once per set_views)
+    counting = counting_store(store)
+    g = open_geometries(counting)
+    box = _box(store)
+    pipe = insitu_pipeline(counting, split_by_chunk(g["u"], (1.0, 0.0, 0.0)),
+                           {"x": g["t"].sel(level=500), "lsm": g["lsm"]}, batch_size=4,
+                           coords=())  # fmt: skip
+    lsm = xr.open_zarr(store, consolidated=False).lsm
+    try:
+        list(pipe)
+        for members, want in (
+            ({"t": g["t"].sel(level=500), "lsm": g["lsm"]}, lsm.values),
+            ({"t": g["t"].sel(level=500, **box), "lsm": g["lsm"].sel(**box)}, lsm.sel(**box)),
+        ):
+            pipe.set_views({"x": stack(members), "lsm": g["lsm"]})
+            pipe.reset()
+            for batch in pipe:
+                np.testing.assert_array_equal(batch.arrays["x"][-1, 1], want)
+    finally:
+        pipe.close()
+    assert {k: n for k, n in counting.chunk_counts().items() if k.startswith("lsm")} == {
+        "lsm/c/0/0": 1
+    }
+
+
 def test_static_fields_are_kept_in_the_persistent_cache_and_the_next_pipeline_reads_none(
     store: Path, tmp_path: Path
 ) -> None:
