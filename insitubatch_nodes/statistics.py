@@ -3,7 +3,8 @@
 Per label, over the samples of one split (a leakage-safe range: the manifest's chunks of that
 split, nothing of the others): the mean, standard deviation, minimum and maximum, and the
 standard deviation of one-step differences (``x[t + 1] - x[t]`` for consecutive samples both in
-the split; GraphCast's and anemoi's *tendency* statistics). Each is computed **per channel**:
+the split; GraphCast's and anemoi's *tendency* statistics; with a ``stride`` the samples are
+its anchors and a step is the stride). Each is computed **per channel**:
 reduced over the samples and the last two field axes (the horizontal grid), kept along the
 others, so a ``(level, lat, lon)`` view has one value per level, a ``(lat, lon)`` view one value.
 A static view's statistics are its field's (no differences).
@@ -363,10 +364,11 @@ def fit_statistics(
             fetch=_one_pass(pipeline_options),
             **pipeline_options,
         )
+        apart = _one_step(pipe.stages.plan)
         try:
             for batch in pipe:
                 for label, view in sampled.items():
-                    _accumulate(batch, label, view, moments[label], diffs[label], last)
+                    _accumulate(batch, label, view, moments[label], diffs[label], last, apart)
         finally:
             pipe.close()
     if static:
@@ -423,19 +425,20 @@ def _accumulate(
     moments: _Moments,
     diffs: _Moments,
     last: dict[str, tuple[int, np.ndarray]],
+    apart: Any,
 ) -> None:
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
     channels = _channels(view.inner_shape)
     moments.add(_as_channels(x, channels))
-    # one-step differences between consecutive samples, across the batch edge too: taken in
-    # the data's float dtype (each within half an ulp of the float64 difference), in float64
-    # for other dtypes, and summed in float64
+    # one-step differences between consecutive anchors one step apart (``apart``), across the
+    # batch edge too: taken in the data's float dtype (each within half an ulp of the float64
+    # difference), in float64 for other dtypes, and summed in float64
     wide = np.float64 if x.dtype.kind != "f" or x.dtype.itemsize < 4 else x.dtype
-    if label in last and len(idx) and idx[0] == last[label][0] + 1:
+    if label in last and len(idx) and apart(np.array([last[label][0]]), idx[:1])[0]:
         edge = np.subtract(x[:1], last[label][1][None], dtype=wide)
         diffs.add(_as_channels(edge, channels), extrema=False)
-    step = np.diff(idx) == 1
+    step = apart(idx[:-1], idx[1:])
     if step.all() and len(idx) > 1:
         diff = np.subtract(x[1:], x[:-1], dtype=wide)
         diffs.add(_as_channels(diff, channels), extrema=False)
@@ -445,6 +448,21 @@ def _accumulate(
         diffs.add(_as_channels(diff, channels), extrema=False)
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]))
+
+
+def _one_step(plan: Any) -> Any:
+    """``apart(a, b)``: whether anchors ``b`` are one step of the pass after anchors ``a``
+    (elementwise): the next sample, or with a ``stride`` the next anchor, ``k`` samples on
+    (an int ``k``) or the stride's time on (a time stride: by the samples' times)."""
+    stride = plan.plan_config.stride
+    steps = plan.manifest.steps
+    if isinstance(stride, np.timedelta64):
+        if steps is None or steps.ticks is None:  # (the builder reads them for a time stride)
+            raise ValueError("a time stride needs the samples' times")
+        ticks, span = steps.ticks, int(stride / steps.unit)
+        return lambda a, b: ticks[b] - ticks[a] == span
+    k = int(stride)
+    return lambda a, b: b - a == k
 
 
 def _unmoved(view: ArrayGeometry) -> ArrayGeometry:

@@ -186,6 +186,24 @@ def test_statistics_of_a_patched_view_are_those_of_its_field_within_its_windows_
         fit_statistics(store, manifest, {"t": geoms["t"].sel(level=[500])}).scaler()
 
 
+def test_with_a_stride_the_differences_are_between_anchors_one_stride_apart(
+    store: Path,
+) -> None:
+    # anchors every 3rd sample: no two are consecutive samples, so the differences were NaN;
+    # they are the step the pass takes (GraphCast's 6 h on hourly data)
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (0.6, 0.4, 0.0), contiguous=False, seed=3)
+    stats = fit_statistics(store, manifest, {"t2": geoms["t2"]}, stride=3, batch_size=4)
+    anchors = manifest.samples("train")
+    anchors = anchors[anchors % 3 == 0]
+    assert np.any(np.diff(anchors) != 3), "the split has gaps: no difference across them"
+    t2 = zarr.open_array(store / "t2")[...].astype(np.float64)
+    pairs = anchors[:-1][np.diff(anchors) == 3]
+    diff_std = np.std(t2[pairs + 3] - t2[pairs])
+    np.testing.assert_allclose(stats.mean["t2"], t2[anchors].mean(), rtol=1e-6)
+    np.testing.assert_allclose(stats.diff_std["t2"], diff_std, rtol=1e-6)
+
+
 def test_statistics_saved_as_json_load_equal_and_check_their_dataset(
     store: Path, tmp_path: Path
 ) -> None:
