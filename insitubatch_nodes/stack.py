@@ -14,9 +14,10 @@ each batch's slice after the gather, and so are forcings
 field (``(level, lat, lon)`` against a ``(lat, lon)`` field) is one channel per entry of its
 first axis, named ``"name@value"`` (the coordinate value where the view knows its coordinates,
 else the index), a member of the field's shape is one channel named ``name``.
-``batch.channels[label]`` lists them. The field is the last two axes of the members (one, for
-1-D members); every member must have the same field shape and the same number of steps
-``T`` (a window of ``T`` steps, or none), or :func:`stack` raises naming the member.
+``batch.channels[label]`` lists them. The field is the last two axes of the members (one,
+where a sampled member is 1-D, whichever member that is); every member must have the same
+field shape and the same number of steps ``T`` (a window of ``T`` steps, or none), or
+:func:`stack` raises naming the member.
 
 **Normalisation**: with ``normalize=stats`` (:class:`~insitubatch_nodes.statistics.Statistics`
 fitted with the members' names) every member's channel slice is standardised ``(x - mean) /
@@ -182,7 +183,9 @@ def stack(
             "array with samples"
         )
     first_name, first = next((n, v) for n, v in named.items() if not v.static)
-    field_ndim = min(2, len(first.inner_shape))
+    # the field: the last two axes, or one where a sampled member has one (whatever the order)
+    ranks = [len(v.inner_shape) for v in named.values() if not v.static and v.inner_shape]
+    field_ndim = min(2, *ranks) if ranks else 0
     field_shape = first.inner_shape[len(first.inner_shape) - field_ndim :]
     steps = _steps(first)
     members: list[StackMember] = []

@@ -240,6 +240,19 @@ def test_a_member_on_the_transposed_grid_is_refused_even_where_the_grid_is_squar
     assert stack({"t": g["t"], "t_next": g["t"].shift(1)}).channels == ("t", "t_next")
 
 
+def test_a_stack_of_one_dimensional_fields_takes_its_members_in_any_order(tmp_path: Path) -> None:
+    # stations: a (time, station) member and a (time, level, station) one; with the leveled
+    # member first, the field was taken as (level, station) and the plain member refused
+    group = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    for name, shape, dims in (("a", (4, 7), ("time", "station")),
+                              ("b", (4, 3, 7), ("time", "level", "station"))):  # fmt: skip
+        group.create_array(name, shape=shape, chunks=shape, dtype="f4", dimension_names=dims)
+    g = open_geometries(tmp_path / "s.zarr")
+    assert stack({"a": g["a"], "b": g["b"]}).channels == ("a", "b@0", "b@1", "b@2")
+    assert stack({"b": g["b"], "a": g["a"]}).channels == ("b@0", "b@1", "b@2", "a")
+    assert stack({"b": g["b"], "a": g["a"]}).row_shape == (4, 7)
+
+
 def test_one_sample_per_chunk_decodes_members_straight_into_their_channels_with_no_other_memory(
     tmp_path: Path,
 ) -> None:
