@@ -246,6 +246,12 @@ class Forcings:
             raise TypeError("Forcings needs the grid: lat= and lon= (degrees), or view=")
         self.lat = np.asarray(lat, dtype=np.float64).ravel()
         self.lon = np.asarray(lon, dtype=np.float64).ravel()
+        if not np.all(np.abs(self.lat) <= 90.0):
+            raise ValueError(
+                f"Forcings: latitudes must lie in [-90, 90] degrees, got {self.lat.min()} ... "
+                f"{self.lat.max()}: give lat= the latitudes and lon= the longitudes (the "
+                "forcings' grid is (lat, lon))"
+            )
         self.time_label, self.time_name = time_label, time_name
         self.names = tuple(names)
         self.prefix = prefix
@@ -342,7 +348,8 @@ class Forcings:
 
 
 def grid_of(view: ArrayGeometry) -> tuple[np.ndarray, np.ndarray]:
-    """The latitude and longitude (degrees) of ``view``'s last two field axes, as selected."""
+    """The latitude and longitude (degrees) of ``view``'s last two field axes, as selected
+    (``ValueError`` where their names say they are longitude then latitude)."""
     dims = view.dims
     if dims is None or view.coordinates is None:
         raise ValueError(f"{view.path}: no dimension names or coordinates to find its grid by")
@@ -351,6 +358,13 @@ def grid_of(view: ArrayGeometry) -> tuple[np.ndarray, np.ndarray]:
     kept = [(name, key) for name, key in zip(field, keys, strict=True) if not isinstance(key, int)]
     if len(kept) < 2:
         raise ValueError(f"{view.path}: the view keeps fewer than two field axes")
+    first, second = (name.lower() for name, _ in kept[-2:])
+    if first.startswith("lon") or second.startswith("lat"):
+        raise ValueError(
+            f"{view.path}: its grid is ({kept[-2][0]}, {kept[-1][0]}), and forcings are "
+            "computed on a (latitude, longitude) grid: give Forcings lat= and lon= and "
+            "transpose them, or use a (latitude, longitude) view"
+        )
     out = []
     for name, key in kept[-2:]:
         values = np.asarray(view.coordinates(view.base, name), dtype=np.float64)

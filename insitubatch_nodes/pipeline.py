@@ -50,7 +50,7 @@ from insitubatch_nodes.stages.gather import GatherNode
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ChunkPoolNode
-from insitubatch_nodes.static import read_static
+from insitubatch_nodes.static import keep_static_labels, read_static
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
@@ -107,8 +107,12 @@ class InSituPipeline(PrefetcherNode[Batch]):
         :mod:`~insitubatch_nodes.stack_constants`. A stack's forcings are computed from the
         times of its first sampled member's array: batches must carry them.
 
+        Static labels (a plain static view as a label) stay as built: give them again as
+        they were; a static field that changes is a stack's static member.
+
         Checked here: ``TypeError`` for a value that is not an ``ArrayGeometry`` or a stack;
-        ``ValueError`` for views of other arrays (or of an array with another geometry), an
+        ``ValueError`` for static labels other than the build's (added, dropped or selected
+        otherwise), views of other arrays (or of an array with another geometry), an
         array patched otherwise, a stack with forcings whose first sampled member's times the
         batches do not carry, a split left with no anchor, and an explicit
         ``cache_budget_bytes`` below the new views' floor (as at build); a static array that
@@ -119,6 +123,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
         if not isinstance(views, Mapping) or not views:
             raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
         plan, transforms = self.stages.plan, self.context.transforms
+        views = keep_static_labels(views, self.stages.gather.batch_transforms)
         carried: dict[str, Any] = {}
         for label, view in views.items():
             if not isinstance(view, ArrayGeometry | Stack):

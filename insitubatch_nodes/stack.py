@@ -14,9 +14,10 @@ each batch's slice after the gather, and so are forcings
 field (``(level, lat, lon)`` against a ``(lat, lon)`` field) is one channel per entry of its
 first axis, named ``"name@value"`` (the coordinate value where the view knows its coordinates,
 else the index), a member of the field's shape is one channel named ``name``.
-``batch.channels[label]`` lists them. The field is the last two axes of the members (one, for
-1-D members); every member must have the same field shape and the same number of steps
-``T`` (a window of ``T`` steps, or none), or :func:`stack` raises naming the member.
+``batch.channels[label]`` lists them. The field is the last two axes of the members (one,
+where a sampled member is 1-D, whichever member that is); every member must have the same
+field shape and the same number of steps ``T`` (a window of ``T`` steps, or none), or
+:func:`stack` raises naming the member.
 
 **Normalisation**: with ``normalize=stats`` (:class:`~insitubatch_nodes.statistics.Statistics`
 fitted with the members' names) every member's channel slice is standardised ``(x - mean) /
@@ -163,10 +164,12 @@ def stack(
     member is standardised during the copy into the batch.
 
     ``ValueError`` for an unknown ``layout``, no member, no sampled member, members that
-    disagree on ``T``, the field shape or the dtype (naming the member and what it has), a
-    member of more than one axis beyond the field, patched members not patched alike (or
-    beside a static or forcing member), a window still in time
-    deltas, a member without statistics, or non-float members with ``normalize``.
+    disagree on ``T``, the field shape (or the order of its named dimensions: a transposed
+    grid) or the dtype (naming the member and what it has), a member of more than one axis
+    beyond the field, patched members not patched alike (or beside a static or forcing
+    member), a window still in time deltas, a member without statistics or with statistics
+    fitted on other channels (other levels, another order), or non-float members with
+    ``normalize``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -180,7 +183,9 @@ def stack(
             "array with samples"
         )
     first_name, first = next((n, v) for n, v in named.items() if not v.static)
-    field_ndim = min(2, len(first.inner_shape))
+    # the field: the last two axes, or one where a sampled member has one (whatever the order)
+    ranks = [len(v.inner_shape) for v in named.values() if not v.static and v.inner_shape]
+    field_ndim = min(2, *ranks) if ranks else 0
     field_shape = first.inner_shape[len(first.inner_shape) - field_ndim :]
     steps = _steps(first)
     members: list[StackMember] = []
@@ -219,6 +224,13 @@ def stack(
                 f"stack member {name!r} has field shape {inner[len(inner) - field_ndim :]}, "
                 f"but {first_name!r} has {field_shape}: members must agree on the field "
                 "after selection (select the same box with isel/sel)"
+            )
+        on, first_on = _grid_dims(view, field_ndim), _grid_dims(first, field_ndim)
+        if on is not None and first_on is not None and on != first_on == on[::-1]:
+            raise ValueError(
+                f"stack member {name!r} is on the grid {on}, but {first_name!r} on "
+                f"{first_on}: the shapes agree, the points do not (a transposed field); "
+                "stack fields stored in one axis order"
             )
         if not view.static and _steps(view) != steps:
             raise ValueError(
@@ -353,6 +365,17 @@ def _named(
                 f"stack member {name!r} must be an ArrayGeometry view or Forcings, got {v!r}"
             )
     return named
+
+
+def _grid_dims(view: ArrayGeometry, field_ndim: int) -> tuple[str, ...] | None:
+    """The dimension names of the view's field (its last ``field_ndim`` kept axes), if known."""
+    if view.dims is None:
+        return None
+    keys = view.select.keys if view.select is not None else (None,) * len(view.field_axes)
+    kept = [
+        view.dims[a] for a, k in zip(view.field_axes, keys, strict=True) if not isinstance(k, int)
+    ]
+    return tuple(kept[len(kept) - field_ndim :])
 
 
 def _steps(view: ArrayGeometry) -> int | None:

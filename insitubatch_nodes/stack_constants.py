@@ -33,7 +33,7 @@ from insitubatch_nodes.stack import (
     forcing_window,
     static_window,
 )
-from insitubatch_nodes.static import StaticFields
+from insitubatch_nodes.static import StaticFields, select_static
 
 if TYPE_CHECKING:
     from insitubatch_nodes.stages.gather import GatherNode
@@ -117,13 +117,17 @@ class StackConstants:
 
     def held(self, view: ArrayGeometry) -> np.ndarray | None:
         """The data of a static member read through ``view``, if a stack prepared here has
-        one (as read, before any standardisation)."""
+        one (as read, before any standardisation), or a member that reads the whole array
+        (selected as ``view`` selects it)."""
+        whole = None
         for variants in self._variants.values():
             for prepared in variants:
                 for member, raw, _ in prepared.fills:
                     if member.view == view:
                         return raw
-        return None
+                    if member.geometry == view.base:
+                        whole = raw
+        return None if whole is None else select_static(view, whole)
 
     def _in_effect(self) -> list[tuple[str, _Prepared]]:
         if self.plan is None:
@@ -258,7 +262,7 @@ def static_fields(
     ) -> tuple[BatchTransform, ...]:
         out: list[BatchTransform] = []
         if static:
-            out.append(StaticFields({label: data[label] for label in static}))
+            out.append(StaticFields({label: data[label] for label in static}, static))
         if fill:
             constant = {
                 (label, m.name): data[f"{label}/{m.name}"]
@@ -299,14 +303,25 @@ def prepare_constants(
                 )
     found = [t for t in gather.batch_transforms if isinstance(t, StackConstants)]
     constants = found[0] if found else StackConstants({}, {}, plan)
+    fields = [t for t in gather.batch_transforms if isinstance(t, StaticFields)]
+
+    def held(view: ArrayGeometry) -> np.ndarray | None:
+        """``view``'s data from a static array already read: a stack's member, or a static
+        label that reads the whole array (selected as ``view`` selects it)."""
+        got = constants.held(view)
+        for label, v in (fields[0].views if fields and got is None else {}).items():
+            if v == view.base:
+                return select_static(view, fields[0].arrays[label])
+        return got
+
     want = {(lb, m.name): m.geometry for lb, st in stacks.items() for m in st.static}
-    need = {f"{lb}/{name}": v for (lb, name), v in want.items() if constants.held(v) is None}
+    kept = {key: held(view) for key, view in want.items()}
+    need = {f"{lb}/{name}": want[(lb, name)] for (lb, name), d in kept.items() if d is None}
     data = dict(read(need)) if need else {}
     arrays: dict[tuple[str, str], np.ndarray] = {}
-    for (label, name), view in want.items():
-        held = data[f"{label}/{name}"] if f"{label}/{name}" in data else constants.held(view)
-        assert held is not None  # (read now, or held: that is how need was made)
-        arrays[(label, name)] = held
+    for (label, name), have in kept.items():
+        got = data[f"{label}/{name}"] if have is None else have
+        arrays[(label, name)] = got
 
     def commit() -> None:
         constants.add(stacks, arrays)

@@ -21,7 +21,7 @@ tensor with stride 0 along the batch); ``.to(device)`` makes a dense copy on the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -35,7 +35,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
 
-__all__ = ["StaticFields", "read_static", "select_static"]
+__all__ = ["StaticFields", "keep_static_labels", "read_static", "select_static"]
 
 
 def select_static(view: ArrayGeometry, data: np.ndarray) -> np.ndarray:
@@ -151,10 +151,17 @@ def _identities(base: ArrayGeometry, cache: ChunkCache) -> list[tuple[str, tuple
 
 class StaticFields:
     """A batch transform that puts the static ``arrays`` (``{label: array}``) into every batch,
-    broadcast to ``(len(batch), *array.shape)`` without a copy (see the module docstring)."""
+    broadcast to ``(len(batch), *array.shape)`` without a copy (see the module docstring).
+    ``views`` are the static views they were read through, if known (what
+    :func:`keep_static_labels` holds a later set of views to)."""
 
-    def __init__(self, arrays: Mapping[str, np.ndarray]) -> None:
+    def __init__(
+        self,
+        arrays: Mapping[str, np.ndarray],
+        views: Mapping[str, ArrayGeometry] | None = None,
+    ) -> None:
         self.arrays = {label: np.asarray(a) for label, a in arrays.items()}
+        self.views = dict(views or {})
 
     def __call__(self, batch: Batch) -> Batch:
         n = len(batch)
@@ -166,6 +173,30 @@ class StaticFields:
 
     def __repr__(self) -> str:
         return f"StaticFields({sorted(self.arrays)})"
+
+
+def keep_static_labels(views: Mapping[str, Any], transforms: Sequence[Any]) -> dict[str, Any]:
+    """``views`` (given to ``InSituPipeline.set_views``) without their static labels, which
+    must be those the pipeline was built with, as they were (the :class:`StaticFields` among
+    ``transforms`` carries them into every batch, epoch after epoch). ``ValueError`` for a
+    static label added, dropped or selected otherwise, and for views that are all static."""
+    held = next((t for t in transforms if isinstance(t, StaticFields)), None)
+    built = {} if held is None else held.views
+    static = {lb: v for lb, v in views.items() if isinstance(v, ArrayGeometry) and v.static}
+    if static != built:
+        raise ValueError(
+            f"set_views keeps the static labels this pipeline was built with ({sorted(built)}) "
+            f"as they were, and was given {sorted(static)}"
+            f"{' (selected otherwise)' if sorted(static) == sorted(built) else ''}: make "
+            "static fields that change members of a stack (its static members may change), or "
+            "build a pipeline with them"
+        )
+    rest = {lb: v for lb, v in views.items() if lb not in static}
+    if not rest:
+        raise ValueError(
+            f"every view ({sorted(static)}) is a static array: give views with samples"
+        )
+    return rest
 
 
 def _broadcast(data: np.ndarray, n: int) -> Any:

@@ -3,7 +3,8 @@
 Per label, over the samples of one split (a leakage-safe range: the manifest's chunks of that
 split, nothing of the others): the mean, standard deviation, minimum and maximum, and the
 standard deviation of one-step differences (``x[t + 1] - x[t]`` for consecutive samples both in
-the split; GraphCast's and anemoi's *tendency* statistics). Each is computed **per channel**:
+the split; GraphCast's and anemoi's *tendency* statistics; with a ``stride`` the samples are
+its anchors and a step is the stride). Each is computed **per channel**:
 reduced over the samples and the last two field axes (the horizontal grid), kept along the
 others, so a ``(level, lat, lon)`` view has one value per level, a ``(lat, lon)`` view one value.
 A static view's statistics are its field's (no differences).
@@ -41,6 +42,7 @@ import numpy as np
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import Selection
 from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
@@ -112,11 +114,32 @@ class Statistics:
 
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray:
         """Statistic ``name`` of ``label`` shaped to broadcast against one sample of ``view``
-        (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view)."""
+        (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view). ``ValueError`` when ``view``
+        has other channels than the view ``label`` was fitted on: another number, or other
+        indices of an axis that is not the grid (levels in another order, another dropped
+        level); its shift, window, patches and box on the grid may differ."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
+        self._check_channels(label, view, values.shape)
         inner = view.inner_shape
         grid = min(2, len(inner))
         return values.reshape(*values.shape, *(1,) * grid)
+
+    def _check_channels(self, label: str, view: ArrayGeometry, shape: tuple[int, ...]) -> None:
+        field = view.field_shape
+        mine = _channel_keys(field, _keys(_unmoved(view)))
+        fitted = self.dataset.get("views", {}).get(label)
+        keys = None if fitted is None else fitted.get("select") or [None] * len(field)
+        theirs = None
+        if keys is not None and len(keys) == len(field):
+            theirs = _channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
+                                           for k in keys])  # fmt: skip
+        if shape != _channels(view.inner_shape) or (keys is not None and theirs != mine):
+            raise ValueError(
+                f"statistics of {label!r} were fitted on other channels than {view!r} has "
+                f"(shape {shape}, selection {keys}; the view: {_channels(view.inner_shape)}, "
+                f"{list(_keys(view))}): fit them on the view's levels, in its order, under "
+                "its name"
+            )
 
     def normalizer(
         self,
@@ -150,13 +173,15 @@ class Statistics:
         self, labels: Sequence[str] | None = None, *, cache_key: str | None = None
     ) -> StandardScaler:
         """A :class:`~insitubatch_nodes.transforms.StandardScaler` (a chunk transform, keyed by
-        array path) from the statistics of ``labels`` (default: all), which must read whole,
-        unselected arrays (the scaler runs on chunks, before any selection)."""
+        array path) from the statistics of ``labels`` (default: all), which must read every
+        channel of their arrays (the scaler runs on chunks, before any selection): no level
+        selection, at most a box on the grid (a patched view's ``within``)."""
         labels = list(self.mean) if labels is None else list(labels)
         mean, std = {}, {}
         for label in labels:
             path = self.paths[label]
-            if self.dataset.get("views", {}).get(label, {}).get("select") is not None:
+            keys = self.dataset.get("views", {}).get(label, {}).get("select") or [None, None]
+            if any(k is not None for k in keys[:-2]) or any(isinstance(k, int) for k in keys):
                 raise ValueError(
                     f"label {label!r} reads a selection of {path!r}: a chunk transform sees "
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
@@ -307,11 +332,14 @@ def fit_statistics(
     window is ignored too (its statistics, per channel, are those of every step).
     ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
     ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
-    keywords). The pass keeps nothing for a next epoch: rows read by one sample are decoded
-    straight into the batches (``direct=True`` unless ``fetch`` says otherwise) and the
-    automatic budget holds only the working set, whose slots are reused, where a pipeline
-    built for training keeps a split that fits a sixteenth of RAM whole (in fresh memory,
-    slow to touch the first time)."""
+    keywords). A patched view's statistics are those of its field within the box its windows
+    lie in (``within``, else the whole field; the fit reads whole samples of it), so a
+    patched stack member is normalised with the statistics of every point it may cut. The
+    pass keeps nothing for a next epoch: rows read by one sample are decoded straight into the
+    batches (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds
+    only the working set, whose slots are reused, where a pipeline built for training keeps a
+    split that fits a sixteenth of RAM whole (in fresh memory, slow to touch the first
+    time)."""
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
@@ -336,10 +364,11 @@ def fit_statistics(
             fetch=_one_pass(pipeline_options),
             **pipeline_options,
         )
+        apart = _one_step(pipe.stages.plan)
         try:
             for batch in pipe:
                 for label, view in sampled.items():
-                    _accumulate(batch, label, view, moments[label], diffs[label], last)
+                    _accumulate(batch, label, view, moments[label], diffs[label], last, apart)
         finally:
             pipe.close()
     if static:
@@ -396,19 +425,20 @@ def _accumulate(
     moments: _Moments,
     diffs: _Moments,
     last: dict[str, tuple[int, np.ndarray]],
+    apart: Any,
 ) -> None:
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
     channels = _channels(view.inner_shape)
     moments.add(_as_channels(x, channels))
-    # one-step differences between consecutive samples, across the batch edge too: taken in
-    # the data's float dtype (each within half an ulp of the float64 difference), in float64
-    # for other dtypes, and summed in float64
+    # one-step differences between consecutive anchors one step apart (``apart``), across the
+    # batch edge too: taken in the data's float dtype (each within half an ulp of the float64
+    # difference), in float64 for other dtypes, and summed in float64
     wide = np.float64 if x.dtype.kind != "f" or x.dtype.itemsize < 4 else x.dtype
-    if label in last and len(idx) and idx[0] == last[label][0] + 1:
+    if label in last and len(idx) and apart(np.array([last[label][0]]), idx[:1])[0]:
         edge = np.subtract(x[:1], last[label][1][None], dtype=wide)
         diffs.add(_as_channels(edge, channels), extrema=False)
-    step = np.diff(idx) == 1
+    step = apart(idx[:-1], idx[1:])
     if step.all() and len(idx) > 1:
         diff = np.subtract(x[1:], x[:-1], dtype=wide)
         diffs.add(_as_channels(diff, channels), extrema=False)
@@ -420,11 +450,69 @@ def _accumulate(
         last[label] = (int(idx[-1]), np.array(x[-1]))
 
 
+def _one_step(plan: Any) -> Any:
+    """``apart(a, b)``: whether anchors ``b`` are one step of the pass after anchors ``a``
+    (elementwise): the next sample, or with a ``stride`` the next anchor, ``k`` samples on
+    (an int ``k``) or the stride's time on (a time stride: by the samples' times)."""
+    stride = plan.plan_config.stride
+    steps = plan.manifest.steps
+    if isinstance(stride, np.timedelta64):
+        if steps is None or steps.ticks is None:  # (the builder reads them for a time stride)
+            raise ValueError("a time stride needs the samples' times")
+        ticks, span = steps.ticks, int(stride / steps.unit)
+        return lambda a, b: ticks[b] - ticks[a] == span
+    k = int(stride)
+    return lambda a, b: b - a == k
+
+
 def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
-    """``view`` without its shift or window: the array as it selects it."""
+    """``view`` without its shift, window or patches: the array as it selects it. A patched
+    view is its field within the box its windows lie in (``within``; the whole field without
+    it): overlapping or random windows would count points twice or not at all, and
+    consecutive rows are other windows, not the same points one step later."""
     if view.window_offsets is not None:
         view = dataclasses.replace(view, window_offsets=None)
+    if view.patch is not None:
+        spec = view.patch
+        view = dataclasses.replace(view, patch=None)
+        kept = [
+            a for a, k in zip(view.field_axes, _keys(view), strict=True) if not isinstance(k, int)
+        ]
+        channel_axes = [a for a in spec.axes if a in kept[: max(0, len(kept) - 2)]]
+        if channel_axes:
+            raise ValueError(
+                f"{view.path}: the view is patched along a channel axis ({channel_axes}; "
+                "statistics are per entry of every field axis but the last two): fit the "
+                "unpatched view, or patch the last two field axes only"
+            )
+        boxed = {
+            view.field_axes.index(axis): (lo, hi)
+            for axis, (lo, hi), n in zip(spec.axes, spec.bounds, spec.field, strict=True)
+            if (lo, hi) != (0, n)
+        }
+        if boxed:
+            keys = tuple(
+                tuple(range(*boxed[i])) if i in boxed else key for i, key in enumerate(_keys(view))
+            )
+            view = dataclasses.replace(view, select=Selection(keys))
     return view.shift(-view.offset) if view.offset else view
+
+
+def _channel_keys(field_shape: Sequence[int], keys: Sequence[Any]) -> list[Any]:
+    """``keys`` (a selection key per field axis) without the grid's (the last two kept axes),
+    a key taking a whole axis in order as ``None``: what says which channel is which."""
+    kept = [i for i, k in enumerate(keys) if not isinstance(k, int)]
+    grid = set(kept[max(0, len(kept) - 2) :])
+    return [
+        None if k == tuple(range(n)) else k
+        for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))
+        if i not in grid
+    ]
+
+
+def _keys(view: ArrayGeometry) -> tuple[Any, ...]:
+    """The view's selection key per field axis (``None`` everywhere when it selects none)."""
+    return view.select.keys if view.select is not None else (None,) * len(view.field_axes)
 
 
 def _to_json(values: np.ndarray) -> Any:

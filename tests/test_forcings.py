@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -105,6 +106,24 @@ def test_forcings_come_with_every_batch_from_its_times_without_reading_the_store
         )
         steps = np.datetime64("2000-01-01") + batch.sample_indices["x"] * 6 * HOUR
         np.testing.assert_array_equal(times, steps)
+
+
+def test_forcings_refuse_a_grid_whose_latitudes_are_not_latitudes(tmp_path: Path) -> None:
+    # a (time, lon, lat) field: its last two axes are longitude and latitude, so taking the
+    # first as the latitude computed the Sun at latitudes of -150 and 170 degrees
+    zarr = pytest.importorskip("zarr")
+    arr = zarr.create_array(
+        tmp_path / "s.zarr", shape=(4, 3, 2), chunks=(1, 3, 2), dtype="f4",
+        dimension_names=("time", "lon", "lat"),
+    )  # fmt: skip
+    arr[...] = 0
+    view = open_geometries(tmp_path / "s.zarr")[""]
+    grid = {"lon": [-150.0, 20.0, 170.0], "lat": [-30.0, 30.0]}
+    view = dataclasses.replace(view, coordinates=lambda g, dim: grid[dim])
+    with pytest.raises(ValueError, match="latitude"):
+        Forcings("x", view=view)
+    with pytest.raises(ValueError, match=r"latitudes .* \[-90, 90\]"):
+        Forcings("x", lat=[-150.0, 20.0, 170.0], lon=[-30.0, 30.0])
 
 
 @pytest.mark.parametrize(

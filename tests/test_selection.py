@@ -291,6 +291,29 @@ def test_set_views_selects_within_what_the_slots_hold_or_says_what_to_build(
         pipe.close()
 
 
+@pytest.mark.parametrize("descending", [True, False], ids=["descending", "ascending"])
+def test_sel_compares_values_in_the_coordinates_float32_as_xarray_does(
+    tmp_path: Path, descending: bool
+) -> None:
+    # a 0.1-degree grid stored in float32 (ERA5-Land): 37.2 is 37.200000763 there, so a slice
+    # ending at 37.2 compared in float64 left that row out, and np.float64(37.2) was no value
+    lat = np.round(np.arange(35.7, 37.25, 0.1), 1).astype("f4")
+    lat = lat[::-1] if descending else lat
+    ds = xr.Dataset({"t": (("time", "lat"), np.zeros((2, len(lat)), "f4"))},
+                    coords={"time": [0, 1], "lat": lat})  # fmt: skip
+    ds.to_zarr(tmp_path / "s.zarr", mode="w", consolidated=False)
+    g = open_geometries(tmp_path / "s.zarr")["t"]
+    ends = (37.2, 36.5) if descending else (36.5, 37.2)
+    for key in (slice(*ends), slice(ends[1], None), slice(36.5, 36.5), [np.float64(37.2), 36.5]):
+        want = ds.t.sel(lat=key).lat.values
+        got = g.sel(lat=key).select.keys[0]
+        np.testing.assert_array_equal(lat[list(got)], want, err_msg=str(key))
+    assert lat[g.sel(lat=np.float64(36.9)).select.keys[0]] == np.float32(36.9)
+    between = (36.59, 36.51) if descending else (36.51, 36.59)
+    with pytest.raises(IndexError, match="no value of it lies between the slice's ends"):
+        g.sel(lat=slice(*between))
+
+
 def test_a_view_cannot_be_selected_by_an_unknown_dimension_or_value(store: Path) -> None:
     g = open_geometries(store)["t"]
     with pytest.raises(KeyError, match="no dimension named 'height'"):
@@ -348,6 +371,81 @@ def test_static_arrays_are_recognised_and_carried_by_every_batch_without_a_copy(
         assert seen == T
     finally:
         pipe.close()
+
+
+def test_static_fields_that_outnumber_the_data_arrays_or_are_named_first_are_still_static(
+    tmp_path: Path,
+) -> None:
+    # three static fields beside one (time, latitude, longitude) array: latitude is at index
+    # 0 of more arrays than time is, but it is a field axis of t2m, so it is not sampled along
+    rng = np.random.default_rng(2)
+    statics = {name: (("latitude", "longitude"), rng.random((Y, X), "f4")) for name in
+               ("lsm", "orography", "soil_type")}  # fmt: skip
+    ds = xr.Dataset(
+        {"t2m": (("time", "latitude", "longitude"), rng.random((T, Y, X), "f4")), **statics},
+        coords={"time": np.arange(T), "latitude": np.linspace(90, -90, Y)},
+    )
+    ds.to_zarr(tmp_path / "s.zarr", mode="w", consolidated=False)
+    for variables in (None, ["lsm", "t2m"], ["t2m", "lsm"]):
+        geoms = open_geometries(tmp_path / "s.zarr", variables)
+        assert not geoms["t2m"].static and geoms["t2m"].sample_axis == 0
+        assert all(geoms[name].static for name in geoms if name != "t2m"), variables
+
+
+def test_set_views_keeps_the_static_labels_of_the_build_and_says_how_to_change_them(
+    store: Path,
+) -> None:
+    # a static label passed again as it was built (a rollout's next views) was a KeyError;
+    # adding, dropping or reselecting one is refused, naming the stack as the way to do it
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["u"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, {"x": g["t"].sel(level=500), "lsm": g["lsm"]},
+                           batch_size=4, coords=())  # fmt: skip
+    lsm = xr.open_zarr(store, consolidated=False).lsm.values
+    try:
+        list(pipe)
+        pipe.set_views({"x": g["t"].sel(level=500).shift(1), "lsm": g["lsm"]})
+        pipe.reset()
+        batches = list(pipe)
+        assert batches and all(b.sample_indices["x"].min() >= 1 for b in batches)
+        for batch in batches:
+            np.testing.assert_array_equal(batch.arrays["lsm"][-1], lsm)
+        for other in (
+            {"x": g["t"].sel(level=500)},
+            {"x": g["t"].sel(level=500), "lsm": g["lsm"].isel(latitude=[0])},
+            {"x": g["t"].sel(level=500), "lsm": g["lsm"], "mask": g["lsm"]},
+        ):
+            with pytest.raises(ValueError, match=r"static labels .*\['lsm'\].*stack"):
+                pipe.set_views(other)
+    finally:
+        pipe.close()
+
+
+def test_a_static_array_is_read_once_though_set_views_selects_it_otherwise(store: Path) -> None:
+    # built with the whole mask as a label; later stacks take it whole and boxed: each is
+    # taken from the array already read, not read again (it was read once per set_views)
+    counting = counting_store(store)
+    g = open_geometries(counting)
+    box = _box(store)
+    pipe = insitu_pipeline(counting, split_by_chunk(g["u"], (1.0, 0.0, 0.0)),
+                           {"x": g["t"].sel(level=500), "lsm": g["lsm"]}, batch_size=4,
+                           coords=())  # fmt: skip
+    lsm = xr.open_zarr(store, consolidated=False).lsm
+    try:
+        list(pipe)
+        for members, want in (
+            ({"t": g["t"].sel(level=500), "lsm": g["lsm"]}, lsm.values),
+            ({"t": g["t"].sel(level=500, **box), "lsm": g["lsm"].sel(**box)}, lsm.sel(**box)),
+        ):
+            pipe.set_views({"x": stack(members), "lsm": g["lsm"]})
+            pipe.reset()
+            for batch in pipe:
+                np.testing.assert_array_equal(batch.arrays["x"][-1, 1], want)
+    finally:
+        pipe.close()
+    assert {k: n for k, n in counting.chunk_counts().items() if k.startswith("lsm")} == {
+        "lsm/c/0/0": 1
+    }
 
 
 def test_static_fields_are_kept_in_the_persistent_cache_and_the_next_pipeline_reads_none(

@@ -185,6 +185,32 @@ def test_normalize_standardises_each_channel_as_the_unstacked_members_would_be(
         np.testing.assert_allclose(b["x"], want, rtol=1e-5, atol=1e-5)
 
 
+def test_normalize_refuses_statistics_fitted_on_other_channels_and_takes_those_of_the_same(
+    tmp_path: Path,
+) -> None:
+    root = _store(tmp_path / "s.zarr", 2)
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    fitted = {"t": g["temperature"].sel(level=[1000, 350]), "t1": g["temperature"].sel(level=1),
+              "all": g["temperature"], "t2m": g["2m_temperature"]}  # fmt: skip
+    stats = fit_statistics(root, manifest, fitted)
+    t2m = fitted["t2m"]
+    for name, member in (
+        ("t", g["temperature"].sel(level=[350, 1000])),  # the levels in another order
+        ("t1", g["temperature"].sel(level=1000)),  # another level, dropped
+        ("all", g["temperature"].isel(level=[0, 2])),  # fewer channels
+    ):
+        with pytest.raises(ValueError, match=f"statistics of {name!r} were fitted"):
+            stack({name: member, "t2m": t2m}, normalize=stats)
+        with pytest.raises(ValueError, match=f"statistics of {name!r} were fitted"):
+            stats.normalizer({name: member})
+    # what they were fitted on, shifted, as a window, in a box, or selecting every level
+    stack({"t": g["temperature"].sel(level=[1000, 350]).shift(1).window([0, 1]),
+           "all": g["temperature"].isel(level=slice(None)).window([0, 1])},
+          normalize=stats)  # fmt: skip
+    stats.normalizer({"t": fitted["t"].isel(latitude=[0, 1]).shift(2)})
+
+
 def test_members_that_disagree_on_t_or_on_the_field_are_refused_naming_the_member(
     tmp_path: Path,
 ) -> None:
@@ -196,6 +222,35 @@ def test_members_that_disagree_on_t_or_on_the_field_are_refused_naming_the_membe
         stack({"t2m": g["2m_temperature"], "box": g["temperature"].isel(latitude=[0, 1, 2])})
     with pytest.raises(ValueError, match="layout must be one of"):
         stack({"t2m": g["2m_temperature"]}, layout="nhwc")
+
+
+def test_a_member_on_the_transposed_grid_is_refused_even_where_the_grid_is_square(
+    tmp_path: Path,
+) -> None:
+    # (lon, lat) against (lat, lon) on a 5 x 5 grid: the shapes agree, the points do not
+    group = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    for name, shape, dims in (("t", (4, 5, 5), ("time", "lat", "lon")),
+                              ("u", (4, 5, 5), ("time", "lon", "lat")),
+                              ("mask", (5, 5), ("lon", "lat"))):  # fmt: skip
+        group.create_array(name, shape=shape, chunks=shape, dtype="f4", dimension_names=dims)
+    g = open_geometries(tmp_path / "s.zarr", sample_axis="time")
+    for name in ("u", "mask"):
+        with pytest.raises(ValueError, match=rf"member {name!r} is on the grid \('lon', 'lat'\)"):
+            stack({"t": g["t"], name: g[name]})
+    assert stack({"t": g["t"], "t_next": g["t"].shift(1)}).channels == ("t", "t_next")
+
+
+def test_a_stack_of_one_dimensional_fields_takes_its_members_in_any_order(tmp_path: Path) -> None:
+    # stations: a (time, station) member and a (time, level, station) one; with the leveled
+    # member first, the field was taken as (level, station) and the plain member refused
+    group = zarr.open_group(tmp_path / "s.zarr", mode="w")
+    for name, shape, dims in (("a", (4, 7), ("time", "station")),
+                              ("b", (4, 3, 7), ("time", "level", "station"))):  # fmt: skip
+        group.create_array(name, shape=shape, chunks=shape, dtype="f4", dimension_names=dims)
+    g = open_geometries(tmp_path / "s.zarr")
+    assert stack({"a": g["a"], "b": g["b"]}).channels == ("a", "b@0", "b@1", "b@2")
+    assert stack({"b": g["b"], "a": g["a"]}).channels == ("b@0", "b@1", "b@2", "a")
+    assert stack({"b": g["b"], "a": g["a"]}).row_shape == (4, 7)
 
 
 def test_one_sample_per_chunk_decodes_members_straight_into_their_channels_with_no_other_memory(

@@ -156,6 +156,54 @@ def test_statistics_of_a_window_or_shifted_view_are_those_of_its_array(store: Pa
         np.testing.assert_array_equal(getattr(moved, name)["t2"], getattr(plain, name)["t2"])
 
 
+def test_statistics_of_a_patched_view_are_those_of_its_field_within_its_windows_box(
+    store: Path,
+) -> None:
+    # windows overlap (4 of 6 rows: origins 0 and 2), or are drawn at random, and consecutive
+    # rows are other windows: the statistics and the differences are still the field's, of the
+    # same point at consecutive samples, within the box ``within`` keeps the windows in
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (0.5, 0.5, 0.0))
+    views = {
+        "grid": geoms["t"].sel(level=[500, 850]).patches({"lat": 4, "lon": 4}),
+        "random": geoms["t2"].patches({"lat": 3, "lon": 4}, origins="random"),
+        "within": geoms["t2"].patches({"lat": 2}, within={"lat": (1, 5)}),
+    }
+    samples = manifest.samples("train")
+    t, t2 = zarr.open_array(store / "t")[...], zarr.open_array(store / "t2")[...]
+    for label, data, channel_axes in (
+        ("grid", t[:, [1, 0]], 1), ("random", t2, 0), ("within", t2[:, 1:5], 0),
+    ):  # fmt: skip
+        stats = fit_statistics(store, manifest, {label: views[label]}, batch_size=4)
+        for name, expected in _oracle(data, samples, channel_axes).items():
+            got = getattr(stats, name)[label]
+            np.testing.assert_allclose(got, expected, rtol=1e-6, err_msg=f"{label} {name}")
+    with pytest.raises(ValueError, match="patched along a channel axis"):
+        fit_statistics(store, manifest, {"t": geoms["t"].patches({"level": 2, "lat": 3})})
+    # a box on the grid keeps every channel: the chunk transform takes its statistics
+    assert stats.scaler().mean["t2"].shape == (1, 1)
+    with pytest.raises(ValueError, match="reads a selection"):
+        fit_statistics(store, manifest, {"t": geoms["t"].sel(level=[500])}).scaler()
+
+
+def test_with_a_stride_the_differences_are_between_anchors_one_stride_apart(
+    store: Path,
+) -> None:
+    # anchors every 3rd sample: no two are consecutive samples, so the differences were NaN;
+    # they are the step the pass takes (GraphCast's 6 h on hourly data)
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (0.6, 0.4, 0.0), contiguous=False, seed=3)
+    stats = fit_statistics(store, manifest, {"t2": geoms["t2"]}, stride=3, batch_size=4)
+    anchors = manifest.samples("train")
+    anchors = anchors[anchors % 3 == 0]
+    assert np.any(np.diff(anchors) != 3), "the split has gaps: no difference across them"
+    t2 = zarr.open_array(store / "t2")[...].astype(np.float64)
+    pairs = anchors[:-1][np.diff(anchors) == 3]
+    diff_std = np.std(t2[pairs + 3] - t2[pairs])
+    np.testing.assert_allclose(stats.mean["t2"], t2[anchors].mean(), rtol=1e-6)
+    np.testing.assert_allclose(stats.diff_std["t2"], diff_std, rtol=1e-6)
+
+
 def test_statistics_saved_as_json_load_equal_and_check_their_dataset(
     store: Path, tmp_path: Path
 ) -> None:

@@ -55,13 +55,21 @@ def _axis(path: str, array: Any, sample_axis: int | str) -> int | None:
 
 def _sample_dimension(arrays: Mapping[str, Any], axis: int) -> str | None:
     """The dimension most arrays name at ``axis`` (ties: the first path's), among arrays of
-    more than one axis with dimension names; ``None`` when none has any."""
+    more than one axis with dimension names, preferring dimensions no such array names at
+    another index (``None`` when none has any). A WeatherBench2-like store whose static fields
+    ``(latitude, longitude)`` outnumber its ``(time, latitude, longitude)`` arrays samples
+    along ``time``: ``latitude`` is a field axis of those arrays, so it cannot be the sample
+    dimension, whichever arrays are named and in whatever order."""
     counts: dict[str, int] = {}
+    elsewhere: set[str] = set()
     for array in arrays.values():
         dims = _zarr_compat.array_dimension_names(array)
         if dims is not None and array.ndim > 1 and -len(dims) <= axis < len(dims):
-            counts[dims[axis]] = counts.get(dims[axis], 0) + 1
-    return max(counts, key=lambda d: counts[d]) if counts else None
+            at = axis % len(dims)
+            counts[dims[at]] = counts.get(dims[at], 0) + 1
+            elsewhere.update(d for i, d in enumerate(dims) if i != at)
+    alone = {d: n for d, n in counts.items() if d not in elsewhere} or counts
+    return max(alone, key=lambda d: alone[d]) if alone else None
 
 
 def _geometry(
@@ -132,9 +140,10 @@ def open_geometries(
     ``land_sea_mask (latitude, longitude)`` beside ``(time, latitude, longitude)`` data) is
     *static* (``geom.static``): it has no sample axis and every batch carries it whole (see
     ``insitu_pipeline``). The sample dimension is the one ``sample_axis`` names, or, for an
-    index, the dimension most of the multi-axis arrays name at that index; an array is static
-    when it has dimension names and that dimension is not among them (arrays without dimension
-    names are never static). Every geometry can look up its field coordinates for
+    index, the dimension most of the multi-axis arrays name at that index, of those no array
+    names at another index (static fields never outvote the arrays they sit beside); an array
+    is static when it has dimension names and that dimension is not among them (arrays without
+    dimension names are never static). Every geometry can look up its field coordinates for
     :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` (a
     :class:`FieldCoordinates` of this store, read on first use).
 

@@ -293,45 +293,66 @@ def held_geometry(base: Any, held: Held) -> Any:
 
 def label_positions(path: str, name: str, values: np.ndarray, key: Any) -> Any:
     """The positions in ``values`` that label ``key`` selects (pandas' rules: an exact value,
-    a list of them, or a slice of a monotonic coordinate with both ends included)."""
+    a list of them, or a slice of a monotonic coordinate with both ends included; values
+    compared in a float coordinate's own dtype, so ``37.2`` is the float32 ``37.2`` of a
+    float32 coordinate)."""
     if isinstance(key, slice):
         if key.step is not None:
             raise ValueError(f"sel({name}=...): a slice of values takes no step, got {key!r}")
+        first, last = _in_dtype(values, key.start), _in_dtype(values, key.stop)
         diffs = np.diff(values.astype(np.float64)) if values.dtype.kind in "iuf" else None
         ascending = diffs is None or bool(np.all(diffs >= 0))
         descending = diffs is not None and bool(np.all(diffs <= 0))
         if not (ascending or descending):
             raise ValueError(f"{path}: coordinate {name!r} is not monotonic; select by value list")
         lo_vals = values if ascending else values[::-1]
-        start = 0 if key.start is None else None
-        stop = len(values) if key.stop is None else None
+        start = 0 if first is None else None
+        stop = len(values) if last is None else None
         if ascending:
             if start is None:
-                start = int(np.searchsorted(lo_vals, key.start, side="left"))
+                start = int(np.searchsorted(lo_vals, first, side="left"))
             if stop is None:
-                stop = int(np.searchsorted(lo_vals, key.stop, side="right"))
+                stop = int(np.searchsorted(lo_vals, last, side="right"))
         else:  # descending: the slice runs from high to low values
             n = len(values)
             if start is None:
-                start = n - int(np.searchsorted(lo_vals, key.start, side="right"))
+                start = n - int(np.searchsorted(lo_vals, first, side="right"))
             if stop is None:
-                stop = n - int(np.searchsorted(lo_vals, key.stop, side="left"))
+                stop = n - int(np.searchsorted(lo_vals, last, side="left"))
         if stop <= start:
             order = "descending" if descending and not ascending else "ascending"
+            in_order = first is None or last is None or (first <= last) == (order == "ascending")
             raise IndexError(
                 f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
-                f"({values[0]} ... {values[-1]}): give the slice's ends in that order"
+                f"({values[0]} ... {values[-1]}): "
+                + (
+                    "no value of it lies between the slice's ends"
+                    if in_order
+                    else "give the slice's ends in that order"
+                )
             )
         return slice(start, stop)
     scalar = np.ndim(key) == 0
-    wanted = np.atleast_1d(np.asarray(key))
+    wanted = np.atleast_1d(_in_dtype(values, key))
     out = []
-    for v in wanted.tolist():
+    for given, v in zip(np.atleast_1d(np.asarray(key, dtype=object)).tolist(), wanted, strict=True):
         hits = np.flatnonzero(values == v)
         if not len(hits):
             raise KeyError(
-                f"{path}: {v!r} is not a value of coordinate {name!r} "
+                f"{path}: {given!r} is not a value of coordinate {name!r} "
                 f"({values[:8].tolist()}{' ...' if len(values) > 8 else ''})"
             )
         out.append(int(hits[0]))
     return out[0] if scalar else out
+
+
+def _in_dtype(values: np.ndarray, key: Any) -> Any:
+    """``key`` (a value or a list of them) in the dtype of a float coordinate ``values``, as
+    pandas casts labels to its index's dtype; unchanged otherwise (``None`` stays ``None``)."""
+    if key is None or values.dtype.kind != "f":
+        return key
+    wanted = np.asarray(key)
+    if wanted.dtype.kind not in "iuf":
+        return key
+    with np.errstate(over="ignore"):
+        return wanted.astype(values.dtype)
