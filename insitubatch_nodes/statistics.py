@@ -527,4 +527,14 @@ def _from_json(values: Any) -> np.ndarray:
 
 
 def _plain(value: Any) -> Any:
-    return json.loads(json.dumps(value))
+    """``value`` as JSON reads it back (tuples as lists; numpy scalars and arrays as numbers
+    and lists), so a ``dataset`` to check compares equal however it was built."""
+    return json.loads(json.dumps(value, default=_numpy_json))
+
+
+def _numpy_json(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} {value!r} cannot be compared with a saved dataset")

@@ -218,6 +218,12 @@ def test_statistics_saved_as_json_load_equal_and_check_their_dataset(
     other = fit_statistics(store, manifest, ["t2"], split="val")
     with pytest.raises(ValueError, match="another dataset"):
         Statistics.load(tmp_path / "stats.json", dataset=other.dataset)
+    # the part to check built with numpy values (chunks from the manifest): they raised
+    # TypeError (not JSON serializable) instead of being compared
+    chunks = np.asarray(manifest.chunks("train"))
+    Statistics.load(tmp_path / "stats.json", dataset={"chunks": chunks, "split": "train"})
+    with pytest.raises(ValueError, match="another dataset"):
+        Statistics.load(tmp_path / "stats.json", dataset={"chunks": chunks[:1]})
 
 
 def test_fitted_statistics_normalise_batches_to_zero_mean_and_unit_std(store: Path) -> None:
