@@ -18,6 +18,7 @@ from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, 
 from tests.helpers import counting_store
 
 xr = pytest.importorskip("xarray")
+pd = pytest.importorskip("pandas")
 
 T, L, Y, X = 12, 7, 10, 16
 LEVELS = np.array([1000, 925, 850, 700, 500, 300, 100])
@@ -390,6 +391,24 @@ def test_static_fields_that_outnumber_the_data_arrays_or_are_named_first_are_sti
         geoms = open_geometries(tmp_path / "s.zarr", variables)
         assert not geoms["t2m"].static and geoms["t2m"].sample_axis == 0
         assert all(geoms[name].static for name in geoms if name != "t2m"), variables
+
+
+def test_a_tie_between_sample_dimensions_goes_to_the_one_whose_coordinate_holds_times(
+    tmp_path: Path,
+) -> None:
+    # one (time, ...) array beside one (soil_level, ...) static: each dimension is at index 0
+    # of one array, and the first path's won (soil_level named first sampled soil, not time)
+    rng = np.random.default_rng(3)
+    ds = xr.Dataset(
+        {"t2m": (("time", "latitude", "longitude"), rng.random((T, Y, X), "f4")),
+         "soil": (("soil_level", "latitude", "longitude"), rng.random((4, Y, X), "f4"))},
+        coords={"time": pd.date_range("2020-01-01", periods=T, freq="6h"),
+                "soil_level": [0.07, 0.28, 1.0, 2.89]},
+    )  # fmt: skip
+    ds.to_zarr(tmp_path / "s.zarr", mode="w", consolidated=False)
+    for variables in (None, ["soil", "t2m"], ["t2m", "soil"]):
+        geoms = open_geometries(tmp_path / "s.zarr", variables)
+        assert not geoms["t2m"].static and geoms["soil"].static, variables
 
 
 def test_set_views_keeps_the_static_labels_of_the_build_and_says_how_to_change_them(

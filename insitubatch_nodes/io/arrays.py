@@ -11,7 +11,7 @@ import numpy as np
 from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import AxisNames, axis_of
-from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader
+from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
 from insitubatch_nodes.io.product import product_view
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
@@ -53,23 +53,46 @@ def _axis(path: str, array: Any, sample_axis: int | str) -> int | None:
     )
 
 
-def _sample_dimension(arrays: Mapping[str, Any], axis: int) -> str | None:
-    """The dimension most arrays name at ``axis`` (ties: the first path's), among arrays of
-    more than one axis with dimension names, preferring dimensions no such array names at
-    another index (``None`` when none has any). A WeatherBench2-like store whose static fields
+def _sample_dimension(zstore: Any, arrays: Mapping[str, Any], axis: int) -> str | None:
+    """The dimension most arrays name at ``axis``, among arrays of more than one axis with
+    dimension names, preferring dimensions no such array names at another index (``None``
+    when none has any). A WeatherBench2-like store whose static fields
     ``(latitude, longitude)`` outnumber its ``(time, latitude, longitude)`` arrays samples
     along ``time``: ``latitude`` is a field axis of those arrays, so it cannot be the sample
-    dimension, whichever arrays are named and in whatever order."""
+    dimension, whichever arrays are named and in whatever order.
+
+    Ties go to a dimension whose coordinate holds times (CF ``units`` "... since ...", or
+    datetimes): one ``(time, lat, lon)`` array beside one ``(soil_level, lat, lon)`` static
+    samples along ``time`` in either order; then to the first path's dimension."""
     counts: dict[str, int] = {}
     elsewhere: set[str] = set()
-    for array in arrays.values():
+    first_path: dict[str, str] = {}
+    for path, array in arrays.items():
         dims = _zarr_compat.array_dimension_names(array)
         if dims is not None and array.ndim > 1 and -len(dims) <= axis < len(dims):
             at = axis % len(dims)
             counts[dims[at]] = counts.get(dims[at], 0) + 1
+            first_path.setdefault(dims[at], path)
             elsewhere.update(d for i, d in enumerate(dims) if i != at)
     alone = {d: n for d, n in counts.items() if d not in elsewhere} or counts
-    return max(alone, key=lambda d: alone[d]) if alone else None
+    if not alone:
+        return None
+    most = max(alone.values())
+    tied = [d for d, n in alone.items() if n == most]
+    if len(tied) > 1:
+        timed = [d for d in tied if _holds_times(zstore, first_path[d], d)]
+        if timed:
+            return timed[0]
+    return tied[0]
+
+
+def _holds_times(zstore: Any, path: str, dim: str) -> bool:
+    """Whether the coordinate ``dim`` of the array at ``path`` (found as
+    :func:`~insitubatch_nodes.io.coords.candidate_paths` looks for it) holds times."""
+    for coord in _zarr_compat.open_arrays_by_name(zstore, candidate_paths(path, dim)):
+        if coord is not None and coord.ndim == 1:
+            return np.dtype(coord.dtype).kind == "M" or is_cf_time(dict(coord.attrs))
+    return False
 
 
 def _geometry(
@@ -200,7 +223,7 @@ def open_geometries(
     coordinates = FieldCoordinates(zstore)
     first_axis = default_axis[0] if isinstance(default_axis, tuple) else default_axis
     sample_dim = (
-        _sample_dimension(arrays, first_axis) if isinstance(first_axis, int) else first_axis
+        _sample_dimension(zstore, arrays, first_axis) if isinstance(first_axis, int) else first_axis
     )
     return {
         path: _geometry(path, array, axes.get(path, default_axis), coordinates, sample_dim)

@@ -106,7 +106,8 @@ MISSING_OFFSET: int = int(np.iinfo(np.int64).min)
 """:func:`time_offsets` of a missing time (``NaT`` / ``None``): ``NaT``'s own ``int64`` pattern."""
 
 
-def _is_cf_time(attrs: Mapping[str, Any]) -> bool:
+def is_cf_time(attrs: Mapping[str, Any]) -> bool:
+    """Whether ``attrs`` are a CF time coordinate's (``units`` like ``hours since 2000-01-01``)."""
     units = attrs.get("units")
     return isinstance(units, str) and bool(_UNITS_RE.match(units))
 
@@ -170,7 +171,7 @@ def _decode_time(
             "from the values"
         )
     m = _UNITS_RE.match(units)
-    assert m is not None  # _is_cf_time checked it
+    assert m is not None  # is_cf_time checked it
     word = m["unit"].lower()
     word = word if word.endswith("s") else word + "s"
     unit = _TIME_UNITS.get(word)
@@ -267,14 +268,14 @@ def decode_cf(
     if (
         scale is not None
         or offset is not None
-        or (missing is not None and values.dtype.kind != "f" and not _is_cf_time(attrs))
+        or (missing is not None and values.dtype.kind != "f" and not is_cf_time(attrs))
     ):  # (integer CF times stay integers: nanosecond counts do not fit a float exactly)
         values = values.astype(np.float64)
         if scale is not None:
             values = values * float(scale)
         if offset is not None:
             values = values + float(offset)
-    if _is_cf_time(attrs):
+    if is_cf_time(attrs):
         return _decode_time(values, missing, str(attrs["units"]), attrs.get("calendar"), name)
     if missing is not None and missing.any():
         values = values.astype(np.float64 if values.dtype.itemsize > 4 else np.float32)
