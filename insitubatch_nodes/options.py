@@ -54,7 +54,8 @@ class FetchOptions:
     * ``on_bad_chunk`` (``"raise"``): ``"raise"`` or ``"nan"`` (see ``insitu_pipeline``);
     * ``report`` (``True``): measure every epoch for the epoch report;
     * ``direct`` (``None``: decided from the budget): decode chunks read by one row straight
-      into the batch (``True``/``False`` force it);
+      into the batch (``True``/``False`` force it; ``False`` still keeps a split that fits, as
+      ``None`` does, and ``True`` never keeps one);
     * ``prefetch_depth`` (2): finished batches the prefetch stage keeps ready, a positive
       integer;
     * ``trace`` (``False``): also record every epoch's spans, per thread, for
