@@ -394,21 +394,7 @@ def test_the_schedule_floors_bound_every_strided_epoch(tmp_path: Path) -> None:
     hours[200:] += 1  # a gap
     steps = SampleSteps(403, ticks=hours, unit=np.timedelta64(1, "h"))
     m = split_by_chunk(g, (1.0, 0.0, 0.0)).with_steps(steps)
-    for stride in (3, 13, "6h"):
-        for shift in (1, 9):
-            views = {"x": g, "y": g.shift(shift)}
-            for bs, bc, world in ((7, 3, 1), (4, 2, 2), (5, 8, 3)):
-                config = PlanConfig(stride=stride, batch_size=bs, block_chunks=bc,
-                                    world_size=world)  # fmt: skip
-                floors = schedule_floors(m, views, config)
-                for epoch in (0, 1):
-                    for rank in range(world):
-                        cfg = config.for_rank(rank, world)
-                        for gap, bound in ((None, floors.read_once),
-                                           (floors.pin_gap, floors.bounded)):  # fmt: skip
-                            plan = plan_epoch(m, views, cfg, epoch=epoch, pin_gap=gap)
-                            got = working_set_bytes(plan, {"t": g})[0]
-                            assert got <= bound, (stride, shift, bs, bc, world, epoch, gap)
+    _assert_the_floors_bound_every_strided_epoch(m, g, {"t": g}, ((7, 3, 1), (4, 2, 2), (5, 8, 3)))
 
 
 def test_the_schedule_floors_bound_every_strided_epoch_of_patched_views(tmp_path: Path) -> None:
@@ -423,10 +409,21 @@ def test_the_schedule_floors_bound_every_strided_epoch_of_patched_views(tmp_path
     steps = SampleSteps(203, ticks=hours, unit=np.timedelta64(1, "h"))
     m = split_by_chunk(g, (1.0, 0.0, 0.0)).with_steps(steps)
     patched = g.patches({1: 2, 2: 3})
+    _assert_the_floors_bound_every_strided_epoch(
+        m, patched, {"t": unit_geometry(g)}, ((3, 3, 1), (2, 2, 2), (5, 8, 3))
+    )
+
+
+def _assert_the_floors_bound_every_strided_epoch(
+    m: Any, view: Any, slot_geoms: dict[str, Any], shapes: tuple[tuple[int, int, int], ...]
+) -> None:
+    """Every epoch's working set (both schedules, every rank, strides in samples and in time,
+    ``view`` beside a shift of it) within :func:`schedule_floors`' bound, for each
+    ``(batch_size, block_chunks, world_size)`` of ``shapes``."""
     for stride in (3, 13, "6h"):
         for shift in (1, 9):
-            views = {"x": patched, "y": patched.shift(shift)}
-            for bs, bc, world in ((3, 3, 1), (2, 2, 2), (5, 8, 3)):
+            views = {"x": view, "y": view.shift(shift)}
+            for bs, bc, world in shapes:
                 config = PlanConfig(stride=stride, batch_size=bs, block_chunks=bc,
                                     world_size=world)  # fmt: skip
                 floors = schedule_floors(m, views, config)
@@ -436,7 +433,7 @@ def test_the_schedule_floors_bound_every_strided_epoch_of_patched_views(tmp_path
                         for gap, bound in ((None, floors.read_once),
                                            (floors.pin_gap, floors.bounded)):  # fmt: skip
                             plan = plan_epoch(m, views, cfg, epoch=epoch, pin_gap=gap)
-                            got = working_set_bytes(plan, {"t": unit_geometry(g)})[0]
+                            got = working_set_bytes(plan, slot_geoms)[0]
                             assert got <= bound, (stride, shift, bs, bc, world, epoch, gap)
 
 
