@@ -98,14 +98,17 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self.told_len = self.next_len()
         return self.told_len
 
-    def _drop_overtaken_state(self) -> None:
-        """Forget a pending state whose epoch ``epoch_fn`` has moved past (see the class)."""
+    def _drop_overtaken_state(self) -> bool:
+        """Forget a pending state whose epoch ``epoch_fn`` has moved past (see the class);
+        whether one was forgotten."""
         if self._pending is None or self.epoch_fn is None:
-            return
+            return False
         epoch = int(self.epoch_fn())
-        if epoch > self.plan.resumed_epoch(plan_state(self._pending)):
-            self._pending = None
-            self.plan.set_epoch(epoch)
+        if epoch <= self.plan.resumed_epoch(plan_state(self._pending)):
+            return False
+        self._pending = None
+        self.plan.set_epoch(epoch)
+        return True
 
     def next_len(self) -> int:
         """``len(self)`` without recording it as told."""
@@ -135,11 +138,11 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state as of the last batch delivered (rank-independent)."""
-        self._drop_overtaken_state()
+        dropped = self._drop_overtaken_state()
         if self._pending is not None:
             return self._pending
         start = getattr(self.pipeline, "start_state", None)
-        if not self._iterated and callable(start):
+        if (dropped or not self._iterated) and callable(start):
             # Asking torchdata's Loader would start the pipeline (and pin its epoch) just to
             # report "before the first batch": say it directly instead, where the graph can.
             epoch = int(self.epoch_fn()) if self.epoch_fn is not None else self.plan.next_epoch
