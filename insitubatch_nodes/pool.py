@@ -560,7 +560,11 @@ class ChunkPool:
             entry.slot_returned = True
             self.stats.resident_bytes -= entry.nbytes
             if entry.recycle:
-                self._recycle(entry.slot)
+                if self.cache is not None and self.cache.closed:  # closed: unmap, keep nothing
+                    self._allocated -= entry.slot.nbytes
+                    self.backing.release(entry.slot)
+                else:
+                    self._recycle(entry.slot)
                 return
             self._allocated -= entry.nbytes  # a file's mapping: unmapped once unreferenced
             if entry.file is not None and self.cache is not None:

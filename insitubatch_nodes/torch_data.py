@@ -65,6 +65,9 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     Each item is ``transform(batch)`` — by default :func:`~insitubatch_nodes.batch.to_torch`
     (``{label: tensor}``). ``epoch_fn``, when given, is asked for the epoch at every fresh
     ``iter()`` (e.g. a trainer's ``current_epoch``), so the permutation follows the trainer.
+    A loaded state resumes its own epoch unless ``epoch_fn`` is already past it (a trainer
+    stopped mid-epoch by ``should_stop`` counts that epoch as done and resumes at the next):
+    the state is then dropped and the trainer's epoch starts from its first batch.
     """
 
     def __init__(
@@ -95,8 +98,21 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self.told_len = self.next_len()
         return self.told_len
 
+    def _drop_overtaken_state(self) -> bool:
+        """Forget a pending state whose epoch ``epoch_fn`` has moved past (see the class);
+        whether one was forgotten."""
+        if self._pending is None or self.epoch_fn is None:
+            return False
+        epoch = int(self.epoch_fn())
+        if epoch <= self.plan.resumed_epoch(plan_state(self._pending)):
+            return False
+        self._pending = None
+        self.plan.set_epoch(epoch)
+        return True
+
     def next_len(self) -> int:
         """``len(self)`` without recording it as told."""
+        self._drop_overtaken_state()
         if self._pending is not None:
             return self.plan.resumed_len(plan_state(self._pending))
         if hasattr(self.pipeline, "__len__"):
@@ -107,6 +123,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError(_WORKERS_REFUSED)
         self._iterated = True
+        self._drop_overtaken_state()
         if self._pending is not None:
             self._loader.load_state_dict(self._pending)
             self._pending = None
@@ -121,10 +138,11 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state as of the last batch delivered (rank-independent)."""
+        dropped = self._drop_overtaken_state()
         if self._pending is not None:
             return self._pending
         start = getattr(self.pipeline, "start_state", None)
-        if not self._iterated and callable(start):
+        if (dropped or not self._iterated) and callable(start):
             # Asking torchdata's Loader would start the pipeline (and pin its epoch) just to
             # report "before the first batch": say it directly instead, where the graph can.
             epoch = int(self.epoch_fn()) if self.epoch_fn is not None else self.plan.next_epoch

@@ -25,7 +25,7 @@ import zarr
 from cache_child import CALLS, AddConstant, digest
 from helpers import counting_store, write_era5
 
-from insitubatch_nodes import applies, open_geometries, split_by_chunk
+from insitubatch_nodes import Loader, applies, open_geometries, split_by_chunk
 from insitubatch_nodes import insitu_pipeline as _insitu_pipeline
 from insitubatch_nodes.cache.files import LOG_NAME, chunk_file_name
 from insitubatch_nodes.cache.lock import LOCK_NAME
@@ -932,3 +932,36 @@ def test_a_writer_on_a_read_only_cache_dir_is_told_to_pass_readonly_cache(
         reader.close()
     finally:
         os.chmod(writable, 0o755)
+
+
+@pytest.mark.parametrize("batches", [1, 2])
+def test_a_spill_directory_closed_mid_epoch_is_free_at_once(tmp_path: Path, batches: int) -> None:
+    """Closed a batch or two into an epoch, with fills still in flight: before, those fills
+    landed after the pool had dropped its free slots and put their mapped spill files back on
+    that list, so the directory stayed locked until the pipeline object was collected (and
+    ``close()`` waited its 2 s for the mappings first)."""
+    import fcntl
+
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w")
+    array = group.create_array(
+        "t2m", shape=(97, 3, 5), chunks=(4, 3, 5), dtype="<f4",
+        dimension_names=["time", "lat", "lon"],
+    )  # fmt: skip
+    array[:] = np.random.default_rng(1).standard_normal((97, 3, 5)).astype("<f4")
+    g = open_geometries(str(root), ["t2m"])["t2m"]
+    cache = tmp_path / "spill"
+    pipe = _insitu_pipeline(
+        str(root), split_by_chunk(g, (0.8, 0.2, 0.0)), {"x": g.window([-2, 0]), "y": g.shift(3)},
+        batch_size=5, block_chunks=2, seed=7, stride=2, cache_dir=cache,
+    )  # fmt: skip
+    batches_of = iter(Loader(pipe))
+    for _ in range(batches):
+        next(batches_of)
+    pipe.close()
+    fd = os.open(cache / LOCK_NAME, os.O_RDWR)
+    try:  # another open file description: conflicts with any flock still held here
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(fd)
+    assert pipe.stages.pool.stats.resident_bytes == 0

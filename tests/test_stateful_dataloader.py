@@ -193,3 +193,30 @@ def test_a_dataloader_that_would_batch_the_batches_again_says_to_pass_batch_size
         assert next(iter(as_dataset(pipe)))["x"].shape[0] == pipe_config(store)["batch_size"]
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("iterated", [False, True], ids=["fresh", "iterated"])
+def test_a_state_whose_epoch_epoch_fn_has_moved_past_starts_that_later_epoch_whole(
+    store: Path, reference: list[dict], iterated: bool
+) -> None:
+    """A trainer that counts a stopped epoch as done (Lightning's ``should_stop``) asks for the
+    next one: the loaded state's tail is not replayed under the later epoch's number."""
+    cfg = pipe_config(store)
+    pipe = build_pipeline(cfg)
+    trainer_epoch = 0
+    dataset = as_dataset(pipe, transform=indexed_transform, epoch_fn=lambda: trainer_epoch)
+    loader = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    it = iter(loader)
+    for _ in range(4):
+        next(it)
+    state = loader.state_dict()  # epoch 0, after 4 batches
+    if not iterated:
+        pipe.close()
+        pipe = build_pipeline(cfg)
+        dataset = as_dataset(pipe, transform=indexed_transform, epoch_fn=lambda: trainer_epoch)
+        loader = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    trainer_epoch = 1
+    loader.load_state_dict(state)
+    assert len(loader) == N_BATCHES
+    assert [record_item(i) for i in loader] == as_items(reference[N_BATCHES : 2 * N_BATCHES])
+    pipe.close()

@@ -10,6 +10,7 @@ where there was none, appends samples — and checks what a later run gets: the 
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import warnings
 from collections.abc import Callable
@@ -21,7 +22,7 @@ import pytest
 import zarr
 from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.cache.identity import IDENTITY_NAME, HeadLister, lister_for
 from insitubatch_nodes.errors import StaleCacheError
 
@@ -266,3 +267,44 @@ def test_an_object_rewritten_on_s3_is_refetched_and_a_readonly_reader_names_it(
     # the same bytes uploaded again: a new last-modified, the same ETag — still valid
     client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=(root / key).read_bytes())
     assert run(pipeline(open_store(url, **s3_options), cache), None)["gets"] == 0
+
+
+@pytest.mark.parametrize("wrapped", [False, True], ids=["folder", "wrapper"])
+def test_a_local_object_rewritten_in_place_with_the_same_size_is_refetched(
+    tmp_path: Path, wrapped: bool
+) -> None:
+    """``cp new old`` (and any writer that truncates and writes) keeps a file's inode and, for an
+    uncompressed chunk, its size: only the mtime says it changed. Before, a local folder's
+    objects were compared by size and inode alone, and the old values were served."""
+    root = tmp_path / "plain.zarr"
+    group = zarr.open_group(root, mode="w")
+    array = group.create_array(
+        "t2m", shape=(16, 3), chunks=(4, 3), dtype="<f4", compressors=None,
+        dimension_names=["time", "x"],
+    )  # fmt: skip
+    array[:] = np.arange(48, dtype="<f4").reshape(16, 3)
+    cache = tmp_path / "cache"
+
+    def epoch() -> tuple[np.ndarray, dict[str, int]]:
+        store = counting_store(root) if wrapped else open_store(str(root))
+        g = open_geometries(store, ["t2m"])["t2m"]
+        manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+        with insitu_pipeline(
+            store, manifest, {"x": g}, batch_size=4, shuffle=False, cache_dir=cache,
+            persist=True, coords=(),
+        ) as pipe:  # fmt: skip
+            rows = np.concatenate([b.arrays["x"] for b in Loader(pipe)])
+            return rows, pipe.stats()
+
+    epoch()
+    key = root / "t2m" / "c" / "2" / "0"
+    before = key.stat()
+    with open(key, "r+b") as f:  # in place: same inode, same size, new bytes
+        f.write((np.arange(12, dtype="<f4") + 1000).tobytes())
+    os.utime(key, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))  # a second later
+    after = key.stat()
+    assert (after.st_ino, after.st_size) == (before.st_ino, before.st_size)
+    rows, stats = epoch()
+    np.testing.assert_array_equal(rows, zarr.open_array(root / "t2m", mode="r")[:])
+    assert stats["gets"] == 1
+    assert epoch()[1]["gets"] == 0  # refetched with its new identity: trusted again

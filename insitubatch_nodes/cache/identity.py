@@ -28,8 +28,9 @@ prefix once (obstore ``list``: one LIST request per 1,000 objects on S3; ``os.sc
 array's folder locally, one ``stat`` per file) and compares the listing with the recorded rows,
 vectorised over sorted keys. A chunk is stale when one of its objects
 
-* changed — another size, or another ETag (obstore) / mtime or inode (local files); an object
-  rewritten with the same bytes keeps its S3 ETag and stays valid;
+* changed — another size, or another ETag (obstore) / another mtime or inode (local files: a
+  file rewritten in place keeps its inode); an object rewritten with the same bytes keeps its
+  S3 ETag and stays valid;
 * is missing — recorded present, not listed;
 * is new — recorded absent, listed now;
 * has no recorded identity (a cache warmed by a version that did not record, or through another
@@ -49,7 +50,8 @@ cannot be identified at all (a zarr ``MemoryStore``, ``FsspecStore`` or ``ZipSto
 refused for a persistent cache (``ValueError`` at construction) unless ``check_store=False``
 says the store is known not to change. A listing that fails (a network error) trusts the
 cache for that run with a warning naming why. What is not caught: a file rewritten in place
-with the same size within one tick of the file system's clock (mtime and inode unchanged),
+with the same size within one tick of the file system's clock, or whose mtime was set back
+(mtime and inode unchanged),
 and an object a web server serves rewritten with the same size within the same second
 (nginx's ``ETag`` is its ``Last-Modified`` second and its size).
 """
@@ -119,10 +121,15 @@ class Listing:
     sizes: np.ndarray  # int64
     tags: np.ndarray  # str ("" when the store gives none)
     mtimes: np.ndarray  # int64 (-1 when the store gives none)
+    # bool: the mtime counts beside the tag (a local file, whose tag is its inode: a file
+    # rewritten in place keeps it); False for an ETag, which alone decides (same bytes, same tag)
+    dated: np.ndarray
 
     @classmethod
-    def build(cls, keys: list[str], sizes: Any, tags: Any, mtimes: Any) -> Listing:
-        """Columns in any order, sorted here by key."""
+    def build(
+        cls, keys: list[str], sizes: Any, tags: Any, mtimes: Any, dated: Any = False
+    ) -> Listing:
+        """Columns in any order, sorted here by key (``dated``: one flag for all, or one each)."""
         k = np.array(keys, dtype=str)
         order = np.argsort(k, kind="stable")
         return cls(
@@ -130,6 +137,7 @@ class Listing:
             np.asarray(sizes, dtype=np.int64)[order],
             np.asarray(tags).astype(str)[order],
             np.asarray(mtimes, dtype=np.int64)[order],
+            np.broadcast_to(np.asarray(dated, dtype=bool), k.shape)[order],
         )
 
 
@@ -165,7 +173,7 @@ class LocalLister:
                         sizes.append(info.st_size)
                         inodes.append(info.st_ino)
                         mtimes.append(info.st_mtime_ns)
-        return Listing.build(keys, sizes, np.array(inodes, dtype=np.uint64), mtimes)
+        return Listing.build(keys, sizes, np.array(inodes, dtype=np.uint64), mtimes, True)
 
 
 class ObstoreLister:
@@ -241,7 +249,8 @@ class RoutedLister:
         head = f"s{index}/"
         mine = [k[len(head) :] for k in keys_recorded if k.startswith(head)]
         inner = self.listers[index].list(rest, mine)
-        return Listing(np.char.add(head, inner.keys), inner.sizes, inner.tags, inner.mtimes)
+        keys = np.char.add(head, inner.keys)
+        return Listing(keys, inner.sizes, inner.tags, inner.mtimes, inner.dated)
 
     def prefixes(self, paths: Iterable[str]) -> tuple[str, ...]:
         """The prefixes to list for objects below ``paths``: one per routed store, the folder
@@ -491,6 +500,7 @@ class StoreCheck:
                     np.concatenate([li.sizes for li in listings]),
                     np.concatenate([li.tags for li in listings]),
                     np.concatenate([li.mtimes for li in listings]),
+                    np.concatenate([li.dated for li in listings]),
                 )  # fmt: skip
             except Exception as exc:  # NotSupported, a denied ListBucket, a network error
                 report.chunks.clear()
@@ -524,12 +534,16 @@ class StoreCheck:
             if listed:
                 found = listing.keys[at] == keys
                 l_size, l_tag, l_mtime = listing.sizes[at], listing.tags[at], listing.mtimes[at]
+                dated = listing.dated[at]
             else:
                 found = np.zeros(len(keys), dtype=bool)
                 l_size, l_tag, l_mtime = size, tags, mtime
+                dated = found
             absent = size == _ABSENT
             tagged = (tags != "") & (l_tag != "")
+            # an ETag decides alone; an inode (a local file) with its mtime: in place, it stays
             differ = (l_size != size) | np.where(tagged, l_tag != tags, l_mtime != mtime)
+            differ |= dated & (l_mtime != mtime)
             for mask, why in (
                 (~absent & found & differ, "changed"),
                 (~absent & ~found, "deleted"),

@@ -480,6 +480,11 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             self._epoch_len = self._draw(0, None).n_batches
         return self._epoch_len
 
+    def resumed_epoch(self, state: Mapping[str, Any]) -> int:
+        """The epoch ``reset(state)`` continues (the next one for a state taken at an end)."""
+        self.check_state(state)
+        return self._resolve(state)[0]
+
     def resumed_len(self, state: Mapping[str, Any]) -> int:
         """The length :meth:`__len__` reports once ``reset(state)`` has run (nothing changes)."""
         self.check_state(state)
