@@ -47,6 +47,7 @@ import numpy as np
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import kept_axes, view_keys
 
 __all__ = [
     "FORCINGS",
@@ -354,8 +355,8 @@ def grid_of(view: ArrayGeometry) -> tuple[np.ndarray, np.ndarray]:
     if dims is None or view.coordinates is None:
         raise ValueError(f"{view.path}: no dimension names or coordinates to find its grid by")
     field = [dims[a] for a in view.field_axes]
-    keys = view.select.keys if view.select is not None else (None,) * len(field)
-    kept = [(name, key) for name, key in zip(field, keys, strict=True) if not isinstance(key, int)]
+    keys = view_keys(view)
+    kept = [(field[i], keys[i]) for i in kept_axes(keys)]
     if len(kept) < 2:
         raise ValueError(f"{view.path}: the view keeps fewer than two field axes")
     first, second = (name.lower() for name, _ in kept[-2:])
@@ -368,5 +369,5 @@ def grid_of(view: ArrayGeometry) -> tuple[np.ndarray, np.ndarray]:
     out = []
     for name, key in kept[-2:]:
         values = np.asarray(view.coordinates(view.base, name), dtype=np.float64)
-        out.append(values if key is None else values[list(key)])
+        out.append(values if key is None else values[np.asarray(key)])
     return out[0], out[1]

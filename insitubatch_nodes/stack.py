@@ -39,6 +39,7 @@ import numpy as np
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
+from insitubatch_nodes.io.selection import kept_axes, view_keys
 
 
 class Statistics(Protocol):
@@ -322,9 +323,7 @@ def forcing_window(name: str, first: ArrayGeometry) -> tuple[tuple[int, ...], tu
     length along the cut axes). ``ValueError`` when the patches cut another axis."""
     spec = first.patch
     assert spec is not None
-    keys = first.select.keys if first.select is not None else (None,) * len(first.field_axes)
-    kept = [a for a, k in zip(first.field_axes, keys, strict=True) if not isinstance(k, int)]
-    grid_axes = kept[-2:]
+    grid_axes = [first.field_axes[i] for i in kept_axes(view_keys(first))][-2:]
     shape = list(first.inner_shape[len(first.inner_shape) - len(grid_axes) :])
     axes = []
     for axis, n in zip(spec.axes_of(first.dims), spec.field, strict=True):
@@ -371,10 +370,7 @@ def _grid_dims(view: ArrayGeometry, field_ndim: int) -> tuple[str, ...] | None:
     """The dimension names of the view's field (its last ``field_ndim`` kept axes), if known."""
     if view.dims is None:
         return None
-    keys = view.select.keys if view.select is not None else (None,) * len(view.field_axes)
-    kept = [
-        view.dims[a] for a, k in zip(view.field_axes, keys, strict=True) if not isinstance(k, int)
-    ]
+    kept = [view.dims[view.field_axes[i]] for i in kept_axes(view_keys(view))]
     return tuple(kept[len(kept) - field_ndim :])
 
 

@@ -42,7 +42,7 @@ import numpy as np
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.selection import Selection
+from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
 from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
@@ -126,7 +126,7 @@ class Statistics:
 
     def _check_channels(self, label: str, view: ArrayGeometry, shape: tuple[int, ...]) -> None:
         field = view.field_shape
-        mine = _channel_keys(field, _keys(_unmoved(view)))
+        mine = _channel_keys(field, view_keys(_unmoved(view)))
         fitted = self.dataset.get("views", {}).get(label)
         keys = None if fitted is None else fitted.get("select") or [None] * len(field)
         theirs = None
@@ -137,7 +137,7 @@ class Statistics:
             raise ValueError(
                 f"statistics of {label!r} were fitted on other channels than {view!r} has "
                 f"(shape {shape}, selection {keys}; the view: {_channels(view.inner_shape)}, "
-                f"{list(_keys(view))}): fit them on the view's levels, in its order, under "
+                f"{list(view_keys(view))}): fit them on the view's levels, in its order, under "
                 "its name"
             )
 
@@ -475,9 +475,7 @@ def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
     if view.patch is not None:
         spec = view.patch
         view = dataclasses.replace(view, patch=None)
-        kept = [
-            a for a, k in zip(view.field_axes, _keys(view), strict=True) if not isinstance(k, int)
-        ]
+        kept = [view.field_axes[i] for i in kept_axes(view_keys(view))]
         channel_axes = [a for a in spec.axes if a in kept[: max(0, len(kept) - 2)]]
         if channel_axes:
             raise ValueError(
@@ -492,7 +490,8 @@ def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
         }
         if boxed:
             keys = tuple(
-                tuple(range(*boxed[i])) if i in boxed else key for i, key in enumerate(_keys(view))
+                tuple(range(*boxed[i])) if i in boxed else key
+                for i, key in enumerate(view_keys(view))
             )
             view = dataclasses.replace(view, select=Selection(keys))
     return view.shift(-view.offset) if view.offset else view
@@ -501,18 +500,13 @@ def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
 def _channel_keys(field_shape: Sequence[int], keys: Sequence[Any]) -> list[Any]:
     """``keys`` (a selection key per field axis) without the grid's (the last two kept axes),
     a key taking a whole axis in order as ``None``: what says which channel is which."""
-    kept = [i for i, k in enumerate(keys) if not isinstance(k, int)]
+    kept = kept_axes(keys)
     grid = set(kept[max(0, len(kept) - 2) :])
     return [
         None if k == tuple(range(n)) else k
         for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))
         if i not in grid
     ]
-
-
-def _keys(view: ArrayGeometry) -> tuple[Any, ...]:
-    """The view's selection key per field axis (``None`` everywhere when it selects none)."""
-    return view.select.keys if view.select is not None else (None,) * len(view.field_axes)
 
 
 def _to_json(values: np.ndarray) -> Any:

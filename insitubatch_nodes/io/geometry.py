@@ -51,7 +51,13 @@ from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
 from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
-from insitubatch_nodes.io.selection import Selection, axis_key, label_positions
+from insitubatch_nodes.io.selection import (
+    Selection,
+    axis_key,
+    kept_axes,
+    label_positions,
+    view_keys,
+)
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
@@ -554,8 +560,8 @@ class ArrayGeometry:
         object is decoded once into the pool (whole) and the batch receives the selection only.
         """
         refuse_on_product(self, "isel()/sel()")
-        current = self.select.keys if self.select is not None else (None,) * len(self.field_axes)
-        kept = [i for i, k in enumerate(current) if not isinstance(k, int)]
+        current = view_keys(self)
+        kept = kept_axes(current)
         keys: list[Any] = [None] * len(kept)
         for name, key in indexers.items():
             i = self._field_dim(name)

@@ -44,7 +44,9 @@ __all__ = [
     "held_by_path",
     "held_geometry",
     "held_indices",
+    "kept_axes",
     "slot_index",
+    "view_keys",
 ]
 
 AxisKey = int | tuple[int, ...] | None
@@ -87,6 +89,18 @@ class Selection:
     def describe(self) -> list[Any]:
         """A plain-Python description (for a saved state's configuration check)."""
         return [k if k is None or isinstance(k, int) else list(k) for k in self.keys]
+
+
+def view_keys(view: Any) -> tuple[AxisKey, ...]:
+    """A view's (an :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`'s) selection key per
+    field axis: its selection's, or ``None`` (the whole axis) for each without one."""
+    return view.select.keys if view.select is not None else (None,) * len(view.field_axes)
+
+
+def kept_axes(keys: Sequence[AxisKey]) -> list[int]:
+    """The field axes (positions in ``keys``) a selection keeps, in order: all but those an
+    integer key drops. The last two of them are a view's grid."""
+    return [i for i, k in enumerate(keys) if not isinstance(k, int)]
 
 
 def axis_key(name: str, key: Any, length: int) -> AxisKey:
