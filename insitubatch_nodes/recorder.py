@@ -345,39 +345,32 @@ class EpochRecorder:
         """The counters, levels and spans as of ``now`` (one dict copy and a few numbers: a
         few us per batch)."""
         with self._lock:
-            trace = None if self.trace is None else self.trace.mark()
-            return _Mark(
-                now,
-                dict(self.totals),
-                self._inflight.snapshot(now),
-                (self._inflight.peak, self._depth.peak),
-                int(self.pool.stats.evictions),
-                time.process_time(),
-                _usage(),
-                trace,
-            )
+            return self._mark_locked(now)
+
+    def _mark_locked(self, now: float) -> _Mark:
+        trace = None if self.trace is None else self.trace.mark()
+        return _Mark(
+            now,
+            dict(self.totals),
+            self._inflight.snapshot(now),
+            (self._inflight.peak, self._depth.peak),
+            int(self.pool.stats.evictions),
+            time.process_time(),
+            _usage(),
+            trace,
+        )
 
     def _build(self, ep: dict[str, Any], complete: bool) -> EpochReport:
-        if complete:  # as of its last batch (see finalize)
-            m = ep["mark"]
-            end, totals, inflight, peaks = m.end, m.totals, m.inflight, m.peaks
-            evictions, cpu, usage = m.evictions, m.cpu, m.usage
-            spans = None
-            trace = self.trace
-            if trace is not None:
-                with self._lock:
-                    spans = trace.take(upto=m.trace)
-        else:
-            end = _now()
-            with self._lock:
-                inflight = self._inflight.snapshot(end)
-                peaks = self._inflight.peak, self._depth.peak
-                totals = dict(self.totals)
-                trace = self.trace
-                spans = None
-                if trace is not None:  # the spans that go with these counters
-                    spans = trace.take(keep=True)
-            evictions, cpu, usage = int(self.pool.stats.evictions), time.process_time(), _usage()
+        trace = self.trace
+        with self._lock:
+            if complete:  # as of its last batch (see finalize)
+                m = ep["mark"]
+                spans = None if trace is None else trace.take(upto=m.trace)
+            else:  # in progress: as of now, with the spans that go with these counters
+                m = self._mark_locked(_now())
+                spans = None if trace is None else trace.take(keep=True)
+        end, totals, inflight, peaks = m.end, m.totals, m.inflight, m.peaks
+        evictions, cpu, usage = m.evictions, m.cpu, m.usage
         wall = max(end - ep["t0"], 1e-9)
         d = {k: totals[k] - ep["totals0"][k] for k in _CUMULATIVE}
         r = EpochReport(
