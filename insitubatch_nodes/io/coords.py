@@ -31,12 +31,10 @@ calendar: what strides and windows given as time deltas compare.
 
 from __future__ import annotations
 
-import base64
 import datetime as _dt
 import logging
 import math
 import re
-import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,6 +52,8 @@ from insitubatch_nodes.io.calendars import (
     decode_with_cftime,
     elapsed_ticks,
 )
+from insitubatch_nodes.io.cf import UNITS_RE as _UNITS_RE
+from insitubatch_nodes.io.cf import encoded_fills, is_cf_time, missing_mask
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 
@@ -90,7 +90,6 @@ _NS_PER: dict[str, int] = {
     "h": 3600 * 10**9,
     "D": 86400 * 10**9,
 }
-_UNITS_RE = re.compile(r"^\s*(?P<unit>[A-Za-z]+)\s+since\s+(?P<ref>.+?)\s*$", re.IGNORECASE)
 _REF_RE = re.compile(
     r"^(?P<y>\d{1,4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})"
     r"(?:[T ]+(?P<h>\d{1,2})(?::(?P<mi>\d{1,2})(?::(?P<s>\d{1,2})(?P<frac>\.\d*)?)?)?)?"
@@ -104,12 +103,6 @@ _NS_LAST_S = np.datetime64("2262-04-11T23:47:15", "s")
 
 MISSING_OFFSET: int = int(np.iinfo(np.int64).min)
 """:func:`time_offsets` of a missing time (``NaT`` / ``None``): ``NaT``'s own ``int64`` pattern."""
-
-
-def is_cf_time(attrs: Mapping[str, Any]) -> bool:
-    """Whether ``attrs`` are a CF time coordinate's (``units`` like ``hours since 2000-01-01``)."""
-    units = attrs.get("units")
-    return isinstance(units, str) and bool(_UNITS_RE.match(units))
 
 
 def _parse_reference(ref: str, units: str, name: str) -> tuple[str, int]:
@@ -230,21 +223,6 @@ def _decode_datetime64(
     return out.astype("M8[ns]")
 
 
-def _fill_scalar(value: Any, dtype: np.dtype[Any]) -> Any:
-    """A ``_FillValue`` as a number (xarray writes float ones to v3 as base64 of ``<d``)."""
-    if isinstance(value, str) and dtype.kind == "f":
-        special = {"nan": math.nan, "infinity": math.inf, "-infinity": -math.inf}
-        if value.lower() in special:
-            return special[value.lower()]
-        try:
-            return struct.unpack("<d", base64.standard_b64decode(value))[0]
-        except (ValueError, struct.error):
-            return None
-    if isinstance(value, (list, tuple)) or value is None:
-        return None
-    return value
-
-
 def decode_cf(
     raw: np.ndarray, attrs: Mapping[str, Any], fill_value: Any = None, *, name: str = ""
 ) -> np.ndarray:
@@ -256,14 +234,7 @@ def decode_cf(
     values = np.asarray(raw)
     if values.dtype.kind not in "iufb":
         return values.copy()
-    missing: np.ndarray | None = None
-    for fill in (attrs.get("_FillValue", fill_value), attrs.get("missing_value")):
-        for f in np.atleast_1d(np.asarray(fill, dtype=object)) if fill is not None else ():
-            f = _fill_scalar(f, values.dtype)
-            if f is None:
-                continue
-            hit = np.isnan(values) if isinstance(f, float) and math.isnan(f) else values == f
-            missing = hit if missing is None else missing | hit
+    missing = missing_mask(values, encoded_fills(attrs, values.dtype, fill_value))
     scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
     if (
         scale is not None
