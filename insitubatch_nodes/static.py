@@ -89,6 +89,8 @@ def _read_whole(zstore: Any, base: ArrayGeometry, timeout_s: float) -> np.ndarra
         raise error(
             f"cannot read static array {base.path!r} from store {describe_store(zstore)}: {exc}"
         ) from exc
+    if base.cf is not None:  # CF mask and scale, as the engine decodes sampled arrays
+        return base.cf.decode(np.asarray(data))
     return np.ascontiguousarray(data, dtype=base.dtype)
 
 

@@ -123,6 +123,8 @@ def array_fingerprint(
         "output": [list(output.inner_shape), output.dtype.str],
         "transforms": [transform_identity(t) for t in transforms],
     }
+    if source.cf is not None:  # stored values decoded (CF mask and scale): by which rule
+        identity["cf"] = source.cf.fingerprint
     if source.members is not None:  # a collection: which members, of which lengths
         identity["members"] = source.members.fingerprint
     if source.product is not None:  # product sample axes: the blocks' order and slot layout

@@ -11,6 +11,7 @@ import numpy as np
 from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import AxisNames, axis_of
+from insitubatch_nodes.io.cf import CFValues, cf_values
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
 from insitubatch_nodes.io.product import product_view
@@ -96,21 +97,27 @@ def _holds_times(zstore: Any, path: str, dim: str) -> bool:
 
 
 def _geometry(
-    path: str, array: Any, sample_axis: AxisArg, coordinates: Any, sample_dim: str | None
+    path: str,
+    array: Any,
+    sample_axis: AxisArg,
+    coordinates: Any,
+    sample_dim: str | None,
+    mask_and_scale: bool = True,
 ) -> ArrayGeometry:
     if isinstance(sample_axis, tuple):  # product sample axes: static without the first one
-        geom = _geometry(path, array, sample_axis[0], coordinates, sample_dim)
+        geom = _geometry(path, array, sample_axis[0], coordinates, sample_dim, mask_and_scale)
         return geom if geom.static else product_view(geom, sample_axis)
     axis = _axis(path, array, sample_axis)
     static = axis is None
     if not static and sample_dim is not None and isinstance(sample_axis, int):
         dims = _zarr_compat.array_dimension_names(array)
         static = dims is not None and sample_dim not in dims
+    cf = array_cf(array) if mask_and_scale else None
     return ArrayGeometry(
         path=path,
         shape=tuple(int(s) for s in array.shape),
         chunks=_zarr_compat.stored_chunk_shape(array),
-        dtype=in_native_byte_order(array.dtype),
+        dtype=in_native_byte_order(array.dtype) if cf is None else cf.dtype,
         fill_value=array.fill_value,
         sample_axis=0 if axis is None else axis,
         read_chunks=_zarr_compat.read_chunk_shape(array),
@@ -118,6 +125,18 @@ def _geometry(
         metadata=array.metadata,
         static=static,
         coordinates=coordinates,
+        cf=cf,
+    )
+
+
+def array_cf(array: Any) -> CFValues | None:
+    """How the values of the zarr ``array`` decode (:func:`~insitubatch_nodes.io.cf.cf_values`
+    of its attributes, dtype and fill value)."""
+    return cf_values(
+        dict(array.attrs),
+        in_native_byte_order(array.dtype),
+        array.fill_value,
+        int(array.metadata.zarr_format),
     )
 
 
@@ -126,6 +145,7 @@ def open_geometries(
     variables: Sequence[str] | None = None,
     *,
     sample_axis: int | str | Sequence[int | str] | Mapping[str, Any] = 0,
+    mask_and_scale: bool = True,
 ) -> dict[str, ArrayGeometry]:
     """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
     there, keyed by its path.
@@ -170,6 +190,13 @@ def open_geometries(
     :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` (a
     :class:`FieldCoordinates` of this store, read on first use).
 
+    **CF decoding.** With ``mask_and_scale=True`` (the default, as ``xr.open_zarr``) a data
+    array's values are delivered as xarray decodes them: ``_FillValue`` / ``missing_value``
+    masked to NaN, ``scale_factor`` / ``add_offset`` unpacked, in xarray's dtype (``geom.dtype``:
+    ``float64`` for ``int16`` packed with JSON attributes; :mod:`~insitubatch_nodes.io.cf` states
+    the rules, and where v2 integer arrays differ). ``mask_and_scale=False`` delivers the stored
+    values (the raw integers, the fill values) for every array it opens.
+
     Raises :class:`~insitubatch_nodes.errors.ArrayNotFoundError`
     (a ``KeyError`` and a ``FileNotFoundError``) for a name that is no array (saying what was
     looked for, in which store, and which arrays exist) and naming the store when it holds no
@@ -185,6 +212,8 @@ def open_geometries(
         )
     if isinstance(variables, str):
         variables = [variables]
+    if not isinstance(mask_and_scale, bool):
+        raise TypeError(f"mask_and_scale is True or False, got {mask_and_scale!r}")
     zstore = as_store(store)
     axes: dict[str, AxisArg]
     default_axis: AxisArg
@@ -226,7 +255,9 @@ def open_geometries(
         _sample_dimension(zstore, arrays, first_axis) if isinstance(first_axis, int) else first_axis
     )
     return {
-        path: _geometry(path, array, axes.get(path, default_axis), coordinates, sample_dim)
+        path: _geometry(
+            path, array, axes.get(path, default_axis), coordinates, sample_dim, mask_and_scale
+        )
         for path, array in arrays.items()
     }
 
@@ -519,7 +550,7 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
             if error is None:
                 raise
             raise error from exc
-        found = _geometry(path, array, geom.sample_axis, None, None)
+        found = _geometry(path, array, geom.sample_axis, None, None, geom.cf is not None)
         diffs = [
             f"{field} {getattr(found, field)} in the store, {getattr(geom, field)} in the geometry"
             for field in ("shape", "chunks", "read_chunks", "dtype")

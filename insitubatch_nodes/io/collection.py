@@ -58,7 +58,7 @@ import zarr
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.arrays import FieldCoordinates
+from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import SCHEMA_FIELDS, MemberMap, collection_of, member_schema
 from insitubatch_nodes.io.objects import read_documents
@@ -514,7 +514,7 @@ class Collection:
                 "product sample axes every member needs the same lengths along them (open the "
                 "members of each length as a collection of their own)"
             )
-        chunks = _zarr_compat.stored_chunk_shape(ref)
+        chunks, cf = _zarr_compat.stored_chunk_shape(ref), array_cf(ref)
         grid = ProductGrid(axes, ref.shape, chunks, members=len(self.members))
         spc = grid.samples_per_chunk
         members = MemberMap(
@@ -530,7 +530,7 @@ class Collection:
             path=f"{self.name}:{variable}",
             shape=tuple(int(s) for s in ref.shape),  # one member's (the grid spans them all)
             chunks=chunks,
-            dtype=in_native_byte_order(ref.dtype),
+            dtype=in_native_byte_order(ref.dtype) if cf is None else cf.dtype,
             fill_value=ref.fill_value,
             sample_axis=axes[0],
             read_chunks=_zarr_compat.read_chunk_shape(ref),
@@ -538,6 +538,7 @@ class Collection:
             metadata=ref.metadata,
             members=members,
             product=grid,
+            cf=cf,
             coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
         )
 
@@ -550,7 +551,7 @@ class Collection:
         align: int,
         starts: np.ndarray | None = None,
     ) -> ArrayGeometry:
-        chunks = _zarr_compat.stored_chunk_shape(ref)
+        chunks, cf = _zarr_compat.stored_chunk_shape(ref), array_cf(ref)
         members = MemberMap(
             f"{self.name}:{variable}",
             self.members,
@@ -567,7 +568,7 @@ class Collection:
             path=f"{self.name}:{variable}",
             shape=tuple(shape),
             chunks=chunks,
-            dtype=in_native_byte_order(ref.dtype),
+            dtype=in_native_byte_order(ref.dtype) if cf is None else cf.dtype,
             fill_value=ref.fill_value,
             sample_axis=axis,
             read_chunks=_zarr_compat.read_chunk_shape(ref),
@@ -575,6 +576,7 @@ class Collection:
             metadata=ref.metadata,
             members=members,
             coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
+            cf=cf,
         )
 
 

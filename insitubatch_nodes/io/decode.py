@@ -488,6 +488,10 @@ class ChunkDecoder:
         self._geom = geom.base
         fill = geom.fill_value
         self._fill: Any = _zarr_compat.default_fill_value(metadata) if fill is None else fill
+        #: how stored values decode (CF mask and scale), applied as each object is written
+        self._cf = geom.cf
+        if self._cf is not None:
+            self._fill = self._cf.decoded_fill(self._fill)
         if geom.zarr_format == 2:
             self._plan = _plan_v2(metadata, geom.chunks)
         else:
@@ -611,6 +615,37 @@ class ChunkDecoder:
             out[...] = self._fill
             self._stats.filled += 1
             return
+        cf = self._cf
+        if cf is None:
+            self._decode_stored(raw, out, chunk_index, tile)
+        elif cf.in_place:  # masked only: decoded straight into ``out``, then masked there
+            self._decode_stored(raw, out, chunk_index, tile)
+            cf.decode_into(out, out)
+        else:  # stored values aside (a thread's buffer), unpacked into ``out`` in one pass
+            packed = self._packed(out.shape, cf.stored)
+            self._decode_stored(raw, packed, chunk_index, tile)
+            cf.decode_into(packed, out)
+
+    def _packed(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """This thread's buffer for an object's stored values, ``shape`` of ``dtype``."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        buf: np.ndarray | None = getattr(self._local, "packed", None)
+        if buf is None or buf.nbytes < nbytes:
+            old = 0 if buf is None else buf.nbytes
+            buf = self._local.packed = np.empty(max(nbytes, 4096), dtype=_U8)
+            with self._scratch_lock:
+                self._stats.scratch_bytes += buf.nbytes - old
+        return buf[:nbytes].view(dtype).reshape(shape)
+
+    def _decode_stored(
+        self,
+        raw: bytes | memoryview | np.ndarray,
+        out: np.ndarray,
+        chunk_index: int,
+        tile: tuple[int, ...],
+    ) -> None:
+        """Decode the stored values of an object into ``out`` (of the stored dtype, or one
+        they cast to safely)."""
         geom = self._geom
         if geom.product is not None:  # a block's rows in the stored object's axis order
             dest = geom.product.slot_view(out, chunk_index, geom.field_axes, geom.ndim)

@@ -26,11 +26,11 @@ An array's *path* is zarr's own (``array.path``): ``"t2m"``, ``"group/z"``, ``"a
 folders that hold no group metadata, and ``""`` for an array at the store root (written by
 ``zarr.save_array(store, data)`` or tensorstore); ``"/"`` names the root array too.
 
-``ArrayGeometry.dtype`` is the array's dtype in *native byte order*: a zarr v2 array stored
-big-endian (``">f4"``, which zarr's own read returns) has geometry dtype ``float32``. The decoder
-swaps the bytes as it copies each chunk into its slot, so chunk transforms, the persistent cache
-and the batches all see that one native dtype (zarr v3 arrays with a big-endian ``bytes`` codec
-behave the same way); the stored byte order stays in ``metadata``.
+``ArrayGeometry.dtype`` is the dtype of the *decoded* values, in native byte order: ``float32``
+for a big-endian ``">f4"`` array (v2, or a v3 ``bytes`` codec), ``float64`` for ``int16``
+packed with CF ``scale_factor`` / ``add_offset`` (``cf``, :mod:`~insitubatch_nodes.io.cf`). The
+decoder swaps and unpacks as it writes each chunk, so chunk transforms, the persistent cache and
+the batches all see that one dtype; the stored one stays in ``metadata``.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from insitubatch_nodes.errors import CorruptMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import axis_of
 from insitubatch_nodes.io.calendars import as_timedelta
+from insitubatch_nodes.io.cf import CFValues
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
 from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
@@ -136,6 +137,8 @@ class ArrayGeometry:
     members: MemberMap | None = field(default=None, repr=False)
     #: product sample axes: every combination of indices along several axes is a sample
     product: ProductGrid | None = field(default=None, repr=False)
+    #: how stored values decode (CF mask and scale; ``None``: as stored), see :mod:`.cf`
+    cf: CFValues | None = field(default=None, repr=False)
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
