@@ -355,3 +355,33 @@ def test_a_concatenation_of_packed_stores_delivers_xarrays_decoded_values_joined
     finally:
         pipe.close()
     assert rows == len(whole) and np.isnan(whole).sum() == 2
+
+
+def test_unsigned_bytes_are_delivered_as_xarray_reads_them_straight_and_through_the_pool(
+    tmp_path: Path,
+) -> None:
+    # netCDF-3 bytes: int8 stored, "_Unsigned" says they are uint8 (one with a fill, packed)
+    root = tmp_path / "u.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    data = np.arange(-48, 48, dtype=np.int8).reshape(8, 3, 4)  # -1 is 255, and the fill
+    for name, chunks, attrs in (
+        ("u", (1, 3, 4), {"_Unsigned": "true"}),
+        ("v", (4, 3, 4), {"_Unsigned": "true", "_FillValue": -1, "scale_factor": 0.5}),
+    ):
+        arr = group.create_array(name, shape=data.shape, chunks=chunks, dtype="int8",
+                                 dimension_names=("t", "y", "x"), attributes=attrs)  # fmt: skip
+        arr[...] = data
+    ds = _xarray(root)
+    g = open_geometries(root)
+    assert (g["u"].dtype, g["v"].dtype) == (ds["u"].dtype, ds["v"].dtype)
+    pipe = insitu_pipeline(root, split_by_chunk(g["v"], (1.0, 0.0, 0.0)),
+                           {"u": g["u"], "v": g["v"]}, batch_size=3)  # fmt: skip
+    rows = 0
+    try:
+        for b in Loader(pipe):
+            for v in ("u", "v"):
+                np.testing.assert_array_equal(b.arrays[v], ds[v].values[b.sample_indices[v]])
+            rows += len(b)
+    finally:
+        pipe.close()
+    assert rows == 8 and ds["u"].values.max() == 255 and np.isnan(ds["v"].values).sum() == 1
