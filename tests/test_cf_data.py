@@ -385,3 +385,29 @@ def test_unsigned_bytes_are_delivered_as_xarray_reads_them_straight_and_through_
     finally:
         pipe.close()
     assert rows == 8 and ds["u"].values.max() == 255 and np.isnan(ds["v"].values).sum() == 1
+
+
+@pytest.mark.parametrize("time_chunk", [1, 4])
+def test_a_packed_array_sampled_along_its_last_axis_equals_xarray(
+    tmp_path: Path, time_chunk: int
+) -> None:
+    rng = np.random.default_rng(5)
+    p = (273 + rng.standard_normal((Y, X, 8))).astype(np.float32)
+    p[1, 2, 5] = np.nan
+    ds = xr.Dataset({"p": (("y", "x", "time"), p)})
+    root = tmp_path / "last.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(root, zarr_format=3, consolidated=False,
+                   encoding={"p": {**PACKED, "chunks": (Y, X, time_chunk)}})  # fmt: skip
+    want = np.moveaxis(_xarray(root)["p"].values, -1, 0)
+    g = open_geometries(root, sample_axis="time")["p"]
+    pipe = insitu_pipeline(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"p": g}, batch_size=3)
+    rows = 0
+    try:
+        for b in Loader(pipe):
+            np.testing.assert_array_equal(b.arrays["p"], want[b.sample_indices["p"]])
+            rows += len(b)
+    finally:
+        pipe.close()
+    assert rows == 8 and np.isnan(want).sum() == 1
