@@ -201,6 +201,10 @@ def test_mask_and_scale_false_delivers_the_stored_integers_and_fill_values(store
     assert any((b["arrays"]["f"] == -9999.0).any() for b in batches)
     with pytest.raises(TypeError, match="mask_and_scale"):
         open_geometries(store, mask_and_scale="no")  # type: ignore[arg-type]
+    decoded = open_geometries(store)["p"]  # one array read raw and decoded: refused
+    with pytest.raises(ValueError, match="disagree about its geometry"):
+        insitu_pipeline(store, split_by_chunk(decoded, (1.0, 0.0, 0.0)),
+                        {"a": decoded, "b": raw["p"]}, batch_size=4)  # fmt: skip
 
 
 def test_a_decoded_pipeline_resumes_mid_epoch_to_the_same_next_batches(store: Path) -> None:
