@@ -415,3 +415,27 @@ def test_a_packed_array_sampled_along_its_last_axis_equals_xarray(
     finally:
         pipe.close()
     assert rows == 8 and np.isnan(want).sum() == 1
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_concatenation_of_stores_packed_otherwise_is_refused_naming_the_attribute(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    # netCDF files written month by month (ERA5 from the CDS) pack each file with its own
+    # scale_factor / add_offset: decoding every member by the first one's would be wrong
+    from insitubatch_nodes.io.collection import Collection
+
+    times = np.arange("2020-01-01T00", "2020-01-04T00", np.timedelta64(6, "h"), "M8[ns]")
+    stores = []
+    for i, part in enumerate((times[:6], times[6:])):
+        p = np.full((len(part), Y, X), 273.0 + 10 * i, np.float32)
+        ds = xr.Dataset({"p": (("time", "y", "x"), p)}, coords={"time": part})
+        root = tmp_path / f"part{i}.zarr"
+        packing = {**PACKED, "add_offset": 273.0 + 10 * i, "chunks": (3, Y, X)}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ds.to_zarr(root, zarr_format=zarr_format, consolidated=False,
+                       encoding={"p": packing})  # fmt: skip
+        stores.append(root)
+    with pytest.raises(ValueError, match="add_offset"):
+        Collection.concat(stores, ["p"])["p"]

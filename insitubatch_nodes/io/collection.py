@@ -60,7 +60,13 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.io.members import SCHEMA_FIELDS, MemberMap, collection_of, member_schema
+from insitubatch_nodes.io.members import (
+    SCHEMA_FIELDS,
+    MemberMap,
+    check_cf_encoding,
+    collection_of,
+    member_schema,
+)
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.product import ProductGrid, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, routed_path
@@ -403,6 +409,7 @@ class Collection:
         refs: dict[str, tuple[Any, int]] = {}
         products: dict[str, tuple[int, ...]] = {}  # product sample axes, per variable
         keys: list[str] = []
+        attr_keys: list[str] = []
         for v in self.variables:
             path = self._paths[v][0]
             kind = _zarr_compat.node_kind(store, path)
@@ -417,11 +424,21 @@ class Collection:
             else:
                 refs[v] = (ref, _sample_axis(ref, sample_axis, where))
             keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
+            if kind[1] == 2:  # a v2 array's attributes (CF encoding) are a document apart
+                attr_keys += [_zarr_compat.array_metadata_keys(p, 2)[1] for p in self._paths[v]]
         docs = read_documents(store, keys)
         lengths = {
             v: self._check_variable(v, docs[k * n : (k + 1) * n], refs[v][1])
             for k, v in enumerate(self.variables)
         }
+        attr_docs = iter(read_documents(store, attr_keys) if attr_keys else [])
+        for k, v in enumerate(self.variables):
+            v2 = int(refs[v][0].metadata.zarr_format) == 2
+            found = [next(attr_docs) for _ in range(n)] if v2 else docs[k * n : (k + 1) * n]
+            attrs = [None if d is None else json.loads(d) for d in found]
+            if not v2:
+                attrs = [d.get("attributes") if isinstance(d, dict) else None for d in attrs]
+            check_cf_encoding(self.name, v, self.members, attrs)
         starts: dict[str, np.ndarray | None] = dict.fromkeys(self.variables)
         for v, kept in (self.spans or {}).items():  # each member's kept samples
             span = np.array(kept, dtype=np.int64).reshape(-1, 2)

@@ -27,7 +27,7 @@ import numpy as np
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import one_calendar
 
-__all__ = ["SCHEMA_FIELDS", "MemberMap", "collection_of", "member_schema"]
+__all__ = ["SCHEMA_FIELDS", "MemberMap", "check_cf_encoding", "collection_of", "member_schema"]
 
 
 class MemberMap:
@@ -332,6 +332,39 @@ def member_schema(doc: Mapping[str, Any], axis: int) -> dict[str, Any]:
     out["number of axes"] = len(shape)
     out["field shape"] = tuple(shape[:axis] + shape[axis + 1 :])
     return out
+
+
+#: the attributes that say how a data array's stored values decode (:mod:`~insitubatch_nodes.io.cf`)
+CF_ATTRIBUTES = ("scale_factor", "add_offset", "_FillValue", "missing_value", "_Unsigned")
+
+
+def check_cf_encoding(
+    collection: str,
+    variable: str,
+    members: Sequence[str],
+    attrs: Sequence[Mapping[str, Any] | None],
+) -> None:
+    """Refuse members of ``variable`` whose CF encoding attributes (:data:`CF_ATTRIBUTES`, from
+    each member's ``attrs``) differ from the first member's: the collection decodes every
+    member by the first one's rule, so a member packed with another ``scale_factor`` /
+    ``add_offset`` (netCDF files written month by month are) would decode to wrong values.
+    ``ValueError`` names the attribute, both members and their values."""
+    want: dict[str, Any] | None = None
+    for m, got_attrs in enumerate(attrs):
+        got = {k: (got_attrs or {}).get(k) for k in CF_ATTRIBUTES}
+        if want is None:
+            want = got
+            continue
+        if got != want:
+            what = next(k for k in CF_ATTRIBUTES if got[k] != want[k])
+            raise ValueError(
+                f"{collection}: member {members[m]!r}, variable {variable!r}: its {what} "
+                f"{got[what]!r} differs from member {members[0]!r}'s {want[what]!r}; every "
+                "member is decoded by one CF encoding (scale_factor, add_offset, _FillValue, "
+                "missing_value, _Unsigned), the first member's: rewrite the members with one "
+                "encoding (xarray: ds.to_zarr(..., encoding={var: {...}})), or read them in "
+                "separate pipelines"
+            )
 
 
 def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
