@@ -451,3 +451,45 @@ def test_an_xarray_dataset_opened_from_zarr_stands_for_its_store_or_says_what_to
     xr.Dataset({"t2m": (("time",), np.zeros(4, "f4"))}).to_zarr(root.parent / "g.zarr", group="g")
     with pytest.raises(TypeError, match=r"group 'g'.*\['g/t2m'\]"):
         open_geometries(xr.open_zarr(root.parent / "g.zarr", group="g"))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_of_variable_length_strings_is_refused_at_construction_naming_the_fix(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = tmp_path / "names.zarr"
+    names = zarr.create_array(root, shape=(6,), chunks=(2,), dtype=str, zarr_format=zarr_format)
+    names[...] = np.array(["a", "bb", "ccc", "d", "e", "f"])
+    geom = open_geometries(root, [""])[""]  # found, like any array
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"'' holds variable-length.*fixed-width.*'<U8'"):
+        insitu_pipeline(root, manifest, {"x": geom}, batch_size=2)
+
+
+@pytest.mark.parametrize("dtype", ["<U3", "S3", [("a", "<i4"), ("b", "<f8")]])
+def test_fixed_width_strings_and_structured_records_train_like_zarr_reads_them(
+    tmp_path: Path, dtype: Any
+) -> None:
+    root = tmp_path / "records.zarr"
+    fill = None if isinstance(dtype, list) else ""
+    array = zarr.create_array(
+        root, shape=(11, 2), chunks=(3, 2), dtype=dtype, zarr_format=2, fill_value=fill
+    )
+    values = np.zeros((11, 2), dtype=np.dtype(dtype))
+    if isinstance(dtype, list):
+        values["a"] = np.arange(22).reshape(11, 2)
+        values["b"] = values["a"] * 0.5
+    else:
+        values[...] = np.array([["ab", "c"], ["", "xyz"]] * 5 + [["q", "r"]], dtype=dtype)
+    array[:9] = values[:9]  # the last chunk is never written: the fill value
+    want = zarr.open_array(root, mode="r")[...]
+    geom = open_geometries(root, [""])[""]
+    pipe = insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), {"x": geom}, batch_size=4)
+    with pipe:
+        batches = list(pipe)
+    assert sum(len(b) for b in batches) == 11
+    for batch in batches:
+        assert batch["x"].dtype == want.dtype
+        np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
+    with pytest.raises(TypeError, match=r"no tensor type.*convert it to numbers"):
+        to_torch(batches[0])

@@ -488,6 +488,25 @@ def _layout_differences(own: ArrayGeometry, other: ArrayGeometry) -> list[str]:
     return diffs
 
 
+def check_batchable(geoms: Mapping[str, ArrayGeometry]) -> None:
+    """Raise ``ValueError`` for an array a batch cannot hold, naming the array and the fix.
+
+    A batch is one fixed-size numpy array per label, ``(batch, *inner_shape)``: an array of
+    variable-length values (zarr's ``str`` or ``bytes`` dtypes: numpy's ``StringDType`` or
+    ``object``) has no fixed size per sample. Fixed-width strings (``'<U8'``,
+    ``'S8'``) and structured records are fixed-size and read like any other array.
+    """
+    for path, geom in geoms.items():
+        dtype = geom.dtype
+        if dtype.kind in "OT" or dtype.hasobject:
+            raise ValueError(
+                f"array {path!r} holds variable-length values (dtype {dtype}), and a batch "
+                "holds a fixed number of bytes per sample: store fixed-width strings instead "
+                "(a dtype such as '<U8' or 'S8', as wide as the longest value) or integer "
+                "codes, or leave the array out of the views"
+            )
+
+
 def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> None:
     """Check that ``store`` holds every array ``geoms`` describes, with that layout.
 
