@@ -493,3 +493,16 @@ def test_fixed_width_strings_and_structured_records_train_like_zarr_reads_them(
         np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
     with pytest.raises(TypeError, match=r"no tensor type.*convert it to numbers"):
         to_torch(batches[0])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("shape", [(5, 0), (5, 3, 0)])
+def test_an_array_with_a_zero_length_field_axis_is_refused_at_construction_not_waited_on(
+    tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    root = tmp_path / "empty.zarr"
+    zarr.create_array(root, shape=shape, chunks=(2,) * len(shape), dtype="f4", fill_value=0)
+    geom = open_geometries(root, [""])[""]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"'' has shape .*no values.*drop it from the views"):
+        insitu_pipeline(root, manifest, {"x": geom}, batch_size=2)

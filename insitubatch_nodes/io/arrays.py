@@ -493,7 +493,8 @@ def check_batchable(geoms: Mapping[str, ArrayGeometry]) -> None:
 
     A batch is one fixed-size numpy array per label, ``(batch, *inner_shape)``: an array of
     variable-length values (zarr's ``str`` or ``bytes`` dtypes: numpy's ``StringDType`` or
-    ``object``) has no fixed size per sample. Fixed-width strings (``'<U8'``,
+    ``object``) has no fixed size per sample, and an array with a zero-length field axis has
+    no values in a sample (and no stored object to read). Fixed-width strings (``'<U8'``,
     ``'S8'``) and structured records are fixed-size and read like any other array.
     """
     for path, geom in geoms.items():
@@ -504,6 +505,11 @@ def check_batchable(geoms: Mapping[str, ArrayGeometry]) -> None:
                 "holds a fixed number of bytes per sample: store fixed-width strings instead "
                 "(a dtype such as '<U8' or 'S8', as wide as the longest value) or integer "
                 "codes, or leave the array out of the views"
+            )
+        if 0 in geom.field_shape:
+            raise ValueError(
+                f"array {path!r} has shape {geom.shape}: a field axis of length 0, so its "
+                "samples hold no values; drop it from the views"
             )
 
 
