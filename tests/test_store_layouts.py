@@ -9,6 +9,7 @@ by name: a store that cannot list (HTTP) works for named arrays.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -307,6 +308,32 @@ def test_an_array_created_after_consolidation_is_found_unnamed_and_by_name(
     assert "late" not in zarr.open_group(root, mode="r")  # zarr's consolidated view lacks it
     assert set(open_geometries(root)) == {"t2m", "late"}
     _epoch_equals_zarr(root, "late", zarr.open_array(root, path="late", mode="r"))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_deleted_after_consolidation_is_named_missing_not_listed_as_available(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    import shutil
+
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    for name in ("t2m", "gone"):
+        group.create_array(name, shape=(8, 3), chunks=(4, 3), dtype="f4")[...] = _values((8, 3))
+    zarr.consolidate_metadata(root)
+    before = open_geometries(root)["gone"]
+    shutil.rmtree(root / "gone")
+    assert set(open_geometries(root)) == {"t2m"}
+    manifest = split_by_chunk(before, (1.0, 0.0, 0.0))
+    with pytest.raises(FileNotFoundError, match=r"arrays there: \['t2m'\]; .*still names"):
+        insitu_pipeline(root, manifest, {"x": before}, batch_size=4)
+    with pytest.raises(KeyError) as raised:
+        open_geometries(root, ["gone"])
+    message = str(raised.value)
+    assert "available arrays: ['t2m']" in message
+    assert re.search(
+        r"consolidated metadata.*still names \['gone'\].*consolidate_metadata", message
+    )
 
 
 def test_a_variable_xarray_appends_without_consolidating_is_found(tmp_path: Path) -> None:
