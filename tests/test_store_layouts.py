@@ -533,3 +533,19 @@ def test_an_array_with_a_zero_length_field_axis_is_refused_at_construction_not_w
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match=r"'' has shape .*no values.*drop it from the views"):
         insitu_pipeline(root, manifest, {"x": geom}, batch_size=2)
+
+
+def test_a_zarr_group_or_array_passed_as_the_store_stands_for_it_or_says_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w")
+    group.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")[...] = _values((8, 3))
+    group.require_group("sub").create_array("z", shape=(8, 2), chunks=(4, 2), dtype="f4")
+    opened = zarr.open_group(root, mode="r")  # the root group stands for its store
+    assert set(open_geometries(opened)) == {"t2m", "sub/z"}
+    assert _epoch_equals_zarr(opened, "t2m", zarr.open_array(root, path="t2m", mode="r")) == 8
+    with pytest.raises(TypeError, match=r"group 'sub'.*\.store.*\['sub/t2m'\]"):
+        open_geometries(zarr.open_group(root, path="sub", mode="r"))
+    with pytest.raises(TypeError, match=r"a zarr Array is not a store.*\.store.*\['t2m'\]"):
+        open_geometries(zarr.open_array(root, path="t2m", mode="r"))
