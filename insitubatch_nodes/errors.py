@@ -26,6 +26,7 @@ __all__ = [
     "InSituError",
     "PipelineInterrupted",
     "StaleCacheError",
+    "UnsupportedMetadataError",
 ]
 
 
@@ -58,9 +59,34 @@ class CorruptMetadataError(InSituError, ValueError):
         )
 
 
+class UnsupportedMetadataError(CorruptMetadataError):
+    """A zarr metadata document names a codec or data type that nothing installed provides.
+
+    The document is valid; what decodes it is missing from this Python (a codec from
+    ``imagecodecs`` or an optional ``numcodecs`` dependency, a data type of a newer zarr). A
+    :class:`CorruptMetadataError`, so code that catches that catches this too; ``documents``
+    lists ``(store key, reason)`` as there.
+    """
+
+    def __init__(self, store: str, documents: Sequence[tuple[str, str]]):
+        self.store, self.documents = store, list(documents)
+        what = "; ".join(
+            f"{key!r} (the metadata of {_node_name(key)}) {reason}" for key, reason in documents
+        )
+        ValueError.__init__(
+            self,
+            f"zarr metadata in store {store} needs what is not installed here: {what}. Install "
+            "the package that provides it and import it before opening the store (imagecodecs' "
+            "codecs: import imagecodecs.numcodecs; imagecodecs.numcodecs.register_codecs()); a "
+            "data type zarr does not know needs a newer zarr-python",
+        )
+
+
 def _node_name(key: str) -> str:
-    node = key.rpartition("/")[0]
-    return f"array/group {node!r}" if node else "the root group"
+    node, _, name = key.rpartition("/")
+    if node:
+        return f"array/group {node!r}"
+    return "the root array" if name == ".zarray" else "the root group"
 
 
 class ArrayNotFoundError(InSituError, KeyError, FileNotFoundError):

@@ -183,3 +183,39 @@ def test_a_corrupt_document_in_a_zarr_store_that_is_not_obstore_is_named_too(
     with pytest.raises(CorruptMetadataError, match=re.escape("'z/zarr.json'")):
         open_geometries(zarr.storage.LocalStore(root, read_only=True))
     shutil.rmtree(root)
+
+
+UNSUPPORTED = [  # (zarr format, edit of the array's metadata document, what it names)
+    (2, lambda m: m.update(compressor={"id": "nosuchcodec"}), "nosuchcodec"),
+    (2, lambda m: m.update(filters=[{"id": "imagecodecs_jpeg2k"}]), "imagecodecs_jpeg2k"),
+    (
+        3,
+        lambda m: m["codecs"].append({"name": "nosuch.codec", "configuration": {}}),
+        "nosuch.codec",
+    ),
+    (3, lambda m: m.update(data_type="bfloat16"), "bfloat16"),
+]
+
+
+@pytest.mark.parametrize(("zarr_format", "edit", "named"), UNSUPPORTED)
+def test_a_codec_or_data_type_not_installed_says_to_install_it_not_that_metadata_is_corrupt(
+    tmp_path: Path, zarr_format: int, edit: Callable[[dict[str, Any]], None], named: str
+) -> None:
+    from insitubatch_nodes.errors import UnsupportedMetadataError
+
+    root = write_era5(tmp_path / "era5.zarr", n_time=16, zarr_format=zarr_format)
+    geoms = open_geometries(root)  # read before the edit: the pipeline's own check
+    key = "t2m/zarr.json" if zarr_format == 3 else "t2m/.zarray"
+    document = json.loads((root / key).read_text())
+    edit(document)
+    (root / key).write_text(json.dumps(document))
+    for attempt in (lambda: open_geometries(root), lambda: _pipeline(root, geoms)):
+        with pytest.raises(UnsupportedMetadataError) as info:
+            attempt()
+        message = str(info.value)
+        assert isinstance(info.value, CorruptMetadataError)  # caught as before
+        assert repr(key) in message and named in message and "'t2m'" in message
+        assert re.search(
+            r"not installed.*Install the package that provides it and import it", message
+        )
+        assert "corrupt" not in message and "Restore" not in message

@@ -9,6 +9,7 @@ by name: a store that cannot list (HTTP) works for named arrays.
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -309,6 +310,32 @@ def test_an_array_created_after_consolidation_is_found_unnamed_and_by_name(
     _epoch_equals_zarr(root, "late", zarr.open_array(root, path="late", mode="r"))
 
 
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_deleted_after_consolidation_is_named_missing_not_listed_as_available(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    import shutil
+
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    for name in ("t2m", "gone"):
+        group.create_array(name, shape=(8, 3), chunks=(4, 3), dtype="f4")[...] = _values((8, 3))
+    zarr.consolidate_metadata(root)
+    before = open_geometries(root)["gone"]
+    shutil.rmtree(root / "gone")
+    assert set(open_geometries(root)) == {"t2m"}
+    manifest = split_by_chunk(before, (1.0, 0.0, 0.0))
+    with pytest.raises(FileNotFoundError, match=r"arrays there: \['t2m'\]; .*still names"):
+        insitu_pipeline(root, manifest, {"x": before}, batch_size=4)
+    with pytest.raises(KeyError) as raised:
+        open_geometries(root, ["gone"])
+    message = str(raised.value)
+    assert "available arrays: ['t2m']" in message
+    assert re.search(
+        r"consolidated metadata.*still names \['gone'\].*consolidate_metadata", message
+    )
+
+
 def test_a_variable_xarray_appends_without_consolidating_is_found(tmp_path: Path) -> None:
     xr = pytest.importorskip("xarray")
     root = tmp_path / "ds.zarr"
@@ -451,3 +478,74 @@ def test_an_xarray_dataset_opened_from_zarr_stands_for_its_store_or_says_what_to
     xr.Dataset({"t2m": (("time",), np.zeros(4, "f4"))}).to_zarr(root.parent / "g.zarr", group="g")
     with pytest.raises(TypeError, match=r"group 'g'.*\['g/t2m'\]"):
         open_geometries(xr.open_zarr(root.parent / "g.zarr", group="g"))
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_array_of_variable_length_strings_is_refused_at_construction_naming_the_fix(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    root = tmp_path / "names.zarr"
+    names = zarr.create_array(root, shape=(6,), chunks=(2,), dtype=str, zarr_format=zarr_format)
+    names[...] = np.array(["a", "bb", "ccc", "d", "e", "f"])
+    geom = open_geometries(root, [""])[""]  # found, like any array
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"'' holds variable-length.*fixed-width.*'<U8'"):
+        insitu_pipeline(root, manifest, {"x": geom}, batch_size=2)
+
+
+@pytest.mark.parametrize("dtype", ["<U3", "S3", [("a", "<i4"), ("b", "<f8")]])
+def test_fixed_width_strings_and_structured_records_train_like_zarr_reads_them(
+    tmp_path: Path, dtype: Any
+) -> None:
+    root = tmp_path / "records.zarr"
+    fill = None if isinstance(dtype, list) else ""
+    array = zarr.create_array(
+        root, shape=(11, 2), chunks=(3, 2), dtype=dtype, zarr_format=2, fill_value=fill
+    )
+    values = np.zeros((11, 2), dtype=np.dtype(dtype))
+    if isinstance(dtype, list):
+        values["a"] = np.arange(22).reshape(11, 2)
+        values["b"] = values["a"] * 0.5
+    else:
+        values[...] = np.array([["ab", "c"], ["", "xyz"]] * 5 + [["q", "r"]], dtype=dtype)
+    array[:9] = values[:9]  # the last chunk is never written: the fill value
+    want = zarr.open_array(root, mode="r")[...]
+    geom = open_geometries(root, [""])[""]
+    pipe = insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), {"x": geom}, batch_size=4)
+    with pipe:
+        batches = list(pipe)
+    assert sum(len(b) for b in batches) == 11
+    for batch in batches:
+        assert batch["x"].dtype == want.dtype
+        np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
+    with pytest.raises(TypeError, match=r"no tensor type.*convert it to numbers"):
+        to_torch(batches[0])
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("shape", [(5, 0), (5, 3, 0)])
+def test_an_array_with_a_zero_length_field_axis_is_refused_at_construction_not_waited_on(
+    tmp_path: Path, shape: tuple[int, ...]
+) -> None:
+    root = tmp_path / "empty.zarr"
+    zarr.create_array(root, shape=shape, chunks=(2,) * len(shape), dtype="f4", fill_value=0)
+    geom = open_geometries(root, [""])[""]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"'' has shape .*no values.*drop it from the views"):
+        insitu_pipeline(root, manifest, {"x": geom}, batch_size=2)
+
+
+def test_a_zarr_group_or_array_passed_as_the_store_stands_for_it_or_says_what_to_pass(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store.zarr"
+    group = zarr.open_group(root, mode="w")
+    group.create_array("t2m", shape=(8, 3), chunks=(4, 3), dtype="f4")[...] = _values((8, 3))
+    group.require_group("sub").create_array("z", shape=(8, 2), chunks=(4, 2), dtype="f4")
+    opened = zarr.open_group(root, mode="r")  # the root group stands for its store
+    assert set(open_geometries(opened)) == {"t2m", "sub/z"}
+    assert _epoch_equals_zarr(opened, "t2m", zarr.open_array(root, path="t2m", mode="r")) == 8
+    with pytest.raises(TypeError, match=r"group 'sub'.*\.store.*\['sub/t2m'\]"):
+        open_geometries(zarr.open_group(root, path="sub", mode="r"))
+    with pytest.raises(TypeError, match=r"a zarr Array is not a store.*\.store.*\['t2m'\]"):
+        open_geometries(zarr.open_array(root, path="t2m", mode="r"))

@@ -271,6 +271,20 @@ def array_metadata_keys(path: str, zarr_format: int) -> tuple[str, ...]:
     return tuple(f"{path}/{n}" if path else n for n in names)
 
 
+#: how :func:`unreadable_metadata` starts the reason for a valid document naming a codec or
+#: data type that is not installed
+UNSUPPORTED = "needs a "
+
+
+def unsupported_reason(exc: BaseException) -> str | None:
+    """The reason for zarr's ``exc`` when it says a codec or data type is not installed."""
+    if type(exc).__name__ == "UnknownCodecError":  # numcodecs' (v2) and zarr's (v3)
+        return f"{UNSUPPORTED}codec that is not installed ({exc})"
+    if str(exc).startswith("No Zarr data type found"):
+        return f"{UNSUPPORTED}data type that is not installed ({exc})"
+    return None
+
+
 def unreadable_metadata(store: Any, keys: Sequence[str] | None = None) -> list[tuple[str, str]]:
     """``(key, reason)`` for each metadata document zarr cannot read (slow: for diagnosis only).
 
@@ -325,7 +339,10 @@ def unreadable_metadata(store: Any, keys: Sequence[str] | None = None) -> list[t
         except FileNotFoundError:
             continue
         except Exception as exc:
-            bad.append((key, f"is not valid zarr metadata ({type(exc).__name__}: {exc})"))
+            reason = unsupported_reason(exc)  # valid, but names what is not installed
+            if reason is None:
+                reason = f"is not valid zarr metadata ({type(exc).__name__}: {exc})"
+            bad.append((key, reason))
     return bad
 
 

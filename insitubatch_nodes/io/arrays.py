@@ -416,7 +416,7 @@ def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
         for p in missing
     )
     try:
-        existing = sorted(_find_arrays(zstore, _open_root(zstore)))
+        listed = _find_arrays(zstore, _open_root(zstore))
     except _NoArrays as exc:
         raise ArrayNotFoundError(
             f"no array named {list(missing)} in store {name} ({looked}), and {exc}"
@@ -428,19 +428,31 @@ def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
         ) from None
     raise ArrayNotFoundError(
         f"no array named {list(missing)} in store {name} ({looked}); available arrays: "
-        f"{existing} (a root array is named '')"
+        f"{sorted(set(listed) - set(missing))} (a root array is named '')" + _stale(listed, missing)
     )
 
 
-def _what_exists(zstore: Any) -> str:
-    """Which arrays ``zstore`` holds, as a phrase for an error message (best effort)."""
+def _stale(listed: Mapping[str, Any], missing: Sequence[str]) -> str:
+    """A clause naming the missing arrays that the consolidated metadata still lists."""
+    stale = sorted(set(listed) & set(missing))
+    if not stale:
+        return ""
+    return (
+        f"; the store's consolidated metadata still names {stale}, deleted since it was "
+        "written (re-run zarr.consolidate_metadata(store) to bring it up to date)"
+    )
+
+
+def _what_exists(zstore: Any, missing: str) -> str:
+    """Which arrays ``zstore`` holds, ``missing`` aside, as a phrase for an error message (best
+    effort)."""
     try:
-        paths = sorted(_find_arrays(zstore, _open_root(zstore)))
+        listed = _find_arrays(zstore, _open_root(zstore))
     except _NoArrays:
         return "the store holds no zarr array at all"
     except Exception as exc:
         return f"which arrays it holds could not be found ({type(exc).__name__}: {exc})"
-    return f"arrays there: {paths}"
+    return f"arrays there: {sorted(set(listed) - {missing})}" + _stale(listed, [missing])
 
 
 def _is_group_at(zstore: Any, path: str) -> bool:
@@ -519,6 +531,31 @@ def _layout_differences(own: ArrayGeometry, other: ArrayGeometry) -> list[str]:
     return diffs
 
 
+def check_batchable(geoms: Mapping[str, ArrayGeometry]) -> None:
+    """Raise ``ValueError`` for an array a batch cannot hold, naming the array and the fix.
+
+    A batch is one fixed-size numpy array per label, ``(batch, *inner_shape)``: an array of
+    variable-length values (zarr's ``str`` or ``bytes`` dtypes: numpy's ``StringDType`` or
+    ``object``) has no fixed size per sample, and an array with a zero-length field axis has
+    no values in a sample (and no stored object to read). Fixed-width strings (``'<U8'``,
+    ``'S8'``) and structured records are fixed-size and read like any other array.
+    """
+    for path, geom in geoms.items():
+        dtype = geom.dtype
+        if dtype.kind in "OT" or dtype.hasobject:
+            raise ValueError(
+                f"array {path!r} holds variable-length values (dtype {dtype}), and a batch "
+                "holds a fixed number of bytes per sample: store fixed-width strings instead "
+                "(a dtype such as '<U8' or 'S8', as wide as the longest value) or integer "
+                "codes, or leave the array out of the views"
+            )
+        if 0 in geom.field_shape:
+            raise ValueError(
+                f"array {path!r} has shape {geom.shape}: a field axis of length 0, so its "
+                "samples hold no values; drop it from the views"
+            )
+
+
 def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> None:
     """Check that ``store`` holds every array ``geoms`` describes, with that layout.
 
@@ -540,9 +577,9 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)
             raise ArrayNotFoundError(
                 f"array {path!r} is not in store {name}: no zarr v{geom.zarr_format} array "
-                f"metadata at {keys[0]!r}; {_what_exists(zstore)}. Check the path, or the URL's "
-                "bucket and prefix (and the endpoint), and that the geometries were read from "
-                "this store"
+                f"metadata at {keys[0]!r}; {_what_exists(zstore, path)}. Check the path, or "
+                "the URL's bucket and prefix (and the endpoint), and that the geometries were "
+                "read from this store"
             ) from exc
         except (ValueError, TypeError, KeyError) as exc:
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)

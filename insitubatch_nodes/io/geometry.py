@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.errors import CorruptMetadataError
+from insitubatch_nodes.errors import CorruptMetadataError, UnsupportedMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import axis_of
 from insitubatch_nodes.io.calendars import as_timedelta
@@ -99,6 +99,8 @@ def corrupt_metadata(
         bad = _zarr_compat.unreadable_metadata(store, keys)
     except Exception:  # the diagnosis is best effort: the store may not list, or be gone
         bad = []
+    if bad and all(why.startswith(_zarr_compat.UNSUPPORTED) for _, why in bad):
+        return UnsupportedMetadataError(describe_store(store), bad)
     if bad or isinstance(exc, json.JSONDecodeError):
         return CorruptMetadataError(describe_store(store), bad, str(exc))
     return None

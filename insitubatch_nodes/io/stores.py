@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import zarr
 from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
@@ -536,12 +537,28 @@ def as_store(store: StoreLike, **options: Any) -> Store:
     pass."""
     if _is_xarray_dataset(store):
         store = _dataset_store(store)
+    if isinstance(store, zarr.Group | zarr.Array):
+        store = _node_store(store)
     if isinstance(store, Store):
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")
         _process.tune_allocator()  # before obstore's threads allocate (see its docstring)
         return _zarr_compat.opened(store)
     return open_store(store, **options)
+
+
+def _node_store(node: zarr.Group | zarr.Array) -> Store:
+    """The store a zarr root group was opened from; ``TypeError`` saying what to pass for a
+    group below the root or an array (their paths are relative to the store's root)."""
+    example = f"{node.path}/t2m" if isinstance(node, zarr.Group) else node.path
+    if isinstance(node, zarr.Group) and not node.path:
+        return node.store
+    what = f"group {node.path!r} of" if isinstance(node, zarr.Group) else "an array of"
+    raise TypeError(
+        f"a zarr {type(node).__name__} is not a store ({what} {node.store}): pass its store "
+        f"(node.store, or the path or URL it was opened from) and name the arrays by their path "
+        f"from the store's root, e.g. open_geometries(node.store, [{example!r}])"
+    )
 
 
 def _is_xarray_dataset(obj: Any) -> bool:
