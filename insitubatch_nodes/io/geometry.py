@@ -84,11 +84,6 @@ def in_native_byte_order(dtype: Any) -> np.dtype[Any]:
     return dtype if dtype.isnative else dtype.newbyteorder("=")
 
 
-def _node_name(key: str) -> str:
-    node = key.rpartition("/")[0]
-    return f"array/group {node!r}" if node else "the root group"
-
-
 def corrupt_metadata(
     store: Any, exc: BaseException, keys: Sequence[str] | None = None
 ) -> CorruptMetadataError | None:
