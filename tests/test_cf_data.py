@@ -439,3 +439,63 @@ def test_a_concatenation_of_stores_packed_otherwise_is_refused_naming_the_attrib
         stores.append(root)
     with pytest.raises(ValueError, match="add_offset"):
         Collection.concat(stores, ["p"])["p"]
+
+
+def _float32_decoded(root: Path, v: str) -> np.ndarray:
+    """``v`` unpacked as xarray computes with float32 attributes: the stored values cast to
+    float32, times scale_factor, plus add_offset (float32 arithmetic), NaN where filled."""
+    arr = zarr.open_array(str(root / v), mode="r")
+    raw, attrs = arr[...], dict(arr.attrs)
+    fills = [attrs.get("_FillValue", arr.fill_value if arr.metadata.zarr_format == 2 else None)]
+    fills += [attrs.get("missing_value")]
+    out = raw.astype(np.float32)
+    if "scale_factor" in attrs:
+        out *= np.float32(attrs["scale_factor"])
+    if "add_offset" in attrs:
+        out += np.float32(attrs["add_offset"])
+    for f in fills:
+        if f is not None and not (isinstance(f, float) and np.isnan(f)):
+            out[raw == f] = np.nan
+    return out
+
+
+def test_cf_dtype_float32_delivers_packed_and_filled_fields_unpacked_in_float32(
+    store: Path,
+) -> None:
+    # a packed int16 ERA5 field decodes to float64 by xarray's rule (four times its stored
+    # size); models take float32, and stacks need one dtype
+    ds = _xarray(store)
+    g = open_geometries(store, cf_dtype="float32")
+    assert {g[v].dtype for v in ("p", "f", "m", "z", "lsm")} == {np.dtype(np.float32)}
+    want = {v: _float32_decoded(store, v) for v in ("p", "z")}
+    # the absent chunk of p reads as its fill: NaN, as the oracle's missing rows
+    absent = np.isnan(ds["p"].values)
+    want["p"][absent] = np.nan
+    views = {"p": g["p"], "z": g["z"], "f": g["f"], "x": stack({"p": g["p"], "lsm": g["lsm"]})}
+    seen = 0
+    for b in _batches(store, views):
+        for v in ("p", "z"):
+            got = b["arrays"][v]
+            assert got.dtype == np.float32
+            np.testing.assert_array_equal(got, want[v][b["rows"][v]], err_msg=v)
+            # within a unit in the last place of xarray's float64 values, cast
+            np.testing.assert_allclose(got, ds[v].values[b["rows"][v]], rtol=2**-23)
+        f = ds["f"].values[b["rows"]["f"]].astype(np.float32)  # masked only: exact
+        np.testing.assert_array_equal(b["arrays"]["f"], f)
+        np.testing.assert_array_equal(b["arrays"]["x"][:, 0], b["arrays"]["p"])
+        lsm = ds["lsm"].values.astype(np.float32)
+        np.testing.assert_allclose(b["arrays"]["x"][:, 1], np.broadcast_to(lsm, (len(f), Y, X)),
+                                   rtol=2**-23)  # fmt: skip
+        seen += len(b["rows"]["p"])
+    assert seen == T
+
+
+def test_cf_dtype_is_refused_when_it_is_no_float_or_beside_mask_and_scale_false(
+    store: Path,
+) -> None:
+    with pytest.raises(ValueError, match="float dtype"):
+        open_geometries(store, cf_dtype="int16")
+    with pytest.raises(TypeError, match="float dtype"):
+        open_geometries(store, cf_dtype=object())
+    with pytest.raises(ValueError, match="decodes nothing"):
+        open_geometries(store, mask_and_scale=False, cf_dtype="float32")

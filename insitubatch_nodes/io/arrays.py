@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -11,7 +12,7 @@ import numpy as np
 from insitubatch_nodes.errors import ArrayNotFoundError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import AxisNames, axis_of
-from insitubatch_nodes.io.cf import CFValues, cf_values
+from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
 from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
 from insitubatch_nodes.io.product import product_view
@@ -103,16 +104,19 @@ def _geometry(
     coordinates: Any,
     sample_dim: str | None,
     mask_and_scale: bool = True,
+    cf_dtype: np.dtype[Any] | None = None,
 ) -> ArrayGeometry:
     if isinstance(sample_axis, tuple):  # product sample axes: static without the first one
-        geom = _geometry(path, array, sample_axis[0], coordinates, sample_dim, mask_and_scale)
+        geom = _geometry(
+            path, array, sample_axis[0], coordinates, sample_dim, mask_and_scale, cf_dtype
+        )
         return geom if geom.static else product_view(geom, sample_axis)
     axis = _axis(path, array, sample_axis)
     static = axis is None
     if not static and sample_dim is not None and isinstance(sample_axis, int):
         dims = _zarr_compat.array_dimension_names(array)
         static = dims is not None and sample_dim not in dims
-    cf = array_cf(array) if mask_and_scale else None
+    cf = array_cf(array, cf_dtype) if mask_and_scale else None
     return ArrayGeometry(
         path=path,
         shape=tuple(int(s) for s in array.shape),
@@ -129,15 +133,19 @@ def _geometry(
     )
 
 
-def array_cf(array: Any) -> CFValues | None:
+def array_cf(array: Any, dtype: np.dtype[Any] | None = None) -> CFValues | None:
     """How the values of the zarr ``array`` decode (:func:`~insitubatch_nodes.io.cf.cf_values`
-    of its attributes, dtype and fill value)."""
-    return cf_values(
+    of its attributes, dtype and fill value); ``dtype``, a float dtype, replaces the float
+    dtype xarray would decode them to (the arithmetic is then done in it)."""
+    cf = cf_values(
         dict(array.attrs),
         in_native_byte_order(array.dtype),
         array.fill_value,
         int(array.metadata.zarr_format),
     )
+    if cf is not None and dtype is not None and cf.dtype.kind == "f":
+        cf = replace(cf, dtype=dtype)
+    return cf
 
 
 def open_geometries(
@@ -146,6 +154,7 @@ def open_geometries(
     *,
     sample_axis: int | str | Sequence[int | str] | Mapping[str, Any] = 0,
     mask_and_scale: bool = True,
+    cf_dtype: Any = None,
 ) -> dict[str, ArrayGeometry]:
     """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
     there, keyed by its path.
@@ -195,7 +204,12 @@ def open_geometries(
     masked to NaN, ``scale_factor`` / ``add_offset`` unpacked, in xarray's dtype (``geom.dtype``:
     ``float64`` for ``int16`` packed with JSON attributes; :mod:`~insitubatch_nodes.io.cf` states
     the rules, and where v2 integer arrays differ). ``mask_and_scale=False`` delivers the stored
-    values (the raw integers, the fill values) for every array it opens.
+    values (the raw integers, the fill values) for every array it opens. ``cf_dtype`` (a float
+    dtype such as ``"float32"``) delivers the arrays that decode to floats in that dtype
+    instead of xarray's, the unpacking done in it: ``raw.astype(cf_dtype) * scale_factor +
+    add_offset``, as xarray computes for ``float32`` attributes (within one unit in the last
+    place of xarray's ``float64`` values cast to it); arrays delivered as stored keep their
+    dtype.
 
     Raises :class:`~insitubatch_nodes.errors.ArrayNotFoundError`
     (a ``KeyError`` and a ``FileNotFoundError``) for a name that is no array (saying what was
@@ -214,6 +228,7 @@ def open_geometries(
         variables = [variables]
     if not isinstance(mask_and_scale, bool):
         raise TypeError(f"mask_and_scale is True or False, got {mask_and_scale!r}")
+    cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
     zstore = as_store(store)
     axes: dict[str, AxisArg]
     default_axis: AxisArg
@@ -256,7 +271,13 @@ def open_geometries(
     )
     return {
         path: _geometry(
-            path, array, axes.get(path, default_axis), coordinates, sample_dim, mask_and_scale
+            path,
+            array,
+            axes.get(path, default_axis),
+            coordinates,
+            sample_dim,
+            mask_and_scale,
+            cf_dtype,
         )
         for path, array in arrays.items()
     }
@@ -587,7 +608,9 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
             if error is None:
                 raise
             raise error from exc
-        found = _geometry(path, array, geom.sample_axis, None, None, geom.cf is not None)
+        cf = geom.cf
+        found = _geometry(path, array, geom.sample_axis, None, None, cf is not None,
+                          None if cf is None else cf.dtype)  # fmt: skip
         diffs = [
             f"{field} {getattr(found, field)} in the store, {getattr(geom, field)} in the geometry"
             for field in ("shape", "chunks", "read_chunks", "dtype")

@@ -45,6 +45,7 @@ import numpy as np
 __all__ = [
     "CFValues",
     "cf_values",
+    "decoded_dtype_option",
     "encoded_fills",
     "fill_scalar",
     "is_cf_time",
@@ -260,3 +261,23 @@ def cf_values(
     else:
         dtype = values if values.kind == "f" else choose_float_dtype(values, None, None)
     return CFValues(stored, dtype, fills, scale, offset, unsigned)
+
+
+def decoded_dtype_option(cf_dtype: Any, mask_and_scale: bool) -> np.dtype[Any] | None:
+    """``open_geometries``' ``cf_dtype``, checked: ``None``, or a float dtype (native byte
+    order); ``TypeError`` for what is no dtype, ``ValueError`` for another kind, or beside
+    ``mask_and_scale=False`` (which decodes nothing)."""
+    if cf_dtype is None:
+        return None
+    try:
+        dtype = np.dtype(cf_dtype)
+    except TypeError as exc:
+        raise TypeError(f"cf_dtype is a float dtype such as 'float32', got {cf_dtype!r}") from exc
+    if dtype.kind != "f":
+        raise ValueError(f"cf_dtype is a float dtype such as 'float32', got {dtype}")
+    if not mask_and_scale:
+        raise ValueError(
+            "cf_dtype is the dtype decoded values are delivered in, and mask_and_scale=False "
+            "decodes nothing: drop one of them"
+        )
+    return dtype if dtype.isnative else dtype.newbyteorder("=")
