@@ -63,12 +63,20 @@ class DecodedChunk:
     ``sample_range`` the half-open range of sample indices it holds and ``data`` its values,
     sample axis first: ``(sample_range[1] - sample_range[0], *inner_shape)``. A transform may
     write into ``data`` or assign a new array to it, and returns the chunk.
+
+    On a collection of independent members (slides, scenes, a plate's fields), ``member`` is
+    the index of the member the chunk belongs to (``None`` elsewhere), and ``chunk_index`` and
+    ``sample_range`` count within that member, as ``batch.sample_indices`` do: a member's last
+    chunk holds only its own samples, never the padding that follows it on the collection's
+    virtual axis. (Stores concatenated or joined along time are one axis: ``member`` is
+    ``None`` and the indices run along it.)
     """
 
     array: str
     chunk_index: int
     sample_range: tuple[int, int]
     data: np.ndarray
+    member: int | None = None
 
     @property
     def n_samples(self) -> int:
@@ -304,13 +312,23 @@ class ChunkTransforms:
         return len(self.transforms)
 
     def apply(
-        self, path: str, chunk_index: int, sample_range: tuple[int, int], data: np.ndarray
+        self,
+        path: str,
+        chunk_index: int,
+        sample_range: tuple[int, int],
+        data: np.ndarray,
+        member: tuple[int, str] | None = None,
     ) -> np.ndarray:
-        """Run the transforms of ``path`` on one decoded chunk; the checked output."""
+        """Run the transforms of ``path`` on one decoded chunk; the checked output. ``member``
+        (index, name): a collection member's chunk, ``chunk_index`` and ``sample_range``
+        counted within it."""
         chain = self._chains[path]
         n = sample_range[1] - sample_range[0]
-        chunk = DecodedChunk(path, chunk_index, sample_range, data)
+        index = None if member is None else member[0]
+        chunk = DecodedChunk(path, chunk_index, sample_range, data, index)
         where = f"array {path!r} chunk {chunk_index}"
+        if member is not None:
+            where = f"array {path!r} member {member[1]!r} chunk {chunk_index}"
         for step in chain.steps:
             try:
                 out = step.transform(chunk)

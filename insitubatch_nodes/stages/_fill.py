@@ -549,11 +549,18 @@ class FillRunner:
 
     def _transform(self, entry: ChunkEntry, decoded: np.ndarray | None, acc: _Tally | None) -> None:
         path, chunk = entry.key
-        start, stop = self.transforms.source(path).chunk_range(chunk)
+        source = self.transforms.source(path)
+        start, stop = source.chunk_range(chunk)
+        index, member, members = chunk, None, source.members
+        if members is not None and not members.continuous:  # counted within its member
+            m = int(members.member_of(np.array([start]))[0])
+            base = int(members.sample_base[m])
+            start, stop = start - base, min(stop - base, int(members.lengths[m]))
+            index, member = chunk - int(members.chunk_base[m]), (m, members.names[m])
         region = entry.slot[: stop - start]
-        data = region if decoded is None else decoded
+        data = region if decoded is None else decoded[: stop - start]
         t0 = _now()
-        out = self.transforms.apply(path, chunk, (start, stop), data)
+        out = self.transforms.apply(path, index, (start, stop), data, member)
         if out is not region:
             np.copyto(region, out)
         if acc is not None:
