@@ -211,9 +211,16 @@ class ChunkTransforms:
             if isinstance(t, Scoped):
                 unknown = [n for n in t.names if n not in bases]
                 if unknown:
+                    virtual = {p.rpartition(":")[2]: p for p, g in self.geoms.items() if g.members}
+                    hint = "".join(
+                        f"; {n!r} is a collection's variable: applies([{virtual[n]!r}], ...), "
+                        f"its view's path (coll[{n!r}].path)"
+                        for n in unknown
+                        if n in virtual
+                    )
                     raise ValueError(
                         f"{t!r} names {unknown}, which the pipeline does not read; its arrays "
-                        f"are {sorted(bases)} (names are zarr array paths, not batch labels)"
+                        f"are {sorted(bases)} (names are zarr array paths, not batch labels)" + hint
                     )
         chains: dict[str, _ArrayChain] = {}
         for path, source in bases.items():

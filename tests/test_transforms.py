@@ -520,3 +520,24 @@ def test_a_chunk_transform_on_a_collection_sees_its_members_samples_as_the_batch
         for c in range(-(-n // 2))
     }
     assert sorted(seen) == sorted(want_chunks)
+
+
+def test_applies_with_a_collections_variable_name_says_to_name_the_collections_path(
+    tmp_path: Path,
+) -> None:
+    import zarr
+
+    from insitubatch_nodes import Collection, split_by_member
+
+    for m in range(2):
+        zarr.create_array(tmp_path / f"m{m}.zarr", name="img", shape=(2, 3), dtype="f4")
+    coll = Collection.from_arrays([(tmp_path / f"m{m}.zarr", "img") for m in range(2)])
+    manifest = split_by_member(coll, {"train": list(coll.members)})
+    path = coll["data"].path
+    with pytest.raises(ValueError, match=rf"a collection's variable: applies\(\[{path!r}\]"):
+        insitu_pipeline(
+            coll,
+            manifest,
+            {"x": coll["data"]},
+            chunk_transforms=[applies(["data"], lambda chunk: chunk)],
+        )
