@@ -806,3 +806,17 @@ def test_concatenated_stores_that_leave_a_gap_or_overlap_or_end_mid_chunk_are_re
         Collection.concat([tmp_path / "ragged.zarr", tmp_path / "after.zarr"], ["t2m"])
     with pytest.raises(ValueError, match=r"steps 3600 s, .* 21600 s"):
         Collection.concat([a, tmp_path / "hourly.zarr"], ["t2m"])
+
+
+def test_a_split_whose_members_are_shorter_than_the_window_says_so_not_to_cross_the_split(
+    plate: tuple[Path, list[str]],
+) -> None:
+    # member "B/1/3" holds one sample: a shifted view has no anchor in it. The error used to
+    # suggest cross_split_windows=True, which cannot help: a window never leaves its member
+    coll = _collection(plate)
+    manifest = split_by_member(coll, {"train": ["B/1/3"], "val": ["A/1/0"]})
+    views = {"x": coll["image"], "y": coll["image"].shift(1)}
+    for cross in (False, True):
+        with pytest.raises(ValueError, match=r"never leaves its member.*at most 1 sample") as e:
+            insitu_pipeline(coll, manifest, views, cross_split_windows=cross)
+        assert "cross_split_windows=True to" not in str(e.value)
