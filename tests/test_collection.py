@@ -820,3 +820,28 @@ def test_a_split_whose_members_are_shorter_than_the_window_says_so_not_to_cross_
         with pytest.raises(ValueError, match=r"never leaves its member.*at most 1 sample") as e:
             insitu_pipeline(coll, manifest, views, cross_split_windows=cross)
         assert "cross_split_windows=True to" not in str(e.value)
+
+
+def test_an_unreadable_object_of_a_member_in_another_store_is_named_by_member_and_store(
+    tmp_path: Path,
+) -> None:
+    # the error used to say only "store key 's1/img/c/1/0/0' in store RoutingStore(...)":
+    # which member, and which of the stores is s1, was left to the user
+    from insitubatch_nodes.errors import ChunkReadError
+
+    for m in range(3):
+        image = zarr.create_array(
+            tmp_path / f"m{m}.zarr", name="img", shape=(5, 2, 3), chunks=(2, 2, 3), dtype="f4"
+        )
+        image[:] = m
+    (tmp_path / "m1.zarr" / "img" / "c" / "1" / "0" / "0").write_bytes(b"not zstd")
+    coll = Collection.from_arrays(
+        [(tmp_path / f"m{m}.zarr", "img") for m in range(3)], names=["a", "b", "c"]
+    )
+    manifest = split_by_member(coll, {"train": ["a", "b", "c"]})
+    pipe = insitu_pipeline(coll, manifest, {"x": coll["data"]}, batch_size=4)
+    with pipe, pytest.raises(ChunkReadError) as caught:
+        list(Loader(pipe))
+    message = str(caught.value)
+    assert "member 'b'" in message
+    assert f"key 'img/c/1/0/0' of routed store s1 ({tmp_path / 'm1.zarr'})" in message

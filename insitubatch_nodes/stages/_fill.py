@@ -291,7 +291,7 @@ class FillRunner:
             try:
                 raw = read(key, None, probe)
             except OSError as exc:
-                error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
+                error = array.read_error(chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
                 self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
                 continue
@@ -341,7 +341,7 @@ class FillRunner:
     ) -> ChunkReadError:
         if isinstance(exc, ChunkReadError):
             return exc
-        error = ChunkReadError(array.path, chunk, tile, key, "decode", self.store_name)
+        error = array.read_error(chunk, tile, key, "decode", self.store_name)
         error.__cause__ = exc
         return error
 
@@ -387,7 +387,7 @@ class FillRunner:
             except ChunkReadError as exc:
                 error = exc
             except Exception as exc:
-                error = ChunkReadError(array.path, chunk, tile, key, "decode", self.store_name)
+                error = array.read_error(chunk, tile, key, "decode", self.store_name)
                 error.__cause__ = exc
         if error is not None:
             self._bad(job, unit, key, error)
@@ -422,7 +422,7 @@ class FillRunner:
         try:
             raw = self.reader.read(key) if info is None else self.reader.read(key, info)
         except OSError as exc:
-            raise ChunkReadError(array.path, chunk, tile, key, "read", self.store_name) from exc
+            raise array.read_error(chunk, tile, key, "read", self.store_name) from exc
         t1 = _now()
         acc.reads += 1
         acc.read_s += t1 - t0
