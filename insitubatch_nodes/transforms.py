@@ -211,16 +211,10 @@ class ChunkTransforms:
             if isinstance(t, Scoped):
                 unknown = [n for n in t.names if n not in bases]
                 if unknown:
-                    virtual = {p.rpartition(":")[2]: p for p, g in self.geoms.items() if g.members}
-                    hint = "".join(
-                        f"; {n!r} is a collection's variable: applies([{virtual[n]!r}], ...), "
-                        f"its view's path (coll[{n!r}].path)"
-                        for n in unknown
-                        if n in virtual
-                    )
                     raise ValueError(
                         f"{t!r} names {unknown}, which the pipeline does not read; its arrays "
-                        f"are {sorted(bases)} (names are zarr array paths, not batch labels)" + hint
+                        f"are {sorted(bases)} (names are zarr array paths, not batch labels)"
+                        + collection_hint(unknown, self.geoms, "applies([{path!r}], ...)")
                     )
         chains: dict[str, _ArrayChain] = {}
         for path, source in bases.items():
@@ -361,6 +355,20 @@ class ChunkTransforms:
         return chunk.data
 
 
+def collection_hint(names: Sequence[str], geoms: Mapping[str, ArrayGeometry], how: str) -> str:
+    """``"; 'data' is a collection's variable: ..."`` for each of ``names`` that is the variable
+    name of a collection view among ``geoms`` (whose path is ``"<collection>:<variable>"``):
+    transforms name a collection's arrays by that path, ``how`` (formatted with ``path``) says
+    how to write it; ``""`` when none is."""
+    virtual = {p.rpartition(":")[2]: p for p, g in geoms.items() if g.members is not None}
+    return "".join(
+        f"; {n!r} is a collection's variable, named by its view's path (coll[{n!r}].path): "
+        + how.format(path=virtual[n])
+        for n in names
+        if n in virtual
+    )
+
+
 def _declaration(
     transform: Any, declare: Callable[[ArrayGeometry], Any], geom: ArrayGeometry
 ) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -492,6 +500,9 @@ class StandardScaler:
             raise ValueError(
                 f"{self!r} runs on {missing} but has no statistics for them; add them, or "
                 "restrict the scaler with applies([...], scaler)"
+                + collection_hint(
+                    sorted(set(self.mean) - set(geometries)), geometries, "key {path!r}"
+                )
             )
         for path, geom in geometries.items():
             for what, stat in (("mean", self.mean[path]), ("std", self.std[path])):

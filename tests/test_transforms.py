@@ -522,7 +522,7 @@ def test_a_chunk_transform_on_a_collection_sees_its_members_samples_as_the_batch
     assert sorted(seen) == sorted(want_chunks)
 
 
-def test_applies_with_a_collections_variable_name_says_to_name_the_collections_path(
+def test_applies_or_a_scaler_with_a_collections_variable_name_says_to_name_its_path(
     tmp_path: Path,
 ) -> None:
     import zarr
@@ -534,10 +534,13 @@ def test_applies_with_a_collections_variable_name_says_to_name_the_collections_p
     coll = Collection.from_arrays([(tmp_path / f"m{m}.zarr", "img") for m in range(2)])
     manifest = split_by_member(coll, {"train": list(coll.members)})
     path = coll["data"].path
-    with pytest.raises(ValueError, match=rf"a collection's variable: applies\(\[{path!r}\]"):
+    with pytest.raises(ValueError, match=rf"a collection's variable.*: applies\(\[{path!r}\]"):
         insitu_pipeline(
             coll,
             manifest,
             {"x": coll["data"]},
             chunk_transforms=[applies(["data"], lambda chunk: chunk)],
         )
+    scaler = StandardScaler({"data": 0.0}, {"data": 1.0})
+    with pytest.raises(ValueError, match=rf"a collection's variable.*: key {path!r}"):
+        insitu_pipeline(coll, manifest, {"x": coll["data"]}, chunk_transforms=[scaler])
