@@ -41,7 +41,6 @@ import numpy as np
 
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.io.arrays import open_geometries
-from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
 from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
@@ -342,8 +341,6 @@ def fit_statistics(
     (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds only the
     working set, whose slots are reused, where a pipeline built for training keeps a split that
     fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time)."""
-    if isinstance(store, Collection):  # as insitu_pipeline takes it: its (routed) store
-        store = store.store
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)

@@ -520,3 +520,18 @@ def test_a_missing_time_is_refused_naming_its_store_and_index_not_as_an_irregula
     manifest = split_by_chunk(scenes["data"], (1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match=f"member 'x''s time 'time' {why}"):
         insitu_pipeline(scenes, manifest, {"w": scenes["data"].window(["-6h", "0h"])})
+
+
+def test_open_coordinates_takes_a_concatenation_as_its_store_and_gives_the_joined_times(
+    tmp_path: Path,
+) -> None:
+    # insitu_pipeline and fit_statistics take a collection as their store; open_coordinates
+    # used to fail with "expected str, bytes or os.PathLike object, not Collection"
+    from insitubatch_nodes.io.coords import open_coordinates
+
+    _period(tmp_path / "a.zarr", 0, 8)
+    _period(tmp_path / "b.zarr", 48, 4)
+    coll = concat([tmp_path / "a.zarr", tmp_path / "b.zarr"], ["t2m"], dim="time")
+    times = open_coordinates(coll, coll["t2m"])["time"].values
+    want = np.concatenate([_read(tmp_path / "a.zarr")[1], _read(tmp_path / "b.zarr")[1]])
+    np.testing.assert_array_equal(times, want)

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 from zarr.abc.store import Store
@@ -533,15 +533,25 @@ def as_store(store: StoreLike, **options: Any) -> Store:
     An xarray ``Dataset`` opened from zarr (``xr.open_zarr(path_or_store)``) stands for the
     store it was opened from: the path or URL xarray recorded (``ds.encoding["source"]``), or
     the zarr store beneath it; one opened any other way raises ``TypeError`` saying what to
-    pass."""
+    pass. A :class:`~insitubatch_nodes.io.collection.Collection` stands for the store its
+    members are read through (``collection.store``), as it does for ``insitu_pipeline``."""
     if _is_xarray_dataset(store):
         store = _dataset_store(store)
+    if _is_collection(store):
+        store = cast(Any, store).store
     if isinstance(store, Store):
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")
         _process.tune_allocator()  # before obstore's threads allocate (see its docstring)
         return _zarr_compat.opened(store)
     return open_store(store, **options)
+
+
+def _is_collection(obj: Any) -> bool:
+    # (by its type's name: io.collection imports this module)
+    return type(obj).__name__ == "Collection" and type(obj).__module__.startswith(
+        "insitubatch_nodes."
+    )
 
 
 def _is_xarray_dataset(obj: Any) -> bool:
