@@ -845,3 +845,37 @@ def test_an_unreadable_object_of_a_member_in_another_store_is_named_by_member_an
     message = str(caught.value)
     assert "member 'b'" in message
     assert f"key 'img/c/1/0/0' of routed store s1 ({tmp_path / 'm1.zarr'})" in message
+
+
+def test_a_stack_of_a_collections_variables_names_each_rows_member_and_index_within_it(
+    tmp_path: Path,
+) -> None:
+    # a stack label used to carry no batch.members entry and virtual sample indices (member
+    # "q" starting at 6, past member "p"'s padding), unlike the collection's plain labels
+    from insitubatch_nodes import stack
+
+    groups, images, levels = [], [], []
+    for m, n in enumerate((5, 2, 6)):
+        group = zarr.open_group(tmp_path / f"g{m}.zarr", mode="w")
+        image = np.random.default_rng(m).random((n, 4, 5)).astype("f4")
+        level = np.random.default_rng(m + 9).random((n, 3, 4, 5)).astype("f4")
+        group.create_array("s/a", shape=image.shape, chunks=(2, 4, 5), dtype="f4")[:] = image
+        group.create_array("s/b", shape=level.shape, chunks=(3, 3, 2, 5), dtype="f4")[:] = level
+        groups.append((tmp_path / f"g{m}.zarr", "s"))
+        images.append(image)
+        levels.append(level)
+    coll = Collection.from_groups(None, groups, {"a": "a", "b": "b"}, names=["p", "q", "r"])
+    manifest = split_by_member(coll, {"train": ["p", "q", "r"]})
+    views = {"s": stack({"a": coll["a"], "b": coll["b"]}), "x": coll["a"]}
+    seen = []
+    with insitu_pipeline(coll, manifest, views, batch_size=3) as pipe:
+        for batch in Loader(pipe):
+            np.testing.assert_array_equal(batch.members["s"], batch.members["x"])
+            np.testing.assert_array_equal(batch.sample_indices["s"], batch.sample_indices["x"])
+            for row, (m, i) in enumerate(
+                zip(batch.members["s"], batch.sample_indices["s"], strict=True)
+            ):
+                want = np.concatenate([images[m][i][None], levels[m][i]])
+                np.testing.assert_array_equal(batch["s"][row], want)
+                seen.append((int(m), int(i)))
+    assert sorted(seen) == [(m, i) for m, n in enumerate((5, 2, 6)) for i in range(n)]

@@ -232,10 +232,12 @@ class GatherNode(BaseNode[Batch]):
         # stack members standardised during the copy: part -> (mean, std)
         self._norm = self.layout.normalized()
         # a collection's labels: rows name their member, indices are within it
+        # (a stack's rows are its sampled members', which share one sample axis: the first's)
         self._members = {
-            label: v.members
+            label: view.members
             for label, v in self.layout.views.items()
-            if isinstance(v, ArrayGeometry) and v.members is not None
+            for view in ([v] if isinstance(v, ArrayGeometry) else [m.view for m in v.sampled][:1])
+            if view is not None and view.members is not None
         }
         self.channels = {
             label: list(v.channels)
