@@ -214,7 +214,8 @@ def insitu_pipeline(
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
-    ``variables`` is a list of array names (each becomes a label) or ``{label: view}`` with
+    ``variables`` is a list of array names (each becomes a label; of a collection, its
+    variables' names) or ``{label: view}`` with
     :class:`ArrayGeometry` views (e.g. ``{"x": g, "y": g.shift(1)}``). Batches are
     :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``, or
     ``(batch, T, *inner_shape)`` for a window view (``g.window([-1, 0])``, or in time deltas
@@ -319,6 +320,9 @@ def insitu_pipeline(
                "check_store": check_store},
     )  # fmt: skip
     if isinstance(store, Collection):  # its store: one, or its members' stores routed
+        if not isinstance(variables, Mapping):  # names: the collection's variables
+            names = [variables] if isinstance(variables, str) else list(variables)
+            variables = {name: store[name] for name in names}
         store = store.store
     zstore = _open_store(store, fetch_options.retry)
     views, geoms = _resolve_views(zstore, variables)

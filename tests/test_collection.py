@@ -879,3 +879,23 @@ def test_a_stack_of_a_collections_variables_names_each_rows_member_and_index_wit
                 np.testing.assert_array_equal(batch["s"][row], want)
                 seen.append((int(m), int(i)))
     assert sorted(seen) == [(m, i) for m, n in enumerate((5, 2, 6)) for i in range(n)]
+
+
+def test_a_collections_variables_given_by_name_are_its_views(
+    plate: tuple[Path, list[str]],
+) -> None:
+    # insitu_pipeline(coll, manifest, ["image"]) used to look for an array "image" in the
+    # collection's store ("no array named ['image'] ..."), though the DataModule takes names
+    coll = _collection(plate)
+    manifest = split_by_member(coll, {"train": list(coll.members)})
+    root, groups = plate
+    images = _oracle(root, groups, "0")
+    with insitu_pipeline(coll, manifest, ["image", "labels"], batch_size=4) as pipe:
+        batch = next(iter(Loader(pipe)))
+    for row, (m, i) in enumerate(
+        zip(batch.members["image"], batch.sample_indices["image"], strict=True)
+    ):
+        np.testing.assert_array_equal(batch["image"][row], images[m][i])
+    assert set(batch.arrays) == {"image", "labels"}
+    with pytest.raises(KeyError, match="no variable 'nope'; the variables are"):
+        insitu_pipeline(coll, manifest, ["nope"])
