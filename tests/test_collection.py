@@ -899,3 +899,12 @@ def test_a_collections_variables_given_by_name_are_its_views(
     assert set(batch.arrays) == {"image", "labels"}
     with pytest.raises(KeyError, match="no variable 'nope'; the variables are"):
         insitu_pipeline(coll, manifest, ["nope"])
+
+
+def test_a_member_path_that_names_a_group_says_it_is_a_group_not_that_it_is_absent(
+    tmp_path: Path,
+) -> None:
+    group = zarr.open_group(tmp_path / "a.zarr", mode="w")
+    group.create_array("scene/image", shape=(4, 2, 3), chunks=(2, 2, 3), dtype="f4")
+    with pytest.raises(ValueError, match=r"'scene' .* is a group, not an array.*scene/image"):
+        Collection.from_arrays([(tmp_path / "a.zarr", "scene")])

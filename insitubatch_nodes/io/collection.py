@@ -469,6 +469,14 @@ class Collection:
                 f"array and member {self.members[0]!r}'s v{first[1]}: the members of a variable "
                 "need one zarr format (rewrite one, or read them in separate pipelines)"
             )
+        if got is not None and got[0] == "group":
+            group = zarr.open_group(_zarr_compat.opened(self.store), path=paths[m], mode="r")
+            inside = [f"{paths[m]}/{p}" for p, _ in _zarr_compat.walk_arrays(group)][:3]
+            raise ValueError(
+                f"{self.name}: member {self.members[m]!r}'s {variable!r} at {paths[m]!r} of "
+                f"{describe_store(self.store)} is a group, not an array: name an array inside it "
+                f"(such as {inside}), or give from_groups the group and the variables' paths"
+            )
         raise FileNotFoundError(
             f"{self.name}: member {self.members[m]!r} has no array for variable {variable!r} at "
             f"{self._paths[variable][m]!r} of {describe_store(self.store)}"
