@@ -908,3 +908,26 @@ def test_a_member_path_that_names_a_group_says_it_is_a_group_not_that_it_is_abse
     group.create_array("scene/image", shape=(4, 2, 3), chunks=(2, 2, 3), dtype="f4")
     with pytest.raises(ValueError, match=r"'scene' .* is a group, not an array.*scene/image"):
         Collection.from_arrays([(tmp_path / "a.zarr", "scene")])
+
+
+def test_a_view_of_another_collection_is_refused_not_read_from_the_pipelines_collection(
+    tmp_path: Path,
+) -> None:
+    # two collections laid out alike (members s0/img, s1/img of their routing stores): a view
+    # of the second in a pipeline over the first used to deliver the FIRST one's data
+    for prefix, scale in (("x", 1), ("y", 10)):
+        for m in range(2):
+            array = zarr.create_array(
+                tmp_path / f"{prefix}{m}.zarr", name="img", shape=(4, 2, 3), chunks=(2, 2, 3),
+                dtype="f4",
+            )  # fmt: skip
+            array[:] = scale * (m + 1)
+    first = Collection.from_arrays([(tmp_path / f"x{m}.zarr", "img") for m in range(2)])
+    second = Collection.from_arrays([(tmp_path / f"y{m}.zarr", "img") for m in range(2)])
+    manifest = split_by_member(first, {"train": list(first.members)})
+    views = {"a": first["data"], "b": second["data"]}
+    for store in (first, first.store):
+        with pytest.raises(ValueError, match=r"views of .*collection-\w+.* and .*collection-"):
+            insitu_pipeline(store, manifest, views)
+    with pytest.raises(ValueError, match=rf"are of {second.name}, but the pipeline reads"):
+        insitu_pipeline(first, manifest, {"b": second["data"]})
