@@ -110,7 +110,9 @@ class DecodeError(InSituError, ValueError):
 class ChunkReadError(InSituError, RuntimeError):
     """A stored object could not be read or decoded. The cause is chained (``__cause__``).
 
-    The message names the array, the chunk (and tile), the store key and the store.
+    The message names the array, the collection member (``member``), the chunk (and tile), the
+    store key and the store (``store``; ``located``, where given, says where the key lives
+    instead: a key of one of a collection's several stores).
     """
 
     def __init__(
@@ -121,11 +123,16 @@ class ChunkReadError(InSituError, RuntimeError):
         key: str,
         what: str,
         store: str = "",
+        *,
+        member: str = "",
+        located: str = "",
     ):
         self.array, self.chunk_index, self.tile, self.key = array, chunk_index, tile, key
-        self.store = store
+        self.store, self.member = store, member
         where = f"chunk {chunk_index}" + (f" tile {tile}" if any(tile) else "")
-        source = f" in store {store}" if store else ""
+        if member:
+            where = f"member {member!r} {where}"
+        source = f": {located}" if located else (f" in store {store}" if store else "")
         super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
 
 

@@ -21,10 +21,9 @@ from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
 from insitubatch_nodes.io.arrays import check_arrays_in_store, check_batchable, open_geometries
-from insitubatch_nodes.io.collection import (
-    Collection,
+from insitubatch_nodes.io.collection import Collection, collection_of
+from insitubatch_nodes.io.collection_checks import (
     check_collection_in_store,
-    collection_of,
     refuse_collection_options,
 )
 from insitubatch_nodes.io.coords import (
@@ -214,7 +213,8 @@ def insitu_pipeline(
 ) -> InSituPipeline:
     """Build the pipeline that trains on ``split`` of ``manifest`` from ``store``.
 
-    ``variables`` is a list of array names (each becomes a label) or ``{label: view}`` with
+    ``variables`` is a list of array names (each becomes a label; of a collection, its
+    variables' names) or ``{label: view}`` with
     :class:`ArrayGeometry` views (e.g. ``{"x": g, "y": g.shift(1)}``). Batches are
     :class:`~insitubatch_nodes.batch.Batch` es of numpy arrays ``(batch, *inner_shape)``, or
     ``(batch, T, *inner_shape)`` for a window view (``g.window([-1, 0])``, or in time deltas
@@ -318,7 +318,11 @@ def insitu_pipeline(
                "reset_stale_cache": reset_stale_cache, "verify_cache": verify_cache,
                "check_store": check_store},
     )  # fmt: skip
+    collection = store.name if isinstance(store, Collection) else None
     if isinstance(store, Collection):  # its store: one, or its members' stores routed
+        if not isinstance(variables, Mapping):  # names: the collection's variables
+            names = [variables] if isinstance(variables, str) else list(variables)
+            variables = {name: store[name] for name in names}
         store = store.store
     zstore = _open_store(store, fetch_options.retry)
     views, geoms = _resolve_views(zstore, variables)
@@ -330,6 +334,7 @@ def insitu_pipeline(
         missing_objects=missing_objects,
         coords=coords,
         plain_views=sum(v.members is None and not v.static for v in read),
+        of=collection,
     )
     refuse_product_options(read, plan_config.stride, missing, missing_objects, coords)
     # one reader: the time coordinate the stride and missing= need is read once, shared

@@ -325,21 +325,22 @@ def fit_statistics(
     batch_size: int = 32,
     **pipeline_options: Any,
 ) -> Statistics:
-    """Fit :class:`Statistics` on ``split`` of ``manifest`` for ``views`` (``{label: view}``,
-    or array names), in one pass over the split's chunks (module docstring). A view's shift is
-    ignored (the statistics are of its array, as selected). Every rank that calls it reads the
-    whole split (``rank=0, world_size=1``): fit once and share the saved file. A window view's
-    window is ignored too (its statistics, per channel, are those of every step).
-    ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
+    """Fit :class:`Statistics` on ``split`` of ``manifest`` for ``views`` (``{label: view}``, or
+    array names), in one pass over the split's chunks (module docstring). ``store`` is what
+    :func:`~insitubatch_nodes.pipeline.insitu_pipeline` takes, a collection included (its
+    members' own samples count, never their padding, and no difference spans two members). A
+    view's shift is ignored (the statistics are of its array, as selected). Every rank that
+    calls it reads the whole split (``rank=0, world_size=1``): fit once and share the saved
+    file. A window view's window is ignored too (its statistics, per channel, are those of every
+    step). ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
     ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
-    keywords). A patched view's statistics are those of its field within the box its windows
-    lie in (``within``, else the whole field; the fit reads whole samples of it), so a
-    patched stack member is normalised with the statistics of every point it may cut. The
-    pass keeps nothing for a next epoch: rows read by one sample are decoded straight into the
-    batches (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds
-    only the working set, whose slots are reused, where a pipeline built for training keeps a
-    split that fits a sixteenth of RAM whole (in fresh memory, slow to touch the first
-    time)."""
+    keywords). A patched view's statistics are those of its field within the box its windows lie
+    in (``within``, else the whole field; the fit reads whole samples of it), so a patched stack
+    member is normalised with the statistics of every point it may cut. The pass keeps nothing
+    for a next epoch: rows read by one sample are decoded straight into the batches
+    (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds only the
+    working set, whose slots are reused, where a pipeline built for training keeps a split that
+    fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time)."""
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)

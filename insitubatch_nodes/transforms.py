@@ -63,12 +63,20 @@ class DecodedChunk:
     ``sample_range`` the half-open range of sample indices it holds and ``data`` its values,
     sample axis first: ``(sample_range[1] - sample_range[0], *inner_shape)``. A transform may
     write into ``data`` or assign a new array to it, and returns the chunk.
+
+    On a collection of independent members (slides, scenes, a plate's fields), ``member`` is
+    the index of the member the chunk belongs to (``None`` elsewhere), and ``chunk_index`` and
+    ``sample_range`` count within that member, as ``batch.sample_indices`` do: a member's last
+    chunk holds only its own samples, never the padding that follows it on the collection's
+    virtual axis. (Stores concatenated or joined along time are one axis: ``member`` is
+    ``None`` and the indices run along it.)
     """
 
     array: str
     chunk_index: int
     sample_range: tuple[int, int]
     data: np.ndarray
+    member: int | None = None
 
     @property
     def n_samples(self) -> int:
@@ -206,6 +214,7 @@ class ChunkTransforms:
                     raise ValueError(
                         f"{t!r} names {unknown}, which the pipeline does not read; its arrays "
                         f"are {sorted(bases)} (names are zarr array paths, not batch labels)"
+                        + collection_hint(unknown, self.geoms, "applies([{path!r}], ...)")
                     )
         chains: dict[str, _ArrayChain] = {}
         for path, source in bases.items():
@@ -304,13 +313,23 @@ class ChunkTransforms:
         return len(self.transforms)
 
     def apply(
-        self, path: str, chunk_index: int, sample_range: tuple[int, int], data: np.ndarray
+        self,
+        path: str,
+        chunk_index: int,
+        sample_range: tuple[int, int],
+        data: np.ndarray,
+        member: tuple[int, str] | None = None,
     ) -> np.ndarray:
-        """Run the transforms of ``path`` on one decoded chunk; the checked output."""
+        """Run the transforms of ``path`` on one decoded chunk; the checked output. ``member``
+        (index, name): a collection member's chunk, ``chunk_index`` and ``sample_range``
+        counted within it."""
         chain = self._chains[path]
         n = sample_range[1] - sample_range[0]
-        chunk = DecodedChunk(path, chunk_index, sample_range, data)
+        index = None if member is None else member[0]
+        chunk = DecodedChunk(path, chunk_index, sample_range, data, index)
         where = f"array {path!r} chunk {chunk_index}"
+        if member is not None:
+            where = f"array {path!r} member {member[1]!r} chunk {chunk_index}"
         for step in chain.steps:
             try:
                 out = step.transform(chunk)
@@ -334,6 +353,20 @@ class ChunkTransforms:
                 raise ChunkTransformError(_mismatch(step, where, want, got, chain.source))
             chunk = out
         return chunk.data
+
+
+def collection_hint(names: Sequence[str], geoms: Mapping[str, ArrayGeometry], how: str) -> str:
+    """``"; 'data' is a collection's variable: ..."`` for each of ``names`` that is the variable
+    name of a collection view among ``geoms`` (whose path is ``"<collection>:<variable>"``):
+    transforms name a collection's arrays by that path, ``how`` (formatted with ``path``) says
+    how to write it; ``""`` when none is."""
+    virtual = {p.rpartition(":")[2]: p for p, g in geoms.items() if g.members is not None}
+    return "".join(
+        f"; {n!r} is a collection's variable, named by its view's path (coll[{n!r}].path): "
+        + how.format(path=virtual[n])
+        for n in names
+        if n in virtual
+    )
 
 
 def _declaration(
@@ -467,6 +500,9 @@ class StandardScaler:
             raise ValueError(
                 f"{self!r} runs on {missing} but has no statistics for them; add them, or "
                 "restrict the scaler with applies([...], scaler)"
+                + collection_hint(
+                    sorted(set(self.mean) - set(geometries)), geometries, "key {path!r}"
+                )
             )
         for path, geom in geometries.items():
             for what, stat in (("mean", self.mean[path]), ("std", self.std[path])):

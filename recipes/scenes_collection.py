@@ -60,7 +60,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cache-dir", type=Path, help="a persistent cache for two statistics passes")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.stores < 1 or args.scenes < 1 or args.stores * args.scenes < 4:
+        p.error(
+            f"--stores {args.stores} x --scenes {args.scenes} makes fewer than 4 scenes: every "
+            "4th scene is held out for validation, so give at least 4 (e.g. --stores 2 --scenes 2)"
+        )
+    return args
 
 
 def write_scenes(folder: Path, args: argparse.Namespace) -> list[tuple[str, str]]:

@@ -806,3 +806,128 @@ def test_concatenated_stores_that_leave_a_gap_or_overlap_or_end_mid_chunk_are_re
         Collection.concat([tmp_path / "ragged.zarr", tmp_path / "after.zarr"], ["t2m"])
     with pytest.raises(ValueError, match=r"steps 3600 s, .* 21600 s"):
         Collection.concat([a, tmp_path / "hourly.zarr"], ["t2m"])
+
+
+def test_a_split_whose_members_are_shorter_than_the_window_says_so_not_to_cross_the_split(
+    plate: tuple[Path, list[str]],
+) -> None:
+    # member "B/1/3" holds one sample: a shifted view has no anchor in it. The error used to
+    # suggest cross_split_windows=True, which cannot help: a window never leaves its member
+    coll = _collection(plate)
+    manifest = split_by_member(coll, {"train": ["B/1/3"], "val": ["A/1/0"]})
+    views = {"x": coll["image"], "y": coll["image"].shift(1)}
+    for cross in (False, True):
+        with pytest.raises(ValueError, match=r"never leaves its member.*at most 1 sample") as e:
+            insitu_pipeline(coll, manifest, views, cross_split_windows=cross)
+        assert "cross_split_windows=True to" not in str(e.value)
+
+
+def test_an_unreadable_object_of_a_member_in_another_store_is_named_by_member_and_store(
+    tmp_path: Path,
+) -> None:
+    # the error used to say only "store key 's1/img/c/1/0/0' in store RoutingStore(...)":
+    # which member, and which of the stores is s1, was left to the user
+    from insitubatch_nodes.errors import ChunkReadError
+
+    for m in range(3):
+        image = zarr.create_array(
+            tmp_path / f"m{m}.zarr", name="img", shape=(5, 2, 3), chunks=(2, 2, 3), dtype="f4"
+        )
+        image[:] = m
+    (tmp_path / "m1.zarr" / "img" / "c" / "1" / "0" / "0").write_bytes(b"not zstd")
+    coll = Collection.from_arrays(
+        [(tmp_path / f"m{m}.zarr", "img") for m in range(3)], names=["a", "b", "c"]
+    )
+    manifest = split_by_member(coll, {"train": ["a", "b", "c"]})
+    pipe = insitu_pipeline(coll, manifest, {"x": coll["data"]}, batch_size=4)
+    with pipe, pytest.raises(ChunkReadError) as caught:
+        list(Loader(pipe))
+    message = str(caught.value)
+    assert "member 'b'" in message
+    assert f"key 'img/c/1/0/0' of routed store s1 ({tmp_path / 'm1.zarr'})" in message
+
+
+def test_a_stack_of_a_collections_variables_names_each_rows_member_and_index_within_it(
+    tmp_path: Path,
+) -> None:
+    # a stack label used to carry no batch.members entry and virtual sample indices (member
+    # "q" starting at 6, past member "p"'s padding), unlike the collection's plain labels
+    from insitubatch_nodes import stack
+
+    groups, images, levels = [], [], []
+    for m, n in enumerate((5, 2, 6)):
+        group = zarr.open_group(tmp_path / f"g{m}.zarr", mode="w")
+        image = np.random.default_rng(m).random((n, 4, 5)).astype("f4")
+        level = np.random.default_rng(m + 9).random((n, 3, 4, 5)).astype("f4")
+        group.create_array("s/a", shape=image.shape, chunks=(2, 4, 5), dtype="f4")[:] = image
+        group.create_array("s/b", shape=level.shape, chunks=(3, 3, 2, 5), dtype="f4")[:] = level
+        groups.append((tmp_path / f"g{m}.zarr", "s"))
+        images.append(image)
+        levels.append(level)
+    coll = Collection.from_groups(None, groups, {"a": "a", "b": "b"}, names=["p", "q", "r"])
+    manifest = split_by_member(coll, {"train": ["p", "q", "r"]})
+    views = {"s": stack({"a": coll["a"], "b": coll["b"]}), "x": coll["a"]}
+    seen = []
+    with insitu_pipeline(coll, manifest, views, batch_size=3) as pipe:
+        for batch in Loader(pipe):
+            np.testing.assert_array_equal(batch.members["s"], batch.members["x"])
+            np.testing.assert_array_equal(batch.sample_indices["s"], batch.sample_indices["x"])
+            for row, (m, i) in enumerate(
+                zip(batch.members["s"], batch.sample_indices["s"], strict=True)
+            ):
+                want = np.concatenate([images[m][i][None], levels[m][i]])
+                np.testing.assert_array_equal(batch["s"][row], want)
+                seen.append((int(m), int(i)))
+    assert sorted(seen) == [(m, i) for m, n in enumerate((5, 2, 6)) for i in range(n)]
+
+
+def test_a_collections_variables_given_by_name_are_its_views(
+    plate: tuple[Path, list[str]],
+) -> None:
+    # insitu_pipeline(coll, manifest, ["image"]) used to look for an array "image" in the
+    # collection's store ("no array named ['image'] ..."), though the DataModule takes names
+    coll = _collection(plate)
+    manifest = split_by_member(coll, {"train": list(coll.members)})
+    root, groups = plate
+    images = _oracle(root, groups, "0")
+    with insitu_pipeline(coll, manifest, ["image", "labels"], batch_size=4) as pipe:
+        batch = next(iter(Loader(pipe)))
+    for row, (m, i) in enumerate(
+        zip(batch.members["image"], batch.sample_indices["image"], strict=True)
+    ):
+        np.testing.assert_array_equal(batch["image"][row], images[m][i])
+    assert set(batch.arrays) == {"image", "labels"}
+    with pytest.raises(KeyError, match="no variable 'nope'; the variables are"):
+        insitu_pipeline(coll, manifest, ["nope"])
+
+
+def test_a_member_path_that_names_a_group_says_it_is_a_group_not_that_it_is_absent(
+    tmp_path: Path,
+) -> None:
+    group = zarr.open_group(tmp_path / "a.zarr", mode="w")
+    group.create_array("scene/image", shape=(4, 2, 3), chunks=(2, 2, 3), dtype="f4")
+    with pytest.raises(ValueError, match=r"'scene' .* is a group, not an array.*scene/image"):
+        Collection.from_arrays([(tmp_path / "a.zarr", "scene")])
+
+
+def test_a_view_of_another_collection_is_refused_not_read_from_the_pipelines_collection(
+    tmp_path: Path,
+) -> None:
+    # two collections laid out alike (members s0/img, s1/img of their routing stores): a view
+    # of the second in a pipeline over the first used to deliver the FIRST one's data
+    for prefix, scale in (("x", 1), ("y", 10)):
+        for m in range(2):
+            array = zarr.create_array(
+                tmp_path / f"{prefix}{m}.zarr", name="img", shape=(4, 2, 3), chunks=(2, 2, 3),
+                dtype="f4",
+            )  # fmt: skip
+            array[:] = scale * (m + 1)
+    first = Collection.from_arrays([(tmp_path / f"x{m}.zarr", "img") for m in range(2)])
+    second = Collection.from_arrays([(tmp_path / f"y{m}.zarr", "img") for m in range(2)])
+    manifest = split_by_member(first, {"train": list(first.members)})
+    views = {"a": first["data"], "b": second["data"]}
+    for store in (first, first.store):
+        with pytest.raises(ValueError, match=r"views of .*collection-\w+.* and .*collection-"):
+            insitu_pipeline(store, manifest, views)
+    with pytest.raises(ValueError, match=rf"are of {second.name}, but the pipeline reads"):
+        insitu_pipeline(first, manifest, {"b": second["data"]})

@@ -493,3 +493,45 @@ def test_stores_or_members_whose_times_are_in_other_calendars_are_refused_naming
         insitu_pipeline(scenes, split_by_chunk(view, (1.0, 0.0, 0.0)), {"w": view},
                         stride="6h", coords=["time"])  # fmt: skip
     assert "'n'" in str(info.value) and "noleap" in str(info.value)
+
+
+def test_a_missing_time_is_refused_naming_its_store_and_index_not_as_an_irregular_step(
+    tmp_path: Path,
+) -> None:
+    # a zarr v2 store whose CF time starts at 0 and whose time array has zarr's default
+    # fill_value 0: xarray (and the package) read that first time as missing (NaT). concat,
+    # join and scenes used to refuse it as "not at one step ([-9223372035908069408 21600] s)"
+    for name, start in (("a.zarr", 0), ("b.zarr", 48)):
+        group = zarr.open_group(tmp_path / name, mode="w", zarr_format=2)
+        t2m = group.create_array("t2m", shape=(8, 2, 3), chunks=(4, 2, 3), dtype="f4")
+        t2m[:] = 1.0
+        t2m.attrs["_ARRAY_DIMENSIONS"] = ["time", "lat", "lon"]
+        time_ = group.create_array("time", shape=(8,), chunks=(8,), dtype="i8")
+        time_[:] = start + 6 * np.arange(8)
+        time_.attrs.update({"units": "hours since 2000-01-01", "_ARRAY_DIMENSIONS": ["time"]})
+    assert zarr.open_array(tmp_path / "a.zarr", path="time").fill_value == 0
+    a, b = str(tmp_path / "a.zarr"), str(tmp_path / "b.zarr")
+    why = r"at index 0 is missing .*fill_value"
+    with pytest.raises(ValueError, match=f"concat: {a!r}'s time {why}"):
+        concat([a, b], ["t2m"], dim="time")
+    with pytest.raises(ValueError, match=f"join: 'x''s time {why}"):
+        Collection.join({"x": (a, ["t2m"]), "y": (b, ["t2m"])}, dim="time")
+    scenes = Collection.from_arrays([(a, "t2m"), (b, "t2m")], names=["x", "y"])
+    manifest = split_by_chunk(scenes["data"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=f"member 'x''s time 'time' {why}"):
+        insitu_pipeline(scenes, manifest, {"w": scenes["data"].window(["-6h", "0h"])})
+
+
+def test_open_coordinates_takes_a_concatenation_as_its_store_and_gives_the_joined_times(
+    tmp_path: Path,
+) -> None:
+    # insitu_pipeline and fit_statistics take a collection as their store; open_coordinates
+    # used to fail with "expected str, bytes or os.PathLike object, not Collection"
+    from insitubatch_nodes.io.coords import open_coordinates
+
+    _period(tmp_path / "a.zarr", 0, 8)
+    _period(tmp_path / "b.zarr", 48, 4)
+    coll = concat([tmp_path / "a.zarr", tmp_path / "b.zarr"], ["t2m"], dim="time")
+    times = open_coordinates(coll, coll["t2m"])["time"].values
+    want = np.concatenate([_read(tmp_path / "a.zarr")[1], _read(tmp_path / "b.zarr")[1]])
+    np.testing.assert_array_equal(times, want)

@@ -1054,6 +1054,24 @@ def test_a_batch_transform_that_is_not_callable_is_rejected(era5: Case) -> None:
         insitu_pipeline(era5.root, era5.manifest, era5.views, batch_transforms=["nope"])  # type: ignore[list-item]
 
 
+def forgets_to_return(batch: Batch) -> Batch:
+    batch.arrays["x"] = batch["x"] * 2
+    return None  # type: ignore[return-value]
+
+
+@pytest.mark.parametrize("returned", ["None", "an array"])
+def test_a_batch_transform_that_returns_no_batch_raises_naming_it(
+    era5: Case, returned: str
+) -> None:
+    # a batch transform that forgot its `return batch` used to hand the consumer None for
+    # every batch (an array, for one returning batch["x"]), silently
+    transform = forgets_to_return if returned == "None" else (lambda batch: batch["x"])
+    pipe = insitu_pipeline(era5.root, era5.manifest, era5.views, batch_transforms=[transform])
+    with pipe, pytest.raises(TypeError, match=r"batch transform .* returned (None|ndarray).*"
+                             r"return the Batch"):  # fmt: skip
+        next(iter(pipe))
+
+
 # ---------------------------------------------------------------------------------------------
 # 12. Through torchdata.nodes.Loader: epochs and checkpoints
 # ---------------------------------------------------------------------------------------------

@@ -124,6 +124,15 @@ def test_the_scenes_recipe_trains_on_one_stream_over_scenes_in_several_stores(
     assert "above the all-background" in proc.stdout, _explain(proc)
 
 
+def test_the_scenes_recipe_refuses_too_few_scenes_to_hold_one_out_for_validation(
+    tmp_path: Path,
+) -> None:
+    # one scene used to train, validate on no scene and print "val pixel accuracy 0.000"
+    proc = _run_recipe("scenes_collection.py", "--stores", "1", "--scenes", "1", cwd=tmp_path)
+    assert proc.returncode == 2, _explain(proc)
+    assert "fewer than 4 scenes" in proc.stderr, _explain(proc)
+
+
 @pytest.mark.slow
 def test_the_timelapse_recipe_trains_on_every_t_z_plane_checked_against_zarr(
     tmp_path: Path,

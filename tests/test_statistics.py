@@ -243,3 +243,32 @@ def test_fitted_statistics_normalise_batches_to_zero_mean_and_unit_std(store: Pa
         t = batch.arrays["t"].astype(np.float64)
         np.testing.assert_allclose(np.nanmean(t, axis=(0, 2, 3)), 0.0, atol=1e-4)
         np.testing.assert_allclose(np.nanstd(t, axis=(0, 2, 3)), 1.0, rtol=1e-4)
+
+
+def test_statistics_of_a_collection_given_as_the_store_are_numpys_over_its_members_samples(
+    tmp_path: Path,
+) -> None:
+    # insitu_pipeline takes the collection itself as its store; fit_statistics used to fail
+    # with "TypeError: expected str, bytes or os.PathLike object, not Collection". The
+    # members' padding chunks must not count, nor differences across two members
+    from insitubatch_nodes import Collection, split_by_member
+
+    members = []
+    for m, n in enumerate((5, 3, 1)):
+        data = (np.random.default_rng(m).random((n, 2, 3)) * 10 + 100 * m).astype("f4")
+        array = zarr.create_array(
+            tmp_path / f"m{m}.zarr", name="img", shape=data.shape, chunks=(2, 2, 3),
+            dtype="f4", fill_value=-1000.0,
+        )  # fmt: skip
+        array[:] = data
+        members.append(data.astype("f8"))
+    coll = Collection.from_arrays([(tmp_path / f"m{m}.zarr", "img") for m in range(3)])
+    manifest = split_by_member(coll, {"train": list(coll.members)})
+    stats = fit_statistics(coll, manifest, {"x": coll["data"]})
+    values = np.concatenate([d.ravel() for d in members])
+    steps = np.concatenate([np.diff(d, axis=0).ravel() for d in members])
+    np.testing.assert_allclose(stats.mean["x"], values.mean(), rtol=1e-9)
+    np.testing.assert_allclose(stats.std["x"], values.std(), rtol=1e-9)
+    assert stats.min["x"] == values.min() and stats.max["x"] == values.max()
+    assert stats.count["x"] == values.size
+    np.testing.assert_allclose(stats.diff_std["x"], steps.std(), rtol=1e-6)

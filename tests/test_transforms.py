@@ -464,3 +464,83 @@ def test_buffers_for_reshaped_chunks_are_reused_not_allocated_per_chunk(era5: Pa
     kept = fetch.scratch_bytes - sum(d.scratch_bytes for d in fetch._decoders.values())
     chunk = g["t2m"].chunk_nbytes
     assert 0 < kept <= fetch._runner.spares.max_idle * chunk  # bounded, whatever the chunks (12)
+
+
+@pytest.mark.parametrize("reshaping", [False, True], ids=["in-place", "declared-reshape"])
+def test_a_chunk_transform_on_a_collection_sees_its_members_samples_as_the_batch_numbers_them(
+    tmp_path: Path, reshaping: bool
+) -> None:
+    # members of 5, 2 and 7 samples in chunks of 2: a member's last chunk is followed by
+    # padding on the collection's virtual axis. The transform used to see that padding as
+    # rows of the chunk and virtual sample indices (member 2's first chunk as (8, 10)), while
+    # batch.sample_indices count within each member: a transform writing each row's index,
+    # or normalising by the chunk's own rows, gave other numbers than the batch's
+    import zarr
+
+    from insitubatch_nodes import Collection, Loader, split_by_member
+
+    lengths = (5, 2, 7)
+    arrays = []
+    for m, n in enumerate(lengths):
+        root = tmp_path / f"m{m}.zarr"
+        data = zarr.create_array(root, name="img", shape=(n, 3, 4), chunks=(2, 3, 4), dtype="f4")
+        data[:] = np.full((n, 3, 4), 100.0 * m, "f4")
+        arrays.append((root, "img"))
+    coll = Collection.from_arrays(arrays, names=["a", "b", "c"])
+    seen: list[tuple[int | None, int, tuple[int, int], int]] = []
+    lock = threading.Lock()
+
+    class Index:
+        """Each row becomes its member's value plus its sample index; optionally float64."""
+
+        def output_inner(self, geometry: Any) -> tuple[tuple[int, ...], Any]:
+            return geometry.inner_shape, np.dtype("f8" if reshaping else "f4")
+
+        def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
+            with lock:
+                seen.append((chunk.member, chunk.chunk_index, chunk.sample_range, len(chunk.data)))
+            rows = np.arange(*chunk.sample_range)[:, None, None]
+            chunk.data = (chunk.data + rows).astype(self.output_inner(coll["data"])[1])
+            return chunk
+
+    manifest = split_by_member(coll, {"train": ["a", "b", "c"]})
+    with insitu_pipeline(
+        coll, manifest, {"x": coll["data"]}, batch_size=3, chunk_transforms=[Index()]
+    ) as pipe:
+        rows = 0
+        for batch in Loader(pipe):
+            m, i = batch.members["x"], batch.sample_indices["x"]
+            want = 100.0 * m[:, None, None] + i[:, None, None] + np.zeros((1, 3, 4))
+            np.testing.assert_array_equal(batch["x"], want)
+            rows += len(batch)
+    assert rows == sum(lengths)
+    want_chunks = {
+        (m, c, (2 * c, min(2 * c + 2, n)), min(2, n - 2 * c))
+        for m, n in enumerate(lengths)
+        for c in range(-(-n // 2))
+    }
+    assert sorted(seen) == sorted(want_chunks)
+
+
+def test_applies_or_a_scaler_with_a_collections_variable_name_says_to_name_its_path(
+    tmp_path: Path,
+) -> None:
+    import zarr
+
+    from insitubatch_nodes import Collection, split_by_member
+
+    for m in range(2):
+        zarr.create_array(tmp_path / f"m{m}.zarr", name="img", shape=(2, 3), dtype="f4")
+    coll = Collection.from_arrays([(tmp_path / f"m{m}.zarr", "img") for m in range(2)])
+    manifest = split_by_member(coll, {"train": list(coll.members)})
+    path = coll["data"].path
+    with pytest.raises(ValueError, match=rf"a collection's variable.*: applies\(\[{path!r}\]"):
+        insitu_pipeline(
+            coll,
+            manifest,
+            {"x": coll["data"]},
+            chunk_transforms=[applies(["data"], lambda chunk: chunk)],
+        )
+    scaler = StandardScaler({"data": 0.0}, {"data": 1.0})
+    with pytest.raises(ValueError, match=rf"a collection's variable.*: key {path!r}"):
+        insitu_pipeline(coll, manifest, {"x": coll["data"]}, chunk_transforms=[scaler])

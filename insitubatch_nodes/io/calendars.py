@@ -227,6 +227,30 @@ def one_calendar(names: Sequence[str], values: Sequence[np.ndarray], what: str) 
             )
 
 
+def refuse_missing_times(values: np.ndarray, whose: str, why: str) -> None:
+    """Refuse decoded times ``values`` that hold a missing one (``NaT``, or ``None`` among
+    cftime dates) where every time is needed (``why``): ``ValueError`` says ``whose`` times
+    they are (``"'a.zarr''s time"``), the first missing index and how many, and where missing
+    times come from (a ``_FillValue``, or a zarr v2 array's own ``fill_value``, 0 unless set,
+    so that a time ``0 hours since ...`` reads as missing, as xarray reads it)."""
+    if values.dtype.kind == "M":
+        missing = np.flatnonzero(np.isnat(values))
+    elif values.dtype == object:
+        missing = np.flatnonzero([v is None for v in values.tolist()])
+    else:
+        return
+    if not len(missing):
+        return
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    raise ValueError(
+        f"{whose} at index {int(missing[0])} is missing (NaT){more}: {why}. A time reads "
+        "as missing where it equals the time array's _FillValue or missing_value, and in a "
+        "zarr v2 store its own fill_value (0 unless set, as xarray reads v2: a first time of "
+        "0 'hours since ...' is then missing); rewrite the time array with a fill_value no "
+        "time takes, or leave this store out"
+    )
+
+
 def _time_kind(values: np.ndarray) -> str:
     if values.dtype.kind == "M":
         return "datetime64 dates (the standard calendar)"

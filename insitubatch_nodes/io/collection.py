@@ -75,11 +75,9 @@ from insitubatch_nodes.io.timeline import alignment, continuation, pieces_of_joi
 
 __all__ = [
     "Collection",
-    "check_collection_in_store",
     "collection_of",
     "concat",
     "join",
-    "refuse_collection_options",
 ]
 
 
@@ -486,6 +484,14 @@ class Collection:
                 f"array and member {self.members[0]!r}'s v{first[1]}: the members of a variable "
                 "need one zarr format (rewrite one, or read them in separate pipelines)"
             )
+        if got is not None and got[0] == "group":
+            group = zarr.open_group(_zarr_compat.opened(self.store), path=paths[m], mode="r")
+            inside = [f"{paths[m]}/{p}" for p, _ in _zarr_compat.walk_arrays(group)][:3]
+            raise ValueError(
+                f"{self.name}: member {self.members[m]!r}'s {variable!r} at {paths[m]!r} of "
+                f"{describe_store(self.store)} is a group, not an array: name an array inside it "
+                f"(such as {inside}), or give from_groups the group and the variables' paths"
+            )
         raise FileNotFoundError(
             f"{self.name}: member {self.members[m]!r} has no array for variable {variable!r} at "
             f"{self._paths[variable][m]!r} of {describe_store(self.store)}"
@@ -627,55 +633,6 @@ def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:
             f"{where}: sample_axis {sample_axis} is out of range for {array.ndim} axes"
         )
     return axis
-
-
-def refuse_collection_options(
-    views: Sequence[ArrayGeometry],
-    *,
-    timed: bool,
-    missing: Any,
-    missing_objects: str,
-    coords: Sequence[str] | None,
-    plain_views: int,
-) -> None:
-    """Refuse, naming it, what a pipeline over collection ``views`` does not support. Time
-    strides, timed windows, ``missing=`` dates and ``coords=`` read each member's own time
-    coordinate (:meth:`~insitubatch_nodes.io.members.MemberMap.joined`),
-    ``missing_objects="drop"`` lists each member's folder; on independent members (not a
-    concatenation or a join) ``missing=`` takes dates only: a sample index there would count
-    along the virtual axis, not within a member."""
-    if not any(v.members is not None for v in views):
-        return
-    if plain_views:
-        raise ValueError(
-            "a pipeline reads either collection views or plain arrays: its labels share one "
-            "sample axis; read a plain array of the same store in another pipeline"
-        )
-    if all(v.members.continuous for v in views if v.members is not None):
-        return
-    if missing is not None and any(
-        isinstance(x, int | np.integer) and not isinstance(x, bool) for x in missing
-    ):
-        raise ValueError(
-            "missing= on a collection of independent members takes dates (each member's "
-            "times), not sample indices: an index would count along the collection's virtual "
-            "axis, not within a member"
-        )
-    del timed, coords, missing_objects  # (supported: times read per member, MemberMap.joined)
-
-
-def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
-    """Check that ``store`` is the one collection view ``geom`` reads its members from (its
-    first member is there): ``FileNotFoundError`` otherwise."""
-    members = geom.members
-    assert members is not None
-    found = _zarr_compat.node_kind(_zarr_compat.opened(store), members.paths[0])
-    if found is None or found[0] != "array":
-        raise FileNotFoundError(
-            f"{geom.path!r}: its first member {members.names[0]!r} ({members.paths[0]!r}) is not "
-            f"in store {describe_store(store)}: pass the collection itself (or its .store) as "
-            "the pipeline's store"
-        )
 
 
 def concat(

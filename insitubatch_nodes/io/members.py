@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.calendars import one_calendar
+from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
 
 __all__ = ["SCHEMA_FIELDS", "MemberMap", "check_cf_encoding", "collection_of", "member_schema"]
 
@@ -237,6 +237,12 @@ class MemberMap:
         """Every member's times of ``name`` at one step, the first member's."""
         step = None
         for m, v in enumerate(values):
+            refuse_missing_times(
+                v,
+                f"{self.collection}: member {self.names[m]!r}'s time {name!r}",
+                "a time stride, window offsets in time deltas and missing= dates count steps "
+                "within each member",
+            )
             d = np.diff(v)
             if not len(d):
                 continue

@@ -24,7 +24,7 @@ import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import urlsplit
 
 import zarr
@@ -534,11 +534,14 @@ def as_store(store: StoreLike, **options: Any) -> Store:
     An xarray ``Dataset`` opened from zarr (``xr.open_zarr(path_or_store)``) stands for the
     store it was opened from: the path or URL xarray recorded (``ds.encoding["source"]``), or
     the zarr store beneath it; one opened any other way raises ``TypeError`` saying what to
-    pass."""
+    pass. A :class:`~insitubatch_nodes.io.collection.Collection` stands for the store its
+    members are read through (``collection.store``), as it does for ``insitu_pipeline``."""
     if _is_xarray_dataset(store):
         store = _dataset_store(store)
     if isinstance(store, zarr.Group | zarr.Array):
         store = _node_store(store)
+    if _is_collection(store):
+        store = cast(Any, store).store
     if isinstance(store, Store):
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")
@@ -558,6 +561,13 @@ def _node_store(node: zarr.Group | zarr.Array) -> Store:
         f"a zarr {type(node).__name__} is not a store ({what} {node.store}): pass its store "
         f"(node.store, or the path or URL it was opened from) and name the arrays by their path "
         f"from the store's root, e.g. open_geometries(node.store, [{example!r}])"
+    )
+
+
+def _is_collection(obj: Any) -> bool:
+    # (by its type's name: io.collection imports this module)
+    return type(obj).__name__ == "Collection" and type(obj).__module__.startswith(
+        "insitubatch_nodes."
     )
 
 

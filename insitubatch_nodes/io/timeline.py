@@ -23,7 +23,7 @@ import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io.arrays import open_geometries
-from insitubatch_nodes.io.calendars import one_calendar
+from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
 from insitubatch_nodes.io.coords import open_coordinates, time_offsets
 
 __all__ = ["alignment", "continuation", "pieces_of_join", "whole_seconds"]
@@ -73,6 +73,11 @@ def continuation(
                 f"concat: {name!r} has no time coordinate {dim!r} beside {first_var!r}: the "
                 "stores are joined by their times, checked to continue at one step"
             )
+        refuse_missing_times(
+            coord.values,
+            f"concat: {name!r}'s time",
+            "concat checks that the stores' times continue",
+        )
         t = whole_seconds(coord, f"store {name!r}", "concat's continuity checks")
         d = np.unique(np.diff(t))
         if len(d) > 1 or (len(d) and d[0] <= 0):
@@ -155,6 +160,9 @@ def alignment(
                 f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
                 "stores are aligned by their times"
             )
+        refuse_missing_times(
+            coord.values, f"join: {name!r}'s time", "join aligns the stores by time"
+        )
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([geoms[p].samples_per_chunk for p in located])
@@ -276,6 +284,9 @@ def pieces_of_join(
                 f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
                 "stores are aligned by their times"
             )
+        refuse_missing_times(
+            coord.values, f"join: {name!r}'s time", "join aligns the stores by time"
+        )
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([g.samples_per_chunk for g in geoms])

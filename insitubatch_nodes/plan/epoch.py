@@ -582,6 +582,23 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
             f"missing-step checks (dropped per reason: {dropped}); use a smaller stride or "
             "check the times and missing steps"
         )
+    members = manifest.members
+    if (
+        len(split_chunks)
+        and not counts.any()
+        and members is not None
+        and not members.continuous
+        and not chunk_counts(manifest, split, split_chunks, offsets, True)[1].any()
+    ):
+        first, end = members.sample_bounds(split_chunks, manifest.samples_per_chunk)
+        longest = int((end - first).max())
+        raise ValueError(
+            f"split {split!r}: with the views' offsets {offsets} no anchor has every step "
+            "in its own member, and a window never leaves its member: the members of split "
+            f"{split!r} hold at most {longest} sample{'s' if longest != 1 else ''}, and the "
+            f"views span {max(offsets) - min(offsets) + 1}; use shorter windows or put "
+            "longer members in this split"
+        )
     if len(split_chunks) and not counts.any():
         raise ValueError(
             f"split {split!r} has {len(split_chunks)} chunks, but with the views' offsets "

@@ -291,7 +291,7 @@ class FillRunner:
             try:
                 raw = read(key, None, probe)
             except OSError as exc:
-                error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
+                error = array.read_error(chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
                 self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
                 continue
@@ -341,7 +341,7 @@ class FillRunner:
     ) -> ChunkReadError:
         if isinstance(exc, ChunkReadError):
             return exc
-        error = ChunkReadError(array.path, chunk, tile, key, "decode", self.store_name)
+        error = array.read_error(chunk, tile, key, "decode", self.store_name)
         error.__cause__ = exc
         return error
 
@@ -387,7 +387,7 @@ class FillRunner:
             except ChunkReadError as exc:
                 error = exc
             except Exception as exc:
-                error = ChunkReadError(array.path, chunk, tile, key, "decode", self.store_name)
+                error = array.read_error(chunk, tile, key, "decode", self.store_name)
                 error.__cause__ = exc
         if error is not None:
             self._bad(job, unit, key, error)
@@ -422,7 +422,7 @@ class FillRunner:
         try:
             raw = self.reader.read(key) if info is None else self.reader.read(key, info)
         except OSError as exc:
-            raise ChunkReadError(array.path, chunk, tile, key, "read", self.store_name) from exc
+            raise array.read_error(chunk, tile, key, "read", self.store_name) from exc
         t1 = _now()
         acc.reads += 1
         acc.read_s += t1 - t0
@@ -549,11 +549,18 @@ class FillRunner:
 
     def _transform(self, entry: ChunkEntry, decoded: np.ndarray | None, acc: _Tally | None) -> None:
         path, chunk = entry.key
-        start, stop = self.transforms.source(path).chunk_range(chunk)
+        source = self.transforms.source(path)
+        start, stop = source.chunk_range(chunk)
+        index, member, members = chunk, None, source.members
+        if members is not None and not members.continuous:  # counted within its member
+            m = int(members.member_of(np.array([start]))[0])
+            base = int(members.sample_base[m])
+            start, stop = start - base, min(stop - base, int(members.lengths[m]))
+            index, member = chunk - int(members.chunk_base[m]), (m, members.names[m])
         region = entry.slot[: stop - start]
-        data = region if decoded is None else decoded
+        data = region if decoded is None else decoded[: stop - start]
         t0 = _now()
-        out = self.transforms.apply(path, chunk, (start, stop), data)
+        out = self.transforms.apply(path, index, (start, stop), data, member)
         if out is not region:
             np.copyto(region, out)
         if acc is not None:

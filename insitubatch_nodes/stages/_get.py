@@ -17,7 +17,7 @@ from typing import Any
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.cache.identity import meta_identity
-from insitubatch_nodes.errors import ChunkReadError, FillCancelled
+from insitubatch_nodes.errors import FillCancelled
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.stages._jobs import FillJob, Queued, Rows, Unit
@@ -124,7 +124,7 @@ class GetQueue:
         except asyncio.CancelledError:
             error = FillCancelled(f"the read of {key!r} was cancelled")
         except Exception as exc:
-            error = ChunkReadError(array.path, chunk, tile, key, "read", self.store_name)
+            error = array.read_error(chunk, tile, key, "read", self.store_name)
             error.__cause__ = exc
         except BaseException as exc:  # KeyboardInterrupt, SystemExit: land, then go on up
             error = exc

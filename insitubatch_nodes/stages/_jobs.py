@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from insitubatch_nodes.errors import ChunkReadError
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.routing import split_routed
 from insitubatch_nodes.io.selection import Held, held_boxes
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.plan.patches import unit_chunk_tile
@@ -48,6 +50,7 @@ class ArrayFill:
         "member_key",
         "missing",
         "path",
+        "routed",
         "row_key",
         "template",
         "tiles",
@@ -61,8 +64,11 @@ class ArrayFill:
         decoder: ChunkDecoder,
         units: bool = False,
         held: Held | None = None,
+        routed: Sequence[str] = (),
     ) -> None:
         self.geom = geom
+        #: the descriptions of a routing store's stores (a collection in several stores)
+        self.routed = tuple(routed)
         #: a patched array: a pool entry's key names a unit (one stored tile), not a chunk
         self.units = units
         self.path = geom.path
@@ -96,6 +102,27 @@ class ArrayFill:
             parts = self.template.format(*coords).split("\x00")
             if len(parts) == 2:
                 self.row_key = (parts[0], parts[1])
+
+    def read_error(
+        self, chunk: int, tile: tuple[int, ...], key: str, what: str, store: str
+    ) -> ChunkReadError:
+        """The error for stored object ``key`` (of ``chunk``, ``tile``) that could not be read
+        or decoded (``what``): on a collection it names the member, and a key of one of
+        several stores says which store and its key there."""
+        member, located = "", ""
+        members = self.geom.members
+        if members is not None:
+            start = self.geom.chunk_range(chunk)[0]
+            member = members.names[int(members.member_of(np.array([start]))[0])]
+        if self.routed:
+            try:
+                index, rest = split_routed(key)
+                located = f"key {rest!r} of routed store s{index} ({self.routed[index]})"
+            except (KeyError, IndexError):
+                located = ""
+        return ChunkReadError(
+            self.path, chunk, tile, key, what, store, member=member, located=located
+        )
 
     def unit_parts(self, unit: int) -> tuple[int, tuple[int, ...], tuple[slice, ...]]:
         """``(chunk, tile, box)`` of unit ``unit``: the stored object it is and where that

@@ -65,6 +65,7 @@ from insitubatch_nodes import _process, _runtime
 from insitubatch_nodes.io import objects
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.localfiles import local_reader
+from insitubatch_nodes.io.routing import RoutingStore
 from insitubatch_nodes.io.stores import describe_store, retry_policy
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.stages._admit import (
@@ -150,6 +151,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             note_bad=self._note_bad,
             recorder=self.recorder,
         )
+        routed = (
+            [describe_store(s) for s in store.stores] if isinstance(store, RoutingStore) else []
+        )
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
@@ -157,7 +161,11 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             layouts={path: self._layout(path) for path in self.slot_geoms},
             arrays={
                 path: ArrayFill(
-                    g, self._decoders[path], units=path in self.patched, held=context.held.get(path)
+                    g,
+                    self._decoders[path],
+                    units=path in self.patched,
+                    held=context.held.get(path),
+                    routed=routed,
                 )
                 for path, g in self.geoms.items()
             },

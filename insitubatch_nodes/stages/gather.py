@@ -37,6 +37,7 @@ from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
+from insitubatch_nodes.transforms import transform_name
 
 __all__ = [
     "PARALLEL_GATHER_BYTES",
@@ -231,10 +232,12 @@ class GatherNode(BaseNode[Batch]):
         # stack members standardised during the copy: part -> (mean, std)
         self._norm = self.layout.normalized()
         # a collection's labels: rows name their member, indices are within it
+        # (a stack's rows are its sampled members', which share one sample axis: the first's)
         self._members = {
-            label: v.members
+            label: view.members
             for label, v in self.layout.views.items()
-            if isinstance(v, ArrayGeometry) and v.members is not None
+            for view in ([v] if isinstance(v, ArrayGeometry) else [m.view for m in v.sampled][:1])
+            if view is not None and view.members is not None
         }
         self.channels = {
             label: list(v.channels)
@@ -349,6 +352,13 @@ class GatherNode(BaseNode[Batch]):
         )
         for transform in self.batch_transforms:
             batch = transform(batch)
+            if not isinstance(batch, Batch):
+                raise TypeError(
+                    f"batch transform {transform_name(transform)} returned "
+                    f"{type(batch).__name__}, not a Batch: a batch transform changes the batch "
+                    "it is given (or builds a new one) and must return the Batch (did it "
+                    "forget `return batch`?)"
+                )
         self.recorder.add("gather_s", time.perf_counter() - t0, start=t0, batch=plan.index)
         return batch
 

@@ -1,0 +1,84 @@
+"""The pipeline's checks of collection views: what a pipeline over a collection refuses
+(views of two collections, or of another collection than the one it reads; options that need
+times the members do not share) and that the store it reads holds a view's members. Kept apart
+from :mod:`~insitubatch_nodes.io.collection`, which makes collections."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import describe_store
+
+__all__ = ["check_collection_in_store", "refuse_collection_options"]
+
+
+def refuse_collection_options(
+    views: Sequence[ArrayGeometry],
+    *,
+    timed: bool,
+    missing: Any,
+    missing_objects: str,
+    coords: Sequence[str] | None,
+    plain_views: int,
+    of: str | None = None,
+) -> None:
+    """Refuse, naming it, what a pipeline over collection ``views`` does not support: views of
+    two collections, or of another collection than ``of`` (the name of the collection the
+    pipeline reads, when it is given one). Time
+    strides, timed windows, ``missing=`` dates and ``coords=`` read each member's own time
+    coordinate (:meth:`~insitubatch_nodes.io.members.MemberMap.joined`),
+    ``missing_objects="drop"`` lists each member's folder; on independent members (not a
+    concatenation or a join) ``missing=`` takes dates only: a sample index there would count
+    along the virtual axis, not within a member."""
+    if not any(v.members is not None for v in views):
+        return
+    # a view reads its collection's member paths from whatever store the pipeline reads:
+    # another collection laid out alike would be read in its place
+    names = sorted({v.members.collection.partition(":")[0] for v in views if v.members})
+    if len(names) > 1:
+        raise ValueError(
+            f"the views of a pipeline read one collection, not views of {names[0]} and "
+            f"{names[1]}: make their arrays one collection (Collection.from_groups with several "
+            "variables, or Collection.join), or read each in its own pipeline"
+        )
+    if of is not None and names[0] != of:
+        path = next(v.path for v in views if v.members is not None)
+        raise ValueError(
+            f"the views ({path!r}) are of {names[0]}, but the pipeline reads {of}: pass the "
+            "collection the views come from as the pipeline's store"
+        )
+    if plain_views:
+        raise ValueError(
+            "a pipeline reads either collection views or plain arrays: its labels share one "
+            "sample axis; read a plain array of the same store in another pipeline"
+        )
+    if all(v.members.continuous for v in views if v.members is not None):
+        return
+    if missing is not None and any(
+        isinstance(x, int | np.integer) and not isinstance(x, bool) for x in missing
+    ):
+        raise ValueError(
+            "missing= on a collection of independent members takes dates (each member's "
+            "times), not sample indices: an index would count along the collection's virtual "
+            "axis, not within a member"
+        )
+    del timed, coords, missing_objects  # (supported: times read per member, MemberMap.joined)
+
+
+def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
+    """Check that ``store`` is the one collection view ``geom`` reads its members from (its
+    first member is there): ``FileNotFoundError`` otherwise."""
+    members = geom.members
+    assert members is not None
+    found = _zarr_compat.node_kind(_zarr_compat.opened(store), members.paths[0])
+    if found is None or found[0] != "array":
+        raise FileNotFoundError(
+            f"{geom.path!r}: its first member {members.names[0]!r} ({members.paths[0]!r}) is not "
+            f"in store {describe_store(store)}: pass the collection itself (or its .store) as "
+            "the pipeline's store"
+        )
