@@ -18,29 +18,18 @@ Prints the best time of each and the slot sizes. Run:
 from __future__ import annotations
 
 import tempfile
-import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import xarray as xr
 
+from benchmarks.byte_order import _best
 from insitubatch_nodes import open_geometries
 from insitubatch_nodes.io.decode import ChunkDecoder
 
 SHAPE = (256, 8192)
 REPEATS = 30
-
-
-def _best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
 
 
 def main() -> None:
@@ -62,7 +51,7 @@ def main() -> None:
             g = open_geometries(root, [v], mask_and_scale=mask_and_scale)[v]
             decoder = ChunkDecoder(g)
             slot = np.empty(SHAPE, g.dtype)
-            t = _best(lambda d=decoder, s=slot, b=stored: d.decode_trusted(b, s, 0, (0,)))
+            t = _best(lambda d=decoder, s=slot, b=stored: d.decode_trusted(b, s, 0, (0,)), REPEATS)
             print(
                 f"decode {v} mask_and_scale={mask_and_scale!s:5} -> {g.dtype!s:8} slot "
                 f"{slot.nbytes / 2**20:5.1f} MiB: {t * 1e3:6.2f} ms"
@@ -80,9 +69,10 @@ def main() -> None:
     def unpack() -> None:
         cf.decode_into(raw_slot[rows], batch)
 
-    copy = _best(lambda: np.take(decoded_slot, rows, axis=0, out=batch, mode="clip"))
+    copy = _best(lambda: np.take(decoded_slot, rows, axis=0, out=batch, mode="clip"), REPEATS)
     print(f"gather 256 rows from the decoded slot (taken):        {copy * 1e3:6.2f} ms")
-    print(f"gather 256 rows from an int16 slot, unpacking (not):  {_best(unpack) * 1e3:6.2f} ms")
+    unpacking = _best(unpack, REPEATS)
+    print(f"gather 256 rows from an int16 slot, unpacking (not):  {unpacking * 1e3:6.2f} ms")
 
 
 if __name__ == "__main__":

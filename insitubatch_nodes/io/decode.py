@@ -547,12 +547,14 @@ class ChunkDecoder:
             codec = codecs[id(step)] = numcodecs.get_codec(dict(step.config or {}))
         return codec
 
-    def _scratch(self, nbytes: int) -> np.ndarray:
-        """This thread's scratch buffer, at least ``nbytes`` long (grown, never shrunk)."""
-        buf: np.ndarray | None = getattr(self._local, "scratch", None)
+    def _scratch(self, nbytes: int, name: str = "scratch") -> np.ndarray:
+        """This thread's scratch buffer ``name``, at least ``nbytes`` long (grown, never
+        shrunk; counted in ``scratch_bytes``)."""
+        buf: np.ndarray | None = getattr(self._local, name, None)
         if buf is None or buf.nbytes < nbytes:
             old = 0 if buf is None else buf.nbytes
-            buf = self._local.scratch = np.empty(max(nbytes, 4096), dtype=_U8)
+            buf = np.empty(max(nbytes, 4096), dtype=_U8)
+            setattr(self._local, name, buf)
             with self._scratch_lock:
                 self._stats.scratch_bytes += buf.nbytes - old
         return buf[:nbytes]
@@ -629,13 +631,7 @@ class ChunkDecoder:
     def _packed(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         """This thread's buffer for an object's stored values, ``shape`` of ``dtype``."""
         nbytes = math.prod(shape) * dtype.itemsize
-        buf: np.ndarray | None = getattr(self._local, "packed", None)
-        if buf is None or buf.nbytes < nbytes:
-            old = 0 if buf is None else buf.nbytes
-            buf = self._local.packed = np.empty(max(nbytes, 4096), dtype=_U8)
-            with self._scratch_lock:
-                self._stats.scratch_bytes += buf.nbytes - old
-        return buf[:nbytes].view(dtype).reshape(shape)
+        return self._scratch(nbytes, "packed").view(dtype).reshape(shape)
 
     def _decode_stored(
         self,
