@@ -20,7 +20,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
-from insitubatch_nodes.io.arrays import check_arrays_in_store, check_batchable, open_geometries
+from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.collection import Collection, collection_of
 from insitubatch_nodes.io.collection_checks import (
     check_collection_in_store,
@@ -491,7 +491,6 @@ def _resolve_views(
         base = geoms.setdefault(view.path, view.base)
         if base != view.base:
             raise ValueError(f"two views of {view.path!r} disagree about its geometry")
-    check_batchable(geoms)
     return views, geoms
 
 

@@ -30,6 +30,8 @@ from insitubatch_nodes import (
     split_by_chunk,
     to_torch,
 )
+from insitubatch_nodes.plan import PlanConfig
+from insitubatch_nodes.stages import ReadPlanNode
 
 # zarr says so of every v3 consolidation; the claims here are about what we read back
 pytestmark = pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")
@@ -533,6 +535,25 @@ def test_an_array_with_a_zero_length_field_axis_is_refused_at_construction_not_w
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match=r"'' has shape .*no values.*drop it from the views"):
         insitu_pipeline(root, manifest, {"x": geom}, batch_size=2)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("case", ["strings", "zero-length"])
+def test_a_read_plan_composed_by_hand_refuses_an_array_a_batch_cannot_hold_as_the_builder_does(
+    tmp_path: Path, case: str
+) -> None:
+    root = tmp_path / "odd.zarr"
+    if case == "strings":
+        odd = zarr.create_array(root, shape=(6,), chunks=(2,), dtype=str)
+        odd[...] = np.array(["a", "bb", "ccc", "d", "e", "f"])
+        message = r"'' holds variable-length"
+    else:
+        zarr.create_array(root, shape=(5, 0), chunks=(2, 2), dtype="f4", fill_value=0)
+        message = r"'' has shape .*no values"
+    geom = open_geometries(root, [""])[""]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=message):  # not a failed or endless first batch
+        ReadPlanNode(manifest, {"x": geom}, config=PlanConfig(batch_size=2))
 
 
 def test_a_zarr_group_or_array_passed_as_the_store_stands_for_it_or_says_what_to_pass(

@@ -45,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.arrays import check_batchable
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts, every_sample
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
@@ -554,6 +555,7 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
                 f"sample axis but the manifest's anchor grid has {manifest.n_samples}; all "
                 "labels must share the sample-axis length"
             )
+    check_batchable({g.path: g.base for g in views.values()})
     whole = {g.path for g in views.values() if g.patch is None}
     both = sorted({g.path for g in views.values() if g.patch is not None} & whole)
     if both:
