@@ -317,3 +317,20 @@ def test_open_plate_delivers_a_packed_plates_fields_as_its_options_say(
         assert rows == 8
     with pytest.raises(ValueError, match="decodes nothing"):
         open_plate(root, mask_and_scale=False, cf_dtype="float32")
+
+
+def test_the_pipeline_refuses_views_decoded_by_a_rule_the_first_member_no_longer_has(
+    tmp_path: Path,
+) -> None:
+    # the collection read the packing when it was made; a store repacked since would be
+    # decoded by the old rule: the pipeline's store check compares the decodings
+    stores = _stores(tmp_path, 3)
+    decoded, f32 = concat(stores, ["p"]), concat(stores, ["p"], cf_dtype="float32")
+    raw = concat(stores, ["p"], mask_and_scale=False)
+    zarr.open_array(str(stores[0] / "p"), mode="r+").attrs["scale_factor"] = 0.02
+    for coll in (decoded, f32):
+        with pytest.raises(ValueError, match=r"scale_factor.*make the collection again"):
+            insitu_pipeline(coll, split_by_chunk(coll["p"], (1.0, 0.0, 0.0)), ["p"], batch_size=4)
+    want = np.concatenate(_xarray(stores, "raw"))  # the stored integers: no rule to compare
+    for arrays, _, indices in _rows(raw, {"p": raw["p"]}):
+        np.testing.assert_array_equal(arrays["p"], want[indices["p"]])
