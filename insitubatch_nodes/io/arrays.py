@@ -226,8 +226,6 @@ def open_geometries(
         )
     if isinstance(variables, str):
         variables = [variables]
-    if not isinstance(mask_and_scale, bool):
-        raise TypeError(f"mask_and_scale is True or False, got {mask_and_scale!r}")
     cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
     zstore = as_store(store)
     axes: dict[str, AxisArg]

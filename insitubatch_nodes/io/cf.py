@@ -264,9 +264,13 @@ def cf_values(
 
 
 def decoded_dtype_option(cf_dtype: Any, mask_and_scale: bool) -> np.dtype[Any] | None:
-    """``open_geometries``' ``cf_dtype``, checked: ``None``, or a float dtype (native byte
-    order); ``TypeError`` for what is no dtype, ``ValueError`` for another kind, or beside
-    ``mask_and_scale=False`` (which decodes nothing)."""
+    """The decoding options of ``open_geometries``, the collections and ``open_plate``,
+    checked: ``mask_and_scale`` a bool (``TypeError`` otherwise), and ``cf_dtype`` returned as
+    ``None`` or a float dtype (native byte order); ``TypeError`` for what is no dtype,
+    ``ValueError`` for another kind, or beside ``mask_and_scale=False`` (which decodes
+    nothing)."""
+    if not isinstance(mask_and_scale, bool):
+        raise TypeError(f"mask_and_scale is True or False, got {mask_and_scale!r}")
     if cf_dtype is None:
         return None
     try:

@@ -59,6 +59,8 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
+from insitubatch_nodes.io.axes import AxisNames, axis_of
+from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import (
     SCHEMA_FIELDS,
@@ -69,8 +71,8 @@ from insitubatch_nodes.io.members import (
 )
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.product import ProductGrid, product_axes, same_grids
-from insitubatch_nodes.io.routing import RoutingStore, routed_path
-from insitubatch_nodes.io.stores import as_store, describe_store
+from insitubatch_nodes.io.routing import RoutingStore, locate
+from insitubatch_nodes.io.stores import describe_store
 from insitubatch_nodes.io.timeline import alignment, continuation, pieces_of_join
 
 __all__ = [
@@ -89,30 +91,6 @@ def _join(*parts: str) -> str:
     return "/".join(p.strip("/") for p in parts if p.strip("/"))
 
 
-def _locate(given: Sequence[tuple[Any, str]]) -> tuple[Store, list[str]]:
-    """The store to read ``(store, path)`` pairs from, and each path in it: the one store, or
-    a :class:`~insitubatch_nodes.io.routing.RoutingStore` over several."""
-    stores: list[Store] = []
-    located: list[tuple[int, str]] = []
-    opened: dict[Any, Store] = {}
-    for store, path in given:
-        if store is None:
-            raise TypeError(f"{path!r} names no store: give a store, or a (store, path) pair")
-        # a path or URL is opened once, however often it is given
-        token = os.fspath(store) if isinstance(store, str | os.PathLike) else id(store)
-        if token not in opened:
-            opened[token] = as_store(store)
-        zstore = opened[token]
-        index = next((i for i, s in enumerate(stores) if s is zstore or s == zstore), None)
-        if index is None:
-            stores.append(zstore)
-            index = len(stores) - 1
-        located.append((index, path))
-    if len(stores) == 1:
-        return stores[0], [p for _, p in located]
-    return RoutingStore(stores), [routed_path(i, p) for i, p in located]
-
-
 class Collection:
     """Members of one schema as one stream (see the module docstring). Build one with
     :meth:`from_groups` (members are groups of one store: an HCS plate's fields) or
@@ -122,7 +100,17 @@ class Collection:
     names, ``keys`` per-member group keys (``{"well": array of "A/1", ...}``: one value per
     member, for :func:`~insitubatch_nodes.split_by_member`'s ``by=``), ``store`` the store
     every member is read from (a :class:`~insitubatch_nodes.io.routing.RoutingStore` when they
-    live in several), ``lengths`` each member's sample count (on product axes: its pairs)."""
+    live in several), ``lengths`` each member's sample count (on product axes: its pairs).
+
+    ``mask_and_scale`` and ``cf_dtype`` (every constructor takes them, checked once here) say
+    how every view of the collection decodes its stored values, as
+    :func:`~insitubatch_nodes.open_geometries` takes them: CF-decoded by default, in xarray's
+    dtype or in the float dtype ``cf_dtype``; ``mask_and_scale=False`` delivers the stored
+    values. Decoded, every member follows the first member's rule, so members whose CF
+    attributes differ are refused (:func:`~insitubatch_nodes.io.members.check_cf_encoding`);
+    raw, their attributes are not read: each row holds its member's own stored values (as
+    ``xr.open_mfdataset(..., mask_and_scale=False)`` concatenates them, even where members are
+    packed otherwise: ``batch.members`` names each row's member)."""
 
     def __init__(
         self,
@@ -134,7 +122,12 @@ class Collection:
         sample_axis: SampleAxis = 0,
         continuous: bool = False,
         spans: Sequence[tuple[int, int]] | Mapping[str, Sequence[tuple[int, int]]] | None = None,
+        mask_and_scale: bool = True,
+        cf_dtype: Any = None,
     ) -> None:
+        #: how the views decode stored values (CF mask and scale; the decoded float dtype)
+        self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
+        self.mask_and_scale = mask_and_scale
         self.store = store
         #: the members are consecutive pieces of one sample axis (:meth:`concat`)
         self.continuous = bool(continuous)
@@ -220,6 +213,8 @@ class Collection:
             spans=None
             if self.spans is None
             else {v: [x[i] for i in rows] for v, x in self.spans.items()},
+            mask_and_scale=self.mask_and_scale,
+            cf_dtype=self.cf_dtype,
         )
 
     def sources(self) -> list[str]:
@@ -251,6 +246,8 @@ class Collection:
         names: Sequence[str] | None = None,
         keys: Mapping[str, Sequence[Any]] | None = None,
         sample_axis: SampleAxis = 0,
+        mask_and_scale: bool = True,
+        cf_dtype: Any = None,
     ) -> Collection:
         """Members that are groups: member ``i``'s variable ``v`` is the array at
         ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). A group may
@@ -259,17 +256,19 @@ class Collection:
         members; ``keys`` gives per-member group keys; ``sample_axis`` is an index or a
         dimension name, the same for every array. Every array's metadata is read once,
         concurrently; an absent array raises ``FileNotFoundError`` and arrays that do not share
-        the schema ``ValueError``, both naming the member and the variable."""
+        the schema ``ValueError``, both naming the member and the variable. ``mask_and_scale``
+        and ``cf_dtype``: how the views decode (the class docstring)."""
         if isinstance(groups, str) or not isinstance(variables, Mapping) or not variables:
             raise TypeError(
                 "from_groups(store, groups, variables) takes a list of group paths and a "
                 "non-empty {variable: path below each group} mapping, e.g. {'image': '0'}"
             )
         pairs = [g if isinstance(g, tuple) else (store, g) for g in groups]
-        zstore, located = _locate([(s, str(g).strip("/")) for s, g in pairs])
+        zstore, located = locate([(s, str(g).strip("/")) for s, g in pairs])
         member_names = [g for _, g in pairs] if names is None else names
         paths = {str(v): [_join(g, str(p)) for g in located] for v, p in variables.items()}
-        return cls(zstore, member_names, paths, keys=keys, sample_axis=sample_axis)
+        return cls(zstore, member_names, paths, keys=keys, sample_axis=sample_axis,
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
 
     @classmethod
     def from_arrays(
@@ -279,11 +278,14 @@ class Collection:
         names: Sequence[str] | None = None,
         variable: str = "data",
         sample_axis: SampleAxis = 0,
+        mask_and_scale: bool = True,
+        cf_dtype: Any = None,
     ) -> Collection:
         """Members that are arrays anywhere: each item a ``zarr.Array``, a ``(store, path)``
         pair, or a URL or path (the array at that store's root). Members may live in different
         stores (read through a :class:`~insitubatch_nodes.io.routing.RoutingStore`); each is one
-        member with one variable, ``variable``. ``names`` defaults to ``"0"``, ``"1"``, ..."""
+        member with one variable, ``variable``. ``names`` defaults to ``"0"``, ``"1"``, ...;
+        ``mask_and_scale`` and ``cf_dtype``: how the views decode (the class docstring)."""
         if isinstance(arrays, str) or not len(arrays):
             raise TypeError("from_arrays takes a non-empty list of arrays")
         given: list[tuple[Any, str]] = []
@@ -294,9 +296,10 @@ class Collection:
                 given.append((item[0], str(item[1]).strip("/")))
             else:
                 given.append((item, ""))
-        zstore, paths = _locate(given)
+        zstore, paths = locate(given)
         member_names = [str(i) for i in range(len(arrays))] if names is None else names
-        return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis)
+        return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis,
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
 
     @classmethod
     def concat(
@@ -307,6 +310,8 @@ class Collection:
         dim: str = "time",
         names: Sequence[str] | None = None,
         overlap: str = "error",
+        mask_and_scale: bool = True,
+        cf_dtype: Any = None,
     ) -> Collection:
         """Stores that continue one another along ``dim`` (an archive and its extension, one
         store per period) as one sample axis: member ``i`` is store ``i``, with the arrays
@@ -326,20 +331,23 @@ class Collection:
         Checked here: every store but the last holds whole chunks (of every variable) of what
         it contributes, and the times of ``dim``'s coordinate continue from store to store at
         one step, without a gap (nor an overlap, unless ``overlap`` says who wins); otherwise
-        ``ValueError`` naming the stores and the times."""
+        ``ValueError`` naming the stores and the times. ``mask_and_scale`` and ``cf_dtype``:
+        how the views decode (the class docstring), checked before any store is read."""
+        cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         if overlap not in ("error", "first", "last"):
             raise ValueError(f"overlap must be 'error', 'first' or 'last', got {overlap!r}")
         if isinstance(stores, str) or not len(stores):
             raise TypeError("concat takes a non-empty list of stores (Store, path or URL)")
         if isinstance(variables, str) or not len(variables):
             raise TypeError("concat takes a list of array names, e.g. ['t2m', 'z']")
-        zstore, roots = _locate([(s, "") for s in stores])
+        zstore, roots = locate([(s, "") for s in stores])
         if names is None:
             names = [os.fspath(s) if isinstance(s, str | os.PathLike) else repr(s) for s in stores]
         paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
         names = [str(n) for n in names]
         spans = continuation(zstore, names, paths, dim, overlap)
-        return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans)
+        return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans,
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
 
     @classmethod
     def join(
@@ -347,6 +355,8 @@ class Collection:
         stores: Mapping[str, tuple[Any, Sequence[str]]],
         *,
         dim: str = "time",
+        mask_and_scale: bool = True,
+        cf_dtype: Any = None,
     ) -> Collection:
         """Arrays of several stores aligned by their times, as the variables of one collection:
         ``stores`` maps a name to ``(store, [array paths])`` (a ``Store``, path or URL), and
@@ -365,7 +375,12 @@ class Collection:
         ``ValueError`` names the stores and their times. A store may be a concatenation
         (:meth:`concat`, with array paths of its variables): the joined axis is then cut where
         its stores meet, one member per piece, and each cut must fall on a chunk boundary of
-        every array."""
+        every array. ``mask_and_scale`` and ``cf_dtype``: how the views decode (the class
+        docstring), checked before any store is read; a concatenation given as a store must
+        have been made with the same (``ValueError`` otherwise: the join decodes every array by
+        its own)."""
+        cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
+        decode = {"mask_and_scale": mask_and_scale, "cf_dtype": cf_dtype}
         if not isinstance(stores, Mapping) or not stores:
             raise TypeError(
                 "join takes {name: (store, [array paths])}, e.g. {'atmos': (a, ['t2m']), "
@@ -377,17 +392,25 @@ class Collection:
             if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
                 raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
             given.append(item)
+            made = item[0]
+            if isinstance(made, Collection) and _decoding(made) != _decoding(decode):
+                raise ValueError(
+                    f"join: {k!r} is a concatenation made with {_decoding(made)}, but the join "
+                    f"with {_decoding(decode)}: a join decodes every array by its own options; "
+                    "give concat and join the same ones"
+                )
         if any(isinstance(s, Collection) for s, _ in given):  # a concatenation: in pieces
             entries = [
                 (n, s, [str(v) for v in vs]) for n, (s, vs) in zip(names, given, strict=True)
             ]
             pieces, rows = pieces_of_join(entries, dim)
-            zstore, flat = _locate([(st, p) for r in rows.values() for st, p, _, _ in r])
+            zstore, flat = locate([(st, p) for r in rows.values() for st, p, _, _ in r])
             at = iter(flat)
             paths = {v: [next(at) for _ in r] for v, r in rows.items()}
             spans = {v: [(a, b) for *_, a, b in r] for v, r in rows.items()}
-            return cls(zstore, pieces, paths, sample_axis=dim, continuous=True, spans=spans)
-        zstore, roots = _locate([(s, "") for s, _ in given])
+            return cls(zstore, pieces, paths, sample_axis=dim, continuous=True, spans=spans,
+                       **decode)  # fmt: skip
+        zstore, roots = locate([(s, "") for s, _ in given])
         paths = {
             f"{name}/{str(v).strip('/')}": [_join(root, str(v))]
             for name, root, (_, variables) in zip(names, roots, given, strict=True)
@@ -396,7 +419,8 @@ class Collection:
         if len(paths) != sum(len(v) for _, v in given):
             raise ValueError(f"join: an array is named twice in {names}")
         spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim)
-        return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans)
+        return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans,
+                   **decode)  # fmt: skip
 
     def _read(self, sample_axis: SampleAxis) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
@@ -416,13 +440,14 @@ class Collection:
             assert kind is not None
             ref = _zarr_compat.open_array_readonly(store, path, kind[1])
             where = f"member {self.members[0]!r}, variable {v!r}"
+            named = AxisNames(where, _zarr_compat.array_dimension_names(ref), ref.ndim)
+            asked = sample_axis if isinstance(sample_axis, tuple | list) else (sample_axis,)
+            axes = [axis_of(named, a, what="sample_axis", hint="name it by index") for a in asked]
             if isinstance(sample_axis, tuple | list):  # product sample axes
-                products[v] = product_axes(ref, [_sample_axis(ref, a, where) for a in sample_axis])
-                refs[v] = (ref, products[v][0])
-            else:
-                refs[v] = (ref, _sample_axis(ref, sample_axis, where))
+                products[v] = product_axes(ref, axes)
+            refs[v] = (ref, products[v][0] if v in products else axes[0])
             keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
-            if kind[1] == 2:  # a v2 array's attributes (CF encoding) are a document apart
+            if kind[1] == 2 and self.mask_and_scale:  # v2 attributes (CF) are a document apart
                 attr_keys += [_zarr_compat.array_metadata_keys(p, 2)[1] for p in self._paths[v]]
         docs = read_documents(store, keys)
         lengths = {
@@ -430,7 +455,8 @@ class Collection:
             for k, v in enumerate(self.variables)
         }
         attr_docs = iter(read_documents(store, attr_keys) if attr_keys else [])
-        for k, v in enumerate(self.variables):
+        # raw values are each member's own: no rule to agree on (the class docstring)
+        for k, v in enumerate(self.variables if self.mask_and_scale else ()):
             v2 = int(refs[v][0].metadata.zarr_format) == 2
             found = [next(attr_docs) for _ in range(n)] if v2 else docs[k * n : (k + 1) * n]
             attrs = [None if d is None else json.loads(d) for d in found]
@@ -522,6 +548,11 @@ class Collection:
             lengths[m] = int(shape[axis]) if len(shape) > axis else -1
         return lengths
 
+    def _cf(self, ref: Any) -> CFValues | None:
+        """How the stored values of ``ref`` (a variable's first member) decode, by the
+        collection's options."""
+        return array_cf(ref, self.cf_dtype) if self.mask_and_scale else None
+
     def _virtual_product(
         self, variable: str, ref: Any, axes: tuple[int, ...], lengths: np.ndarray
     ) -> ArrayGeometry:
@@ -537,7 +568,7 @@ class Collection:
                 "product sample axes every member needs the same lengths along them (open the "
                 "members of each length as a collection of their own)"
             )
-        chunks, cf = _zarr_compat.stored_chunk_shape(ref), array_cf(ref)
+        chunks, cf = _zarr_compat.stored_chunk_shape(ref), self._cf(ref)
         grid = ProductGrid(axes, ref.shape, chunks, members=len(self.members))
         spc = grid.samples_per_chunk
         members = MemberMap(
@@ -574,7 +605,7 @@ class Collection:
         align: int,
         starts: np.ndarray | None = None,
     ) -> ArrayGeometry:
-        chunks, cf = _zarr_compat.stored_chunk_shape(ref), array_cf(ref)
+        chunks, cf = _zarr_compat.stored_chunk_shape(ref), self._cf(ref)
         members = MemberMap(
             f"{self.name}:{variable}",
             self.members,
@@ -616,25 +647,6 @@ class FirstMemberCoordinates:
         return self.reader(replace(geom, path=self.path, members=None), dim)
 
 
-def _sample_axis(array: Any, sample_axis: int | str, where: str) -> int:
-    if isinstance(sample_axis, str):
-        dims = _zarr_compat.array_dimension_names(array)
-        if dims is None or sample_axis not in dims:
-            raise KeyError(
-                f"{where}: no dimension named {sample_axis!r} (its dimension names: {dims}); "
-                "give sample_axis as an index"
-            )
-        return dims.index(sample_axis)
-    if isinstance(sample_axis, bool) or not isinstance(sample_axis, int | np.integer):
-        raise TypeError(f"sample_axis must be an int or a dimension name, got {sample_axis!r}")
-    axis = int(sample_axis) + (array.ndim if sample_axis < 0 else 0)
-    if not 0 <= axis < array.ndim:
-        raise ValueError(
-            f"{where}: sample_axis {sample_axis} is out of range for {array.ndim} axes"
-        )
-    return axis
-
-
 def concat(
     stores: Sequence[Any],
     variables: Sequence[str],
@@ -642,13 +654,32 @@ def concat(
     dim: str = "time",
     names: Sequence[str] | None = None,
     overlap: str = "error",
+    mask_and_scale: bool = True,
+    cf_dtype: Any = None,
 ) -> Collection:
     """Stores that continue one another along ``dim`` as one sample axis:
     :meth:`Collection.concat` (its contract and checks)."""
-    return Collection.concat(stores, variables, dim=dim, names=names, overlap=overlap)
+    return Collection.concat(stores, variables, dim=dim, names=names, overlap=overlap,
+                             mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
 
 
-def join(stores: Mapping[str, tuple[Any, Sequence[str]]], *, dim: str = "time") -> Collection:
+def join(
+    stores: Mapping[str, tuple[Any, Sequence[str]]],
+    *,
+    dim: str = "time",
+    mask_and_scale: bool = True,
+    cf_dtype: Any = None,
+) -> Collection:
     """Arrays of several stores aligned by their times as one collection:
     :meth:`Collection.join` (its contract and checks)."""
-    return Collection.join(stores, dim=dim)
+    return Collection.join(stores, dim=dim, mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)
+
+
+def _decoding(given: Collection | Mapping[str, Any]) -> str:
+    """A collection's decoding options (or options given as keywords), as messages name them."""
+    if isinstance(given, Collection):
+        given = {"mask_and_scale": given.mask_and_scale, "cf_dtype": given.cf_dtype}
+    if not given["mask_and_scale"]:
+        return "mask_and_scale=False"
+    cf_dtype = given["cf_dtype"]
+    return "the default decoding" if cf_dtype is None else f"cf_dtype={cf_dtype}"

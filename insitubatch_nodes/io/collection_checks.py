@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.arrays import array_cf
+from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["check_collection_in_store", "refuse_collection_options"]
@@ -70,15 +71,44 @@ def refuse_collection_options(
     del timed, coords, missing_objects  # (supported: times read per member, MemberMap.joined)
 
 
+#: the parts of a decoding rule (``CFValues.fingerprint``), by the attribute that sets them
+_RULE = {
+    "dtype": "decoded dtype",
+    "fills": "_FillValue / missing_value",
+    "scale": "scale_factor",
+    "offset": "add_offset",
+    "unsigned": "_Unsigned",
+}
+
+
 def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
     """Check that ``store`` is the one collection view ``geom`` reads its members from (its
-    first member is there): ``FileNotFoundError`` otherwise."""
-    members = geom.members
+    first member is there: ``FileNotFoundError`` otherwise), and that the first member's
+    values still decode as the view decodes them (its CF attributes, read by the view's own
+    options: decoded, in its ``cf_dtype``, or raw): ``ValueError`` naming the attribute that
+    changed since the collection was made otherwise. Members after the first are not read."""
+    members, base = geom.members, geom.base
     assert members is not None
-    found = _zarr_compat.node_kind(_zarr_compat.opened(store), members.paths[0])
+    zstore = _zarr_compat.opened(store)
+    found = _zarr_compat.node_kind(zstore, members.paths[0])
+    where = f"{geom.path!r}: its first member {members.names[0]!r} ({members.paths[0]!r})"
     if found is None or found[0] != "array":
         raise FileNotFoundError(
-            f"{geom.path!r}: its first member {members.names[0]!r} ({members.paths[0]!r}) is not "
-            f"in store {describe_store(store)}: pass the collection itself (or its .store) as "
-            "the pipeline's store"
+            f"{where} is not in store {describe_store(store)}: pass the collection itself (or "
+            "its .store) as the pipeline's store"
+        )
+    if base.cf is None:  # delivered as stored (raw, or nothing to decode): no rule to compare
+        return
+    array = _zarr_compat.open_array_readonly(zstore, members.paths[0], found[1])
+    cf = array_cf(array, base.cf.dtype)
+    now = {"dtype": str(in_native_byte_order(array.dtype))} if cf is None else cf.fingerprint
+    then = base.cf.fingerprint
+    changed = [k for k in _RULE if now.get(k) != then.get(k)]
+    if changed:
+        what = _RULE[changed[0]]
+        raise ValueError(
+            f"{where} in store {describe_store(store)} decodes by another rule than when the "
+            f"collection was made: its {what} is {now.get(changed[0])} there, "
+            f"{then.get(changed[0])} in the view. The store was rewritten since: make the "
+            "collection again (it reads the members' CF attributes once, when it is made)"
         )

@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.stores import StoreLike, as_store
@@ -467,6 +468,8 @@ def open_plate(
     level: int | float | Mapping[str, float] = 0,
     labels: str | Sequence[str] | None = None,
     sample_axis: int | str | tuple[int | str, ...] = "z",
+    mask_and_scale: bool = True,
+    cf_dtype: Any = None,
 ) -> Collection:
     """An OME-NGFF HCS plate as one :class:`~insitubatch_nodes.io.collection.Collection`:
     one member per field (named by its group, ``"A/1/0"``), variables ``"image"`` and
@@ -482,7 +485,14 @@ def open_plate(
     its chosen level at the same path within its group (the collection names one path per
     variable); the arrays' own metadata is read by ``Collection.from_groups``, concurrently,
     which also checks that the fields share one schema (dtypes and field shapes).
+
+    ``mask_and_scale`` and ``cf_dtype`` say how the images and labels decode, as
+    :class:`~insitubatch_nodes.io.collection.Collection` takes them (checked here, before the
+    plate is read): CF attributes (``scale_factor``, ``_FillValue``) of a converted plate
+    decoded, in xarray's dtype or ``cf_dtype``, by default; ``mask_and_scale=False``: as
+    stored. NGFF images without CF attributes are delivered as stored either way.
     """
+    cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
     store = as_store(store)
     plate = read_plate(store, level=level, labels=labels)
     if isinstance(sample_axis, tuple | list):
@@ -515,6 +525,8 @@ def open_plate(
             "field": [f.name for f in plate.fields],
         },
         sample_axis=axis,
+        mask_and_scale=mask_and_scale,
+        cf_dtype=cf_dtype,
     )
 
 

@@ -10,14 +10,16 @@ e.g. a local folder read on the decode threads).
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterable, Sequence
+from typing import Any
 
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from insitubatch_nodes.io.stores import describe_store
+from insitubatch_nodes.io.stores import as_store, describe_store
 
-__all__ = ["RoutingStore", "routed_path", "split_routed"]
+__all__ = ["RoutingStore", "locate", "routed_path", "split_routed"]
 
 
 def routed_path(index: int, path: str) -> str:
@@ -122,3 +124,27 @@ class RoutingStore(Store):
         store, rest = self._route(prefix.strip("/"))
         async for key in store.list_dir(rest):
             yield key
+
+
+def locate(given: Sequence[tuple[Any, str]]) -> tuple[Store, list[str]]:
+    """The store to read ``(store, path)`` pairs from, and each path in it: the one store, or
+    a :class:`RoutingStore` over several (a collection's members in several stores)."""
+    stores: list[Store] = []
+    located: list[tuple[int, str]] = []
+    opened: dict[Any, Store] = {}
+    for store, path in given:
+        if store is None:
+            raise TypeError(f"{path!r} names no store: give a store, or a (store, path) pair")
+        # a path or URL is opened once, however often it is given
+        token = os.fspath(store) if isinstance(store, str | os.PathLike) else id(store)
+        if token not in opened:
+            opened[token] = as_store(store)
+        zstore = opened[token]
+        index = next((i for i, s in enumerate(stores) if s is zstore or s == zstore), None)
+        if index is None:
+            stores.append(zstore)
+            index = len(stores) - 1
+        located.append((index, path))
+    if len(stores) == 1:
+        return stores[0], [p for _, p in located]
+    return RoutingStore(stores), [routed_path(i, p) for i, p in located]
