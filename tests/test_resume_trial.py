@@ -548,3 +548,22 @@ def test_len_of_a_loader_resumed_on_three_ranks_is_the_interrupted_epochs_after_
             batches = list(it)
             assert [b.index for b in batches] == [3]
             assert len(loader) == 3  # the epoch is over: the next one's, as a fresh run's
+
+
+def test_a_persistent_cache_refusing_a_partial_selection_names_the_persist_keyword(
+    era5: Path, tmp_path: Path
+) -> None:
+    """The refusal said ``persistent=False``, a keyword ``insitu_pipeline`` does not take; what
+    it names now builds."""
+    g = open_geometries(era5)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    views = {"z": g["z"].isel(level=[1])}  # one of three levels, stored one per object
+    with pytest.raises(ValueError, match=r"persist=False") as refused:
+        insitu_pipeline(era5, manifest, views, cache_dir=tmp_path / "c", persist=True)
+    assert "persistent=" not in str(refused.value)
+    z = zarr.open_array(era5 / "z", mode="r")
+    with insitu_pipeline(
+        era5, manifest, views, batch_size=8, cache_dir=tmp_path / "c", persist=False
+    ) as pipe:
+        batch = next(iter(Loader(pipe)))
+        np.testing.assert_array_equal(batch["z"], z[batch.sample_indices["z"]][:, [1]])
