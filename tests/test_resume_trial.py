@@ -567,3 +567,37 @@ def test_a_persistent_cache_refusing_a_partial_selection_names_the_persist_keywo
     ) as pipe:
         batch = next(iter(Loader(pipe)))
         np.testing.assert_array_equal(batch["z"], z[batch.sample_indices["z"]][:, [1]])
+
+
+def test_a_state_saved_before_an_absent_object_was_backfilled_is_refused_saying_what_changed(
+    tmp_path: Path,
+) -> None:
+    """With ``missing_objects="drop"`` a chunk absent from the store drops the anchors that
+    read it. Written back before the resume, the plan's anchors change: the state is refused.
+    The refusal said ``its missing_steps differs (saved '3bcd...', this pipeline '7e03...')``:
+    an option the user never passed, and two hashes."""
+    root = tmp_path / "era5.zarr"
+    make_era5_like(root, n_time=24, n_lat=2, n_lon=4, n_level=1, samples_per_chunk=4,
+                   variables=("t2m",))  # fmt: skip
+    key = root / "t2m" / "c" / "3" / "0" / "0"
+    stored = key.read_bytes()
+    key.unlink()
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    views = {"a": g["t2m"], "b": g["t2m"].shift(1)}
+
+    def build() -> InSituPipeline:
+        return insitu_pipeline(root, manifest, views, batch_size=4, missing_objects="drop")
+
+    with build() as pipe:
+        assert pipe.stages.plan.dropped["absent_object"] == 5  # anchors 11 to 15
+        loader = Loader(pipe)
+        next(iter(loader))
+        state = loader.state_dict()
+    key.write_bytes(stored)
+    with build() as pipe, pytest.raises(ValueError, match="steps dropped as missing") as refused:
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        next(iter(loader))
+    assert "missing_objects='drop'" in str(refused.value)
+    assert "missing_steps" not in str(refused.value)

@@ -12,7 +12,7 @@ from typing import Any
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["dataset_hash", "readable_views", "views_list"]
+__all__ = ["check_same_anchors", "dataset_hash", "readable_views", "views_list"]
 
 
 def dataset_hash(manifest: SplitManifest, views: Sequence[Sequence[Any]]) -> str:
@@ -34,3 +34,32 @@ def views_list(views: Mapping[str, ArrayGeometry]) -> list[list[Any]]:
 def readable_views(views: Sequence[Sequence[Any]]) -> str:
     """A state's ``views`` entry as ``[x[0]: t2m -1, x[1]: t2m +0, y: t2m +1]``."""
     return "[" + ", ".join(f"{v[0]}: {v[1] or '/'} {int(v[2]):+d}" for v in views) + "]"
+
+
+def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` unless a saved read-plan config (``saved``) draws its anchors as
+    this plan's (``mine``) does: the same ``stride`` and the same missing steps (a hash of the
+    steps dropped by ``missing=``, ``missing_objects="drop"`` and the time checks; absent when
+    nothing was checked)."""
+    if saved.get("stride", 1) != mine.get("stride", 1):  # absent = the default
+        raise ValueError(
+            f"cannot restore this read-plan state: its stride differs (saved "
+            f"{saved.get('stride', 1)!r}, this pipeline {mine.get('stride', 1)!r}); "
+            "the anchors a plan draws depend on it"
+        )
+    theirs, ours = saved.get("missing_steps"), mine.get("missing_steps")
+    if theirs == ours:
+        return
+    checked = {True: "steps checked", False: "no steps checked"}
+    if (theirs is None) != (ours is None):
+        how = f"saved with {checked[theirs is not None]}, built with {checked[ours is not None]}"
+    else:
+        how = f"fingerprint {theirs} saved, {ours} now"
+    raise ValueError(
+        f"cannot restore this read-plan state: the steps dropped as missing differ ({how}): "
+        "the missing= list, missing_objects='drop' (a stored object absent then and present "
+        "now, or the reverse), or the times' gaps and NaTs changed since it was saved, and the "
+        "anchors a plan draws depend on them; build the pipeline with the saved run's missing= "
+        "and missing_objects= over the same store, or start this run's data order afresh "
+        "(without this state)"
+    )

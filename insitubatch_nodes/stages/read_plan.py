@@ -30,7 +30,12 @@ from insitubatch_nodes.plan.epoch import (
     patch_layout,
     plan_epoch,
 )
-from insitubatch_nodes.plan.fingerprint import dataset_hash, readable_views, views_list
+from insitubatch_nodes.plan.fingerprint import (
+    check_same_anchors,
+    dataset_hash,
+    readable_views,
+    views_list,
+)
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import default_rank_world
@@ -652,13 +657,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     def _check_config(self, saved: Mapping[str, Any], other_views: bool = False) -> None:
         mine = self._config
-        for key, default in (("stride", 1), ("missing_steps", None)):  # absent = the default
-            if saved.get(key, default) != mine.get(key, default):
-                raise ValueError(
-                    f"cannot restore this read-plan state: its {key} differs (saved "
-                    f"{saved.get(key, default)!r}, this pipeline {mine.get(key, default)!r}); "
-                    "the anchors a plan draws depend on it"
-                )
+        check_same_anchors(saved, mine)
         for key, value in mine.items():
             if key == "cross_split_windows" and key not in saved and self._rule_matters():
                 # saved before the rule existed: its windows read across the split's edge
