@@ -509,6 +509,42 @@ def test_a_state_saved_on_two_ranks_resumes_on_three_with_every_sample_once(
             assert values == ref.values[key], key
 
 
+@pytest.mark.parametrize(("window", "world"), [([-1, 0], 2), ([-1, 0], 3), ([-2, -1, 0], 3)])
+def test_ranks_of_a_windowed_stack_read_a_chunk_twice_only_where_windows_cross_their_cuts(
+    tmp_path: Path, window: list[int], world: int
+) -> None:
+    """One step per stored object: the ranks' GETs of each array, together, exceed one read
+    of each object the epoch needs by at most ``(W - 1) x (T - 1)`` per object of a step
+    (docs/training.md, DDP)."""
+    from helpers import counting_store
+
+    root = tmp_path / "era5.zarr"
+    make_era5_like(root, n_time=24, n_lat=2, n_lon=4, n_level=2, samples_per_chunk=1)
+    lsm = zarr.create_array(root / "lsm", shape=(2, 4), chunks=(2, 4), dtype="float32",
+                            dimension_names=("lat", "lon"))  # fmt: skip
+    lsm[...] = 1
+    gets: dict[str, int] = {}
+    for rank in range(world):
+        store = counting_store(root)
+        g = open_geometries(store)
+        sun = Forcings("x", view=g["t2m"], names=["cos_solar_zenith"])
+        x = stack({"t2m": g["t2m"].window(window), "z": g["z"].window(window), "lsm": g["lsm"],
+                   "sun": sun})  # fmt: skip
+        manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+        with insitu_pipeline(
+            store, manifest, {"x": x}, batch_size=4, rank=rank, world_size=world
+        ) as pipe:
+            store.reset_counts()
+            for _ in Loader(pipe):
+                pass
+            for key, n in store.chunk_counts().items():
+                gets[key] = gets.get(key, 0) + n
+    for array, per_step in (("t2m", 1), ("z", 2)):  # z: two levels, one object each
+        keys = [k for k in gets if k.startswith(f"{array}/")]
+        extra = sum(gets[k] for k in keys) - len(keys)
+        assert extra <= (world - 1) * (len(window) - 1) * per_step, (array, extra)
+
+
 # ---------------------------------------------------------------------------------------------
 # What the trial found
 # ---------------------------------------------------------------------------------------------
