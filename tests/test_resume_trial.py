@@ -637,3 +637,39 @@ def test_a_state_saved_before_an_absent_object_was_backfilled_is_refused_saying_
         next(iter(loader))
     assert "missing_objects='drop'" in str(refused.value)
     assert "missing_steps" not in str(refused.value)
+
+
+def test_len_of_a_loader_restoring_a_state_of_the_views_set_views_gave_is_their_epochs(
+    era5: Path,
+) -> None:
+    """A run that changed its views (``set_views``) and saved mid-epoch resumes in a pipeline
+    built with the old views and given the new ones by ``set_views`` before the restore
+    (docs/concepts.md, "Checkpoints follow the views"). Iterating did; ``len(loader)`` before
+    ``iter()`` raised ``ValueError`` "... give the pipeline the state's views (set_views) to
+    resume it mid-epoch" — what the user had done."""
+    g = open_geometries(era5)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    before = {"x": g["t2m"].window([-1, 0]), "y": g["t2m"].shift(1)}
+    after = {"x": stack({"t2m": g["t2m"].window([-2, -1, 0]), "lsm": g["lsm"]}),
+             "y": g["t2m"].shift(2)}  # fmt: skip
+
+    def build() -> InSituPipeline:
+        return insitu_pipeline(era5, manifest, before, batch_size=4, block_chunks=2, seed=3)
+
+    with build() as pipe:
+        loader = Loader(pipe)
+        for _ in loader:
+            pass
+        pipe.set_views(after)
+        it = iter(loader)
+        n_after = len(loader)
+        head = [_record(next(it)) for _ in range(2)]
+        state = loader.state_dict()
+        rest = [_record(b) for b in it]
+    assert n_after == len(head) + len(rest) == 7  # 26 anchors (2 to 27), batches of 4
+    with build() as pipe:
+        pipe.set_views(after)
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        assert len(loader) == n_after  # raised ValueError
+        assert [_record(b) for b in loader] == rest

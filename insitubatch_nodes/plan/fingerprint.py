@@ -1,6 +1,7 @@
 """What identifies the dataset a read plan reads, in its saved states: the manifest and the
 plan's views, hashed (a state restores only onto the same dataset, or says which views it was
-saved with)."""
+saved with); and the checks of a saved state's anchors (stride, missing steps) and elastic
+cuts."""
 
 from __future__ import annotations
 
@@ -10,9 +11,16 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.ledger import Stage
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["check_same_anchors", "dataset_hash", "readable_views", "views_list"]
+__all__ = [
+    "check_cuts",
+    "check_same_anchors",
+    "dataset_hash",
+    "readable_views",
+    "views_list",
+]
 
 
 def dataset_hash(manifest: SplitManifest, views: Sequence[Sequence[Any]]) -> str:
@@ -63,3 +71,24 @@ def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Non
         "and missing_objects= over the same store, or start this run's data order afresh "
         "(without this state)"
     )
+
+
+def check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
+    """The ``resumed`` entry of a read-plan state as ``((world_size, batches), ...)``."""
+    out: list[Stage] = []
+    try:
+        for w, k in cuts:
+            out.append((int(w), int(k)))
+    except (TypeError, ValueError):
+        raise ValueError(f"not a read-plan state: resumed={cuts!r}") from None
+    batches = [k for _, k in out]
+    if (
+        any(w < 1 for w, _ in out)
+        or batches != sorted(set(batches))
+        or any(k < 1 or k > emitted for k in batches)
+    ):
+        raise ValueError(
+            f"not a read-plan state: resumed={cuts!r} must list (world_size >= 1, batches) "
+            f"cuts with batches rising from 1 to at most batches_emitted={emitted}"
+        )
+    return tuple(out)
