@@ -246,8 +246,9 @@ def _slot_geometries(
         if pool.cache is not None and pool.cache.persistent:
             raise ValueError(
                 f"array {path!r} is read through selected views that touch only some of its "
-                "stored tiles, which the persistent cache does not hold; leave cache_dir unset "
-                "(or use cache_dir with persistent=False for slots on disk)"
+                "stored tiles, which the persistent cache does not hold: pass persist=False "
+                "(slots on disk in cache_dir; CacheOptions(persist=False)) or leave cache_dir "
+                "unset, or select every stored tile of it"
             )
         out[path] = held_geometry(transforms.geoms[path].base, held[path])
     for path in sorted(patched):

@@ -27,7 +27,10 @@ class Loader(_TorchdataLoader[T]):
     ``len(loader)`` is ``len(root)`` when the root node has a length (every pipeline that
     :func:`~insitubatch_nodes.insitu_pipeline` builds does), else ``TypeError``; with a state
     loaded and not yet applied, the length of the epoch that state resumes (a pipeline's
-    ``resumed_len``), which differs only for an epoch resumed on another world size.
+    ``resumed_len``), which differs only for an epoch resumed on another world size. The same
+    holds right after the ``iter()`` that applies it: torchdata's iterator then holds the
+    first batch, taken ahead, and the length is counted at the consumer's position, not the
+    pipeline's (a resumed epoch with one batch left is that epoch's, not the next one's).
     """
 
     def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None:
@@ -41,6 +44,12 @@ class Loader(_TorchdataLoader[T]):
 
     def __len__(self) -> int:
         pending = self._next_iter_state_dict
+        ahead = self._it is not None and self._it._cached_item is not None
+        if pending is None and ahead:
+            # iter() applying a state takes the next batch ahead (torchdata's has_next): the
+            # root is a batch past the consumer, so ask for the length at the consumer's
+            # position (where that batch ended the epoch, the root already counts the next)
+            pending = self._it._cached_state_dict
         resumed_len = getattr(self.root, "resumed_len", None)
         if pending is not None and resumed_len is not None:
             return int(resumed_len(pending))

@@ -8,6 +8,7 @@ configuration.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from types import MappingProxyType
@@ -30,7 +31,13 @@ from insitubatch_nodes.plan.epoch import (
     patch_layout,
     plan_epoch,
 )
-from insitubatch_nodes.plan.fingerprint import dataset_hash, readable_views, views_list
+from insitubatch_nodes.plan.fingerprint import (
+    check_cuts,
+    check_same_anchors,
+    dataset_hash,
+    readable_views,
+    views_list,
+)
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import default_rank_world
@@ -43,27 +50,6 @@ from insitubatch_nodes.plan.schedule import (
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = ["ReadPlanNode"]
-
-
-def _check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
-    """The ``resumed`` entry of a read-plan state as ``((world_size, batches), ...)``."""
-    out: list[Stage] = []
-    try:
-        for w, k in cuts:
-            out.append((int(w), int(k)))
-    except (TypeError, ValueError):
-        raise ValueError(f"not a read-plan state: resumed={cuts!r}") from None
-    batches = [k for _, k in out]
-    if (
-        any(w < 1 for w, _ in out)
-        or batches != sorted(set(batches))
-        or any(k < 1 or k > emitted for k in batches)
-    ):
-        raise ValueError(
-            f"not a read-plan state: resumed={cuts!r} must list (world_size >= 1, batches) "
-            f"cuts with batches rising from 1 to at most batches_emitted={emitted}"
-        )
-    return tuple(out)
 
 
 _DRAWN_KEPT = 3  # epoch plans a ReadPlanNode keeps (the current one, the next, len()'s)
@@ -482,14 +468,26 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     def resumed_epoch(self, state: Mapping[str, Any]) -> int:
         """The epoch ``reset(state)`` continues (the next one for a state taken at an end)."""
-        self.check_state(state)
-        return self._resolve(state)[0]
+        node = self._as_reset(state)
+        node.check_state(state)
+        return node._resolve(state)[0]
 
     def resumed_len(self, state: Mapping[str, Any]) -> int:
         """The length :meth:`__len__` reports once ``reset(state)`` has run (nothing changes)."""
-        self.check_state(state)
-        epoch, _, resumed, dealing = self._resolve(state)
-        return self._draw(epoch, None, resumed, dealing=dealing).n_batches
+        node = self._as_reset(state)
+        node.check_state(state)
+        epoch, _, resumed, dealing = node._resolve(state)
+        return node._draw(epoch, None, resumed, dealing=dealing).n_batches
+
+    def _as_reset(self, state: Mapping[str, Any]) -> ReadPlanNode:
+        """This node with the views ``reset(state)`` reads: itself, or a copy that took the
+        views :meth:`set_views` gave, where ``reset`` takes them first (here they stay)."""
+        if self._pending is None or self._resumes_mid_epoch(state):
+            return self
+        node = copy.copy(self)
+        node._drawn, node._known = {}, dict(self._known)
+        node._apply_pending()
+        return node
 
     @property
     def block_batches(self) -> int:
@@ -537,7 +535,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         is saved), and the rest of the epoch is dealt to this world size.
         """
         epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
-        resumed = _check_cuts(state.get("resumed", ()), emitted)
+        resumed = check_cuts(state.get("resumed", ()), emitted)
         saved_world = int(state["config"].get("world_size", self.world_size))
         if self._other_views(state["config"]) is not None:
             # saved with other views at an epoch boundary (check_state): the next epoch is ours
@@ -637,7 +635,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if theirs is None:
             return False
         emitted = int(state["batches_emitted"])
-        resumed = _check_cuts(state.get("resumed", ()), emitted)
+        resumed = check_cuts(state.get("resumed", ()), emitted)
         world = int(saved.get("world_size", self.world_size))
         if emitted == 0 or emitted >= self._saved_len(state, resumed, world):
             return True
@@ -652,13 +650,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     def _check_config(self, saved: Mapping[str, Any], other_views: bool = False) -> None:
         mine = self._config
-        for key, default in (("stride", 1), ("missing_steps", None)):  # absent = the default
-            if saved.get(key, default) != mine.get(key, default):
-                raise ValueError(
-                    f"cannot restore this read-plan state: its {key} differs (saved "
-                    f"{saved.get(key, default)!r}, this pipeline {mine.get(key, default)!r}); "
-                    "the anchors a plan draws depend on it"
-                )
+        check_same_anchors(saved, mine)
         for key, value in mine.items():
             if key == "cross_split_windows" and key not in saved and self._rule_matters():
                 # saved before the rule existed: its windows read across the split's edge
