@@ -408,8 +408,8 @@ class _ShardPlan(_Plan):
                 inner_crop.append(slice(lo - i * c, hi - i * c))
             region = dest[tuple(dest_sel)]
             offset, nbytes = index[sum(i * st for i, st in zip(coords, self.strides, strict=True))]
-            if offset == _MISSING and nbytes == _MISSING:
-                region[...] = rt._fill
+            if offset == _MISSING and nbytes == _MISSING:  # stored values, decoded after
+                region[...] = rt._stored_fill
                 rt._stats.filled += 1
                 continue
             if offset + nbytes > size:
@@ -487,11 +487,15 @@ class ChunkDecoder:
             raise ValueError(f"{geom.path}: the geometry was built without zarr metadata")
         self._geom = geom.base
         fill = geom.fill_value
-        self._fill: Any = _zarr_compat.default_fill_value(metadata) if fill is None else fill
+        #: what zarr reads for a value never written (an absent inner chunk of a shard is
+        #: decoded from it with the stored values around it)
+        self._stored_fill: Any = _zarr_compat.default_fill_value(metadata) if fill is None else fill
         #: how stored values decode (CF mask and scale), applied as each object is written
         self._cf = geom.cf
-        if self._cf is not None:
-            self._fill = self._cf.decoded_fill(self._fill)
+        #: what an absent stored object reads as: the fill value, decoded
+        self._fill: Any = (
+            self._stored_fill if self._cf is None else self._cf.decoded_fill(self._stored_fill)
+        )
         if geom.zarr_format == 2:
             self._plan = _plan_v2(metadata, geom.chunks)
         else:
