@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 from zarr.abc.store import Store
@@ -490,8 +490,26 @@ def _resolve_views(
     for view in _members(views):
         base = geoms.setdefault(view.path, view.base)
         if base != view.base:
-            raise ValueError(f"two views of {view.path!r} disagree about its geometry")
+            raise ValueError(
+                f"two views of {view.path!r} disagree about its geometry "
+                f"({_differences(base, view.base)}): take every view of one array from one "
+                "open_geometries call (its mask_and_scale and cf_dtype decide the dtype)"
+            )
     return views, geoms
+
+
+def _differences(a: ArrayGeometry, b: ArrayGeometry) -> str:
+    """The compared fields in which two geometries of one array differ, with both values."""
+    out = []
+    for f in fields(ArrayGeometry):
+        x, y = getattr(a, f.name), getattr(b, f.name)
+        if f.compare and not f.name.startswith("_") and x != y:
+            if f.name == "cf":  # (its dtype is the geometry's)
+                x, y = ("as stored" if v is None else "CF-decoded" for v in (x, y))
+                out.append(f"values {x} and {y}" if x != y else "another CF rule")
+                continue
+            out.append(f"{f.name} {x} and {y}")
+    return "; ".join(out) or f"fill value {a.fill_value} and {b.fill_value}"
 
 
 def _members(views: Mapping[str, Any]) -> list[Any]:

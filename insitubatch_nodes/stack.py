@@ -239,9 +239,15 @@ def stack(
                 f"{first_name!r} has {_describe_steps(steps)}: members must agree on T"
             )
         if view.dtype != first.dtype and not view.static:
+            cast = "a chunk transform can cast one"
+            if view.cf is not None or first.cf is not None:  # decoded by xarray's dtype rule
+                cast = (
+                    "open_geometries(store, cf_dtype='float32') delivers every CF-decoded "
+                    f"array in float32, or {cast}"
+                )
             raise ValueError(
                 f"stack member {name!r} is {view.dtype}, but {first_name!r} is {first.dtype}: "
-                "stack members of one dtype (a chunk transform can cast one)"
+                f"stack members of one dtype ({cast})"
             )
         leveled = len(inner) == field_ndim + 1
         names = _channel_names(name, view) if leveled else [name]
