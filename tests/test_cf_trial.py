@@ -100,18 +100,33 @@ def test_an_absent_inner_chunk_of_a_packed_shard_reads_as_xarray_reads_it(
 
 
 def _era5(root: Path, zarr_format: int = 3, time_chunk: int = 2) -> Path:
-    """An ERA5-like store as xarray writes it: t2m packed int16 (float64 decoded), sst float32
-    with ``_FillValue = -9999`` (float32 decoded)."""
+    """An ERA5-like store as xarray writes it: t2m and z packed int16 (float64 decoded), sst
+    float32 with ``_FillValue = -9999`` (float32 decoded), a static land-sea mask packed uint8
+    (float64), with time, level, lat and lon coordinates."""
     rng = np.random.default_rng(3)
     t2m = (273 + 5 * rng.standard_normal((6, 4, 5))).astype(np.float32)
-    t2m[1, 0, 0] = np.nan
+    t2m[1, 0, 0] = t2m[4, 3, 4] = np.nan
     sst = (290 + rng.standard_normal((6, 4, 5))).astype(np.float32)
     sst[:, 0] = -9999.0
-    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), t2m), "sst": (("time", "lat", "lon"), sst)})
+    z = (5000 + 50 * rng.standard_normal((6, 3, 4, 5))).astype(np.float32)
+    z[3, 1, 2, 2] = np.nan
+    lsm = rng.random((4, 5)).astype(np.float32)
+    lsm[1, 1] = np.nan
+    dims = ("time", "lat", "lon")
+    ds = xr.Dataset(
+        {"t2m": (dims, t2m), "sst": (dims, sst), "lsm": (dims[1:], lsm),
+         "z": (("time", "level", "lat", "lon"), z)},
+        coords={"time": np.datetime64("2020-01-01T00") + np.arange(6) * np.timedelta64(6, "h"),
+                "level": [500, 700, 850], "lat": np.linspace(60, 30, 4),
+                "lon": np.linspace(0, 20, 5)},
+    )  # fmt: skip
+    packed = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 273.0, "_FillValue": -32767}
     encoding = {
-        "t2m": {"dtype": "int16", "scale_factor": 0.01, "add_offset": 273.0,
-                "_FillValue": -32767, "chunks": (time_chunk, 4, 5)},
+        "t2m": {**packed, "chunks": (time_chunk, 4, 5)},
+        "z": {**packed, "scale_factor": 0.05, "add_offset": 5000.0,
+              "chunks": (time_chunk, 1, 4, 5)},
         "sst": {"_FillValue": -9999.0, "chunks": (time_chunk, 4, 5)},
+        "lsm": {"dtype": "uint8", "scale_factor": 1 / 250, "_FillValue": 255},
     }  # fmt: skip
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -159,3 +174,239 @@ def test_a_stack_of_a_packed_and_a_float_member_is_refused_pointing_at_cf_dtype(
         np.testing.assert_allclose(b["x"][:, 0], want, rtol=2**-23)
         np.testing.assert_array_equal(np.isnan(b["x"][:, 0]), np.isnan(want))
         np.testing.assert_array_equal(b["x"][:, 1], ds["sst"].values[rows])
+
+
+#: (dtype, CF attributes, zarr fill_value): how netCDF-converted data arrays arrive
+ENCODINGS: list[tuple[str, dict[str, Any], Any]] = [
+    ("int16", {"scale_factor": 0.01, "add_offset": 273.0, "_FillValue": -32767}, None),
+    ("int16", {"scale_factor": 0.01, "add_offset": 273.0, "_FillValue": -32767}, -32767),
+    ("int16", {"scale_factor": 0.01}, None),  # scale only: float64
+    ("int16", {"add_offset": 273.0}, None),  # offset only: float64
+    ("int16", {"scale_factor": 0.5, "add_offset": 1, "_FillValue": -1}, None),  # an int offset
+    ("int16", {"scale_factor": [0.01], "add_offset": [273.0]}, None),  # attributes as lists
+    ("int8", {"scale_factor": 0.1, "add_offset": 1.0, "_FillValue": -128}, None),
+    ("uint8", {"scale_factor": 0.1, "add_offset": 1.0, "_FillValue": 255}, None),
+    ("uint16", {"scale_factor": 0.5, "add_offset": 1.0}, None),
+    ("int32", {"scale_factor": 0.001, "add_offset": 1.0, "missing_value": [-1, -2]}, None),
+    (
+        "int16",
+        {"scale_factor": 0.01, "add_offset": 273.0, "_FillValue": -32767, "missing_value": -32766},
+        None,
+    ),
+    (
+        "int16",
+        {"scale_factor": 0.01, "add_offset": 273.0, "missing_value": [-32766, -32765]},
+        None,
+    ),
+    ("float32", {"scale_factor": 0.5, "add_offset": 1.0, "_FillValue": -9999.0}, None),
+    ("float32", {"_FillValue": -9999.0}, None),
+    ("float64", {"_FillValue": -9999.0, "missing_value": 1e20}, None),
+    ("float16", {"_FillValue": -1.0}, None),
+    ("int16", {"_FillValue": -1}, None),  # masked integers: float32
+    ("int16", {"missing_value": -1}, None),
+    ("int32", {"missing_value": -1}, None),  # float64
+    ("int64", {"missing_value": -1}, None),
+    ("int8", {"_Unsigned": "true", "_FillValue": -1, "scale_factor": 0.5}, None),
+    ("int8", {"_Unsigned": "true"}, None),
+    ("bool", {}, None),
+]
+
+
+def _encoded_array(dtype: str, attrs: Mapping[str, Any], rng: np.random.Generator) -> np.ndarray:
+    """Stored values of ``dtype`` holding each fill value of ``attrs`` twice."""
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return rng.random((6, 3, 4)) > 0.5
+    if dt.kind in "iu":
+        info = np.iinfo(dt)
+        data = rng.integers(max(info.min, -30000), min(info.max, 30000) + 1, (6, 3, 4)).astype(dt)
+    else:
+        data = (10 * rng.standard_normal((6, 3, 4))).astype(dt)
+    fills = [f for k in ("_FillValue", "missing_value") for f in np.ravel(attrs.get(k, []))]
+    for i, f in enumerate(fills):
+        data.flat[[3 + 7 * i, 40 + 5 * i]] = f
+    return data
+
+
+def _write_encodings(root: Path, zarr_format: int, spc: int) -> list[str]:
+    """:data:`ENCODINGS` as arrays ``e0``, ``e1``, ... of one store (v3 float fills base64, as
+    xarray writes them); each array's second object is deleted (it reads as the fill)."""
+    rng = np.random.default_rng(0)
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    names = []
+    for i, (dtype, attrs, fill) in enumerate(ENCODINGS):
+        at = dict(attrs)
+        kw: dict[str, Any] = {"dimension_names": ("time", "y", "x")}
+        if zarr_format == 2:
+            at["_ARRAY_DIMENSIONS"], kw = ["time", "y", "x"], {}
+        elif "_FillValue" in at and np.dtype(dtype).kind == "f":
+            at["_FillValue"] = _b64(at["_FillValue"])
+        array = group.create_array(f"e{i}", shape=(6, 3, 4), chunks=(spc, 3, 4), dtype=dtype,
+                                   fill_value=fill, attributes=at, **kw)  # fmt: skip
+        array[...] = _encoded_array(dtype, attrs, rng)
+        names.append(f"e{i}")
+        key = f"e{i}/1.0.0" if zarr_format == 2 else f"e{i}/c/1/0/0"
+        (root / key).unlink()
+    return names
+
+
+@pytest.mark.parametrize(
+    ("zarr_format", "spc"), [(2, 1), (2, 3), (3, 1), (3, 3)], ids=["v2-1", "v2-3", "v3-1", "v3-3"]
+)
+def test_every_encoding_of_a_converted_archive_reads_as_xarray_decodes_it(
+    tmp_path: Path, zarr_format: int, spc: int
+) -> None:
+    root = tmp_path / "e.zarr"
+    names = _write_encodings(root, zarr_format, spc)
+    g = open_geometries(root)
+    assert _assert_batches_equal_xarray(root, {n: g[n] for n in names}) == 2 * 6
+
+
+def _float32_oracle(array: Any) -> np.ndarray:
+    """xarray's decoding of ``array``'s stored values with ``scale_factor`` / ``add_offset``
+    given as float32 attributes (as netCDF files hold them), the zarr v2 fill value standing
+    for ``_FillValue`` as xarray reads v2."""
+    attrs = {k: v for k, v in array.attrs.items() if k != "_ARRAY_DIMENSIONS"}
+    if array.metadata.zarr_format == 2 and array.fill_value is not None:
+        attrs["_FillValue"] = array.fill_value
+    if isinstance(attrs.get("_FillValue"), str):
+        attrs["_FillValue"] = struct.unpack("<d", base64.standard_b64decode(attrs["_FillValue"]))[0]
+    for k in ("scale_factor", "add_offset"):
+        if isinstance(np.ravel(attrs.get(k, 0))[0], float):
+            attrs[k] = np.float32(np.ravel(attrs[k])[0])
+    var = xr.Variable(("t", "y", "x"), array[...], attrs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return np.asarray(xr.conventions.decode_cf_variable("v", var).values)
+
+
+@pytest.mark.parametrize(("zarr_format", "spc"), [(2, 1), (3, 3)], ids=["v2-1", "v3-3"])
+def test_every_encoding_reads_raw_as_zarr_and_in_float32_as_xarray_with_float32_attrs(
+    tmp_path: Path, zarr_format: int, spc: int
+) -> None:
+    root = tmp_path / "e.zarr"
+    names = _write_encodings(root, zarr_format, spc)
+    group = zarr.open_group(root, mode="r")
+    raw = open_geometries(root, mask_and_scale=False)
+    f32 = open_geometries(root, cf_dtype="float32")
+    for b in _read(root, {n: raw[n] for n in names})[0]:
+        for n in names:
+            want = group[n][...][b["rows"][n]]
+            assert b[n].dtype == want.dtype, n
+            np.testing.assert_array_equal(b[n], want, err_msg=n)
+    exact = 0
+    for b in _read(root, {n: f32[n] for n in names})[1]:
+        for n in names:
+            want = _float32_oracle(group[n])[b["rows"][n]]
+            got = b[n]
+            if want.dtype == np.float32 or want.dtype.kind not in "f":  # xarray's own float32
+                assert got.dtype == want.dtype, (n, got.dtype, want.dtype)
+                np.testing.assert_array_equal(got, want, err_msg=n)
+                exact += 1
+            else:  # a float64 result, delivered in float32: within one unit in the last place
+                assert got.dtype == np.float32, n
+                np.testing.assert_allclose(got, want, rtol=2**-23, err_msg=n)
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want), err_msg=n)
+    assert exact >= 2 * 12
+
+
+@pytest.mark.parametrize(("zarr_format", "time_chunk"), [(2, 1), (3, 4)], ids=["v2-1", "v3-4"])
+def test_an_era5_archive_reads_as_xarray_through_windows_selections_norms_and_a_warm_cache(
+    tmp_path: Path, zarr_format: int, time_chunk: int
+) -> None:
+    from insitubatch_nodes import stack, to_torch
+    from insitubatch_nodes.statistics import fit_statistics
+
+    root = _era5(tmp_path / "e.zarr", zarr_format, time_chunk)
+    ds = _xarray(root)
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    stats = fit_statistics(root, manifest, {v: g[v] for v in ("t2m", "sst", "z", "lsm")})
+    for v, axes in (("t2m", None), ("sst", None), ("z", (0, 2, 3)), ("lsm", None)):
+        x = ds[v].values.astype(np.float64)
+        np.testing.assert_array_equal(np.ravel(stats.nan_count[v]), np.isnan(x).sum(axes), v)
+        np.testing.assert_allclose(np.ravel(stats.mean[v]), np.nanmean(x, axes), rtol=1e-12)
+        np.testing.assert_allclose(np.ravel(stats.std[v]), np.nanstd(x, axes), rtol=1e-9)
+    views = {
+        "w": g["t2m"].window([-1, 0, 1]),
+        "z700": g["z"].sel(level=700),
+        "north": g["t2m"].sel(lat=slice(55, 35), lon=[5.0, 15.0]),
+        "lsm": g["lsm"],
+        "x": stack({"t2m": g["t2m"], "z": g["z"]}, normalize=stats),
+    }
+    wants = {
+        "w": lambda r: ds["t2m"].values[r],  # (rows: (batch, 3) of a window)
+        "z700": lambda r: ds["z"].sel(level=700).values[r],
+        "north": lambda r: ds["t2m"].sel(lat=slice(55, 35), lon=[5.0, 15.0]).values[r],
+        "lsm": lambda r: np.broadcast_to(ds["lsm"].values, (len(r), 4, 5)),
+    }
+    mean, std = (
+        np.concatenate([np.ravel(s["t2m"]), np.ravel(s["z"])]) for s in (stats.mean, stats.std)
+    )
+    cache = {"cache_dir": tmp_path / "cache", "persist": True}
+    epochs, gets = [], []
+    for _ in ("cold", "warm"):
+        pipe = insitu_pipeline(root, manifest, views, batch_size=2, shuffle=False, **cache)
+        with pipe:
+            epochs.append([(b, to_torch(b)) for b in pipe])
+            gets.append(pipe.report().gets)
+    assert gets[0] > 0 and gets[1] == 0, gets  # (the warm epoch is read from the cache)
+    for (cold, _), (warm, tensors) in zip(*epochs, strict=True):
+        rows = warm.sample_indices["x"]  # (a static label has none)
+        assert np.array_equal(warm.sample_indices["w"][:, 1], rows)
+        for label, want in wants.items():
+            got, expected = (
+                np.asarray(warm.arrays[label]),
+                want(warm.sample_indices.get(label, rows)),
+            )
+            assert got.dtype == expected.dtype == tensors[label].numpy().dtype, label
+            np.testing.assert_array_equal(got, expected, err_msg=label)
+            np.testing.assert_array_equal(np.asarray(cold.arrays[label]), got, err_msg=label)
+        channels = np.concatenate([ds["t2m"].values[rows][:, None], ds["z"].values[rows]], axis=1)
+        want_x = (channels - mean[:, None, None]) / std[:, None, None]
+        np.testing.assert_allclose(np.asarray(warm.arrays["x"]), want_x, rtol=1e-12, atol=1e-12)
+        np.testing.assert_array_equal(np.isnan(warm.arrays["x"]), np.isnan(want_x))
+    assert sum(len(b.sample_indices["x"]) for b, _ in epochs[1]) == 4
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_a_packed_field_in_every_stored_layout_reads_as_xarray_decodes_it(
+    tmp_path: Path, zarr_format: int
+) -> None:
+    # big-endian, Fortran order, a Delta filter, no compressor, field tiles with edges, shards:
+    # each decodes into the stored dtype first, then unpacks (an absent object: the fill)
+    import numcodecs
+    from zarr.codecs import BytesCodec
+
+    root = tmp_path / "l.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    data = np.random.default_rng(4).integers(-300, 300, (7, 4, 5)).astype(np.int16)
+    data[3, 1, 1] = data[6, 3, 4] = -32767
+    layouts: dict[str, dict[str, Any]] = {
+        "tiles": {"chunks": (3, 3, 3)},
+        "one": {"chunks": (1, 4, 5), "compressors": None},
+    }
+    if zarr_format == 2:
+        layouts |= {
+            "big": {"chunks": (2, 4, 5), "dtype": ">i2"},
+            "fortran": {"chunks": (2, 4, 5), "order": "F"},
+            "delta": {"chunks": (2, 4, 5), "filters": [numcodecs.Delta(dtype="i2")]},
+        }
+        kw: dict[str, Any] = {}
+        attrs = {"_ARRAY_DIMENSIONS": ["time", "y", "x"], "scale_factor": 0.01, "add_offset": 273.0}
+    else:
+        layouts |= {
+            "big": {"chunks": (2, 4, 5), "serializer": BytesCodec(endian="big")},
+            "shards": {"chunks": (1, 2, 5), "shards": (2, 4, 5)},
+        }
+        kw = {"dimension_names": ("time", "y", "x")}
+        attrs = {"scale_factor": 0.01, "add_offset": 273.0, "_FillValue": -32767}
+    for name, layout in layouts.items():
+        layout = {"dtype": "int16", **layout}
+        array = group.create_array(name, shape=data.shape, fill_value=-32767, attributes=attrs,
+                                   **layout, **kw)  # fmt: skip
+        array[...] = data
+    for name in ("tiles", "one"):  # one stored object never written
+        (root / name / ("1.0.0" if zarr_format == 2 else "c/1/0/0")).unlink()
+    g = open_geometries(root)
+    assert _assert_batches_equal_xarray(root, {n: g[n] for n in layouts}) == 2 * 7
