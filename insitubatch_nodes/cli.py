@@ -7,9 +7,10 @@ against one real chunk of a store before a training run finds out the hard way:
 2. it builds the transform's scope and declaration exactly as :func:`insitu_pipeline` would
    (an ``applies`` scope that misses the array, a ``validate`` that refuses the array, a failing
    ``output_inner`` are all reported);
-3. it runs the transform on the chunk as zarr reads it and checks the output against the
-   declared ``output_inner`` — or, with no declaration, against the input's shape and dtype
-   (an undeclared reshape);
+3. it runs the transform on the chunk as the pipeline decodes it (CF-encoded values decoded
+   as ``open_geometries`` delivers them: ``--cf-dtype``, ``--no-mask-and-scale``) and checks
+   the output against the declared ``output_inner`` — or, with no declaration, against the
+   input's shape and dtype (an undeclared reshape);
 4. unless ``--no-gil-probe``: a GIL probe. The transform runs over and over in a second thread
    while this thread runs Python code and measures how long it is kept waiting for the GIL.
    A vectorized transform spends its time in numpy, which releases the GIL, so the waits stay
@@ -154,6 +155,8 @@ def _read_chunk(zstore: Any, geom: Any, chunk: int) -> np.ndarray:
     sel: list[Any] = [slice(None)] * geom.ndim
     sel[geom.sample_axis] = slice(start, stop)
     data = np.asarray(array[tuple(sel)])
+    if geom.cf is not None:  # CF mask and scale: the values the pipeline's transforms see
+        data = geom.cf.decode(data)
     return np.ascontiguousarray(np.moveaxis(data, geom.sample_axis, 0))
 
 
@@ -175,11 +178,18 @@ def check_transform(args: argparse.Namespace) -> int:
         return _USAGE
     zstore = as_store(args.url)
     try:
-        geom = open_geometries(zstore, [args.var], sample_axis=args.sample_axis)[
-            args.var.strip("/")
-        ]
+        geom = open_geometries(
+            zstore,
+            [args.var],
+            sample_axis=args.sample_axis,
+            mask_and_scale=args.mask_and_scale,
+            cf_dtype=args.cf_dtype,
+        )[args.var.strip("/")]
     except KeyError as exc:
         out(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return _USAGE
+    except (ValueError, TypeError) as exc:  # a --cf-dtype or --sample-axis it cannot take
+        out(f"error: {exc}", file=sys.stderr)
         return _USAGE
     if not 0 <= args.chunk < geom.n_chunks:
         out(f"error: --chunk {args.chunk} is not in [0, {geom.n_chunks})", file=sys.stderr)
@@ -298,6 +308,17 @@ def _parser() -> argparse.ArgumentParser:
     )
     check.add_argument("--chunk", type=int, default=0, help="chunk index along the sample axis")
     check.add_argument("--sample-axis", type=int, default=0, help="the array's sample axis")
+    check.add_argument(
+        "--cf-dtype",
+        default=None,
+        help="the float dtype CF-decoded arrays are delivered in (open_geometries' cf_dtype)",
+    )
+    check.add_argument(
+        "--no-mask-and-scale",
+        dest="mask_and_scale",
+        action="store_false",
+        help="the stored values, not CF-decoded ones (open_geometries' mask_and_scale=False)",
+    )
     check.add_argument(
         "--no-gil-probe", action="store_true", help="only the fast, deterministic checks"
     )

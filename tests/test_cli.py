@@ -191,3 +191,47 @@ def test_the_console_script_insitubatch_nodes_runs_the_cli() -> None:
     with pytest.raises(SystemExit) as info:
         main(["check-transform", "--help"])
     assert info.value.code == 0
+
+
+def test_check_transform_runs_on_a_packed_chunk_decoded_as_the_pipeline_decodes_it(
+    tmp_path: Path,
+) -> None:
+    # an ERA5 field packed as int16: the pipeline's transforms see xarray's float64 values, so
+    # must the check (it ran them on the stored int16, where `data -= 273.15` raises)
+    import warnings
+
+    import xarray as xr
+
+    root = tmp_path / "packed.zarr"
+    field = (273 + np.random.default_rng(1).standard_normal((6, 4, 5))).astype("f4")
+    field[1, 2, 3] = np.nan
+    encoding = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 273.0,
+                "_FillValue": -32767, "chunks": (3, 4, 5)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        xr.Dataset({"t2m": (("time", "y", "x"), field)}).to_zarr(
+            root, zarr_format=3, consolidated=False, encoding={"t2m": encoding}
+        )
+        want = xr.open_zarr(root, consolidated=False)["t2m"].values[:3]
+    user = tmp_path / "user_code"
+    user.mkdir()
+    (user / "cf_transforms.py").write_text(
+        "SEEN = []\n\ndef kelvin_to_celsius(chunk):\n"
+        "    SEEN.append(chunk.data.copy())\n    chunk.data -= 273.15\n    return chunk\n"
+    )
+    seen = []
+    for extra, dtype in (((), "float64"), (("--cf-dtype", "float32"), "float32"),
+                         (("--no-mask-and-scale",), "int16")):  # fmt: skip
+        sys.modules.pop("cf_transforms", None)
+        rc, out = check(root, "cf_transforms:kelvin_to_celsius", "--no-gil-probe", *extra,
+                        cwd=user)  # fmt: skip
+        assert f"stored chunks (3, 4, 5), {dtype}" in out, out
+        seen.append(importlib.import_module("cf_transforms").SEEN[0])
+        assert seen[-1].dtype == dtype
+        assert (rc == 0) == (dtype != "int16"), out  # (int16 - 273.15 cannot stay int16)
+    np.testing.assert_array_equal(seen[0], want)
+    np.testing.assert_allclose(seen[1], want.astype("f4"), rtol=2**-23)
+    raw = zarr.open_array(root / "t2m", mode="r")[:3]
+    np.testing.assert_array_equal(seen[2], raw)
+    rc, out = check(root, "cf_transforms:kelvin_to_celsius", "--cf-dtype", "int16", cwd=user)
+    assert rc == 2 and "cf_dtype is a float dtype" in out, out
