@@ -4,7 +4,9 @@ By default it writes a synthetic ERA5-like store to ``data/era5_demo.zarr`` (onc
 geometry, the split and one epoch's read plan, then trains a small convolutional network to
 predict ``t2m`` at ``t+1`` from ``t2m`` at ``t`` for a few epochs on the CPU, printing the epoch
 report (:meth:`~insitubatch_nodes.pipeline.InSituPipeline.report`) after each. ``--url`` trains
-from any store instead (``s3://bucket/path.zarr --endpoint http://127.0.0.1:9000 ...``).
+from any store instead (``s3://bucket/path.zarr --endpoint http://127.0.0.1:9000 ...``); a
+CF-encoded field (a netCDF-converted ``int16`` packed one) is decoded as xarray decodes it, in
+``float32`` (``open_geometries(..., cf_dtype="float32")``), and normalised by its decoded values.
 
 ``--cache-dir DIR`` shows the persistent chunk cache: the demo runs twice, each time in a fresh
 process with ``insitu_pipeline(..., cache_dir=DIR, persist=True)``. The first run warms the
@@ -129,7 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _two_cached_runs(args, argv)
     store = _prepare_store(args)
 
-    geom = open_geometries(store, [args.variable])[args.variable]
+    # CF-encoded fields (an int16 packed one decodes to float64) arrive in the model's float32
+    geom = open_geometries(store, [args.variable], cf_dtype="float32")[args.variable]
     manifest = split_by_chunk(geom, (0.8, 0.1, 0.1))
     views = {"x": geom, "y": geom.shift(1)}
     config = PlanConfig(batch_size=args.batch_size, block_chunks=args.block_chunks)
@@ -270,8 +273,8 @@ def _train(
                 if not losses and epoch == 0:
                     timing["first_batch_s"] = time.perf_counter() - t_start
                 t = to_torch(batch)
-                x = ((t["x"] - mean) / std).unsqueeze(1)
-                y = ((t["y"] - mean) / std).unsqueeze(1)
+                x = ((t["x"].float() - mean) / std).unsqueeze(1)  # (a float64 field too)
+                y = ((t["y"].float() - mean) / std).unsqueeze(1)
                 loss = torch.nn.functional.mse_loss(model(x) + x, y)
                 opt.zero_grad()
                 loss.backward()
@@ -309,7 +312,8 @@ def _train(
 
 
 def _stats(store: Any, geom: ArrayGeometry, manifest: SplitManifest) -> tuple[float, float]:
-    """Mean/std of the first train chunk, read through zarr (cheap normalisation)."""
+    """Mean/std of the first train chunk, read through zarr (cheap normalisation) and decoded
+    as the batches are (CF mask and scale: masked points are NaN, skipped)."""
     import zarr
 
     arr = zarr.open_array(store=store, path=geom.path, mode="r")
@@ -317,8 +321,11 @@ def _stats(store: Any, geom: ArrayGeometry, manifest: SplitManifest) -> tuple[fl
     start, stop = geom.chunk_range(first)
     index = [slice(None)] * geom.ndim
     index[geom.sample_axis] = slice(start, stop)
-    data = np.asarray(arr[tuple(index)], dtype=np.float64)
-    return float(data.mean()), float(data.std() or 1.0)
+    data = np.asarray(arr[tuple(index)])
+    if geom.cf is not None:
+        data = geom.cf.decode(data)
+    data = data.astype(np.float64)
+    return float(np.nanmean(data)), float(np.nanstd(data) or 1.0)
 
 
 def _tqdm() -> Any:

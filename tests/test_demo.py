@@ -60,3 +60,44 @@ def test_a_cache_dir_with_plan_only_is_refused_with_the_reason(
     assert rc == 2
     assert "cannot be combined with --plan-only" in capsys.readouterr().out
     assert not (tmp_path / "c").exists()
+
+
+def test_the_demo_trains_from_a_packed_int16_store_normalised_by_its_decoded_values(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # ``make demo ARGS="--url ..."`` on a netCDF-converted archive: t2m packed as int16 decodes
+    # to float64 (xarray's rule), which the float32 model refused ("Input type (double) and
+    # bias type (float)"); its normalisation came from the stored integers
+    import warnings
+
+    import numpy as np
+    import xarray as xr
+
+    from insitubatch_nodes import open_geometries, split_by_chunk
+
+    rng = np.random.default_rng(0)
+    field = (273 + 10 * rng.standard_normal((48, 8, 16))).astype("f4")
+    masked = field.copy()
+    masked[::8, 0, 0] = np.nan  # a masked point in every chunk: the normalisation skips it
+    root = tmp_path / "packed.zarr"
+    encoding = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 273.0,
+                "_FillValue": -32767, "chunks": (8, 8, 16)}  # fmt: skip
+    dims = ("time", "lat", "lon")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        xr.Dataset({"t2m": (dims, field), "masked": (dims, masked)}).to_zarr(
+            root, zarr_format=3, consolidated=False, encoding={"t2m": encoding, "masked": encoding}
+        )
+        decoded = xr.open_zarr(root, consolidated=False).load()
+    for name in ("t2m", "masked"):
+        geom = open_geometries(root, cf_dtype="float32")[name]
+        manifest = split_by_chunk(geom, (0.8, 0.1, 0.1))
+        start, stop = geom.chunk_range(manifest.chunks("train")[0])
+        first = decoded[name].values[start:stop]  # (float32 unpacking: within 1e-6)
+        mean, std = demo._stats(root, geom, manifest)
+        assert np.isclose(mean, np.nanmean(first), rtol=1e-6), (name, mean, np.nanmean(first))
+        assert np.isclose(std, np.nanstd(first), rtol=1e-6), (name, std, np.nanstd(first))
+    argv = ["--url", str(root), "--epochs", "2", "--batch-size", "4", "--no-progress"]
+    rc = demo.main(argv)
+    out = capsys.readouterr().out
+    assert rc == 0 and "loss fell" in out, out
