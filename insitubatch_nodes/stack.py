@@ -240,7 +240,8 @@ def stack(
             )
         if view.dtype != first.dtype and not view.static:
             cast = "a chunk transform can cast one"
-            if view.cf is not None or first.cf is not None:  # decoded by xarray's dtype rule
+            decoded = [v for v in (view, first) if v.cf is not None]  # by xarray's dtype rule
+            if decoded and all(v.members is None for v in decoded):  # (open_geometries' arrays)
                 cast = (
                     "open_geometries(store, cf_dtype='float32') delivers every CF-decoded "
                     f"array in float32, or {cast}"

@@ -99,7 +99,9 @@ def test_an_absent_inner_chunk_of_a_packed_shard_reads_as_xarray_reads_it(
     assert _assert_batches_equal_xarray(root, {"p": g["packed"], "m": g["masked"]}) == 2 * 8
 
 
-def _era5(root: Path, zarr_format: int = 3, time_chunk: int = 2) -> Path:
+def _era5(
+    root: Path, zarr_format: int = 3, time_chunk: int = 2, start: str = "2020-01-01T00"
+) -> Path:
     """An ERA5-like store as xarray writes it: t2m and z packed int16 (float64 decoded), sst
     float32 with ``_FillValue = -9999`` (float32 decoded), a static land-sea mask packed uint8
     (float64), with time, level, lat and lon coordinates."""
@@ -116,7 +118,7 @@ def _era5(root: Path, zarr_format: int = 3, time_chunk: int = 2) -> Path:
     ds = xr.Dataset(
         {"t2m": (dims, t2m), "sst": (dims, sst), "lsm": (dims[1:], lsm),
          "z": (("time", "level", "lat", "lon"), z)},
-        coords={"time": np.datetime64("2020-01-01T00") + np.arange(6) * np.timedelta64(6, "h"),
+        coords={"time": np.datetime64(start) + np.arange(6) * np.timedelta64(6, "h"),
                 "level": [500, 700, 850], "lat": np.linspace(60, 30, 4),
                 "lon": np.linspace(0, 20, 5)},
     )  # fmt: skip
@@ -410,3 +412,18 @@ def test_a_packed_field_in_every_stored_layout_reads_as_xarray_decodes_it(
         (root / name / ("1.0.0" if zarr_format == 2 else "c/1/0/0")).unlink()
     g = open_geometries(root)
     assert _assert_batches_equal_xarray(root, {n: g[n] for n in layouts}) == 2 * 7
+
+
+def test_a_stack_of_collection_members_of_two_dtypes_is_not_sent_to_cf_dtype(
+    tmp_path: Path,
+) -> None:
+    # cf_dtype is open_geometries' option: a collection's variables decode by xarray's rule
+    from insitubatch_nodes import stack
+    from insitubatch_nodes.io.collection import Collection
+
+    stores = [_era5(tmp_path / f"{t}.zarr", start=t) for t in ("2020-01-01T00", "2020-01-02T12")]
+    coll = Collection.concat(stores, ["t2m", "sst"])
+    assert (coll["t2m"].dtype, coll["sst"].dtype) == (np.float64, np.float32)
+    with pytest.raises(ValueError, match="chunk transform can cast one") as info:
+        stack({"t2m": coll["t2m"], "sst": coll["sst"]})
+    assert "cf_dtype" not in str(info.value)
