@@ -32,6 +32,7 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import as_store
@@ -184,6 +185,12 @@ class InSituDataModule(pl.LightningDataModule):
             dropped per reason.
         log_report: add an :class:`InSituReportCallback` to the Trainer (when it has none), so
             every training epoch's report is logged through ``self.log`` (``insitu/...``).
+        mask_and_scale, cf_dtype: as for :func:`~insitubatch_nodes.open_geometries`, where
+            the data module opens the arrays (``variables`` as names or a callable): CF-encoded
+            values decoded as xarray decodes them, or stored (``mask_and_scale=False``), or in
+            ``cf_dtype`` (``"float32"``: a packed ``int16`` field for a ``float32`` model).
+            ``ValueError`` beside views given as a mapping or collections (decoded where
+            they were opened).
     """
 
     def __init__(
@@ -206,8 +213,24 @@ class InSituDataModule(pl.LightningDataModule):
         missing: Sequence[Any] | None = None,
         missing_objects: str = "read",
         log_report: bool = True,
+        mask_and_scale: bool = True,
+        cf_dtype: Any = None,
     ) -> None:
         super().__init__()
+        if not isinstance(mask_and_scale, bool):
+            raise TypeError(f"mask_and_scale is True or False, got {mask_and_scale!r}")
+        self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
+        self.mask_and_scale = mask_and_scale
+        opened = not isinstance(store, Collection) and not isinstance(splits, Mapping)
+        if (self.cf_dtype is not None or not mask_and_scale) and (
+            isinstance(variables, Mapping) or not opened
+        ):
+            raise ValueError(
+                "mask_and_scale and cf_dtype apply to the arrays the data module opens (variables "
+                "given as names, or as a callable, on a store): views given as a mapping were "
+                "decoded where they were opened (open_geometries(store, cf_dtype=...)), and a "
+                "collection's variables decode as xarray decodes them"
+            )
         if missing_objects not in ("read", "drop"):  # checked here, as the builder checks it
             raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
         if isinstance(missing, str | bytes) or (
@@ -288,12 +311,15 @@ class InSituDataModule(pl.LightningDataModule):
             given.store if isinstance(given, Collection) else as_store(given, **self._store_options)
         )
         variables = self._variables_arg
+        decode, dtype = self.mask_and_scale, self.cf_dtype
         if callable(variables):
-            views = dict(variables(open_geometries(store)))
+            views = dict(variables(open_geometries(store, mask_and_scale=decode, cf_dtype=dtype)))
         elif isinstance(variables, Mapping):
             views = dict(variables)
         else:
-            views = dict(open_geometries(store, list(variables)))
+            views = dict(
+                open_geometries(store, list(variables), mask_and_scale=decode, cf_dtype=dtype)
+            )
         if not views:
             raise ValueError("InSituDataModule needs at least one variable")
         splits = self._splits_arg

@@ -201,16 +201,18 @@ def field_stats(
     store: Any, geom: ArrayGeometry, manifest: SplitManifest
 ) -> tuple[np.ndarray, float, float]:
     """Per-latitude mean, anomaly std and tendency std of the first training chunks, read with
-    zarr (for standardising)."""
+    zarr (for standardising) and decoded as the batches are (CF mask and scale; masked
+    points skipped)."""
     arr = zarr.open_array(store=store, path=geom.path, mode="r")
     spc = manifest.samples_per_chunk
     first = manifest.chunks("train")[:4]
-    data = np.concatenate([np.asarray(arr[c * spc : (c + 1) * spc]) for c in first]).astype(
-        np.float64
-    )
-    lat_mean = data.mean(axis=(0, 2))
-    std = float(max((data - lat_mean[:, None]).std(), 1e-3))
-    tendency = float(max(np.diff(data, axis=0).std(), 1e-6))
+    data = np.concatenate([np.asarray(arr[c * spc : (c + 1) * spc]) for c in first])
+    if geom.cf is not None:
+        data = geom.cf.decode(data)
+    data = data.astype(np.float64)
+    lat_mean = np.nanmean(data, axis=(0, 2))
+    std = float(max(np.nanstd(data - lat_mean[:, None]), 1e-3))
+    tendency = float(max(np.nanstd(np.diff(data, axis=0)), 1e-6))
     return lat_mean.astype(np.float32), std, tendency
 
 
@@ -231,6 +233,7 @@ def run(source: str | Path, options: dict[str, Any], args: argparse.Namespace) -
             batch_size=args.batch_size, block_chunks=args.block_chunks, seed=args.seed
         ),
         store_options=options,
+        cf_dtype="float32",  # a CF-packed int16 field decodes to float64: the model is float32
     )
     dm.setup()
     assert dm.store is not None and dm.manifest is not None

@@ -427,3 +427,49 @@ def test_a_stack_of_collection_members_of_two_dtypes_is_not_sent_to_cf_dtype(
     with pytest.raises(ValueError, match="chunk transform can cast one") as info:
         stack({"t2m": coll["t2m"], "sst": coll["sst"]})
     assert "cf_dtype" not in str(info.value)
+
+
+def test_a_lightning_data_module_opens_a_packed_store_in_the_cf_dtype_it_is_given(
+    tmp_path: Path,
+) -> None:
+    # InSituDataModule opens the arrays itself (names, or a callable when the store is only
+    # reachable at training time): a float32 model needs them in float32, not xarray's float64
+    from insitubatch_nodes.lightning import InSituDataModule
+    from insitubatch_nodes.plan.config import PlanConfig
+
+    root = _era5(tmp_path / "e.zarr")
+    ds, raw = _xarray(root), zarr.open_group(root, mode="r")
+
+    def views(geoms: dict[str, Any]) -> dict[str, Any]:
+        return {"x": geoms["t2m"], "y": geoms["t2m"].shift(1)}
+
+    config = PlanConfig(batch_size=2, shuffle=False)
+    for variables, kw, dtype in (
+        (["t2m", "sst"], {"cf_dtype": "float32"}, np.float32),
+        (views, {"cf_dtype": "float32"}, np.float32),
+        (["t2m"], {"mask_and_scale": False}, np.int16),
+    ):
+        dm = InSituDataModule(root, variables, (1.0, 0.0, 0.0), config=config,
+                              transform=lambda b: b, log_report=False, **kw)  # fmt: skip
+        dm.setup("fit")
+        try:
+            batches = list(dm.train_dataloader())
+        finally:
+            dm.teardown("fit")
+        assert batches
+        for b in batches:
+            for label, got in b.arrays.items():
+                name = dm.views[label].path
+                rows = b.sample_indices[label]
+                assert got.dtype == dtype, (label, got.dtype)
+                if dtype == np.int16:
+                    np.testing.assert_array_equal(got, raw[name][...][rows])
+                    continue
+                want = ds[name].values[rows]
+                np.testing.assert_allclose(got, want.astype(np.float32), rtol=2**-23)
+                np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    g = open_geometries(root)
+    with pytest.raises(ValueError, match="decoded where they were opened"):
+        InSituDataModule(root, {"x": g["t2m"]}, cf_dtype="float32")
+    with pytest.raises(ValueError, match="cf_dtype is a float dtype"):
+        InSituDataModule(root, ["t2m"], cf_dtype="int16")

@@ -189,3 +189,28 @@ def test_the_lightning_forecast_recipe_trains_checkpoints_and_resumes(tmp_path: 
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resuming from" in second.stdout, second.stdout
     assert "trained 2 epoch(s)" in second.stdout, second.stdout
+
+
+def test_the_lightning_forecast_recipe_trains_from_a_packed_int16_store(tmp_path: Path) -> None:
+    # a netCDF-converted archive (t2m packed as int16 with scale_factor / add_offset) decodes
+    # to float64 by xarray's rule: the recipe's float32 model took it as it came and failed
+    # ("expected scalar type Double but found Float"), normalised by the stored integers
+    import warnings
+
+    import numpy as np
+    import xarray as xr
+
+    rng = np.random.default_rng(0)
+    field = (273 + 10 * rng.standard_normal((48, 8, 16))).astype("f4")
+    root = tmp_path / "packed.zarr"
+    encoding = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 273.0,
+                "_FillValue": -32767, "chunks": (8, 8, 16)}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        xr.Dataset({"t2m": (("time", "lat", "lon"), field)}).to_zarr(
+            root, zarr_format=3, consolidated=False, encoding={"t2m": encoding}
+        )
+    run = _run_recipe("--url", str(root), "--ckpt-dir", str(tmp_path / "ckpt"),
+                      "--max-epochs", "1", "--batch-size", "4", cwd=tmp_path)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "trained 1 epoch(s)" in run.stdout, run.stdout
