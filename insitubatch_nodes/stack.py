@@ -147,6 +147,13 @@ def channel_destination(
     return np.moveaxis(out, -1, 1) if isinstance(channel, slice) else out
 
 
+def _cf_dtype_helps(view: ArrayGeometry) -> bool:
+    """Whether ``view`` is float32 under ``open_geometries(store, cf_dtype="float32")``: it
+    is, or it is an array that call decodes (a collection's variables take no ``cf_dtype``)."""
+    decoded = view.cf is not None and view.cf.dtype.kind == "f" and view.members is None
+    return decoded or view.dtype == np.float32
+
+
 def stack(
     views: Mapping[str, ArrayGeometry | Forcings] | Sequence[ArrayGeometry | Forcings],
     *,
@@ -240,8 +247,7 @@ def stack(
             )
         if view.dtype != first.dtype and not view.static:
             cast = "a chunk transform can cast one"
-            decoded = [v for v in (view, first) if v.cf is not None]  # by xarray's dtype rule
-            if decoded and all(v.members is None for v in decoded):  # (open_geometries' arrays)
+            if all(_cf_dtype_helps(v) for v in (view, first)):
                 cast = (
                     "open_geometries(store, cf_dtype='float32') delivers every CF-decoded "
                     f"array in float32, or {cast}"

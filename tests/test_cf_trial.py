@@ -473,3 +473,19 @@ def test_a_lightning_data_module_opens_a_packed_store_in_the_cf_dtype_it_is_give
         InSituDataModule(root, {"x": g["t2m"]}, cf_dtype="float32")
     with pytest.raises(ValueError, match="cf_dtype is a float dtype"):
         InSituDataModule(root, ["t2m"], cf_dtype="int16")
+
+
+def test_a_stack_beside_a_float64_member_stored_so_is_not_sent_to_cf_dtype(tmp_path: Path) -> None:
+    # cf_dtype changes CF-decoded arrays only: a plain float64 member stays float64
+    from insitubatch_nodes import stack
+
+    root = _era5(tmp_path / "e.zarr")
+    group = zarr.open_group(root, mode="a")
+    dims = ("time", "lat", "lon")
+    plain = group.create_array("plain", shape=(6, 4, 5), chunks=(2, 4, 5), dtype="float64",
+                               fill_value=np.nan, dimension_names=dims)  # fmt: skip
+    plain[...] = 1.0
+    g = open_geometries(root, cf_dtype="float32")
+    with pytest.raises(ValueError, match="chunk transform can cast one") as info:
+        stack({"t2m": g["t2m"], "plain": g["plain"]})
+    assert "cf_dtype" not in str(info.value)
