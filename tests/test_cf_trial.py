@@ -489,3 +489,22 @@ def test_a_stack_beside_a_float64_member_stored_so_is_not_sent_to_cf_dtype(tmp_p
     with pytest.raises(ValueError, match="chunk transform can cast one") as info:
         stack({"t2m": g["t2m"], "plain": g["plain"]})
     assert "cf_dtype" not in str(info.value)
+
+
+@pytest.mark.parametrize("scale", ["0.01", [0.01, 0.02], True], ids=["string", "two", "bool"])
+def test_a_scale_factor_that_is_no_number_is_refused_when_the_array_is_opened(
+    tmp_path: Path, scale: Any
+) -> None:
+    # (a string, as some converters write attributes, failed deep in the first batch with
+    # "could not convert string to float: ''"; two numbers made the array 'variable-length
+    # values, store fixed-width strings'; True made it bool): say so where it is read
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    array = group.create_array("t2m", shape=(4, 3), chunks=(2, 3), dtype="int16",
+                               dimension_names=("time", "x"),
+                               attributes={"scale_factor": scale, "add_offset": 273.0})  # fmt: skip
+    array[...] = 1
+    with pytest.raises(ValueError, match=r"'t2m'.*scale_factor .* is not a number") as info:
+        open_geometries(root)
+    assert "mask_and_scale=False" in str(info.value)
+    assert open_geometries(root, mask_and_scale=False)["t2m"].dtype == np.int16

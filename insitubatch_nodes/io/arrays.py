@@ -137,12 +137,15 @@ def array_cf(array: Any, dtype: np.dtype[Any] | None = None) -> CFValues | None:
     """How the values of the zarr ``array`` decode (:func:`~insitubatch_nodes.io.cf.cf_values`
     of its attributes, dtype and fill value); ``dtype``, a float dtype, replaces the float
     dtype xarray would decode them to (the arithmetic is then done in it)."""
-    cf = cf_values(
-        dict(array.attrs),
-        in_native_byte_order(array.dtype),
-        array.fill_value,
-        int(array.metadata.zarr_format),
-    )
+    try:
+        cf = cf_values(
+            dict(array.attrs),
+            in_native_byte_order(array.dtype),
+            array.fill_value,
+            int(array.metadata.zarr_format),
+        )
+    except ValueError as exc:
+        raise ValueError(f"array {array.path!r}: {exc}") from None
     if cf is not None and dtype is not None and cf.dtype.kind == "f":
         cf = replace(cf, dtype=dtype)
     return cf

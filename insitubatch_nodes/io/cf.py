@@ -226,13 +226,22 @@ def cf_values(
 ) -> CFValues | None:
     """How the values of a data array with ``attrs``, numpy dtype ``stored`` (native byte
     order) and zarr fill value ``fill_value`` decode, or ``None`` when they are delivered as
-    stored (no CF encoding; NaN-only fills of a float array; non-numeric values; CF times)."""
+    stored (no CF encoding; NaN-only fills of a float array; non-numeric values; CF times).
+    ``ValueError`` for a ``scale_factor`` or ``add_offset`` that is no number (a string, a
+    bool, a list of several)."""
     stored = np.dtype(stored)
     if stored.kind not in "iuf":
         return None
     if is_cf_time(attrs):
         return None
     scale, offset = _scalar(attrs.get("scale_factor")), _scalar(attrs.get("add_offset"))
+    for name, value in (("scale_factor", scale), ("add_offset", offset)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(
+                f"its {name} {attrs[name]!r} is not a number, so its values cannot be "
+                "unpacked: correct the attribute, or read the stored values with "
+                "open_geometries(store, mask_and_scale=False)"
+            )
     packed = scale is not None or offset is not None
     unsigned: np.dtype[Any] | None = None
     flag = str(attrs.get("_Unsigned", "")).lower()
