@@ -190,7 +190,7 @@ class InSituDataModule(pl.LightningDataModule):
             values decoded as xarray decodes them, or stored (``mask_and_scale=False``), or in
             ``cf_dtype`` (``"float32"``: a packed ``int16`` field for a ``float32`` model).
             ``ValueError`` beside views given as a mapping or collections (decoded where
-            they were opened).
+            they were opened: give the options there).
     """
 
     def __init__(
@@ -217,8 +217,6 @@ class InSituDataModule(pl.LightningDataModule):
         cf_dtype: Any = None,
     ) -> None:
         super().__init__()
-        if not isinstance(mask_and_scale, bool):
-            raise TypeError(f"mask_and_scale is True or False, got {mask_and_scale!r}")
         self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         self.mask_and_scale = mask_and_scale
         opened = not isinstance(store, Collection) and not isinstance(splits, Mapping)
@@ -227,9 +225,9 @@ class InSituDataModule(pl.LightningDataModule):
         ):
             raise ValueError(
                 "mask_and_scale and cf_dtype apply to the arrays the data module opens (variables "
-                "given as names, or as a callable, on a store): views given as a mapping were "
-                "decoded where they were opened (open_geometries(store, cf_dtype=...)), and a "
-                "collection's variables decode as xarray decodes them"
+                "given as names, or as a callable, on a store): views given as a mapping, and a "
+                "collection's, were decoded where they were opened: give the options there "
+                "(open_geometries(store, cf_dtype=...), Collection.concat(..., cf_dtype=...))"
             )
         if missing_objects not in ("read", "drop"):  # checked here, as the builder checks it
             raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")

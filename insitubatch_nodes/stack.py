@@ -148,10 +148,9 @@ def channel_destination(
 
 
 def _cf_dtype_helps(view: ArrayGeometry) -> bool:
-    """Whether ``view`` is float32 under ``open_geometries(store, cf_dtype="float32")``: it
-    is, or it is an array that call decodes (a collection's variables take no ``cf_dtype``)."""
-    decoded = view.cf is not None and view.cf.dtype.kind == "f" and view.members is None
-    return decoded or view.dtype == np.float32
+    """Whether ``view`` is float32 when opened with ``cf_dtype="float32"``: it is, or its
+    stored values decode to floats (open_geometries' arrays and a collection's variables)."""
+    return view.dtype == np.float32 or (view.cf is not None and view.cf.dtype.kind == "f")
 
 
 def stack(
@@ -249,8 +248,8 @@ def stack(
             cast = "a chunk transform can cast one"
             if all(_cf_dtype_helps(v) for v in (view, first)):
                 cast = (
-                    "open_geometries(store, cf_dtype='float32') delivers every CF-decoded "
-                    f"array in float32, or {cast}"
+                    "cf_dtype='float32', open_geometries' or the collection's, delivers every "
+                    f"CF-decoded array in float32, or {cast}"
                 )
             raise ValueError(
                 f"stack member {name!r} is {view.dtype}, but {first_name!r} is {first.dtype}: "

@@ -414,19 +414,34 @@ def test_a_packed_field_in_every_stored_layout_reads_as_xarray_decodes_it(
     assert _assert_batches_equal_xarray(root, {n: g[n] for n in layouts}) == 2 * 7
 
 
-def test_a_stack_of_collection_members_of_two_dtypes_is_not_sent_to_cf_dtype(
+def test_a_stack_of_collection_members_of_two_dtypes_points_at_the_collections_cf_dtype(
     tmp_path: Path,
 ) -> None:
-    # cf_dtype is open_geometries' option: a collection's variables decode by xarray's rule
+    # a concatenation of monthly stores decodes its packed t2m to float64 and sst to float32;
+    # the collection takes cf_dtype too, and then the stack equals xarray's values in float32
     from insitubatch_nodes import stack
     from insitubatch_nodes.io.collection import Collection
 
     stores = [_era5(tmp_path / f"{t}.zarr", start=t) for t in ("2020-01-01T00", "2020-01-02T12")]
     coll = Collection.concat(stores, ["t2m", "sst"])
     assert (coll["t2m"].dtype, coll["sst"].dtype) == (np.float64, np.float32)
-    with pytest.raises(ValueError, match="chunk transform can cast one") as info:
+    with pytest.raises(ValueError, match=r"cf_dtype='float32'.*the collection's"):
         stack({"t2m": coll["t2m"], "sst": coll["sst"]})
-    assert "cf_dtype" not in str(info.value)
+    coll32 = Collection.concat(stores, ["t2m", "sst"], cf_dtype="float32")
+    x = stack({"t2m": coll32["t2m"], "sst": coll32["sst"]})
+    whole = {v: np.concatenate([_xarray(s)[v].values for s in stores]) for v in ("t2m", "sst")}
+    pipe = insitu_pipeline(coll32, split_by_chunk(coll32["t2m"], (1.0, 0.0, 0.0)), {"x": x},
+                           batch_size=4, shuffle=False, coords=())  # fmt: skip
+    rows = 0
+    with pipe:
+        for b in pipe:
+            got, r = np.asarray(b.arrays["x"]), b.sample_indices["x"]
+            assert got.dtype == np.float32
+            np.testing.assert_allclose(got[:, 0], whole["t2m"][r].astype(np.float32), rtol=2**-23)
+            np.testing.assert_array_equal(np.isnan(got[:, 0]), np.isnan(whole["t2m"][r]))
+            np.testing.assert_array_equal(got[:, 1], whole["sst"][r])
+            rows += len(r)
+    assert rows == 12
 
 
 def test_a_lightning_data_module_opens_a_packed_store_in_the_cf_dtype_it_is_given(
