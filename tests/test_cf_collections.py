@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
 import xarray as xr
 import zarr
@@ -334,3 +335,26 @@ def test_the_pipeline_refuses_views_decoded_by_a_rule_the_first_member_no_longer
     want = np.concatenate(_xarray(stores, "raw"))  # the stored integers: no rule to compare
     for arrays, _, indices in _rows(raw, {"p": raw["p"]}):
         np.testing.assert_array_equal(arrays["p"], want[indices["p"]])
+
+
+def test_a_refusal_of_members_filled_otherwise_shows_the_fill_values_not_their_base64(
+    tmp_path: Path,
+) -> None:
+    # xarray writes a float _FillValue to a v3 store as base64 of a little-endian double
+    stores = []
+    for i, fill in enumerate([-9999.0, np.nan]):
+        times = pd.date_range("2020-01-01", periods=4, freq="6h") + pd.Timedelta(days=i)
+        ds = xr.Dataset({"p": (("time", "x"), np.ones((4, 2), "f4"))}, coords={"time": times})
+        ds.to_zarr(tmp_path / f"f{i}.zarr", zarr_format=3, encoding={"p": {"_FillValue": fill}})
+        stores.append(tmp_path / f"f{i}.zarr")
+    with pytest.raises(ValueError, match=r"its _FillValue 'nan' differs from .*'s -9999\.0;") as e:
+        concat(stores, ["p"])
+    assert "AAAA" not in str(e.value)
+    # the same fill written in two spellings (base64 and "NaN") is one encoding
+    nan_spelled = zarr.open_array(stores[1] / "p", mode="r+")
+    nan_spelled.attrs["_FillValue"] = "NaN"
+    again = tmp_path / "again.zarr"
+    times = pd.date_range("2020-01-03", periods=4, freq="6h")
+    ds = xr.Dataset({"p": (("time", "x"), np.ones((4, 2), "f4"))}, coords={"time": times})
+    ds.to_zarr(again, zarr_format=3, encoding={"p": {"_FillValue": np.nan}})
+    assert len(concat([stores[1], again], ["p"])) == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import math
 import posixpath
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -26,6 +27,7 @@ import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
+from insitubatch_nodes.io.cf import fill_scalar
 
 __all__ = ["SCHEMA_FIELDS", "MemberMap", "check_cf_encoding", "collection_of", "member_schema"]
 
@@ -357,7 +359,7 @@ def check_cf_encoding(
     ``ValueError`` names the attribute, both members and their values."""
     want: dict[str, Any] | None = None
     for m, got_attrs in enumerate(attrs):
-        got = {k: (got_attrs or {}).get(k) for k in CF_ATTRIBUTES}
+        got = {k: _encoding_value(k, (got_attrs or {}).get(k)) for k in CF_ATTRIBUTES}
         if want is None:
             want = got
             continue
@@ -371,6 +373,18 @@ def check_cf_encoding(
                 "encoding (xarray: ds.to_zarr(..., encoding={var: {...}})), or read them in "
                 "separate pipelines"
             )
+
+
+def _encoding_value(name: str, value: Any) -> Any:
+    """A CF attribute's value as compared and shown: a float ``_FillValue`` spelled as a
+    string (xarray writes v3 ones as base64 of a double; ``"NaN"``) as the number it spells,
+    NaN as the string ``nan`` (so that NaN equals NaN)."""
+    if name == "_FillValue" and isinstance(value, str):
+        number = fill_scalar(value, np.dtype("f8"))
+        value = value if number is None else number
+    if isinstance(value, float) and math.isnan(value):
+        return "nan"
+    return value
 
 
 def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
