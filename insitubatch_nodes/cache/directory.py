@@ -439,8 +439,9 @@ class ChunkCache:
                 for path, dirs_ in sorted(stale.items())
             )
             raise StaleCacheError(
-                f"cache_dir {self.root} holds chunks of {where} made with another geometry or "
-                "other chunk transforms than this pipeline's. Pass reset_stale_cache=True to "
+                f"cache_dir {self.root} holds chunks of {where} made with another geometry, "
+                "decoding (mask_and_scale, cf_dtype) or chunk transforms than this pipeline's. "
+                "Pass reset_stale_cache=True to "
                 "delete just those arrays' cached chunks and rebuild them, or use another "
                 "cache_dir (delete this one to start over)."
             )
