@@ -60,7 +60,7 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
 from insitubatch_nodes.io.axes import AxisNames, axis_of
-from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option
+from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option, decoding_text
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import (
     SCHEMA_FIELDS,
@@ -392,13 +392,15 @@ class Collection:
             if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
                 raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
             given.append(item)
-            made = item[0]
-            if isinstance(made, Collection) and _decoding(made) != _decoding(decode):
-                raise ValueError(
-                    f"join: {k!r} is a concatenation made with {_decoding(made)}, but the join "
-                    f"with {_decoding(decode)}: a join decodes every array by its own options; "
-                    "give concat and join the same ones"
-                )
+            made, ours = item[0], decoding_text(**decode)
+            if isinstance(made, Collection):
+                theirs = decoding_text(made.mask_and_scale, made.cf_dtype)
+                if theirs != ours:
+                    raise ValueError(
+                        f"join: {k!r} is a concatenation made with {theirs}, but the join with "
+                        f"{ours}: a join decodes every array by its own options; give concat "
+                        "and join the same ones"
+                    )
         if any(isinstance(s, Collection) for s, _ in given):  # a concatenation: in pieces
             entries = [
                 (n, s, [str(v) for v in vs]) for n, (s, vs) in zip(names, given, strict=True)
@@ -673,13 +675,3 @@ def join(
     """Arrays of several stores aligned by their times as one collection:
     :meth:`Collection.join` (its contract and checks)."""
     return Collection.join(stores, dim=dim, mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)
-
-
-def _decoding(given: Collection | Mapping[str, Any]) -> str:
-    """A collection's decoding options (or options given as keywords), as messages name them."""
-    if isinstance(given, Collection):
-        given = {"mask_and_scale": given.mask_and_scale, "cf_dtype": given.cf_dtype}
-    if not given["mask_and_scale"]:
-        return "mask_and_scale=False"
-    cf_dtype = given["cf_dtype"]
-    return "the default decoding" if cf_dtype is None else f"cf_dtype={cf_dtype}"

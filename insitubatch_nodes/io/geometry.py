@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.errors import CorruptMetadataError, UnsupportedMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import axis_of
 from insitubatch_nodes.io.calendars import as_timedelta
@@ -59,7 +58,6 @@ from insitubatch_nodes.io.selection import (
     label_positions,
     view_keys,
 )
-from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
 
@@ -82,23 +80,6 @@ def in_native_byte_order(dtype: Any) -> np.dtype[Any]:
     order (bool, bytes, objects) is returned unchanged."""
     dtype = np.dtype(dtype)
     return dtype if dtype.isnative else dtype.newbyteorder("=")
-
-
-def corrupt_metadata(
-    store: Any, exc: BaseException, keys: Sequence[str] | None = None
-) -> CorruptMetadataError | None:
-    """The error to raise for zarr's ``exc`` when metadata in ``store`` is unreadable."""
-    import json
-
-    try:
-        bad = _zarr_compat.unreadable_metadata(store, keys)
-    except Exception:  # the diagnosis is best effort: the store may not list, or be gone
-        bad = []
-    if bad and all(why.startswith(_zarr_compat.UNSUPPORTED) for _, why in bad):
-        return UnsupportedMetadataError(describe_store(store), bad)
-    if bad or isinstance(exc, json.JSONDecodeError):
-        return CorruptMetadataError(describe_store(store), bad, str(exc))
-    return None
 
 
 @dataclass(frozen=True)
