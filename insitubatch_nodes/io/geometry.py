@@ -117,6 +117,9 @@ class ArrayGeometry:
     product: ProductGrid | None = field(default=None, repr=False)
     #: how stored values decode (CF mask and scale; ``None``: as stored), see :mod:`.cf`
     cf: CFValues | None = field(default=None, repr=False)
+    #: dimension names given by who built the view, where they win over the metadata's own
+    #: (a collection's ``dims=``: an NGFF plate's axes); see :attr:`dims`
+    dim_names: tuple[str, ...] | None = None
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -131,6 +134,8 @@ class ArrayGeometry:
             )
         if any(c <= 0 for c in self.chunks):
             raise ValueError(f"{self.path}: chunk sizes must be positive, got {self.chunks}")
+        if self.dim_names is not None and len(self.dim_names) != len(self.shape):
+            raise ValueError(f"{self.path}: dim_names {self.dim_names} do not match {self.shape}")
         if not self.read_chunks:
             object.__setattr__(self, "read_chunks", self.chunks)
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -409,10 +414,11 @@ class ArrayGeometry:
 
     @functools.cached_property
     def dims(self) -> tuple[str, ...] | None:
-        """The array's dimension names (zarr v3 ``dimension_names`` or xarray's
-        ``_ARRAY_DIMENSIONS``), or ``None`` when it has none."""
-        if self.metadata is None:
-            return None
+        """The array's dimension names: :attr:`dim_names` where given (a collection's
+        ``dims=``, an NGFF plate's axes), else zarr v3 ``dimension_names`` or xarray's
+        ``_ARRAY_DIMENSIONS``; ``None`` when it has none."""
+        if self.dim_names is not None:
+            return self.dim_names
         return _zarr_compat.metadata_dimension_names(self.metadata)
 
     def patches(
@@ -639,7 +645,7 @@ class ArrayGeometry:
         shape = (*inner[:axis], self.n_samples, *inner[axis:])
         chunks = (*inner[:axis], self.samples_per_chunk, *inner[axis:])
         return replace(self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype,
-                       metadata=None, sample_axis=axis, product=None)  # fmt: skip
+                       metadata=None, dim_names=None, sample_axis=axis, product=None)  # fmt: skip
 
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
