@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 __all__ = [
     "ArrayNotFoundError",
@@ -191,3 +192,25 @@ class CacheDiskFullError(InSituError, OSError):
 
     def __str__(self) -> str:
         return str(self.strerror)
+
+
+def corrupt_metadata(
+    store: Any, exc: BaseException, keys: Sequence[str] | None = None
+) -> CorruptMetadataError | None:
+    """The error to raise for zarr's ``exc`` when metadata in ``store`` is unreadable (``None``:
+    the metadata reads, ``exc`` is about something else). Imports the store helpers when
+    called: this module imports nothing of the package, so that every module can import it."""
+    import json
+
+    from insitubatch_nodes.io import _zarr_compat
+    from insitubatch_nodes.io.stores import describe_store
+
+    try:
+        bad = _zarr_compat.unreadable_metadata(store, keys)
+    except Exception:  # the diagnosis is best effort: the store may not list, or be gone
+        bad = []
+    if bad and all(why.startswith(_zarr_compat.UNSUPPORTED) for _, why in bad):
+        return UnsupportedMetadataError(describe_store(store), bad)
+    if bad or isinstance(exc, json.JSONDecodeError):
+        return CorruptMetadataError(describe_store(store), bad, str(exc))
+    return None

@@ -354,7 +354,9 @@ def test_open_plate_makes_one_member_per_field_with_its_keys_and_variables(
         "well": [f.well for f in plate.fields],
         "field": [f.name for f in plate.fields],
     }
-    assert call["sample_axis"] == 2  # "z" of the axes t, c, z, y, x
+    assert call["sample_axis"] == "z"  # a name: each variable finds it among its own axes
+    axes = ("t", "c", "z", "y", "x")
+    assert call["dims"] == {"image": axes, "labels/cells": axes}  # named by the NGFF axes
     root = zarr.open_group(plate_path, mode="r")
     for group in call["groups"]:  # every member's variable is an array zarr opens
         for rel in call["variables"].values():
@@ -377,12 +379,15 @@ def _plate_of(**fields: Any) -> Plate:
     )  # fmt: skip
 
 
-def test_open_plate_refuses_labels_whose_sample_axis_sits_elsewhere() -> None:
+def test_a_named_sample_axis_is_found_in_each_labels_axes_an_index_must_sit_alike() -> None:
     from insitubatch_nodes.io import ngff
 
     plate = _plate_of(label_axes={"cells": ("z", "y", "x")})
+    assert ngff._sample_axis(plate, "z") == "z"  # the label's own z, at index 0
     with pytest.raises(ValueError, match=r"label 'cells' has axes \['z', 'y', 'x'\]"):
-        ngff._axis_index(plate, "z")
+        ngff._sample_axis(plate, 2)
+    with pytest.raises(ValueError, match=r"label 'cells' .* without the sample axis 't'"):
+        ngff._sample_axis(plate, "t")
 
 
 # -- open_plate end to end ---

@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.errors import ArrayNotFoundError
+from insitubatch_nodes.errors import ArrayNotFoundError, corrupt_metadata
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import AxisNames, axis_of
 from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
-from insitubatch_nodes.io.geometry import ArrayGeometry, corrupt_metadata, in_native_byte_order
+from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.product import product_view
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
 

@@ -7,12 +7,12 @@ here; they differ only in which axes they allow and in the words of their refusa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
-__all__ = ["AxisNames", "axis_of"]
+__all__ = ["AxisNames", "axis_of", "dims_option", "named_axes"]
 
 
 class HasAxes(Protocol):
@@ -33,6 +33,53 @@ class AxisNames(NamedTuple):
     path: str
     dims: Sequence[str] | None
     ndim: int
+
+
+_DIMS_EXAMPLE = "e.g. dims={'image': ['c', 'z', 'y', 'x']}"
+
+
+def dims_option(
+    dims: Mapping[str, Sequence[str]] | None, variables: Sequence[str]
+) -> dict[str, tuple[str, ...]]:
+    """A collection's ``dims=`` checked: ``{variable: names}`` for variables of ``variables``,
+    each a sequence of unique non-empty strings (one per axis: :func:`named_axes` checks the
+    count against the arrays). ``{}`` for ``None``; ``ValueError`` saying what to pass."""
+    if dims is None:
+        return {}
+    if not isinstance(dims, Mapping):
+        raise ValueError(f"dims maps variables to dimension names, {_DIMS_EXAMPLE}; got {dims!r}")
+    out: dict[str, tuple[str, ...]] = {}
+    for variable, names in dims.items():
+        if variable not in variables:
+            raise ValueError(
+                f"dims names {variable!r}, which is not a variable; the variables are "
+                f"{list(variables)}"
+            )
+        if (
+            isinstance(names, str)
+            or not isinstance(names, Sequence)
+            or not all(isinstance(n, str) and n for n in names)
+            or len(set(names)) != len(names)
+        ):
+            raise ValueError(
+                f"dims[{variable!r}] must be one unique name (a non-empty string) per axis of "
+                f"its arrays, {_DIMS_EXAMPLE}; got {names!r}"
+            )
+        out[str(variable)] = tuple(names)
+    return out
+
+
+def named_axes(
+    where: str, given: Sequence[str] | None, own: Sequence[str] | None, ndim: int
+) -> AxisNames:
+    """The axes of an array whose dimension names may be ``given`` (a collection's ``dims=``;
+    they win over the array's ``own``): ``ValueError`` where they are not one per axis."""
+    if given is not None and len(given) != ndim:
+        raise ValueError(
+            f"{where}: dims names {len(given)} axes {list(given)}, but the array has {ndim}: "
+            f"give one name per axis, {_DIMS_EXAMPLE}"
+        )
+    return AxisNames(where, own if given is None else given, ndim)
 
 
 def axis_of(

@@ -46,6 +46,7 @@ __all__ = [
     "CFValues",
     "cf_values",
     "decoded_dtype_option",
+    "decoding_text",
     "encoded_fills",
     "fill_scalar",
     "is_cf_time",
@@ -294,3 +295,11 @@ def decoded_dtype_option(cf_dtype: Any, mask_and_scale: bool) -> np.dtype[Any] |
             "decodes nothing: drop one of them"
         )
     return dtype if dtype.isnative else dtype.newbyteorder("=")
+
+
+def decoding_text(mask_and_scale: bool, cf_dtype: Any) -> str:
+    """Decoding options as messages name them: ``"mask_and_scale=False"``,
+    ``"cf_dtype=float32"`` or ``"the default decoding"``."""
+    if not mask_and_scale:
+        return "mask_and_scale=False"
+    return "the default decoding" if cf_dtype is None else f"cf_dtype={cf_dtype}"

@@ -59,8 +59,8 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
-from insitubatch_nodes.io.axes import AxisNames, axis_of
-from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option
+from insitubatch_nodes.io.axes import axis_of, dims_option, named_axes
+from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option, decoding_text
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import (
     SCHEMA_FIELDS,
@@ -110,7 +110,12 @@ class Collection:
     attributes differ are refused (:func:`~insitubatch_nodes.io.members.check_cf_encoding`);
     raw, their attributes are not read: each row holds its member's own stored values (as
     ``xr.open_mfdataset(..., mask_and_scale=False)`` concatenates them, even where members are
-    packed otherwise: ``batch.members`` names each row's member)."""
+    packed otherwise: ``batch.members`` names each row's member).
+
+    ``dims`` (``{variable: names}``, one unique name per axis; :meth:`from_groups` takes it)
+    names the dimensions of variables whose arrays name none (zarr v2 without
+    ``_ARRAY_DIMENSIONS``, an NGFF 0.4 plate's), so that ``sample_axis``, ``isel``, ``sel`` and
+    ``patches`` take names; the names given win over the arrays' own (``coll.dims``)."""
 
     def __init__(
         self,
@@ -124,6 +129,7 @@ class Collection:
         spans: Sequence[tuple[int, int]] | Mapping[str, Sequence[tuple[int, int]]] | None = None,
         mask_and_scale: bool = True,
         cf_dtype: Any = None,
+        dims: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         #: how the views decode stored values (CF mask and scale; the decoded float dtype)
         self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
@@ -143,6 +149,8 @@ class Collection:
         if not paths:
             raise ValueError("a collection needs at least one variable")
         self.variables: tuple[str, ...] = tuple(paths)
+        #: dimension names given per variable (``dims=``): its views' ``dims``
+        self.dims = dims_option(dims, self.variables)
         self._paths = {v: tuple(p) for v, p in paths.items()}
         for v, p in self._paths.items():
             if len(p) != len(self.members):
@@ -215,6 +223,7 @@ class Collection:
             else {v: [x[i] for i in rows] for v, x in self.spans.items()},
             mask_and_scale=self.mask_and_scale,
             cf_dtype=self.cf_dtype,
+            dims=self.dims,
         )
 
     def sources(self) -> list[str]:
@@ -248,6 +257,7 @@ class Collection:
         sample_axis: SampleAxis = 0,
         mask_and_scale: bool = True,
         cf_dtype: Any = None,
+        dims: Mapping[str, Sequence[str]] | None = None,
     ) -> Collection:
         """Members that are groups: member ``i``'s variable ``v`` is the array at
         ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). A group may
@@ -257,7 +267,8 @@ class Collection:
         dimension name, the same for every array. Every array's metadata is read once,
         concurrently; an absent array raises ``FileNotFoundError`` and arrays that do not share
         the schema ``ValueError``, both naming the member and the variable. ``mask_and_scale``
-        and ``cf_dtype``: how the views decode (the class docstring)."""
+        and ``cf_dtype``: how the views decode; ``dims``: the dimension names of variables
+        whose arrays name none (both: the class docstring)."""
         if isinstance(groups, str) or not isinstance(variables, Mapping) or not variables:
             raise TypeError(
                 "from_groups(store, groups, variables) takes a list of group paths and a "
@@ -268,7 +279,7 @@ class Collection:
         member_names = [g for _, g in pairs] if names is None else names
         paths = {str(v): [_join(g, str(p)) for g in located] for v, p in variables.items()}
         return cls(zstore, member_names, paths, keys=keys, sample_axis=sample_axis,
-                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims)  # fmt: skip
 
     @classmethod
     def from_arrays(
@@ -392,13 +403,15 @@ class Collection:
             if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
                 raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
             given.append(item)
-            made = item[0]
-            if isinstance(made, Collection) and _decoding(made) != _decoding(decode):
-                raise ValueError(
-                    f"join: {k!r} is a concatenation made with {_decoding(made)}, but the join "
-                    f"with {_decoding(decode)}: a join decodes every array by its own options; "
-                    "give concat and join the same ones"
-                )
+            made, ours = item[0], decoding_text(**decode)
+            if isinstance(made, Collection):
+                theirs = decoding_text(made.mask_and_scale, made.cf_dtype)
+                if theirs != ours:
+                    raise ValueError(
+                        f"join: {k!r} is a concatenation made with {theirs}, but the join with "
+                        f"{ours}: a join decodes every array by its own options; give concat "
+                        "and join the same ones"
+                    )
         if any(isinstance(s, Collection) for s, _ in given):  # a concatenation: in pieces
             entries = [
                 (n, s, [str(v) for v in vs]) for n, (s, vs) in zip(names, given, strict=True)
@@ -440,7 +453,8 @@ class Collection:
             assert kind is not None
             ref = _zarr_compat.open_array_readonly(store, path, kind[1])
             where = f"member {self.members[0]!r}, variable {v!r}"
-            named = AxisNames(where, _zarr_compat.array_dimension_names(ref), ref.ndim)
+            own = _zarr_compat.array_dimension_names(ref)
+            named = named_axes(where, self.dims.get(v), own, ref.ndim)
             asked = sample_axis if isinstance(sample_axis, tuple | list) else (sample_axis,)
             axes = [axis_of(named, a, what="sample_axis", hint="name it by index") for a in asked]
             if isinstance(sample_axis, tuple | list):  # product sample axes
@@ -594,6 +608,7 @@ class Collection:
             product=grid,
             cf=cf,
             coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
+            dim_names=self.dims.get(variable),
         )
 
     def _virtual(
@@ -631,6 +646,7 @@ class Collection:
             members=members,
             coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
             cf=cf,
+            dim_names=self.dims.get(variable),
         )
 
 
@@ -673,13 +689,3 @@ def join(
     """Arrays of several stores aligned by their times as one collection:
     :meth:`Collection.join` (its contract and checks)."""
     return Collection.join(stores, dim=dim, mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)
-
-
-def _decoding(given: Collection | Mapping[str, Any]) -> str:
-    """A collection's decoding options (or options given as keywords), as messages name them."""
-    if isinstance(given, Collection):
-        given = {"mask_and_scale": given.mask_and_scale, "cf_dtype": given.cf_dtype}
-    if not given["mask_and_scale"]:
-        return "mask_and_scale=False"
-    cf_dtype = given["cf_dtype"]
-    return "the default decoding" if cf_dtype is None else f"cf_dtype={cf_dtype}"

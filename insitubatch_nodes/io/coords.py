@@ -533,9 +533,7 @@ class _Reader:
 
 
 def _sample_dimension(geom: ArrayGeometry) -> str | None:
-    if geom.metadata is None:
-        return None
-    dims = _zarr_compat.metadata_dimension_names(geom.metadata)
+    dims = geom.dims  # the metadata's, or those its maker gave (a collection's dims=)
     return None if dims is None else dims[geom.sample_axis]
 
 

@@ -44,7 +44,6 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.errors import CorruptMetadataError, UnsupportedMetadataError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import axis_of
 from insitubatch_nodes.io.calendars import as_timedelta
@@ -59,7 +58,6 @@ from insitubatch_nodes.io.selection import (
     label_positions,
     view_keys,
 )
-from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
 
@@ -82,23 +80,6 @@ def in_native_byte_order(dtype: Any) -> np.dtype[Any]:
     order (bool, bytes, objects) is returned unchanged."""
     dtype = np.dtype(dtype)
     return dtype if dtype.isnative else dtype.newbyteorder("=")
-
-
-def corrupt_metadata(
-    store: Any, exc: BaseException, keys: Sequence[str] | None = None
-) -> CorruptMetadataError | None:
-    """The error to raise for zarr's ``exc`` when metadata in ``store`` is unreadable."""
-    import json
-
-    try:
-        bad = _zarr_compat.unreadable_metadata(store, keys)
-    except Exception:  # the diagnosis is best effort: the store may not list, or be gone
-        bad = []
-    if bad and all(why.startswith(_zarr_compat.UNSUPPORTED) for _, why in bad):
-        return UnsupportedMetadataError(describe_store(store), bad)
-    if bad or isinstance(exc, json.JSONDecodeError):
-        return CorruptMetadataError(describe_store(store), bad, str(exc))
-    return None
 
 
 @dataclass(frozen=True)
@@ -136,6 +117,9 @@ class ArrayGeometry:
     product: ProductGrid | None = field(default=None, repr=False)
     #: how stored values decode (CF mask and scale; ``None``: as stored), see :mod:`.cf`
     cf: CFValues | None = field(default=None, repr=False)
+    #: dimension names given by who built the view, where they win over the metadata's own
+    #: (a collection's ``dims=``: an NGFF plate's axes); see :attr:`dims`
+    dim_names: tuple[str, ...] | None = None
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -150,6 +134,8 @@ class ArrayGeometry:
             )
         if any(c <= 0 for c in self.chunks):
             raise ValueError(f"{self.path}: chunk sizes must be positive, got {self.chunks}")
+        if self.dim_names is not None and len(self.dim_names) != len(self.shape):
+            raise ValueError(f"{self.path}: dim_names {self.dim_names} do not match {self.shape}")
         if not self.read_chunks:
             object.__setattr__(self, "read_chunks", self.chunks)
         object.__setattr__(self, "dtype", np.dtype(self.dtype))
@@ -428,10 +414,11 @@ class ArrayGeometry:
 
     @functools.cached_property
     def dims(self) -> tuple[str, ...] | None:
-        """The array's dimension names (zarr v3 ``dimension_names`` or xarray's
-        ``_ARRAY_DIMENSIONS``), or ``None`` when it has none."""
-        if self.metadata is None:
-            return None
+        """The array's dimension names: :attr:`dim_names` where given (a collection's
+        ``dims=``, an NGFF plate's axes), else zarr v3 ``dimension_names`` or xarray's
+        ``_ARRAY_DIMENSIONS``; ``None`` when it has none."""
+        if self.dim_names is not None:
+            return self.dim_names
         return _zarr_compat.metadata_dimension_names(self.metadata)
 
     def patches(
@@ -658,7 +645,7 @@ class ArrayGeometry:
         shape = (*inner[:axis], self.n_samples, *inner[axis:])
         chunks = (*inner[:axis], self.samples_per_chunk, *inner[axis:])
         return replace(self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype,
-                       metadata=None, sample_axis=axis, product=None)  # fmt: skip
+                       metadata=None, dim_names=None, sample_axis=axis, product=None)  # fmt: skip
 
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""

@@ -478,13 +478,21 @@ def open_plate(
     ``field`` (the image's path in its well, ``"0"``) that ``split_by_member(..., by="well")``
     splits on.
 
+    The views' axes are named as the NGFF metadata names them (``plate.axes``, and
+    ``plate.label_axes[name]`` for each label image), on NGFF 0.4 (zarr v2 arrays, which name
+    none) as on 0.5: ``coll["image"].dims`` is ``("c", "z", "y", "x")``, so ``isel(c=0)``,
+    ``sel`` and ``patches({"y": 256, "x": 256})`` take names. The NGFF metadata is the
+    authority: where a 0.5 array's ``dimension_names`` differ from it, its names are taken.
+
     ``sample_axis`` is an axis name of the plate's images (``"z"``: one Z plane per sample) or
     an index, or a tuple of them: product sample axes (``("t", "z")``: every (t, z) plane of
-    every field is a sample, :mod:`~insitubatch_nodes.io.product`); the label images must have
-    each at the same index (``ValueError`` otherwise, naming both axes). Every field must keep
-    its chosen level at the same path within its group (the collection names one path per
-    variable); the arrays' own metadata is read by ``Collection.from_groups``, concurrently,
-    which also checks that the fields share one schema (dtypes and field shapes).
+    every field is a sample, :mod:`~insitubatch_nodes.io.product`). A name is found in each
+    label image's own axes (a ``zyx`` label beside a ``czyx`` image), which must have it; an
+    index must name the same axis in the images and the labels (``ValueError`` otherwise,
+    naming both). Every field must keep its chosen level at the same path within its group
+    (the collection names one path per variable); the arrays' own metadata is read by
+    ``Collection.from_groups``, concurrently, which also checks that the fields share one
+    schema (dtypes and field shapes).
 
     ``mask_and_scale`` and ``cf_dtype`` say how the images and labels decode, as
     :class:`~insitubatch_nodes.io.collection.Collection` takes them (checked here, before the
@@ -496,13 +504,15 @@ def open_plate(
     store = as_store(store)
     plate = read_plate(store, level=level, labels=labels)
     if isinstance(sample_axis, tuple | list):
-        axis: int | tuple[int, ...] = tuple(_axis_index(plate, a) for a in sample_axis)
+        axis: int | str | tuple[int | str, ...] = tuple(_sample_axis(plate, a) for a in sample_axis)
     else:
-        axis = _axis_index(plate, sample_axis)
+        axis = _sample_axis(plate, sample_axis)
     first = plate.fields[0]
     variables = {"image": first.image[len(first.path) + 1 :]}
+    dims = {"image": plate.axes}  # the NGFF axes name the views' dimensions (0.4 arrays: none)
     for name in plate.label_names:
         variables[f"labels/{name}"] = first.labels[name][len(first.path) + 1 :]
+        dims[f"labels/{name}"] = plate.label_axes[name]
     for f in plate.fields:
         own = {"image": f.image, **{f"labels/{n}": p for n, p in f.labels.items()}}
         for var, rel in variables.items():
@@ -527,11 +537,13 @@ def open_plate(
         sample_axis=axis,
         mask_and_scale=mask_and_scale,
         cf_dtype=cf_dtype,
+        dims=dims,
     )
 
 
-def _axis_index(plate: Plate, sample_axis: int | str) -> int:
-    """The index of ``sample_axis`` in the images' axes, checked against every label's."""
+def _sample_axis(plate: Plate, sample_axis: int | str) -> int | str:
+    """``sample_axis`` checked: a name of the images' axes that every label image has too
+    (each finds it among its own axes), or an index naming the same axis in every label."""
     if isinstance(sample_axis, bool) or not isinstance(sample_axis, (int, str)):
         raise TypeError(f"sample_axis must be an axis name or an index, got {sample_axis!r}")
     n = len(plate.axes)
@@ -541,15 +553,22 @@ def _axis_index(plate: Plate, sample_axis: int | str) -> int:
                 f"sample_axis={sample_axis!r} is not an axis of the plate's images "
                 f"{list(plate.axes)}"
             )
-        axis = plate.axes.index(sample_axis)
-    elif not -n <= sample_axis < n:
+        for name, axes in plate.label_axes.items():
+            if sample_axis not in axes:
+                raise ValueError(
+                    f"label {name!r} has axes {list(axes)}, without the sample axis "
+                    f"{sample_axis!r} of the images {list(plate.axes)}: read the labels "
+                    "that have it (labels=[...])"
+                )
+        return sample_axis
+    if not -n <= sample_axis < n:
         raise ValueError(f"sample_axis={sample_axis} is out of range for axes {list(plate.axes)}")
-    else:
-        axis = sample_axis % n
+    axis = sample_axis % n
     for name, axes in plate.label_axes.items():
         if len(axes) <= axis or axes[axis] != plate.axes[axis]:
             raise ValueError(
                 f"label {name!r} has axes {list(axes)}, the images {list(plate.axes)}: the "
-                f"sample axis {plate.axes[axis]!r} must sit at the same index in both"
+                f"sample axis {plate.axes[axis]!r} must sit at the same index in both (or "
+                f"name it: sample_axis={plate.axes[axis]!r})"
             )
     return axis
