@@ -40,7 +40,7 @@ from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
-from insitubatch_nodes.synthetic import make_era5_like
+from insitubatch_nodes.synthetic.era5 import make_era5_like
 
 DEFAULT_PATH = Path("data") / "era5_demo.zarr"
 
