@@ -19,9 +19,12 @@ against one real chunk of a store before a training run finds out the hard way:
    transform would serialize every decode thread behind it. The probe measures contention
    directly rather than thread scaling, so its verdict does not depend on idle cores; it
    wants a realistically sized chunk (on a toy chunk the Python call overhead dominates).
-   Other processes taking the cores also keep this thread waiting now and then, so a probe
-   between the threshold and twice it is run again, up to three in all, and the lowest
-   counts: a transform that holds the GIL keeps it waiting about half the time in every one.
+   Other processes taking the cores keep this thread waiting for a CPU too: on Linux that
+   wait is told apart (the kernel's per-thread schedstat) and not counted. What is left of a
+   busy machine (the transform's thread descheduled while it holds the GIL for a moment),
+   and elsewhere the whole of it, shows now and then, so a probe between the threshold and
+   twice it is run again, up to three in all, and the lowest counts: a transform that holds
+   the GIL keeps it waiting about half the time in every one.
 
 ``TARGET`` is ``module:attr`` (importable) or ``path/to/file.py:attr``; a class is instantiated
 without arguments. The exit status is 0 when every check passed, 1 when one failed, 2 for a
@@ -95,17 +98,35 @@ PROBES = 3
 """GIL probes at most, while they find the threshold reached (the lowest counts)."""
 
 
+_SCHEDSTAT = Path("/proc/thread-self/schedstat")
+
+
+def _thread_sched() -> tuple[float, float] | None:
+    """The calling thread's seconds on a CPU and seconds waiting for one (runnable while
+    other threads or processes ran), from Linux's per-thread schedstat; ``None`` elsewhere."""
+    try:
+        on_cpu, waiting, _ = _SCHEDSTAT.read_text().split()
+    except (OSError, ValueError):
+        return None
+    return int(on_cpu) / 1e9, int(waiting) / 1e9
+
+
 def gil_probe(
     call: Callable[[], Any], seconds: float = 1.0, interval: float = 0.05, min_calls: int = 2
 ) -> tuple[float, int, float]:
     """Run ``call`` repeatedly in a thread while this thread runs Python; returns ``(held,
-    calls, wall)``: the share of the wall time this thread waited ``interval / 2`` or longer
-    for the GIL, the calls completed and the probe's wall time in seconds.
+    calls, wall)``: the share of the wall time this thread waited for the GIL, the calls
+    completed and the probe's wall time in seconds.
 
     The switch interval is set to ``interval`` for the probe (and restored): a thread holding
     the GIL is made to give it up after that long, so a GIL-holding ``call`` shows as waits of
     one interval each, about half the time; a GIL-releasing one as waits near zero. Runs for at
     least ``seconds`` and ``min_calls`` calls. An exception in ``call`` is re-raised.
+
+    This thread only runs Python or waits for the GIL, so on Linux its wait is the wall time
+    less its time on a CPU and its time waiting for a CPU (:func:`_thread_sched`): other
+    processes taking the cores do not count. Elsewhere the wait is the sum of the pauses of
+    ``interval / 2`` or longer between two of its steps, a busy machine's included.
     """
     stop = threading.Event()
     done = [0]
@@ -123,8 +144,9 @@ def gil_probe(
     sys.setswitchinterval(interval)
     try:
         thread = threading.Thread(target=work, name="gil-probe", daemon=True)
-        start = last = time.perf_counter()
         thread.start()
+        start = last = time.perf_counter()
+        sched = _thread_sched()
         blocked = 0.0
         long_wait = interval / 2
         while True:
@@ -137,6 +159,7 @@ def gil_probe(
                 break
             if now - start >= seconds and done[0] >= min_calls:
                 break
+        after = _thread_sched()
         stop.set()
         thread.join()
     finally:
@@ -144,7 +167,10 @@ def gil_probe(
     if errors:
         raise errors[0]
     wall = max(last - start, 1e-9)
-    return blocked / wall, done[0], wall
+    if sched is not None and after is not None:
+        on_cpu, waiting = (a - b for a, b in zip(after, sched, strict=True))
+        blocked = max(0.0, wall - on_cpu - waiting)
+    return min(1.0, blocked / wall), done[0], wall
 
 
 def _read_chunk(zstore: Any, geom: Any, chunk: int) -> np.ndarray:

@@ -402,3 +402,27 @@ def wait_until(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
             return True
         time.sleep(0.01)
     return predicate()
+
+
+# ---------------------------------------------------------------------------------------------
+# Stopping promptly, told apart from a busy machine
+# ---------------------------------------------------------------------------------------------
+
+#: What the stop tests set the bounded waits of stopping to (the prefetch thread's join and the
+#: exit hook's wait for cancelled GETs, 2 s each in the package): a stop that waits one of
+#: them out takes at least this long...
+STOP_GRACE_S = 20.0
+#: ...and one that waits out none returns within this, on a 2-core machine under load 10-13
+#: too (a woken thread stops in milliseconds; the exit of an interpreter with torch imported
+#: took 6 s under load 10). A bound of 2-3 s on the package's own graces cannot tell the two
+#: apart on such a machine.
+PROMPT_S = 12.0
+
+
+def lengthen_stop_graces(setattr_: Callable[[Any, str, Any], None]) -> None:
+    """Set the package's bounded waits of stopping to :data:`STOP_GRACE_S` (``setattr_`` is
+    ``monkeypatch.setattr``, or ``setattr`` in a child process)."""
+    from insitubatch_nodes.stages import _get, prefetch
+
+    setattr_(prefetch, "_JOIN_S", STOP_GRACE_S)
+    setattr_(_get, "_EXIT_GRACE_S", STOP_GRACE_S)

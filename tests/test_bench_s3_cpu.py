@@ -9,22 +9,32 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 from benchmarks.datasets import REFERENCE
 from benchmarks.proxy import CountingLatencyProxy
 from benchmarks.report import _s3_cpu_table
 from insitubatch_nodes.testing import free_port
 
-_BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+# the server burns 0.6 CPU-s when told to (a line on stdin), says so, then sleeps
+_BURN = (
+    "import sys, time\nsys.stdin.readline()\nt = time.process_time()\n"
+    "while time.process_time() - t < 0.6: pass\nprint('burnt', flush=True)\ntime.sleep(30)\n"
+)
 
 
 def test_the_counting_proxy_reports_its_own_cpu_and_the_cpu_of_the_server_process() -> None:
-    server = subprocess.Popen([sys.executable, "-c", _BURN + "time.sleep(30)"])
+    server = subprocess.Popen(
+        [sys.executable, "-c", _BURN], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert server.stdin is not None and server.stdout is not None
     proxy = CountingLatencyProxy(free_port(), delay_s=0.0, server_pid=server.pid)
     try:
         first = proxy.snapshot()
-        time.sleep(1.5)  # the server burns 0.6 CPU-s, then sleeps
+        # told to burn only now, and waited for however long a busy machine makes it (a fixed
+        # 1.5 s sleep saw 260 ms of the burn under load 9)
+        server.stdin.write("go\n")
+        server.stdin.flush()
+        assert server.stdout.readline().strip() == "burnt"
         second = proxy.snapshot()
     finally:
         proxy.stop()

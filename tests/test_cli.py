@@ -123,6 +123,55 @@ def test_check_transform_exits_non_zero_on_a_gil_holding_pure_python_transform(
     assert rc == 0, out
 
 
+# check-transform in a child pinned to one CPU that BUSY processes spinning in Python share
+# with it (each gives up after 60 s, should the child die without killing it): a machine
+# busier than any load average, the same in every run
+BUSY = 12
+_ON_A_BUSY_CPU = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from insitubatch_nodes.cli import main
+
+    cpu = max(os.sched_getaffinity(0))
+    burn = (f"import os, time\\nos.sched_setaffinity(0, {{{cpu}}})\\n"
+            "end = time.monotonic() + 60\\nwhile time.monotonic() < end: pass")
+    busy = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(int(sys.argv[1]))]
+    try:
+        os.sched_setaffinity(0, {cpu})  # this thread, and the probe's thread it starts
+        time.sleep(0.5)  # the busy processes are spinning
+        rc = main(sys.argv[2:])
+    finally:
+        for proc in busy:
+            proc.kill()
+            proc.wait()
+    sys.exit(rc)
+    """
+)
+
+
+@pytest.mark.skipif(
+    not os.path.exists("/proc/thread-self/schedstat"),
+    reason="the probe tells waits for a CPU apart through Linux's per-thread schedstat",
+)
+@pytest.mark.parametrize(
+    ("target", "rc_wanted", "verdict"),
+    [("vectorized", 0, "releases the GIL"), ("python_per_element", 1, "holds the GIL")],
+)
+def test_check_transform_judges_the_gil_right_on_a_cpu_shared_with_busy_processes(
+    store: Path, transforms: Path, target: str, rc_wanted: int, verdict: str
+) -> None:
+    argv = ["check-transform", str(store), "--var", "t2m", "--transform", f"{transforms}:{target}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", _ON_A_BUSY_CPU, str(BUSY), *argv],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=120,
+    )
+    assert proc.returncode == rc_wanted, proc.stdout + proc.stderr
+    assert verdict in proc.stdout, proc.stdout
+
+
 def test_a_gil_probe_near_the_threshold_is_run_again_and_the_lowest_counts(
     store: Path, transforms: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -10,7 +10,8 @@ claim is about a fresh interpreter's time and peak memory, so it runs in one of 
 Measured with this test's child on the shared 2-core machine (load 2-4): 2.7-4.3 s of wall
 time, 2.1 s of CPU, 615 MiB peak RSS (torch imported included); before issue 30's fixes
 9.0-12.6 s, 6.4-6.6 s of CPU and 1.29 GiB (6.5 million slot specs listed for the reserve, the
-manifest's chunks checked and copied in Python loops).
+manifest's chunks checked and copied in Python loops). The bound is on CPU time (5 s): wall
+time follows the machine's load (10.9 s for 1.9 CPU-seconds under load 10).
 """
 
 from __future__ import annotations
@@ -75,7 +76,10 @@ def test_an_era5_sized_hourly_archive_builds_and_delivers_its_first_batch_in_sec
     assert got["dropped"] == {"nat": 0, "gap": 0, "missing": 12}
     assert len(got["rows"]) == 16 and all(r % 6 == 0 for r in got["rows"])
     assert got["peak_rss"] <= 1.5 * 2**30, got
-    # the issue's target is 5 s of wall time on a quiet machine; CPU seconds are what this
-    # process spends whatever the load, and the wall gets a margin for a busy test machine
+    # The issue's target is 5 s of wall time on a quiet machine. What is held here is the CPU
+    # time this process spends (all its threads, the slot reserve's included), which other
+    # processes on a busy machine do not inflate: issue 30's plan spent 6.4-6.6 s of it, this
+    # one 2.1 s. Wall time is only held to "seconds, not minutes": on the 2-core test machine
+    # under load 10 the same 1.9 CPU-seconds took 10.9 s of wall time.
     assert got["cpu_s"] <= 5.0, got
-    assert got["wall_s"] <= 10.0, got
+    assert got["wall_s"] <= 60.0, got

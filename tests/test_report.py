@@ -402,12 +402,16 @@ def test_the_consumers_own_page_faults_are_measured_apart_and_not_told_as_the_pi
             np.frombuffer(fresh, dtype=np.uint8)[:: mmap.PAGESIZE] = 1
             fresh.close()
         report = pipe.report()
-    assert report is not None and report.complete and report.limiting != "consumer"
+    assert report is not None and report.complete
     touched = pages * report.batches
     assert touched <= report.consumer_page_faults <= report.page_faults, report.as_dict()
     assert 0 <= report.consumer_sys_s <= report.sys_s + 0.05
     assert report.page_faults - report.consumer_page_faults < touched // 4  # the pipeline's
     assert not memory_bound(report) and "faulted in" not in report.suggestion
+    # nor would it be told were the epoch store-limited (a consumer-limited epoch is told
+    # nothing about memory; which one this epoch is depends on the machine's load: under load
+    # 10 the consumer's faulting outlasts the store's 50 ms GETs)
+    assert "faulted in" not in suggestion_for(dataclasses.replace(report, limiting="store"))
 
 
 def test_the_report_counts_the_page_faults_and_kernel_time_of_its_epoch(era5: Path) -> None:

@@ -210,12 +210,14 @@ def _fail_mid_epoch(
     child = _start_child(tmp_path, moto, _CHILD, url, json.dumps(policy), str(max_inflight))
     assert child.stdin is not None and child.stdout is not None and child.stderr is not None
     try:
+        # stamped before the endpoint fails: waiting for a killed server to exit takes a while
+        # on a busy machine, and stamped after it the child's deadline seemed to come early
+        t_fail = time.monotonic()
         if how == "killed":
             moto._proc.kill()
             moto._proc.wait()
         else:
             os.kill(moto.pid, signal.SIGSTOP)
-        t_fail = time.monotonic()
         child.stdin.write("go\n")
         child.stdin.flush()
         line = child.stdout.readline()

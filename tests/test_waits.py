@@ -23,7 +23,16 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import Oracle, View, assert_batch_matches, counting_store, run_epoch, write_era5
+from helpers import (
+    PROMPT_S,
+    Oracle,
+    View,
+    assert_batch_matches,
+    counting_store,
+    lengthen_stop_graces,
+    run_epoch,
+    write_era5,
+)
 
 from insitubatch_nodes import _runtime, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.errors import FillCancelled, PipelineInterrupted
@@ -195,9 +204,12 @@ def test_close_stops_a_producer_that_the_first_next_is_still_starting(
     assert not pipe.threads
 
 
-def test_close_returns_within_two_seconds_while_gets_stall_and_wakes_a_waiting_consumer(
-    root: Path,
+def test_close_returns_promptly_while_gets_stall_and_wakes_a_waiting_consumer(
+    root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # the thread's join made long: a close that does not wake the thread waits it out, which
+    # no busy machine makes of a close that does (helpers.PROMPT_S)
+    lengthen_stop_graces(monkeypatch.setattr)
     store = counting_store(root, stall_after=0)  # every chunk GET hangs (so: no coordinate)
     pipe = insitu_pipeline(
         store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, coords=()
@@ -205,21 +217,22 @@ def test_close_returns_within_two_seconds_while_gets_stall_and_wakes_a_waiting_c
     consumer, seen = _consumer_in_next(pipe, store)
     t0 = time.monotonic()
     pipe.close()
-    assert time.monotonic() - t0 < 2.0
-    consumer.join(2.0)
+    assert time.monotonic() - t0 < PROMPT_S
+    consumer.join(PROMPT_S)
     assert not consumer.is_alive(), "next() still waits after close()"
     assert len(seen) == 1 and isinstance(seen[0], PipelineInterrupted)
     assert pipe.stages.pool.pinned_count() == 0
-    deadline = time.monotonic() + 2
+    deadline = time.monotonic() + PROMPT_S
     while store.active and time.monotonic() < deadline:
         time.sleep(0.01)
     assert store.active == 0, "the stalled GETs were not cancelled"
 
 
 @pytest.mark.parametrize("how", ["reset", "close", "del"])
-def test_reset_close_and_del_return_within_two_seconds_while_read_ahead_gets_stall(
-    root: Path, how: str
+def test_reset_close_and_del_return_promptly_while_read_ahead_gets_stall(
+    root: Path, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    lengthen_stop_graces(monkeypatch.setattr)  # not waking the thread costs the whole join
     n = first_batch_gets(root, batch_size=8, max_inflight=1)
     store = counting_store(root, stall_after=n)  # (no coordinate: n counts the epoch's GETs)
     pipe = insitu_pipeline(
@@ -237,20 +250,23 @@ def test_reset_close_and_del_return_within_two_seconds_while_read_ahead_gets_sta
     else:
         del pipe
         gc.collect()  # the pipeline refers to itself through its stages
-    assert time.monotonic() - t0 < 2.0
-    deadline = time.monotonic() + 2
+    assert time.monotonic() - t0 < PROMPT_S
+    deadline = time.monotonic() + PROMPT_S
     while (store.active or pool.pinned_count()) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert store.active == 0 and pool.pinned_count() == 0
 
 
 _STALLED_SCRIPT = """
-import faulthandler, signal, sys, time
+import atexit, faulthandler, signal, sys, time
 faulthandler.register(signal.SIGUSR1, all_threads=True)  # the test asks for stacks if it hangs
+# registered before the package's exit hook, so run after it: the GETs it left in flight
+atexit.register(lambda: print("stopped", time.monotonic(), store.active, flush=True))
 sys.path.insert(0, {tests!r})
-from helpers import counting_store
+from helpers import counting_store, lengthen_stop_graces
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 
+lengthen_stop_graces(setattr)  # a grace waited out at exit shows in the time it takes
 store = counting_store({root!r}, stall_after={stall_after})
 g = open_geometries(store, ["t2m"])["t2m"]
 pipe = insitu_pipeline(
@@ -272,6 +288,13 @@ def run_stalled(root: Path, stall_after: int, action: str) -> subprocess.Popen[s
         text=True,
         env={**os.environ, "PYTHONPATH": str(TESTS.parent)},
     )
+
+
+def _stopped(out: str) -> int | None:
+    """The chunk GETs a stalled-store child still had in flight after the package's exit
+    hook (its ``stopped`` line), or ``None`` when it printed none."""
+    said = [line.split() for line in out.splitlines() if line.startswith("stopped")]
+    return int(said[0][2]) if said else None
 
 
 def hung_child_report(proc: subprocess.Popen[str]) -> str:
@@ -310,7 +333,7 @@ def hung_child_report(proc: subprocess.Popen[str]) -> str:
     return report
 
 
-def test_interpreter_exit_with_gets_stalled_takes_under_three_seconds_and_exits_zero(
+def test_interpreter_exit_with_gets_stalled_cancels_them_promptly_and_exits_zero(
     root: Path,
 ) -> None:
     n = first_batch_gets(root, batch_size=8, max_inflight=1)
@@ -326,10 +349,11 @@ def test_interpreter_exit_with_gets_stalled_takes_under_three_seconds_and_exits_
     assert proc.returncode == 0, err
     said = [line for line in out.splitlines() if line.startswith("exiting")]
     assert said, out + err
-    assert ended - float(said[0].split()[1]) < 3.0
+    assert ended - float(said[0].split()[1]) < PROMPT_S
+    assert _stopped(out) == 0, out + err  # the exit hook cancelled the stalled GET
 
 
-def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds(
+def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_promptly(
     root: Path,
 ) -> None:
     # A watcher thread says when a GET has stalled: only then is next() waiting on it (a fixed
@@ -344,14 +368,14 @@ def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds
         next(pipe)
     """
     proc = run_stalled(root, 0, action)
-    assert proc.stdout is not None
+    assert proc.stdout is not None and proc.stderr is not None
     assert proc.stdout.readline().strip() == "ready"
     assert proc.stdout.readline().strip() == "stalled"
     time.sleep(0.2)
     t0 = time.monotonic()
     proc.send_signal(signal.SIGINT)
     try:
-        _, err = proc.communicate(timeout=30)
+        out, err = proc.communicate(timeout=30)
     except subprocess.TimeoutExpired:
         # A known, open bug: in 4 fresh-clone full runs of the suite on 2026-12-01 the child did
         # not exit (never in ~135 targeted runs, nor in the full runs since). Until it is found,
@@ -363,8 +387,9 @@ def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_within_three_seconds
         pytest.xfail("the child did not exit after SIGINT (open bug): its stacks are in warnings")
     finally:
         proc.kill()
-    assert time.monotonic() - t0 < 3.0
+    assert time.monotonic() - t0 < PROMPT_S
     assert "KeyboardInterrupt" in err
+    assert _stopped(out) == 0, out + err  # the exit hook cancelled the stalled GET
     assert proc.returncode in (1, 130, -signal.SIGINT), err  # no SIGABRT, no segfault
 
 
