@@ -40,6 +40,7 @@ import math
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -125,6 +126,8 @@ class ChunkPool:
         self._lru: OrderedDict[ChunkKey, ChunkEntry] = OrderedDict()
         self._free: dict[SlotKey, list[np.ndarray]] = {}
         self._allocated = 0
+        # detached chunks still arriving, by id: their slots come back when their fills end
+        self._detached: dict[int, ChunkEntry] = {}
         self._reserver: threading.Thread | None = None
         self._stop_reserve = threading.Event()
 
@@ -505,6 +508,7 @@ class ChunkPool:
             entry.state = READY
             if entry.detached:
                 entry.detached = False
+                self._detached.pop(id(entry), None)
                 closed = self.cache is not None and self.cache.closed  # it let go of its files
                 if entry.key in self._entries or entry.bad_tiles or closed:
                     self._return_slot(entry)
@@ -528,6 +532,7 @@ class ChunkPool:
                 del self._entries[entry.key]
                 self._lru.pop(entry.key, None)
             entry.detached = False
+            self._detached.pop(id(entry), None)
             self._return_slot(entry)
         entry.fill.resolve()
 
@@ -552,8 +557,17 @@ class ChunkPool:
                     elif entry.state == PENDING:  # still arriving: nobody will wait on it
                         del self._entries[entry.key]
                         entry.detached = True
+                        self._detached[id(entry)] = entry
                         detached.append(entry)
         return detached
+
+    def detached_fills(self) -> list[Future[None]]:
+        """The completions of the fills still writing into detached chunks (let go of while
+        arriving: a run torn down, a batch dropped). Their slots count against the budget
+        until those fills end — a fill cannot be stopped inside a decode or a chunk transform
+        — and they always end (module docstring)."""
+        with self._lock:
+            return list({id(e.fill): e.fill.future for e in self._detached.values()}.values())
 
     def _return_slot(self, entry: ChunkEntry) -> None:
         if not entry.slot_returned:

@@ -42,7 +42,7 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
-from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.errors import ChunkReadError, PipelineInterrupted
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -223,6 +223,74 @@ def test_after_close_iteration_resumes_at_the_next_undelivered_batch(
     rest = run_epoch(pipe, Oracle(era5.root), era5.oracle_views, keep_arrays=True)
     assert_same_records(first, reference[:taken])
     assert_same_records(rest, reference[taken:])
+    assert_torn_down(pipe)
+
+
+@pytest.mark.timeout(60)
+def test_iterating_after_close_waits_for_the_closed_runs_fills_instead_of_calling_it_a_bug(
+    era5: Store, reference: list[dict[str, Any]]
+) -> None:
+    # The closed run's fills cannot be stopped inside a chunk transform: until they end they
+    # hold their slots, and the resumed run's first batch must wait for them (before: "the
+    # chunk pool has no room ... this is a bug", whenever they held enough of the budget).
+    gate = threading.Event()
+    gate.set()
+
+    def held(chunk: Any) -> Any:
+        gate.wait()
+        return chunk
+
+    pipe = make(era5, chunk_transforms=[held])
+    pool = pipe.stages.pool
+    first = run_epoch(next(pipe) for _ in range(3))
+    gate.clear()  # the fills running or started from now on stay inside the transform
+    seen, stable_since = -1, time.monotonic()
+    while time.monotonic() - stable_since < 0.3:  # until the read-ahead stops admitting
+        if pool.stats.resident_bytes != seen:
+            seen, stable_since = pool.stats.resident_bytes, time.monotonic()
+        time.sleep(0.01)
+    assert seen > pool.budget_bytes // 2, (seen, pool.budget_bytes)
+    pipe.close()
+    threading.Timer(0.3, gate.set).start()  # they end a moment after the next batch is asked
+    rest = run_epoch(pipe, Oracle(era5.root), era5.oracle_views, keep_arrays=True)
+    assert_same_records(first, reference[:3])
+    assert_same_records(rest, reference[3:])
+    assert_torn_down(pipe)
+
+
+@pytest.mark.timeout(60)
+def test_a_close_ends_the_wait_for_a_closed_runs_fills_and_the_epoch_still_resumes_exactly(
+    era5: Store, reference: list[dict[str, Any]]
+) -> None:
+    gate = threading.Event()
+    gate.set()
+
+    def held(chunk: Any) -> Any:
+        gate.wait()
+        return chunk
+
+    pipe = make(era5, chunk_transforms=[held])
+    pool = pipe.stages.pool
+    first = run_epoch(next(pipe) for _ in range(3))
+    gate.clear()
+    seen, stable_since = -1, time.monotonic()
+    while time.monotonic() - stable_since < 0.3:
+        if pool.stats.resident_bytes != seen:
+            seen, stable_since = pool.stats.resident_bytes, time.monotonic()
+        time.sleep(0.01)
+    pipe.close()
+    closer = threading.Timer(0.3, pipe.close)  # while the producer waits for those fills
+    closer.start()
+    started = time.monotonic()
+    with pytest.raises(PipelineInterrupted, match="closed or reset while next"):
+        next(pipe)
+    closer.join()  # (the close joins the producer: it stopped, woken by the interrupt)
+    assert time.monotonic() - started < 10  # not after the fills, which never end meanwhile
+    assert_torn_down(pipe)
+    gate.set()
+    rest = run_epoch(pipe, Oracle(era5.root), era5.oracle_views, keep_arrays=True)
+    assert_same_records(first, reference[:3])
+    assert_same_records(rest, reference[3:])
     assert_torn_down(pipe)
 
 

@@ -20,6 +20,7 @@ import math
 import weakref
 from collections import deque
 from collections.abc import Callable, Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ import numpy as np
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _runtime
+from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan, sorted_unique
@@ -216,8 +218,10 @@ class Admission:
         history: FetchHistory,
         generation: int,
         note_bad: NoteBad,
+        stopping: Future[None],
     ) -> None:
         self.setup = setup
+        self.stopping = stopping  # done once the graph is interrupted: a wait here ends
         self.source = source
         self.runner = runner
         self.history = history
@@ -245,11 +249,7 @@ class Admission:
             return None
         head = self.queue.popleft()
         if not head.done and not self._admit(head):
-            raise RuntimeError(
-                f"the chunk pool ({self.setup.pool.budget_bytes:,} bytes) has no room for the "
-                f"chunks of batch {head.plan.index} even after releasing everything older; this "
-                "is a bug in insitubatch_nodes, please report it"
-            )
+            self._admit_after_detached(head)
         self.ahead_bytes -= head.ahead_bytes
         entries = self._entries_read(head.plan, head.in_place)
         self.admit_ahead()
@@ -262,6 +262,24 @@ class Admission:
             direct=head.rows,
         )
         return batch, head.state
+
+    def _admit_after_detached(self, head: PendingBatch) -> None:
+        """Admit ``head``, the consumer's next batch, once the fills of detached chunks (a
+        run torn down by a close or a reset, whose fills were still inside a decode or a chunk
+        transform) give their slots back; ``PipelineInterrupted`` when the graph is
+        interrupted meanwhile. With nothing left to wait for, no room is a bug."""
+        pool = self.setup.pool
+        while fills := pool.detached_fills():
+            wait((*fills, self.stopping), return_when=FIRST_COMPLETED)
+            if self.stopping.done():
+                raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
+            if self._admit(head):
+                return
+        raise RuntimeError(
+            f"the chunk pool ({pool.budget_bytes:,} bytes) has no room for the chunks of batch "
+            f"{head.plan.index} even after releasing everything older; this is a bug in "
+            "insitubatch_nodes, please report it"
+        )
 
     def _releaser(self, plan: BatchPlan) -> Callable[[], None]:
         ref = weakref.ref(self)

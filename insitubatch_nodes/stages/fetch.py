@@ -55,6 +55,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable
+from concurrent.futures import Future
 from typing import Any
 
 from torchdata.nodes import BaseNode
@@ -182,6 +183,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._bad_lock = threading.Lock()
         self._generation = 0  # bumped by every teardown: older fills note nothing
         self._admission: Admission | None = None  # the running state, made by reset
+        self._stopping: Future[None] = Future()  # the running state's interrupt
         self._last_state: dict[str, Any] | None = None
         _runtime.stop_at_exit("fetch", self, cancel_all_at_exit)
         context.join(self)
@@ -230,6 +232,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._last_state = self.source.state_dict()
 
     def _start_admission(self) -> Admission:
+        self._stopping = Future()
         self._admission = Admission(
             self._setup,
             self.source,
@@ -237,6 +240,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             self._history,
             self._generation,
             self._note_bad,
+            self._stopping,
         )
         return self._admission
 
@@ -281,7 +285,11 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self.pool.close_cache()
 
     def interrupt(self) -> None:
-        """Nothing to wake: admission never waits."""
+        """Wake admission's one wait (for the slots of a torn-down run's fills, see
+        :meth:`Admission.next_batch`) now (thread-safe): it raises ``PipelineInterrupted``."""
+        stopping = self._stopping
+        if not stopping.done():
+            stopping.set_result(None)
 
     def _teardown(self) -> None:
         """Drop every pin of the running state and cancel the fills left unpinned."""
