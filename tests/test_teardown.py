@@ -226,13 +226,11 @@ def test_after_close_iteration_resumes_at_the_next_undelivered_batch(
     assert_torn_down(pipe)
 
 
-@pytest.mark.timeout(60)
-def test_iterating_after_close_waits_for_the_closed_runs_fills_instead_of_calling_it_a_bug(
-    era5: Store, reference: list[dict[str, Any]]
-) -> None:
-    # The closed run's fills cannot be stopped inside a chunk transform: until they end they
-    # hold their slots, and the resumed run's first batch must wait for them (before: "the
-    # chunk pool has no room ... this is a bug", whenever they held enough of the budget).
+def closed_with_fills_held(era5: Store) -> tuple[Any, list[dict[str, Any]], threading.Event]:
+    """``(pipe, first, gate)``: a pipeline closed after its first 3 batches (``first``) while
+    the fills of its read-ahead stay inside a chunk transform until ``gate`` is set. Such
+    fills cannot be stopped: until they end they hold their slots, more than half the
+    budget."""
     gate = threading.Event()
     gate.set()
 
@@ -251,6 +249,16 @@ def test_iterating_after_close_waits_for_the_closed_runs_fills_instead_of_callin
         time.sleep(0.01)
     assert seen > pool.budget_bytes // 2, (seen, pool.budget_bytes)
     pipe.close()
+    return pipe, first, gate
+
+
+@pytest.mark.timeout(60)
+def test_iterating_after_close_waits_for_the_closed_runs_fills_instead_of_calling_it_a_bug(
+    era5: Store, reference: list[dict[str, Any]]
+) -> None:
+    # the resumed run's first batch must wait for the closed run's fills (before: "the chunk
+    # pool has no room ... this is a bug", whenever they held enough of the budget)
+    pipe, first, gate = closed_with_fills_held(era5)
     threading.Timer(0.3, gate.set).start()  # they end a moment after the next batch is asked
     rest = run_epoch(pipe, Oracle(era5.root), era5.oracle_views, keep_arrays=True)
     assert_same_records(first, reference[:3])
@@ -262,23 +270,7 @@ def test_iterating_after_close_waits_for_the_closed_runs_fills_instead_of_callin
 def test_a_close_ends_the_wait_for_a_closed_runs_fills_and_the_epoch_still_resumes_exactly(
     era5: Store, reference: list[dict[str, Any]]
 ) -> None:
-    gate = threading.Event()
-    gate.set()
-
-    def held(chunk: Any) -> Any:
-        gate.wait()
-        return chunk
-
-    pipe = make(era5, chunk_transforms=[held])
-    pool = pipe.stages.pool
-    first = run_epoch(next(pipe) for _ in range(3))
-    gate.clear()
-    seen, stable_since = -1, time.monotonic()
-    while time.monotonic() - stable_since < 0.3:
-        if pool.stats.resident_bytes != seen:
-            seen, stable_since = pool.stats.resident_bytes, time.monotonic()
-        time.sleep(0.01)
-    pipe.close()
+    pipe, first, gate = closed_with_fills_held(era5)
     closer = threading.Timer(0.3, pipe.close)  # while the producer waits for those fills
     closer.start()
     started = time.monotonic()
