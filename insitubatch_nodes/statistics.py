@@ -117,12 +117,33 @@ class Statistics:
         (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view). ``ValueError`` when ``view``
         has other channels than the view ``label`` was fitted on: another number, or other
         indices of an axis that is not the grid (levels in another order, another dropped
-        level); its shift, window, patches and box on the grid may differ."""
+        level); its shift, window, patches and box on the grid may differ. ``ValueError`` too
+        when ``view`` decodes its values otherwise than the fitted view did
+        (``mask_and_scale``: stored integers against unpacked values)."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
         self._check_channels(label, view, values.shape)
+        self._check_decoding(label, view)
         inner = view.inner_shape
         grid = min(2, len(inner))
         return values.reshape(*values.shape, *(1,) * grid)
+
+    def _check_decoding(self, label: str, view: ArrayGeometry) -> None:
+        """``ValueError`` when ``label`` was fitted on values decoded otherwise than ``view``
+        delivers them: the stored integers or fill values (``mask_and_scale=False``) against
+        unpacked, masked values, or the other way round. (Files from before the statistics
+        recorded it are not checked; another ``cf_dtype`` or packing of the same physical
+        values is no mismatch.)"""
+        fitted = self.dataset.get("views", {}).get(label, {})
+        if "cf" not in fitted or (fitted["cf"] is None) == (view.cf is None):
+            return
+        said = {True: "decoded (unpacked, fill values as NaN)", False: "as stored"}
+        raise ValueError(
+            f"statistics of {label!r} were fitted on {fitted.get('path')!r} "
+            f"{said[fitted['cf'] is not None]}, but {view.path!r} is delivered "
+            f"{said[view.cf is not None]}: normalising with them gives wrong values. Fit "
+            "them on views opened as these are (open_geometries(..., mask_and_scale=...) "
+            "alike), or open these as the fitted ones were"
+        )
 
     def _check_channels(self, label: str, view: ArrayGeometry, shape: tuple[int, ...]) -> None:
         field = view.field_shape
@@ -397,6 +418,7 @@ def fit_statistics(
                 "path": v.path,
                 "inner_shape": list(v.inner_shape),
                 "select": None if v.select is None else v.select.describe(),
+                "cf": None if v.cf is None else v.cf.fingerprint,
             }
             for label, v in plain.items()
         },

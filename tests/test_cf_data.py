@@ -19,7 +19,7 @@ import zarr
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
-from insitubatch_nodes.statistics import fit_statistics
+from insitubatch_nodes.statistics import Statistics, fit_statistics
 
 T, L, Y, X = 12, 3, 3, 4
 PACKED = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 273.0, "_FillValue": -32767}
@@ -186,6 +186,29 @@ def test_fit_statistics_counts_fill_values_and_missing_values_as_nans_as_xarray_
             got = float(np.ravel(getattr(stats, name)[label])[0])
             np.testing.assert_allclose(got, fn(x), rtol=1e-6, err_msg=f"{label} {name}")
     assert float(np.ravel(stats.min["f"])[0]) > -9999.0
+
+
+def test_statistics_fitted_on_stored_integers_refuse_to_normalise_decoded_values(
+    store: Path, tmp_path: Path
+) -> None:
+    decoded = open_geometries(store, ["p", "f"])
+    raw = open_geometries(store, ["p", "f"], mask_and_scale=False)
+    manifest = split_by_chunk(decoded["p"], (1.0, 0.0, 0.0))
+    fitted_raw = fit_statistics(store, manifest, raw, batch_size=4)
+    fitted_raw.save(tmp_path / "raw.json")
+    fitted = fit_statistics(store, manifest, decoded, batch_size=4)
+    assert float(np.ravel(fitted_raw.mean["p"])[0]) < 0 < 273 - 5 < float(fitted.mean["p"])
+    for stats in (fitted_raw, Statistics.load(tmp_path / "raw.json")):
+        with pytest.raises(ValueError, match=r"'p' were fitted on 'p' as stored.*mask_and_scale"):
+            stack({"p": decoded["p"]}, normalize=stats)
+        with pytest.raises(ValueError, match="fitted on 'f' as stored, but 'f' is delivered dec"):
+            stats.normalizer({"f": decoded["f"]})
+    with pytest.raises(ValueError, match=r"fitted on 'p' decoded .* delivered as stored"):
+        fitted.normalizer({"p": raw["p"]})
+    # alike, they are used as before; a cf_dtype of its own is the same physical values
+    fitted.normalizer(decoded)
+    stack({"p": open_geometries(store, ["p"], cf_dtype="float32")["p"]}, normalize=fitted)
+    fitted_raw.normalizer(raw)
 
 
 def test_mask_and_scale_false_delivers_the_stored_integers_and_fill_values(store: Path) -> None:
