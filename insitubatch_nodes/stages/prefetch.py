@@ -114,6 +114,19 @@ class _Worker:
             self.context.close()
 
 
+def _hand_off(q: queue.Queue[Any]) -> Any:
+    """The producer's next message (``q.get()``), waited for ``_POLL_S`` at a time. Linux gives
+    a process's signal (Ctrl-C) to any thread that does not block it, and Python runs its
+    handler in the main thread when that thread next runs bytecode: a consumer blocked in one
+    untimed ``get()`` would sleep through a signal another thread took, until the next batch
+    came, which a stalled store never sends."""
+    while True:
+        try:
+            return q.get(timeout=_POLL_S)
+        except queue.Empty:
+            continue
+
+
 def _put(
     q: queue.Queue[tuple[str, Any, Any]], stop: threading.Event, msg: tuple[str, Any, Any]
 ) -> bool:
@@ -213,7 +226,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
         # halting (close or reset, from any thread) puts a "halted" one.
         with profile_range("insitu.next"):
-            kind, payload, state = worker.queue.get()
+            kind, payload, state = _hand_off(worker.queue)
         if kind == "halted":
             worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
             interrupted = PipelineInterrupted(
