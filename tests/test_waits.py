@@ -7,6 +7,7 @@ unless cancelled. A store that stops answering through obstore is covered in the
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import shutil
@@ -34,7 +35,7 @@ from helpers import (
     write_era5,
 )
 
-from insitubatch_nodes import _runtime, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import _runtime, _waits, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.errors import FillCancelled, PipelineInterrupted
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
@@ -269,6 +270,39 @@ def test_a_signal_another_thread_received_ends_a_next_waiting_on_a_stalled_get(
         signal.signal(signal.SIGUSR1, previous)
         other.join()
         pipe.close()
+
+
+def test_a_signal_another_thread_received_ends_a_wait_on_the_io_loop_and_cancels_it() -> None:
+    # what reading metadata or a static field waits on: a coroutine on the IO loop, here one
+    # that never ends (a stalled store); the signal is taken by another thread
+    async def stalled() -> None:
+        await asyncio.sleep(3600)
+
+    future = asyncio.run_coroutine_threadsafe(stalled(), _runtime.io_loop())
+    raised = threading.Event()
+
+    def signal_from_another_thread() -> None:
+        time.sleep(0.1)
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
+        if not raised.wait(PROMPT_S):
+            future.cancel()  # (an untimed wait: only this ends it)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise _Signalled
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    other = threading.Thread(target=signal_from_another_thread, daemon=True)
+    try:
+        other.start()
+        t0 = time.monotonic()
+        with pytest.raises(_Signalled):
+            _waits.result(future)
+        raised.set()
+        assert time.monotonic() - t0 < PROMPT_S
+        assert future.cancelled()
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        other.join()
 
 
 @pytest.mark.parametrize("how", ["reset", "close", "del"])

@@ -242,6 +242,7 @@ def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:
     """
     import asyncio
 
+    from insitubatch_nodes import _waits
     from insitubatch_nodes._process import retry_time_scale
 
     scale = retry_time_scale()
@@ -259,7 +260,7 @@ def read_whole_array(array: zarr.Array, timeout_s: float) -> np.ndarray:
                 "stopped answering or is too slow"
             ) from None
 
-    return np.asarray(asyncio.run_coroutine_threadsafe(read(), io_loop()).result())
+    return np.asarray(_waits.result(asyncio.run_coroutine_threadsafe(read(), io_loop())))
 
 
 METADATA_DOCUMENTS: tuple[str, ...] = ("zarr.json", ".zarray", ".zgroup", ".zattrs", ".zmetadata")

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from insitubatch_nodes import _waits
 from insitubatch_nodes._process import retry_time_scale
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.localfiles import local_reader
@@ -179,7 +180,7 @@ def head_objects(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) 
 
         return list(await asyncio.gather(*(one(k) for k in keys)))
 
-    return asyncio.run_coroutine_threadsafe(heads(), _zarr_compat.io_loop()).result()
+    return _waits.result(asyncio.run_coroutine_threadsafe(heads(), _zarr_compat.io_loop()))
 
 
 def read_documents(store: Any, keys: Sequence[str], in_flight: int = HEADS_IN_FLIGHT) -> list[Any]:
@@ -214,7 +215,7 @@ def read_documents(store: Any, keys: Sequence[str], in_flight: int = HEADS_IN_FL
     async def every() -> None:
         await asyncio.gather(*(reader() for _ in range(min(in_flight, len(keys)))))
 
-    asyncio.run_coroutine_threadsafe(every(), _zarr_compat.io_loop()).result()
+    _waits.result(asyncio.run_coroutine_threadsafe(every(), _zarr_compat.io_loop()))
     return docs
 
 

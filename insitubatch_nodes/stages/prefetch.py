@@ -34,7 +34,7 @@ from typing import Any, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
-from insitubatch_nodes import _process, _runtime
+from insitubatch_nodes import _process, _runtime, _waits
 from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stages._graph import (
@@ -112,19 +112,6 @@ class _Worker:
             )
         elif close_source:
             self.context.close()
-
-
-def _hand_off(q: queue.Queue[Any]) -> Any:
-    """The producer's next message (``q.get()``), waited for ``_POLL_S`` at a time. Linux gives
-    a process's signal (Ctrl-C) to any thread that does not block it, and Python runs its
-    handler in the main thread when that thread next runs bytecode: a consumer blocked in one
-    untimed ``get()`` would sleep through a signal another thread took, until the next batch
-    came, which a stalled store never sends."""
-    while True:
-        try:
-            return q.get(timeout=_POLL_S)
-        except queue.Empty:
-            continue
 
 
 def _put(
@@ -224,9 +211,10 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 worker.start()
                 self._worker = worker
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
-        # halting (close or reset, from any thread) puts a "halted" one.
+        # halting (close or reset, from any thread) puts a "halted" one. (Woken to let a
+        # signal's handler run: :mod:`insitubatch_nodes._waits`.)
         with profile_range("insitu.next"):
-            kind, payload, state = _hand_off(worker.queue)
+            kind, payload, state = _waits.take(worker.queue)
         if kind == "halted":
             worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
             interrupted = PipelineInterrupted(
