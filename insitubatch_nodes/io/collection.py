@@ -61,6 +61,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
 from insitubatch_nodes.io.axes import axis_of, dims_option, named_axes
 from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option, decoding_text
+from insitubatch_nodes.io.collection_checks import refuse_member_array
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import (
     SCHEMA_FIELDS,
@@ -291,12 +292,15 @@ class Collection:
         sample_axis: SampleAxis = 0,
         mask_and_scale: bool = True,
         cf_dtype: Any = None,
+        dims: Sequence[str] | Mapping[str, Sequence[str]] | None = None,
     ) -> Collection:
         """Members that are arrays anywhere: each item a ``zarr.Array``, a ``(store, path)``
         pair, or a URL or path (the array at that store's root). Members may live in different
         stores (read through a :class:`~insitubatch_nodes.io.routing.RoutingStore`); each is one
         member with one variable, ``variable``. ``names`` defaults to ``"0"``, ``"1"``, ...;
-        ``mask_and_scale`` and ``cf_dtype``: how the views decode (the class docstring)."""
+        ``mask_and_scale`` and ``cf_dtype``: how the views decode; ``dims``: the dimension
+        names of arrays that name none, one per axis (``["time", "y", "x"]``, or
+        ``{variable: names}``; the class docstring)."""
         if isinstance(arrays, str) or not len(arrays):
             raise TypeError("from_arrays takes a non-empty list of arrays")
         given: list[tuple[Any, str]] = []
@@ -309,8 +313,10 @@ class Collection:
                 given.append((item, ""))
         zstore, paths = locate(given)
         member_names = [str(i) for i in range(len(arrays))] if names is None else names
+        if dims is not None and not isinstance(dims, Mapping):  # the names of its one variable
+            dims = {variable: dims}
         return cls(zstore, member_names, {variable: paths}, sample_axis=sample_axis,
-                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims)  # fmt: skip
 
     @classmethod
     def concat(
@@ -323,6 +329,7 @@ class Collection:
         overlap: str = "error",
         mask_and_scale: bool = True,
         cf_dtype: Any = None,
+        dims: Mapping[str, Sequence[str]] | None = None,
     ) -> Collection:
         """Stores that continue one another along ``dim`` (an archive and its extension, one
         store per period) as one sample axis: member ``i`` is store ``i``, with the arrays
@@ -343,7 +350,11 @@ class Collection:
         it contributes, and the times of ``dim``'s coordinate continue from store to store at
         one step, without a gap (nor an overlap, unless ``overlap`` says who wins); otherwise
         ``ValueError`` naming the stores and the times. ``mask_and_scale`` and ``cf_dtype``:
-        how the views decode (the class docstring), checked before any store is read."""
+        how the views decode (the class docstring), checked before any store is read; so is
+        ``dims`` (``{variable: names}``, a variable being an array path of ``variables``): the
+        dimension names of arrays that name none, by which ``dim`` and its time coordinate are
+        found (where an array names none and ``dims`` does not name it, ``ValueError`` says
+        so)."""
         cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         if overlap not in ("error", "first", "last"):
             raise ValueError(f"overlap must be 'error', 'first' or 'last', got {overlap!r}")
@@ -351,14 +362,15 @@ class Collection:
             raise TypeError("concat takes a non-empty list of stores (Store, path or URL)")
         if isinstance(variables, str) or not len(variables):
             raise TypeError("concat takes a list of array names, e.g. ['t2m', 'z']")
+        dims = dims_option(dims, [str(v) for v in variables])
         zstore, roots = locate([(s, "") for s in stores])
         if names is None:
             names = [os.fspath(s) if isinstance(s, str | os.PathLike) else repr(s) for s in stores]
         paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
         names = [str(n) for n in names]
-        spans = continuation(zstore, names, paths, dim, overlap)
+        spans = continuation(zstore, names, paths, dim, overlap, dims)
         return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans,
-                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims)  # fmt: skip
 
     @classmethod
     def join(
@@ -368,6 +380,7 @@ class Collection:
         dim: str = "time",
         mask_and_scale: bool = True,
         cf_dtype: Any = None,
+        dims: Mapping[str, Sequence[str]] | None = None,
     ) -> Collection:
         """Arrays of several stores aligned by their times, as the variables of one collection:
         ``stores`` maps a name to ``(store, [array paths])`` (a ``Store``, path or URL), and
@@ -389,7 +402,9 @@ class Collection:
         every array. ``mask_and_scale`` and ``cf_dtype``: how the views decode (the class
         docstring), checked before any store is read; a concatenation given as a store must
         have been made with the same (``ValueError`` otherwise: the join decodes every array by
-        its own)."""
+        its own). ``dims`` (``{"<name>/<path>": names}``, keyed by the join's variables, checked
+        before any store is read) names the dimensions of arrays that name none, as
+        :meth:`concat` takes them; a concatenation's own ``dims`` are kept."""
         cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         decode = {"mask_and_scale": mask_and_scale, "cf_dtype": cf_dtype}
         if not isinstance(stores, Mapping) or not stores:
@@ -398,12 +413,16 @@ class Collection:
                 "'forcing': (b, ['sst'])}"
             )
         names = [str(k) for k in stores]
-        given = []
+        given, var_names, inherited = [], [], {}
         for k, item in stores.items():
             if not (isinstance(item, tuple) and len(item) == 2) or isinstance(item[1], str):
                 raise TypeError(f"join: stores[{k!r}] must be (store, [array paths])")
             given.append(item)
             made, ours = item[0], decoding_text(**decode)
+            for v in item[1]:
+                var_names.append(f"{k}/{str(v).strip('/')}")
+                if isinstance(made, Collection) and str(v) in made.dims:  # its views' names
+                    inherited[var_names[-1]] = made.dims[str(v)]
             if isinstance(made, Collection):
                 theirs = decoding_text(made.mask_and_scale, made.cf_dtype)
                 if theirs != ours:
@@ -412,17 +431,18 @@ class Collection:
                         f"{ours}: a join decodes every array by its own options; give concat "
                         "and join the same ones"
                     )
+        dims = inherited | dims_option(dims, var_names)  # the names given win
         if any(isinstance(s, Collection) for s, _ in given):  # a concatenation: in pieces
             entries = [
                 (n, s, [str(v) for v in vs]) for n, (s, vs) in zip(names, given, strict=True)
             ]
-            pieces, rows = pieces_of_join(entries, dim)
+            pieces, rows = pieces_of_join(entries, dim, dims)
             zstore, flat = locate([(st, p) for r in rows.values() for st, p, _, _ in r])
             at = iter(flat)
             paths = {v: [next(at) for _ in r] for v, r in rows.items()}
             spans = {v: [(a, b) for *_, a, b in r] for v, r in rows.items()}
             return cls(zstore, pieces, paths, sample_axis=dim, continuous=True, spans=spans,
-                       **decode)  # fmt: skip
+                       dims=dims, **decode)  # fmt: skip
         zstore, roots = locate([(s, "") for s, _ in given])
         paths = {
             f"{name}/{str(v).strip('/')}": [_join(root, str(v))]
@@ -431,9 +451,9 @@ class Collection:
         }
         if len(paths) != sum(len(v) for _, v in given):
             raise ValueError(f"join: an array is named twice in {names}")
-        spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim)
+        spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim, dims)
         return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans,
-                   **decode)  # fmt: skip
+                   dims=dims, **decode)  # fmt: skip
 
     def _read(self, sample_axis: SampleAxis) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
@@ -449,14 +469,14 @@ class Collection:
             path = self._paths[v][0]
             kind = _zarr_compat.node_kind(store, path)
             if kind is None or kind[0] != "array":
-                self._absent(v, 0)
-            assert kind is not None
+                refuse_member_array(self.name, self.store, self.members, self._paths[v], v, 0)
             ref = _zarr_compat.open_array_readonly(store, path, kind[1])
             where = f"member {self.members[0]!r}, variable {v!r}"
             own = _zarr_compat.array_dimension_names(ref)
             named = named_axes(where, self.dims.get(v), own, ref.ndim)
             asked = sample_axis if isinstance(sample_axis, tuple | list) else (sample_axis,)
-            axes = [axis_of(named, a, what="sample_axis", hint="name it by index") for a in asked]
+            hint = "name it by index, or give the axes' names: dims="
+            axes = [axis_of(named, a, what="sample_axis", hint=hint) for a in asked]
             if isinstance(sample_axis, tuple | list):  # product sample axes
                 products[v] = product_axes(ref, axes)
             refs[v] = (ref, products[v][0] if v in products else axes[0])
@@ -514,39 +534,15 @@ class Collection:
         ref_len.setflags(write=False)
         return geoms, ref_len
 
-    def _absent(self, variable: str, m: int) -> None:
-        """Refuse member ``m``'s ``variable``: absent, or an array of another zarr format."""
-        paths = self._paths[variable]
-        got, first = _zarr_compat.node_kinds(_zarr_compat.opened(self.store), [paths[m], paths[0]])
-        if m and got is not None and got[0] == "array" and first is not None:
-            raise ValueError(
-                f"{self.name}: member {self.members[m]!r}'s {variable!r} is a zarr v{got[1]} "
-                f"array and member {self.members[0]!r}'s v{first[1]}: the members of a variable "
-                "need one zarr format (rewrite one, or read them in separate pipelines)"
-            )
-        if got is not None and got[0] == "group":
-            group = zarr.open_group(_zarr_compat.opened(self.store), path=paths[m], mode="r")
-            inside = [f"{paths[m]}/{p}" for p, _ in _zarr_compat.walk_arrays(group)][:3]
-            raise ValueError(
-                f"{self.name}: member {self.members[m]!r}'s {variable!r} at {paths[m]!r} of "
-                f"{describe_store(self.store)} is a group, not an array: name an array inside it "
-                f"(such as {inside}), or give from_groups the group and the variables' paths"
-            )
-        raise FileNotFoundError(
-            f"{self.name}: member {self.members[m]!r} has no array for variable {variable!r} at "
-            f"{self._paths[variable][m]!r} of {describe_store(self.store)}"
-        )
-
     def _check_variable(self, variable: str, docs: Sequence[bytes | None], axis: int) -> np.ndarray:
         """Each member's sample count of ``variable``, from its metadata document; an absent
         array, or one whose schema differs from the first member's, raises naming both."""
-        want = None
+        want, paths = None, self._paths[variable]
         lengths = np.empty(len(docs), dtype=np.int64)
         for m, raw in enumerate(docs):
             doc = None if raw is None else json.loads(raw)
             if not isinstance(doc, dict) or doc.get("node_type", "array") != "array":
-                self._absent(variable, m)
-            assert isinstance(doc, dict)
+                refuse_member_array(self.name, self.store, self.members, paths, variable, m)
             got = member_schema(doc, axis)
             if want is None:
                 want = got
@@ -672,11 +668,13 @@ def concat(
     overlap: str = "error",
     mask_and_scale: bool = True,
     cf_dtype: Any = None,
+    dims: Mapping[str, Sequence[str]] | None = None,
 ) -> Collection:
     """Stores that continue one another along ``dim`` as one sample axis:
     :meth:`Collection.concat` (its contract and checks)."""
     return Collection.concat(stores, variables, dim=dim, names=names, overlap=overlap,
-                             mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
+                             mask_and_scale=mask_and_scale, cf_dtype=cf_dtype,
+                             dims=dims)  # fmt: skip
 
 
 def join(
@@ -685,7 +683,9 @@ def join(
     dim: str = "time",
     mask_and_scale: bool = True,
     cf_dtype: Any = None,
+    dims: Mapping[str, Sequence[str]] | None = None,
 ) -> Collection:
     """Arrays of several stores aligned by their times as one collection:
     :meth:`Collection.join` (its contract and checks)."""
-    return Collection.join(stores, dim=dim, mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)
+    return Collection.join(stores, dim=dim, mask_and_scale=mask_and_scale, cf_dtype=cf_dtype,
+                           dims=dims)  # fmt: skip

@@ -1,21 +1,51 @@
-"""The pipeline's checks of collection views: what a pipeline over a collection refuses
-(views of two collections, or of another collection than the one it reads; options that need
-times the members do not share) and that the store it reads holds a view's members. Kept apart
-from :mod:`~insitubatch_nodes.io.collection`, which makes collections."""
+"""Checks of collections: what making one refuses of a member's array (absent, a group, of
+another zarr format than the first member's), what a pipeline over a collection refuses (views
+of two collections, or of another collection than the one it reads; options that need times
+the members do not share) and that the store it reads holds a view's members. Kept apart from
+:mod:`~insitubatch_nodes.io.collection`, which makes collections."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
+import zarr
 
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import array_cf
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.stores import describe_store
 
-__all__ = ["check_collection_in_store", "refuse_collection_options"]
+__all__ = ["check_collection_in_store", "refuse_collection_options", "refuse_member_array"]
+
+
+def refuse_member_array(
+    collection: str, store: Any, members: Sequence[str], paths: Sequence[str], variable: str, m: int
+) -> NoReturn:
+    """Refuse member ``m``'s array of ``variable`` (``paths``: each member's, in ``store``) in
+    collection ``collection``: ``FileNotFoundError`` where it is absent, ``ValueError`` where it
+    is a group (naming arrays inside it) or a zarr array of another format than member 0's."""
+    zstore = _zarr_compat.opened(store)
+    got, first = _zarr_compat.node_kinds(zstore, [paths[m], paths[0]])
+    if m and got is not None and got[0] == "array" and first is not None:
+        raise ValueError(
+            f"{collection}: member {members[m]!r}'s {variable!r} is a zarr v{got[1]} array and "
+            f"member {members[0]!r}'s v{first[1]}: the members of a variable need one zarr "
+            "format (rewrite one, or read them in separate pipelines)"
+        )
+    if got is not None and got[0] == "group":
+        group = zarr.open_group(zstore, path=paths[m], mode="r")
+        inside = [f"{paths[m]}/{p}" for p, _ in _zarr_compat.walk_arrays(group)][:3]
+        raise ValueError(
+            f"{collection}: member {members[m]!r}'s {variable!r} at {paths[m]!r} of "
+            f"{describe_store(store)} is a group, not an array: name an array inside it "
+            f"(such as {inside}), or give from_groups the group and the variables' paths"
+        )
+    raise FileNotFoundError(
+        f"{collection}: member {members[m]!r} has no array for variable {variable!r} at "
+        f"{paths[m]!r} of {describe_store(store)}"
+    )
 
 
 def refuse_collection_options(

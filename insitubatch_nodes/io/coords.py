@@ -558,7 +558,8 @@ def _coordinates(
         if found is None:
             return {}
         path, array = found
-        if array.ndim != 1 or _zarr_compat.metadata_dimension_names(array.metadata) != (dim,):
+        own = _zarr_compat.metadata_dimension_names(array.metadata)
+        if array.ndim != 1 or (own != (dim,) and (own is not None or geom.dim_names is None)):
             return {}
         coord = reader.load(path, array)
         if len(coord) != geom.n_samples:
@@ -614,8 +615,10 @@ def open_coordinates(
     ``names=None`` finds its *dimension coordinate*: the 1-D array named like the sample axis's
     dimension (``time`` for a ``(time, lat, lon)`` array) whose only dimension is that one — what
     :func:`~insitubatch_nodes.io.arrays.open_geometries` skips as a coordinate — looked up in the
-    array's group, then in each parent group; ``{}`` when there is none (no dimension names,
-    no such array, or one of another length). ``names`` lists arrays to read instead: a bare
+    array's group, then in each parent group; where ``geom``'s names were given (``dim_names``:
+    a collection's ``dims=``), such an array that names no dimension (zarr v2 without
+    ``_ARRAY_DIMENSIONS``) counts too. ``{}`` when there is none (no dimension names, no such
+    array, or one of another length). ``names`` lists arrays to read instead: a bare
     name is looked up the same way, a path with ``/`` from the store root; each must be 1-D with
     one value per sample (``KeyError`` naming where it looked when missing, ``ValueError`` when
     it does not fit). Keys are the arrays' names (the last path component). Decoding errors

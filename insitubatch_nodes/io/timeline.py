@@ -17,16 +17,26 @@ import datetime
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.axes import named_axes
 from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
-from insitubatch_nodes.io.coords import open_coordinates, time_offsets
+from insitubatch_nodes.io.coords import Coordinate, open_coordinates, time_offsets
+from insitubatch_nodes.io.geometry import ArrayGeometry
 
-__all__ = ["alignment", "continuation", "pieces_of_join", "whole_seconds"]
+__all__ = ["alignment", "continuation", "pieces_of_join", "time_coordinate", "whole_seconds"]
+
+#: why concat and join read each store's time coordinate (what their refusals say)
+_WHY = {
+    "concat": ("the stores are joined by their times, checked to continue at one step",
+               "concat checks that the stores' times continue"),
+    "join": ("the stores are aligned by their times", "join aligns the stores by time"),
+}  # fmt: skip
 
 
 def _join(*parts: str) -> str:
@@ -49,14 +59,58 @@ def whole_seconds(coord: Any, whose: str, compared_by: str, or_else: str = "") -
         ) from exc
 
 
+def time_coordinate(
+    store: Any,
+    geom: ArrayGeometry,
+    dim: str,
+    given: Sequence[str] | None,
+    *,
+    op: str,
+    name: str,
+    variable: str,
+    key: str,
+) -> Coordinate:
+    """The time coordinate ``dim`` beside store ``name``'s array ``variable`` (``geom``), which
+    ``op`` (``"concat"`` or ``"join"``) reads each store by: the dimension coordinate
+    :func:`~insitubatch_nodes.io.coords.open_coordinates` finds from the array's dimension
+    names, ``given`` (the collection's ``dims[key]``, which win) or its own. ``ValueError``
+    saying what to do where the array names no dimension and none are given, where the names
+    are not one per axis, where no time coordinate ``dim`` is found, or where a time is
+    missing."""
+    where = f"{op}: {name!r}'s {variable!r}"
+    named = named_axes(where, given, geom.dims, geom.ndim)
+    if named.dims is None:
+        raise ValueError(
+            f"{where} names no dimensions (zarr v2 written without _ARRAY_DIMENSIONS), so its "
+            f"time coordinate {dim!r} cannot be found: name its {geom.ndim} axes, "
+            f"{op}(..., dims={{{key!r}: [{dim!r}, ...]}}), or write each array's "
+            "_ARRAY_DIMENSIONS attribute (as xarray does)"
+        )
+    if given is not None:
+        geom = replace(geom, dim_names=tuple(given))
+    coord = open_coordinates(store, geom).get(dim)
+    if coord is None or not coord.is_time:
+        raise ValueError(
+            f"{op}: {name!r} has no time coordinate {dim!r} beside {variable!r}: {_WHY[op][0]}"
+        )
+    refuse_missing_times(coord.values, f"{op}: {name!r}'s time", _WHY[op][1])
+    return coord
+
+
 def continuation(
-    store: Store, names: Sequence[str], paths: Mapping[str, Sequence[str]], dim: str, overlap: str
+    store: Store,
+    names: Sequence[str],
+    paths: Mapping[str, Sequence[str]],
+    dim: str,
+    overlap: str,
+    dims: Mapping[str, Sequence[str]],
 ) -> list[tuple[int, int]] | None:
     """Each member's stored samples ``[start, stop)`` that make one continuous axis of the
     times of ``dim`` (``None``: every member whole): the times continue from member to member at
     one step; where they overlap, ``overlap`` keeps the earlier (``"first"``) or the later
     (``"last"``) member's, skipping whole chunks only. ``ValueError`` names the members and the
-    times otherwise."""
+    times otherwise. ``dims`` (``{variable: names}``, checked) names the axes of variables whose
+    arrays name none (:func:`time_coordinate`)."""
     first_var = next(iter(paths))
     align = 1
     ticks, values, steps = [], [], []
@@ -67,17 +121,9 @@ def continuation(
             geom = heads[path]
         else:
             geom = open_geometries(store, [path])[path]
-        coord = open_coordinates(store, geom).get(dim)
-        if coord is None or not coord.is_time:
-            raise ValueError(
-                f"concat: {name!r} has no time coordinate {dim!r} beside {first_var!r}: the "
-                "stores are joined by their times, checked to continue at one step"
-            )
-        refuse_missing_times(
-            coord.values,
-            f"concat: {name!r}'s time",
-            "concat checks that the stores' times continue",
-        )
+        given = dims.get(first_var)
+        coord = time_coordinate(store, geom, dim, given, op="concat", name=name,
+                                variable=first_var, key=first_var)  # fmt: skip
         t = whole_seconds(coord, f"store {name!r}", "concat's continuity checks")
         d = np.unique(np.diff(t))
         if len(d) > 1 or (len(d) and d[0] <= 0):
@@ -143,10 +189,16 @@ def continuation(
 
 
 def alignment(
-    store: Store, names: Sequence[str], roots: Sequence[str], arrays: Sequence[list[str]], dim: str
+    store: Store,
+    names: Sequence[str],
+    roots: Sequence[str],
+    arrays: Sequence[list[str]],
+    dim: str,
+    dims: Mapping[str, Sequence[str]],
 ) -> dict[str, list[tuple[int, int]]]:
     """Each joined array's stored samples ``[start, stop)`` on the stores' shared times (see
-    ``Collection.join``), keyed by variable name; ``ValueError`` naming the stores and their
+    ``Collection.join``), keyed by variable name (``"<name>/<path>"``, as ``dims`` is: the
+    names of the axes of arrays that name none); ``ValueError`` naming the stores and their
     times where the stores do not align."""
     ticks, values, spcs = [], [], []
     for name, root, variables in zip(names, roots, arrays, strict=True):
@@ -154,15 +206,9 @@ def alignment(
             raise ValueError(f"join: {name!r} names no array")
         located = [_join(root, v) for v in variables]
         geoms = open_geometries(store, located)
-        coord = open_coordinates(store, geoms[located[0]]).get(dim)
-        if coord is None or not coord.is_time:
-            raise ValueError(
-                f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
-                "stores are aligned by their times"
-            )
-        refuse_missing_times(
-            coord.values, f"join: {name!r}'s time", "join aligns the stores by time"
-        )
+        key = f"{name}/{variables[0].strip('/')}"
+        coord = time_coordinate(store, geoms[located[0]], dim, dims.get(key), op="join",
+                                name=name, variable=variables[0], key=key)  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([geoms[p].samples_per_chunk for p in located])
@@ -233,14 +279,16 @@ def _shared(
 
 
 def pieces_of_join(
-    entries: Sequence[tuple[str, Any, Sequence[str]]], dim: str
+    entries: Sequence[tuple[str, Any, Sequence[str]]], dim: str, dims: Mapping[str, Sequence[str]]
 ) -> tuple[list[str], dict[str, list[tuple[Any, str, int, int]]]]:
     """A join one of whose stores is a concatenation (``Collection.concat``, or any
     continuous collection): ``entries`` are ``(name, store or collection, [array paths])``.
     The joined axis is cut where a concatenation's store ends, so each *piece* reads one store
     of every entry: returns the pieces' names and, per variable ``"<name>/<path>"``, each
     piece's ``(store, path, start, stop)`` (its stored samples). Every cut must fall on a chunk
-    boundary of every array (``ValueError`` naming the time and the array otherwise)."""
+    boundary of every array (``ValueError`` naming the time and the array otherwise). ``dims``
+    names the axes of arrays that name none, by variable (a concatenation's views carry its
+    own)."""
     from insitubatch_nodes.io.routing import RoutingStore  # (routing needs no timeline)
 
     ticks, values, spcs, cuts = [], [], [], []
@@ -270,7 +318,7 @@ def pieces_of_join(
                     rows.append((store, path, int(a), int(a) + int(n)))
                 per_var.append(rows)
             located.append(per_var)
-            coord = open_coordinates(source.store, geoms[0]).get(dim)
+            timeline = source.store  # (its views read the stores through it)
         else:
             geoms_by = open_geometries(source, list(variables))
             geoms = [geoms_by[v] for v in variables]
@@ -278,15 +326,10 @@ def pieces_of_join(
             located.append(
                 [[(source, v, 0, g.n_samples)] for v, g in zip(variables, geoms, strict=True)]
             )
-            coord = open_coordinates(source, geoms[0]).get(dim)
-        if coord is None or not coord.is_time:
-            raise ValueError(
-                f"join: {name!r} has no time coordinate {dim!r} beside {variables[0]!r}: the "
-                "stores are aligned by their times"
-            )
-        refuse_missing_times(
-            coord.values, f"join: {name!r}'s time", "join aligns the stores by time"
-        )
+            timeline = source
+        key = f"{name}/{variables[0].strip('/')}"
+        coord = time_coordinate(timeline, geoms[0], dim, dims.get(key), op="join", name=name,
+                                variable=variables[0], key=key)  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([g.samples_per_chunk for g in geoms])
