@@ -1,0 +1,65 @@
+"""Model inputs as an ML engineer uses them, found wrong by a black-box trial.
+
+xarray (on the same store) and numpy are the oracles; the Sun's position in the forcings'
+checks is NOAA's solar calculator (after Meeus), an algorithm other than the package's USNO
+one. The stores are tiny and built once per module.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from insitubatch_nodes import (
+    fit_statistics,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    stack,
+)
+
+xr = pytest.importorskip("xarray")
+cftime = pytest.importorskip("cftime")
+pd = pytest.importorskip("pandas")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``t2m (time, lat, lon)``, ``z (time, level, lat, lon)`` and a static land-sea mask
+    that is all sea (a constant field) over a latitude descending from north to south."""
+    rng = np.random.default_rng(0)
+    lat = np.array([60.0, 20.0, -20.0, -60.0])
+    lon = np.array([0.0, 90.0, 180.0, 270.0])
+    ds = xr.Dataset(
+        {
+            "t2m": (("time", "lat", "lon"), 280 + rng.standard_normal((8, 4, 4))),
+            "z": (("time", "level", "lat", "lon"), rng.standard_normal((8, 3, 4, 4))),
+            "lsm": (("lat", "lon"), np.zeros((4, 4))),
+        },
+        coords={"time": pd.date_range("2020-01-01", periods=8, freq="6h"), "lat": lat,
+                "lon": lon, "level": [1000, 500, 250]},
+    )  # fmt: skip
+    path = tmp_path_factory.mktemp("inputs") / "trial.zarr"
+    enc = {v: {"dtype": "float32", "chunks": ds[v].shape} for v in ("lsm",)}
+    enc |= {v: {"dtype": "float32", "chunks": (2, *ds[v].shape[1:])} for v in ("t2m", "z")}
+    ds.to_zarr(path, encoding=enc, consolidated=False, zarr_format=3)
+    return path
+
+
+def test_stack_normalize_makes_a_constant_channel_zero_not_nan(store: Path) -> None:
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    members = {"t2m": g["t2m"], "lsm": g["lsm"], "z": g["z"].isel(level=[0, 2])}
+    stats = fit_statistics(store, manifest, members)
+    assert stats.std["lsm"] == 0.0
+    pipe = insitu_pipeline(store, manifest, {"x": stack(members, normalize=stats)},
+                           batch_size=4, coords=())  # fmt: skip
+    batch = next(iter(pipe))
+    pipe.close()
+    ds = xr.open_zarr(store, consolidated=False)
+    idx = batch.sample_indices["x"]
+    t2m = (ds.t2m.values[idx] - stats.mean["t2m"]) / stats.std["t2m"]
+    np.testing.assert_allclose(batch.arrays["x"][:, 0], t2m, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(batch.arrays["x"][:, 1], 0.0)  # was NaN: 0 / 0
