@@ -24,6 +24,9 @@ float32, computed in numpy for the whole batch at once:
     ``sin``/``cos`` of ``2π ·`` the fraction of the calendar year elapsed at the row's time
     (the same at every grid point, broadcast over the grid).
 
+The last four take cftime dates too (a ``noleap`` or ``360_day`` store's times), counted in
+their own calendar; the two solar ones raise ``TypeError`` for them.
+
 The Sun's position follows the U.S. Naval Observatory's *Approximate Solar Coordinates*
 (https://aa.usno.navy.mil/faq/sun_approx; accurate to about 1 arcminute within two centuries
 of 2000): from ``D``, days since J2000.0 (2000-01-01 12:00 UT), the mean anomaly ``g =
@@ -75,8 +78,9 @@ def _days_since_j2000(times: np.ndarray) -> np.ndarray:
     t = np.asarray(times)
     if t.dtype.kind != "M":
         raise TypeError(
-            f"forcings need times as numpy datetime64, got dtype {t.dtype}; a non-standard "
-            "calendar's cftime dates have no solar position here"
+            f"solar forcings need times as numpy datetime64, got dtype {t.dtype}; a non-standard "
+            "calendar's cftime dates have no solar position here (local_time_* and "
+            "year_progress_* take them, in their own calendar)"
         )
     delta = (t.astype("datetime64[ns]") - _J2000).astype(np.int64)
     return delta / _DAY_NS
@@ -190,15 +194,29 @@ def _trapezoid(
 
 
 def local_time(times: Any, lon: Any) -> np.ndarray:
-    """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``."""
-    t = np.asarray(times).astype("datetime64[ns]")
-    utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
+    """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``. ``times``
+    are ``datetime64`` or cftime dates (any calendar: a day has 24 hours in each)."""
+    t = np.asarray(times)
+    if t.dtype.kind == "O":  # cftime dates: the time of day from their fields
+        seconds = [((d.hour * 60 + d.minute) * 60 + d.second) + d.microsecond / 1e6 for d in t.flat]
+        utc = np.asarray(seconds, dtype=np.float64).reshape(t.shape) / 3600.0
+    else:
+        t = t.astype("datetime64[ns]")
+        utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
     return (utc[..., None, None] + np.asarray(lon, dtype=np.float64).reshape(1, -1) / 15.0) % 24.0
 
 
 def year_progress(times: Any) -> np.ndarray:
-    """The fraction of the calendar year elapsed at each time, ``[0, 1)``."""
-    t = np.asarray(times).astype("datetime64[ns]")
+    """The fraction of the calendar year elapsed at each time, ``[0, 1)``: of the dates' own
+    calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360)."""
+    t = np.asarray(times)
+    if t.dtype.kind == "O":
+        out = []
+        for d in t.flat:
+            start = d.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
+            out.append((d - start) / (start.replace(year=d.year + 1) - start))
+        return np.asarray(out, dtype=np.float64).reshape(t.shape)
+    t = t.astype("datetime64[ns]")
     year = t.astype("datetime64[Y]")
     start = year.astype("datetime64[ns]")
     length = (year + np.timedelta64(1, "Y")).astype("datetime64[ns]") - start

@@ -19,6 +19,7 @@ from insitubatch_nodes import (
     split_by_chunk,
     stack,
 )
+from insitubatch_nodes.forcings import Forcings, local_time, year_progress
 
 xr = pytest.importorskip("xarray")
 cftime = pytest.importorskip("cftime")
@@ -63,3 +64,30 @@ def test_stack_normalize_makes_a_constant_channel_zero_not_nan(store: Path) -> N
     t2m = (ds.t2m.values[idx] - stats.mean["t2m"]) / stats.std["t2m"]
     np.testing.assert_allclose(batch.arrays["x"][:, 0], t2m, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(batch.arrays["x"][:, 1], 0.0)  # was NaN: 0 / 0
+
+
+@pytest.mark.parametrize(
+    ("calendar", "date", "day_of_year", "year_days"),
+    [
+        ("noleap", (2004, 3, 1, 12), 59.5, 365),  # a leap year in numpy's calendar
+        ("360_day", (2001, 2, 30, 6), 59.25, 360),  # no such date in numpy's calendar
+        ("360_day", (2001, 12, 30, 18), 359.75, 360),
+        ("all_leap", (2001, 12, 31, 12), 365.5, 366),
+        ("julian", (1900, 3, 1, 0), 60.0, 366),  # 1900 is a Julian leap year
+    ],
+)
+def test_year_progress_and_local_time_count_a_cftime_calendars_own_year(
+    calendar: str, date: tuple[int, int, int, int], day_of_year: float, year_days: int
+) -> None:
+    times = np.array([[cftime.datetime(*date, calendar=calendar)]], dtype=object)
+    np.testing.assert_allclose(year_progress(times), [[day_of_year / year_days]], rtol=1e-12)
+    lon = np.array([-180.0, 0.0, 90.0])
+    np.testing.assert_allclose(local_time(times, lon)[0, 0, 0], (date[3] + lon / 15) % 24)
+    f = Forcings("x", lat=[0.0], lon=lon, names=["year_progress_cos", "local_time_sin"])
+    out = f.compute(times)
+    assert out["year_progress_cos"].shape == (1, 1, 1, 3)
+    np.testing.assert_allclose(
+        out["year_progress_cos"], np.cos(2 * np.pi * day_of_year / year_days), atol=1e-6
+    )
+    with pytest.raises(TypeError, match="no solar position"):
+        Forcings("x", lat=[0.0], lon=lon, names=["cos_solar_zenith"]).compute(times)
