@@ -19,7 +19,12 @@ from insitubatch_nodes import (
     split_by_chunk,
     stack,
 )
-from insitubatch_nodes.forcings import Forcings, local_time, year_progress
+from insitubatch_nodes.forcings import (
+    Forcings,
+    local_time,
+    toa_incident_solar_radiation,
+    year_progress,
+)
 
 xr = pytest.importorskip("xarray")
 cftime = pytest.importorskip("cftime")
@@ -91,3 +96,55 @@ def test_year_progress_and_local_time_count_a_cftime_calendars_own_year(
     )
     with pytest.raises(TypeError, match="no solar position"):
         Forcings("x", lat=[0.0], lon=lon, names=["cos_solar_zenith"]).compute(times)
+
+
+def _noaa_flux(times: np.ndarray, lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
+    """``S / r² · max(cos θ, 0)`` by NOAA's solar calculator (Meeus' low-precision Sun:
+    mean longitude and anomaly, equation of centre, apparent longitude, corrected obliquity,
+    equation of time), ``(time, lat, lon)``."""
+    rad = np.pi / 180
+    jc = (times.astype("datetime64[ns]").astype(np.int64) / 86400e9 + 2440587.5 - 2451545) / 36525
+    l0 = (280.46646 + jc * (36000.76983 + jc * 0.0003032)) % 360
+    m = 357.52911 + jc * (35999.05029 - 0.0001537 * jc)
+    e = 0.016708634 - jc * (0.000042037 + 0.0000001267 * jc)
+    c = np.sin(m * rad) * (1.914602 - jc * (0.004817 + 0.000014 * jc))
+    c += np.sin(2 * m * rad) * (0.019993 - 0.000101 * jc) + np.sin(3 * m * rad) * 0.000289
+    r = 1.000001018 * (1 - e * e) / (1 + e * np.cos((m + c) * rad))
+    omega = 125.04 - 1934.136 * jc
+    app = l0 + c - 0.00569 - 0.00478 * np.sin(omega * rad)
+    eps = 23 + (26 + (21.448 - jc * (46.815 + jc * (0.00059 - jc * 0.001813))) / 60) / 60
+    eps += 0.00256 * np.cos(omega * rad)
+    dec = np.arcsin(np.sin(eps * rad) * np.sin(app * rad))
+    y = np.tan(eps / 2 * rad) ** 2
+    eot = 4 / rad * (
+        y * np.sin(2 * l0 * rad) - 2 * e * np.sin(m * rad)
+        + 4 * e * y * np.sin(m * rad) * np.cos(2 * l0 * rad)
+        - 0.5 * y * y * np.sin(4 * l0 * rad) - 1.25 * e * e * np.sin(2 * m * rad)
+    )  # fmt: skip
+    minutes = (times - times.astype("datetime64[D]")).astype("timedelta64[ns]").astype(np.int64)
+    tst = minutes[:, None, None] / 60e9 + eot[:, None, None] + 4 * lon[None, None, :]
+    phi, d = lat[None, :, None] * rad, dec[:, None, None]
+    cos_z = np.sin(phi) * np.sin(d) + np.cos(phi) * np.cos(d) * np.cos((tst / 4 - 180) * rad)
+    return 1361.0 * np.maximum(cos_z, 0.0) / r[:, None, None] ** 2
+
+
+@pytest.mark.parametrize(
+    ("end", "period", "lat", "lon"),
+    [
+        ("1991-03-20T18:31:36", "24h", -85.0, 0.0),  # equinox near the pole: 2.8 % off before
+        ("2014-03-17T20:47:10", "6h", 85.0, 200.0),  # 1.5 % off before
+        ("2021-08-10T00:00:00", "6h", 66.0, 0.0),
+        ("2021-06-21T00:00:00", "1h", 80.0, 0.0),
+    ],
+)
+def test_tisr_over_long_periods_matches_noaa_integrated_minute_by_minute(
+    end: str, period: str, lat: float, lon: float
+) -> None:
+    t = np.array([np.datetime64(end, "ns")])
+    seconds = int(pd.Timedelta(period).total_seconds())
+    minutes = t[0] - np.arange(seconds // 60, -1, -1).astype("timedelta64[m]")
+    flux = _noaa_flux(minutes, np.array([lat]), np.array([lon]))[:, 0, 0]
+    want = np.trapezoid(flux, dx=60.0)
+    got = toa_incident_solar_radiation(t, [lat], [lon], period=period)[0, 0, 0]
+    # USNO's Sun is good to about an arcminute: 3e-4 of cos θ, at most 3e-4 of S · period
+    assert abs(got - want) < 1e-4 * 1361 * seconds, (got, want)
