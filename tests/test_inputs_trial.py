@@ -148,3 +148,36 @@ def test_tisr_over_long_periods_matches_noaa_integrated_minute_by_minute(
     got = toa_incident_solar_radiation(t, [lat], [lon], period=period)[0, 0, 0]
     # USNO's Sun is good to about an arcminute: 3e-4 of cos θ, at most 3e-4 of S · period
     assert abs(got - want) < 1e-4 * 1361 * seconds, (got, want)
+
+
+SELECTIONS = {
+    "near": {"lat": 25.0, "lon": 100.0},  # nearest: 20 and 90
+    "near_list": {"level": [700, 260, 1000]},
+    "near_tie": {"lat": [0.0, 40.0], "lon": 135.0},  # ties go to the larger value, as pandas
+    "near_tol": {"level": [499], "tolerance": 2},
+    "step": {"lat": slice(60, -60, 2), "lon": slice(90, None, 2)},
+    "back": {"lat": slice(-20, 60, -1), "level": slice(250, None, -2)},
+}
+
+
+def test_sel_nearest_and_slices_with_steps_match_xarray(store: Path) -> None:
+    g = open_geometries(store)
+    views = {}
+    for label, key in SELECTIONS.items():
+        method = "nearest" if label.startswith("near") else None
+        views[label] = g["z"].sel(**key, method=method) if method else g["z"].sel(**key)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, views, batch_size=4, coords=())
+    batch = next(iter(pipe))
+    pipe.close()
+    z = xr.open_zarr(store, consolidated=False).z
+    for label, key in SELECTIONS.items():
+        method = "nearest" if label.startswith("near") else None
+        want = (z.sel(**key, method=method) if method else z.sel(**key)).values
+        np.testing.assert_array_equal(batch.arrays[label], want[batch.sample_indices[label]])
+    with pytest.raises(KeyError, match="499"):
+        g["z"].sel(level=499, method="nearest", tolerance=0.5)
+    with pytest.raises(ValueError, match="nearest"):
+        g["z"].sel(lat=slice(60, 0), method="nearest")
+    with pytest.raises(ValueError, match="method"):
+        g["z"].sel(lat=20.0, method="pad")
