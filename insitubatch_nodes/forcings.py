@@ -251,9 +251,10 @@ class Forcings:
 
     ``names`` picks them (default: all of :data:`FORCINGS`); ``prefix`` is put before each
     label. ``time_label`` is the label whose ``batch.coords[time_label][time_name]`` gives the
-    rows' times. ``lat`` and ``lon`` are the grid's coordinates in degrees (1-D); or give a
-    ``view`` (an :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`, selected or not) and
-    its last two field dimensions' coordinates are read through ``view.coordinates``.
+    rows' times. ``lat`` and ``lon`` are the grid's coordinates in degrees (1-D: ``ValueError``
+    for a 2-D meshgrid); or give a ``view`` (an
+    :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`, selected or not) and its last two
+    field dimensions' coordinates are read through ``view.coordinates``.
     ``period``, ``bins`` and ``irradiance`` are those of :func:`toa_incident_solar_radiation`.
     Nothing is read from the store.
     """
@@ -281,6 +282,13 @@ class Forcings:
             lat, lon = grid_of(view)
         if lat is None or lon is None:
             raise TypeError("Forcings needs the grid: lat= and lon= (degrees), or view=")
+        for axis, values in (("lat", lat), ("lon", lon)):
+            if np.ndim(values) > 1:
+                raise ValueError(
+                    f"Forcings: {axis}= must be the 1-D coordinate of a regular (lat, lon) grid, "
+                    f"got shape {np.shape(values)}: give lat2d[:, 0] and lon2d[0, :] of a "
+                    "meshgrid (a curvilinear grid is not supported)"
+                )
         self.lat = np.asarray(lat, dtype=np.float64).ravel()
         self.lon = np.asarray(lon, dtype=np.float64).ravel()
         if not np.all(np.abs(self.lat) <= 90.0):

@@ -181,3 +181,12 @@ def test_sel_nearest_and_slices_with_steps_match_xarray(store: Path) -> None:
         g["z"].sel(lat=slice(60, 0), method="nearest")
     with pytest.raises(ValueError, match="method"):
         g["z"].sel(lat=20.0, method="pad")
+
+
+def test_forcings_refuse_a_2d_grid_instead_of_flattening_it() -> None:
+    lat2d, lon2d = np.meshgrid([-60.0, 0.0, 60.0], [0.0, 90.0, 180.0, 270.0], indexing="ij")
+    with pytest.raises(ValueError, match=r"1-D.*\(3, 4\)"):
+        Forcings("x", lat=lat2d, lon=lon2d, names=["cos_solar_zenith"])  # was a (12, 12) grid
+    f = Forcings("x", lat=lat2d[:, 0], lon=lon2d[0], names=["cos_solar_zenith"])
+    times = np.array(["2020-01-01T00"], dtype="datetime64[ns]")
+    assert f.compute(times)["cos_solar_zenith"].shape == (1, 3, 4)
