@@ -190,3 +190,23 @@ def test_forcings_refuse_a_2d_grid_instead_of_flattening_it() -> None:
     f = Forcings("x", lat=lat2d[:, 0], lon=lon2d[0], names=["cos_solar_zenith"])
     times = np.array(["2020-01-01T00"], dtype="datetime64[ns]")
     assert f.compute(times)["cos_solar_zenith"].shape == (1, 3, 4)
+
+
+def test_fit_statistics_takes_a_stacks_members_forcings_included(store: Path) -> None:
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    sun = Forcings("x", view=g["t2m"], names=["cos_solar_zenith"])
+    members = {"t2m": g["t2m"], "sun": sun}
+    stats = fit_statistics(store, manifest, members)  # was AttributeError: no window_offsets
+    assert sorted(stats.mean) == ["t2m"]
+    t2m = xr.open_zarr(store, consolidated=False).t2m.values.astype(np.float64)
+    np.testing.assert_allclose(stats.mean["t2m"], t2m.mean(), rtol=1e-12)
+    pipe = insitu_pipeline(store, manifest, {"x": stack(members, normalize=stats)}, batch_size=4)
+    batch = next(iter(pipe))
+    pipe.close()
+    want = (t2m[batch.sample_indices["x"]] - t2m.mean()) / t2m.std()
+    np.testing.assert_allclose(batch.arrays["x"][:, 0], want, rtol=1e-5, atol=1e-5)
+    times = batch.coords["x"]["time"]
+    np.testing.assert_array_equal(batch.arrays["x"][:, 1], sun.compute(times)["cos_solar_zenith"])
+    with pytest.raises(TypeError, match="'t2m'"):
+        fit_statistics(store, manifest, {"t2m": "t2m"})  # type: ignore[dict-item]
