@@ -131,10 +131,10 @@ def toa_incident_solar_radiation(
 ) -> np.ndarray:
     """Top-of-atmosphere incident solar radiation, J m⁻², accumulated over the ``period``
     ending at each time (ERA5's ``tisr`` with ``period="1h"``): ``(*times.shape, n_lat,
-    n_lon)`` float64. Integrated in closed form (module docstring); ``bins=N`` uses the
+    n_lon)`` float64 (``ValueError`` for a period that is not positive). Integrated in closed
+    form (module docstring); ``bins=N`` uses the
     trapezoidal rule over ``N`` sub-steps instead (N + 1 evaluations of the flux, for checks)."""
-    span = as_timedelta(period, "the accumulation period")
-    seconds = span / np.timedelta64(1, "s")
+    seconds = _period(period) / np.timedelta64(1, "s")
     days = _days_since_j2000(times)[..., None, None]
     phi, lam = _grid(lat, lon)
     if bins is not None:
@@ -147,6 +147,14 @@ def toa_incident_solar_radiation(
     for k in range(1, pieces):
         total = total + _closed_form(days - k * step / 86_400.0, phi, lam, step, irradiance)
     return total
+
+
+def _period(period: Any) -> np.timedelta64:
+    """The accumulation period as a ``timedelta64``; ``ValueError`` unless it is positive."""
+    span = as_timedelta(period, "the accumulation period")
+    if not span > np.timedelta64(0, "s"):
+        raise ValueError(f"the accumulation period must be positive, got {period!r}")
+    return span
 
 
 def _closed_form(
@@ -300,7 +308,7 @@ class Forcings:
         self.time_label, self.time_name = time_label, time_name
         self.names = tuple(names)
         self.prefix = prefix
-        self.period = as_timedelta(period, "the accumulation period")
+        self.period = _period(period)
         self.bins = None if bins is None else int(bins)
         self.irradiance = float(irradiance)
         #: time (ns since the epoch) -> {name: (n_lat, n_lon) float32}, oldest first

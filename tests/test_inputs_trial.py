@@ -210,3 +210,12 @@ def test_fit_statistics_takes_a_stacks_members_forcings_included(store: Path) ->
     np.testing.assert_array_equal(batch.arrays["x"][:, 1], sun.compute(times)["cos_solar_zenith"])
     with pytest.raises(TypeError, match="'t2m'"):
         fit_statistics(store, manifest, {"t2m": "t2m"})  # type: ignore[dict-item]
+
+
+@pytest.mark.parametrize("period", ["0h", "-1h"])
+def test_forcings_refuse_a_period_that_is_not_positive(period: str) -> None:
+    times = np.array(["2020-06-01T12"], dtype="datetime64[ns]")
+    with pytest.raises(ValueError, match="positive"):  # was NaN (0h) or negative J m-2
+        toa_incident_solar_radiation(times, [0.0], [0.0], period=period)
+    with pytest.raises(ValueError, match="positive"):
+        Forcings("x", lat=[0.0], lon=[0.0], period=period)
