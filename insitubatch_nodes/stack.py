@@ -425,7 +425,9 @@ def _channel_names(name: str, view: ArrayGeometry) -> list[str]:
 
 
 def _plain(value: Any) -> Any:
-    item = value.item() if isinstance(value, np.generic) else value
+    # a float as its shortest decimal in its own dtype: float32 0.1 is 0.1, not 0.10000000149...
+    item = float(str(value)) if isinstance(value, np.floating) else value
+    item = item.item() if isinstance(item, np.generic) else item
     if isinstance(item, float) and item.is_integer():
         return int(item)
     return item

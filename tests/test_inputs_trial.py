@@ -219,3 +219,14 @@ def test_forcings_refuse_a_period_that_is_not_positive(period: str) -> None:
         toa_incident_solar_radiation(times, [0.0], [0.0], period=period)
     with pytest.raises(ValueError, match="positive"):
         Forcings("x", lat=[0.0], lon=[0.0], period=period)
+
+
+def test_stack_names_channels_of_a_float32_coordinate_as_written(tmp_path: Path) -> None:
+    ds = xr.Dataset(
+        {"z": (("time", "depth", "lat", "lon"), np.zeros((2, 3, 2, 2), dtype=np.float32))},
+        coords={"depth": np.array([0.1, 0.07, 12.5], dtype=np.float32)},
+    )
+    ds.to_zarr(tmp_path / "f32.zarr", consolidated=False, zarr_format=3)
+    g = open_geometries(tmp_path / "f32.zarr")
+    x = stack({"z": g["z"].isel(depth=[1, 0, 2]), "t": g["z"].isel(depth=0)})
+    assert x.channels == ("z@0.07", "z@0.1", "z@12.5", "t")  # was z@0.07000000029802322
