@@ -9,10 +9,11 @@ float32, computed in numpy for the whole batch at once:
     Top-of-atmosphere incident solar radiation, J m⁻², *accumulated over the ``period`` that
     ends at the row's time* (ERA5's ``tisr``, parameter 212: one hour). The instantaneous flux
     ``S / r² · max(cos θ, 0)`` (``S`` the total solar irradiance, 1361 W m⁻² by default; ``r``
-    the Earth–Sun distance in AU; ``θ`` the solar zenith angle) is integrated in closed form:
-    over one period the Sun's declination and distance are taken at the period's middle
-    (they move by under 0.02° and 2·10⁻⁵ AU an hour), the hour angle advances linearly, and
-    ``∫ max(0, a + b cos h) dh`` is exact, sunrise and sunset inside the period included.
+    the Earth–Sun distance in AU; ``θ`` the solar zenith angle) is integrated in closed form
+    in equal pieces of at most an hour (a longer period is the sum of its pieces): over one
+    piece the Sun's declination and distance are taken at its middle (they move by under
+    0.02° and 2·10⁻⁵ AU an hour), the hour angle advances linearly, and ``∫ max(0, a + b cos
+    h) dh`` is exact, sunrise and sunset inside the piece included.
     (``bins=N`` integrates by the trapezoidal rule over ``N`` sub-steps instead.)
 ``cos_solar_zenith``
     ``cos θ`` at the row's time (negative at night): ``sin φ sin δ + cos φ cos δ cos h``, with
@@ -23,6 +24,9 @@ float32, computed in numpy for the whole batch at once:
 ``year_progress_sin``, ``year_progress_cos``
     ``sin``/``cos`` of ``2π ·`` the fraction of the calendar year elapsed at the row's time
     (the same at every grid point, broadcast over the grid).
+
+The last four take cftime dates too (a ``noleap`` or ``360_day`` store's times), counted in
+their own calendar; the two solar ones raise ``TypeError`` for them.
 
 The Sun's position follows the U.S. Naval Observatory's *Approximate Solar Coordinates*
 (https://aa.usno.navy.mil/faq/sun_approx; accurate to about 1 arcminute within two centuries
@@ -38,6 +42,7 @@ a minute, is below the formula's accuracy for these uses).
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -67,6 +72,7 @@ FORCINGS = (
     "year_progress_cos",
 )
 SOLAR_IRRADIANCE = 1361.0  # W m-2, the reference total solar irradiance
+PIECE_SECONDS = 3600.0  # the longest span integrated with one declination and distance
 _J2000 = np.datetime64("2000-01-01T12:00:00", "ns")
 _DAY_NS = 86_400 * 10**9
 
@@ -75,8 +81,9 @@ def _days_since_j2000(times: np.ndarray) -> np.ndarray:
     t = np.asarray(times)
     if t.dtype.kind != "M":
         raise TypeError(
-            f"forcings need times as numpy datetime64, got dtype {t.dtype}; a non-standard "
-            "calendar's cftime dates have no solar position here"
+            f"solar forcings need times as numpy datetime64, got dtype {t.dtype}; a non-standard "
+            "calendar's cftime dates have no solar position here (local_time_* and "
+            "year_progress_* take them, in their own calendar)"
         )
     delta = (t.astype("datetime64[ns]") - _J2000).astype(np.int64)
     return delta / _DAY_NS
@@ -124,14 +131,37 @@ def toa_incident_solar_radiation(
 ) -> np.ndarray:
     """Top-of-atmosphere incident solar radiation, J m⁻², accumulated over the ``period``
     ending at each time (ERA5's ``tisr`` with ``period="1h"``): ``(*times.shape, n_lat,
-    n_lon)`` float64. Integrated in closed form (module docstring); ``bins=N`` uses the
+    n_lon)`` float64 (``ValueError`` for a period that is not positive). Integrated in closed
+    form (module docstring); ``bins=N`` uses the
     trapezoidal rule over ``N`` sub-steps instead (N + 1 evaluations of the flux, for checks)."""
-    span = as_timedelta(period, "the accumulation period")
-    seconds = span / np.timedelta64(1, "s")
+    seconds = _period(period) / np.timedelta64(1, "s")
     days = _days_since_j2000(times)[..., None, None]
     phi, lam = _grid(lat, lon)
     if bins is not None:
         return _trapezoid(days, phi, lam, seconds, int(bins), irradiance)
+    # the declination and distance are held for at most an hour: a longer period is the sum
+    # of its pieces (over a day at the equinox they move 0.4°: polar sums were 3 % off)
+    pieces = max(1, math.ceil(seconds / PIECE_SECONDS))
+    step = seconds / pieces
+    total = _closed_form(days, phi, lam, step, irradiance)
+    for k in range(1, pieces):
+        total = total + _closed_form(days - k * step / 86_400.0, phi, lam, step, irradiance)
+    return total
+
+
+def _period(period: Any) -> np.timedelta64:
+    """The accumulation period as a ``timedelta64``; ``ValueError`` unless it is positive."""
+    span = as_timedelta(period, "the accumulation period")
+    if not span > np.timedelta64(0, "s"):
+        raise ValueError(f"the accumulation period must be positive, got {period!r}")
+    return span
+
+
+def _closed_form(
+    days: np.ndarray, phi: np.ndarray, lam: np.ndarray, seconds: float, irradiance: float
+) -> np.ndarray:
+    """The radiation over the ``seconds`` ending at ``days``, the declination and distance
+    taken at the middle (module docstring)."""
     half = seconds / 2 / 86_400.0
     sin_dec, cos_dec, _, distance = _sun(days - half)  # the period's middle
     _, _, h0, _ = _sun(days - 2 * half)
@@ -190,15 +220,29 @@ def _trapezoid(
 
 
 def local_time(times: Any, lon: Any) -> np.ndarray:
-    """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``."""
-    t = np.asarray(times).astype("datetime64[ns]")
-    utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
+    """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``. ``times``
+    are ``datetime64`` or cftime dates (any calendar: a day has 24 hours in each)."""
+    t = np.asarray(times)
+    if t.dtype.kind == "O":  # cftime dates: the time of day from their fields
+        seconds = [((d.hour * 60 + d.minute) * 60 + d.second) + d.microsecond / 1e6 for d in t.flat]
+        utc = np.asarray(seconds, dtype=np.float64).reshape(t.shape) / 3600.0
+    else:
+        t = t.astype("datetime64[ns]")
+        utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
     return (utc[..., None, None] + np.asarray(lon, dtype=np.float64).reshape(1, -1) / 15.0) % 24.0
 
 
 def year_progress(times: Any) -> np.ndarray:
-    """The fraction of the calendar year elapsed at each time, ``[0, 1)``."""
-    t = np.asarray(times).astype("datetime64[ns]")
+    """The fraction of the calendar year elapsed at each time, ``[0, 1)``: of the dates' own
+    calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360)."""
+    t = np.asarray(times)
+    if t.dtype.kind == "O":
+        out = []
+        for d in t.flat:
+            start = d.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
+            out.append((d - start) / (start.replace(year=d.year + 1) - start))
+        return np.asarray(out, dtype=np.float64).reshape(t.shape)
+    t = t.astype("datetime64[ns]")
     year = t.astype("datetime64[Y]")
     start = year.astype("datetime64[ns]")
     length = (year + np.timedelta64(1, "Y")).astype("datetime64[ns]") - start
@@ -215,9 +259,10 @@ class Forcings:
 
     ``names`` picks them (default: all of :data:`FORCINGS`); ``prefix`` is put before each
     label. ``time_label`` is the label whose ``batch.coords[time_label][time_name]`` gives the
-    rows' times. ``lat`` and ``lon`` are the grid's coordinates in degrees (1-D); or give a
-    ``view`` (an :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`, selected or not) and
-    its last two field dimensions' coordinates are read through ``view.coordinates``.
+    rows' times. ``lat`` and ``lon`` are the grid's coordinates in degrees (1-D: ``ValueError``
+    for a 2-D meshgrid); or give a ``view`` (an
+    :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`, selected or not) and its last two
+    field dimensions' coordinates are read through ``view.coordinates``.
     ``period``, ``bins`` and ``irradiance`` are those of :func:`toa_incident_solar_radiation`.
     Nothing is read from the store.
     """
@@ -245,6 +290,13 @@ class Forcings:
             lat, lon = grid_of(view)
         if lat is None or lon is None:
             raise TypeError("Forcings needs the grid: lat= and lon= (degrees), or view=")
+        for axis, values in (("lat", lat), ("lon", lon)):
+            if np.ndim(values) > 1:
+                raise ValueError(
+                    f"Forcings: {axis}= must be the 1-D coordinate of a regular (lat, lon) grid, "
+                    f"got shape {np.shape(values)}: give lat2d[:, 0] and lon2d[0, :] of a "
+                    "meshgrid (a curvilinear grid is not supported)"
+                )
         self.lat = np.asarray(lat, dtype=np.float64).ravel()
         self.lon = np.asarray(lon, dtype=np.float64).ravel()
         if not np.all(np.abs(self.lat) <= 90.0):
@@ -256,7 +308,7 @@ class Forcings:
         self.time_label, self.time_name = time_label, time_name
         self.names = tuple(names)
         self.prefix = prefix
-        self.period = as_timedelta(period, "the accumulation period")
+        self.period = _period(period)
         self.bins = None if bins is None else int(bins)
         self.irradiance = float(irradiance)
         #: time (ns since the epoch) -> {name: (n_lat, n_lon) float32}, oldest first

@@ -22,7 +22,7 @@ field shape and the same number of steps ``T`` (a window of ``T`` steps, or none
 **Normalisation**: with ``normalize=stats`` (:class:`~insitubatch_nodes.statistics.Statistics`
 fitted with the members' names) every member's channel slice is standardised ``(x - mean) /
 std`` per channel in place right after it is copied (statics once, when read): no pass over
-the batch after it is assembled.
+the batch after it is assembled. A constant channel (``std`` 0) becomes 0.
 
 ``batch.sample_indices[label]`` of a stack is its first sampled member's (``(batch,)``, or
 ``(batch, T)``); its coordinates likewise.
@@ -168,7 +168,8 @@ def stack(
     batch from the stack's times (the pipeline must carry the time coordinate: the default
     ``coords=None`` does) and never normalised. ``normalize``: fitted
     :class:`~insitubatch_nodes.statistics.Statistics` with an entry per member name; each
-    member is standardised during the copy into the batch.
+    member is standardised during the copy into the batch (a constant channel, ``std`` 0,
+    becomes 0).
 
     ``ValueError`` for an unknown ``layout``, no member, no sampled member, members that
     disagree on ``T``, the field shape (or the order of its named dimensions: a transposed
@@ -424,7 +425,9 @@ def _channel_names(name: str, view: ArrayGeometry) -> list[str]:
 
 
 def _plain(value: Any) -> Any:
-    item = value.item() if isinstance(value, np.generic) else value
+    # a float as its shortest decimal in its own dtype: float32 0.1 is 0.1, not 0.10000000149...
+    item = float(str(value)) if isinstance(value, np.floating) else value
+    item = item.item() if isinstance(item, np.generic) else item
     if isinstance(item, float) and item.is_integer():
         return int(item)
     return item
@@ -440,4 +443,6 @@ def _norm(
         )
     mean = stats.shaped(name, "mean", view)
     std = stats.shaped(name, "std", view)
+    # a constant channel (std 0: a mask that is all sea in the box) standardises to 0, not NaN
+    std = np.where(std == 0, 1.0, std)
     return mean.astype(dtype), std.astype(dtype)

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.batch import Batch
+from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
@@ -340,14 +341,16 @@ def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
 def fit_statistics(
     store: Any,
     manifest: SplitManifest,
-    views: Mapping[str, ArrayGeometry] | Sequence[str],
+    views: Mapping[str, ArrayGeometry | Forcings] | Sequence[str],
     split: str = "train",
     *,
     batch_size: int = 32,
     **pipeline_options: Any,
 ) -> Statistics:
     """Fit :class:`Statistics` on ``split`` of ``manifest`` for ``views`` (``{label: view}``, or
-    array names), in one pass over the split's chunks (module docstring). ``store`` is what
+    array names; a stack's members may be given as they are: a
+    :class:`~insitubatch_nodes.forcings.Forcings` among them is skipped, as the stack never
+    normalises it), in one pass over the split's chunks (module docstring). ``store`` is what
     :func:`~insitubatch_nodes.pipeline.insitu_pipeline` takes, a collection included (its
     members' own samples count, never their padding, and no difference spans two members). A
     view's shift is ignored (the statistics are of its array, as selected). Every rank that
@@ -366,7 +369,16 @@ def fit_statistics(
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
         views = open_geometries(zstore, names)
-    plain = {label: _unmoved(v) for label, v in views.items()}
+    # a stack's members as they are: its forcings are computed, never normalised
+    given = {label: v for label, v in views.items() if not isinstance(v, Forcings)}
+    wrong = {label: type(v).__name__ for label, v in given.items()
+             if not isinstance(v, ArrayGeometry)}  # fmt: skip
+    if wrong:
+        raise TypeError(
+            f"fit_statistics takes views (ArrayGeometry) or array names, got {wrong}: give "
+            "{label: open_geometries(store)[name]}, or a list of names"
+        )
+    plain = {label: _unmoved(v) for label, v in given.items() if isinstance(v, ArrayGeometry)}
     sampled = {label: v for label, v in plain.items() if not v.static}
     static = {label: v for label, v in plain.items() if v.static}
     moments = {label: _Moments() for label in plain}

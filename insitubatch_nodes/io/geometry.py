@@ -565,14 +565,19 @@ class ArrayGeometry:
         base = self.select if self.select is not None else Selection((None,) * len(current))
         return replace(self, select=base.then(chosen))
 
-    def sel(self, **indexers: Any) -> ArrayGeometry:
+    def sel(
+        self, *, method: str | None = None, tolerance: float | None = None, **indexers: Any
+    ) -> ArrayGeometry:
         """A view that keeps part of the field by coordinate value, as xarray's ``sel``:
         ``g.sel(level=[500, 850])``, ``g.sel(latitude=slice(60, 30), longitude=slice(0, 40))``,
         ``g.sel(level=500)``. A value or each value of a list must be in the coordinate
-        (``KeyError`` otherwise); a slice keeps the values between its ends, both included,
-        in the coordinate's order (a descending latitude takes ``slice(north, south)``). The
-        coordinate is the 1-D array named like the dimension, read once through
-        :attr:`coordinates` (set by ``open_geometries``). Then as :meth:`isel`.
+        (``KeyError`` otherwise), or with ``method="nearest"`` the nearest one (ties to the
+        larger value, within ``tolerance`` if given); a slice keeps the values between its
+        ends, both included, in the coordinate's order (a descending latitude takes
+        ``slice(north, south)``), every ``step``-th of them (a negative step: the ends in the
+        other order, the values reversed). The coordinate is the 1-D array named like the
+        dimension, read once through :attr:`coordinates` (set by ``open_geometries``). Then as
+        :meth:`isel`.
         """
         positions: dict[str, Any] = {}
         for name, key in indexers.items():
@@ -584,7 +589,7 @@ class ArrayGeometry:
                     raise ValueError(f"{self.path}: dimension {name!r} was dropped already")
                 if mine is not None:
                     values = values[list(mine)]
-            positions[name] = label_positions(self.path, name, values, key)
+            positions[name] = label_positions(self.path, name, values, key, method, tolerance)
         return self.isel(**positions)
 
     def as_static(self) -> ArrayGeometry:

@@ -305,14 +305,30 @@ def held_geometry(base: Any, held: Held) -> Any:
     return base.with_inner(held_shape(held, base.field_shape), base.dtype)
 
 
-def label_positions(path: str, name: str, values: np.ndarray, key: Any) -> Any:
+def label_positions(
+    path: str,
+    name: str,
+    values: np.ndarray,
+    key: Any,
+    method: str | None = None,
+    tolerance: float | None = None,
+) -> Any:
     """The positions in ``values`` that label ``key`` selects (pandas' rules: an exact value,
-    a list of them, or a slice of a monotonic coordinate with both ends included; values
-    compared in a float coordinate's own dtype, so ``37.2`` is the float32 ``37.2`` of a
-    float32 coordinate)."""
+    a list of them, or a slice of a monotonic coordinate with both ends included, every
+    ``step``-th; values compared in a float coordinate's own dtype, so ``37.2`` is the float32
+    ``37.2`` of a float32 coordinate). ``method="nearest"``: a value not in the coordinate
+    takes the nearest (ties to the larger value), within ``tolerance`` if given."""
+    if method not in (None, "nearest"):
+        raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
     if isinstance(key, slice):
-        if key.step is not None:
-            raise ValueError(f"sel({name}=...): a slice of values takes no step, got {key!r}")
+        if method is not None:
+            raise ValueError(f"sel({name}={key!r}): method='nearest' takes values, not slices")
+        step = key.step
+        if step is not None and (not isinstance(step, int | np.integer) or step == 0):
+            raise ValueError(f"sel({name}=...): a slice's step is a non-zero int, got {key!r}")
+        if step is not None and step < 0:  # pandas: the ends in reverse order, values reversed
+            ahead = label_positions(path, name, values, slice(key.stop, key.start))
+            return slice(ahead.stop - 1, ahead.start - 1 if ahead.start else None, int(step))
         first, last = _in_dtype(values, key.start), _in_dtype(values, key.stop)
         diffs = np.diff(values.astype(np.float64)) if values.dtype.kind in "iuf" else None
         ascending = diffs is None or bool(np.all(diffs >= 0))
@@ -345,12 +361,14 @@ def label_positions(path: str, name: str, values: np.ndarray, key: Any) -> Any:
                     else "give the slice's ends in that order"
                 )
             )
-        return slice(start, stop)
+        return slice(start, stop, None if step is None else int(step))
     scalar = np.ndim(key) == 0
     wanted = np.atleast_1d(_in_dtype(values, key))
     out = []
     for given, v in zip(np.atleast_1d(np.asarray(key, dtype=object)).tolist(), wanted, strict=True):
         hits = np.flatnonzero(values == v)
+        if not len(hits) and method is not None:
+            hits = _nearest(path, name, values, v, tolerance)
         if not len(hits):
             raise KeyError(
                 f"{path}: {given!r} is not a value of coordinate {name!r} "
@@ -370,3 +388,14 @@ def _in_dtype(values: np.ndarray, key: Any) -> Any:
         return key
     with np.errstate(over="ignore"):
         return wanted.astype(values.dtype)
+
+
+def _nearest(path: str, name: str, values: np.ndarray, v: Any, tolerance: float | None) -> Any:
+    """The position of the value of ``values`` nearest ``v`` (ties: the larger value, as
+    pandas), or none when it is farther than ``tolerance``."""
+    if values.dtype.kind not in "iuf":
+        raise TypeError(f"{path}: sel(method='nearest') needs a numeric coordinate {name!r}")
+    distance = np.abs(values.astype(np.float64) - float(v))
+    tied = np.flatnonzero(distance == np.nanmin(distance))
+    best = int(tied[np.argmax(values[tied])])
+    return [] if tolerance is not None and distance[best] > tolerance else [best]
