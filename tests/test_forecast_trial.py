@@ -1,0 +1,84 @@
+"""What the forecast-sample trial of 2026-12-06 found: cases where the anchors, or the error
+that says why there are none, were wrong.
+
+The oracle is xarray: tiny stores written with ``Dataset.to_zarr`` (CF time in a calendar),
+read back with ``xr.open_zarr``; which anchors a batch must hold is worked out here from those
+times with numpy, never asked of the package's plan.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from torchdata.nodes import Loader
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+
+xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
+pytest.importorskip("cftime")
+
+N = 16
+
+
+def _write(root: Path, calendar: str, start: str) -> Path:
+    """``t2m`` ``(time, 2, 2)``, 6-hourly from ``start``, chunks of 2 steps."""
+    times = xr.date_range(start, periods=N, freq="6h", calendar=calendar, use_cftime=True)
+    if calendar == "standard":
+        times = times.to_datetimeindex(time_unit="ns")
+    data = np.arange(N * 4, dtype="f4").reshape(N, 2, 2)
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), data)}, coords={"time": times})
+    encoding = {
+        "t2m": {"chunks": (2, 2, 2)},
+        "time": {"units": "hours since 1990-01-01", "calendar": calendar, "dtype": "int64"},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False, encoding=encoding)
+    return root
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("forecast_trial")
+    return {
+        "off_grid": _write(base / "off_grid.zarr", "standard", "2000-02-27T03:00"),
+        "off_grid_360": _write(base / "off_grid_360.zarr", "360_day", "2001-02-28T03:00"),
+        "on_grid": _write(base / "on_grid.zarr", "noleap", "2001-02-26T00:00"),
+    }
+
+
+def _anchors(pipe: Any) -> list[int]:
+    return sorted(int(a) for b in Loader(pipe) for a in b.sample_indices["x"])
+
+
+@pytest.mark.parametrize("name", ["off_grid", "off_grid_360"])
+@pytest.mark.parametrize("stride", ["6h", "12h", "1D"])
+def test_a_time_stride_no_time_of_the_data_lies_on_says_so_and_names_an_int_stride(
+    stores: dict[str, Path], name: str, stride: str
+) -> None:
+    root = stores[name]
+    hours = xr.open_zarr(root, consolidated=False).time.dt.hour.values
+    assert set(hours.tolist()) == {3, 9, 15, 21}  # 6-hourly, 3 h off the 00/06/12/18 grid
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError) as info:
+        insitu_pipeline(root, manifest, {"x": t2m}, stride=stride, batch_size=4)
+    message = str(info.value)
+    # why: a time stride counts from 1970-01-01T00:00, and the data sit 3 h off its grid
+    assert "1970-01-01" in message and "3h" in message
+    # what to do: an int stride counts samples from the first
+    assert "int stride" in message
+
+
+def test_an_int_stride_anchors_the_off_grid_data_the_message_points_to(
+    stores: dict[str, Path],
+) -> None:
+    root = stores["off_grid"]
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    with insitu_pipeline(root, manifest, {"x": t2m}, stride=2, batch_size=4) as pipe:
+        assert _anchors(pipe) == list(range(0, N, 2))  # 03, 15 UTC: every 12 h
