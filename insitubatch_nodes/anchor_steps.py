@@ -72,7 +72,10 @@ def anchor_steps(
     listed = np.zeros(n, dtype=bool)
     for i in indices:
         if not -n <= int(i) < n:
-            raise ValueError(f"missing lists sample {int(i)}, outside [0, {n})")
+            raise ValueError(
+                f"missing lists sample {int(i)}, outside [-{n}, {n}) (indices of the {n} "
+                "samples; a negative one counts from the end, as numpy's)"
+            )
         listed[int(i)] = True
     if dates:
         assert ticks is not None and coord is not None

@@ -82,3 +82,30 @@ def test_an_int_stride_anchors_the_off_grid_data_the_message_points_to(
     manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
     with insitu_pipeline(root, manifest, {"x": t2m}, stride=2, batch_size=4) as pipe:
         assert _anchors(pipe) == list(range(0, N, 2))  # 03, 15 UTC: every 12 h
+
+
+@pytest.mark.parametrize("index", [N, -N - 1])
+def test_a_missing_index_outside_the_array_is_refused_naming_the_indices_it_takes(
+    stores: dict[str, Path], index: int
+) -> None:
+    root = stores["on_grid"]
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=rf"missing lists sample {index}, outside \[-{N}, {N}\)"):
+        insitu_pipeline(root, manifest, {"x": t2m}, missing=[index])
+
+
+def test_a_negative_missing_index_counts_from_the_end_as_numpy_does(
+    stores: dict[str, Path],
+) -> None:
+    root = stores["on_grid"]
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    steps = np.arange(N)
+    for listed in ([-1], [-N], [-3, 2]):
+        gone = set(steps[listed].tolist())  # numpy's reading of the indices
+        # x reads a, y reads a + 1: an anchor is dropped when either step is listed
+        want = [a for a in range(N - 1) if a not in gone and a + 1 not in gone]
+        views = {"x": t2m, "y": t2m.shift(1)}
+        with insitu_pipeline(root, manifest, views, missing=listed, batch_size=4) as pipe:
+            assert _anchors(pipe) == want, listed
