@@ -109,3 +109,42 @@ def test_a_negative_missing_index_counts_from_the_end_as_numpy_does(
         views = {"x": t2m, "y": t2m.shift(1)}
         with insitu_pipeline(root, manifest, views, missing=listed, batch_size=4) as pipe:
             assert _anchors(pipe) == want, listed
+
+
+@pytest.fixture(scope="module")
+def gappy(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``before`` (8 steps) continued by ``gappy`` (6-hourly, one step left out after 4)."""
+    base = tmp_path_factory.mktemp("forecast_trial_gap")
+    before = _write(base / "before.zarr", "noleap", "2001-02-26T00:00")
+    full = xr.date_range("2001-03-02", periods=9, freq="6h", calendar="noleap", use_cftime=True)
+    times = np.delete(np.asarray(full), 4)  # 2001-03-03T00 is left out
+    data = np.zeros((8, 2, 2), dtype="f4")
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), data)}, coords={"time": times})
+    encoding = {
+        "t2m": {"chunks": (2, 2, 2)},
+        "time": {"units": "hours since 1990-01-01", "calendar": "noleap", "dtype": "int64"},
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(base / "gappy.zarr", zarr_format=3, consolidated=False, encoding=encoding)
+    return {"before": before, "gappy": base / "gappy.zarr"}
+
+
+def test_a_concat_or_join_of_a_store_with_a_gap_names_where_and_what_to_do(
+    gappy: dict[str, Path],
+) -> None:
+    from insitubatch_nodes import Collection, concat
+
+    times = xr.open_zarr(gappy["gappy"], consolidated=False).time.values
+    after = int(np.flatnonzero(np.diff(times) != np.diff(times)[0])[0]) + 1  # xarray's gap
+    assert str(times[after]) == "2001-03-03 06:00:00"
+    calls = [
+        lambda: concat([gappy["before"], gappy["gappy"]], ["t2m"]),
+        lambda: Collection.join({"a": (gappy["before"], ["t2m"]), "b": (gappy["gappy"], ["t2m"])}),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError) as info:
+            call()
+        message = str(info.value)
+        assert f"{times[after]} (index {after}) follows {times[after - 1]}" in message
+        assert "pipeline of its own" in message  # the way out: one store drops the gap's anchors
