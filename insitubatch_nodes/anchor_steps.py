@@ -125,11 +125,20 @@ def _time_coordinate(
     times = [c for c in coords.values() if c.is_time]
     if not times:
         if needed:
+            found = ", ".join(
+                f"{c.name!r} (units {c.attrs.get('units')!r})" for c in coords.values()
+            )
+            why = (
+                f"its coordinate {found} is no CF time: give it units such as 'hours since "
+                "1970-01-01' (what xarray writes for dates), or"
+                if found
+                else "it has none:"
+            )
             raise ValueError(
                 f"a time stride, window offsets in time deltas or dates in missing= need the "
-                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and it "
-                "has none: give an int stride, window offsets in samples and sample indices "
-                "in missing="
+                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and "
+                f"{why} give an int stride, window offsets in samples and sample indices in "
+                "missing="
             )
         return None
     return times[0]

@@ -148,3 +148,23 @@ def test_a_concat_or_join_of_a_store_with_a_gap_names_where_and_what_to_do(
         message = str(info.value)
         assert f"{times[after]} (index {after}) follows {times[after - 1]}" in message
         assert "pipeline of its own" in message  # the way out: one store drops the gap's anchors
+
+
+def test_a_time_stride_over_a_time_coordinate_without_cf_units_names_it_and_the_units_to_add(
+    tmp_path: Path,
+) -> None:
+    # a 6-hourly count written as plain numbers: xarray reads them as integers, not dates
+    data = np.zeros((8, 2, 2), dtype="f4")
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), data)}, coords={"time": 6 * np.arange(8)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(tmp_path / "counts.zarr", zarr_format=3, consolidated=False)
+    assert xr.open_zarr(tmp_path / "counts.zarr", consolidated=False).time.dtype.kind == "i"
+    t2m = open_geometries(tmp_path / "counts.zarr", ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    for kw, views in (({"stride": "6h"}, {"x": t2m}), ({}, {"x": t2m.window(["-6h", "0h"])})):
+        with pytest.raises(ValueError) as info:
+            insitu_pipeline(tmp_path / "counts.zarr", manifest, views, **kw)
+        message = str(info.value)
+        assert "'time' (units None) is no CF time" in message and "since" in message
+        assert "int stride" in message
