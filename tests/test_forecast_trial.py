@@ -168,3 +168,36 @@ def test_a_time_stride_over_a_time_coordinate_without_cf_units_names_it_and_the_
         message = str(info.value)
         assert "'time' (units None) is no CF time" in message and "since" in message
         assert "int stride" in message
+
+
+def test_set_views_with_time_windows_on_a_pipeline_that_read_no_times_says_to_build_with_missing(
+    stores: dict[str, Path],
+) -> None:
+    root = stores["on_grid"]
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    timed = {"x": t2m.window(["-6h", "0h"]), "y": t2m.window(["6h"])}
+    untimed = {"x": t2m.window([-1, 0])}  # windows in samples, no missing=: no times read
+    with (
+        insitu_pipeline(root, manifest, untimed, batch_size=4) as pipe,
+        pytest.raises(ValueError) as info,
+    ):
+        pipe.set_views(timed)
+    message = str(info.value)
+    assert "missing=()" in message and "offsets in samples" in message
+    # the way it names works: built with missing=(), the same views are taken, and each anchor
+    # reads the steps 6 h before and after it (xarray's times; the store has no gap)
+    times = xr.open_zarr(root, consolidated=False).time.values
+    views = {"x": t2m.window([-1, 0])}
+    with insitu_pipeline(root, manifest, views, batch_size=4, missing=()) as pipe:
+        pipe.set_views(timed)
+        batches = list(Loader(pipe))
+    got = sorted(int(a) for b in batches for a in b.sample_indices["x"][:, 1])
+    assert got == list(range(1, N - 1))
+    for b in batches:
+        t = b.coords["x"]["time"][:, 1]
+        assert all(t_ - before == times[1] - times[0] for before, t_ in b.coords["x"]["time"])
+        assert all(
+            after - t_ == times[1] - times[0]
+            for t_, after in zip(t, b.coords["y"]["time"][:, 0], strict=True)
+        )
