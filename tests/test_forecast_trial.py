@@ -201,3 +201,44 @@ def test_set_views_with_time_windows_on_a_pipeline_that_read_no_times_says_to_bu
             after - t_ == times[1] - times[0]
             for t_, after in zip(t, b.coords["y"]["time"][:, 0], strict=True)
         )
+
+
+@pytest.fixture(scope="module")
+def backwards(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``on_grid``'s 6-hourly times, written newest first."""
+    root = tmp_path_factory.mktemp("forecast_trial_back") / "backwards.zarr"
+    times = xr.date_range("2000-02-27", periods=N, freq="6h", use_cftime=False)[::-1]
+    data = np.arange(N * 4, dtype="f4").reshape(N, 2, 2)
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), data)}, coords={"time": times})
+    encoding = {"t2m": {"chunks": (2, 2, 2)}, "time": {"units": "hours since 1990-01-01"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(root, zarr_format=3, consolidated=False, encoding=encoding)
+    return root
+
+
+@pytest.mark.parametrize(
+    "asked", [{"stride": "12h"}, {"missing": ()}, {"missing": ["2000-02-28T00:00"]}]
+)
+def test_times_that_run_backwards_are_refused_where_the_time_checks_are_asked_for(
+    backwards: Path, asked: dict[str, Any]
+) -> None:
+    times = xr.open_zarr(backwards, consolidated=False).time.values
+    assert (np.diff(times) < np.timedelta64(0)).all()  # y = shift(1) reads 6 h *earlier*
+    t2m = open_geometries(backwards, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    views = {"x": t2m, "y": t2m.shift(1)}
+    with pytest.raises(ValueError) as info:
+        insitu_pipeline(backwards, manifest, views, batch_size=4, **asked)
+    message = str(info.value)
+    assert "backwards" in message and "sortby" in message and "int stride" in message
+
+
+def test_times_that_run_backwards_are_read_in_samples_when_no_time_check_is_asked_for(
+    backwards: Path,
+) -> None:
+    t2m = open_geometries(backwards, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    views = {"x": t2m, "y": t2m.shift(1)}
+    with insitu_pipeline(backwards, manifest, views, stride=2, batch_size=4) as pipe:
+        assert _anchors(pipe) == list(range(0, N - 1, 2))  # samples, as asked
