@@ -242,3 +242,34 @@ def test_times_that_run_backwards_are_read_in_samples_when_no_time_check_is_aske
     views = {"x": t2m, "y": t2m.shift(1)}
     with insitu_pipeline(backwards, manifest, views, stride=2, batch_size=4) as pipe:
         assert _anchors(pipe) == list(range(0, N - 1, 2))  # samples, as asked
+
+
+@pytest.fixture(scope="module")
+def standard(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """6-hourly from 2000-02-27 in the standard calendar: xarray decodes it to datetime64."""
+    return _write(
+        tmp_path_factory.mktemp("forecast_trial_std") / "std.zarr", "standard", "2000-02-27"
+    )
+
+
+def test_a_cftime_date_of_another_calendar_is_refused_by_a_datetime64_time_coordinate(
+    standard: Path,
+) -> None:
+    import cftime
+
+    times = xr.open_zarr(standard, consolidated=False).time.values
+    assert times.dtype.kind == "M"
+    julian = cftime.DatetimeJulian(2000, 2, 27, 6)  # Gregorian 2000-03-11T06 (cftime's reading)
+    assert str(julian.change_calendar("standard")) == "2000-03-11 06:00:00"
+    t2m = open_geometries(standard, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    for other in (julian, cftime.Datetime360Day(2000, 2, 30), cftime.DatetimeNoLeap(2000, 3, 1)):
+        # before, read field by field: the Julian date dropped 2000-02-27T06, the 360_day one
+        # was "not a date"
+        with pytest.raises(TypeError, match=f"calendar '{other.calendar}'"):
+            insitu_pipeline(standard, manifest, {"x": t2m}, missing=[other])
+    # a date of the coordinate's own calendar is still read as it stands
+    same = cftime.DatetimeGregorian(2000, 2, 27, 6)
+    with insitu_pipeline(standard, manifest, {"x": t2m}, missing=[same]) as pipe:
+        gone = set(range(N)) - set(_anchors(pipe))
+    assert [str(times[i]) for i in gone] == [str(np.datetime64("2000-02-27T06", "ns"))]
