@@ -215,8 +215,8 @@ def off_stride(stride: int | np.timedelta64, steps: SampleSteps | None) -> str |
     return (
         f"no time of {steps.coord!r} lies on stride {stride}: a time stride keeps the times "
         "that are whole multiples of it since 1970-01-01T00:00 (in the coordinate's calendar), "
-        f"and the first time is {past} past one, as every other is; give an int stride "
-        "instead (every k-th sample, counted from the first)"
+        f"and none is (the first is {past} past one); give an int stride instead (every k-th "
+        "sample, counted from the first)"
     )
 
 
