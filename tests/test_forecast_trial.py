@@ -273,3 +273,28 @@ def test_a_cftime_date_of_another_calendar_is_refused_by_a_datetime64_time_coord
     with insitu_pipeline(standard, manifest, {"x": t2m}, missing=[same]) as pipe:
         gone = set(range(N)) - set(_anchors(pipe))
     assert [str(times[i]) for i in gone] == [str(np.datetime64("2000-02-27T06", "ns"))]
+
+
+def test_a_concat_of_stores_chunked_otherwise_names_the_difference_and_the_fix(
+    tmp_path: Path,
+) -> None:
+    from insitubatch_nodes import concat
+
+    times = xr.date_range("2000-01-01", periods=12, freq="6h", use_cftime=False)
+    parts = []
+    for name, sel, spc in (("a.zarr", slice(0, 8), 4), ("b.zarr", slice(8, 12), 2)):
+        ds = xr.Dataset(
+            {"t2m": (("time", "x"), np.zeros((12, 3), dtype="f4")[sel])},
+            coords={"time": times[sel]},
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ds.to_zarr(tmp_path / name, zarr_format=3, consolidated=False,
+                       encoding={"t2m": {"chunks": (spc, 3)}})  # fmt: skip
+        parts.append(tmp_path / name)
+    chunks = [xr.open_zarr(p, consolidated=False).t2m.encoding["chunks"] for p in parts]
+    assert chunks == [(4, 3), (2, 3)]
+    with pytest.raises(ValueError) as info:
+        concat(parts, ["t2m"])
+    message = str(info.value)
+    assert "chunk" in message and "rewrite that member like the first" in message
