@@ -298,3 +298,23 @@ def test_a_concat_of_stores_chunked_otherwise_names_the_difference_and_the_fix(
         concat(parts, ["t2m"])
     message = str(info.value)
     assert "chunk" in message and "rewrite that member like the first" in message
+
+
+def test_float32_times_years_after_their_reference_are_refused_without_understating_the_error(
+    tmp_path: Path,
+) -> None:
+    times = xr.date_range("2000-02-27", periods=8, freq="1h", use_cftime=False)
+    ds = xr.Dataset({"t2m": (("time", "x"), np.zeros((8, 2), dtype="f4"))}, coords={"time": times})
+    encoding = {"time": {"units": "days since 1990-01-01", "dtype": "float32"}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(tmp_path / "f32.zarr", zarr_format=3, consolidated=False, encoding=encoding)
+        decoded = xr.open_zarr(tmp_path / "f32.zarr", consolidated=False).time.values
+    off = np.abs(decoded - times.values).max()
+    assert off > np.timedelta64(1, "s")  # xarray's reading: seconds off, not ~0.1 ms
+    t2m = open_geometries(tmp_path / "f32.zarr", ["t2m"])["t2m"]
+    with pytest.raises(ValueError) as info:
+        insitu_pipeline(tmp_path / "f32.zarr", split_by_chunk(t2m, (1.0, 0.0, 0.0)),
+                        {"x": t2m}, stride="2h")  # fmt: skip
+    message = str(info.value)
+    assert "off the whole second" in message and "seconds years after" in message
