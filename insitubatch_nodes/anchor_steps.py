@@ -72,7 +72,10 @@ def anchor_steps(
     listed = np.zeros(n, dtype=bool)
     for i in indices:
         if not -n <= int(i) < n:
-            raise ValueError(f"missing lists sample {int(i)}, outside [0, {n})")
+            raise ValueError(
+                f"missing lists sample {int(i)}, outside [-{n}, {n}) (indices of the {n} "
+                "samples; a negative one counts from the end, as numpy's)"
+            )
         listed[int(i)] = True
     if dates:
         assert ticks is not None and coord is not None
@@ -83,6 +86,8 @@ def anchor_steps(
     members, runs = manifest.members, None
     if members is not None and not (members.continuous or members.product) and ticks is not None:
         runs = members.sample_base  # independent members: no difference across their edges
+    if ticks is not None and coord is not None:
+        _refuse_backwards(ticks, runs, coord)
     steps = SampleSteps(
         n,
         ticks=ticks,
@@ -99,6 +104,27 @@ def anchor_steps(
             "is not a step of either): give the window offsets in samples"
         )
     return manifest.with_steps(steps)
+
+
+def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:
+    """Refuse times that run backwards (most consecutive present times of one run decrease):
+    the missing-step checks count each step forward from its anchor at the data's step, and
+    would check nothing (a ``shift(1)`` reading the step before its anchor, silently)."""
+    present = np.flatnonzero(ticks != MISSING_OFFSET)
+    d = np.diff(ticks[present])
+    if runs is not None:  # only differences within one run (member)
+        run = np.searchsorted(runs, present, side="right")
+        d = d[run[1:] == run[:-1]]
+    if int((d < 0).sum()) <= int((d > 0).sum()):
+        return
+    first, last = coord.values[present[0]], coord.values[present[-1]]
+    raise ValueError(
+        f"the times of {coord.name!r} run backwards ({first} at sample {int(present[0])} .. "
+        f"{last} at sample {int(present[-1])}): a time stride, window offsets in time deltas "
+        "and missing= check each step forward in time from its anchor, and would check nothing "
+        "here; write the store with increasing times (xarray: ds.sortby('time')), or give an "
+        "int stride, window offsets in samples and no missing="
+    )
 
 
 def _is_index(x: Any) -> bool:
@@ -122,11 +148,20 @@ def _time_coordinate(
     times = [c for c in coords.values() if c.is_time]
     if not times:
         if needed:
+            found = ", ".join(
+                f"{c.name!r} (units {c.attrs.get('units')!r})" for c in coords.values()
+            )
+            why = (
+                f"its coordinate {found} is no CF time: give it units such as 'hours since "
+                "1970-01-01' (what xarray writes for dates), or"
+                if found
+                else "it has none:"
+            )
             raise ValueError(
                 f"a time stride, window offsets in time deltas or dates in missing= need the "
-                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and it "
-                "has none: give an int stride, window offsets in samples and sample indices "
-                "in missing="
+                f"time coordinate of {manifest.array!r} (the manifest's anchor array), and "
+                f"{why} give an int stride, window offsets in samples and sample indices in "
+                "missing="
             )
         return None
     return times[0]

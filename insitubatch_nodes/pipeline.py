@@ -117,7 +117,8 @@ class InSituPipeline(PrefetcherNode[Batch]):
         ``cache_budget_bytes`` below the new views' floor (as at build); a static array that
         cannot be read raises as at build. Time-delta windows
         are resolved through the times the pipeline was built with (a time ``stride``, time
-        windows or ``missing=``): give offsets in samples otherwise.
+        windows or ``missing=``; ``missing=()`` reads them and lists nothing): give offsets in
+        samples otherwise.
         """
         if not isinstance(views, Mapping) or not views:
             raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
@@ -140,7 +141,17 @@ class InSituPipeline(PrefetcherNode[Batch]):
                         "takes views of the arrays the pipeline was built on"
                     )
             carried[label] = _output_view(transforms, label, view)
-        parts, _ = expand_views(resolve_windows(carried, plan.manifest.steps))
+        steps = plan.manifest.steps
+        timed = [k for k, v in carried.items() if not isinstance(v, Stack) and v.timed_window]
+        if timed and (steps is None or steps.ticks is None):
+            raise ValueError(
+                f"set_views: the windows of {timed} are in time deltas, resolved through the "
+                "times this pipeline read when it was built, and it read none (it was built "
+                "with an int stride, windows in samples and no missing=): build it with "
+                "missing=() — it then reads the times, and drops the anchors a gap touches, as "
+                "time-delta windows do — or give the offsets in samples"
+            )
+        parts, _ = expand_views(resolve_windows(carried, steps))
         pool, store = self.stages.pool, self.stages.fetch.store
         timeout = (self.context.options.retry or retry_policy(store)).timeout_s
         commit = prepare_constants(  # the static arrays new stacks need: read now, once

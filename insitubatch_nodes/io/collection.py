@@ -552,7 +552,8 @@ class Collection:
                     f"{self.name}: member {self.members[m]!r}, variable {variable!r}: its "
                     f"{what} {got.get(what)!r} differs from member {self.members[0]!r}'s "
                     f"{want.get(what)!r}; the members of a variable need the same dtype, field "
-                    "shape, chunks and codecs (only the sample-axis length may differ)"
+                    "shape, chunks and codecs (only the sample-axis length may differ): rewrite "
+                    "that member like the first (its chunks, dtype, codecs), or read it apart"
                 )
             shape = doc.get("shape") or ()
             lengths[m] = int(shape[axis]) if len(shape) > axis else -1

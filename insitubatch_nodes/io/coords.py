@@ -311,6 +311,13 @@ class Coordinate:
                 like = next(v for v in self.values if v is not None)
                 assert self._calendar is not None
                 return date_in(x, self._calendar, like, f"{what} for coordinate {self.name!r}")
+            calendar = getattr(x, "calendar", None)  # a cftime date: of a numpy calendar only
+            if isinstance(calendar, str) and CF_CALENDARS.get(calendar) not in DATETIME64_CALENDARS:
+                raise TypeError(
+                    f"{what} {x!r} is a date of calendar {calendar!r}, the coordinate's is "
+                    f"{self._calendar or 'standard'!r} (datetime64 dates): give a date of its "
+                    "calendar or an ISO string"
+                )
             if isinstance(x, _dt.datetime) and x.tzinfo is not None:
                 x = x.astimezone(_dt.UTC).replace(tzinfo=None)
             try:

@@ -40,6 +40,7 @@ __all__ = [
     "anchor_filter",
     "describe_stride",
     "every_sample",
+    "off_stride",
     "stride_mask",
 ]
 
@@ -197,6 +198,26 @@ def stride_mask(
     k, steps = _step_ticks(stride, steps)
     assert steps.ticks is not None
     return (steps.ticks != _NO_TIME) & (steps.ticks % k == 0)
+
+
+def off_stride(stride: int | np.timedelta64, steps: SampleSteps | None) -> str | None:
+    """Why a time ``stride`` keeps no sample at all — every present time lies off its grid,
+    as 6-hourly data at 03, 09, 15 and 21 UTC do under ``"6h"`` — said with what to do; ``None``
+    for an int stride, without times, or when some time lies on it."""
+    if isinstance(stride, int) or steps is None or steps.ticks is None:
+        return None
+    k, _ = _step_ticks(stride, steps)
+    present = steps.ticks[steps.ticks != _NO_TIME]
+    if not len(present) or bool((present % k == 0).any()):
+        return None
+    unit_ns = int(steps.unit.astype("m8[ns]").astype(np.int64))
+    past = _readable(np.timedelta64(int(present[0] % k) * unit_ns, "ns"))
+    return (
+        f"no time of {steps.coord!r} lies on stride {stride}: a time stride keeps the times "
+        "that are whole multiples of it since 1970-01-01T00:00 (in the coordinate's calendar), "
+        f"and none is (the first is {past} past one); give an int stride instead (every k-th "
+        "sample, counted from the first)"
+    )
 
 
 def _reason_masks(steps: SampleSteps, offsets: Iterable[int]) -> dict[str, np.ndarray]:

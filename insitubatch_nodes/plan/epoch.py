@@ -47,7 +47,12 @@ import numpy as np
 
 from insitubatch_nodes.io.arrays import check_batchable
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.anchors import anchor_filter, dropped_counts, every_sample
+from insitubatch_nodes.plan.anchors import (
+    anchor_filter,
+    dropped_counts,
+    every_sample,
+    off_stride,
+)
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, touched_tiles
@@ -578,6 +583,9 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
         and counts.any()
         and not chunk_anchors(manifest, split_chunks, offsets, config)[0].any()
     ):
+        off = off_stride(config.stride, manifest.steps)
+        if off is not None:
+            raise ValueError(f"split {split!r} has no anchor: {off}")
         dropped = dropped_anchors(manifest, views, config)
         raise ValueError(
             f"split {split!r} has no anchor left with stride={config.stride} and the "
