@@ -290,12 +290,12 @@ def _check_patched(
                 "sampled member alike, or none"
             )
         a, b = first.patch, view.patch
-        if a is not None and b is not None and (not a.alike(b) or a.within != b.within):
+        if a is not None and b is not None and not a.alike(b):
             raise ValueError(
                 f"stack members {first_name!r} and {name!r} are patched differently "
                 f"({a} vs {b}): members share each row's windows, so patch the same "
-                "dimensions (by name: arrays of any rank) with the same extent, origins and "
-                "stride"
+                "dimensions (by name: arrays of any rank) with the same extent, origins, "
+                "stride and within box"
             )
 
 

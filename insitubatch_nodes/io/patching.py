@@ -59,11 +59,12 @@ class Patches:
         """Whether views patched by ``self`` and ``other`` can share each row's origins: the
         same dimensions cut (by name where both arrays name them, so arrays of other ranks
         too, e.g. ``(time, lat, lon)`` and ``(time, level, lat, lon)``; else the same axes),
-        the same extent, field, origins, stride, windows per tile and order."""
+        the same extent, field, origins, stride, windows per tile, order and ``within`` box
+        (origins drawn in one box would leave the other's windows outside it)."""
         named = self.dims is not None and other.dims is not None
         if (self.dims != other.dims) if named else (self.axes != other.axes):
             return False
-        keys = ("extent", "field", "origins", "stride", "per_tile", "order")
+        keys = ("extent", "field", "origins", "stride", "per_tile", "order", "within")
         return all(getattr(self, k) == getattr(other, k) for k in keys)
 
     def axes_of(self, dims: Sequence[str] | None) -> tuple[int, ...]:

@@ -55,8 +55,8 @@ def patch_spec(views: Mapping[str, ArrayGeometry]) -> Patches | None:
             raise ValueError(
                 f"patched views {first_label!r} and {label!r} cut their fields differently "
                 f"({first} vs {spec}); views read together take the same origins, so patch "
-                "them with the same dimensions (or axes), extent, field length, origins and "
-                "stride"
+                "them with the same dimensions (or axes), extent, field length, origins, "
+                "stride and within box"
             )
     return first
 

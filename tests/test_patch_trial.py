@@ -1,0 +1,44 @@
+"""Patches as a demanding user meets them: what a black-box trial against zarr and numpy found.
+
+Each test is one behaviour the trial got wrong before its fix; stores are tiny and shared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.io.geometry import ArrayGeometry
+
+
+@pytest.fixture(scope="module")
+def two_images(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, ArrayGeometry]]:
+    """An image and its label, (z, y, x) = (2, 40, 40) in 10² tiles."""
+    root = tmp_path_factory.mktemp("patch_trial") / "two.zarr"
+    data = np.arange(2 * 40 * 40, dtype="f4").reshape(2, 40, 40)
+    for name in ("image", "label"):
+        arr = zarr.create_array(
+            str(root), name=name, shape=data.shape, chunks=(1, 10, 10), dtype="f4",
+            dimension_names=("z", "y", "x"),
+        )  # fmt: skip
+        arr[...] = data
+    return root, open_geometries(str(root), ["image", "label"])
+
+
+def test_views_patched_within_other_boxes_in_one_pipeline_are_refused(
+    two_images: tuple[Path, dict[str, Any]],
+) -> None:
+    # before: the label's box was silently ignored (it took the image's windows, rows 0-20)
+    root, g = two_images
+    views = {
+        "x": g["image"].patches({"y": 8}, within={"y": (0, 20)}),
+        "y": g["label"].patches({"y": 8}, within={"y": (20, 40)}),
+    }
+    manifest = split_by_chunk(g["image"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"cut their fields differently.*within"):
+        insitu_pipeline(str(root), manifest, views, batch_size=4)
