@@ -42,3 +42,32 @@ def test_views_patched_within_other_boxes_in_one_pipeline_are_refused(
     manifest = split_by_chunk(g["image"], (1.0, 0.0, 0.0))
     with pytest.raises(ValueError, match=r"cut their fields differently.*within"):
         insitu_pipeline(str(root), manifest, views, batch_size=4)
+
+
+def test_one_plane_of_many_windows_is_dealt_to_several_ranks(
+    two_images: tuple[Path, dict[str, Any]],
+) -> None:
+    # a whole-slide image: one plane, many windows; before, world_size=2 was refused because
+    # the rank check counted anchors (planes), not windows ("1 valid anchors but world_size 2")
+    root, g = two_images
+    view = g["image"].patches({"y": 10, "x": 10})  # 16 windows per plane
+    manifest = split_by_chunk(g["image"], (0.5, 0.5, 0.0))  # train: plane 0 alone
+    data = np.asarray(zarr.open_array(str(root), path="image", mode="r")[...])
+    seen: list[tuple[int, ...]] = []
+    for rank in range(3):
+        pipe = insitu_pipeline(
+            str(root), manifest, {"x": view}, batch_size=4, rank=rank, world_size=3
+        )
+        try:
+            pipe.reset()
+            for b in pipe:
+                rows = zip(b["x"], b.sample_indices["x"], b.patch_origins["x"], strict=True)
+                for row, s, (y0, x0) in rows:
+                    assert np.array_equal(row, data[s, y0 : y0 + 10, x0 : x0 + 10])
+                    seen.append((int(s), int(y0), int(x0)))
+        finally:
+            pipe.close()
+    assert len(seen) == len(set(seen)) == 16 // 3 * 3  # disjoint, 5 windows a rank
+    # more ranks than windows is still refused, counting windows
+    with pytest.raises(ValueError, match="16 windows"):
+        insitu_pipeline(str(root), manifest, {"x": view}, batch_size=4, rank=0, world_size=17)

@@ -522,14 +522,19 @@ def _ledgers(
 def check_ranks(
     manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
 ) -> None:
-    """``ValueError`` unless every rank of ``config`` gets a valid anchor of its split."""
+    """``ValueError`` unless every rank of ``config`` gets a sample of its split: a valid
+    anchor, or with patched views one window of one (a single whole-slide plane holds
+    thousands of samples)."""
     world = 1 if config.world_size is None else config.world_size
     split_chunks = manifest.chunk_array(config.split)
     counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], config)
     n_valid = int(counts.sum())
-    if world > 1 and len(split_chunks) and n_valid < world:
+    layout = patch_layout(views, config.block_chunks)
+    n_samples = n_valid if layout is None else n_valid * layout.n_patches
+    if world > 1 and len(split_chunks) and n_samples < world:
+        what = "valid anchors" if layout is None else f"windows ({n_valid} valid anchors)"
         raise ValueError(
-            f"split {config.split!r} has {n_valid} valid anchors but world_size is {world}: "
+            f"split {config.split!r} has {n_samples} {what} but world_size is {world}: "
             "every rank needs at least one sample (use a larger split or fewer ranks)"
         )
 

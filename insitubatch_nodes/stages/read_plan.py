@@ -106,8 +106,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     beyond one rank's reads of the whole split (``s`` the span of the offsets), plus one per
     padded sample. The state's configuration says ``"deal": "runs"``; a state saved without it
     (before windows were dealt in runs) finishes its epoch dealt as it began.
-    With one rank nothing is dropped or repeated. A split with fewer valid anchors than ranks
-    is refused.
+    With one rank nothing is dropped or repeated. A split with fewer samples than ranks (valid
+    anchors, or with patched views their windows) is refused.
 
     **Ramp.** With ``ramp=True`` (the default; only when shuffling) the epoch's first block is
     split into a lead block of just enough chunks for one batch and the rest, so the first batch
