@@ -71,3 +71,27 @@ def test_one_plane_of_many_windows_is_dealt_to_several_ranks(
     # more ranks than windows is still refused, counting windows
     with pytest.raises(ValueError, match="16 windows"):
         insitu_pipeline(str(root), manifest, {"x": view}, batch_size=4, rank=0, world_size=17)
+
+
+@pytest.mark.parametrize(
+    ("make", "says"),
+    [
+        # before: "a window of 41 along axis 1 does not fit the field's 40" (no name, no fix)
+        (lambda g: g.patches({"y": 41}), r"'y' \(axis 1\).*at most 40"),
+        # before: "within[1] = (30, 50) must lie in ..." (the index of an axis named 'y')
+        (lambda g: g.patches({"y": 4}, within={"y": (30, 50)}), r"within\['y'\] = \(30, 50\)"),
+        # before: "within names axes that are not patched" (which? which are?)
+        (lambda g: g.patches({"y": 4}, within={"x": (0, 8)}), r"\['x'\].*patched: \['y'\]"),
+        (lambda g: g.patches({"y": 4}, stride={"x": 2}), r"\['x'\].*patched: \['y'\]"),
+        # before: no word of within=, the way to keep windows inside a range of a patched axis
+        (lambda g: g.isel(y=slice(0, 20)).patches({"y": 4}), r"within=\{'y': \(lo, hi\)\}"),
+        (lambda g: g.patches({"y": 4}).isel(y=slice(0, 20)), r"within=\{'y': \(lo, hi\)\}"),
+    ],
+    ids=["too-large", "within-outside", "within-unpatched", "stride-unpatched", "selected", "isel"],
+)
+def test_patch_errors_name_the_dimension_and_the_fix(
+    two_images: tuple[Path, dict[str, Any]], make: Any, says: str
+) -> None:
+    _, g = two_images
+    with pytest.raises(ValueError, match=says):
+        make(g["image"])

@@ -49,7 +49,14 @@ from insitubatch_nodes.io.axes import axis_of
 from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.cf import CFValues
 from insitubatch_nodes.io.members import MemberMap
-from insitubatch_nodes.io.patching import ORIGIN_POLICIES, REGION_ORDERS, Patches, window_bounds
+from insitubatch_nodes.io.patching import (
+    ORIGIN_POLICIES,
+    REGION_ORDERS,
+    Patches,
+    only_patched,
+    window_bounds,
+    windows_fit,
+)
 from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
 from insitubatch_nodes.io.selection import (
     Selection,
@@ -465,15 +472,16 @@ class ArrayGeometry:
         if len(sizes) != len(extent):
             raise ValueError(f"{self.path}: extent {dict(extent)} names one axis twice")
         axes = tuple(sorted(sizes))
-        if self.select is not None and any(self.select.keys[self._fi(a)] is not None for a in axes):
-            raise ValueError(f"{self.path}: a selected axis cannot be patched; patch the others")
+        keys = (None,) * len(self.field_axes) if self.select is None else self.select.keys
+        chosen = [a for a in axes if keys[self._fi(a)] is not None]
+        if chosen:
+            raise ValueError(
+                f"{self.path}: a selected axis cannot be patched ({self._axis_key(chosen[0])!r});"
+                " patch the others, or patch the whole axis and keep its windows in a range "
+                f"with within={{{self._axis_key(chosen[0])!r}: (lo, hi)}}"
+            )
         ext = tuple(sizes[a] for a in axes)
-        for a, e in zip(axes, ext, strict=True):
-            if e > self.shape[a]:
-                raise ValueError(
-                    f"{self.path}: a window of {e} along axis {a} does not fit the field's "
-                    f"{self.shape[a]}"
-                )
+        windows_fit(self.path, axes, ext, self.shape, self._axis_key)
         steps: tuple[int, ...] | None = None
         if origins == "grid":
             if per_tile is not None:
@@ -484,8 +492,7 @@ class ArrayGeometry:
                 given = {
                     self._patch_axis(k): _positive(f"stride[{k!r}]", v) for k, v in stride.items()
                 }
-                if set(given) - set(axes):
-                    raise ValueError(f"{self.path}: stride names axes that are not patched")
+                only_patched(self.path, "stride", given, axes, self._axis_key)
                 steps = tuple(given.get(a, e) for a, e in zip(axes, ext, strict=True))
             else:
                 steps = (_positive("stride", stride),) * len(axes)
@@ -497,10 +504,11 @@ class ArrayGeometry:
         box: tuple[tuple[int, int], ...] | None = None
         if within is not None:
             given_box = {self._patch_axis(k): v for k, v in dict(within).items()}
-            if set(given_box) - set(axes):
-                raise ValueError(f"{self.path}: within names axes that are not patched")
+            only_patched(self.path, "within", given_box, axes, self._axis_key)
             box = tuple(
-                window_bounds(a, given_box.get(a, (0, self.shape[a])), e, self.shape[a])
+                window_bounds(
+                    self._axis_key(a), given_box.get(a, (0, self.shape[a])), e, self.shape[a]
+                )
                 for a, e in zip(axes, ext, strict=True)
             )
         spec = Patches(
@@ -519,6 +527,11 @@ class ArrayGeometry:
 
     def _fi(self, axis: int) -> int:
         return self.field_axes.index(axis)
+
+    def _axis_key(self, axis: int) -> int | str:
+        """How the user names physical axis ``axis``: its dimension name, else its index."""
+        dims = self.dims
+        return axis if dims is None else dims[axis]
 
     def _patch_axis(self, key: int | str) -> int:
         """The physical field axis ``key`` names (an index or a dimension name)."""
@@ -553,7 +566,10 @@ class ArrayGeometry:
         for name, key in indexers.items():
             i = self._field_dim(name)
             if self.patch is not None and self.field_axes[i] in self.patch.axes:
-                raise ValueError(f"{self.path}: {name!r} is patched; select on other axes")
+                raise ValueError(
+                    f"{self.path}: {name!r} is patched; select on other axes, or keep its "
+                    f"windows in a range with patches(..., within={{{name!r}: (lo, hi)}})"
+                )
             if i not in kept:
                 raise ValueError(f"{self.path}: dimension {name!r} was dropped by an earlier isel")
             mine = current[i]

@@ -6,11 +6,18 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["ORIGIN_POLICIES", "REGION_ORDERS", "Patches", "window_bounds"]
+__all__ = [
+    "ORIGIN_POLICIES",
+    "REGION_ORDERS",
+    "Patches",
+    "only_patched",
+    "window_bounds",
+    "windows_fit",
+]
 
 ORIGIN_POLICIES = ("grid", "random")
 REGION_ORDERS = ("shuffled", "sweep")
@@ -106,14 +113,52 @@ class Patches:
         return self.within or tuple((0, f) for f in self.field)
 
 
-def window_bounds(axis: int, value: Any, extent: int, length: int) -> tuple[int, int]:
-    """``within``'s ``(lo, hi)`` along ``axis``, checked: inside the field, a window wide."""
+def window_bounds(axis: int | str, value: Any, extent: int, length: int) -> tuple[int, int]:
+    """``within``'s ``(lo, hi)`` along ``axis`` (an index or a dimension name, as the message
+    names it), checked: inside the field, a window wide."""
     try:
         lo, hi = (int(v) for v in value)
     except (TypeError, ValueError):
-        raise TypeError(f"within[{axis}] must be a (lo, hi) pair, got {value!r}") from None
+        raise TypeError(f"within[{axis!r}] must be a (lo, hi) pair, got {value!r}") from None
     if not 0 <= lo < hi <= length or hi - lo < extent:
         raise ValueError(
-            f"within[{axis}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of {extent}"
+            f"within[{axis!r}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of "
+            f"{extent}"
         )
     return lo, hi
+
+
+def only_patched(
+    path: str,
+    option: str,
+    given: Iterable[int],
+    axes: Sequence[int],
+    key: Callable[[int], int | str],
+) -> None:
+    """``ValueError`` naming the axes ``option`` (``stride``, ``within``) gives — physical
+    indices, shown as ``key`` names them — that are not among the patched ``axes``."""
+    extra = sorted(set(given) - set(axes))
+    if extra:
+        raise ValueError(
+            f"{path}: {option} names axes that are not patched: {[key(a) for a in extra]}; "
+            f"patched: {[key(a) for a in axes]}"
+        )
+
+
+def windows_fit(
+    path: str,
+    axes: Sequence[int],
+    extent: Sequence[int],
+    shape: Sequence[int],
+    key: Callable[[int], int | str],
+) -> None:
+    """``ValueError`` unless a window of ``extent`` fits the array's ``shape`` along each of
+    ``axes`` (the message names the axis as ``key`` does and the largest extent that fits)."""
+    for a, e in zip(axes, extent, strict=True):
+        if e > shape[a]:
+            name = key(a)
+            where = f"axis {a}" if name == a else f"{name!r} (axis {a})"
+            raise ValueError(
+                f"{path}: a window of {e} along {where} does not fit the field's {shape[a]}; "
+                f"take an extent of at most {shape[a]} there"
+            )
