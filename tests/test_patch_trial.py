@@ -14,6 +14,8 @@ import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.schedule import schedule_floors
 
 
 @pytest.fixture(scope="module")
@@ -95,3 +97,33 @@ def test_patch_errors_name_the_dimension_and_the_fix(
     _, g = two_images
     with pytest.raises(ValueError, match=says):
         make(g["image"])
+
+
+def test_the_guaranteed_budget_of_a_field_its_tiles_overhang_runs_an_epoch(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # 50 x 46 in 16² tiles: a slot holds a whole tile, so the edge tiles' slots overhang the
+    # field (64 x 48 of slot space). Before, the floors capped every unit's bytes at the
+    # field's (18,400) and this budget was refused ("below this epoch's working-set floor of
+    # 24,576 bytes"), although schedule_floors promises it fits every epoch.
+    root = tmp_path_factory.mktemp("overhang") / "img.zarr"
+    data = np.random.default_rng(0).standard_normal((1, 50, 46)).astype("f4")
+    arr = zarr.create_array(str(root), name="img", shape=data.shape, chunks=(1, 16, 16), dtype="f4")
+    arr[...] = data
+    geom = open_geometries(str(root), ["img"])["img"]
+    views = {"x": geom.patches({1: 17, 2: 9})}
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    for block in (1, 4):
+        floors = schedule_floors(manifest, views, PlanConfig(batch_size=16, block_chunks=block))
+        pipe = insitu_pipeline(
+            str(root), manifest, views, batch_size=16, block_chunks=block,
+            cache_budget_bytes=floors.guaranteed,
+        )  # fmt: skip
+        try:
+            for _ in range(2):
+                pipe.reset()
+                for b in pipe:
+                    for row, (y0, x0) in zip(b["x"], b.patch_origins["x"], strict=True):
+                        assert np.array_equal(row, data[0, y0 : y0 + 17, x0 : x0 + 9])
+        finally:
+            pipe.close()

@@ -276,6 +276,16 @@ class WindowUnits:
         #: per field axis: the tiles read along an unpatched axis (``None``: all of them)
         self._touched = tuple(touched) if touched is not None else (None,) * len(self._axes)
 
+    @property
+    def per_chunk(self) -> int:
+        """The most units of one sample-axis chunk the windows can read: every tile along a
+        patched axis, the touched ones along the others. Each is a whole tile's slot, so an
+        edge tile cropped by the field counts in full."""
+        return math.prod(
+            grid if col >= 0 or only is None else len(only)
+            for (col, _, _, grid), only in zip(self._axes, self._touched, strict=True)
+        )
+
     def patched(self, axis: int) -> bool:
         """Whether field axis ``axis`` is cut into windows (else a window spans all of it)."""
         return self._axes[axis][0] >= 0

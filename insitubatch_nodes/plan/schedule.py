@@ -173,15 +173,11 @@ def _patch_chunk_bytes(
     for pspc, offsets, paths in plan_groups(views):
         geom = view_of[paths[0]]
         if geom.patch is not None:
-            touched = touched_tiles(views, paths)
-            rim = WindowUnits(geom.base, layout.spec, offsets, touched).rim(layout)
-            per_chunk = sum(slot[p].chunk_nbytes for p in paths) * rim
-            every = sum(  # every stored tile of a chunk, as its units keep them
-                (
-                    held_geometry(view_of[p].base, held[p]) if p in held else view_of[p].base
-                ).chunk_nbytes
-                for p in paths
-            )
+            units = WindowUnits(geom.base, layout.spec, offsets, touched_tiles(views, paths))
+            unit_bytes = sum(slot[p].chunk_nbytes for p in paths)
+            per_chunk = unit_bytes * units.rim(layout)
+            # every unit of a chunk: whole tiles' slots (an edge tile's overhangs the field)
+            every = unit_bytes * units.per_chunk
         else:
             per_chunk = every = sum(slot[p].chunk_nbytes for p in paths)
         span_total = np.zeros(len(chunks), dtype=np.int64)
