@@ -290,10 +290,11 @@ def _check_patched(
                 "sampled member alike, or none"
             )
         a, b = first.patch, view.patch
-        if a is not None and b is not None and not a.alike(b):
+        differ = "" if a is None or b is None else a.differences(b)
+        if differ:
             raise ValueError(
-                f"stack members {first_name!r} and {name!r} are patched differently "
-                f"({a} vs {b}): members share each row's windows, so patch the same "
+                f"stack members {first_name!r} and {name!r} are patched differently: they "
+                f"differ in {differ}; members share each row's windows, so patch the same "
                 "dimensions (by name: arrays of any rank) with the same extent, origins, "
                 "stride and within box"
             )

@@ -5,6 +5,7 @@ Each test is one behaviour the trial got wrong before its fix; stores are tiny a
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
@@ -127,3 +128,28 @@ def test_the_guaranteed_budget_of_a_field_its_tiles_overhang_runs_an_epoch(
                         assert np.array_equal(row, data[0, y0 : y0 + 17, x0 : x0 + 9])
         finally:
             pipe.close()
+
+
+@pytest.mark.parametrize(
+    ("image", "label", "says"),
+    [
+        ({"origins": "grid"}, {"origins": "random"}, "origins 'grid' vs 'random'"),
+        ({"stride": 4}, {"stride": 5}, "stride (4,) vs (5,)"),
+        ({"within": {"y": (0, 20)}}, {}, "within ((0, 20),) vs None"),
+    ],
+    ids=["origins", "stride", "within"],
+)
+def test_views_patched_otherwise_are_refused_naming_what_differs(
+    two_images: tuple[Path, dict[str, Any]], image: Any, label: Any, says: str
+) -> None:
+    # before: both Patches reprs (ten fields each) and a list of everything that must agree
+    root, g = two_images
+    views = {
+        "x": g["image"].patches({"y": 8}, **image),
+        "y": g["label"].patches({"y": 8}, **label),
+    }
+    manifest = split_by_chunk(g["image"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=re.escape(f"differ in {says}")):
+        insitu_pipeline(str(root), manifest, views, batch_size=4)
+    with pytest.raises(ValueError, match=re.escape(f"differ in {says}")):
+        stack({"x": views["x"], "y": views["y"]})

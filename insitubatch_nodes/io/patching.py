@@ -68,11 +68,19 @@ class Patches:
         too, e.g. ``(time, lat, lon)`` and ``(time, level, lat, lon)``; else the same axes),
         the same extent, field, origins, stride, windows per tile, order and ``within`` box
         (origins drawn in one box would leave the other's windows outside it)."""
+        return not self.differences(other)
+
+    def differences(self, other: Patches) -> str:
+        """What keeps ``self`` and ``other`` from being :meth:`alike`, for an error message
+        (``"origins 'grid' vs 'random'"``); empty when they are alike."""
         named = self.dims is not None and other.dims is not None
-        if (self.dims != other.dims) if named else (self.axes != other.axes):
-            return False
-        keys = ("extent", "field", "origins", "stride", "per_tile", "order", "within")
-        return all(getattr(self, k) == getattr(other, k) for k in keys)
+        cut = "dims" if named else "axes"
+        keys = (cut, "extent", "field", "origins", "stride", "per_tile", "order", "within")
+        return "; ".join(
+            f"{k} {getattr(self, k)!r} vs {getattr(other, k)!r}"
+            for k in keys
+            if getattr(self, k) != getattr(other, k)
+        )
 
     def axes_of(self, dims: Sequence[str] | None) -> tuple[int, ...]:
         """The axes these patches cut in an array of dimensions ``dims`` (patched alike,

@@ -51,11 +51,12 @@ def patch_spec(views: Mapping[str, ArrayGeometry]) -> Patches | None:
     first_label, first = specs[0]
     for label, spec in specs[1:]:
         assert spec is not None and first is not None
-        if not first.alike(spec):
+        differ = first.differences(spec)
+        if differ:
             raise ValueError(
-                f"patched views {first_label!r} and {label!r} cut their fields differently "
-                f"({first} vs {spec}); views read together take the same origins, so patch "
-                "them with the same dimensions (or axes), extent, field length, origins, "
+                f"patched views {first_label!r} and {label!r} cut their fields differently: "
+                f"they differ in {differ}; views read together take the same origins, so "
+                "patch them with the same dimensions (or axes), extent, field length, origins, "
                 "stride and within box"
             )
     return first
