@@ -153,3 +153,38 @@ def test_views_patched_otherwise_are_refused_naming_what_differs(
         insitu_pipeline(str(root), manifest, views, batch_size=4)
     with pytest.raises(ValueError, match=re.escape(f"differ in {says}")):
         stack({"x": views["x"], "y": views["y"]})
+
+
+def test_a_state_restores_only_where_the_same_tiles_stratify_random_windows(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    # random windows are stratified by the first patched view's tiles: the image's 8² or the
+    # mask's 16². Before, a state saved with the image first restored silently into views
+    # listing the mask first, and the rest of the epoch took other windows than the run that
+    # saved it would have.
+    root = tmp_path_factory.mktemp("order") / "pair.zarr"
+    data = np.zeros((2, 32, 32), dtype="u1")
+    for name, tile in (("image", 8), ("mask", 16)):
+        arr = zarr.create_array(
+            str(root), name=name, shape=data.shape, chunks=(1, tile, tile), dtype="u1"
+        )
+        arr[...] = data
+    g = open_geometries(str(root), ["image", "mask"])
+    x, y = (g[p].patches({1: 4, 2: 4}, origins="random") for p in ("image", "mask"))
+    manifest = split_by_chunk(g["image"], (1.0, 0.0, 0.0))
+    saved = insitu_pipeline(str(root), manifest, {"x": x, "y": y}, batch_size=8)
+    try:
+        saved.reset()
+        next(saved)
+        state = saved.state_dict()
+    finally:
+        saved.close()
+    same = insitu_pipeline(str(root), manifest, {"x": x, "y": y}, batch_size=8)
+    same.reset(state)  # the same order restores
+    same.close()
+    other = insitu_pipeline(str(root), manifest, {"y": y, "x": x}, batch_size=8)
+    try:
+        with pytest.raises(ValueError, match="patch_tiles"):
+            other.reset(state)
+    finally:
+        other.close()

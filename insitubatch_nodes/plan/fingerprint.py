@@ -12,6 +12,7 @@ from typing import Any
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.ledger import Stage
+from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "check_same_anchors",
     "dataset_hash",
     "readable_views",
+    "stratifying_tiles",
     "views_list",
 ]
 
@@ -37,6 +39,15 @@ def views_list(views: Mapping[str, ArrayGeometry]) -> list[list[Any]]:
         + ([] if g.patch is None else [g.patch.describe()])
         for k, g in views.items()
     )
+
+
+def stratifying_tiles(views: Mapping[str, ArrayGeometry]) -> list[int] | None:
+    """The tiles a patched plan stratifies its windows and regions by — the first patched
+    view's, in the order ``views`` are given — where patched arrays are tiled differently
+    (``None`` otherwise). :func:`views_list` sorts the views, so it cannot say whose."""
+    spec = patch_spec(views)
+    tiles = {g.patch.tile for g in views.values() if g.patch is not None}
+    return None if spec is None or len(tiles) < 2 else list(spec.tile)
 
 
 def readable_views(views: Sequence[Sequence[Any]]) -> str:

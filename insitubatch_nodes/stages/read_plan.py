@@ -36,6 +36,7 @@ from insitubatch_nodes.plan.fingerprint import (
     check_same_anchors,
     dataset_hash,
     readable_views,
+    stratifying_tiles,
     views_list,
 )
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
@@ -341,6 +342,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             "cross_split_windows": self.cross_split_windows,
             "remainder": self.remainder,
             # only when set, so a default config's fingerprint is what it always was
+            **({"patch_tiles": t} if (t := stratifying_tiles(self.views)) else {}),
             **({} if every_sample(self.stride) else {"stride": describe_stride(self.stride)}),
             **(
                 {}
