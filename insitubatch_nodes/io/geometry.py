@@ -54,6 +54,7 @@ from insitubatch_nodes.io.patching import (
     REGION_ORDERS,
     Patches,
     only_patched,
+    refuse_selected,
     window_bounds,
     windows_fit,
 )
@@ -473,13 +474,8 @@ class ArrayGeometry:
             raise ValueError(f"{self.path}: extent {dict(extent)} names one axis twice")
         axes = tuple(sorted(sizes))
         keys = (None,) * len(self.field_axes) if self.select is None else self.select.keys
-        chosen = [a for a in axes if keys[self._fi(a)] is not None]
-        if chosen:
-            raise ValueError(
-                f"{self.path}: a selected axis cannot be patched ({self._axis_key(chosen[0])!r});"
-                " patch the others, or patch the whole axis and keep its windows in a range "
-                f"with within={{{self._axis_key(chosen[0])!r}: (lo, hi)}}"
-            )
+        chosen = [self._axis_key(a) for a in axes if keys[self._fi(a)] is not None]
+        refuse_selected(self.path, chosen)
         ext = tuple(sizes[a] for a in axes)
         windows_fit(self.path, axes, ext, self.shape, self._axis_key)
         steps: tuple[int, ...] | None = None

@@ -15,6 +15,7 @@ __all__ = [
     "REGION_ORDERS",
     "Patches",
     "only_patched",
+    "refuse_selected",
     "window_bounds",
     "windows_fit",
 ]
@@ -170,3 +171,14 @@ def windows_fit(
                 f"{path}: a window of {e} along {where} does not fit the field's {shape[a]}; "
                 f"take an extent of at most {shape[a]} there"
             )
+
+
+def refuse_selected(path: str, selected: Sequence[int | str]) -> None:
+    """``ValueError`` for patching axes a selection cut (``selected``, as the user names
+    them; none: nothing to refuse), pointing to ``within=``, which keeps windows in a range."""
+    if selected:
+        name = selected[0]
+        raise ValueError(
+            f"{path}: a selected axis cannot be patched ({name!r}); patch the others, or patch "
+            f"the whole axis and keep its windows in a range with within={{{name!r}: (lo, hi)}}"
+        )
