@@ -188,3 +188,15 @@ def test_a_state_restores_only_where_the_same_tiles_stratify_random_windows(
             other.reset(state)
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("bounds", [(2.7, 20.2), (2.0, 20), (True, 20)])
+def test_a_within_box_of_floats_is_refused_not_truncated(
+    two_images: tuple[Path, dict[str, Any]], bounds: tuple[Any, Any]
+) -> None:
+    # (2.7, 20.2) was cut to (2, 20) silently, while the window's size refuses 4.0
+    _, g = two_images
+    with pytest.raises(TypeError, match=r"within\['y'\] = .* indices along the axis, so ints"):
+        g["image"].patches({"y": 8, "x": 8}, within={"y": bounds})
+    box = g["image"].patches({"y": 8, "x": 8}, within={"y": (np.int64(2), 20)}).patch
+    assert box is not None and box.within is not None and box.within[0] == (2, 20)

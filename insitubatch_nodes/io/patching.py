@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 __all__ = [
     "ORIGIN_POLICIES",
     "REGION_ORDERS",
@@ -126,9 +128,15 @@ def window_bounds(axis: int | str, value: Any, extent: int, length: int) -> tupl
     """``within``'s ``(lo, hi)`` along ``axis`` (an index or a dimension name, as the message
     names it), checked: inside the field, a window wide."""
     try:
-        lo, hi = (int(v) for v in value)
+        lo, hi = value
     except (TypeError, ValueError):
         raise TypeError(f"within[{axis!r}] must be a (lo, hi) pair, got {value!r}") from None
+    if not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in (lo, hi)):
+        raise TypeError(
+            f"within[{axis!r}] = {value!r}: the bounds are indices along the axis, so ints "
+            "(not coordinate values)"
+        )
+    lo, hi = int(lo), int(hi)
     if not 0 <= lo < hi <= length or hi - lo < extent:
         raise ValueError(
             f"within[{axis!r}] = ({lo}, {hi}) must lie in [0, {length}] and hold a window of "
