@@ -222,6 +222,11 @@ class NormalizeBatch:
     def __init__(self, stats: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> None:
         self.stats = dict(stats)
 
+    @property
+    def normalized_labels(self) -> frozenset[str]:
+        """The labels it standardises (what the pipeline checks no chunk transform also does)."""
+        return frozenset(self.stats)
+
     def __call__(self, batch: Batch) -> Batch:
         for label, (mean, std) in self.stats.items():
             arr = batch.arrays[label]

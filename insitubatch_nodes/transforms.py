@@ -309,6 +309,13 @@ class ChunkTransforms:
         """Whether the transforms of ``path`` change its inner shape or dtype."""
         return self._chains[path].reshapes
 
+    def standardises(self, path: str) -> bool:
+        """Whether a :class:`StandardScaler` runs on ``path`` (an array this pipeline reads)."""
+        chain = self._chains.get(path)
+        return chain is not None and any(
+            isinstance(_unwrap(step.transform), StandardScaler) for step in chain.steps
+        )
+
     def __len__(self) -> int:
         return len(self.transforms)
 

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.statistics import Statistics, fit_statistics
+from insitubatch_nodes.transforms import applies
 
 T, L, Y, X = 40, 3, 6, 8
 
@@ -243,6 +244,31 @@ def test_fitted_statistics_normalise_batches_to_zero_mean_and_unit_std(store: Pa
         t = batch.arrays["t"].astype(np.float64)
         np.testing.assert_allclose(np.nanmean(t, axis=(0, 2, 3)), 0.0, atol=1e-4)
         np.testing.assert_allclose(np.nanstd(t, axis=(0, 2, 3)), 1.0, rtol=1e-4)
+
+
+def test_a_label_standardised_by_a_chunk_scaler_and_again_by_its_batch_is_refused(
+    store: Path,
+) -> None:
+    # each takes the array's own values: both together gave (z - mean) / std of z, silently
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (1.0, 0.0, 0.0))
+    views = {"t": geoms["t"], "t2": geoms["t2"]}
+    stats = fit_statistics(store, manifest, views)
+    both = [
+        ({"t2": geoms["t2"]}, {"batch_transforms": [stats.normalizer({"t2": geoms["t2"]})]}),
+        ({"x": stack({"t2": geoms["t2"]}, normalize=stats)}, {}),
+    ]
+    for labels, normalised in both:
+        with pytest.raises(ValueError, match=r"'t2'\)? would be standardised twice"):
+            insitu_pipeline(store, manifest, labels, batch_size=4,
+                            chunk_transforms=[stats.scaler(["t2"])], **normalised)  # fmt: skip
+    # a scaler on one array and the batch normaliser on another are one standardisation each
+    pipe = insitu_pipeline(
+        store, manifest, views, batch_size=4,
+        chunk_transforms=[applies(["t2"], stats.scaler(["t2"]))],
+        batch_transforms=[stats.normalizer({"t": geoms["t"]})],
+    )  # fmt: skip
+    pipe.close()
 
 
 def test_statistics_of_a_collection_given_as_the_store_are_numpys_over_its_members_samples(
