@@ -45,7 +45,7 @@ from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stack_constants import prepare_constants, static_fields
 from insitubatch_nodes.stages.context import StageContext, slot_holdings
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
-from insitubatch_nodes.stages.gather import GatherNode
+from insitubatch_nodes.stages.gather import GatherNode, refuse_standardised_twice
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ChunkPoolNode
@@ -367,7 +367,7 @@ def insitu_pipeline(
     # the chunk transforms are checked here, and say what the slots and batches hold
     transforms = ChunkTransforms(chunk_transforms, geoms)
     views = {label: _output_view(transforms, label, view) for label, view in views.items()}
-    _refuse_standardised_twice(transforms, views, batch_transforms)
+    refuse_standardised_twice(transforms, views, batch_transforms)  # (before anything starts)
     members = collection_of([manifest.members, *(v.members for v in geoms.values())])
     if members is not None and manifest.members is None:  # no step leaves its member
         manifest = manifest.with_members(members)
@@ -437,35 +437,6 @@ def _output_view(transforms: ChunkTransforms, label: str, view: Any) -> Any:
                 "shape and dtype"
             )
     return view
-
-
-def _refuse_standardised_twice(
-    transforms: ChunkTransforms, views: Mapping[str, Any], batch_transforms: Sequence[Any]
-) -> None:
-    """``ValueError`` where a label would be standardised twice: by a ``StandardScaler`` chunk
-    transform on its array (``Statistics.scaler()``), then by ``Statistics.normalizer()`` or a
-    stack's ``normalize=``, each of which takes the array's own values."""
-    plain = {lb: v.path for lb, v in views.items() if isinstance(v, ArrayGeometry)}
-    twice = [
-        (label, plain[label])
-        for t in batch_transforms
-        for label in sorted(getattr(t, "normalized_labels", ()))
-        if label in plain and transforms.standardises(plain[label])
-    ]
-    twice += [
-        (f"{label}[{m.name!r}]", m.view.path)
-        for label, view in views.items()
-        if isinstance(view, Stack)
-        for m in view.members
-        if m.norm is not None and m.view is not None and transforms.standardises(m.view.path)
-    ]
-    if twice:
-        raise ValueError(
-            f"{', '.join(f'{lb} ({path!r})' for lb, path in twice)} would be standardised twice: "
-            "a StandardScaler chunk transform (Statistics.scaler()) runs on the array, and "
-            "Statistics.normalizer() or stack(..., normalize=) standardises the label again; "
-            "keep one of them"
-        )
 
 
 def _options(

@@ -10,6 +10,13 @@ import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages.context import StageContext
+from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
+from insitubatch_nodes.stages.gather import GatherNode
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+from insitubatch_nodes.stages.resident import ChunkPoolNode
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 from insitubatch_nodes.transforms import applies
 
@@ -262,6 +269,16 @@ def test_a_label_standardised_by_a_chunk_scaler_and_again_by_its_batch_is_refuse
         with pytest.raises(ValueError, match=r"'t2'\)? would be standardised twice"):
             insitu_pipeline(store, manifest, labels, batch_size=4,
                             chunk_transforms=[stats.scaler(["t2"])], **normalised)  # fmt: skip
+    # a graph composed by hand is refused alike, by its gather stage
+    plan = ReadPlanNode(manifest, {"t2": geoms["t2"]}, config=PlanConfig(batch_size=4))
+    context = StageContext.create(plan, ChunkPool(1 << 24), chunk_transforms=[stats.scaler(["t2"])])
+    resident = ChunkPoolNode(
+        AsyncChunkFetchNode(plan, str(store), context=context), context=context
+    )
+    with pytest.raises(ValueError, match="would be standardised twice"):
+        GatherNode(
+            resident, context=context, batch_transforms=[stats.normalizer({"t2": geoms["t2"]})]
+        )
     # a scaler on one array and the batch normaliser on another are one standardisation each
     pipe = insitu_pipeline(
         store, manifest, views, batch_size=4,

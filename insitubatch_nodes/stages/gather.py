@@ -37,13 +37,14 @@ from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
-from insitubatch_nodes.transforms import transform_name
+from insitubatch_nodes.transforms import ChunkTransforms, transform_name
 
 __all__ = [
     "PARALLEL_GATHER_BYTES",
     "PARALLEL_PIECE_BYTES",
     "GatherNode",
     "gather_label",
+    "refuse_standardised_twice",
     "take_rows",
 ]
 
@@ -59,6 +60,35 @@ times the samples per chunk, up to the batch). Each copy releases and retakes th
 for small pieces two threads contend for it more than they gain: copying 64 MiB from
 separate arrays into one took, one thread against two, 6.7 / 3.2 GB/s in pieces of 8 KiB,
 10.4 / 9.7 at 106 KiB, 10.9 / 14.0 at 1 MiB, 11.9 / 20.9 at 4 MiB (this VM, 2026-12-04)."""
+
+
+def refuse_standardised_twice(
+    transforms: ChunkTransforms, views: Mapping[str, Any], batch_transforms: Sequence[Any]
+) -> None:
+    """``ValueError`` where a label would be standardised twice: by a ``StandardScaler`` chunk
+    transform on its array (``Statistics.scaler()``), then by ``Statistics.normalizer()`` or a
+    stack's ``normalize=``, each of which takes the array's own values."""
+    plain = {lb: v.path for lb, v in views.items() if isinstance(v, ArrayGeometry)}
+    twice = [
+        (label, plain[label])
+        for t in batch_transforms
+        for label in sorted(getattr(t, "normalized_labels", ()))
+        if label in plain and transforms.standardises(plain[label])
+    ]
+    twice += [
+        (f"{label}[{m.name!r}]", m.view.path)
+        for label, view in views.items()
+        if isinstance(view, Stack)
+        for m in view.members
+        if m.norm is not None and m.view is not None and transforms.standardises(m.view.path)
+    ]
+    if twice:
+        raise ValueError(
+            f"{', '.join(f'{lb} ({path!r})' for lb, path in twice)} would be standardised twice: "
+            "a StandardScaler chunk transform (Statistics.scaler()) runs on the array, and "
+            "Statistics.normalizer() or stack(..., normalize=) standardises the label again; "
+            "keep one of them"
+        )
 
 
 def gather_label(
@@ -198,6 +228,7 @@ class GatherNode(BaseNode[Batch]):
         self.batch_size = context.batch_size
         self.batch_transforms = tuple(check_batch_transforms(batch_transforms))
         batch_views = self.buffers.layout.views
+        refuse_standardised_twice(context.transforms, batch_views, self.batch_transforms)
         unknown = set(coords or {}) - set(batch_views)
         if unknown:
             raise ValueError(f"coords name labels {sorted(unknown)} that are not in the views")
