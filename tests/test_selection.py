@@ -78,6 +78,7 @@ SELECTIONS = {
     "a latitude-longitude box": ("sel", "box"),
     "indices and a slice": ("isel", {"level": [6, 0, 3], "longitude": slice(2, 14, 3)}),
     "one index of two axes": ("isel", {"level": 2, "latitude": 4}),
+    "boolean masks, as xarray takes them": ("isel", "masks"),
 }
 
 
@@ -89,6 +90,12 @@ def test_a_selected_view_delivers_what_xarray_selects_from_the_same_store(
     method, key = SELECTIONS[case]
     if key == "box":
         key = {**_box(store), "longitude": slice(45, 200)}
+    if key == "masks":
+        ds = xr.open_zarr(store, consolidated=False)
+        key = {
+            "level": ds.level.values >= 500,
+            "longitude": np.arange(ds.sizes["longitude"]) % 3 == 1,
+        }
     view = getattr(open_geometries(store)[array], method)(**key)
     expected = getattr(xr.open_zarr(store, consolidated=False)[array], method)(**key).values
     assert view.inner_shape == expected.shape[1:]

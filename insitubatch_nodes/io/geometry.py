@@ -546,10 +546,10 @@ class ArrayGeometry:
     def isel(self, **indexers: Any) -> ArrayGeometry:
         """A view that keeps part of the field, by dimension name and index, as xarray's
         ``isel``: ``g.isel(level=[3, 5, 9])``, ``g.isel(latitude=slice(10, 50))``,
-        ``g.isel(level=7)``. A list or a slice keeps the axis, an integer drops it (as numpy);
-        the view's :attr:`inner_shape` is the selection's. Selecting a selected view selects
-        within its selection. Composes with :meth:`shift` and with :meth:`patches` (on axes
-        not patched).
+        ``g.isel(level=7)``. A list, a slice or a boolean mask of the axis keeps the axis, an
+        integer drops it (as numpy); the view's :attr:`inner_shape` is the selection's. Selecting
+        a selected view selects within its selection. Composes with :meth:`shift` and with
+        :meth:`patches` (on axes not patched).
 
         What is read (see :mod:`~insitubatch_nodes.io.selection`): along an axis cut into stored
         tiles only the tiles the selection touches; along an axis whole in a stored object the

@@ -104,7 +104,8 @@ def kept_axes(keys: Sequence[AxisKey]) -> list[int]:
 
 
 def axis_key(name: str, key: Any, length: int) -> AxisKey:
-    """``key`` (an int, a slice or a list of ints) along an axis of ``length``, normalised."""
+    """``key`` (an int, a slice, a list of ints, or a boolean mask of the axis's length, as
+    xarray's ``isel`` takes it) along an axis of ``length``, normalised."""
     if isinstance(key, bool):
         raise TypeError(f"isel({name}=...) takes an int, a slice or a list of ints, got {key!r}")
     if isinstance(key, int | np.integer):
@@ -119,9 +120,16 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
             values = np.asarray(key)
         except (TypeError, ValueError):
             values = np.asarray([], dtype=object)
+        if values.ndim == 1 and values.dtype.kind == "b":  # a mask: the indices it marks
+            if len(values) != length:
+                raise IndexError(
+                    f"isel({name}=...): a boolean mask of {len(values)} for an axis of {length}"
+                )
+            values = np.flatnonzero(values)
         if values.ndim != 1 or (values.size and values.dtype.kind not in "iu"):
             raise TypeError(
-                f"isel({name}=...) takes an int, a slice or a 1-D list of ints, got {key!r}"
+                f"isel({name}=...) takes an int, a slice, a 1-D list of ints or a boolean mask "
+                f"of the axis, got {key!r}"
             )
         bad = values[(values < -length) | (values >= length)]
         if bad.size:
