@@ -79,6 +79,7 @@ SELECTIONS = {
     "indices and a slice": ("isel", {"level": [6, 0, 3], "longitude": slice(2, 14, 3)}),
     "one index of two axes": ("isel", {"level": 2, "latitude": 4}),
     "boolean masks, as xarray takes them": ("isel", "masks"),
+    "boolean masks of coordinate values": ("sel", "masks"),
 }
 
 

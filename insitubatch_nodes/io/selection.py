@@ -325,9 +325,13 @@ def label_positions(
     a list of them, or a slice of a monotonic coordinate with both ends included, every
     ``step``-th; values compared in a float coordinate's own dtype, so ``37.2`` is the float32
     ``37.2`` of a float32 coordinate). ``method="nearest"``: a value not in the coordinate
-    takes the nearest (ties to the larger value), within ``tolerance`` if given."""
+    takes the nearest (ties to the larger value), within ``tolerance`` if given. A boolean mask
+    of the axis is returned as it is (positions, for :func:`axis_key`), as xarray's ``sel``."""
     if method not in (None, "nearest"):
         raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
+    mask = np.asarray(key) if isinstance(key, list | tuple | np.ndarray) else None
+    if mask is not None and mask.ndim == 1 and mask.dtype.kind == "b":
+        return key  # a boolean mask (``coord >= 500``) selects by position, as xarray's sel
     if isinstance(key, slice):
         if method is not None:
             raise ValueError(f"sel({name}={key!r}): method='nearest' takes values, not slices")
