@@ -19,24 +19,28 @@ from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by
 pytestmark = pytest.mark.timeout(60)
 
 
-def _write(root: Path, chunks: tuple[int, ...], seed: int) -> np.ndarray:
+def _write(root: Path, chunks: tuple[int, ...], seed: int, name: str = "t2m") -> np.ndarray:
     values = np.random.default_rng(seed).random((8, 4, 4)).astype("f4")
-    array = zarr.create_array(root, name="t2m", shape=values.shape, chunks=chunks, dtype="f4",
+    array = zarr.create_array(root, name=name, shape=values.shape, chunks=chunks, dtype="f4",
                               dimension_names=("time", "lat", "lon"), overwrite=True)  # fmt: skip
     array[...] = values
     return values
 
 
-def _epoch(root: Path, cache: Path, want: np.ndarray, **kw: Any) -> dict[str, int]:
-    """One epoch over the persistent cache, every row checked against ``want``; the stats."""
-    geom = open_geometries(root)["t2m"]
-    pipe = insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), ["t2m"], batch_size=4,
-                           coords=(), cache_dir=cache, persist=True, **kw)  # fmt: skip
+def _epoch(
+    root: Path, cache: Path, want: np.ndarray, name: str = "t2m", **kw: Any
+) -> dict[str, int]:
+    """One epoch of array ``name`` over the persistent cache (``persist=True`` unless ``kw``
+    says ``readonly_cache=True``), every row checked against ``want``; the stats."""
+    geom = open_geometries(root)[name]
+    kw.setdefault("persist", not kw.get("readonly_cache", False))
+    pipe = insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), [name], batch_size=4,
+                           coords=(), cache_dir=cache, **kw)  # fmt: skip
     try:
         seen = []
         for batch in Loader(pipe):
-            np.testing.assert_array_equal(batch["t2m"], want[batch.sample_indices["t2m"]])
-            seen += batch.sample_indices["t2m"].tolist()
+            np.testing.assert_array_equal(batch[name], want[batch.sample_indices[name]])
+            seen += batch.sample_indices[name].tolist()
         assert sorted(seen) == list(range(len(want)))
         return pipe.stats()
     finally:
@@ -59,3 +63,23 @@ def test_a_cache_rebuilt_after_the_store_was_rechunked_is_warm_on_the_next_run(
         warnings.simplefilter("error")
         stats = _epoch(root, cache, second)
     assert stats["gets"] == 0 and stats["disk_hits"] == 2
+
+
+def test_a_reader_of_one_store_is_not_refused_for_chunks_another_store_cached_there(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """One cache_dir shared by pipelines over two stores (a collection and a single store, an
+    archive and a scratch store). Before: building a pipeline checked every array the
+    directory held against its own store, so the chunks of ``a/t2m`` (which the pipeline over
+    ``b`` never reads) were "deleted": a writer warned about them, and a read-only reader of
+    ``b`` raised StaleCacheError telling it to warm the cache again, which could not help.
+    After: only the arrays the pipeline reads are checked against its store."""
+    a, b, cache = tmp_path / "a.zarr", tmp_path / "b.zarr", tmp_path / "cache"
+    in_a = _write(a, (4, 4, 4), seed=0)
+    in_b = _write(b, (4, 4, 4), seed=1, name="u")
+    assert _epoch(a, cache, in_a)["gets"] == 2
+    with caplog.at_level("WARNING", logger="insitubatch_nodes.cache"):
+        assert _epoch(b, cache, in_b, name="u")["gets"] == 2
+    assert "stale" not in caplog.text
+    assert _epoch(b, cache, in_b, name="u", readonly_cache=True)["gets"] == 0
+    assert _epoch(a, cache, in_a, readonly_cache=True)["gets"] == 0

@@ -88,7 +88,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -332,22 +332,25 @@ class ChunkCache:
         """Cache arrays this cache was opened without too (``{path: fingerprint}``, ``{path:
         stored objects per chunk}``: a static array that ``set_views`` adds). Their chunks
         logged with another fingerprint are misses (rewritten by a writer); those whose stored
-        objects changed were dropped (or refused) at open, as every array's."""
+        objects changed are dropped (or refused: ``StaleCacheError``), as at open."""
         new = {p: fp for p, fp in fingerprints.items() if p not in self.fingerprints}
         self.fingerprints.update(new)
         if self.store_check is not None:
             self.store_check.tiles.update({p: tiles[p] for p in new})
         for key in [k for k, lg in self._index.items() if new.get(k[0], lg.fp) != lg.fp]:
             self.forget(key)
+        self._check_store(new)  # (nothing to list when nothing is new)
 
-    def _check_store(self) -> None:
-        """Drop (a writer) or refuse (``readonly``) the cached chunks whose stored objects
-        changed since they were cached: one listing per array (see store_identity)."""
+    def _check_store(self, arrays: Collection[str] | None = None) -> None:
+        """Drop (a writer) or refuse (``readonly``) the cached chunks of ``arrays`` (default: the
+        pipeline's; another store's, sharing the directory, are not this store's to judge) whose
+        stored objects changed since cached: one listing per array (see store_identity)."""
         check = self.store_check
         if check is None or not check.enabled or not self._index:
             return
+        arrays = self.fingerprints if arrays is None else arrays
         report = check.stale(store_identity.chunks_by_array(
-            (key, logged.file) for key, logged in self._index.items()
+            (key, logged.file) for key, logged in self._index.items() if key[0] in arrays
         ))  # fmt: skip
         if report.unchecked is not None:
             if (str(self.root), check.name) in WARNED_UNCHECKED:
