@@ -15,6 +15,7 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import StaleCacheError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -32,9 +33,9 @@ def _epoch(
 ) -> dict[str, int]:
     """One epoch of array ``name`` over the persistent cache (``persist=True`` unless ``kw``
     says ``readonly_cache=True``), every row checked against ``want``; the stats."""
-    geom = open_geometries(root)[name]
+    geom = open_geometries(root, mask_and_scale=kw.pop("mask_and_scale", True))[name]
     kw.setdefault("persist", not kw.get("readonly_cache", False))
-    pipe = insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), [name], batch_size=4,
+    pipe = insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), {name: geom}, batch_size=4,
                            coords=(), cache_dir=cache, **kw)  # fmt: skip
     try:
         seen = []
@@ -83,3 +84,36 @@ def test_a_reader_of_one_store_is_not_refused_for_chunks_another_store_cached_th
     assert "stale" not in caplog.text
     assert _epoch(b, cache, in_b, name="u", readonly_cache=True)["gets"] == 0
     assert _epoch(a, cache, in_a, readonly_cache=True)["gets"] == 0
+
+
+def test_two_pipelines_of_one_process_caching_an_array_otherwise_are_refused_one_cache_dir(
+    tmp_path: Path,
+) -> None:
+    """Two pipelines of one process over one cache_dir, both built before either wrote, that
+    cache ``t2m`` otherwise (here decoded and raw, both float32: ``_FillValue = -9999``). Before:
+    both were built, each wrote its chunks under the same file names over the other's, and the
+    first served the second's raw -9999s for its NaNs from its next epoch on (silently with
+    ``verify_cache=False``; as a "corrupt" file, fetched again and again, with it). After:
+    building the second raises StaleCacheError naming the array; once the first is closed it
+    builds, and reads what it should."""
+    root, cache = tmp_path / "s.zarr", tmp_path / "cache"
+    values = np.random.default_rng(2).random((8, 4, 4)).astype("f4")
+    values[:, 0, 0] = -9999.0
+    array = zarr.create_array(root, name="t2m", shape=values.shape, chunks=(4, 4, 4), dtype="f4",
+                              dimension_names=("time", "lat", "lon"),
+                              attributes={"_FillValue": -9999.0})  # fmt: skip
+    array[...] = values
+    decoded, raw = open_geometries(root)["t2m"], open_geometries(root, mask_and_scale=False)["t2m"]
+    assert decoded.dtype == raw.dtype == np.float32
+
+    def build(geom: Any) -> Any:
+        return insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), {"t2m": geom},
+                               coords=(), cache_dir=cache, persist=True)  # fmt: skip
+
+    first = build(decoded)
+    try:
+        with pytest.raises(StaleCacheError, match=r"'t2m'.*close"):
+            build(raw)
+    finally:
+        first.close()
+    assert _epoch(root, cache, values, reset_stale_cache=True, mask_and_scale=False)["gets"] == 2

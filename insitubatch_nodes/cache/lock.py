@@ -1,4 +1,12 @@
-"""One writer per cache directory: the lock file, who holds it, and shared readers."""
+"""One writer per cache directory: the lock file, who holds it, and shared readers.
+
+The kernel drops a ``flock`` when its holder exits, however it exits: there is no stale lock and
+no cleanup step. Never delete the lock file: that releases nothing and lets the next two
+processes lock different files. A network file system (where ``flock`` may be local to each
+client) or a platform without ``flock`` warns that writers there are not arbitrated. Pipelines
+of one process share a directory (one lock, joined), and must keep each array alike there
+(:func:`share_arrays`).
+"""
 
 from __future__ import annotations
 
@@ -10,18 +18,20 @@ import socket
 import threading
 import time
 import warnings
+import weakref
+from collections.abc import Mapping
 from pathlib import Path
 
 from insitubatch_nodes.cache import _filemap
 from insitubatch_nodes.cache._filemap import Region
-from insitubatch_nodes.errors import CacheBusyError
+from insitubatch_nodes.errors import CacheBusyError, StaleCacheError
 
 try:  # POSIX
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "DirLock", "not_writable", "take_lock"]
+__all__ = ["LOCK_NAME", "DirLock", "not_writable", "share_arrays", "take_lock", "unshare_arrays"]
 
 LOCK_NAME = ".insitu.lock"
 # file systems on which flock may be emulated per client (two hosts can both "hold" it)
@@ -313,3 +323,47 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# the persistent caches open in this process, per directory: what each caches (array path ->
+# fingerprint), weakly (a cache collected without close() no longer counts)
+_SHARED: dict[str, list[tuple[weakref.ref[object], dict[str, str]]]] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def share_arrays(directory: Path, owner: object, fingerprints: Mapping[str, str]) -> None:
+    """Record that ``owner`` (a cache open on ``directory``) keeps ``fingerprints``' arrays
+    there. Pipelines of one process share a directory, and a chunk's file has one name per
+    ``(array, chunk)``: two that keep one array made otherwise (other chunk transforms,
+    decoding, patches) would each replace the other's files. Raises :class:`StaleCacheError`
+    naming such arrays while the other is open."""
+    key = os.path.realpath(directory)
+    with _SHARED_LOCK:
+        live = [(r, fps) for r, fps in _SHARED.get(key, ()) if r() is not None]
+        clash = sorted({
+            p for r, fps in live if r() is not owner
+            for p, fp in fps.items() if fingerprints.get(p, fp) != fp
+        })  # fmt: skip
+        if clash:
+            raise StaleCacheError(
+                f"cache_dir {directory} is open in this process by another pipeline that keeps "
+                f"{', '.join(map(repr, clash))} made with another geometry, decoding "
+                "(mask_and_scale, cf_dtype), patches or chunk transforms: both would write that "
+                "array's chunk files, each over the other's. Pipelines of one process sharing a "
+                "cache_dir must make each array alike; close the other pipeline first "
+                "(pipe.close()), or give this one another cache_dir."
+            )
+        mine = next((fps for r, fps in live if r() is owner), None)
+        if mine is None:
+            live.append((weakref.ref(owner), mine := {}))
+        mine.update(fingerprints)
+        _SHARED[key] = live
+
+
+def unshare_arrays(directory: Path, owner: object) -> None:
+    """``owner`` closed: its arrays no longer bind the directory's other pipelines."""
+    key = os.path.realpath(directory)
+    with _SHARED_LOCK:
+        live = [(r, f) for r, f in _SHARED.pop(key, ()) if r() is not None and r() is not owner]
+        if live:
+            _SHARED[key] = live
