@@ -125,3 +125,32 @@ def test_two_pipelines_of_one_process_caching_an_array_otherwise_are_refused_one
     finally:
         first.close()
     assert _epoch(root, cache, values, reset_stale_cache=True, mask_and_scale=False)["gets"] == 2
+
+
+def test_two_pipelines_of_one_process_over_two_stores_are_refused_one_cache_dir(
+    tmp_path: Path,
+) -> None:
+    """Two pipelines of one process over one cache_dir, reading ``t2m`` of two stores of one
+    schema (a training and a validation store). Before: the second picked up the first's
+    chunks from the shared log as they landed — same array path, same fingerprint, never
+    checked against its own store — and delivered store a's values as store b's, checksums
+    and all (every batch wrong, by default). After: building the second raises
+    StaleCacheError naming the array and both stores; the same store opened another way (a
+    path and a zarr LocalStore of it) still shares the directory."""
+    a, b, cache = tmp_path / "a.zarr", tmp_path / "b.zarr", tmp_path / "cache"
+    in_a, in_b = _write(a, (4, 4, 4), seed=0), _write(b, (4, 4, 4), seed=1)
+
+    def build(store: Any) -> Any:
+        geom = open_geometries(store)["t2m"]
+        return insitu_pipeline(store, split_by_chunk(geom, (1.0, 0.0, 0.0)), {"t2m": geom},
+                               coords=(), cache_dir=cache, persist=True)  # fmt: skip
+
+    first = build(a)
+    try:
+        with pytest.raises(StaleCacheError, match=r"'t2m'.*b\.zarr.*close"):
+            build(b)
+        build(zarr.storage.LocalStore(a, read_only=True)).close()  # the same objects
+    finally:
+        first.close()
+    assert _epoch(b, cache, in_b)["gets"] == 2  # one after the other: each checked, right
+    assert _epoch(a, cache, in_a)["gets"] == 2  # (b's files replaced a's: one name per chunk)

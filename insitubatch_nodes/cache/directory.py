@@ -245,7 +245,7 @@ class ChunkCache:
             self._index.clear()
             self._logs.clear()
             if self.persistent:
-                share_arrays(self.root, self, self.fingerprints)  # before _load resets any
+                share_arrays(self.root, self, self.fingerprints, self.store_check)  # before _load
                 self._load()
                 self._check_store()
             if self.persistent and not self.readonly:
@@ -333,7 +333,7 @@ class ChunkCache:
         objects changed are dropped (or refused: ``StaleCacheError``), as at open."""
         new = {p: fp for p, fp in fingerprints.items() if p not in self.fingerprints}
         if self.persistent and not self.closed:
-            share_arrays(self.root, self, new)
+            share_arrays(self.root, self, new, self.store_check)
         self.fingerprints.update(new)
         if self.store_check is not None:
             self.store_check.tiles.update({p: tiles[p] for p in new})

@@ -152,6 +152,7 @@ class LocalLister:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.fspath(root)
+        self.where: str = "file://" + os.path.realpath(self.root)  #: whose objects (see StoreCheck)
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         keys: list[str] = []
@@ -187,6 +188,7 @@ class ObstoreLister:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.where: str = f"{inner!r} {(getattr(inner, 'config', None) or {}).get('endpoint', '')}"
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         import obstore
@@ -217,6 +219,7 @@ class HeadLister:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+        self.where: str = repr(getattr(store, "store", store))
 
     def list(self, prefix: str, keys: Iterable[str] = ()) -> Listing:
         from insitubatch_nodes.io.objects import head_objects
@@ -245,6 +248,7 @@ class RoutedLister:
     def __init__(self, listers: Sequence[Lister]) -> None:
         self.listers = tuple(listers)
         self.kind = "routed:" + ",".join(str(lister.kind) for lister in listers)
+        self.where: str = "routed:" + ",".join(lister.where for lister in listers)
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         from insitubatch_nodes.io.routing import split_routed
@@ -481,6 +485,9 @@ class StoreCheck:
         self.tiles = dict(tiles)
         self.enabled = bool(enabled)
         self.name = name or repr(store)
+        #: whose objects the cache holds: two checks of one ``where`` see the same objects (a
+        #: folder however it is opened; a store that cannot be listed, by the object itself)
+        self.where = f"id:{id(store)}" if isinstance(self.lister, str) else self.lister.where
 
     @property
     def cannot_check(self) -> str | None:

@@ -20,7 +20,9 @@ import time
 import warnings
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from insitubatch_nodes.cache import _filemap
 from insitubatch_nodes.cache._filemap import Region
@@ -325,38 +327,65 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-# the persistent caches open in this process, per directory: what each caches (array path ->
-# fingerprint), weakly (a cache collected without close() no longer counts)
-_SHARED: dict[str, list[tuple[weakref.ref[object], dict[str, str]]]] = {}
+@dataclass
+class _Keeper:
+    """A persistent cache open in this process (weakly: one collected without close() no
+    longer counts), what it keeps (array path -> fingerprint) and from which store."""
+
+    owner: weakref.ref[object]
+    fingerprints: dict[str, str]
+    store: str  # whose objects (``StoreCheck.where``)
+    name: str  # the store, as errors name it
+
+
+_SHARED: dict[str, list[_Keeper]] = {}  # per directory
 _SHARED_LOCK = threading.Lock()
 
 
-def share_arrays(directory: Path, owner: object, fingerprints: Mapping[str, str]) -> None:
+def share_arrays(
+    directory: Path, owner: object, fingerprints: Mapping[str, str], check: Any = None
+) -> None:
     """Record that ``owner`` (a cache open on ``directory``) keeps ``fingerprints``' arrays
-    there. Pipelines of one process share a directory, and a chunk's file has one name per
-    ``(array, chunk)``: two that keep one array made otherwise (other chunk transforms,
-    decoding, patches) would each replace the other's files. Raises :class:`StaleCacheError`
-    naming such arrays while the other is open."""
+    there, read from the store of ``check`` (its ``StoreCheck``: ``where`` says whose objects,
+    ``name`` names the store in errors). Pipelines of one process share a directory, and a
+    chunk's file has one name per ``(array, chunk)``: two that keep one array made otherwise
+    (other chunk transforms, decoding, patches) would each replace the other's files, and one
+    reading another store would take the other's chunks for its own as they land. Raises
+    :class:`StaleCacheError` naming such arrays while the other is open."""
     key = os.path.realpath(directory)
+    store, name = getattr(check, "where", ""), getattr(check, "name", "")
     with _SHARED_LOCK:
-        live = [(r, fps) for r, fps in _SHARED.get(key, ()) if r() is not None]
-        clash = sorted({
-            p for r, fps in live if r() is not owner
-            for p, fp in fps.items() if fingerprints.get(p, fp) != fp
+        live = [k for k in _SHARED.get(key, ()) if k.owner() is not None]
+        others = [k for k in live if k.owner() is not owner]
+        made = sorted({
+            p for k in others for p, fp in k.fingerprints.items()
+            if fingerprints.get(p, fp) != fp
         })  # fmt: skip
-        if clash:
-            raise StaleCacheError(
-                f"cache_dir {directory} is open in this process by another pipeline that keeps "
-                f"{', '.join(map(repr, clash))} made with another geometry, decoding "
-                "(mask_and_scale, cf_dtype), patches or chunk transforms: both would write that "
-                "array's chunk files, each over the other's. Pipelines of one process sharing a "
-                "cache_dir must make each array alike; close the other pipeline first "
-                "(pipe.close()), or give this one another cache_dir."
+        read = [(sorted(k.fingerprints.keys() & fingerprints.keys()), k.name)
+                for k in others if k.store != store]  # fmt: skip
+        read = [(paths, other) for paths, other in read if paths]
+        if made:
+            why = (
+                f"keeps {', '.join(map(repr, made))} made with another geometry, decoding "
+                "(mask_and_scale, cf_dtype), patches or chunk transforms: both would write "
+                "its chunk files, each over the other's"
             )
-        mine = next((fps for r, fps in live if r() is owner), None)
+        elif read:
+            why = (
+                f"keeps {', '.join(map(repr, read[0][0]))} read from store {read[0][1]}, not "
+                f"{name or store}: each would serve the other's chunks as its own"
+            )
+        if made or read:
+            raise StaleCacheError(
+                f"cache_dir {directory} is open in this process by another pipeline that {why}. "
+                "Pipelines of one process sharing a cache_dir must read each array they both "
+                "keep alike, from one store; close the other pipeline first (pipe.close()), "
+                "or give this one another cache_dir."
+            )
+        mine = next((k for k in live if k.owner() is owner), None)
         if mine is None:
-            live.append((weakref.ref(owner), mine := {}))
-        mine.update(fingerprints)
+            live.append(mine := _Keeper(weakref.ref(owner), {}, store, name))
+        mine.fingerprints.update(fingerprints)
         _SHARED[key] = live
 
 
@@ -364,6 +393,6 @@ def unshare_arrays(directory: Path, owner: object) -> None:
     """``owner`` closed: its arrays no longer bind the directory's other pipelines."""
     key = os.path.realpath(directory)
     with _SHARED_LOCK:
-        live = [(r, f) for r, f in _SHARED.pop(key, ()) if r() is not None and r() is not owner]
+        live = [k for k in _SHARED.pop(key, ()) if k.owner() not in (None, owner)]
         if live:
             _SHARED[key] = live
