@@ -354,39 +354,48 @@ def share_arrays(
     :class:`StaleCacheError` naming such arrays while the other is open."""
     key = os.path.realpath(directory)
     store, name = getattr(check, "where", ""), getattr(check, "name", "")
-    with _SHARED_LOCK:
-        live = [k for k in _SHARED.get(key, ()) if k.owner() is not None]
-        others = [k for k in live if k.owner() is not owner]
-        made = sorted({
-            p for k in others for p, fp in k.fingerprints.items()
-            if fingerprints.get(p, fp) != fp
-        })  # fmt: skip
-        read = [(sorted(k.fingerprints.keys() & fingerprints.keys()), k.name)
-                for k in others if k.store != store]  # fmt: skip
-        read = [(paths, other) for paths, other in read if paths]
-        if made:
-            why = (
-                f"keeps {', '.join(map(repr, made))} made with another geometry, decoding "
-                "(mask_and_scale, cf_dtype), patches or chunk transforms: both would write "
-                "its chunk files, each over the other's"
-            )
-        elif read:
-            why = (
-                f"keeps {', '.join(map(repr, read[0][0]))} read from store {read[0][1]}, not "
+    for attempt in range(2):
+        with _SHARED_LOCK:
+            live = [k for k in _SHARED.get(key, ()) if k.owner() is not None]
+            why = _clash([k for k in live if k.owner() is not owner], fingerprints, store, name)
+            if why is None:
+                mine = next((k for k in live if k.owner() is owner), None)
+                if mine is None:
+                    live.append(mine := _Keeper(weakref.ref(owner), {}, store, name))
+                mine.fingerprints.update(fingerprints)
+                _SHARED[key] = live
+                return
+        if attempt == 0:  # a pipeline merely unreferenced (held in a cycle) counts until collected
+            gc.collect()
+    raise StaleCacheError(
+        f"cache_dir {directory} is open in this process by another pipeline that {why}. "
+        "Pipelines of one process sharing a cache_dir must read each array they both keep "
+        "alike, from one store; close the other pipeline first (pipe.close()), or give this "
+        "one another cache_dir."
+    )
+
+
+def _clash(
+    others: list[_Keeper], fingerprints: Mapping[str, str], store: str, name: str
+) -> str | None:
+    """Why ``fingerprints`` from ``store`` cannot share the directory with ``others``."""
+    made = sorted({
+        p for k in others for p, fp in k.fingerprints.items() if fingerprints.get(p, fp) != fp
+    })  # fmt: skip
+    if made:
+        return (
+            f"keeps {', '.join(map(repr, made))} made with another geometry, decoding "
+            "(mask_and_scale, cf_dtype), patches or chunk transforms: both would write its "
+            "chunk files, each over the other's"
+        )
+    for k in others:
+        read = sorted(k.fingerprints.keys() & fingerprints.keys())
+        if read and k.store != store:
+            return (
+                f"keeps {', '.join(map(repr, read))} read from store {k.name}, not "
                 f"{name or store}: each would serve the other's chunks as its own"
             )
-        if made or read:
-            raise StaleCacheError(
-                f"cache_dir {directory} is open in this process by another pipeline that {why}. "
-                "Pipelines of one process sharing a cache_dir must read each array they both "
-                "keep alike, from one store; close the other pipeline first (pipe.close()), "
-                "or give this one another cache_dir."
-            )
-        mine = next((k for k in live if k.owner() is owner), None)
-        if mine is None:
-            live.append(mine := _Keeper(weakref.ref(owner), {}, store, name))
-        mine.fingerprints.update(fingerprints)
-        _SHARED[key] = live
+    return None
 
 
 def unshare_arrays(directory: Path, owner: object) -> None:
