@@ -16,9 +16,9 @@ so the budget is held as page cache the kernel can write back and reclaim. Two m
 **Keys and identity.** A cached chunk is keyed by ``(array path, chunk index along the sample
 axis)`` — the array's own index, so overlapping splits and sample ranges share entries. Every log
 line carries the fingerprint of its array (:mod:`~insitubatch_nodes.cache.fingerprint`: the
-geometry and
-the chunk transforms scoped to that array). Opening a cache whose lines disagree with the current
-fingerprint of an array the pipeline reads raises :class:`StaleCacheError` naming those arrays;
+geometry and the chunk transforms scoped to that array). Opening a cache whose lines disagree
+with the current fingerprint of an array the pipeline reads raises :class:`StaleCacheError`
+naming those arrays (as does another pipeline of this process keeping it otherwise there);
 ``reset_stale_cache=True`` deletes just their files and log lines instead. The data is checked
 too (:mod:`~insitubatch_nodes.cache.identity`): a writer records what identifies each stored
 object it read in ``insitu_identity.jsonl`` as each chunk is committed, and opening lists each
@@ -43,36 +43,29 @@ rewritten, with a checksum this time; a reader raises :class:`CacheMissError` sa
 are ignored when a line is read.
 
 **Replace, never truncate.** A chunk file is written under a temporary name and renamed into
-place once its data is complete, so a process that maps the old file keeps reading the old,
-intact bytes (the rename gives the name a new inode; the old one lives as long as a mapping
-does). Temporary files a killed writer left are swept by the next writer of that directory.
+place once complete: a process mapping the old file keeps reading its intact bytes (the old inode
+lives as long as a mapping does). The next writer sweeps temporary files a killed writer left.
 
-**One writer per directory.** An advisory ``flock`` on ``.insitu.lock`` is taken when the cache
-opens and released only after every mapping of its files is gone: exclusive for a writer (spill
-or persistent), shared for ``readonly_cache=True``. A second writer, a writer while readers run,
-or a reader while a writer runs, fails at once with :class:`CacheBusyError` naming the holder.
-The kernel drops the lock when its holder exits, however it exits: there is no stale lock and no
-cleanup step. Never delete the lock file: that releases nothing and lets the next two processes
-lock different files. A network file system (where ``flock`` may be local to each client) or a
-platform without ``flock`` warns that writers there are not arbitrated.
+**One writer per directory** (:mod:`~insitubatch_nodes.cache.lock`). An advisory ``flock`` on
+``.insitu.lock``, exclusive for a writer (spill or persistent), shared for ``readonly_cache=True``,
+is taken when the cache opens and released once every mapping of its files is gone; a conflicting
+process fails at once with :class:`CacheBusyError` naming the holder. Pipelines of one process
+share the directory, and must keep each array alike there (``lock.share_arrays``).
 
-**Read-only.** ``readonly_cache=True`` writes nothing (not even the lock file) and a chunk missing
-from the cache raises :class:`CacheMissError` naming the array and chunk: the run asserts that the
-cache is complete for what it reads.
+**Read-only.** ``readonly_cache=True`` writes nothing (not even the lock file); a chunk missing
+from the cache raises :class:`CacheMissError` naming the array and chunk.
 
 **A full disk.** A file is mapped writable only once it has its blocks
-(:mod:`~insitubatch_nodes.cache._filemap`), so a full file system is never SIGBUS in a decode: the
-persistent cache warns once and leaves the chunks that do not fit in RAM slots, not persisted
-(:meth:`ChunkCache.new_slot` returns ``None``); spill raises :class:`CacheDiskFullError` (its
-slot memory does not move into RAM behind the budget's back). No mapping holds a descriptor.
+(:mod:`~insitubatch_nodes.cache._filemap`): a full file system is never SIGBUS in a decode. The
+persistent cache warns once and keeps the chunks that do not fit in RAM slots, not persisted
+(:meth:`ChunkCache.new_slot` returns ``None``); spill raises :class:`CacheDiskFullError`.
 
-**Ranks.** Under DDP each rank writes its own directory — ``cache_dir`` itself for rank 0,
-``cache_dir/rank-<r>`` for rank ``r`` — holding that directory's lock, and reads the logs of all of
-them (re-reading the others' as they grow), so a chunk any rank completed is a hit for every
-rank, in this run and the next, and the disk holds one copy of it. Two ranks that miss the same
-chunk at once (the tail chunks several ranks share, or an epoch boundary) do not both write it:
-the first to create its claim file in ``cache_dir/.claims`` writes it, the other keeps its copy in
-memory. A second *job* on the same directory fails at construction, on rank 0's lock.
+**Ranks.** Under DDP rank ``r`` writes its own directory (``cache_dir`` for rank 0,
+``cache_dir/rank-<r>`` for the others) under its lock, and reads the logs of all of them as they
+grow: a chunk any rank completed is a hit for every rank, now and in the next run, and the disk
+holds one copy. Two ranks missing one chunk at once do not both write it: the first to create its
+claim file in ``cache_dir/.claims`` does, the other keeps its copy in memory. A second *job* on
+the same directory fails at construction, on rank 0's lock.
 """
 
 from __future__ import annotations
@@ -88,7 +81,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +115,9 @@ from insitubatch_nodes.cache.lock import (
     DirLock,
     not_writable,
     pid_alive,
+    share_arrays,
     take_lock,
+    unshare_arrays,
     warn_unarbitrated,
 )
 from insitubatch_nodes.cache.log import Log, Logged, entry_line, is_checked, matches, parse_entry
@@ -250,6 +245,7 @@ class ChunkCache:
             self._index.clear()
             self._logs.clear()
             if self.persistent:
+                share_arrays(self.root, self, self.fingerprints, self.store_check)  # before _load
                 self._load()
                 self._check_store()
             if self.persistent and not self.readonly:
@@ -264,6 +260,7 @@ class ChunkCache:
             # it here — nothing else would until the process exits
             self._close_log()
             self._close_identity()
+            unshare_arrays(self.root, self)
             for lock in locks:
                 lock.release()
             self._locks[:] = []
@@ -291,6 +288,7 @@ class ChunkCache:
         self.stop()
         self._close_log()
         self._close_identity()
+        unshare_arrays(self.root, self)
         locks = list(self._locks)
         self._release_locks(locks)
         # a close that had to leave locks waiting (an error's traceback still held a mapping)
@@ -332,22 +330,27 @@ class ChunkCache:
         """Cache arrays this cache was opened without too (``{path: fingerprint}``, ``{path:
         stored objects per chunk}``: a static array that ``set_views`` adds). Their chunks
         logged with another fingerprint are misses (rewritten by a writer); those whose stored
-        objects changed were dropped (or refused) at open, as every array's."""
+        objects changed are dropped (or refused: ``StaleCacheError``), as at open."""
         new = {p: fp for p, fp in fingerprints.items() if p not in self.fingerprints}
+        if self.persistent and not self.closed:
+            share_arrays(self.root, self, new, self.store_check)
         self.fingerprints.update(new)
         if self.store_check is not None:
             self.store_check.tiles.update({p: tiles[p] for p in new})
         for key in [k for k, lg in self._index.items() if new.get(k[0], lg.fp) != lg.fp]:
             self.forget(key)
+        self._check_store(new)  # (nothing to list when nothing is new)
 
-    def _check_store(self) -> None:
-        """Drop (a writer) or refuse (``readonly``) the cached chunks whose stored objects
-        changed since they were cached: one listing per array (see store_identity)."""
+    def _check_store(self, arrays: Collection[str] | None = None) -> None:
+        """Drop (a writer) or refuse (``readonly``) the cached chunks of ``arrays`` (default: the
+        pipeline's; another store's, sharing the directory, are not this store's to judge) whose
+        stored objects changed since cached: one listing per array (see store_identity)."""
         check = self.store_check
         if check is None or not check.enabled or not self._index:
             return
+        arrays = self.fingerprints if arrays is None else arrays
         report = check.stale(store_identity.chunks_by_array(
-            (key, logged.file) for key, logged in self._index.items()
+            (key, logged.file) for key, logged in self._index.items() if key[0] in arrays
         ))  # fmt: skip
         if report.unchecked is not None:
             if (str(self.root), check.name) in WARNED_UNCHECKED:

@@ -18,9 +18,11 @@ identifies it — nothing is requested for it:
 
 :class:`IdentityRecorder` keeps what a chunk's fill read and writes it when the chunk is
 committed — after the chunk file was renamed into place and before its log line — as compact
-JSON rows in ``insitu_identity.jsonl``, a file of each writer directory's own (append-only, last
-row of a key wins). A crash between the two leaves a row that describes the file's bytes, or
-the old row, which then no longer matches the store: never a row that vouches for bytes it did
+JSON rows in ``insitu_identity.jsonl``, a file of each writer directory's own (append-only). A
+chunk's rows are those of its last commit: a chunk fetched again after the store was rewritten
+with other chunking is made of other objects, and the old ones no longer describe it. A crash
+between the file's rename and its log line leaves a row that describes the file's bytes, or the
+old row, which then no longer matches the store: never a row that vouches for bytes it did
 not describe.
 
 **Checking (a later run, one listing per array).** :class:`StoreCheck` lists each cached array's
@@ -84,8 +86,10 @@ __all__ = [
 IDENTITY_NAME = "insitu_identity.jsonl"
 _ABSENT = -1  # the size recorded for an object that was not there (read as the fill value)
 
-# one row: [array, chunk, store key, size (-1: absent), tag ("" when none), mtime_ns (-1), kind]
-Row = tuple[str, int, str, int, str, int, str]
+# one row: [array, chunk, store key, size (-1: absent), tag ("" when none), mtime_ns (-1), kind,
+# commit] -- the commit is a token of the writer's commit of that chunk (rows without it, of
+# caches warmed before it was recorded, count as one commit)
+Row = tuple[str, int, str, int, str, int, str, str]
 
 
 def meta_identity(meta: Mapping[str, Any] | os.stat_result | None) -> tuple[int, str, int]:
@@ -148,6 +152,7 @@ class LocalLister:
 
     def __init__(self, root: str | os.PathLike[str]) -> None:
         self.root = os.fspath(root)
+        self.where: str = "file://" + os.path.realpath(self.root)  #: whose objects (see StoreCheck)
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         keys: list[str] = []
@@ -183,6 +188,7 @@ class ObstoreLister:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
+        self.where: str = f"{inner!r} {(getattr(inner, 'config', None) or {}).get('endpoint', '')}"
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         import obstore
@@ -213,6 +219,7 @@ class HeadLister:
 
     def __init__(self, store: Any) -> None:
         self.store = store
+        self.where: str = repr(getattr(store, "store", store))
 
     def list(self, prefix: str, keys: Iterable[str] = ()) -> Listing:
         from insitubatch_nodes.io.objects import head_objects
@@ -241,6 +248,7 @@ class RoutedLister:
     def __init__(self, listers: Sequence[Lister]) -> None:
         self.listers = tuple(listers)
         self.kind = "routed:" + ",".join(str(lister.kind) for lister in listers)
+        self.where: str = "routed:" + ",".join(lister.where for lister in listers)
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         from insitubatch_nodes.io.routing import split_routed
@@ -320,6 +328,8 @@ class IdentityRecorder:
         self.kind = kind
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], dict[str, Row]] = {}
+        self._session = os.urandom(4).hex()  # with a counter: a token per commit
+        self._commits = 0
         self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
 
     def expect(self, key: tuple[str, int]) -> None:
@@ -331,15 +341,19 @@ class IdentityRecorder:
         with self._lock:
             rows = self._pending.get((array, chunk))
             if rows is not None:
-                rows[store_key] = (array, int(chunk), store_key, *ident, self.kind)
+                rows[store_key] = (array, int(chunk), store_key, *ident, self.kind, "")
 
     def commit(self, key: tuple[str, int]) -> None:
         """Write ``key``'s rows (call after its file is in place, before its log line)."""
         with self._lock:
             rows = self._pending.pop(key, None)
             fd = self._fd
+            self._commits += 1
+            commit = f"{self._session}.{self._commits}"
         if rows and fd is not None:
-            text = "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in rows.values())
+            text = "".join(
+                json.dumps([*r[:7], commit], separators=(",", ":")) + "\n" for r in rows.values()
+            )
             os.write(fd, text.encode())
 
     def discard(self, key: tuple[str, int]) -> None:
@@ -356,7 +370,8 @@ class IdentityRecorder:
 
 @dataclass(frozen=True)
 class Recorded:
-    """The rows one writer directory recorded for one array, as columns (last row of a key)."""
+    """The rows one writer directory recorded for one array, as columns (of each chunk's last
+    commit, the last row of a key)."""
 
     chunks: np.ndarray  # int64
     keys: np.ndarray  # str
@@ -373,8 +388,9 @@ _RECORDED_FIELDS = ("chunks", "keys", "sizes", "tags", "mtimes", "kinds")
 
 
 def read_identities(directory: Path) -> dict[str, Recorded]:
-    """``{array: rows}`` recorded in ``directory`` (the last row of a store key wins; a torn last
-    line, or a line that is not a row, is skipped: its chunks are unrecorded)."""
+    """``{array: rows}`` recorded in ``directory``: each chunk's rows of its last commit (the last
+    row of an array's store key wins among them); a torn last line, or a line that is not a row,
+    is skipped: its chunks are unrecorded."""
     try:
         data = (directory / IDENTITY_NAME).read_bytes()
     except FileNotFoundError:
@@ -389,11 +405,11 @@ def read_identities(directory: Path) -> dict[str, Recorded]:
                 rows.append(json.loads(line))
             except ValueError:
                 continue
-    rows = [r for r in rows if type(r) is list and len(r) == 7]
+    rows = [r if len(r) == 8 else [*r, ""] for r in rows if type(r) is list and len(r) in (7, 8)]
     if not rows:
         return {}
     try:
-        arrays, chunks, keys, sizes, tags, mtimes, kinds = (
+        arrays, chunks, keys, sizes, tags, mtimes, kinds, commits = (
             np.array(col) for col in zip(*rows, strict=True)
         )
         cols = Recorded(
@@ -404,12 +420,20 @@ def read_identities(directory: Path) -> dict[str, Recorded]:
             mtimes.astype(np.int64),
             kinds.astype(str),
         )
+        arrays, commits = arrays.astype(str), commits.astype(str)
     except (TypeError, ValueError):  # a row of the wrong types: nothing here can be vouched for
         return {}
-    # the last row of each key: the first of the reversed rows
-    _, first = np.unique(cols.keys[::-1], return_index=True)
-    last = np.sort(len(rows) - 1 - first)
-    arrays, cols = arrays[last].astype(str), cols.take(last)
+    # a chunk's rows are those of its last commit (the commit of its last row) ...
+    unit = np.char.add(np.char.add(arrays, "\x00"), cols.chunks.astype(str))
+    _, inverse = np.unique(unit, return_inverse=True)
+    last_of_unit = np.zeros(int(inverse.max()) + 1, dtype=np.int64)
+    np.maximum.at(last_of_unit, inverse, np.arange(len(rows)))
+    keep = np.flatnonzero(commits == commits[last_of_unit[inverse]])
+    # ... and within it (or among rows without a commit) the last row of each store key
+    obj = np.char.add(np.char.add(arrays[keep], "\x00"), cols.keys[keep])
+    _, first = np.unique(obj[::-1], return_index=True)
+    last = keep[np.sort(len(keep) - 1 - first)]
+    arrays, cols = arrays[last], cols.take(last)
     return {str(a): cols.take(arrays == a) for a in np.unique(arrays)}
 
 
@@ -461,6 +485,9 @@ class StoreCheck:
         self.tiles = dict(tiles)
         self.enabled = bool(enabled)
         self.name = name or repr(store)
+        #: whose objects the cache holds: two checks of one ``where`` see the same objects (a
+        #: folder however it is opened; a store that cannot be listed, by the object itself)
+        self.where = f"id:{id(store)}" if isinstance(self.lister, str) else self.lister.where
 
     @property
     def cannot_check(self) -> str | None:

@@ -1,4 +1,12 @@
-"""One writer per cache directory: the lock file, who holds it, and shared readers."""
+"""One writer per cache directory: the lock file, who holds it, and shared readers.
+
+The kernel drops a ``flock`` when its holder exits, however it exits: there is no stale lock and
+no cleanup step. Never delete the lock file: that releases nothing and lets the next two
+processes lock different files. A network file system (where ``flock`` may be local to each
+client) or a platform without ``flock`` warns that writers there are not arbitrated. Pipelines
+of one process share a directory (one lock, joined), and must keep each array alike there
+(:func:`share_arrays`).
+"""
 
 from __future__ import annotations
 
@@ -10,18 +18,22 @@ import socket
 import threading
 import time
 import warnings
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from insitubatch_nodes.cache import _filemap
 from insitubatch_nodes.cache._filemap import Region
-from insitubatch_nodes.errors import CacheBusyError
+from insitubatch_nodes.errors import CacheBusyError, StaleCacheError
 
 try:  # POSIX
     import fcntl
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "DirLock", "not_writable", "take_lock"]
+__all__ = ["LOCK_NAME", "DirLock", "not_writable", "share_arrays", "take_lock", "unshare_arrays"]
 
 LOCK_NAME = ".insitu.lock"
 # file systems on which flock may be emulated per client (two hosts can both "hold" it)
@@ -313,3 +325,83 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@dataclass
+class _Keeper:
+    """A persistent cache open in this process (weakly: one collected without close() no
+    longer counts), what it keeps (array path -> fingerprint) and from which store."""
+
+    owner: weakref.ref[object]
+    fingerprints: dict[str, str]
+    store: str  # whose objects (``StoreCheck.where``)
+    name: str  # the store, as errors name it
+
+
+_SHARED: dict[str, list[_Keeper]] = {}  # per directory
+_SHARED_LOCK = threading.Lock()
+
+
+def share_arrays(
+    directory: Path, owner: object, fingerprints: Mapping[str, str], check: Any = None
+) -> None:
+    """Record that ``owner`` (a cache open on ``directory``) keeps ``fingerprints``' arrays
+    there, read from the store of ``check`` (its ``StoreCheck``: ``where`` says whose objects,
+    ``name`` names the store in errors). Pipelines of one process share a directory, and a
+    chunk's file has one name per ``(array, chunk)``: two that keep one array made otherwise
+    (other chunk transforms, decoding, patches) would each replace the other's files, and one
+    reading another store would take the other's chunks for its own as they land. Raises
+    :class:`StaleCacheError` naming such arrays while the other is open."""
+    key = os.path.realpath(directory)
+    store, name = getattr(check, "where", ""), getattr(check, "name", "")
+    for attempt in range(2):
+        with _SHARED_LOCK:
+            live = [k for k in _SHARED.get(key, ()) if k.owner() is not None]
+            why = _clash([k for k in live if k.owner() is not owner], fingerprints, store, name)
+            if why is None:
+                mine = next((k for k in live if k.owner() is owner), None)
+                if mine is None:
+                    live.append(mine := _Keeper(weakref.ref(owner), {}, store, name))
+                mine.fingerprints.update(fingerprints)
+                _SHARED[key] = live
+                return
+        if attempt == 0:  # a pipeline merely unreferenced (held in a cycle) counts until collected
+            gc.collect()
+    raise StaleCacheError(
+        f"cache_dir {directory} is open in this process by another pipeline that {why}. "
+        "Pipelines of one process sharing a cache_dir must read each array they both keep "
+        "alike, from one store; close the other pipeline first (pipe.close()), or give this "
+        "one another cache_dir."
+    )
+
+
+def _clash(
+    others: list[_Keeper], fingerprints: Mapping[str, str], store: str, name: str
+) -> str | None:
+    """Why ``fingerprints`` from ``store`` cannot share the directory with ``others``."""
+    made = sorted({
+        p for k in others for p, fp in k.fingerprints.items() if fingerprints.get(p, fp) != fp
+    })  # fmt: skip
+    if made:
+        return (
+            f"keeps {', '.join(map(repr, made))} made with another geometry, decoding "
+            "(mask_and_scale, cf_dtype), patches or chunk transforms: both would write its "
+            "chunk files, each over the other's"
+        )
+    for k in others:
+        read = sorted(k.fingerprints.keys() & fingerprints.keys())
+        if read and k.store != store:
+            return (
+                f"keeps {', '.join(map(repr, read))} read from store {k.name}, not "
+                f"{name or store}: each would serve the other's chunks as its own"
+            )
+    return None
+
+
+def unshare_arrays(directory: Path, owner: object) -> None:
+    """``owner`` closed: its arrays no longer bind the directory's other pipelines."""
+    key = os.path.realpath(directory)
+    with _SHARED_LOCK:
+        live = [k for k in _SHARED.pop(key, ()) if k.owner() not in (None, owner)]
+        if live:
+            _SHARED[key] = live
