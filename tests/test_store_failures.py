@@ -55,7 +55,7 @@ URL = f"s3://{BUCKET}/{PREFIX}"
 # A policy small enough to keep the tests quick: the claims are about the mechanism.
 QUICK = {"timeout_s": 3.0, "stall_timeout_s": 1.0, "connect_timeout_s": 1.0}
 # The retry clock's speed in the tests that use ``retry_clock``.
-SCALE = 0.25
+SCALE = 0.15
 
 
 @pytest.fixture(scope="module")
