@@ -8,6 +8,7 @@ unless cancelled. A store that stops answering through obstore is covered in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import shutil
@@ -18,6 +19,7 @@ import textwrap
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -233,6 +235,40 @@ class _Signalled(Exception):
     pass
 
 
+@contextlib.contextmanager
+def _signal_taken_by_another_thread(
+    ready: Callable[[], object], fallback: Callable[[], object]
+) -> Iterator[None]:
+    """The block is a wait of the main thread that must end, raising ``_Signalled``, within
+    ``PROMPT_S`` of a SIGUSR1 that a thread other than the main one takes (sent to itself once
+    ``ready()`` returns; the handler raises in the main thread). ``fallback()`` ends the wait
+    when the signal did not."""
+    raised = threading.Event()
+
+    def send() -> None:
+        ready()
+        time.sleep(0.1)  # the main thread is in its wait
+        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # taken by this thread
+        if not raised.wait(PROMPT_S):
+            fallback()  # (an untimed wait: only this ends it, long after the signal)
+
+    def on_signal(signum: int, frame: Any) -> None:
+        raise _Signalled
+
+    previous = signal.signal(signal.SIGUSR1, on_signal)
+    other = threading.Thread(target=send, daemon=True)
+    try:
+        other.start()
+        t0 = time.monotonic()
+        with pytest.raises(_Signalled):
+            yield
+        raised.set()
+        assert time.monotonic() - t0 < PROMPT_S
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+        other.join()
+
+
 def test_a_signal_another_thread_received_ends_a_next_waiting_on_a_stalled_get(
     root: Path,
 ) -> None:
@@ -244,65 +280,23 @@ def test_a_signal_another_thread_received_ends_a_next_waiting_on_a_stalled_get(
     pipe = insitu_pipeline(
         store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, coords=()
     )
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise _Signalled
-
-    raised = threading.Event()
-
-    def signal_from_another_thread() -> None:
-        assert _gets_in_flight(store)
-        time.sleep(0.1)  # next() is waiting on its hand-off
-        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)  # taken by this thread
-        if not raised.wait(PROMPT_S):
-            pipe.close()  # (the old code: only this woke next(), long after the signal)
-
-    previous = signal.signal(signal.SIGUSR1, on_signal)
-    other = threading.Thread(target=signal_from_another_thread, daemon=True)
     try:
-        other.start()
-        t0 = time.monotonic()
-        with pytest.raises(_Signalled):
+        with _signal_taken_by_another_thread(lambda: _gets_in_flight(store), pipe.close):
             next(pipe)
-        raised.set()
-        assert time.monotonic() - t0 < PROMPT_S
     finally:
-        signal.signal(signal.SIGUSR1, previous)
-        other.join()
         pipe.close()
 
 
 def test_a_signal_another_thread_received_ends_a_wait_on_the_io_loop_and_cancels_it() -> None:
     # what reading metadata or a static field waits on: a coroutine on the IO loop, here one
-    # that never ends (a stalled store); the signal is taken by another thread
+    # that never ends (a stalled store)
     async def stalled() -> None:
         await asyncio.sleep(3600)
 
     future = asyncio.run_coroutine_threadsafe(stalled(), _runtime.io_loop())
-    raised = threading.Event()
-
-    def signal_from_another_thread() -> None:
-        time.sleep(0.1)
-        signal.pthread_kill(threading.get_ident(), signal.SIGUSR1)
-        if not raised.wait(PROMPT_S):
-            future.cancel()  # (an untimed wait: only this ends it)
-
-    def on_signal(signum: int, frame: Any) -> None:
-        raise _Signalled
-
-    previous = signal.signal(signal.SIGUSR1, on_signal)
-    other = threading.Thread(target=signal_from_another_thread, daemon=True)
-    try:
-        other.start()
-        t0 = time.monotonic()
-        with pytest.raises(_Signalled):
-            _waits.result(future)
-        raised.set()
-        assert time.monotonic() - t0 < PROMPT_S
-        assert future.cancelled()
-    finally:
-        signal.signal(signal.SIGUSR1, previous)
-        other.join()
+    with _signal_taken_by_another_thread(lambda: None, future.cancel):
+        _waits.result(future)
+    assert future.cancelled()
 
 
 @pytest.mark.parametrize("how", ["reset", "close", "del"])
