@@ -46,17 +46,10 @@ from insitubatch_nodes import (
     split_by_chunk,
     stack,
 )
+from insitubatch_nodes.forcings import FORCINGS
 from insitubatch_nodes.synthetic import make_era5_like
 
 N, SPC = 30, 4  # the ERA5-like store: 30 six-hourly steps in chunks of 4
-FORCING_NAMES = [
-    "toa_incident_solar_radiation",
-    "cos_solar_zenith",
-    "local_time_sin",
-    "local_time_cos",
-    "year_progress_sin",
-    "year_progress_cos",
-]
 
 
 @dataclass
@@ -208,7 +201,7 @@ def _stack_case(era5: Path, layout: str) -> Case:
     manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
     members = {"t2m": g["t2m"], "z": g["z"].isel(level=[0, 2]), "lsm": g["lsm"]}
     stats = fit_statistics(era5, manifest, members)
-    sun = Forcings("x", view=g["t2m"], names=FORCING_NAMES)
+    sun = Forcings("x", view=g["t2m"], names=list(FORCINGS))
     x = stack(
         {"t2m": g["t2m"].window([-1, 0]), "z": g["z"].isel(level=[0, 2]).window([-1, 0]),
          "lsm": g["lsm"], "sun": sun},
@@ -234,7 +227,7 @@ def _labels_case(era5: Path, name: str) -> Case:
     options: dict[str, Any] = {}
     if name == "static_and_forcings":
         views = {"a": g["t2m"], "lsm": g["lsm"], "lsm_rows": g["lsm"].isel(lat=[1, 2])}
-        options["batch_transforms"] = [Forcings("a", view=g["t2m"], names=FORCING_NAMES)]
+        options["batch_transforms"] = [Forcings("a", view=g["t2m"], names=list(FORCINGS))]
         valid = _windows(steps)
     elif name == "isel_sel":
         views = {"a": g["z"].sel(level=500), "b": g["z"].isel(level=[2, 0]).shift(2),
