@@ -131,8 +131,7 @@ class LocalReader:
         if probe and not os.access(self._prefix + key, os.F_OK):
             if info_out is not None:
                 info_out.append(None)
-            if self._cold > 0:  # nothing to read ahead for a missing object
-                self._cold -= 1
+            self._found_missing()
             return None
         try:
             # O_NONBLOCK: opening a FIFO planted in the store must not hang (no effect on files)
@@ -140,8 +139,7 @@ class LocalReader:
         except _MISSING:
             if info_out is not None:
                 info_out.append(None)
-            if self._cold > 0:  # nothing to read ahead for a missing object
-                self._cold -= 1
+            self._found_missing()
             return None
         try:
             info = os.fstat(fd)
@@ -165,6 +163,19 @@ class LocalReader:
         finally:
             os.close(fd)
 
+    def _found_missing(self) -> None:
+        """A read found no object: there was nothing to read ahead for it, so it counts as a
+        read the page cache served. A first read that finds none decides the verdict (warm)
+        rather than leaving it open: a store of missing objects (a metadata-only or sparse
+        one) would otherwise be taken for cold after :data:`VERDICT_WAIT_S`, and the readahead
+        would try to open every missing object a second time. A later read from disk turns the
+        readahead back on."""
+        if self._cold > 0:
+            self._cold -= 1
+        elif self._cold == _UNKNOWN:
+            self._cold = 0
+            self.decided.set()
+
     def _cached_prefix(self, fd: int, view: memoryview) -> int:
         """Read what the page cache holds of the file without waiting for the disk
         (``RWF_NOWAIT``): the bytes read. All of them means the file was cached; fewer counts
@@ -180,11 +191,13 @@ class LocalReader:
                 self._cold = _COLD_READS
             self.decided.set()
             return 0
+        first = self._cold == _UNKNOWN
         if got < len(view):
             self._cold = _COLD_READS
         elif self._cold:
             self._cold = max(0, self._cold - 1)  # (the first read, found cached: warm)
-        self.decided.set()
+        if first:  # (Event.set takes a lock: once is enough)
+            self.decided.set()
         return got
 
     def _buffer(self, size: int) -> np.ndarray:
