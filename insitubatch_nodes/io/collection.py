@@ -61,7 +61,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
 from insitubatch_nodes.io.axes import axis_of, dims_option, named_axes
 from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option, decoding_text
-from insitubatch_nodes.io.collection_checks import refuse_member_array
+from insitubatch_nodes.io.collection_checks import refuse_member_array, refuse_other_grids
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import (
     SCHEMA_FIELDS,
@@ -349,12 +349,14 @@ class Collection:
         Checked here: every store but the last holds whole chunks (of every variable) of what
         it contributes, and the times of ``dim``'s coordinate continue from store to store at
         one step, without a gap (nor an overlap, unless ``overlap`` says who wins); otherwise
-        ``ValueError`` naming the stores and the times. ``mask_and_scale`` and ``cf_dtype``:
-        how the views decode (the class docstring), checked before any store is read; so is
-        ``dims`` (``{variable: names}``, a variable being an array path of ``variables``): the
-        dimension names of arrays that name none, by which ``dim`` and its time coordinate are
-        found (where an array names none and ``dims`` does not name it, ``ValueError`` says
-        so)."""
+        ``ValueError`` naming the stores and the times. The stores are on one grid: each other
+        dimension's coordinate (``lat``, ``level``), where two stores have one, holds the same
+        values in the same order (``ValueError`` naming the dimension and the stores).
+        ``mask_and_scale`` and ``cf_dtype``: how the views decode (the class docstring),
+        checked before any store is read; so is ``dims`` (``{variable: names}``, a variable
+        being an array path of ``variables``): the dimension names of arrays that name none, by
+        which ``dim`` and its time coordinate are found (where an array names none and
+        ``dims`` does not name it, ``ValueError`` says so)."""
         cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         if overlap not in ("error", "first", "last"):
             raise ValueError(f"overlap must be 'error', 'first' or 'last', got {overlap!r}")
@@ -369,6 +371,7 @@ class Collection:
         paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
         names = [str(n) for n in names]
         spans = continuation(zstore, names, paths, dim, overlap, dims)
+        refuse_other_grids(zstore, names, paths, dim, dims)
         return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans,
                    mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims)  # fmt: skip
 

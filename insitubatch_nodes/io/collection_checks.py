@@ -6,18 +6,24 @@ the members do not share) and that the store it reads holds a view's members. Ke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import numpy as np
 import zarr
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.arrays import array_cf
+from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf, open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.stores import describe_store
 
-__all__ = ["check_collection_in_store", "refuse_collection_options", "refuse_member_array"]
+__all__ = [
+    "check_collection_in_store",
+    "refuse_collection_options",
+    "refuse_member_array",
+    "refuse_other_grids",
+]
 
 
 def refuse_member_array(
@@ -46,6 +52,59 @@ def refuse_member_array(
         f"{collection}: member {members[m]!r} has no array for variable {variable!r} at "
         f"{paths[m]!r} of {describe_store(store)}"
     )
+
+
+def refuse_other_grids(
+    store: Any,
+    names: Sequence[str],
+    paths: Mapping[str, Sequence[str]],
+    dim: str,
+    dims: Mapping[str, Sequence[str]],
+) -> None:
+    """Refuse stores joined along ``dim`` (``concat``) whose field coordinates differ: for each
+    variable (``paths``: each store's array, in ``store``) and each of its other dimensions,
+    the coordinate named like it (``lat``, ``level``), where the first store and another both
+    have one, must hold the same values, in the same order. Otherwise rows of the two stores
+    at one field index are at other points (a latitude stored north to south in one store,
+    south to north in the next), and a selection by value, made on the first store's
+    coordinates, would pick other points in the other: ``ValueError`` naming the stores, the
+    dimension and both coordinates. ``dims`` names the axes of arrays that name none."""
+    reader = FieldCoordinates(store)
+    for variable, located in paths.items():
+        geoms = open_geometries(store, list(located))
+        given = dims.get(variable)
+        views = [
+            geoms[p] if given is None else replace(geoms[p], dim_names=tuple(given))
+            for p in located
+        ]
+        for field_dim in views[0].dims or ():
+            if field_dim == dim:
+                continue
+            try:
+                first = reader(views[0], field_dim)
+            except KeyError:  # no coordinate: nothing says where the points are
+                continue
+            for name, view in zip(names[1:], views[1:], strict=True):
+                try:
+                    own = reader(view, field_dim)
+                except KeyError:
+                    continue
+                if own.shape == first.shape and np.array_equal(
+                    own, first, equal_nan=own.dtype.kind == first.dtype.kind == "f"
+                ):
+                    continue
+                raise ValueError(
+                    f"concat: the {field_dim!r} coordinate of {variable!r} is {_listed(own)} in "
+                    f"store {name!r} and {_listed(first)} in store {names[0]!r}: their rows "
+                    f"would hold other points at the same index along {field_dim!r}. Write "
+                    f"the stores on one grid (with xarray: ds.sortby({field_dim!r}), or "
+                    f"ds.reindex({field_dim}=...)), or read them in separate pipelines"
+                )
+
+
+def _listed(values: np.ndarray) -> str:
+    shown = values[:8].tolist()
+    return f"{shown}{' ...' if len(values) > 8 else ''}"
 
 
 def refuse_collection_options(

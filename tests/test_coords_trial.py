@@ -1,0 +1,54 @@
+"""The coordinates a batch's rows are attached to belong to those rows: cases found by the
+coordinate trial of 2026-12-06 (xarray-written stores, xarray as the oracle), each kept as a
+claim. A row's field is the field at the coordinate values the view says it holds."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+
+from insitubatch_nodes import concat, insitu_pipeline, split_by_chunk
+
+LON = [0.0, 120.0, 240.0]
+
+
+def _write(root: Path, times: np.ndarray, lat: list[float], seed: int) -> Path:
+    """``t2m (time, lat, lon)``, two steps a chunk, CF time in hours; xarray writes it."""
+    rng = np.random.default_rng(seed)
+    field = rng.standard_normal((len(times), len(lat), len(LON))).astype(np.float32)
+    ds = xr.Dataset(
+        {"t2m": (("time", "lat", "lon"), field)},
+        coords={"time": times, "lat": lat, "lon": LON},
+    )
+    encoding = {"t2m": {"chunks": (2, len(lat), len(LON))},
+                "time": {"units": "hours since 2000-01-01", "dtype": "int64"}}  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, encoding=encoding, consolidated=False)
+    return root
+
+
+def test_concat_refuses_stores_whose_field_coordinates_differ(tmp_path: Path) -> None:
+    # before: accepted, and the rows of b.zarr came at a.zarr's latitudes (its lat 0, 30 rows
+    # under sel(lat=slice(0, 30)) held lat 0 and -30)
+    times = pd.date_range("2000-01-01", periods=8, freq="6h").values
+    north_up = _write(tmp_path / "a.zarr", times[:4], [-30.0, 0.0, 30.0], 0)
+    south_up = _write(tmp_path / "b.zarr", times[4:], [30.0, 0.0, -30.0], 1)
+    with pytest.raises(ValueError, match=r"'lat' coordinate of 't2m'.*b\.zarr") as err:
+        concat([north_up, south_up], ["t2m"], dim="time")
+    assert "[-30.0, 0.0, 30.0]" in str(err.value) and "[30.0, 0.0, -30.0]" in str(err.value)
+    # stores on one grid: each row is its store's field at the selected latitudes
+    same = _write(tmp_path / "c.zarr", times[4:], [-30.0, 0.0, 30.0], 2)
+    coll = concat([north_up, same], ["t2m"], dim="time")
+    manifest = split_by_chunk(coll["t2m"], (1.0, 0.0, 0.0))
+    view = coll["t2m"].sel(lat=slice(0, 30))
+    with insitu_pipeline(coll, manifest, {"x": view}, batch_size=8, shuffle=False) as pipe:
+        batch = next(iter(pipe))
+    with xr.open_mfdataset([north_up, same], engine="zarr", consolidated=False) as both:
+        want = both.t2m.sel(lat=[0.0, 30.0]).values
+    np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
