@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from insitubatch_nodes import concat, insitu_pipeline, split_by_chunk
+from insitubatch_nodes import Collection, concat, insitu_pipeline, split_by_chunk
 
 LON = [0.0, 120.0, 240.0]
 
@@ -52,3 +52,27 @@ def test_concat_refuses_stores_whose_field_coordinates_differ(tmp_path: Path) ->
     with xr.open_mfdataset([north_up, same], engine="zarr", consolidated=False) as both:
         want = both.t2m.sel(lat=[0.0, 30.0]).values
     np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
+
+
+def test_sel_on_scenes_at_other_places_is_refused_naming_the_member(tmp_path: Path) -> None:
+    # before: sel looked values up in the first scene's lat only, so sel(lat=slice(0, 30))
+    # delivered scene b's rows at its lat 60 and 70
+    times = pd.date_range("2000-01-01", periods=4, freq="6h").values
+    a = _write(tmp_path / "a.zarr", times, [-30.0, 0.0, 30.0], 0)
+    b = _write(tmp_path / "b.zarr", times, [50.0, 60.0, 70.0], 1)
+    c = _write(tmp_path / "c.zarr", times, [-30.0, 0.0, 30.0], 2)
+    scenes = Collection.from_arrays([(a, "t2m"), (b, "t2m")], names=["a", "b"])
+    with pytest.raises(
+        ValueError, match=r"'lat' coordinate of member 'b'.*\[50\.0, 60\.0, 70\.0\].*isel"
+    ):
+        scenes["data"].sel(lat=slice(0, 30))
+    assert scenes["data"].sel(lon=120.0).inner_shape == (3,)  # lon: one grid, selectable
+    # scenes on one grid: each row is its member's field at the selected latitudes
+    same = Collection.from_arrays([(a, "t2m"), (c, "t2m")], names=["a", "c"])
+    view = same["data"].sel(lat=slice(0, 30))
+    manifest = split_by_chunk(same["data"], (1.0, 0.0, 0.0))
+    with insitu_pipeline(same, manifest, {"x": view}, batch_size=8, shuffle=False) as pipe:
+        batch = next(iter(pipe))
+    for row, i, m in zip(batch["x"], batch.sample_indices["x"], batch.members["x"], strict=True):
+        with xr.open_zarr([a, c][m], consolidated=False) as ds:
+            np.testing.assert_array_equal(row, ds.t2m.sel(lat=[0.0, 30.0]).values[i])

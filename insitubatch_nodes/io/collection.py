@@ -50,7 +50,6 @@ import math
 import os
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -58,10 +57,14 @@ import zarr
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf
+from insitubatch_nodes.io.arrays import array_cf
 from insitubatch_nodes.io.axes import axis_of, dims_option, named_axes
 from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option, decoding_text
-from insitubatch_nodes.io.collection_checks import refuse_member_array, refuse_other_grids
+from insitubatch_nodes.io.collection_checks import (
+    MemberCoordinates,
+    refuse_member_array,
+    refuse_other_grids,
+)
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import (
     SCHEMA_FIELDS,
@@ -607,7 +610,7 @@ class Collection:
             members=members,
             product=grid,
             cf=cf,
-            coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
+            coordinates=MemberCoordinates(self.store, self._paths[variable], self.members),
             dim_names=self.dims.get(variable),
         )
 
@@ -644,23 +647,10 @@ class Collection:
             zarr_format=int(ref.metadata.zarr_format),
             metadata=ref.metadata,
             members=members,
-            coordinates=FirstMemberCoordinates(self.store, self._paths[variable][0]),
+            coordinates=MemberCoordinates(self.store, self._paths[variable], self.members),
             cf=cf,
             dim_names=self.dims.get(variable),
         )
-
-
-class FirstMemberCoordinates:
-    """The field coordinates (``level``, ``y``) of a collection variable: its first member's
-    (every member has the same field), what ``sel`` on a collection view looks values up in.
-    Picklable when the store is."""
-
-    def __init__(self, store: Any, path: str) -> None:
-        self.path = path
-        self.reader = FieldCoordinates(store)
-
-    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
-        return self.reader(replace(geom, path=self.path, members=None), dim)
 
 
 def concat(

@@ -19,6 +19,7 @@ from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = [
+    "MemberCoordinates",
     "check_collection_in_store",
     "refuse_collection_options",
     "refuse_member_array",
@@ -54,6 +55,48 @@ def refuse_member_array(
     )
 
 
+class MemberCoordinates:
+    """The field coordinates (``level``, ``lat``) of a collection variable, what ``sel`` on a
+    collection view looks values up in (and a stack's channel names, a forcing's grid):
+    ``reader(geom, dim)`` is the first member's coordinate named like ``dim``, where every
+    member that has one holds the same values in the same order. A member whose coordinate
+    differs (a scene at another place) has other points at the same index, so a selection by
+    value has no one answer: ``ValueError`` naming the member, both coordinates, and to select
+    by index with ``isel``. ``KeyError`` where the first member has none. Each member's
+    coordinate is read once (one read per member the first time a dimension is asked for).
+    Picklable when the store is."""
+
+    def __init__(self, store: Any, paths: Sequence[str], names: Sequence[str]) -> None:
+        self.paths = tuple(paths)
+        self.names = tuple(names)
+        self.reader = FieldCoordinates(store)
+
+    def differing(self, geom: ArrayGeometry, dim: str) -> tuple[str, np.ndarray, np.ndarray]:
+        """``(member, its coordinate, the first member's)`` of the first member whose
+        coordinate ``dim`` differs from the first member's, or ``("", first, first)``."""
+        first = self.reader(replace(geom, path=self.paths[0], members=None), dim)
+        for name, path in zip(self.names[1:], self.paths[1:], strict=True):
+            try:
+                own = self.reader(replace(geom, path=path, members=None), dim)
+            except KeyError:  # no coordinate: nothing says where its points are
+                continue
+            kind = own.dtype.kind == first.dtype.kind == "f"
+            if own.shape != first.shape or not np.array_equal(own, first, equal_nan=kind):
+                return name, own, first
+        return "", first, first
+
+    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
+        name, own, first = self.differing(geom, dim)
+        if name:
+            raise ValueError(
+                f"{geom.path}: the {dim!r} coordinate of member {name!r} is {_listed(own)}, "
+                f"and of member {self.names[0]!r} {_listed(first)}: the members hold other "
+                f"points at the same index along {dim!r}, so a value of it selects no one "
+                f"index; select by index with isel({dim}=...)"
+            )
+        return first
+
+
 def refuse_other_grids(
     store: Any,
     names: Sequence[str],
@@ -64,35 +107,25 @@ def refuse_other_grids(
     """Refuse stores joined along ``dim`` (``concat``) whose field coordinates differ: for each
     variable (``paths``: each store's array, in ``store``) and each of its other dimensions,
     the coordinate named like it (``lat``, ``level``), where the first store and another both
-    have one, must hold the same values, in the same order. Otherwise rows of the two stores
-    at one field index are at other points (a latitude stored north to south in one store,
-    south to north in the next), and a selection by value, made on the first store's
-    coordinates, would pick other points in the other: ``ValueError`` naming the stores, the
-    dimension and both coordinates. ``dims`` names the axes of arrays that name none."""
-    reader = FieldCoordinates(store)
+    have one, must hold the same values, in the same order (:class:`MemberCoordinates`).
+    Otherwise rows of the two stores at one field index are at other points (a latitude
+    stored north to south in one store, south to north in the next), and a selection by
+    value, made on the first store's coordinates, would pick other points in the other:
+    ``ValueError`` naming the stores, the dimension and both coordinates. ``dims`` names the
+    axes of arrays that name none."""
     for variable, located in paths.items():
-        geoms = open_geometries(store, list(located))
+        geom = open_geometries(store, [located[0]])[located[0]]
         given = dims.get(variable)
-        views = [
-            geoms[p] if given is None else replace(geoms[p], dim_names=tuple(given))
-            for p in located
-        ]
-        for field_dim in views[0].dims or ():
+        geom = geom if given is None else replace(geom, dim_names=tuple(given))
+        coordinates = MemberCoordinates(store, located, names)
+        for field_dim in geom.dims or ():
             if field_dim == dim:
                 continue
             try:
-                first = reader(views[0], field_dim)
-            except KeyError:  # no coordinate: nothing says where the points are
+                name, own, first = coordinates.differing(geom, field_dim)
+            except KeyError:  # the first store has none: nothing to compare with
                 continue
-            for name, view in zip(names[1:], views[1:], strict=True):
-                try:
-                    own = reader(view, field_dim)
-                except KeyError:
-                    continue
-                if own.shape == first.shape and np.array_equal(
-                    own, first, equal_nan=own.dtype.kind == first.dtype.kind == "f"
-                ):
-                    continue
+            if name:
                 raise ValueError(
                     f"concat: the {field_dim!r} coordinate of {variable!r} is {_listed(own)} in "
                     f"store {name!r} and {_listed(first)} in store {names[0]!r}: their rows "
