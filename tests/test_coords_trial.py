@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from insitubatch_nodes import Collection, concat, insitu_pipeline, split_by_chunk
+from insitubatch_nodes import Collection, concat, insitu_pipeline, open_geometries, split_by_chunk
 
 LON = [0.0, 120.0, 240.0]
 
@@ -76,3 +76,16 @@ def test_sel_on_scenes_at_other_places_is_refused_naming_the_member(tmp_path: Pa
     for row, i, m in zip(batch["x"], batch.sample_indices["x"], batch.members["x"], strict=True):
         with xr.open_zarr([a, c][m], consolidated=False) as ds:
             np.testing.assert_array_equal(row, ds.t2m.sel(lat=[0.0, 30.0]).values[i])
+
+
+def test_a_longitude_box_across_the_seam_is_refused_saying_it_is_not_supported(
+    tmp_path: Path,
+) -> None:
+    # before: "give the slice's ends in that order", which selects the complement of the box
+    times = pd.date_range("2000-01-01", periods=2, freq="6h").values
+    t2m = open_geometries(_write(tmp_path / "a.zarr", times, [0.0], 0))["t2m"]
+    with pytest.raises(IndexError, match=r"crosses.*not supported.*two views") as err:
+        t2m.sel(lon=slice(240.0, 0.0))  # 240 east across 360/0: lon is 0, 120, 240
+    assert "give the slice's ends in that order" not in str(err.value)
+    with pytest.raises(IndexError, match="give the slice's ends in that order"):
+        t2m.sel(lat=slice(10.0, -10.0))  # another dimension: the ends in the wrong order

@@ -364,14 +364,21 @@ def label_positions(
         if stop <= start:
             order = "descending" if descending and not ascending else "ascending"
             in_order = first is None or last is None or (first <= last) == (order == "ascending")
+            if in_order:
+                fix = "no value of it lies between the slice's ends"
+            elif name.lower().startswith("lon") and order == "ascending":
+                fix = (
+                    f"a box from {first} east to {last} crosses the seam of the longitudes "
+                    "(the antimeridian, or 360/0), which is not supported: select the two "
+                    f"parts as two views, sel({name}=slice({key.start}, None)) and "
+                    f"sel({name}=slice(None, {key.stop})), or store the longitudes rolled so "
+                    "that the box is one run of them"
+                )
+            else:
+                fix = "give the slice's ends in that order"
             raise IndexError(
                 f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
-                f"({values[0]} ... {values[-1]}): "
-                + (
-                    "no value of it lies between the slice's ends"
-                    if in_order
-                    else "give the slice's ends in that order"
-                )
+                f"({values[0]} ... {values[-1]}): {fix}"
             )
         return slice(start, stop, None if step is None else int(step))
     scalar = np.ndim(key) == 0
