@@ -61,12 +61,20 @@ def anchor_steps(
     ticks, coord_name, coord = None, "time", None
     if timed or missing is not None:
         coord = _time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
-        if coord is not None:
+        if coord is not None and (timed or dates):
             ticks = whole_seconds(
                 coord,
                 f"{manifest.array!r}'s time coordinate",
                 "a time stride, window offsets in time deltas and dates in missing=",
                 "or give an int stride, window offsets in samples and sample indices in missing=",
+            )
+        elif coord is not None:  # sample indices only: missing= still checks the times
+            ticks = whole_seconds(
+                coord,
+                f"{manifest.array!r}'s time coordinate",
+                "missing= checks the times (for gaps and missing times, whatever it lists) and "
+                "these checks",
+                "or leave missing= out (then nothing checks the times)",
             )
             coord_name = coord.name
     listed = np.zeros(n, dtype=bool)

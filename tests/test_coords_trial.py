@@ -89,3 +89,25 @@ def test_a_longitude_box_across_the_seam_is_refused_saying_it_is_not_supported(
     assert "give the slice's ends in that order" not in str(err.value)
     with pytest.raises(IndexError, match="give the slice's ends in that order"):
         t2m.sel(lat=slice(10.0, -10.0))  # another dimension: the ends in the wrong order
+
+
+def test_missing_indices_on_float32_times_say_that_missing_checks_the_times(
+    tmp_path: Path,
+) -> None:
+    # before: the refusal ended "or give ... sample indices in missing=", which it was given
+    times = pd.date_range("2000-03-01", periods=8, freq="1h").values
+    ds = xr.Dataset({"t2m": (("time", "lat"), np.zeros((8, 2), np.float32))},
+                    coords={"time": times, "lat": [0.0, 1.0]})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(tmp_path / "f.zarr", zarr_format=3, consolidated=False, encoding={
+            "time": {"units": "days since 2000-01-01", "dtype": "float32"}})  # fmt: skip
+    with xr.open_zarr(tmp_path / "f.zarr", consolidated=False) as xds:
+        assert (xds.time.values != times).any()  # xarray too decodes them off the hour
+    t2m = open_geometries(tmp_path / "f.zarr")["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="whole second") as err:
+        insitu_pipeline(tmp_path / "f.zarr", manifest, {"x": t2m}, missing=[3])
+    message = str(err.value)
+    assert "sample indices in missing=" not in message
+    assert "missing= checks the times" in message and "leave missing= out" in message
