@@ -173,11 +173,11 @@ def stack(
 
     ``ValueError`` for an unknown ``layout``, no member, no sampled member, members that
     disagree on ``T``, the field shape (or the order of its named dimensions: a transposed
-    grid) or the dtype (naming the member and what it has), a member of more than one axis
-    beyond the field, patched members not patched alike (or beside a static or forcing
-    member), a window still in time deltas, a member without statistics or with statistics
-    fitted on other channels (other levels, another order), or non-float members with
-    ``normalize``.
+    grid; or its points: grid coordinates, as selected, of other values) or the dtype
+    (naming the member and what it has), a member of more than one axis beyond the field,
+    patched members not patched alike (or beside a static or forcing member), a window still
+    in time deltas, a member without statistics or with statistics fitted on other channels
+    (other levels, another order), or non-float members with ``normalize``.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -240,6 +240,7 @@ def stack(
                 f"{first_on}: the shapes agree, the points do not (a transposed field); "
                 "stack fields stored in one axis order"
             )
+        _refuse_other_points(name, view, first_name, first, field_ndim)
         if not view.static and _steps(view) != steps:
             raise ValueError(
                 f"stack member {name!r} has {_describe_steps(_steps(view))}, but "
@@ -386,6 +387,49 @@ def _grid_dims(view: ArrayGeometry, field_ndim: int) -> tuple[str, ...] | None:
         return None
     kept = [view.dims[view.field_axes[i]] for i in kept_axes(view_keys(view))]
     return tuple(kept[len(kept) - field_ndim :])
+
+
+def _grid_points(view: ArrayGeometry, field_ndim: int) -> dict[str, np.ndarray]:
+    """``{dimension: coordinate values, as selected}`` of the view's field (its last
+    ``field_ndim`` kept axes), for those whose coordinate the view can read."""
+    if view.dims is None or view.coordinates is None:
+        return {}
+    keys = view_keys(view)
+    out = {}
+    for i in kept_axes(keys)[len(kept_axes(keys)) - field_ndim :]:
+        dim, key = view.dims[view.field_axes[i]], keys[i]
+        try:
+            values = np.asarray(view.coordinates(view.base, dim))
+        except (KeyError, ValueError):  # no such coordinate (or none shared): nothing to compare
+            continue
+        out[dim] = values if key is None else values[list(key)]  # type: ignore[arg-type]
+    return out
+
+
+def _refuse_other_points(
+    name: str, view: ArrayGeometry, first_name: str, first: ArrayGeometry, field_ndim: int
+) -> None:
+    """Refuse member ``name`` whose field is at other points than the first member's: a grid
+    dimension whose coordinate (as selected) both read holds other values (a latitude stored
+    the other way round in another store of a join), beyond float32 rounding."""
+    theirs = _grid_points(first, field_ndim)
+    for dim, values in _grid_points(view, field_ndim).items():
+        ref = theirs.get(dim)
+        if ref is None or ref.shape != values.shape:
+            continue
+        numeric = values.dtype.kind in "iuf" and ref.dtype.kind in "iuf"
+        same = (
+            np.allclose(values, ref, rtol=1e-6, atol=1e-6)
+            if numeric
+            else np.array_equal(values, ref)
+        )
+        if not same:
+            raise ValueError(
+                f"stack member {name!r} is at {dim!r} {values[:8].tolist()}, but "
+                f"{first_name!r} at {ref[:8].tolist()}: the shapes agree, the points do not. "
+                f"Select the first member's points with sel({dim}=[...]) on it, or stack "
+                "members on one grid"
+            )
 
 
 def _steps(view: ArrayGeometry) -> int | None:

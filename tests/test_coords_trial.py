@@ -12,7 +12,14 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from insitubatch_nodes import Collection, concat, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import (
+    Collection,
+    concat,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    stack,
+)
 
 LON = [0.0, 120.0, 240.0]
 
@@ -111,3 +118,23 @@ def test_missing_indices_on_float32_times_say_that_missing_checks_the_times(
     message = str(err.value)
     assert "sample indices in missing=" not in message
     assert "missing= checks the times" in message and "leave missing= out" in message
+
+
+def test_stack_refuses_members_on_other_points_of_a_grid_of_one_shape(tmp_path: Path) -> None:
+    # before: stacked, and the sst channel's row at t2m's lat 30 held sst at lat -30
+    times = pd.date_range("2000-01-01", periods=4, freq="6h").values
+    a = _write(tmp_path / "a.zarr", times, [-30.0, 0.0, 30.0], 0)
+    b = _write(tmp_path / "b.zarr", times, [30.0, 0.0, -30.0], 1)
+    joined = Collection.join({"atmos": (a, ["t2m"]), "forcing": (b, ["t2m"])})
+    atmos, forcing = joined["atmos/t2m"], joined["forcing/t2m"]
+    with pytest.raises(ValueError, match=r"member 'sst'.*'lat'.*\[30\.0, 0\.0, -30\.0\]"):
+        stack({"t2m": atmos, "sst": forcing})
+    # the same points, selected in the first member's order: stacked, point for point
+    x = stack({"t2m": atmos, "sst": forcing.sel(lat=[-30.0, 0.0, 30.0])})
+    manifest = split_by_chunk(atmos, (1.0, 0.0, 0.0))
+    with insitu_pipeline(joined, manifest, {"x": x}, batch_size=4, shuffle=False) as pipe:
+        batch = next(iter(pipe))
+    rows = batch.sample_indices["x"]
+    with xr.open_zarr(a, consolidated=False) as da, xr.open_zarr(b, consolidated=False) as db:
+        want = np.stack([da.t2m.values[rows], db.t2m.sel(lat=[-30.0, 0.0, 30.0]).values[rows]], 1)
+    np.testing.assert_array_equal(batch["x"], want)
