@@ -209,6 +209,7 @@ def stack(
                     f"has field shape {whole}{' (unpatched)' if first.patch else ''}: give "
                     "Forcings the members' grid (view=one of them)"
                 )
+            _refuse_other_forcing_points(view, first_name, first)
             for forcing in view.names:
                 channels.append(view.prefix + forcing)
                 one = Forcings(
@@ -429,6 +430,23 @@ def _refuse_other_points(
                 f"{first_name!r} at {ref[:8].tolist()}: the shapes agree, the points do not. "
                 f"Select the first member's points with sel({dim}=[...]) on it, or stack "
                 "members on one grid"
+            )
+
+
+def _refuse_other_forcing_points(forcings: Forcings, first_name: str, first: ArrayGeometry) -> None:
+    """Refuse forcings whose (lat, lon) grid is at other points than the first member's field
+    (its last two axes' coordinates, as selected, where it has both), beyond float32
+    rounding."""
+    grid = _grid_points(first, 2)
+    if len(grid) != 2:
+        return
+    for (dim, ref), values in zip(grid.items(), (forcings.lat, forcings.lon), strict=True):
+        if ref.dtype.kind in "iuf" and not np.allclose(values, ref, rtol=1e-6, atol=1e-6):
+            raise ValueError(
+                f"stack member {forcings.names[0]!r} (forcings) is computed at {dim!r} "
+                f"{values[:8].tolist()}, but {first_name!r} is at {ref[:8].tolist()}: the "
+                f"shapes agree, the points do not. Give Forcings the members' grid "
+                f"(view= the view of {first_name!r})"
             )
 
 

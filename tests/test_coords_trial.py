@@ -20,6 +20,7 @@ from insitubatch_nodes import (
     split_by_chunk,
     stack,
 )
+from insitubatch_nodes.forcings import Forcings
 
 LON = [0.0, 120.0, 240.0]
 
@@ -138,3 +139,15 @@ def test_stack_refuses_members_on_other_points_of_a_grid_of_one_shape(tmp_path: 
     with xr.open_zarr(a, consolidated=False) as da, xr.open_zarr(b, consolidated=False) as db:
         want = np.stack([da.t2m.values[rows], db.t2m.sel(lat=[-30.0, 0.0, 30.0]).values[rows]], 1)
     np.testing.assert_array_equal(batch["x"], want)
+
+
+def test_stack_refuses_forcings_on_other_points_than_its_members(tmp_path: Path) -> None:
+    # before: stacked, and the solar channel at the member's lat 30 was computed at lat -30
+    times = pd.date_range("2000-01-01", periods=4, freq="6h").values
+    a = _write(tmp_path / "a.zarr", times, [-30.0, 0.0, 30.0], 0)
+    t2m = open_geometries(a)["t2m"]
+    sun = Forcings("x", lat=[30.0, 0.0, -30.0], lon=LON, names=["cos_solar_zenith"])
+    with pytest.raises(ValueError, match=r"member 'cos_solar_zenith'.*'lat'.*\[30\.0, 0\.0"):
+        stack({"t2m": t2m, "sun": sun})
+    on_grid = Forcings("x", view=t2m, names=["cos_solar_zenith"])
+    assert stack({"t2m": t2m, "sun": on_grid}).channels == ("t2m", "cos_solar_zenith")
