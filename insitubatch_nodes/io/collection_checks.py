@@ -63,13 +63,20 @@ class MemberCoordinates:
     differs (a scene at another place) has other points at the same index, so a selection by
     value has no one answer: ``ValueError`` naming the member, both coordinates, and to select
     by index with ``isel``. ``KeyError`` where the first member has none. Each member's
-    coordinate is read once (one read per member the first time a dimension is asked for).
+    coordinate is read once (one read per member the first time a dimension is asked for;
+    ``reader``, a :class:`FieldCoordinates` of ``store``, shares what it read already).
     Picklable when the store is."""
 
-    def __init__(self, store: Any, paths: Sequence[str], names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        store: Any,
+        paths: Sequence[str],
+        names: Sequence[str],
+        reader: FieldCoordinates | None = None,
+    ) -> None:
         self.paths = tuple(paths)
         self.names = tuple(names)
-        self.reader = FieldCoordinates(store)
+        self.reader = FieldCoordinates(store) if reader is None else reader
 
     def differing(self, geom: ArrayGeometry, dim: str) -> tuple[str, np.ndarray, np.ndarray]:
         """``(member, its coordinate, the first member's)`` of the first member whose
@@ -112,12 +119,14 @@ def refuse_other_grids(
     stored north to south in one store, south to north in the next), and a selection by
     value, made on the first store's coordinates, would pick other points in the other:
     ``ValueError`` naming the stores, the dimension and both coordinates. ``dims`` names the
-    axes of arrays that name none."""
+    axes of arrays that name none. Each store's coordinate arrays are read once, whatever
+    the number of variables that share them."""
+    reader = FieldCoordinates(store)
     for variable, located in paths.items():
         geom = open_geometries(store, [located[0]])[located[0]]
         given = dims.get(variable)
         geom = geom if given is None else replace(geom, dim_names=tuple(given))
-        coordinates = MemberCoordinates(store, located, names)
+        coordinates = MemberCoordinates(store, located, names, reader)
         for field_dim in geom.dims or ():
             if field_dim == dim:
                 continue
