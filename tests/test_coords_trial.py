@@ -151,3 +151,23 @@ def test_stack_refuses_forcings_on_other_points_than_its_members(tmp_path: Path)
         stack({"t2m": t2m, "sun": sun})
     on_grid = Forcings("x", view=t2m, names=["cos_solar_zenith"])
     assert stack({"t2m": t2m, "sun": on_grid}).channels == ("t2m", "cos_solar_zenith")
+
+
+def test_a_slice_of_an_unsorted_string_coordinate_is_refused_not_misread(tmp_path: Path) -> None:
+    # before: taken for ascending, sel(var=slice("msl", "sp")) kept all four channels
+    times = pd.date_range("2000-01-01", periods=2, freq="6h").values
+    field = np.arange(16, dtype=np.float32).reshape(2, 4, 2)
+    for name, var in (("unsorted", ["t2m", "u10", "msl", "sp"]), ("sorted", ["a", "b", "c", "d"])):
+        ds = xr.Dataset({"x": (("time", "var", "lat"), field)},
+                        coords={"time": times, "var": var, "lat": [0.0, 1.0]})  # fmt: skip
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ds.to_zarr(tmp_path / f"{name}.zarr", zarr_format=3, consolidated=False)
+        x = open_geometries(tmp_path / f"{name}.zarr")["x"]
+        for key in (slice(var[2], var[3]), slice(None, var[1]), slice(var[1], None)):
+            if name == "unsorted":
+                with pytest.raises(ValueError, match="not monotonic"):
+                    x.sel(var=key)
+                continue
+            kept = x.sel(var=key).select.keys[0]  # type: ignore[union-attr]
+            assert [var[i] for i in kept] == ds["var"].sel(var=key).values.tolist()

@@ -342,9 +342,7 @@ def label_positions(
             ahead = label_positions(path, name, values, slice(key.stop, key.start))
             return slice(ahead.stop - 1, ahead.start - 1 if ahead.start else None, int(step))
         first, last = _in_dtype(values, key.start), _in_dtype(values, key.stop)
-        diffs = np.diff(values.astype(np.float64)) if values.dtype.kind in "iuf" else None
-        ascending = diffs is None or bool(np.all(diffs >= 0))
-        descending = diffs is not None and bool(np.all(diffs <= 0))
+        ascending, descending = _monotonic(values)
         if not (ascending or descending):
             raise ValueError(f"{path}: coordinate {name!r} is not monotonic; select by value list")
         lo_vals = values if ascending else values[::-1]
@@ -395,6 +393,17 @@ def label_positions(
             )
         out.append(int(hits[0]))
     return out[0] if scalar else out
+
+
+def _monotonic(values: np.ndarray) -> tuple[bool, bool]:
+    """Whether ``values`` never decrease, and whether they never increase (a NaN, or values
+    that do not compare, is neither). Strings and dates are ordered as numbers are."""
+    try:
+        with np.errstate(invalid="ignore"):
+            later, earlier = values[1:], values[:-1]
+            return bool(np.all(later >= earlier)), bool(np.all(later <= earlier))
+    except TypeError:
+        return False, False
 
 
 def _in_dtype(values: np.ndarray, key: Any) -> Any:
