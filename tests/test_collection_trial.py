@@ -1,0 +1,59 @@
+"""Wrong answers a black-box trial of collections found (2026-12-06), each a claim checked
+against zarr's own read of the member and index a batch names (the oracle).
+
+The trial built thousands of small cases (plates written by ome-zarr-py, members in several
+stores, concatenations and joins, zarr v2 and v3, sharded, ranks, resume) and compared every
+delivered row with zarr; the cases kept here are the ones that delivered a wrong row.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import zarr
+
+from insitubatch_nodes import Collection, Loader, insitu_pipeline, split_by_member
+
+
+def _members(root: Path, lengths: list[int], *, shards: int | None) -> list[str]:
+    """Members ``m{i}`` of a v3 group: ``a`` ``(n, 1, 2)`` chunked 3 samples (in shards of
+    ``shards`` samples, if given) and ``b`` like it, unsharded; values distinct per member,
+    sample and position."""
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    for m, n in enumerate(lengths):
+        for var, base in (("a", 0), ("b", 500)):
+            kw: dict[str, Any] = {"shards": (shards, 1, 2)} if shards and var == "a" else {}
+            arr = group.create_array(
+                f"m{m}/{var}", shape=(n, 1, 2), chunks=(3, 1, 2), dtype="f4",
+                dimension_names=("z", "y", "x"), **kw,
+            )  # fmt: skip
+            arr[:] = np.arange(n * 2, dtype="f4").reshape(n, 1, 2) + 1000 * m + base
+    return [f"m{m}" for m in range(len(lengths))]
+
+
+def test_a_plain_label_beside_a_patched_one_holds_each_rows_own_sample(tmp_path: Path) -> None:
+    # a patched view makes several rows of one sample (one per window), so a chunk's rows in a
+    # batch may repeat a sample: within [0, 0, 1, 4, 4] spans 5 rows from 0 to 4, which the
+    # gather took for 5 consecutive samples and copied samples 0..4 (rows 2-4 wrong, silently)
+    root = tmp_path / "plate.zarr"
+    lengths = [9, 5, 7]
+    groups = _members(root, lengths, shards=6)
+    oracle = [zarr.open_array(root, path=f"{g}/a", mode="r")[...] for g in groups]
+    coll = Collection.from_groups(root, groups, {"a": "a", "b": "b"}, sample_axis="z")
+    views = {"whole": coll["a"], "strip": coll["b"].patches({"x": 1})}
+    manifest = split_by_member(coll, {"train": 1.0})
+    for seed in range(4):
+        seen = []
+        with insitu_pipeline(coll, manifest, views, batch_size=5, block_chunks=2,
+                             seed=seed) as pipe:  # fmt: skip
+            for batch in Loader(pipe):
+                for r in range(len(batch)):
+                    m, i = int(batch.members["whole"][r]), int(batch.sample_indices["whole"][r])
+                    assert int(batch.members["strip"][r]) == m
+                    assert int(batch.sample_indices["strip"][r]) == i
+                    np.testing.assert_array_equal(batch["whole"][r], oracle[m][i])
+                    seen.append((m, i, int(batch.patch_origins["strip"][r][0])))
+        want = {(m, i, x) for m, n in enumerate(lengths) for i in range(n) for x in (0, 1)}
+        assert sorted(seen) == sorted(want)
