@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 import zarr
 
 from insitubatch_nodes import Collection, Loader, insitu_pipeline, split_by_member
@@ -57,3 +58,25 @@ def test_a_plain_label_beside_a_patched_one_holds_each_rows_own_sample(tmp_path:
                     seen.append((m, i, int(batch.patch_origins["strip"][r][0])))
         want = {(m, i, x) for m, n in enumerate(lengths) for i in range(n) for x in (0, 1)}
         assert sorted(seen) == sorted(want)
+
+
+def test_a_split_of_another_collection_is_refused_where_its_members_are_others(
+    tmp_path: Path,
+) -> None:
+    # two collections of the same fields, listed in another order, lay their members out
+    # alike; a split_by_member manifest of one, given with the other's views, made its
+    # train split read the other's member 0 ('m2', in val): a silent leak across splits
+    root = tmp_path / "plate.zarr"
+    groups = _members(root, [6, 6, 6], shards=None)
+    listed = Collection.from_groups(root, groups, {"a": "a"}, sample_axis="z")
+    reversed_ = Collection.from_groups(root, groups[::-1], {"a": "a"}, sample_axis="z")
+    manifest = split_by_member(listed, {"train": ["m0"], "val": ["m1", "m2"]})
+    with pytest.raises(ValueError, match=r"member 0 is 'm0'.*'m2'.*split the collection"):
+        insitu_pipeline(reversed_, manifest, {"x": reversed_["a"]}, batch_size=4)
+    # the same fields opened again in the same order (another variable, another level: other
+    # array paths) are the same members: the split holds there
+    again = Collection.from_groups(root, groups, {"b": "b"}, sample_axis="z")
+    with insitu_pipeline(again, manifest, {"x": again["b"]}, batch_size=4) as pipe:
+        rows = [(int(m), int(i)) for b in Loader(pipe) for m, i in
+                zip(b.members["x"], b.sample_indices["x"], strict=True)]  # fmt: skip
+    assert sorted(rows) == [(0, i) for i in range(6)]
