@@ -15,7 +15,14 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import Collection, Loader, insitu_pipeline, split_by_member
+from insitubatch_nodes import (
+    Collection,
+    Loader,
+    concat,
+    insitu_pipeline,
+    split_by_chunk,
+    split_by_member,
+)
 
 
 def _members(root: Path, lengths: list[int], *, shards: int | None) -> list[str]:
@@ -80,3 +87,46 @@ def test_a_split_of_another_collection_is_refused_where_its_members_are_others(
         rows = [(int(m), int(i)) for b in Loader(pipe) for m, i in
                 zip(b.members["x"], b.sample_indices["x"], strict=True)]  # fmt: skip
     assert sorted(rows) == [(0, i) for i in range(6)]
+
+
+def _period(root: Path, start: int, n: int) -> str:
+    """A v3 store of ``x`` ``(n, 2)`` chunked 2 steps, 6-hourly from hour ``start`` (CF time
+    beside it); ``x[i] = [hour, hour + 0.5]``, so every row says its own time."""
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    hours = start + 6 * np.arange(n)
+    x = group.create_array("x", shape=(n, 2), chunks=(2, 2), dtype="f8",
+                           dimension_names=("time", "c"))  # fmt: skip
+    x[:] = hours[:, None] + np.array([0.0, 0.5])
+    time = group.create_array("time", shape=(n,), chunks=(n,), dtype="i8", fill_value=-1,
+                              dimension_names=("time",))  # fmt: skip
+    time[:] = hours
+    time.attrs.update({"units": "hours since 2000-01-01", "calendar": "standard"})
+    return str(root)
+
+
+def test_a_subset_of_a_concatenation_keeps_one_timeline_or_is_refused(tmp_path: Path) -> None:
+    # subset() of a concatenation kept it one continuous axis whatever the names: reversed,
+    # the window [-1, 0] at the first step of the (earlier) second store read the last step
+    # of the (later) first store as the step before, with its times going back a day, silently
+    stores = [_period(tmp_path / f"p{k}.zarr", 24 * k, 4) for k in range(3)]
+    coll = concat(stores, ["x"])
+    for names in ([stores[1], stores[0]], [stores[0], stores[2]]):
+        with pytest.raises(ValueError, match=r"consecutive members in order.*concat"):
+            coll.subset(names)
+    tail = coll.subset(stores[1:])  # consecutive, in order: still one timeline
+    view = tail["x"].window([-1, 0])
+    manifest = split_by_chunk(tail["x"], (1.0, 0.0, 0.0))
+    with insitu_pipeline(tail, manifest, {"w": view}, coords=["time"], batch_size=3) as pipe:
+        hours = sorted(tuple(float(v) for v in row[:, 0]) for b in Loader(pipe) for row in b["w"])
+    assert hours == [(h - 6.0, float(h)) for h in range(30, 72, 6)]
+
+
+def test_stores_given_out_of_time_order_are_refused_as_such(tmp_path: Path) -> None:
+    # the refusal said the stores "overlap" and offered overlap="first" or "last", which
+    # cannot help: the later store was listed first
+    early, late = (_period(tmp_path / f"p{k}.zarr", 24 * k, 4) for k in range(2))
+    with pytest.raises(ValueError, match=r"starts at .* before .*in time order"):
+        concat([late, early], ["x"])
+    for overlap in ("first", "last"):
+        with pytest.raises(ValueError, match=r"in time order"):
+            concat([late, early], ["x"], overlap=overlap)
