@@ -20,9 +20,11 @@ from insitubatch_nodes import (
     Loader,
     concat,
     insitu_pipeline,
+    open_plate,
     split_by_chunk,
     split_by_member,
 )
+from insitubatch_nodes.synthetic import make_plate_metadata_only
 
 
 def _members(root: Path, lengths: list[int], *, shards: int | None) -> list[str]:
@@ -130,3 +132,22 @@ def test_stores_given_out_of_time_order_are_refused_as_such(tmp_path: Path) -> N
     for overlap in ("first", "last"):
         with pytest.raises(ValueError, match=r"in time order"):
             concat([late, early], ["x"], overlap=overlap)
+
+
+def test_a_plate_listing_a_well_or_a_field_twice_is_refused_naming_it(tmp_path: Path) -> None:
+    # open_plate said "member names must be unique ... give names=", a keyword it does not take
+    plate = make_plate_metadata_only(tmp_path / "p.zarr", rows=1, columns=2, fields=2,
+                                     shape=(1, 1, 2, 8, 8))  # fmt: skip
+    root = zarr.open_group(plate, mode="r+")
+    ome = root.attrs["ome"]
+    wells = ome["plate"]["wells"]
+    root.attrs["ome"] = {**ome, "plate": {**ome["plate"], "wells": [*wells, wells[0]]}}
+    with pytest.raises(ValueError, match=r"the plate's 'wells' list \['A/1'\] more than once"):
+        open_plate(plate)
+    root.attrs["ome"] = ome
+    well = root["A/2"]
+    meta = well.attrs["ome"]
+    images = meta["well"]["images"]
+    well.attrs["ome"] = {**meta, "well": {**meta["well"], "images": [*images, images[0]]}}
+    with pytest.raises(ValueError, match=r"well 'A/2''s 'images' list \['0'\] more than once"):
+        open_plate(plate)
