@@ -151,3 +151,28 @@ def test_a_plate_listing_a_well_or_a_field_twice_is_refused_naming_it(tmp_path: 
     well.attrs["ome"] = {**meta, "well": {**meta["well"], "images": [*images, images[0]]}}
     with pytest.raises(ValueError, match=r"well 'A/2''s 'images' list \['0'\] more than once"):
         open_plate(plate)
+
+
+def _sharded_period(root: Path, start: int, n: int) -> str:
+    """Like :func:`_period`, ``x`` chunked 2 steps in shards of 4."""
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    hours = start + 6 * np.arange(n)
+    x = group.create_array("x", shape=(n, 2), chunks=(2, 2), shards=(4, 2), dtype="f8",
+                           dimension_names=("time", "c"))  # fmt: skip
+    x[:] = hours[:, None] + np.array([0.0, 0.5])
+    time = group.create_array("time", shape=(n,), chunks=(n,), dtype="i8", fill_value=-1,
+                              dimension_names=("time",))  # fmt: skip
+    time[:] = hours
+    time.attrs.update({"units": "hours since 2000-01-01", "calendar": "standard"})
+    return str(root)
+
+
+def test_a_sharded_store_of_part_of_a_shard_is_refused_naming_shards(tmp_path: Path) -> None:
+    # the refusal said "not a whole number of chunks of 4" of stores chunked 2 steps: 4 is
+    # their shard, which it did not say
+    first, later = (
+        _sharded_period(tmp_path / "a.zarr", 0, 2),
+        _sharded_period(tmp_path / "b.zarr", 12, 4),
+    )
+    with pytest.raises(ValueError, match=r"holds 2 samples.* chunks of 4 \(.*shards.*list it last"):
+        concat([first, later], ["x"])

@@ -75,8 +75,9 @@ class MemberMap:
             m = int(ragged[0])
             raise ValueError(
                 f"{collection}: {self.names[m]!r} holds {int(n[m])} samples, not a whole number "
-                f"of chunks of {align}: only the last piece of a continuous axis may end in a "
-                "partial chunk"
+                f"of chunks of {align} (the objects stored along the axis: its shards, where "
+                "sharded): only the last piece of a continuous axis may end in a partial chunk; "
+                "trim that store to whole chunks, or list it last"
             )
         self.lengths = n
         #: the samples each member skips at its start, whole chunks (a concatenation whose
