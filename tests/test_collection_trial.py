@@ -176,3 +176,20 @@ def test_a_sharded_store_of_part_of_a_shard_is_refused_naming_shards(tmp_path: P
     )
     with pytest.raises(ValueError, match=r"holds 2 samples.* chunks of 4 \(.*shards.*list it last"):
         concat([first, later], ["x"])
+
+
+def test_fields_of_different_pyramids_at_level_minus_one_are_refused_saying_what_to_pick(
+    tmp_path: Path,
+) -> None:
+    # the refusal of level=-1 (the coarsest of each field, another path where the pyramids
+    # differ) said "pick the level by index", which level=-1 is
+    plate = make_plate_metadata_only(tmp_path / "p.zarr", rows=1, columns=2, fields=1,
+                                     shape=(1, 1, 2, 16, 16), levels=3)  # fmt: skip
+    field = zarr.open_group(plate, mode="r+")["A/2/0"]
+    ome = field.attrs["ome"]
+    (multiscale,) = ome["multiscales"]
+    shorter = {**multiscale, "datasets": multiscale["datasets"][:2]}
+    field.attrs["ome"] = {**ome, "multiscales": [shorter]}
+    with pytest.raises(ValueError, match=r"level=-1: .*pyramids differ.*level=0, or a pixel"):
+        open_plate(plate, level=-1)
+    assert open_plate(plate, level=1).paths("image") == ("A/1/0/1", "A/2/0/1")

@@ -531,9 +531,11 @@ def open_plate(
         for var, rel in variables.items():
             if own[var] != f"{f.path}/{rel}":
                 raise ValueError(
-                    f"field {f.path!r} keeps {var!r} at {own[var]!r}, field {first.path!r} at "
-                    f"{first.path}/{rel!r}: open_plate needs one path per variable within each "
-                    "field's group; pick the level by index or open the fields with "
+                    f"level={level!r}: field {f.path!r} keeps {var!r} at {own[var]!r}, field "
+                    f"{first.path!r} at {first.path + '/' + rel!r} (their pyramids differ): "
+                    "open_plate needs one path per variable within each field's group; pick a "
+                    "level every field keeps at the same path (an index below the fewest "
+                    "levels, such as level=0, or a pixel size), or open the fields with "
                     "Collection.from_groups"
                 )
     return Collection.from_groups(
