@@ -1,0 +1,87 @@
+"""A black-box trial of how an epoch is split between DDP ranks: the wrong answers it found.
+
+Each test is a case the trial's generator (one pipeline per rank in one process, zarr's read of
+the store as the oracle) caught answering wrongly, kept as a claim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import numpy as np
+import pytest
+import torch.distributed as dist
+import zarr
+
+from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+
+N_TIME, SPC = 31, 4  # the last chunk holds 3 samples
+
+
+@pytest.fixture(scope="module")
+def geom(tmp_path_factory: pytest.TempPathFactory) -> ArrayGeometry:
+    path = tmp_path_factory.mktemp("ranks_trial") / "a.zarr"
+    group = zarr.open_group(path, mode="w", zarr_format=3)
+    arr = group.create_array("t", shape=(N_TIME, 2), chunks=(SPC, 2), dtype="f8", fill_value=0)
+    arr[...] = np.random.default_rng(0).standard_normal((N_TIME, 2))
+    return open_geometries(path, ["t"])["t"]
+
+
+@pytest.fixture(scope="module")
+def manifest(geom: ArrayGeometry) -> SplitManifest:
+    return split_by_chunk(geom, (1.0, 0.0, 0.0))
+
+
+@contextmanager
+def _process_group(rank: int, world: int) -> Iterator[None]:
+    """This process as ``rank`` of a ``world``-rank ``torch.distributed`` group (torch's
+    in-process ``fake`` backend: no peers, no collectives needed to plan)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _anchors(node: ReadPlanNode) -> list[int]:
+    return [int(a) for batch in node for a in batch.anchors]
+
+
+def test_world_size_given_without_rank_takes_the_process_groups_rank(
+    geom: ArrayGeometry, manifest: SplitManifest
+) -> None:
+    """``PlanConfig`` says ``rank=None`` takes ``torch.distributed``'s. With ``world_size``
+    given beside it, every rank of a 3-rank group was planned as rank 0: each delivered rank
+    0's samples, and two thirds of the split were never trained on."""
+    valid = set(range(N_TIME))  # (zarr's shape: one view, every sample an anchor)
+    per_rank = []
+    for rank in range(3):
+        with _process_group(rank, 3):
+            config = PlanConfig(batch_size=5, world_size=3)
+            node = ReadPlanNode(manifest, {"x": geom}, config=config)
+            assert (node.rank, node.world_size) == (rank, 3)
+            per_rank.append(_anchors(node))
+    flat = [a for anchors in per_rank for a in anchors]
+    assert len(flat) == len(set(flat)), "ranks delivered the same samples"
+    assert set(flat) <= valid and len(valid - set(flat)) == N_TIME % 3
+    with _process_group(2, 3):
+        # one rank of one: the whole split on every rank (an evaluation pass per rank)
+        whole = ReadPlanNode(manifest, {"x": geom}, config=PlanConfig(world_size=1))
+        assert (whole.rank, sorted(_anchors(whole))) == (0, sorted(valid))
+        # a group of another size: which rank this is is ambiguous, and said so
+        with pytest.raises(ValueError, match="pass rank explicitly"):
+            ReadPlanNode(manifest, {"x": geom}, config=PlanConfig(world_size=2))
+
+
+def test_a_rank_given_without_world_size_outside_one_rank_names_where_the_world_size_came_from(
+    geom: ArrayGeometry, manifest: SplitManifest
+) -> None:
+    """``rank=2`` alone, with no process group, said ``world_size=1`` as if it had been given."""
+    took = r"world_size=None took 1 from no torch\.distributed group"
+    with pytest.raises(ValueError, match=took):
+        ReadPlanNode(manifest, {"x": geom}, config=PlanConfig(rank=2))
