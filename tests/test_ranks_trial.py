@@ -85,3 +85,57 @@ def test_a_rank_given_without_world_size_outside_one_rank_names_where_the_world_
     took = r"world_size=None took 1 from no torch\.distributed group"
     with pytest.raises(ValueError, match=took):
         ReadPlanNode(manifest, {"x": geom}, config=PlanConfig(rank=2))
+
+
+def _deliver(node: ReadPlanNode, k: int | None = None) -> list[int]:
+    """Anchors of the next ``k`` batches (all the epoch's remaining ones when ``None``)."""
+    out: list[int] = []
+    for _ in range(len(node)) if k is None else range(k):
+        try:
+            out.extend(int(a) for a in node.next().anchors)
+        except StopIteration:
+            break
+    return out
+
+
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_an_epoch_cut_on_five_ranks_then_on_one_ends_on_two_with_each_sample_once(
+    geom: ArrayGeometry, manifest: SplitManifest, remainder: str
+) -> None:
+    """5 ranks deliver 3 batches, one rank 9 more, then two ranks the rest. Replaying the
+    one-rank stage, the two ranks counted the chunks it had emptied into its blocks, which it
+    had not: they drew another order for it, took other samples as delivered, and delivered
+    some twice (while others were never delivered)."""
+
+    def node(rank: int, world: int) -> ReadPlanNode:
+        config = PlanConfig(
+            batch_size=1, block_chunks=2, seed=6, rank=rank, world_size=world, remainder=remainder
+        )
+        return ReadPlanNode(manifest, {"x": geom}, config=config)
+
+    valid = set(range(N_TIME))
+    seen: list[int] = []
+    five = [node(r, 5) for r in range(5)]
+    for n in five:
+        n.reset(None)
+        seen.extend(_deliver(n, 3))
+    one = node(0, 1)
+    one.reset(five[0].get_state())
+    seen.extend(_deliver(one, 9))
+    state = one.get_state()
+    assert state["resumed"] == [[5, 3]]
+    counts = set()
+    for rank in range(2):
+        two = node(rank, 2)
+        two.reset(state)
+        rest = _deliver(two)
+        counts.add(len(rest))
+        seen.extend(rest)
+    assert len(counts) == 1
+    assert set(seen) <= valid
+    if remainder == "drop":
+        assert len(seen) == len(set(seen)), "a sample was delivered twice"
+        assert len(valid - set(seen)) <= 2 - 1
+    else:  # padding repeats at most W - 1 samples at each of the three stages
+        assert set(seen) == valid, "a sample was never delivered"
+        assert len(seen) - len(valid) <= (5 - 1) + (1 - 1) + (2 - 1)
