@@ -139,3 +139,41 @@ def test_an_epoch_cut_on_five_ranks_then_on_one_ends_on_two_with_each_sample_onc
     else:  # padding repeats at most W - 1 samples at each of the three stages
         assert set(seen) == valid, "a sample was never delivered"
         assert len(seen) - len(valid) <= (5 - 1) + (1 - 1) + (2 - 1)
+
+
+def test_a_state_saved_before_the_first_batch_of_an_elastic_resume_restores_on_a_third_size(
+    geom: ArrayGeometry, manifest: SplitManifest
+) -> None:
+    """3 ranks deliver 2 batches; the run restarts on 2 ranks and is checkpointed before their
+    first batch (preempted again at once), then restarts on 4. The 4 ranks recorded a second cut
+    at the same batch, ``resumed=[[3, 2], [2, 2]]``, which every later state of that epoch
+    carried and no pipeline would restore ("not a read-plan state")."""
+
+    def node(rank: int, world: int) -> ReadPlanNode:
+        config = PlanConfig(batch_size=2, block_chunks=2, seed=6, rank=rank, world_size=world)
+        return ReadPlanNode(manifest, {"x": geom}, config=config)
+
+    seen: list[int] = []
+    three = [node(r, 3) for r in range(3)]
+    for n in three:
+        n.reset(None)
+        seen.extend(_deliver(n, 2))
+    two = node(0, 2)
+    two.reset(three[0].get_state())
+    idle = two.get_state()  # nothing delivered on 2 ranks
+    four = [node(r, 4) for r in range(4)]
+    for n in four:
+        n.reset(idle)
+        seen.extend(_deliver(n, 1))
+    state = four[0].get_state()
+    assert state["resumed"] == [[3, 2]]
+    counts = set()
+    for rank in range(4):
+        again = node(rank, 4)
+        again.reset(state)  # raised ValueError
+        rest = _deliver(again)
+        counts.add(len(rest))
+        seen.extend(rest)
+    assert len(counts) == 1
+    assert len(seen) == len(set(seen)), "a sample was delivered twice"
+    assert set(seen) <= set(range(N_TIME)) and N_TIME - len(seen) <= 4 - 1

@@ -549,7 +549,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             old = self._draw(epoch, None, resumed, world=(0, saved_world), dealing=dealing)
             if emitted >= old.n_batches:
                 return epoch + 1, 0, (), None  # the epoch was over
-            resumed = (*resumed, (saved_world, emitted))
+            if not resumed or resumed[-1][1] < emitted:  # (its ranks delivered nothing: no cut)
+                resumed = (*resumed, (saved_world, emitted))
         if resumed or emitted:
             n_batches = self._draw(epoch, None, resumed, dealing=dealing).n_batches
             if emitted >= n_batches and (n_batches > 0 or resumed):
