@@ -8,13 +8,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch.distributed as dist
 import zarr
 
-from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
+from insitubatch_nodes import (
+    ArrayGeometry,
+    Loader,
+    SplitManifest,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
@@ -22,12 +30,17 @@ N_TIME, SPC = 31, 4  # the last chunk holds 3 samples
 
 
 @pytest.fixture(scope="module")
-def geom(tmp_path_factory: pytest.TempPathFactory) -> ArrayGeometry:
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("ranks_trial") / "a.zarr"
     group = zarr.open_group(path, mode="w", zarr_format=3)
     arr = group.create_array("t", shape=(N_TIME, 2), chunks=(SPC, 2), dtype="f8", fill_value=0)
     arr[...] = np.random.default_rng(0).standard_normal((N_TIME, 2))
-    return open_geometries(path, ["t"])["t"]
+    return path
+
+
+@pytest.fixture(scope="module")
+def geom(store: Path) -> ArrayGeometry:
+    return open_geometries(store, ["t"])["t"]
 
 
 @pytest.fixture(scope="module")
@@ -177,3 +190,25 @@ def test_a_state_saved_before_the_first_batch_of_an_elastic_resume_restores_on_a
     assert len(counts) == 1
     assert len(seen) == len(set(seen)), "a sample was delivered twice"
     assert set(seen) <= set(range(N_TIME)) and N_TIME - len(seen) <= 4 - 1
+
+
+def test_a_padded_sample_beside_a_strided_one_is_gathered_from_its_own_row(
+    store: Path, geom: ArrayGeometry, manifest: SplitManifest
+) -> None:
+    """``stride=2`` leaves 16 anchors, six ranks of ``"pad"`` take 3 each: rank 4 holds anchors
+    16 and 18 of chunk 4, and 18 again as its padded sample. The gather took a chunk's rows
+    ``w0 .. w1`` as consecutive samples whenever ``w1 - w0`` was their count less one — true
+    of ``16, 18, 18`` too — and copied sample 17 (no anchor) into the row of 18."""
+    oracle = zarr.open_array(store / "t", mode="r")[...]
+    valid = set(range(0, N_TIME, 2))
+    delivered: list[int] = []
+    for rank in range(6):
+        with insitu_pipeline(
+            store, manifest, {"x": geom}, batch_size=4, block_chunks=2, shuffle=False,
+            rank=rank, world_size=6, remainder="pad", stride=2, prefetch_depth=1,
+        ) as pipe:  # fmt: skip
+            for batch in Loader(pipe):
+                idx = batch.sample_indices["x"]
+                np.testing.assert_array_equal(batch["x"], oracle[idx], err_msg=f"rank {rank}")
+                delivered.extend(int(i) for i in idx)
+    assert set(delivered) == valid and len(delivered) == 6 * 3
