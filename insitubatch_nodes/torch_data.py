@@ -155,7 +155,8 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         """Make the next ``iter()`` resume after the batch ``state`` was taken at.
 
         Raises ``ValueError`` naming the field when the state comes from a pipeline with a
-        different dataset, split, batch size, seed or world size.
+        different dataset, split, batch size or seed. A different world size is not refused:
+        the epoch resumes elastically (see ``ReadPlanNode``).
         """
         self.plan.check_state(plan_state(state))
         self._pending = state
