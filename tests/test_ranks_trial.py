@@ -17,8 +17,11 @@ import zarr
 
 from insitubatch_nodes import (
     ArrayGeometry,
+    Batch,
+    InSituPipeline,
     Loader,
     SplitManifest,
+    as_dataset,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
@@ -212,3 +215,53 @@ def test_a_padded_sample_beside_a_strided_one_is_gathered_from_its_own_row(
                 np.testing.assert_array_equal(batch["x"], oracle[idx], err_msg=f"rank {rank}")
                 delivered.extend(int(i) for i in idx)
     assert set(delivered) == valid and len(delivered) == 6 * 3
+
+
+def test_an_epoch_with_nothing_left_for_the_trainers_ranks_is_not_delivered_twice(
+    store: Path, geom: ArrayGeometry, manifest: SplitManifest
+) -> None:
+    """One rank delivers 6 of its 7 batches of 5 (30 of 31 samples); the one sample left is
+    no sample for each of two ranks ("drop"), so the docs give that epoch ``6 + 0`` batches.
+    Through ``as_dataset`` with ``epoch_fn`` (Lightning's ``current_epoch``, still 0) the two
+    ranks reported the next epoch's length, delivered epoch 1 under the trainer's epoch 0,
+    then epoch 1 again under its epoch 1. The same held on one rank for a state taken after
+    the 7th batch (the epoch's last)."""
+    config = PlanConfig(batch_size=5, block_chunks=2, seed=1)
+
+    def build(rank: int, world: int) -> InSituPipeline:
+        return insitu_pipeline(
+            store, manifest, {"x": geom}, config=config.replace(rank=rank, world_size=world)
+        )
+
+    trainer_epoch = [0]
+    for world, taken in ((2, 6), (1, 7)):
+        with build(0, 1) as pipe:
+            data = as_dataset(pipe, transform=lambda b: b)
+            it = iter(data)
+            for _ in range(taken):
+                next(it)
+            state = data.state_dict()
+        for rank in range(world):
+            with build(rank, world) as pipe:
+                fresh = [
+                    [b.sample_indices["x"].tolist() for b in _epoch_of(pipe, e)] for e in (1, 2)
+                ]
+            trainer_epoch[0] = 0
+            with build(rank, world) as pipe:
+                data = as_dataset(pipe, transform=lambda b: b, epoch_fn=lambda: trainer_epoch[0])
+                data.load_state_dict(state)
+                assert len(data) == taken  # the interrupted epoch's batches (was 3 on 2 ranks)
+                got = []
+                for epoch in range(3):
+                    trainer_epoch[0] = epoch
+                    got.append([(b.epoch, b.sample_indices["x"].tolist()) for b in data])
+                    if epoch == 0:  # at the trainer's epoch end (InSituDataModule asks): the next
+                        assert data.next_len() == len(fresh[0])
+            assert got[0] == [], (world, rank)  # (was the pipeline's epoch 1)
+            assert got[1] == [(1, s) for s in fresh[0]]
+            assert got[2] == [(2, s) for s in fresh[1]]
+
+
+def _epoch_of(pipe: InSituPipeline, epoch: int) -> list[Batch]:
+    pipe.stages.plan.set_epoch(epoch)
+    return list(Loader(pipe))
