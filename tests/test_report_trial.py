@@ -1,0 +1,91 @@
+"""A black-box trial of the epoch report and its trace: the wrong numbers and claims it found.
+
+Each test builds the case that showed one, against real stores: the counts are checked against
+the store's own (``CountingStore``) and against each other, the spans against the epoch's own
+start and end.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import counting_store, write_era5
+
+from insitubatch_nodes import DecodedChunk, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.options import FetchOptions
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """48 steps of t2m in chunks of 4: 12 chunks, one stored object each."""
+    return write_era5(tmp_path_factory.mktemp("trial") / "era5.zarr", n_time=48, n_lat=4,
+                      n_lon=6, n_level=1, samples_per_chunk=4)  # fmt: skip
+
+
+class _HeldChunk:
+    """A chunk transform that, while armed, holds chunk 1 on its decode thread until released:
+    a fill of the read-ahead still running when the epoch is broken off and reset."""
+
+    def __init__(self) -> None:
+        self.armed = True
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
+        if self.armed and chunk.chunk_index == 1:
+            self.entered.set()
+            self.release.wait(20)
+        return chunk
+
+
+@pytest.mark.parametrize("reads", ["local", "get"])
+def test_a_fill_of_a_broken_off_epoch_that_ends_in_the_next_epoch_is_not_counted_there(
+    era5: Path, reads: str
+) -> None:
+    # epoch 0 is broken off after one batch while its read-ahead decodes chunk 1; that fill
+    # ended after epoch 1's first next(), and epoch 1 counted it: one decode more than its
+    # GETs (its GET was epoch 0's), or a local read made before it began, with spans from
+    # before its start (negative times in the trace file)
+    store = counting_store(era5) if reads == "get" else era5
+    held = _HeldChunk()
+    g = open_geometries(store, ["t2m"])
+    pipe = insitu_pipeline(
+        store, split_by_chunk(g["t2m"], (1.0, 0.0, 0.0)), {"x": g["t2m"]}, batch_size=4,
+        block_chunks=4, shuffle=False, coords=(), chunk_transforms=[held],
+        fetch=FetchOptions(trace=True, decode_threads=2),
+    )  # fmt: skip
+    with pipe:
+        first = next(pipe)
+        assert first.index == 0 and held.entered.wait(20)
+        pipe.reset()  # broken off while chunk 1's fill runs
+        served: dict[str, int] = {}
+        if reads == "get":
+            before = dict(store.chunk_counts())  # type: ignore[union-attr]
+        next(pipe)  # epoch 1 has begun
+        held.armed = False
+        held.release.set()  # epoch 0's fill ends now
+        for _ in pipe:
+            pass
+        report = pipe.report()
+        if reads == "get":
+            after = store.chunk_counts()  # type: ignore[union-attr]
+            served = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+    assert report is not None and report.complete and report.epoch == 1
+    assert report.batches == 12
+    # one stored object per chunk: every miss is one read and one decode, nothing else
+    assert report.gets == report.decodes == report.misses, str(report)
+    assert report.transforms == report.misses
+    if reads == "get":
+        assert report.gets == sum(served.values())
+    assert report.trace is not None
+    spans = report.trace.spans
+    assert sum(s[0] in ("read", "GET") for s in spans) == report.gets
+    early = [(s[0], s[1] - report.trace.t0) for s in spans if s[1] < report.trace.t0]
+    assert not early, early
+    events: list[dict[str, Any]] = report.trace.chrome()["traceEvents"]
+    assert all(e["ts"] >= 0 for e in events if "ts" in e)
