@@ -404,7 +404,11 @@ def suggestion_for(r: EpochReport) -> str:
       or a cheaper codec;
     * gather-limited with batch transforms (they run in the gather stage): lighten them or move
       them to the consumer; without, and with decode threads on every core at least half busy:
-      the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob.
+      the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob;
+    * engine-limited by the producer thread's admission (rule 2): its cost per batch, and what
+      moves it (fewer, larger chunks per sample); by the decode threads (rule 3): other
+      processes holding the CPU when the threads sat idle with work queued and the process
+      used under 60 % of the cores, else the engine's work per batch and per stored object.
     """
     stage = r.limiting
     if stage != "consumer" and memory_bound(r):
@@ -475,7 +479,18 @@ def suggestion_for(r: EpochReport) -> str:
 
 
 def _engine_suggestion(r: EpochReport) -> str:
-    """What helps when the engine's own work, or a CPU it cannot get, is the limit."""
+    """What helps when the engine's own work, or a CPU it cannot get, is the limit: the
+    producer thread's admission (rule 2; the decode threads are not what the batches waited
+    on), else the decode threads' bookkeeping or a CPU they could not get (rule 3)."""
+    if r.gather_s + r.admit_s >= r.chunk_wait_s:
+        return (
+            f"the producer thread's admission ({1000 * r.admit_s / max(1, r.batches):.1f} "
+            f"ms/batch: pulling plans, pinning chunks, building fill jobs) took longer than the "
+            f"gather ({1000 * r.gather_s / max(1, r.batches):.1f} ms/batch) and than its wait "
+            f"for chunks ({r.chunk_wait_s:.2f} s): it grows with the chunks and stored objects "
+            "each batch reads; fewer, larger ones per sample (a store with more samples per "
+            "chunk, or fewer arrays) move it; more decode threads or GETs in flight do not"
+        )
     wall = max(r.wall_s, 1e-9)
     cores = max(1, r.cores)
     per_object = 1e6 * r.engine_s / max(1, r.decodes)

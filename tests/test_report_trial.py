@@ -7,6 +7,7 @@ start and end.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ from helpers import counting_store, write_era5
 
 from insitubatch_nodes import DecodedChunk, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.report import limiting_stage, suggestion_for
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -89,3 +91,35 @@ def test_a_fill_of_a_broken_off_epoch_that_ends_in_the_next_epoch_is_not_counted
     assert not early, early
     events: list[dict[str, Any]] = report.trace.chrome()["traceEvents"]
     assert all(e["ts"] >= 0 for e in events if "ts" in e)
+
+
+def test_an_epoch_limited_by_the_producers_admission_is_not_blamed_on_decode_threads(
+    tmp_path: Path,
+) -> None:
+    # rule 2 names "engine" when the producer thread's admission outweighs its wait for
+    # chunks; the suggestion spoke of the decode threads instead — for an epoch served from
+    # the pool (no GET, no decode) it said "decode threads were busy 0% with 0 objects queued
+    # on average ...: other processes hold the CPU"
+    root = write_era5(tmp_path / "one.zarr", n_time=64, n_lat=2, n_lon=4, n_level=1,
+                      samples_per_chunk=1)  # fmt: skip
+    g = open_geometries(root, ["t2m"])
+    pipe = insitu_pipeline(root, split_by_chunk(g["t2m"], (1.0, 0.0, 0.0)), {"x": g["t2m"]},
+                           batch_size=4, coords=())  # fmt: skip
+    with pipe:
+        for _ in pipe:
+            pass
+        pipe.reset()
+        for _ in pipe:
+            pass
+        kept = pipe.report()
+    assert kept is not None and kept.epoch == 1 and (kept.gets, kept.decodes) == (0, 0)
+    assert kept.hits == 64  # small data is kept: epoch 1 is served from the pool
+    # the same epoch, its producer thread admitting longer than it waited for chunks
+    for r in (kept, dataclasses.replace(kept, admit_s=0.4, gather_s=0.05, chunk_wait_s=0.3)):
+        r.limiting = limiting_stage(r)
+        if r.limiting != "engine":
+            continue
+        text = suggestion_for(r)
+        assert "admission" in text and "ms/batch" in text, text
+        assert "threads were busy" not in text and "other processes" not in text, text
+        assert "per stored object" not in text, text  # there was none
