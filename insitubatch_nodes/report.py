@@ -401,7 +401,9 @@ def suggestion_for(r: EpochReport) -> str:
     * store-limited with ``max_inflight`` saturated (the peak reached it): raise it (doubled);
       not saturated: the read-ahead bounds the GETs — raise ``block_chunks``;
     * decode-limited: more decode threads while they are fewer than the cores, else more cores
-      or a cheaper codec;
+      or a cheaper codec; when the chunk transforms took the threads longer than reading and
+      decoding, it names them (their seconds, per chunk) and says to lighten them instead of
+      the codec;
     * gather-limited with batch transforms (they run in the gather stage): lighten them or move
       them to the consumer; without, and with decode threads on every core at least half busy:
       the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob;
@@ -451,6 +453,18 @@ def suggestion_for(r: EpochReport) -> str:
     if stage == "engine":
         return _engine_suggestion(r)
     if stage == "decode":
+        if r.transform_s > r.decode_s + r.local_read_s:  # the chunk transforms held them
+            what = (
+                f"decode threads busy {100 * r.decode_busy:.0f}% of {r.decode_threads} "
+                f"thread(s), mostly in the chunk transforms ({r.transform_s:.2f} s on "
+                f"{r.transforms:,} chunks, {1000 * r.transform_s / max(1, r.transforms):.1f} ms "
+                f"each; decoding {r.decode_s:.2f} s)"
+            )
+            if r.decode_threads < r.cores:
+                return (
+                    f"{what}: lighten them, or raise decode_threads, e.g. decode_threads={r.cores}"
+                )
+            return f"{what} on all {r.cores} cores: lighten them, or more cores"
         busy = r.decode_s / (max(r.wall_s, 1e-9) * max(1, r.decode_threads))
         if r.decode_threads < r.cores:
             return (

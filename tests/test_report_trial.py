@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -123,3 +124,32 @@ def test_an_epoch_limited_by_the_producers_admission_is_not_blamed_on_decode_thr
         assert "admission" in text and "ms/batch" in text, text
         assert "threads were busy" not in text and "other processes" not in text, text
         assert "per stored object" not in text, text  # there was none
+
+
+def _slow_chunk(chunk: DecodedChunk) -> DecodedChunk:
+    time.sleep(0.01)  # a chunk transform that holds its decode thread 10 ms per chunk
+    return chunk
+
+
+def test_decode_threads_held_by_chunk_transforms_are_told_so_not_blamed_on_the_codec(
+    era5: Path,
+) -> None:
+    # the decode-limited suggestion counted only the codec's seconds: threads busy 95% (in
+    # the transforms) were said to be "busy 3% of 1 thread(s)", and on every core "more
+    # cores, or a cheaper codec for the store"
+    g = open_geometries(era5, ["t2m"])
+    pipe = insitu_pipeline(
+        era5, split_by_chunk(g["t2m"], (1.0, 0.0, 0.0)), {"x": g["t2m"]}, batch_size=4,
+        coords=(), chunk_transforms=[_slow_chunk], fetch=FetchOptions(decode_threads=1),
+    )  # fmt: skip
+    with pipe:
+        for _ in pipe:
+            pass
+        report = pipe.report()
+    assert report is not None and report.transforms == 12
+    assert report.transform_s >= 0.12 > report.decode_s + report.local_read_s
+    assert report.limiting == "decode", str(report)
+    for r in (report, dataclasses.replace(report, cores=1)):  # threads fewer than / all cores
+        text = suggestion_for(r)
+        assert "chunk transforms" in text and "codec" not in text, text
+        assert f"{100 * r.decode_busy:.0f}%" in text, text  # what the rule measured
