@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
-from helpers import counting_store, write_era5
+import zarr
+from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
 from insitubatch_nodes import DecodedChunk, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.options import FetchOptions
@@ -153,3 +155,45 @@ def test_decode_threads_held_by_chunk_transforms_are_told_so_not_blamed_on_the_c
         text = suggestion_for(r)
         assert "chunk transforms" in text and "codec" not in text, text
         assert f"{100 * r.decode_busy:.0f}%" in text, text  # what the rule measured
+
+
+@pytest.mark.parametrize("spc", [1, 4])
+def test_a_budget_that_holds_every_chunk_the_split_reads_is_accepted_and_keeps_it(
+    tmp_path: Path, spc: int
+) -> None:
+    # the working-set floor added a block of read-ahead to every chunk the split reads, so a
+    # budget holding all of them was refused as "below the working-set floor of 4,440 bytes"
+    # (the split's chunks: 1,800) - and "give a budget that holds the split to keep it" could
+    # not be followed; the floors now stop at every chunk read, one slot each
+    root = write_era5(tmp_path / "small.zarr", n_time=40, n_lat=3, n_lon=5, n_level=1,
+                      samples_per_chunk=spc)  # fmt: skip
+    oracle = Oracle(root)
+    t2m = zarr.open_group(root, mode="r")["t2m"]
+    chunk_nbytes = int(np.prod(t2m.chunks)) * t2m.dtype.itemsize
+    store = counting_store(root)
+    g = open_geometries(store, ["t2m"])
+    manifest = split_by_chunk(g["t2m"], (0.75, 0.25, 0.0))
+    views = {"x": View("t2m"), "y": View("t2m", offset=1)}
+    kw: dict[str, Any] = {"batch_size": 8, "block_chunks": 16, "coords": ()}
+    read = set()
+    with insitu_pipeline(store, manifest, {"x": g["t2m"], "y": g["t2m"].shift(1)}, **kw) as pipe:
+        for batch in pipe:
+            for label in views:
+                read.update((np.asarray(batch.sample_indices[label]) // spc).tolist())
+    split_bytes = len(read) * chunk_nbytes
+    pipe = insitu_pipeline(store, manifest, {"x": g["t2m"], "y": g["t2m"].shift(1)},
+                           cache_budget_bytes=split_bytes, **kw)  # fmt: skip
+    with pipe:
+        for epoch in range(2):
+            store.reset_counts()
+            run_epoch(pipe, oracle, views)
+            report = pipe.report()
+            assert report is not None and report.epoch == epoch
+            gets = store.chunk_counts()
+            # epoch 0 reads each chunk once; epoch 1 is served from the pool
+            assert gets == ({} if epoch else dict.fromkeys(gets, 1)) and len(gets) == (
+                0 if epoch else len(read)
+            )
+            assert report.gets == sum(gets.values())
+            assert report.resident_peak_bytes <= split_bytes == report.budget_bytes
+            pipe.reset()
