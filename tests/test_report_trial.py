@@ -197,3 +197,41 @@ def test_a_budget_that_holds_every_chunk_the_split_reads_is_accepted_and_keeps_i
             assert report.gets == sum(gets.values())
             assert report.resident_peak_bytes <= split_bytes == report.budget_bytes
             pipe.reset()
+
+
+def test_next_after_a_close_from_another_thread_waits_for_that_close_and_goes_on(
+    era5: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a consumer woken in next() by close() on another thread, calling next() again at once,
+    # started a new producer while that close was still letting the old one go: the close
+    # then released the new producer's chunks, and the epoch failed with FillCancelled
+    # (about 1 run in 13; here the close's release is slowed to widen that window)
+    from insitubatch_nodes.errors import PipelineInterrupted
+    from insitubatch_nodes.stages.context import StageContext
+
+    release = StageContext.close
+
+    def slow_close(self: StageContext) -> None:
+        time.sleep(0.3)
+        release(self)
+
+    monkeypatch.setattr(StageContext, "close", slow_close)
+    store = counting_store(era5, stall_after=1)  # chunk 0 is served, later GETs hang
+    g = open_geometries(store, ["t2m"])
+    pipe = insitu_pipeline(store, split_by_chunk(g["t2m"], (1.0, 0.0, 0.0)), {"x": g["t2m"]},
+                           batch_size=4, block_chunks=1, shuffle=False, coords=())  # fmt: skip
+    oracle, views = Oracle(era5), {"x": View("t2m")}
+    try:
+        first = next(pipe)
+        closer = threading.Timer(0.05, pipe.close)
+        closer.start()
+        with pytest.raises(PipelineInterrupted):
+            next(pipe)  # batch 1 waits on its GET: the close wakes it
+        store.stall_after, store.delay = None, 0.05  # the epoch outlasts the close
+        got = run_epoch(pipe, oracle, views)  # at once, while the close is still going on
+        closer.join()
+    finally:
+        pipe.close()
+    assert first.index == 0 and [r["index"] for r in got] == list(range(1, 12))
+    report = pipe.report()
+    assert report is not None and report.complete and report.batches == 12
