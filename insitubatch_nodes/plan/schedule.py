@@ -687,6 +687,7 @@ def choose_schedule(
     raise ValueError(
         f"cache_budget_bytes={budget:,} is below the working-set floor of {floor:,} bytes "
         f"({floor / 2**20:.1f} MiB) that every epoch is guaranteed to fit ({what} live at once "
-        f"plus one block of read-ahead, bounded over every permutation){once}; raise it to at "
+        f"plus one block of read-ahead, bounded over every permutation; at most every one the "
+        f"split reads){once}; raise it to at "
         "least the floor, lower block_chunks, or pass None for the automatic budget"
     )
