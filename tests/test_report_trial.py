@@ -1,8 +1,10 @@
-"""A black-box trial of the epoch report and its trace: the wrong numbers and claims it found.
+"""A black-box trial of the epoch report and its trace: the wrong numbers and claims it found
+(and two found on the way: a budget holding the whole split refused, and a close from another
+thread that cancelled the producer a next() had just restarted).
 
 Each test builds the case that showed one, against real stores: the counts are checked against
 the store's own (``CountingStore``) and against each other, the spans against the epoch's own
-start and end.
+start and end, the batches against zarr's read.
 """
 
 from __future__ import annotations
