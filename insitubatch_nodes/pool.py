@@ -146,7 +146,8 @@ class ChunkPool:
                 raise ValueError(
                     f"cache_budget_bytes={self.budget_bytes:,} is below this epoch's working-set "
                     f"floor of {floor_bytes:,} bytes ({floor_bytes / 2**20:.1f} MiB: chunks live "
-                    f"at once plus one block of read-ahead){once}; raise it to at least the "
+                    f"at once plus one block of read-ahead, at most every chunk the epoch reads)"
+                    f"{once}; raise it to at least the "
                     "floor, lower block_chunks, or pass None for the automatic budget"
                 )
 

@@ -18,6 +18,7 @@ is ``None`` and the hot paths test that once per run or per batch, never build a
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -119,6 +120,9 @@ class EpochRecorder:
         self._fetched: set[Any] = set()
         self.totals: dict[str, float] = dict.fromkeys(_CUMULATIVE, 0)
         self._epoch: dict[str, Any] | None = None
+        #: the first next() of the open (or last) epoch: the GETs and fill runs of a fill job
+        #: submitted before it are an earlier epoch's work (see :meth:`_earlier`)
+        self._opened = -math.inf
         self.last: EpochReport | None = None
 
     # -- producer-side hooks (any thread) ------------------------------------------------------
@@ -129,15 +133,21 @@ class EpochRecorder:
         return now
 
     def on_get_end(
-        self, started: float, nbytes: int, ok: bool = True, what: tuple[Any, ...] | None = None
+        self,
+        started: float,
+        nbytes: int,
+        ok: bool = True,
+        what: tuple[Any, ...] | None = None,
+        submitted: float | None = None,
     ) -> None:
         """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted).
         ``what`` (with a trace: the array path, chunk, tile, key and batch it read) goes with
-        its span."""
+        its span. ``submitted``: when its fill job was submitted (a GET of a job submitted
+        before the open epoch began is not counted, see :meth:`_earlier`)."""
         now = _now()
         with self._lock:
             self._inflight.change(-1, now)
-            if ok:
+            if ok and not self._earlier(submitted):
                 t = self.totals
                 t["get_s"] += now - started
                 t["gets"] += 1
@@ -158,6 +168,9 @@ class EpochRecorder:
         (``(name, t0, t1, args)``: the run's own) are the calling thread's."""
         now = _now()
         with self._lock:
+            self._depth.change(-tally.handled, now)
+            if self._earlier(tally.submitted):
+                return
             trace = self.trace
             if trace is not None and tally.spans is not None:
                 tid = trace.thread()
@@ -176,7 +189,15 @@ class EpochRecorder:
             t["transforms"] += tally.transforms
             t["transform_s"] += tally.transform_s
             t["run_s"] += tally.run_s
-            self._depth.change(-tally.handled, now)
+
+    def _earlier(self, submitted: float | None) -> bool:
+        """Whether work of a fill job submitted at ``submitted`` belongs to an earlier epoch
+        than the open one: submitted before its first ``next()`` (the producer starts at that
+        ``next()``, so the open epoch's own jobs never are). A broken-off epoch's read-ahead
+        still running at the reset ends in the next epoch: it counts in neither (its report
+        ends at its last batch), and its spans are not the next epoch's (they would start
+        before it). Under the lock."""
+        return submitted is not None and submitted < self._opened
 
     def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
         """The fetch stage admitted chunks: ``hits``, ``misses`` (``re_reads`` of them fetched
@@ -311,6 +332,7 @@ class EpochRecorder:
         if self.trace is not None:  # spans before the epoch's first next() are not its own
             self.trace.take()
         with self._lock:
+            self._opened = now
             self._inflight.change(0, now)
             self._depth.change(0, now)
             self._inflight.peak, self._depth.peak = self._inflight.value, self._depth.value
@@ -509,7 +531,12 @@ class NullRecorder(EpochRecorder):
         return 0.0
 
     def on_get_end(
-        self, started: float, nbytes: int, ok: bool = True, what: tuple[Any, ...] | None = None
+        self,
+        started: float,
+        nbytes: int,
+        ok: bool = True,
+        what: tuple[Any, ...] | None = None,
+        submitted: float | None = None,
     ) -> None:
         pass
 

@@ -401,10 +401,16 @@ def suggestion_for(r: EpochReport) -> str:
     * store-limited with ``max_inflight`` saturated (the peak reached it): raise it (doubled);
       not saturated: the read-ahead bounds the GETs — raise ``block_chunks``;
     * decode-limited: more decode threads while they are fewer than the cores, else more cores
-      or a cheaper codec;
+      or a cheaper codec; when the chunk transforms took the threads longer than reading and
+      decoding, it names them (their seconds, per chunk) and says to lighten them instead of
+      the codec;
     * gather-limited with batch transforms (they run in the gather stage): lighten them or move
       them to the consumer; without, and with decode threads on every core at least half busy:
-      the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob.
+      the CPU is the limit (more cores). Otherwise the gather is one copy per chunk: no knob;
+    * engine-limited by the producer thread's admission (rule 2): its cost per batch, and what
+      moves it (fewer, larger chunks per sample); by the decode threads (rule 3): other
+      processes holding the CPU when the threads sat idle with work queued and the process
+      used under 60 % of the cores, else the engine's work per batch and per stored object.
     """
     stage = r.limiting
     if stage != "consumer" and memory_bound(r):
@@ -447,6 +453,18 @@ def suggestion_for(r: EpochReport) -> str:
     if stage == "engine":
         return _engine_suggestion(r)
     if stage == "decode":
+        if r.transform_s > r.decode_s + r.local_read_s:  # the chunk transforms held them
+            what = (
+                f"decode threads busy {100 * r.decode_busy:.0f}% of {r.decode_threads} "
+                f"thread(s), mostly in the chunk transforms ({r.transform_s:.2f} s on "
+                f"{r.transforms:,} chunks, {1000 * r.transform_s / max(1, r.transforms):.1f} ms "
+                f"each; decoding {r.decode_s:.2f} s)"
+            )
+            if r.decode_threads < r.cores:
+                return (
+                    f"{what}: lighten them, or raise decode_threads, e.g. decode_threads={r.cores}"
+                )
+            return f"{what} on all {r.cores} cores: lighten them, or more cores"
         busy = r.decode_s / (max(r.wall_s, 1e-9) * max(1, r.decode_threads))
         if r.decode_threads < r.cores:
             return (
@@ -475,7 +493,18 @@ def suggestion_for(r: EpochReport) -> str:
 
 
 def _engine_suggestion(r: EpochReport) -> str:
-    """What helps when the engine's own work, or a CPU it cannot get, is the limit."""
+    """What helps when the engine's own work, or a CPU it cannot get, is the limit: the
+    producer thread's admission (rule 2; the decode threads are not what the batches waited
+    on), else the decode threads' bookkeeping or a CPU they could not get (rule 3)."""
+    if r.gather_s + r.admit_s >= r.chunk_wait_s:
+        return (
+            f"the producer thread's admission ({1000 * r.admit_s / max(1, r.batches):.1f} "
+            f"ms/batch: pulling plans, pinning chunks, building fill jobs) took longer than the "
+            f"gather ({1000 * r.gather_s / max(1, r.batches):.1f} ms/batch) and than its wait "
+            f"for chunks ({r.chunk_wait_s:.2f} s): it grows with the chunks and stored objects "
+            "each batch reads; fewer, larger ones per sample (a store with more samples per "
+            "chunk, or fewer arrays) move it; more decode threads or GETs in flight do not"
+        )
     wall = max(r.wall_s, 1e-9)
     cores = max(1, r.cores)
     per_object = 1e6 * r.engine_s / max(1, r.decodes)

@@ -67,7 +67,11 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     ``iter()`` (e.g. a trainer's ``current_epoch``), so the permutation follows the trainer.
     A loaded state resumes its own epoch unless ``epoch_fn`` is already past it (a trainer
     stopped mid-epoch by ``should_stop`` counts that epoch as done and resumes at the next):
-    the state is then dropped and the trainer's epoch starts from its first batch.
+    the state is then dropped and the trainer's epoch starts from its first batch. A state
+    taken where ``epoch_fn``'s epoch ends — its last batch delivered, or, restored on another
+    world size, none of the epoch left for these ranks — delivers nothing while ``epoch_fn``
+    stays in that epoch (whose length is then the state's batches) and starts the next epoch
+    when ``epoch_fn`` does: the next epoch is delivered once, under its own number.
     """
 
     def __init__(
@@ -110,9 +114,35 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self.plan.set_epoch(epoch)
         return True
 
+    def _ended_epoch(self) -> int | None:
+        """The batches of ``epoch_fn``'s epoch when a pending state was taken at that epoch's
+        end (its last batch delivered, or on another world size none of it left): the trainer
+        is still in that epoch, which holds nothing more; ``None`` otherwise."""
+        if self._pending is None or self.epoch_fn is None:
+            return None
+        state = plan_state(self._pending)
+        epoch = int(self.epoch_fn())
+        if int(state["epoch"]) == epoch and self.plan.resumed_epoch(state) > epoch:
+            return int(state["batches_emitted"])
+        return None
+
+    def _pend_start(self, epoch: int) -> None:
+        """Make the state pending the start of ``epoch`` (what a checkpoint taken now holds,
+        and what the length of the next epoch is counted from)."""
+        start = getattr(self.pipeline, "start_state", None)
+        state = start(epoch) if callable(start) else None
+        if state is None:  # (a graph that cannot say its start: pin the epoch instead)
+            self._pending = None
+            self.plan.set_epoch(epoch)
+        else:
+            self._pending = {"root": state, "num_yielded": 0}
+
     def next_len(self) -> int:
         """``len(self)`` without recording it as told."""
         self._drop_overtaken_state()
+        ended = self._ended_epoch()
+        if ended is not None:
+            return ended
         if self._pending is not None:
             return self.plan.resumed_len(plan_state(self._pending))
         if hasattr(self.pipeline, "__len__"):
@@ -124,6 +154,12 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
             raise RuntimeError(_WORKERS_REFUSED)
         self._iterated = True
         self._drop_overtaken_state()
+        pending = self._pending
+        if pending is not None and self._ended_epoch() is not None:
+            # nothing left of the trainer's epoch: the next one starts when the trainer's does
+            # (delivered now, it would be delivered again under the trainer's next epoch)
+            self._pend_start(self.plan.resumed_epoch(plan_state(pending)))
+            return
         if self._pending is not None:
             self._loader.load_state_dict(self._pending)
             self._pending = None
@@ -155,7 +191,8 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         """Make the next ``iter()`` resume after the batch ``state`` was taken at.
 
         Raises ``ValueError`` naming the field when the state comes from a pipeline with a
-        different dataset, split, batch size, seed or world size.
+        different dataset, split, batch size or seed. A different world size is not refused:
+        the epoch resumes elastically (see ``ReadPlanNode``).
         """
         self.plan.check_state(plan_state(state))
         self._pending = state

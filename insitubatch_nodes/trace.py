@@ -21,6 +21,7 @@ read, off the epoch's path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
@@ -279,10 +280,21 @@ class EpochTrace:
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def write(self, path: str | os.PathLike[str]) -> Path:
-        """Write :meth:`chrome` as JSON to ``path``; returns the path."""
+        """Write :meth:`chrome` as JSON to ``path``; returns the path. The file appears whole
+        or not at all: it is written next to ``path`` under a temporary name and renamed over
+        it, so an interrupted write (Ctrl-C, a full disk) leaves any earlier file at ``path``
+        as it was, and no partial one."""
         out = Path(path)
-        with out.open("w") as f:
-            json.dump(self.chrome(), f)
+        # a name of this process and thread (open(..., "w") keeps the umask's permissions)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.part")
+        try:
+            with tmp.open("w") as f:
+                json.dump(self.chrome(), f)
+            os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return out
 
 

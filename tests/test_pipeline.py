@@ -531,7 +531,8 @@ def test_a_budget_below_the_read_once_floor_releases_idle_chunks_and_reads_them_
     floors = schedule_floors(manifest, views, PlanConfig(**kwargs))  # bounds over every epoch
     bounded_floor = _floor_of(root, manifest, views, **kwargs)
     assert bounded_floor == floors.bounded
-    assert bounded_floor < floors.read_once / 2  # the bounded schedule needs far less memory
+    # the bounded schedule needs about half the memory of read-once (every chunk of the split)
+    assert bounded_floor < 0.6 * floors.read_once
     once_floor = insitu_pipeline(root, manifest, views, **kwargs).stages.pool.budget_bytes
     assert bounded_floor < once_floor  # less than even epoch 0's own read-once floor
     with pytest.raises(ValueError, match="reading each chunk once per epoch needs"):

@@ -152,6 +152,30 @@ def test_each_epoch_has_its_own_trace_and_an_untraced_pipeline_records_none(
     plain.close()
 
 
+def test_a_trace_write_that_fails_midway_leaves_the_earlier_file_whole_and_no_partial_one(
+    era5: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The file was opened at its path and written in place: an interrupted write (Ctrl-C, a
+    # full disk) left a truncated JSON that no viewer opens, over the earlier epoch's trace.
+    pipe = _pipe(era5)
+    run_epoch(pipe)
+    report = pipe.report()
+    pipe.close()
+    assert report is not None
+    path = report.write_trace(tmp_path / "trace.json")
+    whole = path.read_bytes()
+
+    def interrupted(obj: Any, f: Any, **kwargs: Any) -> None:
+        f.write(json.dumps(obj)[:100])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(json, "dump", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        report.write_trace(path)
+    assert path.read_bytes() == whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["trace.json"]
+
+
 def test_a_trace_needs_the_report() -> None:
     with pytest.raises(ValueError, match="report=True"):
         FetchOptions(trace=True, report=False)

@@ -507,10 +507,12 @@ def test_set_views_refuses_other_arrays_and_a_budget_below_the_new_floor(tmp_pat
             pipe.set_views({"x": "t2m"})  # type: ignore[dict-item]
         with pytest.raises(ValueError, match=r"not a whole multiple"):
             pipe.set_views({"x": g.window(["-30min", "0h"])})
-    # a budget with room for a short window's chunks, not for a window 20 chunks long
+    # a budget with room for a short window's chunks, not for a window 20 chunks long (under
+    # every chunk of the split, which holds any window of it)
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
     config = PlanConfig(batch_size=2, block_chunks=3, seed=5)
-    budget = schedule_floors(manifest, {"a": g, "b": g.shift(1)}, config).read_once
+    budget = schedule_floors(manifest, {"a": g, "b": g.shift(1)}, config).guaranteed
+    assert budget < g.n_chunks * g.chunk_nbytes
     views = {"x": g.window([0, 1])}
     pipe = _windowed(root, views=views, stride=1, cache_budget_bytes=budget)
     try:

@@ -62,6 +62,7 @@ from insitubatch_nodes.io.axes import axis_of, dims_option, named_axes
 from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option, decoding_text
 from insitubatch_nodes.io.collection_checks import (
     MemberCoordinates,
+    refuse_broken_timeline,
     refuse_member_array,
     refuse_other_grids,
 )
@@ -209,12 +210,16 @@ class Collection:
 
     def subset(self, names: Sequence[str]) -> Collection:
         """The collection of members ``names`` (in that order), with their keys: e.g. one
-        collection per split for ``InSituDataModule``. An unknown name raises ``KeyError``."""
+        collection per split for ``InSituDataModule``. An unknown name raises ``KeyError``.
+        Of one timeline (:meth:`concat`, :meth:`join`), ``names`` must be consecutive members
+        in their order, which continue one another (``ValueError`` otherwise)."""
         index = {m: i for i, m in enumerate(self.members)}
         missing = [n for n in names if n not in index]
         if missing:
             raise KeyError(f"{self.name}: no members {missing[:5]}")
         rows = [index[n] for n in names]
+        if self.continuous:
+            refuse_broken_timeline(self.name, self.members, rows)
         return Collection(
             self.store,
             [self.members[i] for i in rows],

@@ -1,8 +1,10 @@
 """Checks of collections: what making one refuses of a member's array (absent, a group, of
 another zarr format than the first member's), what a pipeline over a collection refuses (views
 of two collections, or of another collection than the one it reads; options that need times
-the members do not share) and that the store it reads holds a view's members. Kept apart from
-:mod:`~insitubatch_nodes.io.collection`, which makes collections."""
+the members do not share), a subset of one timeline that breaks it, stores or members whose
+field coordinates differ (:class:`MemberCoordinates`), and that the store it reads holds a
+view's members. Kept apart from :mod:`~insitubatch_nodes.io.collection`, which
+makes collections."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from insitubatch_nodes.io.stores import describe_store
 __all__ = [
     "MemberCoordinates",
     "check_collection_in_store",
+    "refuse_broken_timeline",
     "refuse_collection_options",
     "refuse_member_array",
     "refuse_other_grids",
@@ -53,6 +56,19 @@ def refuse_member_array(
         f"{collection}: member {members[m]!r} has no array for variable {variable!r} at "
         f"{paths[m]!r} of {describe_store(store)}"
     )
+
+
+def refuse_broken_timeline(collection: str, members: Sequence[str], rows: Sequence[int]) -> None:
+    """Refuse a subset ``rows`` (member indices) of the one timeline ``collection`` (stores
+    concatenated or joined by time, ``members``) that is not consecutive members in order: its
+    windows and strides would run across a gap, or back in time (``ValueError``)."""
+    if len(rows) and list(rows) != list(range(rows[0], rows[0] + len(rows))):
+        raise ValueError(
+            f"{collection} is one timeline (stores concatenated or joined by time): a subset "
+            f"of it must be consecutive members in order, e.g. {list(members[1:])}, not "
+            f"{[members[r] for r in rows][:5]}; concat the stores you want in time order, or "
+            "split its time axis (split_by_chunk)"
+        )
 
 
 class MemberCoordinates:

@@ -75,8 +75,9 @@ class MemberMap:
             m = int(ragged[0])
             raise ValueError(
                 f"{collection}: {self.names[m]!r} holds {int(n[m])} samples, not a whole number "
-                f"of chunks of {align}: only the last piece of a continuous axis may end in a "
-                "partial chunk"
+                f"of chunks of {align} (the objects stored along the axis: its shards, where "
+                "sharded): only the last piece of a continuous axis may end in a partial chunk; "
+                "trim that store to whole chunks, or list it last"
             )
         self.lengths = n
         #: the samples each member skips at its start, whole chunks (a concatenation whose
@@ -390,7 +391,10 @@ def _encoding_value(name: str, value: Any) -> Any:
 def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
     """The member map a plan over views with member maps ``maps`` follows: the first one
     (``None`` when there is none). Collections whose members do not sit at the same virtual
-    samples cannot share a plan (``ValueError``)."""
+    samples cannot share a plan, nor can collections whose members there are others, by name
+    (a split of one collection given with the views of the same fields in another order): both
+    ``ValueError``. Members are compared by name, so the same fields opened again (another
+    level, other variables) share a split; ``from_arrays``' default names are positions."""
     given = [m for m in maps if m is not None]
     if not given:
         return None
@@ -404,5 +408,14 @@ def collection_of(maps: Sequence[MemberMap | None]) -> MemberMap | None:
                 f"{first.collection!r} and {other.collection!r} lay their members out "
                 "differently: the labels (and the split) of one pipeline must come from one "
                 "collection"
+            )
+        if other.names != first.names:
+            pairs = zip(first.names, other.names, strict=True)
+            m = next(i for i, (a, b) in enumerate(pairs) if a != b)
+            raise ValueError(
+                f"{first.collection!r}'s member {m} is {first.names[m]!r}, "
+                f"{other.collection!r}'s {other.names[m]!r}: the split (and the labels) of one "
+                "pipeline must name the same members in the same order; split the collection "
+                "the views come from (split_by_member(collection, ...))"
             )
     return first

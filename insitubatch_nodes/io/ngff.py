@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import math
 import warnings
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -332,6 +333,7 @@ def read_plate(
     store = as_store(store)
     plate, version, zarr_format = _plate_metadata(store)
     listed = [str(w["path"]) for w in plate.get("wells", ()) if isinstance(w, dict)]
+    _refuse_twice(listed, "the plate's 'wells'")
     well_attrs = _group_attributes(store, listed, zarr_format)
     wells: list[str] = []
     absent_wells: list[str] = []
@@ -344,6 +346,7 @@ def read_plate(
         if not isinstance(well, dict) or not isinstance(well.get("images"), list):
             raise ValueError(f"well group {path!r} has no 'well' metadata listing its images")
         wells.append(path)
+        _refuse_twice([str(i["path"]) for i in well["images"]], f"well {path!r}'s 'images'")
         for image in well["images"]:
             acq = image.get("acquisition")
             images.append((path, str(image["path"]), None if acq is None else int(acq)))
@@ -403,6 +406,16 @@ def read_plate(
         label_axes=label_axes, absent_wells=tuple(absent_wells),
         absent_fields=tuple(absent_fields),
     )  # fmt: skip
+
+
+def _refuse_twice(paths: Sequence[str], where: str) -> None:
+    """Refuse metadata that lists a path twice (a field would be two members of one name)."""
+    twice = sorted(p for p, n in Counter(paths).items() if n > 1)
+    if twice:
+        raise ValueError(
+            f"{where} list {twice[:5]} more than once: each well (each field of a well) must be "
+            "listed once; fix the plate's metadata"
+        )
 
 
 def _read_labels(
@@ -518,9 +531,11 @@ def open_plate(
         for var, rel in variables.items():
             if own[var] != f"{f.path}/{rel}":
                 raise ValueError(
-                    f"field {f.path!r} keeps {var!r} at {own[var]!r}, field {first.path!r} at "
-                    f"{first.path}/{rel!r}: open_plate needs one path per variable within each "
-                    "field's group; pick the level by index or open the fields with "
+                    f"level={level!r}: field {f.path!r} keeps {var!r} at {own[var]!r}, field "
+                    f"{first.path!r} at {first.path + '/' + rel!r} (their pyramids differ): "
+                    "open_plate needs one path per variable within each field's group; pick a "
+                    "level every field keeps at the same path (an index below the fewest "
+                    "levels, such as level=0, or a pixel size), or open the fields with "
                     "Collection.from_groups"
                 )
     return Collection.from_groups(

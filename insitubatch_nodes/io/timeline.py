@@ -169,6 +169,12 @@ def continuation(
         gap = int(ticks[k][b[0]] - ticks[k - 1][a[1] - 1])
         if gap == step:
             continue
+        if ticks[k][b[0]] < ticks[k - 1][a[0]]:  # not an overlap: listed out of order
+            raise ValueError(
+                f"concat: {names[k]!r} starts at {first}, before {names[k - 1]!r} (from "
+                f"{values[k - 1][a[0]]}), which is listed before it: give the stores in time "
+                "order"
+            )
         what = "overlap" if gap <= 0 else "leave a gap"
         delta: Any = (
             np.timedelta64(step, "s")

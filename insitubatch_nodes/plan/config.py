@@ -105,7 +105,7 @@ class PlanConfig:
         }
         world, rank = checked["world_size"], checked["rank"]
         if world is not None:
-            # with world_size given, rank=None means 0 (as ReadPlanNode resolves it)
+            # rank=None is checked as 0 here; the read plan resolves it (resolve_rank_world)
             rk = 0 if rank is None else rank
             if world < 1 or not 0 <= rk < world:
                 raise ValueError(f"need 0 <= rank < world_size, got rank={rk}, world_size={world}")

@@ -392,7 +392,8 @@ def plan_epoch(
         group = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
         counts = np.bincount(group[left], minlength=len(chunks)).astype(np.int64)
         anchors, done = anchors[left], k_old
-    if resumed:  # chunks with nothing left take no place in the remainder's blocks
+        # chunks with nothing left take no place in the remainder's blocks: here, before the
+        # next cut's replay too (one rank deals no chunk away, so its blocks saw none of them)
         keep = counts > 0
         chunks, counts = chunks[keep], counts[keep]
     pad_seed, key_seed = _stage_seeds(seed, epoch, rank, len(resumed))

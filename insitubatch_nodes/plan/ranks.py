@@ -29,6 +29,7 @@ __all__ = [
     "deal",
     "deal_runs",
     "default_rank_world",
+    "resolve_rank_world",
     "samples_per_rank",
 ]
 
@@ -233,3 +234,41 @@ def default_rank_world() -> tuple[int, int]:
     except ImportError:  # pragma: no cover - torch is a hard dependency
         pass
     return 0, 1
+
+
+def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """``(rank, world_size)`` of a plan, each ``None`` taken from the initialised
+    ``torch.distributed`` group, else ``0`` and ``1``.
+
+    ``world_size`` given with ``rank=None`` takes the group's rank when the group has that
+    world size (every rank of it then reads its own share), ``0`` with one rank or without a
+    group; a group of another size leaves the rank ambiguous: ``ValueError`` asking for it.
+    ``rank`` given with ``world_size=None`` takes the group's world size; outside
+    ``[0, world_size)`` it is a ``ValueError`` saying where the world size came from.
+    """
+    d_rank, d_world = default_rank_world()
+    grouped = d_world > 1 or d_rank > 0  # (an initialised group of one is rank 0 of 1 anyway)
+    world = d_world if world_size is None else int(world_size)
+    if rank is not None:
+        rk = int(rank)
+    elif world == 1 or not grouped:
+        rk = 0
+    elif world == d_world:
+        rk = d_rank
+    else:
+        raise ValueError(
+            f"rank=None with world_size={world}: the torch.distributed group has "
+            f"{d_world} ranks, so its rank ({d_rank}) is not a rank of {world}; pass rank "
+            "explicitly (or world_size=None to take both from the group)"
+        )
+    if world < 1 or not 0 <= rk < world:
+        source = (
+            f"world_size={world}"
+            if world_size is not None
+            else f"world_size=None took {world} from "
+            + ("the torch.distributed group" if grouped else "no torch.distributed group")
+        )
+        raise ValueError(
+            f"need 0 <= rank < world_size, got rank={rk} and {source}; pass world_size with rank"
+        )
+    return rk, world

@@ -329,6 +329,8 @@ def schedule_floors(
       live at ``b`` is read by ``b`` or belongs to the one block ``b`` lies inside:
       ``<= top(max(block chunks, most chunks in one batch))`` — and read-once is then the
       bounded schedule, so the bounded bound holds for it too.
+    * Neither schedule holds more than every chunk the split reads, a slot each (live chunks
+      and read-ahead are among them): both bounds stop there.
     """
     cfg = plan_config(config, "schedule_floors")
     views = check_plan_inputs(manifest, views, cfg)
@@ -346,6 +348,8 @@ def schedule_floors(
     read_once = units.total + read_ahead
     if not (units.shared or deal.padded):  # (a padded sample's chunk may be read twice)
         read_once = min(read_once, units.top(most.once) + read_ahead, bounded)
+    # nor does any schedule hold more than every chunk the split reads (one slot each)
+    read_once, bounded = min(read_once, units.total), min(bounded, units.total)
     return ScheduleFloors(read_once=read_once, bounded=bounded, pin_gap=gap)
 
 
@@ -533,8 +537,9 @@ def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tu
 
     ``read_ahead`` is the most slot memory one block's first reads take; the fetcher may run at
     most that far ahead of the batch being gathered. ``floor`` is the most memory live at once
-    (chunks between their first and last reading batch) plus ``read_ahead``: the smallest budget
-    with which the pipeline never waits on itself.
+    (chunks between their first and last reading batch) plus ``read_ahead``, at most every chunk
+    the plan reads (a slot each): the smallest budget with which the pipeline never waits on
+    itself.
     """
     n = plan.n_batches - plan.first_batch
     if n == 0:
@@ -551,7 +556,16 @@ def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tu
     blocks = plan._block_of_row[first_rows]
     per_block = np.bincount(blocks, weights=got, minlength=max(1, plan.n_blocks))
     read_ahead = int(per_block.max(initial=0))
-    return peak + read_ahead, read_ahead
+    # a budget that holds every chunk the epoch reads never waits (one slot each)
+    return min(peak + read_ahead, _read_bytes(plan, geoms)), read_ahead
+
+
+def _read_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> int:
+    """The slot bytes of every chunk ``plan`` reads, each once."""
+    return sum(
+        len(sorted_unique(ledger.chunk)) * sum(geoms[p].chunk_nbytes for p in ledger.paths)
+        for ledger in plan.ledgers
+    )
 
 
 def kept_bytes(
@@ -567,10 +581,7 @@ def kept_bytes(
     that row when its epoch is not kept, and into a slot of the pool, where the next epoch
     finds it (no GET, no decode), when it is. An automatic budget then grows to hold it.
     """
-    reads = sum(
-        len(sorted_unique(ledger.chunk)) * sum(geoms[p].chunk_nbytes for p in ledger.paths)
-        for ledger in plan.ledgers
-    )
+    reads = _read_bytes(plan, geoms)
     cap = _auto_keep_bytes() if budget_bytes is None else budget_bytes
     return reads if reads <= cap else None
 
@@ -676,6 +687,7 @@ def choose_schedule(
     raise ValueError(
         f"cache_budget_bytes={budget:,} is below the working-set floor of {floor:,} bytes "
         f"({floor / 2**20:.1f} MiB) that every epoch is guaranteed to fit ({what} live at once "
-        f"plus one block of read-ahead, bounded over every permutation){once}; raise it to at "
+        f"plus one block of read-ahead, bounded over every permutation; at most every one the "
+        f"split reads){once}; raise it to at "
         "least the floor, lower block_chunks, or pass None for the automatic budget"
     )

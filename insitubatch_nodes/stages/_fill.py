@@ -171,7 +171,7 @@ class FillRunner:
 
     # -- runs (decode threads) -----------------------------------------------------------------
     def _run(self, job: FillJob) -> None:
-        acc = _Tally()
+        acc = _Tally(job.submitted)
         if self.recorder.trace is not None:  # a trace: this run's spans (the recorder's doc)
             acc.spans, acc.packed = [], PackedSpans(job.batch)
         t0 = _now()
@@ -634,11 +634,13 @@ class _Tally:
         "reads",
         "run_s",
         "spans",
+        "submitted",
         "transform_s",
         "transforms",
     )
 
-    def __init__(self) -> None:
+    def __init__(self, submitted: float) -> None:
+        self.submitted = submitted  # when the run's job was submitted (the recorder's epoch)
         self.handled = 0  # objects taken off the job's queue (decoded, failed or skipped)
         self.reads = 0
         self.read_s = 0.0

@@ -132,7 +132,7 @@ class GetQueue:
         if error is None:
             self.pool.note_io(1, nbytes)
         what = None if rec.trace is None else (array.path, chunk, tile, key, job.batch)
-        rec.on_get_end(started, nbytes, ok=error is None, what=what)
+        rec.on_get_end(started, nbytes, ok=error is None, what=what, submitted=job.submitted)
         if error is None and ids is not None and meta:  # what identifies the object
             ids.note(array.path, array.entry_index(chunk, tile), key, meta_identity(meta[0]))
         self._land(job, [Queued(unit, _now(), raw, error, permit=True)])

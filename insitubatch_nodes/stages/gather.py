@@ -127,8 +127,10 @@ def gather_label(
                 slot = slots[(path, int(chunk[lo]))]
             w0, w1 = int(within[lo]), int(within[hi - 1])
             step = int(within[lo + 1] - w0) if hi - lo > 1 else 1
-            if w1 - w0 == hi - lo - 1:  # consecutive samples: a plain slice copy
-                out[lo:hi] = slot[w0 : w1 + 1]
+            # the span alone does not say the rows are consecutive: a sample may repeat (the
+            # windows of a patched view beside this one: within [0, 0, 1, 4, 4])
+            if w1 - w0 == hi - lo - 1 and (hi - lo < 3 or _evenly(within[lo:hi], 1)):
+                out[lo:hi] = slot[w0 : w1 + 1]  # consecutive samples: a plain slice copy
             elif step > 1 and w1 - w0 == step * (hi - lo - 1) and _evenly(within[lo:hi], step):
                 # every step-th sample (an anchor stride): a strided slice, no temporary even
                 # into a window's strided destination (np.take buffers one)

@@ -199,14 +199,14 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         worker = self._worker
         if worker is None:  # first next() since reset, or closed earlier: resume
             halts = self._halts
-            if not self._source_at_delivered:
-                self.source.reset(self._delivered)
-            self._source_at_delivered = False
-            with self._lock:
+            with self._lock:  # after any halt in progress (another thread's close) is over
                 if self._halts != halts:
                     raise PipelineInterrupted(
                         f"{self.name} was closed or reset while next() started its producer"
                     )
+                if not self._source_at_delivered:
+                    self.source.reset(self._delivered)
+                self._source_at_delivered = False
                 worker = _Worker(self.source, self.context, self.prefetch_depth, self.name)
                 worker.start()
                 self._worker = worker
@@ -295,15 +295,18 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             worker.halt(close_source=True, join=False)
 
     def _halt(self, close_source: bool) -> None:
+        # the whole halt under the lock: a next() on another thread (woken by this halt)
+        # starts its producer only once the old one is gone and the source closed - started
+        # before, the closing released the new producer's chunks (FillCancelled)
         with self._lock:
             worker, self._worker = self._worker, None
             self._halts += 1
-        if worker is not None:
-            worker.halt(close_source=close_source)
-        elif close_source:
-            self.context.close()
-        if close_source:
-            self._source_at_delivered = False
+            if worker is not None:
+                worker.halt(close_source=close_source)
+            elif close_source:
+                self.context.close()
+            if close_source:
+                self._source_at_delivered = False
 
     @property
     def threads(self) -> list[threading.Thread]:

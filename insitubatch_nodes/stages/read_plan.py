@@ -41,7 +41,7 @@ from insitubatch_nodes.plan.fingerprint import (
 )
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
-from insitubatch_nodes.plan.ranks import default_rank_world
+from insitubatch_nodes.plan.ranks import resolve_rank_world
 from insitubatch_nodes.plan.schedule import (
     PinSchedule,
     block_batches,
@@ -173,9 +173,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             schedule = PinSchedule()
         if not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
-        d_rank, d_world = default_rank_world()
-        world = d_world if given.world_size is None else given.world_size
-        rk = (d_rank if given.world_size is None else 0) if given.rank is None else given.rank
+        rk, world = resolve_rank_world(given.rank, given.world_size)
         cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
         check_ranks(manifest, views, cfg)
         self.manifest = manifest
@@ -551,7 +549,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             old = self._draw(epoch, None, resumed, world=(0, saved_world), dealing=dealing)
             if emitted >= old.n_batches:
                 return epoch + 1, 0, (), None  # the epoch was over
-            resumed = (*resumed, (saved_world, emitted))
+            if not resumed or resumed[-1][1] < emitted:  # (its ranks delivered nothing: no cut)
+                resumed = (*resumed, (saved_world, emitted))
         if resumed or emitted:
             n_batches = self._draw(epoch, None, resumed, dealing=dealing).n_batches
             if emitted >= n_batches and (n_batches > 0 or resumed):
