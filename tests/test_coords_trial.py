@@ -1,6 +1,14 @@
 """The coordinates a batch's rows are attached to belong to those rows: cases found by the
 coordinate trial of 2026-12-06 (xarray-written stores, xarray as the oracle), each kept as a
-claim. A row's field is the field at the coordinate values the view says it holds."""
+claim. A row's field is the field at the coordinate values the view says it holds.
+
+Found (wrong answers, each now refused): a concat of stores whose latitude runs the other way
+in a later store; sel on scenes at other places (the first scene's coordinate used for all);
+a stack of join members, or of forcings, at other points of a grid of one shape; a slice of
+an unsorted string coordinate. Misleading errors, now saying what to do: a longitude box
+across the seam; missing= of sample indices on float32 times. Per-row time coordinates
+(shifts, windows, strides, missing=, splits by date, resume, ranks, concat, join, scenes, in
+every CF calendar and encoding tried) matched xarray in every case and need no claim here."""
 
 from __future__ import annotations
 
