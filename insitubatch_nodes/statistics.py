@@ -209,10 +209,13 @@ class Statistics:
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
                 )
             m = np.asarray(self.mean[label])
-            grid = 2
-            mean[path] = m.reshape(*m.shape, *(1,) * grid)
+            # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon); a
+            # field of one or two axes has one value, a scalar (which broadcasts to any field:
+            # shaped (1, 1) it would not to a field of one axis)
+            grid = 2 if m.ndim else 0
+            mean[path] = m.reshape(m.shape + (1,) * grid)
             s = np.asarray(self.std[label])
-            std[path] = s.reshape(*s.shape, *(1,) * grid)
+            std[path] = s.reshape(s.shape + (1,) * grid)
         return StandardScaler(mean, std, cache_key=cache_key)
 
 
