@@ -442,6 +442,13 @@ def _float_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype.kind in "fc" else np.result_type(dtype, np.float32)
 
 
+def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype to compute ``dtype`` results in: float32 for float16 (as numpy's own mean does:
+    a sum, a difference or ``1 / std`` overflows float16's 65504 where the result does not),
+    else ``dtype``."""
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
 class StandardScaler:
     """``(x - mean) / (std + eps)`` with fixed, pre-fitted statistics per array.
 
@@ -451,8 +458,9 @@ class StandardScaler:
     chunk (never re-estimated per chunk). Every array the scaler runs on (its scope: every array,
     or those named with :func:`applies`) must have statistics; that, their shapes and ``std >=
     0`` are checked when the pipeline is built. Floating-point arrays keep their dtype (the
-    work is in place); integer arrays become float32 (float64 for 32/64-bit integers), which
-    the scaler declares through ``output_inner``.
+    work is in place; float16 is computed in float32 and rounded back, so neither ``x - mean``
+    nor ``1 / std`` overflows where the result does not); integer arrays become float32
+    (float64 for 32/64-bit integers), which the scaler declares through ``output_inner``.
 
     ``cache_key`` identifies the fitted statistics (e.g. a version you bump on every re-fit); a
     persistent chunk cache keys transformed chunks on it. It is part of the repr.
@@ -536,8 +544,9 @@ class StandardScaler:
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
         data = chunk.data
         out_dtype = _float_dtype(data.dtype)
-        mean, scale = self._stats(chunk.array, out_dtype)
-        if data.dtype == out_dtype and data.flags.writeable:
+        work = _work_dtype(out_dtype)
+        mean, scale = self._stats(chunk.array, work)
+        if data.dtype == work and data.flags.writeable:
             # In blocks of about _BLOCK_BYTES along the sample axis, so the second operation
             # reads what the first just wrote from cache, not from memory (measured: 3.5 ->
             # 5.3 GB/s on a chunk of 16 (4, 181, 360) float32 samples).
@@ -547,9 +556,9 @@ class StandardScaler:
                 np.subtract(block, mean, out=block)
                 np.multiply(block, scale, out=block)
         else:
-            out = np.subtract(data, mean, dtype=out_dtype)
+            out = np.subtract(data, mean, dtype=work)
             np.multiply(out, scale, out=out)
-            chunk.data = out
+            chunk.data = out if work == out_dtype else out.astype(out_dtype)
         return chunk
 
 
@@ -558,9 +567,12 @@ class Coarsen:
 
     ``factor`` is one integer for every field axis or a tuple with one per field axis (1 leaves
     an axis alone). Each field axis must be divisible by its factor (checked when the pipeline is
-    built). Floating-point arrays keep their dtype; integer ones become float32 (float64 for
-    32/64-bit integers). The reference example of a reshaping transform: it declares its output
-    through ``output_inner``.
+    built). Floating-point arrays keep their dtype (a float16 block is summed in float32, as
+    numpy's own mean does: its sum may pass float16's 65504 where its mean does not); integer
+    ones become float32 (float64 for 32/64-bit integers). A NaN in a block makes its mean NaN
+    (numpy's mean; xarray's ``coarsen(...).mean()`` skips NaNs unless ``skipna=False``). The
+    reference example of a reshaping transform: it declares its output through
+    ``output_inner``.
     """
 
     def __init__(self, factor: int | Sequence[int]) -> None:
@@ -609,5 +621,6 @@ class Coarsen:
         blocks = data.reshape(split)
         axes = tuple(range(2, 2 * len(inner) + 1, 2))
         out_dtype = _float_dtype(data.dtype)
-        chunk.data = blocks.mean(axis=axes, dtype=out_dtype)
+        mean = blocks.mean(axis=axes, dtype=_work_dtype(out_dtype))
+        chunk.data = mean.astype(out_dtype, copy=False)
         return chunk

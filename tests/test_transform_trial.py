@@ -6,7 +6,9 @@ oracle), each kept as a claim.
 Found (wrong refusals and wrong judgements, now fixed): ``Statistics.scaler()`` refused a label
 whose field has one axis (stations), its one value shaped ``(1, 1)``; ``check-transform`` failed
 a correct in-place transform on a big-endian zarr v2 array (it handed over the chunk as ``>f4``,
-where the pipeline hands it native).
+where the pipeline hands it native); ``Coarsen`` and ``StandardScaler`` on float16 arrays gave
+inf (and NaN) where the result is a plain float16: the block sum, ``x - mean`` or ``1 / std``
+overflowed 65504 in float16 arithmetic.
 """
 
 from __future__ import annotations
@@ -19,8 +21,16 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import DecodedChunk, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import (
+    Coarsen,
+    DecodedChunk,
+    StandardScaler,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
 from insitubatch_nodes.cli import main
+from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.statistics import fit_statistics
 
 pytestmark = pytest.mark.timeout(60)
@@ -81,3 +91,46 @@ def test_check_transform_passes_an_in_place_transform_on_a_big_endian_array(
         rc = main(argv)
     assert rc == 0, out.getvalue()
     assert "unchanged as required" in out.getvalue()
+
+
+def _half_store(root: Path, values: np.ndarray) -> dict[str, ArrayGeometry]:
+    """``h (time, lat, lon)`` float16 ``values``, 2 samples a chunk."""
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    arr = group.create_array("h", shape=values.shape, chunks=(2, *values.shape[1:]),
+                             dtype="float16", dimension_names=["time", "lat", "lon"])  # fmt: skip
+    arr[...] = values
+    return open_geometries(root, ["h"])
+
+
+# results past 65504 are inf, as they must be: numpy warns of the cast
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_float16_coarsen_and_scaler_give_the_float16_of_the_exact_result_not_inf(
+    tmp_path: Path,
+) -> None:
+    """float16 stays float16, but the arithmetic must not overflow where the result does not:
+    a block mean of values near 20000 (their sum is past float16's 65504), a standardised
+    value of 60000 with a spread of 30000, a std so small its inverse is past 65504."""
+    rng = np.random.default_rng(7)
+    h = rng.uniform(15000, 60000, (8, 4, 4)).astype(np.float16)
+    h[:, 0, 0] = -60000
+    h[:, 1, 1] = 1.0  # the mean of the tiny-std scaler: standardises to 0, not NaN
+    g = _half_store(tmp_path / "half.zarr", h)
+    manifest = split_by_chunk(g["h"], (1.0, 0.0, 0.0))
+    exact = h.astype(np.float64)
+    cases = [
+        (Coarsen(2), exact.reshape(8, 2, 2, 2, 2).mean(axis=(2, 4))),
+        (StandardScaler({"h": -10000.0}, {"h": 30000.0}), (exact + 10000) / (30000 + 1e-8)),
+        (StandardScaler({"h": 1.0}, {"h": 1e-6}), (exact - 1) / (1e-6 + 1e-8)),
+    ]
+    for transform, want in cases:
+        with insitu_pipeline(tmp_path / "half.zarr", manifest, {"h": g["h"]}, batch_size=4,
+                             coords=(), chunk_transforms=[transform]) as pipe:  # fmt: skip
+            for batch in pipe:
+                got = batch["h"]
+                assert got.dtype == np.float16, transform
+                with np.errstate(over="ignore"):  # past 65504 the float16 is inf, as it must be
+                    expected = want[batch.sample_indices["h"]].astype(np.float16)
+                np.testing.assert_allclose(
+                    got.astype(np.float64), expected.astype(np.float64), rtol=2e-3,
+                    err_msg=repr(transform),
+                )  # fmt: skip
