@@ -8,7 +8,8 @@ whose field has one axis (stations), its one value shaped ``(1, 1)``; ``check-tr
 a correct in-place transform on a big-endian zarr v2 array (it handed over the chunk as ``>f4``,
 where the pipeline hands it native); ``Coarsen`` and ``StandardScaler`` on float16 arrays gave
 inf (and NaN) where the result is a plain float16: the block sum, ``x - mean`` or ``1 / std``
-overflowed 65504 in float16 arithmetic.
+overflowed 65504 in float16 arithmetic; ``Statistics.scaler()`` of two labels of one array fitted
+on other points (the field, a box of it) standardised the array with the last one's, silently.
 """
 
 from __future__ import annotations
@@ -134,3 +135,31 @@ def test_float16_coarsen_and_scaler_give_the_float16_of_the_exact_result_not_inf
                     got.astype(np.float64), expected.astype(np.float64), rtol=2e-3,
                     err_msg=repr(transform),
                 )  # fmt: skip
+
+
+def test_the_scaler_of_statistics_refuses_two_labels_of_one_array_with_other_statistics(
+    tmp_path: Path,
+) -> None:
+    """A chunk transform standardises an array once, for every label reading it: of two labels
+    of one array fitted on other points (the whole field, a box of it), the scaler cannot take
+    both - it took the last one's silently, and the whole field came out with mean -2, not 0.
+    Labels whose statistics agree (a shifted view's are its array's) share them."""
+    root = tmp_path / "t.zarr"
+    rng = np.random.default_rng(0)
+    t = (rng.standard_normal((16, 4, 4)) + 10 * np.arange(4)[None, :, None]).astype(np.float32)
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    group.create_array("t", shape=t.shape, chunks=(4, 4, 4), dtype="float32",
+                       dimension_names=["time", "lat", "lon"])[...] = t  # fmt: skip
+    g = open_geometries(root, ["t"])["t"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    views = {"t": g, "t_next": g.shift(1), "north": g.isel(lat=slice(2, 4))}
+    stats = fit_statistics(root, manifest, views)
+    with pytest.raises(ValueError, match=r"'t'.*'north'.*scaler\(\['t'\]\)"):
+        stats.scaler()
+    scaler = stats.scaler(["t", "t_next"])
+    with insitu_pipeline(root, manifest, {"t": g}, batch_size=16, coords=(),
+                         chunk_transforms=[scaler]) as pipe:  # fmt: skip
+        batch = next(iter(pipe))
+    exact = t.astype(np.float64)
+    want = (exact[batch.sample_indices["t"]] - exact.mean()) / (exact.std() + 1e-8)
+    np.testing.assert_allclose(batch["t"], want, rtol=1e-5, atol=1e-5)
