@@ -10,6 +10,7 @@ where the pipeline hands it native); ``Coarsen`` and ``StandardScaler`` on float
 inf (and NaN) where the result is a plain float16: the block sum, ``x - mean`` or ``1 / std``
 overflowed 65504 in float16 arithmetic; ``Statistics.scaler()`` of two labels of one array fitted
 on other points (the field, a box of it) standardised the array with the last one's, silently.
+``to_torch`` on the CPU refused a batch a flip transform had reversed (a negative stride).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from insitubatch_nodes import (
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
+    to_torch,
 )
+from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.cli import main
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.statistics import fit_statistics
@@ -163,3 +166,25 @@ def test_the_scaler_of_statistics_refuses_two_labels_of_one_array_with_other_sta
     exact = t.astype(np.float64)
     want = (exact[batch.sample_indices["t"]] - exact.mean()) / (exact.std() + 1e-8)
     np.testing.assert_allclose(batch["t"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_to_torch_on_the_cpu_takes_a_batch_a_flip_transform_reversed(tmp_path: Path) -> None:
+    """A random flip is a batch transform (docs/transforms.md); numpy's flip is a view with a
+    negative stride, which torch.from_numpy refuses. The CPU tensors hold the flipped rows, as
+    the CUDA path (which stages a contiguous copy) does."""
+    root = tmp_path / "stations.zarr"
+    p = _stations(root)
+    g = open_geometries(root, ["p"])
+    manifest = split_by_chunk(g["p"], (1.0, 0.0, 0.0))
+
+    def flip(batch: Batch) -> Batch:
+        batch.arrays["p"] = batch.arrays["p"][:, ::-1]
+        return batch
+
+    with insitu_pipeline(root, manifest, {"p": g["p"]}, batch_size=6, coords=(),
+                         batch_transforms=[flip]) as pipe:  # fmt: skip
+        for batch in pipe:
+            tensors = to_torch(batch, device="cpu")
+            np.testing.assert_array_equal(
+                tensors["p"].numpy(), p[batch.sample_indices["p"]][:, ::-1]
+            )
