@@ -11,6 +11,15 @@ inf (and NaN) where the result is a plain float16: the block sum, ``x - mean`` o
 overflowed 65504 in float16 arithmetic; ``Statistics.scaler()`` of two labels of one array fitted
 on other points (the field, a box of it) standardised the array with the last one's, silently.
 ``to_torch`` on the CPU refused a batch a flip transform had reversed (a negative stride).
+
+Needed no claim (matched the oracle in every case tried): chains of Coarsen, StandardScaler
+(scalar and per-level), level selection, cropping and casts on float16/32/64 and integer
+arrays, sample axis first or last, tiled fields, partial chunks, shifted and windowed views
+(one transform per chunk, seen by every view), direct decoding, small budgets, ranks, resume
+mid-epoch, two epochs, set_views, selections on transformed slots, collections, stacks and
+their normalisation, normalizer(), persistent caches written with another chain (refused, or
+rebuilt with reset_stale_cache), batch transforms that reorder rows, device transforms, and
+check-transform against the pipeline's own verdict (CF-packed arrays included).
 """
 
 from __future__ import annotations
