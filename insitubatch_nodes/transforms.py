@@ -34,7 +34,7 @@ Contracts (checked; a violation raises :class:`ChunkTransformError` naming the t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +193,10 @@ class ChunkTransforms:
 
     transforms: Sequence[ChunkTransform]
     geoms: Mapping[str, ArrayGeometry]
+    #: paths of the static arrays the pipeline reads besides ``geoms``: read once whole, they
+    #: take no chunk transforms, and a transform that names one (``applies``, a scaler's
+    #: statistics) raises ``ValueError`` rather than leave it untransformed without a word
+    static: Collection[str] = ()
     _chains: dict[str, _ArrayChain] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -208,6 +212,7 @@ class ChunkTransforms:
                 raise TypeError(
                     f"chunk_transforms must be callables DecodedChunk -> DecodedChunk, got {t!r}"
                 )
+            _refuse_static(t, [n for n in self.static if n not in bases])
             if isinstance(t, Scoped):
                 unknown = [n for n in t.names if n not in bases]
                 if unknown:
@@ -360,6 +365,30 @@ class ChunkTransforms:
                 raise ChunkTransformError(_mismatch(step, where, want, got, chain.source))
             chunk = out
         return chunk.data
+
+
+def _refuse_static(transform: ChunkTransform, static: Sequence[str]) -> None:
+    """``ValueError`` when ``transform`` names one of the ``static`` arrays (by ``applies``, or
+    as a scaler with statistics for it): chunk transforms never run on a static array."""
+    inner = _unwrap(transform)
+    named = set(transform.names) if isinstance(transform, Scoped) else set(static)
+    if isinstance(inner, StandardScaler):
+        named &= set(inner.mean)
+    elif not isinstance(transform, Scoped):
+        return  # a bare transform runs on the arrays with samples, as documented
+    hit = sorted(named & set(static))
+    if hit:
+        how = (
+            "standardise it per label with Statistics.normalizer (a batch transform), and "
+            "leave its statistics out of the scaler (Statistics.scaler([labels with samples]))"
+            if isinstance(inner, StandardScaler)
+            else "transform it in a batch transform instead"
+        )
+        raise ValueError(
+            f"{transform_name(transform)} names the static array(s) {hit} (no sample axis): a "
+            f"static array is read once whole and takes no chunk transforms, so its values "
+            f"would reach the batch untransformed; {how}"
+        )
 
 
 def collection_hint(names: Sequence[str], geoms: Mapping[str, ArrayGeometry], how: str) -> str:

@@ -10,7 +10,9 @@ where the pipeline hands it native); ``Coarsen`` and ``StandardScaler`` on float
 inf (and NaN) where the result is a plain float16: the block sum, ``x - mean`` or ``1 / std``
 overflowed 65504 in float16 arithmetic; ``Statistics.scaler()`` of two labels of one array fitted
 on other points (the field, a box of it) standardised the array with the last one's, silently.
-``to_torch`` on the CPU refused a batch a flip transform had reversed (a negative stride).
+``to_torch`` on the CPU refused a batch a flip transform had reversed (a negative stride);
+a scaler with statistics for a static array left that label unscaled without a word, and
+``applies`` naming a static array said the pipeline does not read it.
 
 Needed no claim (matched the oracle in every case tried): chains of Coarsen, StandardScaler
 (scalar and per-level), level selection, cropping and casts on float16/32/64 and integer
@@ -36,6 +38,7 @@ from insitubatch_nodes import (
     Coarsen,
     DecodedChunk,
     StandardScaler,
+    applies,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
@@ -197,3 +200,37 @@ def test_to_torch_on_the_cpu_takes_a_batch_a_flip_transform_reversed(tmp_path: P
             np.testing.assert_array_equal(
                 tensors["p"].numpy(), p[batch.sample_indices["p"]][:, ::-1]
             )
+
+
+def test_a_static_array_that_chunk_transforms_would_skip_is_refused_saying_why(
+    tmp_path: Path,
+) -> None:
+    """A static array (no sample axis) is read once whole, never as chunks, so no chunk
+    transform runs on it. Statistics.scaler() of a pipeline's labels, a static one among
+    them, delivered that label with its raw values, not standardised, without a word; and
+    applies() naming it said the pipeline 'does not read' an array it reads."""
+    root = tmp_path / "s.zarr"
+    rng = np.random.default_rng(0)
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    t = rng.standard_normal((16, 4, 4)).astype(np.float32)
+    group.create_array("t", shape=t.shape, chunks=(4, 4, 4), dtype="float32",
+                       dimension_names=["time", "lat", "lon"])[...] = t  # fmt: skip
+    group.create_array("lsm", shape=(4, 4), chunks=(4, 4), dtype="float32",
+                       dimension_names=["lat", "lon"])[...] = rng.random((4, 4))  # fmt: skip
+    g = open_geometries(root, ["t", "lsm"])
+    manifest = split_by_chunk(g["t"], (1.0, 0.0, 0.0))
+    views = {"t": g["t"], "lsm": g["lsm"]}
+    stats = fit_statistics(root, manifest, views)
+    with pytest.raises(ValueError, match=r"static array.*'lsm'.*normalizer"):
+        insitu_pipeline(root, manifest, views, batch_size=4, coords=(),
+                        chunk_transforms=[stats.scaler()])  # fmt: skip
+    with pytest.raises(ValueError, match=r"'lsm'.*static.*batch transform"):
+        insitu_pipeline(root, manifest, views, batch_size=4, coords=(),
+                        chunk_transforms=[applies(["lsm"], Coarsen(2))])  # fmt: skip
+    # the sampled array's scaler, with the static label normalised per label, is what works
+    per_label = stats.normalizer({"lsm": g["lsm"]})
+    with insitu_pipeline(root, manifest, views, batch_size=4, coords=(),
+                         chunk_transforms=[stats.scaler(["t"])],
+                         batch_transforms=[per_label]) as pipe:  # fmt: skip
+        batch = next(iter(pipe))
+    assert abs(float(batch["lsm"][0].mean())) < 1e-5
