@@ -116,8 +116,10 @@ def to_torch(
     ``datetime64`` has no torch dtype; turn times into numeric features in a batch transform).
 
     On the CPU (``device=None`` or ``"cpu"``) the tensors share memory with the batch arrays (no
-    copy). Every dtype a pipeline batch holds converts: bool, integers (unsigned too), floats and
-    complex, always in native byte order (big-endian zarr v2 data is swapped as it is decoded).
+    copy), except an array with a negative stride (a flip, ``x[:, ::-1]``, in a batch
+    transform), which torch cannot view: it is copied once. Every dtype a pipeline batch holds
+    converts: bool, integers (unsigned too), floats and complex, always in native byte order
+    (big-endian zarr v2 data is swapped as it is decoded).
     An array of your own in another byte order is converted with one copy; a dtype torch has no
     tensor type for (``datetime64``, strings, objects) raises ``TypeError`` naming the label.
 
@@ -152,6 +154,8 @@ def to_torch(
     for label, arr in arrays.items():
         arr = _torch_ready(label, np.asarray(arr))
         if dev.type == "cpu":
+            if any(stride < 0 for stride in arr.strides):  # a flip: torch has no such strides
+                arr = np.ascontiguousarray(arr)
             out[label] = torch.from_numpy(arr)
         elif dev.type == "cuda":
             if not torch.cuda.is_available():

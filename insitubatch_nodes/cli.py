@@ -175,12 +175,16 @@ def gil_probe(
 
 def _read_chunk(zstore: Any, geom: Any, chunk: int) -> np.ndarray:
     from insitubatch_nodes.io import _zarr_compat
+    from insitubatch_nodes.io.geometry import in_native_byte_order
 
     array = _zarr_compat.open_array_readonly(zstore, geom.path, geom.zarr_format)
     start, stop = geom.chunk_range(chunk)
     sel: list[Any] = [slice(None)] * geom.ndim
     sel[geom.sample_axis] = slice(start, stop)
     data = np.asarray(array[tuple(sel)])
+    # native byte order, as the pipeline hands chunks to transforms (a big-endian zarr v2 array
+    # read as ">f4" would fail an in-place transform for a dtype change it does not make)
+    data = data.astype(in_native_byte_order(data.dtype), copy=False)
     if geom.cf is not None:  # CF mask and scale: the values the pipeline's transforms see
         data = geom.cf.decode(data)
     return np.ascontiguousarray(np.moveaxis(data, geom.sample_axis, 0))

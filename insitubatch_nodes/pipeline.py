@@ -365,7 +365,7 @@ def insitu_pipeline(
         reader,
     )
     # the chunk transforms are checked here, and say what the slots and batches hold
-    transforms = ChunkTransforms(chunk_transforms, geoms)
+    transforms = ChunkTransforms(chunk_transforms, geoms, {v.path for v in statics.values()})
     views = {label: _output_view(transforms, label, view) for label, view in views.items()}
     refuse_standardised_twice(transforms, views, batch_transforms)  # (before anything starts)
     members = collection_of([manifest.members, *(v.members for v in geoms.values())])

@@ -197,11 +197,28 @@ class Statistics:
         """A :class:`~insitubatch_nodes.transforms.StandardScaler` (a chunk transform, keyed by
         array path) from the statistics of ``labels`` (default: all), which must read every
         channel of their arrays (the scaler runs on chunks, before any selection): no level
-        selection, at most a box on the grid (a patched view's ``within``)."""
+        selection, at most a box on the grid (a patched view's ``within``). Labels of one array
+        share its scaling: ``ValueError`` when their statistics differ (a box and the whole
+        field); a shifted label's are its array's and agree."""
         labels = list(self.mean) if labels is None else list(labels)
         mean, std = {}, {}
+        taken: dict[str, str] = {}  # path -> the label whose statistics it takes
         for label in labels:
             path = self.paths[label]
+            first = taken.setdefault(path, label)
+            if first != label:  # the scaler standardises the array once, for every label
+                same = all(
+                    np.array_equal(np.asarray(stat[first]), np.asarray(stat[label]))
+                    for stat in (self.mean, self.std)
+                )
+                if not same:
+                    raise ValueError(
+                        f"labels {first!r} and {label!r} both read array {path!r}, with other "
+                        "statistics (fitted on other points); a chunk transform standardises "
+                        f"the array once for every label: name one, e.g. scaler([{first!r}]), "
+                        "or standardise per label with Statistics.normalizer"
+                    )
+                continue
             keys = self.dataset.get("views", {}).get(label, {}).get("select") or [None, None]
             if any(k is not None for k in keys[:-2]) or any(isinstance(k, int) for k in keys):
                 raise ValueError(
@@ -209,10 +226,13 @@ class Statistics:
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
                 )
             m = np.asarray(self.mean[label])
-            grid = 2
-            mean[path] = m.reshape(*m.shape, *(1,) * grid)
+            # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon); a
+            # field of one or two axes has one value, a scalar (which broadcasts to any field:
+            # shaped (1, 1) it would not to a field of one axis)
+            grid = 2 if m.ndim else 0
+            mean[path] = m.reshape(m.shape + (1,) * grid)
             s = np.asarray(self.std[label])
-            std[path] = s.reshape(*s.shape, *(1,) * grid)
+            std[path] = s.reshape(s.shape + (1,) * grid)
         return StandardScaler(mean, std, cache_key=cache_key)
 
 

@@ -34,7 +34,7 @@ Contracts (checked; a violation raises :class:`ChunkTransformError` naming the t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -193,6 +193,10 @@ class ChunkTransforms:
 
     transforms: Sequence[ChunkTransform]
     geoms: Mapping[str, ArrayGeometry]
+    #: paths of the static arrays the pipeline reads besides ``geoms``: read once whole, they
+    #: take no chunk transforms, and a transform that names one (``applies``, a scaler's
+    #: statistics) raises ``ValueError`` rather than leave it untransformed without a word
+    static: Collection[str] = ()
     _chains: dict[str, _ArrayChain] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -208,6 +212,7 @@ class ChunkTransforms:
                 raise TypeError(
                     f"chunk_transforms must be callables DecodedChunk -> DecodedChunk, got {t!r}"
                 )
+            _refuse_static(t, [n for n in self.static if n not in bases])
             if isinstance(t, Scoped):
                 unknown = [n for n in t.names if n not in bases]
                 if unknown:
@@ -362,6 +367,30 @@ class ChunkTransforms:
         return chunk.data
 
 
+def _refuse_static(transform: ChunkTransform, static: Sequence[str]) -> None:
+    """``ValueError`` when ``transform`` names one of the ``static`` arrays (by ``applies``, or
+    as a scaler with statistics for it): chunk transforms never run on a static array."""
+    inner = _unwrap(transform)
+    named = set(transform.names) if isinstance(transform, Scoped) else set(static)
+    if isinstance(inner, StandardScaler):
+        named &= set(inner.mean)
+    elif not isinstance(transform, Scoped):
+        return  # a bare transform runs on the arrays with samples, as documented
+    hit = sorted(named & set(static))
+    if hit:
+        how = (
+            "standardise it per label with Statistics.normalizer (a batch transform), and "
+            "leave its statistics out of the scaler (Statistics.scaler([labels with samples]))"
+            if isinstance(inner, StandardScaler)
+            else "transform it in a batch transform instead"
+        )
+        raise ValueError(
+            f"{transform_name(transform)} names the static array(s) {hit} (no sample axis): a "
+            f"static array is read once whole and takes no chunk transforms, so its values "
+            f"would reach the batch untransformed; {how}"
+        )
+
+
 def collection_hint(names: Sequence[str], geoms: Mapping[str, ArrayGeometry], how: str) -> str:
     """``"; 'data' is a collection's variable: ..."`` for each of ``names`` that is the variable
     name of a collection view among ``geoms`` (whose path is ``"<collection>:<variable>"``):
@@ -442,6 +471,13 @@ def _float_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype.kind in "fc" else np.result_type(dtype, np.float32)
 
 
+def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+    """The dtype to compute ``dtype`` results in: float32 for float16 (as numpy's own mean does:
+    a sum, a difference or ``1 / std`` overflows float16's 65504 where the result does not),
+    else ``dtype``."""
+    return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
 class StandardScaler:
     """``(x - mean) / (std + eps)`` with fixed, pre-fitted statistics per array.
 
@@ -451,8 +487,9 @@ class StandardScaler:
     chunk (never re-estimated per chunk). Every array the scaler runs on (its scope: every array,
     or those named with :func:`applies`) must have statistics; that, their shapes and ``std >=
     0`` are checked when the pipeline is built. Floating-point arrays keep their dtype (the
-    work is in place); integer arrays become float32 (float64 for 32/64-bit integers), which
-    the scaler declares through ``output_inner``.
+    work is in place; float16 is computed in float32 and rounded back, so neither ``x - mean``
+    nor ``1 / std`` overflows where the result does not); integer arrays become float32
+    (float64 for 32/64-bit integers), which the scaler declares through ``output_inner``.
 
     ``cache_key`` identifies the fitted statistics (e.g. a version you bump on every re-fit); a
     persistent chunk cache keys transformed chunks on it. It is part of the repr.
@@ -536,8 +573,9 @@ class StandardScaler:
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
         data = chunk.data
         out_dtype = _float_dtype(data.dtype)
-        mean, scale = self._stats(chunk.array, out_dtype)
-        if data.dtype == out_dtype and data.flags.writeable:
+        work = _work_dtype(out_dtype)
+        mean, scale = self._stats(chunk.array, work)
+        if data.dtype == work and data.flags.writeable:
             # In blocks of about _BLOCK_BYTES along the sample axis, so the second operation
             # reads what the first just wrote from cache, not from memory (measured: 3.5 ->
             # 5.3 GB/s on a chunk of 16 (4, 181, 360) float32 samples).
@@ -547,9 +585,9 @@ class StandardScaler:
                 np.subtract(block, mean, out=block)
                 np.multiply(block, scale, out=block)
         else:
-            out = np.subtract(data, mean, dtype=out_dtype)
+            out = np.subtract(data, mean, dtype=work)
             np.multiply(out, scale, out=out)
-            chunk.data = out
+            chunk.data = out if work == out_dtype else out.astype(out_dtype)
         return chunk
 
 
@@ -558,9 +596,12 @@ class Coarsen:
 
     ``factor`` is one integer for every field axis or a tuple with one per field axis (1 leaves
     an axis alone). Each field axis must be divisible by its factor (checked when the pipeline is
-    built). Floating-point arrays keep their dtype; integer ones become float32 (float64 for
-    32/64-bit integers). The reference example of a reshaping transform: it declares its output
-    through ``output_inner``.
+    built). Floating-point arrays keep their dtype (a float16 block is summed in float32, as
+    numpy's own mean does: its sum may pass float16's 65504 where its mean does not); integer
+    ones become float32 (float64 for 32/64-bit integers). A NaN in a block makes its mean NaN
+    (numpy's mean; xarray's ``coarsen(...).mean()`` skips NaNs unless ``skipna=False``). The
+    reference example of a reshaping transform: it declares its output through
+    ``output_inner``.
     """
 
     def __init__(self, factor: int | Sequence[int]) -> None:
@@ -609,5 +650,6 @@ class Coarsen:
         blocks = data.reshape(split)
         axes = tuple(range(2, 2 * len(inner) + 1, 2))
         out_dtype = _float_dtype(data.dtype)
-        chunk.data = blocks.mean(axis=axes, dtype=out_dtype)
+        mean = blocks.mean(axis=axes, dtype=_work_dtype(out_dtype))
+        chunk.data = mean.astype(out_dtype, copy=False)
         return chunk
