@@ -21,6 +21,9 @@ Findings held here:
 * datetime64 / timedelta64 arrays revived from a persistent cache (``cache_dir``,
   ``persist=True``): the chunk checksum hashed the array's buffer, which numpy does not export
   for those dtypes; the second pipeline over the cache hung instead of delivering.
+* a zstd-compressed object written as several concatenated zstd frames (which zarr reads):
+  the first frame's header announces only that frame's size, and the object was refused as
+  corrupt ("zstd stream announces 16 decoded bytes, the chunk holds 32").
 """
 
 from __future__ import annotations
@@ -28,14 +31,17 @@ from __future__ import annotations
 import threading
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import numcodecs
 import numpy as np
 import pytest
 import zarr
 from torchdata.nodes import Loader
+from zarr.codecs import ZstdCodec
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.options import FetchOptions
 
 pytestmark = pytest.mark.filterwarnings("ignore::zarr.errors.ZarrUserWarning")
 
@@ -90,3 +96,31 @@ def test_datetime_chunks_revived_from_a_persistent_cache_read_as_zarr_reads_them
         for samples, values in rows:
             assert values.dtype == want.dtype
             np.testing.assert_array_equal(values, want[samples], err_msg=f"run {run}")
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_an_object_of_several_zstd_frames_reads_as_zarr_reads_it(
+    tmp_path: Path, zarr_format: Literal[2, 3]
+) -> None:
+    root = tmp_path / "s.zarr"
+    zstd = numcodecs.Zstd(level=1)
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+    compressors: Any = zstd if zarr_format == 2 else (ZstdCodec(level=1),)
+    array = group.create_array(
+        "a", shape=(4, 8), chunks=(1, 8), dtype="f4", fill_value=0, compressors=compressors
+    )
+    data = np.arange(32, dtype="f4").reshape(4, 8) + 1
+    array[...] = data
+    # chunk 1 rewritten as two zstd frames, each announcing its own size (16 of 32 bytes)
+    key = root / "a" / ("1.0" if zarr_format == 2 else "c/1/0")
+    raw = data[1].tobytes()
+    key.write_bytes(bytes(zstd.encode(raw[:16])) + bytes(zstd.encode(raw[16:])))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = np.asarray(zarr.open_array(root / "a", mode="r")[...])
+    np.testing.assert_array_equal(want, data)  # zarr reads the frames one after the other
+    for direct in (True, False):
+        rows = _rows(root, fetch=FetchOptions(direct=direct))
+        assert sum(len(samples) for samples, _ in rows) == 2 * 4
+        for samples, values in rows:
+            np.testing.assert_array_equal(values, want[samples], err_msg=f"direct={direct}")
