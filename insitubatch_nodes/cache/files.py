@@ -106,9 +106,11 @@ def chunk_file_name(path: str, chunk: int) -> str:
 def content_sum(array: np.ndarray) -> str:
     """The checksum the log records for a chunk: ``"xxh3-64:<16 hex digits>"``, xxhash's
     XXH3 (64 bits) over ``array``'s bytes in C order — for a cached file, its data after the
-    ``.npy`` header. xxhash releases the GIL while it hashes."""
+    ``.npy`` header. xxhash releases the GIL while it hashes. The bytes are hashed as
+    ``uint8``: numpy exports no buffer of a ``datetime64`` or ``timedelta64`` array."""
     data = array if array.flags.c_contiguous else np.ascontiguousarray(array)
-    return f"{SUM_ALGO}:{xxhash.xxh3_64_intdigest(data.data):016x}"
+    flat = data.reshape(-1).view(np.uint8)
+    return f"{SUM_ALGO}:{xxhash.xxh3_64_intdigest(flat.data):016x}"
 
 
 def _npy_header(shape: tuple[int, ...], dtype: np.dtype[Any]) -> bytes:

@@ -247,7 +247,9 @@ class _NumcodecsPlan(_Plan):
                 continue
             size = _decoded_size(step.codec_id, data)
             if size is not None and not self.filters and size != self.nbytes:
-                if step.codec_id != "gzip":  # gzip's trailer is only a hint (multi-member)
+                # only hints: gzip's trailer (of the last member) and a zstd frame header (of
+                # the first frame) describe one part of a multi-member / multi-frame stream
+                if step.codec_id not in ("gzip", "zstd"):
                     raise ValueError(
                         f"{step.codec_id} stream announces {size} decoded bytes, the chunk "
                         f"holds {self.nbytes}"
