@@ -154,3 +154,41 @@ def test_two_pipelines_of_one_process_over_two_stores_are_refused_one_cache_dir(
         first.close()
     assert _epoch(b, cache, in_b)["gets"] == 2  # one after the other: each checked, right
     assert _epoch(a, cache, in_a)["gets"] == 2  # (b's files replaced a's: one name per chunk)
+
+
+def test_a_chunk_whose_cache_checksum_fails_raises_from_next_instead_of_hanging_the_epoch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The checksum of a new cache file is taken on a decode thread once its chunk is complete.
+    # An error there (the decode trial's: numpy refused a datetime64 chunk's buffer) skipped the
+    # end of its fill job when that chunk was the job's last: the producer waited for the job
+    # forever, and next() never returned (4 of 4 runs with one chunk per batch).
+    import threading
+
+    import insitubatch_nodes.cache.directory as directory
+
+    _write(tmp_path / "s.zarr", (2, 4, 4), seed=1)
+    geom = open_geometries(tmp_path / "s.zarr")["t2m"]
+
+    def broken(array: np.ndarray) -> str:
+        raise ValueError("checksum refused")
+
+    monkeypatch.setattr(directory, "content_sum", broken)
+    pipe = insitu_pipeline(tmp_path / "s.zarr", split_by_chunk(geom, (1.0, 0.0, 0.0)),
+                           {"t2m": geom}, batch_size=2, coords=(), cache_dir=tmp_path / "cache",
+                           persist=True)  # fmt: skip
+    raised: list[BaseException] = []
+
+    def epoch() -> None:
+        try:
+            for _ in Loader(pipe):
+                pass
+        except Exception as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=epoch, daemon=True)
+    thread.start()
+    thread.join(timeout=20)
+    assert not thread.is_alive(), "the epoch hung on a failed checksum"
+    pipe.close()
+    assert raised and "checksum refused" in repr(raised[0]) + repr(raised[0].__cause__), raised

@@ -516,11 +516,13 @@ class FillRunner:
                 finish_entry = entry.tiles_left == 0
             job.left -= 1
             finish_job = job.left == 0
-        if finish_entry:
-            assert entry is not None
-            self._entry_done(job, entry, acc)
-        if finish_job:
-            self._job_done(job)
+        try:
+            if finish_entry:
+                assert entry is not None
+                self._entry_done(job, entry, acc)
+        finally:  # an entry's failure must not leave its job, and the batch waiting on it, open
+            if finish_job:
+                self._job_done(job)
 
     def _entry_done(self, job: FillJob, entry: ChunkEntry, acc: _Tally | None) -> None:
         """Every object of ``entry`` is handled: transforms, checksum, then ready; or the
@@ -538,7 +540,11 @@ class FillRunner:
                     self.pool.discard(entry, exc)
                     return
             if entry.file is not None:  # a new cache file: its checksum, before the commit
-                self.pool.seal(entry)
+                try:
+                    self.pool.seal(entry)
+                except Exception as exc:  # the batch raises it (a waiting one, promptly)
+                    self.pool.discard(entry, exc)
+                    return
             self.pool.mark_ready(entry)
         except BaseException as exc:
             self.pool.discard(entry, exc)
