@@ -203,7 +203,9 @@ class FillRunner:
             if acc.handled:  # what one object costs the decode threads, lately
                 work = (acc.read_s + acc.decode_s) / acc.handled
                 self._work_per_object += 0.25 * (work - self._work_per_object)
-            self.pool.note_io(acc.reads, acc.read_bytes, -1 if local else 0)
+            self.pool.note_io(
+                acc.reads - acc.noted_reads, acc.read_bytes - acc.noted_bytes, -1 if local else 0
+            )
             rec = self.recorder
             rec.on_fill_run(acc)
 
@@ -265,7 +267,7 @@ class FillRunner:
             if not isinstance(exc, Exception):
                 raise
         finally:
-            self._objects_done(job, rows.objects)
+            self._objects_done(job, rows.objects, acc)
 
     def _fill_whole_rows(self, job: FillJob, rows: Rows, acc: _Tally) -> None:
         """:meth:`_fill_rows` for an array stored one object per chunk (no tiles): the lean
@@ -345,7 +347,16 @@ class FillRunner:
         error.__cause__ = exc
         return error
 
-    def _objects_done(self, job: FillJob, n: int) -> None:
+    def _note_reads(self, acc: _Tally | None) -> None:
+        """Count the reads ``acc`` made so far in the pool's stats, before their units are
+        reported done: the end of a job lets its batch, and maybe the epoch, finish, and the
+        epoch's ``stats()`` must already count every read it made."""
+        if acc is not None and acc.reads != acc.noted_reads:
+            self.pool.note_io(acc.reads - acc.noted_reads, acc.read_bytes - acc.noted_bytes)
+            acc.noted_reads, acc.noted_bytes = acc.reads, acc.read_bytes
+
+    def _objects_done(self, job: FillJob, n: int, acc: _Tally | None = None) -> None:
+        self._note_reads(acc)
         with job.lock:
             job.left -= n
             finish = job.left == 0
@@ -509,6 +520,7 @@ class FillRunner:
         return buf
 
     def _unit_done(self, job: FillJob, entry: ChunkEntry | None, acc: _Tally | None) -> None:
+        self._note_reads(acc)
         finish_entry = False
         with job.lock:
             if entry is not None:
@@ -633,6 +645,8 @@ class _Tally:
         "decode_s",
         "decodes",
         "handled",
+        "noted_bytes",
+        "noted_reads",
         "packed",
         "queued_s",
         "read_bytes",
@@ -651,6 +665,7 @@ class _Tally:
         self.reads = 0
         self.read_s = 0.0
         self.read_bytes = 0
+        self.noted_reads = self.noted_bytes = 0  # of reads and read_bytes, counted in the pool
         self.decodes = 0
         self.decode_s = 0.0
         self.queued_s = 0.0
