@@ -376,6 +376,19 @@ def hung_child_report(proc: subprocess.Popen[str]) -> str:
     if environ.exists():
         names = sorted(v.split("=", 1)[0] for v in environ.read_text().split("\0") if v)
         lines.append("environment names: " + " ".join(names))
+
+    def masks(status: Path, names: tuple[str, ...]) -> str:
+        """Signal masks from a /proc status file (hex; SIGINT is bit 1, the value 0x2): a
+        SIGINT pending (SigPnd/ShdPnd) with every thread blocking it (SigBlk), or not caught
+        by Python's handler (SigCgt), is why a Ctrl-C is never acted on."""
+        try:
+            got = dict(line.split(":", 1) for line in status.read_text().splitlines())
+        except (OSError, ValueError):
+            return ""
+        return " ".join(f"{n} {got[n].strip()}" for n in names if n in got)
+
+    lines.append("signals: " + masks(Path(f"/proc/{proc.pid}/status"),
+                                     ("ShdPnd", "SigIgn", "SigCgt")))  # fmt: skip
     for task in sorted(tasks.iterdir()) if tasks.exists() else []:
         try:
             comm = (task / "comm").read_text().strip()
@@ -383,7 +396,8 @@ def hung_child_report(proc: subprocess.Popen[str]) -> str:
             state = (task / "stat").read_text().split(") ")[1].split()[0]
         except OSError:
             continue
-        lines.append(f"thread {task.name} {comm!r} state {state} wchan {wchan}")
+        signals = masks(task / "status", ("SigPnd", "SigBlk"))
+        lines.append(f"thread {task.name} {comm!r} state {state} wchan {wchan} {signals}")
     gdb = shutil.which("gdb")
     if gdb:  # native stacks too, where a debugger is installed
         bt = subprocess.run(
