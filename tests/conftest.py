@@ -53,6 +53,28 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
+@pytest.fixture(autouse=True)
+def _sigint_handler_restored(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Give SIGINT's handler back as each test found it, and say which test changed it.
+
+    A handler left behind leaks into every later test of the worker, and a ``SIG_IGN`` into
+    every child process it starts: a child that inherits an ignored SIGINT never installs
+    Python's ``KeyboardInterrupt``, so a Ctrl-C test's child sleeps through its Ctrl-C
+    (Lightning, for one, sets ``SIG_IGN`` for good when a fit is interrupted)."""
+    import signal
+    import warnings
+
+    before = signal.getsignal(signal.SIGINT)
+    yield
+    after = signal.getsignal(signal.SIGINT)
+    if after is not before and after != before:
+        signal.signal(signal.SIGINT, before)
+        warnings.warn(
+            f"{request.node.nodeid} left SIGINT's handler as {after!r}: restored to {before!r}",
+            stacklevel=1,
+        )
+
+
 # ---------------------------------------------------------------------------------------------
 # Layout constants the tests refer to (the one place the fixture shapes are written down).
 # ---------------------------------------------------------------------------------------------
