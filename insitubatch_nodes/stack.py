@@ -199,6 +199,7 @@ def stack(
     members: list[StackMember] = []
     channels: list[str] = []
     _check_patched(named, first_name, first)
+    first_points = _grid_points(first, field_ndim)  # read once, compared with every member
     for name, view in given.items():
         if isinstance(view, Forcings):
             grid = (len(view.lat), len(view.lon))
@@ -241,7 +242,8 @@ def stack(
                 f"{first_on}: the shapes agree, the points do not (a transposed field); "
                 "stack fields stored in one axis order"
             )
-        _refuse_other_points(name, view, first_name, first, field_ndim)
+        if view is not first:
+            _refuse_other_points(name, view, first_name, first_points, field_ndim)
         if not view.static and _steps(view) != steps:
             raise ValueError(
                 f"stack member {name!r} has {_describe_steps(_steps(view))}, but "
@@ -396,8 +398,9 @@ def _grid_points(view: ArrayGeometry, field_ndim: int) -> dict[str, np.ndarray]:
     if view.dims is None or view.coordinates is None:
         return {}
     keys = view_keys(view)
+    kept = kept_axes(keys)
     out = {}
-    for i in kept_axes(keys)[len(kept_axes(keys)) - field_ndim :]:
+    for i in kept[len(kept) - field_ndim :]:
         dim, key = view.dims[view.field_axes[i]], keys[i]
         try:
             values = np.asarray(view.coordinates(view.base, dim))
@@ -408,12 +411,16 @@ def _grid_points(view: ArrayGeometry, field_ndim: int) -> dict[str, np.ndarray]:
 
 
 def _refuse_other_points(
-    name: str, view: ArrayGeometry, first_name: str, first: ArrayGeometry, field_ndim: int
+    name: str,
+    view: ArrayGeometry,
+    first_name: str,
+    theirs: Mapping[str, np.ndarray],
+    field_ndim: int,
 ) -> None:
-    """Refuse member ``name`` whose field is at other points than the first member's: a grid
-    dimension whose coordinate (as selected) both read holds other values (a latitude stored
-    the other way round in another store of a join), beyond float32 rounding."""
-    theirs = _grid_points(first, field_ndim)
+    """Refuse member ``name`` whose field is at other points than the first member's
+    (``theirs``: its :func:`_grid_points`): a grid dimension whose coordinate (as selected)
+    both read holds other values (a latitude stored the other way round in another store of a
+    join), beyond float32 rounding."""
     for dim, values in _grid_points(view, field_ndim).items():
         ref = theirs.get(dim)
         if ref is None or ref.shape != values.shape:
