@@ -203,9 +203,7 @@ class FillRunner:
             if acc.handled:  # what one object costs the decode threads, lately
                 work = (acc.read_s + acc.decode_s) / acc.handled
                 self._work_per_object += 0.25 * (work - self._work_per_object)
-            self.pool.note_io(
-                acc.reads - acc.noted_reads, acc.read_bytes - acc.noted_bytes, -1 if local else 0
-            )
+            self._note_reads(acc, -1 if local else 0)
             rec = self.recorder
             rec.on_fill_run(acc)
 
@@ -347,12 +345,15 @@ class FillRunner:
         error.__cause__ = exc
         return error
 
-    def _note_reads(self, acc: _Tally | None) -> None:
-        """Count the reads ``acc`` made so far in the pool's stats, before their units are
-        reported done: the end of a job lets its batch, and maybe the epoch, finish, and the
-        epoch's ``stats()`` must already count every read it made."""
-        if acc is not None and acc.reads != acc.noted_reads:
-            self.pool.note_io(acc.reads - acc.noted_reads, acc.read_bytes - acc.noted_bytes)
+    def _note_reads(self, acc: _Tally | None, inflight: int = 0) -> None:
+        """Count the reads ``acc`` made since it last did in the pool's stats (and ``inflight``
+        more or fewer reads in flight), before their units are reported done: the end of a job
+        lets its batch, and maybe the epoch, finish, and the epoch's ``stats()`` must already
+        count every read it made."""
+        if acc is not None and (acc.reads != acc.noted_reads or inflight):
+            self.pool.note_io(
+                acc.reads - acc.noted_reads, acc.read_bytes - acc.noted_bytes, inflight
+            )
             acc.noted_reads, acc.noted_bytes = acc.reads, acc.read_bytes
 
     def _objects_done(self, job: FillJob, n: int, acc: _Tally | None = None) -> None:
