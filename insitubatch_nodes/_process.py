@@ -13,14 +13,19 @@ import ctypes
 import math
 import os
 import sys
+import time
+from collections.abc import Callable
+from typing import Any
 
 __all__ = [
     "RETRY_TIME_SCALE_ENV",
     "check_obstore_usable",
     "check_same_process",
+    "drain_wakeups",
     "note_obstore_use",
     "retry_time_scale",
     "tune_allocator",
+    "watch_wakeups",
 ]
 
 # The process that ran obstore GETs through a pipeline. obstore's IO runtime is a set of threads
@@ -55,6 +60,51 @@ def check_obstore_usable() -> None:
             "finish. Start child processes with the 'spawn' or 'forkserver' method, or build "
             "pipelines only after forking."
         )
+
+
+# -- wakeups of the IO loop by obstore's threads ---------------------------------------------------
+# obstore's runtime threads hand each finished request to the IO loop with a Python call,
+# ``loop.call_soon_threadsafe``, which releases the GIL while it writes to the loop's wakeup
+# socket. Before Python 3.14 a thread that takes the GIL back once the interpreter has begun to
+# finalize is ended with ``pthread_exit``, and on a Rust stack that aborts the process: a
+# program that exits a moment after its last read (a command-line tool, a short script) has been
+# seen to die with status -6 after its work was done. The calls in progress are counted (a
+# list's append and pop are atomic under the GIL) and the exit hook waits for them to end.
+_WAKEUPS_IN_PROGRESS: list[None] = []
+_DRAIN_SETTLE_S = 0.01
+
+
+def watch_wakeups(loop: Any) -> None:
+    """Count ``loop``'s ``call_soon_threadsafe`` calls in progress, for :func:`drain_wakeups`
+    (once per loop: the method is wrapped on the loop object itself)."""
+    if getattr(loop.call_soon_threadsafe, "_insitu_counted", False):
+        return
+    original: Callable[..., Any] = loop.call_soon_threadsafe
+    inside = _WAKEUPS_IN_PROGRESS
+
+    def call_soon_threadsafe(callback: Any, *args: Any, context: Any = None) -> Any:
+        inside.append(None)
+        try:
+            return original(callback, *args, context=context)
+        finally:
+            inside.pop()
+
+    call_soon_threadsafe._insitu_counted = True  # type: ignore[attr-defined]
+    loop.call_soon_threadsafe = call_soon_threadsafe
+
+
+def drain_wakeups(timeout_s: float = 2.0) -> bool:
+    """Wait, the GIL released, until no thread is inside a watched loop's
+    ``call_soon_threadsafe`` (at most ``timeout_s``; each such call is a socket write), then a
+    moment more for the last one to give the GIL back. Called at interpreter exit, before
+    finalization begins. Returns whether none was left."""
+    if not _WAKEUPS_IN_PROGRESS:
+        return True
+    deadline = time.monotonic() + timeout_s
+    while _WAKEUPS_IN_PROGRESS and time.monotonic() < deadline:
+        time.sleep(0.001)
+    time.sleep(_DRAIN_SETTLE_S)
+    return not _WAKEUPS_IN_PROGRESS
 
 
 # -- the C allocator ----------------------------------------------------------------------------

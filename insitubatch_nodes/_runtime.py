@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
+from insitubatch_nodes import _process
 from insitubatch_nodes.io import _zarr_compat
 
 __all__ = [
@@ -116,7 +117,9 @@ if hasattr(os, "register_at_fork"):
 # modules were imported in: first the prefetch threads (so nothing admits new fetches), then the
 # fetch stages (their in-flight GETs cancelled and awaited while the IO loop still runs: a
 # request left in flight inside the object store's own runtime could otherwise complete into a
-# half-finalised interpreter). Each kind registers how to stop a list of its nodes.
+# half-finalised interpreter). Each kind registers how to stop a list of its nodes. Last, the
+# wakeups of the IO loop by obstore's threads still in progress are waited for
+# (``_process.drain_wakeups``).
 EXIT_ORDER = ("prefetch", "fetch")
 _EXIT_NODES: dict[str, weakref.WeakSet[Any]] = {kind: weakref.WeakSet() for kind in EXIT_ORDER}
 _EXIT_STOPS: dict[str, Callable[[Sequence[Any]], None]] = {}
@@ -140,6 +143,7 @@ def _stop_all_at_exit() -> None:
         if nodes and stop is not None:
             with contextlib.suppress(Exception):  # best effort at exit
                 stop(nodes)
+    _process.drain_wakeups()  # no obstore thread left inside the IO loop's wakeup call
 
 
 def io_loop() -> asyncio.AbstractEventLoop:

@@ -34,18 +34,22 @@ usage error (unknown array, unloadable target).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import os
+import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
-__all__ = ["gil_probe", "load_target", "main"]
+__all__ = ["gil_probe", "load_target", "main", "run"]
 
 _OK, _FAILED, _USAGE = 0, 1, 2
 
@@ -366,20 +370,46 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line ``argv`` (``None``: the process's own arguments) and return its exit
-    status. Called for the process (``argv=None``: the console script, ``python -m``), it also
-    stops zarr's IO thread before returning (``_zarr_compat.stop_io_loop``); called from Python
-    with arguments, it leaves the process's zarr as it found it."""
+    status (argparse raises ``SystemExit`` for ``--help`` and malformed arguments). The process
+    itself is run by :func:`run`."""
     args = _parser().parse_args(argv)
     if args.command != "check-transform":  # pragma: no cover - argparse requires a command
         return _USAGE
-    try:
-        return check_transform(args)
-    finally:
-        if argv is None:
-            from insitubatch_nodes.io._zarr_compat import stop_io_loop
+    return check_transform(args)
 
-            stop_io_loop()
+
+def run() -> NoReturn:
+    """The console script and ``python -m insitubatch_nodes.cli``: run the process's command
+    line, flush its output and end the process with the exit status, without finalizing the
+    interpreter (``os._exit``).
+
+    Stores are read through obstore, whose runtime threads hand each result to the IO loop by a
+    Python call. Before Python 3.14 a thread still inside such a call when the interpreter
+    finalizes is ended with ``pthread_exit`` on a Rust stack, which aborts the process (status
+    -6 after its output was written: seen in CI, and reproduced in tests/test_cli.py). A tool
+    that exits a moment after its last read meets that window; ending the process directly
+    closes it. Nothing of the command is lost: it writes no files and its output is flushed.
+    """
+    status = _USAGE
+    try:
+        status = main()
+    except SystemExit as exc:  # --help (0), a usage error (2), sys.exit("message")
+        if exc.code is None or isinstance(exc.code, int):
+            status = exc.code or 0
+        else:
+            print(exc.code, file=sys.stderr)
+            status = _FAILED
+    except KeyboardInterrupt:
+        status = 128 + signal.SIGINT
+    except BaseException:
+        traceback.print_exc()
+        status = _FAILED
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(status)
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    run()

@@ -212,21 +212,80 @@ def test_check_transform_reports_an_undeclared_reshape(store: Path, transforms: 
     assert "declares no output_inner" in out and "(8, 128, 128)" in out
 
 
-def test_check_transform_refuses_an_unknown_array_or_target_with_a_usage_error(
+# The process of `python -m insitubatch_nodes.cli`, with one of obstore's runtime threads still
+# inside its Python call into an IO loop when the interpreter finalizes: it wakes during the
+# finalizing garbage collection, and before Python 3.14 CPython ends it with pthread_exit on a
+# Rust stack, which aborts the process (CI: status -6 after the usage error was printed). The
+# wait is released by an exit hook, so the thread wakes during finalization however long the
+# command took.
+_RUNTIME_THREAD_AT_EXIT = """
+import asyncio, atexit, runpy, sys, threading, time
+import obstore
+from obstore.store import LocalStore
+
+called, finalizing = threading.Event(), threading.Event()
+
+class HeldWakeupLoop(asyncio.SelectorEventLoop):
+    def call_soon_threadsafe(self, *args, **kwargs):
+        if threading.current_thread().name.startswith("Dummy") and not called.is_set():
+            called.set()
+            finalizing.wait()  # the GIL released, as in the socket write of the real call
+            time.sleep(0.05)
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+loop = HeldWakeupLoop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+
+async def get():
+    return await obstore.get_async(LocalStore(sys.argv[1]), "zarr.json")
+
+asyncio.run_coroutine_threadsafe(get(), loop)
+assert called.wait(30)
+
+class Node:
+    pass
+
+garbage = []  # for the finalizing collection to walk (about half a second)
+for _ in range(300_000):
+    a, b = Node(), Node()
+    a.b, b.a = b, a
+    garbage.append(a)
+atexit.register(finalizing.set)
+sys.argv = ["insitubatch-nodes", *sys.argv[2:]]
+runpy.run_module("insitubatch_nodes.cli", run_name="__main__")
+"""
+
+
+def test_the_process_exits_with_its_usage_error_status_while_an_obstore_thread_is_in_a_python_call(
     store: Path, transforms: Path
 ) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    base = [sys.executable, "-m", "insitubatch_nodes.cli", "check-transform", str(store)]
+    args = [
+        "check-transform",
+        str(store),
+        "--var",
+        "nope",
+        "--transform",
+        f"{transforms}:vectorized",
+    ]
     bad_var = subprocess.run(
-        [*base, "--var", "nope", "--transform", f"{transforms}:vectorized"],
+        [sys.executable, "-c", _RUNTIME_THREAD_AT_EXIT, str(store), *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=60,
     )
-    assert bad_var.returncode == 2 and "available arrays: ['t2m']" in bad_var.stderr
+    assert bad_var.returncode == 2, bad_var.stderr
+    assert "available arrays: ['t2m']" in bad_var.stderr
+
+
+def test_check_transform_refuses_an_unknown_target_with_a_usage_error(
+    store: Path, transforms: Path
+) -> None:
     rc, out = check(store, f"{transforms}:missing")
     assert rc == 2 and "has no attribute 'missing'" in out
+    rc, out = check(store, f"{transforms}:vectorized", "--var", "nope")
+    assert rc == 2 and "available arrays: ['t2m']" in out
 
 
 def test_the_console_script_insitubatch_nodes_runs_the_cli() -> None:
@@ -234,12 +293,37 @@ def test_the_console_script_insitubatch_nodes_runs_the_cli() -> None:
     target = config["project"]["scripts"]["insitubatch-nodes"]
     module, _, attr = target.partition(":")
     main = getattr(importlib.import_module(module), attr)
-    from insitubatch_nodes.cli import main as cli_main
+    from insitubatch_nodes.cli import run
 
-    assert main is cli_main
-    with pytest.raises(SystemExit) as info:
-        main(["check-transform", "--help"])
-    assert info.value.code == 0
+    assert main is run
+
+
+class _Exited(Exception):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("argv", "status"),
+    [(["check-transform", "--help"], 0), (["check-transform"], 2), (["nonsense"], 2)],
+)
+def test_the_process_entry_point_ends_with_argparses_exit_status_and_flushed_output(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    status: int,
+) -> None:
+    import insitubatch_nodes.cli as cli
+
+    def exit_now(code: int) -> None:
+        raise _Exited(code)
+
+    monkeypatch.setattr(cli.os, "_exit", exit_now)
+    monkeypatch.setattr(sys, "argv", ["insitubatch-nodes", *argv])
+    with pytest.raises(_Exited) as info:
+        cli.run()
+    assert info.value.args == (status,)
+    out, err = capsys.readouterr()
+    assert ("usage: insitubatch-nodes" in out) if status == 0 else ("error:" in err)
 
 
 def test_check_transform_runs_on_a_packed_chunk_decoded_as_the_pipeline_decodes_it(

@@ -36,6 +36,8 @@ import numpy as np
 import zarr
 import zarr.errors
 
+from insitubatch_nodes import _process
+
 __all__ = [
     "array_dimension_names",
     "array_metadata_keys",
@@ -444,31 +446,13 @@ def chunk_key_format(metadata: Any, ndim: int) -> str | None:
 
 
 def io_loop() -> Any:
-    """zarr's process-wide store-IO event loop (started on first use, on its own thread)."""
+    """zarr's process-wide store-IO event loop (started on first use, on its own thread), its
+    wakeups by other threads counted for the exit hook (``_process.watch_wakeups``)."""
     from zarr.core.sync import _get_loop
 
-    return _get_loop()
-
-
-def stop_io_loop(timeout_s: float = 10.0) -> None:
-    """Stop zarr's store-IO loop and join its thread while the interpreter is whole.
-
-    zarr stops it from an ``atexit`` hook that waits 0.2 s and then closes the loop whether or not
-    its daemon thread has finished; on a loaded machine that thread can still be running when the
-    interpreter finalizes, and the process has been seen to abort (status -6) after its work was
-    done. A command-line tool calls this before it returns its exit status. Idempotent; a later
-    use of zarr starts a new loop.
-    """
-    from zarr.core import sync
-
-    loop, thread = sync.loop[0], sync.iothread[0]
-    if loop is None:
-        return
-    if thread is not None and thread.is_alive():
-        loop.call_soon_threadsafe(loop.stop)
-        thread.join(timeout_s)
-    if thread is None or not thread.is_alive():
-        sync.cleanup_resources()
+    loop = _get_loop()
+    _process.watch_wakeups(loop)
+    return loop
 
 
 # -- decoding (used by insitubatch_nodes.io.decode) ---

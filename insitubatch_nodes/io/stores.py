@@ -529,7 +529,8 @@ def as_store(store: StoreLike, **options: Any) -> Store:
 
     ``options`` (``retry=`` included) apply to a URL or path only. Every entry point of the
     package passes its store through here, before its first read, which is when the allocator
-    is tuned (:func:`~insitubatch_nodes._process.tune_allocator`: once per process).
+    is tuned (:func:`~insitubatch_nodes._process.tune_allocator`: once per process) and zarr's IO
+    loop started with its wakeups watched (:func:`~insitubatch_nodes._process.watch_wakeups`).
 
     An xarray ``Dataset`` opened from zarr (``xr.open_zarr(path_or_store)``) stands for the
     store it was opened from: the path or URL xarray recorded (``ds.encoding["source"]``), or
@@ -546,8 +547,11 @@ def as_store(store: StoreLike, **options: Any) -> Store:
         if options:
             raise ValueError("store options apply to a URL or path, not to an opened Store")
         _process.tune_allocator()  # before obstore's threads allocate (see its docstring)
-        return _zarr_compat.opened(store)
-    return open_store(store, **options)
+        opened = _zarr_compat.opened(store)
+    else:
+        opened = open_store(store, **options)
+    _zarr_compat.io_loop()  # started here, its wakeups watched before the first read
+    return opened
 
 
 def _node_store(node: zarr.Group | zarr.Array) -> Store:
