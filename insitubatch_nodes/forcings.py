@@ -50,9 +50,9 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.batch import Batch
-from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import kept_axes, view_keys
+from insitubatch_nodes.io.timeunits import as_timedelta
 
 __all__ = [
     "FORCINGS",

@@ -30,6 +30,7 @@ from insitubatch_nodes.io.coords import (
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 cftime = pytest.importorskip("cftime")
+from xarray.coding.times import decode_cf_datetime  # noqa: E402
 
 N_TIME, SPC = 96, 8  # 12 chunks of 8 samples
 
@@ -269,6 +270,67 @@ def test_nanoseconds_in_a_cftime_calendar_are_read_at_microseconds() -> None:
     _assert_same_dates(decode_cf(us * 1000 + 3, ns), want)
     with pytest.raises(ValueError, match="nanoseconds"):
         xr.decode_cf(xr.Dataset(coords={"time": ("time", us * 1000, ns)}))
+
+
+# every spelling of a unit before "since" that xarray (numpy's route: a plural name, "s" added
+# to a singular) or cftime (its abbreviations; months in 360_day, common_years in noleap) reads,
+# and spellings that neither reads; the oracle says which are which, per calendar
+UNIT_WORDS = [
+    *("days", "day", "d", "hours", "hour", "hr", "hrs", "h", "minutes", "minute", "min"),
+    *("mins", "seconds", "second", "sec", "secs", "s", "milliseconds", "millisecond"),
+    *("millisec", "millisecs", "msec", "msecs", "ms", "microseconds", "microsecond"),
+    *("microsec", "microsecs", "nanoseconds", "nanosecond", "months", "month"),
+    *("common_years", "common_year", "years", "year", "yr", "weeks", "week", "w", "m", "mon"),
+    *("us", "usec", "ns", "nanosec", "nanosecs", "hourss", "ds"),
+]
+
+
+def _xr_reads(units: str, calendar: str) -> bool:
+    """Whether xarray decodes ``units`` in ``calendar`` to dates (what ``xr.open_zarr`` calls)."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return decode_cf_datetime(np.arange(3.0), units, calendar).dtype.kind in "MO"
+    except Exception:  # (KeyError, ValueError, OutOfBoundsDatetime...: xarray's refusals)
+        return False
+
+
+@pytest.mark.parametrize("calendar", ["standard", "noleap", "360_day"])
+def test_every_time_unit_word_xarray_reads_decodes_to_its_dates_and_the_others_are_refused(
+    tmp_path: Path, calendar: str
+) -> None:
+    """Each word in lower case as fractional float64 offsets (xarray reads cftime's
+    abbreviations with cftime, at microseconds, and the plural names with numpy, at
+    nanoseconds: "1.001 h" and "1.001 hours" are other dates) and in upper or capitalised case as
+    int64; a word xarray refuses is refused, saying which words are read."""
+    fractional = np.array([0.0, 1 / 3, 2.5, 1.001, 0.123456789, -77.7, 12345.678])
+    whole = np.array([0, 1, 2, 1000, 7, -77, 12345], np.int64)
+    cases = [(w, fractional) for w in UNIT_WORDS]
+    cases += [((w.upper(), w.capitalize())[i % 2], whole) for i, w in enumerate(UNIT_WORDS)]
+    coords: dict[str, Any] = {}
+    for word, raw in cases:
+        attrs = {"units": f"{word} since 2000-01-01", "calendar": calendar}
+        if _xr_reads(attrs["units"], calendar):
+            coords[f"t{len(coords)}"] = (f"t{len(coords)}", raw, attrs)
+        elif word.lower() not in ("nanoseconds", "nanosecond"):  # (read at microseconds: above)
+            with pytest.raises(ValueError, match=rf"time unit '{word}'.* is not supported"):
+                decode_cf(raw, attrs, name="time")
+    assert len(coords) >= 2 * 28  # (cftime's 28 spellings, in two cases, in every calendar)
+    data = {f"v{k[1:]}": (k, np.zeros(len(whole), np.float32)) for k in coords}
+    root = tmp_path / "u.zarr"
+    xr.Dataset(data, coords=coords).to_zarr(root, zarr_format=3, consolidated=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray warns when it keeps cftime dates)
+        with xr.open_zarr(root, consolidated=False) as ds:
+            want = {k: np.asarray(ds[k].values) for k in coords}
+    geoms = open_geometries(root)
+    for name, (_, _, attrs) in coords.items():
+        got = open_coordinates(root, geoms[f"v{name[1:]}"])[name].values
+        assert want[name].dtype.kind in "MO", attrs
+        try:
+            _assert_same_dates(got, want[name])
+        except AssertionError as exc:
+            raise AssertionError(f"{attrs}: {got} != {want[name]}") from exc
 
 
 def test_a_calendar_that_is_not_cf_or_a_date_the_calendar_lacks_is_refused() -> None:

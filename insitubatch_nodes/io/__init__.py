@@ -19,6 +19,8 @@ files. This face re-exports the names a composer uses; import the modules for th
 * :mod:`~insitubatch_nodes.io.selection` — what a selected view keeps of each field axis;
 * :mod:`~insitubatch_nodes.io.coords` — coordinates along the sample axis (CF time);
 * :mod:`~insitubatch_nodes.io.calendars` — CF calendars: ``datetime64`` or cftime dates, counts;
+* :mod:`~insitubatch_nodes.io.timeunits` — time unit words: CF ``"<unit> since"`` as xarray reads
+  them, and steps such as ``"6h"``;
 * :mod:`~insitubatch_nodes.io.decode` — one stored object into its slot memory;
 * :mod:`~insitubatch_nodes.io.localfiles` — a local store's files, read on the decode threads;
 * :mod:`~insitubatch_nodes.io.objects` — stored objects read (GETs, with their identities) and

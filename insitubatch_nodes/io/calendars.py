@@ -36,10 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.timeunits import NS_PER_UNIT
+
 __all__ = [
     "CF_CALENDARS",
     "DATETIME64_CALENDARS",
-    "as_timedelta",
     "calendar_of",
     "counts_us",
     "date_in",
@@ -151,12 +152,6 @@ def counts_us(dates: np.ndarray) -> np.ndarray:
     return (days * _US_PER_DAY + tod).reshape(dates.shape)
 
 
-_TICK_NS: dict[str, int] = {
-    "ns": 1, "us": 1_000, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
-    "D": 86_400 * 10**9, "W": 7 * 86_400 * 10**9,
-}  # fmt: skip
-
-
 def elapsed_ticks(dates: np.ndarray, epoch: Any, shown: str) -> tuple[np.ndarray, int]:
     """``dates - epoch`` as ``int64`` ticks and the nanoseconds in one tick, exactly.
 
@@ -167,19 +162,19 @@ def elapsed_ticks(dates: np.ndarray, epoch: Any, shown: str) -> tuple[np.ndarray
     """
     if dates.dtype == object:
         ticks = counts_us(dates) - int(counts_us(np.array([epoch], dtype=object))[0])
-        return ticks, _TICK_NS["us"]
-    if np.datetime_data(dates.dtype)[0] not in _TICK_NS:  # years or months: exact in days
+        return ticks, NS_PER_UNIT["us"]
+    if np.datetime_data(dates.dtype)[0] not in NS_PER_UNIT:  # years or months: exact in days
         dates = dates.astype("M8[D]")
-    if np.datetime_data(epoch.dtype)[0] not in _TICK_NS:
+    if np.datetime_data(epoch.dtype)[0] not in NS_PER_UNIT:
         epoch = epoch.astype("M8[D]")
     units = (np.datetime_data(dates.dtype)[0], np.datetime_data(epoch.dtype)[0])
-    tick = min(units, key=_TICK_NS.__getitem__)
+    tick = min(units, key=NS_PER_UNIT.__getitem__)
     try:  # (numpy < 2.5 wraps around silently in casts between units; 2.5 raises)
         e = epoch.astype(f"M8[{tick}]")
         wrapped = e.astype(epoch.dtype) != epoch
     except OverflowError:
         wrapped = True
-    ratio = _TICK_NS[units[0]] // _TICK_NS[tick]
+    ratio = NS_PER_UNIT[units[0]] // NS_PER_UNIT[tick]
     raw = dates.astype(np.int64)
     if wrapped or (raw.size and float(np.abs(raw).max()) * ratio >= 2.0**62):
         raise OverflowError(
@@ -189,7 +184,7 @@ def elapsed_ticks(dates: np.ndarray, epoch: Any, shown: str) -> tuple[np.ndarray
     lo, hi = float(raw.min()) * ratio - et, float(raw.max()) * ratio - et
     if max(abs(lo), abs(hi)) >= 2.0**62:
         raise OverflowError(f"the times counted in {tick} since epoch {shown} overflow int64")
-    return raw * ratio - et, _TICK_NS[tick]
+    return raw * ratio - et, NS_PER_UNIT[tick]
 
 
 def calendar_of(values: np.ndarray) -> str | None:
@@ -312,56 +307,3 @@ def date_in(x: Any, calendar: str, like: Any, what: str) -> Any:
         return cftime.datetime(*fields, calendar=like.calendar, has_year_zero=like.has_year_zero)
     except ValueError as exc:
         raise ValueError(f"{what} {x!r} is not a date of calendar {calendar!r}: {exc}") from exc
-
-
-_DELTA_RE = re.compile(r"^\s*(?P<n>[+-]?\d+)?\s*(?P<unit>[A-Za-zµ]+)\s*$")
-_DELTA_UNITS: dict[str, str] = {
-    **dict.fromkeys(("w", "week", "weeks"), "W"),
-    **dict.fromkeys(("d", "day", "days"), "D"),
-    **dict.fromkeys(("h", "hr", "hrs", "hour", "hours"), "h"),
-    **dict.fromkeys(("m", "min", "mins", "minute", "minutes"), "m"),
-    **dict.fromkeys(("s", "sec", "secs", "second", "seconds"), "s"),
-    **dict.fromkeys(("ms", "millisecond", "milliseconds"), "ms"),
-    **dict.fromkeys(("us", "µs", "microsecond", "microseconds"), "us"),
-    **dict.fromkeys(("ns", "nanosecond", "nanoseconds"), "ns"),
-}
-
-
-_NO_FIXED_LENGTH = frozenset({"mo", "month", "months", "y", "yr", "year", "years"})
-
-
-def as_timedelta(x: Any, what: str = "a time step") -> np.timedelta64:
-    """``x`` as a ``numpy.timedelta64`` of a fixed length: ``"6h"``, ``"-6h"``, ``"30min"``,
-    ``"1D"``, ``"90 s"``, ``"hours"`` (one), a ``numpy.timedelta64`` or a ``datetime.timedelta``.
-    Months and years (no fixed length) and ``NaT`` raise ``ValueError``; a number ``TypeError``."""
-    if isinstance(x, np.timedelta64):
-        unit = np.datetime_data(x.dtype)[0]
-        if np.isnat(x):
-            raise ValueError(f"{what} is NaT: give a length such as '6h'")
-        if unit in ("Y", "M", "generic"):
-            raise ValueError(
-                f"{what} {x!r} has no fixed length: give it in weeks, days, hours, minutes, "
-                "seconds or finer"
-            )
-        return x
-    if isinstance(x, _dt.timedelta):
-        return np.timedelta64(x)
-    if isinstance(x, str):
-        m = _DELTA_RE.match(x)
-        word = m["unit"] if m else ""
-        if word in ("M", "Y", "MS", "YS") or word.lower() in _NO_FIXED_LENGTH:
-            raise ValueError(
-                f"{what} {x!r} has no fixed length: give it in weeks, days, hours, minutes, "
-                "seconds or finer"
-            )
-        unit = _DELTA_UNITS.get(word.lower(), "")
-        if m is None or not unit:
-            raise ValueError(
-                f"{what} {x!r} is not a time step: write a count and a unit, such as '6h', "
-                "'-6h', '30min', '1D', '90s' (units W, D, h, min, s, ms, us, ns; months and "
-                "years have no fixed length)"
-            )
-        return np.timedelta64(int(m["n"] or 1), unit)  # type: ignore[call-overload]
-    raise TypeError(
-        f"{what} must be a time step ('6h', numpy.timedelta64, datetime.timedelta), got {x!r}"
-    )

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 #: CF time units, ``"<unit> since <reference date>"``
-UNITS_RE = re.compile(r"^\s*(?P<unit>[A-Za-z]+)\s+since\s+(?P<ref>.+?)\s*$", re.IGNORECASE)
+UNITS_RE = re.compile(r"^\s*(?P<unit>[A-Za-z_]+)\s+since\s+(?P<ref>.+?)\s*$", re.IGNORECASE)
 
 
 def is_cf_time(attrs: Mapping[str, Any]) -> bool:

@@ -9,9 +9,9 @@ attributes, as xarray does for a zarr store, but without xarray:
   ``fill_value`` is the ``_FillValue``, as xarray reads v2; for v3 only the attribute counts),
   then ``scale_factor`` / ``add_offset`` unpack — packed values and masked integers decode to
   ``float64`` (NaN where missing);
-* ``units`` of the CF form ``"<unit> since <reference date>"`` (unit ``days``, ``hours``,
-  ``minutes``, ``seconds``, ``milliseconds``, ``microseconds`` or ``nanoseconds``) in any CF
-  ``calendar`` (absent means ``standard``) decode to the dates xarray gives
+* ``units`` of the CF form ``"<unit> since <reference date>"`` (a unit word xarray reads:
+  ``hours``, ``hour``, ``hrs``, ``h``, ...; :mod:`~insitubatch_nodes.io.timeunits` lists them)
+  in any CF ``calendar`` (absent means ``standard``) decode to the dates xarray gives
   (:mod:`~insitubatch_nodes.io.calendars` states the rule): ``numpy.datetime64[ns]`` for
   ``standard``, ``gregorian`` and ``proleptic_gregorian`` dates that all lie in its range
   (``NaT`` where missing, and for NaT's own ``int64`` bit pattern, which is how xarray writes a
@@ -45,7 +45,6 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import (
     CF_CALENDARS,
     DATETIME64_CALENDARS,
-    as_timedelta,
     calendar_of,
     counts_us,
     date_in,
@@ -56,6 +55,7 @@ from insitubatch_nodes.io.cf import UNITS_RE as _UNITS_RE
 from insitubatch_nodes.io.cf import encoded_fills, is_cf_time, missing_mask
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
+from insitubatch_nodes.io.timeunits import NS_PER_UNIT, as_timedelta, cf_time_unit
 
 __all__ = [
     "MISSING_OFFSET",
@@ -72,24 +72,6 @@ CALENDARS: tuple[str, ...] = tuple(CF_CALENDARS)
 """Every CF calendar a time coordinate may name (see the module docstring for what each decodes
 to)."""
 
-_TIME_UNITS: dict[str, str] = {
-    "nanoseconds": "ns",
-    "microseconds": "us",
-    "milliseconds": "ms",
-    "seconds": "s",
-    "minutes": "m",
-    "hours": "h",
-    "days": "D",
-}
-_NS_PER: dict[str, int] = {
-    "ns": 1,
-    "us": 1_000,
-    "ms": 1_000_000,
-    "s": 10**9,
-    "m": 60 * 10**9,
-    "h": 3600 * 10**9,
-    "D": 86400 * 10**9,
-}
 _REF_RE = re.compile(
     r"^(?P<y>\d{1,4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})"
     r"(?:[T ]+(?P<h>\d{1,2})(?::(?P<mi>\d{1,2})(?::(?P<s>\d{1,2})(?P<frac>\.\d*)?)?)?)?"
@@ -165,15 +147,7 @@ def _decode_time(
         )
     m = _UNITS_RE.match(units)
     assert m is not None  # is_cf_time checked it
-    word = m["unit"].lower()
-    word = word if word.endswith("s") else word + "s"
-    unit = _TIME_UNITS.get(word)
-    if unit is None:
-        raise ValueError(
-            f"coordinate {name!r}: time unit {m['unit']!r} in {units!r} is not supported; CF "
-            f"time units are one of {', '.join(_TIME_UNITS)} (months and years have no fixed "
-            "length)"
-        )
+    unit = cf_time_unit(m["unit"], CF_CALENDARS[cal], f"coordinate {name!r} ({units!r})")
     missing = np.zeros(values.shape, bool) if missing is None else missing.copy()
     if values.dtype.kind == "f":
         missing |= ~np.isfinite(values)
@@ -183,12 +157,13 @@ def _decode_time(
         raise ValueError(
             f"coordinate {name!r}: CF time values must be numbers, got dtype {values.dtype}"
         )
-    if CF_CALENDARS[cal] in DATETIME64_CALENDARS:
-        out = _decode_datetime64(values, missing, unit, _reference_date(m["ref"], units, name))
+    if CF_CALENDARS[cal] in DATETIME64_CALENDARS and unit.numpy is not None:
+        ref = _reference_date(m["ref"], units, name)
+        out = _decode_datetime64(values, missing, unit.numpy, ref)
         if out is not None:
             return out
     return decode_with_cftime(
-        values, missing, word, _cftime_reference(m["ref"], units, name), cal, name
+        values, missing, unit.cftime, _cftime_reference(m["ref"], units, name), cal, name
     )
 
 
@@ -203,13 +178,13 @@ def _decode_datetime64(
     valid = values[~missing]
     if valid.dtype.kind in "iu":
         span = float(np.abs(valid.astype(np.float64)).max()) if valid.size else 0.0
-        finest = min(_NS_PER[unit], _NS_PER[np.datetime_data(ref.dtype)[0]])
-        if span * (_NS_PER[unit] // finest) >= 2.0**62:
+        finest = min(NS_PER_UNIT[unit], NS_PER_UNIT[np.datetime_data(ref.dtype)[0]])
+        if span * (NS_PER_UNIT[unit] // finest) >= 2.0**62:
             return None
         delta = np.zeros(values.shape, f"m8[{unit}]")
         delta[~missing] = valid.astype(np.int64).astype(f"m8[{unit}]")
     else:  # fractional offsets: float64 nanoseconds truncated to int64, as xarray counts them
-        ticks = valid.astype(np.float64) * _NS_PER[unit]
+        ticks = valid.astype(np.float64) * NS_PER_UNIT[unit]
         if ticks.size and float(np.abs(ticks).max()) >= 2.0**62:
             return None
         delta = np.zeros(values.shape, "m8[ns]")
@@ -475,7 +450,7 @@ def _ceil_to(bound: np.datetime64, dtype: np.dtype[Any]) -> np.datetime64:
     info = np.iinfo(np.int64)
     # a margin inside int64's ends: numpy's casts between units overflow right at them
     first, last = np.array([info.min + 10**12, info.max - 10**12]).astype(f"M8[{unit}]")
-    common = unit if _NS_PER.get(unit, 10**18) >= _NS_PER["s"] else "s"  # no finer than s
+    common = unit if NS_PER_UNIT.get(unit, 10**18) >= NS_PER_UNIT["s"] else "s"  # no finer than s
     b = bound.astype(f"M8[{common}]")
     if b < first.astype(f"M8[{common}]"):
         return first

@@ -46,7 +46,6 @@ import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import axis_of
-from insitubatch_nodes.io.calendars import as_timedelta
 from insitubatch_nodes.io.cf import CFValues
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import (
@@ -66,6 +65,7 @@ from insitubatch_nodes.io.selection import (
     label_positions,
     view_keys,
 )
+from insitubatch_nodes.io.timeunits import as_timedelta
 
 __all__ = ["ArrayGeometry", "Patches", "in_native_byte_order"]
 

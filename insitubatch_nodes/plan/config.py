@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes._checks import check_bool, check_int, check_optional_int
-from insitubatch_nodes.io.calendars import as_timedelta
+from insitubatch_nodes.io.timeunits import as_timedelta
 from insitubatch_nodes.plan.ranks import check_remainder
 from insitubatch_nodes.plan.splits import SPLITS
 
