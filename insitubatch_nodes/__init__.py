@@ -28,7 +28,7 @@ measured), :mod:`~insitubatch_nodes.torch_data` (``StatefulDataLoader``),
 
 from __future__ import annotations
 
-from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.batch import Batch, BatchTransform, to_item, to_torch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.collection import Collection, concat
@@ -85,5 +85,6 @@ __all__ = [
     "split_by_chunk",
     "split_by_member",
     "stack",
+    "to_item",
     "to_torch",
 ]

@@ -11,7 +11,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Batch", "BatchTransform", "DeviceTransform", "to_torch"]
+__all__ = ["ROW_KEYS", "Batch", "BatchTransform", "DeviceTransform", "to_item", "to_torch"]
 
 
 @dataclass
@@ -175,3 +175,47 @@ def to_torch(
             )
         out = result
     return out
+
+
+ROW_KEYS = ("sample_indices", "members", "patch_origins")
+"""The keys :func:`to_item` adds beside the labels: where each row came from, per label."""
+
+
+def to_item(batch: Batch) -> dict[str, Any]:
+    """The default item of :func:`~insitubatch_nodes.as_dataset` and ``InSituDataModule``:
+    :func:`to_torch` of ``batch`` (``{label: tensor}``, zero-copy on the CPU) plus where each
+    row came from, under the keys :data:`ROW_KEYS`:
+
+    * ``item["sample_indices"][label]`` — ``batch.sample_indices[label]``;
+    * ``item["members"][label]`` — ``batch.members[label]`` (labels read from a collection;
+      ``{}`` otherwise);
+    * ``item["patch_origins"][label]`` — ``batch.patch_origins[label]`` (patched views;
+      ``{}`` otherwise).
+
+    Each is a tensor of the batch's integers (a copy: a few per row; the plan's own arrays are
+    read-only), row ``i`` describing row ``i`` of ``item[label]``. Every tensor in the item has
+    the batch's length as its first dimension and nothing else is in it, so a DataLoader with
+    ``batch_size=None`` passes the item on as it is, and Lightning moves it to the device and
+    infers its batch size without ambiguity. Left out: ``epoch`` and ``index`` (plain ints,
+    which Lightning's batch-size inference cannot read: the trainer's ``current_epoch`` and
+    ``batch_idx`` are the same), ``coords`` (``datetime64`` and cftime dates have no torch
+    dtype), ``channels`` (a stack's names, the same every batch) and ``meta``: a transform of
+    your own adds what it needs, e.g. ``lambda b: {**to_item(b), "hour": ...}``.
+
+    A label named like one of :data:`ROW_KEYS` would be overwritten: ``ValueError`` saying so.
+    """
+    import torch
+
+    clash = [key for key in ROW_KEYS if key in batch.arrays]
+    if clash:
+        raise ValueError(
+            f"label(s) {clash} of the batch are also keys to_item adds beside the labels "
+            f"{list(ROW_KEYS)} (where each row came from): rename the label(s), or pass "
+            "transform=to_torch (the arrays only) or a transform of your own to as_dataset / "
+            "InSituDataModule"
+        )
+    item: dict[str, Any] = dict(to_torch(batch))
+    for key in ROW_KEYS:
+        rows: dict[str, np.ndarray] = getattr(batch, key)
+        item[key] = {label: torch.from_numpy(np.array(a)) for label, a in rows.items()}
+    return item

@@ -61,6 +61,7 @@ FACE = [
     "split_by_chunk",
     "split_by_member",
     "stack",
+    "to_item",
     "to_torch",
 ]
 

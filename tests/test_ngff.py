@@ -417,3 +417,67 @@ def test_collection_open_plate_rows_equal_their_fields_zarr_read_and_wells_split
                     expected = np.asarray(root[f"{member}/s0"][:, :, int(z)])
                     np.testing.assert_array_equal(batch["x"][row], expected)
     assert seen == {"train": {"A/1", "B/2"}, "val": {"A/3"}}
+
+
+def test_collection_open_plate_splits_by_acquisition_with_no_field_in_two_splits(
+    tmp_path: Path,
+) -> None:
+    """A plate whose wells hold fields of two acquisitions (ome-zarr-py's metadata) splits by
+    acquisition id: every row of a split is its field's zarr read and a field of that
+    acquisition; the leakage checks hold for acquisitions as for wells. On the old code the
+    collection had no ``acquisition`` key: ``split_by_member(by="acquisition")`` raised
+    ``KeyError``."""
+    from insitubatch_nodes import Loader, insitu_pipeline, split_by_member
+
+    for version in VERSIONS:
+        path = tmp_path / f"acq{version}.zarr"
+        make_hcs_plate(path, shape=(1, 1, 2, 8, 8), levels=1, labels=(), ngff_version=version,
+                       fields=3, acquisitions=2)  # fmt: skip
+        root = zarr.open_group(path, mode="r")
+        named = {  # zarr's read of each well's metadata: the oracle of each field's acquisition
+            f"{w}/{image['path']}": image["acquisition"]
+            for w in ("A/1", "A/2", "A/3", "B/1", "B/2", "B/3")
+            for image in _ome(root[w].attrs.asdict())["well"]["images"]
+        }
+        coll = open_plate(path, sample_axis="z")
+        assert [int(a) for a in coll.keys["acquisition"]] == [named[m] for m in coll.members]
+        assert sorted(set(named.values())) == [0, 1]
+        split = split_by_member(coll, {"train": [0], "val": [1]}, by="acquisition")
+        seen: dict[str, set[str]] = {}
+        for name in ("train", "val"):
+            with insitu_pipeline(coll, split, {"x": coll["image"]}, split=name,
+                                 batch_size=4) as pipe:  # fmt: skip
+                for batch in Loader(pipe):
+                    for row, (m, z) in enumerate(
+                        zip(batch.members["x"], batch.sample_indices["x"], strict=True)
+                    ):
+                        member = coll.members[int(m)]
+                        seen.setdefault(name, set()).add(member)
+                        expected = np.asarray(root[f"{member}/s0"][:, :, int(z)])
+                        np.testing.assert_array_equal(batch["x"][row], expected)
+        assert seen == {
+            name: {m for m, a in named.items() if a == k} for k, name in enumerate(("train", "val"))
+        }
+        # a well's fields lie in both splits (the point), a field in one only (the check)
+        assert {m.rsplit("/", 1)[0] for m in seen["train"]} == {
+            m.rsplit("/", 1)[0] for m in seen["val"]
+        }
+        drawn = split_by_member(coll, {"train": 0.5, "val": 0.5}, by="acquisition", seed=1)
+        per_split = [
+            {named[coll.members[int(coll["image"].members.chunk_member[c])]]
+             for c in drawn.splits[name]}
+            for name in ("train", "val")
+        ]  # fmt: skip
+        assert sorted(per_split, key=sorted) == [{0}, {1}]
+        with pytest.raises(ValueError, match="1 is in both 'train' and 'val'"):
+            split_by_member(coll, {"train": [0, 1], "val": [1]}, by="acquisition")
+        with pytest.raises(KeyError, match="names 7, which is no 'acquisition' value"):
+            split_by_member(coll, {"train": [7]}, by="acquisition")
+    # a plate where one field names no acquisition: no key, a warning saying so
+    well = zarr.open_group(path / "B" / "2", mode="r+")
+    attrs = well.attrs.asdict()
+    _ome(attrs)["well"]["images"][0].pop("acquisition")
+    well.attrs.put(attrs)
+    with pytest.warns(UserWarning, match=r"1 of the plate's 18 fields \(first 'B/2/0'\)"):
+        mixed = open_plate(path, sample_axis="z")
+    assert "acquisition" not in mixed.keys

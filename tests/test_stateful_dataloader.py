@@ -1,5 +1,6 @@
 """``StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0)``: exact length,
-checkpoint/resume across processes, and a clear refusal of worker processes."""
+checkpoint/resume across processes, a clear refusal of worker processes, and items that name
+each row's member and sample as the pipeline's own batches do."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import io
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import zarr
 from resume_helpers import (
     build_pipeline,
     epochs_of,
@@ -23,7 +26,7 @@ from resume_helpers import (
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from insitubatch_nodes import InSituPipeline
+from insitubatch_nodes import Collection, InSituPipeline, Loader, insitu_pipeline, split_by_member
 from insitubatch_nodes.torch_data import as_dataset
 
 N_BATCHES = 10
@@ -220,3 +223,77 @@ def test_a_state_whose_epoch_epoch_fn_has_moved_past_starts_that_later_epoch_who
     assert len(loader) == N_BATCHES
     assert [record_item(i) for i in loader] == as_items(reference[N_BATCHES : 2 * N_BATCHES])
     pipe.close()
+
+
+def _three_members(root: Path) -> Collection:
+    """Members ``m0..m2`` of 5, 3 and 7 samples, each an image ``(n, 4, 6)`` chunked
+    ``(2, 4, 3)``, whose values name member and sample."""
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    for m, n in enumerate((5, 3, 7)):
+        a = group.create_array(f"m{m}/0", shape=(n, 4, 6), chunks=(2, 4, 3), dtype="f4")
+        a[:] = 1000 * m + np.arange(n * 24, dtype="f4").reshape(n, 4, 6)
+    return Collection.from_groups(root, ["m0", "m1", "m2"], {"image": "0"})
+
+
+def test_as_datasets_default_items_name_each_rows_member_and_sample_as_the_pipeline_does(
+    tmp_path: Path,
+) -> None:
+    """The default item used to be ``to_torch(batch)``, the arrays only: a collection's rows
+    could not be told apart by member or sample through ``as_dataset``. Two pipelines of one
+    shuffled configuration, one iterated directly and one through ``StatefulDataLoader``, two
+    epochs: the items carry the batches' ``members``, ``sample_indices`` and ``patch_origins``,
+    in order, exactly; each row is zarr's read of the member and sample it names."""
+    coll = _three_members(tmp_path / "three.zarr")
+    images = [zarr.open_array(tmp_path / "three.zarr", path=f"m{m}/0")[...] for m in range(3)]
+    manifest = split_by_member(coll, {"train": 1.0})
+    image = coll["image"]
+    for views in ({"x": image, "y": image.shift(1)}, {"p": image.patches({1: 2, 2: 3})}):
+        pipes = [insitu_pipeline(coll, manifest, views, batch_size=4, seed=5) for _ in range(2)]
+        try:
+            loader = Loader(pipes[0])
+            batches = [b for _ in range(2) for b in loader]
+            dl = StatefulDataLoader(as_dataset(pipes[1]), batch_size=None, num_workers=0)
+            items = [item for _ in range(2) for item in dl]
+        finally:
+            for pipe in pipes:
+                pipe.close()
+        assert len(items) == len(batches) == 2 * len(pipes[0])
+        rows = [int(m) for b in batches[: len(batches) // 2] for m in b.members[next(iter(views))]]
+        assert rows != sorted(rows), "shuffled: the members interleave"
+        for batch, item in zip(batches, items, strict=True):
+            assert set(item) == {*views, "sample_indices", "members", "patch_origins"}
+            for key in ("sample_indices", "members", "patch_origins"):
+                want = getattr(batch, key)
+                assert set(item[key]) == set(want) and (key != "members" or set(want) == set(views))
+                for label, tensor in item[key].items():
+                    assert tensor.dtype == torch.int64
+                    np.testing.assert_array_equal(tensor.numpy(), want[label], strict=True)
+            for label in views:
+                assert torch.equal(item[label], torch.from_numpy(batch[label]))
+                for r in range(len(batch)):  # zarr: the member and sample the item names
+                    m, i = int(item["members"][label][r]), int(item["sample_indices"][label][r])
+                    want_row = images[m][i]
+                    if "p" in views:
+                        y, x = (int(v) for v in item["patch_origins"][label][r])
+                        want_row = want_row[y : y + 2, x : x + 3]
+                    np.testing.assert_array_equal(item[label][r].numpy(), want_row)
+        # what Lightning does with an item: infer its batch size (one, unambiguous) and move it
+        lightning = pytest.importorskip("lightning")
+        import warnings
+
+        from lightning.pytorch.utilities.data import extract_batch_size
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert extract_batch_size(items[0]) == len(batches[0])
+        moved = lightning.fabric.utilities.apply_func.move_data_to_device(items[0], "cpu")
+        assert torch.equal(moved["members"][label], items[0]["members"][label])
+
+
+def test_a_label_named_like_a_key_the_default_item_adds_is_refused_naming_the_fix() -> None:
+    from insitubatch_nodes import to_item
+    from insitubatch_nodes.batch import Batch
+
+    batch = Batch({"members": np.zeros((2, 3))}, {"members": np.arange(2)}, epoch=0, index=0)
+    with pytest.raises(ValueError, match=r"\['members'\].*rename.*transform=to_torch"):
+        to_item(batch)

@@ -489,7 +489,9 @@ def open_plate(
     ``"labels/<name>"`` for each label read (``level`` and ``labels`` as in
     :func:`read_plate`), and the member keys ``row``, ``column``, ``well`` (``"A/1"``) and
     ``field`` (the image's path in its well, ``"0"``) that ``split_by_member(..., by="well")``
-    splits on.
+    splits on — and ``acquisition`` (the int id each field's well metadata names) where every
+    field names one, for ``split_by_member(..., by="acquisition")`` (a plate where only some
+    fields name one gets no such key, with a ``UserWarning``).
 
     The views' axes are named as the NGFF metadata names them (``plate.axes``, and
     ``plate.label_axes[name]`` for each label image), on NGFF 0.4 (zarr v2 arrays, which name
@@ -543,17 +545,37 @@ def open_plate(
         [f.path for f in plate.fields],
         variables,
         names=[f.path for f in plate.fields],
-        keys={
-            "row": [f.row for f in plate.fields],
-            "column": [f.column for f in plate.fields],
-            "well": [f.well for f in plate.fields],
-            "field": [f.name for f in plate.fields],
-        },
+        keys=_member_keys(plate),
         sample_axis=axis,
         mask_and_scale=mask_and_scale,
         cf_dtype=cf_dtype,
         dims=dims,
     )
+
+
+def _member_keys(plate: Plate) -> dict[str, list[Any]]:
+    """The collection's member keys of ``plate``'s fields: ``row``, ``column``, ``well``,
+    ``field``, and ``acquisition`` where every field's well metadata names one (one that names
+    it for some fields only gets none, with a ``UserWarning`` naming a field without one)."""
+    keys: dict[str, list[Any]] = {
+        "row": [f.row for f in plate.fields],
+        "column": [f.column for f in plate.fields],
+        "well": [f.well for f in plate.fields],
+        "field": [f.name for f in plate.fields],
+    }
+    unnamed = [f.path for f in plate.fields if f.acquisition is None]
+    if not unnamed:
+        keys["acquisition"] = [f.acquisition for f in plate.fields]
+    elif len(unnamed) < len(plate.fields):
+        warnings.warn(
+            f"{len(unnamed)} of the plate's {len(plate.fields)} fields (first {unnamed[0]!r}) "
+            "have no acquisition id in their well's metadata, the others have one: the "
+            "collection gets no 'acquisition' key, so split_by_member(..., by='acquisition') "
+            "is refused; name every field's acquisition (the well metadata's images[].acquisition)",
+            UserWarning,
+            stacklevel=3,
+        )
+    return keys
 
 
 def _sample_axis(plate: Plate, sample_axis: int | str) -> int | str:

@@ -63,6 +63,7 @@ def make_hcs_plate(
     z_spacing: float = 2.0,
     ngff_version: str = "0.4",
     seed: int = 0,
+    acquisitions: int | None = None,
 ) -> str:
     """Write an OME-NGFF high-content-screening plate with ome-zarr-py's writer and return its
     path: plate, well and image metadata (NGFF 0.4 on zarr v2, or 0.5 on zarr v3) as
@@ -73,6 +74,10 @@ def make_hcs_plate(
       images ``"0"``, ``"1"``, ...; field ``f`` of well ``R/C`` is the group ``R/C/f``.
     * ``absent_wells`` are listed in the plate metadata but never written (no group): a plate
       whose acquisition lost wells.
+    * ``acquisitions=n`` lists acquisitions ``0..n-1`` in the plate metadata and has field
+      ``f`` of every well name acquisition ``f % n`` in its well's metadata (each acquisition
+      imaged every well again); ``None`` (the default) lists none, as a plate of one
+      acquisition may.
     * Each field is a ``(T, C, Z, Y, X)`` uint16 image of ``levels`` resolution levels (Y and X
       halved per level, pixel sizes ``pixel_size * 2**level`` micrometers in Y and X,
       ``z_spacing`` in Z), one Z plane per chunk. Each name in ``labels`` is a uint8 label
@@ -97,6 +102,7 @@ def make_hcs_plate(
     )
     n_levels = _positive_int("levels", levels)
     seed = _check_seed(seed)
+    n_acq = None if acquisitions is None else _positive_int("acquisitions", acquisitions)
     target = Path(path)
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise FileExistsError(f"{str(target)!r} already exists and is not an empty folder")
@@ -116,16 +122,21 @@ def make_hcs_plate(
     units = {a: "micrometer" for a in ("z", "y", "x")}
     factors = [{"y": 2**k, "x": 2**k} for k in range(1, n_levels)]
     root = zarr.open_group(str(target), mode="w", zarr_format=fmt.zarr_format)
+    runs = None if n_acq is None else [{"id": a, "name": f"run {a}"} for a in range(n_acq)]
     write_plate_metadata(
-        root, row_names, col_names, listed, fmt=fmt, field_count=n_fields, name="synthetic"
-    )
+        root, row_names, col_names, listed, fmt=fmt, field_count=n_fields, name="synthetic",
+        acquisitions=runs,
+    )  # fmt: skip
+    images: list[str | dict[str, Any]] = [str(f) for f in range(n_fields)]
+    if n_acq is not None:
+        images = [{"path": str(f), "acquisition": f % n_acq} for f in range(n_fields)]
     with warnings.catch_warnings():
         # ome-zarr-py warns that t and c get a scale of 1.0: that is what we mean
         warnings.simplefilter("ignore", UserWarning)
         for well in present:
             row, col = well.split("/")
             group = root.require_group(row).require_group(col)
-            write_well_metadata(group, [str(f) for f in range(n_fields)], fmt=fmt)
+            write_well_metadata(group, images, fmt=fmt)
             position = grid.index(well)
             for f in range(n_fields):
                 field = group.require_group(str(f))
