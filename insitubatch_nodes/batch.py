@@ -182,9 +182,10 @@ ROW_KEYS = ("sample_indices", "members", "patch_origins")
 
 
 def to_item(batch: Batch) -> dict[str, Any]:
-    """The default item of :func:`~insitubatch_nodes.as_dataset` and ``InSituDataModule``:
-    :func:`to_torch` of ``batch`` (``{label: tensor}``, zero-copy on the CPU) plus where each
-    row came from, under the keys :data:`ROW_KEYS`:
+    """An item for :func:`~insitubatch_nodes.as_dataset` and ``InSituDataModule``
+    (``transform=to_item``; their default is :func:`to_torch`): :func:`to_torch` of ``batch``
+    (``{label: tensor}``, zero-copy on the CPU) plus where each row came from, under the keys
+    :data:`ROW_KEYS`:
 
     * ``item["sample_indices"][label]`` — ``batch.sample_indices[label]``;
     * ``item["members"][label]`` — ``batch.members[label]`` (labels read from a collection;
@@ -210,9 +211,9 @@ def to_item(batch: Batch) -> dict[str, Any]:
     if clash:
         raise ValueError(
             f"label(s) {clash} of the batch are also keys to_item adds beside the labels "
-            f"{list(ROW_KEYS)} (where each row came from): rename the label(s), or pass "
-            "transform=to_torch (the arrays only) or a transform of your own to as_dataset / "
-            "InSituDataModule"
+            f"{list(ROW_KEYS)} (where each row came from): rename the label(s), or give "
+            "as_dataset / InSituDataModule transform=to_torch (the arrays only) or a "
+            "transform of your own"
         )
     item: dict[str, Any] = dict(to_torch(batch))
     for key in ROW_KEYS:

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 from zarr.abc.store import Store
 
-from insitubatch_nodes.batch import Batch, BatchTransform, to_item
+from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
@@ -173,12 +173,11 @@ class InSituDataModule(pl.LightningDataModule):
         batch_transforms: as for :func:`insitu_pipeline` (training).
         chunk_transforms: as for :func:`insitu_pipeline` (every split).
         coords: as for :func:`insitu_pipeline` (every split): the coordinates each batch
-            carries in ``batch.coords`` for ``batch_transforms`` and ``transform`` (``to_item``
+            carries in ``batch.coords`` for ``batch_transforms`` and ``transform`` (``to_torch``
             drops them); ``()`` reads none.
-        transform: ``Batch -> item`` applied to every batch (default:
-            :func:`~insitubatch_nodes.batch.to_item`: ``{label: tensor}`` and each row's
-            ``"sample_indices"``, ``"members"`` and ``"patch_origins"``; ``to_torch``: the
-            arrays only).
+        transform: ``Batch -> item`` applied to every batch (default: ``to_torch``,
+            ``{label: tensor}``; :func:`~insitubatch_nodes.batch.to_item` adds each row's
+            ``"sample_indices"``, ``"members"`` and ``"patch_origins"``).
         missing, missing_objects: as for :func:`insitu_pipeline` (every split): the steps
             listed as missing (indices or times; ``None``: no check) and whether an absent
             stored object drops the anchors that read it (``"drop"``) or reads as the fill
@@ -211,7 +210,7 @@ class InSituDataModule(pl.LightningDataModule):
         batch_transforms: Sequence[BatchTransform] = (),
         chunk_transforms: Sequence[ChunkTransform] = (),
         coords: Sequence[str] | None = None,
-        transform: Callable[[Batch], Any] = to_item,
+        transform: Callable[[Batch], Any] = to_torch,
         store_options: Mapping[str, Any] | None = None,
         missing: Sequence[Any] | None = None,
         missing_objects: str = "read",

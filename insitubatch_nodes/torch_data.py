@@ -21,7 +21,7 @@ from typing import Any
 import torch.utils.data
 from torchdata.nodes import BaseNode
 
-from insitubatch_nodes.batch import Batch, to_item
+from insitubatch_nodes.batch import Batch, to_torch
 from insitubatch_nodes.stages._graph import plan_state
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.loader import Loader
@@ -62,10 +62,11 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     of a graph composed by hand (its :class:`~insitubatch_nodes.stages.StageContext` names the
     :class:`~insitubatch_nodes.stages.ReadPlanNode`; a
     :class:`~insitubatch_nodes.stages.PrefetcherNode` at the top gives the exact length).
-    Each item is ``transform(batch)`` — by default :func:`~insitubatch_nodes.batch.to_item`:
-    ``{label: tensor}`` plus each row's ``"sample_indices"``, ``"members"`` and
-    ``"patch_origins"`` (``{label: tensor}`` each), so a row names its member and sample as in
-    the pipeline's own batch (``transform=to_torch``: the arrays only). ``epoch_fn``, when
+    Each item is ``transform(batch)`` — by default :func:`~insitubatch_nodes.batch.to_torch`
+    (``{label: tensor}``); ``transform=to_item`` (:func:`~insitubatch_nodes.batch.to_item`)
+    adds each row's ``"sample_indices"``, ``"members"`` and ``"patch_origins"``
+    (``{label: tensor}`` each), so a row names its member and sample as in the pipeline's own
+    batch. ``epoch_fn``, when
     given, is asked for the epoch at every fresh ``iter()`` (e.g. a trainer's
     ``current_epoch``), so the permutation follows the trainer.
     A loaded state resumes its own epoch unless ``epoch_fn`` is already past it (a trainer
@@ -80,7 +81,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     def __init__(
         self,
         pipeline: BaseNode[Batch],
-        transform: Callable[[Batch], Any] = to_item,
+        transform: Callable[[Batch], Any] = to_torch,
         epoch_fn: Callable[[], int] | None = None,
     ) -> None:
         context = getattr(pipeline, "context", None)
@@ -211,10 +212,11 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
 
 def as_dataset(
     pipeline: BaseNode[Batch],
-    transform: Callable[[Batch], Any] = to_item,
+    transform: Callable[[Batch], Any] = to_torch,
     epoch_fn: Callable[[], int] | None = None,
 ) -> InSituIterableDataset:
     """Wrap ``pipeline`` for ``torch.utils.data`` / torchdata's ``StatefulDataLoader``: each
-    item is ``transform(batch)``, by default :func:`~insitubatch_nodes.batch.to_item` (the
-    arrays as tensors and where each row came from; see :class:`InSituIterableDataset`)."""
+    item is ``transform(batch)``, by default :func:`~insitubatch_nodes.batch.to_torch` (the
+    arrays as tensors; ``transform=to_item`` adds where each row came from: see
+    :class:`InSituIterableDataset`)."""
     return InSituIterableDataset(pipeline, transform=transform, epoch_fn=epoch_fn)

@@ -26,7 +26,14 @@ from resume_helpers import (
 )
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from insitubatch_nodes import Collection, InSituPipeline, Loader, insitu_pipeline, split_by_member
+from insitubatch_nodes import (
+    Collection,
+    InSituPipeline,
+    Loader,
+    insitu_pipeline,
+    split_by_member,
+    to_item,
+)
 from insitubatch_nodes.torch_data import as_dataset
 
 N_BATCHES = 10
@@ -235,10 +242,10 @@ def _three_members(root: Path) -> Collection:
     return Collection.from_groups(root, ["m0", "m1", "m2"], {"image": "0"})
 
 
-def test_as_datasets_default_items_name_each_rows_member_and_sample_as_the_pipeline_does(
+def test_as_dataset_items_by_to_item_name_each_rows_member_and_sample_as_the_pipeline_does(
     tmp_path: Path,
 ) -> None:
-    """The default item used to be ``to_torch(batch)``, the arrays only: a collection's rows
+    """Items of ``to_torch(batch)`` (the default) hold the arrays only: a collection's rows
     could not be told apart by member or sample through ``as_dataset``. Two pipelines of one
     shuffled configuration, one iterated directly and one through ``StatefulDataLoader``, two
     epochs: the items carry the batches' ``members``, ``sample_indices`` and ``patch_origins``,
@@ -252,7 +259,8 @@ def test_as_datasets_default_items_name_each_rows_member_and_sample_as_the_pipel
         try:
             loader = Loader(pipes[0])
             batches = [b for _ in range(2) for b in loader]
-            dl = StatefulDataLoader(as_dataset(pipes[1]), batch_size=None, num_workers=0)
+            dataset = as_dataset(pipes[1], transform=to_item)
+            dl = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
             items = [item for _ in range(2) for item in dl]
         finally:
             for pipe in pipes:
@@ -290,8 +298,7 @@ def test_as_datasets_default_items_name_each_rows_member_and_sample_as_the_pipel
         assert torch.equal(moved["members"][label], items[0]["members"][label])
 
 
-def test_a_label_named_like_a_key_the_default_item_adds_is_refused_naming_the_fix() -> None:
-    from insitubatch_nodes import to_item
+def test_a_label_named_like_a_key_to_item_adds_is_refused_naming_the_fix() -> None:
     from insitubatch_nodes.batch import Batch
 
     batch = Batch({"members": np.zeros((2, 3))}, {"members": np.arange(2)}, epoch=0, index=0)
