@@ -49,7 +49,7 @@ from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import read_static
-from insitubatch_nodes.transforms import StandardScaler
+from insitubatch_nodes.transforms import StandardScaler, work_dtype
 
 __all__ = ["Statistics", "fit_statistics"]
 
@@ -171,7 +171,9 @@ class Statistics:
         eps: float = 1e-8,
     ) -> NormalizeBatch:
         """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views``, in place in
-        the batch's arrays (float arrays; a static label's broadcast rows get a new array).
+        the batch's arrays (float arrays, float16 computed in float32 and rounded once, so
+        neither ``x - mean`` nor a tiny ``std`` overflows or underflows float16 where the result
+        does not; a static label's broadcast rows get a new array).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
         source = {label: (same_as or {}).get(label, label) for label in views}
@@ -251,8 +253,14 @@ class NormalizeBatch:
         for label, (mean, std) in self.stats.items():
             arr = batch.arrays[label]
             if arr.dtype.kind == "f" and arr.flags.writeable and arr.strides[0] != 0:
-                arr -= mean.astype(arr.dtype)
-                arr /= std.astype(arr.dtype)
+                work = work_dtype(arr.dtype)
+                if work == arr.dtype:
+                    arr -= mean.astype(arr.dtype)
+                    arr /= std.astype(arr.dtype)
+                else:  # float16: in float32, rounded once (x - mean, std: past/under float16)
+                    out = np.subtract(arr, mean.astype(work), dtype=work)
+                    np.divide(out, std.astype(work), out=out)
+                    arr[...] = out
             else:  # integers, or a static field's broadcast rows: a new float32 array
                 batch.arrays[label] = ((arr - mean) / std).astype(np.float32)
         return batch

@@ -471,7 +471,7 @@ def _float_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype.kind in "fc" else np.result_type(dtype, np.float32)
 
 
-def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+def work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """The dtype to compute ``dtype`` results in: float32 for float16 (as numpy's own mean does:
     a sum, a difference or ``1 / std`` overflows float16's 65504 where the result does not),
     else ``dtype``."""
@@ -573,7 +573,7 @@ class StandardScaler:
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
         data = chunk.data
         out_dtype = _float_dtype(data.dtype)
-        work = _work_dtype(out_dtype)
+        work = work_dtype(out_dtype)
         mean, scale = self._stats(chunk.array, work)
         if data.dtype == work and data.flags.writeable:
             # In blocks of about _BLOCK_BYTES along the sample axis, so the second operation
@@ -650,6 +650,6 @@ class Coarsen:
         blocks = data.reshape(split)
         axes = tuple(range(2, 2 * len(inner) + 1, 2))
         out_dtype = _float_dtype(data.dtype)
-        mean = blocks.mean(axis=axes, dtype=_work_dtype(out_dtype))
+        mean = blocks.mean(axis=axes, dtype=work_dtype(out_dtype))
         chunk.data = mean.astype(out_dtype, copy=False)
         return chunk

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -315,3 +316,64 @@ def test_statistics_of_a_collection_given_as_the_store_are_numpys_over_its_membe
     assert stats.min["x"] == values.min() and stats.max["x"] == values.max()
     assert stats.count["x"] == values.size
     np.testing.assert_allclose(stats.diff_std["x"], steps.std(), rtol=1e-6)
+
+
+def _given(mean: float, std: float, labels: Sequence[str]) -> Statistics:
+    """Statistics of the labels (each one array of its name, one channel): ``mean``, ``std``."""
+    one = {label: np.array(np.nan) for label in labels}
+    return Statistics(mean={label: np.array(mean) for label in labels},
+                      std={label: np.array(std) for label in labels}, min=one, max=one,
+                      diff_std=one, count=one, nan_count=one,
+                      paths={label: label for label in labels})  # fmt: skip
+
+
+# results past 65504 are inf, as they must be: numpy warns of the cast
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_float16_batches_normalised_by_statistics_or_a_stack_are_the_float16_of_the_exact_result(
+    tmp_path: Path,
+) -> None:
+    """float16 stays float16, but ``(x - mean) / std`` must not overflow where the result does
+    not: 60000 with a mean of -10000 and a spread of 30000 (``x - mean`` is past float16's
+    65504), and a value at the mean of a std of 1e-8 (float16 rounds it to 0: 0 / 0). Through
+    normalizer() and a stack's normalize= (gathered rows, rows decoded in place, a static
+    member)."""
+    rng = np.random.default_rng(7)
+    h = rng.uniform(15000, 60000, (8, 4, 4)).astype(np.float16)
+    h[:, 0, 0] = -60000
+    h[:, 1, 1] = 1.0  # the mean of the tiny std: standardises to 0, not NaN
+    root = tmp_path / "half.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    for name, data in (("h", h), ("s", h[3])):
+        dims = ["time", "y", "x"][-data.ndim :]
+        arr = group.create_array(name, shape=data.shape, chunks=(2, 4, 4)[-data.ndim :],
+                                 dtype="float16", dimension_names=dims)  # fmt: skip
+        arr[...] = data
+    g = open_geometries(root, ["h", "s"])
+    manifest = split_by_chunk(g["h"], (1.0, 0.0, 0.0))
+    exact = h.astype(np.float64)
+    wrong: list[str] = []
+    for mean, std in ((-10000.0, 30000.0), (1.0, 1e-8)):
+        stats = _given(mean, std, ["h", "s"])
+        runs = [  # (what, views, pipeline options, the exact result)
+            ("normalizer()", {"h": g["h"]}, {"batch_transforms": [stats.normalizer({"h": g["h"]})]},
+             (exact - mean) / (std + 1e-8)),
+            *((f"stack direct={d}", {"x": stack(g, normalize=stats)},
+               {"fetch": FetchOptions(direct=d)}, (exact - mean) / std) for d in (False, True)),
+        ]  # fmt: skip
+        for what, views, options, want in runs:
+            label = next(iter(views))
+            with insitu_pipeline(root, manifest, views, batch_size=4, coords=(),
+                                 **options) as pipe:  # fmt: skip
+                for batch in pipe:
+                    got = batch[label].reshape(4, -1, 4, 4)  # a stack: (h, s) channels
+                    assert got.dtype == np.float16
+                    rows = want[batch.sample_indices[label]]
+                    expected = np.stack([rows, np.broadcast_to(want[3], rows.shape)], axis=1)
+                    with np.errstate(over="ignore"):  # past 65504 it is inf, as it must be
+                        expected = expected[:, : got.shape[1]].astype(np.float16)
+                    close = np.isclose(got.astype(np.float64), expected, rtol=2e-3)
+                    if not close.all():  # (every run is tried: each path is its own claim)
+                        wrong.append(f"{what}, mean {mean} std {std}, channels "
+                                     f"{sorted({int(c) for c in np.nonzero(~close)[1]})}: "
+                                     f"{got[~close][:3]}, not {expected[~close][:3]}")  # fmt: skip
+    assert not wrong, "\n".join(wrong)
