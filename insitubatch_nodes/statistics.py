@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
@@ -78,11 +79,13 @@ class Statistics:
     paths: dict[str, str] = field(default_factory=dict)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write these statistics as JSON (values as nested lists, NaN as ``null``)."""
+        """Write these statistics as JSON (values as nested lists, NaN as ``null``). The file
+        appears whole or not at all: an interrupted write leaves an earlier file at ``path``
+        as it was (written beside it under a temporary name, then renamed over it)."""
         doc: dict[str, Any] = {"format": FORMAT, "dataset": self.dataset, "paths": self.paths}
         for name in FIELDS:
             doc[name] = {label: _to_json(np.asarray(v)) for label, v in getattr(self, name).items()}
-        with open(path, "w") as f:
+        with atomic_write(path) as f:
             json.dump(doc, f, indent=1, sort_keys=True)
 
     @classmethod

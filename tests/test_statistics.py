@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
+import io
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ import zarr
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
@@ -377,3 +381,57 @@ def test_float16_batches_normalised_by_statistics_or_a_stack_are_the_float16_of_
                                      f"{sorted({int(c) for c in np.nonzero(~close)[1]})}: "
                                      f"{got[~close][:3]}, not {expected[~close][:3]}")  # fmt: skip
     assert not wrong, "\n".join(wrong)
+
+
+class _CutShort:
+    """A file open for writing that takes half of its first write and raises KeyboardInterrupt
+    (Ctrl-C mid-write; a full disk likewise raises after part of the bytes)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, text: str) -> int:
+        self.f.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _CutShort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+def test_statistics_and_split_manifests_saved_over_a_write_cut_short_keep_the_earlier_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Statistics.save wrote its JSON in place: a write cut short left a truncated file over the
+    earlier one (which Statistics.load then refused). SplitManifest.save wrote ``<name>.tmp``
+    and renamed it, but left the partial ``.tmp`` behind. Both now appear whole or not at all,
+    as a trace does, and leave no temporary file."""
+    stats = _given(250.0, 3.5, ["h"])
+    manifest = SplitManifest("h", 40, 4, {"train": (0, 1, 2), "val": (3,)})
+    saves = {"stats.json": stats.save, "split.json": manifest.save}
+    for name, save in saves.items():
+        save(tmp_path / name)
+    whole = {name: (tmp_path / name).read_bytes() for name in saves}
+    real = io.open
+
+    def cut_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real(file, mode, *args, **kwargs)
+        writes = "w" in mode and not isinstance(file, int) and Path(file).parent == tmp_path
+        return _CutShort(f) if writes else f
+
+    with monkeypatch.context() as cut:
+        cut.setattr(io, "open", cut_open)
+        cut.setattr(builtins, "open", cut_open)
+        for name, save in saves.items():
+            with pytest.raises(KeyboardInterrupt):
+                save(tmp_path / name)
+    now = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert {n: len(b) for n, b in now.items()} == {n: len(b) for n, b in whole.items()}
+    assert now == whole
+    assert Statistics.load(tmp_path / "stats.json").mean["h"] == 250.0
+    assert SplitManifest.load(tmp_path / "split.json") == manifest
