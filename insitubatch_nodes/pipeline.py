@@ -575,6 +575,7 @@ def _open_cache(
             transforms.source(path),
             unit_geometry(out) if path in patched else out,
             transforms.chain(path),
+            transforms.inputs(path),
         )
         for path, out in transforms.outputs.items()
     }

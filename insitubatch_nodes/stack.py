@@ -22,7 +22,9 @@ field shape and the same number of steps ``T`` (a window of ``T`` steps, or none
 **Normalisation**: with ``normalize=stats`` (:class:`~insitubatch_nodes.statistics.Statistics`
 fitted with the members' names) every member's channel slice is standardised ``(x - mean) /
 std`` per channel in place right after it is copied (statics once, when read): no pass over
-the batch after it is assembled. A constant channel (``std`` 0) becomes 0.
+the batch after it is assembled (float16 members in float32, rounded once: ``x - mean`` may
+pass float16's 65504, or ``std`` round to 0, where the result does not). A constant channel
+(``std`` 0) becomes 0.
 
 ``batch.sample_indices[label]`` of a stack is its first sampled member's (``(batch,)``, or
 ``(batch, T)``); its coordinates likewise.
@@ -40,6 +42,7 @@ from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.io.selection import kept_axes, view_keys
+from insitubatch_nodes.transforms import work_dtype
 
 
 class Statistics(Protocol):
@@ -515,4 +518,7 @@ def _norm(
     std = stats.shaped(name, "std", view)
     # a constant channel (std 0: a mask that is all sea in the box) standardises to 0, not NaN
     std = np.where(std == 0, 1.0, std)
-    return mean.astype(dtype), std.astype(dtype)
+    # float16 members are standardised in float32 (and rounded once): x - mean, or a std
+    # float16 rounds to 0, would be inf or NaN where the result is a plain float16
+    work = work_dtype(dtype)
+    return mean.astype(work), std.astype(work)

@@ -39,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
@@ -49,7 +50,7 @@ from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import read_static
-from insitubatch_nodes.transforms import StandardScaler
+from insitubatch_nodes.transforms import StandardScaler, work_dtype
 
 __all__ = ["Statistics", "fit_statistics"]
 
@@ -78,11 +79,13 @@ class Statistics:
     paths: dict[str, str] = field(default_factory=dict)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write these statistics as JSON (values as nested lists, NaN as ``null``)."""
+        """Write these statistics as JSON (values as nested lists, NaN as ``null``). The file
+        appears whole or not at all: an interrupted write leaves an earlier file at ``path``
+        as it was (written beside it under a temporary name, then renamed over it)."""
         doc: dict[str, Any] = {"format": FORMAT, "dataset": self.dataset, "paths": self.paths}
         for name in FIELDS:
             doc[name] = {label: _to_json(np.asarray(v)) for label, v in getattr(self, name).items()}
-        with open(path, "w") as f:
+        with atomic_write(path) as f:
             json.dump(doc, f, indent=1, sort_keys=True)
 
     @classmethod
@@ -171,7 +174,9 @@ class Statistics:
         eps: float = 1e-8,
     ) -> NormalizeBatch:
         """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views``, in place in
-        the batch's arrays (float arrays; a static label's broadcast rows get a new array).
+        the batch's arrays (float arrays, float16 computed in float32 and rounded once, so
+        neither ``x - mean`` nor a tiny ``std`` overflows or underflows float16 where the result
+        does not; a static label's broadcast rows get a new array).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
         source = {label: (same_as or {}).get(label, label) for label in views}
@@ -251,8 +256,14 @@ class NormalizeBatch:
         for label, (mean, std) in self.stats.items():
             arr = batch.arrays[label]
             if arr.dtype.kind == "f" and arr.flags.writeable and arr.strides[0] != 0:
-                arr -= mean.astype(arr.dtype)
-                arr /= std.astype(arr.dtype)
+                work = work_dtype(arr.dtype)
+                if work == arr.dtype:
+                    arr -= mean.astype(arr.dtype)
+                    arr /= std.astype(arr.dtype)
+                else:  # float16: in float32, rounded once (x - mean, std: past/under float16)
+                    out = np.subtract(arr, mean.astype(work), dtype=work)
+                    np.divide(out, std.astype(work), out=out)
+                    arr[...] = out
             else:  # integers, or a static field's broadcast rows: a new float32 array
                 batch.arrays[label] = ((arr - mean) / std).astype(np.float32)
         return batch

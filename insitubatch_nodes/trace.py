@@ -21,7 +21,6 @@ read, off the epoch's path.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import threading
@@ -30,6 +29,8 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 from typing import Any
+
+from insitubatch_nodes._atomic import atomic_write
 
 __all__ = [
     "OBJECT_ARGS",
@@ -284,18 +285,9 @@ class EpochTrace:
         or not at all: it is written next to ``path`` under a temporary name and renamed over
         it, so an interrupted write (Ctrl-C, a full disk) leaves any earlier file at ``path``
         as it was, and no partial one."""
-        out = Path(path)
-        # a name of this process and thread (open(..., "w") keeps the umask's permissions)
-        tmp = out.with_name(f".{out.name}.{os.getpid()}.{threading.get_ident()}.part")
-        try:
-            with tmp.open("w") as f:
-                json.dump(self.chrome(), f)
-            os.replace(tmp, out)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
-        return out
+        with atomic_write(path) as f:
+            json.dump(self.chrome(), f)
+        return Path(path)
 
 
 def _named(args: Any) -> dict[str, Any]:

@@ -257,13 +257,19 @@ class ChunkTransforms:
 
     def _input_of(self, path: str, transform: ChunkTransform) -> ArrayGeometry:
         """The geometry ``transform`` sees on ``path`` (after the transforms before it)."""
-        chain = self._chains[path]
-        current = chain.source
-        for step in chain.steps:
-            if step.transform is transform:
-                return current
+        for t, given in zip(self.chain(path), self.inputs(path), strict=True):
+            if t is transform:
+                return given
+        return self._chains[path].output
+
+    def inputs(self, path: str) -> tuple[ArrayGeometry, ...]:
+        """The geometry each transform of ``path`` is given, in the order of :meth:`chain`."""
+        current = self._chains[path].source
+        given = []
+        for step in self._chains[path].steps:
+            given.append(current)
             current = current.with_inner(step.inner_shape, step.dtype)
-        return current
+        return tuple(given)
 
     @property
     def outputs(self) -> dict[str, ArrayGeometry]:
@@ -471,11 +477,19 @@ def _float_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return dtype if dtype.kind in "fc" else np.result_type(dtype, np.float32)
 
 
-def _work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
+def work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     """The dtype to compute ``dtype`` results in: float32 for float16 (as numpy's own mean does:
     a sum, a difference or ``1 / std`` overflows float16's 65504 where the result does not),
     else ``dtype``."""
     return np.dtype(np.float32) if dtype == np.float16 else dtype
+
+
+def _float16_revision(geometry: ArrayGeometry) -> str | None:
+    """The ``cache_revision`` of Coarsen and StandardScaler: float16 chunks have been computed
+    in float32 since 6427f56 (before, in float16: inf where the result is finite), so chunks
+    a persistent cache holds from before are not theirs; other dtypes' results are unchanged
+    and keep their identity (``None``)."""
+    return "float16-in-float32" if geometry.dtype == np.float16 else None
 
 
 class StandardScaler:
@@ -537,6 +551,12 @@ class StandardScaler:
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
         return geometry.inner_shape, _float_dtype(geometry.dtype)
 
+    def cache_revision(self, geometry: ArrayGeometry) -> str | None:
+        """What a persistent cache adds to this scaler's identity (its ``cache_key`` names the
+        statistics, not the code) on an array given as ``geometry``: see
+        :mod:`~insitubatch_nodes.cache.fingerprint`."""
+        return _float16_revision(geometry)
+
     def validate(self, geometries: Mapping[str, ArrayGeometry]) -> None:
         """Check that every array in scope has statistics that broadcast to its sample."""
         missing = sorted(set(geometries) - set(self.mean))
@@ -573,7 +593,7 @@ class StandardScaler:
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
         data = chunk.data
         out_dtype = _float_dtype(data.dtype)
-        work = _work_dtype(out_dtype)
+        work = work_dtype(out_dtype)
         mean, scale = self._stats(chunk.array, work)
         if data.dtype == work and data.flags.writeable:
             # In blocks of about _BLOCK_BYTES along the sample axis, so the second operation
@@ -640,6 +660,11 @@ class Coarsen:
         out = tuple(n // f for n, f in zip(inner, factors, strict=True))
         return out, _float_dtype(geometry.dtype)
 
+    def cache_revision(self, geometry: ArrayGeometry) -> str | None:
+        """What a persistent cache adds to this transform's identity on an array given as
+        ``geometry``: see :mod:`~insitubatch_nodes.cache.fingerprint`."""
+        return _float16_revision(geometry)
+
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
         data = chunk.data
         inner = data.shape[1:]
@@ -650,6 +675,6 @@ class Coarsen:
         blocks = data.reshape(split)
         axes = tuple(range(2, 2 * len(inner) + 1, 2))
         out_dtype = _float_dtype(data.dtype)
-        mean = blocks.mean(axis=axes, dtype=_work_dtype(out_dtype))
+        mean = blocks.mean(axis=axes, dtype=work_dtype(out_dtype))
         chunk.data = mean.astype(out_dtype, copy=False)
         return chunk

@@ -190,7 +190,7 @@ def test_a_manifest_survives_a_json_round_trip(
     assert loaded == manifest
     assert loaded.fingerprint() == manifest.fingerprint()
     assert SplitManifest.from_dict(json.loads(path.read_text())) == manifest
-    assert not path.with_name("split.json.tmp").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["split.json"]  # no temporary file left
     # the file is plain JSON with the documented fields
     data = json.loads(path.read_text())
     assert data["format_version"] == 1

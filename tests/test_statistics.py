@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import builtins
+import io
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +15,7 @@ import zarr
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
@@ -315,3 +320,118 @@ def test_statistics_of_a_collection_given_as_the_store_are_numpys_over_its_membe
     assert stats.min["x"] == values.min() and stats.max["x"] == values.max()
     assert stats.count["x"] == values.size
     np.testing.assert_allclose(stats.diff_std["x"], steps.std(), rtol=1e-6)
+
+
+def _given(mean: float, std: float, labels: Sequence[str]) -> Statistics:
+    """Statistics of the labels (each one array of its name, one channel): ``mean``, ``std``."""
+    one = {label: np.array(np.nan) for label in labels}
+    return Statistics(mean={label: np.array(mean) for label in labels},
+                      std={label: np.array(std) for label in labels}, min=one, max=one,
+                      diff_std=one, count=one, nan_count=one,
+                      paths={label: label for label in labels})  # fmt: skip
+
+
+# results past 65504 are inf, as they must be: numpy warns of the cast
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast:RuntimeWarning")
+def test_float16_batches_normalised_by_statistics_or_a_stack_are_the_float16_of_the_exact_result(
+    tmp_path: Path,
+) -> None:
+    """float16 stays float16, but ``(x - mean) / std`` must not overflow where the result does
+    not: 60000 with a mean of -10000 and a spread of 30000 (``x - mean`` is past float16's
+    65504), and a value at the mean of a std of 1e-8 (float16 rounds it to 0: 0 / 0). Through
+    normalizer() and a stack's normalize= (gathered rows, rows decoded in place, a static
+    member)."""
+    rng = np.random.default_rng(7)
+    h = rng.uniform(15000, 60000, (8, 4, 4)).astype(np.float16)
+    h[:, 0, 0] = -60000
+    h[:, 1, 1] = 1.0  # the mean of the tiny std: standardises to 0, not NaN
+    root = tmp_path / "half.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    for name, data in (("h", h), ("s", h[3])):
+        dims = ["time", "y", "x"][-data.ndim :]
+        arr = group.create_array(name, shape=data.shape, chunks=(2, 4, 4)[-data.ndim :],
+                                 dtype="float16", dimension_names=dims)  # fmt: skip
+        arr[...] = data
+    g = open_geometries(root, ["h", "s"])
+    manifest = split_by_chunk(g["h"], (1.0, 0.0, 0.0))
+    exact = h.astype(np.float64)
+    wrong: list[str] = []
+    for mean, std in ((-10000.0, 30000.0), (1.0, 1e-8)):
+        stats = _given(mean, std, ["h", "s"])
+        runs = [  # (what, views, pipeline options, the exact result)
+            ("normalizer()", {"h": g["h"]}, {"batch_transforms": [stats.normalizer({"h": g["h"]})]},
+             (exact - mean) / (std + 1e-8)),
+            *((f"stack direct={d}", {"x": stack(g, normalize=stats)},
+               {"fetch": FetchOptions(direct=d)}, (exact - mean) / std) for d in (False, True)),
+        ]  # fmt: skip
+        for what, views, options, want in runs:
+            label = next(iter(views))
+            with insitu_pipeline(root, manifest, views, batch_size=4, coords=(),
+                                 **options) as pipe:  # fmt: skip
+                for batch in pipe:
+                    got = batch[label].reshape(4, -1, 4, 4)  # a stack: (h, s) channels
+                    assert got.dtype == np.float16
+                    rows = want[batch.sample_indices[label]]
+                    expected = np.stack([rows, np.broadcast_to(want[3], rows.shape)], axis=1)
+                    with np.errstate(over="ignore"):  # past 65504 it is inf, as it must be
+                        expected = expected[:, : got.shape[1]].astype(np.float16)
+                    close = np.isclose(got.astype(np.float64), expected, rtol=2e-3)
+                    if not close.all():  # (every run is tried: each path is its own claim)
+                        wrong.append(f"{what}, mean {mean} std {std}, channels "
+                                     f"{sorted({int(c) for c in np.nonzero(~close)[1]})}: "
+                                     f"{got[~close][:3]}, not {expected[~close][:3]}")  # fmt: skip
+    assert not wrong, "\n".join(wrong)
+
+
+class _CutShort:
+    """A file open for writing that takes half of its first write and raises KeyboardInterrupt
+    (Ctrl-C mid-write; a full disk likewise raises after part of the bytes)."""
+
+    def __init__(self, f: Any) -> None:
+        self.f = f
+
+    def write(self, text: str) -> int:
+        self.f.write(text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    def __enter__(self) -> _CutShort:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.f, name)
+
+
+def test_statistics_and_split_manifests_saved_over_a_write_cut_short_keep_the_earlier_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Statistics.save wrote its JSON in place: a write cut short left a truncated file over the
+    earlier one (which Statistics.load then refused). SplitManifest.save wrote ``<name>.tmp``
+    and renamed it, but left the partial ``.tmp`` behind. Both now appear whole or not at all,
+    as a trace does, and leave no temporary file."""
+    stats = _given(250.0, 3.5, ["h"])
+    manifest = SplitManifest("h", 40, 4, {"train": (0, 1, 2), "val": (3,)})
+    saves = {"stats.json": stats.save, "split.json": manifest.save}
+    for name, save in saves.items():
+        save(tmp_path / name)
+    whole = {name: (tmp_path / name).read_bytes() for name in saves}
+    real = io.open
+
+    def cut_open(file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = real(file, mode, *args, **kwargs)
+        writes = "w" in mode and not isinstance(file, int) and Path(file).parent == tmp_path
+        return _CutShort(f) if writes else f
+
+    with monkeypatch.context() as cut:
+        cut.setattr(io, "open", cut_open)
+        cut.setattr(builtins, "open", cut_open)
+        for name, save in saves.items():
+            with pytest.raises(KeyboardInterrupt):
+                save(tmp_path / name)
+    now = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert {n: len(b) for n, b in now.items()} == {n: len(b) for n, b in whole.items()}
+    assert now == whole
+    assert Statistics.load(tmp_path / "stats.json").mean["h"] == 250.0
+    assert SplitManifest.load(tmp_path / "split.json") == manifest

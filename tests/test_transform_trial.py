@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import io
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -43,10 +44,13 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
     to_torch,
+    transforms,
 )
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.cli import main
+from insitubatch_nodes.errors import StaleCacheError
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.statistics import fit_statistics
 
 pytestmark = pytest.mark.timeout(60)
@@ -150,6 +154,68 @@ def test_float16_coarsen_and_scaler_give_the_float16_of_the_exact_result_not_inf
                     got.astype(np.float64), expected.astype(np.float64), rtol=2e-3,
                     err_msg=repr(transform),
                 )  # fmt: skip
+
+
+def _cached_epoch(
+    root: Path,
+    manifest: SplitManifest,
+    views: dict[str, ArrayGeometry],
+    cache: Path,
+    transform: Any,
+    inner: tuple[int, ...],
+    **kw: Any,
+) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+    """One epoch of ``views`` (8 samples of ``inner`` after ``transform``) over the persistent
+    cache ``cache``: every array in sample order, and the pipeline's stats."""
+    with insitu_pipeline(root, manifest, views, batch_size=4, coords=(), cache_dir=cache,
+                         persist=True, chunk_transforms=[transform], **kw) as pipe:  # fmt: skip
+        got = {name: np.zeros((8, *inner), view.dtype) for name, view in views.items()}
+        for batch in pipe:
+            for name in got:
+                got[name][batch.sample_indices[name]] = batch[name]
+        return got, pipe.stats()
+
+
+# the old arithmetic's inf, and results past 65504: numpy warns of the overflow
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+def test_a_persistent_cache_of_float16_chunks_made_by_the_float16_arithmetic_is_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the float16 fix of Coarsen and StandardScaler (6427f56) left their identity in a
+    persistent cache as it was (a scaler's by its cache_key, Coarsen's by its pickle, which names
+    the class and holds its factor only), so a cache warmed by the old code served its inf
+    chunks for ever. After: their float16 chunks are stale (StaleCacheError naming the array;
+    reset_stale_cache=True fetches them again), while a float32 array's, whose results did not
+    change, stay warm."""
+    h = np.random.default_rng(7).uniform(15000, 60000, (8, 4, 4)).astype(np.float16)
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    for name, data in (("h", h), ("f", h.astype(np.float32))):
+        group.create_array(name, shape=data.shape, chunks=(2, 4, 4), dtype=data.dtype,
+                           dimension_names=["time", "lat", "lon"])[...] = data  # fmt: skip
+    g = open_geometries(root, ["h", "f"])
+    manifest = split_by_chunk(g["h"], (1.0, 0.0, 0.0))
+    exact = h.astype(np.float64)
+    both = {"h": -10000.0, "f": -10000.0}, {"h": 30000.0, "f": 30000.0}
+    cases = [
+        (StandardScaler(*both, cache_key="fit-1"), (exact + 10000) / (30000 + 1e-8)),
+        (Coarsen(2), exact.reshape(8, 2, 2, 2, 2).mean(axis=(2, 4))),
+    ]
+    for i, (transform, want) in enumerate(cases):
+        run = (root, manifest, g, tmp_path / f"cache{i}", transform, want.shape[1:])
+        with monkeypatch.context() as old:  # the code before 6427f56
+            old.setattr(transforms, "work_dtype", lambda dtype: dtype)
+            for cls in (Coarsen, StandardScaler):
+                old.delattr(cls, "cache_revision", raising=False)
+            warm, _ = _cached_epoch(*run)
+        assert np.isinf(warm["h"]).any() and np.isfinite(want).all()  # the old code's inf
+        with pytest.raises(StaleCacheError, match="'h'") as refused:
+            _cached_epoch(*run)
+        assert "'f'" not in str(refused.value), refused.value
+        got, stats = _cached_epoch(*run, reset_stale_cache=True)
+        assert (stats["gets"], stats["disk_hits"]) == (4, 4), stats  # h fetched, f kept
+        for name, array in got.items():
+            np.testing.assert_allclose(array, want.astype(array.dtype), rtol=2e-3, err_msg=name)
 
 
 def test_the_scaler_of_statistics_refuses_two_labels_of_one_array_with_other_statistics(

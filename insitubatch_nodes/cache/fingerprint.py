@@ -17,13 +17,25 @@ Each transform is identified, in order of preference, by
 
 1. its ``cache_key`` attribute, when it is a string — authoritative: bump it whenever the
    transform's behaviour or its parameters change (e.g. a scaler's statistics version);
-2. a hash of its ``cloudpickle`` serialisation — captures the code, the closed-over values and
-   referenced globals, and an instance's state including array values (an instance may exclude
-   derived state with ``__getstate__``). The function's source position is part of it, so moving
-   a function inside its file makes the cache stale — loudly, never wrongly;
+2. a hash of its ``cloudpickle`` serialisation — captures the code (of ``__main__``, lambdas
+   and nested functions: see below), the closed-over values and referenced globals, and an
+   instance's state including array values (an instance may exclude derived state with
+   ``__getstate__``). The function's source position is part of it, so moving a function
+   inside its file makes the cache stale — loudly, never wrongly;
 3. when it cannot be pickled: a hash of its source and ``repr`` — weaker (closed-over values,
    globals and large arrays, which numpy's ``repr`` summarises, are invisible to it), so it warns
    once per transform type. Give such a transform a ``cache_key``.
+
+A function or class importable from a module is pickled by reference (its name, not its
+code), so neither 1. nor 2. changes when its code does. A transform whose results changed from
+one version of its code to the next says so with a method ``cache_revision(geometry) -> str |
+None``, given the geometry the transform is given on that array: a string is added to its
+identity there, ``None`` adds nothing. :class:`~insitubatch_nodes.transforms.Coarsen` and
+:class:`~insitubatch_nodes.transforms.StandardScaler` return ``"float16-in-float32"`` on
+float16 arrays, whose chunks they compute in float32 since 6427f56 (in float16 before: inf
+where the result is finite), and ``None`` on every other dtype, whose results did not change:
+a cache of float16 chunks they made before is stale (``StaleCacheError``, or rebuilt with
+``reset_stale_cache=True``), every other cache of theirs stays warm.
 """
 
 from __future__ import annotations
@@ -54,10 +66,18 @@ def _digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
-def transform_identity(transform: Any) -> str:
-    """A string that changes when ``transform`` would produce different bytes (module doc)."""
+def transform_identity(transform: Any, given: ArrayGeometry | None = None) -> str:
+    """A string that changes when ``transform`` would produce different bytes (module doc) on
+    an array it is given as ``given`` (``None``: its identity on any, no ``cache_revision``)."""
     if isinstance(transform, Scoped):  # the scope decides which arrays it runs on, not what
         transform = transform.transform
+    identity = _identity(transform)
+    revision = getattr(transform, "cache_revision", None)
+    token = revision(given) if given is not None and callable(revision) else None
+    return identity if token is None else f"{identity}+{token}"
+
+
+def _identity(transform: Any) -> str:
     key = getattr(transform, "cache_key", None)
     if isinstance(key, str):
         return f"key:{type(transform).__module__}.{type(transform).__qualname__}:{key}"
@@ -106,11 +126,24 @@ def _jsonable(value: Any) -> Any:
 
 
 def array_fingerprint(
-    source: ArrayGeometry, output: ArrayGeometry, transforms: Sequence[Any]
+    source: ArrayGeometry,
+    output: ArrayGeometry,
+    transforms: Sequence[Any],
+    inputs: Sequence[ArrayGeometry] | None = None,
 ) -> str:
     """16 hex digits identifying the chunks a pipeline keeps for one array: ``source`` is the
     decoded array's geometry, ``output`` what the slots hold, ``transforms`` the chunk transforms
-    that run on it, in order (see the module docstring for what is and is not covered)."""
+    that run on it, in order, and ``inputs`` the geometry each is given
+    (:meth:`~insitubatch_nodes.transforms.ChunkTransforms.inputs`; ``None``: ``source``, right
+    where no transform casts or reshapes). See the module docstring for what is and is not
+    covered."""
+    if inputs is None:
+        inputs = [source] * len(transforms)
+    if len(inputs) != len(transforms):
+        raise ValueError(
+            f"array_fingerprint: {len(inputs)} inputs for {len(transforms)} transforms: give "
+            "the geometry each transform is given (ChunkTransforms.inputs(path))"
+        )
     identity = {
         "format": FINGERPRINT_FORMAT,
         "array": source.path,
@@ -121,7 +154,7 @@ def array_fingerprint(
         "inner_shape": list(source.inner_shape),
         "fill_value": _jsonable(source.fill_value),
         "output": [list(output.inner_shape), output.dtype.str],
-        "transforms": [transform_identity(t) for t in transforms],
+        "transforms": [transform_identity(t, g) for t, g in zip(transforms, inputs, strict=True)],
     }
     if source.cf is not None:  # stored values decoded (CF mask and scale): by which rule
         identity["cf"] = source.cf.fingerprint

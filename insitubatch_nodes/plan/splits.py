@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.coords import Coordinate
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -239,11 +240,11 @@ class SplitManifest:
             raise ValueError(f"malformed split manifest: {exc!r}") from exc
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the manifest as JSON (atomically: temp file, then rename)."""
-        target = Path(path)
-        tmp = target.with_name(target.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-        tmp.replace(target)
+        """Write the manifest as JSON, whole or not at all: an interrupted write leaves an
+        earlier file at ``path`` as it was, and no temporary file (written beside it under a
+        temporary name, then renamed over it)."""
+        with atomic_write(path) as f:
+            f.write(json.dumps(self.to_dict(), indent=2) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> SplitManifest:

@@ -161,10 +161,16 @@ def _path(view: Any) -> str:
 
 
 def _standardise(rows: np.ndarray, norm: tuple[np.ndarray, np.ndarray]) -> None:
-    """``rows = (rows - mean) / std`` in place (``norm``: per channel, broadcasting)."""
+    """``rows = (rows - mean) / std`` in place (``norm``: per channel, broadcasting, in the
+    dtype to compute in: the rows' own, or float32 for float16 rows, rounded once)."""
     mean, std = norm
-    np.subtract(rows, mean, out=rows)
-    np.divide(rows, std, out=rows)
+    if rows.dtype == mean.dtype:
+        np.subtract(rows, mean, out=rows)
+        np.divide(rows, std, out=rows)
+    else:
+        work = np.subtract(rows, mean, dtype=mean.dtype)
+        np.divide(work, std, out=work)
+        rows[...] = work
 
 
 def _evenly(within: np.ndarray, step: int) -> bool:
