@@ -481,3 +481,9 @@ def test_collection_open_plate_splits_by_acquisition_with_no_field_in_two_splits
     with pytest.warns(UserWarning, match=r"1 of the plate's 18 fields \(first 'B/2/0'\)"):
         mixed = open_plate(path, sample_axis="z")
     assert "acquisition" not in mixed.keys
+    # an id that is no integer: refused naming the image (it was int()'s bare "invalid literal")
+    for bad in ("run1", True, 1.5):
+        _ome(attrs)["well"]["images"][0]["acquisition"] = bad
+        well.attrs.put(attrs)
+        with pytest.raises(ValueError, match=r"well 'B/2'.s image '0' names acquisition .*OME"):
+            open_plate(path, sample_axis="z")

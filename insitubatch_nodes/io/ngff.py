@@ -349,7 +349,9 @@ def read_plate(
         _refuse_twice([str(i["path"]) for i in well["images"]], f"well {path!r}'s 'images'")
         for image in well["images"]:
             acq = image.get("acquisition")
-            images.append((path, str(image["path"]), None if acq is None else int(acq)))
+            name = str(image["path"])
+            where = f"well {path!r}'s image {name!r}"
+            images.append((path, name, None if acq is None else _acquisition_id(acq, where)))
     field_paths = [f"{w}/{p}" for w, p, _ in images]
     field_attrs = _group_attributes(store, field_paths, zarr_format)
     present = [i for i, a in enumerate(field_attrs) if a is not None]
@@ -406,6 +408,20 @@ def read_plate(
         label_axes=label_axes, absent_wells=tuple(absent_wells),
         absent_fields=tuple(absent_fields),
     )  # fmt: skip
+
+
+def _acquisition_id(value: Any, where: str) -> int:
+    """An image's ``acquisition`` (OME-NGFF: the integer id of one of the plate's
+    acquisitions) as an int; ``ValueError`` naming the image for anything else."""
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        value = repr(value)
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(
+            f"{where} names acquisition {value!r}, not the integer id of one of the plate's "
+            "acquisitions (OME-NGFF): correct the well's metadata, or rewrite the plate"
+        ) from None
 
 
 def _refuse_twice(paths: Sequence[str], where: str) -> None:
