@@ -374,6 +374,27 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
     return {**options, "client_options": client, "retry_config": policy.obstore_retry_config()}
 
 
+def _query_refused(scheme: str, text: str) -> str:
+    """Why a store URL with a query string or a fragment is refused: the store is a prefix
+    of keys, so ``?versionId=...``, a signed URL's ``?X-Amz-...`` or ``#...`` would be dropped
+    silently (the newest objects read instead of a version, say)."""
+    cut = min(i for i in (text.find("?"), text.find("#")) if i >= 0)
+    if scheme == "file":
+        hint = "pass the folder as a plain path"
+    elif scheme in ("http", "https"):
+        hint = "a web server's store is the URL's path; headers go in client_options"
+    else:
+        hint = (
+            "give options as keywords of open_store(); a prefix with '?' or '#' in it cannot be "
+            "spelled in a URL: open the folder above it and name the arrays from there"
+        )
+    return (
+        f"{scheme}:// store URLs take no query string or fragment: {text[cut:]!r} in {text!r} "
+        f"would be ignored (the store would be {text[:cut]!r}, its objects as they are now); "
+        f"{hint}"
+    )
+
+
 def open_store(
     url_or_path: str | os.PathLike[str],
     *,
@@ -440,6 +461,8 @@ def open_store(
             "anonymous=True applies to s3://, gs:// and az:// URLs (unsigned requests); "
             f"{text!r} is a local or in-memory store"
         )
+    if len(scheme) > 1 and ("?" in text or "#" in text):
+        raise ValueError(_query_refused(scheme, text))
     # A Windows drive letter ("C:\\data") parses as a one-letter scheme: treat it as a path.
     if scheme == "" or len(scheme) == 1:
         return _local(LocalStore, Path(text), read_only, options, retry)
