@@ -17,14 +17,61 @@ of one element, a chunk larger than the array, root arrays, a sample axis other 
 persistent cache over S3. All of that was right.
 
 Found, each with its test below: a store URL's query string or fragment was dropped silently
-(``s3://b/p?versionId=3`` read the newest objects of ``p``).
+(``s3://b/p?versionId=3`` read the newest objects of ``p``); a persistent cache warmed from one
+store served its values for another store of the same layout: always with
+``check_store=False``, and over HTTP by default (nginx's ETag is a second and a size, so two
+stores written alike look the same).
 """
 
 from __future__ import annotations
 
-import pytest
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
-from insitubatch_nodes import open_store
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes.errors import StaleCacheError
+from insitubatch_nodes.testing import NginxServer, nginx_executable
+
+
+def _write(root: Path, seed: int) -> Path:
+    """``x`` (12, 3) in chunks of 2, uncompressed: every object of every such store has one
+    size."""
+    values = np.random.default_rng(seed).random((12, 3)).astype("f4") + 1
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    group.create_array("x", data=values, chunks=(2, 3), compressors=None, fill_value=0)
+    return root
+
+
+def _read(store: Any, **cache: Any) -> tuple[list[tuple[np.ndarray, np.ndarray]], dict[str, int]]:
+    """One epoch of ``x``: (sample indices, rows) per batch, and the pipeline's counters."""
+    g = open_geometries(store, ["x"])["x"]
+    pipe = insitu_pipeline(store, split_by_chunk(g, (1, 0, 0)), {"x": g}, batch_size=4, **cache)
+    with pipe:
+        rows = [(np.array(b.sample_indices["x"]), np.array(b["x"])) for b in Loader(pipe)]
+        return rows, pipe.stats()
+
+
+def _assert_rows_of(rows: list[tuple[np.ndarray, np.ndarray]], local: Path) -> None:
+    want = zarr.open_array(local / "x", mode="r")[...]
+    assert sorted(i for idx, _ in rows for i in idx.tolist()) == list(range(len(want)))
+    for idx, got in rows:
+        np.testing.assert_array_equal(got, want[idx])
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, NginxServer]]:
+    if nginx_executable() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx; .ci/run installs it)")
+    root = tmp_path_factory.mktemp("www")
+    with NginxServer(root) as server:
+        yield root, server
+
 
 # ---------------------------------------------------------------------------------------------
 # URL spellings
@@ -53,3 +100,48 @@ def test_a_store_url_with_a_query_or_fragment_is_refused_naming_what_would_be_dr
     with pytest.raises(ValueError, match="no query string or fragment") as err:
         open_store(url)
     assert repr(dropped) in str(err.value) and repr(url) in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# A persistent cache and the store it was warmed from
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("check_store", [True, False])
+def test_a_cache_warmed_from_one_folder_never_serves_another_folders_values(
+    tmp_path: Path, check_store: bool
+) -> None:
+    a, b = _write(tmp_path / "a.zarr", 1), _write(tmp_path / "b.zarr", 2)
+    cache = tmp_path / "cache"
+    rows, _ = _read(str(a), cache_dir=cache, persist=True, check_store=check_store)
+    _assert_rows_of(rows, a)
+    # before (check_store=False): every chunk a hit, a's values delivered as b's
+    with pytest.raises(StaleCacheError, match="cached from another store") as err:
+        _read(str(b), cache_dir=cache, readonly_cache=True, check_store=check_store)
+    assert "warmed from" in str(err.value) and str(b) in str(err.value)
+    rows, stats = _read(str(b), cache_dir=cache, persist=True, check_store=check_store)
+    _assert_rows_of(rows, b)
+    assert (stats["hits"], stats["gets"]) == (0, 6)
+    rows, stats = _read(str(b), cache_dir=cache, persist=True, check_store=check_store)
+    _assert_rows_of(rows, b)  # now warmed from b: every chunk a hit
+    assert (stats["hits"], stats["gets"]) == (6, 0)
+    # the same folder however it is spelled is the same store
+    rows, stats = _read(b.as_uri() + "/", cache_dir=cache, readonly_cache=True)
+    assert (stats["hits"], stats["gets"]) == (6, 0)
+
+
+def test_a_cache_warmed_over_http_never_serves_another_urls_values(
+    site: tuple[Path, NginxServer], tmp_path: Path
+) -> None:
+    root, server = site
+    a, b = _write(root / "a.zarr", 1), _write(root / "b.zarr", 2)
+    for file in b.rglob("*"):  # written in the same second as a's: the same ETag and size
+        twin = a / file.relative_to(b)
+        os.utime(file, ns=(twin.stat().st_atime_ns, twin.stat().st_mtime_ns))
+    cache = tmp_path / "cache"
+    rows, _ = _read(open_store(f"{server.endpoint}/a.zarr"), cache_dir=cache, persist=True)
+    _assert_rows_of(rows, a)
+    # before: every HEAD matched the recorded ETag, and a's values were delivered as b's
+    rows, stats = _read(open_store(f"{server.endpoint}/b.zarr"), cache_dir=cache, persist=True)
+    _assert_rows_of(rows, b)
+    assert (stats["hits"], stats["gets"]) == (0, 6)
