@@ -20,7 +20,9 @@ Found, each with its test below: a store URL's query string or fragment was drop
 (``s3://b/p?versionId=3`` read the newest objects of ``p``); a persistent cache warmed from one
 store served its values for another store of the same layout: always with
 ``check_store=False``, and over HTTP by default (nginx's ETag is a second and a size, so two
-stores written alike look the same).
+stores written alike look the same); a ``file://`` URL was not percent-decoded, so
+``Path.as_uri()`` of a folder with a space, a non-ASCII letter or a ``%`` in its name was
+"no zarr store" (obstore's own ``LocalStore.from_url`` decodes it).
 """
 
 from __future__ import annotations
@@ -100,6 +102,21 @@ def test_a_store_url_with_a_query_or_fragment_is_refused_naming_what_would_be_dr
     with pytest.raises(ValueError, match="no query string or fragment") as err:
         open_store(url)
     assert repr(dropped) in str(err.value) and repr(url) in str(err.value)
+
+
+def test_a_file_url_is_percent_decoded_so_path_as_uri_opens_the_folder(tmp_path: Path) -> None:
+    folder = _write(tmp_path / "a b ü%20 q#h?.zarr", 3)
+    url = folder.as_uri()  # file:///.../a%20b%20%C3%BC%2520%20q%23h%3F.zarr
+    # before: FileNotFoundError "no zarr store at '.../a%20b%20%C3%BC%2520%20q%23h%3F.zarr'"
+    rows, _ = _read(open_store(url))
+    _assert_rows_of(rows, folder)
+    assert open_geometries(url) == open_geometries(folder)
+    # a folder named with a literal escape is still found by its undecoded spelling
+    literal = _write(tmp_path / "c%41d.zarr", 4)
+    rows, _ = _read(open_store("file://" + str(literal)))
+    _assert_rows_of(rows, literal)
+    rows, _ = _read(open_store(literal.as_uri()))  # c%2541d.zarr, decoded: the same folder
+    _assert_rows_of(rows, literal)
 
 
 # ---------------------------------------------------------------------------------------------

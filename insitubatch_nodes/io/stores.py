@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import zarr
 from zarr.abc.store import Store
@@ -380,7 +380,10 @@ def _query_refused(scheme: str, text: str) -> str:
     silently (the newest objects read instead of a version, say)."""
     cut = min(i for i in (text.find("?"), text.find("#")) if i >= 0)
     if scheme == "file":
-        hint = "pass the folder as a plain path"
+        hint = (
+            "percent-encode '?' and '#' in a folder's name (%3F, %23: Path.as_uri() does), "
+            "or pass the plain path"
+        )
     elif scheme in ("http", "https"):
         hint = "a web server's store is the URL's path; headers go in client_options"
     else:
@@ -407,7 +410,8 @@ def open_store(
 
     Accepted spellings:
 
-    * a plain path or ``file:///abs/path`` — obstore ``LocalStore`` rooted at that folder;
+    * a plain path or ``file:///abs/path`` — obstore ``LocalStore`` rooted at that folder (a
+      URL's path is percent-decoded: ``Path.as_uri()`` round-trips);
     * ``memory://NAME`` — a process-wide in-memory store (same NAME, same objects);
     * ``s3://bucket/prefix`` — obstore ``S3Store``; ``options`` are passed through, e.g.
       ``endpoint=``, ``region=``, ``access_key_id=``, ``secret_access_key=``, ``session_token=``,
@@ -469,7 +473,7 @@ def open_store(
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"file:// URLs must be local (file:///abs/path), got {text!r}")
-        return _local(LocalStore, Path(parts.path), read_only, options, retry)
+        return _local(LocalStore, _file_path(parts.path, read_only), read_only, options, retry)
     if scheme == "memory":
         if options:
             raise ValueError(f"memory:// takes no options, got {sorted(options)}")
@@ -532,6 +536,18 @@ def _http(
         label = url.replace(f":{parts.password}@", ":***@", 1)
     inner = http_cls.from_url(url, **merged)
     return _remember(ObjectStore(inner, read_only=read_only), label, retry)
+
+
+def _file_path(path: str, read_only: bool) -> Path:
+    """The folder a ``file://`` URL's path names: percent-decoded (RFC 8089; what
+    ``Path.as_uri()`` writes and obstore's own ``LocalStore.from_url`` reads), so ``a%20b`` is
+    the folder ``a b``. A folder whose name holds a literal ``%`` escape, opened read-only by its
+    undecoded spelling (as before decoding), is still found when the decoded one does not
+    exist."""
+    decoded = Path(unquote(path))
+    if read_only and str(decoded) != path and not decoded.is_dir() and Path(path).is_dir():
+        return Path(path)
+    return decoded
 
 
 def _local(
