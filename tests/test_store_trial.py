@@ -22,7 +22,10 @@ store served its values for another store of the same layout: always with
 ``check_store=False``, and over HTTP by default (nginx's ETag is a second and a size, so two
 stores written alike look the same); a ``file://`` URL was not percent-decoded, so
 ``Path.as_uri()`` of a folder with a space, a non-ASCII letter or a ``%`` in its name was
-"no zarr store" (obstore's own ``LocalStore.from_url`` decodes it).
+"no zarr store" (obstore's own ``LocalStore.from_url`` decodes it); options errors that did not
+say what to do: an ``http://`` S3 endpoint without ``allow_http`` failed at the first read with
+obstore's "HTTP error: builder error", ``client_options=True`` with "'bool' object is not
+iterable", and ``read_only="false"`` opened the store read-only without a word.
 """
 
 from __future__ import annotations
@@ -102,6 +105,42 @@ def test_a_store_url_with_a_query_or_fragment_is_refused_naming_what_would_be_dr
     with pytest.raises(ValueError, match="no query string or fragment") as err:
         open_store(url)
     assert repr(dropped) in str(err.value) and repr(url) in str(err.value)
+
+
+def test_a_plain_http_endpoint_without_allow_http_is_refused_at_open_saying_what_to_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AWS_ALLOW_HTTP", raising=False)
+    without = {"endpoint": "http://127.0.0.1:9", "region": "us-east-1"}  # opening does no IO
+    s3_options = {**without, "client_options": {"allow_http": True}}
+    # before: opened, then the first read failed with "Generic S3 error: ... builder error"
+    with pytest.raises(ValueError, match=r"plain HTTP.*client_options=\{'allow_http': True\}"):
+        open_store("s3://bucket/prefix", **without)
+    with pytest.raises(ValueError, match="AWS_ALLOW_HTTP=true"):
+        open_store("s3://bucket/prefix", **without, client_options={"allow_http": False})
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")  # obstore's variable, read by open_store
+    open_store("s3://bucket/prefix", **without)
+    open_store("s3://bucket/prefix", **s3_options)  # what the fixtures pass
+    with pytest.raises(ValueError, match="plain HTTP"):
+        open_store("gs://bucket/prefix", base_url="http://127.0.0.1:9", anonymous=True)
+
+
+@pytest.mark.parametrize(
+    ("options", "match"),
+    [
+        ({"client_options": True}, r"client_options must be a dict.*got True"),
+        ({"client_options": ["allow_http"]}, r"client_options must be a dict"),
+        ({"read_only": "false"}, r"read_only must be True or False, got 'false'"),
+        ({"read_only": 0}, r"read_only must be True or False, got 0"),
+    ],
+)
+def test_an_option_of_the_wrong_type_is_refused_naming_it(
+    options: dict[str, Any], match: str, tmp_path: Path
+) -> None:
+    # before: "'bool' object is not iterable" / a store opened read-only for read_only="false"
+    url = str(tmp_path) if "read_only" in options else "s3://bucket/prefix"
+    with pytest.raises(TypeError, match=match):
+        open_store(url, **options)
 
 
 def test_a_file_url_is_percent_decoded_so_path_as_uri_opens_the_folder(tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -78,6 +79,11 @@ _ENV_CLIENT_KEYS = (
     "user_agent",
 )
 _ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+
+# Options that name a cloud store's endpoint (obstore's spellings): a plain-HTTP one needs
+# client_options={"allow_http": True}, which open_store asks for by name.
+_ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url", "base_url",
+                  "google_base_url", "azure_endpoint")  # fmt: skip
 
 # Options that give a signed store its credentials: refused together with anonymous=True.
 _CREDENTIAL_KEYS = (
@@ -358,7 +364,13 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
         raise ValueError(
             f"{scheme}:// stores take retries from retry=RetryPolicy(...), not retry_config="
         )
-    client = dict(options.get("client_options") or {})
+    given = options.get("client_options")
+    if given is not None and not isinstance(given, Mapping):
+        raise TypeError(
+            "client_options must be a dict of obstore client options, e.g. "
+            f"client_options={{'allow_http': True}}; got {given!r}"
+        )
+    client = dict(given or {})
     clash = sorted(k for k in _TIMEOUT_KEYS if k in client)
     if clash:
         raise ValueError(
@@ -371,6 +383,14 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
         if value is not None and key not in client:
             client[key] = value
     client.update(policy.obstore_client_timeouts())
+    endpoint = next((str(v) for k, v in options.items() if k.lower() in _ENDPOINT_KEYS), "")
+    if endpoint.lower().startswith("http://") and str(client.get("allow_http")).lower() != "true":
+        raise ValueError(
+            f"{scheme}:// endpoint {endpoint!r} is plain HTTP, which obstore refuses at the first "
+            "read ('builder error'): pass client_options={'allow_http': True}"
+            + (f" (or set {env_prefix}ALLOW_HTTP=true)" if env_prefix else "")
+            + ", or use an https:// endpoint"
+        )
     return {**options, "client_options": client, "retry_config": policy.obstore_retry_config()}
 
 
@@ -455,6 +475,8 @@ def open_store(
         raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
     if not isinstance(anonymous, bool):
         raise TypeError(f"anonymous must be True or False, got {anonymous!r}")
+    if not isinstance(read_only, bool):  # "false" would open a store read-only, silently
+        raise TypeError(f"read_only must be True or False, got {read_only!r}")
     text = os.fspath(url_or_path)
     if not text:
         raise ValueError("open_store() needs a URL or a path, got an empty string")
