@@ -25,7 +25,9 @@ stores written alike look the same); a ``file://`` URL was not percent-decoded, 
 "no zarr store" (obstore's own ``LocalStore.from_url`` decodes it); options errors that did not
 say what to do: an ``http://`` S3 endpoint without ``allow_http`` failed at the first read with
 obstore's "HTTP error: builder error", ``client_options=True`` with "'bool' object is not
-iterable", and ``read_only="false"`` opened the store read-only without a word.
+iterable", and ``read_only="false"`` opened the store read-only without a word; a split whose
+every anchor ``missing_objects="drop"`` dropped said to "use a smaller stride or check the
+times", not to read absent objects as the fill value.
 """
 
 from __future__ import annotations
@@ -201,3 +203,30 @@ def test_a_cache_warmed_over_http_never_serves_another_urls_values(
     rows, stats = _read(open_store(f"{server.endpoint}/b.zarr"), cache_dir=cache, persist=True)
     _assert_rows_of(rows, b)
     assert (stats["hits"], stats["gets"]) == (0, 6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Absent objects
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_split_left_without_anchors_by_absent_objects_says_to_read_them_as_fill(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "holes.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    values = np.arange(1, 9 * 4 + 1, dtype="f4").reshape(9, 4)
+    group.create_array("x", data=values, chunks=(3, 2), fill_value=np.nan)
+    for chunk in range(3):  # one tile of every chunk gone
+        (root / "x" / "c" / str(chunk) / str(chunk % 2)).unlink()
+    g = open_geometries(root, ["x"])["x"]
+    manifest = split_by_chunk(g, (1, 0, 0))
+    # before: "... (dropped per reason: {'absent_object': 9}); use a smaller stride or check
+    # the times and missing steps"
+    with pytest.raises(ValueError, match=r"\{'absent_object': 9\}.*missing_objects='read'"):
+        insitu_pipeline(root, manifest, {"x": g}, missing_objects="drop", batch_size=2)
+    pipe = insitu_pipeline(root, manifest, {"x": g}, batch_size=2)  # what it says to do
+    want = zarr.open_array(root / "x", mode="r")[...]
+    with pipe:
+        for batch in Loader(pipe):
+            np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
