@@ -27,11 +27,15 @@ say what to do: an ``http://`` S3 endpoint without ``allow_http`` failed at the 
 obstore's "HTTP error: builder error", ``client_options=True`` with "'bool' object is not
 iterable", and ``read_only="false"`` opened the store read-only without a word; a split whose
 every anchor ``missing_objects="drop"`` dropped said to "use a smaller stride or check the
-times", not to read absent objects as the fill value.
+times", not to read absent objects as the fill value; consolidated metadata with an entry zarr
+cannot parse made even arrays named one by one fail with zarr's "No group found in store"
+(zarr's ``open_group`` turns the ``KeyError`` into that), where a ``CorruptMetadataError``
+naming the document is the contract.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +46,11 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.errors import StaleCacheError
+from insitubatch_nodes.errors import CorruptMetadataError, StaleCacheError
 from insitubatch_nodes.testing import NginxServer, nginx_executable
+
+# zarr says so of every v3 consolidation; the claims here are about what we read back
+pytestmark = pytest.mark.filterwarnings("ignore:Consolidated metadata is currently not part")
 
 
 def _write(root: Path, seed: int) -> Path:
@@ -230,3 +237,33 @@ def test_a_split_left_without_anchors_by_absent_objects_says_to_read_them_as_fil
     with pipe:
         for batch in Loader(pipe):
             np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
+
+
+# ---------------------------------------------------------------------------------------------
+# Consolidated metadata zarr cannot parse
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("zarr_format", [2, 3])
+def test_consolidated_metadata_zarr_cannot_parse_is_corrupt_metadata_naming_the_document(
+    site: tuple[Path, NginxServer], zarr_format: int
+) -> None:
+    root, server = site
+    name = f"badconsolidated{zarr_format}.zarr"
+    group = zarr.open_group(root / name, mode="w", zarr_format=zarr_format)
+    group.create_array("a", data=np.ones((4, 2), dtype="f4"), chunks=(2, 2))
+    zarr.consolidate_metadata(root / name)
+    doc = root / name / ("zarr.json" if zarr_format == 3 else ".zmetadata")
+    meta = json.loads(doc.read_text())
+    if zarr_format == 3:
+        meta["consolidated_metadata"]["metadata"]["a"] = {"node_type": "array"}  # a bad entry
+    else:
+        meta["metadata"]["a/.zarray"] = {"shape": [4, 2]}
+    doc.write_text(json.dumps(meta))
+    for store in (root / name, open_store(f"{server.endpoint}/{name}")):  # listed, not listed
+        for variables in (None, ["a"]):
+            # before (v3): GroupNotFoundError "No group found in store ... at path ''"
+            with pytest.raises(CorruptMetadataError, match="consolidated metadata") as err:
+                open_geometries(store, variables)
+            assert [key for key, _ in err.value.documents] == [doc.name]
+            assert "zarr.consolidate_metadata(store)" in str(err.value)
