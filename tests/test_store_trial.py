@@ -30,14 +30,17 @@ every anchor ``missing_objects="drop"`` dropped said to "use a smaller stride or
 times", not to read absent objects as the fill value; consolidated metadata with an entry zarr
 cannot parse made even arrays named one by one fail with zarr's "No group found in store"
 (zarr's ``open_group`` turns the ``KeyError`` into that), where a ``CorruptMetadataError``
-naming the document is the contract.
+naming the document is the contract; S3 folder markers (0-byte ``prefix/`` objects, what the S3
+console's "Create folder" writes) at the store's root, on a group or on an empty folder made
+``open_geometries(store)`` fail (zarr's walk: "The first component of sub does not start with
+sub", a ``RecursionError``), although every array reads.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +270,43 @@ def test_consolidated_metadata_zarr_cannot_parse_is_corrupt_metadata_naming_the_
                 open_geometries(store, variables)
             assert [key for key, _ in err.value.documents] == [doc.name]
             assert "zarr.consolidate_metadata(store)" in str(err.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# S3 folder markers
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xdist_group("s3")
+@pytest.mark.filterwarnings("ignore:Object at empty is not recognized")  # zarr's, on the marker
+def test_s3_folder_markers_do_not_stop_the_arrays_being_found(
+    tmp_path: Path, s3_upload: Callable[[Path, str], str], s3_options: dict[str, Any]
+) -> None:
+    import boto3
+
+    local = _write(tmp_path / "v.zarr", 5)
+    group = zarr.open_group(local, mode="r+")
+    group.create_group("sub").create_array("u", data=np.arange(8, dtype="i4"), chunks=(3,))
+    url = s3_upload(local, "p/v.zarr")
+    bucket, prefix = url[len("s3://") :].split("/", 1)
+    client = boto3.client(
+        "s3",
+        endpoint_url=s3_options["endpoint"],
+        region_name=s3_options["region"],
+        aws_access_key_id=s3_options["access_key_id"],
+        aws_secret_access_key=s3_options["secret_access_key"],
+    )
+    for marker in ("", "sub/", "empty/"):  # the S3 console's "Create folder"
+        client.put_object(Bucket=bucket, Key=f"{prefix}/{marker}", Body=b"")
+    store = open_store(url, **s3_options)
+    # before: ValueError "The first component of sub does not start with sub." (or, for the
+    # root's marker alone, a RecursionError in zarr's walk)
+    geoms = open_geometries(store)
+    assert sorted(geoms) == ["sub/u", "x"]
+    rows, _ = _read(store)
+    _assert_rows_of(rows, local)
+    u = geoms["sub/u"]
+    pipe = insitu_pipeline(store, split_by_chunk(u, (1, 0, 0)), {"u": u}, batch_size=3)
+    with pipe:
+        got = sorted(int(v) for b in Loader(pipe) for v in np.asarray(b["u"]))
+    assert got == zarr.open_array(local / "sub" / "u", mode="r")[...].tolist()

@@ -226,13 +226,24 @@ def consolidated_arrays(group: zarr.Group) -> dict[str, zarr.Array] | None:
 def list_dir(store: Any, prefix: str) -> list[str]:
     """The names directly below ``prefix`` (``""``: the store root): keys and "folders" alike,
     as zarr's ``Store.list_dir`` yields them. One delimited listing; raises whatever the store
-    raises when it cannot list."""
+    raises when it cannot list. An obstore-backed store is listed with obstore, skipping a
+    folder marker (a 0-byte ``prefix/`` object, what the S3 console's "Create folder" writes),
+    which zarr's ``list_dir`` fails on ("The first component of sub does not start with sub")."""
     from zarr.core.sync import sync
+    from zarr.storage import ObjectStore
 
-    async def listed() -> list[str]:
+    if type(store) is ObjectStore or type(store).__name__ == "_SigningObjectStore":
+        import obstore
+
+        base = prefix.strip("/")
+        listed = obstore.list_with_delimiter(store.store, prefix=base or None)
+        paths = [*listed["common_prefixes"], *(o["path"] for o in listed["objects"])]
+        return sorted({p.rsplit("/", 1)[-1] for p in paths if p.strip("/") != base})
+
+    async def names() -> list[str]:
         return [name.rstrip("/") async for name in store.list_dir(prefix)]
 
-    return sorted(set(sync(listed())))
+    return sorted(set(sync(names())))
 
 
 def list_keys(store: Any, prefix: str) -> set[str]:
