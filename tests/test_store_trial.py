@@ -33,7 +33,9 @@ cannot parse made even arrays named one by one fail with zarr's "No group found 
 naming the document is the contract; S3 folder markers (0-byte ``prefix/`` objects, what the S3
 console's "Create folder" writes) at the store's root, on a group or on an empty folder made
 ``open_geometries(store)`` fail (zarr's walk: "The first component of sub does not start with
-sub", a ``RecursionError``), although every array reads.
+sub", a ``RecursionError``), although every array reads; a URL to a store's ``zarr.json``
+(or ``.zmetadata``, ``.zarray``) said "no zarr store" or "listing it failed", not which folder
+to open.
 """
 
 from __future__ import annotations
@@ -117,6 +119,23 @@ def test_a_store_url_with_a_query_or_fragment_is_refused_naming_what_would_be_dr
     with pytest.raises(ValueError, match="no query string or fragment") as err:
         open_store(url)
     assert repr(dropped) in str(err.value) and repr(url) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://bucket/p/era5.zarr/zarr.json",
+        "http://127.0.0.1:9/era5.zarr/.zmetadata",
+        "/data/era5.zarr/t2m/.zarray",
+        "file:///data/era5.zarr/.zgroup/",
+    ],
+)
+def test_a_url_to_a_metadata_document_is_refused_naming_the_folder_to_open(url: str) -> None:
+    # before: "no zarr store at ...", "no zarr array in store ...", or "listing it failed"
+    folder = url.rstrip("/").rsplit("/", 1)[0]
+    with pytest.raises(ValueError, match="names the zarr metadata document") as err:
+        open_store(url)
+    assert f"open the folder it is in, {folder!r}" in str(err.value)
 
 
 def test_a_plain_http_endpoint_without_allow_http_is_refused_at_open_saying_what_to_pass(

@@ -489,6 +489,12 @@ def open_store(
         )
     if len(scheme) > 1 and ("?" in text or "#" in text):
         raise ValueError(_query_refused(scheme, text))
+    last = text.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    if last in _zarr_compat.METADATA_DOCUMENTS:  # a store is a folder, never its document
+        raise ValueError(
+            f"{text!r} names the zarr metadata document {last!r}, not a store: open the folder "
+            f"it is in, {text.rstrip('/')[: -len(last)].rstrip('/')!r}"
+        )
     # A Windows drive letter ("C:\\data") parses as a one-letter scheme: treat it as a path.
     if scheme == "" or len(scheme) == 1:
         return _local(LocalStore, Path(text), read_only, options, retry)
