@@ -1,6 +1,6 @@
 """A black-box trial of stores as they sit in object storage, zarr's own read the oracle.
 
-Covered (a generator of ~2,600 cheap cases, not kept, over one moto S3 server and one nginx):
+Covered (generators of ~3,800 cheap checks, not kept, over one moto S3 server and one nginx):
 every layout below through a local path (with and without a trailing slash), ``file://``,
 ``s3://`` at a prefix three levels deep (with and without a trailing slash), ``http://`` and
 ``memory://``, discovery and naming, then ``insitu_pipeline`` with shuffle off and on, every
@@ -14,7 +14,10 @@ with partial shards on every axis and fill-value inner chunks; chunk objects par
 values 5, -1.5, NaN, -inf, ``True``, 255, ``1+2j``, v2 ``fill_value=None``), read and dropped
 (``missing_objects="drop"``, refused over HTTP with what to do); empty arrays, one chunk, chunks
 of one element, a chunk larger than the array, root arrays, a sample axis other than 0; a
-persistent cache over S3. All of that was right.
+persistent cache over S3, HTTP and local folders; v3 ``.``-separated and v2-encoded keys, shards
+with the index at the start; hand-edited fill values (``"NaN"``, ``"-Infinity"``, NaN payloads
+``0x7fc00001``, ``-0.0``, complex, bool, uint64 max); store URLs to a root array. All of that
+was right.
 
 Found, each with its test below: a store URL's query string or fragment was dropped silently
 (``s3://b/p?versionId=3`` read the newest objects of ``p``); a persistent cache warmed from one
