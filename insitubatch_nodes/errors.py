@@ -202,14 +202,14 @@ def corrupt_metadata(
     called: this module imports nothing of the package, so that every module can import it."""
     import json
 
-    from insitubatch_nodes.io import _zarr_compat
+    from insitubatch_nodes.io import metadata_docs
     from insitubatch_nodes.io.stores import describe_store
 
     try:
-        bad = _zarr_compat.unreadable_metadata(store, keys)
+        bad = metadata_docs.unreadable_metadata(store, keys)
     except Exception:  # the diagnosis is best effort: the store may not list, or be gone
         bad = []
-    if bad and all(why.startswith(_zarr_compat.UNSUPPORTED) for _, why in bad):
+    if bad and all(why.startswith(metadata_docs.UNSUPPORTED) for _, why in bad):
         return UnsupportedMetadataError(describe_store(store), bad)
     if bad or isinstance(exc, json.JSONDecodeError):
         return CorruptMetadataError(describe_store(store), bad, str(exc))

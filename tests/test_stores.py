@@ -312,6 +312,7 @@ def test_client_options_from_the_environment_still_apply_next_to_the_policy(
 
 def test_describe_store_names_what_open_store_was_given(era5_v3_path: Path) -> None:
     assert describe_store(open_store(era5_v3_path)) == str(era5_v3_path.absolute())
-    s3 = open_store("s3://bucket/some/prefix", endpoint="http://127.0.0.1:9")
+    plain = {"endpoint": "http://127.0.0.1:9", "client_options": {"allow_http": True}}
+    s3 = open_store("s3://bucket/some/prefix", **plain)
     assert describe_store(s3) == "s3://bucket/some/prefix (endpoint http://127.0.0.1:9)"
     assert str(era5_v3_path) in describe_store(zarr.storage.LocalStore(era5_v3_path))

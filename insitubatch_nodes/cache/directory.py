@@ -346,15 +346,13 @@ class ChunkCache:
         pipeline's; another store's, sharing the directory, are not this store's to judge) whose
         stored objects changed since cached: one listing per array (see store_identity)."""
         check = self.store_check
-        if check is None or not check.enabled or not self._index:
+        if check is None or not self._index:  # disabled: only chunks of another store are stale
             return
         arrays = self.fingerprints if arrays is None else arrays
         report = check.stale(store_identity.chunks_by_array(
             (key, logged.file) for key, logged in self._index.items() if key[0] in arrays
         ))  # fmt: skip
-        if report.unchecked is not None:
-            if (str(self.root), check.name) in WARNED_UNCHECKED:
-                return
+        if report.unchecked is not None and (str(self.root), check.name) not in WARNED_UNCHECKED:
             WARNED_UNCHECKED.add((str(self.root), check.name))
             warnings.warn(
                 f"insitubatch_nodes: cache_dir {self.root} is trusted without checking store "
@@ -365,8 +363,7 @@ class ChunkCache:
                 UserWarning,
                 stacklevel=5,
             )
-            return
-        if not report.chunks:
+        if not report.chunks:  # (a failed listing leaves only the chunks of another store)
             return
         if self.readonly:
             raise StaleCacheError(store_identity.stale_message(self.root, check.name, report))
@@ -375,7 +372,8 @@ class ChunkCache:
         self.stats["stale_chunks"] += len(report.chunks)
         _log.warning(
             "insitubatch_nodes: %d cached chunk(s) in %s are stale (their stored objects in %s "
-            "changed): they are fetched again and rewritten: %s",
+            "changed, or they were cached from another store): they are fetched again and "
+            "rewritten: %s",
             len(report.chunks),
             self.root,
             check.name,

@@ -38,6 +38,10 @@ vectorised over sorted keys. A chunk is stale when one of its objects
 * has no recorded identity (a cache warmed by a version that did not record, or through another
   kind of read path): it cannot be vouched for.
 
+A row also carries, after its read path (``kind``), a digest of the store it was read from
+(:attr:`StoreCheck.where`): a chunk recorded from another store is stale without a listing,
+also under ``check_store=False``.
+
 Objects the cache holds nothing of (metadata documents, chunks appended since) are not
 compared: they are misses anyway. So an append that grows the sample axis keeps every chunk
 whose objects are unchanged, and the grown last chunk, whose object was rewritten, is stale.
@@ -60,6 +64,7 @@ and an object a web server serves rewritten with the same size within the same s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import posixpath
@@ -449,6 +454,7 @@ class StaleReport:
     chunks: set[tuple[str, int]] = field(default_factory=set)
     reasons: list[str] = field(default_factory=list)
     unchecked: str | None = None  # why the store could not be checked (then nothing is stale)
+    elsewhere: set[tuple[str, int]] = field(default_factory=set)  # cached from another store
 
     def describe(self, first: int = 5) -> str:
         shown = "; ".join(self.reasons[:first])
@@ -496,15 +502,25 @@ class StoreCheck:
 
     @property
     def kind(self) -> str | None:
-        """The kind of read path identities are recorded through (``None``: not recorded)."""
-        return None if isinstance(self.lister, str) else self.lister.kind
+        """What recorded rows carry (``None``: not recorded): the kind of read path and, after
+        an ``@``, a digest of ``where``: the store they were read from, so a cache warmed from
+        one store and opened over another finds its chunks stale (the objects of two stores
+        written alike can look the same: nginx's ETag is a second and a size)."""
+        if isinstance(self.lister, str):
+            return None
+        return f"{self.lister.kind}@{hashlib.sha256(self.where.encode()).hexdigest()[:12]}"
 
     def stale(self, cached: Mapping[str, Mapping[Path, np.ndarray]]) -> StaleReport:
         """The stale chunks among ``cached`` (``{array: {directory that logged them: chunk
-        indices}}``, see :func:`chunks_by_array`), listing each array's prefix once."""
+        indices}}``, see :func:`chunks_by_array`), listing each array's prefix once.
+
+        A chunk whose rows were recorded from another store (another ``kind`` after its ``@``)
+        is stale without a listing, also when the check is disabled (``check_store=False``
+        trusts the store not to change, not another store to hold the same values); rows
+        without a store (of caches warmed before it was recorded) are compared as before."""
         report = StaleReport()
         if isinstance(self.lister, str):
-            report.unchecked = self.lister
+            report.unchecked = None if not self.enabled else self.lister
             return report
         recorded: dict[Path, dict[str, Recorded]] = {}
         for array, by_dir in sorted(cached.items()):
@@ -517,8 +533,18 @@ class StoreCheck:
                 rows = recorded[directory].get(array)
                 want = np.unique(np.asarray(chunks, dtype=np.int64))
                 if rows is not None:  # rows of this directory's cached chunks, read the same way
-                    rows = rows.take(np.isin(rows.chunks, want) & (rows.kinds == self.lister.kind))
+                    rows = rows.take(np.isin(rows.chunks, want))
+                    mine = str(self.kind)
+                    other = (np.char.find(rows.kinds, "@") >= 0) & (rows.kinds != mine)
+                    for c in np.unique(rows.chunks[other]).tolist():
+                        report.elsewhere.add((array, c))
+                        report.reasons.append(f"{array!r} chunk {c}: cached from another store")
+                    want = want[~np.isin(want, rows.chunks[other])]
+                    rows = rows.take(np.isin(rows.kinds, [mine, self.lister.kind]))
                 rows_of.append((want, rows))
+            report.chunks |= report.elsewhere
+            if not self.enabled:
+                continue
             try:  # a HeadLister asks for the recorded objects only; the others list the prefix
                 keys = {str(k) for _, rows in rows_of if rows is not None for k in rows.keys}
                 listings = [self.lister.list(p, keys) for p in self.prefixes.get(array, [array])]
@@ -530,8 +556,8 @@ class StoreCheck:
                     np.concatenate([li.dated for li in listings]),
                 )  # fmt: skip
             except Exception as exc:  # NotSupported, a denied ListBucket, a network error
-                report.chunks.clear()
-                report.reasons.clear()
+                report.chunks = set(report.elsewhere)  # stale whatever the listing would say
+                report.reasons = [r for r in report.reasons if r.endswith("another store")]
                 report.unchecked = f"listing {array!r} failed ({type(exc).__name__}: {exc})"
                 return report
             for want, rows in rows_of:
@@ -595,6 +621,13 @@ class StoreCheck:
 
 def stale_message(root: Path, store: str, report: StaleReport) -> str:
     """The :class:`~insitubatch_nodes.cache.StaleCacheError` message of a read-only cache."""
+    if report.elsewhere:
+        return (
+            f"cache_dir {root} holds {len(report.chunks)} chunk(s) that store {store} cannot "
+            f"vouch for: {report.describe()}. A cache serves the store it was warmed from: "
+            "read that store, give this one another cache_dir, or warm it again with a writing "
+            "run (readonly_cache=False), which refetches just those chunks."
+        )
     return (
         f"cache_dir {root} holds {len(report.chunks)} chunk(s) whose stored objects in store "
         f"{store} changed since they were cached, or cannot be vouched for: "

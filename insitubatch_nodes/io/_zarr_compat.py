@@ -50,12 +50,12 @@ __all__ = [
     "node_kinds",
     "open_array_readonly",
     "open_arrays_by_name",
+    "open_consolidated",
     "open_group_readonly",
     "opened",
     "read_chunk_shape",
     "read_whole_array",
     "stored_chunk_shape",
-    "unreadable_metadata",
     "walk_arrays",
     "walk_nodes",
     "wrapped_store",
@@ -84,8 +84,17 @@ def wrapped_store(store: Any) -> Any:
 
 
 def open_group_readonly(store: Any) -> zarr.Group:
-    """Open the root group of ``store`` for reading (v2 or v3, consolidated or not)."""
-    return zarr.open_group(store=store, mode="r")
+    """Open the root group of ``store`` for reading (v2 or v3, consolidated or not). zarr's
+    ``open_group`` turns a ``KeyError`` reading the group (consolidated metadata it cannot
+    parse) into "no group found": that ``KeyError`` is raised instead, for the diagnosis."""
+    try:
+        return zarr.open_group(store=store, mode="r")
+    except zarr.errors.GroupNotFoundError as exc:
+        try:
+            open_consolidated(store, "", None)
+        except KeyError as why:
+            raise why from exc
+        raise
 
 
 def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
@@ -217,13 +226,24 @@ def consolidated_arrays(group: zarr.Group) -> dict[str, zarr.Array] | None:
 def list_dir(store: Any, prefix: str) -> list[str]:
     """The names directly below ``prefix`` (``""``: the store root): keys and "folders" alike,
     as zarr's ``Store.list_dir`` yields them. One delimited listing; raises whatever the store
-    raises when it cannot list."""
+    raises when it cannot list. An obstore-backed store is listed with obstore, skipping a
+    folder marker (a 0-byte ``prefix/`` object, what the S3 console's "Create folder" writes),
+    which zarr's ``list_dir`` fails on ("The first component of sub does not start with sub")."""
     from zarr.core.sync import sync
+    from zarr.storage import ObjectStore
 
-    async def listed() -> list[str]:
+    if type(store) is ObjectStore or type(store).__name__ == "_SigningObjectStore":
+        import obstore
+
+        base = prefix.strip("/")
+        listed = obstore.list_with_delimiter(store.store, prefix=base or None)
+        paths = [*listed["common_prefixes"], *(o["path"] for o in listed["objects"])]
+        return sorted({p.rsplit("/", 1)[-1] for p in paths if p.strip("/") != base})
+
+    async def names() -> list[str]:
         return [name.rstrip("/") async for name in store.list_dir(prefix)]
 
-    return sorted(set(sync(listed())))
+    return sorted(set(sync(names())))
 
 
 def list_keys(store: Any, prefix: str) -> set[str]:
@@ -276,77 +296,14 @@ def array_metadata_keys(path: str, zarr_format: int) -> tuple[str, ...]:
 
 #: how :func:`unreadable_metadata` starts the reason for a valid document naming a codec or
 #: data type that is not installed
-UNSUPPORTED = "needs a "
-
-
-def unsupported_reason(exc: BaseException) -> str | None:
-    """The reason for zarr's ``exc`` when it says a codec or data type is not installed."""
-    if type(exc).__name__ == "UnknownCodecError":  # numcodecs' (v2) and zarr's (v3)
-        return f"{UNSUPPORTED}codec that is not installed ({exc})"
-    if str(exc).startswith("No Zarr data type found"):
-        return f"{UNSUPPORTED}data type that is not installed ({exc})"
-    return None
-
-
-def unreadable_metadata(store: Any, keys: Sequence[str] | None = None) -> list[tuple[str, str]]:
-    """``(key, reason)`` for each metadata document zarr cannot read (slow: for diagnosis only).
-
-    ``keys`` are the documents to check; ``None`` lists the whole store for them. A document
-    that is missing is skipped; one that is not JSON, or that zarr refuses to open the node
-    from, is reported with the reason.
-    """
-    import json
-
-    from zarr.core.buffer import default_buffer_prototype
+def open_consolidated(store: Any, node: str, zarr_format: Any) -> None:
+    """Open the group ``node`` with its consolidated metadata as zarr does, raising what made
+    it fail (``open_group`` says "no group found" for a ``KeyError`` parsing it)."""
+    from zarr.core.group import AsyncGroup
     from zarr.core.sync import sync
+    from zarr.storage import StorePath
 
-    async def listed() -> list[str]:
-        return [k async for k in store.list_prefix("")]
-
-    if keys is None:
-        keys = sorted(k for k in sync(listed()) if k.rsplit("/", 1)[-1] in METADATA_DOCUMENTS)
-    prototype = default_buffer_prototype()
-    docs: dict[str, Any] = {}
-    bad: list[tuple[str, str]] = []
-    for key in keys:
-        buf = sync(store.get(key, prototype=prototype))
-        if buf is None:
-            continue
-        try:
-            docs[key] = json.loads(buf.to_bytes())
-        except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
-            bad.append((key, f"is not valid JSON ({exc})"))
-    if bad:  # a node fails to open when any of its documents is not JSON: name only those
-        return bad
-    for key, doc in docs.items():
-        node, _, name = key.rpartition("/")
-        try:
-            if name == "zarr.json":
-                kind = doc.get("node_type") if isinstance(doc, dict) else None
-                if kind == "array":
-                    zarr.open_array(store=store, path=node, mode="r", zarr_format=3)
-                elif kind == "group":
-                    zarr.open_group(
-                        store=store, path=node, mode="r", zarr_format=3, use_consolidated=False
-                    )
-                else:
-                    bad.append((key, f"has no valid node_type ('array' or 'group'): {kind!r}"))
-            elif name == ".zarray":
-                zarr.open_array(store=store, path=node, mode="r", zarr_format=2)
-            elif name == ".zgroup":
-                zarr.open_group(
-                    store=store, path=node, mode="r", zarr_format=2, use_consolidated=False
-                )
-            elif not isinstance(doc, dict):
-                bad.append((key, f"is not a JSON object ({type(doc).__name__})"))
-        except FileNotFoundError:
-            continue
-        except Exception as exc:
-            reason = unsupported_reason(exc)  # valid, but names what is not installed
-            if reason is None:
-                reason = f"is not valid zarr metadata ({type(exc).__name__}: {exc})"
-            bad.append((key, reason))
-    return bad
+    sync(AsyncGroup.open(StorePath(store, node), zarr_format=zarr_format, use_consolidated=None))
 
 
 def walk_arrays(group: zarr.Group) -> list[tuple[str, zarr.Array]]:

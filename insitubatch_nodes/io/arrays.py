@@ -340,10 +340,13 @@ def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
         if group is not None:
             try:
                 arrays, subgroups = _zarr_compat.walk_nodes(group)
-            except (ValueError, TypeError, KeyError):
-                raise  # unreadable metadata: diagnosed by the caller
             except Exception as exc:  # zarr lists each group (without consolidated metadata)
-                raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
+                try:  # its walk fails on an S3 folder marker: list by name from the root
+                    arrays, subgroups = list(_listed_arrays(zstore, set(), [""]).items()), []
+                except _ListingError:
+                    if isinstance(exc, ValueError | TypeError | KeyError):
+                        raise exc from None  # unreadable metadata: diagnosed by the caller
+                    raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
             known.update(arrays)
             groups += subgroups
         if consolidated and cannot_list(zstore):  # HTTP: the consolidated metadata is all

@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 import os
 import threading
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import zarr
 from zarr.abc.store import Store
@@ -78,6 +79,11 @@ _ENV_CLIENT_KEYS = (
     "user_agent",
 )
 _ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+
+# Options that name a cloud store's endpoint (obstore's spellings): a plain-HTTP one needs
+# client_options={"allow_http": True}, which open_store asks for by name.
+_ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url", "base_url",
+                  "google_base_url", "azure_endpoint")  # fmt: skip
 
 # Options that give a signed store its credentials: refused together with anonymous=True.
 _CREDENTIAL_KEYS = (
@@ -358,7 +364,13 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
         raise ValueError(
             f"{scheme}:// stores take retries from retry=RetryPolicy(...), not retry_config="
         )
-    client = dict(options.get("client_options") or {})
+    given = options.get("client_options")
+    if given is not None and not isinstance(given, Mapping):
+        raise TypeError(
+            "client_options must be a dict of obstore client options, e.g. "
+            f"client_options={{'allow_http': True}}; got {given!r}"
+        )
+    client = dict(given or {})
     clash = sorted(k for k in _TIMEOUT_KEYS if k in client)
     if clash:
         raise ValueError(
@@ -371,7 +383,39 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
         if value is not None and key not in client:
             client[key] = value
     client.update(policy.obstore_client_timeouts())
+    endpoint = next((str(v) for k, v in options.items() if k.lower() in _ENDPOINT_KEYS), "")
+    if endpoint.lower().startswith("http://") and str(client.get("allow_http")).lower() != "true":
+        raise ValueError(
+            f"{scheme}:// endpoint {endpoint!r} is plain HTTP, which obstore refuses at the first "
+            "read ('builder error'): pass client_options={'allow_http': True}"
+            + (f" (or set {env_prefix}ALLOW_HTTP=true)" if env_prefix else "")
+            + ", or use an https:// endpoint"
+        )
     return {**options, "client_options": client, "retry_config": policy.obstore_retry_config()}
+
+
+def _query_refused(scheme: str, text: str) -> str:
+    """Why a store URL with a query string or a fragment is refused: the store is a prefix
+    of keys, so ``?versionId=...``, a signed URL's ``?X-Amz-...`` or ``#...`` would be dropped
+    silently (the newest objects read instead of a version, say)."""
+    cut = min(i for i in (text.find("?"), text.find("#")) if i >= 0)
+    if scheme == "file":
+        hint = (
+            "percent-encode '?' and '#' in a folder's name (%3F, %23: Path.as_uri() does), "
+            "or pass the plain path"
+        )
+    elif scheme in ("http", "https"):
+        hint = "a web server's store is the URL's path; headers go in client_options"
+    else:
+        hint = (
+            "give options as keywords of open_store(); a prefix with '?' or '#' in it cannot be "
+            "spelled in a URL: open the folder above it and name the arrays from there"
+        )
+    return (
+        f"{scheme}:// store URLs take no query string or fragment: {text[cut:]!r} in {text!r} "
+        f"would be ignored (the store would be {text[:cut]!r}, its objects as they are now); "
+        f"{hint}"
+    )
 
 
 def open_store(
@@ -386,7 +430,8 @@ def open_store(
 
     Accepted spellings:
 
-    * a plain path or ``file:///abs/path`` — obstore ``LocalStore`` rooted at that folder;
+    * a plain path or ``file:///abs/path`` — obstore ``LocalStore`` rooted at that folder (a
+      URL's path is percent-decoded: ``Path.as_uri()`` round-trips);
     * ``memory://NAME`` — a process-wide in-memory store (same NAME, same objects);
     * ``s3://bucket/prefix`` — obstore ``S3Store``; ``options`` are passed through, e.g.
       ``endpoint=``, ``region=``, ``access_key_id=``, ``secret_access_key=``, ``session_token=``,
@@ -430,6 +475,8 @@ def open_store(
         raise TypeError(f"retry must be a RetryPolicy, got {retry!r}")
     if not isinstance(anonymous, bool):
         raise TypeError(f"anonymous must be True or False, got {anonymous!r}")
+    if not isinstance(read_only, bool):  # "false" would open a store read-only, silently
+        raise TypeError(f"read_only must be True or False, got {read_only!r}")
     text = os.fspath(url_or_path)
     if not text:
         raise ValueError("open_store() needs a URL or a path, got an empty string")
@@ -440,13 +487,21 @@ def open_store(
             "anonymous=True applies to s3://, gs:// and az:// URLs (unsigned requests); "
             f"{text!r} is a local or in-memory store"
         )
+    if len(scheme) > 1 and ("?" in text or "#" in text):
+        raise ValueError(_query_refused(scheme, text))
+    last = text.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
+    if last in _zarr_compat.METADATA_DOCUMENTS:  # a store is a folder, never its document
+        raise ValueError(
+            f"{text!r} names the zarr metadata document {last!r}, not a store: open the folder "
+            f"it is in, {text.rstrip('/')[: -len(last)].rstrip('/')!r}"
+        )
     # A Windows drive letter ("C:\\data") parses as a one-letter scheme: treat it as a path.
     if scheme == "" or len(scheme) == 1:
         return _local(LocalStore, Path(text), read_only, options, retry)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"file:// URLs must be local (file:///abs/path), got {text!r}")
-        return _local(LocalStore, Path(parts.path), read_only, options, retry)
+        return _local(LocalStore, _file_path(parts.path, read_only), read_only, options, retry)
     if scheme == "memory":
         if options:
             raise ValueError(f"memory:// takes no options, got {sorted(options)}")
@@ -509,6 +564,18 @@ def _http(
         label = url.replace(f":{parts.password}@", ":***@", 1)
     inner = http_cls.from_url(url, **merged)
     return _remember(ObjectStore(inner, read_only=read_only), label, retry)
+
+
+def _file_path(path: str, read_only: bool) -> Path:
+    """The folder a ``file://`` URL's path names: percent-decoded (RFC 8089; what
+    ``Path.as_uri()`` writes and obstore's own ``LocalStore.from_url`` reads), so ``a%20b`` is
+    the folder ``a b``. A folder whose name holds a literal ``%`` escape, opened read-only by its
+    undecoded spelling (as before decoding), is still found when the decoded one does not
+    exist."""
+    decoded = Path(unquote(path))
+    if read_only and str(decoded) != path and not decoded.is_dir() and Path(path).is_dir():
+        return Path(path)
+    return decoded
 
 
 def _local(

@@ -593,10 +593,16 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
         if off is not None:
             raise ValueError(f"split {split!r} has no anchor: {off}")
         dropped = dropped_anchors(manifest, views, config)
+        hint = "use a smaller stride or check the times and missing steps"
+        if dropped.get("absent_object"):  # the store's absent objects, not the times
+            hint = (
+                "anchors were dropped for stored objects absent from the store "
+                "(missing_objects='drop'): pass missing_objects='read' to read absent objects "
+                f"as the fill value, as zarr does; or {hint}"
+            )
         raise ValueError(
             f"split {split!r} has no anchor left with stride={config.stride} and the "
-            f"missing-step checks (dropped per reason: {dropped}); use a smaller stride or "
-            "check the times and missing steps"
+            f"missing-step checks (dropped per reason: {dropped}); {hint}"
         )
     members = manifest.members
     if (
