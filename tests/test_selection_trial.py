@@ -1,0 +1,70 @@
+"""Field selections and channel stacks as an ML engineer uses them, found wrong by a black-box
+trial.
+
+The trial built thousands of tiny stores (zarr v2 and v3, sharded or not, every axis chunked
+whole or in tiles, the sample axis first or not) and compared every delivered row with xarray's
+``isel``/``sel`` on ``xr.open_zarr`` of the same store (numpy's ``concatenate``/``stack`` of
+those for stacks): lists out of order, with duplicates and negative indices, numpy scalars and
+arrays, boolean masks, negative-step slices, chained selections; with windows, shifts,
+patches, a sample axis named, a persistent cache over two pipelines, and resume mid-epoch.
+What it found wrong is below, each a test that failed before its fix.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
+
+xr = pytest.importorskip("xarray")
+pd = pytest.importorskip("pandas")
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``a (time, level, lat, lon)`` with levels stored two per object and the grid in 1 x 2
+    tiles, ``b (time, lat, lon)``, ``s (lat, lon)`` static; a descending level coordinate."""
+    rng = np.random.default_rng(0)
+    ds = xr.Dataset(
+        {
+            "a": (("time", "level", "lat", "lon"), rng.standard_normal((6, 4, 2, 4))),
+            "b": (("time", "lat", "lon"), rng.standard_normal((6, 2, 4))),
+            "s": (("lat", "lon"), rng.standard_normal((2, 4))),
+        },
+        coords={"time": pd.date_range("2020-01-01", periods=6, freq="6h"),
+                "level": [1000, 850, 500, 250], "lat": [10.0, -10.0], "lon": [0.0, 90, 180, 270]},
+    )  # fmt: skip
+    enc = {"a": {"dtype": "float32", "chunks": (3, 2, 1, 2)},
+           "b": {"dtype": "float32", "chunks": (3, 1, 2)}, "s": {"dtype": "float32"}}  # fmt: skip
+    path = tmp_path_factory.mktemp("selection") / "trial.zarr"
+    ds.to_zarr(path, encoding=enc, consolidated=False, zarr_format=3)
+    return path
+
+
+def test_a_stack_of_patched_members_is_taken_from_the_persistent_cache_by_the_next_pipeline(
+    store: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["b"], (1.0, 0.0, 0.0))
+    cut = {"lat": 1, "lon": 2}
+    x = stack({"a": g["a"].isel(level=[0, 3]).patches(cut), "b": g["b"].patches(cut)})
+    ds = xr.open_zarr(store, consolidated=False)
+    for readonly in (False, True):  # before: every chunk of 'a' stale, read-only refused
+        pipe = insitu_pipeline(
+            store, manifest, {"x": x}, batch_size=2, coords=(),
+            cache_dir=tmp_path / "c", persist=True, readonly_cache=readonly,
+        )  # fmt: skip
+        with caplog.at_level(logging.WARNING, logger="insitubatch_nodes"):
+            for batch in pipe:
+                for row, (i, (oy, ox)) in enumerate(
+                    zip(batch.sample_indices["x"], batch.patch_origins["x"], strict=True)
+                ):
+                    a = ds.a.isel(time=i, level=[0, 3]).values[:, oy : oy + 1, ox : ox + 2]
+                    b = ds.b.isel(time=i).values[oy : oy + 1, ox : ox + 2]
+                    assert np.array_equal(batch.arrays["x"][row], np.concatenate([a, b[None]]))
+        pipe.close()
+    assert not [r for r in caplog.records if "stale" in r.getMessage()]
