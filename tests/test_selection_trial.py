@@ -68,3 +68,22 @@ def test_a_stack_of_patched_members_is_taken_from_the_persistent_cache_by_the_ne
                     assert np.array_equal(batch.arrays["x"][row], np.concatenate([a, b[None]]))
         pipe.close()
     assert not [r for r in caplog.records if "stale" in r.getMessage()]
+
+
+def test_sel_of_a_value_repeated_in_the_coordinate_keeps_every_match_as_xarray(
+    store: Path,
+) -> None:
+    g = open_geometries(store)
+    a = g["a"].isel(lat=[1, 0, 1])  # the coordinate of the view: [-10, 10, -10]
+    ds = xr.open_zarr(store, consolidated=False)
+    want = ds.a.isel(lat=[1, 0, 1]).sel(lat=-10.0)  # xarray keeps both matches and the axis
+    view = a.sel(lat=-10.0)
+    assert view.inner_shape == want.shape[1:]  # was (4, 4): the first match, the axis dropped
+    pipe = insitu_pipeline(store, split_by_chunk(g["b"], (1.0, 0.0, 0.0)), {"x": view},
+                           batch_size=3, coords=())  # fmt: skip
+    for batch in pipe:
+        expected = want.isel(time=batch.sample_indices["x"]).values
+        assert np.array_equal(batch.arrays["x"], expected)
+    pipe.close()
+    with pytest.raises(ValueError, match=r"-10.0 is repeated in coordinate 'lat'.*isel\(lat="):
+        a.sel(lat=[-10.0, 10.0])  # xarray refuses a list on repeated values; was the first

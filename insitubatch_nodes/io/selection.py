@@ -325,7 +325,9 @@ def label_positions(
     a list of them, or a slice of a monotonic coordinate with both ends included, every
     ``step``-th; values compared in a float coordinate's own dtype, so ``37.2`` is the float32
     ``37.2`` of a float32 coordinate). ``method="nearest"``: a value not in the coordinate
-    takes the nearest (ties to the larger value), within ``tolerance`` if given. A boolean mask
+    takes the nearest (ties to the larger value), within ``tolerance`` if given. A value the
+    coordinate repeats (a view that selected a position twice) selects every match, the axis
+    kept; in a list it is a ``ValueError`` (pandas refuses it too). A boolean mask
     of the axis is returned as it is (positions, for :func:`axis_key`), as xarray's ``sel``."""
     if method not in (None, "nearest"):
         raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
@@ -390,6 +392,15 @@ def label_positions(
             raise KeyError(
                 f"{path}: {given!r} is not a value of coordinate {name!r} "
                 f"({values[:8].tolist()}{' ...' if len(values) > 8 else ''})"
+            )
+        if len(hits) > 1 and scalar:  # every match, the axis kept (pandas' get_loc)
+            return hits.tolist()
+        if len(hits) > 1:  # xarray refuses a list on repeated values
+            raise ValueError(
+                f"{path}: {given!r} is repeated in coordinate {name!r} (at positions "
+                f"{hits.tolist()}), so a list of values is ambiguous: select by position with "
+                f"isel({name}=[...]), or give the value alone (sel({name}={given!r}) keeps "
+                "every match, as xarray)"
             )
         out.append(int(hits[0]))
     return out[0] if scalar else out
