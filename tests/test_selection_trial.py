@@ -87,3 +87,16 @@ def test_sel_of_a_value_repeated_in_the_coordinate_keeps_every_match_as_xarray(
     pipe.close()
     with pytest.raises(ValueError, match=r"-10.0 is repeated in coordinate 'lat'.*isel\(lat="):
         a.sel(lat=[-10.0, 10.0])  # xarray refuses a list on repeated values; was the first
+
+
+def test_a_mask_of_the_coordinate_as_xarray_gives_it_and_a_0d_index_select_as_in_xarray(
+    store: Path,
+) -> None:
+    a = open_geometries(store)["a"]
+    da = xr.open_zarr(store, consolidated=False).a
+    deep = da.level >= 500  # an xarray DataArray, as `ds.level >= 500` gives it
+    cases = [("sel", {"level": deep}), ("isel", {"level": deep}),  # sel: KeyError True
+             ("isel", {"level": np.array(2)}), ("isel", {"lat": np.array(-1)})]  # fmt: skip
+    for method, key in cases:  # before: sel's mask a KeyError, a 0-d index a TypeError
+        want = getattr(da, method)(**key)
+        assert getattr(a, method)(**key).inner_shape == want.shape[1:], (method, key)

@@ -104,10 +104,12 @@ def kept_axes(keys: Sequence[AxisKey]) -> list[int]:
 
 
 def axis_key(name: str, key: Any, length: int) -> AxisKey:
-    """``key`` (an int, a slice, a list of ints, or a boolean mask of the axis's length, as
-    xarray's ``isel`` takes it) along an axis of ``length``, normalised."""
+    """``key`` (an int or a 0-d integer array, a slice, a list of ints, or a boolean mask of
+    the axis's length, as xarray's ``isel`` takes it) along an axis of ``length``, normalised."""
     if isinstance(key, bool):
         raise TypeError(f"isel({name}=...) takes an int, a slice or a list of ints, got {key!r}")
+    if isinstance(key, np.ndarray) and key.ndim == 0 and key.dtype.kind in "iu":
+        key = key.item()  # a 0-d index array is its integer, as numpy and xarray take it
     if isinstance(key, int | np.integer):
         i = int(key)
         if not -length <= i < length:
@@ -331,7 +333,8 @@ def label_positions(
     of the axis is returned as it is (positions, for :func:`axis_key`), as xarray's ``sel``."""
     if method not in (None, "nearest"):
         raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
-    mask = np.asarray(key) if isinstance(key, list | tuple | np.ndarray) else None
+    listed = isinstance(key, list | tuple) or (hasattr(key, "__array__") and np.ndim(key) == 1)
+    mask = np.asarray(key) if listed else None  # (an xarray DataArray mask too)
     if mask is not None and mask.ndim == 1 and mask.dtype.kind == "b":
         return key  # a boolean mask (``coord >= 500``) selects by position, as xarray's sel
     if isinstance(key, slice):
