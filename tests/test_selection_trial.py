@@ -100,3 +100,15 @@ def test_a_mask_of_the_coordinate_as_xarray_gives_it_and_a_0d_index_select_as_in
     for method, key in cases:  # before: sel's mask a KeyError, a 0-d index a TypeError
         want = getattr(da, method)(**key)
         assert getattr(a, method)(**key).inner_shape == want.shape[1:], (method, key)
+
+
+def test_a_negative_step_slice_that_selects_nothing_names_the_slice_given_and_its_fix(
+    store: Path,
+) -> None:
+    a = open_geometries(store)["a"]  # levels 1000 ... 250, descending
+    with pytest.raises(IndexError) as caught:
+        a.sel(level=slice(850, 250, -1))  # xarray: nothing; a negative step wants 250 ... 850
+    message = str(caught.value)
+    assert "slice(850, 250, -1)" in message  # was slice(250, 850, None), not what was given
+    assert "slice(250, 850, -1)" in message  # the fix (was: give the ends in that order)
+    assert a.sel(level=slice(250, 850, -1)).inner_shape[0] == 3

@@ -344,7 +344,10 @@ def label_positions(
         if step is not None and (not isinstance(step, int | np.integer) or step == 0):
             raise ValueError(f"sel({name}=...): a slice's step is a non-zero int, got {key!r}")
         if step is not None and step < 0:  # pandas: the ends in reverse order, values reversed
-            ahead = label_positions(path, name, values, slice(key.stop, key.start))
+            try:
+                ahead = label_positions(path, name, values, slice(key.stop, key.start))
+            except IndexError:
+                raise _nothing_backwards(path, name, values, key) from None
             return slice(ahead.stop - 1, ahead.start - 1 if ahead.start else None, int(step))
         first, last = _in_dtype(values, key.start), _in_dtype(values, key.stop)
         ascending, descending = _monotonic(values)
@@ -407,6 +410,26 @@ def label_positions(
             )
         out.append(int(hits[0]))
     return out[0] if scalar else out
+
+
+def _nothing_backwards(path: str, name: str, values: np.ndarray, key: slice) -> IndexError:
+    """The error of a negative-step slice ``key`` that selects nothing: it names ``key`` as
+    given, and the slice to give where its ends are the other way round."""
+    order = "descending" if _monotonic(values) == (False, True) else "ascending"
+    try:
+        label_positions(path, name, values, slice(key.start, key.stop))
+    except IndexError:
+        fix = "no value of it lies between the slice's ends"
+    else:
+        other = slice(key.stop, key.start, key.step)
+        fix = (
+            f"a negative step takes the ends against the coordinate's order (values reversed): "
+            f"sel({name}={other!r})"
+        )
+    return IndexError(
+        f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
+        f"({values[0]} ... {values[-1]}): {fix}"
+    )
 
 
 def _monotonic(values: np.ndarray) -> tuple[bool, bool]:
