@@ -112,3 +112,25 @@ def test_a_negative_step_slice_that_selects_nothing_names_the_slice_given_and_it
     assert "slice(850, 250, -1)" in message  # was slice(250, 850, None), not what was given
     assert "slice(250, 850, -1)" in message  # the fix (was: give the ends in that order)
     assert a.sel(level=slice(250, 850, -1)).inner_shape[0] == 3
+
+
+def test_sel_on_a_lead_time_axis_compares_durations_as_xarray_decodes_them(
+    tmp_path: Path,
+) -> None:
+    """A forecast's ``step`` coordinate: xarray writes durations as numbers of ``units`` with
+    a ``dtype: timedelta64[...]`` attribute, and decodes them back to durations."""
+    ds = xr.Dataset(
+        {"f": (("time", "step", "lat"), np.arange(6 * 4 * 2, dtype="float32").reshape(6, 4, 2))},
+        coords={"time": pd.date_range("2020-01-01", periods=6, freq="6h"),
+                "step": pd.to_timedelta([0, 6, 12, 24], unit="h"), "lat": [1.0, 2.0]},
+    )  # fmt: skip
+    ds.to_zarr(tmp_path / "f.zarr", consolidated=False, zarr_format=3)
+    f = open_geometries(tmp_path / "f.zarr")["f"]
+    da = xr.open_zarr(tmp_path / "f.zarr", consolidated=False).f
+    assert np.array_equal(f.coordinates(f, "step"), da.step.values)  # was [0, 6, 12, 24]
+    for key in (np.timedelta64(6, "h"), np.timedelta64(360, "m"), "12h", pd.Timedelta("1D"),
+                ["6h", "24h"], slice("6h", "12h")):  # fmt: skip
+        assert f.sel(step=key).inner_shape == da.sel(step=key).shape[1:], key  # was KeyError
+    for wrong in (np.timedelta64(6, "m"), np.timedelta64(6, "D")):  # was the 6 h step, silently
+        with pytest.raises(KeyError, match="is not a value of coordinate 'step'"):
+            f.sel(step=wrong)

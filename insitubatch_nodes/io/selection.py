@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.timeunits import as_timedelta
+
 __all__ = [
     "Held",
     "HeldBox",
@@ -446,6 +448,10 @@ def _monotonic(values: np.ndarray) -> tuple[bool, bool]:
 def _in_dtype(values: np.ndarray, key: Any) -> Any:
     """``key`` (a value or a list of them) in the dtype of a float coordinate ``values``, as
     pandas casts labels to its index's dtype; unchanged otherwise (``None`` stays ``None``)."""
+    if key is not None and values.dtype.kind == "m":  # durations: "6h", pd.Timedelta, ...
+        if isinstance(key, list | tuple | np.ndarray):
+            return np.array([as_timedelta(k, "a value of a duration coordinate") for k in key])
+        return as_timedelta(key, "a value of a duration coordinate")
     if key is None or values.dtype.kind != "f":
         return key
     wanted = np.asarray(key)
