@@ -134,3 +134,10 @@ def test_sel_on_a_lead_time_axis_compares_durations_as_xarray_decodes_them(
     for wrong in (np.timedelta64(6, "m"), np.timedelta64(6, "D")):  # was the 6 h step, silently
         with pytest.raises(KeyError, match="is not a value of coordinate 'step'"):
             f.sel(step=wrong)
+
+
+def test_an_empty_selection_is_refused_saying_what_a_view_keeps(store: Path) -> None:
+    a = open_geometries(store)["a"]  # xarray gives an axis of length 0, which no batch can use
+    for key in ([], slice(2, 2), np.array([], dtype=int), np.zeros(4, dtype=bool)):
+        with pytest.raises(IndexError, match=r"selects nothing.*at least one index.*an int"):
+            a.isel(level=key)  # was "selects nothing along an axis of 4", and no way on

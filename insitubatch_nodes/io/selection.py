@@ -142,7 +142,11 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
             )
         picked = tuple(int(v) % length for v in values.tolist())
     if not picked:
-        raise IndexError(f"isel({name}={key!r}) selects nothing along an axis of {length}")
+        raise IndexError(
+            f"isel({name}={key!r}) selects nothing along an axis of {length}: a view keeps at "
+            "least one index of each axis (a batch of an empty axis holds nothing); leave the "
+            "axis out to keep it whole, or give an int to keep one index and drop the axis"
+        )
     return picked
 
 
