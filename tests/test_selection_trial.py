@@ -6,8 +6,14 @@ whole or in tiles, the sample axis first or not) and compared every delivered ro
 ``isel``/``sel`` on ``xr.open_zarr`` of the same store (numpy's ``concatenate``/``stack`` of
 those for stacks): lists out of order, with duplicates and negative indices, numpy scalars and
 arrays, boolean masks, negative-step slices, chained selections; with windows, shifts,
-patches, a sample axis named, a persistent cache over two pipelines, and resume mid-epoch.
-What it found wrong is below, each a test that failed before its fix.
+patches, a sample axis named, a persistent cache over two pipelines, ``set_views`` and resume
+mid-epoch (about 17,000 pipelines, 480,000 rows): every row was xarray's. What it found wrong,
+each a test below that failed before its fix: a stack's patched members were cached as whole
+chunks (the next pipeline re-read them all; a read-only cache refused them); ``sel`` of a value
+the view's coordinate repeats took the first match (xarray keeps every match); a lead time
+written by xarray as durations was read as numbers (``sel(step=np.timedelta64(6, "m"))``
+selected the 6-hour step); a DataArray mask and a 0-d index were refused; and two messages
+(an empty selection, a negative-step slice) did not say what to do.
 """
 
 from __future__ import annotations
