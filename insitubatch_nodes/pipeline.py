@@ -389,7 +389,7 @@ def insitu_pipeline(
         held=slot_holdings(parts.values(), transforms, cache_options.persistent),
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
-    patched = {v.path for v in views.values() if isinstance(v, ArrayGeometry) and v.patch}
+    patched = {v.path for v in parts.values() if v.patch}  # stack members' included
     chunk_cache = _open_cache(
         cache_options, zstore, geoms, transforms, plan.rank, statics, frozenset(patched)
     )

@@ -50,11 +50,32 @@ __all__ = [
     "encoded_fills",
     "fill_scalar",
     "is_cf_time",
+    "is_cf_timedelta",
     "missing_mask",
 ]
 
 #: CF time units, ``"<unit> since <reference date>"``
 UNITS_RE = re.compile(r"^\s*(?P<unit>[A-Za-z_]+)\s+since\s+(?P<ref>.+?)\s*$", re.IGNORECASE)
+
+
+#: the ``units`` of durations xarray decodes, and their numpy unit
+TIMEDELTA_UNITS = {"days": "D", "hours": "h", "minutes": "m", "seconds": "s",
+                   "milliseconds": "ms", "microseconds": "us", "nanoseconds": "ns"}  # fmt: skip
+
+
+def is_cf_timedelta(attrs: Mapping[str, Any]) -> bool:
+    """Whether ``attrs`` are those of durations as xarray writes them (a lead time's): ``units``
+    of :data:`TIMEDELTA_UNITS` and a ``dtype`` attribute ``"timedelta64[...]"``, which is what
+    xarray decodes by default."""
+    if attrs.get("units") not in TIMEDELTA_UNITS or not str(attrs.get("dtype")).startswith(
+        "timedelta64["
+    ):
+        return False
+    try:
+        unit = np.datetime_data(np.dtype(str(attrs["dtype"])))[0]
+    except TypeError:
+        return False
+    return unit in TIMEDELTA_UNITS.values()  # (a fixed length: not Y, M or generic)
 
 
 def is_cf_time(attrs: Mapping[str, Any]) -> bool:

@@ -19,6 +19,9 @@ attributes, as xarray does for a zarr store, but without xarray:
   outside that range, ``standard`` dates before 1582-10-15 (Julian there), and the calendars
   numpy lacks: ``noleap`` / ``365_day``, ``all_leap`` / ``366_day``, ``360_day``, ``julian``.
   Another calendar raises ``ValueError``;
+* durations as xarray writes them (``units`` ``hours``, ``minutes``, ... with a ``dtype``
+  attribute ``timedelta64[...]``: a forecast's lead time) decode to ``timedelta64`` of that
+  resolution, as xarray decodes them by default;
 * anything else comes as stored.
 
 A :class:`Coordinate` turns a value window into a sample window (:meth:`Coordinate.index_range`,
@@ -51,8 +54,14 @@ from insitubatch_nodes.io.calendars import (
     decode_with_cftime,
     elapsed_ticks,
 )
+from insitubatch_nodes.io.cf import (
+    TIMEDELTA_UNITS,
+    encoded_fills,
+    is_cf_time,
+    is_cf_timedelta,
+    missing_mask,
+)
 from insitubatch_nodes.io.cf import UNITS_RE as _UNITS_RE
-from insitubatch_nodes.io.cf import encoded_fills, is_cf_time, missing_mask
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.io.timeunits import NS_PER_UNIT, as_timedelta, cf_time_unit
@@ -198,6 +207,26 @@ def _decode_datetime64(
     return out.astype("M8[ns]")
 
 
+def _decode_timedelta(
+    values: np.ndarray, missing: np.ndarray | None, units: str, dtype: str
+) -> np.ndarray:
+    """Numbers of ``units`` as xarray decodes durations: ``timedelta64`` of the resolution
+    the ``dtype`` attribute names (``NaT`` where missing or not a number)."""
+    out_dtype = np.dtype(dtype)
+    resolution = np.datetime_data(out_dtype)[0]
+    per_unit = NS_PER_UNIT[TIMEDELTA_UNITS[units]] / NS_PER_UNIT[resolution]
+    bad = ~np.isfinite(values) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
+    if missing is not None:
+        bad |= missing
+    if values.dtype.kind in "iu" and per_unit == int(per_unit):  # exact, however long
+        counts = np.where(bad, 0, values).astype(np.int64) * int(per_unit)
+    else:
+        counts = np.round(np.where(bad, 0, values) * per_unit).astype(np.int64)
+    out = counts.view(out_dtype)
+    out[bad] = np.timedelta64("NaT")
+    return out
+
+
 def decode_cf(
     raw: np.ndarray, attrs: Mapping[str, Any], fill_value: Any = None, *, name: str = ""
 ) -> np.ndarray:
@@ -223,6 +252,8 @@ def decode_cf(
             values = values + float(offset)
     if is_cf_time(attrs):
         return _decode_time(values, missing, str(attrs["units"]), attrs.get("calendar"), name)
+    if is_cf_timedelta(attrs):
+        return _decode_timedelta(values, missing, str(attrs["units"]), str(attrs["dtype"]))
     if missing is not None and missing.any():
         values = values.astype(np.float64 if values.dtype.itemsize > 4 else np.float32)
         values[missing] = np.nan

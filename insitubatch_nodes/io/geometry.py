@@ -584,12 +584,12 @@ class ArrayGeometry:
         ``g.sel(level=[500, 850])``, ``g.sel(latitude=slice(60, 30), longitude=slice(0, 40))``,
         ``g.sel(level=500)``. A value or each value of a list must be in the coordinate
         (``KeyError`` otherwise), or with ``method="nearest"`` the nearest one (ties to the
-        larger value, within ``tolerance`` if given); a slice keeps the values between its
-        ends, both included, in the coordinate's order (a descending latitude takes
-        ``slice(north, south)``), every ``step``-th of them (a negative step: the ends in the
-        other order, the values reversed). The coordinate is the 1-D array named like the
-        dimension, read once through :attr:`coordinates` (set by ``open_geometries``). Then as
-        :meth:`isel`.
+        larger value, within ``tolerance`` if given; a repeated value: every match, or in a
+        list ``ValueError``, as xarray); a slice keeps the values between its ends, both
+        included, in the coordinate's order (a descending latitude takes ``slice(north,
+        south)``), every ``step``-th of them (a negative step: the ends in the other order, the
+        values reversed). The coordinate is the 1-D array named like the dimension, read once
+        through :attr:`coordinates` (set by ``open_geometries``). Then as :meth:`isel`.
         """
         positions: dict[str, Any] = {}
         for name, key in indexers.items():

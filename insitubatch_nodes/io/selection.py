@@ -34,6 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.timeunits import as_timedelta
+
 __all__ = [
     "Held",
     "HeldBox",
@@ -104,10 +106,12 @@ def kept_axes(keys: Sequence[AxisKey]) -> list[int]:
 
 
 def axis_key(name: str, key: Any, length: int) -> AxisKey:
-    """``key`` (an int, a slice, a list of ints, or a boolean mask of the axis's length, as
-    xarray's ``isel`` takes it) along an axis of ``length``, normalised."""
+    """``key`` (an int or a 0-d integer array, a slice, a list of ints, or a boolean mask of
+    the axis's length, as xarray's ``isel`` takes it) along an axis of ``length``, normalised."""
     if isinstance(key, bool):
         raise TypeError(f"isel({name}=...) takes an int, a slice or a list of ints, got {key!r}")
+    if isinstance(key, np.ndarray) and key.ndim == 0 and key.dtype.kind in "iu":
+        key = key.item()  # a 0-d index array is its integer, as numpy and xarray take it
     if isinstance(key, int | np.integer):
         i = int(key)
         if not -length <= i < length:
@@ -138,7 +142,11 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
             )
         picked = tuple(int(v) % length for v in values.tolist())
     if not picked:
-        raise IndexError(f"isel({name}={key!r}) selects nothing along an axis of {length}")
+        raise IndexError(
+            f"isel({name}={key!r}) selects nothing along an axis of {length}: a view keeps at "
+            "least one index of each axis (a batch of an empty axis holds nothing); leave the "
+            "axis out to keep it whole, or give an int to keep one index and drop the axis"
+        )
     return picked
 
 
@@ -325,11 +333,14 @@ def label_positions(
     a list of them, or a slice of a monotonic coordinate with both ends included, every
     ``step``-th; values compared in a float coordinate's own dtype, so ``37.2`` is the float32
     ``37.2`` of a float32 coordinate). ``method="nearest"``: a value not in the coordinate
-    takes the nearest (ties to the larger value), within ``tolerance`` if given. A boolean mask
+    takes the nearest (ties to the larger value), within ``tolerance`` if given. A value the
+    coordinate repeats (a view that selected a position twice) selects every match, the axis
+    kept; in a list it is a ``ValueError`` (pandas refuses it too). A boolean mask
     of the axis is returned as it is (positions, for :func:`axis_key`), as xarray's ``sel``."""
     if method not in (None, "nearest"):
         raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
-    mask = np.asarray(key) if isinstance(key, list | tuple | np.ndarray) else None
+    listed = isinstance(key, list | tuple) or (hasattr(key, "__array__") and np.ndim(key) == 1)
+    mask = np.asarray(key) if listed else None  # (an xarray DataArray mask too)
     if mask is not None and mask.ndim == 1 and mask.dtype.kind == "b":
         return key  # a boolean mask (``coord >= 500``) selects by position, as xarray's sel
     if isinstance(key, slice):
@@ -339,7 +350,10 @@ def label_positions(
         if step is not None and (not isinstance(step, int | np.integer) or step == 0):
             raise ValueError(f"sel({name}=...): a slice's step is a non-zero int, got {key!r}")
         if step is not None and step < 0:  # pandas: the ends in reverse order, values reversed
-            ahead = label_positions(path, name, values, slice(key.stop, key.start))
+            try:
+                ahead = label_positions(path, name, values, slice(key.stop, key.start))
+            except IndexError:
+                raise _nothing_backwards(path, name, values, key) from None
             return slice(ahead.stop - 1, ahead.start - 1 if ahead.start else None, int(step))
         first, last = _in_dtype(values, key.start), _in_dtype(values, key.stop)
         ascending, descending = _monotonic(values)
@@ -391,8 +405,37 @@ def label_positions(
                 f"{path}: {given!r} is not a value of coordinate {name!r} "
                 f"({values[:8].tolist()}{' ...' if len(values) > 8 else ''})"
             )
+        if len(hits) > 1 and scalar:  # every match, the axis kept (pandas' get_loc)
+            return hits.tolist()
+        if len(hits) > 1:  # xarray refuses a list on repeated values
+            raise ValueError(
+                f"{path}: {given!r} is repeated in coordinate {name!r} (at positions "
+                f"{hits.tolist()}), so a list of values is ambiguous: select by position with "
+                f"isel({name}=[...]), or give the value alone (sel({name}={given!r}) keeps "
+                "every match, as xarray)"
+            )
         out.append(int(hits[0]))
     return out[0] if scalar else out
+
+
+def _nothing_backwards(path: str, name: str, values: np.ndarray, key: slice) -> IndexError:
+    """The error of a negative-step slice ``key`` that selects nothing: it names ``key`` as
+    given, and the slice to give where its ends are the other way round."""
+    order = "descending" if _monotonic(values) == (False, True) else "ascending"
+    try:
+        label_positions(path, name, values, slice(key.start, key.stop))
+    except IndexError:
+        fix = "no value of it lies between the slice's ends"
+    else:
+        other = slice(key.stop, key.start, key.step)
+        fix = (
+            f"a negative step takes the ends against the coordinate's order (values reversed): "
+            f"sel({name}={other!r})"
+        )
+    return IndexError(
+        f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
+        f"({values[0]} ... {values[-1]}): {fix}"
+    )
 
 
 def _monotonic(values: np.ndarray) -> tuple[bool, bool]:
@@ -409,6 +452,10 @@ def _monotonic(values: np.ndarray) -> tuple[bool, bool]:
 def _in_dtype(values: np.ndarray, key: Any) -> Any:
     """``key`` (a value or a list of them) in the dtype of a float coordinate ``values``, as
     pandas casts labels to its index's dtype; unchanged otherwise (``None`` stays ``None``)."""
+    if key is not None and values.dtype.kind == "m":  # durations: "6h", pd.Timedelta, ...
+        if isinstance(key, list | tuple | np.ndarray):
+            return np.array([as_timedelta(k, "a value of a duration coordinate") for k in key])
+        return as_timedelta(key, "a value of a duration coordinate")
     if key is None or values.dtype.kind != "f":
         return key
     wanted = np.asarray(key)
