@@ -232,6 +232,21 @@ def test_a_chunk_the_server_answers_404_reads_as_the_fill_value_like_zarr(
     assert any(np.isnan(r["arrays"]["x"]).any() for r in records)
 
 
+def test_missing_objects_drop_over_http_is_refused_in_a_few_lines_saying_what_to_pass(
+    site: Site,
+) -> None:
+    # nginx cannot list: the refusal named the fix, but carried the server's HTML error page
+    # and obstore's debug dump (kilobytes); the whole cause stays chained
+    store = open_store(site.url("v3"))
+    g = open_geometries(store, ["t2m"])
+    with pytest.raises(OSError, match="missing_objects='read'") as info:
+        insitu_pipeline(store, split_by_chunk(g["t2m"]), {"x": g["t2m"]}, batch_size=4,
+                        missing_objects="drop")  # fmt: skip
+    said = str(info.value)
+    assert len(said) < 600 and "<html" not in said.lower() and "\n" not in said, said
+    assert info.value.__cause__ is not None
+
+
 def test_a_short_burst_of_503s_from_the_server_is_retried_and_the_data_arrive_exact(
     site: Site,
 ) -> None:

@@ -653,10 +653,16 @@ def absent_samples(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> np.n
             listed = set().union(
                 *(_zarr_compat.list_keys(zstore, f"{p}/" if p else "") for p in heads)
             )
-        except Exception as exc:
+        except Exception as exc:  # the cause's first line here (an HTTP server's error page
+            # and obstore's debug dump can run to kilobytes); the whole of it stays chained
+            said = (str(exc).strip().splitlines() or [""])[0]
+            page = min((i for i in map(said.lower().find, ("<html", "<!doctype")) if i > 0),
+                       default=len(said))  # fmt: skip
+            said = said[:page].rstrip(": ")
+            said = said if len(said) <= 200 else said[:197] + "..."
             raise OSError(
                 f"cannot list {path!r} in {describe_store(zstore)} to find absent objects "
-                f"({type(exc).__name__}: {exc}); pass missing_objects='read' to read absent "
+                f"({type(exc).__name__}: {said}); pass missing_objects='read' to read absent "
                 "objects as the fill value"
             ) from exc
         spc, tiles = geom.samples_per_chunk, list(geom.tiles())
