@@ -42,6 +42,8 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.timeunits import NUMPY_UNIT_NAMES
+
 __all__ = [
     "CFValues",
     "cf_values",
@@ -58,9 +60,8 @@ __all__ = [
 UNITS_RE = re.compile(r"^\s*(?P<unit>[A-Za-z_]+)\s+since\s+(?P<ref>.+?)\s*$", re.IGNORECASE)
 
 
-#: the ``units`` of durations xarray decodes, and their numpy unit
-TIMEDELTA_UNITS = {"days": "D", "hours": "h", "minutes": "m", "seconds": "s",
-                   "milliseconds": "ms", "microseconds": "us", "nanoseconds": "ns"}  # fmt: skip
+#: the ``units`` of durations xarray decodes, and their numpy unit (its numpy route's words)
+TIMEDELTA_UNITS = NUMPY_UNIT_NAMES
 
 
 def is_cf_timedelta(attrs: Mapping[str, Any]) -> bool:

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["NS_PER_UNIT", "CFTimeUnit", "as_timedelta", "cf_time_unit"]
+__all__ = ["NS_PER_UNIT", "NUMPY_UNIT_NAMES", "CFTimeUnit", "as_timedelta", "cf_time_unit"]
 
 NS_PER_UNIT: dict[str, int] = {
     "ns": 1, "us": 1_000, "ms": 10**6, "s": 10**9, "m": 60 * 10**9, "h": 3600 * 10**9,
@@ -55,9 +55,12 @@ _SPELLINGS: dict[str, str] = {
 # CF: the names numpy's route reads (xarray's ``_netcdf_to_numpy_timeunit``: lower case, an "s"
 # added to a word without one), and what cftime reads besides them (its ``_units``, lower-cased:
 # the names but nanoseconds, their singulars, and these abbreviations)
-_NUMPY_NAMES: tuple[str, ...] = (
-    "days", "hours", "minutes", "seconds", "milliseconds", "microseconds", "nanoseconds"
-)  # fmt: skip
+NUMPY_UNIT_NAMES: dict[str, str] = {
+    n: _SPELLINGS[n]
+    for n in ("days", "hours", "minutes", "seconds", "milliseconds", "microseconds", "nanoseconds")
+}
+"""The unit words xarray's numpy route reads (in CF time units, and as the ``units`` of the
+durations it writes), to their numpy unit: ``{"days": "D", "hours": "h", ...}``."""
 _CFTIME_ABBREVIATIONS: tuple[str, ...] = (
     "d", "h", "hr", "hrs", "min", "mins", "s", "sec", "secs",
     "ms", "msec", "msecs", "millisec", "millisecs", "microsec", "microsecs",
@@ -92,16 +95,16 @@ def cf_time_unit(word: str, calendar: str, what: str) -> CFTimeUnit:
     """
     lower = word.lower()
     plural = lower if lower.endswith("s") else lower + "s"
-    if plural in _NUMPY_NAMES:
-        return CFTimeUnit(_SPELLINGS[plural], plural)
+    if plural in NUMPY_UNIT_NAMES:
+        return CFTimeUnit(NUMPY_UNIT_NAMES[plural], plural)
     if lower in _CFTIME_ABBREVIATIONS:
         unit = _SPELLINGS[lower]
-        return CFTimeUnit(None, next(n for n in _NUMPY_NAMES if _SPELLINGS[n] == unit))
+        return CFTimeUnit(None, next(n for n, u in NUMPY_UNIT_NAMES.items() if u == unit))
     if _CALENDAR_WORDS.get(lower) == calendar:
         return CFTimeUnit(None, plural)
     raise ValueError(
         f"{what}: time unit {word!r} is not supported in calendar {calendar!r}: xarray reads "
-        f"{', '.join(_NUMPY_NAMES)} (or one of them without its 's'), and cftime's "
+        f"{', '.join(NUMPY_UNIT_NAMES)} (or one of them without its 's'), and cftime's "
         f"abbreviations {', '.join(_CFTIME_ABBREVIATIONS)} (any case); months "
         "and years have no fixed length (cftime reads 'months' only in calendar '360_day', "
         "'common_years' only in 'noleap' / '365_day'). Rewrite the times in one of these "
