@@ -50,7 +50,7 @@ from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import read_static
-from insitubatch_nodes.transforms import StandardScaler, work_dtype
+from insitubatch_nodes.transforms import StandardScaler, standardise_in_place, work_dtype
 
 __all__ = ["Statistics", "fit_statistics"]
 
@@ -256,14 +256,8 @@ class NormalizeBatch:
         for label, (mean, std) in self.stats.items():
             arr = batch.arrays[label]
             if arr.dtype.kind == "f" and arr.flags.writeable and arr.strides[0] != 0:
-                work = work_dtype(arr.dtype)
-                if work == arr.dtype:
-                    arr -= mean.astype(arr.dtype)
-                    arr /= std.astype(arr.dtype)
-                else:  # float16: in float32, rounded once (x - mean, std: past/under float16)
-                    out = np.subtract(arr, mean.astype(work), dtype=work)
-                    np.divide(out, std.astype(work), out=out)
-                    arr[...] = out
+                work = work_dtype(arr.dtype)  # float16: in float32, rounded once
+                standardise_in_place(arr, mean.astype(work), std.astype(work))
             else:  # integers, or a static field's broadcast rows: a new float32 array
                 batch.arrays[label] = ((arr - mean) / std).astype(np.float32)
         return batch

@@ -484,6 +484,19 @@ def work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
     return np.dtype(np.float32) if dtype == np.float16 else dtype
 
 
+def standardise_in_place(rows: np.ndarray, mean: np.ndarray, std: np.ndarray) -> None:
+    """``rows = (rows - mean) / std`` in place, ``mean`` and ``std`` (broadcasting) given in
+    the dtype to compute in (:func:`work_dtype` of the rows'): the rows' own, worked on in
+    place; float32 for float16 rows, computed aside and rounded into the rows once."""
+    if rows.dtype == mean.dtype:
+        np.subtract(rows, mean, out=rows)
+        np.divide(rows, std, out=rows)
+    else:
+        work = np.subtract(rows, mean, dtype=mean.dtype)
+        np.divide(work, std, out=work)
+        rows[...] = work
+
+
 def _float16_revision(geometry: ArrayGeometry) -> str | None:
     """The ``cache_revision`` of Coarsen and StandardScaler: float16 chunks have been computed
     in float32 since 6427f56 (before, in float16: inf where the result is finite), so chunks

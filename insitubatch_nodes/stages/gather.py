@@ -37,7 +37,7 @@ from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
-from insitubatch_nodes.transforms import ChunkTransforms, transform_name
+from insitubatch_nodes.transforms import ChunkTransforms, standardise_in_place, transform_name
 
 __all__ = [
     "PARALLEL_GATHER_BYTES",
@@ -158,19 +158,6 @@ def _path(view: Any) -> str:
     """The path of the array whose coordinates a label's rows carry (a stack's: its first
     sampled member's)."""
     return str(view.sampled[0].geometry.path if isinstance(view, Stack) else view.path)
-
-
-def _standardise(rows: np.ndarray, norm: tuple[np.ndarray, np.ndarray]) -> None:
-    """``rows = (rows - mean) / std`` in place (``norm``: per channel, broadcasting, in the
-    dtype to compute in: the rows' own, or float32 for float16 rows, rounded once)."""
-    mean, std = norm
-    if rows.dtype == mean.dtype:
-        np.subtract(rows, mean, out=rows)
-        np.divide(rows, std, out=rows)
-    else:
-        work = np.subtract(rows, mean, dtype=mean.dtype)
-        np.divide(work, std, out=work)
-        rows[...] = work
 
 
 def _evenly(within: np.ndarray, step: int) -> bool:
@@ -357,7 +344,7 @@ class GatherNode(BaseNode[Batch]):
                 more = other.result()  # also when ours raised: nothing writes into the batch
             copied = {lb: copied[lb] + more[lb] for lb in labels}
         for label in self._norm.keys() - set(labels):  # decoded in place, every row
-            _standardise(dest[label], self._norm[label])
+            standardise_in_place(dest[label], *self._norm[label])
         for label in labels:
             if copied[label] + resident.direct.get(label, 0) != n:
                 raise RuntimeError(
@@ -434,7 +421,7 @@ class GatherNode(BaseNode[Batch]):
             out[label] = self._gather_part(arrays, resident, label, lo, hi, scratch, partial)
             norm = self._norm.get(label)
             if norm is not None:  # standardised in place while its rows are hot in cache
-                _standardise(arrays[label][lo:hi], norm)
+                standardise_in_place(arrays[label][lo:hi], *norm)
         return out
 
     def _gather_part(
