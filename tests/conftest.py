@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -315,18 +316,24 @@ def s3_options(s3_server: str) -> dict[str, object]:
 
 
 @pytest.fixture(scope="session")
-def s3_upload(s3_server: str) -> Callable[[Path, str], str]:
-    """``upload(local_folder, prefix) -> "s3://bucket/prefix"``: creates a fresh bucket and puts
-    every file under ``local_folder`` at ``prefix/<relative path>``."""
+def s3_client(s3_server: str) -> Any:
+    """A boto3 S3 client of the moto server: to put or change objects behind a store's back."""
     import boto3
 
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=s3_server,
         region_name=S3_REGION,
         aws_access_key_id=S3_KEY,
         aws_secret_access_key=S3_SECRET,
     )
+
+
+@pytest.fixture(scope="session")
+def s3_upload(s3_client: Any) -> Callable[[Path, str], str]:
+    """``upload(local_folder, prefix) -> "s3://bucket/prefix"``: creates a fresh bucket and puts
+    every file under ``local_folder`` at ``prefix/<relative path>``."""
+    client = s3_client
 
     def upload(local: Path, prefix: str) -> str:
         bucket = f"test-{uuid.uuid4().hex[:12]}"

@@ -142,11 +142,10 @@ def test_a_collection_of_a_folder_and_an_s3_bucket_is_checked_store_by_store(
     tmp_path: Path,
     s3_upload: Callable[[Path, str], str],
     s3_options: dict[str, Any],
+    s3_client: Any,
 ) -> None:
     """Member b lives in a (moto) S3 bucket: its identities are the GETs' own size, ETag and
     last-modified, listed with obstore; member a's a local file's stat."""
-    import boto3
-
     url = s3_upload(roots[1], "data/b.zarr")
     bucket, prefix = url[len("s3://") :].split("/", 1)
 
@@ -161,13 +160,7 @@ def test_a_collection_of_a_folder_and_an_s3_bucket_is_checked_store_by_store(
     assert _epoch(pipe, roots)["gets"] == 0
     _rewrite(roots[1], 1)  # the local copy is the oracle; the bucket gets its bytes
     key = "t2m/c/1/0/0"
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_options["endpoint"],
-        region_name=s3_options["region"],
-        aws_access_key_id=s3_options["access_key_id"],
-        aws_secret_access_key=s3_options["secret_access_key"],
-    )
+    client = s3_client
     client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=(roots[1] / key).read_bytes())
     with pytest.raises(StaleCacheError, match=rf"1 chunk\(s\).*'s1/{key}' changed"):
         _pipeline(coll(), cache, readonly_cache=True)

@@ -242,22 +242,15 @@ def test_an_object_rewritten_on_s3_is_refetched_and_a_readonly_reader_names_it(
     tmp_path: Path,
     s3_upload: Callable[[Path, str], str],
     s3_options: dict[str, Any],
+    s3_client: Any,
 ) -> None:
-    import boto3
-
     url = s3_upload(root, "data/era5.zarr")
     bucket, prefix = url[len("s3://") :].split("/", 1)
     cache = tmp_path / "cache"
     run(pipeline(open_store(url, **s3_options), cache), Oracle(root))
     rewrite(root, "t2m", [6])
     key = "t2m/c/6/0/0"
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_options["endpoint"],
-        region_name=s3_options["region"],
-        aws_access_key_id=s3_options["access_key_id"],
-        aws_secret_access_key=s3_options["secret_access_key"],
-    )
+    client = s3_client
     client.put_object(Bucket=bucket, Key=f"{prefix}/{key}", Body=(root / key).read_bytes())
     with pytest.raises(StaleCacheError, match=rf"1 chunk\(s\).*'{key}' changed"):
         pipeline(open_store(url, **s3_options), cache, readonly_cache=True)

@@ -302,22 +302,17 @@ def test_consolidated_metadata_zarr_cannot_parse_is_corrupt_metadata_naming_the_
 @pytest.mark.xdist_group("s3")
 @pytest.mark.filterwarnings("ignore:Object at empty is not recognized")  # zarr's, on the marker
 def test_s3_folder_markers_do_not_stop_the_arrays_being_found(
-    tmp_path: Path, s3_upload: Callable[[Path, str], str], s3_options: dict[str, Any]
+    tmp_path: Path,
+    s3_upload: Callable[[Path, str], str],
+    s3_options: dict[str, Any],
+    s3_client: Any,
 ) -> None:
-    import boto3
-
     local = _write(tmp_path / "v.zarr", 5)
     group = zarr.open_group(local, mode="r+")
     group.create_group("sub").create_array("u", data=np.arange(8, dtype="i4"), chunks=(3,))
     url = s3_upload(local, "p/v.zarr")
     bucket, prefix = url[len("s3://") :].split("/", 1)
-    client = boto3.client(
-        "s3",
-        endpoint_url=s3_options["endpoint"],
-        region_name=s3_options["region"],
-        aws_access_key_id=s3_options["access_key_id"],
-        aws_secret_access_key=s3_options["secret_access_key"],
-    )
+    client = s3_client
     for marker in ("", "sub/", "empty/"):  # the S3 console's "Create folder"
         client.put_object(Bucket=bucket, Key=f"{prefix}/{marker}", Body=b"")
     store = open_store(url, **s3_options)
