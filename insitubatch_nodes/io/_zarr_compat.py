@@ -230,10 +230,9 @@ def list_dir(store: Any, prefix: str) -> list[str]:
     folder marker (a 0-byte ``prefix/`` object, what the S3 console's "Create folder" writes),
     which zarr's ``list_dir`` fails on ("The first component of sub does not start with sub")."""
     from zarr.core.sync import sync
+    from zarr.storage import ObjectStore
 
-    from insitubatch_nodes.io.stores import plain_object_store  # (it imports this module)
-
-    if plain_object_store(store):
+    if type(store) is ObjectStore or type(store).__name__ == "_SigningObjectStore":
         import obstore
 
         base = prefix.strip("/")
