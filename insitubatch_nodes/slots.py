@@ -80,6 +80,11 @@ class SlotBacking(Protocol):
         ...
 
 
+#: Smallest slot :meth:`RamBacking.allocate_populated` maps on its own: 16 pages, so that the
+#: rest of a slot's last page is at most 1/16 of it (the heap holds smaller slots tightly).
+POPULATE_MIN_BYTES = 16 * mmap.PAGESIZE
+
+
 class RamBacking:
     """Slots in anonymous process memory.
 
@@ -90,6 +95,10 @@ class RamBacking:
     (measured on the project's VM: ~4 GB/s against 0.4–1 GB/s); elsewhere it writes zeros
     into a fresh array (the same first-touch cost, paid by the caller's thread). The pool
     uses it to pay for slot memory ahead of need, on a thread that is otherwise idle.
+
+    A mapping is whole pages, so a slot smaller than :data:`POPULATE_MIN_BYTES` is taken from
+    the heap instead (zeros written by the calling thread): mapped alone, a 512-byte chunk's
+    slot held a 4 KiB page, and a pool of such chunks held eight times its budget.
     """
 
     name = "ram"
@@ -101,7 +110,7 @@ class RamBacking:
         dtype = np.dtype(dtype)
         nbytes = math.prod(shape) * dtype.itemsize
         populate = getattr(mmap, "MAP_POPULATE", 0)
-        if nbytes == 0 or not populate or not sys.platform.startswith("linux"):
+        if nbytes < POPULATE_MIN_BYTES or not populate or not sys.platform.startswith("linux"):
             out = np.empty(shape, dtype=dtype)
             out.fill(0)
             return out

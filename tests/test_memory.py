@@ -303,3 +303,28 @@ def test_a_kept_splits_peak_rss_is_its_budget_plus_the_batch_buffers_and_scratch
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["gets"] == [2 * 192, 0] and got["budget"] == split  # kept: epoch 1 reads nothing
     assert got["grew"] <= got["budget"] + got["outside"] + 8 * 2**20, got
+
+
+@pytest.mark.skipif(not LINUX, reason="VmHWM is Linux's")
+def test_a_kept_split_of_sub_page_chunks_holds_its_budget_not_a_page_per_chunk(
+    tmp_path: Path,
+) -> None:
+    # 512-byte chunks: each slot the reserve mapped on its own held a whole 4 KiB page (the
+    # split's 3 MiB took 24 MiB). Each resident chunk also costs its pool entry and array
+    # object outside the budget: ~0.5 KiB measured, 1 KiB allowed.
+    root = tmp_path / "tiny.zarr"
+    group = zarr.open_group(str(root), mode="w")
+    rng = np.random.default_rng(0)
+    for name in ("a", "b"):  # uncompressed: each chunk's object is its 512 bytes, written here
+        group.create_array(
+            name, shape=(4096, 16, 16), chunks=(1, 16, 16), dtype="<u2", compressors=None
+        )
+        for i, data in enumerate(rng.integers(0, 256, (4096, 512), dtype="u1")):
+            (root / name / "c" / str(i) / "0").mkdir(parents=True)
+            (root / name / "c" / str(i) / "0" / "0").write_bytes(data.tobytes())
+    chunks = 2 * 3072
+    proc = _run_process([sys.executable, "-c", _KEPT_RSS, str(root)], dict(os.environ))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["gets"] == [chunks, 0] and got["budget"] == chunks * 512
+    assert got["grew"] <= got["budget"] + got["outside"] + chunks * 1024 + 8 * 2**20, got
