@@ -13,7 +13,9 @@ chunks (the next pipeline re-read them all; a read-only cache refused them); ``s
 the view's coordinate repeats took the first match (xarray keeps every match); a lead time
 written by xarray as durations was read as numbers (``sel(step=np.timedelta64(6, "m"))``
 selected the 6-hour step); a DataArray mask and a 0-d index were refused; and two messages
-(an empty selection, a negative-step slice) did not say what to do.
+(an empty selection, a negative-step slice) did not say what to do. A second trial found a
+label slice of a coordinate an earlier list left unsorted refused (xarray takes it, between
+its ends' positions).
 """
 
 from __future__ import annotations
@@ -147,3 +149,39 @@ def test_an_empty_selection_is_refused_saying_what_a_view_keeps(store: Path) -> 
     for key in ([], slice(2, 2), np.array([], dtype=int), np.zeros(4, dtype=bool)):
         with pytest.raises(IndexError, match=r"selects nothing.*at least one index.*an int"):
             a.isel(level=key)  # was "selects nothing along an axis of 4", and no way on
+
+
+def test_a_label_slice_of_a_coordinate_a_list_unsorted_runs_between_its_ends_as_xarray(
+    store: Path,
+) -> None:
+    """pandas' rule for a slice of an unsorted index (xarray's ``sel``): from the position of
+    the first end to that of the second, both included; an end the coordinate lacks, or
+    repeats apart, is a ``KeyError``."""
+    g = open_geometries(store)
+    da = xr.open_zarr(store, consolidated=False).a
+    picks = {"unsorted": [2, 0, 3, 1], "a run": [2, 2, 0, 3], "repeated apart": [2, 0, 2, 1]}
+    slices = [slice(1000, 250), slice(500, 850), slice(None, 250), slice(1000, None),
+              slice(500, 850, 2), slice(850, 1000, -1), slice(250, None, -1),
+              slice(1000, 300), slice(300, 850), slice(500, 250), slice(1000, 850)]  # fmt: skip
+    views, wanted = {}, {}
+    for pick, positions in picks.items():
+        for key in slices:
+            try:
+                want = da.isel(level=positions).sel(level=key)
+            except KeyError:  # an end absent (or repeated apart): refused saying what to do
+                with pytest.raises(KeyError, match=r"slice.*(not a value|repeated).*give"):
+                    g["a"].isel(level=positions).sel(level=key)
+                continue
+            view = g["a"].isel(level=positions).sel(level=key)  # before: refused, not sorted
+            assert view.inner_shape == want.shape[1:], (pick, key)
+            views[f"{pick} {key}"], wanted[f"{pick} {key}"] = view, want
+    assert len(views) == 17  # (the cases xarray takes)
+    with pytest.raises(IndexError, match=r"selects nothing.*not sorted.*slice\(1000, 250, None\)"):
+        g["a"].isel(level=[2, 0, 3, 1]).sel(level=slice(250, 1000))  # xarray: nothing
+    pipe = insitu_pipeline(store, split_by_chunk(g["b"], (1.0, 0.0, 0.0)), views,
+                           batch_size=3, coords=())  # fmt: skip
+    for batch in pipe:
+        for label, want in wanted.items():
+            expected = want.isel(time=batch.sample_indices[label]).values
+            assert np.array_equal(batch.arrays[label], expected), label
+    pipe.close()

@@ -586,10 +586,10 @@ class ArrayGeometry:
         (``KeyError`` otherwise), or with ``method="nearest"`` the nearest one (ties to the
         larger value, within ``tolerance`` if given; a repeated value: every match, or in a
         list ``ValueError``, as xarray); a slice keeps the values between its ends, both
-        included, in the coordinate's order (a descending latitude takes ``slice(north,
-        south)``), every ``step``-th of them (a negative step: the ends in the other order, the
-        values reversed). The coordinate is the 1-D array named like the dimension, read once
-        through :attr:`coordinates` (set by ``open_geometries``). Then as :meth:`isel`.
+        included, in the coordinate's order (a descending latitude: ``slice(north, south)``; an
+        unsorted one: from one end's position to the other's), every ``step``-th (a negative
+        step: the ends in the other order, the values reversed). The coordinate, the 1-D array
+        named like the dimension, is read once through :attr:`coordinates`. Then as :meth:`isel`.
         """
         positions: dict[str, Any] = {}
         for name, key in indexers.items():
