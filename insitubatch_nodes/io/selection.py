@@ -73,8 +73,10 @@ class Selection:
                 out.append(len(key))
         return tuple(out)
 
-    def then(self, other: Selection) -> Selection:
-        """This selection followed by ``other`` (whose keys run over this one's kept axes)."""
+    def then(self, other: Selection, field_shape: Sequence[int] | None = None) -> Selection:
+        """This selection followed by ``other`` (whose keys run over this one's kept axes).
+        With the ``field_shape``, a key that takes a whole axis in order (a reorder undone)
+        is ``None``: no selection there."""
         kept = [i for i, k in enumerate(self.keys) if not isinstance(k, int)]
         keys = list(self.keys)
         for i, key in zip(kept, other.keys, strict=True):
@@ -86,6 +88,9 @@ class Selection:
             else:
                 assert isinstance(mine, tuple)
                 keys[i] = mine[key] if isinstance(key, int) else tuple(mine[j] for j in key)
+        if field_shape is not None:
+            whole = [tuple(range(n)) for n in field_shape]
+            keys = [None if k == w else k for k, w in zip(keys, whole, strict=True)]
         return Selection(tuple(keys))
 
     def describe(self) -> list[Any]:
@@ -107,7 +112,9 @@ def kept_axes(keys: Sequence[AxisKey]) -> list[int]:
 
 def axis_key(name: str, key: Any, length: int) -> AxisKey:
     """``key`` (an int or a 0-d integer array, a slice, a list of ints, or a boolean mask of
-    the axis's length, as xarray's ``isel`` takes it) along an axis of ``length``, normalised."""
+    the axis's length, as xarray's ``isel`` takes it) along an axis of ``length``, normalised:
+    ``None`` for a key that takes the whole axis in order (``slice(None)``: no selection, so
+    the axis stays whole: patchable, a static stack member's window there)."""
     if isinstance(key, bool):
         raise TypeError(f"isel({name}=...) takes an int, a slice or a list of ints, got {key!r}")
     if isinstance(key, np.ndarray) and key.ndim == 0 and key.dtype.kind in "iu":
@@ -147,7 +154,7 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
             "least one index of each axis (a batch of an empty axis holds nothing); leave the "
             "axis out to keep it whole, or give an int to keep one index and drop the axis"
         )
-    return picked
+    return None if picked == tuple(range(length)) else picked
 
 
 # -- what one array's slots hold -------------------------------------------------------------
