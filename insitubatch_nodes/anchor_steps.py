@@ -153,15 +153,18 @@ def _time_coordinate(
     if geom is None:
         geom = next(iter(open_geometries(zstore, [manifest.array]).values()))
     coords = open_coordinates(zstore, geom, reader=reader)
-    times = [c for c in coords.values() if c.is_time]
+    times = [c for c in coords.values() if c.is_time] or [
+        c for c in coords.values() if c.is_duration
+    ]  # dates, else durations (a forecast sampled along its lead time: counted from 0)
     if not times:
         if needed:
             found = ", ".join(
                 f"{c.name!r} (units {c.attrs.get('units')!r})" for c in coords.values()
             )
             why = (
-                f"its coordinate {found} is no CF time: give it units such as 'hours since "
-                "1970-01-01' (what xarray writes for dates), or"
+                f"its coordinate {found} is no CF time nor duration: give it units such as "
+                "'hours since 1970-01-01' (what xarray writes for dates; for durations "
+                "'hours' and a 'dtype' attribute 'timedelta64[ns]'), or"
                 if found
                 else "it has none:"
             )

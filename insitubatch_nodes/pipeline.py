@@ -241,10 +241,12 @@ def insitu_pipeline(
     ``int`` ``k`` keeps every ``k``-th sample counted from index 0, a time step (``"6h"``,
     ``numpy.timedelta64``) the samples whose time — read from the time coordinate of the
     manifest's anchor array, in its own calendar — is a whole multiple of the step since
-    ``1970-01-01T00:00`` (00, 06, 12, 18 UTC); a step that is not a multiple of the data's step
-    raises ``ValueError`` naming both. Only the chunks holding an anchor or a step a view reads
-    are read. **Missing steps**: ``missing`` (``None``: no check) lists samples as indices or
-    times (``()`` lists none); given, or with a time stride, every anchor one of whose steps
+    ``1970-01-01T00:00`` (00, 06, 12, 18 UTC), or since 0 for durations (a forecast sampled
+    along its lead time: ``"6h"`` keeps lead times 0, 6, 12, ...); a step that is not a
+    multiple of the data's step raises ``ValueError`` naming both. Only the chunks holding an
+    anchor or a step a view reads are read. **Missing steps**: ``missing`` (``None``: no
+    check) lists samples as indices or times (``()`` lists none); given, or with a time
+    stride, every anchor one of whose steps
     (``anchor + offset`` of each view) has a missing time (NaT, ``None``), a time that is not
     the anchor's plus the offset times the data's step (a gap or a duplicate), or is listed, is
     dropped; ``missing_objects="drop"`` (default ``"read"``: an absent object reads as the

@@ -313,7 +313,9 @@ def static_window(
     """``(axes, shape)``: where the windows of ``spec`` (a patched stack's) cut the data of
     static member ``name`` (the axes of its selected data named like the patched dimensions),
     and the shape of one window of it. ``ValueError`` when the member lacks one of those
-    dimensions, selects along one, or has another length there."""
+    dimensions, selects part of one or reorders it (a selection of the whole axis in its order
+    is none: :meth:`ArrayGeometry.isel <insitubatch_nodes.io.geometry.ArrayGeometry.isel>`), or
+    has another length there."""
     keys = view.select.keys if view.select is not None else (None,) * view.ndim
     key_of = dict(zip(view.dims or (), keys, strict=False))
     kept = [d for d, k in key_of.items() if not isinstance(k, int)]
@@ -326,12 +328,14 @@ def static_window(
     axes = tuple(kept.index(d) for d in spec.dims)
     shape = list(view.inner_shape)
     for d, a, e, n in zip(spec.dims, axes, spec.extent, spec.field, strict=True):
-        if key_of[d] is not None or shape[a] != n:
+        if key_of[d] is not None or shape[a] != n:  # (isel keeps a whole axis as None)
+            has = f"{shape[a]}{', selected' if key_of[d] is not None else ''}"
+            if shape[a] == n and key_of[d] is not None:
+                has = f"all {n}, in another order"
             raise ValueError(
                 f"stack member {name!r} (static) is cut by the stack's patches along {d!r}: "
-                f"it must be whole there, of length {n}, as the patched members' field (it "
-                f"has {shape[a]}{', selected' if key_of[d] is not None else ''}); select on "
-                "other dimensions"
+                f"it must be whole there, of length {n} in its stored order, as the patched "
+                f"members' field (it has {has}); select on other dimensions"
             )
         shape[a] = e
     return axes, tuple(shape)

@@ -13,7 +13,10 @@ chunks (the next pipeline re-read them all; a read-only cache refused them); ``s
 the view's coordinate repeats took the first match (xarray keeps every match); a lead time
 written by xarray as durations was read as numbers (``sel(step=np.timedelta64(6, "m"))``
 selected the 6-hour step); a DataArray mask and a 0-d index were refused; and two messages
-(an empty selection, a negative-step slice) did not say what to do.
+(an empty selection, a negative-step slice) did not say what to do. A second trial found a
+label slice of a coordinate an earlier list left unsorted refused (xarray takes it, between
+its ends' positions), and a sample axis of durations (a lead time) refused by value windows,
+time strides, ``missing=`` and windows in time deltas.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import numpy as np
 import pytest
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes.io.coords import open_coordinates
 
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
@@ -147,3 +151,80 @@ def test_an_empty_selection_is_refused_saying_what_a_view_keeps(store: Path) -> 
     for key in ([], slice(2, 2), np.array([], dtype=int), np.zeros(4, dtype=bool)):
         with pytest.raises(IndexError, match=r"selects nothing.*at least one index.*an int"):
             a.isel(level=key)  # was "selects nothing along an axis of 4", and no way on
+
+
+def test_a_label_slice_of_a_coordinate_a_list_unsorted_runs_between_its_ends_as_xarray(
+    store: Path,
+) -> None:
+    """pandas' rule for a slice of an unsorted index (xarray's ``sel``): from the position of
+    the first end to that of the second, both included; an end the coordinate lacks, or
+    repeats apart, is a ``KeyError``."""
+    g = open_geometries(store)
+    da = xr.open_zarr(store, consolidated=False).a
+    picks = {"unsorted": [2, 0, 3, 1], "a run": [2, 2, 0, 3], "repeated apart": [2, 0, 2, 1]}
+    slices = [slice(1000, 250), slice(500, 850), slice(None, 250), slice(1000, None),
+              slice(500, 850, 2), slice(850, 1000, -1), slice(250, None, -1),
+              slice(1000, 300), slice(300, 850), slice(500, 250), slice(1000, 850)]  # fmt: skip
+    views, wanted = {}, {}
+    for pick, positions in picks.items():
+        for key in slices:
+            try:
+                want = da.isel(level=positions).sel(level=key)
+            except KeyError:  # an end absent (or repeated apart): refused saying what to do
+                with pytest.raises(KeyError, match=r"slice.*(not a value|repeated).*give"):
+                    g["a"].isel(level=positions).sel(level=key)
+                continue
+            view = g["a"].isel(level=positions).sel(level=key)  # before: refused, not sorted
+            assert view.inner_shape == want.shape[1:], (pick, key)
+            views[f"{pick} {key}"], wanted[f"{pick} {key}"] = view, want
+    assert len(views) == 17  # (the cases xarray takes)
+    with pytest.raises(IndexError, match=r"selects nothing.*not sorted.*slice\(1000, 250, None\)"):
+        g["a"].isel(level=[2, 0, 3, 1]).sel(level=slice(250, 1000))  # xarray: nothing
+    pipe = insitu_pipeline(store, split_by_chunk(g["b"], (1.0, 0.0, 0.0)), views,
+                           batch_size=3, coords=())  # fmt: skip
+    for batch in pipe:
+        for label, want in wanted.items():
+            expected = want.isel(time=batch.sample_indices[label]).values
+            assert np.array_equal(batch.arrays[label], expected), label
+    pipe.close()
+
+
+def test_a_sample_axis_of_durations_splits_strides_and_windows_by_value_as_xarray_reads_it(
+    tmp_path: Path,
+) -> None:
+    """A forecast sampled along its lead time (xarray writes durations: ``units: hours``, no
+    ``since``, a ``dtype: timedelta64[...]`` attribute): splits by a window of durations,
+    a stride, ``missing=`` and window offsets in durations count from lead time 0."""
+    lead = pd.to_timedelta(np.arange(16) * 3, unit="h")  # 0, 3, ..., 45 hours
+    ds = xr.Dataset({"f": (("lead_time", "lat"), np.arange(32, dtype="float32").reshape(16, 2))},
+                    coords={"lead_time": lead, "lat": [1.0, 2.0]})  # fmt: skip
+    ds.to_zarr(tmp_path / "f.zarr", encoding={"f": {"chunks": (4, 2)}}, zarr_format=3,
+               consolidated=False)  # fmt: skip
+    da = xr.open_zarr(tmp_path / "f.zarr", consolidated=False).f
+    values = da.lead_time.values  # xarray's durations
+    f = open_geometries(tmp_path / "f.zarr")["f"]
+    coord = open_coordinates(tmp_path / "f.zarr", f)["lead_time"]
+    for lo, hi in ((np.timedelta64(6, "h"), np.timedelta64(30, "h")), ("6h", "1D"),
+                   (pd.Timedelta("7h"), pd.Timedelta("45h"))):  # fmt: skip
+        inside = np.flatnonzero((values >= pd.Timedelta(lo)) & (values < pd.Timedelta(hi)))
+        want = (int(inside[0]), int(inside[-1]) + 1)  # before: TypeError, "needs numbers"
+        assert coord.index_range(lo, hi) == want, (lo, hi)
+        split = split_by_chunk(f, (1.0, 0.0, 0.0), sample_range=(lo, hi), coord=coord)
+        assert split.sample_range == want
+    # every 6 hours of lead time but 12 h, with the step 3 h ahead; before: "no CF time"
+    pipe = insitu_pipeline(
+        tmp_path / "f.zarr", split_by_chunk(f, (1.0, 0.0, 0.0)),
+        {"x": f, "y": f.window(["0h", "3h"])}, batch_size=4, shuffle=False,
+        stride=np.timedelta64(6, "h"), missing=[np.timedelta64(12, "h")],
+    )  # fmt: skip
+    on = (values % np.timedelta64(6, "h") == np.timedelta64(0)) & (values != values[4])
+    anchors = np.flatnonzero(on[:-1])  # the last lead time has no step 3 h ahead
+    seen = []
+    for batch in pipe:
+        i = batch.sample_indices["x"]
+        seen += i.tolist()
+        assert np.array_equal(batch.arrays["x"], da.isel(lead_time=i).values)
+        assert np.array_equal(batch.arrays["y"][:, 1], da.isel(lead_time=i + 1).values)
+        assert np.array_equal(batch.coords["x"]["lead_time"], values[i])
+    pipe.close()
+    assert seen == anchors.tolist()

@@ -411,6 +411,45 @@ def test_patched_members_must_be_patched_alike_with_static_members_and_forcings_
         stack({"t": t, "sun": half})
 
 
+def test_a_selection_that_keeps_a_whole_axis_is_no_cut_and_a_static_member_is_windowed_there(
+    tmp_path: Path,
+) -> None:
+    """A static member selected whole along the patched dimensions (an identity ``isel``, a
+    ``sel`` of every value, in order) is cut to each row's window like an unselected one; a
+    real cut or another order is refused. numpy on zarr's read is the oracle."""
+    root = _store(tmp_path / "s.zarr", spc=8)
+    g = open_geometries(root)
+    lsm = g["land_sea_mask"]
+    cut = {"latitude": 4, "longitude": 4}
+    whole = [
+        lsm.isel(latitude=slice(None)),
+        lsm.isel(latitude=list(range(6)), longitude=[-8, 1, 2, 3, 4, 5, 6, 7]),
+        lsm.sel(longitude=slice(None, 1000)),  # every longitude, 0 ... 315
+        lsm.isel(latitude=[5, 4, 3, 2, 1, 0]).isel(latitude=slice(None, None, -1)),  # undone
+    ]
+    members = {"t": g["temperature"].patches(cut, origins="random"),
+               **{f"lsm{i}": v for i, v in enumerate(whole)}}  # fmt: skip
+    stack(members)  # before: each refused, "is cut by the stack's patches along 'latitude'"
+    whole_t = g["temperature"].isel(latitude=slice(None))  # before: "cannot be patched"
+    members["t_all"] = whole_t.patches(cut, origins="random")
+    pipe = insitu_pipeline(root, split_by_chunk(g["temperature"], (1.0, 0.0, 0.0)),
+                           {"x": stack(members)}, batch_size=8, coords=())  # fmt: skip
+    t, m = (zarr.open_array(root / n, mode="r")[...] for n in ("temperature", "land_sea_mask"))
+    try:
+        for batch in pipe:
+            x, origins = batch.arrays["x"], batch.patch_origins["x"]
+            for i, (s, (oy, ox)) in enumerate(zip(batch.sample_indices["x"], origins, strict=True)):
+                box = (slice(oy, oy + 4), slice(ox, ox + 4))
+                want = np.concatenate([t[s][:, *box], *[m[None, *box]] * 4, t[s][:, *box]])
+                np.testing.assert_array_equal(x[i], want)
+    finally:
+        pipe.close()
+    t = g["temperature"].patches(cut)
+    for real in (lsm.isel(latitude=[1, 0, 2, 3, 4, 5]), lsm.isel(longitude=slice(1, None))):
+        with pytest.raises(ValueError, match="must be whole there"):
+            stack({"t": t, "lsm": real})
+
+
 @pytest.mark.parametrize("cut", [{"latitude": 4, "longitude": 4}, {"longitude": 3}])
 def test_a_patched_stacks_forcings_are_each_rows_window_of_the_whole_grids_forcing(
     tmp_path: Path, cut: dict[str, int]

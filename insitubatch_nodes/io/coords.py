@@ -300,6 +300,11 @@ class Coordinate:
         return self._calendar is not None
 
     @property
+    def is_duration(self) -> bool:
+        """True for durations (``timedelta64`` values: a lead time), counted from 0."""
+        return self.values.dtype.kind == "m"
+
+    @property
     def calendar(self) -> str | None:
         """The dates' calendar as cftime names it (``"proleptic_gregorian"`` for ``datetime64``
         values, ``"noleap"``, ``"360_day"``, ``"standard"``, ... for cftime dates); ``None``
@@ -307,6 +312,8 @@ class Coordinate:
         return self._calendar
 
     def _bound(self, x: Any, what: str) -> Any:
+        if self.is_duration:  # "6h", numpy timedelta64, datetime.timedelta (pd.Timedelta)
+            return as_timedelta(x, f"{what} for duration coordinate {self.name!r}")
         if self.is_time:
             if isinstance(x, (bool, int, float, np.number)) or x is None:
                 raise TypeError(
@@ -352,9 +359,11 @@ class Coordinate:
         read as dates of this time coordinate: ``datetime64`` values or cftime dates of its
         calendar, as :meth:`index_range` reads a bound (``TypeError``/``ValueError`` naming
         ``what`` for one that is not a date of it)."""
-        if not self.is_time:
+        if not (self.is_time or self.is_duration):
             raise TypeError(f"coordinate {self.name!r} holds no dates")
         out = [self._bound(x, what) for x in values]
+        if self.is_duration:  # (durations, read as the coordinate's values, "6h" and the like)
+            return np.array(out, dtype="m8[ns]")
         if self.values.dtype == object:
             arr = np.empty(len(out), dtype=object)
             arr[:] = out
@@ -363,7 +372,7 @@ class Coordinate:
 
     def _missing(self) -> np.ndarray | None:
         v = self.values
-        if v.dtype.kind == "M":
+        if v.dtype.kind in "Mm":
             return np.isnat(v)
         if v.dtype.kind == "f":
             return np.isnan(v)
@@ -376,7 +385,8 @@ class Coordinate:
         which includes ``b``): ``("2020-01-01", "2021-01-01")`` is all of 2020. The values must
         be monotonic (increasing or decreasing) and free of NaN/NaT/``None``, so that the window
         is one run of samples; ``start < stop`` whatever the direction. Bounds of cftime dates
-        are read in their calendar (``"2000-02-30"`` is a ``360_day`` date). Raises
+        are read in their calendar (``"2000-02-30"`` is a ``360_day`` date), durations (a lead
+        time) as ``"6h"``, ``numpy.timedelta64`` or ``datetime.timedelta``. Raises
         ``TypeError`` for a bound of the wrong kind (a number for a time coordinate, a date for
         a numeric one) and ``ValueError`` for a non-monotonic coordinate, a date the calendar
         lacks or a window holding no sample.
@@ -428,7 +438,8 @@ def time_offsets(
     """Each time as an ``int64`` count of ``unit`` since ``epoch``, in the times' own calendar.
 
     ``times`` is a time :class:`Coordinate` or its values (``datetime64``, or cftime dates of one
-    calendar with ``None`` for a missing one). ``unit`` is a positive fixed length: ``"6h"``,
+    calendar with ``None`` for a missing one), or durations (``timedelta64``: a lead time),
+    counted from 0 (``epoch`` unused). ``unit`` is a positive fixed length: ``"6h"``,
     ``"1D"``, ``"30min"``, ``"s"``, a ``numpy.timedelta64`` or ``datetime.timedelta``.
     ``epoch`` (default ``1970-01-01T00:00``) is a date read in the times' calendar as
     :meth:`Coordinate.index_range` reads a bound. Elapsed time is counted in the calendar: from
@@ -443,10 +454,8 @@ def time_offsets(
     Vectorised: numpy arithmetic for ``datetime64``, one pass over the dates for cftime.
     """
     coord = times if isinstance(times, Coordinate) else Coordinate("times", np.asarray(times))
-    if not coord.is_time:
-        raise TypeError(
-            f"time_offsets needs dates (datetime64 or cftime), got {coord.values.dtype} values"
-        )
+    if not (coord.is_time or coord.is_duration):
+        raise TypeError(f"time_offsets needs dates or durations, got {coord.values.dtype} values")
     step = as_timedelta(unit, "unit")
     step_ns = int(step.astype("m8[ns]").astype(np.int64))
     if step_ns <= 0:
@@ -457,7 +466,11 @@ def time_offsets(
     out = np.full(len(v), MISSING_OFFSET, np.int64)
     if bool(missing.all()):
         return out
-    ticks, tick_ns = elapsed_ticks(v[~missing], coord._bound(epoch, "epoch"), repr(epoch))
+    if coord.is_duration:  # counted from 0, not from an epoch
+        res, count = np.datetime_data(v.dtype)
+        ticks, tick_ns = v[~missing].view(np.int64), NS_PER_UNIT[res] * count
+    else:
+        ticks, tick_ns = elapsed_ticks(v[~missing], coord._bound(epoch, "epoch"), repr(epoch))
     g = math.gcd(tick_ns, step_ns)
     scale, per = tick_ns // g, step_ns // g
     if ticks.size and float(np.abs(ticks).max()) * scale >= 2.0**63:

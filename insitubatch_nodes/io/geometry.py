@@ -547,9 +547,9 @@ class ArrayGeometry:
         """A view that keeps part of the field, by dimension name and index, as xarray's
         ``isel``: ``g.isel(level=[3, 5, 9])``, ``g.isel(latitude=slice(10, 50))``,
         ``g.isel(level=7)``. A list, a slice or a boolean mask of the axis keeps the axis, an
-        integer drops it (as numpy); the view's :attr:`inner_shape` is the selection's. Selecting
-        a selected view selects within its selection. Composes with :meth:`shift` and with
-        :meth:`patches` (on axes not patched).
+        integer drops it (as numpy); the view's :attr:`inner_shape` is the selection's, and
+        ``slice(None)`` selects nothing. Selecting a selected view selects within its
+        selection. Composes with :meth:`shift` and with :meth:`patches` (on axes not patched).
 
         What is read (see :mod:`~insitubatch_nodes.io.selection`): along an axis cut into stored
         tiles only the tiles the selection touches; along an axis whole in a stored object the
@@ -561,21 +561,21 @@ class ArrayGeometry:
         keys: list[Any] = [None] * len(kept)
         for name, key in indexers.items():
             i = self._field_dim(name)
-            if self.patch is not None and self.field_axes[i] in self.patch.axes:
-                raise ValueError(
-                    f"{self.path}: {name!r} is patched; select on other axes, or keep its "
-                    f"windows in a range with patches(..., within={{{name!r}: (lo, hi)}})"
-                )
             if i not in kept:
                 raise ValueError(f"{self.path}: dimension {name!r} was dropped by an earlier isel")
             mine = current[i]
             length = self.field_shape[i] if mine is None else len(mine)  # type: ignore[arg-type]
-            keys[kept.index(i)] = axis_key(name, key, length)
+            keys[kept.index(i)] = key = axis_key(name, key, length)  # (None: the whole axis)
+            if key is not None and self.patch is not None and self.field_axes[i] in self.patch.axes:
+                raise ValueError(
+                    f"{self.path}: {name!r} is patched; select on other axes, or keep its "
+                    f"windows in a range with patches(..., within={{{name!r}: (lo, hi)}})"
+                )
         if all(k is None for k in keys):
             return self
-        chosen = Selection(tuple(keys))
         base = self.select if self.select is not None else Selection((None,) * len(current))
-        return replace(self, select=base.then(chosen))
+        select = base.then(Selection(tuple(keys)), self.field_shape)
+        return replace(self, select=None if all(k is None for k in select.keys) else select)
 
     def sel(
         self, *, method: str | None = None, tolerance: float | None = None, **indexers: Any
@@ -586,10 +586,10 @@ class ArrayGeometry:
         (``KeyError`` otherwise), or with ``method="nearest"`` the nearest one (ties to the
         larger value, within ``tolerance`` if given; a repeated value: every match, or in a
         list ``ValueError``, as xarray); a slice keeps the values between its ends, both
-        included, in the coordinate's order (a descending latitude takes ``slice(north,
-        south)``), every ``step``-th of them (a negative step: the ends in the other order, the
-        values reversed). The coordinate is the 1-D array named like the dimension, read once
-        through :attr:`coordinates` (set by ``open_geometries``). Then as :meth:`isel`.
+        included, in the coordinate's order (a descending latitude: ``slice(north, south)``; an
+        unsorted one: from one end's position to the other's), every ``step``-th (a negative
+        step: the ends in the other order, the values reversed). The coordinate, the 1-D array
+        named like the dimension, is read once through :attr:`coordinates`. Then as :meth:`isel`.
         """
         positions: dict[str, Any] = {}
         for name, key in indexers.items():

@@ -73,8 +73,10 @@ class Selection:
                 out.append(len(key))
         return tuple(out)
 
-    def then(self, other: Selection) -> Selection:
-        """This selection followed by ``other`` (whose keys run over this one's kept axes)."""
+    def then(self, other: Selection, field_shape: Sequence[int] | None = None) -> Selection:
+        """This selection followed by ``other`` (whose keys run over this one's kept axes).
+        With the ``field_shape``, a key that takes a whole axis in order (a reorder undone)
+        is ``None``: no selection there."""
         kept = [i for i, k in enumerate(self.keys) if not isinstance(k, int)]
         keys = list(self.keys)
         for i, key in zip(kept, other.keys, strict=True):
@@ -86,6 +88,9 @@ class Selection:
             else:
                 assert isinstance(mine, tuple)
                 keys[i] = mine[key] if isinstance(key, int) else tuple(mine[j] for j in key)
+        if field_shape is not None:
+            whole = [tuple(range(n)) for n in field_shape]
+            keys = [None if k == w else k for k, w in zip(keys, whole, strict=True)]
         return Selection(tuple(keys))
 
     def describe(self) -> list[Any]:
@@ -107,7 +112,9 @@ def kept_axes(keys: Sequence[AxisKey]) -> list[int]:
 
 def axis_key(name: str, key: Any, length: int) -> AxisKey:
     """``key`` (an int or a 0-d integer array, a slice, a list of ints, or a boolean mask of
-    the axis's length, as xarray's ``isel`` takes it) along an axis of ``length``, normalised."""
+    the axis's length, as xarray's ``isel`` takes it) along an axis of ``length``, normalised:
+    ``None`` for a key that takes the whole axis in order (``slice(None)``: no selection, so
+    the axis stays whole: patchable, a static stack member's window there)."""
     if isinstance(key, bool):
         raise TypeError(f"isel({name}=...) takes an int, a slice or a list of ints, got {key!r}")
     if isinstance(key, np.ndarray) and key.ndim == 0 and key.dtype.kind in "iu":
@@ -147,7 +154,7 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
             "least one index of each axis (a batch of an empty axis holds nothing); leave the "
             "axis out to keep it whole, or give an int to keep one index and drop the axis"
         )
-    return picked
+    return None if picked == tuple(range(length)) else picked
 
 
 # -- what one array's slots hold -------------------------------------------------------------
@@ -330,13 +337,15 @@ def label_positions(
     tolerance: float | None = None,
 ) -> Any:
     """The positions in ``values`` that label ``key`` selects (pandas' rules: an exact value,
-    a list of them, or a slice of a monotonic coordinate with both ends included, every
-    ``step``-th; values compared in a float coordinate's own dtype, so ``37.2`` is the float32
-    ``37.2`` of a float32 coordinate). ``method="nearest"``: a value not in the coordinate
-    takes the nearest (ties to the larger value), within ``tolerance`` if given. A value the
-    coordinate repeats (a view that selected a position twice) selects every match, the axis
-    kept; in a list it is a ``ValueError`` (pandas refuses it too). A boolean mask
-    of the axis is returned as it is (positions, for :func:`axis_key`), as xarray's ``sel``."""
+    a list of them, or a slice with both ends included, every ``step``-th: of a monotonic
+    coordinate the values between its ends, of an unsorted one the positions from its first
+    end's to its second's, which it must hold, see :func:`_slice_bounds`; values compared in
+    a float coordinate's own dtype, so ``37.2`` is the float32 ``37.2`` of a float32
+    coordinate). ``method="nearest"``: a value not in the coordinate takes the nearest (ties
+    to the larger value), within ``tolerance`` if given. A value the coordinate repeats (a
+    view that selected a position twice) selects every match, the axis kept; in a list it is
+    a ``ValueError`` (pandas refuses it too). A boolean mask of the axis is returned as it is
+    (positions, for :func:`axis_key`), as xarray's ``sel``."""
     if method not in (None, "nearest"):
         raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
     listed = isinstance(key, list | tuple) or (hasattr(key, "__array__") and np.ndim(key) == 1)
@@ -349,49 +358,16 @@ def label_positions(
         step = key.step
         if step is not None and (not isinstance(step, int | np.integer) or step == 0):
             raise ValueError(f"sel({name}=...): a slice's step is a non-zero int, got {key!r}")
-        if step is not None and step < 0:  # pandas: the ends in reverse order, values reversed
-            try:
-                ahead = label_positions(path, name, values, slice(key.stop, key.start))
-            except IndexError:
-                raise _nothing_backwards(path, name, values, key) from None
-            return slice(ahead.stop - 1, ahead.start - 1 if ahead.start else None, int(step))
-        first, last = _in_dtype(values, key.start), _in_dtype(values, key.stop)
-        ascending, descending = _monotonic(values)
-        if not (ascending or descending):
-            raise ValueError(f"{path}: coordinate {name!r} is not monotonic; select by value list")
-        lo_vals = values if ascending else values[::-1]
-        start = 0 if first is None else None
-        stop = len(values) if last is None else None
-        if ascending:
-            if start is None:
-                start = int(np.searchsorted(lo_vals, first, side="left"))
-            if stop is None:
-                stop = int(np.searchsorted(lo_vals, last, side="right"))
-        else:  # descending: the slice runs from high to low values
-            n = len(values)
-            if start is None:
-                start = n - int(np.searchsorted(lo_vals, first, side="right"))
-            if stop is None:
-                stop = n - int(np.searchsorted(lo_vals, last, side="left"))
+        backwards = step is not None and step < 0  # pandas: the ends swapped, values reversed
+        ends = (key.stop, key.start) if backwards else (key.start, key.stop)
+        start, stop = _slice_bounds(path, name, values, key, *ends)
         if stop <= start:
-            order = "descending" if descending and not ascending else "ascending"
-            in_order = first is None or last is None or (first <= last) == (order == "ascending")
-            if in_order:
-                fix = "no value of it lies between the slice's ends"
-            elif name.lower().startswith("lon") and order == "ascending":
-                fix = (
-                    f"a box from {first} east to {last} crosses the seam of the longitudes "
-                    "(the antimeridian, or 360/0), which is not supported: select the two "
-                    f"parts as two views, sel({name}=slice({key.start}, None)) and "
-                    f"sel({name}=slice(None, {key.stop})), or store the longitudes rolled so "
-                    "that the box is one run of them"
-                )
-            else:
-                fix = "give the slice's ends in that order"
-            raise IndexError(
-                f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
-                f"({values[0]} ... {values[-1]}): {fix}"
-            )
+            if backwards:
+                raise _nothing_backwards(path, name, values, key)
+            raise _nothing(path, name, values, key)
+        if backwards:
+            assert step is not None
+            return slice(stop - 1, start - 1 if start else None, int(step))
         return slice(start, stop, None if step is None else int(step))
     scalar = np.ndim(key) == 0
     wanted = np.atleast_1d(_in_dtype(values, key))
@@ -418,13 +394,99 @@ def label_positions(
     return out[0] if scalar else out
 
 
+def _slice_bounds(
+    path: str, name: str, values: np.ndarray, key: slice, first: Any, last: Any
+) -> tuple[int, int]:
+    """``[start, stop)``: the positions of ``values`` from label ``first`` to label ``last``,
+    both included (``None``: the coordinate's end), as pandas' ``slice_locs`` (``key``, the
+    slice as given, names them in errors). A monotonic coordinate: the values between the
+    ends, in its order (ends it lacks included). An unsorted one: from the position of
+    ``first`` to that of ``last``, which it must hold (``KeyError`` otherwise)."""
+    first, last = _in_dtype(values, first), _in_dtype(values, last)
+    ascending, descending = _monotonic(values)
+    n = len(values)
+    if not (ascending or descending):
+        start = 0 if first is None else _unsorted_bound(path, name, values, key, first, "start")
+        stop = n if last is None else _unsorted_bound(path, name, values, key, last, "stop")
+        return start, stop
+    if ascending:
+        start = 0 if first is None else int(np.searchsorted(values, first, side="left"))
+        stop = n if last is None else int(np.searchsorted(values, last, side="right"))
+        return start, stop
+    rising = values[::-1]  # descending: the slice runs from high to low values
+    start = 0 if first is None else n - int(np.searchsorted(rising, first, side="right"))
+    stop = n if last is None else n - int(np.searchsorted(rising, last, side="left"))
+    return start, stop
+
+
+def _unsorted_bound(
+    path: str, name: str, values: np.ndarray, key: slice, end: Any, side: str
+) -> int:
+    """Where a slice's ``end`` (its ``side``: ``"start"`` or ``"stop"``) lies in the unsorted
+    ``values``: its position (the first of a run of it for a start, past the last for a
+    stop), as pandas' ``get_slice_bound``. ``KeyError`` saying what to do where ``values``
+    lack ``end`` or repeat it apart (pandas and xarray refuse both)."""
+    hits = np.flatnonzero(values == end)
+    shown = f"{values[:8].tolist()}{' ...' if len(values) > 8 else ''}"
+    if not len(hits):
+        raise KeyError(
+            f"{path}: sel({name}={key!r}): {end!r} is not a value of coordinate {name!r}, "
+            f"which is not sorted ({shown}): a slice of an unsorted coordinate runs from the "
+            "position of one of its values to that of another (xarray's rule), so both ends "
+            f"must be values it holds; give values it holds, a list of values, or sort it "
+            f"first (isel({name}=[...]) in the coordinate's order)"
+        )
+    if len(hits) > 1 and bool(np.any(np.diff(hits) != 1)):
+        raise KeyError(
+            f"{path}: sel({name}={key!r}): {end!r} is repeated apart in coordinate {name!r} "
+            f"(at positions {hits.tolist()}), which is not sorted, so where the slice's {side} "
+            f"lies is ambiguous (xarray refuses it too): give another value as its {side}, or "
+            f"select by position with isel({name}=slice(i, j))"
+        )
+    return int(hits[0]) if side == "start" else int(hits[-1]) + 1
+
+
+def _order(values: np.ndarray) -> str:
+    ascending, descending = _monotonic(values)
+    if ascending:
+        return "ascending"
+    return "descending" if descending else "not sorted"
+
+
+def _nothing(path: str, name: str, values: np.ndarray, key: slice) -> IndexError:
+    """The error of a slice ``key`` (a step of at least 1) that selects nothing, with what to
+    do: the ends the other way round, or two views for a box across the longitudes' seam."""
+    first, last = _in_dtype(values, key.start), _in_dtype(values, key.stop)
+    order = _order(values)
+    if order == "not sorted":  # both ends present, the stop before the start
+        fix = (
+            "a slice of an unsorted coordinate runs in its order, from the position of the "
+            f"first end to that of the second; give the ends the other way round: "
+            f"sel({name}={slice(key.stop, key.start, key.step)!r})"
+        )
+    elif first is None or last is None or (first <= last) == (order == "ascending"):
+        fix = "no value of it lies between the slice's ends"
+    elif name.lower().startswith("lon") and order == "ascending":
+        fix = (
+            f"a box from {first} east to {last} crosses the seam of the longitudes "
+            "(the antimeridian, or 360/0), which is not supported: select the two "
+            f"parts as two views, sel({name}=slice({key.start}, None)) and "
+            f"sel({name}=slice(None, {key.stop})), or store the longitudes rolled so "
+            "that the box is one run of them"
+        )
+    else:
+        fix = "give the slice's ends in that order"
+    return IndexError(
+        f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
+        f"({values[0]} ... {values[-1]}): {fix}"
+    )
+
+
 def _nothing_backwards(path: str, name: str, values: np.ndarray, key: slice) -> IndexError:
     """The error of a negative-step slice ``key`` that selects nothing: it names ``key`` as
     given, and the slice to give where its ends are the other way round."""
-    order = "descending" if _monotonic(values) == (False, True) else "ascending"
-    try:
-        label_positions(path, name, values, slice(key.start, key.stop))
-    except IndexError:
+    start, stop = _slice_bounds(path, name, values, key, key.start, key.stop)
+    if stop <= start:
         fix = "no value of it lies between the slice's ends"
     else:
         other = slice(key.stop, key.start, key.step)
@@ -433,7 +495,7 @@ def _nothing_backwards(path: str, name: str, values: np.ndarray, key: slice) -> 
             f"sel({name}={other!r})"
         )
     return IndexError(
-        f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {order} "
+        f"{path}: sel({name}={key!r}) selects nothing; {name!r} is {_order(values)} "
         f"({values[0]} ... {values[-1]}): {fix}"
     )
 

@@ -44,9 +44,10 @@ def _join(*parts: str) -> str:
 
 
 def whole_seconds(coord: Any, whose: str, compared_by: str, or_else: str = "") -> np.ndarray:
-    """``coord``'s times as whole seconds since 1970 (what strides, time-delta windows,
-    ``missing=`` dates and joins compare); a time off the whole second (float32 times) is
-    refused naming it, ``whose`` coordinate it is and what to do (``or_else``, a way around)."""
+    """``coord``'s times as whole seconds since 1970, durations since 0 (what strides,
+    time-delta windows, ``missing=`` dates and joins compare); a time off the whole second
+    (float32 times) is refused naming it, ``whose`` coordinate it is and what to do
+    (``or_else``, a way around)."""
     try:
         return time_offsets(coord, "1s")
     except ValueError as exc:

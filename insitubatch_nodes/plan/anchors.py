@@ -9,8 +9,9 @@ loop over samples), the same on every rank and every epoch:
   (counted from index 0 of the array; of each member, in a collection's virtual array); a
   time step (``np.timedelta64``) keeps the samples whose time is a whole multiple of the step
   since ``1970-01-01T00:00`` in the coordinate's own calendar (``"6h"``: 00, 06, 12 and 18
-  UTC). A time step needs the anchor array's times
-  (:class:`SampleSteps`) and must be a multiple of the data's step (``ValueError`` naming both).
+  UTC), or since 0 where the coordinate holds durations (a lead time). A time step needs the
+  anchor array's times (:class:`SampleSteps`) and must be a multiple of the data's step
+  (``ValueError`` naming both).
 * **missing steps** (:class:`SampleSteps`, given by the builder): an anchor ``a`` is dropped
   when a step ``a + k`` read by its views (``k`` in the set of the views' offsets) is missing,
   for the first of these reasons (:data:`REASONS`, in this order): ``"nat"`` — its time is NaT
@@ -214,7 +215,8 @@ def off_stride(stride: int | np.timedelta64, steps: SampleSteps | None) -> str |
     past = _readable(np.timedelta64(int(present[0] % k) * unit_ns, "ns"))
     return (
         f"no time of {steps.coord!r} lies on stride {stride}: a time stride keeps the times "
-        "that are whole multiples of it since 1970-01-01T00:00 (in the coordinate's calendar), "
+        "that are whole multiples of it since 1970-01-01T00:00 (in the coordinate's calendar; "
+        "since 0 for durations), "
         f"and none is (the first is {past} past one); give an int stride instead (every k-th "
         "sample, counted from the first)"
     )

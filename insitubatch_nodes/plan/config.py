@@ -63,7 +63,8 @@ class PlanConfig:
       counted from index 0 of the array) or a time step (``"6h"``, ``numpy.timedelta64``,
       ``datetime.timedelta``; kept as a ``numpy.timedelta64``): the samples whose time is a
       whole multiple of the step since ``1970-01-01T00:00``, in the time coordinate's own
-      calendar (see :mod:`~insitubatch_nodes.plan.anchors`). 1 keeps every sample.
+      calendar (since 0 for a coordinate of durations, a lead time; see
+      :mod:`~insitubatch_nodes.plan.anchors`). 1 keeps every sample.
 
     **Contract.** Construction checks every field with the package's shared checks and raises
     what the loose keywords always raised: ``TypeError`` for the wrong kind of value (a float,
