@@ -38,16 +38,20 @@ console's "Create folder" writes) at the store's root, on a group or on an empty
 ``open_geometries(store)`` fail (zarr's walk: "The first component of sub does not start with
 sub", a ``RecursionError``), although every array reads; a URL to a store's ``zarr.json``
 (or ``.zmetadata``, ``.zarray``) said "no zarr store" or "listing it failed", not which folder
-to open.
+to open; a cloud prefix with an empty path segment (legal in S3, not in obstore's paths) failed
+with obstore's "Path "p//q" contained empty path segment", and ``s3://b//p`` (keys ``/p/...``)
+read the objects of ``s3://b/p`` without a word, where the URL is now refused saying what reads
+it (zarr's ``FsspecStore``, tested).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -175,6 +179,64 @@ def test_an_option_of_the_wrong_type_is_refused_naming_it(
     url = str(tmp_path) if "read_only" in options else "s3://bucket/prefix"
     with pytest.raises(TypeError, match=match):
         open_store(url, **options)
+
+
+@pytest.mark.parametrize(
+    ("url", "segment"),
+    [
+        ("s3://bucket/p//q", "'//'"),
+        ("s3://bucket/p//q/", "'//'"),
+        ("s3://bucket//p", "'//'"),  # keys '/p/...': obstore read 'p/...' without a word
+        ("gs://bucket/a/./b", "'.'"),
+        ("az://container/a/../b", "'..'"),
+    ],
+)
+def test_a_cloud_prefix_obstore_cannot_address_is_refused_at_open_naming_what_reads_it(
+    url: str, segment: str
+) -> None:
+    # before: s3://bucket/p//q raised obstore's "Could not parse path: Path "p//q" contained
+    # empty path segment"; s3://bucket//p opened s3://bucket/p, other objects, silently
+    with pytest.raises(ValueError, match=f"path segment {segment}") as err:
+        open_store(url, anonymous=True)
+    said = str(err.value)
+    assert "obstore cannot address" in said and f"FsspecStore.from_url({url!r}" in said
+    if url == "s3://bucket//p":
+        assert "if you meant 's3://bucket/p', write that" in said
+    # trailing slashes end the prefix, as zarr's FsspecStore reads them
+    for sloppy in ("s3://bucket/p/", "s3://bucket/p//", "s3://bucket/"):
+        inner = cast(Any, open_store(sloppy, anonymous=True)).store
+        assert inner.prefix == (sloppy[len("s3://bucket/") :].strip("/") or None)
+
+
+@pytest.mark.xdist_group("s3")
+def test_a_store_below_an_empty_s3_path_segment_reads_like_zarr_through_the_store_suggested(
+    tmp_path: Path, s3_options: dict[str, Any], s3_client: Any, s3_server: str
+) -> None:
+    pytest.importorskip("s3fs")  # what FsspecStore reads s3:// with
+    bucket = f"slashes-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=bucket)
+    mine, other = _write(tmp_path / "mine.zarr", 7), _write(tmp_path / "other.zarr", 8)
+    for local, prefix in ((mine, "p//q"), (mine, "/lead"), (other, "lead")):
+        for path in sorted(local.rglob("*")):
+            if path.is_file():
+                key = f"{prefix}/{path.relative_to(local).as_posix()}"
+                s3_client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+    fsspec_options = {
+        "endpoint_url": s3_server,
+        "key": s3_options["access_key_id"],
+        "secret": s3_options["secret_access_key"],
+    }
+    for url in (f"s3://{bucket}/p//q", f"s3://{bucket}//lead"):
+        # before: s3://BUCKET//lead read the objects at 'lead/' (other.zarr's values)
+        with pytest.raises(ValueError, match="obstore cannot address"):
+            _read(open_store(url, **s3_options))
+        store = zarr.storage.FsspecStore.from_url(
+            url, storage_options=fsspec_options, read_only=True
+        )
+        rows, _ = _read(store)  # what the message says to pass reads the objects of the URL
+        _assert_rows_of(rows, mine)
+        if url.endswith("p//q"):  # (s3fs lists '//lead' empty: zarr finds no array there)
+            assert sorted(open_geometries(store)) == ["x"]
 
 
 def test_a_file_url_is_percent_decoded_so_path_as_uri_opens_the_folder(tmp_path: Path) -> None:
