@@ -50,6 +50,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,7 +59,8 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.errors import CorruptMetadataError, StaleCacheError
+from insitubatch_nodes.errors import CorruptMetadataError, StaleCacheError, short_cause
+from insitubatch_nodes.io.arrays import check_arrays_in_store
 from insitubatch_nodes.testing import NginxServer, nginx_executable
 
 # zarr says so of every v3 consolidation; the claims here are about what we read back
@@ -389,3 +391,57 @@ def test_s3_folder_markers_do_not_stop_the_arrays_being_found(
     with pipe:
         got = sorted(int(v) for b in Loader(pipe) for v in np.asarray(b["u"]))
     assert got == zarr.open_array(local / "sub" / "u", mode="r")[...].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# A server's error page in a message
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_listing_refused_with_an_error_page_is_quoted_in_one_short_line_naming_the_status(
+    site: tuple[Path, NginxServer], tmp_path: Path
+) -> None:
+    root, server = site
+    _write(root / "bkt" / "paged.zarr", 9)  # no consolidated metadata: finding arrays lists
+    # nginx as a public bucket answers S3's LIST with its 403 page, and WebDAV's with a 405 page
+    s3 = open_store("s3://bkt/paged.zarr", anonymous=True, endpoint=server.endpoint,
+                    region="us-east-1", client_options={"allow_http": True})  # fmt: skip
+    http = open_store(f"{server.endpoint}/bkt/paged.zarr")
+    g = open_geometries(s3, ["x"])["x"]
+    nowhere = {"nope": replace(g, path="nope")}
+    said: list[tuple[str, str]] = []  # (message, the status it must name)
+    errors: list[BaseException] = []
+    for store, status in ((s3, "403 Forbidden"), (http, "405 Method Not Allowed")):
+        for refused, args in (
+            (open_geometries, (store,)),  # "listing it failed (...)"
+            (open_geometries, (store, ["nope"])),  # "which arrays it holds could not be found"
+            (check_arrays_in_store, (store, nowhere)),  # the same, for geometries given
+        ):
+            with pytest.raises(FileNotFoundError) as err:
+                refused(*args)
+            said.append((str(err.value), status))
+            errors.append(err.value)
+    with pytest.warns(UserWarning, match="trusted without checking") as warned:  # the cache's
+        for _ in range(2):  # a writing run, then one that checks its chunks: a LIST
+            _read(s3, cache_dir=tmp_path / "cache", persist=True)
+    said.append((str(warned[0].message), "403 Forbidden"))
+    for message, status in said:
+        # before: obstore's whole error, its debug dump and nginx's page, up to 1,800 characters
+        assert status in message and "\n" not in message and "\r" not in message, message
+        assert "<html" not in message.lower() and "Debug source" not in message, message
+        assert len(message) < 650, (len(message), message)
+    cause: BaseException | None = errors[0]  # the whole of obstore's error stays chained
+    while cause is not None and "<html>" not in str(cause):
+        cause = cause.__cause__
+    assert cause is not None and "403 Forbidden" in str(cause)
+
+
+def test_a_cause_in_brief_keeps_its_kind_its_first_line_and_the_status_at_its_end() -> None:
+    page = "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>...</body></html>"
+    assert short_cause(OSError(page)) == "OSError: 502 Bad Gateway"  # nothing but the page
+    assert short_cause(ValueError("bad\nDebug source:\n{...}")) == "ValueError: bad"
+    long = "GenericError: " + "x" * 300 + " status code: 503 Service Unavailable"
+    said = short_cause(RuntimeError(long), limit=120)
+    assert said.startswith("RuntimeError: GenericError: xxx") and " ... " in said
+    assert said.endswith("503 Service Unavailable") and len(said) < 140
+    assert short_cause(KeyError()) == "KeyError"
