@@ -328,6 +328,58 @@ def test_a_split_left_without_anchors_by_absent_objects_says_to_read_them_as_fil
             np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
 
 
+def drop_on_each_rank(rank: int, world: int, init_file: str, stores: list[str], out: str) -> None:
+    """One gloo rank (``spawn_ranks``): build with ``missing_objects="drop"`` over
+    ``stores[0]`` (what every rank lists alike), then over ``stores[rank]`` (the store as this
+    rank listed it, changed between two ranks' builds); write each build's batch count or its
+    refusal to ``out.format(rank)``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        said: list[Any] = []
+        for store in (stores[0], stores[rank]):
+            g = open_geometries(store, ["x"])["x"]
+            try:
+                pipe = insitu_pipeline(store, split_by_chunk(g, (1, 0, 0)), {"x": g},
+                                       batch_size=2, missing_objects="drop")  # fmt: skip
+            except ValueError as exc:
+                said.append(str(exc))
+                continue
+            with pipe:
+                said.append(len(pipe))
+        Path(out.format(rank)).write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # (two gloo ranks forked: about 5 s)
+@pytest.mark.timeout(120)
+def test_ranks_whose_listings_of_a_changing_store_differ_refuse_to_build_naming_the_ranks(
+    tmp_path: Path,
+) -> None:
+    from resume_helpers import spawn_ranks
+
+    before, after = _write(tmp_path / "before.zarr", 6), _write(tmp_path / "after.zarr", 6)
+    for chunk in (2, 3):  # deleted between rank 0's build and rank 1's
+        (after / "x" / "c" / str(chunk) / "0").unlink()
+    out = str(tmp_path / "rank{}.json")
+    args = (2, str(tmp_path / "init"), [str(before), str(after)], out)
+    spawn_ranks(drop_on_each_rank, args=args, nprocs=2, workdir=tmp_path / "ranks")
+    said = [json.loads(Path(out.format(r)).read_text()) for r in range(2)]
+    assert [s[0] for s in said] == [3, 3]  # one store listed alike: 12 samples, 6 per rank
+    # before: rank 0 built 3 batches, rank 1 (4 samples dropped) 2: DDP hung at rank 0's third
+    for _, refused in said:
+        assert isinstance(refused, str), said
+        assert "rank 1 differs from rank 0 in" in refused and "rank 0 differs" not in refused
+        assert "the steps dropped as missing" in refused, refused
+        assert "rank 0 none, rank 1 {'absent_object': 4}" in refused, refused
+        assert "missing_objects='read'" in refused
+
+
 # ---------------------------------------------------------------------------------------------
 # Consolidated metadata zarr cannot parse
 # ---------------------------------------------------------------------------------------------
