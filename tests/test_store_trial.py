@@ -497,3 +497,24 @@ def test_a_cause_in_brief_keeps_its_kind_its_first_line_and_the_status_at_its_en
     assert said.startswith("RuntimeError: GenericError: xxx") and " ... " in said
     assert said.endswith("503 Service Unavailable") and len(said) < 140
     assert short_cause(KeyError()) == "KeyError"
+
+
+def test_a_static_array_the_server_refuses_is_named_in_one_short_line_with_the_status(
+    tmp_path: Path,
+) -> None:
+    if nginx_executable() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx; .ci/run installs it)")
+    group = zarr.open_group(tmp_path / "www" / "st.zarr", mode="w", zarr_format=3)
+    group.create_array("x", data=np.ones((8, 3), dtype="f4"), chunks=(2, 3),
+                       dimension_names=["time", "lat"])  # fmt: skip
+    group.create_array("mask", data=np.ones(3, dtype="u1"), dimension_names=["lat"])
+    with NginxServer(tmp_path / "www", statuses={r"^/st\.zarr/mask/c/": 403}) as server:
+        store = open_store(f"{server.endpoint}/st.zarr")
+        g = open_geometries(store, ["x", "mask"])
+        assert g["mask"].static
+        with pytest.raises(OSError, match="cannot read static array 'mask'") as err:
+            insitu_pipeline(store, split_by_chunk(g["x"]), g, batch_size=2)
+    said = str(err.value)
+    # before: obstore's whole error, nginx's 403 page and the debug dump, over many lines
+    assert "403 Forbidden" in said and "\n" not in said and "<html" not in said.lower(), said
+    assert len(said) < 400, (len(said), said)
