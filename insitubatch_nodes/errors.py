@@ -214,3 +214,28 @@ def corrupt_metadata(
     if bad or isinstance(exc, json.JSONDecodeError):
         return CorruptMetadataError(describe_store(store), bad, str(exc))
     return None
+
+
+def short_cause(exc: BaseException, limit: int = 200) -> str:
+    """``"TypeName: what it says"`` in one line, for a message that quotes ``exc`` (chain
+    ``exc`` to keep the whole of it): an obstore error runs to kilobytes, an HTTP server's
+    error page and a debug dump of the request after its first line.
+
+    The first line of ``exc``'s message, cut where an HTML page begins (the page's
+    ``<title>``, e.g. ``403 Forbidden``, when nothing precedes it); longer than ``limit``
+    characters, its middle is elided, so the kind of error at its start and the status at
+    its end (obstore's "... status code: 403 Forbidden") both stay."""
+    import re
+
+    text = str(exc).strip()
+    said = text.splitlines()[0] if text else ""
+    page = [i for i in (said.lower().find("<html"), said.lower().find("<!doctype")) if i >= 0]
+    if page:
+        said = said[: min(page)].rstrip(": ")
+        title = re.search(r"<title>\s*(.*?)\s*</title>", text, re.IGNORECASE | re.DOTALL)
+        if not said:
+            said = title.group(1) if title else "an HTML page"
+    if len(said) > limit:
+        half = max(1, (limit - 5) // 2)
+        said = f"{said[:half]} ... {said[-half:]}"
+    return f"{type(exc).__name__}: {said}" if said else type(exc).__name__

@@ -37,6 +37,7 @@ from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_option
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
 from insitubatch_nodes.plan.patches import unit_geometry
+from insitubatch_nodes.plan.ranks import check_same_plan_on_every_rank
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool
@@ -251,7 +252,10 @@ def insitu_pipeline(
     the anchor's plus the offset times the data's step (a gap or a duplicate), or is listed, is
     dropped; ``missing_objects="drop"`` (default ``"read"``: an absent object reads as the
     fill value) lists each array's prefix once and drops the anchors a step of which has an
-    absent stored object. Decided here, the same on every rank; ``pipe.stages.plan.dropped``
+    absent stored object. Decided here; each rank lists the store, and ranks dealt over an
+    initialised ``torch.distributed`` group compare their plans (one ``all_gather_object``):
+    a store that changed between two ranks' builds is a ``ValueError`` naming the ranks, not
+    unequal batch counts (a DDP hang). ``pipe.stages.plan.dropped``
     counts the dropped anchors per reason (see :mod:`~insitubatch_nodes.plan.anchors`), and
     ``missing`` is part of the checkpoint's fingerprint when given.
 
@@ -391,6 +395,9 @@ def insitu_pipeline(
         held=slot_holdings(parts.values(), transforms, cache_options.persistent),
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
+    if missing_objects == "drop":  # each rank listed the store: the ranks' plans must agree
+        check_same_plan_on_every_rank(plan.config(), plan.dropped, plan.rank, plan.world_size,
+                                      _RANKS_LISTED)  # fmt: skip
     patched = {v.path for v in parts.values() if v.patch}  # stack members' included
     chunk_cache = _open_cache(
         cache_options, zstore, geoms, transforms, plan.rank, statics, frozenset(patched)
@@ -416,6 +423,13 @@ def insitu_pipeline(
         chunk_cache,
     )
 
+
+_RANKS_LISTED = (
+    "missing_objects='drop' lists the store on each rank: it changed between the ranks' "
+    "builds (an object written or deleted), or the ranks read different stores. Build again "
+    "when the store no longer changes, or pass missing_objects='read' (absent objects read as "
+    "the fill value)"
+)
 
 # The builder keywords whose settings field is named otherwise (the rest are named alike).
 _FIELD_OF = {

@@ -30,7 +30,7 @@ from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import meta_identity
-from insitubatch_nodes.errors import CorruptCacheError
+from insitubatch_nodes.errors import CorruptCacheError, short_cause
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
@@ -87,7 +87,8 @@ def _read_whole(zstore: Any, base: ArrayGeometry, timeout_s: float) -> np.ndarra
     except Exception as exc:
         error = TimeoutError if isinstance(exc, TimeoutError) else OSError
         raise error(
-            f"cannot read static array {base.path!r} from store {describe_store(zstore)}: {exc}"
+            f"cannot read static array {base.path!r} from store {describe_store(zstore)} "
+            f"({short_cause(exc)})"
         ) from exc
     if base.cf is not None:  # CF mask and scale, as the engine decodes sampled arrays
         return base.cf.decode(np.asarray(data))

@@ -38,23 +38,29 @@ console's "Create folder" writes) at the store's root, on a group or on an empty
 ``open_geometries(store)`` fail (zarr's walk: "The first component of sub does not start with
 sub", a ``RecursionError``), although every array reads; a URL to a store's ``zarr.json``
 (or ``.zmetadata``, ``.zarray``) said "no zarr store" or "listing it failed", not which folder
-to open.
+to open; a cloud prefix with an empty path segment (legal in S3, not in obstore's paths) failed
+with obstore's "Path "p//q" contained empty path segment", and ``s3://b//p`` (keys ``/p/...``)
+read the objects of ``s3://b/p`` without a word, where the URL is now refused saying what reads
+it (zarr's ``FsspecStore``, tested).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import uuid
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.errors import CorruptMetadataError, StaleCacheError
+from insitubatch_nodes.errors import CorruptMetadataError, StaleCacheError, short_cause
+from insitubatch_nodes.io.arrays import check_arrays_in_store
 from insitubatch_nodes.testing import NginxServer, nginx_executable
 
 # zarr says so of every v3 consolidation; the claims here are about what we read back
@@ -177,6 +183,64 @@ def test_an_option_of_the_wrong_type_is_refused_naming_it(
         open_store(url, **options)
 
 
+@pytest.mark.parametrize(
+    ("url", "segment"),
+    [
+        ("s3://bucket/p//q", "'//'"),
+        ("s3://bucket/p//q/", "'//'"),
+        ("s3://bucket//p", "'//'"),  # keys '/p/...': obstore read 'p/...' without a word
+        ("gs://bucket/a/./b", "'.'"),
+        ("az://container/a/../b", "'..'"),
+    ],
+)
+def test_a_cloud_prefix_obstore_cannot_address_is_refused_at_open_naming_what_reads_it(
+    url: str, segment: str
+) -> None:
+    # before: s3://bucket/p//q raised obstore's "Could not parse path: Path "p//q" contained
+    # empty path segment"; s3://bucket//p opened s3://bucket/p, other objects, silently
+    with pytest.raises(ValueError, match=f"path segment {segment}") as err:
+        open_store(url, anonymous=True)
+    said = str(err.value)
+    assert "obstore cannot address" in said and f"FsspecStore.from_url({url!r}" in said
+    if url == "s3://bucket//p":
+        assert "if you meant 's3://bucket/p', write that" in said
+    # trailing slashes end the prefix, as zarr's FsspecStore reads them
+    for sloppy in ("s3://bucket/p/", "s3://bucket/p//", "s3://bucket/"):
+        inner = cast(Any, open_store(sloppy, anonymous=True)).store
+        assert inner.prefix == (sloppy[len("s3://bucket/") :].strip("/") or None)
+
+
+@pytest.mark.xdist_group("s3")
+def test_a_store_below_an_empty_s3_path_segment_reads_like_zarr_through_the_store_suggested(
+    tmp_path: Path, s3_options: dict[str, Any], s3_client: Any, s3_server: str
+) -> None:
+    pytest.importorskip("s3fs")  # what FsspecStore reads s3:// with
+    bucket = f"slashes-{uuid.uuid4().hex[:12]}"
+    s3_client.create_bucket(Bucket=bucket)
+    mine, other = _write(tmp_path / "mine.zarr", 7), _write(tmp_path / "other.zarr", 8)
+    for local, prefix in ((mine, "p//q"), (mine, "/lead"), (other, "lead")):
+        for path in sorted(local.rglob("*")):
+            if path.is_file():
+                key = f"{prefix}/{path.relative_to(local).as_posix()}"
+                s3_client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+    fsspec_options = {
+        "endpoint_url": s3_server,
+        "key": s3_options["access_key_id"],
+        "secret": s3_options["secret_access_key"],
+    }
+    for url in (f"s3://{bucket}/p//q", f"s3://{bucket}//lead"):
+        # before: s3://BUCKET//lead read the objects at 'lead/' (other.zarr's values)
+        with pytest.raises(ValueError, match="obstore cannot address"):
+            _read(open_store(url, **s3_options))
+        store = zarr.storage.FsspecStore.from_url(
+            url, storage_options=fsspec_options, read_only=True
+        )
+        rows, _ = _read(store)  # what the message says to pass reads the objects of the URL
+        _assert_rows_of(rows, mine)
+        if url.endswith("p//q"):  # (s3fs lists '//lead' empty: zarr finds no array there)
+            assert sorted(open_geometries(store)) == ["x"]
+
+
 def test_a_file_url_is_percent_decoded_so_path_as_uri_opens_the_folder(tmp_path: Path) -> None:
     folder = _write(tmp_path / "a b ü%20 q#h?.zarr", 3)
     url = folder.as_uri()  # file:///.../a%20b%20%C3%BC%2520%20q%23h%3F.zarr
@@ -264,6 +328,58 @@ def test_a_split_left_without_anchors_by_absent_objects_says_to_read_them_as_fil
             np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
 
 
+def drop_on_each_rank(rank: int, world: int, init_file: str, stores: list[str], out: str) -> None:
+    """One gloo rank (``spawn_ranks``): build with ``missing_objects="drop"`` over
+    ``stores[0]`` (what every rank lists alike), then over ``stores[rank]`` (the store as this
+    rank listed it, changed between two ranks' builds); write each build's batch count or its
+    refusal to ``out.format(rank)``."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        said: list[Any] = []
+        for store in (stores[0], stores[rank]):
+            g = open_geometries(store, ["x"])["x"]
+            try:
+                pipe = insitu_pipeline(store, split_by_chunk(g, (1, 0, 0)), {"x": g},
+                                       batch_size=2, missing_objects="drop")  # fmt: skip
+            except ValueError as exc:
+                said.append(str(exc))
+                continue
+            with pipe:
+                said.append(len(pipe))
+        Path(out.format(rank)).write_text(json.dumps(said))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # (two gloo ranks forked: about 5 s)
+@pytest.mark.timeout(120)
+def test_ranks_whose_listings_of_a_changing_store_differ_refuse_to_build_naming_the_ranks(
+    tmp_path: Path,
+) -> None:
+    from resume_helpers import spawn_ranks
+
+    before, after = _write(tmp_path / "before.zarr", 6), _write(tmp_path / "after.zarr", 6)
+    for chunk in (2, 3):  # deleted between rank 0's build and rank 1's
+        (after / "x" / "c" / str(chunk) / "0").unlink()
+    out = str(tmp_path / "rank{}.json")
+    args = (2, str(tmp_path / "init"), [str(before), str(after)], out)
+    spawn_ranks(drop_on_each_rank, args=args, nprocs=2, workdir=tmp_path / "ranks")
+    said = [json.loads(Path(out.format(r)).read_text()) for r in range(2)]
+    assert [s[0] for s in said] == [3, 3]  # one store listed alike: 12 samples, 6 per rank
+    # before: rank 0 built 3 batches, rank 1 (4 samples dropped) 2: DDP hung at rank 0's third
+    for _, refused in said:
+        assert isinstance(refused, str), said
+        assert "rank 1 differs from rank 0 in" in refused and "rank 0 differs" not in refused
+        assert "the steps dropped as missing" in refused, refused
+        assert "rank 0 none, rank 1 {'absent_object': 4}" in refused, refused
+        assert "missing_objects='read'" in refused
+
+
 # ---------------------------------------------------------------------------------------------
 # Consolidated metadata zarr cannot parse
 # ---------------------------------------------------------------------------------------------
@@ -327,3 +443,78 @@ def test_s3_folder_markers_do_not_stop_the_arrays_being_found(
     with pipe:
         got = sorted(int(v) for b in Loader(pipe) for v in np.asarray(b["u"]))
     assert got == zarr.open_array(local / "sub" / "u", mode="r")[...].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# A server's error page in a message
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_listing_refused_with_an_error_page_is_quoted_in_one_short_line_naming_the_status(
+    site: tuple[Path, NginxServer], tmp_path: Path
+) -> None:
+    root, server = site
+    _write(root / "bkt" / "paged.zarr", 9)  # no consolidated metadata: finding arrays lists
+    # nginx as a public bucket answers S3's LIST with its 403 page, and WebDAV's with a 405 page
+    s3 = open_store("s3://bkt/paged.zarr", anonymous=True, endpoint=server.endpoint,
+                    region="us-east-1", client_options={"allow_http": True})  # fmt: skip
+    http = open_store(f"{server.endpoint}/bkt/paged.zarr")
+    g = open_geometries(s3, ["x"])["x"]
+    nowhere = {"nope": replace(g, path="nope")}
+    said: list[tuple[str, str]] = []  # (message, the status it must name)
+    errors: list[BaseException] = []
+    for store, status in ((s3, "403 Forbidden"), (http, "405 Method Not Allowed")):
+        for refused, args in (
+            (open_geometries, (store,)),  # "listing it failed (...)"
+            (open_geometries, (store, ["nope"])),  # "which arrays it holds could not be found"
+            (check_arrays_in_store, (store, nowhere)),  # the same, for geometries given
+        ):
+            with pytest.raises(FileNotFoundError) as err:
+                refused(*args)
+            said.append((str(err.value), status))
+            errors.append(err.value)
+    with pytest.warns(UserWarning, match="trusted without checking") as warned:  # the cache's
+        for _ in range(2):  # a writing run, then one that checks its chunks: a LIST
+            _read(s3, cache_dir=tmp_path / "cache", persist=True)
+    said.append((str(warned[0].message), "403 Forbidden"))
+    for message, status in said:
+        # before: obstore's whole error, its debug dump and nginx's page, up to 1,800 characters
+        assert status in message and "\n" not in message and "\r" not in message, message
+        assert "<html" not in message.lower() and "Debug source" not in message, message
+        assert len(message) < 650, (len(message), message)
+    cause: BaseException | None = errors[0]  # the whole of obstore's error stays chained
+    while cause is not None and "<html>" not in str(cause):
+        cause = cause.__cause__
+    assert cause is not None and "403 Forbidden" in str(cause)
+
+
+def test_a_cause_in_brief_keeps_its_kind_its_first_line_and_the_status_at_its_end() -> None:
+    page = "<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>...</body></html>"
+    assert short_cause(OSError(page)) == "OSError: 502 Bad Gateway"  # nothing but the page
+    assert short_cause(ValueError("bad\nDebug source:\n{...}")) == "ValueError: bad"
+    long = "GenericError: " + "x" * 300 + " status code: 503 Service Unavailable"
+    said = short_cause(RuntimeError(long), limit=120)
+    assert said.startswith("RuntimeError: GenericError: xxx") and " ... " in said
+    assert said.endswith("503 Service Unavailable") and len(said) < 140
+    assert short_cause(KeyError()) == "KeyError"
+
+
+def test_a_static_array_the_server_refuses_is_named_in_one_short_line_with_the_status(
+    tmp_path: Path,
+) -> None:
+    if nginx_executable() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx; .ci/run installs it)")
+    group = zarr.open_group(tmp_path / "www" / "st.zarr", mode="w", zarr_format=3)
+    group.create_array("x", data=np.ones((8, 3), dtype="f4"), chunks=(2, 3),
+                       dimension_names=["time", "lat"])  # fmt: skip
+    group.create_array("mask", data=np.ones(3, dtype="u1"), dimension_names=["lat"])
+    with NginxServer(tmp_path / "www", statuses={r"^/st\.zarr/mask/c/": 403}) as server:
+        store = open_store(f"{server.endpoint}/st.zarr")
+        g = open_geometries(store, ["x", "mask"])
+        assert g["mask"].static
+        with pytest.raises(OSError, match="cannot read static array 'mask'") as err:
+            insitu_pipeline(store, split_by_chunk(g["x"]), g, batch_size=2)
+    said = str(err.value)
+    # before: obstore's whole error, nginx's 403 page and the debug dump, over many lines
+    assert "403 Forbidden" in said and "\n" not in said and "<html" not in said.lower(), said
+    assert len(said) < 400, (len(said), said)

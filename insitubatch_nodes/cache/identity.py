@@ -77,6 +77,8 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.errors import short_cause
+
 __all__ = [
     "IDENTITY_NAME",
     "IdentityRecorder",
@@ -558,7 +560,7 @@ class StoreCheck:
             except Exception as exc:  # NotSupported, a denied ListBucket, a network error
                 report.chunks = set(report.elsewhere)  # stale whatever the listing would say
                 report.reasons = [r for r in report.reasons if r.endswith("another store")]
-                report.unchecked = f"listing {array!r} failed ({type(exc).__name__}: {exc})"
+                report.unchecked = f"listing {array!r} failed ({short_cause(exc)})"
                 return report
             for want, rows in rows_of:
                 self._compare(array, want, rows, listing, report)

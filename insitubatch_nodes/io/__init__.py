@@ -3,6 +3,7 @@ into geometries, coordinates along the sample axis, decoding stored objects and 
 files. This face re-exports the names a composer uses; import the modules for the rest.
 
 * :mod:`~insitubatch_nodes.io.stores` — a store by URL or path (obstore), with a retry policy;
+* :mod:`~insitubatch_nodes.io.store_urls` — what a store URL's parts name, checked at open;
 * :mod:`~insitubatch_nodes.io.arrays` — finding arrays in a store, :func:`open_geometries`;
 * :mod:`~insitubatch_nodes.io.geometry` — :class:`ArrayGeometry`: what a sample is, which
   stored objects hold it, and its views (shifts, windows, patches, selections);

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.errors import ArrayNotFoundError, corrupt_metadata
+from insitubatch_nodes.errors import ArrayNotFoundError, corrupt_metadata, short_cause
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import AxisNames, axis_of
 from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option
@@ -346,7 +346,7 @@ def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
                 except _ListingError:
                     if isinstance(exc, ValueError | TypeError | KeyError):
                         raise exc from None  # unreadable metadata: diagnosed by the caller
-                    raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
+                    raise _ListingError(short_cause(exc)) from exc
             known.update(arrays)
             groups += subgroups
         if consolidated and cannot_list(zstore):  # HTTP: the consolidated metadata is all
@@ -357,7 +357,7 @@ def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
             raise FileNotFoundError(
                 f"cannot find the arrays of store {describe_store(zstore)}: it has "
                 + ("no consolidated metadata" if group is not None else "no group at its root")
-                + f", and listing it failed ({exc.reason}). Check the path, or the URL's bucket "
+                + f", and listing it failed ({exc}). Check the path, or the URL's bucket "
                 "and prefix (and the endpoint and credentials); a store that cannot list (HTTP) "
                 "needs the arrays named: open_geometries(store, ['t2m', 'group/z'])"
             ) from exc
@@ -376,9 +376,7 @@ class _NoArrays(ArrayNotFoundError):
 
 
 class _ListingError(Exception):
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
+    """A store could not be listed; the message says why, in one line."""
 
 
 def _listed_arrays(zstore: Any, known: set[str], groups: Sequence[str]) -> dict[str, Any]:
@@ -397,7 +395,7 @@ def _listed_arrays(zstore: Any, known: set[str], groups: Sequence[str]) -> dict[
         try:
             names = _zarr_compat.list_dir(zstore, prefix)
         except Exception as exc:  # the store cannot list (HTTP), or the listing failed
-            raise _ListingError(f"{type(exc).__name__}: {exc}") from exc
+            raise _ListingError(short_cause(exc)) from exc
         paths = [
             _join(prefix, n)
             for n in names
@@ -449,7 +447,7 @@ def _raise_not_found(zstore: Any, missing: Sequence[str]) -> None:
     except Exception as exc:  # the listing is best effort here
         raise ArrayNotFoundError(
             f"no array named {list(missing)} in store {name} ({looked}); which arrays it holds "
-            f"could not be found ({type(exc).__name__}: {exc})"
+            f"could not be found ({_unlisted(exc)})"
         ) from None
     raise ArrayNotFoundError(
         f"no array named {list(missing)} in store {name} ({looked}); available arrays: "
@@ -476,8 +474,14 @@ def _what_exists(zstore: Any, missing: str) -> str:
     except _NoArrays:
         return "the store holds no zarr array at all"
     except Exception as exc:
-        return f"which arrays it holds could not be found ({type(exc).__name__}: {exc})"
+        return f"which arrays it holds could not be found ({_unlisted(exc)})"
     return f"arrays there: {sorted(set(listed) - {missing})}" + _stale(listed, [missing])
+
+
+def _unlisted(exc: Exception) -> str:
+    """Why a store's arrays could not be found, in brief (a failed listing: its reason)."""
+    why = exc.__cause__
+    return f"listing it failed: {why}" if isinstance(why, _ListingError) else short_cause(exc)
 
 
 def _is_group_at(zstore: Any, path: str) -> bool:
@@ -653,16 +657,10 @@ def absent_samples(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> np.n
             listed = set().union(
                 *(_zarr_compat.list_keys(zstore, f"{p}/" if p else "") for p in heads)
             )
-        except Exception as exc:  # the cause's first line here (an HTTP server's error page
-            # and obstore's debug dump can run to kilobytes); the whole of it stays chained
-            said = (str(exc).strip().splitlines() or [""])[0]
-            page = min((i for i in map(said.lower().find, ("<html", "<!doctype")) if i > 0),
-                       default=len(said))  # fmt: skip
-            said = said[:page].rstrip(": ")
-            said = said if len(said) <= 200 else said[:197] + "..."
+        except Exception as exc:  # (the cause in brief: the whole of it stays chained)
             raise OSError(
                 f"cannot list {path!r} in {describe_store(zstore)} to find absent objects "
-                f"({type(exc).__name__}: {said}); pass missing_objects='read' to read absent "
+                f"({short_cause(exc)}); pass missing_objects='read' to read absent "
                 "objects as the fill value"
             ) from exc
         spc, tiles = geom.samples_per_chunk, list(geom.tiles())

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, cast
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 import zarr
 from zarr.abc.store import Store
@@ -34,7 +34,7 @@ from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _process
 from insitubatch_nodes._process import RETRY_TIME_SCALE_ENV, retry_time_scale
-from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io import _zarr_compat, store_urls
 
 __all__ = [
     "RETRY_TIME_SCALE_ENV",
@@ -394,30 +394,6 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
     return {**options, "client_options": client, "retry_config": policy.obstore_retry_config()}
 
 
-def _query_refused(scheme: str, text: str) -> str:
-    """Why a store URL with a query string or a fragment is refused: the store is a prefix
-    of keys, so ``?versionId=...``, a signed URL's ``?X-Amz-...`` or ``#...`` would be dropped
-    silently (the newest objects read instead of a version, say)."""
-    cut = min(i for i in (text.find("?"), text.find("#")) if i >= 0)
-    if scheme == "file":
-        hint = (
-            "percent-encode '?' and '#' in a folder's name (%3F, %23: Path.as_uri() does), "
-            "or pass the plain path"
-        )
-    elif scheme in ("http", "https"):
-        hint = "a web server's store is the URL's path; headers go in client_options"
-    else:
-        hint = (
-            "give options as keywords of open_store(); a prefix with '?' or '#' in it cannot be "
-            "spelled in a URL: open the folder above it and name the arrays from there"
-        )
-    return (
-        f"{scheme}:// store URLs take no query string or fragment: {text[cut:]!r} in {text!r} "
-        f"would be ignored (the store would be {text[:cut]!r}, its objects as they are now); "
-        f"{hint}"
-    )
-
-
 def open_store(
     url_or_path: str | os.PathLike[str],
     *,
@@ -438,6 +414,10 @@ def open_store(
       ``client_options={"allow_http": True}`` (a public bucket: ``anonymous=True``);
     * ``gs://bucket/prefix`` — obstore ``GCSStore`` (options passed through);
     * ``az://container/prefix`` — obstore ``AzureStore`` (options passed through);
+      a cloud prefix ends at its trailing ``/`` (``s3://b/p/`` is ``s3://b/p``); one with an
+      empty, ``.`` or ``..`` path segment (``s3://b/p//q``, ``s3://b//p``: keys ``/p/...``),
+      which obstore cannot address, is a ``ValueError`` saying what reads it (zarr's
+      ``FsspecStore``);
     * ``https://host/path`` and ``http://host/path`` — obstore ``HTTPStore`` over a plain web
       server (any server that answers GETs with byte ranges, e.g. nginx): the only option is
       ``client_options`` (``http://`` sets ``allow_http``). HTTP cannot list a folder, so
@@ -488,7 +468,7 @@ def open_store(
             f"{text!r} is a local or in-memory store"
         )
     if len(scheme) > 1 and ("?" in text or "#" in text):
-        raise ValueError(_query_refused(scheme, text))
+        raise ValueError(store_urls.query_refused(scheme, text))
     last = text.rstrip("/\\").replace("\\", "/").rsplit("/", 1)[-1]
     if last in _zarr_compat.METADATA_DOCUMENTS:  # a store is a folder, never its document
         raise ValueError(
@@ -501,7 +481,9 @@ def open_store(
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"file:// URLs must be local (file:///abs/path), got {text!r}")
-        return _local(LocalStore, _file_path(parts.path, read_only), read_only, options, retry)
+        return _local(
+            LocalStore, store_urls.file_path(parts.path, read_only), read_only, options, retry
+        )
     if scheme == "memory":
         if options:
             raise ValueError(f"memory:// takes no options, got {sorted(options)}")
@@ -512,11 +494,11 @@ def open_store(
     if scheme in ("http", "https"):
         return _http(HTTPStore, scheme, text, parts, read_only, options, retry)
     bucket = parts.netloc
-    prefix = parts.path.strip("/") or None
     if scheme in ("s3", "gs", "az") and not bucket:
         raise ValueError(f"{scheme}:// URLs need a bucket: {scheme}://BUCKET/optional/prefix")
     classes = {"s3": S3Store, "gs": GCSStore, "az": AzureStore}
     if scheme in classes:
+        prefix = store_urls.cloud_prefix(scheme, bucket, parts.path, text)
         if anonymous:
             given = sorted(k for k in ("skip_signature", *_CREDENTIAL_KEYS) if k in options)
             if given:
@@ -564,18 +546,6 @@ def _http(
         label = url.replace(f":{parts.password}@", ":***@", 1)
     inner = http_cls.from_url(url, **merged)
     return _remember(ObjectStore(inner, read_only=read_only), label, retry)
-
-
-def _file_path(path: str, read_only: bool) -> Path:
-    """The folder a ``file://`` URL's path names: percent-decoded (RFC 8089; what
-    ``Path.as_uri()`` writes and obstore's own ``LocalStore.from_url`` reads), so ``a%20b`` is
-    the folder ``a b``. A folder whose name holds a literal ``%`` escape, opened read-only by its
-    undecoded spelling (as before decoding), is still found when the decoded one does not
-    exist."""
-    decoded = Path(unquote(path))
-    if read_only and str(decoded) != path and not decoded.is_dir() and Path(path).is_dir():
-        return Path(path)
-    return decoded
 
 
 def _local(

@@ -17,7 +17,8 @@ evenly (``"drop"``: they sit out; ``"pad"``: some repeat).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -26,6 +27,7 @@ __all__ = [
     "DEALINGS",
     "REMAINDERS",
     "check_remainder",
+    "check_same_plan_on_every_rank",
     "deal",
     "deal_runs",
     "default_rank_world",
@@ -272,3 +274,50 @@ def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, i
             f"need 0 <= rank < world_size, got rank={rk} and {source}; pass world_size with rank"
         )
     return rk, world
+
+
+# What a read plan's config keys say, in words (the others are PlanConfig's field names).
+_PLAN_KEYS = {"missing_steps": "the steps dropped as missing", "dataset": "the manifest or views"}
+
+
+def check_same_plan_on_every_rank(
+    config: Mapping[str, Any], dropped: Mapping[str, int], rank: int, world: int, why: str
+) -> None:
+    """Raise ``ValueError`` on every rank when the ranks of the initialised
+    ``torch.distributed`` group built different read plans: they would deliver different
+    numbers of batches, and DDP would hang at the first collective one rank waits for alone.
+
+    ``config`` is this rank's plan (``ReadPlanNode.config()``, rank-independent) and
+    ``dropped`` its anchors dropped per reason; ``why`` says what the ranks read on their own.
+    One ``all_gather_object`` of them as a JSON string (a few hundred bytes), only when the
+    plan is dealt over the group (``rank`` and ``world`` > 1 are the group's); every rank of
+    the group must then call it, as every rank builds its pipeline (a NCCL group gathers on
+    ``torch.cuda.current_device()``: set each rank's device first, as DDP itself needs). The
+    message names the ranks whose plan differs from rank 0's, and in what."""
+    if world < 2 or default_rank_world() != (rank, world):
+        return
+    import torch.distributed as dist
+
+    gathered: list[Any] = [None] * world
+    mine = json.dumps({"config": config, "dropped": dict(dropped)}, sort_keys=True, default=str)
+    dist.all_gather_object(gathered, mine)
+    plans = [json.loads(g) for g in gathered]
+    first = plans[0]["config"]
+    differ = {
+        r: sorted(_PLAN_KEYS.get(k, k) for k in {*p["config"], *first}
+                  if p["config"].get(k) != first.get(k))
+        for r, p in enumerate(plans)
+        if p["config"] != first
+    }  # fmt: skip
+    if not differ:
+        return
+    drops = ", ".join(
+        f"rank {r} {({k: n for k, n in p['dropped'].items() if n}) or 'none'}"
+        for r, p in enumerate(plans)
+    )
+    raise ValueError(
+        "the ranks built different read plans, so they would deliver different numbers of "
+        "batches and DDP would hang: "
+        + "; ".join(f"rank {r} differs from rank 0 in {', '.join(ks)}" for r, ks in differ.items())
+        + f" (anchors dropped: {drops}). {why}"
+    )
