@@ -342,20 +342,22 @@ class _Moments:
 
 
 def _masked_moments(x: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(count, mean, m2, min, max, nans)`` per channel of ``x`` with NaNs, skipping them."""
+    """``(count, mean, m2, min, max, nans)`` per channel of ``x`` with NaNs, skipping them.
+    The minimum and maximum are values of ``x`` (taken before the deviations are formed:
+    ``x - mean + mean`` is not always ``x`` in floating point); a channel of NaNs only has
+    ``inf`` / ``-inf``, which the running extrema pass over."""
     x64 = x.astype(np.float64)
     nan = np.isnan(x64)
     n = (~nan).sum(axis=(0, 2)).astype(np.float64)
+    x64[nan] = np.inf
+    lo = x64.min(axis=(0, 2))
+    x64[nan] = -np.inf
+    hi = x64.max(axis=(0, 2))
     x64[nan] = 0.0
     mean = x64.sum(axis=(0, 2)) / np.maximum(n, 1)
     x64 -= mean[None, :, None]
     x64[nan] = 0.0
     m2 = np.einsum("rcv,rcv->c", x64, x64)
-    x64 += mean[None, :, None]
-    x64[nan] = np.inf
-    lo = x64.min(axis=(0, 2))
-    x64[nan] = -np.inf
-    hi = x64.max(axis=(0, 2))
     return n, mean, m2, lo, hi, nan.sum(axis=(0, 2)).astype(np.float64)
 
 

@@ -1,0 +1,95 @@
+"""Radio-astronomy spectral cubes as an astronomer reads them, found wrong by a black-box trial
+(2026-12-06).
+
+The cubes are written with zarr as FITS-converted cubes are: ``(stokes, freq, dec, ra)``
+float32, blosc, NaN-blanked outside a circular primary beam and in one flagged channel, the
+frequency in Hz *descending*, ``dec`` / ``ra`` in degrees as 1-d coordinates, ``BUNIT`` in the
+attributes; a second cube holds the same sky in another band. zarr's own read (and xarray's,
+where coordinates matter) is the oracle. The trial's passing workloads (every channel's
+128x128 sky patches, whole-spectrum sky patches, a band by value, resume, both cubes as one
+collection) are what ``recipes/spectral_cube.py`` runs (tests/test_recipes.py runs it).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from numcodecs import Blosc
+from zarr.codecs import BloscCodec
+
+from insitubatch_nodes import (
+    fit_statistics,
+    open_geometries,
+    split_by_chunk,
+)
+
+S, F, D, R = 1, 16, 32, 32
+DIMS = ("stokes", "freq", "dec", "ra")
+FLAGGED = 5  # a channel flagged whole (RFI): every value NaN
+
+
+def write_cube(path: Path, zarr_format: int, f0: float, seed: int) -> np.ndarray:
+    """A cube at ``path`` (a group: ``cube`` and its four coordinates); returns its values."""
+    rng = np.random.default_rng(seed)
+    data = (rng.standard_normal((S, F, D, R)) * 1e-3 + 2e-3).astype("f4")
+    yy, xx = np.mgrid[0:D, 0:R]
+    data[:, :, (yy - D / 2 + 0.5) ** 2 + (xx - R / 2 + 0.5) ** 2 > (0.45 * D) ** 2] = np.nan
+    data[:, FLAGGED] = np.nan
+    group = zarr.open_group(path, mode="w", zarr_format=zarr_format)
+    if zarr_format == 3:
+        kw: dict = {"compressors": BloscCodec(cname="zstd"), "dimension_names": DIMS}
+    else:
+        kw = {"compressors": Blosc(cname="zstd")}
+    cube = group.create_array("cube", shape=data.shape, chunks=(1, 4, 16, 16), dtype="f4",
+                              fill_value=np.nan, **kw)  # fmt: skip
+    cube[...] = data
+    cube.attrs.update({"BUNIT": "Jy/beam"} | ({"_ARRAY_DIMENSIONS": DIMS} if zarr_format == 2
+                                                else {}))  # fmt: skip
+    axes = {
+        "stokes": np.array([1.0]),
+        "freq": f0 - np.arange(F) * 1e6,  # Hz, descending
+        "dec": -30.0 + (np.arange(D) - D / 2) / 3600,
+        "ra": 150.0 - (np.arange(R) - R / 2) / 3600,
+    }
+    for name, values in axes.items():
+        extra = {"dimension_names": (name,)} if zarr_format == 3 else {}
+        coord = group.create_array(name, shape=values.shape, dtype="f8", **extra)
+        coord[...] = values
+        coord.attrs["units"] = {"freq": "Hz", "stokes": ""}.get(name, "deg")
+        if zarr_format == 2:
+            coord.attrs["_ARRAY_DIMENSIONS"] = [name]
+    return data
+
+
+@pytest.fixture(scope="module")
+def cubes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray]]:
+    root = tmp_path_factory.mktemp("cubes")
+    return {
+        name: (root / f"{name}.zarr", write_cube(root / f"{name}.zarr", fmt, f0, seed))
+        for name, fmt, f0, seed in (("lo", 3, 1.42e9, 0), ("lo_v2", 2, 1.42e9, 0),
+                                    ("hi", 3, 1.70e9, 1))
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["lo", "lo_v2"])
+def test_min_and_max_of_nan_blanked_channels_are_the_cubes_stored_extremes_exactly(
+    cubes: dict[str, tuple[Path, np.ndarray]], name: str
+) -> None:
+    # with a NaN in a batch the moments were taken of x - mean + mean: min and max came back
+    # a float64 rounding away from every stored value (-0.003770632436499 for the float32
+    # -0.0037706324364989996), so none of them equalled a value of the cube
+    path, data = cubes[name]
+    per_channel = open_geometries(path, ["cube"], sample_axis="stokes")["cube"]
+    per_cube = open_geometries(path, ["cube"], sample_axis="freq")["cube"]
+    for view, axes in ((per_channel, (0, 2, 3)), (per_cube, None)):
+        stats = fit_statistics(path, split_by_chunk(view, (1.0, 0.0, 0.0)), {"x": view})
+        finite = np.where(np.isnan(data), np.inf, data).astype(np.float64)
+        lo = finite.min(axis=axes)
+        hi = np.where(np.isnan(data), -np.inf, data).astype(np.float64).max(axis=axes)
+        empty = np.isinf(lo)  # the flagged channel: no value, NaN statistics
+        np.testing.assert_array_equal(stats.min["x"], np.where(empty, np.nan, lo))
+        np.testing.assert_array_equal(stats.max["x"], np.where(empty, np.nan, hi))
+        assert np.isin(stats.min["x"][~empty], data).all()
