@@ -21,7 +21,11 @@ from numcodecs import Blosc
 from zarr.codecs import BloscCodec
 
 from insitubatch_nodes import (
+    Collection,
+    Loader,
+    concat,
     fit_statistics,
+    insitu_pipeline,
     open_geometries,
     split_by_chunk,
 )
@@ -93,3 +97,44 @@ def test_min_and_max_of_nan_blanked_channels_are_the_cubes_stored_extremes_exact
         np.testing.assert_array_equal(stats.min["x"], np.where(empty, np.nan, lo))
         np.testing.assert_array_equal(stats.max["x"], np.where(empty, np.nan, hi))
         assert np.isin(stats.min["x"][~empty], data).all()
+
+
+def test_concatenating_cubes_along_frequency_says_concat_is_by_time_and_what_reads_them(
+    cubes: dict[str, tuple[Path, np.ndarray]],
+) -> None:
+    # the cubes have a 'freq' coordinate beside 'cube', and were told they had none ("has no
+    # time coordinate 'freq'"), with no word of what reads two bands as one stream
+    paths = [cubes["hi"][0], cubes["lo"][0]]
+    with pytest.raises(ValueError, match=r"'freq' .*units 'Hz'.* no CF time") as err:
+        concat(paths, ["cube"], dim="freq")
+    assert "Collection.from_arrays" in str(err.value)
+    coll = Collection.from_arrays([(p, "cube") for p in paths], sample_axis="freq")
+    assert coll["data"].n_samples == 2 * F  # what the message points to reads both
+
+
+def test_stores_whose_time_is_not_their_first_axis_concatenate_along_it(tmp_path: Path) -> None:
+    # found beside the cubes: concat and join looked for the time coordinate of axis 0, so an
+    # ensemble (member, time, lat, lon) was refused, "has no time coordinate 'time'", and its
+    # chunk alignment was taken from the member axis
+    data, paths = [], []
+    for k, start in enumerate((0, 48)):
+        group = zarr.open_group(tmp_path / f"ens{k}.zarr", mode="w")
+        arr = group.create_array("t2m", shape=(2, 8, 2, 3), chunks=(1, 4, 2, 3), dtype="f4",
+                                 dimension_names=("member", "time", "lat", "lon"))  # fmt: skip
+        data.append(np.random.default_rng(k).standard_normal((2, 8, 2, 3)).astype("f4"))
+        arr[...] = data[-1]
+        time = group.create_array("time", shape=(8,), dtype="i8", dimension_names=("time",))
+        time[...] = start + 6 * np.arange(8)
+        time.attrs["units"] = "hours since 2000-01-01"
+        paths.append(tmp_path / f"ens{k}.zarr")
+    coll = concat(paths, ["t2m"], dim="time")
+    assert coll["t2m"].shape == (2, 16, 2, 3) and coll["t2m"].sample_axis == 1
+    manifest = split_by_chunk(coll["t2m"], (1.0, 0.0, 0.0))
+    rows = 0
+    with insitu_pipeline(coll, manifest, {"x": coll["t2m"]}, batch_size=4) as pipe:
+        for batch in Loader(pipe):
+            where = zip(batch.members["x"], batch.sample_indices["x"], strict=True)
+            for (m, s), row in zip(where, batch["x"], strict=True):
+                np.testing.assert_array_equal(row, data[m][:, s - 8 * m])
+                rows += 1
+    assert rows == 16
