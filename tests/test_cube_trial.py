@@ -29,6 +29,7 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
+from insitubatch_nodes.io import open_coordinates
 
 S, F, D, R = 1, 16, 32, 32
 DIMS = ("stokes", "freq", "dec", "ra")
@@ -138,3 +139,17 @@ def test_stores_whose_time_is_not_their_first_axis_concatenate_along_it(tmp_path
                 np.testing.assert_array_equal(row, data[m][:, s - 8 * m])
                 rows += 1
     assert rows == 16
+
+
+def test_a_band_given_high_to_low_on_a_descending_axis_says_to_give_the_low_end_first(
+    cubes: dict[str, tuple[Path, np.ndarray]],
+) -> None:
+    # sel takes a descending axis's slice high to low (as xarray does), so the same band given
+    # to split_by_chunk that way was refused with only "needs start < stop"
+    path, _ = cubes["lo"]
+    geom = open_geometries(path, ["cube"], sample_axis="freq")["cube"]
+    freq = open_coordinates(path, geom)["freq"]
+    with pytest.raises(ValueError, match=r"sample_range=\(1410000000\.0, 1415000000\.0\)"):
+        split_by_chunk(geom, (1.0, 0.0, 0.0), sample_range=(1.415e9, 1.41e9), coord=freq)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0), sample_range=(1.41e9, 1.415e9), coord=freq)
+    assert manifest.sample_range == (6, 11)  # 1.414e9 .. 1.410e9, half-open at 1.415e9
