@@ -231,6 +231,7 @@ class Statistics:
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
                 )
             m = np.asarray(self.mean[label])
+            _refuse_empty_channels(label, path, m, np.asarray(self.std[label]))
             # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon); a
             # field of one or two axes has one value, a scalar (which broadcasts to any field:
             # shaped (1, 1) it would not to a field of one axis)
@@ -239,6 +240,25 @@ class Statistics:
             s = np.asarray(self.std[label])
             std[path] = s.reshape(s.shape + (1,) * grid)
         return StandardScaler(mean, std, cache_key=cache_key)
+
+
+def _refuse_empty_channels(label: str, path: str, mean: np.ndarray, std: np.ndarray) -> None:
+    """``ValueError`` for statistics a chunk scaler cannot apply: channels of ``label`` with no
+    value but NaN in the fitted split (a flagged channel of a spectral cube) have NaN mean and
+    std; the message names them and the batch transform that standardises them to NaN."""
+    bad = ~(np.isfinite(mean) & np.isfinite(std))
+    if not bad.any():
+        return
+    where = np.argwhere(bad)
+    channels = [int(i[0]) if len(i) == 1 else tuple(int(j) for j in i) for i in where]
+    shown = f"{channels[:8]}{' ...' if len(channels) > 8 else ''}"
+    which = f"channels {shown}" if mean.ndim else "its only channel"
+    raise ValueError(
+        f"label {label!r} (array {path!r}) has NaN statistics in {which}: no value but NaN "
+        "in the fitted split (a flagged channel). A chunk scaler needs finite statistics for "
+        "every channel of the array; use Statistics.normalizer (a batch transform), which "
+        "leaves those channels NaN, or refit on a split where they hold data"
+    )
 
 
 class NormalizeBatch:

@@ -153,3 +153,16 @@ def test_a_band_given_high_to_low_on_a_descending_axis_says_to_give_the_low_end_
         split_by_chunk(geom, (1.0, 0.0, 0.0), sample_range=(1.415e9, 1.41e9), coord=freq)
     manifest = split_by_chunk(geom, (1.0, 0.0, 0.0), sample_range=(1.41e9, 1.415e9), coord=freq)
     assert manifest.sample_range == (6, 11)  # 1.414e9 .. 1.410e9, half-open at 1.415e9
+
+
+def test_a_chunk_scaler_of_a_cube_with_a_flagged_channel_names_the_channel_and_the_way_out(
+    cubes: dict[str, tuple[Path, np.ndarray]],
+) -> None:
+    # a channel flagged whole has NaN statistics; the scaler said only "std of 'cube' must be
+    # finite and >= 0", naming neither the channel nor what to do
+    path, _ = cubes["lo"]
+    geom = open_geometries(path, ["cube"], sample_axis="stokes")["cube"]
+    stats = fit_statistics(path, split_by_chunk(geom, (1.0, 0.0, 0.0)), {"x": geom})
+    with pytest.raises(ValueError, match=rf"channels \[{FLAGGED}\].*normalizer") as err:
+        stats.scaler()
+    assert "'x'" in str(err.value)
