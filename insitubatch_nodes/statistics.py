@@ -231,6 +231,7 @@ class Statistics:
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
                 )
             m = np.asarray(self.mean[label])
+            _refuse_empty_channels(label, path, m, np.asarray(self.std[label]))
             # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon); a
             # field of one or two axes has one value, a scalar (which broadcasts to any field:
             # shaped (1, 1) it would not to a field of one axis)
@@ -239,6 +240,25 @@ class Statistics:
             s = np.asarray(self.std[label])
             std[path] = s.reshape(s.shape + (1,) * grid)
         return StandardScaler(mean, std, cache_key=cache_key)
+
+
+def _refuse_empty_channels(label: str, path: str, mean: np.ndarray, std: np.ndarray) -> None:
+    """``ValueError`` for statistics a chunk scaler cannot apply: channels of ``label`` with no
+    value but NaN in the fitted split (a flagged channel of a spectral cube) have NaN mean and
+    std; the message names them and the batch transform that standardises them to NaN."""
+    bad = ~(np.isfinite(mean) & np.isfinite(std))
+    if not bad.any():
+        return
+    where = np.argwhere(bad)
+    channels = [int(i[0]) if len(i) == 1 else tuple(int(j) for j in i) for i in where]
+    shown = f"{channels[:8]}{' ...' if len(channels) > 8 else ''}"
+    which = f"channels {shown}" if mean.ndim else "its only channel"
+    raise ValueError(
+        f"label {label!r} (array {path!r}) has NaN statistics in {which}: no value but NaN "
+        "in the fitted split (a flagged channel). A chunk scaler needs finite statistics for "
+        "every channel of the array; use Statistics.normalizer (a batch transform), which "
+        "leaves those channels NaN, or refit on a split where they hold data"
+    )
 
 
 class NormalizeBatch:
@@ -342,20 +362,22 @@ class _Moments:
 
 
 def _masked_moments(x: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(count, mean, m2, min, max, nans)`` per channel of ``x`` with NaNs, skipping them."""
+    """``(count, mean, m2, min, max, nans)`` per channel of ``x`` with NaNs, skipping them.
+    The minimum and maximum are values of ``x`` (taken before the deviations are formed:
+    ``x - mean + mean`` is not always ``x`` in floating point); a channel of NaNs only has
+    ``inf`` / ``-inf``, which the running extrema pass over."""
     x64 = x.astype(np.float64)
     nan = np.isnan(x64)
     n = (~nan).sum(axis=(0, 2)).astype(np.float64)
+    x64[nan] = np.inf
+    lo = x64.min(axis=(0, 2))
+    x64[nan] = -np.inf
+    hi = x64.max(axis=(0, 2))
     x64[nan] = 0.0
     mean = x64.sum(axis=(0, 2)) / np.maximum(n, 1)
     x64 -= mean[None, :, None]
     x64[nan] = 0.0
     m2 = np.einsum("rcv,rcv->c", x64, x64)
-    x64 += mean[None, :, None]
-    x64[nan] = np.inf
-    lo = x64.min(axis=(0, 2))
-    x64[nan] = -np.inf
-    hi = x64.max(axis=(0, 2))
     return n, mean, m2, lo, hi, nan.sum(axis=(0, 2)).astype(np.float64)
 
 

@@ -84,6 +84,19 @@ def test_the_microscopy_segmenter_learns_the_mask_from_z_planes(tmp_path: Path) 
     assert "above the all-background" in proc.stdout, _explain(proc)
 
 
+def test_the_spectral_cube_recipe_reads_both_bands_as_zarr_holds_them_and_learns_the_line(
+    tmp_path: Path,
+) -> None:
+    proc = _run_recipe(
+        "spectral_cube.py", "--channels", "16", "--size", "32", "--patch", "16",
+        "--epochs", "2", cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, _explain(proc)
+    assert "each once, equal to zarr; resume exact" in proc.stdout, _explain(proc)
+    assert "(channels, dec, ra) in dec (16, 32), equal to zarr's" in proc.stdout, _explain(proc)
+    assert "loss fell" in proc.stdout, _explain(proc)
+
+
 def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a_joined_forcing(
     tmp_path: Path,
 ) -> None:

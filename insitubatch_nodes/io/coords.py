@@ -393,9 +393,12 @@ class Coordinate:
         """
         lo, hi = self._bound(start, "sample_range start"), self._bound(stop, "sample_range stop")
         if not lo < hi:
+            turned = f": give sample_range=({stop!r}, {start!r})" if hi < lo else ""
             raise ValueError(
                 f"sample_range on coordinate {self.name!r} needs start < stop, got "
-                f"({start!r}, {stop!r})"
+                f"({start!r}, {stop!r}): the window is the values start <= value < stop, "
+                "low end first whatever the coordinate's order (a slice of sel follows the "
+                f"order of a descending coordinate; this does not){turned}"
             )
         bad = self._missing()
         v = self.values

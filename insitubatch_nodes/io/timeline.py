@@ -61,6 +61,17 @@ def whole_seconds(coord: Any, whose: str, compared_by: str, or_else: str = "") -
         ) from exc
 
 
+def _along(geom: ArrayGeometry, dim: str, given: Sequence[str] | None) -> ArrayGeometry:
+    """``geom`` sampled along its dimension ``dim`` (named by ``given``, a collection's
+    ``dims``, or its own names), whichever axis that is: a ``(member, time, lat, lon)``
+    ensemble is opened along axis 0 and continued or aligned along ``time``; ``geom`` as it
+    is where no axis is named ``dim`` (what :func:`time_coordinate` then refuses)."""
+    names = tuple(given) if given is not None else geom.dims
+    if names is None or dim not in names or len(names) != geom.ndim:
+        return geom
+    return replace(geom, sample_axis=names.index(dim), dim_names=names)
+
+
 def time_coordinate(
     store: Any,
     geom: ArrayGeometry,
@@ -90,10 +101,24 @@ def time_coordinate(
         )
     if given is not None:
         geom = replace(geom, dim_names=tuple(given))
-    coord = open_coordinates(store, geom).get(dim)
-    if coord is None or not coord.is_time:
+    coord = open_coordinates(store, _along(geom, dim, given)).get(dim)
+    if coord is None:
         raise ValueError(
             f"{op}: {name!r} has no time coordinate {dim!r} beside {variable!r}: {_WHY[op][0]}"
+        )
+    if not coord.is_time:  # a frequency, a depth: numbers, not CF times
+        units = coord.attrs.get("units")
+        raise ValueError(
+            f"{op}: {name!r}'s coordinate {dim!r} beside {variable!r} "
+            f"({f'units {units!r}' if units else 'no units'}) is no CF time ('<unit> since "
+            f"<date>'): {op} reads stores along time only ({_WHY[op][0]})"
+            + (
+                ". To read stores along another axis as one stream, each store one member "
+                f"laid end to end (no window crosses from one to the next): "
+                f"Collection.from_arrays([(store, {variable!r}), ...], sample_axis={dim!r})"
+                if op == "concat"
+                else ""
+            )
         )
     refuse_missing_times(coord.values, f"{op}: {name!r}'s time", _WHY[op][1])
     return coord
@@ -140,7 +165,8 @@ def continuation(
     for m, (name, path) in enumerate(zip(names, paths[first_var], strict=True)):
         if m == 0:  # every member has the same chunks (checked when the collection is made)
             heads = open_geometries(store, [p[0] for p in paths.values()])
-            align = math.lcm(*(g.samples_per_chunk for g in heads.values()))
+            align = math.lcm(*(_along(heads[p[0]], dim, dims.get(v)).samples_per_chunk
+                               for v, p in paths.items()))  # fmt: skip
             geom = heads[path]
         else:
             geom = open_geometries(store, [path])[path]
@@ -240,7 +266,8 @@ def alignment(
                                 name=name, variable=variables[0], key=key)  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
-        spcs.append([geoms[p].samples_per_chunk for p in located])
+        spcs.append([_along(geoms[p], dim, dims.get(f"{name}/{v.strip('/')}")).samples_per_chunk
+                     for p, v in zip(located, variables, strict=True)])  # fmt: skip
     starts, n = _shared(names, ticks, values, spcs, dim)
     out: dict[str, list[tuple[int, int]]] = {}
     for store_name, variables, start in zip(names, arrays, starts, strict=True):
