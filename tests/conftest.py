@@ -65,15 +65,34 @@ def _sigint_handler_restored(request: pytest.FixtureRequest) -> Iterator[None]:
     import signal
     import warnings
 
+    if _sigint_ignored_in_c():  # set outside any test (a library's thread): say so, mend it
+        signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT) or signal.default_int_handler)
+        warnings.warn(
+            f"SIGINT was ignored at the C level before {request.node.nodeid}: handler reinstalled",
+            stacklevel=1,
+        )
     before = signal.getsignal(signal.SIGINT)
     yield
     after = signal.getsignal(signal.SIGINT)
-    if after is not before and after != before:
+    if (after is not before and after != before) or _sigint_ignored_in_c():
+        # (a C library's sigaction is not seen by getsignal, only in /proc)
         signal.signal(signal.SIGINT, before)
         warnings.warn(
-            f"{request.node.nodeid} left SIGINT's handler as {after!r}: restored to {before!r}",
+            f"{request.node.nodeid} left SIGINT's handler as {after!r}"
+            f"{' (ignored at the C level)' if after == before else ''}: restored to {before!r}",
             stacklevel=1,
         )
+
+
+def _sigint_ignored_in_c() -> bool:
+    """Whether this process ignores SIGINT (``SIG_IGN`` in its ``/proc`` status; False where
+    there is none), whatever Python's ``signal.getsignal`` says."""
+    try:
+        with open("/proc/self/status") as f:
+            ignored = next(line for line in f if line.startswith("SigIgn:"))
+    except (OSError, StopIteration):
+        return False
+    return bool(int(ignored.split()[1], 16) & 0x2)  # SIGINT is signal 2: bit 1
 
 
 # ---------------------------------------------------------------------------------------------
