@@ -65,8 +65,11 @@ def _sigint_handler_restored(request: pytest.FixtureRequest) -> Iterator[None]:
     import signal
     import warnings
 
-    if _sigint_ignored_in_c():  # set outside any test (a library's thread): say so, mend it
-        signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT) or signal.default_int_handler)
+    # Ignored at the C level while Python holds a handler: a library's thread did it outside
+    # any test. (A run started in the background of a shell ignores SIGINT from the start, in
+    # Python too: that is left alone.)
+    if _sigint_ignored_in_c() and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):
+        signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT))
         warnings.warn(
             f"SIGINT was ignored at the C level before {request.node.nodeid}: handler reinstalled",
             stacklevel=1,
@@ -74,7 +77,9 @@ def _sigint_handler_restored(request: pytest.FixtureRequest) -> Iterator[None]:
     before = signal.getsignal(signal.SIGINT)
     yield
     after = signal.getsignal(signal.SIGINT)
-    if (after is not before and after != before) or _sigint_ignored_in_c():
+    if (after is not before and after != before) or (
+        _sigint_ignored_in_c() and after not in (signal.SIG_IGN, None)
+    ):
         # (a C library's sigaction is not seen by getsignal, only in /proc)
         signal.signal(signal.SIGINT, before)
         warnings.warn(
