@@ -436,3 +436,18 @@ def test_a_state_saved_after_set_views_changed_a_stacks_levels_resumes_with_the_
         loader = Loader(pipe)
         loader.load_state_dict(state)
         assert [_record(b) for b in loader] == rest
+
+
+@pytest.mark.parametrize("case", ["single-spc1"], indirect=True)
+def test_set_views_refusing_a_stack_whose_forcings_lack_times_says_which_arrays_carry_them(
+    case: tuple[Case, Run],
+) -> None:
+    """Reordering a stack with forcings so that another array comes first is refused: the
+    batches carry the times of the arrays the pipeline was built with (here ``z``, the
+    stack's first member). The message advised ``coords=None`` — what the pipeline was
+    built with; it now names the arrays that carry times."""
+    built, _ = case
+    pattern = r"put first a member of \['z'\]"
+    with built.build() as pipe, pytest.raises(ValueError, match=pattern) as refused:
+        pipe.set_views(built.views(order=True))
+    assert "coords=None" not in str(refused.value)
