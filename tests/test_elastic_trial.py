@@ -28,12 +28,15 @@ Ranks are simulated in one process (``insitu_pipeline(..., rank=, world_size=)``
 from __future__ import annotations
 
 import hashlib
+import json
+import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -63,6 +66,7 @@ class Case:
     build: Callable[..., InSituPipeline]  # build(views=None, rank=..., world_size=...)
     views: Callable[..., dict[str, Any]]  # views(levels=..., order=..., cut=...)
     oracle: Callable[[Batch], None]  # asserts a batch's rows against zarr
+    remake: list[str]  # what a fresh process builds it from: its kind, then the store paths
 
 
 def _digest(a: Any) -> str:
@@ -247,7 +251,7 @@ def _single_case(root: Path) -> Case:
                                seed=3, **ranks)  # fmt: skip
 
     default = views()
-    return Case(build, views, oracle)
+    return Case(build, views, oracle, ["single", str(root)])
 
 
 def _concat_case(roots: list[Path]) -> Case:
@@ -298,7 +302,7 @@ def _concat_case(roots: list[Path]) -> Case:
                                seed=5, **ranks)  # fmt: skip
 
     default = views()
-    return Case(build, views, oracle)
+    return Case(build, views, oracle, ["concat", *map(str, roots)])
 
 
 @pytest.fixture(scope="module", params=["single-spc1", "single-spc4", "concat-spc1", "concat-spc4"])
@@ -387,7 +391,8 @@ def test_a_state_restored_with_other_levels_stack_order_or_patches_is_refused_sa
     mids = {k: _run(built, stop_after=k).state for k in (2, ref.length - 1)}
     for change, says in changes:
         for k, state in mids.items() if "cut" in change else [(2, mids[2])]:
-            with built.build(built.views(**change)) as pipe:
+            ranks = {"rank": 1, "world_size": 3} if "order" in change else {}  # elastic too
+            with built.build(built.views(**change), **ranks) as pipe:
                 loader = Loader(pipe)
                 loader.load_state_dict(state)
                 with pytest.raises(ValueError, match=says) as refused:
@@ -451,3 +456,41 @@ def test_set_views_refusing_a_stack_whose_forcings_lack_times_says_which_arrays_
     with built.build() as pipe, pytest.raises(ValueError, match=pattern) as refused:
         pipe.set_views(built.views(order=True))
     assert "coords=None" not in str(refused.value)
+
+
+@pytest.mark.parametrize("case", ["concat-spc4"], indirect=True)
+def test_a_state_restored_in_a_fresh_process_continues_bit_exactly(
+    case: tuple[Case, Run], tmp_path: Path
+) -> None:
+    """The states are plain JSON, and a new process (forked from the tests' fork server: a
+    hash seed of its own, nothing of this one's state) rebuilds the pipeline and continues
+    as the uninterrupted run: ``Loader`` and ``StatefulDataLoader`` alike."""
+    built, ref = case
+    k = ref.length // 2
+    head = _run(built, epochs=2, stop_after=k)
+    _, sdl_state = _sdl(built, stop_after=k)
+    request = tmp_path / "request.json"
+    request.write_text(json.dumps({"remake": built.remake, "loader": head.state,
+                                   "sdl": sdl_state}))  # fmt: skip
+    proc = forkserver.run([sys.executable, __file__, str(request)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    got = json.loads((tmp_path / "response.json").read_text())
+    want = json.loads(json.dumps(ref.records[k:]))  # (tuples as lists, as the response's)
+    assert got["loader"] == want and got["sdl"] == want
+
+
+def _fresh_process(request: Path) -> None:
+    """What the fresh process runs: rebuild the case, resume both states, write the batches."""
+    req = json.loads(request.read_text())
+    kind, *paths = req["remake"]
+    roots = [Path(p) for p in paths]
+    built = _single_case(roots[0]) if kind == "single" else _concat_case(roots)
+    loader = _run(built, epochs=2, state=req["loader"]).records
+    sdl, _ = _sdl(built, state=req["sdl"])
+    out = {"loader": loader, "sdl": sdl}
+    (request.parent / "response.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    _fresh_process(Path(sys.argv[1]))
