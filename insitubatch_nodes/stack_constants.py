@@ -294,12 +294,19 @@ def prepare_constants(
         for m in st.forcings:
             assert m.forcing is not None
             if not gather.carries(path, m.forcing.time_name):
+                carried = gather.carried_coordinates()
+                timed = sorted(p for p, names in carried.items() if m.forcing.time_name in names)
                 raise ValueError(
                     f"stack {label!r} computes forcing {m.name!r} from the times of its first "
                     f"sampled member's array {path!r}, which this pipeline's batches do not "
-                    f"carry (they carry {gather.carried_coordinates()}): put first a member "
-                    f"of an array whose times come with the batches, or build the pipeline "
-                    f"with coords=None"
+                    f"carry (they carry {carried}): "
+                    + (
+                        f"put first a member of {timed} (the arrays whose times the labels "
+                        f"it was built with carry), or build it with {path!r} in a label "
+                        "(or first in a stack)"
+                        if timed
+                        else "build the pipeline with coords=None (each view's times)"
+                    )
                 )
     found = [t for t in gather.batch_transforms if isinstance(t, StackConstants)]
     constants = found[0] if found else StackConstants({}, {}, plan)

@@ -1,7 +1,7 @@
 """What identifies the dataset a read plan reads, in its saved states: the manifest and the
 plan's views, hashed (a state restores only onto the same dataset, or says which views it was
-saved with); and the checks of a saved state's anchors (stride, missing steps) and elastic
-cuts."""
+saved with), and what the batch labels hold beyond them (stacks, selections); and the checks
+of a saved state's anchors (stride, missing steps), inputs and elastic cuts."""
 
 from __future__ import annotations
 
@@ -11,15 +11,21 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.plan.ledger import Stage
 from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.stack import Stack
 
 __all__ = [
     "check_cuts",
+    "check_inputs",
     "check_same_anchors",
     "dataset_hash",
+    "inputs_of",
+    "other_views_error",
     "readable_views",
+    "saved_patches",
     "stratifying_tiles",
     "views_list",
 ]
@@ -103,3 +109,116 @@ def check_cuts(cuts: Any, emitted: int) -> tuple[Stage, ...]:
             f"cuts with batches rising from 1 to at most batches_emitted={emitted}"
         )
     return tuple(out)
+
+
+def saved_patches(entry: Sequence[Any], view: ArrayGeometry) -> Patches | None:
+    """The patches of a saved state's ``views`` entry (``[label, path, offset, spc(, patch)]``,
+    :func:`views_list`) for the array of ``view``: rebuilt from its description, ``None``
+    for an entry without (an unpatched view), or ``view``'s own where the description is not
+    one this version writes."""
+    if len(entry) < 5:
+        return None
+    try:
+        axes, extent, field, tile, origins, stride, per_tile, order, within = entry[4]
+    except (TypeError, ValueError):
+        return view.patch
+    return Patches(
+        axes=tuple(axes),
+        dims=None if view.dims is None else tuple(view.dims[a] for a in axes),
+        extent=tuple(extent),
+        field=tuple(field),
+        tile=tuple(tile),
+        origins=origins,
+        stride=None if stride is None else tuple(stride),
+        per_tile=per_tile,
+        order=order,
+        within=None if within is None else tuple(tuple(b) for b in within),
+    )
+
+
+def other_views_error(
+    saved: Mapping[str, ArrayGeometry], mine: Mapping[str, ArrayGeometry], where: str
+) -> ValueError:
+    """The refusal of a state saved mid-epoch (``where``) with the views ``saved`` by a plan
+    reading ``mine``: naming the arrays patched otherwise (which ``set_views`` cannot change),
+    else both sets of views."""
+    if patched := _patch_changes(saved, mine):
+        return ValueError(
+            f"cannot restore this read-plan state: it was saved mid-epoch ({where}) with "
+            f"arrays patched otherwise ({'; '.join(patched)}: saved vs this pipeline's); build "
+            "the pipeline with the saved run's patches to finish that epoch, or restore a "
+            "state taken where an epoch begins or ends"
+        )
+    return ValueError(
+        f"cannot restore this read-plan state: its dataset's views differ, and it was saved "
+        f"mid-epoch ({where}) with views {readable_views(views_list(saved))}, and this "
+        f"pipeline reads {readable_views(views_list(mine))}; restore it where an epoch begins "
+        "or ends, or give the pipeline the state's views (set_views) to resume it mid-epoch"
+    )
+
+
+def _patch_changes(
+    saved: Mapping[str, ArrayGeometry], mine: Mapping[str, ArrayGeometry]
+) -> list[str]:
+    """Per array patched otherwise in ``saved`` than in ``mine``: ``"z: extent (2, 4) vs
+    (4, 4)"`` (saved first)."""
+    theirs = {g.path: g.patch for g in saved.values()}
+    ours = {g.path: g.patch for g in mine.values()}
+    out = []
+    for path in sorted(theirs.keys() & ours.keys()):
+        a, b = theirs[path], ours[path]
+        if a == b:
+            continue
+        if a is None or b is None:
+            out.append(f"{path}: {'not patched' if a is None else 'patched'} vs the other")
+        else:
+            out.append(f"{path}: {a.differences(b) or 'patched otherwise'}")
+    return out
+
+
+def inputs_of(views: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """What the batch labels hold beyond the plan's views (which only say what is read, and
+    when): per label that is a stack, its layout, channel names (members, their levels and
+    order) and its members' selections; per selected view, its selection. Labels neither a
+    stack nor selected are left out (an empty mapping for a plan of plain views)."""
+    out: dict[str, dict[str, Any]] = {}
+    for label, view in sorted(views.items()):
+        if isinstance(view, Stack):
+            chosen = {
+                m.name: m.view.select.describe()
+                for m in view.members
+                if m.view is not None and m.view.select is not None
+            }
+            out[label] = {"layout": view.layout, "channels": list(view.channels)}
+            out[label] |= {"select": chosen} if chosen else {}
+        elif isinstance(view, ArrayGeometry) and view.select is not None:
+            out[label] = {"select": view.select.describe()}
+    return out
+
+
+def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
+    """Raise ``ValueError`` when a saved read-plan config's ``inputs`` (:func:`inputs_of`)
+    differ from this plan's (``mine``) for a state saved mid-epoch (``where`` says where).
+    A state without the entry (saved before it was recorded, or by a plan of plain views) is
+    not checked."""
+    if "inputs" not in saved or not where:
+        return
+    theirs, ours = saved["inputs"], mine.get("inputs", {})
+    if not isinstance(theirs, Mapping):
+        raise ValueError(f"not a read-plan state: inputs={theirs!r}")
+    changes = []
+    for label in sorted(theirs.keys() | ours.keys()):
+        a, b = theirs.get(label, {}), ours.get(label, {})
+        changes += [
+            f"{label!r} {key} {a.get(key)!r} saved, {b.get(key)!r} now"
+            for key in ("channels", "layout", "select")
+            if a.get(key) != b.get(key)
+        ]
+    if changes:
+        raise ValueError(
+            "cannot restore this read-plan state: the batches' inputs differ ("
+            + "; ".join(changes)
+            + f") and it was saved mid-epoch ({where}), whose rest would come with other "
+            "channels; build the pipeline with the saved run's views to finish that epoch, or "
+            "restore a state taken where an epoch begins or ends"
+        )

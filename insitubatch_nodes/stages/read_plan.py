@@ -33,9 +33,12 @@ from insitubatch_nodes.plan.epoch import (
 )
 from insitubatch_nodes.plan.fingerprint import (
     check_cuts,
+    check_inputs,
     check_same_anchors,
     dataset_hash,
-    readable_views,
+    inputs_of,
+    other_views_error,
+    saved_patches,
     stratifying_tiles,
     views_list,
 )
@@ -330,6 +333,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             # the views, readable, with windows or after set_views (a state saved with other
             # views restores at an epoch boundary; a default config's fingerprint is unchanged)
             **({"views": views} if self._views_named else {}),
+            # stacks' channels and selections (not the plan's, but a mid-epoch resume's)
+            **({"inputs": inputs} if (inputs := inputs_of(self.layout.views)) else {}),
             "split": self.split,
             "batch_size": self.batch_size,
             "block_chunks": self.block_chunks,
@@ -585,7 +590,11 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         missing = {"epoch", "batches_emitted", "config"} - set(state)
         if missing:
             raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
-        self._check_config(state["config"], other_views=self._check_views(state))
+        other_views = self._check_views(state)
+        self._check_config(state["config"], other_views=other_views)
+        mine = self._config.get("inputs")
+        if not other_views and state["config"].get("inputs", mine) != mine:
+            check_inputs(state["config"], self._config, self._mid_epoch(state))
 
     def _other_views(self, saved: Mapping[str, Any]) -> dict[str, ArrayGeometry] | None:
         """The plan's views a state's ``config`` was saved with, when they differ from this
@@ -608,15 +617,14 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             if path not in by_path:
                 return None
             out[label] = by_path[path].base.shift(offset)
-            if by_path[path].patch is not None:  # (set_views keeps an array's patches)
-                out[label] = replace(out[label], patch=by_path[path].patch)
+            if patch := saved_patches(entry, by_path[path]):
+                out[label] = replace(out[label], patch=patch)
         return out
 
     def _saved_len(self, state: Mapping[str, Any], resumed: Sequence[Stage], world: int) -> int:
         """Batches of the state's epoch under the views it was saved with (rank 0 of its
         ``world`` ranks, after its cuts ``resumed``)."""
-        views = self._other_views(state["config"])
-        assert views is not None
+        views = self._other_views(state["config"]) or self.views
         plan = plan_epoch(
             self.manifest,
             views,
@@ -631,23 +639,23 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def _check_views(self, state: Mapping[str, Any]) -> bool:
         """Whether ``state`` was saved with other views (at an epoch boundary: ``ValueError``
         naming both sets of views mid-epoch)."""
-        saved = state["config"]
-        theirs = self._other_views(saved)
+        theirs = self._other_views(state["config"])
         if theirs is None:
             return False
+        where = self._mid_epoch(state)
+        if where:
+            raise other_views_error(theirs, self.views, where)
+        return True
+
+    def _mid_epoch(self, state: Mapping[str, Any]) -> str:
+        """Where inside its epoch ``state`` was saved (``"epoch 0, after 2 batches"``), under
+        the views it was saved with; empty where that epoch begins or ends."""
         emitted = int(state["batches_emitted"])
         resumed = check_cuts(state.get("resumed", ()), emitted)
-        world = int(saved.get("world_size", self.world_size))
+        world = int(state["config"].get("world_size", self.world_size))
         if emitted == 0 or emitted >= self._saved_len(state, resumed, world):
-            return True
-        raise ValueError(
-            f"cannot restore this read-plan state: its dataset's views differ, and it was "
-            f"saved mid-epoch (epoch "
-            f"{int(state['epoch'])}, after {emitted} batches) with views "
-            f"{readable_views(views_list(theirs))}, and this pipeline reads "
-            f"{readable_views(views_list(self.views))}; restore it where an epoch begins or "
-            "ends, or give the pipeline the state's views (set_views) to resume it mid-epoch"
-        )
+            return ""
+        return f"epoch {int(state['epoch'])}, after {emitted} batches"
 
     def _check_config(self, saved: Mapping[str, Any], other_views: bool = False) -> None:
         mine = self._config
@@ -667,8 +675,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                     "before samples of the remainder chunks were dealt (its remainder policy "
                     "differs); start this run's data order afresh"
                 )
-            if key == "world_size":
-                continue  # another world size resumes elastically (see reset)
+            if key in ("world_size", "inputs"):
+                continue  # another world size resumes elastically (see reset); check_state
             if other_views and key in ("dataset", "views"):
                 continue  # the same manifest, other views: at an epoch boundary (see reset)
             if key in saved and saved[key] != value:
