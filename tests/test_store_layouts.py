@@ -482,6 +482,33 @@ def test_an_xarray_dataset_opened_from_zarr_stands_for_its_store_or_says_what_to
         open_geometries(xr.open_zarr(root.parent / "g.zarr", group="g"))
 
 
+def test_an_xarray_dataset_selected_after_opening_is_refused_and_one_of_fewer_variables_is_those(
+    tmp_path: Path,
+) -> None:
+    # The store stood for the Dataset whatever was selected: ds.isel(time=slice(0, 4)) trained
+    # on all 16 steps, ds[["t2m"]] gave every array of the store
+    xr = pytest.importorskip("xarray")
+    root = tmp_path / "era5.zarr"
+    dims = ("time", "lat", "lon")
+    xr.Dataset({"t2m": (dims, _values((16, 4, 6))), "u": (dims, _values((16, 4, 6)))}).to_zarr(
+        root, zarr_format=3
+    )
+    ds = xr.open_zarr(root)
+    for selected, shown in (
+        (ds.isel(time=slice(0, 4)), r"'time': 4, 'lat': 4, 'lon': 6\} here but \(16, 4, 6\)"),
+        (ds.sel(lat=[0, 2]), r"'lat': 2"),
+        (ds.transpose("lon", "lat", "time"), r"'lon': 6, 'lat': 4, 'time': 16"),
+        (ds.isel(time=slice(0, 4))[["t2m"]], r"'t2m'"),
+    ):
+        with pytest.raises(ValueError, match=r"a selection of its store: .*" + shown):
+            open_geometries(selected)
+        with pytest.raises(ValueError, match=r"isel/sel for field axes .*sample_range"):
+            insitu_pipeline(selected, split_by_chunk(open_geometries(root)["t2m"]), {})
+    assert list(open_geometries(ds[["t2m"]])) == ["t2m"]  # the variables it kept
+    assert list(open_geometries(ds)) == ["t2m", "u"]
+    assert _epoch_equals_zarr(ds[["t2m"]], "t2m", zarr.open_array(root / "t2m", mode="r")) == 16
+
+
 @pytest.mark.parametrize("zarr_format", [2, 3])
 def test_an_array_of_variable_length_strings_is_refused_at_construction_naming_the_fix(
     tmp_path: Path, zarr_format: int

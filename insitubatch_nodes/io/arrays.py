@@ -16,7 +16,13 @@ from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.product import product_view
-from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
+from insitubatch_nodes.io.stores import (
+    StoreLike,
+    as_store,
+    cannot_list,
+    dataset_variables,
+    describe_store,
+)
 
 __all__ = ["absent_samples", "check_arrays_in_store", "open_geometries"]
 
@@ -162,10 +168,10 @@ def open_geometries(
     """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
     there, keyed by its path.
 
-    ``store`` is a URL, a path or any ``zarr.abc.store.Store``. The arrays are those of the root
-    group (nested groups included), arrays below folders that hold no group metadata
-    (``"a/b/t2m"``: tensorstore writes arrays, never groups), or the array at the store root
-    itself, returned under its path ``""`` (``zarr.save_array`` and tensorstore write these).
+    ``store`` is a URL, a path, any ``zarr.abc.store.Store`` or an ``xr.open_zarr`` Dataset (its
+    store; with ``variables=None``, its data variables). The arrays are those of the root group
+    (nested groups included), arrays below folders without group metadata (``"a/b/t2m"``:
+    tensorstore writes no groups), or a root array, under its path ``""``.
 
     With ``variables=None`` every data array is returned and coordinates are skipped: a 1-D
     array whose only dimension is named like the array itself (``time``, ``lat``) and any 0-D
@@ -187,9 +193,8 @@ def open_geometries(
 
     **Product sample axes.** A tuple of axes (``sample_axis=("t", "z")``, names or indices)
     makes every combination of indices along them one sample, the remaining axes its payload
-    (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.over`,
-    :mod:`~insitubatch_nodes.io.product`); an array without the first named dimension is
-    static, as above.
+    (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.over`); an array without the first
+    named dimension is static, as below.
 
     **Static arrays.** An array without the sample dimension (WeatherBench2's
     ``land_sea_mask (latitude, longitude)`` beside ``(time, latitude, longitude)`` data) is
@@ -198,9 +203,7 @@ def open_geometries(
     index, the dimension most of the multi-axis arrays name at that index, of those no array
     names at another index (static fields never outvote the arrays they sit beside); an array
     is static when it has dimension names and that dimension is not among them (arrays without
-    dimension names are never static). Every geometry can look up its field coordinates for
-    :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` (a
-    :class:`FieldCoordinates` of this store, read on first use).
+    dimension names are never static). Geometries look up field coordinates for ``sel``.
 
     **CF decoding.** With ``mask_and_scale=True`` (the default, as ``xr.open_zarr``) a data
     array's values are delivered as xarray decodes them: ``_FillValue`` / ``missing_value``
@@ -230,7 +233,7 @@ def open_geometries(
     if isinstance(variables, str):
         variables = [variables]
     cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
-    zstore = as_store(store)
+    zstore, variables = as_store(store), variables or dataset_variables(store)  # a Dataset's own
     axes: dict[str, AxisArg]
     default_axis: AxisArg
     if isinstance(sample_axis, Mapping):

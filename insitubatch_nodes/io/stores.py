@@ -572,10 +572,15 @@ def as_store(store: StoreLike, **options: Any) -> Store:
     An xarray ``Dataset`` opened from zarr (``xr.open_zarr(path_or_store)``) stands for the
     store it was opened from: the path or URL xarray recorded (``ds.encoding["source"]``), or
     the zarr store beneath it; one opened any other way raises ``TypeError`` saying what to
-    pass. A :class:`~insitubatch_nodes.io.collection.Collection` stands for the store its
-    members are read through (``collection.store``), as it does for ``insitu_pipeline``."""
-    if _is_xarray_dataset(store):
-        store = _dataset_store(store)
+    pass, and one that is a selection of its store (``ds.isel(time=slice(0, 4))``, a
+    transpose: a data variable shaped otherwise than its stored array) raises ``ValueError``
+    (the store's arrays are read as stored, whatever the Dataset shows; :func:`dataset_variables`
+    gives the variables a Dataset kept). A :class:`~insitubatch_nodes.io.collection.Collection`
+    stands for the store its members are read through (``collection.store``), as it does for
+    ``insitu_pipeline``."""
+    dataset = store if _is_xarray_dataset(store) else None
+    if dataset is not None:
+        store = _dataset_store(dataset)
     if isinstance(store, zarr.Group | zarr.Array):
         store = _node_store(store)
     if _is_collection(store):
@@ -588,7 +593,33 @@ def as_store(store: StoreLike, **options: Any) -> Store:
     else:
         opened = open_store(store, **options)
     _zarr_compat.io_loop()  # started here, its wakeups watched before the first read
+    if dataset is not None:
+        _refuse_selection(dataset, opened)
     return opened
+
+
+def dataset_variables(obj: Any) -> list[str] | None:
+    """The data variables of an xarray ``Dataset`` (those it kept: ``ds[["t2m"]]`` keeps one),
+    ``None`` for anything else."""
+    return [str(name) for name in obj.data_vars] if _is_xarray_dataset(obj) else None
+
+
+def _refuse_selection(ds: Any, store: Store) -> None:
+    """``ValueError`` when a data variable of ``ds`` is not its stored array as stored: the
+    Dataset was selected (``isel``/``sel``) or transposed after it was opened."""
+    names = dataset_variables(ds) or []
+    for name, array in zip(names, _zarr_compat.open_arrays_by_name(store, names), strict=True):
+        shown = tuple(ds[name].shape)
+        if array is not None and tuple(array.shape) != shown:
+            raise ValueError(
+                f"this xarray Dataset is a selection of its store: {name!r} is "
+                f"{dict(ds[name].sizes)} here but {tuple(array.shape)} in "
+                f"{describe_store(store)}, and the pipeline reads the stored arrays, not the "
+                "selection. Pass the Dataset as opened (or its store), and select there: "
+                "ArrayGeometry.isel/sel for field axes (levels, an area), "
+                "split_by_chunk(..., sample_range=(start, stop), coord=time) or missing= "
+                "for the sample axis"
+            )
 
 
 def _node_store(node: zarr.Group | zarr.Array) -> Store:
