@@ -35,7 +35,13 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
 
-__all__ = ["StaticFields", "keep_static_labels", "read_static", "select_static"]
+__all__ = [
+    "StaticFields",
+    "broadcast_rows",
+    "keep_static_labels",
+    "read_static",
+    "select_static",
+]
 
 
 def select_static(view: ArrayGeometry, data: np.ndarray) -> np.ndarray:
@@ -171,7 +177,7 @@ class StaticFields:
         for label, data in self.arrays.items():
             if label in batch.arrays:
                 raise ValueError(f"label {label!r} is both a static field and a sampled view")
-            batch.arrays[label] = _broadcast(data, n)
+            batch.arrays[label] = broadcast_rows(data, n)
         return batch
 
     def __repr__(self) -> str:
@@ -202,7 +208,7 @@ def keep_static_labels(views: Mapping[str, Any], transforms: Sequence[Any]) -> d
     return rest
 
 
-def _broadcast(data: np.ndarray, n: int) -> Any:
+def broadcast_rows(data: np.ndarray, n: int) -> Any:
     """``data`` seen ``n`` times along a new first axis (stride 0). Marked writeable so that
     ``torch.from_numpy`` takes it without a warning; the module docstring says not to write."""
     return np.lib.stride_tricks.as_strided(

@@ -49,7 +49,7 @@ from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.splits import SplitManifest
-from insitubatch_nodes.static import read_static
+from insitubatch_nodes.static import broadcast_rows, read_static
 from insitubatch_nodes.transforms import StandardScaler, standardise_in_place, work_dtype
 
 __all__ = ["Statistics", "fit_statistics"]
@@ -176,7 +176,8 @@ class Statistics:
         """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views``, in place in
         the batch's arrays (float arrays, float16 computed in float32 and rounded once, so
         neither ``x - mean`` nor a tiny ``std`` overflows or underflows float16 where the result
-        does not; a static label's broadcast rows get a new array).
+        does not; a static label's broadcast rows get a new array of one standardised row,
+        broadcast, in the label's dtype; integer labels become float32).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
         source = {label: (same_as or {}).get(label, label) for label in views}
@@ -278,7 +279,13 @@ class NormalizeBatch:
             if arr.dtype.kind == "f" and arr.flags.writeable and arr.strides[0] != 0:
                 work = work_dtype(arr.dtype)  # float16: in float32, rounded once
                 standardise_in_place(arr, mean.astype(work), std.astype(work))
-            else:  # integers, or a static field's broadcast rows: a new float32 array
+            elif arr.dtype.kind == "f" and arr.ndim and arr.strides[0] == 0:
+                # a static field's broadcast rows: one row standardised, broadcast again,
+                # in the field's own dtype (float16 computed in float32, rounded once)
+                work = work_dtype(arr.dtype)
+                row = (arr[0].astype(work) - mean.astype(work)) / std.astype(work)
+                batch.arrays[label] = broadcast_rows(row.astype(arr.dtype), len(arr))
+            else:  # integers (or read-only rows): a new float32 array
                 batch.arrays[label] = ((arr - mean) / std).astype(np.float32)
         return batch
 

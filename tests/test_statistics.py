@@ -160,6 +160,35 @@ def test_statistics_of_a_static_field_are_of_the_field_and_have_no_differences(
     assert np.isnan(stats.diff_std["lsm"])
 
 
+@pytest.mark.parametrize("dtype", ["f8", "f4", "f2"])
+def test_a_static_label_normalised_keeps_its_float_dtype_and_equals_numpy(
+    tmp_path: Path, dtype: str
+) -> None:
+    # the normalizer made float32 of a static field's broadcast rows, whatever its dtype (a
+    # float64 field beside float64 data came out float32, the data float64)
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w")
+    rng = np.random.default_rng(5)
+    for name, shape, dims in (
+        ("t", (8, 3, 4), ("time", "lat", "lon")),
+        ("z0", (3, 4), ("lat", "lon")),
+    ):
+        arr = group.create_array(name, shape=shape, chunks=shape, dtype=dtype, dimension_names=dims)
+        arr[...] = (rng.standard_normal(shape) * 50 + 100).astype(dtype)
+    geoms = open_geometries(root)
+    manifest = split_by_chunk(geoms["t"], (1.0, 0.0, 0.0))
+    views = {"t": geoms["t"], "z0": geoms["z0"]}
+    stats = fit_statistics(root, manifest, views)
+    pipe = insitu_pipeline(root, manifest, views, batch_size=4, coords=(),
+                           batch_transforms=[stats.normalizer(views)])  # fmt: skip
+    with pipe:
+        batch = next(iter(pipe))
+    z0 = zarr.open_array(root / "z0")[...].astype(np.float64)
+    want = ((z0 - stats.mean["z0"]) / (stats.std["z0"] + 1e-8)).astype(dtype)
+    assert batch["z0"].dtype == batch["t"].dtype == np.dtype(dtype)
+    np.testing.assert_allclose(batch["z0"], np.broadcast_to(want, (4, 3, 4)), rtol=1e-3)
+
+
 def test_statistics_of_a_window_or_shifted_view_are_those_of_its_array(store: Path) -> None:
     geoms = open_geometries(store)
     manifest = split_by_chunk(geoms["t"], (0.5, 0.5, 0.0))
