@@ -27,7 +27,9 @@ import zarr
 from insitubatch_nodes import (
     Collection,
     FetchOptions,
+    Forcings,
     _runtime,
+    fit_statistics,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
@@ -38,6 +40,7 @@ from insitubatch_nodes import (
 N_CHUNKS = 6
 SIZES = (64, 4096)  # samples per chunk = batch size
 DECODE_THREADS = 2
+TISR = "toa_incident_solar_radiation"
 
 
 def _write(root: Path, spc: int, hours: int) -> Path:
@@ -146,6 +149,22 @@ def _main(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]
     return root, manifest, views, {}
 
 
+def _stacks(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    g = open_geometries(root)
+    t2m, z = g["t2m"], g["z"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    members = {"t2m": t2m, "z": z.isel(level=[0, 2])}
+    spc = t2m.samples_per_chunk
+    stats = fit_statistics(root, manifest, members, batch_size=spc, decode_threads=DECODE_THREADS)
+    views = {
+        "norm": stack(members, normalize=stats),
+        "steps": stack({name: v.window([-1, 0]) for name, v in members.items()}),
+        "forced": stack({"t2m": t2m, "f": Forcings("forced", view=t2m, names=[TISR])}),
+    }
+    forcings = Forcings("norm", view=t2m, names=["cos_solar_zenith", "year_progress_sin"])
+    return root, manifest, views, {"batch_transforms": [forcings]}
+
+
 def _collection(root: Path, other: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     coll = Collection.from_arrays([(root, "t2m"), (other, "t2m")], sample_axis="time")
     manifest = split_by_member(coll, {"train": 1.0})
@@ -155,6 +174,7 @@ def _collection(root: Path, other: Path) -> tuple[Any, Any, dict[str, Any], dict
 
 CASES: dict[str, Case] = {
     "views, selections, static fields, a stack, coordinates": _main,
+    "stacks normalised, of windows, with forcings; forcings": _stacks,
     "a collection with its members' times": _collection,
 }
 
