@@ -165,6 +165,16 @@ def _stacks(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, An
     return root, manifest, views, {"batch_transforms": [forcings]}
 
 
+def _patches(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    t2m = open_geometries(root)["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    views = {
+        "p": t2m.patches({"lat": 2, "lon": 4}),
+        "pw": t2m.patches({"lat": 2, "lon": 4}).window([-1, 0]),
+    }
+    return root, manifest, views, {}
+
+
 def _collection(root: Path, other: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     coll = Collection.from_arrays([(root, "t2m"), (other, "t2m")], sample_axis="time")
     manifest = split_by_member(coll, {"train": 1.0})
@@ -175,6 +185,7 @@ def _collection(root: Path, other: Path) -> tuple[Any, Any, dict[str, Any], dict
 CASES: dict[str, Case] = {
     "views, selections, static fields, a stack, coordinates": _main,
     "stacks normalised, of windows, with forcings; forcings": _stacks,
+    "patches (windows of a field), of windows": _patches,
     "a collection with its members' times": _collection,
 }
 
