@@ -166,9 +166,11 @@ def _stacks(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, An
 
 
 def _patches(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
-    t2m = open_geometries(root)["t2m"]
+    g = open_geometries(root)
+    t2m, z = g["t2m"], g["z"]
     manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
     views = {
+        "levels": z.isel(level=[2, 0]).patches({"lat": 2, "lon": 4}),
         "p": t2m.patches({"lat": 2, "lon": 4}),
         "pw": t2m.patches({"lat": 2, "lon": 4}).window([-1, 0]),
     }
@@ -185,7 +187,7 @@ def _collection(root: Path, other: Path) -> tuple[Any, Any, dict[str, Any], dict
 CASES: dict[str, Case] = {
     "views, selections, static fields, a stack, coordinates": _main,
     "stacks normalised, of windows, with forcings; forcings": _stacks,
-    "patches (windows of a field), of windows": _patches,
+    "patches (windows of a field), of windows, of selected levels": _patches,
     "a collection with its members' times": _collection,
 }
 

@@ -12,7 +12,9 @@ whole batch at once in numpy; Python then issues one slice assignment per pair (
 microsecond each, against a copy of ``tile_bytes / 4`` on average for windows half a tile
 wide; a masked fancy index per unit was slower, 2.5x at 4 x 4 windows). A view also
 selected along unpatched axes (levels of a patched field) works out what each piece's tile
-holds of the selection once per piece, then takes one indexing per pair (measured: 13 of 37
+holds of the selection once per piece, then takes its whole windows a unit at a time as
+above (the listed levels taken from the gathered windows, not from the slot) and the others
+with one indexing per pair (measured before the windows went by unit: 13 of 37
 levels stored whole in each object, 48 x 96 windows of 32 x 64 tiles, batches of 16: 2.0-2.3
 ms per batch from slots that keep the 13 levels, against 11-15 ms when each pair built its
 index arrays over slots that held all 37).
@@ -59,7 +61,7 @@ def gather_windows(
     spans = units.spans(origins)
     path = base.path
     if view.select is not None:  # patched, and selected along other axes
-        _select_windows(out, at.tolist(), chunk, origins, view, units, spans, slots, held)
+        _select_windows(out, at, chunk, origins, view, units, spans, slots, held)
         return len(samples)
     assert held is None, "a view that selects nothing reads slots that hold everything"
     for rows, tile in units.pieces(origins, spans):
@@ -142,7 +144,7 @@ def _whole_windows(
 
 def _select_windows(
     out: np.ndarray,
-    within: list[int],
+    within: np.ndarray,
     chunk: np.ndarray,
     origins: np.ndarray,
     view: ArrayGeometry,
@@ -198,7 +200,7 @@ def _select_windows(
 
 def _copy_piece(
     out: np.ndarray,
-    within: list[int],
+    within: np.ndarray,
     chunk: np.ndarray,
     rows: np.ndarray,
     tile: tuple[np.ndarray, ...],
@@ -211,23 +213,36 @@ def _copy_piece(
     takes: list[tuple[int, np.ndarray]],
 ) -> None:
     """One piece of :func:`_select_windows`: ``src``/``dst`` hold the piece's parts, ``None``
-    along patched axes, filled per row with the window's overlap with the row's tile."""
-    keys = (chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))).tolist()
+    along patched axes, filled per row with the window's overlap with the row's tile (the
+    windows wholly in the tile: per unit, :func:`_whole_selected`)."""
+    keys = chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))
     per_row = [f for f, part in enumerate(src) if part is None]
     lo_hi = []
+    whole = np.ones(len(rows), bool)
     for f in per_row:
         start, stop = spans[f][0][rows], spans[f][1][rows]
         t0 = tile[f] * base.tile_shape[f]
         lo, hi = np.maximum(start, t0), np.minimum(stop, t0 + base.tile_shape[f])
-        lo_hi.append(((lo - t0).tolist(), (hi - t0).tolist(), (lo - start).tolist()))
+        lo_hi.append((lo - t0, hi - t0, lo - start))
+        whole &= hi - lo == stop - start
     at_dst = [i for i, part in enumerate(dst) if part is None]
+    if whole.any():
+        extent = [int(spans[f][1][0] - spans[f][0][0]) for f in per_row]
+        starts = [lo[whole] for lo, _, _ in lo_hi]
+        _whole_selected(out, within, rows[whole], keys[whole], starts, extent, src, dst, takes,
+                        base, slots)  # fmt: skip
+    cut = np.flatnonzero(~whole)  # windows across this tile's edge: pair by pair
+    if not len(cut):
+        return
+    lo_hi = [tuple(a[cut].tolist() for a in part) for part in lo_hi]
     arrays = sum(isinstance(part, np.ndarray) for part in dst)
-    for j, (r, u) in enumerate(zip(rows.tolist(), keys, strict=True)):
+    at = within[rows[cut]].tolist()
+    for j, (r, u) in enumerate(zip(rows[cut].tolist(), keys[cut].tolist(), strict=True)):
         for k, (f, d) in enumerate(zip(per_row, at_dst, strict=True)):
             s_lo, s_hi, d_lo = lo_hi[k]
             src[f] = slice(s_lo[j], s_hi[j])
             dst[d] = slice(d_lo[j], d_lo[j] + s_hi[j] - s_lo[j])
-        piece = slots[(base.path, u)][within[r]][tuple(src)]
+        piece = slots[(base.path, u)][at[j]][tuple(src)]
         for axis, idx in takes:
             piece = np.take(piece, idx, axis=axis)
         if arrays > 1:  # two listed axes out of order: an open mesh, not a broadcast
@@ -235,3 +250,47 @@ def _copy_piece(
             out[r][np.ix_(*mesh)] = piece
         else:
             out[r][tuple(dst)] = piece
+    for f in per_row:
+        src[f] = None  # (the piece's parts as given, for the next caller)
+    for d in at_dst:
+        dst[d] = None
+
+
+def _whole_selected(
+    out: np.ndarray,
+    within: np.ndarray,
+    rows: np.ndarray,
+    keys: np.ndarray,
+    starts: list[np.ndarray],
+    extent: list[int],
+    src: list[Any],
+    dst: list[Any],
+    takes: list[tuple[int, np.ndarray]],
+    base: ArrayGeometry,
+    slots: Mapping[tuple[str, int], np.ndarray],
+) -> None:
+    """The rows of a selected piece whose window lies wholly in its tile (``starts``: where,
+    per patched axis): per unit, one index of the slot's sliding windows, the listed axes'
+    takes, and one assignment into the batch."""
+    kept = [f for f, part in enumerate(src) if not isinstance(part, int)]  # an int drops it
+    patched = [kept.index(f) for f, part in enumerate(src) if part is None]
+    others = [i for i in range(len(kept)) if i not in patched]
+    perm = (0, *(1 + (others + patched).index(i) for i in range(len(kept))))
+    cut = tuple(slice(None) if part is None else part for part in src)
+    box = [slice(None) if part is None else part for part in dst]  # the whole window
+    mesh = any(isinstance(part, np.ndarray) for part in box)
+    axes = tuple(1 + i for i in patched)
+    for pick in _runs(keys):
+        slot = slots[(base.path, int(keys[pick[0]]))][(slice(None), *cut)]
+        windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
+        index = [starts[patched.index(i)][pick] if i in patched else slice(None)
+                 for i in range(len(kept))]  # fmt: skip
+        values = windows[(within[rows[pick]], *index)].transpose(perm)
+        for axis, idx in takes:
+            values = np.take(values, idx, axis=1 + axis)
+        if mesh:  # a listed axis in the window: an open mesh over every axis
+            spans = [np.arange(n)[p] if isinstance(p, slice) else p
+                     for n, p in zip(out.shape[1:], box, strict=True)]  # fmt: skip
+            out[np.ix_(rows[pick], *spans)] = values
+        else:
+            out[(rows[pick], *box)] = values
