@@ -43,6 +43,7 @@ a minute, is below the formula's accuracy for these uses).
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -219,13 +220,53 @@ def _trapezoid(
     return irradiance * total * (seconds / bins)
 
 
+_US_PER_DAY = 86_400 * 1_000_000
+_YEAR_DAYS = {"noleap": 365, "365_day": 365, "all_leap": 366, "366_day": 366, "360_day": 360}
+"""The days of every year in cftime's calendars of one year length."""
+
+_FIELDS = {
+    name: np.frompyfunc(operator.attrgetter(name), 1, 1)
+    for name in ("year", "dayofyr", "hour", "minute", "second", "microsecond")
+}
+"""Per field of a cftime date, a ufunc reading it from every date of an array (the loop and
+the attribute reads in C: no Python per date)."""
+
+
+def _fields(t: np.ndarray, *names: str) -> list[np.ndarray]:
+    """Fields ``names`` of the cftime dates ``t``, as ``int64`` arrays shaped like ``t``."""
+    return [np.asarray(_FIELDS[name](t), dtype=object).astype(np.int64) for name in names]
+
+
+def _year_days(calendar: str, year: np.ndarray) -> np.ndarray:
+    """The days of each date's ``year`` in ``calendar`` (cftime's name), 0 where this does not
+    say (a ``standard`` date in 1582, the year of the reform; a year before 1; a calendar it
+    does not know)."""
+    if calendar in _YEAR_DAYS:
+        return np.full(year.shape, _YEAR_DAYS[calendar], np.int64)
+    julian = year % 4 == 0
+    gregorian = julian & ((year % 100 != 0) | (year % 400 == 0))
+    if calendar == "julian":
+        leap = julian
+    elif calendar == "proleptic_gregorian":
+        leap = gregorian
+    elif calendar in ("standard", "gregorian"):
+        leap = np.where(year < 1582, julian, gregorian)
+    else:
+        return np.zeros(year.shape, np.int64)
+    days = np.where(leap, 366, 365)
+    days[year < 1] = 0
+    if calendar in ("standard", "gregorian"):
+        days[year == 1582] = 0
+    return days
+
+
 def local_time(times: Any, lon: Any) -> np.ndarray:
     """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``. ``times``
     are ``datetime64`` or cftime dates (any calendar: a day has 24 hours in each)."""
     t = np.asarray(times)
     if t.dtype.kind == "O":  # cftime dates: the time of day from their fields
-        seconds = [((d.hour * 60 + d.minute) * 60 + d.second) + d.microsecond / 1e6 for d in t.flat]
-        utc = np.asarray(seconds, dtype=np.float64).reshape(t.shape) / 3600.0
+        hour, minute, second, micro = _fields(t, "hour", "minute", "second", "microsecond")
+        utc = (((hour * 60 + minute) * 60 + second) + micro / 1e6) / 3600.0
     else:
         t = t.astype("datetime64[ns]")
         utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
@@ -234,14 +275,23 @@ def local_time(times: Any, lon: Any) -> np.ndarray:
 
 def year_progress(times: Any) -> np.ndarray:
     """The fraction of the calendar year elapsed at each time, ``[0, 1)``: of the dates' own
-    calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360)."""
+    calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360). cftime
+    dates are read field by field for the whole array at once; only a ``standard`` date of
+    1582 (the reform's year) or before year 1 is counted on its own."""
     t = np.asarray(times)
     if t.dtype.kind == "O":
-        out = []
-        for d in t.flat:
+        if not t.size:
+            return np.zeros(t.shape)
+        year, day, hour, minute, second, micro = _fields(t, *_FIELDS)
+        # microseconds since the year began, over the year's: as the timedelta division rounds
+        seconds = (day - 1) * 86_400 + (hour * 60 + minute) * 60 + second
+        days = _year_days(str(t.reshape(-1)[0].calendar), year)
+        out = (seconds * 1_000_000 + micro) / (np.maximum(days, 1) * _US_PER_DAY)
+        for i in np.flatnonzero(days.reshape(-1) == 0).tolist():  # told by the date itself
+            d = t.reshape(-1)[i]
             start = d.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
-            out.append((d - start) / (start.replace(year=d.year + 1) - start))
-        return np.asarray(out, dtype=np.float64).reshape(t.shape)
+            out.reshape(-1)[i] = (d - start) / (start.replace(year=d.year + 1) - start)
+        return np.asarray(out, dtype=np.float64)
     t = t.astype("datetime64[ns]")
     year = t.astype("datetime64[Y]")
     start = year.astype("datetime64[ns]")

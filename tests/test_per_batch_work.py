@@ -43,9 +43,10 @@ DECODE_THREADS = 2
 TISR = "toa_incident_solar_radiation"
 
 
-def _write(root: Path, spc: int, hours: int) -> Path:
+def _write(root: Path, spc: int, hours: int, calendar: str = "standard") -> Path:
     """An ERA5-like store of ``N_CHUNKS`` chunks of ``spc`` samples: ``t2m`` (time, 4, 8),
-    ``z`` (time, 3 levels, 4, 8), a static ``lsm`` (4, 8), CF time from ``hours``."""
+    ``z`` (time, 3 levels, 4, 8), a static ``lsm`` (4, 8), CF time from ``hours`` in
+    ``calendar``."""
     n = N_CHUNKS * spc
     rng = np.random.default_rng(spc)
     group = zarr.open_group(root, mode="w")
@@ -59,7 +60,7 @@ def _write(root: Path, spc: int, hours: int) -> Path:
         return a
 
     t = array("time", hours + np.arange(n, dtype=np.int64), ("time",))
-    t.attrs.update(units="hours since 2000-01-01", calendar="standard")
+    t.attrs.update(units="hours since 2000-01-01", calendar=calendar)
     array("lat", np.linspace(-60, 60, 4), ("lat",))
     array("lon", np.arange(8) * 45.0, ("lon",))
     array("level", np.array([1000, 500, 250]), ("level",))
@@ -71,10 +72,15 @@ def _write(root: Path, spc: int, hours: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Path]]:
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Path, Path]]:
+    """Per size: a store, a second one with later times, one in the ``noleap`` calendar."""
     base = tmp_path_factory.mktemp("per_batch")
     return {
-        spc: (_write(base / f"a{spc}.zarr", spc, 0), _write(base / f"b{spc}.zarr", spc, 10**6))
+        spc: (
+            _write(base / f"a{spc}.zarr", spc, 0),
+            _write(base / f"b{spc}.zarr", spc, 10**6),
+            _write(base / f"n{spc}.zarr", spc, 0, "noleap"),
+        )
         for spc in SIZES
     }
 
@@ -130,10 +136,10 @@ def tally() -> Iterator[_Tally]:
         _trace_pool_threads(None)
 
 
-Case = Callable[[Path, Path], tuple[Any, Any, dict[str, Any], dict[str, Any]]]
+Case = Callable[[Path, Path, Path], tuple[Any, Any, dict[str, Any], dict[str, Any]]]
 
 
-def _main(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+def _main(root: Path, *_: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     g = open_geometries(root)
     t2m, z, lsm = g["t2m"], g["z"], g["lsm"]
     manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
@@ -149,7 +155,7 @@ def _main(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]
     return root, manifest, views, {}
 
 
-def _stacks(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+def _stacks(root: Path, *_: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     g = open_geometries(root)
     t2m, z = g["t2m"], g["z"]
     manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
@@ -165,7 +171,7 @@ def _stacks(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, An
     return root, manifest, views, {"batch_transforms": [forcings]}
 
 
-def _patches(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+def _patches(root: Path, *_: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     g = open_geometries(root)
     t2m, z = g["t2m"], g["z"]
     manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
@@ -177,11 +183,21 @@ def _patches(root: Path, _: Path) -> tuple[Any, Any, dict[str, Any], dict[str, A
     return root, manifest, views, {}
 
 
-def _collection(root: Path, other: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+def _collection(
+    root: Path, other: Path, _: Path
+) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
     coll = Collection.from_arrays([(root, "t2m"), (other, "t2m")], sample_axis="time")
     manifest = split_by_member(coll, {"train": 1.0})
     views = {"x": coll["data"], "w": coll["data"].window([-1, 0])}
     return coll, manifest, views, {"coords": ["time"]}
+
+
+def _calendar(*roots: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
+    root = roots[2]
+    t2m = open_geometries(root)["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    forcings = Forcings("x", view=t2m, names=["year_progress_sin", "local_time_cos"])
+    return root, manifest, {"x": t2m.window([-1, 0])}, {"batch_transforms": [forcings]}
 
 
 CASES: dict[str, Case] = {
@@ -189,10 +205,11 @@ CASES: dict[str, Case] = {
     "stacks normalised, of windows, with forcings; forcings": _stacks,
     "patches (windows of a field), of windows, of selected levels": _patches,
     "a collection with its members' times": _collection,
+    "cftime dates (noleap): coordinates, calendar forcings": _calendar,
 }
 
 
-def _per_batch(tally: _Tally, case: Case, roots: tuple[Path, Path], spc: int) -> Counter[Any]:
+def _per_batch(tally: _Tally, case: Case, roots: tuple[Path, Path, Path], spc: int) -> Counter[Any]:
     """The Python lines and calls of one epoch (from its first ``next`` to its end) per batch,
     by code object, leaving out the waits (the standard library's threads, queues and event
     loop: their count follows time spent waiting, not work)."""
@@ -216,7 +233,7 @@ def _per_batch(tally: _Tally, case: Case, roots: tuple[Path, Path], spc: int) ->
 
 
 def test_python_work_per_batch_does_not_grow_with_the_samples_in_it(
-    stores: dict[int, tuple[Path, Path]], tally: _Tally
+    stores: dict[int, tuple[Path, Path, Path]], tally: _Tally
 ) -> None:
     grown = []
     for name, case in CASES.items():
