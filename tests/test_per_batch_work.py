@@ -106,18 +106,18 @@ class _Tally:
         return self._line
 
 
-def _trace_pool_threads(tracer: Any) -> None:
-    """Set ``tracer`` (or none) on the IO loop's thread and on each decode thread (they exist
-    before the pipeline: ``threading.settrace`` reaches only threads started after it)."""
+def _on_pool_threads(call: Callable[[threading.Thread], None]) -> None:
+    """Run ``call(thread)`` on the IO loop's thread and on each decode thread: they exist before
+    the pipeline, and ``threading.settrace`` reaches only threads started after it."""
     done = threading.Event()
-    _runtime.io_loop().call_soon_threadsafe(lambda: (sys.settrace(tracer), done.set()))
-    pool = _runtime.decode_pool(DECODE_THREADS)
+    _runtime.io_loop().call_soon_threadsafe(lambda: (call(threading.current_thread()), done.set()))
     barrier = threading.Barrier(DECODE_THREADS)  # each thread takes exactly one job
 
     def job() -> None:
-        sys.settrace(tracer)
+        call(threading.current_thread())
         barrier.wait(timeout=10)
 
+    pool = _runtime.decode_pool(DECODE_THREADS)
     for f in [pool.submit(-1, job) for _ in range(DECODE_THREADS)]:
         f.result(timeout=10)
     assert done.wait(10)
@@ -125,15 +125,24 @@ def _trace_pool_threads(tracer: Any) -> None:
 
 @pytest.fixture
 def tally() -> Iterator[_Tally]:
+    """A tally tracing the pipeline's threads; each thread's tracer (coverage's, say) is put
+    back after."""
     t = _Tally()
+    before: dict[threading.Thread, Any] = {}
+
+    def trace(thread: threading.Thread) -> None:
+        before[thread] = sys.gettrace()
+        sys.settrace(t)
+
+    new_threads = threading.gettrace()
     threading.settrace(t)
-    _trace_pool_threads(t)
+    _on_pool_threads(trace)
     try:
         yield t
     finally:
         t.on = False
-        threading.settrace(None)  # type: ignore[arg-type]
-        _trace_pool_threads(None)
+        threading.settrace(new_threads)  # type: ignore[arg-type]
+        _on_pool_threads(lambda thread: sys.settrace(before.get(thread)))
 
 
 Case = Callable[[Path, Path, Path], tuple[Any, Any, dict[str, Any], dict[str, Any]]]
