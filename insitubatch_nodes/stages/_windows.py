@@ -1,23 +1,26 @@
 """Assembling patches: each row's window copied out of the tiles it touches.
 
 A patched array's slots hold one stored tile each (a *unit*, see
-:mod:`~insitubatch_nodes.plan.patches`). The windows that lie wholly in one tile are taken a
-unit at a time: one index of the slot's sliding windows (a view, no copy) for all the rows
-that read it, and one assignment into the batch, so their Python work is per unit, not per
-row (windows of (2, 4) out of (4, 8) fields: 71,000 Python lines per batch of 4,096 rows
-before, 1,500 now, as for 64 rows). A window that straddles tile edges is put
-together from up to ``2 ** n_patch_axes`` of them (more when the window is larger than a
-tile): one rectangle copy per ``(row, tile)`` pair. The rectangles are worked out for the
-whole batch at once in numpy; Python then issues one slice assignment per pair (about a
-microsecond each, against a copy of ``tile_bytes / 4`` on average for windows half a tile
-wide; a masked fancy index per unit was slower, 2.5x at 4 x 4 windows). A view also
+:mod:`~insitubatch_nodes.plan.patches`). A window that straddles tile edges is put together
+from up to ``2 ** n_patch_axes`` of them (more when the window is larger than a tile): one
+rectangle per ``(row, tile)`` pair, worked out for the whole batch at once in numpy. Rows
+that read one unit *alike* — the same rectangle shape at the same place in the window: every
+window wholly in the tile, or cut by its edge at the same place — are copied together,
+:data:`ALIKE_ROWS` or more at a time: one index of the slot's sliding windows (a view, no
+copy) of the rectangle's shape for all of them, one assignment into the batch. So the Python
+work is per (unit, rectangle shape), bounded by the tiles and the window's extent whatever
+the batch's rows: (2, 4) windows of (4, 8) fields cost 71,000 Python lines per batch of
+4,096 rows when each pair was a slice assignment, 1,500 now, as for 64 rows; (2, 3) windows
+across (2, 4) tiles 128,000 and 3,300. Rows in smaller groups still take one slice
+assignment per pair (about a microsecond each, cheaper than a group's numpy calls for a
+handful of rows; a masked fancy index per unit was slower still). A view also
 selected along unpatched axes (levels of a patched field) works out what each piece's tile
-holds of the selection once per piece, then takes its whole windows a unit at a time as
-above (the listed levels taken from the gathered windows, not from the slot) and the others
-with one indexing per pair (measured before the windows went by unit: 13 of 37
-levels stored whole in each object, 48 x 96 windows of 32 x 64 tiles, batches of 16: 2.0-2.3
-ms per batch from slots that keep the 13 levels, against 11-15 ms when each pair built its
-index arrays over slots that held all 37).
+holds of the selection once per piece, then takes the windows wholly in a tile a unit at a
+time, however few (the listed levels taken from the gathered windows, not from the slot), and
+those across a tile's edge with one indexing per pair (measured before the windows went by
+unit: 13 of 37 levels stored whole in each object, 48 x 96 windows of 32 x 64 tiles, batches
+of 16: 2.0-2.3 ms per batch from slots that keep the 13 levels, against 11-15 ms when each
+pair built its index arrays over slots that held all 37).
 """
 
 from __future__ import annotations
@@ -31,7 +34,13 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held
 from insitubatch_nodes.plan.patches import WindowUnits
 
-__all__ = ["gather_windows"]
+__all__ = ["ALIKE_ROWS", "gather_windows"]
+
+ALIKE_ROWS = 8
+"""Rows that read one unit alike are gathered together when there are at least this many: a
+group's numpy calls (the sliding windows, the index, the assignment) cost about as much as
+eight rows' slice copies one by one (about 1.5 us each; a group of two or three cost 2-3x the
+pair-by-pair time per row on 64 x 64 tiles)."""
 
 
 def gather_windows(
@@ -77,14 +86,8 @@ def gather_windows(
             src_hi.append(hi - t0)
             dst_lo.append(lo - start[rows])
         k = len(tile)
-        whole = np.ones(len(rows), bool)  # the rows whose window lies in this tile
-        for f, (start, stop) in enumerate(spans):
-            if units.patched(f):
-                whole &= src_hi[f] - src_lo[f] == stop[rows] - start[rows]
-        if whole.any():
-            lo_s, hi_s, lo_d = ([a[whole] for a in part] for part in (src_lo, src_hi, dst_lo))
-            _whole_windows(out, at, rows[whole], keys[whole], lo_s, hi_s, lo_d, units, base, slots)
-        cut = np.flatnonzero(~whole)  # windows across this tile's edge
+        # rows alike (one unit, one overlap with it) a group at a time; the others pair by pair
+        cut = _alike_windows(out, at, rows, keys, src_lo, src_hi, dst_lo, units, base, slots)
         if not len(cut):
             continue
         s_lo, s_hi, d_lo = ([a[cut].tolist() for a in part] for part in (src_lo, src_hi, dst_lo))
@@ -107,7 +110,7 @@ def _runs(keys: np.ndarray) -> Iterator[np.ndarray]:
         yield order[lo:hi]
 
 
-def _whole_windows(
+def _alike_windows(
     out: np.ndarray,
     within: np.ndarray,
     rows: np.ndarray,
@@ -118,14 +121,16 @@ def _whole_windows(
     units: WindowUnits,
     base: ArrayGeometry,
     slots: Mapping[tuple[str, int], np.ndarray],
-) -> None:
-    """The rows of a piece whose window lies wholly in its tile: per unit, one index of the
-    slot's sliding windows (a view) takes every row's window, and one assignment puts them in
-    the batch."""
+) -> np.ndarray:
+    """The rows of a piece that read one unit alike — the same overlap with the tile along
+    every patched axis (a window wholly in it, or cut by its edge at the same place) —
+    :data:`ALIKE_ROWS` or more at a time: per such group, one index of the slot's sliding
+    windows (a view) of the overlap's shape takes every row's part, and one assignment puts
+    them in the batch. The positions (in ``rows``) of the rows in smaller groups, left to copy
+    one by one."""
     k = len(src_lo)
     patched = [f for f in range(k) if units.patched(f)]
     others = [f for f in range(k) if not units.patched(f)]
-    extent = tuple(int(src_hi[f][0] - src_lo[f][0]) for f in patched)
     # the index gives (rows, *other axes, *window axes): back to the field's order
     perm = (0, *(1 + (others + patched).index(f) for f in range(k)))
     # along an unpatched axis every row of the piece takes the same part of the tile
@@ -134,12 +139,28 @@ def _whole_windows(
     d_part = [slice(None) if f in patched else slice(int(dst_lo[f][0]),
               int(dst_lo[f][0] + src_hi[f][0] - src_lo[f][0])) for f in range(k)]  # fmt: skip
     axes = tuple(1 + f for f in patched)
-    for pick in _runs(keys):
-        slot = slots[(base.path, int(keys[pick[0]]))][(slice(None), *s_part)]
+    # one row per (row, overlap): the unit, then the overlap's length and place per axis
+    alike = np.stack([keys, *(src_hi[f] - src_lo[f] for f in patched),
+                      *(dst_lo[f] for f in patched)], axis=1)  # fmt: skip
+    order = np.lexsort(alike.T[::-1])
+    ordered = alike[order]
+    bounds = np.flatnonzero(np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1), True])
+    sizes = np.diff(bounds)
+    groups = sizes >= ALIKE_ROWS
+    for lo, hi in zip(bounds[:-1][groups].tolist(), bounds[1:][groups].tolist(), strict=True):
+        pick = order[lo:hi]
+        key, *shape = ordered[lo].tolist()
+        extent, place = shape[: len(patched)], shape[len(patched) :]
+        slot = slots[(base.path, key)][(slice(None), *s_part)]
         windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
         index = [src_lo[f][pick] if f in patched else slice(None) for f in range(k)]
+        box = list(d_part)
+        for f, e, d in zip(patched, extent, place, strict=True):
+            box[f] = slice(d, d + e)
         values = windows[(within[rows[pick]], *index)]
-        out[(rows[pick], *d_part)] = values.transpose(perm)
+        out[(rows[pick], *box)] = values.transpose(perm)
+    alone = np.repeat(~groups, sizes)  # (in the order of ``ordered``)
+    return np.sort(order[alone])
 
 
 def _select_windows(
