@@ -45,8 +45,9 @@ TISR = "toa_incident_solar_radiation"
 
 def _write(root: Path, spc: int, hours: int, calendar: str = "standard") -> Path:
     """An ERA5-like store of ``N_CHUNKS`` chunks of ``spc`` samples: ``t2m`` (time, 4, 8),
-    ``tiled`` (the same in (2, 4) tiles), ``z`` (time, 3 levels, 4, 8), a static ``lsm`` (4, 8),
-    CF time from ``hours`` in ``calendar``."""
+    ``tiled`` (the same in (2, 4) tiles), ``z`` (time, 3 levels, 4, 8) and ``ztiled`` (the
+    same in (3, 2, 4) tiles), a static ``lsm`` (4, 8), CF time from ``hours`` in
+    ``calendar``."""
     n = N_CHUNKS * spc
     rng = np.random.default_rng(spc)
     group = zarr.open_group(root, mode="w")
@@ -68,6 +69,7 @@ def _write(root: Path, spc: int, hours: int, calendar: str = "standard") -> Path
     array("tiled", rng.standard_normal((n, 4, 8), np.float32), ("time", "lat", "lon"), (spc, 2, 4))
     z = rng.standard_normal((n, 3, 4, 8), np.float32)
     array("z", z, ("time", "level", "lat", "lon"), (spc, 3, 4, 8))
+    array("ztiled", z, ("time", "level", "lat", "lon"), (spc, 3, 2, 4))
     array("lsm", rng.standard_normal((4, 8), np.float32), ("lat", "lon"))
     return root
 
@@ -194,9 +196,11 @@ def _patches(root: Path, *_: Path) -> tuple[Any, Any, dict[str, Any], dict[str, 
 
 
 def _tiles(root: Path, *_: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
-    tiled = open_geometries(root)["tiled"]  # (4, 8) fields stored in (2, 4) tiles
+    g = open_geometries(root)
+    tiled, levels = g["tiled"], g["ztiled"].isel(level=[2, 0])  # (4, 8) fields in (2, 4) tiles
     manifest = split_by_chunk(tiled, (1.0, 0.0, 0.0))
-    views = {"p": tiled.patches({"lat": 2, "lon": 3}, origins="random", per_tile=4)}
+    patches = {"extent": {"lat": 2, "lon": 3}, "origins": "random", "per_tile": 4}
+    views = {"p": tiled.patches(**patches), "levels": levels.patches(**patches)}
     return root, manifest, views, {"coords": ()}
 
 
@@ -221,7 +225,7 @@ CASES: dict[str, Case] = {
     "views, selections, static fields, a stack, coordinates": _main,
     "stacks normalised, of windows, with forcings; forcings": _stacks,
     "patches (windows of a field), of windows, of selected levels": _patches,
-    "patches across tile edges": _tiles,
+    "patches across tile edges, of selected levels": _tiles,
     "a collection with its members' times": _collection,
     "cftime dates (noleap): coordinates, calendar forcings": _calendar,
 }

@@ -15,17 +15,17 @@ across (2, 4) tiles 128,000 and 3,300. Rows in smaller groups still take one sli
 assignment per pair (about a microsecond each, cheaper than a group's numpy calls for a
 handful of rows; a masked fancy index per unit was slower still). A view also
 selected along unpatched axes (levels of a patched field) works out what each piece's tile
-holds of the selection once per piece, then takes the windows wholly in a tile a unit at a
-time, however few (the listed levels taken from the gathered windows, not from the slot), and
-those across a tile's edge with one indexing per pair (measured before the windows went by
-unit: 13 of 37 levels stored whole in each object, 48 x 96 windows of 32 x 64 tiles, batches
-of 16: 2.0-2.3 ms per batch from slots that keep the 13 levels, against 11-15 ms when each
-pair built its index arrays over slots that held all 37).
+holds of the selection once per piece, then takes rows alike a group at a time as above
+(the listed levels taken from the gathered windows, not from the slot), and the others with
+one indexing per pair (measured before the windows went by group: 13 of 37 levels stored
+whole in each object, 48 x 96 windows of 32 x 64 tiles, batches of 16: 2.0-2.3 ms per batch
+from slots that keep the 13 levels, against 11-15 ms when each pair built its index arrays
+over slots that held all 37).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -102,12 +102,25 @@ def gather_windows(
     return len(samples)
 
 
-def _runs(keys: np.ndarray) -> Iterator[np.ndarray]:
-    """The positions of each distinct value of ``keys``, one array per value."""
-    order = np.argsort(keys, kind="stable")
-    cuts = (np.flatnonzero(np.diff(keys[order])) + 1).tolist()
-    for lo, hi in zip([0, *cuts], [*cuts, len(keys)], strict=True):
-        yield order[lo:hi]
+def _alike(
+    keys: np.ndarray, lengths: list[np.ndarray], places: list[np.ndarray]
+) -> tuple[list[tuple[np.ndarray, int, list[int], list[int]]], np.ndarray]:
+    """Rows that read one unit alike (the same ``keys``, and per patched axis the same
+    rectangle length and place in the window), in groups of :data:`ALIKE_ROWS` or more: per
+    group its positions, unit key, lengths and places; and the positions of the other rows,
+    ascending."""
+    alike = np.stack([keys, *lengths, *places], axis=1)
+    order = np.lexsort(alike.T[::-1])
+    ordered = alike[order]
+    bounds = np.flatnonzero(np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1), True])
+    sizes = np.diff(bounds)
+    big = sizes >= ALIKE_ROWS
+    k = len(lengths)
+    groups = []
+    for lo, hi in zip(bounds[:-1][big].tolist(), bounds[1:][big].tolist(), strict=True):
+        key, *shape = ordered[lo].tolist()
+        groups.append((order[lo:hi], key, shape[:k], shape[k:]))
+    return groups, np.sort(order[np.repeat(~big, sizes)])
 
 
 def _alike_windows(
@@ -139,18 +152,9 @@ def _alike_windows(
     d_part = [slice(None) if f in patched else slice(int(dst_lo[f][0]),
               int(dst_lo[f][0] + src_hi[f][0] - src_lo[f][0])) for f in range(k)]  # fmt: skip
     axes = tuple(1 + f for f in patched)
-    # one row per (row, overlap): the unit, then the overlap's length and place per axis
-    alike = np.stack([keys, *(src_hi[f] - src_lo[f] for f in patched),
-                      *(dst_lo[f] for f in patched)], axis=1)  # fmt: skip
-    order = np.lexsort(alike.T[::-1])
-    ordered = alike[order]
-    bounds = np.flatnonzero(np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1), True])
-    sizes = np.diff(bounds)
-    groups = sizes >= ALIKE_ROWS
-    for lo, hi in zip(bounds[:-1][groups].tolist(), bounds[1:][groups].tolist(), strict=True):
-        pick = order[lo:hi]
-        key, *shape = ordered[lo].tolist()
-        extent, place = shape[: len(patched)], shape[len(patched) :]
+    lengths = [src_hi[f] - src_lo[f] for f in patched]
+    groups, alone = _alike(keys, lengths, [dst_lo[f] for f in patched])
+    for pick, key, extent, place in groups:
         slot = slots[(base.path, key)][(slice(None), *s_part)]
         windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
         index = [src_lo[f][pick] if f in patched else slice(None) for f in range(k)]
@@ -159,8 +163,7 @@ def _alike_windows(
             box[f] = slice(d, d + e)
         values = windows[(within[rows[pick]], *index)]
         out[(rows[pick], *box)] = values.transpose(perm)
-    alone = np.repeat(~groups, sizes)  # (in the order of ``ordered``)
-    return np.sort(order[alone])
+    return alone
 
 
 def _select_windows(
@@ -234,25 +237,19 @@ def _copy_piece(
     takes: list[tuple[int, np.ndarray]],
 ) -> None:
     """One piece of :func:`_select_windows`: ``src``/``dst`` hold the piece's parts, ``None``
-    along patched axes, filled per row with the window's overlap with the row's tile (the
-    windows wholly in the tile: per unit, :func:`_whole_selected`)."""
+    along patched axes, filled per row with the window's overlap with the row's tile (rows
+    alike a group at a time: :func:`_alike_selected`)."""
     keys = chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))
     per_row = [f for f, part in enumerate(src) if part is None]
     lo_hi = []
-    whole = np.ones(len(rows), bool)
     for f in per_row:
         start, stop = spans[f][0][rows], spans[f][1][rows]
         t0 = tile[f] * base.tile_shape[f]
         lo, hi = np.maximum(start, t0), np.minimum(stop, t0 + base.tile_shape[f])
         lo_hi.append((lo - t0, hi - t0, lo - start))
-        whole &= hi - lo == stop - start
     at_dst = [i for i, part in enumerate(dst) if part is None]
-    if whole.any():
-        extent = [int(spans[f][1][0] - spans[f][0][0]) for f in per_row]
-        starts = [lo[whole] for lo, _, _ in lo_hi]
-        _whole_selected(out, within, rows[whole], keys[whole], starts, extent, src, dst, takes,
-                        base, slots)  # fmt: skip
-    cut = np.flatnonzero(~whole)  # windows across this tile's edge: pair by pair
+    # rows alike (one unit, one overlap with it) a group at a time; the others pair by pair
+    cut = _alike_selected(out, within, rows, keys, lo_hi, src, dst, takes, base, slots)
     if not len(cut):
         return
     lo_hi = [tuple(a[cut].tolist() for a in part) for part in lo_hi]
@@ -277,41 +274,47 @@ def _copy_piece(
         dst[d] = None
 
 
-def _whole_selected(
+def _alike_selected(
     out: np.ndarray,
     within: np.ndarray,
     rows: np.ndarray,
     keys: np.ndarray,
-    starts: list[np.ndarray],
-    extent: list[int],
+    lo_hi: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
     src: list[Any],
     dst: list[Any],
     takes: list[tuple[int, np.ndarray]],
     base: ArrayGeometry,
     slots: Mapping[tuple[str, int], np.ndarray],
-) -> None:
-    """The rows of a selected piece whose window lies wholly in its tile (``starts``: where,
-    per patched axis): per unit, one index of the slot's sliding windows, the listed axes'
-    takes, and one assignment into the batch."""
+) -> np.ndarray:
+    """:func:`_alike_windows` for a selected piece (``lo_hi``: per patched axis, each row's
+    rectangle in the tile and its place in the window): per group, one index of the selected
+    slot's sliding windows, the listed axes' takes on what it took, and one assignment into
+    the batch. The positions of the rows left to copy one by one."""
     kept = [f for f, part in enumerate(src) if not isinstance(part, int)]  # an int drops it
     patched = [kept.index(f) for f, part in enumerate(src) if part is None]
     others = [i for i in range(len(kept)) if i not in patched]
     perm = (0, *(1 + (others + patched).index(i) for i in range(len(kept))))
     cut = tuple(slice(None) if part is None else part for part in src)
-    box = [slice(None) if part is None else part for part in dst]  # the whole window
-    mesh = any(isinstance(part, np.ndarray) for part in box)
+    at_dst = [i for i, part in enumerate(dst) if part is None]
+    mesh = any(isinstance(part, np.ndarray) for part in dst)
     axes = tuple(1 + i for i in patched)
-    for pick in _runs(keys):
-        slot = slots[(base.path, int(keys[pick[0]]))][(slice(None), *cut)]
+    lengths = [hi - lo for lo, hi, _ in lo_hi]
+    groups, alone = _alike(keys, lengths, [place for _, _, place in lo_hi])
+    for pick, key, extent, place in groups:
+        slot = slots[(base.path, key)][(slice(None), *cut)]
         windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
-        index = [starts[patched.index(i)][pick] if i in patched else slice(None)
+        index = [lo_hi[patched.index(i)][0][pick] if i in patched else slice(None)
                  for i in range(len(kept))]  # fmt: skip
         values = windows[(within[rows[pick]], *index)].transpose(perm)
         for axis, idx in takes:
             values = np.take(values, idx, axis=1 + axis)
+        box = list(dst)
+        for d, e, p in zip(at_dst, extent, place, strict=True):
+            box[d] = slice(p, p + e)
         if mesh:  # a listed axis in the window: an open mesh over every axis
             spans = [np.arange(n)[p] if isinstance(p, slice) else p
                      for n, p in zip(out.shape[1:], box, strict=True)]  # fmt: skip
             out[np.ix_(rows[pick], *spans)] = values
         else:
             out[(rows[pick], *box)] = values
+    return alone
