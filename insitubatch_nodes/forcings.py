@@ -43,8 +43,9 @@ a minute, is below the formula's accuracy for these uses).
 from __future__ import annotations
 
 import math
+import operator
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -219,13 +220,53 @@ def _trapezoid(
     return irradiance * total * (seconds / bins)
 
 
+_US_PER_DAY = 86_400 * 1_000_000
+_YEAR_DAYS = {"noleap": 365, "365_day": 365, "all_leap": 366, "366_day": 366, "360_day": 360}
+"""The days of every year in cftime's calendars of one year length."""
+
+_FIELDS = {
+    name: np.frompyfunc(operator.attrgetter(name), 1, 1)
+    for name in ("year", "dayofyr", "hour", "minute", "second", "microsecond")
+}
+"""Per field of a cftime date, a ufunc reading it from every date of an array (the loop and
+the attribute reads in C: no Python per date)."""
+
+
+def _fields(t: np.ndarray, *names: str) -> list[np.ndarray]:
+    """Fields ``names`` of the cftime dates ``t``, as ``int64`` arrays shaped like ``t``."""
+    return [np.asarray(_FIELDS[name](t), dtype=object).astype(np.int64) for name in names]
+
+
+def _year_days(calendar: str, year: np.ndarray) -> np.ndarray:
+    """The days of each date's ``year`` in ``calendar`` (cftime's name), 0 where this does not
+    say (a ``standard`` date in 1582, the year of the reform; a year before 1; a calendar it
+    does not know)."""
+    if calendar in _YEAR_DAYS:
+        return np.full(year.shape, _YEAR_DAYS[calendar], np.int64)
+    julian = year % 4 == 0
+    gregorian = julian & ((year % 100 != 0) | (year % 400 == 0))
+    if calendar == "julian":
+        leap = julian
+    elif calendar == "proleptic_gregorian":
+        leap = gregorian
+    elif calendar in ("standard", "gregorian"):
+        leap = np.where(year < 1582, julian, gregorian)
+    else:
+        return np.zeros(year.shape, np.int64)
+    days = np.where(leap, 366, 365)
+    days[year < 1] = 0
+    if calendar in ("standard", "gregorian"):
+        days[year == 1582] = 0
+    return days
+
+
 def local_time(times: Any, lon: Any) -> np.ndarray:
     """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``. ``times``
     are ``datetime64`` or cftime dates (any calendar: a day has 24 hours in each)."""
     t = np.asarray(times)
     if t.dtype.kind == "O":  # cftime dates: the time of day from their fields
-        seconds = [((d.hour * 60 + d.minute) * 60 + d.second) + d.microsecond / 1e6 for d in t.flat]
-        utc = np.asarray(seconds, dtype=np.float64).reshape(t.shape) / 3600.0
+        hour, minute, second, micro = _fields(t, "hour", "minute", "second", "microsecond")
+        utc = (((hour * 60 + minute) * 60 + second) + micro / 1e6) / 3600.0
     else:
         t = t.astype("datetime64[ns]")
         utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
@@ -234,14 +275,23 @@ def local_time(times: Any, lon: Any) -> np.ndarray:
 
 def year_progress(times: Any) -> np.ndarray:
     """The fraction of the calendar year elapsed at each time, ``[0, 1)``: of the dates' own
-    calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360)."""
+    calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360). cftime
+    dates are read field by field for the whole array at once; only a ``standard`` date of
+    1582 (the reform's year) or before year 1 is counted on its own."""
     t = np.asarray(times)
     if t.dtype.kind == "O":
-        out = []
-        for d in t.flat:
+        if not t.size:
+            return np.zeros(t.shape)
+        year, day, hour, minute, second, micro = _fields(t, *_FIELDS)
+        # microseconds since the year began, over the year's: as the timedelta division rounds
+        seconds = (day - 1) * 86_400 + (hour * 60 + minute) * 60 + second
+        days = _year_days(str(t.reshape(-1)[0].calendar), year)
+        out = (seconds * 1_000_000 + micro) / (np.maximum(days, 1) * _US_PER_DAY)
+        for i in np.flatnonzero(days.reshape(-1) == 0).tolist():  # told by the date itself
+            d = t.reshape(-1)[i]
             start = d.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
-            out.append((d - start) / (start.replace(year=d.year + 1) - start))
-        return np.asarray(out, dtype=np.float64).reshape(t.shape)
+            out.reshape(-1)[i] = (d - start) / (start.replace(year=d.year + 1) - start)
+        return np.asarray(out, dtype=np.float64)
     t = t.astype("datetime64[ns]")
     year = t.astype("datetime64[Y]")
     start = year.astype("datetime64[ns]")
@@ -252,6 +302,69 @@ def year_progress(times: Any) -> np.ndarray:
 MEMO_BYTES = 64 * 2**20
 """The fields one :class:`Forcings` remembers, at most (bytes): 64 MiB holds 2,048 times of
 one forcing on a 64 x 128 grid, 16 on ERA5's 0.25° grid."""
+
+
+class _Memo:
+    """The fields of up to :data:`MEMO_BYTES` of times, held as one table per forcing and found
+    by a sorted index of the times: a batch's lookups and additions are a few numpy calls
+    whatever its rows (a dict per time cost Python per row: 190,000 lines a batch of 4,096
+    rows). A full memo forgets its oldest times first (each new time takes the slot of the
+    oldest)."""
+
+    def __init__(self, names: Sequence[str], grid: tuple[int, int]) -> None:
+        self.names = tuple(names)
+        self.grid = grid
+        per_time = max(1, len(self.names) * grid[0] * grid[1] * 4)
+        self.capacity = max(1, MEMO_BYTES // per_time)  # at least one time, as before
+        self.keys = np.empty(0, np.int64)  # the time in each slot
+        self.fields = {name: np.empty((0, *grid), np.float32) for name in self.names}
+        self.oldest = 0  # once full: the slot the next new time takes
+        self._sorted = np.empty(0, np.int64)  # the times in order, and their slots
+        self._slots = np.empty(0, np.intp)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """The slot of each of ``keys`` (sorted, distinct), ``-1`` where it is not held."""
+        if not len(self._sorted):
+            return np.full(len(keys), -1, np.intp)
+        at = np.minimum(np.searchsorted(self._sorted, keys), len(self._sorted) - 1)
+        return np.where(self._sorted[at] == keys, self._slots[at], -1)
+
+    def add(self, keys: np.ndarray, fields: Mapping[str, np.ndarray]) -> None:
+        """Remember ``fields`` (``{name: (len(keys), *grid)}``) of ``keys`` (sorted, distinct,
+        held ones are skipped): the last of them, in order, where they are more than it
+        holds."""
+        new = self.find(keys) < 0  # (another thread may have added some meanwhile)
+        keys, fields = keys[new], {name: v[new] for name, v in fields.items()}
+        keep = min(len(keys), self.capacity)
+        keys = keys[len(keys) - keep :]
+        grow = min(self.capacity - len(self.keys), keep)
+        if grow > 0:  # not full: new slots at the end (the tables at least double)
+            size = min(self.capacity, max(len(self.keys) + grow, 2 * len(self.keys)))
+            self.fields = {
+                name: np.concatenate([t, np.empty((size - len(t), *self.grid), np.float32)])
+                if size > len(t) else t
+                for name, t in self.fields.items()
+            }  # fmt: skip
+        n = len(self.keys)
+        slots = np.concatenate(
+            [np.arange(n, n + grow), (self.oldest + np.arange(keep - grow)) % self.capacity]
+        ).astype(np.intp)
+        if keep > grow:
+            self.oldest = int(slots[-1] + 1) % self.capacity
+        for name in self.names:
+            self.fields[name][slots] = fields[name][len(fields[name]) - keep :]
+        forgotten = slots[slots < n]
+        self.keys = np.concatenate([self.keys, np.empty(grow, np.int64)])
+        self.keys[slots] = keys
+        held = np.ones(len(self._sorted), bool)
+        if len(forgotten):  # their old times leave the index
+            held[np.isin(self._slots, forgotten)] = False
+        at = np.searchsorted(self._sorted[held], keys)  # both sorted: a merge
+        self._sorted = np.insert(self._sorted[held], at, keys)
+        self._slots = np.insert(self._slots[held], at, slots)
 
 
 class Forcings:
@@ -311,9 +424,8 @@ class Forcings:
         self.period = _period(period)
         self.bins = None if bins is None else int(bins)
         self.irradiance = float(irradiance)
-        #: time (ns since the epoch) -> {name: (n_lat, n_lon) float32}, oldest first
-        self._memo: dict[int, dict[str, np.ndarray]] = {}
-        self._memo_bytes = 0
+        #: the fields of the times computed so far (ns since the epoch), oldest forgotten first
+        self._memo = _Memo(self.names, (len(self.lat), len(self.lon)))
         self._lock = threading.Lock()
 
     def compute(self, times: Any) -> dict[str, np.ndarray]:
@@ -328,34 +440,28 @@ class Forcings:
             return self._compute(times)  # (it says what is wrong with them)
         keys = times.astype("datetime64[ns]").view(np.int64).ravel()
         distinct, inverse = np.unique(keys, return_inverse=True)
-        with self._lock:
-            known = [self._memo.get(k) for k in distinct.tolist()]
-        new = [i for i, fields in enumerate(known) if fields is None]
-        if new:
-            fresh = self._compute(distinct[new].view("datetime64[ns]"))
-            with self._lock:
-                for j, i in enumerate(new):
-                    known[i] = fields = {name: v[j].copy() for name, v in fresh.items()}
-                    self._remember(int(distinct[i]), fields)
         shape = (*times.shape, len(self.lat), len(self.lon))
-        out = {}
-        for name in self.names:
-            table = np.stack([fields[name] for fields in known])  # type: ignore[index]
-            out[name] = np.take(table, inverse.ravel(), axis=0).reshape(shape)
-        return out
-
-    def _remember(self, key: int, fields: dict[str, np.ndarray]) -> None:
-        if key in self._memo:
-            return
-        self._memo[key] = fields
-        self._memo_bytes += sum(v.nbytes for v in fields.values())
-        while self._memo_bytes > MEMO_BYTES and len(self._memo) > 1:
-            oldest = next(iter(self._memo))
-            self._memo_bytes -= sum(v.nbytes for v in self._memo.pop(oldest).values())
+        table = {name: np.empty((len(distinct), *shape[-2:]), np.float32) for name in self.names}
+        with self._lock:
+            slots = self._memo.find(distinct)
+            known = np.flatnonzero(slots >= 0)
+            for name in self.names:
+                table[name][known] = self._memo.fields[name][slots[known]]
+        new = np.flatnonzero(slots < 0)
+        if len(new):
+            fresh = self._compute(distinct[new].view("datetime64[ns]"))
+            for name in self.names:
+                table[name][new] = fresh[name]
+            with self._lock:
+                self._memo.add(distinct[new], fresh)
+        return {
+            name: np.take(table[name], inverse.ravel(), axis=0).reshape(shape)
+            for name in self.names
+        }
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_memo={}, _memo_bytes=0, _lock=None)
+        state.update(_memo=_Memo(self.names, (len(self.lat), len(self.lon))), _lock=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:

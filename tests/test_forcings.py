@@ -174,7 +174,7 @@ def test_forcings_compute_each_distinct_time_once_and_remember_it_exactly(
         assert first[name].shape == (4, 2, 5, 8) and first[name].dtype == np.float32
         np.testing.assert_array_equal(first[name], fresh[name])
         np.testing.assert_array_equal(again[name], fresh[name][::-1])
-    assert pickle.loads(pickle.dumps(f))._memo == {}, "a pickled copy carries nothing"
+    assert len(pickle.loads(pickle.dumps(f))._memo) == 0, "a pickled copy carries nothing"
     monkeypatch.setattr(forcings, "MEMO_BYTES", 3 * 5 * 8 * 4 * len(FORCINGS))
     small = Forcings("x", lat=lat, lon=lon)
     np.testing.assert_array_equal(

@@ -595,3 +595,24 @@ def test_a_lightning_rollout_that_grows_each_epoch_gets_each_epochs_own_windows_
     per_epoch = [[s for e, s in seen if e == epoch] for epoch in range(3)]
     assert [len(p) for p in per_epoch] == [12, 12, 11]
     assert [set(p) for p in per_epoch] == [{1}, {2}, {3}]
+
+
+@pytest.mark.parametrize("layout", ["plain", "level_major", "big_endian"])
+def test_small_rows_gathered_into_a_strided_step_equal_numpys_take_a_block_at_a_time(
+    layout: str,
+) -> None:
+    from insitubatch_nodes.stages import gather
+
+    rng = np.random.default_rng(1)
+    data = rng.standard_normal((4096, 3, 2, 4)).astype(np.float32)  # 96-byte rows
+    slot = data
+    if layout == "level_major":  # memory (level, sample, ...) seen as (sample, level, ...)
+        slot = np.ascontiguousarray(data.swapaxes(0, 1)).swapaxes(0, 1)
+    elif layout == "big_endian":
+        slot = data.astype(">f4")
+    rows = np.sort(rng.choice(4096, 3000, replace=False))  # more rows than one block holds
+    assert gather.STRIDED_SCRATCH_BYTES < 3000 * 96
+    batch = np.zeros((3000, 2, 3, 2, 4), np.float32)  # (batch, T, *inner): step 1 is strided
+    gather.take_rows(slot, rows, batch[:, 1])
+    np.testing.assert_array_equal(batch[:, 1], data[rows])
+    assert not batch[:, 0].any()

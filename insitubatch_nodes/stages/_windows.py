@@ -3,14 +3,24 @@
 A patched array's slots hold one stored tile each (a *unit*, see
 :mod:`~insitubatch_nodes.plan.patches`). A window that straddles tile edges is put together
 from up to ``2 ** n_patch_axes`` of them (more when the window is larger than a tile): one
-rectangle copy per ``(row, tile)`` pair. The rectangles are worked out for the whole batch at
-once in numpy; Python then issues one slice assignment per pair (about a microsecond each,
-against a copy of ``tile_bytes / 4`` on average for windows half a tile wide). A view also
+rectangle per ``(row, tile)`` pair, worked out for the whole batch at once in numpy. Rows
+that read one unit *alike* — the same rectangle shape at the same place in the window: every
+window wholly in the tile, or cut by its edge at the same place — are copied together,
+:data:`ALIKE_ROWS` or more at a time: one index of the slot's sliding windows (a view, no
+copy) of the rectangle's shape for all of them, one assignment into the batch. So the Python
+work is per (unit, rectangle shape), bounded by the tiles and the window's extent whatever
+the batch's rows: (2, 4) windows of (4, 8) fields cost 71,000 Python lines per batch of
+4,096 rows when each pair was a slice assignment, 1,500 now, as for 64 rows; (2, 3) windows
+across (2, 4) tiles 128,000 and 3,300. Rows in smaller groups still take one slice
+assignment per pair (about a microsecond each, cheaper than a group's numpy calls for a
+handful of rows; a masked fancy index per unit was slower still). A view also
 selected along unpatched axes (levels of a patched field) works out what each piece's tile
-holds of the selection once per piece, then takes one indexing per pair (measured: 13 of 37
-levels stored whole in each object, 48 x 96 windows of 32 x 64 tiles, batches of 16: 2.0-2.3
-ms per batch from slots that keep the 13 levels, against 11-15 ms when each pair built its
-index arrays over slots that held all 37).
+holds of the selection once per piece, then takes rows alike a group at a time as above
+(the listed levels taken from the gathered windows, not from the slot), and the others with
+one indexing per pair (measured before the windows went by group: 13 of 37 levels stored
+whole in each object, 48 x 96 windows of 32 x 64 tiles, batches of 16: 2.0-2.3 ms per batch
+from slots that keep the 13 levels, against 11-15 ms when each pair built its index arrays
+over slots that held all 37).
 """
 
 from __future__ import annotations
@@ -24,7 +34,13 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held
 from insitubatch_nodes.plan.patches import WindowUnits
 
-__all__ = ["gather_windows"]
+__all__ = ["ALIKE_ROWS", "gather_windows"]
+
+ALIKE_ROWS = 8
+"""Rows that read one unit alike are gathered together when there are at least this many: a
+group's numpy calls (the sliding windows, the index, the assignment) cost about as much as
+eight rows' slice copies one by one (about 1.5 us each; a group of two or three cost 2-3x the
+pair-by-pair time per row on 64 x 64 tiles)."""
 
 
 def gather_windows(
@@ -49,16 +65,16 @@ def gather_windows(
     units = WindowUnits(base, spec, [0])
     spc = base.samples_per_chunk
     chunk = samples // spc
-    within = (samples - chunk * spc).tolist()
+    at = samples - chunk * spc  # each row's sample within its chunk
     sizes = base.tile_shape
     spans = units.spans(origins)
     path = base.path
     if view.select is not None:  # patched, and selected along other axes
-        _select_windows(out, within, chunk, origins, view, units, spans, slots, held)
+        _select_windows(out, at, chunk, origins, view, units, spans, slots, held)
         return len(samples)
     assert held is None, "a view that selects nothing reads slots that hold everything"
     for rows, tile in units.pieces(origins, spans):
-        keys = (chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))).tolist()
+        keys = chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))
         # per axis: the overlap in field coordinates, then where it lies in the slot and in
         # the window
         src_lo, src_hi, dst_lo = [], [], []
@@ -66,23 +82,93 @@ def gather_windows(
             t0 = tc * size
             lo = np.maximum(start[rows], t0)
             hi = np.minimum(stop[rows], t0 + size)
-            src_lo.append((lo - t0).tolist())
-            src_hi.append((hi - t0).tolist())
-            dst_lo.append((lo - start[rows]).tolist())
+            src_lo.append(lo - t0)
+            src_hi.append(hi - t0)
+            dst_lo.append(lo - start[rows])
         k = len(tile)
-        for j, (r, u) in enumerate(zip(rows.tolist(), keys, strict=True)):
+        # rows alike (one unit, one overlap with it) a group at a time; the others pair by pair
+        cut = _alike_windows(out, at, rows, keys, src_lo, src_hi, dst_lo, units, base, slots)
+        if not len(cut):
+            continue
+        s_lo, s_hi, d_lo = ([a[cut].tolist() for a in part] for part in (src_lo, src_hi, dst_lo))
+        within = at[rows[cut]].tolist()
+        for j, (r, u) in enumerate(zip(rows[cut].tolist(), keys[cut].tolist(), strict=True)):
             src = slots[(path, u)]
-            s_box: tuple[Any, ...] = tuple(slice(src_lo[f][j], src_hi[f][j]) for f in range(k))
+            s_box: tuple[Any, ...] = tuple(slice(s_lo[f][j], s_hi[f][j]) for f in range(k))
             d_box: tuple[Any, ...] = tuple(
-                slice(dst_lo[f][j], dst_lo[f][j] + src_hi[f][j] - src_lo[f][j]) for f in range(k)
+                slice(d_lo[f][j], d_lo[f][j] + s_hi[f][j] - s_lo[f][j]) for f in range(k)
             )
-            out[(r, *d_box)] = src[(within[r], *s_box)]
+            out[(r, *d_box)] = src[(within[j], *s_box)]
     return len(samples)
+
+
+def _alike(
+    keys: np.ndarray, lengths: list[np.ndarray], places: list[np.ndarray]
+) -> tuple[list[tuple[np.ndarray, int, list[int], list[int]]], np.ndarray]:
+    """Rows that read one unit alike (the same ``keys``, and per patched axis the same
+    rectangle length and place in the window), in groups of :data:`ALIKE_ROWS` or more: per
+    group its positions, unit key, lengths and places; and the positions of the other rows,
+    ascending."""
+    alike = np.stack([keys, *lengths, *places], axis=1)
+    order = np.lexsort(alike.T[::-1])
+    ordered = alike[order]
+    bounds = np.flatnonzero(np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1), True])
+    sizes = np.diff(bounds)
+    big = sizes >= ALIKE_ROWS
+    k = len(lengths)
+    groups = []
+    for lo, hi in zip(bounds[:-1][big].tolist(), bounds[1:][big].tolist(), strict=True):
+        key, *shape = ordered[lo].tolist()
+        groups.append((order[lo:hi], key, shape[:k], shape[k:]))
+    return groups, np.sort(order[np.repeat(~big, sizes)])
+
+
+def _alike_windows(
+    out: np.ndarray,
+    within: np.ndarray,
+    rows: np.ndarray,
+    keys: np.ndarray,
+    src_lo: list[np.ndarray],
+    src_hi: list[np.ndarray],
+    dst_lo: list[np.ndarray],
+    units: WindowUnits,
+    base: ArrayGeometry,
+    slots: Mapping[tuple[str, int], np.ndarray],
+) -> np.ndarray:
+    """The rows of a piece that read one unit alike — the same overlap with the tile along
+    every patched axis (a window wholly in it, or cut by its edge at the same place) —
+    :data:`ALIKE_ROWS` or more at a time: per such group, one index of the slot's sliding
+    windows (a view) of the overlap's shape takes every row's part, and one assignment puts
+    them in the batch. The positions (in ``rows``) of the rows in smaller groups, left to copy
+    one by one."""
+    k = len(src_lo)
+    patched = [f for f in range(k) if units.patched(f)]
+    others = [f for f in range(k) if not units.patched(f)]
+    # the index gives (rows, *other axes, *window axes): back to the field's order
+    perm = (0, *(1 + (others + patched).index(f) for f in range(k)))
+    # along an unpatched axis every row of the piece takes the same part of the tile
+    s_part = [slice(None) if f in patched else slice(int(src_lo[f][0]), int(src_hi[f][0]))
+              for f in range(k)]  # fmt: skip
+    d_part = [slice(None) if f in patched else slice(int(dst_lo[f][0]),
+              int(dst_lo[f][0] + src_hi[f][0] - src_lo[f][0])) for f in range(k)]  # fmt: skip
+    axes = tuple(1 + f for f in patched)
+    lengths = [src_hi[f] - src_lo[f] for f in patched]
+    groups, alone = _alike(keys, lengths, [dst_lo[f] for f in patched])
+    for pick, key, extent, place in groups:
+        slot = slots[(base.path, key)][(slice(None), *s_part)]
+        windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
+        index = [src_lo[f][pick] if f in patched else slice(None) for f in range(k)]
+        box = list(d_part)
+        for f, e, d in zip(patched, extent, place, strict=True):
+            box[f] = slice(d, d + e)
+        values = windows[(within[rows[pick]], *index)]
+        out[(rows[pick], *box)] = values.transpose(perm)
+    return alone
 
 
 def _select_windows(
     out: np.ndarray,
-    within: list[int],
+    within: np.ndarray,
     chunk: np.ndarray,
     origins: np.ndarray,
     view: ArrayGeometry,
@@ -138,7 +224,7 @@ def _select_windows(
 
 def _copy_piece(
     out: np.ndarray,
-    within: list[int],
+    within: np.ndarray,
     chunk: np.ndarray,
     rows: np.ndarray,
     tile: tuple[np.ndarray, ...],
@@ -151,23 +237,30 @@ def _copy_piece(
     takes: list[tuple[int, np.ndarray]],
 ) -> None:
     """One piece of :func:`_select_windows`: ``src``/``dst`` hold the piece's parts, ``None``
-    along patched axes, filled per row with the window's overlap with the row's tile."""
-    keys = (chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))).tolist()
+    along patched axes, filled per row with the window's overlap with the row's tile (rows
+    alike a group at a time: :func:`_alike_selected`)."""
+    keys = chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))
     per_row = [f for f, part in enumerate(src) if part is None]
     lo_hi = []
     for f in per_row:
         start, stop = spans[f][0][rows], spans[f][1][rows]
         t0 = tile[f] * base.tile_shape[f]
         lo, hi = np.maximum(start, t0), np.minimum(stop, t0 + base.tile_shape[f])
-        lo_hi.append(((lo - t0).tolist(), (hi - t0).tolist(), (lo - start).tolist()))
+        lo_hi.append((lo - t0, hi - t0, lo - start))
     at_dst = [i for i, part in enumerate(dst) if part is None]
+    # rows alike (one unit, one overlap with it) a group at a time; the others pair by pair
+    cut = _alike_selected(out, within, rows, keys, lo_hi, src, dst, takes, base, slots)
+    if not len(cut):
+        return
+    lo_hi = [tuple(a[cut].tolist() for a in part) for part in lo_hi]
     arrays = sum(isinstance(part, np.ndarray) for part in dst)
-    for j, (r, u) in enumerate(zip(rows.tolist(), keys, strict=True)):
+    at = within[rows[cut]].tolist()
+    for j, (r, u) in enumerate(zip(rows[cut].tolist(), keys[cut].tolist(), strict=True)):
         for k, (f, d) in enumerate(zip(per_row, at_dst, strict=True)):
             s_lo, s_hi, d_lo = lo_hi[k]
             src[f] = slice(s_lo[j], s_hi[j])
             dst[d] = slice(d_lo[j], d_lo[j] + s_hi[j] - s_lo[j])
-        piece = slots[(base.path, u)][within[r]][tuple(src)]
+        piece = slots[(base.path, u)][at[j]][tuple(src)]
         for axis, idx in takes:
             piece = np.take(piece, idx, axis=axis)
         if arrays > 1:  # two listed axes out of order: an open mesh, not a broadcast
@@ -175,3 +268,53 @@ def _copy_piece(
             out[r][np.ix_(*mesh)] = piece
         else:
             out[r][tuple(dst)] = piece
+    for f in per_row:
+        src[f] = None  # (the piece's parts as given, for the next caller)
+    for d in at_dst:
+        dst[d] = None
+
+
+def _alike_selected(
+    out: np.ndarray,
+    within: np.ndarray,
+    rows: np.ndarray,
+    keys: np.ndarray,
+    lo_hi: list[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    src: list[Any],
+    dst: list[Any],
+    takes: list[tuple[int, np.ndarray]],
+    base: ArrayGeometry,
+    slots: Mapping[tuple[str, int], np.ndarray],
+) -> np.ndarray:
+    """:func:`_alike_windows` for a selected piece (``lo_hi``: per patched axis, each row's
+    rectangle in the tile and its place in the window): per group, one index of the selected
+    slot's sliding windows, the listed axes' takes on what it took, and one assignment into
+    the batch. The positions of the rows left to copy one by one."""
+    kept = [f for f, part in enumerate(src) if not isinstance(part, int)]  # an int drops it
+    patched = [kept.index(f) for f, part in enumerate(src) if part is None]
+    others = [i for i in range(len(kept)) if i not in patched]
+    perm = (0, *(1 + (others + patched).index(i) for i in range(len(kept))))
+    cut = tuple(slice(None) if part is None else part for part in src)
+    at_dst = [i for i, part in enumerate(dst) if part is None]
+    mesh = any(isinstance(part, np.ndarray) for part in dst)
+    axes = tuple(1 + i for i in patched)
+    lengths = [hi - lo for lo, hi, _ in lo_hi]
+    groups, alone = _alike(keys, lengths, [place for _, _, place in lo_hi])
+    for pick, key, extent, place in groups:
+        slot = slots[(base.path, key)][(slice(None), *cut)]
+        windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
+        index = [lo_hi[patched.index(i)][0][pick] if i in patched else slice(None)
+                 for i in range(len(kept))]  # fmt: skip
+        values = windows[(within[rows[pick]], *index)].transpose(perm)
+        for axis, idx in takes:
+            values = np.take(values, idx, axis=1 + axis)
+        box = list(dst)
+        for d, e, p in zip(at_dst, extent, place, strict=True):
+            box[d] = slice(p, p + e)
+        if mesh:  # a listed axis in the window: an open mesh over every axis
+            spans = [np.arange(n)[p] if isinstance(p, slice) else p
+                     for n, p in zip(out.shape[1:], box, strict=True)]  # fmt: skip
+            out[np.ix_(rows[pick], *spans)] = values
+        else:
+            out[(rows[pick], *box)] = values
+    return alone
