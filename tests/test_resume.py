@@ -291,35 +291,3 @@ def test_restoring_a_state_into_a_differently_configured_pipeline_raises_naming_
             next(iter(loader))
     finally:
         pipe.close()
-
-
-def test_a_state_of_plain_views_restored_mid_epoch_with_a_level_selection_is_refused(
-    tmp_path: Path,
-) -> None:
-    # States of plain views recorded no inputs, so a pipeline whose view selects levels took
-    # one mid-epoch and finished the epoch with other channels
-    from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
-    from insitubatch_nodes.synthetic import make_era5_like
-
-    root = tmp_path / "era5.zarr"
-    make_era5_like(root, n_time=32, n_lat=4, n_lon=8, samples_per_chunk=4, variables=["z"])
-    z = open_geometries(root)["z"]
-    manifest = split_by_chunk(z, (1.0, 0.0, 0.0))
-
-    def build(view: Any) -> InSituPipeline:
-        return insitu_pipeline(root, manifest, {"x": view}, batch_size=4, coords=(), seed=1)
-
-    with build(z) as pipe:
-        loader = Loader(pipe)
-        it = iter(loader)
-        next(it)
-        state = loader.state_dict()
-    with build(z.isel(level=[0, 2])) as pipe:
-        loader = Loader(pipe)
-        loader.load_state_dict(state)
-        with pytest.raises(ValueError, match=r"inputs differ \('x' select None saved"):
-            next(iter(loader))
-    with build(z) as pipe:  # the same plain views resume as before
-        loader = Loader(pipe)
-        loader.load_state_dict(state)
-        assert len(list(loader)) == 7

@@ -199,8 +199,8 @@ def inputs_of(views: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
     """Raise ``ValueError`` when a saved read-plan config's ``inputs`` (:func:`inputs_of`)
     differ from this plan's (``mine``) for a state saved mid-epoch (``where`` says where).
-    A state without the entry (saved before it was recorded) is not checked; a plan of plain
-    views records an empty one."""
+    A state without the entry (saved before it was recorded, or by a plan of plain views) is
+    not checked."""
     if "inputs" not in saved or not where:
         return
     theirs, ours = saved["inputs"], mine.get("inputs", {})

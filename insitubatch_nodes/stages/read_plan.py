@@ -333,9 +333,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             # the views, readable, with windows or after set_views (a state saved with other
             # views restores at an epoch boundary; a default config's fingerprint is unchanged)
             **({"views": views} if self._views_named else {}),
-            # stacks' channels and selections, {} for plain views (not the plan's, but a
-            # mid-epoch resume's: states saved before it was recorded have none)
-            "inputs": inputs_of(self.layout.views),
+            # stacks' channels and selections (not the plan's, but a mid-epoch resume's)
+            **({"inputs": inputs} if (inputs := inputs_of(self.layout.views)) else {}),
             "split": self.split,
             "batch_size": self.batch_size,
             "block_chunks": self.block_chunks,
