@@ -14,6 +14,7 @@ on a thread pool in this process; worker processes would each fork a copy of tha
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -43,6 +44,17 @@ _BATCHED_AGAIN = (
     "batch_size=None, e.g. DataLoader(as_dataset(pipe), batch_size=None) or "
     "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0)"
 )
+
+_OVERTAKEN = (
+    "this pipeline was iterated again (another DataLoader over it, or a new iter()) while this "
+    "iteration was still running, and the newer one has taken it over: its batches are not "
+    "this iteration's. A pipeline feeds one loop at a time: build a pipeline per loader "
+    "(e.g. insitu_pipeline(..., split='val') for validation), or end one loop before starting "
+    "the next"
+)
+
+#: the running iteration of each pipeline wrapped by ``as_dataset`` (an older one is refused)
+_ITERATIONS: weakref.WeakKeyDictionary[BaseNode[Any], object] = weakref.WeakKeyDictionary()
 
 
 def _refuse_batching_again(caller: FrameType | None) -> None:
@@ -169,12 +181,15 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
             self._pending = None
         elif self.epoch_fn is not None:
             self.plan.set_epoch(int(self.epoch_fn()))
-        first = True
+        first, token = True, object()
+        _ITERATIONS[self.pipeline] = token
         for batch in self._loader:
             if first:
                 first = False
                 _refuse_batching_again(sys._getframe(1))
             yield self.transform(batch)
+            if _ITERATIONS.get(self.pipeline) is not token:  # a newer iteration took over
+                raise RuntimeError(_OVERTAKEN)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state as of the last batch delivered (rank-independent)."""

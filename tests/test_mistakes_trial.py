@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 
 from insitubatch_nodes import (
+    Loader,
+    as_dataset,
     insitu_pipeline,
     open_geometries,
     open_store,
@@ -21,6 +23,7 @@ from insitubatch_nodes import (
 
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
+torch_data = pytest.importorskip("torch.utils.data")
 
 
 @pytest.fixture(scope="module", params=[2, 3])
@@ -103,3 +106,31 @@ def test_a_url_with_one_slash_after_the_scheme_says_to_write_two() -> None:
     for url, fixed in (("s3:/bucket/era5.zarr", "s3://bucket/era5.zarr"), ("gs:/b/x", "gs://b/x")):
         with pytest.raises(ValueError, match=f"two slashes.*{fixed}"):
             open_store(url)
+
+
+def test_a_pipeline_handed_to_a_dataloader_unwrapped_says_to_wrap_it(store: Path) -> None:
+    t2m = open_geometries(store)["t2m"]
+    pipe = insitu_pipeline(store, split_by_chunk(t2m, (1.0, 0.0, 0.0)), ["t2m"], batch_size=4)
+    # before: TypeError: 'InSituPipeline' object is not subscriptable
+    for unwrapped in (pipe, Loader(pipe)):
+        loader = torch_data.DataLoader(unwrapped, batch_size=None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"as_dataset\(pipe\), batch_size=None"):
+            next(iter(loader))
+    pipe.close()
+
+
+def test_one_dataset_in_two_loaders_at_once_refuses_the_older_iteration(store: Path) -> None:
+    t2m = open_geometries(store)["t2m"]
+    pipe = insitu_pipeline(store, split_by_chunk(t2m, (1.0, 0.0, 0.0)), ["t2m"], batch_size=4,
+                           shuffle=False)  # fmt: skip
+    dataset = as_dataset(pipe)
+    first = iter(torch_data.DataLoader(dataset, batch_size=None))
+    next(first)
+    second = iter(torch_data.DataLoader(dataset, batch_size=None))
+    assert len(list(second)) == 4  # the newer iteration runs a whole epoch
+    # before: `first` went on with batches of the newer iteration's epoch, a mix of two
+    with pytest.raises(RuntimeError, match=r"one loop at a time.*a pipeline per loader"):
+        next(first)
+    # one after the other (an epoch each, a new iter() per epoch) is what a trainer does
+    assert len(list(torch_data.DataLoader(dataset, batch_size=None))) == 4
+    pipe.close()

@@ -16,9 +16,21 @@ from typing import Any, TypeVar
 from torchdata.nodes import BaseNode
 from torchdata.nodes import Loader as _TorchdataLoader
 
-__all__ = ["Loader"]
+__all__ = ["Loader", "not_a_map_dataset"]
 
 T = TypeVar("T")
+
+
+def not_a_map_dataset(obj: object, index: object) -> TypeError:
+    """The error for ``obj[index]`` on a pipeline or a loader: what torch's ``DataLoader`` asks
+    of a dataset it takes for map-style, when the pipeline is handed to it unwrapped."""
+    return TypeError(
+        f"{type(obj).__name__} delivers batches by iteration; it is not a map-style torch "
+        f"Dataset (something asked it for item {index!r}: a torch DataLoader given the "
+        "pipeline itself). Wrap the pipeline: DataLoader(as_dataset(pipe), batch_size=None) or "
+        "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0); or iterate it, "
+        "for batch in Loader(pipe)"
+    )
 
 
 class Loader(_TorchdataLoader[T]):
@@ -57,3 +69,7 @@ class Loader(_TorchdataLoader[T]):
         if length is None:
             raise TypeError(f"the root node {type(self.root).__name__} has no length")
         return int(length())
+
+    def __getitem__(self, index: object) -> T:
+        """Refused (``TypeError`` saying to wrap the pipeline with ``as_dataset``)."""
+        raise not_a_map_dataset(self, index)

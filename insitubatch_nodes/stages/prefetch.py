@@ -45,6 +45,7 @@ from insitubatch_nodes.stages._graph import (
 )
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
+from insitubatch_nodes.stages.loader import not_a_map_dataset
 
 __all__ = ["PrefetcherNode"]
 
@@ -251,6 +252,11 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         See :mod:`insitubatch_nodes.report` for every field and the rule.
         """
         return self.recorder.report()
+
+    def __getitem__(self, index: object) -> T:
+        """Refused (``TypeError`` saying to wrap the pipeline with ``as_dataset``): torch's
+        ``DataLoader`` asks this of a pipeline handed to it unwrapped."""
+        raise not_a_map_dataset(self, index)
 
     def __len__(self) -> int:
         """Batches in the epoch being delivered (once it is over: in the next), counted from
