@@ -25,7 +25,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes.batch import Batch, to_torch
 from insitubatch_nodes.stages._graph import plan_state
 from insitubatch_nodes.stages.context import StageContext
-from insitubatch_nodes.stages.loader import Loader
+from insitubatch_nodes.stages.loader import OVERTAKEN, Loader
 
 __all__ = ["InSituIterableDataset", "as_dataset"]
 
@@ -43,14 +43,6 @@ _BATCHED_AGAIN = (
     "again: each would arrive as (1, batch_size, ...). The pipeline batches itself: pass "
     "batch_size=None, e.g. DataLoader(as_dataset(pipe), batch_size=None) or "
     "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0)"
-)
-
-_OVERTAKEN = (
-    "this pipeline was iterated again (another DataLoader over it, or a new iter()) while this "
-    "iteration was still running, and the newer one has taken it over: its batches are not "
-    "this iteration's. A pipeline feeds one loop at a time: build a pipeline per loader "
-    "(e.g. insitu_pipeline(..., split='val') for validation), or end one loop before starting "
-    "the next"
 )
 
 #: the running iteration of each pipeline wrapped by ``as_dataset`` (an older one is refused)
@@ -189,7 +181,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
                 _refuse_batching_again(sys._getframe(1))
             yield self.transform(batch)
             if _ITERATIONS.get(self.pipeline) is not token:  # a newer iteration took over
-                raise RuntimeError(_OVERTAKEN)
+                raise RuntimeError(OVERTAKEN)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state as of the last batch delivered (rank-independent)."""

@@ -134,3 +134,21 @@ def test_one_dataset_in_two_loaders_at_once_refuses_the_older_iteration(store: P
     # one after the other (an epoch each, a new iter() per epoch) is what a trainer does
     assert len(list(torch_data.DataLoader(dataset, batch_size=None))) == 4
     pipe.close()
+
+
+def test_two_loaders_over_one_pipeline_at_once_refuse_the_older_loop(store: Path) -> None:
+    t2m = open_geometries(store)["t2m"]
+    pipe = insitu_pipeline(store, split_by_chunk(t2m, (1.0, 0.0, 0.0)), ["t2m"], batch_size=4,
+                           shuffle=False)  # fmt: skip
+    first = iter(Loader(pipe))
+    assert next(first).index == 0
+    second = iter(Loader(pipe))
+    # before: the two loops shared one stream, each getting every other batch of an epoch
+    assert next(second).index == 0
+    with pytest.raises(RuntimeError, match=r"one loop at a time.*a pipeline per loader"):
+        next(first)
+    assert [b.index for b in second] == [1, 2, 3]
+    # one loader after the other, and one loader's own next epoch, are not refused
+    again = Loader(pipe)
+    assert [b.index for b in again] == [0, 1, 2, 3] == [b.index for b in again]
+    pipe.close()
