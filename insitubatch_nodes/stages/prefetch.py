@@ -150,6 +150,14 @@ def _run(
             context.close()
 
 
+#: who closes or resets a pipeline under a waiting ``next()``, and what to do when it was a mistake
+_BY_WHOM = (
+    " (by its close(), or by a reset from another loop over it, such as a second Loader or "
+    "iter() on another thread: a pipeline feeds one loop at a time, so build a pipeline per "
+    "loop)"
+)
+
+
 class PrefetcherNode(BaseNode[T], Generic[T]):
     """Keep up to ``prefetch_depth`` finished items ahead of the consumer (see module doc).
 
@@ -204,6 +212,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 if self._halts != halts:
                     raise PipelineInterrupted(
                         f"{self.name} was closed or reset while next() started its producer"
+                        f"{_BY_WHOM}"
                     )
                 if not self._source_at_delivered:
                     self.source.reset(self._delivered)
@@ -219,7 +228,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         if kind == "halted":
             worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
             interrupted = PipelineInterrupted(
-                f"{self.name} was closed or reset while next() waited for a batch"
+                f"{self.name} was closed or reset while next() waited for a batch{_BY_WHOM}"
             )
             rec.on_error(called, interrupted)
             raise interrupted
