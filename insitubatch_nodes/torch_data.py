@@ -14,6 +14,7 @@ on a thread pool in this process; worker processes would each fork a copy of tha
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
@@ -24,7 +25,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes.batch import Batch, to_torch
 from insitubatch_nodes.stages._graph import plan_state
 from insitubatch_nodes.stages.context import StageContext
-from insitubatch_nodes.stages.loader import Loader
+from insitubatch_nodes.stages.loader import OVERTAKEN, Loader
 
 __all__ = ["InSituIterableDataset", "as_dataset"]
 
@@ -43,6 +44,9 @@ _BATCHED_AGAIN = (
     "batch_size=None, e.g. DataLoader(as_dataset(pipe), batch_size=None) or "
     "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0)"
 )
+
+#: the running iteration of each pipeline wrapped by ``as_dataset`` (an older one is refused)
+_ITERATIONS: weakref.WeakKeyDictionary[BaseNode[Any], object] = weakref.WeakKeyDictionary()
 
 
 def _refuse_batching_again(caller: FrameType | None) -> None:
@@ -169,12 +173,15 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
             self._pending = None
         elif self.epoch_fn is not None:
             self.plan.set_epoch(int(self.epoch_fn()))
-        first = True
+        first, token = True, object()
+        _ITERATIONS[self.pipeline] = token
         for batch in self._loader:
             if first:
                 first = False
                 _refuse_batching_again(sys._getframe(1))
             yield self.transform(batch)
+            if _ITERATIONS.get(self.pipeline) is not token:  # a newer iteration took over
+                raise RuntimeError(OVERTAKEN)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-Python state as of the last batch delivered (rank-independent)."""

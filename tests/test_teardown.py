@@ -274,7 +274,8 @@ def test_a_close_ends_the_wait_for_a_closed_runs_fills_and_the_epoch_still_resum
     closer = threading.Timer(0.3, pipe.close)  # while the producer waits for those fills
     closer.start()
     started = time.monotonic()
-    with pytest.raises(PipelineInterrupted, match="closed or reset while next"):
+    # the message says who interrupts, and what to do about a second loop (before: nothing)
+    with pytest.raises(PipelineInterrupted, match=r"closed or reset while next.*one loop at a"):
         next(pipe)
     closer.join()  # (the close joins the producer: it stopped, woken by the interrupt)
     assert time.monotonic() - started < 10  # not after the fills, which never end meanwhile

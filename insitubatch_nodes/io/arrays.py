@@ -11,18 +11,13 @@ import numpy as np
 
 from insitubatch_nodes.errors import ArrayNotFoundError, corrupt_metadata, short_cause
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.axes import AxisNames, axis_of
+from insitubatch_nodes.io.axes import AxisNames, axis_of, check_sample_axis
 from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
+from insitubatch_nodes.io.datasets import dataset_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.product import product_view
-from insitubatch_nodes.io.stores import (
-    StoreLike,
-    as_store,
-    cannot_list,
-    dataset_variables,
-    describe_store,
-)
+from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
 
 __all__ = ["absent_samples", "check_arrays_in_store", "open_geometries"]
 
@@ -259,17 +254,9 @@ def open_geometries(
         raise error from exc
     if missing:
         _raise_not_found(zstore, missing)
-    # a name in the sample_axis mapping must be an array of the store
-    maybe = [p for p in axes if p not in arrays and p not in found]
-    opened = _zarr_compat.open_arrays_by_name(zstore, maybe) if maybe else []
-    unknown = [p for p, a in zip(maybe, opened, strict=True) if a is None]
-    if unknown:
-        raise ArrayNotFoundError(
-            f"sample_axis names unknown arrays {sorted(unknown)} in store "
-            f"{describe_store(zstore)}; arrays there: {sorted(set(arrays) | set(found))}"
-        )
-    coordinates = FieldCoordinates(zstore)
     first_axis = default_axis[0] if isinstance(default_axis, tuple) else default_axis
+    check_sample_axis(zstore, describe_store(zstore), axes, {**found, **arrays}, first_axis)
+    coordinates = FieldCoordinates(zstore)
     sample_dim = (
         _sample_dimension(zstore, arrays, first_axis) if isinstance(first_axis, int) else first_axis
     )

@@ -8,11 +8,14 @@ here; they differ only in which axes they allow and in the words of their refusa
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 
-__all__ = ["AxisNames", "axis_of", "dims_option", "named_axes"]
+from insitubatch_nodes.errors import ArrayNotFoundError
+from insitubatch_nodes.io import _zarr_compat
+
+__all__ = ["AxisNames", "axis_of", "check_sample_axis", "dims_option", "named_axes"]
 
 
 class HasAxes(Protocol):
@@ -123,3 +126,39 @@ def axis_of(
         default = f"{path}: axis {key} is out of range for {ndim} axes"
         raise ValueError(out_of_range(key) if out_of_range else default)
     return axis
+
+
+def check_sample_axis(
+    store: Any, where: str, axes: Mapping[str, Any], arrays: Mapping[str, Any], dim: Any
+) -> None:
+    """Refuse a ``sample_axis`` option of ``open_geometries`` that names what ``store``
+    (described as ``where``) does not hold, before any geometry is built from it.
+
+    The paths of its ``{path: axis}`` mapping (``axes``) must be arrays of the store
+    (:class:`~insitubatch_nodes.errors.ArrayNotFoundError` otherwise), and a dimension name
+    (``dim``, or a name in ``axes``) must be a dimension of one of ``arrays`` (every array
+    found or named, coordinates included) or the name of an array of the store (its coordinate,
+    read by name): otherwise ``KeyError`` naming the dimensions there. An array without the
+    sample dimension is static, so before, a misspelt name made every array static (each batch
+    carrying it whole).
+    """
+    maybe = [p for p in axes if p not in arrays]
+    opened = _zarr_compat.open_arrays_by_name(store, maybe) if maybe else []
+    unknown = [p for p, a in zip(maybe, opened, strict=True) if a is None]
+    if unknown:
+        raise ArrayNotFoundError(
+            f"sample_axis names unknown arrays {sorted(unknown)} in store {where}; arrays "
+            f"there: {sorted(arrays)}"
+        )
+    names = {a[0] if isinstance(a, tuple) else a for a in [dim, *axes.values()]}
+    names = {n for n in names if isinstance(n, str)}
+    dims = {d for a in arrays.values() for d in _zarr_compat.array_dimension_names(a) or ()}
+    absent = sorted(names - dims)
+    found = _zarr_compat.open_arrays_by_name(store, absent) if absent else []
+    for name, array in zip(absent, found, strict=True):
+        if array is None:
+            raise KeyError(
+                f"sample_axis={name!r} is the dimension name of no array in store {where} "
+                f"(their dimension names: {sorted(dims)}): check its spelling (an array "
+                "without the sample dimension is static, carried whole by every batch)"
+            )

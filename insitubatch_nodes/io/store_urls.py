@@ -74,3 +74,14 @@ def file_path(path: str, read_only: bool) -> Path:
     if read_only and str(decoded) != path and not decoded.is_dir() and Path(path).is_dir():
         return Path(path)
     return decoded
+
+
+def no_bucket(scheme: str, text: str, path: str) -> str:
+    """The refusal of a cloud URL without a bucket; ``s3:/bucket/x`` (one slash) is told to
+    write two."""
+    if path.strip("/") and not text.split(":", 1)[1].startswith("//"):
+        return (
+            f"{text!r} has one slash after '{scheme}:': write two slashes, "
+            f"{scheme}://{path.lstrip('/')}"
+        )
+    return f"{scheme}:// URLs need a bucket: {scheme}://BUCKET/optional/prefix"

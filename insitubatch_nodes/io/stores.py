@@ -35,6 +35,7 @@ from zarr.storage import ObjectStore
 from insitubatch_nodes import _process
 from insitubatch_nodes._process import RETRY_TIME_SCALE_ENV, retry_time_scale
 from insitubatch_nodes.io import _zarr_compat, store_urls
+from insitubatch_nodes.io.datasets import dataset_store, is_xarray_dataset, refuse_changed
 
 __all__ = [
     "RETRY_TIME_SCALE_ENV",
@@ -495,7 +496,7 @@ def open_store(
         return _http(HTTPStore, scheme, text, parts, read_only, options, retry)
     bucket = parts.netloc
     if scheme in ("s3", "gs", "az") and not bucket:
-        raise ValueError(f"{scheme}:// URLs need a bucket: {scheme}://BUCKET/optional/prefix")
+        raise ValueError(store_urls.no_bucket(scheme, text, parts.path))
     classes = {"s3": S3Store, "gs": GCSStore, "az": AzureStore}
     if scheme in classes:
         prefix = store_urls.cloud_prefix(scheme, bucket, parts.path, text)
@@ -555,7 +556,10 @@ def _local(
         raise ValueError(f"local stores take no options, got {sorted(options)}")
     path = path.expanduser().absolute()
     if read_only and not path.is_dir():
-        raise FileNotFoundError(f"no zarr store at {str(path)!r}: the folder does not exist")
+        why = "the folder does not exist"
+        if path.exists():  # (a zipped store, say: zarr reads one through its ZipStore)
+            why = "it is a file, not a folder: pass zarr.storage.ZipStore(path, mode='r') for a zip"
+        raise FileNotFoundError(f"no zarr store at {str(path)!r}: {why}")
     store = ObjectStore(local_cls(path, mkdir=not read_only), read_only=read_only)
     return _remember(store, str(path), retry)
 
@@ -574,13 +578,13 @@ def as_store(store: StoreLike, **options: Any) -> Store:
     the zarr store beneath it; one opened any other way raises ``TypeError`` saying what to
     pass, and one that is a selection of its store (``ds.isel(time=slice(0, 4))``, a
     transpose: a data variable shaped otherwise than its stored array) raises ``ValueError``
-    (the store's arrays are read as stored, whatever the Dataset shows; :func:`dataset_variables`
-    gives the variables a Dataset kept). A :class:`~insitubatch_nodes.io.collection.Collection`
-    stands for the store its members are read through (``collection.store``), as it does for
-    ``insitu_pipeline``."""
-    dataset = store if _is_xarray_dataset(store) else None
+    (the store's arrays are read as stored, whatever the Dataset shows), as does one changed
+    after opening (``ds * 2``, ``roll``: :mod:`~insitubatch_nodes.io.datasets`). A
+    :class:`~insitubatch_nodes.io.collection.Collection` stands for the store its members are
+    read through (``collection.store``), as it does for ``insitu_pipeline``."""
+    dataset = store if is_xarray_dataset(store) else None
     if dataset is not None:
-        store = _dataset_store(dataset)
+        store = dataset_store(dataset)
     if isinstance(store, zarr.Group | zarr.Array):
         store = _node_store(store)
     if _is_collection(store):
@@ -594,32 +598,8 @@ def as_store(store: StoreLike, **options: Any) -> Store:
         opened = open_store(store, **options)
     _zarr_compat.io_loop()  # started here, its wakeups watched before the first read
     if dataset is not None:
-        _refuse_selection(dataset, opened)
+        refuse_changed(dataset, opened, describe_store(opened))
     return opened
-
-
-def dataset_variables(obj: Any) -> list[str] | None:
-    """The data variables of an xarray ``Dataset`` (those it kept: ``ds[["t2m"]]`` keeps one),
-    ``None`` for anything else."""
-    return [str(name) for name in obj.data_vars] if _is_xarray_dataset(obj) else None
-
-
-def _refuse_selection(ds: Any, store: Store) -> None:
-    """``ValueError`` when a data variable of ``ds`` is not its stored array as stored: the
-    Dataset was selected (``isel``/``sel``) or transposed after it was opened."""
-    names = dataset_variables(ds) or []
-    for name, array in zip(names, _zarr_compat.open_arrays_by_name(store, names), strict=True):
-        shown = tuple(ds[name].shape)
-        if array is not None and tuple(array.shape) != shown:
-            raise ValueError(
-                f"this xarray Dataset is a selection of its store: {name!r} is "
-                f"{dict(ds[name].sizes)} here but {tuple(array.shape)} in "
-                f"{describe_store(store)}, and the pipeline reads the stored arrays, not the "
-                "selection. Pass the Dataset as opened (or its store), and select there: "
-                "ArrayGeometry.isel/sel for field axes (levels, an area), "
-                "split_by_chunk(..., sample_range=(start, stop), coord=time) or missing= "
-                "for the sample axis"
-            )
 
 
 def _node_store(node: zarr.Group | zarr.Array) -> Store:
@@ -640,35 +620,4 @@ def _is_collection(obj: Any) -> bool:
     # (by its type's name: io.collection imports this module)
     return type(obj).__name__ == "Collection" and type(obj).__module__.startswith(
         "insitubatch_nodes."
-    )
-
-
-def _is_xarray_dataset(obj: Any) -> bool:
-    return type(obj).__name__ == "Dataset" and type(obj).__module__.startswith("xarray")
-
-
-def _dataset_store(ds: Any) -> StoreLike:
-    """The store an xarray ``Dataset`` was opened from (see :func:`as_store`)."""
-    source = getattr(ds, "encoding", {}).get("source")
-    # xarray's zarr backend keeps its ZarrStore as the dataset's closer; its group is the
-    # zarr group opened (xarray internals, read defensively: a missing name means "unknown")
-    backend = getattr(getattr(ds, "_close", None), "__self__", None)
-    group = getattr(backend, "zarr_group", None)
-    path = str(getattr(group, "path", "") or "")
-    if path:
-        raise TypeError(
-            f"this xarray Dataset was opened from group {path!r} of a zarr store: pass the "
-            f"store itself (its path or URL, or the zarr Store) and name the arrays with their "
-            f"group, e.g. open_geometries(store, ['{path}/t2m'])"
-        )
-    if isinstance(source, str | os.PathLike) and str(source):
-        return source
-    store = getattr(group, "store", None)
-    if isinstance(store, Store):
-        return store
-    raise TypeError(
-        "an xarray Dataset is not a zarr store, and this one does not say which store it was "
-        "read from (it was not opened with xr.open_zarr / engine='zarr'): pass the store "
-        "itself, its path or URL (e.g. open_geometries('/data/era5.zarr')) or a zarr Store "
-        "(zarr.storage.LocalStore(path, read_only=True), open_store(url))"
     )

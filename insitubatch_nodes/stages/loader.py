@@ -6,19 +6,47 @@ hands back that iterator without applying the pending state — fixed upstream i
 meta-pytorch/data PR #1548, unreleased). A training loop that saves a state at every step and
 then restores one on the same object restarts at batch 0 without any error. This subclass fixes
 exactly that and adds ``__len__`` (the root's batches per epoch), which is what Lightning needs
-to resume mid-epoch without skipping a batch. Everything else is torchdata's.
+to resume mid-epoch without skipping a batch. It also refuses a second loop over one root at
+once: torchdata lets two ``Loader`` s over one pipeline share its stream (each got every other
+batch); here the older loop's next batch raises ``RuntimeError`` (:data:`OVERTAKEN`).
+Everything else is torchdata's.
 """
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Iterator
 from typing import Any, TypeVar
 
 from torchdata.nodes import BaseNode
 from torchdata.nodes import Loader as _TorchdataLoader
+from torchdata.nodes.loader import LoaderIterator
 
-__all__ = ["Loader"]
+__all__ = ["OVERTAKEN", "Loader", "not_a_map_dataset"]
 
 T = TypeVar("T")
+
+OVERTAKEN = (
+    "this pipeline was iterated again (another Loader or DataLoader over it, or a new iter()) "
+    "while this loop was still running, and the newer loop has taken it over: its batches are "
+    "not this loop's. A pipeline feeds one loop at a time: build a pipeline per loader (e.g. "
+    "insitu_pipeline(..., split='val') for validation), or end one loop before starting the next"
+)
+
+#: the loader whose loop runs each root node now (an older loader's loop is refused)
+_RUNNING: weakref.WeakKeyDictionary[BaseNode[Any], Any] = weakref.WeakKeyDictionary()
+
+
+def not_a_map_dataset(obj: object, index: object) -> TypeError:
+    """The error for ``obj[index]`` on a pipeline or a loader: what torch's ``DataLoader`` asks
+    of a dataset it takes for map-style, when the pipeline is handed to it unwrapped."""
+    return TypeError(
+        f"{type(obj).__name__} delivers batches by iteration; it is not a map-style torch "
+        f"Dataset (something asked it for item {index!r}: a torch DataLoader given the "
+        "pipeline itself). Wrap the pipeline: DataLoader(as_dataset(pipe), batch_size=None) or "
+        "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0); or iterate it, "
+        "for batch in Loader(pipe)"
+    )
 
 
 class Loader(_TorchdataLoader[T]):
@@ -35,6 +63,15 @@ class Loader(_TorchdataLoader[T]):
 
     def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None:
         super().__init__(root, restart_on_stop_iteration=restart_on_stop_iteration)
+        self._it: LoaderIterator[T] | None = None  # (as torchdata's; typed for the checks)
+
+    def __iter__(self) -> Iterator[T]:
+        """torchdata's ``iter()`` (the root reset, or resumed from a loaded state), this loader
+        becoming the one whose loop runs its root."""
+        _RUNNING[self.root] = self
+        if self._it is None:
+            self._it = _OneLoop(self)
+        return super().__iter__()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict`` at the next ``iter()`` (a state asked for earlier with
@@ -43,13 +80,12 @@ class Loader(_TorchdataLoader[T]):
         self._iter_for_state_dict = False
 
     def __len__(self) -> int:
-        pending = self._next_iter_state_dict
-        ahead = self._it is not None and self._it._cached_item is not None
-        if pending is None and ahead:
+        pending, it = self._next_iter_state_dict, self._it
+        if pending is None and it is not None and it._cached_item is not None:
             # iter() applying a state takes the next batch ahead (torchdata's has_next): the
             # root is a batch past the consumer, so ask for the length at the consumer's
             # position (where that batch ended the epoch, the root already counts the next)
-            pending = self._it._cached_state_dict
+            pending = it._cached_state_dict
         resumed_len = getattr(self.root, "resumed_len", None)
         if pending is not None and resumed_len is not None:
             return int(resumed_len(pending))
@@ -57,3 +93,16 @@ class Loader(_TorchdataLoader[T]):
         if length is None:
             raise TypeError(f"the root node {type(self.root).__name__} has no length")
         return int(length())
+
+    def __getitem__(self, index: object) -> T:
+        """Refused (``TypeError`` saying to wrap the pipeline with ``as_dataset``)."""
+        raise not_a_map_dataset(self, index)
+
+
+class _OneLoop(LoaderIterator[T]):
+    """torchdata's loader iterator, refusing a batch once another loader runs its root."""
+
+    def next(self) -> T:
+        if _RUNNING.get(self.root) is not self.loader:
+            raise RuntimeError(OVERTAKEN)
+        return super().next()

@@ -45,6 +45,7 @@ from insitubatch_nodes.stages._graph import (
 )
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
+from insitubatch_nodes.stages.loader import not_a_map_dataset
 
 __all__ = ["PrefetcherNode"]
 
@@ -149,6 +150,14 @@ def _run(
             context.close()
 
 
+#: who closes or resets a pipeline under a waiting ``next()``, and what to do when it was a mistake
+_BY_WHOM = (
+    " (by its close(), or by a reset from another loop over it, such as a second Loader or "
+    "iter() on another thread: a pipeline feeds one loop at a time, so build a pipeline per "
+    "loop)"
+)
+
+
 class PrefetcherNode(BaseNode[T], Generic[T]):
     """Keep up to ``prefetch_depth`` finished items ahead of the consumer (see module doc).
 
@@ -203,6 +212,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 if self._halts != halts:
                     raise PipelineInterrupted(
                         f"{self.name} was closed or reset while next() started its producer"
+                        f"{_BY_WHOM}"
                     )
                 if not self._source_at_delivered:
                     self.source.reset(self._delivered)
@@ -218,7 +228,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         if kind == "halted":
             worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
             interrupted = PipelineInterrupted(
-                f"{self.name} was closed or reset while next() waited for a batch"
+                f"{self.name} was closed or reset while next() waited for a batch{_BY_WHOM}"
             )
             rec.on_error(called, interrupted)
             raise interrupted
@@ -251,6 +261,11 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         See :mod:`insitubatch_nodes.report` for every field and the rule.
         """
         return self.recorder.report()
+
+    def __getitem__(self, index: object) -> T:
+        """Refused (``TypeError`` saying to wrap the pipeline with ``as_dataset``): torch's
+        ``DataLoader`` asks this of a pipeline handed to it unwrapped."""
+        raise not_a_map_dataset(self, index)
 
     def __len__(self) -> int:
         """Batches in the epoch being delivered (once it is over: in the next), counted from
