@@ -22,7 +22,9 @@ from torchdata.nodes import BaseNode
 from torchdata.nodes import Loader as _TorchdataLoader
 from torchdata.nodes.loader import LoaderIterator
 
-__all__ = ["OVERTAKEN", "Loader", "not_a_map_dataset"]
+from insitubatch_nodes.stages.prefetch import not_a_map_dataset
+
+__all__ = ["OVERTAKEN", "Loader"]
 
 T = TypeVar("T")
 
@@ -35,18 +37,6 @@ OVERTAKEN = (
 
 #: the loader whose loop runs each root node now (an older loader's loop is refused)
 _RUNNING: weakref.WeakKeyDictionary[BaseNode[Any], Any] = weakref.WeakKeyDictionary()
-
-
-def not_a_map_dataset(obj: object, index: object) -> TypeError:
-    """The error for ``obj[index]`` on a pipeline or a loader: what torch's ``DataLoader`` asks
-    of a dataset it takes for map-style, when the pipeline is handed to it unwrapped."""
-    return TypeError(
-        f"{type(obj).__name__} delivers batches by iteration; it is not a map-style torch "
-        f"Dataset (something asked it for item {index!r}: a torch DataLoader given the "
-        "pipeline itself). Wrap the pipeline: DataLoader(as_dataset(pipe), batch_size=None) or "
-        "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0); or iterate it, "
-        "for batch in Loader(pipe)"
-    )
 
 
 class Loader(_TorchdataLoader[T]):

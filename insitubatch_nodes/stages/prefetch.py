@@ -45,9 +45,8 @@ from insitubatch_nodes.stages._graph import (
 )
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages.context import StageContext
-from insitubatch_nodes.stages.loader import not_a_map_dataset
 
-__all__ = ["PrefetcherNode"]
+__all__ = ["PrefetcherNode", "not_a_map_dataset"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -61,6 +60,18 @@ def _halt_all(nodes: Sequence[PrefetcherNode[Any]]) -> None:
     thread first, so nothing admits new fetches while the fetch stages cancel theirs."""
     for node in nodes:
         node._halt(close_source=True)
+
+
+def not_a_map_dataset(obj: object, index: object) -> TypeError:
+    """The error for ``obj[index]`` on a pipeline or a loader: what torch's ``DataLoader`` asks
+    of a dataset it takes for map-style, when the pipeline is handed to it unwrapped."""
+    return TypeError(
+        f"{type(obj).__name__} delivers batches by iteration; it is not a map-style torch "
+        f"Dataset (something asked it for item {index!r}: a torch DataLoader given the "
+        "pipeline itself). Wrap the pipeline: DataLoader(as_dataset(pipe), batch_size=None) or "
+        "StatefulDataLoader(as_dataset(pipe), batch_size=None, num_workers=0); or iterate it, "
+        "for batch in Loader(pipe)"
+    )
 
 
 class _Worker:
