@@ -108,6 +108,20 @@ def test_a_url_with_one_slash_after_the_scheme_says_to_write_two() -> None:
             open_store(url)
 
 
+def test_a_url_without_its_colon_says_to_write_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: "no zarr store at '/cwd/s3/bucket/era5.zarr': the folder does not exist", a
+    # relative path the user never meant
+    monkeypatch.chdir(tmp_path)
+    for url in ("s3//bucket/era5.zarr", "HTTPS//host/data.zarr"):
+        fixed = url.replace("//", "://", 1)
+        with pytest.raises(FileNotFoundError, match=f"does not exist; for a URL.*{fixed}"):
+            open_store(url)
+    (tmp_path / "s3" / "bucket.zarr").mkdir(parents=True)  # such a folder, there: it is read
+    assert open_store("s3//bucket.zarr") is not None
+
+
 def test_a_pipeline_handed_to_a_dataloader_unwrapped_says_to_wrap_it(store: Path) -> None:
     t2m = open_geometries(store)["t2m"]
     pipe = insitu_pipeline(store, split_by_chunk(t2m, (1.0, 0.0, 0.0)), ["t2m"], batch_size=4)

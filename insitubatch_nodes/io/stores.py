@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -478,7 +479,7 @@ def open_store(
         )
     # A Windows drive letter ("C:\\data") parses as a one-letter scheme: treat it as a path.
     if scheme == "" or len(scheme) == 1:
-        return _local(LocalStore, Path(text), read_only, options, retry)
+        return _local(LocalStore, Path(text), read_only, options, retry, given=text)
     if scheme == "file":
         if parts.netloc not in ("", "localhost"):
             raise ValueError(f"file:// URLs must be local (file:///abs/path), got {text!r}")
@@ -550,7 +551,12 @@ def _http(
 
 
 def _local(
-    local_cls: Any, path: Path, read_only: bool, options: dict[str, Any], retry: RetryPolicy
+    local_cls: Any,
+    path: Path,
+    read_only: bool,
+    options: dict[str, Any],
+    retry: RetryPolicy,
+    given: str = "",
 ) -> Store:
     if options:
         raise ValueError(f"local stores take no options, got {sorted(options)}")
@@ -559,9 +565,15 @@ def _local(
         why = "the folder does not exist"
         if path.exists():  # (a zipped store, say: zarr reads one through its ZipStore)
             why = "it is a file, not a folder: pass zarr.storage.ZipStore(path, mode='r') for a zip"
+        elif _URL_WITHOUT_COLON.match(given):  # "s3//bucket/x" is a relative path
+            why += f"; for a URL, write its colon: {given.replace('//', '://', 1)!r}"
         raise FileNotFoundError(f"no zarr store at {str(path)!r}: {why}")
     store = ObjectStore(local_cls(path, mkdir=not read_only), read_only=read_only)
     return _remember(store, str(path), retry)
+
+
+#: a URL whose scheme lost its colon ("s3//bucket/x"), which reads as a relative path
+_URL_WITHOUT_COLON = re.compile(r"(?i)(s3|gs|gcs|az|abfss?|https?|file)//")
 
 
 def as_store(store: StoreLike, **options: Any) -> Store:
