@@ -506,6 +506,7 @@ def test_an_xarray_dataset_selected_after_opening_is_refused_and_one_of_fewer_va
             insitu_pipeline(selected, split_by_chunk(open_geometries(root)["t2m"]), {})
     assert list(open_geometries(ds[["t2m"]])) == ["t2m"]  # the variables it kept
     assert list(open_geometries(ds)) == ["t2m", "u"]
+    assert open_geometries(root, []) == {} == open_geometries(ds, [])  # none named, none given
     assert _epoch_equals_zarr(ds[["t2m"]], "t2m", zarr.open_array(root / "t2m", mode="r")) == 16
 
 

@@ -228,7 +228,9 @@ def open_geometries(
     if isinstance(variables, str):
         variables = [variables]
     cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
-    zstore, variables = as_store(store), variables or dataset_variables(store)  # a Dataset's own
+    zstore = as_store(store)
+    if variables is None:  # a Dataset's own data variables (None for any other store)
+        variables = dataset_variables(store)
     axes: dict[str, AxisArg]
     default_axis: AxisArg
     if isinstance(sample_axis, Mapping):
