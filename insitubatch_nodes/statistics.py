@@ -276,15 +276,14 @@ class NormalizeBatch:
     def __call__(self, batch: Batch) -> Batch:
         for label, (mean, std) in self.stats.items():
             arr = batch.arrays[label]
-            if arr.dtype.kind == "f" and arr.flags.writeable and arr.strides[0] != 0:
+            static = arr.ndim > 0 and arr.strides[0] == 0  # a static field's broadcast rows
+            if arr.dtype.kind == "f" and (static or arr.flags.writeable):
                 work = work_dtype(arr.dtype)  # float16: in float32, rounded once
-                standardise_in_place(arr, mean.astype(work), std.astype(work))
-            elif arr.dtype.kind == "f" and arr.ndim and arr.strides[0] == 0:
-                # a static field's broadcast rows: one row standardised, broadcast again,
-                # in the field's own dtype (float16 computed in float32, rounded once)
-                work = work_dtype(arr.dtype)
-                row = (arr[0].astype(work) - mean.astype(work)) / std.astype(work)
-                batch.arrays[label] = broadcast_rows(row.astype(arr.dtype), len(arr))
+                # a static field: one row (a copy) standardised, then broadcast again
+                rows = np.array(arr[:1]) if static else arr
+                standardise_in_place(rows, mean.astype(work), std.astype(work))
+                if static:
+                    batch.arrays[label] = broadcast_rows(rows[0], len(arr))
             else:  # integers (or read-only rows): a new float32 array
                 batch.arrays[label] = ((arr - mean) / std).astype(np.float32)
         return batch
