@@ -5,8 +5,8 @@
    ``--calendar noleap`` / ``360_day`` / ``julian`` / ... (the store's ``calendar`` attribute,
    as a climate model writes it) to cftime dates, as xarray decodes them;
    ``split_by_chunk(..., sample_range=(START, STOP), coord=time)`` keeps the samples with
-   ``START <= time < STOP`` (half-open, dates read in the calendar) and snaps outward to whole
-   chunks.
+   ``START <= time < STOP`` (half-open, dates read in the calendar): it reads whole chunks
+   and trains on the window's samples only.
 2. **Times per row.** Every batch carries ``batch.coords[label]["time"]``: the time of each row
    of that label (the target ``y = t2m.shift(1)`` has its own, 6 h later).
 3. **Time features.** A batch transform turns the input's times into
@@ -94,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"time: {kind} in the {time.attrs.get('calendar', 'standard')} calendar")
         print(
             f"[{args.start}, {args.stop}) is samples [{i0}, {i1}) ({time.values[i0]} .. "
-            f"{time.values[i1 - 1]}); whole chunks {first}..{last} hold samples [{lo}, {hi})"
+            f"{time.values[i1 - 1]}); read in whole chunks {first}..{last} (samples [{lo}, "
+            f"{hi}))"
         )
 
         n_in = 8 * 16
@@ -112,7 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     tx, ty = batch.coords["x"]["time"], batch.coords["y"]["time"]
                     step = time_offsets(ty, "1h") - time_offsets(tx, "1h")  # in any calendar
                     assert np.all(step == 6), "y is one step after x"
-                    assert np.all(tx >= time.values[lo]) and np.all(ty <= time.values[hi - 1])
+                    assert np.all(tx >= time.values[i0]) and np.all(ty <= time.values[i1 - 1])
                     t = to_torch(batch)  # coords stay numpy; time_features is a tensor now
                     x = (t["x"].reshape(len(batch), -1) - 280.0) / 15.0
                     y = (t["y"].reshape(len(batch), -1) - 280.0) / 15.0

@@ -154,6 +154,57 @@ def test_a_date_window_selects_the_chunk_snapped_index_window(era5: Path) -> Non
     assert everything.sample_range == (0, N_TIME)
 
 
+def test_adjacent_date_windows_deliver_only_their_own_samples_and_share_none(era5: Path) -> None:
+    # 2020-01-01T00 (sample 28) and 2020-01-05T12 (sample 46) both fall inside a chunk of 8:
+    # train and val both read chunk 5 but never take each other's samples, nor (by default) a
+    # target of the other window
+    geom = open_geometries(era5)["t2m"]
+    time = open_coordinates(era5, geom)["time"]
+    t = _xr_time(era5)
+    data = zarr.open_array(era5 / "t2m", mode="r")[...]
+    bounds = {"train": ("2020-01-01", "2020-01-05T12"), "val": ("2020-01-05T12", "2020-01-09")}
+    windows = {
+        s: split_by_chunk(geom, (1.0, 0.0, 0.0), sample_range=b, coord=time)
+        for s, b in bounds.items()
+    }
+    assert windows["train"].chunks("train")[-1] == windows["val"].chunks("train")[0] == 5
+    assert (
+        windows["train"].fingerprint()
+        != split_by_chunk(geom, (1.0, 0.0, 0.0), sample_range=(24, 46)).fingerprint()
+    )  # the window is part of what a state resumes
+    seen: dict[str, set[int]] = {}
+    for name, manifest in windows.items():
+        lo, hi = manifest.sample_range  # type: ignore[misc]
+        assert manifest.samples("train").tolist() == list(range(lo, hi))
+        for cross in (False, True):
+            pipe = insitu_pipeline(
+                era5,
+                manifest,
+                {"x": geom, "y": geom.shift(1)},
+                batch_size=5,
+                seed=1,
+                block_chunks=2,
+                cross_split_windows=cross,
+            )
+            try:
+                batches = _epoch(pipe)
+                assert len(batches) == len(pipe)
+            finally:
+                pipe.close()
+            x = np.concatenate([b.sample_indices["x"] for b in batches])
+            y = np.concatenate([b.sample_indices["y"] for b in batches])
+            for b in batches:
+                np.testing.assert_array_equal(b["x"], data[b.sample_indices["x"]])
+            start, stop = (np.datetime64(v) for v in bounds[name])
+            assert np.all((t[x] >= start) & (t[x] < stop))  # every anchor in its window
+            # each once; by default the last anchor is one step short of the window's end
+            assert sorted(x.tolist()) == list(range(lo, hi if cross else hi - 1))
+            assert y.max() == (hi if cross else hi - 1)
+            if not cross:
+                seen[name] = set(x.tolist()) | set(y.tolist())
+    assert not seen["train"] & seen["val"]
+
+
 def test_a_value_window_is_refused_without_its_coordinate_and_with_the_wrong_kind(
     era5: Path,
 ) -> None:

@@ -235,7 +235,7 @@ def test_the_time_features_recipe_picks_its_window_by_date_and_trains_on_each_ro
     assert proc.returncode == 0, _explain(proc)
     # 2000-02-01 is step 31 * 4 = 124; 2000-03-20 is step 79 * 4 = 316 (excluded)
     assert "[2000-02-01, 2000-03-20) is samples [124, 316)" in proc.stdout, _explain(proc)
-    assert "whole chunks 5..13 hold samples [120, 336)" in proc.stdout, _explain(proc)
+    assert "read in whole chunks 5..13 (samples [120, 336))" in proc.stdout, _explain(proc)
     assert "every row carried its own time" in proc.stdout, _explain(proc)
 
 

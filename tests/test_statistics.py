@@ -84,6 +84,18 @@ def test_statistics_equal_numpy_in_float64_over_the_split_with_nans_skipped_and_
     assert stats.nan_count["t"].tolist() == [Y * X * (17 in samples), 1 * (5 in samples), 0]
 
 
+def test_statistics_over_a_window_count_only_its_samples_not_its_edge_chunks_others(
+    store: Path,
+) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["t"], (1.0, 0.0, 0.0), sample_range=(3, 14))
+    assert manifest.samples("train").tolist() == list(range(3, 14))
+    stats = fit_statistics(store, manifest, {"t2": geoms["t2"]}, split="train", batch_size=4)
+    want = _oracle(zarr.open_array(store / "t2")[...], np.arange(3, 14), 0)
+    for name, expected in want.items():
+        np.testing.assert_allclose(getattr(stats, name)["t2"], expected, rtol=1e-6, err_msg=name)
+
+
 def test_statistics_of_fields_far_from_zero_and_of_constant_fields_equal_numpy(
     tmp_path: Path,
 ) -> None:

@@ -25,7 +25,9 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
 never in its padding nor in another member, see ``manifest.members``) *and*, by default, on an
 anchor-grid chunk of the same split (``(a + offset) // samples_per_chunk`` is one of the split's
 chunks), so no window reads a sample of another split. ``cross_split_windows=True`` drops the
-second condition (windows may read across the split's edge). In each chunk these anchors are
+second condition (windows may read across the split's edge). A manifest drawn with a
+``sample_range`` narrows both to that window: its anchors lie in it and, by default, so does
+every step they read. In each chunk these anchors are
 one contiguous run (:func:`chunk_counts`); the anchor stride and the missing-step checks
 (:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the
 sample axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the
@@ -119,6 +121,11 @@ def chunk_counts(
             edge = (d + 1) * spc - k
             start = np.where(in_split(d), start, np.maximum(start, edge))
             stop = np.where(in_split(d + 1), stop, np.minimum(stop, edge))
+    if manifest.sample_range is not None:  # a window: its anchors and, like a split's edge,
+        lo_w, hi_w = manifest.sample_range  # every step they read (unless crossing is allowed)
+        reach = (0, 0) if cross_split_windows else (min(offsets), max(offsets))
+        start = np.maximum(start, max(lo_w, lo_w - reach[0]))
+        stop = np.minimum(stop, min(hi_w, hi_w - reach[1]))
     if manifest.members is not None:  # a collection: every step inside the anchor's member
         first, end = manifest.members.sample_bounds(chunks, spc)
         start = np.maximum(start, first - min(offsets))

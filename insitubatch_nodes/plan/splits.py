@@ -89,6 +89,14 @@ class SplitManifest:
                 c = int(taken[0])
                 raise ValueError(f"chunk {c} is in both {SPLITS[owner[c]]!r} and {name!r}")
             owner[chunks] = k
+        if self.sample_range is not None:
+            lo, hi = (int(x) for x in self.sample_range)
+            if not 0 <= lo < hi <= self.n_samples:
+                raise ValueError(
+                    f"sample_range must satisfy 0 <= start < stop <= {self.n_samples}, got "
+                    f"{tuple(self.sample_range)}"
+                )
+            object.__setattr__(self, "sample_range", (lo, hi))
         normalized = {name: tuple(chunks.tolist()) for name, chunks in arrays.items()}
         object.__setattr__(self, "splits", normalized)
         if self.steps is not None and self.steps.n_samples != self.n_samples:
@@ -168,17 +176,23 @@ class SplitManifest:
         return out
 
     def samples(self, split: str) -> np.ndarray:
-        """Sorted sample-axis indices (anchors) covered by ``split``'s chunks."""
+        """Sorted sample-axis indices of ``split``: those its chunks hold, within
+        ``sample_range`` where the manifest has one (the anchors a plan may draw from, before
+        the views' offsets, the stride and the missing steps narrow them)."""
         spc = self.samples_per_chunk
         chunks = self.chunk_array(split)
         start = chunks * spc
-        count = np.minimum(start + spc, self.n_samples) - start
+        stop = np.minimum(start + spc, self.n_samples)
+        if self.sample_range is not None:
+            start = np.maximum(start, self.sample_range[0])
+            stop = np.minimum(stop, self.sample_range[1])
+        count = np.maximum(stop - start, 0)
         first = np.cumsum(count) - count
         step = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(first, count)
         return np.repeat(start, count) + step
 
     def fingerprint(self) -> str:
-        """A short stable hash of the anchor grid and the split contents."""
+        """A short stable hash of the anchor grid and the split contents (its window too)."""
         body = json.dumps(
             [
                 self.array,
@@ -188,6 +202,8 @@ class SplitManifest:
             ],
             sort_keys=True,
         )
+        if self.sample_range is not None:  # (absent otherwise: fingerprints without it stay)
+            body += "|window:{}-{}".format(*self.sample_range)
         if self.steps is not None:
             body += "|steps:" + self.steps.fingerprint()
         if self.members is not None:
@@ -285,15 +301,20 @@ def split_by_chunk(
     ``fractions`` are fractions of chunks (train, val, test): non-negative, summing to 1. With
     ``contiguous=True`` the splits are consecutive runs in that order; with ``contiguous=False``
     chunks are shuffled by ``seed`` first (for exchangeable samples). ``sample_range=(start,
-    stop)`` keeps only the chunks overlapping that half-open sample range, snapping outward to
-    chunk boundaries. A split with no chunks is legal and yields nothing.
+    stop)`` is a window of the half-open sample range: the splits hold the chunks overlapping
+    it (snapped outward to chunk boundaries: whole chunks are read), but their samples are the
+    window's alone — no anchor outside it is delivered, and by default no step a view reads
+    lies outside it either, as no window reads across a split's edge
+    (``PlanConfig.cross_split_windows=True`` lets the steps leave it). Two manifests of
+    adjacent windows whose boundary falls inside a chunk share that chunk, never a sample.
+    A split with no chunks is legal and yields nothing.
 
     With ``coord`` (a :class:`~insitubatch_nodes.io.coords.Coordinate` of ``geom``'s sample axis,
     e.g. ``open_coordinates(store, geom)["time"]``) ``sample_range`` is a window of coordinate
     *values* instead: the samples with ``start <= value < stop`` (half-open; dates as numpy
     datetime64, datetime or ISO strings for a time coordinate, read in its calendar), found by
-    :meth:`~insitubatch_nodes.io.coords.Coordinate.index_range` and then snapped outward to chunks
-    like an index range. The manifest records that index range as its ``sample_range``.
+    :meth:`~insitubatch_nodes.io.coords.Coordinate.index_range`, then taken like an index
+    range. The manifest records that index range as its ``sample_range``.
     """
     fr = tuple(float(f) for f in fractions)
     if len(fr) != 3:
