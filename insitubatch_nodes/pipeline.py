@@ -233,10 +233,11 @@ def insitu_pipeline(
     ``g.window(["-6h", "0h"])``, resolved here through the time coordinate of the manifest's
     anchor array; see :meth:`ArrayGeometry.window`). :meth:`InSituPipeline.set_views` changes
     the views between epochs.
-    An anchor is used only when every view reads inside ``split``'s own chunks;
-    ``cross_split_windows=True`` lets windows read across the split's edge. ``remainder``
-    (``"drop"`` or ``"pad"``) is what several ranks do with the samples that do not divide
-    evenly between them (see :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`).
+    An anchor is used only when every view reads inside ``split``'s own chunks (and inside
+    the manifest's ``sample_range`` window); ``cross_split_windows=True`` lets windows read
+    across that edge. ``remainder`` (``"drop"`` or ``"pad"``) is what several ranks do with the
+    samples that do not divide evenly between them (see
+    :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`).
 
     ``stride`` (a :class:`PlanConfig` field; default 1, every sample) picks the anchors: an
     ``int`` ``k`` keeps every ``k``-th sample counted from index 0, a time step (``"6h"``,

@@ -56,7 +56,8 @@ class PlanConfig:
     * ``rank``, ``world_size`` (``None``): this rank and the number of ranks; ``None`` takes
       ``torch.distributed``'s when the plan is built (see ``ReadPlanNode``);
     * ``ramp`` (``True``): a small lead block first, so the first batch waits for few chunks;
-    * ``cross_split_windows`` (``False``): let windows read samples of another split;
+    * ``cross_split_windows`` (``False``): let windows read samples of another split (and
+      outside the manifest's ``sample_range`` window);
     * ``remainder`` (``"drop"``): ``"drop"`` or ``"pad"``, what several ranks do with the
       samples that do not divide evenly between them;
     * ``stride`` (1): which samples are anchors — an ``int`` ``k`` (every ``k``-th sample,
