@@ -211,6 +211,42 @@ def test_normalize_refuses_statistics_fitted_on_other_channels_and_takes_those_o
     stats.normalizer({"t": fitted["t"].isel(latitude=[0, 1]).shift(2)})
 
 
+def test_a_mid_epoch_state_of_plain_views_or_other_statistics_is_refused_and_an_epoch_end_is_not(
+    tmp_path: Path,
+) -> None:
+    # the rest of a resumed epoch would come with other channels or other normalisation: a
+    # state of plain views restored into a level selection, and one of a stack normalised with
+    # other statistics, were taken silently (a state without inputs was not checked, and the
+    # statistics were not in it)
+    root = _store(tmp_path / "s.zarr", 2)
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0))
+    members = {"t": g["temperature"].sel(level=LEVELS), "t2m": g["2m_temperature"]}
+    stats = fit_statistics(root, manifest, members)
+    other = fit_statistics(root, split_by_chunk(g["temperature"], (0.5, 0.5, 0.0)), members)
+    cases = [
+        ({"x": g["temperature"]}, {"x": g["temperature"].sel(level=LEVELS)}, "'x' select"),
+        ({"x": stack(members, normalize=stats)}, {"x": stack(members, normalize=other)},
+         "'x' is normalised with other statistics"),
+        ({"x": stack(members, normalize=stats)}, {"x": stack(members)}, "other statistics"),
+    ]  # fmt: skip
+    for saved, restored, says in cases:
+        with insitu_pipeline(root, manifest, saved, batch_size=4) as pipe:
+            loader = Loader(pipe)
+            it = iter(loader)
+            next(it)
+            middle = loader.state_dict()
+            list(it)
+            end = loader.state_dict()
+        with insitu_pipeline(root, manifest, restored, batch_size=4) as pipe:
+            loader = Loader(pipe)
+            loader.load_state_dict(middle)
+            with pytest.raises(ValueError, match=says):
+                next(iter(loader))
+            loader.load_state_dict(end)  # the next epoch runs with the pipeline's own inputs
+            assert len(list(loader)) == len(pipe)
+
+
 def test_members_that_disagree_on_t_or_on_the_field_are_refused_naming_the_member(
     tmp_path: Path,
 ) -> None:

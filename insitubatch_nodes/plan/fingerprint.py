@@ -10,6 +10,8 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.plan.ledger import Stage
@@ -179,7 +181,8 @@ def _patch_changes(
 def inputs_of(views: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """What the batch labels hold beyond the plan's views (which only say what is read, and
     when): per label that is a stack, its layout, channel names (members, their levels and
-    order) and its members' selections; per selected view, its selection. Labels neither a
+    order), its members' selections and a hash of the statistics it is normalised with
+    (``normalize=``); per selected view, its selection. Labels neither a
     stack nor selected are left out (an empty mapping for a plan of plain views)."""
     out: dict[str, dict[str, Any]] = {}
     for label, view in sorted(views.items()):
@@ -191,6 +194,13 @@ def inputs_of(views: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
             }
             out[label] = {"layout": view.layout, "channels": list(view.channels)}
             out[label] |= {"select": chosen} if chosen else {}
+            norms = [m.norm for m in view.members if m.norm is not None]
+            if norms:  # what the rows are standardised with
+                digest = hashlib.sha256()
+                for mean, std in norms:
+                    digest.update(np.ascontiguousarray(mean, np.float64).tobytes())
+                    digest.update(np.ascontiguousarray(std, np.float64).tobytes())
+                out[label]["normalize"] = digest.hexdigest()[:16]
         elif isinstance(view, ArrayGeometry) and view.select is not None:
             out[label] = {"select": view.select.describe()}
     return out
@@ -199,11 +209,10 @@ def inputs_of(views: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
     """Raise ``ValueError`` when a saved read-plan config's ``inputs`` (:func:`inputs_of`)
     differ from this plan's (``mine``) for a state saved mid-epoch (``where`` says where).
-    A state without the entry (saved before it was recorded, or by a plan of plain views) is
-    not checked."""
-    if "inputs" not in saved or not where:
+    A state without the entry was saved by a plan of plain views (``{}``)."""
+    if not where:
         return
-    theirs, ours = saved["inputs"], mine.get("inputs", {})
+    theirs, ours = saved.get("inputs", {}), mine.get("inputs", {})
     if not isinstance(theirs, Mapping):
         raise ValueError(f"not a read-plan state: inputs={theirs!r}")
     changes = []
@@ -214,6 +223,8 @@ def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) 
             for key in ("channels", "layout", "select")
             if a.get(key) != b.get(key)
         ]
+        if a.get("normalize") != b.get("normalize"):
+            changes.append(f"{label!r} is normalised with other statistics")
     if changes:
         raise ValueError(
             "cannot restore this read-plan state: the batches' inputs differ ("

@@ -592,8 +592,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
         other_views = self._check_views(state)
         self._check_config(state["config"], other_views=other_views)
-        mine = self._config.get("inputs")
-        if not other_views and state["config"].get("inputs", mine) != mine:
+        mine = self._config.get("inputs", {})  # (none: plain views, in either config)
+        if not other_views and state["config"].get("inputs", {}) != mine:
             check_inputs(state["config"], self._config, self._mid_epoch(state))
 
     def _other_views(self, saved: Mapping[str, Any]) -> dict[str, ArrayGeometry] | None:
