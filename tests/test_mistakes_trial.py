@@ -92,6 +92,24 @@ def test_an_xarray_dataset_changed_after_opening_is_refused_not_read_as_stored(
         assert _epoch(ds, store) == [True] * 4
 
 
+def test_an_xarray_dataset_whose_stored_coordinates_were_assigned_anew_is_refused(
+    store: Path,
+) -> None:
+    # before: accepted, and sel by value, forcings and the batches' coordinates used the
+    # stored values (longitudes 0..300 where the Dataset showed -180..120, times 1 h early)
+    opened = xr.open_zarr(store)
+    for name, ds in (
+        ("lon", opened.assign_coords(lon=((opened.lon + 180) % 360) - 180)),
+        ("time", opened.assign_coords(time=opened.time + np.timedelta64(1, "h"))),
+        ("lat", opened.assign_coords(lat=opened.lat.values[::-1].copy())),
+    ):
+        with pytest.raises(ValueError, match=f"coordinate '{name}' was assigned after"):
+            open_geometries(ds)
+    # a coordinate the store does not hold is the user's own: it is never read
+    hour = opened.assign_coords(hour=("time", opened.time.dt.hour.values))
+    assert _epoch(hour, store) == [True] * 4
+
+
 def test_a_file_in_place_of_the_store_folder_says_it_is_a_file(tmp_path: Path) -> None:
     path = tmp_path / "era5.zarr"
     path.write_bytes(b"PK\x03\x04")  # a file where the folder should be (a zipped store, say)

@@ -33,7 +33,9 @@ def refuse_changed(ds: Any, store: Any, where: str) -> None:
     """``ValueError`` when a data variable of ``ds`` is not its stored array as stored (in
     ``store``, described as ``where``): the Dataset was selected (``isel``/``sel``),
     transposed, reordered (``roll``, ``sortby``) or computed on (``ds * 2``, ``assign``,
-    ``load``) after it was opened. Rechunking (``ds.chunk(...)``) changes nothing read."""
+    ``load``) after it was opened, or a stored coordinate was assigned anew
+    (``assign_coords``: it has no encoding). Rechunking (``ds.chunk(...)``) changes nothing
+    read."""
     names = dataset_variables(ds) or []
     for name, array in zip(names, _zarr_compat.open_arrays_by_name(store, names), strict=True):
         shown = tuple(ds[name].shape)
@@ -46,6 +48,20 @@ def refuse_changed(ds: Any, store: Any, where: str) -> None:
                 "ArrayGeometry.isel/sel for field axes (levels, an area), "
                 "split_by_chunk(..., sample_range=(start, stop), coord=time) or missing= "
                 "for the sample axis"
+            )
+    # a coordinate assigned after opening (assign_coords, arithmetic on it) has no encoding:
+    # xarray keeps a stored variable's; the stored one is what sel and coords= would read
+    assigned = [str(c) for c in getattr(ds, "coords", {}) if not ds.coords[c].encoding]
+    stored = _zarr_compat.open_arrays_by_name(store, assigned)
+    for name, array in zip(assigned, stored, strict=True):
+        if array is not None:
+            raise ValueError(
+                f"this xarray Dataset's coordinate {name!r} was assigned after it was opened "
+                "(assign_coords, or a computation on it; drop_encoding too), and the pipeline "
+                f"reads the stored {name!r} of {where} (for sel by value and the batches' "
+                "coordinates), not the Dataset's. Pass the Dataset as opened or its store, and "
+                "select in stored values (a longitude box in 0..360 where the store keeps "
+                "0..360); or write the changed Dataset to a store with to_zarr"
             )
     for name in names:
         change = _changed_after_opening(ds[name].variable)
