@@ -28,6 +28,10 @@ float32, computed in numpy for the whole batch at once:
 The last four take cftime dates too (a ``noleap`` or ``360_day`` store's times), counted in
 their own calendar; the two solar ones raise ``TypeError`` for them.
 
+The grid is one ``(lat, lon)`` grid, or, for a view of a collection whose members lie at other
+places, each member's own (:mod:`~insitubatch_nodes.forcing_grid`): every row is computed on
+its own member's points.
+
 The Sun's position follows the U.S. Naval Observatory's *Approximate Solar Coordinates*
 (https://aa.usno.navy.mil/faq/sun_approx; accurate to about 1 arcminute within two centuries
 of 2000): from ``D``, days since J2000.0 (2000-01-01 12:00 UT), the mean anomaly ``g =
@@ -42,6 +46,7 @@ a minute, is below the formula's accuracy for these uses).
 
 from __future__ import annotations
 
+import copy
 import math
 import operator
 import threading
@@ -51,8 +56,8 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.batch import Batch
+from insitubatch_nodes.forcing_grid import ForcingGrid
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.selection import kept_axes, view_keys
 from insitubatch_nodes.io.timeunits import as_timedelta
 
 __all__ = [
@@ -311,11 +316,12 @@ class _Memo:
     rows). A full memo forgets its oldest times first (each new time takes the slot of the
     oldest)."""
 
-    def __init__(self, names: Sequence[str], grid: tuple[int, int]) -> None:
+    def __init__(self, names: Sequence[str], grid: tuple[int, int], shares: int = 1) -> None:
         self.names = tuple(names)
         self.grid = grid
         per_time = max(1, len(self.names) * grid[0] * grid[1] * 4)
-        self.capacity = max(1, MEMO_BYTES // per_time)  # at least one time, as before
+        # (``shares`` memos, one per grid of a collection's members, share the bytes)
+        self.capacity = max(1, MEMO_BYTES // (per_time * shares))  # at least one time
         self.keys = np.empty(0, np.int64)  # the time in each slot
         self.fields = {name: np.empty((0, *grid), np.float32) for name in self.names}
         self.oldest = 0  # once full: the slot the next new time takes
@@ -373,9 +379,13 @@ class Forcings:
     ``names`` picks them (default: all of :data:`FORCINGS`); ``prefix`` is put before each
     label. ``time_label`` is the label whose ``batch.coords[time_label][time_name]`` gives the
     rows' times. ``lat`` and ``lon`` are the grid's coordinates in degrees (1-D: ``ValueError``
-    for a 2-D meshgrid); or give a ``view`` (an
+    for a 2-D meshgrid), one grid for every row; or give a ``view`` (an
     :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`, selected or not) and its last two
-    field dimensions' coordinates are read through ``view.coordinates``.
+    field dimensions' coordinates are read through ``view.coordinates``. A view of a
+    :class:`~insitubatch_nodes.io.collection.Collection` gives each member's own coordinates
+    (:class:`~insitubatch_nodes.forcing_grid.ForcingGrid`): each row's forcings are computed
+    on the grid of its member (``batch.members[time_label]``), so ``time_label`` must be a
+    label of that collection; members on equal grids share one computation.
     ``period``, ``bins`` and ``irradiance`` are those of :func:`toa_incident_solar_radiation`.
     Nothing is read from the store.
     """
@@ -400,88 +410,127 @@ class Forcings:
         if view is not None:
             if lat is not None or lon is not None:
                 raise TypeError("give the grid as lat= and lon=, or as view=, not both")
-            lat, lon = grid_of(view)
-        if lat is None or lon is None:
+            grid = ForcingGrid.of_view(view)
+        elif lat is None or lon is None:
             raise TypeError("Forcings needs the grid: lat= and lon= (degrees), or view=")
-        for axis, values in (("lat", lat), ("lon", lon)):
-            if np.ndim(values) > 1:
-                raise ValueError(
-                    f"Forcings: {axis}= must be the 1-D coordinate of a regular (lat, lon) grid, "
-                    f"got shape {np.shape(values)}: give lat2d[:, 0] and lon2d[0, :] of a "
-                    "meshgrid (a curvilinear grid is not supported)"
-                )
-        self.lat = np.asarray(lat, dtype=np.float64).ravel()
-        self.lon = np.asarray(lon, dtype=np.float64).ravel()
-        if not np.all(np.abs(self.lat) <= 90.0):
-            raise ValueError(
-                f"Forcings: latitudes must lie in [-90, 90] degrees, got {self.lat.min()} ... "
-                f"{self.lat.max()}: give lat= the latitudes and lon= the longitudes (the "
-                "forcings' grid is (lat, lon))"
-            )
+        else:
+            grid = ForcingGrid.given(lat, lon)
         self.time_label, self.time_name = time_label, time_name
         self.names = tuple(names)
         self.prefix = prefix
         self.period = _period(period)
         self.bins = None if bins is None else int(bins)
         self.irradiance = float(irradiance)
-        #: the fields of the times computed so far (ns since the epoch), oldest forgotten first
-        self._memo = _Memo(self.names, (len(self.lat), len(self.lon)))
+        self._on(grid)
+
+    def _on(self, grid: ForcingGrid) -> None:
+        """Compute on ``grid`` from now on, remembering nothing yet."""
+        #: the grid (one, or one per member of a collection) the fields are computed on
+        self.grid = grid
+        #: per distinct grid, the fields of the times computed so far (ns since the epoch),
+        #: oldest forgotten first; the memory is shared out between the grids
+        self._memos = [_Memo(self.names, grid.shape, len(grid.lats)) for _ in grid.lats]
         self._lock = threading.Lock()
 
-    def compute(self, times: Any) -> dict[str, np.ndarray]:
-        """``{name: (*times.shape, n_lat, n_lon) float32}`` for ``times``.
+    @property
+    def lat(self) -> np.ndarray:
+        """The grid's latitudes (degrees), where it is one grid for every row (``ValueError``
+        where each member of a collection has its own: :attr:`grid` holds them)."""
+        return self._one_grid()[0]
 
-        Each distinct time is computed once and its fields are remembered (up to
+    @property
+    def lon(self) -> np.ndarray:
+        """The grid's longitudes (degrees): as :attr:`lat`."""
+        return self._one_grid()[1]
+
+    def _one_grid(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.grid.per_member:
+            raise ValueError(
+                f"{self!r} is on a grid per member of {self.grid.collection} "
+                f"({len(self.grid.lats)} grids): read them in .grid"
+            )
+        return self.grid.lats[0], self.grid.lons[0]
+
+    def only(self, name: str) -> Forcings:
+        """These forcings reduced to forcing ``name``, on the same grid (with nothing
+        remembered): a stack's channel."""
+        out = copy.copy(self)
+        out.names = (name,)
+        out._on(self.grid)
+        return out
+
+    def compute(self, times: Any, members: Any = None) -> dict[str, np.ndarray]:
+        """``{name: (*times.shape, n_lat, n_lon) float32}`` for ``times``; on a grid per member,
+        each row's on its member's (``members``: ``batch.members[time_label]``,
+        ``(batch,)`` or shaped like the times; :meth:`ForcingGrid.rows
+        <insitubatch_nodes.forcing_grid.ForcingGrid.rows>` says what it refuses).
+
+        Each distinct (grid, time) is computed once and its fields are remembered (up to
         :data:`MEMO_BYTES` per instance, the oldest forgotten first): a time several rows or
         steps share (overlapping windows), or that a later epoch meets again, costs a copy,
-        not the trigonometry."""
+        not the trigonometry. The Python work is per distinct grid in the batch, never per
+        row."""
         times = np.asarray(times)
+        shape = (*times.shape, *self.grid.shape)
+        if not self.grid.per_member:
+            return {k: v.reshape(shape) for k, v in self._lookup(0, times.ravel()).items()}
+        which = self.grid.rows(members, times.shape, self.time_label)
+        flat = times.ravel()
+        out = {name: np.empty((flat.size, *self.grid.shape), np.float32) for name in self.names}
+        for g in np.unique(which).tolist():  # the grids of the batch's members
+            rows = np.flatnonzero(which == g)
+            for name, values in self._lookup(g, flat[rows]).items():
+                out[name][rows] = values
+        return {name: v.reshape(shape) for name, v in out.items()}
+
+    def _lookup(self, g: int, times: np.ndarray) -> dict[str, np.ndarray]:
+        """:meth:`compute` of the 1-D ``times`` on grid ``g``, through its memory."""
         if times.dtype.kind != "M":
-            return self._compute(times)  # (it says what is wrong with them)
-        keys = times.astype("datetime64[ns]").view(np.int64).ravel()
+            return self._compute(times, g)  # (it says what is wrong with them)
+        keys = times.astype("datetime64[ns]").view(np.int64)
         distinct, inverse = np.unique(keys, return_inverse=True)
-        shape = (*times.shape, len(self.lat), len(self.lon))
-        table = {name: np.empty((len(distinct), *shape[-2:]), np.float32) for name in self.names}
+        memo = self._memos[g]
+        table = {name: np.empty((len(distinct), *self.grid.shape), np.float32)
+                 for name in self.names}  # fmt: skip
         with self._lock:
-            slots = self._memo.find(distinct)
+            slots = memo.find(distinct)
             known = np.flatnonzero(slots >= 0)
             for name in self.names:
-                table[name][known] = self._memo.fields[name][slots[known]]
+                table[name][known] = memo.fields[name][slots[known]]
         new = np.flatnonzero(slots < 0)
         if len(new):
-            fresh = self._compute(distinct[new].view("datetime64[ns]"))
+            fresh = self._compute(distinct[new].view("datetime64[ns]"), g)
             for name in self.names:
                 table[name][new] = fresh[name]
             with self._lock:
-                self._memo.add(distinct[new], fresh)
-        return {
-            name: np.take(table[name], inverse.ravel(), axis=0).reshape(shape)
-            for name in self.names
-        }
+                memo.add(distinct[new], fresh)
+        return {name: np.take(table[name], inverse.ravel(), axis=0) for name in self.names}
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_memo=_Memo(self.names, (len(self.lat), len(self.lon))), _lock=None)
+        state.update(_memos=[_Memo(self.names, self.grid.shape, len(self._memos))
+                             for _ in self._memos], _lock=None)  # fmt: skip
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def _compute(self, times: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`compute` without the memory: every time computed."""
-        shape = (*times.shape, len(self.lat), len(self.lon))
+    def _compute(self, times: np.ndarray, g: int = 0) -> dict[str, np.ndarray]:
+        """:meth:`compute` without the memory, on grid ``g``: every time computed."""
+        lat, lon = self.grid.lats[g], self.grid.lons[g]
+        shape = (*times.shape, len(lat), len(lon))
         out: dict[str, np.ndarray] = {}
         for name in self.names:
             if name == "toa_incident_solar_radiation":
                 values = toa_incident_solar_radiation(
-                    times, self.lat, self.lon, period=self.period, bins=self.bins,
+                    times, lat, lon, period=self.period, bins=self.bins,
                     irradiance=self.irradiance,
                 )  # fmt: skip
             elif name == "cos_solar_zenith":
-                values = cos_solar_zenith(times, self.lat, self.lon)
+                values = cos_solar_zenith(times, lat, lon)
             elif name.startswith("local_time"):
-                angle = 2 * np.pi * local_time(times, self.lon) / 24.0
+                angle = 2 * np.pi * local_time(times, lon) / 24.0
                 values = np.sin(angle) if name.endswith("sin") else np.cos(angle)
             else:
                 angle = 2 * np.pi * year_progress(times)[..., None, None]
@@ -498,34 +547,10 @@ class Forcings:
                 f"{self.time_label!r}; build the pipeline with coords=None or "
                 f"coords=[{self.time_name!r}]"
             ) from None
-        for name, values in self.compute(times).items():
+        members = batch.members.get(self.time_label)
+        for name, values in self.compute(times, members).items():
             batch.arrays[self.prefix + name] = values
         return batch
 
     def __repr__(self) -> str:
         return f"Forcings({self.time_label!r}, names={list(self.names)})"
-
-
-def grid_of(view: ArrayGeometry) -> tuple[np.ndarray, np.ndarray]:
-    """The latitude and longitude (degrees) of ``view``'s last two field axes, as selected
-    (``ValueError`` where their names say they are longitude then latitude)."""
-    dims = view.dims
-    if dims is None or view.coordinates is None:
-        raise ValueError(f"{view.path}: no dimension names or coordinates to find its grid by")
-    field = [dims[a] for a in view.field_axes]
-    keys = view_keys(view)
-    kept = [(field[i], keys[i]) for i in kept_axes(keys)]
-    if len(kept) < 2:
-        raise ValueError(f"{view.path}: the view keeps fewer than two field axes")
-    first, second = (name.lower() for name, _ in kept[-2:])
-    if first.startswith("lon") or second.startswith("lat"):
-        raise ValueError(
-            f"{view.path}: its grid is ({kept[-2][0]}, {kept[-1][0]}), and forcings are "
-            "computed on a (latitude, longitude) grid: give Forcings lat= and lon= and "
-            "transpose them, or use a (latitude, longitude) view"
-        )
-    out = []
-    for name, key in kept[-2:]:
-        values = np.asarray(view.coordinates(view.base, name), dtype=np.float64)
-        out.append(values if key is None else values[np.asarray(key)])
-    return out[0], out[1]

@@ -20,6 +20,8 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
 from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
+from insitubatch_nodes.forcing_grid import refuse_forcings_elsewhere
+from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.collection import Collection, collection_of
 from insitubatch_nodes.io.collection_checks import (
@@ -361,6 +363,9 @@ def insitu_pipeline(
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
     # a stack's rows carry its first sampled member's coordinates (its forcings' times)
     firsts = {label: v.sampled[0].geometry for label, v in views.items() if isinstance(v, Stack)}
+    # forcings as batch transforms: each collection row on its own member's points
+    forcings = [t for t in batch_transforms if isinstance(t, Forcings)]
+    refuse_forcings_elsewhere(forcings, {**plain, **firsts})
     carried = _carried_coordinates(
         zstore,
         {

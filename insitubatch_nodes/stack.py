@@ -38,6 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from insitubatch_nodes.forcing_grid import ForcingGrid
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
@@ -205,7 +206,7 @@ def stack(
     first_points = _grid_points(first, field_ndim)  # read once, compared with every member
     for name, view in given.items():
         if isinstance(view, Forcings):
-            grid = (len(view.lat), len(view.lon))
+            grid = view.grid.shape
             whole = field_shape if first.patch is None else forcing_window(name, first)[1]
             if grid != whole:
                 raise ValueError(
@@ -216,11 +217,7 @@ def stack(
             _refuse_other_forcing_points(view, first_name, first)
             for forcing in view.names:
                 channels.append(view.prefix + forcing)
-                one = Forcings(
-                    view.time_label, names=[forcing], lat=view.lat, lon=view.lon,
-                    time_name=view.time_name, prefix=view.prefix, period=view.period,
-                    bins=view.bins, irradiance=view.irradiance,
-                )  # fmt: skip
+                one = view.only(forcing)
                 c = len(channels) - 1
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
@@ -450,18 +447,41 @@ def _refuse_other_points(
 def _refuse_other_forcing_points(forcings: Forcings, first_name: str, first: ArrayGeometry) -> None:
     """Refuse forcings whose (lat, lon) grid is at other points than the first member's field
     (its last two axes' coordinates, as selected, where it has both), beyond float32
-    rounding."""
-    grid = _grid_points(first, 2)
-    if len(grid) != 2:
+    rounding; of a collection, member by member (a scene's rows are computed on its own
+    points: forcings of one grid beside members at other places are refused, and so are
+    forcings on the grids of another collection's members)."""
+    if first.members is None and not forcings.grid.per_member:
+        grid = _grid_points(first, 2)
+        if len(grid) != 2:
+            return
+        for (dim, ref), values in zip(grid.items(), (forcings.lat, forcings.lon), strict=True):
+            if ref.dtype.kind in "iuf" and not np.allclose(values, ref, rtol=1e-6, atol=1e-6):
+                raise ValueError(
+                    f"stack member {forcings.names[0]!r} (forcings) is computed at {dim!r} "
+                    f"{values[:8].tolist()}, but {first_name!r} is at {ref[:8].tolist()}: the "
+                    f"shapes agree, the points do not. Give Forcings the members' grid "
+                    f"(view= the view of {first_name!r})"
+                )
         return
-    for (dim, ref), values in zip(grid.items(), (forcings.lat, forcings.lon), strict=True):
-        if ref.dtype.kind in "iuf" and not np.allclose(values, ref, rtol=1e-6, atol=1e-6):
-            raise ValueError(
-                f"stack member {forcings.names[0]!r} (forcings) is computed at {dim!r} "
-                f"{values[:8].tolist()}, but {first_name!r} is at {ref[:8].tolist()}: the "
-                f"shapes agree, the points do not. Give Forcings the members' grid "
-                f"(view= the view of {first_name!r})"
-            )
+    own = None if first.members is None else first.members.collection.partition(":")[0]
+    if forcings.grid.per_member and forcings.grid.collection != own:
+        raise ValueError(
+            f"stack member {forcings.names[0]!r} (forcings) is on the grids of the members of "
+            f"{forcings.grid.collection}, and {first_name!r} reads "
+            f"{own or 'an array, not a collection'}: give Forcings view= the view of "
+            f"{first_name!r}"
+        )
+    try:
+        theirs = ForcingGrid.of_view(first)
+    except (KeyError, ValueError):  # no coordinates to tell its members' points by
+        return
+    differ = forcings.grid.differs_from(theirs)
+    if differ:
+        raise ValueError(
+            f"stack member {forcings.names[0]!r} (forcings) is computed at other points than "
+            f"{first_name!r} ({differ}): give Forcings view= the view of {first_name!r}, which "
+            "computes each row on its own member's grid"
+        )
 
 
 def _steps(view: ArrayGeometry) -> int | None:

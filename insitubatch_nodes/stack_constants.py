@@ -69,7 +69,9 @@ class StackConstants:
     to its :class:`~insitubatch_nodes.stack.Stack`; ``arrays`` maps ``(label, member name)``
     to a static member's data (as its view selects it), standardised once, here, when the
     stack normalises. Forcings are computed from ``batch.coords[label][time_name]`` (the
-    stack's times, ``(batch,)`` or ``(batch, T)``) for each batch.
+    stack's times, ``(batch,)`` or ``(batch, T)``) for each batch, each row on its member's
+    grid where the stack reads a collection whose members are at other places
+    (``batch.members[label]``).
 
     ``plan`` (a :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`) says which stack
     each label is assembled with (its ``batch_views``); :meth:`add` prepares the constants of
@@ -162,7 +164,9 @@ class StackConstants:
                         f"forcing {member.name!r} from; build the pipeline with coords=None or "
                         f"coords=[{time_name!r}]"
                     )
-                values = next(iter(member.forcing.compute(times).values()))
+                # each row on its member's grid (forcings of a collection's members' grids)
+                rows_of = batch.members.get(label)
+                values = next(iter(member.forcing.compute(times, rows_of).values()))
                 if prepared.forcing_cuts:  # each row's window of the grid (its last two axes)
                     grid = tuple(values.ndim - 3 + a for a in prepared.forcing_cuts[k])
                     values = _cut_rows(values, batch.patch_origins[label], grid, prepared.extent)

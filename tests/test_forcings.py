@@ -161,9 +161,9 @@ def test_forcings_compute_each_distinct_time_once_and_remember_it_exactly(
     computed: list[int] = []
     real = forcings.Forcings._compute
 
-    def counting(self: Any, t: np.ndarray) -> dict[str, np.ndarray]:
+    def counting(self: Any, t: np.ndarray, g: int = 0) -> dict[str, np.ndarray]:
         computed.append(t.size)
-        return real(self, t)
+        return real(self, t, g)
 
     monkeypatch.setattr(forcings.Forcings, "_compute", counting)
     first = f.compute(times)
@@ -174,10 +174,10 @@ def test_forcings_compute_each_distinct_time_once_and_remember_it_exactly(
         assert first[name].shape == (4, 2, 5, 8) and first[name].dtype == np.float32
         np.testing.assert_array_equal(first[name], fresh[name])
         np.testing.assert_array_equal(again[name], fresh[name][::-1])
-    assert len(pickle.loads(pickle.dumps(f))._memo) == 0, "a pickled copy carries nothing"
+    assert len(pickle.loads(pickle.dumps(f))._memos[0]) == 0, "a pickled copy carries nothing"
     monkeypatch.setattr(forcings, "MEMO_BYTES", 3 * 5 * 8 * 4 * len(FORCINGS))
     small = Forcings("x", lat=lat, lon=lon)
     np.testing.assert_array_equal(
         small.compute(times)["cos_solar_zenith"], fresh["cos_solar_zenith"]
     )
-    assert len(small._memo) == 3, "the oldest times are forgotten past MEMO_BYTES"
+    assert len(small._memos[0]) == 3, "the oldest times are forgotten past MEMO_BYTES"

@@ -43,11 +43,13 @@ DECODE_THREADS = 2
 TISR = "toa_incident_solar_radiation"
 
 
-def _write(root: Path, spc: int, hours: int, calendar: str = "standard") -> Path:
+def _write(
+    root: Path, spc: int, hours: int, calendar: str = "standard", north: float = 60.0
+) -> Path:
     """An ERA5-like store of ``N_CHUNKS`` chunks of ``spc`` samples: ``t2m`` (time, 4, 8),
     ``tiled`` (the same in (2, 4) tiles), ``z`` (time, 3 levels, 4, 8) and ``ztiled`` (the
     same in (3, 2, 4) tiles), a static ``lsm`` (4, 8), CF time from ``hours`` in
-    ``calendar``."""
+    ``calendar``, latitudes from ``north - 120`` to ``north``."""
     n = N_CHUNKS * spc
     rng = np.random.default_rng(spc)
     group = zarr.open_group(root, mode="w")
@@ -62,7 +64,7 @@ def _write(root: Path, spc: int, hours: int, calendar: str = "standard") -> Path
 
     t = array("time", hours + np.arange(n, dtype=np.int64), ("time",))
     t.attrs.update(units="hours since 2000-01-01", calendar=calendar)
-    array("lat", np.linspace(-60, 60, 4), ("lat",))
+    array("lat", np.linspace(north - 120, north, 4), ("lat",))
     array("lon", np.arange(8) * 45.0, ("lon",))
     array("level", np.array([1000, 500, 250]), ("level",))
     array("t2m", rng.standard_normal((n, 4, 8), np.float32), ("time", "lat", "lon"), (spc, 4, 8))
@@ -76,12 +78,13 @@ def _write(root: Path, spc: int, hours: int, calendar: str = "standard") -> Path
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int, tuple[Path, Path, Path]]:
-    """Per size: a store, a second one with later times, one in the ``noleap`` calendar."""
+    """Per size: a store, a second one with later times at other latitudes, one in the
+    ``noleap`` calendar."""
     base = tmp_path_factory.mktemp("per_batch")
     return {
         spc: (
             _write(base / f"a{spc}.zarr", spc, 0),
-            _write(base / f"b{spc}.zarr", spc, 10**6),
+            _write(base / f"b{spc}.zarr", spc, 10**6, north=80.0),
             _write(base / f"n{spc}.zarr", spc, 0, "noleap"),
         )
         for spc in SIZES
@@ -210,7 +213,9 @@ def _collection(
     coll = Collection.from_arrays([(root, "t2m"), (other, "t2m")], sample_axis="time")
     manifest = split_by_member(coll, {"train": 1.0})
     views = {"x": coll["data"], "w": coll["data"].window([-1, 0])}
-    return coll, manifest, views, {"coords": ["time"]}
+    # the members lie at other latitudes: each row's forcings on its member's grid
+    forcings = Forcings("w", view=coll["data"], names=[TISR, "local_time_sin"])
+    return coll, manifest, views, {"coords": ["time"], "batch_transforms": [forcings]}
 
 
 def _calendar(*roots: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
@@ -226,7 +231,7 @@ CASES: dict[str, Case] = {
     "stacks normalised, of windows, with forcings; forcings": _stacks,
     "patches (windows of a field), of windows, of selected levels": _patches,
     "patches across tile edges, of selected levels": _tiles,
-    "a collection with its members' times": _collection,
+    "a collection with its members' times, forcings on each member's grid": _collection,
     "cftime dates (noleap): coordinates, calendar forcings": _calendar,
 }
 

@@ -9,6 +9,7 @@ makes collections."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any, NoReturn
 
@@ -18,6 +19,7 @@ import zarr
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf, open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.io.members import MEMBER_READERS
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = [
@@ -73,7 +75,7 @@ def refuse_broken_timeline(collection: str, members: Sequence[str], rows: Sequen
 
 class MemberCoordinates:
     """The field coordinates (``level``, ``lat``) of a collection variable, what ``sel`` on a
-    collection view looks values up in (and a stack's channel names, a forcing's grid):
+    collection view looks values up in (and a stack's channel names):
     ``reader(geom, dim)`` is the first member's coordinate named like ``dim``, where every
     member that has one holds the same values in the same order. A member whose coordinate
     differs (a scene at another place) has other points at the same index, so a selection by
@@ -81,6 +83,7 @@ class MemberCoordinates:
     by index with ``isel``. ``KeyError`` where the first member has none. Each member's
     coordinate is read once (one read per member the first time a dimension is asked for;
     ``reader``, a :class:`FieldCoordinates` of ``store``, shares what it read already).
+    :meth:`each` gives every member's own, differing or not (a forcing's grid per member).
     Picklable when the store is."""
 
     def __init__(
@@ -107,6 +110,30 @@ class MemberCoordinates:
             if own.shape != first.shape or not np.array_equal(own, first, equal_nan=kind):
                 return name, own, first
         return "", first, first
+
+    def each(self, geom: ArrayGeometry, dim: str) -> list[np.ndarray]:
+        """Every member's own coordinate ``dim``, in member order, whether they differ or not
+        (what forcings compute each member's rows on): the first member's read first, the
+        others 16 at a time. ``KeyError`` naming the first member without one."""
+
+        def one(path: str) -> np.ndarray | KeyError:
+            try:
+                return self.reader(replace(geom, path=path, members=None), dim)
+            except KeyError as exc:
+                return exc
+
+        found = [one(self.paths[0])]
+        if len(self.paths) > 1 and not isinstance(found[0], KeyError):  # (none: said at once)
+            readers = min(MEMBER_READERS, len(self.paths) - 1)
+            with ThreadPoolExecutor(readers, thread_name_prefix="insitu-coords") as pool:
+                found += pool.map(one, self.paths[1:])
+        for name, got in zip(self.names, found, strict=False):
+            if isinstance(got, KeyError):
+                raise KeyError(
+                    f"{geom.path}: member {name!r} has no {dim!r} coordinate beside its array, "
+                    "so nothing says where its points are"
+                )
+        return found  # type: ignore[return-value]
 
     def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
         name, own, first = self.differing(geom, dim)

@@ -30,10 +30,18 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
 from insitubatch_nodes.io.cf import fill_scalar
 
-__all__ = ["SCHEMA_FIELDS", "MemberMap", "check_cf_encoding", "collection_of", "member_schema"]
+__all__ = [
+    "MEMBER_READERS",
+    "SCHEMA_FIELDS",
+    "MemberMap",
+    "check_cf_encoding",
+    "collection_of",
+    "member_schema",
+]
 
-#: Members whose coordinates :meth:`MemberMap.joined` reads at once.
-_MEMBER_READERS = 16
+#: Members whose coordinates :meth:`MemberMap.joined` (and a forcing's grid per member) reads at
+#: once.
+MEMBER_READERS = 16
 
 
 class MemberMap:
@@ -212,14 +220,14 @@ class MemberMap:
                 raise FileNotFoundError(f"{path!r} of {geom.path!r} is not in {store}")
             members.append(replace(geom, path=path, members=None, shape=tuple(array.shape)))
         # each member as stored (its coordinates cover all it holds), read by
-        # _MEMBER_READERS threads at once: a member's reads wait on the store one after the
+        # MEMBER_READERS threads at once: a member's reads wait on the store one after the
         # other (find its coordinate, then read it), so one member at a time was one round
         # trip after another — 56 ms a member over S3 with 10 ms of latency
         if len(members) == 1:
             parts = [read(members[0])]
         else:
             with ThreadPoolExecutor(
-                min(_MEMBER_READERS, len(members)), thread_name_prefix="insitu-coords"
+                min(MEMBER_READERS, len(members)), thread_name_prefix="insitu-coords"
             ) as pool:
                 parts = list(pool.map(read, members))  # the first member's error first
         out = {}

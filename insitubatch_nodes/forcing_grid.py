@@ -1,0 +1,240 @@
+"""The (latitude, longitude) grid forcings are computed on: one grid, or one per member.
+
+A :class:`ForcingGrid` is what :class:`~insitubatch_nodes.forcings.Forcings` computes its
+fields at. Given as ``lat=`` and ``lon=`` it is one grid for every row. Read from a view
+(:meth:`ForcingGrid.of_view`) it is the view's last two kept field axes' coordinates, as
+selected; for a view of a :class:`~insitubatch_nodes.io.collection.Collection` those of **each
+member**: scenes at other places hold other points at the same index, so each row's forcings
+are computed on its own member's points (the row's member: ``batch.members[label]``). Members
+whose points are equal share one grid, so one computation (and one memory of computed times)
+serves them all; where every member is on one grid the collection's forcings are that one grid,
+as for a single array.
+
+:func:`refuse_forcings_elsewhere` is what a pipeline checks of the
+:class:`~insitubatch_nodes.forcings.Forcings` among its batch transforms: that rows of members
+at other places are never computed on another member's grid.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+from insitubatch_nodes.io.collection_checks import MemberCoordinates
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import kept_axes, view_keys
+
+__all__ = ["ForcingGrid", "refuse_forcings_elsewhere"]
+
+
+@dataclass(frozen=True, eq=False)
+class ForcingGrid:
+    """Distinct ``(lat, lon)`` grids in degrees (``lats`` ``(G, n_lat)``, ``lons`` ``(G,
+    n_lon)``, all of one shape) and which one each member is on (``of_member``, ``(M,)``;
+    ``None``: one grid, ``G == 1``, for every row). ``collection`` names the collection whose
+    member indices ``of_member`` counts in (``None`` for a grid given, or read from an array),
+    ``members`` its member names (for messages)."""
+
+    lats: np.ndarray
+    lons: np.ndarray
+    of_member: np.ndarray | None = None
+    collection: str | None = None
+    members: tuple[str, ...] = ()
+
+    @classmethod
+    def given(cls, lat: Any, lon: Any) -> ForcingGrid:
+        """One grid for every row: ``lat`` and ``lon``, 1-D, in degrees (``ValueError`` for a
+        2-D meshgrid, or latitudes outside [-90, 90])."""
+        for axis, values in (("lat", lat), ("lon", lon)):
+            if np.ndim(values) > 1:
+                raise ValueError(
+                    f"Forcings: {axis}= must be the 1-D coordinate of a regular (lat, lon) grid, "
+                    f"got shape {np.shape(values)}: give lat2d[:, 0] and lon2d[0, :] of a "
+                    "meshgrid (a curvilinear grid is not supported)"
+                )
+        phi = np.asarray(lat, dtype=np.float64).reshape(1, -1)
+        lam = np.asarray(lon, dtype=np.float64).reshape(1, -1)
+        _refuse_latitudes(phi, "")
+        return cls(phi, lam)
+
+    @classmethod
+    def of_view(cls, view: ArrayGeometry) -> ForcingGrid:
+        """The grid of ``view``'s last two kept field axes, as selected (``ValueError`` where
+        their names say they are longitude then latitude, or where it has no names or
+        coordinates). A collection's view: each member's own coordinates (read once, 16
+        members at a time; ``KeyError`` naming a member without one, ``ValueError`` naming one
+        whose coordinate does not fit its axis), equal ones shared."""
+        dims = view.dims
+        if dims is None or view.coordinates is None:
+            raise ValueError(f"{view.path}: no dimension names or coordinates to find its grid by")
+        field = [dims[a] for a in view.field_axes]
+        keys = view_keys(view)
+        kept = [(i, field[i], keys[i]) for i in kept_axes(keys)]
+        if len(kept) < 2:
+            raise ValueError(f"{view.path}: the view keeps fewer than two field axes")
+        first, second = (name.lower() for _, name, _ in kept[-2:])
+        if first.startswith("lon") or second.startswith("lat"):
+            raise ValueError(
+                f"{view.path}: its grid is ({kept[-2][1]}, {kept[-1][1]}), and forcings are "
+                "computed on a (latitude, longitude) grid: give Forcings lat= and lon= and "
+                "transpose them, or use a (latitude, longitude) view"
+            )
+        coords = view.coordinates
+        per_axis = []  # per grid axis: each member's values, as selected
+        for i, name, key in kept[-2:]:
+            if isinstance(coords, MemberCoordinates):
+                try:
+                    values = coords.each(view.base, name)
+                except KeyError as exc:
+                    raise KeyError(
+                        f"{exc.args[0]}: forcings need every member's grid; give Forcings lat= "
+                        "and lon= where every member is on one grid"
+                    ) from None
+            else:
+                values = [np.asarray(coords(view.base, name))]
+            length = view.field_shape[i]
+            for m, v in enumerate(values):
+                if np.ndim(v) != 1 or len(v) != length:
+                    who = f" of member {coords.names[m]!r}" if len(values) > 1 else ""
+                    raise ValueError(
+                        f"{view.path}: the {name!r} coordinate{who} has shape {np.shape(v)}, "
+                        f"but the axis holds {length} points: forcings need one value per "
+                        f"point; give Forcings lat= and lon="
+                    )
+            at = slice(None) if key is None else np.asarray(key)
+            per_axis.append([np.asarray(v, np.float64)[at] for v in values])
+        if not isinstance(coords, MemberCoordinates):
+            grid = cls(per_axis[0][0].reshape(1, -1), per_axis[1][0].reshape(1, -1))
+            _refuse_latitudes(grid.lats, f"{view.path}: ")
+            return grid
+        # equal grids share one index: a dict of each member's points, as bytes
+        index: dict[bytes, int] = {}
+        of_member = np.empty(len(per_axis[0]), np.intp)
+        for m, (phi, lam) in enumerate(zip(*per_axis, strict=True)):
+            of_member[m] = index.setdefault(phi.tobytes() + b"|" + lam.tobytes(), len(index))
+        firsts = np.unique(of_member, return_index=True)[1]
+        lats = np.stack([per_axis[0][m] for m in firsts])
+        lons = np.stack([per_axis[1][m] for m in firsts])
+        _refuse_latitudes(lats, f"{view.path}: ")
+        if len(firsts) == 1:  # one grid for every member: as an array's
+            return cls(lats, lons)
+        assert view.members is not None
+        name = view.members.collection.partition(":")[0]
+        return cls(lats, lons, of_member, name, tuple(coords.names))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(n_lat, n_lon)``: every grid's."""
+        return self.lats.shape[1], self.lons.shape[1]
+
+    @property
+    def per_member(self) -> bool:
+        """Whether rows of different members are on different grids."""
+        return self.of_member is not None
+
+    def rows(self, members: np.ndarray | None, shape: tuple[int, ...], label: str) -> np.ndarray:
+        """The grid of each time of a batch of ``shape`` (``(batch,)`` or ``(batch, T)``),
+        flat: its row's member's (``members``: ``batch.members[label]``, ``(batch,)``, or
+        shaped like the times on a concatenation). ``KeyError`` where a grid per member has
+        no members to go by, ``ValueError`` for a member index it does not know."""
+        assert self.of_member is not None
+        if members is None:
+            raise KeyError(
+                f"Forcings: the forcings are on the grids of the members of {self.collection}, "
+                f"and batches carry no member for label {label!r}: give time_label= a label "
+                "read from that collection"
+            )
+        m = np.asarray(members)
+        if m.shape != shape:  # one member per row, for each of its times
+            m = np.broadcast_to(m.reshape(len(m), *(1,) * (len(shape) - 1)), shape)
+        if m.size and (m.min() < 0 or m.max() >= len(self.of_member)):
+            raise ValueError(
+                f"Forcings: label {label!r} has a row of member {int(m.max())}, and the "
+                f"forcings know the {len(self.of_member)} members of {self.collection}: build "
+                "Forcings from a view of the collection the pipeline reads"
+            )
+        return np.asarray(self.of_member[m.ravel()])
+
+    def member_points(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Each of ``n`` members' latitudes ``(n, n_lat)`` and longitudes ``(n, n_lon)`` (one
+        grid: the same for each)."""
+        at = np.zeros(n, np.intp) if self.of_member is None else self.of_member
+        return self.lats[at], self.lons[at]
+
+    def differs_from(self, other: ForcingGrid) -> str:
+        """Where this grid's points are other than ``other``'s (a collection's member by
+        member), beyond float32 rounding: ``""`` where they agree."""
+        if self.shape != other.shape:
+            return f"the grid is {self.shape}, theirs {other.shape}"
+        if self.per_member and other.per_member and self.collection != other.collection:
+            return f"the grids of the members of {self.collection}, not of {other.collection}"
+        on = other if other.per_member else self  # the one that counts members, if any
+        n = 1 if on.of_member is None else len(on.of_member)
+        names = on.members
+        mine, ours = self.member_points(n), other.member_points(n)
+        for axis, ref, got in (("lat", ours[0], mine[0]), ("lon", ours[1], mine[1])):
+            bad = ~np.all(np.isclose(got, ref, rtol=1e-6, atol=1e-6), axis=1)
+            if bad.any():
+                m = int(np.argmax(bad))
+                who = f"member {names[m]!r}: " if names else ""
+                return f"{who}{axis} {_listed(got[m])} where the field is at {_listed(ref[m])}"
+        return ""
+
+
+def _listed(values: np.ndarray) -> str:
+    return f"{values[:8].tolist()}{' ...' if len(values) > 8 else ''}"
+
+
+def _refuse_latitudes(lats: np.ndarray, where: str) -> None:
+    if not np.all(np.abs(lats) <= 90.0):
+        raise ValueError(
+            f"{where}Forcings: latitudes must lie in [-90, 90] degrees, got {lats.min()} ... "
+            f"{lats.max()}: give lat= the latitudes and lon= the longitudes (the forcings' "
+            "grid is (lat, lon))"
+        )
+
+
+class _Forcings(Protocol):
+    """What :func:`refuse_forcings_elsewhere` reads of a ``Forcings``."""
+
+    time_label: str
+    grid: ForcingGrid
+
+
+def refuse_forcings_elsewhere(
+    forcings: Sequence[_Forcings], views: Mapping[str, ArrayGeometry]
+) -> None:
+    """Refuse ``forcings`` (batch transforms of a pipeline whose labels read ``views``: a
+    stack's by its first sampled member) that would compute a collection's rows on another
+    member's points: forcings on the grids of another collection's members (their indices
+    count in that one), or on one grid where the label's members are at other points
+    (``ValueError`` saying to build them with ``view=`` the label's view). A collection whose
+    members have no coordinates says nothing of their points: the grid given is taken."""
+    for f in forcings:
+        view = views.get(f.time_label)
+        if view is None:
+            continue  # (no such label: the transform says so at its first batch)
+        own = view.members.collection.partition(":")[0] if view.members is not None else None
+        if f.grid.per_member and f.grid.collection != own:
+            raise ValueError(
+                f"Forcings({f.time_label!r}) are on the grids of the members of "
+                f"{f.grid.collection}, and label {f.time_label!r} reads "
+                f"{own or 'an array, not a collection'}: build Forcings with view= a view of "
+                "the collection the pipeline reads"
+            )
+        if f.grid.per_member or own is None:
+            continue
+        try:
+            theirs = ForcingGrid.of_view(view)
+        except (KeyError, ValueError):  # no coordinates: nothing says where the points are
+            continue
+        differ = f.grid.differs_from(theirs)
+        if differ:
+            raise ValueError(
+                f"Forcings({f.time_label!r}) are computed on one grid, and the members of "
+                f"label {f.time_label!r} are at other points ({differ}): build Forcings with "
+                f"view= the label's view, which computes each row on its member's grid"
+            )

@@ -1,0 +1,186 @@
+"""Forcings of a collection whose members lie at other places: each row on its own member's grid.
+
+Three scenes written with xarray: two over Europe (the same grid, other times) and one over
+Australia (latitudes stored north to south). Every delivered row's forcing is compared with
+the package's formulas (``forcings.py``'s functions, numpy) evaluated at that row's time on
+the coordinates xarray reads from that row's member.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import xarray as xr
+
+from insitubatch_nodes import Collection, Loader, insitu_pipeline, split_by_member, stack
+from insitubatch_nodes.forcings import (
+    FORCINGS,
+    Forcings,
+    cos_solar_zenith,
+    local_time,
+    toa_incident_solar_radiation,
+    year_progress,
+)
+
+HOUR = np.timedelta64(1, "h")
+FOLDER: dict[str, Path] = {}  # the scenes' folder, by the collection's name
+SCENES = {  # name: (lat, lon, first time)
+    "europe": (np.linspace(40.0, 61.0, 4), np.linspace(-10.0, 25.0, 8), "2021-06-01T00"),
+    "australia": (np.linspace(-12.0, -39.0, 4), np.linspace(115.0, 150.0, 8), "2021-06-01T05"),
+    "europe_later": (np.linspace(40.0, 61.0, 4), np.linspace(-10.0, 25.0, 8), "2021-12-01T07"),
+}
+
+
+@pytest.fixture(scope="module")
+def scenes(tmp_path_factory: pytest.TempPathFactory) -> Collection:
+    """The three scenes, ``t2m (time, lat, lon)`` of 8 hourly steps chunked 2, each a store
+    written by xarray, as one collection."""
+    folder = tmp_path_factory.mktemp("scenes")
+    rng = np.random.default_rng(0)
+    for name, (lat, lon, start) in SCENES.items():
+        times = np.datetime64(start, "ns") + np.arange(8) * 3 * HOUR
+        t2m = rng.standard_normal((8, len(lat), len(lon))).astype("float32")
+        ds = xr.Dataset(
+            {"t2m": (("time", "lat", "lon"), t2m)}, coords={"time": times, "lat": lat, "lon": lon}
+        )
+        ds.to_zarr(folder / f"{name}.zarr", encoding={"t2m": {"chunks": (2, 4, 8)}},
+                   zarr_format=3, consolidated=False)  # fmt: skip
+    pairs = [(str(folder / f"{name}.zarr"), "t2m") for name in SCENES]
+    coll = Collection.from_arrays(pairs, names=list(SCENES), sample_axis="time")
+    FOLDER[coll.name] = folder
+    return coll
+
+
+def _expected(name: str, times: np.ndarray, lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
+    """Forcing ``name`` at ``times`` on the grid ``(lat, lon)``, by the module's functions."""
+    shape = (*np.shape(times), len(lat), len(lon))
+    if name == "toa_incident_solar_radiation":
+        return toa_incident_solar_radiation(times, lat, lon)
+    if name == "cos_solar_zenith":
+        return cos_solar_zenith(times, lat, lon)
+    if name.startswith("local_time"):
+        angle = 2 * np.pi * local_time(times, lon) / 24.0
+    else:
+        angle = 2 * np.pi * year_progress(times)[..., None, None]
+    return np.broadcast_to(np.sin(angle) if name.endswith("sin") else np.cos(angle), shape)
+
+
+def _grid(coll: Collection, member: int, lat: Any = slice(None), lon: Any = slice(None)) -> Any:
+    """Member ``member`` of ``coll`` (a subset of the scenes, or all): its coordinates as
+    xarray reads them from its store, selected by index."""
+    folder = next(iter(FOLDER.values()))
+    ds = xr.open_zarr(folder / f"{coll.members[member]}.zarr", consolidated=False)
+    return ds.lat.values[lat], ds.lon.values[lon]
+
+
+def _check_rows(
+    scenes: Collection, batch: Any, label: str, got: dict[str, np.ndarray], **box: Any
+) -> set[int]:
+    """Every row's forcings against the formulas on its own member's grid; the members seen."""
+    times, members = batch.coords[label]["time"], batch.members[label]
+    for i, m in enumerate(members.tolist()):
+        lat, lon = _grid(scenes, m, **box)
+        for name, values in got.items():
+            want = _expected(name, times[i], lat, lon)
+            scale = 3.6e6 if name.startswith("toa") else 1.0  # J m-2 over an hour
+            np.testing.assert_allclose(values[i], want, atol=2e-6 * scale, err_msg=name)
+    return set(members.tolist())
+
+
+def test_forcings_of_a_collection_compute_each_row_on_its_own_members_grid(
+    scenes: Collection,
+) -> None:
+    view = scenes["data"]
+    manifest = split_by_member(scenes, {"train": 1.0})
+    forcings = Forcings("x", view=view, prefix="f_")
+    # the two European scenes share one grid: one computation, one memory for both
+    assert forcings.grid.of_member is not None
+    assert forcings.grid.of_member.tolist() == [0, 1, 0] and len(forcings.grid.lats) == 2
+    sun = Forcings("s", view=view, names=["cos_solar_zenith", "toa_incident_solar_radiation"])
+    s = stack({"t2m": view.window([-1, 0]), "sun": sun})  # (batch, T) times, one member a row
+    seen: set[int] = set()
+    mixed = 0
+    with insitu_pipeline(scenes, manifest, {"x": view, "s": s}, batch_size=5, coords=["time"],
+                         batch_transforms=[forcings]) as pipe:  # fmt: skip
+        for batch in Loader(pipe):
+            got = {name: batch.arrays["f_" + name] for name in FORCINGS}
+            seen |= _check_rows(scenes, batch, "x", got)
+            channels = batch.arrays["s"][:, :, 1:]  # (batch, T, 2 forcings, lat, lon)
+            _check_rows(scenes, batch, "s", {"cos_solar_zenith": channels[:, :, 0],
+                        "toa_incident_solar_radiation": channels[:, :, 1]})  # fmt: skip
+            mixed += len(set(batch.members["x"].tolist())) > 1
+    assert seen == {0, 1, 2} and mixed, "batches mixing scenes at other places"
+    # each scene's 7 anchors (the window leaves its first step out): Europe's two scenes on
+    # one grid, remembered together
+    assert [len(memo) for memo in forcings._memos] == [14, 7]
+
+
+def test_an_isel_box_and_patches_of_a_collection_take_each_members_own_points(
+    scenes: Collection,
+) -> None:
+    view = scenes["data"]
+    manifest = split_by_member(scenes, {"train": 1.0})
+    box = view.isel(lat=[0, 2], lon=slice(1, 7, 2))
+    forcings = Forcings("b", view=box, names=["cos_solar_zenith"])
+    cut = {"lat": 2, "lon": 4}
+    patched = stack({"t2m": view.patches(cut, origins="random"),
+                     "sun": Forcings("p", view=view, names=["cos_solar_zenith"])})  # fmt: skip
+    with insitu_pipeline(scenes, manifest, {"b": box}, batch_size=6, coords=["time"],
+                         batch_transforms=[forcings]) as pipe:  # fmt: skip
+        for batch in Loader(pipe):
+            got = {"cos_solar_zenith": batch.arrays["cos_solar_zenith"]}
+            _check_rows(scenes, batch, "b", got, lat=[0, 2], lon=slice(1, 7, 2))
+    # a patched stack's forcing: each row's window of its own member's grid
+    with insitu_pipeline(scenes, manifest, {"p": patched}, batch_size=6,
+                         coords=["time"]) as pipe:  # fmt: skip
+        for batch in Loader(pipe):
+            times, members = batch.coords["p"]["time"], batch.members["p"]
+            for i, (m, (a, b)) in enumerate(zip(members, batch.patch_origins["p"], strict=True)):
+                lat, lon = _grid(scenes, int(m), slice(a, a + 2), slice(b, b + 4))
+                want = cos_solar_zenith(times[i], lat, lon)
+                np.testing.assert_allclose(batch.arrays["p"][i, 1], want, atol=2e-6)
+    with pytest.raises(ValueError, match="isel"):  # a value is at other points in each member
+        view.sel(lat=slice(40, 50))
+
+
+def test_forcings_on_one_grid_beside_members_at_other_places_are_refused_when_built(
+    scenes: Collection, tmp_path: Path
+) -> None:
+    view = scenes["data"]
+    manifest = split_by_member(scenes, {"train": 1.0})
+    lat, lon, _ = SCENES["europe"]
+    europe = Forcings("x", lat=lat, lon=lon, names=["cos_solar_zenith"])
+    # before: built, and Australia's rows were computed at Europe's points
+    with pytest.raises(ValueError, match=r"member 'australia'.*view="):
+        insitu_pipeline(scenes, manifest, {"x": view}, coords=["time"], batch_transforms=[europe])
+    with pytest.raises(ValueError, match=r"member 'australia'.*view="):
+        stack({"t2m": view, "sun": europe})
+    # forcings on the grids of another collection's members count its member indices
+    other = scenes.subset(["australia", "europe"])
+    swapped = Forcings("x", view=other["data"], names=["cos_solar_zenith"])
+    with pytest.raises(ValueError, match="view= a view of the collection the pipeline reads"):
+        insitu_pipeline(scenes, manifest, {"x": view}, coords=["time"], batch_transforms=[swapped])
+    with pytest.raises(ValueError, match="members of collection-"):
+        stack({"t2m": view, "sun": swapped})
+    # one grid given where every member is on it: taken, as for one array
+    both = scenes.subset(["europe", "europe_later"])
+    one = split_by_member(both, {"train": 1.0})
+    with insitu_pipeline(both, one, {"x": both["data"]}, batch_size=4, coords=["time"],
+                         batch_transforms=[europe]) as pipe:  # fmt: skip
+        batch = next(iter(Loader(pipe)))
+    assert Forcings("x", view=both["data"]).grid.of_member is None
+    _check_rows(both, batch, "x", {"cos_solar_zenith": batch.arrays["cos_solar_zenith"]})
+    # a member whose points nothing gives: refused by name, saying what to give
+    europe_store = next(iter(FOLDER.values())) / "europe.zarr"
+    shutil.copytree(europe_store, tmp_path / "bare.zarr")
+    for name in ("lat", "lon"):
+        shutil.rmtree(tmp_path / "bare.zarr" / name)
+    mixed = Collection.from_arrays(
+        [(str(europe_store), "t2m"), (str(tmp_path / "bare.zarr"), "t2m")], names=["europe", "bare"]
+    )
+    with pytest.raises(KeyError, match=r"member 'bare'.*lat= and lon="):
+        Forcings("x", view=mixed["data"])
