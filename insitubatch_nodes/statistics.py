@@ -416,7 +416,9 @@ def fit_statistics(
     normalises it), in one pass over the split's chunks (module docstring). ``store`` is what
     :func:`~insitubatch_nodes.pipeline.insitu_pipeline` takes, a collection included (its
     members' own samples count, never their padding, and no difference spans two members). A
-    view's shift is ignored (the statistics are of its array, as selected). Every rank that
+    view's shift is ignored (the statistics are of its array, as selected). A ``split`` that
+    holds no chunk is refused (``ValueError``) when a view is sampled: its statistics would
+    be NaN. Every rank that
     calls it reads the whole split (``rank=0, world_size=1``): fit once and share the saved
     file. A window view's window is ignored too (its statistics, per channel, are those of every
     step). ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
@@ -447,6 +449,14 @@ def fit_statistics(
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label in sampled}
     last: dict[str, tuple[int, np.ndarray]] = {}
+    if sampled and not manifest.chunks(split):
+        held = {name: len(manifest.chunks(name)) for name in manifest.splits}
+        raise ValueError(
+            f"split {split!r} of the manifest holds no sample (chunks per split: {held}): "
+            f"statistics of {sorted(sampled)} would be NaN, and would standardise every value "
+            "to NaN. Fit them on a split that holds samples (split='train'), or draw the "
+            "manifest with a share for this one"
+        )
     if sampled:
         pipe = insitu_pipeline(
             zstore,

@@ -86,3 +86,17 @@ def test_fit_statistics_diff_std_pairs_no_two_samples_across_a_gap_in_the_times(
         np.testing.assert_allclose(stats.diff_std["2t"], want_2t[0], rtol=1e-9)
         mean = ds.t.values.astype(np.float64).mean(axis=(0, 2, 3))
         np.testing.assert_allclose(stats.mean["t"], mean, rtol=1e-12)
+
+
+def test_fit_statistics_of_a_split_without_samples_is_refused_not_nan(store: Path) -> None:
+    """A split that holds no chunk (the dates of another split, fractions that gave it none)
+    fitted NaN statistics without a word, and a stack normalised with them delivered NaN
+    everywhere; anemoi refuses statistics dates outside the data. It says which split is empty
+    and what it holds."""
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["t"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"split 'val' .* no sample"):
+        fit_statistics(store, manifest, {"t": g["t"], "lsm": g["lsm"]}, split="val")
+    static = fit_statistics(store, manifest, {"lsm": g["lsm"]}, split="val")  # the field's own
+    lsm = xr.open_zarr(store, consolidated=False).lsm.values
+    np.testing.assert_allclose(static.mean["lsm"], lsm.astype(np.float64).mean(), rtol=1e-12)
