@@ -100,3 +100,43 @@ def test_fit_statistics_of_a_split_without_samples_is_refused_not_nan(store: Pat
     static = fit_statistics(store, manifest, {"lsm": g["lsm"]}, split="val")  # the field's own
     lsm = xr.open_zarr(store, consolidated=False).lsm.values
     np.testing.assert_allclose(static.mean["lsm"], lsm.astype(np.float64).mean(), rtol=1e-12)
+
+
+def test_forcings_over_times_named_valid_time_say_to_name_them(store: Path, tmp_path: Path) -> None:
+    """ERA5 from the new CDS names its time ``valid_time`` (and its levels
+    ``pressure_level``). Forcings, in a stack or as a batch transform, look for ``'time'``,
+    and the error said to build the pipeline with ``coords=None`` — what it was built with —
+    or ``coords=['time']``, a coordinate the store has not. It names the coordinates the
+    batches carry and ``time_name=``, which computes them from ``valid_time``."""
+    from insitubatch_nodes import Loader, insitu_pipeline, stack
+    from insitubatch_nodes.forcings import Forcings, cos_solar_zenith
+
+    ds = xr.open_zarr(store, consolidated=False).rename(
+        {"time": "valid_time", "level": "pressure_level"}
+    )
+    for name in (*ds.data_vars, *ds.coords):
+        ds[name].encoding = {}
+    path = tmp_path / "cds.zarr"
+    ds.chunk({"valid_time": 4}).to_zarr(path, zarr_format=3, consolidated=False)
+    g = open_geometries(path)
+    manifest = split_by_chunk(g["t"], (1.0, 0.0, 0.0))
+    for time_name in ("time", "valid_time"):
+        sun = Forcings("x", view=g["2t"], names=["cos_solar_zenith"], time_name=time_name)
+        x = stack({"t": g["t"].sel(pressure_level=[500]), "sun": sun})
+        alone = Forcings("t", view=g["t"], names=["cos_solar_zenith"], time_name=time_name)
+        for views, transforms in (({"x": x}, []), ({"t": g["t"]}, [alone])):
+            pipe = insitu_pipeline(path, manifest, views, batch_size=4,
+                                   batch_transforms=transforms)  # fmt: skip
+            try:
+                if time_name == "time":
+                    with pytest.raises(KeyError, match=r"valid_time.*time_name='valid_time'"):
+                        next(iter(Loader(pipe)))
+                    continue
+                batch = next(iter(Loader(pipe)))
+            finally:
+                pipe.close()
+            label = next(iter(views))
+            times = ds.valid_time.values[batch.sample_indices[label]]
+            want = cos_solar_zenith(times, ds.latitude.values, ds.longitude.values)
+            got = batch["x"][:, 1] if label == "x" else batch["cos_solar_zenith"]
+            np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
