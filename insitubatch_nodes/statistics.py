@@ -34,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -592,15 +593,27 @@ def _one_step(plan: Any, zstore: Any) -> Any:
 
 
 def _sample_ticks(zstore: Any, manifest: SplitManifest) -> np.ndarray | None:
-    """The anchor array's times as whole seconds (``None`` when it has no time coordinate)."""
-    coord = anchor_time_coordinate(zstore, manifest, {}, None, needed=False)
-    if coord is None:
+    """The anchor array's times as whole seconds (``None`` when it has no time coordinate).
+    Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
+    times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
+    pipeline without time checks reads them."""
+    try:
+        coord = anchor_time_coordinate(zstore, manifest, {}, None, needed=False)
+        if coord is None:
+            return None
+        return whole_seconds(
+            coord,
+            f"{manifest.array!r}'s time coordinate",
+            "fit_statistics' one-step differences (diff_std, samples one data step apart)",
+        )
+    except ValueError as exc:
+        warnings.warn(
+            f"fit_statistics: diff_std pairs consecutive samples whatever their times, which "
+            f"cannot be read here ({exc}); a gap in the times is not seen",
+            UserWarning,
+            stacklevel=4,
+        )
         return None
-    return whole_seconds(
-        coord,
-        f"{manifest.array!r}'s time coordinate",
-        "fit_statistics' one-step differences (diff_std, samples one data step apart)",
-    )
 
 
 def _unmoved(view: ArrayGeometry) -> ArrayGeometry:

@@ -140,3 +140,26 @@ def test_forcings_over_times_named_valid_time_say_to_name_them(store: Path, tmp_
             want = cos_solar_zenith(times, ds.latitude.values, ds.longitude.values)
             got = batch["x"][:, 1] if label == "x" else batch["cos_solar_zenith"]
             np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_fit_statistics_over_times_it_cannot_read_warns_and_pairs_samples(tmp_path: Path) -> None:
+    """Reading the times for diff_std must not make a fit fail where it did not: a calendar
+    no one decodes, or float32 times off the whole second, pair consecutive samples (numpy's
+    ``np.diff`` along the samples), with a warning that a gap is not seen."""
+    import zarr
+
+    group = zarr.open_group(tmp_path / "odd.zarr", mode="w")
+    x = group.create_array("x", shape=(8, 3, 4), chunks=(2, 3, 4), dtype="f4",
+                           dimension_names=("time", "lat", "lon"))  # fmt: skip
+    x[...] = np.random.default_rng(1).standard_normal((8, 3, 4)) ** 3
+    want = np.diff(x[...].astype(np.float64), axis=0).std()
+    odd = {"foo": np.arange(8) * 6.0, "standard": np.arange(8, dtype="f4") * 6 + 0.001}
+    for calendar, hours in odd.items():
+        time = group.create_array("time", shape=(8,), chunks=(8,), dtype=hours.dtype,
+                                  dimension_names=("time",), overwrite=True)  # fmt: skip
+        time[...] = hours
+        time.attrs.update(units="hours since 2000-01-01", calendar=calendar)
+        g = open_geometries(tmp_path / "odd.zarr")["x"]
+        with pytest.warns(UserWarning, match="a gap in the times is not seen"):
+            stats = fit_statistics(tmp_path / "odd.zarr", split_by_chunk(g, (1.0, 0, 0)), {"x": g})
+        np.testing.assert_allclose(stats.diff_std["x"], want, rtol=1e-6)
