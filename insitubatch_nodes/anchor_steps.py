@@ -24,7 +24,7 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["anchor_steps"]
+__all__ = ["anchor_steps", "anchor_time_coordinate"]
 
 
 def anchor_steps(
@@ -60,7 +60,7 @@ def anchor_steps(
     dates = [] if missing is None else [x for x in missing if not _is_index(x)]
     ticks, coord_name, coord = None, "time", None
     if timed or missing is not None:
-        coord = _time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
+        coord = anchor_time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
         if coord is not None and (timed or dates):
             ticks = whole_seconds(
                 coord,
@@ -139,7 +139,7 @@ def _is_index(x: Any) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool | np.timedelta64)
 
 
-def _time_coordinate(
+def anchor_time_coordinate(
     zstore: Store,
     manifest: SplitManifest,
     geoms: Mapping[str, ArrayGeometry],

@@ -65,6 +65,7 @@ __all__ = [
     "Forcings",
     "cos_solar_zenith",
     "local_time",
+    "no_times",
     "toa_incident_solar_radiation",
     "year_progress",
 ]
@@ -539,14 +540,10 @@ class Forcings:
         return out
 
     def __call__(self, batch: Batch) -> Batch:
-        try:
-            times = batch.coords[self.time_label][self.time_name]
-        except KeyError:
-            raise KeyError(
-                f"Forcings: batches carry no coordinate {self.time_name!r} for label "
-                f"{self.time_label!r}; build the pipeline with coords=None or "
-                f"coords=[{self.time_name!r}]"
-            ) from None
+        carried = batch.coords.get(self.time_label, {})
+        times = carried.get(self.time_name)
+        if times is None:
+            raise no_times("Forcings", self.time_label, self.time_name, carried)
         members = batch.members.get(self.time_label)
         for name, values in self.compute(times, members).items():
             batch.arrays[self.prefix + name] = values
@@ -554,3 +551,20 @@ class Forcings:
 
     def __repr__(self) -> str:
         return f"Forcings({self.time_label!r}, names={list(self.names)})"
+
+
+def no_times(what: str, label: str, time_name: str, carried: Mapping[str, Any]) -> KeyError:
+    """The error for batches whose ``label`` carries no coordinate ``time_name``: it names the
+    coordinates they carry and, where one holds dates (ERA5 from the new CDS calls its time
+    ``valid_time``), ``time_name=`` it."""
+    dated = [n for n, v in carried.items() if np.asarray(v).dtype.kind in "MO"]
+    fix = (
+        f"give Forcings time_name={dated[0]!r}, the coordinate of the rows' times"
+        if dated
+        else "build the pipeline with coords=None (each label's dimension coordinate) or "
+        "coords=[...] naming the times, and give Forcings that name as time_name="
+    )
+    return KeyError(
+        f"{what}: batches carry no coordinate {time_name!r} for label {label!r} (they carry "
+        f"{sorted(carried)}): {fix}"
+    )

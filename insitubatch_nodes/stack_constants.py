@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from insitubatch_nodes.batch import Batch, BatchTransform
+from insitubatch_nodes.forcings import no_times
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.stack import (
     Stack,
@@ -157,13 +158,11 @@ class StackConstants:
             for k, member in enumerate(prepared.forcings):
                 assert member.forcing is not None
                 time_name = member.forcing.time_name
-                times = batch.coords.get(label, {}).get(time_name)
+                carried = batch.coords.get(label, {})
+                times = carried.get(time_name)
                 if times is None:
-                    raise KeyError(
-                        f"stack {label!r}: batches carry no coordinate {time_name!r} to compute "
-                        f"forcing {member.name!r} from; build the pipeline with coords=None or "
-                        f"coords=[{time_name!r}]"
-                    )
+                    raise no_times(f"stack {label!r}, forcing {member.name!r}", label,
+                                   time_name, carried)  # fmt: skip
                 # each row on its member's grid (forcings of a collection's members' grids)
                 rows_of = batch.members.get(label)
                 values = next(iter(member.forcing.compute(times, rows_of).values()))

@@ -3,8 +3,9 @@
 Per label, over the samples of one split (a leakage-safe range: the manifest's chunks of that
 split, nothing of the others): the mean, standard deviation, minimum and maximum, and the
 standard deviation of one-step differences (``x[t + 1] - x[t]`` for consecutive samples both in
-the split; GraphCast's and anemoi's *tendency* statistics; with a ``stride`` the samples are
-its anchors and a step is the stride). Each is computed **per channel**:
+the split, one data step apart in time where the samples have times: none is taken across a
+step absent from the times; GraphCast's and anemoi's *tendency* statistics; with a ``stride``
+the samples are its anchors and a step is the stride). Each is computed **per channel**:
 reduced over the samples and the last two field axes (the horizontal grid), kept along the
 others, so a ``(level, lat, lon)`` view has one value per level, a ``(lat, lon)`` view one value.
 A static view's statistics are its field's (no differences).
@@ -33,6 +34,7 @@ import dataclasses
 import json
 import math
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,14 +42,18 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
+from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.coords import MISSING_OFFSET
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
 from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
+from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
+from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import broadcast_rows, read_static
 from insitubatch_nodes.transforms import StandardScaler, standardise_in_place, work_dtype
@@ -411,7 +417,9 @@ def fit_statistics(
     normalises it), in one pass over the split's chunks (module docstring). ``store`` is what
     :func:`~insitubatch_nodes.pipeline.insitu_pipeline` takes, a collection included (its
     members' own samples count, never their padding, and no difference spans two members). A
-    view's shift is ignored (the statistics are of its array, as selected). Every rank that
+    view's shift is ignored (the statistics are of its array, as selected). A ``split`` that
+    holds no chunk is refused (``ValueError``) when a view is sampled: its statistics would
+    be NaN. Every rank that
     calls it reads the whole split (``rank=0, world_size=1``): fit once and share the saved
     file. A window view's window is ignored too (its statistics, per channel, are those of every
     step). ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
@@ -442,6 +450,14 @@ def fit_statistics(
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label in sampled}
     last: dict[str, tuple[int, np.ndarray]] = {}
+    if sampled and not manifest.chunks(split):
+        held = {name: len(manifest.chunks(name)) for name in manifest.splits}
+        raise ValueError(
+            f"split {split!r} of the manifest holds no sample (chunks per split: {held}): "
+            f"statistics of {sorted(sampled)} would be NaN, and would standardise every value "
+            "to NaN. Fit them on a split that holds samples (split='train'), or draw the "
+            "manifest with a share for this one"
+        )
     if sampled:
         pipe = insitu_pipeline(
             zstore,
@@ -456,7 +472,7 @@ def fit_statistics(
             fetch=_one_pass(pipeline_options),
             **pipeline_options,
         )
-        apart = _one_step(pipe.stages.plan)
+        apart = _one_step(pipe.stages.plan, zstore)
         try:
             for batch in pipe:
                 for label, view in sampled.items():
@@ -543,10 +559,14 @@ def _accumulate(
         last[label] = (int(idx[-1]), np.array(x[-1]))
 
 
-def _one_step(plan: Any) -> Any:
+def _one_step(plan: Any, zstore: Any) -> Any:
     """``apart(a, b)``: whether anchors ``b`` are one step of the pass after anchors ``a``
     (elementwise): the next sample, or with a ``stride`` the next anchor, ``k`` samples on
-    (an int ``k``) or the stride's time on (a time stride: by the samples' times)."""
+    (an int ``k``) or the stride's time on (a time stride: by the samples' times). Where the
+    anchor array has a time coordinate (read by the plan, else here, once), ``k`` samples on
+    must also be ``k`` of the data's steps on in time: the samples either side of a step
+    absent from the times (a gap, a missing date) are two steps apart, not one. A collection's
+    times are read only when the plan reads them (``missing=``, a time stride)."""
     stride = plan.plan_config.stride
     steps = plan.manifest.steps
     if isinstance(stride, np.timedelta64):
@@ -555,7 +575,45 @@ def _one_step(plan: Any) -> Any:
         ticks, span = steps.ticks, int(stride / steps.unit)
         return lambda a, b: ticks[b] - ticks[a] == span
     k = int(stride)
-    return lambda a, b: b - a == k
+    ticks, runs = (None, None) if steps is None else (steps.ticks, steps.runs)
+    if ticks is None and plan.manifest.members is None:
+        ticks = _sample_ticks(zstore, plan.manifest)
+    data_step = None if ticks is None else SampleSteps(len(ticks), ticks=ticks, runs=runs).data_step
+    if ticks is None or data_step is None:  # no times (or fewer than two): samples apart
+        return lambda a, b: b - a == k
+    timed, span = ticks, k * data_step
+
+    def apart(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+        ta, tb = timed[a], timed[b]
+        known = (ta != MISSING_OFFSET) & (tb != MISSING_OFFSET)
+        elapsed = np.where(known, tb, 0) - np.where(known, ta, 0)
+        return (b - a == k) & known & (elapsed == span)
+
+    return apart
+
+
+def _sample_ticks(zstore: Any, manifest: SplitManifest) -> np.ndarray | None:
+    """The anchor array's times as whole seconds (``None`` when it has no time coordinate).
+    Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
+    times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
+    pipeline without time checks reads them."""
+    try:
+        coord = anchor_time_coordinate(zstore, manifest, {}, None, needed=False)
+        if coord is None:
+            return None
+        return whole_seconds(
+            coord,
+            f"{manifest.array!r}'s time coordinate",
+            "fit_statistics' one-step differences (diff_std, samples one data step apart)",
+        )
+    except ValueError as exc:
+        warnings.warn(
+            f"fit_statistics: diff_std pairs consecutive samples whatever their times, which "
+            f"cannot be read here ({exc}); a gap in the times is not seen",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
 
 
 def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
