@@ -66,8 +66,8 @@ def test_composing_the_nodes_over_a_sharded_store_given_by_path_also_matches_zar
 @pytest.mark.slow
 def test_the_whole_slide_segmenter_learns_the_mask_from_random_patches(tmp_path: Path) -> None:
     proc = _run_recipe(
-        "whole_slide_segmentation.py", "--size", "1536", "--tile", "256", "--patch", "64",
-        "--steps", "30", "--epochs", "3", "--batch-size", "16", cwd=tmp_path,
+        "whole_slide_segmentation.py", "--size", "1024", "--tile", "256", "--patch", "64",
+        "--steps", "20", "--epochs", "3", "--batch-size", "16", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
     assert "loss fell" in proc.stdout, _explain(proc)
