@@ -179,7 +179,8 @@ class InSituDataModule(pl.LightningDataModule):
             ``{label: tensor}``; :func:`~insitubatch_nodes.batch.to_item` adds each row's
             ``"sample_indices"``, ``"members"`` and ``"patch_origins"``).
         missing, missing_objects: as for :func:`insitu_pipeline` (every split): the steps
-            listed as missing (indices or times; ``None``: no check) and whether an absent
+            listed as missing (indices or times, or on a collection member names mapped to
+            indices within each member; ``None``: no check) and whether an absent
             stored object drops the anchors that read it (``"drop"``) or reads as the fill
             value (``"read"``). Decided once, when the first pipeline is built (one read of the
             time coordinate, one listing of each array for ``"drop"``); every split drops the
@@ -212,7 +213,7 @@ class InSituDataModule(pl.LightningDataModule):
         coords: Sequence[str] | None = None,
         transform: Callable[[Batch], Any] = to_torch,
         store_options: Mapping[str, Any] | None = None,
-        missing: Sequence[Any] | None = None,
+        missing: Sequence[Any] | Mapping[str, Sequence[int]] | None = None,
         missing_objects: str = "read",
         log_report: bool = True,
         mask_and_scale: bool = True,
@@ -234,12 +235,19 @@ class InSituDataModule(pl.LightningDataModule):
         if missing_objects not in ("read", "drop"):  # checked here, as the builder checks it
             raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
         if isinstance(missing, str | bytes) or (
-            missing is not None and not isinstance(missing, Sequence)
+            missing is not None and not isinstance(missing, Sequence | Mapping)
         ):
             raise TypeError(
-                f"missing must be None or a sequence of indices or times, got {missing!r}"
+                f"missing must be None, a sequence of indices or times, or (on a collection) "
+                f"member names mapped to indices, got {missing!r}"
             )
-        self.missing = None if missing is None else tuple(missing)
+        self.missing: Any = (
+            None
+            if missing is None
+            else {k: tuple(v) for k, v in missing.items()}
+            if isinstance(missing, Mapping)
+            else tuple(missing)
+        )
         self.missing_objects = missing_objects
         self.log_report = log_report
         self._store_arg = store

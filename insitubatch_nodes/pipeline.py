@@ -26,6 +26,7 @@ from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.collection import Collection, collection_of
 from insitubatch_nodes.io.collection_checks import (
     check_collection_in_store,
+    member_missing,
     refuse_collection_options,
 )
 from insitubatch_nodes.io.coords import (
@@ -209,7 +210,7 @@ def insitu_pipeline(
     cross_split_windows: bool = False,
     remainder: str = "drop",
     stride: Any = 1,
-    missing: Sequence[Any] | None = None,
+    missing: Sequence[Any] | Mapping[str, Sequence[int]] | None = None,
     missing_objects: str = "read",
     report: bool = True,
     chunk_transforms: Sequence[ChunkTransform] = (),
@@ -249,7 +250,8 @@ def insitu_pipeline(
     along its lead time: ``"6h"`` keeps lead times 0, 6, 12, ...); a step that is not a
     multiple of the data's step raises ``ValueError`` naming both. Only the chunks holding an
     anchor or a step a view reads are read. **Missing steps**: ``missing`` (``None``: no
-    check) lists samples as indices or times (``()`` lists none); given, or with a time
+    check) lists samples as indices or times (``()`` lists none; on a collection of
+    independent members, times, or ``{member name: [indices within it]}``); given, or with a time
     stride, every anchor one of whose steps
     (``anchor + offset`` of each view) has a missing time (NaT, ``None``), a time that is not
     the anchor's plus the offset times the data's step (a gap or a duplicate), or is listed, is
@@ -357,6 +359,7 @@ def insitu_pipeline(
         of=collection,
     )
     refuse_product_options(read, plan_config.stride, missing, missing_objects, coords)
+    listed = member_missing(missing, read)  # {member: indices within it}: virtual indices
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
     views, geoms, statics, constants = static_fields(views, geoms)
@@ -384,7 +387,7 @@ def insitu_pipeline(
     if members is not None and manifest.members is None:  # no step leaves its member
         manifest = manifest.with_members(members)
     manifest = anchor_steps(
-        zstore, manifest, geoms, plan_config, missing, missing_objects, reader, plain.values()
+        zstore, manifest, geoms, plan_config, listed, missing_objects, reader, plain.values()
     )
     product = product_of([v for v in geoms.values() if not v.static], manifest.product)
     if product is not None and manifest.product is None:  # no anchor in a block's padding

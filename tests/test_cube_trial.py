@@ -113,6 +113,34 @@ def test_concatenating_cubes_along_frequency_says_concat_is_by_time_and_what_rea
     assert coll["data"].n_samples == 2 * F  # what the message points to reads both
 
 
+def test_a_flagged_channel_of_one_cube_of_a_frequency_collection_is_dropped_by_member_index(
+    cubes: dict[str, tuple[Path, np.ndarray]],
+) -> None:
+    # before: missing= on a collection took dates only, and a frequency axis has none, so a
+    # channel flagged in one cube could not be left out (an index was refused)
+    coll = Collection.from_arrays([(cubes[b][0], "cube") for b in ("hi", "lo")], sample_axis="freq")
+    view = coll["data"]
+    manifest = split_by_chunk(view, (1.0, 0.0, 0.0))
+    lo = view.members.names[1]  # type: ignore[union-attr]
+    for missing in ({lo: [FLAGGED]}, {1: [FLAGGED - F]}):  # by name; by position, from the end
+        with insitu_pipeline(coll, manifest, {"x": view}, batch_size=5, missing=missing) as pipe:
+            got = {
+                (int(m), int(i)): row
+                for b in Loader(pipe)
+                for m, i, row in zip(b.members["x"], b.sample_indices["x"], b["x"], strict=True)
+            }
+            assert pipe.stages.plan.dropped == {"missing": 1}
+        assert set(got) == {(m, i) for m in (0, 1) for i in range(F)} - {(1, FLAGGED)}
+        for (m, i), row in got.items():
+            data = cubes[("hi", "lo")[m]][1]
+            np.testing.assert_array_equal(row, data[:, i], strict=True)
+    for bad, says in (({"nope": [1]}, KeyError), ({lo: [F]}, ValueError), ({lo: ["x"]}, TypeError)):
+        with pytest.raises(says):
+            insitu_pipeline(coll, manifest, {"x": view}, batch_size=5, missing=bad)
+    with pytest.raises(ValueError, match=r"missing=\{'cube_lo': \[17\]\}"):
+        insitu_pipeline(coll, manifest, {"x": view}, batch_size=5, missing=[FLAGGED])
+
+
 def test_stores_whose_time_is_not_their_first_axis_concatenate_along_it(tmp_path: Path) -> None:
     # found beside the cubes: concat and join looked for the time coordinate of axis 0, so an
     # ensemble (member, time, lat, lon) was refused, "has no time coordinate 'time'", and its

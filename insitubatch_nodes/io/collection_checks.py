@@ -25,6 +25,7 @@ from insitubatch_nodes.io.stores import describe_store
 __all__ = [
     "MemberCoordinates",
     "check_collection_in_store",
+    "member_missing",
     "refuse_broken_timeline",
     "refuse_collection_options",
     "refuse_member_array",
@@ -208,8 +209,8 @@ def refuse_collection_options(
     strides, timed windows, ``missing=`` dates and ``coords=`` read each member's own time
     coordinate (:meth:`~insitubatch_nodes.io.members.MemberMap.joined`),
     ``missing_objects="drop"`` lists each member's folder; on independent members (not a
-    concatenation or a join) ``missing=`` takes dates only: a sample index there would count
-    along the virtual axis, not within a member."""
+    concatenation or a join) ``missing=`` takes dates, or member names mapped to indices
+    within each member (:func:`member_missing`), not indices along the virtual axis."""
     if not any(v.members is not None for v in views):
         return
     # a view reads its collection's member paths from whatever store the pipeline reads:
@@ -234,15 +235,63 @@ def refuse_collection_options(
         )
     if all(v.members.continuous for v in views if v.members is not None):
         return
-    if missing is not None and any(
-        isinstance(x, int | np.integer) and not isinstance(x, bool) for x in missing
+    if (
+        missing is not None
+        and not isinstance(missing, Mapping)
+        and any(isinstance(x, int | np.integer) and not isinstance(x, bool) for x in missing)
     ):
         raise ValueError(
             "missing= on a collection of independent members takes dates (each member's "
-            "times), not sample indices: an index would count along the collection's virtual "
-            "axis, not within a member"
+            "times), or member names mapped to sample indices within each member "
+            "(missing={'cube_lo': [17]}), not sample indices: an index would count along the "
+            "collection's virtual axis, not within a member"
         )
     del timed, coords, missing_objects  # (supported: times read per member, MemberMap.joined)
+
+
+def member_missing(missing: Any, views: Sequence[ArrayGeometry]) -> Sequence[Any] | None:
+    """``missing`` as :func:`~insitubatch_nodes.pipeline.insitu_pipeline` takes it: a mapping
+    of a collection's member names (or positions, ints) to sample indices *within that member*
+    (a flagged channel of one cube of a frequency collection: ``{"cube_lo": [17]}``; a negative
+    index counts from the member's end) becomes the indices of those samples on the collection's virtual axis; any
+    other value is returned as it is. ``KeyError`` for a name that is no member, ``ValueError``
+    for an index outside its member and for a mapping beside plain arrays; ``TypeError`` for
+    what is not an index."""
+    if not isinstance(missing, Mapping):
+        return missing
+    members = next((v.members for v in views if v.members is not None), None)
+    if members is None:
+        raise ValueError(
+            "missing= maps member names to sample indices on a collection only; for one array "
+            "give a list of sample indices or times"
+        )
+    where = {name: m for m, name in enumerate(members.names)}
+    out: list[int] = []
+    for name, listed in missing.items():
+        if isinstance(name, int | np.integer) and not isinstance(name, bool):
+            name = members.names[int(name)] if 0 <= int(name) < len(members) else name
+        if name not in where:
+            raise KeyError(
+                f"missing= names {name!r}, which is no member of {members.collection} (its "
+                f"members: {_listed(np.asarray(members.names))})"
+            )
+        m = where[name]
+        n, base = int(members.lengths[m]), int(members.sample_base[m])
+        if isinstance(listed, str | bytes) or not isinstance(listed, Sequence | np.ndarray):
+            listed = [listed]
+        for i in listed:
+            if not isinstance(i, int | np.integer) or isinstance(i, bool):
+                raise TypeError(
+                    f"missing={{{name!r}: ...}} takes sample indices within that member, got "
+                    f"{i!r}; list dates in missing= as a list (each member's own times)"
+                )
+            if not -n <= int(i) < n:
+                raise ValueError(
+                    f"missing={{{name!r}: [{int(i)}]}}: member {name!r} holds {n} samples "
+                    f"(indices -{n} .. {n - 1})"
+                )
+            out.append(base + int(i) % n)
+    return sorted(set(out))
 
 
 #: the parts of a decoding rule (``CFValues.fingerprint``), by the attribute that sets them
