@@ -253,10 +253,10 @@ def member_missing(missing: Any, views: Sequence[ArrayGeometry]) -> Sequence[Any
     """``missing`` as :func:`~insitubatch_nodes.pipeline.insitu_pipeline` takes it: a mapping
     of a collection's member names (or positions, ints) to sample indices *within that member*
     (a flagged channel of one cube of a frequency collection: ``{"cube_lo": [17]}``; a negative
-    index counts from the member's end) becomes the indices of those samples on the collection's virtual axis; any
-    other value is returned as it is. ``KeyError`` for a name that is no member, ``ValueError``
-    for an index outside its member and for a mapping beside plain arrays; ``TypeError`` for
-    what is not an index."""
+    index counts from the member's end) becomes the indices of those samples on the
+    collection's virtual axis; any other value is returned as it is. ``KeyError`` for a name
+    that is no member, ``ValueError`` for an index outside its member and for a mapping beside
+    plain arrays; ``TypeError`` for what is not an index."""
     if not isinstance(missing, Mapping):
         return missing
     members = next((v.members for v in views if v.members is not None), None)
