@@ -4,9 +4,10 @@ sky patches with the whole spectrum or a band, or 3-D sub-cubes — are the samp
 
 zarr's read of the cube (read once per check) cut at the window ``batch.patch_origins``
 names is the oracle for every row. Each window of an epoch comes exactly once, each stored
-object is read once per epoch, a mid-epoch state resumes bit-exactly, and two ranks deliver
-disjoint windows. Before, ``sample_axis=()`` was refused and a static view could not be
-patched: a cube without a length-1 axis to sample along could not be cut into windows.
+object is read once per epoch (swept: also under a budget below the cube), a mid-epoch state
+resumes bit-exactly, and two ranks deliver disjoint windows. Before, ``sample_axis=()`` was
+refused and a static view could not be patched: a cube without a length-1 axis to sample
+along could not be cut into windows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.schedule import schedule_floors
 
 F, D, R = 20, 30, 34  # edges: dec and ra are not multiples of the tiles
 CHUNKS = (8, 16, 16)  # 3 x 2 x 3 = 18 stored objects
@@ -150,6 +153,27 @@ def test_each_stored_object_is_read_once_per_epoch(cube: Path) -> None:
     # only the tiles the box overlaps (ra tile 0), every one of them once
     assert first == {f"cube/c/{f}/{d}/0": 1 for f in range(3) for d in range(2)}, first
     assert set(second.values()) <= {1}, second
+
+
+def test_a_cube_larger_than_the_budget_is_swept_reading_each_tile_once(tmp_path: Path) -> None:
+    root = tmp_path / "big.zarr"
+    data = np.random.default_rng(2).random((8, 128, 128), dtype="f4")
+    zarr.create_array(root, name="cube", shape=data.shape, chunks=(8, 16, 16), dtype="f4",
+                      dimension_names=("freq", "dec", "ra"))[...] = data  # fmt: skip
+    store = counting_store(root)
+    geom = open_geometries(store, ["cube"], sample_axis=())["cube"]
+    view = geom.patches({"dec": 16, "ra": 16}, origins="random", order="sweep")
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    budget = schedule_floors(manifest, {"x": view}, PlanConfig(batch_size=8, block_chunks=4))
+    assert budget.guaranteed < 0.7 * geom.chunk_nbytes  # a few regions' tiles, not the cube
+    store.reset_counts()
+    with insitu_pipeline(store, manifest, {"x": view}, batch_size=8, block_chunks=4,
+                         cache_budget_bytes=budget.guaranteed) as pipe:  # fmt: skip
+        for batch in Loader(pipe):
+            for row, (y0, x0) in zip(batch["x"], batch.patch_origins["x"], strict=True):
+                np.testing.assert_array_equal(row, data[:, y0 : y0 + 16, x0 : x0 + 16])
+    counts = store.chunk_counts()
+    assert len(counts) == 64 and set(counts.values()) == {1}, counts  # 64 tiles, once each
 
 
 def test_a_resumed_epoch_continues_bit_exactly(cube: Path) -> None:
