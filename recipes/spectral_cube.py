@@ -14,11 +14,14 @@ emission over the beam in a few channels.
    standardised by statistics fitted on the training split (NaNs skipped and counted); the
    label comes from each row's own frequency. A run stopped mid-epoch and resumed from its
    state delivers the batches of the run never stopped.
-2. **Sky patches with the whole spectrum**: sampled along the one-plane ``stokes`` axis, a
-   ``patches({"dec": ..., "ra": ...})`` view keeps every channel in each window; the line's
-   band is taken by value, high to low as the axis runs (``sel(freq=slice(hi, lo))``, as
-   xarray takes it), and two boxes of the sky (``within=``) are a spatial train/validation
-   split.
+2. **Sky patches with the whole spectrum, and sub-cubes**, of the Stokes I cube as source
+   finding challenges ship it, ``cube_i (freq, dec, ra)``: with no axis to sample along,
+   ``sample_axis=()`` makes the whole cube one sample, and its windows are the samples. A
+   ``patches({"dec": ..., "ra": ...})`` view keeps every channel of the line's band in each
+   window, the band taken by value, high to low as the axis runs
+   (``sel(freq=slice(hi, lo))``, as xarray takes it), and two boxes of the sky (``within=``)
+   are a spatial train/validation split; ``patches({"freq": ..., "dec": ..., "ra": ...})``
+   cuts random 3-D sub-cubes (a 3-D U-Net's inputs).
 
 Every row is checked against zarr's read of the cube at the member, channel and window the
 batch names (the band: at the channels whose stored frequency lies in it, both ends
@@ -93,6 +96,12 @@ def write_cube(path: Path, f0: float, args: argparse.Namespace, seed: int) -> No
     )  # fmt: skip
     cube[...] = data
     cube.attrs.update({"BUNIT": "Jy/beam", "BTYPE": "Intensity", "SPECSYS": "TOPOCENT"})
+    stokes_i = group.create_array(  # the same plane without the Stokes axis
+        "cube_i", shape=data.shape[1:], chunks=(8, args.patch, args.patch), dtype="f4",
+        compressors=BloscCodec(cname="zstd"), fill_value=np.nan,
+        dimension_names=("freq", "dec", "ra"),
+    )  # fmt: skip
+    stokes_i[...] = data[0]
     axes = {
         "stokes": (np.array([1.0]), ""),
         "freq": (freq, "Hz"),
@@ -192,13 +201,14 @@ def channels_as_images(paths: dict[str, Path], args: argparse.Namespace) -> bool
 
 
 def spectra_of_sky_patches(paths: dict[str, Path], args: argparse.Namespace) -> None:
-    """Workload 2: sky patches with the whole line band; a spatial train/val split."""
-    geom = open_geometries(paths["lo"], ["cube"], sample_axis="stokes")["cube"]
+    """Workload 2: sky patches of ``cube_i (freq, dec, ra)`` with the whole line band, in a
+    spatial train/val split; random 3-D sub-cubes of it."""
+    geom = open_geometries(paths["lo"], ["cube_i"], sample_axis=())["cube_i"]  # one sample
     band = geom.sel(freq=slice(*LINE))  # high to low, as the axis runs (xarray's sel)
     freq = np.asarray(zarr.open_array(paths["lo"], path="freq", mode="r")[...])
     in_band = np.flatnonzero((freq <= LINE[0]) & (freq >= LINE[1]))
-    want = np.asarray(zarr.open_array(paths["lo"], path="cube", mode="r")[:, in_band])
-    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))  # one plane: the sky is split below
+    cube = np.asarray(zarr.open_array(paths["lo"], path="cube_i", mode="r")[...])
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))  # one sample: the sky is split below
     half = args.size // 2
     p = args.patch
     for split, box in (("train", (0, half)), ("val", (half, args.size))):
@@ -208,11 +218,23 @@ def spectra_of_sky_patches(paths: dict[str, Path], args: argparse.Namespace) -> 
             for batch in Loader(pipe):
                 for row, (y0, x0) in zip(batch["x"], batch.patch_origins["x"], strict=True):
                     assert box[0] <= y0 and y0 + p <= box[1]
-                    assert np.array_equal(row, want[0, :, y0 : y0 + p, x0 : x0 + p],
+                    assert np.array_equal(row, cube[in_band, y0 : y0 + p, x0 : x0 + p],
                                           equal_nan=True)  # fmt: skip
                     n += 1
         print(f"{split}: {n} sky patches of {view.inner_shape} (channels, dec, ra) in dec "
               f"{box}, equal to zarr's")  # fmt: skip
+    fc = 8  # channels per sub-cube
+    sub = geom.patches({"freq": fc, "dec": p, "ra": p}, origins="random")
+    seen: Counter[tuple[int, ...]] = Counter()
+    with insitu_pipeline(paths["lo"], manifest, {"x": sub}, batch_size=4, seed=1) as pipe:
+        for batch in Loader(pipe):
+            for row, (f0, y0, x0) in zip(batch["x"], batch.patch_origins["x"], strict=True):
+                want = cube[f0 : f0 + fc, y0 : y0 + p, x0 : x0 + p]
+                assert np.array_equal(row, want, equal_nan=True)
+                seen[(int(f0) // fc, int(y0) // p, int(x0) // p)] += 1  # its home tile
+    assert set(seen.values()) == {1}  # one random sub-cube starts in each stored tile
+    print(f"sub-cubes: {sum(seen.values())} random {sub.inner_shape} (freq, dec, ra), one per "
+          f"stored tile, equal to zarr's")  # fmt: skip
 
 
 def run(folder: Path, args: argparse.Namespace) -> int:

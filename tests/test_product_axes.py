@@ -4,8 +4,9 @@ zarr is the oracle: every batch row equals ``array[t, :, z]`` for the (t, z) tha
 ``geom.sample_coords(batch.sample_indices[label])`` names, for a ``(t, c, z, y, x)`` array
 whose t and z lengths are not multiples of their chunks (edge blocks with padding). Each stored
 object is read once per epoch; splits are whole stored blocks; the block shuffle mixes t; a
-resumed epoch continues exactly; ranks deal disjoint samples in equal batch counts; shifts,
-windows and a mix of product and plain views are refused by name.
+resumed epoch continues exactly; ranks deal disjoint samples in equal batch counts; patches and
+selections are zarr's reads; shifts, windows and a mix of product and plain views are refused
+by name.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import (
     Coarsen,
+    Collection,
     Loader,
     SplitManifest,
     insitu_pipeline,
@@ -235,21 +237,45 @@ def test_ranks_deal_disjoint_pairs_in_equal_batch_counts(stack: Path, world: int
     assert len(set(counts)) == 1, f"unequal batch counts {counts}"
 
 
-def test_shifts_windows_and_selections_on_product_axes_are_refused(stack: Path) -> None:
+def test_shifts_and_windows_on_product_axes_are_refused(stack: Path) -> None:
     image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
     with pytest.raises(ValueError, match=r"shift\(\).*product of axes \(0, 2\)"):
         image.shift(1)
     with pytest.raises(ValueError, match=r"window\(\).*offset has no single meaning"):
         image.window([-1, 0])
-    with pytest.raises(ValueError, match=r"patches\(\) is not supported on product"):
-        image.patches({"y": 2})
-    with pytest.raises(ValueError, match=r"isel\(\)/sel\(\) is not supported on product"):
-        image.isel(c=[0])
+
+
+def test_patches_and_selections_on_product_axes_are_zarrs_reads(stack: Path) -> None:
+    # before: patches() and isel()/sel() were refused on product sample axes
+    image = open_geometries(stack, ["image"], sample_axis=("t", "z"))["image"]
+    data = _oracle(stack, "image")
+    grid = image.patches({"y": 2, "x": 2})  # 2 x 3 windows of each (t, z) pair
+    one = image.isel(c=[1]).patches({"y": 3, "x": 2}, origins="random")
+    cut = image.isel(c=1, x=slice(1, 5))
+    for view, per_pair in ((grid, 6), (one, 2), (cut, 1)):
+        seen = set()
+        with _pipeline(stack, {"x": view}, batch_size=7, block_chunks=2, seed=1) as pipe:
+            for batch in Loader(pipe):
+                tz = image.sample_coords(batch.sample_indices["x"])
+                origins = batch.patch_origins.get("x", np.zeros((len(batch), 2), np.int64))
+                for row, (t, z), (y0, x0) in zip(batch["x"], tz, origins, strict=True):
+                    want = data[t, :, z]
+                    if view is grid:
+                        want = want[:, y0 : y0 + 2, x0 : x0 + 2]
+                    elif view is one:
+                        want = want[[1], y0 : y0 + 3, x0 : x0 + 2]
+                    else:
+                        want = want[1, :, 1:5]
+                    np.testing.assert_array_equal(row, want)
+                    seen.add((int(t), int(z), int(y0), int(x0)))
+        assert len(seen) == T * Z * per_pair, view
 
 
 def test_bad_product_axes_are_refused_by_name(stack: Path) -> None:
     with pytest.raises(ValueError, match="two or more axes"):
         open_geometries(stack, ["image"], sample_axis=("t",))
+    with pytest.raises(ValueError, match=r"sample_axis=\(\) .* is open_geometries' option"):
+        Collection.from_arrays([(stack, "image")], sample_axis=())
     with pytest.raises(ValueError, match="two or more distinct axes"):
         open_geometries(stack, ["image"], sample_axis=("t", 0))
     with pytest.raises(KeyError, match="no dimension named 'w'"):

@@ -94,6 +94,7 @@ def test_the_spectral_cube_recipe_reads_both_bands_as_zarr_holds_them_and_learns
     assert proc.returncode == 0, _explain(proc)
     assert "each once, equal to zarr; resume exact" in proc.stdout, _explain(proc)
     assert "(channels, dec, ra) in dec (16, 32), equal to zarr's" in proc.stdout, _explain(proc)
+    assert "sub-cubes: 8 random (8, 16, 16)" in proc.stdout, _explain(proc)
     assert "loss fell" in proc.stdout, _explain(proc)
 
 

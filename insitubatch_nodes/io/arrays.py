@@ -107,6 +107,9 @@ def _geometry(
     mask_and_scale: bool = True,
     cf_dtype: np.dtype[Any] | None = None,
 ) -> ArrayGeometry:
+    if sample_axis == ():  # no sample axis: the whole array is one sample (never static)
+        geom = _geometry(path, array, 0, coordinates, None, mask_and_scale, cf_dtype)
+        return product_view(geom, ())
     if isinstance(sample_axis, tuple):  # product sample axes: static without the first one
         geom = _geometry(
             path, array, sample_axis[0], coordinates, sample_dim, mask_and_scale, cf_dtype
@@ -188,8 +191,11 @@ def open_geometries(
 
     **Product sample axes.** A tuple of axes (``sample_axis=("t", "z")``, names or indices)
     makes every combination of indices along them one sample, the remaining axes its payload
-    (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.over`); an array without the first
-    named dimension is static, as below.
+    (:mod:`~insitubatch_nodes.io.product`); an array without the first named dimension is
+    static, as below. The empty tuple, ``sample_axis=()``, makes each whole array *one*
+    sample (a spectral cube ``(freq, dec, ra)`` without a Stokes axis to sample along), never
+    static: patch it (``geom.patches({"dec": 64, "ra": 64})``) and its windows are the
+    samples.
 
     **Static arrays.** An array without the sample dimension (WeatherBench2's
     ``land_sea_mask (latitude, longitude)`` beside ``(time, latitude, longitude)`` data) is
@@ -256,7 +262,11 @@ def open_geometries(
         raise error from exc
     if missing:
         _raise_not_found(zstore, missing)
-    first_axis = default_axis[0] if isinstance(default_axis, tuple) else default_axis
+    first_axis: int | str | None = None  # (): no sample axis, no array static
+    if not isinstance(default_axis, tuple):
+        first_axis = default_axis
+    elif default_axis:  # product axes: the first names the sample dimension
+        first_axis = default_axis[0]
     check_sample_axis(zstore, describe_store(zstore), axes, {**found, **arrays}, first_axis)
     coordinates = FieldCoordinates(zstore)
     sample_dim = (
@@ -278,14 +288,14 @@ def open_geometries(
 
 def _axis_arg(value: Any) -> AxisArg:
     """A ``sample_axis`` value: an index or a dimension name, or a tuple of them (product
-    sample axes)."""
+    sample axes; ``()``: none, each whole array one sample)."""
     if isinstance(value, str):
         return value
     if isinstance(value, tuple | list):
-        if len(value) < 2:
+        if len(value) == 1:
             raise ValueError(
                 f"product sample axes are two or more axes, got {value!r}: give one axis as "
-                "sample_axis=axis"
+                "sample_axis=axis (or sample_axis=() to make each whole array one sample)"
             )
         return tuple(_one_axis(v) for v in value)
     return _one_axis(value)

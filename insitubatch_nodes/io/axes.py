@@ -150,8 +150,8 @@ def check_sample_axis(
             f"sample_axis names unknown arrays {sorted(unknown)} in store {where}; arrays "
             f"there: {sorted(arrays)}"
         )
-    names = {a[0] if isinstance(a, tuple) else a for a in [dim, *axes.values()]}
-    names = {n for n in names if isinstance(n, str)}
+    firsts = [(a[0] if a else None) if isinstance(a, tuple) else a for a in [dim, *axes.values()]]
+    names = {n for n in firsts if isinstance(n, str)}  # (``()``: no sample axis, no name)
     dims = {d for a in arrays.values() for d in _zarr_compat.array_dimension_names(a) or ()}
     absent = sorted(names - dims)
     found = _zarr_compat.open_arrays_by_name(store, absent) if absent else []

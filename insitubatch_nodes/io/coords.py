@@ -562,8 +562,8 @@ class _Reader:
 
 
 def _sample_dimension(geom: ArrayGeometry) -> str | None:
-    dims = geom.dims  # the metadata's, or those its maker gave (a collection's dims=)
-    return None if dims is None else dims[geom.sample_axis]
+    dims = geom.dims  # the metadata's, or its maker's (a collection's dims=); product axes: none
+    return None if dims is None or geom.product is not None else dims[geom.sample_axis]
 
 
 def _coordinates(

@@ -381,9 +381,8 @@ class ArrayGeometry:
             k_ns = int(k.astype("m8[ns]").astype(np.int64))
             if step_ns <= 0 or k_ns % step_ns:
                 raise ValueError(
-                    f"{self.path}: window offset {k} is not a whole multiple of the data's "
-                    f"step ({_readable_step(step_ns)} between samples of "
-                    f"{coord!r}): give multiples of that step"
+                    f"{self.path}: window offset {k} is not a whole multiple of the data's step "
+                    f"({_readable_step(step_ns)} between samples of {coord!r}): give multiples"
                 )
             out.append(k_ns // step_ns)
         return replace(self, window_offsets=tuple(out))
@@ -451,15 +450,17 @@ class ArrayGeometry:
         ``order`` (``"shuffled"`` or ``"sweep"``) is how a shuffled plan visits regions of
         tiles (:class:`Patches`). ``within`` maps patched axes to ``(lo, hi)``: every window
         lies in that range (a spatial split; the whole field by default). Composes with
-        :meth:`shift`; views of several arrays patched
-        alike take the same origins, row for row. The batch holds ``(batch, *inner_shape)``
-        with the window's shape, and ``batch.patch_origins[label]`` the origins.
+        :meth:`shift`, :meth:`isel` and product sample axes (``sample_axis=()``: windows of a
+        whole array); views of several arrays patched alike take the same origins, row for
+        row. A batch holds ``(batch, *inner_shape)``, ``batch.patch_origins[label]`` origins.
         """
         if self.patch is not None:
             raise ValueError(f"{self.path}: this view is patched already; patch the array once")
-        refuse_on_product(self, "patches()")
         if self.static:
-            raise ValueError(f"{self.path}: a static view cannot be patched; patch the arrays")
+            raise ValueError(
+                f"{self.path}: a static view cannot be patched; to draw windows of an array "
+                "without a sample axis, open it with sample_axis=() (the whole array one sample)"
+            )
         if not isinstance(extent, Mapping) or not extent:
             raise TypeError(
                 f"patches() takes a mapping of field axes to sizes, e.g. {{1: 256, 2: 256}}, "
@@ -555,7 +556,6 @@ class ArrayGeometry:
         tiles only the tiles the selection touches; along an axis whole in a stored object the
         object is decoded once into the pool (whole) and the batch receives the selection only.
         """
-        refuse_on_product(self, "isel()/sel()")
         current = view_keys(self)
         kept = kept_axes(current)
         keys: list[Any] = [None] * len(kept)

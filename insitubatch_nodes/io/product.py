@@ -19,7 +19,13 @@ pool, the gather, resume, DDP dealing and the persistent cache work on it unchan
 :meth:`ProductGrid.coords` turns virtual sample indices (``batch.sample_indices[label]``)
 back into the array's indices along the product axes — a ``(B, k)`` array of e.g. ``(t, z)``
 rows. Shifts and windows along a product axis are refused: an offset has no single meaning on
-the virtual axis.
+the virtual axis. Patches (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.patches`) and
+selections (``isel``/``sel``) cut the field as on any view.
+
+The *empty* product, ``sample_axis=()``, has no axes: one block (every stored object of the
+array) holding one sample, the whole array. Patched, its windows are the samples — a spectral
+cube ``(freq, dec, ra)`` cut into sky patches, or into sub-cubes — and the plan shuffles,
+deals and resumes them as any patched plan's (regions of stored tiles of that one block).
 
 On a collection (``Collection.from_groups(..., sample_axis=("t", "z"))``, ``open_plate``) one
 grid serves every member: ``ProductGrid(..., members=n)`` lays member after member, virtual
@@ -46,7 +52,8 @@ __all__ = ["ProductGrid", "product_axes", "product_view", "same_grids", "sample_
 
 class ProductGrid:
     """The product of the physical axes ``axes`` (in the order given) of an array of shape
-    ``shape`` stored in objects of shape ``chunks``, as one virtual sample axis.
+    ``shape`` stored in objects of shape ``chunks``, as one virtual sample axis. No axes
+    (``()``): the whole array is one sample, in one block.
 
     ``members`` > 1: the product grids of that many arrays of the same shape along the product
     axes (a collection's members, :mod:`~insitubatch_nodes.io.collection`), laid end to end:
@@ -65,8 +72,8 @@ class ProductGrid:
         members: int = 1,
     ) -> None:
         self.axes = tuple(int(a) for a in axes)
-        if len(self.axes) < 2 or len(set(self.axes)) != len(self.axes):
-            raise ValueError(f"a product needs two or more distinct axes, got {self.axes}")
+        if len(self.axes) == 1 or len(set(self.axes)) != len(self.axes):
+            raise ValueError(f"a product takes no axes, or two or more distinct ones: {self.axes}")
         if members < 1:
             raise ValueError(f"a product grid needs at least one member, got {members}")
         self.members = int(members)
@@ -81,7 +88,11 @@ class ProductGrid:
         self.n_chunks = self.n_blocks * self.members
         self.n_samples = self.n_chunks * self.samples_per_chunk
         # valid steps of each block along each product axis: (n_chunks, k)
-        blocks = np.stack(np.unravel_index(np.arange(self.n_blocks), self.grid), axis=1)
+        blocks = (
+            np.stack(np.unravel_index(np.arange(self.n_blocks), self.grid), axis=1)
+            if self.axes
+            else np.zeros((1, 0), dtype=np.int64)  # no axes: one block, the whole array
+        )
         ext = np.asarray(self.extents, dtype=np.int64)
         self.block_coords = np.tile(blocks.astype(np.int64), (self.members, 1))
         self.valid = np.minimum(ext, np.asarray(self.lengths) - self.block_coords * ext)
@@ -160,7 +171,10 @@ class ProductGrid:
     def samples(self, coords: np.ndarray | Sequence[Sequence[int]]) -> np.ndarray:
         """The virtual sample of each row of indices along the product axes (inverse of
         :meth:`coords`; within a member: member 0's)."""
-        c = np.asarray(coords, dtype=np.int64).reshape(-1, len(self.axes))
+        c = np.asarray(coords, dtype=np.int64)
+        if not self.axes:  # the empty product: every row is its one sample
+            return np.zeros(len(c) if c.ndim else 1, dtype=np.int64)
+        c = c.reshape(-1, len(self.axes))
         ext = np.asarray(self.extents, dtype=np.int64)
         block, step = np.divmod(c, ext)
         chunk = np.ravel_multi_index(tuple(block.T), self.grid)
@@ -241,7 +255,8 @@ def product_view(geom: Any, axes: Sequence[int | str]) -> Any:
     dimension names, two or more, in the order given) as one sample, and the remaining axes
     as the field: ``product_view(g, ("t", "z"))`` of a ``(t, c, z, y, x)`` array has samples
     of shape ``(c, y, x)``, one per ``(t, z)`` pair (``open_geometries(store,
-    sample_axis=("t", "z"))`` makes these). Checked here, once."""
+    sample_axis=("t", "z"))`` makes these). ``axes=()``: the whole array is one sample, every
+    axis a field axis (to patch: its windows are then the samples). Checked here, once."""
     if geom.static or geom.offset or geom.window_offsets is not None:
         raise ValueError(f"{geom.path}: take product axes of the array itself")
     if geom.patch is not None or geom.select is not None or geom.members is not None:
@@ -252,20 +267,27 @@ def product_view(geom: Any, axes: Sequence[int | str]) -> Any:
     if isinstance(axes, str | bytes) or not isinstance(axes, Sequence):
         raise TypeError(f"product axes are a sequence, e.g. ('t', 'z'), got {axes!r}")
     phys = _checked(geom.path, [_physical_axis(geom, a) for a in axes], geom.ndim, axes)
-    return replace(geom, sample_axis=phys[0], product=ProductGrid(phys, geom.shape, geom.chunks))
+    grid = ProductGrid(phys, geom.shape, geom.chunks)
+    return replace(geom, sample_axis=phys[0] if phys else 0, product=grid)
 
 
 def product_axes(array: Any, axes: Sequence[int]) -> tuple[int, ...]:
     """Physical axes ``axes`` of ``array`` (a collection's first member) checked as product
     sample axes: two or more, distinct, leaving a field axis (``ValueError`` otherwise)."""
+    if not axes:
+        raise ValueError(
+            f"{getattr(array, 'path', '')}: a collection's samples lie along axes of its "
+            "members; sample_axis=() (each whole array one sample) is open_geometries' option"
+        )
     return _checked(str(getattr(array, "path", "")), axes, array.ndim, axes)
 
 
 def _checked(where: str, phys: Sequence[int], ndim: int, given: Any) -> tuple[int, ...]:
     out = tuple(int(a) for a in phys)
-    if len(out) < 2 or len(set(out)) != len(out):
+    if len(out) == 1 or len(set(out)) != len(out):
         raise ValueError(
-            f"{where}: product sample axes must be two or more distinct axes, got {tuple(given)!r}"
+            f"{where}: product sample axes must be two or more distinct axes (or none: the "
+            f"whole array one sample), got {tuple(given)!r}"
         )
     if len(out) == ndim:
         raise ValueError(f"{where}: product axes {tuple(given)!r} leave no field axis")
@@ -292,20 +314,20 @@ def _physical_axis(geom: Any, key: int | str) -> int:
 
 
 def refuse_on_product(geom: Any, what: str) -> None:
-    """Refuse view ``what`` (``"shift()"``, ``"window()"``, ``"patches()"``, ...) on product
-    sample axes, naming why."""
+    """Refuse view ``what`` (``"shift()"``, ``"window()"``: a move along the sample axis) on
+    product sample axes, naming why."""
     product = geom.product
     if product is None:
         return
-    if what in ("shift()", "window()"):
+    if not product.axes:
         raise ValueError(
-            f"{geom.path}: {what} moves along the sample axis, and this view's samples are "
-            f"the product of axes {product.axes}: an offset has no single meaning there. Open "
-            "the array with one sample axis to shift or window it"
+            f"{geom.path}: {what} moves along the sample axis, and this view has none (its "
+            "one sample is the whole array, sample_axis=()): open the array with a sample axis"
         )
     raise ValueError(
-        f"{geom.path}: {what} is not supported on product sample axes {product.axes} yet; "
-        "select or patch in a batch transform"
+        f"{geom.path}: {what} moves along the sample axis, and this view's samples are "
+        f"the product of axes {product.axes}: an offset has no single meaning there. Open "
+        "the array with one sample axis to shift or window it"
     )
 
 
