@@ -14,7 +14,8 @@ as for a single array.
 ``view=`` a patched view gives each row the forcings of its own window
 (``batch.patch_origins[label]``), as a patched stack's forcing member does.
 
-:func:`refuse_forcings_elsewhere` is what a pipeline checks of the
+:func:`refuse_forcings_elsewhere` is what a pipeline (and a
+:class:`~insitubatch_nodes.stages.gather.GatherNode` composed by hand) checks of the
 :class:`~insitubatch_nodes.forcings.Forcings` among its batch transforms: that rows of members
 at other places are never computed on another member's grid, and that a patched label's rows
 get their own window's forcings, never the whole grid's.

@@ -395,9 +395,9 @@ class Forcings:
     ``batch.patch_origins[time_label]``, every row at once. Where rows and forcings disagree
     (the label patched and these on the whole grid, ``lat=``/``lon=`` or a view not patched;
     other windows; these patched and the label not) the pipeline refuses them when built
-    (``insitu_pipeline``), and this transform at the first batch where the label's
-    ``patch_origins`` say so (``ValueError``), never giving a window's row the whole grid's
-    forcings.
+    (``insitu_pipeline``, and a ``GatherNode`` composed by hand), and this transform at the
+    first batch where the label's ``patch_origins`` say so (``ValueError``), never giving a
+    window's row the whole grid's forcings.
     ``period``, ``bins`` and ``irradiance`` are those of :func:`toa_incident_solar_radiation`.
     Nothing is read from the store.
     """

@@ -4,7 +4,8 @@ Three scenes written with xarray: two over Europe (the same grid, other times) a
 Australia (latitudes stored north to south). Every delivered row's forcing is compared with
 the package's formulas (``forcings.py``'s functions, numpy) evaluated at that row's time on
 the coordinates xarray reads from that row's member (of a patched label: cut to the row's own
-window). Forcings that would put a row at other points are refused.
+window). Forcings that would put a row at other points are refused, by the builder and by a
+graph composed by hand alike.
 """
 
 from __future__ import annotations
@@ -33,6 +34,15 @@ from insitubatch_nodes.forcings import (
     local_time,
     toa_incident_solar_radiation,
     year_progress,
+)
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages import (
+    AsyncChunkFetchNode,
+    ChunkPoolNode,
+    GatherNode,
+    ReadPlanNode,
+    StageContext,
 )
 
 HOUR = np.timedelta64(1, "h")
@@ -168,6 +178,11 @@ def test_forcings_on_one_grid_beside_members_at_other_places_are_refused_when_bu
         insitu_pipeline(scenes, manifest, {"x": view}, coords=["time"], batch_transforms=[europe])
     with pytest.raises(ValueError, match=r"member 'australia'.*view="):
         stack({"t2m": view, "sun": europe})
+    # ... and by set_views, for a label it adds (before: taken, Australia at Europe's points)
+    later = Forcings("y", lat=lat, lon=lon, names=["cos_solar_zenith"])
+    pipe = insitu_pipeline(scenes, manifest, {"x": view}, coords=["time"], batch_transforms=[later])
+    with pipe, pytest.raises(ValueError, match=r"member 'australia'.*view="):
+        pipe.set_views({"x": view, "y": view})
     # forcings on the grids of another collection's members count its member indices
     other = scenes.subset(["australia", "europe"])
     swapped = Forcings("x", view=other["data"], names=["cos_solar_zenith"])
@@ -295,6 +310,34 @@ def test_forcings_that_do_not_fit_a_patched_labels_windows_are_refused_not_cropp
     with pytest.raises(ValueError, match=r"label 'x' is not patched"):
         Forcings("x", view=patched, names=names)(batches["x"])
     assert cropped(batches["p"]).arrays["cos_solar_zenith"].shape == (4, 2, 4)
+
+
+def test_a_graph_composed_by_hand_refuses_forcings_at_other_points_as_the_builder_does(
+    scenes: Collection,
+) -> None:
+    view = scenes["data"]
+    manifest = split_by_member(scenes, {"train": 1.0})
+    lat, lon, _ = SCENES["europe"]
+    europe = Forcings("x", lat=lat, lon=lon, names=["cos_solar_zenith"])
+    patched = view.patches({"lat": 2, "lon": 4})
+    whole = Forcings("p", view=view, names=["cos_solar_zenith"])
+    # before: built, and Australia's rows were computed at Europe's points (1.1 off in cos θ),
+    # and the patched label's rows got the whole grid
+    for label, v, wrong, match in (
+        ("x", view, europe, r"member 'australia'.*view="),
+        ("p", patched, whole, r"label 'p' is patched .*whole grid"),
+    ):
+        plan = ReadPlanNode(manifest, {label: v}, config=PlanConfig(batch_size=4))
+        context = StageContext.create(plan, ChunkPool(None))
+        fetch = AsyncChunkFetchNode(plan, scenes.store, context=context)
+        resident = ChunkPoolNode(fetch, context=context)
+        try:
+            with pytest.raises(ValueError, match=match):
+                GatherNode(resident, context=context, batch_transforms=[wrong])
+            fits = [Forcings(label, view=v)]
+            assert GatherNode(resident, context=context, batch_transforms=fits).batch_transforms
+        finally:
+            fetch.close()
 
 
 def test_forcings_of_patches_that_also_cut_levels_or_a_selected_grid_cut_only_the_grid(
