@@ -10,24 +10,32 @@ whose points are equal share one grid, so one computation (and one memory of com
 serves them all; where every member is on one grid the collection's forcings are that one grid,
 as for a single array.
 
-:func:`refuse_forcings_elsewhere` is what a pipeline checks of the
+:class:`GridWindow` is how a patched view's windows cut that grid: a ``Forcings`` built with
+``view=`` a patched view gives each row the forcings of its own window
+(``batch.patch_origins[label]``), as a patched stack's forcing member does.
+
+:func:`refuse_forcings_elsewhere` is what a pipeline (and a
+:class:`~insitubatch_nodes.stages.gather.GatherNode` composed by hand) checks of the
 :class:`~insitubatch_nodes.forcings.Forcings` among its batch transforms: that rows of members
-at other places are never computed on another member's grid.
+at other places are never computed on another member's grid, and that a patched label's rows
+get their own window's forcings, never the whole grid's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from dataclasses import field as _field
 from typing import Any, Protocol
 
 import numpy as np
 
 from insitubatch_nodes.io.collection_checks import MemberCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
-__all__ = ["ForcingGrid", "refuse_forcings_elsewhere"]
+__all__ = ["ForcingGrid", "GridWindow", "refuse_forcings_elsewhere"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -184,6 +192,95 @@ class ForcingGrid:
         return ""
 
 
+@dataclass(frozen=True)
+class GridWindow:
+    """Where a patched view's windows cut the forcings' grid (its last two kept field axes):
+    ``axes`` which of the grid's two axes (0: latitude, 1: longitude) are cut, in the patches'
+    order, ``columns`` the columns of ``batch.patch_origins[label]`` that give each row's
+    origin along them, ``extent`` the window's size along them; ``origins`` is how many columns
+    the origins have (one per patched dimension). Compared by these: two windows that cut the
+    grid alike are equal. ``grid`` is the whole grid's shape, ``dims`` the grid's cut
+    dimensions' names and ``off_grid`` the patched dimensions that are not on the grid (a
+    ``level``), for checks and messages."""
+
+    axes: tuple[int, ...]
+    columns: tuple[int, ...]
+    extent: tuple[int, ...]
+    origins: int
+    grid: tuple[int, ...] = _field(compare=False)
+    dims: tuple[int | str, ...] = _field(compare=False)
+    off_grid: tuple[int | str, ...] = _field(compare=False)
+
+    @classmethod
+    def of_view(cls, view: ArrayGeometry) -> GridWindow | None:
+        """The cut of ``view``'s patches (``None`` for a view that is not patched)."""
+        spec = view.patch
+        if spec is None:
+            return None
+        grid_axes = [view.field_axes[i] for i in kept_axes(view_keys(view))][-2:]
+        # the grid as selected, whole along the axes the patches cut (a selected axis is whole)
+        grid = list(view.inner_shape[len(view.inner_shape) - len(grid_axes) :])
+        axes, columns, extent, dims, off = [], [], [], [], []
+        cuts = zip(spec.axes_of(view.dims), spec.extent, spec.field, strict=True)
+        for k, (axis, n, length) in enumerate(cuts):
+            name = axis if view.dims is None else view.dims[axis]
+            if axis not in grid_axes:
+                off.append(name)
+                continue
+            axes.append(grid_axes.index(axis))
+            grid[axes[-1]] = length
+            columns.append(k)
+            extent.append(n)
+            dims.append(name)
+        return cls(tuple(axes), tuple(columns), tuple(extent), spec.n_axes, tuple(grid),
+                   tuple(dims), tuple(off))  # fmt: skip
+
+    def describe(self) -> str:
+        """The windows in words, for messages: ``"windows of {'lat': 4, 'lon': 8}"``."""
+        return f"windows of {dict(zip(self.dims, self.extent, strict=True))}"
+
+    def cut(self, values: np.ndarray, origins: np.ndarray) -> np.ndarray:
+        """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``: forcings on the whole
+        grid) at its origin (``origins``, ``batch.patch_origins[label]``), every row at once
+        (:func:`~insitubatch_nodes.io.patching.cut_windows`, the cut of a patched stack's
+        forcing member), C-contiguous."""
+        if not self.axes:  # (the patches cut no grid axis: every row's grid is whole)
+            return values
+        at = tuple(values.ndim - 3 + a for a in self.axes)  # (of a row)
+        picked = np.asarray(origins)[:, list(self.columns)]
+        return np.ascontiguousarray(cut_windows(values, picked, at, self.extent))
+
+
+def refuse_other_windows(label: str, mine: GridWindow | None, theirs: GridWindow | None) -> None:
+    """``ValueError`` unless ``Forcings(label)`` whose rows are cut by ``mine`` (``None``:
+    rows on the whole grid) fit a label whose windows are ``theirs`` (``None``: not patched):
+    each row must get the forcings of its own window."""
+    if mine == theirs:
+        return
+    fix = (
+        f"build Forcings with view= the view of label {label!r} (view.patches(...) as the "
+        "label's), which gives each row the forcings of its own window, or make them a "
+        "member of stack(...) with the patched members"
+    )
+    if theirs is None:
+        assert mine is not None
+        raise ValueError(
+            f"Forcings({label!r}) were built with view= a patched view (they cut each row's "
+            f"{mine.describe()}), and label {label!r} is not patched: build Forcings with "
+            f"view= the view of label {label!r}"
+        )
+    if mine is None:
+        raise ValueError(
+            f"label {label!r} is patched ({theirs.describe()} of its {theirs.grid} grid), and "
+            f"Forcings({label!r}) are on the whole grid (lat= and lon=, or view= a view not "
+            f"patched): every row would get the whole grid's forcings; {fix}"
+        )
+    raise ValueError(
+        f"label {label!r} is patched ({theirs.describe()}), and Forcings({label!r}) cut "
+        f"{mine.describe()}: {fix}"
+    )
+
+
 def _listed(values: np.ndarray) -> str:
     return f"{values[:8].tolist()}{' ...' if len(values) > 8 else ''}"
 
@@ -202,21 +299,26 @@ class _Forcings(Protocol):
 
     time_label: str
     grid: ForcingGrid
+    window: GridWindow | None
 
 
 def refuse_forcings_elsewhere(
     forcings: Sequence[_Forcings], views: Mapping[str, ArrayGeometry]
 ) -> None:
     """Refuse ``forcings`` (batch transforms of a pipeline whose labels read ``views``: a
-    stack's by its first sampled member) that would compute a collection's rows on another
-    member's points: forcings on the grids of another collection's members (their indices
-    count in that one), or on one grid where the label's members are at other points
-    (``ValueError`` saying to build them with ``view=`` the label's view). A collection whose
-    members have no coordinates says nothing of their points: the grid given is taken."""
+    stack's by its first sampled member) that would compute a row on other points than its
+    own: a patched label's rows on the whole grid (forcings given ``lat=`` and ``lon=``, or
+    ``view=`` a view not patched), or on windows other than the label's, or a label read whole
+    cut into windows (forcings built with ``view=`` a patched view); a collection's rows on
+    the grids of another collection's members (their indices count in that one), or on one
+    grid where the label's members are at other points. ``ValueError`` saying to build them
+    with ``view=`` the label's view. A collection whose members have no coordinates says
+    nothing of their points: the grid given is taken."""
     for f in forcings:
         view = views.get(f.time_label)
         if view is None:
             continue  # (no such label: the transform says so at its first batch)
+        refuse_other_windows(f.time_label, f.window, GridWindow.of_view(view))
         own = view.members.collection.partition(":")[0] if view.members is not None else None
         if f.grid.per_member and f.grid.collection != own:
             raise ValueError(

@@ -30,7 +30,9 @@ their own calendar; the two solar ones raise ``TypeError`` for them.
 
 The grid is one ``(lat, lon)`` grid, or, for a view of a collection whose members lie at other
 places, each member's own (:mod:`~insitubatch_nodes.forcing_grid`): every row is computed on
-its own member's points.
+its own member's points. For a patched view (``view.patches(...)``) each row's forcings are
+those of its own window of the grid, ``(*times.shape, *window)``, cut at the row's origin
+(``batch.patch_origins[label]``) as a patched stack's forcing member is.
 
 The Sun's position follows the U.S. Naval Observatory's *Approximate Solar Coordinates*
 (https://aa.usno.navy.mil/faq/sun_approx; accurate to about 1 arcminute within two centuries
@@ -56,7 +58,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.batch import Batch
-from insitubatch_nodes.forcing_grid import ForcingGrid
+from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow, refuse_other_windows
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.timeunits import as_timedelta
 
@@ -387,6 +389,15 @@ class Forcings:
     (:class:`~insitubatch_nodes.forcing_grid.ForcingGrid`): each row's forcings are computed
     on the grid of its member (``batch.members[time_label]``), so ``time_label`` must be a
     label of that collection; members on equal grids share one computation.
+    A patched ``view`` (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.patches`, the
+    label's) gives each row the forcings of its own window (:attr:`window`): labels ``(batch,
+    [T,] *window)`` like the label's rows, computed on the whole grid and cut at each row's
+    ``batch.patch_origins[time_label]``, every row at once. Where rows and forcings disagree
+    (the label patched and these on the whole grid, ``lat=``/``lon=`` or a view not patched;
+    other windows; these patched and the label not) the pipeline refuses them when built
+    (``insitu_pipeline``, and a ``GatherNode`` composed by hand), and this transform at the
+    first batch where the label's ``patch_origins`` say so (``ValueError``), never giving a
+    window's row the whole grid's forcings.
     ``period``, ``bins`` and ``irradiance`` are those of :func:`toa_incident_solar_radiation`.
     Nothing is read from the store.
     """
@@ -422,6 +433,9 @@ class Forcings:
         self.period = _period(period)
         self.bins = None if bins is None else int(bins)
         self.irradiance = float(irradiance)
+        #: where each row's window cuts the grid (``view=`` a patched view), or ``None``: every
+        #: row's forcings are on the whole grid
+        self.window = None if view is None else GridWindow.of_view(view)
         self._on(grid)
 
     def _on(self, grid: ForcingGrid) -> None:
@@ -545,9 +559,33 @@ class Forcings:
         if times is None:
             raise no_times("Forcings", self.time_label, self.time_name, carried)
         members = batch.members.get(self.time_label)
+        origins = batch.patch_origins.get(self.time_label)
+        self._refuse_other_windows(origins)
         for name, values in self.compute(times, members).items():
+            if self.window is not None and origins is not None:  # each row's own window
+                values = self.window.cut(values, origins)
             batch.arrays[self.prefix + name] = values
         return batch
+
+    def _refuse_other_windows(self, origins: np.ndarray | None) -> None:
+        """``ValueError`` for batches whose label is patched otherwise than :attr:`window`
+        says (``origins``: its ``batch.patch_origins``, ``None`` for a label not patched)."""
+        if origins is None:
+            refuse_other_windows(self.time_label, self.window, None)
+            return
+        columns = np.shape(origins)[-1]
+        if self.window is not None and columns == self.window.origins:
+            return
+        mine = "are on the whole grid" if self.window is None else (
+            f"cut {self.window.describe()} of {self.window.origins} patched dimension(s)"
+        )  # fmt: skip
+        raise ValueError(
+            f"label {self.time_label!r} is patched (windows of {columns} patched "
+            f"dimension(s)), and {self!r} {mine}: build Forcings with view= the view of label "
+            f"{self.time_label!r} (view.patches(...) as the label's), which gives each row the "
+            "forcings of its own window, or make them a member of stack(...) with the patched "
+            "members"
+        )
 
     def __repr__(self) -> str:
         return f"Forcings({self.time_label!r}, names={list(self.names)})"

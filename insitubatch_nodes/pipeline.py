@@ -117,7 +117,8 @@ class InSituPipeline(PrefetcherNode[Batch]):
         ``ValueError`` for static labels other than the build's (added, dropped or selected
         otherwise), views of other arrays (or of an array with another geometry), an
         array patched otherwise, a stack with forcings whose first sampled member's times the
-        batches do not carry, a split left with no anchor, and an explicit
+        batches do not carry, ``Forcings`` among the batch transforms that do not fit their
+        label's new view (as at build), a split left with no anchor, and an explicit
         ``cache_budget_bytes`` below the new views' floor (as at build); a static array that
         cannot be read raises as at build. Time-delta windows
         are resolved through the times the pipeline was built with (a time ``stride``, time
@@ -155,6 +156,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
                 "missing=() — it then reads the times, and drops the anchors a gap touches, as "
                 "time-delta windows do — or give the offsets in samples"
             )
+        self.stages.gather.check_forcings(carried)  # (its batch transforms' Forcings)
         parts, _ = expand_views(resolve_windows(carried, steps))
         pool, store = self.stages.pool, self.stages.fetch.store
         timeout = (self.context.options.retry or retry_policy(store)).timeout_s

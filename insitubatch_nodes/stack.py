@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from insitubatch_nodes.forcing_grid import ForcingGrid
+from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
@@ -343,22 +343,16 @@ def forcing_window(name: str, first: ArrayGeometry) -> tuple[tuple[int, ...], tu
     member is ``first``: which of the forcing's two grid axes (its last two kept field axes)
     the stack's patches cut, in the patches' order, and the whole grid's shape (the field's
     length along the cut axes). ``ValueError`` when the patches cut another axis."""
-    spec = first.patch
-    assert spec is not None
-    grid_axes = [first.field_axes[i] for i in kept_axes(view_keys(first))][-2:]
-    shape = list(first.inner_shape[len(first.inner_shape) - len(grid_axes) :])
-    axes = []
-    for axis, n in zip(spec.axes_of(first.dims), spec.field, strict=True):
-        if axis not in grid_axes:
-            dim = axis if first.dims is None else first.dims[axis]
-            raise ValueError(
-                f"stack member {name!r} (forcings) is on the grid of the last two field "
-                f"dimensions, but the stack's patches also cut {dim!r}: patch the grid only, "
-                "or compute forcings as a batch transform (Forcings)"
-            )
-        axes.append(grid_axes.index(axis))
-        shape[axes[-1]] = n
-    return tuple(axes), tuple(shape)
+    window = GridWindow.of_view(first)
+    assert window is not None
+    if window.off_grid:
+        raise ValueError(
+            f"stack member {name!r} (forcings) is on the grid of the last two field "
+            f"dimensions, but the stack's patches also cut {window.off_grid[0]!r}: patch the "
+            "grid only, or compute forcings as a batch transform (Forcings with view= the "
+            "patched view)"
+        )
+    return window.axes, window.grid
 
 
 def _named(

@@ -27,6 +27,7 @@ import numpy as np
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.forcings import no_times
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.stack import (
     Stack,
     StackMember,
@@ -168,7 +169,7 @@ class StackConstants:
                 values = next(iter(member.forcing.compute(times, rows_of).values()))
                 if prepared.forcing_cuts:  # each row's window of the grid (its last two axes)
                     grid = tuple(values.ndim - 3 + a for a in prepared.forcing_cuts[k])
-                    values = _cut_rows(values, batch.patch_origins[label], grid, prepared.extent)
+                    values = cut_windows(values, batch.patch_origins[label], grid, prepared.extent)
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)
                     step = values if t is None else values[:, t]
@@ -202,29 +203,10 @@ def _cut(
     extent: tuple[int, ...],
 ) -> None:
     """``out[i] = data`` cut along ``axes`` to the window of ``extent`` at ``origins[i]``, for
-    every row at once (no Python per row): :func:`_cut_rows` of ``data`` broadcast to every
-    row (no copy)."""
+    every row at once (no Python per row): :func:`~insitubatch_nodes.io.patching.cut_windows`
+    of ``data`` broadcast to every row (no copy)."""
     rows = np.broadcast_to(data, (len(origins), *data.shape))
-    out[...] = _cut_rows(rows, origins, axes, extent)
-
-
-def _cut_rows(
-    values: np.ndarray, origins: np.ndarray, axes: tuple[int, ...], extent: tuple[int, ...]
-) -> np.ndarray:
-    """Row ``i`` of ``values`` (``(rows, *row)``) cut along ``axes`` (of a row, in the order of
-    ``extent`` and of ``origins``' columns) to the window of ``extent`` at ``origins[i]``,
-    every row at once: one gather from the windows' strided view."""
-    ndim = values.ndim - 1
-    cut = tuple(1 + a for a in axes)
-    windows = np.lib.stride_tricks.sliding_window_view(values, extent, axis=cut)
-    # (rows, *cut axes (one window origin each), *other axes, *window) then one index per row
-    windows = np.moveaxis(windows, cut, range(1, 1 + len(cut)))
-    at = (np.arange(len(values)), *(np.asarray(origins)[:, k] for k in range(len(cut))))
-    picked = windows[at]  # (rows, *other axes, *window)
-    rest = [a for a in range(ndim) if a not in axes]
-    # each row back in its own axis order: a cut axis at its own place
-    order = [len(rest) + axes.index(a) if a in axes else rest.index(a) for a in range(ndim)]
-    return picked.transpose(0, *(1 + k for k in order))
+    out[...] = cut_windows(rows, origins, axes, extent)
 
 
 def static_fields(

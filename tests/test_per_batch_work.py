@@ -195,7 +195,9 @@ def _patches(root: Path, *_: Path) -> tuple[Any, Any, dict[str, Any], dict[str, 
         "p": t2m.patches({"lat": 2, "lon": 4}),
         "pw": t2m.patches({"lat": 2, "lon": 4}).window([-1, 0]),
     }
-    return root, manifest, views, {}
+    # each row's forcings cut to its own window, every row at once
+    forcings = Forcings("pw", view=views["pw"], names=[TISR, "local_time_sin"])
+    return root, manifest, views, {"batch_transforms": [forcings]}
 
 
 def _tiles(root: Path, *_: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
@@ -229,7 +231,7 @@ def _calendar(*roots: Path) -> tuple[Any, Any, dict[str, Any], dict[str, Any]]:
 CASES: dict[str, Case] = {
     "views, selections, static fields, a stack, coordinates": _main,
     "stacks normalised, of windows, with forcings; forcings": _stacks,
-    "patches (windows of a field), of windows, of selected levels": _patches,
+    "patches (windows of a field), of windows, of selected levels; their forcings": _patches,
     "patches across tile edges, of selected levels": _tiles,
     "a collection with its members' times, forcings on each member's grid": _collection,
     "cftime dates (noleap): coordinates, calendar forcings": _calendar,

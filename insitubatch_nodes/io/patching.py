@@ -16,6 +16,7 @@ __all__ = [
     "ORIGIN_POLICIES",
     "REGION_ORDERS",
     "Patches",
+    "cut_windows",
     "only_patched",
     "refuse_selected",
     "window_bounds",
@@ -190,3 +191,24 @@ def refuse_selected(path: str, selected: Sequence[int | str]) -> None:
             f"{path}: a selected axis cannot be patched ({name!r}); patch the others, or patch "
             f"the whole axis and keep its windows in a range with within={{{name!r}: (lo, hi)}}"
         )
+
+
+def cut_windows(
+    values: np.ndarray, origins: np.ndarray, axes: tuple[int, ...], extent: tuple[int, ...]
+) -> np.ndarray:
+    """Row ``i`` of ``values`` (``(rows, *row)``) cut along ``axes`` (of a row, in the order of
+    ``extent`` and of ``origins``' columns) to the window of ``extent`` at ``origins[i]``,
+    every row at once: one gather from the windows' strided view (no Python per row). What a
+    patched stack's static and forcing members and a patched label's
+    :class:`~insitubatch_nodes.forcings.Forcings` take of their whole field."""
+    ndim = values.ndim - 1
+    cut = tuple(1 + a for a in axes)
+    windows = np.lib.stride_tricks.sliding_window_view(values, extent, axis=cut)
+    # (rows, *cut axes (one window origin each), *other axes, *window) then one index per row
+    windows = np.moveaxis(windows, cut, range(1, 1 + len(cut)))
+    at = (np.arange(len(values)), *(np.asarray(origins)[:, k] for k in range(len(cut))))
+    picked = windows[at]  # (rows, *other axes, *window)
+    rest = [a for a in range(ndim) if a not in axes]
+    # each row back in its own axis order: a cut axis at its own place
+    order = [len(rest) + axes.index(a) if a in axes else rest.index(a) for a in range(ndim)]
+    return picked.transpose(0, *(1 + k for k in order))

@@ -28,6 +28,8 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
+from insitubatch_nodes.forcing_grid import refuse_forcings_elsewhere
+from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.slots import is_level_major
 from insitubatch_nodes.stack import Stack
@@ -250,6 +252,7 @@ class GatherNode(BaseNode[Batch]):
         self.batch_transforms = tuple(check_batch_transforms(batch_transforms))
         batch_views = self.buffers.layout.views
         refuse_standardised_twice(context.transforms, batch_views, self.batch_transforms)
+        self.check_forcings(batch_views)
         unknown = set(coords or {}) - set(batch_views)
         if unknown:
             raise ValueError(f"coords name labels {sorted(unknown)} that are not in the views")
@@ -310,6 +313,20 @@ class GatherNode(BaseNode[Batch]):
             for _ in range(2)
         ]
 
+    def check_forcings(self, views: Mapping[str, Any]) -> None:
+        """The builder's check of the :class:`~insitubatch_nodes.forcings.Forcings` among the
+        batch transforms against the labels' views (a stack's by its first sampled member),
+        here too so that a graph composed by hand refuses them as ``insitu_pipeline`` does
+        (:func:`~insitubatch_nodes.forcing_grid.refuse_forcings_elsewhere`): a collection's
+        rows on one grid where its members lie elsewhere, a patched label's on the whole
+        grid."""
+        forcings = [t for t in self.batch_transforms if isinstance(t, Forcings)]
+        if forcings:
+            refuse_forcings_elsewhere(forcings, {
+                label: v.sampled[0].geometry if isinstance(v, Stack) else v
+                for label, v in views.items()
+            })  # fmt: skip
+
     def carries(self, path: str, name: str) -> bool:
         """Whether batches carry coordinate ``name`` of array ``path`` (for any label of it)."""
         return name in self._array_coords.get(path, {})
@@ -331,6 +348,7 @@ class GatherNode(BaseNode[Batch]):
         self.source.reset(source_state(initial_state))
         if self.context.sync_views():  # the plan took views given by set_views
             self._size(self.buffers.rows)
+            self.check_forcings(self.layout.views)
 
     def get_state(self) -> dict[str, Any]:
         return {SOURCE_KEY: self.source.state_dict()}
