@@ -35,16 +35,23 @@ def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 class _HeldChunk:
-    """A chunk transform that, while armed, holds chunk 1 on its decode thread until released:
-    a fill of the read-ahead still running when the epoch is broken off and reset."""
+    """A chunk transform that holds the first fill of chunk 1 on its decode thread until
+    released: a fill of the read-ahead still running when the epoch is broken off and reset.
+    Only the first: the next epoch's own fill of chunk 1, when its read comes back before
+    chunk 0's, would take the other decode thread and leave none for chunk 0 (the test then
+    waited out the 20 s, one run in eight)."""
 
     def __init__(self) -> None:
         self.armed = True
         self.entered = threading.Event()
         self.release = threading.Event()
+        self._lock = threading.Lock()
 
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
-        if self.armed and chunk.chunk_index == 1:
+        with self._lock:
+            hold = self.armed and chunk.chunk_index == 1
+            self.armed = self.armed and not hold
+        if hold:
             self.entered.set()
             self.release.wait(20)
         return chunk
@@ -74,7 +81,6 @@ def test_a_fill_of_a_broken_off_epoch_that_ends_in_the_next_epoch_is_not_counted
         if reads == "get":
             before = dict(store.chunk_counts())  # type: ignore[union-attr]
         next(pipe)  # epoch 1 has begun
-        held.armed = False
         held.release.set()  # epoch 0's fill ends now
         for _ in pipe:
             pass
