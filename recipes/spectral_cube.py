@@ -21,7 +21,9 @@ emission over the beam in a few channels.
    window, the band taken by value, high to low as the axis runs
    (``sel(freq=slice(hi, lo))``, as xarray takes it), and two boxes of the sky (``within=``)
    are a spatial train/validation split; ``patches({"freq": ..., "dec": ..., "ra": ...})``
-   cuts random 3-D sub-cubes (a 3-D U-Net's inputs).
+   cuts random 3-D sub-cubes (a 3-D U-Net's inputs). Several such cubes (a survey's
+   pointings, or both bands' ``cube_i``) are one stream as the members of
+   ``Collection.from_arrays([...], sample_axis=())`` (docs/collections.md, "Survey pointings").
 
 Every row is checked against zarr's read of the cube at the member, channel and window the
 batch names (the band: at the channels whose stored frequency lies in it, both ends

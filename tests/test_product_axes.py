@@ -23,7 +23,6 @@ from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import (
     Coarsen,
-    Collection,
     Loader,
     SplitManifest,
     insitu_pipeline,
@@ -274,8 +273,6 @@ def test_patches_and_selections_on_product_axes_are_zarrs_reads(stack: Path) -> 
 def test_bad_product_axes_are_refused_by_name(stack: Path) -> None:
     with pytest.raises(ValueError, match="two or more axes"):
         open_geometries(stack, ["image"], sample_axis=("t",))
-    with pytest.raises(ValueError, match=r"sample_axis=\(\) .* is open_geometries' option"):
-        Collection.from_arrays([(stack, "image")], sample_axis=())
     with pytest.raises(ValueError, match="two or more distinct axes"):
         open_geometries(stack, ["image"], sample_axis=("t", 0))
     with pytest.raises(KeyError, match="no dimension named 'w'"):

@@ -36,7 +36,8 @@ calendar in all), so the same options work within each member.
 
 ``sample_axis=("t", "z")`` gives every member product sample axes
 (:mod:`~insitubatch_nodes.io.product`): each member lays out the same grid of stored blocks,
-member after member. ``missing_objects="drop"`` lists each member's folder.
+member after member. ``missing_objects="drop"`` lists each member's folder. ``sample_axis=()``:
+each member's whole array is one sample (one block); patched, its windows are the samples.
 
 A join may take a concatenation as one of its stores (an archive's back-extension and main
 store, joined with a forcing store): its axis is cut where the concatenated stores meet.
@@ -75,7 +76,7 @@ from insitubatch_nodes.io.members import (
     member_schema,
 )
 from insitubatch_nodes.io.objects import read_documents
-from insitubatch_nodes.io.product import ProductGrid, product_axes, same_grids
+from insitubatch_nodes.io.product import ProductGrid, first_axis, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, locate
 from insitubatch_nodes.io.stores import describe_store
 from insitubatch_nodes.io.timeline import alignment, continuation, pieces_of_join
@@ -273,7 +274,8 @@ class Collection:
         also be a ``(store, path)`` pair, for members in several stores (``store`` is then
         ``None`` or the default for plain paths). ``names`` (default: the group paths) names the
         members; ``keys`` gives per-member group keys; ``sample_axis`` is an index or a
-        dimension name, the same for every array. Every array's metadata is read once,
+        dimension name, the same for every array (two or more: product sample axes; ``()``:
+        each member's whole array one sample, to patch). Every array's metadata is read once,
         concurrently; an absent array raises ``FileNotFoundError`` and arrays that do not share
         the schema ``ValueError``, both naming the member and the variable. ``mask_and_scale``
         and ``cf_dtype``: how the views decode; ``dims``: the dimension names of variables
@@ -305,7 +307,8 @@ class Collection:
         """Members that are arrays anywhere: each item a ``zarr.Array``, a ``(store, path)``
         pair, or a URL or path (the array at that store's root). Members may live in different
         stores (read through a :class:`~insitubatch_nodes.io.routing.RoutingStore`); each is one
-        member with one variable, ``variable``. ``names`` defaults to ``"0"``, ``"1"``, ...;
+        member with one variable, ``variable``. ``sample_axis`` as :meth:`from_groups` takes
+        it (``()``: each whole array one sample, to patch). ``names`` defaults to ``"0"``, ...;
         ``mask_and_scale`` and ``cf_dtype``: how the views decode; ``dims``: the dimension
         names of arrays that name none, one per axis (``["time", "y", "x"]``, or
         ``{variable: names}``; the class docstring)."""
@@ -490,7 +493,7 @@ class Collection:
             axes = [axis_of(named, a, what="sample_axis", hint=hint) for a in asked]
             if isinstance(sample_axis, tuple | list):  # product sample axes
                 products[v] = product_axes(ref, axes)
-            refs[v] = (ref, products[v][0] if v in products else axes[0])
+            refs[v] = (ref, first_axis(products[v]) if v in products else axes[0])
             keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
             if kind[1] == 2 and self.mask_and_scale:  # v2 attributes (CF) are a document apart
                 attr_keys += [_zarr_compat.array_metadata_keys(p, 2)[1] for p in self._paths[v]]
@@ -584,11 +587,16 @@ class Collection:
         differs = np.flatnonzero(lengths != lengths[0])
         if len(differs):
             m = int(differs[0])
+            rule = (
+                "on product sample axes every member needs the same lengths along them"
+                if axes
+                else "with sample_axis=() (each member one sample) every member needs one shape"
+            )
             raise ValueError(
-                f"{self.name}: member {self.members[m]!r} has {int(lengths[m])} steps along axis "
-                f"{axes[0]} of {variable!r}, member {self.members[0]!r} {int(lengths[0])}: on "
-                "product sample axes every member needs the same lengths along them (open the "
-                "members of each length as a collection of their own)"
+                f"{self.name}: member {self.members[m]!r} has {int(lengths[m])} steps along "
+                f"axis {first_axis(axes)} of {variable!r}, member {self.members[0]!r} "
+                f"{int(lengths[0])}: "
+                f"{rule} (open the members of each length as a collection of their own)"
             )
         chunks, cf = _zarr_compat.stored_chunk_shape(ref), self._cf(ref)
         grid = ProductGrid(axes, ref.shape, chunks, members=len(self.members))
@@ -608,7 +616,7 @@ class Collection:
             chunks=chunks,
             dtype=in_native_byte_order(ref.dtype) if cf is None else cf.dtype,
             fill_value=ref.fill_value,
-            sample_axis=axes[0],
+            sample_axis=first_axis(axes),
             read_chunks=_zarr_compat.read_chunk_shape(ref),
             zarr_format=int(ref.metadata.zarr_format),
             metadata=ref.metadata,

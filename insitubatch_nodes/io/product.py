@@ -31,7 +31,9 @@ On a collection (``Collection.from_groups(..., sample_axis=("t", "z"))``, ``open
 grid serves every member: ``ProductGrid(..., members=n)`` lays member after member, virtual
 chunk ``c`` being block ``c % n_blocks`` of member ``c // n_blocks``, and the member map keys
 each block below its member's path
-(:meth:`~insitubatch_nodes.io.members.MemberMap.store_key`).
+(:meth:`~insitubatch_nodes.io.members.MemberMap.store_key`). The empty product on a collection
+(``Collection.from_arrays(..., sample_axis=())``) is one block per member: a survey's
+pointings, each one sample whose windows, patched, are the samples.
 """
 
 from __future__ import annotations
@@ -47,7 +49,14 @@ import numpy as np
 
 from insitubatch_nodes.io.axes import axis_of
 
-__all__ = ["ProductGrid", "product_axes", "product_view", "same_grids", "sample_coords"]
+__all__ = [
+    "ProductGrid",
+    "first_axis",
+    "product_axes",
+    "product_view",
+    "same_grids",
+    "sample_coords",
+]
 
 
 class ProductGrid:
@@ -268,17 +277,19 @@ def product_view(geom: Any, axes: Sequence[int | str]) -> Any:
         raise TypeError(f"product axes are a sequence, e.g. ('t', 'z'), got {axes!r}")
     phys = _checked(geom.path, [_physical_axis(geom, a) for a in axes], geom.ndim, axes)
     grid = ProductGrid(phys, geom.shape, geom.chunks)
-    return replace(geom, sample_axis=phys[0] if phys else 0, product=grid)
+    return replace(geom, sample_axis=first_axis(phys), product=grid)
+
+
+def first_axis(axes: Sequence[int]) -> int:
+    """The sample axis a view on product axes ``axes`` names: the first, or 0 for the empty
+    product (whose one sample is the whole array)."""
+    return int(axes[0]) if axes else 0
 
 
 def product_axes(array: Any, axes: Sequence[int]) -> tuple[int, ...]:
     """Physical axes ``axes`` of ``array`` (a collection's first member) checked as product
-    sample axes: two or more, distinct, leaving a field axis (``ValueError`` otherwise)."""
-    if not axes:
-        raise ValueError(
-            f"{getattr(array, 'path', '')}: a collection's samples lie along axes of its "
-            "members; sample_axis=() (each whole array one sample) is open_geometries' option"
-        )
+    sample axes: none (each member's whole array one sample, to patch), or two or more,
+    distinct, leaving a field axis (``ValueError`` otherwise)."""
     return _checked(str(getattr(array, "path", "")), axes, array.ndim, axes)
 
 
