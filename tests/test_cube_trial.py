@@ -30,6 +30,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.io import open_coordinates
+from insitubatch_nodes.plan.config import PlanConfig
 
 S, F, D, R = 1, 16, 32, 32
 DIMS = ("stokes", "freq", "dec", "ra")
@@ -139,6 +140,17 @@ def test_a_flagged_channel_of_one_cube_of_a_frequency_collection_is_dropped_by_m
             insitu_pipeline(coll, manifest, {"x": view}, batch_size=5, missing=bad)
     with pytest.raises(ValueError, match=r"missing=\{'cube_lo': \[17\]\}"):
         insitu_pipeline(coll, manifest, {"x": view}, batch_size=5, missing=[FLAGGED])
+    # the data module takes the mapping too (it made a tuple of its keys before)
+    pytest.importorskip("lightning")
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    dm = InSituDataModule(coll, {"x": view}, (1.0, 0.0, 0.0), config=PlanConfig(batch_size=5),
+                          missing={lo: [FLAGGED]}, log_report=False)  # fmt: skip
+    dm.setup("fit")
+    try:
+        assert sum(len(item["x"]) for item in dm.train_dataloader()) == 2 * F - 1
+    finally:
+        dm.teardown("fit")
 
 
 def test_stores_whose_time_is_not_their_first_axis_concatenate_along_it(tmp_path: Path) -> None:
