@@ -426,3 +426,15 @@ def lengthen_stop_graces(setattr_: Callable[[Any, str, Any], None]) -> None:
 
     setattr_(prefetch, "_JOIN_S", STOP_GRACE_S)
     setattr_(_get, "_EXIT_GRACE_S", STOP_GRACE_S)
+
+
+def window_of(data: np.ndarray, view: Any, origin: np.ndarray) -> np.ndarray:
+    """``data`` (zarr's read of a whole-array sample: ``sample_axis=()``) at the window of
+    patched ``view`` whose origin is ``origin`` (a row of ``batch.patch_origins``); all of it
+    where the view is not patched."""
+    index: list[Any] = [slice(None)] * data.ndim
+    if view.patch is not None:
+        spec = view.patch
+        for a, o, e in zip(spec.axes, np.asarray(origin).tolist(), spec.extent, strict=True):
+            index[a] = slice(o, o + e)
+    return data[tuple(index)]

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import counting_store
+from helpers import counting_store, window_of
 from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import Loader, insitu_pipeline, split_by_chunk, split_by_member
@@ -76,13 +76,9 @@ def _deliver(
                 np.testing.assert_array_equal(batch.members[label], members)
                 np.testing.assert_array_equal(batch.patch_origins[label], origins)
                 np.testing.assert_array_equal(batch.sample_indices[label], 0)  # one sample
-                spec = view.patch
-                assert spec is not None
+                assert view.patch is not None
                 for r in range(len(batch)):
-                    index: list[Any] = [slice(None)] * 3
-                    for a, o, e in zip(spec.axes, origins[r].tolist(), spec.extent, strict=True):
-                        index[a] = slice(o, o + e)
-                    want = data[label][int(members[r])][tuple(index)]
+                    want = window_of(data[label][int(members[r])], view, origins[r])
                     assert np.array_equal(batch[label][r], want), (label, members[r], origins[r])
             seen += [(int(m), *map(int, o)) for m, o in zip(members, origins, strict=True)]
     return seen

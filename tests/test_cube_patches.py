@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import counting_store
+from helpers import counting_store, window_of
 from resume_helpers import assert_resumes_exactly, epochs_of
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
@@ -54,16 +54,6 @@ def _read(root: Path, path: str) -> np.ndarray:
     return np.asarray(zarr.open_array(root, path=path, mode="r")[...])
 
 
-def _window(data: np.ndarray, view: ArrayGeometry, origin: np.ndarray) -> np.ndarray:
-    """``data`` (the whole array) at the window of ``view`` starting at ``origin``."""
-    index: list[Any] = [slice(None)] * data.ndim
-    if view.patch is not None:
-        spec = view.patch
-        for a, o, e in zip(spec.axes, origin.tolist(), spec.extent, strict=True):
-            index[a] = slice(o, o + e)
-    return data[tuple(index)]
-
-
 def _deliver(
     root: Any, views: dict[str, ArrayGeometry], band: slice = slice(None), **kw: Any
 ) -> list[tuple[int, ...]]:
@@ -82,7 +72,7 @@ def _deliver(
                 np.testing.assert_array_equal(batch.sample_indices[label], 0)  # one sample
             for r in range(len(batch)):
                 for label, view in views.items():
-                    want = _window(data[label], view, o[r])
+                    want = window_of(data[label], view, o[r])
                     assert np.array_equal(batch[label][r], want, equal_nan=True), (label, o[r])
                 seen.append(tuple(int(v) for v in o[r]))
     return seen
