@@ -57,6 +57,10 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.synthetic import make_era5_like
 
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("elastic_trial")
+
 LENGTHS = (12, 8)  # steps of the two stores (the second continues the first)
 CUT = {"lat": 2, "lon": 4}  # windows of the 4 x 8 grid
 

@@ -18,6 +18,7 @@ package under ``tmp_path`` and check that the rule finds it.
 from __future__ import annotations
 
 import ast
+import functools
 import itertools
 import sys
 import warnings
@@ -180,6 +181,7 @@ def _resolve_from(node: ast.ImportFrom, module: Module) -> str:
     return ".".join([*base, node.module] if node.module else base)
 
 
+@functools.cache  # read-only to every rule: the package is parsed once per process, not per rule
 def scan(root: Path) -> dict[str, Module]:
     """Every module of the package in ``root``, with the imports it makes."""
     modules: dict[str, Module] = {}

@@ -28,6 +28,10 @@ from insitubatch_nodes.synthetic import make_hcs_plate, make_plate_metadata_only
 
 pytest.importorskip("ome_zarr")
 
+# one worker runs the module: its plates (module fixtures, one per NGFF version) are written
+# once, not once per worker and again at every switch between the versions
+pytestmark = pytest.mark.xdist_group("ngff")
+
 VERSIONS = ["0.4", "0.5"]
 SHAPE = (1, 2, 4, 32, 32)  # (T, C, Z, Y, X): 4 Z planes, one per chunk
 PIXEL = 0.65

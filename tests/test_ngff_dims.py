@@ -27,6 +27,10 @@ from insitubatch_nodes.io.ngff import open_plate
 
 pytest.importorskip("ome_zarr")
 
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("ngff_dims")
+
 IMAGE = (2, 3, 32, 32)  # (c, z, y, x): 2 channels, 3 Z planes
 TILE = 16  # the stored tile along y and x
 

@@ -49,6 +49,10 @@ from insitubatch_nodes import (
 from insitubatch_nodes.forcings import FORCINGS
 from insitubatch_nodes.synthetic import make_era5_like
 
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("resume_trial")
+
 N, SPC = 30, 4  # the ERA5-like store: 30 six-hourly steps in chunks of 4
 
 
