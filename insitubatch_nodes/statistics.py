@@ -23,7 +23,8 @@ difference; in float64 for integers) and summed in float64. NaNs are skipped and
 were fitted on (``dataset``: the store, the split, its sample range, the views), which
 :meth:`Statistics.load` can check. :meth:`Statistics.normalizer` is a batch transform that
 standardises each label in place; :meth:`Statistics.scaler` the chunk transform
-:class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays.
+:class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays. Both,
+and a stack's ``normalize=``, take a constant channel's ``std`` of 0 as 1 (``x - mean``).
 """
 
 from __future__ import annotations
@@ -176,10 +177,11 @@ class Statistics:
         eps: float = 1e-8,
     ) -> NormalizeBatch:
         """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views``, in place in
-        the batch's arrays (float arrays, float16 computed in float32 and rounded once, so
-        neither ``x - mean`` nor a tiny ``std`` overflows or underflows float16 where the result
-        does not; a static label's broadcast rows get a new array of one standardised row,
-        broadcast, in the label's dtype; integer labels become float32).
+        the batch's arrays (a constant channel's ``std`` of 0 taken as 1: ``x - mean``, as a
+        stack's ``normalize=`` does, not 1e8 times it; float arrays, float16 computed in float32
+        and rounded once, so neither ``x - mean`` nor a tiny ``std`` overflows or underflows
+        float16 where the result does not; a static label's broadcast rows get a new array of
+        one standardised row, broadcast, in the label's dtype; integer labels become float32).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
         source = {label: (same_as or {}).get(label, label) for label in views}
@@ -193,7 +195,7 @@ class Statistics:
             {
                 label: (
                     self.shaped(source[label], "mean", v),
-                    self.shaped(source[label], "std", v) + eps,
+                    _constant_as_unit(self.shaped(source[label], "std", v)) + eps,
                 )
                 for label, v in views.items()
             }
@@ -207,7 +209,8 @@ class Statistics:
         channel of their arrays (the scaler runs on chunks, before any selection): no level
         selection, at most a box on the grid (a patched view's ``within``). Labels of one array
         share its scaling: ``ValueError`` when their statistics differ (a box and the whole
-        field); a shifted label's are its array's and agree."""
+        field); a shifted label's are its array's and agree. A constant channel's ``std`` of 0
+        is given as 1 (``x - mean``, as :meth:`normalizer` makes it)."""
         labels = list(self.mean) if labels is None else list(labels)
         mean, std = {}, {}
         taken: dict[str, str] = {}  # path -> the label whose statistics it takes
@@ -240,9 +243,16 @@ class Statistics:
             # shaped (1, 1) it would not to a field of one axis)
             grid = 2 if m.ndim else 0
             mean[path] = m.reshape(m.shape + (1,) * grid)
-            s = np.asarray(self.std[label])
+            s = _constant_as_unit(np.asarray(self.std[label]))
             std[path] = s.reshape(s.shape + (1,) * grid)
         return StandardScaler(mean, std, cache_key=cache_key)
+
+
+def _constant_as_unit(std: np.ndarray) -> np.ndarray:
+    """``std`` with a constant channel's 0 as 1: the channel standardises to ``x - mean`` (0 on
+    the fitted values, the difference elsewhere), as a stack's ``normalize=`` does, not to
+    ``(x - mean) / eps`` (1e8 times the difference, inf in float16)."""
+    return np.where(std == 0, 1.0, std)
 
 
 def _refuse_empty_channels(label: str, path: str, mean: np.ndarray, std: np.ndarray) -> None:

@@ -13,7 +13,10 @@ Found (now fixed): a constant channel with NaNs in it (a mask with missing point
 constant channels missed it and a value off the constant standardised to 1e15 (on the fitted
 split, to ±1 instead of 0); a field far from zero (3e6) whose first batches were all NaN was
 fitted a ``std`` 4e-4 off (its later batches' deviations taken from the empty running mean, 0,
-whose squares cancelled).
+whose squares cancelled); ``stats.normalizer`` and ``stats.scaler()`` divided a constant
+channel by ``0 + eps``: a value off the constant (a land point in a box that was all sea in
+training) became 1e8 times its difference, inf in float16, where a stack's ``normalize=`` gives
+the difference.
 
 Needed no claim (matched the oracle in every case tried, about 9,000 checks): every statistic,
 the NaN counts, ``diff_std`` over consecutive samples only (none across a split's gap, a
@@ -110,3 +113,26 @@ def test_a_field_far_from_zero_after_samples_all_nan_has_numpys_std(store: Path)
     np.testing.assert_allclose(stats.mean["far"], np.nanmean(far), rtol=1e-12)
     np.testing.assert_allclose(stats.std["far"], np.nanstd(far), rtol=1e-6)
     np.testing.assert_allclose(stats.diff_std["far"], np.nanstd(np.diff(far, axis=0)), rtol=1e-6)
+
+
+def test_a_constant_channel_is_standardised_to_its_difference_by_normalizer_and_scaler(
+    store: Path,
+) -> None:
+    """A value off a constant channel (``std`` 0) is ``x - mean`` through ``normalizer``,
+    ``scaler()`` and a stack alike: dividing by ``0 + eps`` gave 1e8 times it, inf in
+    float16."""
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["f"], (TRAIN / T, 1 - TRAIN / T, 0.0))
+    views = {"h": geoms["h"]}
+    stats = fit_statistics(store, manifest, views)
+    assert stats.std["h"] == 0.0
+    routes = {
+        "normalizer": {"batch_transforms": [stats.normalizer(views)]},
+        "scaler": {"chunk_transforms": [stats.scaler()]},
+    }
+    for name, options in routes.items():
+        for batch in _batches(store, views, "val", **options):
+            assert batch["h"].dtype == np.float16, name
+            np.testing.assert_array_equal(batch["h"], 1.0, err_msg=name)
+    for batch in _batches(store, {"x": stack(views, normalize=stats)}, "val"):
+        np.testing.assert_array_equal(batch["x"], 1.0)
