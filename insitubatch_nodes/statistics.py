@@ -24,7 +24,9 @@ were fitted on (``dataset``: the store, the split, its sample range, the views),
 :meth:`Statistics.load` can check. :meth:`Statistics.normalizer` is a batch transform that
 standardises each label in place; :meth:`Statistics.scaler` the chunk transform
 :class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays. Both,
-and a stack's ``normalize=``, take a constant channel's ``std`` of 0 as 1 (``x - mean``).
+and a stack's ``normalize=``, take a constant channel's ``std`` of 0 as 1 (``x - mean``), and
+refuse statistics fitted on another array, other channels or otherwise decoded values than the
+view given under their label.
 """
 
 from __future__ import annotations
@@ -124,15 +126,31 @@ class Statistics:
         (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view). ``ValueError`` when ``view``
         has other channels than the view ``label`` was fitted on: another number, or other
         indices of an axis that is not the grid (levels in another order, another dropped
-        level); its shift, window, patches and box on the grid may differ. ``ValueError`` too
-        when ``view`` decodes its values otherwise than the fitted view did
-        (``mask_and_scale``: stored integers against unpacked values)."""
+        level) or another array than ``paths[label]`` (set it to take statistics over to the
+        same quantity under another name); its shift, window, patches and box on the grid may
+        differ. ``ValueError`` too when ``view`` decodes its values otherwise than the fitted
+        view did (``mask_and_scale``: stored integers against unpacked values)."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
+        self._check_array(label, view)
         self._check_channels(label, view, values.shape)
         self._check_decoding(label, view)
         inner = view.inner_shape
         grid = min(2, len(inner))
         return values.reshape(*values.shape, *(1,) * grid)
+
+    def _check_array(self, label: str, view: ArrayGeometry) -> None:
+        """``ValueError`` when ``label`` was fitted on another array than ``view`` reads (its
+        ``paths`` entry): another quantity's statistics standardise nothing."""
+        fitted = self.paths.get(label)
+        if fitted is None or fitted == view.path:
+            return
+        raise ValueError(
+            f"statistics of {label!r} were fitted on array {fitted!r}, but the view given "
+            f"under {label!r} reads {view.path!r}: fit them on this view "
+            f"(fit_statistics(store, manifest, {{{label!r}: view}})), or, where {view.path!r} "
+            f"is {fitted!r} under another name (another store's), say so: "
+            f"stats.paths[{label!r}] = {view.path!r}"
+        )
 
     def _check_decoding(self, label: str, view: ArrayGeometry) -> None:
         """``ValueError`` when ``label`` was fitted on values decoded otherwise than ``view``

@@ -16,7 +16,8 @@ fitted a ``std`` 4e-4 off (its later batches' deviations taken from the empty ru
 whose squares cancelled); ``stats.normalizer`` and ``stats.scaler()`` divided a constant
 channel by ``0 + eps``: a value off the constant (a land point in a box that was all sea in
 training) became 1e8 times its difference, inf in float16, where a stack's ``normalize=`` gives
-the difference.
+the difference; statistics fitted on one array standardised a view of another array given
+under their label, silently.
 
 Needed no claim (matched the oracle in every case tried, about 9,000 checks): every statistic,
 the NaN counts, ``diff_std`` over consecutive samples only (none across a split's gap, a
@@ -136,3 +137,23 @@ def test_a_constant_channel_is_standardised_to_its_difference_by_normalizer_and_
             np.testing.assert_array_equal(batch["h"], 1.0, err_msg=name)
     for batch in _batches(store, {"x": stack(views, normalize=stats)}, "val"):
         np.testing.assert_array_equal(batch["x"], 1.0)
+
+
+def test_statistics_of_one_array_are_refused_for_a_view_of_another_under_their_label(
+    store: Path,
+) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["f"], (TRAIN / T, 1 - TRAIN / T, 0.0))
+    stats = fit_statistics(store, manifest, {"r": geoms["r"], "f": geoms["f"]})
+    for use in (
+        lambda: stack({"r": geoms["h"]}, normalize=stats),
+        lambda: stats.normalizer({"r": geoms["h"]}),
+        lambda: stats.normalizer({"h": geoms["h"]}, same_as={"h": "r"}),
+    ):
+        with pytest.raises(ValueError, match=r"fitted on array 'r'.*'h'.*stats\.paths"):
+            use()
+    # the same quantity under another name (another store's) is taken over by saying so
+    stats.paths["r"] = "h"
+    stats.normalizer({"r": geoms["h"]})
+    # a shifted or windowed view of the fitted array is its array
+    stack({"f": geoms["f"].window([-1, 0])}, normalize=stats)
