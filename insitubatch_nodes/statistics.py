@@ -345,10 +345,11 @@ def fit_statistics(
     members' own samples count, never their padding, and no difference spans two members). A
     view's shift is ignored (the statistics are of its array, as selected). A ``split`` that
     holds no chunk is refused (``ValueError``) when a view is sampled: its statistics would
-    be NaN. Every rank that
-    calls it reads the whole split (``rank=0, world_size=1``): fit once and share the saved
-    file. A window view's window is ignored too (its statistics, per channel, are those of every
-    step). ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
+    be NaN. Every rank that calls it reads the whole split (``rank=0, world_size=1``): fit once
+    and share the saved file; ``rank``, ``world_size``, ``shuffle`` and ``coords`` among
+    ``pipeline_options`` are a ``TypeError`` (the fit sets them). A window view's window is
+    ignored too (its statistics, per channel, are those of every step). ``pipeline_options`` go
+    to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
     ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
     keywords). A patched view's statistics are those of its field within the box its windows lie
     in (``within``, else the whole field; the fit reads whole samples of it), so a patched stack
@@ -357,6 +358,13 @@ def fit_statistics(
     (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds only the
     working set, whose slots are reused, where a pipeline built for training keeps a split that
     fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time)."""
+    fixed = sorted(set(pipeline_options) & {"shuffle", "rank", "world_size", "coords"})
+    if fixed:
+        raise TypeError(
+            f"fit_statistics sets {fixed} itself: it reads the whole split, in sample order, on "
+            "whichever rank calls it (rank=0, world_size=1, shuffle=False, coords=()). Leave "
+            "them out; under DDP fit once (on rank 0), save, and load the file on every rank"
+        )
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)

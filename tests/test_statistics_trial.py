@@ -17,7 +17,8 @@ whose squares cancelled); ``stats.normalizer`` and ``stats.scaler()`` divided a 
 channel by ``0 + eps``: a value off the constant (a land point in a box that was all sea in
 training) became 1e8 times its difference, inf in float16, where a stack's ``normalize=`` gives
 the difference; statistics fitted on one array standardised a view of another array given
-under their label, silently.
+under their label, silently; ``fit_statistics(..., rank=1, world_size=2)`` (or ``shuffle=``,
+``coords=``) failed with Python's "got multiple values for keyword argument".
 
 Needed no claim (matched the oracle in every case tried, about 9,000 checks): every statistic,
 the NaN counts, ``diff_std`` over consecutive samples only (none across a split's gap, a
@@ -37,7 +38,7 @@ import pytest
 import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
-from insitubatch_nodes.statistics import fit_statistics
+from insitubatch_nodes.statistics import Statistics, fit_statistics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,3 +158,12 @@ def test_statistics_of_one_array_are_refused_for_a_view_of_another_under_their_l
     stats.normalizer({"r": geoms["h"]})
     # a shifted or windowed view of the fitted array is its array
     stack({"f": geoms["f"].window([-1, 0])}, normalize=stats)
+
+
+def test_fit_statistics_given_options_it_sets_itself_names_them(store: Path) -> None:
+    geoms = open_geometries(store)
+    manifest = split_by_chunk(geoms["f"], (TRAIN / T, 1 - TRAIN / T, 0.0))
+    for options in ({"rank": 1, "world_size": 2}, {"shuffle": True}, {"coords": None}):
+        with pytest.raises(TypeError, match=rf"{next(iter(options))}.*whole split.*rank"):
+            fit_statistics(store, manifest, {"r": geoms["r"]}, **options)
+    assert isinstance(fit_statistics(store, manifest, ["r"], seed=3), Statistics)
