@@ -12,11 +12,9 @@ A static view's statistics are its field's (no differences).
 
 One pass: the pipeline's own engine reads every chunk of the split once, in sample order (no
 shuffle; a chunk never read twice), with the views' selections; each batch is accumulated in
-float64 and batches are merged as Chan et al.'s pairwise update (``std`` with ``ddof=0``). A
-batch's sums and sums of squares are taken in float64 straight from the data (two reads,
-nothing written); where they would cancel (a channel's mean more than ``CANCEL ** 0.5``
-standard deviations from zero, or a constant channel) its deviations from a per-channel
-reference near the mean (the running mean) are summed and squared instead. One-step
+float64 and batches are merged as Chan et al.'s pairwise update (``std`` with ``ddof=0``;
+:mod:`~insitubatch_nodes._moments` says how a batch's sums are taken without cancelling: a
+constant channel, missing points or not, has a ``std`` of exactly 0). One-step
 differences are taken in the data's float dtype (each within half an ulp of the float64
 difference; in float64 for integers) and summed in float64. NaNs are skipped and counted
 (``nan_count``); a channel with no finite value has NaN statistics.
@@ -25,7 +23,10 @@ difference; in float64 for integers) and summed in float64. NaNs are skipped and
 were fitted on (``dataset``: the store, the split, its sample range, the views), which
 :meth:`Statistics.load` can check. :meth:`Statistics.normalizer` is a batch transform that
 standardises each label in place; :meth:`Statistics.scaler` the chunk transform
-:class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays.
+:class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays. Both,
+and a stack's ``normalize=``, take a constant channel's ``std`` of 0 as 1 (``x - mean``), and
+refuse statistics fitted on another array, other channels or otherwise decoded values than the
+view given under their label.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
+from insitubatch_nodes._moments import _Moments
 from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
@@ -62,9 +64,6 @@ __all__ = ["Statistics", "fit_statistics"]
 
 FORMAT = 1
 FIELDS = ("mean", "std", "min", "max", "diff_std", "count", "nan_count")
-#: the plain float64 sums serve while sum(x**2) <= CANCEL * sum((x - mean)**2) per channel
-#: (a relative error of about CANCEL * 2**-53 per term summed, ~1e-9 at most in practice)
-CANCEL = 1e5
 
 
 @dataclass
@@ -127,15 +126,31 @@ class Statistics:
         (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view). ``ValueError`` when ``view``
         has other channels than the view ``label`` was fitted on: another number, or other
         indices of an axis that is not the grid (levels in another order, another dropped
-        level); its shift, window, patches and box on the grid may differ. ``ValueError`` too
-        when ``view`` decodes its values otherwise than the fitted view did
-        (``mask_and_scale``: stored integers against unpacked values)."""
+        level) or another array than ``paths[label]`` (set it to take statistics over to the
+        same quantity under another name); its shift, window, patches and box on the grid may
+        differ. ``ValueError`` too when ``view`` decodes its values otherwise than the fitted
+        view did (``mask_and_scale``: stored integers against unpacked values)."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
+        self._check_array(label, view)
         self._check_channels(label, view, values.shape)
         self._check_decoding(label, view)
         inner = view.inner_shape
         grid = min(2, len(inner))
         return values.reshape(*values.shape, *(1,) * grid)
+
+    def _check_array(self, label: str, view: ArrayGeometry) -> None:
+        """``ValueError`` when ``label`` was fitted on another array than ``view`` reads (its
+        ``paths`` entry): another quantity's statistics standardise nothing."""
+        fitted = self.paths.get(label)
+        if fitted is None or fitted == view.path:
+            return
+        raise ValueError(
+            f"statistics of {label!r} were fitted on array {fitted!r}, but the view given "
+            f"under {label!r} reads {view.path!r}: fit them on this view "
+            f"(fit_statistics(store, manifest, {{{label!r}: view}})), or, where {view.path!r} "
+            f"is {fitted!r} under another name (another store's), say so: "
+            f"stats.paths[{label!r}] = {view.path!r}"
+        )
 
     def _check_decoding(self, label: str, view: ArrayGeometry) -> None:
         """``ValueError`` when ``label`` was fitted on values decoded otherwise than ``view``
@@ -180,10 +195,11 @@ class Statistics:
         eps: float = 1e-8,
     ) -> NormalizeBatch:
         """A batch transform: ``(x - mean) / (std + eps)`` per label of ``views``, in place in
-        the batch's arrays (float arrays, float16 computed in float32 and rounded once, so
-        neither ``x - mean`` nor a tiny ``std`` overflows or underflows float16 where the result
-        does not; a static label's broadcast rows get a new array of one standardised row,
-        broadcast, in the label's dtype; integer labels become float32).
+        the batch's arrays (a constant channel's ``std`` of 0 taken as 1: ``x - mean``, as a
+        stack's ``normalize=`` does, not 1e8 times it; float arrays, float16 computed in float32
+        and rounded once, so neither ``x - mean`` nor a tiny ``std`` overflows or underflows
+        float16 where the result does not; a static label's broadcast rows get a new array of
+        one standardised row, broadcast, in the label's dtype; integer labels become float32).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
         source = {label: (same_as or {}).get(label, label) for label in views}
@@ -197,7 +213,7 @@ class Statistics:
             {
                 label: (
                     self.shaped(source[label], "mean", v),
-                    self.shaped(source[label], "std", v) + eps,
+                    _constant_as_unit(self.shaped(source[label], "std", v)) + eps,
                 )
                 for label, v in views.items()
             }
@@ -211,7 +227,8 @@ class Statistics:
         channel of their arrays (the scaler runs on chunks, before any selection): no level
         selection, at most a box on the grid (a patched view's ``within``). Labels of one array
         share its scaling: ``ValueError`` when their statistics differ (a box and the whole
-        field); a shifted label's are its array's and agree."""
+        field); a shifted label's are its array's and agree. A constant channel's ``std`` of 0
+        is given as 1 (``x - mean``, as :meth:`normalizer` makes it)."""
         labels = list(self.mean) if labels is None else list(labels)
         mean, std = {}, {}
         taken: dict[str, str] = {}  # path -> the label whose statistics it takes
@@ -244,9 +261,16 @@ class Statistics:
             # shaped (1, 1) it would not to a field of one axis)
             grid = 2 if m.ndim else 0
             mean[path] = m.reshape(m.shape + (1,) * grid)
-            s = np.asarray(self.std[label])
+            s = _constant_as_unit(np.asarray(self.std[label]))
             std[path] = s.reshape(s.shape + (1,) * grid)
         return StandardScaler(mean, std, cache_key=cache_key)
+
+
+def _constant_as_unit(std: np.ndarray) -> np.ndarray:
+    """``std`` with a constant channel's 0 as 1: the channel standardises to ``x - mean`` (0 on
+    the fitted values, the difference elsewhere), as a stack's ``normalize=`` does, not to
+    ``(x - mean) / eps`` (1e8 times the difference, inf in float16)."""
+    return np.where(std == 0, 1.0, std)
 
 
 def _refuse_empty_channels(label: str, path: str, mean: np.ndarray, std: np.ndarray) -> None:
@@ -295,104 +319,6 @@ class NormalizeBatch:
         return batch
 
 
-class _Moments:
-    """Per-channel running count, mean, sum of squared deviations, min and max (float64)."""
-
-    def __init__(self) -> None:
-        self.started = False
-        empty = np.zeros(0)
-        self.n, self.mean, self.m2, self.lo, self.hi, self.nans = (empty,) * 6
-
-    def add(self, x: np.ndarray, *, extrema: bool = True) -> None:
-        """``x``: ``(rows, channels, values)``, any float or integer dtype. Without
-        ``extrema`` the minimum and maximum are not taken (they stay NaN)."""
-        if x.size == 0:
-            return
-        if x.dtype.kind != "f" or x.dtype.itemsize < 4:
-            x = x.astype(np.float64)
-        s1 = np.einsum("rcv->c", x, dtype=np.float64)  # a NaN anywhere shows here
-        if np.isnan(s1).any():
-            n, mean, m2, lo, hi, nans = _masked_moments(x)
-        else:
-            n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
-            mean = s1 / n
-            # the plain sums in float64 (two reads of x, nothing written): exact enough
-            # while the squares do not cancel, i.e. the mean is within CANCEL ** 0.5 standard
-            # deviations of zero; else the deviations from a reference near the mean
-            s2 = np.einsum("rcv,rcv->c", x, x, dtype=np.float64)
-            m2 = s2 - s1 * mean
-            if np.any(s2 > CANCEL * m2):
-                mean, m2 = self._about_reference(x, n)
-            m2 = np.maximum(m2, 0.0)
-            if extrema:
-                lo = x.min(axis=(0, 2)).astype(np.float64)
-                hi = x.max(axis=(0, 2)).astype(np.float64)
-            else:
-                lo = hi = np.full(x.shape[1], np.nan)
-            nans = np.zeros_like(n)
-        if not self.started:
-            self.started = True
-            self.n, self.mean, self.m2, self.lo, self.hi, self.nans = n, mean, m2, lo, hi, nans
-            return
-        total = self.n + n
-        delta = mean - self.mean
-        share = n / np.maximum(total, 1)
-        self.mean = self.mean + delta * share
-        self.m2 = self.m2 + m2 + delta**2 * self.n * share
-        self.n = total
-        self.lo = np.minimum(self.lo, lo)
-        self.hi = np.maximum(self.hi, hi)
-        self.nans = self.nans + nans
-
-    def _about_reference(self, x: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(mean, m2)`` of ``x`` (no NaN) from its deviations from a per-channel reference
-        near the mean (the running mean, else the batch's first value), taken in the data's
-        own dtype and summed and squared in float64: no cancellation of large squares."""
-        ref = (self.mean if self.started else x[0, :, 0]).astype(x.dtype)
-        d = x - ref[None, :, None]
-        mean_d = np.einsum("rcv->c", d, dtype=np.float64) / n
-        m2 = np.einsum("rcv,rcv->c", d, d, dtype=np.float64) - n * mean_d**2
-        return ref.astype(np.float64) + mean_d, m2
-
-    def result(self, channels: tuple[int, ...]) -> dict[str, np.ndarray]:
-        size = math.prod(channels)
-        if not self.started:
-            nan, zero = np.full(size, np.nan), np.zeros(size)
-            out = {"mean": nan, "std": nan, "min": nan, "max": nan, "count": zero, "nan": zero}
-        else:
-            empty = self.n == 0
-            std = np.sqrt(self.m2 / np.maximum(self.n, 1))
-            out = {
-                "mean": np.where(empty, np.nan, self.mean),
-                "std": np.where(empty, np.nan, std),
-                "min": np.where(empty, np.nan, self.lo),
-                "max": np.where(empty, np.nan, self.hi),
-                "count": self.n,
-                "nan": self.nans,
-            }
-        return {k: v.reshape(channels) for k, v in out.items()}
-
-
-def _masked_moments(x: np.ndarray) -> tuple[np.ndarray, ...]:
-    """``(count, mean, m2, min, max, nans)`` per channel of ``x`` with NaNs, skipping them.
-    The minimum and maximum are values of ``x`` (taken before the deviations are formed:
-    ``x - mean + mean`` is not always ``x`` in floating point); a channel of NaNs only has
-    ``inf`` / ``-inf``, which the running extrema pass over."""
-    x64 = x.astype(np.float64)
-    nan = np.isnan(x64)
-    n = (~nan).sum(axis=(0, 2)).astype(np.float64)
-    x64[nan] = np.inf
-    lo = x64.min(axis=(0, 2))
-    x64[nan] = -np.inf
-    hi = x64.max(axis=(0, 2))
-    x64[nan] = 0.0
-    mean = x64.sum(axis=(0, 2)) / np.maximum(n, 1)
-    x64 -= mean[None, :, None]
-    x64[nan] = 0.0
-    m2 = np.einsum("rcv,rcv->c", x64, x64)
-    return n, mean, m2, lo, hi, nan.sum(axis=(0, 2)).astype(np.float64)
-
-
 def _channels(inner: tuple[int, ...]) -> tuple[int, ...]:
     return inner[: max(0, len(inner) - 2)]
 
@@ -419,10 +345,11 @@ def fit_statistics(
     members' own samples count, never their padding, and no difference spans two members). A
     view's shift is ignored (the statistics are of its array, as selected). A ``split`` that
     holds no chunk is refused (``ValueError``) when a view is sampled: its statistics would
-    be NaN. Every rank that
-    calls it reads the whole split (``rank=0, world_size=1``): fit once and share the saved
-    file. A window view's window is ignored too (its statistics, per channel, are those of every
-    step). ``pipeline_options`` go to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
+    be NaN. Every rank that calls it reads the whole split (``rank=0, world_size=1``): fit once
+    and share the saved file; ``rank``, ``world_size``, ``shuffle`` and ``coords`` among
+    ``pipeline_options`` are a ``TypeError`` (the fit sets them). A window view's window is
+    ignored too (its statistics, per channel, are those of every step). ``pipeline_options`` go
+    to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
     ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
     keywords). A patched view's statistics are those of its field within the box its windows lie
     in (``within``, else the whole field; the fit reads whole samples of it), so a patched stack
@@ -431,6 +358,13 @@ def fit_statistics(
     (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds only the
     working set, whose slots are reused, where a pipeline built for training keeps a split that
     fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time)."""
+    fixed = sorted(set(pipeline_options) & {"shuffle", "rank", "world_size", "coords"})
+    if fixed:
+        raise TypeError(
+            f"fit_statistics sets {fixed} itself: it reads the whole split, in sample order, on "
+            "whichever rank calls it (rank=0, world_size=1, shuffle=False, coords=()). Leave "
+            "them out; under DDP fit once (on rank 0), save, and load the file on every rank"
+        )
     zstore = as_store(store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
