@@ -33,7 +33,7 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 from zarr.abc.store import Store
 
-from insitubatch_nodes._checks import check_optional_int
+from insitubatch_nodes._checks import check_batch_transforms, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.cf import decoded_dtype_option
@@ -176,9 +176,10 @@ class InSituDataModule(pl.LightningDataModule):
             collection["image"]}``) are then the variables and
             :func:`~insitubatch_nodes.split_by_member` the splits: each split holds whole
             members (or groups of them), none in two splits.
-        variables: array names, or ``{label: ArrayGeometry view}`` (e.g. ``{"x": g,
-            "y": g.shift(1)}``); a callable ``geometries -> {label: view}`` is resolved in
-            :meth:`setup` (useful when the store is only reachable at training time).
+        variables: array names (one name: a string), or ``{label: ArrayGeometry view}``
+            (e.g. ``{"x": g, "y": g.shift(1)}``); a callable ``geometries -> {label: view}``
+            is resolved in :meth:`setup` (useful when the store is only reachable at training
+            time).
         splits: a :class:`SplitManifest` (of a collection: :func:`split_by_member`), a
             mapping of ``"train"``, ``"val"`` and ``"test"`` to one
             :class:`~insitubatch_nodes.Collection` each (none sharing a member; ``store`` is
@@ -240,6 +241,8 @@ class InSituDataModule(pl.LightningDataModule):
         cf_dtype: Any = None,
     ) -> None:
         super().__init__()
+        if isinstance(variables, str):  # one name, as open_geometries and insitu_pipeline take it
+            variables = [variables]
         self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         self.mask_and_scale = mask_and_scale
         opened = not isinstance(store, Collection) and not isinstance(splits, Mapping)
@@ -285,9 +288,11 @@ class InSituDataModule(pl.LightningDataModule):
                 "plans from it itself (dm.plan_config_for(split)); pass the config without split"
             )
         self.eval_batch_size = check_optional_int("eval_batch_size", eval_batch_size, minimum=1)
-        self.chunk_transforms = tuple(chunk_transforms)
+        self.chunk_transforms = _chunk_transforms(chunk_transforms)
         self.coords = None if coords is None else tuple(coords)
-        self.batch_transforms = tuple(batch_transforms)
+        self.batch_transforms = check_batch_transforms(batch_transforms)
+        if not callable(transform):
+            raise TypeError(f"transform must be a callable Batch -> item, got {transform!r}")
         self.transform = transform
         self.store: Store | None = None
         self.views: dict[str, ArrayGeometry] = {}
@@ -546,6 +551,22 @@ class InSituDataModule(pl.LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         for dataset in self._loaders.values():
             dataset.close()
+
+
+def _chunk_transforms(value: Any) -> tuple[ChunkTransform, ...]:
+    """``value`` as a tuple if it is a sequence (not a string) of callables, else
+    ``TypeError`` as the pipeline raises it (which checks the rest when it is built)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"chunk_transforms must be a list of callables DecodedChunk -> DecodedChunk, got "
+            f"{value!r}"
+        )
+    for t in value:
+        if not callable(t):
+            raise TypeError(
+                f"chunk_transforms must be callables DecodedChunk -> DecodedChunk, got {t!r}"
+            )
+    return tuple(value)
 
 
 def _per_split(

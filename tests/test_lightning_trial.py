@@ -21,7 +21,11 @@ What the trial found wrong, each now checked here:
 5. Lightning's batch-size finder (``Tuner.scale_batch_size``) set ``dm.batch_size`` between its
    trials, but every trial and the fit after it ran at the old batch size: the trainer was
    handed back the pipeline it had, built with the old one;
-6. ``str(dm)`` (Lightning's ``LightningDataModule.__str__``) built every split's pipeline, read
+6. ``variables="t2m"`` (one name, as ``open_geometries`` and ``insitu_pipeline`` take it) was
+   read as the names ``['t', '2', 'm']``; ``transform=None`` was accepted and failed at the
+   first batch, and a single batch or chunk transform (not in a list) failed with "'function'
+   object is not iterable";
+7. ``str(dm)`` (Lightning's ``LightningDataModule.__str__``) built every split's pipeline, read
    a training batch, and failed with ``AttributeError: 'dict' object has no attribute
    'available'``; printed mid-training, it took the training pipeline over.
 
@@ -199,6 +203,32 @@ class PrintEachStep(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.printed.append(str(trainer.datamodule))
+
+
+def test_one_name_is_one_variable_and_transforms_are_checked_where_the_module_is_made(
+    store: Path, oracle: np.ndarray
+) -> None:
+    dm = InSituDataModule(
+        str(store), "t2m", (0.6, 0.2, 0.2), config=PlanConfig(batch_size=5), transform=item_of_t2m,
+    )  # fmt: skip
+    try:
+        batch = next(iter(dm.train_dataloader()))
+        assert list(dm.views) == ["t2m"]
+        np.testing.assert_array_equal(batch["x"].numpy(), oracle[batch["rows"]])
+    finally:
+        dm.teardown()
+    for bad, message in [
+        ({"transform": None}, "transform must be a callable Batch -> item, got None"),
+        ({"batch_transforms": item}, "batch_transforms must be a sequence of callables"),
+        ({"chunk_transforms": item}, "chunk_transforms must be a list of callables"),
+        ({"chunk_transforms": [None]}, "chunk_transforms must be callables"),
+    ]:
+        with pytest.raises(TypeError, match=message):
+            InSituDataModule(str(store), ["t2m"], **bad)
+
+
+def item_of_t2m(batch: Batch) -> dict[str, Any]:
+    return {"x": torch.from_numpy(batch.arrays["t2m"]), "rows": batch.sample_indices["t2m"]}
 
 
 def test_printing_a_data_module_reads_nothing_and_leaves_training_alone(
