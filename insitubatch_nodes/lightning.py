@@ -27,6 +27,7 @@ pipeline, its cache intact), so epoch ends, validation and schedulers follow the
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -421,6 +422,21 @@ class InSituDataModule(pl.LightningDataModule):
         owner, offset = self._epoch_offset
         return epoch - offset if owner == id(trainer) else epoch
 
+    def _built_config(self, split: str, rank: int | None, world: int | None) -> PlanConfig:
+        """:meth:`plan_config_for` ``split`` with the trainer's rank and world size, unshuffled
+        for a trainer that overfits (``overfit_batches``): Lightning turns a DataLoader's
+        shuffling off for it, so that every epoch trains on the same batches."""
+        config = self.plan_config_for(split).replace(rank=rank, world_size=world)
+        if config.shuffle and getattr(self.trainer, "overfit_batches", 0):
+            warnings.warn(
+                "overfit_batches: the training pipeline is built unshuffled (as Lightning does "
+                "for a DataLoader), so every epoch trains on the same first batches",
+                UserWarning,
+                stacklevel=2,
+            )
+            config = config.replace(shuffle=False)
+        return config
+
     def _build(self, split: str) -> InSituIterableDataset:
         self.setup()
         assert self.store is not None and self.manifest is not None
@@ -443,7 +459,7 @@ class InSituDataModule(pl.LightningDataModule):
             batch_transforms=self.batch_transforms,
             chunk_transforms=self.chunk_transforms,
             coords=self.coords,
-            config=self.plan_config_for(split).replace(rank=rank, world_size=world),
+            config=self._built_config(split, rank, world),
             fetch=self.fetch_options,
             cache=self.cache_options_for(split),
             # decided by the first build; the others take its manifest, which carries them

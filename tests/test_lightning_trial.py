@@ -25,7 +25,10 @@ What the trial found wrong, each now checked here:
    read as the names ``['t', '2', 'm']``; ``transform=None`` was accepted and failed at the
    first batch, and a single batch or chunk transform (not in a list) failed with "'function'
    object is not iterable";
-7. ``str(dm)`` (Lightning's ``LightningDataModule.__str__``) built every split's pipeline, read
+7. ``Trainer(overfit_batches=2)`` trained on other samples every epoch (the permutation of each
+   epoch's first batches): Lightning turns a DataLoader's shuffling off for it, to train on
+   the same batches every epoch, and the DataModule's pipeline was left shuffled;
+8. ``str(dm)`` (Lightning's ``LightningDataModule.__str__``) built every split's pipeline, read
    a training batch, and failed with ``AttributeError: 'dict' object has no attribute
    'available'``; printed mid-training, it took the training pipeline over.
 
@@ -229,6 +232,16 @@ def test_one_name_is_one_variable_and_transforms_are_checked_where_the_module_is
 
 def item_of_t2m(batch: Batch) -> dict[str, Any]:
     return {"x": torch.from_numpy(batch.arrays["t2m"]), "rows": batch.sample_indices["t2m"]}
+
+
+def test_overfit_batches_trains_on_the_same_batches_every_epoch(
+    store: Path, oracle: np.ndarray, tmp_path: Path
+) -> None:
+    model = Recorder(oracle)
+    with pytest.warns(UserWarning, match="overfit_batches.*unshuffled"):
+        trainer(tmp_path, max_epochs=3, overfit_batches=2).fit(model, datamodule=data_module(store))
+    rows = [r for _, r in model.steps]
+    assert rows == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)] * 3
 
 
 def test_printing_a_data_module_reads_nothing_and_leaves_training_alone(
