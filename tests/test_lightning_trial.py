@@ -32,10 +32,19 @@ What the trial found wrong, each now checked here:
    a training batch, and failed with ``AttributeError: 'dict' object has no attribute
    'available'``; printed mid-training, it took the training pipeline over.
 
-Found right (no test here): validation epochs (every sample once, sanity check and mid-epoch
-validation not moving either split), ``limit_train_batches``, ``accumulate_grad_batches``,
+Found right (no test here): validation epochs (every sample once, in store order; the sanity
+check, ``val_check_interval`` < 1 or in batches, ``check_val_every_n_epoch`` moving neither
+split), ``limit_train_batches``, ``accumulate_grad_batches`` (also with ``max_steps``),
 ``reload_dataloaders_every_n_epochs``, a second ``fit`` on the same Trainer, validate / test /
-predict in store order, loader lengths, mid-epoch / validation / epoch-end checkpoints.
+predict (the test split, in store order), loader lengths equal to the batches delivered
+(``remainder``, ``stride``, ``missing=``, ``sample_range``), ``seed_everything`` (does not
+change the order; the config's seed does: documented), a stack normalised by fitted statistics,
+resume from over 60 checkpoints (every few steps, on validation end, at epoch ends, ``last``;
+with and without ``max_steps``), and a 2-rank gloo DDP fit (equal batch counts, disjoint
+samples; validation leaves ``world_size - 1`` samples out under ``remainder="drop"``:
+documented). Lightning's, not fixed: with ``max_steps`` and ``limit_train_batches``, a
+checkpoint saved at an epoch's end resumes with one batch past the limit (Lightning fetches it,
+``num_training_batches`` not yet set; the same before these changes), the later ones exact.
 """
 
 from __future__ import annotations
