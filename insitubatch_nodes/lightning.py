@@ -427,7 +427,7 @@ class InSituDataModule(pl.LightningDataModule):
         for a trainer that overfits (``overfit_batches``): Lightning turns a DataLoader's
         shuffling off for it, so that every epoch trains on the same batches."""
         config = self.plan_config_for(split).replace(rank=rank, world_size=world)
-        if config.shuffle and getattr(self.trainer, "overfit_batches", 0):
+        if config.shuffle and self.trainer is not None and self.trainer.overfit_batches:
             warnings.warn(
                 "overfit_batches: the training pipeline is built unshuffled (as Lightning does "
                 "for a DataLoader), so every epoch trains on the same first batches",
@@ -502,22 +502,24 @@ class InSituDataModule(pl.LightningDataModule):
         train = self._loaders.get("train")
         return None if train is None else train.pipeline.report()
 
-    def _attach_report_callback(self) -> None:
-        trainer = self.trainer
-        if not self.log_report or trainer is None:
+    def _attach(self, kind: type[pl.Callback]) -> None:
+        """Add a ``kind()`` callback to the trainer unless it has one: before its checkpoint
+        callbacks (which Lightning keeps last), so a ``ModelCheckpoint`` can monitor the
+        metrics it logs, and not first, where Lightning's learning-rate finder keeps its own
+        (it reads ``trainer.callbacks[0]``)."""
+        callbacks: list[Any] | None = getattr(self.trainer, "callbacks", None)
+        if callbacks is None or any(isinstance(c, kind) for c in callbacks):
             return
-        callbacks: list[Any] | None = getattr(trainer, "callbacks", None)
-        if callbacks is not None and not any(
-            isinstance(c, InSituReportCallback) for c in callbacks
-        ):
-            # first, so a ModelCheckpoint (always last) can monitor the metrics it logs
-            callbacks.insert(0, InSituReportCallback())
+        at = next(
+            (i for i, c in enumerate(callbacks) if isinstance(c, pl.callbacks.Checkpoint)),
+            len(callbacks),
+        )
+        callbacks.insert(at, kind())
 
     def train_dataloader(self) -> InSituIterableDataset:
-        self._attach_report_callback()
-        callbacks: list[Any] | None = getattr(self.trainer, "callbacks", None)
-        if callbacks is not None and not any(isinstance(c, _EpochLengthSync) for c in callbacks):
-            callbacks.insert(0, _EpochLengthSync())
+        if self.log_report:
+            self._attach(InSituReportCallback)
+        self._attach(_EpochLengthSync)
         dataset = self._build("train")
         if self._pending_train_state is not None:
             dataset.load_state_dict(self._pending_train_state)

@@ -28,7 +28,10 @@ What the trial found wrong, each now checked here:
 7. ``Trainer(overfit_batches=2)`` trained on other samples every epoch (the permutation of each
    epoch's first batches): Lightning turns a DataLoader's shuffling off for it, to train on
    the same batches every epoch, and the DataModule's pipeline was left shuffled;
-8. ``str(dm)`` (Lightning's ``LightningDataModule.__str__``) built every split's pipeline, read
+8. Lightning's learning-rate finder (``Tuner.lr_find``) failed with ``AttributeError:
+   '_EpochLengthSync' object has no attribute 'lrs'``: the DataModule put its callbacks first
+   in ``trainer.callbacks``, where the finder keeps its own;
+9. ``str(dm)`` (Lightning's ``LightningDataModule.__str__``) built every split's pipeline, read
    a training batch, and failed with ``AttributeError: 'dict' object has no attribute
    'available'``; printed mid-training, it took the training pipeline over.
 
@@ -102,6 +105,7 @@ class Recorder(L.LightningModule):
         self.layer = torch.nn.Linear(1, 1)
         self.oracle = oracle
         self.stepping_batches = stepping_batches
+        self.lr = 0.0  # (what the learning-rate finder sets)
         self.steps: list[tuple[tuple[int, int], tuple[int, ...]]] = []
 
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
@@ -114,7 +118,7 @@ class Recorder(L.LightningModule):
     def configure_optimizers(self) -> torch.optim.Optimizer:
         if self.stepping_batches:  # Lightning issue #20550
             assert self.trainer.estimated_stepping_batches > 0
-        return torch.optim.SGD(self.parameters(), lr=0.0)
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
 
 
 def data_module(store: Path, **options: Any) -> InSituDataModule:
@@ -251,6 +255,20 @@ def test_overfit_batches_trains_on_the_same_batches_every_epoch(
         trainer(tmp_path, max_epochs=3, overfit_batches=2).fit(model, datamodule=data_module(store))
     rows = [r for _, r in model.steps]
     assert rows == [(0, 1, 2, 3, 4), (5, 6, 7, 8, 9)] * 3
+
+
+def test_the_learning_rate_finder_runs_and_the_fit_after_it_trains_the_reference_batches(
+    store: Path, oracle: np.ndarray, reference: list[tuple], tmp_path: Path
+) -> None:
+    from lightning.pytorch.tuner import Tuner
+
+    model, dm = Recorder(oracle), data_module(store)
+    fitter = trainer(tmp_path, max_epochs=2)
+    Tuner(fitter).lr_find(model, datamodule=dm, num_training=4, early_stop_threshold=None)
+    assert len(model.steps) == 4
+    model.steps.clear()
+    fitter.fit(model, datamodule=dm)
+    assert model.steps == reference[: 2 * PER_EPOCH]
 
 
 def test_printing_a_data_module_reads_nothing_and_leaves_training_alone(
