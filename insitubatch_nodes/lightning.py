@@ -9,7 +9,10 @@ where Lightning itself drops the loader state (Lightning issue #20550: a Lightni
 ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``).
 
 The training permutation follows ``trainer.current_epoch``; validation and test pipelines are
-separate objects with their own state, so evaluating never moves the training position.
+separate objects with their own state, so evaluating never moves the training position. After
+Lightning resumed a run stopped by ``max_steps`` (it counts the stopped epoch as done, yet
+resumes it at the next batch under the following epoch's number) the training plan's epochs run
+behind the trainer's by that one, so the batches are the uninterrupted run's.
 
 **Elastic resume.** A checkpoint saved on ``W`` ranks resumes on any other number: the
 interrupted epoch's remaining samples are dealt to the new ranks (see
@@ -24,12 +27,14 @@ pipeline, its cache intact), so epoch ends, validation and schedulers follow the
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from zarr.abc.store import Store
 
+from insitubatch_nodes._checks import check_batch_transforms, check_optional_int
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.cf import decoded_dtype_option
@@ -41,6 +46,7 @@ from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 from insitubatch_nodes.report import EpochReport
+from insitubatch_nodes.stages._graph import plan_state
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 from insitubatch_nodes.transforms import ChunkTransform
 
@@ -70,6 +76,8 @@ class _EpochLengthSync(pl.Callback):
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         dm = getattr(trainer, "datamodule", None)
+        if isinstance(dm, InSituDataModule):
+            dm._resume_check = None  # the resumed epoch is over: its state was consumed
         train = dm._loaders.get("train") if isinstance(dm, InSituDataModule) else None
         if train is None or train.told_len is None or train.next_len() == train.told_len:
             return
@@ -84,6 +92,17 @@ class _EpochLengthSync(pl.Callback):
 
 
 _RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
+
+
+def _resumed_at(trainer: Any) -> int | None:
+    """The batches Lightning's training loop counts as done in the epoch it is resuming, while
+    it resumes one (its epoch loop ``restarting``: a checkpoint saved mid-epoch, or one saved
+    after ``max_steps`` stopped a run, which Lightning resumes at the next batch although it
+    counted the epoch as done); ``None`` otherwise."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    if loop is None or not getattr(loop, "restarting", False):
+        return None
+    return int(loop.batch_progress.current.ready)
 
 
 class InSituReportCallback(pl.Callback):
@@ -158,9 +177,10 @@ class InSituDataModule(pl.LightningDataModule):
             collection["image"]}``) are then the variables and
             :func:`~insitubatch_nodes.split_by_member` the splits: each split holds whole
             members (or groups of them), none in two splits.
-        variables: array names, or ``{label: ArrayGeometry view}`` (e.g. ``{"x": g,
-            "y": g.shift(1)}``); a callable ``geometries -> {label: view}`` is resolved in
-            :meth:`setup` (useful when the store is only reachable at training time).
+        variables: array names (one name: a string), or ``{label: ArrayGeometry view}``
+            (e.g. ``{"x": g, "y": g.shift(1)}``); a callable ``geometries -> {label: view}``
+            is resolved in :meth:`setup` (useful when the store is only reachable at training
+            time).
         splits: a :class:`SplitManifest` (of a collection: :func:`split_by_member`), a
             mapping of ``"train"``, ``"val"`` and ``"test"`` to one
             :class:`~insitubatch_nodes.Collection` each (none sharing a member; ``store`` is
@@ -168,8 +188,10 @@ class InSituDataModule(pl.LightningDataModule):
             ``(train, val, test)`` chunk fractions for a contiguous :func:`split_by_chunk` over
             the first label's array (for a collection: fractions of its members, drawn with
             the config's seed by :func:`split_by_member`).
-        config, fetch, cache: the settings objects above (``None``: their defaults).
-        eval_batch_size: batch size of the val/test loaders (default: training's).
+        config, fetch, cache: the settings objects above (``None``: their defaults);
+            ``config`` is training's: one of another ``split`` is a ``ValueError``.
+        eval_batch_size: batch size of the val/test loaders, an integer ``>= 1`` (default:
+            training's).
         batch_transforms: as for :func:`insitu_pipeline` (training).
         chunk_transforms: as for :func:`insitu_pipeline` (every split).
         coords: as for :func:`insitu_pipeline` (every split): the coordinates each batch
@@ -220,6 +242,8 @@ class InSituDataModule(pl.LightningDataModule):
         cf_dtype: Any = None,
     ) -> None:
         super().__init__()
+        if isinstance(variables, str):  # one name, as open_geometries and insitu_pipeline take it
+            variables = [variables]
         self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         self.mask_and_scale = mask_and_scale
         opened = not isinstance(store, Collection) and not isinstance(splits, Mapping)
@@ -258,11 +282,18 @@ class InSituDataModule(pl.LightningDataModule):
         self.plan_config = _given(config, PlanConfig, "config")
         self.fetch_options = _given(fetch, FetchOptions, "fetch")
         self.cache_options = _given(cache, CacheOptions, "cache")
-        self.eval_batch_size = eval_batch_size
-        self.plan_config_for("val")  # checks eval_batch_size, here
-        self.chunk_transforms = tuple(chunk_transforms)
+        if self.plan_config.split != "train":
+            raise ValueError(
+                f"InSituDataModule: config is training's read plan (split='train'), got "
+                f"split={self.plan_config.split!r}: the data module derives the val and test "
+                "plans from it itself (dm.plan_config_for(split)); pass the config without split"
+            )
+        self.eval_batch_size = check_optional_int("eval_batch_size", eval_batch_size, minimum=1)
+        self.chunk_transforms = _chunk_transforms(chunk_transforms)
         self.coords = None if coords is None else tuple(coords)
-        self.batch_transforms = tuple(batch_transforms)
+        self.batch_transforms = check_batch_transforms(batch_transforms)
+        if not callable(transform):
+            raise TypeError(f"transform must be a callable Batch -> item, got {transform!r}")
         self.transform = transform
         self.store: Store | None = None
         self.views: dict[str, ArrayGeometry] = {}
@@ -271,8 +302,13 @@ class InSituDataModule(pl.LightningDataModule):
         # the manifest with the missing steps attached, once the first pipeline decided them
         self._checked_manifest: SplitManifest | None = None
         self._pending_train_state: dict[str, Any] | None = None
-        self._train_key: tuple[int, int | None, int | None] | None = None
+        self._train_key: tuple[int, int | None, int | None, PlanConfig] | None = None
         self._train_views: dict[str, ArrayGeometry] | None = None
+        # (trainer id, offset): the training plan's epoch is the trainer's less the offset, 1
+        # after Lightning resumed a max_steps stop mid-epoch under the next epoch's number
+        self._epoch_offset: tuple[int, int] = (0, 0)
+        # (trainer id, epoch, batches) of a loaded state, until the trainer's resume is seen
+        self._resume_check: tuple[int, int, int] | None = None
         # splits given as one collection each: split -> (store, views, manifest)
         self._split_sources: dict[str, tuple[Any, dict[str, Any], SplitManifest]] = {}
 
@@ -301,6 +337,23 @@ class InSituDataModule(pl.LightningDataModule):
         if split == "train" or self.cache_options.budget_bytes is None:
             return self.cache_options
         return self.cache_options.replace(budget_bytes=None)
+
+    def __str__(self) -> str:
+        """What the module holds, without setting it up or building a loader (Lightning's
+        ``LightningDataModule.__str__`` builds every split's loader and iterates it)."""
+        store = self._store_arg if self.store is None else self.store
+        labels = list(self.views) if self.views else self._variables_arg
+        text = (
+            f"InSituDataModule(store={store!r}, variables={labels!r}, "
+            f"batch_size={self.batch_size}, "
+            f"eval_batch_size={self.plan_config_for('val').batch_size})"
+        )
+        if self.store is None:
+            return text + ": not set up"
+        built = [f"{split}: {ds.next_len()} batches" for split, ds in self._loaders.items()]
+        return text + (": " + "; ".join(built) if built else ": no loader built")
+
+    __repr__ = __str__
 
     # -- setup ------------------------------------------------------------------------------
     def setup(self, stage: str | None = None) -> None:
@@ -346,14 +399,52 @@ class InSituDataModule(pl.LightningDataModule):
             return None, None
         return int(trainer.global_rank), int(trainer.world_size)
 
+    def _key(self) -> tuple[int, int | None, int | None, PlanConfig]:
+        """Whose training pipeline is built now, and how: the trainer, rank and world size,
+        and the plan config (a batch size set since, as Lightning's batch-size finder sets it
+        between its trials, builds the pipeline afresh)."""
+        return (id(self.trainer), *self._rank_world(), self.plan_config)
+
+    def _train_epoch(self, trainer: Any) -> int:
+        """The epoch the training plan draws for ``trainer.current_epoch``: the same, except
+        after Lightning resumed a run stopped by ``max_steps`` (it counts the stopped epoch as
+        done, then resumes its next batch under the following epoch's number). A loaded state
+        taken ``k`` batches into epoch ``e``, resumed by the trainer at batch ``k`` of a later
+        epoch ``E``, continues: the plan's epochs run ``E - e`` behind the trainer's from then
+        on (kept in :meth:`state_dict`), so the batches are those of the uninterrupted run."""
+        epoch = int(trainer.current_epoch)
+        check = self._resume_check
+        if check is not None and check[0] == id(trainer):
+            _, saved, done = check
+            if epoch > saved and done > 0 and _resumed_at(trainer) == done:
+                self._epoch_offset = (id(trainer), epoch - saved)
+                self._resume_check = None
+        owner, offset = self._epoch_offset
+        return epoch - offset if owner == id(trainer) else epoch
+
+    def _built_config(self, split: str, rank: int | None, world: int | None) -> PlanConfig:
+        """:meth:`plan_config_for` ``split`` with the trainer's rank and world size, unshuffled
+        for a trainer that overfits (``overfit_batches``): Lightning turns a DataLoader's
+        shuffling off for it, so that every epoch trains on the same batches."""
+        config = self.plan_config_for(split).replace(rank=rank, world_size=world)
+        if config.shuffle and self.trainer is not None and self.trainer.overfit_batches:
+            warnings.warn(
+                "overfit_batches: the training pipeline is built unshuffled (as Lightning does "
+                "for a DataLoader), so every epoch trains on the same first batches",
+                UserWarning,
+                stacklevel=2,
+            )
+            config = config.replace(shuffle=False)
+        return config
+
     def _build(self, split: str) -> InSituIterableDataset:
         self.setup()
         assert self.store is not None and self.manifest is not None
         rank, world = self._rank_world()
-        key = (id(self.trainer), rank, world)
+        key = self._key()
         old = self._loaders.get(split)
         if split == "train" and old is not None and self._train_key == key:
-            return old  # a reload by the same trainer: keep the pipeline (and its cache)
+            return old  # a reload by the same trainer, same plan: keep the pipeline (and cache)
         old = self._loaders.pop(split, None)
         if old is not None:
             old.close()
@@ -368,7 +459,7 @@ class InSituDataModule(pl.LightningDataModule):
             batch_transforms=self.batch_transforms,
             chunk_transforms=self.chunk_transforms,
             coords=self.coords,
-            config=self.plan_config_for(split).replace(rank=rank, world_size=world),
+            config=self._built_config(split, rank, world),
             fetch=self.fetch_options,
             cache=self.cache_options_for(split),
             # decided by the first build; the others take its manifest, which carries them
@@ -378,7 +469,7 @@ class InSituDataModule(pl.LightningDataModule):
         if checked is None and (self.missing is not None or self.missing_objects == "drop"):
             self._checked_manifest = pipe.stages.plan.manifest
         trainer = self.trainer
-        epoch_fn = (lambda: int(trainer.current_epoch)) if (trainer and split == "train") else None
+        epoch_fn = (lambda: self._train_epoch(trainer)) if (trainer and split == "train") else None
         dataset = as_dataset(pipe, transform=self.transform, epoch_fn=epoch_fn)
         self._loaders[split] = dataset
         if split == "train":
@@ -411,22 +502,24 @@ class InSituDataModule(pl.LightningDataModule):
         train = self._loaders.get("train")
         return None if train is None else train.pipeline.report()
 
-    def _attach_report_callback(self) -> None:
-        trainer = self.trainer
-        if not self.log_report or trainer is None:
+    def _attach(self, kind: type[pl.Callback]) -> None:
+        """Add a ``kind()`` callback to the trainer unless it has one: before its checkpoint
+        callbacks (which Lightning keeps last), so a ``ModelCheckpoint`` can monitor the
+        metrics it logs, and not first, where Lightning's learning-rate finder keeps its own
+        (it reads ``trainer.callbacks[0]``)."""
+        callbacks: list[Any] | None = getattr(self.trainer, "callbacks", None)
+        if callbacks is None or any(isinstance(c, kind) for c in callbacks):
             return
-        callbacks: list[Any] | None = getattr(trainer, "callbacks", None)
-        if callbacks is not None and not any(
-            isinstance(c, InSituReportCallback) for c in callbacks
-        ):
-            # first, so a ModelCheckpoint (always last) can monitor the metrics it logs
-            callbacks.insert(0, InSituReportCallback())
+        at = next(
+            (i for i, c in enumerate(callbacks) if isinstance(c, pl.callbacks.Checkpoint)),
+            len(callbacks),
+        )
+        callbacks.insert(at, kind())
 
     def train_dataloader(self) -> InSituIterableDataset:
-        self._attach_report_callback()
-        callbacks: list[Any] | None = getattr(self.trainer, "callbacks", None)
-        if callbacks is not None and not any(isinstance(c, _EpochLengthSync) for c in callbacks):
-            callbacks.insert(0, _EpochLengthSync())
+        if self.log_report:
+            self._attach(InSituReportCallback)
+        self._attach(_EpochLengthSync)
         dataset = self._build("train")
         if self._pending_train_state is not None:
             dataset.load_state_dict(self._pending_train_state)
@@ -444,25 +537,54 @@ class InSituDataModule(pl.LightningDataModule):
 
     # -- checkpoint state ---------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The training loader's state (plain Python), as of the last batch delivered."""
+        """The training loader's state (plain Python), as of the last batch delivered, and
+        ``"epoch_offset"``, how many epochs the training plan runs behind the trainer's epoch
+        (see :meth:`_train_epoch`) where it does."""
         train = self._loaders.get("train")
         if train is None:
             return {}
-        return {"train_loader": train.state_dict()}
+        out: dict[str, Any] = {"train_loader": train.state_dict()}
+        owner, offset = self._epoch_offset
+        if offset and owner == id(self.trainer):
+            out["epoch_offset"] = offset
+        return out
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Remember a training loader state; applied when the training loader is built."""
+        """Remember a training loader state: applied to the training loader of this trainer
+        (rank, world size), built now or later. A loader built for another trainer (a data
+        module reused for a resumed run) is replaced when the new trainer asks for one, and the
+        state goes to the new loader."""
+        self._epoch_offset = (id(self.trainer), int(state_dict.get("epoch_offset", 0)))
         state = state_dict.get("train_loader")
-        if state:
-            train = self._loaders.get("train")
-            if train is not None:
-                train.load_state_dict(state)
-            else:
-                self._pending_train_state = state
+        if not state:
+            return
+        plan = plan_state(state)
+        self._resume_check = (id(self.trainer), int(plan["epoch"]), int(plan["batches_emitted"]))
+        train = self._loaders.get("train")
+        if train is not None and self._train_key == self._key():
+            train.load_state_dict(state)
+        else:
+            self._pending_train_state = state
 
     def teardown(self, stage: str | None = None) -> None:
         for dataset in self._loaders.values():
             dataset.close()
+
+
+def _chunk_transforms(value: Any) -> tuple[ChunkTransform, ...]:
+    """``value`` as a tuple if it is a sequence (not a string) of callables, else
+    ``TypeError`` as the pipeline raises it (which checks the rest when it is built)."""
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(
+            f"chunk_transforms must be a list of callables DecodedChunk -> DecodedChunk, got "
+            f"{value!r}"
+        )
+    for t in value:
+        if not callable(t):
+            raise TypeError(
+                f"chunk_transforms must be callables DecodedChunk -> DecodedChunk, got {t!r}"
+            )
+    return tuple(value)
 
 
 def _per_split(
