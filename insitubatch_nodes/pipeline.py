@@ -156,7 +156,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
                 "missing=() — it then reads the times, and drops the anchors a gap touches, as "
                 "time-delta windows do — or give the offsets in samples"
             )
-        self.stages.gather.check_forcings(carried)  # (its batch transforms' Forcings)
+        self.stages.gather.check_constants(carried)  # (its Forcings and StaticFields)
         parts, _ = expand_views(resolve_windows(carried, steps))
         pool, store = self.stages.pool, self.stages.fetch.store
         timeout = (self.context.options.retry or retry_policy(store)).timeout_s

@@ -28,6 +28,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.forcings import no_times
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import cut_windows
+from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.stack import (
     Stack,
     StackMember,
@@ -241,13 +242,23 @@ def static_fields(
         }
         geoms = {path: g for path, g in geoms.items() if path in kept}
     fill = bool(members) or any(st.forcings for st in stacks.values())
+    # the windows every patched label shares (a stack's by its sampled members): static labels
+    # with a patched dimension are cut to each row's window (StaticFields refuses those that
+    # cannot be now, not at the first batch)
+    patches = patch_spec({
+        label: v.sampled[0].geometry if isinstance(v, Stack) else v
+        for label, v in sampled.items()
+    })  # fmt: skip
+    if static and patches is not None:
+        StaticFields({}, static, patches)
 
     def constants(
         data: Mapping[str, np.ndarray], plan: ViewsInEffect
     ) -> tuple[BatchTransform, ...]:
         out: list[BatchTransform] = []
         if static:
-            out.append(StaticFields({label: data[label] for label in static}, static))
+            arrays = {label: data[label] for label in static}
+            out.append(StaticFields(arrays, static, patches))
         if fill:
             constant = {
                 (label, m.name): data[f"{label}/{m.name}"]

@@ -17,11 +17,20 @@ no copy per row or per batch, and every row is the same memory. Treat it as read
 into one row writes every row, and every later batch). ``to_torch`` shares that memory too (a
 tensor with stride 0 along the batch); ``.to(device)`` makes a dense copy on the device.
 ``batch.sample_indices`` and ``batch.coords`` have no entry for a static label.
+
+**Beside patched labels** (``view.patches(...)``: each row a window of the field) a static
+label that has patched dimensions is cut to **each row's window** along them
+(:class:`StaticCut`): ``(len(batch), *window)``, ``mask[window]`` at the row's origin
+(``batch.patch_origins`` of the patched labels: every patched label of a pipeline shares its
+rows' origins), a dense copy per batch, as a patched stack's static member and the forcings of
+a patched label are cut. A static label without any patched dimension (a bandpass ``(freq,)``
+beside ``(dec, ra)`` windows) stays whole and broadcast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -32,10 +41,12 @@ from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import meta_identity
 from insitubatch_nodes.errors import CorruptCacheError, short_cause
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
+from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
 
 __all__ = [
+    "StaticCut",
     "StaticFields",
     "broadcast_rows",
     "keep_static_labels",
@@ -158,26 +169,127 @@ def _identities(base: ArrayGeometry, cache: ChunkCache) -> list[tuple[str, tuple
     return out
 
 
+@dataclass(frozen=True)
+class StaticCut:
+    """Where the windows of patched labels cut a static label's data (as its view selects
+    it): ``axes`` of that data, ``columns`` of ``batch.patch_origins[label]`` that give each
+    row's origin along them, ``extent`` the window's size along them."""
+
+    axes: tuple[int, ...]
+    columns: tuple[int, ...]
+    extent: tuple[int, ...]
+
+    @classmethod
+    def of(cls, label: str, view: ArrayGeometry, spec: Patches) -> StaticCut | None:
+        """The cut of static ``view`` (label ``label``) by the windows of ``spec``: along each
+        patched dimension it has (by name), ``None`` where it has none (or either has no
+        dimension names): it stays whole. ``ValueError`` where it has a patched dimension but
+        not whole there, of the field's length in its stored order (another grid, a box of
+        it, a reversed latitude): its windows would be at other points than the rows'."""
+        if spec.dims is None or view.dims is None:
+            return None
+        keys = view.select.keys if view.select is not None else (None,) * view.ndim
+        key_of = dict(zip(view.dims, keys, strict=False))
+        kept = [d for d, k in key_of.items() if not isinstance(k, int)]
+        axes, columns, extent = [], [], []
+        for k, (d, e, n) in enumerate(zip(spec.dims, spec.extent, spec.field, strict=True)):
+            if d not in kept:
+                continue
+            a = kept.index(d)
+            has = view.inner_shape[a]
+            if key_of[d] is not None or has != n:  # (isel keeps a whole axis as None)
+                what = f"{has}, selected" if key_of[d] is not None else f"{has}"
+                if has == n and key_of[d] is not None:
+                    what = f"all {n}, in another order"
+                raise ValueError(
+                    f"static label {label!r} ({view.path}) has the patched dimension {d!r}, "
+                    f"and each row of it is cut to its row's window there: it must be whole "
+                    f"along {d!r}, of length {n} in its stored order, as the patched views' "
+                    f"field (it has {what}); store it on the field's grid, or select on other "
+                    "dimensions"
+                )
+            axes.append(a)
+            columns.append(k)
+            extent.append(e)
+        if not axes:
+            return None
+        return cls(tuple(axes), tuple(columns), tuple(extent))
+
+    def rows(self, data: np.ndarray, origins: np.ndarray) -> np.ndarray:
+        """``(len(origins), *window)``: row ``i`` is ``data`` cut to the window at
+        ``origins[i]`` (the patched labels' ``batch.patch_origins``), every row at once,
+        C-contiguous."""
+        rows = np.broadcast_to(data, (len(origins), *data.shape))
+        picked = np.asarray(origins)[:, list(self.columns)]
+        return np.ascontiguousarray(cut_windows(rows, picked, self.axes, self.extent))
+
+
 class StaticFields:
     """A batch transform that puts the static ``arrays`` (``{label: array}``) into every batch,
     broadcast to ``(len(batch), *array.shape)`` without a copy (see the module docstring).
     ``views`` are the static views they were read through, if known (what
-    :func:`keep_static_labels` holds a later set of views to)."""
+    :func:`keep_static_labels` holds a later set of views to). ``patches``: the windows of the
+    batches' patched labels, if any; a static label with a patched dimension is then cut to
+    each row's window (:class:`StaticCut`; ``ValueError`` here for one that cannot be)."""
 
     def __init__(
         self,
         arrays: Mapping[str, np.ndarray],
         views: Mapping[str, ArrayGeometry] | None = None,
+        patches: Patches | None = None,
     ) -> None:
         self.arrays = {label: np.asarray(a) for label, a in arrays.items()}
         self.views = dict(views or {})
+        self.patches = patches
+        self.cuts: dict[str, StaticCut] = {}
+        for label, view in self.views.items():
+            cut = None if patches is None else StaticCut.of(label, view, patches)
+            if cut is not None:
+                self.cuts[label] = cut
+
+    def check_patches(self, spec: Patches | None) -> None:
+        """``ValueError`` unless the batches' patched labels, cut by ``spec`` (``None``: none is
+        patched), are cut as this transform cuts its labels (what a
+        :class:`~insitubatch_nodes.stages.gather.GatherNode` composed by hand checks, as
+        ``insitu_pipeline`` builds it): a static label with a patched dimension would otherwise
+        carry the whole field beside rows that are windows, or windows of other patches."""
+        held = self.patches
+        if spec is None or held is None:
+            if spec is held:
+                return
+        elif spec.alike(held):  # (the tiling windows are grouped by aside, cut alike)
+            return
+        if not self.views and spec is not None:
+            raise ValueError(
+                f"StaticFields({sorted(self.arrays)}) were given no views, and the labels are "
+                "patched: give views= (the static views read) and patches= (the labels' "
+                "view.patch), and each static label with a patched dimension is cut to its "
+                "row's window"
+            )
+        if self.cuts or StaticFields({}, self.views, spec).cuts:
+            raise ValueError(
+                f"StaticFields cut their labels at the windows of {held}, and the batches' "
+                f"labels are patched with {spec}: give StaticFields patches= the view.patch of "
+                "the patched labels (None where none is)"
+            )
 
     def __call__(self, batch: Batch) -> Batch:
         n = len(batch)
         for label, data in self.arrays.items():
             if label in batch.arrays:
                 raise ValueError(f"label {label!r} is both a static field and a sampled view")
-            batch.arrays[label] = broadcast_rows(data, n)
+            cut = self.cuts.get(label)
+            if cut is None:
+                batch.arrays[label] = broadcast_rows(data, n)
+                continue
+            origins = next(iter(batch.patch_origins.values()), None)
+            if origins is None:
+                raise ValueError(
+                    f"static label {label!r} is cut to each row's window of the patched "
+                    "labels, and this batch has no patched label: give StaticFields the "
+                    "patches of the batches' labels (patches=), or none"
+                )
+            batch.arrays[label] = cut.rows(data, origins)
         return batch
 
     def __repr__(self) -> str:

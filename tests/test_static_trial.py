@@ -1,0 +1,244 @@
+"""Static fields as forecasters, radio astronomers and microscopists use them: what a black-box
+trial against zarr and numpy found.
+
+A static field has no sample dimension (a land-sea mask ``(lat, lon)`` beside ``(time, lat,
+lon)`` data, a primary-beam mask ``(dec, ra)`` beside a spectral cube ``(freq, dec, ra)``, a
+flat-field ``(c, y, x)`` beside a ``(z, c, y, x)`` stack). Each test is one behaviour the trial
+got wrong before its fix; stores are tiny, written with zarr, and zarr's read cut with numpy
+at the window ``batch.patch_origins`` names is the oracle.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+import zarr.storage
+from resume_helpers import assert_resumes_exactly, digest
+
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages import (
+    AsyncChunkFetchNode,
+    ChunkPoolNode,
+    GatherNode,
+    ReadPlanNode,
+    StageContext,
+)
+from insitubatch_nodes.static import StaticFields, read_static
+
+F, D, R = 6, 12, 14  # a spectral cube, its edges not multiples of the tiles
+T, LAT, LON = 16, 8, 12  # an ERA5-like grid
+Z, C, Y, X = 8, 2, 10, 12  # a microscopy stack
+
+
+def _array(
+    group: zarr.Group, name: str, data: np.ndarray, dims: tuple[str, ...], **kw: Any
+) -> None:
+    chunks = kw.pop("chunks", data.shape)
+    group.create_array(name, shape=data.shape, chunks=chunks, dtype=data.dtype,
+                       dimension_names=dims, **kw)[...] = data  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three stores: a cube with its primary beam, an ERA5-like grid with its land-sea mask and
+    levelled orography, a microscopy stack with its flat-field."""
+    folder = tmp_path_factory.mktemp("static_trial")
+    rng = np.random.default_rng(0)
+    out = {}
+    cube = zarr.open_group(folder / "cube.zarr", mode="w", zarr_format=3)
+    _array(cube, "cube", rng.random((F, D, R), dtype="f4"), ("freq", "dec", "ra"),
+           chunks=(6, 8, 8))  # fmt: skip
+    _array(cube, "beam", rng.random((D, R), dtype="f4"), ("dec", "ra"))
+    _array(cube, "beams", rng.random((2, D, R), dtype="f4"), ("pol", "dec", "ra"))
+    _array(cube, "pol", np.array([0, 1]), ("pol",))
+    out["cube"] = folder / "cube.zarr"
+    era5 = zarr.open_group(folder / "era5.zarr", mode="w", zarr_format=3)
+    _array(era5, "t2m", rng.random((T, LAT, LON), dtype="f4"), ("time", "lat", "lon"),
+           chunks=(4, 4, 6))  # fmt: skip
+    _array(era5, "lsm", (rng.random((LAT, LON)) > 0.5).astype("f4"), ("lat", "lon"))
+    _array(era5, "orog", rng.random((3, LAT, LON), dtype="f4"), ("level", "lat", "lon"))
+    _array(era5, "coarse", rng.random((LAT // 2, LON), dtype="f4"), ("lat", "lon"))
+    for name, values in (
+        ("time", np.arange(T)),
+        ("lat", np.linspace(-60, 60, LAT)),
+        ("lon", np.arange(LON) * 30.0),
+        ("level", np.array([1000, 850, 500])),
+    ):
+        _array(era5, name, values, (name,))  # fmt: skip
+    out["era5"] = folder / "era5.zarr"
+    micro = zarr.open_group(folder / "micro.zarr", mode="w", zarr_format=3)
+    _array(micro, "image", rng.random((Z, C, Y, X), dtype="f4"), ("z", "c", "y", "x"),
+           chunks=(2, C, 5, 6))  # fmt: skip
+    _array(micro, "flat", rng.random((C, Y, X), dtype="f4"), ("c", "y", "x"))
+    out["micro"] = folder / "micro.zarr"
+    return out
+
+
+def _read(root: Path, path: str) -> np.ndarray:
+    return np.asarray(zarr.open_array(root, path=path, mode="r")[...])
+
+
+def _window(data: np.ndarray, dims: tuple[str, ...], spec: Any, origin: np.ndarray) -> np.ndarray:
+    """``data`` (named ``dims``) at the window of ``spec`` whose origin is ``origin``: cut
+    along each patched dimension it has."""
+    index: list[Any] = [slice(None)] * data.ndim
+    for d, o, e in zip(spec.dims, origin.tolist(), spec.extent, strict=True):
+        if d in dims:
+            index[dims.index(d)] = slice(o, o + e)
+    return data[tuple(index)]
+
+
+def _assert_windows(
+    rows: np.ndarray, data: np.ndarray, dims: tuple[str, ...], spec: Any, origins: np.ndarray
+) -> None:
+    """Each row of ``rows`` is ``data`` (named ``dims``) at its own window (``origins``)."""
+    assert len(rows) == len(origins)
+    for row, o in zip(rows, origins, strict=True):
+        np.testing.assert_array_equal(row, _window(data, dims, spec, o))
+
+
+def _epoch(root: Path, views: dict[str, Any], **kw: Any) -> list[Any]:
+    """Every batch of one epoch (arrays copied), with its patch origins."""
+    first = next(v for v in views.values() if isinstance(v, ArrayGeometry) and not v.static)
+    manifest = split_by_chunk(first, (1.0, 0.0, 0.0))
+    out = []
+    with insitu_pipeline(root, manifest, views, **{"batch_size": 4, "seed": 3, **kw}) as pipe:
+        for batch in Loader(pipe):
+            origins = next(iter(batch.patch_origins.values()))
+            out.append(({k: np.array(v) for k, v in batch.arrays.items()}, origins.copy()))
+    return out
+
+
+def test_a_static_label_beside_patched_labels_carries_each_rows_window_of_it(
+    stores: dict[str, Path],
+) -> None:
+    # before: every row carried the whole mask, (batch, 12, 14) beside (batch, 4, 5) windows,
+    # where a patched stack's static member was cut to the row's window
+    cube = open_geometries(stores["cube"], sample_axis={"cube": ()})
+    sky = cube["cube"].patches({"dec": 4, "ra": 5}, origins="random")
+    beam, beams = _read(stores["cube"], "beam"), _read(stores["cube"], "beams")
+    views = {
+        "x": sky,
+        "beam": cube["beam"],
+        "beam_x": cube["beams"].as_static().sel(pol=1),  # selected on another dimension
+        "beams": cube["beams"].as_static().isel(pol=[1, 0]),
+        "s": stack({"cube": sky, "beam": cube["beam"]}),
+        "s_last": stack({"cube": sky, "beam": cube["beam"]}, layout="channels_last"),
+    }
+    spec, dims = sky.patch, ("dec", "ra")
+    for arrays, origins in _epoch(stores["cube"], views):
+        assert arrays["beam"].shape == (len(origins), 4, 5)
+        for r, o in enumerate(origins):
+            want = _window(beam, dims, spec, o)
+            np.testing.assert_array_equal(arrays["beam"][r], want)
+            np.testing.assert_array_equal(arrays["s"][r, F], want)  # the stack's, value for value
+            np.testing.assert_array_equal(arrays["s_last"][r, ..., F], want)
+            np.testing.assert_array_equal(arrays["beam_x"][r], _window(beams[1], dims, spec, o))
+            np.testing.assert_array_equal(
+                arrays["beams"][r], _window(beams[[1, 0]], ("pol", *dims), spec, o)
+            )
+    # an ERA5 grid in random lat/lon patches: the land-sea mask and the orography's levels
+    era5 = open_geometries(stores["era5"], sample_axis="time")
+    box = era5["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    lsm, orog = _read(stores["era5"], "lsm"), _read(stores["era5"], "orog")
+    views = {"x": box, "lsm": era5["lsm"], "orog": era5["orog"].sel(level=[500, 1000])}
+    for arrays, origins in _epoch(stores["era5"], views, coords=()):
+        _assert_windows(arrays["lsm"], lsm, ("lat", "lon"), box.patch, origins)
+        _assert_windows(arrays["orog"], orog[[2, 0]], ("level", "lat", "lon"), box.patch, origins)
+    # a microscopy stack in (y, x) tiles of every z plane, and its flat-field per channel
+    micro = open_geometries(stores["micro"], sample_axis="z")
+    tiles = micro["image"].patches({"y": 5, "x": 4})
+    flat = _read(stores["micro"], "flat")
+    views = {"x": tiles, "flat": micro["flat"], "flat1": micro["flat"].isel(c=1)}
+    seen = set()
+    for arrays, origins in _epoch(stores["micro"], views):
+        for r, o in enumerate(origins):
+            seen.add(tuple(o.tolist()))
+            want = _window(flat, ("c", "y", "x"), tiles.patch, o)
+            np.testing.assert_array_equal(arrays["flat"][r], want)
+            np.testing.assert_array_equal(arrays["flat1"][r], want[1])
+    assert len(seen) == 2 * 3  # every window of the grid came
+
+
+def test_a_windowed_static_label_resumes_exactly_and_ranks_cut_their_own_rows(
+    stores: dict[str, Path],
+) -> None:
+    era5 = open_geometries(stores["era5"], sample_axis="time")
+    box = era5["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    views = {"x": box, "lsm": era5["lsm"]}
+    manifest = split_by_chunk(era5["t2m"], (1.0, 0.0, 0.0))
+    lsm = _read(stores["era5"], "lsm")
+
+    def build() -> Any:
+        return insitu_pipeline(stores["era5"], manifest, views, batch_size=4, seed=5, coords=())
+
+    def records(batches: list[Any]) -> list[Any]:
+        out = []
+        for b in batches:  # each row its own window's mask
+            _assert_windows(b["lsm"], lsm, ("lat", "lon"), box.patch, b.patch_origins["x"])
+            out.append((digest(b["x"]), digest(b["lsm"])))
+        return out
+
+    with build() as pipe:
+        ref = records([b for _ in range(2) for b in Loader(pipe)])
+    assert_resumes_exactly(build, records, ref, [3])
+    rows = []
+    for rank in (0, 1):
+        with insitu_pipeline(stores["era5"], manifest, views, batch_size=4, seed=5, coords=(),
+                             rank=rank, world_size=2) as pipe:  # fmt: skip
+            for b in pipe:
+                _assert_windows(b["lsm"], lsm, ("lat", "lon"), box.patch, b.patch_origins["x"])
+                for r, o in enumerate(b.patch_origins["x"]):
+                    rows.append((int(b.sample_indices["x"][r]), *o.tolist()))
+    assert len(rows) == len(set(rows))  # disjoint rows, each with its own window's mask
+
+
+def test_a_static_label_on_another_grid_than_the_patched_field_is_refused_when_built(
+    stores: dict[str, Path],
+) -> None:
+    # before: delivered whole beside the windows; it cannot be cut at them
+    era5 = open_geometries(stores["era5"], sample_axis="time")
+    box = era5["t2m"].patches({"lat": 3, "lon": 4})
+    manifest = split_by_chunk(era5["t2m"], (1.0, 0.0, 0.0))
+    reversed_ = era5["lsm"].isel(lat=slice(None, None, -1))  # e.g. stored north to south
+    for static, has in ((era5["coarse"], r"4\)"),
+                        (era5["lsm"].isel(lat=slice(0, 6)), "6, selected"),
+                        (reversed_, "all 8, in another order")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"static label 'm' .*'lat'.*it has {has}"):
+            insitu_pipeline(stores["era5"], manifest, {"x": box, "m": static}, coords=())
+
+
+def test_a_graph_composed_by_hand_refuses_static_fields_that_do_not_cut_at_its_windows(
+    stores: dict[str, Path],
+) -> None:
+    # before: StaticFields(read_static(...)) beside patched labels put the whole mask in rows
+    era5 = open_geometries(stores["era5"], sample_axis="time")
+    box = era5["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    statics = {"lsm": era5["lsm"]}
+    data = read_static(stores["era5"], statics, 10.0)
+    plan = ReadPlanNode(split_by_chunk(box, (1.0, 0.0, 0.0)), {"x": box},
+                        config=PlanConfig(batch_size=4))  # fmt: skip
+    context = StageContext.create(plan, ChunkPool(None))
+    fetch = AsyncChunkFetchNode(plan, zarr.storage.LocalStore(stores["era5"]), context=context)
+    resident = ChunkPoolNode(fetch, context=context)
+    lsm = _read(stores["era5"], "lsm")
+    try:
+        other = era5["t2m"].patches({"lat": 4, "lon": 4}).patch
+        for wrong, match in ((StaticFields(data), "given no views"),
+                             (StaticFields(data, statics), r"windows of None"),
+                             (StaticFields(data, statics, other), r"extent")):  # fmt: skip
+            with pytest.raises(ValueError, match=match):
+                GatherNode(resident, context=context, batch_transforms=[wrong])
+        fits = StaticFields(data, statics, box.patch)
+        gather = GatherNode(resident, context=context, batch_transforms=[fits])
+        batch = next(iter(gather))
+        _assert_windows(batch["lsm"], lsm, ("lat", "lon"), box.patch, batch.patch_origins["x"])
+    finally:
+        fetch.close()
