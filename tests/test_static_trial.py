@@ -15,11 +15,18 @@ from typing import Any
 
 import numpy as np
 import pytest
+import xarray as xr
 import zarr
 import zarr.storage
 from resume_helpers import assert_resumes_exactly, digest
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes import (
+    Loader,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    stack,
+)
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
@@ -242,3 +249,22 @@ def test_a_graph_composed_by_hand_refuses_static_fields_that_do_not_cut_at_its_w
         _assert_windows(batch["lsm"], lsm, ("lat", "lon"), box.patch, batch.patch_origins["x"])
     finally:
         fetch.close()
+
+
+def test_levelled_static_fields_that_outnumber_the_data_arrays_are_still_static(
+    tmp_path: Path,
+) -> None:
+    # before: two (level, lat, lon) orography fields beside one (time, lat, lon) array out-
+    # voted it: 'level' became the sample dimension and t2m a static field
+    times = np.datetime64("2020-01-01T00", "ns") + np.arange(8) * np.timedelta64(6, "h")
+    coords = {"time": times, "level": [1000, 500], "lat": np.arange(4.0), "lon": np.arange(5.0)}
+    field = ("level", "lat", "lon")
+    ds = xr.Dataset(
+        {"t2m": (("time", "lat", "lon"), np.zeros((8, 4, 5), "f4")),
+         "orog": (field, np.ones((2, 4, 5), "f4")), "sdor": (field, np.ones((2, 4, 5), "f4"))},
+        coords=coords,
+    )  # fmt: skip
+    ds.to_zarr(tmp_path / "s.zarr", zarr_format=3, consolidated=False)
+    g = open_geometries(tmp_path / "s.zarr")
+    assert {k: v.static for k, v in g.items()} == {"t2m": False, "orog": True, "sdor": True}
+    assert g["t2m"].n_samples == 8
