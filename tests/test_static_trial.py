@@ -21,7 +21,9 @@ import zarr.storage
 from resume_helpers import assert_resumes_exactly, digest
 
 from insitubatch_nodes import (
+    Collection,
     Loader,
+    concat,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
@@ -268,3 +270,24 @@ def test_levelled_static_fields_that_outnumber_the_data_arrays_are_still_static(
     g = open_geometries(tmp_path / "s.zarr")
     assert {k: v.static for k, v in g.items()} == {"t2m": False, "orog": True, "sdor": True}
     assert g["t2m"].n_samples == 8
+
+
+def test_a_static_field_among_a_collections_variables_is_refused_as_one(tmp_path: Path) -> None:
+    # before: "no dimension named 'time' ...; name it by index, or give the axes' names: dims="
+    # for an array that names its dimensions: dims= cannot help a land-sea mask
+    coords = {"lat": np.arange(4.0), "lon": np.arange(5.0)}
+    for k in range(2):  # two yearly stores, each with its land-sea mask
+        times = np.datetime64("2020-01-01", "ns") + (np.arange(4) + 4 * k) * np.timedelta64(6, "h")
+        ds = xr.Dataset(
+            {"t2m": (("time", "lat", "lon"), np.zeros((4, 4, 5), "f4")),
+             "lsm": (("lat", "lon"), np.ones((4, 5), "f4"))},
+            coords={"time": times, **coords},
+        )  # fmt: skip
+        ds.to_zarr(tmp_path / f"y{k}.zarr", zarr_format=3, consolidated=False)
+    stores = [str(tmp_path / f"y{k}.zarr") for k in range(2)]
+    match = r"'lsm' is a static field \(no 'time' dimension\).*not supported.*batch transform"
+    with pytest.raises(KeyError, match=match):
+        concat(stores, ["t2m", "lsm"], dim="time")
+    with pytest.raises(KeyError, match=match):
+        Collection.from_groups(None, [(s, "") for s in stores], {"t2m": "t2m", "lsm": "lsm"},
+                               names=["y0", "y1"], sample_axis="time")  # fmt: skip
