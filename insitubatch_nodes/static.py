@@ -268,9 +268,10 @@ class StaticFields:
             )
         if self.cuts or StaticFields({}, self.views, spec).cuts:
             raise ValueError(
-                f"StaticFields cut their labels at the windows of {held}, and the batches' "
-                f"labels are patched with {spec}: give StaticFields patches= the view.patch of "
-                "the patched labels (None where none is)"
+                f"static labels {sorted(self.views)} are cut at {_windows(held)}, and the "
+                f"labels have {_windows(spec)}: patch the labels as the pipeline was "
+                "built (set_views keeps how each array is patched), or give StaticFields "
+                "patches= the patched labels' view.patch (None where none is)"
             )
 
     def __call__(self, batch: Batch) -> Batch:
@@ -294,6 +295,14 @@ class StaticFields:
 
     def __repr__(self) -> str:
         return f"StaticFields({sorted(self.arrays)})"
+
+
+def _windows(spec: Patches | None) -> str:
+    """``spec``'s windows in words, for messages."""
+    if spec is None:
+        return "no windows (not patched)"
+    cut = dict(zip(spec.dims or spec.axes, spec.extent, strict=True))
+    return f"windows of {cut} ({spec.origins} origins)"
 
 
 def keep_static_labels(views: Mapping[str, Any], transforms: Sequence[Any]) -> dict[str, Any]:

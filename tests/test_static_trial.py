@@ -207,6 +207,15 @@ def test_a_windowed_static_label_resumes_exactly_and_ranks_cut_their_own_rows(
                 for r, o in enumerate(b.patch_origins["x"]):
                     rows.append((int(b.sample_indices["x"][r]), *o.tolist()))
     assert len(rows) == len(set(rows))  # disjoint rows, each with its own window's mask
+    with build() as pipe:  # set_views: other labels of the same windows cut it alike
+        pipe.set_views({"y": box.shift(1), "lsm": era5["lsm"]})
+        batches = list(pipe)
+        assert batches and all("x" not in b.arrays for b in batches)
+        for b in batches:
+            _assert_windows(b["lsm"], lsm, ("lat", "lon"), box.patch, b.patch_origins["y"])
+        other = era5["t2m"].patches({"lat": 2, "lon": 4})
+        with pytest.raises(ValueError, match=r"'lat': 2, 'lon': 4.*patch the labels as"):
+            pipe.set_views({"x": other, "lsm": era5["lsm"]})
 
 
 def test_a_static_label_on_another_grid_than_the_patched_field_is_refused_when_built(
@@ -240,9 +249,10 @@ def test_a_graph_composed_by_hand_refuses_static_fields_that_do_not_cut_at_its_w
     lsm = _read(stores["era5"], "lsm")
     try:
         other = era5["t2m"].patches({"lat": 4, "lon": 4}).patch
-        for wrong, match in ((StaticFields(data), "given no views"),
-                             (StaticFields(data, statics), r"windows of None"),
-                             (StaticFields(data, statics, other), r"extent")):  # fmt: skip
+        wrongs = {"given no views": StaticFields(data),
+                  "cut at no windows": StaticFields(data, statics),
+                  "'lat': 4, 'lon': 4": StaticFields(data, statics, other)}  # fmt: skip
+        for match, wrong in wrongs.items():
             with pytest.raises(ValueError, match=match):
                 GatherNode(resident, context=context, batch_transforms=[wrong])
         fits = StaticFields(data, statics, box.patch)
