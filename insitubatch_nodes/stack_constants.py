@@ -34,9 +34,8 @@ from insitubatch_nodes.stack import (
     StackMember,
     channel_destination,
     forcing_window,
-    static_window,
 )
-from insitubatch_nodes.static import StaticFields, select_static
+from insitubatch_nodes.static import StaticCut, StaticFields, select_static
 
 if TYPE_CHECKING:
     from insitubatch_nodes.stages.gather import GatherNode
@@ -61,7 +60,7 @@ class _Prepared:
     forcings: tuple[StackMember, ...]
     #: a patched stack's: the extent of its windows, and where they cut each static member
     extent: tuple[int, ...] = ()
-    cuts: tuple[tuple[int, ...], ...] = ()
+    cuts: tuple[StaticCut, ...] = ()
     #: ... and which of each forcing's two grid axes they cut
     forcing_cuts: tuple[tuple[int, ...], ...] = ()
 
@@ -109,9 +108,7 @@ class StackConstants:
                     data = (data - mean.astype(np.float64)) / std.astype(np.float64)
                 fills.append((member, raw, data.astype(st.dtype)))
             spec = st.sampled[0].geometry.patch
-            cuts = () if spec is None else tuple(
-                static_window(m.name, m.geometry, spec)[0] for m in st.static
-            )  # fmt: skip
+            cuts = () if spec is None else tuple(m.cut for m in st.static if m.cut is not None)
             extent = () if spec is None else spec.extent
             first = st.sampled[0].geometry
             forcing_cuts = () if spec is None else tuple(
@@ -180,8 +177,7 @@ class StackConstants:
                     at = (member.channel,) if t is None else (t, member.channel)
                     out = channel_destination(arr, at, last)
                     if prepared.cuts:  # each row's window of the static field
-                        _cut(out, data, batch.patch_origins[label], prepared.cuts[i],
-                             prepared.extent)  # fmt: skip
+                        out[...] = prepared.cuts[i].rows(data, batch.patch_origins[label])
                     else:
                         out[...] = data
         return batch
@@ -194,20 +190,6 @@ class StackConstants:
             for m in (*(f[0] for f in p.fills), *p.forcings)
         ]
         return f"StackConstants({names})"
-
-
-def _cut(
-    out: np.ndarray,
-    data: np.ndarray,
-    origins: np.ndarray,
-    axes: tuple[int, ...],
-    extent: tuple[int, ...],
-) -> None:
-    """``out[i] = data`` cut along ``axes`` to the window of ``extent`` at ``origins[i]``, for
-    every row at once (no Python per row): :func:`~insitubatch_nodes.io.patching.cut_windows`
-    of ``data`` broadcast to every row (no copy)."""
-    rows = np.broadcast_to(data, (len(origins), *data.shape))
-    out[...] = cut_windows(rows, origins, axes, extent)
 
 
 def static_fields(

@@ -180,12 +180,15 @@ class StaticCut:
     extent: tuple[int, ...]
 
     @classmethod
-    def of(cls, label: str, view: ArrayGeometry, spec: Patches) -> StaticCut | None:
-        """The cut of static ``view`` (label ``label``) by the windows of ``spec``: along each
-        patched dimension it has (by name), ``None`` where it has none (or either has no
-        dimension names): it stays whole. ``ValueError`` where it has a patched dimension but
-        not whole there, of the field's length in its stored order (another grid, a box of
-        it, a reversed latitude): its windows would be at other points than the rows'."""
+    def of(
+        cls, label: str, view: ArrayGeometry, spec: Patches, who: str | None = None
+    ) -> StaticCut | None:
+        """The cut of static ``view`` (label ``label``; ``who`` names it in messages) by the
+        windows of ``spec``: along each patched dimension it has (by name), ``None`` where it
+        has none (or either has no dimension names): it stays whole. ``ValueError`` where it
+        has a patched dimension but not whole there, of the field's length in its stored order
+        (another grid, a box of it, a reversed latitude): its windows would be at other points
+        than the rows'."""
         if spec.dims is None or view.dims is None:
             return None
         keys = view.select.keys if view.select is not None else (None,) * view.ndim
@@ -202,11 +205,11 @@ class StaticCut:
                 if has == n and key_of[d] is not None:
                     what = f"all {n}, in another order"
                 raise ValueError(
-                    f"static label {label!r} ({view.path}) has the patched dimension {d!r}, "
-                    f"and each row of it is cut to its row's window there: it must be whole "
-                    f"along {d!r}, of length {n} in its stored order, as the patched views' "
-                    f"field (it has {what}); store it on the field's grid, or select on other "
-                    "dimensions"
+                    f"{who or f'static label {label!r} ({view.path})'} has the patched "
+                    f"dimension {d!r}, and each row of it is cut to its row's window there: it "
+                    f"must be whole there, of length {n} in its stored order, as the patched "
+                    f"views' field (it has {what}); store it on the field's grid, or select on "
+                    "other dimensions"
                 )
             axes.append(a)
             columns.append(k)
@@ -215,13 +218,20 @@ class StaticCut:
             return None
         return cls(tuple(axes), tuple(columns), tuple(extent))
 
+    def shape(self, view: ArrayGeometry) -> tuple[int, ...]:
+        """The shape of one window of ``view``'s (selected) data."""
+        shape = list(view.inner_shape)
+        for a, e in zip(self.axes, self.extent, strict=True):
+            shape[a] = e
+        return tuple(shape)
+
     def rows(self, data: np.ndarray, origins: np.ndarray) -> np.ndarray:
         """``(len(origins), *window)``: row ``i`` is ``data`` cut to the window at
-        ``origins[i]`` (the patched labels' ``batch.patch_origins``), every row at once,
-        C-contiguous."""
+        ``origins[i]`` (the patched labels' ``batch.patch_origins``), every row at once (a
+        gather from the windows' strided view: write it where it goes, or make it contiguous)."""
         rows = np.broadcast_to(data, (len(origins), *data.shape))
         picked = np.asarray(origins)[:, list(self.columns)]
-        return np.ascontiguousarray(cut_windows(rows, picked, self.axes, self.extent))
+        return cut_windows(rows, picked, self.axes, self.extent)
 
 
 class StaticFields:
@@ -290,7 +300,7 @@ class StaticFields:
                     "labels, and this batch has no patched label: give StaticFields the "
                     "patches of the batches' labels (patches=), or none"
                 )
-            batch.arrays[label] = cut.rows(data, origins)
+            batch.arrays[label] = np.ascontiguousarray(cut.rows(data, origins))
         return batch
 
     def __repr__(self) -> str:

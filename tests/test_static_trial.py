@@ -153,6 +153,15 @@ def test_a_static_label_beside_patched_labels_carries_each_rows_window_of_it(
             np.testing.assert_array_equal(
                 arrays["beams"][r], _window(beams[[1, 0]], ("pol", *dims), spec, o)
             )
+    # 3-D sub-cubes: the beam is cut along (dec, ra), as a label and as a stack's channel
+    # (before, the stack refused it: "without the patched dimensions ('freq', 'dec', 'ra')")
+    sub = cube["cube"].patches({"freq": 3, "dec": 4, "ra": 5}, origins="random")
+    views = {"x": sub, "beam": cube["beam"], "s": stack({"c": sub, "beam": cube["beam"]}),
+             "s_last": stack({"c": sub, "beam": cube["beam"]}, layout="channels_last")}  # fmt: skip
+    for arrays, origins in _epoch(stores["cube"], views):
+        _assert_windows(arrays["beam"], beam, dims, sub.patch, origins)
+        np.testing.assert_array_equal(arrays["s"][:, 3], arrays["beam"])  # after 3 channels
+        np.testing.assert_array_equal(arrays["s_last"][..., 3], arrays["beam"])
     # an ERA5 grid in random lat/lon patches: the land-sea mask and the orography's levels
     era5 = open_geometries(stores["era5"], sample_axis="time")
     box = era5["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
