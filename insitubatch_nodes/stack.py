@@ -248,7 +248,7 @@ def stack(
                 "stack fields stored in one axis order"
             )
         if view is not first:
-            _refuse_other_points(name, view, first_name, first_points, field_ndim)
+            _refuse_other_points(name, view, first_name, (field_dims, first_points), field_ndim)
         if not view.static and _steps(view) != steps:
             raise ValueError(
                 f"stack member {name!r} has {_describe_steps(_steps(view))}, but "
@@ -410,16 +410,19 @@ def _refuse_other_points(
     name: str,
     view: ArrayGeometry,
     first_name: str,
-    theirs: Mapping[str, np.ndarray],
+    first: tuple[tuple[str, ...] | None, Mapping[str, np.ndarray]],
     field_ndim: int,
 ) -> None:
     """Refuse member ``name`` whose field is at other points than the first member's
-    (``theirs``: its :func:`_grid_points`): a grid dimension whose coordinate (as selected)
-    both read holds other values (a latitude stored the other way round in another store of a
-    join), beyond float32 rounding."""
-    for dim, values in _grid_points(view, field_ndim).items():
-        ref = theirs.get(dim)
-        if ref is None or ref.shape != values.shape:
+    (``first``: its :func:`_grid_dims` and :func:`_grid_points`): a grid dimension whose
+    coordinate (as selected) both read holds other values (a latitude stored the other way
+    round in another store of a join), beyond float32 rounding. Dimensions are paired by their
+    place in the field, so a field named otherwise (``(latitude, longitude)`` beside ``(lat,
+    lon)``) is compared too."""
+    (first_dims, theirs), mine = first, _grid_points(view, field_ndim)
+    for dim, ref_dim in zip(_grid_dims(view, field_ndim) or (), first_dims or (), strict=False):
+        values, ref = mine.get(dim), theirs.get(ref_dim)
+        if values is None or ref is None or ref.shape != values.shape:
             continue
         numeric = values.dtype.kind in "iuf" and ref.dtype.kind in "iuf"
         same = (
@@ -428,11 +431,12 @@ def _refuse_other_points(
             else np.array_equal(values, ref)
         )
         if not same:
+            theirs_at = "" if ref_dim == dim else f"{ref_dim!r} "
             raise ValueError(
                 f"stack member {name!r} is at {dim!r} {values[:8].tolist()}, but "
-                f"{first_name!r} at {ref[:8].tolist()}: the shapes agree, the points do not. "
-                f"Select the first member's points with sel({dim}=[...]) on it, or stack "
-                "members on one grid"
+                f"{first_name!r} at {theirs_at}{ref[:8].tolist()}: the shapes agree, the "
+                f"points do not. Select the first member's points with sel({dim}=[...]) on "
+                "it, or stack members on one grid"
             )
 
 

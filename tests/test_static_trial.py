@@ -310,3 +310,28 @@ def test_a_static_field_among_a_collections_variables_is_refused_as_one(tmp_path
     with pytest.raises(KeyError, match=match):
         Collection.from_groups(None, [(s, "") for s in stores], {"t2m": "t2m", "lsm": "lsm"},
                                names=["y0", "y1"], sample_axis="time")  # fmt: skip
+
+
+def test_a_static_stack_member_on_a_grid_named_otherwise_is_compared_point_by_point(
+    tmp_path: Path,
+) -> None:
+    # before: a land-sea mask on (latitude, longitude), its latitude stored north to south,
+    # stacked beside (lat, lon) data stored south to north, was accepted: every row's mask
+    # upside down against its data (the points were compared only under equal names)
+    times = np.datetime64("2020-01-01", "ns") + np.arange(8) * np.timedelta64(6, "h")
+    lat, lon = np.linspace(-60.0, 60.0, 4), np.arange(5) * 60.0
+    ds = xr.Dataset({"t2m": (("time", "lat", "lon"), np.zeros((8, 4, 5), "f4"))},
+                    coords={"time": times, "lat": lat, "lon": lon})  # fmt: skip
+    mask = np.arange(20, dtype="f4").reshape(4, 5)
+    ds["lsm"] = xr.DataArray(mask[::-1], dims=("latitude", "longitude"),
+                             coords={"latitude": lat[::-1], "longitude": lon})  # fmt: skip
+    ds.to_zarr(tmp_path / "s.zarr", zarr_format=3, consolidated=False)
+    g = open_geometries(tmp_path / "s.zarr")
+    with pytest.raises(ValueError, match=r"'lsm' is at 'latitude' \[60.0, .*'t' at 'lat' \[-60"):
+        stack({"t": g["t2m"], "lsm": g["lsm"]})
+    flipped = g["lsm"].sel(latitude=slice(None, None, -1))  # the points of the data, in order
+    x = stack({"t": g["t2m"], "lsm": flipped, "lsm_i": g["lsm"].isel(latitude=[3, 2, 1, 0])})
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    with insitu_pipeline(tmp_path / "s.zarr", manifest, {"x": x}, batch_size=4) as pipe:
+        batch = next(iter(pipe))
+    np.testing.assert_array_equal(batch["x"][:, 1:], np.broadcast_to(mask, (4, 2, 4, 5)))
