@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -44,6 +44,9 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
 from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
+
+if TYPE_CHECKING:
+    from insitubatch_nodes.pool import PoolStats
 
 __all__ = [
     "StaticCut",
@@ -71,12 +74,14 @@ def read_static(
     timeout_s: float,
     *,
     cache: ChunkCache | None = None,
+    stats: PoolStats | None = None,
 ) -> dict[str, np.ndarray]:
     """``{label: array}`` for the static ``views``: each array read whole once (however many
     views share it) within ``timeout_s``, then selected per view. With a persistent ``cache``
     (``persist=True``) a static array is one cached entry (chunk 0 of its path): served from
     the cache when it is there (nothing read from the store), else read and kept there; a
-    read-only cache is never written."""
+    read-only cache is never written. ``stats`` (the pipeline's pool's) counts the stored
+    objects read (``static_gets``) and the arrays served by the cache (``static_disk_hits``)."""
     zstore = as_store(store)
     whole: dict[str, np.ndarray] = {}
     out = {}
@@ -90,9 +95,12 @@ def read_static(
                 cache.adopt(
                     {base.path: array_fingerprint(base, base, ())}, {base.path: base.n_tiles}
                 )
-                whole[view.path] = _cached_whole(zstore, base, timeout_s, cache)
+                whole[view.path], cached = _cached_whole(zstore, base, timeout_s, cache)
             else:
-                whole[view.path] = _read_whole(zstore, base, timeout_s)
+                whole[view.path], cached = _read_whole(zstore, base, timeout_s), False
+            if stats is not None:
+                stats.static_disk_hits += cached
+                stats.static_gets += 0 if cached else base.n_tiles
         out[label] = select_static(view, whole[view.path]).astype(view.dtype, copy=False)
     return out
 
@@ -114,10 +122,11 @@ def _read_whole(zstore: Any, base: ArrayGeometry, timeout_s: float) -> np.ndarra
 
 def _cached_whole(
     zstore: Any, base: ArrayGeometry, timeout_s: float, cache: ChunkCache
-) -> np.ndarray:
-    """The whole static array ``base`` from the persistent ``cache``, or read and kept there
-    with the identity of every stored object it was read from (listed before the read, so a
-    change during the read makes the entry stale, never wrongly fresh)."""
+) -> tuple[np.ndarray, bool]:
+    """The whole static array ``base`` from the persistent ``cache`` (``(data, True)``), or
+    read and kept there with the identity of every stored object it was read from (listed
+    before the read, so a change during the read makes the entry stale, never wrongly fresh;
+    ``(data, False)``)."""
     key, shape, dtype = (base.path, 0), tuple(base.inner_shape), base.dtype
     file = cache.find(key, shape, dtype, 1)
     if file is not None:
@@ -128,15 +137,15 @@ def _cached_whole(
                 raise
             mapped = None  # read again below and rewritten
         if mapped is not None:
-            return np.array(mapped)  # a copy in memory: the mapping is released with it
+            return np.array(mapped), True  # a copy in memory: the mapping is released with it
         cache.forget(key)
     if cache.readonly:
-        return _read_whole(zstore, base, timeout_s)
+        return _read_whole(zstore, base, timeout_s), False
     identities = _identities(base, cache)
     data = _read_whole(zstore, base, timeout_s)
     slot = cache.new_slot(key, shape, dtype, 1)
     if slot is None:  # another rank writes it, or no room on disk: kept in memory only
-        return data
+        return data, False
     try:
         slot.array[...] = data
         if cache.identity is not None:
@@ -146,7 +155,7 @@ def _cached_whole(
         cache.commit(slot, 1)
     finally:
         cache.drop(slot)
-    return data
+    return data, False
 
 
 def _identities(base: ArrayGeometry, cache: ChunkCache) -> list[tuple[str, tuple[int, str, int]]]:

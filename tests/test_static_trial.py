@@ -18,6 +18,7 @@ import pytest
 import xarray as xr
 import zarr
 import zarr.storage
+from helpers import counting_store
 from resume_helpers import assert_resumes_exactly, digest
 
 from insitubatch_nodes import (
@@ -335,3 +336,26 @@ def test_a_static_stack_member_on_a_grid_named_otherwise_is_compared_point_by_po
     with insitu_pipeline(tmp_path / "s.zarr", manifest, {"x": x}, batch_size=4) as pipe:
         batch = next(iter(pipe))
     np.testing.assert_array_equal(batch["x"][:, 1:], np.broadcast_to(mask, (4, 2, 4, 5)))
+
+
+def test_the_pipelines_stats_count_the_reads_of_its_static_fields(
+    stores: dict[str, Path], tmp_path: Path
+) -> None:
+    # before: pipe.stats() counted the pool's GETs only, and a static field read once per
+    # pipeline (or taken from the persistent cache) left no trace there
+    era5 = open_geometries(stores["era5"], sample_axis="time")
+    manifest = split_by_chunk(era5["t2m"], (1.0, 0.0, 0.0))
+    views = {"t": era5["t2m"], "lsm": era5["lsm"], "s": stack({"t": era5["t2m"], "m": era5["lsm"]})}
+    for k in range(2):  # the second pipeline over the persistent cache reads none of them
+        store = counting_store(stores["era5"])
+        with insitu_pipeline(store, manifest, views, batch_size=4, coords=(),
+                             cache_dir=tmp_path / "cache", persist=True) as pipe:  # fmt: skip
+            list(pipe)
+            pipe.set_views({**views, "o": stack({"t": era5["t2m"], "o": era5["orog"]})})
+            pipe.reset()
+            list(pipe)
+            stats = pipe.stats()
+        static = sum(n for key, n in store.counts.items() if key.startswith(("lsm/c", "orog/c")))
+        assert static == stats["static_gets"] == (2 if k == 0 else 0)  # one object each
+        assert stats["static_disk_hits"] == (0 if k == 0 else 2)
+        assert stats["gets"] == store.chunk_gets - static
