@@ -30,6 +30,7 @@ from insitubatch_nodes import (
     split_by_chunk,
     stack,
 )
+from insitubatch_nodes.io.collection import join
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
@@ -305,12 +306,15 @@ def test_a_static_field_among_a_collections_variables_is_refused_as_one(tmp_path
         )  # fmt: skip
         ds.to_zarr(tmp_path / f"y{k}.zarr", zarr_format=3, consolidated=False)
     stores = [str(tmp_path / f"y{k}.zarr") for k in range(2)]
-    match = r"'lsm' is a static field \(no 'time' dimension\).*not supported.*batch transform"
+    match = r"'lsm'.* no .*'time'.*'lsm' may be a static field.*not supported.*batch transform"
     with pytest.raises(KeyError, match=match):
         concat(stores, ["t2m", "lsm"], dim="time")
     with pytest.raises(KeyError, match=match):
         Collection.from_groups(None, [(s, "") for s in stores], {"t2m": "t2m", "lsm": "lsm"},
                                names=["y0", "y1"], sample_axis="time")  # fmt: skip
+    # join: "has no time coordinate 'time' beside 'lsm'", as if a coordinate were missing
+    with pytest.raises(ValueError, match=match):
+        join({"data": (stores[0], ["t2m"]), "const": (stores[1], ["lsm"])})
 
 
 def test_a_static_stack_member_on_a_grid_named_otherwise_is_compared_point_by_point(
