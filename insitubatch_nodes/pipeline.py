@@ -43,7 +43,7 @@ from insitubatch_nodes.plan.patches import unit_geometry
 from insitubatch_nodes.plan.ranks import check_same_plan_on_every_rank
 from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.plan.splits import SplitManifest
-from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.pool import ChunkPool, PoolStats
 from insitubatch_nodes.slots import SlotBacking
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stack_constants import prepare_constants, static_fields
@@ -156,13 +156,13 @@ class InSituPipeline(PrefetcherNode[Batch]):
                 "missing=() — it then reads the times, and drops the anchors a gap touches, as "
                 "time-delta windows do — or give the offsets in samples"
             )
-        self.stages.gather.check_forcings(carried)  # (its batch transforms' Forcings)
+        self.stages.gather.check_constants(carried)  # (its Forcings and StaticFields)
         parts, _ = expand_views(resolve_windows(carried, steps))
         pool, store = self.stages.pool, self.stages.fetch.store
         timeout = (self.context.options.retry or retry_policy(store)).timeout_s
         commit = prepare_constants(  # the static arrays new stacks need: read now, once
             carried, self.stages.gather, plan,
-            lambda need: read_static(store, need, timeout, cache=pool.cache),
+            lambda need: read_static(store, need, timeout, cache=pool.cache, stats=pool.stats),
         )  # fmt: skip
         persistent = pool.cache is not None and pool.cache.persistent
         schedule = choose_schedule(
@@ -177,7 +177,8 @@ class InSituPipeline(PrefetcherNode[Batch]):
         commit()
 
     def stats(self) -> dict[str, int]:
-        """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks) and the
+        """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks; the
+        static fields' reads, ``static_gets`` and ``static_disk_hits``) and the
         memory this pipeline holds outside the pool's budget, in bytes:
         ``batch_buffer_bytes`` (reusable batch buffers, lent out or idle — the prefetch queue's
         batches live in them — plus gather scratch), ``decode_scratch_bytes`` (per decode
@@ -415,7 +416,8 @@ def insitu_pipeline(
     )
     try:  # the static fields: read once here, or taken from the persistent cache
         timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
-        static_data = read_static(zstore, statics, timeout, cache=chunk_cache) if statics else {}
+        stats = PoolStats()  # (the pool's, from here: it counts the static fields' reads)
+        static_data = read_static(zstore, statics, timeout, cache=chunk_cache, stats=stats)
     except BaseException:
         if chunk_cache is not None:
             chunk_cache.close()
@@ -432,6 +434,7 @@ def insitu_pipeline(
         fetch_options,
         cache_options,
         chunk_cache,
+        stats,
     )
 
 
@@ -639,11 +642,14 @@ def _compose_stages(
     options: FetchOptions,
     cache_options: CacheOptions,
     cache: ChunkCache | None,
+    stats: PoolStats,
 ) -> InSituPipeline:
-    """The pool and the stages below the read plan, composed (``cache`` is closed when one of
-    them cannot be built)."""
+    """The pool (counting into ``stats``) and the stages below the read plan, composed
+    (``cache`` is closed when one of them cannot be built)."""
     try:
-        pool = ChunkPool(cache_options.budget_bytes, backing=cache_options.backing, cache=cache)
+        pool = ChunkPool(
+            cache_options.budget_bytes, backing=cache_options.backing, cache=cache, stats=stats
+        )
         # what the stages share (views, buffers, recorder, ...): one context, handed to each
         context = StageContext.create(plan, pool, options=options, chunk_transforms=transforms)
         fetch = AsyncChunkFetchNode(plan, zstore, context=context)

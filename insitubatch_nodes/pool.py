@@ -93,6 +93,10 @@ class PoolStats:
     # chunks fetched and decoded straight into batch rows, never into a slot of this pool (rows
     # of one-sample chunks): not in misses; the epoch report's misses count both
     misses_in_place: int = 0
+    # static fields (read once per pipeline, outside the pool; not in gets): the stored objects
+    # read from the store for them, and the static fields taken from the persistent cache
+    static_gets: int = 0
+    static_disk_hits: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return dict(self.__dict__)
@@ -112,6 +116,7 @@ class ChunkPool:
         budget_bytes: int | None = None,
         backing: SlotBacking | None = None,
         cache: ChunkCache | None = None,
+        stats: PoolStats | None = None,
     ):
         if backing is not None and cache is not None and not cache.persistent:
             raise ValueError("pass a backing or a spill cache_dir, not both")
@@ -120,7 +125,7 @@ class ChunkPool:
         self.cache = cache
         spill = cache.spill if cache is not None else None
         self.backing: SlotBacking = backing or spill or RamBacking()
-        self.stats = PoolStats()
+        self.stats = stats or PoolStats()  # (given: counters kept since before the pool)
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, ChunkEntry] = {}
         self._lru: OrderedDict[ChunkKey, ChunkEntry] = OrderedDict()

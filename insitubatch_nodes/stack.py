@@ -43,6 +43,7 @@ from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.io.selection import kept_axes, view_keys
+from insitubatch_nodes.static import StaticCut
 from insitubatch_nodes.transforms import work_dtype
 
 
@@ -74,6 +75,8 @@ class StackMember:
     leveled: bool
     norm: tuple[np.ndarray, np.ndarray] | None = field(default=None, compare=False, repr=False)
     forcing: Forcings | None = field(default=None, compare=False)
+    #: a static member of a patched stack: where the windows cut it (:func:`static_window`)
+    cut: StaticCut | None = field(default=None, compare=False, repr=False)
 
     @property
     def geometry(self) -> ArrayGeometry:
@@ -202,7 +205,8 @@ def stack(
     steps = _steps(first)
     members: list[StackMember] = []
     channels: list[str] = []
-    _check_patched(named, first_name, first)
+    field_dims = _grid_dims(first, field_ndim)
+    _check_patched(named, first_name, first, field_dims)
     first_points = _grid_points(first, field_ndim)  # read once, compared with every member
     for name, view in given.items():
         if isinstance(view, Forcings):
@@ -221,9 +225,10 @@ def stack(
                 c = len(channels) - 1
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
-        inner = view.inner_shape
+        inner, cut = view.inner_shape, None
         if isinstance(view, ArrayGeometry) and view.static and first.patch is not None:
-            inner = static_window(name, view, first.patch)[1]
+            cut = static_window(name, view, first.patch, field_dims)
+            inner = cut.shape(view)
         if len(inner) not in (field_ndim, field_ndim + 1):
             raise ValueError(
                 f"stack member {name!r} has shape {inner}: a member is a field {field_shape} "
@@ -243,7 +248,7 @@ def stack(
                 "stack fields stored in one axis order"
             )
         if view is not first:
-            _refuse_other_points(name, view, first_name, first_points, field_ndim)
+            _refuse_other_points(name, view, first_name, (field_dims, first_points), field_ndim)
         if not view.static and _steps(view) != steps:
             raise ValueError(
                 f"stack member {name!r} has {_describe_steps(_steps(view))}, but "
@@ -267,7 +272,7 @@ def stack(
             norm = _norm(normalize, name, view, first.dtype)
         c0 = len(channels)
         channels.extend(names)
-        members.append(StackMember(name, view, c0, len(channels), leveled, norm))
+        members.append(StackMember(name, view, c0, len(channels), leveled, norm, cut=cut))
     if normalize is not None and first.dtype.kind != "f":
         raise ValueError(
             f"normalize needs float members, and these are {first.dtype}: cast them with a "
@@ -277,15 +282,18 @@ def stack(
 
 
 def _check_patched(
-    named: Mapping[str, ArrayGeometry], first_name: str, first: ArrayGeometry
+    named: Mapping[str, ArrayGeometry],
+    first_name: str,
+    first: ArrayGeometry,
+    grid: Sequence[str] | None,
 ) -> None:
     """Patched members: every sampled member patched alike (the same windows of the same
     dimensions: they share each row's origins), and a static member cut by those windows
-    (:func:`static_window`)."""
+    (:func:`static_window`, on the stack's field ``grid``)."""
     for name, view in named.items():
         if view.static:
             if first.patch is not None:
-                static_window(name, view, first.patch)  # (raises when it has no such window)
+                static_window(name, view, first.patch, grid)  # (raises when it has no window)
             continue
         if (view.patch is None) != (first.patch is None):
             patched, whole = (name, first_name) if view.patch is not None else (first_name, name)
@@ -305,37 +313,27 @@ def _check_patched(
 
 
 def static_window(
-    name: str, view: ArrayGeometry, spec: Patches
-) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(axes, shape)``: where the windows of ``spec`` (a patched stack's) cut the data of
-    static member ``name`` (the axes of its selected data named like the patched dimensions),
-    and the shape of one window of it. ``ValueError`` when the member lacks one of those
-    dimensions, selects part of one or reorders it (a selection of the whole axis in its order
-    is none: :meth:`ArrayGeometry.isel <insitubatch_nodes.io.geometry.ArrayGeometry.isel>`), or
-    has another length there."""
+    name: str, view: ArrayGeometry, spec: Patches, grid: Sequence[str] | None = None
+) -> StaticCut:
+    """Where the windows of ``spec`` (a patched stack's) cut the data of static member
+    ``name``: along each patched dimension it has (:class:`~insitubatch_nodes.static.
+    StaticCut`; ``.shape(view)`` is one window's shape). It may lack patched dimensions off the
+    stack's field ``grid`` (its dimension names: a ``freq`` of 3-D sub-cubes beside a ``(dec,
+    ra)`` beam), not those on it. ``ValueError`` when it lacks one of those, selects part of a
+    patched dimension or reorders it (a selection of the whole axis in its order is none:
+    :meth:`ArrayGeometry.isel <insitubatch_nodes.io.geometry.ArrayGeometry.isel>`), or has
+    another length there."""
+    cut = StaticCut.of(name, view, spec, who=f"stack member {name!r} (static)")
     keys = view.select.keys if view.select is not None else (None,) * view.ndim
-    key_of = dict(zip(view.dims or (), keys, strict=False))
-    kept = [d for d, k in key_of.items() if not isinstance(k, int)]
-    if spec.dims is None or not set(spec.dims) <= set(kept):
+    kept = [d for d, k in zip(view.dims or (), keys, strict=False) if not isinstance(k, int)]
+    lacks = [d for d in spec.dims or () if d not in kept and (grid is None or d in grid)]
+    if cut is None or lacks:
         raise ValueError(
             f"stack member {name!r} is a static field without the patched dimensions "
-            f"{spec.dims or spec.axes}, but the stack's members are patched: give it as a "
-            "label of its own, or stack arrays whose dimensions are named"
+            f"{lacks or spec.dims or spec.axes}, but the stack's members are patched: give it "
+            "as a label of its own, or stack arrays whose dimensions are named"
         )
-    axes = tuple(kept.index(d) for d in spec.dims)
-    shape = list(view.inner_shape)
-    for d, a, e, n in zip(spec.dims, axes, spec.extent, spec.field, strict=True):
-        if key_of[d] is not None or shape[a] != n:  # (isel keeps a whole axis as None)
-            has = f"{shape[a]}{', selected' if key_of[d] is not None else ''}"
-            if shape[a] == n and key_of[d] is not None:
-                has = f"all {n}, in another order"
-            raise ValueError(
-                f"stack member {name!r} (static) is cut by the stack's patches along {d!r}: "
-                f"it must be whole there, of length {n} in its stored order, as the patched "
-                f"members' field (it has {has}); select on other dimensions"
-            )
-        shape[a] = e
-    return axes, tuple(shape)
+    return cut
 
 
 def forcing_window(name: str, first: ArrayGeometry) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -412,16 +410,19 @@ def _refuse_other_points(
     name: str,
     view: ArrayGeometry,
     first_name: str,
-    theirs: Mapping[str, np.ndarray],
+    first: tuple[tuple[str, ...] | None, Mapping[str, np.ndarray]],
     field_ndim: int,
 ) -> None:
     """Refuse member ``name`` whose field is at other points than the first member's
-    (``theirs``: its :func:`_grid_points`): a grid dimension whose coordinate (as selected)
-    both read holds other values (a latitude stored the other way round in another store of a
-    join), beyond float32 rounding."""
-    for dim, values in _grid_points(view, field_ndim).items():
-        ref = theirs.get(dim)
-        if ref is None or ref.shape != values.shape:
+    (``first``: its :func:`_grid_dims` and :func:`_grid_points`): a grid dimension whose
+    coordinate (as selected) both read holds other values (a latitude stored the other way
+    round in another store of a join), beyond float32 rounding. Dimensions are paired by their
+    place in the field, so a field named otherwise (``(latitude, longitude)`` beside ``(lat,
+    lon)``) is compared too."""
+    (first_dims, theirs), mine = first, _grid_points(view, field_ndim)
+    for dim, ref_dim in zip(_grid_dims(view, field_ndim) or (), first_dims or (), strict=False):
+        values, ref = mine.get(dim), theirs.get(ref_dim)
+        if values is None or ref is None or ref.shape != values.shape:
             continue
         numeric = values.dtype.kind in "iuf" and ref.dtype.kind in "iuf"
         same = (
@@ -430,11 +431,12 @@ def _refuse_other_points(
             else np.array_equal(values, ref)
         )
         if not same:
+            theirs_at = "" if ref_dim == dim else f"{ref_dim!r} "
             raise ValueError(
                 f"stack member {name!r} is at {dim!r} {values[:8].tolist()}, but "
-                f"{first_name!r} at {ref[:8].tolist()}: the shapes agree, the points do not. "
-                f"Select the first member's points with sel({dim}=[...]) on it, or stack "
-                "members on one grid"
+                f"{first_name!r} at {theirs_at}{ref[:8].tolist()}: the shapes agree, the "
+                f"points do not. Select the first member's points with sel({dim}=[...]) on "
+                "it, or stack members on one grid"
             )
 
 

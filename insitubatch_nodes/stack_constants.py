@@ -28,14 +28,14 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.forcings import no_times
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import cut_windows
+from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.stack import (
     Stack,
     StackMember,
     channel_destination,
     forcing_window,
-    static_window,
 )
-from insitubatch_nodes.static import StaticFields, select_static
+from insitubatch_nodes.static import StaticCut, StaticFields, select_static
 
 if TYPE_CHECKING:
     from insitubatch_nodes.stages.gather import GatherNode
@@ -60,7 +60,7 @@ class _Prepared:
     forcings: tuple[StackMember, ...]
     #: a patched stack's: the extent of its windows, and where they cut each static member
     extent: tuple[int, ...] = ()
-    cuts: tuple[tuple[int, ...], ...] = ()
+    cuts: tuple[StaticCut, ...] = ()
     #: ... and which of each forcing's two grid axes they cut
     forcing_cuts: tuple[tuple[int, ...], ...] = ()
 
@@ -108,9 +108,7 @@ class StackConstants:
                     data = (data - mean.astype(np.float64)) / std.astype(np.float64)
                 fills.append((member, raw, data.astype(st.dtype)))
             spec = st.sampled[0].geometry.patch
-            cuts = () if spec is None else tuple(
-                static_window(m.name, m.geometry, spec)[0] for m in st.static
-            )  # fmt: skip
+            cuts = () if spec is None else tuple(m.cut for m in st.static if m.cut is not None)
             extent = () if spec is None else spec.extent
             first = st.sampled[0].geometry
             forcing_cuts = () if spec is None else tuple(
@@ -179,8 +177,7 @@ class StackConstants:
                     at = (member.channel,) if t is None else (t, member.channel)
                     out = channel_destination(arr, at, last)
                     if prepared.cuts:  # each row's window of the static field
-                        _cut(out, data, batch.patch_origins[label], prepared.cuts[i],
-                             prepared.extent)  # fmt: skip
+                        out[...] = prepared.cuts[i].rows(data, batch.patch_origins[label])
                     else:
                         out[...] = data
         return batch
@@ -193,20 +190,6 @@ class StackConstants:
             for m in (*(f[0] for f in p.fills), *p.forcings)
         ]
         return f"StackConstants({names})"
-
-
-def _cut(
-    out: np.ndarray,
-    data: np.ndarray,
-    origins: np.ndarray,
-    axes: tuple[int, ...],
-    extent: tuple[int, ...],
-) -> None:
-    """``out[i] = data`` cut along ``axes`` to the window of ``extent`` at ``origins[i]``, for
-    every row at once (no Python per row): :func:`~insitubatch_nodes.io.patching.cut_windows`
-    of ``data`` broadcast to every row (no copy)."""
-    rows = np.broadcast_to(data, (len(origins), *data.shape))
-    out[...] = cut_windows(rows, origins, axes, extent)
 
 
 def static_fields(
@@ -241,13 +224,23 @@ def static_fields(
         }
         geoms = {path: g for path, g in geoms.items() if path in kept}
     fill = bool(members) or any(st.forcings for st in stacks.values())
+    # the windows every patched label shares (a stack's by its sampled members): static labels
+    # with a patched dimension are cut to each row's window (StaticFields refuses those that
+    # cannot be now, not at the first batch)
+    patches = patch_spec({
+        label: v.sampled[0].geometry if isinstance(v, Stack) else v
+        for label, v in sampled.items()
+    })  # fmt: skip
+    if static and patches is not None:
+        StaticFields({}, static, patches)
 
     def constants(
         data: Mapping[str, np.ndarray], plan: ViewsInEffect
     ) -> tuple[BatchTransform, ...]:
         out: list[BatchTransform] = []
         if static:
-            out.append(StaticFields({label: data[label] for label in static}, static))
+            arrays = {label: data[label] for label in static}
+            out.append(StaticFields(arrays, static, patches))
         if fill:
             constant = {
                 (label, m.name): data[f"{label}/{m.name}"]

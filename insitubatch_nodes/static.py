@@ -17,12 +17,21 @@ no copy per row or per batch, and every row is the same memory. Treat it as read
 into one row writes every row, and every later batch). ``to_torch`` shares that memory too (a
 tensor with stride 0 along the batch); ``.to(device)`` makes a dense copy on the device.
 ``batch.sample_indices`` and ``batch.coords`` have no entry for a static label.
+
+**Beside patched labels** (``view.patches(...)``: each row a window of the field) a static
+label that has patched dimensions is cut to **each row's window** along them
+(:class:`StaticCut`): ``(len(batch), *window)``, ``mask[window]`` at the row's origin
+(``batch.patch_origins`` of the patched labels: every patched label of a pipeline shares its
+rows' origins), a dense copy per batch, as a patched stack's static member and the forcings of
+a patched label are cut. A static label without any patched dimension (a bandpass ``(freq,)``
+beside ``(dec, ra)`` windows) stays whole and broadcast.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,10 +41,15 @@ from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import meta_identity
 from insitubatch_nodes.errors import CorruptCacheError, short_cause
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
+from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
 
+if TYPE_CHECKING:
+    from insitubatch_nodes.pool import PoolStats
+
 __all__ = [
+    "StaticCut",
     "StaticFields",
     "broadcast_rows",
     "keep_static_labels",
@@ -60,12 +74,14 @@ def read_static(
     timeout_s: float,
     *,
     cache: ChunkCache | None = None,
+    stats: PoolStats | None = None,
 ) -> dict[str, np.ndarray]:
     """``{label: array}`` for the static ``views``: each array read whole once (however many
     views share it) within ``timeout_s``, then selected per view. With a persistent ``cache``
     (``persist=True``) a static array is one cached entry (chunk 0 of its path): served from
     the cache when it is there (nothing read from the store), else read and kept there; a
-    read-only cache is never written."""
+    read-only cache is never written. ``stats`` (the pipeline's pool's) counts the stored
+    objects read (``static_gets``) and the arrays served by the cache (``static_disk_hits``)."""
     zstore = as_store(store)
     whole: dict[str, np.ndarray] = {}
     out = {}
@@ -79,9 +95,12 @@ def read_static(
                 cache.adopt(
                     {base.path: array_fingerprint(base, base, ())}, {base.path: base.n_tiles}
                 )
-                whole[view.path] = _cached_whole(zstore, base, timeout_s, cache)
+                whole[view.path], cached = _cached_whole(zstore, base, timeout_s, cache)
             else:
-                whole[view.path] = _read_whole(zstore, base, timeout_s)
+                whole[view.path], cached = _read_whole(zstore, base, timeout_s), False
+            if stats is not None:
+                stats.static_disk_hits += cached
+                stats.static_gets += 0 if cached else base.n_tiles
         out[label] = select_static(view, whole[view.path]).astype(view.dtype, copy=False)
     return out
 
@@ -103,10 +122,11 @@ def _read_whole(zstore: Any, base: ArrayGeometry, timeout_s: float) -> np.ndarra
 
 def _cached_whole(
     zstore: Any, base: ArrayGeometry, timeout_s: float, cache: ChunkCache
-) -> np.ndarray:
-    """The whole static array ``base`` from the persistent ``cache``, or read and kept there
-    with the identity of every stored object it was read from (listed before the read, so a
-    change during the read makes the entry stale, never wrongly fresh)."""
+) -> tuple[np.ndarray, bool]:
+    """The whole static array ``base`` from the persistent ``cache`` (``(data, True)``), or
+    read and kept there with the identity of every stored object it was read from (listed
+    before the read, so a change during the read makes the entry stale, never wrongly fresh;
+    ``(data, False)``)."""
     key, shape, dtype = (base.path, 0), tuple(base.inner_shape), base.dtype
     file = cache.find(key, shape, dtype, 1)
     if file is not None:
@@ -117,15 +137,15 @@ def _cached_whole(
                 raise
             mapped = None  # read again below and rewritten
         if mapped is not None:
-            return np.array(mapped)  # a copy in memory: the mapping is released with it
+            return np.array(mapped), True  # a copy in memory: the mapping is released with it
         cache.forget(key)
     if cache.readonly:
-        return _read_whole(zstore, base, timeout_s)
+        return _read_whole(zstore, base, timeout_s), False
     identities = _identities(base, cache)
     data = _read_whole(zstore, base, timeout_s)
     slot = cache.new_slot(key, shape, dtype, 1)
     if slot is None:  # another rank writes it, or no room on disk: kept in memory only
-        return data
+        return data, False
     try:
         slot.array[...] = data
         if cache.identity is not None:
@@ -135,7 +155,7 @@ def _cached_whole(
         cache.commit(slot, 1)
     finally:
         cache.drop(slot)
-    return data
+    return data, False
 
 
 def _identities(base: ArrayGeometry, cache: ChunkCache) -> list[tuple[str, tuple[int, str, int]]]:
@@ -158,30 +178,150 @@ def _identities(base: ArrayGeometry, cache: ChunkCache) -> list[tuple[str, tuple
     return out
 
 
+@dataclass(frozen=True)
+class StaticCut:
+    """Where the windows of patched labels cut a static label's data (as its view selects
+    it): ``axes`` of that data, ``columns`` of ``batch.patch_origins[label]`` that give each
+    row's origin along them, ``extent`` the window's size along them."""
+
+    axes: tuple[int, ...]
+    columns: tuple[int, ...]
+    extent: tuple[int, ...]
+
+    @classmethod
+    def of(
+        cls, label: str, view: ArrayGeometry, spec: Patches, who: str | None = None
+    ) -> StaticCut | None:
+        """The cut of static ``view`` (label ``label``; ``who`` names it in messages) by the
+        windows of ``spec``: along each patched dimension it has (by name), ``None`` where it
+        has none (or either has no dimension names): it stays whole. ``ValueError`` where it
+        has a patched dimension but not whole there, of the field's length in its stored order
+        (another grid, a box of it, a reversed latitude): its windows would be at other points
+        than the rows'."""
+        if spec.dims is None or view.dims is None:
+            return None
+        keys = view.select.keys if view.select is not None else (None,) * view.ndim
+        key_of = dict(zip(view.dims, keys, strict=False))
+        kept = [d for d, k in key_of.items() if not isinstance(k, int)]
+        axes, columns, extent = [], [], []
+        for k, (d, e, n) in enumerate(zip(spec.dims, spec.extent, spec.field, strict=True)):
+            if d not in kept:
+                continue
+            a = kept.index(d)
+            has = view.inner_shape[a]
+            if key_of[d] is not None or has != n:  # (isel keeps a whole axis as None)
+                what = f"{has}, selected" if key_of[d] is not None else f"{has}"
+                if has == n and key_of[d] is not None:
+                    what = f"all {n}, in another order"
+                raise ValueError(
+                    f"{who or f'static label {label!r} ({view.path})'} has the patched "
+                    f"dimension {d!r}, and each row of it is cut to its row's window there: it "
+                    f"must be whole there, of length {n} in its stored order, as the patched "
+                    f"views' field (it has {what}); store it on the field's grid, or select on "
+                    "other dimensions"
+                )
+            axes.append(a)
+            columns.append(k)
+            extent.append(e)
+        if not axes:
+            return None
+        return cls(tuple(axes), tuple(columns), tuple(extent))
+
+    def shape(self, view: ArrayGeometry) -> tuple[int, ...]:
+        """The shape of one window of ``view``'s (selected) data."""
+        shape = list(view.inner_shape)
+        for a, e in zip(self.axes, self.extent, strict=True):
+            shape[a] = e
+        return tuple(shape)
+
+    def rows(self, data: np.ndarray, origins: np.ndarray) -> np.ndarray:
+        """``(len(origins), *window)``: row ``i`` is ``data`` cut to the window at
+        ``origins[i]`` (the patched labels' ``batch.patch_origins``), every row at once (a
+        gather from the windows' strided view: write it where it goes, or make it contiguous)."""
+        rows = np.broadcast_to(data, (len(origins), *data.shape))
+        picked = np.asarray(origins)[:, list(self.columns)]
+        return cut_windows(rows, picked, self.axes, self.extent)
+
+
 class StaticFields:
     """A batch transform that puts the static ``arrays`` (``{label: array}``) into every batch,
     broadcast to ``(len(batch), *array.shape)`` without a copy (see the module docstring).
     ``views`` are the static views they were read through, if known (what
-    :func:`keep_static_labels` holds a later set of views to)."""
+    :func:`keep_static_labels` holds a later set of views to). ``patches``: the windows of the
+    batches' patched labels, if any; a static label with a patched dimension is then cut to
+    each row's window (:class:`StaticCut`; ``ValueError`` here for one that cannot be)."""
 
     def __init__(
         self,
         arrays: Mapping[str, np.ndarray],
         views: Mapping[str, ArrayGeometry] | None = None,
+        patches: Patches | None = None,
     ) -> None:
         self.arrays = {label: np.asarray(a) for label, a in arrays.items()}
         self.views = dict(views or {})
+        self.patches = patches
+        self.cuts: dict[str, StaticCut] = {}
+        for label, view in self.views.items():
+            cut = None if patches is None else StaticCut.of(label, view, patches)
+            if cut is not None:
+                self.cuts[label] = cut
+
+    def check_patches(self, spec: Patches | None) -> None:
+        """``ValueError`` unless the batches' patched labels, cut by ``spec`` (``None``: none is
+        patched), are cut as this transform cuts its labels (what a
+        :class:`~insitubatch_nodes.stages.gather.GatherNode` composed by hand checks, as
+        ``insitu_pipeline`` builds it): a static label with a patched dimension would otherwise
+        carry the whole field beside rows that are windows, or windows of other patches."""
+        held = self.patches
+        if spec is None or held is None:
+            if spec is held:
+                return
+        elif spec.alike(held):  # (the tiling windows are grouped by aside, cut alike)
+            return
+        if not self.views and spec is not None:
+            raise ValueError(
+                f"StaticFields({sorted(self.arrays)}) were given no views, and the labels are "
+                "patched: give views= (the static views read) and patches= (the labels' "
+                "view.patch), and each static label with a patched dimension is cut to its "
+                "row's window"
+            )
+        if self.cuts or StaticFields({}, self.views, spec).cuts:
+            raise ValueError(
+                f"static labels {sorted(self.views)} are cut at {_windows(held)}, and the "
+                f"labels have {_windows(spec)}: patch the labels as the pipeline was "
+                "built (set_views keeps how each array is patched), or give StaticFields "
+                "patches= the patched labels' view.patch (None where none is)"
+            )
 
     def __call__(self, batch: Batch) -> Batch:
         n = len(batch)
         for label, data in self.arrays.items():
             if label in batch.arrays:
                 raise ValueError(f"label {label!r} is both a static field and a sampled view")
-            batch.arrays[label] = broadcast_rows(data, n)
+            cut = self.cuts.get(label)
+            if cut is None:
+                batch.arrays[label] = broadcast_rows(data, n)
+                continue
+            origins = next(iter(batch.patch_origins.values()), None)
+            if origins is None:
+                raise ValueError(
+                    f"static label {label!r} is cut to each row's window of the patched "
+                    "labels, and this batch has no patched label: give StaticFields the "
+                    "patches of the batches' labels (patches=), or none"
+                )
+            batch.arrays[label] = np.ascontiguousarray(cut.rows(data, origins))
         return batch
 
     def __repr__(self) -> str:
         return f"StaticFields({sorted(self.arrays)})"
+
+
+def _windows(spec: Patches | None) -> str:
+    """``spec``'s windows in words, for messages."""
+    if spec is None:
+        return "no windows (not patched)"
+    cut = dict(zip(spec.dims or spec.axes, spec.extent, strict=True))
+    return f"windows of {cut} ({spec.origins} origins)"
 
 
 def keep_static_labels(views: Mapping[str, Any], transforms: Sequence[Any]) -> dict[str, Any]:

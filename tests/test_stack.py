@@ -625,7 +625,7 @@ def test_a_patched_stack_of_arrays_of_any_rank_equals_each_members_window_at_the
 def test_a_static_field_is_cut_to_every_rows_window_at_once_in_its_own_axis_order(
     shape: tuple[int, ...], axes: tuple[int, ...], extent: tuple[int, ...]
 ) -> None:
-    from insitubatch_nodes.stack_constants import _cut
+    from insitubatch_nodes.static import StaticCut
 
     rng = np.random.default_rng(0)
     data = rng.random(shape).astype("f4")
@@ -634,8 +634,8 @@ def test_a_static_field_is_cut_to_every_rows_window_at_once_in_its_own_axis_orde
     row = list(shape)
     for a, e in zip(axes, extent, strict=True):
         row[a] = e
-    out = np.empty((7, *row), "f4")
-    _cut(out, data, origins, axes, extent)
+    out = StaticCut(axes, tuple(range(len(axes))), extent).rows(data, origins)
+    assert out.shape == (7, *row)
     for i, origin in enumerate(origins.tolist()):
         box = [slice(None)] * data.ndim
         for a, o, e in zip(axes, origin, extent, strict=True):

@@ -64,9 +64,10 @@ def _sample_dimension(zstore: Any, arrays: Mapping[str, Any], axis: int) -> str 
     along ``time``: ``latitude`` is a field axis of those arrays, so it cannot be the sample
     dimension, whichever arrays are named and in whatever order.
 
-    Ties go to a dimension whose coordinate holds times (CF ``units`` "... since ...", or
-    datetimes): one ``(time, lat, lon)`` array beside one ``(soil_level, lat, lon)`` static
-    samples along ``time`` in either order; then to the first path's dimension."""
+    A dimension whose coordinate holds times (CF ``units`` "... since ...", or datetimes)
+    wins over those that hold none, however many arrays name them: one ``(time, lat, lon)``
+    array beside ``(level, lat, lon)`` statics samples along ``time``, in any order and number;
+    a tie then goes to the first path's dimension."""
     counts: dict[str, int] = {}
     elsewhere: set[str] = set()
     first_path: dict[str, str] = {}
@@ -80,13 +81,9 @@ def _sample_dimension(zstore: Any, arrays: Mapping[str, Any], axis: int) -> str 
     alone = {d: n for d, n in counts.items() if d not in elsewhere} or counts
     if not alone:
         return None
-    most = max(alone.values())
-    tied = [d for d, n in alone.items() if n == most]
-    if len(tied) > 1:
-        timed = [d for d in tied if _holds_times(zstore, first_path[d], d)]
-        if timed:
-            return timed[0]
-    return tied[0]
+    timed = [d for d in alone if len(alone) > 1 and _holds_times(zstore, first_path[d], d)]
+    votes = {d: alone[d] for d in timed} or alone
+    return max(votes, key=votes.__getitem__)  # (the first of the most, in the arrays' order)
 
 
 def _holds_times(zstore: Any, path: str, dim: str) -> bool:
@@ -202,9 +199,11 @@ def open_geometries(
     *static* (``geom.static``): it has no sample axis and every batch carries it whole (see
     ``insitu_pipeline``). The sample dimension is the one ``sample_axis`` names, or, for an
     index, the dimension most of the multi-axis arrays name at that index, of those no array
-    names at another index (static fields never outvote the arrays they sit beside); an array
-    is static when it has dimension names and that dimension is not among them (arrays without
-    dimension names are never static). Geometries look up field coordinates for ``sel``.
+    names at another index, one whose coordinate holds times first (static fields never
+    outvote the arrays they sit beside); an array is static when it has dimension names and
+    that dimension is not among them (arrays without dimension names are never static); beside
+    patched labels it is cut to each row's window. Geometries look up field coordinates for
+    ``sel``.
 
     **CF decoding.** With ``mask_and_scale=True`` (the default, as ``xr.open_zarr``) a data
     array's values are delivered as xarray decodes them: ``_FillValue`` / ``missing_value``

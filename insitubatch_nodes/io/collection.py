@@ -66,6 +66,7 @@ from insitubatch_nodes.io.collection_checks import (
     refuse_broken_timeline,
     refuse_member_array,
     refuse_other_grids,
+    sample_axis_hint,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import (
@@ -489,7 +490,7 @@ class Collection:
             own = _zarr_compat.array_dimension_names(ref)
             named = named_axes(where, self.dims.get(v), own, ref.ndim)
             asked = sample_axis if isinstance(sample_axis, tuple | list) else (sample_axis,)
-            hint = "name it by index, or give the axes' names: dims="
+            hint = sample_axis_hint(v, named.dims, asked)
             axes = [axis_of(named, a, what="sample_axis", hint=hint) for a in asked]
             if isinstance(sample_axis, tuple | list):  # product sample axes
                 products[v] = product_axes(ref, axes)

@@ -30,7 +30,26 @@ __all__ = [
     "refuse_collection_options",
     "refuse_member_array",
     "refuse_other_grids",
+    "sample_axis_hint",
 ]
+
+
+def sample_axis_hint(variable: str, dims: Sequence[str] | None, asked: Sequence[Any]) -> str:
+    """What a collection's ``variable`` lacking the sample axis ``asked`` names (its dimension
+    names ``dims``, or ``None``) should do: name its axes, or name its own sample dimension, or
+    — a static field (a land-sea mask beside yearly stores' data) — leave it out: a
+    collection's variables are all sampled."""
+    missing = [a for a in asked if isinstance(a, str) and dims is not None and a not in dims]
+    if not missing:
+        return "name it by index, or give the axes' names: dims="
+    return (
+        f"where one of its dimensions is the sample dimension, name that one; {variable!r} "
+        "may be a static field (a land-sea mask), which is not a variable of a collection, "
+        f"every one of which is sampled along {missing[0]!r}: "
+        "static fields of a collection are not supported; leave it out of the variables and "
+        "put it into the batches with a batch transform (read once from one store with zarr "
+        "or xarray)"
+    )
 
 
 def refuse_member_array(

@@ -26,6 +26,7 @@ from zarr.abc.store import Store
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.axes import named_axes
 from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
+from insitubatch_nodes.io.collection_checks import sample_axis_hint
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
 
@@ -88,8 +89,8 @@ def time_coordinate(
     :func:`~insitubatch_nodes.io.coords.open_coordinates` finds from the array's dimension
     names, ``given`` (the collection's ``dims[key]``, which win) or its own. ``ValueError``
     saying what to do where the array names no dimension and none are given, where the names
-    are not one per axis, where no time coordinate ``dim`` is found, or where a time is
-    missing."""
+    are not one per axis, where it has no dimension ``dim`` (a static field), where no time
+    coordinate ``dim`` is found, or where a time is missing."""
     where = f"{op}: {name!r}'s {variable!r}"
     named = named_axes(where, given, geom.dims, geom.ndim)
     if named.dims is None:
@@ -99,6 +100,9 @@ def time_coordinate(
             f"{op}(..., dims={{{key!r}: [{dim!r}, ...]}}), or write each array's "
             "_ARRAY_DIMENSIONS attribute (as xarray does)"
         )
+    if dim not in named.dims:  # (a land-sea mask beside the data: no time to align it by)
+        hint = sample_axis_hint(variable, named.dims, [dim])
+        raise ValueError(f"{where} has no {dim!r} dimension (it has {tuple(named.dims)}): {hint}")
     if given is not None:
         geom = replace(geom, dim_names=tuple(given))
     coord = open_coordinates(store, _along(geom, dim, given)).get(dim)

@@ -565,7 +565,7 @@ def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str
                 f"views[{label!r}] ({geom.path}) is a static array (no sample axis), which a "
                 "read plan does not draw: insitu_pipeline carries static views itself; a graph "
                 "built by hand adds static.StaticFields(static.read_static(...)) as a batch "
-                "transform"
+                "transform (beside patched views, with views= and patches=)"
             )
         if geom.n_samples != manifest.n_samples:
             raise ValueError(

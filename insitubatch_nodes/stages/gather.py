@@ -31,6 +31,7 @@ from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.forcing_grid import refuse_forcings_elsewhere
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.slots import is_level_major
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
@@ -39,6 +40,7 @@ from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
+from insitubatch_nodes.static import StaticFields
 from insitubatch_nodes.transforms import ChunkTransforms, standardise_in_place, transform_name
 
 __all__ = [
@@ -252,7 +254,7 @@ class GatherNode(BaseNode[Batch]):
         self.batch_transforms = tuple(check_batch_transforms(batch_transforms))
         batch_views = self.buffers.layout.views
         refuse_standardised_twice(context.transforms, batch_views, self.batch_transforms)
-        self.check_forcings(batch_views)
+        self.check_constants(batch_views)
         unknown = set(coords or {}) - set(batch_views)
         if unknown:
             raise ValueError(f"coords name labels {sorted(unknown)} that are not in the views")
@@ -313,19 +315,27 @@ class GatherNode(BaseNode[Batch]):
             for _ in range(2)
         ]
 
-    def check_forcings(self, views: Mapping[str, Any]) -> None:
-        """The builder's check of the :class:`~insitubatch_nodes.forcings.Forcings` among the
-        batch transforms against the labels' views (a stack's by its first sampled member),
-        here too so that a graph composed by hand refuses them as ``insitu_pipeline`` does
-        (:func:`~insitubatch_nodes.forcing_grid.refuse_forcings_elsewhere`): a collection's
-        rows on one grid where its members lie elsewhere, a patched label's on the whole
-        grid."""
+    def check_constants(self, views: Mapping[str, Any]) -> None:
+        """The builder's check of the :class:`~insitubatch_nodes.forcings.Forcings` and
+        :class:`~insitubatch_nodes.static.StaticFields` among the batch transforms against the
+        labels' views (a stack's by its first sampled member), here too so that a graph
+        composed by hand refuses them as ``insitu_pipeline`` does
+        (:func:`~insitubatch_nodes.forcing_grid.refuse_forcings_elsewhere`,
+        :meth:`StaticFields.check_patches <insitubatch_nodes.static.StaticFields.check_patches>`):
+        a collection's rows on one grid where its members lie elsewhere, a patched label's
+        forcings or static fields on the whole grid."""
         forcings = [t for t in self.batch_transforms if isinstance(t, Forcings)]
+        fields = [t for t in self.batch_transforms if isinstance(t, StaticFields)]
+        if not (forcings or fields):
+            return
+        geoms = {
+            label: v.sampled[0].geometry if isinstance(v, Stack) else v
+            for label, v in views.items()
+        }
         if forcings:
-            refuse_forcings_elsewhere(forcings, {
-                label: v.sampled[0].geometry if isinstance(v, Stack) else v
-                for label, v in views.items()
-            })  # fmt: skip
+            refuse_forcings_elsewhere(forcings, geoms)
+        for f in fields:
+            f.check_patches(patch_spec(geoms))
 
     def carries(self, path: str, name: str) -> bool:
         """Whether batches carry coordinate ``name`` of array ``path`` (for any label of it)."""
@@ -348,7 +358,7 @@ class GatherNode(BaseNode[Batch]):
         self.source.reset(source_state(initial_state))
         if self.context.sync_views():  # the plan took views given by set_views
             self._size(self.buffers.rows)
-            self.check_forcings(self.layout.views)
+            self.check_constants(self.layout.views)
 
     def get_state(self) -> dict[str, Any]:
         return {SOURCE_KEY: self.source.state_dict()}
