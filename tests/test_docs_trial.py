@@ -11,12 +11,21 @@ from __future__ import annotations
 
 import contextlib
 import io
+import re
+import shutil
+import warnings
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import zarr
+import zarr.storage
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
 
+from insitubatch_nodes import open_geometries
 from insitubatch_nodes.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +40,11 @@ def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     t2m = group.create_array("t2m", shape=(8, 4, 6), chunks=(4, 4, 6), dtype="f4")
     t2m[...] = np.arange(8 * 4 * 6, dtype="f4").reshape(8, 4, 6)
     return path
+
+
+def prose(doc: str) -> str:
+    """A page's text with its line breaks folded into spaces, so a sentence reads as one line."""
+    return re.sub(r"\s+", " ", (DOCS / doc).read_text())
 
 
 def check_transform(store: Path, target: str) -> tuple[int, str]:
@@ -55,3 +69,71 @@ def test_check_transform_exits_2_naming_a_module_target_that_cannot_be_imported(
     assert "no_such_module_for_the_docs_trial" in out and "path.py:attr" in out
     rc, out = check_transform(store, "insitubatch_nodes.no_such_submodule:scale")
     assert rc == 2 and "insitubatch_nodes.no_such_submodule" in out, out
+
+
+class ListingStore(zarr.storage.WrapperStore[Store]):
+    """A store that counts the GETs and the listings made through it."""
+
+    def __init__(self, store: Store) -> None:
+        super().__init__(store)
+        self.gets = 0
+        self.listings = 0
+
+    def _with_store(self, store: Store) -> ListingStore:
+        return type(self)(store)
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        self.gets += 1
+        return await self._store.get(key, prototype, byte_range)
+
+    def list(self) -> AsyncIterator[str]:
+        self.listings += 1
+        return self._store.list()
+
+    def list_prefix(self, prefix: str) -> AsyncIterator[str]:
+        self.listings += 1
+        return self._store.list_prefix(prefix)
+
+    def list_dir(self, prefix: str) -> AsyncIterator[str]:
+        self.listings += 1
+        return self._store.list_dir(prefix)
+
+
+def test_finding_arrays_costs_the_gets_and_listings_concepts_md_counts(
+    era5_v3_path: Path, era5_v2_path: Path, tmp_path: Path
+) -> None:
+    # docs/concepts.md, "Finding arrays", counts them on this very store; the counts had drifted
+    # (14 and 28 GETs for every array, 9 and 11 with consolidated metadata, on "seven arrays").
+    said = re.search(
+        r"ERA5-like store \((\w+) arrays; .*?naming `t2m` takes (\d+) GETs \(v3\) or (\d+) \(v2\) "
+        r"and no listing; finding every array takes (\d+) listings and (\d+) GETs \(v3\) or "
+        r"(\d+) \(v2\), and with consolidated metadata (\d+) listing and (\d+) or (\d+) GETs",
+        prose("concepts.md"),
+    )
+    assert said, "the sentence of concepts.md that counts the GETs has changed: update this test"
+    arrays, named_v3, named_v2, lists, every_v3, every_v2, c_lists, c_v3, c_v2 = said.groups()
+
+    def cost(root: Path, names: list[str] | None) -> tuple[int, int]:
+        store = ListingStore(zarr.storage.LocalStore(root, read_only=True))
+        open_geometries(store, names)
+        return store.gets, store.listings
+
+    counted: dict[str, Any] = {}
+    for fmt, path in (("v3", era5_v3_path), ("v2", era5_v2_path)):
+        root = shutil.copytree(path, tmp_path / fmt)  # consolidated below: a copy
+        counted[f"{fmt} arrays"] = sum(1 for _ in zarr.open_group(root, mode="r").arrays())
+        counted[f"{fmt} named"] = cost(root, ["t2m"])
+        counted[f"{fmt} every"] = cost(root, None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (zarr's note on consolidated metadata in v3)
+            zarr.consolidate_metadata(str(root))
+        counted[f"{fmt} consolidated"] = cost(root, None)
+    words = {"seven": 7, "eight": 8, "nine": 9}
+    assert counted == {
+        "v3 arrays": words[arrays], "v2 arrays": words[arrays],
+        "v3 named": (int(named_v3), 0), "v2 named": (int(named_v2), 0),
+        "v3 every": (int(every_v3), int(lists)), "v2 every": (int(every_v2), int(lists)),
+        "v3 consolidated": (int(c_v3), int(c_lists)), "v2 consolidated": (int(c_v2), int(c_lists)),
+    }  # fmt: skip
