@@ -137,3 +137,20 @@ def test_finding_arrays_costs_the_gets_and_listings_concepts_md_counts(
         "v3 every": (int(every_v3), int(lists)), "v2 every": (int(every_v2), int(lists)),
         "v3 consolidated": (int(c_v3), int(c_lists)), "v2 consolidated": (int(c_v2), int(c_lists)),
     }  # fmt: skip
+
+
+def test_recipes_readme_lists_every_recipe_with_options_it_really_takes() -> None:
+    # recipes/README.md left recipes/lightning_forecast.py out; each bullet's --options must be
+    # options of the recipe the bullet runs (argparse spells them "--name" in its source).
+    recipes = ROOT / "recipes"
+    bullets = re.split(r"\n- ", (recipes / "README.md").read_text())[1:]
+    listed = set()
+    for bullet in bullets:
+        scripts = set(re.findall(r"recipes/(\w+\.py)", bullet))
+        assert len(scripts) == 1, bullet
+        script = scripts.pop()
+        listed.add(script)
+        source = (recipes / script).read_text()
+        for option in set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", bullet)) - {"--help"}:
+            assert f'"{option}"' in source, f"recipes/README.md: {script} takes no {option}"
+    assert listed == {p.name for p in recipes.glob("*.py")}
