@@ -10,7 +10,10 @@ from the other again. The stores are tiny and written with zarr, which is also t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import inspect
 import io
+import os
 import re
 import shutil
 import warnings
@@ -25,8 +28,12 @@ import zarr.storage
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from insitubatch_nodes import open_geometries
-from insitubatch_nodes.cli import main
+from insitubatch_nodes import RetryPolicy, insitu_pipeline, open_geometries, report
+from insitubatch_nodes.cli import _parser, gil_probe, main
+from insitubatch_nodes.io import objects
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.plan import PlanConfig, schedule
+from insitubatch_nodes.stages import _jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -154,3 +161,90 @@ def test_recipes_readme_lists_every_recipe_with_options_it_really_takes() -> Non
         for option in set(re.findall(r"(?<![\w-])--[a-z][a-z-]*", bullet)) - {"--help"}:
             assert f'"{option}"' in source, f"recipes/README.md: {script} takes no {option}"
     assert listed == {p.name for p in recipes.glob("*.py")}
+
+
+def said(doc: str, pattern: str) -> tuple[str, ...]:
+    """The groups of the one sentence of ``doc`` that ``pattern`` finds (it must find one)."""
+    found = re.search(pattern, prose(doc))
+    assert found, f"docs/{doc} no longer says {pattern!r}: update the page or this test"
+    return found.groups()
+
+
+def test_the_retry_policy_table_of_concepts_md_quotes_the_policys_defaults() -> None:
+    # concepts.md, "Retries and timeouts": | `field`, ... | default, ... | meaning |
+    table = re.search(r"\| Field \| Default \| Meaning \|\n\|[- |]+\|\n((?:\|.*\|\n)+)",
+                      (DOCS / "concepts.md").read_text()).group(1)  # type: ignore[union-attr]  # fmt: skip
+    quoted: dict[str, object] = {}
+    for row in table.splitlines():
+        names, values = row.split("|")[1:3]
+        for name, value in zip(re.findall(r"`(\w+)`", names), values.split(","), strict=True):
+            value = value.strip().strip("`")
+            quoted[name] = None if value == "None" else float(value)
+    defaults = {f.name: f.default for f in dataclasses.fields(RetryPolicy)}
+    assert quoted == defaults
+
+
+def test_the_plan_defaults_concepts_md_quotes_are_plan_configs_and_the_builders() -> None:
+    text = prose("concepts.md")
+    (holding,) = said("concepts.md", r"`None`: the defaults\) holding `([^`]+)`")
+    quoted = eval(f"dict({holding})")  # split="train", batch_size=32, ...
+    (stride,) = said("concepts.md", r"a `PlanConfig` field; default `(\d+)`, every sample")
+    quoted["stride"] = int(stride)
+    assert "stride=" in text and quoted == {
+        f.name: f.default for f in dataclasses.fields(PlanConfig)
+    }
+    builder = inspect.signature(insitu_pipeline).parameters
+    assert {k: builder[k].default for k in quoted if k in builder} == {
+        k: v for k, v in quoted.items() if k in builder
+    }
+
+
+def test_the_defaults_pipeline_md_quotes_are_the_builders_and_fetch_options() -> None:
+    builder = inspect.signature(insitu_pipeline).parameters
+    fetch = {f.name: f.default for f in dataclasses.fields(FetchOptions)}
+    quoted = dict(re.findall(r"`(\w+)` \(default (\d+)\)", prose("pipeline.md")))
+    assert {"max_inflight", "prefetch_depth"} <= set(quoted)
+    for name, value in quoted.items():
+        assert builder[name].default == fetch[name] == int(value), name
+
+
+def test_the_thresholds_pipeline_md_and_caching_md_quote_are_the_codes() -> None:
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    fractions = {"a sixteenth": 16, "a quarter": 4, "half": 2}
+    (keep,) = said("pipeline.md", r"for the automatic budget, (a \w+) of RAM")
+    (cap,) = said("pipeline.md", r"while the read-once bound is under (a \w+) of the machine's RAM")
+    assert schedule._auto_keep_bytes() == ram // 4 // 4 and fractions[keep] == 16
+    assert schedule._auto_cap_bytes() == ram // 4 and fractions[cap] == 4
+    consumer, decode = (
+        said("pipeline.md", r"less than (\d+) % of the time \(`CONSUMER_WAIT_FRACTION`\)")
+        + said("pipeline.md", r"at least (\d+) % of the time \(`DECODE_BUSY_FRACTION`\)")
+    )  # fmt: skip
+    assert int(consumer) == report.CONSUMER_WAIT_FRACTION * 100
+    assert int(decode) == report.DECODE_BUSY_FRACTION * 100
+    sys_share, fault_mib = said(
+        "pipeline.md",
+        r"the kernel took at least (a \w+) of the wall time and the page faults touched at "
+        r"least (\d+) MiB",
+    )
+    assert 1 / fractions[sys_share] == report.FAULT_SYS_FRACTION
+    assert int(fault_mib) * 2**20 == report.FAULT_MIN_BYTES
+    (budget_share,) = said("pipeline.md", r"above the budget and under (\w+) the RAM")
+    assert 1 / fractions[budget_share] == report._BUDGET_RAM_SHARE
+    (small_us,) = said("pipeline.md", r"under (\d+) µs \(`SMALL_OBJECT_S`")
+    assert pytest.approx(int(small_us) * 1e-6) == _jobs.SMALL_OBJECT_S
+    (heads,) = said("caching.md", r"a HEAD request each, (\d+) in flight")
+    assert int(heads) == objects.HEADS_IN_FLIGHT
+
+
+def test_the_check_transform_defaults_transforms_md_quotes_are_the_clis() -> None:
+    args = _parser().parse_args(["check-transform", "store.zarr", "--var", "t2m",
+                                 "--transform", "prep.py:f"])  # fmt: skip
+    (chunk,) = said("transforms.md", r"runs it on chunk `--chunk` \(default (\d+)\)")
+    (threshold,) = said("transforms.md", r"`--gil-threshold` \((\d+) % by default\)")
+    (switch_ms,) = said("transforms.md", r"switch interval set to (\d+) ms")
+    assert args.chunk == int(chunk) and args.gil_threshold * 100 == int(threshold)
+    probe = inspect.signature(gil_probe).parameters
+    assert probe["interval"].default * 1000 == int(switch_ms)
+    said("transforms.md", r"for at least a second and two calls")
+    assert args.probe_seconds == probe["seconds"].default == 1.0
+    assert probe["min_calls"].default == 2
