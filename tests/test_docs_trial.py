@@ -28,7 +28,7 @@ import zarr.storage
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from insitubatch_nodes import RetryPolicy, insitu_pipeline, open_geometries, report
+from insitubatch_nodes import RetryPolicy, insitu_pipeline, open_geometries, report, split_by_chunk
 from insitubatch_nodes.cli import _parser, gil_probe, main
 from insitubatch_nodes.io import objects
 from insitubatch_nodes.options import FetchOptions
@@ -248,3 +248,28 @@ def test_the_check_transform_defaults_transforms_md_quotes_are_the_clis() -> Non
     said("transforms.md", r"for at least a second and two calls")
     assert args.probe_seconds == probe["seconds"].default == 1.0
     assert probe["min_calls"].default == 2
+
+
+def test_stats_are_the_pool_counters_and_the_outside_pool_bytes_pipeline_md_tables(
+    store: Path,
+) -> None:
+    # pipeline.md said pipe.stats() was "the same as pipe.stages.pool.stats.as_dict()"; it adds
+    # the memory held outside the pool (the table's last three rows).
+    text = (DOCS / "pipeline.md").read_text()
+    table = text[text.index("| Counter | Meaning |") :].split("\n\n")[0].splitlines()[2:]
+    documented = [re.findall(r"`(\w+)`", row.split("|")[1]) for row in table]
+    t2m = open_geometries(store, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    with insitu_pipeline(store, manifest, {"x": t2m}, batch_size=4, coords=()) as pipe:
+        for _ in pipe:
+            pass
+        stats, pool = pipe.stats(), pipe.stages.pool.stats.as_dict()
+    outside = {"batch_buffer_bytes", "decode_scratch_bytes", "outside_pool_bytes"}
+    assert {name for row in documented for name in row} == set(stats)
+    assert [name for row in documented[-3:] for name in row] == sorted(
+        outside, key=list(stats).index
+    )
+    assert {k: v for k, v in stats.items() if k not in outside} == pool
+    assert (
+        stats["outside_pool_bytes"] == stats["batch_buffer_bytes"] + stats["decode_scratch_bytes"]
+    )
