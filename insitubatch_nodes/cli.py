@@ -77,9 +77,23 @@ def load_target(spec: str) -> Any:
             raise _UsageError(f"--transform: cannot import {where!r}")
         module = importlib.util.module_from_spec(module_spec)
         sys.modules[name] = module
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except ImportError as exc:
+            raise _UsageError(f"--transform: cannot import {where!r}: {exc}") from exc
     else:
-        module = importlib.import_module(where)
+        try:
+            module = importlib.import_module(where)
+        except ImportError as exc:
+            hint = (
+                " (a module is imported from the installed packages and PYTHONPATH, not the "
+                "working directory: name a file as path.py:attr instead)"
+                if isinstance(exc, ModuleNotFoundError)
+                and exc.name is not None
+                and (where == exc.name or where.startswith(f"{exc.name}."))
+                else ""
+            )
+            raise _UsageError(f"--transform: cannot import {where!r}: {exc}{hint}") from exc
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
