@@ -262,3 +262,23 @@ def test_a_context_made_with_chunk_transforms_gives_every_stage_the_transformed_
     finally:
         hand.close()
         built.close()
+
+
+@pytest.mark.parametrize("given", ["path", "str"])
+def test_the_fetch_stage_takes_a_store_by_path_as_the_builder_does(store: Path, given: str) -> None:
+    # a path string failed at the first read with "'str' object has no attribute 'get'"
+    views = _views(store)
+    plan = ReadPlanNode(
+        split_by_chunk(views["x"].base, (0.8, 0.1, 0.1)), views, config=PlanConfig(batch_size=12)
+    )
+    context = StageContext.create(plan, ChunkPool(None))
+    where = store if given == "path" else str(store)
+    fetch = AsyncChunkFetchNode(plan, where, context=context)
+    root = PrefetcherNode(GatherNode(ChunkPoolNode(fetch, context=context), context=context),
+                          context=context)  # fmt: skip
+    try:
+        batch = next(iter(Loader(root)))
+        t2m = np.asarray(zarr.open_group(str(store), mode="r")["t2m"][...])
+        np.testing.assert_array_equal(batch.arrays["x"], t2m[batch.sample_indices["x"]])
+    finally:
+        root.close()

@@ -59,7 +59,6 @@ from concurrent.futures import Future
 from typing import Any
 
 from torchdata.nodes import BaseNode
-from zarr.abc.store import Store
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _process, _runtime
@@ -67,7 +66,7 @@ from insitubatch_nodes.io import objects
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.routing import RoutingStore
-from insitubatch_nodes.io.stores import describe_store, retry_policy
+from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.stages._admit import (
     Admission,
@@ -90,13 +89,15 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     """Fetch + decode stage (see the module docstring).
 
     ``source`` yields the plans (the context's :class:`ReadPlanNode`, or a node over it);
-    ``store`` is the zarr store the arrays live in. When it is a ``zarr.storage.ObjectStore``
-    the GETs go straight to the obstore store underneath (``obstore.get_async``); any other zarr
-    store is read with its own ``get``. A store that is exactly a local folder is not read with
-    GETs: each object is read and decoded by one decode-pool thread
-    (:mod:`~insitubatch_nodes.io.localfiles`; no deadline applies there). Every GET fails with
-    ``TimeoutError`` after ``retry.timeout_s`` (the options' ``retry``; by default the policy the
-    store was opened with, see :func:`~insitubatch_nodes.io.stores.retry_policy`).
+    ``store`` is the zarr store the arrays live in (a path or URL is opened read-only, as
+    :func:`~insitubatch_nodes.io.stores.as_store` opens it). When it is a
+    ``zarr.storage.ObjectStore`` the GETs go straight to the obstore store underneath
+    (``obstore.get_async``); any other zarr store is read with its own ``get``. A store that
+    is exactly a local folder is not read with GETs: each object is read and decoded by one
+    decode-pool thread (:mod:`~insitubatch_nodes.io.localfiles`; no deadline applies there).
+    Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (the options' ``retry``; by
+    default the policy the store was opened with, see
+    :func:`~insitubatch_nodes.io.stores.retry_policy`).
 
     Everything else is the ``context``'s: the arrays (its plan's), the pool, the chunk
     transforms (they run on the decode threads on every chunk this node decodes, once all of
@@ -113,11 +114,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     chunk transforms are not bad chunks: they always reach the consumer.
     """
 
-    def __init__(self, source: BaseNode[BatchPlan], store: Store, *, context: StageContext) -> None:
+    def __init__(
+        self, source: BaseNode[BatchPlan], store: StoreLike, *, context: StageContext
+    ) -> None:
         super().__init__()
         options = context.options
         self.source = source
-        self.store = store
+        # a path or URL is opened as the builder opens it (read-only), here, not at a first read
+        self.store = store = as_store(store)
         self.context = context
         self.pool = context.pool
         self.geoms = context.geoms
