@@ -9,7 +9,10 @@ where Lightning itself drops the loader state (Lightning issue #20550: a Lightni
 ``configure_optimizers`` reads ``trainer.estimated_stepping_batches``).
 
 The training permutation follows ``trainer.current_epoch``; validation and test pipelines are
-separate objects with their own state, so evaluating never moves the training position. After
+separate objects with their own state, so evaluating never moves the training position. They
+are dealt with ``remainder="uneven"``: under DDP each sample of the split is evaluated exactly
+once, and a rank may run one batch fewer than another (fine for epoch-end reductions, not for a
+collective call in every ``validation_step``). After
 Lightning resumed a run stopped by ``max_steps`` (it counts the stopped epoch as done, yet
 resumes it at the next batch under the following epoch's number) the training plan's epochs run
 behind the trainer's by that one, so the batches are the uninterrupted run's.
@@ -162,7 +165,8 @@ class InSituDataModule(pl.LightningDataModule):
 
     * ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`, kept as
       :attr:`plan_config`): training's read plan; the val/test pipelines use
-      :meth:`plan_config_for` — the same config, unshuffled, with ``eval_batch_size`` — and
+      :meth:`plan_config_for` — the same config, unshuffled, with ``eval_batch_size`` and
+      ``remainder="uneven"`` (every sample once) — and
       every split takes the rank and world size from the Trainer (the config's own ``rank``
       and ``world_size`` are replaced);
     * ``fetch`` (a :class:`~insitubatch_nodes.options.FetchOptions`): every split's;
@@ -325,11 +329,15 @@ class InSituDataModule(pl.LightningDataModule):
     def plan_config_for(self, split: str) -> PlanConfig:
         """The plan settings of ``split``'s pipeline, before the Trainer's rank and world size:
         :attr:`plan_config` for ``"train"``; for ``"val"``/``"test"`` the same settings, in
-        order (no shuffle) and with ``eval_batch_size`` (default: training's batch size)."""
+        order (no shuffle), with ``eval_batch_size`` (default: training's batch size) and
+        ``remainder="uneven"``: under DDP every sample of the split is evaluated exactly once,
+        and a rank may run one batch fewer than another (see docs/training.md)."""
         if split == "train":
             return self.plan_config
         batch_size = self.eval_batch_size or self.plan_config.batch_size
-        return self.plan_config.replace(split=split, batch_size=batch_size, shuffle=False)
+        return self.plan_config.replace(
+            split=split, batch_size=batch_size, shuffle=False, remainder="uneven"
+        )
 
     def cache_options_for(self, split: str) -> CacheOptions:
         """The cache settings of ``split``'s pipeline: :attr:`cache_options` for ``"train"``;

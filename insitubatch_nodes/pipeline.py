@@ -241,9 +241,10 @@ def insitu_pipeline(
     the views between epochs.
     An anchor is used only when every view reads inside ``split``'s own chunks (and inside
     the manifest's ``sample_range`` window); ``cross_split_windows=True`` lets windows read
-    across that edge. ``remainder`` (``"drop"`` or ``"pad"``) is what several ranks do with the
-    samples that do not divide evenly between them (see
-    :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`).
+    across that edge. ``remainder`` (``"drop"``, ``"pad"`` or, for ``split="val"``/``"test"``
+    only, ``"uneven"``: every sample exactly once, batch counts differing by at most one between
+    ranks) is what several ranks do with the samples that do not divide evenly between them
+    (see :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`).
 
     ``stride`` (a :class:`PlanConfig` field; default 1, every sample) picks the anchors: an
     ``int`` ``k`` keeps every ``k``-th sample counted from index 0, a time step (``"6h"``,

@@ -9,7 +9,8 @@
    by two of them.
 2. Lightning ``Trainer(accelerator="cpu", devices=2, strategy="ddp")`` (its launcher re-runs
    the script for rank 1): a run killed after a mid-epoch checkpoint and resumed trains, on
-   both ranks, on exactly the batches an uninterrupted run trains on.
+   both ranks, on exactly the batches an uninterrupted run trains on; the uninterrupted run's
+   validation evaluates every val sample once, rank 0 running one batch more than rank 1.
 """
 
 from __future__ import annotations
@@ -107,7 +108,12 @@ def test_lightning_ddp_resumes_a_killed_run_exactly_on_both_ranks(tmp_path: Path
     n_batches = 5  # 12 train chunks -> 6 per rank -> 48 samples -> 5 batches of 10
     kill_at = 3
 
-    ref_req = lightning_request(store, tmp_path / "ref", tmp_path / "ref-ckpt", **ddp)
+    # the reference also validates: 15 val anchors (96..110) as 8 + 7 in batches of 7, so rank
+    # 0 runs 2 validation batches and rank 1 one (remainder="uneven")
+    ref_req = lightning_request(
+        store, tmp_path / "ref", tmp_path / "ref-ckpt", eval_batch_size=7, limit_val_batches=1.0,
+        **ddp,
+    )  # fmt: skip
     kill_req = lightning_request(
         store,
         tmp_path / "killed",
@@ -128,6 +134,11 @@ def test_lightning_ddp_resumes_a_killed_run_exactly_on_both_ranks(tmp_path: Path
         ]
     idx = [{i for row in rows[:n_batches] for i in row[5]} for rows in reference]
     assert not idx[0] & idx[1], "the two ranks trained on shared samples"
+    val = [read_records(tmp_path / "ref", rank=r, kind="val") for r in range(WORLD)]
+    assert [len(rows) for rows in val] == [2 * 2, 2 * 1]  # two epochs' validations
+    for epoch in range(2):
+        rows = [i for rank in val for r in rank if r["epoch"] == epoch for i in r["idx"]]
+        assert sorted(rows) == list(range(96, 111)), "not every val sample evaluated once"
 
     assert kill_rc == -9, f"exit code {kill_rc}\n{kill_log[-6000:]}"
     ckpt = tmp_path / "ckpt" / f"step={kill_at}.ckpt"

@@ -44,10 +44,11 @@ predict (the test split, in store order), loader lengths equal to the batches de
 change the order; the config's seed does: documented), a stack normalised by fitted statistics,
 resume from over 60 checkpoints (every few steps, on validation end, at epoch ends, ``last``;
 with and without ``max_steps``), and a 2-rank gloo DDP fit (equal batch counts, disjoint
-samples; validation leaves ``world_size - 1`` samples out under ``remainder="drop"``:
-documented). Lightning's, not fixed: with ``max_steps`` and ``limit_train_batches``, a
-checkpoint saved at an epoch's end resumes with one batch past the limit (Lightning fetches it,
-``num_training_batches`` not yet set; the same before these changes), the later ones exact.
+samples; validation left ``world_size - 1`` samples out under training's ``"drop"``: now
+``"uneven"``, every sample once, tests/test_uneven.py and tests/test_ddp.py). Lightning's, not
+fixed: with ``max_steps`` and ``limit_train_batches``, a checkpoint saved at an epoch's end
+resumes with one batch past the limit (Lightning fetches it, ``num_training_batches`` not yet
+set; the same before these changes), the later ones exact.
 """
 
 from __future__ import annotations

@@ -286,7 +286,7 @@ def test_the_data_module_derives_val_and_test_from_its_training_config(
     )
     assert dm.plan_config == PlanConfig(batch_size=6, block_chunks=3, seed=7, remainder="pad")
     assert dm.plan_config_for("val") == dm.plan_config.replace(
-        split="val", batch_size=4, shuffle=False
+        split="val", batch_size=4, shuffle=False, remainder="uneven"
     )
     dm.batch_size = 10  # as Lightning's batch-size finder does
     assert dm.plan_config.batch_size == 10 and dm.batch_size == 10

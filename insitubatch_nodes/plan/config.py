@@ -58,8 +58,13 @@ class PlanConfig:
     * ``ramp`` (``True``): a small lead block first, so the first batch waits for few chunks;
     * ``cross_split_windows`` (``False``): let windows read samples of another split (and
       outside the manifest's ``sample_range`` window);
-    * ``remainder`` (``"drop"``): ``"drop"`` or ``"pad"``, what several ranks do with the
-      samples that do not divide evenly between them;
+    * ``remainder`` (``"drop"``): ``"drop"``, ``"pad"`` or ``"uneven"``, what several ranks do
+      with the samples that do not divide evenly between them
+      (:mod:`~insitubatch_nodes.plan.ranks`).
+      ``"uneven"`` delivers every sample exactly once, the ranks' batch counts differing by at
+      most one: for evaluation (``split="val"``/``"test"``) only — with ``split="train"`` it
+      is refused, since DDP's gradient sync in the backward pass of the rank with one batch
+      more would wait forever for the others;
     * ``stride`` (1): which samples are anchors — an ``int`` ``k`` (every ``k``-th sample,
       counted from index 0 of the array) or a time step (``"6h"``, ``numpy.timedelta64``,
       ``datetime.timedelta``; kept as a ``numpy.timedelta64``): the samples whose time is a
@@ -71,8 +76,9 @@ class PlanConfig:
     what the loose keywords always raised: ``TypeError`` for the wrong kind of value (a float,
     a ``bool`` or a string where an integer belongs; anything but ``True``/``False`` for a
     flag; a non-string ``remainder``), ``ValueError`` for a value out of range (a count below
-    1, a negative seed, an unknown ``split`` or ``remainder``, a ``world_size`` below 1 or a
-    ``rank`` outside ``[0, world_size)`` when ``world_size`` is given). Accepted values are
+    1, a negative seed, an unknown ``split`` or ``remainder``, ``remainder="uneven"`` with
+    ``split="train"``, a ``world_size`` below 1 or a ``rank`` outside ``[0, world_size)`` when
+    ``world_size`` is given). Accepted values are
     normalised to plain Python (``numpy`` integers and ``numpy.bool_`` become ``int`` and
     ``bool``), so two configs are equal exactly when they draw the same plans. The object is
     frozen and hashable; :meth:`replace` returns a checked copy.
@@ -105,6 +111,14 @@ class PlanConfig:
             "remainder": check_remainder(self.remainder),
             "stride": check_stride(self.stride),
         }
+        if checked["remainder"] == "uneven" and self.split == "train":
+            raise ValueError(
+                "remainder='uneven' is for evaluation (split='val' or 'test'): its ranks' batch "
+                "counts differ by one, and in training the rank with one batch more would wait "
+                "forever in DDP's gradient sync; train with remainder='drop' (at most "
+                "world_size - 1 samples sit out each epoch) or 'pad' (at most world_size - 1 "
+                "repeat)"
+            )
         world, rank = checked["world_size"], checked["rank"]
         if world is not None:
             # rank=None is checked as 0 here; the read plan resolves it (resolve_rank_world)

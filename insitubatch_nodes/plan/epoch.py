@@ -8,11 +8,12 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
    ``V // world_size`` (``remainder="drop"``) or ``ceil(V / world_size)`` (``"pad"``) of the
    ``V`` valid anchors: whole chunks round-robin while they last, then consecutive pieces of the
    remaining (*tail*) chunks' samples; so at most ``world_size - 1`` samples sit out (or are
-   repeated) per epoch, and only tail chunks are read by more than one rank. With windows
-   (views at several offsets, :func:`dealing_for`) :func:`deal_runs` deals instead: each rank
-   one contiguous run of the valid anchors along the sample axis, its chunks then visited in
-   the epoch's permuted order (shuffled within the rank), so ranks share only the chunks one
-   window span reaches across each cut;
+   repeated) per epoch, and only tail chunks are read by more than one rank (with
+   ``"uneven"`` the first ``V % world_size`` ranks get one sample more, and none sits out).
+   With windows (views at several offsets, :func:`dealing_for`) :func:`deal_runs` deals
+   instead: each rank one contiguous run of the valid anchors along the sample axis, its chunks
+   then visited in the epoch's permuted order (shuffled within the rank), so ranks share only
+   the chunks one window span reaches across each cut;
 3. each rank cuts its chunks into *blocks* of ``block_chunks`` chunks and shuffles all valid
    anchors within each block; the result is the *order ledger*, rows ``(chunk_id, within)``.
    With ``ramp=True`` (and shuffling) the epoch's first block is split in two: a lead block of
@@ -348,11 +349,12 @@ def plan_epoch(
 
     ``resumed`` (elastic resume) lists the cuts this epoch went through, oldest first:
     ``(W, k)`` says that each rank of a ``W``-rank run had delivered its first ``k`` batches of
-    the epoch (counted from the epoch's start, so ``k`` grows from cut to cut). The plan is then
+    the epoch (counted from the epoch's start, so ``k`` grows from cut to cut; a rank with fewer,
+    under ``remainder="uneven"``, all of its own). The plan is then
     the epoch's *remainder* for ``world_size`` ranks: the valid samples no earlier rank
     delivered, grouped by chunk in the epoch's visiting order and dealt by :func:`deal` as a
-    fresh epoch's are, its batches numbered from the last cut's ``k``
-    (:attr:`EpochPlan.first_batch`).
+    fresh epoch's are (with ``"uneven"``: every one of them exactly once), its batches numbered
+    from the last cut's ``k`` (:attr:`EpochPlan.first_batch`).
 
     ``dealing`` (``"chunks"`` or ``"runs"``, see :mod:`~insitubatch_nodes.plan.ranks`) is how
     every stage of the epoch is dealt between ranks; ``None`` takes :func:`dealing_for` the

@@ -1,4 +1,5 @@
-"""Dealing an epoch's samples between ranks: every rank the same number of samples.
+"""Dealing an epoch's samples between ranks: every rank the same number of samples, or with
+``remainder="uneven"`` numbers that differ by at most one.
 
 Two dealings (:data:`DEALINGS`), each a pure function of the groups' sample counts:
 
@@ -12,7 +13,10 @@ Two dealings (:data:`DEALINGS`), each a pure function of the groups' sample coun
   one window span reaches across: summed over the ranks, little beyond the split's reads.
 
 ``remainder`` says what happens to the at most ``world_size - 1`` samples that do not divide
-evenly (``"drop"``: they sit out; ``"pad"``: some repeat).
+evenly (``"drop"``: they sit out; ``"pad"``: some repeat; ``"uneven"``: each goes to one of
+the first ranks, so every sample is delivered exactly once and rank ``r`` gets one sample more
+than the others exactly when ``r < V % world_size``, for ``V`` samples: the ranks' batch
+counts may then differ by one, which evaluation tolerates and gradient sync does not).
 """
 
 from __future__ import annotations
@@ -31,22 +35,37 @@ __all__ = [
     "deal",
     "deal_runs",
     "default_rank_world",
+    "rank_shares",
     "resolve_rank_world",
     "samples_per_rank",
 ]
 
 
-REMAINDERS = ("drop", "pad")
+REMAINDERS = ("drop", "pad", "uneven")
 DEALINGS = ("chunks", "runs")
 
 
-def samples_per_rank(n_samples: int, world_size: int, remainder: str = "drop") -> int:
-    """Samples each of ``world_size`` ranks emits from ``n_samples``: ``floor`` (``"drop"``:
-    at most ``world_size - 1`` sit out) or ``ceil`` (``"pad"``: at most ``world_size - 1``
-    are repeated) of ``n_samples / world_size``."""
+def samples_per_rank(
+    n_samples: int, world_size: int, remainder: str = "drop", rank: int = 0
+) -> int:
+    """Samples rank ``rank`` of ``world_size`` ranks emits from ``n_samples``: ``floor``
+    (``"drop"``: at most ``world_size - 1`` sit out) or ``ceil`` (``"pad"``: at most
+    ``world_size - 1`` are repeated) of ``n_samples / world_size`` on every rank; with
+    ``"uneven"``, ``floor`` plus one on the first ``n_samples % world_size`` ranks (none sits
+    out, none repeats)."""
     if remainder == "pad":
         return -(-n_samples // world_size)
+    if remainder == "uneven":
+        return n_samples // world_size + int(rank < n_samples % world_size)
     return n_samples // world_size
+
+
+def rank_shares(n_samples: int, world_size: int, remainder: str = "drop") -> np.ndarray:
+    """:func:`samples_per_rank` of each rank, rank 0 first (``int64``)."""
+    return np.array(
+        [samples_per_rank(n_samples, world_size, remainder, r) for r in range(world_size)],
+        dtype=np.int64,
+    )
 
 
 def _covered(
@@ -72,11 +91,12 @@ def deal(
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Deal ``counts[g]`` samples of each group ``g`` (a chunk, in visiting order) to ranks.
 
-    Each rank gets exactly :func:`samples_per_rank` samples. Whole groups are dealt
+    Each rank gets exactly :func:`samples_per_rank` samples (its share). Whole groups are dealt
     round-robin (group ``k * world_size + r`` to rank ``r``) for as many rounds as no rank
     goes over its share; the samples of the groups left (the *tail*) are then laid end to end
     and cut into consecutive pieces, rank 0 first, each rank taking what its share still
     lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out.
+    ``"uneven"``: none does (the shares add up to ``sum(counts)``).
     ``"pad"``: ``(-sum(counts)) % world_size`` samples, drawn without replacement from all
     samples by ``numpy.random.default_rng([*pad_seed, 2])`` (with replacement only when there
     are fewer samples than pads), are appended to the tail (each a
@@ -92,7 +112,7 @@ def deal(
     counts = np.asarray(counts, dtype=np.int64)
     w = int(world_size)
     n_groups, total = len(counts), int(counts.sum())
-    share = samples_per_rank(total, w, remainder)
+    share = rank_shares(total, w, remainder)
     rounds_max = n_groups // w
     cum = np.cumsum(counts[: rounds_max * w].reshape(rounds_max, w), axis=0)
     fits = (cum <= share).all(axis=1)
@@ -150,7 +170,9 @@ def deal_runs(
     chunk index: distinct, and each group's samples lie between its neighbours').
 
     The samples are laid end to end in axis order and cut into ``world_size`` consecutive
-    *segments*, one per rank, each of :func:`samples_per_rank` samples:
+    *segments*, one per rank, each of the :func:`samples_per_rank` samples of the rank it goes
+    to (so, with ``"uneven"``, one more for the first ``sum(counts) % world_size`` ranks, and
+    nothing sits out or repeats):
 
     * ``"drop"``: the ``sum(counts) % world_size`` samples left over sit out as one run at one
       of the ``world_size + 1`` cuts (before the first segment, between two, after the last);
@@ -159,8 +181,9 @@ def deal_runs(
       segment at the axis' end) — delivered twice, by it and by its neighbour.
 
     With ``rng`` (a shuffled epoch) the sit-out cut, the short segments and which rank gets
-    which segment are drawn from it (in that order); without, the sit-out run is the axis' last
-    samples, the short segments the last ones, and rank ``r`` gets segment ``r``.
+    which segment are drawn from it (in that order; ``"uneven"`` draws only the last); without,
+    the sit-out run is the axis' last samples, the short segments the last ones, and rank ``r``
+    gets segment ``r``.
 
     Returns, for each rank, ``(group, lo, count)`` as :func:`deal` does: the rank's pieces, its
     whole groups in visiting order, then its (at most two) partial pieces in axis order, then
@@ -180,11 +203,13 @@ def deal_runs(
     if remainder == "pad":
         short = rng.choice(w, n_pad, replace=False) if rng is not None else np.arange(w - n_pad, w)
         sizes[short] -= 1
-    else:
+    elif remainder == "drop":
         cut = int(rng.integers(w + 1)) if rng is not None else w
         if cut < w:
             lead[cut] = total - w * share
     owner = rng.permutation(w) if rng is not None else np.arange(w)  # segment -> rank
+    if remainder == "uneven":  # each segment the size of the rank it goes to
+        sizes = rank_shares(total, w, remainder)[owner]
     seg_start = np.cumsum(lead + sizes) - sizes
     segment_of = np.argsort(owner)  # rank -> segment
     out = []
@@ -204,7 +229,7 @@ def deal_runs(
             groups.append(by_axis[sel[keep]])
             los.append(lo[keep])
             cnts.append((hi - lo)[keep])
-        if sizes[s] < share:  # a short segment: its padded sample lies just past one end
+        if remainder == "pad" and sizes[s] < share:  # short: its padded sample lies past one end
             pad = b if b < total else a - 1
             g = int(np.searchsorted(ends, pad, side="right"))
             groups.append(by_axis[[g]])
@@ -220,8 +245,9 @@ def check_remainder(remainder: Any) -> str:
         raise TypeError(f"remainder must be one of {REMAINDERS}, got {remainder!r}")
     if remainder not in REMAINDERS:
         raise ValueError(
-            f"remainder must be 'drop' (at most world_size - 1 samples sit out each epoch) or "
-            f"'pad' (at most world_size - 1 are repeated), got {remainder!r}"
+            "remainder must be 'drop' (at most world_size - 1 samples sit out each epoch), "
+            "'pad' (at most world_size - 1 are repeated) or 'uneven' (every sample once; the "
+            f"ranks' batch counts may differ by one), got {remainder!r}"
         )
     return remainder
 

@@ -295,8 +295,8 @@ def schedule_floors(
     remainder, world_size`` matter here (:data:`~insitubatch_nodes.plan.config.SCHEDULE_FIELDS`).
     The bounds hold for every epoch, seed and rank of ``world_size`` ranks (default:
     ``torch.distributed``'s, else 1 — as :class:`ReadPlanNode` resolves it), with or without
-    ``shuffle`` and ``ramp``; with ``remainder="drop"`` the bounds for any ``world_size > 1``
-    hold for every world size.
+    ``shuffle`` and ``ramp``; with ``remainder="drop"`` or ``"uneven"`` (its ledgers are shaped
+    as ``"drop"``'s) the bounds for any ``world_size > 1`` hold for every world size.
 
     **Tails.** With several ranks a rank's ledger (:func:`deal`, or :func:`deal_runs` for
     windows: the same shape) is whole chunks — no two the same — then at most two partial

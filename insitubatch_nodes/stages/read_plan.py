@@ -90,14 +90,14 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     **Ranks.** ``rank``/``world_size`` default to ``torch.distributed``'s when it is initialised,
     else 0/1. Every rank emits the same number of samples, a constant across epochs — with ``V``
-    valid anchors, ``V // world_size`` (``remainder="drop"``, the default) or
-    ``ceil(V / world_size)`` (``"pad"``) — so all ranks yield the same number of batches. Each
+    valid anchors, ``V // world_size`` (``remainder="drop"``, the default) or ``ceil(V /
+    world_size)`` (``"pad"``) — so all ranks yield the same number of batches (``"uneven"``,
+    val/test only: one more on the first ``V % world_size`` ranks, every sample once). Each
     epoch :func:`deal` hands the permuted chunks out round-robin as whole chunks while every
     rank stays within its share, then cuts the remaining chunks' samples into consecutive
-    pieces, one per rank. ``"drop"``: the last ``V % world_size`` of them (at most
-    ``world_size - 1``, changing with the permutation) sit out this epoch. ``"pad"``: none does;
-    ``(-V) % world_size`` samples drawn by the epoch's seed are delivered twice, like
-    ``DistributedSampler(drop_last=False)``. A rank reads each chunk it holds once per epoch;
+    pieces. ``"drop"``: the last ``V % world_size`` of them (at most ``world_size - 1``,
+    changing with the permutation) sit out this epoch. ``"pad"``: ``(-V) % world_size`` samples
+    drawn by the epoch's seed are delivered twice. A rank reads each chunk it holds once per epoch;
     a tail chunk cut between ranks is read by each of them (at most ``world_size - 1`` extra
     chunk reads per epoch, plus one per padded sample), and a shifted view's neighbour chunk —
     ``c + 1`` for the last anchors of ``c`` — may also be read by the rank that holds ``c``.
@@ -134,8 +134,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     except the world size.
 
     **Elastic resume.** A state saved under another world size ``W`` restores too: every old
-    rank is taken to have delivered the state's ``k`` batches (ranks move in lockstep; the
-    state is rank 0's), and the rest of the epoch — the valid samples no old rank delivered —
+    rank is taken to have delivered its first ``k`` batches, the state's (all it had if fewer;
+    ranks move in lockstep, the state is rank 0's), and the rest — the samples none delivered —
     is dealt to this world size by :func:`deal` (``resumed`` of :func:`plan_epoch`); batches
     go on from ``k``, so that epoch's ``len()`` differs; the next epochs are this world size's
     own. The state then carries the epoch's cuts (``"resumed"``), so it restores again, on any
@@ -535,9 +535,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         was saved before windows were dealt in runs (its config has no ``"deal"``): that epoch
         then goes on dealt in chunks, as it began.
 
-        A state taken under another world size adds a cut: every old rank delivered the
-        state's ``batches_emitted`` batches (ranks move in lockstep, and only rank 0's state
-        is saved), and the rest of the epoch is dealt to this world size.
+        A state taken under another world size adds a cut: every old rank delivered its first
+        ``batches_emitted`` batches (all it had if fewer; rank 0, whose state is saved, has the
+        most), and the rest of the epoch is dealt to this world size.
         """
         epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
         resumed = check_cuts(state.get("resumed", ()), emitted)
