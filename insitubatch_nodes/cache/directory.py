@@ -60,12 +60,12 @@ from the cache raises :class:`CacheMissError` naming the array and chunk.
 persistent cache warns once and keeps the chunks that do not fit in RAM slots, not persisted
 (:meth:`ChunkCache.new_slot` returns ``None``); spill raises :class:`CacheDiskFullError`.
 
-**Ranks.** Under DDP rank ``r`` writes its own directory (``cache_dir`` for rank 0,
-``cache_dir/rank-<r>`` for the others) under its lock, and reads the logs of all of them as they
-grow: a chunk any rank completed is a hit for every rank, now and in the next run, and the disk
-holds one copy. Two ranks missing one chunk at once do not both write it: the first to create its
-claim file in ``cache_dir/.claims`` does, the other keeps its copy in memory. A second *job* on
-the same directory fails at construction, on rank 0's lock.
+**Ranks.** Under DDP rank ``r`` writes ``cache_dir`` (rank 0) or ``cache_dir/rank-<r>`` under its
+lock, and reads every part's log as it grows (again from its start when replaced): a chunk any
+rank completed is a hit for every rank, now and in later runs, and the disk holds one copy (its
+latest line wins, whichever part logged it). Two ranks missing one chunk at once do not both
+write it: the first to create its claim file in ``cache_dir/.claims`` does, the other keeps its
+copy in memory. A second *job* on the directory fails at construction, on rank 0's lock.
 """
 
 from __future__ import annotations
@@ -433,7 +433,8 @@ class ChunkCache:
                     continue
                 if d == self.own:
                     own_entries.append((key, logged))
-                self._index[key] = logged
+                if logged.supersedes(self._index.get(key)):
+                    self._index[key] = logged
         if stale and not self.reset_stale:
             where = ", ".join(
                 f"{path!r} (in {', '.join(sorted({str(p) for p in dirs_}))})"
@@ -490,7 +491,8 @@ class ChunkCache:
                 if HEADER_KEY in item:
                     continue
                 key, logged = parse_entry(log, line_no, item)
-                if self.fingerprints.get(key[0]) == logged.fp:
+                old = self._index.get(key)
+                if self.fingerprints.get(key[0]) == logged.fp and logged.supersedes(old):
                     self._index[key] = logged
 
     # -- slots -------------------------------------------------------------------------------
@@ -660,7 +662,7 @@ class ChunkCache:
                 self.fingerprints[slot.key[0]],
                 checksum,
             )
-            os.write(self._log_fd, (entry_line(slot.key, logged) + "\n").encode())
+            Log.append(self._log_fd, entry_line(slot.key, logged) + "\n")
             self._index[slot.key] = logged
             self.stats["committed"] += 1
         except OSError as exc:
