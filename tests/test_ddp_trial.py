@@ -8,8 +8,10 @@ beside a writer and a full tmpfs — every delivered row checked against zarr's 
 below is a case it caught answering wrongly. What went wrong there is how the cache reads and
 writes its rank parts' logs, not a process's timing, so the tests build the ranks' pipelines (or
 caches) one after another in this process (``rank=``/``world_size=`` given, each writing its own
-part of the directory), in the order the trial's processes reached that point; the oracles are
-zarr's read, the store's GETs (``pipe.stats()``) and the cache directory's files.
+part of the directory), in the order the trial's processes reached that point — except the
+last, whose point is a process's identity: two real processes, each pid 1 of its own pid
+namespace, as two runs of a restarted container are. The oracles are zarr's read, the store's
+GETs (``pipe.stats()``) and the cache directory's files.
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -202,3 +207,61 @@ def test_a_log_line_the_full_disk_cut_short_is_not_left_to_corrupt_the_cache(
         assert kept == [*range(chunk), chunk + 1]
     finally:
         again.close()
+
+
+_AS_PID_ONE = r"""
+import ctypes, json, os, sys
+from pathlib import Path
+import numpy as np
+from insitubatch_nodes.cache.directory import ChunkCache
+
+libc = ctypes.CDLL(None, use_errno=True)
+if libc.unshare(0x20000000) != 0:  # CLONE_NEWPID: the next child is pid 1 of a new namespace
+    print(json.dumps({"skip": os.strerror(ctypes.get_errno())}), flush=True)
+    sys.exit(0)
+child = os.fork()
+if child:
+    sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+# a container's own /proc (CLONE_NEWNS, then proc mounted over /proc in it), as docker gives
+if libc.unshare(0x00020000) != 0 or libc.mount(None, b"/", None, 16384 | 262144, None) != 0:
+    os._exit(3)
+if libc.mount(b"proc", b"/proc", b"proc", 0, None) != 0:
+    os._exit(4)
+cache = ChunkCache(sys.argv[1], {"t2m": "0123456789abcdef"}, persist=True)
+slot = cache.new_slot(("t2m", 0), (2, 2), np.dtype("f4"), 2)
+print(json.dumps({"pid": os.getpid(), "slot": slot is not None}), flush=True)
+if sys.argv[2] == "die":  # holding the claim, as a killed rank does
+    os._exit(0)
+if slot is not None:
+    cache.drop(slot)
+del slot  # (its mapping would hold the directory's lock)
+cache.close()
+"""
+
+
+def test_a_claim_a_killed_rank_left_is_swept_when_a_restarted_container_reuses_its_pid(
+    tmp_path: Path,
+) -> None:
+    """A rank killed while it wrote a chunk leaves the chunk's claim file naming its host and
+    pid; the next writer sweeps the claims of processes that are gone. A job restarted in a new
+    container (a pod restarted on the same node, its NVMe kept) numbers its processes as the
+    last one did, here pid 1. Before: the claim named a live pid — another process of the new
+    job — so it was kept, the chunk counted as "claimed elsewhere", fetched and never written,
+    in every later run. After: a claim names when its pid started too, and one whose pid now
+    runs a process started at another time is swept."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    seen = []
+    for what in ("die", "restart"):
+        done = forkserver.run([sys.executable, "-c", _AS_PID_ONE, str(cache), what],
+                              capture_output=True, text=True, timeout=30)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        event = json.loads(done.stdout.splitlines()[0])
+        if "skip" in event:
+            pytest.skip(f"no pid namespace here: {event['skip']}")
+        seen.append(event)
+        time.sleep(0.05)  # start times are counted in clock ticks
+    assert [e["pid"] for e in seen] == [1, 1]
+    assert seen[0]["slot"], "the first writer claims the chunk"
+    assert seen[1]["slot"], "the restarted writer was kept off the chunk by a dead claim"
+    assert not list((cache / ".claims").iterdir())

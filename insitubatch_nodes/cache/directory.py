@@ -76,7 +76,6 @@ import json
 import logging
 import math
 import os
-import socket
 import threading
 import time
 import warnings
@@ -113,8 +112,9 @@ from insitubatch_nodes.cache.lock import (
     LOCK_NAME,
     WARNED_UNCHECKED,
     DirLock,
+    claim_abandoned,
+    claim_note,
     not_writable,
-    pid_alive,
     share_arrays,
     take_lock,
     unshare_arrays,
@@ -396,13 +396,11 @@ class ChunkCache:
         claims = self.root / CLAIMS_NAME
         if not claims.is_dir():
             return
-        host = socket.gethostname()
         for claim in claims.iterdir():
             try:
-                owner_host, pid = claim.read_text().split()
-                if owner_host == host and not pid_alive(int(pid)):
+                if claim_abandoned(claim.read_text()):
                     claim.unlink(missing_ok=True)
-            except (OSError, ValueError):
+            except OSError:
                 continue
 
     # -- the log -----------------------------------------------------------------------------
@@ -619,7 +617,7 @@ class ChunkCache:
             return None
         try:
             try:
-                os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+                os.write(fd, claim_note().encode())
             finally:
                 os.close(fd)
             self._refresh()  # logged by another rank just before our claim: read that instead
