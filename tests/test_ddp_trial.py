@@ -38,6 +38,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.cache.files import LOG_NAME
+from insitubatch_nodes.errors import StaleCacheError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -56,9 +57,10 @@ def store(tmp_path: Path) -> tuple[Path, np.ndarray]:
 
 def _pipe(root: Path, cache: Path, rank: int, world: int, **kw: Any) -> Any:
     geom = open_geometries(root)["t2m"]
+    kw.setdefault("persist", not kw.get("readonly_cache", False))
     return insitu_pipeline(root, split_by_chunk(geom, (1.0, 0.0, 0.0)), {"t2m": geom},
                            batch_size=4, block_chunks=2, coords=(), cache_dir=cache,
-                           persist=True, rank=rank, world_size=world, **kw)  # fmt: skip
+                           rank=rank, world_size=world, **kw)  # fmt: skip
 
 
 def _epoch(pipe: Any, want: np.ndarray) -> list[int]:
@@ -68,6 +70,11 @@ def _epoch(pipe: Any, want: np.ndarray) -> list[int]:
         np.testing.assert_array_equal(batch["t2m"], want[batch.sample_indices["t2m"]])
         seen += batch.sample_indices["t2m"].tolist()
     return seen
+
+
+def scaler(key: str) -> list[StandardScaler]:
+    """A fitted normalisation, version ``key`` ("v1": std 2, later ones: std 4)."""
+    return [StandardScaler({"t2m": 1.0}, {"t2m": 2.0 if key == "v1" else 4.0}, cache_key=key)]
 
 
 def _logged(part: Path) -> list[int]:
@@ -120,9 +127,6 @@ def test_ranks_that_reset_a_stale_cache_at_once_read_each_others_new_chunks(
     root, values = store
     cache = tmp_path / "cache"
 
-    def scaler(key: str) -> list[StandardScaler]:
-        return [StandardScaler({"t2m": 1.0}, {"t2m": 2.0 if key == "v1" else 4.0}, cache_key=key)]
-
     for rank in range(2):
         with _pipe(root, cache, rank=rank, world=2, chunk_transforms=scaler("v1")) as pipe:
             _epoch(pipe, (values - 1) / 2)
@@ -142,6 +146,34 @@ def test_ranks_that_reset_a_stale_cache_at_once_read_each_others_new_chunks(
     assert stats["gets"] == N_TIME // SPC - len(by_rank1)
     assert stats["disk_hits"] == len(by_rank1)
     assert set(_logged(cache)).isdisjoint(by_rank1), "a chunk cached twice"
+
+
+def test_a_cache_reset_by_a_job_on_fewer_ranks_opens_without_a_stale_error_after(
+    tmp_path: Path, store: tuple[Path, np.ndarray]
+) -> None:
+    """3 ranks warmed the cache; the normalisation changed and the job came back on 2 ranks
+    with ``reset_stale_cache=True``: ranks 0 and 1 reset their parts, and nothing writes
+    ``rank-2`` any more. Before: every later run raised StaleCacheError for the old lines in
+    ``rank-2`` and said to pass ``reset_stale_cache=True`` — which could never clear them, so
+    every run had to pass it, and a read-only reader could not open the cache at all. After:
+    lines older than a line made as now are a reset's leftovers and ignored; a pipeline made
+    otherwise than the newest lines is still refused."""
+    root, values = store
+    cache = tmp_path / "cache"
+    for rank in range(3):
+        with _pipe(root, cache, rank=rank, world=3, chunk_transforms=scaler("v1")) as pipe:
+            _epoch(pipe, (values - 1) / 2)
+    for rank in range(2):
+        with _pipe(root, cache, rank=rank, world=2, chunk_transforms=scaler("v2"),
+                   reset_stale_cache=True) as pipe:  # fmt: skip
+            _epoch(pipe, (values - 1) / 4)
+    assert set(_logged(cache / "rank-2"))  # (its old lines stay)
+    for kw in ({}, {"readonly_cache": True}):
+        with _pipe(root, cache, rank=0, world=1, chunk_transforms=scaler("v2"), **kw) as pipe:
+            assert sorted(_epoch(pipe, (values - 1) / 4)) == list(range(N_TIME))
+            assert pipe.stats()["gets"] == 0
+    with pytest.raises(StaleCacheError, match=r"'t2m' \(in .*cache\b"):
+        _pipe(root, cache, rank=0, world=1, chunk_transforms=scaler("v1"))
 
 
 @pytest.fixture
