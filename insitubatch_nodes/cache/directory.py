@@ -6,12 +6,10 @@ so the budget is held as page cache the kernel can write back and reclaim. Two m
 * **spill** (``persist=False``): each slot is a file mapped and unlinked at once — it takes disk
   space only while mapped, and nothing is left behind, even by a killed process;
 * **persistent** (``persist=True``): every chunk that completes (after its chunk transforms) is a
-  ``.npy`` file that stays, and one line in the append-only log ``insitu_cache.jsonl`` records it
-  the moment it lands (a single ``os.write`` of the whole line on an ``O_APPEND`` descriptor). A
-  later pipeline over the same directory — a fresh process included — serves those chunks as
-  hits: no fetch, no decode, no transform. Since the log is written as chunks land, a process
-  killed mid-epoch (SIGKILL, OOM, preemption) leaves a cache the next run uses for everything
-  that completed.
+  ``.npy`` file that stays, and one line appended whole to the log ``insitu_cache.jsonl`` records
+  it the moment it lands. A later pipeline over the same directory — a fresh process included —
+  serves those chunks as hits: no fetch, no decode, no transform. A process killed mid-epoch
+  (SIGKILL, OOM, preemption) leaves a cache the next run uses for everything that completed.
 
 **Keys and identity.** A cached chunk is keyed by ``(array path, chunk index along the sample
 axis)`` — the array's own index, so overlapping splits and sample ranges share entries. Every log
@@ -39,8 +37,7 @@ garbled — is never served: a writer logs a warning, fetches the chunk again an
 :class:`CorruptCacheError` naming the file. A line written without a checksum (by a version
 before these checks) is not trusted: for a writer it is a miss whose chunk is fetched and
 rewritten, with a checksum this time; a reader raises :class:`CacheMissError` saying so.
-``verify=False`` skips both checks (it still writes checksums). Fields a version does not know
-are ignored when a line is read.
+``verify=False`` skips both checks (it still writes checksums). Unknown fields are ignored.
 
 **Replace, never truncate.** A chunk file is written under a temporary name and renamed into
 place once complete: a process mapping the old file keeps reading its intact bytes (the old inode
@@ -51,21 +48,20 @@ lives as long as a mapping does). The next writer sweeps temporary files a kille
 is taken when the cache opens and released once every mapping of its files is gone; a conflicting
 process fails at once with :class:`CacheBusyError` naming the holder. Pipelines of one process
 share the directory, and must keep each array alike there (``lock.share_arrays``).
-
-**Read-only.** ``readonly_cache=True`` writes nothing (not even the lock file); a chunk missing
-from the cache raises :class:`CacheMissError` naming the array and chunk.
+``readonly_cache=True`` writes nothing (not even the lock file); a chunk missing from the cache
+raises :class:`CacheMissError` naming the array and chunk.
 
 **A full disk.** A file is mapped writable only once it has its blocks
 (:mod:`~insitubatch_nodes.cache._filemap`): a full file system is never SIGBUS in a decode. The
 persistent cache warns once and keeps the chunks that do not fit in RAM slots, not persisted
 (:meth:`ChunkCache.new_slot` returns ``None``); spill raises :class:`CacheDiskFullError`.
 
-**Ranks.** Under DDP rank ``r`` writes its own directory (``cache_dir`` for rank 0,
-``cache_dir/rank-<r>`` for the others) under its lock, and reads the logs of all of them as they
-grow: a chunk any rank completed is a hit for every rank, now and in the next run, and the disk
-holds one copy. Two ranks missing one chunk at once do not both write it: the first to create its
-claim file in ``cache_dir/.claims`` does, the other keeps its copy in memory. A second *job* on
-the same directory fails at construction, on rank 0's lock.
+**Ranks.** Under DDP rank ``r`` writes ``cache_dir`` (rank 0) or ``cache_dir/rank-<r>`` under its
+lock, and reads every part's log as it grows (again from its start when replaced): a chunk any
+rank completed is a hit for every rank, now and in later runs, and the disk holds one copy (its
+latest line wins, whichever part logged it). Two ranks missing one chunk at once do not both
+write it: the first to create its claim file in ``cache_dir/.claims`` does, the other keeps its
+copy in memory. A second *job* on the directory fails at construction, on rank 0's lock.
 """
 
 from __future__ import annotations
@@ -76,7 +72,6 @@ import json
 import logging
 import math
 import os
-import socket
 import threading
 import time
 import warnings
@@ -113,8 +108,9 @@ from insitubatch_nodes.cache.lock import (
     LOCK_NAME,
     WARNED_UNCHECKED,
     DirLock,
+    claim_abandoned,
+    claim_note,
     not_writable,
-    pid_alive,
     share_arrays,
     take_lock,
     unshare_arrays,
@@ -396,18 +392,17 @@ class ChunkCache:
         claims = self.root / CLAIMS_NAME
         if not claims.is_dir():
             return
-        host = socket.gethostname()
         for claim in claims.iterdir():
             try:
-                owner_host, pid = claim.read_text().split()
-                if owner_host == host and not pid_alive(int(pid)):
+                if claim_abandoned(claim.read_text()):
                     claim.unlink(missing_ok=True)
-            except (OSError, ValueError):
+            except OSError:
                 continue
 
     # -- the log -----------------------------------------------------------------------------
     def _load(self) -> None:
-        stale: dict[str, list[Path]] = {}
+        stale: dict[str, list[tuple[Path, int]]] = {}  # array -> (part, when) of its stale lines
+        made: dict[str, int] = {}  # array -> when its newest line made as now was written
         own_entries: list[tuple[tuple[str, int], Logged]] = []
         torn_own = False
         dirs = writer_dirs(self.root)
@@ -423,20 +418,25 @@ class ChunkCache:
                     if item[HEADER_KEY] != LOG_FORMAT:
                         # a log of another format tells us nothing we can check: all stale
                         for path in self.fingerprints:
-                            stale.setdefault(path, []).append(d)
+                            stale.setdefault(path, []).append((d, 1 << 62))
                         break
                     continue
                 key, logged = parse_entry(log, line_no, item)
                 want = self.fingerprints.get(key[0])
                 if want is not None and logged.fp != want:
-                    stale.setdefault(key[0], []).append(d)
+                    stale.setdefault(key[0], []).append((d, logged.written))
                     continue
+                made[key[0]] = max(made.get(key[0], 0), logged.written)
                 if d == self.own:
                     own_entries.append((key, logged))
-                self._index[key] = logged
+                if logged.supersedes(self._index.get(key)):
+                    self._index[key] = logged
+        if not self.reset_stale:  # older than a line made as now: left by a reset on fewer ranks
+            stale = {p: [x for x in xs if x[1] >= made.get(p, 0)] for p, xs in stale.items()}
+            stale = {p: xs for p, xs in stale.items() if xs}
         if stale and not self.reset_stale:
             where = ", ".join(
-                f"{path!r} (in {', '.join(sorted({str(p) for p in dirs_}))})"
+                f"{path!r} (in {', '.join(sorted({str(p) for p, _ in dirs_}))})"
                 for path, dirs_ in sorted(stale.items())
             )
             raise StaleCacheError(
@@ -446,7 +446,7 @@ class ChunkCache:
                 "Pass reset_stale_cache=True to delete just those arrays' cached chunks and "
                 "rebuild them, or use another cache_dir (delete this one to start over)."
             )
-        if (stale and self.own in {p for ps in stale.values() for p in ps}) or torn_own:
+        if (stale and self.own in {p for ps in stale.values() for p, _ in ps}) or torn_own:
             self._rewrite_own_log(set(stale), own_entries)
 
     def _rewrite_own_log(
@@ -490,7 +490,8 @@ class ChunkCache:
                 if HEADER_KEY in item:
                     continue
                 key, logged = parse_entry(log, line_no, item)
-                if self.fingerprints.get(key[0]) == logged.fp:
+                old = self._index.get(key)
+                if self.fingerprints.get(key[0]) == logged.fp and logged.supersedes(old):
                     self._index[key] = logged
 
     # -- slots -------------------------------------------------------------------------------
@@ -617,7 +618,7 @@ class ChunkCache:
             return None
         try:
             try:
-                os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+                os.write(fd, claim_note().encode())
             finally:
                 os.close(fd)
             self._refresh()  # logged by another rank just before our claim: read that instead
@@ -660,7 +661,7 @@ class ChunkCache:
                 self.fingerprints[slot.key[0]],
                 checksum,
             )
-            os.write(self._log_fd, (entry_line(slot.key, logged) + "\n").encode())
+            Log.append(self._log_fd, entry_line(slot.key, logged) + "\n")
             self._index[slot.key] = logged
             self.stats["committed"] += 1
         except OSError as exc:

@@ -33,7 +33,16 @@ try:  # POSIX
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_NAME", "DirLock", "not_writable", "share_arrays", "take_lock", "unshare_arrays"]
+__all__ = [
+    "LOCK_NAME",
+    "DirLock",
+    "claim_abandoned",
+    "claim_note",
+    "not_writable",
+    "share_arrays",
+    "take_lock",
+    "unshare_arrays",
+]
 
 LOCK_NAME = ".insitu.lock"
 # file systems on which flock may be emulated per client (two hosts can both "hold" it)
@@ -325,6 +334,39 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _started(pid: int) -> str | None:
+    """When process ``pid`` started (``/proc/<pid>/stat``'s start time, in clock ticks since
+    boot), or ``None`` where that cannot be read (no such process, no ``/proc``)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[-1].split()  # after the command name, which may hold spaces
+    return fields[19] if len(fields) > 19 else None
+
+
+def claim_note() -> str:
+    """What a claim file (a chunk being written, ``cache_dir/.claims``) says of its writer:
+    host, pid and when that pid started (``-`` where unknown)."""
+    return f"{socket.gethostname()} {os.getpid()} {_started(os.getpid()) or '-'}\n"
+
+
+def claim_abandoned(note: str) -> bool:
+    """Whether the writer a claim file names (:func:`claim_note`) has gone: its pid runs no
+    process on this host, or a process started at another time — the pid was reused, as in a
+    restarted container, which numbers its processes as the last one did (the claims a killed
+    job left then named live processes of the next, and their chunks were never cached again).
+    Claims of other hosts, unreadable ones, and live writers' are kept."""
+    parts = note.split()
+    if len(parts) not in (2, 3) or parts[0] != socket.gethostname() or not parts[1].isdigit():
+        return False
+    pid = int(parts[1])
+    if not pid_alive(pid):
+        return True
+    now = _started(pid)
+    return len(parts) == 3 and parts[2] != "-" and now is not None and now != parts[2]
 
 
 @dataclass

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import threading
+import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +24,8 @@ except ImportError:  # pragma: no cover - Windows
 
 __all__ = []
 
+TIME_KEY = "t"  # the log field of when a line was written (time.time_ns())
+
 
 @dataclass(frozen=True)
 class Logged:
@@ -30,10 +35,27 @@ class Logged:
     valid: int
     fp: str
     checksum: str | None = None  # content_sum of the file's data; None: logged without one
+    # when it was logged (time.time_ns(): now, for a new entry); 0: by a version without it
+    written: int = field(default_factory=time.time_ns)
+
+    def supersedes(self, old: Logged | None) -> bool:
+        """Whether this entry replaces ``old`` as its chunk's: within one writer directory the
+        later line does; across directories (ranks) the one logged later, so a chunk rewritten
+        in one rank's part (found corrupt or stale) is not shadowed by the older entry in
+        another's, whatever order the parts are read in. Lines of versions that did not record
+        the time tie, and the one read last wins."""
+        return old is None or old.file.parent == self.file.parent or self.written >= old.written
+
+
+_APPEND_LOCK = threading.Lock()  # pipelines of one process append to one log
 
 
 class Log:
-    """One writer directory's log, read incrementally (whole lines only)."""
+    """One writer directory's log, read incrementally (whole lines only).
+
+    Its writer appends to it, and replaces it (a new file renamed over it) when it opens the
+    directory and drops stale or torn lines: a log replaced since the last look — another
+    inode, or shorter than what was read — is read again from its start."""
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -41,12 +63,19 @@ class Log:
         self.offset = 0
         self.line_no = 0
         self.header_seen = False
+        self.inode: tuple[int, int] | None = None  # (st_dev, st_ino) of the file read so far
 
     def read_new(self) -> tuple[list[tuple[int, dict[str, Any]]], bool]:
-        """New complete lines since the last call; ``(entries, torn)`` — ``torn`` when the file
-        ends in a partial line (a crash cut the last write short)."""
+        """New complete lines since the last call (every line, when the file was replaced
+        since); ``(entries, torn)`` — ``torn`` when the file ends in a partial line (a crash
+        cut the last write short)."""
         try:
             with open(self.path, "rb") as fh:
+                st = os.fstat(fh.fileno())
+                inode = (st.st_dev, st.st_ino)
+                if inode != self.inode or st.st_size < self.offset:
+                    self.offset, self.line_no, self.header_seen = 0, 0, False
+                    self.inode = inode
                 fh.seek(self.offset)
                 data = fh.read()
         except FileNotFoundError:
@@ -76,6 +105,21 @@ class Log:
             entries.append((self.line_no, item))
         return entries, bool(tail)
 
+    @staticmethod
+    def append(fd: int, text: str) -> None:
+        """Append ``text`` (whole lines) to the log open on ``fd`` (``O_APPEND``), all or nothing.
+
+        A full file system can take part of a write (the bytes that fit its last block) and
+        refuse the rest: that piece is cut off again and ``OSError`` (``ENOSPC``) raised. Left
+        there, the next line appended after it made it an unparseable line before the last,
+        and every later open of the cache raised :class:`CorruptCacheError`."""
+        data = text.encode()
+        with _APPEND_LOCK:
+            done = os.write(fd, data)
+            if done != len(data):
+                os.ftruncate(fd, os.fstat(fd).st_size - done)
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: a log line cut short")
+
 
 def parse_entry(log: Log, line_no: int, item: Mapping[str, Any]) -> tuple[tuple[str, int], Logged]:
     where = f"{log.path} line {line_no}"
@@ -84,6 +128,7 @@ def parse_entry(log: Log, line_no: int, item: Mapping[str, Any]) -> tuple[tuple[
         shape = tuple(int(n) for n in item["shape"])
         dtype, valid, fp = str(item["dtype"]), int(item["valid"]), str(item["fp"])
         checksum = item.get(SUM_KEY)
+        written = int(item.get(TIME_KEY, 0))
     except (KeyError, TypeError, ValueError):
         raise CorruptCacheError(
             f"{where} lacks a field of a cache entry ({dict(item)!r}); delete the cache "
@@ -99,7 +144,7 @@ def parse_entry(log: Log, line_no: int, item: Mapping[str, Any]) -> tuple[tuple[
         )
     if checksum is not None and not isinstance(checksum, str):
         raise CorruptCacheError(f"{where} has a malformed checksum {checksum!r}")
-    return (array, chunk), Logged(log.directory / name, shape, dtype, valid, fp, checksum)
+    return (array, chunk), Logged(log.directory / name, shape, dtype, valid, fp, checksum, written)
 
 
 def matches(
@@ -133,6 +178,7 @@ def entry_line(key: tuple[str, int], logged: Logged) -> str:
             "valid": logged.valid,
             "fp": logged.fp,
             **({SUM_KEY: logged.checksum} if logged.checksum is not None else {}),
+            **({TIME_KEY: logged.written} if logged.written else {}),
         },
         separators=(",", ":"),
     )
