@@ -523,6 +523,17 @@ class Collection:
                 raise ValueError(f"{self.name}: spans {list(kept)} of {v!r} outside its members")
             starts[v], lengths[v] = span[:, 0], span[:, 1] - span[:, 0]
         ref_len = lengths[self.variables[0]]
+        if products:  # every member on one product grid, members laid end to end
+            if self.continuous:
+                raise ValueError(f"{self.name}: product sample axes take independent members")
+            geoms = {  # (each variable's own lengths: same_grids compares the variables)
+                v: self._virtual_product(v, refs[v][0], products[v], lengths[v])
+                for v in self.variables
+            }
+            grid = same_grids(self.name, {v: g.product for v, g in geoms.items()})
+            pairs = np.full(n, math.prod(grid.lengths), dtype=np.int64)  # samples: (t, z) pairs
+            pairs.setflags(write=False)
+            return geoms, pairs
         for v in self.variables[1:]:
             bad = np.flatnonzero(lengths[v] != ref_len)
             if len(bad):
@@ -532,17 +543,6 @@ class Collection:
                     f"variable {self.variables[0]!r} but {int(lengths[v][m])} in {v!r}: every "
                     "variable of a member needs the same sample-axis length"
                 )
-        if products:  # every member on one product grid, members laid end to end
-            if self.continuous:
-                raise ValueError(f"{self.name}: product sample axes take independent members")
-            geoms = {
-                v: self._virtual_product(v, refs[v][0], products[v], ref_len)
-                for v in self.variables
-            }
-            grid = same_grids(self.name, {v: g.product for v, g in geoms.items()})
-            pairs = np.full(n, math.prod(grid.lengths), dtype=np.int64)  # samples: (t, z) pairs
-            pairs.setflags(write=False)
-            return geoms, pairs
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
         geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts[v]) for v in self.variables}

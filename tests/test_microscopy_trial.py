@@ -1,0 +1,121 @@
+"""Wrong answers a black-box trial as a microscopist found (2026-12-06), each a claim checked
+against zarr's own read of the field a batch names, cut with numpy at the row's patch origin
+(the oracle).
+
+The trial wrote OME-NGFF with ome-zarr-py (0.4 on zarr v2, 0.5 on zarr v3): plates of
+``(t, c, z, y, x)`` fields with t > 1 and z > 1, anisotropic z, levels chunked differently,
+``omero`` channel metadata, labels at the same and at a coarser level, ``(y, x)`` and
+``(c, y, x)`` fields in uint8 / uint16 / float32, a 5-level whole-slide pyramid and
+bioformats2raw output; it opened them by level index and pixel size, selected z and c, drew
+random (y, x) patches with their label patches, time-lapse windows along t, splits by well
+and field, ranks, a mid-epoch resume and a persistent cache, and compared every delivered row
+with zarr. The cases kept here are the ones that gave a wrong answer or a misleading error.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import Loader, insitu_pipeline, open_plate, split_by_member
+from insitubatch_nodes.io.collection import Collection
+
+pytest.importorskip("ome_zarr")
+
+CHANNELS = ("DAPI", "GFP", "RFP")
+YX = 32
+TILE = 16
+
+
+def _format(version: str) -> Any:
+    from ome_zarr.format import FormatV04, FormatV05
+
+    return {"0.4": FormatV04, "0.5": FormatV05}[version]()
+
+
+def _write_plate(path: Path, version: str) -> None:
+    """A 1 x 2 plate of one field per well: a ``cyx`` uint16 image of three named channels
+    (``omero``), two levels, in 16 x 16 tiles, and a ``cyx`` label image ``cells`` of one
+    channel, as ome-zarr-py writes labels beside a ``cyx`` image."""
+    from ome_zarr.writer import write_image, write_labels, write_plate_metadata, write_well_metadata
+
+    fmt = _format(version)
+    root = zarr.open_group(path, mode="w", zarr_format=fmt.zarr_format)
+    write_plate_metadata(root, ["A"], ["1", "2"], ["A/1", "A/2"], fmt=fmt, field_count=1)
+    window = {"min": 0, "max": 65535, "start": 100, "end": 4000}
+    omero = {
+        "channels": [
+            {"label": n, "color": "FFFFFF", "active": True, "window": window} for n in CHANNELS
+        ]
+    }
+    rng = np.random.default_rng(11)
+    scale = {"c": 1.0, "y": 0.5, "x": 0.5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # ome-zarr-py's notes on its defaults
+        for column in ("1", "2"):
+            well = root.require_group("A").require_group(column)
+            write_well_metadata(well, ["0"], fmt=fmt)
+            field = well.require_group("0")
+            image = rng.integers(0, 60_000, (len(CHANNELS), YX, YX), dtype=np.uint16)
+            write_image(
+                image, field, scale_factors=[{"y": 2, "x": 2}], fmt=fmt, axes="cyx",
+                scale=scale, storage_options={"chunks": (1, TILE, TILE)}, omero=omero,
+            )  # fmt: skip
+            write_labels(
+                rng.integers(0, 5, (1, YX, YX), dtype=np.uint8), field, name="cells",
+                scaler=None, scale_factors=[{"y": 2, "x": 2}], fmt=fmt, axes="cyx",
+                scale=scale, storage_options={"chunks": (1, TILE, TILE)},
+            )  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=["0.4", "0.5"])
+def plate(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("plate") / f"plate{request.param}.zarr"
+    _write_plate(path, request.param)
+    return path
+
+
+def _read(path: Path, array: str) -> np.ndarray:
+    return np.asarray(zarr.open_array(path, path=array, mode="r")[...])
+
+
+def test_whole_images_beside_labels_of_one_channel_are_one_sample_each_patched_alike(
+    plate: Path,
+) -> None:
+    # before: "member 'A/1/0' has 3 samples in variable 'image' but 1 in 'labels/cells'" -
+    # with sample_axis=() the length along axis 0 (here c) was compared between variables,
+    # though each member's whole array is its one sample
+    coll = open_plate(plate, labels=["cells"], sample_axis=())
+    images = [_read(plate, p) for p in coll.paths("image")]
+    labels = [_read(plate, p) for p in coll.paths("labels/cells")]
+    window = {"y": 8, "x": 8}
+    views = {
+        "x": coll["image"].patches(window),
+        "y": coll["labels/cells"].patches(window),
+    }
+    seen = []
+    with insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), views, batch_size=8) as p:
+        for batch in Loader(p):
+            for r in range(len(batch)):
+                m = int(batch.members["x"][r])
+                y0, x0 = (int(v) for v in batch.patch_origins["x"][r])
+                cut = (slice(None), slice(y0, y0 + 8), slice(x0, x0 + 8))
+                np.testing.assert_array_equal(batch["x"][r], images[m][cut])
+                np.testing.assert_array_equal(batch["y"][r], labels[m][cut])
+                seen.append(m)
+    assert sorted(seen) == [0] * 16 + [1] * 16  # each field's 4 x 4 windows, once
+
+    # the same holds for any collection of whole arrays (a slide and its tissue mask)
+    level1 = open_plate(plate, level=1, labels=["cells"], sample_axis=())
+    image, mask = (level1.paths(v)[0].removeprefix("A/1/0/") for v in ("image", "labels/cells"))
+    slide = Collection.from_groups(
+        str(plate), ["A/1/0"], {"image": image, "mask": mask}, sample_axis=(),
+        dims={"image": ["c", "y", "x"], "mask": ["c", "y", "x"]},
+    )  # fmt: skip
+    assert slide["image"].inner_shape == (3, YX // 2, YX // 2)
+    assert slide["mask"].inner_shape == (1, YX // 2, YX // 2)
