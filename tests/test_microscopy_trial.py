@@ -24,6 +24,7 @@ import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_plate, split_by_member
 from insitubatch_nodes.io.collection import Collection
+from insitubatch_nodes.io.ngff import read_plate
 
 pytest.importorskip("ome_zarr")
 
@@ -119,3 +120,35 @@ def test_whole_images_beside_labels_of_one_channel_are_one_sample_each_patched_a
     )  # fmt: skip
     assert slide["image"].inner_shape == (3, YX // 2, YX // 2)
     assert slide["mask"].inner_shape == (1, YX // 2, YX // 2)
+
+
+def test_a_channel_is_selected_by_its_omero_name_on_every_field(plate: Path) -> None:
+    # before: no way to name a channel: sel(c="GFP") raised "no coordinate array 'c' ...
+    # select by index with isel()", and read_plate did not say which index GFP is
+    assert read_plate(plate).channels == CHANNELS
+    assert "channels (c): DAPI, GFP, RFP" in read_plate(plate).describe()
+    coll = open_plate(plate, labels=["cells"], sample_axis=())
+    images = [_read(plate, p) for p in coll.paths("image")]
+    views = {
+        "gfp": coll["image"].sel(c="GFP"),  # the axis dropped, as xarray's sel of one value
+        "pair": coll["image"].sel(c=["RFP", "DAPI"]),  # in that order
+    }
+    assert views["gfp"].inner_shape == (YX, YX) and views["pair"].inner_shape == (2, YX, YX)
+    with insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), views, batch_size=2) as p:
+        batch = next(iter(Loader(p)))
+    for r, m in enumerate(batch.members["gfp"]):
+        np.testing.assert_array_equal(batch["gfp"][r], images[m][1])
+        np.testing.assert_array_equal(batch["pair"][r], images[m][[2, 0]])
+    with pytest.raises(KeyError, match="YFP"):
+        coll["image"].sel(c="YFP")
+    assert coll.subset(["A/2/0"])["image"].sel(c="RFP").inner_shape == (YX, YX)  # kept
+    # any collection takes coordinates given: one value per index, none twice
+    given = Collection.from_groups(
+        str(plate), ["A/1/0", "A/2/0"], {"image": coll.paths("image")[0].removeprefix("A/1/0/")},
+        sample_axis=(), dims={"image": ["c", "y", "x"]}, coords={"image": {"c": ["a", "b", "c"]}},
+    )  # fmt: skip
+    assert given["image"].sel(c=["c", "a"]).inner_shape == (2, YX, YX)
+    with pytest.raises(ValueError, match="none twice"):
+        Collection.from_groups(
+            str(plate), ["A/1/0"], {"image": "0"}, coords={"image": {"c": ["a", "a", "b"]}}
+        )

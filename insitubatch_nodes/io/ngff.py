@@ -23,6 +23,7 @@ from typing import Any
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.omero import channel_axis, channel_names, common_channels
 from insitubatch_nodes.io.stores import StoreLike, as_store
 
 __all__ = ["NGFF_VERSIONS", "Plate", "PlateField", "open_plate", "read_plate"]
@@ -44,7 +45,8 @@ class PlateField:
     the field's ``multiscales`` datasets; ``labels`` maps each label name read to the array
     path of the label level with the same pixel sizes; ``pixel_size`` is the chosen level's
     size along every axis, in the axis' unit (the dataset's ``scale`` times the multiscale's
-    own, if any); ``acquisition`` the well metadata's acquisition id, if any.
+    own, if any); ``acquisition`` the well metadata's acquisition id, if any; ``channels`` the
+    names its ``omero`` metadata gives the channels (``None``: none).
     """
 
     path: str
@@ -57,6 +59,7 @@ class PlateField:
     pixel_size: Mapping[str, float]
     labels: Mapping[str, str] = field(default_factory=dict)
     acquisition: int | None = None
+    channels: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,9 @@ class Plate:
     ``absent_wells`` (a field listed by its well but absent: ``absent_fields``), with one
     ``UserWarning``. ``axes`` and ``units`` are the images' axes (every field has the same);
     ``label_names`` the label images read for every field, ``label_axes`` each one's axes.
+    ``channels`` are the names of the channels along ``channel_axis`` (the axis of type
+    ``"channel"``) that every field's ``omero`` metadata gives alike, none twice; ``None``
+    where a field gives none or they differ (``PlateField.channels``: each field's own).
     """
 
     version: str
@@ -84,6 +90,8 @@ class Plate:
     label_axes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     absent_wells: tuple[str, ...] = ()
     absent_fields: tuple[str, ...] = ()
+    channels: tuple[str, ...] | None = None
+    channel_axis: str | None = None
 
     def describe(self) -> str:
         """A few lines: version, wells and fields, the level chosen and its pixel sizes."""
@@ -99,6 +107,8 @@ class Plate:
         for (level, sizes), n in levels.items():
             shown = ", ".join(f"{a} {s:g} {self.units.get(a) or ''}".rstrip() for a, s in sizes)
             lines.append(f"level {level} in {n} field(s): pixel size {shown}")
+        if self.channels:
+            lines.append(f"channels ({self.channel_axis}): {', '.join(self.channels)}")
         if self.label_names:
             lines.append(f"labels: {', '.join(self.label_names)}")
         if self.absent_wells or self.absent_fields:
@@ -378,6 +388,8 @@ def read_plate(
             _level_by_size(ms, wanted, f"field {field_paths[i]!r}")
             for i, ms in zip(present, multiscales, strict=True)
         ]
+    named = [channel_names(field_attrs[i]) for i in present]
+    channels, _ = common_channels([field_paths[i] for i in present], named)
     label_paths, label_axes, label_names = _read_labels(
         store, [field_paths[i] for i in present], multiscales, levels, wanted_labels, zarr_format
     )
@@ -390,7 +402,9 @@ def read_plate(
         sizes = dict(zip(ms.axes, ms.sizes[k], strict=True))
         labelled = label_paths[j]
         fields.append(
-            PlateField(field_paths[i], well, row, column, name, image, k, sizes, labelled, acq)
+            PlateField(
+                field_paths[i], well, row, column, name, image, k, sizes, labelled, acq, named[j]
+            )
         )
     if absent_wells or absent_fields:
         warnings.warn(
@@ -406,7 +420,8 @@ def read_plate(
         rows=_names(plate, "rows"), columns=_names(plate, "columns"), wells=tuple(wells),
         fields=tuple(fields), axes=axes, units=units, label_names=label_names,
         label_axes=label_axes, absent_wells=tuple(absent_wells),
-        absent_fields=tuple(absent_fields),
+        absent_fields=tuple(absent_fields), channels=channels,
+        channel_axis=channel_axis(axes, multiscales[0].types),
     )  # fmt: skip
 
 
@@ -566,7 +581,16 @@ def open_plate(
         mask_and_scale=mask_and_scale,
         cf_dtype=cf_dtype,
         dims=dims,
+        coords=_channel_coords(plate),
     )
+
+
+def _channel_coords(plate: Plate) -> dict[str, dict[str, tuple[str, ...]]] | None:
+    """``{"image": {channel axis: channel names}}`` where the fields name their channels
+    alike (``Plate.channels``): what ``coll["image"].sel(c="GFP")`` looks names up in."""
+    if plate.channels is None or plate.channel_axis is None:
+        return None
+    return {"image": {plate.channel_axis: plate.channels}}
 
 
 def _member_keys(plate: Plate) -> dict[str, list[Any]]:
