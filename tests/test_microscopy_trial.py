@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_plate, split_by_member
+from insitubatch_nodes import Loader, insitu_pipeline, open_images, open_plate, split_by_member
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.ngff import read_plate
 
@@ -152,3 +152,71 @@ def test_a_channel_is_selected_by_its_omero_name_on_every_field(plate: Path) -> 
         Collection.from_groups(
             str(plate), ["A/1/0"], {"image": "0"}, coords={"image": {"c": ["a", "a", "b"]}}
         )
+
+
+def _write_bioformats2raw(path: Path, version: str, *, list_series: bool) -> list[np.ndarray]:
+    """bioformats2raw's layout: a root group marked ``bioformats2raw.layout: 3``, ``OME/``
+    with ``METADATA.ome.xml`` (and the ``series`` list, if ``list_series``), and series
+    ``0/``, ``1/``, each a ``czyx`` multiscale image of two levels."""
+    from ome_zarr.writer import write_image
+
+    fmt = _format(version)
+    root = zarr.open_group(path, mode="w", zarr_format=fmt.zarr_format)
+    layout = {"bioformats2raw.layout": 3}
+    root.attrs.update(layout if version == "0.4" else {"ome": {"version": "0.5", **layout}})
+    ome = root.require_group("OME")
+    if list_series:
+        series = {"series": ["0", "1"]}
+        ome.attrs.update(series if version == "0.4" else {"ome": {"version": "0.5", **series}})
+    (path / "OME" / "METADATA.ome.xml").write_text("<OME/>")
+    rng = np.random.default_rng(5)
+    images = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        for s in ("0", "1"):
+            image = rng.integers(0, 4000, (2, 3, YX, YX), dtype=np.uint16)
+            write_image(
+                image, root.require_group(s), scale_factors=[{"y": 2, "x": 2}], fmt=fmt,
+                axes="czyx", scale={"c": 1.0, "z": 2.0, "y": 0.3, "x": 0.3},
+                storage_options={"chunks": (1, 1, TILE, TILE)},
+            )  # fmt: skip
+            images.append(image)
+    return images
+
+
+def test_a_bioformats2raw_conversions_series_are_one_collection(
+    tmp_path: Path, plate: Path
+) -> None:
+    # before: open_plate said "not an OME-NGFF HCS plate (open a single image's arrays with
+    # open_geometries)", and nothing read the series (nor an image at a store's root) as NGFF
+    version = plate.name.removeprefix("plate").removesuffix(".zarr")  # as the plate's
+    listed = _write_bioformats2raw(tmp_path / "listed.zarr", version, list_series=True)
+    _write_bioformats2raw(tmp_path / "probed.zarr", version, list_series=False)
+    with pytest.raises(ValueError, match=r"not an OME-NGFF HCS plate.*open_images"):
+        open_plate(tmp_path / "listed.zarr")
+    for name in ("listed.zarr", "probed.zarr"):
+        coll = open_images(tmp_path / name, level=0.6, sample_axis="z")  # level 1, by size
+        assert coll.members == ("0", "1") and coll["image"].dims == ("c", "z", "y", "x")
+    by_series = split_by_member(coll, {"train": ["1"], "val": ["0"]})
+    views = {"x": coll["image"].isel(c=1).patches({"y": 8, "x": 8})}
+    level1 = [_read(tmp_path / "probed.zarr", p) for p in coll.paths("image")]
+    with insitu_pipeline(coll, by_series, views, split="train", batch_size=4) as p:
+        rows = 0
+        for batch in Loader(p):
+            for r in range(len(batch)):
+                m, z = int(batch.members["x"][r]), int(batch.sample_indices["x"][r])
+                y0, x0 = (int(v) for v in batch.patch_origins["x"][r])
+                assert m == 1
+                np.testing.assert_array_equal(
+                    batch["x"][r], level1[m][1, z, y0 : y0 + 8, x0 : x0 + 8]
+                )
+                rows += 1
+    assert rows == 3 * 4  # series 1's three planes, 2 x 2 windows of 8 in its 16 x 16 level 1
+    assert level1[1].shape == (2, 3, YX // 2, YX // 2) and listed[1].shape == (2, 3, YX, YX)
+
+    # one image at a store's root (a whole slide), with its labels, its channels by name
+    slide = open_images(plate / "A/2/0", level=1, labels=["cells"], sample_axis=())
+    assert slide.members == ("",) and slide.paths("image") == (
+        open_plate(plate, level=1, sample_axis=()).paths("image")[1].removeprefix("A/2/0/"),
+    )
+    assert slide["image"].sel(c="GFP").inner_shape == (YX // 2, YX // 2)
