@@ -220,3 +220,12 @@ def test_a_bioformats2raw_conversions_series_are_one_collection(
         open_plate(plate, level=1, sample_axis=()).paths("image")[1].removeprefix("A/2/0/"),
     )
     assert slide["image"].sel(c="GFP").inner_shape == (YX // 2, YX // 2)
+
+
+def test_fields_without_z_are_refused_at_the_default_sample_axis_saying_what_to_pass(
+    plate: Path,
+) -> None:
+    # before: "sample_axis='z' is not an axis of the plate's images ['c', 'y', 'x']", and no
+    # word of sample_axis=(), the way to open 2-D fields
+    with pytest.raises(ValueError, match=r"\['c', 'y', 'x'\]: .*sample_axis=\(\) for each whole"):
+        open_plate(plate)

@@ -676,7 +676,7 @@ def _sample_axis(plate: Plate, sample_axis: int | str) -> int | str:
         if sample_axis not in plate.axes:
             raise ValueError(
                 f"sample_axis={sample_axis!r} is not an axis of the plate's images "
-                f"{list(plate.axes)}"
+                f"{list(plate.axes)}: name one, or sample_axis=() for each whole image one sample"
             )
         for name, axes in plate.label_axes.items():
             if sample_axis not in axes:
