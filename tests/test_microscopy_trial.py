@@ -14,6 +14,7 @@ with zarr. The cases kept here are the ones that gave a wrong answer or a mislea
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -229,3 +230,24 @@ def test_fields_without_z_are_refused_at_the_default_sample_axis_saying_what_to_
     # word of sample_axis=(), the way to open 2-D fields
     with pytest.raises(ValueError, match=r"\['c', 'y', 'x'\]: .*sample_axis=\(\) for each whole"):
         open_plate(plate)
+
+
+def test_fields_naming_their_channels_otherwise_are_warned_of_and_offer_no_sel(
+    plate: Path, tmp_path: Path
+) -> None:
+    # the same index is another channel in such fields: isel(c=1) reads GFP in one and RFP in
+    # the other, without a word; before, nothing read the names, so nothing could say so
+    other = tmp_path / plate.name
+    shutil.copytree(plate, other)
+    field = zarr.open_group(other / "A/2/0", mode="r+")
+    attrs = field.attrs.asdict()
+    ome = attrs.get("ome", attrs)
+    ome["omero"]["channels"] = ome["omero"]["channels"][::-1]  # RFP, GFP, DAPI
+    field.attrs.put(attrs)
+    with pytest.warns(UserWarning, match=r"field 'A/2/0': \['RFP', 'GFP', 'DAPI'\].*isel"):
+        coll = open_plate(other, sample_axis=())
+    with pytest.warns(UserWarning, match="name their channels differently"):
+        found = read_plate(other)
+    assert found.channels is None and found.fields[1].channels == CHANNELS[::-1]
+    with pytest.raises(KeyError, match="select by index with isel"):
+        coll["image"].sel(c="GFP")

@@ -23,7 +23,12 @@ from typing import Any
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.objects import read_documents
-from insitubatch_nodes.io.omero import channel_axis, channel_names, common_channels
+from insitubatch_nodes.io.omero import (
+    channel_axis,
+    channel_coords,
+    channel_names,
+    common_channels,
+)
 from insitubatch_nodes.io.stores import StoreLike, as_store
 
 __all__ = ["NGFF_VERSIONS", "Plate", "PlateField", "open_plate", "read_plate"]
@@ -433,7 +438,7 @@ def _read_fields(
         for i, ms in zip(present, multiscales, strict=True)
     ]
     named = [channel_names(attrs[i]) for i in present]
-    channels, _ = common_channels([paths[i] for i in present], named)
+    channels = common_channels([paths[i] for i in present], named, what)
     label_paths, label_axes, label_names = _read_labels(
         store, [paths[i] for i in present], multiscales, levels, wanted_labels, zarr_format
     )
@@ -629,16 +634,8 @@ def fields_collection(
         mask_and_scale=mask_and_scale,
         cf_dtype=cf_dtype,
         dims=dims,
-        coords=_channel_coords(plate),
+        coords=channel_coords(plate.channels, plate.channel_axis),
     )
-
-
-def _channel_coords(plate: Plate) -> dict[str, dict[str, tuple[str, ...]]] | None:
-    """``{"image": {channel axis: channel names}}`` where the fields name their channels
-    alike (``Plate.channels``): what ``coll["image"].sel(c="GFP")`` looks names up in."""
-    if plate.channels is None or plate.channel_axis is None:
-        return None
-    return {"image": {plate.channel_axis: plate.channels}}
 
 
 def _member_keys(plate: Plate) -> dict[str, list[Any]]:

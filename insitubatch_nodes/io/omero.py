@@ -9,10 +9,11 @@ that ``open_plate`` can give them to ``sel`` (``coll["image"].sel(c="GFP")``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["channel_axis", "channel_names", "common_channels"]
+__all__ = ["channel_axis", "channel_coords", "channel_names", "common_channels"]
 
 
 def channel_names(attrs: Mapping[str, Any]) -> tuple[str, ...] | None:
@@ -38,20 +39,35 @@ def channel_axis(axes: Sequence[str], types: Sequence[str | None]) -> str | None
 
 
 def common_channels(
-    fields: Sequence[str], names: Sequence[tuple[str, ...] | None]
-) -> tuple[tuple[str, ...] | None, str]:
-    """The channel names every one of ``fields`` gives (``names[i]``: field ``i``'s), unique,
-    or ``None`` and why not: a field without names, fields naming them otherwise, or a name
-    given twice (a value of ``sel`` must find one channel)."""
-    if not names or names[0] is None:
-        return None, f"field {fields[0]!r} names no channels (no omero labels)" if fields else ""
-    first = names[0]
-    for path, own in zip(fields, names, strict=True):
-        if own != first:
-            return None, (
-                f"field {path!r} names its channels {list(own or ())}, field {fields[0]!r} "
-                f"{list(first)}"
+    fields: Sequence[str], names: Sequence[tuple[str, ...] | None], what: str = "field"
+) -> tuple[str, ...] | None:
+    """The channel names every one of ``fields`` gives (``names[i]``: field ``i``'s), none
+    twice, or ``None``: a field without names, fields naming them otherwise, or a name given
+    twice (a value of ``sel`` must find one channel). Fields that name their channels otherwise
+    (another order, other channels) raise a ``UserWarning`` naming two: an index (``isel``)
+    selects other channels in them, and ``sel`` by name is not offered."""
+    given = [(path, own) for path, own in zip(fields, names, strict=True) if own is not None]
+    for path, own in given[1:]:
+        if own != given[0][1]:
+            warnings.warn(
+                f"the {what}s name their channels differently ({what} {given[0][0]!r}: "
+                f"{list(given[0][1])}, {what} {path!r}: {list(own)}): an index (isel(c=...)) "
+                f"selects other channels in them, and no sel by name is offered; open the "
+                f"{what}s that name them alike together",
+                UserWarning,
+                stacklevel=4,
             )
-    if len(set(first)) != len(first):
-        return None, f"the fields name a channel twice: {list(first)}"
-    return first, ""
+            return None
+    if len(given) < len(fields) or not given or len(set(given[0][1])) != len(given[0][1]):
+        return None
+    return given[0][1]
+
+
+def channel_coords(
+    channels: tuple[str, ...] | None, axis: str | None
+) -> dict[str, dict[str, tuple[str, ...]]] | None:
+    """``{"image": {axis: channels}}`` where the images name their channels alike: the
+    collection's ``coords=``, what ``coll["image"].sel(c="GFP")`` looks names up in."""
+    if channels is None or axis is None:
+        return None
+    return {"image": {axis: channels}}
