@@ -251,3 +251,13 @@ def test_fields_naming_their_channels_otherwise_are_warned_of_and_offer_no_sel(
     assert found.channels is None and found.fields[1].channels == CHANNELS[::-1]
     with pytest.raises(KeyError, match="select by index with isel"):
         coll["image"].sel(c="GFP")
+
+
+def test_a_level_given_as_a_numpy_number_is_that_index_or_pixel_size(plate: Path) -> None:
+    # before: level=np.int64(1) (an index computed with numpy) was refused with "level must be
+    # an index (0: full resolution), a pixel size (0.65) or {axis: size} ..., got np.int64(1)"
+    want = open_plate(plate, level=1, sample_axis=()).paths("image")
+    for level in (np.int64(1), np.float32(1.0), {"x": np.float64(1.0)}):
+        assert open_plate(plate, level=level, sample_axis=()).paths("image") == want
+    with pytest.raises(TypeError, match="level must be"):
+        open_plate(plate, level=np.bool_(True), sample_axis=())

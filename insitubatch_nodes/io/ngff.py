@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -264,12 +265,12 @@ def _level_index(ms: _Multiscale, level: int, where: str) -> int:
 def _check_level(level: Any) -> int | float | dict[str, float]:
     if isinstance(level, bool):
         raise TypeError(f"level must be an index, a pixel size or {{axis: size}}, got {level!r}")
-    if isinstance(level, int):
-        return level
-    if isinstance(level, float):
-        return level
+    if isinstance(level, numbers.Integral):  # numpy's integers too (np.argmin of sizes)
+        return int(level)
+    if isinstance(level, numbers.Real):
+        return float(level)
     if isinstance(level, Mapping) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in level.values()
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in level.values()
     ):
         return {str(a): float(v) for a, v in level.items()}
     raise TypeError(
