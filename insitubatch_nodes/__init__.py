@@ -34,6 +34,7 @@ from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.collection import Collection, concat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.ngff import open_plate
+from insitubatch_nodes.io.ngff_images import open_images
 from insitubatch_nodes.io.stores import RetryPolicy, open_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
@@ -80,6 +81,7 @@ __all__ = [
     "fit_statistics",
     "insitu_pipeline",
     "open_geometries",
+    "open_images",
     "open_plate",
     "open_store",
     "split_by_chunk",

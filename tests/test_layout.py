@@ -57,6 +57,7 @@ FACE = [
     "fit_statistics",
     "insitu_pipeline",
     "open_geometries",
+    "open_images",
     "open_plate",
     "open_store",
     "split_by_chunk",

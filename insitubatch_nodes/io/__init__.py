@@ -14,6 +14,9 @@ files. This face re-exports the names a composer uses; import the modules for th
   (``sample_axis=("t", "z")``), every combination of indices one sample on a virtual axis;
 * :mod:`~insitubatch_nodes.io.ngff` — OME-NGFF HCS plates: :func:`read_plate` (their
   metadata, read concurrently), :func:`open_plate` (their fields as one collection);
+  :mod:`~insitubatch_nodes.io.ngff_images` — :func:`open_images`: other multiscale images (a
+  bioformats2raw conversion's series, an image at a store's root) as one collection;
+  :mod:`~insitubatch_nodes.io.omero` — their ``omero`` channel names;
 * :mod:`~insitubatch_nodes.io.axes` — :func:`axis_of`: an axis named by index or dimension name;
 * :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field
   into windows;
@@ -35,6 +38,7 @@ from insitubatch_nodes.io.coords import Coordinate, open_coordinates
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
 from insitubatch_nodes.io.ngff import Plate, PlateField, open_plate, read_plate
+from insitubatch_nodes.io.ngff_images import open_images, read_images
 from insitubatch_nodes.io.stores import SUPPORTED_SCHEMES, RetryPolicy, open_store
 
 __all__ = [
@@ -49,7 +53,9 @@ __all__ = [
     "RetryPolicy",
     "open_coordinates",
     "open_geometries",
+    "open_images",
     "open_plate",
     "open_store",
+    "read_images",
     "read_plate",
 ]

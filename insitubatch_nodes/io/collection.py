@@ -63,19 +63,15 @@ from insitubatch_nodes.io.axes import axis_of, dims_option, named_axes
 from insitubatch_nodes.io.cf import CFValues, decoded_dtype_option, decoding_text
 from insitubatch_nodes.io.collection_checks import (
     MemberCoordinates,
+    coords_option,
+    member_lengths,
     refuse_broken_timeline,
     refuse_member_array,
     refuse_other_grids,
     sample_axis_hint,
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.io.members import (
-    SCHEMA_FIELDS,
-    MemberMap,
-    check_cf_encoding,
-    collection_of,
-    member_schema,
-)
+from insitubatch_nodes.io.members import MemberMap, check_cf_encoding, collection_of
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.product import ProductGrid, first_axis, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, locate
@@ -122,7 +118,10 @@ class Collection:
     ``dims`` (``{variable: names}``, one unique name per axis; :meth:`from_groups` takes it)
     names the dimensions of variables whose arrays name none (zarr v2 without
     ``_ARRAY_DIMENSIONS``, an NGFF 0.4 plate's), so that ``sample_axis``, ``isel``, ``sel`` and
-    ``patches`` take names; the names given win over the arrays' own (``coll.dims``)."""
+    ``patches`` take names; the names given win over the arrays' own (``coll.dims``).
+    ``coords`` (``{variable: {dimension: values}}``, one value per index of that axis, the same
+    for every member) gives ``sel`` the coordinate of a dimension, before any coordinate array
+    beside the members (``open_plate`` gives an image's ``omero`` channel names this way)."""
 
     def __init__(
         self,
@@ -137,6 +136,7 @@ class Collection:
         mask_and_scale: bool = True,
         cf_dtype: Any = None,
         dims: Mapping[str, Sequence[str]] | None = None,
+        coords: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> None:
         #: how the views decode stored values (CF mask and scale; the decoded float dtype)
         self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
@@ -158,6 +158,8 @@ class Collection:
         self.variables: tuple[str, ...] = tuple(paths)
         #: dimension names given per variable (``dims=``): its views' ``dims``
         self.dims = dims_option(dims, self.variables)
+        #: field coordinates given per variable (``coords=``): what ``sel`` looks values up in
+        self.coords = coords_option(coords, self.variables)
         self._paths = {v: tuple(p) for v, p in paths.items()}
         for v, p in self._paths.items():
             if len(p) != len(self.members):
@@ -235,6 +237,7 @@ class Collection:
             mask_and_scale=self.mask_and_scale,
             cf_dtype=self.cf_dtype,
             dims=self.dims,
+            coords=self.coords,
         )
 
     def sources(self) -> list[str]:
@@ -269,6 +272,7 @@ class Collection:
         mask_and_scale: bool = True,
         cf_dtype: Any = None,
         dims: Mapping[str, Sequence[str]] | None = None,
+        coords: Mapping[str, Mapping[str, Any]] | None = None,
     ) -> Collection:
         """Members that are groups: member ``i``'s variable ``v`` is the array at
         ``f"{groups[i]}/{variables[v]}"`` of ``store`` (a ``Store``, path or URL). A group may
@@ -280,7 +284,8 @@ class Collection:
         concurrently; an absent array raises ``FileNotFoundError`` and arrays that do not share
         the schema ``ValueError``, both naming the member and the variable. ``mask_and_scale``
         and ``cf_dtype``: how the views decode; ``dims``: the dimension names of variables
-        whose arrays name none (both: the class docstring)."""
+        whose arrays name none; ``coords``: coordinates ``sel`` takes (all: the class
+        docstring)."""
         if isinstance(groups, str) or not isinstance(variables, Mapping) or not variables:
             raise TypeError(
                 "from_groups(store, groups, variables) takes a list of group paths and a "
@@ -291,7 +296,8 @@ class Collection:
         member_names = [g for _, g in pairs] if names is None else names
         paths = {str(v): [_join(g, str(p)) for g in located] for v, p in variables.items()}
         return cls(zstore, member_names, paths, keys=keys, sample_axis=sample_axis,
-                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims)  # fmt: skip
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims,
+                   coords=coords)  # fmt: skip
 
     @classmethod
     def from_arrays(
@@ -500,7 +506,7 @@ class Collection:
                 attr_keys += [_zarr_compat.array_metadata_keys(p, 2)[1] for p in self._paths[v]]
         docs = read_documents(store, keys)
         lengths = {
-            v: self._check_variable(v, docs[k * n : (k + 1) * n], refs[v][1])
+            v: member_lengths(self, v, docs[k * n : (k + 1) * n], refs[v][1])
             for k, v in enumerate(self.variables)
         }
         attr_docs = iter(read_documents(store, attr_keys) if attr_keys else [])
@@ -523,6 +529,17 @@ class Collection:
                 raise ValueError(f"{self.name}: spans {list(kept)} of {v!r} outside its members")
             starts[v], lengths[v] = span[:, 0], span[:, 1] - span[:, 0]
         ref_len = lengths[self.variables[0]]
+        if products:  # every member on one product grid, members laid end to end
+            if self.continuous:
+                raise ValueError(f"{self.name}: product sample axes take independent members")
+            geoms = {  # (each variable's own lengths: same_grids compares the variables)
+                v: self._virtual_product(v, refs[v][0], products[v], lengths[v])
+                for v in self.variables
+            }
+            grid = same_grids(self.name, {v: g.product for v, g in geoms.items()})
+            pairs = np.full(n, math.prod(grid.lengths), dtype=np.int64)  # samples: (t, z) pairs
+            pairs.setflags(write=False)
+            return geoms, pairs
         for v in self.variables[1:]:
             bad = np.flatnonzero(lengths[v] != ref_len)
             if len(bad):
@@ -532,47 +549,17 @@ class Collection:
                     f"variable {self.variables[0]!r} but {int(lengths[v][m])} in {v!r}: every "
                     "variable of a member needs the same sample-axis length"
                 )
-        if products:  # every member on one product grid, members laid end to end
-            if self.continuous:
-                raise ValueError(f"{self.name}: product sample axes take independent members")
-            geoms = {
-                v: self._virtual_product(v, refs[v][0], products[v], ref_len)
-                for v in self.variables
-            }
-            grid = same_grids(self.name, {v: g.product for v, g in geoms.items()})
-            pairs = np.full(n, math.prod(grid.lengths), dtype=np.int64)  # samples: (t, z) pairs
-            pairs.setflags(write=False)
-            return geoms, pairs
         spcs = [_zarr_compat.stored_chunk_shape(a)[axis] for a, axis in refs.values()]
         align = math.lcm(*spcs)
         geoms = {v: self._virtual(v, *refs[v], ref_len, align, starts[v]) for v in self.variables}
         ref_len.setflags(write=False)
         return geoms, ref_len
 
-    def _check_variable(self, variable: str, docs: Sequence[bytes | None], axis: int) -> np.ndarray:
-        """Each member's sample count of ``variable``, from its metadata document; an absent
-        array, or one whose schema differs from the first member's, raises naming both."""
-        want, paths = None, self._paths[variable]
-        lengths = np.empty(len(docs), dtype=np.int64)
-        for m, raw in enumerate(docs):
-            doc = None if raw is None else json.loads(raw)
-            if not isinstance(doc, dict) or doc.get("node_type", "array") != "array":
-                refuse_member_array(self.name, self.store, self.members, paths, variable, m)
-            got = member_schema(doc, axis)
-            if want is None:
-                want = got
-            elif got != want:
-                what = next(k for k in SCHEMA_FIELDS if got.get(k) != want.get(k))
-                raise ValueError(
-                    f"{self.name}: member {self.members[m]!r}, variable {variable!r}: its "
-                    f"{what} {got.get(what)!r} differs from member {self.members[0]!r}'s "
-                    f"{want.get(what)!r}; the members of a variable need the same dtype, field "
-                    "shape, chunks and codecs (only the sample-axis length may differ): rewrite "
-                    "that member like the first (its chunks, dtype, codecs), or read it apart"
-                )
-            shape = doc.get("shape") or ()
-            lengths[m] = int(shape[axis]) if len(shape) > axis else -1
-        return lengths
+    def _coordinates(self, variable: str) -> MemberCoordinates:
+        """What ``sel`` on ``variable``'s views looks values up in: the ``coords=`` given,
+        else the members' coordinate arrays."""
+        given = self.coords.get(variable)
+        return MemberCoordinates(self.store, self._paths[variable], self.members, given=given)
 
     def _cf(self, ref: Any) -> CFValues | None:
         """How the stored values of ``ref`` (a variable's first member) decode, by the
@@ -624,7 +611,7 @@ class Collection:
             members=members,
             product=grid,
             cf=cf,
-            coordinates=MemberCoordinates(self.store, self._paths[variable], self.members),
+            coordinates=self._coordinates(variable),
             dim_names=self.dims.get(variable),
         )
 
@@ -661,7 +648,7 @@ class Collection:
             zarr_format=int(ref.metadata.zarr_format),
             metadata=ref.metadata,
             members=members,
-            coordinates=MemberCoordinates(self.store, self._paths[variable], self.members),
+            coordinates=self._coordinates(variable),
             cf=cf,
             dim_names=self.dims.get(variable),
         )

@@ -8,6 +8,7 @@ makes collections."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
@@ -19,12 +20,14 @@ import zarr
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf, open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
-from insitubatch_nodes.io.members import MEMBER_READERS
+from insitubatch_nodes.io.members import MEMBER_READERS, SCHEMA_FIELDS, member_schema
 from insitubatch_nodes.io.stores import describe_store
 
 __all__ = [
     "MemberCoordinates",
     "check_collection_in_store",
+    "coords_option",
+    "member_lengths",
     "member_missing",
     "refuse_broken_timeline",
     "refuse_collection_options",
@@ -80,6 +83,36 @@ def refuse_member_array(
     )
 
 
+def member_lengths(
+    collection: Any, variable: str, docs: Sequence[bytes | None], axis: int
+) -> np.ndarray:
+    """Each member's length along ``axis`` of ``variable`` of ``collection`` (a
+    :class:`~insitubatch_nodes.io.collection.Collection` being made), from its array metadata
+    document ``docs[m]``; an absent array, or one whose schema differs from the first
+    member's, raises naming both."""
+    want, paths, members = None, collection._paths[variable], collection.members
+    lengths = np.empty(len(docs), dtype=np.int64)
+    for m, raw in enumerate(docs):
+        doc = None if raw is None else json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("node_type", "array") != "array":
+            refuse_member_array(collection.name, collection.store, members, paths, variable, m)
+        got = member_schema(doc, axis)
+        if want is None:
+            want = got
+        elif got != want:
+            what = next(k for k in SCHEMA_FIELDS if got.get(k) != want.get(k))
+            raise ValueError(
+                f"{collection.name}: member {members[m]!r}, variable {variable!r}: its "
+                f"{what} {got.get(what)!r} differs from member {members[0]!r}'s "
+                f"{want.get(what)!r}; the members of a variable need the same dtype, field "
+                "shape, chunks and codecs (only the sample-axis length may differ): rewrite "
+                "that member like the first (its chunks, dtype, codecs), or read it apart"
+            )
+        shape = doc.get("shape") or ()
+        lengths[m] = int(shape[axis]) if len(shape) > axis else -1
+    return lengths
+
+
 def refuse_broken_timeline(collection: str, members: Sequence[str], rows: Sequence[int]) -> None:
     """Refuse a subset ``rows`` (member indices) of the one timeline ``collection`` (stores
     concatenated or joined by time, ``members``) that is not consecutive members in order: its
@@ -112,14 +145,19 @@ class MemberCoordinates:
         paths: Sequence[str],
         names: Sequence[str],
         reader: FieldCoordinates | None = None,
+        given: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         self.paths = tuple(paths)
         self.names = tuple(names)
         self.reader = FieldCoordinates(store) if reader is None else reader
+        #: coordinates given for every member (a collection's ``coords=``): read from no store
+        self.given = dict(given or {})
 
     def differing(self, geom: ArrayGeometry, dim: str) -> tuple[str, np.ndarray, np.ndarray]:
         """``(member, its coordinate, the first member's)`` of the first member whose
         coordinate ``dim`` differs from the first member's, or ``("", first, first)``."""
+        if dim in self.given:  # one coordinate for every member
+            return "", self.given[dim], self.given[dim]
         first = self.reader(replace(geom, path=self.paths[0], members=None), dim)
         for name, path in zip(self.names[1:], self.paths[1:], strict=True):
             try:
@@ -135,6 +173,9 @@ class MemberCoordinates:
         """Every member's own coordinate ``dim``, in member order, whether they differ or not
         (what forcings compute each member's rows on): the first member's read first, the
         others 16 at a time. ``KeyError`` naming the first member without one."""
+
+        if dim in self.given:
+            return [self.given[dim]] * len(self.paths)
 
         def one(path: str) -> np.ndarray | KeyError:
             try:
@@ -165,6 +206,31 @@ class MemberCoordinates:
                 f"index; select by index with isel({dim}=...)"
             )
         return first
+
+
+def coords_option(
+    coords: Mapping[str, Mapping[str, Any]] | None, variables: Sequence[str]
+) -> dict[str, dict[str, np.ndarray]]:
+    """A collection's ``coords=`` checked: ``{variable: {dimension: values}}``, each a
+    variable of the collection and each ``values`` 1-D, without a value twice (``sel`` by a
+    value must find one index); read-only copies. ``ValueError`` saying what to give."""
+    out: dict[str, dict[str, np.ndarray]] = {}
+    for variable, given in (coords or {}).items():
+        if variable not in variables or not isinstance(given, Mapping):
+            raise ValueError(
+                f"coords={{{variable!r}: ...}}: give {{variable: {{dimension: values}}}} for "
+                f"variables of the collection, {list(variables)}"
+            )
+        for dim, values in given.items():
+            arr = np.array(list(values))
+            if arr.ndim != 1 or len(np.unique(arr)) != len(arr):
+                raise ValueError(
+                    f"coords[{variable!r}][{dim!r}] = {list(values)!r}: give one value per "
+                    "index of the axis, none twice"
+                )
+            arr.setflags(write=False)
+            out.setdefault(str(variable), {})[str(dim)] = arr
+    return out
 
 
 def refuse_other_grids(

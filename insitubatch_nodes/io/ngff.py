@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -23,6 +24,12 @@ from typing import Any
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.omero import (
+    channel_axis,
+    channel_coords,
+    channel_names,
+    common_channels,
+)
 from insitubatch_nodes.io.stores import StoreLike, as_store
 
 __all__ = ["NGFF_VERSIONS", "Plate", "PlateField", "open_plate", "read_plate"]
@@ -44,7 +51,8 @@ class PlateField:
     the field's ``multiscales`` datasets; ``labels`` maps each label name read to the array
     path of the label level with the same pixel sizes; ``pixel_size`` is the chosen level's
     size along every axis, in the axis' unit (the dataset's ``scale`` times the multiscale's
-    own, if any); ``acquisition`` the well metadata's acquisition id, if any.
+    own, if any); ``acquisition`` the well metadata's acquisition id, if any; ``channels`` the
+    names its ``omero`` metadata gives the channels (``None``: none).
     """
 
     path: str
@@ -57,6 +65,7 @@ class PlateField:
     pixel_size: Mapping[str, float]
     labels: Mapping[str, str] = field(default_factory=dict)
     acquisition: int | None = None
+    channels: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,9 @@ class Plate:
     ``absent_wells`` (a field listed by its well but absent: ``absent_fields``), with one
     ``UserWarning``. ``axes`` and ``units`` are the images' axes (every field has the same);
     ``label_names`` the label images read for every field, ``label_axes`` each one's axes.
+    ``channels`` are the names of the channels along ``channel_axis`` (the axis of type
+    ``"channel"``) that every field's ``omero`` metadata gives alike, none twice; ``None``
+    where a field gives none or they differ (``PlateField.channels``: each field's own).
     """
 
     version: str
@@ -84,6 +96,8 @@ class Plate:
     label_axes: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     absent_wells: tuple[str, ...] = ()
     absent_fields: tuple[str, ...] = ()
+    channels: tuple[str, ...] | None = None
+    channel_axis: str | None = None
 
     def describe(self) -> str:
         """A few lines: version, wells and fields, the level chosen and its pixel sizes."""
@@ -99,6 +113,8 @@ class Plate:
         for (level, sizes), n in levels.items():
             shown = ", ".join(f"{a} {s:g} {self.units.get(a) or ''}".rstrip() for a, s in sizes)
             lines.append(f"level {level} in {n} field(s): pixel size {shown}")
+        if self.channels:
+            lines.append(f"channels ({self.channel_axis}): {', '.join(self.channels)}")
         if self.label_names:
             lines.append(f"labels: {', '.join(self.label_names)}")
         if self.absent_wells or self.absent_fields:
@@ -249,12 +265,12 @@ def _level_index(ms: _Multiscale, level: int, where: str) -> int:
 def _check_level(level: Any) -> int | float | dict[str, float]:
     if isinstance(level, bool):
         raise TypeError(f"level must be an index, a pixel size or {{axis: size}}, got {level!r}")
-    if isinstance(level, int):
-        return level
-    if isinstance(level, float):
-        return level
+    if isinstance(level, numbers.Integral):  # numpy's integers too (np.argmin of sizes)
+        return int(level)
+    if isinstance(level, numbers.Real):
+        return float(level)
     if isinstance(level, Mapping) and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in level.values()
+        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in level.values()
     ):
         return {str(a): float(v) for a, v in level.items()}
     raise TypeError(
@@ -282,7 +298,7 @@ def _plate_metadata(store: Any) -> tuple[dict[str, Any], str, int]:
     if not isinstance(plate, dict):
         raise ValueError(
             "the store's root group has no 'plate' metadata: it is not an OME-NGFF HCS plate "
-            "(open a single image's arrays with open_geometries)"
+            "(open multiscale images, or a bioformats2raw conversion's series, with open_images)"
         )
     version = str((attrs or {}).get("version") or plate.get("version") or "")
     if not version:
@@ -353,45 +369,10 @@ def read_plate(
             where = f"well {path!r}'s image {name!r}"
             images.append((path, name, None if acq is None else _acquisition_id(acq, where)))
     field_paths = [f"{w}/{p}" for w, p, _ in images]
-    field_attrs = _group_attributes(store, field_paths, zarr_format)
-    present = [i for i, a in enumerate(field_attrs) if a is not None]
-    absent_fields = [field_paths[i] for i, a in enumerate(field_attrs) if a is None]
-    if not present:
+    found = _read_fields(store, field_paths, images, zarr_format, chosen, wanted_labels)
+    absent_fields = list(found.absent)
+    if not found.fields:
         raise ValueError(f"the plate lists {len(listed)} wells, but no field of them exists")
-    multiscales = [_multiscale(field_attrs[i], f"field {field_paths[i]!r}") for i in present]
-    axes = multiscales[0].axes
-    units = dict(zip(axes, multiscales[0].units, strict=True))
-    for i, ms in zip(present, multiscales, strict=True):
-        if ms.axes != axes:
-            raise ValueError(
-                f"field {field_paths[i]!r} has axes {list(ms.axes)}, field "
-                f"{field_paths[present[0]]!r} {list(axes)}: a plate's fields must share axes"
-            )
-    if isinstance(chosen, int):
-        levels = [
-            _level_index(ms, chosen, f"field {field_paths[i]!r}")
-            for i, ms in zip(present, multiscales, strict=True)
-        ]
-    else:
-        wanted = _wanted_sizes(chosen, axes)
-        levels = [
-            _level_by_size(ms, wanted, f"field {field_paths[i]!r}")
-            for i, ms in zip(present, multiscales, strict=True)
-        ]
-    label_paths, label_axes, label_names = _read_labels(
-        store, [field_paths[i] for i in present], multiscales, levels, wanted_labels, zarr_format
-    )
-    fields = []
-    for j, i in enumerate(present):
-        well, name, acq = images[i]
-        ms, k = multiscales[j], levels[j]
-        row, _, column = well.partition("/")
-        image = f"{field_paths[i]}/{ms.paths[k]}"
-        sizes = dict(zip(ms.axes, ms.sizes[k], strict=True))
-        labelled = label_paths[j]
-        fields.append(
-            PlateField(field_paths[i], well, row, column, name, image, k, sizes, labelled, acq)
-        )
     if absent_wells or absent_fields:
         warnings.warn(
             f"the plate lists {len(absent_wells)} well(s) and {len(absent_fields)} field(s) "
@@ -404,10 +385,79 @@ def read_plate(
         version=version, zarr_format=zarr_format,
         name=None if plate.get("name") is None else str(plate["name"]),
         rows=_names(plate, "rows"), columns=_names(plate, "columns"), wells=tuple(wells),
-        fields=tuple(fields), axes=axes, units=units, label_names=label_names,
-        label_axes=label_axes, absent_wells=tuple(absent_wells),
-        absent_fields=tuple(absent_fields),
+        fields=found.fields, axes=found.axes, units=found.units,
+        label_names=found.label_names, label_axes=found.label_axes,
+        absent_wells=tuple(absent_wells), absent_fields=tuple(absent_fields),
+        channels=found.channels, channel_axis=found.channel_axis,
     )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _Fields:
+    """What :func:`_read_fields` read of some multiscale images: those present, at a level."""
+
+    fields: tuple[PlateField, ...]
+    absent: tuple[str, ...]
+    axes: tuple[str, ...]
+    units: dict[str, str | None]
+    label_names: tuple[str, ...]
+    label_axes: dict[str, tuple[str, ...]]
+    channels: tuple[str, ...] | None
+    channel_axis: str | None
+
+
+def _read_fields(
+    store: Any,
+    paths: Sequence[str],
+    about: Sequence[tuple[str, str, int | None]],
+    zarr_format: int,
+    chosen: int | float | dict[str, float],
+    wanted_labels: str | tuple[str, ...] | None,
+    what: str = "field",
+) -> _Fields:
+    """The multiscale images at ``paths`` (``about[i]``: image ``i``'s well, its name in the
+    well and its acquisition) read at once, each at the level ``chosen`` picks, with the
+    labels ``wanted_labels``; absent groups skipped. ``what`` names an image in errors."""
+    attrs = _group_attributes(store, paths, zarr_format)
+    present = [i for i, a in enumerate(attrs) if a is not None]
+    absent = tuple(paths[i] for i, a in enumerate(attrs) if a is None)
+    if not present:
+        return _Fields((), absent, (), {}, (), {}, None, None)
+    multiscales = [_multiscale(attrs[i], f"{what} {paths[i]!r}") for i in present]
+    axes = multiscales[0].axes
+    for i, ms in zip(present, multiscales, strict=True):
+        if ms.axes != axes:
+            raise ValueError(
+                f"{what} {paths[i]!r} has axes {list(ms.axes)}, {what} {paths[present[0]]!r} "
+                f"{list(axes)}: the {what}s read together must share axes"
+            )
+    wanted = None if isinstance(chosen, int) else _wanted_sizes(chosen, axes)
+    levels = [
+        _level_index(ms, chosen, f"{what} {paths[i]!r}")
+        if isinstance(chosen, int)
+        else _level_by_size(ms, wanted or {}, f"{what} {paths[i]!r}")
+        for i, ms in zip(present, multiscales, strict=True)
+    ]
+    named = [channel_names(attrs[i]) for i in present]
+    channels = common_channels([paths[i] for i in present], named, what)
+    label_paths, label_axes, label_names = _read_labels(
+        store, [paths[i] for i in present], multiscales, levels, wanted_labels, zarr_format
+    )
+    fields = []
+    for j, i in enumerate(present):
+        well, name, acq = about[i]
+        ms, k = multiscales[j], levels[j]
+        row, _, column = well.partition("/")
+        image = f"{paths[i]}/{ms.paths[k]}" if paths[i] else ms.paths[k]
+        sizes = dict(zip(ms.axes, ms.sizes[k], strict=True))
+        fields.append(
+            PlateField(
+                paths[i], well, row, column, name, image, k, sizes, label_paths[j], acq, named[j]
+            )
+        )
+    units = dict(zip(axes, multiscales[0].units, strict=True))
+    c_axis = channel_axis(axes, multiscales[0].types)
+    return _Fields(tuple(fields), absent, axes, units, label_names, label_axes, channels, c_axis)
 
 
 def _acquisition_id(value: Any, where: str) -> int:
@@ -534,26 +584,45 @@ def open_plate(
     cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
     store = as_store(store)
     plate = read_plate(store, level=level, labels=labels)
+    return fields_collection(store, plate, _member_keys(plate), level, sample_axis,
+                             mask_and_scale=mask_and_scale, cf_dtype=cf_dtype)  # fmt: skip
+
+
+def fields_collection(
+    store: Any,
+    plate: Plate,
+    keys: Mapping[str, Sequence[Any]],
+    level: Any,
+    sample_axis: int | str | tuple[int | str, ...],
+    *,
+    mask_and_scale: bool,
+    cf_dtype: Any,
+) -> Collection:
+    """``plate.fields`` (multiscale images read at ``level``) as one collection, each named by
+    its group, with member keys ``keys``: variables ``"image"`` and ``"labels/<name>"``, named
+    by the NGFF axes, the channel names as the image's channel coordinate (:func:`open_plate`
+    says the rest)."""
     if isinstance(sample_axis, tuple | list):
         axis: int | str | tuple[int | str, ...] = tuple(_sample_axis(plate, a) for a in sample_axis)
     else:
         axis = _sample_axis(plate, sample_axis)
     first = plate.fields[0]
-    variables = {"image": first.image[len(first.path) + 1 :]}
+    head = len(first.path) + 1 if first.path else 0  # (an image at the store's root: "")
+    variables = {"image": first.image[head:]}
     dims = {"image": plate.axes}  # the NGFF axes name the views' dimensions (0.4 arrays: none)
     for name in plate.label_names:
-        variables[f"labels/{name}"] = first.labels[name][len(first.path) + 1 :]
+        variables[f"labels/{name}"] = first.labels[name][head:]
         dims[f"labels/{name}"] = plate.label_axes[name]
     for f in plate.fields:
         own = {"image": f.image, **{f"labels/{n}": p for n, p in f.labels.items()}}
         for var, rel in variables.items():
-            if own[var] != f"{f.path}/{rel}":
+            if own[var] != _key(f.path, rel):
                 raise ValueError(
-                    f"level={level!r}: field {f.path!r} keeps {var!r} at {own[var]!r}, field "
-                    f"{first.path!r} at {first.path + '/' + rel!r} (their pyramids differ): "
-                    "open_plate needs one path per variable within each field's group; pick a "
-                    "level every field keeps at the same path (an index below the fewest "
-                    "levels, such as level=0, or a pixel size), or open the fields with "
+                    f"level={level!r}: {f.path!r} keeps {var!r} at {own[var]!r}, "
+                    f"{first.path!r} at {_key(first.path, rel)!r} (their pyramids differ): "
+                    "a collection needs one path per variable within each image's group; pick "
+                    "a level every image keeps at the same path (an index below the fewest "
+                    "levels, such as level=0, or a pixel size), or open the images with "
                     "Collection.from_groups"
                 )
     return Collection.from_groups(
@@ -561,11 +630,12 @@ def open_plate(
         [f.path for f in plate.fields],
         variables,
         names=[f.path for f in plate.fields],
-        keys=_member_keys(plate),
+        keys=keys,
         sample_axis=axis,
         mask_and_scale=mask_and_scale,
         cf_dtype=cf_dtype,
         dims=dims,
+        coords=channel_coords(plate.channels, plate.channel_axis),
     )
 
 
@@ -604,7 +674,7 @@ def _sample_axis(plate: Plate, sample_axis: int | str) -> int | str:
         if sample_axis not in plate.axes:
             raise ValueError(
                 f"sample_axis={sample_axis!r} is not an axis of the plate's images "
-                f"{list(plate.axes)}"
+                f"{list(plate.axes)}: name one, or sample_axis=() for each whole image one sample"
             )
         for name, axes in plate.label_axes.items():
             if sample_axis not in axes:

@@ -64,6 +64,7 @@ def make_hcs_plate(
     ngff_version: str = "0.4",
     seed: int = 0,
     acquisitions: int | None = None,
+    channel_names: Sequence[str] | None = None,
 ) -> str:
     """Write an OME-NGFF high-content-screening plate with ome-zarr-py's writer and return its
     path: plate, well and image metadata (NGFF 0.4 on zarr v2, or 0.5 on zarr v3) as
@@ -83,6 +84,9 @@ def make_hcs_plate(
       ``z_spacing`` in Z), one Z plane per chunk. Each name in ``labels`` is a uint8 label
       image ``(T, 1, Z, Y, X)`` of ellipsoidal blobs (ids ``1..k``, 0 = background), exactly
       the voxels where the image carries blob signal (as in :func:`make_microscopy_like`).
+    * ``channel_names`` (one per channel, ``C`` of them) are written as the images' ``omero``
+      channel labels, as acquisition software names them (``"DAPI"``, ``"GFP"``); ``None``
+      (the default) writes no ``omero`` metadata.
 
     Deterministic: a field's content depends only on ``seed``, its well's position in the
     rows x columns grid, its field index and ``shape``. Needs ome-zarr-py (``pip install
@@ -117,6 +121,17 @@ def make_hcs_plate(
     listed = [w for w in grid if w in set(present) | set(absent)]
 
     n_t, n_c, n_z, n_y, n_x = full
+    omero: dict[str, Any] = {}
+    if channel_names is not None:
+        if isinstance(channel_names, str) or len(channel_names) != n_c:
+            raise ValueError(f"channel_names must name the {n_c} channels, got {channel_names!r}")
+        window = {"min": 0, "max": 65535, "start": 0, "end": 65535}
+        omero["omero"] = {
+            "channels": [
+                {"label": str(n), "color": "FFFFFF", "active": True, "window": window}
+                for n in channel_names
+            ]
+        }
     chunks = (1, n_c, 1, n_y, n_x)
     scale = {"z": float(z_spacing), "y": float(pixel_size), "x": float(pixel_size)}
     units = {a: "micrometer" for a in ("z", "y", "x")}
@@ -156,7 +171,7 @@ def make_hcs_plate(
                         image[t, c] = value.astype(np.uint16)
                 write_image(
                     image, field, scale_factors=factors, fmt=fmt, axes="tczyx",
-                    storage_options={"chunks": chunks}, scale=scale, axes_units=units,
+                    storage_options={"chunks": chunks}, scale=scale, axes_units=units, **omero,
                 )  # fmt: skip
                 for name in labels:
                     write_labels(
