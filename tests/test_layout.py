@@ -30,6 +30,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1] / "insitubatch_nodes"
 
+# one worker runs the module: the package is parsed once (scan's cache is per process)
+pytestmark = pytest.mark.xdist_group("layout")
+
 # The top-level face, as written in insitubatch_nodes/__init__.py.
 FACE = [
     "ArrayGeometry",
