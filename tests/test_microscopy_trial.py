@@ -26,6 +26,7 @@ import zarr
 from insitubatch_nodes import Loader, insitu_pipeline, open_images, open_plate, split_by_member
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.ngff import read_plate
+from insitubatch_nodes.synthetic import write_omero
 
 pytest.importorskip("ome_zarr")
 
@@ -49,12 +50,6 @@ def _write_plate(path: Path, version: str) -> None:
     fmt = _format(version)
     root = zarr.open_group(path, mode="w", zarr_format=fmt.zarr_format)
     write_plate_metadata(root, ["A"], ["1", "2"], ["A/1", "A/2"], fmt=fmt, field_count=1)
-    window = {"min": 0, "max": 65535, "start": 100, "end": 4000}
-    omero = {
-        "channels": [
-            {"label": n, "color": "FFFFFF", "active": True, "window": window} for n in CHANNELS
-        ]
-    }
     rng = np.random.default_rng(11)
     scale = {"c": 1.0, "y": 0.5, "x": 0.5}
     with warnings.catch_warnings():
@@ -66,8 +61,9 @@ def _write_plate(path: Path, version: str) -> None:
             image = rng.integers(0, 60_000, (len(CHANNELS), YX, YX), dtype=np.uint16)
             write_image(
                 image, field, scale_factors=[{"y": 2, "x": 2}], fmt=fmt, axes="cyx",
-                scale=scale, storage_options={"chunks": (1, TILE, TILE)}, omero=omero,
+                scale=scale, storage_options={"chunks": (1, TILE, TILE)},
             )  # fmt: skip
+            write_omero(field, CHANNELS, window=(100, 4000))
             write_labels(
                 rng.integers(0, 5, (1, YX, YX), dtype=np.uint8), field, name="cells",
                 scaler=None, scale_factors=[{"y": 2, "x": 2}], fmt=fmt, axes="cyx",

@@ -39,6 +39,7 @@ from insitubatch_nodes.synthetic.plates import (
     make_hcs_plate,
     make_plate_metadata_only,
     plate_row_names,
+    write_omero,
 )
 from insitubatch_nodes.synthetic.weatherbench import (
     WEATHERBENCH_LEVEL_VARIABLES,
@@ -59,4 +60,5 @@ __all__ = [
     "make_plate_metadata_only",
     "make_weatherbench_like",
     "plate_row_names",
+    "write_omero",
 ]

@@ -121,17 +121,8 @@ def make_hcs_plate(
     listed = [w for w in grid if w in set(present) | set(absent)]
 
     n_t, n_c, n_z, n_y, n_x = full
-    omero: dict[str, Any] = {}
-    if channel_names is not None:
-        if isinstance(channel_names, str) or len(channel_names) != n_c:
-            raise ValueError(f"channel_names must name the {n_c} channels, got {channel_names!r}")
-        window = {"min": 0, "max": 65535, "start": 0, "end": 65535}
-        omero["omero"] = {
-            "channels": [
-                {"label": str(n), "color": "FFFFFF", "active": True, "window": window}
-                for n in channel_names
-            ]
-        }
+    if channel_names is not None and (isinstance(channel_names, str) or len(channel_names) != n_c):
+        raise ValueError(f"channel_names must name the {n_c} channels, got {channel_names!r}")
     chunks = (1, n_c, 1, n_y, n_x)
     scale = {"z": float(z_spacing), "y": float(pixel_size), "x": float(pixel_size)}
     units = {a: "micrometer" for a in ("z", "y", "x")}
@@ -171,8 +162,10 @@ def make_hcs_plate(
                         image[t, c] = value.astype(np.uint16)
                 write_image(
                     image, field, scale_factors=factors, fmt=fmt, axes="tczyx",
-                    storage_options={"chunks": chunks}, scale=scale, axes_units=units, **omero,
+                    storage_options={"chunks": chunks}, scale=scale, axes_units=units,
                 )  # fmt: skip
+                if channel_names is not None:
+                    write_omero(field, channel_names)
                 for name in labels:
                     write_labels(
                         label, field, name=name, scaler=None, scale_factors=factors, fmt=fmt,
@@ -180,6 +173,31 @@ def make_hcs_plate(
                         scale=scale, axes_units=units,
                     )  # fmt: skip
     return str(target)
+
+
+def write_omero(
+    image: zarr.Group, names: Sequence[str], window: tuple[int, int] = (0, 65535)
+) -> None:
+    """Add an ``omero`` block naming the channels ``names`` (``omero.channels[].label``, each
+    with a display ``window`` of ``(start, end)``) to the NGFF attributes of the multiscale
+    ``image`` group: under ``"ome"`` where the group keeps its NGFF metadata there (0.5), else
+    beside ``multiscales`` (0.4), as acquisition software and bioformats2raw write it.
+    (ome-zarr-py's ``write_image(..., omero=dict)`` does this up to 0.18; 0.21 takes only its
+    own ``Omero`` objects there.)"""
+    lo, hi = window
+    omero: dict[str, Any] = {
+        "channels": [
+            {"label": str(n), "color": "FFFFFF", "active": True,
+             "window": {"min": 0, "max": 65535, "start": lo, "end": hi}}
+            for n in names
+        ]
+    }  # fmt: skip
+    attrs: dict[str, Any] = dict(image.attrs.asdict())
+    ome = attrs.get("ome")
+    if isinstance(ome, dict):
+        image.attrs.update({"ome": {**ome, "omero": omero}})
+    else:
+        image.attrs.update({"omero": omero})
 
 
 def make_plate_metadata_only(
