@@ -1,0 +1,105 @@
+"""The features merged on 2026-12-06 crossed with the engine's guarantees: what a black-box
+trial against zarr and numpy found.
+
+The trial crossed static labels cut to each row's window, ``Statistics`` with a constant channel
+(``normalize=`` and ``normalizer()``), ``remainder="uneven"`` val plans, Lightning's resume after
+``max_steps``, plate channels by omero name and ``open_images`` series with: an exact mid-epoch
+resume in a fresh pipeline, an elastic resume (2 ranks to 3), disjoint ranks with equal batch
+counts, the persistent cache's second run, ``set_views`` and ``InSituDataModule``; zarr's own
+read, cut with numpy at the row's patch origin, was the oracle of every row. Each test here is
+one wrong answer or misleading error the trial found, kept as a claim; stores are tiny.
+
+Found (now fixed): a state saved mid-epoch with a static label (a land-sea mask cut to each
+row's window, a level of the orography selected with ``isel``) restored into a pipeline without
+that label, or with another level of it selected, and the rest of the epoch came without it
+or with other values: static labels were not in the state, where a patched label's selection
+or a stack's channels are.
+
+Needed no claim (matched the oracle, about 2,500 rows): cut static labels resumed exactly and
+elastically (2 ranks to 3: every new rank 7 batches, no row twice, each row's mask its window's),
+and beside a stack's static member on the persistent cache's second run (0 GETs, the same rows);
+plate channels by name (``sel(c="GFP")`` restored into ``sel(c="RFP")`` is refused, ``set_views``
+from one to the other reads the other; statistics of GFP refused for RFP); the cache's second
+run of a plate read by channel name (0 GETs); ``open_images`` series (v0.4 and v0.5) resumed
+after 1, 5 and 13 batches over the cache, split by series over 2 ranks; a stack normalised with
+a constant level beside ``normalizer()`` on a cut static label, resumed; uneven val plans with
+``stride`` and ``missing=`` on 1, 2, 3 and 5 ranks (``len()`` each rank's batch count, every
+sample once); ``InSituDataModule`` with a cut static label stopped by ``max_steps`` mid-epoch
+and resumed, with ``limit_val_batches``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+
+T, LAT, LON = 16, 8, 12
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``t2m (time, lat, lon)`` in chunks of 4 steps, a static land-sea mask and a levelled
+    static orography."""
+    root = tmp_path_factory.mktemp("cross_trial") / "era5.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    rng = np.random.default_rng(0)
+    for name, data, dims, chunks in (
+        ("t2m", rng.random((T, LAT, LON), dtype="f4"), ("time", "lat", "lon"), (4, 4, 6)),
+        ("lsm", rng.random((LAT, LON), dtype="f4"), ("lat", "lon"), (4, 6)),
+        ("orog", rng.random((3, LAT, LON), dtype="f4"), ("level", "lat", "lon"), (1, 4, 6)),
+    ):
+        group.create_array(name, shape=data.shape, chunks=chunks, dtype=data.dtype,
+                           dimension_names=dims)[...] = data  # fmt: skip
+    return root
+
+
+def test_a_state_saved_mid_epoch_with_a_static_label_restores_only_where_it_comes_alike(
+    era5: Path,
+) -> None:
+    # before: restored into a pipeline without the mask, or with another level of the
+    # orography, and the rest of the epoch came without it or with other values, silently
+    geoms = open_geometries(era5, sample_axis="time")
+    box = geoms["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    orog = geoms["orog"].as_static()
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    lsm = np.asarray(zarr.open_array(era5, path="lsm", mode="r")[...])
+
+    def state(views: dict[str, Any], batches: int) -> Any:
+        with insitu_pipeline(era5, manifest, views, batch_size=4, seed=5, coords=()) as pipe:
+            loader = Loader(pipe)
+            it = iter(loader)
+            for _ in range(batches):
+                next(it)
+            return loader.state_dict()
+
+    def restore(views: dict[str, Any], saved: Any) -> list[Any]:
+        with insitu_pipeline(era5, manifest, views, batch_size=4, seed=5, coords=()) as pipe:
+            loader = Loader(pipe)
+            loader.load_state_dict(saved)
+            return [(b.patch_origins["x"].copy(), b.arrays.get("lsm")) for b in loader]
+
+    saved = {"x": box, "lsm": geoms["lsm"], "o": orog.isel(level=0)}
+    mid = state(saved, 2)
+    for other, said in (
+        ({"x": box, "o": orog.isel(level=0)}, r"'lsm' static 'lsm' saved, None now"),
+        ({"x": box, "lsm": geoms["lsm"], "o": orog.isel(level=2)}, r"'o' select .*saved"),
+        ({"x": box, "lsm": geoms["orog"].as_static().isel(level=1), "o": orog.isel(level=0)},
+         r"'lsm' static 'lsm' saved, 'orog' now"),
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=said):
+            restore(other, mid)
+    rest = restore(saved, mid)  # the same labels: the rest of the epoch, each row's window
+    assert len(rest) == 16 * 4 // 4 - 2
+    for origins, rows in rest:
+        for o, row in zip(origins.tolist(), rows, strict=True):
+            np.testing.assert_array_equal(row, lsm[o[0] : o[0] + 3, o[1] : o[1] + 4])
+    # a state taken where the epoch begins restores into other static labels (the next
+    # epoch runs with the pipeline's own), and one with none restores where one is added
+    assert len(restore({"x": box}, state(saved, 0))) == 16
+    assert len(restore(saved, state({"x": box}, 2))) == 14
