@@ -140,9 +140,11 @@ class Statistics:
 
     def _check_array(self, label: str, view: ArrayGeometry) -> None:
         """``ValueError`` when ``label`` was fitted on another array than ``view`` reads (its
-        ``paths`` entry): another quantity's statistics standardise nothing."""
+        ``paths`` entry): another quantity's statistics standardise nothing. A collection's
+        variable (``"<collection>:<variable>"``) is one quantity over any members: statistics
+        fitted on training members' (``subset``) standardise the others' views of it."""
         fitted = self.paths.get(label)
-        if fitted is None or fitted == view.path:
+        if fitted is None or fitted == view.path or _same_variable(fitted, view):
             return
         raise ValueError(
             f"statistics of {label!r} were fitted on array {fitted!r}, but the view given "
@@ -326,6 +328,18 @@ def _channels(inner: tuple[int, ...]) -> tuple[int, ...]:
 def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
     """``(n, *channels, *grid)`` -> ``(n, prod(channels), prod(grid))`` (a view when it can)."""
     return x.reshape(x.shape[0], math.prod(channels), -1)
+
+
+def _same_variable(fitted: str, view: ArrayGeometry) -> bool:
+    """Whether ``fitted`` (a ``paths`` entry) and ``view`` name one variable of collections
+    (paths ``"collection-<digest>:<variable>"``, the digest naming the store and members)."""
+    name, sep, variable = fitted.rpartition(":")
+    return (
+        view.members is not None
+        and bool(sep)
+        and name.startswith("collection-")
+        and view.path.rpartition(":")[2] == variable
+    )
 
 
 def fit_statistics(

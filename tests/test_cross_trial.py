@@ -13,7 +13,9 @@ Found (now fixed): a state saved mid-epoch with a static label (a land-sea mask 
 row's window, a level of the orography selected with ``isel``) restored into a pipeline without
 that label, or with another level of it selected, and the rest of the epoch came without it
 or with other values: static labels were not in the state, where a patched label's selection
-or a stack's channels are.
+or a stack's channels are. Statistics fitted on a collection's training members
+(``coll.subset``, one collection per split) were refused for the validation members' views of
+the same variable, "fit them on this view": the collections' paths differ.
 
 Needed no claim (matched the oracle, about 2,500 rows): cut static labels resumed exactly and
 elastically (2 ranks to 3: every new rank 7 batches, no row twice, each row's mask its window's),
@@ -37,7 +39,16 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import (
+    Collection,
+    Loader,
+    fit_statistics,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    split_by_member,
+    stack,
+)
 
 T, LAT, LON = 16, 8, 12
 
@@ -57,6 +68,10 @@ def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
         group.create_array(name, shape=data.shape, chunks=chunks, dtype=data.dtype,
                            dimension_names=dims)[...] = data  # fmt: skip
     return root
+
+
+def _read(root: Path, path: str) -> np.ndarray:
+    return np.asarray(zarr.open_array(root, path=path, mode="r")[...])
 
 
 def test_a_state_saved_mid_epoch_with_a_static_label_restores_only_where_it_comes_alike(
@@ -103,3 +118,49 @@ def test_a_state_saved_mid_epoch_with_a_static_label_restores_only_where_it_come
     # epoch runs with the pipeline's own), and one with none restores where one is added
     assert len(restore({"x": box}, state(saved, 0))) == 16
     assert len(restore(saved, state({"x": box}, 2))) == 14
+
+
+def test_statistics_fitted_on_a_collections_training_members_standardise_its_other_members(
+    tmp_path: Path,
+) -> None:
+    # before: refused, "fitted on array 'collection-80ba6f58:image', but the view given under
+    # 'x' reads 'collection-ee0cdb0b:image': fit them on this view" - on the validation
+    # members, a leak; one collection per split (subset(), InSituDataModule's splits) could
+    # not be standardised with training's statistics but by rewriting stats.paths per split
+    rng = np.random.default_rng(2)
+    group = zarr.open_group(tmp_path / "fields.zarr", mode="w", zarr_format=3)
+    for well in ("A1", "A2", "B1"):
+        for name, c in (("image", 2), ("mask", 1)):
+            data = rng.normal(5.0, 2.0, (c, 8, 8)).astype("f4")
+            group.create_array(f"{well}/{name}", shape=data.shape, chunks=(1, 4, 4), dtype="f4",
+                               dimension_names=("c", "y", "x"))[...] = data  # fmt: skip
+    wells = Collection.from_groups(
+        tmp_path / "fields.zarr", ["A1", "A2", "B1"], {"image": "image", "mask": "mask"},
+        sample_axis=(), coords={"image": {"c": ["DAPI", "GFP"]}},
+    )  # fmt: skip
+    train, val = wells.subset(["A1", "A2"]), wells.subset(["B1"])
+    stats = fit_statistics(train, split_by_member(train, {"train": 1.0}),
+                           {"x": train["image"], "g": train["image"].sel(c="GFP")})  # fmt: skip
+    fitted = np.stack([_read(tmp_path / "fields.zarr", f"{w}/image") for w in ("A1", "A2")])
+    mean, std = fitted.mean(axis=(0, 2, 3)), fitted.std(axis=(0, 2, 3))
+    b1 = _read(tmp_path / "fields.zarr", "B1/image")
+    views = {
+        "x": val["image"].patches({"y": 4, "x": 4}),
+        "g": val["image"].sel(c="GFP").patches({"y": 4, "x": 4}),
+        "s": stack({"x": val["image"].patches({"y": 4, "x": 4})}, normalize=stats),
+    }
+    manifest = split_by_member(val, {"train": 1.0})
+    norm = stats.normalizer({"x": views["x"], "g": views["g"]})
+    with insitu_pipeline(val, manifest, views, batch_size=4, batch_transforms=[norm]) as pipe:
+        rows = 0
+        for batch in Loader(pipe):
+            for r, (y0, x0) in enumerate(batch.patch_origins["x"].tolist()):
+                want = (b1[:, y0 : y0 + 4, x0 : x0 + 4] - mean[:, None, None]) / std[:, None, None]
+                np.testing.assert_allclose(batch["x"][r], want, rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(batch["s"][r], want, rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(batch["g"][r], want[1], rtol=1e-5, atol=1e-5)
+                rows += 1
+    assert rows == 4  # B1's four windows
+    # another variable of the collection is another quantity: still refused
+    with pytest.raises(ValueError, match=r"fitted on array 'collection-\w+:image'.*:mask'"):
+        stats.normalizer({"x": val["mask"]})
