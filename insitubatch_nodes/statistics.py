@@ -48,6 +48,7 @@ from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.collection_paths import same_variable
 from insitubatch_nodes.io.coords import MISSING_OFFSET
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
@@ -144,7 +145,7 @@ class Statistics:
         variable (``"<collection>:<variable>"``) is one quantity over any members: statistics
         fitted on training members' (``subset``) standardise the others' views of it."""
         fitted = self.paths.get(label)
-        if fitted is None or fitted == view.path or _same_variable(fitted, view):
+        if fitted is None or fitted == view.path or same_variable(fitted, view.path):
             return
         raise ValueError(
             f"statistics of {label!r} were fitted on array {fitted!r}, but the view given "
@@ -328,18 +329,6 @@ def _channels(inner: tuple[int, ...]) -> tuple[int, ...]:
 def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
     """``(n, *channels, *grid)`` -> ``(n, prod(channels), prod(grid))`` (a view when it can)."""
     return x.reshape(x.shape[0], math.prod(channels), -1)
-
-
-def _same_variable(fitted: str, view: ArrayGeometry) -> bool:
-    """Whether ``fitted`` (a ``paths`` entry) and ``view`` name one variable of collections
-    (paths ``"collection-<digest>:<variable>"``, the digest naming the store and members)."""
-    name, sep, variable = fitted.rpartition(":")
-    return (
-        view.members is not None
-        and bool(sep)
-        and name.startswith("collection-")
-        and view.path.rpartition(":")[2] == variable
-    )
 
 
 def fit_statistics(

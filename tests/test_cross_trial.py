@@ -15,7 +15,8 @@ that label, or with another level of it selected, and the rest of the epoch came
 or with other values: static labels were not in the state, where a patched label's selection
 or a stack's channels are. Statistics fitted on a collection's training members
 (``coll.subset``, one collection per split) were refused for the validation members' views of
-the same variable, "fit them on this view": the collections' paths differ.
+the same variable, "fit them on this view", and their ``scaler()`` "has no statistics" for
+those members: the collections' paths differ.
 
 Needed no claim (matched the oracle, about 2,500 rows): cut static labels resumed exactly and
 elastically (2 ranks to 3: every new rank 7 batches, no row twice, each row's mask its window's),
@@ -161,6 +162,13 @@ def test_statistics_fitted_on_a_collections_training_members_standardise_its_oth
                 np.testing.assert_allclose(batch["g"][r], want[1], rtol=1e-5, atol=1e-5)
                 rows += 1
     assert rows == 4  # B1's four windows
+    # and as a chunk transform keyed by the fitted collection's path (before: "runs on
+    # ['collection-...:image'] but has no statistics for them")
+    scaler = stats.scaler(["x"])
+    with insitu_pipeline(val, manifest, {"x": val["image"]}, chunk_transforms=[scaler]) as pipe:
+        (batch,) = list(Loader(pipe))
+    want = (b1 - mean[:, None, None]) / std[:, None, None]
+    np.testing.assert_allclose(batch["x"][0], want, rtol=1e-5, atol=1e-5)
     # another variable of the collection is another quantity: still refused
     with pytest.raises(ValueError, match=r"fitted on array 'collection-\w+:image'.*:mask'"):
         stats.normalizer({"x": val["mask"]})
