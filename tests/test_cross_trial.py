@@ -18,7 +18,7 @@ or a stack's channels are. Statistics fitted on a collection's training members
 the same variable, "fit them on this view", and their ``scaler()`` "has no statistics" for
 those members: the collections' paths differ.
 
-Needed no claim (matched the oracle, about 2,500 rows): cut static labels resumed exactly and
+Needed no claim (matched the oracle, about 2,900 rows): cut static labels resumed exactly and
 elastically (2 ranks to 3: every new rank 7 batches, no row twice, each row's mask its window's),
 and beside a stack's static member on the persistent cache's second run (0 GETs, the same rows);
 plate channels by name (``sel(c="GFP")`` restored into ``sel(c="RFP")`` is refused, ``set_views``
@@ -28,7 +28,9 @@ after 1, 5 and 13 batches over the cache, split by series over 2 ranks; a stack 
 a constant level beside ``normalizer()`` on a cut static label, resumed; uneven val plans with
 ``stride`` and ``missing=`` on 1, 2, 3 and 5 ranks (``len()`` each rank's batch count, every
 sample once); ``InSituDataModule`` with a cut static label stopped by ``max_steps`` mid-epoch
-and resumed, with ``limit_val_batches``.
+and resumed, with ``limit_val_batches``; uneven val plans of cut static labels saved on 2, 3, 4
+ranks and restored on 1, 2, 3 (every sample once, ``len()`` right at once); the cache written
+by 2 ranks read by 3 and 1 (0 GETs).
 """
 
 from __future__ import annotations
