@@ -366,6 +366,7 @@ def insitu_pipeline(
     listed = member_missing(missing, read)  # {member: indices within it}: virtual indices
     # one reader: the time coordinate the stride and missing= need is read once, shared
     reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
+    labels = {k: v for k, v in views.items() if isinstance(v, ArrayGeometry) and v.static}
     views, geoms, statics, constants = static_fields(views, geoms)
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
     # a stack's rows carry its first sampled member's coordinates (its forcings' times)
@@ -407,7 +408,7 @@ def insitu_pipeline(
         revive=cache_options.persistent and plan_config.shuffle,
         held=slot_holdings(parts.values(), transforms, cache_options.persistent),
     )
-    plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config)
+    plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config, statics=labels)
     if missing_objects == "drop":  # each rank listed the store: the ranks' plans must agree
         check_same_plan_on_every_rank(plan.config(), plan.dropped, plan.rank, plan.world_size,
                                       _RANKS_LISTED)  # fmt: skip

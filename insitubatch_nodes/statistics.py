@@ -48,6 +48,7 @@ from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.collection_paths import same_variable
 from insitubatch_nodes.io.coords import MISSING_OFFSET
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
@@ -140,9 +141,11 @@ class Statistics:
 
     def _check_array(self, label: str, view: ArrayGeometry) -> None:
         """``ValueError`` when ``label`` was fitted on another array than ``view`` reads (its
-        ``paths`` entry): another quantity's statistics standardise nothing."""
+        ``paths`` entry): another quantity's statistics standardise nothing. A collection's
+        variable (``"<collection>:<variable>"``) is one quantity over any members: statistics
+        fitted on training members' (``subset``) standardise the others' views of it."""
         fitted = self.paths.get(label)
-        if fitted is None or fitted == view.path:
+        if fitted is None or fitted == view.path or same_variable(fitted, view.path):
             return
         raise ValueError(
             f"statistics of {label!r} were fitted on array {fitted!r}, but the view given "

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.errors import ChunkTransformError
+from insitubatch_nodes.io.collection_paths import renamed_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry
 
 __all__ = [
@@ -549,6 +550,7 @@ class StandardScaler:
         self.eps = float(eps)
         self.cache_key = cache_key
         self._cast: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+        self._alias: dict[str, str] = {}  # another collection's variable -> its key (validate)
 
     def __repr__(self) -> str:
         key = f", cache_key={self.cache_key!r}" if self.cache_key is not None else ""
@@ -558,7 +560,7 @@ class StandardScaler:
         # the per-dtype casts are derived on use: leaving them out keeps a pickle (and the
         # persistent cache's fingerprint of this scaler) the same before and after use
         state = dict(self.__dict__)
-        state["_cast"] = {}
+        state["_cast"], state["_alias"] = {}, {}
         return state
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -571,8 +573,10 @@ class StandardScaler:
         return _float16_revision(geometry)
 
     def validate(self, geometries: Mapping[str, ArrayGeometry]) -> None:
-        """Check that every array in scope has statistics that broadcast to its sample."""
-        missing = sorted(set(geometries) - set(self.mean))
+        """Check that every array in scope has statistics that broadcast to its sample (those
+        of a collection's variable are those of its key naming that variable of other members)."""
+        self._alias.update(renamed_variables(set(geometries) - set(self.mean), self.mean))
+        missing = sorted(set(geometries) - set(self.mean) - set(self._alias))
         if missing:
             raise ValueError(
                 f"{self!r} runs on {missing} but has no statistics for them; add them, or "
@@ -582,7 +586,8 @@ class StandardScaler:
                 )
             )
         for path, geom in geometries.items():
-            for what, stat in (("mean", self.mean[path]), ("std", self.std[path])):
+            key = self._alias.get(path, path)
+            for what, stat in (("mean", self.mean[key]), ("std", self.std[key])):
                 try:
                     shape = np.broadcast_shapes(stat.shape, geom.inner_shape)
                 except ValueError:
@@ -598,6 +603,7 @@ class StandardScaler:
         key = (path, dtype.str)
         got = self._cast.get(key)
         if got is None:  # a benign race: two threads may compute the same small arrays
+            path = self._alias.get(path, path)
             mean = self.mean[path].astype(dtype)
             scale = (1.0 / (self.std[path] + self.eps)).astype(dtype)
             got = self._cast[key] = (mean, scale)

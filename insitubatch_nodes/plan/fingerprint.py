@@ -178,13 +178,20 @@ def _patch_changes(
     return out
 
 
-def inputs_of(views: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+def inputs_of(
+    views: Mapping[str, Any], statics: Mapping[str, ArrayGeometry] | None = None
+) -> dict[str, dict[str, Any]]:
     """What the batch labels hold beyond the plan's views (which only say what is read, and
     when): per label that is a stack, its layout, channel names (members, their levels and
     order), its members' selections and a hash of the statistics it is normalised with
-    (``normalize=``); per selected view, its selection. Labels neither a
-    stack nor selected are left out (an empty mapping for a plan of plain views)."""
-    out: dict[str, dict[str, Any]] = {}
+    (``normalize=``); per selected view, its selection; per static label of ``statics`` (the
+    plan never reads them: a ``StaticFields`` puts them in), its array's path and selection.
+    Other labels are left out (an empty mapping for a plan of plain views)."""
+    out: dict[str, dict[str, Any]] = {
+        label: {"static": view.path}
+        | ({} if view.select is None else {"select": view.select.describe()})
+        for label, view in (statics or {}).items()
+    }
     for label, view in sorted(views.items()):
         if isinstance(view, Stack):
             chosen = {
@@ -209,7 +216,9 @@ def inputs_of(views: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
     """Raise ``ValueError`` when a saved read-plan config's ``inputs`` (:func:`inputs_of`)
     differ from this plan's (``mine``) for a state saved mid-epoch (``where`` says where).
-    A state without the entry was saved by a plan of plain views (``{}``)."""
+    A state without the entry was saved by a plan of plain views (``{}``). A static label
+    the state does not name is let be (the rows are the same; states saved before static
+    labels were recorded name none); one it names must come alike."""
     if not where:
         return
     theirs, ours = saved.get("inputs", {}), mine.get("inputs", {})
@@ -218,9 +227,11 @@ def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) 
     changes = []
     for label in sorted(theirs.keys() | ours.keys()):
         a, b = theirs.get(label, {}), ours.get(label, {})
+        if "static" in b and not a:
+            continue
         changes += [
             f"{label!r} {key} {a.get(key)!r} saved, {b.get(key)!r} now"
-            for key in ("channels", "layout", "select")
+            for key in ("static", "channels", "layout", "select")
             if a.get(key) != b.get(key)
         ]
         if a.get("normalize") != b.get("normalize"):
@@ -230,6 +241,6 @@ def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) 
             "cannot restore this read-plan state: the batches' inputs differ ("
             + "; ".join(changes)
             + f") and it was saved mid-epoch ({where}), whose rest would come with other "
-            "channels; build the pipeline with the saved run's views to finish that epoch, or "
-            "restore a state taken where an epoch begins or ends"
+            "channels or static labels; build the pipeline with the saved run's views to "
+            "finish that epoch, or restore a state taken where an epoch begins or ends"
         )

@@ -142,10 +142,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     world size.
 
     **One config.** ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`; ``None``:
-    the defaults) holds ``split`` to ``remainder``, checked when it was made and trusted here.
-    The node keeps the settings as attributes (``split``, ``batch_size``, ..., ``rank`` and
-    ``world_size`` resolved) and as :attr:`plan_config`, the config with ``rank`` and
-    ``world_size`` resolved.
+    the defaults), checked when it was made, is kept as :attr:`plan_config` and as attributes
+    (``split``, ..., ``rank`` and ``world_size`` resolved). ``statics``: the static labels a
+    ``StaticFields`` puts beside, in the state (saved mid-epoch, it restores where they come alike).
 
     **Windows.** A window view (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.window`)
     is planned as its parts, one plain shifted view per step (:mod:`~insitubatch_nodes.plan.parts`;
@@ -168,6 +167,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         *,
         schedule: PinSchedule | None = None,
         config: PlanConfig | None = None,
+        statics: Mapping[str, ArrayGeometry] | None = None,
     ) -> None:
         super().__init__()
         given = plan_config(config, "ReadPlanNode")
@@ -210,6 +210,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._known: dict[str, dict[str, ArrayGeometry]] = {}
         self._views_named = not layout.is_plain()
         self._held: dict[str, Held] = {}  # what the slots hold (hold)
+        self._statics = dict(statics or {})
         self._config = self._fingerprint()  # the configuration is fixed from here on
 
     @staticmethod
@@ -330,11 +331,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._known[dataset] = dict(self.views)
         return {
             "dataset": dataset,
-            # the views, readable, with windows or after set_views (a state saved with other
-            # views restores at an epoch boundary; a default config's fingerprint is unchanged)
+            # the views, readable, with windows or after set_views; what the labels hold beyond
+            # (stacks' channels, selections, static labels: a mid-epoch resume's, see check_state)
             **({"views": views} if self._views_named else {}),
-            # stacks' channels and selections (not the plan's, but a mid-epoch resume's)
-            **({"inputs": inputs} if (inputs := inputs_of(self.layout.views)) else {}),
+            **({"inputs": i} if (i := inputs_of(self.layout.views, self._statics)) else {}),
             "split": self.split,
             "batch_size": self.batch_size,
             "block_chunks": self.block_chunks,
