@@ -531,6 +531,8 @@ class GatherNode(BaseNode[Batch]):
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of batch-buffer memory held now, lent out or idle (scratch included)."""
+        """Bytes of batch-buffer memory held now, lent out or idle (scratch included, and the
+        buffers of batch transforms that say what they hold: a static label's cut rows)."""
         held = self.buffers.held_bytes
+        held += sum(getattr(t, "held_bytes", 0) for t in self.batch_transforms)
         return held + sum(s.nbytes for scratch in self._scratch for s in scratch.values())
