@@ -26,7 +26,7 @@ rows' origins), a dense copy per batch, as a patched stack's static member and t
 a patched label are cut. The copies are written into reusable buffers lent under the batch
 buffers' ownership rule (:class:`~insitubatch_nodes.stages.buffers.BufferPool`: a buffer is
 lent again only once nothing made from its batch is left), counted in
-:attr:`StaticFields.held_bytes` and so in ``pipe.stats()``'s ``batch_buffer_bytes``. A static
+:attr:`StaticFields.held_bytes` and so in ``pipe.stats()``'s ``batch_transform_bytes``. A static
 label without any patched dimension (a bandpass ``(freq,)`` beside ``(dec, ra)`` windows) stays
 whole and broadcast.
 """
@@ -282,9 +282,11 @@ class StaticFields:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the buffers the cut labels' rows are written into (lent out to batches,
-        or idle): memory outside the pool, as the batch buffers are."""
-        return sum(pool.held_bytes for pool in self._buffers.values())
+        """Bytes held outside the pool (``pipe.stats()``'s ``batch_transform_bytes``): the
+        static arrays, and the buffers the cut labels' rows are written into (lent out to
+        batches, or idle)."""
+        arrays = sum(a.nbytes for a in self.arrays.values())
+        return arrays + sum(pool.held_bytes for pool in self._buffers.values())
 
     def __getstate__(self) -> dict[str, Any]:
         # the buffers (and their lock) stay with this process: a copy makes its own

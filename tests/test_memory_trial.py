@@ -16,6 +16,8 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.forcings import FORCINGS, Forcings
+from insitubatch_nodes.synthetic import make_era5_like
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -53,12 +55,13 @@ def _grid(root: Path) -> None:
                            dimension_names=dims)[...] = data  # fmt: skip
 
 
-def test_a_static_label_cut_to_each_rows_window_is_counted_in_the_batch_buffer_bytes(
+def test_a_static_label_cut_to_each_rows_window_is_counted_outside_the_pool(
     tmp_path: Path,
 ) -> None:
     # before: each batch's cut of the static label was a fresh array, held by the batches in
     # the prefetch queue and by the consumer like a label's batch buffer, and counted nowhere
-    # (stats()'s batch_buffer_bytes counted the patched label's buffers only)
+    # (stats() counted the patched label's buffers only; the cuts are the static fields', in
+    # batch_transform_bytes)
     root = tmp_path / "grid.zarr"
     _grid(root)
     geoms = open_geometries(root, sample_axis="time")
@@ -75,9 +78,45 @@ def test_a_static_label_cut_to_each_rows_window_is_counted_in_the_batch_buffer_b
                 if epoch == 0:
                     kept.append(batch)  # held by the consumer: lent out, counted
             held = sum(a.nbytes for b in kept for a in b.arrays.values())
-            assert pipe.stats()["batch_buffer_bytes"] >= held
-        allocations = pipe.stats()["batch_buffer_bytes"]
+            stats = pipe.stats()
+            assert stats["batch_buffer_bytes"] + stats["batch_transform_bytes"] >= held
+        allocations = pipe.stats()["batch_transform_bytes"]
         kept.clear()
         for _ in Loader(pipe):  # the kept batches' buffers are lent again, none made
             pass
-        assert pipe.stats()["batch_buffer_bytes"] <= allocations
+        assert pipe.stats()["batch_transform_bytes"] <= allocations
+
+
+def test_what_the_batch_transforms_hold_is_counted_outside_the_pool(tmp_path: Path) -> None:
+    # before: the forcings' memory of the times they computed (up to 64 MiB per Forcings, kept
+    # for the pipeline's life), a static field read whole when the pipeline was built and the
+    # buffers its cuts are lent from were counted in no entry of stats()
+    root = tmp_path / "e.zarr"
+    make_era5_like(root, n_time=48, n_lat=8, n_lon=16, samples_per_chunk=8, variables=["t2m"])
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    forcings = Forcings("x", view=t2m)
+    times = zarr.open_group(root, mode="r")["time"][...]
+    with insitu_pipeline(
+        root, manifest, {"x": t2m}, batch_size=6, batch_transforms=[forcings]
+    ) as pipe:
+        for batch in Loader(pipe):
+            assert set(batch.arrays) == {"x", *FORCINGS}
+        stats = pipe.stats()
+    remembered = len(np.unique(times)) * len(FORCINGS) * 8 * 16 * 4  # float32 fields
+    assert stats["batch_transform_bytes"] >= remembered
+    assert stats["outside_pool_bytes"] == (
+        stats["batch_buffer_bytes"] + stats["decode_scratch_bytes"] + stats["batch_transform_bytes"]
+    )
+    # a static field: its whole array, and its cuts' buffers beside patched labels
+    grid = tmp_path / "grid.zarr"
+    _grid(grid)
+    geoms = open_geometries(grid, sample_axis="time")
+    lsm = np.asarray(zarr.open_group(grid, mode="r")["lsm"][...])
+    box = geoms["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    for views in ({"x": geoms["t2m"], "lsm": geoms["lsm"]}, {"x": box, "lsm": geoms["lsm"]}):
+        with insitu_pipeline(grid, manifest, views, batch_size=4, coords=()) as pipe:
+            kept = list(Loader(pipe))
+            cuts = sum(b["lsm"].nbytes for b in kept) if "x" in kept[0].patch_origins else 0
+            assert pipe.stats()["batch_transform_bytes"] >= lsm.nbytes + cuts
