@@ -334,6 +334,12 @@ class _Memo:
     def __len__(self) -> int:
         return len(self.keys)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: the tables (grown ahead, at most double what is filled) and the index."""
+        index = self.keys.nbytes + self._sorted.nbytes + self._slots.nbytes
+        return index + sum(t.nbytes for t in self.fields.values())
+
     def find(self, keys: np.ndarray) -> np.ndarray:
         """The slot of each of ``keys`` (sorted, distinct), ``-1`` where it is not held."""
         if not len(self._sorted):
@@ -552,6 +558,12 @@ class Forcings:
                 values = np.sin(angle) if name.endswith("sin") else np.cos(angle)
             out[name] = np.ascontiguousarray(np.broadcast_to(values, shape), dtype=np.float32)
         return out
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the fields remembered so far (at most :data:`MEMO_BYTES`; memory outside
+        the pool, counted in ``pipe.stats()``'s ``batch_transform_bytes``)."""
+        return sum(m.nbytes for m in self._memos)
 
     def __call__(self, batch: Batch) -> Batch:
         carried = batch.coords.get(self.time_label, {})

@@ -183,11 +183,16 @@ class InSituPipeline(PrefetcherNode[Batch]):
         ``batch_buffer_bytes`` (reusable batch buffers, lent out or idle — the prefetch queue's
         batches live in them — plus gather scratch), ``decode_scratch_bytes`` (per decode
         thread: scratch, and the buffers objects are decoded into before a slot keeps a
-        selection of them) and their sum ``outside_pool_bytes``."""
+        selection of them), ``batch_transform_bytes`` (what the batch transforms hold: static
+        fields and the buffers of their cuts, stacks' constant channels, the forcings'
+        remembered fields) and their sum ``outside_pool_bytes``."""
         out = self.stages.pool.stats.as_dict()
         out["batch_buffer_bytes"] = self.stages.gather.buffer_bytes
         out["decode_scratch_bytes"] = self.stages.fetch.scratch_bytes
-        out["outside_pool_bytes"] = out["batch_buffer_bytes"] + out["decode_scratch_bytes"]
+        out["batch_transform_bytes"] = self.stages.gather.transform_bytes
+        out["outside_pool_bytes"] = (
+            out["batch_buffer_bytes"] + out["decode_scratch_bytes"] + out["batch_transform_bytes"]
+        )
         return out
 
 

@@ -148,6 +148,22 @@ class StackConstants:
             out.append((label, found))
         return out
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held outside the pool: the static members' data (as read and as standardised)
+        and the forcing members' remembered fields (``pipe.stats()``'s
+        ``batch_transform_bytes``)."""
+        arrays: dict[int, int] = {}
+        forcings: dict[int, int] = {}
+        for variants in self._variants.values():
+            for prepared in variants:
+                for _, raw, data in prepared.fills:
+                    arrays.update({id(raw): raw.nbytes, id(data): data.nbytes})
+                for member in prepared.forcings:
+                    if member.forcing is not None:
+                        forcings[id(member.forcing)] = member.forcing.held_bytes
+        return sum(arrays.values()) + sum(forcings.values())
+
     def __call__(self, batch: Batch) -> Batch:
         for label, prepared in self._in_effect():
             st = prepared.stack

@@ -23,12 +23,17 @@ label that has patched dimensions is cut to **each row's window** along them
 (:class:`StaticCut`): ``(len(batch), *window)``, ``mask[window]`` at the row's origin
 (``batch.patch_origins`` of the patched labels: every patched label of a pipeline shares its
 rows' origins), a dense copy per batch, as a patched stack's static member and the forcings of
-a patched label are cut. A static label without any patched dimension (a bandpass ``(freq,)``
-beside ``(dec, ra)`` windows) stays whole and broadcast.
+a patched label are cut. The copies are written into reusable buffers lent under the batch
+buffers' ownership rule (:class:`~insitubatch_nodes.stages.buffers.BufferPool`: a buffer is
+lent again only once nothing made from its batch is left), counted in
+:attr:`StaticFields.held_bytes` and so in ``pipe.stats()``'s ``batch_transform_bytes``. A static
+label without any patched dimension (a bandpass ``(freq,)`` beside ``(dec, ra)`` windows) stays
+whole and broadcast.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -234,6 +239,13 @@ class StaticCut:
             shape[a] = e
         return tuple(shape)
 
+    def shape_of(self, data: np.ndarray) -> tuple[int, ...]:
+        """The shape of one window of ``data`` (the static field as its view selects it)."""
+        shape = list(data.shape)
+        for a, e in zip(self.axes, self.extent, strict=True):
+            shape[a] = e
+        return tuple(shape)
+
     def rows(self, data: np.ndarray, origins: np.ndarray) -> np.ndarray:
         """``(len(origins), *window)``: row ``i`` is ``data`` cut to the window at
         ``origins[i]`` (the patched labels' ``batch.patch_origins``), every row at once (a
@@ -265,6 +277,36 @@ class StaticFields:
             cut = None if patches is None else StaticCut.of(label, view, patches)
             if cut is not None:
                 self.cuts[label] = cut
+        self._buffers: dict[str, Any] = {}  # cut label -> its BufferPool (made at first use)
+        self._lock = threading.Lock()  # (one instance may serve two pipelines' threads)
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes held outside the pool (``pipe.stats()``'s ``batch_transform_bytes``): the
+        static arrays, and the buffers the cut labels' rows are written into (lent out to
+        batches, or idle)."""
+        arrays = sum(a.nbytes for a in self.arrays.values())
+        return arrays + sum(pool.held_bytes for pool in self._buffers.values())
+
+    def __getstate__(self) -> dict[str, Any]:
+        # the buffers (and their lock) stay with this process: a copy makes its own
+        return {k: v for k, v in self.__dict__.items() if k not in ("_buffers", "_lock")}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _buffers={}, _lock=threading.Lock())
+
+    def _cut_into(self, label: str, cut: StaticCut, data: np.ndarray, origins: Any) -> Any:
+        """``cut.rows(data, origins)`` written into a buffer lent from this label's pool."""
+        from insitubatch_nodes.stages.buffers import BufferPool  # (stages import this module)
+
+        n = len(origins)
+        with self._lock:
+            pool = self._buffers.get(label)
+            if pool is None or pool.shape[0] < n:
+                pool = self._buffers[label] = BufferPool((n, *cut.shape_of(data)), data.dtype)
+            out = pool.take()[:n]
+        np.copyto(out, cut.rows(data, origins))
+        return out
 
     def check_patches(self, spec: Patches | None) -> None:
         """``ValueError`` unless the batches' patched labels, cut by ``spec`` (``None``: none is
@@ -309,7 +351,7 @@ class StaticFields:
                     "labels, and this batch has no patched label: give StaticFields the "
                     "patches of the batches' labels (patches=), or none"
                 )
-            batch.arrays[label] = np.ascontiguousarray(cut.rows(data, origins))
+            batch.arrays[label] = self._cut_into(label, cut, data, origins)
         return batch
 
     def __repr__(self) -> str:

@@ -530,6 +530,12 @@ class GatherNode(BaseNode[Batch]):
         return self.buffers.allocations
 
     @property
+    def transform_bytes(self) -> int:
+        """Bytes the batch transforms hold now, those that say (``held_bytes``): static fields
+        and their cuts' buffers, stacks' constant channels, the forcings' remembered fields."""
+        return sum(int(getattr(t, "held_bytes", 0)) for t in self.batch_transforms)
+
+    @property
     def buffer_bytes(self) -> int:
         """Bytes of batch-buffer memory held now, lent out or idle (scratch included)."""
         held = self.buffers.held_bytes

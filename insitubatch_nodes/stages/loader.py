@@ -35,8 +35,10 @@ OVERTAKEN = (
     "insitu_pipeline(..., split='val') for validation), or end one loop before starting the next"
 )
 
-#: the loader whose loop runs each root node now (an older loader's loop is refused)
-_RUNNING: weakref.WeakKeyDictionary[BaseNode[Any], Any] = weakref.WeakKeyDictionary()
+#: the loader whose loop runs each root node now (an older loader's loop is refused), held
+#: weakly: a loader holds its root, so a loader held here kept its key, the pipeline with its
+#: pool and batch buffers, alive for the life of the process
+_RUNNING: weakref.WeakKeyDictionary[BaseNode[Any], weakref.ref[Any]] = weakref.WeakKeyDictionary()
 
 
 class Loader(_TorchdataLoader[T]):
@@ -58,7 +60,7 @@ class Loader(_TorchdataLoader[T]):
     def __iter__(self) -> Iterator[T]:
         """torchdata's ``iter()`` (the root reset, or resumed from a loaded state), this loader
         becoming the one whose loop runs its root."""
-        _RUNNING[self.root] = self
+        _RUNNING[self.root] = weakref.ref(self)
         if self._it is None:
             self._it = _OneLoop(self)
         return super().__iter__()
@@ -93,6 +95,7 @@ class _OneLoop(LoaderIterator[T]):
     """torchdata's loader iterator, refusing a batch once another loader runs its root."""
 
     def next(self) -> T:
-        if _RUNNING.get(self.root) is not self.loader:
+        running = _RUNNING.get(self.root)
+        if running is None or running() is not self.loader:
             raise RuntimeError(OVERTAKEN)
         return super().next()

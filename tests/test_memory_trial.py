@@ -1,0 +1,122 @@
+"""The memory a pipeline holds, against what the docs and ``pipe.stats()`` say (the memory
+trial of 2026-12-06): pipelines built, run and dropped in one process, their pools, batch
+buffers and static cuts measured. Each test proves a before/after behaviour the trial found;
+zarr's own read of the store is the oracle for the batches, weak references and the pipeline's
+own counters for what is held.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.forcings import FORCINGS, Forcings
+from insitubatch_nodes.synthetic import make_era5_like
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_pipeline_run_by_a_loader_is_freed_with_its_pool_once_dropped(
+    era5_v3_path: Path,
+) -> None:
+    # before: the loader registry (one running loop per root) was a WeakKeyDictionary whose
+    # value, the Loader, held its key, the root: every pipeline ever iterated by a Loader stayed
+    # alive with its pool and batch buffers (three builds in one process held three pools)
+    geoms = open_geometries(era5_v3_path, ["t2m"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
+    reference = np.asarray(zarr.open_group(era5_v3_path, mode="r")["t2m"][...])
+    dropped = []
+    for _ in range(2):
+        pipe = insitu_pipeline(era5_v3_path, manifest, {"x": geoms["t2m"]}, batch_size=8)
+        with pipe:
+            for batch in Loader(pipe):
+                np.testing.assert_array_equal(batch["x"], reference[batch.sample_indices["x"]])
+        dropped.append((weakref.ref(pipe), weakref.ref(pipe.stages.pool)))
+        del pipe, batch
+    gc.collect()
+    assert [(p() is None, q() is None) for p, q in dropped] == [(True, True)] * 2
+
+
+def _grid(root: Path) -> None:
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    rng = np.random.default_rng(0)
+    for name, data, dims, chunks in (
+        ("t2m", rng.random((32, 8, 12), dtype="f4"), ("time", "lat", "lon"), (4, 4, 6)),
+        ("lsm", rng.random((8, 12), dtype="f4"), ("lat", "lon"), (8, 12)),
+        ("time", np.arange(32), ("time",), (32,)),
+    ):
+        group.create_array(name, shape=data.shape, chunks=chunks, dtype=data.dtype,
+                           dimension_names=dims)[...] = data  # fmt: skip
+
+
+def test_a_static_label_cut_to_each_rows_window_is_counted_outside_the_pool(
+    tmp_path: Path,
+) -> None:
+    # before: each batch's cut of the static label was a fresh array, held by the batches in
+    # the prefetch queue and by the consumer like a label's batch buffer, and counted nowhere
+    # (stats() counted the patched label's buffers only; the cuts are the static fields', in
+    # batch_transform_bytes)
+    root = tmp_path / "grid.zarr"
+    _grid(root)
+    geoms = open_geometries(root, sample_axis="time")
+    box = geoms["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    lsm = np.asarray(zarr.open_group(root, mode="r")["lsm"][...])
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    views = {"x": box, "lsm": geoms["lsm"]}
+    with insitu_pipeline(root, manifest, views, batch_size=4, coords=()) as pipe:
+        kept = []
+        for epoch in range(2):
+            for batch in Loader(pipe):
+                for row, (i, j) in enumerate(batch.patch_origins["x"]):
+                    np.testing.assert_array_equal(batch["lsm"][row], lsm[i : i + 3, j : j + 4])
+                if epoch == 0:
+                    kept.append(batch)  # held by the consumer: lent out, counted
+            held = sum(a.nbytes for b in kept for a in b.arrays.values())
+            stats = pipe.stats()
+            assert stats["batch_buffer_bytes"] + stats["batch_transform_bytes"] >= held
+        allocations = pipe.stats()["batch_transform_bytes"]
+        kept.clear()
+        for _ in Loader(pipe):  # the kept batches' buffers are lent again, none made
+            pass
+        assert pipe.stats()["batch_transform_bytes"] <= allocations
+
+
+def test_what_the_batch_transforms_hold_is_counted_outside_the_pool(tmp_path: Path) -> None:
+    # before: the forcings' memory of the times they computed (up to 64 MiB per Forcings, kept
+    # for the pipeline's life), a static field read whole when the pipeline was built and the
+    # buffers its cuts are lent from were counted in no entry of stats()
+    root = tmp_path / "e.zarr"
+    make_era5_like(root, n_time=48, n_lat=8, n_lon=16, samples_per_chunk=8, variables=["t2m"])
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    forcings = Forcings("x", view=t2m)
+    times = zarr.open_group(root, mode="r")["time"][...]
+    with insitu_pipeline(
+        root, manifest, {"x": t2m}, batch_size=6, batch_transforms=[forcings]
+    ) as pipe:
+        for batch in Loader(pipe):
+            assert set(batch.arrays) == {"x", *FORCINGS}
+        stats = pipe.stats()
+    remembered = len(np.unique(times)) * len(FORCINGS) * 8 * 16 * 4  # float32 fields
+    assert stats["batch_transform_bytes"] >= remembered
+    assert stats["outside_pool_bytes"] == (
+        stats["batch_buffer_bytes"] + stats["decode_scratch_bytes"] + stats["batch_transform_bytes"]
+    )
+    # a static field: its whole array, and its cuts' buffers beside patched labels
+    grid = tmp_path / "grid.zarr"
+    _grid(grid)
+    geoms = open_geometries(grid, sample_axis="time")
+    lsm = np.asarray(zarr.open_group(grid, mode="r")["lsm"][...])
+    box = geoms["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    for views in ({"x": geoms["t2m"], "lsm": geoms["lsm"]}, {"x": box, "lsm": geoms["lsm"]}):
+        with insitu_pipeline(grid, manifest, views, batch_size=4, coords=()) as pipe:
+            kept = list(Loader(pipe))
+            cuts = sum(b["lsm"].nbytes for b in kept) if "x" in kept[0].patch_origins else 0
+            assert pipe.stats()["batch_transform_bytes"] >= lsm.nbytes + cuts
