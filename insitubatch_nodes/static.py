@@ -24,7 +24,7 @@ label that has patched dimensions is cut to **each row's window** along them
 (``batch.patch_origins`` of the patched labels: every patched label of a pipeline shares its
 rows' origins), a dense copy per batch, as a patched stack's static member and the forcings of
 a patched label are cut. The copies are written into reusable buffers lent under the batch
-buffers' ownership rule (:class:`~insitubatch_nodes.stages.buffers.BufferPool`: a buffer is
+buffers' ownership rule (:class:`~insitubatch_nodes.lending.BufferPool`: a buffer is
 lent again only once nothing made from its batch is left), counted in
 :attr:`StaticFields.held_bytes` and so in ``pipe.stats()``'s ``batch_transform_bytes``. A static
 label without any patched dimension (a bandpass ``(freq,)`` beside ``(dec, ra)`` windows) stays
@@ -49,6 +49,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
 from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
+from insitubatch_nodes.lending import BufferPool
 
 if TYPE_CHECKING:
     from insitubatch_nodes.pool import PoolStats
@@ -297,8 +298,6 @@ class StaticFields:
 
     def _cut_into(self, label: str, cut: StaticCut, data: np.ndarray, origins: Any) -> Any:
         """``cut.rows(data, origins)`` written into a buffer lent from this label's pool."""
-        from insitubatch_nodes.stages.buffers import BufferPool  # (stages import this module)
-
         n = len(origins)
         with self._lock:
             pool = self._buffers.get(label)

@@ -42,9 +42,9 @@ from insitubatch_nodes import (
     split_by_chunk,
     to_torch,
 )
+from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
-from insitubatch_nodes.stages.buffers import BufferPool
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode

@@ -82,6 +82,7 @@ BELOW_STAGES = [
     "io",
     "pool",
     "slots",
+    "lending",
     "options",
     "errors",
     "report",

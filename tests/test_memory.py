@@ -32,11 +32,11 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.slots import RamBacking
-from insitubatch_nodes.stages.buffers import BufferPool
 
 LINUX = sys.platform.startswith("linux")
 

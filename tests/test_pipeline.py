@@ -49,9 +49,9 @@ from insitubatch_nodes import (
     to_torch,
 )
 from insitubatch_nodes.errors import ChunkReadError, DecodeError
+from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
-from insitubatch_nodes.stages.buffers import BufferPool
 
 # zarr warns that numcodecs' LZ4 is not in the v3 spec whenever it opens the v3_lz4 layout
 pytestmark = pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the Zarr")

@@ -1,14 +1,16 @@
 """The batch buffers: reusable batch arrays, lent under one ownership rule.
 
-:class:`BatchBuffers` holds one :class:`BufferPool` per label. The gather stage assembles each
-batch into arrays it takes from them; the fetch stage decodes rows of one-sample chunks straight
-into the same arrays (see :mod:`~insitubatch_nodes.stages.fetch`). Both are handed the buffers
-by the graph's :class:`~insitubatch_nodes.stages.context.StageContext`, which makes them; both
-take them on the pipeline's producer thread.
+:class:`BatchBuffers` holds one :class:`~insitubatch_nodes.lending.BufferPool` per label. The
+gather stage assembles each batch into arrays it takes from them; the fetch stage decodes rows of
+one-sample chunks straight into the same arrays (see :mod:`~insitubatch_nodes.stages.fetch`).
+Both are handed the buffers by the graph's
+:class:`~insitubatch_nodes.stages.context.StageContext`, which makes them; both take them on the
+pipeline's producer thread.
 
 A buffer is handed out again only once every array, view and tensor made from the batch that
 borrowed it is gone, so a batch (or anything made from it) that you keep is never overwritten
-(see :class:`BufferPool`). A short final batch is a prefix view of a full buffer.
+(see :class:`~insitubatch_nodes.lending.BufferPool`). A short final batch is a prefix view of a
+full buffer.
 
 A label's buffer is filled by its *parts* (:mod:`~insitubatch_nodes.plan.parts`): the one
 plain view of a label of one step fills all of it; the ``T`` steps of a window fill
@@ -19,112 +21,25 @@ the gather copies into it: there is no per-part buffer and no copy into the batc
 
 from __future__ import annotations
 
-import ctypes
 import math
 import os
 import threading
-import weakref
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.parts import BatchLayout, LabelParts
 from insitubatch_nodes.slots import RamBacking
 
-__all__ = ["BatchBuffers", "BufferPool", "batch_rows"]
-
-#: The longest a :meth:`BufferPool.take` waits for a buffer being made ahead of need before it
-#: allocates one itself (making one of a few hundred MB takes a fraction of a second).
-RESERVE_WAIT_S = 2.0
-
-
-class BufferPool:
-    """Reusable batch buffers of one shape and dtype, lent out under an explicit ownership rule.
-
-    Each array :meth:`take` returns is built on a *lease*: an owner object of its own (a ctypes
-    view of the buffer's memory) that every array, view and ``torch.from_numpy`` tensor derived
-    from it keeps alive. The pool holds only a weak reference to the lease, and lends the buffer
-    again only once that weak reference is dead — once nothing made from the batch exists. This
-    rests on weak-reference semantics, not on reference-count values (which free-threaded
-    Python changes). ``take()`` allocates only when every buffer is still out and no buffer
-    is being made ahead of need (:meth:`expect`: then, once it has lent one, it waits for
-    that one, at most :data:`RESERVE_WAIT_S`, rather than fault another in page by page); at most
-    ``max_idle`` buffers that nobody borrows are kept. The arrays are in native byte order
-    whatever ``dtype`` says; the gather's copy into them converts.
-    """
-
-    def __init__(self, shape: tuple[int, ...], dtype: np.dtype[Any], max_idle: int = 4) -> None:
-        # native byte order whatever ``dtype`` says (">f4" lends float32): torch takes no other
-        self.shape, self.dtype, self.max_idle = tuple(shape), in_native_byte_order(dtype), max_idle
-        self.nbytes = math.prod(self.shape) * self.dtype.itemsize
-        self._buffers: list[np.ndarray] = []  # raw memory, uint8
-        self._leases: list[weakref.ref[Any] | None] = []
-        self._ready: list[np.ndarray] = []  # buffers made ahead of need (see add_ready)
-        self._expected = 0  # buffers still being made ahead of need (see expect)
-        self._lock = threading.Lock()
-        self._made = threading.Condition(self._lock)
-        self.allocations = 0
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of buffer memory this pool holds (lent out, idle or made ahead)."""
-        return (len(self._buffers) + len(self._ready)) * self.nbytes
-
-    def expect(self, n: int) -> None:
-        """Say that ``n`` more buffers are being made ahead of need (any thread): until each
-        arrives by :meth:`add_ready` or is called off by :meth:`expect_no_more`, a
-        :meth:`take` that finds no buffer waits for it instead of allocating."""
-        with self._lock:
-            self._expected += n
-
-    def expect_no_more(self) -> None:
-        """Call off the buffers :meth:`expect` announced and not yet added (any thread)."""
-        with self._made:
-            self._expected = 0
-            self._made.notify_all()
-
-    def add_ready(self, raw: np.ndarray) -> None:
-        """Keep ``raw`` (``nbytes`` of writable uint8 memory, its pages already faulted in) for
-        a later :meth:`take` that finds no idle buffer (any thread)."""
-        with self._made:
-            self._ready.append(raw)
-            self.allocations += 1
-            self._expected = max(0, self._expected - 1)
-            self._made.notify_all()
-
-    def take(self) -> np.ndarray:
-        idle = [i for i, lease in enumerate(self._leases) if lease is None or lease() is None]
-        for i in reversed(idle[self.max_idle :]):
-            del self._buffers[i], self._leases[i]
-        if idle:
-            return self._lend(idle[0])
-        with self._made:
-            # One being made ahead of need is on its way: faulting in another one page by page
-            # on the decode threads costs more CPU, and leaves that one unused. Not for the
-            # first buffer, though: the first batch's decode threads have nothing else to do
-            # meanwhile (later batches' waits overlap the decodes of the batches before).
-            if not self._ready and self._expected and self._buffers:
-                self._made.wait_for(lambda: self._ready or not self._expected, RESERVE_WAIT_S)
-            raw = self._ready.pop(0) if self._ready else None
-            if raw is None:
-                self.allocations += 1
-        self._buffers.append(np.empty(self.nbytes, dtype=np.uint8) if raw is None else raw)
-        self._leases.append(None)
-        return self._lend(len(self._buffers) - 1)
-
-    def _lend(self, i: int) -> np.ndarray:
-        raw = self._buffers[i]
-        if raw.nbytes == 0:
-            return np.empty(self.shape, dtype=self.dtype)
-        owner: Any = (ctypes.c_char * raw.nbytes).from_buffer(raw)  # type: ignore[arg-type]
-        self._leases[i] = weakref.ref(owner)
-        return np.frombuffer(owner, dtype=self.dtype).reshape(self.shape)
+__all__ = ["BatchBuffers", "batch_rows"]
 
 
 class BatchBuffers:
-    """The reusable batch arrays of one graph, one :class:`BufferPool` per batch label.
+    """The reusable batch arrays of one graph, one
+    :class:`~insitubatch_nodes.lending.BufferPool` per batch label.
 
     ``views`` are the plan's views (part label -> view, as batches carry them: after the chunk
     transforms); ``layout`` says how each batch label is assembled from them (default: every
