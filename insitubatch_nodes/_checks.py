@@ -18,6 +18,7 @@ __all__ = [
     "BAD_CHUNK_POLICIES",
     "check_batch_transforms",
     "check_bool",
+    "check_chunk_transforms",
     "check_int",
     "check_on_bad_chunk",
     "check_optional_int",
@@ -72,6 +73,22 @@ def check_on_bad_chunk(value: Any) -> str:
             f"arrays, and listed in bad_chunks), got {value!r}"
         )
     return value
+
+
+def check_chunk_transforms(value: Any) -> tuple[Any, ...]:
+    """``value`` as a tuple if it is a sequence (not a string) of callables ``DecodedChunk ->
+    DecodedChunk``, else ``TypeError`` naming what was given."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise TypeError(
+            "chunk_transforms must be a list of callables DecodedChunk -> DecodedChunk, "
+            f"got {value!r}"
+        )
+    for t in value:
+        if not callable(t):
+            raise TypeError(
+                f"chunk_transforms must be callables DecodedChunk -> DecodedChunk, got {t!r}"
+            )
+    return tuple(value)
 
 
 def check_batch_transforms(value: Any) -> tuple[Any, ...]:

@@ -37,7 +37,11 @@ from typing import Any, TypeVar
 import lightning.pytorch as pl
 from zarr.abc.store import Store
 
-from insitubatch_nodes._checks import check_batch_transforms, check_optional_int
+from insitubatch_nodes._checks import (
+    check_batch_transforms,
+    check_chunk_transforms,
+    check_optional_int,
+)
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.cf import decoded_dtype_option
@@ -293,7 +297,7 @@ class InSituDataModule(pl.LightningDataModule):
                 "plans from it itself (dm.plan_config_for(split)); pass the config without split"
             )
         self.eval_batch_size = check_optional_int("eval_batch_size", eval_batch_size, minimum=1)
-        self.chunk_transforms = _chunk_transforms(chunk_transforms)
+        self.chunk_transforms = check_chunk_transforms(chunk_transforms)
         self.coords = None if coords is None else tuple(coords)
         self.batch_transforms = check_batch_transforms(batch_transforms)
         if not callable(transform):
@@ -577,22 +581,6 @@ class InSituDataModule(pl.LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         for dataset in self._loaders.values():
             dataset.close()
-
-
-def _chunk_transforms(value: Any) -> tuple[ChunkTransform, ...]:
-    """``value`` as a tuple if it is a sequence (not a string) of callables, else
-    ``TypeError`` as the pipeline raises it (which checks the rest when it is built)."""
-    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise TypeError(
-            f"chunk_transforms must be a list of callables DecodedChunk -> DecodedChunk, got "
-            f"{value!r}"
-        )
-    for t in value:
-        if not callable(t):
-            raise TypeError(
-                f"chunk_transforms must be callables DecodedChunk -> DecodedChunk, got {t!r}"
-            )
-    return tuple(value)
 
 
 def _per_split(

@@ -40,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._checks import check_chunk_transforms
 from insitubatch_nodes.errors import ChunkTransformError
 from insitubatch_nodes.io.collection_paths import renamed_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -201,18 +202,9 @@ class ChunkTransforms:
     _chains: dict[str, _ArrayChain] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        if isinstance(self.transforms, (str, bytes)) or not isinstance(self.transforms, Sequence):
-            raise TypeError(
-                "chunk_transforms must be a list of callables DecodedChunk -> DecodedChunk, "
-                f"got {self.transforms!r}"
-            )
-        self.transforms = tuple(self.transforms)
+        self.transforms = check_chunk_transforms(self.transforms)
         bases = {path: g.base for path, g in self.geoms.items()}
         for t in self.transforms:
-            if not callable(t):
-                raise TypeError(
-                    f"chunk_transforms must be callables DecodedChunk -> DecodedChunk, got {t!r}"
-                )
             _refuse_static(t, [n for n in self.static if n not in bases])
             if isinstance(t, Scoped):
                 unknown = [n for n in t.names if n not in bases]
