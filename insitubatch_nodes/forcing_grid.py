@@ -239,16 +239,30 @@ class GridWindow:
         """The windows in words, for messages: ``"windows of {'lat': 4, 'lon': 8}"``."""
         return f"windows of {dict(zip(self.dims, self.extent, strict=True))}"
 
-    def cut(self, values: np.ndarray, origins: np.ndarray) -> np.ndarray:
+    def shape(self, grid: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one window of a ``grid``-shaped field (``(n_lat, n_lon)``)."""
+        out = list(grid)
+        for a, e in zip(self.axes, self.extent, strict=True):
+            out[a] = e
+        return tuple(out)
+
+    def cut(
+        self, values: np.ndarray, origins: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``: forcings on the whole
         grid) at its origin (``origins``, ``batch.patch_origins[label]``), every row at once
         (:func:`~insitubatch_nodes.io.patching.cut_windows`, the cut of a patched stack's
-        forcing member), C-contiguous."""
+        forcing member), C-contiguous; written into ``out`` (and returned) where given."""
         if not self.axes:  # (the patches cut no grid axis: every row's grid is whole)
-            return values
-        at = tuple(values.ndim - 3 + a for a in self.axes)  # (of a row)
-        picked = np.asarray(origins)[:, list(self.columns)]
-        return np.ascontiguousarray(cut_windows(values, picked, at, self.extent))
+            cut = values
+        else:
+            at = tuple(values.ndim - 3 + a for a in self.axes)  # (of a row)
+            picked = np.asarray(origins)[:, list(self.columns)]
+            cut = cut_windows(values, picked, at, self.extent)
+        if out is None:
+            return np.ascontiguousarray(cut)
+        np.copyto(out, cut)
+        return out
 
 
 def refuse_other_windows(label: str, mine: GridWindow | None, theirs: GridWindow | None) -> None:

@@ -2,7 +2,8 @@
 
 The batch buffers (:mod:`~insitubatch_nodes.stages.buffers`) keep one pool per label; a batch
 transform that writes per-batch arrays (a static field cut to each row's window,
-:mod:`~insitubatch_nodes.static`) keeps its own. An array is lent again only once nothing made
+:mod:`~insitubatch_nodes.static`; the forcings' rows, :mod:`~insitubatch_nodes.forcings`) keeps
+its own. An array is lent again only once nothing made
 from it is alive, so a batch (or anything made from it) that you keep is never overwritten.
 """
 
