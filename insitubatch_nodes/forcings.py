@@ -589,6 +589,13 @@ class Forcings:
         lent = sum(pool.held_bytes for pool in list(self._buffers.values()))
         return sum(m.nbytes for m in self._memos) + lent
 
+    def release_idle(self) -> None:
+        """Drop the idle buffers the rows are lent from (those lent out stay; the remembered
+        fields too): the pipeline's close."""
+        with self._lock:
+            for pool in self._buffers.values():
+                pool.release_idle()
+
     def _lend(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
         """A float32 array of ``shape`` for forcing ``name``'s rows of one batch, lent from
         its :class:`~insitubatch_nodes.lending.BufferPool` (lent again once nothing made from

@@ -58,6 +58,18 @@ class BufferPool:
         """Bytes of buffer memory this pool holds (lent out, idle or made ahead)."""
         return (len(self._buffers) + len(self._ready)) * self.nbytes
 
+    def release_idle(self) -> None:
+        """Drop the buffers nobody borrows (idle, or made ahead of need; those lent out stay,
+        and are lent again once returned): what a closed pipeline lets go of. Call it where no
+        :meth:`take` runs at the same time (the pipeline's close, under its lock)."""
+        with self._made:
+            lent = [i for i, lease in enumerate(self._leases) if lease is not None and lease()]
+            self._buffers = [self._buffers[i] for i in lent]
+            self._leases = [self._leases[i] for i in lent]
+            self._ready.clear()
+            self._expected = 0
+            self._made.notify_all()
+
     def expect(self, n: int) -> None:
         """Say that ``n`` more buffers are being made ahead of need (any thread): until each
         arrives by :meth:`add_ready` or is called off by :meth:`expect_no_more`, a

@@ -295,6 +295,12 @@ class StaticFields:
         arrays = sum(a.nbytes for a in self.arrays.values())
         return arrays + sum(pool.held_bytes for pool in self._buffers.values())
 
+    def release_idle(self) -> None:
+        """Drop the cut labels' idle buffers (those lent out stay): the pipeline's close."""
+        with self._lock:
+            for pool in self._buffers.values():
+                pool.release_idle()
+
     def __getstate__(self) -> dict[str, Any]:
         # the buffers (and their lock) stay with this process: a copy makes its own
         return {k: v for k, v in self.__dict__.items() if k not in ("_buffers", "_lock")}

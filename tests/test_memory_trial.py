@@ -162,3 +162,48 @@ def test_the_forcings_rows_are_lent_and_counted_outside_the_pool(tmp_path: Path)
                 for _ in Loader(pipe):
                     pass
             assert pipe.stats()["batch_transform_bytes"] <= made
+
+
+def test_close_lets_go_of_the_idle_chunks_and_buffers_and_the_pipeline_goes_on(
+    tmp_path: Path,
+) -> None:
+    # before: close() stopped the thread and unpinned, and kept the pool's slots, the idle
+    # batch buffers and the static cuts' and forcings' idle buffers until the pipeline was
+    # dropped (docs/pipeline.md said so: "close() keeps them")
+    root = tmp_path / "e.zarr"
+    make_era5_like(root, n_time=48, n_lat=8, n_lon=16, samples_per_chunk=8, variables=["t2m"])
+    group = zarr.open_group(root, mode="r+")
+    lsm = np.arange(8 * 16, dtype="f4").reshape(8, 16)
+    group.create_array("lsm", shape=lsm.shape, dtype="f4", dimension_names=("lat", "lon"))
+    group["lsm"][...] = lsm
+    t2m = np.asarray(group["t2m"][...])
+    geoms = open_geometries(root, ["t2m", "lsm"], sample_axis="time")
+    box = geoms["t2m"].patches({"lat": 4, "lon": 8}, origins="random")
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    sun = Forcings("x", names=["cos_solar_zenith"], view=box)
+    views = {"x": box, "lsm": geoms["lsm"]}
+    with insitu_pipeline(root, manifest, views, batch_size=6, batch_transforms=[sun]) as pipe:
+        list(pipe)  # (the forcings remember every time: what they hold grows no more)
+        pipe.reset()
+        first = next(pipe)  # kept by the consumer: lent, stays counted and unchanged
+        kept = {k: np.array(v) for k, v in first.arrays.items()}
+        for _ in range(2):
+            next(pipe)
+        before = pipe.stats()
+        pipe.close()
+        after = pipe.stats()
+        pool = pipe.stages.pool
+        assert before["batch_buffer_bytes"] > after["batch_buffer_bytes"]
+        assert before["batch_transform_bytes"] > after["batch_transform_bytes"]
+        assert pool.allocated_bytes == 0 and pool.pinned_count() == 0
+        lent = sum(a.nbytes for k, a in first.arrays.items() if k != "lsm") + first["lsm"].nbytes
+        assert after["batch_buffer_bytes"] + after["batch_transform_bytes"] >= lent
+        rest = list(pipe)  # the same epoch goes on
+        assert 3 + len(rest) == 48 // 6
+        for batch in rest:
+            for r, (i, j) in enumerate(batch.patch_origins["x"]):
+                index = batch.sample_indices["x"][r]
+                np.testing.assert_array_equal(batch["x"][r], t2m[index, i : i + 4, j : j + 8])
+                np.testing.assert_array_equal(batch["lsm"][r], lsm[i : i + 4, j : j + 8])
+        for k, v in kept.items():
+            np.testing.assert_array_equal(first.arrays[k], v)
