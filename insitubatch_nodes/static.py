@@ -387,20 +387,29 @@ def refuse_whole_on_grid(
             matched.append(a)
     if not lacked or len(matched) < len(lacked):
         return
-    kept = kept_axes(view_keys(view))
-    names = list(view.dims or (f"dim_{i}" for i in range(view.ndim)))
-    for a, k in zip(matched, lacked, strict=True):
-        names[kept[a]] = spec.dims[k] if spec.dims is not None else f"<patched axis {k}>"
-    patched = spec.dims if spec.dims is not None else f"the axes {spec.axes} (unnamed)"
+    if spec.dims is None:
+        lacks = f"the patched axes {list(spec.axes)} (the patched labels name no dimensions)"
+        name_them = (
+            "name the patched labels' dimensions and its own alike, "
+            "dataclasses.replace(view, dim_names=(...)) on both"
+        )
+    else:
+        kept = kept_axes(view_keys(view))
+        names = list(view.dims or (f"dim_{i}" for i in range(view.ndim)))
+        for a, k in zip(matched, lacked, strict=True):
+            names[kept[a]] = spec.dims[k]
+        lacks = f"the patched dimensions {[spec.dims[k] for k in lacked]}"
+        name_them = (
+            f"name its dimensions as theirs, dataclasses.replace(view, dim_names={tuple(names)})"
+        )
     raise ValueError(
         f"static label {label!r} ({view.path}, dimensions "
         f"{view.dims if view.dims is not None else 'unnamed'}, shape {view.inner_shape}) "
-        f"lacks the patched dimensions {[patched[k] for k in lacked] if spec.dims else patched}"
-        f" by name, and has the field's lengths {[spec.field[k] for k in lacked]} there: "
-        f"carried whole, every row would hold the whole field beside rows that are windows. "
-        f"If it is on the patched labels' grid, name its dimensions as theirs, "
-        f"dataclasses.replace(view, dim_names={tuple(names)}), and each row carries its own "
-        "window of it; if it is not, add it whole with a batch transform of your own"
+        f"lacks {lacks} by name, and has the field's lengths "
+        f"{[spec.field[k] for k in lacked]} there: carried whole, every row would hold the "
+        f"whole field beside rows that are windows. If it is on the patched labels' grid, "
+        f"{name_them}, and each row carries its own window of it; if it is not, add it whole "
+        "with a batch transform of your own"
     )
 
 

@@ -399,3 +399,12 @@ def test_a_static_label_on_the_patched_grid_named_otherwise_is_refused_until_ren
         want = _read(root, "orog")[[2, 0]]
         _assert_windows(arrays["orog"], want, ("level", "lat", "lon"), box.patch, origins)
         np.testing.assert_array_equal(arrays["band"][0], _read(root, "band"))  # (freq,): whole
+    # no names on either side: named alike on both, as the message says, it is cut too
+    group.create_array("bare_t", shape=(T, LAT, LON), chunks=(4, 4, 6), dtype="f4")[...] = 1
+    bare_t = open_geometries(root, ["bare_t"])["bare_t"]
+    with pytest.raises(ValueError, match=r"patched axes \[1, 2\] .*dim_names=\(\.\.\.\)\) on both"):
+        insitu_pipeline(root, manifest, {"x": bare_t.patches({1: 3, 2: 4}), "m": g["bare"]})
+    named = replace(bare_t, dim_names=("t", "y", "x")).patches({"y": 3, "x": 4}, origins="random")
+    views = {"x": named, "m": replace(g["bare"], dim_names=("y", "x"))}
+    for arrays, origins in _epoch(root, views, coords=()):
+        _assert_windows(arrays["m"], mask, ("y", "x"), named.patch, origins)
