@@ -1,13 +1,51 @@
-"""Files written whole or not at all: :func:`atomic_write`."""
+"""Files written whole or not at all: :func:`atomic_write`; lines appended whole or not at all:
+:func:`append_lines` (and :func:`cut_torn_tail`, what heals a file a crash cut mid-line)."""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
+
+_APPEND_LOCK = threading.Lock()  # threads (and pipelines) of one process append to one file
+
+
+def append_lines(fd: int, text: str, what: str = "line") -> None:
+    """Append ``text`` (whole lines) to the file open on ``fd`` (``O_APPEND``), all or nothing.
+
+    A full file system can take part of a write (the bytes that fit its last block) and refuse
+    the rest: that piece is cut off again and ``OSError`` (``ENOSPC``, saying "a ``what`` cut
+    short") raised. Left there, the next line appended after it made one line that does not
+    parse (a cut JSON row, and the whole row after it). Appends of one process are serialised,
+    so the cut takes back this write's bytes only."""
+    data = text.encode()
+    with _APPEND_LOCK:
+        done = os.write(fd, data)
+        if done != len(data):
+            os.ftruncate(fd, os.fstat(fd).st_size - done)
+            raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: a {what} cut short")
+
+
+def cut_torn_tail(fd: int) -> int:
+    """Cut the file open on ``fd`` (readable and writable) back to just after its last newline:
+    a line a crash cut short is dropped before anything is appended after it (the line would
+    otherwise swallow the next one). Returns the bytes cut (0 for a file that ends in a newline,
+    or is empty). Call it where no other writer appends to the file."""
+    size = end = os.fstat(fd).st_size
+    while end > 0:
+        start = max(0, end - (1 << 16))
+        at = os.pread(fd, end - start, start).rfind(b"\n")
+        if at >= 0:
+            end = start + at + 1
+            break
+        end = start
+    if end < size:
+        os.ftruncate(fd, end)
+    return size - end
 
 
 @contextlib.contextmanager

@@ -35,7 +35,7 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
-__all__ = ["ForcingGrid", "GridWindow", "refuse_forcings_elsewhere"]
+__all__ = ["ForcingGrid", "GridWindow", "refuse_forcings_elsewhere", "refuse_other_points"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -188,7 +188,7 @@ class ForcingGrid:
             if bad.any():
                 m = int(np.argmax(bad))
                 who = f"member {names[m]!r}: " if names else ""
-                return f"{who}{axis} {_listed(got[m])} where the field is at {_listed(ref[m])}"
+                return f"{who}{axis!r} {_listed(got[m])} where the field is at {_listed(ref[m])}"
         return ""
 
 
@@ -239,16 +239,30 @@ class GridWindow:
         """The windows in words, for messages: ``"windows of {'lat': 4, 'lon': 8}"``."""
         return f"windows of {dict(zip(self.dims, self.extent, strict=True))}"
 
-    def cut(self, values: np.ndarray, origins: np.ndarray) -> np.ndarray:
+    def shape(self, grid: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one window of a ``grid``-shaped field (``(n_lat, n_lon)``)."""
+        out = list(grid)
+        for a, e in zip(self.axes, self.extent, strict=True):
+            out[a] = e
+        return tuple(out)
+
+    def cut(
+        self, values: np.ndarray, origins: np.ndarray, out: np.ndarray | None = None
+    ) -> np.ndarray:
         """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``: forcings on the whole
         grid) at its origin (``origins``, ``batch.patch_origins[label]``), every row at once
         (:func:`~insitubatch_nodes.io.patching.cut_windows`, the cut of a patched stack's
-        forcing member), C-contiguous."""
+        forcing member), C-contiguous; written into ``out`` (and returned) where given."""
         if not self.axes:  # (the patches cut no grid axis: every row's grid is whole)
-            return values
-        at = tuple(values.ndim - 3 + a for a in self.axes)  # (of a row)
-        picked = np.asarray(origins)[:, list(self.columns)]
-        return np.ascontiguousarray(cut_windows(values, picked, at, self.extent))
+            cut = values
+        else:
+            at = tuple(values.ndim - 3 + a for a in self.axes)  # (of a row)
+            picked = np.asarray(origins)[:, list(self.columns)]
+            cut = cut_windows(values, picked, at, self.extent)
+        if out is None:
+            return np.ascontiguousarray(cut)
+        np.copyto(out, cut)
+        return out
 
 
 def refuse_other_windows(label: str, mine: GridWindow | None, theirs: GridWindow | None) -> None:
@@ -309,34 +323,45 @@ def refuse_forcings_elsewhere(
     stack's by its first sampled member) that would compute a row on other points than its
     own: a patched label's rows on the whole grid (forcings given ``lat=`` and ``lon=``, or
     ``view=`` a view not patched), or on windows other than the label's, or a label read whole
-    cut into windows (forcings built with ``view=`` a patched view); a collection's rows on
-    the grids of another collection's members (their indices count in that one), or on one
-    grid where the label's members are at other points. ``ValueError`` saying to build them
-    with ``view=`` the label's view. A collection whose members have no coordinates says
-    nothing of their points: the grid given is taken."""
+    cut into windows (forcings built with ``view=`` a patched view); rows at other points
+    than the label's grid (:func:`refuse_other_points`: ``lat=``/``lon=`` other than its
+    coordinates; a collection's rows on the grids of another collection's members, or on one
+    grid where its members are at other points). ``ValueError`` saying to build them with
+    ``view=`` the label's view. A label whose grid has no coordinates (a collection whose
+    members have none) says nothing of its points: the grid given is taken."""
     for f in forcings:
         view = views.get(f.time_label)
         if view is None:
             continue  # (no such label: the transform says so at its first batch)
         refuse_other_windows(f.time_label, f.window, GridWindow.of_view(view))
-        own = view.members.collection.partition(":")[0] if view.members is not None else None
-        if f.grid.per_member and f.grid.collection != own:
-            raise ValueError(
-                f"Forcings({f.time_label!r}) are on the grids of the members of "
-                f"{f.grid.collection}, and label {f.time_label!r} reads "
-                f"{own or 'an array, not a collection'}: build Forcings with view= a view of "
-                "the collection the pipeline reads"
-            )
-        if f.grid.per_member or own is None:
-            continue
-        try:
-            theirs = ForcingGrid.of_view(view)
-        except (KeyError, ValueError):  # no coordinates: nothing says where the points are
-            continue
-        differ = f.grid.differs_from(theirs)
-        if differ:
-            raise ValueError(
-                f"Forcings({f.time_label!r}) are computed on one grid, and the members of "
-                f"label {f.time_label!r} are at other points ({differ}): build Forcings with "
-                f"view= the label's view, which computes each row on its member's grid"
-            )
+        refuse_other_points(
+            f.grid, view, f"Forcings({f.time_label!r})", f"label {f.time_label!r}",
+            "build Forcings with view= the label's view (a view of the collection the pipeline "
+            "reads, for a collection's label), which computes each row on its own points",
+        )  # fmt: skip
+
+
+def refuse_other_points(
+    grid: ForcingGrid, view: ArrayGeometry, who: str, whose: str, fix: str
+) -> None:
+    """``ValueError`` where forcings on ``grid`` (``who``, in words) would compute rows of
+    ``view`` (``whose``) at other points than theirs (``fix`` says what to do): the grids of
+    another collection's members (their indices count in that one), or points other than the
+    view's grid's (its last two kept field axes, as selected; a collection's member by member),
+    beyond float32 rounding. A view whose grid is unknown (no names or coordinates, or
+    members without them) says nothing of its points: the grid given is taken. What the
+    pipeline checks of its ``Forcings`` and :func:`~insitubatch_nodes.stack.stack` of a forcing
+    member."""
+    own = view.members.collection.partition(":")[0] if view.members is not None else None
+    if grid.per_member and grid.collection != own:
+        raise ValueError(
+            f"{who} are on the grids of the members of {grid.collection}, and {whose} reads "
+            f"{own or 'an array, not a collection'}: {fix}"
+        )
+    try:
+        theirs = ForcingGrid.of_view(view)
+    except (KeyError, ValueError):  # no coordinates: nothing says where the points are
+        return
+    differ = grid.differs_from(theirs)
+    if differ:
+        raise ValueError(f"{who} are computed at other points than {whose} ({differ}): {fix}")

@@ -32,7 +32,9 @@ The grid is one ``(lat, lon)`` grid, or, for a view of a collection whose member
 places, each member's own (:mod:`~insitubatch_nodes.forcing_grid`): every row is computed on
 its own member's points. For a patched view (``view.patches(...)``) each row's forcings are
 those of its own window of the grid, ``(*times.shape, *window)``, cut at the row's origin
-(``batch.patch_origins[label]``) as a patched stack's forcing member is.
+(``batch.patch_origins[label]``) as a patched stack's forcing member is. The rows are written
+into reusable buffers lent under the batch buffers' ownership rule
+(:class:`~insitubatch_nodes.lending.BufferPool`), counted in :attr:`Forcings.held_bytes`.
 
 The Sun's position follows the U.S. Naval Observatory's *Approximate Solar Coordinates*
 (https://aa.usno.navy.mil/faq/sun_approx; accurate to about 1 arcminute within two centuries
@@ -61,6 +63,7 @@ from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow, refuse_other_windows
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.timeunits import as_timedelta
+from insitubatch_nodes.lending import BufferPool
 
 __all__ = [
     "FORCINGS",
@@ -452,6 +455,7 @@ class Forcings:
         #: oldest forgotten first; the memory is shared out between the grids
         self._memos = [_Memo(self.names, grid.shape, len(grid.lats)) for _ in grid.lats]
         self._lock = threading.Lock()
+        self._buffers: dict[str, BufferPool] = {}  # forcing -> the pool its rows are lent from
 
     @property
     def lat(self) -> np.ndarray:
@@ -480,7 +484,9 @@ class Forcings:
         out._on(self.grid)
         return out
 
-    def compute(self, times: Any, members: Any = None) -> dict[str, np.ndarray]:
+    def compute(
+        self, times: Any, members: Any = None, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
         """``{name: (*times.shape, n_lat, n_lon) float32}`` for ``times``; on a grid per member,
         each row's on its member's (``members``: ``batch.members[time_label]``,
         ``(batch,)`` or shaped like the times; :meth:`ForcingGrid.rows
@@ -490,24 +496,36 @@ class Forcings:
         :data:`MEMO_BYTES` per instance, the oldest forgotten first): a time several rows or
         steps share (overlapping windows), or that a later epoch meets again, costs a copy,
         not the trigonometry. The Python work is per distinct grid in the batch, never per
-        row."""
+        row. ``out`` (``{name: C-contiguous float32 array of that shape}``, optional): the
+        arrays the fields are written into (and returned)."""
         times = np.asarray(times)
         shape = (*times.shape, *self.grid.shape)
-        if not self.grid.per_member:
-            return {k: v.reshape(shape) for k, v in self._lookup(0, times.ravel()).items()}
-        which = self.grid.rows(members, times.shape, self.time_label)
         flat = times.ravel()
-        out = {name: np.empty((flat.size, *self.grid.shape), np.float32) for name in self.names}
-        for g in np.unique(which).tolist():  # the grids of the batch's members
-            rows = np.flatnonzero(which == g)
-            for name, values in self._lookup(g, flat[rows]).items():
-                out[name][rows] = values
-        return {name: v.reshape(shape) for name, v in out.items()}
+        rows_of = (flat.size, *self.grid.shape)
+        into = {n: (np.empty(rows_of, np.float32) if out is None else out[n].reshape(rows_of))
+                for n in self.names}  # fmt: skip
+        if not self.grid.per_member:
+            self._lookup(0, flat, into)
+        else:
+            which = self.grid.rows(members, times.shape, self.time_label)
+            for g in np.unique(which).tolist():  # the grids of the batch's members
+                rows = np.flatnonzero(which == g)
+                for name, values in self._lookup(g, flat[rows]).items():
+                    into[name][rows] = values
+        return {name: v.reshape(shape) for name, v in into.items()}
 
-    def _lookup(self, g: int, times: np.ndarray) -> dict[str, np.ndarray]:
-        """:meth:`compute` of the 1-D ``times`` on grid ``g``, through its memory."""
+    def _lookup(
+        self, g: int, times: np.ndarray, out: Mapping[str, np.ndarray] | None = None
+    ) -> dict[str, np.ndarray]:
+        """:meth:`compute` of the 1-D ``times`` on grid ``g``, through its memory (written
+        into ``out``, ``{name: (len(times), *grid)}``, where given)."""
         if times.dtype.kind != "M":
-            return self._compute(times, g)  # (it says what is wrong with them)
+            computed = self._compute(times, g)  # (it says what is wrong with them)
+            if out is None:
+                return computed
+            for name, values in computed.items():
+                np.copyto(out[name], values)
+            return dict(out)
         keys = times.astype("datetime64[ns]").view(np.int64)
         distinct, inverse = np.unique(keys, return_inverse=True)
         memo = self._memos[g]
@@ -525,12 +543,16 @@ class Forcings:
                 table[name][new] = fresh[name]
             with self._lock:
                 memo.add(distinct[new], fresh)
-        return {name: np.take(table[name], inverse.ravel(), axis=0) for name in self.names}
+        return {
+            name: np.take(table[name], inverse.ravel(), axis=0, mode="clip",
+                          out=None if out is None else out[name])
+            for name in self.names
+        }  # fmt: skip
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state.update(_memos=[_Memo(self.names, self.grid.shape, len(self._memos))
-                             for _ in self._memos], _lock=None)  # fmt: skip
+                             for _ in self._memos], _lock=None, _buffers={})  # fmt: skip
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -561,9 +583,29 @@ class Forcings:
 
     @property
     def held_bytes(self) -> int:
-        """Bytes of the fields remembered so far (at most :data:`MEMO_BYTES`; memory outside
-        the pool, counted in ``pipe.stats()``'s ``batch_transform_bytes``)."""
-        return sum(m.nbytes for m in self._memos)
+        """Bytes of the fields remembered so far (at most :data:`MEMO_BYTES`) and of the
+        buffers the batches' rows are lent from (lent out, or idle): memory outside the pool,
+        counted in ``pipe.stats()``'s ``batch_transform_bytes``."""
+        lent = sum(pool.held_bytes for pool in list(self._buffers.values()))
+        return sum(m.nbytes for m in self._memos) + lent
+
+    def release_idle(self) -> None:
+        """Drop the idle buffers the rows are lent from (those lent out stay; the remembered
+        fields too): the pipeline's close."""
+        with self._lock:
+            for pool in self._buffers.values():
+                pool.release_idle()
+
+    def _lend(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        """A float32 array of ``shape`` for forcing ``name``'s rows of one batch, lent from
+        its :class:`~insitubatch_nodes.lending.BufferPool` (lent again once nothing made from
+        that batch is left); a batch of more rows, or rows of another shape, makes a new
+        pool."""
+        with self._lock:
+            pool = self._buffers.get(name)
+            if pool is None or pool.shape[1:] != shape[1:] or pool.shape[0] < shape[0]:
+                pool = self._buffers[name] = BufferPool(shape, np.dtype(np.float32))
+            return pool.take()[: shape[0]]
 
     def __call__(self, batch: Batch) -> Batch:
         carried = batch.coords.get(self.time_label, {})
@@ -573,9 +615,14 @@ class Forcings:
         members = batch.members.get(self.time_label)
         origins = batch.patch_origins.get(self.time_label)
         self._refuse_other_windows(origins)
-        for name, values in self.compute(times, members).items():
-            if self.window is not None and origins is not None:  # each row's own window
-                values = self.window.cut(values, origins)
+        rows = (*np.shape(times), *self.grid.shape)
+        if self.window is not None and origins is not None:  # each row's own window
+            for name, values in self.compute(times, members).items():
+                lent = self._lend(name, (*rows[:-2], *self.window.shape(self.grid.shape)))
+                batch.arrays[self.prefix + name] = self.window.cut(values, origins, out=lent)
+            return batch
+        into = {name: self._lend(name, rows) for name in self.names}
+        for name, values in self.compute(times, members, out=into).items():
             batch.arrays[self.prefix + name] = values
         return batch
 

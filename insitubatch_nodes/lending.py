@@ -2,7 +2,8 @@
 
 The batch buffers (:mod:`~insitubatch_nodes.stages.buffers`) keep one pool per label; a batch
 transform that writes per-batch arrays (a static field cut to each row's window,
-:mod:`~insitubatch_nodes.static`) keeps its own. An array is lent again only once nothing made
+:mod:`~insitubatch_nodes.static`; the forcings' rows, :mod:`~insitubatch_nodes.forcings`) keeps
+its own. An array is lent again only once nothing made
 from it is alive, so a batch (or anything made from it) that you keep is never overwritten.
 """
 
@@ -56,6 +57,18 @@ class BufferPool:
     def held_bytes(self) -> int:
         """Bytes of buffer memory this pool holds (lent out, idle or made ahead)."""
         return (len(self._buffers) + len(self._ready)) * self.nbytes
+
+    def release_idle(self) -> None:
+        """Drop the buffers nobody borrows (idle, or made ahead of need; those lent out stay,
+        and are lent again once returned): what a closed pipeline lets go of. Call it where no
+        :meth:`take` runs at the same time (the pipeline's close, under its lock)."""
+        with self._made:
+            lent = [i for i, lease in enumerate(self._leases) if lease is not None and lease()]
+            self._buffers = [self._buffers[i] for i in lent]
+            self._leases = [self._leases[i] for i in lent]
+            self._ready.clear()
+            self._expected = 0
+            self._made.notify_all()
 
     def expect(self, n: int) -> None:
         """Say that ``n`` more buffers are being made ahead of need (any thread): until each

@@ -80,6 +80,16 @@ class InSituPipeline(PrefetcherNode[Batch]):
         super().__init__(gather, context=context)
         self.stages = PipelineStages(prefetch=self, gather=gather, **stages)
 
+    def close(self) -> None:
+        """Stop the thread, cancel in-flight fetches, unpin chunks (the position is kept: a
+        later ``next()`` goes on), and let go of the memory kept idle: the pool's chunks and
+        free slots (``pool.clear()``), the idle batch buffers and the idle buffers of the
+        static cuts and forcings. What a batch you still hold lives in stays lent."""
+        with self._lock:  # (a next() on another thread starts its producer after this)
+            super().close()
+            self.stages.pool.clear()
+            self.stages.gather.release_idle()
+
     @property
     def bad_chunks(self) -> list[tuple[str, int, tuple[int, ...]]]:
         """``(array, chunk_index, tile)`` of the stored objects this epoch read as bad and

@@ -38,7 +38,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow
+from insitubatch_nodes.forcing_grid import GridWindow, refuse_other_points
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
@@ -218,7 +218,9 @@ def stack(
                     f"has field shape {whole}{' (unpatched)' if first.patch else ''}: give "
                     "Forcings the members' grid (view=one of them)"
                 )
-            _refuse_other_forcing_points(view, first_name, first)
+            who = f"the forcings of stack member {view.names[0]!r}"
+            fix = f"give Forcings view= the view of {first_name!r}"
+            refuse_other_points(view.grid, first, who, repr(first_name), fix)
             for forcing in view.names:
                 channels.append(view.prefix + forcing)
                 one = view.only(forcing)
@@ -438,46 +440,6 @@ def _refuse_other_points(
                 f"points do not. Select the first member's points with sel({dim}=[...]) on "
                 "it, or stack members on one grid"
             )
-
-
-def _refuse_other_forcing_points(forcings: Forcings, first_name: str, first: ArrayGeometry) -> None:
-    """Refuse forcings whose (lat, lon) grid is at other points than the first member's field
-    (its last two axes' coordinates, as selected, where it has both), beyond float32
-    rounding; of a collection, member by member (a scene's rows are computed on its own
-    points: forcings of one grid beside members at other places are refused, and so are
-    forcings on the grids of another collection's members)."""
-    if first.members is None and not forcings.grid.per_member:
-        grid = _grid_points(first, 2)
-        if len(grid) != 2:
-            return
-        for (dim, ref), values in zip(grid.items(), (forcings.lat, forcings.lon), strict=True):
-            if ref.dtype.kind in "iuf" and not np.allclose(values, ref, rtol=1e-6, atol=1e-6):
-                raise ValueError(
-                    f"stack member {forcings.names[0]!r} (forcings) is computed at {dim!r} "
-                    f"{values[:8].tolist()}, but {first_name!r} is at {ref[:8].tolist()}: the "
-                    f"shapes agree, the points do not. Give Forcings the members' grid "
-                    f"(view= the view of {first_name!r})"
-                )
-        return
-    own = None if first.members is None else first.members.collection.partition(":")[0]
-    if forcings.grid.per_member and forcings.grid.collection != own:
-        raise ValueError(
-            f"stack member {forcings.names[0]!r} (forcings) is on the grids of the members of "
-            f"{forcings.grid.collection}, and {first_name!r} reads "
-            f"{own or 'an array, not a collection'}: give Forcings view= the view of "
-            f"{first_name!r}"
-        )
-    try:
-        theirs = ForcingGrid.of_view(first)
-    except (KeyError, ValueError):  # no coordinates to tell its members' points by
-        return
-    differ = forcings.grid.differs_from(theirs)
-    if differ:
-        raise ValueError(
-            f"stack member {forcings.names[0]!r} (forcings) is computed at other points than "
-            f"{first_name!r} ({differ}): give Forcings view= the view of {first_name!r}, which "
-            "computes each row on its own member's grid"
-        )
 
 
 def _steps(view: ArrayGeometry) -> int | None:

@@ -28,7 +28,9 @@ buffers' ownership rule (:class:`~insitubatch_nodes.lending.BufferPool`: a buffe
 lent again only once nothing made from its batch is left), counted in
 :attr:`StaticFields.held_bytes` and so in ``pipe.stats()``'s ``batch_transform_bytes``. A static
 label without any patched dimension (a bandpass ``(freq,)`` beside ``(dec, ra)`` windows) stays
-whole and broadcast.
+whole and broadcast; one that lacks them by name only (``(latitude, longitude)`` beside ``(lat,
+lon)`` windows, or unnamed axes), its axes of the field's lengths there, is refused
+(:func:`refuse_whole_on_grid` says which names to give it).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from insitubatch_nodes.errors import CorruptCacheError, short_cause
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry, Patches
 from insitubatch_nodes.io.patching import cut_windows
+from insitubatch_nodes.io.selection import kept_axes, view_keys
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store
 from insitubatch_nodes.lending import BufferPool
 
@@ -60,6 +63,7 @@ __all__ = [
     "broadcast_rows",
     "keep_static_labels",
     "read_static",
+    "refuse_whole_on_grid",
     "select_static",
 ]
 
@@ -276,6 +280,8 @@ class StaticFields:
         self.cuts: dict[str, StaticCut] = {}
         for label, view in self.views.items():
             cut = None if patches is None else StaticCut.of(label, view, patches)
+            if patches is not None:
+                refuse_whole_on_grid(label, view, patches, cut)
             if cut is not None:
                 self.cuts[label] = cut
         self._buffers: dict[str, Any] = {}  # cut label -> its BufferPool (made at first use)
@@ -288,6 +294,12 @@ class StaticFields:
         batches, or idle)."""
         arrays = sum(a.nbytes for a in self.arrays.values())
         return arrays + sum(pool.held_bytes for pool in self._buffers.values())
+
+    def release_idle(self) -> None:
+        """Drop the cut labels' idle buffers (those lent out stay): the pipeline's close."""
+        with self._lock:
+            for pool in self._buffers.values():
+                pool.release_idle()
 
     def __getstate__(self) -> dict[str, Any]:
         # the buffers (and their lock) stay with this process: a copy makes its own
@@ -355,6 +367,50 @@ class StaticFields:
 
     def __repr__(self) -> str:
         return f"StaticFields({sorted(self.arrays)})"
+
+
+def refuse_whole_on_grid(
+    label: str, view: ArrayGeometry, spec: Patches, cut: StaticCut | None
+) -> None:
+    """``ValueError`` for static ``view`` (label ``label``) that ``cut`` (its
+    :meth:`StaticCut.of` by ``spec``) leaves whole along patched dimensions it lacks by name
+    (its dimensions named otherwise, or unnamed) while its other axes have the field's lengths
+    there, in order: it is likely on the patched field's grid, and carried whole every row
+    would hold the whole field beside rows that are windows. The message says how to name its
+    dimensions as the patched labels' (each row is then cut to its window)."""
+    done = cut.columns if cut is not None else ()
+    lacked = [k for k in range(len(spec.extent)) if k not in done]
+    free = [a for a in range(len(view.inner_shape)) if cut is None or a not in cut.axes]
+    matched: list[int] = []
+    for a in free:  # the lacked dimensions' lengths, in order, among the axes left whole
+        if len(matched) < len(lacked) and view.inner_shape[a] == spec.field[lacked[len(matched)]]:
+            matched.append(a)
+    if not lacked or len(matched) < len(lacked):
+        return
+    if spec.dims is None:
+        lacks = f"the patched axes {list(spec.axes)} (the patched labels name no dimensions)"
+        name_them = (
+            "name the patched labels' dimensions and its own alike, "
+            "dataclasses.replace(view, dim_names=(...)) on both"
+        )
+    else:
+        kept = kept_axes(view_keys(view))
+        names = list(view.dims or (f"dim_{i}" for i in range(view.ndim)))
+        for a, k in zip(matched, lacked, strict=True):
+            names[kept[a]] = spec.dims[k]
+        lacks = f"the patched dimensions {[spec.dims[k] for k in lacked]}"
+        name_them = (
+            f"name its dimensions as theirs, dataclasses.replace(view, dim_names={tuple(names)})"
+        )
+    raise ValueError(
+        f"static label {label!r} ({view.path}, dimensions "
+        f"{view.dims if view.dims is not None else 'unnamed'}, shape {view.inner_shape}) "
+        f"lacks {lacks} by name, and has the field's lengths "
+        f"{[spec.field[k] for k in lacked]} there: carried whole, every row would hold the "
+        f"whole field beside rows that are windows. If it is on the patched labels' grid, "
+        f"{name_them}, and each row carries its own window of it; if it is not, add it whole "
+        "with a batch transform of your own"
+    )
 
 
 def _windows(spec: Patches | None) -> str:

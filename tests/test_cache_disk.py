@@ -26,6 +26,7 @@ import zarr
 from helpers import write_era5
 
 from insitubatch_nodes.cache._filemap import map_file, reserve
+from insitubatch_nodes.cache.identity import IDENTITY_NAME, IdentityRecorder, read_identities
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -255,3 +256,42 @@ def test_a_mapping_lives_while_any_view_does_and_its_callbacks_run_once_it_is_un
     assert not frozen.flags.writeable
     with pytest.raises(ValueError):
         frozen.flags.writeable = True  # a read-only mapping stays read-only
+
+
+def test_identity_rows_a_full_disk_cuts_short_are_taken_back_whole(full_tmpfs: Path) -> None:
+    # before: insitu_identity.jsonl rows were one plain os.write: a full disk took the part of
+    # a chunk's rows that fit, silently, and that chunk was read back as made of those objects
+    # only (the next row, appended to the cut one, was lost with it)
+    directory = full_tmpfs / "c"
+    directory.mkdir()
+    recorder = IdentityRecorder(directory, "local")
+
+    def commit(chunk: int, objects: int) -> None:
+        recorder.expect(("t2m", chunk))
+        for k in range(objects):
+            recorder.note("t2m", chunk, f"t2m/c/{chunk}/{k}", (100 + k, f"etag-{chunk}-{k}", 7))
+        recorder.commit(("t2m", chunk))
+
+    commit(0, 2)
+    filler = full_tmpfs / "filler"
+    with open(filler, "wb", buffering=0) as fh:  # take every block there is
+        for size in (1 << 20, 1 << 12, 1):
+            try:
+                while True:
+                    fh.write(b"\0" * size)
+            except OSError:
+                pass
+    with pytest.raises(OSError, match="cut short"):
+        commit(1, 200)  # ~14 KiB of rows: the identity file's last page takes some of them
+    filler.unlink()
+    commit(2, 2)
+    recorder.close()
+    got = read_identities(directory)["t2m"]
+    assert sorted(zip(got.chunks.tolist(), got.keys.tolist(), strict=True)) == [
+        (0, "t2m/c/0/0"),
+        (0, "t2m/c/0/1"),
+        (2, "t2m/c/2/0"),
+        (2, "t2m/c/2/1"),
+    ]
+    lines = (directory / IDENTITY_NAME).read_text().splitlines()
+    assert len(lines) == 4 and all(json.loads(line)[0] == "t2m" for line in lines)

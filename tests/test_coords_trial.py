@@ -150,7 +150,9 @@ def test_stack_refuses_members_on_other_points_of_a_grid_of_one_shape(tmp_path: 
     np.testing.assert_array_equal(batch["x"], want)
 
 
-def test_stack_refuses_forcings_on_other_points_than_its_members(tmp_path: Path) -> None:
+def test_a_stack_and_a_pipeline_refuse_forcings_at_other_points_than_their_rows(
+    tmp_path: Path,
+) -> None:
     # before: stacked, and the solar channel at the member's lat 30 was computed at lat -30
     times = pd.date_range("2000-01-01", periods=4, freq="6h").values
     a = _write(tmp_path / "a.zarr", times, [-30.0, 0.0, 30.0], 0)
@@ -160,6 +162,17 @@ def test_stack_refuses_forcings_on_other_points_than_its_members(tmp_path: Path)
         stack({"t2m": t2m, "sun": sun})
     on_grid = Forcings("x", view=t2m, names=["cos_solar_zenith"])
     assert stack({"t2m": t2m, "sun": on_grid}).channels == ("t2m", "cos_solar_zenith")
+    # a pipeline's label with those forcings as a batch transform: refused alike (before:
+    # built, its rows' solar channel at lat 30 computed at lat -30; the pipeline checked the
+    # points of a collection's members only)
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"Forcings\('x'\).*'lat'.*\[30\.0, 0\.0.*view="):
+        insitu_pipeline(a, manifest, {"x": t2m}, coords=["time"], batch_transforms=[sun])
+    with insitu_pipeline(a, manifest, {"x": t2m}, batch_size=2, coords=["time"],
+                         batch_transforms=[on_grid]) as pipe:  # fmt: skip
+        batch = next(iter(pipe))
+    want = on_grid.compute(batch.coords["x"]["time"])["cos_solar_zenith"]
+    np.testing.assert_array_equal(batch["cos_solar_zenith"], want)
 
 
 def test_a_slice_of_an_unsorted_string_coordinate_is_xarrays_not_misread(tmp_path: Path) -> None:

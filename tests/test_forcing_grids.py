@@ -186,7 +186,7 @@ def test_forcings_on_one_grid_beside_members_at_other_places_are_refused_when_bu
     # forcings on the grids of another collection's members count its member indices
     other = scenes.subset(["australia", "europe"])
     swapped = Forcings("x", view=other["data"], names=["cos_solar_zenith"])
-    with pytest.raises(ValueError, match="view= a view of the collection the pipeline reads"):
+    with pytest.raises(ValueError, match="a view of the collection the pipeline reads"):
         insitu_pipeline(scenes, manifest, {"x": view}, coords=["time"], batch_transforms=[swapped])
     with pytest.raises(ValueError, match="members of collection-"):
         stack({"t2m": view, "sun": swapped})

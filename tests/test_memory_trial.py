@@ -120,3 +120,90 @@ def test_what_the_batch_transforms_hold_is_counted_outside_the_pool(tmp_path: Pa
             kept = list(Loader(pipe))
             cuts = sum(b["lsm"].nbytes for b in kept) if "x" in kept[0].patch_origins else 0
             assert pipe.stats()["batch_transform_bytes"] >= lsm.nbytes + cuts
+
+
+def test_the_forcings_rows_are_lent_and_counted_outside_the_pool(tmp_path: Path) -> None:
+    # before: each batch's forcings were fresh arrays (one per forcing, a row per sample), held
+    # by the batches in the prefetch queue and by the consumer, and counted nowhere:
+    # batch_transform_bytes held the forcings' memory of the times they computed only
+    root = tmp_path / "e.zarr"
+    make_era5_like(root, n_time=48, n_lat=8, n_lon=16, samples_per_chunk=8, variables=["t2m"])
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    box = t2m.patches({"lat": 3, "lon": 4}, origins="random")
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    names = ["cos_solar_zenith", "local_time_sin"]
+    oracle = Forcings("x", names=names, view=t2m)  # on the whole grid, computed apart
+    for view in (t2m, box):
+        forcings = Forcings("x", names=names, view=view)
+        with insitu_pipeline(root, manifest, {"x": view}, batch_size=6,
+                             batch_transforms=[forcings]) as pipe:  # fmt: skip
+            kept = list(Loader(pipe))  # held by the consumer: lent out, counted
+            copies = [{n: np.array(b[n]) for n in names} for b in kept]
+            for batch, values in zip(kept, copies, strict=True):
+                want = oracle.compute(batch.coords["x"]["time"])
+                for n in names:
+                    w = want[n]
+                    if view.patch is not None:
+                        at = enumerate(batch.patch_origins["x"])
+                        w = np.stack([w[r, i : i + 3, j : j + 4] for r, (i, j) in at])
+                    np.testing.assert_array_equal(values[n], w)
+            held = sum(b[n].nbytes for b in kept for n in names)
+            remembered = 48 * len(names) * 8 * 16 * 4  # every time's float32 fields
+            stats = pipe.stats()
+            assert stats["batch_transform_bytes"] >= forcings.held_bytes >= remembered + held
+            for _ in Loader(pipe):  # the kept batches' rows are never written again
+                pass
+            for batch, values in zip(kept, copies, strict=True):
+                for n in names:
+                    np.testing.assert_array_equal(batch[n], values[n])
+            made = pipe.stats()["batch_transform_bytes"]
+            kept.clear()
+            for _ in range(2):  # once dropped, their buffers are lent again: none made
+                for _ in Loader(pipe):
+                    pass
+            assert pipe.stats()["batch_transform_bytes"] <= made
+
+
+def test_close_lets_go_of_the_idle_chunks_and_buffers_and_the_pipeline_goes_on(
+    tmp_path: Path,
+) -> None:
+    # before: close() stopped the thread and unpinned, and kept the pool's slots, the idle
+    # batch buffers and the static cuts' and forcings' idle buffers until the pipeline was
+    # dropped (docs/pipeline.md said so: "close() keeps them")
+    root = tmp_path / "e.zarr"
+    make_era5_like(root, n_time=48, n_lat=8, n_lon=16, samples_per_chunk=8, variables=["t2m"])
+    group = zarr.open_group(root, mode="r+")
+    lsm = np.arange(8 * 16, dtype="f4").reshape(8, 16)
+    group.create_array("lsm", shape=lsm.shape, dtype="f4", dimension_names=("lat", "lon"))
+    group["lsm"][...] = lsm
+    t2m = np.asarray(group["t2m"][...])
+    geoms = open_geometries(root, ["t2m", "lsm"], sample_axis="time")
+    box = geoms["t2m"].patches({"lat": 4, "lon": 8}, origins="random")
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    sun = Forcings("x", names=["cos_solar_zenith"], view=box)
+    views = {"x": box, "lsm": geoms["lsm"]}
+    with insitu_pipeline(root, manifest, views, batch_size=6, batch_transforms=[sun]) as pipe:
+        list(pipe)  # (the forcings remember every time: what they hold grows no more)
+        pipe.reset()
+        first = next(pipe)  # kept by the consumer: lent, stays counted and unchanged
+        kept = {k: np.array(v) for k, v in first.arrays.items()}
+        for _ in range(2):
+            next(pipe)
+        before = pipe.stats()
+        pipe.close()
+        after = pipe.stats()
+        pool = pipe.stages.pool
+        assert before["batch_buffer_bytes"] > after["batch_buffer_bytes"]
+        assert before["batch_transform_bytes"] > after["batch_transform_bytes"]
+        assert pool.allocated_bytes == 0 and pool.pinned_count() == 0
+        lent = sum(a.nbytes for k, a in first.arrays.items() if k != "lsm") + first["lsm"].nbytes
+        assert after["batch_buffer_bytes"] + after["batch_transform_bytes"] >= lent
+        rest = list(pipe)  # the same epoch goes on
+        assert 3 + len(rest) == 48 // 6
+        for batch in rest:
+            for r, (i, j) in enumerate(batch.patch_origins["x"]):
+                index = batch.sample_indices["x"][r]
+                np.testing.assert_array_equal(batch["x"][r], t2m[index, i : i + 4, j : j + 8])
+                np.testing.assert_array_equal(batch["lsm"][r], lsm[i : i + 4, j : j + 8])
+        for k, v in kept.items():
+            np.testing.assert_array_equal(first.arrays[k], v)

@@ -10,6 +10,7 @@ at the window ``batch.patch_origins`` names is the oracle.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +364,47 @@ def test_the_pipelines_stats_count_the_reads_of_its_static_fields(
         assert static == stats["static_gets"] == (2 if k == 0 else 0)  # one object each
         assert stats["static_disk_hits"] == (0 if k == 0 else 2)
         assert stats["gets"] == store.chunk_gets - static
+
+
+def test_a_static_label_on_the_patched_grid_named_otherwise_is_refused_until_renamed(
+    tmp_path: Path,
+) -> None:
+    # before: a land-sea mask on (latitude, longitude), or on unnamed axes, beside (lat, lon)
+    # patches stayed whole: every row carried the whole (8, 12) mask beside (3, 4) windows
+    rng = np.random.default_rng(1)
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    _array(group, "t2m", rng.random((T, LAT, LON), dtype="f4"), ("time", "lat", "lon"),
+           chunks=(4, 4, 6))  # fmt: skip
+    mask = rng.random((LAT, LON), dtype="f4")
+    _array(group, "lsm", mask, ("latitude", "longitude"))
+    _array(group, "half", mask, ("lat", "longitude"))  # cut along lat only, whole along lon
+    _array(group, "orog", rng.random((3, LAT, LON), dtype="f4"), ("level", "y", "x"))
+    group.create_array("bare", shape=mask.shape, dtype=mask.dtype)[...] = mask  # no names
+    _array(group, "band", rng.random(LAT, dtype="f4"), ("freq",))  # not on the grid: whole
+    g = open_geometries(root, ["t2m", "lsm", "half", "orog", "band"], sample_axis="time")
+    g["bare"] = open_geometries(root, ["bare"])["bare"].as_static()
+    box = g["t2m"].patches({"lat": 3, "lon": 4}, origins="random")
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    for name, dims in (("lsm", r"\('latitude', 'longitude'\)"), ("half", "'longitude'"),
+                       ("orog", r"\('level', 'y', 'x'\)"), ("bare", "unnamed")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"static label 'm' .*{dims}.*dim_names="):
+            insitu_pipeline(root, manifest, {"x": box, "m": g[name]}, coords=())
+    # named as the patched labels' dimensions (what the message says to do), each row is cut
+    lsm = replace(g["lsm"], dim_names=("lat", "lon"))
+    orog = replace(g["orog"], dim_names=("level", "lat", "lon"))
+    views = {"x": box, "lsm": lsm, "orog": orog.isel(level=[2, 0]), "band": g["band"]}
+    for arrays, origins in _epoch(root, views, coords=()):
+        _assert_windows(arrays["lsm"], mask, ("lat", "lon"), box.patch, origins)
+        want = _read(root, "orog")[[2, 0]]
+        _assert_windows(arrays["orog"], want, ("level", "lat", "lon"), box.patch, origins)
+        np.testing.assert_array_equal(arrays["band"][0], _read(root, "band"))  # (freq,): whole
+    # no names on either side: named alike on both, as the message says, it is cut too
+    group.create_array("bare_t", shape=(T, LAT, LON), chunks=(4, 4, 6), dtype="f4")[...] = 1
+    bare_t = open_geometries(root, ["bare_t"])["bare_t"]
+    with pytest.raises(ValueError, match=r"patched axes \[1, 2\] .*dim_names=\(\.\.\.\)\) on both"):
+        insitu_pipeline(root, manifest, {"x": bare_t.patches({1: 3, 2: 4}), "m": g["bare"]})
+    named = replace(bare_t, dim_names=("t", "y", "x")).patches({"y": 3, "x": 4}, origins="random")
+    views = {"x": named, "m": replace(g["bare"], dim_names=("y", "x"))}
+    for arrays, origins in _epoch(root, views, coords=()):
+        _assert_windows(arrays["m"], mask, ("y", "x"), named.patch, origins)

@@ -9,6 +9,7 @@ where there was none, appends samples — and checks what a later run gets: the 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -23,7 +24,13 @@ import zarr
 from helpers import Oracle, View, counting_store, run_epoch, write_era5
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.cache.identity import IDENTITY_NAME, HeadLister, lister_for
+from insitubatch_nodes.cache.identity import (
+    IDENTITY_NAME,
+    HeadLister,
+    IdentityRecorder,
+    lister_for,
+    read_identities,
+)
 from insitubatch_nodes.errors import StaleCacheError
 
 pytestmark = pytest.mark.timeout(120)
@@ -301,3 +308,37 @@ def test_a_local_object_rewritten_in_place_with_the_same_size_is_refetched(
     np.testing.assert_array_equal(rows, zarr.open_array(root / "t2m", mode="r")[:])
     assert stats["gets"] == 1
     assert epoch()[1]["gets"] == 0  # refetched with its new identity: trusted again
+
+
+def _commit(recorder: IdentityRecorder, chunk: int, objects: int) -> None:
+    """Record chunk ``chunk`` of ``"t2m"`` as read from ``objects`` stored objects."""
+    recorder.expect(("t2m", chunk))
+    for k in range(objects):
+        recorder.note("t2m", chunk, f"t2m/c/{chunk}/{k}", (100 + k, f"tag{chunk}.{k}", 7))
+    recorder.commit(("t2m", chunk))
+
+
+def test_a_torn_identity_row_is_cut_off_when_the_writer_opens_its_directory(
+    tmp_path: Path,
+) -> None:
+    # before: a row cut short by a crash stayed at the file's end, and the next writer's first
+    # row was appended to it: one line that does not parse, so that chunk's rows were lost
+    recorder = IdentityRecorder(tmp_path, "local")
+    _commit(recorder, 0, 3)
+    recorder.close()
+    path = tmp_path / IDENTITY_NAME
+    whole = path.read_bytes()
+    with open(path, "ab") as fh:  # a crash in the middle of chunk 1's row
+        fh.write(b'["t2m",1,"t2m/c/1/0",10')
+    recorder = IdentityRecorder(tmp_path, "local")
+    _commit(recorder, 2, 2)
+    recorder.close()
+    assert path.read_bytes().startswith(whole)
+    got = read_identities(tmp_path)["t2m"]
+    rows = zip(got.chunks.tolist(), got.keys.tolist(), got.sizes.tolist(), strict=True)
+    assert sorted(rows) == [
+        (0, "t2m/c/0/0", 100), (0, "t2m/c/0/1", 101), (0, "t2m/c/0/2", 102),
+        (2, "t2m/c/2/0", 100), (2, "t2m/c/2/1", 101),
+    ]  # fmt: skip
+    for line in path.read_text().splitlines():  # every line a row
+        assert json.loads(line)[0] == "t2m"

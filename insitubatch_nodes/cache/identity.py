@@ -23,7 +23,9 @@ chunk's rows are those of its last commit: a chunk fetched again after the store
 with other chunking is made of other objects, and the old ones no longer describe it. A crash
 between the file's rename and its log line leaves a row that describes the file's bytes, or the
 old row, which then no longer matches the store: never a row that vouches for bytes it did
-not describe.
+not describe. A chunk's rows are appended all or nothing (a full disk's partial write is cut
+off again, :func:`~insitubatch_nodes._atomic.append_lines`), and a row a crash cut short is
+cut off when the next writer opens the file (:func:`~insitubatch_nodes._atomic.cut_torn_tail`).
 
 **Checking (a later run, one listing per array).** :class:`StoreCheck` lists each cached array's
 prefix once (obstore ``list``: one LIST request per 1,000 objects on S3; ``os.scandir`` over the
@@ -77,6 +79,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._atomic import append_lines, cut_torn_tail
 from insitubatch_nodes.errors import short_cause
 
 __all__ = [
@@ -337,7 +340,12 @@ class IdentityRecorder:
         self._pending: dict[tuple[str, int], dict[str, Row]] = {}
         self._session = os.urandom(4).hex()  # with a counter: a token per commit
         self._commits = 0
-        self._fd: int | None = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        try:  # a row a crash cut short goes before anything is appended after it
+            cut_torn_tail(self._fd)
+        except OSError:
+            os.close(self._fd)
+            raise
 
     def expect(self, key: tuple[str, int]) -> None:
         with self._lock:
@@ -361,7 +369,7 @@ class IdentityRecorder:
             text = "".join(
                 json.dumps([*r[:7], commit], separators=(",", ":")) + "\n" for r in rows.values()
             )
-            os.write(fd, text.encode())
+            append_lines(fd, text, "store identity row")
 
     def discard(self, key: tuple[str, int]) -> None:
         with self._lock:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,6 +12,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._atomic import append_lines
 from insitubatch_nodes.cache.files import HEADER_KEY, LOG_NAME, SUM_ALGO, SUM_KEY
 from insitubatch_nodes.errors import CorruptCacheError
 
@@ -45,9 +44,6 @@ class Logged:
         another's, whatever order the parts are read in. Lines of versions that did not record
         the time tie, and the one read last wins."""
         return old is None or old.file.parent == self.file.parent or self.written >= old.written
-
-
-_APPEND_LOCK = threading.Lock()  # pipelines of one process append to one log
 
 
 class Log:
@@ -112,13 +108,9 @@ class Log:
         A full file system can take part of a write (the bytes that fit its last block) and
         refuse the rest: that piece is cut off again and ``OSError`` (``ENOSPC``) raised. Left
         there, the next line appended after it made it an unparseable line before the last,
-        and every later open of the cache raised :class:`CorruptCacheError`."""
-        data = text.encode()
-        with _APPEND_LOCK:
-            done = os.write(fd, data)
-            if done != len(data):
-                os.ftruncate(fd, os.fstat(fd).st_size - done)
-                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)}: a log line cut short")
+        and every later open of the cache raised :class:`CorruptCacheError`
+        (:func:`~insitubatch_nodes._atomic.append_lines`)."""
+        append_lines(fd, text, "log line")
 
 
 def parse_entry(log: Log, line_no: int, item: Mapping[str, Any]) -> tuple[tuple[str, int], Logged]:

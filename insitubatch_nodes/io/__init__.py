@@ -16,7 +16,9 @@ files. This face re-exports the names a composer uses; import the modules for th
   metadata, read concurrently), :func:`open_plate` (their fields as one collection);
   :mod:`~insitubatch_nodes.io.ngff_images` — :func:`open_images`: other multiscale images (a
   bioformats2raw conversion's series, an image at a store's root) as one collection;
-  :mod:`~insitubatch_nodes.io.omero` — their ``omero`` channel names;
+  :mod:`~insitubatch_nodes.io.ngff_fields` — what both share (metadata documents, levels,
+  labels, the images read together); :mod:`~insitubatch_nodes.io.omero` — their ``omero``
+  channel names;
 * :mod:`~insitubatch_nodes.io.axes` — :func:`axis_of`: an axis named by index or dimension name;
 * :mod:`~insitubatch_nodes.io.patching` — :class:`Patches`: how a patched view cuts its field
   into windows;

@@ -12,9 +12,6 @@ at once, then all fields at once, on zarr's IO loop.
 
 from __future__ import annotations
 
-import json
-import math
-import numbers
 import warnings
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -23,49 +20,23 @@ from typing import Any
 
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
-from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.ngff_fields import (
+    NGFF_VERSIONS,
+    PlateField,
+    check_labels,
+    check_level,
+    group_attributes,
+    metadata_key,
+    ngff_attributes,
+    read_fields,
+    read_json_documents,
+)
 from insitubatch_nodes.io.omero import (
-    channel_axis,
     channel_coords,
-    channel_names,
-    common_channels,
 )
 from insitubatch_nodes.io.stores import StoreLike, as_store
 
 __all__ = ["NGFF_VERSIONS", "Plate", "PlateField", "open_plate", "read_plate"]
-
-NGFF_VERSIONS: tuple[str, ...] = ("0.4", "0.5")
-"""The NGFF metadata versions :func:`read_plate` reads (0.4: zarr v2, 0.5: zarr v3)."""
-
-_SIZE_RTOL = 1e-4  # a pixel size asked for matches a level's within this relative tolerance
-_IN_FLIGHT = 64  # metadata documents read at once
-_PLANE_AXES = ("y", "x")  # what a pixel size given as one number applies to
-
-
-@dataclass(frozen=True)
-class PlateField:
-    """One field (one multiscale image) of a plate, at the level :func:`read_plate` chose.
-
-    ``path`` is its group (``"A/1/0"``: well ``"A/1"``, image ``"0"`` of that well);
-    ``image`` the array path of the chosen level (``"A/1/0/s0"``) and ``level`` its index in
-    the field's ``multiscales`` datasets; ``labels`` maps each label name read to the array
-    path of the label level with the same pixel sizes; ``pixel_size`` is the chosen level's
-    size along every axis, in the axis' unit (the dataset's ``scale`` times the multiscale's
-    own, if any); ``acquisition`` the well metadata's acquisition id, if any; ``channels`` the
-    names its ``omero`` metadata gives the channels (``None``: none).
-    """
-
-    path: str
-    well: str
-    row: str
-    column: str
-    name: str
-    image: str
-    level: int
-    pixel_size: Mapping[str, float]
-    labels: Mapping[str, str] = field(default_factory=dict)
-    acquisition: int | None = None
-    channels: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -125,175 +96,10 @@ class Plate:
         return "\n".join(lines)
 
 
-# -- reading documents ---
-
-
-def _read_documents(store: Any, keys: Sequence[str]) -> list[Any]:
-    """The JSON document at each of ``keys`` (``None`` where there is none), read at once by
-    :func:`~insitubatch_nodes.io.objects.read_documents` (concurrently, or straight from the
-    files of a local folder)."""
-    docs: list[Any] = []
-    for key, raw in zip(keys, read_documents(store, keys, _IN_FLIGHT), strict=True):
-        try:
-            docs.append(None if raw is None else json.loads(raw))
-        except ValueError as exc:
-            raise ValueError(f"{key!r} is not valid JSON ({exc})") from None
-    return docs
-
-
-def _key(path: str, name: str) -> str:
-    return f"{path}/{name}" if path else name
-
-
-def _attributes(doc: Any, zarr_format: int) -> dict[str, Any] | None:
-    """A node's NGFF attributes: ``attributes["ome"]`` of a ``zarr.json`` (0.5), the
-    ``.zattrs`` document itself (0.4), or ``None`` when the document is absent."""
-    if doc is None:
-        return None
-    attrs = doc.get("attributes", {}) if zarr_format == 3 else doc
-    if not isinstance(attrs, dict):
-        return {}
-    ome = attrs.get("ome")
-    return ome if isinstance(ome, dict) else attrs
-
-
-def _group_attributes(store: Any, paths: Sequence[str], zarr_format: int) -> list[Any]:
-    name = "zarr.json" if zarr_format == 3 else ".zattrs"
-    docs = _read_documents(store, [_key(p, name) for p in paths])
-    attrs = [_attributes(d, zarr_format) for d in docs]
-    if zarr_format == 2:  # a group without .zattrs is there, without metadata: say so below
-        missing = [i for i, a in enumerate(attrs) if a is None]
-        groups = _read_documents(store, [_key(paths[i], ".zgroup") for i in missing])
-        for i, g in zip(missing, groups, strict=True):
-            attrs[i] = {} if g is not None else None
-    return attrs
-
-
-# -- multiscales and levels ---
-
-
-@dataclass(frozen=True)
-class _Multiscale:
-    axes: tuple[str, ...]
-    types: tuple[str | None, ...]
-    units: tuple[str | None, ...]
-    paths: tuple[str, ...]
-    sizes: tuple[tuple[float, ...], ...]  # per level, per axis
-
-
-def _scale(transforms: Any, ndim: int, where: str) -> tuple[float, ...]:
-    scale = [1.0] * ndim
-    for t in transforms or ():
-        if isinstance(t, dict) and t.get("type") == "scale":
-            if "scale" not in t:
-                raise ValueError(f"{where}: a scale given by 'path' is not read; inline it")
-            values = [float(v) for v in t["scale"]]
-            if len(values) != ndim:
-                raise ValueError(f"{where}: scale {values} has not one value per axis ({ndim})")
-            scale = [a * b for a, b in zip(scale, values, strict=True)]
-    return tuple(scale)
-
-
-def _multiscale(attrs: Mapping[str, Any], where: str) -> _Multiscale:
-    found = attrs.get("multiscales")
-    if not isinstance(found, list) or not found or not isinstance(found[0], dict):
-        raise ValueError(f"{where} has no 'multiscales' metadata: it is not an NGFF image")
-    ms = found[0]  # the first multiscale is the image (NGFF: readers take the first)
-    axes = ms.get("axes")
-    if not isinstance(axes, list) or not all(isinstance(a, dict) and "name" in a for a in axes):
-        raise ValueError(
-            f"{where}: multiscales axes {axes!r} are not a list of {{'name': ...}} objects "
-            f"(NGFF 0.4 or later); NGFF versions read: {', '.join(NGFF_VERSIONS)}"
-        )
-    names = tuple(str(a["name"]) for a in axes)
-    datasets = ms.get("datasets")
-    if not isinstance(datasets, list) or not datasets:
-        raise ValueError(f"{where}: multiscales has no datasets")
-    top = _scale(ms.get("coordinateTransformations"), len(names), where)
-    sizes = []
-    for d in datasets:
-        own = _scale(d.get("coordinateTransformations"), len(names), where)
-        sizes.append(tuple(a * b for a, b in zip(own, top, strict=True)))
-    return _Multiscale(
-        axes=names,
-        types=tuple(a.get("type") for a in axes),
-        units=tuple(a.get("unit") for a in axes),
-        paths=tuple(str(d["path"]) for d in datasets),
-        sizes=tuple(sizes),
-    )
-
-
-def _wanted_sizes(level: float | Mapping[str, float], axes: Sequence[str]) -> dict[str, float]:
-    if isinstance(level, Mapping):
-        unknown = sorted(set(level) - set(axes))
-        if unknown or not level:
-            raise ValueError(
-                f"level={dict(level)!r} names axes {unknown or '(none)'} the images do not "
-                f"have; their axes are {list(axes)}"
-            )
-        return {str(a): float(s) for a, s in level.items()}
-    return {a: float(level) for a in _PLANE_AXES if a in axes}
-
-
-def _sizes_text(ms: _Multiscale, axes: Sequence[str]) -> str:
-    idx = [ms.axes.index(a) for a in axes]
-    return "; ".join(
-        f"level {k} ({p}): " + ", ".join(f"{ms.axes[i]} {s[i]:g}" for i in idx)
-        for k, (p, s) in enumerate(zip(ms.paths, ms.sizes, strict=True))
-    )
-
-
-def _level_by_size(ms: _Multiscale, wanted: Mapping[str, float], where: str) -> int:
-    for k, sizes in enumerate(ms.sizes):
-        if all(
-            math.isclose(sizes[ms.axes.index(a)], s, rel_tol=_SIZE_RTOL) for a, s in wanted.items()
-        ):
-            return k
-    asked = ", ".join(f"{a} {s:g}" for a, s in wanted.items())
-    raise ValueError(
-        f"{where}: no level has pixel size {asked}; its levels: {_sizes_text(ms, list(wanted))}"
-    )
-
-
-def _level_index(ms: _Multiscale, level: int, where: str) -> int:
-    n = len(ms.paths)
-    if not -n <= level < n:
-        raise ValueError(f"{where}: level={level} is out of range; it has {n} level(s)")
-    return level % n
-
-
-def _check_level(level: Any) -> int | float | dict[str, float]:
-    if isinstance(level, bool):
-        raise TypeError(f"level must be an index, a pixel size or {{axis: size}}, got {level!r}")
-    if isinstance(level, numbers.Integral):  # numpy's integers too (np.argmin of sizes)
-        return int(level)
-    if isinstance(level, numbers.Real):
-        return float(level)
-    if isinstance(level, Mapping) and all(
-        isinstance(v, numbers.Real) and not isinstance(v, bool) for v in level.values()
-    ):
-        return {str(a): float(v) for a, v in level.items()}
-    raise TypeError(
-        f"level must be an index (0: full resolution), a pixel size (0.65) or "
-        f"{{axis: size}} ({{'x': 0.65}}), got {level!r}"
-    )
-
-
-def _check_labels(labels: Any) -> str | tuple[str, ...] | None:
-    if labels is None or labels == "all":
-        return labels
-    if isinstance(labels, str) or not isinstance(labels, Sequence):
-        raise TypeError(f"labels must be None, 'all' or a list of label names, got {labels!r}")
-    return tuple(str(n) for n in labels)
-
-
-# -- the plate ---
-
-
 def _plate_metadata(store: Any) -> tuple[dict[str, Any], str, int]:
-    v3, v2 = _read_documents(store, ["zarr.json", ".zattrs"])
+    v3, v2 = read_json_documents(store, ["zarr.json", ".zattrs"])
     zarr_format = 3 if v3 is not None else 2
-    attrs = _attributes(v3 if v3 is not None else v2, zarr_format)
+    attrs = ngff_attributes(v3 if v3 is not None else v2, zarr_format)
     plate = (attrs or {}).get("plate")
     if not isinstance(plate, dict):
         raise ValueError(
@@ -344,13 +150,13 @@ def read_plate(
     (``UserWarning``). A plate with no field at all, metadata that is not NGFF, another NGFF
     version, or fields with different axes raise ``ValueError`` naming the group.
     """
-    chosen = _check_level(level)
-    wanted_labels = _check_labels(labels)
+    chosen = check_level(level)
+    wanted_labels = check_labels(labels)
     store = as_store(store)
     plate, version, zarr_format = _plate_metadata(store)
     listed = [str(w["path"]) for w in plate.get("wells", ()) if isinstance(w, dict)]
     _refuse_twice(listed, "the plate's 'wells'")
-    well_attrs = _group_attributes(store, listed, zarr_format)
+    well_attrs = group_attributes(store, listed, zarr_format)
     wells: list[str] = []
     absent_wells: list[str] = []
     images: list[tuple[str, str, int | None]] = []  # (well, image path, acquisition)
@@ -369,7 +175,7 @@ def read_plate(
             where = f"well {path!r}'s image {name!r}"
             images.append((path, name, None if acq is None else _acquisition_id(acq, where)))
     field_paths = [f"{w}/{p}" for w, p, _ in images]
-    found = _read_fields(store, field_paths, images, zarr_format, chosen, wanted_labels)
+    found = read_fields(store, field_paths, images, zarr_format, chosen, wanted_labels)
     absent_fields = list(found.absent)
     if not found.fields:
         raise ValueError(f"the plate lists {len(listed)} wells, but no field of them exists")
@@ -390,74 +196,6 @@ def read_plate(
         absent_wells=tuple(absent_wells), absent_fields=tuple(absent_fields),
         channels=found.channels, channel_axis=found.channel_axis,
     )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class _Fields:
-    """What :func:`_read_fields` read of some multiscale images: those present, at a level."""
-
-    fields: tuple[PlateField, ...]
-    absent: tuple[str, ...]
-    axes: tuple[str, ...]
-    units: dict[str, str | None]
-    label_names: tuple[str, ...]
-    label_axes: dict[str, tuple[str, ...]]
-    channels: tuple[str, ...] | None
-    channel_axis: str | None
-
-
-def _read_fields(
-    store: Any,
-    paths: Sequence[str],
-    about: Sequence[tuple[str, str, int | None]],
-    zarr_format: int,
-    chosen: int | float | dict[str, float],
-    wanted_labels: str | tuple[str, ...] | None,
-    what: str = "field",
-) -> _Fields:
-    """The multiscale images at ``paths`` (``about[i]``: image ``i``'s well, its name in the
-    well and its acquisition) read at once, each at the level ``chosen`` picks, with the
-    labels ``wanted_labels``; absent groups skipped. ``what`` names an image in errors."""
-    attrs = _group_attributes(store, paths, zarr_format)
-    present = [i for i, a in enumerate(attrs) if a is not None]
-    absent = tuple(paths[i] for i, a in enumerate(attrs) if a is None)
-    if not present:
-        return _Fields((), absent, (), {}, (), {}, None, None)
-    multiscales = [_multiscale(attrs[i], f"{what} {paths[i]!r}") for i in present]
-    axes = multiscales[0].axes
-    for i, ms in zip(present, multiscales, strict=True):
-        if ms.axes != axes:
-            raise ValueError(
-                f"{what} {paths[i]!r} has axes {list(ms.axes)}, {what} {paths[present[0]]!r} "
-                f"{list(axes)}: the {what}s read together must share axes"
-            )
-    wanted = None if isinstance(chosen, int) else _wanted_sizes(chosen, axes)
-    levels = [
-        _level_index(ms, chosen, f"{what} {paths[i]!r}")
-        if isinstance(chosen, int)
-        else _level_by_size(ms, wanted or {}, f"{what} {paths[i]!r}")
-        for i, ms in zip(present, multiscales, strict=True)
-    ]
-    named = [channel_names(attrs[i]) for i in present]
-    channels = common_channels([paths[i] for i in present], named, what)
-    label_paths, label_axes, label_names = _read_labels(
-        store, [paths[i] for i in present], multiscales, levels, wanted_labels, zarr_format
-    )
-    fields = []
-    for j, i in enumerate(present):
-        well, name, acq = about[i]
-        ms, k = multiscales[j], levels[j]
-        row, _, column = well.partition("/")
-        image = f"{paths[i]}/{ms.paths[k]}" if paths[i] else ms.paths[k]
-        sizes = dict(zip(ms.axes, ms.sizes[k], strict=True))
-        fields.append(
-            PlateField(
-                paths[i], well, row, column, name, image, k, sizes, label_paths[j], acq, named[j]
-            )
-        )
-    units = dict(zip(axes, multiscales[0].units, strict=True))
-    c_axis = channel_axis(axes, multiscales[0].types)
-    return _Fields(tuple(fields), absent, axes, units, label_names, label_axes, channels, c_axis)
 
 
 def _acquisition_id(value: Any, where: str) -> int:
@@ -482,63 +220,6 @@ def _refuse_twice(paths: Sequence[str], where: str) -> None:
             f"{where} list {twice[:5]} more than once: each well (each field of a well) must be "
             "listed once; fix the plate's metadata"
         )
-
-
-def _read_labels(
-    store: Any,
-    fields: Sequence[str],
-    multiscales: Sequence[_Multiscale],
-    levels: Sequence[int],
-    wanted: str | tuple[str, ...] | None,
-    zarr_format: int,
-) -> tuple[list[dict[str, str]], dict[str, tuple[str, ...]], tuple[str, ...]]:
-    """Each field's ``{label name: array path}``, each label's axes, the label names read."""
-    if wanted is None:
-        return [{} for _ in fields], {}, ()
-    groups = _group_attributes(store, [f"{f}/labels" for f in fields], zarr_format)
-    named = [tuple(str(n) for n in (g or {}).get("labels", ())) for g in groups]
-    if wanted == "all":
-        names = named[0]
-        for path, own in zip(fields, named, strict=True):
-            if set(own) != set(names):
-                common = sorted(set.intersection(*(set(n) for n in named)))
-                raise ValueError(
-                    f"labels='all': field {path!r} has labels {list(own)}, field {fields[0]!r} "
-                    f"{list(names)}; name the labels to read, e.g. labels={common}"
-                )
-    else:
-        names = tuple(wanted)
-        for path, own in zip(fields, named, strict=True):
-            missing = [n for n in names if n not in own]
-            if missing:
-                raise ValueError(
-                    f"field {path!r} has no label image {missing} (its labels: {list(own)})"
-                )
-    if not names:
-        return [{} for _ in fields], {}, ()
-    keys = [f"{f}/labels/{n}" for f in fields for n in names]
-    attrs = _group_attributes(store, keys, zarr_format)
-    paths: list[dict[str, str]] = [{} for _ in fields]
-    axes: dict[str, tuple[str, ...]] = {}
-    for j, (key, a) in enumerate(zip(keys, attrs, strict=True)):
-        f, n = divmod(j, len(names))
-        name = names[n]
-        if a is None:
-            raise ValueError(f"label image {key!r} is listed by its labels group but absent")
-        ms = _multiscale(a, f"label image {key!r}")
-        if axes.setdefault(name, ms.axes) != ms.axes:
-            raise ValueError(
-                f"label image {key!r} has axes {list(ms.axes)}, other fields' {name!r} "
-                f"{list(axes[name])}: a plate's label images of one name must share axes"
-            )
-        image = multiscales[f]
-        shared = [
-            a for a, t in zip(ms.axes, ms.types, strict=True) if t == "space" and a in image.axes
-        ]
-        want = {a: image.sizes[levels[f]][image.axes.index(a)] for a in shared}
-        k = _level_by_size(ms, want, f"label image {key!r} (for image level {levels[f]})")
-        paths[f][name] = f"{key}/{ms.paths[k]}"
-    return paths, axes, tuple(names)
 
 
 def open_plate(
@@ -616,10 +297,10 @@ def fields_collection(
     for f in plate.fields:
         own = {"image": f.image, **{f"labels/{n}": p for n, p in f.labels.items()}}
         for var, rel in variables.items():
-            if own[var] != _key(f.path, rel):
+            if own[var] != metadata_key(f.path, rel):
                 raise ValueError(
                     f"level={level!r}: {f.path!r} keeps {var!r} at {own[var]!r}, "
-                    f"{first.path!r} at {_key(first.path, rel)!r} (their pyramids differ): "
+                    f"{first.path!r} at {metadata_key(first.path, rel)!r} (their pyramids differ): "
                     "a collection needs one path per variable within each image's group; pick "
                     "a level every image keeps at the same path (an index below the fewest "
                     "levels, such as level=0, or a pixel size), or open the images with "

@@ -14,15 +14,14 @@ from typing import Any
 
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
-from insitubatch_nodes.io.ngff import (
-    Plate,
-    _attributes,
-    _check_labels,
-    _check_level,
-    _group_attributes,
-    _read_documents,
-    _read_fields,
-    fields_collection,
+from insitubatch_nodes.io.ngff import Plate, fields_collection
+from insitubatch_nodes.io.ngff_fields import (
+    check_labels,
+    check_level,
+    group_attributes,
+    ngff_attributes,
+    read_fields,
+    read_json_documents,
 )
 from insitubatch_nodes.io.stores import StoreLike, as_store
 
@@ -37,9 +36,9 @@ def image_groups(store: StoreLike) -> tuple[list[str], int]:
     as ``OME``'s ``series`` lists them, or else ``0``, ``1``, ... up to the first absent one.
     ``ValueError`` saying what to open otherwise (a plate: ``open_plate``)."""
     store = as_store(store)
-    v3, v2 = _read_documents(store, ["zarr.json", ".zattrs"])
+    v3, v2 = read_json_documents(store, ["zarr.json", ".zattrs"])
     zarr_format = 3 if v3 is not None else 2
-    attrs = _attributes(v3 if v3 is not None else v2, zarr_format) or {}
+    attrs = ngff_attributes(v3 if v3 is not None else v2, zarr_format) or {}
     if "multiscales" in attrs:
         return [""], zarr_format
     if "plate" in attrs:
@@ -50,14 +49,14 @@ def image_groups(store: StoreLike) -> tuple[list[str], int]:
             "conversion (no 'multiscales', no 'bioformats2raw.layout'): name the image groups, "
             "open_images(store, ['image_a', 'image_b'])"
         )
-    (ome,) = _group_attributes(store, ["OME"], zarr_format)
+    (ome,) = group_attributes(store, ["OME"], zarr_format)
     listed = (ome or {}).get("series")
     if isinstance(listed, list) and listed:
         return [str(s) for s in listed], zarr_format
     found: list[str] = []
     while True:  # series 0, 1, ... until one is absent (the layout's rule without a list)
         batch = [str(len(found) + k) for k in range(_PROBE)]
-        present = _group_attributes(store, batch, zarr_format)
+        present = group_attributes(store, batch, zarr_format)
         for name, a in zip(batch, present, strict=True):
             if a is None:
                 return found, zarr_format
@@ -78,7 +77,7 @@ def read_images(
     with the labels ``labels`` (both as :func:`~insitubatch_nodes.io.ngff.read_plate` takes
     them). An image group that is absent raises ``ValueError`` naming it; images with other
     axes too."""
-    chosen, wanted = _check_level(level), _check_labels(labels)
+    chosen, wanted = check_level(level), check_labels(labels)
     store = as_store(store)
     if groups is None:
         paths, zarr_format = image_groups(store)
@@ -86,11 +85,11 @@ def read_images(
         if isinstance(groups, str) or not groups:
             raise TypeError(f"groups must be a non-empty list of group paths, got {groups!r}")
         paths = [str(g).strip("/") for g in groups]
-        zarr_format = 3 if _read_documents(store, ["zarr.json"])[0] is not None else 2
+        zarr_format = 3 if read_json_documents(store, ["zarr.json"])[0] is not None else 2
     if not paths:
         raise ValueError("the bioformats2raw conversion holds no series (no group '0')")
     about = [("", p, None) for p in paths]
-    found = _read_fields(store, paths, about, zarr_format, chosen, wanted, what="image")
+    found = read_fields(store, paths, about, zarr_format, chosen, wanted, what="image")
     if found.absent:
         raise ValueError(f"image groups {list(found.absent)[:5]} are absent from the store")
     return Plate(

@@ -73,6 +73,9 @@ def gather_windows(
         _select_windows(out, at, chunk, origins, view, units, spans, slots, held)
         return len(samples)
     assert held is None, "a view that selects nothing reads slots that hold everything"
+    k = len(sizes)
+    patched = [f for f in range(k) if units.patched(f)]
+    layout = None  # (the same for every piece: the patched axes' parts are per row)
     for rows, tile in units.pieces(origins, spans):
         keys = chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))
         # per axis: the overlap in field coordinates, then where it lies in the slot and in
@@ -85,9 +88,17 @@ def gather_windows(
             src_lo.append(lo - t0)
             src_hi.append(hi - t0)
             dst_lo.append(lo - start[rows])
-        k = len(tile)
-        # rows alike (one unit, one overlap with it) a group at a time; the others pair by pair
-        cut = _alike_windows(out, at, rows, keys, src_lo, src_hi, dst_lo, units, base, slots)
+        # rows alike (one unit, one overlap with it) a group at a time; the others pair by
+        # pair. Along an unpatched axis every row of the piece takes the same part of the tile
+        part: list[Any] = [None] * k
+        place: list[Any] = [None] * k
+        for f in range(k):
+            if f not in patched:
+                s0, s1, d0 = int(src_lo[f][0]), int(src_hi[f][0]), int(dst_lo[f][0])
+                part[f], place[f] = slice(s0, s1), slice(d0, d0 + s1 - s0)
+        layout = layout or _layout(part, place)
+        lo_hi = [(src_lo[f], src_hi[f], dst_lo[f]) for f in patched]
+        cut = _gather_alike(out, at, rows, keys, lo_hi, part, place, [], base, slots, layout)
         if not len(cut):
             continue
         s_lo, s_hi, d_lo = ([a[cut].tolist() for a in part] for part in (src_lo, src_hi, dst_lo))
@@ -121,49 +132,6 @@ def _alike(
         key, *shape = ordered[lo].tolist()
         groups.append((order[lo:hi], key, shape[:k], shape[k:]))
     return groups, np.sort(order[np.repeat(~big, sizes)])
-
-
-def _alike_windows(
-    out: np.ndarray,
-    within: np.ndarray,
-    rows: np.ndarray,
-    keys: np.ndarray,
-    src_lo: list[np.ndarray],
-    src_hi: list[np.ndarray],
-    dst_lo: list[np.ndarray],
-    units: WindowUnits,
-    base: ArrayGeometry,
-    slots: Mapping[tuple[str, int], np.ndarray],
-) -> np.ndarray:
-    """The rows of a piece that read one unit alike — the same overlap with the tile along
-    every patched axis (a window wholly in it, or cut by its edge at the same place) —
-    :data:`ALIKE_ROWS` or more at a time: per such group, one index of the slot's sliding
-    windows (a view) of the overlap's shape takes every row's part, and one assignment puts
-    them in the batch. The positions (in ``rows``) of the rows in smaller groups, left to copy
-    one by one."""
-    k = len(src_lo)
-    patched = [f for f in range(k) if units.patched(f)]
-    others = [f for f in range(k) if not units.patched(f)]
-    # the index gives (rows, *other axes, *window axes): back to the field's order
-    perm = (0, *(1 + (others + patched).index(f) for f in range(k)))
-    # along an unpatched axis every row of the piece takes the same part of the tile
-    s_part = [slice(None) if f in patched else slice(int(src_lo[f][0]), int(src_hi[f][0]))
-              for f in range(k)]  # fmt: skip
-    d_part = [slice(None) if f in patched else slice(int(dst_lo[f][0]),
-              int(dst_lo[f][0] + src_hi[f][0] - src_lo[f][0])) for f in range(k)]  # fmt: skip
-    axes = tuple(1 + f for f in patched)
-    lengths = [src_hi[f] - src_lo[f] for f in patched]
-    groups, alone = _alike(keys, lengths, [dst_lo[f] for f in patched])
-    for pick, key, extent, place in groups:
-        slot = slots[(base.path, key)][(slice(None), *s_part)]
-        windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
-        index = [src_lo[f][pick] if f in patched else slice(None) for f in range(k)]
-        box = list(d_part)
-        for f, e, d in zip(patched, extent, place, strict=True):
-            box[f] = slice(d, d + e)
-        values = windows[(within[rows[pick]], *index)]
-        out[(rows[pick], *box)] = values.transpose(perm)
-    return alone
 
 
 def _select_windows(
@@ -238,7 +206,7 @@ def _copy_piece(
 ) -> None:
     """One piece of :func:`_select_windows`: ``src``/``dst`` hold the piece's parts, ``None``
     along patched axes, filled per row with the window's overlap with the row's tile (rows
-    alike a group at a time: :func:`_alike_selected`)."""
+    alike a group at a time: :func:`_gather_alike`)."""
     keys = chunk[rows] * base.n_tiles + units.tile_index(tile, len(rows))
     per_row = [f for f, part in enumerate(src) if part is None]
     lo_hi = []
@@ -249,7 +217,7 @@ def _copy_piece(
         lo_hi.append((lo - t0, hi - t0, lo - start))
     at_dst = [i for i, part in enumerate(dst) if part is None]
     # rows alike (one unit, one overlap with it) a group at a time; the others pair by pair
-    cut = _alike_selected(out, within, rows, keys, lo_hi, src, dst, takes, base, slots)
+    cut = _gather_alike(out, within, rows, keys, lo_hi, src, dst, takes, base, slots)
     if not len(cut):
         return
     lo_hi = [tuple(a[cut].tolist() for a in part) for part in lo_hi]
@@ -274,7 +242,24 @@ def _copy_piece(
         dst[d] = None
 
 
-def _alike_selected(
+_Layout = tuple[list[int], tuple[int, ...], tuple[int, ...], list[int], bool, int]
+
+
+def _layout(src: list[Any], dst: list[Any]) -> _Layout:
+    """What :func:`_gather_alike` works out of a piece's parts (``src``/``dst``, as it takes
+    them): the patched axes among the kept ones, the permutation that puts a gathered group's
+    axes back in the field's order, the sliding windows' axes, the patched axes' places in
+    ``dst``, whether a listed axis makes an open mesh, and how many axes are kept."""
+    kept = [f for f, part in enumerate(src) if not isinstance(part, int)]  # an int drops it
+    patched = [kept.index(f) for f, part in enumerate(src) if part is None]
+    others = [i for i in range(len(kept)) if i not in patched]
+    perm = (0, *(1 + (others + patched).index(i) for i in range(len(kept))))
+    at_dst = [i for i, part in enumerate(dst) if part is None]
+    mesh = any(isinstance(part, np.ndarray) for part in dst)
+    return patched, perm, tuple(1 + i for i in patched), at_dst, mesh, len(kept)
+
+
+def _gather_alike(
     out: np.ndarray,
     within: np.ndarray,
     rows: np.ndarray,
@@ -285,26 +270,29 @@ def _alike_selected(
     takes: list[tuple[int, np.ndarray]],
     base: ArrayGeometry,
     slots: Mapping[tuple[str, int], np.ndarray],
+    layout: _Layout | None = None,
 ) -> np.ndarray:
-    """:func:`_alike_windows` for a selected piece (``lo_hi``: per patched axis, each row's
-    rectangle in the tile and its place in the window): per group, one index of the selected
-    slot's sliding windows, the listed axes' takes on what it took, and one assignment into
-    the batch. The positions of the rows left to copy one by one."""
-    kept = [f for f, part in enumerate(src) if not isinstance(part, int)]  # an int drops it
-    patched = [kept.index(f) for f, part in enumerate(src) if part is None]
-    others = [i for i in range(len(kept)) if i not in patched]
-    perm = (0, *(1 + (others + patched).index(i) for i in range(len(kept))))
+    """The rows of a piece that read one unit alike — the same overlap with the tile along
+    every patched axis (a window wholly in it, or cut by its edge at the same place) —
+    :data:`ALIKE_ROWS` or more at a time. ``src``/``dst``: the piece's part of the tile and
+    its place in the row along each field axis (``None`` along the patched axes; an int drops
+    an axis, a list is taken by ``takes``), ``lo_hi``: per patched axis each row's rectangle
+    in the tile and its place in the window. Per group, one index of the (selected) slot's
+    sliding windows (a view) of the rectangle's shape takes every row's part, the listed axes'
+    takes are applied to what it took, and one assignment puts them in the batch. The
+    positions (in ``rows``) of the rows in smaller groups, left to copy one by one.
+    ``layout``: :func:`_layout` of the parts, where the caller has it already."""
+    patched, perm, axes, at_dst, mesh, n_kept = layout or _layout(src, dst)
     cut = tuple(slice(None) if part is None else part for part in src)
-    at_dst = [i for i, part in enumerate(dst) if part is None]
-    mesh = any(isinstance(part, np.ndarray) for part in dst)
-    axes = tuple(1 + i for i in patched)
     lengths = [hi - lo for lo, hi, _ in lo_hi]
     groups, alone = _alike(keys, lengths, [place for _, _, place in lo_hi])
+    # per kept axis: each row's start in the tile (a patched axis), or None (the whole part)
+    starts = [lo_hi[patched.index(i)][0] if i in patched else None for i in range(n_kept)]
+    whole = slice(None)
     for pick, key, extent, place in groups:
-        slot = slots[(base.path, key)][(slice(None), *cut)]
+        slot = slots[(base.path, key)][(whole, *cut)]
         windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
-        index = [lo_hi[patched.index(i)][0][pick] if i in patched else slice(None)
-                 for i in range(len(kept))]  # fmt: skip
+        index = [whole if lo is None else lo[pick] for lo in starts]
         values = windows[(within[rows[pick]], *index)].transpose(perm)
         for axis, idx in takes:
             values = np.take(values, idx, axis=1 + axis)

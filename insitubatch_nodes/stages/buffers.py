@@ -130,6 +130,12 @@ class BatchBuffers:
 
         threading.Thread(target=run, name="insitu-buffer-reserve", daemon=True).start()
 
+    def release_idle(self) -> None:
+        """Drop every label's idle buffers (:meth:`BufferPool.release_idle
+        <insitubatch_nodes.lending.BufferPool.release_idle>`; those lent out stay)."""
+        for pool in self._pools.values():
+            pool.release_idle()
+
     @property
     def allocations(self) -> int:
         """Buffers allocated so far (stays flat in steady state)."""

@@ -524,6 +524,15 @@ class GatherNode(BaseNode[Batch]):
         """Release what the graph's stages hold (the context's close)."""
         self.context.close()
 
+    def release_idle(self) -> None:
+        """Drop the idle batch buffers and the idle buffers of the batch transforms that lend
+        their own (``release_idle``: static cuts, forcings); those lent out stay."""
+        self.buffers.release_idle()
+        for transform in self.batch_transforms:
+            release = getattr(transform, "release_idle", None)
+            if release is not None:
+                release()
+
     @property
     def buffer_allocations(self) -> int:
         """Batch buffers allocated so far (stays flat in steady state)."""
