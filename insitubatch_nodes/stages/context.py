@@ -111,11 +111,19 @@ class StageContext:
         already transformed ones. ``options`` (default ``FetchOptions()``) are the fetch and
         prefetch stages' settings.
 
-        Raises ``ValueError`` when a view fits neither its stored array nor what the
+        Raises ``TypeError`` when ``plan``, ``pool`` or ``options`` is not one, and
+        ``ValueError`` when a view fits neither its stored array nor what the
         transforms make of it, when an array read through patched views has chunk transforms
         or ``pool`` keeps a persistent cache, and when one batch of ``batch_size`` samples
         cannot fit in this machine's memory.
         """
+        if not isinstance(plan, ReadPlanNode):
+            raise TypeError(f"plan must be the graph's ReadPlanNode, got {plan!r}")
+        if not isinstance(pool, ChunkPool):
+            raise TypeError(
+                f"pool must be a ChunkPool (insitubatch_nodes.pool.ChunkPool(None): an automatic "
+                f"budget), got {pool!r}"
+            )
         options = FetchOptions() if options is None else options
         if not isinstance(options, FetchOptions):
             raise TypeError(f"options must be a FetchOptions, got {options!r}")

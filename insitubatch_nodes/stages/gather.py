@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -38,6 +38,7 @@ from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, sour
 from insitubatch_nodes.stages._ranges import ranged
 from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
+from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
 from insitubatch_nodes.static import StaticFields
@@ -238,6 +239,8 @@ class GatherNode(BaseNode[Batch]):
     their array.
     """
 
+    STAGE: ClassVar[int] = 3  # its place in a graph (stages/_wiring.py)
+
     def __init__(
         self,
         source: BaseNode[ResidentBatch],
@@ -246,6 +249,7 @@ class GatherNode(BaseNode[Batch]):
         batch_transforms: Sequence[BatchTransform] = (),
         coords: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
+        context = check_wiring(self.STAGE, source, context)
         super().__init__()
         self.source = source
         self.context = context
@@ -268,6 +272,7 @@ class GatherNode(BaseNode[Batch]):
         self.recorder = context.recorder
         if self.recorder.enabled:
             self.recorder.batch_transforms = len(self.batch_transforms)
+        claim(self, source)
 
     def _size(self, rows: int) -> None:
         """Batch buffers of ``rows`` rows, and scratch and coordinates to match the views."""

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -29,6 +29,7 @@ from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.slots import PENDING, READY, ChunkEntry
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
 from insitubatch_nodes.stages._ranges import profile_range
+from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
@@ -71,7 +72,10 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     so closing or interrupting the graph reaches this stage).
     """
 
+    STAGE: ClassVar[int] = 2  # its place in a graph (stages/_wiring.py)
+
     def __init__(self, source: BaseNode[Any], *, context: StageContext) -> None:
+        context = check_wiring(self.STAGE, source, context)
         super().__init__()
         self.source = source
         self.context = context
@@ -79,6 +83,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         self._held: AdmittedBatch | None = None
         self._interrupt: Future[None] = Future()
         context.join(self)
+        claim(self, source)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
