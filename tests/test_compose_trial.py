@@ -21,14 +21,16 @@ import torch
 import zarr
 from torchdata.nodes import (
     BaseNode,
+    Batcher,
     Mapper,
     MultiNodeWeightedSampler,
     Prefetcher,
+    Unbatcher,
 )
 
 from insitubatch_nodes import Loader, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.options import FetchOptions
-from insitubatch_nodes.plan import PlanConfig
+from insitubatch_nodes.plan import PlanConfig, choose_schedule, schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages import (
     AsyncChunkFetchNode,
@@ -223,3 +225,45 @@ def test_two_hand_built_graphs_mixed_by_torchdata_resume_bit_exact_in_fresh_grap
     assert got == expected and len(got) > 20
     for root in roots + roots2:
         root.close()
+
+
+def _tight(path: Path, between: Any, at: str) -> PrefetcherNode[Any]:
+    """A graph over ``path`` at its budget floor, ``between(node)`` placed over the ``at``
+    stage (``"fetch"`` or ``"resident"``)."""
+    store, plan = _plan(path, batch_size=4)
+    config = plan.plan_config.replace(block_chunks=1)
+    floors = schedule_floors(plan.manifest, plan.views, config)
+    schedule = choose_schedule(plan.manifest, plan.views, floors.bounded, config)
+    plan = ReadPlanNode(plan.manifest, plan.views, schedule=schedule, config=config)
+    ctx = StageContext.create(plan, ChunkPool(floors.bounded), options=FetchOptions(direct=False))
+    fetch: BaseNode[Any] = AsyncChunkFetchNode(plan, store, context=ctx)
+    resident: BaseNode[Any] = ChunkPoolNode(between(fetch) if at == "fetch" else fetch, context=ctx)
+    gather = GatherNode(between(resident) if at == "resident" else resident, context=ctx)
+    return PrefetcherNode(gather, context=ctx)
+
+
+def test_a_node_that_pulls_ahead_between_residency_and_gather_is_refused_not_read_stale(
+    stores: dict[str, Path],
+) -> None:
+    # before: such a graph ran, its batches read slots the residency stage had released when
+    # the node pulled the next batch (the trial, 128 steps at the budget floor: 33 of 60
+    # batches held other chunks' rows behind a Batcher(20), 1 in 96 behind a Prefetcher(4))
+    oracle = zarr.open_array(stores["long"], path="t2m", mode="r")[...]
+    for between in (lambda n: Unbatcher(Batcher(n, 20)), lambda n: Prefetcher(n, 4)):
+        root = _tight(stores["long"], between, "resident")
+        with root, pytest.raises(RuntimeError, match=r"(?s)released before the GatherNode.*Mapper"):
+            for batch in Loader(root):  # any batch delivered is right
+                assert np.array_equal(batch["x"], oracle[batch.sample_indices["x"]])
+    root = _tight(stores["long"], lambda n: Mapper(n, lambda item: item), "resident")
+    with root:  # one item at a time: fine
+        assert sum(len(b) for b in Loader(root)) == 127
+
+
+def test_a_node_holding_fetched_batches_past_the_budget_says_so_instead_of_reporting_a_bug(
+    stores: dict[str, Path],
+) -> None:
+    # before: "... no room for the chunks of batch 10 even after releasing everything older;
+    # this is a bug in insitubatch_nodes, please report it"
+    root = _tight(stores["long"], lambda n: Unbatcher(Batcher(n, 20)), "fetch")
+    with root, pytest.raises(RuntimeError, match=r"(?s)not released yet.*Batcher.*budget"):
+        list(Loader(root))

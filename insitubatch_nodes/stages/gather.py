@@ -411,6 +411,14 @@ class GatherNode(BaseNode[Batch]):
                     f"{resident.direct.get(label, 0)} decoded in place, of {n}; this is a bug "
                     "in insitubatch_nodes, please report it"
                 )
+        if resident.lease.over:  # its slots were released (and may hold others) while copied
+            raise RuntimeError(
+                f"batch {plan.index}'s chunks were released before the GatherNode had gathered "
+                "it: a node between the ChunkPoolNode and the GatherNode pulled the next batch "
+                "ahead (a torchdata Batcher, Prefetcher or ParallelMapper with workers). Only "
+                "nodes that pass one item at a time (a Mapper) may sit there: place the others "
+                "above the GatherNode (between it and the PrefetcherNode)"
+            )
         samples = self._per_label(plan.sample_indices, stack=True)
         virtual = dict(samples)  # (a collection's coordinates lie along its virtual axis)
         origins = self._per_label(plan.patch_origins, stack=False)

@@ -32,7 +32,7 @@ from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 
-__all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
+__all__ = ["ChunkPoolNode", "Lease", "PipelineInterrupted", "ResidentBatch"]
 
 
 class AdmittedBatch(Protocol):
@@ -49,18 +49,31 @@ class AdmittedBatch(Protocol):
     def release(self) -> Callable[[], None]: ...
 
 
+class Lease:
+    """Whether a :class:`ResidentBatch`'s chunks are still pinned for it: ``over`` once the
+    residency stage released them, when the batch after it was pulled."""
+
+    __slots__ = ("over",)
+
+    def __init__(self) -> None:
+        self.over = False
+
+
 @dataclass(frozen=True, eq=False)
 class ResidentBatch:
     """A batch plan whose chunks are all resident: ``slots[(path, chunk)]`` is sample-first.
 
     ``arrays`` (or ``None``) are the batch's arrays when the fetch stage decoded rows straight
     into them: ``direct[label]`` rows of each label are there already, the others come from
-    ``slots``."""
+    ``slots``. ``slots`` are valid while ``lease.over`` is false: until the next batch is
+    pulled from the residency stage (so a node that pulls ahead must not sit between it and
+    the stage that reads the slots; the :class:`GatherNode` refuses a batch gathered late)."""
 
     plan: BatchPlan
     slots: Mapping[ChunkKey, np.ndarray]
     arrays: Mapping[str, np.ndarray] | None = None
     direct: Mapping[str, int] = field(default_factory=dict)
+    lease: Lease = field(default_factory=Lease)
 
 
 class ChunkPoolNode(BaseNode[ResidentBatch]):
@@ -81,6 +94,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
         self.context = context
         self.recorder = context.recorder
         self._held: AdmittedBatch | None = None
+        self._lease = Lease()
         self._interrupt: Future[None] = Future()
         context.join(self)
         claim(self, source)
@@ -115,12 +129,13 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
                 entry.ready.result()
             slots[key] = entry.slot
         rec.add("chunk_wait_s", time.perf_counter() - t0, start=t0, batch=item.plan.index)
-        self._held = item
+        self._held, self._lease = item, Lease()
         return ResidentBatch(
             plan=item.plan,
             slots=slots,
             arrays=getattr(item, "arrays", None),
             direct=getattr(item, "direct", {}),
+            lease=self._lease,
         )
 
     def get_state(self) -> dict[str, Any]:
@@ -147,6 +162,7 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     def _release_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
+            self._lease.over = True  # (before the pins go: a gather that sees it false is done)
             held.release()
 
     def _wait(self, done: Future[None]) -> None:
