@@ -267,3 +267,19 @@ def test_a_node_holding_fetched_batches_past_the_budget_says_so_instead_of_repor
     root = _tight(stores["long"], lambda n: Unbatcher(Batcher(n, 20)), "fetch")
     with root, pytest.raises(RuntimeError, match=r"(?s)not released yet.*Batcher.*budget"):
         list(Loader(root))
+
+
+def test_a_state_saved_by_a_graph_of_another_shape_is_refused_saying_to_build_the_same_graph(
+    stores: dict[str, Path],
+) -> None:
+    # before: KeyError: 'source' from inside the PrefetcherNode's reset
+    saved = Loader(Mapper(_graph(stores["a"]), lambda b: b))
+    it = iter(saved)
+    next(it)
+    state = saved.state_dict()  # root: the Mapper's state, {"it_state": ...}
+    saved.root.source.close()  # type: ignore[attr-defined]
+    root = _graph(stores["a"])
+    loader = Loader(root)
+    loader.load_state_dict(state)
+    with root, pytest.raises(ValueError, match=r"(?s)'it_state'.*graph built as the one"):
+        next(iter(loader))
