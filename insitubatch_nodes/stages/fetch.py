@@ -79,7 +79,12 @@ from insitubatch_nodes.stages._admit import (
 )
 from insitubatch_nodes.stages._fill import FillRunner
 from insitubatch_nodes.stages._get import GetQueue, cancel_all_at_exit
-from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages._graph import (
+    SOURCE_KEY,
+    plan_state,
+    source_start_state,
+    source_state,
+)
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, KeepingDecoder, SlotLayout
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages._wiring import check_wiring, claim
@@ -284,7 +289,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         started = time.perf_counter()
         index = -1
         try:
-            admission = self._admission or self._start_admission()  # (after a close: go on)
+            admission = self._admission or self._go_on()
             with profile_range("insitu.admit"):
                 got = admission.next_batch()
             if got is None:
@@ -296,13 +301,24 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             rec = self.recorder
             rec.add("admit_s", time.perf_counter() - started, start=started, batch=index)
 
+    def _go_on(self) -> Admission:
+        """After a close with no reset since: the closed run's plans pulled ahead are gone, so
+        the source goes back to the last batch handed downstream and a new run starts after it
+        (``StopIteration`` when that batch ended its epoch). A root ``PrefetcherNode`` resets
+        the graph to its delivered position instead, before this is ever reached."""
+        plan, last = self.context.plan, plan_state(self._last_state or {})
+        if int(last["epoch"]) == plan.epoch and int(last["batches_emitted"]) >= plan.current_len:
+            raise StopIteration
+        self.source.reset(self._last_state)
+        return self._start_admission()
+
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release what the graph's stages hold (the context's close): this node's pins and
-        fills, and with a ``cache_dir`` the directory and its lock (resident chunks are
-        dropped; iterating again takes it back). Returns within a few seconds whatever the
-        store does."""
-        self.context.close()
+        """Close the graph, as ``close()`` on its root does (:meth:`StageContext.close_graph`):
+        this node's pins and fills, and with a ``cache_dir`` the directory and its lock
+        (resident chunks are dropped; iterating again takes it back). Returns within a few
+        seconds whatever the store does."""
+        self.context.close_graph()
 
     def release(self) -> None:
         """Drop this node's pins, cancel the fills nobody else pins, let go of the cache

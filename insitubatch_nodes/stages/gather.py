@@ -28,6 +28,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
+from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.forcing_grid import refuse_forcings_elsewhere
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -411,6 +412,8 @@ class GatherNode(BaseNode[Batch]):
                     f"{resident.direct.get(label, 0)} decoded in place, of {n}; this is a bug "
                     "in insitubatch_nodes, please report it"
                 )
+        if resident.lease.closed:  # the graph was closed while this batch was gathered
+            raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
         if resident.lease.over:  # its slots were released (and may hold others) while copied
             raise RuntimeError(
                 f"batch {plan.index}'s chunks were released before the GatherNode had gathered "
@@ -534,8 +537,8 @@ class GatherNode(BaseNode[Batch]):
         )
 
     def close(self) -> None:
-        """Release what the graph's stages hold (the context's close)."""
-        self.context.close()
+        """Close the graph, as ``close()`` on its root does (:meth:`StageContext.close_graph`)."""
+        self.context.close_graph()
 
     @property
     def buffer_allocations(self) -> int:

@@ -203,6 +203,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         # buffers in flight at once are the consumer's, the queue's and the one being filled.
         context.buffers.reserve(self.prefetch_depth + 2)
         claim(self, source)
+        context.set_root(self)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:

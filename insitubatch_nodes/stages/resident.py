@@ -51,12 +51,13 @@ class AdmittedBatch(Protocol):
 
 class Lease:
     """Whether a :class:`ResidentBatch`'s chunks are still pinned for it: ``over`` once the
-    residency stage released them, when the batch after it was pulled."""
+    residency stage released them, when the batch after it was pulled or (``closed``) when the
+    graph was closed."""
 
-    __slots__ = ("over",)
+    __slots__ = ("closed", "over")
 
     def __init__(self) -> None:
-        self.over = False
+        self.over = self.closed = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -152,11 +153,12 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
             interrupt.set_result(None)
 
     def close(self) -> None:
-        """Release this graph's pins and cancel its in-flight fetches (the context's close)."""
-        self.context.close()
+        """Close the graph, as ``close()`` on its root does (:meth:`StageContext.close_graph`)."""
+        self.context.close_graph()
 
     def release(self) -> None:
         """Hand back the batch last passed downstream (its pins go with it)."""
+        self._lease.closed = True
         self._release_held()
 
     def _release_held(self) -> None:
