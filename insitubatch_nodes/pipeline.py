@@ -669,7 +669,8 @@ def _compose_stages(
         )
         # what the stages share (views, buffers, recorder, ...): one context, handed to each
         context = StageContext.create(plan, pool, options=options, chunk_transforms=transforms)
-        fetch = AsyncChunkFetchNode(plan, zstore, context=context)
+        # (the views were read from this store, or checked against it: _resolve_views)
+        fetch = AsyncChunkFetchNode(plan, zstore, context=context, check_arrays=False)
         resident = ChunkPoolNode(fetch, context=context)
         gather = GatherNode(
             resident, context=context, batch_transforms=batch_transforms, coords=carried

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from insitubatch_nodes._checks import check_optional_int
 from insitubatch_nodes.errors import CacheClosed, CacheMissError, CorruptCacheError, FillCancelled
 from insitubatch_nodes.slots import (
     FAILED,
@@ -106,8 +107,9 @@ class ChunkPool:
     """Chunk residency under a byte budget (thread-safe).
 
     ``budget_bytes=None`` means *automatic*: the pipeline sets it to the working-set floor of
-    each epoch (:func:`working_set_bytes`). An explicit budget (a positive integer, trusted:
-    checked where it was made, as ``CacheOptions.budget_bytes``) below an epoch's floor raises
+    each epoch (:func:`working_set_bytes`). An explicit budget must be a positive integer
+    (``TypeError`` / ``ValueError`` here otherwise, as for ``CacheOptions.budget_bytes``); one
+    below an epoch's floor raises
     ``ValueError`` naming the floor when that epoch starts (the builder checks epoch 0 up front).
     """
 
@@ -120,6 +122,7 @@ class ChunkPool:
     ):
         if backing is not None and cache is not None and not cache.persistent:
             raise ValueError("pass a backing or a spill cache_dir, not both")
+        budget_bytes = check_optional_int("budget_bytes", budget_bytes, minimum=1)
         self.auto = budget_bytes is None
         self.budget_bytes = budget_bytes or 0
         self.cache = cache

@@ -32,8 +32,10 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.cache.lock import LOCK_NAME
+from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import PipelineStages
 from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.schedule import choose_schedule
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER
 from insitubatch_nodes.stages import (
@@ -153,13 +155,25 @@ def test_every_stage_measures_into_the_contexts_recorder_and_none_measures_witho
         quiet.close()
 
 
+def _under_a_mapper(store: Path) -> tuple[PrefetcherNode[Any], ChunkPoolNode, ReadPlanNode]:
+    """The recipe's graph with a torchdata ``Mapper`` between the gather and prefetch stages:
+    ``(root, residency stage, read plan)``."""
+    views = _views(store)
+    manifest = split_by_chunk(views["x"].base, (0.8, 0.1, 0.1))
+    config = PlanConfig(batch_size=12, block_chunks=3, seed=7)
+    plan = ReadPlanNode(manifest, views, schedule=choose_schedule(manifest, views, None, config),
+                        config=config)  # fmt: skip
+    context = StageContext.create(plan, ChunkPool(None), options=FetchOptions(max_inflight=8))
+    resident = ChunkPoolNode(AsyncChunkFetchNode(plan, open_store(store), context=context),
+                             context=context)  # fmt: skip
+    gather = GatherNode(resident, context=context)
+    return PrefetcherNode(Mapper(gather, lambda batch: batch), context=context), resident, plan
+
+
 def test_a_torchdata_node_between_two_stages_keeps_the_report_close_and_interrupt(
     store: Path,
 ) -> None:
-    stages = _hand(store)
-    hand, gather, resident = stages.prefetch, stages.gather, stages.resident
-    between = Mapper(gather, lambda batch: batch)
-    root: PrefetcherNode[Any] = PrefetcherNode(between, context=hand.context)
+    root, resident, plan = _under_a_mapper(store)
     woken = threading.Event()
     original = resident.interrupt
 
@@ -171,16 +185,15 @@ def test_a_torchdata_node_between_two_stages_keeps_the_report_close_and_interrup
     try:
         records = [_record(b) for b in Loader(root)]
         assert records and root.report() is not None and root.report().batches == len(records)
-        assert len(root) == len(records)
+        assert len(root) == len(records) == len(plan)
         it = iter(Loader(root))
         next(it)  # mid-epoch: the prefetch thread is running when close() comes
         assert not woken.is_set()
     finally:
         root.close()
     assert woken.is_set()  # close interrupted the pool stage through the Mapper
-    fetch = stages.fetch
+    fetch = resident.source
     assert fetch.pinned == 0 and fetch.pool.pinned_count() == 0 and not root.threads
-    hand.close()
 
 
 def test_closing_a_hand_built_graph_lets_go_of_its_cache_directory(
@@ -215,15 +228,11 @@ def test_as_dataset_takes_any_root_stage_of_a_graph_made_with_a_stage_context(
 ) -> None:
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    stages = _hand(store)
-    hand = stages.prefetch
-    root: PrefetcherNode[Any] = PrefetcherNode(
-        Mapper(stages.gather, lambda b: b), context=hand.context
-    )
+    root, _, plan = _under_a_mapper(store)
     try:
         dataset = as_dataset(root, transform=rh.indexed_transform)
         dl = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
-        assert len(dataset) == len(hand)
+        assert len(dataset) == len(plan)
         it = iter(dl)
         first = [rh.record_item(next(it)) for _ in range(3)]
         state = dl.state_dict()
@@ -236,7 +245,6 @@ def test_as_dataset_takes_any_root_stage_of_a_graph_made_with_a_stage_context(
         assert rh.record_item(next(iter(resumed))) == after
     finally:
         root.close()
-        hand.close()
     with pytest.raises(TypeError, match="ReadPlanNode"):
         as_dataset(IterableWrapper(range(3)))  # type: ignore[arg-type]
 

@@ -239,6 +239,7 @@ class Admission:
         self.groups: list[PlanGroup] = []
         self.exhausted = False
         self.closed = False
+        self.lent: set[int] = set()  # batches handed downstream whose release() is not called
 
     # -- the consumer's side -------------------------------------------------------------------
     def next_batch(self) -> tuple[FetchedBatch, dict[str, Any]] | None:
@@ -253,6 +254,7 @@ class Admission:
         self.ahead_bytes -= head.ahead_bytes
         entries = self._entries_read(head.plan, head.in_place)
         self.admit_ahead()
+        self.lent.add(head.plan.index)
         batch = FetchedBatch(
             plan=head.plan,
             entries=entries,
@@ -275,6 +277,15 @@ class Admission:
                 raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
             if self._admit(head):
                 return
+        if self.lent:
+            raise RuntimeError(
+                f"the chunk pool ({pool.budget_bytes:,} bytes) has no room for the chunks of "
+                f"batch {head.plan.index}: {len(self.lent)} batches the fetch stage handed on are "
+                "not released yet, so a node between the AsyncChunkFetchNode and the "
+                "ChunkPoolNode holds batches (a torchdata Batcher, Prefetcher or ParallelMapper "
+                "with workers) and their pins; place it above the GatherNode, or raise the "
+                "pool's budget"
+            )
         raise RuntimeError(
             f"the chunk pool ({pool.budget_bytes:,} bytes) has no room for the chunks of batch "
             f"{head.plan.index} even after releasing everything older; this is a bug in "
@@ -287,6 +298,7 @@ class Admission:
         def release() -> None:
             admission = ref()
             if admission is not None:
+                admission.lent.discard(plan.index)
                 admission.release(plan)
 
         return release

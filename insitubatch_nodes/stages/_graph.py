@@ -19,8 +19,19 @@ it: renaming it breaks every saved state)."""
 
 
 def source_state(initial_state: Mapping[str, Any] | None) -> Any:
-    """The source's part of a stage's ``initial_state`` (``None`` starts a fresh epoch)."""
-    return None if initial_state is None else initial_state[SOURCE_KEY]
+    """The source's part of a stage's ``initial_state`` (``None`` starts a fresh epoch);
+    ``ValueError`` when it has none: a state saved by a graph of another shape."""
+    if initial_state is None:
+        return None
+    if not isinstance(initial_state, Mapping) or SOURCE_KEY not in initial_state:
+        keys = sorted(initial_state) if isinstance(initial_state, Mapping) else initial_state
+        raise ValueError(
+            f"this state does not fit this graph: a stage's state holds its source's under "
+            f"{SOURCE_KEY!r}, and this one has {keys!r} (saved by a graph with other nodes "
+            "between or above its stages?). Restore a state into a graph built as the one that "
+            "saved it, with the same torchdata nodes in the same places"
+        )
+    return initial_state[SOURCE_KEY]
 
 
 def source_start_state(source: Any, epoch: int) -> dict[str, Any] | None:

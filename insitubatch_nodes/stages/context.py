@@ -25,10 +25,11 @@ plain ``torchdata`` node (a ``Mapper``, a ``Batcher``) sits between two stages.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Protocol
+from typing import Any, Protocol
 
 from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -93,6 +94,7 @@ class StageContext:
     buffers: BatchBuffers
     held: Mapping[str, Held] = field(default_factory=dict)
     _members: list[Member] = field(default_factory=list, repr=False)
+    _root: list[weakref.ref[Any]] = field(default_factory=list, repr=False)
 
     @classmethod
     def create(
@@ -111,11 +113,19 @@ class StageContext:
         already transformed ones. ``options`` (default ``FetchOptions()``) are the fetch and
         prefetch stages' settings.
 
-        Raises ``ValueError`` when a view fits neither its stored array nor what the
+        Raises ``TypeError`` when ``plan``, ``pool`` or ``options`` is not one, and
+        ``ValueError`` when a view fits neither its stored array nor what the
         transforms make of it, when an array read through patched views has chunk transforms
         or ``pool`` keeps a persistent cache, and when one batch of ``batch_size`` samples
         cannot fit in this machine's memory.
         """
+        if not isinstance(plan, ReadPlanNode):
+            raise TypeError(f"plan must be the graph's ReadPlanNode, got {plan!r}")
+        if not isinstance(pool, ChunkPool):
+            raise TypeError(
+                f"pool must be a ChunkPool (insitubatch_nodes.pool.ChunkPool(None): an automatic "
+                f"budget), got {pool!r}"
+            )
         options = FetchOptions() if options is None else options
         if not isinstance(options, FetchOptions):
             raise TypeError(f"options must be a FetchOptions, got {options!r}")
@@ -190,6 +200,21 @@ class StageContext:
         """Register ``stage`` (at its construction): :meth:`close` and :meth:`interrupt` reach
         it from then on."""
         self._members.append(stage)
+
+    def set_root(self, root: Any) -> None:
+        """Register ``root`` (a ``PrefetcherNode``, at its construction): :meth:`close_graph`
+        closes the graph through it from then on."""
+        self._root[:] = [weakref.ref(root)]
+
+    def close_graph(self) -> None:
+        """What ``close()`` on any stage does: the root's ``close()`` where the graph has a
+        root ``PrefetcherNode`` (its thread stopped first, its delivered position kept, so a
+        later ``next()`` on it goes on from there), else :meth:`close`."""
+        root = self._root[0]() if self._root else None
+        if root is not None:
+            root.close()
+        else:
+            self.close()
 
     def close(self) -> None:
         """Release what every registered stage holds, the last built first (top-down: the

@@ -56,13 +56,15 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, ClassVar
 
 from torchdata.nodes import BaseNode
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _process, _runtime
 from insitubatch_nodes.io import objects
+from insitubatch_nodes.io.arrays import check_arrays_in_store
+from insitubatch_nodes.io.collection_checks import check_collection_in_store
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.routing import RoutingStore
@@ -77,9 +79,15 @@ from insitubatch_nodes.stages._admit import (
 )
 from insitubatch_nodes.stages._fill import FillRunner
 from insitubatch_nodes.stages._get import GetQueue, cancel_all_at_exit
-from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages._graph import (
+    SOURCE_KEY,
+    plan_state,
+    source_start_state,
+    source_state,
+)
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, KeepingDecoder, SlotLayout
 from insitubatch_nodes.stages._ranges import profile_range
+from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["AsyncChunkFetchNode"]
@@ -97,7 +105,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     decode-pool thread (:mod:`~insitubatch_nodes.io.localfiles`; no deadline applies there).
     Every GET fails with ``TimeoutError`` after ``retry.timeout_s`` (the options' ``retry``; by
     default the policy the store was opened with, see
-    :func:`~insitubatch_nodes.io.stores.retry_policy`).
+    :func:`~insitubatch_nodes.io.stores.retry_policy`). With ``check_arrays`` (the default) the
+    store is checked to hold the context's arrays with their geometry, as the builder checks it
+    (one metadata read per array; ``ValueError`` / ``FileNotFoundError`` naming the array and
+    the store otherwise); the builder, having checked, passes ``False``.
+
+    ``source`` must be the context's read plan (or a node over it); a graph wired wrong is
+    refused here (:mod:`~insitubatch_nodes.stages._wiring`).
 
     Everything else is the ``context``'s: the arrays (its plan's), the pool, the chunk
     transforms (they run on the decode threads on every chunk this node decodes, once all of
@@ -114,17 +128,30 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     chunk transforms are not bad chunks: they always reach the consumer.
     """
 
+    STAGE: ClassVar[int] = 1  # its place in a graph (stages/_wiring.py)
+
     def __init__(
-        self, source: BaseNode[BatchPlan], store: StoreLike, *, context: StageContext
+        self,
+        source: BaseNode[BatchPlan],
+        store: StoreLike,
+        *,
+        context: StageContext,
+        check_arrays: bool = True,
     ) -> None:
+        context = check_wiring(self.STAGE, source, context)
         super().__init__()
         options = context.options
         self.source = source
         # a path or URL is opened as the builder opens it (read-only), here, not at a first read
         self.store = store = as_store(store)
+        self.geoms = context.geoms
+        if check_arrays:  # what insitu_pipeline checks before it builds the stages
+            check_arrays_in_store(store, {p: g for p, g in self.geoms.items() if g.members is None})
+            for geom in self.geoms.values():
+                if geom.members is not None:
+                    check_collection_in_store(store, geom)
         self.context = context
         self.pool = context.pool
-        self.geoms = context.geoms
         self.transforms = context.transforms
         self.patched = context.patched
         self.slot_geoms = context.slot_geoms
@@ -192,6 +219,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         _runtime.stop_at_exit("fetch", self, cancel_all_at_exit)
         context.join(self)
         self._prepare_pool()
+        claim(self, source)
 
     def _layout(self, path: str) -> SlotLayout:
         """How this node requests the slots of ``path``. Arrays stored one level per object
@@ -261,7 +289,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         started = time.perf_counter()
         index = -1
         try:
-            admission = self._admission or self._start_admission()  # (after a close: go on)
+            admission = self._admission or self._go_on()
             with profile_range("insitu.admit"):
                 got = admission.next_batch()
             if got is None:
@@ -273,13 +301,24 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             rec = self.recorder
             rec.add("admit_s", time.perf_counter() - started, start=started, batch=index)
 
+    def _go_on(self) -> Admission:
+        """After a close with no reset since: the closed run's plans pulled ahead are gone, so
+        the source goes back to the last batch handed downstream and a new run starts after it
+        (``StopIteration`` when that batch ended its epoch). A root ``PrefetcherNode`` resets
+        the graph to its delivered position instead, before this is ever reached."""
+        plan, last = self.context.plan, plan_state(self._last_state or {})
+        if int(last["epoch"]) == plan.epoch and int(last["batches_emitted"]) >= plan.current_len:
+            raise StopIteration
+        self.source.reset(self._last_state)
+        return self._start_admission()
+
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Release what the graph's stages hold (the context's close): this node's pins and
-        fills, and with a ``cache_dir`` the directory and its lock (resident chunks are
-        dropped; iterating again takes it back). Returns within a few seconds whatever the
-        store does."""
-        self.context.close()
+        """Close the graph, as ``close()`` on its root does (:meth:`StageContext.close_graph`):
+        this node's pins and fills, and with a ``cache_dir`` the directory and its lock
+        (resident chunks are dropped; iterating again takes it back). Returns within a few
+        seconds whatever the store does."""
+        self.context.close_graph()
 
     def release(self) -> None:
         """Drop this node's pins, cancel the fills nobody else pins, let go of the cache

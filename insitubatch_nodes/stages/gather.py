@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -28,6 +28,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
+from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.forcing_grid import refuse_forcings_elsewhere
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -38,6 +39,7 @@ from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, sour
 from insitubatch_nodes.stages._ranges import ranged
 from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
+from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
 from insitubatch_nodes.static import StaticFields
@@ -238,6 +240,8 @@ class GatherNode(BaseNode[Batch]):
     their array.
     """
 
+    STAGE: ClassVar[int] = 3  # its place in a graph (stages/_wiring.py)
+
     def __init__(
         self,
         source: BaseNode[ResidentBatch],
@@ -246,6 +250,7 @@ class GatherNode(BaseNode[Batch]):
         batch_transforms: Sequence[BatchTransform] = (),
         coords: Mapping[str, Mapping[str, np.ndarray]] | None = None,
     ) -> None:
+        context = check_wiring(self.STAGE, source, context)
         super().__init__()
         self.source = source
         self.context = context
@@ -268,6 +273,7 @@ class GatherNode(BaseNode[Batch]):
         self.recorder = context.recorder
         if self.recorder.enabled:
             self.recorder.batch_transforms = len(self.batch_transforms)
+        claim(self, source)
 
     def _size(self, rows: int) -> None:
         """Batch buffers of ``rows`` rows, and scratch and coordinates to match the views."""
@@ -406,6 +412,16 @@ class GatherNode(BaseNode[Batch]):
                     f"{resident.direct.get(label, 0)} decoded in place, of {n}; this is a bug "
                     "in insitubatch_nodes, please report it"
                 )
+        if resident.lease.closed:  # the graph was closed while this batch was gathered
+            raise PipelineInterrupted("the pipeline is stopping; this batch was abandoned")
+        if resident.lease.over:  # its slots were released (and may hold others) while copied
+            raise RuntimeError(
+                f"batch {plan.index}'s chunks were released before the GatherNode had gathered "
+                "it: a node between the ChunkPoolNode and the GatherNode pulled the next batch "
+                "ahead (a torchdata Batcher, Prefetcher or ParallelMapper with workers). Only "
+                "nodes that pass one item at a time (a Mapper) may sit there: place the others "
+                "above the GatherNode (between it and the PrefetcherNode)"
+            )
         samples = self._per_label(plan.sample_indices, stack=True)
         virtual = dict(samples)  # (a collection's coordinates lie along its virtual axis)
         origins = self._per_label(plan.patch_origins, stack=False)
@@ -521,8 +537,8 @@ class GatherNode(BaseNode[Batch]):
         )
 
     def close(self) -> None:
-        """Release what the graph's stages hold (the context's close)."""
-        self.context.close()
+        """Close the graph, as ``close()`` on its root does (:meth:`StageContext.close_graph`)."""
+        self.context.close_graph()
 
     def release_idle(self) -> None:
         """Drop the idle batch buffers and the idle buffers of the batch transforms that lend

@@ -30,7 +30,7 @@ import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
@@ -44,6 +44,7 @@ from insitubatch_nodes.stages._graph import (
     source_state,
 )
 from insitubatch_nodes.stages._ranges import profile_range
+from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["PrefetcherNode", "not_a_map_dataset"]
@@ -177,7 +178,10 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
     closes every stage of the graph through it (also through plain torchdata nodes between).
     """
 
+    STAGE: ClassVar[int] = 4  # its place in a graph (stages/_wiring.py)
+
     def __init__(self, source: BaseNode[T], *, context: StageContext) -> None:
+        context = check_wiring(self.STAGE, source, context)
         super().__init__()
         self.source = source
         self.context = context
@@ -198,6 +202,8 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         # Pay for batch memory ahead of need (a fresh process faults new pages in slowly): the
         # buffers in flight at once are the consumer's, the queue's and the one being filled.
         context.buffers.reserve(self.prefetch_depth + 2)
+        claim(self, source)
+        context.set_root(self)
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:

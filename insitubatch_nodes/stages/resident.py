@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import numpy as np
 from torchdata.nodes import BaseNode
@@ -29,9 +29,10 @@ from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.slots import PENDING, READY, ChunkEntry
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
 from insitubatch_nodes.stages._ranges import profile_range
+from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 
-__all__ = ["ChunkPoolNode", "PipelineInterrupted", "ResidentBatch"]
+__all__ = ["ChunkPoolNode", "Lease", "PipelineInterrupted", "ResidentBatch"]
 
 
 class AdmittedBatch(Protocol):
@@ -48,18 +49,32 @@ class AdmittedBatch(Protocol):
     def release(self) -> Callable[[], None]: ...
 
 
+class Lease:
+    """Whether a :class:`ResidentBatch`'s chunks are still pinned for it: ``over`` once the
+    residency stage released them, when the batch after it was pulled or (``closed``) when the
+    graph was closed."""
+
+    __slots__ = ("closed", "over")
+
+    def __init__(self) -> None:
+        self.over = self.closed = False
+
+
 @dataclass(frozen=True, eq=False)
 class ResidentBatch:
     """A batch plan whose chunks are all resident: ``slots[(path, chunk)]`` is sample-first.
 
     ``arrays`` (or ``None``) are the batch's arrays when the fetch stage decoded rows straight
     into them: ``direct[label]`` rows of each label are there already, the others come from
-    ``slots``."""
+    ``slots``. ``slots`` are valid while ``lease.over`` is false: until the next batch is
+    pulled from the residency stage (so a node that pulls ahead must not sit between it and
+    the stage that reads the slots; the :class:`GatherNode` refuses a batch gathered late)."""
 
     plan: BatchPlan
     slots: Mapping[ChunkKey, np.ndarray]
     arrays: Mapping[str, np.ndarray] | None = None
     direct: Mapping[str, int] = field(default_factory=dict)
+    lease: Lease = field(default_factory=Lease)
 
 
 class ChunkPoolNode(BaseNode[ResidentBatch]):
@@ -71,14 +86,19 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
     so closing or interrupting the graph reaches this stage).
     """
 
+    STAGE: ClassVar[int] = 2  # its place in a graph (stages/_wiring.py)
+
     def __init__(self, source: BaseNode[Any], *, context: StageContext) -> None:
+        context = check_wiring(self.STAGE, source, context)
         super().__init__()
         self.source = source
         self.context = context
         self.recorder = context.recorder
         self._held: AdmittedBatch | None = None
+        self._lease = Lease()
         self._interrupt: Future[None] = Future()
         context.join(self)
+        claim(self, source)
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
@@ -110,12 +130,13 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
                 entry.ready.result()
             slots[key] = entry.slot
         rec.add("chunk_wait_s", time.perf_counter() - t0, start=t0, batch=item.plan.index)
-        self._held = item
+        self._held, self._lease = item, Lease()
         return ResidentBatch(
             plan=item.plan,
             slots=slots,
             arrays=getattr(item, "arrays", None),
             direct=getattr(item, "direct", {}),
+            lease=self._lease,
         )
 
     def get_state(self) -> dict[str, Any]:
@@ -132,16 +153,18 @@ class ChunkPoolNode(BaseNode[ResidentBatch]):
             interrupt.set_result(None)
 
     def close(self) -> None:
-        """Release this graph's pins and cancel its in-flight fetches (the context's close)."""
-        self.context.close()
+        """Close the graph, as ``close()`` on its root does (:meth:`StageContext.close_graph`)."""
+        self.context.close_graph()
 
     def release(self) -> None:
         """Hand back the batch last passed downstream (its pins go with it)."""
+        self._lease.closed = True
         self._release_held()
 
     def _release_held(self) -> None:
         held, self._held = self._held, None
         if held is not None:
+            self._lease.over = True  # (before the pins go: a gather that sees it false is done)
             held.release()
 
     def _wait(self, done: Future[None]) -> None:
