@@ -105,6 +105,7 @@ STAGE_LEVELS = {
     "buffers": 0,
     "_graph": 0,
     "_ranges": 0,
+    "_wiring": 0,
     "fetch": 1,
     "_admit": 1,
     "_jobs": 1,
