@@ -1,0 +1,140 @@
+"""A black-box fault trial of reading from object storage, zarr's own read the oracle.
+
+A user trains for days on S3 or HTTP and meets faults. Each test injects them — through
+:class:`FaultStore` (a zarr ``WrapperStore`` whose GETs follow a script per key) or, on the real
+network path, through :class:`ScriptProxy` (an in-process HTTP proxy in front of the session's
+moto S3 server) — and checks what the user gets against ``zarr.open_array`` of the store.
+
+Found, each with its test below: under ``missing_objects="drop"`` a stored object the build's
+listing found and that is gone when it is read (deleted mid-run) was delivered as rows of the
+fill value, the very samples the option drops.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+import zarr.storage
+from helpers import write_era5
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import ChunkReadError
+
+pytestmark = pytest.mark.timeout(60)
+
+Action = BaseException | Callable[[Store, str, BufferPrototype, ByteRequest | None], Awaitable[Any]]
+
+
+class FaultStore(zarr.storage.WrapperStore[Store]):
+    """Wraps a zarr store; the n-th GET of a key runs ``script[key][n]`` (an exception to
+    raise, or ``async f(store, key, prototype, byte_range)`` answering in its place), the GETs
+    beyond the script read the wrapped store. ``counts`` counts the GETs per key."""
+
+    def __init__(self, store: Store, script: Mapping[str, list[Action]] | None = None) -> None:
+        super().__init__(store)
+        self.script = {k: list(v) for k, v in (script or {}).items()}
+        self.counts: Counter[str] = Counter()
+
+    def _with_store(self, store: Store) -> FaultStore:
+        return type(self)(store, self.script)
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        self.counts[key] += 1
+        todo = self.script.get(key)
+        action = todo.pop(0) if todo else None
+        if action is None:
+            return await self._store.get(key, prototype, byte_range)
+        if isinstance(action, BaseException):
+            raise action
+        return await action(self._store, key, prototype, byte_range)
+
+
+async def _absent(store: Store, key: str, prototype: BufferPrototype, br: Any) -> None:
+    return None  # what a GET of a deleted object answers
+
+
+def _pipeline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("insitu-prefetch")]
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[int, Path]:
+    """t2m (64, 8, 16) at 8 samples per chunk and at 1 (each sample its own object)."""
+    base = tmp_path_factory.mktemp("fault")
+    return {
+        spc: write_era5(base / f"spc{spc}.zarr", n_time=64, variables=("t2m",),
+                        samples_per_chunk=spc)
+        for spc in (8, 1)
+    }  # fmt: skip
+
+
+def _epoch(pipe: Any, oracle: np.ndarray) -> Iterator[np.ndarray]:
+    """The sample indices of each batch, each batch checked against ``oracle`` first."""
+    for batch in pipe:
+        rows = batch.sample_indices["x"]
+        np.testing.assert_array_equal(batch["x"], oracle[rows])
+        yield rows.copy()
+
+
+# ---------------------------------------------------------------------------------------------
+# Found
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spc", [8, 1])
+def test_an_object_listed_at_build_and_gone_at_its_read_fails_under_drop_not_fill_rows(
+    stores: dict[int, Path], tmp_path: Path, spc: int
+) -> None:
+    """``missing_objects="drop"`` promises no fill-value rows: an object the build's listing
+    found and the read finds absent (deleted mid-run) is a ``ChunkReadError`` naming the key
+    and saying the store changed — on a local folder (read on the decode threads, a slot per
+    chunk or a row per object) and through GETs. Before, its rows were the fill value."""
+    import shutil
+
+    root = Path(shutil.copytree(stores[spc], tmp_path / "s.zarr"))
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    key = "t2m/c/5/0/0"
+    for via in ("folder", "get"):
+        store: Any = (
+            root
+            if via == "folder"
+            else FaultStore(zarr.storage.LocalStore(root, read_only=True), {key: [_absent]})
+        )
+        pipe = insitu_pipeline(store, manifest, {"x": g}, batch_size=4, shuffle=False,
+                               missing_objects="drop")  # fmt: skip
+        assert pipe.stages.plan.dropped.get("absent_object", 0) == 0  # listed: all present
+        moved = root / key
+        if via == "folder":
+            moved.rename(tmp_path / "gone")  # deleted after the build
+        oracle = zarr.open_array(root, path="t2m", mode="r")[...]  # (fill value at chunk 5)
+        with pytest.raises(ChunkReadError) as caught:
+            for batch in pipe:
+                assert (batch.sample_indices["x"] // spc != 5).all(), f"{via}: fill-value rows"
+                np.testing.assert_array_equal(batch["x"], oracle[batch.sample_indices["x"]])
+        err = caught.value
+        assert (err.array, err.chunk_index, err.key) == ("t2m", 5, key)
+        assert "missing_objects='drop'" in str(err.__cause__), err.__cause__
+        assert "changed" in str(err.__cause__)
+        pipe.close()
+        assert _pipeline_threads() == []
+        if via == "folder":
+            (tmp_path / "gone").rename(moved)
+    # the default, "read": an absent object is the fill value, as zarr reads the changed store
+    store = FaultStore(zarr.storage.LocalStore(root, read_only=True), {key: [_absent]})
+    pipe = insitu_pipeline(store, manifest, {"x": g}, batch_size=4, shuffle=False)
+    array = zarr.open_array(root, path="t2m", mode="r")
+    oracle = array[...]
+    oracle[5 * spc : 6 * spc] = array.fill_value  # what zarr reads once the object is gone
+    assert len(np.concatenate(list(_epoch(pipe, oracle)))) == 64
