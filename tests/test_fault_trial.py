@@ -7,11 +7,15 @@ moto S3 server) — and checks what the user gets against ``zarr.open_array`` of
 
 Found, each with its test below: under ``missing_objects="drop"`` a stored object the build's
 listing found and that is gone when it is read (deleted mid-run) was delivered as rows of the
-fill value, the very samples the option drops.
+fill value, the very samples the option drops; a store whose ``get`` raised ``CancelledError``
+itself (nothing had cancelled it) surfaced as the internal ``FillCancelled`` ("chunk ('t2m', 2)
+was cancelled"), naming no store key, calling a failed read a cancellation, and escaping
+``on_bad_chunk="nan"``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
@@ -138,3 +142,39 @@ def test_an_object_listed_at_build_and_gone_at_its_read_fails_under_drop_not_fil
     oracle = array[...]
     oracle[5 * spc : 6 * spc] = array.fill_value  # what zarr reads once the object is gone
     assert len(np.concatenate(list(_epoch(pipe, oracle)))) == 64
+
+
+def test_a_cancelled_error_the_store_raises_itself_is_a_read_error_naming_the_key(
+    stores: dict[int, Path],
+) -> None:
+    """A store whose ``get`` raises ``CancelledError`` without being cancelled (a client torn
+    down under it) failed a read: a ``ChunkReadError`` naming array, chunk and key, its cause
+    chained, and under ``on_bad_chunk="nan"`` a bad chunk. Before, it surfaced as the internal
+    ``FillCancelled`` ("chunk ('t2m', 2) was cancelled"), naming no key, and ``"nan"`` did not
+    apply."""
+    root = stores[8]
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    oracle = zarr.open_array(root, path="t2m", mode="r")[...]
+    key = "t2m/c/2/0/0"
+
+    def faulty() -> FaultStore:
+        return FaultStore(
+            zarr.storage.LocalStore(root, read_only=True), {key: [asyncio.CancelledError()]}
+        )
+
+    store = faulty()
+    pipe = insitu_pipeline(store, manifest, {"x": g}, batch_size=4, shuffle=False)
+    with pytest.raises(ChunkReadError) as caught:
+        list(_epoch(pipe, oracle))
+    err = caught.value
+    assert (err.array, err.chunk_index, err.key) == ("t2m", 2, key)
+    assert isinstance(err.__cause__, asyncio.CancelledError)
+    assert store.counts[key] == 1
+    pipe.close()
+    assert _pipeline_threads() == []
+    pipe = insitu_pipeline(faulty(), manifest, {"x": g}, batch_size=4, shuffle=False,
+                           on_bad_chunk="nan")  # fmt: skip
+    oracle[16:24] = np.nan
+    assert len(np.concatenate(list(_epoch(pipe, oracle)))) == 64
+    assert pipe.bad_chunks == [("t2m", 2, (0, 0))]
