@@ -10,7 +10,8 @@ listing found and that is gone when it is read (deleted mid-run) was delivered a
 fill value, the very samples the option drops; a store whose ``get`` raised ``CancelledError``
 itself (nothing had cancelled it) surfaced as the internal ``FillCancelled`` ("chunk ('t2m', 2)
 was cancelled"), naming no store key, calling a failed read a cancellation, and escaping
-``on_bad_chunk="nan"``.
+``on_bad_chunk="nan"``; a ``ChunkReadError``'s message named array, chunk, key and store but
+neither its cause nor what to do.
 """
 
 from __future__ import annotations
@@ -178,3 +179,43 @@ def test_a_cancelled_error_the_store_raises_itself_is_a_read_error_naming_the_ke
     oracle[16:24] = np.nan
     assert len(np.concatenate(list(_epoch(pipe, oracle)))) == 64
     assert pipe.bad_chunks == [("t2m", 2, (0, 0))]
+
+
+async def _cut_short(store: Store, key: str, prototype: BufferPrototype, br: Any) -> Buffer:
+    whole = await store.get(key, prototype, br)
+    assert whole is not None
+    return prototype.buffer.from_bytes(whole.to_bytes()[: len(whole) // 2])  # a short body
+
+
+def test_a_chunk_read_error_says_what_failed_and_what_to_do(stores: dict[int, Path]) -> None:
+    """The message of a ``ChunkReadError`` names array, chunk, key and store, then the cause in
+    one line and what to do: for a read, that the store's retries were spent (or the error is
+    not transient), to resume from the last ``state_dict()`` once the store answers, or
+    ``on_bad_chunk="nan"``; for bytes that do not decode, to write the object again, or
+    ``"nan"``. Before, it stopped at the store (the cause only in the chained traceback, no
+    advice). Under ``"nan"`` the warning logged names the object and the cause, not the advice
+    to pass ``"nan"``."""
+    root = stores[8]
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    key = "t2m/c/2/0/0"
+    local = zarr.storage.LocalStore(root, read_only=True)
+    cases: list[tuple[Action, list[str]]] = [
+        (ConnectionResetError("connection reset by peer"),
+         ["failed to read", "ConnectionResetError: connection reset by peer", "RetryPolicy",
+          "state_dict()", "on_bad_chunk='nan'"]),
+        (PermissionError("403 Forbidden"),
+         ["failed to read", "PermissionError: 403 Forbidden", "state_dict()"]),
+        (_cut_short,
+         ["failed to decode", "DecodeError", "write the object again", "on_bad_chunk='nan'"]),
+    ]  # fmt: skip
+    for action, said in cases:
+        pipe = insitu_pipeline(FaultStore(local, {key: [action]}), manifest, {"x": g},
+                               batch_size=4, shuffle=False)  # fmt: skip
+        with pytest.raises(ChunkReadError) as caught:
+            list(pipe)
+        text = str(caught.value)
+        assert f"array 't2m' chunk 2 (store key {key!r} in store" in text
+        for words in said:
+            assert words in text, (words, text)
+        pipe.close()

@@ -465,7 +465,7 @@ class FillRunner:
         # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
         log.warning(
             "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
-            error,
+            error.where,
             error.__cause__,
         )
         out[...] = array.fill_value
