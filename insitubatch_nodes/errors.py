@@ -144,7 +144,7 @@ class ChunkReadError(InSituError, RuntimeError):
         super().__init__(self.where)
 
     def __str__(self) -> str:  # the cause is chained after construction: read it here
-        cause = "" if self.__cause__ is None else f": {short_cause(self.__cause__)}"
+        cause = "" if self.__cause__ is None else f": {short_cause(self.__cause__, 600)}"
         return f"{self.where}{cause}. {_DECODE_ADVICE if self.what == 'decode' else _READ_ADVICE}"
 
 

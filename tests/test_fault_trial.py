@@ -11,13 +11,17 @@ fill value, the very samples the option drops; a store whose ``get`` raised ``Ca
 itself (nothing had cancelled it) surfaced as the internal ``FillCancelled`` ("chunk ('t2m', 2)
 was cancelled"), naming no store key, calling a failed read a cancellation, and escaping
 ``on_bad_chunk="nan"``; a ``ChunkReadError``'s message named array, chunk, key and store but
-neither its cause nor what to do.
+neither its cause nor what to do; an S3 403 on one chunk of an epoch said only to check the
+credentials or to read the bucket anonymously, not that S3 answers 403 for an absent object to
+credentials without ``s3:ListBucket``, nor that temporary credentials expire mid-run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
+import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
@@ -31,8 +35,17 @@ from helpers import write_era5
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import (
+    RetryPolicy,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
 from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.testing import FaultProxy
+from insitubatch_nodes.testing import _parse_headers as parse_headers
+from insitubatch_nodes.testing import _relay_response as relay_response
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -219,3 +232,118 @@ def test_a_chunk_read_error_says_what_failed_and_what_to_do(stores: dict[int, Pa
         for words in said:
             assert words in text, (words, text)
         pipe.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# The network path: moto S3 behind a proxy that follows a script
+# ---------------------------------------------------------------------------------------------
+
+
+class ScriptProxy(FaultProxy):
+    """An HTTP proxy in front of ``target_port`` whose n-th GET of a path containing a key of
+    ``script`` does ``script[key][n]``: an int answers that status itself (an S3 error body);
+    ``"reset"`` forwards and resets the connection half-way through the body, ``"close"``
+    closes it there in order (FIN), ``"stall"`` never answers, ``"stall_body"`` sends half the
+    body and then nothing. Other requests are forwarded; ``gets`` counts GETs per path."""
+
+    name = "script-proxy"
+
+    def __init__(self, target_port: int, script: Mapping[str, list[int | str]]) -> None:
+        self.script = {k: list(v) for k, v in script.items()}
+        super().__init__(target_port, fail_first=0)
+
+    def _action(self, method: bytes, target: bytes) -> int | str | None:
+        if method != b"GET":
+            return None
+        path = target.decode().split("?", 1)[0]
+        with self._lock:
+            self.gets[path] += 1
+            todo = next((v for k, v in self.script.items() if k in path and v), None)
+            return None if todo is None else todo.pop(0)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                method, target = head.split(b" ", 2)[:2]
+                body = await reader.readexactly(int(parse_headers(head).get("content-length", 0)))
+                act = self._action(method, target)
+                if isinstance(act, int):
+                    self.status = act
+                    writer.write(self._error_response())
+                    await writer.drain()
+                    continue
+                if act == "stall":
+                    await asyncio.sleep(3600)
+                up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+                try:
+                    up_w.write(head + body)
+                    await up_w.drain()
+                    if act in ("close", "stall_body"):
+                        answer = await up_r.readuntil(b"\r\n\r\n")
+                        n = int(parse_headers(answer)["content-length"])
+                        writer.write(answer + (await up_r.readexactly(n))[: n // 2])
+                        await writer.drain()
+                        if act == "stall_body":
+                            await asyncio.sleep(3600)
+                        return  # (the finally closes the connection in order)
+                    keep = await relay_response(
+                        up_r, writer, head_only=method == b"HEAD", cut=act == "reset"
+                    )
+                finally:
+                    with contextlib.suppress(Exception):
+                        up_w.close()
+                if not keep:
+                    return
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError, OSError):
+            return
+        finally:
+            with contextlib.suppress(Exception):
+                writer.close()
+
+
+# small deadlines: a stalled attempt is given up after 0.3 s, a read after 3 s
+FAST = RetryPolicy(timeout_s=3, stall_timeout_s=0.3, connect_timeout_s=0.3,
+                   initial_backoff_s=0.02, max_backoff_s=0.1)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def s3_case(
+    stores: dict[int, Path], s3_upload: Callable[[Path, str], str], s3_server: str
+) -> tuple[str, int]:
+    """The 8-samples-per-chunk store uploaded to the session's moto server: (url, its port)."""
+    return s3_upload(stores[8], "data/era5.zarr"), int(s3_server.rsplit(":", 1)[1])
+
+
+def _through(proxy: ScriptProxy, url: str, s3_options: dict[str, Any]) -> Any:
+    return open_store(url, retry=FAST, **{**s3_options, "endpoint": proxy.endpoint})
+
+
+@pytest.mark.xdist_group("s3")
+def test_an_s3_403_on_one_chunk_says_it_may_be_an_absent_object_or_expired_credentials(
+    stores: dict[int, Path], s3_case: tuple[str, int], s3_options: dict[str, Any]
+) -> None:
+    """A 403 on one chunk of an epoch whose other chunks read: one GET (no retry), at once, a
+    ``ChunkReadError`` naming the key whose message says that S3 answers 403 for an absent
+    object to credentials without ``s3:ListBucket``, and that temporary credentials can expire
+    during a run. Before, it said to check the credentials or read the bucket anonymously."""
+    url, port = s3_case
+    root = stores[8]
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    oracle = zarr.open_array(root, path="t2m", mode="r")[...]
+    key = "t2m/c/5/0/0"
+    with ScriptProxy(port, {key: [403]}) as proxy:
+        pipe = insitu_pipeline(_through(proxy, url, s3_options), manifest, {"x": g},
+                               batch_size=4, shuffle=False)  # fmt: skip
+        start = time.monotonic()
+        with pytest.raises(ChunkReadError) as caught:
+            list(_epoch(pipe, oracle))
+        assert time.monotonic() - start < 2.0
+        assert [n for path, n in proxy.gets.items() if key in path] == [1]
+        pipe.close()
+    text = str(caught.value)
+    assert caught.value.key == key and isinstance(caught.value.__cause__, PermissionError)
+    for words in ("s3:ListBucket", "absent", "expired", "state_dict()"):
+        assert words in text, (words, text)
+    assert _pipeline_threads() == []
