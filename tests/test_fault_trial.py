@@ -13,7 +13,10 @@ was cancelled"), naming no store key, calling a failed read a cancellation, and 
 ``on_bad_chunk="nan"``; a ``ChunkReadError``'s message named array, chunk, key and store but
 neither its cause nor what to do; an S3 403 on one chunk of an epoch said only to check the
 credentials or to read the bucket anonymously, not that S3 answers 403 for an absent object to
-credentials without ``s3:ListBucket``, nor that temporary credentials expire mid-run.
+credentials without ``s3:ListBucket``, nor that temporary credentials expire mid-run; with a
+``cache_dir`` an error reached ``next()`` 2 s late and every ``close()`` while it (or a kept
+log record of an ``on_bad_chunk="nan"`` warning) lived took 2 s more: they held the failed
+batch's chunks, whose cache maps the close waited for.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from insitubatch_nodes import (
+    Loader,
     RetryPolicy,
     insitu_pipeline,
     open_geometries,
@@ -347,3 +351,195 @@ def test_an_s3_403_on_one_chunk_says_it_may_be_an_absent_object_or_expired_crede
     for words in ("s3:ListBucket", "absent", "expired", "state_dict()"):
         assert words in text, (words, text)
     assert _pipeline_threads() == []
+
+
+# ---------------------------------------------------------------------------------------------
+# Right: the areas the trial found no fault in, kept as cheap checks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.xdist_group("s3")
+def test_transient_s3_faults_are_retried_and_every_sample_arrives_once_exact_and_counted(
+    stores: dict[int, Path], s3_case: tuple[str, int], s3_options: dict[str, Any]
+) -> None:
+    """Right (9 faults): a reset and an orderly close half-way through the body, two 503
+    ``SlowDown`` in a row, a 500, a 429, a GET that never answers and a body that stops
+    half-way (each past ``stall_timeout_s``), on one chunk each, under a shuffled epoch: every
+    sample once, every row zarr's, the faulted key GET once more per fault (no retry storm),
+    ``stats()["gets"]`` and the report count stored objects (8), not attempts. A 404 on a
+    stored chunk reads as the fill value, as zarr reads an absent object (documented)."""
+    url, port = s3_case
+    root = stores[8]
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    oracle = zarr.open_array(root, path="t2m", mode="r")[...]
+    key = "t2m/c/3/0/0"
+    faults: list[list[int | str]] = [
+        ["reset"], ["close"], [503, 503], [500], [429], ["stall"], ["stall_body"],
+        ["reset", 503], ["close", "stall"],
+    ]  # fmt: skip
+    for fault in faults:
+        with ScriptProxy(port, {key: list(fault)}) as proxy:
+            pipe = insitu_pipeline(_through(proxy, url, s3_options), manifest, {"x": g},
+                                   batch_size=4, seed=7)  # fmt: skip
+            rows = np.concatenate(list(_epoch(pipe, oracle)))
+            assert np.array_equal(np.sort(rows), np.arange(64)), fault
+            assert [n for p, n in proxy.gets.items() if key in p] == [1 + len(fault)], fault
+            assert pipe.stats()["gets"] == 8 and pipe.report().gets == 8, fault
+            pipe.close()
+    with ScriptProxy(port, {key: [404]}) as proxy:
+        pipe = insitu_pipeline(_through(proxy, url, s3_options), manifest, {"x": g},
+                               batch_size=4, shuffle=False)  # fmt: skip
+        absent = oracle.copy()
+        absent[24:32] = zarr.open_array(root, path="t2m", mode="r").fill_value
+        assert len(np.concatenate(list(_epoch(pipe, absent)))) == 64
+        pipe.close()
+
+
+async def _stalled(store: Store, key: str, prototype: BufferPrototype, br: Any) -> None:
+    await asyncio.sleep(3600)  # an endpoint that froze (cancelled by the deadline)
+
+
+def test_a_permanent_fault_fails_promptly_and_the_last_state_resumes_the_rest_exactly(
+    stores: dict[int, Path],
+) -> None:
+    """Right (2 stores x 2 chunks x 2-3 faults, and a Ctrl-C): a 403, a connection reset (a
+    store that retries nothing) and a GET past ``RetryPolicy.timeout_s`` (0.5 s here) fail the
+    epoch with a ``ChunkReadError`` at the first batch that needs the chunk — the batches
+    before it delivered, one GET of the key, within the deadline — the pipeline closes with no
+    thread left, and the last ``state_dict()`` (taken before the error, or after it: the same)
+    restores into a fresh pipeline that delivers the rest of the epoch: the whole sequence is
+    an uninterrupted run's, every row zarr's. A Ctrl-C while ``next()`` waits on a stalled GET
+    raises ``KeyboardInterrupt`` at once; ``close()`` then leaves nothing running and the same
+    pipeline goes on exactly."""
+    import _thread
+
+    for spc, root in stores.items():
+        g = open_geometries(root, ["t2m"])["t2m"]
+        manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+        oracle = zarr.open_array(root, path="t2m", mode="r")[...]
+        local = zarr.storage.LocalStore(root, read_only=True)
+
+        def build(store: Store, g: Any = g, manifest: Any = manifest, deadline: float = 30) -> Any:
+            return insitu_pipeline(store, manifest, {"x": g}, batch_size=4, seed=3,
+                                   retry=RetryPolicy(timeout_s=deadline))  # fmt: skip
+
+        whole = list(_epoch(build(local), oracle))
+        for chunk in (2 * 8 // spc, 40 // spc):  # (the same samples at either layout)
+            key = f"t2m/c/{chunk}/0/0"
+            first = next(i for i, rows in enumerate(whole) if (rows // spc == chunk).any())
+            faults: list[Action] = [PermissionError("403"), ConnectionResetError("reset")]
+            for fault in faults + ([_stalled] if chunk == 40 // spc else []):
+                store = FaultStore(local, {key: [fault]})
+                deadline = 0.5 if fault is _stalled else 30.0
+                loader = Loader(build(store, deadline=deadline))
+                got, state = [], loader.state_dict()
+                start = time.monotonic()
+                with pytest.raises(ChunkReadError) as caught:
+                    for batch in loader:
+                        np.testing.assert_array_equal(batch["x"], oracle[batch.sample_indices["x"]])
+                        got.append(batch.sample_indices["x"].copy())
+                        state = loader.state_dict()
+                assert time.monotonic() - start < deadline + 1.0, caught.value
+                assert caught.value.key == key and store.counts[key] == 1, caught.value
+                assert len(got) == first and loader.state_dict() == state
+                loader.root.close()
+                assert _pipeline_threads() == []
+                again = Loader(build(local))
+                again.load_state_dict(state)
+                for batch in again:
+                    np.testing.assert_array_equal(batch["x"], oracle[batch.sample_indices["x"]])
+                    got.append(batch.sample_indices["x"].copy())
+                assert len(got) == len(whole)
+                assert all(np.array_equal(a, b) for a, b in zip(got, whole, strict=True))
+    # Ctrl-C (SIGINT's KeyboardInterrupt, in the main thread) while next() waits
+    store = FaultStore(local, {f"t2m/c/{c}/0/0": [_stalled] for c in range(64)})
+    pipe = insitu_pipeline(store, manifest, {"x": g}, batch_size=4, seed=3)
+    timer = threading.Timer(0.2, _thread.interrupt_main)
+    timer.start()
+    start = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        next(pipe)
+    assert time.monotonic() - start < 1.0
+    pipe.close()
+    assert _pipeline_threads() == [] and pipe.stages.pool.pinned_count() == 0
+    store.script.clear()  # the store answers again
+    got = list(_epoch(pipe, oracle))
+    assert all(np.array_equal(a, b) for a, b in zip(got, whole, strict=True))
+
+
+def test_a_fault_while_the_persistent_cache_fills_leaves_no_bad_chunk_in_it(
+    stores: dict[int, Path], tmp_path: Path
+) -> None:
+    """Right (2 stores x 2 policies): a chunk whose GET fails while a ``cache_dir`` fills —
+    the epoch failing (``"raise"``) or the chunk filled with NaN (``"nan"``) — is not written
+    to the cache: the next run, from the healthy store over the same directory, serves every
+    row as zarr reads it, the cached chunks from disk and the faulted one fetched."""
+    for spc, root in stores.items():
+        g = open_geometries(root, ["t2m"])["t2m"]
+        manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+        oracle = zarr.open_array(root, path="t2m", mode="r")[...]
+        local = zarr.storage.LocalStore(root, read_only=True)
+        key = "t2m/c/2/0/0"
+        for policy in ("raise", "nan"):
+            cache = tmp_path / f"cache-{spc}-{policy}"
+            store = FaultStore(local, {key: [_cut_short]})
+            pipe = insitu_pipeline(store, manifest, {"x": g}, batch_size=4, seed=3,
+                                   on_bad_chunk=policy, cache_dir=cache, persist=True)  # fmt: skip
+            with contextlib.suppress(ChunkReadError):
+                for _ in pipe:
+                    pass
+            written = pipe.stats()["disk_writes"]
+            pipe.close()
+            del pipe
+            pipe = insitu_pipeline(local, manifest, {"x": g}, batch_size=4, seed=3,
+                                   cache_dir=cache, persist=True)  # fmt: skip
+            assert len(np.concatenate(list(_epoch(pipe, oracle)))) == 64
+            assert pipe.stats()["disk_hits"] == written, (spc, policy)
+            assert pipe.stats()["gets"] == 64 // spc - written, (spc, policy)
+            pipe.close()
+
+
+def test_an_error_with_a_cache_dir_reaches_the_consumer_at_once_and_close_in_except_is_prompt(
+    stores: dict[int, Path], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """With a ``cache_dir``, a read or decode error reaches ``next()`` as soon as it happens,
+    and ``close()`` inside the ``except`` block that holds it returns at once, its directory
+    free for the next pipeline; under ``on_bad_chunk="nan"``, a logging handler that keeps
+    the warning's record (pytest's here) does not hold the close either. Before, the error
+    came 2 s late (``CLOSE_WAIT_S``: closing the graph waited for cache mappings that the
+    error's own traceback held, through the frames it passed), each ``close()`` while the
+    error lived took 2 s more, and so did a close while the warning's record lived (its
+    arguments held the cause, and so the chunks)."""
+    caplog.set_level("WARNING", logger="insitubatch_nodes")
+    for spc, root in stores.items():
+        g = open_geometries(root, ["t2m"])["t2m"]
+        manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+        local = zarr.storage.LocalStore(root, read_only=True)
+        for fault in (PermissionError("403"), _cut_short):
+            cache = tmp_path / f"c{spc}{type(fault).__name__}"
+            store = FaultStore(local, {"t2m/c/2/0/0": [fault]})
+            pipe = insitu_pipeline(store, manifest, {"x": g}, batch_size=4, seed=3,
+                                   cache_dir=cache, persist=True)  # fmt: skip
+            start = time.monotonic()
+            try:
+                for _ in pipe:
+                    pass
+            except ChunkReadError:
+                took = time.monotonic() - start
+                pipe.close()
+                closed = time.monotonic() - start - took
+            assert took < 1.0 and closed < 0.5, (spc, fault, took, closed)
+            again = insitu_pipeline(local, manifest, {"x": g}, batch_size=4, seed=3,
+                                    cache_dir=cache, persist=True)  # fmt: skip
+            again.close()
+        store = FaultStore(local, {"t2m/c/2/0/0": [_cut_short]})
+        pipe = insitu_pipeline(store, manifest, {"x": g}, batch_size=4, seed=3,
+                               cache_dir=tmp_path / f"nan{spc}", persist=True,
+                               on_bad_chunk="nan")  # fmt: skip
+        for _ in pipe:
+            pass
+        assert pipe.bad_chunks and caplog.records  # (the warning kept)
+        start = time.monotonic()
+        pipe.close()
+        assert time.monotonic() - start < 0.5, spc

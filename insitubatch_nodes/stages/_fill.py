@@ -463,10 +463,10 @@ class FillRunner:
                 entry.error = error
             return
         # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
-        log.warning(
+        log.warning(  # (strings: a handler that keeps records must not keep the chunks)
             "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
             error.where,
-            error.__cause__,
+            str(error.__cause__),
         )
         out[...] = array.fill_value
         if entry is not None:
