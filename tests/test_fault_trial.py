@@ -17,6 +17,12 @@ credentials without ``s3:ListBucket``, nor that temporary credentials expire mid
 ``cache_dir`` an error reached ``next()`` 2 s late and every ``close()`` while it (or a kept
 log record of an ``on_bad_chunk="nan"`` warning) lived took 2 s more: they held the failed
 batch's chunks, whose cache maps the close waited for.
+
+Right, kept as cheap checks (the tests under "Right" below; each docstring counts its cases): 9
+transient S3 faults retried with exact data and right counts, a 404 read as the fill value,
+permanent faults failing at the first batch that needs the chunk with one GET and resuming
+exactly from the last state, a Ctrl-C mid-wait, faults while a persistent cache fills, and a
+store rewritten mid-epoch, now documented (pipeline.md, "A store that changes during a run").
 """
 
 from __future__ import annotations
@@ -543,3 +549,46 @@ def test_an_error_with_a_cache_dir_reaches_the_consumer_at_once_and_close_in_exc
         start = time.monotonic()
         pipe.close()
         assert time.monotonic() - start < 0.5, spc
+
+
+def test_a_store_rewritten_mid_epoch_delivers_each_chunk_as_it_was_read_as_documented(
+    tmp_path: Path,
+) -> None:
+    """Documented (pipeline.md, "A store that changes during a run"): each chunk is delivered
+    as it was when its object was read — every row is the old or the new value of its
+    sample, one version per chunk and epoch, never a mix or garbage — and a chunk kept
+    resident keeps those values in later epochs, one read again has the new ones; a pipeline
+    built afterwards reads the store as it is."""
+    root = write_era5(tmp_path / "s.zarr", n_time=256, variables=("t2m",))
+    old = zarr.open_array(root, path="t2m", mode="r")[...]
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(
+        root,
+        manifest,
+        {"x": g},
+        batch_size=4,
+        seed=1,
+        prefetch_depth=1,
+        max_inflight=1,
+        block_chunks=2,
+    )  # fmt: skip (little read-ahead)
+    first = next(pipe)
+    zarr.open_array(root, path="t2m", mode="r+")[...] = old + 1000
+    new = old + 1000
+    seen: list[dict[int, set[str]]] = [{}, {}]  # per epoch, per chunk: the versions seen
+    for epoch in range(2):
+        if epoch:
+            pipe.reset()
+        for batch in [first, *pipe] if epoch == 0 else pipe:
+            for i, row in zip(batch.sample_indices["x"], batch["x"], strict=True):
+                version = "old" if np.array_equal(row, old[i]) else "new"
+                assert version == "old" or np.array_equal(row, new[i]), i
+                seen[epoch].setdefault(int(i) // 8, set()).add(version)
+    assert all(len(v) == 1 for e in seen for v in e.values()), seen  # one version per chunk
+    assert set().union(*seen[0].values()) == {"old", "new"}  # (the rewrite fell mid-epoch)
+    for chunk, versions in seen[1].items():  # kept resident: as before; read again: new
+        assert versions in (seen[0][chunk], {"new"}), chunk
+    pipe.close()
+    fresh = insitu_pipeline(root, manifest, {"x": g}, batch_size=4, seed=1)
+    assert len(np.concatenate(list(_epoch(fresh, new)))) == 256
