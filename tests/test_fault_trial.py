@@ -16,7 +16,9 @@ credentials or to read the bucket anonymously, not that S3 answers 403 for an ab
 credentials without ``s3:ListBucket``, nor that temporary credentials expire mid-run; with a
 ``cache_dir`` an error reached ``next()`` 2 s late and every ``close()`` while it (or a kept
 log record of an ``on_bad_chunk="nan"`` warning) lived took 2 s more: they held the failed
-batch's chunks, whose cache maps the close waited for.
+batch's chunks, whose cache maps the close waited for; a failed read of the time coordinate
+at a rebuild said to pass ``coords=()``, which does not skip the read ``missing=`` or a time
+stride need (and said so with ``coords=()`` passed).
 
 Right, kept as cheap checks (the tests under "Right" below; each docstring counts its cases): 9
 transient S3 faults retried with exact data and right counts, a 404 read as the fill value,
@@ -242,6 +244,28 @@ def test_a_chunk_read_error_says_what_failed_and_what_to_do(stores: dict[int, Pa
         for words in said:
             assert words in text, (words, text)
         pipe.close()
+
+
+def test_a_failed_time_coordinate_read_for_missing_or_a_stride_says_what_needs_it(
+    stores: dict[int, Path],
+) -> None:
+    """A restart after preemption builds the pipeline again; a read of the time coordinate
+    that fails then (a reset the store does not retry), when ``missing=`` or a time stride
+    needs the times, names what needs them and what to do — not "pass coords=() to carry no
+    coordinate", which does not skip this read: before, that advice came with ``coords=()``
+    already passed."""
+    root = stores[8]
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    local = zarr.storage.LocalStore(root, read_only=True)
+    for options in ({"missing": ()}, {"stride": "12h"}):
+        store = FaultStore(local, {"time/c/0": [ConnectionResetError("connection reset")]})
+        with pytest.raises(OSError) as caught:
+            insitu_pipeline(store, manifest, {"x": g}, batch_size=4, coords=(), **options)
+        text = str(caught.value)
+        assert "'time'" in text and "connection reset" in text, text
+        assert "coords=() to carry no coordinate" not in text, text
+        assert "missing=" in text and "stride" in text and "build" in text, text
 
 
 # ---------------------------------------------------------------------------------------------
