@@ -261,7 +261,7 @@ def test_a_failed_time_coordinate_read_for_missing_or_a_stride_says_what_needs_i
         text = str(caught.value)
         assert "'time'" in text and "connection reset" in text, text
         assert "coords=() to carry no coordinate" not in text, text
-        assert "missing=" in text and "stride" in text and "build" in text, text
+        assert "missing=" in text and "stride" in text and "build again" in text, text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -554,12 +554,8 @@ class _Reader:
                 error = TimeoutError if isinstance(exc, TimeoutError) else OSError
                 raise error(
                     f"cannot read coordinate {path!r} from store {describe_store(self.store)}: "
-                    f"{exc}. Check the store and build again once it answers (its retries, "
-                    "RetryPolicy, were spent). The coordinate is read for the batches' "
-                    "coordinates, which coords=() leaves out, and, if it is the time, for a "
-                    "time stride, window offsets in time deltas and missing=, which need it "
-                    "whatever coords says (give an int stride, offsets in samples and no "
-                    "missing= to read no times)"
+                    f"{exc}. Check the store, then build again; coords=() skips it for batches, "
+                    "not for a time stride, time-delta windows or missing= (an int stride: none)"
                 ) from exc
             values = decode_cf(raw, attrs, v2_fill, name=name)
             self.loaded[path] = Coordinate(name, values, path=path, attrs=attrs)
