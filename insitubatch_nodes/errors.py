@@ -113,7 +113,11 @@ class ChunkReadError(InSituError, RuntimeError):
 
     The message names the array, the collection member (``member``), the chunk (and tile), the
     store key and the store (``store``; ``located``, where given, says where the key lives
-    instead: a key of one of a collection's several stores).
+    instead: a key of one of a collection's several stores) — :attr:`where` is that much —
+    then the cause in one line and what to do: a read failed after the store's retries (or
+    was refused), so resume from the last ``state_dict()`` once the store answers; bytes that
+    do not decode need the object written again. Either way ``on_bad_chunk="nan"`` fills such
+    objects and goes on.
     """
 
     def __init__(
@@ -134,7 +138,26 @@ class ChunkReadError(InSituError, RuntimeError):
         if member:
             where = f"member {member!r} {where}"
         source = f": {located}" if located else (f" in store {store}" if store else "")
-        super().__init__(f"failed to {what} array {array!r} {where} (store key {key!r}{source})")
+        self.what = what
+        #: what failed, and where: the message without its cause and advice
+        self.where = f"failed to {what} array {array!r} {where} (store key {key!r}{source})"
+        super().__init__(self.where)
+
+    def __str__(self) -> str:  # the cause is chained after construction: read it here
+        cause = "" if self.__cause__ is None else f": {short_cause(self.__cause__, 600)}"
+        return f"{self.where}{cause}. {_DECODE_ADVICE if self.what == 'decode' else _READ_ADVICE}"
+
+
+_READ_ADVICE = (
+    "The store's retries (RetryPolicy) were spent, or the error is not one it retries: once "
+    "the store answers, resume from the last state_dict() (no sample is lost or repeated), or "
+    "pass on_bad_chunk='nan' to fill such objects and go on"
+)
+_DECODE_ADVICE = (
+    "Its bytes do not decode as the array's metadata says (corrupt, cut short, or rewritten "
+    "since the pipeline was built): write the object again from its source, or pass "
+    "on_bad_chunk='nan' to fill such objects and go on"
+)
 
 
 class ChunkTransformError(InSituError, RuntimeError):

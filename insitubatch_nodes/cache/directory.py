@@ -277,8 +277,8 @@ class ChunkCache:
         """Stop writing and release the directory once every mapping of it is gone.
 
         No mapping is made once this has started. A mapping the pipeline no longer uses can
-        still be alive for a moment — in a reference cycle (the traceback of an error that
-        stopped an epoch holds frames that held slots), or in a fill that is winding down — so
+        still be alive for a moment — in a reference cycle, or in a fill that is winding down (the
+        error that stops an epoch no longer holds any: the prefetch stage clears its frames) — so
         while a lock waits for mappings this collects garbage once and waits up to
         ``CLOSE_WAIT_S`` for them to go; mappings you hold (a slot) keep it locked after."""
         self.stop()

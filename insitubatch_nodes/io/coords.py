@@ -554,7 +554,8 @@ class _Reader:
                 error = TimeoutError if isinstance(exc, TimeoutError) else OSError
                 raise error(
                     f"cannot read coordinate {path!r} from store {describe_store(self.store)}: "
-                    f"{exc}. Check the store, or pass coords=() to carry no coordinate"
+                    f"{exc}. Check the store, then build again; coords=() skips it for batches, "
+                    "not for a time stride, time-delta windows or missing= (an int stride: none)"
                 ) from exc
             values = decode_cf(raw, attrs, v2_fill, name=name)
             self.loaded[path] = Coordinate(name, values, path=path, attrs=attrs)

@@ -321,7 +321,9 @@ def credentials_error(store: Any, exc: BaseException) -> PermissionError | None:
     opened without ``anonymous=True``) and an obstore error that says no credentials were
     found (obstore then asks the cloud's metadata service, which is not there) or that the
     request was refused (401/403). The message names the store and says how to read a public
-    bucket: ``open_store(url, anonymous=True)``.
+    bucket: ``open_store(url, anonymous=True)``; for a 403 also that temporary credentials can
+    expire during a run, and that S3 answers 403 for an absent object to credentials that may
+    not list the bucket (a fill-value chunk zarr did not write, met mid-epoch).
     """
     if not isinstance(store, _SigningObjectStore):
         return None
@@ -334,7 +336,15 @@ def credentials_error(store: Any, exc: BaseException) -> PermissionError | None:
         f"If the bucket is public, open it without credentials: open_store({name.split()[0]!r}, "
         "anonymous=True), and pass that store"
     )
-    if isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+    if isinstance(exc, PermissionDeniedError):
+        return PermissionError(
+            f"{name} refused the request ({type(exc).__name__}): check the credentials; "
+            "temporary ones (a session token) may have expired during the run. S3 also answers "
+            "403, not 404, for an absent object when the credentials may not list the bucket "
+            "(no s3:ListBucket; on GCS, storage.objects.list): grant that, and absent chunks "
+            f"read as the fill value, as zarr's do. {fix}"
+        )
+    if isinstance(exc, UnauthenticatedError):
         return PermissionError(
             f"{name} refused the request ({type(exc).__name__}): check the credentials. {fix}"
         )

@@ -243,6 +243,8 @@ class FillRunner:
                     key = array.key(chunk, tile)
                     try:
                         raw = self._read(array, chunk, tile, key, acc, r)
+                        if raw is None and array.listed:
+                            raise array.gone_error(chunk, tile, key, self.store_name)
                         t1 = _now()
                         decode(raw, dest, chunk, tile)
                         t2 = _now()
@@ -301,6 +303,10 @@ class FillRunner:
             if raw is None:
                 if packed is not None:
                     packed.add(READ, t0, t1, t1, ref, chunk, r)
+                if array.listed:
+                    error = array.gone_error(chunk, tile, key, self.store_name)
+                    self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
+                    continue
                 missing.append(r)
                 probe = True
                 continue
@@ -387,6 +393,8 @@ class FillRunner:
             try:
                 if not landed:
                     raw = self._read(array, chunk, tile, key, acc, row)
+                if raw is None and array.listed:
+                    raise array.gone_error(chunk, tile, key, self.store_name)
                 t1 = _now()
                 array.decoder.decode_trusted(raw, out, chunk, tile)
                 t2 = _now()
@@ -455,10 +463,10 @@ class FillRunner:
                 entry.error = error
             return
         # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
-        log.warning(
+        log.warning(  # (strings: a handler that keeps records must not keep the chunks)
             "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
-            error,
-            error.__cause__,
+            error.where,
+            str(error.__cause__),
         )
         out[...] = array.fill_value
         if entry is not None:

@@ -121,8 +121,13 @@ class GetQueue:
             return
         try:
             raw = await (self._get(key) if meta is None else self._get(key, meta))
-        except asyncio.CancelledError:
-            error = FillCancelled(f"the read of {key!r} was cancelled")
+        except asyncio.CancelledError as exc:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # ours: its object is not needed
+                error = FillCancelled(f"the read of {key!r} was cancelled")
+            else:  # raised by the store itself, unasked (a client torn down): a failed read
+                error = array.read_error(chunk, tile, key, "read", self.store_name)
+                error.__cause__ = exc
         except Exception as exc:
             error = array.read_error(chunk, tile, key, "read", self.store_name)
             error.__cause__ = exc

@@ -47,6 +47,7 @@ class ArrayFill:
         "fill_value",
         "geom",
         "held",
+        "listed",
         "member_key",
         "missing",
         "path",
@@ -65,8 +66,12 @@ class ArrayFill:
         units: bool = False,
         held: Held | None = None,
         routed: Sequence[str] = (),
+        listed: bool = False,
     ) -> None:
         self.geom = geom
+        #: the store was listed when the plan was built (``missing_objects="drop"``): the plan
+        #: reads no object found absent then, so an absent one now was deleted since
+        self.listed = listed
         #: the descriptions of a routing store's stores (a collection in several stores)
         self.routed = tuple(routed)
         #: a patched array: a pool entry's key names a unit (one stored tile), not a chunk
@@ -123,6 +128,20 @@ class ArrayFill:
         return ChunkReadError(
             self.path, chunk, tile, key, what, store, member=member, located=located
         )
+
+    def gone_error(self, chunk: int, tile: tuple[int, ...], key: str, store: str) -> ChunkReadError:
+        """The error for stored object ``key`` that the read finds absent although the store's
+        listing held it when the plan was built (:attr:`listed`): it was deleted since, and
+        reading it as the fill value would deliver the rows ``missing_objects="drop"`` drops."""
+        error = self.read_error(chunk, tile, key, "read", store)
+        error.__cause__ = FileNotFoundError(
+            f"{key!r} was in the store's listing when the pipeline was built "
+            "(missing_objects='drop') and is absent now: the store changed during the run. "
+            "Restore the object, or build the pipeline again (its listing then drops the "
+            "anchors that read it; a state saved before is refused, as the epoch's samples "
+            "differ)"
+        )
+        return error
 
     def unit_parts(self, unit: int) -> tuple[int, tuple[int, ...], tuple[slice, ...]]:
         """``(chunk, tile, box)`` of unit ``unit``: the stored object it is and where that

@@ -186,6 +186,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         routed = (
             [describe_store(s) for s in store.stores] if isinstance(store, RoutingStore) else []
         )
+        steps = context.plan.manifest.steps  # listed at build: an absent object is gone since
+        listed = steps is not None and steps.absent is not None
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
@@ -198,6 +200,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                     units=path in self.patched,
                     held=context.held.get(path),
                     routed=routed,
+                    listed=listed,
                 )
                 for path, g in self.geoms.items()
             },
