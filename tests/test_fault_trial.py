@@ -612,3 +612,59 @@ def test_a_store_rewritten_mid_epoch_delivers_each_chunk_as_it_was_read_as_docum
     pipe.close()
     fresh = insitu_pipeline(root, manifest, {"x": g}, batch_size=4, seed=1)
     assert len(np.concatenate(list(_epoch(fresh, new)))) == 256
+
+
+_INTERRUPT_SCRIPT = r"""
+import asyncio, sys, threading
+from pathlib import Path
+import numpy as np, zarr, zarr.storage
+sys.path.insert(0, {tests!r})
+from test_fault_trial import FaultStore
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+
+root = Path({root!r})
+store = FaultStore(zarr.storage.LocalStore(root, read_only=True), {{"t2m/c/2/0/0": [{exc}()]}})
+g = open_geometries(root, ["t2m"])["t2m"]
+pipe = insitu_pipeline(store, split_by_chunk(g, (1.0, 0.0, 0.0)), {{"x": g}}, batch_size=8,
+                       shuffle=False)
+got = []
+def consume():
+    try:
+        for _ in pipe:
+            pass
+        got.append("no error")
+    except BaseException as exc:
+        got.append(type(exc).__name__)
+t = threading.Thread(target=consume, daemon=True)
+t.start(); t.join(20)
+print("consumer:", got[0] if got else "hung", flush=True)
+pipe.close()
+# the process's zarr reads go on (zarr's IO loop, which the GETs share, still runs)
+def read():
+    got.append(zarr.open_array(root, path="t2m", mode="r")[0].sum())
+r = threading.Thread(target=read, daemon=True)
+r.start(); r.join(20)
+print("zarr read:", "ok" if len(got) == 2 else "hung", flush=True)
+import os; os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("exc", ["KeyboardInterrupt", "SystemExit"])
+def test_a_keyboard_interrupt_or_exit_a_store_raises_reaches_the_consumer_and_zarr_goes_on(
+    stores: dict[int, Path], exc: str
+) -> None:
+    """A store's ``get`` raising ``KeyboardInterrupt`` or ``SystemExit`` (a store of the user's
+    that ends the run from inside a read) ends the consumer's loop with it, and the process's
+    zarr reads go on. Before, the GET also re-raised it on the IO loop the process's zarr reads
+    share: the loop's thread died, and every later zarr read of the process (a new pipeline's
+    too) waited forever (run in a forked child: a dead loop would hang this test's worker)."""
+    import sys
+
+    import forkserver
+
+    script = _INTERRUPT_SCRIPT.format(tests=str(Path(__file__).parent), root=str(stores[8]),
+                                      exc=exc)  # fmt: skip
+    argv = [sys.executable, "-c", script]
+    done = forkserver.run(argv, capture_output=True, text=True, timeout=60)
+    assert f"consumer: {exc}" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "zarr read: ok" in done.stdout, (done.stdout, done.stderr[-2000:])

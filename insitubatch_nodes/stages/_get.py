@@ -131,8 +131,8 @@ class GetQueue:
         except Exception as exc:
             error = array.read_error(chunk, tile, key, "read", self.store_name)
             error.__cause__ = exc
-        except BaseException as exc:  # KeyboardInterrupt, SystemExit: land, then go on up
-            error = exc
+        except BaseException as exc:  # KeyboardInterrupt, SystemExit: the consumer raises it
+            error = exc  # (raised here it would end the IO loop every zarr read shares)
         nbytes = 0 if raw is None else len(raw)
         if error is None:
             self.pool.note_io(1, nbytes)
@@ -141,8 +141,6 @@ class GetQueue:
         if error is None and ids is not None and meta:  # what identifies the object
             ids.note(array.path, array.entry_index(chunk, tile), key, meta_identity(meta[0]))
         self._land(job, [Queued(unit, _now(), raw, error, permit=True)])
-        if error is not None and not isinstance(error, Exception | FillCancelled):
-            raise error
 
     def cancel_skipped(self) -> None:
         """Cancel the GETs in flight whose objects are no longer needed (any thread)."""
