@@ -32,7 +32,26 @@ __all__ = [
 
 
 class InSituError(Exception):
-    """The base of every exception raised by ``insitubatch_nodes`` on purpose."""
+    """The base of every exception raised by ``insitubatch_nodes`` on purpose.
+
+    Each pickles (an error crossing a process boundary: ``ddp_spawn``, a process pool) with
+    its message, its attributes and, in brief, the cause chained to it (pickle drops
+    ``__cause__`` itself), whatever arguments its constructor takes."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = dict(self.__dict__)
+        if self.__cause__ is not None:
+            state.setdefault("cause_text", short_cause(self.__cause__, 600))
+        return (_unpickle, (type(self), self.args), state)
+
+
+def _unpickle(cls: type[InSituError], args: tuple[Any, ...]) -> InSituError:
+    """An instance of ``cls`` holding ``args``, its constructor not called (its arguments are
+    not its ``args``); the attributes follow from the pickled state."""
+    base = OSError if issubclass(cls, OSError) else BaseException  # (the layout's base)
+    error = base.__new__(cls, *args)
+    base.__init__(error, *args)
+    return error
 
 
 # -- reading the store ---------------------------------------------------------------------------
@@ -144,7 +163,10 @@ class ChunkReadError(InSituError, RuntimeError):
         super().__init__(self.where)
 
     def __str__(self) -> str:  # the cause is chained after construction: read it here
-        cause = "" if self.__cause__ is None else f": {short_cause(self.__cause__, 600)}"
+        text = self.__dict__.get("cause_text")  # (a pickled copy's: its __cause__ is gone)
+        if self.__cause__ is not None:
+            text = short_cause(self.__cause__, 600)
+        cause = f": {text}" if text else ""
         return f"{self.where}{cause}. {_DECODE_ADVICE if self.what == 'decode' else _READ_ADVICE}"
 
 

@@ -668,3 +668,43 @@ def test_a_keyboard_interrupt_or_exit_a_store_raises_reaches_the_consumer_and_za
     done = forkserver.run(argv, capture_output=True, text=True, timeout=60)
     assert f"consumer: {exc}" in done.stdout, (done.stdout, done.stderr[-2000:])
     assert "zarr read: ok" in done.stdout, (done.stdout, done.stderr[-2000:])
+
+
+def test_every_error_of_the_package_pickles_with_its_message_attributes_and_cause() -> None:
+    """An error crossing a process boundary (``ddp_spawn`` hands a rank's error to the
+    parent; a process pool) is pickled. ``ChunkReadError``, ``CorruptMetadataError``,
+    ``UnsupportedMetadataError`` and ``CacheDiskFullError`` take other arguments than their
+    ``args``: unpickling them raised ``TypeError`` (``__init__() missing ... arguments``).
+    Now every error class of ``errors.__all__`` comes back with its message, its attributes,
+    and the cause in brief (pickle drops ``__cause__``)."""
+    import errno
+    import pickle
+
+    from insitubatch_nodes import errors
+
+    read = ChunkReadError("t2m", 3, (0, 1), "t2m/c/3/0/1", "read", "s3://b/era5.zarr",
+                          member="plate/A/1/0")  # fmt: skip
+    read.__cause__ = PermissionError("403 Forbidden: the credentials expired")
+    made: list[BaseException] = [
+        read,
+        ChunkReadError("t2m", 0, (0,), "t2m/c/0", "decode"),
+        errors.CorruptMetadataError("/d.zarr", [("t2m/zarr.json", "is not JSON")]),
+        errors.UnsupportedMetadataError("/d.zarr", [("t2m/zarr.json", "codec 'jpeg2k'")]),
+        errors.CacheDiskFullError(
+            "no room for 8 MiB in /cache",
+            code=errno.ENOSPC,
+            directory=Path("/cache"),
+            nbytes=8 << 20,
+        ),
+        errors.ArrayNotFoundError("array 'q' is not in store /d.zarr (it holds: t2m)"),
+    ]
+    made += [getattr(errors, name)("a message") for name in errors.__all__
+             if name not in {type(e).__name__ for e in made}]  # fmt: skip
+    for error in made:
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is type(error) and str(back) == str(error), (error, back)
+        assert back.args == error.args and vars(back).items() >= vars(error).items(), error
+    back = pickle.loads(pickle.dumps(read))
+    assert "credentials expired" in str(back) and back.key == "t2m/c/3/0/1"
+    disk = pickle.loads(pickle.dumps(made[4]))
+    assert disk.errno == errno.ENOSPC and disk.nbytes == 8 << 20
