@@ -308,13 +308,50 @@ def _ledger(
     block = block_of_chunk[chunk_pos]
     if shuffle and total:
         keys = np.random.default_rng(list(key_seed)).random(total)
-        perm = np.lexsort((keys, block))
+        first = np.cumsum(counts) - counts  # each block's samples are one run from its first
+        perm = _argsort_in_runs(keys, first[np.diff(block_of_chunk, prepend=-1) > 0])
         anchors, block = anchors[perm], block[perm]
     # Within a batch, rows go in anchor order. The batch holds the same samples as before, but
     # each chunk's rows are now one contiguous run for every label, so the gather makes one
     # copy per chunk straight into the batch instead of a gather plus a scatter.
-    in_batch = np.lexsort((anchors, np.arange(total, dtype=np.int64) // batch_size))
+    in_batch = _argsort_in_runs(anchors, np.arange(0, total, batch_size, dtype=np.int64))
     return anchors[in_batch], block[in_batch], block_of_chunk
+
+
+def _argsort_in_runs(values: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """The permutation that sorts ``values`` (stably) within each run ``starts[i] ..
+    starts[i + 1] - 1`` (``starts`` ascending from 0; a run may be empty) and keeps the runs in
+    place: ``np.lexsort((values, run_of_each))``, index for index. Runs of one length are
+    sorted together as the rows of one 2-D array: many small sorts that stay in cache, where
+    one ``np.lexsort`` of a whole epoch took 8.8 s of CPU at 10 million samples."""
+    total = len(values)
+    out = np.empty(total, dtype=np.int64)
+    if total == 0:
+        return out
+    lengths = np.diff(starts, append=total)
+    starts, lengths = starts[lengths > 0], lengths[lengths > 0]
+    by_length = np.argsort(lengths, kind="stable")
+    kinds, cuts = np.unique(lengths[by_length], return_index=True)
+    for length, first in zip(kinds.tolist(), np.split(starts[by_length], cuts[1:]), strict=True):
+        lo, hi = int(first[0]), int(first[-1]) + length
+        if hi - lo == length * len(first):  # adjacent runs (batches, even blocks): no copies
+            order = _argsort_rows(values[lo:hi].reshape(-1, length))
+            out[lo:hi] = (order + first[:, None]).ravel()
+        else:
+            rows = first[:, None] + np.arange(length, dtype=np.int64)
+            out[rows] = _argsort_rows(values[rows]) + first[:, None]
+    return out
+
+
+def _argsort_rows(values: np.ndarray) -> np.ndarray:
+    """``np.argsort(values, axis=1, kind="stable")``, by the faster unstable sort where a row
+    holds no value twice (random keys, anchors: nearly always)."""
+    order = np.argsort(values, axis=1)
+    ranked = np.sort(values, axis=1)
+    tied = (ranked[:, 1:] == ranked[:, :-1]).any(axis=1)
+    if tied.any():
+        order[tied] = np.argsort(values[tied], axis=1, kind="stable")
+    return order
 
 
 def _stage_seeds(seed: int, epoch: int, rank: int, stage: int) -> tuple[list[int], list[int]]:
