@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import pytest
 import zarr
 
-from insitubatch_nodes.plan.epoch import _argsort_in_runs, _ledger
+from insitubatch_nodes import open_geometries, split_by_chunk
+from insitubatch_nodes.plan import epoch as epoch_module
+from insitubatch_nodes.plan.config import PlanConfig
+from insitubatch_nodes.plan.epoch import _argsort_in_runs, _ledger, plan_epoch
+from insitubatch_nodes.plan.ranks import deal
 
 
 def _metadata_only(path: Path, n: int, spc: int, names: tuple[str, ...] = ("v",)) -> Path:
@@ -60,3 +66,30 @@ def test_an_epoch_of_three_million_samples_is_ordered_in_under_a_second_of_cpu()
     assert (np.diff(rows.reshape(-1, batch), axis=1) > 0).all()  # each batch's rows in order
     assert (np.diff(blocks) >= 0).all()  # blocks in order
     assert min(took) <= 0.8, f"ordering 3 million samples took {took} s of CPU"
+
+
+def test_an_elastic_resume_from_256_ranks_deals_the_epoch_once_per_cut(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the samples the old ranks delivered were replayed rank by rank, each dealing the whole
+    # epoch again for its own share: 257 deals and 1.8 s of CPU at 200,000 samples for
+    # 256 -> 192 ranks (7 s at a million, per rank of the new run); one deal per cut and one
+    # for the new world now, 0.08 s
+    geom = open_geometries(_metadata_only(tmp_path / "s.zarr", 200_000, 1), ["v"])["v"]
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    dealt = []
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        dealt.append(args[1])
+        return deal(*args, **kwargs)
+
+    monkeypatch.setattr(epoch_module, "deal", counted)
+    config = PlanConfig(batch_size=32, world_size=192, rank=191)
+    cpu = time.process_time()
+    plan = plan_epoch(manifest, {"x": geom}, config, epoch=2, resumed=[(256, 5)])
+    cpu = time.process_time() - cpu
+    assert dealt == [256, 192], dealt
+    # what the new ranks deal is what the old ones left: 200,000 - 256 * 5 * 32 = 159,040
+    # samples, 192 shares of 828 (drop: 64 sit out), 26 batches counted from the cut's 5
+    assert (plan.first_batch, plan.n_batches, plan.n_samples) == (5, 5 + 26, 828)
+    assert cpu <= 0.6, f"an elastic plan from 256 ranks took {cpu:.2f} s of CPU"

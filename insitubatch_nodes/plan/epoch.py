@@ -257,23 +257,23 @@ def dealing_for(views: Mapping[str, ArrayGeometry]) -> str:
     return "runs" if len(offsets) > 1 and not patched else "chunks"
 
 
-def _rank_share(
+def _rank_shares(
     chunks: np.ndarray,
     counts: np.ndarray,
     anchors: np.ndarray,
-    rank: int,
+    ranks: Sequence[int],
     world_size: int,
     remainder: str,
     pad_seed: Sequence[int],
     dealing: str = "chunks",
     shuffle: bool = True,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """One rank's ``(chunks, counts, anchors)`` of a sample pool laid out as
-    :func:`_epoch_samples` lays it (:func:`deal`, or :func:`deal_runs` for ``dealing="runs"``,
-    its draws from ``default_rng([*pad_seed, 5])`` when shuffling; the whole pool with one
-    rank). A rank's chunk may repeat (a padded sample is a piece of its own)."""
+) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """The ``(chunks, counts, anchors)`` of each of ``ranks`` in a sample pool laid out as
+    :func:`_epoch_samples` lays it, dealt once (:func:`deal`, or :func:`deal_runs` for
+    ``dealing="runs"``, its draws from ``default_rng([*pad_seed, 5])`` when shuffling; the whole
+    pool with one rank). A rank's chunk may repeat (a padded sample is a piece of its own)."""
     if world_size == 1:
-        return chunks, counts, anchors
+        return [(chunks, counts, anchors) for _ in ranks]
     # A chunk with nothing valid (or nothing left) holds nothing to deal.
     first = np.cumsum(counts) - counts
     keep = counts > 0
@@ -283,8 +283,10 @@ def _rank_share(
         pieces = deal_runs(counts, chunks, world_size, remainder=remainder, rng=rng)
     else:
         pieces = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)
-    group, lo, size = pieces[rank]
-    return chunks[group], size, anchors[_runs(first[group] + lo, size)]
+    return [
+        (chunks[group], size, anchors[_runs(first[group] + lo, size)])
+        for group, lo, size in (pieces[r] for r in ranks)
+    ]
 
 
 def _ledger(
@@ -427,13 +429,15 @@ def plan_epoch(
     )
     done = 0  # batches each rank of the previous stage had delivered
     for stage, (w_old, k_old) in enumerate(resumed):
-        taken = []
-        for r in range(w_old):
-            pad_seed, key_seed = _stage_seeds(seed, epoch, r, stage)
-            _, rc, ra = _rank_share(
-                chunks, counts, anchors, r, w_old, remainder, pad_seed, how, shuffle
-            )
-            taken.append(ledger(rc, ra, key_seed)[0][: (k_old - done) * batch_size])
+        # every old rank's share of one dealing (the pad seed is the stage's, not the rank's)
+        pad_seed, _ = _stage_seeds(seed, epoch, 0, stage)
+        shares = _rank_shares(
+            chunks, counts, anchors, range(w_old), w_old, remainder, pad_seed, how, shuffle
+        )
+        taken = [
+            ledger(rc, ra, _stage_seeds(seed, epoch, r, stage)[1])[0][: (k_old - done) * batch_size]
+            for r, (_, rc, ra) in enumerate(shares)
+        ]
         left = ~np.isin(anchors, np.concatenate(taken))
         group = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
         counts = np.bincount(group[left], minlength=len(chunks)).astype(np.int64)
@@ -443,8 +447,8 @@ def plan_epoch(
         keep = counts > 0
         chunks, counts = chunks[keep], counts[keep]
     pad_seed, key_seed = _stage_seeds(seed, epoch, rank, len(resumed))
-    chunks, counts, anchors = _rank_share(
-        chunks, counts, anchors, rank, world_size, remainder, pad_seed, how, shuffle
+    [(chunks, counts, anchors)] = _rank_shares(
+        chunks, counts, anchors, [rank], world_size, remainder, pad_seed, how, shuffle
     )
     anchors, block, block_of_chunk = ledger(counts, anchors, key_seed)
     n_emit = len(anchors)
