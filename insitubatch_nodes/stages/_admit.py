@@ -237,6 +237,9 @@ class Admission:
         self.read_ahead = 0
         self.epoch_plan: EpochPlan | None = None
         self.groups: list[PlanGroup] = []
+        # an epoch resumed mid-way, per group: the segments earlier batches first read that
+        # later ones read again, and the local batch that next reads each (ascending)
+        self.carried: dict[int, tuple[np.ndarray, np.ndarray]] = {}
         self.exhausted = False
         self.closed = False
 
@@ -331,6 +334,7 @@ class Admission:
         self.ahead_bytes = 0
         self.epoch_plan = None
         self.groups = []
+        self.carried = {}
         if detached or jobs:
             self.runner.cancel(jobs)
 
@@ -387,11 +391,15 @@ class Admission:
             pool.evict_last(reread_order(plan, pool.resident_keys()))
         self.epoch_plan, self.read_ahead = plan, read_ahead
         self.groups = plan_groups(self.setup, plan)
+        self.carried = {}
 
     def _prepare(self, plan: BatchPlan, starts_epoch: bool) -> PendingBatch:
         """What admitting ``plan`` takes: the pool chunks it (first) reads, in need order, and
-        a job for the rows decoded straight into its arrays. The first batch of an epoch
-        started or resumed mid-way also reads again what earlier batches first read."""
+        a job for the rows decoded straight into its arrays. In an epoch started or resumed
+        mid-way, a chunk earlier batches first read and later ones read again is read again
+        with the batch that next reads it (``self.carried``), not all before the first: at one
+        sample per chunk that was half the epoch's chunks read before the resumed run's first
+        batch."""
         setup = self.setup
         epoch = plan.epoch_plan
         at = plan.index - epoch.first_batch
@@ -401,8 +409,18 @@ class Admission:
         misses = re_reads = 0
         for gi, (ledger, group) in enumerate(zip(epoch.ledgers, self.groups, strict=True)):
             seg = ledger.fetched(at)
-            if starts_epoch:  # resumed mid-epoch: chunks earlier batches first read, read again
-                seg = np.concatenate([ledger.carried(at, epoch.batch_size), seg])
+            if starts_epoch and at > 0:  # resumed mid-epoch
+                start = at * epoch.batch_size
+                carried = ledger.carried(at, epoch.batch_size)
+                origins = None if epoch.origins is None else epoch.origins[start:]
+                nxt = ledger.next_reads(carried, start, epoch.anchors[start:], origins)
+                by = np.argsort(nxt, kind="stable")  # (ties: first-need order)
+                self.carried[gi] = (carried[by], nxt[by] // epoch.batch_size)
+            if gi in self.carried:  # what earlier batches first read, from its next reader on
+                carried, batch = self.carried[gi]
+                due = int(np.searchsorted(batch, at, side="right"))
+                seg = np.concatenate([carried[:due], seg])
+                self.carried[gi] = (carried[due:], batch[due:])
             if group.in_place is not None and len(seg):
                 single = ledger.first[seg] == ledger.last[seg]
                 if setup.pool.has_entries():  # a chunk the pool holds is a hit, not a read
