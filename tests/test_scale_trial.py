@@ -158,3 +158,30 @@ def test_members_in_1500_stores_of_their_own_are_located_without_comparing_every
     # an equal store (the same root, another object) is routed to the first one, as before
     assert paths == [f"s{i}/img" for i in range(n)] + ["s0/img", f"s{n - 1}/img"]
     assert _CountedStore.compared <= 2, f"{_CountedStore.compared} comparisons"
+
+
+def test_an_epoch_over_a_kept_split_starts_without_reordering_every_resident_chunk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # at one sample per chunk an automatic budget keeps the split for later epochs; each
+    # epoch's start still moved every resident chunk in the pool's LRU order, one by one under
+    # its lock (300,000 chunks: 0.34 s of the 0.57 s the epoch took to start), though an
+    # epoch that adds no chunk evicts none
+    root = _metadata_only(tmp_path / "s.zarr", 4_000, 1, ("a", "b"))
+    geoms = open_geometries(root, ["a", "b"])
+    manifest = split_by_chunk(geoms["a"], (1.0, 0.0, 0.0))
+    moved: list[int] = []
+    with insitu_pipeline(root, manifest, dict(geoms), batch_size=256, coords=()) as pipe:
+        pool = pipe.stages.pool
+        evict_last = pool.evict_last
+        monkeypatch.setattr(
+            pool, "evict_last", lambda keys: (moved.append(len(keys)), evict_last(keys))
+        )
+        epochs = []
+        for _ in range(2):
+            pipe.reset()
+            rows = sum(len(b) for b in pipe)
+            epochs.append((rows, pipe.stats()["misses"], pipe.stats()["hits"]))
+    # the second epoch reads every chunk again from the pool (the oracle: nothing is lost)
+    assert epochs == [(4_000, 8_000, 0), (4_000, 8_000, 8_000)], epochs
+    assert sum(moved) == 0, f"{moved} chunks reordered"
