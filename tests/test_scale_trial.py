@@ -1,9 +1,13 @@
 """What grows with the archive: plans, states and start-up measured at ERA5-like and larger sizes.
 
 Stores here hold metadata only (every chunk absent, read as its fill value), so what is measured
-is the plan, the schedule and the builders, not the data. Bounds are on the CPU time this
-process spends (other processes on the shared 2-core machine do not inflate it), on counts of
-documents read or on bytes of state, each far from what the code before the fix took.
+is the plan, the schedule and the builders, not the data. Bounds are on counts (deals of an
+epoch, chunks read before a restored batch, store comparisons, chunks reordered) or on the CPU
+time this process spends (other processes on the shared 2-core machine do not inflate it), each
+far from what the code before the fix took. Found sound at these sizes (measured, not held
+here): a state is ~300 bytes at 1e4-1e7 samples and 64 ranks, restored in tens of ms; Python
+work per batch does not grow with the epoch (1e4-1e7 samples), with selected levels (1-37 of
+13 arrays) or beside patched static cuts; collections of 16,000 members open in linear time.
 """
 
 from __future__ import annotations
