@@ -78,6 +78,34 @@ class ChunkLedger:
         seg = self.by_first[: self.fetch_ptr[at]]
         return seg[self.last[seg] // batch_size >= at]
 
+    def next_reads(
+        self,
+        segments: np.ndarray,
+        start: int,
+        anchors: np.ndarray,
+        origins: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The row at or after row ``start`` that next reads each of ``segments`` (each read
+        there: a carried segment, see :meth:`carried`). ``anchors`` (and window ``origins``)
+        are the plan's rows from ``start`` on."""
+        if not len(segments):
+            return np.zeros(0, dtype=np.int64)
+        upto = int(self.last[segments].max()) + 1 - start  # rows past every segment's last
+        anchors = anchors[:upto]
+        if self.windows is not None:
+            assert origins is not None, "a patched ledger needs the rows' origins"
+            cid, row = self.windows.uses(anchors, origins[:upto])
+        else:
+            offsets = sorted(set(self.offsets))
+            cid = np.concatenate([(anchors + k) // self.samples_per_chunk for k in offsets])
+            row = np.tile(np.arange(len(anchors), dtype=np.int64), len(offsets))
+        # the smallest row reading each chunk, over the chunks these rows read (a segment's
+        # chunk is among them: it is read again after ``start``)
+        lo = int(cid.min())
+        first = np.full(int(cid.max()) - lo + 1, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(first, cid - lo, row)
+        return start + first[self.chunk[segments] - lo]
+
     def first_need(self, chunks: np.ndarray) -> np.ndarray:
         """The row that first reads each of ``chunks`` this epoch (each must be read)."""
         heads = np.flatnonzero(np.r_[True, self.chunk[1:] != self.chunk[:-1]])
@@ -296,8 +324,8 @@ class EpochPlan:
 
     def carried_into(self, index: int) -> tuple[ChunkKey, ...]:
         """Chunks first read before batch ``index`` and read again at or after it, in
-        first-need order: what a run resumed at ``index`` must fetch before that batch's own
-        ``fetches``."""
+        first-need order: what a run resumed at ``index`` must fetch again (each with the
+        ``fetches`` of the batch that next reads it, not all before batch ``index``)."""
         at = index - self.first_batch
         if at <= 0:
             return ()
