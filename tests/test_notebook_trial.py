@@ -10,6 +10,7 @@ the test instead of the run.
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,8 @@ import pytest
 import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes.errors import PipelineInterrupted
+from insitubatch_nodes.cache import lock as cache_lock
+from insitubatch_nodes.errors import CacheBusyError, PipelineInterrupted
 from insitubatch_nodes.synthetic import make_era5_like
 
 _JOIN_S = 10.0
@@ -84,3 +86,34 @@ def test_two_threads_iterating_one_pipeline_share_its_epoch_each_batch_once_and_
             continue
         assert errors == [None, None], f"trial {trial}: {errors}"
         assert delivered == [(0, i) for i in range(len(pipe))], f"trial {trial}: {delivered}"
+
+
+def test_a_pipeline_dropped_without_close_does_not_keep_its_cache_dir_from_the_next_cell(
+    era5: dict[str, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: a writer (or reader) left unreferenced, not closed, held cache_dir until Python
+    # happened to collect it (a pipeline lives in reference cycles): the next cell's pipeline
+    # of the other kind raised CacheBusyError saying "close its other pipeline", which nobody
+    # could any more; now the builder collects this process's garbage and waits (at most 2 s)
+    cache = tmp_path / "cache"
+    for first, then in (({"persist": True}, {"readonly_cache": True}),
+                        ({"readonly_cache": True}, {"persist": True})):  # fmt: skip
+        for iterated in (True, False):
+            pipe = _pipe(era5, cache_dir=cache, **first)
+            if iterated:
+                next(pipe)
+            pipe = None  # re-running the cell: the old pipeline is only unreferenced
+            pipe = _pipe(era5, cache_dir=cache, shuffle=False, **then)
+            with pipe:
+                assert all(_exact(era5, batch) for batch in pipe)
+            del pipe
+    # a pipeline still referenced (here by a generator over it) keeps it, and the message says
+    # what may hold it (after waiting, shortened here, for a release that does not come)
+    monkeypatch.setattr(cache_lock, "PENDING_WAIT_S", 0.2)
+    kept = _pipe(era5, cache_dir=cache, persist=True)
+    rows = (batch for batch in kept)
+    next(rows)
+    del kept
+    with pytest.raises(CacheBusyError, match=r"this process.*generator"):
+        _pipe(era5, cache_dir=cache, readonly_cache=True)
+    rows.close()
