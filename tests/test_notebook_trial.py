@@ -21,7 +21,7 @@ import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.cache import lock as cache_lock
-from insitubatch_nodes.errors import CacheBusyError, PipelineInterrupted
+from insitubatch_nodes.errors import CacheBusyError, ChunkReadError, PipelineInterrupted
 from insitubatch_nodes.synthetic import make_era5_like
 
 _JOIN_S = 10.0
@@ -35,6 +35,7 @@ def era5(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     store = open_store(root)
     t2m = open_geometries(store, ["t2m"])["t2m"]
     return {
+        "root": root,
         "store": store,
         "t2m": t2m,
         "manifest": split_by_chunk(t2m, (0.5, 0.5, 0.0)),
@@ -51,6 +52,29 @@ def _exact(era5: dict[str, Any], batch: Any) -> bool:
     return bool(np.array_equal(batch["x"], era5["oracle"][batch.sample_indices["x"]]))
 
 
+def _two_threads(
+    era5: dict[str, Any], pipe: Any
+) -> tuple[list[list[tuple[int, int, bool]]], list[BaseException | None], bool]:
+    """Two threads each running ``for batch in pipe``: per thread ``(epoch, index, exact)`` of
+    each batch, what each raised, and whether one was still running after ``_JOIN_S``."""
+    got: list[list[tuple[int, int, bool]]] = [[], []]
+    errors: list[BaseException | None] = [None, None]
+
+    def consume(i: int) -> None:
+        try:
+            for batch in pipe:
+                got[i].append((batch.epoch, batch.index, _exact(era5, batch)))
+        except BaseException as exc:  # reported to the test
+            errors[i] = exc
+
+    threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(_JOIN_S)
+    return got, errors, any(thread.is_alive() for thread in threads)
+
+
 def test_two_threads_iterating_one_pipeline_share_its_epoch_each_batch_once_and_both_end(
     era5: dict[str, Any],
 ) -> None:
@@ -62,23 +86,9 @@ def test_two_threads_iterating_one_pipeline_share_its_epoch_each_batch_once_and_
         pipe = _pipe(era5, shuffle=False)
         if trial % 2:
             pipe.reset()  # else both threads' first next() resets it lazily
-        got: list[list[tuple[int, int, bool]]] = [[], []]
-        errors: list[BaseException | None] = [None, None]
-
-        def consume(i: int, pipe: Any = pipe, got: Any = got, errors: Any = errors) -> None:
-            try:
-                for batch in pipe:
-                    got[i].append((batch.epoch, batch.index, _exact(era5, batch)))
-            except BaseException as exc:  # reported below
-                errors[i] = exc
-
-        threads = [threading.Thread(target=consume, args=(i,), daemon=True) for i in range(2)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(_JOIN_S)
+        got, errors, hung = _two_threads(era5, pipe)
         pipe.close()
-        assert not any(thread.is_alive() for thread in threads), f"trial {trial}: a thread hangs"
+        assert not hung, f"trial {trial}: a thread hangs"
         delivered = sorted(row[:2] for rows in got for row in rows)
         assert all(row[2] for rows in got for row in rows), f"trial {trial}: rows not zarr's"
         if any(isinstance(err, PipelineInterrupted) for err in errors):
@@ -88,6 +98,28 @@ def test_two_threads_iterating_one_pipeline_share_its_epoch_each_batch_once_and_
             continue
         assert errors == [None, None], f"trial {trial}: {errors}"
         assert delivered == [(0, i) for i in range(len(pipe))], f"trial {trial}: {delivered}"
+
+
+def test_a_chunk_that_fails_raises_in_every_thread_iterating_the_pipeline(
+    era5: dict[str, Any],
+) -> None:
+    # before: the thread that took the producer's one "error" message raised it and the other
+    # waited in next() forever
+    stored = era5["root"] / "t2m" / "c" / "5" / "0" / "0"
+    good = stored.read_bytes()
+    stored.write_bytes(b"not zstd")
+    try:
+        for _ in range(2):
+            pipe = _pipe(era5, shuffle=False)
+            pipe.reset()
+            got, errors, hung = _two_threads(era5, pipe)
+            pipe.close()
+            assert not hung
+            assert all(isinstance(err, ChunkReadError) for err in errors), errors
+            delivered = sorted(row[1] for rows in got for row in rows)
+            assert delivered == list(range(10)) and all(row[2] for rows in got for row in rows)
+    finally:
+        stored.write_bytes(good)
 
 
 def test_a_pipeline_dropped_without_close_does_not_keep_its_cache_dir_from_the_next_cell(
