@@ -9,6 +9,7 @@ the test instead of the run.
 
 from __future__ import annotations
 
+import _thread
 import gc
 import threading
 import weakref
@@ -19,7 +20,7 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.cache import lock as cache_lock
 from insitubatch_nodes.errors import CacheBusyError, ChunkReadError, PipelineInterrupted
 from insitubatch_nodes.synthetic import make_era5_like
@@ -184,3 +185,42 @@ def test_pipelines_dropped_without_close_give_their_threads_and_memory_back_at_t
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_ctrl_c_in_the_first_next_then_a_new_loop_starts_the_epoch_nothing_was_delivered_of(
+    era5: dict[str, Any],
+) -> None:
+    # before: the producer had pulled plans of epoch 0 ahead, so the reset of the next loop
+    # (iter(Loader(pipe)), pipe.reset()) took epoch 0 for begun and started epoch 1 - a run
+    # whose first batch was interrupted in a notebook skipped an epoch, unlike a reset with
+    # nothing delivered (docs: epochs advance on batches delivered)
+    fresh = _pipe(era5)
+    want = next(fresh).sample_indices["x"].copy()
+    fresh.close()
+    for how in ("loader", "reset"):
+        entered, release = threading.Event(), threading.Event()
+
+        def hold(batch: Any, entered: threading.Event = entered, release: Any = release) -> Any:
+            entered.set()
+            release.wait(_JOIN_S)
+            return batch
+
+        pipe = _pipe(era5, batch_transforms=[hold])
+        ctrl_c = threading.Thread(target=lambda e=entered: e.wait(_JOIN_S) and _interrupt())
+        ctrl_c.start()
+        with pytest.raises(KeyboardInterrupt):
+            next(pipe)
+        ctrl_c.join(_JOIN_S)
+        release.set()
+        if how == "loader":
+            batch = next(iter(Loader(pipe)))
+        else:
+            pipe.reset()
+            batch = next(pipe)
+        pipe.close()
+        assert (batch.epoch, batch.index) == (0, 0), how
+        assert np.array_equal(batch.sample_indices["x"], want) and _exact(era5, batch)
+
+
+def _interrupt() -> None:
+    _thread.interrupt_main()

@@ -248,10 +248,25 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         with self._lock:  # a next() on another thread starts no producer until it is over
             self._halt(close_source=False)
             self.recorder.on_reset()
-            self.source.reset(source_state(initial_state))
+            if initial_state is None:
+                self.source.reset(self._unbegun())
+            else:
+                self.source.reset(source_state(initial_state))
             self._delivered = self.source.state_dict()
             self._source_at_delivered = True
             self._ended = False
+
+    def _unbegun(self) -> dict[str, Any] | None:
+        """The delivered position when it is the start of an epoch the producer has run into
+        (an interrupted or closed first ``next()``): ``reset(None)`` restarts that epoch there,
+        as epochs advance on batches delivered, not on the plans pulled ahead. ``None`` (the
+        source's own ``reset(None)``) otherwise, and when ``set_epoch`` pinned the next epoch."""
+        delivered = self._delivered
+        if delivered is None or self._ended or self._source_at_delivered:
+            return None
+        if plan_state(delivered)["batches_emitted"] or self.context.plan.pinned_epoch is not None:
+            return None
+        return delivered
 
     def next(self) -> T:
         _process.check_same_process(self._pid)
