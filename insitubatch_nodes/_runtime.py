@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import gc
 import itertools
 import os
 import queue
@@ -132,6 +133,16 @@ def stop_at_exit(kind: str, node: Any, stop_all: Callable[[Sequence[Any]], None]
         raise ValueError(f"kind must be one of {EXIT_ORDER}, got {kind!r}")
     _EXIT_STOPS.setdefault(kind, stop_all)
     _EXIT_NODES[kind].add(node)
+
+
+def collect_dropped() -> None:
+    """Collect garbage when a pipeline of this process is alive (a graph about to be built):
+    a pipeline dropped without ``close()`` lives in reference cycles, and until a full
+    collection happens to run it keeps its thread, its pool and its batch buffers — each run of
+    a notebook cell that rebinds ``pipe`` would add one. Nothing is done for the first one."""
+    pid = os.getpid()
+    if any(getattr(n, "_pid", None) == pid for n in list(_EXIT_NODES["prefetch"])):
+        gc.collect()
 
 
 @atexit.register

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping, Sequence
+from concurrent.futures import wait
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -59,6 +60,7 @@ from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
 __all__ = ["InSituPipeline", "PipelineStages", "choose_schedule", "insitu_pipeline"]
 
 log = logging.getLogger(__name__)
+_FILLS_S = 2.0  # the most close() waits for fills still inside a decode (their slots)
 
 
 @dataclass(frozen=True)
@@ -83,11 +85,13 @@ class InSituPipeline(PrefetcherNode[Batch]):
     def close(self) -> None:
         """Stop the thread, cancel in-flight fetches, unpin chunks (the position is kept: a
         later ``next()`` goes on), and let go of the memory kept idle: the pool's chunks and
-        free slots (``pool.clear()``), the idle batch buffers and the idle buffers of the
-        static cuts and forcings. What a batch you still hold lives in stays lent."""
+        free slots (``pool.clear()``; fills still in a decode, waited for up to 2 s, give
+        theirs back as they end), the idle batch buffers and the idle buffers of the static
+        cuts and forcings. What a batch you still hold lives in stays lent."""
         with self._lock:  # (a next() on another thread starts its producer after this)
             super().close()
-            self.stages.pool.clear()
+            self.stages.pool.clear()  # fills still in a decode give their slots back as they end:
+            wait(self.stages.pool.detached_fills(), timeout=_FILLS_S)  # briefly wait for them
             self.stages.gather.release_idle()
 
     @property

@@ -136,6 +136,7 @@ class ChunkPool:
         self._allocated = 0
         # detached chunks still arriving, by id: their slots come back when their fills end
         self._detached: dict[int, ChunkEntry] = {}
+        self._cleared = False  # since clear(), until the next acquire: a landing fill keeps nothing
         self._reserver: threading.Thread | None = None
         self._stop_reserve = threading.Event()
 
@@ -302,6 +303,7 @@ class ChunkPool:
         level_major: bool,
         fill: Fill | None,
     ) -> tuple[ChunkEntry, bool] | None:
+        self._cleared = False
         entry = self._entries.get(key)
         if entry is not None:
             entry.pins += 1
@@ -519,7 +521,7 @@ class ChunkPool:
                 entry.detached = False
                 self._detached.pop(id(entry), None)
                 closed = self.cache is not None and self.cache.closed  # it let go of its files
-                if entry.key in self._entries or entry.bad_tiles or closed:
+                if entry.key in self._entries or entry.bad_tiles or closed or self._cleared:
                     self._return_slot(entry)
                 else:
                     self._entries[entry.key] = entry
@@ -583,7 +585,7 @@ class ChunkPool:
             entry.slot_returned = True
             self.stats.resident_bytes -= entry.nbytes
             if entry.recycle:
-                if self.cache is not None and self.cache.closed:  # closed: unmap, keep nothing
+                if self._cleared or (self.cache is not None and self.cache.closed):  # keep none
                     self._allocated -= entry.slot.nbytes
                     self.backing.release(entry.slot)
                 else:
@@ -627,9 +629,12 @@ class ChunkPool:
         self.cache.close()
 
     def clear(self) -> None:
-        """Drop every unpinned chunk and free list (pinned chunks stay)."""
+        """Drop every unpinned chunk and free list (pinned chunks stay). Until the next
+        :meth:`acquire`, a fill still running (a detached chunk) gives its slot back to the
+        backing when it ends, instead of keeping its chunk or listing the slot free."""
         self.stop_reserve()
         with self._lock:
+            self._cleared = True
             for key, entry in list(self._lru.items()):
                 del self._entries[key]
                 self._return_slot(entry)

@@ -207,7 +207,10 @@ class DirLock:
         if any(pid == os.getpid() for pid, _ in pids) or f"pid {os.getpid()} " in who:
             who += (
                 " — that is this process: close its other pipeline on this cache_dir first "
-                "(pipelines of one process may all write it, or all read it, not both)"
+                "(pipelines of one process may all write it, or all read it, not both; one "
+                "you no longer use is still referenced — by a variable, a generator or loop "
+                "over it, IPython's Out[...], or an exception's traceback — since it was not "
+                "released when this process collected its garbage)"
             )
         return (
             f"cannot {want} cache_dir {self.path.parent}: {who}. Only one process may write a "
@@ -301,8 +304,27 @@ def take_lock(directory: Path, *, shared: bool) -> DirLock:
     and the error's traceback keeps slots that are views of mapped files until it is collected
     — and waits up to ``PENDING_WAIT_S`` for those releases (fills winding down let go of their
     mappings). Only a mapping still alive after that (a slot the caller holds) makes a
-    conflicting lock raise ``CacheBusyError``."""
+    conflicting lock raise ``CacheBusyError``. Likewise a conflicting lock this process holds
+    for a pipeline that is merely unreferenced (not closed; pipelines live in reference cycles,
+    so the previous run of a notebook cell holds it until Python collects it): garbage is
+    collected and the lock tried again for up to ``PENDING_WAIT_S`` before the error."""
     key = os.path.realpath(directory / LOCK_NAME)
+    deadline = time.monotonic() + PENDING_WAIT_S
+    while True:
+        try:
+            return _take(directory, key, shared)
+        except CacheBusyError:
+            pids = _lock_pids(directory / LOCK_NAME)
+            if time.monotonic() >= deadline or all(pid != os.getpid() for pid, _ in pids):
+                raise
+        gc.collect()  # the collected pipeline's thread lets go on its way out: poll briefly
+        time.sleep(_POLL_S)
+
+
+_POLL_S = 0.05
+
+
+def _take(directory: Path, key: str, shared: bool) -> DirLock:
     _await_own_releases(key, shared)
     if shared:
         return DirLock(directory, shared=True)

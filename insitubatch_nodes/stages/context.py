@@ -129,6 +129,7 @@ class StageContext:
         options = FetchOptions() if options is None else options
         if not isinstance(options, FetchOptions):
             raise TypeError(f"options must be a FetchOptions, got {options!r}")
+        _runtime.collect_dropped()  # before this graph takes memory of its own
         transforms = _resolve_transforms(plan, chunk_transforms)
         views = {label: _carried_view(label, v, transforms) for label, v in plan.views.items()}
         patched = frozenset(v.path for v in views.values() if v.patch is not None)

@@ -12,7 +12,9 @@ first ``next()`` after a ``reset`` (so ``reset`` twice with nothing consumed sta
 epoch twice, never skipping one). It stops at the end of an epoch, on ``reset``, on ``close()``
 (also ``with`` blocks, ``del`` and interpreter exit). ``close()`` cancels this pipeline's
 in-flight fetches and unpins its chunks, keeping the delivered position, so a later ``next()``
-resumes where the consumer was. Leaving a ``for`` loop early (``break``) releases nothing: the
+resumes where the consumer was. ``next()`` is safe from several threads at once: they share
+the one producer and its epoch (each item to one of them, ``StopIteration`` to all at its end).
+Leaving a ``for`` loop early (``break``) releases nothing: the
 thread parks once ``prefetch_depth`` batches wait, and the next ``next()`` continues; call
 ``close()`` (or use ``with``) to release memory at once.
 
@@ -243,12 +245,28 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
         _process.check_same_process(self._pid)
-        self._halt(close_source=False)
-        self.recorder.on_reset()
-        self.source.reset(source_state(initial_state))
-        self._delivered = self.source.state_dict()
-        self._source_at_delivered = True
-        self._ended = False
+        with self._lock:  # a next() on another thread starts no producer until it is over
+            self._halt(close_source=False)
+            self.recorder.on_reset()
+            if initial_state is None:
+                self.source.reset(self._unbegun())
+            else:
+                self.source.reset(source_state(initial_state))
+            self._delivered = self.source.state_dict()
+            self._source_at_delivered = True
+            self._ended = False
+
+    def _unbegun(self) -> dict[str, Any] | None:
+        """The delivered position when it is the start of an epoch the producer has run into
+        (an interrupted or closed first ``next()``): ``reset(None)`` restarts that epoch there,
+        as epochs advance on batches delivered, not on the plans pulled ahead. ``None`` (the
+        source's own ``reset(None)``) otherwise, and when ``set_epoch`` pinned the next epoch."""
+        delivered = self._delivered
+        if delivered is None or self._ended or self._source_at_delivered:
+            return None
+        if plan_state(delivered)["batches_emitted"] or self.context.plan.pinned_epoch is not None:
+            return None
+        return delivered
 
     def next(self) -> T:
         _process.check_same_process(self._pid)
@@ -265,12 +283,14 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                         f"{self.name} was closed or reset while next() started its producer"
                         f"{_BY_WHOM}"
                     )
-                if not self._source_at_delivered:
-                    self.source.reset(self._delivered)
-                self._source_at_delivered = False
-                worker = _Worker(self.source, self.context, self.prefetch_depth, self.name)
-                worker.start()
-                self._worker = worker
+                worker = self._worker  # a next() on another thread may have started it
+                if worker is None:
+                    if not self._source_at_delivered:
+                        self.source.reset(self._delivered)
+                    self._source_at_delivered = False
+                    worker = _Worker(self.source, self.context, self.prefetch_depth, self.name)
+                    worker.start()
+                    self._worker = worker
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
         # halting (close or reset, from any thread) puts a "halted" one. (Woken to let a
         # signal's handler run: :mod:`insitubatch_nodes._waits`.)
@@ -287,7 +307,12 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             self._delivered = state
             rec.on_deliver(called, payload)
             return payload
-        self._worker = None
+        # the producer's last message: left for any other thread's next() waiting on it
+        with contextlib.suppress(queue.Full):
+            worker.queue.put_nowait((kind, payload, state))
+        with self._lock:
+            if self._worker is worker:
+                self._worker = None
         worker.thread.join()
         if kind == "end":
             self._ended = True

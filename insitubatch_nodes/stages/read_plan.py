@@ -198,7 +198,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self.stride = cfg.stride
         self.schedule = schedule
         self._epoch = 0
-        self._pinned_epoch: int | None = None
+        self.pinned_epoch: int | None = None  # set_epoch's, for the next reset(None)
         self._emitted = 0
         self._resumed: tuple[Stage, ...] = ()  # the current epoch's elastic cuts
         self._dealing: str | None = None  # the current epoch's, when not the views' (legacy)
@@ -441,8 +441,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     @property
     def next_epoch(self) -> int:
         """The epoch the next ``reset(None)`` starts."""
-        if self._pinned_epoch is not None:
-            return self._pinned_epoch
+        if self.pinned_epoch is not None:
+            return self.pinned_epoch
         if self._plan is not None and self._emitted > 0:
             return self._epoch + 1
         return self._epoch
@@ -507,7 +507,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         epoch = check_int("epoch", epoch)
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
-        self._pinned_epoch = epoch
+        self.pinned_epoch = epoch
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
@@ -520,10 +520,10 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             self._epoch, self._emitted, self._resumed = epoch, emitted, resumed
             self._dealing = dealing
             self._plan = self._scheduled(epoch, resumed, dealing)
-            self._pinned_epoch = None
+            self.pinned_epoch = None
             return
-        if self._pinned_epoch is not None:
-            self._epoch, self._pinned_epoch = self._pinned_epoch, None
+        if self.pinned_epoch is not None:
+            self._epoch, self.pinned_epoch = self.pinned_epoch, None
         elif self._plan is not None and self._emitted > 0:
             self._epoch += 1
         self._emitted, self._resumed, self._dealing = 0, (), None
