@@ -135,14 +135,33 @@ def stop_at_exit(kind: str, node: Any, stop_all: Callable[[Sequence[Any]], None]
     _EXIT_NODES[kind].add(node)
 
 
+#: the memory (pool slots and batch buffers) the live pipelines of a process hold from which a
+#: build collects garbage first: below it, a dropped pipeline waits for Python's own collection
+COLLECT_DROPPED_ABOVE = 64 << 20
+
+
 def collect_dropped() -> None:
-    """Collect garbage when a pipeline of this process is alive (a graph about to be built):
-    a pipeline dropped without ``close()`` lives in reference cycles, and until a full
-    collection happens to run it keeps its thread, its pool and its batch buffers — each run of
-    a notebook cell that rebinds ``pipe`` would add one. Nothing is done for the first one."""
-    pid = os.getpid()
-    if any(getattr(n, "_pid", None) == pid for n in list(_EXIT_NODES["prefetch"])):
+    """Collect garbage before a graph is built when the pipelines of this process hold
+    :data:`COLLECT_DROPPED_ABOVE` or more of pool slots and batch buffers: a pipeline dropped
+    without ``close()`` lives in reference cycles, and until a full collection happens to run
+    it keeps its thread, its pool and its batch buffers — each run of a notebook cell that
+    rebinds ``pipe`` would add one. A full collection takes 0.1-0.3 s in a process that has
+    imported torch and Lightning, so pipelines holding little (tests, small data) are left to
+    Python's own collection rather than paying it at every build."""
+    if _held_by_pipelines() >= COLLECT_DROPPED_ABOVE:
         gc.collect()
+
+
+def _held_by_pipelines() -> int:
+    """Bytes of pool slots and batch buffers the live pipelines of this process hold (a
+    function of its own: no reference to a pipeline may stay on the frame that collects)."""
+    pid = os.getpid()
+    held = 0
+    for node in list(_EXIT_NODES["prefetch"]):
+        context = getattr(node, "context", None)
+        if getattr(node, "_pid", None) == pid and context is not None:
+            held += context.pool.allocated_bytes + context.buffers.held_bytes
+    return held
 
 
 @atexit.register

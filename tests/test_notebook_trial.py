@@ -156,13 +156,31 @@ def test_a_pipeline_dropped_without_close_does_not_keep_its_cache_dir_from_the_n
 
 
 def test_pipelines_dropped_without_close_give_their_threads_and_memory_back_at_the_next_build(
-    era5: dict[str, Any],
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # before: a pipeline lives in reference cycles, so one rebound without close() kept its
     # prefetch thread, pool and batch buffers until a full collection happened to run: 20
     # builds of a cell left 11 alive (10 threads, 240 MB more at 2 MiB per batch). Now a build
     # collects garbage while another pipeline of the process is alive. The worst case is made
-    # deterministic here: no automatic collection at all
+    # deterministic here: no automatic collection at all. A build collects when the live
+    # pipelines hold _runtime.COLLECT_DROPPED_ABOVE (64 MiB): these hold less, so it is lowered
+    # (and a build under it runs no collection: a full one costs 0.1-0.3 s with torch imported)
+    from insitubatch_nodes import _runtime
+
+    collections: list[int] = []
+    gc.disable()  # (only a collection the build runs is counted)
+    gc.callbacks.append(lambda phase, info: collections.append(1) if phase == "start" else None)
+    try:
+        first = _pipe(era5)
+        next(first)
+        _pipe(era5).close()
+    finally:
+        del gc.callbacks[-1]
+        gc.enable()
+    assert not collections, "a build under the threshold collected garbage"
+    first.close()
+    del first
+    monkeypatch.setattr(_runtime, "COLLECT_DROPPED_ABOVE", 1)
     gc.collect()
     alive: list[weakref.ref[Any]] = []
     was_enabled = gc.isenabled()
