@@ -24,6 +24,17 @@ import numpy as np
 import pytest
 import zarr
 
+# One compute thread per process (torch's OpenMP pool, OpenBLAS), in the test processes and in
+# every process they start (the fork server and subprocesses inherit the variable). The suite
+# runs three xdist workers on CI's two cores, each with its own child processes: a pool of one
+# thread per core in each of them oversubscribes the cores, and its threads spin waiting for
+# work between small tensor operations (two recipe runs: 15.7 CPU-s with the default pools,
+# 8.6 s with one thread). No test's claim is about intra-op parallelism. Set before torch is
+# imported (at collection), where the pool size is read; OMP_NUM_THREADS set outside wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # imported before this file (by a plugin): size the pool directly
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 # ---------------------------------------------------------------------------------------------
 # Order: the end-to-end tests first
 # ---------------------------------------------------------------------------------------------

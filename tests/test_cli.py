@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
+import forkserver
 import numpy as np
 import pytest
 import zarr
@@ -163,7 +164,10 @@ def test_check_transform_judges_the_gil_right_on_a_cpu_shared_with_busy_processe
     store: Path, transforms: Path, target: str, busy: int, rc_wanted: int, verdict: str
 ) -> None:
     argv = ["check-transform", str(store), "--var", "t2m", "--transform", f"{transforms}:{target}"]
-    proc = subprocess.run(
+    # forked by the tests' fork server (torch and the package already imported): the claim is
+    # about the probe on a busy CPU, not about a fresh interpreter; the busy processes are
+    # fresh interpreters that import nothing
+    proc = forkserver.run(
         [sys.executable, "-c", _ON_A_BUSY_CPU, str(busy), *argv],
         capture_output=True,
         text=True,

@@ -11,9 +11,8 @@ and index, and its sample indices; an uninterrupted run is the reference.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -21,8 +20,11 @@ import zarr
 
 from insitubatch_nodes import PlanConfig, open_geometries
 from insitubatch_nodes.batch import Batch
-from insitubatch_nodes.lightning import InSituDataModule
 
+if TYPE_CHECKING:
+    from lightning_parts import StepRecorder
+
+# Lightning is imported by the tests, not at collection (tests/lightning_parts.py says why).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lightning")]
 
 EPOCHS = 3
@@ -49,37 +51,19 @@ def item(batch: Batch) -> dict[str, Any]:
     }
 
 
-class Recorder(L.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
-        self.steps: list[tuple[int, tuple[int, int], list[int]]] = []
+def fit(store: Path, root: Path, callbacks: list[Any], ckpt: Path | None = None) -> StepRecorder:
+    import lightning as L
+    from lightning_parts import StepRecorder
 
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        self.steps.append((self.current_epoch, batch["at"], batch["rows"]))
-        return self.layer(batch["x"].mean().reshape(1, 1)).sum()
+    from insitubatch_nodes.lightning import InSituDataModule
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.0)
-
-
-class StopAt(L.Callback):
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            trainer.should_stop = True
-
-
-def fit(store: Path, root: Path, callbacks: list[Any], ckpt: Path | None = None) -> Recorder:
     g = open_geometries(str(store), ["t2m"])["t2m"]
     dm = InSituDataModule(
         str(store), {"x": g, "y": g.shift(1)}, (0.75, 0.25, 0.0),
         config=PlanConfig(batch_size=7, block_chunks=2, seed=3), transform=item,
         log_report=False,
     )  # fmt: skip
-    model = Recorder()
+    model = StepRecorder()
     trainer = L.Trainer(
         max_epochs=EPOCHS, default_root_dir=root, logger=False, enable_progress_bar=False,
         enable_model_summary=False, accelerator="cpu", limit_val_batches=0,
@@ -93,11 +77,12 @@ def fit(store: Path, root: Path, callbacks: list[Any], ckpt: Path | None = None)
 def test_a_run_the_trainer_stopped_mid_epoch_resumes_at_the_next_epoch_as_the_trainer_does(
     store: Path, tmp_path: Path, stop: int
 ) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning_parts import StopAt
+
     reference = fit(store, tmp_path / "ref", []).steps
     per_epoch = len(reference) // EPOCHS
-    saver = L.pytorch.callbacks.ModelCheckpoint(
-        dirpath=tmp_path / "ck", save_last=True, save_on_train_epoch_end=True
-    )
+    saver = ModelCheckpoint(dirpath=tmp_path / "ck", save_last=True, save_on_train_epoch_end=True)
     first = fit(store, tmp_path / "a", [StopAt(stop), saver]).steps
     assert first == reference[:stop]
     resumed = fit(store, tmp_path / "b", [], ckpt=tmp_path / "ck" / "last.ckpt").steps

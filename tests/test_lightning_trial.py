@@ -54,9 +54,8 @@ set; the same before these changes), the later ones exact.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import lightning as L
 import numpy as np
 import pytest
 import torch
@@ -64,8 +63,11 @@ import zarr
 
 from insitubatch_nodes import PlanConfig, open_geometries
 from insitubatch_nodes.batch import Batch
-from insitubatch_nodes.lightning import InSituDataModule
 
+if TYPE_CHECKING:
+    from insitubatch_nodes.lightning import InSituDataModule
+
+# Lightning is imported by the tests, not at collection (tests/lightning_parts.py says why).
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("lightning")]
 
 PER_EPOCH = 7  # 35 training anchors in batches of 5
@@ -98,31 +100,9 @@ def item(batch: Batch) -> dict[str, Any]:
     }
 
 
-class Recorder(L.LightningModule):
-    """Checks every row against zarr and records ``((epoch, index), rows)`` per training step."""
-
-    def __init__(self, oracle: np.ndarray, stepping_batches: bool = False) -> None:
-        super().__init__()
-        self.layer = torch.nn.Linear(1, 1)
-        self.oracle = oracle
-        self.stepping_batches = stepping_batches
-        self.lr = 0.0  # (what the learning-rate finder sets)
-        self.steps: list[tuple[tuple[int, int], tuple[int, ...]]] = []
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        for r, i in enumerate(batch["rows"]):
-            np.testing.assert_array_equal(batch["x"][r].numpy(), self.oracle[i])
-            np.testing.assert_array_equal(batch["y"][r].numpy(), self.oracle[i + 1])
-        self.steps.append((tuple(batch["at"]), tuple(batch["rows"])))
-        return self.layer(batch["x"].mean().reshape(1, 1)).sum()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        if self.stepping_batches:  # Lightning issue #20550
-            assert self.trainer.estimated_stepping_batches > 0
-        return torch.optim.SGD(self.parameters(), lr=self.lr)
-
-
 def data_module(store: Path, **options: Any) -> InSituDataModule:
+    from insitubatch_nodes.lightning import InSituDataModule
+
     g = open_geometries(str(store), ["t2m"])["t2m"]
     config = options.pop("config", PlanConfig(batch_size=5, block_chunks=2, seed=3))
     return InSituDataModule(
@@ -131,20 +111,13 @@ def data_module(store: Path, **options: Any) -> InSituDataModule:
     )  # fmt: skip
 
 
-def trainer(root: Path, **options: Any) -> L.Trainer:
-    settings: dict[str, Any] = {
-        "max_epochs": -1, "default_root_dir": root, "logger": False,
-        "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu",
-        "limit_val_batches": 0, "enable_checkpointing": False, **options,
-    }  # fmt: skip
-    return L.Trainer(**settings)
-
-
 @pytest.fixture(scope="module")
 def reference(
     store: Path, oracle: np.ndarray, tmp_path_factory: pytest.TempPathFactory
 ) -> list[tuple]:
     """Three uninterrupted epochs."""
+    from lightning_parts import Recorder, trainer
+
     model = Recorder(oracle)
     root = tmp_path_factory.mktemp("reference")
     trainer(root, max_steps=3 * PER_EPOCH).fit(model, datamodule=data_module(store))
@@ -152,21 +125,12 @@ def reference(
     return model.steps
 
 
-class SaveAt(L.Callback):
-    """``trainer.save_checkpoint(path)`` at the end of training step ``step``."""
-
-    def __init__(self, step: int, path: Path) -> None:
-        self.step, self.path = step, path
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if trainer.global_step == self.step:
-            trainer.save_checkpoint(self.path)
-
-
 @pytest.mark.parametrize("stop", [10, PER_EPOCH * 2], ids=["mid-epoch", "at-an-epoch-end"])
 def test_a_run_stopped_by_max_steps_resumes_with_the_next_batch_and_stays_exact(
     store: Path, oracle: np.ndarray, reference: list[tuple], tmp_path: Path, stop: int
 ) -> None:
+    from lightning_parts import Recorder, SaveAt, trainer
+
     first = Recorder(oracle)
     stopped = trainer(tmp_path, max_steps=stop)
     stopped.fit(first, datamodule=data_module(store))
@@ -189,6 +153,8 @@ def test_a_run_stopped_by_max_steps_resumes_with_the_next_batch_and_stays_exact(
 def test_a_data_module_reused_by_a_new_trainer_resumes_its_checkpoint_exactly(
     store: Path, oracle: np.ndarray, reference: list[tuple], tmp_path: Path
 ) -> None:
+    from lightning_parts import Recorder, SaveAt, trainer
+
     dm, first = data_module(store), Recorder(oracle, stepping_batches=True)
     trainer(tmp_path, max_steps=6, callbacks=[SaveAt(4, tmp_path / "4.ckpt")]).fit(
         first, datamodule=dm
@@ -214,17 +180,11 @@ def test_an_eval_batch_size_below_one_is_refused_naming_it(store: Path) -> None:
         data_module(store, eval_batch_size=2.5)
 
 
-class PrintEachStep(L.Callback):
-    def __init__(self) -> None:
-        self.printed: list[str] = []
-
-    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        self.printed.append(str(trainer.datamodule))
-
-
 def test_one_name_is_one_variable_and_transforms_are_checked_where_the_module_is_made(
     store: Path, oracle: np.ndarray
 ) -> None:
+    from insitubatch_nodes.lightning import InSituDataModule
+
     dm = InSituDataModule(
         str(store), "t2m", (0.6, 0.2, 0.2), config=PlanConfig(batch_size=5), transform=item_of_t2m,
     )  # fmt: skip
@@ -251,6 +211,8 @@ def item_of_t2m(batch: Batch) -> dict[str, Any]:
 def test_overfit_batches_trains_on_the_same_batches_every_epoch(
     store: Path, oracle: np.ndarray, tmp_path: Path
 ) -> None:
+    from lightning_parts import Recorder, trainer
+
     model = Recorder(oracle)
     with pytest.warns(UserWarning, match="overfit_batches.*unshuffled"):
         trainer(tmp_path, max_epochs=3, overfit_batches=2).fit(model, datamodule=data_module(store))
@@ -262,6 +224,7 @@ def test_the_learning_rate_finder_runs_and_the_fit_after_it_trains_the_reference
     store: Path, oracle: np.ndarray, reference: list[tuple], tmp_path: Path
 ) -> None:
     from lightning.pytorch.tuner import Tuner
+    from lightning_parts import Recorder, trainer
 
     model, dm = Recorder(oracle), data_module(store)
     fitter = trainer(tmp_path, max_epochs=2)
@@ -275,6 +238,8 @@ def test_the_learning_rate_finder_runs_and_the_fit_after_it_trains_the_reference
 def test_printing_a_data_module_reads_nothing_and_leaves_training_alone(
     store: Path, oracle: np.ndarray, reference: list[tuple], tmp_path: Path
 ) -> None:
+    from lightning_parts import PrintEachStep, Recorder, trainer
+
     dm = data_module(store)
     text = str(dm)
     assert dm.store is None and not dm._loaders, "str() set the data module up"
@@ -285,20 +250,11 @@ def test_printing_a_data_module_reads_nothing_and_leaves_training_alone(
     assert "train: 7 batches" in printer.printed[-1], printer.printed[-1]
 
 
-class Sizes(Recorder):
-    def __init__(self, oracle: np.ndarray) -> None:
-        super().__init__(oracle)
-        self.sizes: list[int] = []
-
-    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
-        self.sizes.append(len(batch["rows"]))
-        return super().training_step(batch, batch_idx)
-
-
 def test_the_batch_size_finder_tries_each_size_and_the_fit_trains_at_the_one_found(
     store: Path, oracle: np.ndarray, tmp_path: Path
 ) -> None:
     from lightning.pytorch.tuner import Tuner
+    from lightning_parts import Sizes, trainer
 
     dm, model = data_module(store), Sizes(oracle)
     fitter = trainer(tmp_path, max_epochs=1)
