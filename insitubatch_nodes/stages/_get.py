@@ -101,9 +101,12 @@ class GetQueue:
             task.add_done_callback(self._forget)
 
     def _forget(self, task: asyncio.Task[None]) -> None:
-        self.tasks.pop(task, None)
+        held = self.tasks.pop(task, None)
         if not task.cancelled():
             task.exception()  # retrieved: a failure was landed already
+        elif held is not None:  # cancelled before its first step: _fetch never ran to land it
+            job, unit = held  # (so its entry would stay pending and its permit taken for good)
+            self._land(job, [Queued(unit, _now(), error=FillCancelled("cancelled"), permit=True)])
 
     async def _fetch(self, job: FillJob, unit: Unit) -> None:
         array, chunk, tile = unit.array, unit.chunk, unit.tile
