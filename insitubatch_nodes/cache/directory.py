@@ -194,6 +194,7 @@ class ChunkCache:
         self._warned_commit = False
         self._warned_full = False
         self._mutex = threading.Lock()  # orders map_file against close
+        self._files_lock = threading.Lock()  # orders commits against closing the log files
         self.closed = True
         self.open()
         weakref.finalize(self, ChunkCache._release_locks, self._locks)
@@ -276,19 +277,17 @@ class ChunkCache:
     def close(self) -> None:
         """Stop writing and release the directory once every mapping of it is gone.
 
-        No mapping is made once this has started. A mapping the pipeline no longer uses can
-        still be alive for a moment — in a reference cycle, or in a fill that is winding down (the
-        error that stops an epoch no longer holds any: the prefetch stage clears its frames) — so
-        while a lock waits for mappings this collects garbage once and waits up to
-        ``CLOSE_WAIT_S`` for them to go; mappings you hold (a slot) keep it locked after."""
+        No mapping is made, and no chunk committed, once this has started. A mapping no longer
+        used can be alive for a moment (a reference cycle, a fill winding down), so while a lock
+        waits for mappings this collects garbage once and waits up to ``CLOSE_WAIT_S`` for them
+        to go; mappings you hold (a slot) keep it locked after."""
         self.stop()
         self._close_log()
         self._close_identity()
         unshare_arrays(self.root, self)
         locks = list(self._locks)
         self._release_locks(locks)
-        # a close that had to leave locks waiting (an error's traceback still held a mapping)
-        # tries again here: by now that error may be gone
+        # a close that had to leave locks waiting tries again here (what held them may be gone)
         locks += [lock for lock in self._closing if lock.waiting]
         self._locks[:] = []
         self._spill = None
@@ -313,14 +312,16 @@ class ChunkCache:
             lock.release()
 
     def _close_log(self) -> None:
-        fd, self._log_fd = self._log_fd, None
-        if fd is not None:
-            os.close(fd)
+        with self._files_lock:
+            fd, self._log_fd = self._log_fd, None
+            if fd is not None:
+                os.close(fd)
 
     def _close_identity(self) -> None:
-        recorder, self.identity = self.identity, None
-        if recorder is not None:
-            recorder.close()
+        with self._files_lock:
+            recorder, self.identity = self.identity, None
+            if recorder is not None:
+                recorder.close()
 
     def adopt(self, fingerprints: Mapping[str, str], tiles: Mapping[str, int]) -> None:
         """Cache arrays this cache was opened without too (``{path: fingerprint}``, ``{path:
@@ -645,38 +646,39 @@ class ChunkCache:
         """The slot holds its chunk's final bytes: rename it into place and log it with their
         checksum (the one :meth:`seal` computed, else computed here). A failure (disk full, ...)
         warns once and leaves the chunk uncached; returns whether it stuck."""
-        if slot.committed or slot.dropped or self._log_fd is None:
-            return False
-        try:
-            checksum = slot.checksum or content_sum(slot.array)
-            os.replace(slot.tmp, slot.final)
-            slot.committed = True
-            if self.identity is not None:  # after the file is in place, before its log line
-                self.identity.commit(slot.key)
-            logged = Logged(
-                slot.final,
-                tuple(slot.array.shape),
-                slot.array.dtype.str,
-                int(valid),
-                self.fingerprints[slot.key[0]],
-                checksum,
-            )
-            Log.append(self._log_fd, entry_line(slot.key, logged) + "\n")
-            self._index[slot.key] = logged
-            self.stats["committed"] += 1
-        except OSError as exc:
-            if not self._warned_commit:
-                self._warned_commit = True
-                warnings.warn(
-                    f"insitubatch_nodes: could not keep chunk {slot.key} in cache_dir "
-                    f"{self.root} ({exc}); chunks that cannot be written stay uncached",
-                    RuntimeWarning,
-                    stacklevel=2,
+        with self._files_lock:  # (a close waits for this commit, or this sees it closed)
+            if slot.committed or slot.dropped or self.closed or self._log_fd is None:
+                return False
+            try:
+                checksum = slot.checksum or content_sum(slot.array)
+                os.replace(slot.tmp, slot.final)
+                slot.committed = True
+                if self.identity is not None:  # after the file is in place, before its log line
+                    self.identity.commit(slot.key)
+                logged = Logged(
+                    slot.final,
+                    tuple(slot.array.shape),
+                    slot.array.dtype.str,
+                    int(valid),
+                    self.fingerprints[slot.key[0]],
+                    checksum,
                 )
-            return False
-        finally:
-            slot.claim.unlink(missing_ok=True)
-        return True
+                Log.append(self._log_fd, entry_line(slot.key, logged) + "\n")
+                self._index[slot.key] = logged
+                self.stats["committed"] += 1
+            except OSError as exc:
+                if not self._warned_commit:
+                    self._warned_commit = True
+                    warnings.warn(
+                        f"insitubatch_nodes: could not keep chunk {slot.key} in cache_dir "
+                        f"{self.root} ({exc}); chunks that cannot be written stay uncached",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
+                return False
+            finally:
+                slot.claim.unlink(missing_ok=True)
+            return True
 
     def drop(self, slot: SlotFile) -> None:
         """The pool no longer uses ``slot``: an uncommitted file is removed with its claim."""
