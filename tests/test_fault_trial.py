@@ -54,7 +54,7 @@ from insitubatch_nodes import (
     open_store,
     split_by_chunk,
 )
-from insitubatch_nodes.errors import ChunkReadError
+from insitubatch_nodes.errors import ChunkReadError, FillCancelled
 from insitubatch_nodes.testing import FaultProxy
 from insitubatch_nodes.testing import _parse_headers as parse_headers
 from insitubatch_nodes.testing import _relay_response as relay_response
@@ -708,3 +708,87 @@ def test_every_error_of_the_package_pickles_with_its_message_attributes_and_caus
     assert "credentials expired" in str(back) and back.key == "t2m/c/3/0/1"
     disk = pickle.loads(pickle.dumps(made[4]))
     assert disk.errno == errno.ENOSPC and disk.nbytes == 8 << 20
+
+
+def test_a_get_cancelled_before_its_first_step_lands_as_cancelled_and_gives_its_permit_back() -> (
+    None
+):
+    """A GET task cancelled before the IO loop ran its first step (a close or reset right
+    after the admission queued it: the cancel callback was ahead of the task in the loop's
+    queue) never entered ``GetQueue._fetch``, which lands every outcome: its object was never
+    handed to the decode threads, so its pool entry stayed pending (a close then waited 2 s
+    for that slot's cache mapping: the fault trial's flaky close) and its in-flight permit was
+    never given back — each such cancel took one of ``max_inflight`` for good. Now the task's
+    done callback lands it as cancelled, with its permit. Driven on the IO loop in the order
+    that showed it; ``pool`` and ``recorder`` are stand-ins (nothing here reaches them)."""
+    from insitubatch_nodes import _runtime
+    from insitubatch_nodes.stages._get import GetQueue
+    from insitubatch_nodes.stages._jobs import FillJob, Unit
+
+    landed: list[Any] = []
+    io = _runtime.io_loop()
+
+    class _Pool:
+        def note_io(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    async def _get(key: str) -> bytes:
+        raise AssertionError("a cancelled GET must not be sent")
+
+    gets = GetQueue(_get, io, 4, "stand-in", pool=_Pool(), recorder=None,  # type: ignore[arg-type]
+                    land=lambda job, items: landed.extend(items))  # fmt: skip
+    job = FillJob(ticket=0, generation=0)
+    units = [Unit(None, c, (0,), np.zeros(1), None) for c in range(3)]  # type: ignore[arg-type]
+
+    def queue_then_cancel() -> None:  # as a close lands between the queueing and the steps
+        gets._enqueue(job, units, ())
+        job.cancelled = True
+        for task in list(gets.tasks):
+            task.cancel()
+
+    io.call_soon_threadsafe(queue_then_cancel)
+    deadline = time.monotonic() + 5
+    while len(landed) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert sorted(item.work.chunk for item in landed) == [0, 1, 2], landed
+    assert all(isinstance(item.error, FillCancelled) and item.permit for item in landed)
+    assert not gets.tasks
+
+
+def test_a_commit_racing_a_close_of_the_cache_never_writes_to_the_closed_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fill committing its chunk to a persistent cache (a decode thread) while the graph's
+    close closes the cache's log (the consumer's thread, after an error): the commit checked
+    the log's descriptor, then wrote to it after the close had set it to ``None`` — a
+    ``TypeError`` that failed the chunk and, held in a reference cycle with its slot, kept the
+    directory's lock waiting 2 s; a descriptor closed and reused by another open file would
+    have taken the log line. Now the close waits for the commit in progress (or the commit
+    sees the cache closed). The close is started from inside the commit (between the rename
+    and the log line), and given 0.3 s to get in."""
+    import threading
+
+    from insitubatch_nodes.cache import directory
+    from insitubatch_nodes.cache.directory import ChunkCache
+
+    cache = ChunkCache(tmp_path / "cache", {"t2m": "0123456789abcdef"}, persist=True)
+    slot = cache.new_slot(("t2m", 0), (2, 2), np.dtype("f4"), 2)
+    assert slot is not None
+    slot.array[...] = 1
+    replace = directory.os.replace
+    closer = threading.Thread(target=cache.close, daemon=True)
+
+    def replace_then_close(src: Any, dst: Any) -> None:
+        replace(src, dst)
+        closer.start()
+        closer.join(0.3)  # (it finishes at once on the old code; waits for the commit now)
+
+    monkeypatch.setattr(directory.os, "replace", replace_then_close)
+    kept = cache.commit(slot, 2)  # raised TypeError: 'NoneType' ... as an integer
+    monkeypatch.undo()
+    del slot
+    closer.join(5)
+    assert kept and not closer.is_alive()
+    again = ChunkCache(tmp_path / "cache", {"t2m": "0123456789abcdef"}, persist=True)
+    assert ("t2m", 0) in again._index  # the line was written whole, before the log closed
+    again.close()

@@ -189,6 +189,9 @@ class FillRunner:
                         return
                     item = job.todo.popleft()
                 self._handle(job, item, acc)
+                # (an error's traceback keeps this frame, which runs on: never the last item,
+                # whose slot may map a cache file that a close waits for)
+                del item
                 if job.todo and pool.preempted(job.ticket):
                     pool.submit(job.ticket, self._run, job)  # carry on after sooner work
                     return
