@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._frames import drop_frame_locals
 from insitubatch_nodes._runtime import PriorityPool
 from insitubatch_nodes.cache.identity import IdentityRecorder, stat_identity
 from insitubatch_nodes.errors import ChunkReadError, FillCancelled
@@ -209,6 +210,10 @@ class FillRunner:
             self._note_reads(acc, -1 if local else 0)
             rec = self.recorder
             rec.on_fill_run(acc)
+            # their tracebacks keep this thread's frames: no slot may outlive the run (_frames)
+            for error in _RUN.__dict__.pop("errors", ()):
+                drop_frame_locals(error)
+            del job, acc
 
     def _handle(self, job: FillJob, item: Queued, acc: _Tally) -> None:
         unit, landed, raw, error, permit = item
@@ -419,6 +424,7 @@ class FillRunner:
     def _failed(self, job: FillJob, unit: Unit, error: BaseException) -> None:
         """``unit`` failed in the machinery itself (not a read or a decode): it fails its
         entry, or its batch, whatever ``on_bad_chunk`` says."""
+        _RUN.__dict__.setdefault("errors", []).append(error)  # (for the run's end)
         entry = unit.entry
         if entry is None:
             if job.error is None:
@@ -457,6 +463,7 @@ class FillRunner:
         return raw
 
     def _bad(self, job: FillJob, unit: Unit, key: str, error: ChunkReadError) -> None:
+        _RUN.__dict__.setdefault("errors", []).append(error)  # (for the run's end)
         array, chunk, tile, out, entry, _ = unit
         if self.on_bad_chunk == "raise":
             if entry is None:
@@ -648,6 +655,9 @@ class SpareBuffers:
             if len(free) < self.max_idle:
                 free.append(buf)
                 self.nbytes += buf.nbytes
+
+
+_RUN = threading.local()  # the errors the decode thread's current run recorded ("errors")
 
 
 class _Tally:

@@ -32,12 +32,12 @@ import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from types import FrameType
 from typing import Any, ClassVar, Generic, TypeVar
 
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes import _process, _runtime, _waits
+from insitubatch_nodes._frames import drop_frame_locals
 from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stages._graph import (
@@ -165,39 +165,6 @@ def _run(
             context.close()
 
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-
-
-def _drop_frame_locals(error: BaseException) -> None:
-    """Clear the local variables of this package's frames that ``error``, and the exceptions
-    it chains (``__cause__``, ``__context__``), passed through on the pipeline's threads, and of
-    their callers (a finished frame keeps its caller): they held the failed batch's chunks
-    (pool slots, maps of ``cache_dir`` files), which the error kept alive as long as it lived —
-    in a caller's ``except`` block, as a notebook's last error — and the graph's close, before
-    the error was raised, waited ``CLOSE_WAIT_S`` (2 s) for those maps (so did every close
-    while the error lived). The traceback still says where each error passed. Frames still
-    running are left alone (``RuntimeError``), and so is other code's (a chunk transform's
-    locals stay for a debugger); the package's coroutines in a chain have all returned."""
-    seen: set[int] = set()
-    todo: list[BaseException | None] = [error]
-    while todo:
-        exc = todo.pop()
-        if exc is None or id(exc) in seen:
-            continue
-        seen.add(id(exc))
-        tb = exc.__traceback__
-        while tb is not None:
-            frame: FrameType | None = tb.tb_frame
-            while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
-                if id(frame) not in seen:
-                    seen.add(id(frame))
-                    with contextlib.suppress(RuntimeError):
-                        frame.clear()
-                frame = frame.f_back
-            tb = tb.tb_next
-        todo += [exc.__cause__, exc.__context__]
-
-
 #: who closes or resets a pipeline under a waiting ``next()``, and what to do when it was a mistake
 _BY_WHOM = (
     " (by its close(), or by a reset from another loop over it, such as a second Loader or "
@@ -318,7 +285,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             self._ended = True
             rec.on_end(called)
             raise StopIteration
-        _drop_frame_locals(payload)  # (the producer is gone: its frames are finished)
+        drop_frame_locals(payload)  # (the producer is gone: its frames are finished)
         self.context.close()
         rec.on_error(called, payload)
         raise payload
