@@ -404,6 +404,12 @@ class FaultProxy(_LoopbackServer):
     ``Content-Length``, chunked encoding or connection close. It runs its own event loop on a
     daemon thread; use it
     as a context manager or call :meth:`stop`.
+
+    A subclass scripts other faults by overriding :meth:`_action`, which says what to do with
+    each request: ``None`` forwards it, an int answers that status itself, ``"reset"``
+    forwards and resets the connection half-way through the body, ``"close"`` closes it there
+    in order (FIN), ``"stall"`` never answers, ``"stall_body"`` sends half the body and then
+    nothing.
     """
 
     name = "fault-proxy"
@@ -449,14 +455,21 @@ class FaultProxy(_LoopbackServer):
             self.injected += fail
         return fail
 
-    def _error_response(self) -> bytes:
+    def _action(self, method: str, target: str) -> int | str | None:
+        """What to do with this request (see the class docstring): ``fail_first``, ``burst_s``
+        and ``match`` decide whether it is faulted, ``reset`` how."""
+        if not self._should_fail(method, target):
+            return None
+        return "reset" if self.reset else self.status
+
+    def _error_response(self, status: int) -> bytes:
         body = (
             b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
             b"<Message>injected by FaultProxy</Message></Error>"
         )
-        reason = _REASONS.get(self.status, "Error")
+        reason = _REASONS.get(status, "Error")
         head = (
-            f"HTTP/1.1 {self.status} {reason}\r\nContent-Type: application/xml\r\n"
+            f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/xml\r\n"
             f"Content-Length: {len(body)}\r\n\r\n"
         )
         return head.encode() + body
@@ -471,18 +484,28 @@ class FaultProxy(_LoopbackServer):
                 method, target = head.split(b" ", 2)[:2]
                 headers = _parse_headers(head)
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                fail = self._should_fail(method.decode(), target.decode())
-                if fail and not self.reset:
-                    writer.write(self._error_response())
+                act = self._action(method.decode(), target.decode())
+                if isinstance(act, int):
+                    writer.write(self._error_response(act))
                     await writer.drain()
                     continue
+                if act == "stall":
+                    await asyncio.sleep(3600)
                 # One upstream connection per request: the target may close after each answer.
                 up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
                 try:
                     up_w.write(head + body)
                     await up_w.drain()
+                    if act in ("close", "stall_body"):  # half the body, then FIN or nothing
+                        answer = await up_r.readuntil(b"\r\n\r\n")
+                        n = int(_parse_headers(answer)["content-length"])
+                        writer.write(answer + (await up_r.readexactly(n))[: n // 2])
+                        await writer.drain()
+                        if act == "stall_body":
+                            await asyncio.sleep(3600)
+                        return  # (the finally closes the connection in order)
                     keep = await _relay_response(
-                        up_r, writer, head_only=method == b"HEAD", cut=fail
+                        up_r, writer, head_only=method == b"HEAD", cut=act == "reset"
                     )
                 finally:
                     with contextlib.suppress(Exception):

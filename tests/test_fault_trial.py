@@ -56,8 +56,6 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.errors import ChunkReadError, FillCancelled
 from insitubatch_nodes.testing import FaultProxy
-from insitubatch_nodes.testing import _parse_headers as parse_headers
-from insitubatch_nodes.testing import _relay_response as relay_response
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -271,10 +269,11 @@ def test_a_failed_time_coordinate_read_for_missing_or_a_stride_says_what_needs_i
 
 class ScriptProxy(FaultProxy):
     """An HTTP proxy in front of ``target_port`` whose n-th GET of a path containing a key of
-    ``script`` does ``script[key][n]``: an int answers that status itself (an S3 error body);
-    ``"reset"`` forwards and resets the connection half-way through the body, ``"close"``
-    closes it there in order (FIN), ``"stall"`` never answers, ``"stall_body"`` sends half the
-    body and then nothing. Other requests are forwarded; ``gets`` counts GETs per path."""
+    ``script`` does ``script[key][n]``, one of ``FaultProxy``'s actions: an int answers that
+    status itself (an S3 error body); ``"reset"`` forwards and resets the connection half-way
+    through the body, ``"close"`` closes it there in order (FIN), ``"stall"`` never answers,
+    ``"stall_body"`` sends half the body and then nothing. Other requests are forwarded;
+    ``gets`` counts GETs per path."""
 
     name = "script-proxy"
 
@@ -282,54 +281,14 @@ class ScriptProxy(FaultProxy):
         self.script = {k: list(v) for k, v in script.items()}
         super().__init__(target_port, fail_first=0)
 
-    def _action(self, method: bytes, target: bytes) -> int | str | None:
-        if method != b"GET":
+    def _action(self, method: str, target: str) -> int | str | None:
+        if method != "GET":
             return None
-        path = target.decode().split("?", 1)[0]
+        path = target.split("?", 1)[0]
         with self._lock:
             self.gets[path] += 1
             todo = next((v for k, v in self.script.items() if k in path and v), None)
             return None if todo is None else todo.pop(0)
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while True:
-                head = await reader.readuntil(b"\r\n\r\n")
-                method, target = head.split(b" ", 2)[:2]
-                body = await reader.readexactly(int(parse_headers(head).get("content-length", 0)))
-                act = self._action(method, target)
-                if isinstance(act, int):
-                    self.status = act
-                    writer.write(self._error_response())
-                    await writer.drain()
-                    continue
-                if act == "stall":
-                    await asyncio.sleep(3600)
-                up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
-                try:
-                    up_w.write(head + body)
-                    await up_w.drain()
-                    if act in ("close", "stall_body"):
-                        answer = await up_r.readuntil(b"\r\n\r\n")
-                        n = int(parse_headers(answer)["content-length"])
-                        writer.write(answer + (await up_r.readexactly(n))[: n // 2])
-                        await writer.drain()
-                        if act == "stall_body":
-                            await asyncio.sleep(3600)
-                        return  # (the finally closes the connection in order)
-                    keep = await relay_response(
-                        up_r, writer, head_only=method == b"HEAD", cut=act == "reset"
-                    )
-                finally:
-                    with contextlib.suppress(Exception):
-                        up_w.close()
-                if not keep:
-                    return
-        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError, OSError):
-            return
-        finally:
-            with contextlib.suppress(Exception):
-                writer.close()
 
 
 # small deadlines: a stalled attempt is given up after 0.3 s, a read after 3 s
