@@ -158,6 +158,9 @@ class ChunkReadError(InSituError, RuntimeError):
             where = f"member {member!r} {where}"
         source = f": {located}" if located else (f" in store {store}" if store else "")
         self.what = what
+        #: under ``on_bad_chunk="nan"``: the reads failed in a row, this one last, none served
+        #: between them (a store that stopped answering is not filled; 0 otherwise)
+        self.in_a_row = 0
         #: what failed, and where: the message without its cause and advice
         self.where = f"failed to {what} array {array!r} {where} (store key {key!r}{source})"
         super().__init__(self.where)
@@ -167,6 +170,8 @@ class ChunkReadError(InSituError, RuntimeError):
         if self.__cause__ is not None:
             text = short_cause(self.__cause__, 600)
         cause = f": {text}" if text else ""
+        if self.in_a_row:
+            return f"{self.where}{cause}. " + _STOPPED_ADVICE.format(self.in_a_row)
         return f"{self.where}{cause}. {_DECODE_ADVICE if self.what == 'decode' else _READ_ADVICE}"
 
 
@@ -174,6 +179,12 @@ _READ_ADVICE = (
     "The store's retries (RetryPolicy) were spent, or the error is not one it retries: once "
     "the store answers, resume from the last state_dict() (no sample is lost or repeated), or "
     "pass on_bad_chunk='nan' to fill such objects and go on"
+)
+_STOPPED_ADVICE = (
+    "The store has failed {} reads in a row, this one last, and served none between them: "
+    "on_bad_chunk='nan' fills the occasional object a store will not return, not a store that "
+    "returns none (credentials expired, the store or the network down). Once the store "
+    "answers, resume from the last state_dict() (no sample is lost or repeated)"
 )
 _DECODE_ADVICE = (
     "Its bytes do not decode as the array's metadata says (corrupt, cut short, or rewritten "

@@ -14,20 +14,19 @@ run's thread (:mod:`~insitubatch_nodes.io.localfiles`) and decoded in place at o
 round trip through the event loop between objects. A run gives its thread up between two
 objects when a job of a sooner ticket (an earlier batch) is waiting, and carries on later.
 
-**GETs on the loop.** For any other store a :class:`~insitubatch_nodes.stages._get.GetQueue`
-(which the runner owns, and which hands each object back through a callback) on the process's
-IO loop keeps at
-most ``max_inflight`` objects *in flight* — from the GET's start until its bytes are decoded,
-as before — taking objects in ticket order; a GET that lands queues its bytes on its job and
-starts a run there if none is running. A decode thread that frees a permit wakes the loop only
+**GETs on the loop.** For any other store a :class:`~insitubatch_nodes.stages._get.GetQueue` (which
+the runner owns, and which hands each object back through a callback) on the process's IO loop
+keeps at most ``max_inflight`` objects *in flight* — from the GET's start until its bytes are
+decoded, as before — taking objects in ticket order; a GET that lands queues its bytes on its job
+and starts a run there if none is running. A decode thread that frees a permit wakes the loop only
 when the loop ran out of permits (at most once per such stall), not once per object.
 
-**Resolution.** An entry resolves once every stored object of it has been handled: ready (after
-its chunk transforms and, for a cache file, its checksum) or failed (the first error of its
-objects, or :class:`~insitubatch_nodes.pool.FillCancelled` when it lost its last pin
-before all its objects landed; a fill that completes anyway keeps its chunk). A job resolves
-its own member of the fill once every object is handled; direct rows that failed set
-:attr:`FillJob.error`, which the batch re-raises.
+**Resolution.** An entry resolves once every stored object of it has been handled: ready (after its
+chunk transforms and, for a cache file, its checksum) or failed (the first error of its objects, or
+:class:`~insitubatch_nodes.pool.FillCancelled` when it lost its last pin before all its objects
+landed; a fill that completes anyway keeps its chunk). A job resolves its own member of the fill
+once every object is handled; direct rows that failed set :attr:`FillJob.error`, which the batch
+re-raises; a bad object fills or fails as :mod:`~insitubatch_nodes.stages._bad` says.
 """
 
 from __future__ import annotations
@@ -50,6 +49,7 @@ from insitubatch_nodes.io.localfiles import LocalReader
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import PENDING, ChunkEntry
+from insitubatch_nodes.stages._bad import BadChunks
 from insitubatch_nodes.stages._get import GetQueue
 from insitubatch_nodes.stages._jobs import (
     REVIVE,
@@ -103,7 +103,7 @@ class FillRunner:
         self.decode_pool = decode_pool
         self.reader = reader
         self.transforms = transforms
-        self.on_bad_chunk = on_bad_chunk
+        self.bad = BadChunks(on_bad_chunk, pool)
         self.store_name = store_name
         self.note_bad = note_bad
         self.recorder = recorder
@@ -465,7 +465,7 @@ class FillRunner:
     def _bad(self, job: FillJob, unit: Unit, key: str, error: ChunkReadError) -> None:
         _RUN.__dict__.setdefault("errors", []).append(error)  # (for the run's end)
         array, chunk, tile, out, entry, _ = unit
-        if self.on_bad_chunk == "raise":
+        if not self.bad.fills(error):
             if entry is None:
                 if job.error is None:
                     job.error = error
