@@ -255,3 +255,30 @@ def test_objects_refused_between_objects_served_are_all_filled_under_nan(tmp_pat
         np.testing.assert_array_equal(batch.arrays["a"], want[batch.sample_indices["a"]])
     assert len(pipe.bad_chunks) == 150
     pipe.close()
+
+
+def test_a_collection_store_that_stops_returning_objects_fails_under_nan_while_others_serve(
+    tmp_path: Path,
+) -> None:
+    """The run of failed reads is counted per store of a collection: objects another store
+    serves in between do not hide a store that returns none (its own credentials expired)."""
+    from insitubatch_nodes import Collection, split_by_member
+
+    for m in range(2):
+        image = zarr.create_array(
+            tmp_path / f"m{m}.zarr", name="img", shape=(150, 2, 3), chunks=(1, 2, 3), dtype="f4"
+        )
+        image[:] = m
+    for chunk in range(150):  # every object of the second store fails its read (ELOOP)
+        (tmp_path / "m1.zarr" / "img" / "c" / str(chunk) / "0" / "0").unlink()
+        (tmp_path / "m1.zarr" / "img" / "c" / str(chunk) / "0" / "0").symlink_to("0")
+    coll = Collection.from_arrays([(tmp_path / f"m{m}.zarr", "img") for m in range(2)])
+    manifest = split_by_member(coll, {"train": 1.0})
+    pipe = insitu_pipeline(
+        coll, manifest, {"x": coll["data"]}, batch_size=10, shuffle=True, on_bad_chunk="nan"
+    )
+    with pipe, pytest.raises(ChunkReadError, match=r"failed \d+ reads in a row") as caught:
+        for _ in pipe:
+            pass
+    assert caught.value.key.startswith("s1/") and caught.value.in_a_row > 64
+    assert len(pipe.bad_chunks) < 150

@@ -13,7 +13,33 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.stores import credentials_error, plain_object_store
 
-__all__ = ["HEADS_IN_FLIGHT", "head_objects", "make_async_getter", "read_documents"]
+__all__ = [
+    "HEADS_IN_FLIGHT",
+    "RoutedGetter",
+    "head_objects",
+    "make_async_getter",
+    "read_documents",
+]
+
+
+class RoutedGetter:
+    """:func:`make_async_getter`'s getter of a :class:`~insitubatch_nodes.io.routing.
+    RoutingStore`: each key read by its own store's getter; ``served[i]`` counts the objects
+    store ``i`` returned (on the IO loop), which tells a store that stopped answering from the
+    others (see :mod:`~insitubatch_nodes.stages._bad`)."""
+
+    def __init__(self, getters: Sequence[Any]) -> None:
+        from insitubatch_nodes.io.routing import split_routed
+
+        self.getters = list(getters)
+        self.served = [0] * len(self.getters)
+        self._split = split_routed
+
+    async def __call__(self, key: str, meta: list[Any] | None = None) -> Any:
+        index, rest = self._split(key)
+        got = await self.getters[index](rest, meta)
+        self.served[index] += 1
+        return got
 
 
 def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
@@ -35,17 +61,11 @@ def make_async_getter(store: Any, timeout_s: float | None = None) -> Any:
     """
     from zarr.storage import ObjectStore
 
-    from insitubatch_nodes.io.routing import RoutingStore, split_routed
+    from insitubatch_nodes.io.routing import RoutingStore
 
     get: Any
     if isinstance(store, RoutingStore):  # each key read by its own store's getter
-        getters = [_member_getter(s, timeout_s) for s in store.stores]
-
-        async def get_routed(key: str, meta: list[Any] | None = None) -> Any:
-            index, rest = split_routed(key)
-            return await getters[index](rest, meta)
-
-        return get_routed
+        return RoutedGetter([_member_getter(s, timeout_s) for s in store.stores])
     if isinstance(store, ObjectStore):
         import obstore
 

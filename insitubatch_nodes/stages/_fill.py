@@ -103,7 +103,7 @@ class FillRunner:
         self.decode_pool = decode_pool
         self.reader = reader
         self.transforms = transforms
-        self.bad = BadChunks(on_bad_chunk, pool)
+        self.bad = BadChunks(on_bad_chunk, pool, getattr(get, "served", None))
         self.store_name = store_name
         self.note_bad = note_bad
         self.recorder = recorder
