@@ -76,6 +76,7 @@ _CUMULATIVE = (
     "hits",
     "misses",
     "re_reads",
+    "in_place",
     "bytes_fetched",
     "transform_s",
     "transforms",
@@ -105,8 +106,10 @@ class EpochRecorder:
         split_bytes: Callable[[int], int] | None = None,
         dropped: Callable[[], Mapping[str, int]] | None = None,
         trace: bool = False,
+        direct: bool | None = None,
     ) -> None:
         self.pool = pool
+        self.direct = direct  # FetchOptions.direct, for the suggestion
         self._dropped = dropped
         #: the spans of the epoch in progress (``None``: no trace asked for)
         self.trace: TraceLog | None = TraceLog() if trace else None
@@ -199,13 +202,14 @@ class EpochRecorder:
         before it). Under the lock."""
         return submitted is not None and submitted < self._opened
 
-    def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
+    def on_admit_counts(self, hits: int, misses: int, re_reads: int, in_place: int = 0) -> None:
         """The fetch stage admitted chunks: ``hits``, ``misses`` (``re_reads`` of them fetched
-        by this pipeline before)."""
+        by this pipeline before, ``in_place`` of them decoded straight into batch rows)."""
         t = self.totals
         t["hits"] += hits
         t["misses"] += misses
         t["re_reads"] += re_reads
+        t["in_place"] += in_place
 
     def on_bad_chunk(self) -> None:
         """A stored object was filled under ``on_bad_chunk="nan"``."""
@@ -431,6 +435,7 @@ class EpochRecorder:
             hits=int(d["hits"] - d["corrupt"]),
             misses=int(d["misses"] + d["corrupt"]),
             re_reads=int(d["re_reads"]),
+            in_place=int(d["in_place"]),
             evictions=evictions - ep["evictions0"],
             bytes_fetched=int(d["bytes_fetched"]),
             bytes_delivered=ep["bytes_delivered"],
@@ -443,6 +448,7 @@ class EpochRecorder:
             cores=_cores(),
             budget_bytes=int(self.pool.budget_bytes),
             auto_budget=bool(self.pool.auto),
+            direct=self.direct,
             batch_transforms=self.batch_transforms,
         )
         if spans is not None and trace is not None:
@@ -546,7 +552,7 @@ class NullRecorder(EpochRecorder):
     def on_fill_run(self, tally: Any) -> None:
         pass
 
-    def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
+    def on_admit_counts(self, hits: int, misses: int, re_reads: int, in_place: int = 0) -> None:
         pass
 
     def on_bad_chunk(self) -> None:

@@ -154,6 +154,7 @@ class StageContext:
                 split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
                 dropped=lambda: plan.epoch_plan().dropped,
                 trace=options.trace,
+                direct=options.direct,
             )
         return cls(
             plan=plan,

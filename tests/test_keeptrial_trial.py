@@ -1,0 +1,155 @@
+"""Trial of "small data kept" and the cold first epoch (issue 34), as a demanding user.
+
+Contract: at one sample per chunk a split that fits the pool's budget is decoded once, into
+slots, and later epochs are served from the pool (0 GETs); a split that does not fit is decoded
+straight into batch rows every epoch, nothing kept; ``FetchOptions(direct=...)`` overrides.
+The store's own GET counts (``counting_store``) and zarr's read are the oracles.
+
+Found (each fixed; the test failed before the fix):
+
+- The epoch report of a pipeline built with ``FetchOptions(direct=True)`` told the user that
+  ``cache_budget_bytes=<the split>`` "would make" its re-reads "hits"; with that budget and
+  ``direct=True`` every epoch read every object again (``direct=True`` keeps nothing whatever
+  the budget). Nor could the report tell rows decoded straight into batches from chunks
+  decoded into slots: both were "misses". It now counts them (``in_place``), prints them, and
+  tells to leave ``direct`` unset to keep the split.
+
+Tried and found right (kept as claims where cheap): budgets at the boundary (the split's
+decoded bytes keep it; one byte or one slot less decode it straight in every epoch; the
+automatic budget keeps a small split), arrays of different sizes and dtypes, ``direct``
+None / False / True against each budget, windows (a chunk read by two anchors), stacks with
+selected levels, a static field and forcings, patched views, an HCS plate (``open_plate``), a
+collection over three stores (1 and 2 ranks), v2 and sharded stores, shuffled epochs (a new
+permutation with 0 GETs), 2 ranks (each rank keeps its own share; a share that changes reads
+only the new chunks; with a shifted view the runs dealt stay put), a mid-epoch resume into a
+fresh pipeline (the rest of the epoch, then the chunks read before the cut, then 0 GETs),
+``set_views`` between epochs, a spill and a persistent ``cache_dir``, the report naming memory
+faulting in a kept epoch 0 (384 MiB split, by hand), and peak RSS with the split not kept
+(grew by the batch buffers only, by hand).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zarr
+from helpers import Oracle, View, counting_store, expected_anchors, run_epoch
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.report import suggestion_for
+
+pytestmark = pytest.mark.timeout(60)
+
+N_TRAIN = 30  # samples (= chunks) of the 0.75 train split of 40
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two arrays of one sample per chunk, of different sizes and dtypes."""
+    root = tmp_path_factory.mktemp("keep") / "s.zarr"
+    group = zarr.open_group(str(root), mode="w")
+    rng = np.random.default_rng(0)
+    a = group.create_array("a", shape=(40, 4, 6), chunks=(1, 4, 6), dtype="f4")
+    a[...] = rng.standard_normal(a.shape).astype("f4")
+    b = group.create_array("b", shape=(40, 3, 5, 7), chunks=(1, 3, 5, 7), dtype="f8")
+    b[...] = rng.standard_normal(b.shape)
+    return root
+
+
+def _split_bytes(geoms: dict) -> int:
+    return N_TRAIN * sum(g.chunk_nbytes for g in geoms.values())
+
+
+def _epochs(pipe, store, n: int, oracle: Oracle | None = None) -> list[dict]:
+    """Run ``n`` epochs; per epoch the store's chunk GETs and the report."""
+    out = []
+    views = {"a": View("a"), "b": View("b")} if oracle is not None else None
+    for _ in range(n):
+        before = sum(store.chunk_counts().values())
+        records = run_epoch(pipe, oracle, views)
+        out.append(
+            {
+                "gets": sum(store.chunk_counts().values()) - before,
+                "report": pipe.report(),
+                "records": records,
+            }
+        )
+        pipe.reset()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# the report of rows decoded straight into batches
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_report_of_rows_forced_straight_into_batches_suggests_what_keeps_them(
+    small: Path,
+) -> None:
+    # before: "60 of 60 misses re-read chunks fetched before; cache_budget_bytes=28080 ...
+    # would make them hits" -- with that budget and direct=True epoch 1 read all 60 again
+    store = counting_store(small)
+    geoms = open_geometries(store, ["a", "b"])
+    manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
+    kw = {"batch_size": 4, "block_chunks": 4, "coords": ()}
+    with insitu_pipeline(store, manifest, geoms, fetch=FetchOptions(direct=True), **kw) as pipe:
+        epochs = _epochs(pipe, store, 2)
+    report = epochs[1]["report"]
+    assert report.re_reads == report.misses == report.in_place == 2 * N_TRAIN
+    told = suggestion_for(dataclasses.replace(report, limiting="store"))
+    assert "direct=True" in told, told
+    budget = re.search(r"cache_budget_bytes=(\d+)", told)
+    assert budget is not None and int(budget.group(1)) == _split_bytes(geoms), told
+    # the budget alone, direct=True kept: every epoch reads every object again
+    with insitu_pipeline(
+        store, manifest, geoms, cache_budget_bytes=int(budget.group(1)),
+        fetch=FetchOptions(direct=True), **kw,
+    ) as pipe:  # fmt: skip
+        assert [e["gets"] for e in _epochs(pipe, store, 2)] == [2 * N_TRAIN] * 2
+    # what the suggestion says: direct left unset, and the budget: epoch 1 reads nothing
+    with insitu_pipeline(
+        store, manifest, geoms, cache_budget_bytes=int(budget.group(1)), **kw
+    ) as pipe:
+        assert [e["gets"] for e in _epochs(pipe, store, 2)] == [2 * N_TRAIN, 0]
+
+
+@pytest.mark.parametrize(
+    ("short", "direct"), [(0, None), (1, None), (0, True), (0, False)],
+    ids=["kept", "one-byte-short", "forced-straight", "forced-slots"],
+)  # fmt: skip
+def test_the_report_counts_the_rows_decoded_straight_into_batches_and_the_store_agrees(
+    small: Path, short: int, direct: bool | None
+) -> None:
+    store = counting_store(small)
+    geoms = open_geometries(store, ["a", "b"])
+    manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
+    budget = _split_bytes(geoms) - short
+    pipe = insitu_pipeline(
+        store, manifest, geoms, batch_size=4, block_chunks=4, coords=(),
+        cache_budget_bytes=budget, fetch=FetchOptions(direct=direct),
+    )  # fmt: skip
+    with pipe:
+        epochs = _epochs(pipe, store, 3, Oracle(small))
+        stats = pipe.stats()
+    want = expected_anchors(manifest, "train", [0])
+    straight = direct is True or short > 0  # the split does not fit, or direct=True
+    for e, epoch in enumerate(epochs):
+        r = epoch["report"]
+        got = np.sort(np.concatenate([rec["sample_indices"]["a"] for rec in epoch["records"]]))
+        np.testing.assert_array_equal(got, want)  # each sample once
+        assert r.gets == epoch["gets"]  # the report's GETs are the store's
+        if straight:  # every epoch: every object read, decoded into its row, nothing kept
+            assert (r.gets, r.misses, r.in_place, r.hits) == (2 * N_TRAIN,) * 3 + (0,)
+            assert r.resident_peak_bytes == 0
+            assert "straight into batch rows" in str(r)
+        else:  # kept: decoded once into slots, then served from the pool
+            assert r.in_place == 0 and "straight into batch rows" not in str(r)
+            assert r.gets == (2 * N_TRAIN if e == 0 else 0), (e, r.gets)
+            assert r.hits == (0 if e == 0 else 2 * N_TRAIN)
+    assert stats["misses_in_place"] == sum(e["report"].in_place for e in epochs)
+    assert stats["gets"] == sum(e["gets"] for e in epochs)
