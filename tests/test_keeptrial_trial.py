@@ -13,6 +13,9 @@ Found (each fixed; the test failed before the fix):
   the budget). Nor could the report tell rows decoded straight into batches from chunks
   decoded into slots: both were "misses". It now counts them (``in_place``), prints them, and
   tells to leave ``direct`` unset to keep the split.
+- docs/pipeline.md said the automatic budget's caps (a sixteenth of RAM kept) were "per
+  process"; each pipeline's pool is capped on its own, so a process with a train and a val
+  pipeline keeps both splits, up to a sixteenth each (docs corrected; the test states it).
 
 Tried and found right (kept as claims where cheap): budgets at the boundary (the split's
 decoded bytes keep it; one byte or one slot less decode it straight in every epoch; the
@@ -153,3 +156,35 @@ def test_the_report_counts_the_rows_decoded_straight_into_batches_and_the_store_
             assert r.hits == (0 if e == 0 else 2 * N_TRAIN)
     assert stats["misses_in_place"] == sum(e["report"].in_place for e in epochs)
     assert stats["gets"] == sum(e["gets"] for e in epochs)
+
+
+# ---------------------------------------------------------------------------------------------
+# the automatic budget's cap
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_automatic_keep_cap_is_per_pipeline_so_train_and_val_each_keep_their_split(
+    small: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/pipeline.md said the caps were "per process"; each pipeline's pool is capped alone,
+    # so a process training and validating keeps both splits (the docs now say so)
+    from insitubatch_nodes.plan import schedule
+
+    store = counting_store(small)
+    geoms = open_geometries(store, ["a", "b"])
+    manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
+    per_chunk = sum(g.chunk_nbytes for g in geoms.values())
+    train, val = N_TRAIN * per_chunk, (40 - N_TRAIN) * per_chunk
+    cap = train + per_chunk  # each split fits the cap, the two together do not
+    monkeypatch.setattr(schedule, "_auto_keep_bytes", lambda: cap)
+    kw = {"batch_size": 4, "block_chunks": 4, "coords": ()}
+    pipes = [insitu_pipeline(store, manifest, geoms, split=s, **kw) for s in ("train", "val")]
+    gets = [[], []]
+    for _ in range(2):
+        for i, pipe in enumerate(pipes):
+            gets[i].append(_epochs(pipe, store, 1)[0]["gets"])
+    kept = [pipe.stages.pool.stats.resident_bytes for pipe in pipes]
+    for pipe in pipes:
+        pipe.close()
+    assert gets == [[2 * N_TRAIN, 0], [2 * (40 - N_TRAIN), 0]]  # both kept: epoch 1 reads nothing
+    assert kept == [train, val] and sum(kept) > cap
