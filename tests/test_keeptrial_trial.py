@@ -42,7 +42,7 @@ import pytest
 import zarr
 from helpers import Oracle, View, counting_store, expected_anchors, run_epoch
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.report import suggestion_for
 
@@ -122,16 +122,18 @@ def test_the_report_of_rows_forced_straight_into_batches_suggests_what_keeps_the
 
 
 @pytest.mark.parametrize(
-    ("short", "direct"), [(0, None), (1, None), (0, True), (0, False)],
-    ids=["kept", "one-byte-short", "forced-straight", "forced-slots"],
+    ("short", "direct"),
+    [(None, None), (0, None), (1, None), (936, None), (0, True), (0, False)],
+    ids=["automatic", "exact", "one-byte-short", "one-slot-short", "forced-straight",
+         "forced-slots"],
 )  # fmt: skip
 def test_the_report_counts_the_rows_decoded_straight_into_batches_and_the_store_agrees(
-    small: Path, short: int, direct: bool | None
+    small: Path, short: int | None, direct: bool | None
 ) -> None:
     store = counting_store(small)
     geoms = open_geometries(store, ["a", "b"])
     manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
-    budget = _split_bytes(geoms) - short
+    budget = None if short is None else _split_bytes(geoms) - short
     pipe = insitu_pipeline(
         store, manifest, geoms, batch_size=4, block_chunks=4, coords=(),
         cache_budget_bytes=budget, fetch=FetchOptions(direct=direct),
@@ -140,7 +142,9 @@ def test_the_report_counts_the_rows_decoded_straight_into_batches_and_the_store_
         epochs = _epochs(pipe, store, 3, Oracle(small))
         stats = pipe.stats()
     want = expected_anchors(manifest, "train", [0])
-    straight = direct is True or short > 0  # the split does not fit, or direct=True
+    straight = direct is True or bool(short)  # the split does not fit, or direct=True
+    orders = [np.concatenate([r["sample_indices"]["a"] for r in e["records"]]) for e in epochs]
+    assert not np.array_equal(orders[0], orders[1])  # a new permutation, with 0 GETs or not
     for e, epoch in enumerate(epochs):
         r = epoch["report"]
         got = np.sort(np.concatenate([rec["sample_indices"]["a"] for rec in epoch["records"]]))
@@ -188,3 +192,100 @@ def test_the_automatic_keep_cap_is_per_pipeline_so_train_and_val_each_keep_their
         pipe.close()
     assert gets == [[2 * N_TRAIN, 0], [2 * (40 - N_TRAIN), 0]]  # both kept: epoch 1 reads nothing
     assert kept == [train, val] and sum(kept) > cap
+
+
+# ---------------------------------------------------------------------------------------------
+# what later epochs read after a resume, a change of views, with a cache directory
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_kept_split_resumed_mid_epoch_elsewhere_reads_the_rest_then_the_cut_part_then_nothing(
+    small: Path,
+) -> None:
+    kw = {"batch_size": 4, "block_chunks": 4, "coords": ()}
+    geoms = open_geometries(small, ["a", "b"])
+    manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
+    with insitu_pipeline(small, manifest, geoms, **kw) as pipe:  # the uninterrupted run
+        loader = Loader(pipe)
+        want = [[(b.index, b.sample_indices["a"].copy()) for b in loader] for _ in range(3)]
+        loader = Loader(pipe)
+    cut = 3
+    with insitu_pipeline(small, manifest, geoms, **kw) as pipe:
+        loader = Loader(pipe)
+        it = iter(loader)
+        before = [next(it) for _ in range(cut)]
+        cut_rows = sum(len(b) for b in before)
+        state = loader.state_dict()
+    store = counting_store(small)  # a fresh process: a fresh pool
+    oracle = Oracle(small)
+    with insitu_pipeline(store, manifest, open_geometries(store, ["a", "b"]), **kw) as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        gets = []
+        for epoch in range(3):
+            n0 = sum(store.chunk_counts().values())
+            got = []
+            for b in loader:
+                for name in ("a", "b"):
+                    np.testing.assert_array_equal(b[name], oracle(name, b.sample_indices[name]))
+                got.append((b.index, b.sample_indices["a"].copy()))
+            gets.append(sum(store.chunk_counts().values()) - n0)
+            expect = want[epoch][cut:] if epoch == 0 else want[epoch]
+            assert [i for i, _ in got] == [i for i, _ in expect]
+            for (_, x), (_, y) in zip(got, expect, strict=True):
+                np.testing.assert_array_equal(x, y)
+    # the rest of the epoch; then the chunks the batches before the cut read; then nothing
+    assert gets == [2 * (N_TRAIN - cut_rows), 2 * cut_rows, 0]
+
+
+def test_views_changed_between_epochs_are_served_from_the_kept_split_exactly(
+    small: Path,
+) -> None:
+    store = counting_store(small)
+    g = open_geometries(store, ["a", "b"])
+    manifest = split_by_chunk(g["a"], (0.75, 0.25, 0.0))
+    oracle = Oracle(small)
+    pipe = insitu_pipeline(store, manifest, dict(g), batch_size=4, block_chunks=4, coords=())
+    changes = [
+        ({"a": g["a"], "b": g["b"]}, {"a": View("a"), "b": View("b")}),
+        ({"a": g["a"], "b": g["b"].shift(2)}, {"a": View("a"), "b": View("b", offset=2)}),
+        ({"a": g["a"].window([0, 1]), "b": g["b"]}, None),
+        ({"a": g["a"], "y": g["a"].shift(1), "b": g["b"].shift(-1)},
+         {"a": View("a"), "y": View("a", offset=1), "b": View("b", offset=-1)}),
+    ]  # fmt: skip
+    gets = []
+    with pipe:
+        for views, oracle_views in changes:
+            pipe.set_views(views)
+            n0 = sum(store.chunk_counts().values())
+            for batch in Loader(pipe):
+                if oracle_views is None:  # the window: (batch, 2, ...) of a and a + 1
+                    idx = batch.sample_indices["a"]
+                    np.testing.assert_array_equal(batch["a"], oracle("a", idx.ravel()).reshape(
+                        *idx.shape, 4, 6))  # fmt: skip
+                else:
+                    for label, v in oracle_views.items():
+                        want = oracle(v.name, batch.sample_indices[label])
+                        np.testing.assert_array_equal(batch[label], want)
+            gets.append(sum(store.chunk_counts().values()) - n0)
+    # the split's chunks (one sample each) are kept: no view change reads any of them again
+    assert gets == [2 * N_TRAIN, 0, 0, 0]
+
+
+def test_a_kept_split_with_a_persistent_cache_is_served_from_ram_not_read_from_disk(
+    small: Path, tmp_path: Path
+) -> None:
+    store = counting_store(small)
+    geoms = open_geometries(store, ["a", "b"])
+    manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
+    kw = {"batch_size": 4, "block_chunks": 4, "coords": ()}
+    runs = []
+    for _ in range(2):  # the second run: a fresh pipeline over the warm directory
+        with insitu_pipeline(
+            store, manifest, geoms, cache_dir=tmp_path / "c", persist=True, **kw
+        ) as pipe:
+            epochs = _epochs(pipe, store, 2, Oracle(small))
+            stats = pipe.stats()
+        runs.append(([e["gets"] for e in epochs], stats["disk_hits"], stats["disk_writes"]))
+    # written once, read from the directory once (the fresh pipeline's epoch 0), then RAM
+    assert runs == [([2 * N_TRAIN, 0], 0, 2 * N_TRAIN), ([0, 0], 2 * N_TRAIN, 0)]
