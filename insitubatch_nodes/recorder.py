@@ -89,8 +89,9 @@ class EpochRecorder:
     """Measures one pipeline (module docstring). Stages call the ``on_*`` hooks; cheap.
 
     ``pool`` is the pipeline's :class:`~insitubatch_nodes.pool.ChunkPool` (resident bytes,
-    evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads (asked
-    only when an epoch had re-reads); ``dropped`` the plan's anchors dropped for missing steps,
+    evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads and
+    ``budget_floor`` the smallest explicit budget the pipeline accepts (both asked only when an
+    epoch had re-reads); ``dropped`` the plan's anchors dropped for missing steps,
     per reason (asked for each report).
     """
 
@@ -104,6 +105,7 @@ class EpochRecorder:
         decode_threads: int,
         batch_transforms: int = 0,
         split_bytes: Callable[[int], int] | None = None,
+        budget_floor: Callable[[], int] | None = None,
         dropped: Callable[[], Mapping[str, int]] | None = None,
         trace: bool = False,
         direct: bool | None = None,
@@ -117,6 +119,7 @@ class EpochRecorder:
         self.max_inflight = max_inflight
         self.decode_threads = decode_threads
         self._split_bytes = split_bytes
+        self._budget_floor = budget_floor
         self._lock = threading.Lock()
         self._inflight = _Level()
         self._depth = _Level()
@@ -457,6 +460,8 @@ class EpochRecorder:
         r.limiting = limiting_stage(r)
         if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
             r.split_bytes = self._split_bytes(r.epoch)
+            if self._budget_floor is not None:
+                r.budget_floor = self._budget_floor()
         r.suggestion = suggestion_for(r)
         if self._dropped is not None:
             r.dropped = {why: int(n) for why, n in self._dropped().items()}

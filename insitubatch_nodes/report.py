@@ -172,6 +172,9 @@ class EpochReport:
     direct: bool | None = None  # FetchOptions.direct
     batch_transforms: int = 0
     split_bytes: int | None = None  # every chunk the epoch read, in bytes (when re-reads > 0)
+    # the smallest cache_budget_bytes the pipeline accepts for its views (the working-set floor
+    # every epoch of every rank fits: schedule_floors' guaranteed), when re-reads > 0
+    budget_floor: int | None = None
     limiting: Stage = "consumer"
     suggestion: str = ""
     # anchors of the split the plan dropped for missing steps, per reason (the plan's
@@ -403,10 +406,12 @@ def suggestion_for(r: EpochReport) -> str:
     * not consumer-limited, and memory faulting took the epoch (:func:`memory_bound`): it says
       so, with the kernel seconds and the fresh memory touched;
     * store- or decode-limited with re-reads, and the bytes of every chunk the epoch read fit
-      under half the RAM and above the budget: ``cache_budget_bytes`` of that size (the
-      re-reads become hits); with ``FetchOptions(direct=True)`` and rows decoded straight
-      into batches (which no budget keeps): leave ``direct`` unset, with that budget where
-      the one given is smaller or automatic;
+      under half the RAM and above the budget: ``cache_budget_bytes`` of that size, or of the
+      working-set floor an explicit budget is checked against where that is more (a rank's
+      epoch reads less than that floor): the re-reads become hits. With
+      ``FetchOptions(direct=True)`` and rows decoded straight into batches (which no budget
+      keeps): leave ``direct`` unset, with that budget where the one given is smaller or
+      automatic;
     * store-limited, a store on local disk (its files read on the decode threads): the disk;
       more decode threads for a disk that serves reads in parallel (``max_inflight`` does not
       apply there);
@@ -437,13 +442,20 @@ def suggestion_for(r: EpochReport) -> str:
         )
     if stage in ("store", "decode") and r.re_reads and r.split_bytes:
         ram = _ram_bytes()
-        fits = not ram or r.split_bytes <= ram * _BUDGET_RAM_SHARE
+        # every chunk the epoch read; an explicit budget below the floor is refused
+        want = max(r.split_bytes, r.budget_floor or 0)
+        what = "every chunk this epoch read" + (
+            ""
+            if want == r.split_bytes
+            else f" ({_size(r.split_bytes)}) raised to the working-set floor an explicit budget "
+            "must reach"
+        )
+        fits = not ram or want <= ram * _BUDGET_RAM_SHARE
         if r.direct is True and r.in_place and fits:  # no budget keeps what direct=True reads
             budget = (
                 ""
-                if not r.auto_budget and r.split_bytes <= r.budget_bytes
-                else f" with cache_budget_bytes={r.split_bytes} ({_size(r.split_bytes)}, every "
-                "chunk this epoch read)"
+                if not r.auto_budget and want <= r.budget_bytes
+                else f" with cache_budget_bytes={want} ({_size(want)}, {what})"
             )
             return (
                 f"{r.re_reads:,} of {r.misses:,} misses re-read chunks fetched before; "
@@ -452,11 +464,11 @@ def suggestion_for(r: EpochReport) -> str:
                 f"next epoch. Leave direct unset (None){budget} to keep them: later epochs "
                 "read nothing"
             )
-        if r.split_bytes > r.budget_bytes and fits:
+        if want > r.budget_bytes and fits:
             return (
                 f"{r.re_reads:,} of {r.misses:,} misses re-read chunks fetched before; "
-                f"cache_budget_bytes={r.split_bytes} ({_size(r.split_bytes)}, every chunk this "
-                f"epoch read; budget now {_size(r.budget_bytes)}) would make them hits"
+                f"cache_budget_bytes={want} ({_size(want)}, {what}; budget now "
+                f"{_size(r.budget_bytes)}) would make them hits"
             )
     if stage == "store":
         if r.local_read_s > 0.5 * r.get_s:  # a store on local disk, read by the decode threads

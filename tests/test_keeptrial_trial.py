@@ -121,6 +121,35 @@ def test_the_report_of_rows_forced_straight_into_batches_suggests_what_keeps_the
         assert [e["gets"] for e in _epochs(pipe, store, 2)] == [2 * N_TRAIN, 0]
 
 
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_a_ranks_suggested_budget_is_one_the_pipeline_accepts_and_it_makes_re_reads_hits(
+    tmp_path: Path, remainder: str
+) -> None:
+    # before: rank 0 of 3 was told cache_budget_bytes=2688 (the chunks its epoch read), and
+    # insitu_pipeline refused 2688 as below the working-set floor (3,840; 6,144 with "pad")
+    # that every epoch of every rank is checked against
+    root = tmp_path / "c4.zarr"
+    group = zarr.open_group(str(root), mode="w")
+    data = np.random.default_rng(1).standard_normal((103, 4, 6)).astype("f4")
+    group.create_array("a", shape=data.shape, chunks=(4, 4, 6), dtype="f4")[...] = data
+    store = counting_store(root)
+    geoms = open_geometries(store, ["a"])
+    manifest = split_by_chunk(geoms["a"], (0.8, 0.2, 0.0))
+    kw = {"batch_size": 4, "block_chunks": 2, "coords": (), "rank": 0, "world_size": 3,
+          "remainder": remainder}  # fmt: skip
+    with insitu_pipeline(store, manifest, geoms, **kw) as pipe:  # the automatic budget
+        report = _epochs(pipe, store, 2)[1]["report"]
+    assert report.re_reads > 0 and report.split_bytes == 7 * geoms["a"].chunk_nbytes
+    told = suggestion_for(dataclasses.replace(report, limiting="store"))
+    budget = re.search(r"cache_budget_bytes=(\d+)", told)
+    assert budget is not None, told
+    with insitu_pipeline(
+        store, manifest, geoms, cache_budget_bytes=int(budget.group(1)), **kw
+    ) as pipe:
+        epochs = _epochs(pipe, store, 2)
+    assert epochs[1]["report"].re_reads == 0  # what it said: the epoch's re-reads are hits
+
+
 @pytest.mark.parametrize(
     ("short", "direct"),
     [(None, None), (0, None), (1, None), (936, None), (0, True), (0, False)],
