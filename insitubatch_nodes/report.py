@@ -70,6 +70,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from insitubatch_nodes._process import usable_memory_bytes
 from insitubatch_nodes.trace import OBJECT_ARGS, SPAN_CATEGORIES, EpochTrace, Span
 
 __all__ = [
@@ -394,10 +395,8 @@ def _pipeline_faults(r: EpochReport) -> tuple[float, int]:
 
 
 def _ram_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 0
+    """The memory this process may use (a container's limit where one is set)."""
+    return usable_memory_bytes()
 
 
 def suggestion_for(r: EpochReport) -> str:

@@ -34,6 +34,7 @@ faulting in a kept epoch 0 (384 MiB split, by hand), and peak RSS with the split
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -318,3 +319,68 @@ def test_a_kept_split_with_a_persistent_cache_is_served_from_ram_not_read_from_d
         runs.append(([e["gets"] for e in epochs], stats["disk_hits"], stats["disk_writes"]))
     # written once, read from the directory once (the fresh pipeline's epoch 0), then RAM
     assert runs == [([2 * N_TRAIN, 0], 0, 2 * N_TRAIN), ([0, 0], 2 * N_TRAIN, 0)]
+
+
+def _fake_cgroup(tmp_path: Path, version: int, limit: str) -> tuple[Path, Path]:
+    """A cgroup tree under ``tmp_path`` where this process's memory cgroup (``/job/step``)
+    holds ``limit`` (its parent none), and the ``/proc/self/cgroup`` that names it."""
+    root = tmp_path / "cgroup"
+    base = root if version == 2 else root / "memory"
+    name = "memory.max" if version == 2 else "memory.limit_in_bytes"
+    unlimited = "max" if version == 2 else str(2**63 - 4096)
+    (base / "job" / "step").mkdir(parents=True)
+    (base / name).write_text(unlimited + "\n")
+    (base / "job" / name).write_text(unlimited + "\n")
+    (base / "job" / "step" / name).write_text(limit + "\n")
+    proc = tmp_path / "self-cgroup"
+    lines = "0::/job/step\n" if version == 2 else "5:cpu,cpuacct:/\n4:memory:/job/step\n"
+    proc.write_text(lines)
+    return root, proc
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_container_memory_limit_is_the_ram_the_automatic_budget_keeps_a_sixteenth_of(
+    small: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, version: int
+) -> None:
+    # a job limited to 16 x (the split - 1) bytes on a machine with far more RAM: before, the
+    # automatic budget kept the split (a sixteenth of the machine's RAM) -- in a real job, a
+    # split of a sixteenth of the node's RAM kept in a job given less than that: OOM-killed
+    from insitubatch_nodes import _process
+
+    store = counting_store(small)
+    geoms = open_geometries(store, ["a", "b"])
+    manifest = split_by_chunk(geoms["a"], (0.75, 0.25, 0.0))
+    limit = 16 * (_split_bytes(geoms) - 1)
+    root, proc = _fake_cgroup(tmp_path, version, str(limit))
+    monkeypatch.setattr(_process, "CGROUP_ROOT", root, raising=False)
+    monkeypatch.setattr(_process, "PROC_SELF_CGROUP", proc, raising=False)
+    kw = {"batch_size": 4, "block_chunks": 4, "coords": ()}
+    with insitu_pipeline(store, manifest, geoms, **kw) as pipe:
+        gets = [e["gets"] for e in _epochs(pipe, store, 2)]
+        assert pipe.stats()["resident_peak_bytes"] == 0  # nothing kept
+    assert gets == [2 * N_TRAIN, 2 * N_TRAIN]  # straight into the rows, every epoch
+    _fake_cgroup(tmp_path / "roomy", version, str(16 * limit))  # a job given 16 x more
+    monkeypatch.setattr(_process, "CGROUP_ROOT", tmp_path / "roomy" / "cgroup", raising=False)
+    monkeypatch.setattr(
+        _process, "PROC_SELF_CGROUP", tmp_path / "roomy" / "self-cgroup", raising=False
+    )
+    with insitu_pipeline(store, manifest, geoms, **kw) as pipe:  # a job with room: kept
+        assert [e["gets"] for e in _epochs(pipe, store, 2)] == [2 * N_TRAIN, 0]
+
+
+def test_the_memory_a_process_may_use_is_the_least_of_the_machines_and_its_cgroups(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from insitubatch_nodes import _process
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # the machine
+    for version, limit, want in [
+        (2, "max", physical), (2, "1073741824", 2**30), (1, str(2**63 - 4096), physical),
+        (1, "536870912", 2**29), (2, "garbage", physical),
+    ]:  # fmt: skip
+        root, proc = _fake_cgroup(tmp_path / f"{version}-{limit}", version, limit)
+        monkeypatch.setattr(_process, "CGROUP_ROOT", root)
+        monkeypatch.setattr(_process, "PROC_SELF_CGROUP", proc)
+        assert _process.usable_memory_bytes() == min(physical, want), (version, limit)
+    monkeypatch.setattr(_process, "PROC_SELF_CGROUP", tmp_path / "absent")  # not Linux
+    assert _process.usable_memory_bytes() == physical
