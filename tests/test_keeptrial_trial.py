@@ -16,6 +16,15 @@ Found (each fixed; the test failed before the fix):
 - docs/pipeline.md said the automatic budget's caps (a sixteenth of RAM kept) were "per
   process"; each pipeline's pool is capped on its own, so a process with a train and a val
   pipeline keeps both splits, up to a sixteenth each (docs corrected; the test states it).
+- Under DDP the report suggested ``cache_budget_bytes=<the chunks this rank's epoch read>``
+  (rank 0 of 3: 2,688 bytes), which ``insitu_pipeline`` refused as below the working-set floor
+  every epoch of every rank is checked against (3,840; 6,144 with ``remainder="pad"``). It
+  now suggests the larger of the two (``EpochReport.budget_floor``).
+- "A sixteenth of RAM" (the split the automatic budget keeps), "a quarter" (its cap), the
+  report's "half the RAM" and the batch-size check read the machine's physical memory, not a
+  container's or batch job's cgroup limit: a job given 64 GiB on a 1 TiB node kept splits of
+  up to 64 GiB. They now read ``_process.usable_memory_bytes()`` (the least of the physical
+  memory and the cgroup v1/v2 limits of the process's cgroup and its parents).
 
 Tried and found right (kept as claims where cheap): budgets at the boundary (the split's
 decoded bytes keep it; one byte or one slot less decode it straight in every epoch; the
