@@ -1,6 +1,7 @@
 """What this process has done that a pipeline must know: obstore's runtime started, the C
-allocator tuned; the guards against using either in a forked child; and the retry clock's
-scale (a test-only hook, read from the environment).
+allocator tuned; the guards against using either in a forked child; the retry clock's
+scale (a test-only hook, read from the environment); and the memory this process may use (the
+machine's, or its cgroup's limit where a container or a batch job sets one).
 
 Below everything that reads a store (``io/stores`` calls it when it opens one; the fetch stage
 when it is built), and importing nothing of the package: the IO loop and the decode pools are
@@ -14,7 +15,8 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "note_obstore_use",
     "retry_time_scale",
     "tune_allocator",
+    "usable_memory_bytes",
     "watch_wakeups",
 ]
 
@@ -188,3 +191,51 @@ def retry_time_scale() -> float:
     if not (0.0 < scale <= 1.0):
         raise ValueError(f"{RETRY_TIME_SCALE_ENV} must be a number in (0, 1], got {raw!r}")
     return scale
+
+
+# -- the memory this process may use --------------------------------------------------------------
+#: Where the cgroup file systems are mounted, and the file naming this process's cgroups (read at
+#: each call; module attributes so that a test can point them at a tree of its own).
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+_NO_LIMIT = 2**60  # cgroup v1 writes "no limit" as a number near 2**63
+
+
+def usable_memory_bytes() -> int:
+    """The memory this process may use, in bytes: the machine's physical memory, or less where
+    a cgroup caps it — a container's or a batch job's memory limit (cgroup v2 ``memory.max``,
+    v1 ``memory.limit_in_bytes``, of the process's cgroup and each of its parents; the least
+    counts). The automatic budget's shares of "RAM" are of this: on a 1 TiB node a job given
+    64 GiB would otherwise keep a split of up to 64 GiB and be killed for it. A very large
+    number where the OS says neither. A few small files read per call (once per epoch)."""
+    try:
+        physical = int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
+        physical = 2**62
+    return min([physical, *_cgroup_limits()])
+
+
+def _cgroup_limits() -> Iterator[int]:
+    """Each memory limit of this process's cgroups and their parents (v1 and v2), in bytes."""
+    try:
+        lines = PROC_SELF_CGROUP.read_text().splitlines()
+    except OSError:  # not Linux, or no /proc
+        return
+    for line in lines:
+        _, controllers, path = line.split(":", 2) if line.count(":") >= 2 else ("", "", "")
+        if controllers == "":  # v2: one unified tree
+            base, name = CGROUP_ROOT, "memory.max"
+        elif "memory" in controllers.split(","):
+            base, name = CGROUP_ROOT / "memory", "memory.limit_in_bytes"
+        else:
+            continue
+        # the cgroup and its parents; inside a container the tree is often mounted at the
+        # container's own cgroup, whose limit is then the root's file
+        parts = [p for p in path.strip("/").split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            try:
+                text = (base.joinpath(*parts[:depth]) / name).read_text().strip()
+            except OSError:
+                continue
+            if text.isdigit() and int(text) < _NO_LIMIT:
+                yield int(text)

@@ -76,6 +76,7 @@ _CUMULATIVE = (
     "hits",
     "misses",
     "re_reads",
+    "in_place",
     "bytes_fetched",
     "transform_s",
     "transforms",
@@ -88,8 +89,9 @@ class EpochRecorder:
     """Measures one pipeline (module docstring). Stages call the ``on_*`` hooks; cheap.
 
     ``pool`` is the pipeline's :class:`~insitubatch_nodes.pool.ChunkPool` (resident bytes,
-    evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads (asked
-    only when an epoch had re-reads); ``dropped`` the plan's anchors dropped for missing steps,
+    evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads and
+    ``budget_floor`` the smallest explicit budget the pipeline accepts (both asked only when an
+    epoch had re-reads); ``dropped`` the plan's anchors dropped for missing steps,
     per reason (asked for each report).
     """
 
@@ -103,10 +105,13 @@ class EpochRecorder:
         decode_threads: int,
         batch_transforms: int = 0,
         split_bytes: Callable[[int], int] | None = None,
+        budget_floor: Callable[[], int] | None = None,
         dropped: Callable[[], Mapping[str, int]] | None = None,
         trace: bool = False,
+        direct: bool | None = None,
     ) -> None:
         self.pool = pool
+        self.direct = direct  # FetchOptions.direct, for the suggestion
         self._dropped = dropped
         #: the spans of the epoch in progress (``None``: no trace asked for)
         self.trace: TraceLog | None = TraceLog() if trace else None
@@ -114,6 +119,7 @@ class EpochRecorder:
         self.max_inflight = max_inflight
         self.decode_threads = decode_threads
         self._split_bytes = split_bytes
+        self._budget_floor = budget_floor
         self._lock = threading.Lock()
         self._inflight = _Level()
         self._depth = _Level()
@@ -199,13 +205,14 @@ class EpochRecorder:
         before it). Under the lock."""
         return submitted is not None and submitted < self._opened
 
-    def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
+    def on_admit_counts(self, hits: int, misses: int, re_reads: int, in_place: int = 0) -> None:
         """The fetch stage admitted chunks: ``hits``, ``misses`` (``re_reads`` of them fetched
-        by this pipeline before)."""
+        by this pipeline before, ``in_place`` of them decoded straight into batch rows)."""
         t = self.totals
         t["hits"] += hits
         t["misses"] += misses
         t["re_reads"] += re_reads
+        t["in_place"] += in_place
 
     def on_bad_chunk(self) -> None:
         """A stored object was filled under ``on_bad_chunk="nan"``."""
@@ -431,6 +438,7 @@ class EpochRecorder:
             hits=int(d["hits"] - d["corrupt"]),
             misses=int(d["misses"] + d["corrupt"]),
             re_reads=int(d["re_reads"]),
+            in_place=int(d["in_place"]),
             evictions=evictions - ep["evictions0"],
             bytes_fetched=int(d["bytes_fetched"]),
             bytes_delivered=ep["bytes_delivered"],
@@ -443,6 +451,7 @@ class EpochRecorder:
             cores=_cores(),
             budget_bytes=int(self.pool.budget_bytes),
             auto_budget=bool(self.pool.auto),
+            direct=self.direct,
             batch_transforms=self.batch_transforms,
         )
         if spans is not None and trace is not None:
@@ -451,6 +460,8 @@ class EpochRecorder:
         r.limiting = limiting_stage(r)
         if r.re_reads and self._split_bytes is not None and r.epoch >= 0:
             r.split_bytes = self._split_bytes(r.epoch)
+            if self._budget_floor is not None:
+                r.budget_floor = self._budget_floor()
         r.suggestion = suggestion_for(r)
         if self._dropped is not None:
             r.dropped = {why: int(n) for why, n in self._dropped().items()}
@@ -546,7 +557,7 @@ class NullRecorder(EpochRecorder):
     def on_fill_run(self, tally: Any) -> None:
         pass
 
-    def on_admit_counts(self, hits: int, misses: int, re_reads: int) -> None:
+    def on_admit_counts(self, hits: int, misses: int, re_reads: int, in_place: int = 0) -> None:
         pass
 
     def on_bad_chunk(self) -> None:

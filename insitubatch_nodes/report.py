@@ -70,6 +70,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
+from insitubatch_nodes._process import usable_memory_bytes
 from insitubatch_nodes.trace import OBJECT_ARGS, SPAN_CATEGORIES, EpochTrace, Span
 
 __all__ = [
@@ -150,6 +151,9 @@ class EpochReport:
     decodes: int = 0
     hits: int = 0
     misses: int = 0  # fetched: into slots, or straight into rows (stats() misses + misses_in_place)
+    # the misses decoded straight into batch rows (one sample per chunk, the split not kept):
+    # no slot, nothing kept for the next epoch (stats() misses_in_place)
+    in_place: int = 0
     re_reads: int = 0  # misses on chunks this pipeline fetched before (this or an earlier epoch)
     evictions: int = 0
     bytes_fetched: int = 0
@@ -166,8 +170,12 @@ class EpochReport:
     cores: int = 0
     budget_bytes: int = 0
     auto_budget: bool = True
+    direct: bool | None = None  # FetchOptions.direct
     batch_transforms: int = 0
     split_bytes: int | None = None  # every chunk the epoch read, in bytes (when re-reads > 0)
+    # the smallest cache_budget_bytes the pipeline accepts for its views (the working-set floor
+    # every epoch of every rank fits: schedule_floors' guaranteed), when re-reads > 0
+    budget_floor: int | None = None
     limiting: Stage = "consumer"
     suggestion: str = ""
     # anchors of the split the plan dropped for missing steps, per reason (the plan's
@@ -215,6 +223,7 @@ class EpochReport:
             "resident_peak_bytes": float(self.resident_peak_bytes),
             "hits": float(self.hits),
             "misses": float(self.misses),
+            "in_place": float(self.in_place),
             "re_reads": float(self.re_reads),
             "bytes_fetched": float(self.bytes_fetched),
             "bytes_delivered": float(self.bytes_delivered),
@@ -308,7 +317,12 @@ class EpochReport:
             f"  pool      resident mean {_size(self.resident_mean_bytes)}, peak "
             f"{_size(self.resident_peak_bytes)} (budget {_size(self.budget_bytes)}); "
             f"{self.hits:,} hits, {self.misses:,} misses ({self.re_reads:,} re-reads), "
-            f"{self.evictions:,} evictions",
+            f"{self.evictions:,} evictions"
+            + (
+                f"; {self.in_place:,} of the misses decoded straight into batch rows, not kept"
+                if self.in_place
+                else ""
+            ),
             f"  delivered {_size(self.bytes_delivered)} "
             f"({self.bytes_delivered / wall / 2**20:,.1f} MiB/s)",
         ]
@@ -381,10 +395,8 @@ def _pipeline_faults(r: EpochReport) -> tuple[float, int]:
 
 
 def _ram_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 0
+    """The memory this process may use (a container's limit where one is set)."""
+    return usable_memory_bytes()
 
 
 def suggestion_for(r: EpochReport) -> str:
@@ -393,8 +405,12 @@ def suggestion_for(r: EpochReport) -> str:
     * not consumer-limited, and memory faulting took the epoch (:func:`memory_bound`): it says
       so, with the kernel seconds and the fresh memory touched;
     * store- or decode-limited with re-reads, and the bytes of every chunk the epoch read fit
-      under half the RAM and above the budget: ``cache_budget_bytes`` of that size (the
-      re-reads become hits);
+      under half the RAM and above the budget: ``cache_budget_bytes`` of that size, or of the
+      working-set floor an explicit budget is checked against where that is more (a rank's
+      epoch reads less than that floor): the re-reads become hits. With
+      ``FetchOptions(direct=True)`` and rows decoded straight into batches (which no budget
+      keeps): leave ``direct`` unset, with that budget where the one given is smaller or
+      automatic;
     * store-limited, a store on local disk (its files read on the decode threads): the disk;
       more decode threads for a disk that serves reads in parallel (``max_inflight`` does not
       apply there);
@@ -425,11 +441,33 @@ def suggestion_for(r: EpochReport) -> str:
         )
     if stage in ("store", "decode") and r.re_reads and r.split_bytes:
         ram = _ram_bytes()
-        if r.split_bytes > r.budget_bytes and (not ram or r.split_bytes <= ram * _BUDGET_RAM_SHARE):
+        # every chunk the epoch read; an explicit budget below the floor is refused
+        want = max(r.split_bytes, r.budget_floor or 0)
+        what = "every chunk this epoch read" + (
+            ""
+            if want == r.split_bytes
+            else f" ({_size(r.split_bytes)}) raised to the working-set floor an explicit budget "
+            "must reach"
+        )
+        fits = not ram or want <= ram * _BUDGET_RAM_SHARE
+        if r.direct is True and r.in_place and fits:  # no budget keeps what direct=True reads
+            budget = (
+                ""
+                if not r.auto_budget and want <= r.budget_bytes
+                else f" with cache_budget_bytes={want} ({_size(want)}, {what})"
+            )
             return (
                 f"{r.re_reads:,} of {r.misses:,} misses re-read chunks fetched before; "
-                f"cache_budget_bytes={r.split_bytes} ({_size(r.split_bytes)}, every chunk this "
-                f"epoch read; budget now {_size(r.budget_bytes)}) would make them hits"
+                f"{r.in_place:,} were decoded straight into batch rows, which "
+                "FetchOptions(direct=True) does whatever the budget: nothing is kept for the "
+                f"next epoch. Leave direct unset (None){budget} to keep them: later epochs "
+                "read nothing"
+            )
+        if want > r.budget_bytes and fits:
+            return (
+                f"{r.re_reads:,} of {r.misses:,} misses re-read chunks fetched before; "
+                f"cache_budget_bytes={want} ({_size(want)}, {what}; budget now "
+                f"{_size(r.budget_bytes)}) would make them hits"
             )
     if stage == "store":
         if r.local_read_s > 0.5 * r.get_s:  # a store on local disk, read by the decode threads

@@ -50,10 +50,10 @@ from insitubatch_nodes.stages import (
 RECIPE = Path(__file__).resolve().parent.parent / "recipes" / "compose_nodes.py"
 ARGV = ["--batch-size", "12", "--block-chunks", "3", "--seed", "7", "--max-inflight", "8"]
 COUNTS = (
-    "epoch", "complete", "batches", "samples", "gets", "decodes", "hits", "misses", "re_reads",
-    "evictions", "bytes_fetched", "bytes_delivered", "transforms", "bad_chunks", "corrupt",
-    "max_inflight", "decode_threads", "budget_bytes", "auto_budget", "batch_transforms",
-    "split_bytes",
+    "epoch", "complete", "batches", "samples", "gets", "decodes", "hits", "misses", "in_place",
+    "re_reads", "evictions", "bytes_fetched", "bytes_delivered", "transforms", "bad_chunks",
+    "corrupt", "max_inflight", "decode_threads", "budget_bytes", "auto_budget", "direct",
+    "batch_transforms", "split_bytes",
 )  # fmt: skip
 
 

@@ -13,7 +13,6 @@ import contextlib
 import dataclasses
 import inspect
 import io
-import os
 import re
 import shutil
 import warnings
@@ -28,7 +27,14 @@ import zarr.storage
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from insitubatch_nodes import RetryPolicy, insitu_pipeline, open_geometries, report, split_by_chunk
+from insitubatch_nodes import (
+    RetryPolicy,
+    _process,
+    insitu_pipeline,
+    open_geometries,
+    report,
+    split_by_chunk,
+)
 from insitubatch_nodes.cli import _parser, gil_probe, main
 from insitubatch_nodes.io import objects
 from insitubatch_nodes.options import FetchOptions
@@ -209,7 +215,7 @@ def test_the_defaults_pipeline_md_quotes_are_the_builders_and_fetch_options() ->
 
 
 def test_the_thresholds_pipeline_md_and_caching_md_quote_are_the_codes() -> None:
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    ram = _process.usable_memory_bytes()  # the machine's, or its container's limit
     fractions = {"a sixteenth": 16, "a quarter": 4, "half": 2}
     (keep,) = said("pipeline.md", r"for the automatic budget, (a \w+) of RAM")
     (cap,) = said("pipeline.md", r"while the read-once bound is under (a \w+) of the machine's RAM")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -20,6 +19,7 @@ from typing import NamedTuple
 import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
+from insitubatch_nodes._process import usable_memory_bytes
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held, held_geometry
 from insitubatch_nodes.plan.anchors import every_sample
@@ -601,11 +601,11 @@ def _auto_keep_bytes() -> int:
 
 
 def _auto_cap_bytes() -> int:
-    """The most an automatic budget takes before it trades re-reads for memory: 1/4 of RAM."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")) // 4
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return 8 * 2**30
+    """The most an automatic budget takes before it trades re-reads for memory: 1/4 of RAM —
+    of the memory this process may use (:func:`~insitubatch_nodes._process.
+    usable_memory_bytes`: a container's or a batch job's limit where one is set, not the
+    node's RAM)."""
+    return usable_memory_bytes() // 4
 
 
 def choose_schedule(

@@ -479,7 +479,7 @@ class Admission:
                         )
         if rows_in_place:
             self._prepare_rows(plan, pending, rows_in_place)
-            setup.recorder.on_admit_counts(0, misses, re_reads)
+            setup.recorder.on_admit_counts(0, misses, re_reads, in_place=misses)
             setup.pool.note_misses_in_place(misses)  # the report counts them as misses
         return pending
 

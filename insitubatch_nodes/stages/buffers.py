@@ -22,13 +22,13 @@ the gather copies into it: there is no per-part buffer and no copy into the batc
 from __future__ import annotations
 
 import math
-import os
 import threading
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._process import usable_memory_bytes
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.parts import BatchLayout, LabelParts
@@ -147,14 +147,6 @@ class BatchBuffers:
         return sum(p.held_bytes for p in self._pools.values())
 
 
-def _physical_memory_bytes() -> int:
-    """This machine's physical memory (a very large number where the OS does not say)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (AttributeError, OSError, ValueError):  # pragma: no cover - not POSIX
-        return 2**62
-
-
 def batch_rows(
     batch_size: int,
     delivered: int,
@@ -165,10 +157,11 @@ def batch_rows(
 ) -> int:
     """Rows of the batch buffers: ``min(batch_size, delivered)`` (``delivered``: the samples
     this rank yields per epoch, so no batch holds more); ``ValueError`` naming ``batch_size``,
-    the split and what fits when one batch of ``batch_size`` samples would not fit in this
-    machine's memory (such a request is a mistake whatever the split holds)."""
+    the split and what fits when one batch of ``batch_size`` samples would not fit in the
+    memory this process may use (the machine's, or its container's limit; such a request is a
+    mistake whatever the split holds)."""
     sample_bytes = sum(math.prod(v.inner_shape) * v.dtype.itemsize for v in views.values())
-    memory = _physical_memory_bytes()
+    memory = usable_memory_bytes()
     if batch_size * sample_bytes <= memory:
         return max(1, min(batch_size, delivered))
     on_rank = f" on rank {rank} of {world_size}" if world_size > 1 else ""
@@ -176,8 +169,8 @@ def batch_rows(
     raise ValueError(
         f"batch_size={batch_size:,} is impossible here: one batch of that many samples would "
         f"take {_human_bytes(batch_size * sample_bytes)} ({sample_bytes:,} bytes per sample "
-        f"over every view), more than this machine's {_human_bytes(memory)} of memory (at "
-        f"most {fits:,} samples fit in one batch). Split {split!r} delivers {delivered:,} "
+        f"over every view), more than the {_human_bytes(memory)} of memory this process may "
+        f"use (at most {fits:,} samples fit in one batch). Split {split!r} delivers {delivered:,} "
         f"samples per epoch{on_rank}, so batch_size={delivered:,} already puts all of them in "
         f"one batch: pass a batch_size of at most {min(delivered, fits):,}"
     )

@@ -36,6 +36,7 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held, held_by_path, held_geometry
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.patches import unit_geometry
+from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
 from insitubatch_nodes.stages.buffers import BatchBuffers, batch_rows
@@ -152,8 +153,10 @@ class StageContext:
                 max_inflight=options.max_inflight,
                 decode_threads=len(_runtime.decode_pool(options.decode_threads).threads),
                 split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
+                budget_floor=functools.partial(_budget_floor, plan),
                 dropped=lambda: plan.epoch_plan().dropped,
                 trace=options.trace,
+                direct=options.direct,
             )
         return cls(
             plan=plan,
@@ -308,3 +311,10 @@ def _split_bytes(plan: ReadPlanNode, slot_geoms: Mapping[str, ArrayGeometry], ep
     """Bytes of every chunk epoch ``epoch`` reads (what a budget must hold for no re-read)."""
     sizes = {path: g.chunk_nbytes for path, g in slot_geoms.items()}
     return plan.epoch_plan(epoch).read_bytes(sizes)
+
+
+def _budget_floor(plan: ReadPlanNode) -> int:
+    """The smallest explicit budget the pipeline accepts for the views in effect: the floor
+    ``insitu_pipeline`` and ``set_views`` check a budget against (every epoch of every rank
+    fits it), which a rank's epoch can read less than."""
+    return schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held).guaranteed
