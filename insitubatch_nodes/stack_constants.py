@@ -34,6 +34,7 @@ from insitubatch_nodes.stack import (
     StackMember,
     channel_destination,
     forcing_window,
+    refuse_overflow,
 )
 from insitubatch_nodes.static import StaticCut, StaticFields, select_static
 
@@ -102,11 +103,14 @@ class StackConstants:
             fills = []
             for member in st.static:
                 raw = np.asarray(arrays[(label, member.name)])
-                data = raw.astype(np.float64)
-                if member.norm is not None:
-                    mean, std = member.norm
-                    data = (data - mean.astype(np.float64)) / std.astype(np.float64)
-                fills.append((member, raw, data.astype(st.dtype)))
+                if member.norm is None:  # as read (a complex one keeps its imaginary part),
+                    # refused where the stack's dtype does not hold its values
+                    data = refuse_overflow(member.name, raw, st.dtype)
+                else:  # standardised: the stack's dtype of the exact result, as the others'
+                    mean, std = (a.astype(np.float64) for a in member.norm)
+                    with np.errstate(over="ignore"):
+                        data = ((raw.astype(np.float64) - mean) / std).astype(st.dtype)
+                fills.append((member, raw, data))
             spec = st.sampled[0].geometry.patch
             cuts = () if spec is None else tuple(m.cut for m in st.static if m.cut is not None)
             extent = () if spec is None else spec.extent
