@@ -32,7 +32,9 @@ Found (now fixed):
   supported between instances of 'int' and 'str'"). Now strings select as xarray's
   (pandas') ``sel`` does: a string as precise as the coordinate is one date (the axis dropped),
   a coarser one (``"2020-06-01"`` on 6-hourly times) every date in it (the axis kept), a slice
-  of strings from its start's first instant to its stop's last.
+  of strings from its start's first instant to its stop's last. ``method="nearest"`` on dates
+  and on lead times (``sel(step="7h", method="nearest")``) was a ``TypeError`` ("needs a
+  numeric coordinate"); it takes the nearest, as xarray.
 - a stack member with a **datetime64 channel axis** named its channels by nanosecond integers
   (``g@1590969600000000000``); now by the date, to the precision the dates need
   (``g@2020-06-01T06``).
@@ -324,3 +326,29 @@ def test_a_date_slice_on_dates_stored_latest_first_follows_their_order(
     # the view selects within its reversed times: its keys index the stored (ascending) axis
     times = da.time.values  # type: ignore[attr-defined]
     np.testing.assert_array_equal(times[list(view_keys(got)[0])], want.time.values)  # type: ignore[arg-type]
+
+
+def test_sel_nearest_on_a_lead_time_axis_takes_the_nearest_duration_as_xarray(
+    tmp_path: Path,
+) -> None:
+    """A forecast archive ``(init, step, lat, lon)``: ``sel(step="7h", method="nearest")``
+    (before, a ``TypeError``: "needs a numeric coordinate"); ties to the longer step."""
+    ds = xr.Dataset(
+        {"f": (("init", "step", "lat", "lon"), np.zeros((3, 4, 3, 4), np.float32))},
+        coords={"init": pd.date_range("2020-06-01", periods=3, freq="12h"),
+                "step": pd.to_timedelta([0, 6, 12, 24], unit="h"), "lat": [30.0, 20.0, 10.0],
+                "lon": [0.0, 90.0, 180.0, 270.0]},
+    )  # fmt: skip
+    ds.to_zarr(tmp_path / "f.zarr", consolidated=False, zarr_format=3)
+    g = open_geometries(tmp_path / "f.zarr")["f"]
+    da = ds.f.isel(init=0)
+    steps = ds.step.values
+    for key in ("7h", "9h", ["5h", "20h"], np.timedelta64(17, "h")):
+        want = da.sel(step=key, method="nearest").step.values
+        picked = view_keys(g.sel(step=key, method="nearest"))[0]
+        got = steps[picked if isinstance(picked, int) else list(picked)]  # type: ignore[arg-type]
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(KeyError):
+        da.sel(step="7h", method="nearest", tolerance="30min")
+    with pytest.raises(KeyError, match=r"'7h'.*6:00:00"):
+        g.sel(step="7h", method="nearest", tolerance="30min")

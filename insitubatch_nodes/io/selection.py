@@ -555,8 +555,8 @@ def shown(values: np.ndarray) -> str:
     head = values[:8]
     if values.dtype.kind == "M":
         items: list[Any] = date_strings(values, head)
-    elif values.dtype.kind == "m":
-        items = [str(v) for v in head]
+    elif values.dtype.kind == "m":  # as datetime.timedelta: "6:00:00", "1 day, 0:00:00"
+        items = [str(v) for v in head.astype("timedelta64[us]").tolist()]
     else:
         items = head.tolist()
     return f"{items}{' ...' if len(values) > 8 else ''}"
