@@ -283,9 +283,11 @@ def prepare_constants(
     ``InSituPipeline.set_views``), checked and read now: ``ValueError`` for a stack with
     forcings whose first sampled member's array has no times the batches carry; the static
     arrays no stack of ``gather``'s :class:`StackConstants` holds are read with ``read``
-    (``{key: view} -> {key: data}``), once. Returns what makes them take effect: call it
-    once the plan took ``views`` (it adds them to the pipeline's :class:`StackConstants`,
-    putting one first among ``gather``'s batch transforms if it has none)."""
+    (``{key: view} -> {key: data}``), once (``ValueError`` for one whose values the stack's
+    dtype cannot hold, :func:`~insitubatch_nodes.stack.refuse_overflow`). Returns what makes
+    them take effect: call it once the plan took ``views`` (it adds them to the pipeline's
+    :class:`StackConstants`, putting one first among ``gather``'s batch transforms if it has
+    none)."""
     stacks = {label: v for label, v in views.items() if isinstance(v, Stack)}
     for label, st in stacks.items():
         path = st.sampled[0].geometry.path
@@ -327,6 +329,10 @@ def prepare_constants(
     for (label, name), have in kept.items():
         got = data[f"{label}/{name}"] if have is None else have
         arrays[(label, name)] = got
+    for label, st in stacks.items():  # refused now, before the plan takes the views
+        for m in st.static:
+            if m.norm is None:
+                refuse_overflow(m.name, arrays[(label, m.name)], st.dtype)
 
     def commit() -> None:
         constants.add(stacks, arrays)

@@ -13,10 +13,14 @@ Found (now fixed):
 - a **static stack member of a dtype the stack cannot hold** was cast without a word: a float32
   flat-field in an int16 microscopy stack arrived truncated to integers (1.29 -> 1), a complex
   beam in a float32 stack lost its imaginary part, a float64 field of 8e4 in a float16 stack
-  became inf. Now a static member whose values the stack's dtype cannot hold (a float in an
-  integer stack, complex in a real one, a wider integer) is refused when the stack is made,
-  and a float one whose values overflow the stack's float (after ``normalize``) when the
-  pipeline is built; bool, uint8 and other members the stack's dtype holds exactly are taken.
+  became inf; a complex beam in a complex64 stack lost its imaginary part too (the static
+  fields were cast through float64). Now a static member of a kind the stack's dtype cannot
+  hold (a float in an integer stack, complex in a real one) is refused when the stack is made,
+  one whose values overflow it (8e4 in float16, a uint16 60000 in int16) when the pipeline is
+  built, or by ``set_views`` before it takes the new views (the first fix raised after the plan
+  had taken them, leaving a stack without its constants); bool, uint8 and other members the
+  stack's dtype holds are taken, and cast as numpy casts them. Standardised (``normalize=``) a
+  static member is the stack's dtype of the exact result, as a sampled one is.
 - **forcings in a stack that cannot hold them**: in an int16 stack ``cos_solar_zenith`` became
   0 and ``toa_incident_solar_radiation`` wrapped around (-11079 J m⁻²); in a float16 stack the
   radiation (up to 4.9e6 J m⁻² an hour) became inf. Both are refused when the stack is made
@@ -352,3 +356,22 @@ def test_sel_nearest_on_a_lead_time_axis_takes_the_nearest_duration_as_xarray(
         da.sel(step="7h", method="nearest", tolerance="30min")
     with pytest.raises(KeyError, match=r"'7h'.*6:00:00"):
         g.sel(step="7h", method="nearest", tolerance="30min")
+
+
+def test_set_views_refuses_an_overflowing_static_member_before_taking_the_views(
+    store: Path,
+) -> None:
+    """The refusal comes before the plan takes the new views: the pipeline goes on with the
+    views it had (before the check, set_views would have left a stack without its constants)."""
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["i16"], (1.0, 0.0, 0.0))
+    first = stack({"i16": g["i16"], "lsm": g["lsm"]})
+    with insitu_pipeline(store, manifest, {"x": first}, batch_size=4, shuffle=False) as pipe:
+        with pytest.raises(ValueError, match=r"stack member 'counts'.*int16"):
+            pipe.set_views({"x": stack({"i16": g["i16"], "counts": g["counts"]})})
+        for _ in range(2):  # this epoch and the next: the stack it was built with
+            batches = list(pipe)
+            assert [b.channels["x"] for b in batches] == [["i16", "lsm"]] * len(batches)
+            lsm = zarr.open_array(store / "lsm")[...]
+            for b in batches:
+                np.testing.assert_array_equal(b.arrays["x"][:, 1], np.broadcast_to(lsm, (4, Y, X)))
