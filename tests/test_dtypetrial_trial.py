@@ -43,6 +43,10 @@ Found (now fixed):
   (``g@1590969600000000000``); now by the date, to the precision the dates need
   (``g@2020-06-01T06``).
 
+- ``open_geometries(store, cf_dtype="float16")`` decoded ERA5's packed mean sea-level
+  pressure (about 1e5 Pa) to inf at every point; a packed field whose stored integers unpack
+  past the largest value of ``cf_dtype`` is refused now, naming it.
+
 Tried and found right (no claim needed): every dtype above through the plain pipeline, windows,
 uneven ``isel`` lists, stacks (``np.concatenate`` of the members in both layouts) and a
 persistent cache read twice, on v2, v3 and sharded v3 (batches native, equal to zarr's read);
@@ -375,3 +379,31 @@ def test_set_views_refuses_an_overflowing_static_member_before_taking_the_views(
             lsm = zarr.open_array(store / "lsm")[...]
             for b in batches:
                 np.testing.assert_array_equal(b.arrays["x"][:, 1], np.broadcast_to(lsm, (4, Y, X)))
+
+
+def test_cf_dtype_float16_refuses_a_packed_field_it_would_decode_to_inf(tmp_path: Path) -> None:
+    """ERA5's mean sea-level pressure packed as int16 (about 1e5 Pa) decoded in float16 was inf
+    at every point, without a word; a packed 2 m temperature decodes in float16 as xarray's
+    values rounded to it."""
+    rng = np.random.default_rng(3)
+    msl = rng.normal(101000, 1500, (4, 3, 4))
+    t2m = rng.normal(280, 10, (4, 3, 4))
+    ds = xr.Dataset(
+        {"msl": (("time", "lat", "lon"), msl), "t2m": (("time", "lat", "lon"), t2m)},
+        coords={"time": pd.date_range("2020-01-01", periods=4, freq="6h"),
+                "lat": [30.0, 20.0, 10.0], "lon": [0.0, 90.0, 180.0, 270.0]},
+    )  # fmt: skip
+    packed = {"dtype": "int16", "_FillValue": -32767, "chunks": (2, 3, 4)}
+    enc = {"msl": {**packed, "scale_factor": 0.2, "add_offset": 100000.0},
+           "t2m": {**packed, "scale_factor": 0.002, "add_offset": 270.0}}  # fmt: skip
+    root = tmp_path / "era5.zarr"
+    ds.to_zarr(root, encoding=enc, consolidated=False, zarr_format=3)
+    with pytest.raises(ValueError, match=r"'msl'.*float16.*inf.*cf_dtype='float32'"):
+        open_geometries(root, cf_dtype="float16")
+    g = open_geometries(root, ["t2m"], cf_dtype="float16")
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    want = xr.open_zarr(root, consolidated=False).t2m.values
+    with insitu_pipeline(root, manifest, g, batch_size=4, coords=(), shuffle=False) as pipe:
+        got = next(iter(pipe)).arrays["t2m"]
+    assert got.dtype == np.float16
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=2**-10)
