@@ -266,11 +266,11 @@ def stack(
                 f"{first_name!r} has {_describe_steps(steps)}: members must agree on T"
             )
         if view.dtype != first.dtype and not view.static:
-            cast = "a chunk transform can cast one"
+            cast = _OWN_LABELS
             if all(_cf_dtype_helps(v) for v in (view, first)):
                 cast = (
                     "cf_dtype='float32', open_geometries' or the collection's, delivers every "
-                    f"CF-decoded array in float32, or {cast}"
+                    f"CF-decoded array in float32; or {cast}"
                 )
             raise ValueError(
                 f"stack member {name!r} is {view.dtype}, but {first_name!r} is {first.dtype}: "
@@ -288,11 +288,20 @@ def stack(
         members.append(StackMember(name, view, c0, len(channels), leveled, norm, cut=cut))
     if normalize is not None and first.dtype.kind != "f":
         raise ValueError(
-            f"normalize needs float members, and these are {first.dtype}: cast them with a "
-            "chunk transform"
+            f"normalize needs float members, and these are {first.dtype}: stack them without "
+            "normalize= and standardise the stack's array in a batch transform, or give them "
+            "as labels of their own with stats.normalizer (which delivers integer labels in "
+            "float32)"
         )
     return Stack(tuple(members), layout, steps, field_shape, first.dtype, tuple(channels))
 
+
+#: what to do with members of other dtypes (a chunk transform that casts a stack member is
+#: refused: the stack is laid out from the stored dtypes)
+_OWN_LABELS = (
+    "give them as labels of their own, which a batch transform can cast and concatenate; a "
+    "chunk transform that casts a stack member is refused"
+)
 
 #: per kind of the stack's dtype, the kinds of static members it holds (their values checked
 #: when read: :func:`refuse_overflow`); complex, floats in an integer stack, other kinds refused

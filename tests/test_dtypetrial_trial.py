@@ -43,6 +43,10 @@ Found (now fixed):
   (``g@1590969600000000000``); now by the date, to the precision the dates need
   (``g@2020-06-01T06``).
 
+- a stack of members of other dtypes said "a chunk transform can cast one", and
+  ``normalize=`` on integer members "cast them with a chunk transform": a pipeline refuses a
+  chunk transform that casts a stack member, so the advice led to a second refusal. Both now
+  say what works (labels of their own, cast in a batch transform; ``cf_dtype``).
 - ``open_geometries(store, cf_dtype="float16")`` decoded ERA5's packed mean sea-level
   pressure (about 1e5 Pa) to inf at every point; a packed field whose stored integers unpack
   past the largest value of ``cf_dtype`` is refused now, naming it.
@@ -407,3 +411,30 @@ def test_cf_dtype_float16_refuses_a_packed_field_it_would_decode_to_inf(tmp_path
         got = next(iter(pipe)).arrays["t2m"]
     assert got.dtype == np.float16
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=2**-10)
+
+
+def test_a_stack_of_other_dtypes_points_at_what_works_not_at_a_refused_chunk_cast(
+    store: Path,
+) -> None:
+    """``stack`` said "a chunk transform can cast one" (and, for ``normalize=`` on integers,
+    "cast them with a chunk transform"), but a pipeline refuses a chunk transform that casts a
+    stack member: the advice led to a second refusal."""
+    from insitubatch_nodes.statistics import Statistics
+
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["i16"], (1.0, 0.0, 0.0))
+    stats = fit_statistics(store, manifest, {"i16": g["i16"]})
+    for make in (
+        lambda: stack({"i16": g["i16"], "f": g["f"]}),
+        lambda: stack({"i16": g["i16"]}, normalize=stats),
+    ):
+        with pytest.raises(ValueError, match=r"int16") as info:
+            make()
+        said = str(info.value)
+        assert "can cast one" not in said and "cast them with a chunk" not in said
+        assert "labels of their own" in said
+    # the advice's route is refused, as documented
+    scaler = Statistics.scaler(stats)  # int16 chunks -> float32: a cast
+    with pytest.raises(ValueError, match=r"chunk transforms change member 'i16'"):
+        insitu_pipeline(store, manifest, {"x": stack({"i16": g["i16"]})},
+                        chunk_transforms=[scaler])  # fmt: skip
