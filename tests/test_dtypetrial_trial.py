@@ -42,7 +42,6 @@ Found (now fixed):
 - a stack member with a **datetime64 channel axis** named its channels by nanosecond integers
   (``g@1590969600000000000``); now by the date, to the precision the dates need
   (``g@2020-06-01T06``).
-
 - a stack of members of other dtypes said "a chunk transform can cast one", and
   ``normalize=`` on integer members "cast them with a chunk transform": a pipeline refuses a
   chunk transform that casts a stack member, so the advice led to a second refusal. Both now
@@ -61,7 +60,17 @@ float64, int64/uint64 up to 2**62), CF-packed and ``_FillValue`` fields (statist
 unpacked values, fills counted in ``nan_count``), ``Statistics`` JSON round trip (finite values,
 NaN, ±inf); ``isel``/``sel`` with numpy scalars, 0-d arrays, uint8 index arrays, bool lists and
 masks, DataArray masks, negative indices, descending float32 latitudes, int32 levels with
-float values (``500.0`` selects, ``500.5`` is a ``KeyError``), each against xarray.
+float values (``500.0`` selects, ``500.5`` is a ``KeyError``), each against xarray;
+``stack(..., normalize=stats)`` of float64 members and a uint8 static member (both layouts,
+statistics as fitted and as loaded from JSON) and ``stats.normalizer`` of uint8 and int16
+labels (float32) equal ``(x - mean) / std`` exactly; big-endian v2 ``>i2`` packed and ``>f4``
+fields with a ``>i8`` time coordinate, through fit, windows, a normalised stack, forcings and a
+warm persistent cache, equal xarray's values.
+
+Left as they are: a channel holding ``±inf`` (not NaN) has a NaN mean where numpy's
+``nanmean`` gives ``±inf`` when a NaN shares its batch (its ``std`` is NaN either way, as
+numpy's); a float field narrowed to ``float16`` by ``cf_dtype`` is inf past 65504, as numpy
+casts it (only a packed field's range is known before reading).
 """
 
 from __future__ import annotations
