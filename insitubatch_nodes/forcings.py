@@ -476,6 +476,13 @@ class Forcings:
             )
         return self.grid.lats[0], self.grid.lons[0]
 
+    def largest(self, name: str) -> float:
+        """A bound on the magnitude of forcing ``name``: 1 for the cosines and sines, for
+        the radiation the irradiance over the period at the Sun's nearest (r = 0.983 au)."""
+        if name != "toa_incident_solar_radiation":
+            return 1.0
+        return self.irradiance * float(self.period / np.timedelta64(1, "s")) / 0.983**2
+
     def only(self, name: str) -> Forcings:
         """These forcings reduced to forcing ``name``, on the same grid (with nothing
         remembered): a stack's channel."""

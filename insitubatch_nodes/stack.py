@@ -42,7 +42,7 @@ from insitubatch_nodes.forcing_grid import GridWindow, refuse_other_points
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
-from insitubatch_nodes.io.selection import kept_axes, view_keys
+from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
 from insitubatch_nodes.static import StaticCut
 from insitubatch_nodes.transforms import work_dtype
 
@@ -55,7 +55,15 @@ class Statistics(Protocol):
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray: ...
 
 
-__all__ = ["LAYOUTS", "Stack", "StackMember", "channel_destination", "stack", "static_window"]
+__all__ = [
+    "LAYOUTS",
+    "Stack",
+    "StackMember",
+    "channel_destination",
+    "refuse_overflow",
+    "stack",
+    "static_window",
+]
 
 LAYOUTS = ("channels_first", "channels_last")
 
@@ -218,6 +226,7 @@ def stack(
                     f"has field shape {whole}{' (unpatched)' if first.patch else ''}: give "
                     "Forcings the members' grid (view=one of them)"
                 )
+            _refuse_unheld_forcings(name, view, first_name, first.dtype)
             who = f"the forcings of stack member {view.names[0]!r}"
             fix = f"give Forcings view= the view of {first_name!r}"
             refuse_other_points(view.grid, first, who, repr(first_name), fix)
@@ -257,16 +266,18 @@ def stack(
                 f"{first_name!r} has {_describe_steps(steps)}: members must agree on T"
             )
         if view.dtype != first.dtype and not view.static:
-            cast = "a chunk transform can cast one"
+            cast = _OWN_LABELS
             if all(_cf_dtype_helps(v) for v in (view, first)):
                 cast = (
                     "cf_dtype='float32', open_geometries' or the collection's, delivers every "
-                    f"CF-decoded array in float32, or {cast}"
+                    f"CF-decoded array in float32; or {cast}"
                 )
             raise ValueError(
                 f"stack member {name!r} is {view.dtype}, but {first_name!r} is {first.dtype}: "
                 f"stack members of one dtype ({cast})"
             )
+        if view.static:
+            _refuse_unheld_static(name, view, first_name, first.dtype)
         leveled = len(inner) == field_ndim + 1
         names = _channel_names(name, view) if leveled else [name]
         norm = None
@@ -277,10 +288,86 @@ def stack(
         members.append(StackMember(name, view, c0, len(channels), leveled, norm, cut=cut))
     if normalize is not None and first.dtype.kind != "f":
         raise ValueError(
-            f"normalize needs float members, and these are {first.dtype}: cast them with a "
-            "chunk transform"
+            f"normalize needs float members, and these are {first.dtype}: stack them without "
+            "normalize= and standardise the stack's array in a batch transform, or give them "
+            "as labels of their own with stats.normalizer (which delivers integer labels in "
+            "float32)"
         )
     return Stack(tuple(members), layout, steps, field_shape, first.dtype, tuple(channels))
+
+
+#: what to do with members of other dtypes (a chunk transform that casts a stack member is
+#: refused: the stack is laid out from the stored dtypes)
+_OWN_LABELS = (
+    "give them as labels of their own, which a batch transform can cast and concatenate; a "
+    "chunk transform that casts a stack member is refused"
+)
+
+#: per kind of the stack's dtype, the kinds of static members it holds (their values checked
+#: when read: :func:`refuse_overflow`); complex, floats in an integer stack, other kinds refused
+_HELD_KINDS = {"c": "biufc", "f": "biuf", "i": "biu", "u": "biu", "b": "b"}
+
+
+def _refuse_unheld_static(
+    name: str, view: ArrayGeometry, first_name: str, dtype: np.dtype[Any]
+) -> None:
+    """``ValueError`` for static member ``name`` whose values a stack of ``dtype`` cannot hold
+    by kind: a float in an integer stack (truncated), a complex one in a real stack (its
+    imaginary part dropped), an integer in a bool stack. (Values are checked when read.)"""
+    if view.dtype == dtype or view.dtype.kind in _HELD_KINDS.get(dtype.kind, ""):
+        return
+    raise ValueError(
+        f"stack member {name!r} is a static {view.dtype} field, but the stack is {dtype} (the "
+        f"dtype of {first_name!r}): its values would be cast to {dtype} without a word "
+        "(truncated, or their imaginary part dropped). Stack it beside members of its kind, "
+        "give it as a label of its own, or cast it in a batch transform"
+    )
+
+
+def refuse_overflow(name: str, data: np.ndarray, dtype: np.dtype[Any]) -> np.ndarray:
+    """The values of static member ``name`` (``data``, as read) cast to the stack's ``dtype``;
+    ``ValueError`` where the cast does not hold them: an integer out of the range of an
+    integer stack, a value past the largest of a float stack (inf). Floats and integers are
+    rounded to a float stack's precision, as numpy rounds them."""
+    with np.errstate(over="ignore", invalid="ignore"):  # (what is lost is refused below)
+        out = data.astype(dtype)
+    if dtype.kind in "iu" and data.dtype.kind in "iu" and data.size:
+        info = np.iinfo(dtype)
+        lost = int(data.min()) < info.min or int(data.max()) > info.max
+    elif dtype.kind in "fc":
+        lost = bool(np.any(np.isfinite(data) & ~np.isfinite(out)))
+    else:
+        lost = False
+    if lost:
+        raise ValueError(
+            f"stack member {name!r} has values ({np.nanmin(data)} to {np.nanmax(data)}) that "
+            f"the stack's {dtype} cannot hold: standardise it (normalize=, with statistics "
+            "fitted on it), or stack members of a wider dtype"
+        )
+    return out
+
+
+def _refuse_unheld_forcings(
+    name: str, forcings: Forcings, first_name: str, dtype: np.dtype[Any]
+) -> None:
+    """``ValueError`` for forcings (float32 values, never standardised) that a stack of
+    ``dtype`` cannot hold: an integer stack truncates them (a cosine becomes 0) or wraps them
+    around, a float16 one overflows the radiation (millions of J m-2) to inf."""
+    for forcing in forcings.names:
+        bound = forcings.largest(forcing)
+        if dtype.kind in "fc" and bound <= float(np.finfo(dtype).max):
+            continue
+        fix = (
+            "stack float members"
+            if dtype.kind not in "fc"
+            else "compute it as a label of its own (a Forcings batch transform, float32) or "
+            "stack members of a wider dtype"
+        )
+        raise ValueError(
+            f"stack member {name!r}: forcing {forcing!r} (float32 values up to {bound:.4g}, "
+            f"never standardised) cannot be held by the stack's {dtype} (the dtype of "
+            f"{first_name!r}): {fix}"
+        )
 
 
 def _check_patched(
@@ -476,6 +563,8 @@ def _channel_names(name: str, view: ArrayGeometry) -> list[str]:
             values = None
         if values is not None and values.ndim == 1 and len(values) == view.field_shape[axis]:
             labels = [_plain(values[i]) for i in index]
+            if values.dtype.kind == "M":  # dates as ISO 8601, to the precision they need
+                labels = date_strings(values, values[index])
     return [f"{name}@{v}" for v in labels]
 
 

@@ -34,6 +34,7 @@ from insitubatch_nodes.stack import (
     StackMember,
     channel_destination,
     forcing_window,
+    refuse_overflow,
 )
 from insitubatch_nodes.static import StaticCut, StaticFields, select_static
 
@@ -102,11 +103,14 @@ class StackConstants:
             fills = []
             for member in st.static:
                 raw = np.asarray(arrays[(label, member.name)])
-                data = raw.astype(np.float64)
-                if member.norm is not None:
-                    mean, std = member.norm
-                    data = (data - mean.astype(np.float64)) / std.astype(np.float64)
-                fills.append((member, raw, data.astype(st.dtype)))
+                if member.norm is None:  # as read (a complex one keeps its imaginary part),
+                    # refused where the stack's dtype does not hold its values
+                    data = refuse_overflow(member.name, raw, st.dtype)
+                else:  # standardised: the stack's dtype of the exact result, as the others'
+                    mean, std = (a.astype(np.float64) for a in member.norm)
+                    with np.errstate(over="ignore"):
+                        data = ((raw.astype(np.float64) - mean) / std).astype(st.dtype)
+                fills.append((member, raw, data))
             spec = st.sampled[0].geometry.patch
             cuts = () if spec is None else tuple(m.cut for m in st.static if m.cut is not None)
             extent = () if spec is None else spec.extent
@@ -279,9 +283,11 @@ def prepare_constants(
     ``InSituPipeline.set_views``), checked and read now: ``ValueError`` for a stack with
     forcings whose first sampled member's array has no times the batches carry; the static
     arrays no stack of ``gather``'s :class:`StackConstants` holds are read with ``read``
-    (``{key: view} -> {key: data}``), once. Returns what makes them take effect: call it
-    once the plan took ``views`` (it adds them to the pipeline's :class:`StackConstants`,
-    putting one first among ``gather``'s batch transforms if it has none)."""
+    (``{key: view} -> {key: data}``), once (``ValueError`` for one whose values the stack's
+    dtype cannot hold, :func:`~insitubatch_nodes.stack.refuse_overflow`). Returns what makes
+    them take effect: call it once the plan took ``views`` (it adds them to the pipeline's
+    :class:`StackConstants`, putting one first among ``gather``'s batch transforms if it has
+    none)."""
     stacks = {label: v for label, v in views.items() if isinstance(v, Stack)}
     for label, st in stacks.items():
         path = st.sampled[0].geometry.path
@@ -323,6 +329,10 @@ def prepare_constants(
     for (label, name), have in kept.items():
         got = data[f"{label}/{name}"] if have is None else have
         arrays[(label, name)] = got
+    for label, st in stacks.items():  # refused now, before the plan takes the views
+        for m in st.static:
+            if m.norm is None:
+                refuse_overflow(m.name, arrays[(label, m.name)], st.dtype)
 
     def commit() -> None:
         constants.add(stacks, arrays)

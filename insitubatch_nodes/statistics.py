@@ -205,6 +205,7 @@ class Statistics:
         one standardised row, broadcast, in the label's dtype; integer labels become float32).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
+        _refuse_complex(views, "Statistics.normalizer")
         source = {label: (same_as or {}).get(label, label) for label in views}
         missing = sorted(label for label, fitted in source.items() if fitted not in self.mean)
         if missing:
@@ -267,6 +268,20 @@ class Statistics:
             s = _constant_as_unit(np.asarray(self.std[label]))
             std[path] = s.reshape(s.shape + (1,) * grid)
         return StandardScaler(mean, std, cache_key=cache_key)
+
+
+def _refuse_complex(views: Mapping[str, ArrayGeometry], who: str) -> None:
+    """``ValueError`` naming the complex views among ``views``: a mean, a standard deviation
+    and extrema per channel are of real values (numpy's would cast them, dropping the
+    imaginary part)."""
+    complex_ = {label: str(v.dtype) for label, v in views.items() if v.dtype.kind == "c"}
+    if complex_:
+        raise ValueError(
+            f"{who} takes real values, and {complex_} are complex: their statistics (and a "
+            "standardisation) are of real channels. Turn them into real channels (real and "
+            "imaginary parts, amplitude and phase) with a batch transform, and standardise "
+            "those in it"
+        )
 
 
 def _constant_as_unit(std: np.ndarray) -> np.ndarray:
@@ -381,6 +396,7 @@ def fit_statistics(
             f"fit_statistics takes views (ArrayGeometry) or array names, got {wrong}: give "
             "{label: open_geometries(store)[name]}, or a list of names"
         )
+    _refuse_complex(given, "fit_statistics")
     plain = {label: _unmoved(v) for label, v in given.items() if isinstance(v, ArrayGeometry)}
     sampled = {label: v for label, v in plain.items() if not v.static}
     static = {label: v for label, v in plain.items() if v.static}

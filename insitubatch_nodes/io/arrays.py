@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -145,10 +144,10 @@ def array_cf(array: Any, dtype: np.dtype[Any] | None = None) -> CFValues | None:
             array.fill_value,
             int(array.metadata.zarr_format),
         )
+        if cf is not None and dtype is not None and cf.dtype.kind == "f":
+            cf = cf.in_dtype(dtype)
     except ValueError as exc:
         raise ValueError(f"array {array.path!r}: {exc}") from None
-    if cf is not None and dtype is not None and cf.dtype.kind == "f":
-        cf = replace(cf, dtype=dtype)
     return cf
 
 

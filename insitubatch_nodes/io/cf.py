@@ -33,6 +33,7 @@ Rules shared with coordinates (:func:`fill_scalar`, :func:`encoded_fills`,
 from __future__ import annotations
 
 import base64
+import dataclasses
 import math
 import re
 import struct
@@ -210,6 +211,26 @@ class CFValues:
             "offset": repr(self.offset),
             "unsigned": None if self.unsigned is None else self.unsigned.str,
         }
+
+    def in_dtype(self, dtype: np.dtype[Any]) -> CFValues:
+        """This rule decoding into the float ``dtype`` instead (``cf_dtype``). ``ValueError``
+        where packed integers decode past its largest value (ERA5's pressure, about 1e5 Pa,
+        in float16): the stored range unpacked, or the integers cast to it before unpacking,
+        would be inf."""
+        values = self.unsigned if self.unsigned is not None else self.stored
+        packed = self.scale is not None or self.offset is not None
+        if packed and values.kind in "iu":
+            info, top = np.iinfo(values), float(np.finfo(dtype).max)
+            ends = np.array([info.min, info.max], np.float64)
+            unpacked = ends * (1.0 if self.scale is None else self.scale) + (self.offset or 0.0)
+            reach = float(max(np.abs(unpacked).max(), np.abs(ends).max()))
+            if reach > top:
+                raise ValueError(
+                    f"its packed values unpack up to {reach:.6g}, past the largest {dtype} "
+                    f"({top:.6g}): decoded in {dtype} they would be inf. Open it with "
+                    "cf_dtype='float32' (or without cf_dtype)"
+                )
+        return dataclasses.replace(self, dtype=dtype)
 
     def decode_into(self, raw: np.ndarray, out: np.ndarray) -> None:
         """Write the decoded values of ``raw`` (stored values, ``stored`` dtype) into ``out``

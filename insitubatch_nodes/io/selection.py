@@ -27,6 +27,7 @@ plans a selection); the fetch stage fills the held tiles, the gather indexes the
 
 from __future__ import annotations
 
+import datetime as _dt
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import product
@@ -370,6 +371,15 @@ def label_positions(
             return slice(stop - 1, start - 1 if start else None, int(step))
         return slice(start, stop, None if step is None else int(step))
     scalar = np.ndim(key) == 0
+    if scalar and isinstance(key, str) and values.dtype.kind == "M" and method is None:
+        period = _date_period(values, key)
+        if period is not None:  # coarser than the dates (a day of 6-hourly times): all in it
+            inside = np.flatnonzero((values >= period[0]) & (values <= period[1]))
+            if not len(inside):
+                raise KeyError(
+                    f"{path}: no date of coordinate {name!r} lies in {key!r} ({shown(values)})"
+                )
+            return inside.tolist()
     wanted = np.atleast_1d(_in_dtype(values, key))
     out = []
     for given, v in zip(np.atleast_1d(np.asarray(key, dtype=object)).tolist(), wanted, strict=True):
@@ -378,8 +388,7 @@ def label_positions(
             hits = _nearest(path, name, values, v, tolerance)
         if not len(hits):
             raise KeyError(
-                f"{path}: {given!r} is not a value of coordinate {name!r} "
-                f"({values[:8].tolist()}{' ...' if len(values) > 8 else ''})"
+                f"{path}: {given!r} is not a value of coordinate {name!r} ({shown(values)})"
             )
         if len(hits) > 1 and scalar:  # every match, the axis kept (pandas' get_loc)
             return hits.tolist()
@@ -402,8 +411,13 @@ def _slice_bounds(
     slice as given, names them in errors). A monotonic coordinate: the values between the
     ends, in its order (ends it lacks included). An unsorted one: from the position of
     ``first`` to that of ``last``, which it must hold (``KeyError`` otherwise)."""
-    first, last = _in_dtype(values, first), _in_dtype(values, last)
     ascending, descending = _monotonic(values)
+    if values.dtype.kind == "M":  # a date string spans its period: the first end from its
+        # start, the last to its end (in the coordinate's order; exact where it is unsorted),
+        # as pandas' slice_locs
+        first = _date_bound(values, first, upper=descending and not ascending)
+        last = _date_bound(values, last, upper=ascending)
+    first, last = _in_dtype(values, first), _in_dtype(values, last)
     n = len(values)
     if not (ascending or descending):
         start = 0 if first is None else _unsorted_bound(path, name, values, key, first, "start")
@@ -427,11 +441,11 @@ def _unsorted_bound(
     stop), as pandas' ``get_slice_bound``. ``KeyError`` saying what to do where ``values``
     lack ``end`` or repeat it apart (pandas and xarray refuse both)."""
     hits = np.flatnonzero(values == end)
-    shown = f"{values[:8].tolist()}{' ...' if len(values) > 8 else ''}"
+    listed = shown(values)
     if not len(hits):
         raise KeyError(
             f"{path}: sel({name}={key!r}): {end!r} is not a value of coordinate {name!r}, "
-            f"which is not sorted ({shown}): a slice of an unsorted coordinate runs from the "
+            f"which is not sorted ({listed}): a slice of an unsorted coordinate runs from the "
             "position of one of its values to that of another (xarray's rule), so both ends "
             f"must be values it holds; give values it holds, a list of values, or sort it "
             f"first (isel({name}=[...]) in the coordinate's order)"
@@ -511,9 +525,97 @@ def _monotonic(values: np.ndarray) -> tuple[bool, bool]:
         return False, False
 
 
+#: the units of numpy dates, finest first (a string's own unit is its precision)
+_DATE_UNITS = ("ns", "us", "ms", "s", "m", "h", "D", "W", "M", "Y")
+_DATE_STEPS = (("D", 86_400 * 10**9), ("h", 3_600 * 10**9), ("m", 60 * 10**9), ("s", 10**9),
+               ("ms", 10**6), ("us", 10**3))  # fmt: skip
+
+
+def date_resolution(values: np.ndarray) -> str:
+    """The finest unit the dates ``values`` need (``"D"`` for dates at midnight, ``"h"`` for
+    6-hourly ones, ...; at most a day), as pandas' ``DatetimeIndex.resolution``."""
+    ns = values[~np.isnat(values)].astype("datetime64[ns]").astype(np.int64)
+    return next((unit for unit, size in _DATE_STEPS if not np.any(ns % size)), "ns")
+
+
+def _tick(unit: str) -> Any:
+    """One ``unit`` (``"h"``, ``"M"``, ...) as a ``timedelta64``."""
+    return np.array(1).astype(f"timedelta64[{unit}]")[()]
+
+
+def date_strings(values: np.ndarray, of: np.ndarray | None = None) -> list[str]:
+    """The dates ``values`` (or those ``of`` the coordinate ``values``) as ISO 8601, all to the
+    precision the coordinate's dates need (``"2020-06-01T06"`` of 6-hourly dates)."""
+    unit: Any = date_resolution(values)
+    return [str(d) for d in np.datetime_as_string(values if of is None else of, unit=unit)]
+
+
+def shown(values: np.ndarray) -> str:
+    """The first values of a coordinate for a message (dates as ISO 8601, not integers)."""
+    head = values[:8]
+    if values.dtype.kind == "M":
+        items: list[Any] = date_strings(values, head)
+    elif values.dtype.kind == "m":  # as datetime.timedelta: "6:00:00", "1 day, 0:00:00"
+        items = [str(v) for v in head.astype("timedelta64[us]").tolist()]
+    else:
+        items = head.tolist()
+    return f"{items}{' ...' if len(values) > 8 else ''}"
+
+
+def _as_date(key: Any) -> Any:
+    """``key`` (an ISO string, a ``datetime``, a ``pd.Timestamp``) as a ``datetime64`` of its
+    own precision; unchanged where it is no date."""
+    if isinstance(key, _dt.datetime) and key.tzinfo is not None:
+        key = key.astimezone(_dt.UTC).replace(tzinfo=None)
+    if isinstance(key, str | _dt.date | np.datetime64):
+        try:
+            return np.datetime64(key.strip() if isinstance(key, str) else key)
+        except ValueError:
+            return key
+    return key
+
+
+def _date_period(values: np.ndarray, key: str) -> tuple[np.datetime64, np.datetime64] | None:
+    """The first and last instant (in the dates' unit) of the period an ISO string less precise
+    than the dates ``values`` names (``"2020-06-01"`` of 6-hourly times: the whole day), as
+    pandas reads such a string; ``None`` for a string as precise as they are or more, or no
+    date."""
+    date = _as_date(key)
+    if not isinstance(date, np.datetime64) or np.isnat(date):
+        return None
+    unit = np.datetime_data(date.dtype)[0]
+    if _DATE_UNITS.index(unit) <= _DATE_UNITS.index(date_resolution(values)):
+        return None
+    tick = _tick(np.datetime_data(values.dtype)[0])
+    end = (date + _tick(unit)).astype(values.dtype) - tick
+    return date.astype(values.dtype), end
+
+
+def _date_bound(values: np.ndarray, key: Any, *, upper: bool) -> Any:
+    """A slice's end on the dates ``values``: a string from the first instant of the period it
+    names (``upper``: to its last), as pandas' ``slice_locs``; other ends as they are."""
+    if not isinstance(key, str):
+        return key
+    date = _as_date(key)
+    if not isinstance(date, np.datetime64) or np.isnat(date):
+        return key
+    unit = np.datetime_data(date.dtype)[0]
+    if not upper:
+        return date.astype(values.dtype)
+    tick = _tick(np.datetime_data(values.dtype)[0])
+    return (date + _tick(unit)).astype(values.dtype) - tick
+
+
 def _in_dtype(values: np.ndarray, key: Any) -> Any:
     """``key`` (a value or a list of them) in the dtype of a float coordinate ``values``, as
-    pandas casts labels to its index's dtype; unchanged otherwise (``None`` stays ``None``)."""
+    pandas casts labels to its index's dtype; dates (ISO strings, ``datetime``) as
+    ``datetime64`` for a date coordinate; unchanged otherwise (``None`` stays ``None``)."""
+    if key is not None and values.dtype.kind == "M":
+        if isinstance(key, list | tuple | np.ndarray):
+            dates = [_as_date(k) for k in key]
+            as_dates = all(isinstance(d, np.datetime64) for d in dates)
+            return np.array(dates) if as_dates else key
+        return _as_date(key)
     if key is not None and values.dtype.kind == "m":  # durations: "6h", pd.Timedelta, ...
         if isinstance(key, list | tuple | np.ndarray):
             return np.array([as_timedelta(k, "a value of a duration coordinate") for k in key])
@@ -530,9 +632,15 @@ def _in_dtype(values: np.ndarray, key: Any) -> Any:
 def _nearest(path: str, name: str, values: np.ndarray, v: Any, tolerance: float | None) -> Any:
     """The position of the value of ``values`` nearest ``v`` (ties: the larger value, as
     pandas), or none when it is farther than ``tolerance``."""
-    if values.dtype.kind not in "iuf":
+    if values.dtype.kind in "Mm":  # dates and durations: the distance in their own unit
+        distance = np.abs((values - v).astype(np.int64)).astype(np.float64)
+        if tolerance is not None:
+            span = _tick(np.datetime_data(values.dtype)[0])
+            tolerance = float(as_timedelta(tolerance, "a tolerance") / span)
+    elif values.dtype.kind not in "iuf":
         raise TypeError(f"{path}: sel(method='nearest') needs a numeric coordinate {name!r}")
-    distance = np.abs(values.astype(np.float64) - float(v))
+    else:
+        distance = np.abs(values.astype(np.float64) - float(v))
     tied = np.flatnonzero(distance == np.nanmin(distance))
     best = int(tied[np.argmax(values[tied])])
     return [] if tolerance is not None and distance[best] > tolerance else [best]
