@@ -580,8 +580,19 @@ def kept_bytes(
     :mod:`~insitubatch_nodes.stages._direct`): a chunk read by one row is decoded straight into
     that row when its epoch is not kept, and into a slot of the pool, where the next epoch
     finds it (no GET, no decode), when it is. An automatic budget then grows to hold it.
+
+    Under DDP (``plan.world_size > 1``) each epoch deals this rank other samples, so keeping
+    only this epoch's chunks would read most of the next share again (3 of 4 chunks an epoch
+    at 4 ranks, for good). Where the whole split — estimated as this rank's chunks times the
+    ranks — fits the automatic cap, that is the bytes returned: the automatic budget grows to
+    hold every chunk the rank has read, and each epoch reads only chunks it has not read
+    before, until it reads none. Else this rank's chunks, as above.
     """
     reads = _read_bytes(plan, geoms)
+    if budget_bytes is None and plan.world_size > 1:
+        every = reads * plan.world_size  # (the ranks' shares are one size: about the split)
+        if every <= _auto_keep_bytes():
+            return every
     cap = _auto_keep_bytes() if budget_bytes is None else budget_bytes
     return reads if reads <= cap else None
 
