@@ -133,8 +133,12 @@ def test_the_report_of_rows_forced_straight_into_batches_suggests_what_keeps_the
 
 @pytest.mark.parametrize("remainder", ["drop", "pad"])
 def test_a_ranks_suggested_budget_is_one_the_pipeline_accepts_and_it_makes_re_reads_hits(
-    tmp_path: Path, remainder: str
+    tmp_path: Path, remainder: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import insitubatch_nodes.plan.schedule as schedule_module
+
+    # a split past the automatic cap (a sixteenth of RAM: a smaller one is kept whole)
+    monkeypatch.setattr(schedule_module, "_auto_keep_bytes", lambda: 0)
     # before: rank 0 of 3 was told cache_budget_bytes=2688 (the chunks its epoch read), and
     # insitu_pipeline refused 2688 as below the working-set floor (3,840; 6,144 with "pad")
     # that every epoch of every rank is checked against
@@ -393,3 +397,37 @@ def test_the_memory_a_process_may_use_is_the_least_of_the_machines_and_its_cgrou
         assert _process.usable_memory_bytes() == min(physical, want), (version, limit)
     monkeypatch.setattr(_process, "PROC_SELF_CGROUP", tmp_path / "absent")  # not Linux
     assert _process.usable_memory_bytes() == physical
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_small_split_of_chunks_of_several_samples_is_kept_and_later_epochs_read_only_new_chunks(
+    tmp_path: Path, world_size: int
+) -> None:
+    # before: at 4 samples per chunk the automatic budget held one epoch's working set, so a
+    # 77 KiB split of 200 chunks was read again every epoch (200, 198, 196, 196 GETs), and a
+    # rank of 2 read about half its share again every epoch, for good
+    root = tmp_path / "c4.zarr"
+    group = zarr.open_group(str(root), mode="w")
+    data = np.random.default_rng(2).standard_normal((800, 4, 6)).astype("f4")
+    group.create_array("a", shape=data.shape, chunks=(4, 4, 6), dtype="f4")[...] = data
+    store = counting_store(root)
+    geoms = open_geometries(store, ["a"])
+    manifest = split_by_chunk(geoms["a"], (1.0, 0.0, 0.0))
+    kw = {"batch_size": 5, "block_chunks": 2, "coords": (), "world_size": world_size}
+    seen: set[str] = set()
+    gets = []
+    with insitu_pipeline(store, manifest, geoms, rank=0, **kw) as pipe:
+        for e in range(6):
+            store.reset_counts()
+            records = run_epoch(pipe, Oracle(root), {"a": View("a")})  # rows as zarr reads them
+            keys = set(store.chunk_counts())
+            assert not keys & seen, e  # a chunk is read once in the run, never again
+            seen |= keys
+            gets.append(len(keys))
+            assert sum(len(r["sample_indices"]["a"]) for r in records) == 800 // world_size
+            pipe.reset()
+        assert pipe.stats()["resident_peak_bytes"] <= 200 * geoms["a"].chunk_nbytes
+    if world_size == 1:
+        assert gets == [200, 0, 0, 0, 0, 0]
+    else:  # each epoch only the chunks this rank never read: fewer and fewer
+        assert gets[0] > gets[2] and sum(gets) <= 200

@@ -569,6 +569,8 @@ def test_an_automatic_budget_over_a_quarter_of_ram_switches_to_the_bounded_sched
 
     root, views, manifest = _shifted_store(tmp_path)
     kwargs: dict[str, Any] = {"batch_size": 8, "block_chunks": 4}
+    # (a split under a sixteenth of RAM is kept whole: this is about one that is not)
+    monkeypatch.setattr(schedule_module, "_auto_keep_bytes", lambda: 0)
     once = insitu_pipeline(root, manifest, views, **kwargs).stages.pool.budget_bytes
     monkeypatch.setattr(schedule_module, "_auto_cap_bytes", lambda: once - 1)
     with caplog.at_level("WARNING", logger="insitubatch_nodes.plan.schedule"):

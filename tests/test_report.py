@@ -174,8 +174,12 @@ def t2m_split_bytes(root: Path) -> int:
 
 
 def test_re_reads_suggest_the_budget_that_holds_the_split_and_that_budget_removes_them(
-    era5: Path,
+    era5: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import insitubatch_nodes.plan.schedule as schedule_module
+
+    # a split past the automatic cap (a sixteenth of RAM: a smaller one is kept whole)
+    monkeypatch.setattr(schedule_module, "_auto_keep_bytes", lambda: 0)
     pipe, t2m = _pipe(counting_store(era5, delay=0.05))  # automatic budget: one epoch's floor
     with pipe:
         _epoch(pipe)

@@ -576,21 +576,16 @@ def kept_bytes(
     budget (``None``), a sixteenth of RAM (:func:`_auto_keep_bytes`). ``geoms`` is what one
     slot of each array holds (:func:`slot_geometries`).
 
-    This decides the archive case (one sample per chunk, see
-    :mod:`~insitubatch_nodes.stages._direct`): a chunk read by one row is decoded straight into
-    that row when its epoch is not kept, and into a slot of the pool, where the next epoch
-    finds it (no GET, no decode), when it is. An automatic budget then grows to hold it.
-
-    Under DDP (``plan.world_size > 1``) each epoch deals this rank other samples, so keeping
-    only this epoch's chunks would read most of the next share again (3 of 4 chunks an epoch
-    at 4 ranks, for good). Where the whole split — estimated as this rank's chunks times the
-    ranks — fits the automatic cap, that is the bytes returned: the automatic budget grows to
-    hold every chunk the rank has read, and each epoch reads only chunks it has not read
-    before, until it reads none. Else this rank's chunks, as above.
+    Kept, an automatic budget grows to hold them, and the next epoch finds them (no GET, no
+    decode); at one sample per chunk (:mod:`~insitubatch_nodes.stages._direct`) a chunk read
+    by one row is decoded straight into that row when its epoch is not kept. Under DDP each
+    epoch deals the rank other samples: where the whole split (this rank's chunks times the
+    ranks: their shares are one size) fits the automatic cap, that is returned, so the budget
+    holds every chunk the rank has read and epochs read only chunks it never read.
     """
     reads = _read_bytes(plan, geoms)
     if budget_bytes is None and plan.world_size > 1:
-        every = reads * plan.world_size  # (the ranks' shares are one size: about the split)
+        every = reads * plan.world_size
         if every <= _auto_keep_bytes():
             return every
     cap = _auto_keep_bytes() if budget_bytes is None else budget_bytes

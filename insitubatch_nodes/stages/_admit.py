@@ -170,19 +170,21 @@ RESERVE_MAX_SLOTS = 1 << 15
 
 def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
     """:func:`~insitubatch_nodes.plan.schedule.working_set_bytes` of ``plan``, whose floor an
-    automatic budget grows to; when a plan group holds one sample per chunk and the schedule
-    keeps the epoch's chunks for the next one
-    (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`), the floor is all of them. It asks
-    of every group, not of the anchor grid, as :func:`~insitubatch_nodes.stages._direct.
-    direct_allowed` does: a one-sample-per-chunk array beside an anchor array of larger chunks
-    is kept too, not left in slots an epoch's floor cannot hold (read again every epoch).
-    ``direct=False`` (rows always through slots) keeps a split that fits as the default does;
-    ``direct=True`` (rows straight into batches whatever the budget) keeps nothing."""
+    automatic budget grows to; when the schedule keeps the epoch's chunks for the next one
+    (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`: they fit a sixteenth of RAM, at any
+    samples per chunk), the floor is all of them. It asks of every group, not of the anchor
+    grid, as :func:`~insitubatch_nodes.stages._direct.direct_allowed` does: a
+    one-sample-per-chunk array beside an anchor array of larger chunks is kept too, not left in
+    slots an epoch's floor cannot hold (read again every epoch). ``direct=False`` (rows always
+    through slots) keeps a split that fits as the default does; ``direct=True`` (rows of
+    one-sample chunks straight into batches whatever the budget) keeps nothing where a group
+    holds one sample per chunk. Chunks of more samples under a persistent cache are not kept
+    in RAM this way: released, they come back from its files."""
     floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
-    if (
-        setup.pool.auto
-        and setup.direct is not True
-        and any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
+    one = any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
+    cache = setup.pool.cache  # (a persistent one brings chunks of more samples back from disk)
+    if setup.pool.auto and (
+        setup.direct is not True if one else cache is None or not cache.persistent
     ):
         floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
     return floor, read_ahead
