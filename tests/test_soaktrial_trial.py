@@ -43,7 +43,9 @@ Tried and found right (each a test below):
 * an epoch broken off every other time (``break`` after 1-5 batches) for 16-40 epochs: each
   following epoch is complete, exact, numbered right and reported right, nothing pinned;
 * ``torchdata.nodes.Loader`` and ``StatefulDataLoader(num_workers=0)`` re-iterated with breaks;
-* the pipeline keeps one report (the last), and its heap shows no per-epoch residue.
+* the pipeline keeps one report (the last), and its heap shows no per-epoch residue;
+* a bad stored object (``on_bad_chunk="nan"``) is listed and NaN every epoch, in a split the
+  automatic budget keeps and with a persistent cache, and read good the epoch after its repair.
 
 Seen and left as designed (see the report): a state saved after an epoch's last batch
 restores, through ``StatefulDataLoader(as_dataset(pipe))`` without ``epoch_fn``, straight into
@@ -712,3 +714,40 @@ def test_a_pipeline_keeps_one_report_and_its_heap_stays_flat_over_sixty_epochs(
     # 40 epochs later: no residue per epoch (what a run holds varies by +-20 KiB with the
     # timing of the read-ahead and the report's spans; measured over 240 epochs: no trend)
     assert traced[60] - traced[20] < 64 * 1024, traced
+
+
+@pytest.mark.parametrize("name", ["kept_split", "persistent_cache"])
+def test_a_bad_object_is_listed_every_epoch_and_read_good_in_the_epoch_after_its_repair(
+    tmp_path: Path, name: str
+) -> None:
+    # docs/transforms.md: a chunk with a bad stored object is not kept (not in the split the
+    # automatic budget keeps, not in the persistent cache): every epoch reads it again
+    root = write_era5(tmp_path / "one.zarr", n_time=24, n_lat=4, n_lon=8, n_level=2,
+                      samples_per_chunk=1)  # fmt: skip
+    t2m = _read(root, "t2m")
+    bad = root / "t2m" / "c" / "2" / "0" / "0"
+    good = bad.read_bytes()
+    bad.write_bytes(b"corrupt")
+    g = open_geometries(root, ["t2m"])["t2m"]
+    options: dict[str, Any] = {}
+    if name == "persistent_cache":
+        options.update(cache_dir=tmp_path / "cache", persist=True)
+    pipe = insitu_pipeline(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"x": g}, batch_size=5,
+                           block_chunks=2, seed=1, on_bad_chunk="nan", **options)  # fmt: skip
+    seen = []
+    with pipe:
+        loader = Loader(pipe)
+        for epoch in range(10):
+            if epoch == 6:
+                bad.write_bytes(good)  # repaired mid-run
+            nan_rows = []
+            for batch in loader:
+                for i, s in enumerate(batch.sample_indices["x"].tolist()):
+                    if np.isnan(batch["x"][i]).all():
+                        nan_rows.append(s)
+                    else:
+                        np.testing.assert_array_equal(batch["x"][i], t2m[s])
+            report = pipe.report()
+            assert report is not None
+            seen.append((list(pipe.bad_chunks), report.bad_chunks, nan_rows))
+    assert seen == [([("t2m", 2, (0, 0))], 1, [2])] * 6 + [([], 0, [])] * 4
