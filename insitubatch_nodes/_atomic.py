@@ -1,5 +1,6 @@
 """Files written whole or not at all: :func:`atomic_write`; lines appended whole or not at all:
-:func:`append_lines` (and :func:`cut_torn_tail`, what heals a file a crash cut mid-line)."""
+:func:`append_lines` (and :func:`cut_torn_tail`, what heals a file a crash cut mid-line); the
+descriptor of such a file closed with the object that owns it: :func:`close_with`."""
 
 from __future__ import annotations
 
@@ -7,11 +8,23 @@ import contextlib
 import errno
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
 _APPEND_LOCK = threading.Lock()  # threads (and pipelines) of one process append to one file
+
+
+def close_with(owner: object, fd: int) -> weakref.finalize[[int], object]:
+    """Close ``fd`` once: when the returned finalizer is called (the owner's ``close()``) or when
+    ``owner`` is garbage-collected, whichever comes first. A plain descriptor of an object that
+    is dropped without ``close()`` stays open for the rest of the process otherwise (a pipeline
+    per epoch, never closed, kept two per build). Not at interpreter exit: a thread still
+    appending then would write to a closed (or reused) descriptor."""
+    closer = weakref.finalize(owner, os.close, fd)
+    closer.atexit = False
+    return closer
 
 
 def append_lines(fd: int, text: str, what: str = "line") -> None:

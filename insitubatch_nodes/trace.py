@@ -201,7 +201,10 @@ class TraceLog:
     ) -> tuple[list[Span], list[tuple[int, PackedSpans]]]:
         """The spans so far, as :class:`EpochTrace` takes them; forgotten unless ``keep``
         (then copies, for an epoch still in progress). With ``upto`` (a :meth:`mark`), only
-        those recorded before that mark; everything is forgotten."""
+        those recorded before that mark; everything is forgotten. Forgetting everything (the
+        recorder does so when an epoch opens) also forgets the names of threads that have
+        ended: each epoch's producer is a new thread, and the names of all of them were kept
+        (and copied into every report) for the rest of the run."""
         if upto is not None:
             n_spans, n_packed, n_gets = upto
             spans, packed, by_thread = self.spans, self.packed, self.gets
@@ -220,6 +223,10 @@ class TraceLog:
         packed, self.packed = self.packed, []
         packed.extend(self.gets.items())
         self.gets = {}
+        alive = {t.native_id for t in threading.enumerate()}
+        for tid in list(self.threads):  # (an ended thread adds no span again; a new thread
+            if tid not in alive:  # given its id is named anew)
+                self.threads.pop(tid, None)
         return spans, packed
 
 

@@ -82,6 +82,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._atomic import close_with
 from insitubatch_nodes.cache import _filemap
 from insitubatch_nodes.cache import identity as store_identity
 from insitubatch_nodes.cache._filemap import Region
@@ -190,6 +191,7 @@ class ChunkCache:
         self._index: dict[tuple[str, int], Logged] = {}
         self._logs: dict[Path, Log] = {}
         self._log_fd: int | None = None
+        self._log_closer: weakref.finalize[[int], object] | None = None  # closes _log_fd once
         self._spill: SpillBacking | None = None
         self._warned_commit = False
         self._warned_full = False
@@ -255,8 +257,7 @@ class ChunkCache:
         except BaseException as exc:
             # construction failed after taking the lock (a stale cache, a corrupt log): release
             # it here — nothing else would until the process exits
-            self._close_log()
-            self._close_identity()
+            self._close_files()
             unshare_arrays(self.root, self)
             for lock in locks:
                 lock.release()
@@ -282,8 +283,7 @@ class ChunkCache:
         waits for mappings this collects garbage once and waits up to ``CLOSE_WAIT_S`` for them
         to go; mappings you hold (a slot) keep it locked after."""
         self.stop()
-        self._close_log()
-        self._close_identity()
+        self._close_files()
         unshare_arrays(self.root, self)
         locks = list(self._locks)
         self._release_locks(locks)
@@ -311,15 +311,13 @@ class ChunkCache:
         for lock in locks:
             lock.release()
 
-    def _close_log(self) -> None:
+    def _close_files(self) -> None:
+        """Close the log and the store-identity file (each is closed when collected too)."""
         with self._files_lock:
-            fd, self._log_fd = self._log_fd, None
-            if fd is not None:
-                os.close(fd)
-
-    def _close_identity(self) -> None:
-        with self._files_lock:
+            closer, self._log_fd, self._log_closer = self._log_closer, None, None
             recorder, self.identity = self.identity, None
+            if closer is not None:
+                closer()
             if recorder is not None:
                 recorder.close()
 
@@ -472,12 +470,13 @@ class ChunkCache:
         log.read_new()  # positions past what we just wrote
 
     def _open_log(self) -> None:
-        path = self.own / LOG_NAME
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.own / LOG_NAME, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        # closed by close(), or when this cache is collected (a pipeline dropped unclosed); a
+        # failure below too: open() closes it
+        self._log_fd, self._log_closer = fd, close_with(self, fd)
         if os.fstat(fd).st_size == 0:
             os.write(fd, (json.dumps({HEADER_KEY: LOG_FORMAT}) + "\n").encode())
             self._logs[self.own].read_new()
-        self._log_fd = fd
 
     def _refresh(self) -> None:
         """Read what the other writers (ranks, and other pipelines of this process) appended

@@ -79,7 +79,7 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes._atomic import append_lines, cut_torn_tail
+from insitubatch_nodes._atomic import append_lines, close_with, cut_torn_tail
 from insitubatch_nodes.errors import short_cause
 
 __all__ = [
@@ -340,11 +340,13 @@ class IdentityRecorder:
         self._pending: dict[tuple[str, int], dict[str, Row]] = {}
         self._session = os.urandom(4).hex()  # with a counter: a token per commit
         self._commits = 0
-        self._fd: int | None = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._closer = close_with(self, fd)  # closed by close(), or when this is collected
+        self._fd: int | None = fd
         try:  # a row a crash cut short goes before anything is appended after it
-            cut_torn_tail(self._fd)
+            cut_torn_tail(fd)
         except OSError:
-            os.close(self._fd)
+            self._closer()
             raise
 
     def expect(self, key: tuple[str, int]) -> None:
@@ -377,10 +379,9 @@ class IdentityRecorder:
 
     def close(self) -> None:
         with self._lock:
-            fd, self._fd = self._fd, None
+            self._fd = None
             self._pending.clear()
-        if fd is not None:
-            os.close(fd)
+        self._closer()  # (once: a second close does nothing)
 
 
 @dataclass(frozen=True)
