@@ -29,7 +29,6 @@ pipeline, its cache intact), so epoch ends, validation and schedulers follow the
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -47,12 +46,13 @@ from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.stores import as_store
+from insitubatch_nodes.io.stores import StoreLike, as_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 from insitubatch_nodes.report import EpochReport
+from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import plan_state
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 from insitubatch_nodes.transforms import ChunkTransform
@@ -185,16 +185,17 @@ class InSituDataModule(pl.LightningDataModule):
             collection["image"]}``) are then the variables and
             :func:`~insitubatch_nodes.split_by_member` the splits: each split holds whole
             members (or groups of them), none in two splits.
-        variables: array names (one name: a string), or ``{label: ArrayGeometry view}``
-            (e.g. ``{"x": g, "y": g.shift(1)}``); a callable ``geometries -> {label: view}``
-            is resolved in :meth:`setup` (useful when the store is only reachable at training
-            time).
+        variables: array names (one name: a string), or ``{label: ArrayGeometry view or
+            stack}`` (e.g. ``{"x": g, "y": g.shift(1)}``); a callable ``geometries -> {label:
+            view}`` is resolved in :meth:`setup` (useful when the store is only reachable at
+            training time).
         splits: a :class:`SplitManifest` (of a collection: :func:`split_by_member`), a
             mapping of ``"train"``, ``"val"`` and ``"test"`` to one
             :class:`~insitubatch_nodes.Collection` each (none sharing a member; ``store`` is
             then unused, ``variables`` names or a callable on each collection's variables), or
             ``(train, val, test)`` chunk fractions for a contiguous :func:`split_by_chunk` over
-            the first label's array (for a collection: fractions of its members, drawn with
+            the first label's array (a :func:`~insitubatch_nodes.stack`: its first sampled
+            member's) (for a collection: fractions of its members, drawn with
             the config's seed by :func:`split_by_member`).
         config, fetch, cache: the settings objects above (``None``: their defaults);
             ``config`` is training's: one of another ``split`` is a ``ValueError``.
@@ -228,10 +229,10 @@ class InSituDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str] | Collection | None,
+        store: StoreLike | Collection | None,
         variables: Sequence[str]
-        | Mapping[str, ArrayGeometry]
-        | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry]],
+        | Mapping[str, ArrayGeometry | Stack]
+        | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry | Stack]],
         splits: SplitManifest | Sequence[float] | Mapping[str, Collection] = (0.8, 0.1, 0.1),
         *,
         config: PlanConfig | None = None,
@@ -304,14 +305,14 @@ class InSituDataModule(pl.LightningDataModule):
             raise TypeError(f"transform must be a callable Batch -> item, got {transform!r}")
         self.transform = transform
         self.store: Store | None = None
-        self.views: dict[str, ArrayGeometry] = {}
+        self.views: dict[str, ArrayGeometry | Stack] = {}
         self.manifest: SplitManifest | None = None
         self._loaders: dict[str, InSituIterableDataset] = {}
         # the manifest with the missing steps attached, once the first pipeline decided them
         self._checked_manifest: SplitManifest | None = None
         self._pending_train_state: dict[str, Any] | None = None
         self._train_key: tuple[int, int | None, int | None, PlanConfig] | None = None
-        self._train_views: dict[str, ArrayGeometry] | None = None
+        self._train_views: dict[str, ArrayGeometry | Stack] | None = None
         # (trainer id, offset): the training plan's epoch is the trainer's less the offset, 1
         # after Lightning resumed a max_steps stop mid-epoch under the next epoch's number
         self._epoch_offset: tuple[int, int] = (0, 0)
@@ -402,7 +403,9 @@ class InSituDataModule(pl.LightningDataModule):
             fractions = dict(zip(("train", "val", "test"), map(float, splits), strict=True))
             manifest = split_by_member(given, fractions, seed=self.plan_config.seed)
         else:
-            manifest = split_by_chunk(next(iter(views.values())).base, tuple(splits))
+            lead = next(iter(views.values()))  # a stack: its first sampled member's array
+            geom = lead.sampled[0].geometry if isinstance(lead, Stack) else lead
+            manifest = split_by_chunk(geom.base, tuple(splits))
         self.store, self.views, self.manifest = store, views, manifest
 
     def _rank_world(self) -> tuple[int | None, int | None]:
@@ -488,7 +491,7 @@ class InSituDataModule(pl.LightningDataModule):
             self._train_key = key
         return dataset
 
-    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+    def set_views(self, views: Mapping[str, ArrayGeometry | Stack]) -> None:
         """Train on ``views`` (of the same arrays: other windows or shifts, a rollout that
         grows; stacks with other static or forcing members) from the next epoch on: forwarded
         to the training pipeline's

@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from torchdata.nodes import BaseNode
 from torchdata.nodes import Loader as _TorchdataLoader
 from torchdata.nodes.loader import LoaderIterator
 
-from insitubatch_nodes.stages.prefetch import not_a_map_dataset
+from insitubatch_nodes.stages.prefetch import PrefetcherNode, not_a_map_dataset
 
 __all__ = ["OVERTAKEN", "Loader"]
 
@@ -53,7 +53,18 @@ class Loader(_TorchdataLoader[T]):
     pipeline's (a resumed epoch with one batch left is that epoch's, not the next one's).
     """
 
+    # torchdata ships no type information (``BaseNode[T]`` is ``Any`` to a type checker): over
+    # a pipeline or a PrefetcherNode the item type is taken from it (``Loader[Batch]``)
+    @overload
+    def __init__(self, root: PrefetcherNode[T], restart_on_stop_iteration: bool = True) -> None: ...
+    @overload
+    def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None: ...
     def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None:
+        if not isinstance(root, BaseNode):
+            raise TypeError(
+                "Loader takes the pipeline insitu_pipeline() returns, or the root node of a "
+                f"torchdata.nodes graph, got {type(root).__name__}: {root!r:.80}"
+            )
         super().__init__(root, restart_on_stop_iteration=restart_on_stop_iteration)
         self._it: LoaderIterator[T] | None = None  # (as torchdata's; typed for the checks)
 
