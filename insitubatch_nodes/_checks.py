@@ -19,6 +19,7 @@ __all__ = [
     "check_batch_transforms",
     "check_bool",
     "check_chunk_transforms",
+    "check_instance",
     "check_int",
     "check_on_bad_chunk",
     "check_optional_int",
@@ -49,6 +50,14 @@ def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{name} must be {what}, got {out}")
     return out
+
+
+def check_instance(name: str, value: Any, cls: type | tuple[type, ...], what: str) -> None:
+    """``TypeError`` saying that ``name`` must be ``what`` (e.g. ``"a SplitManifest (from
+    split_by_chunk)"``) and what it got, unless ``value`` is an instance of ``cls``: checked
+    where the object is made, not deep inside the first epoch as an ``AttributeError``."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be {what}, got {value!r:.100} ({type(value).__name__})")
 
 
 def check_optional_int(name: str, value: Any, *, minimum: int | None = None) -> int | None:
@@ -96,7 +105,8 @@ def check_batch_transforms(value: Any) -> tuple[Any, ...]:
     else ``TypeError`` naming what was given."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(
-            f"batch_transforms must be a sequence of callables Batch -> Batch, got {value!r}"
+            "batch_transforms must be a sequence of callables Batch -> Batch (one transform: "
+            f"[transform]), got {value!r}"
         )
     for t in value:
         if not callable(t):

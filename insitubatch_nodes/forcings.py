@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._checks import check_instance
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow, refuse_other_windows
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -425,6 +426,10 @@ class Forcings:
         bins: int | None = None,
         irradiance: float = SOLAR_IRRADIANCE,
     ) -> None:
+        if isinstance(names, str):
+            raise TypeError(f"Forcings names= is a list of forcings: names=[{names!r}]")
+        check_instance("Forcings' time_label", time_label, str, "the label of the times (a str)")
+        check_instance("Forcings' view", view, (ArrayGeometry, type(None)), "an ArrayGeometry")
         unknown = sorted(set(names) - set(FORCINGS))
         if unknown:
             raise ValueError(f"unknown forcings {unknown}; choose from {list(FORCINGS)}")

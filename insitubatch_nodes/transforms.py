@@ -636,7 +636,8 @@ class Coarsen:
     """
 
     def __init__(self, factor: int | Sequence[int]) -> None:
-        factors = (factor,) if isinstance(factor, int | np.integer) else tuple(factor)
+        given: Any = factor  # a float (1.5) is no sequence: refused below, as a str is
+        factors = (given,) if not isinstance(given, Sequence) else tuple(given)
         if not factors or any(
             isinstance(f, bool) or not isinstance(f, int | np.integer) or f < 1 for f in factors
         ):
