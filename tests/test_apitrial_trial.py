@@ -1,0 +1,229 @@
+"""Trial of the public API as a typed user sees it: ``mypy --strict`` over documented usage,
+``help()``/docstrings against signatures, arguments checked where they are given, and ``repr``.
+
+Found and fixed:
+
+- ``Loader(pipe)`` was ``Loader[Any]`` under ``mypy --strict`` ("Need type annotation"), and
+  ``for batch in Loader(pipe)`` / ``next(iter(pipe))`` gave ``Any``, not ``Batch``: torchdata
+  ships no type information, so ``BaseNode[T]`` is ``Any`` and told mypy nothing. ``Loader`` and
+  ``PrefetcherNode`` now take the item type from the pipeline (overloads), and
+  ``PrefetcherNode`` declares ``__iter__``/``__next__`` for type checkers.
+- ``with insitu_pipeline(...) as pipe`` typed ``pipe`` as ``PrefetcherNode``, not
+  ``InSituPipeline`` (``__enter__`` now returns ``Self``).
+- ``stack(members, normalize=stats)`` (model-inputs.md) was a mypy error: the protocol it
+  declared for ``normalize`` had a mutable ``mean`` attribute, invariant, which the
+  ``dict`` of arrays ``Statistics`` holds does not match (now a read-only property).
+- A zarr root group and an xarray ``Dataset`` stand for their store (concepts.md), but
+  ``StoreLike`` (``open_geometries``, ``open_coordinates``, ...) and ``insitu_pipeline`` typed
+  the store without them; ``fit_statistics`` typed it ``Any``; ``InSituDataModule`` typed its
+  views ``Mapping[str, ArrayGeometry]`` though stacks work there.
+- ``InSituDataModule(store, {"x": stack(...)}, (0.8, 0.1, 0.1))`` failed in ``setup`` with
+  ``AttributeError: 'Stack' object has no attribute 'base'`` (the fractions split the first
+  label's array; a stack's is its first sampled member's).
+- Arguments refused only deep inside (``AttributeError``) or at the first batch: a
+  non-``SplitManifest`` manifest (``insitu_pipeline``, ``fit_statistics``), a non-geometry to
+  ``split_by_chunk``, one batch transform not in a list (``'function' object is not
+  iterable``), a ``Loader`` over something that is no node, ``as_dataset(transform=1)``,
+  ``Forcings(names="cos_solar_zenith")`` (listed its letters as unknown forcings), a
+  ``Forcings`` label that is no string or a view that is no geometry, ``Coarsen(1.5)``
+  (``'float' object is not iterable``). Each is a ``TypeError``/``ValueError`` saying what to
+  pass, when the object is made.
+- ``repr`` of a ``Batch`` printed every array (14 kB for an (4, 8, 16) pair), of
+  ``Statistics`` all seven fields' arrays, and a pipeline's was ``<... object at 0x...>``: now
+  one line each, without values and without reading the store.
+
+Tried and found right: every ``__all__`` name exists (top level, stages, options, errors,
+forcings, statistics, stack, lightning, testing, io, plan, transforms, batch, report); the
+signatures of the top-level functions and classes against the ``name=value`` their docstrings
+state (no parameter named that does not exist, no default stated wrong); about 110 wrong
+arguments to ``insitu_pipeline``, the settings objects, ``RetryPolicy``, ``open_store``,
+``open_geometries``, the view methods (``isel/sel/window/shift/patches``), ``stack``,
+``StandardScaler``, ``applies`` and ``fit_statistics``: all but those above refused at
+construction with a message saying what to pass; the reprs of views, stacks, manifests and the
+settings objects (one line, no store access).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from helpers import write_era5
+
+from insitubatch_nodes import (
+    Coarsen,
+    Forcings,
+    Loader,
+    as_dataset,
+    fit_statistics,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    stack,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# mypy as a user of the installed package runs it: --strict on the user's file, the package's
+# own modules silent (as site-packages are); the big untyped or slow-to-read dependencies
+# skipped so one cold run stays near 5 CPU-seconds
+MYPY_INI = """\
+[mypy]
+strict = True
+python_version = 3.11
+[mypy-torch.*,lightning.*,torchmetrics.*,xarray.*,pandas.*,obstore.*,numcodecs.*,cftime.*,numpy.*]
+follow_imports = skip
+[mypy-insitubatch_nodes.*]
+follow_imports = silent
+"""
+
+DOCUMENTED_USAGE = """\
+from __future__ import annotations
+
+from pathlib import Path
+from typing import assert_type
+
+import zarr
+
+from insitubatch_nodes import (
+    Batch, Forcings, InSituPipeline, Loader, Statistics, fit_statistics, insitu_pipeline,
+    open_geometries, split_by_chunk, stack,
+)
+from insitubatch_nodes.lightning import InSituDataModule
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.plan import PlanConfig, choose_schedule
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages import (
+    AsyncChunkFetchNode, ChunkPoolNode, GatherNode, PrefetcherNode, ReadPlanNode, StageContext,
+)
+
+
+def documented(root: Path, group: zarr.Group) -> None:
+    geoms = open_geometries(group)  # a zarr root group stands for its store
+    t2m = open_geometries(root)["t2m"]
+    manifest = split_by_chunk(t2m, (0.8, 0.1, 0.1))
+    pipe = insitu_pipeline(group, manifest, {"x": t2m, "y": t2m.shift(1)}, batch_size=8)
+    loader = Loader(pipe)
+    assert_type(loader, Loader[Batch])
+    for batch in loader:
+        assert_type(batch, Batch)
+    assert_type(next(iter(pipe)), Batch)
+    with insitu_pipeline(root, manifest, {"x": t2m}) as same:
+        assert_type(same, InSituPipeline)
+    stats = fit_statistics(group, manifest, {"t2m": t2m, "z": geoms["z"]})
+    x = stack({"t2m": t2m, "z": geoms["z"]}, normalize=stats)
+    sun = Forcings("x", view=t2m, names=["cos_solar_zenith"])
+    InSituDataModule(root, {"x": x, "y": stack({"t2m": t2m, "sun": sun})}, (0.8, 0.1, 0.1))
+    assert_type(Statistics.load(root / "stats.json"), Statistics)
+
+    views = {"x": t2m, "y": t2m.shift(1)}
+    config = PlanConfig(batch_size=32)
+    plan = ReadPlanNode(manifest, views, schedule=choose_schedule(manifest, views, None, config))
+    ctx = StageContext.create(plan, ChunkPool(None), options=FetchOptions(prefetch_depth=2))
+    fetch = AsyncChunkFetchNode(plan, root, context=ctx)
+    graph = PrefetcherNode(GatherNode(ChunkPoolNode(fetch, context=ctx), context=ctx), context=ctx)
+    with graph as g:
+        assert_type(g, PrefetcherNode[Batch])
+        for b in Loader(graph):
+            assert_type(b, Batch)
+"""
+
+
+def test_documented_usage_type_checks_under_mypy_strict_with_batches_typed_batch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    api = pytest.importorskip("mypy.api")
+    (tmp_path / "mypy.ini").write_text(MYPY_INI)
+    snippet = tmp_path / "user_script.py"
+    snippet.write_text(DOCUMENTED_USAGE)
+    monkeypatch.chdir(REPO)  # this checkout's package, as the tests import it
+    out, err, rc = api.run(
+        ["--config-file", str(tmp_path / "mypy.ini"), "--cache-dir", str(tmp_path / "cache"),
+         str(snippet)]
+    )  # fmt: skip
+    assert rc == 0, out + err
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_era5(tmp_path_factory.mktemp("api") / "era5.zarr", n_time=32)
+
+
+def test_a_manifest_that_is_not_a_split_manifest_is_refused_when_the_pipeline_is_built(
+    era5: Path,
+) -> None:
+    t2m = open_geometries(era5, ["t2m"])["t2m"]
+    with pytest.raises(TypeError, match="manifest must be a SplitManifest"):
+        insitu_pipeline(era5, None, {"x": t2m})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="manifest must be a SplitManifest"):
+        fit_statistics(era5, {"train": [0]}, {"t2m": t2m})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="geom must be an ArrayGeometry"):
+        split_by_chunk("t2m")  # type: ignore[arg-type]
+
+
+def test_one_batch_transform_not_in_a_list_is_refused_saying_to_wrap_it(era5: Path) -> None:
+    t2m = open_geometries(era5, ["t2m"])["t2m"]
+    sun = Forcings("x", view=t2m, names=["cos_solar_zenith"])
+    manifest = split_by_chunk(t2m)
+    with pytest.raises(TypeError, match=r"one transform: \[transform\]"):
+        insitu_pipeline(era5, manifest, {"x": t2m}, batch_transforms=sun)  # type: ignore[arg-type]
+
+
+def test_a_loader_or_dataset_over_the_wrong_things_is_refused_when_made(era5: Path) -> None:
+    with pytest.raises(TypeError, match="Loader takes the pipeline"):
+        Loader([1, 2])  # type: ignore[call-overload]
+    t2m = open_geometries(era5, ["t2m"])["t2m"]
+    pipe = insitu_pipeline(era5, split_by_chunk(t2m), {"x": t2m})
+    with pipe, pytest.raises(TypeError, match="must be a callable Batch -> item"):
+        as_dataset(pipe, transform=1)  # type: ignore[arg-type]
+
+
+def test_forcings_and_coarsen_refuse_wrong_arguments_saying_what_to_pass(era5: Path) -> None:
+    t2m = open_geometries(era5, ["t2m"])["t2m"]
+    with pytest.raises(TypeError, match=r"names=\['cos_solar_zenith'\]"):
+        Forcings("x", view=t2m, names="cos_solar_zenith")
+    with pytest.raises(TypeError, match="time_label must be the label"):
+        Forcings(1, view=t2m)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="view must be an ArrayGeometry"):
+        Forcings("x", view="t2m")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="Coarsen factor must be a positive integer"):
+        Coarsen(1.5)  # type: ignore[arg-type]
+    assert Coarsen((2, 2))._factors == (2, 2) and Coarsen(np.int64(3))._factors == (3,)
+
+
+def test_a_data_module_splits_fractions_over_a_stack_given_as_the_first_label(
+    era5: Path,
+) -> None:
+    lightning = pytest.importorskip("insitubatch_nodes.lightning")
+    g = open_geometries(era5)
+    x = stack({"t2m": g["t2m"], "z": g["z"]})
+    dm = lightning.InSituDataModule(era5, {"x": x, "y": g["t2m"].shift(1)}, (0.75, 0.25, 0.0))
+    dm.setup("fit")
+    assert dm.manifest == split_by_chunk(g["t2m"], (0.75, 0.25, 0.0))
+
+
+def test_reprs_of_batch_pipeline_and_statistics_are_one_short_line_without_values(
+    era5: Path,
+) -> None:
+    g = open_geometries(era5)
+    manifest = split_by_chunk(g["t2m"], (0.75, 0.25, 0.0))
+    stats = fit_statistics(era5, manifest, {"t2m": g["t2m"], "z": g["z"]})
+    with insitu_pipeline(
+        era5, manifest, {"x": g["t2m"], "y": g["t2m"].shift(1)}, batch_size=4
+    ) as pipe:
+        batch = next(iter(pipe))
+        text: dict[str, Any] = {"pipe": repr(pipe), "batch": repr(batch), "stats": repr(stats)}
+    assert text["batch"] == (
+        "Batch(epoch=0, index=0, arrays={'x': float32(4, 8, 16), 'y': float32(4, 8, 16)}, "
+        "coords=['x', 'y'])"
+    )
+    assert text["pipe"].startswith("InSituPipeline(split='train', batch_size=4, views={'x': ")
+    assert "offset=1" in text["pipe"] and text["pipe"].endswith("epoch=0)")
+    assert text["stats"] == (
+        f"Statistics({{'t2m': (), 'z': (2,)}}, fitted on {{'store': '{era5}', 'split': 'train'}})"
+    )
+    assert all("\n" not in t and len(t) < 400 for t in text.values())
