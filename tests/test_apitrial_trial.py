@@ -13,6 +13,10 @@ Found and fixed:
 - ``stack(members, normalize=stats)`` (model-inputs.md) was a mypy error: the protocol it
   declared for ``normalize`` had a mutable ``mean`` attribute, invariant, which the
   ``dict`` of arrays ``Statistics`` holds does not match (now a read-only property).
+- ``g.patches(cut)`` with ``cut = {"lat": 4, "lon": 8}`` (model-inputs.md) was a mypy error:
+  ``dict[str, int]`` is no ``Mapping[int | str, int]`` (keys are invariant); now
+  ``io.patching.AxisMap`` (by name, by index, or both). ``split_by_member(runs, {"train": [0]},
+  by="acquisition")`` (collections.md) likewise: split values typed ``Sequence[str]``.
 - A zarr root group and an xarray ``Dataset`` stand for their store (concepts.md), but
   ``StoreLike`` (``open_geometries``, ``open_coordinates``, ...) and ``insitu_pipeline`` typed
   the store without them; ``fit_statistics`` typed it ``Any``; ``InSituDataModule`` typed its
@@ -90,8 +94,8 @@ from typing import assert_type
 import zarr
 
 from insitubatch_nodes import (
-    Batch, Forcings, InSituPipeline, Loader, Statistics, fit_statistics, insitu_pipeline,
-    open_geometries, split_by_chunk, stack,
+    Batch, Collection, Forcings, InSituPipeline, Loader, SplitManifest, Statistics,
+    fit_statistics, insitu_pipeline, open_geometries, split_by_chunk, split_by_member, stack,
 )
 from insitubatch_nodes.lightning import InSituDataModule
 from insitubatch_nodes.options import FetchOptions
@@ -119,6 +123,8 @@ def documented(root: Path, group: zarr.Group) -> None:
     sun = Forcings("x", view=t2m, names=["cos_solar_zenith"])
     InSituDataModule(root, {"x": x, "y": stack({"t2m": t2m, "sun": sun})}, (0.8, 0.1, 0.1))
     assert_type(Statistics.load(root / "stats.json"), Statistics)
+    cut = {"lat": 4, "lon": 8}  # a dict[str, int], as model-inputs.md builds it
+    t2m.patches(cut, stride=cut, within={"lat": (0, 4)})
 
     views = {"x": t2m, "y": t2m.shift(1)}
     config = PlanConfig(batch_size=32)
@@ -130,6 +136,10 @@ def documented(root: Path, group: zarr.Group) -> None:
         assert_type(g, PrefetcherNode[Batch])
         for b in Loader(graph):
             assert_type(b, Batch)
+
+
+def by_acquisition(runs: Collection) -> SplitManifest:  # collections.md: values of a key
+    return split_by_member(runs, {"train": [0], "val": [1]}, by="acquisition")
 """
 
 

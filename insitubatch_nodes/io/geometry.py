@@ -51,6 +51,7 @@ from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import (
     ORIGIN_POLICIES,
     REGION_ORDERS,
+    AxisMap,
     Patches,
     only_patched,
     refuse_selected,
@@ -430,13 +431,13 @@ class ArrayGeometry:
 
     def patches(
         self,
-        extent: Mapping[int | str, int],
+        extent: AxisMap[int],
         *,
-        stride: int | Mapping[int | str, int] | None = None,
+        stride: int | AxisMap[int] | None = None,
         origins: str = "grid",
         per_tile: int | None = None,
         order: str = "shuffled",
-        within: Mapping[int | str, tuple[int, int]] | None = None,
+        within: AxisMap[tuple[int, int]] | None = None,
     ) -> ArrayGeometry:
         """A view whose samples are windows of the field: ``extent`` maps field axes (physical
         indices, or dimension names where the array has them) to the window's size along each,

@@ -391,7 +391,7 @@ def _sorted_chunks(chunks: Any) -> np.ndarray:
 
 def split_by_member(
     collection: Collection,
-    splits: Mapping[str, Sequence[str] | float],
+    splits: Mapping[str, Sequence[object] | float],
     *,
     by: str | None = None,
     seed: int = 0,
