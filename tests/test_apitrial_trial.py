@@ -16,7 +16,8 @@ Found and fixed:
 - ``g.patches(cut)`` with ``cut = {"lat": 4, "lon": 8}`` (model-inputs.md) was a mypy error:
   ``dict[str, int]`` is no ``Mapping[int | str, int]`` (keys are invariant); now
   ``io.patching.AxisMap`` (by name, by index, or both). ``split_by_member(runs, {"train": [0]},
-  by="acquisition")`` (collections.md) likewise: split values typed ``Sequence[str]``.
+  by="acquisition")`` (collections.md) likewise: split values typed ``Sequence[str]``; and
+  ``Collection.from_groups(None, [(store, group), ...], ...)``: groups typed ``Sequence[str]``.
 - A zarr root group and an xarray ``Dataset`` stand for their store (concepts.md), but
   ``StoreLike`` (``open_geometries``, ``open_coordinates``, ...) and ``insitu_pipeline`` typed
   the store without them; ``fit_statistics`` typed it ``Any``; ``InSituDataModule`` typed its
@@ -140,6 +141,10 @@ def documented(root: Path, group: zarr.Group) -> None:
 
 def by_acquisition(runs: Collection) -> SplitManifest:  # collections.md: values of a key
     return split_by_member(runs, {"train": [0], "val": [1]}, by="acquisition")
+
+
+def scenes(root: Path) -> Collection:  # members in several stores: (store, group) pairs
+    return Collection.from_groups(None, [(str(root), "a"), (root, "b")], {"image": "image"})
 """
 
 
