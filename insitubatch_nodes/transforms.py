@@ -556,6 +556,7 @@ class StandardScaler:
         return state
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        """The field as stored, in the float dtype the scaler computes in."""
         return geometry.inner_shape, _float_dtype(geometry.dtype)
 
     def cache_revision(self, geometry: ArrayGeometry) -> str | None:
@@ -661,6 +662,7 @@ class Coarsen:
         return self._factors
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        """Each field axis divided by its factor (``ValueError`` where one does not divide)."""
         inner = geometry.inner_shape
         factors = self._per_axis(inner, geometry.path)
         bad = [(n, f) for n, f in zip(inner, factors, strict=True) if n % f]

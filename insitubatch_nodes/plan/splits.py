@@ -215,6 +215,7 @@ class SplitManifest:
 
     # -- persistence ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """This manifest as plain JSON types (``json.dumps``); :meth:`from_dict` reads it."""
         return {
             "format_version": FORMAT_VERSION,
             "array": self.array,
@@ -229,6 +230,7 @@ class SplitManifest:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SplitManifest:
+        """The manifest :meth:`to_dict` wrote (``ValueError`` for another format version)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a split manifest is a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
