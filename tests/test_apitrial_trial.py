@@ -18,6 +18,10 @@ Found and fixed:
   ``io.patching.AxisMap`` (by name, by index, or both). ``split_by_member(runs, {"train": [0]},
   by="acquisition")`` (collections.md) likewise: split values typed ``Sequence[str]``; and
   ``Collection.from_groups(None, [(store, group), ...], ...)``: groups typed ``Sequence[str]``.
+- ``Stack``, what ``stack()`` returns and a label's view may be, was not on the top level
+  (``ArrayGeometry`` is), and ``import insitubatch_nodes.stack as m`` binds the function
+  ``stack``, not the module (``m.Stack``: ``AttributeError`` at run time, fine to mypy): it is
+  exported beside ``ArrayGeometry`` (the shadowing itself would take renaming the module).
 - A zarr root group and an xarray ``Dataset`` stand for their store (concepts.md), but
   ``StoreLike`` (``open_geometries``, ``open_coordinates``, ...) and ``insitu_pipeline`` typed
   the store without them; ``fit_statistics`` typed it ``Any``; ``InSituDataModule`` typed its
@@ -95,8 +99,9 @@ from typing import assert_type
 import zarr
 
 from insitubatch_nodes import (
-    Batch, Collection, Forcings, InSituPipeline, Loader, SplitManifest, Statistics,
-    fit_statistics, insitu_pipeline, open_geometries, split_by_chunk, split_by_member, stack,
+    ArrayGeometry, Batch, Collection, Forcings, InSituPipeline, Loader, SplitManifest, Stack,
+    Statistics, fit_statistics, insitu_pipeline, open_geometries, split_by_chunk,
+    split_by_member, stack,
 )
 from insitubatch_nodes.lightning import InSituDataModule
 from insitubatch_nodes.options import FetchOptions
@@ -121,6 +126,8 @@ def documented(root: Path, group: zarr.Group) -> None:
         assert_type(same, InSituPipeline)
     stats = fit_statistics(group, manifest, {"t2m": t2m, "z": geoms["z"]})
     x = stack({"t2m": t2m, "z": geoms["z"]}, normalize=stats)
+    labels: dict[str, ArrayGeometry | Stack] = {"x": x, "y": t2m.shift(1)}
+    insitu_pipeline(root, manifest, labels).close()
     sun = Forcings("x", view=t2m, names=["cos_solar_zenith"])
     InSituDataModule(root, {"x": x, "y": stack({"t2m": t2m, "sun": sun})}, (0.8, 0.1, 0.1))
     assert_type(Statistics.load(root / "stats.json"), Statistics)
