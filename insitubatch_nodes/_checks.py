@@ -8,6 +8,7 @@ by ``int()`` or taken as truthy.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -21,6 +22,7 @@ __all__ = [
     "check_chunk_transforms",
     "check_instance",
     "check_int",
+    "check_number",
     "check_on_bad_chunk",
     "check_optional_int",
 ]
@@ -58,6 +60,18 @@ def check_instance(name: str, value: Any, cls: type | tuple[type, ...], what: st
     where the object is made, not deep inside the first epoch as an ``AttributeError``."""
     if not isinstance(value, cls):
         raise TypeError(f"{name} must be {what}, got {value!r:.100} ({type(value).__name__})")
+
+
+def check_number(name: str, value: Any, *, minimum: float | None = None) -> float:
+    """``value`` as a ``float`` if it is a real number (not a ``bool``; else ``TypeError``),
+    finite and ``>= minimum`` (else ``ValueError``)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {_name_of(value)}")
+    out = float(value)
+    if not math.isfinite(out) or (minimum is not None and out < minimum):
+        at_least = "" if minimum is None else f" >= {minimum:g}"
+        raise ValueError(f"{name} must be a finite number{at_least}, got {out}")
+    return out
 
 
 def check_optional_int(name: str, value: Any, *, minimum: int | None = None) -> int | None:

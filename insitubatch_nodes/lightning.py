@@ -29,6 +29,7 @@ pipeline, its cache intact), so epoch ends, validation and schedulers follow the
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -38,6 +39,7 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes._checks import (
     check_batch_transforms,
+    check_bool,
     check_chunk_transforms,
     check_optional_int,
 )
@@ -72,6 +74,38 @@ def _given(value: T | None, kind: type[T], argument: str) -> T:
             f"InSituDataModule: {argument} must be a {kind.__name__} or None, got {value!r}"
         )
     return value
+
+
+def _check_sources(variables: Any, splits: Any, store: Any, store_options: Any) -> None:
+    """``TypeError``/``ValueError`` when the data module is made, not in :meth:`setup` (where
+    the store is first read) or inside the Trainer: views that are not views, splits that are
+    neither a manifest, collections nor three fractions, options for an opened store."""
+    if isinstance(variables, Mapping):
+        for label, view in variables.items():
+            if not isinstance(view, ArrayGeometry | Stack):
+                raise TypeError(
+                    f"variables[{label!r}] must be an ArrayGeometry view or a stack(), got "
+                    f"{view!r:.80} (array names: pass a list of names)"
+                )
+    elif not callable(variables) and (
+        not isinstance(variables, Sequence) or not all(isinstance(v, str) for v in variables)
+    ):
+        raise TypeError(
+            "variables are array names, {label: view}, or a callable geometries -> {label: "
+            f"view}}, got {variables!r:.80}"
+        )
+    if not isinstance(splits, SplitManifest | Mapping):
+        try:  # (a numpy array of fractions too)
+            fractions = () if isinstance(splits, str) else tuple(splits)
+        except TypeError:
+            fractions = ()
+        if len(fractions) != 3 or not all(isinstance(f, numbers.Real) for f in fractions):
+            raise TypeError(
+                "splits is a SplitManifest, {split: Collection}, or (train, val, test) chunk "
+                f"fractions such as (0.8, 0.1, 0.1), got {splits!r:.80}"
+            )
+    if store_options and isinstance(store, Store):
+        raise ValueError("store_options apply to a URL or path, not to an opened Store")
 
 
 class _EpochLengthSync(pl.Callback):
@@ -282,7 +316,8 @@ class InSituDataModule(pl.LightningDataModule):
             else tuple(missing)
         )
         self.missing_objects = missing_objects
-        self.log_report = log_report
+        self.log_report = check_bool("log_report", log_report)
+        _check_sources(variables, splits, store, store_options)
         self._store_arg = store
         self._store_options = dict(store_options or {})
         self._variables_arg = variables
@@ -299,7 +334,10 @@ class InSituDataModule(pl.LightningDataModule):
             )
         self.eval_batch_size = check_optional_int("eval_batch_size", eval_batch_size, minimum=1)
         self.chunk_transforms = check_chunk_transforms(chunk_transforms)
-        self.coords = None if coords is None else tuple(coords)
+        # one name as insitu_pipeline takes it (tuple("time") would be its letters)
+        self.coords = (
+            None if coords is None else (coords,) if isinstance(coords, str) else tuple(coords)
+        )
         self.batch_transforms = check_batch_transforms(batch_transforms)
         if not callable(transform):
             raise TypeError(f"transform must be a callable Batch -> item, got {transform!r}")

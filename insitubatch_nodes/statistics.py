@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
-from insitubatch_nodes._checks import check_instance
+from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._moments import _Moments
 from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
@@ -214,6 +214,17 @@ class Statistics:
         one standardised row, broadcast, in the label's dtype; integer labels become float32).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
+        bad = (
+            [k for k, v in views.items() if not isinstance(v, ArrayGeometry)]
+            if isinstance(views, Mapping)
+            else ["views"]
+        )
+        if bad:  # (a stack normalises its members itself: stack(..., normalize=stats))
+            raise TypeError(
+                f"normalizer takes {{label: ArrayGeometry view}}, as the pipeline's views; {bad} "
+                "are not views (a stack: stack(members, normalize=stats) instead)"
+            )
+        check_number("eps", eps, minimum=0.0)
         _refuse_complex(views, "Statistics.normalizer")
         source = {label: (same_as or {}).get(label, label) for label in views}
         missing = sorted(label for label, fitted in source.items() if fitted not in self.mean)

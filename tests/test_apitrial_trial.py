@@ -37,6 +37,12 @@ Found and fixed:
   ``Forcings`` label that is no string or a view that is no geometry, ``Coarsen(1.5)``
   (``'float' object is not iterable``). Each is a ``TypeError``/``ValueError`` saying what to
   pass, when the object is made.
+- ``InSituDataModule`` took ``{"x": "t2m"}``, ``variables=5``, ``splits=(0.5, 0.5)``,
+  ``log_report="yes"`` and ``store_options`` beside an opened store, failing only in
+  ``setup`` inside the Trainer; ``coords="time"`` became the coordinates ``t``, ``i``, ``m``,
+  ``e``. ``Statistics.normalizer`` took a stack (then said it had no statistics), a list
+  (``AttributeError``) and ``eps="x"`` (a numpy ufunc error) or ``eps=-1``;
+  ``open_coordinates(store, geom, "time")`` looked for an array ``t``.
 - ``repr`` of a ``Batch`` printed every array (14 kB for an (4, 8, 16) pair), of
   ``Statistics`` all seven fields' arrays, and a pipeline's was ``<... object at 0x...>``: now
   one line each, without values and without reading the store.
@@ -69,9 +75,11 @@ from insitubatch_nodes import (
     fit_statistics,
     insitu_pipeline,
     open_geometries,
+    open_store,
     split_by_chunk,
     stack,
 )
+from insitubatch_nodes.io import open_coordinates
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -249,3 +257,38 @@ def test_reprs_of_batch_pipeline_and_statistics_are_one_short_line_without_value
         f"Statistics({{'t2m': (), 'z': (2,)}}, fitted on {{'store': '{era5}', 'split': 'train'}})"
     )
     assert all("\n" not in t and len(t) < 400 for t in text.values())
+
+
+def test_a_data_module_refuses_views_splits_and_flags_of_the_wrong_kind_when_made(
+    era5: Path,
+) -> None:
+    lightning = pytest.importorskip("insitubatch_nodes.lightning")
+    t2m = open_geometries(era5, ["t2m"])["t2m"]
+    make = lightning.InSituDataModule
+    with pytest.raises(TypeError, match=r"variables\['x'\] must be an ArrayGeometry view"):
+        make(era5, {"x": "t2m"})
+    with pytest.raises(TypeError, match="variables are array names"):
+        make(era5, 5)
+    with pytest.raises(TypeError, match=r"\(train, val, test\) chunk fractions"):
+        make(era5, ["t2m"], (0.5, 0.5))
+    with pytest.raises(TypeError, match="log_report must be True or False"):
+        make(era5, ["t2m"], log_report="yes")
+    with pytest.raises(ValueError, match="store_options apply to a URL or path"):
+        make(open_store(era5), ["t2m"], store_options={"region": "eu-west-1"})
+    # one coordinate name is that name, as insitu_pipeline takes it (not its four letters)
+    assert make(era5, {"x": t2m}, np.array([0.5, 0.25, 0.25]), coords="time").coords == ("time",)
+
+
+def test_a_normalizer_refuses_what_is_not_a_view_and_a_bad_eps_and_one_coordinate_name_is_one(
+    era5: Path,
+) -> None:
+    g = open_geometries(era5)
+    manifest = split_by_chunk(g["t2m"], (0.75, 0.25, 0.0))
+    stats = fit_statistics(era5, manifest, {"t2m": g["t2m"]})
+    with pytest.raises(TypeError, match=r"stack\(members, normalize=stats\)"):
+        stats.normalizer({"x": stack({"t2m": g["t2m"]})})  # type: ignore[dict-item]
+    with pytest.raises(TypeError, match="normalizer takes"):
+        stats.normalizer(["t2m"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
+        stats.normalizer({"t2m": g["t2m"]}, eps=-1.0)
+    assert list(open_coordinates(era5, g["t2m"], "time")) == ["time"]  # was: no array 't'
