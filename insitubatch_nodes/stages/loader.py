@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import Any, TypeVar, overload
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from torchdata.nodes import BaseNode
 from torchdata.nodes import Loader as _TorchdataLoader
@@ -75,6 +75,10 @@ class Loader(_TorchdataLoader[T]):
         if self._it is None:
             self._it = _OneLoop(self)
         return super().__iter__()
+
+    if TYPE_CHECKING:  # torchdata's own (untyped), declared for type checkers
+
+        def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict`` at the next ``iter()`` (a state asked for earlier with

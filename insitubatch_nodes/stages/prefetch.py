@@ -311,6 +311,8 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
 
         def __next__(self) -> T: ...
 
+        def state_dict(self) -> dict[str, Any]: ...
+
     # -- what the graph below says ----------------------------------------------------------
     def report(self) -> EpochReport | None:
         """The epoch report: the epoch in progress once it has delivered a batch, else the last
