@@ -23,6 +23,10 @@ Found and fixed:
   (``ArrayGeometry`` is), and ``import insitubatch_nodes.stack as m`` binds the function
   ``stack``, not the module (``m.Stack``: ``AttributeError`` at run time, fine to mypy): it is
   exported beside ``ArrayGeometry`` (the shadowing itself would take renaming the module).
+- ``PlanConfig(stride="6h")`` (its docstring; recipes/forecast_rollout.py) and a
+  ``datetime.timedelta`` were mypy errors: the dataclass field, and so its constructor, is
+  typed as the checked value (``int | numpy.timedelta64``). The constructor is now declared
+  for type checkers with the inputs it takes.
 - A zarr root group and an xarray ``Dataset`` stand for their store (concepts.md), but
   ``StoreLike`` (``open_geometries``, ``open_coordinates``, ...) and ``insitu_pipeline`` typed
   the store without them; ``fit_statistics`` typed it ``Any``; ``InSituDataModule`` typed its
@@ -61,6 +65,8 @@ settings objects (one line, no store access).
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +78,7 @@ from insitubatch_nodes import (
     Coarsen,
     Forcings,
     Loader,
+    PlanConfig,
     as_dataset,
     fit_statistics,
     insitu_pipeline,
@@ -93,7 +100,7 @@ MYPY_INI = """\
 [mypy]
 strict = True
 python_version = 3.11
-[mypy-torch.*,lightning.*,torchmetrics.*,xarray.*,pandas.*,obstore.*,numcodecs.*,cftime.*,numpy.*]
+[mypy-torch.*,lightning.*,torchmetrics.*,xarray.*,pandas.*,obstore.*,numcodecs.*,cftime.*]
 follow_imports = skip
 [mypy-insitubatch_nodes.*]
 follow_imports = silent
@@ -102,6 +109,7 @@ follow_imports = silent
 DOCUMENTED_USAGE = """\
 from __future__ import annotations
 
+import datetime
 from pathlib import Path
 from typing import Any, assert_type
 
@@ -144,7 +152,8 @@ def documented(root: Path, group: zarr.Group) -> None:
     t2m.patches(cut, stride=cut, within={"lat": (0, 4)})
 
     views = {"x": t2m, "y": t2m.shift(1)}
-    config = PlanConfig(batch_size=32)
+    config = PlanConfig(batch_size=32, stride="6h")  # any time step, as its docstring says
+    PlanConfig(stride=datetime.timedelta(hours=6))
     plan = ReadPlanNode(manifest, views, schedule=choose_schedule(manifest, views, None, config))
     ctx = StageContext.create(plan, ChunkPool(None), options=FetchOptions(prefetch_depth=2))
     fetch = AsyncChunkFetchNode(plan, root, context=ctx)
@@ -297,3 +306,14 @@ def test_a_normalizer_refuses_what_is_not_a_view_and_a_bad_eps_and_one_coordinat
     with pytest.raises(ValueError, match="eps must be a finite number >= 0"):
         stats.normalizer({"t2m": g["t2m"]}, eps=-1.0)
     assert list(open_coordinates(era5, g["t2m"], "time")) == ["time"]  # was: no array 't'
+
+
+def test_the_plan_config_constructor_declared_for_type_checkers_lists_every_field() -> None:
+    """``PlanConfig.__init__`` under ``TYPE_CHECKING`` must follow the dataclass's fields."""
+    tree = ast.parse((REPO / "insitubatch_nodes" / "plan" / "config.py").read_text())
+    declared = next(
+        [a.arg for a in node.args.args[1:]]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef) and node.name == "__init__"
+    )
+    assert declared == [f.name for f in dataclasses.fields(PlanConfig)]
