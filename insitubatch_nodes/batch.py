@@ -77,8 +77,11 @@ class Batch:
         coordinates, patch origins, channels and members (the dataclass's own repr printed
         every array, tens of kB for a small batch)."""
 
-        def shapes(d: dict[str, Any]) -> str:
-            return ", ".join(f"{k!r}: {a.dtype}{tuple(a.shape)}" for k, a in d.items())
+        def shapes(d: dict[str, Any]) -> str:  # (a batch transform may leave other things)
+            return ", ".join(
+                f"{k!r}: {a.dtype}{tuple(a.shape)}" if hasattr(a, "shape") else f"{k!r}: {a!r:.40}"
+                for k, a in d.items()
+            )
 
         extra = "".join(
             f", {name}={sorted(d)}"

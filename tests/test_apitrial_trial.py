@@ -271,6 +271,8 @@ def test_reprs_of_batch_pipeline_and_statistics_are_one_short_line_without_value
         f"Statistics({{'t2m': (), 'z': (2,)}}, fitted on {{'store': '{era5}', 'split': 'train'}})"
     )
     assert all("\n" not in t and len(t) < 400 for t in text.values())
+    batch.arrays["x"] = batch["x"].tolist()  # what a batch transform may leave: still one line
+    assert repr(batch).startswith("Batch(epoch=0, index=0, arrays={'x': [[[")
 
 
 def test_a_data_module_refuses_views_splits_and_flags_of_the_wrong_kind_when_made(

@@ -329,7 +329,9 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
     def __repr__(self) -> str:
         """From the plan, never the store: the split, the batch size, each label's view (a
         stack's members), the epoch."""
-        plan = self.context.plan
+        plan = getattr(getattr(self, "context", None), "plan", None)
+        if plan is None:  # (not made yet: an error raised while it was being made)
+            return super().__repr__()
         return (
             f"{type(self).__name__}(split={plan.split!r}, batch_size={plan.batch_size}, "
             f"views={dict(plan.layout.views)}, epoch={plan.epoch})"
