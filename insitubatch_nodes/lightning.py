@@ -213,6 +213,11 @@ class InSituDataModule(pl.LightningDataModule):
       own part of it — see docs/caching.md); its ``budget_bytes`` is training's, the val/test
       pipelines size their pools automatically (:meth:`cache_options_for`).
 
+    The other arguments are checked here too, not in :meth:`setup` (inside the Trainer):
+    views that are not views or stacks, ``splits`` that are neither a manifest, collections
+    nor three fractions, a ``log_report`` that is no bool, ``store_options`` beside an opened
+    store raise ``TypeError`` or ``ValueError`` saying what to pass.
+
     Args:
         store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``);
             or a :class:`~insitubatch_nodes.Collection`, whose views (``{"x":
