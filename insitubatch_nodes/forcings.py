@@ -59,7 +59,7 @@ from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes._checks import check_instance
+from insitubatch_nodes._checks import check_instance, check_number, check_optional_int
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow, refuse_other_windows
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -445,8 +445,8 @@ class Forcings:
         self.names = tuple(names)
         self.prefix = prefix
         self.period = _period(period)
-        self.bins = None if bins is None else int(bins)
-        self.irradiance = float(irradiance)
+        self.bins = check_optional_int("bins", bins, minimum=1)  # (int() truncated 1.5 to 1)
+        self.irradiance = check_number("irradiance", irradiance, minimum=0.0)
         #: where each row's window cuts the grid (``view=`` a patched view), or ``None``: every
         #: row's forcings are on the whole grid
         self.window = None if view is None else GridWindow.of_view(view)

@@ -41,6 +41,7 @@ from insitubatch_nodes._checks import (
     check_batch_transforms,
     check_bool,
     check_chunk_transforms,
+    check_instance,
     check_optional_int,
 )
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
@@ -168,6 +169,9 @@ class InSituReportCallback(pl.Callback):
         prefix: str = "insitu/",
         report: Callable[[pl.Trainer], EpochReport | None] | None = None,
     ) -> None:
+        check_instance("InSituReportCallback's prefix", prefix, str, "a str such as 'insitu/'")
+        if report is not None and not callable(report):
+            raise TypeError(f"report must be a callable Trainer -> EpochReport | None: {report!r}")
         self.prefix = prefix
         self._report = report
 

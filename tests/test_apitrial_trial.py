@@ -48,6 +48,10 @@ Found and fixed:
   ``e``. ``Statistics.normalizer`` took a stack (then said it had no statistics), a list
   (``AttributeError``) and ``eps="x"`` (a numpy ufunc error) or ``eps=-1``;
   ``open_coordinates(store, geom, "time")`` looked for an array ``t``.
+- Taken as something else: ``Forcings(bins=1.5)`` (``int()``: 1 bin), ``split_by_chunk(
+  contiguous="no")`` (truthy), a string ``seed`` (numpy's error), ``sel(tolerance="x")`` on a
+  numeric coordinate (a numpy ufunc error), ``Loader(restart_on_stop_iteration="no")``,
+  ``InSituReportCallback(prefix=1)`` (at the first logged epoch).
 - ``repr`` of a ``Batch`` printed every array (14 kB for an (4, 8, 16) pair), of
   ``Statistics`` all seven fields' arrays, and a pipeline's was ``<... object at 0x...>``: now
   one line each, without values and without reading the store.
@@ -319,3 +323,25 @@ def test_the_plan_config_constructor_declared_for_type_checkers_lists_every_fiel
         if isinstance(node, ast.FunctionDef) and node.name == "__init__"
     )
     assert declared == [f.name for f in dataclasses.fields(PlanConfig)]
+
+
+def test_flags_counts_and_tolerances_of_the_wrong_kind_are_refused_not_truncated(
+    era5: Path,
+) -> None:
+    t2m = open_geometries(era5, ["t2m"])["t2m"]
+    with pytest.raises(TypeError, match=r"bins must be an integer, got 1\.5"):  # int() made it 1
+        Forcings("x", view=t2m, names=["toa_incident_solar_radiation"], bins=1.5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="contiguous must be True or False"):  # was truthy
+        split_by_chunk(t2m, contiguous="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="seed must be an integer"):  # numpy's SeedSequence
+        split_by_chunk(t2m, contiguous=False, seed="1")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"sel\(tolerance=...\) is a number for 'lat'"):
+        t2m.sel(lat=1.0, method="nearest", tolerance="x")  # (was a numpy ufunc error)
+    with (
+        insitu_pipeline(era5, split_by_chunk(t2m), {"x": t2m}) as pipe,
+        pytest.raises(TypeError, match="restart_on_stop_iteration must be True or False"),
+    ):
+        Loader(pipe, restart_on_stop_iteration="no")  # type: ignore[call-overload]
+    lightning = pytest.importorskip("insitubatch_nodes.lightning")
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        lightning.InSituReportCallback(prefix=1)

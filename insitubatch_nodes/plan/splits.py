@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
-from insitubatch_nodes._checks import check_instance
+from insitubatch_nodes._checks import check_bool, check_instance, check_int
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.coords import Coordinate
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -320,6 +320,7 @@ def split_by_chunk(
     range. The manifest records that index range as its ``sample_range``.
     """
     check_instance("geom", geom, ArrayGeometry, "an ArrayGeometry (open_geometries(store)[name])")
+    contiguous, seed = check_bool("contiguous", contiguous), check_int("seed", seed, minimum=0)
     fr = tuple(float(f) for f in fractions)
     if len(fr) != 3:
         raise ValueError(f"fractions must be (train, val, test), got {len(fr)} values: {fr}")

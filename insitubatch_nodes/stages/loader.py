@@ -22,6 +22,7 @@ from torchdata.nodes import BaseNode
 from torchdata.nodes import Loader as _TorchdataLoader
 from torchdata.nodes.loader import LoaderIterator
 
+from insitubatch_nodes._checks import check_bool
 from insitubatch_nodes.stages.prefetch import PrefetcherNode, not_a_map_dataset
 
 __all__ = ["OVERTAKEN", "Loader"]
@@ -65,7 +66,8 @@ class Loader(_TorchdataLoader[T]):
                 "Loader takes the pipeline insitu_pipeline() returns, or the root node of a "
                 f"torchdata.nodes graph, got {type(root).__name__}: {root!r:.80}"
             )
-        super().__init__(root, restart_on_stop_iteration=restart_on_stop_iteration)
+        restart = check_bool("restart_on_stop_iteration", restart_on_stop_iteration)
+        super().__init__(root, restart_on_stop_iteration=restart)
         self._it: LoaderIterator[T] | None = None  # (as torchdata's; typed for the checks)
 
     def __iter__(self) -> Iterator[T]:
