@@ -154,6 +154,7 @@ def documented(root: Path, group: zarr.Group) -> None:
     assert_type(Statistics.load(root / "stats.json"), Statistics)
     cut = {"lat": 4, "lon": 8}  # a dict[str, int], as model-inputs.md builds it
     t2m.patches(cut, stride=cut, within={"lat": (0, 4)})
+    t2m.sel(lat=10.0, method="nearest", tolerance="2h")  # (model-inputs.md: "2h" for dates)
 
     views = {"x": t2m, "y": t2m.shift(1)}
     config = PlanConfig(batch_size=32, stride="6h")  # any time step, as its docstring says
