@@ -68,6 +68,7 @@ from insitubatch_nodes.lending import BufferPool
 
 __all__ = [
     "FORCINGS",
+    "SOLAR_IRRADIANCE",
     "Forcings",
     "cos_solar_zenith",
     "local_time",
