@@ -53,8 +53,9 @@ Found and fixed:
   numeric coordinate (a numpy ufunc error), ``Loader(restart_on_stop_iteration="no")``,
   ``InSituReportCallback(prefix=1)`` (at the first logged epoch).
 - ``repr`` of a ``Batch`` printed every array (14 kB for an (4, 8, 16) pair), of
-  ``Statistics`` all seven fields' arrays, and a pipeline's was ``<... object at 0x...>``: now
-  one line each, without values and without reading the store.
+  ``Statistics`` all seven fields' arrays, of a ``SplitManifest`` every chunk index (2.7 MB
+  for 40 years of hourly one-sample chunks), and a pipeline's was ``<... object at 0x...>``:
+  now one line each, without values and without reading the store.
 
 Tried and found right: every ``__all__`` name exists (top level, stages, options, errors,
 forcings, statistics, stack, lightning, testing, io, plan, transforms, batch, report); the
@@ -95,6 +96,7 @@ from insitubatch_nodes import (
     Forcings,
     Loader,
     PlanConfig,
+    SplitManifest,
     as_dataset,
     fit_statistics,
     insitu_pipeline,
@@ -288,6 +290,13 @@ def test_reprs_of_batch_pipeline_and_statistics_are_one_short_line_without_value
         f"Statistics({{'t2m': (), 'z': (2,)}}, fitted on {{'store': '{era5}', 'split': 'train'}})"
     )
     assert all("\n" not in t and len(t) < 400 for t in text.values())
+    # 40 years of hourly one-sample chunks (ARCO-ERA5's layout): the dataclass printed 2.7 MB
+    hourly = SplitManifest("t2m", 350_640, 1, {"train": tuple(range(280_512)), "test": (350_639,)})
+    assert repr(hourly) == (
+        "SplitManifest(array='t2m', n_samples=350640, samples_per_chunk=1, splits={'train': "
+        "<280512 chunks 0..280511>, 'val': (), 'test': (350639,)}, fractions=(0.8, 0.1, 0.1), "
+        "contiguous=True, seed=0, sample_range=None)"
+    )
     batch.arrays["x"] = batch["x"].tolist()  # what a batch transform may leave: still one line
     assert repr(batch).startswith("Batch(epoch=0, index=0, arrays={'x': [[[")
 
