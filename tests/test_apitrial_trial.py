@@ -55,7 +55,9 @@ Found and fixed:
 - ``repr`` of a ``Batch`` printed every array (14 kB for an (4, 8, 16) pair), of
   ``Statistics`` all seven fields' arrays, of a ``SplitManifest`` every chunk index (2.7 MB
   for 40 years of hourly one-sample chunks), and a pipeline's was ``<... object at 0x...>``:
-  now one line each, without values and without reading the store.
+  now one line each, without values and without reading the store. A collection of members
+  in many stores (and every error naming its store) listed every store path: now the first
+  and last three.
 
 Tried and found right: every ``__all__`` name exists (top level, stages, options, errors,
 forcings, statistics, stack, lightning, testing, io, plan, transforms, batch, report); the
@@ -93,6 +95,7 @@ from helpers import write_era5
 
 from insitubatch_nodes import (
     Coarsen,
+    Collection,
     Forcings,
     Loader,
     PlanConfig,
@@ -367,3 +370,14 @@ def test_flags_counts_and_tolerances_of_the_wrong_kind_are_refused_not_truncated
     lightning = pytest.importorskip("insitubatch_nodes.lightning")
     with pytest.raises(TypeError, match="prefix must be a str"):
         lightning.InSituReportCallback(prefix=1)
+
+
+def test_a_collection_of_many_stores_names_the_first_and_last_three_in_its_repr(
+    tmp_path: Path,
+) -> None:
+    paths = [str(write_era5(tmp_path / f"s{k}.zarr", n_time=8, n_level=1)) for k in range(8)]
+    few = repr(Collection.from_arrays([(p, "t2m") for p in paths[:3]]))
+    assert few.endswith(f"store=RoutingStore({', '.join(paths[:3])}))")
+    many = repr(Collection.from_arrays([(p, "t2m") for p in paths]))  # was every path
+    shown = ", ".join([*paths[:3], "...", *paths[-3:]])
+    assert many.endswith(f"store=RoutingStore(8 stores: {shown}))")
