@@ -41,7 +41,7 @@ from insitubatch_nodes.pipeline import InSituPipeline, insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 from insitubatch_nodes.report import EpochReport
-from insitubatch_nodes.stack import stack
+from insitubatch_nodes.stack import Stack, stack
 from insitubatch_nodes.stages.loader import Loader
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 from insitubatch_nodes.torch_data import as_dataset
@@ -72,6 +72,7 @@ __all__ = [
     "PlanConfig",
     "RetryPolicy",
     "SplitManifest",
+    "Stack",
     "StandardScaler",
     "Statistics",
     "__version__",

@@ -8,6 +8,7 @@ by ``int()`` or taken as truthy.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Sequence
 from typing import Any
@@ -19,7 +20,9 @@ __all__ = [
     "check_batch_transforms",
     "check_bool",
     "check_chunk_transforms",
+    "check_instance",
     "check_int",
+    "check_number",
     "check_on_bad_chunk",
     "check_optional_int",
 ]
@@ -48,6 +51,26 @@ def check_int(name: str, value: Any, *, minimum: int | None = None) -> int:
     if minimum is not None and out < minimum:
         what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{name} must be {what}, got {out}")
+    return out
+
+
+def check_instance(name: str, value: Any, cls: type | tuple[type, ...], what: str) -> None:
+    """``TypeError`` saying that ``name`` must be ``what`` (e.g. ``"a SplitManifest (from
+    split_by_chunk)"``) and what it got, unless ``value`` is an instance of ``cls``: checked
+    where the object is made, not deep inside the first epoch as an ``AttributeError``."""
+    if not isinstance(value, cls):
+        raise TypeError(f"{name} must be {what}, got {value!r:.100} ({type(value).__name__})")
+
+
+def check_number(name: str, value: Any, *, minimum: float | None = None) -> float:
+    """``value`` as a ``float`` if it is a real number (not a ``bool``; else ``TypeError``),
+    finite and ``>= minimum`` (else ``ValueError``)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {_name_of(value)}")
+    out = float(value)
+    if not math.isfinite(out) or (minimum is not None and out < minimum):
+        at_least = "" if minimum is None else f" >= {minimum:g}"
+        raise ValueError(f"{name} must be a finite number{at_least}, got {out}")
     return out
 
 
@@ -96,7 +119,8 @@ def check_batch_transforms(value: Any) -> tuple[Any, ...]:
     else ``TypeError`` naming what was given."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise TypeError(
-            f"batch_transforms must be a sequence of callables Batch -> Batch, got {value!r}"
+            "batch_transforms must be a sequence of callables Batch -> Batch (one transform: "
+            f"[transform]), got {value!r}"
         )
     for t in value:
         if not callable(t):

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["ROW_KEYS", "Batch", "BatchTransform", "DeviceTransform", "to_item", "to_torch"]
 
 
-@dataclass
+@dataclass(repr=False)
 class Batch:
     """One batch: per label, an array shaped ``(len(batch), *inner_shape)`` — or, for a window
     view (:meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.window`), ``(len(batch), T,
@@ -71,6 +71,26 @@ class Batch:
 
     def __getitem__(self, label: str) -> np.ndarray:
         return self.arrays[label]
+
+    def __repr__(self) -> str:
+        """One line, no values: each label's dtype and shape, and which labels carry
+        coordinates, patch origins, channels and members (the dataclass's own repr printed
+        every array, tens of kB for a small batch)."""
+
+        def shapes(d: dict[str, Any]) -> str:  # (a batch transform may leave other things)
+            return ", ".join(
+                f"{k!r}: {a.dtype}{tuple(a.shape)}" if hasattr(a, "shape") else f"{k!r}: {a!r:.40}"
+                for k, a in d.items()
+            )
+
+        extra = "".join(
+            f", {name}={sorted(d)}"
+            for name, d in (("coords", self.coords), ("patch_origins", self.patch_origins),
+                            ("channels", self.channels), ("members", self.members))
+            if d
+        )  # fmt: skip
+        arrays = shapes(self.arrays)
+        return f"Batch(epoch={self.epoch}, index={self.index}, arrays={{{arrays}}}{extra})"
 
 
 BatchTransform = Callable[[Batch], Batch]

@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._checks import check_instance, check_number, check_optional_int
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow, refuse_other_windows
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -67,6 +68,7 @@ from insitubatch_nodes.lending import BufferPool
 
 __all__ = [
     "FORCINGS",
+    "SOLAR_IRRADIANCE",
     "Forcings",
     "cos_solar_zenith",
     "local_time",
@@ -425,6 +427,10 @@ class Forcings:
         bins: int | None = None,
         irradiance: float = SOLAR_IRRADIANCE,
     ) -> None:
+        if isinstance(names, str):
+            raise TypeError(f"Forcings names= is a list of forcings: names=[{names!r}]")
+        check_instance("Forcings' time_label", time_label, str, "the label of the times (a str)")
+        check_instance("Forcings' view", view, (ArrayGeometry, type(None)), "an ArrayGeometry")
         unknown = sorted(set(names) - set(FORCINGS))
         if unknown:
             raise ValueError(f"unknown forcings {unknown}; choose from {list(FORCINGS)}")
@@ -440,8 +446,8 @@ class Forcings:
         self.names = tuple(names)
         self.prefix = prefix
         self.period = _period(period)
-        self.bins = None if bins is None else int(bins)
-        self.irradiance = float(irradiance)
+        self.bins = check_optional_int("bins", bins, minimum=1)  # (int() truncated 1.5 to 1)
+        self.irradiance = check_number("irradiance", irradiance, minimum=0.0)
         #: where each row's window cuts the grid (``view=`` a patched view), or ``None``: every
         #: row's forcings are on the whole grid
         self.window = None if view is None else GridWindow.of_view(view)

@@ -29,7 +29,7 @@ pipeline, its cache intact), so epoch ends, validation and schedulers follow the
 
 from __future__ import annotations
 
-import os
+import numbers
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -39,7 +39,9 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes._checks import (
     check_batch_transforms,
+    check_bool,
     check_chunk_transforms,
+    check_instance,
     check_optional_int,
 )
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
@@ -47,12 +49,13 @@ from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.stores import as_store
+from insitubatch_nodes.io.stores import StoreLike, as_store
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 from insitubatch_nodes.report import EpochReport
+from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import plan_state
 from insitubatch_nodes.torch_data import InSituIterableDataset, as_dataset
 from insitubatch_nodes.transforms import ChunkTransform
@@ -72,6 +75,38 @@ def _given(value: T | None, kind: type[T], argument: str) -> T:
             f"InSituDataModule: {argument} must be a {kind.__name__} or None, got {value!r}"
         )
     return value
+
+
+def _check_sources(variables: Any, splits: Any, store: Any, store_options: Any) -> None:
+    """``TypeError``/``ValueError`` when the data module is made, not in :meth:`setup` (where
+    the store is first read) or inside the Trainer: views that are not views, splits that are
+    neither a manifest, collections nor three fractions, options for an opened store."""
+    if isinstance(variables, Mapping):
+        for label, view in variables.items():
+            if not isinstance(view, ArrayGeometry | Stack):
+                raise TypeError(
+                    f"variables[{label!r}] must be an ArrayGeometry view or a stack(), got "
+                    f"{view!r:.80} (array names: pass a list of names)"
+                )
+    elif not callable(variables) and (
+        not isinstance(variables, Sequence) or not all(isinstance(v, str) for v in variables)
+    ):
+        raise TypeError(
+            "variables are array names, {label: view}, or a callable geometries -> {label: "
+            f"view}}, got {variables!r:.80}"
+        )
+    if not isinstance(splits, SplitManifest | Mapping):
+        try:  # (a numpy array of fractions too)
+            fractions = () if isinstance(splits, str) else tuple(splits)
+        except TypeError:
+            fractions = ()
+        if len(fractions) != 3 or not all(isinstance(f, numbers.Real) for f in fractions):
+            raise TypeError(
+                "splits is a SplitManifest, {split: Collection}, or (train, val, test) chunk "
+                f"fractions such as (0.8, 0.1, 0.1), got {splits!r:.80}"
+            )
+    if store_options and isinstance(store, Store):
+        raise ValueError("store_options apply to a URL or path, not to an opened Store")
 
 
 class _EpochLengthSync(pl.Callback):
@@ -134,6 +169,9 @@ class InSituReportCallback(pl.Callback):
         prefix: str = "insitu/",
         report: Callable[[pl.Trainer], EpochReport | None] | None = None,
     ) -> None:
+        check_instance("InSituReportCallback's prefix", prefix, str, "a str such as 'insitu/'")
+        if report is not None and not callable(report):
+            raise TypeError(f"report must be a callable Trainer -> EpochReport | None: {report!r}")
         self.prefix = prefix
         self._report = report
 
@@ -179,22 +217,28 @@ class InSituDataModule(pl.LightningDataModule):
       own part of it — see docs/caching.md); its ``budget_bytes`` is training's, the val/test
       pipelines size their pools automatically (:meth:`cache_options_for`).
 
+    The other arguments are checked here too, not in :meth:`setup` (inside the Trainer):
+    views that are not views or stacks, ``splits`` that are neither a manifest, collections
+    nor three fractions, a ``log_report`` that is no bool, ``store_options`` beside an opened
+    store raise ``TypeError`` or ``ValueError`` saying what to pass.
+
     Args:
         store: a zarr Store, a path, or a URL (with ``store_options`` for ``open_store``);
             or a :class:`~insitubatch_nodes.Collection`, whose views (``{"x":
             collection["image"]}``) are then the variables and
             :func:`~insitubatch_nodes.split_by_member` the splits: each split holds whole
             members (or groups of them), none in two splits.
-        variables: array names (one name: a string), or ``{label: ArrayGeometry view}``
-            (e.g. ``{"x": g, "y": g.shift(1)}``); a callable ``geometries -> {label: view}``
-            is resolved in :meth:`setup` (useful when the store is only reachable at training
-            time).
+        variables: array names (one name: a string), or ``{label: ArrayGeometry view or
+            stack}`` (e.g. ``{"x": g, "y": g.shift(1)}``); a callable ``geometries -> {label:
+            view}`` is resolved in :meth:`setup` (useful when the store is only reachable at
+            training time).
         splits: a :class:`SplitManifest` (of a collection: :func:`split_by_member`), a
             mapping of ``"train"``, ``"val"`` and ``"test"`` to one
             :class:`~insitubatch_nodes.Collection` each (none sharing a member; ``store`` is
             then unused, ``variables`` names or a callable on each collection's variables), or
             ``(train, val, test)`` chunk fractions for a contiguous :func:`split_by_chunk` over
-            the first label's array (for a collection: fractions of its members, drawn with
+            the first label's array (a :func:`~insitubatch_nodes.stack`: its first sampled
+            member's) (for a collection: fractions of its members, drawn with
             the config's seed by :func:`split_by_member`).
         config, fetch, cache: the settings objects above (``None``: their defaults);
             ``config`` is training's: one of another ``split`` is a ``ValueError``.
@@ -228,10 +272,10 @@ class InSituDataModule(pl.LightningDataModule):
 
     def __init__(
         self,
-        store: Store | str | os.PathLike[str] | Collection | None,
+        store: StoreLike | Collection | None,
         variables: Sequence[str]
-        | Mapping[str, ArrayGeometry]
-        | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry]],
+        | Mapping[str, ArrayGeometry | Stack]
+        | Callable[[dict[str, ArrayGeometry]], Mapping[str, ArrayGeometry | Stack]],
         splits: SplitManifest | Sequence[float] | Mapping[str, Collection] = (0.8, 0.1, 0.1),
         *,
         config: PlanConfig | None = None,
@@ -281,7 +325,8 @@ class InSituDataModule(pl.LightningDataModule):
             else tuple(missing)
         )
         self.missing_objects = missing_objects
-        self.log_report = log_report
+        self.log_report = check_bool("log_report", log_report)
+        _check_sources(variables, splits, store, store_options)
         self._store_arg = store
         self._store_options = dict(store_options or {})
         self._variables_arg = variables
@@ -298,20 +343,23 @@ class InSituDataModule(pl.LightningDataModule):
             )
         self.eval_batch_size = check_optional_int("eval_batch_size", eval_batch_size, minimum=1)
         self.chunk_transforms = check_chunk_transforms(chunk_transforms)
-        self.coords = None if coords is None else tuple(coords)
+        # one name as insitu_pipeline takes it (tuple("time") would be its letters)
+        self.coords = (
+            None if coords is None else (coords,) if isinstance(coords, str) else tuple(coords)
+        )
         self.batch_transforms = check_batch_transforms(batch_transforms)
         if not callable(transform):
             raise TypeError(f"transform must be a callable Batch -> item, got {transform!r}")
         self.transform = transform
         self.store: Store | None = None
-        self.views: dict[str, ArrayGeometry] = {}
+        self.views: dict[str, ArrayGeometry | Stack] = {}
         self.manifest: SplitManifest | None = None
         self._loaders: dict[str, InSituIterableDataset] = {}
         # the manifest with the missing steps attached, once the first pipeline decided them
         self._checked_manifest: SplitManifest | None = None
         self._pending_train_state: dict[str, Any] | None = None
         self._train_key: tuple[int, int | None, int | None, PlanConfig] | None = None
-        self._train_views: dict[str, ArrayGeometry] | None = None
+        self._train_views: dict[str, ArrayGeometry | Stack] | None = None
         # (trainer id, offset): the training plan's epoch is the trainer's less the offset, 1
         # after Lightning resumed a max_steps stop mid-epoch under the next epoch's number
         self._epoch_offset: tuple[int, int] = (0, 0)
@@ -402,7 +450,9 @@ class InSituDataModule(pl.LightningDataModule):
             fractions = dict(zip(("train", "val", "test"), map(float, splits), strict=True))
             manifest = split_by_member(given, fractions, seed=self.plan_config.seed)
         else:
-            manifest = split_by_chunk(next(iter(views.values())).base, tuple(splits))
+            lead = next(iter(views.values()))  # a stack: its first sampled member's array
+            geom = lead.sampled[0].geometry if isinstance(lead, Stack) else lead
+            manifest = split_by_chunk(geom.base, tuple(splits))
         self.store, self.views, self.manifest = store, views, manifest
 
     def _rank_world(self) -> tuple[int | None, int | None]:
@@ -488,7 +538,7 @@ class InSituDataModule(pl.LightningDataModule):
             self._train_key = key
         return dataset
 
-    def set_views(self, views: Mapping[str, ArrayGeometry]) -> None:
+    def set_views(self, views: Mapping[str, ArrayGeometry | Stack]) -> None:
         """Train on ``views`` (of the same arrays: other windows or shifts, a rollout that
         grows; stacks with other static or forcing members) from the next epoch on: forwarded
         to the training pipeline's

@@ -16,6 +16,7 @@ from typing import Any
 
 from zarr.abc.store import Store
 
+from insitubatch_nodes._checks import check_batch_transforms, check_instance
 from insitubatch_nodes.anchor_steps import anchor_steps
 from insitubatch_nodes.batch import Batch, BatchTransform
 from insitubatch_nodes.cache.directory import ChunkCache
@@ -36,7 +37,13 @@ from insitubatch_nodes.io.coords import (
 )
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.product import product_of, refuse_product_options
-from insitubatch_nodes.io.stores import RetryPolicy, as_store, describe_store, retry_policy
+from insitubatch_nodes.io.stores import (
+    RetryPolicy,
+    StoreLike,
+    as_store,
+    describe_store,
+    retry_policy,
+)
 from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
@@ -211,7 +218,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
 
 
 def insitu_pipeline(
-    store: Store | str | os.PathLike[str] | Collection,
+    store: StoreLike | Collection,
     manifest: SplitManifest,
     variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack],
     *,
@@ -363,6 +370,8 @@ def insitu_pipeline(
                "reset_stale_cache": reset_stale_cache, "verify_cache": verify_cache,
                "check_store": check_store},
     )  # fmt: skip
+    check_instance("manifest", manifest, SplitManifest, "a SplitManifest (split_by_chunk)")
+    batch_transforms = check_batch_transforms(batch_transforms)
     collection = store.name if isinstance(store, Collection) else None
     if isinstance(store, Collection):  # its store: one, or its members' stores routed
         if not isinstance(variables, Mapping):  # names: the collection's variables
@@ -514,7 +523,7 @@ def _resolve(given: Any, kind: type, keywords: Mapping[str, Any], argument: str)
     return resolve_options(given, kind, fields, where="insitu_pipeline", argument=argument)
 
 
-def _open_store(store: Store | str | os.PathLike[str], retry: RetryPolicy | None) -> Store:
+def _open_store(store: StoreLike, retry: RetryPolicy | None) -> Store:
     """The store to read: a URL or path opened (with ``retry`` when given), a ``Store`` as is
     (``retry`` then bounds each GET's deadline only)."""
     if retry is None or isinstance(store, Store):

@@ -48,9 +48,12 @@ from insitubatch_nodes.transforms import work_dtype
 
 
 class Statistics(Protocol):
-    """What :func:`stack` reads of :class:`~insitubatch_nodes.statistics.Statistics`."""
+    """What :func:`stack` reads of :class:`~insitubatch_nodes.statistics.Statistics`
+    (``mean`` read-only: an attribute here would be invariant, and refuse the ``dict`` of
+    arrays that ``Statistics`` holds)."""
 
-    mean: Mapping[str, Any]
+    @property
+    def mean(self) -> Mapping[str, Any]: ...
 
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray: ...
 

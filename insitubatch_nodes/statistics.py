@@ -43,16 +43,18 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
+from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._moments import _Moments
 from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.collection_paths import same_variable
 from insitubatch_nodes.io.coords import MISSING_OFFSET
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
-from insitubatch_nodes.io.stores import as_store, describe_store, retry_policy
+from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
@@ -67,7 +69,7 @@ FORMAT = 1
 FIELDS = ("mean", "std", "min", "max", "diff_std", "count", "nan_count")
 
 
-@dataclass
+@dataclass(repr=False)
 class Statistics:
     """Fitted statistics, ``{label: array}`` each, one value per channel (see the module
     docstring). ``count`` is the finite values per channel, ``nan_count`` the NaNs skipped;
@@ -83,6 +85,13 @@ class Statistics:
     nan_count: dict[str, np.ndarray]
     dataset: dict[str, Any] = field(default_factory=dict)
     paths: dict[str, str] = field(default_factory=dict)
+
+    def __repr__(self) -> str:
+        """One line, no values (the dataclass's repr printed all seven fields' arrays): each
+        label's channel shape, and the store and split fitted on."""
+        shapes = {label: np.shape(v) for label, v in self.mean.items()}
+        where = {k: self.dataset[k] for k in ("store", "split") if k in self.dataset}
+        return f"Statistics({shapes}, fitted on {where or 'unknown data'})"
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write these statistics as JSON (values as nested lists, NaN as ``null``). The file
@@ -205,6 +214,17 @@ class Statistics:
         one standardised row, broadcast, in the label's dtype; integer labels become float32).
         ``same_as`` maps labels to the fitted label whose statistics they take (a shifted
         target to its input: ``{"next_t": "t"}``); every other label must have been fitted."""
+        bad = (
+            [k for k, v in views.items() if not isinstance(v, ArrayGeometry)]
+            if isinstance(views, Mapping)
+            else ["views"]
+        )
+        if bad:  # (a stack normalises its members itself: stack(..., normalize=stats))
+            raise TypeError(
+                f"normalizer takes {{label: ArrayGeometry view}}, as the pipeline's views; {bad} "
+                "are not views (a stack: stack(members, normalize=stats) instead)"
+            )
+        check_number("eps", eps, minimum=0.0)
         _refuse_complex(views, "Statistics.normalizer")
         source = {label: (same_as or {}).get(label, label) for label in views}
         missing = sorted(label for label, fitted in source.items() if fitted not in self.mean)
@@ -347,7 +367,7 @@ def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
 
 
 def fit_statistics(
-    store: Any,
+    store: StoreLike | Collection,
     manifest: SplitManifest,
     views: Mapping[str, ArrayGeometry | Forcings] | Sequence[str],
     split: str = "train",
@@ -383,7 +403,8 @@ def fit_statistics(
             "whichever rank calls it (rank=0, world_size=1, shuffle=False, coords=()). Leave "
             "them out; under DDP fit once (on rank 0), save, and load the file on every rank"
         )
-    zstore = as_store(store)
+    check_instance("manifest", manifest, SplitManifest, "a SplitManifest (split_by_chunk)")
+    zstore = as_store(store.store if isinstance(store, Collection) else store)
     if not isinstance(views, Mapping):
         names = [views] if isinstance(views, str) else list(views)
         views = open_geometries(zstore, names)

@@ -95,6 +95,10 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
                 "a graph composed with a StageContext (which names its ReadPlanNode), got "
                 f"{pipeline!r}"
             )
+        if not callable(transform):
+            raise TypeError(
+                f"as_dataset(transform=...) must be a callable Batch -> item, got {transform!r}"
+            )
         self.pipeline = pipeline
         self.plan = context.plan
         self.transform = transform

@@ -556,6 +556,7 @@ class StandardScaler:
         return state
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        """The field as stored, in the float dtype the scaler computes in."""
         return geometry.inner_shape, _float_dtype(geometry.dtype)
 
     def cache_revision(self, geometry: ArrayGeometry) -> str | None:
@@ -636,7 +637,8 @@ class Coarsen:
     """
 
     def __init__(self, factor: int | Sequence[int]) -> None:
-        factors = (factor,) if isinstance(factor, int | np.integer) else tuple(factor)
+        given: Any = factor  # a float (1.5) is no sequence: refused below, as a str is
+        factors = (given,) if not isinstance(given, Sequence) else tuple(given)
         if not factors or any(
             isinstance(f, bool) or not isinstance(f, int | np.integer) or f < 1 for f in factors
         ):
@@ -660,6 +662,7 @@ class Coarsen:
         return self._factors
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
+        """Each field axis divided by its factor (``ValueError`` where one does not divide)."""
         inner = geometry.inner_shape
         factors = self._per_axis(inner, geometry.path)
         bad = [(n, f) for n, f in zip(inner, factors, strict=True) if n % f]

@@ -238,6 +238,7 @@ def run(source: str | Path, options: dict[str, Any], args: argparse.Namespace) -
     dm.setup()
     assert dm.store is not None and dm.manifest is not None
     x = dm.views["x"]
+    assert isinstance(x, ArrayGeometry)  # (a label may be a stack: this one is an array)
     print(
         f"{x.path}: shape {x.shape}, chunks {x.chunks}; train/val/test chunks "
         f"{[len(dm.manifest.chunks(s)) for s in ('train', 'val', 'test')]}"

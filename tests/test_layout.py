@@ -51,6 +51,7 @@ FACE = [
     "PlanConfig",
     "RetryPolicy",
     "SplitManifest",
+    "Stack",
     "StandardScaler",
     "Statistics",
     "__version__",

@@ -75,7 +75,7 @@ from insitubatch_nodes.io.members import MemberMap, check_cf_encoding, collectio
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.product import ProductGrid, first_axis, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, locate
-from insitubatch_nodes.io.stores import describe_store
+from insitubatch_nodes.io.stores import StoreLike, describe_store
 from insitubatch_nodes.io.timeline import alignment, continuation, pieces_of_join
 
 __all__ = [
@@ -262,8 +262,8 @@ class Collection:
     @classmethod
     def from_groups(
         cls,
-        store: Any,
-        groups: Sequence[str],
+        store: StoreLike | None,
+        groups: Sequence[str | tuple[StoreLike, str]],
         variables: Mapping[str, str],
         *,
         names: Sequence[str] | None = None,

@@ -659,7 +659,8 @@ def open_coordinates(
     read.
     """
     reader = _Reader(store) if reader is None else reader
-    return _coordinates(reader, geom, None if names is None else list(names))
+    listed = None if names is None else [names] if isinstance(names, str) else list(names)
+    return _coordinates(reader, geom, listed)
 
 
 def carried_coordinates(

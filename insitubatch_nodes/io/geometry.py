@@ -51,6 +51,7 @@ from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.patching import (
     ORIGIN_POLICIES,
     REGION_ORDERS,
+    AxisMap,
     Patches,
     only_patched,
     refuse_selected,
@@ -430,13 +431,13 @@ class ArrayGeometry:
 
     def patches(
         self,
-        extent: Mapping[int | str, int],
+        extent: AxisMap[int],
         *,
-        stride: int | Mapping[int | str, int] | None = None,
+        stride: int | AxisMap[int] | None = None,
         origins: str = "grid",
         per_tile: int | None = None,
         order: str = "shuffled",
-        within: Mapping[int | str, tuple[int, int]] | None = None,
+        within: AxisMap[tuple[int, int]] | None = None,
     ) -> ArrayGeometry:
         """A view whose samples are windows of the field: ``extent`` maps field axes (physical
         indices, or dimension names where the array has them) to the window's size along each,
@@ -578,18 +579,18 @@ class ArrayGeometry:
         return replace(self, select=None if all(k is None for k in select.keys) else select)
 
     def sel(
-        self, *, method: str | None = None, tolerance: float | None = None, **indexers: Any
+        self, *, method: str | None = None, tolerance: Any = None, **indexers: Any
     ) -> ArrayGeometry:
         """A view that keeps part of the field by coordinate value, as xarray's ``sel``:
         ``g.sel(level=[500, 850])``, ``g.sel(latitude=slice(60, 30), longitude=slice(0, 40))``,
         ``g.sel(level=500)``. A value or each value of a list must be in the coordinate
         (``KeyError`` otherwise), or with ``method="nearest"`` the nearest one (ties to the
-        larger value, within ``tolerance`` if given; a repeated value: every match, or in a
-        list ``ValueError``, as xarray); a slice keeps the values between its ends, both
-        included, in the coordinate's order (a descending latitude: ``slice(north, south)``; an
-        unsorted one: from one end's position to the other's), every ``step``-th (a negative
-        step: the ends in the other order, the values reversed). The coordinate, the 1-D array
-        named like the dimension, is read once through :attr:`coordinates`. Then as :meth:`isel`.
+        larger value, within ``tolerance``: a number, for dates a time step such as ``"2h"``; a
+        repeated value: every match, in a list ``ValueError``, as xarray); a slice keeps the
+        values between its ends, both included, in the coordinate's order (descending latitude:
+        ``slice(north, south)``; unsorted: from one end's position to the other's), every
+        ``step``-th (a negative step: the ends in the other order, the values reversed). The
+        coordinate (the 1-D array named like the dimension) is read once. Then as :meth:`isel`.
         """
         positions: dict[str, Any] = {}
         for name, key in indexers.items():

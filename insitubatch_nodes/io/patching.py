@@ -6,15 +6,16 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeAlias, TypeVar
 
 import numpy as np
 
 __all__ = [
     "ORIGIN_POLICIES",
     "REGION_ORDERS",
+    "AxisMap",
     "Patches",
     "cut_windows",
     "only_patched",
@@ -25,6 +26,11 @@ __all__ = [
 
 ORIGIN_POLICIES = ("grid", "random")
 REGION_ORDERS = ("shuffled", "sweep")
+
+V = TypeVar("V")
+#: field axes (physical indices, or dimension names) to a value, as ``patches`` takes them: a
+#: ``dict[str, int]`` is no ``Mapping[int | str, int]`` to a type checker (keys are invariant)
+AxisMap: TypeAlias = Mapping[str, V] | Mapping[int, V] | Mapping[int | str, V]
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,12 @@ class RoutingStore(Store):
         return id(self)
 
     def __repr__(self) -> str:
-        return f"RoutingStore({', '.join(describe_store(s) for s in self.stores)})"
+        """The stores, the first and last three of more (error messages and a collection's
+        repr quote it: a thousand scenes in stores of their own made it a page long)."""
+        n = len(self.stores)
+        shown = self.stores if n <= 6 else (*self.stores[:3], None, *self.stores[-3:])
+        names = ", ".join("..." if s is None else describe_store(s) for s in shown)
+        return f"RoutingStore({names})" if n <= 6 else f"RoutingStore({n} stores: {names})"
 
     async def _ensure_open(self) -> None:
         for store in self.stores:

@@ -639,6 +639,8 @@ def _nearest(path: str, name: str, values: np.ndarray, v: Any, tolerance: float 
             tolerance = float(as_timedelta(tolerance, "a tolerance") / span)
     elif values.dtype.kind not in "iuf":
         raise TypeError(f"{path}: sel(method='nearest') needs a numeric coordinate {name!r}")
+    elif tolerance is not None and not isinstance(tolerance, int | float | np.number):
+        raise TypeError(f"{path}: sel(tolerance=...) is a number for {name!r}, got {tolerance!r}")
     else:
         distance = np.abs(values.astype(np.float64) - float(v))
     tied = np.flatnonzero(distance == np.nanmin(distance))

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, TypeAlias, Union, cast
 from urllib.parse import urlsplit
 
 import zarr
@@ -37,6 +37,9 @@ from insitubatch_nodes import _process
 from insitubatch_nodes._process import RETRY_TIME_SCALE_ENV, retry_time_scale
 from insitubatch_nodes.io import _zarr_compat, store_urls
 from insitubatch_nodes.io.datasets import dataset_store, is_xarray_dataset, refuse_changed
+
+if TYPE_CHECKING:
+    import xarray
 
 __all__ = [
     "RETRY_TIME_SCALE_ENV",
@@ -53,7 +56,10 @@ __all__ = [
 
 SUPPORTED_SCHEMES: tuple[str, ...] = ("file", "memory", "s3", "gs", "az", "http", "https")
 
-StoreLike = Store | str | os.PathLike[str]
+#: what the functions that read a store take (:func:`as_store`): a zarr ``Store``, a path or a
+#: URL, a zarr root ``Group`` or an xarray ``Dataset`` opened from zarr (xarray is optional:
+#: named as a string, so this module does not import it)
+StoreLike: TypeAlias = Union[Store, str, os.PathLike[str], zarr.Group, "xarray.Dataset"]
 
 # memory://NAME resolves to one obstore MemoryStore per NAME for the life of the process, so two
 # opens of the same URL see the same objects (what a user of fsspec's memory:// expects).
@@ -617,7 +623,7 @@ def as_store(store: StoreLike, **options: Any) -> Store:
         _process.tune_allocator()  # before obstore's threads allocate (see its docstring)
         opened = _zarr_compat.opened(store)
     else:
-        opened = open_store(store, **options)
+        opened = open_store(cast("str | os.PathLike[str]", store), **options)
     _zarr_compat.io_loop()  # started here, its wakeups watched before the first read
     if dataset is not None:
         refuse_changed(dataset, opened, describe_store(opened))

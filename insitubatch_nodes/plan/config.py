@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import datetime
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -95,6 +96,24 @@ class PlanConfig:
     cross_split_windows: bool = False
     remainder: str = "drop"
     stride: int | np.timedelta64 = 1
+
+    if TYPE_CHECKING:  # the constructor dataclass makes, but taking a stride as any time step
+        # ("6h", a timedelta): the field holds it checked (int | numpy.timedelta64)
+
+        def __init__(
+            self,
+            split: str = "train",
+            batch_size: int = 32,
+            block_chunks: int = 16,
+            shuffle: bool = True,
+            seed: int = 0,
+            rank: int | None = None,
+            world_size: int | None = None,
+            ramp: bool = True,
+            cross_split_windows: bool = False,
+            remainder: str = "drop",
+            stride: int | np.timedelta64 | str | datetime.timedelta = 1,
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         if not isinstance(self.split, str) or self.split not in SPLITS:

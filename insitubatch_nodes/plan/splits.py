@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
+from insitubatch_nodes._checks import check_bool, check_instance, check_int
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.coords import Coordinate
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -35,7 +36,7 @@ SPLITS: tuple[str, ...] = ("train", "val", "test")
 FORMAT_VERSION = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class SplitManifest:
     """Which anchor-grid chunks belong to each split (JSON-serialisable, immutable).
 
@@ -104,6 +105,24 @@ class SplitManifest:
                 f"steps cover {self.steps.n_samples} samples but the anchor grid has "
                 f"{self.n_samples}"
             )
+
+    def __repr__(self) -> str:
+        """One line whatever the archive: a long split as its count and range (the dataclass's
+        repr listed every chunk, 2.7 MB for 40 years of hourly one-sample chunks)."""
+
+        def chunks(c: tuple[int, ...]) -> str:
+            if len(c) <= 8:
+                return repr(c)
+            run = "" if c[-1] - c[0] + 1 == len(c) else " within"
+            return f"<{len(c)} chunks{run} {c[0]}..{c[-1]}>"
+
+        splits = ", ".join(f"{name!r}: {chunks(c)}" for name, c in self.splits.items())
+        return (
+            f"SplitManifest(array={self.array!r}, n_samples={self.n_samples}, "
+            f"samples_per_chunk={self.samples_per_chunk}, splits={{{splits}}}, "
+            f"fractions={self.fractions}, contiguous={self.contiguous}, seed={self.seed}, "
+            f"sample_range={self.sample_range})"
+        )
 
     def with_steps(self, steps: SampleSteps | None) -> SplitManifest:
         """This manifest carrying ``steps`` (its samples' times and missing objects)."""
@@ -214,6 +233,7 @@ class SplitManifest:
 
     # -- persistence ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        """This manifest as plain JSON types (``json.dumps``); :meth:`from_dict` reads it."""
         return {
             "format_version": FORMAT_VERSION,
             "array": self.array,
@@ -228,6 +248,7 @@ class SplitManifest:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> SplitManifest:
+        """The manifest :meth:`to_dict` wrote (``ValueError`` for another format version)."""
         if not isinstance(data, Mapping):
             raise ValueError(f"a split manifest is a JSON object, got {type(data).__name__}")
         version = data.get("format_version")
@@ -316,6 +337,8 @@ def split_by_chunk(
     :meth:`~insitubatch_nodes.io.coords.Coordinate.index_range`, then taken like an index
     range. The manifest records that index range as its ``sample_range``.
     """
+    check_instance("geom", geom, ArrayGeometry, "an ArrayGeometry (open_geometries(store)[name])")
+    contiguous, seed = check_bool("contiguous", contiguous), check_int("seed", seed, minimum=0)
     fr = tuple(float(f) for f in fractions)
     if len(fr) != 3:
         raise ValueError(f"fractions must be (train, val, test), got {len(fr)} values: {fr}")
@@ -389,7 +412,7 @@ def _sorted_chunks(chunks: Any) -> np.ndarray:
 
 def split_by_member(
     collection: Collection,
-    splits: Mapping[str, Sequence[str] | float],
+    splits: Mapping[str, Sequence[object] | float],
     *,
     by: str | None = None,
     seed: int = 0,

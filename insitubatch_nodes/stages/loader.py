@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, overload
 
 from torchdata.nodes import BaseNode
 from torchdata.nodes import Loader as _TorchdataLoader
 from torchdata.nodes.loader import LoaderIterator
 
-from insitubatch_nodes.stages.prefetch import not_a_map_dataset
+from insitubatch_nodes._checks import check_bool
+from insitubatch_nodes.stages.prefetch import PrefetcherNode, not_a_map_dataset
 
 __all__ = ["OVERTAKEN", "Loader"]
 
@@ -53,8 +54,20 @@ class Loader(_TorchdataLoader[T]):
     pipeline's (a resumed epoch with one batch left is that epoch's, not the next one's).
     """
 
+    # torchdata ships no type information (``BaseNode[T]`` is ``Any`` to a type checker): over
+    # a pipeline or a PrefetcherNode the item type is taken from it (``Loader[Batch]``)
+    @overload
+    def __init__(self, root: PrefetcherNode[T], restart_on_stop_iteration: bool = True) -> None: ...
+    @overload
+    def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None: ...
     def __init__(self, root: BaseNode[T], restart_on_stop_iteration: bool = True) -> None:
-        super().__init__(root, restart_on_stop_iteration=restart_on_stop_iteration)
+        if not isinstance(root, BaseNode):
+            raise TypeError(
+                "Loader takes the pipeline insitu_pipeline() returns, or the root node of a "
+                f"torchdata.nodes graph, got {type(root).__name__}: {root!r:.80}"
+            )
+        restart = check_bool("restart_on_stop_iteration", restart_on_stop_iteration)
+        super().__init__(root, restart_on_stop_iteration=restart)
         self._it: LoaderIterator[T] | None = None  # (as torchdata's; typed for the checks)
 
     def __iter__(self) -> Iterator[T]:
@@ -64,6 +77,10 @@ class Loader(_TorchdataLoader[T]):
         if self._it is None:
             self._it = _OneLoop(self)
         return super().__iter__()
+
+    if TYPE_CHECKING:  # torchdata's own (untyped), declared for type checkers
+
+        def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict`` at the next ``iter()`` (a state asked for earlier with

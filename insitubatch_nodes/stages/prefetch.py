@@ -32,7 +32,7 @@ import os
 import queue
 import threading
 from collections.abc import Mapping, Sequence
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Self, TypeVar, overload
 
 from torchdata.nodes import BaseNode
 
@@ -49,6 +49,10 @@ from insitubatch_nodes.stages._graph import (
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
+
+if TYPE_CHECKING:
+    from insitubatch_nodes.batch import Batch
+    from insitubatch_nodes.stages.gather import GatherNode
 
 __all__ = ["PrefetcherNode", "not_a_map_dataset"]
 
@@ -183,6 +187,14 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
 
     STAGE: ClassVar[int] = 4  # its place in a graph (stages/_wiring.py)
 
+    # torchdata ships no type information, so ``BaseNode[T]`` is ``Any`` to a type checker and
+    # cannot tell it ``T``: a graph over this package's GatherNode delivers ``Batch``
+    @overload
+    def __init__(
+        self: PrefetcherNode[Batch], source: GatherNode, *, context: StageContext
+    ) -> None: ...
+    @overload
+    def __init__(self, source: BaseNode[T], *, context: StageContext) -> None: ...
     def __init__(self, source: BaseNode[T], *, context: StageContext) -> None:
         context = check_wiring(self.STAGE, source, context)
         super().__init__()
@@ -293,6 +305,14 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
     def get_state(self) -> dict[str, Any]:
         return {SOURCE_KEY: self._delivered}
 
+    if TYPE_CHECKING:  # torchdata's own (untyped) methods, declared with this node's item type
+
+        def __iter__(self) -> Self: ...
+
+        def __next__(self) -> T: ...
+
+        def state_dict(self) -> dict[str, Any]: ...
+
     # -- what the graph below says ----------------------------------------------------------
     def report(self) -> EpochReport | None:
         """The epoch report: the epoch in progress once it has delivered a batch, else the last
@@ -305,6 +325,17 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         See :mod:`insitubatch_nodes.report` for every field and the rule.
         """
         return self.recorder.report()
+
+    def __repr__(self) -> str:
+        """From the plan, never the store: the split, the batch size, each label's view (a
+        stack's members), the epoch."""
+        plan = getattr(getattr(self, "context", None), "plan", None)
+        if plan is None:  # (not made yet: an error raised while it was being made)
+            return super().__repr__()
+        return (
+            f"{type(self).__name__}(split={plan.split!r}, batch_size={plan.batch_size}, "
+            f"views={dict(plan.layout.views)}, epoch={plan.epoch})"
+        )
 
     def __getitem__(self, index: object) -> T:
         """Refused (``TypeError`` saying to wrap the pipeline with ``as_dataset``): torch's
@@ -342,7 +373,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         not awaited)."""
         self._halt(close_source=True)
 
-    def __enter__(self) -> PrefetcherNode[T]:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
