@@ -406,7 +406,7 @@ def test_fingerprints_are_the_same_in_fresh_processes_with_other_hash_seeds(
 ) -> None:
     script = tmp_path / "fp.py"
     script.write_text(FINGERPRINTS.format(tests=str(CHILD.parent), store=str(era5)))
-    procs = [  # side by side: three interpreter start-ups cost one on an idle core
+    procs = [  # side by side: two interpreter start-ups cost one on an idle core
         subprocess.Popen(
             [sys.executable, str(script)],
             stdout=subprocess.PIPE,
@@ -414,14 +414,14 @@ def test_fingerprints_are_the_same_in_fresh_processes_with_other_hash_seeds(
             text=True,
             env={**os.environ, "PYTHONHASHSEED": seed, "PYTHONPATH": os.pathsep.join(sys.path)},
         )
-        for seed in ("0", "1", "12345")
+        for seed in ("0", "12345")
     ]
     outs = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=120)
         assert proc.returncode == 0, stderr[-2000:]
         outs.append(json.loads(stdout.strip().splitlines()[-1]))
-    assert outs[0] == outs[1] == outs[2]
+    assert outs[0] == outs[1]
     assert outs[0]["t2m"] != outs[0]["z"]
 
 
