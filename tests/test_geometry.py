@@ -320,6 +320,9 @@ def test_shift_adds_offsets_and_keeps_the_path_and_base(era5_v3_path: Path) -> N
     assert one.store_key(2) == geom.store_key(2)
     with pytest.raises(TypeError):
         geom.shift(1.5)  # type: ignore[arg-type]
+    for flag in (True, np.bool_(True)):  # a flag is not a number of samples (was a shift of 1)
+        with pytest.raises(TypeError, match="integer number of samples"):
+            geom.shift(flag)
 
 
 def test_a_geometry_is_frozen_and_hashable(era5_v3_path: Path) -> None:

@@ -314,7 +314,7 @@ class ArrayGeometry:
     # -- views ---------------------------------------------------------------------------------
     def shift(self, k: int) -> ArrayGeometry:
         """A view that reads ``array[anchor + k]`` along the sample axis (offsets add up)."""
-        if not isinstance(k, int | np.integer):
+        if isinstance(k, bool | np.bool_) or not isinstance(k, int | np.integer):
             raise TypeError(f"shift() takes an integer number of samples, got {k!r}")
         if self.static:
             raise ValueError(f"{self.path}: a static array has no samples to shift along")
