@@ -394,11 +394,6 @@ def _pipeline_faults(r: EpochReport) -> tuple[float, int]:
     )
 
 
-def _ram_bytes() -> int:
-    """The memory this process may use (a container's limit where one is set)."""
-    return usable_memory_bytes()
-
-
 def suggestion_for(r: EpochReport) -> str:
     """One suggestion computed from the report's numbers, or ``""`` when none applies.
 
@@ -440,7 +435,7 @@ def suggestion_for(r: EpochReport) -> str:
             "(the floor cache_budget_bytes errors state) touches less of it"
         )
     if stage in ("store", "decode") and r.re_reads and r.split_bytes:
-        ram = _ram_bytes()
+        ram = usable_memory_bytes()  # (a container's limit where one is set)
         # every chunk the epoch read; an explicit budget below the floor is refused
         want = max(r.split_bytes, r.budget_floor or 0)
         what = "every chunk this epoch read" + (

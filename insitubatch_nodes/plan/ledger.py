@@ -64,6 +64,13 @@ class ChunkLedger:
     def n_segments(self) -> int:
         return int(self.chunk.shape[0])
 
+    @functools.cached_property
+    def n_chunks(self) -> int:
+        """How many distinct chunks (units, for a patched group) the ledger reads: segments
+        are in chunk order, so one pass, no sort (asked once per epoch by several parts)."""
+        c = self.chunk
+        return int(np.count_nonzero(c[1:] != c[:-1])) + 1 if len(c) else 0
+
     def fetched(self, at: int) -> np.ndarray:
         """Segments local batch ``at`` fetches, in first-need order."""
         return self.by_first[self.fetch_ptr[at] : self.fetch_ptr[at + 1]]

@@ -563,7 +563,7 @@ def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tu
 def _read_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> int:
     """The slot bytes of every chunk ``plan`` reads, each once."""
     return sum(
-        len(sorted_unique(ledger.chunk)) * sum(geoms[p].chunk_nbytes for p in ledger.paths)
+        ledger.n_chunks * sum(geoms[p].chunk_nbytes for p in ledger.paths)
         for ledger in plan.ledgers
     )
 
@@ -584,11 +584,11 @@ def kept_bytes(
     holds every chunk the rank has read and epochs read only chunks it never read.
     """
     reads = _read_bytes(plan, geoms)
-    if budget_bytes is None and plan.world_size > 1:
-        every = reads * plan.world_size
-        if every <= _auto_keep_bytes():
-            return every
-    cap = _auto_keep_bytes() if budget_bytes is None else budget_bytes
+    if budget_bytes is not None:
+        return reads if reads <= budget_bytes else None
+    cap = _auto_keep_bytes()
+    if plan.world_size > 1 and reads * plan.world_size <= cap:
+        return reads * plan.world_size
     return reads if reads <= cap else None
 
 

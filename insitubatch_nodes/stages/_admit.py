@@ -152,14 +152,9 @@ def reread_order(plan: EpochPlan, resident: list[ChunkKey]) -> list[ChunkKey]:
 def pool_chunks_read(plan: EpochPlan) -> float:
     """How many ``(path, chunk)`` pool chunks ``plan`` reads (``inf`` with a patched group,
     whose units :func:`reread_order` leaves out)."""
-    total = 0.0
-    for ledger in plan.ledgers:
-        if ledger.windows is not None:
-            return math.inf
-        chunks = ledger.chunk  # (ascending: segments are in (chunk, first) order)
-        distinct = int(np.count_nonzero(chunks[1:] != chunks[:-1])) + 1 if len(chunks) else 0
-        total += distinct * len(ledger.paths)
-    return total
+    if any(ledger.windows is not None for ledger in plan.ledgers):
+        return math.inf
+    return float(sum(ledger.n_chunks * len(ledger.paths) for ledger in plan.ledgers))
 
 
 #: Most slots :func:`reserve_specs` lists: slots are made one by one, so past this many the
@@ -181,11 +176,14 @@ def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
     holds one sample per chunk. Chunks of more samples under a persistent cache are not kept
     in RAM this way: released, they come back from its files."""
     floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
-    one = any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
-    cache = setup.pool.cache  # (a persistent one brings chunks of more samples back from disk)
-    if setup.pool.auto and (
-        setup.direct is not True if one else cache is None or not cache.persistent
-    ):
+    if not setup.pool.auto:
+        return floor, read_ahead
+    if any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers):
+        keeps = setup.direct is not True
+    else:  # a persistent cache brings released chunks of more samples back from its files
+        cache = setup.pool.cache
+        keeps = cache is None or not cache.persistent
+    if keeps:
         floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
     return floor, read_ahead
 
