@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.longitudes import refuse_other_convention
 from insitubatch_nodes.io.timeunits import as_timedelta
 
 __all__ = [
@@ -346,9 +347,12 @@ def label_positions(
     to the larger value), within ``tolerance`` if given. A value the coordinate repeats (a
     view that selected a position twice) selects every match, the axis kept; in a list it is
     a ``ValueError`` (pandas refuses it too). A boolean mask of the axis is returned as it is
-    (positions, for :func:`axis_key`), as xarray's ``sel``."""
+    (positions, for :func:`axis_key`), as xarray's ``sel``. A longitude slice or ``nearest``
+    value in the other convention than the coordinate's (-10 on 0..360) is refused
+    (:func:`~insitubatch_nodes.io.longitudes.refuse_other_convention`)."""
     if method not in (None, "nearest"):
         raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
+    refuse_other_convention(path, name, values, key, method)
     listed = isinstance(key, list | tuple) or (hasattr(key, "__array__") and np.ndim(key) == 1)
     mask = np.asarray(key) if listed else None  # (an xarray DataArray mask too)
     if mask is not None and mask.ndim == 1 and mask.dtype.kind == "b":
