@@ -71,7 +71,9 @@ class ForcingGrid:
     @classmethod
     def of_view(cls, view: ArrayGeometry) -> ForcingGrid:
         """The grid of ``view``'s last two kept field axes, as selected (``ValueError`` where
-        their names say they are longitude then latitude, or where it has no names or
+        their names say they are longitude then latitude, where they are not named
+        ``lat...`` and ``lon...``, a rotated or projected grid's ``rlat``/``rlon`` or ``y``/``x``
+        whose values are no latitudes and longitudes, or where it has no names or
         coordinates). A collection's view: each member's own coordinates (read once, 16
         members at a time; ``KeyError`` naming a member without one, ``ValueError`` naming one
         whose coordinate does not fit its axis), equal ones shared."""
@@ -89,6 +91,16 @@ class ForcingGrid:
                 f"{view.path}: its grid is ({kept[-2][1]}, {kept[-1][1]}), and forcings are "
                 "computed on a (latitude, longitude) grid: give Forcings lat= and lon= and "
                 "transpose them, or use a (latitude, longitude) view"
+            )
+        if not (first.startswith("lat") and second.startswith("lon")):
+            raise ValueError(
+                f"{view.path}: its grid is ({kept[-2][1]}, {kept[-1][1]}), and forcings are "
+                "computed at each point's latitude and longitude: axes not named lat.../lon... "
+                "(a rotated pole's rlat/rlon, a projection's y/x) do not hold them, and "
+                "forcings computed at their values would be at other places. On a regular "
+                "latitude/longitude grid named otherwise, give Forcings lat= and lon= "
+                "(its points, in degrees); a grid whose latitudes and longitudes are 2-D "
+                "(rotated, projected) is not supported"
             )
         coords = view.coordinates
         per_axis = []  # per grid axis: each member's values, as selected
