@@ -32,6 +32,7 @@ import numpy as np
 
 from insitubatch_nodes.io.collection_checks import MemberCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.longitudes import same_longitudes
 from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
@@ -186,7 +187,8 @@ class ForcingGrid:
 
     def differs_from(self, other: ForcingGrid) -> str:
         """Where this grid's points are other than ``other``'s (a collection's member by
-        member), beyond float32 rounding: ``""`` where they agree."""
+        member), beyond float32 rounding (longitudes as places: -157.5 is 202.5): ``""`` where
+        they agree."""
         if self.shape != other.shape:
             return f"the grid is {self.shape}, theirs {other.shape}"
         if self.per_member and other.per_member and self.collection != other.collection:
@@ -196,7 +198,10 @@ class ForcingGrid:
         names = on.members
         mine, ours = self.member_points(n), other.member_points(n)
         for axis, ref, got in (("lat", ours[0], mine[0]), ("lon", ours[1], mine[1])):
-            bad = ~np.all(np.isclose(got, ref, rtol=1e-6, atol=1e-6), axis=1)
+            if axis == "lon":  # a place, whatever the convention: 202.5 is -157.5
+                bad = ~same_longitudes(got, ref)
+            else:
+                bad = ~np.all(np.isclose(got, ref, rtol=1e-6, atol=1e-6), axis=1)
             if bad.any():
                 m = int(np.argmax(bad))
                 who = f"member {names[m]!r}: " if names else ""

@@ -41,6 +41,7 @@ import numpy as np
 from insitubatch_nodes.forcing_grid import GridWindow, refuse_other_points
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.longitudes import same_longitudes
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
 from insitubatch_nodes.static import StaticCut
@@ -508,7 +509,8 @@ def _refuse_other_points(
     """Refuse member ``name`` whose field is at other points than the first member's
     (``first``: its :func:`_grid_dims` and :func:`_grid_points`): a grid dimension whose
     coordinate (as selected) both read holds other values (a latitude stored the other way
-    round in another store of a join), beyond float32 rounding. Dimensions are paired by their
+    round in another store of a join), beyond float32 rounding (longitudes as places, whatever
+    their convention: -157.5 is 202.5). Dimensions are paired by their
     place in the field, so a field named otherwise (``(latitude, longitude)`` beside ``(lat,
     lon)``) is compared too."""
     (first_dims, theirs), mine = first, _grid_points(view, field_ndim)
@@ -517,11 +519,12 @@ def _refuse_other_points(
         if values is None or ref is None or ref.shape != values.shape:
             continue
         numeric = values.dtype.kind in "iuf" and ref.dtype.kind in "iuf"
-        same = (
-            np.allclose(values, ref, rtol=1e-6, atol=1e-6)
-            if numeric
-            else np.array_equal(values, ref)
-        )
+        if numeric and dim.lower().startswith("lon") and ref_dim.lower().startswith("lon"):
+            same = bool(same_longitudes(values, ref))  # places: -157.5 is 202.5
+        elif numeric:
+            same = np.allclose(values, ref, rtol=1e-6, atol=1e-6)
+        else:
+            same = np.array_equal(values, ref)
         if not same:
             theirs_at = "" if ref_dim == dim else f"{ref_dim!r} "
             raise ValueError(

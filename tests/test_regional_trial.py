@@ -24,6 +24,10 @@ Found wrong, and fixed (each test below failed before its fix):
   there. Such a slice or nearest value is refused now, saying which box it is in the
   coordinate's convention (``slice(300, 350)``) or that it crosses the seam and which two views
   select it.
+* A stack member or a ``Forcings`` whose longitudes are the same places as the first member's
+  in the other convention (a mask on -180..180 beside ERA5 on 0..360, east of 180) was refused
+  as "at other points", told to select values the member does not have: longitudes are now
+  compared as places (modulo 360), and such members stack.
 
 Tried and found right: boxes of every orientation and convention, on v3 and v2, whole and
 tiled, sharded, at one and at several samples per chunk, decoded straight into the batch or
@@ -195,6 +199,42 @@ def test_a_longitude_box_in_the_other_convention_is_refused_saying_which_box_it_
     r = open_geometries(tmp_path / "region.zarr")["2t"]
     both = slice(-5, 30)
     assert r.sel(longitude=both).inner_shape == region["2t"].sel(longitude=both).shape[1:]
+
+
+def test_members_and_forcings_at_the_same_places_in_the_other_longitude_convention_stack(
+    tmp_path: Path,
+) -> None:
+    # ERA5 data on longitude 0..360 and, in the same store, a land-sea mask from another
+    # source on lon -180..180: a box east of 180 is the same places in both
+    ds = _era5(tmp_path / "era5.zarr")
+    mask = xr.Dataset(
+        {"mask": (("lat", "lon"), np.arange(9 * 16, dtype="f4").reshape(9, 16))},
+        coords={"lat": ds.latitude.values, "lon": np.arange(-180, 180, 22.5)},
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mask.to_zarr(tmp_path / "era5.zarr", mode="a", zarr_format=3, consolidated=False)
+    g = open_geometries(tmp_path / "era5.zarr")
+    box = {"latitude": slice(60, -30), "longitude": slice(202.5, 292.5)}
+    west = {"lat": slice(60, -30), "lon": slice(-157.5, -67.5)}  # the same places
+    near = ds.sel(**box)
+    lon = (near.longitude.values + 180) % 360 - 180  # -157.5 .. -67.5
+    sun = Forcings("x", lat=near.latitude.values, lon=lon, names=["cos_solar_zenith"])
+    # before: refused, "the points do not agree", told to select 202.5 .. on a -180..180 mask
+    x = stack({"2t": g["2t"].sel(**box), "mask": g["mask"].sel(**west), "sun": sun})
+    label_sun = Forcings("y", lat=near.latitude.values, lon=lon, names=["cos_solar_zenith"])
+    manifest = split_by_chunk(g["2t"], (1.0, 0.0, 0.0))
+    views = {"x": x, "y": g["2t"].sel(**box)}
+    with insitu_pipeline(tmp_path / "era5.zarr", manifest, views, batch_size=4, shuffle=False,
+                         batch_transforms=[label_sun]) as pipe:  # fmt: skip
+        for batch in pipe:  # (before: this Forcings was refused as "at other points")
+            i = batch.sample_indices["x"]
+            np.testing.assert_array_equal(batch["x"][:, 0], near["2t"].values[i])
+            np.testing.assert_array_equal(batch["x"][:, 1], np.broadcast_to(
+                mask.mask.sel(**west).values, batch["x"][:, 1].shape))  # fmt: skip
+            want = cos_solar_zenith(near.time.values[i], near.latitude, near.longitude)
+            np.testing.assert_allclose(batch["x"][:, 2], want, atol=1e-6)
+            np.testing.assert_allclose(batch["cos_solar_zenith"], want, atol=1e-6)
 
 
 # -- tried and found right ----------------------------------------------------------------------

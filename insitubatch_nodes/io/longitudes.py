@@ -22,7 +22,16 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["refuse_other_convention"]
+__all__ = ["refuse_other_convention", "same_longitudes"]
+
+
+def same_longitudes(values: Any, ref: Any) -> np.ndarray:
+    """Per row of ``values`` and ``ref`` (longitudes in degrees, of one shape), whether every
+    point is the same place as its match beyond float32 rounding, whatever the convention of
+    each (202.5 is -157.5): compared along the last axis, the differences taken modulo 360."""
+    turn = (np.asarray(values, np.float64) - np.asarray(ref, np.float64) + 180.0) % 360.0 - 180.0
+    scale = np.maximum(np.abs(np.asarray(ref, np.float64)), 1.0)
+    return np.all(np.abs(turn) <= 1e-6 * scale + 1e-6, axis=-1)
 
 
 def _convention(name: str, values: np.ndarray) -> tuple[float, float] | None:
