@@ -28,6 +28,12 @@ Found wrong, and fixed (each test below failed before its fix):
   in the other convention (a mask on -180..180 beside ERA5 on 0..360, east of 180) was refused
   as "at other points", told to select values the member does not have: longitudes are now
   compared as places (modulo 360), and such members stack.
+* xarray's station idiom, ``sel(latitude=DataArray(lats, dims="station"), longitude=...,
+  method="nearest")``, selects one point per station (pointwise); a view took those indexers
+  as lists and held every latitude with every longitude, ``(3, 3)`` for three stations. An
+  indexer along another dimension than the axis's is refused now, saying to pass lists for that
+  box or to take the points out of the box in a batch transform (pointwise selection is not
+  supported: a view keeps a selection of each axis on its own).
 
 Tried and found right: boxes of every orientation and convention, on v3 and v2, whole and
 tiled, sharded, at one and at several samples per chunk, decoded straight into the batch or
@@ -235,6 +241,28 @@ def test_members_and_forcings_at_the_same_places_in_the_other_longitude_conventi
             want = cos_solar_zenith(near.time.values[i], near.latitude, near.longitude)
             np.testing.assert_allclose(batch["x"][:, 2], want, atol=1e-6)
             np.testing.assert_allclose(batch["cos_solar_zenith"], want, atol=1e-6)
+
+
+def test_station_indexers_along_a_new_dimension_are_refused_not_taken_as_every_pair(
+    tmp_path: Path,
+) -> None:
+    ds = _era5(tmp_path / "era5.zarr")
+    g = open_geometries(tmp_path / "era5.zarr")["2t"]
+    lat = xr.DataArray([52.0, -31.0, 10.0], dims="station")
+    lon = xr.DataArray([350.0, 100.0, 10.0], dims="station")
+    stations = ds["2t"].sel(latitude=lat, longitude=lon, method="nearest")
+    assert stations.dims == ("time", "station")  # xarray: one point per station
+    with pytest.raises(TypeError, match=r"pointwise.*'station'.*list"):
+        g.sel(latitude=lat, longitude=lon, method="nearest")  # before: every pair, (3, 3)
+    with pytest.raises(TypeError, match=r"pointwise"):
+        g.isel(latitude=xr.DataArray([1, 2], dims="station"))
+    # indexers along the axis itself are xarray's orthogonal ones, as before
+    north = ds.latitude > 0
+    assert g.sel(latitude=north).inner_shape == ds["2t"].sel(latitude=north).shape[1:]
+    some = ds.latitude[2:5]
+    assert g.sel(latitude=some).inner_shape == ds["2t"].sel(latitude=some).shape[1:]
+    box = g.sel(latitude=np.asarray(lat), longitude=np.asarray(lon), method="nearest")
+    assert box.inner_shape == (3, 3)  # the box of every pair, asked for as lists
 
 
 # -- tried and found right ----------------------------------------------------------------------

@@ -117,6 +117,7 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
     the axis's length, as xarray's ``isel`` takes it) along an axis of ``length``, normalised:
     ``None`` for a key that takes the whole axis in order (``slice(None)``: no selection, so
     the axis stays whole: patchable, a static stack member's window there)."""
+    _refuse_pointwise("isel", name, key)
     if isinstance(key, bool):
         raise TypeError(f"isel({name}=...) takes an int, a slice or a list of ints, got {key!r}")
     if isinstance(key, np.ndarray) and key.ndim == 0 and key.dtype.kind in "iu":
@@ -157,6 +158,24 @@ def axis_key(name: str, key: Any, length: int) -> AxisKey:
             "axis out to keep it whole, or give an int to keep one index and drop the axis"
         )
     return None if picked == tuple(range(length)) else picked
+
+
+def _refuse_pointwise(how: str, name: str, key: Any) -> None:
+    """``TypeError`` for an xarray ``DataArray`` indexer along another dimension than ``name``
+    (``xr.DataArray(lats, dims="station")``): with such indexers xarray selects pointwise (one
+    point per station, the indexers of the axes taken together), where a view keeps a
+    selection of each axis on its own (every pair of them)."""
+    dims = getattr(key, "dims", None)
+    if isinstance(dims, tuple) and dims and dims != (name,):
+        raise TypeError(
+            f"{how}({name}=<DataArray along {dims}>): with indexers along a new dimension "
+            f"xarray selects pointwise (one point per {dims[0]!r}, the axes' indexers taken "
+            "together), and a view keeps a selection of each axis on its own: it would hold "
+            f"every {name} with every value of the other axes. Pass the values as a list "
+            f"(np.asarray(indexer)) for that box, or select the box around the points and "
+            "take them out of each batch in a batch transform (pointwise selection is not "
+            "supported)"
+        )
 
 
 # -- what one array's slots hold -------------------------------------------------------------
@@ -352,6 +371,7 @@ def label_positions(
     (:func:`~insitubatch_nodes.io.longitudes.refuse_other_convention`)."""
     if method not in (None, "nearest"):
         raise ValueError(f"sel(method={method!r}): the methods are None (exact) and 'nearest'")
+    _refuse_pointwise("sel", name, key)
     refuse_other_convention(path, name, values, key, method)
     listed = isinstance(key, list | tuple) or (hasattr(key, "__array__") and np.ndim(key) == 1)
     mask = np.asarray(key) if listed else None  # (an xarray DataArray mask too)
