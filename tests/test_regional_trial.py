@@ -15,7 +15,9 @@ Found wrong, and fixed (each test below failed before its fix):
   for latitudes and longitudes: a rotated grid's solar zenith cosine was 0.68 off at some
   points, with no word. They are refused now (``Forcings`` and a stack's forcing member),
   saying to give ``lat=`` and ``lon=`` where the grid is a regular latitude/longitude one
-  named otherwise.
+  named otherwise. ``open_geometries(store)`` of such a store also returned its 2-D ``lat``
+  and ``lon`` as static data arrays, where xarray reads them as coordinates (the data
+  variables' CF ``coordinates`` attribute names them); they are skipped now, as xarray does.
 * A longitude given in the other convention than the coordinate's was taken as a number, as
   xarray's ``sel`` takes it: on an ERA5 0..360 coordinate, ``sel(longitude=slice(-10, 30))``
   (a box over Europe) kept only 0..30, and ``sel(longitude=-3.2, method="nearest")`` (a station
@@ -152,7 +154,11 @@ def test_forcings_on_a_rotated_or_projected_grid_are_refused_not_computed_at_its
             y=("y", [0.0, 2.5, 5.0], km), x=("x", [0.0, 2.5, 5.0, 7.5], km)
         )
         projected.to_zarr(tmp_path / "projected.zarr", zarr_format=3, consolidated=False)
-    t2m = open_geometries(tmp_path / "rotated.zarr")["t2m"]
+    geoms = open_geometries(tmp_path / "rotated.zarr")
+    with xr.open_zarr(tmp_path / "rotated.zarr", consolidated=False) as xds:
+        assert list(xds.data_vars) == ["t2m"]  # lat and lon: named by t2m's "coordinates"
+    assert sorted(geoms) == ["t2m"]  # before: the 2-D lat and lon too, as static data
+    t2m = geoms["t2m"]
     with pytest.raises(ValueError, match=r"\(rlat, rlon\).*lat= and lon=.*2-D.*not supported"):
         Forcings("t2m", view=t2m, names=["cos_solar_zenith"])  # before: cos θ 0.68 off
     with pytest.raises(ValueError, match=r"\(rlat, rlon\)"):

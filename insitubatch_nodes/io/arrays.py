@@ -11,7 +11,7 @@ import numpy as np
 from insitubatch_nodes.errors import ArrayNotFoundError, corrupt_metadata, short_cause
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import AxisNames, axis_of, check_sample_axis
-from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option
+from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option, listed_coordinates
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
 from insitubatch_nodes.io.datasets import dataset_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
@@ -168,9 +168,10 @@ def open_geometries(
     tensorstore writes no groups), or a root array, under its path ``""``.
 
     With ``variables=None`` every data array is returned and coordinates are skipped: a 1-D
-    array whose only dimension is named like the array itself (``time``, ``lat``) and any 0-D
-    array (a grid mapping). Finding them lists the store, unless its root group has consolidated
-    metadata and the store cannot list (a store served over HTTP): then the arrays the
+    array whose only dimension is named like the array itself (``time``, ``lat``), any 0-D
+    array (a grid mapping) and any array another's CF ``coordinates`` attribute names (a
+    rotated grid's 2-D ``lat``). Finding them lists the store, unless its root group has
+    consolidated metadata and the store cannot list (HTTP): then the arrays the
     consolidated metadata names are returned. Naming arrays in ``variables`` (``"t2m"``,
     ``"group/z"``, ``""`` or ``"/"`` for a root array) reads each one's own metadata by name and
     never lists the store; it bypasses the coordinate test (a 0-D array still has no sample axis,
@@ -246,7 +247,8 @@ def open_geometries(
         root = _open_root(zstore)
         if variables is None:
             found = _find_arrays(zstore, root)
-            arrays = {p: a for p, a in found.items() if not _is_coordinate(p, a)}
+            aux = listed_coordinates(found)  # (a 2-D lat of a rotated grid: xarray's coordinate)
+            arrays = {p: a for p, a in found.items() if not _is_coordinate(p, a) and p not in aux}
         else:
             found = {}
             arrays, missing = _named_arrays(zstore, [v.strip("/") for v in variables])

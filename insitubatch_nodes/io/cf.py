@@ -54,6 +54,7 @@ __all__ = [
     "fill_scalar",
     "is_cf_time",
     "is_cf_timedelta",
+    "listed_coordinates",
     "missing_mask",
 ]
 
@@ -84,6 +85,19 @@ def is_cf_time(attrs: Mapping[str, Any]) -> bool:
     """Whether ``attrs`` are a CF time variable's (``units`` like ``hours since 2000-01-01``)."""
     units = attrs.get("units")
     return isinstance(units, str) and bool(UNITS_RE.match(units))
+
+
+def listed_coordinates(arrays: Mapping[str, Any]) -> set[str]:
+    """The paths the CF ``coordinates`` attribute of ``arrays`` (path -> zarr array) names,
+    each in its array's group: auxiliary coordinates (a rotated or projected grid's 2-D ``lat``
+    and ``lon``, a forecast's ``valid_time``), which xarray reads as coordinates, not data."""
+    out: set[str] = set()
+    for path, array in arrays.items():
+        names = array.attrs.get("coordinates")
+        if isinstance(names, str):
+            group = path.rpartition("/")[0]
+            out.update(f"{group}/{name}" if group else name for name in names.split())
+    return out
 
 
 def fill_scalar(value: Any, dtype: np.dtype[Any]) -> Any:
