@@ -183,7 +183,9 @@ def inputs_of(
 ) -> dict[str, dict[str, Any]]:
     """What the batch labels hold beyond the plan's views (which only say what is read, and
     when): per label that is a stack, its layout, channel names (members, their levels and
-    order), its members' selections and a hash of the statistics it is normalised with
+    order), its members' selections, its constant members (``"constants"``: a static
+    member's array path, a forcing member's settings: neither is read by the plan, so the
+    dataset's fingerprint does not see them) and a hash of the statistics it is normalised with
     (``normalize=``); per selected view, its selection; per static label of ``statics`` (the
     plan never reads them: a ``StaticFields`` puts them in), its array's path and selection.
     Other labels are left out (an empty mapping for a plan of plain views)."""
@@ -201,6 +203,9 @@ def inputs_of(
             }
             out[label] = {"layout": view.layout, "channels": list(view.channels)}
             out[label] |= {"select": chosen} if chosen else {}
+            constants: dict[str, Any] = {m.name: m.geometry.path for m in view.static}
+            constants |= {m.name: _forcing_settings(m.forcing) for m in view.forcings if m.forcing}
+            out[label] |= {"constants": constants} if constants else {}
             norms = [m.norm for m in view.members if m.norm is not None]
             if norms:  # what the rows are standardised with
                 digest = hashlib.sha256()
@@ -211,6 +216,17 @@ def inputs_of(
         elif isinstance(view, ArrayGeometry) and view.select is not None:
             out[label] = {"select": view.select.describe()}
     return out
+
+
+def _forcing_settings(forcing: Any) -> list[Any]:
+    """What a forcing member's values depend on besides the rows' times and its grid (which
+    :func:`~insitubatch_nodes.stack.stack` ties to the sampled members' points): the time
+    coordinate it reads and, for the radiation, its period, bins and irradiance."""
+    settings: list[Any] = [forcing.time_name]
+    if "toa_incident_solar_radiation" in forcing.names:
+        seconds = float(forcing.period / np.timedelta64(1, "s"))
+        settings += [seconds, forcing.bins, float(forcing.irradiance)]
+    return settings
 
 
 def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
@@ -234,6 +250,11 @@ def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) 
             for key in ("static", "channels", "layout", "select")
             if a.get(key) != b.get(key)
         ]
+        if "constants" in a and a["constants"] != b.get("constants"):  # (recorded since 12-06)
+            changes.append(
+                f"{label!r} static members' arrays or forcings' settings {a['constants']!r} "
+                f"saved, {b.get('constants')!r} now"
+            )
         if a.get("normalize") != b.get("normalize"):
             changes.append(f"{label!r} is normalised with other statistics")
     if changes:

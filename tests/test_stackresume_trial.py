@@ -1,0 +1,411 @@
+"""A user's trial of resume and ranks with model-ready inputs (docs/training.md,
+docs/model-inputs.md).
+
+One ERA5-like store written by xarray (``to_zarr``, 46 six-hourly steps, chunks of 4 steps):
+``t (time, level, latitude, longitude)`` with three levels, ``2t``, and static ``lsm`` and
+``oro``. The labels are model inputs: ``x`` a stack of ``t`` at two levels by ``sel`` and ``2t``
+(windows ``[-1, 0]``), the static ``lsm`` and a forcing, standardised with fitted statistics
+(``normalize=``); ``y`` a stack of ``2t`` one and two steps ahead. xarray / numpy are the
+oracles of the values, an uninterrupted run of the order.
+
+What the trial found wrong (each now a test here):
+
+1. A state saved mid-epoch restored into a pipeline whose stack reads *another array as a
+   static member* under the same member name (``"lsm": g["oro"]``), or computes a forcing
+   member otherwise (``toa_incident_solar_radiation`` over another ``period``), was accepted:
+   the rest of the epoch came with other values in that channel. A static *label*'s array was
+   recorded, a stack's static members' and forcings' were not. Now the state records them and
+   the restore is refused naming the member.
+2. ``Statistics.load(path, dataset=...)`` refused the store and the manifest in the forms a
+   user holds them — the path or opened store given to ``fit_statistics``, the
+   ``SplitManifest`` — with ``TypeError: PosixPath ... cannot be compared with a saved
+   dataset``; a trailing ``/`` on a path was "another dataset". Now a store (anything
+   ``insitu_pipeline`` takes) is compared by what it names, a manifest by its fingerprint, and a
+   store the statistics were not fitted on is refused naming both.
+3. A state restored into a pipeline with another batch size (seed, shuffle, ...) was refused
+   with "its batch_size differs (saved 3, this pipeline 4)" and nothing on what to do. The
+   error now says to build the pipeline with the saved value to resume, or to start afresh
+   without the state at the epoch it names (``set_epoch``).
+
+Tried and found right (tests below, or probes not kept): the rest of an epoch resumed from a
+state taken after any batch (mid-epoch, at an epoch's end) in a fresh pipeline, with statistics
+loaded from JSON, is bit-identical to the uninterrupted run's — also with a persistent
+``cache_dir`` (warm or cold), another ``prefetch_depth``, ``max_inflight``, cache budget or
+``FetchOptions(direct=True)``, and rewound on the same ``Loader`` / ``StatefulDataLoader``;
+the normalised stacks equal xarray's values standardised by numpy's moments of the training
+split (any ``isel``/``sel``/mask/``nearest`` selection; JSON statistics accepted exactly where
+the fitted ones are, and refused for other levels or their order); ranks 1-4 (``drop``,
+``pad``, a ``"12h"`` stride, ``missing=()`` over a gap in the times, ``"uneven"`` for
+validation) deliver disjoint samples in equal batch counts whose union is the one-process epoch,
+valued as one rank values them; elastic resume 2/3/4 -> 1/2/3 and 2 -> 3 -> 1 with stacks
+delivers every sample once, ``len()`` the interrupted epoch's, the next epoch a fresh run's;
+two ranks sharing one ``cache_dir`` and an elastic resume reading it; a persistent cache
+written from another store (or the store rewritten) is refetched; ``InSituDataModule`` over
+these stacks (``len()`` 9 = the batches trained per epoch; checkpoints after 1, 4, 8, 9 and 11
+steps, with mid-epoch validation, resume without skipping or repeating a batch).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+
+from insitubatch_nodes import (
+    Batch,
+    Forcings,
+    InSituPipeline,
+    Loader,
+    SplitManifest,
+    fit_statistics,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+    stack,
+)
+from insitubatch_nodes.statistics import Statistics
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("stackresume_trial")]
+
+N, SPC = 46, 4
+LEVELS = [850, 500]
+
+
+def _write(root: Path, seed: int) -> xr.Dataset:
+    times = pd.date_range("2020-01-01", periods=N, freq="6h")
+    rng = np.random.default_rng(seed)
+    ds = xr.Dataset(
+        {
+            "t": (("time", "level", "latitude", "longitude"), rng.normal(250, 5, (N, 3, 4, 6))),
+            "2t": (("time", "latitude", "longitude"), rng.normal(280, 3, (N, 4, 6))),
+            "lsm": (("latitude", "longitude"), (rng.random((4, 6)) > 0.5) * 1.0),
+            "oro": (("latitude", "longitude"), rng.normal(500, 300, (4, 6))),
+        },
+        coords={
+            "time": times,
+            "level": [1000, 850, 500],
+            "latitude": [60.0, 20.0, -20.0, -60.0],
+            "longitude": np.arange(0.0, 360.0, 60.0),
+        },
+    ).astype("float32")
+    chunks = {v: {"chunks": (SPC, *ds[v].shape[1:])} for v in ("t", "2t")}
+    ds.to_zarr(root, encoding=chunks, zarr_format=3, consolidated=False)
+    return ds
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, xr.Dataset]:
+    root = tmp_path_factory.mktemp("stackresume") / "era5.zarr"
+    return root, _write(root, seed=0)
+
+
+@pytest.fixture(scope="module")
+def manifest(era5: tuple[Path, xr.Dataset]) -> SplitManifest:
+    return split_by_chunk(open_geometries(era5[0])["t"], (0.8, 0.2, 0.0), seed=1)
+
+
+@pytest.fixture(scope="module")
+def stats_file(
+    era5: tuple[Path, xr.Dataset], manifest: SplitManifest, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    g = open_geometries(era5[0])
+    members = {"t": g["t"].sel(level=LEVELS), "2t": g["2t"], "lsm": g["lsm"]}
+    path = tmp_path_factory.mktemp("stats") / "stats.json"
+    fit_statistics(era5[0], manifest, members).save(path)
+    return path
+
+
+def _views(root: Path, stats: Statistics, **swap: Any) -> dict[str, Any]:
+    g = open_geometries(root)
+    t, t2 = g["t"].sel(level=LEVELS), g["2t"]
+    sun = Forcings("x", view=t2, names=["cos_solar_zenith"])
+    members = {"t": t.window([-1, 0]), "2t": t2.window([-1, 0]), "lsm": g["lsm"], "sun": sun}
+    x = stack(members | swap, normalize=stats)
+    y = stack({"2t": t2.window([1, 2])}, normalize=stats)
+    return {"x": x, "y": y}
+
+
+def _build(
+    root: Path, manifest: SplitManifest, stats: Statistics, **options: Any
+) -> InSituPipeline:
+    options = {"batch_size": 3, "block_chunks": 2, "seed": 7} | options
+    return insitu_pipeline(root, manifest, _views(root, stats), **options)
+
+
+def _record(batch: Batch) -> tuple[int, int, str]:
+    h = hashlib.sha256()
+    for label in sorted(batch.arrays):
+        h.update(np.ascontiguousarray(batch.arrays[label]).tobytes())
+        h.update(np.asarray(batch.sample_indices[label]).tobytes())
+    return batch.epoch, batch.index, h.hexdigest()
+
+
+def _keys(batch: Batch) -> list[int]:
+    """A row's sample: its anchor (the window's last step of ``x``)."""
+    return [int(i) for i in np.asarray(batch.sample_indices["x"])[:, -1]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Found wrong, now fixed
+# ---------------------------------------------------------------------------------------------
+
+
+def _state_after(pipe: InSituPipeline, k: int) -> tuple[dict[str, Any], Batch]:
+    """The loader's state after ``k`` batches, as JSON would give it back, and batch ``k``."""
+    loader = Loader(pipe)
+    it = iter(loader)
+    for _ in range(k):
+        next(it)
+    state = json.loads(json.dumps(loader.state_dict()))
+    return state, next(it)
+
+
+@pytest.mark.parametrize("member", ["static", "forcing"])
+def test_a_state_restored_mid_epoch_with_a_stack_member_computed_otherwise_is_refused(
+    era5: tuple[Path, xr.Dataset], manifest: SplitManifest, member: str
+) -> None:
+    root, _ = era5
+    g = open_geometries(root)
+    if member == "static":  # another array under the member's name: other values, same channel
+        before, after = {"lsm": g["lsm"]}, {"lsm": g["oro"]}
+    else:  # the radiation accumulated over another period
+        names = ["toa_incident_solar_radiation"]
+        before = {"sun": Forcings("x", view=g["2t"], names=names)}
+        after = {"sun": Forcings("x", view=g["2t"], names=names, period="6h")}
+    base = {"t": g["t"].sel(level=LEVELS).window([-1, 0])}
+    with insitu_pipeline(root, manifest, {"x": stack(base | before)}, batch_size=3) as pipe:
+        state, _ = _state_after(pipe, 2)
+    with insitu_pipeline(root, manifest, {"x": stack(base | after)}, batch_size=3) as pipe:
+        loader = Loader(pipe)
+        with pytest.raises(
+            ValueError, match=rf"'x' static members.*{'oro' if member == 'static' else '21600'}"
+        ):
+            loader.load_state_dict(state)
+            next(iter(loader))
+    # at an epoch's end the next epoch is the new pipeline's own, as for other views
+    with insitu_pipeline(root, manifest, {"x": stack(base | before)}, batch_size=3) as pipe:
+        loader = Loader(pipe)
+        for _ in loader:
+            pass
+        state = loader.state_dict()
+    with insitu_pipeline(root, manifest, {"x": stack(base | after)}, batch_size=3) as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        assert next(iter(loader)).epoch == 1
+
+
+def test_a_state_saved_with_a_stacks_static_member_restores_into_the_same_stack(
+    era5: tuple[Path, xr.Dataset], manifest: SplitManifest, stats_file: Path
+) -> None:
+    root, _ = era5
+    stats = Statistics.load(stats_file)
+    with _build(root, manifest, stats) as pipe:
+        state, want = _state_after(pipe, 4)
+    with _build(root, manifest, Statistics.load(stats_file)) as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        assert _record(next(iter(loader))) == _record(want)
+
+
+def test_statistics_are_checked_against_the_store_and_manifest_as_the_user_holds_them(
+    era5: tuple[Path, xr.Dataset],
+    manifest: SplitManifest,
+    stats_file: Path,
+    tmp_path: Path,
+) -> None:
+    root, _ = era5
+    for store in (root, str(root), f"{root}/", open_store(str(root))):
+        Statistics.load(stats_file, dataset={"store": store, "manifest": manifest})
+    other = tmp_path / "other.zarr"
+    _write(other, seed=1)
+    with pytest.raises(ValueError, match=r"another dataset: store .*era5\.zarr.*other\.zarr"):
+        Statistics.load(stats_file, dataset={"store": other})
+    g = open_geometries(root)
+    resplit = split_by_chunk(g["t"], (0.6, 0.4, 0.0), seed=1)
+    with pytest.raises(ValueError, match="another dataset: manifest"):
+        Statistics.load(stats_file, dataset={"store": root, "manifest": resplit})
+
+
+def test_a_state_refused_for_another_batch_size_says_how_to_resume_or_start_afresh(
+    era5: tuple[Path, xr.Dataset], manifest: SplitManifest, stats_file: Path
+) -> None:
+    root, _ = era5
+    stats = Statistics.load(stats_file)
+    with _build(root, manifest, stats) as pipe:
+        state, _ = _state_after(pipe, 2)
+    for option, now in (("batch_size", 4), ("seed", 8), ("shuffle", False)):
+        with _build(root, manifest, stats, **{option: now}) as pipe:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            with pytest.raises(ValueError, match=option) as info:
+                next(iter(loader))
+        said = str(info.value)
+        saved = {"batch_size": 3, "seed": 7, "shuffle": True}[option]
+        assert f"{option}={saved!r}" in said, said  # how to resume it
+        assert "set_epoch(0)" in said, said  # how to go on without it: the epoch it was in
+
+
+# ---------------------------------------------------------------------------------------------
+# Found right
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def reference(
+    era5: tuple[Path, xr.Dataset], manifest: SplitManifest, stats_file: Path
+) -> list[tuple[int, int, str]]:
+    """Two uninterrupted epochs, every row of ``x`` checked against xarray standardised by
+    numpy's moments of the training split."""
+    root, ds = era5
+    stats = Statistics.load(stats_file)
+    train = ds.isel(time=np.sort(np.asarray(manifest.samples("train")))).astype("f8")
+    moments = {
+        "t": (train.t.sel(level=LEVELS).mean(("time", "latitude", "longitude")).values,
+              train.t.sel(level=LEVELS).std(("time", "latitude", "longitude")).values),
+        "2t": (train["2t"].mean().values, train["2t"].std().values),
+        "lsm": (ds.lsm.mean().values, ds.lsm.std().values),
+    }  # fmt: skip
+    np.testing.assert_allclose(stats.mean["t"], moments["t"][0], rtol=1e-12)
+    np.testing.assert_allclose(stats.std["t"], moments["t"][1], rtol=1e-9)
+
+    def standardised(name: str, values: Any) -> np.ndarray:
+        mean, std = moments[name]
+        values = np.asarray(values, dtype=np.float64)
+        shape = (-1, 1, 1) if np.ndim(mean) else ()
+        return (values - np.reshape(mean, shape)) / np.reshape(std, shape)
+
+    out = []
+    with _build(root, manifest, stats) as pipe:
+        loader = Loader(pipe)
+        for _ in range(2):
+            for batch in loader:
+                assert list(batch.channels["x"]) == [
+                    "t@850",
+                    "t@500",
+                    "2t",
+                    "lsm",
+                    "cos_solar_zenith",
+                ]
+                for row, steps in enumerate(np.asarray(batch.sample_indices["x"])):
+                    for s, step in enumerate(steps):
+                        want = np.concatenate([
+                            standardised("t", ds.t.isel(time=int(step)).sel(level=LEVELS)),
+                            standardised("2t", ds["2t"].isel(time=int(step)))[None],
+                            standardised("lsm", ds.lsm)[None],
+                        ])  # fmt: skip
+                        got = batch["x"][row, s, :4]
+                        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+                    anchor = int(steps[-1])
+                    ahead = standardised("2t", ds["2t"].isel(time=[anchor + 1, anchor + 2]))
+                    np.testing.assert_allclose(batch["y"][row, :, 0], ahead, rtol=0, atol=1e-5)
+                out.append(_record(batch))
+    return out
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"prefetch_depth": 5, "max_inflight": 2, "cache_budget_bytes": 30_000}, {"cache": True}],
+    ids=["same", "other-prefetch-and-budget", "persistent-cache"],
+)
+def test_a_stack_pipeline_resumed_after_any_batch_goes_on_bit_identically(
+    era5: tuple[Path, xr.Dataset],
+    manifest: SplitManifest,
+    stats_file: Path,
+    reference: list[tuple[int, int, str]],
+    tmp_path: Path,
+    options: dict[str, Any],
+) -> None:
+    root, _ = era5
+    per_epoch = len(reference) // 2
+    g = open_geometries(root)  # statistics fitted here, and read back from JSON to resume
+    fitted = fit_statistics(root, manifest, {"t": g["t"].sel(level=LEVELS), "2t": g["2t"],
+                                             "lsm": g["lsm"]})  # fmt: skip
+    if options.pop("cache", False):
+        options = {"cache_dir": tmp_path / "cache", "persist": True}
+    for k in (1, per_epoch // 2, per_epoch - 1, per_epoch, per_epoch + 2):
+        with _build(root, manifest, fitted, **options) as pipe:  # the run that saves
+            loader = Loader(pipe)
+            got: list[tuple[int, int, str]] = []
+            it = iter(loader)
+            while len(got) < k:
+                try:
+                    got.append(_record(next(it)))
+                except StopIteration:
+                    it = iter(loader)
+            state = json.loads(json.dumps(loader.state_dict()))
+        assert got == reference[:k]
+        # a fresh pipeline, statistics read back from JSON: the rest of the two epochs
+        with _build(root, manifest, Statistics.load(stats_file), **options) as pipe:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            rest = [_record(b) for _ in range(2) for b in loader]
+        assert rest[: len(reference) - k] == reference[k:], k
+
+
+def _run(
+    root: Path,
+    manifest: SplitManifest,
+    stats: Statistics,
+    world: int,
+    rank: int,
+    *,
+    state: dict[str, Any] | None = None,
+    stop: int | None = None,
+) -> tuple[list[list[int]], dict[str, str], dict[str, Any], int]:
+    """Rank ``rank`` of ``world`` for one epoch (or ``stop`` batches): the rows of each batch,
+    a digest of each row's values, the state at the end and ``len()`` at the start."""
+    with _build(root, manifest, stats, rank=rank, world_size=world) as pipe:
+        loader = Loader(pipe)
+        if state is not None:
+            loader.load_state_dict(state)
+        rows: list[list[int]] = []
+        values: dict[str, str] = {}
+        it = iter(loader)
+        length = len(loader)
+        for batch in it:
+            rows.append(_keys(batch))
+            for i, key in enumerate(rows[-1]):
+                values[str(key)] = hashlib.sha256(
+                    batch["x"][i].tobytes() + batch["y"][i].tobytes()
+                ).hexdigest()
+            if len(rows) == stop:
+                break
+        return rows, values, json.loads(json.dumps(loader.state_dict())), length
+
+
+def test_ranks_over_stacks_share_the_one_process_epoch_and_resume_on_other_rank_counts(
+    era5: tuple[Path, xr.Dataset], manifest: SplitManifest, stats_file: Path
+) -> None:
+    root, _ = era5
+    stats = Statistics.load(stats_file)
+    one, values, _, _ = _run(root, manifest, stats, 1, 0)
+    epoch = [k for batch in one for k in batch]
+    for world in (2, 3):
+        ranks = [_run(root, manifest, stats, world, r) for r in range(world)]
+        assert len({len(rows) for rows, *_ in ranks}) == 1  # equal batch counts
+        seen = Counter(k for rows, *_ in ranks for batch in rows for k in batch)
+        assert max(seen.values()) == 1 and set(seen) <= set(epoch)
+        assert len(set(epoch) - set(seen)) < world
+        for _, v, *_ in ranks:  # each row valued as one rank values it
+            assert all(values[k] == digest for k, digest in v.items())
+        # cut after one batch, resumed on another number of ranks
+        cut = [_run(root, manifest, stats, world, r, stop=1) for r in range(world)]
+        before = [k for rows, *_ in cut for batch in rows for k in batch]
+        for new in {1, 2, 3} - {world}:
+            rest = [_run(root, manifest, stats, new, r, state=cut[0][2]) for r in range(new)]
+            assert len({len(rows) for rows, *_ in rest}) == 1
+            assert {length for *_, length in rest} == {1 + len(rest[0][0])}
+            after = [k for rows, *_ in rest for batch in rows for k in batch]
+            both = Counter(before + after)
+            assert max(both.values()) == 1, (world, new)
+            assert set(both) <= set(epoch) and len(set(epoch) - set(both)) < world + new
+            for _, v, *_ in rest:
+                assert all(values[k] == digest for k, digest in v.items())
