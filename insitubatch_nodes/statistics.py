@@ -108,7 +108,11 @@ class Statistics:
         cls, path: str | os.PathLike[str], *, dataset: Mapping[str, Any] | None = None
     ) -> Statistics:
         """Read statistics :meth:`save` wrote. With ``dataset`` (another fit's ``dataset``, or
-        the part of it to check), raise ``ValueError`` when they were fitted on another."""
+        the part of it to check), raise ``ValueError`` when they were fitted on another. Its
+        entries may be given as the fit took them: ``"store"`` anything
+        :func:`fit_statistics` takes (a path, URL, opened store or collection: compared by
+        the store it names), ``"manifest"`` a :class:`SplitManifest` (by its fingerprint),
+        ``"views"`` ``{label: view}`` (each label given against the file's record of it)."""
         with open(path) as f:
             doc = json.load(f)
         if doc.get("format") != FORMAT:
@@ -119,7 +123,10 @@ class Statistics:
             paths=doc["paths"],
         )
         if dataset is not None:
-            wrong = {k: (stats.dataset.get(k), v) for k, v in dataset.items()}
+            wrong = {k: (stats.dataset.get(k), v) for k, v in _recorded(dataset).items()}
+            if isinstance(dataset.get("views"), Mapping):  # the labels given, only
+                fitted = stats.dataset.get("views", {})
+                wrong["views"] = ({k: fitted.get(k) for k in dataset["views"]}, wrong["views"][1])
             wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
             if wrong:
                 raise ValueError(
@@ -473,17 +480,40 @@ def fit_statistics(
         "split": split,
         "manifest": manifest.fingerprint(),
         "chunks": [int(c) for c in manifest.chunks(split)],
-        "views": {
-            label: {
-                "path": v.path,
-                "inner_shape": list(v.inner_shape),
-                "select": None if v.select is None else v.select.describe(),
-                "cf": None if v.cf is None else v.cf.fingerprint,
-            }
-            for label, v in plain.items()
-        },
+        "views": {label: _view_record(v) for label, v in plain.items()},
     }
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
+
+
+def _view_record(view: ArrayGeometry) -> dict[str, Any]:
+    """What a fit records of a view it fitted (as :func:`_unmoved` leaves it)."""
+    return {
+        "path": view.path,
+        "inner_shape": list(view.inner_shape),
+        "select": None if view.select is None else view.select.describe(),
+        "cf": None if view.cf is None else view.cf.fingerprint,
+    }
+
+
+def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
+    """``dataset`` (what :meth:`Statistics.load` checks) with a store, a manifest and views
+    given as the fit took them turned into what it recorded of them; a store that cannot be
+    opened (a name the file holds, such as ``"s3://b/x (endpoint ...)"``) is compared as it is."""
+    out = dict(dataset)
+    if "store" in out:
+        try:
+            out["store"] = describe_store(as_store(out["store"]))
+        except (OSError, TypeError, ValueError):
+            if not isinstance(out["store"], str):
+                raise
+    if isinstance(out.get("manifest"), SplitManifest):
+        out["manifest"] = out["manifest"].fingerprint()
+    if isinstance(out.get("views"), Mapping):
+        out["views"] = {
+            label: _view_record(_unmoved(v)) if isinstance(v, ArrayGeometry) else v
+            for label, v in out["views"].items()
+        }
+    return out
 
 
 def _one_pass(options: dict[str, Any]) -> FetchOptions:

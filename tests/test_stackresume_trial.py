@@ -232,6 +232,12 @@ def test_statistics_are_checked_against_the_store_and_manifest_as_the_user_holds
     resplit = split_by_chunk(g["t"], (0.6, 0.4, 0.0), seed=1)
     with pytest.raises(ValueError, match="another dataset: manifest"):
         Statistics.load(stats_file, dataset={"store": root, "manifest": resplit})
+    # the views as the pipeline takes them (a window is no other selection); other levels not
+    same = {"t": g["t"].sel(level=LEVELS).window([-1, 0]), "lsm": g["lsm"]}
+    Statistics.load(stats_file, dataset={"views": same})
+    for other_levels in ([500, 850], [1000, 850]):
+        with pytest.raises(ValueError, match=r"another dataset: views .*\[\[1, 2\]"):
+            Statistics.load(stats_file, dataset={"views": {"t": g["t"].sel(level=other_levels)}})
 
 
 def test_a_state_refused_for_another_batch_size_says_how_to_resume_or_start_afresh(
