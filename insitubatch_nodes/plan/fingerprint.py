@@ -23,6 +23,7 @@ __all__ = [
     "check_cuts",
     "check_inputs",
     "check_same_anchors",
+    "config_differs",
     "dataset_hash",
     "inputs_of",
     "other_views_error",
@@ -61,6 +62,25 @@ def stratifying_tiles(views: Mapping[str, ArrayGeometry]) -> list[int] | None:
 def readable_views(views: Sequence[Sequence[Any]]) -> str:
     """A state's ``views`` entry as ``[x[0]: t2m -1, x[1]: t2m +0, y: t2m +1]``."""
     return "[" + ", ".join(f"{v[0]}: {v[1] or '/'} {int(v[2]):+d}" for v in views) + "]"
+
+
+def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) -> ValueError:
+    """The error for a read-plan ``state`` whose config entry ``key`` is ``saved`` where this
+    plan's is ``mine``: what differs, how to resume the state (build the pipeline as the run
+    that saved it) and how to go on without it (the epoch it was taken in, for ``set_epoch``)."""
+    epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
+    what, build = key, f"with {key}={saved!r}"
+    if key == "dataset":
+        what = "dataset (arrays, views or split chunks)"
+        build = "over the arrays, views and split manifest of the run that saved it"
+    return ValueError(
+        f"cannot restore this read-plan state: its {what} differs (saved {saved!r}, this "
+        f"pipeline {mine!r}). To resume it, build the pipeline {build}. To go on with this "
+        "pipeline instead, do not load the state: its data order starts afresh, and "
+        f"pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at the epoch "
+        f"the state was taken in (after {emitted} of its batches; set_epoch({epoch + 1}): the "
+        "next one)"
+    )
 
 
 def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:

@@ -35,6 +35,7 @@ from insitubatch_nodes.plan.fingerprint import (
     check_cuts,
     check_inputs,
     check_same_anchors,
+    config_differs,
     dataset_hash,
     inputs_of,
     other_views_error,
@@ -591,7 +592,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if missing:
             raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
         other_views = self._check_views(state)
-        self._check_config(state["config"], other_views=other_views)
+        self._check_config(state, other_views=other_views)
         mine = self._config.get("inputs", {})  # (none: plain views, in either config)
         if not other_views and state["config"].get("inputs", {}) != mine:
             check_inputs(state["config"], self._config, self._mid_epoch(state))
@@ -657,8 +658,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return ""
         return f"epoch {int(state['epoch'])}, after {emitted} batches"
 
-    def _check_config(self, saved: Mapping[str, Any], other_views: bool = False) -> None:
-        mine = self._config
+    def _check_config(self, state: Mapping[str, Any], other_views: bool = False) -> None:
+        saved, mine = state["config"], self._config
         check_same_anchors(saved, mine)
         for key, value in mine.items():
             if key == "cross_split_windows" and key not in saved and self._rule_matters():
@@ -680,11 +681,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             if other_views and key in ("dataset", "views"):
                 continue  # the same manifest, other views: at an epoch boundary (see reset)
             if key in saved and saved[key] != value:
-                what = "dataset (arrays, views or split chunks)" if key == "dataset" else key
-                raise ValueError(
-                    f"cannot restore this read-plan state: its {what} differs "
-                    f"(saved {saved[key]!r}, this pipeline {value!r})"
-                )
+                raise config_differs(key, saved[key], value, state)
 
     def _rule_matters(self) -> bool:
         """Whether ``cross_split_windows`` changes this configuration's anchors."""
