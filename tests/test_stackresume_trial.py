@@ -420,3 +420,64 @@ def test_ranks_over_stacks_share_the_one_process_epoch_and_resume_on_other_rank_
             assert set(both) <= set(epoch) and len(set(epoch) - set(both)) < world + new
             for _, v, *_ in rest:
                 assert all(values[k] == digest for k, digest in v.items())
+
+
+def _item(batch: Batch) -> dict[str, Any]:
+    """A training step's input: the stacks as tensors, where the batch sits in the epoch, and a
+    digest of everything it delivers (what the uninterrupted run is compared on)."""
+    import torch
+
+    return {
+        "x": torch.from_numpy(np.ascontiguousarray(batch["x"])),
+        "at": (batch.epoch, batch.index),
+        "digest": _record(batch)[2],
+    }
+
+
+@pytest.mark.slow
+def test_a_data_module_over_stacks_has_exact_lengths_and_resumes_without_skipping_a_batch(
+    era5: tuple[Path, xr.Dataset],
+    manifest: SplitManifest,
+    stats_file: Path,
+    reference: list[tuple[int, int, str]],
+    tmp_path: Path,
+) -> None:
+    import lightning as L
+    import torch
+    from lightning_parts import SaveAt, trainer
+
+    from insitubatch_nodes import PlanConfig
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    root, _ = era5
+
+    class Steps(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.steps: list[tuple[int, int, str]] = []
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+            self.steps.append((*batch["at"], batch["digest"]))
+            return self.layer(batch["x"].mean().reshape(1, 1)).sum()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    def module() -> InSituDataModule:
+        config = PlanConfig(batch_size=3, block_chunks=2, seed=7)
+        views = _views(root, Statistics.load(stats_file))
+        return InSituDataModule(
+            str(root), views, manifest, config=config, transform=_item, log_report=False
+        )
+
+    per_epoch = len(reference) // 2
+    dm = module()
+    assert len(dm.train_dataloader()) == per_epoch
+    stop, ckpt = per_epoch // 2, tmp_path / "mid.ckpt"
+    first = Steps()
+    trainer(tmp_path, max_epochs=1, callbacks=[SaveAt(stop, ckpt)]).fit(first, datamodule=dm)
+    assert first.steps == reference[:per_epoch]
+    resumed = Steps()
+    trainer(tmp_path, max_epochs=2).fit(resumed, datamodule=module(), ckpt_path=ckpt)
+    assert resumed.steps == reference[stop:]
