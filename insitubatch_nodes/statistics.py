@@ -20,7 +20,8 @@ difference; in float64 for integers) and summed in float64. NaNs are skipped and
 (``nan_count``); a channel with no finite value has NaN statistics.
 
 :meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
-were fitted on (``dataset``: the store, the split, its sample range, the views), which
+were fitted on (``dataset``: the store, the split, its sample range, the views, and a
+``stride`` or missing steps that picked the samples, as a pipeline's config names them), which
 :meth:`Statistics.load` can check. :meth:`Statistics.normalizer` is a batch transform that
 standardises each label in place; :meth:`Statistics.scaler` the chunk transform
 :class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays. Both,
@@ -31,6 +32,7 @@ view given under their label.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -58,7 +60,8 @@ from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, ret
 from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
-from insitubatch_nodes.plan.anchors import SampleSteps
+from insitubatch_nodes.plan.anchors import SampleSteps, describe_stride
+from insitubatch_nodes.plan.config import check_stride
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import broadcast_rows, read_static
 from insitubatch_nodes.transforms import StandardScaler, standardise_in_place, work_dtype
@@ -123,10 +126,11 @@ class Statistics:
             paths=doc["paths"],
         )
         if dataset is not None:
-            wrong = {k: (stats.dataset.get(k), v) for k, v in _recorded(dataset).items()}
+            fitted = {"stride": 1} | stats.dataset  # (absent: every sample)
+            wrong = {k: (fitted.get(k), v) for k, v in _recorded(dataset).items()}
             if isinstance(dataset.get("views"), Mapping):  # the labels given, only
-                fitted = stats.dataset.get("views", {})
-                wrong["views"] = ({k: fitted.get(k) for k in dataset["views"]}, wrong["views"][1])
+                views = stats.dataset.get("views", {})
+                wrong["views"] = ({k: views.get(k) for k in dataset["views"]}, wrong["views"][1])
             wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
             if wrong:
                 raise ValueError(
@@ -431,6 +435,7 @@ def fit_statistics(
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label in sampled}
     last: dict[str, tuple[int, np.ndarray]] = {}
+    anchors: dict[str, Any] = {}  # (a stride, missing steps: none for every sample)
     if sampled and not manifest.chunks(split):
         held = {name: len(manifest.chunks(name)) for name in manifest.splits}
         raise ValueError(
@@ -454,6 +459,9 @@ def fit_statistics(
             **pipeline_options,
         )
         apart = _one_step(pipe.stages.plan, zstore)
+        # which samples were fitted beyond the split's chunks: as a pipeline's config says it
+        plan = pipe.stages.plan.config()
+        anchors = {key: plan[key] for key in ("stride", "missing_steps") if key in plan}
         try:
             for batch in pipe:
                 for label, view in sampled.items():
@@ -481,6 +489,7 @@ def fit_statistics(
         "manifest": manifest.fingerprint(),
         "chunks": [int(c) for c in manifest.chunks(split)],
         "views": {label: _view_record(v) for label, v in plain.items()},
+        **anchors,
     }
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
 
@@ -506,6 +515,8 @@ def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
         except (OSError, TypeError, ValueError):
             if not isinstance(out["store"], str):
                 raise
+    with contextlib.suppress(KeyError, TypeError, ValueError):  # else compared as given
+        out["stride"] = describe_stride(check_stride(out["stride"]))  # "12h" is "720m"
     if isinstance(out.get("manifest"), SplitManifest):
         out["manifest"] = out["manifest"].fingerprint()
     if isinstance(out.get("views"), Mapping):

@@ -21,7 +21,10 @@ What the trial found wrong (each now a test here):
    ``SplitManifest`` — with ``TypeError: PosixPath ... cannot be compared with a saved
    dataset``; a trailing ``/`` on a path was "another dataset". Now a store (anything
    ``insitu_pipeline`` takes) is compared by what it names, a manifest by its fingerprint, and a
-   store the statistics were not fitted on is refused naming both.
+   store the statistics were not fitted on is refused naming both. And statistics fitted on
+   other samples of the split (``stride="12h"``, ``missing=``) recorded the same ``dataset`` as
+   those of every sample, so no check could tell them apart; the stride and the missing steps
+   are now recorded (as the pipeline's config names them) and checked.
 3. A state restored into a pipeline with another batch size (seed, shuffle, ...) was refused
    with "its batch_size differs (saved 3, this pipeline 4)" and nothing on what to do. The
    error now says to build the pipeline with the saved value to resume, or to start afresh
@@ -238,6 +241,32 @@ def test_statistics_are_checked_against_the_store_and_manifest_as_the_user_holds
     for other_levels in ([500, 850], [1000, 850]):
         with pytest.raises(ValueError, match=r"another dataset: views .*\[\[1, 2\]"):
             Statistics.load(stats_file, dataset={"views": {"t": g["t"].sel(level=other_levels)}})
+
+
+def test_statistics_fitted_on_other_samples_of_the_split_record_which(
+    era5: tuple[Path, xr.Dataset], manifest: SplitManifest, stats_file: Path, tmp_path: Path
+) -> None:
+    root, ds = era5
+    t2 = open_geometries(root)["2t"]
+    every = fit_statistics(root, manifest, {"2t": t2})
+    strided = fit_statistics(root, manifest, {"2t": t2}, stride="12h")
+    train = np.sort(np.asarray(manifest.samples("train")))
+    noon = train[ds.time.values[train].astype("datetime64[h]").astype(int) % 12 == 0]
+    np.testing.assert_allclose(strided.mean["2t"], ds["2t"].values[noon].mean(dtype="f8"))
+    assert strided.mean["2t"] != every.mean["2t"]  # other statistics ...
+    assert strided.dataset != every.dataset  # ... said to be of other samples
+    strided.save(tmp_path / "strided.json")
+    with pytest.raises(
+        ValueError, match="another dataset: stride '12 hours' in the file, 1 expected"
+    ):
+        Statistics.load(tmp_path / "strided.json", dataset=every.dataset | {"stride": 1})
+    with pytest.raises(ValueError, match="stride 1 in the file, '12 hours' expected"):
+        Statistics.load(stats_file, dataset={"stride": "12h"})
+    Statistics.load(tmp_path / "strided.json", dataset=strided.dataset)
+    Statistics.load(tmp_path / "strided.json", dataset={"stride": np.timedelta64(720, "m")})
+    Statistics.load(stats_file, dataset={"store": root, "stride": 1})
+    gaps = fit_statistics(root, manifest, {"2t": t2}, missing=[4, 5])
+    assert gaps.dataset != every.dataset and gaps.count["2t"] == every.count["2t"] - 2 * 24
 
 
 def test_a_state_refused_for_another_batch_size_says_how_to_resume_or_start_afresh(
