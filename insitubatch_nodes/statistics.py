@@ -129,8 +129,8 @@ class Statistics:
             fitted = {"stride": 1} | stats.dataset  # (absent: every sample)
             wrong = {k: (fitted.get(k), v) for k, v in _recorded(dataset).items()}
             if isinstance(dataset.get("views"), Mapping):  # the labels given, only
-                views = stats.dataset.get("views", {})
-                wrong["views"] = ({k: views.get(k) for k in dataset["views"]}, wrong["views"][1])
+                views, given = stats.dataset.get("views", {}), wrong["views"][1]
+                wrong["views"] = ({k: views.get(k) for k in given}, given)
             wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
             if wrong:
                 raise ValueError(
@@ -459,9 +459,8 @@ def fit_statistics(
             **pipeline_options,
         )
         apart = _one_step(pipe.stages.plan, zstore)
-        # which samples were fitted beyond the split's chunks: as a pipeline's config says it
-        plan = pipe.stages.plan.config()
-        anchors = {key: plan[key] for key in ("stride", "missing_steps") if key in plan}
+        config = pipe.stages.plan.config()  # the samples fitted, beyond the split's chunks
+        anchors = {key: config[key] for key in ("stride", "missing_steps") if key in config}
         try:
             for batch in pipe:
                 for label, view in sampled.items():
@@ -496,12 +495,10 @@ def fit_statistics(
 
 def _view_record(view: ArrayGeometry) -> dict[str, Any]:
     """What a fit records of a view it fitted (as :func:`_unmoved` leaves it)."""
-    return {
-        "path": view.path,
-        "inner_shape": list(view.inner_shape),
-        "select": None if view.select is None else view.select.describe(),
-        "cf": None if view.cf is None else view.cf.fingerprint,
-    }
+    select, cf = view.select, view.cf
+    return {"path": view.path, "inner_shape": list(view.inner_shape),
+            "select": None if select is None else select.describe(),
+            "cf": None if cf is None else cf.fingerprint}  # fmt: skip
 
 
 def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
@@ -519,10 +516,11 @@ def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
         out["stride"] = describe_stride(check_stride(out["stride"]))  # "12h" is "720m"
     if isinstance(out.get("manifest"), SplitManifest):
         out["manifest"] = out["manifest"].fingerprint()
-    if isinstance(out.get("views"), Mapping):
+    if isinstance(out.get("views"), Mapping):  # a stack's members too: forcings are not fitted
         out["views"] = {
             label: _view_record(_unmoved(v)) if isinstance(v, ArrayGeometry) else v
             for label, v in out["views"].items()
+            if not isinstance(v, Forcings)
         }
     return out
 

@@ -236,7 +236,8 @@ def test_statistics_are_checked_against_the_store_and_manifest_as_the_user_holds
     with pytest.raises(ValueError, match="another dataset: manifest"):
         Statistics.load(stats_file, dataset={"store": root, "manifest": resplit})
     # the views as the pipeline takes them (a window is no other selection); other levels not
-    same = {"t": g["t"].sel(level=LEVELS).window([-1, 0]), "lsm": g["lsm"]}
+    sun = Forcings("x", view=g["2t"], names=["cos_solar_zenith"])  # (never fitted)
+    same = {"t": g["t"].sel(level=LEVELS).window([-1, 0]), "lsm": g["lsm"], "sun": sun}
     Statistics.load(stats_file, dataset={"views": same})
     for other_levels in ([500, 850], [1000, 850]):
         with pytest.raises(ValueError, match=r"another dataset: views .*\[\[1, 2\]"):
