@@ -26,9 +26,13 @@ What the trial found wrong (each now a test here):
    those of every sample, so no check could tell them apart; the stride and the missing steps
    are now recorded (as the pipeline's config names them) and checked.
 3. A state restored into a pipeline with another batch size (seed, shuffle, ...) was refused
-   with "its batch_size differs (saved 3, this pipeline 4)" and nothing on what to do. The
-   error now says to build the pipeline with the saved value to resume, or to start afresh
-   without the state at the epoch it names (``set_epoch``).
+   with "its batch_size differs (saved 3, this pipeline 4)" and nothing on what to do — also
+   one taken at an epoch's end, where nothing of its epoch is left and the next epoch is a
+   pure function of the seed, the epoch and the configuration (the most common checkpoint,
+   and ``InSituDataModule`` offered no way around it). Such a state now restores, the next
+   epoch batched by the new settings, on any number of ranks; mid-epoch the error says to
+   build the pipeline with the saved value to resume, or to go on without the state at the
+   epoch it names (``set_epoch``), or to restore one taken where an epoch begins or ends.
 
 Tried and found right (tests below, or probes not kept): the rest of an epoch resumed from a
 state taken after any batch (mid-epoch, at an epoch's end) in a fresh pipeline, with statistics
@@ -294,6 +298,36 @@ def test_a_state_refused_for_another_batch_size_says_how_to_resume_or_start_afre
     assert {b.epoch for b in batches} == {1} and len(batches[0]["x"]) == 4
 
 
+@pytest.mark.parametrize(
+    "option", [{"batch_size": 4}, {"seed": 8}, {"shuffle": False}, {"block_chunks": 1}]
+)
+def test_a_state_taken_where_an_epoch_ends_restores_with_another_batching(
+    era5: tuple[Path, xr.Dataset],
+    manifest: SplitManifest,
+    stats_file: Path,
+    option: dict[str, Any],
+) -> None:
+    root, _ = era5
+    stats = Statistics.load(stats_file)
+    for world in (1, 2):
+        with _build(root, manifest, stats, rank=0, world_size=world) as pipe:
+            loader = Loader(pipe)
+            for _ in loader:
+                pass
+            ended = json.loads(json.dumps(loader.state_dict()))
+        for new_world in (1, 3):  # on another number of ranks too
+            for rank in range(new_world):
+                ranks = {"rank": rank, "world_size": new_world}
+                with _build(root, manifest, stats, **option, **ranks) as pipe:
+                    fresh = Loader(pipe)
+                    want = [[_record(b) for b in fresh] for _ in range(2)][1]  # its epoch 1
+                with _build(root, manifest, stats, **option, **ranks) as pipe:
+                    loader = Loader(pipe)
+                    loader.load_state_dict(ended)
+                    assert len(loader) == len(want)
+                    assert [_record(b) for b in loader] == want, (world, new_world, rank)
+
+
 # ---------------------------------------------------------------------------------------------
 # Found right
 # ---------------------------------------------------------------------------------------------
@@ -494,8 +528,8 @@ def test_a_data_module_over_stacks_has_exact_lengths_and_resumes_without_skippin
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
-    def module() -> InSituDataModule:
-        config = PlanConfig(batch_size=3, block_chunks=2, seed=7)
+    def module(batch_size: int = 3) -> InSituDataModule:
+        config = PlanConfig(batch_size=batch_size, block_chunks=2, seed=7)
         views = _views(root, Statistics.load(stats_file))
         return InSituDataModule(
             str(root), views, manifest, config=config, transform=_item, log_report=False
@@ -504,10 +538,19 @@ def test_a_data_module_over_stacks_has_exact_lengths_and_resumes_without_skippin
     per_epoch = len(reference) // 2
     dm = module()
     assert len(dm.train_dataloader()) == per_epoch
-    stop, ckpt = per_epoch // 2, tmp_path / "mid.ckpt"
+    stop, ckpt, end = per_epoch // 2, tmp_path / "mid.ckpt", tmp_path / "end.ckpt"
     first = Steps()
-    trainer(tmp_path, max_epochs=1, callbacks=[SaveAt(stop, ckpt)]).fit(first, datamodule=dm)
+    saves = [SaveAt(stop, ckpt), SaveAt(per_epoch, end)]
+    trainer(tmp_path, max_epochs=1, callbacks=saves).fit(first, datamodule=dm)
     assert first.steps == reference[:per_epoch]
     resumed = Steps()
     trainer(tmp_path, max_epochs=2).fit(resumed, datamodule=module(), ckpt_path=ckpt)
     assert resumed.steps == reference[stop:]
+    # from the checkpoint at the epoch's end, with a larger batch size: the next epoch as a
+    # run with that batch size trains it
+    with _build(root, manifest, Statistics.load(stats_file), batch_size=4) as pipe:
+        loader = Loader(pipe)
+        want = [[_record(b) for b in loader] for _ in range(2)][1]
+    larger = Steps()
+    trainer(tmp_path, max_epochs=2).fit(larger, datamodule=module(4), ckpt_path=end)
+    assert larger.steps == want

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,12 +20,15 @@ from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.stack import Stack
 
 __all__ = [
+    "ORDER_KEYS",
     "check_cuts",
     "check_inputs",
+    "check_legacy",
     "check_same_anchors",
     "config_differs",
     "dataset_hash",
     "inputs_of",
+    "other_order",
     "other_views_error",
     "readable_views",
     "saved_patches",
@@ -64,6 +67,18 @@ def readable_views(views: Sequence[Sequence[Any]]) -> str:
     return "[" + ", ".join(f"{v[0]}: {v[1] or '/'} {int(v[2]):+d}" for v in views) + "]"
 
 
+#: the plan settings that batch an epoch's samples (which batch, in which order) and read
+#: nothing else: a state taken where an epoch begins or ends restores under other values, the
+#: next epoch batched by them (in the middle of one, the rest would be other batches)
+ORDER_KEYS = ("batch_size", "block_chunks", "shuffle", "ramp", "seed")
+
+
+def other_order(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, Any]:
+    """``{key: saved value}`` of the :data:`ORDER_KEYS` a saved read-plan config (``saved``)
+    has otherwise than this plan's (``mine``)."""
+    return {k: saved[k] for k in ORDER_KEYS if k in saved and saved[k] != mine.get(k)}
+
+
 def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) -> ValueError:
     """The error for a read-plan ``state`` whose config entry ``key`` is ``saved`` where this
     plan's is ``mine``: what differs, how to resume the state (build the pipeline as the run
@@ -73,14 +88,34 @@ def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) ->
     if key == "dataset":
         what = "dataset (arrays, views or split chunks)"
         build = "over the arrays, views and split manifest of the run that saved it"
+    where = f"epoch {epoch}, after {emitted} of its batches"
+    if key in ORDER_KEYS:  # (refused mid-epoch only)
+        where += f"; a state taken where an epoch begins or ends restores with {key}={mine!r}"
     return ValueError(
         f"cannot restore this read-plan state: its {what} differs (saved {saved!r}, this "
         f"pipeline {mine!r}). To resume it, build the pipeline {build}. To go on with this "
         "pipeline instead, do not load the state: its data order starts afresh, and "
         f"pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at the epoch "
-        f"the state was taken in (after {emitted} of its batches; set_epoch({epoch + 1}): the "
-        "next one)"
+        f"the state was taken in ({where}; set_epoch({epoch + 1}): the next one)"
     )
+
+
+def check_legacy(saved: Mapping[str, Any], rule_matters: Callable[[], bool]) -> None:
+    """Raise ``ValueError`` for a read-plan config saved before a rule that changes its plan:
+    without ``cross_split_windows`` where the rule matters (``rule_matters()``: its windows read
+    across the split's edge), or without ``remainder`` on several ranks (they dealt and dropped
+    the tail otherwise)."""
+    if "cross_split_windows" not in saved and rule_matters():
+        raise ValueError(
+            "cannot restore this read-plan state: it predates cross_split_windows and its "
+            "windows read across the split's edge; pass cross_split_windows=True to resume it"
+        )
+    if "remainder" not in saved and int(saved.get("world_size", 1)) > 1:
+        raise ValueError(
+            "cannot restore this read-plan state: it was saved with several ranks before "
+            "samples of the remainder chunks were dealt (its remainder policy differs); start "
+            "this run's data order afresh"
+        )
 
 
 def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
