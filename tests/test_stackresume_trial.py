@@ -46,10 +46,20 @@ the fitted ones are, and refused for other levels or their order); ranks 1-4 (``
 validation) deliver disjoint samples in equal batch counts whose union is the one-process epoch,
 valued as one rank values them; elastic resume 2/3/4 -> 1/2/3 and 2 -> 3 -> 1 with stacks
 delivers every sample once, ``len()`` the interrupted epoch's, the next epoch a fresh run's;
-two ranks sharing one ``cache_dir`` and an elastic resume reading it; a persistent cache
-written from another store (or the store rewritten) is refetched; ``InSituDataModule`` over
-these stacks (``len()`` 9 = the batches trained per epoch; checkpoints after 1, 4, 8, 9 and 11
-steps, with mid-epoch validation, resume without skipping or repeating a batch).
+two real gloo ranks, cut after two batches, resumed on three gloo ranks (every sample once, equal
+batch counts, ``len()`` the interrupted epoch's); two ranks sharing one ``cache_dir`` and an
+elastic resume reading it; a resume reading a persistent cache as a reader
+(``readonly_cache``); a persistent cache written from another store (or the store rewritten)
+is refetched; CF-packed ``int16`` members with fill values (zarr v2 and v3, consolidated,
+``cf_dtype="float32"``): NaNs counted, standardised as xarray decodes them, resumed
+bit-identically; statistics of a ``concat`` of stores loaded in a fresh process apply
+unchanged; ``InSituDataModule`` over these stacks (``len()`` of train, val, test and predict
+equal to the batches delivered at batch sizes 1-5; checkpoints after 1, 4, 8, 9 and 11 steps,
+with mid-epoch validation, resume without skipping or repeating a batch).
+
+Left as designed: ``stack(..., normalize=stats)`` does not compare the store the statistics
+were fitted on with the pipeline's (statistics of a training store standardise another store's
+views of the same arrays; ``Statistics.load(path, dataset={"store": ...})`` is the check).
 """
 
 from __future__ import annotations
