@@ -301,6 +301,11 @@ def test_a_state_refused_for_another_batch_size_says_how_to_resume_or_start_afre
         saved = {"batch_size": 3, "seed": 7, "shuffle": True}[option]
         assert f"{option}={saved!r}" in said, said  # how to resume it
         assert "set_epoch(0)" in said, said  # how to go on without it: the epoch it was in
+    with _build(root, manifest, stats, stride=2) as pipe:  # another choice of anchors
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        with pytest.raises(ValueError, match=r"stride differs.*build the pipeline with the saved"):
+            next(iter(loader))
     # the advice, followed: the next epoch of the new order, in batches of the new size
     with _build(root, manifest, stats, batch_size=4) as pipe:
         pipe.stages.plan.set_epoch(1)

@@ -88,15 +88,18 @@ def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) ->
     if key == "dataset":
         what = "dataset (arrays, views or split chunks)"
         build = "over the arrays, views and split manifest of the run that saved it"
-    where = f"epoch {epoch}, after {emitted} of its batches"
-    if key in ORDER_KEYS:  # (refused mid-epoch only)
-        where += f"; a state taken where an epoch begins or ends restores with {key}={mine!r}"
+    boundary = (  # (refused mid-epoch only)
+        f". A state taken where an epoch begins or ends restores here, with {key}={mine!r}"
+        if key in ORDER_KEYS
+        else ""
+    )
     return ValueError(
         f"cannot restore this read-plan state: its {what} differs (saved {saved!r}, this "
         f"pipeline {mine!r}). To resume it, build the pipeline {build}. To go on with this "
         "pipeline instead, do not load the state: its data order starts afresh, and "
         f"pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at the epoch "
-        f"the state was taken in ({where}; set_epoch({epoch + 1}): the next one)"
+        f"the state was taken in (epoch {epoch}, after {emitted} of its batches; "
+        f"set_epoch({epoch + 1}): the next one){boundary}"
     )
 
 
@@ -127,7 +130,8 @@ def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Non
         raise ValueError(
             f"cannot restore this read-plan state: its stride differs (saved "
             f"{saved.get('stride', 1)!r}, this pipeline {mine.get('stride', 1)!r}); "
-            "the anchors a plan draws depend on it"
+            "the anchors a plan draws depend on it: build the pipeline with the saved run's "
+            "stride to resume it, or start this run's data order afresh (without this state)"
         )
     theirs, ours = saved.get("missing_steps"), mine.get("missing_steps")
     if theirs == ours:
