@@ -20,7 +20,8 @@ difference; in float64 for integers) and summed in float64. NaNs are skipped and
 (``nan_count``); a channel with no finite value has NaN statistics.
 
 :meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
-were fitted on (``dataset``: the store, the split, its sample range, the views), which
+were fitted on (``dataset``: the store, the split, its sample range, the views, and a
+``stride`` or missing steps that picked the samples, as a pipeline's config names them), which
 :meth:`Statistics.load` can check. :meth:`Statistics.normalizer` is a batch transform that
 standardises each label in place; :meth:`Statistics.scaler` the chunk transform
 :class:`~insitubatch_nodes.transforms.StandardScaler` for labels that read whole arrays. Both,
@@ -31,6 +32,7 @@ view given under their label.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -58,7 +60,8 @@ from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, ret
 from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
-from insitubatch_nodes.plan.anchors import SampleSteps
+from insitubatch_nodes.plan.anchors import SampleSteps, describe_stride
+from insitubatch_nodes.plan.config import check_stride
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import broadcast_rows, read_static
 from insitubatch_nodes.transforms import StandardScaler, standardise_in_place, work_dtype
@@ -108,7 +111,11 @@ class Statistics:
         cls, path: str | os.PathLike[str], *, dataset: Mapping[str, Any] | None = None
     ) -> Statistics:
         """Read statistics :meth:`save` wrote. With ``dataset`` (another fit's ``dataset``, or
-        the part of it to check), raise ``ValueError`` when they were fitted on another."""
+        the part of it to check), raise ``ValueError`` when they were fitted on another. Its
+        entries may be given as the fit took them: ``"store"`` anything
+        :func:`fit_statistics` takes (a path, URL, opened store or collection: compared by
+        the store it names), ``"manifest"`` a :class:`SplitManifest` (by its fingerprint),
+        ``"views"`` ``{label: view}`` (each label given against the file's record of it)."""
         with open(path) as f:
             doc = json.load(f)
         if doc.get("format") != FORMAT:
@@ -119,7 +126,11 @@ class Statistics:
             paths=doc["paths"],
         )
         if dataset is not None:
-            wrong = {k: (stats.dataset.get(k), v) for k, v in dataset.items()}
+            fitted = {"stride": 1} | stats.dataset  # (absent: every sample)
+            wrong = {k: (fitted.get(k), v) for k, v in _recorded(dataset).items()}
+            if isinstance(dataset.get("views"), Mapping):  # the labels given, only
+                views, given = stats.dataset.get("views", {}), wrong["views"][1]
+                wrong["views"] = ({k: views.get(k) for k in given}, given)
             wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
             if wrong:
                 raise ValueError(
@@ -424,6 +435,7 @@ def fit_statistics(
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label in sampled}
     last: dict[str, tuple[int, np.ndarray]] = {}
+    anchors: dict[str, Any] = {}  # (a stride, missing steps: none for every sample)
     if sampled and not manifest.chunks(split):
         held = {name: len(manifest.chunks(name)) for name in manifest.splits}
         raise ValueError(
@@ -447,6 +459,8 @@ def fit_statistics(
             **pipeline_options,
         )
         apart = _one_step(pipe.stages.plan, zstore)
+        config = pipe.stages.plan.config()  # the samples fitted, beyond the split's chunks
+        anchors = {key: config[key] for key in ("stride", "missing_steps") if key in config}
         try:
             for batch in pipe:
                 for label, view in sampled.items():
@@ -473,17 +487,42 @@ def fit_statistics(
         "split": split,
         "manifest": manifest.fingerprint(),
         "chunks": [int(c) for c in manifest.chunks(split)],
-        "views": {
-            label: {
-                "path": v.path,
-                "inner_shape": list(v.inner_shape),
-                "select": None if v.select is None else v.select.describe(),
-                "cf": None if v.cf is None else v.cf.fingerprint,
-            }
-            for label, v in plain.items()
-        },
+        "views": {label: _view_record(v) for label, v in plain.items()},
+        **anchors,
     }
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
+
+
+def _view_record(view: ArrayGeometry) -> dict[str, Any]:
+    """What a fit records of a view it fitted (as :func:`_unmoved` leaves it)."""
+    select, cf = view.select, view.cf
+    return {"path": view.path, "inner_shape": list(view.inner_shape),
+            "select": None if select is None else select.describe(),
+            "cf": None if cf is None else cf.fingerprint}  # fmt: skip
+
+
+def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
+    """``dataset`` (what :meth:`Statistics.load` checks) with a store, a manifest and views
+    given as the fit took them turned into what it recorded of them; a store that cannot be
+    opened (a name the file holds, such as ``"s3://b/x (endpoint ...)"``) is compared as it is."""
+    out = dict(dataset)
+    if "store" in out:
+        try:
+            out["store"] = describe_store(as_store(out["store"]))
+        except (OSError, TypeError, ValueError):
+            if not isinstance(out["store"], str):
+                raise
+    with contextlib.suppress(KeyError, TypeError, ValueError):  # else compared as given
+        out["stride"] = describe_stride(check_stride(out["stride"]))  # "12h" is "720m"
+    if isinstance(out.get("manifest"), SplitManifest):
+        out["manifest"] = out["manifest"].fingerprint()
+    if isinstance(out.get("views"), Mapping):  # a stack's members too: forcings are not fitted
+        out["views"] = {
+            label: _view_record(_unmoved(v)) if isinstance(v, ArrayGeometry) else v
+            for label, v in out["views"].items()
+            if not isinstance(v, Forcings)
+        }
+    return out
 
 
 def _one_pass(options: dict[str, Any]) -> FetchOptions:

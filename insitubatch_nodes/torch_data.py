@@ -206,8 +206,9 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         """Make the next ``iter()`` resume after the batch ``state`` was taken at.
 
         Raises ``ValueError`` naming the field when the state comes from a pipeline with a
-        different dataset, split, batch size or seed. A different world size is not refused:
-        the epoch resumes elastically (see ``ReadPlanNode``).
+        different dataset or split, or, mid-epoch, batch size or seed (a state taken where an
+        epoch begins or ends batches the next epoch by this pipeline's). A different world
+        size is not refused: the epoch resumes elastically (see ``ReadPlanNode``).
         """
         self.plan.check_state(plan_state(state))
         self._pending = state

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -20,11 +20,15 @@ from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.stack import Stack
 
 __all__ = [
+    "ORDER_KEYS",
     "check_cuts",
     "check_inputs",
+    "check_legacy",
     "check_same_anchors",
+    "config_differs",
     "dataset_hash",
     "inputs_of",
+    "other_order",
     "other_views_error",
     "readable_views",
     "saved_patches",
@@ -63,6 +67,60 @@ def readable_views(views: Sequence[Sequence[Any]]) -> str:
     return "[" + ", ".join(f"{v[0]}: {v[1] or '/'} {int(v[2]):+d}" for v in views) + "]"
 
 
+#: the plan settings that batch an epoch's samples (which batch, in which order) and read
+#: nothing else: a state taken where an epoch begins or ends restores under other values, the
+#: next epoch batched by them (in the middle of one, the rest would be other batches)
+ORDER_KEYS = ("batch_size", "block_chunks", "shuffle", "ramp", "seed")
+
+
+def other_order(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, Any]:
+    """``{key: saved value}`` of the :data:`ORDER_KEYS` a saved read-plan config (``saved``)
+    has otherwise than this plan's (``mine``)."""
+    return {k: saved[k] for k in ORDER_KEYS if k in saved and saved[k] != mine.get(k)}
+
+
+def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) -> ValueError:
+    """The error for a read-plan ``state`` whose config entry ``key`` is ``saved`` where this
+    plan's is ``mine``: what differs, how to resume the state (build the pipeline as the run
+    that saved it) and how to go on without it (the epoch it was taken in, for ``set_epoch``)."""
+    epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
+    what, build = key, f"with {key}={saved!r}"
+    if key == "dataset":
+        what = "dataset (arrays, views or split chunks)"
+        build = "over the arrays, views and split manifest of the run that saved it"
+    boundary = (  # (refused mid-epoch only)
+        f". A state taken where an epoch begins or ends restores here, with {key}={mine!r}"
+        if key in ORDER_KEYS
+        else ""
+    )
+    return ValueError(
+        f"cannot restore this read-plan state: its {what} differs (saved {saved!r}, this "
+        f"pipeline {mine!r}). To resume it, build the pipeline {build}. To go on with this "
+        "pipeline instead, do not load the state: its data order starts afresh, and "
+        f"pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at the epoch "
+        f"the state was taken in (epoch {epoch}, after {emitted} of its batches; "
+        f"set_epoch({epoch + 1}): the next one){boundary}"
+    )
+
+
+def check_legacy(saved: Mapping[str, Any], rule_matters: Callable[[], bool]) -> None:
+    """Raise ``ValueError`` for a read-plan config saved before a rule that changes its plan:
+    without ``cross_split_windows`` where the rule matters (``rule_matters()``: its windows read
+    across the split's edge), or without ``remainder`` on several ranks (they dealt and dropped
+    the tail otherwise)."""
+    if "cross_split_windows" not in saved and rule_matters():
+        raise ValueError(
+            "cannot restore this read-plan state: it predates cross_split_windows and its "
+            "windows read across the split's edge; pass cross_split_windows=True to resume it"
+        )
+    if "remainder" not in saved and int(saved.get("world_size", 1)) > 1:
+        raise ValueError(
+            "cannot restore this read-plan state: it was saved with several ranks before "
+            "samples of the remainder chunks were dealt (its remainder policy differs); start "
+            "this run's data order afresh"
+        )
+
+
 def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` unless a saved read-plan config (``saved``) draws its anchors as
     this plan's (``mine``) does: the same ``stride`` and the same missing steps (a hash of the
@@ -72,7 +130,8 @@ def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> Non
         raise ValueError(
             f"cannot restore this read-plan state: its stride differs (saved "
             f"{saved.get('stride', 1)!r}, this pipeline {mine.get('stride', 1)!r}); "
-            "the anchors a plan draws depend on it"
+            "the anchors a plan draws depend on it: build the pipeline with the saved run's "
+            "stride to resume it, or start this run's data order afresh (without this state)"
         )
     theirs, ours = saved.get("missing_steps"), mine.get("missing_steps")
     if theirs == ours:
@@ -183,7 +242,9 @@ def inputs_of(
 ) -> dict[str, dict[str, Any]]:
     """What the batch labels hold beyond the plan's views (which only say what is read, and
     when): per label that is a stack, its layout, channel names (members, their levels and
-    order), its members' selections and a hash of the statistics it is normalised with
+    order), its members' selections, its constant members (``"constants"``: a static
+    member's array path, a forcing member's settings: neither is read by the plan, so the
+    dataset's fingerprint does not see them) and a hash of the statistics it is normalised with
     (``normalize=``); per selected view, its selection; per static label of ``statics`` (the
     plan never reads them: a ``StaticFields`` puts them in), its array's path and selection.
     Other labels are left out (an empty mapping for a plan of plain views)."""
@@ -201,6 +262,9 @@ def inputs_of(
             }
             out[label] = {"layout": view.layout, "channels": list(view.channels)}
             out[label] |= {"select": chosen} if chosen else {}
+            constants: dict[str, Any] = {m.name: m.geometry.path for m in view.static}
+            constants |= {m.name: _forcing_settings(m.forcing) for m in view.forcings if m.forcing}
+            out[label] |= {"constants": constants} if constants else {}
             norms = [m.norm for m in view.members if m.norm is not None]
             if norms:  # what the rows are standardised with
                 digest = hashlib.sha256()
@@ -211,6 +275,17 @@ def inputs_of(
         elif isinstance(view, ArrayGeometry) and view.select is not None:
             out[label] = {"select": view.select.describe()}
     return out
+
+
+def _forcing_settings(forcing: Any) -> list[Any]:
+    """What a forcing member's values depend on besides the rows' times and its grid (which
+    :func:`~insitubatch_nodes.stack.stack` ties to the sampled members' points): the time
+    coordinate it reads and, for the radiation, its period, bins and irradiance."""
+    settings: list[Any] = [forcing.time_name]
+    if "toa_incident_solar_radiation" in forcing.names:
+        seconds = float(forcing.period / np.timedelta64(1, "s"))
+        settings += [seconds, forcing.bins, float(forcing.irradiance)]
+    return settings
 
 
 def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
@@ -234,6 +309,11 @@ def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) 
             for key in ("static", "channels", "layout", "select")
             if a.get(key) != b.get(key)
         ]
+        if "constants" in a and a["constants"] != b.get("constants"):  # (recorded since 12-06)
+            changes.append(
+                f"{label!r} static members' arrays or forcings' settings {a['constants']!r} "
+                f"saved, {b.get('constants')!r} now"
+            )
         if a.get("normalize") != b.get("normalize"):
             changes.append(f"{label!r} is normalised with other statistics")
     if changes:

@@ -32,11 +32,15 @@ from insitubatch_nodes.plan.epoch import (
     plan_epoch,
 )
 from insitubatch_nodes.plan.fingerprint import (
+    ORDER_KEYS,
     check_cuts,
     check_inputs,
+    check_legacy,
     check_same_anchors,
+    config_differs,
     dataset_hash,
     inputs_of,
+    other_order,
     other_views_error,
     saved_patches,
     stratifying_tiles,
@@ -131,7 +135,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
     state taken after the last batch of an epoch resumes at the start of the next epoch.
     Restoring a state whose configuration differs raises ``ValueError`` naming the field —
-    except the world size.
+    except the world size, and the batching (:data:`ORDER_KEYS`) of a state taken where an
+    epoch begins or ends: the next epoch is batched by this node's.
 
     **Elastic resume.** A state saved under another world size ``W`` restores too: every old
     rank is taken to have delivered its first ``k`` batches, the state's (all it had if fewer;
@@ -546,6 +551,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             # saved with other views at an epoch boundary (check_state): the next epoch is ours
             over = emitted > 0 and emitted >= self._saved_len(state, resumed, saved_world)
             return epoch + int(over), 0, (), None
+        if other_order(state["config"], self._config):  # where an epoch begins or ends
+            return epoch + int(emitted > 0), 0, (), None
         legacy = "deal" in self._config and "deal" not in state["config"]
         dealing = "chunks" if legacy else None
         if saved_world != self.world_size:
@@ -591,7 +598,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if missing:
             raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
         other_views = self._check_views(state)
-        self._check_config(state["config"], other_views=other_views)
+        self._check_config(state, other_views=other_views)
         mine = self._config.get("inputs", {})  # (none: plain views, in either config)
         if not other_views and state["config"].get("inputs", {}) != mine:
             check_inputs(state["config"], self._config, self._mid_epoch(state))
@@ -625,10 +632,11 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         """Batches of the state's epoch under the views it was saved with (rank 0 of its
         ``world`` ranks, after its cuts ``resumed``)."""
         views = self._other_views(state["config"]) or self.views
+        config = self.plan_config.replace(**other_order(state["config"], self._config))
         plan = plan_epoch(
             self.manifest,
             views,
-            self.plan_config.for_rank(0, world),
+            config.for_rank(0, world),
             epoch=int(state["epoch"]),
             resumed=resumed,
             # a state saved before windows were dealt in runs has no "deal" (see _resolve)
@@ -657,34 +665,19 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return ""
         return f"epoch {int(state['epoch'])}, after {emitted} batches"
 
-    def _check_config(self, saved: Mapping[str, Any], other_views: bool = False) -> None:
-        mine = self._config
+    def _check_config(self, state: Mapping[str, Any], other_views: bool = False) -> None:
+        saved, mine = state["config"], self._config
         check_same_anchors(saved, mine)
+        check_legacy(saved, self._rule_matters)
+        # another batching (batch size, seed, ...) from where an epoch begins or ends: _resolve
+        rebatched = bool(other_order(saved, mine)) and not self._mid_epoch(state)
         for key, value in mine.items():
-            if key == "cross_split_windows" and key not in saved and self._rule_matters():
-                # saved before the rule existed: its windows read across the split's edge
-                raise ValueError(
-                    "cannot restore this read-plan state: it predates cross_split_windows and "
-                    "its windows read across the split's edge; pass cross_split_windows=True "
-                    "to resume it"
-                )
-            if key == "remainder" and key not in saved and int(saved.get("world_size", 1)) > 1:
-                # saved before the tail was dealt: its ranks dealt and dropped differently
-                raise ValueError(
-                    "cannot restore this read-plan state: it was saved with several ranks "
-                    "before samples of the remainder chunks were dealt (its remainder policy "
-                    "differs); start this run's data order afresh"
-                )
             if key in ("world_size", "inputs"):
                 continue  # another world size resumes elastically (see reset); check_state
             if other_views and key in ("dataset", "views"):
                 continue  # the same manifest, other views: at an epoch boundary (see reset)
-            if key in saved and saved[key] != value:
-                what = "dataset (arrays, views or split chunks)" if key == "dataset" else key
-                raise ValueError(
-                    f"cannot restore this read-plan state: its {what} differs "
-                    f"(saved {saved[key]!r}, this pipeline {value!r})"
-                )
+            if key in saved and saved[key] != value and not (rebatched and key in ORDER_KEYS):
+                raise config_differs(key, saved[key], value, state)
 
     def _rule_matters(self) -> bool:
         """Whether ``cross_split_windows`` changes this configuration's anchors."""
