@@ -28,6 +28,8 @@ measured), :mod:`~insitubatch_nodes.torch_data` (``StatefulDataLoader``),
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from insitubatch_nodes.batch import Batch, BatchTransform, to_item, to_torch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
@@ -53,7 +55,22 @@ from insitubatch_nodes.transforms import (
     applies,
 )
 
+if TYPE_CHECKING:
+    from insitubatch_nodes.lightning import InSituDataModule as InSituDataModule
+
 __version__ = "0.1.0.dev0"
+
+
+def __getattr__(name: str) -> Any:
+    """``InSituDataModule``, imported when first asked for: Lightning is an extra, and
+    importing the package never imports it (``from insitubatch_nodes.lightning import
+    InSituDataModule`` is the same class)."""
+    if name == "InSituDataModule":
+        from insitubatch_nodes.lightning import InSituDataModule
+
+        return InSituDataModule
+    raise AttributeError(f"module 'insitubatch_nodes' has no attribute {name!r}")
+
 
 __all__ = [
     "ArrayGeometry",

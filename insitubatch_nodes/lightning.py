@@ -34,7 +34,13 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import lightning.pytorch as pl
+try:
+    import lightning.pytorch as pl
+except ImportError as exc:  # the extra is not installed
+    raise ImportError(
+        "InSituDataModule needs Lightning (the package's `lightning` extra): "
+        "pip install 'insitubatch_nodes[lightning]' (or lightning>=2.4)"
+    ) from exc
 from zarr.abc.store import Store
 
 from insitubatch_nodes._checks import (
