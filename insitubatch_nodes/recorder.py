@@ -91,8 +91,10 @@ class EpochRecorder:
     ``pool`` is the pipeline's :class:`~insitubatch_nodes.pool.ChunkPool` (resident bytes,
     evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads and
     ``budget_floor`` the smallest explicit budget the pipeline accepts (both asked only when an
-    epoch had re-reads); ``dropped`` the plan's anchors dropped for missing steps,
-    per reason (asked for each report).
+    epoch had re-reads); ``read_ahead_capped`` whether a larger ``block_chunks`` would read
+    no further ahead (patched views whose region is the whole field; a few arithmetic steps,
+    asked for each report); ``dropped`` the plan's anchors dropped for missing steps, per reason
+    (asked for each report).
     """
 
     enabled = True
@@ -106,6 +108,7 @@ class EpochRecorder:
         batch_transforms: int = 0,
         split_bytes: Callable[[int], int] | None = None,
         budget_floor: Callable[[], int] | None = None,
+        read_ahead_capped: Callable[[], bool] | None = None,
         dropped: Callable[[], Mapping[str, int]] | None = None,
         trace: bool = False,
         direct: bool | None = None,
@@ -120,6 +123,7 @@ class EpochRecorder:
         self.decode_threads = decode_threads
         self._split_bytes = split_bytes
         self._budget_floor = budget_floor
+        self._read_ahead_capped = read_ahead_capped
         self._lock = threading.Lock()
         self._inflight = _Level()
         self._depth = _Level()
@@ -462,6 +466,8 @@ class EpochRecorder:
             r.split_bytes = self._split_bytes(r.epoch)
             if self._budget_floor is not None:
                 r.budget_floor = self._budget_floor()
+        if self._read_ahead_capped is not None:
+            r.read_ahead_capped = self._read_ahead_capped()
         r.suggestion = suggestion_for(r)
         if self._dropped is not None:
             r.dropped = {why: int(n) for why, n in self._dropped().items()}

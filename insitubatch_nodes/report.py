@@ -171,11 +171,16 @@ class EpochReport:
     budget_bytes: int = 0
     auto_budget: bool = True
     direct: bool | None = None  # FetchOptions.direct
-    batch_transforms: int = 0
+    batch_transforms: int = 0  # the batch transforms given (not the static fields and stack
+    # constants the pipeline writes into each batch itself)
     split_bytes: int | None = None  # every chunk the epoch read, in bytes (when re-reads > 0)
     # the smallest cache_budget_bytes the pipeline accepts for its views (the working-set floor
     # every epoch of every rank fits: schedule_floors' guaranteed), when re-reads > 0
     budget_floor: int | None = None
+    # patched views whose regions already hold every tile a sample-axis chunk's windows start
+    # in: a patched plan reads ahead one region of one such chunk, so a larger block_chunks
+    # reads no further ahead
+    read_ahead_capped: bool = False
     limiting: Stage = "consumer"
     suggestion: str = ""
     # anchors of the split the plan dropped for missing steps, per reason (the plan's
@@ -410,7 +415,9 @@ def suggestion_for(r: EpochReport) -> str:
       more decode threads for a disk that serves reads in parallel (``max_inflight`` does not
       apply there);
     * store-limited with ``max_inflight`` saturated (the peak reached it): raise it (doubled);
-      not saturated: the read-ahead bounds the GETs — raise ``block_chunks``;
+      not saturated: the read-ahead bounds the GETs — raise ``block_chunks``, unless the views
+      are patched and their regions already hold the whole field (``read_ahead_capped``: a
+      larger block reads no further ahead), then more samples per chunk;
     * decode-limited: more decode threads while they are fewer than the cores, else more cores
       or a cheaper codec; when the chunk transforms took the threads longer than reading and
       decoding, it names them (their seconds, per chunk) and says to lighten them instead of
@@ -478,6 +485,14 @@ def suggestion_for(r: EpochReport) -> str:
             return (
                 f"GETs in flight reached max_inflight={r.max_inflight} (mean "
                 f"{r.inflight_mean:.1f}); raise it, e.g. max_inflight={2 * r.max_inflight}"
+            )
+        if r.read_ahead_capped:
+            return (
+                f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: "
+                "patched views read ahead one region of tiles of one sample-axis chunk, and the "
+                "region already holds every tile of the field, so a larger block_chunks reads "
+                "no further ahead; a store with more samples per chunk (each tile's GET serving "
+                "the windows of more samples) moves it"
             )
         return (
             f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: the "

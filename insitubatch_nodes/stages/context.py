@@ -35,7 +35,7 @@ from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held, held_by_path, held_geometry
 from insitubatch_nodes.options import FetchOptions
-from insitubatch_nodes.plan.patches import unit_geometry
+from insitubatch_nodes.plan.patches import patch_spec, region_count, unit_geometry
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
@@ -154,6 +154,7 @@ class StageContext:
                 decode_threads=len(_runtime.decode_pool(options.decode_threads).threads),
                 split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
                 budget_floor=functools.partial(_budget_floor, plan),
+                read_ahead_capped=functools.partial(_read_ahead_capped, plan),
                 dropped=lambda: plan.epoch_plan().dropped,
                 trace=options.trace,
                 direct=options.direct,
@@ -318,3 +319,11 @@ def _budget_floor(plan: ReadPlanNode) -> int:
     ``insitu_pipeline`` and ``set_views`` check a budget against (every epoch of every rank
     fits it), which a rank's epoch can read less than."""
     return schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held).guaranteed
+
+
+def _read_ahead_capped(plan: ReadPlanNode) -> bool:
+    """Whether the views in effect are patched and one region holds every tile a sample-axis
+    chunk's windows start in: a patched plan's block is one region of one such chunk, so a
+    larger ``block_chunks`` reads no further ahead."""
+    spec = patch_spec(plan.views)
+    return spec is not None and region_count(spec, plan.block_chunks) == 1
