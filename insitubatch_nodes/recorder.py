@@ -91,10 +91,9 @@ class EpochRecorder:
     ``pool`` is the pipeline's :class:`~insitubatch_nodes.pool.ChunkPool` (resident bytes,
     evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads and
     ``budget_floor`` the smallest explicit budget the pipeline accepts (both asked only when an
-    epoch had re-reads); ``read_ahead_capped`` whether a larger ``block_chunks`` would read
-    no further ahead (patched views whose region is the whole field; a few arithmetic steps,
-    asked for each report); ``dropped`` the plan's anchors dropped for missing steps, per reason
-    (asked for each report).
+    epoch had re-reads); ``read_ahead_capped`` why a larger ``block_chunks`` would read no
+    further ahead, or ``""``; ``dropped`` the plan's anchors dropped for missing steps, per
+    reason (both asked for each report: a few arithmetic steps, and the plan's count).
     """
 
     enabled = True
@@ -108,7 +107,7 @@ class EpochRecorder:
         batch_transforms: int = 0,
         split_bytes: Callable[[int], int] | None = None,
         budget_floor: Callable[[], int] | None = None,
-        read_ahead_capped: Callable[[], bool] | None = None,
+        read_ahead_capped: Callable[[], str] | None = None,
         dropped: Callable[[], Mapping[str, int]] | None = None,
         trace: bool = False,
         direct: bool | None = None,

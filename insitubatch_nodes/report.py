@@ -177,10 +177,10 @@ class EpochReport:
     # the smallest cache_budget_bytes the pipeline accepts for its views (the working-set floor
     # every epoch of every rank fits: schedule_floors' guaranteed), when re-reads > 0
     budget_floor: int | None = None
-    # patched views whose regions already hold every tile a sample-axis chunk's windows start
-    # in: a patched plan reads ahead one region of one such chunk, so a larger block_chunks
-    # reads no further ahead
-    read_ahead_capped: bool = False
+    # why a larger block_chunks would read no further ahead, or "": "epoch" - one block holds
+    # every chunk of this rank's epoch; "patched" - a patched plan's block is one region of one
+    # sample-axis chunk, and the region already holds every tile the windows start in
+    read_ahead_capped: str = ""
     limiting: Stage = "consumer"
     suggestion: str = ""
     # anchors of the split the plan dropped for missing steps, per reason (the plan's
@@ -415,9 +415,9 @@ def suggestion_for(r: EpochReport) -> str:
       more decode threads for a disk that serves reads in parallel (``max_inflight`` does not
       apply there);
     * store-limited with ``max_inflight`` saturated (the peak reached it): raise it (doubled);
-      not saturated: the read-ahead bounds the GETs — raise ``block_chunks``, unless the views
-      are patched and their regions already hold the whole field (``read_ahead_capped``: a
-      larger block reads no further ahead), then more samples per chunk;
+      not saturated: the read-ahead bounds the GETs — raise ``block_chunks``, unless a larger
+      block reads no further ahead (``read_ahead_capped``: one block holds the epoch's chunks,
+      or patched views' region the whole field), then more samples per chunk;
     * decode-limited: more decode threads while they are fewer than the cores, else more cores
       or a cheaper codec; when the chunk transforms took the threads longer than reading and
       decoding, it names them (their seconds, per chunk) and says to lighten them instead of
@@ -487,12 +487,17 @@ def suggestion_for(r: EpochReport) -> str:
                 f"{r.inflight_mean:.1f}); raise it, e.g. max_inflight={2 * r.max_inflight}"
             )
         if r.read_ahead_capped:
+            why = (
+                "patched views read ahead one region of tiles of one sample-axis chunk, and the "
+                "region already holds every tile of the field"
+                if r.read_ahead_capped == "patched"
+                else "one block already holds every chunk of the epoch"
+            )
             return (
                 f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: "
-                "patched views read ahead one region of tiles of one sample-axis chunk, and the "
-                "region already holds every tile of the field, so a larger block_chunks reads "
-                "no further ahead; a store with more samples per chunk (each tile's GET serving "
-                "the windows of more samples) moves it"
+                f"{why}, so a larger block_chunks reads no further ahead: the epoch waits on "
+                "each GET's latency. A store with more samples per chunk (fewer, larger GETs) "
+                "moves it"
             )
         return (
             f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: the "

@@ -321,9 +321,13 @@ def _budget_floor(plan: ReadPlanNode) -> int:
     return schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held).guaranteed
 
 
-def _read_ahead_capped(plan: ReadPlanNode) -> bool:
-    """Whether the views in effect are patched and one region holds every tile a sample-axis
-    chunk's windows start in: a patched plan's block is one region of one such chunk, so a
-    larger ``block_chunks`` reads no further ahead."""
+def _read_ahead_capped(plan: ReadPlanNode) -> str:
+    """Why a larger ``block_chunks`` would read no further ahead (:class:`~insitubatch_nodes.
+    report.EpochReport`'s ``read_ahead_capped``), or ``""``: ``"patched"`` — a patched plan's
+    block is one region of one sample-axis chunk, and one region already holds every tile the
+    windows start in; ``"epoch"`` — one block already holds every chunk of this rank's epoch.
+    A few arithmetic steps over the current plan."""
     spec = patch_spec(plan.views)
-    return spec is not None and region_count(spec, plan.block_chunks) == 1
+    if spec is not None:
+        return "patched" if region_count(spec, plan.block_chunks) == 1 else ""
+    return "epoch" if len(plan.epoch_plan().chunks) <= plan.block_chunks else ""
