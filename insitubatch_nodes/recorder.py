@@ -148,22 +148,26 @@ class EpochRecorder:
         ok: bool = True,
         what: tuple[Any, ...] | None = None,
         submitted: float | None = None,
+        failed: str | None = None,
     ) -> None:
-        """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted).
-        ``what`` (with a trace: the array path, chunk, tile, key and batch it read) goes with
-        its span. ``submitted``: when its fill job was submitted (a GET of a job submitted
-        before the open epoch began is not counted, see :meth:`_earlier`)."""
+        """A GET ended: with its bytes; or failed (``ok=False``, ``failed`` the name of the
+        error the store raised: counted, with no bytes, and its span names the error — the
+        store was asked and the epoch spent that time, a timeout's whole deadline); or was
+        cancelled (``ok=False`` alone: not counted). ``what`` (with a trace: the array path,
+        chunk, tile, key and batch it read) goes with its span. ``submitted``: when its fill
+        job was submitted (a GET of a job submitted before the open epoch began is not
+        counted, see :meth:`_earlier`)."""
         now = _now()
         with self._lock:
             self._inflight.change(-1, now)
-            if ok and not self._earlier(submitted):
+            if (ok or failed is not None) and not self._earlier(submitted):
                 t = self.totals
                 t["get_s"] += now - started
                 t["gets"] += 1
                 t["bytes_fetched"] += nbytes
                 if self.trace is not None and what is not None:
                     path, chunk, tile, key, batch = what
-                    self.trace.get(started, now, path, chunk, tile, key, nbytes, batch)
+                    self.trace.get(started, now, path, chunk, tile, key, nbytes, batch, failed)
 
     def on_fill_submit(self, objects: int, now: float) -> None:
         """A fill job queued ``objects`` stored objects for the decode threads."""
@@ -553,6 +557,7 @@ class NullRecorder(EpochRecorder):
         ok: bool = True,
         what: tuple[Any, ...] | None = None,
         submitted: float | None = None,
+        failed: str | None = None,
     ) -> None:
         pass
 

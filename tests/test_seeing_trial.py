@@ -18,6 +18,10 @@ Found (each fixed; the test failed before the fix):
   block is one region of one sample-axis chunk: a one-tile field peaked at 2 GETs in flight
   with ``block_chunks`` 4 and 64 alike). The report now says why (``read_ahead_capped``:
   ``"epoch"`` or ``"patched"``) and what moves it instead.
+- A GET that failed (its object filled under ``on_bad_chunk="nan"``) was in neither the
+  report's GETs (70 against the store's 72 with two failing keys) nor its GET seconds, and had
+  no span: the time it held the epoch (a timeout's whole deadline) was a gap on the IO loop's
+  track. It now counts, with no bytes, and its span names the store's error.
 
 Tried and found right (kept as claims where cheap): on every workload above the report's
 GETs, bytes fetched and decodes equal the store's and the trace's (one ``GET`` span per store
@@ -36,6 +40,7 @@ the routed store (``s0/t2m/c/...``: the first store given) — documented in doc
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections import Counter
@@ -87,7 +92,7 @@ def _served(stores: list[tuple[CountingStore, Path]], before: list[dict[str, int
     return out
 
 
-def _size(root: Path, key: str) -> int:
+def _file_size(root: Path, key: str) -> int:
     path = root / key
     return path.stat().st_size if path.exists() else 0  # (a missing object: fill value)
 
@@ -117,11 +122,17 @@ def _check_epoch(
     indices: list[int],
     trace: dict[str, Any],
     stores: list[tuple[CountingStore, Path]],
+    failed: frozenset[str] = frozenset(),
 ) -> None:
-    """The report against the store and the batches, the trace against both."""
+    """The report against the store and the batches, the trace against both (``failed``: keys
+    whose GET raised, serving no bytes)."""
     events = trace["traceEvents"]
     assert report.gets == sum(served.values()), (report.gets, served)
-    fetched = sum(n * _size(stores[i][1], key) for (i, key), n in served.items())
+
+    def _size(i: int, key: str) -> int:
+        return 0 if key in failed else _file_size(stores[i][1], key)
+
+    fetched = sum(n * _size(i, key) for (i, key), n in served.items())
     assert report.bytes_fetched == fetched
     assert report.bytes_delivered == delivered and report.batches == len(indices)
     # well formed
@@ -139,12 +150,12 @@ def _check_epoch(
     # the GETs are the store's, key for key, with the bytes it served
     gets = [e["args"] for e in events if e["ph"] == "b" and e["name"] == "GET"]
     routed = len(stores) > 1  # a collection over several stores: keys routed as s<i>/<key>
-    keys = Counter(
+    where = [
         (int(a["key"].split("/", 1)[0][1:]), a["key"].split("/", 1)[1]) if routed else (0, a["key"])
         for a in gets
-    )
-    assert keys == served
-    assert all(a["bytes"] == _size(stores[i][1], k) for a, (i, k) in zip(gets, keys, strict=False))
+    ]
+    assert Counter(where) == served
+    assert [a["bytes"] for a in gets] == [_size(i, k) for i, k in where]
     counts = Counter(e["name"] for e in events if e["ph"] == "X")
     assert counts["decode"] == report.decodes
     assert counts["read"] + len(gets) == report.gets
@@ -400,3 +411,48 @@ def test_a_split_one_block_holds_is_not_told_to_raise_block_chunks(tmp_path: Pat
     assert r is not None and not r.read_ahead_capped
     text = suggestion_for(dataclasses.replace(r, limiting="store", inflight_peak=4))
     assert "raise block_chunks" in text, text
+
+
+class _SlowFailure(CountingStore):
+    """A CountingStore whose GET of ``bad`` takes 0.1 s and then raises ``OSError`` (an
+    endpoint that answers one object late with an error)."""
+
+    bad = "t2m/c/5/0/0"
+
+    def _with_store(self, store: Any) -> _SlowFailure:
+        return type(self)(store)
+
+    async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+        if key == self.bad:
+            with self._lock:
+                self.counts[key] += 1
+            await asyncio.sleep(0.1)
+            raise OSError("503 Slow Down")
+        return await super().get(key, prototype, byte_range)
+
+
+def test_a_failed_get_filled_under_on_bad_chunk_is_counted_and_in_the_trace(
+    tmp_path: Path,
+) -> None:
+    # a GET that failed (its object filled with NaN under on_bad_chunk="nan") was in neither
+    # the report's GETs (70 against the store's 72) nor its GET seconds, and had no span: the
+    # 0.1 s (a timeout's whole deadline) it held the epoch was a gap on the IO loop's track
+    root = write_era5(tmp_path / "e.zarr", n_time=16, n_lat=2, n_lon=4, n_level=1,
+                      samples_per_chunk=1)  # fmt: skip
+    store = _SlowFailure(zarr.storage.LocalStore(root, read_only=True))
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    fetch = FetchOptions(trace=True, on_bad_chunk="nan")
+    with insitu_pipeline(store, manifest, {"x": g["t2m"]}, batch_size=4, fetch=fetch) as pipe:
+        report, served, delivered, indices, trace = _epoch_seen(pipe, [(store, root)], tmp_path)
+    assert report.bad_chunks == 1 and sum(served.values()) == 16
+    _check_epoch(
+        report, served, delivered, indices, trace, [(store, root)], frozenset({_SlowFailure.bad})
+    )
+    failed = [e for e in trace["traceEvents"] if e["ph"] == "b" and "error" in e["args"]]
+    assert [(e["args"]["key"], e["args"]["bytes"], e["args"]["error"]) for e in failed] == [
+        (_SlowFailure.bad, 0, "OSError")
+    ]
+    end = next(e for e in trace["traceEvents"] if e["ph"] == "e" and e["id"] == failed[0]["id"])
+    assert end["ts"] - failed[0]["ts"] >= 0.1e6
+    assert report.get_s >= 0.1 and report.decodes == 15
