@@ -5,7 +5,9 @@ two stores concatenated) and the "small data kept" rule. The store's own counts
 (``CountingStore``: GETs, and the sizes of the files it served), the batches (the sum of
 their arrays' ``nbytes``) and ``json.load`` of the written trace are the oracles.
 
-Found (each fixed; the test failed before the fix):
+Found (each fixed; the test failed before the fix; left: a local read that raises
+``OSError`` and a decode that fails, filled under ``on_bad_chunk="nan"``, are still neither
+counted nor spanned as a read or decode — fast on local disk, unlike a remote GET's timeout):
 
 - A stack with a static member or a forcing, or a static label, given no batch transform:
   an epoch limited by the gather was told "batch_transforms run there: lighten the transforms
@@ -34,7 +36,17 @@ indices, and every GET's and decode's ``batch`` is the first batch that reads it
 split that does not fit re-reads every chunk, is told a budget the pipeline accepts, and with
 it reads nothing in epoch 1 (stack, patches); sharded stores (the shard is the GET; by hand);
 ``torch.profiler`` ranges ``insitu.*`` on four threads for a stack and a patched pipeline, one
-``insitu.fill_run`` per ``fill run`` span (by hand). A concatenation's GET spans name the key in
+``insitu.fill_run`` per ``fill run`` span, ``insitu.admit`` and ``insitu.wait_for_chunks``
+inside ``insitu.gather`` (by hand); rows decoded straight into batches (a split that does not
+fit): every ``decode`` span's ``batch`` and ``row`` are the batch row its sample landed in,
+and a local store's ``bytes_fetched`` is the files' sizes (by hand); patches: every GET's
+``tile`` is its key's and its ``batch`` the first whose windows touch the tile (by hand); a
+mid-epoch state resumed into a fresh pipeline: the report counts the rest of the epoch, the
+store's GETs, then the chunks read before the cut, then 0 (by hand); epochs through ``Loader``
+and through torch's ``DataLoader(as_dataset(pipe), batch_size=None)``: one report per epoch,
+numbered, 0 GETs once kept (by hand); chunk transforms on stack members: ``transforms`` =
+``transform`` spans = the calls (by hand); ``stats()``'s ``static_gets`` are the static
+members' objects the store served at build (by hand). A concatenation's GET spans name the key in
 the routed store (``s0/t2m/c/...``: the first store given) — documented in docs/tracing.md.
 """
 
