@@ -91,8 +91,9 @@ class EpochRecorder:
     ``pool`` is the pipeline's :class:`~insitubatch_nodes.pool.ChunkPool` (resident bytes,
     evictions, budget); ``split_bytes`` returns the bytes of every chunk epoch ``e`` reads and
     ``budget_floor`` the smallest explicit budget the pipeline accepts (both asked only when an
-    epoch had re-reads); ``dropped`` the plan's anchors dropped for missing steps,
-    per reason (asked for each report).
+    epoch had re-reads); ``read_ahead_capped`` why a larger ``block_chunks`` would read no
+    further ahead, or ``""``; ``dropped`` the plan's anchors dropped for missing steps, per
+    reason (both asked for each report: a few arithmetic steps, and the plan's count).
     """
 
     enabled = True
@@ -106,6 +107,7 @@ class EpochRecorder:
         batch_transforms: int = 0,
         split_bytes: Callable[[int], int] | None = None,
         budget_floor: Callable[[], int] | None = None,
+        read_ahead_capped: Callable[[], str] | None = None,
         dropped: Callable[[], Mapping[str, int]] | None = None,
         trace: bool = False,
         direct: bool | None = None,
@@ -120,6 +122,7 @@ class EpochRecorder:
         self.decode_threads = decode_threads
         self._split_bytes = split_bytes
         self._budget_floor = budget_floor
+        self._read_ahead_capped = read_ahead_capped
         self._lock = threading.Lock()
         self._inflight = _Level()
         self._depth = _Level()
@@ -145,22 +148,26 @@ class EpochRecorder:
         ok: bool = True,
         what: tuple[Any, ...] | None = None,
         submitted: float | None = None,
+        failed: str | None = None,
     ) -> None:
-        """A GET ended: with its bytes, or (``ok=False``) failed or cancelled (not counted).
-        ``what`` (with a trace: the array path, chunk, tile, key and batch it read) goes with
-        its span. ``submitted``: when its fill job was submitted (a GET of a job submitted
-        before the open epoch began is not counted, see :meth:`_earlier`)."""
+        """A GET ended: with its bytes; or failed (``ok=False``, ``failed`` the name of the
+        error the store raised: counted, with no bytes, and its span names the error — the
+        store was asked and the epoch spent that time, a timeout's whole deadline); or was
+        cancelled (``ok=False`` alone: not counted). ``what`` (with a trace: the array path,
+        chunk, tile, key and batch it read) goes with its span. ``submitted``: when its fill
+        job was submitted (a GET of a job submitted before the open epoch began is not
+        counted, see :meth:`_earlier`)."""
         now = _now()
         with self._lock:
             self._inflight.change(-1, now)
-            if ok and not self._earlier(submitted):
+            if (ok or failed is not None) and not self._earlier(submitted):
                 t = self.totals
                 t["get_s"] += now - started
                 t["gets"] += 1
                 t["bytes_fetched"] += nbytes
                 if self.trace is not None and what is not None:
                     path, chunk, tile, key, batch = what
-                    self.trace.get(started, now, path, chunk, tile, key, nbytes, batch)
+                    self.trace.get(started, now, path, chunk, tile, key, nbytes, batch, failed)
 
     def on_fill_submit(self, objects: int, now: float) -> None:
         """A fill job queued ``objects`` stored objects for the decode threads."""
@@ -462,6 +469,8 @@ class EpochRecorder:
             r.split_bytes = self._split_bytes(r.epoch)
             if self._budget_floor is not None:
                 r.budget_floor = self._budget_floor()
+        if self._read_ahead_capped is not None:
+            r.read_ahead_capped = self._read_ahead_capped()
         r.suggestion = suggestion_for(r)
         if self._dropped is not None:
             r.dropped = {why: int(n) for why, n in self._dropped().items()}
@@ -548,6 +557,7 @@ class NullRecorder(EpochRecorder):
         ok: bool = True,
         what: tuple[Any, ...] | None = None,
         submitted: float | None = None,
+        failed: str | None = None,
     ) -> None:
         pass
 

@@ -171,11 +171,16 @@ class EpochReport:
     budget_bytes: int = 0
     auto_budget: bool = True
     direct: bool | None = None  # FetchOptions.direct
-    batch_transforms: int = 0
+    batch_transforms: int = 0  # the batch transforms given (not the static fields and stack
+    # constants the pipeline writes into each batch itself)
     split_bytes: int | None = None  # every chunk the epoch read, in bytes (when re-reads > 0)
     # the smallest cache_budget_bytes the pipeline accepts for its views (the working-set floor
     # every epoch of every rank fits: schedule_floors' guaranteed), when re-reads > 0
     budget_floor: int | None = None
+    # why a larger block_chunks would read no further ahead, or "": "epoch" - one block holds
+    # every chunk of this rank's epoch; "patched" - a patched plan's block is one region of one
+    # sample-axis chunk, and the region already holds every tile the windows start in
+    read_ahead_capped: str = ""
     limiting: Stage = "consumer"
     suggestion: str = ""
     # anchors of the split the plan dropped for missing steps, per reason (the plan's
@@ -410,7 +415,9 @@ def suggestion_for(r: EpochReport) -> str:
       more decode threads for a disk that serves reads in parallel (``max_inflight`` does not
       apply there);
     * store-limited with ``max_inflight`` saturated (the peak reached it): raise it (doubled);
-      not saturated: the read-ahead bounds the GETs — raise ``block_chunks``;
+      not saturated: the read-ahead bounds the GETs — raise ``block_chunks``, unless a larger
+      block reads no further ahead (``read_ahead_capped``: one block holds the epoch's chunks,
+      or patched views' region the whole field), then more samples per chunk;
     * decode-limited: more decode threads while they are fewer than the cores, else more cores
       or a cheaper codec; when the chunk transforms took the threads longer than reading and
       decoding, it names them (their seconds, per chunk) and says to lighten them instead of
@@ -478,6 +485,19 @@ def suggestion_for(r: EpochReport) -> str:
             return (
                 f"GETs in flight reached max_inflight={r.max_inflight} (mean "
                 f"{r.inflight_mean:.1f}); raise it, e.g. max_inflight={2 * r.max_inflight}"
+            )
+        if r.read_ahead_capped:
+            why = (
+                "patched views read ahead one region of tiles of one sample-axis chunk, and the "
+                "region already holds every tile of the field"
+                if r.read_ahead_capped == "patched"
+                else "one block already holds every chunk of the epoch"
+            )
+            return (
+                f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: "
+                f"{why}, so a larger block_chunks reads no further ahead: the epoch waits on "
+                "each GET's latency. A store with more samples per chunk (fewer, larger GETs) "
+                "moves it"
             )
         return (
             f"GETs in flight peaked at {r.inflight_peak} < max_inflight={r.max_inflight}: the "

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import numpy as np
 
@@ -80,6 +80,10 @@ class StackConstants:
     each label is assembled with (its ``batch_views``); :meth:`add` prepares the constants of
     stacks given later (module docstring). Without a plan, the stacks given here are written.
     """
+
+    #: the pipeline's own constants, not a transform the user gave (the epoch report's
+    #: ``batch_transforms`` leaves it out)
+    pipeline_constants: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -38,7 +38,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
@@ -267,6 +267,10 @@ class StaticFields:
     :func:`keep_static_labels` holds a later set of views to). ``patches``: the windows of the
     batches' patched labels, if any; a static label with a patched dimension is then cut to
     each row's window (:class:`StaticCut`; ``ValueError`` here for one that cannot be)."""
+
+    #: the pipeline's own constants, not a transform the user gave (the epoch report's
+    #: ``batch_transforms`` leaves it out)
+    pipeline_constants: ClassVar[bool] = True
 
     def __init__(
         self,

@@ -84,19 +84,22 @@ class PackedSpans:
     * :data:`MISSING` — a missing object filled with the fill value, ``t1`` to ``t2``;
     * :data:`TRANSFORM` — a chunk transform, ``t1`` to ``t2``;
     * :data:`GET` — a GET, ``t0`` to ``t1``; its row is its batch, its extra its bytes, and
-      its key the next of :attr:`keys`.
+      its key the next of :attr:`keys`; one that failed has its error's name in
+      :attr:`errors` (by record number).
 
     One buffer belongs to one thread while it records (a decode thread's run, or the IO loop's
     GETs); ``batch`` is the batch of a run's spans.
     """
 
-    __slots__ = ("_ref_of", "batch", "keys", "records", "refs")
+    __slots__ = ("_ref_of", "batch", "errors", "keys", "records", "refs")
 
     def __init__(self, batch: int = -1) -> None:
         self.batch = batch
         self.records: list[float] = []
         self.refs: list[tuple[str, tuple[int, ...]]] = []
         self.keys: list[str] = []
+        #: record number -> the name of the error a failed GET raised (few: kept aside)
+        self.errors: dict[int, str] = {}
         self._ref_of: dict[tuple[str, tuple[int, ...]], int] = {}
 
     def __len__(self) -> int:
@@ -122,6 +125,7 @@ class PackedSpans:
         """A snapshot (for the report of an epoch in progress)."""
         out = PackedSpans(self.batch)
         out.records, out.refs, out.keys = list(self.records), list(self.refs), list(self.keys)
+        out.errors = dict(self.errors)
         return out
 
     def spans(self, tid: int) -> Iterator[Span]:
@@ -135,6 +139,9 @@ class PackedSpans:
             if kind == GET:
                 args = {"array": path, "chunk": chunk, "tile": list(tile), "key": next(keys),
                         "bytes": int(extra), "batch": row}  # fmt: skip
+                failed = self.errors.get(i // 8)
+                if failed is not None:
+                    args["error"] = failed
                 yield ("GET", t0, t1, tid, args)
                 continue
             ids = (path, chunk, tile, batch, row)
@@ -181,13 +188,16 @@ class TraceLog:
 
     def get(
         self, t0: float, t1: float, path: str, chunk: int, tile: tuple[int, ...], key: str,
-        nbytes: int, batch: int,
+        nbytes: int, batch: int, failed: str | None = None,
     ) -> None:  # fmt: skip
-        """A GET of the calling thread (one thread at a time: the recorder's lock)."""
+        """A GET of the calling thread (one thread at a time: the recorder's lock); ``failed``:
+        the name of the error it raised."""
         tid = self.thread()
         buf = self.gets.get(tid)
         if buf is None:
             buf = self.gets[tid] = PackedSpans()
+        if failed is not None:
+            buf.errors[len(buf)] = failed
         buf.add(GET, t0, t1, t1, buf.ref(path, tile), chunk, batch, nbytes)
         buf.keys.append(key)
 
@@ -213,7 +223,7 @@ class TraceLog:
             for tid, (n_records, n_keys) in n_gets.items():
                 buf, part = by_thread[tid], PackedSpans()
                 part.records, part.refs = buf.records[:n_records], buf.refs
-                part.keys = buf.keys[:n_keys]
+                part.keys, part.errors = buf.keys[:n_keys], buf.errors
                 cut.append((tid, part))
             return spans[:n_spans], [*packed[:n_packed], *cut]
         if keep:

@@ -33,6 +33,7 @@ __all__ = [
     "PatchLayout",
     "WindowUnits",
     "patch_spec",
+    "region_count",
     "touched_tiles",
     "unit_chunk_tile",
     "unit_geometry",
@@ -72,6 +73,28 @@ def _uniform(keys: np.ndarray, seed: int, epoch: int, axis: int) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) * 2.0**-53
 
 
+def _regions(
+    spec: Patches, block_tiles: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, ...], int, tuple[int, ...]]:
+    """``(first, last, home0, home_grid, side, region_grid)`` of :class:`PatchLayout`: the
+    origins' first and last along each axis (every window within the bounds), the first home
+    tile, the home tiles per axis, the region's side in tiles and the regions per axis."""
+    first = np.asarray([lo for lo, _ in spec.bounds], dtype=np.int64)
+    last = np.asarray([hi - e for (_, hi), e in zip(spec.bounds, spec.extent, strict=True)])
+    t = np.asarray(spec.tile, dtype=np.int64)
+    home0 = first // t
+    home_grid = tuple(int(n) for n in last // t - home0 + 1)
+    side = max(1, round(block_tiles ** (1.0 / spec.n_axes)))
+    return first, last, home0, home_grid, side, tuple(math.ceil(h / side) for h in home_grid)
+
+
+def region_count(spec: Patches, block_tiles: int) -> int:
+    """The regions of one sample-axis chunk a plan of ``block_chunks=block_tiles`` cuts the
+    windows' home tiles into (:class:`PatchLayout`'s ``n_regions``, without its patches): 1
+    when one region already holds every tile, and a larger block reads no further ahead."""
+    return math.prod(_regions(spec, block_tiles)[-1])
+
+
 class PatchLayout:
     """The patches of one plan: their order, home tiles, regions and origins.
 
@@ -82,14 +105,8 @@ class PatchLayout:
     def __init__(self, spec: Patches, block_tiles: int) -> None:
         self.spec = spec
         k = spec.n_axes
-        # origins along each axis: [first, last], so that every window lies within the bounds
-        first = np.asarray([lo for lo, _ in spec.bounds], dtype=np.int64)
-        last = np.asarray([hi - e for (_, hi), e in zip(spec.bounds, spec.extent, strict=True)])
+        first, last, home0, self.home_grid, self.side, region_grid = _regions(spec, block_tiles)
         t = np.asarray(spec.tile, dtype=np.int64)
-        home0 = first // t  # the first home tile along each axis
-        self.home_grid = tuple(int(n) for n in last // t - home0 + 1)
-        self.side = max(1, round(block_tiles ** (1.0 / k)))
-        region_grid = tuple(math.ceil(h / self.side) for h in self.home_grid)
         self.n_regions = math.prod(region_grid)
         if spec.origins == "grid":
             assert spec.stride is not None

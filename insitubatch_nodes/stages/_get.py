@@ -140,7 +140,12 @@ class GetQueue:
         if error is None:
             self.pool.note_io(1, nbytes)
         what = None if rec.trace is None else (array.path, chunk, tile, key, job.batch)
-        rec.on_get_end(started, nbytes, ok=error is None, what=what, submitted=job.submitted)
+        failed = None  # a read that failed (not one cancelled): counted, its error named
+        if error is not None and not isinstance(error, FillCancelled):
+            failed = type(error.__cause__ or error).__name__
+        rec.on_get_end(
+            started, nbytes, ok=error is None, what=what, submitted=job.submitted, failed=failed
+        )
         if error is None and ids is not None and meta:  # what identifies the object
             ids.note(array.path, array.entry_index(chunk, tile), key, meta_identity(meta[0]))
         self._land(job, [Queued(unit, _now(), raw, error, permit=True)])

@@ -35,7 +35,7 @@ from insitubatch_nodes import _runtime
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held, held_by_path, held_geometry
 from insitubatch_nodes.options import FetchOptions
-from insitubatch_nodes.plan.patches import unit_geometry
+from insitubatch_nodes.plan.patches import patch_spec, region_count, unit_geometry
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
@@ -154,6 +154,7 @@ class StageContext:
                 decode_threads=len(_runtime.decode_pool(options.decode_threads).threads),
                 split_bytes=functools.partial(_split_bytes, plan, slot_geoms),
                 budget_floor=functools.partial(_budget_floor, plan),
+                read_ahead_capped=functools.partial(_read_ahead_capped, plan),
                 dropped=lambda: plan.epoch_plan().dropped,
                 trace=options.trace,
                 direct=options.direct,
@@ -318,3 +319,15 @@ def _budget_floor(plan: ReadPlanNode) -> int:
     ``insitu_pipeline`` and ``set_views`` check a budget against (every epoch of every rank
     fits it), which a rank's epoch can read less than."""
     return schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held).guaranteed
+
+
+def _read_ahead_capped(plan: ReadPlanNode) -> str:
+    """Why a larger ``block_chunks`` would read no further ahead (:class:`~insitubatch_nodes.
+    report.EpochReport`'s ``read_ahead_capped``), or ``""``: ``"patched"`` — a patched plan's
+    block is one region of one sample-axis chunk, and one region already holds every tile the
+    windows start in; ``"epoch"`` — one block already holds every chunk of this rank's epoch.
+    A few arithmetic steps over the current plan."""
+    spec = patch_spec(plan.views)
+    if spec is not None:
+        return "patched" if region_count(spec, plan.block_chunks) == 1 else ""
+    return "epoch" if len(plan.epoch_plan().chunks) <= plan.block_chunks else ""

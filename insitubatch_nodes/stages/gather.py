@@ -271,8 +271,7 @@ class GatherNode(BaseNode[Batch]):
         }
         self._size(self.buffers.rows)
         self.recorder = context.recorder
-        if self.recorder.enabled:
-            self.recorder.batch_transforms = len(self.batch_transforms)
+        self._count_transforms()
         claim(self, source)
 
     def _size(self, rows: int) -> None:
@@ -356,8 +355,16 @@ class GatherNode(BaseNode[Batch]):
         set_views`` puts there the constants of channel stacks a pipeline built without any
         is given)."""
         self.batch_transforms = (*check_batch_transforms([transform]), *self.batch_transforms)
+        self._count_transforms()
+
+    def _count_transforms(self) -> None:
+        """Tell the report how many batch transforms were given: not the static fields and
+        stack constants the pipeline writes into each batch itself (its gather-limited advice,
+        to lighten them or move them to the consumer, is for transforms the user can touch)."""
         if self.recorder.enabled:
-            self.recorder.batch_transforms = len(self.batch_transforms)
+            self.recorder.batch_transforms = sum(
+                not getattr(t, "pipeline_constants", False) for t in self.batch_transforms
+            )
 
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
         super().reset(initial_state)
