@@ -479,3 +479,32 @@ def test_a_failed_get_filled_under_on_bad_chunk_is_counted_and_in_the_trace(
     end = next(e for e in trace["traceEvents"] if e["ph"] == "e" and e["id"] == failed[0]["id"])
     assert end["ts"] - failed[0]["ts"] >= 0.1e6
     assert report.get_s >= 0.1 and report.decodes == 15
+
+
+def test_a_read_that_failed_before_its_get_leaves_no_get_in_flight(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the GET was counted as started before its key was made; a key that raised (a bug path:
+    # it fails the batch) never ended it, and the report's GETs in flight stayed one up for the
+    # rest of the pipeline's life
+    from insitubatch_nodes.stages import _jobs
+
+    root = write_era5(tmp_path / "e.zarr", n_time=8, n_lat=2, n_lon=4, n_level=1,
+                      samples_per_chunk=1)  # fmt: skip
+    store = counting_store(root)
+    g = open_geometries(store)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    key = _jobs.ArrayFill.key
+
+    def broken(self: Any, chunk: int, tile: tuple[int, ...]) -> str:
+        if chunk == 3:
+            raise RuntimeError("no key")
+        return key(self, chunk, tile)
+
+    monkeypatch.setattr(_jobs.ArrayFill, "key", broken)
+    pipe = insitu_pipeline(store, manifest, {"x": g["t2m"]}, batch_size=2, shuffle=False)
+    with pipe, pytest.raises(RuntimeError, match="no key"):
+        for _ in pipe:
+            pass
+    # closed: every GET it started has ended (read, failed or cancelled)
+    assert pipe.recorder._inflight.value == 0

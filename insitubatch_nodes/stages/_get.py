@@ -114,7 +114,6 @@ class GetQueue:
         cache = self.pool.cache
         ids = None if cache is None else cache.identity
         meta: list[Any] | None = None if ids is None else []
-        started = rec.on_get_start()
         raw: Any = None
         error: BaseException | None = None
         try:
@@ -122,6 +121,7 @@ class GetQueue:
         except Exception as exc:  # a bug, not a read error: it fails the batch as it is
             self._land(job, [Queued(unit, _now(), error=exc, permit=True)])
             return
+        started = rec.on_get_start()  # (after the key: a GET that never started never ends)
         try:
             raw = await (self._get(key) if meta is None else self._get(key, meta))
         except asyncio.CancelledError as exc:
