@@ -8,7 +8,8 @@ step absent from the times; GraphCast's and anemoi's *tendency* statistics; with
 the samples are its anchors and a step is the stride). Each is computed **per channel**:
 reduced over the samples and the last two field axes (the horizontal grid), kept along the
 others, so a ``(level, lat, lon)`` view has one value per level, a ``(lat, lon)`` view one value.
-A static view's statistics are its field's (no differences).
+A static view's statistics are its field's, and it has no differences; nor has a view on product
+sample axes (``(t, z)`` planes): rows next on its virtual axis are no one step of anything.
 
 One pass: the pipeline's own engine reads every chunk of the split once, in sample order (no
 shuffle; a chunk never read twice), with the views' selections; each batch is accumulated in
@@ -433,7 +434,7 @@ def fit_statistics(
     sampled = {label: v for label, v in plain.items() if not v.static}
     static = {label: v for label, v in plain.items() if v.static}
     moments = {label: _Moments() for label in plain}
-    diffs = {label: _Moments() for label in sampled}
+    diffs = {label: _Moments() for label, v in sampled.items() if v.product is None}
     last: dict[str, tuple[int, np.ndarray]] = {}
     anchors: dict[str, Any] = {}  # (a stride, missing steps: none for every sample)
     if sampled and not manifest.chunks(split):
@@ -464,7 +465,7 @@ def fit_statistics(
         try:
             for batch in pipe:
                 for label, view in sampled.items():
-                    _accumulate(batch, label, view, moments[label], diffs[label], last, apart)
+                    _accumulate(batch, label, view, moments[label], diffs.get(label), last, apart)
         finally:
             pipe.close()
     if static:
@@ -478,10 +479,8 @@ def fit_statistics(
         fields["mean"][label], fields["std"][label] = r["mean"], r["std"]
         fields["min"][label], fields["max"][label] = r["min"], r["max"]
         fields["count"][label], fields["nan_count"][label] = r["count"], r["nan"]
-        if label in diffs:
-            fields["diff_std"][label] = diffs[label].result(channels)["std"]
-        else:
-            fields["diff_std"][label] = np.full(channels, np.nan)
+        d = diffs[label].result(channels)["std"] if label in diffs else np.full(channels, np.nan)
+        fields["diff_std"][label] = d  # NaN: static, or on product sample axes
     dataset = {
         "store": describe_store(zstore),
         "split": split,
@@ -545,7 +544,7 @@ def _accumulate(
     label: str,
     view: ArrayGeometry,
     moments: _Moments,
-    diffs: _Moments,
+    diffs: _Moments | None,
     last: dict[str, tuple[int, np.ndarray]],
     apart: Any,
 ) -> None:
@@ -553,6 +552,8 @@ def _accumulate(
     idx = np.asarray(batch.sample_indices[label])
     channels = _channels(view.inner_shape)
     moments.add(_as_channels(x, channels))
+    if diffs is None:  # product sample axes: no one step (module docstring)
+        return
     # one-step differences between consecutive anchors one step apart (``apart``), across the
     # batch edge too: taken in the data's float dtype (each within half an ulp of the float64
     # difference), in float64 for other dtypes, and summed in float64
