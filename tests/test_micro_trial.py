@@ -280,3 +280,28 @@ def test_one_step_differences_on_product_sample_axes_are_nan_not_pairs_across_a_
                              for m in coll.members])  # fmt: skip
     np.testing.assert_allclose(stats.mean["img"], [planes.mean()], rtol=1e-12)
     np.testing.assert_allclose(stats.std["img"], [planes.std()], rtol=1e-12)
+
+
+def test_a_plate_made_with_absent_wells_lacks_them_and_the_rows_name_the_rest(
+    tmp_path: Path,
+) -> None:
+    # before: make_hcs_plate(absent_wells=["A/2"]) without wells= wrote A/2 all the same, so a
+    # user testing how the loader meets a lost well trained on it without a warning
+    path = make_hcs_plate(tmp_path / "a.zarr", rows=2, columns=2, fields=1, levels=1,
+                          shape=(1, 1, 2, 16, 16), labels=(), absent_wells=["A/2"])  # fmt: skip
+    assert not (Path(path) / "A" / "2").exists()
+    with pytest.warns(UserWarning, match="A/2"):
+        coll = open_plate(path, sample_axis="z")
+    assert list(coll.members) == ["A/1/0", "B/1/0", "B/2/0"]
+    seen = set()
+    with insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), {"x": coll["image"]},
+                         batch_size=4) as pipe:  # fmt: skip
+        for batch in Loader(pipe):
+            for r, m in enumerate(np.asarray(batch.members["x"])):
+                name, z = coll.members[int(m)], int(batch.sample_indices["x"][r])
+                assert coll.keys["well"][int(m)] == name.rsplit("/", 1)[0]
+                np.testing.assert_array_equal(batch["x"][r], _field(Path(path), name)[:, :, z])
+                seen.add((name, z))
+    assert len(seen) == 3 * 2
+    with pytest.raises(ValueError, match="both"):
+        make_hcs_plate(tmp_path / "b.zarr", wells=["A/1"], absent_wells=["A/1"])

@@ -74,7 +74,8 @@ def make_hcs_plate(
       or the ``"A/1"``-style paths in ``wells`` (a *sparse* plate). Each lists ``fields``
       images ``"0"``, ``"1"``, ...; field ``f`` of well ``R/C`` is the group ``R/C/f``.
     * ``absent_wells`` are listed in the plate metadata but never written (no group): a plate
-      whose acquisition lost wells.
+      whose acquisition lost wells (the rest of ``wells``, or of the grid; a well named in both
+      is a ``ValueError``).
     * ``acquisitions=n`` lists acquisitions ``0..n-1`` in the plate metadata and has field
       ``f`` of every well name acquisition ``f % n`` in its well's metadata (each acquisition
       imaged every well again); ``None`` (the default) lists none, as a plate of one
@@ -113,8 +114,11 @@ def make_hcs_plate(
     row_names = plate_row_names(n_rows)
     col_names = [str(c + 1) for c in range(n_cols)]
     grid = [f"{r}/{c}" for r in row_names for c in col_names]
-    present = list(grid) if wells is None else [str(w) for w in wells]
     absent = [str(w) for w in absent_wells]
+    present = [w for w in grid if w not in absent] if wells is None else [str(w) for w in wells]
+    both = sorted(set(present) & set(absent))
+    if both:
+        raise ValueError(f"wells {both} are both in wells and absent_wells: name each in one")
     unknown = [w for w in (*present, *absent) if w not in grid]
     if unknown:
         raise ValueError(f"wells {unknown} are not on the {n_rows} x {n_cols} plate")
