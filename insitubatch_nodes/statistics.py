@@ -393,15 +393,13 @@ def fit_statistics(
     normalises it), in one pass over the split's chunks (module docstring). ``store`` is what
     :func:`~insitubatch_nodes.pipeline.insitu_pipeline` takes, a collection included (its
     members' own samples count, never their padding, and no difference spans two members). A
-    view's shift is ignored (the statistics are of its array, as selected). A ``split`` that
-    holds no chunk is refused (``ValueError``) when a view is sampled: its statistics would
-    be NaN. Every rank that calls it reads the whole split (``rank=0, world_size=1``): fit once
+    view's shift and window are ignored (the statistics, per channel, are of its array, as
+    selected). A ``split`` that holds no chunk is refused (``ValueError``) when a view is
+    sampled. Every rank that calls it reads the whole split (``rank=0, world_size=1``): fit once
     and share the saved file; ``rank``, ``world_size``, ``shuffle`` and ``coords`` among
-    ``pipeline_options`` are a ``TypeError`` (the fit sets them). A window view's window is
-    ignored too (its statistics, per channel, are those of every step). ``pipeline_options`` go
-    to :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (e.g.
-    ``cache_budget_bytes``; the fetch settings as ``fetch=FetchOptions(...)`` or as its
-    keywords). A patched view's statistics are those of its field within the box its windows lie
+    ``pipeline_options`` are a ``TypeError`` (the fit sets them); the others go to
+    :func:`~insitubatch_nodes.pipeline.insitu_pipeline` (``cache_budget_bytes``, ``fetch=``,
+    ...). A patched view's statistics are those of its field within the box its windows lie
     in (``within``, else the whole field; the fit reads whole samples of it), so a patched stack
     member is normalised with the statistics of every point it may cut. The pass keeps nothing
     for a next epoch: rows read by one sample are decoded straight into the batches
@@ -435,7 +433,7 @@ def fit_statistics(
     static = {label: v for label, v in plain.items() if v.static}
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label, v in sampled.items() if v.product is None}
-    last: dict[str, tuple[int, np.ndarray]] = {}
+    last: dict[str, tuple[int, np.ndarray, int]] = {}
     anchors: dict[str, Any] = {}  # (a stride, missing steps: none for every sample)
     if sampled and not manifest.chunks(split):
         held = {name: len(manifest.chunks(name)) for name in manifest.splits}
@@ -460,12 +458,14 @@ def fit_statistics(
             **pipeline_options,
         )
         apart = _one_step(pipe.stages.plan, zstore)
+        separate = isinstance(store, Collection) and not store.continuous  # own indices each
         config = pipe.stages.plan.config()  # the samples fitted, beyond the split's chunks
         anchors = {key: config[key] for key in ("stride", "missing_steps") if key in config}
         try:
             for batch in pipe:
                 for label, view in sampled.items():
-                    _accumulate(batch, label, view, moments[label], diffs.get(label), last, apart)
+                    _accumulate(batch, label, view, moments[label], diffs.get(label), last,
+                                apart, separate)  # fmt: skip
         finally:
             pipe.close()
     if static:
@@ -545,8 +545,9 @@ def _accumulate(
     view: ArrayGeometry,
     moments: _Moments,
     diffs: _Moments | None,
-    last: dict[str, tuple[int, np.ndarray]],
+    last: dict[str, tuple[int, np.ndarray, int]],
     apart: Any,
+    separate: bool,
 ) -> None:
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
@@ -558,10 +559,13 @@ def _accumulate(
     # batch edge too: taken in the data's float dtype (each within half an ulp of the float64
     # difference), in float64 for other dtypes, and summed in float64
     wide = np.float64 if x.dtype.kind != "f" or x.dtype.itemsize < 4 else x.dtype
-    if label in last and len(idx) and apart(np.array([last[label][0]]), idx[:1])[0]:
-        edge = np.subtract(x[:1], last[label][1][None], dtype=wide)
+    # a collection's members count their samples apart: a step never joins two (``separate``)
+    own = np.asarray(batch.members[label]) if separate else np.zeros(len(idx), np.int64)
+    prev = last.get(label)
+    if prev and len(idx) and prev[2] == own[0] and apart(np.array(prev[:1]), idx[:1])[0]:
+        edge = np.subtract(x[:1], prev[1][None], dtype=wide)
         diffs.add(_as_channels(edge, channels), extrema=False)
-    step = apart(idx[:-1], idx[1:])
+    step = apart(idx[:-1], idx[1:]) & (own[1:] == own[:-1])
     if step.all() and len(idx) > 1:
         diff = np.subtract(x[1:], x[:-1], dtype=wide)
         diffs.add(_as_channels(diff, channels), extrema=False)
@@ -570,17 +574,14 @@ def _accumulate(
         diff = np.subtract(x[at + 1], x[at], dtype=wide)
         diffs.add(_as_channels(diff, channels), extrema=False)
     if len(idx):
-        last[label] = (int(idx[-1]), np.array(x[-1]))
+        last[label] = (int(idx[-1]), np.array(x[-1]), int(own[-1]))
 
 
 def _one_step(plan: Any, zstore: Any) -> Any:
-    """``apart(a, b)``: whether anchors ``b`` are one step of the pass after anchors ``a``
-    (elementwise): the next sample, or with a ``stride`` the next anchor, ``k`` samples on
-    (an int ``k``) or the stride's time on (a time stride: by the samples' times). Where the
-    anchor array has a time coordinate (read by the plan, else here, once), ``k`` samples on
-    must also be ``k`` of the data's steps on in time: the samples either side of a step
-    absent from the times (a gap, a missing date) are two steps apart, not one. A collection's
-    times are read only when the plan reads them (``missing=``, a time stride)."""
+    """``apart(a, b)``: whether anchors ``b`` are one step (``k`` samples, or a time stride's
+    time) after anchors ``a``, elementwise; where the anchor array has times (read by the plan,
+    else here, once; a collection's only by the plan), ``k`` samples on must also be ``k`` data
+    steps on in time: samples either side of a missing date are two steps apart, not one."""
     stride = plan.plan_config.stride
     steps = plan.manifest.steps
     if isinstance(stride, np.timedelta64):

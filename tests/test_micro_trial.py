@@ -14,6 +14,13 @@ Found (fixed):
   the tendency along t nor the step along z (measured: 211.4 where along t is 91.8, along z
   210.1). A step has no single meaning on product axes (``shift`` and ``window`` are refused
   there for that reason): ``diff_std`` is now NaN for them, as for a static label.
+- ``fit_statistics`` paired rows of two fields in ``diff_std`` (docs: "no difference spans two
+  members"): with a plate's chunks drawn into splits by ``split_by_chunk(contiguous=False)``,
+  field A/1/1's plane 0 met A/2/0's plane 1 in the pass, and member-local sample indices one
+  apart were taken for one step (26714 / 27037 where the steps within fields give 26779 /
+  26958). The step now also needs the same member, on collections of separate members.
+- ``make_hcs_plate(absent_wells=[...])`` without ``wells=`` wrote the absent wells all the
+  same, so a plate meant to have lost wells had them (``open_plate`` read them, no warning).
 
 Tried and found right:
 
@@ -40,6 +47,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +55,14 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_plate, split_by_member, stack
+from insitubatch_nodes import (
+    Loader,
+    insitu_pipeline,
+    open_plate,
+    split_by_chunk,
+    split_by_member,
+    stack,
+)
 from insitubatch_nodes.statistics import fit_statistics
 from insitubatch_nodes.synthetic import make_hcs_plate
 
@@ -305,3 +320,27 @@ def test_a_plate_made_with_absent_wells_lacks_them_and_the_rows_name_the_rest(
     assert len(seen) == 3 * 2
     with pytest.raises(ValueError, match="both"):
         make_hcs_plate(tmp_path / "b.zarr", wells=["A/1"], absent_wells=["A/1"])
+
+
+def test_one_step_differences_never_pair_two_fields_of_a_plate_split_by_chunk(
+    plate: Path,
+) -> None:
+    # before: with the chunks of a plate drawn into splits (split_by_chunk, contiguous=False),
+    # field A/1/1's plane 0 was paired with A/2/0's plane 1 where they met in the pass (its
+    # plane 0 in the other split): 26714 / 27037 where the z-steps within fields give
+    # 26779 / 26958
+    coll = open_plate(plate, sample_axis="z")
+    view = coll["image"]
+    manifest = split_by_chunk(view, (0.5, 0.5, 0.0), contiguous=False, seed=1)
+    stats = fit_statistics(coll, manifest, {"x": view})
+    rows = []
+    with insitu_pipeline(coll, manifest, {"x": view}, shuffle=False, batch_size=4) as pipe:
+        for batch in Loader(pipe):
+            members, planes = batch.members["x"], batch.sample_indices["x"]
+            rows += [(coll.members[int(m)], int(z)) for m, z in zip(members, planes, strict=True)]
+    assert any(a[0] != b[0] and b[1] == a[1] + 1 for a, b in pairwise(rows))  # the trap
+    fields = {m: _field(plate, m).astype(np.float64) for m in coll.members}
+    steps = [fields[m][:, :, z + 1] - fields[m][:, :, z]
+             for (m, z), after in pairwise(rows) if after == (m, z + 1)]  # fmt: skip
+    within = np.stack(steps, axis=2).reshape(1, 2, -1)
+    np.testing.assert_allclose(stats.diff_std["x"], within.std(-1), rtol=1e-12)
