@@ -41,6 +41,23 @@ Tried and found right:
   labels of their own; ``normalize=`` on uint16 members is refused pointing to
   ``stats.normalizer``; a stack member with the plate's t axis left in is refused saying to
   select it away.
+
+Tried by hand (not kept here) and found right: a StatefulDataLoader (``as_dataset``,
+``to_item``) resumed after two batches of random image / mask patches with a normalizer
+delivers the rest of the epoch, each window numpy's; ``Statistics.load`` refuses another
+manifest; the normalizer refuses DAPI's statistics for GFP (``isel(c=0)`` against a fit of
+``sel(c="GFP")``) and a fit of ``[DAPI, GFP]`` for ``[GFP, DAPI]``; ``within=`` statistics equal
+numpy over the box; two ranks deal the train fields' planes disjointly, all of them.
+
+Seen, not changed: statistics fitted on a plate's level 0 standardise a view of its level 1 (or
+of another plate's ``image``) without a word: a collection's array path is
+``collection-<hash>:<variable>`` and any two collections' views of one variable name pass as
+one quantity (so that a ``subset``'s statistics serve the others). Telling a level or a plate
+apart needs the collection's store and each variable's array path in what is compared: an
+identity change of collection paths. And ``patches(..., origins="random", per_tile=3)`` on a
+field of one 96 x 96 tile with 64 x 64 windows draws 1 window per plane, not 3: the tile's
+valid origins (33 x 33) count as a share of the tile, as for an edge tile (documented), which
+a field stored as one chunk always is.
 """
 
 from __future__ import annotations
