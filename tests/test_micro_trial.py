@@ -54,10 +54,9 @@ of another plate's ``image``) without a word: a collection's array path is
 ``collection-<hash>:<variable>`` and any two collections' views of one variable name pass as
 one quantity (so that a ``subset``'s statistics serve the others). Telling a level or a plate
 apart needs the collection's store and each variable's array path in what is compared: an
-identity change of collection paths. And ``patches(..., origins="random", per_tile=3)`` on a
-field of one 96 x 96 tile with 64 x 64 windows draws 1 window per plane, not 3: the tile's
-valid origins (33 x 33) count as a share of the tile, as for an edge tile (documented), which
-a field stored as one chunk always is.
+identity change of collection paths. (``patches(..., origins="random", per_tile=3)`` on a
+field of one 96 x 96 tile with 64 x 64 windows drew 1 window per plane, not 3, its 33 x 33
+start positions taken as an edge tile's share: fixed since, see tests/test_patches.py.)
 """
 
 from __future__ import annotations

@@ -338,6 +338,26 @@ def test_random_origins_are_seeded_new_each_epoch_and_stratified_by_tile(tmp_pat
         assert len(counts) == 3 * 9 and set(counts.tolist()) == {4}
 
 
+@pytest.mark.parametrize(("per_tile", "want"), [(3, 3), (None, 1), (5, 5)])
+def test_a_field_of_one_tile_takes_per_tile_random_windows_not_an_edge_tiles_share(
+    tmp_path: Path, per_tile: int | None, want: int
+) -> None:
+    # a plane stored as one 96 x 96 tile, 64 x 64 windows: its 33 x 33 start positions were
+    # taken as an edge tile's share of a tile (0.12), so per_tile=3 drew one window a plane;
+    # the tile the field's start positions lie in holds all of them: per_tile windows (the
+    # default: the one that fits side by side). A field of several tiles keeps its edge
+    # tiles' shares (test above)
+    data = np.zeros((4, 96, 96), dtype="f4")
+    _write(tmp_path, "img", data, (1, 96, 96))
+    geom = open_geometries(str(tmp_path), ["img"])["img"]
+    view = geom.patches({1: 64, 2: 64}, origins="random", per_tile=per_tile)
+    manifest = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    plan = plan_epoch(manifest, {"x": view}, PlanConfig(batch_size=2))
+    assert plan.n_samples == 4 * want
+    assert np.bincount(plan.anchors).tolist() == [want] * 4
+    assert (plan.origins >= 0).all() and (plan.origins <= 32).all()
+
+
 @pytest.mark.parametrize("origins", ["grid", "random"])
 def test_windows_within_disjoint_boxes_never_share_a_pixel(tmp_path: Path, origins: str) -> None:
     data = np.random.default_rng(11).standard_normal((2, 300, 400)).astype("f4")

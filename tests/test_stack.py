@@ -407,10 +407,12 @@ def test_a_stack_of_patched_members_equals_the_members_windows_at_the_rows_origi
     pipe = insitu_pipeline(root, manifest, {"x": stack(members)}, batch_size=5, coords=())
     t, z = (zarr.open_array(root / n, mode="r")[...] for n in ("temperature", "geopotential"))
     rows = 0
+    seen: list[int] = []
     try:
         for batch in pipe:
             x, origins = batch.arrays["x"], batch.patch_origins["x"]
             samples = batch.sample_indices["x"]
+            seen += [int(s) for s in samples]
             assert x.shape == (len(batch), 15, 4, 4) and batch.channels["x"][5] == "z@1000"
             for i, (s, (oy, ox)) in enumerate(zip(samples, origins, strict=True)):
                 box = (slice(oy, oy + 4), slice(ox, ox + 4))
@@ -419,7 +421,9 @@ def test_a_stack_of_patched_members_equals_the_members_windows_at_the_rows_origi
                 rows += 1
     finally:
         pipe.close()
-    assert rows == N - 1  # every anchor whose next step is in the store
+    # every anchor whose next step is in the store, each in as many windows as the others
+    per_anchor = np.bincount(seen)
+    assert len(per_anchor) == N - 1 and rows == per_anchor.sum() and len(set(per_anchor)) == 1
 
 
 def test_patched_members_must_be_patched_alike_with_static_members_and_forcings_whole(

@@ -44,7 +44,9 @@ class Patches:
     there, so the windows cover the field exactly; the same windows every epoch.
     ``origins="random"``: each epoch draws new origins, uniform and *stratified by stored tile*:
     ``per_tile`` windows start in each full tile of the grouping tiling (``tile``, the first
-    patched array's tiles along ``axes``), an edge tile's share in proportion to its area, so
+    patched array's tiles along ``axes``), an edge tile's share in proportion to its start
+    positions over those of the fullest tile along each axis (a field within one tile along an
+    axis: all of ``per_tile``), so
     every tile holds the same number of windows every epoch (what keeps batch counts, budget
     floors and resume exact).
 

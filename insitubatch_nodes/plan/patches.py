@@ -127,7 +127,10 @@ class PatchLayout:
             lo = np.maximum((tiles + home0) * t, first)
             hi = np.minimum((tiles + home0) * t + t - 1, last)
             width = hi - lo + 1  # origins in this home tile
-            share = np.prod(width / t, axis=1)
+            # a tile's share of per_tile: its start positions over the most a tile has along
+            # each axis (the tile size where the field has a whole tile there; a field, or a
+            # box, within one tile along an axis: its own, so it takes all of per_tile)
+            share = np.prod(width / width.max(axis=0), axis=1)
             per = np.maximum(1, np.rint(spec.windows_per_tile * share)).astype(np.int64)
             home = np.repeat(tiles, per, axis=0)
             self._lo = np.repeat(lo, per, axis=0)
