@@ -90,7 +90,9 @@ def test_selected_dimensions_keep_their_refusals(img: Path) -> None:
     assert e.value.args[0] == (
         "img: no dimension named 'w' (the array's dimension names: ('t', 'z', 'y', 'x'))"
     )
-    with pytest.raises(ValueError, match="'t' is the sample axis; select samples with the split"):
+    # (and what to do to keep some t of every sample: make t a field axis)
+    advice = r"keep some t in every sample, open it with another sample_axis and isel\(t=...\)"
+    with pytest.raises(ValueError, match=r"'t' is the sample axis \(the split chooses .*" + advice):
         g.isel(t=0)
 
 

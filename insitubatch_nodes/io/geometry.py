@@ -622,8 +622,8 @@ class ArrayGeometry:
             allowed=self.field_axes,
             hint="",
             refused=lambda k: (
-                f"{self.path}: {k!r} is the sample axis; select samples with the split, "
-                "and field axes with isel/sel"
+                f"{self.path}: {k!r} is the sample axis (the split chooses samples); to keep "
+                f"some {k} in every sample, open it with another sample_axis and isel({k}=...)"
             ),
         )
         return self.field_axes.index(axis)
