@@ -257,8 +257,12 @@ def upload_folder(folder: str | os.PathLike[str], bucket: str, prefix: str, **op
     """Create ``bucket`` (if needed) and upload every file under ``folder`` to ``prefix/``.
 
     ``options`` are S3 options as for :class:`MotoServer.options`. Returns the object count.
+    Each file is one plain PUT of its bytes (obstore's; the bucket is made with boto3): boto3's
+    ``upload_file`` spent 4.6 ms of CPU a file in the client (a transfer manager per file).
     """
     import boto3
+    import obstore
+    from obstore.store import S3Store
 
     client = boto3.client(
         "s3",
@@ -269,12 +273,23 @@ def upload_folder(folder: str | os.PathLike[str], bucket: str, prefix: str, **op
     )
     with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
         client.create_bucket(Bucket=bucket)
+    client_options: Any = dict(options.get("client_options") or {})  # obstore's ClientConfig
+    if str(options["endpoint"]).startswith("http://"):
+        client_options.setdefault("allow_http", True)
+    store = S3Store(
+        bucket,
+        endpoint=options["endpoint"],
+        region=options.get("region", "us-east-1"),
+        access_key_id=options.get("access_key_id", "testing"),
+        secret_access_key=options.get("secret_access_key", "testing"),
+        client_options=client_options,
+    )
     root = Path(folder)
     count = 0
     for path in sorted(root.rglob("*")):
         if path.is_file():
             key = f"{prefix.strip('/')}/{path.relative_to(root).as_posix()}".lstrip("/")
-            client.upload_file(str(path), bucket, key)
+            obstore.put(store, key, path.read_bytes())
             count += 1
     return count
 

@@ -65,6 +65,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what collection left in the heap (pytest's items, the test modules, torch, zarr,
+    Lightning): every full garbage collection in a test process, automatic or explicit (tests
+    call ``gc.collect()``; so does the package where a dropped pipeline may hold a cache
+    lock), walked all of it again, 0.1-0.3 s each. Frozen objects are left out of collections
+    (``gc.freeze``), as the fork server does with what it imported; everything a test makes,
+    fixtures included, is made after this and is collected as before."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture(autouse=True)
 def _sigint_handler_restored(request: pytest.FixtureRequest) -> Iterator[None]:
     """Give SIGINT's handler back as each test found it, and say which test changed it.
@@ -365,18 +378,34 @@ def s3_client(s3_server: str) -> Any:
 
 
 @pytest.fixture(scope="session")
-def s3_upload(s3_client: Any) -> Callable[[Path, str], str]:
+def s3_upload(s3_client: Any, s3_server: str) -> Callable[[Path, str], str]:
     """``upload(local_folder, prefix) -> "s3://bucket/prefix"``: creates a fresh bucket and puts
-    every file under ``local_folder`` at ``prefix/<relative path>``."""
+    every file under ``local_folder`` at ``prefix/<relative path>``.
+
+    The objects are put with obstore (a plain PUT of the file's bytes: the same key, bytes and
+    ETag as boto3's ``put_object``): 228 objects took 1.1 CPU-seconds with boto3 (0.43 s in the
+    client, which also signs and checksums each body, 0.70 s in moto) and 0.6 s with obstore
+    (0.07 s and 0.51 s), and the tests upload thousands."""
+    import obstore
+    from obstore.store import S3Store
+
     client = s3_client
 
     def upload(local: Path, prefix: str) -> str:
         bucket = f"test-{uuid.uuid4().hex[:12]}"
         client.create_bucket(Bucket=bucket)
+        store = S3Store(
+            bucket,
+            endpoint=s3_server,
+            region=S3_REGION,
+            access_key_id=S3_KEY,
+            secret_access_key=S3_SECRET,
+            client_options={"allow_http": True},
+        )
         for path in sorted(Path(local).rglob("*")):
             if path.is_file():
                 key = f"{prefix.strip('/')}/{path.relative_to(local).as_posix()}"
-                client.put_object(Bucket=bucket, Key=key, Body=path.read_bytes())
+                obstore.put(store, key, path.read_bytes())
         return f"s3://{bucket}/{prefix.strip('/')}"
 
     return upload

@@ -9,7 +9,9 @@ on disk, and the expected samples from the manifest's chunk lists.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
+import os
 import threading
 import time
 from collections import Counter
@@ -161,6 +163,63 @@ class View:
 ORACLE_WHOLE_READ_MAX_BYTES = 256 * 2**20
 
 
+def _folder_digest(root: Path | Store, name: str) -> bytes | None:
+    """A hash of every byte zarr reads for array ``name`` of a local folder store (the root's
+    metadata documents, and every file under the array's folder, by path and content) and of
+    zarr's array read options; None for any other store."""
+    if not isinstance(root, str | os.PathLike):
+        return None
+    base = Path(root)
+    folder = base / name
+    if not folder.is_dir():
+        return None
+    h = hashlib.blake2b(digest_size=32)
+    h.update(name.encode() + b"\0")
+    h.update(repr(sorted(zarr.config.get("array", {}).items())).encode())  # read options
+    files = [base / n for n in sorted(METADATA_NAMES) if (base / n).is_file()]
+    files += sorted(p for p in folder.rglob("*") if p.is_file())
+    for path in files:
+        data = path.read_bytes()
+        h.update(f"{path.relative_to(base).as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.digest()
+
+
+class _WholeReads:
+    """zarr's whole reads of arrays, by :func:`_folder_digest` of the bytes they were read
+    from (read-only; the least recently used are dropped past ``max_bytes``). Tests build
+    many oracles over the same session-scoped stores: each read them whole again with zarr
+    (~30 ms an array, a tenth of some test files' time). An entry is found again only for
+    byte-identical files, so a store damaged or rewritten since is read again."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._entries: dict[bytes, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    def get(self, digest: bytes) -> np.ndarray | None:
+        with self._lock:
+            whole = self._entries.pop(digest, None)
+            if whole is not None:
+                self._entries[digest] = whole  # most recently used last
+            return whole
+
+    def put(self, digest: bytes, whole: np.ndarray) -> np.ndarray:
+        """Keep ``whole`` (read-only from now on) and return it."""
+        whole.setflags(write=False)
+        if whole.nbytes > self.max_bytes:
+            return whole
+        with self._lock:
+            self._entries[digest] = whole
+            total = sum(w.nbytes for w in self._entries.values())
+            while total > self.max_bytes:
+                total -= self._entries.pop(next(iter(self._entries))).nbytes
+        return whole
+
+
+_WHOLE_READS = _WholeReads(max_bytes=64 * 2**20)
+
+
 class Oracle:
     """``oracle(name, indices, sample_axis)`` = zarr's read of those samples, sample axis first.
 
@@ -173,9 +232,14 @@ class Oracle:
     reads as the fill value whole, and fails by ranges) and in the requests a server sees.
     Where the whole read fails (a chunk damaged on purpose, which the test never asks for) or
     the array is over ``ORACLE_WHOLE_READ_MAX_BYTES``, each call reads its samples alone too.
-    For unsharded arrays zarr decodes whole chunks either way: the values are the same."""
+    For unsharded arrays zarr decodes whole chunks either way: the values are the same.
+    A whole read of a local folder's array is also kept for the test process, found again by a
+    hash of the bytes it was read from (``_WholeReads``): an oracle over byte-identical files
+    (the same session store, or a copy) answers with zarr's read of those bytes without
+    reading them with zarr again."""
 
     def __init__(self, root: Path | Store) -> None:
+        self.root = root
         self.group = zarr.open_group(store=root, mode="r")
         self._arrays: dict[str, Any] = {}
         self._wholes: dict[str, np.ndarray | None] = {}
@@ -191,10 +255,15 @@ class Oracle:
             arr = self.array(name)
             whole = None
             if getattr(arr, "shards", None) is None and arr.nbytes <= ORACLE_WHOLE_READ_MAX_BYTES:
-                try:
-                    whole = np.asarray(arr[...])
-                except Exception:  # a damaged chunk: the calls read only the samples they ask
-                    whole = None
+                digest = _folder_digest(self.root, name)
+                whole = _WHOLE_READS.get(digest) if digest is not None else None
+                if whole is None:
+                    try:
+                        whole = np.asarray(arr[...])
+                    except Exception:  # a damaged chunk: the calls read only the samples they ask
+                        whole = None
+                    if whole is not None and digest is not None:
+                        whole = _WHOLE_READS.put(digest, whole)
             self._wholes[name] = whole
         return self._wholes[name]
 

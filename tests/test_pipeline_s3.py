@@ -7,11 +7,12 @@ the S3 store itself) is the oracle.
 
 from __future__ import annotations
 
+import hashlib
 import subprocess
 import sys
 import textwrap
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,12 +113,43 @@ def s3_case(
     return _era5_case(local, request.param, s3_upload, s3_options)
 
 
-@pytest.fixture
-def fresh_case(
-    tmp_path: Path, s3_upload: Callable[[Path, str], str], s3_options: dict[str, Any]
+@pytest.fixture(scope="module")
+def _damageable_case(
+    tmp_path_factory: pytest.TempPathFactory,
+    s3_upload: Callable[[Path, str], str],
+    s3_options: dict[str, Any],
 ) -> S3Case:
-    """A bucket of its own, for tests that damage the stored objects."""
-    return _era5_case(tmp_path / "era5.zarr", "v3_inner_chunked", s3_upload, s3_options)
+    local = tmp_path_factory.mktemp("s3_damageable") / "era5.zarr"
+    return _era5_case(local, "v3_inner_chunked", s3_upload, s3_options)
+
+
+@pytest.fixture
+def fresh_case(_damageable_case: S3Case) -> Iterator[S3Case]:
+    """The bucket as uploaded, for a test that damages its stored objects: when the
+    test ends, every object that no longer equals its local file (by MD5, the ETag of a
+    single PUT) is put back and every object the test added is deleted. One upload of the
+    228 objects for the module instead of one per test (1-2 CPU-seconds each, client and
+    moto), and each test still starts from the bucket as uploaded."""
+    case = _damageable_case
+    yield case
+    bucket, prefix = case.bucket_and_prefix()
+    client = _boto(case.options)
+    stored = {
+        obj["Key"]: obj["ETag"].strip('"')
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket)
+        for obj in page.get("Contents", [])
+    }
+    written = {
+        f"{prefix}/{path.relative_to(case.local).as_posix()}": path
+        for path in case.local.rglob("*")
+        if path.is_file()
+    }
+    for key, path in written.items():
+        body = path.read_bytes()
+        if stored.get(key) != hashlib.md5(body).hexdigest():
+            client.put_object(Bucket=bucket, Key=key, Body=body)
+    for key in set(stored) - set(written):
+        client.delete_object(Bucket=bucket, Key=key)
 
 
 def test_a_full_epoch_from_s3_equals_zarrs_read_of_the_same_store(s3_case: S3Case) -> None:
