@@ -65,6 +65,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Give SIGINT Python's ``KeyboardInterrupt`` where the process started with it ignored:
+    a run started in the background of a shell (``make test &``, ``nohup``; each xdist worker
+    inherits it) ignores SIGINT from the start, in Python too, and ``_thread.interrupt_main()``
+    then does nothing, so the Ctrl-C tests waited out their deadlines and failed (two of them
+    in a background ``make test``, none in the foreground). Handled as a foreground run's, it
+    also reaches the child processes the tests start as the default action, not ignored."""
+    import signal
+
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what collection left in the heap (pytest's items, the test modules, torch, zarr,
     Lightning): every full garbage collection in a test process, automatic or explicit (tests
@@ -91,7 +104,7 @@ def _sigint_handler_restored(request: pytest.FixtureRequest) -> Iterator[None]:
 
     # Ignored at the C level while Python holds a handler: a library's thread did it outside
     # any test. (A run started in the background of a shell ignores SIGINT from the start, in
-    # Python too: that is left alone.)
+    # Python too: pytest_configure gives it Python's handler.)
     if _sigint_ignored_in_c() and signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):
         signal.signal(signal.SIGINT, signal.getsignal(signal.SIGINT))
         warnings.warn(
