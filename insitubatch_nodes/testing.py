@@ -44,6 +44,7 @@ __all__ = [
     "NginxServer",
     "free_port",
     "nginx_executable",
+    "put_folder",
     "upload_folder",
 ]
 
@@ -261,7 +262,6 @@ def upload_folder(folder: str | os.PathLike[str], bucket: str, prefix: str, **op
     ``upload_file`` spent 4.6 ms of CPU a file in the client (a transfer manager per file).
     """
     import boto3
-    import obstore
     from obstore.store import S3Store
 
     client = boto3.client(
@@ -284,6 +284,14 @@ def upload_folder(folder: str | os.PathLike[str], bucket: str, prefix: str, **op
         secret_access_key=options.get("secret_access_key", "testing"),
         client_options=client_options,
     )
+    return put_folder(store, folder, prefix)
+
+
+def put_folder(store: Any, folder: str | os.PathLike[str], prefix: str) -> int:
+    """Put every file under ``folder`` into the obstore ``store`` at ``prefix/<relative
+    path>``, one plain PUT of its bytes each; return the object count."""
+    import obstore
+
     root = Path(folder)
     count = 0
     for path in sorted(root.rglob("*")):

@@ -391,34 +391,22 @@ def s3_client(s3_server: str) -> Any:
 
 
 @pytest.fixture(scope="session")
-def s3_upload(s3_client: Any, s3_server: str) -> Callable[[Path, str], str]:
+def s3_upload(s3_client: Any, s3_options: dict[str, Any]) -> Callable[[Path, str], str]:
     """``upload(local_folder, prefix) -> "s3://bucket/prefix"``: creates a fresh bucket and puts
     every file under ``local_folder`` at ``prefix/<relative path>``.
 
-    The objects are put with obstore (a plain PUT of the file's bytes: the same key, bytes and
-    ETag as boto3's ``put_object``): 228 objects took 1.1 CPU-seconds with boto3 (0.43 s in the
-    client, which also signs and checksums each body, 0.70 s in moto) and 0.6 s with obstore
-    (0.07 s and 0.51 s), and the tests upload thousands."""
-    import obstore
+    The objects are put with obstore (``testing.put_folder``: a plain PUT of the file's bytes,
+    the same key, bytes and ETag as boto3's ``put_object``): 228 objects took 1.1 CPU-seconds
+    with boto3 (0.43 s in the client, which also signs and checksums each body, 0.70 s in moto)
+    and 0.6 s with obstore (0.07 s and 0.51 s), and the tests upload thousands."""
     from obstore.store import S3Store
 
-    client = s3_client
+    from insitubatch_nodes.testing import put_folder
 
     def upload(local: Path, prefix: str) -> str:
         bucket = f"test-{uuid.uuid4().hex[:12]}"
-        client.create_bucket(Bucket=bucket)
-        store = S3Store(
-            bucket,
-            endpoint=s3_server,
-            region=S3_REGION,
-            access_key_id=S3_KEY,
-            secret_access_key=S3_SECRET,
-            client_options={"allow_http": True},
-        )
-        for path in sorted(Path(local).rglob("*")):
-            if path.is_file():
-                key = f"{prefix.strip('/')}/{path.relative_to(local).as_posix()}"
-                obstore.put(store, key, path.read_bytes())
+        s3_client.create_bucket(Bucket=bucket)
+        put_folder(S3Store(bucket, **s3_options), local, prefix)
         return f"s3://{bucket}/{prefix.strip('/')}"
 
     return upload
