@@ -32,7 +32,7 @@ import numpy as np
 
 from insitubatch_nodes.io.collection_checks import MemberCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.longitudes import same_longitudes
+from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
@@ -198,10 +198,7 @@ class ForcingGrid:
         names = on.members
         mine, ours = self.member_points(n), other.member_points(n)
         for axis, ref, got in (("lat", ours[0], mine[0]), ("lon", ours[1], mine[1])):
-            if axis == "lon":  # a place, whatever the convention: 202.5 is -157.5
-                bad = ~same_longitudes(got, ref)
-            else:
-                bad = ~np.all(np.isclose(got, ref, rtol=1e-6, atol=1e-6), axis=1)
+            bad = ~same_points(got, ref, longitude=axis == "lon")  # 202.5 is -157.5
             if bad.any():
                 m = int(np.argmax(bad))
                 who = f"member {names[m]!r}: " if names else ""

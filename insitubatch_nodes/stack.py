@@ -41,7 +41,7 @@ import numpy as np
 from insitubatch_nodes.forcing_grid import GridWindow, refuse_other_points
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.longitudes import same_longitudes
+from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
 from insitubatch_nodes.static import StaticCut
@@ -519,10 +519,9 @@ def _refuse_other_points(
         if values is None or ref is None or ref.shape != values.shape:
             continue
         numeric = values.dtype.kind in "iuf" and ref.dtype.kind in "iuf"
-        if numeric and dim.lower().startswith("lon") and ref_dim.lower().startswith("lon"):
-            same = bool(same_longitudes(values, ref))  # places: -157.5 is 202.5
-        elif numeric:
-            same = np.allclose(values, ref, rtol=1e-6, atol=1e-6)
+        if numeric:  # longitudes as places: -157.5 is 202.5
+            longitude = dim.lower().startswith("lon") and ref_dim.lower().startswith("lon")
+            same = bool(same_points(values, ref, longitude=longitude))
         else:
             same = np.array_equal(values, ref)
         if not same:

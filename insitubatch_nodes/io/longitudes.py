@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["refuse_other_convention", "same_longitudes"]
+__all__ = ["refuse_other_convention", "same_longitudes", "same_points"]
 
 
 def same_longitudes(values: Any, ref: Any) -> np.ndarray:
@@ -32,6 +32,15 @@ def same_longitudes(values: Any, ref: Any) -> np.ndarray:
     turn = (np.asarray(values, np.float64) - np.asarray(ref, np.float64) + 180.0) % 360.0 - 180.0
     scale = np.maximum(np.abs(np.asarray(ref, np.float64)), 1.0)
     return np.all(np.abs(turn) <= 1e-6 * scale + 1e-6, axis=-1)
+
+
+def same_points(values: Any, ref: Any, *, longitude: bool) -> np.ndarray:
+    """Per row of ``values`` and ``ref`` (coordinates of one shape), whether every point is its
+    match beyond float32 rounding, compared along the last axis: longitudes (``longitude``) as
+    places (:func:`same_longitudes`), other coordinates by value."""
+    if longitude:
+        return same_longitudes(values, ref)
+    return np.all(np.isclose(values, ref, rtol=1e-6, atol=1e-6), axis=-1)
 
 
 def _convention(name: str, values: np.ndarray) -> tuple[float, float] | None:
