@@ -14,8 +14,9 @@ each batch's slice after the gather, and so are forcings
 field (``(level, lat, lon)`` against a ``(lat, lon)`` field) is one channel per entry of its
 first axis, named ``"name@value"`` (the coordinate value where the view knows its coordinates,
 else the index), a member of the field's shape is one channel named ``name``.
-``batch.channels[label]`` lists them. The field is the last two axes of the members (one,
-where a sampled member is 1-D, whichever member that is); every member must have the same
+``batch.channels[label]`` lists them. The field is the last two axes of the members (one
+where a sampled member is 1-D, whichever member that is, or a member's last axis is a grid of
+points: :mod:`~insitubatch_nodes.io.points`); every member must have the same
 field shape and the same number of steps ``T`` (a window of ``T`` steps, or none), or
 :func:`stack` raises naming the member.
 
@@ -43,6 +44,7 @@ from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import Patches
+from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
 from insitubatch_nodes.static import StaticCut
 from insitubatch_nodes.transforms import work_dtype
@@ -211,7 +213,9 @@ def stack(
         )
     first_name, first = next((n, v) for n, v in named.items() if not v.static)
     # the field: the last two axes, or one where a sampled member has one (whatever the order)
+    # or a member is on a grid of points (its last axis: ``(level, values)`` is levels)
     ranks = [len(v.inner_shape) for v in named.values() if not v.static and v.inner_shape]
+    ranks += [grid_ndim(v) for v in named.values() if v.points is not None]
     field_ndim = min(2, *ranks) if ranks else 0
     field_shape = first.inner_shape[len(first.inner_shape) - field_ndim :]
     steps = _steps(first)
