@@ -267,7 +267,8 @@ def stack(
                 "stack fields stored in one axis order"
             )
         if view is not first:
-            _refuse_other_points(name, view, first_name, (field_dims, first_points), field_ndim)
+            placed = (_placing(first, field_ndim), first_points)
+            _refuse_other_points(name, view, first_name, placed, field_ndim)
         if not view.static and _steps(view) != steps:
             raise ValueError(
                 f"stack member {name!r} has {_describe_steps(_steps(view))}, but "
@@ -485,16 +486,29 @@ def _grid_dims(view: ArrayGeometry, field_ndim: int) -> tuple[str, ...] | None:
     return tuple(kept[len(kept) - field_ndim :])
 
 
+def _on_points(view: ArrayGeometry, field_ndim: int) -> bool:
+    """Whether the view's field is a grid of points (:mod:`~insitubatch_nodes.io.points`)."""
+    return view.points is not None and field_ndim == 1 == grid_ndim(view)
+
+
+def _placing(view: ArrayGeometry, field_ndim: int) -> tuple[str, ...] | None:
+    """The coordinates that place the field's points: its grid dimensions' (as
+    :func:`_grid_dims`), or a grid of points' latitude and longitude."""
+    return view.points if _on_points(view, field_ndim) else _grid_dims(view, field_ndim)
+
+
 def _grid_points(view: ArrayGeometry, field_ndim: int) -> dict[str, np.ndarray]:
-    """``{dimension: coordinate values, as selected}`` of the view's field (its last
-    ``field_ndim`` kept axes), for those whose coordinate the view can read."""
+    """``{coordinate: values, as selected}`` of the view's field (its last ``field_ndim``
+    kept axes; a grid of points' latitude and longitude), for those the view can read."""
     if view.dims is None or view.coordinates is None:
         return {}
     keys = view_keys(view)
     kept = kept_axes(keys)
+    grid = [(view.dims[view.field_axes[i]], keys[i]) for i in kept[len(kept) - field_ndim :]]
+    if _on_points(view, field_ndim):
+        grid = [(name, grid[0][1]) for name in view.points or ()]
     out = {}
-    for i in kept[len(kept) - field_ndim :]:
-        dim, key = view.dims[view.field_axes[i]], keys[i]
+    for dim, key in grid:
         try:
             values = np.asarray(view.coordinates(view.base, dim))
         except (KeyError, ValueError):  # no such coordinate (or none shared): nothing to compare
@@ -511,14 +525,15 @@ def _refuse_other_points(
     field_ndim: int,
 ) -> None:
     """Refuse member ``name`` whose field is at other points than the first member's
-    (``first``: its :func:`_grid_dims` and :func:`_grid_points`): a grid dimension whose
+    (``first``: its :func:`_placing` and :func:`_grid_points`): a grid dimension whose
     coordinate (as selected) both read holds other values (a latitude stored the other way
-    round in another store of a join), beyond float32 rounding (longitudes as places, whatever
+    round in another store of a join; a grid of points' latitude or longitude: its points in
+    another order), beyond float32 rounding (longitudes as places, whatever
     their convention: -157.5 is 202.5). Dimensions are paired by their
     place in the field, so a field named otherwise (``(latitude, longitude)`` beside ``(lat,
     lon)``) is compared too."""
     (first_dims, theirs), mine = first, _grid_points(view, field_ndim)
-    for dim, ref_dim in zip(_grid_dims(view, field_ndim) or (), first_dims or (), strict=False):
+    for dim, ref_dim in zip(_placing(view, field_ndim) or (), first_dims or (), strict=False):
         values, ref = mine.get(dim), theirs.get(ref_dim)
         if values is None or ref is None or ref.shape != values.shape:
             continue
@@ -530,11 +545,15 @@ def _refuse_other_points(
             same = np.array_equal(values, ref)
         if not same:
             theirs_at = "" if ref_dim == dim else f"{ref_dim!r} "
+            how = f"sel({dim}=[...])"
+            if _on_points(view, field_ndim):  # (no coordinate named like the points' axis)
+                axis = (_grid_dims(view, 1) or ("<points>",))[0]
+                how = f"isel({axis}=[...]) (the order of its points)"
             raise ValueError(
                 f"stack member {name!r} is at {dim!r} {values[:8].tolist()}, but "
                 f"{first_name!r} at {theirs_at}{ref[:8].tolist()}: the shapes agree, the "
-                f"points do not. Select the first member's points with sel({dim}=[...]) on "
-                "it, or stack members on one grid"
+                f"points do not. Select the first member's points with {how} on it, or stack "
+                "members on one grid"
             )
 
 

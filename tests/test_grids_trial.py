@@ -18,6 +18,9 @@ Found wrong, fixed (each test failed before its fix):
   ``lat=``/``lon=`` (the points' 1-D coordinates) were taken for a regular grid: every row
   ``(40, 40)``, the forcings at every pair of a point's latitude and another's longitude.
 - The same on a ``concat`` of such stores (the collection's views had no grid of points).
+- ``stack`` of two stores of a ``join`` on the same points stored in other orders stacked
+  each channel at other places (a regular grid's flipped latitude is refused); now refused,
+  comparing each member's ``latitude`` and ``longitude`` as selected.
 
 Cause: every per-channel rule took "the last two field axes" for the horizontal grid. Fix:
 ``open_geometries`` (and collections) find 1-D ``latitude``/``longitude`` arrays along an
@@ -42,6 +45,7 @@ import pytest
 
 from insitubatch_nodes import concat, insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.forcings import Forcings, cos_solar_zenith, local_time
+from insitubatch_nodes.io.collection import join
 from insitubatch_nodes.statistics import fit_statistics
 
 xr = pytest.importorskip("xarray")
@@ -203,6 +207,36 @@ def test_a_concatenation_of_stores_on_a_grid_of_points_fits_per_level(tmp_path: 
         batch = next(iter(pipe))
     want = _at_points(batch.coords["2t"]["time"], ds.latitude.values, ds.longitude.values)
     np.testing.assert_allclose(batch["cos_solar_zenith"], want, atol=1e-6)
+
+
+def test_a_stack_refuses_members_whose_points_are_in_another_order(tmp_path: Path) -> None:
+    """Two stores of a join on the same points stored in other orders: refused, as a latitude
+    stored the other way round is on a regular grid (before: stacked, each channel at other
+    places); ``isel`` of the first member's order on it stacks them point for point."""
+    ds = _points_dataset()
+    order = np.random.default_rng(2).permutation(N)
+    ds[["t"]].to_zarr(
+        tmp_path / "pl.zarr",
+        encoding={"t": {"chunks": (4, 1, N)}},
+        zarr_format=3,
+        consolidated=False,
+    )
+    sfc = ds[["2t"]].isel(values=order)
+    sfc.to_zarr(
+        tmp_path / "sfc.zarr",
+        encoding={"2t": {"chunks": (4, N)}},
+        zarr_format=3,
+        consolidated=False,
+    )
+    coll = join({"pl": (tmp_path / "pl.zarr", ["t"]), "sfc": (tmp_path / "sfc.zarr", ["2t"])})
+    with pytest.raises(ValueError, match="isel\\(values="):
+        stack({"t": coll["pl/t"], "2t": coll["sfc/2t"]})
+    x = stack({"t": coll["pl/t"], "2t": coll["sfc/2t"].isel(values=np.argsort(order))})
+    manifest = split_by_chunk(coll["pl/t"], (1.0, 0.0, 0.0))
+    with insitu_pipeline(coll, manifest, {"x": x}, batch_size=4) as pipe:
+        batch = next(iter(pipe))
+    want = ds["2t"].values[batch.sample_indices["x"]]
+    np.testing.assert_array_equal(batch["x"][:, 3], want)
 
 
 @pytest.fixture(scope="module")
