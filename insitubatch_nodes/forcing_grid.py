@@ -284,14 +284,15 @@ class GridWindow:
     def cut(
         self, values: np.ndarray, origins: np.ndarray, out: np.ndarray | None = None
     ) -> np.ndarray:
-        """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``: forcings on the whole
-        grid) at its origin (``origins``, ``batch.patch_origins[label]``), every row at once
+        """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``, ``(rows, ..., n)`` on
+        a grid of points: forcings on the whole grid) at its origin (``origins``,
+        ``batch.patch_origins[label]``), every row at once
         (:func:`~insitubatch_nodes.io.patching.cut_windows`, the cut of a patched stack's
         forcing member), C-contiguous; written into ``out`` (and returned) where given."""
         if not self.axes:  # (the patches cut no grid axis: every row's grid is whole)
             cut = values
         else:
-            at = tuple(values.ndim - 3 + a for a in self.axes)  # (of a row)
+            at = tuple(values.ndim - 1 - len(self.grid) + a for a in self.axes)  # (of a row)
             picked = np.asarray(origins)[:, list(self.columns)]
             cut = cut_windows(values, picked, at, self.extent)
         if out is None:

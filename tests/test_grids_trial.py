@@ -17,6 +17,9 @@ Found wrong, fixed (each test failed before its fix):
 - ``Forcings`` on such a grid: ``view=`` was refused ("keeps fewer than two field axes"), and
   ``lat=``/``lon=`` (the points' 1-D coordinates) were taken for a regular grid: every row
   ``(40, 40)``, the forcings at every pair of a point's latitude and another's longitude.
+- Windows of the points (``patches({"values": 8})``): their forcings, as a batch transform
+  or a stack member, were cut as if the grid had two axes (``ValueError: window shape cannot
+  be larger than input``).
 - The same on a ``concat`` of such stores (the collection's views had no grid of points).
 - ``stack`` of two stores of a ``join`` on the same points stored in other orders stacked
   each channel at other places (a regular grid's flipped latitude is refused); now refused,
@@ -156,6 +159,37 @@ def test_forcings_on_a_grid_of_points_are_computed_at_each_point(points: Path) -
     assert batch["toa_incident_solar_radiation"].min() >= 0.0
     xt = batch.coords["x"]["time"]
     np.testing.assert_allclose(batch["x"][:, :, 1], _at_points(xt, lat, lon), atol=1e-6)
+
+
+def test_windows_of_a_grid_of_points_carry_their_own_points_forcings_and_mask(points: Path) -> None:
+    """``patches({"values": 8})``: each row a run of 8 points; its static mask and forcings
+    are those 8 points', as a batch transform and in a stack (before: the forcings' cut took
+    the grid for two axes and raised ``window shape cannot be larger than input``)."""
+    ds = xr.open_zarr(points, consolidated=False)
+    lat, lon = ds.latitude.values, ds.longitude.values
+    g = open_geometries(points)
+    manifest = split_by_chunk(g["t"], (1.0, 0.0, 0.0))
+    p = g["t"].sel(level=[850, 500]).patches({"values": 8}, origins="random")
+    sun = Forcings("p", view=p, names=["cos_solar_zenith"])
+    x = stack(
+        {"t": p, "lsm": g["lsm"], "sun": Forcings("x", view=g["t"], names=["cos_solar_zenith"])}
+    )
+    views = {"p": p, "lsm": g["lsm"], "x": x}
+    with insitu_pipeline(points, manifest, views, batch_size=4, batch_transforms=[sun]) as pipe:
+        batch = next(iter(pipe))
+    t = ds.t.sel(level=[850, 500]).values
+    for label, sun_of in (("p", batch["cos_solar_zenith"]), ("x", batch["x"][:, 3])):
+        times = batch.coords[label]["time"]
+        for i, (o,) in enumerate(batch.patch_origins[label]):
+            at = slice(o, o + 8)
+            want = _at_points(times[i : i + 1], lat[at], lon[at])[0]
+            np.testing.assert_allclose(sun_of[i], want, atol=1e-6)
+            rows = batch[label][i] if label == "p" else batch[label][i, :2]
+            np.testing.assert_array_equal(rows, t[batch.sample_indices[label][i], :, at])
+            if label == "x":
+                np.testing.assert_array_equal(batch["x"][i, 2], ds.lsm.values[at])
+    lsm_rows = [ds.lsm.values[o : o + 8] for (o,) in batch.patch_origins["p"]]
+    np.testing.assert_array_equal(batch["lsm"], lsm_rows)
 
 
 def test_forcings_given_the_points_coordinates_as_a_regular_grid_are_refused(points: Path) -> None:
