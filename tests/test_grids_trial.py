@@ -30,7 +30,9 @@ Cause: every per-channel rule took "the last two field axes" for the horizontal 
 array's last dimension and name them in ``geom.points``; ``io.points.grid_ndim`` is the one
 rule statistics, stacks and forcings take (1 axis there, else 2).
 
-Tried and found right: ``isel(values=mask)`` on the points (a boolean mask, the static field
+Tried and found right: a stack on the points (two levels' windows, mask, Sun, standardised)
+delivers each anchor once, reads 8 of 12 objects in epoch 0 and none in epoch 1, and resumes
+exactly mid-epoch; ``isel(values=mask)`` on the points (a boolean mask, the static field
 too), ``sel(latitude=...)`` refused naming the dimensions, windows on the points grid, both
 zarr formats; on the ensemble: ``sel``/``isel`` of ``number`` (values against xarray),
 per-(member, level) statistics, members as channels (``"t@0"`` ... named by the ``number``
@@ -42,9 +44,12 @@ axes ``("time", "number")`` refuse windows, saying why.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
+from resume_helpers import assert_resumes_exactly, digest
+from torchdata.nodes import Loader
 
 from insitubatch_nodes import concat, insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.forcings import Forcings, cos_solar_zenith, local_time
@@ -104,6 +109,10 @@ def test_statistics_of_a_level_axis_on_a_grid_of_points_are_per_level(points: Pa
     assert np.shape(stats.mean["2t"]) == () and np.shape(stats.mean["lsm"]) == ()
     want_diff = ds.t.diff("time").std(("time", "values"))
     np.testing.assert_allclose(stats.diff_std["t"], want_diff, rtol=1e-5)
+    # found by the listing, by name (the CF ``coordinates`` attribute) and from a Dataset
+    assert g["t"].points == ("latitude", "longitude")
+    assert open_geometries(points, ["t"])["t"].points == ("latitude", "longitude")
+    assert open_geometries(ds)["2t"].points == ("latitude", "longitude")
 
 
 def test_a_stack_of_levels_on_a_grid_of_points_has_a_channel_per_level(points: Path) -> None:
@@ -190,6 +199,34 @@ def test_windows_of_a_grid_of_points_carry_their_own_points_forcings_and_mask(po
                 np.testing.assert_array_equal(batch["x"][i, 2], ds.lsm.values[at])
     lsm_rows = [ds.lsm.values[o : o + 8] for (o,) in batch.patch_origins["p"]]
     np.testing.assert_array_equal(batch["lsm"], lsm_rows)
+
+
+def test_a_stack_on_a_grid_of_points_counts_its_reads_and_resumes_exactly(points: Path) -> None:
+    """Two of three levels stored one per object, windows of two steps, the mask, the Sun,
+    standardised: an epoch delivers each of the 15 anchors once, the first reads the two levels'
+    objects of each chunk once (8 of 12), and a state taken after 3 batches resumes exactly."""
+    g = open_geometries(points)
+    manifest = split_by_chunk(g["t"], (1.0, 0.0, 0.0))
+    t = g["t"].sel(level=[850, 500])
+    stats = fit_statistics(points, manifest, {"t": t, "lsm": g["lsm"]})
+    sun = Forcings("x", view=t, names=["cos_solar_zenith"])
+    x = stack({"t": t.window([-1, 0]), "lsm": g["lsm"], "sun": sun}, normalize=stats)
+
+    def build() -> Any:
+        return insitu_pipeline(points, manifest, {"x": x}, batch_size=4, seed=3)
+
+    def records(batches: list[Any]) -> list[Any]:
+        return [(digest(b["x"]), b.sample_indices["x"].tolist()) for b in batches]
+
+    with build() as pipe:
+        ref = records(list(Loader(pipe)))
+        first = pipe.report()
+        ref += records(list(Loader(pipe)))
+        second = pipe.report()
+    anchors = sorted(i for _, rows in ref[:4] for i, _ in rows)
+    assert anchors == list(range(15)) and first.samples == second.samples == 15
+    assert (first.gets, second.gets) == (8, 0)  # the pool keeps the split for epoch 1
+    assert_resumes_exactly(build, records, ref, [3])
 
 
 def test_forcings_given_the_points_coordinates_as_a_regular_grid_are_refused(points: Path) -> None:
