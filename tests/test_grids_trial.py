@@ -20,6 +20,8 @@ Found wrong, fixed (each test failed before its fix):
 - Windows of the points (``patches({"values": 8})``): their forcings, as a batch transform
   or a stack member, were cut as if the grid had two axes (``ValueError: window shape cannot
   be larger than input``).
+- ``sel(latitude=slice(...))`` there said only that there is no such dimension; it now says
+  ``latitude`` is each point's and to select a box with ``isel(values=mask)``.
 - The same on a ``concat`` of such stores (the collection's views had no grid of points).
 - ``stack`` of two stores of a ``join`` on the same points stored in other orders stacked
   each channel at other places (a regular grid's flipped latitude is refused); now refused,
@@ -33,7 +35,7 @@ rule statistics, stacks and forcings take (1 axis there, else 2).
 Tried and found right: a stack on the points (two levels' windows, mask, Sun, standardised)
 delivers each anchor once, reads 8 of 12 objects in epoch 0 and none in epoch 1, and resumes
 exactly mid-epoch; ``isel(values=mask)`` on the points (a boolean mask, the static field
-too), ``sel(latitude=...)`` refused naming the dimensions, windows on the points grid, both
+too), windows on the points grid, both
 zarr formats; on the ensemble: ``sel``/``isel`` of ``number`` (values against xarray),
 per-(member, level) statistics, members as channels (``"t@0"`` ... named by the ``number``
 coordinate) with windows, one member selected into a stack with forcings; a stack member that
@@ -242,12 +244,13 @@ def test_forcings_given_the_points_coordinates_as_a_regular_grid_are_refused(poi
 
 
 def test_a_box_of_a_grid_of_points_is_a_mask_of_the_points(points: Path) -> None:
-    """``sel(latitude=...)`` on the points is refused naming the dimensions; a boolean mask
-    of the points through ``isel`` selects them (data and static alike)."""
+    """``sel(latitude=...)`` on the points is refused saying to select a mask of them with
+    ``isel`` (before: only that there is no such dimension); a boolean mask of the points
+    through ``isel`` selects them (data and static alike)."""
     ds = xr.open_zarr(points, consolidated=False)
     g = open_geometries(points)
     assert g["lsm"].static and not g["2t"].static
-    with pytest.raises(KeyError, match="values"):
+    with pytest.raises(KeyError, match=r"a grid of points.*isel\(values="):
         g["2t"].sel(latitude=slice(40, -40))
     box = (np.abs(ds.latitude.values) <= 40) & (ds.longitude.values <= 180)
     manifest = split_by_chunk(g["t"], (1.0, 0.0, 0.0))

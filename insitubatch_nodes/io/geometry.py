@@ -58,6 +58,7 @@ from insitubatch_nodes.io.patching import (
     window_bounds,
     windows_fit,
 )
+from insitubatch_nodes.io.points import points_hint
 from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
 from insitubatch_nodes.io.selection import (
     Selection,
@@ -608,8 +609,7 @@ class ArrayGeometry:
         return self.isel(**positions)
 
     def as_static(self) -> ArrayGeometry:
-        """This array as a *static* field: no sample axis, every axis a field axis; each batch
-        carries it whole (see ``open_geometries``, which recognises static arrays)."""
+        """This array as a *static* field: no sample axis, each batch carries it whole."""
         if self.offset or self.patch is not None or self.product is not None:
             raise ValueError(f"{self.path}: a shifted, patched or product view cannot be static")
         return replace(self, static=True, select=None)
@@ -622,7 +622,7 @@ class ArrayGeometry:
             self,
             name,
             allowed=self.field_axes,
-            hint="",
+            hint=points_hint(self, name),
             refused=lambda k: (
                 f"{self.path}: {k!r} is the sample axis (the split chooses samples); to keep "
                 f"some {k} in every sample, open it with another sample_axis and isel({k}=...)"

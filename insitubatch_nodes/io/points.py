@@ -18,7 +18,7 @@ from typing import Any
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
-__all__ = ["grid_ndim", "lat_lon_arrays", "points_of"]
+__all__ = ["grid_ndim", "lat_lon_arrays", "points_hint", "points_of"]
 
 
 def _role(name: str) -> str | None:
@@ -72,3 +72,17 @@ def grid_ndim(view: Any) -> int:
     if getattr(view, "points", None) is not None and view.field_axes:
         return 1 if len(view.field_axes) - 1 in kept else 0
     return min(2, len(kept))
+
+
+def points_hint(view: Any, name: str) -> str:
+    """What to say to ``sel``/``isel`` of ``name`` on ``view`` where it is the latitude or
+    longitude of a grid of points (not a dimension: a box of the points is a mask of them);
+    ``""`` otherwise."""
+    if view.points is None or name not in view.points or not view.dims:
+        return ""
+    dim = view.dims[view.field_axes[-1]]
+    return (
+        f"{name!r} is the {'latitude' if name == view.points[0] else 'longitude'} of each "
+        f"point of {dim!r} (a grid of points): select a box of them with a mask, e.g. "
+        f"isel({dim}=(lat >= 30) & (lat <= 60)) with lat the {view.points[0]!r} array"
+    )
