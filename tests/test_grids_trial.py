@@ -54,7 +54,13 @@ from resume_helpers import assert_resumes_exactly, digest
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import concat, insitu_pipeline, open_geometries, split_by_chunk, stack
-from insitubatch_nodes.forcings import Forcings, cos_solar_zenith, local_time
+from insitubatch_nodes.forcings import (
+    Forcings,
+    cos_solar_zenith,
+    local_time,
+    toa_incident_solar_radiation,
+    year_progress,
+)
 from insitubatch_nodes.io.collection import join
 from insitubatch_nodes.statistics import fit_statistics
 
@@ -142,9 +148,10 @@ def test_a_stack_of_levels_on_a_grid_of_points_has_a_channel_per_level(points: P
     assert stack({"t": g["t"]}).channels == ("t@1000", "t@850", "t@500")
 
 
-def _at_points(times: np.ndarray, lat: np.ndarray, lon: np.ndarray) -> np.ndarray:
-    """The regular-grid ``cos θ`` on the one-point grid of each (lat, lon): ``(*times, N)``."""
-    at = [cos_solar_zenith(times, [a], [b])[..., 0, 0] for a, b in zip(lat, lon, strict=True)]
+def _at_points(times: Any, lat: np.ndarray, lon: np.ndarray, f: Any = cos_solar_zenith) -> Any:
+    """The regular-grid forcing ``f`` on the one-point grid of each (lat, lon): ``(*times,
+    N)``."""
+    at = [f(times, [a], [b])[..., 0, 0] for a, b in zip(lat, lon, strict=True)]
     return np.stack(at, -1)
 
 
@@ -156,7 +163,8 @@ def test_forcings_on_a_grid_of_points_are_computed_at_each_point(points: Path) -
     lat, lon = ds.latitude.values, ds.longitude.values
     g = open_geometries(points)
     manifest = split_by_chunk(g["t"], (1.0, 0.0, 0.0))
-    names = ["cos_solar_zenith", "local_time_cos", "toa_incident_solar_radiation"]
+    names = ["cos_solar_zenith", "local_time_cos", "toa_incident_solar_radiation",
+             "year_progress_sin"]  # fmt: skip
     sun = Forcings("2t", view=g["2t"], names=names)
     x = stack({"2t": g["2t"].window([-1, 0]), "sun": Forcings("x", view=g["2t"], names=names)})
     views = {"2t": g["2t"], "x": x}
@@ -167,7 +175,10 @@ def test_forcings_on_a_grid_of_points_are_computed_at_each_point(points: Path) -
     np.testing.assert_allclose(batch["cos_solar_zenith"], _at_points(times, lat, lon), atol=1e-6)
     hours = local_time(times, lon)[:, 0, :]
     np.testing.assert_allclose(batch["local_time_cos"], np.cos(2 * np.pi * hours / 24), atol=1e-6)
-    assert batch["toa_incident_solar_radiation"].min() >= 0.0
+    want = _at_points(times, lat, lon, toa_incident_solar_radiation)
+    np.testing.assert_allclose(batch["toa_incident_solar_radiation"], want, rtol=1e-6, atol=1e-2)
+    year = np.sin(2 * np.pi * year_progress(times))[:, None]
+    np.testing.assert_allclose(batch["year_progress_sin"], np.broadcast_to(year, (4, N)), atol=1e-6)
     xt = batch.coords["x"]["time"]
     np.testing.assert_allclose(batch["x"][:, :, 1], _at_points(xt, lat, lon), atol=1e-6)
 

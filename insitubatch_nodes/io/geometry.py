@@ -132,7 +132,7 @@ class ArrayGeometry:
     dim_names: tuple[str, ...] | None = None
     #: the latitude and longitude arrays of a grid of points: the last field axis is the
     #: horizontal grid (:mod:`~insitubatch_nodes.io.points`; ``None``: the last two are)
-    points: tuple[str, str] | None = None
+    points: tuple[str, str] | None = field(default=None, compare=False)
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
