@@ -32,7 +32,6 @@ re-raises; a bad object fills or fails as :mod:`~insitubatch_nodes.stages._bad` 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -49,7 +48,7 @@ from insitubatch_nodes.io.localfiles import LocalReader
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import PENDING, ChunkEntry
-from insitubatch_nodes.stages._bad import BadChunks
+from insitubatch_nodes.stages._bad import BadChunks, NoteBad
 from insitubatch_nodes.stages._get import GetQueue
 from insitubatch_nodes.stages._jobs import (
     REVIVE,
@@ -64,13 +63,8 @@ from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.trace import DECODE, MISSING, READ, READ_DECODE, TRANSFORM, PackedSpans
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["FillRunner", "NoteBad", "SpareBuffers"]
+__all__ = ["FillRunner", "SpareBuffers"]
 
-NoteBad = Callable[[int, str, int, Iterable[tuple[int, ...]]], bool]
-"""``note_bad(generation, path, chunk, tiles)``: list bad stored objects (the fetch stage's);
-False when the fill belongs to an epoch that is over."""
-
-log = logging.getLogger("insitubatch_nodes.stages.fetch")
 _now = time.perf_counter
 
 
@@ -103,9 +97,11 @@ class FillRunner:
         self.decode_pool = decode_pool
         self.reader = reader
         self.transforms = transforms
-        self.bad = BadChunks(on_bad_chunk, pool, getattr(get, "served", None))
+        self.bad = BadChunks(
+            on_bad_chunk, pool, getattr(get, "served", None),
+            note_bad=note_bad, recorder=recorder, store_name=store_name,
+        )  # fmt: skip
         self.store_name = store_name
-        self.note_bad = note_bad
         self.recorder = recorder
         self.gets: GetQueue | None = None
         if reader is None and get is not None:
@@ -257,12 +253,8 @@ class FillRunner:
                         decode(raw, dest, chunk, tile)
                         t2 = _now()
                     except Exception as exc:
-                        self._bad(
-                            job,
-                            Unit(array, chunk, tile, dest, None, r),
-                            key,
-                            self._wrap(array, chunk, tile, key, exc),
-                        )
+                        error = self.bad.decode_error(array, chunk, tile, key, exc)
+                        self._bad(job, Unit(array, chunk, tile, dest, None, r), error)
                         continue
                     acc.decodes += 1
                     acc.decode_s += t2 - t1
@@ -303,7 +295,7 @@ class FillRunner:
             except OSError as exc:
                 error = array.read_error(chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
-                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
+                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
                 continue
             t1 = _now()
             reads += 1
@@ -313,7 +305,7 @@ class FillRunner:
                     packed.add(READ, t0, t1, t1, ref, chunk, r)
                 if array.listed:
                     error = array.gone_error(chunk, tile, key, self.store_name)
-                    self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
+                    self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
                     continue
                 missing.append(r)
                 probe = True
@@ -325,8 +317,8 @@ class FillRunner:
             except Exception as exc:
                 if packed is not None:
                     packed.add(READ, t0, t1, t1, ref, chunk, r)
-                error = self._wrap(array, chunk, tile, key, exc)
-                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
+                error = self.bad.decode_error(array, chunk, tile, key, exc)
+                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
                 continue
             t2 = _now()
             decodes += 1
@@ -349,15 +341,6 @@ class FillRunner:
         acc.decodes += decodes
         acc.decode_s += decode_s
         acc.queued_s += queued_s
-
-    def _wrap(
-        self, array: ArrayFill, chunk: int, tile: tuple[int, ...], key: str, exc: Exception
-    ) -> ChunkReadError:
-        if isinstance(exc, ChunkReadError):
-            return exc
-        error = array.read_error(chunk, tile, key, "decode", self.store_name)
-        error.__cause__ = exc
-        return error
 
     def _note_reads(self, acc: _Tally | None, inflight: int = 0) -> None:
         """Count the reads ``acc`` made since it last did in the pool's stats (and ``inflight``
@@ -412,13 +395,10 @@ class FillRunner:
                 if acc.packed is not None:
                     ref = acc.packed.ref(array.path, tile)
                     acc.packed.add(DECODE, t1, t1, t2, ref, chunk, row)
-            except ChunkReadError as exc:
-                error = exc
             except Exception as exc:
-                error = array.read_error(chunk, tile, key, "decode", self.store_name)
-                error.__cause__ = exc
+                error = self.bad.decode_error(array, chunk, tile, key, exc)
         if error is not None:
-            self._bad(job, unit, key, error)
+            self._bad(job, unit, error)
         self._unit_done(job, entry, acc)
 
     def _failed(self, job: FillJob, unit: Unit, error: BaseException) -> None:
@@ -462,28 +442,11 @@ class FillRunner:
             ids.note(array.path, array.entry_index(chunk, tile), key, stat_identity(info[0]))
         return raw
 
-    def _bad(self, job: FillJob, unit: Unit, key: str, error: ChunkReadError) -> None:
+    def _bad(self, job: FillJob, unit: Unit, error: ChunkReadError) -> None:
+        """``unit``'s object could not be read or decoded: it fills or fails
+        (:meth:`BadChunks.handle`)."""
         _RUN.__dict__.setdefault("errors", []).append(error)  # (for the run's end)
-        array, chunk, tile, out, entry, _ = unit
-        if not self.bad.fills(error):
-            if entry is None:
-                if job.error is None:
-                    job.error = error
-            elif entry.error is None:
-                entry.error = error
-            return
-        # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
-        log.warning(  # (strings: a handler that keeps records must not keep the chunks)
-            "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
-            error.where,
-            str(error.__cause__),
-        )
-        out[...] = array.fill_value
-        if entry is not None:
-            entry.bad_tiles.append(tuple(tile))
-        if self.note_bad(job.generation, array.path, chunk, [tuple(tile)]):
-            rec = self.recorder
-            rec.on_bad_chunk()
+        self.bad.handle(job, unit, error)
 
     def _skip(self, job: FillJob, unit: Unit) -> None:
         entry = unit.entry
