@@ -1,14 +1,21 @@
-"""What a stored object that cannot be read or decoded does to its batch: ``on_bad_chunk``.
+"""A stored object that cannot be read or decoded: what it counts, and what it does to its batch.
 
-``"raise"`` fails the batch that needs the object. ``"nan"`` fills the object's rectangle and
-goes on: it is for the occasional object a store will not return (an upload cut short, an
-object the credentials may not read) or whose bytes do not decode. A store that returns *none*
-is not that — credentials that expired mid-run, a store or a network that is down — and
-filling would turn the rest of the run into fill values, one logged warning per object. So
-under ``"nan"`` too, a failed read fails its batch once :data:`READ_FAILURES_IN_A_ROW` reads
-have failed with no stored object served between them (the pool's count of reads served is
-the clock: nothing is added to the path of a read that succeeds; a collection's several stores
-count each its own). Its
+**Counted as one that worked.** The store was asked, or the decoder ran, and the epoch spent
+that time: a local read that failed counts in the report's GETs (with no bytes), its seconds and
+``local_read_s``, and a decode that failed in its decodes and their seconds, as a remote GET
+that failed does (:mod:`~insitubatch_nodes.stages._get`); with a trace each has its ``read`` or
+``decode`` span, which names the error (:meth:`BadChunks.count`). A failed read is still not a
+read *served* (the pool's ``stats()``): that count is the clock below.
+
+**``on_bad_chunk``.** ``"raise"`` fails the batch that needs the object. ``"nan"`` fills the
+object's rectangle and goes on: it is for the occasional object a store will not return (an
+upload cut short, an object the credentials may not read) or whose bytes do not decode. A store
+that returns *none* is not that — credentials that expired mid-run, a store or a network that is
+down — and filling would turn the rest of the run into fill values, one logged warning per
+object. So under ``"nan"`` too, a failed read fails its batch once
+:data:`READ_FAILURES_IN_A_ROW` reads have failed with no stored object served between them (the
+pool's count of reads served is the clock: nothing is added to the path of a read that
+succeeds; a collection's several stores count each its own). Its
 :class:`~insitubatch_nodes.errors.ChunkReadError` says so (``in_a_row``). Objects that do not
 decode never count: a store that serves bytes is answering.
 """
@@ -41,10 +48,10 @@ class BadChunks:
     """The bad stored objects of one fetch stage's fills (module docstring; any thread).
 
     ``policy`` is ``on_bad_chunk`` (``"raise"`` or ``"nan"``); filled objects are listed with
-    ``note_bad`` and counted in ``recorder``. ``served``: for a collection's several stores (a
-    :class:`~insitubatch_nodes.io.objects.RoutedGetter`'s), the objects each store returned:
-    the run of failed reads is then counted per store, so that the objects the other stores
-    serve do not hide one that returns none."""
+    ``note_bad`` and counted, as failed reads and decodes are, in ``recorder``. ``served``: for
+    a collection's several stores (a :class:`~insitubatch_nodes.io.objects.RoutedGetter`'s),
+    the objects each store returned: the run of failed reads is then counted per store, so that
+    the objects the other stores serve do not hide one that returns none."""
 
     def __init__(
         self,
@@ -65,6 +72,21 @@ class BadChunks:
         self._lock = threading.Lock()
         self._failed: dict[int, int] = {}  # per store: reads failed since one was served
         self._served: dict[int, int] = {}  # per store: the count served when one last failed
+
+    def count(
+        self, job: FillJob, error: ChunkReadError, row: int, t0: float, t1: float,
+        since: float = 0.0,
+    ) -> None:  # fmt: skip
+        """The local read (``error.what == "read"``) or the decode of ``error``'s object, for
+        batch row ``row`` (``-1``: a slot), failed after running from ``t0`` to ``t1``: counted
+        as one that worked, its span naming the error's cause (a decode's queue time since
+        ``since``: its GET's landing, else its job's submission)."""
+        cause = error.__cause__
+        self.recorder.on_object_failed(
+            error.what, t0, t1, submitted=job.submitted, since=since or job.submitted,
+            ids=(error.array, error.chunk_index, error.tile, job.batch, row),
+            error=type(cause if cause is not None else error).__name__,
+        )  # fmt: skip
 
     def decode_error(
         self, array: ArrayFill, chunk: int, tile: tuple[int, ...], key: str, exc: Exception

@@ -26,7 +26,8 @@ chunk transforms and, for a cache file, its checksum) or failed (the first error
 :class:`~insitubatch_nodes.pool.FillCancelled` when it lost its last pin before all its objects
 landed; a fill that completes anyway keeps its chunk). A job resolves its own member of the fill
 once every object is handled; direct rows that failed set :attr:`FillJob.error`, which the batch
-re-raises; a bad object fills or fails as :mod:`~insitubatch_nodes.stages._bad` says.
+re-raises; a stored object that cannot be read or decoded is counted, and fills or fails, as
+:mod:`~insitubatch_nodes.stages._bad` says.
 """
 
 from __future__ import annotations
@@ -246,16 +247,21 @@ class FillRunner:
                     dest = row[box]
                     key = array.key(chunk, tile)
                     try:
-                        raw = self._read(array, chunk, tile, key, acc, r)
+                        raw = self._read(job, array, chunk, tile, key, acc, r)
                         if raw is None and array.listed:
                             raise array.gone_error(chunk, tile, key, self.store_name)
-                        t1 = _now()
-                        decode(raw, dest, chunk, tile)
-                        t2 = _now()
-                    except Exception as exc:
+                    except Exception as exc:  # a ChunkReadError (else: the decode's, as ever)
                         error = self.bad.decode_error(array, chunk, tile, key, exc)
                         self._bad(job, Unit(array, chunk, tile, dest, None, r), error)
                         continue
+                    t1 = _now()
+                    try:
+                        decode(raw, dest, chunk, tile)
+                    except Exception as exc:
+                        unit = Unit(array, chunk, tile, dest, None, r)
+                        self._decode_failed(job, unit, key, exc, t1)
+                        continue
+                    t2 = _now()
                     acc.decodes += 1
                     acc.decode_s += t2 - t1
                     acc.queued_s += t2 - job.submitted
@@ -295,6 +301,7 @@ class FillRunner:
             except OSError as exc:
                 error = array.read_error(chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
+                self.bad.count(job, error, r, t0, _now())
                 self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
                 continue
             t1 = _now()
@@ -317,8 +324,8 @@ class FillRunner:
             except Exception as exc:
                 if packed is not None:
                     packed.add(READ, t0, t1, t1, ref, chunk, r)
-                error = self.bad.decode_error(array, chunk, tile, key, exc)
-                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
+                unit = Unit(array, chunk, tile, out[r : r + 1], None, r)
+                self._decode_failed(job, unit, key, exc, t1)
                 continue
             t2 = _now()
             decodes += 1
@@ -383,11 +390,18 @@ class FillRunner:
         if error is None:
             try:
                 if not landed:
-                    raw = self._read(array, chunk, tile, key, acc, row)
+                    raw = self._read(job, array, chunk, tile, key, acc, row)
                 if raw is None and array.listed:
                     raise array.gone_error(chunk, tile, key, self.store_name)
-                t1 = _now()
+            except Exception as exc:  # a ChunkReadError (else: the decode's, as ever)
+                error = self.bad.decode_error(array, chunk, tile, key, exc)
+        if error is None:
+            t1 = _now()
+            try:
                 array.decoder.decode_trusted(raw, out, chunk, tile)
+            except Exception as exc:
+                self._decode_failed(job, unit, key, exc, t1, landed)
+            else:
                 t2 = _now()
                 acc.decodes += 1
                 acc.decode_s += t2 - t1
@@ -395,9 +409,7 @@ class FillRunner:
                 if acc.packed is not None:
                     ref = acc.packed.ref(array.path, tile)
                     acc.packed.add(DECODE, t1, t1, t2, ref, chunk, row)
-            except Exception as exc:
-                error = self.bad.decode_error(array, chunk, tile, key, exc)
-        if error is not None:
+        elif isinstance(error, ChunkReadError):
             self._bad(job, unit, error)
         self._unit_done(job, entry, acc)
 
@@ -415,6 +427,7 @@ class FillRunner:
 
     def _read(
         self,
+        job: FillJob,
         array: ArrayFill,
         chunk: int,
         tile: tuple[int, ...],
@@ -422,8 +435,9 @@ class FillRunner:
         acc: _Tally,
         row: int = -1,
     ) -> Any:
-        """Read one stored object of a local store (``row``: the batch row it is decoded
-        into, ``-1`` for a slot; for the trace)."""
+        """Read one stored object of a local store for ``job`` (``row``: the batch row it is
+        decoded into, ``-1`` for a slot; for the trace). A read that fails raises its
+        :class:`ChunkReadError`, counted (:meth:`BadChunks.count`)."""
         assert self.reader is not None
         ids = self._identities()
         info: list[Any] | None = None if ids is None else []
@@ -431,7 +445,10 @@ class FillRunner:
         try:
             raw = self.reader.read(key) if info is None else self.reader.read(key, info)
         except OSError as exc:
-            raise array.read_error(chunk, tile, key, "read", self.store_name) from exc
+            error = array.read_error(chunk, tile, key, "read", self.store_name)
+            error.__cause__ = exc
+            self.bad.count(job, error, row, t0, _now())
+            raise error from exc
         t1 = _now()
         acc.reads += 1
         acc.read_s += t1 - t0
@@ -447,6 +464,14 @@ class FillRunner:
         (:meth:`BadChunks.handle`)."""
         _RUN.__dict__.setdefault("errors", []).append(error)  # (for the run's end)
         self.bad.handle(job, unit, error)
+
+    def _decode_failed(
+        self, job: FillJob, unit: Unit, key: str, exc: Exception, t1: float, since: float = 0.0
+    ) -> None:
+        """``unit``'s decode, begun at ``t1``, raised ``exc``: counted, then :meth:`_bad`."""
+        error = self.bad.decode_error(unit.array, unit.chunk, unit.tile, key, exc)
+        self.bad.count(job, error, unit.row, t1, _now(), since)
+        self._bad(job, unit, error)
 
     def _skip(self, job: FillJob, unit: Unit) -> None:
         entry = unit.entry
