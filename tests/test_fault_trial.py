@@ -663,6 +663,14 @@ def test_every_error_of_the_package_pickles_with_its_message_attributes_and_caus
             nbytes=8 << 20,
         ),
         errors.ArrayNotFoundError("array 'q' is not in store /d.zarr (it holds: t2m)"),
+        errors.StateMismatchError(
+            "its seed differs",
+            "To resume it, ...",
+            "To go on, ...",
+            epoch=3,
+            batches=2,
+            also=". A state taken ...",
+        ),
     ]
     made += [getattr(errors, name)("a message") for name in errors.__all__
              if name not in {type(e).__name__ for e in made}]  # fmt: skip

@@ -14,7 +14,10 @@ CPU time plus the machine's queue.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,10 +34,20 @@ pytestmark = pytest.mark.xdist_group("plate-scale")
 
 
 @pytest.fixture(scope="module")
-def big_plate(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("big") / "plate.zarr"
-    make_plate_metadata_only(path)  # 32 x 48 wells x 9 fields, NGFF 0.5, zarr v3
-    return path
+def big_plate(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The plate's 29,217 documents, written to memory (``/dev/shm``) where it has room: on
+    this machine's disk the mkdir and open calls alone took 5.3 CPU-s of the 8 s the writing
+    took, in memory 1.0 CPU-s all told (2026-12-07); reading it costs the same in either
+    (``read_plate`` 0.9 CPU-s, ``open_plate`` 1.7-2.0)."""
+    shm = Path("/dev/shm")
+    in_memory = shm.is_dir() and shutil.disk_usage(shm).free > 1 << 30
+    folder = Path(tempfile.mkdtemp(dir=shm)) if in_memory else tmp_path_factory.mktemp("big")
+    try:
+        make_plate_metadata_only(folder / "plate.zarr")  # 32 x 48 x 9 fields, NGFF 0.5, zarr v3
+        yield folder / "plate.zarr"
+    finally:
+        if in_memory:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.slow
