@@ -51,6 +51,7 @@ from helpers import write_era5
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.io.coords import open_coordinates
+from insitubatch_nodes.statistics import Statistics, fit_statistics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,6 +86,36 @@ def window(root: Path, first: int, stop: int) -> Any:
     time = open_coordinates(root, t2m)["time"]
     dates = (time.values[first], time.values[stop])
     return split_by_chunk(t2m, (0.8, 0.1, 0.1), sample_range=dates, coord=time)
+
+
+# -- saved statistics ----------------------------------------------------------------------------
+
+
+def test_statistics_fitted_on_a_date_window_stay_valid_after_dates_are_appended_outside_it(
+    root: Path, tmp_path: Path
+) -> None:
+    views = {"t2m": open_geometries(root, ["t2m"])["t2m"]}
+    stats = fit_statistics(root, window(root, 0, 80), views, stride="12h")
+    stats.save(tmp_path / "stats.json")
+    append(root, 8)
+    grown = window(root, 0, 80)  # the same dates, drawn again on the grown store
+    views = {"t2m": open_geometries(root, ["t2m"])["t2m"]}
+    dataset = {"store": root, "manifest": grown, "views": views, "split": "train", "stride": "12h"}
+    loaded = Statistics.load(tmp_path / "stats.json", dataset=dataset)
+    again = fit_statistics(root, grown, views, stride="12h")  # what a refit gives
+    for name in ("mean", "std", "min", "max", "diff_std", "count"):
+        np.testing.assert_array_equal(getattr(loaded, name)["t2m"], getattr(again, name)["t2m"])
+    Statistics.load(tmp_path / "stats.json", dataset=again.dataset)  # another fit's dataset
+
+
+def test_statistics_of_a_split_the_append_grew_are_refused(root: Path, tmp_path: Path) -> None:
+    views = {"t2m": open_geometries(root, ["t2m"])["t2m"]}
+    whole = split_by_chunk(views["t2m"], (1.0, 0.0, 0.0))  # train: every step, the last chunk too
+    fit_statistics(root, whole, views).save(tmp_path / "stats.json")
+    append(root, 4)  # the last chunk grows from 4 steps to 8: train holds 4 more
+    grown = split_by_chunk(open_geometries(root, ["t2m"])["t2m"], (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match="fitted on another dataset"):
+        Statistics.load(tmp_path / "stats.json", dataset={"store": root, "manifest": grown})
 
 
 # -- loader checkpoints --------------------------------------------------------------------------
