@@ -47,7 +47,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import write_era5
+from helpers import Oracle, View, run_epoch, write_era5
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.io.coords import open_coordinates
@@ -86,6 +86,28 @@ def window(root: Path, first: int, stop: int) -> Any:
     time = open_coordinates(root, t2m)["time"]
     dates = (time.values[first], time.values[stop])
     return split_by_chunk(t2m, (0.8, 0.1, 0.1), sample_range=dates, coord=time)
+
+
+# -- a fresh run -------------------------------------------------------------------------------
+
+
+def test_after_an_append_a_fresh_run_draws_forecast_anchors_up_to_the_newest_step(
+    root: Path,
+) -> None:
+    append(root, 8)
+    t2m = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    views = {"x": t2m.window([-1, 0]), "y": t2m.shift(1)}
+    with closing(insitu_pipeline(root, manifest, views, batch_size=4, stride="12h")) as pipe:
+        batches = list(Loader(pipe))
+    anchors = np.sort(np.concatenate([b.sample_indices["y"] - 1 for b in batches]))
+    np.testing.assert_array_equal(anchors, np.arange(2, N0 + 8 - 1, 2))  # 00 and 12 UTC
+    oracle = zarr.open_array(root / "t2m")[...]
+    for b in batches:
+        np.testing.assert_array_equal(b.arrays["y"], oracle[b.sample_indices["y"]])
+        np.testing.assert_array_equal(b.arrays["x"], oracle[b.sample_indices["x"]])
+        times = b.coords["y"]["time"]
+        assert (times.astype("datetime64[h]").astype(int) % 12 == 6).all()  # the anchor's + 6h
 
 
 # -- saved statistics ----------------------------------------------------------------------------
@@ -194,3 +216,57 @@ def test_a_mid_epoch_state_of_a_split_the_append_grew_is_refused_saying_what_to_
             with pytest.raises(ValueError, match="cannot restore") as info:
                 next(iter(loader))
         assert says in str(info.value) and "afresh" in str(info.value)
+
+
+# -- the persistent cache ------------------------------------------------------------------------
+
+
+def _cached(root: Path, cache: Path, names: list[str], **kw: Any) -> Any:
+    manifest = split_by_chunk(open_geometries(root, ["t2m"])["t2m"], (1.0, 0.0, 0.0))
+    kw = {"batch_size": 8, "block_chunks": 4, "cache_dir": cache, "persist": True} | kw
+    return insitu_pipeline(root, manifest, names, coords=(), **kw)
+
+
+def _epoch(pipe: Any, root: Path, names: list[str]) -> dict[str, int]:
+    """One epoch checked row by row against zarr's read of the store as it is now."""
+    with closing(pipe):
+        run_epoch(pipe, Oracle(root), {name: View(name) for name in names})
+        return {**pipe.stats(), "stale": pipe.stages.pool.cache.stats["stale_chunks"]}
+
+
+def test_a_day_of_new_steps_a_corrected_chunk_and_a_new_variable_fetch_only_what_changed(
+    root: Path, tmp_path: Path
+) -> None:
+    cache, names = tmp_path / "cache", ["t2m", "z"]
+    assert _epoch(_cached(root, cache, names), root, names)["gets"] == 12 * (1 + 2)
+    t2m = zarr.open_array(root / "t2m", mode="r+")
+    t2m[9 * SPC : 10 * SPC] = t2m[9 * SPC : 10 * SPC] + 0.5  # a correction of chunk 9
+    append(root, 12)  # chunk 11 grows from 4 steps to 8, chunk 12 is new
+    sst = zarr.create_array(root, name="sst", shape=(N0 + 12, 8, 16), chunks=(SPC, 8, 16),
+                            dtype="f4", dimension_names=("time", "lat", "lon"))  # fmt: skip
+    sst[...] = np.arange(sst.size, dtype="f4").reshape(sst.shape)
+    names = ["t2m", "z", "sst"]
+    stats = _epoch(_cached(root, cache, names), root, names)
+    # t2m: chunks 9, 11 and 12 (one object each); z: chunks 11 and 12 (two levels each); sst: all
+    assert stats["gets"] == 3 + 2 * 2 + 13
+    assert stats["disk_hits"] == (13 - 3) + (13 - 2)  # every unchanged chunk from the cache
+    assert stats["stale"] == 3  # t2m's chunks 9 and 11, z's chunk 11
+    stats = _epoch(_cached(root, cache, names, persist=False, readonly_cache=True), root, names)
+    assert stats["gets"] == 0 and stats["disk_hits"] == 3 * 13
+
+
+def test_a_chunk_corrected_while_a_pipeline_runs_reaches_the_next_pipeline_not_this_one(
+    root: Path, tmp_path: Path
+) -> None:
+    cache, names = tmp_path / "cache", ["t2m"]
+    budget = 6 * SPC * 8 * 16 * 4  # six of the 12 chunks: the others are read back from the cache
+    pipe = _cached(root, cache, names, cache_budget_bytes=budget, block_chunks=1)
+    before = Oracle(root)
+    run_epoch(Loader(pipe), before, {"t2m": View("t2m")})  # epoch 0 warms the cache
+    t2m = zarr.open_array(root / "t2m", mode="r+")
+    t2m[2 * SPC : 3 * SPC] = t2m[2 * SPC : 3 * SPC] + 0.5  # corrected between epochs
+    run_epoch(Loader(pipe), before, {"t2m": View("t2m")})  # as documented: as it was cached
+    assert pipe.stats()["gets"] == 12 and pipe.stats()["evictions"] > 0
+    pipe.close()
+    stats = _epoch(_cached(root, cache, names), root, names)  # the next pipeline: the new values
+    assert stats["gets"] == 1 and stats["stale"] == 1
