@@ -50,6 +50,7 @@ import zarr
 from helpers import Oracle, View, run_epoch, write_era5
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import StaleCacheError
 from insitubatch_nodes.io.coords import open_coordinates
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 
@@ -270,3 +271,23 @@ def test_a_chunk_corrected_while_a_pipeline_runs_reaches_the_next_pipeline_not_t
     pipe.close()
     stats = _epoch(_cached(root, cache, names), root, names)  # the next pipeline: the new values
     assert stats["gets"] == 1 and stats["stale"] == 1
+
+
+def test_after_an_append_a_read_only_reader_of_the_past_waits_for_a_writer_of_the_grown_chunk(
+    root: Path, tmp_path: Path
+) -> None:
+    cache, names = tmp_path / "cache", ["t2m", "z"]
+    _epoch(_cached(root, cache, names), root, names)  # a writer of every step, chunk 11 too
+    append(root, 8)  # rewrites chunk 11, which a reader of the first 80 steps never reads
+
+    def past(**kw: Any) -> Any:
+        return insitu_pipeline(root, window(root, 0, 80), names, coords=(), cache_dir=cache, **kw)
+
+    with pytest.raises(StaleCacheError, match="whose split reads those chunks") as info:
+        past(readonly_cache=True)
+    assert "'t2m/c/11/0/0' changed" in str(info.value)
+    assert _epoch(past(persist=True), root, names)["gets"] == 0  # a writer of the past ...
+    with pytest.raises(StaleCacheError):
+        past(readonly_cache=True)  # ... leaves chunk 11 stale
+    assert _epoch(_cached(root, cache, names), root, names)["gets"] == 2 * (1 + 2)  # 11 and 12
+    assert _epoch(past(readonly_cache=True), root, names)["gets"] == 0
