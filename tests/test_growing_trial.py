@@ -22,6 +22,13 @@ Found (now fixed):
   refuses. A state now records the split's anchors (chunks, anchors after the stride and the
   missing steps, views) and restores exactly where they are the same; where the append changed
   them the refusal says so and what to do.
+* After an append a ``readonly_cache=True`` reader of the past (a date window) is refused with
+  ``StaleCacheError`` for the old last chunk, which it never reads, and was told to "warm the
+  cache again with a writing run, which refetches just those chunks": a writer of its own
+  window drops them for that run only, and the next reader is refused again. The message now
+  says a writer whose split reads those chunks, and caching.md when to run it (the reader's
+  refusal of chunks outside its split is described, not changed: the cache would need the
+  plan's chunks).
 
 Tried and found right (kept as claims below, or checked once): after an append a fresh run's
 manifest and forecast anchors reach the newest step, every row zarr's; with a persistent cache,
@@ -35,7 +42,9 @@ append warns and the array's own shape is used, coordinates included; a store re
 its new steps are written reads the grown edge chunk's padding as the fill value, as zarr does,
 and ``missing_objects="drop"`` drops only the anchors of the absent new chunk; ten pipelines
 over one cache directory in a row leave no descriptor or thread behind (12 fds and 11 threads
-after 5 and after 15: the shared IO loop and decode pool).
+after 5 and after 15: the shared IO loop and decode pool); a mid-epoch state resumed across an
+append outside the split is exact for grid and random patches, windows, selections, two ranks,
+and through ``StatefulDataLoader`` with ``torch.save``/``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
