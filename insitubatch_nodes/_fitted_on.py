@@ -27,6 +27,7 @@ import numpy as np
 
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
 from insitubatch_nodes.io.stores import as_store, describe_store
 from insitubatch_nodes.plan.anchors import describe_stride
@@ -119,12 +120,12 @@ def unmoved(view: ArrayGeometry) -> ArrayGeometry:
         spec = view.patch
         view = dataclasses.replace(view, patch=None)
         kept = [view.field_axes[i] for i in kept_axes(view_keys(view))]
-        channel_axes = [a for a in spec.axes if a in kept[: max(0, len(kept) - 2)]]
+        channel_axes = [a for a in spec.axes if a in kept[: len(kept) - grid_ndim(view)]]
         if channel_axes:
             raise ValueError(
                 f"{view.path}: the view is patched along a channel axis ({channel_axes}; "
-                "statistics are per entry of every field axis but the last two): fit the "
-                "unpatched view, or patch the last two field axes only"
+                "statistics are per entry of every field axis but the grid's): fit the "
+                "unpatched view, or patch the grid's field axes only"
             )
         boxed = {
             view.field_axes.index(axis): (lo, hi)

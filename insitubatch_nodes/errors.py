@@ -27,6 +27,7 @@ __all__ = [
     "InSituError",
     "PipelineInterrupted",
     "StaleCacheError",
+    "StateMismatchError",
     "UnsupportedMetadataError",
 ]
 
@@ -207,6 +208,31 @@ class FillCancelled(InSituError, RuntimeError):
 
 class PipelineInterrupted(InSituError, RuntimeError):
     """A wait was cut short because its pipeline is stopping (``close`` or ``reset``)."""
+
+
+# -- resuming ------------------------------------------------------------------------------------
+
+
+class StateMismatchError(InSituError, ValueError):
+    """A saved loader state that this pipeline cannot restore: it was taken under other
+    settings. The message says what differs, how to resume the state (build the pipeline as
+    the run that saved it) and how to go on without it; ``epoch`` and ``batches`` say where it
+    was taken (the epoch, and the batches of it delivered); ``also`` ends the message (what
+    would restore here)."""
+
+    def __init__(
+        self, what: str, resume: str, go_on: str, *, epoch: int, batches: int, also: str = ""
+    ) -> None:
+        super().__init__(f"{what}. {resume}. {go_on}{also}")
+        self.what, self.resume, self.go_on, self.also = what, resume, go_on, also
+        self.epoch, self.batches = epoch, batches
+
+    def told(self, go_on: str) -> StateMismatchError:
+        """The same refusal, saying ``go_on`` as the way to go on without the state (where
+        whoever drives the pipeline has another way than the pipeline's own)."""
+        return StateMismatchError(
+            self.what, self.resume, go_on, epoch=self.epoch, batches=self.batches, also=self.also
+        )
 
 
 # -- the cache directory -------------------------------------------------------------------------

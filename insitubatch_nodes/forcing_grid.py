@@ -3,9 +3,11 @@
 A :class:`ForcingGrid` is what :class:`~insitubatch_nodes.forcings.Forcings` computes its
 fields at. Given as ``lat=`` and ``lon=`` it is one grid for every row. Read from a view
 (:meth:`ForcingGrid.of_view`) it is the view's last two kept field axes' coordinates, as
-selected; for a view of a :class:`~insitubatch_nodes.io.collection.Collection` those of **each
-member**: scenes at other places hold other points at the same index, so each row's forcings
-are computed on its own member's points (the row's member: ``batch.members[label]``). Members
+selected (of a grid of points, :mod:`~insitubatch_nodes.io.points`, the latitude and longitude
+of each point of its last axis); for a view of a
+:class:`~insitubatch_nodes.io.collection.Collection` those of **each member**: scenes at
+other places hold other points at the same index, so each row's forcings are computed on its
+own member's points (the row's member: ``batch.members[label]``). Members
 whose points are equal share one grid, so one computation (and one memory of computed times)
 serves them all; where every member is on one grid the collection's forcings are that one grid,
 as for a single array.
@@ -34,6 +36,7 @@ from insitubatch_nodes.io.collection_checks import MemberCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import cut_windows
+from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
 __all__ = ["ForcingGrid", "GridWindow", "refuse_forcings_elsewhere", "refuse_other_points"]
@@ -52,6 +55,8 @@ class ForcingGrid:
     of_member: np.ndarray | None = None
     collection: str | None = None
     members: tuple[str, ...] = ()
+    #: a grid of points: point ``i`` at ``(lats[:, i], lons[:, i])``, of shape ``(n,)``
+    points: bool = False
 
     @classmethod
     def given(cls, lat: Any, lon: Any) -> ForcingGrid:
@@ -84,8 +89,14 @@ class ForcingGrid:
         field = [dims[a] for a in view.field_axes]
         keys = view_keys(view)
         kept = [(i, field[i], keys[i]) for i in kept_axes(keys)]
+        if view.points is not None and grid_ndim(view) == 1:  # each point's latitude, longitude
+            return cls._read(view, [(kept[-1][0], name, kept[-1][2]) for name in view.points])
         if len(kept) < 2:
-            raise ValueError(f"{view.path}: the view keeps fewer than two field axes")
+            raise ValueError(
+                f"{view.path}: the view keeps fewer than two field axes (forcings need its grid: "
+                "a latitude and a longitude axis, or one of points with 1-D latitude and "
+                "longitude arrays beside it)"
+            )
         first, second = (name.lower() for _, name, _ in kept[-2:])
         if first.startswith("lon") or second.startswith("lat"):
             raise ValueError(
@@ -103,9 +114,16 @@ class ForcingGrid:
                 "(its points, in degrees); a grid whose latitudes and longitudes are 2-D "
                 "(rotated, projected) is not supported"
             )
+        return cls._read(view, kept[-2:])
+
+    @classmethod
+    def _read(cls, view: ArrayGeometry, axes: list[tuple[int, str, Any]]) -> ForcingGrid:
+        """The grid of the coordinates ``axes`` name (the latitude's, the longitude's: ``(field
+        axis, coordinate name, selection key)``; both of one axis: a grid of points)."""
         coords = view.coordinates
+        points = axes[0][0] == axes[1][0]
         per_axis = []  # per grid axis: each member's values, as selected
-        for i, name, key in kept[-2:]:
+        for i, name, key in axes:
             if isinstance(coords, MemberCoordinates):
                 try:
                     values = coords.each(view.base, name)
@@ -128,7 +146,7 @@ class ForcingGrid:
             at = slice(None) if key is None else np.asarray(key)
             per_axis.append([np.asarray(v, np.float64)[at] for v in values])
         if not isinstance(coords, MemberCoordinates):
-            grid = cls(per_axis[0][0].reshape(1, -1), per_axis[1][0].reshape(1, -1))
+            grid = cls(per_axis[0][0].reshape(1, -1), per_axis[1][0].reshape(1, -1), points=points)
             _refuse_latitudes(grid.lats, f"{view.path}: ")
             return grid
         # equal grids share one index: a dict of each member's points, as bytes
@@ -141,14 +159,16 @@ class ForcingGrid:
         lons = np.stack([per_axis[1][m] for m in firsts])
         _refuse_latitudes(lats, f"{view.path}: ")
         if len(firsts) == 1:  # one grid for every member: as an array's
-            return cls(lats, lons)
+            return cls(lats, lons, points=points)
         assert view.members is not None
         name = view.members.collection.partition(":")[0]
-        return cls(lats, lons, of_member, name, tuple(coords.names))
+        return cls(lats, lons, of_member, name, tuple(coords.names), points)
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """``(n_lat, n_lon)``: every grid's."""
+    def shape(self) -> tuple[int, ...]:
+        """``(n_lat, n_lon)``: every grid's; ``(n,)`` of a grid of points."""
+        if self.points:
+            return (self.lons.shape[1],)
         return self.lats.shape[1], self.lons.shape[1]
 
     @property
@@ -231,7 +251,8 @@ class GridWindow:
         spec = view.patch
         if spec is None:
             return None
-        grid_axes = [view.field_axes[i] for i in kept_axes(view_keys(view))][-2:]
+        kept = [view.field_axes[i] for i in kept_axes(view_keys(view))]
+        grid_axes = kept[len(kept) - grid_ndim(view) :]
         # the grid as selected, whole along the axes the patches cut (a selected axis is whole)
         grid = list(view.inner_shape[len(view.inner_shape) - len(grid_axes) :])
         axes, columns, extent, dims, off = [], [], [], [], []
@@ -263,14 +284,15 @@ class GridWindow:
     def cut(
         self, values: np.ndarray, origins: np.ndarray, out: np.ndarray | None = None
     ) -> np.ndarray:
-        """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``: forcings on the whole
-        grid) at its origin (``origins``, ``batch.patch_origins[label]``), every row at once
+        """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``, ``(rows, ..., n)`` on
+        a grid of points: forcings on the whole grid) at its origin (``origins``,
+        ``batch.patch_origins[label]``), every row at once
         (:func:`~insitubatch_nodes.io.patching.cut_windows`, the cut of a patched stack's
         forcing member), C-contiguous; written into ``out`` (and returned) where given."""
         if not self.axes:  # (the patches cut no grid axis: every row's grid is whole)
             cut = values
         else:
-            at = tuple(values.ndim - 3 + a for a in self.axes)  # (of a row)
+            at = tuple(values.ndim - 1 - len(self.grid) + a for a in self.axes)  # (of a row)
             picked = np.asarray(origins)[:, list(self.columns)]
             cut = cut_windows(values, picked, at, self.extent)
         if out is None:

@@ -118,20 +118,23 @@ def _sun(days: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarr
     return sin_dec, np.sqrt(1.0 - sin_dec**2), hour_angle, distance
 
 
-def _grid(lat: Any, lon: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Latitude ``(n_lat, 1)`` and longitude ``(1, n_lon)`` in radians."""
-    phi = np.radians(np.asarray(lat, dtype=np.float64)).reshape(-1, 1)
+def _grid(lat: Any, lon: Any, points: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """Latitude ``(n_lat, 1)`` and longitude ``(1, n_lon)`` in radians; ``points``: both
+    ``(1, n)``, point ``i`` at ``(lat[i], lon[i])``."""
+    phi = np.radians(np.asarray(lat, dtype=np.float64)).reshape((1, -1) if points else (-1, 1))
     lam = np.radians(np.asarray(lon, dtype=np.float64)).reshape(1, -1)
     return phi, lam
 
 
-def cos_solar_zenith(times: Any, lat: Any, lon: Any) -> np.ndarray:
+def cos_solar_zenith(times: Any, lat: Any, lon: Any, *, points: bool = False) -> np.ndarray:
     """``cos θ`` (float64) at each time (any shape) and grid point: ``(*times.shape, n_lat,
-    n_lon)`` for 1-D ``lat`` and ``lon`` in degrees."""
+    n_lon)`` for 1-D ``lat`` and ``lon`` in degrees; ``points=True``: ``(*times.shape, n)`` at
+    the ``n`` points ``(lat[i], lon[i])`` of a grid of points."""
     days = _days_since_j2000(times)[..., None, None]
-    phi, lam = _grid(lat, lon)
+    phi, lam = _grid(lat, lon, points)
     sin_dec, cos_dec, hour, _ = _sun(days)
-    return np.sin(phi) * sin_dec + np.cos(phi) * cos_dec * np.cos(hour + lam)
+    cos_z = np.sin(phi) * sin_dec + np.cos(phi) * cos_dec * np.cos(hour + lam)
+    return cos_z[..., 0, :] if points else cos_z
 
 
 def toa_incident_solar_radiation(
@@ -142,17 +145,20 @@ def toa_incident_solar_radiation(
     period: Any = "1h",
     bins: int | None = None,
     irradiance: float = SOLAR_IRRADIANCE,
+    points: bool = False,
 ) -> np.ndarray:
     """Top-of-atmosphere incident solar radiation, J m⁻², accumulated over the ``period``
     ending at each time (ERA5's ``tisr`` with ``period="1h"``): ``(*times.shape, n_lat,
-    n_lon)`` float64 (``ValueError`` for a period that is not positive). Integrated in closed
+    n_lon)`` float64 (``(*times.shape, n)`` with ``points=True``, as :func:`cos_solar_zenith`;
+    ``ValueError`` for a period that is not positive). Integrated in closed
     form (module docstring); ``bins=N`` uses the
     trapezoidal rule over ``N`` sub-steps instead (N + 1 evaluations of the flux, for checks)."""
     seconds = _period(period) / np.timedelta64(1, "s")
     days = _days_since_j2000(times)[..., None, None]
-    phi, lam = _grid(lat, lon)
+    phi, lam = _grid(lat, lon, points)
     if bins is not None:
-        return _trapezoid(days, phi, lam, seconds, int(bins), irradiance)
+        total = _trapezoid(days, phi, lam, seconds, int(bins), irradiance)
+        return total[..., 0, :] if points else total
     # the declination and distance are held for at most an hour: a longer period is the sum
     # of its pieces (over a day at the equinox they move 0.4°: polar sums were 3 % off)
     pieces = max(1, math.ceil(seconds / PIECE_SECONDS))
@@ -160,7 +166,7 @@ def toa_incident_solar_radiation(
     total = _closed_form(days, phi, lam, step, irradiance)
     for k in range(1, pieces):
         total = total + _closed_form(days - k * step / 86_400.0, phi, lam, step, irradiance)
-    return total
+    return total[..., 0, :] if points else total
 
 
 def _period(period: Any) -> np.timedelta64:
@@ -324,10 +330,10 @@ class _Memo:
     rows). A full memo forgets its oldest times first (each new time takes the slot of the
     oldest)."""
 
-    def __init__(self, names: Sequence[str], grid: tuple[int, int], shares: int = 1) -> None:
+    def __init__(self, names: Sequence[str], grid: tuple[int, ...], shares: int = 1) -> None:
         self.names = tuple(names)
         self.grid = grid
-        per_time = max(1, len(self.names) * grid[0] * grid[1] * 4)
+        per_time = max(1, len(self.names) * math.prod(grid) * 4)
         # (``shares`` memos, one per grid of a collection's members, share the bytes)
         self.capacity = max(1, MEMO_BYTES // (per_time * shares))  # at least one time
         self.keys = np.empty(0, np.int64)  # the time in each slot
@@ -574,23 +580,25 @@ class Forcings:
 
     def _compute(self, times: np.ndarray, g: int = 0) -> dict[str, np.ndarray]:
         """:meth:`compute` without the memory, on grid ``g``: every time computed."""
-        lat, lon = self.grid.lats[g], self.grid.lons[g]
-        shape = (*times.shape, len(lat), len(lon))
+        lat, lon, points = self.grid.lats[g], self.grid.lons[g], self.grid.points
+        shape = (*times.shape, *self.grid.shape)
         out: dict[str, np.ndarray] = {}
         for name in self.names:
             if name == "toa_incident_solar_radiation":
                 values = toa_incident_solar_radiation(
                     times, lat, lon, period=self.period, bins=self.bins,
-                    irradiance=self.irradiance,
+                    irradiance=self.irradiance, points=points,
                 )  # fmt: skip
             elif name == "cos_solar_zenith":
-                values = cos_solar_zenith(times, lat, lon)
+                values = cos_solar_zenith(times, lat, lon, points=points)
             elif name.startswith("local_time"):
                 angle = 2 * np.pi * local_time(times, lon) / 24.0
                 values = np.sin(angle) if name.endswith("sin") else np.cos(angle)
             else:
                 angle = 2 * np.pi * year_progress(times)[..., None, None]
                 values = np.sin(angle) if name.endswith("sin") else np.cos(angle)
+            if points and values.ndim > len(shape):  # (*times, 1, n) or (*times, 1, 1)
+                values = np.broadcast_to(values, (*times.shape, 1, len(lon)))[..., 0, :]
             out[name] = np.ascontiguousarray(np.broadcast_to(values, shape), dtype=np.float32)
         return out
 
@@ -631,7 +639,7 @@ class Forcings:
         rows = (*np.shape(times), *self.grid.shape)
         if self.window is not None and origins is not None:  # each row's own window
             for name, values in self.compute(times, members).items():
-                lent = self._lend(name, (*rows[:-2], *self.window.shape(self.grid.shape)))
+                lent = self._lend(name, (*np.shape(times), *self.window.shape(self.grid.shape)))
                 batch.arrays[self.prefix + name] = self.window.cut(values, origins, out=lent)
             return batch
         into = {name: self._lend(name, rows) for name in self.names}

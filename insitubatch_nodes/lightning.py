@@ -539,6 +539,7 @@ class InSituDataModule(pl.LightningDataModule):
         trainer = self.trainer
         epoch_fn = (lambda: self._train_epoch(trainer)) if (trainer and split == "train") else None
         dataset = as_dataset(pipe, transform=self.transform, epoch_fn=epoch_fn)
+        dataset.without_state = _without_state(type(self).__qualname__)
         self._loaders[split] = dataset
         if split == "train":
             self._train_key = key
@@ -637,6 +638,19 @@ class InSituDataModule(pl.LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         for dataset in self._loaders.values():
             dataset.close()
+
+
+def _without_state(key: str) -> str:
+    """How a data module's user goes on without a loader state its pipeline refuses: the
+    checkpoint holds it twice (the data module's entry ``key`` and the fit loop's loader
+    state), and a trainer resumed without either starts the data order afresh."""
+    return (
+        "To go on with this data module instead, resume from a checkpoint without its loader "
+        "state: ckpt = torch.load(path, weights_only=False); del ckpt[" + repr(key) + "]; "
+        "del ckpt['loops']['fit_loop']['state_dict']['combined_loader']; torch.save(ckpt, "
+        "new_path); trainer.fit(..., ckpt_path=new_path). The rest of the trainer's epoch "
+        "({epoch}) is then batches of a fresh order of it"
+    )
 
 
 def _per_split(

@@ -5,14 +5,17 @@ epoch's end it becomes an :class:`~insitubatch_nodes.report.EpochReport`.
 
 **The trace.** With ``trace=True`` (``FetchOptions(trace=True)``) the recorder also keeps a
 :class:`~insitubatch_nodes.trace.TraceLog`: one timestamped span per GET, local read, decode,
-chunk transform and fill run (on the thread that ran it), per admission, chunk wait and gather
-(the producer thread) and per hand-off wait and stretch of the consumer's own work (the
-consumer's thread), each with its chunk and batch ids; the epoch's report carries them
+chunk transform and fill run (on the thread that ran it; a failed GET, read or decode has its
+span too, naming the error), per admission, chunk wait and gather (the producer thread) and per
+hand-off wait and stretch of the consumer's own work (the consumer's thread), each with its
+chunk and batch ids; the epoch's report carries them
 (:class:`~insitubatch_nodes.trace.EpochTrace`). A stored object's spans are packed as numbers
 as they are recorded (:class:`~insitubatch_nodes.trace.PackedSpans`: no lasting Python object
-per span). The spans are handed over with the counters they match — a fill run's at its end,
-under the lock its tallies take — so the trace's counts are the report's. Without it ``trace``
-is ``None`` and the hot paths test that once per run or per batch, never build anything.
+per span; a failed read's or decode's, rare, is a loose span). The spans are handed over with
+the counters they match — a fill run's at its end, a failed read's or decode's at once
+(:meth:`EpochRecorder.on_object_failed`), each under the lock its counters take — so the
+trace's counts are the report's. Without it ``trace`` is ``None`` and the hot paths test that
+once per run or per batch, never build anything.
 """
 
 from __future__ import annotations
@@ -202,6 +205,38 @@ class EpochRecorder:
             t["transforms"] += tally.transforms
             t["transform_s"] += tally.transform_s
             t["run_s"] += tally.run_s
+
+    def on_object_failed(
+        self, what: str, t0: float, t1: float, *, submitted: float, since: float,
+        ids: tuple[str, int, tuple[int, ...], int, int], error: str,
+    ) -> None:  # fmt: skip
+        """A local read (``what="read"``) or a decode (``"decode"``) of a stored object raised
+        ``error`` (its exception's name), ``t0`` to ``t1``, on the calling decode thread: it
+        counts as one that worked — a read in the GETs (no bytes), their seconds and
+        ``local_read_s``, as a failed GET does; a decode in the decodes, their seconds and
+        queue time (since ``since``) — and with a trace its span names the error (``ids``: the
+        array path, chunk, tile, batch and batch row, ``-1`` for a slot). ``submitted``: when
+        its fill job was submitted (see :meth:`_earlier`)."""
+        with self._lock:
+            if self._earlier(submitted):
+                return
+            t = self.totals
+            if what == "read":
+                t["gets"] += 1
+                t["get_s"] += t1 - t0
+                t["local_read_s"] += t1 - t0
+            else:
+                t["decodes"] += 1
+                t["decode_s"] += t1 - t0
+                t["decode_queued_s"] += t1 - since
+            if self.trace is not None:
+                path, chunk, tile, batch, row = ids
+                args: dict[str, Any] = {"array": path, "chunk": chunk, "tile": list(tile)}
+                args["batch"] = batch
+                if row >= 0:
+                    args["row"] = row
+                args["error"] = error
+                self.trace.span(what, t0, t1, args)
 
     def _earlier(self, submitted: float | None) -> bool:
         """Whether work of a fill job submitted at ``submitted`` belongs to an earlier epoch
@@ -565,6 +600,12 @@ class NullRecorder(EpochRecorder):
         pass
 
     def on_fill_run(self, tally: Any) -> None:
+        pass
+
+    def on_object_failed(
+        self, what: str, t0: float, t1: float, *, submitted: float, since: float,
+        ids: tuple[str, int, tuple[int, ...], int, int], error: str,
+    ) -> None:  # fmt: skip
         pass
 
     def on_admit_counts(self, hits: int, misses: int, re_reads: int, in_place: int = 0) -> None:

@@ -147,8 +147,8 @@ class EpochReport:
     resident_mean_bytes: float = 0.0  # sampled at each delivery
     resident_peak_bytes: int = 0
     # counts
-    gets: int = 0
-    decodes: int = 0
+    gets: int = 0  # stored objects asked for: GETs, local reads (a failed one too, no bytes)
+    decodes: int = 0  # stored objects decoded (a missing one filled, a failed one too)
     hits: int = 0
     misses: int = 0  # fetched: into slots, or straight into rows (stats() misses + misses_in_place)
     # the misses decoded straight into batch rows (one sample per chunk, the split not kept):

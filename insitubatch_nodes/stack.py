@@ -14,8 +14,9 @@ each batch's slice after the gather, and so are forcings
 field (``(level, lat, lon)`` against a ``(lat, lon)`` field) is one channel per entry of its
 first axis, named ``"name@value"`` (the coordinate value where the view knows its coordinates,
 else the index), a member of the field's shape is one channel named ``name``.
-``batch.channels[label]`` lists them. The field is the last two axes of the members (one,
-where a sampled member is 1-D, whichever member that is); every member must have the same
+``batch.channels[label]`` lists them. The field is the last two axes of the members (one
+where a sampled member is 1-D, whichever member that is, or a member's last axis is a grid of
+points: :mod:`~insitubatch_nodes.io.points`); every member must have the same
 field shape and the same number of steps ``T`` (a window of ``T`` steps, or none), or
 :func:`stack` raises naming the member.
 
@@ -43,6 +44,7 @@ from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import Patches
+from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
 from insitubatch_nodes.static import StaticCut
 from insitubatch_nodes.transforms import work_dtype
@@ -211,7 +213,9 @@ def stack(
         )
     first_name, first = next((n, v) for n, v in named.items() if not v.static)
     # the field: the last two axes, or one where a sampled member has one (whatever the order)
+    # or a member is on a grid of points (its last axis: ``(level, values)`` is levels)
     ranks = [len(v.inner_shape) for v in named.values() if not v.static and v.inner_shape]
+    ranks += [grid_ndim(v) for v in named.values() if v.points is not None]
     field_ndim = min(2, *ranks) if ranks else 0
     field_shape = first.inner_shape[len(first.inner_shape) - field_ndim :]
     steps = _steps(first)
@@ -263,7 +267,8 @@ def stack(
                 "stack fields stored in one axis order"
             )
         if view is not first:
-            _refuse_other_points(name, view, first_name, (field_dims, first_points), field_ndim)
+            placed = (_placing(first, field_ndim), first_points)
+            _refuse_other_points(name, view, first_name, placed, field_ndim)
         if not view.static and _steps(view) != steps:
             raise ValueError(
                 f"stack member {name!r} has {_describe_steps(_steps(view))}, but "
@@ -481,16 +486,29 @@ def _grid_dims(view: ArrayGeometry, field_ndim: int) -> tuple[str, ...] | None:
     return tuple(kept[len(kept) - field_ndim :])
 
 
+def _on_points(view: ArrayGeometry, field_ndim: int) -> bool:
+    """Whether the view's field is a grid of points (:mod:`~insitubatch_nodes.io.points`)."""
+    return view.points is not None and field_ndim == 1 == grid_ndim(view)
+
+
+def _placing(view: ArrayGeometry, field_ndim: int) -> tuple[str, ...] | None:
+    """The coordinates that place the field's points: its grid dimensions' (as
+    :func:`_grid_dims`), or a grid of points' latitude and longitude."""
+    return view.points if _on_points(view, field_ndim) else _grid_dims(view, field_ndim)
+
+
 def _grid_points(view: ArrayGeometry, field_ndim: int) -> dict[str, np.ndarray]:
-    """``{dimension: coordinate values, as selected}`` of the view's field (its last
-    ``field_ndim`` kept axes), for those whose coordinate the view can read."""
+    """``{coordinate: values, as selected}`` of the view's field (its last ``field_ndim``
+    kept axes; a grid of points' latitude and longitude), for those the view can read."""
     if view.dims is None or view.coordinates is None:
         return {}
     keys = view_keys(view)
     kept = kept_axes(keys)
+    grid = [(view.dims[view.field_axes[i]], keys[i]) for i in kept[len(kept) - field_ndim :]]
+    if _on_points(view, field_ndim):
+        grid = [(name, grid[0][1]) for name in view.points or ()]
     out = {}
-    for i in kept[len(kept) - field_ndim :]:
-        dim, key = view.dims[view.field_axes[i]], keys[i]
+    for dim, key in grid:
         try:
             values = np.asarray(view.coordinates(view.base, dim))
         except (KeyError, ValueError):  # no such coordinate (or none shared): nothing to compare
@@ -507,14 +525,15 @@ def _refuse_other_points(
     field_ndim: int,
 ) -> None:
     """Refuse member ``name`` whose field is at other points than the first member's
-    (``first``: its :func:`_grid_dims` and :func:`_grid_points`): a grid dimension whose
+    (``first``: its :func:`_placing` and :func:`_grid_points`): a grid dimension whose
     coordinate (as selected) both read holds other values (a latitude stored the other way
-    round in another store of a join), beyond float32 rounding (longitudes as places, whatever
+    round in another store of a join; a grid of points' latitude or longitude: its points in
+    another order), beyond float32 rounding (longitudes as places, whatever
     their convention: -157.5 is 202.5). Dimensions are paired by their
     place in the field, so a field named otherwise (``(latitude, longitude)`` beside ``(lat,
     lon)``) is compared too."""
     (first_dims, theirs), mine = first, _grid_points(view, field_ndim)
-    for dim, ref_dim in zip(_grid_dims(view, field_ndim) or (), first_dims or (), strict=False):
+    for dim, ref_dim in zip(_placing(view, field_ndim) or (), first_dims or (), strict=False):
         values, ref = mine.get(dim), theirs.get(ref_dim)
         if values is None or ref is None or ref.shape != values.shape:
             continue
@@ -526,11 +545,15 @@ def _refuse_other_points(
             same = np.array_equal(values, ref)
         if not same:
             theirs_at = "" if ref_dim == dim else f"{ref_dim!r} "
+            how = f"sel({dim}=[...])"
+            if _on_points(view, field_ndim):  # (no coordinate named like the points' axis)
+                axis = (_grid_dims(view, 1) or ("<points>",))[0]
+                how = f"isel({axis}=[...]) (the order of its points)"
             raise ValueError(
                 f"stack member {name!r} is at {dim!r} {values[:8].tolist()}, but "
                 f"{first_name!r} at {theirs_at}{ref[:8].tolist()}: the shapes agree, the "
-                f"points do not. Select the first member's points with sel({dim}=[...]) on "
-                "it, or stack members on one grid"
+                f"points do not. Select the first member's points with {how} on it, or stack "
+                "members on one grid"
             )
 
 

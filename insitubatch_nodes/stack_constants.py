@@ -189,8 +189,9 @@ class StackConstants:
                 # each row on its member's grid (forcings of a collection's members' grids)
                 rows_of = batch.members.get(label)
                 values = next(iter(member.forcing.compute(times, rows_of).values()))
-                if prepared.forcing_cuts:  # each row's window of the grid (its last two axes)
-                    grid = tuple(values.ndim - 3 + a for a in prepared.forcing_cuts[k])
+                if prepared.forcing_cuts:  # each row's window of the grid (its last axes)
+                    first = values.ndim - 1 - len(member.forcing.grid.shape)  # (of a row)
+                    grid = tuple(first + a for a in prepared.forcing_cuts[k])
                     values = cut_windows(values, batch.patch_origins[label], grid, prepared.extent)
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)

@@ -6,8 +6,9 @@ standard deviation of one-step differences (``x[t + 1] - x[t]`` for consecutive 
 the split, one data step apart in time where the samples have times: none is taken across a
 step absent from the times; GraphCast's and anemoi's *tendency* statistics; with a ``stride``
 the samples are its anchors and a step is the stride). Each is computed **per channel**:
-reduced over the samples and the last two field axes (the horizontal grid), kept along the
-others, so a ``(level, lat, lon)`` view has one value per level, a ``(lat, lon)`` view one value.
+reduced over the samples and the horizontal grid (the last two field axes, or the last one where
+it is a grid of points: :func:`~insitubatch_nodes.io.points.grid_ndim`), kept along the others,
+so ``(level, lat, lon)`` and ``(level, values)`` views have one value per level.
 A static view's statistics are its field's, and it has no differences; nor has a view on product
 sample axes (``(t, z)`` planes): rows next on its virtual axis are no one step of anything.
 
@@ -56,6 +57,7 @@ from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.collection_paths import same_variable
 from insitubatch_nodes.io.coords import MISSING_OFFSET
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.io.timeline import whole_seconds
@@ -91,8 +93,7 @@ class Statistics:
     paths: dict[str, str] = field(default_factory=dict)
 
     def __repr__(self) -> str:
-        """One line, no values (the dataclass's repr printed all seven fields' arrays): each
-        label's channel shape, and the store and split fitted on."""
+        """One line, no values: each label's channel shape, and the store and split fitted on."""
         shapes = {label: np.shape(v) for label, v in self.mean.items()}
         where = {k: self.dataset[k] for k in ("store", "split") if k in self.dataset}
         return f"Statistics({shapes}, fitted on {where or 'unknown data'})"
@@ -143,9 +144,7 @@ class Statistics:
         self._check_array(label, view)
         self._check_channels(label, view, values.shape)
         self._check_decoding(label, view)
-        inner = view.inner_shape
-        grid = min(2, len(inner))
-        return values.reshape(*values.shape, *(1,) * grid)
+        return values.reshape(*values.shape, *(1,) * grid_ndim(view))
 
     def _check_array(self, label: str, view: ArrayGeometry) -> None:
         """``ValueError`` when ``label`` was fitted on another array than ``view`` reads (its
@@ -183,17 +182,17 @@ class Statistics:
 
     def _check_channels(self, label: str, view: ArrayGeometry, shape: tuple[int, ...]) -> None:
         field = view.field_shape
-        mine = _channel_keys(field, view_keys(unmoved(view)))
+        mine = _channel_keys(field, view_keys(unmoved(view)), grid_ndim(view))
         fitted = self.dataset.get("views", {}).get(label)
         keys = None if fitted is None else fitted.get("select") or [None] * len(field)
         theirs = None
         if keys is not None and len(keys) == len(field):
             theirs = _channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
-                                           for k in keys])  # fmt: skip
-        if shape != _channels(view.inner_shape) or (keys is not None and theirs != mine):
+                                           for k in keys], grid_ndim(view))  # fmt: skip
+        if shape != _channels(view) or (keys is not None and theirs != mine):
             raise ValueError(
                 f"statistics of {label!r} were fitted on other channels than {view!r} has "
-                f"(shape {shape}, selection {keys}; the view: {_channels(view.inner_shape)}, "
+                f"(shape {shape}, selection {keys}; the view: {_channels(view)}, "
                 f"{list(view_keys(view))}): fit them on the view's levels, in its order, under "
                 "its name"
             )
@@ -279,10 +278,10 @@ class Statistics:
                 )
             m = np.asarray(self.mean[label])
             _refuse_empty_channels(label, path, m, np.asarray(self.std[label]))
-            # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon); a
-            # field of one or two axes has one value, a scalar (which broadcasts to any field:
-            # shaped (1, 1) it would not to a field of one axis)
-            grid = 2 if m.ndim else 0
+            # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon), (n_level,
+            # 1) against (level, values) (the fitted grid's axes); one value is a scalar
+            shape = self.dataset.get("views", {}).get(label, {}).get("inner_shape")
+            grid = 0 if not m.ndim else 2 if shape is None else len(shape) - m.ndim
             mean[path] = m.reshape(m.shape + (1,) * grid)
             s = _constant_as_unit(np.asarray(self.std[label]))
             std[path] = s.reshape(s.shape + (1,) * grid)
@@ -356,8 +355,9 @@ class NormalizeBatch:
         return batch
 
 
-def _channels(inner: tuple[int, ...]) -> tuple[int, ...]:
-    return inner[: max(0, len(inner) - 2)]
+def _channels(view: ArrayGeometry) -> tuple[int, ...]:
+    """The view's channel axes' lengths: its kept axes but the grid's (module docstring)."""
+    return view.inner_shape[: len(view.inner_shape) - grid_ndim(view)]
 
 
 def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
@@ -459,11 +459,11 @@ def fit_statistics(
             pipe.close()
     if static:
         for label, data in read_static(zstore, static, retry_policy(zstore).timeout_s).items():
-            channels = _channels(data.shape)
+            channels = _channels(static[label])
             moments[label].add(_as_channels(data[None], channels))
     fields: dict[str, dict[str, np.ndarray]] = {name: {} for name in FIELDS}
     for label, view in plain.items():
-        channels = _channels(view.inner_shape)
+        channels = _channels(view)
         r = moments[label].result(channels)
         fields["mean"][label], fields["std"][label] = r["mean"], r["std"]
         fields["min"][label], fields["max"][label] = r["min"], r["max"]
@@ -509,7 +509,7 @@ def _accumulate(
 ) -> None:
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
-    channels = _channels(view.inner_shape)
+    channels = _channels(view)
     moments.add(_as_channels(x, channels))
     if diffs is None:  # product sample axes: no one step (module docstring)
         return
@@ -589,11 +589,11 @@ def _sample_ticks(zstore: Any, manifest: SplitManifest) -> np.ndarray | None:
         return None
 
 
-def _channel_keys(field_shape: Sequence[int], keys: Sequence[Any]) -> list[Any]:
-    """``keys`` (a selection key per field axis) without the grid's (the last two kept axes),
-    a key taking a whole axis in order as ``None``: what says which channel is which."""
+def _channel_keys(field_shape: Sequence[int], keys: Sequence[Any], n_grid: int) -> list[Any]:
+    """``keys`` (a selection key per field axis) without the grid's (the last ``n_grid`` kept
+    axes), a key taking a whole axis in order as ``None``: what says which channel is which."""
     kept = kept_axes(keys)
-    grid = set(kept[max(0, len(kept) - 2) :])
+    grid = set(kept[len(kept) - n_grid :])
     return [
         None if k == tuple(range(n)) else k
         for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))

@@ -23,6 +23,7 @@ import torch.utils.data
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes.batch import Batch, to_torch
+from insitubatch_nodes.errors import StateMismatchError
 from insitubatch_nodes.stages._graph import plan_state
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.loader import OVERTAKEN, Loader
@@ -107,6 +108,10 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self._pending: dict[str, Any] | None = None
         self._iterated = False
         self.told_len: int | None = None  # the last length reported (what a trainer was told)
+        #: How to go on without a saved state this dataset refuses, said in place of the
+        #: pipeline's own advice (``set_epoch``) by whoever drives the dataset otherwise (a
+        #: data module's trainer); ``{epoch}`` is the state's epoch. ``None``: the pipeline's.
+        self.without_state: str | None = None
 
     def __len__(self) -> int:
         """Batches in the epoch the next ``iter()`` continues or starts: the same every epoch,
@@ -207,10 +212,17 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
 
         Raises ``ValueError`` naming the field when the state comes from a pipeline with a
         different dataset or split, or, mid-epoch, batch size or seed (a state taken where an
-        epoch begins or ends batches the next epoch by this pipeline's). A different world
-        size is not refused: the epoch resumes elastically (see ``ReadPlanNode``).
+        epoch begins or ends batches the next epoch by this pipeline's): a
+        :class:`~insitubatch_nodes.errors.StateMismatchError` says how to go on without the
+        state as :attr:`without_state` does, when set. A different world size is not refused:
+        the epoch resumes elastically (see ``ReadPlanNode``).
         """
-        self.plan.check_state(plan_state(state))
+        try:
+            self.plan.check_state(plan_state(state))
+        except StateMismatchError as refused:
+            if self.without_state is None:
+                raise
+            raise refused.told(self.without_state.format(epoch=refused.epoch)) from None
         self._pending = state
 
     def close(self) -> None:

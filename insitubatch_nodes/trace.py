@@ -14,9 +14,10 @@ kept per span woke the cyclic garbage collector as they piled up: measured on a 
 (3,328 stored objects an epoch, ~0.2 s), 15 young and one middle collection an epoch, 2.2 ms
 median and up to 58 ms; packed, the one young collection an untraced epoch has. Recording a
 stored object's read and decode costs ~0.13 µs, handing a run's over ~0.02 µs per object (was
-~0.4 and ~0.25). The few spans of each batch and run (admission, gather, fill run, consumer)
-stay tuples. :attr:`EpochTrace.spans` unpacks everything into :data:`Span` tuples when first
-read, off the epoch's path.
+~0.4 and ~0.25). The few spans of each batch and run (admission, gather, fill run, consumer),
+and those of the rare reads and decodes that failed (their ``args`` name the error), stay
+tuples. :attr:`EpochTrace.spans` unpacks everything into :data:`Span` tuples when first read,
+off the epoch's path.
 """
 
 from __future__ import annotations

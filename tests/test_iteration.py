@@ -14,7 +14,9 @@
 from __future__ import annotations
 
 import gc
+import itertools
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from helpers import (
     run_epoch,
     write_era5,
 )
-from torchdata.nodes import Batcher, Mapper
+from torchdata.nodes import BaseNode, Batcher, Mapper
 from torchdata.nodes import Loader as TorchdataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -45,6 +47,7 @@ from insitubatch_nodes import (
 from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages import prefetch
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
@@ -186,6 +189,61 @@ def test_a_torchdata_mapper_between_gather_and_prefetch_sees_correct_batches(
     assert len(records) == 10  # 80 train anchors with a shift(1) view, batch 8
     pipe.reset()
     assert {r["epoch"] for r in run_epoch(pipe, Oracle(root), OVIEWS)} == {1}
+
+
+class _Stalls(BaseNode[Any]):
+    """Hands its source's items on; its ``n``-th ``next()`` waits for ``go`` before it pulls
+    (as a producer slower to stop than the halt's join does: a node or transform still
+    running, or a thread the machine's load kept waiting), and sets ``pulled`` after."""
+
+    def __init__(self, source: BaseNode[Any], n: int) -> None:
+        super().__init__()
+        self.source, self.n, self.calls = source, n, 0
+        self.stalled, self.go, self.pulled = threading.Event(), threading.Event(), threading.Event()
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self.source.reset(initial_state)
+
+    def next(self) -> Any:
+        self.calls += 1
+        if self.calls != self.n:
+            return next(self.source)
+        self.stalled.set()
+        self.go.wait(10)
+        try:
+            return next(self.source)
+        finally:
+            self.pulled.set()
+
+    def get_state(self) -> dict[str, Any]:
+        return self.source.state_dict()
+
+
+def test_a_reset_while_the_producer_is_slow_to_stop_resumes_at_the_next_batch(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the reset gave up waiting for the producer after 2 s and reset the source under
+    # it; the old producer then pulled the first batch of the new position and dropped it (seen
+    # as a skipped batch in a loaded test run: a Ctrl-C'd first next(), reset, batch 1 first)
+    ref = compose(root, lambda gather: gather)
+    want = [b.sample_indices["x"].copy() for b in itertools.islice(ref, 4)]
+    ref.close()
+    monkeypatch.setattr(prefetch, "_JOIN_S", 0.05)  # a producer slower to stop than the join
+    stalls: list[_Stalls] = []
+    pipe = compose(root, lambda gather: stalls.append(_Stalls(gather, 3)) or stalls[0])
+    first = next(pipe)
+    state = pipe.state_dict()
+    assert stalls[0].stalled.wait(10)  # the producer is about to pull its third batch
+    go = threading.Timer(0.3, stalls[0].go.set)
+    go.start()
+    pipe.reset(state)
+    assert stalls[0].pulled.wait(10)  # the old producer pulled (before the source's reset)
+    got = [first, *itertools.islice(pipe, 3)]
+    pipe.close()
+    go.join()
+    assert [b.index for b in got] == [0, 1, 2, 3]
+    assert all(np.array_equal(b.sample_indices["x"], w) for b, w in zip(got, want, strict=True))
 
 
 def test_batches_held_together_by_a_torchdata_batcher_are_all_intact(root: Path) -> None:

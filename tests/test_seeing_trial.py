@@ -5,9 +5,8 @@ two stores concatenated) and the "small data kept" rule. The store's own counts
 (``CountingStore``: GETs, and the sizes of the files it served), the batches (the sum of
 their arrays' ``nbytes``) and ``json.load`` of the written trace are the oracles.
 
-Found (each fixed; the test failed before the fix; left: a local read that raises
-``OSError`` and a decode that fails, filled under ``on_bad_chunk="nan"``, are still neither
-counted nor spanned as a read or decode — fast on local disk, unlike a remote GET's timeout):
+Found (each fixed; the test failed before the fix; a local read that raises ``OSError`` and a
+decode that fails, left here, are counted and spanned since 2026-12-07: test_nanfail_trial):
 
 - A stack with a static member or a forcing, or a static label, given no batch transform:
   an epoch limited by the gather was told "batch_transforms run there: lighten the transforms

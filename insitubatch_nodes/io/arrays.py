@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -15,6 +16,7 @@ from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option, l
 from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
 from insitubatch_nodes.io.datasets import dataset_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.io.points import lat_lon_arrays, points_of
 from insitubatch_nodes.io.product import product_view
 from insitubatch_nodes.io.stores import StoreLike, as_store, cannot_list, describe_store
 
@@ -203,7 +205,8 @@ def open_geometries(
     outvote the arrays they sit beside); an array is static when it has dimension names and
     that dimension is not among them (arrays without dimension names are never static); beside
     patched labels it is cut to each row's window. Geometries look up field coordinates for
-    ``sel``.
+    ``sel``. An array whose last dimension is a grid of points (1-D ``latitude`` and
+    ``longitude`` along it) names them in ``geom.points`` (:mod:`~insitubatch_nodes.io.points`).
 
     **CF decoding.** With ``mask_and_scale=True`` (the default, as ``xr.open_zarr``) a data
     array's values are delivered as xarray decodes them: ``_FillValue`` / ``missing_value``
@@ -272,18 +275,13 @@ def open_geometries(
     sample_dim = (
         _sample_dimension(zstore, arrays, first_axis) if isinstance(first_axis, int) else first_axis
     )
-    return {
-        path: _geometry(
-            path,
-            array,
-            axes.get(path, default_axis),
-            coordinates,
-            sample_dim,
-            mask_and_scale,
-            cf_dtype,
-        )
-        for path, array in arrays.items()
-    }
+    listed = lat_lon_arrays(found) if variables is None else None  # (else: CF ``coordinates``)
+    geoms = {}
+    for path, array in arrays.items():
+        axis, points = axes.get(path, default_axis), points_of(zstore, path, array, listed)
+        geom = _geometry(path, array, axis, coordinates, sample_dim, mask_and_scale, cf_dtype)
+        geoms[path] = replace(geom, points=points)
+    return geoms
 
 
 def _axis_arg(value: Any) -> AxisArg:

@@ -73,6 +73,7 @@ from insitubatch_nodes.io.collection_checks import (
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import MemberMap, check_cf_encoding, collection_of
 from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.points import points_of
 from insitubatch_nodes.io.product import ProductGrid, first_axis, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, locate
 from insitubatch_nodes.io.stores import StoreLike, describe_store
@@ -555,6 +556,10 @@ class Collection:
         ref_len.setflags(write=False)
         return geoms, ref_len
 
+    def _points(self, variable: str, ref: Any) -> tuple[str, str] | None:
+        """The first member's latitude and longitude along a grid of points (``io.points``)."""
+        return points_of(_zarr_compat.opened(self.store), self._paths[variable][0], ref, None)
+
     def _coordinates(self, variable: str) -> MemberCoordinates:
         """What ``sel`` on ``variable``'s views looks values up in: the ``coords=`` given,
         else the members' coordinate arrays."""
@@ -613,6 +618,7 @@ class Collection:
             cf=cf,
             coordinates=self._coordinates(variable),
             dim_names=self.dims.get(variable),
+            points=self._points(variable, ref),
         )
 
     def _virtual(
@@ -651,6 +657,7 @@ class Collection:
             coordinates=self._coordinates(variable),
             cf=cf,
             dim_names=self.dims.get(variable),
+            points=self._points(variable, ref),
         )
 
 

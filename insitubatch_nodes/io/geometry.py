@@ -58,6 +58,7 @@ from insitubatch_nodes.io.patching import (
     window_bounds,
     windows_fit,
 )
+from insitubatch_nodes.io.points import points_hint
 from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
 from insitubatch_nodes.io.selection import (
     Selection,
@@ -129,6 +130,9 @@ class ArrayGeometry:
     #: dimension names given by who built the view, where they win over the metadata's own
     #: (a collection's ``dims=``: an NGFF plate's axes); see :attr:`dims`
     dim_names: tuple[str, ...] | None = None
+    #: the latitude and longitude arrays of a grid of points: the last field axis is the
+    #: horizontal grid (:mod:`~insitubatch_nodes.io.points`; ``None``: the last two are)
+    points: tuple[str, str] | None = field(default=None, compare=False)
     # ``fill_value`` compared by value: a NaN fill value equals itself (Python 3.13's dataclass
     # ``__eq__`` compares field by field, without the identity shortcut of a tuple compare)
     _fill_token: Any = field(init=False, repr=False, default=None)
@@ -247,10 +251,9 @@ class ArrayGeometry:
         of the others, with the sample axis first (ERA5 pressure levels stored one level per
         object: chunks ``(spc, 1, lat, lon)`` of ``(time, level, lat, lon)``).
 
-        In a slot with the usual sample-first layout such an object's region is strided (one
-        run per sample), so it cannot be decoded in place; in a *level-major* slot (see
-        :mod:`insitubatch_nodes.pool`) each object's decoded bytes are one contiguous run
-        and the decompressor writes them straight into the slot."""
+        In a sample-first slot such an object's region is strided (one run per sample): not
+        decoded in place; in a *level-major* slot (:mod:`insitubatch_nodes.pool`) each
+        object's decoded bytes are one contiguous run, decoded straight into the slot."""
         inner, tile = self.inner_shape, self.tile_shape
         return (
             self.sample_axis == 0
@@ -606,8 +609,7 @@ class ArrayGeometry:
         return self.isel(**positions)
 
     def as_static(self) -> ArrayGeometry:
-        """This array as a *static* field: no sample axis, every axis a field axis; each batch
-        carries it whole (see ``open_geometries``, which recognises static arrays)."""
+        """This array as a *static* field: no sample axis, each batch carries it whole."""
         if self.offset or self.patch is not None or self.product is not None:
             raise ValueError(f"{self.path}: a shifted, patched or product view cannot be static")
         return replace(self, static=True, select=None)
@@ -620,7 +622,7 @@ class ArrayGeometry:
             self,
             name,
             allowed=self.field_axes,
-            hint="",
+            hint=points_hint(self, name),
             refused=lambda k: (
                 f"{self.path}: {k!r} is the sample axis (the split chooses samples); to keep "
                 f"some {k} in every sample, open it with another sample_axis and isel({k}=...)"
@@ -647,9 +649,8 @@ class ArrayGeometry:
         """This view as a chunk transform leaves it: same path, sample axis, chunking along it
         and offset, but a sample payload of ``inner_shape`` and ``dtype`` (one tile).
 
-        The result describes slots and batches, not stored objects: it has no zarr metadata,
-        so it cannot name store keys or build a decoder. Returns ``self`` when nothing changes.
-        """
+        The result describes slots and batches, not stored objects: no zarr metadata, store
+        keys, decoder or grid of points. Returns ``self`` when nothing changes."""
         inner = tuple(int(n) for n in inner_shape)
         dtype = np.dtype(dtype)
         if inner == self.inner_shape and dtype == self.dtype:
@@ -663,7 +664,8 @@ class ArrayGeometry:
         shape = (*inner[:axis], self.n_samples, *inner[axis:])
         chunks = (*inner[:axis], self.samples_per_chunk, *inner[axis:])
         return replace(self, shape=shape, chunks=chunks, read_chunks=chunks, dtype=dtype,
-                       metadata=None, dim_names=None, sample_axis=axis, product=None)  # fmt: skip
+                       metadata=None, dim_names=None, sample_axis=axis, product=None,
+                       points=None)  # fmt: skip
 
     def __repr__(self) -> str:
         off = f", offset={self.offset}" if self.offset else ""
@@ -671,10 +673,8 @@ class ArrayGeometry:
             off += f", window={[k if isinstance(k, int) else str(k) for k in self.window_offsets]}"
         if self.patch is not None:
             off += f", patches={dict(zip(self.patch.axes, self.patch.extent, strict=True))}"
-        if self.select is not None:
-            off += f", inner_shape={self.inner_shape}"
-        if self.static:
-            off += ", static"
+        off += "" if self.select is None else f", inner_shape={self.inner_shape}"
+        off += ", static" if self.static else ""
         off += "" if self.product is None else f", product={self.product.axes}"
         return (
             f"ArrayGeometry({self.path!r}, shape={self.shape}, chunks={self.chunks}, "

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.errors import StateMismatchError
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.plan.config import PlanConfig
@@ -120,7 +121,7 @@ def other_order(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> dict[str, 
     return {k: saved[k] for k in ORDER_KEYS if k in saved and saved[k] != mine.get(k)}
 
 
-def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) -> ValueError:
+def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) -> StateMismatchError:
     """The error for a read-plan ``state`` whose config entry ``key`` is ``saved`` where this
     plan's is ``mine``: what differs, how to resume the state (build the pipeline as the run
     that saved it) and how to go on without it (the epoch it was taken in, for ``set_epoch``)."""
@@ -138,13 +139,17 @@ def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) ->
         if key in ORDER_KEYS
         else ""
     )
-    return ValueError(
+    return StateMismatchError(
         f"cannot restore this read-plan state: its {what} differs (saved {saved!r}, this "
-        f"pipeline {mine!r}). To resume it, build the pipeline {build}. To go on with this "
-        "pipeline instead, do not load the state: its data order starts afresh, and "
-        f"pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at the epoch "
-        f"the state was taken in (epoch {epoch}, after {emitted} of its batches; "
-        f"set_epoch({epoch + 1}): the next one){boundary}"
+        f"pipeline {mine!r})",
+        f"To resume it, build the pipeline {build}",
+        "To go on with this pipeline instead, do not load the state: its data order starts "
+        f"afresh, and pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at "
+        f"the epoch the state was taken in (epoch {epoch}, after {emitted} of its batches; "
+        f"set_epoch({epoch + 1}): the next one)",
+        epoch=epoch,
+        batches=emitted,
+        also=boundary,
     )
 
 

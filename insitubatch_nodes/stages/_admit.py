@@ -37,8 +37,9 @@ from insitubatch_nodes.plan.schedule import kept_bytes, working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import ChunkEntry
+from insitubatch_nodes.stages._bad import NoteBad
 from insitubatch_nodes.stages._direct import direct_allowed, direct_labels
-from insitubatch_nodes.stages._fill import FillRunner, NoteBad
+from insitubatch_nodes.stages._fill import FillRunner
 from insitubatch_nodes.stages._jobs import (
     ArrayFill,
     FetchedBatch,

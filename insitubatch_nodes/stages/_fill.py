@@ -26,13 +26,13 @@ chunk transforms and, for a cache file, its checksum) or failed (the first error
 :class:`~insitubatch_nodes.pool.FillCancelled` when it lost its last pin before all its objects
 landed; a fill that completes anyway keeps its chunk). A job resolves its own member of the fill
 once every object is handled; direct rows that failed set :attr:`FillJob.error`, which the batch
-re-raises; a bad object fills or fails as :mod:`~insitubatch_nodes.stages._bad` says.
+re-raises; a stored object that cannot be read or decoded is counted, and fills or fails, as
+:mod:`~insitubatch_nodes.stages._bad` says.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -49,7 +49,7 @@ from insitubatch_nodes.io.localfiles import LocalReader
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import PENDING, ChunkEntry
-from insitubatch_nodes.stages._bad import BadChunks
+from insitubatch_nodes.stages._bad import BadChunks, NoteBad
 from insitubatch_nodes.stages._get import GetQueue
 from insitubatch_nodes.stages._jobs import (
     REVIVE,
@@ -64,13 +64,8 @@ from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.trace import DECODE, MISSING, READ, READ_DECODE, TRANSFORM, PackedSpans
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["FillRunner", "NoteBad", "SpareBuffers"]
+__all__ = ["FillRunner", "SpareBuffers"]
 
-NoteBad = Callable[[int, str, int, Iterable[tuple[int, ...]]], bool]
-"""``note_bad(generation, path, chunk, tiles)``: list bad stored objects (the fetch stage's);
-False when the fill belongs to an epoch that is over."""
-
-log = logging.getLogger("insitubatch_nodes.stages.fetch")
 _now = time.perf_counter
 
 
@@ -103,9 +98,11 @@ class FillRunner:
         self.decode_pool = decode_pool
         self.reader = reader
         self.transforms = transforms
-        self.bad = BadChunks(on_bad_chunk, pool, getattr(get, "served", None))
+        self.bad = BadChunks(
+            on_bad_chunk, pool, getattr(get, "served", None),
+            note_bad=note_bad, recorder=recorder, store_name=store_name,
+        )  # fmt: skip
         self.store_name = store_name
-        self.note_bad = note_bad
         self.recorder = recorder
         self.gets: GetQueue | None = None
         if reader is None and get is not None:
@@ -250,20 +247,21 @@ class FillRunner:
                     dest = row[box]
                     key = array.key(chunk, tile)
                     try:
-                        raw = self._read(array, chunk, tile, key, acc, r)
+                        raw = self._read(job, array, chunk, tile, key, acc, r)
                         if raw is None and array.listed:
                             raise array.gone_error(chunk, tile, key, self.store_name)
-                        t1 = _now()
-                        decode(raw, dest, chunk, tile)
-                        t2 = _now()
-                    except Exception as exc:
-                        self._bad(
-                            job,
-                            Unit(array, chunk, tile, dest, None, r),
-                            key,
-                            self._wrap(array, chunk, tile, key, exc),
-                        )
+                    except Exception as exc:  # a ChunkReadError (else: the decode's, as ever)
+                        error = self.bad.decode_error(array, chunk, tile, key, exc)
+                        self._bad(job, Unit(array, chunk, tile, dest, None, r), error)
                         continue
+                    t1 = _now()
+                    try:
+                        decode(raw, dest, chunk, tile)
+                    except Exception as exc:
+                        unit = Unit(array, chunk, tile, dest, None, r)
+                        self._decode_failed(job, unit, key, exc, t1)
+                        continue
+                    t2 = _now()
                     acc.decodes += 1
                     acc.decode_s += t2 - t1
                     acc.queued_s += t2 - job.submitted
@@ -303,7 +301,8 @@ class FillRunner:
             except OSError as exc:
                 error = array.read_error(chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
-                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
+                self.bad.count(job, error, r, t0, _now())
+                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
                 continue
             t1 = _now()
             reads += 1
@@ -313,7 +312,7 @@ class FillRunner:
                     packed.add(READ, t0, t1, t1, ref, chunk, r)
                 if array.listed:
                     error = array.gone_error(chunk, tile, key, self.store_name)
-                    self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
+                    self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
                     continue
                 missing.append(r)
                 probe = True
@@ -325,8 +324,8 @@ class FillRunner:
             except Exception as exc:
                 if packed is not None:
                     packed.add(READ, t0, t1, t1, ref, chunk, r)
-                error = self._wrap(array, chunk, tile, key, exc)
-                self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), key, error)
+                unit = Unit(array, chunk, tile, out[r : r + 1], None, r)
+                self._decode_failed(job, unit, key, exc, t1)
                 continue
             t2 = _now()
             decodes += 1
@@ -349,15 +348,6 @@ class FillRunner:
         acc.decodes += decodes
         acc.decode_s += decode_s
         acc.queued_s += queued_s
-
-    def _wrap(
-        self, array: ArrayFill, chunk: int, tile: tuple[int, ...], key: str, exc: Exception
-    ) -> ChunkReadError:
-        if isinstance(exc, ChunkReadError):
-            return exc
-        error = array.read_error(chunk, tile, key, "decode", self.store_name)
-        error.__cause__ = exc
-        return error
 
     def _note_reads(self, acc: _Tally | None, inflight: int = 0) -> None:
         """Count the reads ``acc`` made since it last did in the pool's stats (and ``inflight``
@@ -400,11 +390,18 @@ class FillRunner:
         if error is None:
             try:
                 if not landed:
-                    raw = self._read(array, chunk, tile, key, acc, row)
+                    raw = self._read(job, array, chunk, tile, key, acc, row)
                 if raw is None and array.listed:
                     raise array.gone_error(chunk, tile, key, self.store_name)
-                t1 = _now()
+            except Exception as exc:  # a ChunkReadError (else: the decode's, as ever)
+                error = self.bad.decode_error(array, chunk, tile, key, exc)
+        if error is None:
+            t1 = _now()
+            try:
                 array.decoder.decode_trusted(raw, out, chunk, tile)
+            except Exception as exc:
+                self._decode_failed(job, unit, key, exc, t1, landed)
+            else:
                 t2 = _now()
                 acc.decodes += 1
                 acc.decode_s += t2 - t1
@@ -412,13 +409,8 @@ class FillRunner:
                 if acc.packed is not None:
                     ref = acc.packed.ref(array.path, tile)
                     acc.packed.add(DECODE, t1, t1, t2, ref, chunk, row)
-            except ChunkReadError as exc:
-                error = exc
-            except Exception as exc:
-                error = array.read_error(chunk, tile, key, "decode", self.store_name)
-                error.__cause__ = exc
-        if error is not None:
-            self._bad(job, unit, key, error)
+        elif isinstance(error, ChunkReadError):
+            self._bad(job, unit, error)
         self._unit_done(job, entry, acc)
 
     def _failed(self, job: FillJob, unit: Unit, error: BaseException) -> None:
@@ -435,6 +427,7 @@ class FillRunner:
 
     def _read(
         self,
+        job: FillJob,
         array: ArrayFill,
         chunk: int,
         tile: tuple[int, ...],
@@ -442,8 +435,9 @@ class FillRunner:
         acc: _Tally,
         row: int = -1,
     ) -> Any:
-        """Read one stored object of a local store (``row``: the batch row it is decoded
-        into, ``-1`` for a slot; for the trace)."""
+        """Read one stored object of a local store for ``job`` (``row``: the batch row it is
+        decoded into, ``-1`` for a slot; for the trace). A read that fails raises its
+        :class:`ChunkReadError`, counted (:meth:`BadChunks.count`)."""
         assert self.reader is not None
         ids = self._identities()
         info: list[Any] | None = None if ids is None else []
@@ -451,7 +445,10 @@ class FillRunner:
         try:
             raw = self.reader.read(key) if info is None else self.reader.read(key, info)
         except OSError as exc:
-            raise array.read_error(chunk, tile, key, "read", self.store_name) from exc
+            error = array.read_error(chunk, tile, key, "read", self.store_name)
+            error.__cause__ = exc
+            self.bad.count(job, error, row, t0, _now())
+            raise error from exc
         t1 = _now()
         acc.reads += 1
         acc.read_s += t1 - t0
@@ -462,28 +459,19 @@ class FillRunner:
             ids.note(array.path, array.entry_index(chunk, tile), key, stat_identity(info[0]))
         return raw
 
-    def _bad(self, job: FillJob, unit: Unit, key: str, error: ChunkReadError) -> None:
+    def _bad(self, job: FillJob, unit: Unit, error: ChunkReadError) -> None:
+        """``unit``'s object could not be read or decoded: it fills or fails
+        (:meth:`BadChunks.handle`)."""
         _RUN.__dict__.setdefault("errors", []).append(error)  # (for the run's end)
-        array, chunk, tile, out, entry, _ = unit
-        if not self.bad.fills(error):
-            if entry is None:
-                if job.error is None:
-                    job.error = error
-            elif entry.error is None:
-                entry.error = error
-            return
-        # Retries are the store's (obstore's, under the RetryPolicy): what still fails is bad.
-        log.warning(  # (strings: a handler that keeps records must not keep the chunks)
-            "insitubatch_nodes: on_bad_chunk='nan': %s (%s); its rectangle is filled",
-            error.where,
-            str(error.__cause__),
-        )
-        out[...] = array.fill_value
-        if entry is not None:
-            entry.bad_tiles.append(tuple(tile))
-        if self.note_bad(job.generation, array.path, chunk, [tuple(tile)]):
-            rec = self.recorder
-            rec.on_bad_chunk()
+        self.bad.handle(job, unit, error)
+
+    def _decode_failed(
+        self, job: FillJob, unit: Unit, key: str, exc: Exception, t1: float, since: float = 0.0
+    ) -> None:
+        """``unit``'s decode, begun at ``t1``, raised ``exc``: counted, then :meth:`_bad`."""
+        error = self.bad.decode_error(unit.array, unit.chunk, unit.tile, key, exc)
+        self.bad.count(job, error, unit.row, t1, _now(), since)
+        self._bad(job, unit, error)
 
     def _skip(self, job: FillJob, unit: Unit) -> None:
         entry = unit.entry

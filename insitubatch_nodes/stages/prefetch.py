@@ -19,8 +19,12 @@ thread parks once ``prefetch_depth`` batches wait, and the next ``next()`` conti
 ``close()`` (or use ``with``) to release memory at once.
 
 Stopping never waits for a GET: the thread is woken from any wait on a chunk
-(``interrupt()`` of the stages below) and joined for at most a few seconds. An exception raised
-in any stage re-raises in the consumer with its original traceback.
+(``interrupt()`` of the stages below) and joined for at most a few seconds. A producer still
+inside its source after that (a batch transform, a torchdata node between the stages, or a
+thread the machine's load kept waiting) is waited for before the source is reset again — by
+``reset`` or by the ``next()`` that starts the next producer — as a source reset under it
+would hand it the first batch of the new position, which it drops (a skipped batch). An
+exception raised in any stage re-raises in the consumer with its original traceback.
 """
 
 from __future__ import annotations
@@ -133,6 +137,19 @@ class _Worker:
         elif close_source:
             self.context.close()
 
+    def wait_gone(self, why: str) -> None:
+        """Wait until the thread has ended (see the module doc), saying so in the log every
+        ``_JOIN_S`` it is not; ``why`` says what waits. Returns at once on the thread itself."""
+        while self.thread.is_alive() and self.thread is not threading.current_thread():
+            self.thread.join(_JOIN_S)
+            if self.thread.is_alive():
+                log.warning(
+                    "insitubatch_nodes: %s waits for %s to stop: it is still inside its "
+                    "source (a batch transform or a torchdata node still running?)",
+                    why,
+                    self.thread.name,
+                )
+
 
 def _put(
     q: queue.Queue[tuple[str, Any, Any]], stop: threading.Event, msg: tuple[str, Any, Any]
@@ -203,6 +220,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self.prefetch_depth = context.options.prefetch_depth
         self.name = f"insitu-prefetch-{next(_ids)}"
         self._worker: _Worker | None = None
+        self._halted: _Worker | None = None  # a producer halted but not yet gone (module doc)
         self._delivered: dict[str, Any] | None = None
         self._source_at_delivered = False  # the source sits exactly at the delivered position
         self._ended = False
@@ -226,6 +244,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         _process.check_same_process(self._pid)
         with self._lock:  # a next() on another thread starts no producer until it is over
             self._halt(close_source=False)
+            self._await_halted("reset()")
             self.recorder.on_reset()
             if initial_state is None:
                 self.source.reset(self._unbegun())
@@ -264,6 +283,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                     )
                 worker = self._worker  # a next() on another thread may have started it
                 if worker is None:
+                    self._await_halted("next()")
                     if not self._source_at_delivered:
                         self.source.reset(self._delivered)
                     self._source_at_delivered = False
@@ -393,10 +413,18 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             self._halts += 1
             if worker is not None:
                 worker.halt(close_source=close_source)
+                if worker.thread.is_alive():
+                    self._halted = worker
             elif close_source:
                 self.context.close()
             if close_source:
                 self._source_at_delivered = False
+
+    def _await_halted(self, why: str) -> None:
+        """Before the source is reset: wait for the producer a halt left running, if any."""
+        worker, self._halted = self._halted, None
+        if worker is not None:
+            worker.wait_gone(why)
 
     @property
     def threads(self) -> list[threading.Thread]:
