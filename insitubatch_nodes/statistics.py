@@ -34,7 +34,6 @@ view given under their label.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
@@ -48,6 +47,7 @@ import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
+from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
 from insitubatch_nodes._moments import _Moments
 from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
@@ -58,13 +58,13 @@ from insitubatch_nodes.io.collection_paths import same_variable
 from insitubatch_nodes.io.coords import MISSING_OFFSET
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.points import grid_ndim
-from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
+from insitubatch_nodes.io.selection import kept_axes, view_keys
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
-from insitubatch_nodes.plan.anchors import SampleSteps, describe_stride
-from insitubatch_nodes.plan.config import check_stride
+from insitubatch_nodes.plan.anchors import SampleSteps
+from insitubatch_nodes.plan.fingerprint import anchors_hash
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import broadcast_rows, read_static
 from insitubatch_nodes.transforms import StandardScaler, standardise_in_place, work_dtype
@@ -128,20 +128,7 @@ class Statistics:
             paths=doc["paths"],
         )
         if dataset is not None:
-            fitted = {"stride": 1} | stats.dataset  # (absent: every sample)
-            wrong = {k: (fitted.get(k), v) for k, v in _recorded(dataset).items()}
-            if isinstance(dataset.get("views"), Mapping):  # the labels given, only
-                views, given = stats.dataset.get("views", {}), wrong["views"][1]
-                wrong["views"] = ({k: views.get(k) for k in given}, given)
-            wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
-            if wrong:
-                raise ValueError(
-                    f"{path}: these statistics were fitted on another dataset: "
-                    + "; ".join(
-                        f"{k} {a!r} in the file, {b!r} expected" for k, (a, b) in wrong.items()
-                    )
-                    + ". Fit them again with fit_statistics"
-                )
+            check_fitted_on(path, stats.dataset, dataset)
         return stats
 
     def shaped(self, label: str, name: str, view: ArrayGeometry) -> np.ndarray:
@@ -195,7 +182,7 @@ class Statistics:
 
     def _check_channels(self, label: str, view: ArrayGeometry, shape: tuple[int, ...]) -> None:
         field = view.field_shape
-        mine = _channel_keys(field, view_keys(_unmoved(view)), grid_ndim(view))
+        mine = _channel_keys(field, view_keys(unmoved(view)), grid_ndim(view))
         fitted = self.dataset.get("views", {}).get(label)
         keys = None if fitted is None else fitted.get("select") or [None] * len(field)
         theirs = None
@@ -428,7 +415,7 @@ def fit_statistics(
             "{label: open_geometries(store)[name]}, or a list of names"
         )
     _refuse_complex(given, "fit_statistics")
-    plain = {label: _unmoved(v) for label, v in given.items() if isinstance(v, ArrayGeometry)}
+    plain = {label: unmoved(v) for label, v in given.items() if isinstance(v, ArrayGeometry)}
     sampled = {label: v for label, v in plain.items() if not v.static}
     static = {label: v for label, v in plain.items() if v.static}
     moments = {label: _Moments() for label in plain}
@@ -457,10 +444,12 @@ def fit_statistics(
             fetch=_one_pass(pipeline_options),
             **pipeline_options,
         )
-        apart = _one_step(pipe.stages.plan, zstore)
+        plan = pipe.stages.plan
+        apart = _one_step(plan, zstore)
         separate = isinstance(store, Collection) and not store.continuous  # own indices each
-        config = pipe.stages.plan.config()  # the samples fitted, beyond the split's chunks
-        anchors = {key: config[key] for key in ("stride", "missing_steps") if key in config}
+        config = plan.config()  # the samples fitted, beyond the split's chunks
+        anchors = {k: config[k] for k in ("stride", "missing_steps") if k in config}
+        anchors["anchors"] = anchors_hash(plan.manifest, plan.views, plan.plan_config)
         try:
             for batch in pipe:
                 for label, view in sampled.items():
@@ -486,42 +475,11 @@ def fit_statistics(
         "split": split,
         "manifest": manifest.fingerprint(),
         "chunks": [int(c) for c in manifest.chunks(split)],
-        "views": {label: _view_record(v) for label, v in plain.items()},
+        "samples": manifest.samples_fingerprint(split),
+        "views": {label: view_record(v) for label, v in plain.items()},
         **anchors,
     }
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
-
-
-def _view_record(view: ArrayGeometry) -> dict[str, Any]:
-    """What a fit records of a view it fitted (as :func:`_unmoved` leaves it)."""
-    select, cf = view.select, view.cf
-    return {"path": view.path, "inner_shape": list(view.inner_shape),
-            "select": None if select is None else select.describe(),
-            "cf": None if cf is None else cf.fingerprint}  # fmt: skip
-
-
-def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
-    """``dataset`` (what :meth:`Statistics.load` checks) with a store, a manifest and views
-    given as the fit took them turned into what it recorded of them; a store that cannot be
-    opened (a name the file holds, such as ``"s3://b/x (endpoint ...)"``) is compared as it is."""
-    out = dict(dataset)
-    if "store" in out:
-        try:
-            out["store"] = describe_store(as_store(out["store"]))
-        except (OSError, TypeError, ValueError):
-            if not isinstance(out["store"], str):
-                raise
-    with contextlib.suppress(KeyError, TypeError, ValueError):  # else compared as given
-        out["stride"] = describe_stride(check_stride(out["stride"]))  # "12h" is "720m"
-    if isinstance(out.get("manifest"), SplitManifest):
-        out["manifest"] = out["manifest"].fingerprint()
-    if isinstance(out.get("views"), Mapping):  # a stack's members too: forcings are not fitted
-        out["views"] = {
-            label: _view_record(_unmoved(v)) if isinstance(v, ArrayGeometry) else v
-            for label, v in out["views"].items()
-            if not isinstance(v, Forcings)
-        }
-    return out
 
 
 def _one_pass(options: dict[str, Any]) -> FetchOptions:
@@ -631,38 +589,6 @@ def _sample_ticks(zstore: Any, manifest: SplitManifest) -> np.ndarray | None:
         return None
 
 
-def _unmoved(view: ArrayGeometry) -> ArrayGeometry:
-    """``view`` without its shift, window or patches: the array as it selects it. A patched
-    view is its field within the box its windows lie in (``within``; the whole field without
-    it): overlapping or random windows would count points twice or not at all, and
-    consecutive rows are other windows, not the same points one step later."""
-    if view.window_offsets is not None:
-        view = dataclasses.replace(view, window_offsets=None)
-    if view.patch is not None:
-        spec = view.patch
-        view = dataclasses.replace(view, patch=None)
-        kept = [view.field_axes[i] for i in kept_axes(view_keys(view))]
-        channel_axes = [a for a in spec.axes if a in kept[: len(kept) - grid_ndim(view)]]
-        if channel_axes:
-            raise ValueError(
-                f"{view.path}: the view is patched along a channel axis ({channel_axes}; "
-                "statistics are per entry of every field axis but the grid's): fit the "
-                "unpatched view, or patch the grid's field axes only"
-            )
-        boxed = {
-            view.field_axes.index(axis): (lo, hi)
-            for axis, (lo, hi), n in zip(spec.axes, spec.bounds, spec.field, strict=True)
-            if (lo, hi) != (0, n)
-        }
-        if boxed:
-            keys = tuple(
-                tuple(range(*boxed[i])) if i in boxed else key
-                for i, key in enumerate(view_keys(view))
-            )
-            view = dataclasses.replace(view, select=Selection(keys))
-    return view.shift(-view.offset) if view.offset else view
-
-
 def _channel_keys(field_shape: Sequence[int], keys: Sequence[Any], n_grid: int) -> list[Any]:
     """``keys`` (a selection key per field axis) without the grid's (the last ``n_grid`` kept
     axes), a key taking a whole axis in order as ``None``: what says which channel is which."""
@@ -684,17 +610,3 @@ def _to_json(values: np.ndarray) -> Any:
 
 def _from_json(values: Any) -> np.ndarray:
     return np.array(values, dtype=np.float64)  # None (a NaN saved) reads as NaN
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as JSON reads it back (tuples as lists; numpy scalars and arrays as numbers
-    and lists), so a ``dataset`` to check compares equal however it was built."""
-    return json.loads(json.dumps(value, default=_numpy_json))
-
-
-def _numpy_json(value: Any) -> Any:
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"{type(value).__name__} {value!r} cannot be compared with a saved dataset")

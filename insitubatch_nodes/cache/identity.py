@@ -642,9 +642,11 @@ def stale_message(root: Path, store: str, report: StaleReport) -> str:
     return (
         f"cache_dir {root} holds {len(report.chunks)} chunk(s) whose stored objects in store "
         f"{store} changed since they were cached, or cannot be vouched for: "
-        f"{report.describe()}. Warm the cache again with a writing run (readonly_cache=False), "
-        "which refetches just those chunks; or pass check_store=False if the store is known "
-        "not to change."
+        f"{report.describe()}. Warm the cache again with a writing run (readonly_cache=False) "
+        "whose split reads those chunks, which refetches just them (a writer whose split does "
+        "not read them leaves them stale: after an append to the archive, the old last chunk, "
+        "even where this run does not read it); or pass check_store=False if the store is "
+        "known not to change."
     )
 
 

@@ -231,6 +231,17 @@ class SplitManifest:
             body += "|product:" + self.product.fingerprint
         return hashlib.sha256(body.encode()).hexdigest()[:16]
 
+    def samples_fingerprint(self, split: str) -> str:
+        """A short stable hash of the samples of ``split`` alone (:meth:`samples`, on this
+        anchor grid: its array and chunking, a collection's members, product axes): unlike
+        :meth:`fingerprint`, the same for a manifest of an archive grown since, drawn again
+        over the same dates, whose ``split`` holds the same samples."""
+        digest = hashlib.sha256(json.dumps([self.array, self.samples_per_chunk]).encode())
+        digest.update(np.ascontiguousarray(self.samples(split), dtype="<i8").tobytes())
+        for part in (self.members, self.product):
+            digest.update(b"|" + (b"" if part is None else part.fingerprint.encode()))
+        return digest.hexdigest()[:16]
+
     # -- persistence ---------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """This manifest as plain JSON types (``json.dumps``); :meth:`from_dict` reads it."""

@@ -33,6 +33,7 @@ from insitubatch_nodes.plan.epoch import (
 )
 from insitubatch_nodes.plan.fingerprint import (
     ORDER_KEYS,
+    PlanAnchors,
     check_cuts,
     check_inputs,
     check_legacy,
@@ -333,6 +334,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def _fingerprint(self) -> dict[str, Any]:
         views = views_list(self.views)
         dataset = dataset_hash(self.manifest, views)
+        self._anchors = PlanAnchors(self.manifest, dict(self.views), self.plan_config)
         self._known[dataset] = dict(self.views)
         return {
             "dataset": dataset,
@@ -587,7 +589,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         config = self.config()
         if self._dealing is not None:  # an epoch resumed from a legacy state goes on as one
             config.pop("deal", None)
-        state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": config}
+        state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": config,
+                 "anchors": self._anchors.value}  # fmt: skip
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
             state["resumed"] = [[w, k] for w, k in self._resumed]
         return state
@@ -667,7 +670,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     def _check_config(self, state: Mapping[str, Any], other_views: bool = False) -> None:
         saved, mine = state["config"], self._config
-        check_same_anchors(saved, mine)
+        grown = state.get("anchors") == self._anchors.value  # (the archive grew outside it?)
+        check_same_anchors(saved, mine, grown)
         check_legacy(saved, self._rule_matters)
         # another batching (batch size, seed, ...) from where an epoch begins or ends: _resolve
         rebatched = bool(other_order(saved, mine)) and not self._mid_epoch(state)
@@ -676,6 +680,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 continue  # another world size resumes elastically (see reset); check_state
             if other_views and key in ("dataset", "views"):
                 continue  # the same manifest, other views: at an epoch boundary (see reset)
+            if grown and key in ("dataset", "missing_steps"):
+                continue  # the split's anchors as saved: an archive grown outside the split
             if key in saved and saved[key] != value and not (rebatched and key in ORDER_KEYS):
                 raise config_differs(key, saved[key], value, state)
 

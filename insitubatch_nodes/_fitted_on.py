@@ -1,0 +1,155 @@
+"""What saved statistics are keyed to (private to :mod:`~insitubatch_nodes.statistics`): the
+``dataset`` a fit records of what it read, and the check :meth:`Statistics.load
+<insitubatch_nodes.statistics.Statistics.load>` makes of a ``dataset`` given against it.
+
+A fit records the store, the split, the manifest's fingerprint and the split's chunks, the
+samples of the split (:meth:`~insitubatch_nodes.plan.splits.SplitManifest.samples_fingerprint`),
+each view (:func:`view_record`: its array, selection, shape and decoding), and what picked its
+anchors: a stride, the missing steps, and the anchors themselves
+(:func:`~insitubatch_nodes.plan.fingerprint.anchors_hash`). An archive appended to since the
+fit changes the manifest's fingerprint (the array's length is part of it) and the missing steps'
+(the times of every step are), not the samples of a split that ends before the new steps: a
+manifest drawn again over the same dates, or another fit's ``dataset`` with the same anchors,
+is accepted there. Files saved before the samples and anchors were recorded are checked as
+before (their manifest by its fingerprint).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.forcings import Forcings
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.points import grid_ndim
+from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
+from insitubatch_nodes.io.stores import as_store, describe_store
+from insitubatch_nodes.plan.anchors import describe_stride
+from insitubatch_nodes.plan.config import check_stride
+from insitubatch_nodes.plan.splits import SPLITS, SplitManifest
+
+__all__ = ["check_fitted_on", "unmoved", "view_record"]
+
+
+def check_fitted_on(
+    path: str | os.PathLike[str], fitted_on: Mapping[str, Any], dataset: Mapping[str, Any]
+) -> None:
+    """Raise ``ValueError`` naming what differs when statistics fitted on ``fitted_on`` (the
+    ``dataset`` of the file at ``path``) were fitted on another dataset than ``dataset`` (what
+    :meth:`Statistics.load <insitubatch_nodes.statistics.Statistics.load>` was given)."""
+    fitted: dict[str, Any] = {"stride": 1, **fitted_on}  # (absent: every sample)
+    wrong = {
+        k: (fitted.get(k), v)
+        for k, v in _recorded(dataset).items()
+        if k in fitted or k not in ("samples", "anchors")
+    }  # (older files: none)
+    if isinstance(dataset.get("views"), Mapping):  # the labels given, only
+        views, given = fitted_on.get("views", {}), wrong["views"][1]
+        wrong["views"] = ({k: views.get(k) for k in given}, given)
+    wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
+    if "manifest" in wrong and _same_samples(fitted_on, dataset):
+        del wrong["manifest"]  # an archive grown since, the fitted samples the same
+    if "anchors" in fitted and fitted["anchors"] == dataset.get("anchors"):
+        wrong.pop("missing_steps", None)  # (the steps of samples the fit did not read)
+    if set(wrong) - {"samples", "anchors"}:  # (hashes of what those say, readably)
+        wrong = {k: pair for k, pair in wrong.items() if k not in ("samples", "anchors")}
+    if wrong:
+        raise ValueError(
+            f"{path}: these statistics were fitted on another dataset: "
+            + "; ".join(f"{k} {a!r} in the file, {b!r} expected" for k, (a, b) in wrong.items())
+            + ". Fit them again with fit_statistics"
+        )
+
+
+def view_record(view: ArrayGeometry) -> dict[str, Any]:
+    """What a fit records of a view it fitted (as :func:`unmoved` leaves it)."""
+    select, cf = view.select, view.cf
+    return {"path": view.path, "inner_shape": list(view.inner_shape),
+            "select": None if select is None else select.describe(),
+            "cf": None if cf is None else cf.fingerprint}  # fmt: skip
+
+
+def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
+    """``dataset`` (what :meth:`Statistics.load` checks) with a store, a manifest and views
+    given as the fit took them turned into what it recorded of them; a store that cannot be
+    opened (a name the file holds, such as ``"s3://b/x (endpoint ...)"``) is compared as it is."""
+    out = dict(dataset)
+    if "store" in out:
+        try:
+            out["store"] = describe_store(as_store(out["store"]))
+        except (OSError, TypeError, ValueError):
+            if not isinstance(out["store"], str):
+                raise
+    with contextlib.suppress(KeyError, TypeError, ValueError):  # else compared as given
+        out["stride"] = describe_stride(check_stride(out["stride"]))  # "12h" is "720m"
+    if isinstance(out.get("manifest"), SplitManifest):
+        out["manifest"] = out["manifest"].fingerprint()
+    if isinstance(out.get("views"), Mapping):  # a stack's members too: forcings are not fitted
+        out["views"] = {
+            label: view_record(unmoved(v)) if isinstance(v, ArrayGeometry) else v
+            for label, v in out["views"].items()
+            if not isinstance(v, Forcings)
+        }
+    return out
+
+
+def _same_samples(fitted: Mapping[str, Any], given: Mapping[str, Any]) -> bool:
+    """Whether a fit (its ``dataset``, ``fitted``) read the samples of the split a ``dataset``
+    given to :meth:`Statistics.load` names: its manifest's (a ``SplitManifest``, or another
+    fit's ``"samples"``), in the fitted split. Files saved before fits recorded them: never."""
+    split, manifest = given.get("split", fitted.get("split")), given.get("manifest")
+    if isinstance(manifest, SplitManifest) and split in SPLITS:
+        return fitted.get("samples") == manifest.samples_fingerprint(split)
+    return "samples" in fitted and fitted["samples"] == given.get("samples")
+
+
+def unmoved(view: ArrayGeometry) -> ArrayGeometry:
+    """``view`` without its shift, window or patches: the array as it selects it. A patched
+    view is its field within the box its windows lie in (``within``; the whole field without
+    it): overlapping or random windows would count points twice or not at all, and
+    consecutive rows are other windows, not the same points one step later."""
+    if view.window_offsets is not None:
+        view = dataclasses.replace(view, window_offsets=None)
+    if view.patch is not None:
+        spec = view.patch
+        view = dataclasses.replace(view, patch=None)
+        kept = [view.field_axes[i] for i in kept_axes(view_keys(view))]
+        channel_axes = [a for a in spec.axes if a in kept[: len(kept) - grid_ndim(view)]]
+        if channel_axes:
+            raise ValueError(
+                f"{view.path}: the view is patched along a channel axis ({channel_axes}; "
+                "statistics are per entry of every field axis but the grid's): fit the "
+                "unpatched view, or patch the grid's field axes only"
+            )
+        boxed = {
+            view.field_axes.index(axis): (lo, hi)
+            for axis, (lo, hi), n in zip(spec.axes, spec.bounds, spec.field, strict=True)
+            if (lo, hi) != (0, n)
+        }
+        if boxed:
+            keys = tuple(
+                tuple(range(*boxed[i])) if i in boxed else key
+                for i, key in enumerate(view_keys(view))
+            )
+            view = dataclasses.replace(view, select=Selection(keys))
+    return view.shift(-view.offset) if view.offset else view
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON reads it back (tuples as lists; numpy scalars and arrays as numbers
+    and lists), so a ``dataset`` to check compares equal however it was built."""
+    return json.loads(json.dumps(value, default=_numpy_json))
+
+
+def _numpy_json(value: Any) -> Any:
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} {value!r} cannot be compared with a saved dataset")
