@@ -31,7 +31,8 @@ Found (fixed):
   transient peak for the stack member, 6,671,549 - 128,498 for the batch transform; on a
   0.25-degree grid 4 MiB per row and forcing. ``Forcings.compute(cut=)`` now cuts each row's
   window straight from the fields of the batch's distinct times (remembered, or computed now):
-  35,573 and 8,709 bytes above the bare pipeline's peak. (The remembered fields moved to
+  35,573 and 8,709 bytes above the bare pipeline's peak, value for value what cutting the
+  whole grid gives (a collection's members on three grids, windows, times new and remembered). (The remembered fields moved to
   ``forcing_memo``, keeping ``forcings`` under 700 lines.)
 
 Tried and found right: Python lines per batch flat from 8 to 256 rows (20-channel stack with
@@ -74,6 +75,7 @@ from insitubatch_nodes import (
     split_by_member,
     stack,
 )
+from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.stages.gather import gather_label
 
 pytestmark = pytest.mark.timeout(120)
@@ -534,3 +536,26 @@ def test_at_one_sample_per_chunk_python_work_follows_the_objects_not_the_channel
         }  # fmt: skip
         lines.append(_per_batch(tally, (root, manifest, {"x": stack(members)}, {}), 8)[0])
     assert lines[1] <= 1.1 * lines[0] + 150, lines
+
+
+def test_forcings_cut_from_the_distinct_times_equal_the_whole_grid_cut_afterwards(
+    stores: dict[int, Path],
+) -> None:
+    """``Forcings.compute(cut=)`` against the whole grid computed, then cut
+    (:func:`cut_windows`, the oracle): over a collection of members on three grids, windows
+    of two steps, times computed now, remembered, and both in one batch."""
+    coll = _collection(stores[8])[0]
+    view = coll["data"].patches({"lat": 2, "lon": 4})
+    forcings = Forcings("p", view=view, names=NAMES)
+    rng = np.random.default_rng(1)
+    origins = np.stack([rng.integers(0, 3, 16), rng.integers(0, 5, 16)], axis=1)
+    members = rng.integers(0, 12, 16)
+    for first in (0, 0, 6):  # new times; the same, remembered; half of them new
+        hours = first + rng.integers(0, 12, (16, 1)) + np.arange(2)
+        times = np.datetime64("2000-01-01T00", "ns") + hours.astype("timedelta64[h]")
+        got = forcings.compute(times, members, cut=(origins, (0, 1), (2, 4)))
+        whole = Forcings("p", view=coll["data"], names=NAMES).compute(times, members)
+        for name in NAMES:
+            want = cut_windows(whole[name], origins, (1, 2), (2, 4))
+            np.testing.assert_array_equal(got[name], want)
+            assert got[name].shape == (16, 2, 2, 4)
