@@ -2,7 +2,7 @@
 
 Stacks of many members (20 channels: surface fields, levels picked by ``isel`` and ``sel``,
 static members, forcings), ``normalize=`` statistics, windows of the forecast sample model
-(time-delta offsets, a time stride, ``missing=()``), patched stacks and a collection of many
+(windows in samples, a time stride, ``missing=()``), patched stacks and a collection of 12
 members, each checked against the invariants of README.md and docs/concepts.md with numpy and
 zarr as the oracles:
 
@@ -32,15 +32,21 @@ Found (fixed):
   0.25-degree grid 4 MiB per row and forcing. ``Forcings.compute(cut=)`` now cuts each row's
   window straight from the fields of the batch's distinct times (remembered, or computed now):
   35,573 and 8,709 bytes above the bare pipeline's peak, value for value what cutting the
-  whole grid gives (a collection's members on three grids, windows, times new and remembered). (The remembered fields moved to
-  ``forcing_memo``, keeping ``forcings`` under 700 lines.)
+  whole grid gives (a collection's members on three grids, windows, times new and
+  remembered). (The remembered fields moved to ``forcing_memo``, keeping ``forcings`` under
+  700 lines.)
 
 Tried and found right: Python lines per batch flat from 8 to 256 rows (20-channel stack with
 channels last beside it: 8,644 -> 8,584; normalised: 3,832 -> 3,831; forecast windows at a 2h
 stride with ``missing=()``: 10,918 -> 10,898; patched stack: 8,777 -> 8,993; 12-member
 collection: 3,540 -> 2,989); every stored object of x and y fetched once in epoch 0 and none
-in epoch 1, whole and patched, statics read at build only; a stack's array is its lent buffer,
-equal to numpy's concatenate of the members.
+in epoch 1, whole and patched, statics read at build only; at a 4h stride with one step per
+object, only the objects of the anchors' steps, once; every valid sample (and patch origin,
+and member) in exactly one batch, two epochs, for each of the five pipelines; at one sample per
+chunk the Python per batch follows the objects, not the channels selected from them (1 or 13
+levels: 10,855 / 10,405 lines per batch); a stack's array is its lent buffer, equal to numpy's
+concatenate of the members. (A stack refuses windows in time deltas, as documented: its
+members take windows in samples.)
 
 Left as it is (described, not fixed): a patched member selected along an unpatched axis (levels
 of a patched field) is gathered a group of alike rows at a time through a fancy index of the
