@@ -35,11 +35,17 @@ import numpy as np
 from insitubatch_nodes.io.collection_checks import MemberCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.longitudes import same_points
-from insitubatch_nodes.io.patching import cut_windows
+from insitubatch_nodes.io.patching import Cut
 from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
-__all__ = ["ForcingGrid", "GridWindow", "refuse_forcings_elsewhere", "refuse_other_points"]
+__all__ = [
+    "ForcingGrid",
+    "GridWindow",
+    "no_times",
+    "refuse_forcings_elsewhere",
+    "refuse_other_points",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -281,24 +287,14 @@ class GridWindow:
             out[a] = e
         return tuple(out)
 
-    def cut(
-        self, values: np.ndarray, origins: np.ndarray, out: np.ndarray | None = None
-    ) -> np.ndarray:
-        """Each row's window of ``values`` (``(rows, ..., n_lat, n_lon)``, ``(rows, ..., n)`` on
-        a grid of points: forcings on the whole grid) at its origin (``origins``,
-        ``batch.patch_origins[label]``), every row at once
-        (:func:`~insitubatch_nodes.io.patching.cut_windows`, the cut of a patched stack's
-        forcing member), C-contiguous; written into ``out`` (and returned) where given."""
-        if not self.axes:  # (the patches cut no grid axis: every row's grid is whole)
-            cut = values
-        else:
-            at = tuple(values.ndim - 1 - len(self.grid) + a for a in self.axes)  # (of a row)
-            picked = np.asarray(origins)[:, list(self.columns)]
-            cut = cut_windows(values, picked, at, self.extent)
-        if out is None:
-            return np.ascontiguousarray(cut)
-        np.copyto(out, cut)
-        return out
+    def cut_of(self, origins: np.ndarray) -> Cut | None:
+        """The :data:`~insitubatch_nodes.io.patching.Cut` of each row's window of the grid at
+        its origin (``origins``: ``batch.patch_origins[label]``), for
+        :meth:`Forcings.compute <insitubatch_nodes.forcings.Forcings.compute>`; ``None``
+        where the patches cut no grid axis (every row's grid is whole)."""
+        if not self.axes:
+            return None
+        return np.asarray(origins)[:, list(self.columns)], self.axes, self.extent
 
 
 def refuse_other_windows(label: str, mine: GridWindow | None, theirs: GridWindow | None) -> None:
@@ -401,3 +397,20 @@ def refuse_other_points(
     differ = grid.differs_from(theirs)
     if differ:
         raise ValueError(f"{who} are computed at other points than {whose} ({differ}): {fix}")
+
+
+def no_times(what: str, label: str, time_name: str, carried: Mapping[str, Any]) -> KeyError:
+    """The error for batches whose ``label`` carries no coordinate ``time_name``: it names the
+    coordinates they carry and, where one holds dates (ERA5 from the new CDS calls its time
+    ``valid_time``), ``time_name=`` it."""
+    dated = [n for n, v in carried.items() if np.asarray(v).dtype.kind in "MO"]
+    fix = (
+        f"give Forcings time_name={dated[0]!r}, the coordinate of the rows' times"
+        if dated
+        else "build the pipeline with coords=None (each label's dimension coordinate) or "
+        "coords=[...] naming the times, and give Forcings that name as time_name="
+    )
+    return KeyError(
+        f"{what}: batches carry no coordinate {time_name!r} for label {label!r} (they carry "
+        f"{sorted(carried)}): {fix}"
+    )

@@ -61,8 +61,15 @@ import numpy as np
 
 from insitubatch_nodes._checks import check_instance, check_number, check_optional_int
 from insitubatch_nodes.batch import Batch
-from insitubatch_nodes.forcing_grid import ForcingGrid, GridWindow, refuse_other_windows
+from insitubatch_nodes.forcing_grid import (
+    ForcingGrid,
+    GridWindow,
+    no_times,
+    refuse_other_windows,
+)
+from insitubatch_nodes.forcing_memo import Memo
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.patching import Cut, cut_per_step, cut_windows
 from insitubatch_nodes.io.timeunits import as_timedelta
 from insitubatch_nodes.lending import BufferPool
 
@@ -323,76 +330,6 @@ MEMO_BYTES = 64 * 2**20
 one forcing on a 64 x 128 grid, 16 on ERA5's 0.25° grid."""
 
 
-class _Memo:
-    """The fields of up to :data:`MEMO_BYTES` of times, held as one table per forcing and found
-    by a sorted index of the times: a batch's lookups and additions are a few numpy calls
-    whatever its rows (a dict per time cost Python per row: 190,000 lines a batch of 4,096
-    rows). A full memo forgets its oldest times first (each new time takes the slot of the
-    oldest)."""
-
-    def __init__(self, names: Sequence[str], grid: tuple[int, ...], shares: int = 1) -> None:
-        self.names = tuple(names)
-        self.grid = grid
-        per_time = max(1, len(self.names) * math.prod(grid) * 4)
-        # (``shares`` memos, one per grid of a collection's members, share the bytes)
-        self.capacity = max(1, MEMO_BYTES // (per_time * shares))  # at least one time
-        self.keys = np.empty(0, np.int64)  # the time in each slot
-        self.fields = {name: np.empty((0, *grid), np.float32) for name in self.names}
-        self.oldest = 0  # once full: the slot the next new time takes
-        self._sorted = np.empty(0, np.int64)  # the times in order, and their slots
-        self._slots = np.empty(0, np.intp)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held: the tables (grown ahead, at most double what is filled) and the index."""
-        index = self.keys.nbytes + self._sorted.nbytes + self._slots.nbytes
-        return index + sum(t.nbytes for t in self.fields.values())
-
-    def find(self, keys: np.ndarray) -> np.ndarray:
-        """The slot of each of ``keys`` (sorted, distinct), ``-1`` where it is not held."""
-        if not len(self._sorted):
-            return np.full(len(keys), -1, np.intp)
-        at = np.minimum(np.searchsorted(self._sorted, keys), len(self._sorted) - 1)
-        return np.where(self._sorted[at] == keys, self._slots[at], -1)
-
-    def add(self, keys: np.ndarray, fields: Mapping[str, np.ndarray]) -> None:
-        """Remember ``fields`` (``{name: (len(keys), *grid)}``) of ``keys`` (sorted, distinct,
-        held ones are skipped): the last of them, in order, where they are more than it
-        holds."""
-        new = self.find(keys) < 0  # (another thread may have added some meanwhile)
-        keys, fields = keys[new], {name: v[new] for name, v in fields.items()}
-        keep = min(len(keys), self.capacity)
-        keys = keys[len(keys) - keep :]
-        grow = min(self.capacity - len(self.keys), keep)
-        if grow > 0:  # not full: new slots at the end (the tables at least double)
-            size = min(self.capacity, max(len(self.keys) + grow, 2 * len(self.keys)))
-            self.fields = {
-                name: np.concatenate([t, np.empty((size - len(t), *self.grid), np.float32)])
-                if size > len(t) else t
-                for name, t in self.fields.items()
-            }  # fmt: skip
-        n = len(self.keys)
-        slots = np.concatenate(
-            [np.arange(n, n + grow), (self.oldest + np.arange(keep - grow)) % self.capacity]
-        ).astype(np.intp)
-        if keep > grow:
-            self.oldest = int(slots[-1] + 1) % self.capacity
-        for name in self.names:
-            self.fields[name][slots] = fields[name][len(fields[name]) - keep :]
-        forgotten = slots[slots < n]
-        self.keys = np.concatenate([self.keys, np.empty(grow, np.int64)])
-        self.keys[slots] = keys
-        held = np.ones(len(self._sorted), bool)
-        if len(forgotten):  # their old times leave the index
-            held[np.isin(self._slots, forgotten)] = False
-        at = np.searchsorted(self._sorted[held], keys)  # both sorted: a merge
-        self._sorted = np.insert(self._sorted[held], at, keys)
-        self._slots = np.insert(self._slots[held], at, slots)
-
-
 class Forcings:
     """A batch transform adding forcings (module docstring) as labels.
 
@@ -465,7 +402,7 @@ class Forcings:
         self.grid = grid
         #: per distinct grid, the fields of the times computed so far (ns since the epoch),
         #: oldest forgotten first; the memory is shared out between the grids
-        self._memos = [_Memo(self.names, grid.shape, len(grid.lats)) for _ in grid.lats]
+        self._memos = [Memo(self.names, grid.shape, len(grid.lats), MEMO_BYTES) for _ in grid.lats]
         self._lock = threading.Lock()
         self._buffers: dict[str, BufferPool] = {}  # forcing -> the pool its rows are lent from
 
@@ -504,7 +441,11 @@ class Forcings:
         return out
 
     def compute(
-        self, times: Any, members: Any = None, out: Mapping[str, np.ndarray] | None = None
+        self,
+        times: Any,
+        members: Any = None,
+        out: Mapping[str, np.ndarray] | None = None,
+        cut: Cut | None = None,
     ) -> dict[str, np.ndarray]:
         """``{name: (*times.shape, n_lat, n_lon) float32}`` for ``times``; on a grid per member,
         each row's on its member's (``members``: ``batch.members[time_label]``,
@@ -516,37 +457,41 @@ class Forcings:
         steps share (overlapping windows), or that a later epoch meets again, costs a copy,
         not the trigonometry. The Python work is per distinct grid in the batch, never per
         row. ``out`` (``{name: C-contiguous float32 array of that shape}``, optional): the
-        arrays the fields are written into (and returned)."""
+        arrays the fields are written into (and returned). ``cut`` (a patching ``Cut``): each
+        row's window instead, cut from the distinct times' fields (no row's grid copied)."""
         times = np.asarray(times)
-        shape = (*times.shape, *self.grid.shape)
         flat = times.ravel()
-        rows_of = (flat.size, *self.grid.shape)
+        field = self.grid.shape
+        if cut is not None:  # each time's row's origin, and the window's shape
+            cut, field = cut_per_step(cut, field, flat.size // max(1, len(cut[0])))
+        shape, rows_of = (*times.shape, *field), (flat.size, *field)
         into = {n: (np.empty(rows_of, np.float32) if out is None else out[n].reshape(rows_of))
                 for n in self.names}  # fmt: skip
         if not self.grid.per_member:
-            self._lookup(0, flat, into)
+            self._lookup(0, flat, into, cut)
         else:
             which = self.grid.rows(members, times.shape, self.time_label)
             for g in np.unique(which).tolist():  # the grids of the batch's members
                 rows = np.flatnonzero(which == g)
-                for name, values in self._lookup(g, flat[rows]).items():
+                part = None if cut is None else (cut[0][rows], *cut[1:])
+                for name, values in self._lookup(g, flat[rows], None, part).items():
                     into[name][rows] = values
         return {name: v.reshape(shape) for name, v in into.items()}
 
     def _lookup(
-        self, g: int, times: np.ndarray, out: Mapping[str, np.ndarray] | None = None
+        self, g: int, times: np.ndarray, out: Mapping[str, np.ndarray] | None, cut: Cut | None
     ) -> dict[str, np.ndarray]:
         """:meth:`compute` of the 1-D ``times`` on grid ``g``, through its memory (written
-        into ``out``, ``{name: (len(times), *grid)}``, where given)."""
+        into ``out``, ``{name: (len(times), *grid)}``, where given; windows with ``cut``)."""
         if times.dtype.kind != "M":
             computed = self._compute(times, g)  # (it says what is wrong with them)
-            if out is None:
-                return computed
-            for name, values in computed.items():
-                np.copyto(out[name], values)
-            return dict(out)
+            if cut is not None:
+                computed = {n: cut_windows(v, *cut) for n, v in computed.items()}
+            return _copied(out, computed)
         keys = times.astype("datetime64[ns]").view(np.int64)
         distinct, inverse = np.unique(keys, return_inverse=True)
+        if cut is not None:
+            return self._lookup_cut(g, distinct, inverse.ravel(), out, cut)
         memo = self._memos[g]
         table = {name: np.empty((len(distinct), *self.grid.shape), np.float32)
                  for name in self.names}  # fmt: skip
@@ -568,9 +513,42 @@ class Forcings:
             for name in self.names
         }  # fmt: skip
 
+    def _lookup_cut(
+        self,
+        g: int,
+        distinct: np.ndarray,
+        inverse: np.ndarray,
+        out: Mapping[str, np.ndarray] | None,
+        cut: Cut,
+    ) -> dict[str, np.ndarray]:
+        """:meth:`_lookup` of each row's window (``cut``) at the times ``distinct[inverse]``,
+        cut straight from the remembered fields and from those computed now: no row's (nor
+        time's) whole field is copied (before, a batch of 0.25-degree patches copied 4 MiB per
+        row and forcing to cut a few KiB)."""
+        origins, axes, extent = cut
+        field = (len(inverse), *cut_per_step(cut, self.grid.shape, 1)[1])
+        into = {n: np.empty(field, np.float32) if out is None else out[n] for n in self.names}
+        memo = self._memos[g]
+        with self._lock:  # (an addition may move the remembered fields)
+            slot = memo.find(distinct)[inverse]
+            held = np.flatnonzero(slot >= 0)
+            for name in self.names:
+                into[name][held] = cut_windows(memo.fields[name], origins[held], axes, extent,
+                                               rows=slot[held])  # fmt: skip
+        new = np.flatnonzero(slot < 0)  # the rows whose time is computed now
+        if len(new):
+            keys, at = np.unique(distinct[inverse[new]], return_inverse=True)
+            fresh = self._compute(keys.view("datetime64[ns]"), g)
+            for name in self.names:
+                into[name][new] = cut_windows(fresh[name], origins[new], axes, extent,
+                                              rows=at.ravel())  # fmt: skip
+            with self._lock:
+                memo.add(keys, fresh)
+        return dict(into)
+
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_memos=[_Memo(self.names, self.grid.shape, len(self._memos))
+        state.update(_memos=[Memo(self.names, self.grid.shape, len(self._memos), MEMO_BYTES)
                              for _ in self._memos], _lock=None, _buffers={})  # fmt: skip
         return state
 
@@ -636,14 +614,12 @@ class Forcings:
         members = batch.members.get(self.time_label)
         origins = batch.patch_origins.get(self.time_label)
         self._refuse_other_windows(origins)
-        rows = (*np.shape(times), *self.grid.shape)
+        cut, field = None, self.grid.shape
         if self.window is not None and origins is not None:  # each row's own window
-            for name, values in self.compute(times, members).items():
-                lent = self._lend(name, (*np.shape(times), *self.window.shape(self.grid.shape)))
-                batch.arrays[self.prefix + name] = self.window.cut(values, origins, out=lent)
-            return batch
+            cut, field = self.window.cut_of(origins), self.window.shape(field)
+        rows = (*np.shape(times), *field)
         into = {name: self._lend(name, rows) for name in self.names}
-        for name, values in self.compute(times, members, out=into).items():
+        for name, values in self.compute(times, members, out=into, cut=cut).items():
             batch.arrays[self.prefix + name] = values
         return batch
 
@@ -671,18 +647,12 @@ class Forcings:
         return f"Forcings({self.time_label!r}, names={list(self.names)})"
 
 
-def no_times(what: str, label: str, time_name: str, carried: Mapping[str, Any]) -> KeyError:
-    """The error for batches whose ``label`` carries no coordinate ``time_name``: it names the
-    coordinates they carry and, where one holds dates (ERA5 from the new CDS calls its time
-    ``valid_time``), ``time_name=`` it."""
-    dated = [n for n, v in carried.items() if np.asarray(v).dtype.kind in "MO"]
-    fix = (
-        f"give Forcings time_name={dated[0]!r}, the coordinate of the rows' times"
-        if dated
-        else "build the pipeline with coords=None (each label's dimension coordinate) or "
-        "coords=[...] naming the times, and give Forcings that name as time_name="
-    )
-    return KeyError(
-        f"{what}: batches carry no coordinate {time_name!r} for label {label!r} (they carry "
-        f"{sorted(carried)}): {fix}"
-    )
+def _copied(
+    out: Mapping[str, np.ndarray] | None, values: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
+    """``values``, or ``out`` with them copied in where given."""
+    if out is None:
+        return values
+    for name, v in values.items():
+        np.copyto(out[name], v)
+    return dict(out)

@@ -202,7 +202,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
         static fields' reads, ``static_gets`` and ``static_disk_hits``) and the
         memory this pipeline holds outside the pool's budget, in bytes:
         ``batch_buffer_bytes`` (reusable batch buffers, lent out or idle — the prefetch queue's
-        batches live in them — plus gather scratch), ``decode_scratch_bytes`` (per decode
+        batches live in them), ``decode_scratch_bytes`` (per decode
         thread: scratch, and the buffers objects are decoded into before a slot keeps a
         selection of them), ``batch_transform_bytes`` (what the batch transforms hold: static
         fields and the buffers of their cuts, stacks' constant channels, the forcings'

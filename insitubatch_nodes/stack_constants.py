@@ -25,9 +25,8 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.forcings import no_times
+from insitubatch_nodes.forcing_grid import no_times
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.stack import (
     Stack,
@@ -188,11 +187,11 @@ class StackConstants:
                                    time_name, carried)  # fmt: skip
                 # each row on its member's grid (forcings of a collection's members' grids)
                 rows_of = batch.members.get(label)
-                values = next(iter(member.forcing.compute(times, rows_of).values()))
-                if prepared.forcing_cuts:  # each row's window of the grid (its last axes)
-                    first = values.ndim - 1 - len(member.forcing.grid.shape)  # (of a row)
-                    grid = tuple(first + a for a in prepared.forcing_cuts[k])
-                    values = cut_windows(values, batch.patch_origins[label], grid, prepared.extent)
+                cut = None  # or each row's window of the grid, cut from its time's field
+                if prepared.forcing_cuts:
+                    origins = batch.patch_origins[label]
+                    cut = (origins, prepared.forcing_cuts[k], prepared.extent)
+                values = next(iter(member.forcing.compute(times, rows_of, cut=cut).values()))
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)
                     step = values if t is None else values[:, t]

@@ -201,20 +201,42 @@ def refuse_selected(path: str, selected: Sequence[int | str]) -> None:
         )
 
 
+Cut = tuple[np.ndarray, tuple[int, ...], tuple[int, ...]]
+"""Each row's window of a field: ``(origins, axes, extent)``, as :func:`cut_windows` takes
+them (``origins`` ``(rows, len(axes))``)."""
+
+
+def cut_per_step(cut: Cut, field: tuple[int, ...], steps: int) -> tuple[Cut, tuple[int, ...]]:
+    """``cut`` for ``steps`` fields per row (a window's, laid out row after row: each row's
+    origin repeated), and the shape of a ``field``-shaped field cut to the window."""
+    origins, axes, extent = cut
+    shape = tuple(extent[axes.index(a)] if a in axes else n for a, n in enumerate(field))
+    return (np.repeat(np.asarray(origins), steps, axis=0), axes, extent), shape
+
+
 def cut_windows(
-    values: np.ndarray, origins: np.ndarray, axes: tuple[int, ...], extent: tuple[int, ...]
+    values: np.ndarray,
+    origins: np.ndarray,
+    axes: tuple[int, ...],
+    extent: tuple[int, ...],
+    rows: np.ndarray | None = None,
 ) -> np.ndarray:
     """Row ``i`` of ``values`` (``(rows, *row)``) cut along ``axes`` (of a row, in the order of
     ``extent`` and of ``origins``' columns) to the window of ``extent`` at ``origins[i]``,
     every row at once: one gather from the windows' strided view (no Python per row). What a
     patched stack's static and forcing members and a patched label's
-    :class:`~insitubatch_nodes.forcings.Forcings` take of their whole field."""
+    :class:`~insitubatch_nodes.forcings.Forcings` take of their whole field. With ``rows``,
+    row ``i`` is cut from ``values[rows[i]]`` (a table of distinct fields, such as the
+    forcings' of a batch's distinct times), no row's whole field copied first."""
     ndim = values.ndim - 1
     cut = tuple(1 + a for a in axes)
     windows = np.lib.stride_tricks.sliding_window_view(values, extent, axis=cut)
     # (rows, *cut axes (one window origin each), *other axes, *window) then one index per row
     windows = np.moveaxis(windows, cut, range(1, 1 + len(cut)))
-    at = (np.arange(len(values)), *(np.asarray(origins)[:, k] for k in range(len(cut))))
+    at = (
+        np.arange(len(values)) if rows is None else rows,
+        *(np.asarray(origins)[:, k] for k in range(len(cut))),
+    )
     picked = windows[at]  # (rows, *other axes, *window)
     rest = [a for a in range(ndim) if a not in axes]
     # each row back in its own axis order: a cut axis at its own place

@@ -105,7 +105,7 @@ def gather_label(
     samples_per_chunk: int,
     path: str,
     slots: Mapping[tuple[str, int], np.ndarray],
-    scratch: np.ndarray,
+    scratch: np.ndarray | None = None,
     skip_missing: bool = False,
 ) -> int:
     """Fill ``out[i] = slot_of(samples[i])[samples[i] % spc]`` with one copy per chunk; the
@@ -113,7 +113,9 @@ def gather_label(
 
     The read plan emits each batch's rows in sample order, so every chunk's rows form one
     contiguous run of ``out``: a single ``np.take`` (or slice copy) per chunk writes them in
-    place. Rows in any other order still work, through ``scratch`` (a gather, then a scatter).
+    place. Rows in any other order still work, through ``scratch`` (a gather, then a scatter;
+    made here, of one chunk's rows at most, where it is ``None`` or too short: the pipeline's
+    plans never take that path, so nothing is held for it).
     With ``skip_missing`` the rows of chunks that have no slot are left as they are (the fetch
     stage decoded them in place).
     """
@@ -150,6 +152,9 @@ def gather_label(
     order = np.argsort(chunk, kind="stable")
     sorted_chunks = chunk[order]
     cuts = (np.flatnonzero(sorted_chunks[1:] != sorted_chunks[:-1]) + 1).tolist()
+    longest = int(np.diff([0, *cuts, n]).max()) if n else 0
+    if scratch is None or len(scratch) < longest:
+        scratch = np.empty((longest, *out.shape[1:]), out.dtype)
     for lo, hi in zip([0, *cuts], [*cuts, n], strict=True):
         key = (path, int(sorted_chunks[lo]))
         if skip_missing and key not in slots:
@@ -275,7 +280,7 @@ class GatherNode(BaseNode[Batch]):
         claim(self, source)
 
     def _size(self, rows: int) -> None:
-        """Batch buffers of ``rows`` rows, and scratch and coordinates to match the views."""
+        """Batch buffers of ``rows`` rows, and coordinates to match the views."""
         self.rows = rows
         if self.buffers.rows < rows:
             self.buffers.resize(rows)
@@ -311,14 +316,6 @@ class GatherNode(BaseNode[Batch]):
             label: (g.sample_nbytes, 1 if g.patch is not None else g.samples_per_chunk)
             for label, g in self.views.items()
         }
-        # one scratch set per gathering thread (used only for rows out of sample order)
-        self._scratch = [
-            {
-                label: np.empty((min(rows, g.samples_per_chunk), *g.inner_shape), g.dtype)
-                for label, g in self.views.items()
-            }
-            for _ in range(2)
-        ]
 
     def check_constants(self, views: Mapping[str, Any]) -> None:
         """The builder's check of the :class:`~insitubatch_nodes.forcings.Forcings` and
@@ -401,12 +398,12 @@ class GatherNode(BaseNode[Batch]):
             if mean >= PARALLEL_PIECE_BYTES * nbytes:
                 helper = _runtime.gather_helper()
         if helper is None:
-            copied = self._gather_rows(dest, resident, labels, 0, n, 0)
+            copied = self._gather_rows(dest, resident, labels, 0, n)
         else:  # two threads copy half the rows each: copies from memory go ~1.5x as fast
             half = n // 2
-            other = helper.submit(-1, self._gather_rows, dest, resident, labels, half, n, 1)
+            other = helper.submit(-1, self._gather_rows, dest, resident, labels, half, n)
             try:
-                copied = self._gather_rows(dest, resident, labels, 0, half, 0)
+                copied = self._gather_rows(dest, resident, labels, 0, half)
             finally:
                 more = other.result()  # also when ours raised: nothing writes into the batch
             copied = {lb: copied[lb] + more[lb] for lb in labels}
@@ -488,14 +485,13 @@ class GatherNode(BaseNode[Batch]):
         labels: Sequence[str],
         lo: int,
         hi: int,
-        scratch: int,
     ) -> dict[str, int]:
-        """Rows ``lo:hi`` of ``labels`` (``scratch`` picks the scratch set of this thread); the
+        """Rows ``lo:hi`` of ``labels`` (on the producer thread or the gather helper); the
         rows copied per label (rows decoded in place are left as they are)."""
         partial = resident.arrays is not None
         out = {}
         for label in labels:
-            out[label] = self._gather_part(arrays, resident, label, lo, hi, scratch, partial)
+            out[label] = self._gather_part(arrays, resident, label, lo, hi, partial)
             norm = self._norm.get(label)
             if norm is not None:  # standardised in place while its rows are hot in cache
                 standardise_in_place(arrays[label][lo:hi], *norm)
@@ -508,7 +504,6 @@ class GatherNode(BaseNode[Batch]):
         label: str,
         lo: int,
         hi: int,
-        scratch: int,
         partial: bool,
     ) -> int:
         """Rows ``lo:hi`` of the part ``label``; the rows copied."""
@@ -539,7 +534,6 @@ class GatherNode(BaseNode[Batch]):
             geom.samples_per_chunk,
             geom.path,
             resident.slots,
-            self._scratch[scratch][label],
             skip_missing=partial and resident.direct.get(label, 0) > 0,
         )
 
@@ -569,6 +563,5 @@ class GatherNode(BaseNode[Batch]):
 
     @property
     def buffer_bytes(self) -> int:
-        """Bytes of batch-buffer memory held now, lent out or idle (scratch included)."""
-        held = self.buffers.held_bytes
-        return held + sum(s.nbytes for scratch in self._scratch for s in scratch.values())
+        """Bytes of batch-buffer memory held now, lent out or idle."""
+        return self.buffers.held_bytes
