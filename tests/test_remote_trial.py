@@ -56,8 +56,14 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
-from insitubatch_nodes import stack
+from insitubatch_nodes import (
+    Loader,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+    stack,
+)
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.statistics import Statistics, fit_statistics
@@ -119,8 +125,8 @@ def _gets(proxy: FaultProxy, part: str = "/c/") -> dict[str, int]:
     with proxy._lock:
         seen = dict(proxy.gets)
     keys = {k.split("era5.zarr/", 1)[1]: n for k, n in seen.items() if "era5.zarr/" in k}
-    return {k: n for k, n in keys.items()
-            if part in k and k.split("/")[0] not in ("time", "level", "latitude", "longitude")}  # fmt: skip
+    coords = ("time", "level", "latitude", "longitude")
+    return {k: n for k, n in keys.items() if part in k and k.split("/")[0] not in coords}
 
 
 def _clear(proxy: FaultProxy) -> None:
@@ -266,7 +272,9 @@ def test_a_static_object_that_fails_transiently_is_retried_and_read_exactly(
         np.testing.assert_array_equal(batch["lsm"][0], ds.land_sea_mask.values)
         assert pipe.stats()["static_gets"] == 2
         assert _gets(proxy, "land_sea_mask/c/") == {
-            "land_sea_mask/c/0/0": 1, "land_sea_mask/c/1/0": 2 if fault == "reset" else 3}
+            "land_sea_mask/c/0/0": 1,
+            "land_sea_mask/c/1/0": 2 if fault == "reset" else 3,
+        }
     finally:
         pipe.close()
 
@@ -384,7 +392,9 @@ def test_statistics_name_the_endpoint_however_it_was_given_and_refuse_another_se
     path = tmp_path / "stats.json"
     stats.save(path)
     monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    Statistics.load(path, dataset={"store": open_store(remote["url"], endpoint=endpoint, **options)})
+    Statistics.load(
+        path, dataset={"store": open_store(remote["url"], endpoint=endpoint, **options)}
+    )
     elsewhere = open_store(remote["url"], endpoint="http://127.0.0.1:9", **options)
     with pytest.raises(ValueError, match="another dataset"):
         Statistics.load(path, dataset={"store": elsewhere})
