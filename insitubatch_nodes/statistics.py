@@ -46,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+import insitubatch_nodes.io.stores as io_stores
 from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._moments import _Moments
@@ -128,7 +129,8 @@ class Statistics:
             paths=doc["paths"],
         )
         if dataset is not None:
-            fitted = {"stride": 1} | stats.dataset  # (absent: every sample)
+            fitted = {"stride": 1} | stats.dataset  # (absent: every sample; an endpoint's /)
+            fitted["store"] = io_stores.normal_store_name(fitted.get("store"))
             wrong = {k: (fitted.get(k), v) for k, v in _recorded(dataset).items()}
             if isinstance(dataset.get("views"), Mapping):  # the labels given, only
                 views, given = stats.dataset.get("views", {}), wrong["views"][1]
@@ -506,11 +508,7 @@ def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
     opened (a name the file holds, such as ``"s3://b/x (endpoint ...)"``) is compared as it is."""
     out = dict(dataset)
     if "store" in out:
-        try:
-            out["store"] = describe_store(as_store(out["store"]))
-        except (OSError, TypeError, ValueError):
-            if not isinstance(out["store"], str):
-                raise
+        out["store"] = io_stores.store_name(out["store"])
     with contextlib.suppress(KeyError, TypeError, ValueError):  # else compared as given
         out["stride"] = describe_stride(check_stride(out["stride"]))  # "12h" is "720m"
     if isinstance(out.get("manifest"), SplitManifest):

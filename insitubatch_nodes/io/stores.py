@@ -273,11 +273,51 @@ def describe_store(store: Any) -> str:
         ):
             if name == cls:
                 url = f"{scheme}://{config.get(key, '?')}/{prefix}".rstrip("/")
-                endpoint = config.get("endpoint")
+                endpoint = _endpoint(inner)
                 return f"{url} (endpoint {endpoint})" if endpoint else url
         if name == "LocalStore" and prefix:
             return str(prefix)
     return repr(store)
+
+
+def _endpoint(inner: Any) -> str:
+    """``inner``'s endpoint (obstore files ``endpoint_url=``, ... under ``endpoint``), normal."""
+    given = str((getattr(inner, "config", None) or {}).get("endpoint") or "").strip()
+    return normal_endpoint(given) if given else ""
+
+
+def _env_endpoint(scheme: str, options: Mapping[str, Any]) -> str:
+    """The endpoint obstore takes from ``AWS_ENDPOINT_URL`` (``AWS_ENDPOINT``) for ``s3://``."""
+    if scheme != "s3" or any(k.lower() in _ENDPOINT_KEYS for k in options):
+        return ""
+    given = (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or "").strip()
+    return normal_endpoint(given) if given else ""
+
+
+def normal_endpoint(endpoint: str) -> str:
+    """``endpoint`` with its scheme and host in lower case and no trailing ``/``."""
+    parts = urlsplit(endpoint)
+    if not parts.scheme or not parts.netloc:
+        return endpoint.rstrip("/")
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
+
+
+def normal_store_name(name: Any) -> Any:
+    """A store's name as :func:`describe_store` gave it (in a saved file, say) with its
+    endpoint spelled as :func:`normal_endpoint` spells it; anything else as it is."""
+    found = re.fullmatch(r"(.*) \(endpoint (.+)\)", name) if isinstance(name, str) else None
+    return f"{found[1]} (endpoint {normal_endpoint(found[2])})" if found else name
+
+
+def store_name(store: Any) -> str:
+    """:func:`describe_store` of the store ``store`` names (what :func:`as_store` takes), or,
+    for a name that opens no store (``"s3://b/x (endpoint ...)"``), that name, normalised."""
+    try:
+        return str(describe_store(as_store(store)))
+    except (OSError, TypeError, ValueError):
+        if not isinstance(store, str):
+            raise
+        return str(normal_store_name(store))
 
 
 class _CloudObjectStore(ObjectStore[Any]):
@@ -537,8 +577,9 @@ def open_store(
         merged = _remote_options(scheme, options, retry)
         inner = classes[scheme](bucket, prefix=prefix, **merged)
         label = f"{scheme}://{bucket}/{prefix or ''}".rstrip("/")
-        if options.get("endpoint"):
-            label += f" (endpoint {options['endpoint']})"
+        endpoint = _endpoint(inner) or _env_endpoint(scheme, options)
+        if endpoint:
+            label += f" (endpoint {endpoint})"
         return _remember(_CloudObjectStore(inner, read_only=read_only), label, retry)
     raise ValueError(
         f"unsupported store scheme {scheme!r} in {text!r}; supported: "
