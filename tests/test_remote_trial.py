@@ -399,3 +399,38 @@ def test_statistics_name_the_endpoint_however_it_was_given_and_refuse_another_se
     with pytest.raises(ValueError, match="another dataset"):
         Statistics.load(path, dataset={"store": elsewhere})
     assert os.environ.get("AWS_ENDPOINT_URL") is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Found: a Dataset opened with storage_options
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_dataset_opened_from_s3_with_storage_options_is_read_from_its_own_store(
+    era5: tuple[Path, xr.Dataset], remote: dict[str, Any], proxy: FaultProxy
+) -> None:
+    """``xr.open_zarr(url, storage_options={endpoint, credentials})`` passed as the store stands
+    for the store it reads, the endpoint and credentials included: the arrays are found and the
+    rows are xarray's, read through the proxy (before: the URL alone was opened again, without
+    the options, and failed with "no credentials found", suggesting ``anonymous=True``; with
+    credentials in the environment it would have read AWS's bucket of that name)."""
+    pytest.importorskip("s3fs")
+    _, ds = era5
+    options = remote["options"]
+    client = {"endpoint_url": options["endpoint"], "region_name": options["region"]}
+    storage = {"key": options["access_key_id"], "secret": options["secret_access_key"],
+               "client_kwargs": client}  # fmt: skip
+    opened = xr.open_zarr(remote["url"], storage_options=storage, consolidated=False)
+    g = open_geometries(opened)
+    assert {"t", "2t", "land_sea_mask"} <= set(g)
+    _clear(proxy)
+    views = {"x": g["t"].sel(level=500), "lsm": g["land_sea_mask"]}
+    pipe = insitu_pipeline(opened, split_by_chunk(g["t"], (0.25, 0.75, 0.0)), views, batch_size=2)
+    try:
+        for batch in Loader(pipe):
+            want = ds.t.sel(level=500).values[batch.sample_indices["x"]]
+            np.testing.assert_array_equal(batch["x"], want)
+            np.testing.assert_array_equal(batch["lsm"][0], ds.land_sea_mask.values)
+    finally:
+        pipe.close()
+    assert _gets(proxy, "t/c/")  # through the endpoint the Dataset was opened with
