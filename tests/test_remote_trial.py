@@ -22,7 +22,12 @@ Found (now fixed), each with its test below:
   ``aws_endpoint=``, or ``AWS_ENDPOINT_URL`` in the environment) was named without it, so
   statistics fitted over one S3-compatible server were accepted by ``Statistics.load`` for the
   same bucket on another server, and refused for the very store they were fitted on opened with
-  ``endpoint=``; an endpoint written with a trailing ``/`` was another store too.
+  ``endpoint=``; an endpoint written with a trailing ``/`` was another store too, and a
+  persistent cache warmed through ``endpoint=E`` was refused to a read-only reader at
+  ``E + "/"`` (every chunk "cached from another store");
+- an xarray ``Dataset`` opened with ``xr.open_zarr(url, storage_options={endpoint,
+  credentials})`` and passed as the store was opened again from its URL alone, without them:
+  "no credentials found" (suggesting ``anonymous=True``), or another server's bucket.
 
 Tried and found right (kept as the claims below, or checked by hand and not kept):
 ``isel``/``sel`` of levels and a latitude/longitude box, stacks with static members and
@@ -399,6 +404,32 @@ def test_statistics_name_the_endpoint_however_it_was_given_and_refuse_another_se
     with pytest.raises(ValueError, match="another dataset"):
         Statistics.load(path, dataset={"store": elsewhere})
     assert os.environ.get("AWS_ENDPOINT_URL") is None
+
+
+def test_a_persistent_cache_serves_its_store_opened_with_the_endpoint_spelled_with_a_slash(
+    era5: tuple[Path, xr.Dataset], remote: dict[str, Any], proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A cache warmed through ``endpoint=E`` serves, read-only, the store opened with
+    ``endpoint=E + "/"`` (the same server) with no GET (before: ``StaleCacheError``, every
+    chunk "cached from another store", naming the store as opened at ``E``)."""
+    _, ds = era5
+    endpoint = remote["options"]["endpoint"]
+    for run, spelled in enumerate((endpoint, endpoint + "/")):
+        store = _store(remote, endpoint=spelled)
+        g = open_geometries(store, ["2t"])
+        _clear(proxy)
+        pipe = insitu_pipeline(store, split_by_chunk(g["2t"], (0.5, 0.5, 0.0)), {"x": g["2t"]},
+                               batch_size=4, cache_dir=tmp_path, persist=run == 0,
+                               readonly_cache=run == 1)  # fmt: skip
+        try:
+            for batch in Loader(pipe):
+                np.testing.assert_array_equal(
+                    batch["x"], ds["2t"].values[batch.sample_indices["x"]]
+                )
+            hits = pipe.stats()["disk_hits"]
+        finally:
+            pipe.close()
+    assert _gets(proxy) == {} and hits == N_TIME // 2
 
 
 # ---------------------------------------------------------------------------------------------

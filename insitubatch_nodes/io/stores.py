@@ -273,14 +273,14 @@ def describe_store(store: Any) -> str:
         ):
             if name == cls:
                 url = f"{scheme}://{config.get(key, '?')}/{prefix}".rstrip("/")
-                endpoint = _endpoint(inner)
+                endpoint = cloud_endpoint(inner)
                 return f"{url} (endpoint {endpoint})" if endpoint else url
         if name == "LocalStore" and prefix:
             return str(prefix)
     return repr(store)
 
 
-def _endpoint(inner: Any) -> str:
+def cloud_endpoint(inner: Any) -> str:
     """``inner``'s endpoint (obstore files ``endpoint_url=``, ... under ``endpoint``), normal."""
     given = str((getattr(inner, "config", None) or {}).get("endpoint") or "").strip()
     return normal_endpoint(given) if given else ""
@@ -577,7 +577,7 @@ def open_store(
         merged = _remote_options(scheme, options, retry)
         inner = classes[scheme](bucket, prefix=prefix, **merged)
         label = f"{scheme}://{bucket}/{prefix or ''}".rstrip("/")
-        endpoint = _endpoint(inner) or _env_endpoint(scheme, options)
+        endpoint = cloud_endpoint(inner) or _env_endpoint(scheme, options)
         if endpoint:
             label += f" (endpoint {endpoint})"
         return _remember(_CloudObjectStore(inner, read_only=read_only), label, retry)
