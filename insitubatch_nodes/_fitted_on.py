@@ -29,7 +29,7 @@ from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
-from insitubatch_nodes.io.stores import as_store, describe_store
+from insitubatch_nodes.io.stores import normal_store_name, store_name
 from insitubatch_nodes.plan.anchors import describe_stride
 from insitubatch_nodes.plan.config import check_stride
 from insitubatch_nodes.plan.splits import SPLITS, SplitManifest
@@ -44,6 +44,7 @@ def check_fitted_on(
     ``dataset`` of the file at ``path``) were fitted on another dataset than ``dataset`` (what
     :meth:`Statistics.load <insitubatch_nodes.statistics.Statistics.load>` was given)."""
     fitted: dict[str, Any] = {"stride": 1, **fitted_on}  # (absent: every sample)
+    fitted["store"] = normal_store_name(fitted.get("store"))  # (an endpoint's case and /)
     wrong = {
         k: (fitted.get(k), v)
         for k, v in _recorded(dataset).items()
@@ -81,11 +82,7 @@ def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
     opened (a name the file holds, such as ``"s3://b/x (endpoint ...)"``) is compared as it is."""
     out = dict(dataset)
     if "store" in out:
-        try:
-            out["store"] = describe_store(as_store(out["store"]))
-        except (OSError, TypeError, ValueError):
-            if not isinstance(out["store"], str):
-                raise
+        out["store"] = store_name(out["store"])
     with contextlib.suppress(KeyError, TypeError, ValueError):  # else compared as given
         out["stride"] = describe_stride(check_stride(out["stride"]))  # "12h" is "720m"
     if isinstance(out.get("manifest"), SplitManifest):

@@ -119,11 +119,11 @@ def _read_whole(zstore: Any, base: ArrayGeometry, timeout_s: float) -> np.ndarra
     array = _zarr_compat.open_array_readonly(zstore, base.path, base.zarr_format)
     try:
         data = _zarr_compat.read_whole_array(array, timeout_s)
-    except Exception as exc:
-        error = TimeoutError if isinstance(exc, TimeoutError) else OSError
+    except Exception as exc:  # a refusal keeps its type and its whole advice (ours)
+        error = next((t for t in (TimeoutError, PermissionError) if isinstance(exc, t)), OSError)
+        said = f"{type(exc).__name__}: {exc}" if error is PermissionError else short_cause(exc)
         raise error(
-            f"cannot read static array {base.path!r} from store {describe_store(zstore)} "
-            f"({short_cause(exc)})"
+            f"cannot read static array {base.path!r} from store {describe_store(zstore)} ({said})"
         ) from exc
     if base.cf is not None:  # CF mask and scale, as the engine decodes sampled arrays
         return base.cf.decode(np.asarray(data))

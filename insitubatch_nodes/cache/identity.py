@@ -198,7 +198,9 @@ class ObstoreLister:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.where: str = f"{inner!r} {(getattr(inner, 'config', None) or {}).get('endpoint', '')}"
+        from insitubatch_nodes.io.stores import cloud_endpoint  # (a trailing "/" is no store)
+
+        self.where: str = f"{inner!r} {cloud_endpoint(inner)}"
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         import obstore

@@ -232,7 +232,7 @@ def list_dir(store: Any, prefix: str) -> list[str]:
     from zarr.core.sync import sync
     from zarr.storage import ObjectStore
 
-    if type(store) is ObjectStore or type(store).__name__ == "_SigningObjectStore":
+    if type(store) is ObjectStore or type(store).__name__ == "_CloudObjectStore":
         import obstore
 
         base = prefix.strip("/")

@@ -98,7 +98,9 @@ def _changed_after_opening(variable: Any) -> str | None:
 
 
 def dataset_store(ds: Any) -> Any:
-    """The store an xarray ``Dataset`` was opened from (see :func:`as_store`)."""
+    """The store an xarray ``Dataset`` was opened from (see :func:`as_store`): the path or URL
+    xarray recorded, or the zarr store it read through where that URL alone would open another
+    store (:func:`_opened_with_options`)."""
     source = getattr(ds, "encoding", {}).get("source")
     # xarray's zarr backend keeps its ZarrStore as the dataset's closer; its group is the
     # zarr group opened (xarray internals, read defensively: a missing name means "unknown")
@@ -111,9 +113,9 @@ def dataset_store(ds: Any) -> Any:
             f"store itself (its path or URL, or the zarr Store) and name the arrays with their "
             f"group, e.g. open_geometries(store, ['{path}/t2m'])"
         )
-    if isinstance(source, str | os.PathLike) and str(source):
-        return source
     store = getattr(group, "store", None)
+    if isinstance(source, str | os.PathLike) and str(source):
+        return store if isinstance(store, Store) and _opened_with_options(source, store) else source
     if isinstance(store, Store):
         return store
     raise TypeError(
@@ -122,3 +124,12 @@ def dataset_store(ds: Any) -> Any:
         "itself, its path or URL (e.g. open_geometries('/data/era5.zarr')) or a zarr Store "
         "(zarr.storage.LocalStore(path, read_only=True), open_store(url))"
     )
+
+
+def _opened_with_options(source: Any, store: Store) -> bool:
+    """Whether xarray read the remote URL ``source`` through ``store`` (zarr's ``FsspecStore``)
+    opened with fsspec ``storage_options`` (an endpoint, credentials, ``anon``) that the URL
+    alone does not carry: opened again without them, it would be another store, or none."""
+    if "://" not in str(source) or str(source).lower().startswith("file://"):
+        return False
+    return bool(getattr(getattr(store, "fs", None), "storage_options", None))

@@ -7,9 +7,10 @@ whose underlying obstore store the fetch stage can drive directly with ``get_asy
 
 Public buckets are read with ``open_store(url, anonymous=True)`` (unsigned requests, no
 credential lookup). A signed store whose first read finds no credentials, or is refused with
-401/403, raises ``PermissionError`` naming the store and suggesting ``anonymous=True``
-(:func:`credentials_error`; the zarr reads of such a store go through
-:class:`_SigningObjectStore`, the fetch stage's GETs through the same helper).
+401/403, raises ``PermissionError`` naming the store and suggesting ``anonymous=True``; an
+anonymous one refused with 401/403 raises one saying the bucket is not public and to pass
+credentials (:func:`credentials_error`; the zarr reads of a cloud store go through
+:class:`_CloudObjectStore`, the fetch stage's GETs through the same helper).
 
 :class:`RetryPolicy` is the one place that says how long a read may take: how often a failed
 request is retried, with what backoff, and the deadline after which a stored-object read fails
@@ -272,18 +273,58 @@ def describe_store(store: Any) -> str:
         ):
             if name == cls:
                 url = f"{scheme}://{config.get(key, '?')}/{prefix}".rstrip("/")
-                endpoint = config.get("endpoint")
+                endpoint = cloud_endpoint(inner)
                 return f"{url} (endpoint {endpoint})" if endpoint else url
         if name == "LocalStore" and prefix:
             return str(prefix)
     return repr(store)
 
 
-class _SigningObjectStore(ObjectStore[Any]):
-    """zarr's ``ObjectStore`` over a signed cloud store (``s3://``, ``gs://``, ``az://`` opened
-    without ``anonymous=True``): a read that finds no credentials, or is refused with 401/403,
-    raises :func:`credentials_error`'s ``PermissionError`` instead of obstore's error (chained).
-    Every other behaviour is zarr's."""
+def cloud_endpoint(inner: Any) -> str:
+    """``inner``'s endpoint (obstore files ``endpoint_url=``, ... under ``endpoint``), normal."""
+    given = str((getattr(inner, "config", None) or {}).get("endpoint") or "").strip()
+    return normal_endpoint(given) if given else ""
+
+
+def _env_endpoint(scheme: str, options: Mapping[str, Any]) -> str:
+    """The endpoint obstore takes from ``AWS_ENDPOINT_URL`` (``AWS_ENDPOINT``) for ``s3://``."""
+    if scheme != "s3" or any(k.lower() in _ENDPOINT_KEYS for k in options):
+        return ""
+    given = (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or "").strip()
+    return normal_endpoint(given) if given else ""
+
+
+def normal_endpoint(endpoint: str) -> str:
+    """``endpoint`` with its scheme and host in lower case and no trailing ``/``."""
+    parts = urlsplit(endpoint)
+    if not parts.scheme or not parts.netloc:
+        return endpoint.rstrip("/")
+    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
+
+
+def normal_store_name(name: Any) -> Any:
+    """A store's name as :func:`describe_store` gave it (in a saved file, say) with its
+    endpoint spelled as :func:`normal_endpoint` spells it; anything else as it is."""
+    found = re.fullmatch(r"(.*) \(endpoint (.+)\)", name) if isinstance(name, str) else None
+    return f"{found[1]} (endpoint {normal_endpoint(found[2])})" if found else name
+
+
+def store_name(store: Any) -> str:
+    """:func:`describe_store` of the store ``store`` names (what :func:`as_store` takes), or,
+    for a name that opens no store (``"s3://b/x (endpoint ...)"``), that name, normalised."""
+    try:
+        return str(describe_store(as_store(store)))
+    except (OSError, TypeError, ValueError):
+        if not isinstance(store, str):
+            raise
+        return str(normal_store_name(store))
+
+
+class _CloudObjectStore(ObjectStore[Any]):
+    """zarr's ``ObjectStore`` over a cloud store from :func:`open_store` (``s3://``, ``gs://``,
+    ``az://``, signed or anonymous): a read that finds no credentials, or is refused with
+    401/403, raises :func:`credentials_error`'s ``PermissionError`` instead of obstore's error
+    (chained). Every other behaviour is zarr's."""
 
     async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
         try:
@@ -310,7 +351,7 @@ class _SigningObjectStore(ObjectStore[Any]):
 def plain_object_store(store: Any) -> bool:
     """Whether ``store`` is zarr's own ``ObjectStore`` as :func:`open_store` makes it (a wrapper
     or subclass of anyone else's may read its objects another way)."""
-    return type(store) is ObjectStore or type(store) is _SigningObjectStore
+    return type(store) is ObjectStore or type(store) is _CloudObjectStore
 
 
 def cannot_list(store: Any) -> bool:
@@ -321,23 +362,32 @@ def cannot_list(store: Any) -> bool:
 
 def credentials_error(store: Any, exc: BaseException) -> PermissionError | None:
     """A ``PermissionError`` that explains ``exc``, or ``None`` when ``exc`` is not about
-    credentials.
-
-    Only for a signed cloud store from :func:`open_store` (``s3://``, ``gs://``, ``az://``
-    opened without ``anonymous=True``) and an obstore error that says no credentials were
-    found (obstore then asks the cloud's metadata service, which is not there) or that the
-    request was refused (401/403). The message names the store and says how to read a public
-    bucket: ``open_store(url, anonymous=True)``; for a 403 also that temporary credentials can
-    expire during a run, and that S3 answers 403 for an absent object to credentials that may
-    not list the bucket (a fill-value chunk zarr did not write, met mid-epoch).
-    """
-    if not isinstance(store, _SigningObjectStore):
+    credentials. Only for a cloud store from :func:`open_store` (``s3://``, ``gs://``,
+    ``az://``) and an obstore error that says no credentials were found (obstore then asks the
+    cloud's metadata service, which is not there) or that the request was refused (401/403).
+    The message names the store. Signed, it says how to read a public bucket: ``open_store(url,
+    anonymous=True)``; for a 403 also that temporary credentials can expire during a run, and
+    that S3 answers 403 for an absent object to credentials that may not list the bucket (a
+    fill-value chunk zarr did not write, met mid-epoch). Anonymous, a refusal says the bucket
+    (or that object) is not public, and to pass credentials."""
+    if not isinstance(store, _CloudObjectStore):
         return None
     from obstore.exceptions import BaseError, PermissionDeniedError, UnauthenticatedError
 
     if not isinstance(exc, BaseError):
         return None
     name = describe_store(store)
+    config = getattr(store.store, "config", None) or {}
+    if str(config.get("skip_signature", "")).lower() == "true":
+        if not isinstance(exc, PermissionDeniedError | UnauthenticatedError):
+            return None
+        return PermissionError(
+            f"{name} refused an unsigned request ({type(exc).__name__}): the bucket is not "
+            "public, or not this object (S3 also answers 403 for an absent object when "
+            "anonymous users may not list the bucket). Open it with credentials, without "
+            f"anonymous=True: open_store({name.split()[0]!r}, ...) with credential options or "
+            "environment variables, and pass that store"
+        )
     fix = (
         f"If the bucket is public, open it without credentials: open_store({name.split()[0]!r}, "
         "anonymous=True), and pass that store"
@@ -527,11 +577,10 @@ def open_store(
         merged = _remote_options(scheme, options, retry)
         inner = classes[scheme](bucket, prefix=prefix, **merged)
         label = f"{scheme}://{bucket}/{prefix or ''}".rstrip("/")
-        if options.get("endpoint"):
-            label += f" (endpoint {options['endpoint']})"
-        signed = not options.get("skip_signature")
-        zstore = (_SigningObjectStore if signed else ObjectStore)(inner, read_only=read_only)
-        return _remember(zstore, label, retry)
+        endpoint = cloud_endpoint(inner) or _env_endpoint(scheme, options)
+        if endpoint:
+            label += f" (endpoint {endpoint})"
+        return _remember(_CloudObjectStore(inner, read_only=read_only), label, retry)
     raise ValueError(
         f"unsupported store scheme {scheme!r} in {text!r}; supported: "
         + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
