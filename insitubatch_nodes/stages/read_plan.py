@@ -214,7 +214,6 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._drawn: dict[tuple[Any, ...], EpochPlan] = {}
         # the plan's views by dataset fingerprint: those it had, and set_views gave
         self._known: dict[str, dict[str, ArrayGeometry]] = {}
-        self._views_named = not layout.is_plain()
         self._held: dict[str, Held] = {}  # what the slots hold (hold)
         self._statics = dict(statics or {})
         self._config = self._fingerprint()  # the configuration is fixed from here on
@@ -319,7 +318,6 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self.layout = layout
         self._drawn.clear()
         self._epoch_len = None
-        self._views_named = True
         self._config = self._fingerprint()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -338,9 +336,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._known[dataset] = dict(self.views)
         return {
             "dataset": dataset,
-            # the views, readable, with windows or after set_views; what the labels hold beyond
-            # (stacks' channels, selections, static labels: a mid-epoch resume's, see check_state)
-            **({"views": views} if self._views_named else {}),
+            # the views, readable (every state's, so that a pipeline built with other views
+            # knows them: restored at an epoch's end, or refused mid-epoch naming what differs;
+            # states saved before 2026-12-07 recorded them only with windows, stacks or after
+            # set_views); what the labels hold beyond (stacks' channels, selections, static
+            # labels: a mid-epoch resume's, see check_state)
+            "views": views,
             **({"inputs": i} if (i := inputs_of(self.layout.views, self._statics)) else {}),
             "split": self.split,
             "batch_size": self.batch_size,

@@ -1,0 +1,134 @@
+"""The user docs' claims about model inputs and resuming (docs/model-inputs.md, the resume
+sections of docs/training.md), each checked against the package, zarr and numpy on a tiny store.
+
+Found wrong (fixed):
+
+- A state saved by a pipeline of plain labels (``{"x": t2m, "y": t2m.shift(1)}``, or
+  ``patches()`` views without windows or stacks) did not record its views, so a pipeline built
+  with other views refused it even at an epoch's end (``StateMismatchError``: "its dataset
+  (arrays, views or split chunks) differs", with two hashes), where training.md and concepts.md
+  say a state taken where an epoch begins or ends restores and the next epoch runs with the
+  pipeline's own views; and mid-epoch, other patches were refused with those two hashes, not
+  naming the arrays and how they differ (``z: extent (2, 4) vs (4, 4)``), as training.md
+  says. Only states of windows, stacks or after ``set_views`` recorded their views. Every
+  state now records them (states saved before still restore as before).
+
+Checked and found right:
+
+- model-inputs.md: every printed output of its code blocks (shapes, channel names and
+  order, ``strides[0] == 0`` of a static label, ``datetime64[ns]`` times, the anemoi
+  walk-through's counts and ``dropped``); ``import insitubatch_nodes.stack as m`` binds the
+  function; ``LAYOUTS``; ``Stack`` top-level; ``stack``'s and ``fit_statistics``' signatures
+  (``split="train"`` default); ``ArrayGeometry.dim_names`` for ``dataclasses.replace``;
+  ``StaticFields(arrays, views, patches=)`` and ``ReadPlanNode(..., statics=)`` exist.
+- training.md: a state is plain ints/strs/bools in dicts, survives JSON and
+  ``torch.load(weights_only=True)``; another batch size mid-epoch is a ``StateMismatchError``
+  with ``.epoch``/``.batches``, both values, ``set_epoch(e)`` and ``e + 1``; at an epoch's end
+  it restores into the next epoch with the new batching (``len(loader)`` its length); a
+  ``Loader`` state at step ``k`` continues with batch ``k + 1``; a ``Mapper``'s state restored
+  without it is a ``ValueError`` saying so, the other way torchdata's ``KeyError: 'it_state'``;
+  ``to_item``'s ``sample_indices`` (int64), ``members == {}``, ``patch_origins == {}``, and
+  its refusal of a label named ``sample_indices``; ``num_workers=2`` refused at iteration;
+  ``DataLoader(pipe)`` a ``TypeError`` saying to use ``as_dataset``;
+  ``PlanConfig(remainder="uneven")`` refused naming ``'drop'`` and ``'pad'``; the quoted
+  mid-epoch refusals of other stack channels (``'x' channels [...] saved, [...] now``), a
+  dropped static label (``'lsm' static 'lsm' saved, None now``), a stack's static member of
+  another array (``{'lsm': 'lsm'} saved, {'lsm': 'oro'} now``); a static label added to a
+  pipeline resumes mid-epoch.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.synthetic import make_era5_like
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The store of model-inputs.md: ``t2m``, ``z`` (4 levels), 64 steps of 8 × 16, 8 a chunk."""
+    root = tmp_path_factory.mktemp("docclaims") / "era5.zarr"
+    make_era5_like(root, n_time=64, n_lat=8, n_lon=16, n_level=4, samples_per_chunk=8)
+    return root
+
+
+def _epochs(root: Path, views: dict[str, Any], state: Any = None, n: int = 1) -> Any:
+    """``(records, state)``: ``n`` epochs (after ``state``) of a fresh pipeline over ``views``,
+    each batch's ``(epoch, label, sample_indices, patch_origins)``, checked against zarr."""
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    z = np.asarray(zarr.open_array(root / "z")[...])
+    records = []
+    with insitu_pipeline(root, manifest, views, batch_size=32, coords=()) as pipe:
+        loader = Loader(pipe)
+        if state is not None:
+            loader.load_state_dict(state)
+        for _ in range(n):
+            for batch in loader:
+                for label, rows in batch.sample_indices.items():
+                    origins = batch.patch_origins.get(label)
+                    records.append((batch.epoch, label, rows.tolist(), None if origins is None
+                                    else origins.tolist()))  # fmt: skip
+                    if views[label].path == "z" and origins is None:
+                        np.testing.assert_array_equal(batch.arrays[label], z[rows])
+        return records, loader.state_dict()
+
+
+def _mid_state(root: Path, views: dict[str, Any], k: int = 2) -> Any:
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    with insitu_pipeline(root, manifest, views, batch_size=32, coords=()) as pipe:
+        loader = Loader(pipe)
+        it = iter(loader)
+        for _ in range(k):
+            next(it)
+        return loader.state_dict()
+
+
+@pytest.mark.parametrize(
+    "before, after",
+    [
+        ({"x": ("z", 0, None), "y": ("z", 1, None)}, {"x": ("z", 0, None), "y": ("z", 2, None)}),
+        ({"x": ("z", 0, (2, 4))}, {"x": ("z", 0, (4, 4))}),
+        ({"x": ("z", 0, None)}, {"x": ("z", 0, (4, 4))}),
+    ],
+    ids=["other-shift", "other-patches", "patched-now"],
+)
+def test_a_state_of_plain_labels_saved_at_an_epochs_end_restores_into_other_views_next_epoch(
+    root: Path, before: dict[str, Any], after: dict[str, Any]
+) -> None:
+    """training.md: a state taken where an epoch ends restores under other views (other
+    patches, "of however many windows") and the next epoch is the new pipeline's own. Before,
+    a state of labels without windows or stacks recorded no views and was refused."""
+
+    def views(spec: dict[str, Any]) -> dict[str, Any]:
+        g = open_geometries(root)
+        out = {}
+        for label, (path, shift, cut) in spec.items():
+            view = g[path].shift(shift)
+            out[label] = view if cut is None else view.patches({"lat": cut[0], "lon": cut[1]})
+        return out
+
+    _, end = _epochs(root, views(before))
+    got, _ = _epochs(root, views(after), state=end)
+    fresh, _ = _epochs(root, views(after), n=2)
+    assert got and got == [r for r in fresh if r[0] == 1]
+
+
+def test_a_mid_epoch_state_restored_with_other_patches_names_the_array_and_how(
+    root: Path,
+) -> None:
+    """training.md quotes ``z: extent (2, 4) vs (4, 4)``; before, a patched label without
+    windows was refused with two dataset hashes."""
+    z = open_geometries(root)["z"]
+    state = _mid_state(root, {"x": z.patches({"lat": 2, "lon": 4})})
+    with pytest.raises(ValueError, match=r"z: extent \(2, 4\) vs \(4, 4\)"):
+        _epochs(root, {"x": z.patches({"lat": 4, "lon": 4})}, state=state)
