@@ -54,9 +54,13 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The store of model-inputs.md: ``t2m``, ``z`` (4 levels), 64 steps of 8 × 16, 8 a chunk."""
+    """The store of model-inputs.md: ``t2m``, ``z`` (4 levels), 64 steps of 8 × 16, 8 a chunk,
+    and a static ``lsm``."""
     root = tmp_path_factory.mktemp("docclaims") / "era5.zarr"
     make_era5_like(root, n_time=64, n_lat=8, n_lon=16, n_level=4, samples_per_chunk=8)
+    lsm = zarr.create_array(root / "lsm", shape=(8, 16), chunks=(8, 16), dtype="float32",
+                            dimension_names=("lat", "lon"))  # fmt: skip
+    lsm[...] = np.arange(128, dtype="float32").reshape(8, 16) % 3 == 0
     return root
 
 
@@ -132,3 +136,15 @@ def test_a_mid_epoch_state_restored_with_other_patches_names_the_array_and_how(
     state = _mid_state(root, {"x": z.patches({"lat": 2, "lon": 4})})
     with pytest.raises(ValueError, match=r"z: extent \(2, 4\) vs \(4, 4\)"):
         _epochs(root, {"x": z.patches({"lat": 4, "lon": 4})}, state=state)
+
+
+def test_as_static_refuses_a_selected_view_rather_than_dropping_its_selection(root: Path) -> None:
+    """concepts.md names ``geom.as_static()``; before, ``lsm.sel(lat=slice(-40, 40))
+    .as_static()`` returned the whole field (its selection dropped without a word), and so did
+    a selected sampled view. Selecting after ``as_static()`` keeps the selection."""
+    g = open_geometries(root)
+    for view in (g["lsm"].sel(lat=slice(-40, 40)), g["z"].isel(level=0)):
+        with pytest.raises(ValueError, match="select after as_static"):
+            view.as_static()
+    assert g["lsm"].as_static().sel(lat=slice(-40, 40)).inner_shape == (4, 16)
+    assert g["z"].as_static().isel(level=0).inner_shape == (64, 8, 16)
