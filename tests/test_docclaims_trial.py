@@ -148,3 +148,15 @@ def test_as_static_refuses_a_selected_view_rather_than_dropping_its_selection(ro
             view.as_static()
     assert g["lsm"].as_static().sel(lat=slice(-40, 40)).inner_shape == (4, 16)
     assert g["z"].as_static().isel(level=0).inner_shape == (64, 8, 16)
+
+
+def test_a_nearest_value_outside_the_tolerance_is_refused_naming_the_tolerance(root: Path) -> None:
+    """model-inputs.md: ``tolerance=`` bounds the distance, else ``KeyError``. Before, the
+    error said only that 300 "is not a value of coordinate 'level'", which the user who asked
+    for the nearest one knew."""
+    z = open_geometries(root)["z"]
+    with pytest.raises(KeyError, match=r"300 .*not .*within tolerance=10 .*widen the tolerance"):
+        z.sel(level=300, method="nearest", tolerance=10)
+    assert z.sel(level=300, method="nearest").select == z.sel(level=250).select  # (no bound)
+    with pytest.raises(KeyError, match="not a value of coordinate 'level' \\("):
+        z.sel(level=300)  # (no method: as before)
