@@ -12,6 +12,16 @@ Found wrong (fixed):
   naming the arrays and how they differ (``z: extent (2, 4) vs (4, 4)``), as training.md
   says. Only states of windows, stacks or after ``set_views`` recorded their views. Every
   state now records them (states saved before still restore as before).
+- ``geom.as_static()`` (concepts.md) of a selected view dropped the selection without a word
+  (``lsm.sel(lat=slice(-40, 40)).as_static()`` was the whole field): now refused, saying to
+  select after it.
+- ``sel(..., method="nearest", tolerance=t)`` with no value within ``t`` said only that the
+  value "is not a value of coordinate": it now names the tolerance.
+
+Docs corrected without a test: concepts.md's read-plan state (it lists the views it records;
+a differing configuration is refused mid-epoch only), training.md's "plain Python values
+(strings, ints, bools)" (dicts, lists, floats and ``None`` too: a forcing's period),
+transforms.md's scaler fit now points to ``fit_statistics`` / ``stats.scaler()``.
 
 Checked and found right:
 
@@ -21,7 +31,7 @@ Checked and found right:
   function; ``LAYOUTS``; ``Stack`` top-level; ``stack``'s and ``fit_statistics``' signatures
   (``split="train"`` default); ``ArrayGeometry.dim_names`` for ``dataclasses.replace``;
   ``StaticFields(arrays, views, patches=)`` and ``ReadPlanNode(..., statics=)`` exist.
-- training.md: a state is plain ints/strs/bools in dicts, survives JSON and
+- training.md: a state (stacks, forcings, patches, statics) survives JSON and
   ``torch.load(weights_only=True)``; another batch size mid-epoch is a ``StateMismatchError``
   with ``.epoch``/``.batches``, both values, ``set_epoch(e)`` and ``e + 1``; at an epoch's end
   it restores into the next epoch with the new batching (``len(loader)`` its length); a
@@ -34,7 +44,54 @@ Checked and found right:
   mid-epoch refusals of other stack channels (``'x' channels [...] saved, [...] now``), a
   dropped static label (``'lsm' static 'lsm' saved, None now``), a stack's static member of
   another array (``{'lsm': 'lsm'} saved, {'lsm': 'oro'} now``); a static label added to a
-  pipeline resumes mid-epoch.
+  pipeline resumes mid-epoch; the state is rank-independent (rank 1 resumes its own share
+  from rank 0's state); a store copied elsewhere resumes; ``torchdata``'s save-then-load on one
+  ``Loader`` object resumes; ``remainder`` and ``cross_split_windows`` are refused even at an
+  epoch's end (not among the batching settings, as the page says); the data module's
+  ``config=PlanConfig(split="val")``, ``eval_batch_size=0``, ``transform=3``, a bare
+  ``batch_transforms`` callable, ``cf_dtype`` beside mapped views are refused as it says;
+  ``dm.batch_size = n`` sets ``dm.plan_config``; ``plan_config_for("val")`` is unshuffled and
+  ``"uneven"``.
+- model-inputs.md behaviours: ``isel``/``sel`` of nothing is ``IndexError``; an int (numpy,
+  0-d) drops the axis; an absent value ``KeyError``; a slice with ``method`` ``ValueError``;
+  ``DataArray`` pointwise indexers ``TypeError``; ``slice(350, 10)`` on 0..360 ``IndexError``
+  naming the two views; a north-to-south slice on an ascending latitude says so; nearest ties
+  go to the larger value; float32 latitudes match Python floats; a slice on the unsorted
+  levels takes pandas' positions, with a step; ``sample_axis="tme"`` ``KeyError`` listing the
+  dimensions; ``isel(lat=slice(None))`` is no selection; a patched axis cannot be selected nor
+  a selected one patched. Objects read: ``z500`` 1 of 4 per chunk (8, 16, 32 gets for 1, 2, 4
+  levels). Values against numpy for ``isel`` of one axis, uneven lists on two and three axes,
+  at one sample per chunk with levels whole in each object, ``direct=True`` and not, and a
+  stack of selected levels, a field and a static member. ``set_views`` selecting more is
+  refused naming ``['z']``; static labels added, dropped or selected otherwise refused; a
+  pipeline of static views only refused; a static array read once for two labels and a stack
+  member (``static_gets`` 1), ``set_views`` reading only a new static array (1 → 2, then 2);
+  the persistent cache serves it (``static_disk_hits`` 1, ``static_gets`` 0), re-reads it when
+  changed, and a read-only cache raises ``StaleCacheError``; a static label is stride 0 in
+  numpy and in ``to_torch``, with no ``sample_indices`` or ``coords`` entry; a static on the
+  grid under other names is refused giving ``dataclasses.replace(..., dim_names=("lat",
+  "lon"))``, after which each row carries its window (checked against numpy); a static box
+  beside patched labels refused. ``fit_statistics`` against numpy: mean, std (ddof 0), min,
+  max per level, a selected box, ``stride="12h"``; ``diff_std`` NaN for a static label; its
+  ``rank``/``coords`` keywords ``TypeError``; a split of no chunk ``ValueError`` naming each
+  split's chunks; ``fetch=``/``cache_budget_bytes=`` accepted; ``Forcings`` skipped;
+  ``Statistics.load`` accepts a ``Path``, a trailing ``/``, a shifted view, refuses another
+  manifest's samples, split or array; ``scaler()`` refuses two labels of one array fitted on
+  other points, and as a chunk transform standardises as numpy does; a label standardised
+  twice refused; ``normalizer(same_as=)`` gives the target its input's statistics; stacks
+  refuse statistics of other levels or another order. ``cf_dtype="float32"`` unpacks a
+  packed ``int16`` to float32 (xarray: float64). ``Forcings``: ``period`` of 0 or negative
+  ``ValueError``; batches without time ``KeyError`` naming ``time_name=``; a meshgrid and
+  latitudes past 90 refused; windows give ``(batch, T, lat, lon)`` float32; a patched label
+  with whole-grid forcings refused. Stacks: fields of another box, another ``T``, another
+  patching refused naming the members; a static overflowing ``float16``, the radiation in
+  ``float16``, any forcing in ``int16``, a float static in ``int16`` refused; cosines stack
+  into ``float16``; a ``uint8`` mask is 0/1 in a float32 stack; ``v@0.1`` of a float32
+  coordinate; the stack's ``sample_indices`` are its first sampled member's; ``set_views``
+  with forcings and no times ``ValueError``. Grids of points: ``geom.points``, one statistic
+  per level, ``t@850`` channels with a static ``(values,)`` member and forcings ``(batch, n)``
+  equal to the batch transform's, the mask box, ``sel(latitude=...)`` ``KeyError`` saying to
+  use a mask, ``patches({"values": 8})`` carrying the static's own points.
 """
 
 from __future__ import annotations
