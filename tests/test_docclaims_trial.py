@@ -217,3 +217,37 @@ def test_a_nearest_value_outside_the_tolerance_is_refused_naming_the_tolerance(r
     assert z.sel(level=300, method="nearest").select == z.sel(level=250).select  # (no bound)
     with pytest.raises(KeyError, match="not a value of coordinate 'level' \\("):
         z.sel(level=300)  # (no method: as before)
+
+
+def test_a_mid_epoch_state_of_other_views_is_a_state_mismatch_that_a_data_module_rewords(
+    root: Path,
+) -> None:
+    """training.md: the refusal is a ``StateMismatchError`` (``.epoch``, ``.batches``), and a
+    data module's user is told how to go on without the loader state. A state of other views
+    (another shift; other patches) or of other inputs (levels in another order, a stack's
+    channels) was a plain ``ValueError`` that kept the pipeline's advice (``set_views``, which
+    the data module's user does not call where a checkpoint is loaded)."""
+    from insitubatch_nodes import as_dataset
+    from insitubatch_nodes.errors import StateMismatchError
+
+    g = open_geometries(root)
+    z = g["z"]
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    cases = [
+        ({"x": z, "y": z.shift(1)}, {"x": z, "y": z.shift(2)}, "views"),
+        ({"x": z.patches({"lat": 2, "lon": 4})}, {"x": z.patches({"lat": 4, "lon": 4})}, "extent"),
+        ({"x": z.isel(level=[0, 1])}, {"x": z.isel(level=[1, 0])}, "'x' select"),  # (inputs)
+    ]
+    for saved, now, says in cases:
+        with insitu_pipeline(root, manifest, saved, batch_size=32, coords=()) as pipe:
+            dataset = as_dataset(pipe)
+            items = iter(dataset)
+            next(items)
+            state = dataset.state_dict()
+        with insitu_pipeline(root, manifest, now, batch_size=32, coords=()) as pipe:
+            dataset = as_dataset(pipe)
+            dataset.without_state = "GO ON THUS (epoch {epoch})"  # (as InSituDataModule sets it)
+            with pytest.raises(StateMismatchError, match=says) as refused:
+                dataset.load_state_dict(state)
+            assert (refused.value.epoch, refused.value.batches) == (0, 1)
+            assert str(refused.value).endswith("GO ON THUS (epoch 0)")

@@ -605,7 +605,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._check_config(state, other_views=other_views)
         mine = self._config.get("inputs", {})  # (none: plain views, in either config)
         if not other_views and state["config"].get("inputs", {}) != mine:
-            check_inputs(state["config"], self._config, self._mid_epoch(state))
+            check_inputs(state, self._config, self._mid_epoch(state))
 
     def _other_views(self, saved: Mapping[str, Any]) -> dict[str, ArrayGeometry] | None:
         """The plan's views a state's ``config`` was saved with, when they differ from this
@@ -656,7 +656,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return False
         where = self._mid_epoch(state)
         if where:
-            raise other_views_error(theirs, self.views, where)
+            raise other_views_error(theirs, self.views, state, where)
         return True
 
     def _mid_epoch(self, state: Mapping[str, Any]) -> str:
