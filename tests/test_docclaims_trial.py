@@ -17,6 +17,10 @@ Found wrong (fixed):
   select after it.
 - ``sel(..., method="nearest", tolerance=t)`` with no value within ``t`` said only that the
   value "is not a value of coordinate": it now names the tolerance.
+- A mid-epoch state refused for other views, patches or inputs (a stack's channels, a
+  selection) was a plain ``ValueError`` with the pipeline's advice only, where training.md's
+  refusals are ``StateMismatchError``s that a data module rewords (how to resume a checkpoint
+  without its loader state); now they are too (``.epoch``, ``.batches``).
 
 Docs corrected without a test: concepts.md's read-plan state (it lists the views it records;
 a differing configuration is refused mid-epoch only), training.md's "plain Python values
