@@ -610,9 +610,9 @@ class ArrayGeometry:
 
     def as_static(self) -> ArrayGeometry:
         """This array as a *static* field: no sample axis, each batch carries it whole."""
-        if self.offset or self.patch is not None or self.product is not None:
-            raise ValueError(f"{self.path}: a shifted, patched or product view cannot be static")
-        return replace(self, static=True, select=None)
+        if self.offset or self.patch or self.product or self.select:  # (select after, not before)
+            raise ValueError(f"{self.path}: only the array can be static: select after as_static")
+        return replace(self, static=True)
 
     def _field_dim(self, name: str) -> int:
         """The position among the field axes of the dimension ``name``."""

@@ -411,8 +411,10 @@ def label_positions(
         if not len(hits) and method is not None:
             hits = _nearest(path, name, values, v, tolerance)
         if not len(hits):
+            near = "" if method is None else f", nor within tolerance={tolerance!r} of one"
             raise KeyError(
-                f"{path}: {given!r} is not a value of coordinate {name!r} ({shown(values)})"
+                f"{path}: {given!r} is not a value of coordinate {name!r}{near} "
+                f"({shown(values)})" + (near and ": widen the tolerance, or leave it out")
             )
         if len(hits) > 1 and scalar:  # every match, the axis kept (pandas' get_loc)
             return hits.tolist()

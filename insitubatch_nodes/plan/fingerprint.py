@@ -143,13 +143,21 @@ def config_differs(key: str, saved: Any, mine: Any, state: Mapping[str, Any]) ->
         f"cannot restore this read-plan state: its {what} differs (saved {saved!r}, this "
         f"pipeline {mine!r})",
         f"To resume it, build the pipeline {build}",
-        "To go on with this pipeline instead, do not load the state: its data order starts "
-        f"afresh, and pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at "
-        f"the epoch the state was taken in (epoch {epoch}, after {emitted} of its batches; "
-        f"set_epoch({epoch + 1}): the next one)",
+        _go_on(epoch, emitted),
         epoch=epoch,
         batches=emitted,
         also=boundary,
+    )
+
+
+def _go_on(epoch: int, emitted: int) -> str:
+    """How a pipeline's user goes on without a refused state taken ``emitted`` batches into
+    ``epoch`` (a data module says its own way: ``StateMismatchError.told``)."""
+    return (
+        "To go on with this pipeline instead, do not load the state: its data order starts "
+        f"afresh, and pipe.stages.plan.set_epoch({epoch}) before the first iter() starts it at "
+        f"the epoch the state was taken in (epoch {epoch}, after {emitted} of its batches; "
+        f"set_epoch({epoch + 1}): the next one)"
     )
 
 
@@ -250,24 +258,31 @@ def saved_patches(entry: Sequence[Any], view: ArrayGeometry) -> Patches | None:
 
 
 def other_views_error(
-    saved: Mapping[str, ArrayGeometry], mine: Mapping[str, ArrayGeometry], where: str
-) -> ValueError:
-    """The refusal of a state saved mid-epoch (``where``) with the views ``saved`` by a plan
-    reading ``mine``: naming the arrays patched otherwise (which ``set_views`` cannot change),
-    else both sets of views."""
+    saved: Mapping[str, ArrayGeometry],
+    mine: Mapping[str, ArrayGeometry],
+    state: Mapping[str, Any],
+    where: str,
+) -> StateMismatchError:
+    """The refusal of a read-plan ``state`` saved mid-epoch (``where``) with the views
+    ``saved`` by a plan reading ``mine``: naming the arrays patched otherwise (which
+    ``set_views`` cannot change), else both sets of views; then how to resume it and how to go
+    on without it."""
+    epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
+    end = ", or restore a state taken where an epoch begins or ends"
     if patched := _patch_changes(saved, mine):
-        return ValueError(
+        what = (
             f"cannot restore this read-plan state: it was saved mid-epoch ({where}) with "
-            f"arrays patched otherwise ({'; '.join(patched)}: saved vs this pipeline's); build "
-            "the pipeline with the saved run's patches to finish that epoch, or restore a "
-            "state taken where an epoch begins or ends"
+            f"arrays patched otherwise ({'; '.join(patched)}: saved vs this pipeline's)"
         )
-    return ValueError(
-        f"cannot restore this read-plan state: its dataset's views differ, and it was saved "
-        f"mid-epoch ({where}) with views {readable_views(views_list(saved))}, and this "
-        f"pipeline reads {readable_views(views_list(mine))}; restore it where an epoch begins "
-        "or ends, or give the pipeline the state's views (set_views) to resume it mid-epoch"
-    )
+        resume = f"To resume it, build the pipeline with the saved run's patches{end}"
+    else:
+        what = (
+            f"cannot restore this read-plan state: its dataset's views differ, and it was "
+            f"saved mid-epoch ({where}) with views {readable_views(views_list(saved))}, and "
+            f"this pipeline reads {readable_views(views_list(mine))}"
+        )
+        resume = f"To resume it, give the pipeline the state's views (set_views){end}"
+    return StateMismatchError(what, resume, _go_on(epoch, emitted), epoch=epoch, batches=emitted)
 
 
 def _patch_changes(
@@ -340,15 +355,16 @@ def _forcing_settings(forcing: Any) -> list[Any]:
     return settings
 
 
-def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
-    """Raise ``ValueError`` when a saved read-plan config's ``inputs`` (:func:`inputs_of`)
-    differ from this plan's (``mine``) for a state saved mid-epoch (``where`` says where).
+def check_inputs(state: Mapping[str, Any], mine: Mapping[str, Any], where: str) -> None:
+    """Raise :class:`StateMismatchError` when a saved read-plan ``state``'s config's ``inputs``
+    (:func:`inputs_of`) differ from this plan's config's (``mine``) for a state saved
+    mid-epoch (``where`` says where).
     A state without the entry was saved by a plan of plain views (``{}``). A static label
     the state does not name is let be (the rows are the same; states saved before static
     labels were recorded name none); one it names must come alike."""
     if not where:
         return
-    theirs, ours = saved.get("inputs", {}), mine.get("inputs", {})
+    theirs, ours = state["config"].get("inputs", {}), mine.get("inputs", {})
     if not isinstance(theirs, Mapping):
         raise ValueError(f"not a read-plan state: inputs={theirs!r}")
     changes = []
@@ -369,10 +385,15 @@ def check_inputs(saved: Mapping[str, Any], mine: Mapping[str, Any], where: str) 
         if a.get("normalize") != b.get("normalize"):
             changes.append(f"{label!r} is normalised with other statistics")
     if changes:
-        raise ValueError(
+        epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
+        raise StateMismatchError(
             "cannot restore this read-plan state: the batches' inputs differ ("
             + "; ".join(changes)
             + f") and it was saved mid-epoch ({where}), whose rest would come with other "
-            "channels or static labels; build the pipeline with the saved run's views to "
-            "finish that epoch, or restore a state taken where an epoch begins or ends"
+            "channels or static labels",
+            "To resume it, build the pipeline with the saved run's views to finish that "
+            "epoch, or restore a state taken where an epoch begins or ends",
+            _go_on(epoch, emitted),
+            epoch=epoch,
+            batches=emitted,
         )

@@ -214,7 +214,6 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._drawn: dict[tuple[Any, ...], EpochPlan] = {}
         # the plan's views by dataset fingerprint: those it had, and set_views gave
         self._known: dict[str, dict[str, ArrayGeometry]] = {}
-        self._views_named = not layout.is_plain()
         self._held: dict[str, Held] = {}  # what the slots hold (hold)
         self._statics = dict(statics or {})
         self._config = self._fingerprint()  # the configuration is fixed from here on
@@ -319,7 +318,6 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self.layout = layout
         self._drawn.clear()
         self._epoch_len = None
-        self._views_named = True
         self._config = self._fingerprint()
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -338,9 +336,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._known[dataset] = dict(self.views)
         return {
             "dataset": dataset,
-            # the views, readable, with windows or after set_views; what the labels hold beyond
-            # (stacks' channels, selections, static labels: a mid-epoch resume's, see check_state)
-            **({"views": views} if self._views_named else {}),
+            # the views, readable (every state's, so that a pipeline built with other views
+            # knows them: restored at an epoch's end, or refused mid-epoch naming what differs;
+            # states saved before 2026-12-07 recorded them only with windows, stacks or after
+            # set_views); what the labels hold beyond (stacks' channels, selections, static
+            # labels: a mid-epoch resume's, see check_state)
+            "views": views,
             **({"inputs": i} if (i := inputs_of(self.layout.views, self._statics)) else {}),
             "split": self.split,
             "batch_size": self.batch_size,
@@ -604,7 +605,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._check_config(state, other_views=other_views)
         mine = self._config.get("inputs", {})  # (none: plain views, in either config)
         if not other_views and state["config"].get("inputs", {}) != mine:
-            check_inputs(state["config"], self._config, self._mid_epoch(state))
+            check_inputs(state, self._config, self._mid_epoch(state))
 
     def _other_views(self, saved: Mapping[str, Any]) -> dict[str, ArrayGeometry] | None:
         """The plan's views a state's ``config`` was saved with, when they differ from this
@@ -655,7 +656,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return False
         where = self._mid_epoch(state)
         if where:
-            raise other_views_error(theirs, self.views, where)
+            raise other_views_error(theirs, self.views, state, where)
         return True
 
     def _mid_epoch(self, state: Mapping[str, Any]) -> str:
