@@ -667,7 +667,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         world = int(state["config"].get("world_size", self.world_size))
         if emitted == 0 or emitted >= self._saved_len(state, resumed, world):
             return ""
-        return f"epoch {int(state['epoch'])}, after {emitted} batches"
+        return f"epoch {int(state['epoch'])}, after {emitted} batch{'' if emitted == 1 else 'es'}"
 
     def _check_config(self, state: Mapping[str, Any], other_views: bool = False) -> None:
         saved, mine = state["config"], self._config
