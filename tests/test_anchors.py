@@ -337,8 +337,9 @@ def test_a_default_config_has_the_fingerprint_it_always_had(tmp_path: Path) -> N
     g = open_geometries(root)["t2m"]
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
     keys = set(ReadPlanNode(manifest, {"x": g}).config())
+    # (and its views, recorded by every state since 2026-12-07: states without them restore)
     assert keys == {"dataset", "split", "batch_size", "block_chunks", "shuffle", "ramp", "seed",
-                    "world_size", "cross_split_windows", "remainder"}  # fmt: skip
+                    "world_size", "cross_split_windows", "remainder", "views"}  # fmt: skip
     assert ReadPlanNode(manifest, {"x": g}, config=PlanConfig(stride=6)).config()["stride"] == 6
     # a time step of one data step is a stride too (numpy finds timedelta64(1, "h") == 1)
     hourly = manifest.with_steps(_steps_manifest(root)[0].steps)

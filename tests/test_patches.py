@@ -613,7 +613,7 @@ def test_a_state_saved_with_other_patches_is_refused(tmp_path: Path) -> None:
     state = saved.state_dict()
     for other in (geom, geom.patches({1: 16, 2: 8}), geom.patches({1: 16, 2: 16}, stride=8)):
         node = ReadPlanNode(manifest, {"x": other}, config=config)
-        with pytest.raises(ValueError, match="dataset"):
+        with pytest.raises(ValueError, match="patched otherwise"):  # (naming the array, how)
             node.reset(state)
     same = ReadPlanNode(manifest, {"x": geom.patches({1: 16, 2: 16})}, config=config)
     same.reset(state)
