@@ -27,7 +27,8 @@ lint: $(STAMP)
 TEST_SELECTION ?= -m "not bench"
 # Three workers on CI's two cores: a third of the suite's wall is tests waiting (servers, child
 # processes, deadlines), not computing. The whole suite on this 2-core machine: 5:11 with 2
-# workers, 4:39 with 3 (2026-12-06, same run conditions, every test passing in both).
+# workers, 4:39 with 3 (2026-12-06, same run conditions, every test passing in both); with 4,
+# 5:34 against 5:35 with 3, and 606 CPU-s against 539 (2026-12-07, quiet machine, the CPU cgroup).
 TEST_WORKERS ?= 3
 
 # Bytecode is written even where the environment says not to (PYTHONDONTWRITEBYTECODE=1, as on
