@@ -230,13 +230,7 @@ class EpochRecorder:
                 t["decode_s"] += t1 - t0
                 t["decode_queued_s"] += t1 - since
             if self.trace is not None:
-                path, chunk, tile, batch, row = ids
-                args: dict[str, Any] = {"array": path, "chunk": chunk, "tile": list(tile)}
-                args["batch"] = batch
-                if row >= 0:
-                    args["row"] = row
-                args["error"] = error
-                self.trace.span(what, t0, t1, args)
+                self.trace.failed(what, t0, t1, ids, error)
 
     def _earlier(self, submitted: float | None) -> bool:
         """Whether work of a fill job submitted at ``submitted`` belongs to an earlier epoch

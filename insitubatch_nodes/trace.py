@@ -187,6 +187,12 @@ class TraceLog:
         """A span of the calling thread, ``t0`` to ``t1`` (``time.perf_counter``)."""
         self.spans.append((name, t0, t1, self.thread(), args))
 
+    def failed(self, name: str, t0: float, t1: float, ids: tuple[Any, ...], error: str) -> None:
+        """A stored object's ``name`` (``"read"`` or ``"decode"``) that raised ``error`` (its
+        name), ``t0`` to ``t1``: a loose span of the calling thread, its ``args`` the object's
+        ``ids`` (named as :data:`OBJECT_ARGS` orders them) and the error."""
+        self.span(name, t0, t1, {**_named(ids), "error": error})
+
     def get(
         self, t0: float, t1: float, path: str, chunk: int, tile: tuple[int, ...], key: str,
         nbytes: int, batch: int, failed: str | None = None,
