@@ -424,6 +424,19 @@ def expected_chunk_keys(
 # ---------------------------------------------------------------------------------------------
 
 
+def put_array(
+    group: zarr.Group, name: str, data: np.ndarray, dims: tuple[str, ...], chunks: Any = None
+) -> zarr.Array:
+    """``data`` written whole as array ``name`` of ``group``: uncompressed, named ``dims``, in
+    chunks of ``chunks`` (one chunk by default)."""
+    a = group.create_array(
+        name, shape=data.shape, dtype=data.dtype, chunks=chunks or data.shape,
+        compressors=None, dimension_names=dims,
+    )  # fmt: skip
+    a[...] = data
+    return a
+
+
 def write_era5(root: Path, **kwargs: Any) -> Path:
     """A small ERA5-like store (t2m and z); keyword arguments override the small defaults."""
     opts: dict[str, Any] = {

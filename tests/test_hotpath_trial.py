@@ -58,6 +58,7 @@ copies, not one. Writing it in one copy needs a take into a strided destination 
 
 from __future__ import annotations
 
+import functools
 import tracemalloc
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,7 @@ import numpy as np
 import pytest
 import test_per_batch_work
 import zarr
-from helpers import counting_store
+from helpers import counting_store, put_array
 from test_per_batch_work import _Tally
 from torchdata.nodes import Loader
 
@@ -105,13 +106,7 @@ def _write(
     rng = np.random.default_rng(seed)
     group = zarr.open_group(root, mode="w")
 
-    def array(name: str, data: np.ndarray, dims: tuple[str, ...], chunks: Any = None) -> Any:
-        a = group.create_array(
-            name, shape=data.shape, dtype=data.dtype, chunks=chunks or data.shape,
-            compressors=None, dimension_names=dims,
-        )  # fmt: skip
-        a[...] = data
-        return a
+    array = functools.partial(put_array, group)
 
     t = array("time", np.arange(n, dtype=np.int64), ("time",))
     t.attrs.update(units="hours since 2000-01-01", calendar="standard")

@@ -12,6 +12,7 @@ costs the same at both sizes.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from collections import Counter
@@ -23,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from helpers import put_array
 
 from insitubatch_nodes import (
     Collection,
@@ -54,13 +56,7 @@ def _write(
     rng = np.random.default_rng(spc)
     group = zarr.open_group(root, mode="w")
 
-    def array(name: str, data: np.ndarray, dims: tuple[str, ...], chunks: Any = None) -> Any:
-        a = group.create_array(
-            name, shape=data.shape, dtype=data.dtype, chunks=chunks or data.shape,
-            compressors=None, dimension_names=dims,
-        )  # fmt: skip
-        a[...] = data
-        return a
+    array = functools.partial(put_array, group)
 
     t = array("time", hours + np.arange(n, dtype=np.int64), ("time",))
     t.attrs.update(units="hours since 2000-01-01", calendar=calendar)
