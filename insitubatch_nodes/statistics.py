@@ -445,7 +445,7 @@ def fit_statistics(
             **pipeline_options,
         )
         plan = pipe.stages.plan
-        apart = _one_step(plan, zstore)
+        apart = _one_step(plan, zstore, {v.path: v for v in sampled.values()})
         separate = isinstance(store, Collection) and not store.continuous  # own indices each
         config = plan.config()  # the samples fitted, beyond the split's chunks
         anchors = {k: config[k] for k in ("stride", "missing_steps") if k in config}
@@ -535,11 +535,12 @@ def _accumulate(
         last[label] = (int(idx[-1]), np.array(x[-1]), int(own[-1]))
 
 
-def _one_step(plan: Any, zstore: Any) -> Any:
+def _one_step(plan: Any, zstore: Any, geoms: Mapping[str, ArrayGeometry]) -> Any:
     """``apart(a, b)``: whether anchors ``b`` are one step (``k`` samples, or a time stride's
     time) after anchors ``a``, elementwise; where the anchor array has times (read by the plan,
-    else here, once; a collection's only by the plan), ``k`` samples on must also be ``k`` data
-    steps on in time: samples either side of a missing date are two steps apart, not one."""
+    else here, once, along the fitted views' sample axis, ``geoms``; a collection's only by the
+    plan), ``k`` samples on must also be ``k`` data steps on in time: samples either side of a
+    missing date are two steps apart, not one."""
     stride = plan.plan_config.stride
     steps = plan.manifest.steps
     if isinstance(stride, np.timedelta64):
@@ -550,7 +551,7 @@ def _one_step(plan: Any, zstore: Any) -> Any:
     k = int(stride)
     ticks, runs = (None, None) if steps is None else (steps.ticks, steps.runs)
     if ticks is None and plan.manifest.members is None:
-        ticks = _sample_ticks(zstore, plan.manifest)
+        ticks = _sample_ticks(zstore, plan.manifest, geoms)
     data_step = None if ticks is None else SampleSteps(len(ticks), ticks=ticks, runs=runs).data_step
     if ticks is None or data_step is None:  # no times (or fewer than two): samples apart
         return lambda a, b: b - a == k
@@ -565,13 +566,15 @@ def _one_step(plan: Any, zstore: Any) -> Any:
     return apart
 
 
-def _sample_ticks(zstore: Any, manifest: SplitManifest) -> np.ndarray | None:
+def _sample_ticks(
+    zstore: Any, manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry]
+) -> np.ndarray | None:
     """The anchor array's times as whole seconds (``None`` when it has no time coordinate).
     Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
     times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
     pipeline without time checks reads them."""
     try:
-        coord = anchor_time_coordinate(zstore, manifest, {}, None, needed=False)
+        coord = anchor_time_coordinate(zstore, manifest, geoms, None, needed=False)
         if coord is None:
             return None
         return whole_seconds(
