@@ -265,12 +265,16 @@ def test_pooled_statistics_standardise_every_member_alike(ens: Any, tmp_path: Pa
     assert abs(gap - 200 / std["2t"]) < 0.2
     want = (ds["2t"].sel(member=3).values[batch.sample_indices["one"]] - mean["2t"]) / std["2t"]
     np.testing.assert_allclose(batch["one"][:, 0], want, rtol=1e-4, atol=1e-4)
-    norm = pooled.normalizer({"2t": g["2t"]})
-    with insitu_pipeline(root, _train(g), {"2t": g["2t"]}, batch_size=8,
-                         batch_transforms=[norm]) as pipe:  # fmt: skip
+    # (member, level) pooled over the members: one value per level, for every member
+    both = {"2t": g["2t"], "t": g["t"]}
+    norm = fit_statistics(root, _train(g), both, pool="member").normalizer(both)
+    with insitu_pipeline(root, _train(g), both, batch_size=8, batch_transforms=[norm]) as pipe:
         batch = next(iter(pipe))
     want = (ds["2t"].values[batch.sample_indices["2t"]] - mean["2t"]) / std["2t"]
     np.testing.assert_allclose(batch["2t"], want, rtol=1e-4, atol=1e-4)
+    t_mean, t_std = train.t.mean(every).values, train.t.std(every).values
+    want = (ds.t.values[batch.sample_indices["t"]] - t_mean[:, None, None]) / t_std[:, None, None]
+    np.testing.assert_allclose(batch["t"], want, rtol=1e-4, atol=1e-4)
 
 
 def test_two_members_whose_channels_share_a_name_are_refused(ens: Any) -> None:
