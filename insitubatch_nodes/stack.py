@@ -592,11 +592,16 @@ def _describe_steps(steps: int | None) -> str:
 
 def _channel_names(name: str, view: ArrayGeometry) -> list[str]:
     """``name@value`` per entry of the member's first inner axis (value: the coordinate's
-    where the view can read it, else the index)."""
+    where the view can read it, else the index). An axis the member's patches cut (windows of
+    members, 3-D sub-cubes along ``freq``) holds other entries in each row: ``name@dim+k``,
+    the ``k``-th of the row's window (``batch.patch_origins`` says where it starts)."""
     n = view.inner_shape[0]
     keys = view.select.keys if view.select is not None else None
     kept = [i for i in range(len(view.field_axes)) if keys is None or not isinstance(keys[i], int)]
     axis = kept[0]
+    if view.patch is not None and view.field_axes[axis] in view.patch.axes:
+        dim = "" if view.dims is None else view.dims[view.field_axes[axis]]
+        return [f"{name}@{dim}+{k}" for k in range(n)]
     key = None if keys is None else keys[axis]
     index = list(range(n)) if key is None else list(key)  # type: ignore[arg-type]
     labels: list[Any] = index

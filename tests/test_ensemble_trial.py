@@ -23,6 +23,11 @@ Found wrong, fixed (each test failed before its fix):
   standardise a stack's member channels, any selection of members or one member alike (each
   with the pooled values), and survive ``save``/``load``. The docs say what a channel is for an
   ensemble and how anemoi's statistics are had.
+- **Channels of a window along the members** (a stack member patched ``{"member": 2, "lat":
+  2, "lon": 3}`` at random origins; 3-D sub-cubes along ``freq`` alike) were named by the first
+  window's members, ``2t@1 2t@2``, in every row, where a row at origin 1 holds members 2 and 3;
+  now ``2t@member+0 2t@member+1``, their place in the row's window (``batch.patch_origins``
+  gives the row's members).
 - **Two stack members whose channels share a name** (a member ``t`` of the members at 500 hPa,
   channels ``t@1 t@2 t@3``, beside a member named ``t@1``) gave ``batch.channels`` a name twice,
   for two different fields; refused now, naming the name and both members.
@@ -282,6 +287,26 @@ def test_two_members_whose_channels_share_a_name_are_refused(ens: Any) -> None:
     g = open_geometries(root)
     with pytest.raises(ValueError, match="'t@1'"):
         stack({"t": g["t"].sel(level=500), "t@1": g["2t"].sel(member=1)})
+
+
+def test_channels_of_windows_along_the_members_are_named_by_their_place_in_the_window(
+    ens: Any,
+) -> None:
+    """A member patched along its channel axis (windows of two of the three members, at random
+    origins) holds other members in each row: its channels are the window's first and second,
+    not members 1 and 2 (before: ``2t@1``, ``2t@2`` for every row, members 2 and 3 in rows at
+    origin 1)."""
+    root, ds = ens
+    g = open_geometries(root)
+    x = stack({"2t": g["2t"].patches({"member": 2, "lat": 2, "lon": 3}, origins="random")})
+    assert x.channels == ("2t@member+0", "2t@member+1")
+    with insitu_pipeline(root, _train(g), {"x": x}, batch_size=8, seed=1) as pipe:
+        for batch in pipe:
+            idx, origins = batch.sample_indices["x"], batch.patch_origins["x"]
+            for row, i, (m, y, x0) in zip(batch["x"], idx, origins, strict=True):
+                want = ds["2t"].values[i, m : m + 2, y : y + 2, x0 : x0 + 3]
+                np.testing.assert_array_equal(row, want)
+    assert stack({"2t": g["2t"].patches({"lat": 2, "lon": 3})}).channels == ("2t@1", "2t@2", "2t@3")
 
 
 def _per_member(root: Path, g: dict[str, Any]) -> Statistics:
