@@ -15,14 +15,20 @@ Found wrong, fixed (each test failed before its fix):
   docs/model-inputs.md mapped anemoi's ``statistics`` to ``fit_statistics`` "per channel (per
   level)", and nothing could give the pooled ones to a stack of members (statistics of another
   channel shape are refused): ``stack(normalize=)`` standardised every member with its own mean
-  and spread, removing the differences between members and rescaling their spread (here member 3
-  with a mean 100 K off member 1 came out centred on 0 as well). ``fit_statistics(...,
+  and spread, removing the differences between members and rescaling their spread (here member 3,
+  200 K above member 1, came out centred on 0 as well). ``fit_statistics(...,
   pool="member")`` now reduces over the named channel dimensions too (mean, std, min, max,
   diff_std, counts; equal to xarray's over ``(time, member, lat, lon)``, and to a fit on the
   product sample axes ``("time", "member")``); the statistics record it (``dataset["pool"]``),
   standardise a stack's member channels, any selection of members or one member alike (each
   with the pooled values), and survive ``save``/``load``. The docs say what a channel is for an
   ensemble and how anemoi's statistics are had.
+- **The ``(member, time, ...)`` store sampled along ``time``**: ``fit_statistics`` opened the
+  anchor array along axis 0 (``member``) to read its times, found none, and paired the samples
+  either side of the missing date in ``diff_std`` (1.3655 / 4.2865 / 7.4155 where xarray gives
+  1.3694 / 4.3149 / 7.2846); a pipeline with a time stride whose manifest was drawn on an array
+  it does not read was refused ("'member' is no CF time"). The anchor array is now opened along
+  the views' sample dimension.
 - **Channels of a window along the members** (a stack member patched ``{"member": 2, "lat":
   2, "lon": 3}`` at random origins; 3-D sub-cubes along ``freq`` alike) were named by the first
   window's members, ``2t@1 2t@2``, in every row, where a row at origin 1 holds members 2 and 3;
