@@ -148,10 +148,16 @@ def anchor_time_coordinate(
     needed: bool,
 ) -> Any:
     """The time coordinate of the manifest's anchor array (``None`` when it has none and
-    ``needed`` is false; ``ValueError`` when it is needed)."""
+    ``needed`` is false; ``ValueError`` when it is needed). The array is taken from ``geoms``
+    (``{path: view}``), else opened along the sample dimension the views of ``geoms`` share
+    (axis 0 without one): a ``(member, time, ...)`` store sampled along ``time`` has the times
+    of ``time``, not the member numbers of axis 0."""
     geom = geoms.get(manifest.array)
     if geom is None:
-        geom = next(iter(open_geometries(zstore, [manifest.array]).values()))
+        dims = {v.dims[v.sample_axis] for v in geoms.values()
+                if v.dims is not None and not v.static and v.product is None}  # fmt: skip
+        axis = dims.pop() if len(dims) == 1 else 0
+        geom = next(iter(open_geometries(zstore, [manifest.array], sample_axis=axis).values()))
     coords = open_coordinates(zstore, geom, reader=reader)
     times = [c for c in coords.values() if c.is_time] or [
         c for c in coords.values() if c.is_duration

@@ -295,6 +295,7 @@ def stack(
         c0 = len(channels)
         channels.extend(names)
         members.append(StackMember(name, view, c0, len(channels), leveled, norm, cut=cut))
+    _refuse_shared_channel_names(members, channels)
     if normalize is not None and first.dtype.kind != "f":
         raise ValueError(
             f"normalize needs float members, and these are {first.dtype}: stack them without "
@@ -303,6 +304,23 @@ def stack(
             "float32)"
         )
     return Stack(tuple(members), layout, steps, field_shape, first.dtype, tuple(channels))
+
+
+def _refuse_shared_channel_names(members: Sequence[StackMember], channels: Sequence[str]) -> None:
+    """``ValueError`` when two members give a channel the same name (a member ``t`` of
+    ensemble members, ``t@1 t@2 ...``, beside a member named ``t@1``): ``batch.channels``
+    would name two fields alike. (A member that selects one position twice repeats a channel
+    of itself: the same field, named alike.)"""
+    owner: dict[str, str] = {}
+    for m in members:
+        for c in dict.fromkeys(channels[m.c0 : m.c1]):
+            first = owner.setdefault(c, m.name)
+            if first != m.name:
+                raise ValueError(
+                    f"stack members {first!r} and {m.name!r} both name a channel {c!r}: "
+                    "batch.channels would name two fields alike; rename one of the members "
+                    "(the name before '@' is the member's)"
+                )
 
 
 #: what to do with members of other dtypes (a chunk transform that casts a stack member is
@@ -574,11 +592,16 @@ def _describe_steps(steps: int | None) -> str:
 
 def _channel_names(name: str, view: ArrayGeometry) -> list[str]:
     """``name@value`` per entry of the member's first inner axis (value: the coordinate's
-    where the view can read it, else the index)."""
+    where the view can read it, else the index). An axis the member's patches cut (windows of
+    members, 3-D sub-cubes along ``freq``) holds other entries in each row: ``name@dim+k``,
+    the ``k``-th of the row's window (``batch.patch_origins`` says where it starts)."""
     n = view.inner_shape[0]
     keys = view.select.keys if view.select is not None else None
     kept = [i for i in range(len(view.field_axes)) if keys is None or not isinstance(keys[i], int)]
     axis = kept[0]
+    if view.patch is not None and view.field_axes[axis] in view.patch.axes:
+        dim = "" if view.dims is None else view.dims[view.field_axes[axis]]
+        return [f"{name}@{dim}+{k}" for k in range(n)]
     key = None if keys is None else keys[axis]
     index = list(range(n)) if key is None else list(key)  # type: ignore[arg-type]
     labels: list[Any] = index

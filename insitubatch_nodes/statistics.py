@@ -8,7 +8,10 @@ step absent from the times; GraphCast's and anemoi's *tendency* statistics; with
 the samples are its anchors and a step is the stride). Each is computed **per channel**:
 reduced over the samples and the horizontal grid (the last two field axes, or the last one where
 it is a grid of points: :func:`~insitubatch_nodes.io.points.grid_ndim`), kept along the others,
-so ``(level, lat, lon)`` and ``(level, values)`` views have one value per level.
+so ``(level, lat, lon)`` and ``(level, values)`` views have one value per level, and an
+ensemble's ``(member, level, lat, lon)`` one per member and level. ``pool=("member",)`` reduces
+over the named dimensions too (anemoi's statistics, one per variable over every member): the
+statistics record which (``dataset["pool"]``) and standardise any members of the view alike.
 A static view's statistics are its field's, and it has no differences; nor has a view on product
 sample axes (``(t, z)`` planes): rows next on its virtual axis are no one step of anything.
 
@@ -141,10 +144,19 @@ class Statistics:
         differ. ``ValueError`` too when ``view`` decodes its values otherwise than the fitted
         view did (``mask_and_scale``: stored integers against unpacked values)."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
+        pool = self.pooled(label)
         self._check_array(label, view)
-        self._check_channels(label, view, values.shape)
+        self._check_channels(label, view, values.shape, pool)
         self._check_decoding(label, view)
-        return values.reshape(*values.shape, *(1,) * grid_ndim(view))
+        # statistics pooled over a channel dimension broadcast along it (length 1 there)
+        shape = [1 if d in pool else n for n, d in zip(_channels(view), _channel_dims(view),
+                                                        strict=True)]  # fmt: skip
+        return values.reshape(*shape, *(1,) * grid_ndim(view))
+
+    def pooled(self, label: str) -> tuple[str, ...]:
+        """The channel dimensions ``label``'s statistics were pooled over (``fit_statistics(...,
+        pool=)``; ``()``: one value per channel)."""
+        return tuple(self.dataset.get("pool", {}).get(label, ()))
 
     def _check_array(self, label: str, view: ArrayGeometry) -> None:
         """``ValueError`` when ``label`` was fitted on another array than ``view`` reads (its
@@ -180,19 +192,24 @@ class Statistics:
             "alike), or open these as the fitted ones were"
         )
 
-    def _check_channels(self, label: str, view: ArrayGeometry, shape: tuple[int, ...]) -> None:
+    def _check_channels(
+        self, label: str, view: ArrayGeometry, shape: tuple[int, ...], pool: tuple[str, ...]
+    ) -> None:
         field = view.field_shape
-        mine = _channel_keys(field, view_keys(unmoved(view)), grid_ndim(view))
+        # a pooled dimension may be selected as the view likes: one value stands for all
+        skip = {i for i in range(len(field))
+                if view.dims is not None and view.dims[view.field_axes[i]] in pool}  # fmt: skip
+        mine = _channel_keys(field, view_keys(unmoved(view)), grid_ndim(view), skip)
         fitted = self.dataset.get("views", {}).get(label)
         keys = None if fitted is None else fitted.get("select") or [None] * len(field)
         theirs = None
         if keys is not None and len(keys) == len(field):
             theirs = _channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
-                                           for k in keys], grid_ndim(view))  # fmt: skip
-        if shape != _channels(view) or (keys is not None and theirs != mine):
+                                           for k in keys], grid_ndim(view), skip)  # fmt: skip
+        if shape != _channels(view, pool) or (keys is not None and theirs != mine):
             raise ValueError(
                 f"statistics of {label!r} were fitted on other channels than {view!r} has "
-                f"(shape {shape}, selection {keys}; the view: {_channels(view)}, "
+                f"(shape {shape}, selection {keys}; the view: {_channels(view, pool)}, "
                 f"{list(view_keys(view))}): fit them on the view's levels, in its order, under "
                 "its name"
             )
@@ -270,6 +287,12 @@ class Statistics:
                         "or standardise per label with Statistics.normalizer"
                     )
                 continue
+            if self.pooled(label):
+                raise ValueError(
+                    f"statistics of {label!r} are pooled over {list(self.pooled(label))}: a "
+                    "chunk scaler takes one value per channel of the array; standardise with "
+                    "Statistics.normalizer or stack(..., normalize=stats)"
+                )
             keys = self.dataset.get("views", {}).get(label, {}).get("select") or [None, None]
             if any(k is not None for k in keys[:-2]) or any(isinstance(k, int) for k in keys):
                 raise ValueError(
@@ -355,13 +378,33 @@ class NormalizeBatch:
         return batch
 
 
-def _channels(view: ArrayGeometry) -> tuple[int, ...]:
-    """The view's channel axes' lengths: its kept axes but the grid's (module docstring)."""
-    return view.inner_shape[: len(view.inner_shape) - grid_ndim(view)]
+def _channels(view: ArrayGeometry, pool: Sequence[str] = ()) -> tuple[int, ...]:
+    """The view's channel axes' lengths: its kept axes but the grid's (module docstring), less
+    those of the dimensions in ``pool``."""
+    lengths = view.inner_shape[: len(view.inner_shape) - grid_ndim(view)]
+    return tuple(n for n, d in zip(lengths, _channel_dims(view), strict=True) if d not in pool)
 
 
-def _as_channels(x: np.ndarray, channels: tuple[int, ...]) -> np.ndarray:
-    """``(n, *channels, *grid)`` -> ``(n, prod(channels), prod(grid))`` (a view when it can)."""
+def _channel_dims(view: ArrayGeometry) -> list[str | None]:
+    """The dimension names of the view's channel axes (``None`` where the array has none)."""
+    kept = kept_axes(view_keys(view))
+    return [
+        None if view.dims is None else view.dims[view.field_axes[i]]
+        for i in kept[: len(kept) - grid_ndim(view)]
+    ]
+
+
+def _as_channels(
+    x: np.ndarray, channels: tuple[int, ...], pooled: tuple[int, ...] = ()
+) -> np.ndarray:
+    """``(n, *channels, *grid)`` -> ``(n, prod(kept channels), rest)`` (a view when it can):
+    the channel axes at the positions ``pooled`` are reduced with the grid (moved behind the
+    others: a copy)."""
+    if pooled:
+        keep = [1 + i for i in range(len(channels)) if i not in pooled]
+        rest = range(1 + len(channels), x.ndim)
+        x = x.transpose(0, *keep, *(1 + i for i in pooled), *rest)
+        channels = tuple(channels[i - 1] for i in keep)
     return x.reshape(x.shape[0], math.prod(channels), -1)
 
 
@@ -372,6 +415,7 @@ def fit_statistics(
     split: str = "train",
     *,
     batch_size: int = 32,
+    pool: str | Sequence[str] = (),
     **pipeline_options: Any,
 ) -> Statistics:
     """Fit :class:`Statistics` on ``split`` of ``manifest`` for ``views`` (``{label: view}``, or
@@ -392,7 +436,14 @@ def fit_statistics(
     for a next epoch: rows read by one sample are decoded straight into the batches
     (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds only the
     working set, whose slots are reused, where a pipeline built for training keeps a split that
-    fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time)."""
+    fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time).
+
+    ``pool``: channel dimensions (by name) to reduce over as well, in every view that keeps
+    them: ``pool="member"`` fits an ensemble's statistics over all its members, one value per
+    level as anemoi-datasets fits them, where by default each member is a channel of its own.
+    They then standardise any selection of the members (one value for all); ``ValueError`` for
+    a name that is no view's channel dimension (a sample or grid dimension is reduced already).
+    """
     fixed = sorted(set(pipeline_options) & {"shuffle", "rank", "world_size", "coords"})
     if fixed:
         raise TypeError(
@@ -416,6 +467,9 @@ def fit_statistics(
         )
     _refuse_complex(given, "fit_statistics")
     plain = {label: unmoved(v) for label, v in given.items() if isinstance(v, ArrayGeometry)}
+    pool = _check_pool(pool, plain)
+    pooled = {label: tuple(i for i, d in enumerate(_channel_dims(v)) if d in pool)
+              for label, v in plain.items()}  # fmt: skip
     sampled = {label: v for label, v in plain.items() if not v.static}
     static = {label: v for label, v in plain.items() if v.static}
     moments = {label: _Moments() for label in plain}
@@ -445,7 +499,7 @@ def fit_statistics(
             **pipeline_options,
         )
         plan = pipe.stages.plan
-        apart = _one_step(plan, zstore)
+        apart = _one_step(plan, zstore, {v.path: v for v in sampled.values()})
         separate = isinstance(store, Collection) and not store.continuous  # own indices each
         config = plan.config()  # the samples fitted, beyond the split's chunks
         anchors = {k: config[k] for k in ("stride", "missing_steps") if k in config}
@@ -453,17 +507,17 @@ def fit_statistics(
         try:
             for batch in pipe:
                 for label, view in sampled.items():
-                    _accumulate(batch, label, view, moments[label], diffs.get(label), last,
-                                apart, separate)  # fmt: skip
+                    _accumulate(batch, label, view, pooled[label], moments[label],
+                                diffs.get(label), last, apart, separate)  # fmt: skip
         finally:
             pipe.close()
     if static:
         for label, data in read_static(zstore, static, retry_policy(zstore).timeout_s).items():
             channels = _channels(static[label])
-            moments[label].add(_as_channels(data[None], channels))
+            moments[label].add(_as_channels(data[None], channels, pooled[label]))
     fields: dict[str, dict[str, np.ndarray]] = {name: {} for name in FIELDS}
     for label, view in plain.items():
-        channels = _channels(view)
+        channels = _channels(view, pool)
         r = moments[label].result(channels)
         fields["mean"][label], fields["std"][label] = r["mean"], r["std"]
         fields["min"][label], fields["max"][label] = r["min"], r["max"]
@@ -479,7 +533,26 @@ def fit_statistics(
         "views": {label: view_record(v) for label, v in plain.items()},
         **anchors,
     }
+    if pool:  # (absent otherwise: files of unpooled fits are as they were)
+        dataset["pool"] = {label: [d for d in pool if d in _channel_dims(plain[label])]
+                           for label, at in pooled.items() if at}  # fmt: skip
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
+
+
+def _check_pool(pool: str | Sequence[str], views: Mapping[str, ArrayGeometry]) -> tuple[str, ...]:
+    """``pool`` as a tuple of dimension names, each a channel dimension of some view of
+    ``views`` (``ValueError`` otherwise, naming each view's channel dimensions)."""
+    names = (pool,) if isinstance(pool, str) else tuple(pool)
+    if not all(isinstance(d, str) for d in names):
+        raise TypeError(f"pool takes dimension names, got {pool!r}")
+    dims = {label: _channel_dims(v) for label, v in views.items()}
+    unknown = [d for d in names if not any(d in ds for ds in dims.values())]
+    if unknown:
+        raise ValueError(
+            f"pool={unknown} names no channel dimension of the views: their channel dimensions "
+            f"are {dims} (a sample or grid dimension is reduced already): pool over one of those"
+        )
+    return names
 
 
 def _one_pass(options: dict[str, Any]) -> FetchOptions:
@@ -501,6 +574,7 @@ def _accumulate(
     batch: Batch,
     label: str,
     view: ArrayGeometry,
+    pooled: tuple[int, ...],
     moments: _Moments,
     diffs: _Moments | None,
     last: dict[str, tuple[int, np.ndarray, int]],
@@ -510,7 +584,7 @@ def _accumulate(
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
     channels = _channels(view)
-    moments.add(_as_channels(x, channels))
+    moments.add(_as_channels(x, channels, pooled))
     if diffs is None:  # product sample axes: no one step (module docstring)
         return
     # one-step differences between consecutive anchors one step apart (``apart``), across the
@@ -522,24 +596,25 @@ def _accumulate(
     prev = last.get(label)
     if prev and len(idx) and prev[2] == own[0] and apart(np.array(prev[:1]), idx[:1])[0]:
         edge = np.subtract(x[:1], prev[1][None], dtype=wide)
-        diffs.add(_as_channels(edge, channels), extrema=False)
+        diffs.add(_as_channels(edge, channels, pooled), extrema=False)
     step = apart(idx[:-1], idx[1:]) & (own[1:] == own[:-1])
     if step.all() and len(idx) > 1:
         diff = np.subtract(x[1:], x[:-1], dtype=wide)
-        diffs.add(_as_channels(diff, channels), extrema=False)
+        diffs.add(_as_channels(diff, channels, pooled), extrema=False)
     elif step.any():
         at = np.flatnonzero(step)
         diff = np.subtract(x[at + 1], x[at], dtype=wide)
-        diffs.add(_as_channels(diff, channels), extrema=False)
+        diffs.add(_as_channels(diff, channels, pooled), extrema=False)
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]), int(own[-1]))
 
 
-def _one_step(plan: Any, zstore: Any) -> Any:
+def _one_step(plan: Any, zstore: Any, geoms: Mapping[str, ArrayGeometry]) -> Any:
     """``apart(a, b)``: whether anchors ``b`` are one step (``k`` samples, or a time stride's
     time) after anchors ``a``, elementwise; where the anchor array has times (read by the plan,
-    else here, once; a collection's only by the plan), ``k`` samples on must also be ``k`` data
-    steps on in time: samples either side of a missing date are two steps apart, not one."""
+    else here, once, along the fitted views' sample axis, ``geoms``; a collection's only by the
+    plan), ``k`` samples on must also be ``k`` data steps on in time: samples either side of a
+    missing date are two steps apart, not one."""
     stride = plan.plan_config.stride
     steps = plan.manifest.steps
     if isinstance(stride, np.timedelta64):
@@ -550,7 +625,7 @@ def _one_step(plan: Any, zstore: Any) -> Any:
     k = int(stride)
     ticks, runs = (None, None) if steps is None else (steps.ticks, steps.runs)
     if ticks is None and plan.manifest.members is None:
-        ticks = _sample_ticks(zstore, plan.manifest)
+        ticks = _sample_ticks(zstore, plan.manifest, geoms)
     data_step = None if ticks is None else SampleSteps(len(ticks), ticks=ticks, runs=runs).data_step
     if ticks is None or data_step is None:  # no times (or fewer than two): samples apart
         return lambda a, b: b - a == k
@@ -565,13 +640,15 @@ def _one_step(plan: Any, zstore: Any) -> Any:
     return apart
 
 
-def _sample_ticks(zstore: Any, manifest: SplitManifest) -> np.ndarray | None:
+def _sample_ticks(
+    zstore: Any, manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry]
+) -> np.ndarray | None:
     """The anchor array's times as whole seconds (``None`` when it has no time coordinate).
     Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
     times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
     pipeline without time checks reads them."""
     try:
-        coord = anchor_time_coordinate(zstore, manifest, {}, None, needed=False)
+        coord = anchor_time_coordinate(zstore, manifest, geoms, None, needed=False)
         if coord is None:
             return None
         return whole_seconds(
@@ -589,11 +666,14 @@ def _sample_ticks(zstore: Any, manifest: SplitManifest) -> np.ndarray | None:
         return None
 
 
-def _channel_keys(field_shape: Sequence[int], keys: Sequence[Any], n_grid: int) -> list[Any]:
+def _channel_keys(
+    field_shape: Sequence[int], keys: Sequence[Any], n_grid: int, skip: set[int]
+) -> list[Any]:
     """``keys`` (a selection key per field axis) without the grid's (the last ``n_grid`` kept
-    axes), a key taking a whole axis in order as ``None``: what says which channel is which."""
+    axes) and those of the field axes in ``skip`` (pooled), a key taking a whole axis in order
+    as ``None``: what says which channel is which."""
     kept = kept_axes(keys)
-    grid = set(kept[len(kept) - n_grid :])
+    grid = set(kept[len(kept) - n_grid :]) | skip
     return [
         None if k == tuple(range(n)) else k
         for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))
