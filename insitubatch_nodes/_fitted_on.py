@@ -27,9 +27,10 @@ import numpy as np
 
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.places import normal_store_name
 from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import Selection, kept_axes, view_keys
-from insitubatch_nodes.io.stores import normal_store_name, store_name
+from insitubatch_nodes.io.stores import store_name
 from insitubatch_nodes.plan.anchors import describe_stride
 from insitubatch_nodes.plan.config import check_stride
 from insitubatch_nodes.plan.splits import SPLITS, SplitManifest

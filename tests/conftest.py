@@ -7,6 +7,7 @@ that never equal the fill value, so every chunk is really stored on disk.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -350,19 +351,17 @@ def _answers_http(url: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A moto S3 server on a free local port; yields its endpoint URL.
-
-    Tests using it should be marked ``@pytest.mark.xdist_group("s3")`` so that under
-    ``pytest -n N --dist loadgroup`` they share one worker (and one server).
-    """
+@contextlib.contextmanager
+def moto_server(log_dir: Path) -> Iterator[str]:
+    """A moto S3 server on a free local port, its log in ``log_dir``; yields its endpoint URL
+    (skips the test where moto's server is not installed). Each is a store of its own: two
+    servers hold buckets of the same name apart."""
     exe = Path(sys.executable).parent / "moto_server"
     if not exe.exists():
         pytest.skip(f"moto_server executable not found at {exe} (install moto[server])")
     port = _free_port()
     endpoint = f"http://127.0.0.1:{port}"
-    log_path = tmp_path_factory.mktemp("moto") / "moto_server.log"
+    log_path = log_dir / f"moto_server_{port}.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -389,6 +388,17 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A moto S3 server on a free local port; yields its endpoint URL.
+
+    Tests using it should be marked ``@pytest.mark.xdist_group("s3")`` so that under
+    ``pytest -n N --dist loadgroup`` they share one worker (and one server).
+    """
+    with moto_server(tmp_path_factory.mktemp("moto")) as endpoint:
+        yield endpoint
 
 
 @pytest.fixture(scope="session")

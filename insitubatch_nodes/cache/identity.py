@@ -56,12 +56,13 @@ object at a time, with a HEAD request each (64 in flight) whose ``ETag`` / ``Las
 size are compared as a listing's entry would be (:class:`HeadLister`). A store whose objects
 cannot be identified at all (a zarr ``MemoryStore``, ``FsspecStore`` or ``ZipStore``) is
 refused for a persistent cache (``ValueError`` at construction) unless ``check_store=False``
-says the store is known not to change. A listing that fails (a network error) trusts the
-cache for that run with a warning naming why. What is not caught: a file rewritten in place
-with the same size within one tick of the file system's clock, or whose mtime was set back
-(mtime and inode unchanged),
-and an object a web server serves rewritten with the same size within the same second
-(nginx's ``ETag`` is its ``Last-Modified`` second and its size).
+says the store is known not to change; each chunk then records its store alone (one row, kind
+``none``: :func:`~insitubatch_nodes.io.places.object_place`). A listing that fails (a
+network error) trusts the cache for that run with a warning naming why. What is not caught: a
+file rewritten in place with the same size within one tick of the file system's clock, or whose
+mtime was set back (mtime and inode unchanged), and an object a web server serves rewritten
+with the same size within the same second (nginx's ``ETag`` is its ``Last-Modified`` second and
+its size).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -95,6 +96,8 @@ __all__ = [
 
 IDENTITY_NAME = "insitu_identity.jsonl"
 _ABSENT = -1  # the size recorded for an object that was not there (read as the fill value)
+_UNREAD = -2  # the size of a chunk's one row from a store that cannot be listed (its store)
+_UNLISTED = "none"  # the read path (kind) of such a store
 
 # one row: [array, chunk, store key, size (-1: absent), tag ("" when none), mtime_ns (-1), kind,
 # commit] -- the commit is a token of the writer's commit of that chunk (rows without it, of
@@ -198,9 +201,10 @@ class ObstoreLister:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        from insitubatch_nodes.io.stores import cloud_endpoint  # (a trailing "/" is no store)
+        from insitubatch_nodes.io.places import cloud_endpoint, cloud_repr  # (a trailing "/"
+        # is no store; an endpoint or account in the environment is one)
 
-        self.where: str = f"{inner!r} {cloud_endpoint(inner)}"
+        self.where = f"{cloud_repr(inner)} {cloud_endpoint(inner)}"
 
     def list(self, prefix: str, keys_recorded: Iterable[str] = ()) -> Listing:
         import obstore
@@ -338,6 +342,7 @@ class IdentityRecorder:
     def __init__(self, directory: Path, kind: str) -> None:
         self.path = directory / IDENTITY_NAME
         self.kind = kind
+        self._marks = kind.startswith(_UNLISTED + "@")  # one row per chunk: its store only
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, int], dict[str, Row]] = {}
         self._session = os.urandom(4).hex()  # with a counter: a token per commit
@@ -366,6 +371,9 @@ class IdentityRecorder:
         """Write ``key``'s rows (call after its file is in place, before its log line)."""
         with self._lock:
             rows = self._pending.pop(key, None)
+            if rows is not None and self._marks:  # (whose objects, without their identities)
+                mark = f"\x00{key[1]}"  # (no store's key; one per chunk)
+                rows = {mark: (key[0], int(key[1]), mark, _UNREAD, "", -1, self.kind, "")}
             fd = self._fd
             self._commits += 1
             commit = f"{self._session}.{self._commits}"
@@ -491,6 +499,8 @@ class StoreCheck:
         name: str = "",
         members: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
+        from insitubatch_nodes.io.stores import describe_store
+
         self.lister = lister_for(store)
         #: the prefixes listed for an array whose objects are not below its path (a collection's
         #: virtual array: the folder all its members are below, or one such folder per store
@@ -503,10 +513,11 @@ class StoreCheck:
                 self.prefixes[array] = (posixpath.commonpath(["/" + p for p in paths]).strip("/"),)
         self.tiles = dict(tiles)
         self.enabled = bool(enabled)
-        self.name = name or repr(store)
+        self.name = name or describe_store(store)
         #: whose objects the cache holds: two checks of one ``where`` see the same objects (a
-        #: folder however it is opened; a store that cannot be listed, by the object itself)
-        self.where = f"id:{id(store)}" if isinstance(self.lister, str) else self.lister.where
+        #: folder however it is opened; a store that cannot be listed, by what it reads:
+        #: :func:`~insitubatch_nodes.io.places.object_place`)
+        self.where = _place(store) if isinstance(self.lister, str) else self.lister.where
 
     @property
     def cannot_check(self) -> str | None:
@@ -514,14 +525,14 @@ class StoreCheck:
         return self.lister if isinstance(self.lister, str) else None
 
     @property
-    def kind(self) -> str | None:
-        """What recorded rows carry (``None``: not recorded): the kind of read path and, after
-        an ``@``, a digest of ``where``: the store they were read from, so a cache warmed from
-        one store and opened over another finds its chunks stale (the objects of two stores
-        written alike can look the same: nginx's ETag is a second and a size)."""
-        if isinstance(self.lister, str):
-            return None
-        return f"{self.lister.kind}@{hashlib.sha256(self.where.encode()).hexdigest()[:12]}"
+    def kind(self) -> str:
+        """What recorded rows carry: the kind of read path and, after an ``@``, a digest of
+        ``where``: the store they were read from, so a cache warmed from one store and opened
+        over another finds its chunks stale (the objects of two stores written alike can look
+        the same: nginx's ETag is a second and a size). A store that cannot be listed records
+        one row per chunk, of kind ``none``, its store only (under ``check_store=False``)."""
+        kind = _UNLISTED if isinstance(self.lister, str) else self.lister.kind
+        return f"{kind}@{hashlib.sha256(self.where.encode()).hexdigest()[:12]}"
 
     def stale(self, cached: Mapping[str, Mapping[Path, np.ndarray]]) -> StaleReport:
         """The stale chunks among ``cached`` (``{array: {directory that logged them: chunk
@@ -532,9 +543,9 @@ class StoreCheck:
         trusts the store not to change, not another store to hold the same values); rows
         without a store (of caches warmed before it was recorded) are compared as before."""
         report = StaleReport()
-        if isinstance(self.lister, str):
-            report.unchecked = None if not self.enabled else self.lister
-            return report
+        listed = not isinstance(self.lister, str)  # (else: stale from another store only)
+        if not listed and self.enabled:
+            report.unchecked = str(self.lister)
         recorded: dict[Path, dict[str, Recorded]] = {}
         for array, by_dir in sorted(cached.items()):
             if not by_dir:
@@ -547,20 +558,24 @@ class StoreCheck:
                 want = np.unique(np.asarray(chunks, dtype=np.int64))
                 if rows is not None:  # rows of this directory's cached chunks, read the same way
                     rows = rows.take(np.isin(rows.chunks, want))
-                    mine = str(self.kind)
-                    other = (np.char.find(rows.kinds, "@") >= 0) & (rows.kinds != mine)
+                    mine, digest = self.kind, self.kind.partition("@")[2]
+                    kinds = np.unique(rows.kinds).tolist()  # (after "@" their store; "": none)
+                    other = np.isin(
+                        rows.kinds, [k for k in kinds if k.partition("@")[2] not in ("", digest)]
+                    )
                     for c in np.unique(rows.chunks[other]).tolist():
                         report.elsewhere.add((array, c))
                         report.reasons.append(f"{array!r} chunk {c}: cached from another store")
                     want = want[~np.isin(want, rows.chunks[other])]
-                    rows = rows.take(np.isin(rows.kinds, [mine, self.lister.kind]))
+                    rows = rows.take(np.isin(rows.kinds, [mine, mine.partition("@")[0]]))
                 rows_of.append((want, rows))
             report.chunks |= report.elsewhere
-            if not self.enabled:
+            if not self.enabled or not listed:
                 continue
             try:  # a HeadLister asks for the recorded objects only; the others list the prefix
                 keys = {str(k) for _, rows in rows_of if rows is not None for k in rows.keys}
-                listings = [self.lister.list(p, keys) for p in self.prefixes.get(array, [array])]
+                lister = cast(Lister, self.lister)
+                listings = [lister.list(p, keys) for p in self.prefixes.get(array, [array])]
                 listing = listings[0] if len(listings) == 1 else Listing.build(
                     [str(k) for li in listings for k in li.keys],
                     np.concatenate([li.sizes for li in listings]),
@@ -630,6 +645,23 @@ class StoreCheck:
         for c in want[have < self.tiles.get(array, 1)]:
             report.reasons.append(f"{array!r} chunk {int(c)}: no recorded store identity")
             report.chunks.add((array, int(c)))
+
+
+def _place(store: Any) -> str:
+    """``where`` of a store that cannot be listed
+    (:func:`~insitubatch_nodes.io.places.object_place` of the store it wraps; a collection's,
+    each store's own)."""
+    from insitubatch_nodes.io._zarr_compat import wrapped_store
+    from insitubatch_nodes.io.places import object_place
+    from insitubatch_nodes.io.routing import RoutingStore
+
+    if not isinstance(store, RoutingStore):
+        return object_place(wrapped_store(store))
+    wheres = [lister_for(s) for s in store.stores]
+    return "routed:" + ",".join(
+        _place(s) if isinstance(w, str) else w.where
+        for s, w in zip(store.stores, wheres, strict=True)
+    )
 
 
 def stale_message(root: Path, store: str, report: StaleReport) -> str:

@@ -127,7 +127,8 @@ class LocalReader:
         a missing one: a third of the cost of a failed open), for a caller that met missing
         objects lately (zarr writes no object for a chunk of only the fill value).
 
-        Raises ``OSError`` when it exists but cannot be read, or is not a regular file."""
+        Raises ``OSError`` when it exists but cannot be read, or is not a regular file
+        (``MemoryError`` when it is larger than a buffer this process can hold)."""
         if probe and not os.access(self._prefix + key, os.F_OK):
             if info_out is not None:
                 info_out.append(None)

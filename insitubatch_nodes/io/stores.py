@@ -38,6 +38,7 @@ from insitubatch_nodes import _process
 from insitubatch_nodes._process import RETRY_TIME_SCALE_ENV, retry_time_scale
 from insitubatch_nodes.io import _zarr_compat, store_urls
 from insitubatch_nodes.io.datasets import dataset_store, is_xarray_dataset, refuse_changed
+from insitubatch_nodes.io.places import normal_store_name, place_label
 
 if TYPE_CHECKING:
     import xarray
@@ -92,7 +93,8 @@ _ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
 # Options that name a cloud store's endpoint (obstore's spellings): a plain-HTTP one needs
 # client_options={"allow_http": True}, which open_store asks for by name.
 _ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url", "base_url",
-                  "google_base_url", "azure_endpoint")  # fmt: skip
+                  "google_base_url", "azure_endpoint", "aws_endpoint_url_s3",
+                  "endpoint_url_s3")  # fmt: skip
 
 # Options that give a signed store its credentials: refused together with anonymous=True.
 _CREDENTIAL_KEYS = (
@@ -253,8 +255,11 @@ def retry_policy(store: Store) -> RetryPolicy:
 def describe_store(store: Any) -> str:
     """A short human name for ``store``, for error messages.
 
-    The URL a store was opened with by :func:`open_store` (plus the endpoint, when one was
-    given); for another obstore-backed store its bucket and prefix or its folder; else its repr.
+    The URL a store was opened with by :func:`open_store`; for another obstore-backed store its
+    bucket and prefix or its folder; else its repr. A cloud store's or an ``FsspecStore``'s
+    account and endpoint follow, given or taken from the environment
+    (:func:`~insitubatch_nodes.io.places.place_label`): the same bucket elsewhere is another
+    store.
     """
     label = getattr(store, _LABEL_ATTR, None)
     if isinstance(label, str):
@@ -273,40 +278,10 @@ def describe_store(store: Any) -> str:
         ):
             if name == cls:
                 url = f"{scheme}://{config.get(key, '?')}/{prefix}".rstrip("/")
-                endpoint = cloud_endpoint(inner)
-                return f"{url} (endpoint {endpoint})" if endpoint else url
+                return url + place_label(inner)
         if name == "LocalStore" and prefix:
             return str(prefix)
-    return repr(store)
-
-
-def cloud_endpoint(inner: Any) -> str:
-    """``inner``'s endpoint (obstore files ``endpoint_url=``, ... under ``endpoint``), normal."""
-    given = str((getattr(inner, "config", None) or {}).get("endpoint") or "").strip()
-    return normal_endpoint(given) if given else ""
-
-
-def _env_endpoint(scheme: str, options: Mapping[str, Any]) -> str:
-    """The endpoint obstore takes from ``AWS_ENDPOINT_URL`` (``AWS_ENDPOINT``) for ``s3://``."""
-    if scheme != "s3" or any(k.lower() in _ENDPOINT_KEYS for k in options):
-        return ""
-    given = (os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT") or "").strip()
-    return normal_endpoint(given) if given else ""
-
-
-def normal_endpoint(endpoint: str) -> str:
-    """``endpoint`` with its scheme and host in lower case and no trailing ``/``."""
-    parts = urlsplit(endpoint)
-    if not parts.scheme or not parts.netloc:
-        return endpoint.rstrip("/")
-    return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"
-
-
-def normal_store_name(name: Any) -> Any:
-    """A store's name as :func:`describe_store` gave it (in a saved file, say) with its
-    endpoint spelled as :func:`normal_endpoint` spells it; anything else as it is."""
-    found = re.fullmatch(r"(.*) \(endpoint (.+)\)", name) if isinstance(name, str) else None
-    return f"{found[1]} (endpoint {normal_endpoint(found[2])})" if found else name
+    return repr(store) + place_label(store)  # (an FsspecStore's endpoint: its repr lacks it)
 
 
 def store_name(store: Any) -> str:
@@ -576,10 +551,7 @@ def open_store(
             options = {**options, "skip_signature": True}
         merged = _remote_options(scheme, options, retry)
         inner = classes[scheme](bucket, prefix=prefix, **merged)
-        label = f"{scheme}://{bucket}/{prefix or ''}".rstrip("/")
-        endpoint = cloud_endpoint(inner) or _env_endpoint(scheme, options)
-        if endpoint:
-            label += f" (endpoint {endpoint})"
+        label = f"{scheme}://{bucket}/{prefix or ''}".rstrip("/") + place_label(inner)
         return _remember(_CloudObjectStore(inner, read_only=read_only), label, retry)
     raise ValueError(
         f"unsupported store scheme {scheme!r} in {text!r}; supported: "

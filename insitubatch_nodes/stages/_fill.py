@@ -298,7 +298,7 @@ class FillRunner:
             t0 = _now()
             try:
                 raw = read(key, None, probe)
-            except OSError as exc:
+            except Exception as exc:  # (an OSError; a MemoryError for an object too large)
                 error = array.read_error(chunk, tile, key, "read", self.store_name)
                 error.__cause__ = exc
                 self.bad.count(job, error, r, t0, _now())
@@ -444,7 +444,7 @@ class FillRunner:
         t0 = _now()
         try:
             raw = self.reader.read(key) if info is None else self.reader.read(key, info)
-        except OSError as exc:
+        except Exception as exc:  # whatever the read raised (not its decode's): a failed read
             error = array.read_error(chunk, tile, key, "read", self.store_name)
             error.__cause__ = exc
             self.bad.count(job, error, row, t0, _now())
