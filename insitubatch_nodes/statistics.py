@@ -392,7 +392,11 @@ def fit_statistics(
     for a next epoch: rows read by one sample are decoded straight into the batches
     (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds only the
     working set, whose slots are reused, where a pipeline built for training keeps a split that
-    fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time)."""
+    fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time). Static
+    views are read through the pass's persistent cache (``cache_dir=..., persist=True`` or
+    ``readonly_cache=True``) as a pipeline reads its static labels: kept there by the first
+    fit, served by the next without a read; static views alone (no pass) are read from the
+    store."""
     fixed = sorted(set(pipeline_options) & {"shuffle", "rank", "world_size", "coords"})
     if fixed:
         raise TypeError(
@@ -421,6 +425,7 @@ def fit_statistics(
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label, v in sampled.items() if v.product is None}
     last: dict[str, tuple[int, np.ndarray, int]] = {}
+    statics: dict[str, np.ndarray] = {}  # the static views' data
     anchors: dict[str, Any] = {}  # (a stride, missing steps: none for every sample)
     if sampled and not manifest.chunks(split):
         held = {name: len(manifest.chunks(name)) for name in manifest.splits}
@@ -451,14 +456,20 @@ def fit_statistics(
         anchors = {k: config[k] for k in ("stride", "missing_steps") if k in config}
         anchors["anchors"] = anchors_hash(plan.manifest, plan.views, plan.plan_config)
         try:
+            if static:  # through the pass's cache, as a pipeline reads its static labels
+                pool = pipe.stages.pool
+                statics = read_static(zstore, static, retry_policy(zstore).timeout_s,
+                                      cache=pool.cache, stats=pool.stats)  # fmt: skip
             for batch in pipe:
                 for label, view in sampled.items():
                     _accumulate(batch, label, view, moments[label], diffs.get(label), last,
                                 apart, separate)  # fmt: skip
         finally:
             pipe.close()
+    if static and not sampled:  # (no pass: read from the store; see the docstring)
+        statics = read_static(zstore, static, retry_policy(zstore).timeout_s)
     if static:
-        for label, data in read_static(zstore, static, retry_policy(zstore).timeout_s).items():
+        for label, data in statics.items():
             channels = _channels(static[label])
             moments[label].add(_as_channels(data[None], channels))
     fields: dict[str, dict[str, np.ndarray]] = {name: {} for name in FIELDS}
