@@ -29,7 +29,17 @@ Tried and found right (kept as claims below):
 * a cached chunk whose bytes were flipped on disk is fetched again by a writer (counted as
   ``corrupt``) and refused by a reader (``CorruptCacheError``);
 * two pipelines of one process (train and val, and x/y stacks) writing one ``cache_dir`` at
-  once, their iterations interleaved: every row zarr's, each stored chunk fetched once.
+  once, their iterations interleaved: every row zarr's, each stored chunk fetched once;
+* a windowed forecast stack (two input steps, the mask, a solar forcing; a target a step
+  ahead) gives bit for bit the batches of a pipeline without a cache, warming it and reading
+  it back read-only;
+* a read-only reader of arrays whose other arrays' chunks are stale (the mask rewritten, not
+  read) reads on; one that reads the mask is refused when built.
+
+Left as they are: the coordinates a pipeline or a fit reads (the time coordinate of forcings,
+``diff_std`` and ``batch.coords``) are read from the store at every build, never cached (one
+GET per coordinate array here); static views fitted alone (no sampled view, so no pass and no
+cache opened) are read from the store.
 """
 
 from __future__ import annotations
