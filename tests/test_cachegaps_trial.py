@@ -17,6 +17,11 @@ Found (each fixed, each test failed before its fix):
   reads later (a view ``set_views`` adds) raises ``StaleCacheError`` when it is needed; it
   is never served. Under DDP (several ranks read other chunks each epoch) every rank is still
   refused for any stale chunk of its arrays, so all ranks agree.
+* A cache warmed by a patched run (``t.patches(...)``: kept by stored tile) refuses a
+  whole-field run of the same array with ``StaleCacheError`` saying it was "made with another
+  geometry, decoding or chunk transforms" — none of which differed — and to reset the cache
+  (which deletes the tiles). It now names patches among the causes and says to give each way
+  of reading its own ``cache_dir``.
 
 Tried and found right (kept as claims below):
 
@@ -227,6 +232,29 @@ def test_readonly_ranks_are_refused_alike_for_any_stale_chunk_of_their_arrays(
             insitu_pipeline(root, _manifest(root), {"x": g["t"]}, batch_size=4, coords=(),
                             cache_dir=cache, readonly_cache=True, rank=rank,
                             world_size=2)  # fmt: skip
+
+
+def test_a_whole_field_run_over_a_cache_of_tiles_is_told_that_patches_made_it(
+    tmp_path: Path,
+) -> None:
+    group = zarr.open_group(tmp_path / "tiled.zarr", mode="w", zarr_format=3)
+    group.create_array("t", shape=(32, 4, 6), chunks=(8, 2, 3), dtype="f4",
+                       dimension_names=("time", "lat", "lon"))[...] = 1.0  # fmt: skip
+    g = open_geometries(tmp_path / "tiled.zarr", ["t"], sample_axis="time")["t"]
+    manifest, cache = split_by_chunk(g, (1.0, 0.0, 0.0)), tmp_path / "cache"
+    kw: dict[str, Any] = {"batch_size": 4, "coords": (), "cache_dir": cache, "persist": True}
+    _epoch(
+        insitu_pipeline(
+            tmp_path / "tiled.zarr",
+            manifest,
+            {
+                "x": g.patches({"lat": 2}),
+            },
+            **kw,
+        )
+    )
+    with pytest.raises(StaleCacheError, match=r"patches.*give each its own cache_dir"):
+        insitu_pipeline(tmp_path / "tiled.zarr", manifest, {"x": g}, **kw)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -425,10 +425,12 @@ class ChunkCache:
             )
             raise StaleCacheError(
                 f"cache_dir {self.root} holds chunks of {where} made with another geometry, "
-                "decoding (mask_and_scale, cf_dtype) or chunk transforms than this pipeline's "
-                "(or an earlier version of one, e.g. Coarsen or StandardScaler on float16). "
-                "Pass reset_stale_cache=True to delete just those arrays' cached chunks and "
-                "rebuild them, or use another cache_dir (delete this one to start over)."
+                "decoding (mask_and_scale, cf_dtype), patches or chunk transforms than this "
+                "pipeline's (or an earlier version of one, e.g. Coarsen or StandardScaler on "
+                "float16; a run reading an array through patches() keeps its stored tiles, one "
+                "reading whole fields its chunks: give each its own cache_dir). Pass "
+                "reset_stale_cache=True to delete just those arrays' cached chunks and rebuild "
+                "them, or use another cache_dir (delete this one to start over)."
             )
         if (stale and self.own in {p for ps in stale.values() for p, _ in ps}) or torn_own:
             self._rewrite_own_log(set(stale), own_entries)
