@@ -55,7 +55,7 @@ from insitubatch_nodes.pool import ChunkPool, PoolStats
 from insitubatch_nodes.slots import SlotBacking
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stack_constants import prepare_constants, static_fields
-from insitubatch_nodes.stages.context import StageContext, slot_holdings
+from insitubatch_nodes.stages.context import StageContext, chunks_served, slot_holdings
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode, refuse_standardised_twice
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
@@ -624,7 +624,7 @@ def _open_cache(
     patched: frozenset[str] = frozenset(),
 ) -> ChunkCache | None:
     """The chunk cache on local disk (``None`` without a ``cache_dir``): the directory of
-    ``plan``'s rank (a reader of one rank is refused for the stale chunks its plan reads),
+    ``plan``'s rank (a reader is refused for the stale chunks its split reads, any rank's),
     keyed by each array's fingerprint after its chunk transforms (a static array's by its
     geometry: it takes no chunk transforms). An array read through patched views
     (``patched``) is cached by unit, one stored tile of a chunk each: its fingerprint is that
@@ -657,7 +657,7 @@ def _open_cache(
         fingerprints,
         rank=plan.rank,
         store_check=store_check,
-        serves=None if plan.world_size > 1 else lambda: plan.epoch_plan().distinct_chunks(),
+        serves=lambda: chunks_served(plan),
         persist=options.persistent,
         readonly=options.readonly,
         reset_stale=options.reset_stale,

@@ -6,11 +6,12 @@ the first few objects.
 
 A **read-only reader** drops them too, and is refused only for what it would serve
 (:class:`~insitubatch_nodes.errors.StaleCacheError`, naming the objects): when it is opened,
-for the stale chunks its plan reads (``serves``, the pipeline's epoch plan), and for any other
-the moment a read needs it (a view ``set_views`` adds, a static array): a stale chunk is never
-served, and one it never reads (of another split, the old last chunk after an append) does not
-stop it. Without ``serves`` — a cache composed by hand, or several ranks, which read other
-chunks each epoch and must all agree — every stale chunk of its arrays refuses it when opened.
+for the stale chunks its split reads (``serves``: the pipeline's
+:func:`~insitubatch_nodes.stages.context.chunks_served`, the same on every rank, so several
+ranks start or are refused alike), and for any other the moment a read needs it (a view
+``set_views`` adds, a static array): a stale chunk is never served, and one it never reads (of
+another split, the old last chunk after an append) does not stop it. Without ``serves`` (a
+cache composed by hand) every stale chunk of its arrays refuses it when opened.
 """
 
 from __future__ import annotations
