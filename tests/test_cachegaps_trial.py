@@ -13,7 +13,7 @@ Found (each fixed, each test failed before its fix):
 * A ``readonly_cache=True`` reader was refused (``StaleCacheError`` at construction) for a
   stale chunk it never reads: the val chunk rewritten in the store stopped a scorer of the
   train split, which would have served nothing but unchanged chunks. Now a reader is refused
-  for the stale chunks its epoch reads (at construction, as before), and a stale chunk it
+  for the stale chunks its split reads (at construction, as before), and a stale chunk it
   reads later (a view ``set_views`` adds) raises ``StaleCacheError`` when it is needed; it
   is never served. Under DDP (several ranks read other chunks each epoch) each rank is refused
   for the stale chunks any rank reads in the split, so all ranks start or stop alike.
