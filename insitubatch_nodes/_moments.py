@@ -125,3 +125,17 @@ def _masked_moments(x: np.ndarray) -> tuple[np.ndarray, ...]:
     x64[nan] = 0.0
     m2 = np.einsum("rcv,rcv->c", x64, x64)
     return n, ref + shift, m2, lo, hi, nan.sum(axis=(0, 2)).astype(np.float64)
+
+
+def as_channels(
+    x: np.ndarray, channels: tuple[int, ...], pooled: tuple[int, ...] = ()
+) -> np.ndarray:
+    """``(n, *channels, *grid)`` -> ``(n, prod(kept channels), rest)`` (a view when it can):
+    the channel axes at the positions ``pooled`` are reduced with the grid (moved behind the
+    others: a copy)."""
+    if pooled:
+        keep = [1 + i for i in range(len(channels)) if i not in pooled]
+        rest = range(1 + len(channels), x.ndim)
+        x = x.transpose(0, *keep, *(1 + i for i in pooled), *rest)
+        channels = tuple(channels[i - 1] for i in keep)
+    return x.reshape(x.shape[0], math.prod(channels), -1)

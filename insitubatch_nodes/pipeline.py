@@ -55,7 +55,7 @@ from insitubatch_nodes.pool import ChunkPool, PoolStats
 from insitubatch_nodes.slots import SlotBacking
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stack_constants import prepare_constants, static_fields
-from insitubatch_nodes.stages.context import StageContext, slot_holdings
+from insitubatch_nodes.stages.context import StageContext, chunks_served, slot_holdings
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode, refuse_standardised_twice
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
@@ -442,7 +442,7 @@ def insitu_pipeline(
                                       _RANKS_LISTED)  # fmt: skip
     patched = {v.path for v in parts.values() if v.patch}  # stack members' included
     chunk_cache = _open_cache(
-        cache_options, zstore, geoms, transforms, plan.rank, statics, frozenset(patched)
+        cache_options, zstore, geoms, transforms, plan, statics, frozenset(patched)
     )
     try:  # the static fields: read once here, or taken from the persistent cache
         timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
@@ -619,13 +619,14 @@ def _open_cache(
     zstore: Store,
     geoms: Mapping[str, ArrayGeometry],
     transforms: ChunkTransforms,
-    rank: int,
+    plan: ReadPlanNode,
     statics: Mapping[str, ArrayGeometry],
     patched: frozenset[str] = frozenset(),
 ) -> ChunkCache | None:
     """The chunk cache on local disk (``None`` without a ``cache_dir``): the directory of
-    ``rank``, keyed by each array's fingerprint after its chunk transforms (a static array's
-    by its geometry: it takes no chunk transforms). An array read through patched views
+    ``plan``'s rank (a reader is refused for the stale chunks its split reads, any rank's),
+    keyed by each array's fingerprint after its chunk transforms (a static array's by its
+    geometry: it takes no chunk transforms). An array read through patched views
     (``patched``) is cached by unit, one stored tile of a chunk each: its fingerprint is that
     of a unit's slot, and each cached unit is one stored object."""
     if options.cache_dir is None:
@@ -654,8 +655,9 @@ def _open_cache(
     return ChunkCache(
         options.cache_dir,
         fingerprints,
-        rank=rank,
+        rank=plan.rank,
         store_check=store_check,
+        serves=lambda: chunks_served(plan),
         persist=options.persistent,
         readonly=options.readonly,
         reset_stale=options.reset_stale,

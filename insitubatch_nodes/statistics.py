@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -51,7 +50,7 @@ import numpy as np
 from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
-from insitubatch_nodes._moments import _Moments
+from insitubatch_nodes._moments import _Moments, as_channels
 from insitubatch_nodes.anchor_steps import anchor_time_coordinate
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
@@ -394,20 +393,6 @@ def _channel_dims(view: ArrayGeometry) -> list[str | None]:
     ]
 
 
-def _as_channels(
-    x: np.ndarray, channels: tuple[int, ...], pooled: tuple[int, ...] = ()
-) -> np.ndarray:
-    """``(n, *channels, *grid)`` -> ``(n, prod(kept channels), rest)`` (a view when it can):
-    the channel axes at the positions ``pooled`` are reduced with the grid (moved behind the
-    others: a copy)."""
-    if pooled:
-        keep = [1 + i for i in range(len(channels)) if i not in pooled]
-        rest = range(1 + len(channels), x.ndim)
-        x = x.transpose(0, *keep, *(1 + i for i in pooled), *rest)
-        channels = tuple(channels[i - 1] for i in keep)
-    return x.reshape(x.shape[0], math.prod(channels), -1)
-
-
 def fit_statistics(
     store: StoreLike | Collection,
     manifest: SplitManifest,
@@ -436,7 +421,11 @@ def fit_statistics(
     for a next epoch: rows read by one sample are decoded straight into the batches
     (``direct=True`` unless ``fetch`` says otherwise) and the automatic budget holds only the
     working set, whose slots are reused, where a pipeline built for training keeps a split that
-    fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time).
+    fits a sixteenth of RAM whole (in fresh memory, slow to touch the first time). Static
+    views are read through the pass's persistent cache (``cache_dir=..., persist=True`` or
+    ``readonly_cache=True``) as a pipeline reads its static labels: kept there by the first
+    fit, served by the next without a read; static views alone (no pass) are read from the
+    store.
 
     ``pool``: channel dimensions (by name) to reduce over as well, in every view that keeps
     them: ``pool="member"`` fits an ensemble's statistics over all its members, one value per
@@ -475,6 +464,7 @@ def fit_statistics(
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label, v in sampled.items() if v.product is None}
     last: dict[str, tuple[int, np.ndarray, int]] = {}
+    statics: dict[str, np.ndarray] = {}  # the static views' data
     anchors: dict[str, Any] = {}  # (a stride, missing steps: none for every sample)
     if sampled and not manifest.chunks(split):
         held = {name: len(manifest.chunks(name)) for name in manifest.splits}
@@ -505,16 +495,22 @@ def fit_statistics(
         anchors = {k: config[k] for k in ("stride", "missing_steps") if k in config}
         anchors["anchors"] = anchors_hash(plan.manifest, plan.views, plan.plan_config)
         try:
+            if static:  # through the pass's cache, as a pipeline reads its static labels
+                chunks = pipe.stages.pool
+                statics = read_static(zstore, static, retry_policy(zstore).timeout_s,
+                                      cache=chunks.cache, stats=chunks.stats)  # fmt: skip
             for batch in pipe:
                 for label, view in sampled.items():
                     _accumulate(batch, label, view, pooled[label], moments[label],
                                 diffs.get(label), last, apart, separate)  # fmt: skip
         finally:
             pipe.close()
+    if static and not sampled:  # (no pass: read from the store; see the docstring)
+        statics = read_static(zstore, static, retry_policy(zstore).timeout_s)
     if static:
-        for label, data in read_static(zstore, static, retry_policy(zstore).timeout_s).items():
+        for label, data in statics.items():
             channels = _channels(static[label])
-            moments[label].add(_as_channels(data[None], channels, pooled[label]))
+            moments[label].add(as_channels(data[None], channels, pooled[label]))
     fields: dict[str, dict[str, np.ndarray]] = {name: {} for name in FIELDS}
     for label, view in plain.items():
         channels = _channels(view, pool)
@@ -584,7 +580,7 @@ def _accumulate(
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
     channels = _channels(view)
-    moments.add(_as_channels(x, channels, pooled))
+    moments.add(as_channels(x, channels, pooled))
     if diffs is None:  # product sample axes: no one step (module docstring)
         return
     # one-step differences between consecutive anchors one step apart (``apart``), across the
@@ -596,15 +592,15 @@ def _accumulate(
     prev = last.get(label)
     if prev and len(idx) and prev[2] == own[0] and apart(np.array(prev[:1]), idx[:1])[0]:
         edge = np.subtract(x[:1], prev[1][None], dtype=wide)
-        diffs.add(_as_channels(edge, channels, pooled), extrema=False)
+        diffs.add(as_channels(edge, channels, pooled), extrema=False)
     step = apart(idx[:-1], idx[1:]) & (own[1:] == own[:-1])
     if step.all() and len(idx) > 1:
         diff = np.subtract(x[1:], x[:-1], dtype=wide)
-        diffs.add(_as_channels(diff, channels, pooled), extrema=False)
+        diffs.add(as_channels(diff, channels, pooled), extrema=False)
     elif step.any():
         at = np.flatnonzero(step)
         diff = np.subtract(x[at + 1], x[at], dtype=wide)
-        diffs.add(_as_channels(diff, channels, pooled), extrema=False)
+        diffs.add(as_channels(diff, channels, pooled), extrema=False)
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]), int(own[-1]))
 

@@ -7,6 +7,8 @@
 * :mod:`~insitubatch_nodes.cache.files` — file names, the ``.npy`` layout, mapped slots, spill;
 * :mod:`~insitubatch_nodes.cache.fingerprint` — what a cached chunk must have been made by;
 * :mod:`~insitubatch_nodes.cache.identity` — what each stored object was when it was cached;
+* :mod:`~insitubatch_nodes.cache.stale` — what stale chunks do: a writer refetches them, a
+  reader is refused for those it would serve;
 * :mod:`~insitubatch_nodes.cache._filemap` — files mapped without keeping a descriptor.
 
 Its errors are in :mod:`insitubatch_nodes.errors`.

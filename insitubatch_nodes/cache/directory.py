@@ -21,7 +21,8 @@ naming those arrays (as does another pipeline of this process keeping it otherwi
 too (:mod:`~insitubatch_nodes.cache.identity`): a writer records what identifies each stored
 object it read in ``insitu_identity.jsonl`` as each chunk is committed, and opening lists each
 cached array's prefix once — chunks whose objects changed, went or appeared are dropped (a
-writer fetches them again) or raise :class:`StaleCacheError` naming them (``readonly``). A line
+writer fetches them again) or raise :class:`StaleCacheError` naming them when a ``readonly``
+reader would serve them (:mod:`~insitubatch_nodes.cache.stale`). A line
 whose chunk no longer has the same shape, dtype or number of valid samples is a miss (the chunk
 is fetched again and its file replaced). A log that cannot be trusted — an unparseable line
 before the last, a file name that is not a bare name in the directory — raises
@@ -107,7 +108,6 @@ from insitubatch_nodes.cache.files import (
 )
 from insitubatch_nodes.cache.lock import (
     LOCK_NAME,
-    WARNED_UNCHECKED,
     DirLock,
     claim_abandoned,
     claim_note,
@@ -118,6 +118,7 @@ from insitubatch_nodes.cache.lock import (
     warn_unarbitrated,
 )
 from insitubatch_nodes.cache.log import Log, Logged, entry_line, is_checked, matches, parse_entry
+from insitubatch_nodes.cache.stale import Serves, StaleChunks
 from insitubatch_nodes.errors import (
     CacheClosed,
     CacheDiskFullError,
@@ -145,7 +146,9 @@ class ChunkCache:
     and :meth:`seal` on a decode thread (a hit on disk is mapped and checked there, off the IO
     loop); :meth:`close` releases the directory once every mapping is gone and :meth:`open`
     takes it again. ``verify=False`` serves cached chunks without checking their content (and
-    trusts lines logged without a checksum); see the module docstring.
+    trusts lines logged without a checksum); see the module docstring. ``serves`` (a
+    read-only cache's) gives the chunk keys its plan reads: its stale chunks among them refuse
+    it at open, the others when read (:mod:`~insitubatch_nodes.cache.stale`).
     """
 
     def __init__(
@@ -159,6 +162,7 @@ class ChunkCache:
         rank: int = 0,
         verify: bool = True,
         store_check: store_identity.StoreCheck | None = None,
+        serves: Serves | None = None,
     ) -> None:
         if readonly and reset_stale:
             raise ValueError(
@@ -185,6 +189,8 @@ class ChunkCache:
         }
         #: the store the chunks come from: checked at open, recorded by a writer (store_identity)
         self.store_check = store_check
+        self.serves = serves
+        self._stale = StaleChunks(self.root, "", serves)  # made anew at each open
         self.identity: store_identity.IdentityRecorder | None = None
         self._locks: list[DirLock] = []
         self._closing: list[DirLock] = []  # released by close() but waiting for mappings to go
@@ -243,6 +249,7 @@ class ChunkCache:
             self._locks[:] = locks
             self._index.clear()
             self._logs.clear()
+            self._stale = StaleChunks(self.root, check.name if check else "", self.serves)
             if self.persistent:
                 share_arrays(self.root, self, self.fingerprints, self.store_check)  # before _load
                 self._load()
@@ -337,9 +344,10 @@ class ChunkCache:
         self._check_store(new)  # (nothing to list when nothing is new)
 
     def _check_store(self, arrays: Collection[str] | None = None) -> None:
-        """Drop (a writer) or refuse (``readonly``) the cached chunks of ``arrays`` (default: the
-        pipeline's; another store's, sharing the directory, are not this store's to judge) whose
-        stored objects changed since cached: one listing per array (see store_identity)."""
+        """Drop (a writer), or drop and refuse where served (``readonly``: :class:`StaleChunks`),
+        the cached chunks of ``arrays`` (default: the pipeline's; another store's, sharing the
+        directory, are not this store's to judge) whose stored objects changed since cached:
+        one listing per array (see store_identity)."""
         check = self.store_check
         if check is None or not self._index:  # disabled: only chunks of another store are stale
             return
@@ -347,33 +355,10 @@ class ChunkCache:
         report = check.stale(store_identity.chunks_by_array(
             (key, logged.file) for key, logged in self._index.items() if key[0] in arrays
         ))  # fmt: skip
-        if report.unchecked is not None and (str(self.root), check.name) not in WARNED_UNCHECKED:
-            WARNED_UNCHECKED.add((str(self.root), check.name))
-            warnings.warn(
-                f"insitubatch_nodes: cache_dir {self.root} is trusted without checking store "
-                f"{check.name}: {report.unchecked}. A chunk whose stored objects changed since "
-                "it was cached would be served as cached. Pass check_store=False if the store "
-                "is known not to change (this warning goes), or give the changed data a new "
-                "cache_dir.",
-                UserWarning,
-                stacklevel=5,
-            )
-        if not report.chunks:  # (a failed listing leaves only the chunks of another store)
-            return
-        if self.readonly:
-            raise StaleCacheError(store_identity.stale_message(self.root, check.name, report))
-        for key in report.chunks:
+        for key in report.chunks:  # (a reader refuses them: when served, never serving them)
             self._index.pop(key, None)
-        self.stats["stale_chunks"] += len(report.chunks)
-        _log.warning(
-            "insitubatch_nodes: %d cached chunk(s) in %s are stale (their stored objects in %s "
-            "changed, or they were cached from another store): they are fetched again and "
-            "rewritten: %s",
-            len(report.chunks),
-            self.root,
-            check.name,
-            report.describe(),
-        )
+        self.stats["stale_chunks"] += 0 if self.readonly else len(report.chunks)
+        self._stale.found(report, self.readonly)
 
     @property
     def spill(self) -> SpillBacking | None:
@@ -440,10 +425,12 @@ class ChunkCache:
             )
             raise StaleCacheError(
                 f"cache_dir {self.root} holds chunks of {where} made with another geometry, "
-                "decoding (mask_and_scale, cf_dtype) or chunk transforms than this pipeline's "
-                "(or an earlier version of one, e.g. Coarsen or StandardScaler on float16). "
-                "Pass reset_stale_cache=True to delete just those arrays' cached chunks and "
-                "rebuild them, or use another cache_dir (delete this one to start over)."
+                "decoding (mask_and_scale, cf_dtype), patches or chunk transforms than this "
+                "pipeline's (or an earlier version of one, e.g. Coarsen or StandardScaler on "
+                "float16; a run reading an array through patches() keeps its stored tiles, one "
+                "reading whole fields its chunks: give each its own cache_dir). Pass "
+                "reset_stale_cache=True to delete just those arrays' cached chunks and rebuild "
+                "them, or use another cache_dir (delete this one to start over)."
             )
         if (stale and self.own in {p for ps in stale.values() for p, _ in ps}) or torn_own:
             self._rewrite_own_log(set(stale), own_entries)
@@ -502,6 +489,7 @@ class ChunkCache:
         dtype or valid-sample count, logged without a checksum, or its file is gone). Reads
         what other writers logged meanwhile. A read-only cache raises :class:`CacheMissError`
         for a chunk logged without a checksum (unless ``verify=False``)."""
+        self._stale.refuse(key)  # (a read-only cache's stale chunk: never served)
         logged = self._index.get(key)
         if logged is None:
             self._refresh()

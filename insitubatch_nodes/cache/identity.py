@@ -476,6 +476,28 @@ class StaleReport:
     reasons: list[str] = field(default_factory=list)
     unchecked: str | None = None  # why the store could not be checked (then nothing is stale)
     elsewhere: set[tuple[str, int]] = field(default_factory=set)  # cached from another store
+    why: dict[tuple[str, int], list[str]] = field(default_factory=dict)  # each chunk's reasons
+
+    def add(self, chunk: tuple[str, int], reason: str) -> None:
+        """``chunk`` is stale for ``reason``."""
+        self.chunks.add(chunk)
+        self.reasons.append(reason)
+        self.why.setdefault(chunk, []).append(reason)
+
+    def merge(self, other: StaleReport, chunks: Iterable[tuple[str, int]] | None = None) -> None:
+        """Add ``other``'s stale chunks (those among ``chunks``; default: all) to these."""
+        keep = other.chunks if chunks is None else other.chunks.intersection(chunks)
+        for chunk in sorted(keep):
+            for reason in other.why.get(chunk, []):
+                self.add(chunk, reason)
+            self.chunks.add(chunk)
+        self.elsewhere |= other.elsewhere & keep
+
+    def only(self, chunks: Iterable[tuple[str, int]]) -> StaleReport:
+        """The part of this report about ``chunks``."""
+        part = StaleReport(unchecked=self.unchecked)
+        part.merge(self, chunks)
+        return part
 
     def describe(self, first: int = 5) -> str:
         shown = "; ".join(self.reasons[:first])
@@ -565,11 +587,10 @@ class StoreCheck:
                     )
                     for c in np.unique(rows.chunks[other]).tolist():
                         report.elsewhere.add((array, c))
-                        report.reasons.append(f"{array!r} chunk {c}: cached from another store")
+                        report.add((array, c), f"{array!r} chunk {c}: cached from another store")
                     want = want[~np.isin(want, rows.chunks[other])]
                     rows = rows.take(np.isin(rows.kinds, [mine, mine.partition("@")[0]]))
                 rows_of.append((want, rows))
-            report.chunks |= report.elsewhere
             if not self.enabled or not listed:
                 continue
             try:  # a HeadLister asks for the recorded objects only; the others list the prefix
@@ -584,8 +605,7 @@ class StoreCheck:
                     np.concatenate([li.dated for li in listings]),
                 )  # fmt: skip
             except Exception as exc:  # NotSupported, a denied ListBucket, a network error
-                report.chunks = set(report.elsewhere)  # stale whatever the listing would say
-                report.reasons = [r for r in report.reasons if r.endswith("another store")]
+                report = report.only(report.elsewhere)  # stale whatever the listing would say
                 report.unchecked = f"listing {array!r} failed ({short_cause(exc)})"
                 return report
             for want, rows in rows_of:
@@ -634,8 +654,7 @@ class StoreCheck:
                     detail = ""
                     if why == "changed" and l_size[i] != size[i]:
                         detail = f" (size {size[i]} -> {l_size[i]})"
-                    report.reasons.append(f"{str(keys[i])!r} {why}{detail}")
-                    report.chunks.add((array, int(chunk[i])))
+                    report.add((array, int(chunk[i])), f"{str(keys[i])!r} {why}{detail}")
             ids, counts = np.unique(chunk, return_counts=True)
         else:
             ids, counts = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
@@ -643,8 +662,7 @@ class StoreCheck:
         have = np.zeros(len(want), dtype=np.int64)
         have[np.searchsorted(want, ids)] = counts  # every row's chunk is in want (filtered)
         for c in want[have < self.tiles.get(array, 1)]:
-            report.reasons.append(f"{array!r} chunk {int(c)}: no recorded store identity")
-            report.chunks.add((array, int(c)))
+            report.add((array, int(c)), f"{array!r} chunk {int(c)}: no recorded store identity")
 
 
 def _place(store: Any) -> str:
@@ -661,26 +679,6 @@ def _place(store: Any) -> str:
     return "routed:" + ",".join(
         _place(s) if isinstance(w, str) else w.where
         for s, w in zip(store.stores, wheres, strict=True)
-    )
-
-
-def stale_message(root: Path, store: str, report: StaleReport) -> str:
-    """The :class:`~insitubatch_nodes.cache.StaleCacheError` message of a read-only cache."""
-    if report.elsewhere:
-        return (
-            f"cache_dir {root} holds {len(report.chunks)} chunk(s) that store {store} cannot "
-            f"vouch for: {report.describe()}. A cache serves the store it was warmed from: "
-            "read that store, give this one another cache_dir, or warm it again with a writing "
-            "run (readonly_cache=False), which refetches just those chunks."
-        )
-    return (
-        f"cache_dir {root} holds {len(report.chunks)} chunk(s) whose stored objects in store "
-        f"{store} changed since they were cached, or cannot be vouched for: "
-        f"{report.describe()}. Warm the cache again with a writing run (readonly_cache=False) "
-        "whose split reads those chunks, which refetches just them (a writer whose split does "
-        "not read them leaves them stale: after an append to the archive, the old last chunk, "
-        "even where this run does not read it); or pass check_store=False if the store is "
-        "known not to change."
     )
 
 

@@ -244,6 +244,18 @@ def slot_holdings(
     return held_by_path(views, exact=lambda path: not (persistent or transforms.active(path)))
 
 
+def chunks_served(plan: ReadPlanNode) -> list[tuple[str, int]]:
+    """The chunk keys ``plan``'s split is read from in an epoch, by any of its ranks: the
+    distinct chunks of one rank's plan, or under several ranks (which read other chunks each
+    epoch) of the plan of one rank reading the whole split — the same on every rank. What a
+    read-only cache must not hold stale (:mod:`~insitubatch_nodes.cache.stale`); asked only
+    when it does (a draw of the epoch)."""
+    if plan.world_size > 1:
+        config, views = plan.plan_config.for_rank(0, 1), dict[str, Any](plan.batch_views)
+        plan = ReadPlanNode(plan.manifest, views, schedule=plan.schedule, config=config)
+    return plan.epoch_plan().distinct_chunks()
+
+
 def _resolve_transforms(
     plan: ReadPlanNode, chunk_transforms: Sequence[ChunkTransform] | ChunkTransforms
 ) -> ChunkTransforms:
