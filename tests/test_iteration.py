@@ -88,6 +88,34 @@ def test_next_of_a_fresh_iter_again_and_again_continues_one_epoch_reading_each_o
     pipe.close()
 
 
+def test_a_for_loop_over_the_pipeline_after_an_epoch_ended_runs_the_next_epoch(
+    root: Path,
+) -> None:
+    # `for epoch in range(3): for batch in pipe:` without a Loader: before, every epoch but
+    # the first was silently empty (the node stayed exhausted), and training looked done
+    pipe = make(root)
+    epochs = [[(b.epoch, b.index) for b in pipe] for _ in range(3)]
+    n = len(pipe)
+    assert epochs == [[(e, i) for i in range(n)] for e in range(3)]
+    it = iter(pipe)  # an iterator taken once still ends at its epoch's end
+    assert [b.epoch for b in it] == [3] * n
+    with pytest.raises(StopIteration):
+        next(it)
+    pipe.close()
+
+
+def test_a_for_loop_broken_off_mid_epoch_is_continued_by_the_next_one(root: Path) -> None:
+    pipe = make(root)
+    first = []
+    for b in pipe:
+        first.append(b.index)
+        if len(first) == 2:
+            break
+    rest = [b.index for b in pipe]
+    assert first + rest == list(range(len(pipe)))
+    pipe.close()
+
+
 # ---------------------------------------------------------------------------------------------
 # Epochs advance on delivered batches
 # ---------------------------------------------------------------------------------------------

@@ -7,16 +7,18 @@ plans the fetcher pulled ahead, are not counted — so a checkpoint resumes at e
 undelivered batch.
 
 Lifecycle, following ``BaseNode``'s contract: ``iter(node)`` is the node itself, so
-``next(iter(pipe))`` called again and again continues the same epoch. The thread starts at the
-first ``next()`` after a ``reset`` (so ``reset`` twice with nothing consumed starts the same
-epoch twice, never skipping one). It stops at the end of an epoch, on ``reset``, on ``close()``
-(also ``with`` blocks, ``del`` and interpreter exit). ``close()`` cancels this pipeline's
-in-flight fetches and unpins its chunks, keeping the delivered position, so a later ``next()``
-resumes where the consumer was. ``next()`` is safe from several threads at once: they share
-the one producer and its epoch (each item to one of them, ``StopIteration`` to all at its end).
-Leaving a ``for`` loop early (``break``) releases nothing: the
-thread parks once ``prefetch_depth`` batches wait, and the next ``next()`` continues; call
-``close()`` (or use ``with``) to release memory at once.
+``next(iter(pipe))`` called again and again continues the same epoch; only once an epoch has
+ended does ``iter()`` start the next one (a ``reset``), so each ``for batch in pipe:`` is an
+epoch, as over a ``Loader`` (before, every loop after the first got nothing). The thread starts
+at the first ``next()`` after a ``reset`` (so ``reset`` twice with nothing consumed starts the
+same epoch twice, never skipping one). It stops at the end of an epoch, on ``reset``, on
+``close()`` (also ``with`` blocks, ``del`` and interpreter exit). ``close()`` cancels this
+pipeline's in-flight fetches and unpins its chunks, keeping the delivered position, so a later
+``next()`` resumes where the consumer was. ``next()`` is safe from several threads at once: they
+share the one producer and its epoch (each item to one of them, ``StopIteration`` to all at its
+end). Leaving a ``for`` loop early (``break``) releases nothing: the thread parks once
+``prefetch_depth`` batches wait, and the next ``next()`` continues; call ``close()`` (or use
+``with``) to release memory at once.
 
 Stopping never waits for a GET: the thread is woken from any wait on a chunk
 (``interrupt()`` of the stages below) and joined for at most a few seconds. A producer still
@@ -266,6 +268,15 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             return None
         return delivered
 
+    def __iter__(self) -> Self:
+        """The node itself (torchdata's contract: ``next(iter(pipe))`` continues the epoch);
+        once an epoch ended, the next epoch first (a ``reset()``), so that ``for batch in
+        pipe:`` runs one epoch each time, as it does over a ``Loader``. An iterator taken once
+        still raises ``StopIteration`` at its epoch's end."""
+        if self._ended:
+            self.reset()
+        return self
+
     def next(self) -> T:
         _process.check_same_process(self._pid)
         if self._ended:
@@ -326,8 +337,6 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         return {SOURCE_KEY: self._delivered}
 
     if TYPE_CHECKING:  # torchdata's own (untyped) methods, declared with this node's item type
-
-        def __iter__(self) -> Self: ...
 
         def __next__(self) -> T: ...
 
