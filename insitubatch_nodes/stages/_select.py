@@ -64,7 +64,8 @@ class SelectedGather:
         elif self.listed is not None:
             place, listed = self.listed
             # the other axes by basic indexing (a view of the slot), then one take along the
-            # listed axis straight into the destination (clip: no bounds pass, no buffering)
+            # listed axis straight into a contiguous destination (clip: no bounds pass, no
+            # buffering), or run by run into a strided one
             picked = slot[(w, *self._others)]
             if isinstance(rows, slice) and not out[rows].flags.c_contiguous:
                 lead = (slice(None),) * (1 + place)  # the rows and the kept axes before it
