@@ -53,7 +53,9 @@ of a patched field) is gathered a group of alike rows at a time through a fancy 
 slot's sliding windows, which makes a temporary of the group (``_windows._gather_alike``:
 63,720 bytes for 161,280 of batch at 256 rows) before the assignment into the batch: two
 copies, not one. Writing it in one copy needs a take into a strided destination per group
-(``np.take(..., out=)`` takes one axis only), a change to the patch gather's design.
+(``np.take(..., out=)`` takes one axis only), a change to the patch gather's design. (Since
+then, test_twice_trial: the group's index takes only the selected levels, at most 1 MiB at a
+time, and windows of 32 KiB or more per tile go straight into the batch, one copy.)
 """
 
 from __future__ import annotations

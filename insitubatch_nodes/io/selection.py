@@ -44,6 +44,7 @@ __all__ = [
     "Selection",
     "axis_key",
     "covers",
+    "even_runs",
     "held_boxes",
     "held_by_path",
     "held_geometry",
@@ -304,6 +305,26 @@ def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
         return idx
     stop = int(idx[-1]) + step
     return slice(int(idx[0]), None if stop < 0 else stop, step)
+
+
+def even_runs(listed: Sequence[int]) -> list[tuple[slice, slice]]:
+    """``listed`` (indices along one axis) cut into runs that rise evenly, each as long as it
+    can be from the left: per run, its place among the entries and the indices it takes, both
+    slices (a view each, where an index array would gather). ``[0, 3, 4]``: two runs,
+    ``[0, 2, 4]``: one; a falling or repeated entry starts a run of its own."""
+    runs = []
+    i = 0
+    while i < len(listed):
+        j = i + 1
+        step = listed[j] - listed[i] if j < len(listed) else 1
+        if step > 0:
+            while j < len(listed) and listed[j] - listed[j - 1] == step:
+                j += 1
+        else:
+            step = 1
+        runs.append((slice(i, j), slice(listed[i], listed[j - 1] + 1, step)))
+        i = j
+    return runs
 
 
 def held_by_path(

@@ -8,7 +8,10 @@ ordinary label, the rows of one chunk are one contiguous run of the batch, and e
 copied with basic indexing wherever it can be: one slice assignment (a view of the slot, no
 temporary) when every index is a slice or an integer (evenly spaced lists are slices), one
 ``np.take`` along the axis straight into the batch when one axis takes an uneven list (13
-levels of 37: one call, not one copy per level), and one
+levels of 37: one call, not one copy per level) and the run's rows are contiguous in the batch
+— into a strided destination (a stack's channels, a window's step) ``np.take`` would copy
+through a temporary as large as the rows, so there the list's evenly spaced runs are one
+slice assignment each (levels 0, 3 and 4: two) — and one
 ``np.ix_`` gather (a temporary the size of the run's selection, never of the slot) when two
 axes do. Rows out of sample order within a chunk are taken with one index array. At one
 sample per chunk every row is its own run: one such copy per row, with no sort or run search.
@@ -22,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.selection import Held, slot_index
+from insitubatch_nodes.io.selection import Held, even_runs, slot_index
 
 __all__ = ["SelectedGather"]
 
@@ -44,6 +47,7 @@ class SelectedGather:
             listed = self.index[axis]
             assert isinstance(listed, np.ndarray)
             self.listed = (kept, listed)
+            self._runs = even_runs(listed.tolist())
         self._others = tuple(slice(None) if isinstance(i, np.ndarray) else i for i in self.index)
         # the general gather (two or more index arrays): ints first, then np.ix_ over the rest
         self._ints = tuple(i if isinstance(i, int) else slice(None) for i in self.index)
@@ -60,9 +64,15 @@ class SelectedGather:
         elif self.listed is not None:
             place, listed = self.listed
             # the other axes by basic indexing (a view of the slot), then one take along the
-            # listed axis straight into the destination (clip: no bounds pass, no buffering)
+            # listed axis straight into a contiguous destination (clip: no bounds pass, no
+            # buffering), or run by run into a strided one
             picked = slot[(w, *self._others)]
-            if isinstance(rows, slice):
+            if isinstance(rows, slice) and not out[rows].flags.c_contiguous:
+                lead = (slice(None),) * (1 + place)  # the rows and the kept axes before it
+                dest = out[rows]
+                for into, taken in self._runs:
+                    dest[(*lead, into)] = picked[(*lead, taken)]
+            elif isinstance(rows, slice):
                 np.take(picked, listed, axis=1 + place, out=out[rows], mode="clip")
             else:  # rows out of order: out[rows] would be a copy
                 out[rows] = np.take(picked, listed, axis=1 + place, mode="clip")

@@ -11,36 +11,60 @@ copy) of the rectangle's shape for all of them, one assignment into the batch. S
 work is per (unit, rectangle shape), bounded by the tiles and the window's extent whatever
 the batch's rows: (2, 4) windows of (4, 8) fields cost 71,000 Python lines per batch of
 4,096 rows when each pair was a slice assignment, 1,500 now, as for 64 rows; (2, 3) windows
-across (2, 4) tiles 128,000 and 3,300. Rows in smaller groups still take one slice
-assignment per pair (about a microsecond each, cheaper than a group's numpy calls for a
-handful of rows; a masked fancy index per unit was slower still). A view also
+across (2, 4) tiles 128,000 and 3,300. The index makes a temporary that the assignment
+copies again (numpy has no gather of many windows into a strided destination in one call),
+so a group goes :data:`WINDOW_SCRATCH_BYTES` at a time, and rectangles of
+:data:`WINDOW_ROW_BYTES` or more are not grouped: like rows in smaller groups, they take one
+slice assignment per pair, straight from the slot into the batch (about a microsecond each,
+cheaper than a group's numpy calls for a handful of rows, or than a second copy of a large
+one; a masked fancy index per unit was slower still). A view also
 selected along unpatched axes (levels of a patched field) works out what each piece's tile
-holds of the selection once per piece, then takes rows alike a group at a time as above
-(the listed levels taken from the gathered windows, not from the slot), and the others with
-one indexing per pair (measured before the windows went by group: 13 of 37 levels stored
-whole in each object, 48 x 96 windows of 32 x 64 tiles, batches of 16: 2.0-2.3 ms per batch
-from slots that keep the 13 levels, against 11-15 ms when each pair built its index arrays
-over slots that held all 37).
+holds of the selection once per piece — a slice where the entries lie evenly in the slot —
+then takes rows alike a group at a time as above (a list of uneven entries indexed with the
+rows, so the temporary holds only what the batch does), and the others with one indexing
+per pair (an uneven list one slice per evenly spaced run of it) (measured before the windows
+went by group: 13 of 37 levels stored whole in each object, 48 x 96 windows of 32 x 64
+tiles, batches of 16: 2.0-2.3 ms per batch from slots that keep the 13 levels, against
+11-15 ms when each pair built its index arrays over slots that held all 37).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.selection import Held
+from insitubatch_nodes.io.selection import Held, even_runs
 from insitubatch_nodes.plan.patches import WindowUnits
 
-__all__ = ["ALIKE_ROWS", "gather_windows"]
+__all__ = ["ALIKE_ROWS", "WINDOW_ROW_BYTES", "WINDOW_SCRATCH_BYTES", "gather_windows"]
 
 ALIKE_ROWS = 8
 """Rows that read one unit alike are gathered together when there are at least this many: a
 group's numpy calls (the sliding windows, the index, the assignment) cost about as much as
 eight rows' slice copies one by one (about 1.5 us each; a group of two or three cost 2-3x the
 pair-by-pair time per row on 64 x 64 tiles)."""
+
+WINDOW_ROW_BYTES = 32 * 2**10
+"""Rectangles (a window's part in one tile, every selected level) of at least this many bytes
+are copied pair by pair, each straight from its slot into the batch: one copy. A group's
+index of the sliding windows makes a temporary of its rows, which the assignment copies
+again; from about this size on that second copy costs more than a slice assignment's Python
+per pair. Measured, grouped against pair by pair, windows in (64, 128) tiles, batches of 64
+and 256 rows: 14 KiB 295 / 675 us against 353 / 991; 18 KiB 324 / 1,122 against 375 /
+1,677; 24 KiB 391 / 1,967 against 416 / 1,513; 32 KiB 657 / 2,998 against 581 / 2,339;
+55 KiB 1,012 / 4,508 against 705 / 3,326 (this VM, 2026-12-07, other work beside it). The
+Python work of such windows is per row (about 17 lines each: 3,247 lines per batch of 64,
+6,487 of 256), as :func:`~insitubatch_nodes.stages.gather.take_rows` takes rows of 8 KiB or
+more one by one: each row's copy outweighs it."""
+
+WINDOW_SCRATCH_BYTES = 2**20
+"""A group's rows are indexed this many bytes at a time at most (and :data:`ALIKE_ROWS` at
+least): the temporary an index makes, copied into the batch right after, stays this small
+however many rows the batch has."""
 
 
 def gather_windows(
@@ -181,8 +205,12 @@ def _select_windows(
                 if isinstance(key, int):
                     src.append(inside[0])  # drops the axis, in the cut and in the window
                     continue
-                takes.append((len(dst), np.asarray(inside, np.intp)))
-                src.append(slice(None))
+                (_, taken), *more = even_runs(inside)
+                if more:  # uneven in the slot: taken from it by an index
+                    takes.append((len(dst), np.asarray(inside, np.intp)))
+                    src.append(slice(None))
+                else:  # evenly spaced in the slot (its kept levels, in order): a view
+                    src.append(taken)
                 runs = at == list(range(at[0], at[-1] + 1))
                 dst.append(slice(at[0], at[-1] + 1) if runs else np.asarray(at, np.intp))
         else:
@@ -223,11 +251,28 @@ def _copy_piece(
     lo_hi = [tuple(a[cut].tolist() for a in part) for part in lo_hi]
     arrays = sum(isinstance(part, np.ndarray) for part in dst)
     at = within[rows[cut]].tolist()
+    # one listed axis, in its place in the window: its evenly spaced runs, a view each
+    runs, listed, into = [], 0, slice(0)
+    if len(takes) == 1 and isinstance(dst[takes[0][0]], slice):
+        axis, idx = takes[0]
+        listed, into = (
+            [f for f, part in enumerate(src) if not isinstance(part, int)][axis],
+            dst[axis],
+        )
+        runs = [(axis, slice(into.start + i.start, into.start + i.stop), taken)
+                for i, taken in even_runs(idx.tolist())]  # fmt: skip
     for j, (r, u) in enumerate(zip(rows[cut].tolist(), keys[cut].tolist(), strict=True)):
         for k, (f, d) in enumerate(zip(per_row, at_dst, strict=True)):
             s_lo, s_hi, d_lo = lo_hi[k]
             src[f] = slice(s_lo[j], s_hi[j])
             dst[d] = slice(d_lo[j], d_lo[j] + s_hi[j] - s_lo[j])
+        if runs:  # straight from the slot, run by run
+            row = slots[(base.path, u)][at[j]]
+            for axis, place, taken in runs:
+                src[listed], dst[axis] = taken, place
+                out[r][tuple(dst)] = row[tuple(src)]
+            src[listed], dst[axis] = slice(None), into
+            continue
         piece = slots[(base.path, u)][at[j]][tuple(src)]
         for axis, idx in takes:
             piece = np.take(piece, idx, axis=axis)
@@ -278,10 +323,12 @@ def _gather_alike(
     its place in the row along each field axis (``None`` along the patched axes; an int drops
     an axis, a list is taken by ``takes``), ``lo_hi``: per patched axis each row's rectangle
     in the tile and its place in the window. Per group, one index of the (selected) slot's
-    sliding windows (a view) of the rectangle's shape takes every row's part, the listed axes'
-    takes are applied to what it took, and one assignment puts them in the batch. The
-    positions (in ``rows``) of the rows in smaller groups, left to copy one by one.
-    ``layout``: :func:`_layout` of the parts, where the caller has it already."""
+    sliding windows (a view) of the rectangle's shape takes every row's part (the listed
+    axes' entries in the same index, so it holds just what the batch does), and one assignment
+    puts them in the batch: two copies, the second out of cache. The positions (in ``rows``)
+    of the rows left to copy one by one, straight into the batch: those in smaller groups, and
+    those whose rectangle is :data:`WINDOW_ROW_BYTES` or more. ``layout``: :func:`_layout` of
+    the parts, where the caller has it already."""
     patched, perm, axes, at_dst, mesh, n_kept = layout or _layout(src, dst)
     cut = tuple(slice(None) if part is None else part for part in src)
     lengths = [hi - lo for lo, hi, _ in lo_hi]
@@ -289,20 +336,39 @@ def _gather_alike(
     # per kept axis: each row's start in the tile (a patched axis), or None (the whole part)
     starts = [lo_hi[patched.index(i)][0] if i in patched else None for i in range(n_kept)]
     whole = slice(None)
+    lists: dict[int, np.ndarray] = {}  # listed axes: indexed with the rows, an outer product
+    for j, (axis, idx) in enumerate(takes):
+        lists[axis] = idx.reshape((1,) * (1 + j) + (-1,) + (1,) * (len(takes) - 1 - j))
+    if lists:  # their axes come right after the rows' in what the index takes
+        order = [*lists, *(i for i in range(n_kept) if i not in lists and i not in patched)]
+        order += patched
+        perm = (0, *(1 + order.index(i) for i in range(n_kept)))
+    lead = (-1,) + (1,) * len(takes)  # the rows' index, broadcast against the lists
+    straight = [alone]  # rows whose rectangles are large: each copied straight, by the caller
     for pick, key, extent, place in groups:
         slot = slots[(base.path, key)][(whole, *cut)]
-        windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
-        index = [whole if lo is None else lo[pick] for lo in starts]
-        values = windows[(within[rows[pick]], *index)].transpose(perm)
+        row = slot.itemsize * math.prod(extent)  # the bytes of one row's rectangle
+        row *= math.prod(n for i, n in enumerate(slot.shape[1:]) if i not in patched)
         for axis, idx in takes:
-            values = np.take(values, idx, axis=1 + axis)
+            row = row // slot.shape[1 + axis] * len(idx)
+        if row >= WINDOW_ROW_BYTES:
+            straight.append(pick)
+            continue
+        windows = np.lib.stride_tricks.sliding_window_view(slot, extent, axis=axes)
         box = list(dst)
         for d, e, p in zip(at_dst, extent, place, strict=True):
             box[d] = slice(p, p + e)
         if mesh:  # a listed axis in the window: an open mesh over every axis
             spans = [np.arange(n)[p] if isinstance(p, slice) else p
                      for n, p in zip(out.shape[1:], box, strict=True)]  # fmt: skip
-            out[np.ix_(rows[pick], *spans)] = values
-        else:
-            out[(rows[pick], *box)] = values
-    return alone
+        block = max(ALIKE_ROWS, WINDOW_SCRATCH_BYTES // row)
+        for b in range(0, len(pick), block):
+            some = pick[b : b + block]
+            index = [lists.get(i, whole) if lo is None else lo[some].reshape(lead)
+                     for i, lo in enumerate(starts)]  # fmt: skip
+            values = windows[(within[rows[some]].reshape(lead), *index)].transpose(perm)
+            if mesh:
+                out[np.ix_(rows[some], *spans)] = values
+            else:
+                out[(rows[some], *box)] = values
+    return np.sort(np.concatenate(straight)) if len(straight) > 1 else alone
