@@ -21,6 +21,14 @@ Found and fixed:
    (``ChunkReadError`` from ``FileNotFoundError`` naming the option, and what to do), under
    ``on_bad_chunk`` as any failed read; with the option at its default it reads the fill value,
    as zarr does.
+3. A structured array whose ``bytes`` codec is big-endian (the spec, and zarr from 3.3, byte-swap
+   each multi-byte field) was read with its fields in native order: 6.55e-42 for 36.5, every
+   value of every field wrong, while zarr 3.3+ read it right. The decoder now applies the
+   codec's byte order to the fields (zarr <= 3.2 drops that endian itself: the test skips).
+4. On the newest-zarr leg's numpy (2.5), decoding a CF lead-time coordinate (xarray's
+   durations) raised numpy's ``DeprecationWarning`` for a unitless ``NaT`` in the package's
+   own frame (``geom.sel(step=...)``); the ``NaT`` now has the coordinate's unit. No zarr
+   3.4 ``DeprecationWarning`` / ``FutureWarning`` came from the package's calls.
 
 Tried and found right (each against zarr's read of the same store): sharded arrays whose inner
 chunks were written in each of zarr 3.3's ``subchunk_write_order`` (morton, unordered,
@@ -28,11 +36,17 @@ lexicographic, colexicographic), the index at the start, inner chunks absent, th
 shuffled pipeline with ``shift``, windows, ``patches()``, ``isel``, a persistent ``cache_dir``
 (warm run served from it) and a resume from a mid-epoch state; the ``scale_offset`` codec (zarr
 3.2), sharded and not, with ``fit_statistics``; ``datetime64`` with a ``NaT`` fill value;
+structured arrays with a fill value (v2 big-endian fields, v3 sharded big-endian) over absent
+chunks; a ``ZipStore`` over an open file object (zarr 3.3); big-endian, blosc bitshuffle and
+transpose codecs inside and outside shards;
 zarr 3.3's opt-in ``FusedCodecPipeline``; with the rectilinear option on, an array with regular
 chunks beside rectilinear ones (a coordinate too, read by zarr) trains, and a rectilinear array
-or rectilinear shards are refused by name at ``open_geometries``. No ``DeprecationWarning`` or
-``FutureWarning`` is raised by the package's calls into zarr 3.4 (this module turns both into
-errors).
+or rectilinear shards are refused by name at ``open_geometries``. This module turns
+``DeprecationWarning`` and ``FutureWarning`` into errors.
+
+Left as it is: a persistent cache warmed while ``array.read_missing_chunks`` was on holds the
+fill value for an absent object, and serves it after the option is turned off (the store's
+check at start finds the object still absent, as cached).
 """
 
 from __future__ import annotations
@@ -266,6 +280,39 @@ def test_a_structured_array_stored_big_endian_reads_its_fields_in_that_byte_orde
     try:
         for batch in pipe:
             np.testing.assert_array_equal(batch.arrays["x"], want[batch.sample_indices["x"]])
+    finally:
+        pipe.close()
+
+
+# -- 4. numpy 2.5 (the newest-zarr leg's numpy) ---------------------------------------------------
+
+
+def test_a_lead_time_coordinate_decodes_without_numpys_generic_unit_deprecation(
+    tmp_path: Path,
+) -> None:
+    """Decoding CF durations (xarray's lead times: hours, ``dtype: timedelta64[ns]``) marked
+    the missing ones with a unitless ``NaT``: numpy 2.5 deprecates its conversion (a
+    ``DeprecationWarning`` in the package's frame; this module makes it an error)."""
+    root = tmp_path / "f.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    data = np.arange(24, dtype="f4").reshape(6, 4)
+    f = group.create_array(
+        "f", shape=(6, 4), chunks=(1, 4), dtype="f4", dimension_names=("time", "step")
+    )
+    f[...] = data
+    step = group.create_array(
+        "step", shape=(4,), chunks=(4,), dtype="i8", dimension_names=("step",)
+    )
+    step[...] = [0, 6, 12, -1]  # (the last one missing)
+    step.attrs.update({"units": "hours", "dtype": "timedelta64[ns]", "_FillValue": -1})
+    geom = open_geometries(root, ["f"])["f"]
+    picked = geom.sel(step=["0h", "12h"])
+    pipe = insitu_pipeline(root, _all(geom), {"x": picked}, batch_size=2, shuffle=False)
+    try:
+        for batch in pipe:
+            np.testing.assert_array_equal(
+                batch.arrays["x"], data[batch.sample_indices["x"]][:, [0, 2]]
+            )
     finally:
         pipe.close()
 
