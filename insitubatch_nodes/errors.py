@@ -81,7 +81,9 @@ class CorruptMetadataError(InSituError, ValueError):
 
 
 class UnsupportedMetadataError(CorruptMetadataError):
-    """A zarr metadata document names a codec or data type that nothing installed provides.
+    """A zarr metadata document names a codec or data type that nothing installed provides,
+    or a chunk grid zarr opens only with an option (zarr 3.2 on: a rectilinear grid, with
+    ``array.rectilinear_chunks``) or not at all (zarr 3.1).
 
     The document is valid; what decodes it is missing from this Python (a codec from
     ``imagecodecs`` or an optional ``numcodecs`` dependency, a data type of a newer zarr). A
@@ -94,12 +96,26 @@ class UnsupportedMetadataError(CorruptMetadataError):
         what = "; ".join(
             f"{key!r} (the metadata of {_node_name(key)}) {reason}" for key, reason in documents
         )
+        grid = any("chunk grid" in why for _, why in documents)
+        advice = []
+        if not grid or any("not installed" in why for _, why in documents):
+            advice.append(
+                "Install the package that provides it and import it before opening the store "
+                "(imagecodecs' codecs: import imagecodecs.numcodecs; "
+                "imagecodecs.numcodecs.register_codecs()); a data type zarr does not know needs "
+                "a newer zarr-python"
+            )
+        if grid:
+            advice.append(
+                "insitubatch_nodes reads arrays with a regular chunk grid only: with the option "
+                "set (zarr >= 3.2), zarr opens the store and its arrays with regular grids are "
+                "read (an array with variable chunk sizes is refused by name); to train on such "
+                "an array, rewrite it with one chunk shape (zarr.create_array(..., chunks=(...)))"
+            )
         ValueError.__init__(
             self,
-            f"zarr metadata in store {store} needs what is not installed here: {what}. Install "
-            "the package that provides it and import it before opening the store (imagecodecs' "
-            "codecs: import imagecodecs.numcodecs; imagecodecs.numcodecs.register_codecs()); a "
-            "data type zarr does not know needs a newer zarr-python",
+            f"zarr metadata in store {store} needs what is not "
+            f"{'read' if grid else 'installed'} here: {what}. " + ". ".join(advice),
         )
 
 

@@ -345,6 +345,38 @@ def stored_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
         ) from exc
 
 
+#: the zarr option without which zarr (3.2 on) refuses to open a rectilinear chunk grid
+RECTILINEAR_OPTION = (
+    "zarr.config.set({'array.rectilinear_chunks': True}) (or ZARR_ARRAY__RECTILINEAR_CHUNKS=True)"
+)
+
+
+def unsupported_chunk_grid(exc: BaseException) -> str | None:
+    """Why zarr refused to open an array, when ``exc`` says its metadata is valid but names a
+    chunk grid zarr does not open here; ``None`` for any other error. zarr 3.2 – 3.4 raise
+    ``RectilinearChunksDisabledError`` (a ``ValueError`` in ``zarr.core.metadata.v3``, not
+    exported) for a rectilinear grid while ``array.rectilinear_chunks`` is off; zarr 3.1 raises
+    ``ValueError("Unknown chunk grid. Got rectilinear.")``."""
+    if type(exc).__name__ == "RectilinearChunksDisabledError":
+        return (
+            "a rectilinear chunk grid (variable chunk sizes), which zarr opens only with "
+            f"{RECTILINEAR_OPTION}"
+        )
+    if isinstance(exc, ValueError) and str(exc).startswith("Unknown chunk grid"):
+        return (
+            f"a chunk grid zarr {zarr.__version__} does not know ({exc}); zarr >= 3.2 opens a "
+            f"rectilinear grid (variable chunk sizes) with {RECTILINEAR_OPTION}"
+        )
+    return None
+
+
+def reads_missing_chunks() -> bool:
+    """zarr's ``array.read_missing_chunks`` option (zarr 3.2 on; always ``True`` before):
+    whether zarr reads a chunk absent from the store as the fill value (``True``) or raises
+    ``ChunkNotFoundError`` (``False``)."""
+    return bool(zarr.config.get("array.read_missing_chunks", True))
+
+
 def read_chunk_shape(array: zarr.Array) -> tuple[int, ...]:
     """zarr's chunk shape (the inner chunk of a sharded array)."""
     return tuple(int(c) for c in array.chunks)

@@ -223,7 +223,7 @@ def _decode_timedelta(
     else:
         counts = np.round(np.where(bad, 0, values) * per_unit).astype(np.int64)
     out = counts.view(out_dtype)
-    out[bad] = np.timedelta64("NaT")
+    out[bad] = np.array("NaT", out_dtype)  # (numpy 2.5 deprecates a unitless NaT)
     return out
 
 

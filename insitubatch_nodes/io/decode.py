@@ -428,7 +428,12 @@ class _ShardPlan(_Plan):
 
 
 def _with_endian(dtype: np.dtype[Any], endian: str | None) -> np.dtype[Any]:
-    if endian is None or dtype.itemsize <= 1 or dtype.kind in "OV":
+    """``dtype`` in the byte order of the ``bytes`` codec's ``endian``: a structured dtype's
+    multi-byte fields too (the spec's, and zarr's from 3.3; zarr <= 3.2 ignored ``endian`` for
+    structured dtypes), never raw bytes (``V``) or objects."""
+    if endian is None or dtype.itemsize <= 1 or dtype.kind == "O":
+        return dtype
+    if dtype.kind == "V" and dtype.fields is None:
         return dtype
     return dtype.newbyteorder("<" if endian == "little" else ">")
 

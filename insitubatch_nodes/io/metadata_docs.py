@@ -14,19 +14,32 @@ from typing import Any
 
 import zarr
 
-from insitubatch_nodes.io._zarr_compat import METADATA_DOCUMENTS, open_consolidated
+from insitubatch_nodes.io._zarr_compat import (
+    METADATA_DOCUMENTS,
+    open_consolidated,
+    unsupported_chunk_grid,
+)
 
 __all__ = ["UNSUPPORTED", "unreadable_metadata", "unsupported_reason"]
 
 UNSUPPORTED = "needs a "
 
 
+#: how :func:`unsupported_reason` starts the reason for a chunk grid zarr does not open here
+CHUNK_GRID = f"{UNSUPPORTED}chunk grid zarr does not open here: "
+
+
 def unsupported_reason(exc: BaseException) -> str | None:
-    """The reason for zarr's ``exc`` when it says a codec or data type is not installed."""
+    """The reason for zarr's ``exc`` when it says the document is valid but names what this
+    Python does not read: a codec or data type that is not installed, or a chunk grid zarr
+    opens only with an option (a rectilinear grid, zarr 3.2 on) or not at all (zarr 3.1)."""
     if type(exc).__name__ == "UnknownCodecError":  # numcodecs' (v2) and zarr's (v3)
         return f"{UNSUPPORTED}codec that is not installed ({exc})"
     if str(exc).startswith("No Zarr data type found"):
         return f"{UNSUPPORTED}data type that is not installed ({exc})"
+    grid = unsupported_chunk_grid(exc)
+    if grid is not None:
+        return f"{CHUNK_GRID}{grid}"
     return None
 
 
@@ -38,8 +51,11 @@ def _consolidated_reason(store: Any, node: str, zarr_format: int) -> None:
     try:
         open_consolidated(store, node, zarr_format)
     except Exception as exc:
+        unsupported = unsupported_reason(exc)  # valid, and naming what is not read here
         raise _Consolidated(
-            f"holds consolidated metadata zarr cannot read ({type(exc).__name__}: {exc}); "
+            f"{unsupported} (in its consolidated metadata)"
+            if unsupported is not None
+            else f"holds consolidated metadata zarr cannot read ({type(exc).__name__}: {exc}); "
             "zarr.consolidate_metadata(store) writes it again"
         ) from exc
 

@@ -43,6 +43,7 @@ class ArrayFill:
     its key template, its tiles and the rectangle each covers."""
 
     __slots__ = (
+        "_missing_raises",
         "decoder",
         "fill_value",
         "geom",
@@ -67,11 +68,16 @@ class ArrayFill:
         held: Held | None = None,
         routed: Sequence[str] = (),
         listed: bool = False,
+        missing_raises: bool = False,
     ) -> None:
         self.geom = geom
-        #: the store was listed when the plan was built (``missing_objects="drop"``): the plan
-        #: reads no object found absent then, so an absent one now was deleted since
-        self.listed = listed
+        #: an absent object fails its read (:meth:`gone_error`) instead of reading as the fill
+        #: value: the store was listed when the plan was built (``missing_objects="drop"``: the
+        #: plan reads no object found absent then, so an absent one now was deleted since), or
+        #: ``missing_raises``: zarr's ``array.read_missing_chunks`` option is off (zarr 3.2 on),
+        #: so that zarr itself raises ``ChunkNotFoundError`` for an absent chunk
+        self.listed = listed or missing_raises
+        self._missing_raises = missing_raises and not listed
         #: the descriptions of a routing store's stores (a collection in several stores)
         self.routed = tuple(routed)
         #: a patched array: a pool entry's key names a unit (one stored tile), not a chunk
@@ -134,6 +140,15 @@ class ArrayFill:
         listing held it when the plan was built (:attr:`listed`): it was deleted since, and
         reading it as the fill value would deliver the rows ``missing_objects="drop"`` drops."""
         error = self.read_error(chunk, tile, key, "read", store)
+        if self._missing_raises:
+            error.__cause__ = FileNotFoundError(
+                f"{key!r} is absent from the store and zarr's option array.read_missing_chunks "
+                "is off (zarr raises ChunkNotFoundError for it), so it is not read as the fill "
+                "value. Restore the object; or read absent objects as the fill value, as zarr "
+                "does with zarr.config.set({'array.read_missing_chunks': True}); or pass "
+                "missing_objects='drop' to leave out the samples that read absent objects"
+            )
+            return error
         error.__cause__ = FileNotFoundError(
             f"{key!r} was in the store's listing when the pipeline was built "
             "(missing_objects='drop') and is absent now: the store changed during the run. "

@@ -62,7 +62,7 @@ from torchdata.nodes import BaseNode
 from zarr.storage import ObjectStore
 
 from insitubatch_nodes import _process, _runtime
-from insitubatch_nodes.io import objects
+from insitubatch_nodes.io import _zarr_compat, objects
 from insitubatch_nodes.io.arrays import check_arrays_in_store
 from insitubatch_nodes.io.collection_checks import check_collection_in_store
 from insitubatch_nodes.io.decode import ChunkDecoder
@@ -188,6 +188,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         )
         steps = context.plan.manifest.steps  # listed at build: an absent object is gone since
         listed = steps is not None and steps.absent is not None
+        missing_raises = not _zarr_compat.reads_missing_chunks()  # as zarr would read them
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
@@ -201,6 +202,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
                     held=context.held.get(path),
                     routed=routed,
                     listed=listed,
+                    missing_raises=missing_raises,
                 )
                 for path, g in self.geoms.items()
             },
