@@ -216,3 +216,35 @@ def test_an_ensemble_stack_resumes_exactly_mid_epoch(ens: Any) -> None:
     with build() as pipe:
         ref = records(list(pipe)) + records(list(pipe))
     assert_resumes_exactly(build, records, ref, [2, 6])
+
+
+def test_anemoi_s_layout_on_a_grid_of_points_is_batch_ensemble_grid_variables(
+    tmp_path: Path,
+) -> None:
+    """``2t (time, member, values)`` beside 1-D latitude/longitude: channels last gives rows
+    ``(E, values, C)``, as anemoi-training's ``(batch, ensemble, grid, variables)``."""
+    n, rng = 7, np.random.default_rng(0)
+    times = pd.date_range("2020-01-01", periods=8, freq="6h")
+    ds = xr.Dataset(
+        {"t": (("time", "member", "level", "values"), rng.normal(size=(8, 2, 3, n)).astype("f4")),
+         "2t": (("time", "member", "values"), rng.normal(size=(8, 2, n)).astype("f4")),
+         "lsm": (("values",), rng.random(n).astype("f4")),
+         "latitude": (("values",), np.linspace(-60, 60, n)),
+         "longitude": (("values",), np.linspace(0, 300, n))},
+        coords={"time": times, "member": [0, 1], "level": [1000, 850, 500]},
+    )  # fmt: skip
+    root = _write(tmp_path / "points.zarr", ds, 4)
+    g = open_geometries(root)
+    x = stack({"t": g["t"].sel(level=[850, 500]), "2t": g["2t"], "lsm": g["lsm"],
+               "sun": Forcings("x", view=g["2t"], names=["cos_solar_zenith"])},
+              ensemble="member", layout="channels_last")  # fmt: skip
+    assert x.channels == ("t@850", "t@500", "2t", "lsm", "cos_solar_zenith")
+    assert x.row_shape == (2, n, 5)
+    with insitu_pipeline(root, _train(g), {"x": x}, batch_size=5) as pipe:
+        for batch in pipe:
+            i, got = batch.sample_indices["x"], batch["x"]
+            want = ds.t.sel(level=[850, 500]).values[i]
+            np.testing.assert_array_equal(np.moveaxis(got[..., :2], -1, 2), want)
+            np.testing.assert_array_equal(got[..., 2], ds["2t"].values[i])
+            assert (got[..., 3] == ds.lsm.values).all()
+            np.testing.assert_array_equal(got[:, 0, :, 4], got[:, 1, :, 4])
