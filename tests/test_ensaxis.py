@@ -140,12 +140,16 @@ def test_a_member_major_store_sampled_along_time_and_one_sample_per_chunk_give_t
         x = stack({"t": g["t"].window([-1, 0]), "2t": g["2t"].window([-1, 0]), "lsm": g["lsm"]},
                   ensemble="member")  # fmt: skip
         with insitu_pipeline(store, _train(g), {"x": x}, batch_size=4, shuffle=False) as pipe:
-            n = 0
+            n = size = 0
             for batch in pipe:
                 idx = batch.sample_indices["x"]
                 np.testing.assert_array_equal(batch["x"], _want(ds, idx, [1, 2, 3], [850, 500]))
-                n += len(idx)
+                n, size = n + len(idx), max(size, batch["x"].nbytes)
+            stats, allocations = pipe.stats(), pipe.stages.gather.buffer_allocations
         assert n == len(ds.time) - 1
+        # one (batch, T, E, C, lat, lon) buffer per batch in flight: each member copied from
+        # the pool into its (E, c0:c1) slice, no per-member buffer, no copy after
+        assert stats["batch_buffer_bytes"] <= 1.1 * allocations * size
 
 
 def test_pooled_statistics_standardise_every_member_alike_and_per_member_ones_each_member(
