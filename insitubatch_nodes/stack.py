@@ -215,7 +215,11 @@ def stack(
     (naming the member and what it has), a member of more than one axis beyond the field,
     patched members not patched alike (or beside a static or forcing member), a window still
     in time deltas, a member without statistics or with statistics fitted on other channels
-    (other levels, another order), or non-float members with ``normalize``.
+    (other levels, another order), or non-float members with ``normalize``; with
+    ``ensemble``, a sampled member without that dimension first after its sample axis, or
+    selecting other members than the first sampled member (naming both selections), a static
+    member with it, or patched members
+    (:func:`~insitubatch_nodes.stack_ensemble.ensemble_members`).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
