@@ -27,6 +27,13 @@ the batch after it is assembled (float16 members in float32, rounded once: ``x -
 pass float16's 65504, or ``std`` round to 0, where the result does not). A constant channel
 (``std`` 0) becomes 0.
 
+**Ensembles**: with ``ensemble="member"`` every sampled member keeps its ``member``
+dimension (the same members in the same order: :mod:`~insitubatch_nodes.stack_ensemble`) and
+rows are ``([T,] E, C, *field)`` (channels last ``([T,] E, *field, C)``), channels named
+without the member, :attr:`Stack.ensemble` the members; static and forcing members are the
+same for every member. Statistics pooled over the members (``pool="member"``) or per member
+both standardise it.
+
 ``batch.sample_indices[label]`` of a stack is its first sampled member's (``(batch,)``, or
 ``(batch, T)``); its coordinates likewise.
 """
@@ -46,6 +53,7 @@ from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
+from insitubatch_nodes.stack_ensemble import ensemble_members
 from insitubatch_nodes.static import StaticCut
 from insitubatch_nodes.transforms import work_dtype
 
@@ -109,7 +117,9 @@ class StackMember:
 class Stack:
     """A channel stack of :class:`StackMember` (made by :func:`stack`; see the module
     docstring). ``steps`` is ``T`` for members that are windows, ``None`` otherwise;
-    ``field_shape`` the members' common field; ``channels`` the channel names in order."""
+    ``field_shape`` the members' common field; ``channels`` the channel names in order;
+    ``ensemble`` the ensemble members kept as an axis (``ensemble_dim``'s values, in order),
+    or ``None``."""
 
     members: tuple[StackMember, ...]
     layout: str
@@ -117,11 +127,14 @@ class Stack:
     field_shape: tuple[int, ...]
     dtype: np.dtype[Any]
     channels: tuple[str, ...]
+    ensemble: tuple[Any, ...] | None = None
+    ensemble_dim: str | None = None
 
     @property
     def row_shape(self) -> tuple[int, ...]:
         """The shape of one row of the label's batch array (after the batch axis)."""
-        lead = () if self.steps is None else (self.steps,)
+        lead: tuple[int, ...] = () if self.steps is None else (self.steps,)
+        lead += () if self.ensemble is None else (len(self.ensemble),)
         c = len(self.channels)
         if self.layout == "channels_first":
             return (*lead, c, *self.field_shape)
@@ -151,21 +164,23 @@ class Stack:
         names = ", ".join(
             f"{m.name}={m.view if m.view is not None else m.forcing!r}" for m in self.members
         )
-        return f"stack({{{names}}}, layout={self.layout!r})"
+        ens = "" if self.ensemble_dim is None else f", ensemble={self.ensemble_dim!r}"
+        return f"stack({{{names}}}, layout={self.layout!r}{ens})"
 
 
 def channel_destination(
-    arr: np.ndarray, index: tuple[int | slice, ...], channels_last: bool
+    arr: np.ndarray, index: tuple[int | slice, ...], channels_last: bool, ensemble: bool = False
 ) -> np.ndarray:
     """The view of the batch array ``arr`` (``(n, [T,] C, *field)``, or ``(n, [T,] *field,
-    C)`` with ``channels_last``) that a part at ``index`` (``([t,] channel)``) fills:
-    ``(n, *member's inner)`` — a leveled member's channels first, whatever the layout."""
+    C)`` with ``channels_last``; ``ensemble``: ``E`` after ``[T,]``) that a part at ``index``
+    (``([t,] channel)``) fills: ``(n, [E,] *member's inner)`` — a leveled member's channels
+    first (after ``E``), whatever the layout."""
     *lead, channel = index
     sub = arr[(slice(None), *lead)]
     if not channels_last:
-        return sub[:, channel]
+        return sub[:, :, channel] if ensemble else sub[:, channel]
     out = sub[..., channel]
-    return np.moveaxis(out, -1, 1) if isinstance(channel, slice) else out
+    return np.moveaxis(out, -1, 1 + ensemble) if isinstance(channel, slice) else out
 
 
 def _cf_dtype_helps(view: ArrayGeometry) -> bool:
@@ -179,6 +194,7 @@ def stack(
     *,
     layout: str = "channels_first",
     normalize: Statistics | None = None,
+    ensemble: str | None = None,
 ) -> Stack:
     """A view of ``views`` stacked along a channel axis, usable as a label of the pipeline:
     ``batch.arrays[label]`` is ``(batch, [T,] C, *field)`` (``layout="channels_last"``:
@@ -190,7 +206,8 @@ def stack(
     ``coords=None`` does) and never normalised. ``normalize``: fitted
     :class:`~insitubatch_nodes.statistics.Statistics` with an entry per member name; each
     member is standardised during the copy into the batch (a constant channel, ``std`` 0,
-    becomes 0).
+    becomes 0). ``ensemble``: the dimension every sampled member keeps as the ensemble
+    axis of the rows, ``([T,] E, C, *field)`` (module docstring; ``None``: no such axis).
 
     ``ValueError`` for an unknown ``layout``, no member, no sampled member, members that
     disagree on ``T``, the field shape (or the order of its named dimensions: a transposed
@@ -198,7 +215,11 @@ def stack(
     (naming the member and what it has), a member of more than one axis beyond the field,
     patched members not patched alike (or beside a static or forcing member), a window still
     in time deltas, a member without statistics or with statistics fitted on other channels
-    (other levels, another order), or non-float members with ``normalize``.
+    (other levels, another order), or non-float members with ``normalize``; with
+    ``ensemble``, a sampled member without that dimension first after its sample axis, or
+    selecting other members than the first sampled member (naming both selections), a static
+    member with it, or patched members
+    (:func:`~insitubatch_nodes.stack_ensemble.ensemble_members`).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
@@ -212,9 +233,11 @@ def stack(
             "array with samples"
         )
     first_name, first = next((n, v) for n, v in named.items() if not v.static)
+    members_e = None if ensemble is None else ensemble_members(named, ensemble)
+    e = 0 if ensemble is None else 1  # a sampled member's ensemble axis, before its own
     # the field: the last two axes, or one where a sampled member has one (whatever the order)
     # or a member is on a grid of points (its last axis: ``(level, values)`` is levels)
-    ranks = [len(v.inner_shape) for v in named.values() if not v.static and v.inner_shape]
+    ranks = [len(v.inner_shape) - e for v in named.values() if not v.static and v.inner_shape]
     ranks += [grid_ndim(v) for v in named.values() if v.points is not None]
     field_ndim = min(2, *ranks) if ranks else 0
     field_shape = first.inner_shape[len(first.inner_shape) - field_ndim :]
@@ -244,7 +267,7 @@ def stack(
                 c = len(channels) - 1
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
-        inner, cut = view.inner_shape, None
+        inner, cut = view.inner_shape[0 if view.static else e :], None
         if isinstance(view, ArrayGeometry) and view.static and first.patch is not None:
             cut = static_window(name, view, first.patch, field_dims)
             inner = cut.shape(view)
@@ -288,7 +311,7 @@ def stack(
         if view.static:
             _refuse_unheld_static(name, view, first_name, first.dtype)
         leveled = len(inner) == field_ndim + 1
-        names = _channel_names(name, view) if leveled else [name]
+        names = _channel_names(name, view, 0 if view.static else e) if leveled else [name]
         norm = None
         if normalize is not None:
             norm = _norm(normalize, name, view, first.dtype)
@@ -303,7 +326,9 @@ def stack(
             "as labels of their own with stats.normalizer (which delivers integer labels in "
             "float32)"
         )
-    return Stack(tuple(members), layout, steps, field_shape, first.dtype, tuple(channels))
+    channel_names = tuple(channels)
+    return Stack(tuple(members), layout, steps, field_shape, first.dtype, channel_names,
+                 members_e, ensemble)  # fmt: skip
 
 
 def _refuse_shared_channel_names(members: Sequence[StackMember], channels: Sequence[str]) -> None:
@@ -590,15 +615,16 @@ def _describe_steps(steps: int | None) -> str:
     return "no window (one step)" if steps is None else f"a window of {steps} steps"
 
 
-def _channel_names(name: str, view: ArrayGeometry) -> list[str]:
-    """``name@value`` per entry of the member's first inner axis (value: the coordinate's
+def _channel_names(name: str, view: ArrayGeometry, skip: int = 0) -> list[str]:
+    """``name@value`` per entry of the member's first inner axis after ``skip`` (an
+    ensemble axis) (value: the coordinate's
     where the view can read it, else the index). An axis the member's patches cut (windows of
     members, 3-D sub-cubes along ``freq``) holds other entries in each row: ``name@dim+k``,
     the ``k``-th of the row's window (``batch.patch_origins`` says where it starts)."""
-    n = view.inner_shape[0]
+    n = view.inner_shape[skip]
     keys = view.select.keys if view.select is not None else None
     kept = [i for i in range(len(view.field_axes)) if keys is None or not isinstance(keys[i], int)]
-    axis = kept[0]
+    axis = kept[skip]
     if view.patch is not None and view.field_axes[axis] in view.patch.axes:
         dim = "" if view.dims is None else view.dims[view.field_axes[axis]]
         return [f"{name}@{dim}+{k}" for k in range(n)]

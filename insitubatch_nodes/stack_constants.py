@@ -175,7 +175,7 @@ class StackConstants:
         for label, prepared in self._in_effect():
             st = prepared.stack
             arr = batch.arrays[label]
-            last = st.layout == "channels_last"
+            last, ens = st.layout == "channels_last", st.ensemble is not None
             steps = [None] if st.steps is None else list(range(st.steps))
             for k, member in enumerate(prepared.forcings):
                 assert member.forcing is not None
@@ -195,11 +195,12 @@ class StackConstants:
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)
                     step = values if t is None else values[:, t]
-                    channel_destination(arr, at, last)[...] = step
+                    # the same for every ensemble member: broadcast along E
+                    channel_destination(arr, at, last, ens)[...] = step[:, None] if ens else step
             for i, (member, _, data) in enumerate(prepared.fills):
                 for t in steps:
                     at = (member.channel,) if t is None else (t, member.channel)
-                    out = channel_destination(arr, at, last)
+                    out = channel_destination(arr, at, last, ens)  # (data: broadcast along E)
                     if prepared.cuts:  # each row's window of the static field
                         out[...] = prepared.cuts[i].rows(data, batch.patch_origins[label])
                     else:

@@ -48,9 +48,9 @@ one (by default its sample axis is ``member``: axis 0, as documented); per-membe
 ``diff_std`` (across the missing date none) against xarray; a mid-epoch resume of a
 standardised stack of members; two DDP ranks dealing each anchor once, in equal batch counts.
 
-Not built (a feature, not a defect; docs/model-inputs.md says so): a stack that keeps the
-ensemble axis, ``(batch, [T,] E, C, *grid)`` as anemoi-training's ensemble batches are; here the
-members are channels, variable after variable (``t@1 t@2 t@3 2t@1 ...``), or samples
+A stack that keeps the ensemble axis, ``(batch, [T,] E, C, *grid)`` as anemoi-training's
+ensemble batches are, is ``stack(..., ensemble="member")`` (built since: tests/test_ensaxis.py);
+here the members are channels, variable after variable (``t@1 t@2 t@3 2t@1 ...``), or samples
 (product sample axes).
 """
 

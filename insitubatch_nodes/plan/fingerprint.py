@@ -328,6 +328,8 @@ def inputs_of(
                 if m.view is not None and m.view.select is not None
             }
             out[label] = {"layout": view.layout, "channels": list(view.channels)}
+            if view.ensemble is not None:  # (absent otherwise: states saved before are alike)
+                out[label]["ensemble"] = [view.ensemble_dim, [str(v) for v in view.ensemble]]
             out[label] |= {"select": chosen} if chosen else {}
             constants: dict[str, Any] = {m.name: m.geometry.path for m in view.static}
             constants |= {m.name: _forcing_settings(m.forcing) for m in view.forcings if m.forcing}

@@ -71,7 +71,8 @@ class LabelParts:
     def destination(self, arr: np.ndarray, index: tuple[Any, ...]) -> np.ndarray:
         """The view of the label's batch array ``arr`` that the part at ``index`` fills."""
         if self.stack is not None:
-            return channel_destination(arr, index, self.stack.layout == "channels_last")
+            last, ens = self.stack.layout == "channels_last", self.stack.ensemble is not None
+            return channel_destination(arr, index, last, ens)
         return arr[(slice(None), *index)] if index else arr
 
     def indices(self, by_part: Mapping[str, np.ndarray]) -> np.ndarray:
@@ -113,11 +114,13 @@ class BatchLayout:
         return out
 
     def strided_parts(self) -> frozenset[str]:
-        """The parts whose rows are not contiguous in the batch (channels last)."""
+        """The parts whose rows are not contiguous in the batch (channels last, an ensemble
+        axis)."""
         return frozenset(
             part
             for lp in self.labels.values()
-            if lp.stack is not None and lp.stack.layout == "channels_last"
+            if lp.stack is not None
+            and (lp.stack.layout == "channels_last" or lp.stack.ensemble is not None)
             for part, _ in lp.parts
         )
 

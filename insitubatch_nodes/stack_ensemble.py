@@ -1,0 +1,99 @@
+"""The ensemble axis of a channel stack: ``stack(views, ensemble="member")``.
+
+Every sampled member keeps the ensemble dimension (named by ``ensemble``) as the first of its
+axes after the sample axis, with the same selection: the same members (coordinate values, or
+indices where the view reads no coordinate), in the same order. The stack's rows are then
+``([T,] E, C, *field)`` (channels last: ``([T,] E, *field, C)``): each member's data is
+copied from the pool straight into its ``(E, c0:c1)`` slice. Static members and forcings,
+which have no ensemble dimension, are the same for every member (broadcast along ``E``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.selection import kept_axes, view_keys
+
+__all__ = ["ensemble_members"]
+
+
+def _members_of(name: str, view: ArrayGeometry, dim: str) -> list[Any]:
+    """The ensemble members ``view`` (stack member ``name``) selects along ``dim``, in order:
+    the coordinate's values where it reads them, else the indices. ``ValueError`` when it
+    lacks ``dim``, selects one member (an int: the axis is dropped) or ``dim`` is not its
+    first axis after the sample axis."""
+    dims = view.dims or ()
+    if dim not in dims or dims.index(dim) not in view.field_axes:
+        raise ValueError(
+            f"stack member {name!r} has no {dim!r} dimension besides its sample axis (its "
+            f"dimensions: {list(dims) or 'unnamed'}): with ensemble={dim!r} every sampled "
+            "member keeps the ensemble dimension; give the others as static members, "
+            "forcings or labels of their own"
+        )
+    axis = view.field_axes.index(dims.index(dim))
+    keys = view_keys(view)
+    kept = kept_axes(keys)
+    if axis not in kept:
+        raise ValueError(
+            f"stack member {name!r} selects one {dim!r} (an int drops the axis): with "
+            f"ensemble={dim!r} select a list, sel({dim}=[...])"
+        )
+    if kept[0] != axis:
+        raise ValueError(
+            f"stack member {name!r} has {dim!r} after {dims[view.field_axes[kept[0]]]!r}: "
+            f"with ensemble={dim!r} the ensemble dimension must be the first after the "
+            "sample axis (as stored); give it as a label of its own"
+        )
+    key = keys[axis]
+    n = view.shape[view.field_axes[axis]]
+    index = list(range(n)) if key is None else [int(i) for i in key]  # type: ignore[union-attr]
+    values: np.ndarray | None = None
+    if view.coordinates is not None:
+        try:
+            values = np.asarray(view.coordinates(view.base, dim))
+        except (KeyError, ValueError):  # no such coordinate: the indices name the members
+            values = None
+    if values is None or values.ndim != 1 or len(values) != n:
+        return index
+    return [v.item() if isinstance(v, np.generic) else v for v in values[index]]
+
+
+def ensemble_members(named: Mapping[str, ArrayGeometry], dim: str) -> tuple[Any, ...]:
+    """The ensemble members (``dim``'s values, in order) every sampled view of ``named`` (a
+    stack's members by name) selects. ``ValueError`` naming the member when one selects
+    others (values or order) than the first sampled member, lacks ``dim`` (or drops it, or
+    has it after another field axis), when a static member has ``dim`` (it would be one
+    channel per ensemble member, not the same field for every member), or when members are
+    patched."""
+    if not isinstance(dim, str) or not dim:
+        raise ValueError(f"ensemble must be a dimension name (str), got {dim!r}")
+    first: tuple[str, list[Any]] | None = None
+    for name, view in named.items():
+        if view.static:
+            if dim in (view.dims or ()):
+                raise ValueError(
+                    f"stack member {name!r} is static with a {dim!r} dimension: with "
+                    f"ensemble={dim!r} a static member is the same field for every member; "
+                    f"select one with isel({dim}=...), or give it as a label of its own"
+                )
+            continue
+        if view.patch is not None:
+            raise ValueError(
+                f"stack member {name!r} is patched: ensemble= stacks of patched members are "
+                "not supported; give the members as labels of their own"
+            )
+        mine = _members_of(name, view, dim)
+        if first is None:
+            first = (name, mine)
+        elif mine != first[1]:
+            raise ValueError(
+                f"stack member {name!r} selects {dim} {mine}, but {first[0]!r} selects "
+                f"{first[1]}: with ensemble={dim!r} every sampled member selects the same "
+                f"members in the same order (sel({dim}={first[1]}) on {name!r})"
+            )
+    assert first is not None  # (stack() refuses a stack without a sampled member)
+    return tuple(first[1])
