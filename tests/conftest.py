@@ -89,6 +89,35 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _freeze_heap()
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under ``INSITUBATCH_TESTS_CPU_LOG=FILE`` (see ``tests/forkserver.py``), append each
+    test's CPU seconds to FILE: the test process's own and its children's that it reaped
+    during the test (fresh interpreters, moto servers it stopped; not the fork server's
+    children, which the server logs itself)."""
+    log = os.environ.get("INSITUBATCH_TESTS_CPU_LOG")
+    if not log:
+        yield
+        return
+    import json
+    import resource
+
+    def cpu(who: int) -> float:
+        usage = resource.getrusage(who)
+        return usage.ru_utime + usage.ru_stime
+
+    own, reaped, start = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.time()
+    yield
+    record = {
+        "test": item.nodeid,
+        "own": round(cpu(resource.RUSAGE_SELF) - own, 3),
+        "reaped": round(cpu(resource.RUSAGE_CHILDREN) - reaped, 3),
+        "wall": round(time.time() - start, 3),
+    }
+    with open(log, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
 _frozen_at = {"modules": 0, "count": 0}
 
 

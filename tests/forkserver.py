@@ -21,10 +21,19 @@ whose claim is about a fresh interpreter (its start-up time, its hash seed, what
 loads) calls ``subprocess`` directly. ``INSITUBATCH_TESTS_NO_FORKSERVER=1`` sends every request
 to a real interpreter (to rule the server out when a test fails).
 
+``INSITUBATCH_TESTS_CPU_LOG=FILE`` measures what the processes cost: the server reaps each
+forked process with ``os.wait4`` and appends a JSON line to FILE with its CPU seconds (user +
+system, its own children included once it reaped them), its wall seconds, its argv and the test
+that asked for it (the client's ``PYTEST_CURRENT_TEST``); at its exit, a line with its own CPU
+(the imports above); the top-level packages each forked process imported that the server had
+not; and the fresh interpreters :func:`popen` falls back to are logged with the
+CPU the test process reaped while waiting for them. ``tests/cpu_log.py FILE`` sums them up.
+
 Usage mirrors ``subprocess``: ``popen(argv, stdin=PIPE, stdout=PIPE, stderr=PIPE, text=True,
 env=..., cwd=...)`` returns an object with ``pid``, ``stdin``/``stdout``/``stderr``,
-``poll()``, ``wait(timeout)``, ``kill()``, ``terminate()``, ``send_signal()`` and
-``returncode``; ``run(argv, capture_output=True, text=True, timeout=..., ...)`` returns a
+``poll()``, ``wait(timeout)``, ``kill()``, ``terminate()``, ``send_signal()``,
+``returncode`` and ``with`` (closes the pipes and waits, as ``Popen``'s does);
+``run(argv, capture_output=True, text=True, timeout=..., ...)`` returns a
 ``subprocess.CompletedProcess``.
 """
 
@@ -69,6 +78,22 @@ PRELOAD = (
 # PYTHON* variables a forked process can honour (the rest are read at interpreter start).
 _HONOURED = {"PYTHONPATH", "PYTHONUNBUFFERED"}
 _MAX_MESSAGE = 1 << 20
+_CPU_LOG = os.environ.get("INSITUBATCH_TESTS_CPU_LOG")
+
+
+def _log_cpu(record: dict[str, Any]) -> None:
+    """Append one record to ``INSITUBATCH_TESTS_CPU_LOG`` (one ``write`` per line: whole lines
+    from concurrent writers)."""
+    if _CPU_LOG:
+        fd = os.open(_CPU_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, (json.dumps(record) + "\n").encode())
+        finally:
+            os.close(fd)
+
+
+def _short_argv(argv: Sequence[str]) -> list[str]:
+    return [a if len(a) <= 200 else a[:200] + "..." for a in argv]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,6 +207,16 @@ class ForkedProcess:
         self.stdin, self.stdout, self.stderr = streams
         self.returncode: int | None = None
 
+    def __enter__(self) -> ForkedProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # as ``subprocess.Popen``'s: close the pipes, then wait for the process
+        for stream in (self.stdout, self.stderr, self.stdin):
+            if stream is not None:
+                stream.close()
+        self.wait()
+
     def poll(self) -> int | None:
         if self.returncode is None:
             self.returncode = self._server.returncode(self.pid, timeout=0)
@@ -266,9 +301,15 @@ def popen(
     argv = [os.fspath(a) for a in argv]
     server = _server() if os.environ.get("INSITUBATCH_TESTS_NO_FORKSERVER") != "1" else None
     if server is None or not _forkable(argv, env, server.env):
-        return subprocess.Popen(
+        proc = subprocess.Popen(
             argv, stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd
         )
+        if _CPU_LOG:
+            _log_cpu(
+                {"fresh": proc.pid, "argv": _short_argv(argv),
+                 "test": os.environ.get("PYTEST_CURRENT_TEST")}
+            )  # fmt: skip
+        return proc
     child_fds: list[int] = []
     ours: list[Any | None] = [None, None, None]
     to_close: list[int] = []
@@ -298,6 +339,7 @@ def popen(
         "argv": argv[1:],
         "env": dict(os.environ if env is None else env),
         "cwd": None if cwd is None else os.fspath(cwd),
+        "test": os.environ.get("PYTEST_CURRENT_TEST"),
     }
     try:
         pid = server.fork(request, child_fds)
@@ -344,13 +386,22 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
     """Fork on every request; return (request, fds) in a forked process, None in the server
     once the test process has gone."""
     children: dict[int, int] = {}  # pidfd -> pid
+    asked: dict[int, tuple[float, dict[str, Any]]] = {}  # pid -> (start, request)
     while True:
         ready, _, _ = select.select([sock, *children], [], [])
         for pidfd in [fd for fd in ready if fd in children]:
             pid = children.pop(pidfd)
             os.close(pidfd)
-            _, status = os.waitpid(pid, 0)
+            _, status, usage = os.wait4(pid, 0)
             code = os.waitstatus_to_exitcode(status)
+            started, req = asked.pop(pid)
+            if _CPU_LOG:
+                _log_cpu(
+                    {"forked": pid, "cpu": round(usage.ru_utime + usage.ru_stime, 3),
+                     "wall": round(time.monotonic() - started, 3),
+                     "argv": _short_argv(req["argv"]), "test": req.get("test"),
+                     "returncode": code}
+                )  # fmt: skip
             try:
                 sock.send(json.dumps({"exit": pid, "returncode": code}).encode())
             except OSError:
@@ -370,6 +421,7 @@ def _serve(sock: socket.socket) -> tuple[dict[str, Any], list[int]] | None:
         for fd in fds:
             os.close(fd)
         children[os.pidfd_open(pid)] = pid
+        asked[pid] = (time.monotonic(), request)
         sock.send(json.dumps({"pid": pid}).encode())
 
 
@@ -449,8 +501,20 @@ if __name__ == "__main__":
     _control.send(json.dumps({"ready": True}).encode())
     _got = _serve(_control)
     if _got is None:
+        if _CPU_LOG:
+            import resource
+
+            _self = resource.getrusage(resource.RUSAGE_SELF)
+            _log_cpu({"server": os.getpid(), "cpu": round(_self.ru_utime + _self.ru_stime, 3)})
         sys.exit(0)
     _argv = _become(*_got)
+    if _CPU_LOG:  # which packages the forked process imported that the server had not
+
+        def _log_imports(before: frozenset[str] = frozenset(sys.modules)) -> None:
+            new = {name.partition(".")[0] for name in set(sys.modules) - before}
+            _log_cpu({"imports": os.getpid(), "new": sorted(new)})
+
+        atexit.register(_log_imports)
     del _got, _control
     _run(_argv)
     sys.exit(0)
