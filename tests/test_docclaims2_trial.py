@@ -14,6 +14,10 @@ Found wrong (fixed):
   "read-once in every epoch needs 50", more than the 32 the split reads) were stale since both
   bounds stop at every chunk the split reads: the block prints ``(32, 32)``. The comment now
   says so (and what 128 chunks print: ``(128, 34)``).
+- pipeline.md's epoch report example was of an older automatic budget (336-352 KiB, 3 and 9
+  evictions, epoch 1 re-reading 10 chunks with a suggestion to raise the budget): today the
+  automatic budget holds that small split whole (384 KiB) and epoch 1 makes no GET, 24 hits.
+  The example is the report printed now, with a note of what changed.
 
 Checked and found right:
 
@@ -45,7 +49,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import counting_store, write_era5
+from helpers import counting_store, put_array, write_era5
 
 from insitubatch_nodes import (
     Loader,
@@ -221,3 +225,27 @@ def test_a_transform_scoped_to_one_array_makes_only_that_array_stale(
     n = geoms["t2m"].n_chunks
     assert (rebuilt["disk_hits"], rebuilt["misses"], rebuilt["disk_writes"]) == (n, n, n)
     assert {key.split("/")[0] for key in store.chunk_counts()} == {"t2m"}
+
+
+def test_the_report_example_of_pipeline_md_counts_what_it_prints(tmp_path: Path) -> None:
+    root = tmp_path / "t2m.zarr"
+    group = zarr.open_group(zarr.storage.LocalStore(root), mode="w")
+    data = np.random.default_rng(0).random((256, 16, 32), dtype=np.float32)
+    put_array(group, "t2m", data, ("time", "lat", "lon"), chunks=(8, 16, 32))
+    store = counting_store(root)
+    t2m = open_geometries(store, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (0.75, 0.125, 0.125))
+    views = {"x": t2m, "y": t2m.shift(1)}
+    opts: dict[str, Any] = {"batch_size": 16, "block_chunks": 4, "max_inflight": 4}
+    seen = []
+    with insitu_pipeline(store, manifest, views, coords=(), **opts) as pipe:
+        for _ in range(2):
+            for _ in Loader(pipe):
+                pass
+            r = pipe.report()
+            seen.append((r.batches, r.samples, r.gets, r.hits, r.misses, r.re_reads))
+        budget = pipe.stages.pool.budget_bytes
+    assert seen == [(12, 191, 24, 0, 24, 0), (12, 191, 0, 24, 0, 0)]
+    assert budget == 24 * t2m.chunk_nbytes == 384 * 1024
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "pipeline.md").read_text()
+    assert "24 GETs, 384.0 KiB" in doc and "24 hits, 0 misses (0 re-reads)" in doc
