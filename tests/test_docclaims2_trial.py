@@ -34,7 +34,8 @@ Checked and found right:
   run reads the one coordinate array besides the metadata, and with ``coords=()`` nothing; a
   transform scoped with ``applies(["t2m"], ...)`` belongs to ``t2m``'s fingerprint only: changing
   it makes only ``t2m`` stale, ``reset_stale_cache=True`` refetches only ``t2m``'s chunks and
-  ``z``'s stay disk hits.
+  ``z``'s stay disk hits; a cache warmed with ``check_store=False`` still records identities:
+  a later checking run fetches just the rewritten chunk (its new values), the rest stay hits.
 """
 
 from __future__ import annotations
@@ -249,3 +250,31 @@ def test_the_report_example_of_pipeline_md_counts_what_it_prints(tmp_path: Path)
     assert budget == 24 * t2m.chunk_nbytes == 384 * 1024
     doc = (Path(__file__).resolve().parent.parent / "docs" / "pipeline.md").read_text()
     assert "24 GETs, 384.0 KiB" in doc and "24 hits, 0 misses (0 re-reads)" in doc
+
+
+def test_a_cache_warmed_with_check_store_false_is_checked_by_a_later_run(
+    root: Path, tmp_path: Path
+) -> None:
+    store = counting_store(root)
+    t2m = open_geometries(store, ["t2m"])["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    opts: dict[str, Any] = {"cache_dir": tmp_path / "cache", "persist": True, "coords": ()}
+
+    def run(**kwargs: Any) -> tuple[int, list[str], np.ndarray]:
+        store.reset_counts()
+        with insitu_pipeline(store, manifest, ["t2m"], shuffle=False, **opts, **kwargs) as pipe:
+            rows = {}
+            for batch in Loader(pipe):
+                for row, i in enumerate(batch.sample_indices["t2m"]):
+                    rows[int(i)] = np.array(batch["t2m"][row])
+            hits = pipe.stats()["disk_hits"]
+        return hits, sorted(store.chunk_counts()), rows[2 * SPC + 1]
+
+    run(check_store=False)  # identities recorded all the same
+    zarr.open_array(store=zarr.storage.LocalStore(root), path="t2m", mode="r+")[16:24] = 7.0
+    hits, read, row = run()  # checked: only the rewritten chunk is fetched again
+    assert (hits, read) == (t2m.n_chunks - 1, ["t2m/c/2/0/0"])
+    assert (row == 7.0).all()
+    hits, read, row = run(readonly_cache=True)
+    assert (hits, read) == (t2m.n_chunks, [])
+    assert (row == 7.0).all()
