@@ -36,6 +36,13 @@ Checked and found right:
   it makes only ``t2m`` stale, ``reset_stale_cache=True`` refetches only ``t2m``'s chunks and
   ``z``'s stay disk hits; a cache warmed with ``check_store=False`` still records identities:
   a later checking run fetches just the rewritten chunk (its new values), the rest stay hits.
+
+Tried by hand and found right, not kept as tests (pinned elsewhere or cheap to re-derive): a
+``readonly_cache=True`` reader of a split the cache lacks is built, then raises
+``CacheMissError`` at the first read with no GET; ``FetchOptions(direct=True)`` keeps nothing
+(64 GETs every epoch, the budget at its floor) while ``direct=False`` and the default keep a
+small split (0 GETs after epoch 0); an explicit budget at ``schedule_floors(...).guaranteed``
+runs 8 shuffled windowed epochs within it, one byte less is refused at build.
 """
 
 from __future__ import annotations
