@@ -24,7 +24,9 @@ Each transform is identified, in order of preference, by
    inside its file makes the cache stale — loudly, never wrongly;
 3. when it cannot be pickled: a hash of its source and ``repr`` — weaker (closed-over values,
    globals and large arrays, which numpy's ``repr`` summarises, are invisible to it), so it warns
-   once per transform type. Give such a transform a ``cache_key``.
+   once per transform type. Give such a transform a ``cache_key``. Memory addresses in the
+   ``repr`` (``<... object at 0x...>``) are left out: the identity is the same for every
+   instance alike and in every process.
 
 A function or class importable from a module is pickled by reference (its name, not its
 code), so neither 1. nor 2. changes when its code does. A transform whose results changed from
@@ -43,6 +45,7 @@ from __future__ import annotations
 import hashlib
 import inspect
 import json
+import re
 import threading
 import warnings
 from collections.abc import Sequence
@@ -59,6 +62,7 @@ FINGERPRINT_FORMAT = 1
 """Bumped when what a fingerprint covers changes: every cached array is then stale."""
 
 _warned: set[str] = set()
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 _warned_lock = threading.Lock()
 
 
@@ -110,7 +114,11 @@ def _source_digest(transform: Any, reason: str) -> str:
             UserWarning,
             stacklevel=3,
         )
-    return _digest(f"{source}\n{transform!r}".encode())
+    # a default repr (``<... object at 0x7f...>``, also inside a custom one) names where the
+    # object lies in memory: another in every process and for every instance, which would make
+    # every fresh run's cache stale
+    shown = _ADDRESS.sub(" at 0x", repr(transform))
+    return _digest(f"{source}\n{shown}".encode())
 
 
 def _jsonable(value: Any) -> Any:
