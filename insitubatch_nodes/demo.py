@@ -127,12 +127,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plan_only:
             print("--cache-dir runs the training twice: it cannot be combined with --plan-only")
             return 2
-        _prepare_store(args)
+        if _open(args) is None:
+            return 2
         return _two_cached_runs(args, argv)
-    store = _prepare_store(args)
-
-    # CF-encoded fields (an int16 packed one decodes to float64) arrive in the model's float32
-    geom = open_geometries(store, [args.variable], cf_dtype="float32")[args.variable]
+    opened = _open(args)
+    if opened is None:
+        return 2
+    store, geom = opened
     manifest = split_by_chunk(geom, (0.8, 0.1, 0.1))
     views = {"x": geom, "y": geom.shift(1)}
     config = PlanConfig(batch_size=args.batch_size, block_chunks=args.block_chunks)
@@ -141,6 +142,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plan_only:
         return 0
     return _train(args, store, geom, manifest, views)
+
+
+#: What the demo's flags are for the errors ``open_store`` and the first read raise (their
+#: advice names ``open_store``'s options, which a demo user passes as these flags).
+_STORE_FLAGS = (
+    "the demo's store flags: --endpoint URL and --region for an S3-compatible server; "
+    "--allow-http for an http:// endpoint; --access-key-id and --secret-access-key (or "
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment) for a private bucket; "
+    "--anonymous for a public one; --variable for the array to train on"
+)
+
+
+def _open(args: argparse.Namespace) -> tuple[Any, ArrayGeometry] | None:
+    """The store and the ``--variable`` array's geometry; ``None`` (after printing why, with
+    the flags that change it) when ``--url`` cannot be opened or read."""
+    try:
+        store = _prepare_store(args)
+        # CF-encoded fields (an int16 packed one decodes to float64) arrive in float32
+        geom = open_geometries(store, [args.variable], cf_dtype="float32")[args.variable]
+    except (PermissionError, FileNotFoundError, KeyError, ValueError) as exc:
+        if args.url is None:
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"error: cannot train from {args.url}: {message}\n{_STORE_FLAGS}", file=sys.stderr)
+        return None
+    return store, geom
 
 
 def _prepare_store(args: argparse.Namespace) -> Any:
