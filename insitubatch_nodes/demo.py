@@ -45,6 +45,15 @@ from insitubatch_nodes.synthetic.era5 import make_era5_like
 DEFAULT_PATH = Path("data") / "era5_demo.zarr"
 
 
+def _positive(text: str) -> int:
+    """A count flag's value: a positive integer (``--epochs 0`` trained nothing and compared
+    the losses of no batches)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: a positive integer")
+    return n
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m insitubatch_nodes.demo", description=__doc__)
     p.add_argument("--url", help="store URL or path to train from (default: the synthetic store)")
@@ -61,10 +70,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="read a public bucket without credentials (open_store(..., anonymous=True))",
     )
     p.add_argument("--allow-http", action="store_true", help="allow http:// endpoints")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--block-chunks", type=int, default=8)
-    p.add_argument("--max-inflight", type=int, default=32)
+    p.add_argument("--epochs", type=_positive, default=3)
+    p.add_argument("--batch-size", type=_positive, default=32)
+    p.add_argument("--block-chunks", type=_positive, default=8)
+    p.add_argument("--max-inflight", type=_positive, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--plan-only", action="store_true", help="print the plan summary and stop")

@@ -9,6 +9,13 @@ Found (fixed):
   (``anonymous=True``, ``client_options={'allow_http': True}``), not the demo's flags. The demo
   now prints the error with the flags that change it and exits 2; the README says where the
   demo's credentials come from.
+- Six recipes (``hcs_segmentation``, ``joined_stores``, ``microscopy_segmentation``,
+  ``scenes_collection``, ``spectral_cube``, ``timelapse_planes``) took ``--epochs 1`` and
+  always exited 1 with "loss did NOT fall: x -> x" (their check compares the first epoch's
+  loss with the last's). They now refuse it at the flag ("at least 2", exit 2).
+- The demo took ``--epochs 0`` (trained nothing, printed "loss did NOT fall: nan -> nan" after
+  numpy's empty-mean warnings) and ``--batch-size 0`` / ``--block-chunks 0`` /
+  ``--max-inflight 0`` (tracebacks). They are refused at the flag.
 
 Tried and found right (by hand, see the report): the README's "In code" example on a local
 store (batches ``(32, lat, lon)``, ``to_torch`` shares memory with the numpy batch, the report
@@ -104,3 +111,13 @@ def test_a_recipe_that_checks_its_loss_fell_refuses_one_epoch_at_its_flag(
         recipe.parse_args(["--epochs", "1"])
     assert exit_info.value.code == 2
     assert "at least 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--epochs", "--batch-size", "--block-chunks", "--max-inflight"])
+def test_the_demo_refuses_a_count_flag_of_zero_at_the_flag(
+    flag: str, tiny_era5: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        demo.main(["--url", str(tiny_era5), flag, "0", "--no-progress"])
+    assert exit_info.value.code == 2
+    assert f"argument {flag}: 0: a positive integer" in capsys.readouterr().err
