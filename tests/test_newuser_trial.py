@@ -121,3 +121,42 @@ def test_the_demo_refuses_a_count_flag_of_zero_at_the_flag(
         demo.main(["--url", str(tiny_era5), flag, "0", "--no-progress"])
     assert exit_info.value.code == 2
     assert f"argument {flag}: 0: a positive integer" in capsys.readouterr().err
+
+
+def _slide_budget_mib(path: Path, size: int) -> float:
+    """The automatic pool budget of whole_slide_segmentation.py's training pipeline on an
+    (unwritten: fill-value) slide of ``size``^2, its tiles as the recipe writes them."""
+    import zarr
+
+    from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+
+    for name, tile, dtype in (("image", 512, "f4"), ("mask", 1024, "u1")):
+        zarr.create_array(
+            str(path), name=name, shape=(2, size, size), chunks=(1, tile, tile), dtype=dtype,
+            dimension_names=("plane", "y", "x"),
+        )  # fmt: skip
+    geoms = open_geometries(str(path), ["image", "mask"])
+    manifest = split_by_chunk(geoms["image"], (0.5, 0.5, 0.0))
+    window = {"y": 256, "x": 256}
+    views = {
+        k: geoms[a].patches(window, origins="random") for k, a in (("x", "image"), ("y", "mask"))
+    }
+    pipe = insitu_pipeline(str(path), manifest, views, batch_size=16, coords=())
+    try:
+        next(iter(Loader(pipe)))
+        return pipe.report().budget_bytes / 2**20
+    finally:
+        pipe.close()
+
+
+def test_the_whole_slide_recipe_readme_states_the_pool_budget_its_command_and_default_get(
+    tmp_path: Path,
+) -> None:
+    readme = (Path(__file__).resolve().parents[1] / "recipes" / "README.md").read_text()
+    paragraph = readme.split("**Segment a whole-slide-like plane")[1].split("\n- ")[0]
+    small = _slide_budget_mib(tmp_path / "small.zarr", 4096)
+    assert small == 4096**2 * 5 / 2**20  # the whole plane of image and mask
+    assert "--size 4096" in paragraph and f"whole {small:.0f} MiB plane" in paragraph
+    default = _slide_budget_mib(tmp_path / "default.zarr", 20_000)
+    assert default < 20_000**2 * 5 / 2**20 / 3
+    assert f"{default:.0f} MiB of a 1.9 GB plane" in " ".join(paragraph.split())
