@@ -16,6 +16,14 @@ Found (fixed):
 - The demo took ``--epochs 0`` (trained nothing, printed "loss did NOT fall: nan -> nan" after
   numpy's empty-mean warnings) and ``--batch-size 0`` / ``--block-chunks 0`` /
   ``--max-inflight 0`` (tracebacks). They are refused at the flag.
+- An ``http://`` endpoint from the environment (``AWS_ENDPOINT_URL``, as
+  ``check-transform``'s docs say credentials and endpoint come) without ``AWS_ALLOW_HTTP``
+  ended in obstore's raw "builder error" at the first read (exit 1 from check-transform);
+  ``open_store`` refused only an ``endpoint=`` option so. It now names the variable and the
+  fix when the store is opened, as for the option.
+- recipes/README.md said ``whole_slide_segmentation.py --size 4096`` keeps "a pool budget far
+  below one plane"; at that size the automatic budget is the whole 80 MiB plane (the run
+  prints it). The README and docstring now say so, with the default size's 588 MiB.
 
 Tried and found right (by hand, see the report): the README's "In code" example on a local
 store (batches ``(32, lat, lon)``, ``to_torch`` shares memory with the numpy batch, the report
@@ -160,3 +168,21 @@ def test_the_whole_slide_recipe_readme_states_the_pool_budget_its_command_and_de
     default = _slide_budget_mib(tmp_path / "default.zarr", 20_000)
     assert default < 20_000**2 * 5 / 2**20 / 3
     assert f"{default:.0f} MiB of a 1.9 GB plane" in " ".join(paragraph.split())
+
+
+@pytest.mark.parametrize("variable", ["AWS_ENDPOINT_URL", "AWS_ENDPOINT"])
+def test_an_http_endpoint_from_the_environment_without_allow_http_is_refused_at_open_store(
+    variable: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from insitubatch_nodes import open_store
+
+    for name in ("AWS_ENDPOINT_URL", "AWS_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(variable, "http://127.0.0.1:9")
+    keys = {"access_key_id": "testing", "secret_access_key": "testing", "region": "us-east-1"}
+    with pytest.raises(
+        ValueError, match=rf"\(from {variable}\) is plain HTTP.*AWS_ALLOW_HTTP=true"
+    ):
+        open_store("s3://bucket/era5.zarr", **keys)
+    monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
+    open_store("s3://bucket/era5.zarr", **keys)  # allowed: no error, no request yet
