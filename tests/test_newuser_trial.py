@@ -24,6 +24,9 @@ Found (fixed):
 - recipes/README.md said ``whole_slide_segmentation.py --size 4096`` keeps "a pool budget far
   below one plane"; at that size the automatic budget is the whole 80 MiB plane (the run
   prints it). The README and docstring now say so, with the default size's 588 MiB.
+- ``insitubatch-nodes check-transform`` on a store it could not open or read (an ``http://``
+  endpoint without allow_http, no store at the path, no credentials) ended in a traceback,
+  exit 1 (a "check failed"); it is now a usage error (exit 2) that prints the error.
 
 Tried and found right (by hand, see the report): the README's "In code" example on a local
 store (batches ``(32, lat, lon)``, ``to_torch`` shares memory with the numpy batch, the report
@@ -186,3 +189,20 @@ def test_an_http_endpoint_from_the_environment_without_allow_http_is_refused_at_
         open_store("s3://bucket/era5.zarr", **keys)
     monkeypatch.setenv("AWS_ALLOW_HTTP", "true")
     open_store("s3://bucket/era5.zarr", **keys)  # allowed: no error, no request yet
+
+
+@pytest.mark.parametrize("where", ["http endpoint", "no store"])
+def test_check_transform_on_a_store_it_cannot_open_is_a_usage_error_without_a_traceback(
+    where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from insitubatch_nodes.cli import main
+
+    for name in ("AWS_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ALLOW_HTTP"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    url = "s3://bucket/era5.zarr" if where == "http endpoint" else str(tmp_path / "none.zarr")
+    argv = ["check-transform", url, "--var", "t2m", "--transform", "json:dumps"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert ("AWS_ALLOW_HTTP=true" if where == "http endpoint" else "no zarr store at") in err
