@@ -27,6 +27,11 @@ Found (fixed):
 - ``insitubatch-nodes check-transform`` on a store it could not open or read (an ``http://``
   endpoint without allow_http, no store at the path, no credentials) ended in a traceback,
   exit 1 (a "check failed"); it is now a usage error (exit 2) that prints the error.
+- The epoch report of a run served wholly from a persistent cache (``make demo
+  ARGS="--cache-dir ..."``'s second run) printed "0 decodes, ... 26873 us/object of it
+  bookkeeping": the decode threads' time mapping cache files divided by ``max(1, 0)``. With
+  no decode it now prints that time in ms "outside decodes (no object decoded)". (Not fixed:
+  that mapping time still counts as bookkeeping, ``overhead_s``, in the limit rules.)
 
 Tried and found right (by hand, see the report): the README's "In code" example on a local
 store (batches ``(32, lat, lon)``, ``to_torch`` shares memory with the numpy batch, the report
@@ -206,3 +211,14 @@ def test_check_transform_on_a_store_it_cannot_open_is_a_usage_error_without_a_tr
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert ("AWS_ALLOW_HTTP=true" if where == "http endpoint" else "no zarr store at") in err
+
+
+def test_an_epoch_with_no_decode_reports_no_per_object_bookkeeping() -> None:
+    from insitubatch_nodes.report import EpochReport
+
+    text = str(EpochReport(batches=4, wall_s=1.0, run_s=0.027, decodes=0, decode_threads=2))
+    decode = next(line for line in text.splitlines() if line.lstrip().startswith("decode"))
+    assert "us/object" not in decode, decode
+    assert "27.0 ms of it outside decodes (no object decoded)" in decode
+    text = str(EpochReport(batches=4, wall_s=1.0, run_s=0.027, decodes=9, decode_threads=2))
+    assert "3000 us/object of it bookkeeping" in text
