@@ -224,8 +224,8 @@ def check_transform(args: argparse.Namespace) -> int:
     except _UsageError as exc:
         out(f"error: {exc}", file=sys.stderr)
         return _USAGE
-    zstore = as_store(args.url)
     try:
+        zstore = as_store(args.url)
         geom = open_geometries(
             zstore,
             [args.var],
@@ -236,7 +236,9 @@ def check_transform(args: argparse.Namespace) -> int:
     except KeyError as exc:
         out(f"error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return _USAGE
-    except (ValueError, TypeError) as exc:  # a --cf-dtype or --sample-axis it cannot take
+    # a --cf-dtype or --sample-axis it cannot take; a store it cannot open (an http://
+    # endpoint without allow_http, no credentials, no store at the path)
+    except (ValueError, TypeError, PermissionError, FileNotFoundError) as exc:
         out(f"error: {exc}", file=sys.stderr)
         return _USAGE
     if not 0 <= args.chunk < geom.n_chunks:

@@ -45,6 +45,15 @@ from insitubatch_nodes.synthetic.era5 import make_era5_like
 DEFAULT_PATH = Path("data") / "era5_demo.zarr"
 
 
+def _positive(text: str) -> int:
+    """A count flag's value: a positive integer (``--epochs 0`` trained nothing and compared
+    the losses of no batches)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{n}: a positive integer")
+    return n
+
+
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m insitubatch_nodes.demo", description=__doc__)
     p.add_argument("--url", help="store URL or path to train from (default: the synthetic store)")
@@ -61,10 +70,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="read a public bucket without credentials (open_store(..., anonymous=True))",
     )
     p.add_argument("--allow-http", action="store_true", help="allow http:// endpoints")
-    p.add_argument("--epochs", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--block-chunks", type=int, default=8)
-    p.add_argument("--max-inflight", type=int, default=32)
+    p.add_argument("--epochs", type=_positive, default=3)
+    p.add_argument("--batch-size", type=_positive, default=32)
+    p.add_argument("--block-chunks", type=_positive, default=8)
+    p.add_argument("--max-inflight", type=_positive, default=32)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--plan-only", action="store_true", help="print the plan summary and stop")
@@ -127,12 +136,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.plan_only:
             print("--cache-dir runs the training twice: it cannot be combined with --plan-only")
             return 2
-        _prepare_store(args)
+        if _open(args) is None:
+            return 2
         return _two_cached_runs(args, argv)
-    store = _prepare_store(args)
-
-    # CF-encoded fields (an int16 packed one decodes to float64) arrive in the model's float32
-    geom = open_geometries(store, [args.variable], cf_dtype="float32")[args.variable]
+    opened = _open(args)
+    if opened is None:
+        return 2
+    store, geom = opened
     manifest = split_by_chunk(geom, (0.8, 0.1, 0.1))
     views = {"x": geom, "y": geom.shift(1)}
     config = PlanConfig(batch_size=args.batch_size, block_chunks=args.block_chunks)
@@ -141,6 +151,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.plan_only:
         return 0
     return _train(args, store, geom, manifest, views)
+
+
+#: What the demo's flags are for the errors ``open_store`` and the first read raise (their
+#: advice names ``open_store``'s options, which a demo user passes as these flags).
+_STORE_FLAGS = (
+    "the demo's store flags: --endpoint URL and --region for an S3-compatible server; "
+    "--allow-http for an http:// endpoint; --access-key-id and --secret-access-key (or "
+    "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment) for a private bucket; "
+    "--anonymous for a public one; --variable for the array to train on"
+)
+
+
+def _open(args: argparse.Namespace) -> tuple[Any, ArrayGeometry] | None:
+    """The store and the ``--variable`` array's geometry; ``None`` (after printing why, with
+    the flags that change it) when ``--url`` cannot be opened or read."""
+    try:
+        store = _prepare_store(args)
+        # CF-encoded fields (an int16 packed one decodes to float64) arrive in float32
+        geom = open_geometries(store, [args.variable], cf_dtype="float32")[args.variable]
+    except (PermissionError, FileNotFoundError, KeyError, ValueError) as exc:
+        if args.url is None:
+            raise
+        message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
+        print(f"error: cannot train from {args.url}: {message}\n{_STORE_FLAGS}", file=sys.stderr)
+        return None
+    return store, geom
 
 
 def _prepare_store(args: argparse.Namespace) -> Any:

@@ -308,8 +308,14 @@ class EpochReport:
             f"  decode    {self.decodes:,} decodes, busy {self.decode_s:.2f} s = "
             f"{100 * self.decode_s / (wall * threads):.0f}% of {threads} thread(s); queue mean "
             f"{self.decode_depth_mean:.1f}, peak {self.decode_depth_peak}; threads busy "
-            f"{100 * self.decode_busy:.0f}%, {1e6 * self.overhead_s / objects:.0f} us/object "
-            "of it bookkeeping"
+            f"{100 * self.decode_busy:.0f}%, "
+            + (
+                f"{1e6 * self.overhead_s / objects:.0f} us/object of it bookkeeping"
+                if self.decodes
+                # nothing decoded (every chunk a pool hit or a persistent-cache file mapped):
+                # the runs' time is no per-object cost
+                else f"{1000 * self.overhead_s:.1f} ms of it outside decodes (no object decoded)"
+            )
             + (
                 f"; chunk transforms on {self.transforms:,} chunks, busy {self.transform_s:.2f} s"
                 if self.transforms

@@ -53,6 +53,18 @@ from insitubatch_nodes.io.ngff import read_plate
 from insitubatch_nodes.synthetic import make_hcs_plate
 
 
+def _epochs(text: str) -> int:
+    """``--epochs``: at least 2, since the recipe's exit status says whether the loss fell
+    from the first epoch to the last."""
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(
+            f"{n}: at least 2 (the recipe checks that the loss fell from the first epoch to "
+            "the last, which one epoch cannot show)"
+        )
+    return n
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -78,7 +90,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "micrometers (0.65 is level 0, 1.3 level 1)",
     )
     p.add_argument("--val-wells", type=float, default=0.34, help="fraction of wells to validate")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=_epochs, default=3)
     p.add_argument("--batch-size", type=int, default=8, help="Z planes per batch")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

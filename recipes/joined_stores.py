@@ -40,13 +40,25 @@ EPOCH = np.datetime64("2000-01-01T00", "ns")
 HOUR = np.timedelta64(1, "h")
 
 
+def _epochs(text: str) -> int:
+    """``--epochs``: at least 2, since the recipe's exit status says whether the loss fell
+    from the first epoch to the last."""
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(
+            f"{n}: at least 2 (the recipe checks that the loss fell from the first epoch to "
+            "the last, which one epoch cannot show)"
+        )
+    return n
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--path", type=Path, help="folder for the stores (default: a temporary one)")
     p.add_argument("--steps", type=int, default=240, help="6-hourly steps of the joined stores")
-    p.add_argument("--epochs", type=int, default=4)
+    p.add_argument("--epochs", type=_epochs, default=4)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

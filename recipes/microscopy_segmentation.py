@@ -45,6 +45,18 @@ from insitubatch_nodes import (
 from insitubatch_nodes.synthetic import make_microscopy_like
 
 
+def _epochs(text: str) -> int:
+    """``--epochs``: at least 2, since the recipe's exit status says whether the loss fell
+    from the first epoch to the last."""
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(
+            f"{n}: at least 2 (the recipe checks that the loss fell from the first epoch to "
+            "the last, which one epoch cannot show)"
+        )
+    return n
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -57,7 +69,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--z", type=int, default=64, help="Z planes of the synthetic stack")
     p.add_argument("--yx", type=int, default=96, help="Y and X extent of the synthetic stack")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=_epochs, default=3)
     p.add_argument("--batch-size", type=int, default=8, help="Z planes per batch")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

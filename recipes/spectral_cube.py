@@ -65,6 +65,18 @@ LINE = (1.412e9, 1.406e9)  # the line's channels in the low band, high to low
 FLAGGED = 3  # a channel of each cube flagged whole (RFI): every value NaN
 
 
+def _epochs(text: str) -> int:
+    """``--epochs``: at least 2, since the recipe's exit status says whether the loss fell
+    from the first epoch to the last."""
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(
+            f"{n}: at least 2 (the recipe checks that the loss fell from the first epoch to "
+            "the last, which one epoch cannot show)"
+        )
+    return n
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -73,7 +85,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--channels", type=int, default=32, help="channels per cube (1 MHz apart)")
     p.add_argument("--size", type=int, default=64, help="dec and ra extent in pixels")
     p.add_argument("--patch", type=int, default=32, help="sky patch extent in pixels")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=_epochs, default=3)
     p.add_argument("--batch-size", type=int, default=16)
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--seed", type=int, default=0)

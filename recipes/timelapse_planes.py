@@ -42,6 +42,18 @@ from insitubatch_nodes import (
 SIZE = 48
 
 
+def _epochs(text: str) -> int:
+    """``--epochs``: at least 2, since the recipe's exit status says whether the loss fell
+    from the first epoch to the last."""
+    n = int(text)
+    if n < 2:
+        raise argparse.ArgumentTypeError(
+            f"{n}: at least 2 (the recipe checks that the loss fell from the first epoch to "
+            "the last, which one epoch cannot show)"
+        )
+    return n
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -49,7 +61,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--path", type=Path, help="folder for the store (default: a temporary one)")
     p.add_argument("--time-points", type=int, default=5, help="length along t")
     p.add_argument("--planes", type=int, default=7, help="length along z")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=_epochs, default=3)
     p.add_argument("--batch-size", type=int, default=8, help="planes per batch")
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--seed", type=int, default=0)

@@ -4,8 +4,10 @@ The store holds ``image (2, N, N)`` float32 in 512 x 512 tiles and a ``mask (2, 
 in 1024 x 1024 tiles (two planes: plane 0 trains, plane 1 validates; N = 20,000 by default, a
 1.6 GB plane). ``image.patches({"y": 256, "x": 256}, origins="random")`` makes a sample a
 256 x 256 window; the mask is patched alike, so both take the same windows row for row. The
-pool holds the stored tiles the windows touch (a budget of ``--budget-mib``, far below one
-plane), never a whole plane. Validation reads plane 1 on a grid of windows that covers it.
+pool holds the stored tiles the windows touch (a budget of ``--budget-mib``; by default the
+automatic one: 588 MiB at the default size, far below the plane; on a small plane such as
+``--size 4096`` one block of random windows touches every tile and the budget is the whole
+80 MiB plane, as the run prints). Validation reads plane 1 on a grid of windows that covers it.
 
 A two-layer convolutional network learns the mask on the CPU; the loss per epoch and the
 validation pixel accuracy (against predicting background everywhere) are printed.

@@ -96,6 +96,10 @@ _ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url"
                   "google_base_url", "azure_endpoint", "aws_endpoint_url_s3",
                   "endpoint_url_s3")  # fmt: skip
 
+# The environment variables (after the scheme's prefix) obstore takes an endpoint from when no
+# option names one: checked for plain HTTP as the options are.
+_ENV_ENDPOINT_KEYS = ("ENDPOINT_URL_S3", "ENDPOINT_URL", "ENDPOINT", "BASE_URL")
+
 # Options that give a signed store its credentials: refused together with anonymous=True.
 _CREDENTIAL_KEYS = (
     "access_key_id",
@@ -427,9 +431,15 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
             client[key] = value
     client.update(policy.obstore_client_timeouts())
     endpoint = next((str(v) for k, v in options.items() if k.lower() in _ENDPOINT_KEYS), "")
+    source = ""
+    for key in _ENV_ENDPOINT_KEYS if env_prefix and not endpoint else ():
+        if os.environ.get(f"{env_prefix}{key}"):  # obstore reads the endpoint from there
+            endpoint, source = os.environ[f"{env_prefix}{key}"], f" (from {env_prefix}{key})"
+            break
     if endpoint.lower().startswith("http://") and str(client.get("allow_http")).lower() != "true":
         raise ValueError(
-            f"{scheme}:// endpoint {endpoint!r} is plain HTTP, which obstore refuses at the first "
+            f"{scheme}:// endpoint {endpoint!r}{source} is plain HTTP, which obstore refuses at "
+            "the first "
             "read ('builder error'): pass client_options={'allow_http': True}"
             + (f" (or set {env_prefix}ALLOW_HTTP=true)" if env_prefix else "")
             + ", or use an https:// endpoint"
