@@ -40,6 +40,7 @@ __all__ = [
     "cloud_account",
     "cloud_endpoint",
     "cloud_repr",
+    "env_endpoint",
     "fsspec_endpoint",
     "normal_endpoint",
     "normal_store_name",
@@ -68,6 +69,18 @@ def _given(config: Mapping[str, Any], key: str, env: tuple[str, ...]) -> str:
         if value:
             break
     return value
+
+
+def env_endpoint(store_class: str) -> tuple[str, str]:
+    """``(variable, value)`` of the first environment variable obstore takes the endpoint of
+    a ``store_class`` (``"S3Store"``, ``"GCSStore"``, ``"AzureStore"``) from when no option
+    names one, in obstore's order of precedence; ``("", "")`` when none is set."""
+    for _, env in _ENDPOINTS.get(store_class, ()):
+        for name in env:
+            value = (os.environ.get(name) or "").strip()
+            if value:
+                return name, value
+    return "", ""
 
 
 def cloud_endpoint(inner: Any) -> str:

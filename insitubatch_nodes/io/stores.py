@@ -38,7 +38,7 @@ from insitubatch_nodes import _process
 from insitubatch_nodes._process import RETRY_TIME_SCALE_ENV, retry_time_scale
 from insitubatch_nodes.io import _zarr_compat, store_urls
 from insitubatch_nodes.io.datasets import dataset_store, is_xarray_dataset, refuse_changed
-from insitubatch_nodes.io.places import normal_store_name, place_label
+from insitubatch_nodes.io.places import env_endpoint, normal_store_name, place_label
 
 if TYPE_CHECKING:
     import xarray
@@ -89,16 +89,13 @@ _ENV_CLIENT_KEYS = (
     "user_agent",
 )
 _ENV_PREFIX = {"s3": "AWS_", "gs": "GOOGLE_", "az": "AZURE_"}
+_STORE_CLASS = {"s3": "S3Store", "gs": "GCSStore", "az": "AzureStore"}  # obstore's, by scheme
 
 # Options that name a cloud store's endpoint (obstore's spellings): a plain-HTTP one needs
 # client_options={"allow_http": True}, which open_store asks for by name.
 _ENDPOINT_KEYS = ("endpoint", "endpoint_url", "aws_endpoint", "aws_endpoint_url", "base_url",
                   "google_base_url", "azure_endpoint", "aws_endpoint_url_s3",
                   "endpoint_url_s3")  # fmt: skip
-
-# The environment variables (after the scheme's prefix) obstore takes an endpoint from when no
-# option names one: checked for plain HTTP as the options are.
-_ENV_ENDPOINT_KEYS = ("ENDPOINT_URL_S3", "ENDPOINT_URL", "ENDPOINT", "BASE_URL")
 
 # Options that give a signed store its credentials: refused together with anonymous=True.
 _CREDENTIAL_KEYS = (
@@ -432,10 +429,9 @@ def _remote_options(scheme: str, options: dict[str, Any], policy: RetryPolicy) -
     client.update(policy.obstore_client_timeouts())
     endpoint = next((str(v) for k, v in options.items() if k.lower() in _ENDPOINT_KEYS), "")
     source = ""
-    for key in _ENV_ENDPOINT_KEYS if env_prefix and not endpoint else ():
-        if os.environ.get(f"{env_prefix}{key}"):  # obstore reads the endpoint from there
-            endpoint, source = os.environ[f"{env_prefix}{key}"], f" (from {env_prefix}{key})"
-            break
+    if not endpoint:  # obstore reads the endpoint from the environment then (places' rule)
+        variable, endpoint = env_endpoint(_STORE_CLASS.get(scheme, ""))
+        source = f" (from {variable})" if variable else ""
     if endpoint.lower().startswith("http://") and str(client.get("allow_http")).lower() != "true":
         raise ValueError(
             f"{scheme}:// endpoint {endpoint!r}{source} is plain HTTP, which obstore refuses at "
