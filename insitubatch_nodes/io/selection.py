@@ -42,6 +42,7 @@ __all__ = [
     "Held",
     "HeldBox",
     "Selection",
+    "as_slice",
     "axis_key",
     "covers",
     "even_runs",
@@ -292,11 +293,11 @@ def slot_index(selection: Selection, held: Held | None) -> tuple[int | slice | n
         if isinstance(key, int):
             out.append(int(idx[0]))
         else:
-            out.append(_as_slice(idx))
+            out.append(as_slice(idx))
     return tuple(out)
 
 
-def _as_slice(idx: np.ndarray) -> slice | np.ndarray:
+def as_slice(idx: np.ndarray) -> slice | np.ndarray:
     """``idx`` as a slice when it is evenly spaced (a view, no gather), else the array."""
     if len(idx) == 1:
         return slice(int(idx[0]), int(idx[0]) + 1)

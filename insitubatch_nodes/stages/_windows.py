@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.io.selection import Held, even_runs
+from insitubatch_nodes.io.selection import Held, as_slice, even_runs
 from insitubatch_nodes.plan.patches import WindowUnits
 
 __all__ = ["ALIKE_ROWS", "WINDOW_ROW_BYTES", "WINDOW_SCRATCH_BYTES", "gather_windows"]
@@ -205,12 +205,12 @@ def _select_windows(
                 if isinstance(key, int):
                     src.append(inside[0])  # drops the axis, in the cut and in the window
                     continue
-                (_, taken), *more = even_runs(inside)
-                if more:  # uneven in the slot: taken from it by an index
-                    takes.append((len(dst), np.asarray(inside, np.intp)))
-                    src.append(slice(None))
-                else:  # evenly spaced in the slot (its kept levels, in order): a view
+                taken = as_slice(np.asarray(inside, np.intp))
+                if isinstance(taken, slice):  # evenly spaced in the slot: a view
                     src.append(taken)
+                else:  # uneven in the slot: taken from it by an index
+                    takes.append((len(dst), taken))
+                    src.append(slice(None))
                 runs = at == list(range(at[0], at[-1] + 1))
                 dst.append(slice(at[0], at[-1] + 1) if runs else np.asarray(at, np.intp))
         else:
