@@ -47,7 +47,10 @@ joined_stores ``--atmos-stores 2``, time_features) print what the pages say.
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +68,7 @@ from insitubatch_nodes import (
     split_by_member,
 )
 from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.plan import PlanConfig
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -176,3 +180,12 @@ def test_missing_by_member_drops_the_indices_named_within_each_member_negative_f
     with pytest.raises(ValueError, match="holds 6 samples"):
         insitu_pipeline(coll, manifest, {"x": coll["data"]}, batch_size=4,
                         missing={"cube_hi": [-7]})  # fmt: skip
+
+
+def test_concepts_md_lists_every_plan_config_field_with_its_default() -> None:
+    text = (Path(__file__).resolve().parent.parent / "docs" / "concepts.md").read_text()
+    listed = re.search(r"`PlanConfig`.*?holding `([^`]*)`", text, re.S)
+    assert listed is not None
+    said = dict(item.split("=") for item in re.split(r",\s*", listed.group(1)))
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
+    assert {k: ast.literal_eval(v) for k, v in said.items()} == defaults
