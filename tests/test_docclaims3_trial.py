@@ -60,6 +60,7 @@ import zarr
 
 from insitubatch_nodes import (
     Collection,
+    DecodedChunk,
     Loader,
     concat,
     insitu_pipeline,
@@ -189,3 +190,35 @@ def test_concepts_md_lists_every_plan_config_field_with_its_default() -> None:
     said = dict(item.split("=") for item in re.split(r",\s*", listed.group(1)))
     defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
     assert {k: ast.literal_eval(v) for k, v in said.items()} == defaults
+
+
+def test_a_collections_trace_counts_chunks_on_its_virtual_axis_and_transforms_within_members(
+    tmp_path: Path,
+) -> None:
+    for name, n in (("a", 5), ("b", 3)):
+        zarr.create_array(tmp_path / f"{name}.zarr", shape=(n, 4, 4), chunks=(2, 2, 4),
+                          dtype="f4", dimension_names=("z", "y", "x"))[...] = 1  # fmt: skip
+    coll = Collection.from_arrays([str(tmp_path / f"{n}.zarr") for n in "ab"], names=["a", "b"],
+                                  sample_axis="z")  # fmt: skip
+    seen: list[tuple[Any, int, tuple[int, int]]] = []
+
+    def record(chunk: DecodedChunk) -> DecodedChunk:
+        seen.append((chunk.member, chunk.chunk_index, chunk.sample_range))  # (list.append: atomic)
+        return chunk
+
+    with insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), {"x": coll["data"]},
+                         batch_size=2, chunk_transforms=[record],
+                         fetch=FetchOptions(trace=True)) as pipe:  # fmt: skip
+        for _ in pipe:
+            pass
+        report = pipe.report()
+        events = json.loads(Path(report.write_trace(tmp_path / "t.json")).read_text())
+    spans = [e for e in events["traceEvents"] if e.get("ph") in ("X", "b")]
+    objects = sorted((e["args"]["chunk"], *e["args"]["tile"]) for e in spans
+                     if e["name"] in ("GET", "read"))  # fmt: skip
+    # a: chunks 0-2 of the virtual axis (its last holds 1 sample), b: chunks 3-4; two tiles each
+    assert objects == [(c, t, 0) for c in range(5) for t in (0, 1)]
+    assert len(objects) == report.gets
+    assert sorted(e["args"]["chunk"] for e in spans if e["name"] == "transform") == [0, 1, 2, 3, 4]
+    assert sorted(seen) == [(0, 0, (0, 2)), (0, 1, (2, 4)), (0, 2, (4, 5)), (1, 0, (0, 2)),
+                            (1, 1, (2, 3))]  # fmt: skip
