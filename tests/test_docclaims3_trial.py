@@ -15,34 +15,67 @@ Found wrong in the docs (the code is right; the sentence now says what it does):
 - tracing.md: for a collection over several stores "a stored object's ``array`` and ``key``
   are those of the store the pipeline reads through: ``s<i>/`` before the path". The ``key`` is
   (``s1/t2m/c/0/0/0``); ``array`` is the collection's virtual path (``coll["t2m"].path``), as in
-  ``applies`` and ``DecodedChunk.array``.
+  ``applies`` and ``DecodedChunk.array``, and ``chunk`` a chunk of the virtual axis.
 - collections.md: ``missing={"cube_lo": [17], "cube_hi": [3, -1]}`` "drops ... the first and
   last of ``cube_hi``": it drops its index 3 and its last (the first is 0).
+- concepts.md: the defaults of ``PlanConfig`` listed every field but ``stride=1``.
+- transforms.md: check-transform "says so when the chunk is under 1 MB": only when the GIL
+  probe fails on such a chunk (a passing transform's report says nothing of its size).
 
 Checked and found right (kept as tests where cheap): ``read`` + ``GET`` spans equal
 ``report.gets`` and ``decode`` spans ``report.decodes`` (missing and undecodable objects
-included, local reads and GETs); the trace's times start at 0 at the epoch's first ``next()``;
-``next`` ends with ``batch -1, end``; ``s<i>/`` keys of a concatenation; a chunk transform runs
-once per chunk per epoch, none for pool hits, once for two labels of one array;
+included, local reads and GETs, under ``"raise"`` too); the trace's times start at 0 at the
+epoch's first ``next()``; ``next`` ends with ``batch -1, end``; a pipeline without
+``trace=True`` has ``report.trace`` None and ``write_trace`` raises ``ValueError``; a trace
+written mid-epoch holds the spans so far; ``s<i>/`` keys of a concatenation; a chunk transform
+runs once per chunk per epoch, none for pool hits, once for two labels of one array, and its
+exception is a ``ChunkTransformError`` under ``on_bad_chunk="nan"`` too;
 ``DecodedChunk.member``, ``chunk_index`` and ``sample_range`` count within the member, a
-member's last chunk holding only its own samples (zarr's values); ``applies`` with an unknown
-name or a static array, and a ``StandardScaler`` with statistics for a static array, raise
-``ValueError`` at build; ``StandardScaler`` and ``Coarsen`` give float32 for integers of at most
-16 bits and bool, float64 for 32/64-bit integers, keep float dtypes (float16 near 60000 stays
-finite); ``on_bad_chunk="nan"`` fills an integer array's bad tile with its fill value and a
-float's with NaN, lists ``(array, chunk, tile)``, re-reads only the bad chunks next epoch and
-lists them again; patched views refuse chunk transforms, float ``within`` bounds are refused;
-``split_by_chunk`` and ``split_by_member`` round by largest remainders, ties to the earlier
-split; ``split_by_member`` refuses a name in two splits (``ValueError``), an unknown one
-(``KeyError``), a split of a reordered collection (``ValueError``), takes acquisition ids as
+member's last chunk holding only its own samples (zarr's values), ``member`` None on a
+concatenation and a join; ``applies`` with an unknown name or a static array, and a
+``StandardScaler`` with statistics for a static array, raise ``ValueError`` at build;
+``StandardScaler`` and ``Coarsen`` give float32 for integers of at most 16 bits and bool,
+float64 for 32/64-bit integers, keep float dtypes (float16 near 60000 stays finite, ``x - mean``
+past float16 computed right); ``Coarsen`` refuses indivisible axes and a wrong factor count at
+build, a NaN makes its block NaN; ``on_bad_chunk="nan"`` fills an integer array's bad tile
+with its fill value and a float's with NaN, lists ``(array, chunk, tile)``, re-reads only the
+bad chunks next epoch and lists them again; ``to_torch`` on the CPU shares memory except a
+flipped label; check-transform's exit codes (0, 1 for an undeclared reshape or float64 output
+or a lying ``output_inner``, 2 for an unknown array, attribute or chunk); patched views
+refuse chunk transforms, float ``within`` bounds are refused, grid windows every stride plus
+one flush with the far edge (and with ``within``'s ``hi``), one 96² tile draws one 64² crop by
+default; ``split_by_chunk`` and ``split_by_member`` round by largest remainders, ties to the
+earlier split; ``split_by_member`` refuses a name in two splits (``ValueError``), an unknown
+one (``KeyError``), a split of a reordered collection (``ValueError``), takes acquisition ids as
 ints or strings; an int ``stride`` counts from each member's first sample; ``missing=`` by
 member refuses an unknown member (``KeyError``) and an index outside it (``ValueError``);
-``read_plate``'s levels by index, numpy scalars, pixel size (within 1e-4) and axis mapping;
-the time units xarray reads and refuses, ``months`` in ``360_day``, ``common_years`` in
-``noleap``, a leap-day reference date in ``noleap`` refused (xarray as the oracle). Every printed
-value of the four pages' code blocks equals what the page says, and the recipes the pages name
-(trace_epoch, fit_scaler, hcs_segmentation with and without ``--t 3 --tz``, scenes_collection,
-joined_stores ``--atmos-stores 2``, time_features) print what the pages say.
+``missing_objects="drop"`` on a collection drops the window reading another variable's absent
+step; ``read_plate``'s levels by index, numpy scalars, pixel size (within 1e-4) and axis
+mapping, absent wells and fields skipped with one warning, a well listed twice refused, a
+partial ``acquisition`` key warned and left out; ``open_images`` on a plate and ``open_plate``
+on a field refused naming the other; ``concat`` with ``overlap="first"``/``"last"`` (values
+checked per time), overlaps off a chunk boundary and a store inside another refused; a join of
+chunks of 4 and 3 steps starts where both are on a boundary (values checked per time); members
+with another ``scale_factor`` refused decoded, read raw as xarray reads them; a v2 time of 0
+with fill 0 refused as NaT (xarray reads NaT); ``sel`` on members with other coordinates
+refused; ``from_groups``' ``dims=`` checks; ``subset`` of a timeline consecutive only; a join
+refuses a concatenation made with other decoding options; a rewritten ``scale_factor`` refused
+by the pipeline; scenes of one time each take no time-delta window, keep time strides and
+``missing=`` dates; ``missing=`` dates between two times refused, outside or in a gap dropping
+nothing; backwards times refused; ``set_views`` with time-delta windows on a pipeline built
+without times refused; product-axis views refuse ``shift``, ``window``, ``stride``,
+``missing=``, ``coords=`` and single-axis views beside them; the ramp's lead block of
+``ceil(batch_size / samples_per_chunk)`` chunks; a ``"6h"`` stride on hourly one-step objects
+reads 2 of every 6, times all off the grid refused; ``open_store``'s refusals and messages (19
+spellings) and ``RetryPolicy``'s defaults; ``open_geometries`` skipping 0-D, dimension and CF
+``coordinates`` arrays, finding arrays below folders without groups; zero-length field axes
+refused, strings and records read and refused by ``to_torch``; the time units xarray reads and
+refuses, ``months`` in ``360_day``, ``common_years`` in ``noleap``, a leap-day reference date in
+``noleap`` refused (xarray as the oracle). Every printed value of the four pages' code blocks
+equals what the page says, and the recipes the pages name (trace_epoch, fit_scaler,
+hcs_segmentation with and without ``--t 3 --tz``, scenes_collection, joined_stores
+``--atmos-stores 2``, time_features in four calendars, forecast_rollout with a growing
+rollout) print what the pages say.
 """
 
 from __future__ import annotations
