@@ -9,6 +9,11 @@ Found wrong (fixed):
   marked it, and that one wrote ``chunk: -1`` for the chunk; every other path (a slot, a tiled
   row, an object read through a GET) recorded a missing object as a plain decode. Every path
   now marks a missing object, with its chunk.
+- concepts.md: an ``xr.open_zarr`` Dataset "stands for the store it was read from", and
+  ``open_geometries(ds)`` is its data variables. xarray lists a 0-D grid mapping (``crs``, which
+  the package's own ``make_era5_like`` writes) among them, so ``open_geometries(ds)`` raised
+  "sample_axis=0 is out of range for array 'crs'" where ``open_geometries(store)`` skips it.
+  A Dataset's 0-D data variables are now left out, as its store's are.
 
 Found wrong in the docs (the code is right; the sentence now says what it does):
 
@@ -84,6 +89,7 @@ import ast
 import dataclasses
 import json
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +109,7 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan import PlanConfig
+from insitubatch_nodes.synthetic import make_era5_like
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -255,3 +262,25 @@ def test_a_collections_trace_counts_chunks_on_its_virtual_axis_and_transforms_wi
     assert sorted(e["args"]["chunk"] for e in spans if e["name"] == "transform") == [0, 1, 2, 3, 4]
     assert sorted(seen) == [(0, 0, (0, 2)), (0, 1, (2, 4)), (0, 2, (4, 5)), (1, 0, (0, 2)),
                             (1, 1, (2, 3))]  # fmt: skip
+
+
+def test_open_geometries_of_a_dataset_as_opened_skips_its_grid_mapping_as_of_its_store(
+    tmp_path: Path,
+) -> None:
+    """xarray keeps a 0-D grid mapping (``crs``) among a Dataset's data variables; the Dataset
+    stands for its store, whose geometries skip it."""
+    import xarray as xr
+
+    root = tmp_path / "era5.zarr"
+    make_era5_like(root, n_time=16, n_lat=4, n_lon=8, n_level=2, samples_per_chunk=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds = xr.open_zarr(root)
+    assert "crs" in ds.data_vars and ds["crs"].ndim == 0
+    geoms = open_geometries(ds)
+    assert sorted(geoms) == sorted(open_geometries(root)) == ["t2m", "z"]
+    manifest = split_by_chunk(geoms["z"], (1.0, 0.0, 0.0))
+    with insitu_pipeline(ds, manifest, {"z": geoms["z"]}, batch_size=4) as pipe:
+        batch = next(iter(Loader(pipe)))
+    np.testing.assert_array_equal(batch["z"], ds["z"].values[batch.sample_indices["z"]])
+    assert sorted(open_geometries(ds[["t2m"]])) == ["t2m"]  # fewer variables: those kept
