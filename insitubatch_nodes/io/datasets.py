@@ -25,8 +25,12 @@ def is_xarray_dataset(obj: Any) -> bool:
 
 def dataset_variables(obj: Any) -> list[str] | None:
     """The data variables of an xarray ``Dataset`` (those it kept: ``ds[["t2m"]]`` keeps one),
-    ``None`` for anything else."""
-    return [str(name) for name in obj.data_vars] if is_xarray_dataset(obj) else None
+    ``None`` for anything else. A 0-D one is left out: xarray keeps a grid mapping (``crs``)
+    among the data variables, and the store the Dataset stands for has no samples there
+    (``open_geometries(store)`` skips it as a coordinate)."""
+    if not is_xarray_dataset(obj):
+        return None
+    return [str(name) for name, array in obj.data_vars.items() if getattr(array, "ndim", 1)]
 
 
 def refuse_changed(ds: Any, store: Any, where: str) -> None:

@@ -266,7 +266,8 @@ class FillRunner:
                     acc.decode_s += t2 - t1
                     acc.queued_s += t2 - job.submitted
                     if packed is not None:
-                        packed.add(DECODE, t1, t1, t2, packed.ref(array.path, tile), chunk, r)
+                        kind = DECODE if raw is not None else MISSING
+                        packed.add(kind, t1, t1, t2, packed.ref(array.path, tile), chunk, r)
         except BaseException as exc:  # a bug here must fail the batch, never leave it waiting
             if job.error is None:
                 job.error = exc
@@ -284,7 +285,8 @@ class FillRunner:
         before, after = array.row_key or ("", "")
         member_key = array.member_key  # a collection's: the key is its member's
         tile = array.tiles[0][0]
-        missing: list[int] = []
+        missing: list[int] = []  # rows, and their chunks (for the trace)
+        missing_chunks: list[int] = []
         reads = nbytes = decodes = 0
         read_s = decode_s = queued_s = 0.0
         submitted = job.submitted
@@ -315,6 +317,7 @@ class FillRunner:
                     self._bad(job, Unit(array, chunk, tile, out[r : r + 1], None, r), error)
                     continue
                 missing.append(r)
+                missing_chunks.append(chunk)
                 probe = True
                 continue
             probe = False
@@ -340,8 +343,8 @@ class FillRunner:
             decodes += len(missing)
             if packed is not None:
                 t2 = _now()
-                for r in missing:
-                    packed.add(MISSING, t1, t1, t2, ref, -1, r)
+                for r, chunk in zip(missing, missing_chunks, strict=True):
+                    packed.add(MISSING, t1, t1, t2, ref, chunk, r)
         acc.reads += reads
         acc.read_bytes += nbytes
         acc.read_s += read_s
@@ -408,7 +411,9 @@ class FillRunner:
                 acc.queued_s += t2 - (landed or job.submitted)
                 if acc.packed is not None:
                     ref = acc.packed.ref(array.path, tile)
-                    acc.packed.add(DECODE, t1, t1, t2, ref, chunk, row)
+                    acc.packed.add(
+                        DECODE if raw is not None else MISSING, t1, t1, t2, ref, chunk, row
+                    )
         elif isinstance(error, ChunkReadError):
             self._bad(job, unit, error)
         self._unit_done(job, entry, acc)
