@@ -42,8 +42,9 @@ year boundary and a leap day; a latitude stored north to south with both poles, 
 random patches; a grid of points; an ensemble stack (the Sun the same for every member);
 1-hour data at a 6-hour stride (the radiation still the hour's, or ``period="6h"``'s six);
 a GraphCast-like stack's channel names and order as model-inputs.md promises, each channel's
-values; a ``noleap`` store's year progress counted in 365-day years (solar forcings refused
-with a ``TypeError`` at the first batch); ``fit_statistics``' ``diff_std`` against numpy over
+values; a ``noleap`` and a ``360_day`` store's year progress counted in years of 365 and 360
+days, across the year's end, as documented (solar forcings refused with a ``TypeError``, at
+the first batch); ``fit_statistics``' ``diff_std`` against numpy over
 the split's 6-hourly anchors of hourly data.
 """
 
@@ -453,13 +454,15 @@ def test_hourly_data_at_a_6_hour_stride_keeps_the_hours_radiation_unless_told(
     pipe.close()
 
 
-def test_a_noleap_stores_year_progress_counts_365_day_years(tmp_path: Path) -> None:
-    cftime = pytest.importorskip("cftime")
-    times = xr.date_range("2003-12-30", periods=16, freq="6h", calendar="noleap", use_cftime=True)
+@pytest.mark.parametrize(("calendar", "year_days"), [("noleap", 365), ("360_day", 360)])
+def test_a_noleap_or_360_day_stores_year_progress_counts_its_own_years(
+    tmp_path: Path, calendar: str, year_days: int
+) -> None:
+    times = xr.date_range("2003-12-29", periods=16, freq="6h", calendar=calendar, use_cftime=True)
     ds = xr.Dataset({"2t": (("time", "lat", "lon"), np.zeros((16, 5, 4), "float32"))},
                     coords={"time": times, "lat": LAT, "lon": LON})  # fmt: skip
-    enc = {"time": {"units": "hours since 2000-01-01", "calendar": "noleap"}}
-    root = _to_zarr(ds, tmp_path / "noleap.zarr", {"2t": (4, 5, 4)}, **enc)
+    enc = {"time": {"units": "hours since 2000-01-01", "calendar": calendar}}
+    root = _to_zarr(ds, tmp_path / "cal.zarr", {"2t": (4, 5, 4)}, **enc)
     g = open_geometries(root)
     manifest = split_by_chunk(g["2t"], (1.0, 0.0, 0.0))
     names = ["year_progress_sin", "year_progress_cos", "local_time_sin"]
@@ -468,8 +471,9 @@ def test_a_noleap_stores_year_progress_counts_365_day_years(tmp_path: Path) -> N
     batch = next(iter(pipe))
     pipe.close()
     at = batch.coords["x"]["time"]
-    assert isinstance(at[0], cftime.DatetimeNoLeap)
-    frac = np.array([(d.dayofyr - 1 + d.hour / 24) / 365 for d in at])
+    assert at.dtype == object and at[0].calendar == calendar
+    assert {d.year for d in at} == {2003, 2004}  # across the year's end
+    frac = np.array([(d.dayofyr - 1 + d.hour / 24) / year_days for d in at])
     np.testing.assert_allclose(batch["year_progress_sin"][:, 0, 0], np.sin(2 * np.pi * frac),
                                atol=2e-6)  # fmt: skip
     np.testing.assert_allclose(batch["year_progress_cos"][:, 2, 3], np.cos(2 * np.pi * frac),
