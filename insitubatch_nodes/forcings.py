@@ -454,6 +454,18 @@ class Forcings:
             )
         return self.grid.lats[0], self.grid.lons[0]
 
+    def refuse_times(self, times: np.ndarray | None) -> None:
+        """``TypeError`` where ``times`` (the times the rows carry, where known) are cftime
+        dates and a solar forcing is named: what a pipeline checks when built (before, the
+        first batch raised it)."""
+        solar = [n for n in self.names if n in FORCINGS[:2]]
+        if solar and times is not None and np.asarray(times).dtype.kind == "O":
+            raise TypeError(
+                f"{self!r}: {solar} need times as numpy datetime64, and the rows' times are "
+                "cftime dates (a non-standard calendar) with no solar position here: keep "
+                "local_time_* and year_progress_*, counted in their calendar"
+            )
+
     def largest(self, name: str) -> float:
         """A bound on the magnitude of forcing ``name``: 1 for the cosines and sines, for
         the radiation the irradiance over the period at the Sun's nearest (r = 0.983 au)."""

@@ -23,6 +23,11 @@ which ``docs/model-inputs.md`` now states.
 
 Found and fixed:
 
+* Solar forcings of rows whose times are cftime dates (a ``noleap`` store) were accepted by
+  ``insitu_pipeline`` (and ``set_views``) and raised their ``TypeError`` at the first batch;
+  the builder refuses them now, batch transforms and stack members alike:
+  ``test_solar_forcings_of_cftime_rows_are_refused_when_the_pipeline_is_built``.
+
 * ``recipes/forecast_inputs.py``, "GraphCast-style inputs", accumulated the radiation over
   6 hours (``period="6h"``); GraphCast (and ERA5's ``tisr`` it is trained on) takes the hour
   ending at each 6-hourly step: at the equator's sunset (18 UTC, longitude 0, an equinox)
@@ -43,8 +48,7 @@ random patches; a grid of points; an ensemble stack (the Sun the same for every 
 1-hour data at a 6-hour stride (the radiation still the hour's, or ``period="6h"``'s six);
 a GraphCast-like stack's channel names and order as model-inputs.md promises, each channel's
 values; a ``noleap`` and a ``360_day`` store's year progress counted in years of 365 and 360
-days, across the year's end, as documented (solar forcings refused with a ``TypeError``, at
-the first batch); ``fit_statistics``' ``diff_std`` against numpy over
+days, across the year's end, as documented.; ``fit_statistics``' ``diff_std`` against numpy over
 the split's 6-hourly anchors of hourly data.
 """
 
@@ -481,11 +485,32 @@ def test_a_noleap_or_360_day_stores_year_progress_counts_its_own_years(
     hours = np.array([d.hour for d in at], float)
     want = np.sin(2 * np.pi * ((hours[:, None] / 24 + LON / 360) % 1))
     np.testing.assert_allclose(batch["local_time_sin"][:, 0], want, atol=2e-6)
-    sun = Forcings("x", view=g["2t"], names=["toa_incident_solar_radiation"])
-    pipe = insitu_pipeline(root, manifest, {"x": g["2t"]}, batch_size=4, batch_transforms=[sun])
+
+
+def test_solar_forcings_of_cftime_rows_are_refused_when_the_pipeline_is_built(
+    tmp_path: Path,
+) -> None:
+    # before, the pipeline was built and the first batch raised the TypeError
+    times = xr.date_range("2003-12-29", periods=8, freq="6h", calendar="noleap", use_cftime=True)
+    ds = xr.Dataset({"2t": (("time", "lat", "lon"), np.zeros((8, 5, 4), "float32"))},
+                    coords={"time": times, "lat": LAT, "lon": LON})  # fmt: skip
+    enc = {"time": {"units": "hours since 2000-01-01", "calendar": "noleap"}}
+    root = _to_zarr(ds, tmp_path / "noleap.zarr", {"2t": (4, 5, 4)}, **enc)
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["2t"], (1.0, 0.0, 0.0))
+    sun = Forcings("x", view=g["2t"], names=["year_progress_sin", "cos_solar_zenith"])
+    with pytest.raises(TypeError, match=r"\['cos_solar_zenith'\] need times as numpy datetime64"):
+        insitu_pipeline(root, manifest, {"x": g["2t"]}, batch_size=4, batch_transforms=[sun])
+    x = make_stack({"2t": g["2t"], "sun": sun})
     with pytest.raises(TypeError, match="no solar position"):
-        next(iter(pipe))
-    pipe.close()
+        insitu_pipeline(root, manifest, {"x": x}, batch_size=4)
+    calendar = Forcings("x", view=g["2t"], names=["year_progress_sin"])
+    with insitu_pipeline(root, manifest, {"x": g["2t"]}, batch_size=4) as pipe:
+        with pytest.raises(TypeError, match="no solar position"):
+            pipe.set_views({"x": x})
+        pipe.set_views({"x": make_stack({"2t": g["2t"], "sun": calendar})})
+        batch = next(iter(pipe))
+    assert batch.channels["x"] == ["2t", "year_progress_sin"]
 
 
 def test_diff_std_at_a_6_hour_stride_is_numpys_over_the_splits_anchors(hourly: Path) -> None:
