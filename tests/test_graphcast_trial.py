@@ -19,25 +19,26 @@ over is checked to discriminate: the hour *centred* on the time, or *starting* a
 by more than 0.05 · S · hour. ``local_time_*`` is GraphCast's ``day_progress_*`` to float
 rounding. ``year_progress_*`` is another definition on purpose (the calendar year's fraction,
 documented so): it differs from GraphCast's by up to 1.8e-3 of a year (0.011 in sin/cos),
-which ``docs/model-inputs.md`` now states.
+which ``docs/model-inputs.md`` now states. Far from 2000 the two Suns part further (1.6e-3 of
+S · hour in 2100, where NOAA's calculator sides with the package's): the times here are
+1969–2024.
 
 Found and fixed:
 
-* Solar forcings of rows whose times are cftime dates (a ``noleap`` store) were accepted by
-  ``insitu_pipeline`` (and ``set_views``) and raised their ``TypeError`` at the first batch;
-  the builder refuses them now, batch transforms and stack members alike:
-  ``test_solar_forcings_of_cftime_rows_are_refused_when_the_pipeline_is_built``.
-
-* ``recipes/forecast_inputs.py``, "GraphCast-style inputs", accumulated the radiation over
-  6 hours (``period="6h"``); GraphCast (and ERA5's ``tisr`` it is trained on) takes the hour
-  ending at each 6-hourly step: at the equator's sunset (18 UTC, longitude 0, an equinox)
-  1.9e7 against 8.0e5 J m⁻², another input. The recipe takes the default hour now, and
-  model-inputs.md says which period GraphCast takes (a documentation fix: no test here).
 * A row whose time is missing (``NaT``; ``None`` among cftime dates), which an int stride
   without ``missing=`` delivers, got the forcings of another time (NaT read as its int64
   pattern: 4.8e6 J m⁻², January 1st's year progress), and ``None`` an ``AttributeError`` from
   the cftime forcings. Every forcing is NaN there now (``forcings.py``):
   ``test_a_row_whose_time_is_missing_gets_nan_forcings_not_another_times``.
+* Solar forcings of rows whose times are cftime dates (a ``noleap`` store) were accepted by
+  ``insitu_pipeline`` (and ``set_views``) and raised their ``TypeError`` at the first batch;
+  the builder refuses them now, batch transforms and stack members alike:
+  ``test_solar_forcings_of_cftime_rows_are_refused_when_the_pipeline_is_built``.
+* ``recipes/forecast_inputs.py``, "GraphCast-style inputs", accumulated the radiation over
+  6 hours (``period="6h"``); GraphCast (and ERA5's ``tisr`` it is trained on) takes the hour
+  ending at each 6-hourly step: at the equator's sunset (18 UTC, longitude 0, an equinox)
+  1.9e7 against 8.0e5 J m⁻², another input. The recipe takes the default hour now, and
+  model-inputs.md says which period GraphCast takes (a documentation fix: no test here).
 
 Tried and found right (pipeline level, each value against the oracle at the time xarray reads
 at the row's sample index, never the batch's own time): each step of an input window
@@ -48,8 +49,10 @@ random patches; a grid of points; an ensemble stack (the Sun the same for every 
 1-hour data at a 6-hour stride (the radiation still the hour's, or ``period="6h"``'s six);
 a GraphCast-like stack's channel names and order as model-inputs.md promises, each channel's
 values; a ``noleap`` and a ``360_day`` store's year progress counted in years of 365 and 360
-days, across the year's end, as documented.; ``fit_statistics``' ``diff_std`` against numpy over
-the split's 6-hourly anchors of hourly data.
+days, across the year's end, as documented; ``fit_statistics``' ``diff_std`` (and ``std``,
+per selected level) against numpy over a split with gaps: 6-hourly data pairing only
+consecutive samples of the split, and the split's 6-hourly anchors of hourly data
+(``stride="6h"``).
 """
 
 from __future__ import annotations
@@ -516,11 +519,11 @@ def test_solar_forcings_of_cftime_rows_are_refused_when_the_pipeline_is_built(
 def test_diff_std_at_a_6_hour_stride_is_numpys_over_the_splits_anchors(hourly: Path) -> None:
     g = open_geometries(hourly)
     t = xr.open_zarr(hourly, consolidated=False).t.values.astype(np.float64)
-    manifest = split_by_chunk(g["t"], (0.6, 0.4, 0.0), seed=3)
+    manifest = split_by_chunk(g["t"], (0.6, 0.4, 0.0), contiguous=False, seed=3)
     stats = fit_statistics(hourly, manifest, {"t": g["t"]}, stride="6h")
     anchors = np.array(sorted(s for s in manifest.samples("train") if s % 6 == 0))
     pairs = anchors[np.isin(anchors + 6, anchors)]
-    assert 0 < len(pairs) < len(anchors)
+    assert 0 < len(pairs) < len(anchors) - 1  # the split has gaps
     diffs = t[pairs + 6] - t[pairs]
     np.testing.assert_allclose(stats.diff_std["t"], diffs.std(axis=(0, 2, 3)), rtol=1e-9)
     np.testing.assert_allclose(stats.mean["t"], t[anchors].mean(axis=(0, 2, 3)), rtol=1e-9)
@@ -571,3 +574,20 @@ def test_a_row_whose_time_is_missing_gets_nan_forcings_not_another_times(
         batch = next(iter(pipe))
         pipe.close()
         assert np.isnan(batch["x"][5, 1:]).all() and not np.isnan(batch["x"][~gone]).any()
+
+
+def test_diff_std_of_6_hourly_data_pairs_only_consecutive_samples_of_the_split(
+    era5: Path,
+) -> None:
+    g = open_geometries(era5)
+    t = xr.open_zarr(era5, consolidated=False).t.values.astype(np.float64)
+    manifest = split_by_chunk(g["t"], (0.5, 0.5, 0.0), contiguous=False, seed=1)
+    views = {"t": g["t"].sel(level=[500, 850]), "t850": g["t"].sel(level=850)}
+    stats = fit_statistics(era5, manifest, views)
+    train = np.array(sorted(manifest.samples("train")))
+    pairs = train[np.isin(train + 1, train)]
+    assert 0 < len(pairs) < len(train) - 1  # the split has gaps: no difference across them
+    diffs = (t[pairs + 1] - t[pairs])[:, ::-1]  # levels 500, 850
+    np.testing.assert_allclose(stats.diff_std["t"], diffs.std(axis=(0, 2, 3)), rtol=1e-9)
+    np.testing.assert_allclose(stats.diff_std["t850"], diffs[:, 1].std(), rtol=1e-9)
+    np.testing.assert_allclose(stats.std["t"], t[train][:, ::-1].std(axis=(0, 2, 3)), rtol=1e-9)
