@@ -26,7 +26,10 @@ float32, computed in numpy for the whole batch at once:
     (the same at every grid point, broadcast over the grid).
 
 The last four take cftime dates too (a ``noleap`` or ``360_day`` store's times), counted in
-their own calendar; the two solar ones raise ``TypeError`` for them.
+their own calendar; the two solar ones raise ``TypeError`` for them. Every forcing is NaN at a
+missing time (``NaT``; ``None`` among cftime dates), whose row holds data of an unknown time
+(before, NaT was read as its int64 pattern, a date in 290 million BC: finite values of another
+time).
 
 The grid is one ``(lat, lon)`` grid, or, for a view of a collection whose members lie at other
 places, each member's own (:mod:`~insitubatch_nodes.forcing_grid`): every row is computed on
@@ -106,8 +109,8 @@ def _days_since_j2000(times: np.ndarray) -> np.ndarray:
             "calendar's cftime dates have no solar position here (local_time_* and "
             "year_progress_* take them, in their own calendar)"
         )
-    delta = (t.astype("datetime64[ns]") - _J2000).astype(np.int64)
-    return delta / _DAY_NS
+    delta = (t.astype("datetime64[ns]") - _J2000).astype(np.int64) / _DAY_NS
+    return np.where(np.isnat(t), np.nan, delta)  # a missing time: NaN, not NaT's int64
 
 
 def _sun(days: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -258,8 +261,27 @@ _FIELDS = {
 the attribute reads in C: no Python per date)."""
 
 
+_IS = np.frompyfunc(operator.is_, 2, 1)
+_NONE = np.array(None, dtype=object)
+
+
+def _missing(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(t, missing)``: the times' missing ones (``NaT``, a ``None`` among cftime dates)
+    marked, and for cftime dates replaced by a present one, so that fields can be read."""
+    if t.dtype.kind != "O":
+        return t, np.isnat(t)
+    missing = np.asarray(_IS(t, _NONE), dtype=bool)
+    if missing.any() and not missing.all():
+        t = t.copy()
+        t[missing] = t[~missing].flat[0]
+    return t, missing
+
+
 def _fields(t: np.ndarray, *names: str) -> list[np.ndarray]:
-    """Fields ``names`` of the cftime dates ``t``, as ``int64`` arrays shaped like ``t``."""
+    """Fields ``names`` of the cftime dates ``t``, as ``int64`` arrays shaped like ``t``
+    (zeros if every date is missing)."""
+    if t.size and t.reshape(-1)[0] is None:
+        return [np.zeros(t.shape, np.int64) for _ in names]
     return [np.asarray(_FIELDS[name](t), dtype=object).astype(np.int64) for name in names]
 
 
@@ -288,14 +310,16 @@ def _year_days(calendar: str, year: np.ndarray) -> np.ndarray:
 
 def local_time(times: Any, lon: Any) -> np.ndarray:
     """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``. ``times``
-    are ``datetime64`` or cftime dates (any calendar: a day has 24 hours in each)."""
-    t = np.asarray(times)
+    are ``datetime64`` or cftime dates (any calendar: a day has 24 hours in each); NaN at a
+    missing time (``NaT``, ``None``)."""
+    t, missing = _missing(np.asarray(times))
     if t.dtype.kind == "O":  # cftime dates: the time of day from their fields
         hour, minute, second, micro = _fields(t, "hour", "minute", "second", "microsecond")
         utc = (((hour * 60 + minute) * 60 + second) + micro / 1e6) / 3600.0
     else:
         t = t.astype("datetime64[ns]")
         utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
+    utc = np.where(missing, np.nan, utc)
     return (utc[..., None, None] + np.asarray(lon, dtype=np.float64).reshape(1, -1) / 15.0) % 24.0
 
 
@@ -303,10 +327,15 @@ def year_progress(times: Any) -> np.ndarray:
     """The fraction of the calendar year elapsed at each time, ``[0, 1)``: of the dates' own
     calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360). cftime
     dates are read field by field for the whole array at once; only a ``standard`` date of
-    1582 (the reform's year) or before year 1 is counted on its own."""
-    t = np.asarray(times)
+    1582 (the reform's year) or before year 1 is counted on its own. NaN at a missing time
+    (``NaT``, ``None``)."""
+    t, missing = _missing(np.asarray(times))
+    return np.where(missing, np.nan, _year_progress(t))
+
+
+def _year_progress(t: np.ndarray) -> np.ndarray:
     if t.dtype.kind == "O":
-        if not t.size:
+        if not t.size or t.reshape(-1)[0] is None:
             return np.zeros(t.shape)
         year, day, hour, minute, second, micro = _fields(t, *_FIELDS)
         # microseconds since the year began, over the year's: as the timedelta division rounds
@@ -424,6 +453,18 @@ class Forcings:
                 f"({len(self.grid.lats)} grids): read them in .grid"
             )
         return self.grid.lats[0], self.grid.lons[0]
+
+    def refuse_times(self, times: np.ndarray | None) -> None:
+        """``TypeError`` where ``times`` (the times the rows carry, where known) are cftime
+        dates and a solar forcing is named: what a pipeline checks when built (before, the
+        first batch raised it)."""
+        solar = [n for n in self.names if n in FORCINGS[:2]]
+        if solar and times is not None and np.asarray(times).dtype.kind == "O":
+            raise TypeError(
+                f"{self!r}: {solar} need times as numpy datetime64, and the rows' times are "
+                "cftime dates (a non-standard calendar) with no solar position here: keep "
+                "local_time_* and year_progress_*, counted in their calendar"
+            )
 
     def largest(self, name: str) -> float:
         """A bound on the magnitude of forcing ``name``: 1 for the cosines and sines, for

@@ -97,7 +97,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     stats = fit_statistics(root, manifest, {**inputs, **constant})
     stats.save(Path(tmp.name) / "stats.json")
     print("temperature mean per level (train):", np.round(stats.mean["temperature"], 1).tolist())
-    forcings = Forcings("x", view=inputs["temperature"], period="6h")
+    # the radiation of the hour ending at each step (ERA5's tisr), as GraphCast takes it at its
+    # 6-hourly steps too: period="6h" would be another input, six hours' accumulation
+    forcings = Forcings("x", view=inputs["temperature"])
     # one input tensor and one target tensor; the target (the next step) is standardised with
     # its input's statistics: its members carry the same names
     x = stack({**inputs, **constant, "forcings": forcings}, normalize=stats)
@@ -122,8 +124,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     tisr = x.channels.index("toa_incident_solar_radiation")
 
-    def radiation_to_unit(batch: Any) -> Any:  # J m-2 over 6 h -> a fraction of the most
-        batch.arrays["x"][:, tisr] /= SOLAR_IRRADIANCE * 6 * 3600
+    def radiation_to_unit(batch: Any) -> Any:  # J m-2 over the hour -> a fraction of the most
+        batch.arrays["x"][:, tisr] /= SOLAR_IRRADIANCE * 3600
         return batch
 
     pipe = insitu_pipeline(root, manifest, {"x": x, "y": y}, batch_size=args.batch_size,

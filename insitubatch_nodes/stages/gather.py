@@ -264,7 +264,6 @@ class GatherNode(BaseNode[Batch]):
         self.batch_transforms = tuple(check_batch_transforms(batch_transforms))
         batch_views = self.buffers.layout.views
         refuse_standardised_twice(context.transforms, batch_views, self.batch_transforms)
-        self.check_constants(batch_views)
         unknown = set(coords or {}) - set(batch_views)
         if unknown:
             raise ValueError(f"coords name labels {sorted(unknown)} that are not in the views")
@@ -274,6 +273,7 @@ class GatherNode(BaseNode[Batch]):
             for label, named in (coords or {}).items()
             if named
         }
+        self.check_constants(batch_views)
         self._size(self.buffers.rows)
         self.recorder = context.recorder
         self._count_transforms()
@@ -325,9 +325,17 @@ class GatherNode(BaseNode[Batch]):
         (:func:`~insitubatch_nodes.forcing_grid.refuse_forcings_elsewhere`,
         :meth:`StaticFields.check_patches <insitubatch_nodes.static.StaticFields.check_patches>`):
         a collection's rows on one grid where its members lie elsewhere, a patched label's
-        forcings or static fields on the whole grid."""
+        forcings or static fields on the whole grid; and solar forcings (batch transforms and
+        stack members) of rows whose times are cftime dates (:meth:`Forcings.refuse_times
+        <insitubatch_nodes.forcings.Forcings.refuse_times>`)."""
         forcings = [t for t in self.batch_transforms if isinstance(t, Forcings)]
         fields = [t for t in self.batch_transforms if isinstance(t, StaticFields)]
+        members = [(label, m.forcing) for label, v in views.items() if isinstance(v, Stack)
+                   for m in v.forcings if m.forcing is not None]  # fmt: skip
+        for label, forcing in [*((f.time_label, f) for f in forcings), *members]:
+            if label in views:  # (the times the label's rows carry, where they are known)
+                carried = self._array_coords.get(_path(views[label]), {})
+                forcing.refuse_times(carried.get(forcing.time_name))
         if not (forcings or fields):
             return
         geoms = {
