@@ -24,7 +24,16 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["anchor_steps", "anchor_time_coordinate"]
+__all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks"]
+
+_DAY_S = 86_400
+#: steps of the calendar, not of the clock: (numpy unit, shortest and longest step in days)
+_CALENDAR_STEPS: tuple[tuple[np.timedelta64, int, int], ...] = (
+    (np.timedelta64(1, "M"), 28, 31),
+    (np.timedelta64(1, "Y"), 365, 366),
+)
+#: the unit of ticks counted in seconds
+SECOND: np.timedelta64 = np.timedelta64(1, "s")
 
 
 def anchor_steps(
@@ -94,12 +103,14 @@ def anchor_steps(
     members, runs = manifest.members, None
     if members is not None and not (members.continuous or members.product) and ticks is not None:
         runs = members.sample_base  # independent members: no difference across their edges
+    unit: Any = SECOND
     if ticks is not None and coord is not None:
         _refuse_backwards(ticks, runs, coord)
+        ticks, unit = calendar_ticks(coord, ticks)  # (after missing=: dates match exactly)
     steps = SampleSteps(
         n,
         ticks=ticks,
-        unit=np.timedelta64(1, "s"),
+        unit=unit,
         listed=listed if missing is not None else None,
         absent=absent,
         coord=coord_name,
@@ -112,6 +123,50 @@ def anchor_steps(
             "is not a step of either): give the window offsets in samples"
         )
     return manifest.with_steps(steps)
+
+
+def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, Any]:
+    """``(ticks, unit)``: the samples' times as the missing-step checks count them. ``ticks``
+    (whole seconds, :data:`MISSING_OFFSET` for a missing time) and ``SECOND``, unless the
+    dates step by calendar months or years: their most common step lies within 28–31 days
+    (365–366), those steps are not all one length, and every step of such a length is one
+    month (year) of the calendar. Then each sample's count of months (years) since 1970 and
+    ``np.timedelta64(1, "M")`` (``"Y"``): a month of 30 days after one of 31 is one step, not
+    a gap, and a step is missing only where a month (year) is. Times one fixed length apart
+    (a ``360_day`` calendar's months, days) keep their seconds."""
+    if not coord.is_time:  # (durations: counted from 0, no calendar)
+        return ticks, SECOND
+    present = np.flatnonzero(ticks != MISSING_OFFSET)
+    d = np.diff(ticks[present])
+    if not (d > 0).any():
+        return ticks, SECOND
+    values, counts = np.unique(d[d > 0], return_counts=True)
+    step = int(values[int(np.argmax(counts))])
+    for unit, shortest, longest in _CALENDAR_STEPS:
+        near = (d >= shortest * _DAY_S) & (d <= longest * _DAY_S)
+        if not shortest * _DAY_S <= step <= longest * _DAY_S or (d[near] == step).all():
+            continue
+        counted = _calendar_counts(coord.values, unit)
+        if (np.diff(counted[present])[near] == 1).all():
+            return counted, unit
+    return ticks, SECOND
+
+
+def _calendar_counts(values: np.ndarray, unit: np.timedelta64) -> np.ndarray:
+    """Whole months (``unit`` ``"M"``) or years (``"Y"``) of the calendar from January 1970 to
+    each date's month (year), in the dates' own calendar; :data:`MISSING_OFFSET` where a
+    date is missing."""
+    code = np.datetime_data(unit)[0]
+    if values.dtype.kind == "M":  # (NaT stays int64's minimum)
+        return values.astype(f"datetime64[{code}]").astype(np.int64)
+    missing = np.array([x is None for x in values], dtype=bool)  # (cftime dates; None)
+    year = np.frompyfunc(lambda t: 1970 if t is None else t.year, 1, 1)(values).astype(np.int64)
+    out = year - 1970
+    if code == "M":
+        month = np.frompyfunc(lambda t: 1 if t is None else t.month, 1, 1)(values)
+        out = out * 12 + month.astype(np.int64) - 1
+    out[missing] = MISSING_OFFSET
+    return out
 
 
 def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:

@@ -1,0 +1,197 @@
+"""Missing and irregular time steps, as a user of a reanalysis or satellite archive meets them
+(the gaps trial of 2026-12-07).
+
+The stores are written by xarray (``Dataset.to_zarr``; CF times in a calendar) and read back
+with ``xr.open_zarr``: which anchors an epoch must hold, each delivered step's time and value,
+and the tendency statistics are worked out here from those times with pandas and numpy, never
+asked of the package's plan.
+
+Found (fixed; each test failed before the fix):
+
+- **Monthly (and yearly) times were full of gaps that are not there.** The missing-step checks
+  count a step as ``time[a] + k * data_step``, the data's step being the most common
+  difference between consecutive times: 31 days for monthly means (ERA5's monthly averages,
+  CMIP's mid-month stamps), 365 days for yearly ones. So every month of 30 days (and
+  February) was a ``"gap"``: ``{"x": g, "y": g.shift(1)}`` with ``missing=()`` over 35
+  months with one absent dropped 15 anchors where 1 reads across the absent month, a
+  ``window([-2, -1, 0])`` left no anchor at all (``ValueError`` blaming 32 "gaps"), each leap
+  year was a gap of yearly data, and ``fit_statistics``' ``diff_std`` paired only the months
+  31 days apart (19 of the 33 pairs one month apart; 1.311 where numpy gives 1.350). Now
+  dates that step by calendar months (years) of several lengths are counted in months
+  (years): a step is missing only where a month (year) is. A time stride or a window in time
+  deltas over them says to count in samples (a ``"30D"`` step matches no month); times one
+  fixed length apart (a ``360_day`` calendar's months, any regular step) are counted as
+  before.
+
+Tried and found right (no change needed): on a 6-hourly store with one step absent, a
+duplicated and an out-of-order timestamp, an irregular 3-hour step, an all-NaN step and the
+time coordinate chunked otherwise than the data, the anchors of ``shift``, windows in samples
+and in time deltas, with and without ``stride="12h"``, equal the oracle's, every delivered
+step's time is its anchor's plus its offset, every value is zarr's, each anchor is in exactly
+one batch on 1 to 3 ranks (``remainder`` drop, pad, uneven), ``len(loader)``,
+``report().batches``, ``report().samples`` and ``report().dropped`` are exact, and a state saved
+after any batch resumes bit-exactly; ``set_views`` to time windows and to a stack with int
+windows applies the gap checks to the new offsets; stored objects never written read as the
+fill value (zarr v2 and v3, as xarray reads them) under ``missing_objects="read"`` and drop
+every anchor of any array that reads them under ``"drop"``; ``fit_statistics`` counts the NaNs
+of an all-NaN step and of unwritten objects, skips them, and never differences across a gap
+or a dropped sample.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from torchdata.nodes import Loader
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.statistics import fit_statistics
+
+xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
+pd = pytest.importorskip("pandas")
+pytest.importorskip("cftime")
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _write(root: Path, times: Any, *, chunk: int = 6, calendar: str | None = None) -> Path:
+    """``sst (time, lat, lon)`` float32 noise with a trend, at ``times``, ``chunk`` steps per
+    stored object, the time coordinate in chunks of 5 (not the data's)."""
+    n = len(times)
+    rng = np.random.default_rng(0)
+    data = (rng.standard_normal((n, 2, 3)) + np.arange(n)[:, None, None]).astype("f4")
+    ds = xr.Dataset({"sst": (("time", "lat", "lon"), data)}, coords={"time": times})
+    tenc: dict[str, Any] = {"units": "days since 1990-01-01", "dtype": "int64", "chunks": (5,)}
+    if calendar is not None:
+        tenc["calendar"] = calendar
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False,
+                   encoding={"sst": {"chunks": (chunk, 2, 3)}, "time": tenc})  # fmt: skip
+    return root
+
+
+def _read(root: Path) -> tuple[np.ndarray, np.ndarray]:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with xr.open_zarr(root, consolidated=False, use_cftime=True) as ds:
+            return np.asarray(ds.time.values), ds.sst.values
+
+
+def _months(times: np.ndarray) -> np.ndarray:
+    """Each date's month counted from year 0 (cftime dates of any calendar)."""
+    return np.array([t.year * 12 + t.month - 1 for t in times])
+
+
+@pytest.fixture(scope="module")
+def monthly(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Three years of monthly data with 2001-03 absent: ERA5's monthly means (stamped on the
+    1st at 00:00, standard calendar) and a model's (mid-month at 12:00, ``noleap``)."""
+    base = tmp_path_factory.mktemp("gaps_monthly")
+    era5 = pd.date_range("2000-01-01", periods=36, freq="MS")
+    era5 = era5[era5 != pd.Timestamp("2001-03-01")]
+    model = xr.date_range("2000-01-01", periods=36, freq="MS", calendar="noleap", use_cftime=True)
+    model = [t.replace(day=15, hour=12) for t in model if (t.year, t.month) != (2001, 3)]
+    return {
+        "era5": _write(base / "era5.zarr", era5),
+        "model": _write(base / "model.zarr", xr.CFTimeIndex(model), calendar="noleap"),
+    }
+
+
+@pytest.mark.parametrize("name", ["era5", "model"])
+def test_monthly_times_drop_only_the_anchors_that_read_across_the_absent_month(
+    monthly: dict[str, Path], name: str
+) -> None:
+    root = monthly[name]
+    times, values = _read(root)
+    month = _months(times)
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    for views, offsets in (
+        ({"x": g, "y": g.shift(1)}, [0, 1]),
+        ({"x": g.window([-2, -1, 0]), "y": g.shift(1)}, [-2, -1, 0, 1]),
+    ):
+        want = [a for a in range(len(times))
+                if all(0 <= a + k < len(times) and month[a + k] == month[a] + k
+                       for k in offsets)]  # fmt: skip
+        pipe = insitu_pipeline(root, manifest, views, batch_size=4, missing=(), seed=0)
+        try:
+            got = []
+            for batch in Loader(pipe):
+                anchor = np.asarray(batch.sample_indices["y"]) - 1
+                got += anchor.tolist()
+                for label, view in views.items():
+                    idx = np.asarray(batch.sample_indices[label])
+                    np.testing.assert_array_equal(batch[label], values[idx])
+                    steps = np.array(view.window_offsets or [0]) + view.offset
+                    assert (month[idx].reshape(len(anchor), -1)
+                            == month[anchor][:, None] + steps).all()  # fmt: skip
+            assert sorted(got) == want
+            # only the anchors whose steps meet the absent month: 1 for a shift, 3 for the window
+            assert pipe.stages.plan.dropped == {"nat": 0, "gap": len(offsets) - 1, "missing": 0}
+        finally:
+            pipe.close()
+
+
+def test_yearly_times_count_a_leap_year_as_one_step_and_an_absent_year_as_a_gap(
+    tmp_path: Path,
+) -> None:
+    years = pd.date_range("1990-01-01", periods=20, freq="YS")
+    years = years[years.year != 2003]
+    root = _write(tmp_path / "yearly.zarr", years, chunk=4)
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": g, "y": g.shift(1)}, batch_size=4, missing=())
+    try:
+        got = sorted(int(a) for b in Loader(pipe) for a in b.sample_indices["x"])
+        want = [a for a in range(len(years) - 1) if years[a + 1].year == years[a].year + 1]
+        assert got == want
+        assert pipe.stages.plan.dropped == {"nat": 0, "gap": 1, "missing": 0}
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("name", ["era5", "model"])
+def test_fit_statistics_diff_std_of_monthly_times_pairs_every_month_with_the_next(
+    monthly: dict[str, Path], name: str
+) -> None:
+    root = monthly[name]
+    times, values = _read(root)
+    month = _months(times)
+    g = open_geometries(root)["sst"]
+    stats = fit_statistics(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"sst": g})
+    x = values.astype(np.float64)
+    one = np.flatnonzero(np.diff(month) == 1)  # every pair one month apart (33 of 34)
+    assert len(one) == len(times) - 2
+    np.testing.assert_allclose(stats.diff_std["sst"], np.std(x[one + 1] - x[one]), rtol=1e-6)
+
+
+def test_a_time_stride_or_a_time_delta_window_over_monthly_times_says_to_count_in_samples(
+    monthly: dict[str, Path],
+) -> None:
+    root = monthly["era5"]
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"step by calendar months.*give an int stride"):
+        insitu_pipeline(root, manifest, {"x": g}, stride="30D")
+    with pytest.raises(ValueError, match=r"calendar months.*offsets in samples"):
+        insitu_pipeline(root, manifest, {"x": g.window(["-30D", "0D"])})
+
+
+def test_monthly_times_of_a_360_day_calendar_keep_their_fixed_step(tmp_path: Path) -> None:
+    """30 days apart, always: a time-delta window of "30D" reads the month before, as ever."""
+    times = xr.date_range("2000-01-01", periods=24, freq="MS", calendar="360_day", use_cftime=True)
+    times = xr.CFTimeIndex([t for t in times if (t.year, t.month) != (2000, 7)])
+    root = _write(tmp_path / "m360.zarr", times, calendar="360_day")
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": g.window(["-30D", "0D"])}, batch_size=4)
+    try:
+        assert len([1 for _ in Loader(pipe)]) == len(pipe)
+        assert pipe.stages.plan.dropped == {"nat": 0, "gap": 1}
+    finally:
+        pipe.close()
