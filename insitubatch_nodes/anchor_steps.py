@@ -94,22 +94,23 @@ def anchor_steps(
                 "samples; a negative one counts from the end, as numpy's)"
             )
         listed[int(i)] = True
-    if dates:
-        assert ticks is not None and coord is not None
-        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
-        _refuse_dates_between_steps(dates, gone, ticks, coord)
-        listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
-    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
     members, runs = manifest.members, None
     if members is not None and not (members.continuous or members.product) and ticks is not None:
         runs = members.sample_base  # independent members: no difference across their edges
-    unit: Any = SECOND
+    counted, unit = ticks, SECOND  # (the checks' ticks: calendar months of monthly dates)
     if ticks is not None and coord is not None:
         _refuse_backwards(ticks, runs, coord)
-        ticks, unit = calendar_ticks(coord, ticks)  # (after missing=: dates match exactly)
+        counted, unit = calendar_ticks(coord, ticks)
+    if dates:  # matched to the times to the second, whatever the checks count in
+        assert ticks is not None and counted is not None and coord is not None
+        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
+        step = SampleSteps(n, ticks=counted, runs=runs).data_step
+        _refuse_dates_between_steps(dates, gone, ticks, coord, counted, step)
+        listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
+    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
     steps = SampleSteps(
         n,
-        ticks=ticks,
+        ticks=counted,
         unit=unit,
         listed=listed if missing is not None else None,
         absent=absent,
@@ -240,21 +241,31 @@ def anchor_time_coordinate(
 
 
 def _refuse_dates_between_steps(
-    dates: Sequence[Any], gone: np.ndarray, ticks: np.ndarray, coord: Coordinate
+    dates: Sequence[Any],
+    gone: np.ndarray,
+    ticks: np.ndarray,
+    coord: Coordinate,
+    counted: np.ndarray,
+    step: int | None,
 ) -> None:
     """Refuse a date of ``missing=`` that lies strictly inside one step of the data: between
-    two consecutive times the data's smallest spacing apart. No sample has that time, so it
-    would drop nothing: a typo (a wrong hour, a minute off) that would go unnoticed. A date
-    outside the times, or inside a gap of them, passes (a list kept for a whole archive names
-    steps other stores or other years hold)."""
-    times = np.unique(ticks[ticks != MISSING_OFFSET])
+    two consecutive times at most the data's step apart (``step``, in the ticks the checks
+    count, ``counted``: a calendar month of monthly dates, whatever its days). No sample has
+    that time, so it would drop nothing: a typo (a wrong hour, a minute off) that would go
+    unnoticed. A date outside the times, or inside a gap of them, passes (a list kept for a
+    whole archive names steps other stores or other years hold). Before 2026-12-07 only a
+    step of the smallest spacing counted: one shorter step anywhere (a 3-hour one among
+    6-hourly times), or months of several lengths, let such typos pass."""
+    present = ticks != MISSING_OFFSET
+    times, first = np.unique(ticks[present], return_index=True)
     if len(times) < 2:
         return
-    spacing = np.diff(times)
+    spacing = np.diff(counted[present][first])  # (counted in the checks' ticks)
+    one_step = spacing <= step if step is not None else np.diff(times) == np.diff(times).min()
     at = np.searchsorted(times, gone)  # times[at - 1] < gone <= times[at]
     inside = (at > 0) & (at < len(times))
     inside[inside] = times[at[inside]] != gone[inside]
-    inside[inside] = spacing[at[inside] - 1] == spacing.min()
+    inside[inside] = one_step[at[inside] - 1]
     if not inside.any():
         return
     i = int(np.flatnonzero(inside)[0])

@@ -22,6 +22,12 @@ Found (fixed; each test failed before the fix):
   deltas over them says to count in samples (a ``"30D"`` step matches no month); times one
   fixed length apart (a ``360_day`` calendar's months, any regular step) are counted as
   before.
+- **A typo in ``missing=`` passed silently where the data have one shorter step.** A date
+  strictly between two consecutive times is refused (no sample has it), but only between
+  times the *smallest* spacing apart: with one 3-hour step among 6-hourly times, ``03:00``
+  dropped nothing without a word; among mid-month stamps the 1st of a month was refused
+  between months 28 days apart only. Now any two consecutive times at most the data's step
+  apart (in calendar months for monthly dates) count; a date inside a gap still passes.
 
 Tried and found right (no change needed): on a 6-hourly store with one step absent, a
 duplicated and an out-of-order timestamp, an irregular 3-hour step, an all-NaN step and the
@@ -193,5 +199,47 @@ def test_monthly_times_of_a_360_day_calendar_keep_their_fixed_step(tmp_path: Pat
     try:
         assert len([1 for _ in Loader(pipe)]) == len(pipe)
         assert pipe.stages.plan.dropped == {"nat": 0, "gap": 1}
+    finally:
+        pipe.close()
+
+
+def test_a_missing_date_between_two_steps_is_refused_though_the_data_have_a_shorter_step(
+    tmp_path: Path,
+) -> None:
+    """6-hourly times with one 3-hour step elsewhere (a re-timed pass): a typo in missing=
+    (03:00) was accepted and dropped nothing, as only the smallest spacing was a step."""
+    times = pd.date_range("2020-01-01", periods=16, freq="6h")
+    times = times.delete(9).insert(12, pd.Timestamp("2020-01-03T21:00"))  # absent; irregular
+    root = _write(tmp_path / "six.zarr", times, chunk=4)
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    views = {"x": g, "y": g.shift(1)}
+    said = r"'2020-01-01T03:00'.*between two consecutive times.*2020-01-01T00:00.*2020-01-01T06:00"
+    with pytest.raises(ValueError, match=said):
+        insitu_pipeline(root, manifest, views, missing=["2020-01-01T03:00"])
+    # the 3-hour step's middle, the absent step and a date outside the times pass
+    with pytest.raises(ValueError, match=r"2020-01-03T19:30"):
+        insitu_pipeline(root, manifest, views, missing=["2020-01-03T19:30"])
+    for date in ("2020-01-03T06:00", "2019-06-01T00:00"):
+        pipe = insitu_pipeline(root, manifest, views, missing=[date])
+        assert pipe.stages.plan.dropped["missing"] == 0, date
+        pipe.close()
+
+
+def test_a_missing_date_inside_any_month_of_mid_month_times_is_refused(
+    monthly: dict[str, Path],
+) -> None:
+    """Mid-month stamps (15th, 12:00): the 1st of a month is no sample's time. It was refused
+    between months 28 days apart only, and passed silently between the others."""
+    root = monthly["model"]
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    for date in ("2000-03-01", "2001-05-01", "2002-08-01"):  # 29, 30 and 31 days around it
+        with pytest.raises(ValueError, match=rf"'{date}'.*between two consecutive times"):
+            insitu_pipeline(root, manifest, {"x": g}, missing=[date])
+    pipe = insitu_pipeline(root, manifest, {"x": g, "y": g.shift(1)},
+                           missing=["2001-05-15T12:00", "2001-03-01"])  # fmt: skip
+    try:  # a listed month drops its two anchors; the 1st of the absent month passes
+        assert pipe.stages.plan.dropped == {"nat": 0, "gap": 1, "missing": 2}
     finally:
         pipe.close()
