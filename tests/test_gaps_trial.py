@@ -28,6 +28,12 @@ Found (fixed; each test failed before the fix):
   dropped nothing without a word; among mid-month stamps the 1st of a month was refused
   between months 28 days apart only. Now any two consecutive times at most the data's step
   apart (in calendar months for monthly dates) count; a date inside a gap still passes.
+- **A time coordinate of another length than the data counted as none.** A store read
+  while it is appended to (the time coordinate resized before or after the data) had its
+  times left out, so ``missing=()`` checked no time without a word, a time stride said the
+  array has no time coordinate, and ``fit_statistics`` differenced across gaps silently. Now
+  the pipeline refuses it naming both lengths, and the fit warns that ``diff_std`` cannot see
+  gaps.
 
 Tried and found right (no change needed): on a 6-hourly store with one step absent, a
 duplicated and an out-of-order timestamp, an irregular 3-hour step, an all-NaN step and the
@@ -52,6 +58,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zarr
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
@@ -305,3 +312,27 @@ def test_an_irregular_6_hourly_store_delivers_each_kept_anchor_once_at_its_offse
             again.close()
     assert sorted(set(got)) == want  # (pad repeats at most one anchor to even the ranks)
     assert len(got) - len(set(got)) <= 1
+
+
+@pytest.mark.parametrize("extra", [-4, 4])
+def test_a_time_coordinate_of_another_length_than_the_data_is_refused_where_times_are_read(
+    tmp_path: Path, extra: int
+) -> None:
+    """A store read mid-append (the time coordinate resized before or after the data): its
+    times counted as none, so missing=() checked nothing, a time stride said the array has no
+    time coordinate, and diff_std paired the samples across the gap without a word."""
+    times = pd.date_range("2020-01-01", periods=20, freq="6h").delete(9)
+    root = _write(tmp_path / "append.zarr", times, chunk=4)
+    coord = zarr.open_array(root / "time", mode="a")
+    last = int(coord[-1])
+    coord.resize((len(times) + extra,))
+    if extra > 0:
+        coord[len(times) :] = last + np.arange(1, extra + 1)
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    said = rf"times of 'sst' cannot be read.*{len(times) + extra} values.*{len(times)} samples"
+    for options in ({"missing": ()}, {"stride": "12h"}):
+        with pytest.raises(ValueError, match=said):
+            insitu_pipeline(root, manifest, {"x": g, "y": g.shift(1)}, **options)
+    with pytest.warns(UserWarning, match=r"diff_std pairs consecutive samples.*cannot be read"):
+        fit_statistics(root, manifest, {"sst": g})
