@@ -27,11 +27,10 @@ from insitubatch_nodes.plan.splits import SplitManifest
 __all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks"]
 
 _DAY_S = 86_400
-#: steps of the calendar, not of the clock: (numpy unit, shortest and longest step in days)
-_CALENDAR_STEPS: tuple[tuple[np.timedelta64, int, int], ...] = (
-    (np.timedelta64(1, "M"), 28, 31),
-    (np.timedelta64(1, "Y"), 365, 366),
-)
+_MONTH_S = 30.436875 * _DAY_S  # (the Gregorian calendar's mean month)
+_NEAR_S = 3 * _DAY_S
+#: the unit of ticks counted in calendar months
+MONTH: np.timedelta64 = np.timedelta64(1, "M")
 #: the unit of ticks counted in seconds
 SECOND: np.timedelta64 = np.timedelta64(1, "s")
 
@@ -129,12 +128,13 @@ def anchor_steps(
 def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, Any]:
     """``(ticks, unit)``: the samples' times as the missing-step checks count them. ``ticks``
     (whole seconds, :data:`MISSING_OFFSET` for a missing time) and ``SECOND``, unless the
-    dates step by calendar months or years: their most common step lies within 28–31 days
-    (365–366), those steps are not all one length, and every step of such a length is one
-    month (year) of the calendar. Then each sample's count of months (years) since 1970 and
-    ``np.timedelta64(1, "M")`` (``"Y"``): a month of 30 days after one of 31 is one step, not
-    a gap, and a step is missing only where a month (year) is. Times one fixed length apart
-    (a ``360_day`` calendar's months, days) keep their seconds."""
+    dates step by whole calendar months of several lengths: their most common step is about
+    ``k`` months (``k`` >= 1: monthly, seasonal, yearly means), the steps within 3 days of it
+    are not all one length, and every one of them is ``k`` months of the calendar. Then each
+    sample's count of months since January 1970 and ``np.timedelta64(1, "M")``: a month of 30
+    days after one of 31, or a leap year, is one step, not a gap, and a step is missing only
+    where a month (season, year) is. Times one fixed length apart (a ``360_day`` calendar's
+    months, a ``noleap`` one's years, days) keep their seconds."""
     if not coord.is_time:  # (durations: counted from 0, no calendar)
         return ticks, SECOND
     present = np.flatnonzero(ticks != MISSING_OFFSET)
@@ -143,29 +143,25 @@ def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, An
         return ticks, SECOND
     values, counts = np.unique(d[d > 0], return_counts=True)
     step = int(values[int(np.argmax(counts))])
-    for unit, shortest, longest in _CALENDAR_STEPS:
-        near = (d >= shortest * _DAY_S) & (d <= longest * _DAY_S)
-        if not shortest * _DAY_S <= step <= longest * _DAY_S or (d[near] == step).all():
-            continue
-        counted = _calendar_counts(coord.values, unit)
-        if (np.diff(counted[present])[near] == 1).all():
-            return counted, unit
+    k = round(step / _MONTH_S)
+    near = np.abs(d - step) <= _NEAR_S  # (k months differ by 3 days at most)
+    if k < 1 or (d[near] == step).all():
+        return ticks, SECOND
+    months = _calendar_months(coord.values)
+    if (np.diff(months[present])[near] == k).all():
+        return months, MONTH
     return ticks, SECOND
 
 
-def _calendar_counts(values: np.ndarray, unit: np.timedelta64) -> np.ndarray:
-    """Whole months (``unit`` ``"M"``) or years (``"Y"``) of the calendar from January 1970 to
-    each date's month (year), in the dates' own calendar; :data:`MISSING_OFFSET` where a
-    date is missing."""
-    code = np.datetime_data(unit)[0]
+def _calendar_months(values: np.ndarray) -> np.ndarray:
+    """Whole months of the calendar from January 1970 to each date's month, in the dates' own
+    calendar; :data:`MISSING_OFFSET` where a date is missing."""
     if values.dtype.kind == "M":  # (NaT stays int64's minimum)
-        return values.astype(f"datetime64[{code}]").astype(np.int64)
+        return values.astype("datetime64[M]").astype(np.int64)
     missing = np.array([x is None for x in values], dtype=bool)  # (cftime dates; None)
-    year = np.frompyfunc(lambda t: 1970 if t is None else t.year, 1, 1)(values).astype(np.int64)
-    out = year - 1970
-    if code == "M":
-        month = np.frompyfunc(lambda t: 1 if t is None else t.month, 1, 1)(values)
-        out = out * 12 + month.astype(np.int64) - 1
+    year = np.frompyfunc(lambda t: 1970 if t is None else t.year, 1, 1)(values)
+    month = np.frompyfunc(lambda t: 1 if t is None else t.month, 1, 1)(values)
+    out = (year.astype(np.int64) - 1970) * 12 + month.astype(np.int64) - 1
     out[missing] = MISSING_OFFSET
     return out
 

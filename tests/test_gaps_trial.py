@@ -15,10 +15,11 @@ Found (fixed; each test failed before the fix):
   February) was a ``"gap"``: ``{"x": g, "y": g.shift(1)}`` with ``missing=()`` over 35
   months with one absent dropped 15 anchors where 1 reads across the absent month, a
   ``window([-2, -1, 0])`` left no anchor at all (``ValueError`` blaming 32 "gaps"), each leap
-  year was a gap of yearly data, and ``fit_statistics``' ``diff_std`` paired only the months
-  31 days apart (19 of the 33 pairs one month apart; 1.311 where numpy gives 1.350). Now
-  dates that step by calendar months (years) of several lengths are counted in months
-  (years): a step is missing only where a month (year) is. A time stride or a window in time
+  year was a gap of yearly data (and each season but the longest of seasonal data), and
+  ``fit_statistics``' ``diff_std`` paired only the months 31 days apart (19 of the 33 pairs
+  one month apart; 1.311 where numpy gives 1.350). Now dates that step by whole calendar
+  months of several lengths are counted in months: a step is missing only where a month
+  (season, year) is. A time stride or a window in time
   deltas over them says to count in samples (a ``"30D"`` step matches no month); times one
   fixed length apart (a ``360_day`` calendar's months, any regular step) are counted as
   before.
@@ -155,19 +156,21 @@ def test_monthly_times_drop_only_the_anchors_that_read_across_the_absent_month(
             pipe.close()
 
 
-def test_yearly_times_count_a_leap_year_as_one_step_and_an_absent_year_as_a_gap(
-    tmp_path: Path,
+@pytest.mark.parametrize("freq", ["QS-DEC", "YS"])
+def test_seasonal_and_yearly_times_count_each_season_or_year_as_one_step(
+    tmp_path: Path, freq: str
 ) -> None:
-    years = pd.date_range("1990-01-01", periods=20, freq="YS")
-    years = years[years.year != 2003]
-    root = _write(tmp_path / "yearly.zarr", years, chunk=4)
+    """Seasons of 90 to 92 days (DJF, MAM, ...) and years of 365 or 366: one absent each."""
+    times = pd.date_range("1990-12-01", periods=24, freq=freq).delete(13)
+    root = _write(tmp_path / "means.zarr", times, chunk=4)
     g = open_geometries(root)["sst"]
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
     pipe = insitu_pipeline(root, manifest, {"x": g, "y": g.shift(1)}, batch_size=4, missing=())
     try:
         got = sorted(int(a) for b in Loader(pipe) for a in b.sample_indices["x"])
-        want = [a for a in range(len(years) - 1) if years[a + 1].year == years[a].year + 1]
-        assert got == want
+        months = times.year * 12 + times.month
+        step = 3 if freq.startswith("Q") else 12
+        assert got == [a for a in range(len(times) - 1) if months[a + 1] - months[a] == step]
         assert pipe.stages.plan.dropped == {"nat": 0, "gap": 1, "missing": 0}
     finally:
         pipe.close()

@@ -62,9 +62,9 @@ class SampleSteps:
       sample's time as a count of ``unit`` since ``1970-01-01T00:00`` in the coordinate's own
       calendar (``io.coords.time_offsets``); a missing time holds ``int64``'s minimum.
     * ``unit``: the length of one tick (``np.timedelta64``): a second, or a calendar month
-      (``"M"``) or year (``"Y"``) where the dates step by months or years of several lengths
-      (``anchor_steps.calendar_ticks``: then a tick is one month, and a time stride or a
-      window in time deltas is refused).
+      (``"M"``) where the dates step by whole months of several lengths (monthly, seasonal or
+      yearly means: ``anchor_steps.calendar_ticks``); a time stride or a window in time deltas
+      is then refused.
     * ``listed``: the samples listed in ``missing=`` (``bool``, one per sample).
     * ``absent``: the samples one of whose stored objects is absent (``bool``, one per sample).
     * ``coord``: the time coordinate's name (for messages).
@@ -184,10 +184,9 @@ def _step_ticks(stride: np.timedelta64, steps: SampleSteps | None) -> tuple[int,
 
 
 def calendar_unit(steps: SampleSteps) -> str | None:
-    """``"months"`` or ``"years"`` where ``steps`` counts its ticks in calendar months or
-    years (dates a month or a year apart, of several lengths); ``None`` for a fixed unit."""
-    code = np.datetime_data(steps.unit)[0]
-    return {"M": "months", "Y": "years"}.get(code)
+    """``"months"`` where ``steps`` counts its ticks in calendar months (dates whole months
+    apart, of several lengths); ``None`` for a fixed unit."""
+    return "months" if np.datetime_data(steps.unit)[0] == "M" else None
 
 
 def _readable(step: np.timedelta64) -> str:
