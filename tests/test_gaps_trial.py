@@ -35,6 +35,8 @@ Found (fixed; each test failed before the fix):
   array has no time coordinate, and ``fit_statistics`` differenced across gaps silently. Now
   the pipeline refuses it naming both lengths, and the fit warns that ``diff_std`` cannot see
   gaps.
+- A split that gaps left with fewer anchors than ranks said only "1 valid anchors": now it
+  says how many the missing-step checks dropped, per reason.
 
 Tried and found right (no change needed): on a 6-hourly store with one step absent, a
 duplicated and an out-of-order timestamp, an irregular 3-hour step, an all-NaN step and the
@@ -339,3 +341,20 @@ def test_a_time_coordinate_of_another_length_than_the_data_is_refused_where_time
             insitu_pipeline(root, manifest, {"x": g, "y": g.shift(1)}, **options)
     with pytest.warns(UserWarning, match=r"diff_std pairs consecutive samples.*cannot be read"):
         fit_statistics(root, manifest, {"sst": g})
+
+
+def test_a_split_left_with_fewer_anchors_than_ranks_by_gaps_says_how_many_the_gaps_dropped(
+    tmp_path: Path,
+) -> None:
+    """It said only "1 valid anchors", which a user counting the split's 5 samples could not
+    place."""
+    times = pd.date_range("2020-01-01", periods=24, freq="6h").delete([17, 19, 21])
+    root = _write(tmp_path / "few.zarr", times, chunk=4)
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (0.6, 0.4, 0.0))  # val: samples 16..20, four anchors
+    said = (
+        r"'val' has 1 valid anchors but world_size is 3; the missing-step checks dropped \{'gap': 3"
+    )
+    with pytest.raises(ValueError, match=said):
+        insitu_pipeline(root, manifest, {"x": g, "y": g.shift(1)}, split="val", missing=(),
+                        rank=0, world_size=3, remainder="uneven")  # fmt: skip
