@@ -24,7 +24,15 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["anchor_steps", "anchor_time_coordinate"]
+__all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks"]
+
+_DAY_S = 86_400
+_MONTH_S = 30.436875 * _DAY_S  # (the Gregorian calendar's mean month)
+_NEAR_S = 3 * _DAY_S
+#: the unit of ticks counted in calendar months
+MONTH: np.timedelta64 = np.timedelta64(1, "M")
+#: the unit of ticks counted in seconds
+SECOND: np.timedelta64 = np.timedelta64(1, "s")
 
 
 def anchor_steps(
@@ -85,21 +93,24 @@ def anchor_steps(
                 "samples; a negative one counts from the end, as numpy's)"
             )
         listed[int(i)] = True
-    if dates:
-        assert ticks is not None and coord is not None
-        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
-        _refuse_dates_between_steps(dates, gone, ticks, coord)
-        listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
-    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
     members, runs = manifest.members, None
     if members is not None and not (members.continuous or members.product) and ticks is not None:
         runs = members.sample_base  # independent members: no difference across their edges
+    counted, unit = ticks, SECOND  # (the checks' ticks: calendar months of monthly dates)
     if ticks is not None and coord is not None:
         _refuse_backwards(ticks, runs, coord)
+        counted, unit = calendar_ticks(coord, ticks)
+    if dates:  # matched to the times to the second, whatever the checks count in
+        assert ticks is not None and counted is not None and coord is not None
+        gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
+        step = SampleSteps(n, ticks=counted, runs=runs).data_step
+        _refuse_dates_between_steps(dates, gone, ticks, coord, counted, step)
+        listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
+    absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
     steps = SampleSteps(
         n,
-        ticks=ticks,
-        unit=np.timedelta64(1, "s"),
+        ticks=counted,
+        unit=unit,
         listed=listed if missing is not None else None,
         absent=absent,
         coord=coord_name,
@@ -112,6 +123,47 @@ def anchor_steps(
             "is not a step of either): give the window offsets in samples"
         )
     return manifest.with_steps(steps)
+
+
+def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, Any]:
+    """``(ticks, unit)``: the samples' times as the missing-step checks count them. ``ticks``
+    (whole seconds, :data:`MISSING_OFFSET` for a missing time) and ``SECOND``, unless the
+    dates step by whole calendar months of several lengths: their most common step is about
+    ``k`` months (``k`` >= 1: monthly, seasonal, yearly means), the steps within 3 days of it
+    are not all one length, and every one of them is ``k`` months of the calendar. Then each
+    sample's count of months since January 1970 and ``np.timedelta64(1, "M")``: a month of 30
+    days after one of 31, or a leap year, is one step, not a gap, and a step is missing only
+    where a month (season, year) is. Times one fixed length apart (a ``360_day`` calendar's
+    months, a ``noleap`` one's years, days) keep their seconds."""
+    if not coord.is_time:  # (durations: counted from 0, no calendar)
+        return ticks, SECOND
+    present = np.flatnonzero(ticks != MISSING_OFFSET)
+    d = np.diff(ticks[present])
+    if not (d > 0).any():
+        return ticks, SECOND
+    values, counts = np.unique(d[d > 0], return_counts=True)
+    step = int(values[int(np.argmax(counts))])
+    k = round(step / _MONTH_S)
+    near = np.abs(d - step) <= _NEAR_S  # (k months differ by 3 days at most)
+    if k < 1 or (d[near] == step).all():
+        return ticks, SECOND
+    months = _calendar_months(coord.values)
+    if (np.diff(months[present])[near] == k).all():
+        return months, MONTH
+    return ticks, SECOND
+
+
+def _calendar_months(values: np.ndarray) -> np.ndarray:
+    """Whole months of the calendar from January 1970 to each date's month, in the dates' own
+    calendar; :data:`MISSING_OFFSET` where a date is missing."""
+    if values.dtype.kind == "M":  # (NaT stays int64's minimum)
+        return values.astype("datetime64[M]").astype(np.int64)
+    missing = np.array([x is None for x in values], dtype=bool)  # (cftime dates; None)
+    year = np.frompyfunc(lambda t: 1970 if t is None else t.year, 1, 1)(values)
+    month = np.frompyfunc(lambda t: 1 if t is None else t.month, 1, 1)(values)
+    out = (year.astype(np.int64) - 1970) * 12 + month.astype(np.int64) - 1
+    out[missing] = MISSING_OFFSET
+    return out
 
 
 def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:
@@ -159,6 +211,8 @@ def anchor_time_coordinate(
         axis = dims.pop() if len(dims) == 1 else 0
         geom = next(iter(open_geometries(zstore, [manifest.array], sample_axis=axis).values()))
     coords = open_coordinates(zstore, geom, reader=reader)
+    if not coords:
+        _refuse_another_length(zstore, geom, reader)
     times = [c for c in coords.values() if c.is_time] or [
         c for c in coords.values() if c.is_duration
     ]  # dates, else durations (a forecast sampled along its lead time: counted from 0)
@@ -184,22 +238,53 @@ def anchor_time_coordinate(
     return times[0]
 
 
+def _refuse_another_length(zstore: Store, geom: ArrayGeometry, reader: Any) -> None:
+    """Refuse a dimension coordinate that ``open_coordinates`` leaves out because it does not
+    fit the sample axis (another length: a store read while it is appended to, its arrays
+    resized apart), where the anchor array's times are read: before 2026-12-07 it counted as
+    no time coordinate, so ``missing=()`` checked no time (silently), a time stride said the
+    array has none, and ``fit_statistics`` differenced across gaps without a word."""
+    if geom.members is not None or geom.dims is None:
+        return
+    try:
+        open_coordinates(zstore, geom, [geom.dims[geom.sample_axis]], reader=reader)
+    except KeyError:  # (none at all)
+        return
+    except ValueError as exc:
+        raise ValueError(
+            f"the times of {geom.path!r} cannot be read: {exc}. xarray refuses such a store "
+            "too (conflicting sizes for a dimension): one being appended to, or whose arrays "
+            "were resized apart. Write the coordinate and the arrays at one length (or build "
+            "the pipeline once the append is done)"
+        ) from exc
+
+
 def _refuse_dates_between_steps(
-    dates: Sequence[Any], gone: np.ndarray, ticks: np.ndarray, coord: Coordinate
+    dates: Sequence[Any],
+    gone: np.ndarray,
+    ticks: np.ndarray,
+    coord: Coordinate,
+    counted: np.ndarray,
+    step: int | None,
 ) -> None:
     """Refuse a date of ``missing=`` that lies strictly inside one step of the data: between
-    two consecutive times the data's smallest spacing apart. No sample has that time, so it
-    would drop nothing: a typo (a wrong hour, a minute off) that would go unnoticed. A date
-    outside the times, or inside a gap of them, passes (a list kept for a whole archive names
-    steps other stores or other years hold)."""
-    times = np.unique(ticks[ticks != MISSING_OFFSET])
+    two consecutive times at most the data's step apart (``step``, in the ticks the checks
+    count, ``counted``: a calendar month of monthly dates, whatever its days). No sample has
+    that time, so it would drop nothing: a typo (a wrong hour, a minute off) that would go
+    unnoticed. A date outside the times, or inside a gap of them, passes (a list kept for a
+    whole archive names steps other stores or other years hold). Before 2026-12-07 only a
+    step of the smallest spacing counted: one shorter step anywhere (a 3-hour one among
+    6-hourly times), or months of several lengths, let such typos pass."""
+    present = ticks != MISSING_OFFSET
+    times, first = np.unique(ticks[present], return_index=True)
     if len(times) < 2:
         return
-    spacing = np.diff(times)
+    spacing = np.diff(counted[present][first])  # (counted in the checks' ticks)
+    one_step = spacing <= step if step is not None else np.diff(times) == np.diff(times).min()
     at = np.searchsorted(times, gone)  # times[at - 1] < gone <= times[at]
     inside = (at > 0) & (at < len(times))
     inside[inside] = times[at[inside]] != gone[inside]
-    inside[inside] = spacing[at[inside] - 1] == spacing.min()
+    inside[inside] = one_step[at[inside] - 1]
     if not inside.any():
         return
     i = int(np.flatnonzero(inside)[0])

@@ -51,7 +51,7 @@ from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
 from insitubatch_nodes._moments import _Moments, as_channels
-from insitubatch_nodes.anchor_steps import anchor_time_coordinate
+from insitubatch_nodes.anchor_steps import anchor_time_coordinate, calendar_ticks
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
@@ -639,7 +639,9 @@ def _one_step(plan: Any, zstore: Any, geoms: Mapping[str, ArrayGeometry]) -> Any
 def _sample_ticks(
     zstore: Any, manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry]
 ) -> np.ndarray | None:
-    """The anchor array's times as whole seconds (``None`` when it has no time coordinate).
+    """The anchor array's times as whole seconds, or as calendar months (years) where they
+    step by months (years) of several lengths (``calendar_ticks``; ``None`` when it has no
+    time coordinate).
     Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
     times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
     pipeline without time checks reads them."""
@@ -647,11 +649,12 @@ def _sample_ticks(
         coord = anchor_time_coordinate(zstore, manifest, geoms, None, needed=False)
         if coord is None:
             return None
-        return whole_seconds(
+        seconds = whole_seconds(
             coord,
             f"{manifest.array!r}'s time coordinate",
             "fit_statistics' one-step differences (diff_std, samples one data step apart)",
         )
+        return calendar_ticks(coord, seconds)[0]  # monthly dates: a month apart is one step
     except ValueError as exc:
         warnings.warn(
             f"fit_statistics: diff_std pairs consecutive samples whatever their times, which "

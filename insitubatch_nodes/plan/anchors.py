@@ -39,6 +39,7 @@ __all__ = [
     "REASONS",
     "SampleSteps",
     "anchor_filter",
+    "calendar_unit",
     "describe_stride",
     "every_sample",
     "off_stride",
@@ -60,7 +61,10 @@ class SampleSteps:
     * ``ticks`` (``int64``, one per sample, or ``None`` when the times were not read): each
       sample's time as a count of ``unit`` since ``1970-01-01T00:00`` in the coordinate's own
       calendar (``io.coords.time_offsets``); a missing time holds ``int64``'s minimum.
-    * ``unit``: the length of one tick (``np.timedelta64``).
+    * ``unit``: the length of one tick (``np.timedelta64``): a second, or a calendar month
+      (``"M"``) where the dates step by whole months of several lengths (monthly, seasonal or
+      yearly means: ``anchor_steps.calendar_ticks``); a time stride or a window in time deltas
+      is then refused.
     * ``listed``: the samples listed in ``missing=`` (``bool``, one per sample).
     * ``absent``: the samples one of whose stored objects is absent (``bool``, one per sample).
     * ``coord``: the time coordinate's name (for messages).
@@ -156,6 +160,13 @@ def _step_ticks(stride: np.timedelta64, steps: SampleSteps | None) -> tuple[int,
             "coordinate, which this plan was not given (build with insitu_pipeline, or attach "
             "SampleSteps to the manifest with manifest.with_steps(...)); or give an int stride"
         )
+    calendar = calendar_unit(steps)
+    if calendar is not None:
+        raise ValueError(
+            f"stride {stride} is a time step, but the times of {steps.coord!r} step by calendar "
+            f"{calendar} (of several lengths), which no time step counts: give an int stride "
+            f"(every k-th sample: k {calendar})"
+        )
     unit_ns = int(steps.unit.astype("m8[ns]").astype(np.int64))
     stride_ns = int(stride.astype("m8[ns]").astype(np.int64))
     if stride_ns <= 0 or stride_ns % unit_ns:
@@ -170,6 +181,12 @@ def _step_ticks(stride: np.timedelta64, steps: SampleSteps | None) -> tuple[int,
             f"{_readable(step)}"
         )
     return k, steps
+
+
+def calendar_unit(steps: SampleSteps) -> str | None:
+    """``"months"`` where ``steps`` counts its ticks in calendar months (dates whole months
+    apart, of several lengths); ``None`` for a fixed unit."""
+    return "months" if np.datetime_data(steps.unit)[0] == "M" else None
 
 
 def _readable(step: np.timedelta64) -> str:

@@ -584,8 +584,10 @@ def check_ranks(
     n_samples = n_valid if layout is None else n_valid * layout.n_patches
     if world > 1 and len(split_chunks) and n_samples < world:
         what = "valid anchors" if layout is None else f"windows ({n_valid} valid anchors)"
+        dropped = {k: n for k, n in dropped_anchors(manifest, views, config).items() if n}
+        why = f"; the missing-step checks dropped {dropped}" if dropped else ""
         raise ValueError(
-            f"split {config.split!r} has {n_samples} {what} but world_size is {world}: "
+            f"split {config.split!r} has {n_samples} {what} but world_size is {world}{why}: "
             "every rank needs at least one sample (use a larger split or fewer ranks)"
         )
 

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.anchors import SampleSteps
+from insitubatch_nodes.plan.anchors import SampleSteps, calendar_unit
 from insitubatch_nodes.stack import Stack, channel_destination
 
 __all__ = [
@@ -220,6 +220,13 @@ def resolve_windows(
             "their offsets in samples"
         )
     assert steps.data_step is not None
+    calendar = calendar_unit(steps)
+    if calendar is not None:
+        raise ValueError(
+            f"the windows of {timed} are in time deltas, but the times of {steps.coord!r} step "
+            f"by calendar {calendar} (of several lengths), which no time delta counts: give "
+            f"their offsets in samples ({calendar})"
+        )
     step = steps.unit * steps.data_step
     return {
         label: v if isinstance(v, Stack) else v.in_samples(step, steps.coord)
