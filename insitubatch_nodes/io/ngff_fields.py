@@ -314,7 +314,8 @@ def _read_labels(
     """Each field's ``{label name: array path}``, each label's axes, the label names read."""
     if wanted is None:
         return [{} for _ in fields], {}, ()
-    groups = group_attributes(store, [f"{f}/labels" for f in fields], zarr_format)
+    # (an image at the store's root has path "": its labels are "labels", never "/labels")
+    groups = group_attributes(store, [metadata_key(f, "labels") for f in fields], zarr_format)
     named = [tuple(str(n) for n in (g or {}).get("labels", ())) for g in groups]
     if wanted == "all":
         names = named[0]
@@ -335,7 +336,7 @@ def _read_labels(
                 )
     if not names:
         return [{} for _ in fields], {}, ()
-    keys = [f"{f}/labels/{n}" for f in fields for n in names]
+    keys = [metadata_key(f, f"labels/{n}") for f in fields for n in names]
     attrs = group_attributes(store, keys, zarr_format)
     paths: list[dict[str, str]] = [{} for _ in fields]
     axes: dict[str, tuple[str, ...]] = {}
