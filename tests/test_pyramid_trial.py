@@ -12,6 +12,18 @@ Found (fixed):
   labels group was looked up at ``"/labels"`` (the root's empty path joined with a slash): a
   local folder's reader and obstore forgave the slash, a key-value store did not. The label
   paths a local slide gave began with the slash too (``PlateField.labels``: ``"/labels/..."``).
+- Physical coordinates of a patch could not be had: ``read_plate`` / ``read_images`` kept each
+  level's scale (``pixel_size``) and dropped its ``translation``, which ome-zarr-py 0.18
+  writes for every coarser level (0.25 and 0.79 um at levels 1 and 2 of a 50 x 45 slide of
+  0.5 um pixels), so ``origin * pixel_size`` was that far off. ``PlateField.translation`` now
+  holds it (the dataset's and the multiscale's transformations composed in the NGFF order):
+  ``translation + origin * pixel_size`` is where the metadata puts the window.
+- A label image whose translation puts it off the image's pixels (4 um below: 4 pixels of
+  level 1) was read without a word: its level is picked by pixel size alone, and the image
+  and label windows of a row take one pixel origin, so every mask was cut from another place.
+  Such a label is now refused naming both positions and the offset in pixels; an offset under
+  half a pixel (a label written at a coarse level without ome-zarr-py's half-pixel
+  translation) is read.
 
 Tried and found right:
 
@@ -21,6 +33,8 @@ Tried and found right:
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
@@ -117,3 +131,92 @@ def test_a_slide_at_the_root_of_a_memory_store_opens_with_its_labels(slide: Path
                 origins.append((y0, x0))
     # 25 x 22: windows every 8, and one flush with the far edge (17, 14): no partial window
     assert sorted(origins) == [(y, x) for y in (0, 8, 16, 17) for x in (0, 8, 14)]
+
+
+def _multiscales(group: Path) -> list[dict[str, Any]]:
+    """The ``multiscales`` of the group at ``group`` read with json (``.zattrs`` or
+    ``zarr.json``'s ``attributes.ome``): the oracle's own read of the NGFF document."""
+    if (group / "zarr.json").exists():
+        return json.loads((group / "zarr.json").read_text())["attributes"]["ome"]["multiscales"]
+    return json.loads((group / ".zattrs").read_text())["multiscales"]
+
+
+def _edit_multiscales(group: Path, edit: Any) -> None:
+    node = zarr.open_group(group, mode="r+")
+    attrs = node.attrs.asdict()
+    edit((attrs.get("ome") or attrs)["multiscales"][0])
+    node.attrs.put(attrs)
+
+
+def _physical(ms: dict[str, Any], level: int, index: np.ndarray) -> np.ndarray:
+    """Where ``index`` (per axis) of dataset ``level`` lies, by the NGFF rule: the dataset's
+    transformations in their order, then the multiscale's."""
+    x = np.asarray(index, dtype=float)
+    for t in (*ms["datasets"][level]["coordinateTransformations"],
+              *ms.get("coordinateTransformations", ())):  # fmt: skip
+        x = x * np.asarray(t["scale"]) if t["type"] == "scale" else x + np.asarray(t["translation"])
+    return x
+
+
+def test_a_patch_origin_lies_where_the_levels_coordinate_transformations_put_it(
+    slide: Path, tmp_path: Path
+) -> None:
+    # before: read_images / read_plate gave each level's pixel_size but dropped its
+    # translation (ome-zarr-py writes 0.25, 0.79 for these levels): origin * pixel_size was a
+    # fraction of a pixel to several pixels off, and nothing gave the rest
+    moved = tmp_path / slide.name  # also a multiscale-level scale and translation
+    shutil.copytree(slide, moved)
+    _edit_multiscales(moved, lambda ms: ms.update(coordinateTransformations=[
+        {"type": "scale", "scale": [1.0, 1.0, 2.0, 2.0]},
+        {"type": "translation", "translation": [0.0, 0.0, 100.0, -50.0]},
+    ]))  # fmt: skip
+    for path in (slide, moved):
+        ms = _multiscales(path)[0]
+        axes = [a["name"] for a in ms["axes"]]
+        for level in range(3):
+            field = read_images(path, level=level).fields[0]
+            coll = open_images(path, level=level, sample_axis=())
+            view = coll["image"].patches({"y": 4, "x": 4}, origins="random")
+            with insitu_pipeline(coll, split_by_member(coll, {"train": 1.0}), {"x": view},
+                                 batch_size=64) as p:  # fmt: skip
+                origins = next(iter(Loader(p))).patch_origins["x"]
+            for y0, x0 in origins[:5]:
+                index = np.array([0, 0, y0, x0])
+                want = _physical(ms, level, index)
+                got = [
+                    field.translation[a] + i * field.pixel_size[a]
+                    for a, i in zip(axes, index, strict=True)
+                ]
+                np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    assert read_images(moved, level=1).fields[0].translation["y"] == 100.0 + 2 * 0.25
+
+
+def test_a_label_image_off_the_images_pixel_grid_is_refused_not_paired_with_another_place(
+    slide: Path, tmp_path: Path
+) -> None:
+    # before: the label level was picked by its pixel size alone, so a label image whose
+    # translation put it 4 um (4 pixels of level 1) lower was opened without a word, and
+    # every label window was cut 4 pixels away from its image window
+    def shift(by: float) -> Any:
+        def edit(ms: dict[str, Any]) -> None:
+            for d in ms["datasets"]:
+                for t in d["coordinateTransformations"]:
+                    if t["type"] == "translation":
+                        t["translation"][2] += by
+
+        return edit
+
+    off = tmp_path / "off" / slide.name
+    shutil.copytree(slide, off)
+    _edit_multiscales(off / "labels" / "cells", shift(4.0))
+    with pytest.raises(ValueError, match=r"labels/cells.*s1.*y \+4 pixels off the image's"):
+        open_images(off, level=1, labels=["cells"], sample_axis=())
+    with pytest.raises(ValueError, match=r"y \+8 pixels off"):
+        read_images(off, level=0, labels="all")
+    assert open_images(off, level=1, sample_axis=()).variables == ("image",)  # no labels: read
+    # a quarter of a pixel (a label written at the coarse level without ome-zarr-py's
+    # half-pixel translation) lies on the same pixels: read
+    near = tmp_path / "near" / slide.name
+    shutil.copytree(slide, near)
+    _edit_multiscales(near / "labels" / "cells", shift(-0.25))
+    assert read_images(near, level=1, labels=["cells"]).fields[0].labels["cells"].endswith("s1")
