@@ -24,6 +24,25 @@ Found (fixed):
   Such a label is now refused naming both positions and the offset in pixels; an offset under
   half a pixel (a label written at a coarse level without ome-zarr-py's half-pixel
   translation) is read.
+- Slides of another size in one ``open_images`` were refused with "rewrite that member like the
+  first (its chunks, dtype, codecs), or read it apart": no slide can be rewritten to another's
+  size. A member of another field shape now hears the route the docs give: a collection per
+  size, a pipeline each, mixed with ``torchdata.nodes.MultiNodeWeightedSampler``.
+
+Found, not fixed (``xfail``): such a mix does not resume exactly from a state taken after one
+pipeline delivered its epoch's last batch, before the sampler asked it again: the pipeline,
+restored, starts its next epoch at once (``ReadPlanNode._resolve`` rolls an end-of-epoch state
+into the next epoch) where the run that saved the state would have raised ``StopIteration``
+and the sampler would have marked it exhausted. The resumed mixed epoch held 3 more batches
+(another epoch of the two 40 x 48 slides). Owing that ``StopIteration`` (``PrefetcherNode.reset``
+setting ``_ended`` when the plan resumed past the saved epoch) makes the mix exact, and
+torchdata's ``Loader`` then restarts the next epoch itself (its ``has_next``); but torchdata
+0.11's ``LoaderIterator`` keeps the state ``has_next`` took before that ``StopIteration``, so
+``state_dict()`` after the next epoch's first batch is stale (upstream meta-pytorch/data #1552,
+open). The package's ``Loader`` could clear it (``_OneLoop.reset``), but 29 test files and
+``resume_helpers`` resume through torchdata's own ``Loader``: tried, ``test_resume``'s
+``after-last-next`` case then failed on that stale state. Changing the end-of-epoch rule for
+every consumer is beyond a trial's fix.
 
 Tried and found right:
 
@@ -36,12 +55,14 @@ import asyncio
 import json
 import shutil
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import zarr
+from torchdata.nodes import Mapper
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_images, split_by_member
 from insitubatch_nodes.io.ngff_images import read_images
@@ -220,3 +241,111 @@ def test_a_label_image_off_the_images_pixel_grid_is_refused_not_paired_with_anot
     shutil.copytree(slide, near)
     _edit_multiscales(near / "labels" / "cells", shift(-0.25))
     assert read_images(near, level=1, labels=["cells"]).fields[0].labels["cells"].endswith("s1")
+
+
+@pytest.fixture(scope="module")
+def scans(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A bioformats2raw conversion of three scans of two sizes: series 0 and 2 are 40 x 48,
+    series 1 is 64 x 32 (level 1: 20 x 24 and 32 x 16)."""
+    path = tmp_path_factory.mktemp("scans") / "scans.zarr"
+    root = zarr.open_group(path, mode="w", zarr_format=3)
+    root.attrs.update({"ome": {"version": "0.5", "bioformats2raw.layout": 3}})
+    for s, yx in enumerate([(40, 48), (64, 32), (40, 48)]):
+        _write_slide(root.require_group(str(s)), "0.5", (2, 1, *yx), seed=s)
+    return path
+
+
+def test_slides_of_other_sizes_are_refused_saying_to_mix_a_pipeline_per_size(
+    scans: Path,
+) -> None:
+    # before: "... its field shape (1, 32, 16) differs ...: rewrite that member like the first
+    # (its chunks, dtype, codecs), or read it apart" - no slide can be rewritten to another's
+    # size; the route the docs give (a collection per size, pipelines mixed) was not named
+    with pytest.raises(ValueError, match=r"field shape .*MultiNodeWeightedSampler"):
+        open_images(scans, level=1, labels=["cells"], sample_axis=())
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not fixed: a pipeline restored from a state taken after its epoch's last batch "
+    "starts its next epoch at once instead of owing that epoch's StopIteration; see the "
+    "module docstring",
+)
+def test_pipelines_of_slides_of_two_sizes_mixed_by_torchdata_resume_exactly(scans: Path) -> None:
+    # a state taken after the last batch of one pipeline's epoch (the sampler not yet told it
+    # was exhausted) restores that pipeline into its next epoch at once: the resumed mixed
+    # epoch holds 3 more batches (a second epoch of the 40 x 48 slides' windows), and every
+    # epoch after it is one ahead for those slides
+    from torchdata.nodes import MultiNodeWeightedSampler
+
+    path = scans
+    by_size = {
+        "wide": open_images(path, ["0", "2"], level=1, labels=["cells"], sample_axis=()),
+        "tall": open_images(path, ["1"], level=1, labels=["cells"], sample_axis=()),
+    }
+    arrays = {
+        (k, m): (_read(path, c.paths("image")[m]), _read(path, c.paths("labels/cells")[m]))
+        for k, c in by_size.items()
+        for m in range(len(c))
+    }
+    window = {"y": 8, "x": 8}
+
+    def checked(k: str, b: Any) -> list[tuple[Any, ...]]:
+        """The rows of batch ``b`` of the pipeline of size ``k``, each checked against zarr."""
+        out = []
+        for r in range(len(b)):
+            m = int(b.members["x"][r])
+            y0, x0 = (int(v) for v in b.patch_origins["x"][r])
+            image, labels = arrays[k, m]
+            cut = (slice(None), slice(None), slice(y0, y0 + 8), slice(x0, x0 + 8))
+            np.testing.assert_array_equal(b["x"][r], image[cut])
+            np.testing.assert_array_equal(b["y"][r], labels[cut])
+            out.append((k, b.epoch, m, y0, x0))
+        return out
+
+    def pipeline(c: Any) -> Any:
+        views = {
+            "x": c["image"].patches(window, origins="random"),
+            "y": c["labels/cells"].patches(window, origins="random"),
+        }
+        return insitu_pipeline(c, split_by_member(c, {"train": 1.0}), views, batch_size=4, seed=5)
+
+    def mixed() -> tuple[Any, list[Any]]:
+        pipes = {k: pipeline(c) for k, c in by_size.items()}
+        sources = {k: Mapper(p, lambda b, k=k: checked(k, b)) for k, p in pipes.items()}
+        sampler = MultiNodeWeightedSampler(
+            sources, {"wide": 2.0, "tall": 1.0}, stop_criteria="ALL_DATASETS_EXHAUSTED", seed=2
+        )
+        return Loader(sampler), list(pipes.values())
+
+    loader, pipes = mixed()
+    try:
+        ref = [list(loader) for _ in range(2)]
+    finally:
+        for p in pipes:
+            p.close()
+    for epoch in ref:  # every slide's random windows, stratified by its 16 x 16 tiles
+        assert sorted(Counter((k, m) for b in epoch for k, _, m, *_ in b).items()) == [
+            (("tall", 0), 6), (("wide", 0), 5), (("wide", 1), 5)]  # fmt: skip
+    flat, per = ref[0] + ref[1], len(ref[0])
+    assert [b[0][0] for b in ref[0][:4]] == ["wide"] * 3 + ["tall"]  # (seed 2's draw)
+    # after batch 3, 'wide' delivered its last batch of epoch 0 and the sampler has not yet
+    # seen its StopIteration; after batch per + 1, mid-epoch 1
+    for k in (3, per + 1):
+        loader, pipes = mixed()
+        try:
+            head = list(loader) if k > per else []
+            it = iter(loader)
+            head += [next(it) for _ in range(k - len(head))]
+            state = loader.state_dict()
+        finally:
+            for p in pipes:
+                p.close()
+        loader, pipes = mixed()
+        try:
+            loader.load_state_dict(state)
+            rest = list(loader) + (list(loader) if k < per else [])
+        finally:
+            for p in pipes:
+                p.close()
+        assert head + rest == flat, k
