@@ -28,6 +28,9 @@ Found (fixed):
   first (its chunks, dtype, codecs), or read it apart": no slide can be rewritten to another's
   size. A member of another field shape now hears the route the docs give: a collection per
   size, a pipeline each, mixed with ``torchdata.nodes.MultiNodeWeightedSampler``.
+- ``open_images(store, ["0", "2", "0"])`` said "member names must be unique; ['0'] appear
+  more than once (members of several stores at the same path: give names=)": open_images
+  takes no ``names=``. A group named twice is now refused as such, naming it.
 
 Found, not fixed (``xfail``): such a mix does not resume exactly from a state taken after one
 pipeline delivered its epoch's last batch, before the sampler asked it again: the pipeline,
@@ -407,3 +410,12 @@ def test_one_persistent_cache_over_the_levels_of_a_slide_serves_each_level_its_o
     assert gets == [(k, 3 * n, 3 * 3 * tiles[k]) for k, n in ((1, 12), (0, 42), (2, 4))] + [
         (1, 36, 0)
     ]
+
+
+def test_an_image_group_named_twice_is_refused_naming_it_not_told_to_give_names(
+    scans: Path,
+) -> None:
+    # before: "member names must be unique; ['0'] appear more than once (members of several
+    # stores at the same path: give names=)" - open_images takes no names=
+    with pytest.raises(ValueError, match=r"groups name \['0'\] more than once"):
+        open_images(scans, ["0", "2", "0"], level=1, sample_axis=())
