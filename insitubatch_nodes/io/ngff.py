@@ -143,9 +143,10 @@ def read_plate(
     ``labels``: ``None`` (no label images), ``"all"`` (every label the fields' ``labels``
     groups name: every field must name the same), or a list of label names (every field must
     have each). A label's level is the one whose pixel sizes equal the chosen image level's
-    (label images may have other levels); none raises ``ValueError``, and so does one whose
-    translation puts its pixels half a pixel or more off the image level's (a patch of both
-    at one origin would pair the image with labels of another place).
+    (label images may have other levels); none raises ``ValueError``. One whose translation
+    puts its pixels half a pixel or more off the image level's is read with one
+    ``UserWarning`` per label name (a patch of both takes one pixel origin: it pairs pixels
+    of one index, not of one place).
 
     A well the plate lists but whose group is absent, and a field its well lists but absent,
     are skipped, named in ``Plate.absent_wells`` / ``absent_fields``, and warned about once

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,8 +57,8 @@ class PlateField:
     the chosen level's index 0 lies along every axis, in the axis' unit (the dataset's
     ``translation`` and the multiscale's, composed with the scales as NGFF composes them):
     index ``i`` of axis ``a`` (a patch origin, ``batch.patch_origins``) lies at
-    ``translation[a] + i * pixel_size[a]``. A label image read lies on the same pixels (it is
-    refused otherwise, see :func:`~insitubatch_nodes.io.ngff.read_plate`).
+    ``translation[a] + i * pixel_size[a]``. A label image whose translation puts it off
+    these pixels is read with a ``UserWarning`` (see :func:`~insitubatch_nodes.io.ngff.read_plate`).
     """
 
     path: str
@@ -362,6 +363,7 @@ def _read_labels(
     if not names:
         return [{} for _ in fields], {}, ()
     keys = [metadata_key(f, f"labels/{n}") for f in fields for n in names]
+    off: dict[str, list[str]] = {}  # each label's images off their image's pixels
     attrs = group_attributes(store, keys, zarr_format)
     paths: list[dict[str, str]] = [{} for _ in fields]
     axes: dict[str, tuple[str, ...]] = {}
@@ -382,18 +384,30 @@ def _read_labels(
         ]
         want = {a: image.sizes[levels[f]][image.axes.index(a)] for a in shared}
         k = _level_by_size(ms, want, f"label image {key!r} (for image level {levels[f]})")
-        _refuse_offset(ms, k, image, levels[f], shared, key)
+        shift = _offset(ms, k, image, levels[f], shared, key)
+        if shift is not None:
+            off.setdefault(name, []).append(shift)
         paths[f][name] = metadata_key(key, ms.paths[k])
+    for name, shifts in off.items():
+        warnings.warn(
+            f"{len(shifts)} of {len(fields)} {name!r} label image(s) lie off their image's "
+            f"pixels by their translation (first: {shifts[0]}): a patch of the image and of its "
+            "labels take the same pixel origin, so each window pairs the pixels of one index, "
+            "not of one place. Where the label image really lies there, write it on the "
+            "image's pixel grid; where its translation is wrong (a writer that dropped the "
+            "image's), correct it",
+            UserWarning,
+            stacklevel=4,
+        )
     return paths, axes, tuple(names)
 
 
-def _refuse_offset(
+def _offset(
     label: _Multiscale, k: int, image: _Multiscale, level: int, axes: Sequence[str], key: str
-) -> None:
-    """Refuse label level ``k`` of ``label`` (at ``key``) whose pixels along ``axes`` do not lie
-    on image level ``level``'s: its translation differs by half a pixel or more. A patch of
-    the image and of the label take the same pixel origin, so such a label would be read from
-    another place than its image (``ValueError`` naming both positions and the offset)."""
+) -> str | None:
+    """Where label level ``k`` of ``label`` (at ``key``) lies off image level ``level``'s
+    pixels along ``axes``, said in a few words; ``None`` where every translation differs by
+    less than half a pixel (the same pixels)."""
     off: dict[str, float] = {}
     for a in axes:
         size = image.sizes[level][image.axes.index(a)]
@@ -401,14 +415,12 @@ def _refuse_offset(
         theirs = image.offsets[level][image.axes.index(a)]
         if abs(mine - theirs) >= 0.5 * abs(size):
             off[a] = (mine - theirs) / size
-    if off:
-        where = ", ".join(f"{a} {label.offsets[k][label.axes.index(a)]:g}" for a in axes)
-        own = ", ".join(f"{a} {image.offsets[level][image.axes.index(a)]:g}" for a in axes)
-        shift = ", ".join(f"{a} {v:+g}" for a, v in off.items())
-        raise ValueError(
-            f"label image {key!r} level {label.paths[k]!r} starts at {where} (its "
-            f"translation), the image's level {image.paths[level]!r} at {own}: its pixels lie "
-            f"{shift} pixels off the image's, so a patch of both at one origin would pair an "
-            "image window with labels of another place; write the label image on the image's "
-            "pixel grid (the same translation), or read it apart"
-        )
+    if not off:
+        return None
+    where = ", ".join(f"{a} {label.offsets[k][label.axes.index(a)]:g}" for a in axes)
+    own = ", ".join(f"{a} {image.offsets[level][image.axes.index(a)]:g}" for a in axes)
+    shift = ", ".join(f"{a} {v:+g}" for a, v in off.items())
+    return (
+        f"{key!r} level {label.paths[k]!r} starts at {where}, the image's level "
+        f"{image.paths[level]!r} at {own}: {shift} pixels"
+    )
