@@ -31,7 +31,9 @@ Found (fixed):
   size, a pipeline each, mixed with ``torchdata.nodes.MultiNodeWeightedSampler``.
 - ``open_images(store, ["0", "2", "0"])`` said "member names must be unique; ['0'] appear
   more than once (members of several stores at the same path: give names=)": open_images
-  takes no ``names=``. A group named twice is now refused as such, naming it.
+  takes no ``names=``. A group named twice is now refused as such, naming it. And
+  ``read_images(...).describe()`` called the images a plate of "0 rows x 0 columns, 0 wells,
+  3 fields": it now names them as multiscale images.
 
 Found, not fixed (``xfail``): such a mix does not resume exactly from a state taken after one
 pipeline delivered its epoch's last batch, before the sampler asked it again: the pipeline,
@@ -422,3 +424,7 @@ def test_an_image_group_named_twice_is_refused_naming_it_not_told_to_give_names(
     # stores at the same path: give names=)" - open_images takes no names=
     with pytest.raises(ValueError, match=r"groups name \['0'\] more than once"):
         open_images(scans, ["0", "2", "0"], level=1, sample_axis=())
+    # and describe() of images no longer calls them a plate of "0 rows x 0 columns, 0 wells"
+    said = read_images(scans, ["0", "2"], level=1).describe().splitlines()
+    assert said[0] == "NGFF 0.5 multiscale images (zarr v3): '0', '2', axes czyx"
+    assert said[1] == "level 1 in 2 field(s): pixel size c 1, z 2, y 1, x 1"

@@ -81,6 +81,13 @@ class Plate:
             f"{len(self.rows)} rows x {len(self.columns)} columns, {len(self.wells)} wells, "
             f"{len(self.fields)} fields, axes {''.join(self.axes)}"
         ]
+        if not self.rows and not self.wells:  # read_images: multiscale images, not a plate
+            groups = ", ".join(repr(f.path) for f in self.fields[:5])
+            more = f", ... ({len(self.fields)})" if len(self.fields) > 5 else ""
+            lines = [
+                f"NGFF {self.version} multiscale images (zarr v{self.zarr_format}): "
+                f"{groups}{more}, axes {''.join(self.axes)}"
+            ]
         for (level, sizes), n in levels.items():
             shown = ", ".join(f"{a} {s:g} {self.units.get(a) or ''}".rstrip() for a, s in sizes)
             lines.append(f"level {level} in {n} field(s): pixel size {shown}")
