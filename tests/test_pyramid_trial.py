@@ -40,15 +40,17 @@ pipeline delivered its epoch's last batch, before the sampler asked it again: th
 restored, starts its next epoch at once (``ReadPlanNode._resolve`` rolls an end-of-epoch state
 into the next epoch) where the run that saved the state would have raised ``StopIteration``
 and the sampler would have marked it exhausted. The resumed mixed epoch held 3 more batches
-(another epoch of the two 40 x 48 slides). Owing that ``StopIteration`` (``PrefetcherNode.reset``
-setting ``_ended`` when the plan resumed past the saved epoch) makes the mix exact, and
-torchdata's ``Loader`` then restarts the next epoch itself (its ``has_next``); but torchdata
-0.11's ``LoaderIterator`` keeps the state ``has_next`` took before that ``StopIteration``, so
-``state_dict()`` after the next epoch's first batch is stale (upstream meta-pytorch/data #1552,
-open). The package's ``Loader`` could clear it (``_OneLoop.reset``), but 29 test files and
-``resume_helpers`` resume through torchdata's own ``Loader``: tried, ``test_resume``'s
-``after-last-next`` case then failed on that stale state. Changing the end-of-epoch rule for
-every consumer is beyond a trial's fix.
+(another epoch of the two 40 x 48 slides). Tried: ``PrefetcherNode.reset`` setting ``_ended``
+when the plan resumed past the saved epoch (the node owes that ``StopIteration``; torchdata's
+``Loader`` then restarts the next epoch itself, its ``has_next``), with the package's
+``Loader`` forgetting the state ``has_next`` took before it (``_OneLoop.reset``; torchdata
+0.11 keeps it: upstream meta-pytorch/data #1552, open). The mix then resumed exactly, and with
+``resume_helpers`` on the package's ``Loader`` test_resume, test_iteration, test_compose_trial,
+test_stateful_dataloader, test_elastic and test_lightning_stop passed (100 tests). But through
+torchdata's own ``Loader`` (29 test files use it) a state restored at an epoch's end, saved
+again after the next batch, restored to batch (1, 0) once more instead of (1, 1) (main: (1, 1)):
+the fix trades one wrong resume for another unless every consumer uses the package's
+``Loader``, a decision beyond a trial.
 
 Tried and found right (by hand, against zarr and numpy; the last one kept as a test):
 
