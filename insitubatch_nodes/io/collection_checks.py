@@ -101,12 +101,19 @@ def member_lengths(
             want = got
         elif got != want:
             what = next(k for k in SCHEMA_FIELDS if got.get(k) != want.get(k))
+            todo = (
+                "members of another size (a slide, a scene, a cube) are a collection of their "
+                "own: open each size's members as one, build a pipeline of each, and mix them "
+                "with torchdata.nodes.MultiNodeWeightedSampler"
+                if what == "field shape"
+                else "rewrite that member like the first (its chunks, dtype, codecs), or read "
+                "it apart"
+            )
             raise ValueError(
                 f"{collection.name}: member {members[m]!r}, variable {variable!r}: its "
                 f"{what} {got.get(what)!r} differs from member {members[0]!r}'s "
                 f"{want.get(what)!r}; the members of a variable need the same dtype, field "
-                "shape, chunks and codecs (only the sample-axis length may differ): rewrite "
-                "that member like the first (its chunks, dtype, codecs), or read it apart"
+                f"shape, chunks and codecs (only the sample-axis length may differ): {todo}"
             )
         shape = doc.get("shape") or ()
         lengths[m] = int(shape[axis]) if len(shape) > axis else -1

@@ -81,6 +81,13 @@ class Plate:
             f"{len(self.rows)} rows x {len(self.columns)} columns, {len(self.wells)} wells, "
             f"{len(self.fields)} fields, axes {''.join(self.axes)}"
         ]
+        if not self.rows and not self.wells:  # read_images: multiscale images, not a plate
+            groups = ", ".join(repr(f.path) for f in self.fields[:5])
+            more = f", ... ({len(self.fields)})" if len(self.fields) > 5 else ""
+            lines = [
+                f"NGFF {self.version} multiscale images (zarr v{self.zarr_format}): "
+                f"{groups}{more}, axes {''.join(self.axes)}"
+            ]
         for (level, sizes), n in levels.items():
             shown = ", ".join(f"{a} {s:g} {self.units.get(a) or ''}".rstrip() for a, s in sizes)
             lines.append(f"level {level} in {n} field(s): pixel size {shown}")
@@ -143,7 +150,10 @@ def read_plate(
     ``labels``: ``None`` (no label images), ``"all"`` (every label the fields' ``labels``
     groups name: every field must name the same), or a list of label names (every field must
     have each). A label's level is the one whose pixel sizes equal the chosen image level's
-    (label images may have other levels); none raises ``ValueError``.
+    (label images may have other levels); none raises ``ValueError``. One whose translation
+    puts its pixels half a pixel or more off the image level's is read with one
+    ``UserWarning`` per label name (a patch of both takes one pixel origin: it pairs pixels
+    of one index, not of one place).
 
     A well the plate lists but whose group is absent, and a field its well lists but absent,
     are skipped, named in ``Plate.absent_wells`` / ``absent_fields``, and warned about once

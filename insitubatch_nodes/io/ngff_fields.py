@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,7 +53,12 @@ class PlateField:
     path of the label level with the same pixel sizes; ``pixel_size`` is the chosen level's
     size along every axis, in the axis' unit (the dataset's ``scale`` times the multiscale's
     own, if any); ``acquisition`` the well metadata's acquisition id, if any; ``channels`` the
-    names its ``omero`` metadata gives the channels (``None``: none).
+    names its ``omero`` metadata gives the channels (``None``: none). ``translation`` is where
+    the chosen level's index 0 lies along every axis, in the axis' unit (the dataset's
+    ``translation`` and the multiscale's, composed with the scales as NGFF composes them):
+    index ``i`` of axis ``a`` (a patch origin, ``batch.patch_origins``) lies at
+    ``translation[a] + i * pixel_size[a]``. A label image whose translation puts it off
+    these pixels is read with a ``UserWarning`` (see :func:`~insitubatch_nodes.io.ngff.read_plate`).
     """
 
     path: str
@@ -66,6 +72,7 @@ class PlateField:
     labels: Mapping[str, str] = field(default_factory=dict)
     acquisition: int | None = None
     channels: tuple[str, ...] | None = None
+    translation: Mapping[str, float] = field(default_factory=dict)
 
 
 # -- reading documents ---
@@ -121,20 +128,35 @@ class _Multiscale:
     types: tuple[str | None, ...]
     units: tuple[str | None, ...]
     paths: tuple[str, ...]
-    sizes: tuple[tuple[float, ...], ...]  # per level, per axis
+    sizes: tuple[tuple[float, ...], ...]  # per level, per axis: the scale
+    offsets: tuple[tuple[float, ...], ...]  # per level, per axis: where index 0 lies
 
 
-def _scale(transforms: Any, ndim: int, where: str) -> tuple[float, ...]:
-    scale = [1.0] * ndim
+_Affine = tuple[tuple[float, ...], tuple[float, ...]]  # per axis: (scale, translation)
+
+
+def _transform(transforms: Any, ndim: int, where: str, start: _Affine | None = None) -> _Affine:
+    """``start`` (default: the identity) followed by the ``scale`` and ``translation``
+    coordinateTransformations ``transforms``, in their order: per axis, physical position =
+    ``scale * index + translation``."""
+    scale, offset = [1.0] * ndim, [0.0] * ndim
+    if start is not None:
+        scale, offset = list(start[0]), list(start[1])
     for t in transforms or ():
-        if isinstance(t, dict) and t.get("type") == "scale":
-            if "scale" not in t:
-                raise ValueError(f"{where}: a scale given by 'path' is not read; inline it")
-            values = [float(v) for v in t["scale"]]
-            if len(values) != ndim:
-                raise ValueError(f"{where}: scale {values} has not one value per axis ({ndim})")
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind not in ("scale", "translation"):
+            continue
+        if kind not in t:
+            raise ValueError(f"{where}: a {kind} given by 'path' is not read; inline it")
+        values = [float(v) for v in t[kind]]
+        if len(values) != ndim:
+            raise ValueError(f"{where}: {kind} {values} has not one value per axis ({ndim})")
+        if kind == "scale":
             scale = [a * b for a, b in zip(scale, values, strict=True)]
-    return tuple(scale)
+            offset = [a * b for a, b in zip(offset, values, strict=True)]
+        else:
+            offset = [a + b for a, b in zip(offset, values, strict=True)]
+    return tuple(scale), tuple(offset)
 
 
 def _multiscale(attrs: Mapping[str, Any], where: str) -> _Multiscale:
@@ -152,17 +174,19 @@ def _multiscale(attrs: Mapping[str, Any], where: str) -> _Multiscale:
     datasets = ms.get("datasets")
     if not isinstance(datasets, list) or not datasets:
         raise ValueError(f"{where}: multiscales has no datasets")
-    top = _scale(ms.get("coordinateTransformations"), len(names), where)
-    sizes = []
-    for d in datasets:
-        own = _scale(d.get("coordinateTransformations"), len(names), where)
-        sizes.append(tuple(a * b for a, b in zip(own, top, strict=True)))
+    top = ms.get("coordinateTransformations")  # applied after each dataset's own
+    levels = [
+        _transform(top, len(names), where, _transform(d.get("coordinateTransformations"),
+                                                      len(names), where))
+        for d in datasets
+    ]  # fmt: skip
     return _Multiscale(
         axes=names,
         types=tuple(a.get("type") for a in axes),
         units=tuple(a.get("unit") for a in axes),
         paths=tuple(str(d["path"]) for d in datasets),
-        sizes=tuple(sizes),
+        sizes=tuple(scale for scale, _ in levels),
+        offsets=tuple(offset for _, offset in levels),
     )
 
 
@@ -291,11 +315,13 @@ def read_fields(
         row, _, column = well.partition("/")
         image = f"{paths[i]}/{ms.paths[k]}" if paths[i] else ms.paths[k]
         sizes = dict(zip(ms.axes, ms.sizes[k], strict=True))
+        offsets = dict(zip(ms.axes, ms.offsets[k], strict=True))
         fields.append(
             PlateField(
-                paths[i], well, row, column, name, image, k, sizes, label_paths[j], acq, named[j]
+                paths[i], well, row, column, name, image, k, sizes, label_paths[j], acq,
+                named[j], offsets,
             )
-        )
+        )  # fmt: skip
     units = dict(zip(axes, multiscales[0].units, strict=True))
     c_axis = channel_axis(axes, multiscales[0].types)
     return ImageFields(
@@ -314,7 +340,8 @@ def _read_labels(
     """Each field's ``{label name: array path}``, each label's axes, the label names read."""
     if wanted is None:
         return [{} for _ in fields], {}, ()
-    groups = group_attributes(store, [f"{f}/labels" for f in fields], zarr_format)
+    # (an image at the store's root has path "": its labels are "labels", never "/labels")
+    groups = group_attributes(store, [metadata_key(f, "labels") for f in fields], zarr_format)
     named = [tuple(str(n) for n in (g or {}).get("labels", ())) for g in groups]
     if wanted == "all":
         names = named[0]
@@ -335,7 +362,8 @@ def _read_labels(
                 )
     if not names:
         return [{} for _ in fields], {}, ()
-    keys = [f"{f}/labels/{n}" for f in fields for n in names]
+    keys = [metadata_key(f, f"labels/{n}") for f in fields for n in names]
+    off: dict[str, list[str]] = {}  # each label's images off their image's pixels
     attrs = group_attributes(store, keys, zarr_format)
     paths: list[dict[str, str]] = [{} for _ in fields]
     axes: dict[str, tuple[str, ...]] = {}
@@ -356,5 +384,43 @@ def _read_labels(
         ]
         want = {a: image.sizes[levels[f]][image.axes.index(a)] for a in shared}
         k = _level_by_size(ms, want, f"label image {key!r} (for image level {levels[f]})")
-        paths[f][name] = f"{key}/{ms.paths[k]}"
+        shift = _offset(ms, k, image, levels[f], shared, key)
+        if shift is not None:
+            off.setdefault(name, []).append(shift)
+        paths[f][name] = metadata_key(key, ms.paths[k])
+    for name, shifts in off.items():
+        warnings.warn(
+            f"{len(shifts)} of {len(fields)} {name!r} label image(s) lie off their image's "
+            f"pixels by their translation (first: {shifts[0]}): a patch of the image and of its "
+            "labels take the same pixel origin, so each window pairs the pixels of one index, "
+            "not of one place. Where the label image really lies there, write it on the "
+            "image's pixel grid; where its translation is wrong (a writer that dropped the "
+            "image's), correct it",
+            UserWarning,
+            stacklevel=4,
+        )
     return paths, axes, tuple(names)
+
+
+def _offset(
+    label: _Multiscale, k: int, image: _Multiscale, level: int, axes: Sequence[str], key: str
+) -> str | None:
+    """Where label level ``k`` of ``label`` (at ``key``) lies off image level ``level``'s
+    pixels along ``axes``, said in a few words; ``None`` where every translation differs by
+    less than half a pixel (the same pixels)."""
+    off: dict[str, float] = {}
+    for a in axes:
+        size = image.sizes[level][image.axes.index(a)]
+        mine = label.offsets[k][label.axes.index(a)]
+        theirs = image.offsets[level][image.axes.index(a)]
+        if abs(mine - theirs) >= 0.5 * abs(size):
+            off[a] = (mine - theirs) / size
+    if not off:
+        return None
+    where = ", ".join(f"{a} {label.offsets[k][label.axes.index(a)]:g}" for a in axes)
+    own = ", ".join(f"{a} {image.offsets[level][image.axes.index(a)]:g}" for a in axes)
+    shift = ", ".join(f"{a} {v:+g}" for a, v in off.items())
+    return (
+        f"{key!r} level {label.paths[k]!r} starts at {where}, the image's level "
+        f"{image.paths[level]!r} at {own}: {shift} pixels"
+    )

@@ -75,8 +75,8 @@ def read_images(
     ``fields`` holds one :class:`~insitubatch_nodes.io.ngff.PlateField` per image (its
     ``path`` the group, ``well``/``row``/``column`` empty), each at the level ``level`` picks,
     with the labels ``labels`` (both as :func:`~insitubatch_nodes.io.ngff.read_plate` takes
-    them). An image group that is absent raises ``ValueError`` naming it; images with other
-    axes too."""
+    them). An image group that is absent, or named twice, raises ``ValueError`` naming it;
+    images with other axes too."""
     chosen, wanted = check_level(level), check_labels(labels)
     store = as_store(store)
     if groups is None:
@@ -85,6 +85,12 @@ def read_images(
         if isinstance(groups, str) or not groups:
             raise TypeError(f"groups must be a non-empty list of group paths, got {groups!r}")
         paths = [str(g).strip("/") for g in groups]
+        twice = sorted({p for p in paths if paths.count(p) > 1})
+        if twice:
+            raise ValueError(
+                f"groups name {twice[:5]} more than once: name each image group once (the "
+                "collection's members are named by their groups)"
+            )
         zarr_format = 3 if read_json_documents(store, ["zarr.json"])[0] is not None else 2
     if not paths:
         raise ValueError("the bioformats2raw conversion holds no series (no group '0')")
