@@ -116,8 +116,9 @@ def _check_sources(variables: Any, splits: Any, store: Any, store_options: Any) 
 
 
 class _EpochLengthSync(pl.Callback):
-    """Has Lightning re-read the training loader's length when the next epoch's differs from
-    the one it was told (after an epoch resumed on another world size)."""
+    """Has Lightning reload the training loader when the next epoch's length differs from the
+    one it was told (after an epoch resumed on another world size, or ``set_views``), or when
+    the data module would build its training pipeline afresh (``dm.batch_size`` set since)."""
 
     def __init__(self) -> None:
         self._restore: Any = None
@@ -127,7 +128,10 @@ class _EpochLengthSync(pl.Callback):
         if isinstance(dm, InSituDataModule):
             dm._resume_check = None  # the resumed epoch is over: its state was consumed
         train = dm._loaders.get("train") if isinstance(dm, InSituDataModule) else None
-        if train is None or train.told_len is None or train.next_len() == train.told_len:
+        if train is None or train.told_len is None:
+            return
+        assert isinstance(dm, InSituDataModule)
+        if train.next_len() == train.told_len and dm._train_key == dm._key():
             return
         if self._restore is None:
             self._restore = (getattr(trainer, _RELOAD),)
@@ -377,12 +381,15 @@ class InSituDataModule(pl.LightningDataModule):
     @property
     def batch_size(self) -> int:
         """The training batch size (``plan_config.batch_size``); assigning it (as Lightning's
-        batch-size finder does) replaces ``plan_config`` with a checked copy."""
+        batch-size finder does, or a curriculum from ``on_train_epoch_end``) replaces
+        ``plan_config`` with a checked copy, and the training pipeline is built afresh at it
+        for the trainer's next epoch (the trainer is asked to reload its loader)."""
         return self.plan_config.batch_size
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
         self.plan_config = self.plan_config.replace(batch_size=value)
+        self._next_epoch_changed()
 
     def plan_config_for(self, split: str) -> PlanConfig:
         """The plan settings of ``split``'s pipeline, before the Trainer's rank and world size:
@@ -557,11 +564,17 @@ class InSituDataModule(pl.LightningDataModule):
         if train is not None:
             train.pipeline.set_views(views)
         self._train_views = dict(views)
+        self._next_epoch_changed()
+
+    def _next_epoch_changed(self) -> None:
+        """Have the trainer reload the training loader before its next epoch where that epoch
+        differs from what it was told: another length (other views), or a pipeline to build
+        afresh (another batch size). Without the reload Lightning keeps the loader it has."""
         trainer = self.trainer
         if trainer is None:
             return
         for callback in getattr(trainer, "callbacks", None) or []:
-            if isinstance(callback, _EpochLengthSync):  # the next epoch's length may differ
+            if isinstance(callback, _EpochLengthSync):
                 callback.on_train_epoch_end(trainer, trainer.lightning_module)
 
     # -- loaders ------------------------------------------------------------------------------
