@@ -390,16 +390,19 @@ def _fit(
     ckpt: Path | None = None,
     every: int | None = None,
     in_module: bool = False,
+    cache: Path | None = None,
+    gets: dict[int, int] | None = None,
 ) -> list[tuple[int, int, int, tuple[int, ...], str, int]]:
     """``trainer.fit`` over the curriculum: the data module built with the views and batch
     size of epoch ``start`` (as the rollout recipe builds it to resume), and the next epoch's
     set from ``on_train_epoch_end`` (a callback's, or the LightningModule's own with
     ``in_module``). Returns ``(trainer epoch, batch epoch, index, anchors, digest, the
-    trainer's num_training_batches)`` per step."""
+    trainer's num_training_batches)`` per step. With ``cache``, the module reads through a
+    persistent cache there, and ``gets`` receives the chunk GETs of each training epoch."""
     import lightning.pytorch as pl
     import torch
 
-    from insitubatch_nodes import PlanConfig
+    from insitubatch_nodes import CacheOptions, PlanConfig
     from insitubatch_nodes.lightning import InSituDataModule
 
     seen: list[tuple[int, int, int, tuple[int, ...], str, int]] = []
@@ -430,15 +433,23 @@ def _fit(
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.0)
 
+    store = counting_store(root)
+
     class Curriculum(pl.Callback):  # type: ignore[misc]
+        def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+            store.reset_counts()
+
         def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            if gets is not None:
+                gets[trainer.current_epoch] = sum(store.chunk_counts().values())
             if not in_module:
                 curriculum(trainer)
 
     steps, batch_size = SCHEDULE[start]
-    dm = InSituDataModule(root, _views(root, stats, steps), manifest, transform=lambda b: b,
+    options = {} if cache is None else {"cache": CacheOptions(cache_dir=cache, persist=True)}
+    dm = InSituDataModule(store, _views(root, stats, steps), manifest, transform=lambda b: b,
                           config=PlanConfig(batch_size=batch_size, block_chunks=3, seed=SEED),
-                          log_report=False)  # fmt: skip
+                          log_report=False, **options)  # fmt: skip
     callbacks: list[Any] = [Curriculum()]
     if every is not None:  # every `every` steps, and where each epoch ends
         callbacks.append(pl.callbacks.ModelCheckpoint(
@@ -467,11 +478,16 @@ def test_a_batch_size_set_between_epochs_with_the_rollout_batches_the_next_epoch
     where: str,
 ) -> None:
     """Each epoch of the fit is the curriculum's: its batch size, its views, every valid anchor
-    once, and Lightning told its exact length (before the fix, epochs 2 and 3 came in batches
-    of 8: the batch size was taken only once the loader's length changed)."""
+    once, Lightning told its exact length, and no chunk fetched again after the first epoch
+    (before the fix, epochs 2 and 3 came in batches of 8: the batch size was taken only once
+    the loader's length changed)."""
     root, _ = era5
     stats = Statistics.load(stats_file)
-    seen = _fit(root, manifest, stats, tmp_path, in_module=where == "module")
+    gets: dict[int, int] = {}
+    seen = _fit(root, manifest, stats, tmp_path, in_module=where == "module",
+                cache=tmp_path / "cache", gets=gets)  # fmt: skip
+    # each new batch size builds the pipeline afresh: the persistent cache serves its chunks
+    assert gets[0] > 0 and [gets[e] for e in (1, 2, 3)] == [0, 0, 0], gets
     for epoch, (steps, batch_size) in enumerate(SCHEDULE):
         steps_of = [s for s in seen if s[0] == epoch]
         assert sorted(a for s in steps_of for a in s[3]) == _valid(manifest, steps), epoch
