@@ -54,6 +54,12 @@ old views, another window, or another batch size is refused with a ``StateMismat
 naming what differs and how to go on; through Lightning, the curriculum's fit (callback or
 module hook) trains each epoch at its batch size and views, told its exact length, and resumed
 from checkpoints at epoch ends and mid-epoch it trains the steps of a fit never stopped.
+Probes not kept: ``StatefulDataLoader(as_dataset(pipe))`` through the rebuilt curriculum (each
+epoch's length and batches those of a fresh pipeline); a bounded pool (``cache_budget_bytes``
+at the 4-step views' floor, below the split's size, on a 240-step ``32 x 64`` store): every
+valid anchor once per epoch through 1 -> 2 -> 4 steps, at most 2 GETs per object per epoch
+without a persistent cache and none after the first epoch with one; a data module fit over a
+persistent cache with validation on (its pipelines rebuilt per batch size read no object again).
 """
 
 from __future__ import annotations
