@@ -56,6 +56,7 @@ from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
+from insitubatch_nodes.lightning_epochs import EpochLengthSync, ended_epoch_warning, resumed_at
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
@@ -113,44 +114,6 @@ def _check_sources(variables: Any, splits: Any, store: Any, store_options: Any) 
             )
     if store_options and isinstance(store, Store):
         raise ValueError("store_options apply to a URL or path, not to an opened Store")
-
-
-class _EpochLengthSync(pl.Callback):
-    """Has Lightning re-read the training loader's length when the next epoch's differs from
-    the one it was told (after an epoch resumed on another world size)."""
-
-    def __init__(self) -> None:
-        self._restore: Any = None
-
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        dm = getattr(trainer, "datamodule", None)
-        if isinstance(dm, InSituDataModule):
-            dm._resume_check = None  # the resumed epoch is over: its state was consumed
-        train = dm._loaders.get("train") if isinstance(dm, InSituDataModule) else None
-        if train is None or train.told_len is None or train.next_len() == train.told_len:
-            return
-        if self._restore is None:
-            self._restore = (getattr(trainer, _RELOAD),)
-        setattr(trainer, _RELOAD, 1)
-
-    def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._restore is not None:
-            setattr(trainer, _RELOAD, self._restore[0])
-            self._restore = None
-
-
-_RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
-
-
-def _resumed_at(trainer: Any) -> int | None:
-    """The batches Lightning's training loop counts as done in the epoch it is resuming, while
-    it resumes one (its epoch loop ``restarting``: a checkpoint saved mid-epoch, or one saved
-    after ``max_steps`` stopped a run, which Lightning resumes at the next batch although it
-    counted the epoch as done); ``None`` otherwise."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    if loop is None or not getattr(loop, "restarting", False):
-        return None
-    return int(loop.batch_progress.current.ready)
 
 
 class InSituReportCallback(pl.Callback):
@@ -377,12 +340,15 @@ class InSituDataModule(pl.LightningDataModule):
     @property
     def batch_size(self) -> int:
         """The training batch size (``plan_config.batch_size``); assigning it (as Lightning's
-        batch-size finder does) replaces ``plan_config`` with a checked copy."""
+        batch-size finder does, or a curriculum from ``on_train_epoch_end``) replaces
+        ``plan_config`` with a checked copy, and the training pipeline is built afresh at it
+        for the trainer's next epoch (the trainer is asked to reload its loader)."""
         return self.plan_config.batch_size
 
     @batch_size.setter
     def batch_size(self, value: int) -> None:
         self.plan_config = self.plan_config.replace(batch_size=value)
+        self._next_epoch_changed()
 
     def plan_config_for(self, split: str) -> PlanConfig:
         """The plan settings of ``split``'s pipeline, before the Trainer's rank and world size:
@@ -484,7 +450,7 @@ class InSituDataModule(pl.LightningDataModule):
         check = self._resume_check
         if check is not None and check[0] == id(trainer):
             _, saved, done = check
-            if epoch > saved and done > 0 and _resumed_at(trainer) == done:
+            if epoch > saved and done > 0 and resumed_at(trainer) == done:
                 self._epoch_offset = (id(trainer), epoch - saved)
                 self._resume_check = None
         owner, offset = self._epoch_offset
@@ -557,12 +523,27 @@ class InSituDataModule(pl.LightningDataModule):
         if train is not None:
             train.pipeline.set_views(views)
         self._train_views = dict(views)
+        self._next_epoch_changed()
+
+    def _next_epoch_changed(self) -> None:
+        """Have the trainer reload the training loader before its next epoch where that epoch
+        differs from what it was told: another length (other views), or a pipeline to build
+        afresh (another batch size). Without the reload Lightning keeps the loader it has."""
         trainer = self.trainer
-        if trainer is None:
-            return
         for callback in getattr(trainer, "callbacks", None) or []:
-            if isinstance(callback, _EpochLengthSync):  # the next epoch's length may differ
+            if isinstance(callback, EpochLengthSync):
                 callback.on_train_epoch_end(trainer, trainer.lightning_module)
+
+    def _next_epoch_differs(self) -> bool:
+        """Whether the training loader's next epoch differs from what the trainer was told
+        (asked by :class:`~insitubatch_nodes.lightning_epochs.EpochLengthSync` where an epoch
+        ends, and by :meth:`set_views` and the batch size): another length, or a pipeline to
+        build afresh (another batch size). A resumed epoch is over by then."""
+        self._resume_check = None  # the resumed epoch is over: its state was consumed
+        train = self._loaders.get("train")
+        if train is None or train.told_len is None:
+            return False
+        return train.next_len() != train.told_len or self._train_key != self._key()
 
     # -- loaders ------------------------------------------------------------------------------
     def train_report(self) -> EpochReport | None:
@@ -588,12 +569,31 @@ class InSituDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> InSituIterableDataset:
         if self.log_report:
             self._attach(InSituReportCallback)
-        self._attach(_EpochLengthSync)
+        self._attach(EpochLengthSync)
         dataset = self._build("train")
         if self._pending_train_state is not None:
             dataset.load_state_dict(self._pending_train_state)
             self._pending_train_state = None
+        self._reload_after_an_ended_epoch(dataset)
         return dataset
+
+    def _reload_after_an_ended_epoch(self, dataset: InSituIterableDataset) -> None:
+        """A state loaded where the trainer's epoch ended (a checkpoint saved at
+        ``on_train_epoch_end``): Lightning is told that epoch's length now and keeps it for
+        the next epoch, which this module's views or batch size may batch otherwise (a rollout
+        curriculum): have the trainer reload the loader before that epoch. Not while Lightning
+        restarts inside the epoch (a checkpoint saved after its last batch): it counts the
+        epoch as done by the length told now, so a reload would move that count; warned."""
+        trainer = self.trainer
+        lens = dataset.ended_epoch_lens()
+        if trainer is None or lens is None or lens[0] == lens[1]:
+            return
+        if getattr(getattr(trainer, "fit_loop", None), "restarting", False):
+            warnings.warn(ended_epoch_warning(int(trainer.current_epoch), *lens), stacklevel=2)
+            return
+        for callback in getattr(trainer, "callbacks", None) or []:
+            if isinstance(callback, EpochLengthSync):
+                callback.reload_before_next_epoch(trainer)
 
     def val_dataloader(self) -> InSituIterableDataset:
         return self._build("val")

@@ -143,6 +143,15 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
             return int(state["batches_emitted"])
         return None
 
+    def ended_epoch_lens(self) -> tuple[int, int] | None:
+        """``(batches of the epoch, batches of the next)`` where a pending state was taken at
+        the end of ``epoch_fn``'s epoch (the next one under this pipeline's views and batch
+        size); ``None`` otherwise."""
+        ended = self._ended_epoch()
+        if ended is None or self._pending is None:
+            return None
+        return ended, self.plan.resumed_len(plan_state(self._pending))
+
     def _pend_start(self, epoch: int) -> None:
         """Make the state pending the start of ``epoch`` (what a checkpoint taken now holds,
         and what the length of the next epoch is counted from)."""

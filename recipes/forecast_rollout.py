@@ -93,10 +93,21 @@ def steps_at(schedule: list[tuple[int, int]], epoch: int) -> int:
     return [steps for first, steps in schedule if first <= epoch][-1]
 
 
-def completed_epochs(ckpt: Path) -> int:
-    """Training epochs a Lightning checkpoint had completed (the epoch a resume starts in)."""
+def resume_epoch(ckpt: Path) -> int:
+    """The first training epoch a run resumed from a Lightning checkpoint trains batches of:
+    the epochs the checkpoint had processed (a checkpoint saved at ``on_train_epoch_end``
+    counts its epoch: Lightning runs the epoch-end hooks again, and the curriculum's
+    ``set_views`` with them), and one more where it was saved after an epoch's last batch and
+    before that epoch's end (``ModelCheckpoint(every_n_train_steps=...)`` landing there):
+    Lightning then counts the epoch as done without running its epoch-end hooks again, so the
+    rollout must be the next epoch's from the start. (Reading ``completed`` alone, that next
+    epoch trained on the rollout of the one before.)"""
     state = torch.load(ckpt, weights_only=False, map_location="cpu")
-    return int(state["loops"]["fit_loop"]["epoch_progress"]["current"]["completed"])
+    loop = state["loops"]["fit_loop"]
+    epochs = loop["epoch_progress"]["current"]
+    last_batch = bool(loop["epoch_loop.batch_progress"]["is_last_batch"])
+    in_epoch = epochs["processed"] < epochs["started"]  # saved before the epoch's end hooks
+    return int(epochs["processed"]) + int(last_batch and in_epoch)
 
 
 def ensure_store(path: Path, args: argparse.Namespace) -> None:
@@ -236,10 +247,10 @@ def run(path: Path, args: argparse.Namespace) -> int:
     if ckpt is not None and not ckpt.exists():
         print(f"no checkpoint at {ckpt}: starting from scratch")
         ckpt = None
-    # the epoch a resumed run continues in decides the rollout its pipeline starts with: the
-    # epochs the checkpoint had completed (a state saved under the views before the rollout
-    # grew restores at that epoch boundary, and the next epoch reads these views)
-    start_epoch = 0 if ckpt is None else completed_epochs(ckpt)
+    # the epoch a resumed run trains first decides the rollout its pipeline starts with (a
+    # state saved under the views before the rollout grew restores at that epoch boundary,
+    # and the next epoch reads these views)
+    start_epoch = 0 if ckpt is None else resume_epoch(ckpt)
     geoms: dict[str, ArrayGeometry] = {}
 
     def views(found: dict[str, ArrayGeometry]) -> dict[str, ArrayGeometry]:
