@@ -1,0 +1,121 @@
+"""Evaluation and inference over an archive, as a forecaster or a microscopist runs them after
+training (the inference trial of 2026-12-07): validation/test splits and whole-archive
+prediction passes in store order, on one rank and on several, predictions written back into a
+new zarr array by ``batch.coords`` / ``batch.patch_origins`` and checked with xarray, windows
+at inference, Lightning's validate/test/predict, and a prediction pass interrupted and resumed.
+Oracles: zarr, xarray and numpy reading the same store.
+
+Found (wrong answers, fixed):
+
+1. An unshuffled plan of views at several offsets (``{"x": g, "y": g.shift(1)}``, a window),
+   dealt between ranks in runs, did not go through a rank's run in store order: the piece of
+   the chunk its run began in came last (rank 1 of 2 evaluated samples 12 … 21, then 11; of 3
+   ranks, rank 2 went 16 … 20, 15, 21). concepts.md says each rank visits its chunks in the
+   epoch's order, which unshuffled is store order; a writer streaming a rank's outputs in time
+   order (or a metric over consecutive lead times) saw time go backwards. ``deal_runs`` now
+   keeps an unshuffled run in axis order (the schedule floors still bound every such plan:
+   checked here on 2–8 ranks, every remainder).
+
+Tried and found right (kept as claims below where cheap): every valid sample of a test split
+and of a whole archive (``split_by_chunk(g, (0, 0, 1))``, ``split="test"``,
+``remainder="uneven"``) exactly once over 1, 2 and 3 ranks, the last partial batch kept;
+predictions written back by ``batch.coords["x"]["time"]`` into a new array land at their
+input's time (xarray ``sel`` as the oracle), and the anchors a shift or window cannot serve at
+the array's end (or the split's edge) are the ones left unwritten.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+
+from insitubatch_nodes import Loader, PlanConfig, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan import plan_epoch
+from insitubatch_nodes.plan.parts import expand_views
+from insitubatch_nodes.plan.schedule import schedule_floors, working_set_bytes
+
+pytestmark = pytest.mark.timeout(120)
+
+T = 23  # 6-hourly steps, chunks of 4: the last chunk holds 3
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``t2m (time 23, lat 3, lon 4)`` written by xarray, in chunks of 4 steps, with its time
+    coordinate: the archive a forecaster predicts over."""
+    root = tmp_path_factory.mktemp("inference") / "era5.zarr"
+    times = pd.date_range("2000-01-01", periods=T, freq="6h")
+    data = np.random.default_rng(0).random((T, 3, 4)).astype("f4")
+    ds = xr.Dataset(
+        {"t2m": (("time", "lat", "lon"), data)},
+        coords={"time": times, "lat": [10.0, 20.0, 30.0], "lon": [0.0, 1.0, 2.0, 3.0]},
+    )
+    ds.to_zarr(root, mode="w", encoding={"t2m": {"chunks": (4, 3, 4)}}, consolidated=False)
+    return root
+
+
+def _rows(root: Path, views_of: object, world: int, rank: int, **kw: object) -> list[list[int]]:
+    g = open_geometries(root, ["t2m"])["t2m"]
+    views = views_of(g)  # type: ignore[operator]
+    pipe = insitu_pipeline(
+        root, split_by_chunk(g, (0.0, 0.0, 1.0)), views, split="test", shuffle=False,
+        remainder="uneven", batch_size=5, rank=rank, world_size=world, **kw,
+    )  # fmt: skip
+    try:
+        return [b.sample_indices["x"].tolist() for b in Loader(pipe)]
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("kind", ["shift", "window"])
+def test_an_unshuffled_evaluation_on_several_ranks_goes_through_each_ranks_share_in_store_order(
+    archive: Path, world: int, kind: str
+) -> None:
+    def views_of(g: ArrayGeometry) -> dict[str, ArrayGeometry]:
+        if kind == "shift":
+            return {"x": g, "y": g.shift(1)}
+        return {"x": g, "y": g.window([1, 2])}
+
+    valid = T - (1 if kind == "shift" else 2)
+    shares = []
+    for rank in range(world):
+        rows = _rows(archive, views_of, world, rank)
+        flat = [i for b in rows for i in b]
+        assert flat == sorted(flat), f"rank {rank} of {world} went back in time: {flat}"
+        assert [len(b) for b in rows[:-1]] == [5] * (len(rows) - 1)  # only the last is short
+        shares.append(flat)
+    # the ranks' shares, one after the other, are the whole split in store order, each once
+    assert [i for s in shares for i in s] == list(range(valid))
+
+
+def test_the_schedule_floors_bound_unshuffled_runs_on_two_to_eight_ranks() -> None:
+    """The residency bounds were proved for runs whose partial pieces come last; unshuffled
+    runs now begin with one. Every rank's plan stays within the floors the pipeline sizes its
+    pool by, and sweeps its share in order (metadata only: no store)."""
+    g = ArrayGeometry("t", (203, 3), (8, 3), np.dtype("f4"), 0.0)
+    for fractions, split in (((1.0, 0.0, 0.0), "train"), ((0.5, 0.25, 0.25), "val")):
+        manifest = split_by_chunk(g, fractions)
+        for given in ({"x": g, "y": g.shift(2)}, {"x": g.window([-3, -1, 0]), "y": g.shift(1)}):
+            views = expand_views(given)[0]
+            arrays = {v.path: v.base for v in views.values()}
+            for remainder in ("drop", "pad", "uneven"):
+                if remainder == "uneven" and split == "train":
+                    continue
+                for world in range(2, 9):
+                    config = PlanConfig(split=split, batch_size=3, block_chunks=2,
+                                        remainder=remainder, world_size=world)  # fmt: skip
+                    floors = schedule_floors(manifest, views, config)
+                    for rank in range(world):
+                        cfg = config.replace(rank=rank, shuffle=False)
+                        once = plan_epoch(manifest, views, cfg)
+                        assert working_set_bytes(once, arrays)[0] <= floors.read_once
+                        bounded = plan_epoch(manifest, views, cfg, pin_gap=floors.pin_gap)
+                        assert working_set_bytes(bounded, arrays)[0] <= floors.bounded
+                        if remainder != "pad":  # (a padded sample is appended)
+                            assert np.all(np.diff(once.anchors) > 0)
