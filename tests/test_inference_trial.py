@@ -32,9 +32,11 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+import zarr
 
 from insitubatch_nodes import Loader, PlanConfig, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.pipeline import InSituPipeline
 from insitubatch_nodes.plan import plan_epoch
 from insitubatch_nodes.plan.parts import expand_views
 from insitubatch_nodes.plan.schedule import schedule_floors, working_set_bytes
@@ -119,3 +121,82 @@ def test_the_schedule_floors_bound_unshuffled_runs_on_two_to_eight_ranks() -> No
                         assert working_set_bytes(bounded, arrays)[0] <= floors.bounded
                         if remainder != "pad":  # (a padded sample is appended)
                             assert np.all(np.diff(once.anchors) > 0)
+
+
+# -- predictions written back where their inputs came from ------------------------------------
+
+
+def _template(archive: Path, out: Path, chunks: tuple[int, ...]) -> zarr.Array:
+    """A new store shaped like the archive (its coordinates, NaN everywhere) with ``pred``
+    chunked ``chunks``, as ``xr.full_like(...).to_zarr(compute=False)`` makes it."""
+    src = xr.open_zarr(archive, consolidated=False)
+    empty = xr.full_like(src[["t2m"]], np.nan).rename(t2m="pred")
+    encoding = {"pred": {"chunks": chunks}}
+    empty.to_zarr(out, mode="w", compute=False, consolidated=False, encoding=encoding)
+    return zarr.open_array(out / "pred", mode="r+")
+
+
+def predict_into(pipe: InSituPipeline, out: Path, times: np.ndarray) -> np.ndarray:
+    """Write ``x[last step] + 1`` of every row at its own time (``batch.coords``), located on
+    the output's time axis; the writes per index."""
+    arr = zarr.open_array(out / "pred", mode="r+")
+    writes = np.zeros(len(times), dtype=np.int64)
+    for batch in Loader(pipe):
+        t, x = batch.coords["x"]["time"], batch["x"]
+        if t.ndim == 2:  # a window: the row's time is its last input step's
+            t, x = t[:, -1], x[:, -1]
+        at = np.searchsorted(times, t)
+        assert np.array_equal(times[at], t), "a row's time is not on the archive's axis"
+        for i, row in zip(at, x + 1, strict=True):
+            arr[int(i)] = row
+        np.add.at(writes, at, 1)
+    return writes
+
+
+def _check_landed(archive: Path, out: Path, writes: np.ndarray, unwritten: list[int]) -> None:
+    """xarray's reading of both stores: every written time holds its input's value + 1, the
+    others NaN."""
+    src = xr.open_zarr(archive, consolidated=False).t2m.load()
+    pred = xr.open_zarr(out, consolidated=False).pred.load()
+    assert np.flatnonzero(writes == 0).tolist() == unwritten
+    assert writes.max() == 1, "an output written twice"
+    for t in pred.time.values[writes == 1]:
+        np.testing.assert_array_equal(pred.sel(time=t).values, src.sel(time=t).values + 1)
+    assert np.isnan(pred.isel(time=unwritten).values).all()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize(
+    ("kind", "unwritten"),
+    [("shift", [T - 1]), ("window", [0, 1, T - 2, T - 1])],
+    ids=["y-is-x-shifted-by-1", "x-window-of-3-y-window-of-2"],
+)
+def test_a_whole_archive_prediction_on_any_ranks_writes_each_output_once_at_its_inputs_time(
+    archive: Path, tmp_path: Path, world: int, kind: str, unwritten: list[int]
+) -> None:
+    """A whole archive as the test split (``(0, 0, 1)``; ``"uneven"`` is for val/test only),
+    unshuffled: over the ranks every anchor once, the last partial batch kept, and the anchors
+    a view cannot serve at the array's ends (a target past the last step, an input window
+    before the first) are exactly the times left unwritten."""
+    g = open_geometries(archive, ["t2m"])["t2m"]
+    views = (
+        {"x": g, "y": g.shift(1)}
+        if kind == "shift"
+        else {"x": g.window([-2, -1, 0]), "y": g.window([1, 2])}
+    )
+    out = tmp_path / "pred.zarr"
+    _template(archive, out, (1, 3, 4))  # a row per object: ranks never write one object both
+    times = xr.open_zarr(out, consolidated=False).time.values
+    writes = np.zeros(T, dtype=np.int64)
+    manifest = split_by_chunk(g, (0.0, 0.0, 1.0))
+    for rank in range(world):
+        pipe = insitu_pipeline(
+            archive, manifest, views, split="test", shuffle=False, remainder="uneven",
+            batch_size=5, rank=rank, world_size=world,
+        )  # fmt: skip
+        n_valid = T - len(unwritten)
+        share = n_valid // world + (rank < n_valid % world)
+        assert len(pipe) == -(-share // 5)  # the last partial batch kept, none added
+        writes += predict_into(pipe, out, times)
+        pipe.close()
+    _check_landed(archive, out, writes, unwritten)
