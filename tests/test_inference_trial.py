@@ -26,6 +26,7 @@ the array's end (or the split's edge) are the ones left unwritten.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -200,3 +201,115 @@ def test_a_whole_archive_prediction_on_any_ranks_writes_each_output_once_at_its_
         writes += predict_into(pipe, out, times)
         pipe.close()
     _check_landed(archive, out, writes, unwritten)
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_slide_swept_in_grid_windows_on_any_ranks_is_stitched_back_pixel_for_pixel(
+    tmp_path: Path, world: int
+) -> None:
+    """A microscopist's inference: a (z, y, x) stack in 32² tiles, 16² grid windows (the last
+    flush with the edge), every window once over the ranks; each output written back at its
+    plane and ``patch_origins`` covers every pixel and equals the input's + 1."""
+    root = tmp_path / "stack.zarr"
+    data = np.random.default_rng(1).random((3, 50, 50)).astype("f4")
+    ds = xr.Dataset({"image": (("z", "y", "x"), data)}, coords={"z": [0.5, 1.5, 2.5]})
+    ds.to_zarr(root, mode="w", encoding={"image": {"chunks": (1, 32, 32)}}, consolidated=False)
+    g = open_geometries(root, ["image"])["image"]
+    view = g.patches({"y": 16, "x": 16}, origins="grid", order="sweep")
+    out = np.full(data.shape, np.nan, dtype="f4")
+    seen: list[tuple[int, int, int]] = []
+    for rank in range(world):
+        pipe = insitu_pipeline(
+            root, split_by_chunk(g, (0.0, 0.0, 1.0)), {"x": view}, split="test",
+            shuffle=False, remainder="uneven", batch_size=7, rank=rank, world_size=world,
+        )  # fmt: skip
+        for batch in Loader(pipe):
+            z, origins = batch.sample_indices["x"], batch.patch_origins["x"]
+            np.testing.assert_array_equal(batch.coords["x"]["z"], ds.z.values[z])
+            for zi, (y0, x0), row in zip(z, origins, batch["x"], strict=True):
+                out[zi, y0 : y0 + 16, x0 : x0 + 16] = row + 1
+                seen.append((int(zi), int(y0), int(x0)))
+        pipe.close()
+    starts = [0, 16, 32, 34]  # every 16, then one flush with the far edge (50 - 16)
+    assert sorted(seen) == [(z, y, x) for z in range(3) for y in starts for x in starts]
+    np.testing.assert_array_equal(out, data + 1)
+
+
+# -- a prediction pass interrupted and resumed -------------------------------------------------
+
+
+def test_a_prediction_pass_resumed_from_each_ranks_own_state_writes_every_output_once(
+    archive: Path, tmp_path: Path
+) -> None:
+    """Prediction has no collective per batch, so its ranks do not move in lockstep: here rank
+    1 is one batch behind rank 0 when the job stops. Each rank saves its own state (the state
+    does not depend on the rank, but its position does) and resumes from it: every output once.
+    Rank 0's state restored on rank 1 would skip rank 1's unpredicted batch (what training's
+    "rank 0's state for every rank" rule assumes away: lockstep)."""
+    g = open_geometries(archive, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (0.0, 0.0, 1.0))
+    out = tmp_path / "pred.zarr"
+    _template(archive, out, (1, 3, 4))
+    times = xr.open_zarr(out, consolidated=False).time.values
+
+    def build(rank: int) -> InSituPipeline:
+        return insitu_pipeline(
+            archive, manifest, {"x": g, "y": g.shift(1)}, split="test", shuffle=False,
+            remainder="uneven", batch_size=5, rank=rank, world_size=2,
+        )  # fmt: skip
+
+    arr = zarr.open_array(out / "pred", mode="r+")
+    writes = np.zeros(T, dtype=np.int64)
+    states = {}
+    for rank, done in ((0, 2), (1, 1)):  # rank 1 one batch behind
+        pipe = build(rank)
+        loader = Loader(pipe)
+        for _, batch in zip(range(done), loader, strict=False):  # (range first: no extra pull)
+            at = np.searchsorted(times, batch.coords["x"]["time"])
+            arr[int(at[0]) : int(at[-1]) + 1] = batch["x"] + 1  # rows in order: one slice
+            np.add.at(writes, at, 1)
+        states[rank] = json.loads(json.dumps(loader.state_dict()))  # as a checkpoint keeps it
+        pipe.close()
+    for rank in (0, 1):  # a new job: each rank loads its own state
+        pipe = build(rank)
+        assert pipe.stages.plan.resumed_epoch(states[rank]) == 0  # mid-pass
+        writes += predict_into_with_state(pipe, out, times, states[rank])
+        pipe.close()
+    _check_landed(archive, out, writes, [T - 1])
+
+
+def predict_into_with_state(
+    pipe: InSituPipeline, out: Path, times: np.ndarray, state: dict
+) -> np.ndarray:
+    loader = Loader(pipe)
+    loader.load_state_dict(state)
+    arr = zarr.open_array(out / "pred", mode="r+")
+    writes = np.zeros(len(times), dtype=np.int64)
+    for batch in loader:
+        at = np.searchsorted(times, batch.coords["x"]["time"])
+        for i, row in zip(at, batch["x"] + 1, strict=True):
+            arr[int(i)] = row
+        np.add.at(writes, at, 1)
+    return writes
+
+
+def test_a_state_taken_after_the_passs_last_batch_resumes_into_a_second_pass_as_documented(
+    archive: Path,
+) -> None:
+    """A state saved after the pass's last batch is an epoch's end: ``Loader`` goes on with
+    the next epoch, the whole pass again. A one-pass job reads that from the state before it
+    iterates (training.md, *Evaluation and prediction*)."""
+    g = open_geometries(archive, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (0.0, 0.0, 1.0))
+    kw = {"split": "test", "shuffle": False, "remainder": "uneven", "batch_size": 5}
+    pipe = insitu_pipeline(archive, manifest, {"x": g}, **kw)  # type: ignore[arg-type]
+    loader = Loader(pipe)
+    first = [b.sample_indices["x"].tolist() for b in loader]
+    state = loader.state_dict()
+    pipe.close()
+    again = insitu_pipeline(archive, manifest, {"x": g}, **kw)  # type: ignore[arg-type]
+    assert again.stages.plan.resumed_epoch(state) == 1  # the pass (epoch 0) is over
+    resumed = Loader(again)
+    resumed.load_state_dict(state)
+    assert [b.sample_indices["x"].tolist() for b in resumed] == first  # all of it again
+    again.close()
