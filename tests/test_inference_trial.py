@@ -313,3 +313,57 @@ def test_a_state_taken_after_the_passs_last_batch_resumes_into_a_second_pass_as_
     resumed.load_state_dict(state)
     assert [b.sample_indices["x"].tolist() for b in resumed] == first  # all of it again
     again.close()
+
+
+# -- Lightning's validate / test / predict through the data module ------------------------------
+
+
+@pytest.mark.slow
+def test_lightnings_validate_test_and_predict_go_through_their_splits_once_in_store_order(
+    archive: Path,
+) -> None:
+    """``trainer.validate`` / ``test`` / ``predict`` with ``InSituDataModule`` (``transform=
+    to_item``, so each row says its sample): the val and test splits, every anchor once in
+    store order, the last partial batch kept; ``predict`` returns one prediction per test
+    batch (Lightning cannot infer a prediction writer's ``batch_indices`` from an iterable
+    dataset: it passes ``[]`` and warns; the rows' ``sample_indices`` are what align)."""
+    import lightning as L
+    import torch
+
+    from insitubatch_nodes.batch import to_item
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: dict[str, list[list[int]]] = {"val": [], "test": []}
+
+        def validation_step(self, batch: dict, i: int) -> None:
+            self.seen["val"].append(batch["sample_indices"]["x"].tolist())
+
+        def test_step(self, batch: dict, i: int) -> None:
+            self.seen["test"].append(batch["sample_indices"]["x"].tolist())
+
+        def predict_step(self, batch: dict, i: int) -> dict:
+            return {"at": batch["sample_indices"]["x"], "pred": batch["x"] + 1}
+
+    g = open_geometries(archive, ["t2m"])["t2m"]
+    dm = InSituDataModule(archive, {"x": g, "y": g.shift(1)}, (0.34, 0.33, 0.33),
+                          config=PlanConfig(batch_size=4), eval_batch_size=3, transform=to_item)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    model = Model()
+    trainer.validate(model, datamodule=dm, verbose=False)
+    trainer.test(model, datamodule=dm, verbose=False)
+    preds = trainer.predict(model, datamodule=dm)
+    assert dm.manifest is not None
+    src = xr.open_zarr(archive, consolidated=False).t2m.values
+    for split, batches in (*model.seen.items(), ("test", [p["at"].tolist() for p in preds])):
+        samples = dm.manifest.samples(split)
+        want = [s for s in samples.tolist() if s + 1 in set(samples.tolist())]  # y in split
+        assert [i for b in batches for i in b] == want, split
+        assert [len(b) for b in batches[:-1]] == [3] * (len(batches) - 1)
+    for p in preds:  # each prediction is its own row's input + 1
+        np.testing.assert_array_equal(p["pred"].numpy(), src[p["at"].numpy()] + 1)
+    dm.teardown()
+    assert torch.is_tensor(preds[0]["at"])
