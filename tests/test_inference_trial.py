@@ -137,9 +137,11 @@ def _template(archive: Path, out: Path, chunks: tuple[int, ...]) -> zarr.Array:
     return zarr.open_array(out / "pred", mode="r+")
 
 
-def predict_into(pipe: InSituPipeline, out: Path, times: np.ndarray) -> np.ndarray:
+def predict_into(
+    pipe: InSituPipeline, out: Path, times: np.ndarray, order: list[int] | None = None
+) -> np.ndarray:
     """Write ``x[last step] + 1`` of every row at its own time (``batch.coords``), located on
-    the output's time axis; the writes per index."""
+    the output's time axis; the writes per index (and their order appended to ``order``)."""
     arr = zarr.open_array(out / "pred", mode="r+")
     writes = np.zeros(len(times), dtype=np.int64)
     for batch in Loader(pipe):
@@ -151,6 +153,8 @@ def predict_into(pipe: InSituPipeline, out: Path, times: np.ndarray) -> np.ndarr
         for i, row in zip(at, x + 1, strict=True):
             arr[int(i)] = row
         np.add.at(writes, at, 1)
+        if order is not None:
+            order.extend(at.tolist())
     return writes
 
 
@@ -348,8 +352,9 @@ def test_lightnings_validate_test_and_predict_go_through_their_splits_once_in_st
             return {"at": batch["sample_indices"]["x"], "pred": batch["x"] + 1}
 
     g = open_geometries(archive, ["t2m"])["t2m"]
+    config = PlanConfig(batch_size=4)
     dm = InSituDataModule(archive, {"x": g, "y": g.shift(1)}, (0.34, 0.33, 0.33),
-                          config=PlanConfig(batch_size=4), eval_batch_size=3, transform=to_item)  # fmt: skip
+                          config=config, eval_batch_size=3, transform=to_item)  # fmt: skip
     trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     model = Model()
@@ -367,3 +372,57 @@ def test_lightnings_validate_test_and_predict_go_through_their_splits_once_in_st
         np.testing.assert_array_equal(p["pred"].numpy(), src[p["at"].numpy()] + 1)
     dm.teardown()
     assert torch.is_tensor(preds[0]["at"])
+
+
+# -- real ranks: gloo ---------------------------------------------------------------------------
+
+
+def predict_rank(rank: int, world: int, init_file: str, archive: str, out: str) -> None:
+    """One rank of a gloo prediction job: rank and world size from ``torch.distributed``, the
+    whole archive as the test split, each output written into the shared store at its time."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    try:
+        g = open_geometries(archive, ["t2m"])["t2m"]
+        pipe = insitu_pipeline(
+            archive, split_by_chunk(g, (0.0, 0.0, 1.0)), {"x": g, "y": g.shift(1)},
+            split="test", shuffle=False, remainder="uneven", batch_size=5,
+        )  # fmt: skip
+        plan = pipe.stages.plan
+        times = xr.open_zarr(out, consolidated=False).time.values
+        n_batches = len(pipe)
+        written: list[int] = []
+        predict_into(pipe, Path(out), times, written)
+        pipe.close()
+        result = {"rank": plan.rank, "world": plan.world_size, "batches": n_batches,
+                  "written": written}  # fmt: skip
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()  # (a rank with one batch fewer waits here, not in a step)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_gloo_prediction_job_writes_every_output_once_each_rank_its_share_in_order(
+    archive: Path, tmp_path: Path, world: int
+) -> None:
+    from resume_helpers import spawn_ranks
+
+    out = tmp_path / "pred.zarr"
+    _template(archive, out, (1, 3, 4))
+    spawn_ranks(predict_rank, args=(world, str(tmp_path / "init"), str(archive), str(out)),
+                nprocs=world, workdir=tmp_path / "ranks")  # fmt: skip
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+    assert [(r["rank"], r["world"]) for r in results] == [(r, world) for r in range(world)]
+    writes = np.zeros(T, dtype=np.int64)
+    for r in results:
+        np.add.at(writes, r["written"], 1)
+    _check_landed(archive, out, writes, [T - 1])
+    # the ranks' shares one after another: the archive in store order (rank 0 first)
+    assert [i for r in results for i in r["written"]] == list(range(T - 1))
+    assert max(r["batches"] for r in results) - min(r["batches"] for r in results) <= 1
