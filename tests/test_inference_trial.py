@@ -39,12 +39,15 @@ shift or window cannot serve at the array's ends are the ones left unwritten; a 
 windows stitched back by ``patch_origins`` cover every pixel once on 1 and 3 ranks; an ensemble
 on product axes ``(member, time)`` written back by ``geom.sample_coords``, and ``stride=`` /
 ``missing=`` at inference, each sample once on 1–3 ranks in store order (no claim kept);
-Lightning's validate/test/predict through the data module.
+Lightning's validate/test/predict through the data module on 1 rank and on 3 gloo ranks
+(``strategy="ddp"``), each split once, rank 0 first; a collection's members written back by
+``batch.members`` on 1–3 ranks (no claim kept).
 """
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -495,3 +498,89 @@ def test_each_validation_run_evaluates_the_same_random_windows(tmp_path: Path) -
     assert epochs[1] == epochs[0] and epochs[2] == epochs[0], "other windows each epoch"
     assert sanity == epochs[0][: len(sanity)]
     dm.teardown()
+
+
+_LIGHTNING_DDP = """
+import json, sys
+from pathlib import Path
+
+import lightning as L
+import torch
+
+from insitubatch_nodes import PlanConfig
+from insitubatch_nodes.batch import to_item
+from insitubatch_nodes.lightning import InSituDataModule
+
+archive, out = sys.argv[1], Path(sys.argv[2])
+
+
+class Model(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(1, 1)
+        self.seen = {"val": [], "test": []}
+
+    def validation_step(self, batch, i):
+        self.seen["val"].append(batch["sample_indices"]["x"].tolist())
+
+    def test_step(self, batch, i):
+        self.seen["test"].append(batch["sample_indices"]["x"].tolist())
+
+    def predict_step(self, batch, i):
+        return batch["sample_indices"]["x"].tolist()
+
+
+class Writer(L.pytorch.callbacks.BasePredictionWriter):
+    def __init__(self):
+        super().__init__("epoch")
+
+    def write_on_epoch_end(self, trainer, module, predictions, batch_indices):
+        record = {**module.seen, "predict": predictions}
+        (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+dm = InSituDataModule(archive, lambda g: {"x": g["t2m"], "y": g["t2m"].shift(1)},
+                      (0.34, 0.33, 0.33), config=PlanConfig(batch_size=4), eval_batch_size=2,
+                      transform=to_item)
+trainer = L.Trainer(accelerator="cpu", devices=3, strategy="ddp", logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False,
+                    enable_model_summary=False, callbacks=[Writer()])
+model = Model()
+trainer.validate(model, datamodule=dm, verbose=False)
+trainer.test(model, datamodule=dm, verbose=False)
+trainer.predict(model, datamodule=dm, return_predictions=False)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_lightnings_validate_test_and_predict_on_three_gloo_ranks_see_each_sample_once(
+    archive: Path, tmp_path: Path
+) -> None:
+    """``Trainer(devices=3, strategy="ddp")`` (gloo on CPU; Lightning's launcher starts ranks 1
+    and 2 as new interpreters) through ``InSituDataModule``: validate, test and predict each
+    see every sample of their split once over the ranks, each rank's share in store order,
+    rank 0 first (7 validation anchors: 3, 2 and 2)."""
+    import subprocess
+    import sys
+
+    import forkserver
+
+    script = tmp_path / "ddp_eval.py"
+    script.write_text(_LIGHTNING_DDP)
+    launcher = ("LOCAL_RANK", "NODE_RANK", "MASTER_PORT", "WORLD_SIZE")
+    env = {k: v for k, v in os.environ.items() if k not in launcher}
+    with open(tmp_path / "log.txt", "w") as log:
+        proc = forkserver.run([sys.executable, str(script), str(archive), str(tmp_path)],
+                              stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+                              timeout=200, check=False)  # fmt: skip
+    assert proc.returncode == 0, (tmp_path / "log.txt").read_text()[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(3)]
+    g = open_geometries(archive, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (0.34, 0.33, 0.33))
+    for split, kind in (("val", "val"), ("test", "test"), ("test", "predict")):
+        samples = manifest.samples(split).tolist()
+        want = [s for s in samples if s + 1 in set(samples)]  # y = x + 1 in the split
+        got = [i for r in ranks for b in r[kind] for i in b]
+        assert got == want, (kind, [r[kind] for r in ranks])
+    assert [len(r["val"]) for r in ranks] == [2, 1, 1]  # 3, 2, 2 anchors in batches of 2
