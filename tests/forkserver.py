@@ -15,8 +15,9 @@ joins, the exit code of ``sys.exit`` or of an uncaught exception), exactly as
 What a forked process shares with a fresh interpreter: a new pid, nothing of the test
 process's state (the server forks from its own clean state, never from the test process), its
 own stdin/stdout/stderr (pipes or files, as asked), environment, working directory (the test
-process's, where none is asked) and ``sys.argv``. What it does not: the modules the server imported are already imported, and
-``PYTHONHASHSEED`` and the other ``PYTHON*`` start-up variables are the server's. So
+process's, where none is asked) and ``sys.argv``. What it does not: the modules the server
+imported are already imported, and ``PYTHONHASHSEED`` and the other ``PYTHON*`` start-up
+variables are the server's. So
 :func:`popen` and :func:`run` fall back to a real interpreter (``subprocess``) whenever a
 request changes a ``PYTHON*`` variable other than ``PYTHONPATH``/``PYTHONUNBUFFERED``, uses an
 interpreter option other than ``-c``/``-m``/``-u``, or runs another executable; and a test
