@@ -213,9 +213,10 @@ class _Server:
         finally:
             if self.proc is not None:
                 # the server exits when its last client has gone: other workers of the run may
-                # still use it, so it is waited for, never killed (an orphan is reaped by init)
+                # still use it, so it is waited for (its CPU counted with this process's
+                # children), never killed; past 30 s it is left to exit alone
                 with contextlib.suppress(subprocess.TimeoutExpired):
-                    self.proc.wait(timeout=5)
+                    self.proc.wait(timeout=30)
                 self._log.close()
 
 
