@@ -23,6 +23,10 @@ Found and fixed:
 * a forked child that lived on (a helper process, a worker pool) kept the parent's cache lock
   held after the parent closed its pipeline: every other process was refused the directory
   until the child exited. The same fix: the child holds no copy of it;
+* a child forked while a thread of the parent appended to a cache log (a chunk committed: a
+  window of microseconds) hung at its own pipeline's first commit to a ``cache_dir`` of its
+  own: the lock serialising appends came over held. It is made anew in the child
+  (``_atomic.py``);
 * an exception a batch transform raised reached the consumer as it was — ``ValueError: boom``
   — naming neither the transform, nor the batch and epoch, nor what to do (a chunk
   transform's is a ``ChunkTransformError`` saying all of that). It now carries a note (the
@@ -269,6 +273,26 @@ def test_a_forked_child_that_lives_on_does_not_keep_the_parents_cache_lock(
         os.write(write_end, b"x")
         os.close(write_end)
         os.waitpid(pid, 0)
+
+
+def test_a_child_forked_while_a_thread_appends_to_a_cache_log_writes_its_own_cache(
+    era5: dict[str, Any], tmp_path: Path
+) -> None:
+    # before: the lock serialising this process's log appends was copied held (a decode thread
+    # of the parent was committing a chunk at the fork: a window of microseconds, held open
+    # here), and the child's own persistent cache waited for it forever at its first commit
+    from insitubatch_nodes import _atomic
+
+    with _atomic._APPEND_LOCK:  # as a parent's thread holds it, mid-append
+
+        def child_caches() -> int:
+            pipe = _pipe(era5, cache_dir=tmp_path / "child", persist=True)
+            n = sum(_exact(era5, batch) for batch in pipe)
+            return n + pipe.stats()["disk_writes"]
+
+        said = _in_child(child_caches, timeout=10.0)
+    n = len(era5["manifest"].splits["train"])
+    assert said == f"ok {len(_pipe(era5)) + n}", said
 
 
 # ---------------------------------------------------------------------------------------------
