@@ -44,8 +44,8 @@ Tried and found right (each a test below):
   collections dropped pipelines wait for Python's own (``_runtime.COLLECT_DROPPED_ABOVE``, as
   documented): 100 such builds peaked at 12 parked prefetch threads and +190 MiB;
 * a chunk or batch transform that raises mid-epoch: ``next()`` again delivers that batch and
-  the rest, each once; a state taken before resumes the same epoch in a new pipeline, bit for
-  bit;
+  the rest, each once; the last state restored into a new pipeline or the failed one resumes
+  the epoch, and the epoch's first state re-runs it whole, each batch the same;
 * a consumer that raises while holding batches (a simulated Ctrl-C), at the epoch's start,
   middle, end and in the next epoch, through ``Loader`` and on the pipeline itself: the last
   state restored into the same pipeline gives the rest of a three-epoch run exactly once, and
@@ -347,11 +347,12 @@ def test_a_chunk_transform_raising_mid_epoch_is_retried_by_next_or_resumed_from_
         return chunk
 
     want = [_key(b) for b in _pipe(era5, seed=4, block_chunks=2)]
-    for how in ("next", "state"):
+    for how in ("next", "state", "same", "rerun"):
         calls["n"] = 0
         pipe = _pipe(era5, seed=4, block_chunks=2, chunk_transforms=[flaky])
         loader = Loader(pipe)
         got, state, raised = [], loader.state_dict(), None
+        start = state
         try:
             for batch in loader:
                 assert _exact(era5, batch)
@@ -363,10 +364,15 @@ def test_a_chunk_transform_raising_mid_epoch_is_retried_by_next_or_resumed_from_
         if how == "next":
             while (batch := next(pipe, None)) is not None:
                 got.append(_key(batch))
-        else:
+        elif how == "state":  # into a new pipeline
             fresh = Loader(_pipe(era5, seed=4, block_chunks=2, chunk_transforms=[flaky]))
             fresh.load_state_dict(state)
             got += [_key(b) for b in fresh if _exact(era5, b)]
+        else:  # into the failed one: from the last state, or the epoch again from its start
+            if how == "rerun":
+                state, got = start, []
+            loader.load_state_dict(state)
+            got += [_key(b) for b in loader if _exact(era5, b)]
         pipe.close()
         assert got == want, how
 
