@@ -27,6 +27,11 @@ Found and fixed:
   window of microseconds) hung at its own pipeline's first commit to a ``cache_dir`` of its
   own: the lock serialising appends came over held. It is made anew in the child
   (``_atomic.py``);
+* a sweep giving each trial its own ``cache_dir`` kept, for every directory ever written, a
+  writer lock (a mutex, an event, its path) in this process's table of writer locks: 30
+  trials, 30 locks for the rest of the process. A build now drops those let go of
+  (``cache/lock.py``). (Left: the memo of each directory's rank folders,
+  ``cache.files.RANK_DIRS``, one small entry per directory);
 * an exception a batch transform raised reached the consumer as it was — ``ValueError: boom``
   — naming neither the transform, nor the batch and epoch, nor what to do (a chunk
   transform's is a ``ChunkTransformError`` saying all of that). It now carries a note (the
@@ -293,6 +298,26 @@ def test_a_child_forked_while_a_thread_appends_to_a_cache_log_writes_its_own_cac
         said = _in_child(child_caches, timeout=10.0)
     n = len(era5["manifest"].splits["train"])
     assert said == f"ok {len(_pipe(era5)) + n}", said
+
+
+def test_a_sweep_over_cache_dirs_leaves_no_lock_behind_for_each_directory(
+    era5: dict[str, Any], tmp_path: Path
+) -> None:
+    # before: this process's table of writer locks kept one lock (a mutex, an event, its path)
+    # for every cache_dir ever written, closed or collected: 30 trials, 30 locks for good
+    from insitubatch_nodes.cache import lock
+
+    for trial in range(30):
+        pipe = _pipe(era5, cache_dir=tmp_path / f"trial-{trial}", persist=True, seed=trial)
+        assert _exact(era5, next(pipe))
+        if trial % 2:
+            pipe.close()
+        del pipe
+    gc.collect()
+    last = _pipe(era5, cache_dir=tmp_path / "last", persist=True)  # (a build prunes them)
+    assert len(lock._WRITERS) <= 2 and len(lock._LOCKS) <= 2, len(lock._WRITERS)
+    assert len(lock._SHARED) <= 2, len(lock._SHARED)
+    last.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -341,6 +341,8 @@ def _take(directory: Path, key: str, shared: bool) -> DirLock:
         lock = _WRITERS.get(key)
         if lock is not None and lock._join():
             return lock
+        for other in [k for k, held in _WRITERS.items() if not held.held]:
+            del _WRITERS[other]  # a directory let go of (a sweep makes one per trial)
         lock = _WRITERS[key] = DirLock(directory, shared=False)
         return lock
 
