@@ -51,8 +51,10 @@ Tried and found right (each a test below):
   documented): up to 12 parked prefetch threads and 445 MiB RSS against 251, and after a
   final collection threads and descriptors back, 66 MiB still resident;
 * a chunk or batch transform that raises mid-epoch: ``next()`` again delivers that batch and
-  the rest, each once; the last state restored into a new pipeline or the failed one resumes
-  the epoch, and the epoch's first state re-runs it whole, each batch the same;
+  the rest, each once; a state taken on the error resumes from the failed batch; the last
+  state restored into a new pipeline or the failed one resumes the epoch, and the epoch's
+  first state re-runs it whole, each batch the same (by script also: a state saved on the
+  error, at 5 points of two epochs, through ``Loader`` and not, chunk and batch transforms);
 * a consumer that raises while holding batches (a simulated Ctrl-C), at the epoch's start,
   middle, end and in the next epoch, through ``Loader`` and on the pipeline itself: the last
   state restored into the same pipeline gives the rest of a three-epoch run exactly once, and
@@ -349,7 +351,7 @@ def test_a_batch_transform_raising_mid_epoch_is_named_with_its_batch_and_next_re
 
     want = [_key(b) for b in _pipe(era5, seed=2)]
     pipe = _pipe(era5, seed=2, batch_transforms=[flaky])
-    got, errors = [], []
+    got, errors, saved = [], [], []
     while True:
         try:
             batch = next(pipe)
@@ -357,11 +359,16 @@ def test_a_batch_transform_raising_mid_epoch_is_named_with_its_batch_and_next_re
             break
         except ValueError as exc:
             errors.append(exc)
+            saved.append(pipe.state_dict())  # a checkpoint saved on the error
             continue
         assert _exact(era5, batch)
         got.append(_key(batch))
     pipe.close()
     assert got == want  # the failed batch was delivered by the next next(), once
+    resumed = _pipe(era5, seed=2)
+    resumed.reset(saved[0])
+    assert [_key(b) for b in resumed] == want[3:]  # from the failed batch on
+    resumed.close()
     (err,) = errors
     assert str(err) == "flaky"  # the exception itself, its type and message kept
     note = " ".join(getattr(err, "__notes__", []))
