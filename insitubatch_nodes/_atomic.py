@@ -16,6 +16,17 @@ from typing import TextIO
 _APPEND_LOCK = threading.Lock()  # threads (and pipelines) of one process append to one file
 
 
+def _after_fork_in_child() -> None:
+    # a thread of the parent appending at the fork held the lock; it does not exist here, and
+    # every append of the child would wait for it forever (its own pipeline's cache log)
+    global _APPEND_LOCK
+    _APPEND_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def close_with(owner: object, fd: int) -> weakref.finalize[[int], object]:
     """Close ``fd`` once: when the returned finalizer is called (the owner's ``close()``) or when
     ``owner`` is garbage-collected, whichever comes first. A plain descriptor of an object that

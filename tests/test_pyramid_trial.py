@@ -35,22 +35,14 @@ Found (fixed):
   ``read_images(...).describe()`` called the images a plate of "0 rows x 0 columns, 0 wells,
   3 fields": it now names them as multiscale images.
 
-Found, not fixed (``xfail``): such a mix does not resume exactly from a state taken after one
-pipeline delivered its epoch's last batch, before the sampler asked it again: the pipeline,
-restored, starts its next epoch at once (``ReadPlanNode._resolve`` rolls an end-of-epoch state
-into the next epoch) where the run that saved the state would have raised ``StopIteration``
-and the sampler would have marked it exhausted. The resumed mixed epoch held 3 more batches
-(another epoch of the two 40 x 48 slides). Tried: ``PrefetcherNode.reset`` setting ``_ended``
-when the plan resumed past the saved epoch (the node owes that ``StopIteration``; torchdata's
-``Loader`` then restarts the next epoch itself, its ``has_next``), with the package's
-``Loader`` forgetting the state ``has_next`` took before it (``_OneLoop.reset``; torchdata
-0.11 keeps it: upstream meta-pytorch/data #1552, open). The mix then resumed exactly, and with
-``resume_helpers`` on the package's ``Loader`` test_resume, test_iteration, test_compose_trial,
-test_stateful_dataloader, test_elastic and test_lightning_stop passed (100 tests). But through
-torchdata's own ``Loader`` (29 test files use it) a state restored at an epoch's end, saved
-again after the next batch, restored to batch (1, 0) once more instead of (1, 1) (main: (1, 1)):
-the fix trades one wrong resume for another unless every consumer uses the package's
-``Loader``, a decision beyond a trial.
+- Such a mix did not resume exactly from a state taken after one pipeline delivered its epoch's
+  last batch, before the sampler asked it again: the pipeline, restored, started its next epoch
+  at once (``ReadPlanNode._resolve`` rolls an end-of-epoch state into the next epoch) where the
+  run that saved the state would have raised ``StopIteration`` and the sampler would have
+  marked it exhausted. The resumed mixed epoch held 3 more batches (another epoch of the two
+  40 x 48 slides). Fixed by the package's ``Loader`` marking the sampler's unexhausted sources
+  in a copy of the state (tests/test_mixresume_trial.py says how, and what torchdata's own
+  ``Loader`` still does).
 
 Tried and found right (by hand, against zarr and numpy; the last one kept as a test):
 
@@ -296,12 +288,6 @@ def test_slides_of_other_sizes_are_refused_saying_to_mix_a_pipeline_per_size(
         open_images(scans, level=1, labels=["cells"], sample_axis=())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not fixed: a pipeline restored from a state taken after its epoch's last batch "
-    "starts its next epoch at once instead of owing that epoch's StopIteration; see the "
-    "module docstring",
-)
 def test_pipelines_of_slides_of_two_sizes_mixed_by_torchdata_resume_exactly(scans: Path) -> None:
     # a state taken after the last batch of one pipeline's epoch (the sampler not yet told it
     # was exhausted) restores that pipeline into its next epoch at once: the resumed mixed

@@ -6,10 +6,17 @@ processes lock different files. A network file system (where ``flock`` may be lo
 client) or a platform without ``flock`` warns that writers there are not arbitrated. Pipelines
 of one process share a directory (one lock, joined), and must keep each array alike there
 (:func:`share_arrays`).
+
+A forked child inherits the parent's lock descriptors, and with them the parent's ``flock``
+(one lock per open file, shared by both): the child closes its copies at once and forgets
+the parent's locks and shared arrays, so it takes a directory only with a lock of its own —
+refused while the parent holds it — and never keeps the parent's lock alive after the parent
+lets go.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import gc
 import json
@@ -171,6 +178,7 @@ class DirLock:
                     os.close(fd)
                     raise
         self._fd: int | None = fd
+        _LOCKS.add(self)
 
     def _busy_message(self, fd: int) -> str:
         want = "read" if self.shared else "write"
@@ -253,7 +261,7 @@ class DirLock:
             if self._holders > 0:
                 return
             self._closing = True
-            if self._live == 0:
+            if self._live == 0 or self._fd is None:  # (a parent's lock, in a forked child)
                 self._drop()
             else:  # this process still holds the lock, for its mappings: a later take waits
                 with _PENDING_LOCK:
@@ -285,6 +293,7 @@ class DirLock:
                     del _PENDING[self._key]
 
 
+_LOCKS: weakref.WeakSet[DirLock] = weakref.WeakSet()  # every lock made in this process
 WARNED_UNCHECKED: set[tuple[str, str]] = set()  # (cache_dir, store) warned about, once each
 _WRITERS: dict[str, DirLock] = {}  # lock file -> the exclusive lock this process holds on it
 _WRITERS_LOCK = threading.Lock()
@@ -332,6 +341,8 @@ def _take(directory: Path, key: str, shared: bool) -> DirLock:
         lock = _WRITERS.get(key)
         if lock is not None and lock._join():
             return lock
+        for other in [k for k, held in _WRITERS.items() if not held.held]:
+            del _WRITERS[other]  # a directory let go of (a sweep makes one per trial)
         lock = _WRITERS[key] = DirLock(directory, shared=False)
         return lock
 
@@ -469,3 +480,31 @@ def unshare_arrays(directory: Path, owner: object) -> None:
         live = [k for k in _SHARED.pop(key, ()) if k.owner() not in (None, owner)]
         if live:
             _SHARED[key] = live
+
+
+def _after_fork_in_child() -> None:
+    """In a forked child: close the inherited copies of the parent's lock descriptors and
+    forget the parent's locks, pending releases and shared arrays. Before, a child sharing the
+    parent's ``flock`` joined the parent's writer lock — a second writer on the directory,
+    whose opening swept the parent's chunk files still being written (their commits then
+    failed: 9 of 26 chunks kept) — and a child that lived on kept the lock held after the
+    parent closed its pipeline, refusing every other writer."""
+    global _WRITERS_LOCK, _PENDING_LOCK, _SHARED_LOCK
+    _WRITERS_LOCK, _PENDING_LOCK, _SHARED_LOCK = (
+        threading.Lock(),
+        threading.RLock(),
+        threading.Lock(),
+    )
+    for lock in list(_LOCKS):
+        lock._mutex = threading.Lock()  # (another thread of the parent may have held it)
+        fd, lock._fd = lock._fd, None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the parent's flock stays: its own descriptor holds it
+    _WRITERS.clear()
+    _PENDING.clear()
+    _SHARED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

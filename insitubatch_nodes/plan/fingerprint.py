@@ -9,7 +9,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ __all__ = [
     "other_views_error",
     "readable_views",
     "saved_patches",
+    "saved_views",
     "stratifying_tiles",
     "views_list",
 ]
@@ -255,6 +256,40 @@ def saved_patches(entry: Sequence[Any], view: ArrayGeometry) -> Patches | None:
         order=order,
         within=None if within is None else tuple(tuple(b) for b in within),
     )
+
+
+def saved_views(
+    saved: Mapping[str, Any],
+    dataset: str,
+    known: Mapping[str, dict[str, ArrayGeometry]],
+    manifest: SplitManifest,
+    views: Mapping[str, ArrayGeometry],
+) -> dict[str, ArrayGeometry] | None:
+    """The plan's views a state's ``config`` (``saved``) was saved with, when its dataset
+    fingerprint differs from ``dataset`` (the plan's, over ``views``) only by them: ``known``
+    (fingerprint -> views the plan had or was given), else rebuilt from the saved views of the
+    same arrays; ``None`` otherwise (the same views, or the manifest or arrays differ too)."""
+    theirs_hash = str(saved.get("dataset"))
+    if theirs_hash == dataset:
+        return None
+    if theirs_hash in known:
+        return known[theirs_hash]
+    theirs = saved.get("views")
+    if not isinstance(theirs, list) or theirs_hash != dataset_hash(manifest, theirs):
+        return None  # the manifest or the arrays differ too: not a change of views
+    by_path = {g.path: g for g in views.values()}
+    out: dict[str, ArrayGeometry] = {}
+    for entry in theirs:
+        try:
+            label, path, offset = str(entry[0]), str(entry[1]), int(entry[2])
+        except (TypeError, ValueError, IndexError):
+            return None
+        if path not in by_path:
+            return None
+        out[label] = by_path[path].base.shift(offset)
+        if patch := saved_patches(entry, by_path[path]):
+            out[label] = replace(out[label], patch=patch)
+    return out
 
 
 def other_views_error(

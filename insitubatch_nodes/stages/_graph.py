@@ -11,11 +11,27 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["SOURCE_KEY", "plan_state", "source_start_state", "source_state"]
+__all__ = [
+    "SOURCE_KEY",
+    "STOP_OWED",
+    "owe_stops",
+    "plan_state",
+    "source_start_state",
+    "source_state",
+]
 
 SOURCE_KEY = "source"
 """Every stage above the read plan nests its source's state under this key (checkpoints carry
 it: renaming it breaks every saved state)."""
+
+
+STOP_OWED = "stop_owed"
+"""Set (``True``) in a read plan's state by :func:`owe_stops`, never saved: restored at its
+epoch's end, the plan owes its consumer that epoch's ``StopIteration`` (see ``ReadPlanNode``)."""
+
+# torchdata's MultiNodeWeightedSampler keeps its sources' states and which of them it found
+# exhausted under these keys (its class attributes, spelled here: read from states, not nodes)
+_SAMPLER_STATES, _SAMPLER_EXHAUSTED = "dataset_node_states", "datasets_exhausted"
 
 
 def source_state(initial_state: Mapping[str, Any] | None) -> Any:
@@ -58,3 +74,47 @@ def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
                 return node
             stack.extend(reversed(list(node.values())))
     raise ValueError("not an insitubatch_nodes pipeline state (no read-plan state inside)")
+
+
+def owe_stops(state: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``state`` (a ``Loader``'s) with :data:`STOP_OWED` set in the plan state of every source
+    of a torchdata ``MultiNodeWeightedSampler`` that the sampler had not found exhausted: such
+    a source, saved after its epoch's last batch, had not yet raised that epoch's
+    ``StopIteration``, and the sampler asks it for one more item (marking it exhausted on the
+    ``StopIteration``) - a source restored into its next epoch at once would hand it that
+    epoch's first batch instead. Only a source whose state holds one plan (a pipeline, under
+    any nodes of its own) is marked. ``state`` itself is never changed: where it holds a
+    sampler's state a copy is returned (torchdata 0.11's sampler also keeps the dict of
+    exhausted sources it is restored from, and changes it as it goes), else ``state``."""
+    found = False
+
+    def walk(node: Any) -> Any:
+        nonlocal found
+        if not isinstance(node, Mapping):
+            return node
+        out = {k: walk(v) for k, v in node.items()}
+        sources, exhausted = out.get(_SAMPLER_STATES), node.get(_SAMPLER_EXHAUSTED)
+        if isinstance(sources, Mapping) and isinstance(exhausted, Mapping):
+            found = True
+            for key, source in sources.items():
+                plans = _plan_states(source)
+                if exhausted.get(key) is False and len(plans) == 1:
+                    plans[0][STOP_OWED] = True
+        return out
+
+    copied = walk(state)
+    return copied if found else state
+
+
+def _plan_states(state: Any) -> list[dict[str, Any]]:
+    """Every read plan's state inside ``state`` (see :func:`plan_state`)."""
+    found: list[dict[str, Any]] = []
+    stack: list[Any] = [state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            if "config" in node and "batches_emitted" in node:
+                found.append(node)
+            else:
+                stack.extend(node.values())
+    return found

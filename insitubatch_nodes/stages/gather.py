@@ -28,7 +28,7 @@ from torchdata.nodes import BaseNode
 from insitubatch_nodes import _runtime
 from insitubatch_nodes._checks import check_batch_transforms
 from insitubatch_nodes.batch import Batch, BatchTransform
-from insitubatch_nodes.errors import PipelineInterrupted
+from insitubatch_nodes.errors import InSituError, PipelineInterrupted
 from insitubatch_nodes.forcing_grid import refuse_forcings_elsewhere
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -223,6 +223,19 @@ def take_rows(slot: np.ndarray, rows: np.ndarray, out: np.ndarray) -> None:
         np.take(memory, index, axis=0, out=out.reshape(len(rows) * levels, -1), mode="clip")
     else:
         np.take(slot, rows, axis=0, out=out, mode="clip")
+
+
+def _note_batch_transform(exc: Exception, transform: Any, index: int, epoch: int) -> None:
+    """Say on ``exc`` (a note: its type, message and traceback stay the user's) which batch
+    transform raised it, on which batch, and what to do. The package's own errors (a
+    ``Forcings`` interrupted by a close, ...) carry their own messages."""
+    if isinstance(exc, InSituError):
+        return
+    exc.add_note(
+        f"raised by batch transform {transform_name(transform)} on batch {index} of epoch "
+        f"{epoch}: the batches before it were delivered; next() tries this batch again, and "
+        "a state_dict() taken before it resumes from there"
+    )
 
 
 class GatherNode(BaseNode[Batch]):
@@ -459,7 +472,11 @@ class GatherNode(BaseNode[Batch]):
             },
         )
         for transform in self.batch_transforms:
-            batch = transform(batch)
+            try:
+                batch = transform(batch)
+            except Exception as exc:
+                _note_batch_transform(exc, transform, plan.index, plan.epoch)
+                raise
             if not isinstance(batch, Batch):
                 raise TypeError(
                     f"batch transform {transform_name(transform)} returned "

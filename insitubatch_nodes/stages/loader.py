@@ -9,7 +9,16 @@ exactly that and adds ``__len__`` (the root's batches per epoch), which is what 
 to resume mid-epoch without skipping a batch. It also refuses a second loop over one root at
 once: torchdata lets two ``Loader`` s over one pipeline share its stream (each got every other
 batch); here the older loop's next batch raises ``RuntimeError`` (:data:`OVERTAKEN`).
-Everything else is torchdata's.
+And it restores pipelines mixed by torchdata's ``MultiNodeWeightedSampler`` exactly: a state
+holding a sampler's is handed on as a copy (torchdata 0.11's sampler changes the dict of
+exhausted sources it was restored from) in which each source the sampler had not found
+exhausted is marked (:func:`~insitubatch_nodes.stages._graph.owe_stops`): a pipeline saved
+after its epoch's last batch then raises that epoch's ``StopIteration`` when the sampler asks
+it next, as the run that saved the state would have, instead of starting its next epoch at
+once (what a pipeline restored at an epoch's end does for every other consumer). torchdata's
+own ``Loader`` over such a mix resumes it with another epoch of that pipeline. Its iterator
+forgets, on each ``reset``, the state its look-ahead took (torchdata 0.11 went on reporting a
+state taken before a restart: upstream PR #1552). Everything else is torchdata's.
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ from torchdata.nodes import Loader as _TorchdataLoader
 from torchdata.nodes.loader import LoaderIterator
 
 from insitubatch_nodes._checks import check_bool
+from insitubatch_nodes.stages._graph import owe_stops
 from insitubatch_nodes.stages.prefetch import PrefetcherNode, not_a_map_dataset
 
 __all__ = ["OVERTAKEN", "Loader"]
@@ -84,8 +94,9 @@ class Loader(_TorchdataLoader[T]):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict`` at the next ``iter()`` (a state asked for earlier with
-        :meth:`state_dict` no longer hides it)."""
-        super().load_state_dict(state_dict)
+        :meth:`state_dict` no longer hides it); ``state_dict`` itself is not changed, a
+        sampler's sources are marked in a copy (see the module doc)."""
+        super().load_state_dict(owe_stops(state_dict))
         self._iter_for_state_dict = False
 
     def __len__(self) -> int:
@@ -109,7 +120,14 @@ class Loader(_TorchdataLoader[T]):
 
 
 class _OneLoop(LoaderIterator[T]):
-    """torchdata's loader iterator, refusing a batch once another loader runs its root."""
+    """torchdata's loader iterator, refusing a batch once another loader runs its root, and
+    forgetting on ``reset`` the state its look-ahead took (torchdata 0.11 keeps it after a
+    look-ahead that found the epoch's end, and reports it from then on: upstream
+    meta-pytorch/data PR #1552, unreleased)."""
+
+    def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        super().reset(initial_state)
+        self._cached_state_dict = None
 
     def next(self) -> T:
         running = _RUNNING.get(self.root)

@@ -254,7 +254,9 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 self.source.reset(source_state(initial_state))
             self._delivered = self.source.state_dict()
             self._source_at_delivered = True
-            self._ended = False
+            # restored at an epoch's end by a consumer not yet told it was over (a sampler's
+            # source, see ReadPlanNode): that epoch's StopIteration first, no producer started
+            self._ended = self.context.plan.owes_stop
 
     def _unbegun(self) -> dict[str, Any] | None:
         """The delivered position when it is the start of an epoch the producer has run into

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 from types import MappingProxyType
 from typing import Any
 
@@ -43,7 +42,7 @@ from insitubatch_nodes.plan.fingerprint import (
     inputs_of,
     other_order,
     other_views_error,
-    saved_patches,
+    saved_views,
     stratifying_tiles,
     views_list,
 )
@@ -57,7 +56,7 @@ from insitubatch_nodes.plan.schedule import (
     working_set_bytes,
 )
 from insitubatch_nodes.plan.splits import SplitManifest
-from insitubatch_nodes.stages._graph import plan_state
+from insitubatch_nodes.stages._graph import STOP_OWED, plan_state
 
 __all__ = ["ReadPlanNode"]
 
@@ -134,7 +133,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     O(1) plain Python — the epoch, the batches emitted, and the configuration the plan is a
     function of (computed once, at construction: the configuration is fixed, and assigning to
     it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
-    state taken after the last batch of an epoch resumes at the start of the next epoch.
+    state taken after the last batch of an epoch resumes at the start of the next epoch —
+    except one marked ``"stop_owed"`` (``Loader`` marks a mixing sampler's unexhausted sources):
+    it raises that epoch's ``StopIteration`` first, its state meanwhile the one restored.
     Restoring a state whose configuration differs raises ``ValueError`` naming the field —
     except the world size, and the batching (:data:`ORDER_KEYS`) of a state taken where an
     epoch begins or ends: the next epoch is batched by this node's.
@@ -210,6 +211,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._dealing: str | None = None  # the current epoch's, when not the views' (legacy)
         self._epoch_len: int | None = None
         self._plan: EpochPlan | None = None
+        self._owed: dict[str, Any] | None = None  # the state it owes a StopIteration at
         # plans drawn lately (pure: the build, the first reset and len() share one draw)
         self._drawn: dict[tuple[Any, ...], EpochPlan] = {}
         # the plan's views by dataset fingerprint: those it had, and set_views gave
@@ -522,6 +524,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         super().reset(initial_state)
         if initial_state is None or not self._resumes_mid_epoch(initial_state):
             self._apply_pending()  # views given by set_views start here
+        self._owed = None
         if initial_state is not None:
             self.check_state(initial_state)
             epoch, emitted, resumed, dealing = self._resolve(initial_state)
@@ -529,6 +532,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             self._dealing = dealing
             self._plan = self._scheduled(epoch, resumed, dealing)
             self.pinned_epoch = None
+            if initial_state.get(STOP_OWED) is True and epoch > int(initial_state["epoch"]):
+                # its epoch is over and its consumer not yet told: the StopIteration first
+                self._owed = {k: v for k, v in initial_state.items() if k != STOP_OWED}
             return
         if self.pinned_epoch is not None:
             self._epoch, self.pinned_epoch = self.pinned_epoch, None
@@ -572,10 +578,19 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 epoch, emitted, resumed = epoch + 1, 0, ()
         return epoch, emitted, resumed, dealing if (resumed or emitted) else None
 
+    @property
+    def owes_stop(self) -> bool:
+        """Whether this node, restored at its epoch's end by a consumer that had not yet been
+        told that epoch was over (a sampler mixing pipelines), raises ``StopIteration`` before
+        its next epoch (see the class docstring)."""
+        return self._owed is not None
+
     def next(self) -> BatchPlan:
         if self._plan is None:
             self.reset(None)
         assert self._plan is not None
+        if self._owed is not None:
+            raise StopIteration
         if self._emitted >= self._plan.n_batches:
             raise StopIteration
         batch = self._plan.batch(self._emitted)
@@ -587,6 +602,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return {"epoch": int(epoch), "batches_emitted": 0, "config": self.config()}
 
     def get_state(self) -> dict[str, Any]:
+        if self._owed is not None:  # where it was restored, until the StopIteration is taken
+            return copy.deepcopy(self._owed)
         config = self.config()
         if self._dealing is not None:  # an epoch resumed from a legacy state goes on as one
             config.pop("deal", None)
@@ -610,27 +627,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def _other_views(self, saved: Mapping[str, Any]) -> dict[str, ArrayGeometry] | None:
         """The plan's views a state's ``config`` was saved with, when they differ from this
         node's and all else the dataset fingerprint covers is the same (``None`` otherwise)."""
-        dataset = saved.get("dataset")
-        if dataset == self._config["dataset"]:
-            return None
-        if dataset in self._known:  # views this node had, or was given
-            return self._known[dataset]
-        theirs = saved.get("views")
-        if not isinstance(theirs, list) or dataset != dataset_hash(self.manifest, theirs):
-            return None  # the manifest or the arrays differ too: not a change of views
-        by_path = {g.path: g for g in self.views.values()}
-        out: dict[str, ArrayGeometry] = {}
-        for entry in theirs:
-            try:
-                label, path, offset = str(entry[0]), str(entry[1]), int(entry[2])
-            except (TypeError, ValueError, IndexError):
-                return None
-            if path not in by_path:
-                return None
-            out[label] = by_path[path].base.shift(offset)
-            if patch := saved_patches(entry, by_path[path]):
-                out[label] = replace(out[label], patch=patch)
-        return out
+        return saved_views(saved, self._config["dataset"], self._known, self.manifest, self.views)
 
     def _saved_len(self, state: Mapping[str, Any], resumed: Sequence[Stage], world: int) -> int:
         """Batches of the state's epoch under the views it was saved with (rank 0 of its
