@@ -503,7 +503,10 @@ class InSituDataModule(pl.LightningDataModule):
         if checked is None and (self.missing is not None or self.missing_objects == "drop"):
             self._checked_manifest = pipe.stages.plan.manifest
         trainer = self.trainer
-        epoch_fn = (lambda: self._train_epoch(trainer)) if (trainer and split == "train") else None
+        # evaluation draws its epoch 0 every run: the same windows of random patches each time
+        epoch_fn = _first_epoch if split != "train" else None
+        if split == "train" and trainer:
+            epoch_fn = lambda: self._train_epoch(trainer)  # noqa: E731
         dataset = as_dataset(pipe, transform=self.transform, epoch_fn=epoch_fn)
         dataset.without_state = _without_state(type(self).__qualname__)
         self._loaders[split] = dataset
@@ -638,6 +641,12 @@ class InSituDataModule(pl.LightningDataModule):
     def teardown(self, stage: str | None = None) -> None:
         for dataset in self._loaders.values():
             dataset.close()
+
+
+def _first_epoch() -> int:
+    """The epoch an evaluation pipeline draws every run (random patch origins are a function
+    of it, so each validation run evaluates the same windows)."""
+    return 0
 
 
 def _without_state(key: str) -> str:

@@ -129,16 +129,21 @@ def test_both_dealings_give_the_first_ranks_one_sample_more_whole_chunks_first()
                 continue
             draw = np.random.default_rng(trial) if trial % 2 else None
             axis = rng.permutation(len(counts))
-            for pieces in (
-                deal(counts, world, remainder="uneven"),
-                deal_runs(counts, axis, world, remainder="uneven", rng=draw),
+            for runs, pieces in enumerate(
+                (
+                    deal(counts, world, remainder="uneven"),
+                    deal_runs(counts, axis, world, remainder="uneven", rng=draw),
+                )
             ):
                 seen = []
                 for rank, (group, lo, n) in enumerate(pieces):
                     assert int(n.sum()) == total // world + (rank < total % world)
                     partial = (n < counts[group]).tolist()
-                    first = partial.index(True) if True in partial else len(partial)
-                    assert all(partial[first:]) and len(partial) - first <= 2
+                    if runs and draw is None and np.all(np.diff(axis[group]) > 0):
+                        assert not any(partial[1:-1])  # unshuffled: the run in axis order
+                    else:
+                        first = partial.index(True) if True in partial else len(partial)
+                        assert all(partial[first:]) and len(partial) - first <= 2
                     seen.extend((int(g), j) for g, a, k in zip(group, lo, n, strict=True)
                                 for j in range(a, a + k))  # fmt: skip
                 assert sorted(seen) == [(g, j) for g in range(len(counts))

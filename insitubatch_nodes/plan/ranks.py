@@ -187,8 +187,11 @@ def deal_runs(
 
     Returns, for each rank, ``(group, lo, count)`` as :func:`deal` does: the rank's pieces, its
     whole groups in visiting order, then its (at most two) partial pieces in axis order, then
-    its padded sample (a piece of its own). Runs do not share a sample, so two ranks read a
-    group in common only where a cut falls inside it, or a window reaches across a cut. Pure.
+    its padded sample (a piece of its own) — except unshuffled (``rng=None`` with the groups
+    visited in axis order), where the run's pieces are in axis order, its first partial piece
+    first, so that each rank sweeps its share in store order. Runs do not share a sample, so
+    two ranks read a group in common only where a cut falls inside it, or a window reaches
+    across a cut. Pure.
     """
     counts = np.asarray(counts, dtype=np.int64)
     w = int(world_size)
@@ -225,7 +228,12 @@ def deal_runs(
             whole = (hi - lo) == counts[by_axis[sel]]
             w_idx = np.flatnonzero(whole)
             w_idx = w_idx[np.argsort(by_axis[sel[w_idx]], kind="stable")]  # visiting order
-            keep = np.concatenate([w_idx, np.flatnonzero(~whole)])
+            if rng is None and np.all(np.diff(by_axis[sel]) > 0):
+                # unshuffled (groups visited in axis order): the run in axis order, so an
+                # evaluation sweeps each rank's share in store order (its first piece first)
+                keep = np.arange(len(sel))
+            else:
+                keep = np.concatenate([w_idx, np.flatnonzero(~whole)])
             groups.append(by_axis[sel[keep]])
             los.append(lo[keep])
             cnts.append((hi - lo)[keep])

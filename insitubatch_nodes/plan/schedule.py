@@ -300,7 +300,8 @@ def schedule_floors(
 
     **Tails.** With several ranks a rank's ledger (:func:`deal`, or :func:`deal_runs` for
     windows: the same shape) is whole chunks — no two the same — then at most two partial
-    pieces of tail chunks (of its run's two ends): at most ``len(split chunks)``
+    pieces of tail chunks (of its run's two ends; unshuffled runs put the first of them
+    first, which moves no block later than these bounds allow): at most ``len(split chunks)``
     distinct positions, falling short of ``q`` rows by at most the single-rank total, plus at
     most ``q`` for the first partial piece (which only the last block can follow). So the
     layout below is computed with ``q`` more slack, and a full block that is not the last holds

@@ -56,10 +56,9 @@ from insitubatch_nodes.plan.schedule import (
     working_set_bytes,
 )
 from insitubatch_nodes.plan.splits import SplitManifest
-from insitubatch_nodes.stages._graph import STOP_OWED
+from insitubatch_nodes.stages._graph import STOP_OWED, plan_state
 
 __all__ = ["ReadPlanNode"]
-
 
 _DRAWN_KEPT = 3  # epoch plans a ReadPlanNode keeps (the current one, the next, len()'s)
 
@@ -483,14 +482,14 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         return self._epoch_len
 
     def resumed_epoch(self, state: Mapping[str, Any]) -> int:
-        """The epoch ``reset(state)`` continues (the next one for a state taken at an end)."""
-        node = self._as_reset(state)
+        """The epoch ``reset(state)`` (or a ``Loader``'s state) continues: the next at an end."""
+        node = self._as_reset(state := plan_state(state))
         node.check_state(state)
         return node._resolve(state)[0]
 
     def resumed_len(self, state: Mapping[str, Any]) -> int:
-        """The length :meth:`__len__` reports once ``reset(state)`` has run (nothing changes)."""
-        node = self._as_reset(state)
+        """:meth:`__len__` once ``reset(state)`` has run (nothing changes; any state)."""
+        node = self._as_reset(state := plan_state(state))
         node.check_state(state)
         epoch, _, resumed, dealing = node._resolve(state)
         return node._draw(epoch, None, resumed, dealing=dealing).n_batches
