@@ -34,14 +34,17 @@ __all__ = [
     "check_same_anchors",
     "config_differs",
     "dataset_hash",
+    "dealt",
     "inputs_of",
     "other_order",
     "other_views_error",
     "readable_views",
+    "saved_dealing",
     "saved_patches",
     "saved_views",
     "stratifying_tiles",
     "views_list",
+    "without_dealing",
 ]
 
 
@@ -178,6 +181,36 @@ def check_legacy(saved: Mapping[str, Any], rule_matters: Callable[[], bool]) -> 
             "samples of the remainder chunks were dealt (its remainder policy differs); start "
             "this run's data order afresh"
         )
+
+
+def dealt(shuffle: bool, dealing: str) -> dict[str, str]:
+    """The config keys that say how a plan's epochs are dealt between ranks (``dealing``, its
+    views' :func:`~insitubatch_nodes.plan.epoch.dealing_for`): ``"deal": "runs"`` for windows,
+    and ``"run_order": "store"`` for unshuffled ones (each rank's run in store order, since
+    2026-12-07); none for chunks (see :func:`saved_dealing`)."""
+    if dealing != "runs":
+        return {}
+    return {"deal": "runs"} if shuffle else {"deal": "runs", "run_order": "store"}
+
+
+def saved_dealing(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
+    """The dealing (:data:`~insitubatch_nodes.plan.ranks.DEALINGS`) an epoch of a state saved
+    with config ``saved`` began under, where a plan with config ``mine`` would deal it by
+    another rule (``None`` otherwise): ``"chunks"`` for windows saved before they were dealt
+    in runs (no ``"deal"``), ``"runs-partial-last"`` for unshuffled windows saved before each
+    rank's run went in store order (no ``"run_order"``: its first partial piece came last)."""
+    if "deal" in mine and "deal" not in saved:
+        return "chunks"
+    if "run_order" in mine and "run_order" not in saved:
+        return "runs-partial-last"
+    return None
+
+
+def without_dealing(config: Mapping[str, Any], dealing: str | None) -> dict[str, Any]:
+    """``config`` as a state of an epoch dealt by the legacy ``dealing`` (from
+    :func:`saved_dealing`) records it, so that it is restored by that rule again."""
+    drop = {"chunks": ("deal", "run_order"), "runs-partial-last": ("run_order",)}
+    return {k: v for k, v in config.items() if k not in drop.get(dealing or "", ())}
 
 
 def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any], same: bool) -> None:
