@@ -6,8 +6,11 @@ of another array, a ``stack`` of windows, patches, a window with ``stride=2`` an
 ``missing=[5, 17]``, monthly dates (a window, ``missing=`` a date; a stride of 2 with a
 3-month shift) — each shuffled (train, ``remainder="drop"``) and unshuffled (test,
 ``"uneven"``), on 1 rank and on each of 3 ranks, at an epoch's start, after one batch and at
-its end: 162 states, each restored on today's main and the following batches (sample indices
-and a hash of every array) compared, into the next epoch.
+its end (162 states); and for a ``concat`` of two stores (a window and a shift, 8 rank
+set-ups, 12 positions over 4 epochs: 96) and two pipelines mixed by torchdata's
+``MultiNodeWeightedSampler`` under its 3 stop criteria (14 positions each: 42). Each was
+restored on today's main and the following batches (sample indices, members and a hash of
+every array) compared with the old run's, into the next epochs.
 
 Found (fixed):
 
@@ -15,11 +18,18 @@ Found (fixed):
   ranks, saved mid-epoch, resumed silently into other rows: today's ``deal_runs`` puts each
   rank's run in store order, where a654182 put the first partial chunk's piece last, and the
   state did not say which rule dealt it (rank 2 of 3 had delivered 16, 17, 18 and owed 19,
-  20, 21, 15; restored, it delivered 18, 19, 20, 21: sample 18 twice, 15 never). 18 of the
-  162 states. Now today's config says ``"run_order": "store"`` for such plans, and a state
-  without it finishes its epoch by the old rule (``deal_runs(store_order=False)``, the
-  dealing ``"runs-partial-last"``), as a state saved before windows were dealt in runs
-  finishes its epoch in chunks; a state saved during that epoch keeps the old rule too.
+  20, 21, 15; restored, it delivered 18, 19, 20, 21: sample 18 twice, 15 never). 8 of the
+  162 states and 14 of the 96 ``concat`` ones went wrong inside their epoch. Now today's
+  config says ``"run_order": "store"`` for such plans, and a state without it finishes its
+  epoch by the old rule (``deal_runs(store_order=False)``, the dealing
+  ``"runs-partial-last"``), as a state saved before windows were dealt in runs finishes its
+  epoch in chunks; a state saved during that epoch keeps the old rule too. All 22 now
+  continue exactly to their epoch's end.
+* A state of monthly means with ``missing=`` saved by a654182 was refused with a message
+  naming only the user's changes (the missing= list, the store's gaps): the cause is the
+  release (monthly, seasonal and yearly steps now counted in calendar months: a654182 took a
+  30-day month after a 31-day one for a gap, dropping 9 of 10 anchors of 12 monthly means).
+  The message now also says so, where the plan's steps are counted in months.
 
 Tried and found right: every shuffled state, every state on one rank and of patches (dealt
 in chunks) continues exactly; mid-epoch ones through their epoch's end and into the next.
@@ -27,8 +37,11 @@ Unshuffled states of windows on several ranks saved at an epoch's start or end g
 today's rule from that epoch: each rank the same rows as before, in store order (nothing
 delivered is lost or repeated: the package's rule for what changes at an epoch boundary).
 States with ``missing=`` over monthly dates (whose steps are now counted in calendar months:
-the steps fingerprint changed) are refused at every position, naming the fingerprints and
-what to do; without ``missing=`` (a stride, a shift) monthly states continue exactly.
+the steps fingerprint changed) are refused at every position; without ``missing=`` (a
+stride, a shift) monthly states continue exactly. Mixed pipelines (whose restore changed:
+``owe_stops``) continue as the old run did at every position, except that a state saved
+after the sampler's own last item starts its next epoch at once (any ``Loader`` restored at
+an epoch's end does), with the same items.
 """
 
 from __future__ import annotations
@@ -38,7 +51,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pandas as pd
 import pytest
+import xarray as xr
 import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
@@ -50,7 +65,13 @@ pytestmark = pytest.mark.timeout(60)
 # Written by a654182 (before each rank's run went in store order): for rank r of 3, an
 # unshuffled shift's Loader state after one batch, and sample_indices["x"] of the batches
 # before ("delivered") and after ("rest") it. The store is the one _store writes.
-OLD = json.loads((Path(__file__).parent / "data" / "oldstates_unshuffled_runs.json").read_text())
+DATA = Path(__file__).parent / "data"
+OLD = json.loads((DATA / "oldstates_unshuffled_runs.json").read_text())
+# Written by a654182: a Loader state of a window and a shift over 12 monthly means with
+# missing= a date, after its one batch (that release counted the steps in seconds, and
+# dropped 9 of the 10 anchors as gaps, where today's counts months and drops the 3 the
+# missing date holds).
+MONTHLY = json.loads((DATA / "oldstates_monthly_missing.json").read_text())
 
 
 def _store(root: Path) -> Path:
@@ -122,3 +143,27 @@ def test_a_state_saved_within_an_epoch_resumed_by_the_old_rule_keeps_that_rule(
         pipe.close()
     rest, _ = _rest(root, 2, again)
     assert rest == old["rest"][1:]
+
+
+def test_an_old_state_of_monthly_means_with_missing_dates_is_refused_saying_the_rule_changed(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "m.zarr"
+    t = pd.date_range("2000-01-01", periods=12, freq="MS")
+    data = np.arange(24, dtype="f4").reshape(12, 2)
+    xr.Dataset({"t": (("time", "x"), data)}, coords={"time": t}).to_zarr(
+        root, mode="w", consolidated=False, encoding={"t": {"chunks": (3, 2)}}
+    )
+    g = open_geometries(root)["t"]
+    pipe = insitu_pipeline(
+        root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"x": g.window([-1, 0]), "y": g.shift(1)},
+        batch_size=1, seed=1, missing=[np.datetime64("2000-06-01")],
+    )  # fmt: skip
+    try:
+        assert pipe.stages.plan.dropped["missing"] == 3  # today's rule: the missing month's
+        loader = Loader(pipe)
+        loader.load_state_dict(MONTHLY["state"])
+        with pytest.raises(ValueError, match=r"saved before 2026-12-07.*counted in seconds"):
+            next(iter(loader))
+    finally:
+        pipe.close()

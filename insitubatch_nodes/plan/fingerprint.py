@@ -17,6 +17,7 @@ import numpy as np
 from insitubatch_nodes.errors import StateMismatchError
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
+from insitubatch_nodes.plan.anchors import SampleSteps, calendar_unit
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import chunk_anchors
 from insitubatch_nodes.plan.ledger import Stage
@@ -213,12 +214,15 @@ def without_dealing(config: Mapping[str, Any], dealing: str | None) -> dict[str,
     return {k: v for k, v in config.items() if k not in drop.get(dealing or "", ())}
 
 
-def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any], same: bool) -> None:
+def check_same_anchors(
+    saved: Mapping[str, Any], mine: Mapping[str, Any], same: bool, steps: SampleSteps | None = None
+) -> None:
     """Raise ``ValueError`` unless a saved read-plan config (``saved``) draws its anchors as
     this plan's (``mine``) does: the same ``stride`` and the same missing steps (a hash of the
     steps dropped by ``missing=``, ``missing_objects="drop"`` and the time checks; absent when
     nothing was checked), or, where ``same`` (the state's :func:`anchors_hash` is this plan's:
-    an archive grown outside the split), the very same anchors."""
+    an archive grown outside the split), the very same anchors. With ``steps`` (the plan's)
+    counted in calendar months, the message also names the rule that changed on 2026-12-07."""
     if saved.get("stride", 1) != mine.get("stride", 1):  # absent = the default
         raise ValueError(
             f"cannot restore this read-plan state: its stride differs (saved "
@@ -242,6 +246,13 @@ def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any], same: 
         "the anchors a plan draws depend on them; build the pipeline with the saved run's "
         "missing= and missing_objects= over the same store (and split), or start this run's "
         "data order afresh (without this state)"
+        + (
+            f". Or it was saved before 2026-12-07, when the steps of dates calendar "
+            f"{months} apart (monthly, seasonal, yearly means) were counted in seconds (a 30-day "
+            "month after a 31-day one was a gap): it cannot resume; start afresh"
+            if steps is not None and (months := calendar_unit(steps))
+            else ""
+        )
     )
 
 

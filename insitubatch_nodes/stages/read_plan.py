@@ -668,7 +668,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def _check_config(self, state: Mapping[str, Any], other_views: bool = False) -> None:
         saved, mine = state["config"], self._config
         grown = state.get("anchors") == self._anchors.value  # (the archive grew outside it?)
-        check_same_anchors(saved, mine, grown)
+        check_same_anchors(saved, mine, grown, self.manifest.steps)
         check_legacy(saved, self._rule_matters)
         # another batching (batch size, seed, ...) from where an epoch begins or ends: _resolve
         rebatched = bool(other_order(saved, mine)) and not self._mid_epoch(state)
