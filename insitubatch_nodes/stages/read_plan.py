@@ -115,8 +115,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     span reaches across the ``world_size - 1`` cuts: summed over the ranks at most
     ``world_size - 1`` times ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array
     beyond one rank's reads of the whole split (``s`` the span of the offsets), plus one per
-    padded sample. The state's configuration says ``"deal": "runs"``; a state saved without it
-    (before windows were dealt in runs) finishes its epoch dealt as it began.
+    padded sample. The state's configuration says ``"deal": "runs"`` (unshuffled, also
+    ``"run_order": "store"``); a state saved without either (before that rule: windows dealt in
+    chunks, or each rank's first partial piece last) finishes its epoch dealt as it began.
     With one rank nothing is dropped or repeated. A split with fewer samples than ranks (valid
     anchors, or with patched views their windows) is refused.
 
