@@ -19,11 +19,13 @@ Found (fixed):
   rank's run in store order, where a654182 put the first partial chunk's piece last, and the
   state did not say which rule dealt it (rank 2 of 3 had delivered 16, 17, 18 and owed 19,
   20, 21, 15; restored, it delivered 18, 19, 20, 21: sample 18 twice, 15 never). 8 of the
-  162 states and 14 of the 96 ``concat`` ones went wrong inside their epoch. Now today's
+  162 states, 14 of the 96 ``concat`` ones, and 9 of 18 unshuffled *training* states
+  (``remainder="pad"``/``"drop"``, 3 ranks, after 1-3 batches: rank 2 went 36 … 41, then 31,
+  32, 33, 42 by the old rule, 33 … 44 restored) went wrong inside their epoch. Now today's
   config says ``"run_order": "store"`` for such plans, and a state without it finishes its
   epoch by the old rule (``deal_runs(store_order=False)``, the dealing
   ``"runs-partial-last"``), as a state saved before windows were dealt in runs finishes its
-  epoch in chunks; a state saved during that epoch keeps the old rule too. All 22 now
+  epoch in chunks; a state saved during that epoch keeps the old rule too. All 31 now
   continue exactly to their epoch's end.
 * A state of monthly means with ``missing=`` saved by a654182 was refused with a message
   naming only the user's changes (the missing= list, the store's gaps): the cause is the
