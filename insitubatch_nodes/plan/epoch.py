@@ -278,9 +278,11 @@ def _rank_shares(
     first = np.cumsum(counts) - counts
     keep = counts > 0
     chunks, counts, first = chunks[keep], counts[keep], first[keep]
-    if dealing == "runs":
+    if dealing != "chunks":  # "runs", or its rule before 2026-12-07 (see deal_runs)
         rng = np.random.default_rng([*map(int, pad_seed), 5]) if shuffle else None
-        pieces = deal_runs(counts, chunks, world_size, remainder=remainder, rng=rng)
+        pieces = deal_runs(
+            counts, chunks, world_size, remainder=remainder, rng=rng, store_order=dealing == "runs"
+        )
     else:
         pieces = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)
     return [
@@ -395,9 +397,9 @@ def plan_epoch(
     fresh epoch's are (with ``"uneven"``: every one of them exactly once), its batches numbered
     from the last cut's ``k`` (:attr:`EpochPlan.first_batch`).
 
-    ``dealing`` (``"chunks"`` or ``"runs"``, see :mod:`~insitubatch_nodes.plan.ranks`) is how
-    every stage of the epoch is dealt between ranks; ``None`` takes :func:`dealing_for` the
-    views. With one rank both give the same plan.
+    ``dealing`` (one of :data:`~insitubatch_nodes.plan.ranks.DEALINGS`) is how every stage of
+    the epoch is dealt between ranks; ``None`` takes :func:`dealing_for` the views. With one
+    rank all give the same plan.
     """
     cfg = plan_config(config, "plan_epoch")
     if dealing is not None and dealing not in DEALINGS:

@@ -17,6 +17,7 @@ import numpy as np
 from insitubatch_nodes.errors import StateMismatchError
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
+from insitubatch_nodes.plan.anchors import SampleSteps, calendar_unit
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import chunk_anchors
 from insitubatch_nodes.plan.ledger import Stage
@@ -34,14 +35,17 @@ __all__ = [
     "check_same_anchors",
     "config_differs",
     "dataset_hash",
+    "dealt",
     "inputs_of",
     "other_order",
     "other_views_error",
     "readable_views",
+    "saved_dealing",
     "saved_patches",
     "saved_views",
     "stratifying_tiles",
     "views_list",
+    "without_dealing",
 ]
 
 
@@ -180,12 +184,45 @@ def check_legacy(saved: Mapping[str, Any], rule_matters: Callable[[], bool]) -> 
         )
 
 
-def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any], same: bool) -> None:
+def dealt(shuffle: bool, dealing: str) -> dict[str, str]:
+    """The config keys that say how a plan's epochs are dealt between ranks (``dealing``, its
+    views' :func:`~insitubatch_nodes.plan.epoch.dealing_for`): ``"deal": "runs"`` for windows,
+    and ``"run_order": "store"`` for unshuffled ones (each rank's run in store order, since
+    2026-12-07); none for chunks (see :func:`saved_dealing`)."""
+    if dealing != "runs":
+        return {}
+    return {"deal": "runs"} if shuffle else {"deal": "runs", "run_order": "store"}
+
+
+def saved_dealing(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
+    """The dealing (:data:`~insitubatch_nodes.plan.ranks.DEALINGS`) an epoch of a state saved
+    with config ``saved`` began under, where a plan with config ``mine`` would deal it by
+    another rule (``None`` otherwise): ``"chunks"`` for windows saved before they were dealt
+    in runs (no ``"deal"``), ``"runs-partial-last"`` for unshuffled windows saved before each
+    rank's run went in store order (no ``"run_order"``: its first partial piece came last)."""
+    if "deal" in mine and "deal" not in saved:
+        return "chunks"
+    if "run_order" in mine and "run_order" not in saved:
+        return "runs-partial-last"
+    return None
+
+
+def without_dealing(config: Mapping[str, Any], dealing: str | None) -> dict[str, Any]:
+    """``config`` as a state of an epoch dealt by the legacy ``dealing`` (from
+    :func:`saved_dealing`) records it, so that it is restored by that rule again."""
+    drop = {"chunks": ("deal", "run_order"), "runs-partial-last": ("run_order",)}
+    return {k: v for k, v in config.items() if k not in drop.get(dealing or "", ())}
+
+
+def check_same_anchors(
+    saved: Mapping[str, Any], mine: Mapping[str, Any], same: bool, steps: SampleSteps | None = None
+) -> None:
     """Raise ``ValueError`` unless a saved read-plan config (``saved``) draws its anchors as
     this plan's (``mine``) does: the same ``stride`` and the same missing steps (a hash of the
     steps dropped by ``missing=``, ``missing_objects="drop"`` and the time checks; absent when
     nothing was checked), or, where ``same`` (the state's :func:`anchors_hash` is this plan's:
-    an archive grown outside the split), the very same anchors."""
+    an archive grown outside the split), the very same anchors. With ``steps`` (the plan's)
+    counted in calendar months, the message also names the rule that changed on 2026-12-07."""
     if saved.get("stride", 1) != mine.get("stride", 1):  # absent = the default
         raise ValueError(
             f"cannot restore this read-plan state: its stride differs (saved "
@@ -209,6 +246,13 @@ def check_same_anchors(saved: Mapping[str, Any], mine: Mapping[str, Any], same: 
         "the anchors a plan draws depend on them; build the pipeline with the saved run's "
         "missing= and missing_objects= over the same store (and split), or start this run's "
         "data order afresh (without this state)"
+        + (
+            f". Or it was saved before 2026-12-07, when the steps of dates calendar "
+            f"{months} apart (monthly, seasonal, yearly means) were counted in seconds (a 30-day "
+            "month after a 31-day one was a gap): it cannot resume; start afresh"
+            if steps is not None and (months := calendar_unit(steps))
+            else ""
+        )
     )
 
 

@@ -1,7 +1,8 @@
 """Dealing an epoch's samples between ranks: every rank the same number of samples, or with
 ``remainder="uneven"`` numbers that differ by at most one.
 
-Two dealings (:data:`DEALINGS`), each a pure function of the groups' sample counts:
+Two dealings, each a pure function of the groups' sample counts (:data:`DEALINGS` also holds
+``"runs-partial-last"``: the runs' rule before 2026-12-07, kept for states saved by it):
 
 * ``"chunks"`` (:func:`deal`): whole chunks go round-robin while they last, then consecutive
   pieces of the remaining (*tail*) chunks' samples. A rank's chunks are spread over the whole
@@ -42,7 +43,7 @@ __all__ = [
 
 
 REMAINDERS = ("drop", "pad", "uneven")
-DEALINGS = ("chunks", "runs")
+DEALINGS = ("chunks", "runs", "runs-partial-last")
 
 
 def samples_per_rank(
@@ -164,6 +165,7 @@ def deal_runs(
     *,
     remainder: str = "drop",
     rng: np.random.Generator | None = None,
+    store_order: bool = True,
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Deal ``counts[g]`` samples of each group ``g`` (a chunk, in visiting order) to ranks as
     contiguous runs along the sample axis; ``axis[g]`` is group ``g``'s place on it (its
@@ -189,9 +191,10 @@ def deal_runs(
     whole groups in visiting order, then its (at most two) partial pieces in axis order, then
     its padded sample (a piece of its own) — except unshuffled (``rng=None`` with the groups
     visited in axis order), where the run's pieces are in axis order, its first partial piece
-    first, so that each rank sweeps its share in store order. Runs do not share a sample, so
-    two ranks read a group in common only where a cut falls inside it, or a window reaches
-    across a cut. Pure.
+    first, so that each rank sweeps its share in store order (``store_order=False``: as
+    shuffled, the rule before 2026-12-07, for an epoch resumed from a state saved by it). Runs
+    do not share a sample, so two ranks read a group in common only where a cut falls inside
+    it, or a window reaches across a cut. Pure.
     """
     counts = np.asarray(counts, dtype=np.int64)
     w = int(world_size)
@@ -228,7 +231,7 @@ def deal_runs(
             whole = (hi - lo) == counts[by_axis[sel]]
             w_idx = np.flatnonzero(whole)
             w_idx = w_idx[np.argsort(by_axis[sel[w_idx]], kind="stable")]  # visiting order
-            if rng is None and np.all(np.diff(by_axis[sel]) > 0):
+            if store_order and rng is None and np.all(np.diff(by_axis[sel]) > 0):
                 # unshuffled (groups visited in axis order): the run in axis order, so an
                 # evaluation sweeps each rank's share in store order (its first piece first)
                 keep = np.arange(len(sel))

@@ -39,12 +39,15 @@ from insitubatch_nodes.plan.fingerprint import (
     check_same_anchors,
     config_differs,
     dataset_hash,
+    dealt,
     inputs_of,
     other_order,
     other_views_error,
+    saved_dealing,
     saved_views,
     stratifying_tiles,
     views_list,
+    without_dealing,
 )
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
@@ -112,8 +115,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     span reaches across the ``world_size - 1`` cuts: summed over the ranks at most
     ``world_size - 1`` times ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array
     beyond one rank's reads of the whole split (``s`` the span of the offsets), plus one per
-    padded sample. The state's configuration says ``"deal": "runs"``; a state saved without it
-    (before windows were dealt in runs) finishes its epoch dealt as it began.
+    padded sample. The state's configuration says ``"deal": "runs"`` (unshuffled, also
+    ``"run_order": "store"``); a state saved without either (before that rule: windows dealt in
+    chunks, or each rank's first partial piece last) finishes its epoch dealt as it began.
     With one rank nothing is dropped or repeated. A split with fewer samples than ranks (valid
     anchors, or with patched views their windows) is refused.
 
@@ -362,8 +366,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 if self.manifest.steps is None
                 else {"missing_steps": self.manifest.steps.fingerprint()}
             ),
-            # windows deal contiguous runs; a state without the key was dealt in chunks
-            **({"deal": "runs"} if dealing_for(self.views) == "runs" else {}),
+            # windows deal contiguous runs (unshuffled: in store order); see saved_dealing
+            **dealt(self.shuffle, dealing_for(self.views)),
         }
 
     def config(self) -> dict[str, Any]:
@@ -562,8 +566,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             return epoch + int(over), 0, (), None
         if other_order(state["config"], self._config):  # where an epoch begins or ends
             return epoch + int(emitted > 0), 0, (), None
-        legacy = "deal" in self._config and "deal" not in state["config"]
-        dealing = "chunks" if legacy else None
+        dealing = saved_dealing(state["config"], self._config)
         if saved_world != self.world_size:
             if emitted == 0:  # nothing delivered yet: the epoch as this world size plans it
                 return epoch, 0, (), None
@@ -604,9 +607,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def get_state(self) -> dict[str, Any]:
         if self._owed is not None:  # where it was restored, until the StopIteration is taken
             return copy.deepcopy(self._owed)
-        config = self.config()
-        if self._dealing is not None:  # an epoch resumed from a legacy state goes on as one
-            config.pop("deal", None)
+        config = without_dealing(self._config, self._dealing)  # (a legacy epoch goes on as one)
         state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": config,
                  "anchors": self._anchors.value}  # fmt: skip
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
@@ -640,8 +641,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
             config.for_rank(0, world),
             epoch=int(state["epoch"]),
             resumed=resumed,
-            # a state saved before windows were dealt in runs has no "deal" (see _resolve)
-            dealing=None if "deal" in state["config"] else "chunks",
+            dealing=saved_dealing(state["config"], dealt(config.shuffle, dealing_for(views))),
         )
         return plan.n_batches
 
@@ -669,7 +669,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     def _check_config(self, state: Mapping[str, Any], other_views: bool = False) -> None:
         saved, mine = state["config"], self._config
         grown = state.get("anchors") == self._anchors.value  # (the archive grew outside it?)
-        check_same_anchors(saved, mine, grown)
+        check_same_anchors(saved, mine, grown, self.manifest.steps)
         check_legacy(saved, self._rule_matters)
         # another batching (batch size, seed, ...) from where an epoch begins or ends: _resolve
         rebatched = bool(other_order(saved, mine)) and not self._mid_epoch(state)
