@@ -9,10 +9,12 @@ Found (proved here):
   step by calendar months" - naming a coordinate the store does not have. Fixed with the
   saved states' ``missing_steps`` fingerprints unchanged (``SampleSteps.hashed_coord``).
 
-Found, left undone (xfail, strict): a collection of independent members with monthly dates is
-refused by ``MemberMap._check_steps`` (one fixed step per member, shown in nanoseconds, the
-advice "leave this member out" wrong when every member is monthly), even with ``missing=()``;
-a single monthly store is counted in calendar months since today's change.
+* A collection of independent members with monthly dates was refused by
+  ``MemberMap._check_steps`` (one fixed step per member, shown in nanoseconds, the advice
+  "leave this member out" wrong when every member is monthly), even with ``missing=()``,
+  where a single monthly store is counted in calendar months since today's change. Members
+  stepping by the same ``k`` calendar months now pass (``io.calendars.month_step``, the rule
+  of ``anchor_steps.calendar_ticks``), and the checks count them in months.
 
 Tried and found right (no test kept): forcings NaN at NaT / ``None`` (datetime64 and cftime,
 all missing, 0-D), the solar forcings' NaN rows; ``calendar_ticks`` for monthly, seasonal,
@@ -94,12 +96,6 @@ def test_the_read_plan_state_of_a_time_stride_over_another_coordinate_name_keeps
         pipe.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="left undone: io/members.py MemberMap._check_steps wants one fixed step per member, "
-    "so independent members of monthly dates are refused (in nanoseconds) although a single "
-    "monthly store counts its steps in calendar months since 2026-12-07",
-)
 def test_a_collection_of_monthly_members_is_checked_in_calendar_months_as_one_store_is(
     tmp_path: Path,
 ) -> None:
@@ -117,6 +113,10 @@ def test_a_collection_of_monthly_members_is_checked_in_calendar_months_as_one_st
                            batch_size=2, missing=())  # fmt: skip
     try:
         assert pipe.stages.plan.dropped.get("gap", 0) == 0  # (each member: 5 windows kept)
+        steps = pipe.stages.plan.manifest.steps
+        assert steps is not None and np.datetime_data(steps.unit)[0] == "M"
+        rows = sorted(int(i) for b in pipe for i in b.sample_indices["x"])
+        assert len(rows) == 10, rows
     finally:
         pipe.close()
 
