@@ -107,6 +107,10 @@ def anchor_steps(
         _refuse_dates_between_steps(dates, gone, ticks, coord, counted, step)
         listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
     absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
+    # messages name the store's coordinate; the fingerprint keeps the name hashed before
+    # 2026-12-07 ("time" where the times were read for a stride, windows or dates)
+    hashed = coord_name
+    coord_name = coord.name if coord is not None else coord_name
     steps = SampleSteps(
         n,
         ticks=counted,
@@ -115,6 +119,7 @@ def anchor_steps(
         absent=absent,
         coord=coord_name,
         runs=runs,
+        hashed_coord=hashed if hashed != coord_name else None,
     )
     if members is not None and runs is not None and windowed and steps.data_step is None:
         raise ValueError(

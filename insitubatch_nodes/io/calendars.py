@@ -29,6 +29,7 @@ their own calendar, vectorised over the ordinal day and the time of day, which i
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import re
 from collections.abc import Sequence
 from types import ModuleType
@@ -45,6 +46,7 @@ __all__ = [
     "counts_us",
     "date_in",
     "decode_with_cftime",
+    "month_step",
     "one_calendar",
     "require_cftime",
 ]
@@ -307,3 +309,26 @@ def date_in(x: Any, calendar: str, like: Any, what: str) -> Any:
         return cftime.datetime(*fields, calendar=like.calendar, has_year_zero=like.has_year_zero)
     except ValueError as exc:
         raise ValueError(f"{what} {x!r} is not a date of calendar {calendar!r}: {exc}") from exc
+
+
+_NEAR_S = 3 * 86_400  # k calendar months differ by 3 days at most
+
+
+def month_step(values: np.ndarray) -> int | None:
+    """``k`` where the present dates ``values`` (``datetime64``, or cftime dates) step by
+    ``k`` whole months of their calendar (``k`` >= 1), of several lengths all within 3 days
+    of each other (monthly, seasonal, yearly means: the rule of
+    ``anchor_steps.calendar_ticks``); ``None`` otherwise (one fixed step, other steps, fewer
+    than two dates). A collection's member then steps at ``k`` months (``MemberMap``)."""
+    if len(values) < 2 or values.dtype.kind not in "MO":
+        return None
+    if values.dtype.kind == "M":
+        months = values.astype("datetime64[M]").astype(np.int64)
+        d = np.diff(values.astype("datetime64[s]").astype(np.int64))
+    else:  # cftime dates (once per member, at build)
+        months = np.array([t.year * 12 + t.month - 1 for t in values], dtype=np.int64)
+        d = np.array([(b - a).total_seconds() for a, b in itertools.pairwise(values)])
+    dm = np.diff(months)
+    if dm[0] < 1 or np.any(dm != dm[0]) or np.all(d == d[0]) or d.max() - d.min() > _NEAR_S:
+        return None
+    return int(dm[0])

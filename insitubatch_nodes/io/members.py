@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
+from insitubatch_nodes.io.calendars import month_step, one_calendar, refuse_missing_times
 from insitubatch_nodes.io.cf import fill_scalar
 
 __all__ = [
@@ -263,8 +263,9 @@ class MemberMap:
         return out
 
     def _check_steps(self, name: str, values: Sequence[np.ndarray]) -> None:
-        """Every member's times of ``name`` at one step, the first member's."""
-        step = None
+        """Every member's times of ``name`` at one step, the first member's: one length, or
+        ``k`` calendar months (:func:`~insitubatch_nodes.io.calendars.month_step`)."""
+        step, calendar = None, None
         for m, v in enumerate(values):
             refuse_missing_times(
                 v,
@@ -275,15 +276,20 @@ class MemberMap:
             d = np.diff(v)
             if not len(d):
                 continue
+            months = month_step(v)  # (monthly dates: months of several lengths, one step)
             if step is None:
-                step, first = d[0], m
-            bad = np.flatnonzero(d != step)
+                step, first, calendar = d[0], m, months
+            if calendar is not None and months == calendar:
+                continue
+            bad = np.flatnonzero(d != step) if calendar is None else np.zeros(1, np.intp)
             if len(bad):
                 i = int(bad[0])
+                every = step if calendar is None else f"{calendar} calendar month(s)"
                 raise ValueError(
                     f"{self.collection}: member {self.names[m]!r}'s {name!r} steps from "
                     f"{v[i]} to {v[i + 1]}, but member {self.names[first]!r} runs at one step of "
-                    f"{step}: a time stride, window offsets in time deltas and missing= dates "
+                    f"{every}: a time stride, "
+                    "window offsets in time deltas and missing= dates "
                     "count steps within each member, so every member's times need one step, "
                     "the same in all (leave this member out, or open it on its own)"
                 )

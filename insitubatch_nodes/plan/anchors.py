@@ -68,6 +68,10 @@ class SampleSteps:
     * ``listed``: the samples listed in ``missing=`` (``bool``, one per sample).
     * ``absent``: the samples one of whose stored objects is absent (``bool``, one per sample).
     * ``coord``: the time coordinate's name (for messages).
+    * ``hashed_coord``: the name :meth:`fingerprint` hashes in its place (``None``: ``coord``):
+      the builder's ``"time"`` for any coordinate before 2026-12-07 where the times were read
+      for a time stride, time-delta windows or dates in ``missing=``, kept so that states
+      saved then still restore.
     * ``runs`` (``int64``, ascending, the first ``0``; ``None``: one run): the first sample of
       each run of times that continue one another — a collection's independent members, each
       its own timeline. No difference is taken across a run's edge.
@@ -83,6 +87,7 @@ class SampleSteps:
     absent: np.ndarray | None = None
     coord: str = "time"
     runs: np.ndarray | None = None
+    hashed_coord: str | None = None
 
     def __post_init__(self) -> None:
         n = int(self.n_samples)
@@ -132,7 +137,8 @@ class SampleSteps:
 
     def fingerprint(self) -> str:
         """A short hash of everything here (what a plan's anchors are a function of)."""
-        h = hashlib.sha256(f"{self.n_samples}|{self.unit}|{self.coord}".encode())
+        coord = self.coord if self.hashed_coord is None else self.hashed_coord
+        h = hashlib.sha256(f"{self.n_samples}|{self.unit}|{coord}".encode())
         for arr in (self.ticks, self.listed, self.absent):
             h.update(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
         if self.runs is not None:  # (absent otherwise: the fingerprints without runs stay)
