@@ -1,0 +1,353 @@
+"""ARCO-ERA5 as a weather-ML user opens it: a tiny-grid replica with the real store's metadata.
+
+The replica copies what the public store (``gs://gcp-public-data-arco-era5/ar/
+full_37-1h-0p25deg-chunk-1.zarr-v3``, and its predecessor ``1959-2022-full_37-1h-0p25deg-chunk-1
+.zarr-v2``) is made of, as learnt from its README and from code that reads its objects by hand
+(``<var>/<hours since 1900-01-01>.0.0``, ``numcodecs.Blosc()``, ``<f4``, 721x1440): zarr
+*format 2* for both (the ``-v3`` is the dataset's version, not zarr's), consolidated
+``.zmetadata``, one time step per object and the 37 levels whole in it, dims ``time``,
+``level``, ``latitude``, ``longitude``; latitude float32 90..-90 (descending), longitude
+float32 0..359.75; time int64 ``hours since 1900-01-01``, ``proleptic_gregorian``; level int64
+in hPa (1..1000, 37 values); float32 fields, Blosc, fill value NaN; the archive's axis runs
+from 1900-01-01 to 2050-12-31T23 (1,323,648 hours) with the objects outside ERA5's record never
+written (read as NaN). Variables: surface ``2m_temperature``, ``mean_sea_level_pressure``,
+``total_precipitation``; levels ``temperature``, ``geopotential``; ``land_sea_mask`` per hour
+(as ARCO ingests it) and a static ``geopotential_at_surface`` (WeatherBench2's layout) beside
+it. The grid is 15 degrees (13 x 24); 240 hours of 2019-12-31 .. 2020-01-09, the first 24
+hours' objects absent (a placeholder day, as before 1940 in the real store).
+
+Tried and found right (oracle: ``xarray.open_zarr`` + ``sel``/``isel`` of the same store):
+``open_geometries`` of both formats' layouts; GraphCast's 13 levels selected from the 37 and a
+Europe box ``latitude=slice(70, 30), longitude=slice(-10, 30)`` (refused, saying which box) and
+the same box as two views (``slice(345, None)`` and ``slice(0, 30)``) equal xarray's; date
+windows ``split_by_chunk(..., sample_range=(start, stop), coord=time)`` for train/val/test,
+half-open, each sample once, no target across a window's edge; anchors every 6 h (00/06/12/18
+UTC) and windows ``[-6, 0]`` / ``[6]`` in hours; a GraphCast-like stack (13-level channels, the
+surface fields, the static field, the forcings) equals xarray's values channel by channel;
+``fit_statistics`` on the training window equals numpy in float64 over xarray's selection;
+the persistent cache: a second pipeline over the warmed cache reads no chunk from the store and
+delivers the same batches. At the real size (metadata only, 1,323,648 x 37 x 721 x 1440, the
+time coordinate written whole): open, a date window, a 6-hourly stride and the pipeline's
+build and ``len`` in bounded CPU time of this process.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numcodecs
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+import zarr
+
+from helpers import counting_store
+from insitubatch_nodes import fit_statistics, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import stack as make_stack
+from insitubatch_nodes.forcings import Forcings
+from insitubatch_nodes.io import open_coordinates
+
+pytestmark = pytest.mark.timeout(120)
+
+LEVELS = [1, 2, 3, 5, 7, 10, 20, 30, 50, 70, 100, 125, 150, 175, 200, 225, 250, 300, 350, 400,
+          450, 500, 550, 600, 650, 700, 750, 775, 800, 825, 850, 875, 900, 925, 950, 975, 1000]  # fmt: skip
+GRAPHCAST_13 = [50, 100, 150, 200, 250, 300, 400, 500, 600, 700, 850, 925, 1000]
+LAT = np.linspace(90, -90, 13, dtype="float32")  # descending, both poles
+LON = np.arange(0, 360, 15, dtype="float32")  # 0..345
+TIMES = pd.date_range("2019-12-31T00", periods=240, freq="1h")
+ABSENT = 24  # the first day's objects are never written (placeholder, read as NaN)
+SURFACE = ("2m_temperature", "mean_sea_level_pressure", "total_precipitation", "land_sea_mask")
+LEVELLED = ("temperature", "geopotential")
+TIME_ENCODING = {"units": "hours since 1900-01-01", "calendar": "proleptic_gregorian",
+                 "dtype": "int64"}  # fmt: skip
+
+
+def _dataset() -> xr.Dataset:
+    rng = np.random.default_rng(7)
+    n, shape = len(TIMES), (len(LAT), len(LON))
+    data: dict[str, Any] = {}
+    for i, name in enumerate(SURFACE):
+        data[name] = (("time", "latitude", "longitude"), rng.normal(i * 10, 1 + i, (n, *shape)))
+    for i, name in enumerate(LEVELLED):
+        walk = np.cumsum(rng.normal(0, 1, (n, len(LEVELS), *shape)), axis=0) + 200 + 50 * i
+        data[name] = (("time", "level", "latitude", "longitude"), walk)
+    data["geopotential_at_surface"] = (("latitude", "longitude"), rng.normal(0, 900, shape))
+    ds = xr.Dataset(data, coords={"time": TIMES, "level": np.array(LEVELS, dtype="int64"),
+                                  "latitude": LAT, "longitude": LON})  # fmt: skip
+    ds = ds.astype("float32")
+    ds["level"].attrs = {"long_name": "pressure_level", "units": "millibars"}
+    ds["latitude"].attrs = {"long_name": "latitude", "units": "degrees_north"}
+    ds["longitude"].attrs = {"long_name": "longitude", "units": "degrees_east"}
+    return ds
+
+
+def _write(path: Path, absent: int) -> Path:
+    ds = _dataset()
+    blosc = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
+    enc: dict[str, dict[str, Any]] = {"time": dict(TIME_ENCODING, chunks=(len(TIMES),))}
+    for name, var in ds.data_vars.items():
+        chunks = (1, *var.shape[1:]) if "time" in var.dims else var.shape
+        enc[str(name)] = {"chunks": chunks, "compressors": (blosc,), "_FillValue": np.nan}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(path, encoding=enc, zarr_format=2, consolidated=True)
+    for name, var in ds.data_vars.items():  # the placeholder hours: objects never written
+        if "time" in var.dims:
+            for t in range(absent):
+                for key in (path / str(name)).glob(f"{t}.*"):
+                    key.unlink()
+    return path
+
+
+@pytest.fixture(scope="module")
+def arco(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(tmp_path_factory.mktemp("arco") / "full_37-1h-0p25deg-chunk-1.zarr-v3", ABSENT)
+
+
+@pytest.fixture(scope="module")
+def oracle(arco: Path) -> xr.Dataset:
+    return xr.open_zarr(arco, consolidated=True, chunks=None)
+
+
+def _run(pipe: Any) -> list[Any]:
+    try:
+        return list(pipe)
+    finally:
+        pipe.close()
+
+
+def test_the_replica_has_the_real_stores_metadata(arco: Path, oracle: xr.Dataset) -> None:
+    meta = zarr.open_group(arco, mode="r", zarr_format=2)
+    t = meta["temperature"]
+    assert t.metadata.zarr_format == 2 and t.chunks == (1, 37, 13, 24)
+    assert np.isnan(t.metadata.fill_value)
+    assert meta["time"].dtype == np.int64
+    assert meta["time"].attrs["units"] == "hours since 1900-01-01"
+    assert int(meta["time"][0]) == (TIMES[0] - pd.Timestamp("1900-01-01")) // pd.Timedelta("1h")
+    assert not (arco / "temperature" / "0.0.0.0").exists()
+    assert np.isnan(oracle["temperature"].values[0]).all()
+    assert oracle.latitude.values[0] == 90 and oracle.longitude.values[-1] == 345
+
+
+def test_open_geometries_reads_every_variable_and_its_coordinates(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    g = open_geometries(arco)
+    want = {str(v) for v in oracle.data_vars}
+    assert want <= set(g)
+    assert g["temperature"].shape == oracle["temperature"].shape
+    time = open_coordinates(arco, g["2m_temperature"])["time"]
+    np.testing.assert_array_equal(time.values, oracle.time.values)
+
+
+def test_thirteen_levels_and_a_box_equal_xarrays_sel(arco: Path, oracle: xr.Dataset) -> None:
+    g = open_geometries(arco)
+    view = g["temperature"].sel(level=GRAPHCAST_13, latitude=slice(70, 30),
+                                longitude=slice(0, 30))  # fmt: skip
+    want = oracle["temperature"].sel(level=GRAPHCAST_13, latitude=slice(70, 30),
+                                     longitude=slice(0, 30))  # fmt: skip
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0), sample_range=(ABSENT, 48))
+    batches = _run(insitu_pipeline(arco, manifest, {"x": view}, batch_size=8, shuffle=False))
+    got = np.concatenate([b["x"] for b in batches])
+    idx = np.concatenate([b.sample_indices["x"] for b in batches])
+    np.testing.assert_array_equal(idx, np.arange(ABSENT, 48))
+    np.testing.assert_array_equal(got, want.values[ABSENT:48])
+
+
+def test_a_europe_box_across_the_zero_meridian_is_refused_naming_the_two_views(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    g = open_geometries(arco)["2m_temperature"]
+    with pytest.raises(IndexError, match=r"slice\(340, None\)"):
+        g.sel(latitude=slice(70, 30), longitude=slice(-20, 30))
+    west = g.sel(latitude=slice(70, 30), longitude=slice(340, None))
+    east = g.sel(latitude=slice(70, 30), longitude=slice(0, 30))
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0), sample_range=(ABSENT, 40))
+    batches = _run(insitu_pipeline(arco, manifest, {"w": west, "e": east}, batch_size=16,
+                                   shuffle=False))  # fmt: skip
+    got = np.concatenate([np.concatenate([b["w"], b["e"]], axis=-1) for b in batches])
+    box = oracle["2m_temperature"].roll(longitude=1, roll_coords=True)
+    want = box.isel(time=slice(ABSENT, 40)).sel(latitude=slice(70, 30)).isel(
+        longitude=slice(0, 4))  # fmt: skip
+    assert list(want.longitude.values) == [345, 0, 15, 30]
+    np.testing.assert_array_equal(got, want.values)
+
+
+def _date_splits(g: Any, time: Any) -> dict[str, Any]:
+    bounds = {"train": ("2020-01-01", "2020-01-06"), "val": ("2020-01-06", "2020-01-08"),
+              "test": ("2020-01-08", "2020-01-10")}  # fmt: skip
+    return {s: split_by_chunk(g, (1.0, 0.0, 0.0), sample_range=b, coord=time)
+            for s, b in bounds.items()}  # fmt: skip
+
+
+def test_date_windows_split_every_6_hours_anchors_once_with_no_target_across_an_edge(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    g = open_geometries(arco)
+    t2m = g["2m_temperature"]
+    time = open_coordinates(arco, t2m)["time"]
+    views = {"x": t2m.window(["-6h", "0h"]), "y": t2m.window(["6h"])}
+    seen: dict[str, np.ndarray] = {}
+    for split, manifest in _date_splits(t2m, time).items():
+        batches = _run(insitu_pipeline(arco, manifest, views, batch_size=4, stride="6h",
+                                       shuffle=False))  # fmt: skip
+        x = np.concatenate([b.sample_indices["x"] for b in batches])
+        y = np.concatenate([b.sample_indices["y"] for b in batches])
+        anchors = x[:, 1]
+        at = oracle.time.values[anchors]
+        assert (pd.DatetimeIndex(at).hour % 6 == 0).all()
+        lo, hi = (np.datetime64(d) for d in manifest_bounds(split))
+        all_steps = oracle.time.values[np.concatenate([x.ravel(), y.ravel()])]
+        assert (all_steps >= lo).all() and (all_steps < hi).all(), split
+        want = oracle.time.values
+        expect = np.flatnonzero((want >= lo) & (want < hi) & (pd.DatetimeIndex(want).hour % 6 == 0))
+        expect = expect[(expect - 6 >= np.searchsorted(want, lo)) & (expect + 6 < np.searchsorted(want, hi))]
+        np.testing.assert_array_equal(anchors, expect)
+        got = np.concatenate([b["x"] for b in batches])
+        np.testing.assert_array_equal(got, oracle["2m_temperature"].values[x])
+        np.testing.assert_array_equal(np.concatenate([b["y"] for b in batches]),
+                                      oracle["2m_temperature"].values[y])  # fmt: skip
+        seen[split] = anchors
+    assert not set(seen["train"]) & set(seen["val"]) and not set(seen["val"]) & set(seen["test"])
+
+
+def manifest_bounds(split: str) -> tuple[str, str]:
+    return {"train": ("2020-01-01", "2020-01-06"), "val": ("2020-01-06", "2020-01-08"),
+            "test": ("2020-01-08", "2020-01-10")}[split]  # fmt: skip
+
+
+def _graphcast_members(g: Any, box: dict[str, Any]) -> dict[str, Any]:
+    names = ["toa_incident_solar_radiation", "year_progress_sin", "local_time_cos"]
+    return {
+        "temperature": g["temperature"].sel(level=GRAPHCAST_13, **box).window([-6, 0]),
+        "2m_temperature": g["2m_temperature"].sel(**box).window([-6, 0]),
+        "land_sea_mask": g["land_sea_mask"].sel(**box).window([-6, 0]),
+        "geopotential_at_surface": g["geopotential_at_surface"].sel(**box),
+        "sun": Forcings("x", view=g["2m_temperature"].sel(**box), names=names),
+    }
+
+
+def test_a_graphcast_like_stack_equals_xarrays_values_channel_by_channel(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    g = open_geometries(arco)
+    box = {"latitude": slice(75, 30), "longitude": slice(0, 45)}
+    x = make_stack(_graphcast_members(g, box))
+    assert x.channels[:13] == tuple(f"temperature@{lev}" for lev in GRAPHCAST_13)
+    time = open_coordinates(arco, g["2m_temperature"])["time"]
+    manifest = split_by_chunk(g["2m_temperature"], (1.0, 0.0, 0.0),
+                              sample_range=("2020-01-01", "2020-01-03"), coord=time)  # fmt: skip
+    batches = _run(insitu_pipeline(arco, manifest, {"x": x}, batch_size=4, stride="6h"))
+    assert sum(len(b["x"]) for b in batches) == 7  # 06 .. 18 of Jan 1-2 less the first 00
+    sub = oracle.sel(**box)
+    for b in batches:
+        idx = b.sample_indices["x"]  # (rows, 2)
+        got = b["x"]  # (rows, T, C, lat, lon)
+        np.testing.assert_array_equal(got[:, :, :13], sub["temperature"].sel(level=GRAPHCAST_13).values[idx])
+        np.testing.assert_array_equal(got[:, :, 13], sub["2m_temperature"].values[idx])
+        np.testing.assert_array_equal(got[:, :, 14], sub["land_sea_mask"].values[idx])
+        want_z = np.broadcast_to(sub["geopotential_at_surface"].values, got[:, :, 15].shape)
+        np.testing.assert_array_equal(got[:, :, 15], want_z)
+        assert np.isfinite(got).all()
+
+
+def test_fit_statistics_on_the_training_window_equals_numpy_over_xarrays_selection(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    g = open_geometries(arco)
+    box = {"latitude": slice(75, 30), "longitude": slice(0, 45)}
+    t2m = g["2m_temperature"]
+    time = open_coordinates(arco, t2m)["time"]
+    manifest = _date_splits(t2m, time)["train"]
+    views = {"t": g["temperature"].sel(level=GRAPHCAST_13, **box),
+             "s": g["2m_temperature"].sel(**box)}  # fmt: skip
+    stats = fit_statistics(arco, manifest, views)
+    sel = oracle.sel(time=slice("2020-01-01", "2020-01-05T23"), **box)
+    want_t = sel["temperature"].sel(level=GRAPHCAST_13).values.astype("float64")
+    mean_t = stats.shaped("t", "mean", views["t"]).ravel()
+    np.testing.assert_allclose(mean_t, want_t.mean(axis=(0, 2, 3)), rtol=1e-6)
+    std_t = stats.shaped("t", "std", views["t"]).ravel()
+    np.testing.assert_allclose(std_t, want_t.std(axis=(0, 2, 3)), rtol=1e-5)
+    want_s = sel["2m_temperature"].values.astype("float64")
+    np.testing.assert_allclose(stats.shaped("s", "mean", views["s"]).ravel(), [want_s.mean()], rtol=1e-6)
+
+
+def test_a_second_pipeline_over_the_persistent_cache_reads_nothing_from_the_store(
+    arco: Path, tmp_path: Path
+) -> None:
+    g = open_geometries(arco)
+    view = g["temperature"].sel(level=GRAPHCAST_13, latitude=slice(70, 30))
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0), sample_range=(ABSENT, 60))
+    runs = []
+    for _ in range(2):
+        store = counting_store(arco)
+        pipe = insitu_pipeline(store, manifest, {"x": view}, batch_size=6, shuffle=False,
+                               stride="6h", cache_dir=tmp_path / "cache", persist=True)  # fmt: skip
+        batches = [b["x"].copy() for b in _run(pipe)]
+        counts = store.chunk_counts()  # the time coordinate is read at each build (stride "6h")
+        runs.append((batches, sum(n for k, n in counts.items() if k.startswith("temperature/"))))
+    (first, gets0), (second, gets1) = runs
+    assert gets0 == 6 and gets1 == 0, (gets0, gets1)
+    for a, b in zip(first, second, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The real size, metadata only
+# ---------------------------------------------------------------------------------------------
+
+REAL_HOURS = 1_323_648  # 1900-01-01T00 .. 2050-12-31T23
+
+
+def _metadata_only(path: Path) -> Path:
+    group = zarr.open_group(path, mode="w", zarr_format=2)
+    blosc = numcodecs.Blosc(cname="lz4", clevel=5, shuffle=numcodecs.Blosc.SHUFFLE)
+    coords = {"latitude": np.linspace(90, -90, 721, dtype="float32"),
+              "longitude": np.arange(1440, dtype="float32") * np.float32(0.25),
+              "level": np.array(LEVELS, dtype="int64"),
+              "time": np.arange(REAL_HOURS, dtype="int64")}  # fmt: skip
+    for name, values in coords.items():
+        arr = group.create_array(name, shape=values.shape, dtype=values.dtype, compressors=blosc,
+                                 fill_value=None)  # as xarray writes coordinates: no _FillValue
+        arr[:] = values
+        arr.attrs["_ARRAY_DIMENSIONS"] = [name]
+    group["time"].attrs.update(units="hours since 1900-01-01", calendar="proleptic_gregorian")
+    for name, dims in (("temperature", ("time", "level", "latitude", "longitude")),
+                       ("2m_temperature", ("time", "latitude", "longitude"))):  # fmt: skip
+        shape = tuple(len(coords[d]) for d in dims)
+        arr = group.create_array(name, shape=shape, chunks=(1, *shape[1:]), dtype="float32",
+                                 fill_value=np.nan, compressors=blosc)  # fmt: skip
+        arr.attrs["_ARRAY_DIMENSIONS"] = list(dims)
+    zarr.consolidate_metadata(path)
+    return path
+
+
+def test_the_real_sized_archive_opens_splits_by_date_and_builds_in_bounded_cpu_time(
+    tmp_path: Path,
+) -> None:
+    root = _metadata_only(tmp_path / "arco.zarr")
+    start = time.process_time()
+    g = open_geometries(root)
+    t = g["temperature"]
+    assert t.shape == (REAL_HOURS, 37, 721, 1440)
+    coord = open_coordinates(root, t)["time"]
+    assert coord.values[-1] == np.datetime64("2050-12-31T23:00")
+    manifest = split_by_chunk(t, (0.9, 0.1, 0.0), sample_range=("1979-01-01", "2020-01-01"),
+                              coord=coord)  # fmt: skip
+    view = t.sel(level=GRAPHCAST_13, latitude=slice(70, 30), longitude=slice(0, 30))
+    pipe = insitu_pipeline(root, manifest, {"x": view.window(["-6h", "0h"]),
+                                            "y": t.window(["6h"])},
+                           batch_size=4, stride="6h", shuffle=True)  # fmt: skip
+    n = len(pipe)
+    cpu = time.process_time() - start
+    pipe.close()
+    days = (np.datetime64("2020-01-01") - np.datetime64("1979-01-01")).astype(int)
+    anchors_train = round(days * 4 * 0.9)
+    assert abs(n * 4 - anchors_train) < 8 * 4, (n, anchors_train)
+    print(f"real-size open + window + build + len: {cpu:.2f} CPU-s, {n} batches")
+    assert cpu < 10.0, cpu
