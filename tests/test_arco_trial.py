@@ -47,6 +47,8 @@ import xarray as xr
 import zarr
 
 from helpers import counting_store
+from resume_helpers import assert_resumes_exactly, digest, epochs_of
+from torchdata.nodes import Loader
 from insitubatch_nodes import fit_statistics, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes import stack as make_stack
 from insitubatch_nodes.forcings import Forcings
@@ -80,6 +82,8 @@ def _dataset() -> xr.Dataset:
     ds = xr.Dataset(data, coords={"time": TIMES, "level": np.array(LEVELS, dtype="int64"),
                                   "latitude": LAT, "longitude": LON})  # fmt: skip
     ds = ds.astype("float32")
+    ds.attrs = {"valid_time_start": "2020-01-01", "valid_time_stop": "2020-01-07",
+                "valid_time_stop_era5t": "2020-01-09", "last_updated": "2020-01-10 03:27:53"}
     ds["level"].attrs = {"long_name": "pressure_level", "units": "millibars"}
     ds["latitude"].attrs = {"long_name": "latitude", "units": "degrees_north"}
     ds["longitude"].attrs = {"long_name": "longitude", "units": "degrees_east"}
@@ -351,3 +355,92 @@ def test_the_real_sized_archive_opens_splits_by_date_and_builds_in_bounded_cpu_t
     assert abs(n * 4 - anchors_train) < 8 * 4, (n, anchors_train)
     print(f"real-size open + window + build + len: {cpu:.2f} CPU-s, {n} batches")
     assert cpu < 10.0, cpu
+
+
+def test_placeholder_hours_are_skipped_and_counted_by_fit_statistics(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    g = open_geometries(arco)
+    view = g["temperature"].sel(level=[500, 850])
+    manifest = split_by_chunk(g["temperature"], (1.0, 0.0, 0.0), sample_range=(0, 48))
+    stats = fit_statistics(arco, manifest, {"t": view})
+    want = oracle["temperature"].sel(level=[500, 850]).values[:48].astype("float64")
+    assert np.isnan(want[:ABSENT]).all() and np.isfinite(want[ABSENT:]).all()
+    np.testing.assert_allclose(stats.shaped("t", "mean", view).ravel(),
+                               np.nanmean(want, axis=(0, 2, 3)), rtol=1e-6)  # fmt: skip
+    nan_count = stats.shaped("t", "nan_count", view).ravel()
+    np.testing.assert_array_equal(nan_count, [ABSENT * len(LAT) * len(LON)] * 2)
+
+
+def test_placeholder_hours_ingested_after_the_cache_was_warmed_are_read_anew(
+    arco: Path, tmp_path: Path
+) -> None:
+    # ARCO-ERA5 pre-allocates its time axis to 2050 and writes each month into objects that
+    # were absent (read as NaN) until then: a cache warmed before must not serve the NaNs
+    root = tmp_path / "arco.zarr"
+    shutil.copytree(arco, root)
+    g = open_geometries(root)
+    view = g["2m_temperature"]
+    manifest = split_by_chunk(view, (1.0, 0.0, 0.0), sample_range=(0, 48))
+
+    def run() -> np.ndarray:
+        pipe = insitu_pipeline(root, manifest, {"x": view}, batch_size=8, shuffle=False,
+                               cache_dir=tmp_path / "cache", persist=True)  # fmt: skip
+        return np.concatenate([b["x"] for b in _run(pipe)])
+
+    before = run()
+    assert np.isnan(before[:ABSENT]).all()
+    fresh = np.random.default_rng(3).normal(280, 5, (ABSENT, len(LAT), len(LON)))
+    zarr.open_array(root / "2m_temperature", mode="r+")[:ABSENT] = fresh.astype("float32")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        after = run()
+    want = xr.open_zarr(root, consolidated=True, chunks=None)["2m_temperature"].values[:48]
+    np.testing.assert_array_equal(after, want)
+    assert np.isfinite(after).all()
+
+
+def test_the_stores_valid_time_attributes_as_a_window_are_half_open_unlike_xarrays_sel(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    # ARCO's README idiom: ds.sel(time=slice(ds.attrs["valid_time_start"],
+    # ds.attrs["valid_time_stop"])) keeps the stop day whole; a split's window is half-open, so
+    # the same pair ends the day before (documented), and the day after includes it
+    g = open_geometries(arco)["2m_temperature"]
+    time = open_coordinates(arco, g)["time"]
+    start, stop = oracle.attrs["valid_time_start"], oracle.attrs["valid_time_stop"]
+    xr_days = oracle.time.sel(time=slice(start, stop)).values
+    half_open = split_by_chunk(g, (1.0, 0.0, 0.0), sample_range=(start, stop), coord=time)
+    assert oracle.time.values[half_open.samples("train")][-1] == np.datetime64("2020-01-06T23")
+    day_after = str(np.datetime64(stop, "D") + 1)
+    whole = split_by_chunk(g, (1.0, 0.0, 0.0), sample_range=(start, day_after), coord=time)
+    np.testing.assert_array_equal(oracle.time.values[whole.samples("train")], xr_days)
+
+
+def test_a_graphcast_stack_over_a_date_window_at_6_hours_resumes_exactly_mid_epoch(
+    arco: Path,
+) -> None:
+    g = open_geometries(arco)
+    box = {"latitude": slice(75, 30), "longitude": slice(0, 45)}
+    x = make_stack(_graphcast_members(g, box))
+    y = make_stack({"temperature": g["temperature"].sel(level=GRAPHCAST_13, **box).window([6])})
+    time = open_coordinates(arco, g["2m_temperature"])["time"]
+    manifest = _date_splits(g["2m_temperature"], time)["train"]
+
+    def build() -> Any:
+        return insitu_pipeline(arco, manifest, {"x": x, "y": y}, batch_size=3, stride="6h",
+                               shuffle=True, seed=11)  # fmt: skip
+
+    def records(batches: list[Any]) -> list[Any]:
+        return [(b.epoch, {k: v.tolist() for k, v in b.sample_indices.items()},
+                 {k: digest(v) for k, v in b.arrays.items()}) for b in batches]  # fmt: skip
+
+    pipe = build()
+    try:
+        it = epochs_of(Loader(pipe))
+        ref = records([next(it) for _ in range(2 * len(pipe))])
+    finally:
+        pipe.close()
+    # 20 anchors of Jan 1-5 less the first 00 (no -6 h) and the last 18 (no +6 h), in 3s
+    assert len(ref) == 2 * 6
+    assert_resumes_exactly(build, records, ref, ks=[1, 5, 7])
