@@ -45,10 +45,10 @@ import pandas as pd
 import pytest
 import xarray as xr
 import zarr
-
 from helpers import counting_store
 from resume_helpers import assert_resumes_exactly, digest, epochs_of
 from torchdata.nodes import Loader
+
 from insitubatch_nodes import fit_statistics, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes import stack as make_stack
 from insitubatch_nodes.forcings import Forcings
@@ -57,7 +57,8 @@ from insitubatch_nodes.io import open_coordinates
 pytestmark = pytest.mark.timeout(120)
 
 LEVELS = [1, 2, 3, 5, 7, 10, 20, 30, 50, 70, 100, 125, 150, 175, 200, 225, 250, 300, 350, 400,
-          450, 500, 550, 600, 650, 700, 750, 775, 800, 825, 850, 875, 900, 925, 950, 975, 1000]  # fmt: skip
+          450, 500, 550, 600, 650, 700, 750, 775, 800, 825, 850, 875, 900, 925, 950, 975,
+          1000]  # fmt: skip
 GRAPHCAST_13 = [50, 100, 150, 200, 250, 300, 400, 500, 600, 700, 850, 925, 1000]
 LAT = np.linspace(90, -90, 13, dtype="float32")  # descending, both poles
 LON = np.arange(0, 360, 15, dtype="float32")  # 0..345
@@ -82,8 +83,12 @@ def _dataset() -> xr.Dataset:
     ds = xr.Dataset(data, coords={"time": TIMES, "level": np.array(LEVELS, dtype="int64"),
                                   "latitude": LAT, "longitude": LON})  # fmt: skip
     ds = ds.astype("float32")
-    ds.attrs = {"valid_time_start": "2020-01-01", "valid_time_stop": "2020-01-07",
-                "valid_time_stop_era5t": "2020-01-09", "last_updated": "2020-01-10 03:27:53"}
+    ds.attrs = {
+        "valid_time_start": "2020-01-01",
+        "valid_time_stop": "2020-01-07",
+        "valid_time_stop_era5t": "2020-01-09",
+        "last_updated": "2020-01-10 03:27:53",
+    }
     ds["level"].attrs = {"long_name": "pressure_level", "units": "millibars"}
     ds["latitude"].attrs = {"long_name": "latitude", "units": "degrees_north"}
     ds["longitude"].attrs = {"long_name": "longitude", "units": "degrees_east"}
@@ -210,7 +215,9 @@ def test_date_windows_split_every_6_hours_anchors_once_with_no_target_across_an_
         assert (all_steps >= lo).all() and (all_steps < hi).all(), split
         want = oracle.time.values
         expect = np.flatnonzero((want >= lo) & (want < hi) & (pd.DatetimeIndex(want).hour % 6 == 0))
-        expect = expect[(expect - 6 >= np.searchsorted(want, lo)) & (expect + 6 < np.searchsorted(want, hi))]
+        expect = expect[
+            (expect - 6 >= np.searchsorted(want, lo)) & (expect + 6 < np.searchsorted(want, hi))
+        ]
         np.testing.assert_array_equal(anchors, expect)
         got = np.concatenate([b["x"] for b in batches])
         np.testing.assert_array_equal(got, oracle["2m_temperature"].values[x])
@@ -252,7 +259,9 @@ def test_a_graphcast_like_stack_equals_xarrays_values_channel_by_channel(
     for b in batches:
         idx = b.sample_indices["x"]  # (rows, 2)
         got = b["x"]  # (rows, T, C, lat, lon)
-        np.testing.assert_array_equal(got[:, :, :13], sub["temperature"].sel(level=GRAPHCAST_13).values[idx])
+        np.testing.assert_array_equal(
+            got[:, :, :13], sub["temperature"].sel(level=GRAPHCAST_13).values[idx]
+        )
         np.testing.assert_array_equal(got[:, :, 13], sub["2m_temperature"].values[idx])
         np.testing.assert_array_equal(got[:, :, 14], sub["land_sea_mask"].values[idx])
         want_z = np.broadcast_to(sub["geopotential_at_surface"].values, got[:, :, 15].shape)
@@ -278,7 +287,9 @@ def test_fit_statistics_on_the_training_window_equals_numpy_over_xarrays_selecti
     std_t = stats.shaped("t", "std", views["t"]).ravel()
     np.testing.assert_allclose(std_t, want_t.std(axis=(0, 2, 3)), rtol=1e-5)
     want_s = sel["2m_temperature"].values.astype("float64")
-    np.testing.assert_allclose(stats.shaped("s", "mean", views["s"]).ravel(), [want_s.mean()], rtol=1e-6)
+    np.testing.assert_allclose(
+        stats.shaped("s", "mean", views["s"]).ravel(), [want_s.mean()], rtol=1e-6
+    )
 
 
 def test_a_second_pipeline_over_the_persistent_cache_reads_nothing_from_the_store(
@@ -316,8 +327,9 @@ def _metadata_only(path: Path) -> Path:
               "level": np.array(LEVELS, dtype="int64"),
               "time": np.arange(REAL_HOURS, dtype="int64")}  # fmt: skip
     for name, values in coords.items():
-        arr = group.create_array(name, shape=values.shape, dtype=values.dtype, compressors=blosc,
-                                 fill_value=None)  # as xarray writes coordinates: no _FillValue
+        arr = group.create_array(
+            name, shape=values.shape, dtype=values.dtype, compressors=blosc, fill_value=None
+        )  # as xarray writes coordinates: no _FillValue
         arr[:] = values
         arr.attrs["_ARRAY_DIMENSIONS"] = [name]
     group["time"].attrs.update(units="hours since 1900-01-01", calendar="proleptic_gregorian")
@@ -444,3 +456,24 @@ def test_a_graphcast_stack_over_a_date_window_at_6_hours_resumes_exactly_mid_epo
     # 20 anchors of Jan 1-5 less the first 00 (no -6 h) and the last 18 (no +6 h), in 3s
     assert len(ref) == 2 * 6
     assert_resumes_exactly(build, records, ref, ks=[1, 5, 7])
+
+
+def test_batches_in_flight_beyond_the_processs_memory_are_refused_when_the_pipeline_is_built(
+    arco: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a GraphCast stack at 0.25 degrees (87 channels of 721 x 1440, two steps) is 723 MB a
+    # sample: batch_size=4 passed the one-batch check on a 23 GiB machine, and the
+    # prefetch_depth + 2 buffers made right after the build (11.4 GiB RSS measured before
+    # close) with the pool's floor (20.5 GiB) went past it. Here the memory is 3 batches.
+    from insitubatch_nodes.stages import buffers
+
+    g = open_geometries(arco)
+    view = g["2m_temperature"]
+    batch = 4 * len(LAT) * len(LON) * 4
+    monkeypatch.setattr(buffers, "usable_memory_bytes", lambda: 3 * batch)
+    manifest = split_by_chunk(view, (1.0, 0.0, 0.0), sample_range=(ABSENT, 60))
+    with pytest.raises(ValueError, match=r"prefetch_depth=2.* 4 batches in flight.*"
+                                         r"batch_size=3 or prefetch_depth=1"):  # fmt: skip
+        insitu_pipeline(arco, manifest, {"x": view}, batch_size=4)
+    pipe = insitu_pipeline(arco, manifest, {"x": view}, batch_size=4, prefetch_depth=1)
+    assert sum(len(b["x"]) for b in _run(pipe)) == 36
