@@ -1,34 +1,58 @@
 """ARCO-ERA5 as a weather-ML user opens it: a tiny-grid replica with the real store's metadata.
 
 The replica copies what the public store (``gs://gcp-public-data-arco-era5/ar/
-full_37-1h-0p25deg-chunk-1.zarr-v3``, and its predecessor ``1959-2022-full_37-1h-0p25deg-chunk-1
-.zarr-v2``) is made of, as learnt from its README and from code that reads its objects by hand
-(``<var>/<hours since 1900-01-01>.0.0``, ``numcodecs.Blosc()``, ``<f4``, 721x1440): zarr
-*format 2* for both (the ``-v3`` is the dataset's version, not zarr's), consolidated
-``.zmetadata``, one time step per object and the 37 levels whole in it, dims ``time``,
-``level``, ``latitude``, ``longitude``; latitude float32 90..-90 (descending), longitude
-float32 0..359.75; time int64 ``hours since 1900-01-01``, ``proleptic_gregorian``; level int64
-in hPa (1..1000, 37 values); float32 fields, Blosc, fill value NaN; the archive's axis runs
-from 1900-01-01 to 2050-12-31T23 (1,323,648 hours) with the objects outside ERA5's record never
-written (read as NaN). Variables: surface ``2m_temperature``, ``mean_sea_level_pressure``,
-``total_precipitation``; levels ``temperature``, ``geopotential``; ``land_sea_mask`` per hour
-(as ARCO ingests it) and a static ``geopotential_at_surface`` (WeatherBench2's layout) beside
-it. The grid is 15 degrees (13 x 24); 240 hours of 2019-12-31 .. 2020-01-09, the first 24
-hours' objects absent (a placeholder day, as before 1940 in the real store).
+full_37-1h-0p25deg-chunk-1.zarr-v3``) is made of, as learnt from its README, its issues and code
+that reads its objects by hand (``<var>/<hours since 1900-01-01>.0.0``, ``numcodecs.Blosc()``,
+``<f4``, 721x1440): zarr *format 2* (the ``-v3`` is the dataset's version, not zarr's; its
+predecessor ``1959-2022-full_37-1h-0p25deg-chunk-1.zarr-v2`` is laid out alike, not replicated
+apart), consolidated ``.zmetadata``, one time step per object with the 37 levels whole in it,
+dims ``time``, ``level``, ``latitude``, ``longitude``; latitude float32 90..-90 (descending),
+longitude float32 0..359.75; time int64 ``hours since 1900-01-01``, ``proleptic_gregorian``;
+level int64 hPa (1..1000, 37 values); float32 fields, Blosc lz4, fill value NaN; the time axis
+pre-allocated from 1900-01-01 to 2050-12-31T23 (1,323,648 hours), the objects outside the
+record never written (read as NaN) until the monthly ingestion writes them; the dataset's
+``valid_time_start`` / ``valid_time_stop`` / ``valid_time_stop_era5t`` attributes. Variables:
+surface ``2m_temperature``, ``mean_sea_level_pressure``, ``total_precipitation``; levels
+``temperature``, ``geopotential``; ``land_sea_mask`` per hour and a static
+``geopotential_at_surface`` (WeatherBench2's layout; whether ARCO keeps statics per hour was not
+confirmed). A 15-degree grid (13 x 24), 240 hours from 2019-12-31, the first day's objects absent.
+
+Found wrong, fixed:
+
+* Batches in flight beyond the process's memory were built without a word: ``insitu_pipeline``
+  checked that *one* batch fits in memory, while the prefetch stage keeps ``prefetch_depth + 2``
+  and faults them all in right after the build. A GraphCast-like stack at 0.25 degrees (six
+  37-level fields, five surface, a static, three forcings: 231 channels, 1.9 GB a sample) at
+  ``batch_size=4`` passed (7.0 GiB a batch) on a 23.5 GiB machine and set out to fault in
+  28.1 GiB. Now a ``ValueError`` at the build names ``batch_size`` and ``prefetch_depth`` and
+  the largest of each that fits (``stages/buffers.py``):
+  ``test_batches_in_flight_beyond_the_processs_memory_are_refused_when_the_pipeline_is_built``.
 
 Tried and found right (oracle: ``xarray.open_zarr`` + ``sel``/``isel`` of the same store):
-``open_geometries`` of both formats' layouts; GraphCast's 13 levels selected from the 37 and a
-Europe box ``latitude=slice(70, 30), longitude=slice(-10, 30)`` (refused, saying which box) and
-the same box as two views (``slice(345, None)`` and ``slice(0, 30)``) equal xarray's; date
-windows ``split_by_chunk(..., sample_range=(start, stop), coord=time)`` for train/val/test,
-half-open, each sample once, no target across a window's edge; anchors every 6 h (00/06/12/18
-UTC) and windows ``[-6, 0]`` / ``[6]`` in hours; a GraphCast-like stack (13-level channels, the
-surface fields, the static field, the forcings) equals xarray's values channel by channel;
-``fit_statistics`` on the training window equals numpy in float64 over xarray's selection;
-the persistent cache: a second pipeline over the warmed cache reads no chunk from the store and
-delivers the same batches. At the real size (metadata only, 1,323,648 x 37 x 721 x 1440, the
-time coordinate written whole): open, a date window, a 6-hourly stride and the pipeline's
-build and ``len`` in bounded CPU time of this process.
+``open_geometries`` (every variable, the decoded time); GraphCast's 13 of the 37 levels with a
+box over the descending latitude; a Europe box ``longitude=slice(-20, 30)`` on 0..360 is
+refused naming the two views (``slice(340, None)``, ``slice(None, 30)``), whose rows side by
+side equal xarray's rolled selection (``slice(-10, 30)`` on this 15-degree grid is taken, as
+xarray takes it: no grid point lies in 350..360); ``sel`` of float levels, nearest levels,
+reversed lists, reversed slices (refused, saying the order), ``time`` (refused: the sample
+axis); date windows for train/val/test (half-open, each anchor once, no step outside its
+window), anchors every 6 h (00/06/12/18) with windows in hours; ``valid_time_start`` /
+``valid_time_stop`` as a window end the day before the stop (half-open, documented; the day
+after includes it, as xarray's slice does); a GraphCast-like stack (13-level channels, surface,
+hourly mask, static, forcings) equal to xarray's channel by channel, and resumed exactly
+mid-epoch (shuffled, 6 h, date window); ``fit_statistics`` over the training window equal to
+numpy in float64, and over placeholder hours skipping and counting them (``nan_count``); the
+persistent cache: a second pipeline reads no chunk, and placeholder objects written after it was
+warmed are read anew, not served as NaN. At the real size (metadata only): open, a date
+window over 1,323,648 hours, a 6-hourly stride, the build and ``len`` in 1.3 CPU-s (measured;
+bound 10); measured by hand, not held here: 259 arrays opened in 0.2-0.4 CPU-s, a 13-level
+GraphCast stack (87 channels) built in 0.9-1.4 CPU-s. A replica written with zarr's default
+``fill_value`` 0 for ``time`` reads 1900-01-01T00 as missing (NaT), as xarray does; xarray
+writes coordinates without one, as the replica now does.
+
+Left as it is: the batches in flight and the pool's working-set floor are checked apart, not
+together: the 13-level stack at ``batch_size=4`` (10.8 GiB of buffers; 11.4 GiB resident
+measured before ``close``) beside an automatic floor of up to 20.5 GiB still builds on 23.5 GiB.
 """
 
 from __future__ import annotations
@@ -461,10 +485,11 @@ def test_a_graphcast_stack_over_a_date_window_at_6_hours_resumes_exactly_mid_epo
 def test_batches_in_flight_beyond_the_processs_memory_are_refused_when_the_pipeline_is_built(
     arco: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a GraphCast stack at 0.25 degrees (87 channels of 721 x 1440, two steps) is 723 MB a
-    # sample: batch_size=4 passed the one-batch check on a 23 GiB machine, and the
-    # prefetch_depth + 2 buffers made right after the build (11.4 GiB RSS measured before
-    # close) with the pool's floor (20.5 GiB) went past it. Here the memory is 3 batches.
+    # a GraphCast-like stack at 0.25 degrees (six 37-level fields, five surface ones, a static
+    # one, three forcings: 231 channels of 721 x 1440, two steps) is 1.9 GB a sample:
+    # batch_size=4 passed the one-batch check (7.0 GiB) on a 23.5 GiB machine, and the
+    # prefetch_depth + 2 buffers made right after the build are 28.1 GiB. Here the memory is
+    # 3 batches.
     from insitubatch_nodes.stages import buffers
 
     g = open_geometries(arco)
@@ -477,3 +502,28 @@ def test_batches_in_flight_beyond_the_processs_memory_are_refused_when_the_pipel
         insitu_pipeline(arco, manifest, {"x": view}, batch_size=4)
     pipe = insitu_pipeline(arco, manifest, {"x": view}, batch_size=4, prefetch_depth=1)
     assert sum(len(b["x"]) for b in _run(pipe)) == 36
+
+
+def test_level_and_latitude_keys_as_a_user_types_them_select_xarrays_points_or_say_the_order(
+    arco: Path, oracle: xr.Dataset
+) -> None:
+    g = open_geometries(arco)["temperature"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0), sample_range=(30, 31))
+    keys: list[dict[str, Any]] = [
+        {"level": 500.0}, {"level": [500.0, 850.0]}, {"level": [1000, 50]},
+        {"level": slice(50, 1000)}, {"latitude": [60.0, 45.0]},
+        {"longitude": slice(340, 359.75)}, {"latitude": np.float32(60.0)},
+    ]  # fmt: skip
+    for key in keys:
+        pipe = insitu_pipeline(arco, manifest, {"x": g.sel(**key)}, batch_size=1, shuffle=False)
+        got = _run(pipe)[0]["x"][0]
+        np.testing.assert_array_equal(got, oracle["temperature"].sel(**key).values[30])
+    pipe = insitu_pipeline(arco, manifest, {"x": g.sel(level=512, method="nearest")}, batch_size=1)
+    want = oracle["temperature"].sel(level=512, method="nearest").values[30]
+    np.testing.assert_array_equal(_run(pipe)[0]["x"][0], want)
+    with pytest.raises(IndexError, match=r"ascending .* give the slice's ends in that order"):
+        g.sel(level=slice(1000, 50))  # xarray: nothing
+    with pytest.raises(IndexError, match=r"descending .* give the slice's ends in that order"):
+        g.sel(latitude=slice(30, 70))
+    with pytest.raises(ValueError, match="'time' is the sample axis"):
+        g.sel(time=slice("2020-01-01", "2020-01-02"))
