@@ -27,6 +27,14 @@ Found wrong, fixed:
   28.1 GiB. Now a ``ValueError`` at the build names ``batch_size`` and ``prefetch_depth`` and
   the largest of each that fits (``stages/buffers.py``):
   ``test_batches_in_flight_beyond_the_processs_memory_are_refused_when_the_pipeline_is_built``.
+* An automatic budget whose first epoch, beside the batches in flight, exceeds the process's
+  memory was built with a warning only: the 231-channel stack at ``batch_size=1`` (default
+  ``block_chunks=16``) keeps 21.1 GiB of chunks in its first epoch beside 7.1 GiB of batches,
+  on 23.5 GiB. It is refused at the build now, naming both and ``block_chunks`` (3.5 GiB at
+  ``block_chunks=1``); the permutation-free bound (56.2 GiB there; 16.3 against an epoch's
+  7.2 GiB for the real-sized pipeline below) is not what is compared, as it would refuse
+  pipelines that run (``plan/memory_floor.py``, called by the fetch stage's build):
+  ``test_an_automatic_budget_whose_first_epoch_exceeds_the_processs_memory_is_refused_at_build``.
 
 Tried and found right (oracle: ``xarray.open_zarr`` + ``sel``/``isel`` of the same store):
 ``open_geometries`` (every variable, the decoded time); GraphCast's 13 of the 37 levels with a
@@ -50,9 +58,10 @@ GraphCast stack (87 channels) built in 0.9-1.4 CPU-s. A replica written with zar
 ``fill_value`` 0 for ``time`` reads 1900-01-01T00 as missing (NaT), as xarray does; xarray
 writes coordinates without one, as the replica now does.
 
-Left as it is: the batches in flight and the pool's working-set floor are checked apart, not
-together: the 13-level stack at ``batch_size=4`` (10.8 GiB of buffers; 11.4 GiB resident
-measured before ``close``) beside an automatic floor of up to 20.5 GiB still builds on 23.5 GiB.
+Left as it is: beside an explicit ``cache_budget_bytes`` the batches in flight are checked
+alone, not added to the budget. A 13-level GraphCast stack (87 channels) at ``batch_size=4``
+(10.6 GiB first epoch, 10.8 GiB of batches) still builds on 23.5 GiB; 11.4 GiB resident was
+measured right after its build (before this change).
 """
 
 from __future__ import annotations
@@ -381,7 +390,7 @@ def test_the_real_sized_archive_opens_splits_by_date_and_builds_in_bounded_cpu_t
                               coord=coord)  # fmt: skip
     view = t.sel(level=GRAPHCAST_13, latitude=slice(70, 30), longitude=slice(0, 30))
     pipe = insitu_pipeline(root, manifest, {"x": view.window(["-6h", "0h"]),
-                                            "y": t.window(["6h"])},
+                                            "y": view.window(["6h"])},
                            batch_size=4, stride="6h", shuffle=True)  # fmt: skip
     n = len(pipe)
     cpu = time.process_time() - start
@@ -527,3 +536,26 @@ def test_level_and_latitude_keys_as_a_user_types_them_select_xarrays_points_or_s
         g.sel(latitude=slice(30, 70))
     with pytest.raises(ValueError, match="'time' is the sample axis"):
         g.sel(time=slice("2020-01-01", "2020-01-02"))
+
+
+def test_an_automatic_budget_whose_first_epoch_exceeds_the_processs_memory_is_refused_at_build(
+    arco: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the GraphCast-like stack at 0.25 degrees at batch_size=1: its first epoch's floor is
+    # beyond a 23.5 GiB machine at the default block_chunks=16, where the build only warned
+    # ("floor at most 56.2 GiB") and went on. Here the floor is a few MiB and the memory is
+    # patched around it.
+    from insitubatch_nodes.plan import memory_floor, schedule
+
+    t = open_geometries(arco)["temperature"]
+    manifest = split_by_chunk(t, (1.0, 0.0, 0.0), sample_range=(ABSENT, 240))
+    views = {"x": t.window([-6, 0]), "y": t.window([6])}
+    monkeypatch.setattr(schedule, "usable_memory_bytes", lambda: 1_200_000)
+    monkeypatch.setattr(memory_floor, "usable_memory_bytes", lambda: 1_200_000)
+    with pytest.raises(ValueError, match=r"cannot hold this pipeline.*block_chunks=16.*lower"):
+        insitu_pipeline(arco, manifest, views, batch_size=4, stride="6h")
+    monkeypatch.setattr(schedule, "usable_memory_bytes", lambda: 6 << 20)  # a quarter: 1.5 MiB
+    monkeypatch.setattr(memory_floor, "usable_memory_bytes", lambda: 6 << 20)  # both fit
+    pipe = insitu_pipeline(arco, manifest, views, batch_size=4, stride="6h")
+    assert pipe.stages.plan.epoch_plan(0).pin_gap is not None  # the bounded schedule
+    assert sum(len(b["x"]) for b in _run(pipe)) == 34  # Jan 1 06 .. Jan 9 12, 6-hourly

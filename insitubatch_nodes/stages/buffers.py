@@ -146,6 +146,11 @@ class BatchBuffers:
         """Bytes of buffer memory held now, lent out or idle."""
         return sum(p.held_bytes for p in self._pools.values())
 
+    @property
+    def batch_nbytes(self) -> int:
+        """Bytes of one batch's buffers, every label's together."""
+        return sum(p.nbytes for p in self._pools.values())
+
 
 def batch_rows(
     batch_size: int,
