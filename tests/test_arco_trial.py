@@ -52,7 +52,7 @@ mid-epoch (shuffled, 6 h, date window); ``fit_statistics`` over the training win
 numpy in float64, and over placeholder hours skipping and counting them (``nan_count``); the
 persistent cache: a second pipeline reads no chunk, and placeholder objects written after it was
 warmed are read anew, not served as NaN. At the real size (metadata only): open, a date
-window over 1,323,648 hours, a 6-hourly stride, the build and ``len`` in 1.3 CPU-s (measured;
+window over 1,323,648 hours, a 6-hourly stride, the build and ``len`` in 0.9-1.3 CPU-s (measured;
 bound 10); measured by hand, not held here: 259 arrays opened in 0.2-0.4 CPU-s, a 13-level
 GraphCast stack (87 channels) built in 0.9-1.4 CPU-s. A replica written with zarr's default
 ``fill_value`` 0 for ``time`` reads 1900-01-01T00 as missing (NaT), as xarray does; xarray
