@@ -146,6 +146,11 @@ class BatchBuffers:
         """Bytes of buffer memory held now, lent out or idle."""
         return sum(p.held_bytes for p in self._pools.values())
 
+    @property
+    def batch_nbytes(self) -> int:
+        """Bytes of one batch's buffers, every label's together."""
+        return sum(p.nbytes for p in self._pools.values())
+
 
 def batch_rows(
     batch_size: int,
@@ -154,16 +159,23 @@ def batch_rows(
     split: str,
     rank: int,
     world_size: int,
+    prefetch_depth: int | None = None,
 ) -> int:
     """Rows of the batch buffers: ``min(batch_size, delivered)`` (``delivered``: the samples
     this rank yields per epoch, so no batch holds more); ``ValueError`` naming ``batch_size``,
     the split and what fits when one batch of ``batch_size`` samples would not fit in the
     memory this process may use (the machine's, or its container's limit; such a request is a
-    mistake whatever the split holds)."""
+    mistake whatever the split holds). With ``prefetch_depth`` (a prefetch stage's), also a
+    ``ValueError`` naming both when the ``prefetch_depth + 2`` batches it keeps in flight (the
+    consumer's, the queue's, the one being filled; made and faulted in right after the build)
+    would not fit there together."""
     sample_bytes = sum(math.prod(v.inner_shape) * v.dtype.itemsize for v in views.values())
     memory = usable_memory_bytes()
     if batch_size * sample_bytes <= memory:
-        return max(1, min(batch_size, delivered))
+        rows = max(1, min(batch_size, delivered))
+        if prefetch_depth is not None:
+            _check_in_flight(rows, sample_bytes, prefetch_depth, memory)
+        return rows
     on_rank = f" on rank {rank} of {world_size}" if world_size > 1 else ""
     fits = memory // max(1, sample_bytes)
     raise ValueError(
@@ -173,6 +185,25 @@ def batch_rows(
         f"use (at most {fits:,} samples fit in one batch). Split {split!r} delivers {delivered:,} "
         f"samples per epoch{on_rank}, so batch_size={delivered:,} already puts all of them in "
         f"one batch: pass a batch_size of at most {min(delivered, fits):,}"
+    )
+
+
+def _check_in_flight(rows: int, sample_bytes: int, prefetch_depth: int, memory: int) -> None:
+    """``ValueError`` when ``prefetch_depth + 2`` batches of ``rows`` rows exceed ``memory``."""
+    in_flight = prefetch_depth + 2
+    if in_flight * rows * sample_bytes <= memory:
+        return
+    rows_fit = memory // (in_flight * max(1, sample_bytes))
+    depth_fit = memory // max(1, rows * sample_bytes) - 2
+    depth = f"or prefetch_depth={depth_fit:,}" if depth_fit >= 1 else "(no prefetch_depth fits)"
+    raise ValueError(
+        f"batch_size={rows:,} with prefetch_depth={prefetch_depth:,} would not fit: the "
+        f"pipeline keeps {in_flight} batches in flight (the consumer's, {prefetch_depth} queued "
+        f"ahead, the one being filled; made right after the build), "
+        f"{_human_bytes(in_flight * rows * sample_bytes)} at {_human_bytes(rows * sample_bytes)} "
+        f"a batch ({sample_bytes:,} bytes per sample over every view), more than the "
+        f"{_human_bytes(memory)} of memory this process may use: pass batch_size={rows_fit:,} "
+        f"{depth}, or select fewer levels, channels or points per sample"
     )
 
 

@@ -145,6 +145,7 @@ class StageContext:
             plan.split,
             plan.rank,
             plan.world_size,
+            options.prefetch_depth,
         )
         recorder: EpochRecorder = NULL_RECORDER
         if options.report:

@@ -70,6 +70,7 @@ from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.routing import RoutingStore
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.plan.ledger import BatchPlan
+from insitubatch_nodes.plan.memory_floor import refuse_beyond_memory
 from insitubatch_nodes.stages._admit import (
     Admission,
     FetchHistory,
@@ -213,6 +214,10 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             held=context.held,
         )
         self._history = FetchHistory(self.geoms)
+        self._first_floor = epoch_floor(self._setup, context.plan.epoch_plan(0))[0]
+        if self.pool.auto:  # before this node holds anything: nothing to tear down
+            in_flight = (options.prefetch_depth + 2) * context.buffers.batch_nbytes
+            refuse_beyond_memory(self._first_floor, in_flight, context.plan.block_chunks)
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
@@ -253,7 +258,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         directory) make that epoch's slots ahead of need, in the order they will be needed (a
         fresh process faults new pages in slowly; see :meth:`ChunkPool.reserve`)."""
         first = self.context.plan.epoch_plan(0)
-        self.pool.ensure_floor(epoch_floor(self._setup, first)[0])
+        self.pool.ensure_floor(self._first_floor)
         if self.pool.cache is None:
             self.pool.reserve(reserve_specs(self._setup, first, self.pool.budget_bytes))
 
