@@ -275,13 +275,18 @@ def test_a_forked_child_that_lives_on_does_not_keep_the_parents_cache_lock(
     parent = _pipe(era5, cache_dir=cache, persist=True)
     assert _exact(era5, next(parent))
     read_end, write_end = os.pipe()
+    started_read, started_write = os.pipe()
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child waits for the parent's word, then exits
         os.close(write_end)
+        os.write(started_write, b"s")  # its fork handlers have run (they run before fork returns)
         os.read(read_end, 1)
         os._exit(0)
     os.close(read_end)
+    os.close(started_write)
     try:
+        assert os.read(started_read, 1) == b"s"  # the child's fork handlers ran: no race with them
+        os.close(started_read)
         assert not _lock_free(cache)  # the parent writes it
         parent.close()
         assert _lock_free(cache)
