@@ -94,7 +94,10 @@ class InSituPipeline(PrefetcherNode[Batch]):
         later ``next()`` goes on), and let go of the memory kept idle: the pool's chunks and
         free slots (``pool.clear()``; fills still in a decode, waited for up to 2 s, give
         theirs back as they end), the idle batch buffers and the idle buffers of the static
-        cuts and forcings. What a batch you still hold lives in stays lent."""
+        cuts and forcings. What a batch you still hold lives in stays lent. Nothing in a child
+        forked after the build: all that is the parent's (see ``StageContext.close``)."""
+        if self.context.forked():
+            return
         with self._lock:  # (a next() on another thread starts its producer after this)
             super().close()
             self.stages.pool.clear()  # fills still in a decode give their slots back as they end:
@@ -141,11 +144,9 @@ class InSituPipeline(PrefetcherNode[Batch]):
         batches do not carry, ``Forcings`` among the batch transforms that do not fit their
         label's new view (as at build), a split left with no anchor, and an explicit
         ``cache_budget_bytes`` below the new views' floor (as at build); a static array that
-        cannot be read raises as at build. Time-delta windows
-        are resolved through the times the pipeline was built with (a time ``stride``, time
-        windows or ``missing=``; ``missing=()`` reads them and lists nothing): give offsets in
-        samples otherwise.
-        """
+        cannot be read raises as at build. Time-delta windows are resolved through the times
+        the pipeline was built with (a time ``stride``, time windows or ``missing=``;
+        ``missing=()`` reads them and lists nothing): give offsets in samples otherwise."""
         if not isinstance(views, Mapping) or not views:
             raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
         plan, transforms = self.stages.plan, self.context.transforms

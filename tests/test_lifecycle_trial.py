@@ -316,6 +316,50 @@ def test_a_child_forked_while_a_thread_appends_to_a_cache_log_writes_its_own_cac
     assert said == f"ok {len(_pipe(era5)) + n}", said
 
 
+def test_a_child_forked_while_a_parents_thread_holds_the_pool_closes_the_parents_pipeline(
+    era5: dict[str, Any], tmp_path: Path
+) -> None:
+    # before: close() in the child took the parent's locks (the prefetch stage's, the pool's:
+    # a decode or the producer thread of the parent inside them at the fork, held open here)
+    # and waited forever, where pipeline.md says closing it there leaves the parent's run alone
+    parent = _pipe(era5, cache_dir=tmp_path / "cache", persist=True)
+    assert _exact(era5, next(parent))
+    with parent.stages.pool._lock:  # as a parent's thread holds it, admitting a chunk
+
+        def child_closes() -> str:
+            parent.close()
+            return "closed"
+
+        said = _in_child(child_closes, timeout=10.0)
+    assert said == "ok closed", said
+    rest = list(parent)  # the parent's run goes on
+    assert all(_exact(era5, batch) for batch in rest) and len(rest) == len(parent) - 1
+    parent.close()
+
+
+def test_a_child_forked_while_a_thread_signals_a_lock_dropped_can_drop_its_copy(
+    era5: dict[str, Any], tmp_path: Path
+) -> None:
+    # before: the fork handler made each inherited cache lock's mutex anew but not the event a
+    # drop sets; a parent's thread inside that event at the fork left its lock held in the
+    # child, whose drop of its copy (a collection of the parent's pipeline) waited forever
+    from insitubatch_nodes.cache import lock
+
+    parent = _pipe(era5, cache_dir=tmp_path / "cache", persist=True)
+    assert _exact(era5, next(parent))
+    (held,) = [lk for lk in lock._LOCKS if lk._fd is not None]
+    with held._dropped._cond:  # as a parent's thread holds it, inside Event.set or .wait
+
+        def child_drops() -> str:
+            held._drop()
+            return "dropped"
+
+        said = _in_child(child_drops, timeout=10.0)
+    assert said == "ok dropped", said
+    assert not _lock_free(tmp_path / "cache")  # the parent's lock is the parent's still
+    parent.close()
+
+
 def test_a_sweep_over_cache_dirs_leaves_no_lock_behind_for_each_directory(
     era5: dict[str, Any], tmp_path: Path
 ) -> None:

@@ -497,6 +497,8 @@ def _after_fork_in_child() -> None:
     )
     for lock in list(_LOCKS):
         lock._mutex = threading.Lock()  # (another thread of the parent may have held it)
+        lock._dropped = threading.Event()  # (its condition's lock too, inside set or wait)
+        lock._dropped.set()  # the child's copy is dropped: its descriptor is closed below
         fd, lock._fd = lock._fd, None
         if fd is not None:
             with contextlib.suppress(OSError):

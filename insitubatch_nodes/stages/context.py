@@ -25,6 +25,7 @@ plain ``torchdata`` node (a ``Mapper``, a ``Batcher``) sits between two stages.
 from __future__ import annotations
 
 import functools
+import os
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -96,6 +97,7 @@ class StageContext:
     held: Mapping[str, Held] = field(default_factory=dict)
     _members: list[Member] = field(default_factory=list, repr=False)
     _root: list[weakref.ref[Any]] = field(default_factory=list, repr=False)
+    _pid: int = field(default_factory=os.getpid, repr=False)  # the process that made it
 
     @classmethod
     def create(
@@ -222,14 +224,27 @@ class StageContext:
         else:
             self.close()
 
+    def forked(self) -> bool:
+        """Whether this is a child forked after the graph was built (the stages' threads and
+        what they hold stayed in the parent)."""
+        return os.getpid() != self._pid
+
     def close(self) -> None:
         """Release what every registered stage holds, the last built first (top-down: the
-        batch lent downstream, then the fetch stage's pins, fills and cache lock)."""
+        batch lent downstream, then the fetch stage's pins, fills and cache lock). In a child
+        forked after the graph was built it releases nothing: what the stages hold (their
+        threads, pins, the locks a parent's thread may have held at the fork) is the parent's,
+        and taking those locks could wait forever."""
+        if self.forked():
+            return
         for stage in reversed(self._members):
             stage.release()
 
     def interrupt(self) -> None:
-        """Wake every registered stage's waits now (thread-safe)."""
+        """Wake every registered stage's waits now (thread-safe; nothing in a forked child,
+        see :meth:`close`)."""
+        if self.forked():
+            return
         for stage in self._members:
             stage.interrupt()
 

@@ -412,10 +412,13 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
 
     def __del__(self) -> None:
         worker = getattr(self, "_worker", None)
-        if worker is not None:
+        if worker is not None and getattr(self, "_pid", None) == os.getpid():
             worker.halt(close_source=True, join=False)
 
     def _halt(self, close_source: bool) -> None:
+        if os.getpid() != self._pid:  # a forked child: the thread and its locks are the parent's
+            self._worker = None
+            return
         # the whole halt under the lock: a next() on another thread (woken by this halt)
         # starts its producer only once the old one is gone and the source closed - started
         # before, the closing released the new producer's chunks (FillCancelled)
