@@ -520,3 +520,29 @@ def window_of(data: np.ndarray, view: Any, origin: np.ndarray) -> np.ndarray:
         for a, o, e in zip(spec.axes, np.asarray(origin).tolist(), spec.extent, strict=True):
             index[a] = slice(o, o + e)
     return data[tuple(index)]
+
+
+def in_forked_child(fn: Callable[[], object], timeout: float = 20.0) -> str:
+    """Run ``fn()`` in a forked child: ``"ok <its result>"``, ``"raised <Type>: <message>"``,
+    or ``"hung"`` when the child did not end within ``timeout`` seconds (it is killed)."""
+    read_end, write_end = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        os.close(read_end)
+        try:
+            message = f"ok {fn()}"
+        except BaseException as exc:
+            message = f"raised {type(exc).__name__}: {exc}"
+        os.write(write_end, message.encode())
+        os._exit(0)
+    os.close(write_end)
+    deadline = time.monotonic() + timeout
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            os.close(read_end)
+            return "hung"
+        time.sleep(0.02)
+    with os.fdopen(read_end) as f:
+        return f.read()

@@ -91,7 +91,7 @@ import numpy as np
 import pytest
 import zarr
 import zarr.storage
-from helpers import counting_store
+from helpers import counting_store, in_forked_child
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
 from insitubatch_nodes.errors import ChunkTransformError, PipelineInterrupted
@@ -178,31 +178,6 @@ def _lock_free(folder: Path) -> bool:
     return True
 
 
-def _in_child(fn: Callable[[], object], timeout: float = 30.0) -> str:
-    """Run ``fn()`` in a forked child; what it returned or raised (or ``"hung"``)."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(read_end)
-        try:
-            message = f"ok {fn()}"
-        except BaseException as exc:
-            message = f"raised {type(exc).__name__}: {exc}"
-        os.write(write_end, message.encode())
-        os._exit(0)
-    os.close(write_end)
-    deadline = time.monotonic() + timeout
-    while not os.waitpid(pid, os.WNOHANG)[0]:
-        if time.monotonic() > deadline:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            os.close(read_end)
-            return "hung"
-        time.sleep(0.02)
-    with os.fdopen(read_end) as f:
-        return f.read()
-
-
 # ---------------------------------------------------------------------------------------------
 # Found: a forked child wrote the parent's cache_dir, and kept its lock
 # ---------------------------------------------------------------------------------------------
@@ -252,7 +227,7 @@ def test_a_forked_child_cannot_write_the_parents_cache_dir_nor_sweep_its_chunks_
                          cache_dir=cache, persist=True, **kw)  # fmt: skip
             return sum(_exact(era5, batch) for batch in pipe)
 
-        said = _in_child(child_writes)
+        said = in_forked_child(child_writes, timeout=30.0)
         assert said.startswith("raised CacheBusyError"), said
         assert f"pid {os.getpid()} " in said and "this process" not in said, said
         assert set(in_progress) <= {p.name for p in cache.glob(".*.tmp")}  # untouched
@@ -311,7 +286,7 @@ def test_a_child_forked_while_a_thread_appends_to_a_cache_log_writes_its_own_cac
             n = sum(_exact(era5, batch) for batch in pipe)
             return n + pipe.stats()["disk_writes"]
 
-        said = _in_child(child_caches, timeout=10.0)
+        said = in_forked_child(child_caches, timeout=10.0)
     n = len(era5["manifest"].splits["train"])
     assert said == f"ok {len(_pipe(era5)) + n}", said
 
@@ -330,7 +305,7 @@ def test_a_child_forked_while_a_parents_thread_holds_the_pool_closes_the_parents
             parent.close()
             return "closed"
 
-        said = _in_child(child_closes, timeout=10.0)
+        said = in_forked_child(child_closes, timeout=10.0)
     assert said == "ok closed", said
     rest = list(parent)  # the parent's run goes on
     assert all(_exact(era5, batch) for batch in rest) and len(rest) == len(parent) - 1
@@ -354,7 +329,7 @@ def test_a_child_forked_while_a_thread_signals_a_lock_dropped_can_drop_its_copy(
             held._drop()
             return "dropped"
 
-        said = _in_child(child_drops, timeout=10.0)
+        said = in_forked_child(child_drops, timeout=10.0)
     assert said == "ok dropped", said
     assert not _lock_free(tmp_path / "cache")  # the parent's lock is the parent's still
     parent.close()
@@ -587,11 +562,11 @@ def test_a_forked_child_builds_its_own_pipeline_and_leaves_the_parents_alone(
         return "dropped"
 
     n = len(want)
-    assert _in_child(own()) == f"ok {n}"
-    assert _in_child(own(cache_dir=cache, readonly_cache=True)) == f"ok {n}"
-    said = _in_child(lambda: next(parent))
+    assert in_forked_child(own(), timeout=30.0) == f"ok {n}"
+    assert in_forked_child(own(cache_dir=cache, readonly_cache=True), timeout=30.0) == f"ok {n}"
+    said = in_forked_child(lambda: next(parent), timeout=30.0)
     assert said.startswith("raised RuntimeError") and "fork" in said, said
-    assert _in_child(drop_parents) == "ok dropped"
+    assert in_forked_child(drop_parents, timeout=30.0) == "ok dropped"
     files = sorted(p.name for p in cache.iterdir())
     got += [_key(b) for b in parent]
     assert got == want and parent.stats()["disk_hits"] > 0

@@ -31,6 +31,7 @@ from helpers import (
     View,
     assert_batch_matches,
     counting_store,
+    in_forked_child,
     lengthen_stop_graces,
     run_epoch,
     write_era5,
@@ -481,34 +482,6 @@ def test_one_ctrl_c_ends_a_process_waiting_on_a_stalled_get_promptly(
 # ---------------------------------------------------------------------------------------------
 # fork
 # ---------------------------------------------------------------------------------------------
-
-
-def in_forked_child(fn: Any, timeout: float = 20.0) -> str:
-    """Run ``fn()`` in a forked child; return what it reported (or why it failed)."""
-    read_end, write_end = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - runs in the child
-        os.close(read_end)
-        try:
-            message = f"ok {fn()}"
-        except BaseException as exc:
-            message = f"raised {type(exc).__name__}: {exc}"
-        os.write(write_end, message.encode())
-        os._exit(0)
-    os.close(write_end)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        done, _ = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:
-        os.kill(pid, signal.SIGKILL)
-        os.waitpid(pid, 0)
-        os.close(read_end)
-        return "hung"
-    with os.fdopen(read_end) as f:
-        return f.read()
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # fork() with threads running
