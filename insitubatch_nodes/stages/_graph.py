@@ -8,8 +8,8 @@ checkpoint, nested once per node above the plan — is read through, to find the
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, cast
 
 __all__ = [
     "SOURCE_KEY",
@@ -66,13 +66,8 @@ def plan_state(state: Mapping[str, Any]) -> Mapping[str, Any]:
     it nest their sources' states (ours under :data:`SOURCE_KEY`; torchdata's own nodes under
     keys of theirs): the first mapping, depth first, that holds ``"config"`` and
     ``"batches_emitted"``. ``ValueError`` when there is none."""
-    stack: list[Any] = [state.get("root", state)]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, Mapping):
-            if "config" in node and "batches_emitted" in node:
-                return node
-            stack.extend(reversed(list(node.values())))
+    for node in _plan_states(state.get("root", state)):
+        return node
     raise ValueError("not an insitubatch_nodes pipeline state (no read-plan state inside)")
 
 
@@ -97,24 +92,23 @@ def owe_stops(state: Mapping[str, Any]) -> Mapping[str, Any]:
         if isinstance(sources, Mapping) and isinstance(exhausted, Mapping):
             found = True
             for key, source in sources.items():
-                plans = _plan_states(source)
+                plans = list(_plan_states(source))  # (dicts: copies made by this walk)
                 if exhausted.get(key) is False and len(plans) == 1:
-                    plans[0][STOP_OWED] = True
+                    cast(dict[str, Any], plans[0])[STOP_OWED] = True
         return out
 
     copied = walk(state)
     return copied if found else state
 
 
-def _plan_states(state: Any) -> list[dict[str, Any]]:
-    """Every read plan's state inside ``state`` (see :func:`plan_state`)."""
-    found: list[dict[str, Any]] = []
+def _plan_states(state: Any) -> Iterator[Mapping[str, Any]]:
+    """Every read plan's state inside ``state``, depth first in the order of its keys: each
+    mapping that holds ``"config"`` and ``"batches_emitted"`` (not looked into further)."""
     stack: list[Any] = [state]
     while stack:
         node = stack.pop()
-        if isinstance(node, dict):
+        if isinstance(node, Mapping):
             if "config" in node and "batches_emitted" in node:
-                found.append(node)
+                yield node
             else:
-                stack.extend(node.values())
-    return found
+                stack.extend(reversed(list(node.values())))
