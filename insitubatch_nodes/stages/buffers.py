@@ -34,7 +34,7 @@ from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.parts import BatchLayout, LabelParts
 from insitubatch_nodes.slots import RamBacking
 
-__all__ = ["BatchBuffers", "batch_rows"]
+__all__ = ["BatchBuffers", "batch_rows", "batches_in_flight"]
 
 
 class BatchBuffers:
@@ -188,9 +188,15 @@ def batch_rows(
     )
 
 
+def batches_in_flight(prefetch_depth: int) -> int:
+    """The batches a prefetch stage of ``prefetch_depth`` keeps in flight, each in buffers of
+    its own: the consumer's, ``prefetch_depth`` queued ahead, the one being filled."""
+    return prefetch_depth + 2
+
+
 def _check_in_flight(rows: int, sample_bytes: int, prefetch_depth: int, memory: int) -> None:
-    """``ValueError`` when ``prefetch_depth + 2`` batches of ``rows`` rows exceed ``memory``."""
-    in_flight = prefetch_depth + 2
+    """``ValueError`` when :func:`batches_in_flight` batches of ``rows`` rows exceed ``memory``."""
+    in_flight = batches_in_flight(prefetch_depth)
     if in_flight * rows * sample_bytes <= memory:
         return
     rows_fit = memory // (in_flight * max(1, sample_bytes))

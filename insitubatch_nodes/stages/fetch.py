@@ -89,6 +89,7 @@ from insitubatch_nodes.stages._graph import (
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, KeepingDecoder, SlotLayout
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages._wiring import check_wiring, claim
+from insitubatch_nodes.stages.buffers import batches_in_flight
 from insitubatch_nodes.stages.context import StageContext
 
 __all__ = ["AsyncChunkFetchNode"]
@@ -216,7 +217,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._history = FetchHistory(self.geoms)
         self._first_floor = epoch_floor(self._setup, context.plan.epoch_plan(0))[0]
         if self.pool.auto:  # before this node holds anything: nothing to tear down
-            in_flight = (options.prefetch_depth + 2) * context.buffers.batch_nbytes
+            in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
             refuse_beyond_memory(self._first_floor, in_flight, context.plan.block_chunks)
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
