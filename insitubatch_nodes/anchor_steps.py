@@ -17,6 +17,7 @@ import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
+from insitubatch_nodes.io.calendars import MONTH_STEPS_NEAR_S, calendar_months
 from insitubatch_nodes.io.coords import MISSING_OFFSET, Coordinate, open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.timeline import whole_seconds
@@ -28,7 +29,6 @@ __all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks"]
 
 _DAY_S = 86_400
 _MONTH_S = 30.436875 * _DAY_S  # (the Gregorian calendar's mean month)
-_NEAR_S = 3 * _DAY_S
 #: the unit of ticks counted in calendar months
 MONTH: np.timedelta64 = np.timedelta64(1, "M")
 #: the unit of ticks counted in seconds
@@ -149,26 +149,13 @@ def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, An
     values, counts = np.unique(d[d > 0], return_counts=True)
     step = int(values[int(np.argmax(counts))])
     k = round(step / _MONTH_S)
-    near = np.abs(d - step) <= _NEAR_S  # (k months differ by 3 days at most)
+    near = np.abs(d - step) <= MONTH_STEPS_NEAR_S
     if k < 1 or (d[near] == step).all():
         return ticks, SECOND
-    months = _calendar_months(coord.values)
+    months = calendar_months(coord.values)
     if (np.diff(months[present])[near] == k).all():
         return months, MONTH
     return ticks, SECOND
-
-
-def _calendar_months(values: np.ndarray) -> np.ndarray:
-    """Whole months of the calendar from January 1970 to each date's month, in the dates' own
-    calendar; :data:`MISSING_OFFSET` where a date is missing."""
-    if values.dtype.kind == "M":  # (NaT stays int64's minimum)
-        return values.astype("datetime64[M]").astype(np.int64)
-    missing = np.array([x is None for x in values], dtype=bool)  # (cftime dates; None)
-    year = np.frompyfunc(lambda t: 1970 if t is None else t.year, 1, 1)(values)
-    month = np.frompyfunc(lambda t: 1 if t is None else t.month, 1, 1)(values)
-    out = (year.astype(np.int64) - 1970) * 12 + month.astype(np.int64) - 1
-    out[missing] = MISSING_OFFSET
-    return out
 
 
 def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:

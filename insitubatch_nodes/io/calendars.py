@@ -42,6 +42,8 @@ from insitubatch_nodes.io.timeunits import NS_PER_UNIT
 __all__ = [
     "CF_CALENDARS",
     "DATETIME64_CALENDARS",
+    "MONTH_STEPS_NEAR_S",
+    "calendar_months",
     "calendar_of",
     "counts_us",
     "date_in",
@@ -311,7 +313,24 @@ def date_in(x: Any, calendar: str, like: Any, what: str) -> Any:
         raise ValueError(f"{what} {x!r} is not a date of calendar {calendar!r}: {exc}") from exc
 
 
-_NEAR_S = 3 * 86_400  # k calendar months differ by 3 days at most
+MONTH_STEPS_NEAR_S = 3 * 86_400
+"""Steps of ``k`` calendar months differ by 3 days at most: the rule by which dates of
+monthly, seasonal or yearly means are told from a fixed step (:func:`month_step`,
+``anchor_steps.calendar_ticks``)."""
+
+
+def calendar_months(values: np.ndarray) -> np.ndarray:
+    """Whole months of the calendar from January 1970 to each date's month, in the dates' own
+    calendar (``datetime64``, or cftime dates); int64's minimum (``NaT``'s own pattern) where a
+    date is missing (``NaT``, ``None``)."""
+    if values.dtype.kind == "M":  # (NaT stays int64's minimum)
+        return values.astype("datetime64[M]").astype(np.int64)
+    missing = np.array([x is None for x in values], dtype=bool)  # (cftime dates; None)
+    year = np.frompyfunc(lambda t: 1970 if t is None else t.year, 1, 1)(values)
+    month = np.frompyfunc(lambda t: 1 if t is None else t.month, 1, 1)(values)
+    out = (year.astype(np.int64) - 1970) * 12 + month.astype(np.int64) - 1
+    out[missing] = np.iinfo(np.int64).min
+    return out
 
 
 def month_step(values: np.ndarray) -> int | None:
@@ -323,12 +342,11 @@ def month_step(values: np.ndarray) -> int | None:
     if len(values) < 2 or values.dtype.kind not in "MO":
         return None
     if values.dtype.kind == "M":
-        months = values.astype("datetime64[M]").astype(np.int64)
         d = np.diff(values.astype("datetime64[s]").astype(np.int64))
     else:  # cftime dates (once per member, at build)
-        months = np.array([t.year * 12 + t.month - 1 for t in values], dtype=np.int64)
         d = np.array([(b - a).total_seconds() for a, b in itertools.pairwise(values)])
-    dm = np.diff(months)
-    if dm[0] < 1 or np.any(dm != dm[0]) or np.all(d == d[0]) or d.max() - d.min() > _NEAR_S:
+    dm = np.diff(calendar_months(values))
+    near = d.max() - d.min() <= MONTH_STEPS_NEAR_S
+    if dm[0] < 1 or np.any(dm != dm[0]) or np.all(d == d[0]) or not near:
         return None
     return int(dm[0])
