@@ -56,7 +56,7 @@ from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
-from insitubatch_nodes.lightning_epochs import EpochLengthSync, ended_epoch_warning, resumed_at
+from insitubatch_nodes.lightning_epochs import EpochLengthSync, finish_ended_epoch, resumed_at
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
@@ -584,16 +584,17 @@ class InSituDataModule(pl.LightningDataModule):
         """A state loaded where the trainer's epoch ended (a checkpoint saved at
         ``on_train_epoch_end``): Lightning is told that epoch's length now and keeps it for
         the next epoch, which this module's views or batch size may batch otherwise (a rollout
-        curriculum): have the trainer reload the loader before that epoch. Not while Lightning
-        restarts inside the epoch (a checkpoint saved after its last batch): it counts the
-        epoch as done by the length told now, so a reload would move that count; warned."""
+        curriculum): have the trainer reload the loader before that epoch. One saved after its
+        last batch (``on_train_batch_end``) too, once Lightning counts that epoch as over
+        whatever the next one's length (:func:`finish_ended_epoch`)."""
         trainer = self.trainer
         lens = dataset.ended_epoch_lens()
         if trainer is None or lens is None or lens[0] == lens[1]:
             return
         if getattr(getattr(trainer, "fit_loop", None), "restarting", False):
-            warnings.warn(ended_epoch_warning(int(trainer.current_epoch), *lens), stacklevel=2)
-            return
+            if not finish_ended_epoch(trainer, lens[1]):
+                return
+            self._resume_check = None  # (the epoch ended: no batch of it is resumed)
         for callback in getattr(trainer, "callbacks", None) or []:
             if isinstance(callback, EpochLengthSync):
                 callback.reload_before_next_epoch(trainer)

@@ -6,7 +6,8 @@ told to (``reload_dataloaders_every_n_epochs``). An epoch of the training pipeli
 from the last one the trainer was told of: an epoch resumed on another number of ranks, views
 given by ``set_views`` (a rollout that grows), another batch size (``dm.batch_size``), a
 checkpoint saved where an epoch ended restored into a data module of the next epoch's settings.
-:class:`EpochLengthSync` has the trainer reload the loader before such an epoch, once.
+:class:`EpochLengthSync` has the trainer reload the loader before such an epoch, once;
+:func:`finish_ended_epoch` lets that reload follow a checkpoint saved after an epoch's last batch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["EpochLengthSync", "ended_epoch_warning", "resumed_at"]
+__all__ = ["EpochLengthSync", "finish_ended_epoch", "resumed_at"]
 
 _RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
 
@@ -57,20 +58,34 @@ def resumed_at(trainer: Any) -> int | None:
     return int(loop.batch_progress.current.ready)
 
 
-def ended_epoch_warning(epoch: int, ended: int, nxt: int) -> str:
-    """What a checkpoint saved after epoch ``epoch``'s last batch (``on_train_batch_end``)
-    costs when restored into a data module whose next epoch has ``nxt`` batches, not the
-    ``ended`` of that epoch: Lightning counts the epoch as done by the length it is told at the
-    restore (``ended``, which a reload would move), and trains the next with that length."""
-    lost = (
-        f"its last {nxt - ended} batches will not be trained"
-        if nxt > ended
-        else "Lightning's count of its batches will be off"
-    )
-    return (
-        f"this checkpoint was saved after the last batch of epoch {epoch} (on_train_batch_end), "
-        f"and Lightning resumes epoch {epoch + 1} with the length epoch {epoch} had, {ended} "
-        f"batches, where this data module's views and batch size give it {nxt}: {lost}. To "
-        "resume it exactly, resume from the checkpoint saved where that epoch ended "
-        "(ModelCheckpoint(save_on_train_epoch_end=True)) or from one saved mid-epoch"
-    )
+def finish_ended_epoch(trainer: Any, nxt: int) -> bool:
+    """Where Lightning restarts from a checkpoint saved after an epoch's last batch
+    (``on_train_batch_end``: ``ModelCheckpoint(every_n_train_steps=...)`` on that batch), have
+    it count that epoch as over whatever length it is told of the next (up to ``nxt``, the
+    next epoch's batches): whether it does, so that the loader may be reloaded for that epoch.
+
+    Lightning (2.5+) counts the ended epoch as done by the batch flag it saved
+    (``is_last_batch``), but its epoch loop starts the next epoch at batch 0 only where its
+    count of the ended epoch's batches reaches the length it is told when that epoch starts
+    (``_TrainingEpochLoop.reset``): told a longer next epoch, it took the ended epoch's
+    batches for the next epoch's first and trained the rest (told the ended epoch's length
+    instead, it trained that many of the next). That count is of an epoch Lightning has
+    finished and resets right then; raised to ``nxt``, the next epoch starts at batch 0 and
+    runs the length it is told. ``False`` for a restart of another kind, which runs the ended
+    epoch's end hooks again (where :class:`EpochLengthSync` has the loader reloaded): a
+    checkpoint saved after the epoch's validation, one that ``max_steps`` has Lightning
+    restart, and any under a Lightning before 2.5 (it restarts the ended epoch at its last
+    batch, which the training loader ends at once: the state holds nothing more of it)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(loop, "batch_progress", None)
+    if progress is None or not getattr(loop, "restarting", False):
+        return False
+    if not hasattr(loop, "restarted_on_train_batch_end"):  # (Lightning before 2.5)
+        return False
+    current = progress.current
+    if not progress.is_last_batch or current.completed != current.processed - 1:
+        return False  # (not saved between the batch's end hooks and Lightning's count of it)
+    if current.processed < nxt:
+        current.ready = current.started = current.processed = nxt
+        current.completed = nxt - 1
+    return True

@@ -1,0 +1,241 @@
+"""A user's trial of resuming an ``InSituDataModule`` fit from the checkpoints Lightning's
+``ModelCheckpoint`` saves, where the batch size changes between epochs (a curriculum:
+``dm.batch_size`` set from ``on_train_epoch_end``, 7 -> 5 -> 6, so 11, 15 and 12 batches).
+
+One tiny store (``t2m`` 96 x 3 x 5, chunks of 4 steps, training split 0.75); a LightningModule
+records, per training step, the trainer's epoch, the batch's epoch and index, its sample
+indices, Lightning's ``batch_idx`` and the length it was told (``num_training_batches``). The
+oracle is the fit never stopped: a resumed fit must train exactly its steps after the
+checkpoint, all six fields equal. Each resumed data module is built with the batch size of the
+epoch Lightning trains first (as recipes/forecast_rollout.py's ``resume_epoch`` reads it).
+
+Found wrong (fixed, each a test here):
+
+1. A checkpoint saved by ``ModelCheckpoint(every_n_train_steps=...)`` on an epoch's last batch,
+   resumed where the next epoch is longer, lost that epoch's last batches (4 of epoch 1's 15
+   here; 3 of 11 in tests/test_curriculum_trial.py), with a ``UserWarning`` calling it a
+   Lightning limitation. Cause (Lightning 2.6's ``_TrainingEpochLoop.reset``): Lightning counts
+   the ended epoch as done by the ``is_last_batch`` it saved, but starts the next epoch at
+   batch 0 only where its count of the ended epoch's batches reaches the length it is told
+   then; told the ended epoch's length (11) it trained 11 of the next epoch's 15, told 15 (a
+   reload) it would have trained only 15 - 11. With one length for both, no length the loader
+   reports can give 15: the data module now raises that count of the finished epoch (which
+   Lightning resets right then) to the next epoch's length and has the loader reloaded, so the
+   next epoch is told 15 and starts at batch 0 (``lightning_epochs.finish_ended_epoch``).
+2. Where the next epoch is shorter (15 -> 12), the batches were right but Lightning was told
+   the ended epoch's 15 for it (``num_training_batches``, what its epoch-fraction validation
+   and progress read); now 12.
+
+Tried and found right (tests below, or probes not kept): resumes from every checkpoint of
+``every_n_train_steps=1`` (first batches of epochs 0 and 1, mid-epoch, last batches) and of
+``save_on_train_epoch_end=True``, 60 over four epochs 7/5/6/4 and 48 at a constant batch size;
+``every_n_epochs=1``; checkpoints saved at validation's end with ``val_check_interval=0.5``,
+``val_check_interval=4`` (``check_val_every_n_epoch=None``) and at the epoch's end (with a
+last-batch checkpoint beside it), validation runs equal too; ``limit_train_batches=5`` and
+``0.5`` at a constant batch size; ``max_steps`` with every last-batch and mid-epoch checkpoint.
+
+Lightning's own, with a plain ``DataLoader`` too (not fixed here): with ``max_steps`` set, a
+checkpoint saved at ``on_train_epoch_end`` resumes one epoch short (a plain ``DataLoader`` of 11
+batches: 23 steps trained of 33, the first at ``batch_idx`` 11); and after a fit resumed from a
+checkpoint saved on an epoch's last batch, Lightning counts that epoch's start neither as
+``ready`` nor ``started`` (nor runs ``on_train_epoch_start``), so the checkpoints that fit saves
+later restore wrongly (mid-epoch ones restart Lightning's ``batch_idx`` at 0; epoch-end ones
+lose an epoch). Not ours either: with ``limit_train_batches`` and a batch size that changes, a
+checkpoint on the limited epoch's last batch holds a mid-epoch loader state of the old batch
+size, which the data module of the next epoch's batch size refuses (``StateMismatchError``)
+although Lightning would drop it (it resumes at the next epoch).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from insitubatch_nodes import PlanConfig, open_geometries
+from insitubatch_nodes.batch import Batch
+
+# Lightning is imported by the tests, not at collection (tests/lightning_parts.py says why).
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("lightning")]
+
+SIZES = (7, 5, 6)  # the batch size of each epoch: 11, 15 and 12 batches
+Step = tuple[int, tuple[int, int], tuple[int, ...], int, int]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """t2m (96, 3, 5) in chunks of 4 steps, with its time axis named."""
+    root = tmp_path_factory.mktemp("laststep") / "s.zarr"
+    group = zarr.open_group(root, mode="w")
+    array = group.create_array(
+        "t2m", shape=(96, 3, 5), chunks=(4, 3, 5), dtype="<f4",
+        dimension_names=["time", "lat", "lon"],
+    )  # fmt: skip
+    array[:] = np.random.default_rng(0).standard_normal((96, 3, 5)).astype("<f4")
+    return root
+
+
+def _item(batch: Batch) -> dict[str, Any]:
+    return {
+        "x": torch.from_numpy(np.ascontiguousarray(batch.arrays["x"])),
+        "rows": tuple(np.asarray(batch.sample_indices["x"]).tolist()),
+        "at": (batch.epoch, batch.index),
+    }
+
+
+def _fit(
+    store: Path, work: Path, *, start: int = 0, ckpt: Path | None = None,
+    checkpoints: tuple[dict[str, Any], ...] = (), **options: Any,
+) -> tuple[list[Step], list[str]]:  # fmt: skip
+    """``trainer.fit`` over the curriculum from epoch ``start``'s batch size (resumed from
+    ``ckpt``), saving ``ModelCheckpoint(**each of checkpoints)`` into ``work``: the steps and
+    the data module's warnings."""
+    import lightning as L
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    steps: list[Step] = []
+
+    class Model(L.LightningModule):  # type: ignore[misc]
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+            told = int(self.trainer.num_training_batches)
+            steps.append((self.current_epoch, batch["at"], batch["rows"], batch_idx, told))
+            return (self.w * 0.0).sum()
+
+        def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+            steps.append((self.current_epoch, batch["at"], batch["rows"], -1, self.global_step))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    class Curriculum(L.Callback):  # type: ignore[misc]
+        def on_train_epoch_end(self, trainer: L.Trainer, module: Any) -> None:
+            trainer.datamodule.batch_size = SIZES[min(trainer.current_epoch + 1, len(SIZES) - 1)]
+
+    g = open_geometries(str(store), ["t2m"])["t2m"]
+    dm = InSituDataModule(
+        str(store), {"x": g, "y": g.shift(1)}, (0.75, 0.25, 0.0), transform=_item,
+        config=PlanConfig(batch_size=SIZES[start], block_chunks=2, seed=3), log_report=False,
+        eval_batch_size=6,
+    )  # fmt: skip
+    callbacks = [Curriculum()]
+    callbacks += [L.pytorch.callbacks.ModelCheckpoint(dirpath=work, save_top_k=-1, **c)
+                  for c in checkpoints]  # fmt: skip
+    settings: dict[str, Any] = {
+        "max_epochs": len(SIZES), "default_root_dir": work, "logger": False,
+        "enable_progress_bar": False, "enable_model_summary": False, "accelerator": "cpu",
+        "limit_val_batches": 0, "num_sanity_val_steps": 0, "callbacks": callbacks,
+        "enable_checkpointing": bool(checkpoints), **options,
+    }  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        L.Trainer(**settings).fit(Model(), datamodule=dm, ckpt_path=ckpt)
+    ours = [str(w.message) for w in caught if "insitubatch_nodes" in w.filename]
+    return steps, ours
+
+
+def _resume_epoch(ckpt: Path) -> int:
+    """The epoch Lightning trains first from ``ckpt`` (recipes/forecast_rollout.py's rule)."""
+    loop = torch.load(ckpt, weights_only=False)["loops"]["fit_loop"]
+    epochs = loop["epoch_progress"]["current"]
+    last_batch = bool(loop["epoch_loop.batch_progress"]["is_last_batch"])
+    return int(epochs["processed"]) + int(last_batch and epochs["processed"] < epochs["started"])
+
+
+def _step_of(ckpt: Path) -> int:
+    return int(torch.load(ckpt, weights_only=False)["global_step"])
+
+
+@pytest.fixture(scope="module")
+def fitted(store: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[Step]]:
+    """The fit never stopped, with a checkpoint after every step and at every epoch's end."""
+    work = tmp_path_factory.mktemp("fitted")
+    steps, said = _fit(store, work, checkpoints=(
+        {"every_n_train_steps": 1, "filename": "{epoch}-{step}"},
+        {"save_on_train_epoch_end": True, "filename": "end-{epoch}-{step}"},
+    ))  # fmt: skip
+    assert [sum(1 for s in steps if s[0] == e) for e in range(3)] == [11, 15, 12]
+    assert not said
+    return work, steps
+
+
+def test_a_checkpoint_saved_on_an_epochs_last_batch_resumes_a_longer_next_epoch_whole(
+    store: Path, tmp_path: Path, fitted: tuple[Path, list[Step]]
+) -> None:
+    """Saved on epoch 0's last batch (step 11), epoch 1 has 15 batches: all 15 are trained,
+    Lightning told 15 and counting from ``batch_idx`` 0, then epoch 2 (before: 11 of epoch 1's
+    15, told 11, and a warning that its last 4 batches would not be trained)."""
+    work, want = fitted
+    ckpt = work / "epoch=0-step=11.ckpt"
+    assert _resume_epoch(ckpt) == 1
+    got, said = _fit(store, tmp_path, start=1, ckpt=ckpt)
+    assert got == want[11:]
+    assert not said, said
+
+
+def test_a_checkpoint_saved_on_an_epochs_last_batch_tells_lightning_a_shorter_next_epochs_length(
+    store: Path, tmp_path: Path, fitted: tuple[Path, list[Step]]
+) -> None:
+    """Saved on epoch 1's last batch (step 26), epoch 2 has 12 batches: Lightning is told 12
+    (before: the 15 of epoch 1, the batches themselves right)."""
+    work, want = fitted
+    ckpt = work / "epoch=1-step=26.ckpt"
+    got, said = _fit(store, tmp_path, start=_resume_epoch(ckpt), ckpt=ckpt)
+    assert {s[4] for s in got} == {12}
+    assert got == want[26:]
+    assert not said, said
+
+
+@pytest.mark.parametrize(
+    "name", ["epoch=0-step=1", "epoch=1-step=12", "epoch=1-step=20", "end-epoch=0-step=11"]
+)
+def test_checkpoints_on_first_batches_mid_epoch_and_at_an_epochs_end_resume_exactly(
+    store: Path, tmp_path: Path, fitted: tuple[Path, list[Step]], name: str
+) -> None:
+    """The first batch of the fit and of epoch 1, one mid-epoch, one saved where epoch 0 ended
+    (``on_train_epoch_end``): the steps after each are the uninterrupted fit's."""
+    work, want = fitted
+    ckpt = work / f"{name}.ckpt"
+    got, said = _fit(store, tmp_path, start=_resume_epoch(ckpt), ckpt=ckpt)
+    assert not said, said
+    assert got == want[_step_of(ckpt) :]
+
+
+def test_checkpoints_saved_where_a_mid_epoch_validation_ends_resume_exactly(
+    store: Path, tmp_path: Path
+) -> None:
+    """``val_check_interval=0.5``: a checkpoint at each validation's end, mid-epoch (steps 5
+    and 10 of epoch 0's 11, 7 and 14 of epoch 1's 15) and on the fit's last batch: resumed from
+    the one before epoch 0's last batch and from one mid-epoch 1, training and validation steps
+    are the uninterrupted fit's."""
+    options = {"limit_val_batches": 2, "val_check_interval": 0.5}
+    want, _ = _fit(store, tmp_path / "ref", checkpoints=({"filename": "v-{epoch}-{step}"},),
+                   **options)  # fmt: skip
+    names = sorted(p.stem for p in (tmp_path / "ref").glob("*.ckpt"))
+    assert names == [f"v-epoch={e}-step={s}" for e, s in
+                     ((0, 10), (0, 5), (1, 18), (1, 25), (2, 32), (2, 38))], names  # fmt: skip
+    for name in ("v-epoch=0-step=10", "v-epoch=1-step=18"):
+        ckpt = tmp_path / "ref" / f"{name}.ckpt"
+        got, said = _fit(store, tmp_path / name, start=_resume_epoch(ckpt), ckpt=ckpt, **options)
+        assert not said, said
+        assert got == want[_index_after(want, _step_of(ckpt)) :], name
+
+
+def _index_after(steps: list[Step], step: int) -> int:
+    """Where the steps after training step ``step`` (and its validation) begin."""
+    trained = 0
+    for i, s in enumerate(steps):
+        if s[3] != -1:
+            if trained == step:
+                return i
+            trained += 1
+    return len(steps)
