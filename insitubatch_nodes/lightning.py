@@ -56,7 +56,7 @@ from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
-from insitubatch_nodes.lightning_epochs import EpochLengthSync, finish_ended_epoch, resumed_at
+from insitubatch_nodes.lightning_epochs import EpochLengthSync, follow_ended_epoch, resumed_at
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
@@ -581,23 +581,11 @@ class InSituDataModule(pl.LightningDataModule):
         return dataset
 
     def _reload_after_an_ended_epoch(self, dataset: InSituIterableDataset) -> None:
-        """A state loaded where the trainer's epoch ended (a checkpoint saved at
-        ``on_train_epoch_end``): Lightning is told that epoch's length now and keeps it for
-        the next epoch, which this module's views or batch size may batch otherwise (a rollout
-        curriculum): have the trainer reload the loader before that epoch. One saved after its
-        last batch (``on_train_batch_end``) too, once Lightning counts that epoch as over
-        whatever the next one's length (:func:`finish_ended_epoch`)."""
-        trainer = self.trainer
-        lens = dataset.ended_epoch_lens()
-        if trainer is None or lens is None or lens[0] == lens[1]:
-            return
-        if getattr(getattr(trainer, "fit_loop", None), "restarting", False):
-            if not finish_ended_epoch(trainer, lens[1]):
-                return
+        """A state loaded where the trainer's epoch ended: have the trainer reload the loader
+        before the next epoch where it differs, Lightning counting the ended one as over
+        (:func:`~insitubatch_nodes.lightning_epochs.follow_ended_epoch`)."""
+        if follow_ended_epoch(self.trainer, dataset.ended_epoch_lens()):
             self._resume_check = None  # (the epoch ended: no batch of it is resumed)
-        for callback in getattr(trainer, "callbacks", None) or []:
-            if isinstance(callback, EpochLengthSync):
-                callback.reload_before_next_epoch(trainer)
 
     def val_dataloader(self) -> InSituIterableDataset:
         return self._build("val")

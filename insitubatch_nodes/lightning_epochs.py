@@ -7,7 +7,7 @@ from the last one the trainer was told of: an epoch resumed on another number of
 given by ``set_views`` (a rollout that grows), another batch size (``dm.batch_size``), a
 checkpoint saved where an epoch ended restored into a data module of the next epoch's settings.
 :class:`EpochLengthSync` has the trainer reload the loader before such an epoch, once;
-:func:`finish_ended_epoch` lets that reload follow a checkpoint saved after an epoch's last batch.
+:func:`follow_ended_epoch` asks for it where a loaded state ended the trainer's epoch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["EpochLengthSync", "finish_ended_epoch", "resumed_at"]
+__all__ = [
+    "EpochLengthSync",
+    "count_resumed_epoch_start",
+    "finish_ended_epoch",
+    "follow_ended_epoch",
+    "resumed_at",
+]
 
 _RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
 
@@ -88,4 +94,47 @@ def finish_ended_epoch(trainer: Any, nxt: int) -> bool:
     if current.processed < nxt:
         current.ready = current.started = current.processed = nxt
         current.completed = nxt - 1
+    return True
+
+
+def count_resumed_epoch_start(trainer: Any) -> None:
+    """Count the start of the epoch Lightning resumes after the checkpoint of an epoch's last
+    batch (:func:`finish_ended_epoch`), as Lightning counts any epoch's start: asked when the
+    training loader is reloaded for that epoch (``on_advance_start``). Lightning (2.5+, 2.6.6
+    at least) skips that count there (its restart stage, ``restarted_mid_epoch``, is still
+    set), which left its epoch counts one short ever after: the checkpoints the resumed fit
+    saved then restored wrongly, with any loader (one saved where an epoch ended lost the next
+    epoch; one mid-epoch restarted Lightning's ``batch_idx`` at 0). Counted only where
+    Lightning has not (its epochs ``ready`` still equal to those ``processed``)."""
+    fit: Any = getattr(trainer, "fit_loop", None)
+    loop: Any = getattr(fit, "epoch_loop", None)
+    if not getattr(fit, "restarted_mid_epoch", False):
+        return
+    if not getattr(loop, "restarted_on_train_batch_end", False):
+        return
+    progress = fit.epoch_progress
+    if loop.batch_progress.is_last_batch and progress.current.ready == progress.current.processed:
+        progress.increment_ready()
+        progress.increment_started()
+
+
+def follow_ended_epoch(trainer: Any, lens: tuple[int, int] | None) -> bool:
+    """For a training loader asked for by ``trainer`` (``train_dataloader``), whose state was
+    loaded where the trainer's epoch ended: ``lens`` (the batches of that epoch, of the next),
+    ``None`` for any other state. Has the trainer reload the loader before the next epoch
+    where Lightning would otherwise keep a length not the next epoch's: a checkpoint saved at
+    ``on_train_epoch_end`` restored into a data module of other views or batch size, one
+    saved after the epoch's last batch (:func:`finish_ended_epoch`; then always, so that
+    :func:`count_resumed_epoch_start` is asked at that reload). Whether it did."""
+    count_resumed_epoch_start(trainer)
+    if trainer is None or lens is None:
+        return False
+    if getattr(getattr(trainer, "fit_loop", None), "restarting", False):
+        if not finish_ended_epoch(trainer, lens[1]):
+            return False
+    elif lens[0] == lens[1]:
+        return False
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if isinstance(callback, EpochLengthSync):
+            callback.reload_before_next_epoch(trainer)
     return True

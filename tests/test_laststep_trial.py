@@ -25,25 +25,37 @@ Found wrong (fixed, each a test here):
 2. Where the next epoch is shorter (15 -> 12), the batches were right but Lightning was told
    the ended epoch's 15 for it (``num_training_batches``, what its epoch-fraction validation
    and progress read); now 12.
+3. The checkpoints saved by a fit resumed from such a checkpoint restored wrongly: Lightning
+   2.6 resumes it without counting the next epoch's start (its ``restarted_mid_epoch`` stage
+   skips ``increment_ready``/``increment_started`` and ``on_train_epoch_start``; a plain
+   ``DataLoader`` shows it too), so its epoch counts stay one short: resumed from the checkpoint
+   that fit saved where epoch 1 ended, Lightning counted epoch 2 as done and trained nothing
+   (its 12 batches lost; over four epochs, the next epoch's batches ran as the one after), and
+   from one mid-epoch 1 it restarted ``batch_idx`` at 0 (the batches right). The data
+   module now counts that start when it has the loader reloaded for that epoch
+   (``lightning_epochs.count_resumed_epoch_start``; the reload is asked for every such
+   checkpoint now, equal lengths too).
 
 Tried and found right (tests below, or probes not kept): resumes from every checkpoint of
 ``every_n_train_steps=1`` (first batches of epochs 0 and 1, mid-epoch, last batches) and of
 ``save_on_train_epoch_end=True``, 60 over four epochs 7/5/6/4 and 48 at a constant batch size;
+from every checkpoint of fits resumed from the last batches of epochs 0, 1 and 2 (99 of them;
+60 at a constant batch size), and of fits resumed mid-epoch and at an epoch's end (87);
 ``every_n_epochs=1``; checkpoints saved at validation's end with ``val_check_interval=0.5``,
 ``val_check_interval=4`` (``check_val_every_n_epoch=None``) and at the epoch's end (with a
 last-batch checkpoint beside it), validation runs equal too; ``limit_train_batches=5`` and
 ``0.5`` at a constant batch size; ``max_steps`` with every last-batch and mid-epoch checkpoint.
+Under Lightning 2.4.0 (put ahead on ``PYTHONPATH``) the last-batch checkpoints resume exactly
+as well (it restarts the ended epoch at its last batch, which the loader ends at once).
 
 Lightning's own, with a plain ``DataLoader`` too (not fixed here): with ``max_steps`` set, a
 checkpoint saved at ``on_train_epoch_end`` resumes one epoch short (a plain ``DataLoader`` of 11
-batches: 23 steps trained of 33, the first at ``batch_idx`` 11); and after a fit resumed from a
-checkpoint saved on an epoch's last batch, Lightning counts that epoch's start neither as
-``ready`` nor ``started`` (nor runs ``on_train_epoch_start``), so the checkpoints that fit saves
-later restore wrongly (mid-epoch ones restart Lightning's ``batch_idx`` at 0; epoch-end ones
-lose an epoch). Not ours either: with ``limit_train_batches`` and a batch size that changes, a
-checkpoint on the limited epoch's last batch holds a mid-epoch loader state of the old batch
-size, which the data module of the next epoch's batch size refuses (``StateMismatchError``)
-although Lightning would drop it (it resumes at the next epoch).
+batches: 23 steps trained of 33, the first at ``batch_idx`` 11). Not fixed either: with
+``limit_train_batches`` and a batch size that changes, a checkpoint on the limited epoch's last
+batch holds a mid-epoch loader state of the old batch size, which the data module of the next
+epoch's batch size refuses (``StateMismatchError``) although Lightning resumes at the next
+epoch and the loader would drop that state; and Lightning's epoch-start count is not made up
+there (no loader reload follows such a checkpoint).
 """
 
 from __future__ import annotations
@@ -168,17 +180,46 @@ def fitted(store: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path,
     return work, steps
 
 
+@pytest.fixture(scope="module")
+def resumed(
+    store: Path, fitted: tuple[Path, list[Step]], tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, list[Step], list[str]]:
+    """The fit resumed from the checkpoint on epoch 0's last batch (step 11), itself saving a
+    checkpoint after every step and at every epoch's end: ``(their folder, its steps, the data
+    module's warnings)``."""
+    work = tmp_path_factory.mktemp("resumed")
+    ckpt = fitted[0] / "epoch=0-step=11.ckpt"
+    assert _resume_epoch(ckpt) == 1
+    steps, said = _fit(store, work, start=1, ckpt=ckpt, checkpoints=(
+        {"every_n_train_steps": 1, "filename": "{epoch}-{step}"},
+        {"save_on_train_epoch_end": True, "filename": "end-{epoch}-{step}"},
+    ))  # fmt: skip
+    return work, steps, said
+
+
 def test_a_checkpoint_saved_on_an_epochs_last_batch_resumes_a_longer_next_epoch_whole(
-    store: Path, tmp_path: Path, fitted: tuple[Path, list[Step]]
+    fitted: tuple[Path, list[Step]], resumed: tuple[Path, list[Step], list[str]]
 ) -> None:
     """Saved on epoch 0's last batch (step 11), epoch 1 has 15 batches: all 15 are trained,
     Lightning told 15 and counting from ``batch_idx`` 0, then epoch 2 (before: 11 of epoch 1's
     15, told 11, and a warning that its last 4 batches would not be trained)."""
-    work, want = fitted
-    ckpt = work / "epoch=0-step=11.ckpt"
-    assert _resume_epoch(ckpt) == 1
-    got, said = _fit(store, tmp_path, start=1, ckpt=ckpt)
-    assert got == want[11:]
+    _, got, said = resumed
+    assert got == fitted[1][11:]
+    assert not said, said
+
+
+@pytest.mark.parametrize("name", ["end-epoch=1-step=26", "epoch=1-step=20"])
+def test_the_checkpoints_of_a_fit_resumed_from_a_last_batch_resume_exactly(
+    store: Path, tmp_path: Path, fitted: tuple[Path, list[Step]],
+    resumed: tuple[Path, list[Step], list[str]], name: str,
+) -> None:  # fmt: skip
+    """Saved by the fit resumed from epoch 0's last batch: where epoch 1 ended and mid-epoch
+    1, each resumes as the fit never stopped (before: Lightning had not counted epoch 1's
+    start, so from the one at its end it counted epoch 2 as done and trained none of its 12
+    batches, and from the mid-epoch one it restarted ``batch_idx`` at 0)."""
+    ckpt = resumed[0] / f"{name}.ckpt"
+    got, said = _fit(store, tmp_path, start=_resume_epoch(ckpt), ckpt=ckpt)
+    assert got == fitted[1][_step_of(ckpt) :]
     assert not said, said
 
 
