@@ -119,20 +119,21 @@ def count_resumed_epoch_start(trainer: Any) -> None:
 
 
 def follow_ended_epoch(trainer: Any, lens: tuple[int, int] | None) -> bool:
-    """For a training loader asked for by ``trainer`` (``train_dataloader``), whose state was
-    loaded where the trainer's epoch ended: ``lens`` (the batches of that epoch, of the next),
-    ``None`` for any other state. Has the trainer reload the loader before the next epoch
-    where Lightning would otherwise keep a length not the next epoch's: a checkpoint saved at
-    ``on_train_epoch_end`` restored into a data module of other views or batch size, one
-    saved after the epoch's last batch (:func:`finish_ended_epoch`; then always, so that
-    :func:`count_resumed_epoch_start` is asked at that reload). Whether it did."""
+    """For a training loader asked for by ``trainer`` (``train_dataloader``): ``lens`` (the
+    batches of the trainer's epoch, of the next) where its state was loaded where that epoch
+    ended, ``None`` otherwise. Has the trainer reload the loader before the next epoch where
+    Lightning would otherwise keep a length not the next epoch's (a checkpoint saved at
+    ``on_train_epoch_end`` restored into a data module of other views or batch size), and
+    wherever Lightning restarts after the last batch it trained of an epoch (the epoch's, or
+    the last ``limit_train_batches`` lets it train: :func:`finish_ended_epoch`), so that
+    :func:`count_resumed_epoch_start` is asked at that reload. Whether it did."""
     count_resumed_epoch_start(trainer)
-    if trainer is None or lens is None:
+    if trainer is None:
         return False
     if getattr(getattr(trainer, "fit_loop", None), "restarting", False):
-        if not finish_ended_epoch(trainer, lens[1]):
+        if not finish_ended_epoch(trainer, 0 if lens is None else lens[1]):
             return False
-    elif lens[0] == lens[1]:
+    elif lens is None or lens[0] == lens[1]:
         return False
     for callback in getattr(trainer, "callbacks", None) or []:
         if isinstance(callback, EpochLengthSync):
