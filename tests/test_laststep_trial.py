@@ -47,7 +47,9 @@ mid-epoch and at an epoch's end (87); ``every_n_epochs=1``; checkpoints saved at
 validation's end with ``val_check_interval=0.5``, ``val_check_interval=4``
 (``check_val_every_n_epoch=None``) and at the epoch's end (with a last-batch checkpoint beside
 it), validation runs equal too; ``limit_train_batches=5`` and
-``0.5`` at a constant batch size; ``max_steps`` with every last-batch and mid-epoch checkpoint.
+``0.5`` at a constant batch size; ``max_steps`` with every last-batch and mid-epoch checkpoint;
+runs stopped by ``max_steps`` at steps 1, 5, 10, 11 (epoch 0's last), 12, 26 and 27, resumed
+from ``ModelCheckpoint``'s checkpoint of that step (curriculum and constant batch size).
 Under Lightning 2.4.0 (put ahead on ``PYTHONPATH``) the last-batch checkpoints resume exactly
 as well (it restarts the ended epoch at its last batch, which the loader ends at once).
 
@@ -57,7 +59,11 @@ batches: 23 steps trained of 33, the first at ``batch_idx`` 11). Not fixed eithe
 ``limit_train_batches`` and a batch size that changes, a checkpoint on the limited epoch's last
 batch holds a mid-epoch loader state of the old batch size, which the data module of the next
 epoch's batch size refuses (``StateMismatchError``) although Lightning resumes at the next
-epoch and the loader would drop that state.
+epoch and the loader would drop that state. And a run stopped by ``max_steps`` on an epoch's
+last batch, saved by ``trainer.save_checkpoint`` after ``fit`` (as on main): Lightning spends
+the next epoch number on an empty restart, the data module keeps the data order (epoch 1's
+batches under trainer epoch 2), so ``max_epochs`` ends the resumed run an epoch early and a
+curriculum keyed on ``trainer.current_epoch`` batches that epoch with the next one's settings.
 """
 
 from __future__ import annotations
