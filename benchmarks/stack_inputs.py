@@ -374,10 +374,10 @@ def _bare(
             x = out[:k, levels] if out.ndim == 4 else out[:k, None]  # (k, C, lat, lon)
             x = x.reshape(k, x.shape[1], -1)
             moments.setdefault(name, _Moments()).add(x)
-            d = np.subtract(x[1:], x[:-1])
+            d = diffs.setdefault(name, _Moments())
             if name in last:  # the run continues this array's previous one
-                d = np.concatenate([np.subtract(x[:1], last[name]), d])
-            diffs.setdefault(name, _Moments()).add(d, extrema=False)
+                d.add_difference(x[:1], last[name])
+            d.add_difference(x[1:], x[:-1])
             last[name] = np.array(x[-1:])
         return nbytes, decoded
 

@@ -9,6 +9,14 @@ data (two reads, nothing written); where they would cancel (a channel's mean mor
 deviations from a per-channel reference near the mean (the running mean, else a value of the
 channel) are summed and squared instead: a constant channel, missing points or not, has a mean
 that is its value and a sum of squares of exactly 0.
+
+The sums are taken block by block (:data:`BLOCK` values at a time): each block is cast to float64
+in a scratch buffer the instance keeps (a one-step difference is formed there from its two
+operands: never a difference array of the batch's size), then summed by a BLAS dot with ones
+and with itself per row — two native passes over a block that stays in cache, where numpy's
+``einsum(..., dtype=float64)`` of float32 data cast and multiplied element by element (~2.3x the
+time of these passes and of the minimum and maximum together, measured on an (8, 13, 2048) float32
+batch: 261 -> ~115 µs).
 """
 
 from __future__ import annotations
@@ -22,6 +30,11 @@ import numpy as np
 CANCEL = 1e5
 
 
+#: float64 values per block of the sums (2 MiB of scratch per instance)
+BLOCK = 1 << 18
+_ONES: list[np.ndarray] = []  # (one vector of ones as long as a block's rows, made on first use)
+
+
 class _Moments:
     """Per-channel running count, mean, sum of squared deviations, min and max (float64)."""
 
@@ -29,6 +42,8 @@ class _Moments:
         self.started = False
         empty = np.zeros(0)
         self.n, self.mean, self.m2, self.lo, self.hi, self.nans = (empty,) * 6
+        self._scratch = np.zeros(0)
+        self._narrow = np.zeros(0, np.float32)
 
     def add(self, x: np.ndarray, *, extrema: bool = True) -> None:
         """``x``: ``(rows, channels, values)``, any float or integer dtype. Without
@@ -37,19 +52,31 @@ class _Moments:
             return
         if x.dtype.kind != "f" or x.dtype.itemsize < 4:
             x = x.astype(np.float64)
-        s1 = np.einsum("rcv->c", x, dtype=np.float64)  # a NaN anywhere shows here
+        self._merge(x, None, extrema)
+
+    def add_difference(self, later: np.ndarray, earlier: np.ndarray) -> None:
+        """Add ``later - earlier`` (both ``(rows, channels, values)``, one shape), formed block
+        by block: in float32 for float32 data (each within half an ulp of the exact difference),
+        in float64 for other dtypes; no minimum or maximum is taken."""
+        if later.size == 0:
+            return
+        self._merge(later, earlier, False)
+
+    def _merge(self, x: np.ndarray, minus: np.ndarray | None, extrema: bool) -> None:
+        """Merge the moments of ``x`` (less ``minus`` where given) into the running ones."""
+        s1, s2 = self._sums(x, minus)  # a NaN anywhere shows in s1
         if np.isnan(s1).any():
-            n, mean, m2, lo, hi, nans = _masked_moments(x)
+            whole = x if minus is None else np.subtract(x, minus, dtype=np.float64)
+            n, mean, m2, lo, hi, nans = _masked_moments(whole)
         else:
             n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
             mean = s1 / n
-            # the plain sums in float64 (two reads of x, nothing written): exact enough
-            # while the squares do not cancel, i.e. the mean is within CANCEL ** 0.5 standard
-            # deviations of zero; else the deviations from a reference near the mean
-            s2 = np.einsum("rcv,rcv->c", x, x, dtype=np.float64)
+            # the plain sums in float64: exact enough while the squares do not cancel, i.e.
+            # the mean is within CANCEL ** 0.5 standard deviations of zero; else the
+            # deviations from a reference near the mean
             m2 = s2 - s1 * mean
             if np.any(s2 > CANCEL * m2):
-                mean, m2 = self._about_reference(x, n)
+                mean, m2 = self._about_reference(x, minus, n)
             m2 = np.maximum(m2, 0.0)
             if extrema:
                 lo = x.min(axis=(0, 2)).astype(np.float64)
@@ -71,17 +98,58 @@ class _Moments:
         self.hi = np.maximum(self.hi, hi)
         self.nans = self.nans + nans
 
-    def _about_reference(self, x: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(mean, m2)`` of ``x`` (no NaN) from its deviations from a per-channel reference
-        near the mean (the running mean, else the batch's first value), taken in the data's
-        own dtype and summed and squared in float64: no cancellation of large squares."""
+    def _about_reference(
+        self, x: np.ndarray, minus: np.ndarray | None, n: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(mean, m2)`` of ``x`` (less ``minus``; no NaN) from its deviations from a
+        per-channel reference near the mean (the running mean, else the batch's first value),
+        formed, summed and squared in float64: no cancellation of large squares."""
         first = x[0, :, 0].astype(np.float64)
+        if minus is not None:
+            first = first - minus[0, :, 0]
         # a channel with no value yet (all NaN so far) has a running mean of 0: not near it
-        ref = (np.where(self.n > 0, self.mean, first) if self.started else first).astype(x.dtype)
-        d = x - ref[None, :, None]
-        mean_d = np.einsum("rcv->c", d, dtype=np.float64) / n
-        m2 = np.einsum("rcv,rcv->c", d, d, dtype=np.float64) - n * mean_d**2
-        return ref.astype(np.float64) + mean_d, m2
+        ref = np.where(self.n > 0, self.mean, first) if self.started else first
+        s1, s2 = self._sums(x, minus, ref)
+        mean_d = s1 / n
+        return ref + mean_d, s2 - n * mean_d**2
+
+    def _sums(
+        self, x: np.ndarray, minus: np.ndarray | None = None, ref: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per channel, the float64 sum and sum of squares of ``x - minus - ref`` (each term
+        optional; ``ref`` per channel), over rows and values, block by block."""
+        rows, channels, values = x.shape
+        s1, s2 = np.zeros(channels), np.zeros(channels)
+        vv = min(values, BLOCK)
+        cc = min(channels, max(1, BLOCK // vv))
+        rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
+        if self._scratch.size < min(rows, rr) * cc * vv:
+            self._scratch = np.empty(min(rows, rr) * cc * vv)
+        narrow = minus is not None and x.dtype == minus.dtype == np.float32
+        if narrow and self._narrow.size < self._scratch.size:
+            self._narrow = np.empty(self._scratch.size, np.float32)
+        if not _ONES or _ONES[0].size < vv:
+            _ONES[:] = [np.ones(vv)]
+        for r0 in range(0, rows, rr):
+            for c0 in range(0, channels, cc):
+                for v0 in range(0, values, vv):
+                    at = (slice(r0, r0 + rr), slice(c0, c0 + cc), slice(v0, v0 + vv))
+                    part = x[at]
+                    block = self._scratch[: part.size].reshape(part.shape)
+                    if minus is None:
+                        np.copyto(block, part)
+                    elif narrow:  # float32: the difference in float32, then widened
+                        diff = self._narrow[: part.size].reshape(part.shape)
+                        np.copyto(block, np.subtract(part, minus[at], out=diff))
+                    else:
+                        np.subtract(part, minus[at], out=block, dtype=np.float64)
+                    if ref is not None:
+                        block -= ref[c0 : c0 + cc, None]
+                    flat = block.reshape(-1, part.shape[2])
+                    got = part.shape[:2]
+                    s1[c0 : c0 + got[1]] += (flat @ _ONES[0][: part.shape[2]]).reshape(got).sum(0)
+                    s2[c0 : c0 + got[1]] += np.vecdot(flat, flat).reshape(got).sum(0)
+        return s1, s2
 
     def result(self, channels: tuple[int, ...]) -> dict[str, np.ndarray]:
         size = math.prod(channels)
