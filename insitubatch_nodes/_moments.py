@@ -11,7 +11,7 @@ channel) are summed and squared instead: a constant channel, missing points or n
 that is its value and a sum of squares of exactly 0.
 
 The sums are taken block by block (:data:`BLOCK` values at a time): each block is cast to float64
-in a scratch buffer the instance keeps (a one-step difference is formed there from its two
+in a scratch buffer of the thread's (a one-step difference is formed there from its two
 operands: never a difference array of the batch's size), then summed by a BLAS dot with ones
 and with itself per row — two native passes over a block that stays in cache, where numpy's
 ``einsum(..., dtype=float64)`` of float32 data cast and multiplied element by element (~2.3x the
@@ -22,6 +22,7 @@ batch: 261 -> ~115 µs).
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
@@ -30,9 +31,30 @@ import numpy as np
 CANCEL = 1e5
 
 
-#: float64 values per block of the sums (2 MiB of scratch per instance)
+#: float64 values per block of the sums (at most 2 MiB of scratch per thread)
 BLOCK = 1 << 18
-_ONES: list[np.ndarray] = []  # (one vector of ones as long as a block's rows, made on first use)
+
+
+class _Scratch(threading.local):
+    """A thread's buffers for the blocks, shared by all its moments: float64 blocks, float32
+    differences and a vector of ones as long as a block's rows (each grown on first need)."""
+
+    def __init__(self) -> None:
+        self.wide = np.zeros(0)
+        self.narrow = np.zeros(0, np.float32)
+        self.ones = np.zeros(0)
+
+    def get(self, size: int, row: int, narrow: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.wide.size < size:
+            self.wide = np.empty(size)
+        if narrow and self.narrow.size < size:
+            self.narrow = np.empty(size, np.float32)
+        if self.ones.size < row:
+            self.ones = np.ones(row)
+        return self.wide, self.narrow, self.ones
+
+
+_SCRATCH = _Scratch()
 
 
 class _Moments:
@@ -42,8 +64,6 @@ class _Moments:
         self.started = False
         empty = np.zeros(0)
         self.n, self.mean, self.m2, self.lo, self.hi, self.nans = (empty,) * 6
-        self._scratch = np.zeros(0)
-        self._narrow = np.zeros(0, np.float32)
 
     def add(self, x: np.ndarray, *, extrema: bool = True) -> None:
         """``x``: ``(rows, channels, values)``, any float or integer dtype. Without
@@ -123,23 +143,18 @@ class _Moments:
         vv = min(values, BLOCK)
         cc = min(channels, max(1, BLOCK // vv))
         rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
-        if self._scratch.size < min(rows, rr) * cc * vv:
-            self._scratch = np.empty(min(rows, rr) * cc * vv)
         narrow = minus is not None and x.dtype == minus.dtype == np.float32
-        if narrow and self._narrow.size < self._scratch.size:
-            self._narrow = np.empty(self._scratch.size, np.float32)
-        if not _ONES or _ONES[0].size < vv:
-            _ONES[:] = [np.ones(vv)]
+        wide, narrow_scratch, ones = _SCRATCH.get(min(rows, rr) * cc * vv, vv, narrow)
         for r0 in range(0, rows, rr):
             for c0 in range(0, channels, cc):
                 for v0 in range(0, values, vv):
                     at = (slice(r0, r0 + rr), slice(c0, c0 + cc), slice(v0, v0 + vv))
                     part = x[at]
-                    block = self._scratch[: part.size].reshape(part.shape)
+                    block = wide[: part.size].reshape(part.shape)
                     if minus is None:
                         np.copyto(block, part)
                     elif narrow:  # float32: the difference in float32, then widened
-                        diff = self._narrow[: part.size].reshape(part.shape)
+                        diff = narrow_scratch[: part.size].reshape(part.shape)
                         np.copyto(block, np.subtract(part, minus[at], out=diff))
                     else:
                         np.subtract(part, minus[at], out=block, dtype=np.float64)
@@ -147,7 +162,7 @@ class _Moments:
                         block -= ref[c0 : c0 + cc, None]
                     flat = block.reshape(-1, part.shape[2])
                     got = part.shape[:2]
-                    s1[c0 : c0 + got[1]] += (flat @ _ONES[0][: part.shape[2]]).reshape(got).sum(0)
+                    s1[c0 : c0 + got[1]] += (flat @ ones[: part.shape[2]]).reshape(got).sum(0)
                     s2[c0 : c0 + got[1]] += np.vecdot(flat, flat).reshape(got).sum(0)
         return s1, s2
 
