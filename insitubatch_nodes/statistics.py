@@ -20,8 +20,9 @@ shuffle; a chunk never read twice), with the views' selections; each batch is ac
 float64 and batches are merged as Chan et al.'s pairwise update (``std`` with ``ddof=0``;
 :mod:`~insitubatch_nodes._moments` says how a batch's sums are taken without cancelling: a
 constant channel, missing points or not, has a ``std`` of exactly 0). One-step
-differences are taken in the data's float dtype (each within half an ulp of the float64
-difference; in float64 for integers) and summed in float64. NaNs are skipped and counted
+differences are formed a block at a time (never a difference array of the batch's size): in
+float32 for float32 data (each within half an ulp of the exact difference), in float64 for
+other dtypes; and summed in float64. NaNs are skipped and counted
 (``nan_count``); a channel with no finite value has NaN statistics.
 
 :meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
@@ -584,23 +585,21 @@ def _accumulate(
     if diffs is None:  # product sample axes: no one step (module docstring)
         return
     # one-step differences between consecutive anchors one step apart (``apart``), across the
-    # batch edge too: taken in the data's float dtype (each within half an ulp of the float64
-    # difference), in float64 for other dtypes, and summed in float64
-    wide = np.float64 if x.dtype.kind != "f" or x.dtype.itemsize < 4 else x.dtype
+    # batch edge too, each formed by the moments (module docstring)
     # a collection's members count their samples apart: a step never joins two (``separate``)
     own = np.asarray(batch.members[label]) if separate else np.zeros(len(idx), np.int64)
     prev = last.get(label)
     if prev and len(idx) and prev[2] == own[0] and apart(np.array(prev[:1]), idx[:1])[0]:
-        edge = np.subtract(x[:1], prev[1][None], dtype=wide)
-        diffs.add(as_channels(edge, channels, pooled), extrema=False)
+        diffs.add_difference(as_channels(x[:1], channels, pooled),
+                             as_channels(prev[1][None], channels, pooled))  # fmt: skip
     step = apart(idx[:-1], idx[1:]) & (own[1:] == own[:-1])
     if step.all() and len(idx) > 1:
-        diff = np.subtract(x[1:], x[:-1], dtype=wide)
-        diffs.add(as_channels(diff, channels, pooled), extrema=False)
+        diffs.add_difference(as_channels(x[1:], channels, pooled),
+                             as_channels(x[:-1], channels, pooled))  # fmt: skip
     elif step.any():
         at = np.flatnonzero(step)
-        diff = np.subtract(x[at + 1], x[at], dtype=wide)
-        diffs.add(as_channels(diff, channels, pooled), extrema=False)
+        diffs.add_difference(as_channels(x[at + 1], channels, pooled),
+                             as_channels(x[at], channels, pooled))  # fmt: skip
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]), int(own[-1]))
 
