@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from zarr.abc.store import Store
 
+from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
 from insitubatch_nodes.io.calendars import MONTH_STEPS_NEAR_S, calendar_months
 from insitubatch_nodes.io.coords import MISSING_OFFSET, Coordinate, open_coordinates, time_offsets
@@ -202,9 +203,10 @@ def anchor_time_coordinate(
                 if v.dims is not None and not v.static and v.product is None}  # fmt: skip
         axis = dims.pop() if len(dims) == 1 else 0
         geom = next(iter(open_geometries(zstore, [manifest.array], sample_axis=axis).values()))
-    coords = open_coordinates(zstore, geom, reader=reader)
-    if not coords:
-        _refuse_another_length(zstore, geom, reader)
+    try:  # one of another length than the samples is refused (a store read mid-append)
+        coords = open_coordinates(zstore, geom, reader=reader)
+    except CoordinateLengthError as exc:
+        raise exc.while_doing(f"the times of {geom.path!r} cannot be read: ") from None
     times = [c for c in coords.values() if c.is_time] or [
         c for c in coords.values() if c.is_duration
     ]  # dates, else durations (a forecast sampled along its lead time: counted from 0)
@@ -228,27 +230,6 @@ def anchor_time_coordinate(
             )
         return None
     return times[0]
-
-
-def _refuse_another_length(zstore: Store, geom: ArrayGeometry, reader: Any) -> None:
-    """Refuse a dimension coordinate that ``open_coordinates`` leaves out because it does not
-    fit the sample axis (another length: a store read while it is appended to, its arrays
-    resized apart), where the anchor array's times are read: before 2026-12-07 it counted as
-    no time coordinate, so ``missing=()`` checked no time (silently), a time stride said the
-    array has none, and ``fit_statistics`` differenced across gaps without a word."""
-    if geom.members is not None or geom.dims is None:
-        return
-    try:
-        open_coordinates(zstore, geom, [geom.dims[geom.sample_axis]], reader=reader)
-    except KeyError:  # (none at all)
-        return
-    except ValueError as exc:
-        raise ValueError(
-            f"the times of {geom.path!r} cannot be read: {exc}. xarray refuses such a store "
-            "too (conflicting sizes for a dimension): one being appended to, or whose arrays "
-            "were resized apart. Write the coordinate and the arrays at one length (or build "
-            "the pipeline once the append is done)"
-        ) from exc
 
 
 def _refuse_dates_between_steps(

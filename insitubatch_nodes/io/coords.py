@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import (
     CF_CALENDARS,
@@ -387,8 +388,8 @@ def _coordinates(
         if array.ndim != 1 or (own != (dim,) and (own is not None or geom.dim_names is None)):
             return {}
         coord = reader.load(path, array)
-        if len(coord) != geom.n_samples:
-            return {}
+        if len(coord) != geom.n_samples:  # (before 2026-12-07: left out without a word)
+            raise CoordinateLengthError(path, len(coord), geom.path, geom.n_samples, dim)
         return {coord.name: coord}
     out: dict[str, Coordinate] = {}
     for name in names:
@@ -409,6 +410,8 @@ def _coordinates(
                 f"axis of {geom.path!r} is {dim!r}: it is not a coordinate of the samples"
             )
         coord = reader.load(path, array)
+        if len(coord) != geom.n_samples and dim is not None and dims == (dim,):
+            raise CoordinateLengthError(path, len(coord), geom.path, geom.n_samples, dim)
         if len(coord) != geom.n_samples:
             raise ValueError(
                 f"coordinate {path!r} has {len(coord)} values but {geom.path!r} has "
@@ -443,7 +446,9 @@ def open_coordinates(
     array's group, then in each parent group; where ``geom``'s names were given (``dim_names``:
     a collection's ``dims=``), such an array that names no dimension (zarr v2 without
     ``_ARRAY_DIMENSIONS``) counts too. ``{}`` when there is none (no dimension names, no such
-    array, or one of another length). ``names`` lists arrays to read instead: a bare
+    array); one of another length than the sample axis (a store read while it is appended to)
+    raises :class:`~insitubatch_nodes.errors.CoordinateLengthError` (a ``ValueError``) naming
+    both lengths. ``names`` lists arrays to read instead: a bare
     name is looked up the same way, a path with ``/`` from the store root; each must be 1-D with
     one value per sample (``KeyError`` naming where it looked when missing, ``ValueError`` when
     it does not fit). Keys are the arrays' names (the last path component). Decoding errors
@@ -470,9 +475,11 @@ def carried_coordinates(
 
     ``names=None`` is the default selection (each view's dimension coordinate): one that cannot
     be decoded (here) is left out with a warning rather than failing a pipeline that reads no
-    coordinate otherwise. Explicit ``names`` fail loudly. Each coordinate array is read once,
-    however many views share it (and not again with the ``reader`` of an earlier read; its
-    ``timeout_s`` then applies).
+    coordinate otherwise; one of another length than its array's sample axis fails (a torn
+    store: :class:`~insitubatch_nodes.errors.CoordinateLengthError`), as it does where the
+    times are read for the anchors. Explicit ``names`` fail loudly. Each coordinate array is
+    read once, however many views share it (and not again with the ``reader`` of an earlier
+    read; its ``timeout_s`` then applies).
     """
     reader = _Reader(store, timeout_s) if reader is None else reader
     out: dict[str, dict[str, np.ndarray]] = {}
@@ -480,6 +487,8 @@ def carried_coordinates(
         if names is None:
             try:
                 coords = _coordinates(reader, view, None)
+            except CoordinateLengthError:  # (no decoding error: the store is torn)
+                raise
             except (ValueError, ModuleNotFoundError) as exc:  # (cftime, were it missing)
                 log.warning(
                     "insitubatch_nodes: batches of %r carry no coordinates: %s. Pass coords=() "
