@@ -26,7 +26,7 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks"]
+__all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks", "repeated_times"]
 
 _DAY_S = 86_400
 _MONTH_S = 30.436875 * _DAY_S  # (the Gregorian calendar's mean month)
@@ -157,6 +157,24 @@ def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, An
     if (np.diff(months[present])[near] == k).all():
         return months, MONTH
     return ticks, SECOND
+
+
+def repeated_times(coord: Coordinate, ticks: np.ndarray) -> str | None:
+    """Where the times of ``coord`` (``ticks``: whole seconds) repeat — a later copy of a time
+    an earlier sample has, as ``SampleSteps.repeated`` finds them — said with what to do;
+    ``None`` where each time is once."""
+    again = SampleSteps(len(ticks), ticks=ticks).repeated
+    if again is None or not again.any():
+        return None
+    at = int(np.argmax(again))
+    first = int(np.argmax(ticks == ticks[at]))
+    return (
+        f"the times of {coord.name!r} repeat (sample {at} has {coord.values[at]} as sample "
+        f"{first} does; {int(again.sum())} repeated in all): every copy is read where the times "
+        "are not checked; pass missing=() to count each time once (a later copy is then "
+        "dropped as a gap), or write the store without them (xarray: "
+        "ds.drop_duplicates('time'))"
+    )
 
 
 def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:

@@ -14,6 +14,18 @@ Found (fixed; each test failed before the fix):
   default, as built. Now the build refuses it (``CoordinateLengthError``, a ``ValueError``)
   naming the coordinate, both lengths and the dimension, saying what to do, as the anchor
   checks already did where the times are read.
+- **A repeated time was read twice where the times are checked.** Two samples with one time
+  (an append that overlapped by a step; a step re-sent later, out of place) under ``missing=()``
+  or a time stride: an anchor-only view took both copies (the time twice in an epoch), a window
+  ``[-1, 0]`` read the later copy as the step before the next time, and ``fit_statistics(...,
+  missing=())`` counted both in ``mean``/``std``/``count``. Decided: a time is one time — its
+  first sample is that time's and each later copy counts as absent (a ``"gap"``, for every
+  offset, the anchor's own included), as pandas' ``duplicated()`` marks them; refusing the store
+  would have thrown away a training run for one overlapping append that the checks can skip,
+  and keeping the first matches xarray's ``drop_duplicates`` default. ``diff_std`` now pairs
+  the samples either side of a dropped copy (one step apart in time; it required them to be
+  one *sample* apart). Without the checks every copy is read by index, as asked, and
+  ``fit_statistics`` says so in a warning naming the first repeated sample and ``missing=()``.
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.forcings import Forcings
+from insitubatch_nodes.statistics import fit_statistics
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")
@@ -99,3 +112,86 @@ def test_a_dimension_coordinate_of_another_length_is_refused_for_batch_coords_na
         assert len(rows) == 3 and all(c == {} for c in rows)
     finally:
         pipe.close()
+
+
+@pytest.fixture(scope="module")
+def repeated(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """6-hourly times with 2020-01-02T00 written twice (an append that overlapped by one
+    step), and 2020-01-02T18 twice further on, out of place (a step re-sent later)."""
+    t = list(_six_hourly(14))
+    t.insert(5, t[4])
+    t.insert(11, t[7])
+    times = pd.DatetimeIndex(t)
+    return _write(tmp_path_factory.mktemp("repeated") / "r.zarr", times), times
+
+
+def _anchors(pipe: Any, label: str = "x") -> list[int]:
+    """Each row's anchor (a window's last step), in the order delivered."""
+    out: list[int] = []
+    for batch in Loader(pipe):
+        idx = np.asarray(batch.sample_indices[label])
+        out += (idx[:, -1] if idx.ndim > 1 else idx).tolist()
+    return out
+
+
+@pytest.mark.parametrize("stride", [1, "12h"])
+def test_a_repeated_time_is_one_time_where_the_times_are_checked(
+    repeated: tuple[Path, Any], stride: Any
+) -> None:
+    """A later copy of a time (pandas' ``duplicated()``) is neither an anchor nor a step of
+    one: an anchor-only view took both copies (the time twice in an epoch), a time stride
+    too, and ``window([-1, 0])`` read the second copy as the step before the next time."""
+    root, times = repeated
+    copy = np.asarray(times.duplicated())
+    assert copy.sum() == 2
+    six = np.timedelta64(6, "h")
+    t = times.to_numpy()
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    for views, offsets in (
+        ({"x": g}, [0]),
+        ({"x": g, "y": g.shift(1)}, [0, 1]),
+        ({"x": g.window([-1, 0])}, [-1, 0]),
+    ):
+        on = [a for a in range(len(t)) if stride == 1
+              or (t[a] - np.datetime64("1970-01-01")) % (2 * six) == np.timedelta64(0)]  # fmt: skip
+        want = [a for a in on
+                if all(0 <= a + k < len(t) and not copy[a + k] and t[a + k] == t[a] + k * six
+                       for k in offsets)]  # fmt: skip
+        pipe = insitu_pipeline(root, manifest, views, batch_size=4, missing=(), stride=stride)
+        try:
+            got = _anchors(pipe)
+            assert sorted(got) == want, views
+            assert len(set(t[got])) == len(got)  # each time once
+        finally:
+            pipe.close()
+
+
+def test_fit_statistics_count_a_repeated_time_once_with_the_time_checks_and_warn_without(
+    repeated: tuple[Path, Any],
+) -> None:
+    """With ``missing=()`` (the time checks) the fit took both copies of a time; without, it
+    takes them as the pipeline reads them, and now says so. A difference across a dropped
+    copy is one step in time: it counts."""
+    root, times = repeated
+    keep = ~np.asarray(times.duplicated())
+    with xr.open_zarr(root, consolidated=False) as ds:
+        x = ds.sst.values.astype(np.float64)
+    t = times.to_numpy()[keep]
+    one = np.flatnonzero(np.diff(t) == np.timedelta64(6, "h"))
+    assert len(one) == keep.sum() - 1
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    stats = fit_statistics(root, manifest, {"sst": g}, missing=())
+    np.testing.assert_allclose(stats.mean["sst"], x[keep].mean(), rtol=1e-12)
+    assert stats.count["sst"] == keep.sum() * 6
+    d = np.diff(x[keep], axis=0)[one]
+    np.testing.assert_allclose(stats.diff_std["sst"], d.std(), rtol=1e-6)
+    said = (
+        r"times of 'time' repeat \(sample 5 has 2020-01-02T00:00.* as sample 4 does; 2 "
+        r"repeated in all\).*missing=\(\)"
+    )
+    with pytest.warns(UserWarning, match=said):
+        every = fit_statistics(root, manifest, {"sst": g})
+    assert every.count["sst"] == len(times) * 6
+    np.testing.assert_allclose(every.mean["sst"], x.mean(), rtol=1e-12)
