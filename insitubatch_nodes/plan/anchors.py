@@ -125,6 +125,8 @@ class SampleSteps:
         if self.ticks is None:
             return None
         n = self.n_samples
+        if bool((np.diff(self.ticks[self.ticks != _NO_TIME]) > 0).all()):  # (the usual: O(n))
+            return np.zeros(n, dtype=bool)
         run = (
             np.zeros(n, np.int64)
             if self.runs is None
