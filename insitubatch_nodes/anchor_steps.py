@@ -26,7 +26,13 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks", "repeated_times"]
+__all__ = [
+    "anchor_steps",
+    "anchor_time_coordinate",
+    "calendar_ticks",
+    "forward_ticks",
+    "repeated_times",
+]
 
 _DAY_S = 86_400
 _MONTH_S = 30.436875 * _DAY_S  # (the Gregorian calendar's mean month)
@@ -177,17 +183,35 @@ def repeated_times(coord: Coordinate, ticks: np.ndarray) -> str | None:
     )
 
 
-def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:
-    """Refuse times that run backwards (most consecutive present times of one run decrease):
-    the missing-step checks count each step forward from its anchor at the data's step, and
-    would check nothing (a ``shift(1)`` reading the step before its anchor, silently)."""
+def forward_ticks(coord: Coordinate, seconds: np.ndarray) -> np.ndarray:
+    """``calendar_ticks(coord, seconds)[0]`` counted forward along the samples: where the times
+    run backwards (newest first), each negated (a missing time stays :data:`MISSING_OFFSET`),
+    so that a step back in time from one sample to the next is one step on (what pairs
+    samples one step apart whichever way the store runs: ``fit_statistics``' ``diff_std``)."""
+    if not _backwards(seconds, None):
+        return calendar_ticks(coord, seconds)[0]
+    flipped = Coordinate(coord.name, coord.values[::-1])  # (months counted oldest first)
+    ticks = calendar_ticks(flipped, seconds[::-1])[0][::-1]
+    return np.where(ticks == MISSING_OFFSET, MISSING_OFFSET, -ticks)
+
+
+def _backwards(ticks: np.ndarray, runs: np.ndarray | None) -> bool:
+    """Whether most consecutive present times of one run decrease."""
     present = np.flatnonzero(ticks != MISSING_OFFSET)
     d = np.diff(ticks[present])
     if runs is not None:  # only differences within one run (member)
         run = np.searchsorted(runs, present, side="right")
         d = d[run[1:] == run[:-1]]
-    if int((d < 0).sum()) <= int((d > 0).sum()):
+    return int((d < 0).sum()) > int((d > 0).sum())
+
+
+def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:
+    """Refuse times that run backwards (most consecutive present times of one run decrease):
+    the missing-step checks count each step forward from its anchor at the data's step, and
+    would check nothing (a ``shift(1)`` reading the step before its anchor, silently)."""
+    if not _backwards(ticks, runs):
         return
+    present = np.flatnonzero(ticks != MISSING_OFFSET)
     first, last = coord.values[present[0]], coord.values[present[-1]]
     raise ValueError(
         f"the times of {coord.name!r} run backwards ({first} at sample {int(present[0])} .. "

@@ -51,7 +51,7 @@ from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
 from insitubatch_nodes._moments import _Moments, as_channels
-from insitubatch_nodes.anchor_steps import anchor_time_coordinate, calendar_ticks, repeated_times
+from insitubatch_nodes.anchor_steps import anchor_time_coordinate, forward_ticks, repeated_times
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
@@ -641,8 +641,9 @@ def _sample_ticks(
     zstore: Any, manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry]
 ) -> np.ndarray | None:
     """The anchor array's times as whole seconds, or as calendar months (years) where they
-    step by months (years) of several lengths (``calendar_ticks``; ``None`` when it has no
-    time coordinate).
+    step by months (years) of several lengths, negated where they run backwards (newest
+    first: a step back in time is one step; ``forward_ticks``; ``None`` without a time
+    coordinate).
     Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
     times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
     pipeline without time checks reads them."""
@@ -658,7 +659,7 @@ def _sample_ticks(
         again = repeated_times(coord, seconds)  # (counted as often as a pipeline reads them)
         if again is not None:
             warnings.warn(f"fit_statistics: {again}", UserWarning, stacklevel=4)
-        return calendar_ticks(coord, seconds)[0]  # monthly dates: a month apart is one step
+        return forward_ticks(coord, seconds)  # monthly dates: a month apart is one step
     except ValueError as exc:
         warnings.warn(
             f"fit_statistics: diff_std pairs consecutive samples whatever their times, which "

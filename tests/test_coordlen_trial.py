@@ -26,6 +26,11 @@ Found (fixed; each test failed before the fix):
   the samples either side of a dropped copy (one step apart in time; it required them to be
   one *sample* apart). Without the checks every copy is read by index, as asked, and
   ``fit_statistics`` says so in a warning naming the first repeated sample and ``missing=()``.
+- **``fit_statistics`` differenced across gaps of times that run backwards.** Newest first
+  (an archive written backwards), one step absent: the fit found no step forward in time, so
+  ``diff_std`` paired every two consecutive samples, the two either side of the gap included
+  (1.62 where numpy gives 1.39 over the one-step pairs), monthly means too. Now the fit counts
+  such times backwards (``anchor_steps.forward_ticks``): a step back in time is one step.
 """
 
 from __future__ import annotations
@@ -53,13 +58,20 @@ LAT, LON = [10.0, 20.0], [0.0, 1.0, 2.0]
 
 
 def _write(
-    root: Path, times: Any, *, chunk: int = 4, encoding: dict[str, Any] | None = None
+    root: Path,
+    times: Any,
+    *,
+    chunk: int = 4,
+    encoding: dict[str, Any] | None = None,
+    trend: Any = None,
 ) -> Path:
-    """``sst (time, lat, lon)`` float32 at ``times`` (each step's values: its index plus
-    noise), ``chunk`` steps per stored object; ``encoding`` of the time coordinate."""
+    """``sst (time, lat, lon)`` float32 at ``times`` (each step's values: its ``trend``, by
+    default its index, plus noise), ``chunk`` steps per stored object; ``encoding`` of the
+    time coordinate."""
     n = len(times)
     rng = np.random.default_rng(0)
-    data = (rng.standard_normal((n, 2, 3)) + np.arange(n)[:, None, None]).astype("f4")
+    level = np.arange(n) if trend is None else np.asarray(trend)
+    data = (rng.standard_normal((n, 2, 3)) + level[:, None, None]).astype("f4")
     ds = xr.Dataset(
         {"sst": (("time", "lat", "lon"), data)},
         coords={"time": times, "lat": LAT, "lon": LON},
@@ -195,3 +207,26 @@ def test_fit_statistics_count_a_repeated_time_once_with_the_time_checks_and_warn
         every = fit_statistics(root, manifest, {"sst": g})
     assert every.count["sst"] == len(times) * 6
     np.testing.assert_allclose(every.mean["sst"], x.mean(), rtol=1e-12)
+
+
+@pytest.mark.parametrize("freq", ["6h", "MS"])
+def test_fit_statistics_of_times_that_run_backwards_never_difference_across_a_gap(
+    tmp_path: Path, freq: str
+) -> None:
+    """Newest first (an archive written backwards), one step absent: the fit found no step
+    forward in time, so ``diff_std`` paired every two samples, across the gap, without a word
+    (the pipeline refuses such times where it checks them; the fit reads them by index).
+    Monthly means too (months of 28 to 31 days: one step each)."""
+    times = pd.date_range("2020-01-01", periods=16, freq=freq).delete(7)[::-1]
+    days = {"units": "days since 2000-01-01", "dtype": "int64"}
+    root = _write(tmp_path / "back.zarr", times, encoding=days if freq == "MS" else None,
+                  trend=np.arange(16)[::-1].take(np.r_[0:8, 9:16]) * 3.0)  # fmt: skip
+    with xr.open_zarr(root, consolidated=False) as ds:
+        x = ds.sst.values.astype(np.float64)
+    month = times.year * 12 + times.month
+    one = np.flatnonzero(np.diff(month if freq == "MS" else times.to_numpy()) == np.diff(
+        month if freq == "MS" else times.to_numpy()).max())  # fmt: skip
+    assert len(one) == len(times) - 2  # every pair but the one across the gap
+    g = open_geometries(root)["sst"]
+    stats = fit_statistics(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"sst": g})
+    np.testing.assert_allclose(stats.diff_std["sst"], np.diff(x, axis=0)[one].std(), rtol=1e-6)
