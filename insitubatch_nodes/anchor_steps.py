@@ -178,8 +178,8 @@ def repeated_times(coord: Coordinate, ticks: np.ndarray) -> str | None:
         f"the times of {coord.name!r} repeat (sample {at} has {coord.values[at]} as sample "
         f"{first} does; {int(again.sum())} repeated in all): every copy is read where the times "
         "are not checked; pass missing=() to count each time once (a later copy is then "
-        "dropped as a gap), or write the store without them (xarray: "
-        "ds.drop_duplicates('time'))"
+        "dropped as a gap; list the copies not to read in missing= to keep others), or "
+        "write the store without them (xarray: ds.drop_duplicates('time'))"
     )
 
 

@@ -20,7 +20,8 @@ Found (fixed; each test failed before the fix):
   ``[-1, 0]`` read the later copy as the step before the next time, and ``fit_statistics(...,
   missing=())`` counted both in ``mean``/``std``/``count``. Decided: a time is one time — its
   first sample is that time's and each later copy counts as absent (a ``"gap"``, for every
-  offset, the anchor's own included), as pandas' ``duplicated()`` marks them; refusing the store
+  offset, the anchor's own included), as pandas' ``duplicated()`` marks them (a copy listed
+  in ``missing=`` is none: listing the older keeps the newer); refusing the store
   would have thrown away a training run for one overlapping append that the checks can skip,
   and keeping the first matches xarray's ``drop_duplicates`` default. ``diff_std`` now pairs
   the samples either side of a dropped copy (one step apart in time; it required them to be
@@ -177,6 +178,13 @@ def test_a_repeated_time_is_one_time_where_the_times_are_checked(
             assert len(set(t[got])) == len(got)  # each time once
         finally:
             pipe.close()
+    # missing= picks the copy: the first one listed, the later one is that time's
+    pipe = insitu_pipeline(root, manifest, {"x": g}, batch_size=4, missing=[4], stride=stride)
+    try:
+        got = _anchors(pipe)
+        assert 5 in got and 4 not in got and len(set(t[got])) == len(got)
+    finally:
+        pipe.close()
 
 
 def test_fit_statistics_count_a_repeated_time_once_with_the_time_checks_and_warn_without(

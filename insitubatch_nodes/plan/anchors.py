@@ -121,23 +121,26 @@ class SampleSteps:
     def repeated(self) -> np.ndarray | None:
         """Samples whose time an earlier sample of their run already has (pandas'
         ``duplicated()``, run by run; ``None`` without times): later copies of a time, which
-        the checks count as absent (``"gap"``), so that each time is one time."""
+        the checks count as absent (``"gap"``), so that each time is one time. A sample
+        listed in ``missing=`` is no copy: the first unlisted one is the time's (list the
+        copies not to read)."""
         if self.ticks is None:
             return None
-        n = self.n_samples
-        if bool((np.diff(self.ticks[self.ticks != _NO_TIME]) > 0).all()):  # (the usual: O(n))
-            return np.zeros(n, dtype=bool)
-        run = (
-            np.zeros(n, np.int64)
-            if self.runs is None
-            else np.searchsorted(self.runs, np.arange(n), side="right")
+        out = np.zeros(self.n_samples, dtype=bool)
+        at = np.flatnonzero(
+            (self.ticks != _NO_TIME) & (True if self.listed is None else ~self.listed)
         )
-        order = np.lexsort((np.arange(n), self.ticks, run))  # by run, time, then sample
-        t, r = self.ticks[order], run[order]
-        again = np.zeros(n, dtype=bool)
-        again[1:] = (t[1:] == t[:-1]) & (r[1:] == r[:-1])
-        out = np.zeros(n, dtype=bool)
-        out[order] = again & (t != _NO_TIME)
+        t = self.ticks[at]
+        if bool((np.diff(t) > 0).all()):  # (the usual: O(n))
+            return out
+        run = np.zeros(len(at), np.int64)
+        if self.runs is not None:  # (a time may be once in each run: a member's own)
+            run = np.searchsorted(self.runs, at, side="right")
+        order = np.lexsort((at, t, run))  # by run, time, then sample
+        t, run = t[order], run[order]
+        again = np.zeros(len(at), dtype=bool)
+        again[1:] = (t[1:] == t[:-1]) & (run[1:] == run[:-1])
+        out[at[order]] = again
         return out
 
     @functools.cached_property
