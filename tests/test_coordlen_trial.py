@@ -13,7 +13,8 @@ Found (fixed; each test failed before the fix):
   failed at the first batch with a ``KeyError`` telling to build with ``coords=None`` — the
   default, as built. Now the build refuses it (``CoordinateLengthError``, a ``ValueError``)
   naming the coordinate, both lengths and the dimension, saying what to do, as the anchor
-  checks already did where the times are read.
+  checks already did where the times are read; ``concat`` said such a store "has no time
+  coordinate", and now names it and both lengths.
 - **A repeated time was read twice where the times are checked.** Two samples with one time
   (an append that overlapped by a step; a step re-sent later, out of place) under ``missing=()``
   or a time stride: an anchor-only view took both copies (the time twice in an epoch), a window
@@ -36,6 +37,7 @@ Found (fixed; each test failed before the fix):
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,7 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.forcings import Forcings
+from insitubatch_nodes.io.collection import concat
 from insitubatch_nodes.statistics import fit_statistics
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
@@ -238,3 +241,14 @@ def test_fit_statistics_of_times_that_run_backwards_never_difference_across_a_ga
     g = open_geometries(root)["sst"]
     stats = fit_statistics(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"sst": g})
     np.testing.assert_allclose(stats.diff_std["sst"], np.diff(x, axis=0)[one].std(), rtol=1e-6)
+
+
+def test_a_store_read_mid_append_is_refused_by_concat_naming_it_and_both_lengths(
+    tmp_path: Path, torn: Path
+) -> None:
+    """``concat`` said the store "has no time coordinate 'time'", which it has."""
+    first = _write(tmp_path / "first.zarr", pd.date_range("2019-12-29", periods=12, freq="6h"))
+    length = zarr.open_array(torn / "time").shape[0]
+    said = rf"concat: '{re.escape(str(torn))}''s 'sst': coordinate .*time' has {length} values"
+    with pytest.raises(ValueError, match=said):
+        concat([first, torn], ["sst"])
