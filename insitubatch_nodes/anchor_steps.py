@@ -10,6 +10,7 @@ members, and a window in time deltas is refused when no member holds two times.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -68,6 +69,8 @@ def anchor_steps(
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
     windowed = any(v.timed_window for v in views)
     timed = not isinstance(config.stride, int) or windowed
+    if missing is None and not timed and manifest.steps is None:
+        _warn_repeated(manifest, geoms, reader)  # (no time checked: every copy is read)
     if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
         return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
     n = manifest.n_samples
@@ -179,8 +182,26 @@ def repeated_times(coord: Coordinate, ticks: np.ndarray) -> str | None:
         f"{first} does; {int(again.sum())} repeated in all): every copy is read where the times "
         "are not checked; pass missing=() to count each time once (a later copy is then "
         "dropped as a gap; list the copies not to read in missing= to keep others), or "
-        "write the store without them (xarray: ds.drop_duplicates('time'))"
+        f"write the store without them (xarray: ds.drop_duplicates({coord.name!r}))"
     )
+
+
+def _warn_repeated(
+    manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry], reader: Any
+) -> None:
+    """Warn where the anchor array's times repeat while the plan checks no time (every copy
+    is then an anchor, by index): from the times ``reader`` read already for the batches'
+    coordinates; nothing is read here."""
+    geom = geoms.get(manifest.array)
+    coord = None if geom is None or reader is None else reader.read_already(geom)
+    if coord is None or not coord.is_time:
+        return
+    try:
+        said = repeated_times(coord, time_offsets(coord, "1s"))
+    except (ValueError, OverflowError):  # (times off the whole second: checked nowhere)
+        return
+    if said is not None:
+        warnings.warn(f"insitu_pipeline: {said}", UserWarning, stacklevel=4)
 
 
 def forward_ticks(coord: Coordinate, seconds: np.ndarray) -> np.ndarray:

@@ -27,7 +27,8 @@ Found (fixed; each test failed before the fix):
   and keeping the first matches xarray's ``drop_duplicates`` default. ``diff_std`` now pairs
   the samples either side of a dropped copy (one step apart in time; it required them to be
   one *sample* apart). Without the checks every copy is read by index, as asked, and
-  ``fit_statistics`` says so in a warning naming the first repeated sample and ``missing=()``.
+  ``insitu_pipeline`` (from the times its batches carry) and ``fit_statistics`` say so in a
+  warning naming the first repeated sample and ``missing=()``.
 - **``fit_statistics`` differenced across gaps of times that run backwards.** Newest first
   (an archive written backwards), one step absent: the fit found no step forward in time, so
   ``diff_std`` paired every two consecutive samples, the two either side of the gap included
@@ -188,6 +189,27 @@ def test_a_repeated_time_is_one_time_where_the_times_are_checked(
         assert 5 in got and 4 not in got and len(set(t[got])) == len(got)
     finally:
         pipe.close()
+
+
+def test_a_pipeline_that_checks_no_time_says_where_the_times_repeat(
+    repeated: tuple[Path, Any],
+) -> None:
+    """Without the checks every copy is an anchor, by index, as asked; it was said nowhere.
+    The times the batches carry were read anyway: no read is added for it."""
+    root, times = repeated
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    said = r"insitu_pipeline: the times of 'time' repeat \(sample 5 .* as sample 4 does; 2 "
+    with pytest.warns(UserWarning, match=said):
+        pipe = insitu_pipeline(root, manifest, {"x": g}, batch_size=4)
+    try:
+        assert sorted(_anchors(pipe)) == list(range(len(times)))
+    finally:
+        pipe.close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checked (missing=()), or no time read (coords=())
+        insitu_pipeline(root, manifest, {"x": g}, missing=()).close()
+        insitu_pipeline(root, manifest, {"x": g}, coords=()).close()
 
 
 def test_fit_statistics_count_a_repeated_time_once_with_the_time_checks_and_warn_without(

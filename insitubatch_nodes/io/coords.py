@@ -334,6 +334,17 @@ class _Reader:
                 return path, self.arrays[path]
         return None
 
+    def read_already(self, geom: ArrayGeometry) -> Coordinate | None:
+        """``geom``'s dimension coordinate where this reader has read it already (``None``
+        otherwise, or for a collection view): nothing is read here."""
+        dim = _sample_dimension(geom)
+        if dim is None or geom.members is not None:
+            return None
+        for path in candidate_paths(geom.path, dim):
+            if path in self.loaded or self.arrays.get(path) is not None:
+                return self.loaded.get(path)  # (the first path holding an array is the one)
+        return None
+
     def load(self, path: str, array: Any) -> Coordinate:
         if path not in self.loaded:
             if array.ndim != 1:
