@@ -201,6 +201,9 @@ def test_a_repeated_time_is_one_time_where_the_times_are_checked(
             got = _anchors(pipe)
             assert sorted(got) == want, views
             assert len(set(t[got])) == len(got)  # each time once
+            assert pipe.report().batches == len(pipe) == -(-len(want) // 4)
+            inside = [a for a in on if all(0 <= a + k < len(t) for k in offsets)]
+            assert sum(pipe.report().dropped.values()) == len(inside) - len(want)
         finally:
             pipe.close()
     # missing= picks the copy: the first one listed, the later one is that time's
