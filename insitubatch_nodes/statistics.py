@@ -52,7 +52,7 @@ from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
 from insitubatch_nodes._moments import _Moments, as_channels
-from insitubatch_nodes.anchor_steps import anchor_time_coordinate, calendar_ticks
+from insitubatch_nodes.anchor_steps import anchor_time_coordinate, forward_ticks, repeated_times
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
@@ -608,8 +608,9 @@ def _one_step(plan: Any, zstore: Any, geoms: Mapping[str, ArrayGeometry]) -> Any
     """``apart(a, b)``: whether anchors ``b`` are one step (``k`` samples, or a time stride's
     time) after anchors ``a``, elementwise; where the anchor array has times (read by the plan,
     else here, once, along the fitted views' sample axis, ``geoms``; a collection's only by the
-    plan), ``k`` samples on must also be ``k`` data steps on in time: samples either side of a
-    missing date are two steps apart, not one."""
+    plan), ``b`` is ``k`` data steps on in time (and after ``a``; not always ``k`` samples on:
+    a later copy of a time the plan dropped lies between): samples either side of a missing
+    date are two steps apart, not one."""
     stride = plan.plan_config.stride
     steps = plan.manifest.steps
     if isinstance(stride, np.timedelta64):
@@ -630,7 +631,7 @@ def _one_step(plan: Any, zstore: Any, geoms: Mapping[str, ArrayGeometry]) -> Any
         ta, tb = timed[a], timed[b]
         known = (ta != MISSING_OFFSET) & (tb != MISSING_OFFSET)
         elapsed = np.where(known, tb, 0) - np.where(known, ta, 0)
-        return (b - a == k) & known & (elapsed == span)
+        return (b > a) & known & (elapsed == span)  # (a dropped copy of a time between)
 
     return apart
 
@@ -639,8 +640,9 @@ def _sample_ticks(
     zstore: Any, manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry]
 ) -> np.ndarray | None:
     """The anchor array's times as whole seconds, or as calendar months (years) where they
-    step by months (years) of several lengths (``calendar_ticks``; ``None`` when it has no
-    time coordinate).
+    step by months (years) of several lengths, negated where they run backwards (newest
+    first: a step back in time is one step; ``forward_ticks``; ``None`` without a time
+    coordinate).
     Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
     times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
     pipeline without time checks reads them."""
@@ -653,7 +655,10 @@ def _sample_ticks(
             f"{manifest.array!r}'s time coordinate",
             "fit_statistics' one-step differences (diff_std, samples one data step apart)",
         )
-        return calendar_ticks(coord, seconds)[0]  # monthly dates: a month apart is one step
+        again = repeated_times(coord, seconds)  # (counted as often as a pipeline reads them)
+        if again is not None:
+            warnings.warn(f"fit_statistics: {again}", UserWarning, stacklevel=4)
+        return forward_ticks(coord, seconds)  # monthly dates: a month apart is one step
     except ValueError as exc:
         warnings.warn(
             f"fit_statistics: diff_std pairs consecutive samples whatever their times, which "
