@@ -1,0 +1,331 @@
+"""Lightning inference and evaluation through ``InSituDataModule`` (the splitinfer trial of
+2026-12-07): ``trainer.validate`` / ``test`` / ``predict`` on one rank and on two real gloo
+ranks (Lightning's own DDP strategy, each rank forked from the tests' fork server as
+tests/test_ddp.py forks its ranks), a split with fewer samples than ranks, and a fit resumed
+from a checkpoint saved after a validation. Oracles: zarr's read of the store for every row,
+and the manifest's samples for which rows a split holds.
+
+Found (fixed):
+
+1. A val/test split with fewer samples than the trainer's ranks was refused, rightly, but the
+   message said ``use a larger split or fewer ranks``, and the data module's user has no rank
+   to pass. Letting it through is no answer: Lightning refuses a rank without a batch (``has
+   zero length``, on that rank alone: the other rank died with ``Connection closed by peer``),
+   and with ``allow_zero_length_dataloader_with_multiple_devices`` that rank skips the loop
+   while the other waits for it at the epoch-end ``sync_dist`` (measured: a gloo timeout);
+   padding the empty rank with a repeated sample would count it twice in every metric. The
+   refusal is now a ``TooFewSamplesError`` (a ``ValueError``) raised on every rank alike,
+   and the data module's says what to do in Lightning's terms (at most ``n`` devices; after a
+   DDP fit, ``destroy_process_group`` and ``Trainer(devices=1).test`` on global rank 0; for a
+   fit's validation ``limit_val_batches=0``); a plain pipeline's names the ``world_size`` to
+   build it with. The advice is followed here and evaluates the split.
+
+Tried and found right (claims below): on 2 gloo ranks, validate, test and predict each see
+every sample of their split once, each rank's share in store order, rank 0 first (so the
+ranks' predictions, concatenated in rank order, are the split in store order), with a
+``sync_dist`` log at every step; a fit with mid-epoch validation checkpointed after a
+validation, then in a new trainer ``validate(ckpt_path=...)`` (which hands the data module
+the checkpoint's state too) and ``fit(ckpt_path=...)``, trains the uninterrupted run's
+batches on both ranks and ends with its weights. On one rank, a fit, validate, test and
+predict whose callbacks build another stage's loader in the middle of every batch (``test``
+and ``predict`` share the test split's slot, and a build closes the loader it replaces):
+each stage still sees its split once in store order, and each peek gets its split's first
+batch — sharing the slot gives no stage another's rows or position (a closed pipeline goes
+on where it was), so it was left as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.errors import TooFewSamplesError
+
+pytestmark = pytest.mark.timeout(120)
+
+T = 48  # 6-hourly steps in chunks of 2: 24 chunks
+FRACTIONS = (0.5, 0.25, 0.25)  # 12 / 6 / 6 chunks
+FEW = (0.5, 0.46, 0.04)  # the test split: 1 chunk of 2 steps, 1 anchor whose y is in the split
+
+
+@pytest.fixture(scope="module")
+def archive(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import pandas as pd  # (here: the forked ranks import this module, and need neither)
+    import xarray as xr
+
+    root = tmp_path_factory.mktemp("splitinfer") / "era5.zarr"
+    data = np.random.default_rng(7).random((T, 3)).astype("f4")
+    ds = xr.Dataset(
+        {"t2m": (("time", "lat"), data)},
+        coords={"time": pd.date_range("2000-01-01", periods=T, freq="6h")},
+    )
+    ds.to_zarr(root, mode="w", encoding={"t2m": {"chunks": (2, 3)}}, consolidated=False)
+    return root
+
+
+def _valid(root: Path, fractions: tuple[float, ...], split: str) -> list[int]:
+    """The split's anchors whose ``y = x.shift(1)`` lies in the split, in store order."""
+    g = open_geometries(root, ["t2m"])["t2m"]
+    samples = split_by_chunk(g, fractions).samples(split).tolist()
+    return [s for s in samples if s + 1 in set(samples)]
+
+
+# -- a plain pipeline -------------------------------------------------------------------------
+
+
+def test_a_plain_pipeline_refuses_more_ranks_than_samples_naming_the_world_size_that_reads_it(
+    archive: Path,
+) -> None:
+    g = open_geometries(archive, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, FEW)
+    views = {"x": g, "y": g.shift(1)}
+    opts: dict[str, Any] = {"split": "test", "shuffle": False, "remainder": "uneven"}
+    with pytest.raises(TooFewSamplesError, match=r"world_size=1 on ranks r < 1") as refused:
+        insitu_pipeline(archive, manifest, views, rank=1, world_size=2, **opts)
+    assert isinstance(refused.value, ValueError)
+    assert (refused.value.split, refused.value.n_samples, refused.value.world_size) == (
+        "test", 1, 2,
+    )  # fmt: skip
+    pipe = insitu_pipeline(archive, manifest, views, rank=0, world_size=1, **opts)
+    try:  # the advice: on one rank, the split's one sample
+        assert [b.sample_indices["x"].tolist() for b in pipe] == [_valid(archive, FEW, "test")]
+    finally:
+        pipe.close()
+
+
+# -- Lightning on two gloo ranks (and on one, after the group is gone) ---------------------------
+
+
+def lightning_rank(rank: int, port: int, archive: str, out: str) -> None:
+    """One of 2 ranks of a Lightning DDP job (gloo; the environment tells Lightning the
+    processes were started for it). Writes ``out/rank{rank}.json`` with what each phase saw."""
+    from datetime import timedelta
+
+    keep = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                                           "NODE_RANK", "WORLD_SIZE")}  # fmt: skip
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank),
+                      NODE_RANK="0", WORLD_SIZE="2")  # fmt: skip
+    try:
+        import lightning as L
+        import torch
+        from lightning.pytorch.callbacks import ModelCheckpoint
+        from lightning.pytorch.strategies import DDPStrategy
+
+        from insitubatch_nodes import PlanConfig
+        from insitubatch_nodes.batch import to_item
+        from insitubatch_nodes.lightning import InSituDataModule
+
+        class Model(L.LightningModule):
+            def __init__(self) -> None:
+                super().__init__()
+                torch.manual_seed(0)
+                self.lin = torch.nn.Linear(3, 3)
+                self.seen: dict[str, list[Any]] = {}
+
+            def _seen(self, kind: str, batch: dict) -> torch.Tensor:
+                rows = batch["sample_indices"]["x"].tolist()
+                self.seen.setdefault(kind, []).append([rows, batch["x"].tolist()])
+                return torch.nn.functional.mse_loss(self.lin(batch["x"]), batch["y"])
+
+            def training_step(self, batch: dict, i: int) -> torch.Tensor:
+                self.seen.setdefault("steps", []).append([self.current_epoch, i])
+                return self._seen("train", batch)
+
+            def validation_step(self, batch: dict, i: int) -> None:  # synced at the epoch's end
+                self.log("val_loss", self._seen("val", batch), sync_dist=True)
+
+            def test_step(self, batch: dict, i: int) -> None:
+                self.log("test_loss", self._seen("test", batch), sync_dist=True)
+
+            def predict_step(self, batch: dict, i: int) -> list:
+                self._seen("predict", batch)
+                return [batch["sample_indices"]["x"].tolist(), batch["x"].tolist()]
+
+            def configure_optimizers(self) -> torch.optim.Optimizer:
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+        def module(fractions: tuple[float, ...]) -> InSituDataModule:
+            return InSituDataModule(
+                archive, lambda g: {"x": g["t2m"], "y": g["t2m"].shift(1)}, fractions,
+                config=PlanConfig(batch_size=3, block_chunks=2, seed=1), eval_batch_size=2,
+                transform=to_item, log_report=False,
+            )  # fmt: skip
+
+        quiet: dict[str, Any] = {"accelerator": "cpu", "logger": False,
+                                 "enable_progress_bar": False, "enable_model_summary": False,
+                                 "default_root_dir": out}  # fmt: skip
+
+        def ddp(**options: Any) -> dict[str, Any]:  # (a strategy serves one trainer)
+            strategy = DDPStrategy(process_group_backend="gloo", timeout=timedelta(seconds=60))
+            return {**quiet, "devices": 2, "enable_checkpointing": False, "strategy": strategy,
+                    **options}  # fmt: skip
+
+        result: dict[str, Any] = {}
+
+        # 1. validate / test / predict
+        model, dm = Model(), module(FRACTIONS)
+        trainer = L.Trainer(**ddp())
+        trainer.validate(model, datamodule=dm, verbose=False)
+        trainer.test(model, datamodule=dm, verbose=False)
+        result["predictions"] = trainer.predict(model, datamodule=dm)
+        result["eval"] = model.seen
+
+        # 2. a fit with mid-epoch validation, checkpointed after each; resumed after validating
+        ckpts = Path(out, "ckpt")
+        model, dm = Model(), module(FRACTIONS)
+        saver = ModelCheckpoint(dirpath=ckpts, filename="{step}", save_top_k=-1,
+                                save_on_train_epoch_end=False)  # fmt: skip
+        fit = {"max_epochs": 2, "val_check_interval": 2}
+        L.Trainer(**ddp(**fit, enable_checkpointing=True), callbacks=[saver]).fit(model, dm)
+        result["fit"] = {"seen": model.seen, "weight": model.lin.weight.tolist()}
+        model, dm = Model(), module(FRACTIONS)
+        trainer = L.Trainer(**ddp(**fit))
+        trainer.validate(model, datamodule=dm, ckpt_path=ckpts / "step=2.ckpt", verbose=False)
+        validated = model.seen.pop("val")
+        trainer.fit(model, datamodule=dm, ckpt_path=ckpts / "step=2.ckpt")
+        result["resumed"] = {"validated": validated, "seen": model.seen,
+                             "weight": model.lin.weight.tolist()}  # fmt: skip
+
+        # 3. a test split of 1 sample on 2 ranks: refused on both, saying what to do
+        model, few = Model(), module(FEW)
+        try:
+            L.Trainer(**ddp()).test(model, datamodule=few, verbose=False)
+            result["refused"] = None
+        except TooFewSamplesError as refused:
+            result["refused"] = str(refused)
+
+        # 4. ... which is done: the group gone, rank 0 tests it on one device
+        torch.distributed.destroy_process_group()
+        if rank == 0:
+            single = {**quiet, "devices": 1, "enable_checkpointing": False}
+            L.Trainer(**single).test(model, datamodule=few, verbose=False)
+            result["advised"] = model.seen["test"]
+            result["one_rank"] = _one_rank(L, Model(), module(FRACTIONS), single)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        for k, v in keep.items():  # (resume_helpers writes the response where LOCAL_RANK is 0)
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _one_rank(L: Any, model: Any, dm: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """A fit, validate, test and predict on one device whose callback builds another stage's
+    loader after every batch and takes its first batch (a peek, as a callback logging examples
+    does): ``test`` and ``predict`` share the test split's slot."""
+
+    class Peek(L.Callback):
+        def __init__(self) -> None:
+            self.peeks: list[list[Any]] = []
+
+        def _peek(self, trainer: Any, loader: str) -> None:
+            batch = next(iter(getattr(trainer.datamodule, loader)()))
+            self.peeks.append([loader, batch["sample_indices"]["x"].tolist()])
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            self._peek(trainer, "test_dataloader")
+
+        def on_validation_batch_end(self, trainer: Any, *args: Any) -> None:
+            self._peek(trainer, "val_dataloader")
+
+        def on_test_batch_end(self, trainer: Any, *args: Any) -> None:
+            self._peek(trainer, "predict_dataloader")
+
+        def on_predict_batch_end(self, trainer: Any, *args: Any) -> None:
+            self._peek(trainer, "test_dataloader")
+
+    peek = Peek()
+    trainer = L.Trainer(**options, max_epochs=1, num_sanity_val_steps=0, callbacks=[peek])
+    trainer.fit(model, datamodule=dm)
+    trainer.validate(model, datamodule=dm, verbose=False)
+    trainer.test(model, datamodule=dm, verbose=False)
+    trainer.predict(model, datamodule=dm)
+    dm.teardown()
+    return {"seen": model.seen, "peeks": peek.peeks}
+
+
+@pytest.fixture(scope="module")
+def job(archive: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    from resume_helpers import spawn_ranks
+
+    out = tmp_path_factory.mktemp("splitinfer-job")
+    with socket.socket() as s:  # a free port for the ranks' rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spawn_ranks(lightning_rank, args=(port, str(archive), str(out)), nprocs=2,
+                workdir=out / "ranks")  # fmt: skip
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_rows(archive: Path, batches: list[Any]) -> list[int]:
+    """The sample indices of ``batches`` (``[rows, x]`` each), every row's ``x`` checked
+    against zarr's read of the store."""
+    src = np.asarray(zarr.open_array(archive / "t2m", mode="r")[...])
+    rows = [i for b in batches for i in b[0]]
+    np.testing.assert_array_equal(np.array([x for b in batches for x in b[1]], "f4"), src[rows])
+    return rows
+
+
+@pytest.mark.slow
+def test_validate_test_and_predict_on_two_gloo_ranks_see_each_sample_once_rank_0_first(
+    archive: Path, job: list[dict[str, Any]]
+) -> None:
+    for kind, split in (("val", "val"), ("test", "test"), ("predict", "test")):
+        shares = [_check_rows(archive, r["eval"][kind]) for r in job]
+        assert shares[0] + shares[1] == _valid(archive, FRACTIONS, split), kind
+        assert abs(len(job[0]["eval"][kind]) - len(job[1]["eval"][kind])) <= 1
+    # trainer.predict returns each rank's own predictions in its order: rank 0's, then 1's
+    returned = [_check_rows(archive, r["predictions"]) for r in job]
+    assert returned[0] + returned[1] == _valid(archive, FRACTIONS, "test")
+
+
+@pytest.mark.slow
+def test_a_fit_resumed_on_two_ranks_from_a_checkpoint_saved_after_validation_is_exact(
+    archive: Path, job: list[dict[str, Any]]
+) -> None:
+    """Checkpointed after the validation at step 2 (``val_check_interval=2``); a new trainer
+    validates that checkpoint, then fits from it: the uninterrupted run's batches from step 3
+    on, on both ranks, and its weights."""
+    for r in job:
+        full, resumed = r["fit"]["seen"], r["resumed"]["seen"]
+        assert resumed["train"] == full["train"][2:] and len(full["train"]) > 4
+        assert resumed["steps"] == full["steps"][2:]
+        _check_rows(archive, full["train"])
+        np.testing.assert_array_equal(r["resumed"]["weight"], r["fit"]["weight"])
+    for name in ("validated",):
+        shares = [_check_rows(archive, r["resumed"][name]) for r in job]
+        assert shares[0] + shares[1] == _valid(archive, FRACTIONS, "val")
+
+
+@pytest.mark.slow
+def test_a_test_split_smaller_than_the_ranks_is_refused_on_both_saying_how_to_test_it(
+    archive: Path, job: list[dict[str, Any]]
+) -> None:
+    for r in job:
+        message = r["refused"]
+        assert message is not None and "the 'test' split has 1 sample(s)" in message
+        assert "destroy_process_group()" in message
+        assert "L.Trainer(devices=1).test(model, datamodule=dm)" in message
+    assert _check_rows(archive, job[0]["advised"]) == _valid(archive, FEW, "test")
+
+
+@pytest.mark.slow
+def test_stages_building_each_others_loaders_mid_run_each_see_their_own_split_once(
+    archive: Path, job: list[dict[str, Any]]
+) -> None:
+    one = job[0]["one_rank"]
+    valid = {s: _valid(archive, FRACTIONS, s) for s in ("train", "val", "test")}
+    seen = one["seen"]
+    assert sorted(_check_rows(archive, seen["train"])) == valid["train"]
+    for kind, split in (("val", "val"), ("test", "test"), ("predict", "test")):
+        runs = 2 if kind == "val" else 1  # (the fit's validation, then validate)
+        assert _check_rows(archive, seen[kind]) == valid[split] * runs, kind
+    firsts = {"test_dataloader": valid["test"][:2], "predict_dataloader": valid["test"][:2],
+              "val_dataloader": valid["val"][:2]}  # fmt: skip
+    assert one["peeks"] and all(rows == firsts[loader] for loader, rows in one["peeks"])
