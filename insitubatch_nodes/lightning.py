@@ -11,8 +11,10 @@ where Lightning itself drops the loader state (Lightning issue #20550: a Lightni
 The training permutation follows ``trainer.current_epoch``; validation and test pipelines are
 separate objects with their own state, so evaluating never moves the training position. They
 are dealt with ``remainder="uneven"``: under DDP each sample of the split is evaluated exactly
-once, and a rank may run one batch fewer than another (fine for epoch-end reductions, not for a
-collective call in every ``validation_step``). After
+once, and a rank may run one batch fewer than another (fine for epoch-end reductions through
+torchmetrics or logged sums, not for a collective call in every ``validation_step``; a mean
+logged with ``sync_dist=True`` comes out too large under Lightning 2.6 where the split's samples
+are no multiple of the ranks: docs/training.md says why and what to log instead). After
 Lightning resumed a run stopped by ``max_steps`` (it counts the stopped epoch as done, yet
 resumes it at the next batch under the following epoch's number) the training plan's epochs run
 behind the trainer's by that one, so the batches are the uninterrupted run's.
