@@ -235,11 +235,16 @@ class TooFewSamplesError(InSituError, ValueError):
     without a batch leaves the others waiting at their first collective call (Lightning
     refuses such a rank), and repeating a sample to fill it would count that sample twice.
     ``split``, ``n_samples`` and ``world_size`` say which split and how many; the message says
-    what to do (read it on at most ``n_samples`` ranks, or give the split more samples)."""
+    what to do (read it on at most ``n_samples`` ranks, or give the split more samples);
+    ``counted`` says what was counted (``"1 valid anchors"``, and the anchors the missing-step
+    checks dropped)."""
 
-    def __init__(self, message: str, *, split: str, n_samples: int, world_size: int) -> None:
+    def __init__(
+        self, message: str, *, split: str, n_samples: int, world_size: int, counted: str = ""
+    ) -> None:
         super().__init__(message)
         self.split, self.n_samples, self.world_size = split, n_samples, world_size
+        self.counted = counted
 
 
 # -- resuming ------------------------------------------------------------------------------------

@@ -41,8 +41,8 @@ def too_few_for_ranks(few: TooFewSamplesError, stage: str | None) -> TooFewSampl
         f"would count twice. Run trainer.{call} on at most {n} device(s): after a DDP fit, "
         "torch.distributed.destroy_process_group(), then on global rank 0 only (if "
         f"trainer.is_global_zero:) L.Trainer(devices=1).{call}(model, datamodule=dm); or give "
-        f"the split more chunks (splits=...).{during_fit} ({few})",
-        split=few.split, n_samples=n, world_size=world,
+        f"the split more chunks (splits=...).{during_fit} (Counted: {few.counted})",
+        split=few.split, n_samples=n, world_size=world, counted=few.counted,
     )  # fmt: skip
 
 

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import socket
 from pathlib import Path
 from typing import Any
@@ -99,9 +100,12 @@ def test_a_plain_pipeline_refuses_more_ranks_than_samples_naming_the_world_size_
     with pytest.raises(TooFewSamplesError, match=r"world_size=1 on ranks r < 1") as refused:
         insitu_pipeline(archive, manifest, views, rank=1, world_size=2, **opts)
     assert isinstance(refused.value, ValueError)
-    assert (refused.value.split, refused.value.n_samples, refused.value.world_size) == (
-        "test", 1, 2,
-    )  # fmt: skip
+    again = pickle.loads(pickle.dumps(refused.value))  # (as it crosses from a spawned rank)
+    for error in (refused.value, again):
+        assert (error.split, error.n_samples, error.world_size, error.counted) == (
+            "test", 1, 2, "1 valid anchors",
+        )  # fmt: skip
+    assert str(again) == str(refused.value)
     pipe = insitu_pipeline(archive, manifest, views, rank=0, world_size=1, **opts)
     try:  # the advice: on one rank, the split's one sample
         assert [b.sample_indices["x"].tolist() for b in pipe] == [_valid(archive, FEW, "test")]
@@ -330,6 +334,7 @@ def test_a_test_split_smaller_than_the_ranks_is_refused_on_both_saying_how_to_te
         assert message is not None and "the 'test' split has 1 sample(s)" in message
         assert "destroy_process_group()" in message
         assert "L.Trainer(devices=1).test(model, datamodule=dm)" in message
+        assert message.endswith("(Counted: 1 valid anchors)")  # (no rank=... to pass)
     assert _check_rows(archive, job[0]["advised"]) == _valid(archive, FEW, "test")
 
 

@@ -589,13 +589,14 @@ def check_ranks(
         what = "valid anchors" if layout is None else f"windows ({n_valid} valid anchors)"
         dropped = {k: n for k, n in dropped_anchors(manifest, views, config).items() if n}
         why = f"; the missing-step checks dropped {dropped}" if dropped else ""
+        counted = f"{n_samples} {what}{why}"
         raise TooFewSamplesError(
             f"split {config.split!r} has {n_samples} {what} but world_size is {world}{why}: "
             f"every rank needs at least one sample (remainder {config.remainder!r} too: a rank "
             "without a batch leaves the others waiting at their first collective call). Read "
             f"it on at most {n_samples} rank(s) (rank=r, world_size={n_samples} on ranks r < "
             f"{n_samples}, nothing on the others), or give the split more samples (more chunks)",
-            split=config.split, n_samples=n_samples, world_size=world,
+            split=config.split, n_samples=n_samples, world_size=world, counted=counted,
         )  # fmt: skip
 
 
