@@ -206,13 +206,16 @@ def lightning_rank(rank: int, port: int, archive: str, out: str) -> None:
         fit = {"max_epochs": 2, "val_check_interval": 2}
         L.Trainer(**ddp(**fit, enable_checkpointing=True), callbacks=[saver]).fit(model, dm)
         result["fit"] = {"seen": model.seen, "weight": model.lin.weight.tolist()}
-        model, dm = Model(), module(FRACTIONS)
-        trainer = L.Trainer(**ddp(**fit))
-        trainer.validate(model, datamodule=dm, ckpt_path=ckpts / "step=2.ckpt", verbose=False)
-        validated = model.seen.pop("val")
-        trainer.fit(model, datamodule=dm, ckpt_path=ckpts / "step=2.ckpt")
-        result["resumed"] = {"validated": validated, "seen": model.seen,
-                             "weight": model.lin.weight.tolist()}  # fmt: skip
+        result["resumed"] = {}
+        for step in (2, 4):  # mid-epoch, and after the epoch's last batch
+            model, dm = Model(), module(FRACTIONS)
+            trainer = L.Trainer(**ddp(**fit))
+            ckpt = ckpts / f"step={step}.ckpt"
+            trainer.validate(model, datamodule=dm, ckpt_path=ckpt, verbose=False)
+            validated = model.seen.pop("val")
+            trainer.fit(model, datamodule=dm, ckpt_path=ckpt)
+            result["resumed"][step] = {"validated": validated, "seen": model.seen,
+                                       "weight": model.lin.weight.tolist()}  # fmt: skip
 
         # 3. a test split of 1 sample on 2 ranks: refused on both, saying what to do
         model, few = Model(), module(FEW)
@@ -311,17 +314,23 @@ def test_validate_test_and_predict_on_two_gloo_ranks_see_each_sample_once_rank_0
 def test_a_fit_resumed_on_two_ranks_from_a_checkpoint_saved_after_validation_is_exact(
     archive: Path, job: list[dict[str, Any]]
 ) -> None:
-    """Checkpointed after the validation at step 2 (``val_check_interval=2``); a new trainer
-    validates that checkpoint, then fits from it: the uninterrupted run's batches from step 3
-    on, on both ranks, and its weights."""
+    """Checkpointed after the validations at step 2 (mid-epoch, ``val_check_interval=2``) and
+    at step 4 (the epoch's last batch); a new trainer validates the checkpoint, then fits from
+    it: on both ranks, the uninterrupted run's training batches from there on, its later
+    validations, and its weights."""
     for r in job:
-        full, resumed = r["fit"]["seen"], r["resumed"]["seen"]
-        assert resumed["train"] == full["train"][2:] and len(full["train"]) > 4
-        assert resumed["steps"] == full["steps"][2:]
+        full = r["fit"]["seen"]
+        assert len(full["train"]) == 8 and [e for e, _ in full["steps"]] == [0] * 4 + [1] * 4
         _check_rows(archive, full["train"])
-        np.testing.assert_array_equal(r["resumed"]["weight"], r["fit"]["weight"])
-    for name in ("validated",):
-        shares = [_check_rows(archive, r["resumed"][name]) for r in job]
+        per_run = len(r["eval"]["val"])  # a validation's batches on this rank
+        for step, resumed in r["resumed"].items():
+            seen, later = resumed["seen"], (8 - int(step)) // 2  # validations after the step
+            assert seen["train"] == full["train"][int(step) :], step
+            assert seen["steps"] == full["steps"][int(step) :], step
+            assert seen["val"] == full["val"][-later * per_run :], step
+            np.testing.assert_array_equal(resumed["weight"], r["fit"]["weight"])
+    for step in job[0]["resumed"]:
+        shares = [_check_rows(archive, r["resumed"][step]["validated"]) for r in job]
         assert shares[0] + shares[1] == _valid(archive, FRACTIONS, "val")
 
 
