@@ -27,6 +27,12 @@ Found (fixed):
    ``(V / W) / floor(V / W)`` too large — and ``"uneven"`` makes such shares. Not ours to fix
    (Lightning's internals); documented, with two workarounds checked exact here: a
    torchmetrics ``MeanMetric``, and sums logged with ``reduce_fx="sum"``.
+3. ``trainer.predict(model, dataloaders=dm.predict_dataloader())`` opening a script on 2 ranks
+   predicted every test sample on both ranks: the loader was built before the trainer
+   initialised the process group, so its plan took ``world_size=1`` (a plain pipeline built
+   before ``init_process_group`` alike). A plan built so now raises ``RuntimeError`` where an
+   epoch starts inside a group of several ranks, on every rank, saying to build it after the
+   group or to pass ``rank``/``world_size``, and with Lightning to pass ``datamodule=dm``.
 
 Tried and found right (claims below): on 2 gloo ranks, validate, test and predict each see
 every sample of their split once, each rank's share in store order, rank 0 first (so the
@@ -189,6 +195,14 @@ def lightning_rank(rank: int, port: int, archive: str, out: str) -> None:
                     **options}  # fmt: skip
 
         result: dict[str, Any] = {}
+
+        # 0. a loader built before the trainer (so before the group), handed to it
+        early = module(FRACTIONS).predict_dataloader()
+        try:
+            got = L.Trainer(**ddp()).predict(Model(), dataloaders=early)
+            result["early"] = [row for b in got for row in b[0]]  # (each rank's rows)
+        except RuntimeError as refused:
+            result["early"] = str(refused)
 
         # 1. validate / test / predict
         model, dm = Model(), module(FRACTIONS)
@@ -378,3 +392,17 @@ def test_a_validation_mean_over_uneven_shares_is_exact_with_torchmetrics_or_logg
         assert logged["val_at_sum"] / logged["val_n"] == pytest.approx(want, rel=1e-6)
         if logged["val_at"] != pytest.approx(want, rel=1e-6):  # (until Lightning fixes it)
             assert logged["val_at"] == pytest.approx(want * 5.5 / 5, rel=1e-6)
+
+
+@pytest.mark.slow
+def test_a_loader_built_before_the_group_is_refused_on_every_rank_not_read_whole_by_each(
+    job: list[dict[str, Any]],
+) -> None:
+    """``trainer.predict(model, dataloaders=dm.predict_dataloader())`` as a script's first
+    call on 2 ranks: the loader was built before the trainer initialised the group, for one
+    rank, and each rank predicted the whole test split (every prediction twice). It is refused
+    at its first batch on both ranks, saying to pass the data module."""
+    for r in job:
+        assert isinstance(r["early"], str), f"rank predicted {r['early']}"
+        assert "built before torch.distributed was initialised" in r["early"]
+        assert "trainer.predict(model, datamodule=dm)" in r["early"]
