@@ -37,10 +37,15 @@ Found (fixed):
 Tried and found right (claims below): on 2 gloo ranks, validate, test and predict each see
 every sample of their split once, each rank's share in store order, rank 0 first (so the
 ranks' predictions, concatenated in rank order, are the split in store order), with a
-``sync_dist`` log at every step; a fit with mid-epoch validation checkpointed after a
-validation, then in a new trainer ``validate(ckpt_path=...)`` (which hands the data module
-the checkpoint's state too) and ``fit(ckpt_path=...)``, trains the uninterrupted run's
-batches on both ranks and ends with its weights. On one rank, a fit, validate, test and
+``sync_dist`` log at every step; a fit with mid-epoch validation checkpointed after the
+validations at step 2 (mid-epoch) and step 4 (its epoch's last batch), then in a new trainer
+``validate(ckpt_path=...)`` (which hands the data module the checkpoint's state too) and
+``fit(ckpt_path=...)``, trains the uninterrupted run's batches on both ranks, runs its later
+validations and ends with its weights. Tried without a claim: on one rank,
+``validate(ckpt_path=...)`` between two fits of one trainer leaves the training order as it
+was; a checkpoint saved in the middle of a validation resumes training at the next batch
+(Lightning does not finish that validation, as with any loader). On one rank, a fit, validate,
+test and
 predict whose callbacks build another stage's loader in the middle of every batch (``test``
 and ``predict`` share the test split's slot, and a build closes the loader it replaces):
 each stage still sees its split once in store order, and each peek gets its split's first
