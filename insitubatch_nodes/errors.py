@@ -29,6 +29,7 @@ __all__ = [
     "PipelineInterrupted",
     "StaleCacheError",
     "StateMismatchError",
+    "TooFewSamplesError",
     "UnsupportedMetadataError",
 ]
 
@@ -255,6 +256,26 @@ class FillCancelled(InSituError, RuntimeError):
 
 class PipelineInterrupted(InSituError, RuntimeError):
     """A wait was cut short because its pipeline is stopping (``close`` or ``reset``)."""
+
+
+# -- dealing samples to ranks ---------------------------------------------------------------------
+
+
+class TooFewSamplesError(InSituError, ValueError):
+    """A split holds fewer samples than there are ranks, so some rank would get none: a rank
+    without a batch leaves the others waiting at their first collective call (Lightning
+    refuses such a rank), and repeating a sample to fill it would count that sample twice.
+    ``split``, ``n_samples`` and ``world_size`` say which split and how many; the message says
+    what to do (read it on at most ``n_samples`` ranks, or give the split more samples);
+    ``counted`` says what was counted (``"1 valid anchors"``, and the anchors the missing-step
+    checks dropped)."""
+
+    def __init__(
+        self, message: str, *, split: str, n_samples: int, world_size: int, counted: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.split, self.n_samples, self.world_size = split, n_samples, world_size
+        self.counted = counted
 
 
 # -- resuming ------------------------------------------------------------------------------------
