@@ -1,0 +1,428 @@
+"""Trial of read-once, each-sample-once and the report's counts across combinations of features.
+
+(docstring filled in at the end)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+import zarr.storage
+from helpers import CountingStore, is_metadata_key
+from zarr.abc.store import ByteRequest, Store
+from zarr.core.buffer import Buffer, BufferPrototype
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes.forcings import Forcings
+
+pytestmark = pytest.mark.timeout(90)
+
+N_TIME, N_LEVEL, N_LAT, N_LON = 40, 3, 8, 16
+STEP_H = 3
+LATS = np.linspace(70.0, -70.0, N_LAT).astype("f4")  # north to south, as ERA5 stores it
+LONS = (np.arange(N_LON) * 22.5).astype("f4")
+LEVELS = np.array([1000, 850, 500], dtype="i4")
+
+
+class BytesStore(CountingStore):
+    """A counting store that also sums the bytes each chunk GET returned, per key."""
+
+    def __init__(self, store: Store, **kwargs: Any) -> None:
+        super().__init__(store, **kwargs)
+        self.nbytes: Counter[str] = Counter()
+        self._blk = threading.Lock()
+
+    def _with_store(self, store: Store) -> BytesStore:
+        return type(self)(store)
+
+    async def get(
+        self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
+    ) -> Buffer | None:
+        out = await super().get(key, prototype, byte_range)
+        if out is not None and not is_metadata_key(key):
+            with self._blk:
+                self.nbytes[key] += len(out)
+        return out
+
+
+def bytes_store(root: Path) -> BytesStore:
+    return BytesStore(zarr.storage.LocalStore(root, read_only=True))
+
+
+def write_store(root: Path, *, zarr_format: int = 3, sharded: bool = False) -> Path:
+    """t2m (time, lat, lon) in 2 x 2 tiles, z (time, level, lat, lon) one level per object,
+    a static lsm (lat, lon); latitude north to south; times every 3 h; 4 steps per chunk
+    (8 per shard when sharded)."""
+    rng = np.random.default_rng(7)
+    group = zarr.open_group(root, mode="w", zarr_format=zarr_format)
+
+    def put(name: str, data: np.ndarray, dims: tuple[str, ...], chunks: tuple[int, ...],
+            shards: tuple[int, ...] | None = None, attrs: dict | None = None) -> None:  # fmt: skip
+        kw: dict[str, Any] = {"chunks": chunks}
+        if data.dtype.kind == "f":
+            kw["fill_value"] = np.nan  # v2: xarray (and the package) mask the fill value
+        elif data.dtype.kind == "i":
+            kw["fill_value"] = -1  # v2: 0 would be the time 2000-01-01's _FillValue (NaT)
+        if zarr_format == 3:
+            kw["dimension_names"] = dims
+            if shards is not None and sharded:
+                kw["shards"] = shards
+        a = group.create_array(name, shape=data.shape, dtype=data.dtype, **kw)
+        a[...] = data
+        if zarr_format == 2:
+            a.attrs["_ARRAY_DIMENSIONS"] = list(dims)
+        if attrs:
+            a.attrs.update(attrs)
+
+    put("t2m", rng.standard_normal((N_TIME, N_LAT, N_LON)).astype("f4"), ("time", "lat", "lon"),
+        (4, 4, 8), (8, 8, 16))  # fmt: skip
+    put("z", rng.standard_normal((N_TIME, N_LEVEL, N_LAT, N_LON)).astype("f4"),
+        ("time", "level", "lat", "lon"), (4, 1, 8, 16), (8, N_LEVEL, 8, 16))  # fmt: skip
+    put("lsm", (rng.random((N_LAT, N_LON)) > 0.5).astype("f4"), ("lat", "lon"), (N_LAT, N_LON))
+    put("time", (np.arange(N_TIME) * STEP_H).astype("i8"), ("time",), (N_TIME,),
+        attrs={"units": "hours since 2000-01-01", "calendar": "standard"})  # fmt: skip
+    put("lat", LATS, ("lat",), (N_LAT,))
+    put("lon", LONS, ("lon",), (N_LON,))
+    put("level", LEVELS, ("level",), (N_LEVEL,))
+    return root
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("readonce")
+    return {
+        "v3": write_store(base / "v3.zarr"),
+        "v2": write_store(base / "v2.zarr", zarr_format=2),
+        "sharded": write_store(base / "sh.zarr", sharded=True),
+    }
+
+
+def whole(root: Path, name: str) -> np.ndarray:
+    return np.asarray(zarr.open_array(root, path=name, mode="r")[...])
+
+
+# ---------------------------------------------------------------------------------------------
+# the harness: epochs over ranks, the store's counts against the report's
+# ---------------------------------------------------------------------------------------------
+
+
+def run_ranks(
+    root: Path,
+    make: Callable[[Store, int, int], Any],
+    world: int,
+    epochs: int,
+    check: Callable[[Any], None] | None = None,
+) -> list[list[dict[str, Any]]]:
+    """``epochs`` epochs of ``world`` rank pipelines (each over its own counting store); per
+    epoch per rank: the store's chunk GETs and bytes per key, the report, the batches' anchors
+    (a copy of every label's ``sample_indices``)."""
+    out: list[list[dict[str, Any]]] = [[] for _ in range(epochs)]
+    for rank in range(world):
+        store = bytes_store(root)
+        pipe = make(store, rank, world)
+        try:
+            for e in range(epochs):
+                gets0, bytes0 = Counter(store.chunk_counts()), Counter(store.nbytes)
+                rows: list[dict[str, np.ndarray]] = []
+                n_batches = 0
+                pipe.reset()
+                for batch in pipe:
+                    n_batches += 1
+                    if check is not None:
+                        check(batch)
+                    rows.append({k: np.array(v) for k, v in batch.sample_indices.items()})
+                gets = Counter(store.chunk_counts())
+                gets.subtract(gets0)
+                nbytes = Counter(store.nbytes)
+                nbytes.subtract(bytes0)
+                out[e].append(
+                    {
+                        "gets": +gets,
+                        "bytes": +nbytes,
+                        "report": pipe.report(),
+                        "rows": rows,
+                        "batches": n_batches,
+                        "len": len(pipe),
+                    }
+                )
+        finally:
+            pipe.close()
+    return out
+
+
+def assert_report_counts(rec: dict[str, Any]) -> None:
+    """The report's GETs, bytes and decodes are what the store saw."""
+    rep = rec["report"]
+    assert rep is not None and rep.complete
+    seen = (rep.gets, rep.bytes_fetched, rep.decodes)
+    want = (sum(rec["gets"].values()), sum(rec["bytes"].values()), sum(rec["gets"].values()))
+    assert seen == want, f"report (gets, bytes, decodes) {seen}, the store saw {want}"
+    assert rep.batches == rec["batches"] == rec["len"], (rep.batches, rec["batches"], rec["len"])
+
+
+def assert_read_once(rec: dict[str, Any]) -> None:
+    twice = {k: n for k, n in rec["gets"].items() if n > 1}
+    assert not twice, f"read more than once in one epoch: {twice}"
+
+
+def anchors_of(rec: dict[str, Any], label: str, col: int = 0) -> np.ndarray:
+    parts = [r[label] if r[label].ndim == 1 else r[label][:, col] for r in rec["rows"]]
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def assert_each_once(
+    per_rank: list[dict[str, Any]], label: str, valid: np.ndarray, remainder: str, col: int = 0
+) -> None:
+    """Every valid anchor once over the ranks (``"uneven"``); under ``"drop"`` at most
+    ``world - 1`` left out and none twice; under ``"pad"`` none left out, at most ``world - 1``
+    repeated; every rank the same number of batches (not under ``"uneven"``)."""
+    world = len(per_rank)
+    got = np.concatenate([anchors_of(r, label, col) for r in per_rank])
+    counts = Counter(got.tolist())
+    valid_set = set(valid.tolist())
+    assert set(counts) <= valid_set, sorted(set(counts) - valid_set)
+    lost = valid_set - set(counts)
+    extra = sum(n - 1 for n in counts.values())
+    if remainder == "uneven":
+        assert not lost and not extra, (sorted(lost), extra)
+    elif remainder == "drop":
+        assert extra == 0 and len(lost) <= world - 1, (sorted(lost), extra)
+    else:
+        assert not lost and extra <= world - 1, (sorted(lost), extra)
+    if remainder != "uneven":
+        assert len({r["batches"] for r in per_rank}) == 1, [r["batches"] for r in per_rank]
+
+
+# ---------------------------------------------------------------------------------------------
+# stacks of windows, level lists, a box of descending latitudes, a static member, forcings
+# ---------------------------------------------------------------------------------------------
+
+BOX = {"lat": slice(50, -30), "lon": slice(45, 225)}  # north to south, as stored
+
+
+def _stack_views(geoms: dict[str, Any]) -> dict[str, Any]:
+    t2m, z, lsm = geoms["t2m"], geoms["z"], geoms["lsm"]
+    sun = Forcings("x", view=t2m.sel(**BOX), names=["cos_solar_zenith"])
+    x = stack(
+        {
+            "z": z.sel(level=[850, 1000], **BOX).window([-1, 0]),
+            "t2m": t2m.sel(**BOX).window([-1, 0]),
+            "lsm": lsm.sel(**BOX),
+            "sun": sun,
+        }
+    )
+    y = t2m.sel(**BOX).shift(1)
+    return {"x": x, "y": y}
+
+
+def _box_index() -> tuple[np.ndarray, np.ndarray]:
+    lat = np.flatnonzero((LATS <= 50) & (LATS >= -30))
+    lon = np.flatnonzero((LONS >= 45) & (LONS <= 225))
+    return lat, lon
+
+
+def _check_stack_batch(root: Path) -> Callable[[Any], None]:
+    t2m, z, lsm = whole(root, "t2m"), whole(root, "z"), whole(root, "lsm")
+    lat, lon = _box_index()
+    box = np.ix_(lat, lon)
+
+    def check(batch: Any) -> None:
+        idx = batch.sample_indices["x"]  # (batch, 2): t - 1, t
+        x = batch.arrays["x"]
+        assert batch.channels["x"] == ["z@850", "z@1000", "t2m", "lsm", "cos_solar_zenith"]
+        for i, steps in enumerate(idx):
+            for t, s in enumerate(steps):
+                np.testing.assert_array_equal(x[i, t, 0], z[s, 1][box])
+                np.testing.assert_array_equal(x[i, t, 1], z[s, 0][box])
+                np.testing.assert_array_equal(x[i, t, 2], t2m[s][box])
+                np.testing.assert_array_equal(x[i, t, 3], lsm[box])
+        np.testing.assert_array_equal(batch.arrays["y"], t2m[batch.sample_indices["y"]][:, *box])
+        np.testing.assert_array_equal(batch.sample_indices["y"], idx[:, 1] + 1)
+
+    return check
+
+
+@pytest.mark.parametrize(
+    ("fmt", "world", "remainder"),
+    [("v3", 1, "drop"), ("v2", 2, "drop"), ("sharded", 3, "pad"), ("v3", 3, "drop")],
+)
+def test_a_stack_of_windows_and_boxes_reads_each_object_once_and_each_sample_once(
+    stores: dict[str, Path], fmt: str, world: int, remainder: str
+) -> None:
+    root = stores[fmt]
+    geoms = open_geometries(root, ["t2m", "z", "lsm"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.2, 0.0))
+    views = _stack_views(geoms)
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, batch_size=4, block_chunks=2, rank=rank, world_size=w,
+            remainder=remainder, seed=3,
+        )  # fmt: skip
+
+    epochs = run_ranks(root, make, world, 2, check=_check_stack_batch(root))
+    n_train = 32  # 8 chunks of 4
+    valid = np.arange(1, n_train - 1)  # t - 1 and t + 1 inside the split
+    for e, per_rank in enumerate(epochs):
+        assert_each_once(per_rank, "y", valid + 1, remainder)
+        for rec in per_rank:
+            assert_report_counts(rec)
+            assert_read_once(rec)
+        if e == 1:  # the split fits the automatic budget: kept, and no chunk is read again
+            for rec, first in zip(per_rank, epochs[0], strict=True):
+                assert rec["report"].re_reads == 0
+                assert not set(rec["gets"]) & set(first["gets"]), rec["gets"]
+                if world == 1:
+                    assert rec["report"].gets == 0, rec["gets"]
+
+
+# ---------------------------------------------------------------------------------------------
+# patches beside a static field and forcings, a budget at its floor (evictions)
+# ---------------------------------------------------------------------------------------------
+
+
+def floor_of(build: Callable[[int], Any]) -> int:
+    """The working-set floor ``insitu_pipeline`` states when refusing a budget of 1 byte."""
+    import re
+
+    with pytest.raises(ValueError, match="floor") as err:
+        build(1)
+    m = re.search(r"floor of ([\d,]+) bytes", str(err.value))
+    assert m is not None, str(err.value)
+    return int(m.group(1).replace(",", ""))
+
+
+def assert_re_reads_seen(per_epoch: list[dict[str, Any]]) -> None:
+    """Patched: a tile is a stored object, so misses are the GETs, and re-reads the GETs of a
+    key this pipeline got before (this epoch or an earlier one)."""
+    seen: set[str] = set()
+    for rec in per_epoch:
+        rep = rec["report"]
+        again = 0
+        for key, n in rec["gets"].items():
+            again += n - 1 + (key in seen)
+        assert (rep.misses, rep.re_reads) == (rep.gets, again), (rep, rec["gets"])
+        seen |= set(rec["gets"])
+
+
+@pytest.mark.parametrize(("world", "budget"), [(1, "floor"), (2, "floor"), (1, None)])
+def test_patches_with_a_static_field_and_forcings_count_every_tile_read(
+    stores: dict[str, Path], world: int, budget: str | None
+) -> None:
+    root = stores["v3"]
+    geoms = open_geometries(root, ["t2m", "lsm"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.2, 0.0))
+    p = geoms["t2m"].patches({"lat": 3, "lon": 6}, stride={"lat": 3, "lon": 5})
+    sun = Forcings("p", view=p, names=["cos_solar_zenith"])
+    views = {"p": p, "q": p.shift(1), "lsm": geoms["lsm"]}
+    t2m, lsm = whole(root, "t2m"), whole(root, "lsm")
+
+    def build(b: int | None, store: Any = root, rank: int = 0, w: int = 1) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, batch_size=8, block_chunks=1, rank=rank, world_size=w,
+            cache_budget_bytes=b, batch_transforms=[sun], seed=1,
+        )  # fmt: skip
+
+    b = floor_of(build) if budget == "floor" else None
+
+    def check(batch: Any) -> None:
+        for i, (s, (y0, x0)) in enumerate(
+            zip(batch.sample_indices["p"], batch.patch_origins["p"], strict=True)
+        ):
+            np.testing.assert_array_equal(batch["p"][i], t2m[s, y0 : y0 + 3, x0 : x0 + 6])
+            np.testing.assert_array_equal(batch["q"][i], t2m[s + 1, y0 : y0 + 3, x0 : x0 + 6])
+            np.testing.assert_array_equal(batch["lsm"][i], lsm[y0 : y0 + 3, x0 : x0 + 6])
+        assert batch["cos_solar_zenith"].shape == batch["p"].shape
+
+    rows: list[list[tuple[int, int, int]]] = []
+
+    def keep(batch: Any) -> None:
+        check(batch)
+        rows[-1].extend(
+            (int(s), int(o[0]), int(o[1]))
+            for s, o in zip(batch.sample_indices["p"], batch.patch_origins["p"], strict=True)
+        )
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        rows.append([])
+        return build(b, store, rank, w)
+
+    epochs = run_ranks(root, make, world, 2, check=keep)
+    origins = [(y, x) for y in (0, 3, 5) for x in (0, 5, 10)]  # grid, flush with the far edge
+    valid = {(s, y, x) for s in range(31) for y, x in origins}
+    # rows[r] holds rank r's two epochs, in order; split them by the batch counts
+    per_epoch_rows: list[list[tuple[int, int, int]]] = [[], []]
+    for r in range(world):
+        k = sum(len(x["p"]) for x in epochs[0][r]["rows"])
+        per_epoch_rows[0] += rows[r][:k]
+        per_epoch_rows[1] += rows[r][k:]
+    for e in range(2):
+        got = Counter(per_epoch_rows[e])
+        assert set(got) <= valid and max(got.values()) == 1, "a window twice"
+        assert len(valid - set(got)) <= world - 1, sorted(valid - set(got))
+        for rec in epochs[e]:
+            assert_report_counts(rec)
+            if budget is None:
+                assert_read_once(rec)
+    for r in range(world):
+        assert_re_reads_seen([epochs[0][r], epochs[1][r]])
+
+
+# ---------------------------------------------------------------------------------------------
+# a time stride, time-delta windows and missing steps, over ranks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "world", "remainder", "split"),
+    [("v3", 2, "drop", "train"), ("sharded", 3, "uneven", "val"), ("v2", 2, "pad", "train")],
+)
+def test_a_time_stride_with_missing_steps_delivers_each_kept_anchor_once(
+    stores: dict[str, Path], fmt: str, world: int, remainder: str, split: str
+) -> None:
+    root = stores[fmt]
+    geoms = open_geometries(root, ["t2m", "z"])
+    fractions = (0.8, 0.2, 0.0) if split == "train" else (0.0, 1.0, 0.0)
+    manifest = split_by_chunk(geoms["t2m"], fractions)
+    missing = [5, "2000-01-02T03:00"]  # sample 5 and sample 9 (27 h)
+    views = {
+        "x": geoms["t2m"].window(["-6h", "0h"]),
+        "y": geoms["z"].sel(level=500).window(["3h"]),
+    }
+    t2m, z = whole(root, "t2m"), whole(root, "z")
+
+    def check(batch: Any) -> None:
+        xi, yi = batch.sample_indices["x"], batch.sample_indices["y"]
+        np.testing.assert_array_equal(xi[:, 1] - 2, xi[:, 0])
+        np.testing.assert_array_equal(yi[:, 0], xi[:, 1] + 1)
+        np.testing.assert_array_equal(batch["x"], t2m[xi])
+        np.testing.assert_array_equal(batch["y"], z[yi, 2])
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, split=split, stride="6h", missing=missing, batch_size=3,
+            block_chunks=2, rank=rank, world_size=w, remainder=remainder, coords=(),
+        )  # fmt: skip
+
+    epochs = run_ranks(root, make, world, 2, check=check)
+    lo, hi = (0, 32) if split == "train" else (0, N_TIME)
+    valid = np.array(
+        [
+            a
+            for a in range(lo, hi, 2)
+            if a - 2 >= lo and a + 1 < hi and not {a - 2, a, a + 1} & {5, 9}
+        ]
+    )
+    for e, per_rank in enumerate(epochs):
+        assert_each_once(per_rank, "x", valid, remainder, col=1)
+        for rec in per_rank:
+            assert_report_counts(rec)
+            assert_read_once(rec)
+            assert rec["report"].dropped == {"nat": 0, "gap": 0, "missing": 2}
