@@ -704,3 +704,195 @@ def test_absent_objects_are_counted_as_asked_for_or_never_asked_for(
         valid = np.array([a for a in range(1, 31) if not {a - 1, a} & bad and a + 1 not in bad])
         assert rep.dropped["absent_object"] == 30 - len(valid), rep.dropped
     assert_each_once(epochs[0], "x", valid, "uneven", col=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# an epoch broken off, then a whole one
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "cut", "budget"), [("sharded", 2, None), ("v3", 3, "floor")])
+def test_an_epoch_after_one_broken_off_counts_what_the_store_saw(
+    stores: dict[str, Path], fmt: str, cut: int, budget: str | None
+) -> None:
+    root = stores[fmt]
+    geoms = open_geometries(root, ["t2m", "z", "lsm"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.2, 0.0))
+    views = _stack_views(geoms)
+    check = _check_stack_batch(root)
+
+    def build(b: int | None, store: Any = root) -> Any:
+        return insitu_pipeline(store, manifest, views, batch_size=4, block_chunks=2,
+                               cache_budget_bytes=b, seed=5)  # fmt: skip
+
+    b = floor_of(build) if budget == "floor" else None
+    store = bytes_store(root)
+    with build(b, store) as pipe:
+        for i, batch in enumerate(pipe):
+            check(batch)
+            if i + 1 == cut:
+                break
+        broken = pipe.report()
+        g0, b0 = Counter(store.chunk_counts()), Counter(store.nbytes)
+        pipe.reset()
+        rows = []
+        for batch in pipe:
+            check(batch)
+            rows.append({k: np.array(v) for k, v in batch.sample_indices.items()})
+        gets, nbytes = Counter(store.chunk_counts()), Counter(store.nbytes)
+        gets.subtract(g0)
+        nbytes.subtract(b0)
+        rec = {"gets": +gets, "bytes": +nbytes, "report": pipe.report(), "rows": rows,
+               "batches": len(rows), "len": len(pipe)}  # fmt: skip
+    assert broken is not None and broken.batches == cut
+    assert_each_once([rec], "y", np.arange(2, 32), "uneven")
+    assert_report_counts(rec)
+    if budget is None:
+        assert_read_once(rec)
+
+
+# ---------------------------------------------------------------------------------------------
+# an ensemble: members as an axis of a stack, and members as samples
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ensemble(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """t (time, member, level, lat, lon) and 2t (time, member, lat, lon), 3 members, 4 steps a
+    chunk, t one level per object; a static lsm; 6-hourly CF times; member numbers 1..3."""
+    root = tmp_path_factory.mktemp("ens") / "ens.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    rng = np.random.default_rng(11)
+    n = 24
+
+    def put(name: str, data: np.ndarray, dims: tuple[str, ...], chunks: tuple[int, ...]) -> Any:
+        a = group.create_array(name, shape=data.shape, chunks=chunks, dtype=data.dtype,
+                               dimension_names=dims)  # fmt: skip
+        a[...] = data
+        return a
+
+    put("t", rng.standard_normal((n, 3, 2, 4, 5)).astype("f4"),
+        ("time", "member", "level", "lat", "lon"), (4, 3, 1, 4, 5))  # fmt: skip
+    put("2t", rng.standard_normal((n, 3, 4, 5)).astype("f4"), ("time", "member", "lat", "lon"),
+        (4, 1, 4, 5))  # fmt: skip
+    put("lsm", rng.random((4, 5)).astype("f4"), ("lat", "lon"), (4, 5))
+    put("time", (np.arange(n) * 6).astype("i8"), ("time",), (n,)).attrs.update(
+        {"units": "hours since 2020-01-01", "calendar": "standard"}
+    )
+    put("member", np.array([1, 2, 3], dtype="i4"), ("member",), (3,))
+    put("level", np.array([850, 500], dtype="i4"), ("level",), (2,))
+    put("lat", np.array([40, 20, 0, -20], dtype="f4"), ("lat",), (4,))
+    put("lon", np.array([0, 10, 20, 30, 40], dtype="f4"), ("lon",), (5,))
+    return root
+
+
+@pytest.mark.parametrize(("world", "remainder"), [(1, "drop"), (2, "pad"), (3, "drop")])
+def test_an_ensemble_stack_reads_each_member_object_once(
+    ensemble: Path, world: int, remainder: str
+) -> None:
+    root = ensemble
+    g = open_geometries(root, ["t", "2t", "lsm"], sample_axis="time")
+    manifest = split_by_chunk(g["2t"], (0.75, 0.25, 0.0))
+    x = stack(
+        {"t": g["t"].sel(level=500, member=[3, 1]).window([-1, 0]),
+         "2t": g["2t"].sel(member=[3, 1]).window([-1, 0]), "lsm": g["lsm"]},
+        ensemble="member",
+    )  # fmt: skip
+    views = {"x": x, "y": g["2t"].sel(member=[3, 1]).shift(1)}
+    t, t2, lsm = whole(root, "t"), whole(root, "2t"), whole(root, "lsm")
+
+    def check(batch: Any) -> None:
+        idx = batch.sample_indices["x"]
+        assert batch["x"].shape == (len(idx), 2, 2, 3, 4, 5)
+        np.testing.assert_array_equal(batch["x"][:, :, :, 0], t[idx][:, :, [2, 0], 1])
+        np.testing.assert_array_equal(batch["x"][:, :, :, 1], t2[idx][:, :, [2, 0]])
+        np.testing.assert_array_equal(batch["x"][:, :, :, 2], np.broadcast_to(lsm, (len(idx), 2, 2, 4, 5)))
+        np.testing.assert_array_equal(batch["y"], t2[batch.sample_indices["y"]][:, [2, 0]])
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, batch_size=3, block_chunks=1, rank=rank, world_size=w,
+            remainder=remainder, coords=(),
+        )  # fmt: skip
+
+    epochs = run_ranks(root, make, world, 2, check=check)
+    for e, per_rank in enumerate(epochs):
+        n_train = 4 * len(manifest.chunks("train"))
+        assert_each_once(per_rank, "y", np.arange(1, n_train - 1) + 1, remainder)
+        for rec in per_rank:
+            assert_report_counts(rec)
+            assert_read_once(rec)
+            keys = set(rec["gets"])
+            assert not any(k.startswith("2t/") and k.endswith("/1/0/0") for k in keys), keys
+            assert not any(k.startswith("t/") and k.split("/")[4] == "0" for k in keys), keys
+            if e == 1 and world == 1:
+                assert rec["report"].gets == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# an HCS plate written by ome-zarr-py: fields as members, image and labels patched alike
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def plate(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from insitubatch_nodes.synthetic import make_hcs_plate
+
+    path = tmp_path_factory.mktemp("plate") / "plate.zarr"
+    make_hcs_plate(path, rows=1, columns=2, fields=2, shape=(1, 2, 4, 16, 16), levels=1,
+                   ngff_version="0.5")  # fmt: skip
+    return path
+
+
+@pytest.mark.parametrize(("world", "remainder"), [(1, "drop"), (2, "pad"), (3, "drop")])
+def test_a_plate_of_patched_images_and_labels_reads_each_object_once(
+    plate: Path, world: int, remainder: str
+) -> None:
+    from insitubatch_nodes import open_plate, split_by_member
+
+    fields = ["A/1/0", "A/1/1", "A/2/0", "A/2/1"]
+    want = {f: (whole(plate, f"{f}/s0"), whole(plate, f"{f}/labels/cells/s0")) for f in fields}
+    names: list[str] = []
+    windows: list[list[tuple[str, int, int, int]]] = []
+
+    def check(batch: Any) -> None:
+        for i, (m, z, (y0, x0)) in enumerate(
+            zip(batch.members["img"], batch.sample_indices["img"], batch.patch_origins["img"],
+                strict=True)  # fmt: skip
+        ):
+            image, cells = want[names[m]]
+            np.testing.assert_array_equal(batch["img"][i], image[:, :, z, y0 : y0 + 8, x0 : x0 + 8])
+            np.testing.assert_array_equal(batch["lab"][i], cells[:, :, z, y0 : y0 + 8, x0 : x0 + 8])
+            windows[-1].append((names[m], int(z), int(y0), int(x0)))
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        coll = open_plate(store, labels=["cells"])
+        names[:] = list(coll.members)
+        manifest = split_by_member(coll, {"train": 1.0})
+        cut = {"y": 8, "x": 8}
+        views = {"img": coll["image"].patches(cut), "lab": coll["labels/cells"].patches(cut)}
+        return insitu_pipeline(
+            store, manifest, views, batch_size=5, block_chunks=2, rank=rank, world_size=w,
+            remainder=remainder, coords=(),
+        )  # fmt: skip
+
+    def check_and_count(batch: Any) -> None:
+        if batch.index == 0:
+            windows.append([])
+        check(batch)
+
+    epochs = run_ranks(plate, make, world, 2, check=check_and_count)
+    valid = {(f, z, y, x) for f in fields for z in range(4) for y in (0, 8) for x in (0, 8)}
+    for e, per_rank in enumerate(epochs):
+        got = Counter(w for r in range(world) for w in windows[2 * r + e])
+        lost, extra = valid - set(got), sum(n - 1 for n in got.values())
+        assert set(got) <= valid
+        if remainder == "drop":
+            assert extra == 0 and len(lost) <= world - 1, (sorted(lost), extra)
+        else:
+            assert not lost and extra <= world - 1, (sorted(lost), extra)
+        for rec in per_rank:
+            assert_report_counts(rec)
+            assert_read_once(rec)
+            if e == 1 and world == 1:
+                assert rec["report"].gets == 0
