@@ -1017,3 +1017,67 @@ def test_a_patched_stack_with_a_stride_and_missing_steps_over_a_cache_reads_each
                 total.update(per_rank[r]["gets"])
         assert max(total.values()) == 1, {k: n for k, n in total.items() if n > 1}
         assert runs[1][0][r]["report"].gets == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# a state saved mid-epoch, restored into a fresh pipeline over a fresh store
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "world", "cut", "budget"),
+    [("v2", 2, 2, None), ("sharded", 3, 1, None), ("v3", 2, 3, "floor")],
+)
+def test_the_rest_of_an_epoch_resumed_reads_each_object_once_and_counts_it(
+    stores: dict[str, Path], fmt: str, world: int, cut: int, budget: str | None
+) -> None:
+    from insitubatch_nodes import Loader
+
+    root = stores[fmt]
+    geoms = open_geometries(root, ["t2m", "z", "lsm"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.2, 0.0))
+    views = _stack_views(geoms)
+    check = _check_stack_batch(root)
+
+    def build(b: int | None, store: Any = root, rank: int = 0, w: int = 1) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, batch_size=3, block_chunks=2, rank=rank, world_size=w,
+            cache_budget_bytes=b, seed=9, stride=1, missing=(),
+        )  # fmt: skip
+
+    b = floor_of(build) if budget == "floor" else None
+    whole_run: list[np.ndarray] = []
+    resumed: list[np.ndarray] = []
+    for rank in range(world):
+        with build(b, bytes_store(root), rank, world) as pipe:
+            loader = Loader(pipe)
+            ys = [np.array(batch.sample_indices["y"]) for batch in loader]
+        whole_run.append(np.concatenate(ys))
+        with build(b, bytes_store(root), rank, world) as pipe:
+            loader = Loader(pipe)
+            head = []
+            for i, batch in enumerate(loader):
+                check(batch)
+                head.append(np.array(batch.sample_indices["y"]))
+                if i + 1 == cut:
+                    state = loader.state_dict()
+                    break
+        store = bytes_store(root)
+        with build(b, store, rank, world) as pipe:
+            built = Counter(store.chunk_counts()), Counter(store.nbytes)  # the static, the times
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            rest = []
+            for batch in loader:
+                check(batch)
+                rest.append({k: np.array(v) for k, v in batch.sample_indices.items()})
+            gets, nbytes = Counter(store.chunk_counts()), Counter(store.nbytes)
+            gets.subtract(built[0])
+            nbytes.subtract(built[1])
+            rec = {"gets": +gets, "bytes": +nbytes, "report": pipe.report(), "rows": rest,
+                   "batches": len(rest), "len": len(rest)}  # fmt: skip
+        assert_report_counts(rec)
+        if budget is None:
+            assert_read_once(rec)
+        resumed.append(np.concatenate(head + [r["y"] for r in rest]))
+        np.testing.assert_array_equal(resumed[-1], whole_run[-1])
