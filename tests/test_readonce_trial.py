@@ -200,6 +200,43 @@ def run_ranks(
     return out
 
 
+def run_multi(
+    make: Callable[[int, int], tuple[Any, list[BytesStore]]],
+    world: int,
+    epochs: int,
+    check: Callable[[Any], None] | None = None,
+) -> list[list[dict[str, Any]]]:
+    """:func:`run_ranks` for a pipeline over several stores (a collection's): ``make(rank,
+    world)`` returns the pipeline and its counting stores, whose keys are told apart by the
+    store's place in the list (``"0:t2m/c/0/0/0"``)."""
+    out: list[list[dict[str, Any]]] = [[] for _ in range(epochs)]
+    for rank in range(world):
+        pipe, stores = make(rank, world)
+        try:
+            for e in range(epochs):
+                before = [(Counter(s.chunk_counts()), Counter(s.nbytes)) for s in stores]
+                rows = []
+                pipe.reset()
+                for batch in pipe:
+                    if check is not None:
+                        check(batch)
+                    rows.append({k: np.array(v) for k, v in batch.sample_indices.items()})
+                gets: Counter[str] = Counter()
+                nbytes: Counter[str] = Counter()
+                for i, (s, (g0, b0)) in enumerate(zip(stores, before, strict=True)):
+                    g, b = Counter(s.chunk_counts()), Counter(s.nbytes)
+                    g.subtract(g0)
+                    b.subtract(b0)
+                    gets.update({f"{i}:{k}": n for k, n in g.items() if n})
+                    nbytes.update({f"{i}:{k}": n for k, n in b.items() if n})
+                rec = {"gets": gets, "bytes": nbytes, "report": pipe.report(), "rows": rows,
+                       "batches": len(rows), "len": len(pipe)}  # fmt: skip
+                out[e].append(rec)
+        finally:
+            pipe.close()
+    return out
+
+
 def assert_report_counts(rec: dict[str, Any]) -> None:
     """The report's GETs, bytes and decodes are what the store saw."""
     rep = rec["report"]
@@ -669,33 +706,7 @@ def test_a_concatenation_read_across_its_edges_gets_each_object_once_per_epoch(
         t = t // np.timedelta64(1, "h")
         np.testing.assert_array_equal(t, 6 * batch.sample_indices["x"])
 
-    # run_ranks counts through its own store; here each rank's pipeline reads three stores,
-    # so the counts are taken from them instead
-    out: list[list[dict[str, Any]]] = [[], []]
-    for rank in range(world):
-        pipe = make(None, rank, world)  # type: ignore[arg-type]
-        stores = counting[-1]
-        try:
-            for e in range(2):
-                before = [(Counter(s.chunk_counts()), Counter(s.nbytes)) for s in stores]
-                rows = []
-                pipe.reset()
-                for batch in pipe:
-                    check(batch)
-                    rows.append({k: np.array(v) for k, v in batch.sample_indices.items()})
-                gets: Counter[str] = Counter()
-                nbytes: Counter[str] = Counter()
-                for i, (s, (g0, b0)) in enumerate(zip(stores, before, strict=True)):
-                    g, b = Counter(s.chunk_counts()), Counter(s.nbytes)
-                    g.subtract(g0)
-                    b.subtract(b0)
-                    gets.update({f"{i}:{k}": n for k, n in g.items() if n})
-                    nbytes.update({f"{i}:{k}": n for k, n in b.items() if n})
-                rec = {"gets": gets, "bytes": nbytes, "report": pipe.report(), "rows": rows,
-                       "batches": len(rows), "len": len(pipe)}  # fmt: skip
-                out[e].append(rec)
-        finally:
-            pipe.close()
+    out = run_multi(lambda rank, w: (make(None, rank, w), counting[-1]), world, 2, check)
     for e, per_rank in enumerate(out):
         assert_each_once(per_rank, "y", np.arange(1, 21) + 1, remainder)
         for rec in per_rank:
@@ -1081,3 +1092,221 @@ def test_the_rest_of_an_epoch_resumed_reads_each_object_once_and_counts_it(
             assert_read_once(rec)
         resumed.append(np.concatenate(head + [r["y"] for r in rest]))
         np.testing.assert_array_equal(resumed[-1], whole_run[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# set_views between epochs: a rollout that grows, fewer levels
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "world"), [("v3", 1), ("v2", 2)])
+def test_views_changed_between_epochs_read_only_what_the_pool_lacks(
+    stores: dict[str, Path], fmt: str, world: int
+) -> None:
+    root = stores[fmt]
+    geoms = open_geometries(root, ["t2m", "z"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.2, 0.0))
+    z2 = geoms["z"].sel(level=[1000, 500])
+    first = {"x": stack({"z": z2.window([-1, 0]), "t": geoms["t2m"].window([-1, 0])}),
+             "y": geoms["t2m"].window([1])}  # fmt: skip
+    later = {"x": stack({"z": z2.sel(level=[500]).window([-1, 0]),
+                         "t": geoms["t2m"].window([-1, 0])}),
+             "y": geoms["t2m"].window([1, 2, 3])}  # fmt: skip
+    t2m, z = whole(root, "t2m"), whole(root, "z")
+    epoch_views: dict[int, int] = {}
+
+    def check(batch: Any) -> None:
+        xi = batch.sample_indices["x"]
+        n_levels = batch["x"].shape[2] - 1
+        want_z = z[xi][:, :, [0, 2] if n_levels == 2 else [2]]
+        np.testing.assert_array_equal(batch["x"][:, :, :n_levels], want_z)
+        np.testing.assert_array_equal(batch["x"][:, :, n_levels], t2m[xi])
+        yi = batch.sample_indices["y"]
+        np.testing.assert_array_equal(batch["y"], t2m[yi])
+        np.testing.assert_array_equal(yi[:, 0], xi[:, 1] + 1)
+        epoch_views[batch.epoch] = yi.shape[1]
+
+    pipes: list[Any] = []
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        pipe = insitu_pipeline(store, manifest, first, batch_size=4, block_chunks=2,
+                               rank=rank, world_size=w, coords=())  # fmt: skip
+        pipes.append(pipe)
+        return pipe
+
+    def make_switching(store: Store, rank: int, w: int) -> Any:
+        pipe = make(store, rank, w)
+        real_reset = pipe.reset
+        calls = {"n": 0}
+
+        def reset(*args: Any, **kwargs: Any) -> Any:
+            calls["n"] += 1
+            if calls["n"] == 2:
+                pipe.set_views(later)
+            return real_reset(*args, **kwargs)
+
+        pipe.reset = reset
+        return pipe
+
+    epochs = run_ranks(root, make_switching, world, 2, check=check)
+    assert epoch_views == {0: 1, 1: 3}
+    for e, per_rank in enumerate(epochs):
+        lo, hi = 1, 32 - (1 if e == 0 else 3)
+        assert_each_once(per_rank, "x", np.arange(lo, hi), "drop", col=1)
+        for rec in per_rank:
+            assert_report_counts(rec)
+            assert_read_once(rec)
+            if e == 1 and world == 1:
+                assert rec["report"].gets == 0, rec["gets"]  # the split is held, both levels
+
+
+@pytest.mark.parametrize(("fmt", "world"), [("v3", 2), ("sharded", 3)])
+def test_ranks_sharing_a_persistent_cache_get_each_object_once_between_them(
+    stores: dict[str, Path], tmp_path: Path, fmt: str, world: int
+) -> None:
+    root = stores[fmt]
+    geoms = open_geometries(root, ["t2m", "z"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.2, 0.0))
+    views = {"x": geoms["t2m"].window([-1, 0]), "y": geoms["z"].shift(1)}
+    t2m, z = whole(root, "t2m"), whole(root, "z")
+
+    def check(batch: Any) -> None:
+        np.testing.assert_array_equal(batch["x"], t2m[batch.sample_indices["x"]])
+        np.testing.assert_array_equal(batch["y"], z[batch.sample_indices["y"]])
+
+    def build(b: int | None, store: Any = root, rank: int = 0, w: int = 1) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, batch_size=4, block_chunks=1, rank=rank, world_size=w,
+            cache_budget_bytes=b, cache_dir=tmp_path / "cache", persist=True, coords=(),
+        )  # fmt: skip
+
+    floor = floor_of(build)
+    runs = [run_ranks(root, lambda s, r, w: build(floor, s, r, w), world, 2, check=check)]
+    runs.append(run_ranks(root, lambda s, r, w: build(floor, s, r, w), world, 1, check=check))
+    total: Counter[str] = Counter()
+    for epochs in runs:
+        for per_rank in epochs:
+            assert_each_once(per_rank, "y", np.arange(1, 31) + 1, "drop")
+            for rec in per_rank:
+                assert_report_counts(rec)
+                total.update(rec["gets"])
+    assert max(total.values()) == 1, {k: n for k, n in total.items() if n > 1}
+    assert sum(rec["report"].gets for rec in runs[1][0]) == 0
+
+
+# ---------------------------------------------------------------------------------------------
+# scenes with times of their own: a stride and missing dates within each member
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("world", "remainder"), [(1, "uneven"), (2, "uneven"), (3, "pad")])
+def test_scenes_with_their_own_times_deliver_each_kept_window_once(
+    tmp_path: Path, world: int, remainder: str
+) -> None:
+    from insitubatch_nodes import Collection
+
+    spans = {"a": (0, 9), "b": (30, 6), "c": (12, 10)}  # start hour, steps (6-hourly)
+    roots = {m: write_period(tmp_path / f"{m}.zarr", h, n, 3) for m, (h, n) in spans.items()}
+    data = {m: whole(r, "t2m") for m, r in roots.items()}
+    names = list(spans)
+    seen: list[list[tuple[str, int]]] = []
+
+    def make(rank: int, w: int) -> tuple[Any, list[BytesStore]]:
+        stores = [bytes_store(roots[m]) for m in names]
+        scenes = Collection.from_arrays(
+            [(s, "t2m") for s in stores], names=names, sample_axis="time"
+        )
+        manifest = split_by_chunk(scenes["data"], (0.0, 1.0, 0.0))
+        pipe = insitu_pipeline(
+            scenes, manifest, {"w": scenes["data"].window(["-6h", "0h"])}, split="val",
+            stride="12h", missing=[np.datetime64("2000-01-02T12")], coords=["time"],
+            batch_size=2, block_chunks=1, rank=rank, world_size=w, remainder=remainder,
+        )  # fmt: skip
+        return pipe, stores
+
+    def check(batch: Any) -> None:
+        if batch.index == 0:
+            seen.append([])
+        for i, (m, idx, times) in enumerate(
+            zip(
+                batch.members["w"],
+                batch.sample_indices["w"],
+                batch.coords["w"]["time"],
+                strict=True,
+            )  # fmt: skip
+        ):
+            name = names[int(m)]
+            np.testing.assert_array_equal(batch["w"][i], data[name][idx])
+            hours = (times - np.datetime64("2000-01-01T00", "ns")) // np.timedelta64(1, "h")
+            np.testing.assert_array_equal(hours, spans[name][0] + 6 * np.asarray(idx))
+            seen[-1].append((name, int(hours[1])))
+
+    epochs = run_multi(make, world, 2, check)
+    valid = {("a", 12), ("a", 24), ("a", 48), ("b", 48), ("b", 60),
+             ("c", 24), ("c", 48), ("c", 60)}  # fmt: skip
+    for e, per_rank in enumerate(epochs):
+        got = Counter(w for r in range(world) for w in seen[2 * r + e])
+        lost, extra = valid - set(got), sum(n - 1 for n in got.values())
+        assert set(got) <= valid, sorted(set(got) - valid)
+        if remainder == "uneven":
+            assert not lost and not extra, (sorted(lost), got)
+        else:
+            assert not lost and extra <= world - 1, (sorted(lost), got)
+        for rec in per_rank:
+            assert_report_counts(rec)
+            assert_read_once(rec)
+
+
+# ---------------------------------------------------------------------------------------------
+# random patches, stratified by tile, on the val split over ranks
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("fmt", "world"), [("v3", 2), ("v2", 3), ("sharded", 1)])
+def test_random_patches_give_each_tile_its_windows_once_an_epoch(
+    stores: dict[str, Path], fmt: str, world: int
+) -> None:
+    root = stores[fmt]
+    geoms = open_geometries(root, ["t2m", "z"])
+    manifest = split_by_chunk(geoms["t2m"], (0.0, 1.0, 0.0))
+    cut = {"lat": 3, "lon": 5}
+    views = {
+        "p": geoms["t2m"].patches(cut, origins="random", per_tile=2),
+        "q": geoms["z"].sel(level=[850]).shift(1).patches(cut, origins="random", per_tile=2),
+    }
+    t2m, z = whole(root, "t2m"), whole(root, "z")
+    seen: list[list[tuple[int, int, int]]] = []
+
+    def check(batch: Any) -> None:
+        if batch.index == 0:
+            seen.append([])
+        for i, (s, (y0, x0)) in enumerate(
+            zip(batch.sample_indices["p"], batch.patch_origins["p"], strict=True)
+        ):
+            np.testing.assert_array_equal(batch["p"][i], t2m[s, y0 : y0 + 3, x0 : x0 + 5])
+            np.testing.assert_array_equal(batch["q"][i], z[s + 1, 1:2, y0 : y0 + 3, x0 : x0 + 5])
+            seen[-1].append((int(s), int(y0), int(x0)))
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, split="val", batch_size=7, block_chunks=2, rank=rank,
+            world_size=w, remainder="uneven", coords=(), seed=4,
+        )  # fmt: skip
+
+    epochs = run_ranks(root, make, world, 2, check=check)
+    for e, per_rank in enumerate(epochs):
+        got = [w for r in range(world) for w in seen[2 * r + e]]
+        per_tile = Counter((s, y // 4, x // 8) for s, y, x in got)
+        assert set(s for s, _, _ in per_tile) == set(range(N_TIME - 1))
+        # every sample's tiles hold the same windows (edge tiles fewer, by their start positions)
+        shares = {
+            s: tuple(per_tile[s, ty, tx] for ty in (0, 1) for tx in (0, 1)) for s, _, _ in got
+        }
+        if fmt == "sharded":  # the stored object, hence the tile, is the shard: the field
+            assert {sum(v) for v in shares.values()} == {2}, shares
+        else:
+            assert len(set(shares.values())) == 1 and shares[0][0] == 2, shares
+        for rec in per_rank:
+            assert_report_counts(rec)
+            assert_read_once(rec)
+    assert sorted(seen[0]) != sorted(seen[1])  # new origins each epoch
