@@ -75,24 +75,70 @@ LEVELS = np.array([1000, 850, 500], dtype="i4")
 
 
 class BytesStore(CountingStore):
-    """A counting store that also sums the bytes each chunk GET returned, per key."""
+    """A counting store that also sums the bytes each chunk GET returned, per key. ``nbytes``
+    counts the GETs begun before its last :meth:`mark` once they end, so a read begun before
+    the mark and ended after it is not counted since the mark (``since_mark``)."""
 
     def __init__(self, store: Store, **kwargs: Any) -> None:
         super().__init__(store, **kwargs)
         self.nbytes: Counter[str] = Counter()
+        self.since_mark: Counter[str] = Counter()
+        self._era = 0
         self._blk = threading.Lock()
 
     def _with_store(self, store: Store) -> BytesStore:
         return type(self)(store)
 
+    def mark(self) -> None:
+        with self._blk:
+            self._era += 1
+            self.since_mark = Counter()
+
     async def get(
         self, key: str, prototype: BufferPrototype, byte_range: ByteRequest | None = None
     ) -> Buffer | None:
+        era = self._era
         out = await super().get(key, prototype, byte_range)
         if out is not None and not is_metadata_key(key):
             with self._blk:
                 self.nbytes[key] += len(out)
+                if era == self._era:
+                    self.since_mark[key] += len(out)
         return out
+
+
+class Decodes:
+    """Counts the decompressions of stored objects (``ChunkDecoder._decode_stored``: one per
+    stored object decoded, whatever it is decoded into), per (array, chunk, tile)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[tuple[str, int, tuple[int, ...]]] = Counter()
+        self._lock = threading.Lock()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from insitubatch_nodes.io.decode import ChunkDecoder
+
+        real = ChunkDecoder._decode_stored
+        counts, lock = self.counts, self._lock
+
+        def counted(self: Any, raw: Any, out: Any, chunk_index: int, tile: Any) -> Any:
+            with lock:
+                counts[self._geom.path, int(chunk_index), tuple(tile)] += 1
+            return real(self, raw, out, chunk_index, tile)
+
+        monkeypatch.setattr(ChunkDecoder, "_decode_stored", counted)
+
+    def snapshot(self) -> Counter[tuple[str, int, tuple[int, ...]]]:
+        with self._lock:
+            return Counter(self.counts)
+
+
+DECODES = Decodes()
+
+
+@pytest.fixture(autouse=True)
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    DECODES.install(monkeypatch)
 
 
 def bytes_store(root: Path) -> BytesStore:
@@ -172,7 +218,9 @@ def run_ranks(
         pipe = make(store, rank, world)
         try:
             for e in range(epochs):
-                gets0, bytes0 = Counter(store.chunk_counts()), Counter(store.nbytes)
+                gets0 = Counter(store.chunk_counts())
+                store.mark()
+                dec0 = DECODES.snapshot()
                 rows: list[dict[str, np.ndarray]] = []
                 n_batches = 0
                 pipe.reset()
@@ -183,10 +231,12 @@ def run_ranks(
                     rows.append({k: np.array(v) for k, v in batch.sample_indices.items()})
                 gets = Counter(store.chunk_counts())
                 gets.subtract(gets0)
-                nbytes = Counter(store.nbytes)
-                nbytes.subtract(bytes0)
+                nbytes = Counter(store.since_mark)
+                dec = DECODES.snapshot()
+                dec.subtract(dec0)
                 out[e].append(
                     {
+                        "decoded": +dec,
                         "gets": +gets,
                         "bytes": +nbytes,
                         "report": pipe.report(),
@@ -214,7 +264,9 @@ def run_multi(
         pipe, stores = make(rank, world)
         try:
             for e in range(epochs):
-                before = [(Counter(s.chunk_counts()), Counter(s.nbytes)) for s in stores]
+                before = [Counter(s.chunk_counts()) for s in stores]
+                for s in stores:
+                    s.mark()
                 rows = []
                 pipe.reset()
                 for batch in pipe:
@@ -223,10 +275,9 @@ def run_multi(
                     rows.append({k: np.array(v) for k, v in batch.sample_indices.items()})
                 gets: Counter[str] = Counter()
                 nbytes: Counter[str] = Counter()
-                for i, (s, (g0, b0)) in enumerate(zip(stores, before, strict=True)):
-                    g, b = Counter(s.chunk_counts()), Counter(s.nbytes)
+                for i, (s, g0) in enumerate(zip(stores, before, strict=True)):
+                    g, b = Counter(s.chunk_counts()), s.since_mark
                     g.subtract(g0)
-                    b.subtract(b0)
                     gets.update({f"{i}:{k}": n for k, n in g.items() if n})
                     nbytes.update({f"{i}:{k}": n for k, n in b.items() if n})
                 rec = {"gets": gets, "bytes": nbytes, "report": pipe.report(), "rows": rows,
@@ -247,9 +298,19 @@ def assert_report_counts(rec: dict[str, Any]) -> None:
     assert rep.batches == rec["batches"] == rec["len"], (rep.batches, rec["batches"], rec["len"])
 
 
-def assert_read_once(rec: dict[str, Any]) -> None:
+def assert_read_once(rec: dict[str, Any], absent: frozenset[str] = frozenset()) -> None:
     twice = {k: n for k, n in rec["gets"].items() if n > 1}
     assert not twice, f"read more than once in one epoch: {twice}"
+    if "decoded" in rec:
+        twice = {k: n for k, n in rec["decoded"].items() if n > 1}
+        assert not twice, f"decoded more than once in one epoch: {twice}"
+        # every object got is decoded (an absent one is filled, not decoded); a collection's
+        # decoders name the collection's paths, not the store's
+        absent = absent | {k for k in rec["gets"] if not rec["bytes"].get(k)}  # None: not there
+        got = {object_of(k) for k in rec["gets"] if k not in absent}
+        if {p for p, _, _ in rec["decoded"]} <= {p for p, _, _ in got}:
+            assert set(rec["decoded"]) == got, (sorted(got ^ set(rec["decoded"])), absent)
+        assert sum(rec["decoded"].values()) == len(got), (rec["decoded"], got)
 
 
 def anchors_of(rec: dict[str, Any], label: str, col: int = 0) -> np.ndarray:
@@ -339,10 +400,20 @@ def needed_chunks(rec: dict[str, Any], spc: int, labels: list[str] | None = None
     return out
 
 
+def object_of(key: str) -> tuple[str, int, tuple[int, ...]]:
+    """(array, chunk, tile) of a store key (v3 ``g/a/c/3/0/1``, v2 ``g/a/3.0.1``)."""
+    if "/c/" in key:
+        path, rest = key.rsplit("/c/", 1)
+        parts = rest.split("/")
+    else:
+        path, rest = key.rsplit("/", 1)
+        parts = rest.split(".")
+    return path, int(parts[0]), tuple(int(p) for p in parts[1:])
+
+
 def chunk_of(key: str) -> int:
     """The sample-axis chunk of a store key (v3 ``a/c/3/0/1``, v2 ``a/3.0.1``)."""
-    rest = key.split("/", 1)[1]
-    return int(rest[2:].split("/")[0]) if rest.startswith("c/") else int(rest.split(".")[0])
+    return object_of(key)[1]
 
 
 @pytest.mark.parametrize(
@@ -750,8 +821,8 @@ def test_absent_objects_are_counted_as_asked_for_or_never_asked_for(
     epochs = run_ranks(root, make, 1, 1, check=check)
     rec = epochs[0][0]
     rep = rec["report"]
-    absent = {"t2m/2.1.0", "z/5.1.0.0"}
-    assert_read_once(rec)
+    absent = frozenset({"t2m/2.1.0", "z/5.1.0.0"})
+    assert_read_once(rec, absent)
     if policy == "read":
         assert absent <= set(rec["gets"])
         assert_report_counts(rec)
@@ -792,15 +863,15 @@ def test_an_epoch_after_one_broken_off_counts_what_the_store_saw(
             if i + 1 == cut:
                 break
         broken = pipe.report()
-        g0, b0 = Counter(store.chunk_counts()), Counter(store.nbytes)
+        g0 = Counter(store.chunk_counts())
+        store.mark()
         pipe.reset()
         rows = []
         for batch in pipe:
             check(batch)
             rows.append({k: np.array(v) for k, v in batch.sample_indices.items()})
-        gets, nbytes = Counter(store.chunk_counts()), Counter(store.nbytes)
+        gets, nbytes = Counter(store.chunk_counts()), Counter(store.since_mark)
         gets.subtract(g0)
-        nbytes.subtract(b0)
         rec = {"gets": +gets, "bytes": +nbytes, "report": pipe.report(), "rows": rows,
                "batches": len(rows), "len": len(pipe)}  # fmt: skip
     assert broken is not None and broken.batches == cut
@@ -1075,16 +1146,16 @@ def test_the_rest_of_an_epoch_resumed_reads_each_object_once_and_counts_it(
                     break
         store = bytes_store(root)
         with build(b, store, rank, world) as pipe:
-            built = Counter(store.chunk_counts()), Counter(store.nbytes)  # the static, the times
+            built = Counter(store.chunk_counts())  # the static field, the times
+            store.mark()
             loader = Loader(pipe)
             loader.load_state_dict(state)
             rest = []
             for batch in loader:
                 check(batch)
                 rest.append({k: np.array(v) for k, v in batch.sample_indices.items()})
-            gets, nbytes = Counter(store.chunk_counts()), Counter(store.nbytes)
-            gets.subtract(built[0])
-            nbytes.subtract(built[1])
+            gets, nbytes = Counter(store.chunk_counts()), Counter(store.since_mark)
+            gets.subtract(built)
             rec = {"gets": +gets, "bytes": +nbytes, "report": pipe.report(), "rows": rest,
                    "batches": len(rest), "len": len(rest)}  # fmt: skip
         assert_report_counts(rec)
@@ -1233,7 +1304,7 @@ def test_scenes_with_their_own_times_deliver_each_kept_window_once(
                 batch.sample_indices["w"],
                 batch.coords["w"]["time"],
                 strict=True,
-            )  # fmt: skip
+            )
         ):
             name = names[int(m)]
             np.testing.assert_array_equal(batch["w"][i], data[name][idx])
