@@ -296,6 +296,8 @@ def assert_report_counts(rec: dict[str, Any]) -> None:
     want = (sum(rec["gets"].values()), sum(rec["bytes"].values()), sum(rec["gets"].values()))
     assert seen == want, f"report (gets, bytes, decodes) {seen}, the store saw {want}"
     assert rep.batches == rec["batches"] == rec["len"], (rep.batches, rec["batches"], rec["len"])
+    rows = sum(len(next(iter(r.values()))) for r in rec["rows"])
+    assert rep.samples == rows, (rep.samples, rows)
 
 
 def assert_read_once(rec: dict[str, Any], absent: frozenset[str] = frozenset()) -> None:
@@ -448,6 +450,7 @@ def test_a_stack_of_windows_and_boxes_reads_each_object_once_and_each_sample_onc
     n_train = 32  # 8 chunks of 4
     valid = np.arange(1, n_train - 1)  # t - 1 and t + 1 inside the split
     spc = 8 if fmt == "sharded" else 4
+    history: dict[int, set[tuple[str, int]]] = {}
     for e, per_rank in enumerate(epochs):
         assert_each_once(per_rank, "y", valid + 1, remainder)
         for rec in per_rank:
@@ -470,9 +473,19 @@ def test_a_stack_of_windows_and_boxes_reads_each_object_once_and_each_sample_onc
                 admitted[k.split("/")[0], chunk_of(k)] += n
             assert all(n % per_chunk[p] == 0 for (p, _), n in admitted.items()), admitted
             assert rep.misses == sum(n // per_chunk[p] for (p, _), n in admitted.items())
-        if (
-            budget is None and e == 1
-        ):  # the split fits the automatic budget: kept, and no chunk is read again
+            rank = per_rank.index(rec)
+            before = history.setdefault(rank, set())
+            again = sum(n // per_chunk[pc[0]] - 1 + (pc in before) for pc, n in admitted.items())
+            assert rep.re_reads == again, (rep.re_reads, again, admitted, before)
+            before |= set(admitted)
+        if e == 0 and budget is None:  # ranks share only the chunks windows reach across cuts
+            pairs = [{object_of(k)[:2] for k in r["gets"]} for r in per_rank]
+            union = set().union(*pairs)
+            span = 2  # the views' offsets: -1 .. +1
+            bound = len(union) + (world - 1) * (-(-(span - 1) // spc) + 1) * 2  # two arrays
+            padded = max(sum(r["report"].samples for r in per_rank) - len(valid), 0)
+            assert sum(map(len, pairs)) <= bound + 2 * padded, (sum(map(len, pairs)), bound)
+        if budget is None and e == 1:  # the split fits: kept, no chunk read again
             for rec, first in zip(per_rank, epochs[0], strict=True):
                 assert rec["report"].re_reads == 0
                 assert not set(rec["gets"]) & set(first["gets"]), rec["gets"]
@@ -675,6 +688,9 @@ def test_rows_decoded_straight_into_batches_are_each_read_once_and_counted(
     epochs = run_ranks(root, make, world, 2, check=check)
     for e, per_rank in enumerate(epochs):
         assert_each_once(per_rank, "y", np.arange(18), "drop")
+        keys = [set(r["gets"]) for r in per_rank]
+        if e == 0 or direct:  # one sample per object: no two ranks read one
+            assert sum(map(len, keys)) == len(set().union(*keys)), keys
         for rec in per_rank:
             assert_report_counts(rec)
             assert_read_once(rec)
