@@ -728,12 +728,15 @@ def test_a_persistent_cache_under_a_tiny_budget_gets_each_object_once_over_runs(
     runs.append(run_ranks(root, lambda s, r, w: build(floor, s, r, w), world, 1, check=check))
     for r in range(world):
         total: Counter[str] = Counter()
+        decoded: Counter[Any] = Counter()
         for epochs in runs:
             for per_rank in epochs:
                 rec = per_rank[r]
                 assert_report_counts(rec)
                 total.update(rec["gets"])
+                decoded.update(rec["decoded"])
         assert max(total.values()) == 1, {k: n for k, n in total.items() if n > 1}
+        assert max(decoded.values()) == 1, {k: n for k, n in decoded.items() if n > 1}
         assert runs[1][0][r]["report"].gets == 0
     for epochs in runs:
         for per_rank in epochs:
@@ -1109,11 +1112,14 @@ def test_a_patched_stack_with_a_stride_and_missing_steps_over_a_cache_reads_each
         assert len(valid - set(got)) <= 1, sorted(valid - set(got))
     for r in range(2):
         total: Counter[str] = Counter()
+        decoded: Counter[Any] = Counter()
         for epochs in runs:
             for per_rank in epochs:
                 assert_report_counts(per_rank[r])
                 total.update(per_rank[r]["gets"])
+                decoded.update(per_rank[r]["decoded"])
         assert max(total.values()) == 1, {k: n for k, n in total.items() if n > 1}
+        assert max(decoded.values()) == 1, {k: n for k, n in decoded.items() if n > 1}
         assert runs[1][0][r]["report"].gets == 0
 
 
@@ -1271,13 +1277,16 @@ def test_ranks_sharing_a_persistent_cache_get_each_object_once_between_them(
     runs = [run_ranks(root, lambda s, r, w: build(floor, s, r, w), world, 2, check=check)]
     runs.append(run_ranks(root, lambda s, r, w: build(floor, s, r, w), world, 1, check=check))
     total: Counter[str] = Counter()
+    decoded: Counter[Any] = Counter()
     for epochs in runs:
         for per_rank in epochs:
             assert_each_once(per_rank, "y", np.arange(1, 31) + 1, "drop")
             for rec in per_rank:
                 assert_report_counts(rec)
                 total.update(rec["gets"])
+                decoded.update(rec["decoded"])
     assert max(total.values()) == 1, {k: n for k, n in total.items() if n > 1}
+    assert max(decoded.values()) == 1, {k: n for k, n in decoded.items() if n > 1}
     assert sum(rec["report"].gets for rec in runs[1][0]) == 0
 
 
@@ -1397,3 +1406,36 @@ def test_random_patches_give_each_tile_its_windows_once_an_epoch(
             assert_report_counts(rec)
             assert_read_once(rec)
     assert sorted(seen[0]) != sorted(seen[1])  # new origins each epoch
+
+
+@pytest.mark.parametrize(("fmt", "world"), [("v3", 1), ("sharded", 2)])
+def test_long_leads_over_a_persistent_cache_fetch_and_decode_each_object_once(
+    stores: dict[str, Path], tmp_path: Path, fmt: str, world: int
+) -> None:
+    root = stores[fmt]
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    views = {"x": g, "y": g.shift(9), "z": g.shift(21)}
+    t2m = whole(root, "t2m")
+
+    def check(batch: Any) -> None:
+        for label in views:
+            np.testing.assert_array_equal(batch[label], t2m[batch.sample_indices[label]])
+
+    def make(store: Store, rank: int, w: int) -> Any:
+        return insitu_pipeline(
+            store, manifest, views, batch_size=4, block_chunks=1, rank=rank, world_size=w,
+            cache_dir=tmp_path / "cache", persist=True, coords=(),
+        )  # fmt: skip
+
+    epochs = run_ranks(root, make, world, 2, check=check)
+    total: Counter[str] = Counter()
+    decoded: Counter[Any] = Counter()
+    for per_rank in epochs:
+        assert_each_once(per_rank, "x", np.arange(N_TIME - 21), "drop")
+        for rec in per_rank:
+            assert_report_counts(rec)
+            total.update(rec["gets"])
+            decoded.update(rec["decoded"])
+    assert max(total.values()) == 1, {k: n for k, n in total.items() if n > 1}
+    assert max(decoded.values()) == 1, {k: n for k, n in decoded.items() if n > 1}
