@@ -1,0 +1,86 @@
+"""Memory bounds and leaks: the build's memory checks, and memory that grows run after run.
+
+Found wrong, fixed:
+
+* An explicit ``cache_budget_bytes`` was built whatever the batches in flight beside it took:
+  the automatic budget's first epoch was added to them at the build, an explicit budget was
+  not (an 87-channel stack of ARCO-ERA5 at 0.25 degrees at ``batch_size=4``: 10.6 GiB of budget
+  beside 10.8 GiB of batches, never summed). Now the build refuses a budget (with slots in RAM)
+  whose slot memory — the budget, or every chunk the split reads where that is less — beside
+  the batches in flight and the decode scratch allowance (one stored object per decode thread)
+  exceeds the process's memory, naming each and the budget that fits (``plan/memory_floor.py``):
+  ``test_an_explicit_budget_beside_the_batches_in_flight_beyond_memory_is_refused_at_build``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import write_era5
+
+from insitubatch_nodes import (
+    InSituPipeline,
+    Loader,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
+from insitubatch_nodes.plan import memory_floor
+from insitubatch_nodes.plan.memory_floor import decode_scratch_bytes
+from insitubatch_nodes.stages import buffers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_era5(tmp_path_factory.mktemp("budgetmem") / "era5.zarr")
+
+
+def _fake_memory(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """The process may use ``nbytes`` (nothing is allocated: the checks ask this function)."""
+    monkeypatch.setattr(memory_floor, "usable_memory_bytes", lambda: nbytes)
+    monkeypatch.setattr(buffers, "usable_memory_bytes", lambda: nbytes)
+
+
+def test_an_explicit_budget_beside_the_batches_in_flight_beyond_memory_is_refused_at_build(
+    era5: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    geoms = open_geometries(era5, ["t2m", "z"])
+    views = {"x": geoms["z"], "y": geoms["t2m"]}
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    split = sum(g.chunk_nbytes * g.n_chunks for g in geoms.values())  # every chunk, once
+    scratch = decode_scratch_bytes(geoms, 2)
+    assert scratch == 2 * 8 * 8 * 16 * 4  # an object: 8 samples of 8 x 16 (z: one level)
+
+    def build(**kw: Any) -> InSituPipeline:
+        kw = {"cache_budget_bytes": split, "batch_size": 8, "block_chunks": 2, **kw}
+        return insitu_pipeline(era5, manifest, views, coords=(), decode_threads=2, **kw)
+
+    with build() as pipe:  # the machine's memory: built
+        batch = pipe.context.buffers.batch_nbytes
+    in_flight = 4 * batch  # prefetch_depth=2: the consumer's, two queued, one being filled
+    need = split + in_flight + scratch
+    _fake_memory(monkeypatch, need - 1)  # each part alone fits, together they do not
+    with pytest.raises(ValueError, match=(
+        rf"cache_budget_bytes={split:,} cannot be held here.*batches in flight.*decode scratch"
+        rf".*pass cache_budget_bytes={split - 1:,} or less.*batch_size, prefetch_depth or "
+        r"decode_threads, or give a cache_dir"
+    )):  # fmt: skip
+        build()
+    with build(cache_budget_bytes=split - 1) as pipe:  # the budget it names is built
+        assert sum(len(b["x"]) for b in Loader(pipe)) == 96
+    with build(prefetch_depth=1) as pipe:  # and so is a batch fewer in flight
+        assert pipe.stages.pool.budget_bytes == split
+    # a budget above every chunk the split reads counts as those chunks: nothing holds more
+    _fake_memory(monkeypatch, need)
+    with build(cache_budget_bytes=1000 * split):
+        pass
+    # slots in a cache_dir are files on its disk, not this memory
+    _fake_memory(monkeypatch, in_flight + scratch + split // 2)
+    with build(cache_dir=tmp_path / "spill"):
+        pass
+    with pytest.raises(ValueError, match="cannot be held here"):
+        build()
