@@ -10,6 +10,12 @@ Found wrong, fixed:
   the batches in flight and the decode scratch allowance (one stored object per decode thread)
   exceeds the process's memory, naming each and the budget that fits (``plan/memory_floor.py``):
   ``test_an_explicit_budget_beside_the_batches_in_flight_beyond_memory_is_refused_at_build``.
+* A sweep building pipelines with a persistent ``cache_dir`` of their own kept, for each
+  directory ever used, an entry in the memo of its rank folders (``cache.files.RANK_DIRS``):
+  10 builds and closes, 10 entries for the rest of the process. A cache's close now drops its
+  directory's entry, and the memo keeps at most ``RANK_DIRS_KEPT`` (64), the oldest dropped
+  first, for caches never closed (``cache/files.py``; nothing per build):
+  ``test_a_sweep_of_pipelines_with_cache_dirs_of_their_own_leaves_no_memo_per_directory``.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
 )
+from insitubatch_nodes.cache import files
 from insitubatch_nodes.plan import memory_floor
 from insitubatch_nodes.plan.memory_floor import decode_scratch_bytes
 from insitubatch_nodes.stages import buffers
@@ -84,3 +91,29 @@ def test_an_explicit_budget_beside_the_batches_in_flight_beyond_memory_is_refuse
         pass
     with pytest.raises(ValueError, match="cannot be held here"):
         build()
+
+
+def test_a_sweep_of_pipelines_with_cache_dirs_of_their_own_leaves_no_memo_per_directory(
+    era5: Path, tmp_path: Path
+) -> None:
+    # a hyper-parameter sweep: each trial builds a pipeline with a temporary cache directory
+    # of its own, and closes it. The memo of each directory's rank folders kept an entry per
+    # directory ever used, for the rest of the process
+    geoms = open_geometries(era5, ["t2m"])
+    manifest = split_by_chunk(geoms["t2m"], (1.0, 0.0, 0.0))
+    before = set(files.RANK_DIRS)
+    for trial in range(50):
+        pipe = insitu_pipeline(
+            era5, manifest, {"x": geoms["t2m"]}, batch_size=48, coords=(),
+            cache_dir=tmp_path / f"trial-{trial}", persist=True,
+        )  # fmt: skip
+        with pipe:
+            assert sum(len(b["x"]) for b in Loader(pipe)) == 96  # (misses ask for the memo)
+    assert set(files.RANK_DIRS) <= before
+    # and caches never closed leave at most RANK_DIRS_KEPT entries: the oldest go first
+    for d in range(files.RANK_DIRS_KEPT + 10):
+        (tmp_path / f"open-{d}").mkdir()
+        assert files.writer_dirs(tmp_path / f"open-{d}") == [tmp_path / f"open-{d}"]
+    assert len(files.RANK_DIRS) == files.RANK_DIRS_KEPT
+    assert tmp_path / "open-0" not in files.RANK_DIRS
+    assert tmp_path / f"open-{files.RANK_DIRS_KEPT + 9}" in files.RANK_DIRS
