@@ -14,11 +14,12 @@ pipeline in ``tests/test_arco_trial.py``), and would refuse pipelines that run.
 An explicit ``cache_budget_bytes`` with slots in RAM (no ``cache_dir``) is held to the same
 memory (:func:`refuse_budget_beyond_memory`): the slot memory the pool may take — the budget, or
 every chunk the split reads where that is less — beside the batches in flight and the decode
-threads' scratch (an allowance of one stored object each). Before 2026-12-07 only the batches
-in flight were checked beside an explicit budget, alone: the sum was never compared (an
-87-channel stack of ARCO-ERA5 at 0.25 degrees at ``batch_size=4``: a 10.6 GiB budget beside
-10.8 GiB of batches, whatever the machine's memory was). Each pipeline is checked alone, and
-the process's own memory (the interpreter, torch, other pipelines) is not counted.
+threads' scratch (an allowance of one stored object per thread and array). Before 2026-12-07
+only the batches in flight were checked beside an explicit budget, alone: the sum was never
+compared (an 87-channel stack of ARCO-ERA5 at 0.25 degrees at ``batch_size=4``: a 10.6 GiB
+budget beside 10.8 GiB of batches, whatever the machine's memory was). Each pipeline is
+checked alone, and the process's own memory (the interpreter, torch, other pipelines) is not
+counted.
 """
 
 from __future__ import annotations
@@ -54,19 +55,16 @@ def refuse_beyond_memory(floor: int, in_flight: int, block_chunks: int) -> None:
 
 
 def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> int:
-    """The decode scratch ``threads`` decode threads may hold over the arrays ``geoms``: one
-    stored object (one zarr chunk, decoded; an inner chunk of a shard) of the largest each, as
-    an object decoded aside — an edge chunk, a selection the slots keep part of, a chain that
-    cannot decode in place — is (:mod:`~insitubatch_nodes.io.decode`); an allowance, not what
-    an in-place decode takes (nothing)."""
-    largest = max(
-        (
-            g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
-            for g in geoms.values()
-        ),
-        default=0,
-    )
-    return threads * largest
+    """The decode scratch ``threads`` decode threads may hold over the arrays ``geoms``, as
+    ``docs/pipeline.md`` bounds it: per thread and array, one stored object (a zarr chunk,
+    decoded; an inner chunk of a shard), which an object decoded aside — an edge chunk, a
+    selection the slots keep part of, a chain that cannot decode in place — takes
+    (:mod:`~insitubatch_nodes.io.decode`). An allowance: an in-place decode takes nothing."""
+    objects = {
+        g.path: g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
+        for g in geoms.values()
+    }
+    return threads * sum(objects.values())
 
 
 def refuse_budget_beyond_memory(
@@ -98,8 +96,8 @@ def refuse_budget_beyond_memory(
         f"cache_budget_bytes={budget:,} cannot be held here: the pool may take "
         f"{_gib(pool)} of slots in RAM (its budget, or every chunk the split reads where "
         f"that is less) beside {_gib(in_flight)} of batches in flight (prefetch_depth + 2) and "
-        f"{_gib(scratch)} of decode scratch (a stored object per decode thread, at most), "
-        f"{_gib(pool + in_flight + scratch)} in all, more than the {_gib(memory)} of memory "
+        f"{_gib(scratch)} of decode scratch (a stored object per decode thread and array, at "
+        f"most), {_gib(pool + in_flight + scratch)} in all, more than the {_gib(memory)} of memory "
         f"this process may use; {lower}batch_size, prefetch_depth or decode_threads, or give a "
         "cache_dir (slots in files on its disk)"
     )
