@@ -313,6 +313,8 @@ def _bare(
     import zarr
 
     t0 = time.perf_counter()
+    if stats:  # (imported before the epochs: it imports the package, torch with it)
+        from insitubatch_nodes._moments import _Moments
     store = Path(cfg["store"])
     shapes = {}
     for name in {n for n, _ in jobs}:
@@ -356,8 +358,6 @@ def _bare(
         rows = [{n: np.ones((bs, *s[1:]), d) for n, (s, d) in shapes.items()} for _ in shares]
 
     def work_stats(i: int) -> tuple[int, int]:
-        from insitubatch_nodes.statistics import _Moments
-
         nbytes = decoded = 0
         moments: dict[str, _Moments] = {}
         diffs: dict[str, _Moments] = {}
@@ -374,10 +374,10 @@ def _bare(
             x = out[:k, levels] if out.ndim == 4 else out[:k, None]  # (k, C, lat, lon)
             x = x.reshape(k, x.shape[1], -1)
             moments.setdefault(name, _Moments()).add(x)
-            d = np.subtract(x[1:], x[:-1])
+            d = diffs.setdefault(name, _Moments())
             if name in last:  # the run continues this array's previous one
-                d = np.concatenate([np.subtract(x[:1], last[name]), d])
-            diffs.setdefault(name, _Moments()).add(d, extrema=False)
+                d.add_difference(x[:1], last[name])
+            d.add_difference(x[1:], x[:-1])
             last[name] = np.array(x[-1:])
         return nbytes, decoded
 

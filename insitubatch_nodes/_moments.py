@@ -9,17 +9,52 @@ data (two reads, nothing written); where they would cancel (a channel's mean mor
 deviations from a per-channel reference near the mean (the running mean, else a value of the
 channel) are summed and squared instead: a constant channel, missing points or not, has a mean
 that is its value and a sum of squares of exactly 0.
+
+The sums are taken block by block (:data:`BLOCK` values at a time): each block is cast to float64
+in a scratch buffer of the thread's (a one-step difference is formed there from its two
+operands: never a difference array of the batch's size), then summed by a BLAS dot with ones
+and with itself per row — two native passes over a block that stays in cache, where numpy's
+``einsum(..., dtype=float64)`` of float32 data cast and multiplied element by element (~2.3x the
+time of these passes and of the minimum and maximum together, measured on an (8, 13, 2048) float32
+batch: 261 -> ~115 µs).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 
 #: the plain float64 sums serve while sum(x**2) <= CANCEL * sum((x - mean)**2) per channel
 #: (a relative error of about CANCEL * 2**-53 per term summed, ~1e-9 at most in practice)
 CANCEL = 1e5
+
+
+#: float64 values per block of the sums (at most 2 MiB of scratch per thread)
+BLOCK = 1 << 18
+
+
+class _Scratch(threading.local):
+    """A thread's buffers for the blocks, shared by all its moments: float64 blocks, float32
+    differences and a vector of ones as long as a block's rows (each grown on first need)."""
+
+    def __init__(self) -> None:
+        self.wide = np.zeros(0)
+        self.narrow = np.zeros(0, np.float32)
+        self.ones = np.zeros(0)
+
+    def get(self, size: int, row: int, narrow: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self.wide.size < size:
+            self.wide = np.empty(size)
+        if narrow and self.narrow.size < size:
+            self.narrow = np.empty(size, np.float32)
+        if self.ones.size < row:
+            self.ones = np.ones(row)
+        return self.wide, self.narrow, self.ones
+
+
+_SCRATCH = _Scratch()
 
 
 class _Moments:
@@ -37,19 +72,31 @@ class _Moments:
             return
         if x.dtype.kind != "f" or x.dtype.itemsize < 4:
             x = x.astype(np.float64)
-        s1 = np.einsum("rcv->c", x, dtype=np.float64)  # a NaN anywhere shows here
+        self._merge(x, None, extrema)
+
+    def add_difference(self, later: np.ndarray, earlier: np.ndarray) -> None:
+        """Add ``later - earlier`` (both ``(rows, channels, values)``, one shape), formed block
+        by block: in float32 for float32 data (each within half an ulp of the exact difference),
+        in float64 for other dtypes; no minimum or maximum is taken."""
+        if later.size == 0:
+            return
+        self._merge(later, earlier, False)
+
+    def _merge(self, x: np.ndarray, minus: np.ndarray | None, extrema: bool) -> None:
+        """Merge the moments of ``x`` (less ``minus`` where given) into the running ones."""
+        s1, s2 = self._sums(x, minus)  # a NaN anywhere shows in s1
         if np.isnan(s1).any():
-            n, mean, m2, lo, hi, nans = _masked_moments(x)
+            whole = x if minus is None else np.subtract(x, minus, dtype=np.float64)
+            n, mean, m2, lo, hi, nans = _masked_moments(whole)
         else:
             n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
             mean = s1 / n
-            # the plain sums in float64 (two reads of x, nothing written): exact enough
-            # while the squares do not cancel, i.e. the mean is within CANCEL ** 0.5 standard
-            # deviations of zero; else the deviations from a reference near the mean
-            s2 = np.einsum("rcv,rcv->c", x, x, dtype=np.float64)
+            # the plain sums in float64: exact enough while the squares do not cancel, i.e.
+            # the mean is within CANCEL ** 0.5 standard deviations of zero; else the
+            # deviations from a reference near the mean
             m2 = s2 - s1 * mean
             if np.any(s2 > CANCEL * m2):
-                mean, m2 = self._about_reference(x, n)
+                mean, m2 = self._about_reference(x, minus, n)
             m2 = np.maximum(m2, 0.0)
             if extrema:
                 lo = x.min(axis=(0, 2)).astype(np.float64)
@@ -71,17 +118,53 @@ class _Moments:
         self.hi = np.maximum(self.hi, hi)
         self.nans = self.nans + nans
 
-    def _about_reference(self, x: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(mean, m2)`` of ``x`` (no NaN) from its deviations from a per-channel reference
-        near the mean (the running mean, else the batch's first value), taken in the data's
-        own dtype and summed and squared in float64: no cancellation of large squares."""
+    def _about_reference(
+        self, x: np.ndarray, minus: np.ndarray | None, n: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(mean, m2)`` of ``x`` (less ``minus``; no NaN) from its deviations from a
+        per-channel reference near the mean (the running mean, else the batch's first value),
+        formed, summed and squared in float64: no cancellation of large squares."""
         first = x[0, :, 0].astype(np.float64)
+        if minus is not None:
+            first = first - minus[0, :, 0]
         # a channel with no value yet (all NaN so far) has a running mean of 0: not near it
-        ref = (np.where(self.n > 0, self.mean, first) if self.started else first).astype(x.dtype)
-        d = x - ref[None, :, None]
-        mean_d = np.einsum("rcv->c", d, dtype=np.float64) / n
-        m2 = np.einsum("rcv,rcv->c", d, d, dtype=np.float64) - n * mean_d**2
-        return ref.astype(np.float64) + mean_d, m2
+        ref = np.where(self.n > 0, self.mean, first) if self.started else first
+        s1, s2 = self._sums(x, minus, ref)
+        mean_d = s1 / n
+        return ref + mean_d, s2 - n * mean_d**2
+
+    def _sums(
+        self, x: np.ndarray, minus: np.ndarray | None = None, ref: np.ndarray | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Per channel, the float64 sum and sum of squares of ``x - minus - ref`` (each term
+        optional; ``ref`` per channel), over rows and values, block by block."""
+        rows, channels, values = x.shape
+        s1, s2 = np.zeros(channels), np.zeros(channels)
+        vv = min(values, BLOCK)
+        cc = min(channels, max(1, BLOCK // vv))
+        rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
+        narrow = minus is not None and x.dtype == minus.dtype == np.float32
+        wide, narrow_scratch, ones = _SCRATCH.get(min(rows, rr) * cc * vv, vv, narrow)
+        for r0 in range(0, rows, rr):
+            for c0 in range(0, channels, cc):
+                for v0 in range(0, values, vv):
+                    at = (slice(r0, r0 + rr), slice(c0, c0 + cc), slice(v0, v0 + vv))
+                    part = x[at]
+                    block = wide[: part.size].reshape(part.shape)
+                    if minus is None:
+                        np.copyto(block, part)
+                    elif narrow:  # float32: the difference in float32, then widened
+                        diff = narrow_scratch[: part.size].reshape(part.shape)
+                        np.copyto(block, np.subtract(part, minus[at], out=diff))
+                    else:
+                        np.subtract(part, minus[at], out=block, dtype=np.float64)
+                    if ref is not None:
+                        block -= ref[c0 : c0 + cc, None]
+                    flat = block.reshape(-1, part.shape[2])
+                    got = part.shape[:2]
+                    s1[c0 : c0 + got[1]] += (flat @ ones[: part.shape[2]]).reshape(got).sum(0)
+                    s2[c0 : c0 + got[1]] += np.vecdot(flat, flat).reshape(got).sum(0)
+        return s1, s2
 
     def result(self, channels: tuple[int, ...]) -> dict[str, np.ndarray]:
         size = math.prod(channels)

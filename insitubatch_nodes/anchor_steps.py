@@ -10,12 +10,14 @@ members, and a window in time deltas is refused when no member holds two times.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from zarr.abc.store import Store
 
+from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
 from insitubatch_nodes.io.calendars import MONTH_STEPS_NEAR_S, calendar_months
 from insitubatch_nodes.io.coords import MISSING_OFFSET, Coordinate, open_coordinates, time_offsets
@@ -25,7 +27,13 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
 
-__all__ = ["anchor_steps", "anchor_time_coordinate", "calendar_ticks"]
+__all__ = [
+    "anchor_steps",
+    "anchor_time_coordinate",
+    "calendar_ticks",
+    "forward_ticks",
+    "repeated_times",
+]
 
 _DAY_S = 86_400
 _MONTH_S = 30.436875 * _DAY_S  # (the Gregorian calendar's mean month)
@@ -61,6 +69,8 @@ def anchor_steps(
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
     windowed = any(v.timed_window for v in views)
     timed = not isinstance(config.stride, int) or windowed
+    if missing is None and not timed and manifest.steps is None:
+        _warn_repeated(manifest, geoms, reader)  # (no time checked: every copy is read)
     if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
         return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
     n = manifest.n_samples
@@ -158,17 +168,69 @@ def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, An
     return ticks, SECOND
 
 
-def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:
-    """Refuse times that run backwards (most consecutive present times of one run decrease):
-    the missing-step checks count each step forward from its anchor at the data's step, and
-    would check nothing (a ``shift(1)`` reading the step before its anchor, silently)."""
+def repeated_times(coord: Coordinate, ticks: np.ndarray) -> str | None:
+    """Where the times of ``coord`` (``ticks``: counts of any one unit) repeat — a later copy
+    of a time an earlier sample has, as ``SampleSteps.repeated`` finds them — said with what
+    to do; ``None`` where each time is once."""
+    again = SampleSteps(len(ticks), ticks=ticks).repeated
+    if again is None or not again.any():
+        return None
+    at = int(np.argmax(again))
+    first = int(np.argmax(ticks == ticks[at]))
+    return (
+        f"the times of {coord.name!r} repeat (sample {at} has {coord.values[at]} as sample "
+        f"{first} does; {int(again.sum())} repeated in all): every copy is read where the times "
+        "are not checked; pass missing=() to count each time once (a later copy is then "
+        "dropped as a gap; list the copies not to read in missing= to keep others), or "
+        f"write the store without them (xarray: ds.drop_duplicates({coord.name!r}))"
+    )
+
+
+def _warn_repeated(
+    manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry], reader: Any
+) -> None:
+    """Warn where the anchor array's times repeat while the plan checks no time (every copy
+    is then an anchor, by index): from the times ``reader`` read already for the batches'
+    coordinates, ``datetime64`` ones (vectorised: ~20 ms a million samples); nothing is read
+    here."""
+    geom = geoms.get(manifest.array)
+    coord = None if geom is None or reader is None else reader.read_already(geom)
+    if coord is None or coord.values.dtype.kind != "M":  # (cftime dates: a pass in Python)
+        return
+    said = repeated_times(coord, coord.values.view(np.int64))  # (NaT: MISSING_OFFSET)
+    if said is not None:
+        warnings.warn(f"insitu_pipeline: {said}", UserWarning, stacklevel=4)
+
+
+def forward_ticks(coord: Coordinate, seconds: np.ndarray) -> np.ndarray:
+    """``calendar_ticks(coord, seconds)[0]`` counted forward along the samples: where the times
+    run backwards (newest first), each negated (a missing time stays :data:`MISSING_OFFSET`),
+    so that a step back in time from one sample to the next is one step on (what pairs
+    samples one step apart whichever way the store runs: ``fit_statistics``' ``diff_std``)."""
+    if not _backwards(seconds, None):
+        return calendar_ticks(coord, seconds)[0]
+    flipped = Coordinate(coord.name, coord.values[::-1])  # (months counted oldest first)
+    ticks = calendar_ticks(flipped, seconds[::-1])[0][::-1]
+    return np.where(ticks == MISSING_OFFSET, MISSING_OFFSET, -ticks)
+
+
+def _backwards(ticks: np.ndarray, runs: np.ndarray | None) -> bool:
+    """Whether most consecutive present times of one run decrease."""
     present = np.flatnonzero(ticks != MISSING_OFFSET)
     d = np.diff(ticks[present])
     if runs is not None:  # only differences within one run (member)
         run = np.searchsorted(runs, present, side="right")
         d = d[run[1:] == run[:-1]]
-    if int((d < 0).sum()) <= int((d > 0).sum()):
+    return int((d < 0).sum()) > int((d > 0).sum())
+
+
+def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:
+    """Refuse times that run backwards (most consecutive present times of one run decrease):
+    the missing-step checks count each step forward from its anchor at the data's step, and
+    would check nothing (a ``shift(1)`` reading the step before its anchor, silently)."""
+    if not _backwards(ticks, runs):
         return
+    present = np.flatnonzero(ticks != MISSING_OFFSET)
     first, last = coord.values[present[0]], coord.values[present[-1]]
     raise ValueError(
         f"the times of {coord.name!r} run backwards ({first} at sample {int(present[0])} .. "
@@ -202,9 +264,10 @@ def anchor_time_coordinate(
                 if v.dims is not None and not v.static and v.product is None}  # fmt: skip
         axis = dims.pop() if len(dims) == 1 else 0
         geom = next(iter(open_geometries(zstore, [manifest.array], sample_axis=axis).values()))
-    coords = open_coordinates(zstore, geom, reader=reader)
-    if not coords:
-        _refuse_another_length(zstore, geom, reader)
+    try:  # one of another length than the samples is refused (a store read mid-append)
+        coords = open_coordinates(zstore, geom, reader=reader)
+    except CoordinateLengthError as exc:
+        raise exc.while_doing(f"the times of {geom.path!r} cannot be read: ") from None
     times = [c for c in coords.values() if c.is_time] or [
         c for c in coords.values() if c.is_duration
     ]  # dates, else durations (a forecast sampled along its lead time: counted from 0)
@@ -228,27 +291,6 @@ def anchor_time_coordinate(
             )
         return None
     return times[0]
-
-
-def _refuse_another_length(zstore: Store, geom: ArrayGeometry, reader: Any) -> None:
-    """Refuse a dimension coordinate that ``open_coordinates`` leaves out because it does not
-    fit the sample axis (another length: a store read while it is appended to, its arrays
-    resized apart), where the anchor array's times are read: before 2026-12-07 it counted as
-    no time coordinate, so ``missing=()`` checked no time (silently), a time stride said the
-    array has none, and ``fit_statistics`` differenced across gaps without a word."""
-    if geom.members is not None or geom.dims is None:
-        return
-    try:
-        open_coordinates(zstore, geom, [geom.dims[geom.sample_axis]], reader=reader)
-    except KeyError:  # (none at all)
-        return
-    except ValueError as exc:
-        raise ValueError(
-            f"the times of {geom.path!r} cannot be read: {exc}. xarray refuses such a store "
-            "too (conflicting sizes for a dimension): one being appended to, or whose arrays "
-            "were resized apart. Write the coordinate and the arrays at one length (or build "
-            "the pipeline once the append is done)"
-        ) from exc
 
 
 def _refuse_dates_between_steps(

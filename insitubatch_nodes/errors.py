@@ -20,6 +20,7 @@ __all__ = [
     "CacheMissError",
     "ChunkReadError",
     "ChunkTransformError",
+    "CoordinateLengthError",
     "CorruptCacheError",
     "CorruptMetadataError",
     "DecodeError",
@@ -28,6 +29,7 @@ __all__ = [
     "PipelineInterrupted",
     "StaleCacheError",
     "StateMismatchError",
+    "TooFewSamplesError",
     "UnsupportedMetadataError",
 ]
 
@@ -116,6 +118,36 @@ class UnsupportedMetadataError(CorruptMetadataError):
             self,
             f"zarr metadata in store {store} needs what is not "
             f"{'read' if grid else 'installed'} here: {what}. " + ". ".join(advice),
+        )
+
+
+class CoordinateLengthError(InSituError, ValueError):
+    """An array's dimension coordinate holds another number of values than the array has
+    samples along that dimension: a store read while it is appended to (the coordinate resized
+    before or after the data), or one whose arrays were resized apart. xarray refuses to open
+    such a store ("conflicting sizes for dimension"). ``coord`` and ``array`` are the two
+    paths, ``length`` and ``n_samples`` their lengths along ``dim``; ``while_`` (``""`` or a
+    clause ending in ": ") says what could not be done with it."""
+
+    def __init__(
+        self, coord: str, length: int, array: str, n_samples: int, dim: str, while_: str = ""
+    ) -> None:
+        self.coord, self.length, self.array = coord, length, array
+        self.n_samples, self.dim, self.while_ = n_samples, dim, while_
+        super().__init__(
+            f"{while_}coordinate {coord!r} has {length} values but {array!r} has {n_samples} "
+            f"samples along {dim!r}: it is not a coordinate of the sample axis, and xarray "
+            f"refuses such a store too (conflicting sizes for dimension {dim!r}): one being "
+            "appended to, or whose arrays were resized apart. Write the coordinate and the "
+            "arrays at one length (or build the pipeline once the append is done); "
+            "coords=() carries no coordinate in the batches (a time stride, window offsets "
+            "in time deltas and missing= still need the times)"
+        )
+
+    def while_doing(self, what: str) -> CoordinateLengthError:
+        """The same error, its message opened by ``what`` (ending in ": ")."""
+        return CoordinateLengthError(
+            self.coord, self.length, self.array, self.n_samples, self.dim, what
         )
 
 
@@ -224,6 +256,26 @@ class FillCancelled(InSituError, RuntimeError):
 
 class PipelineInterrupted(InSituError, RuntimeError):
     """A wait was cut short because its pipeline is stopping (``close`` or ``reset``)."""
+
+
+# -- dealing samples to ranks ---------------------------------------------------------------------
+
+
+class TooFewSamplesError(InSituError, ValueError):
+    """A split holds fewer samples than there are ranks, so some rank would get none: a rank
+    without a batch leaves the others waiting at their first collective call (Lightning
+    refuses such a rank), and repeating a sample to fill it would count that sample twice.
+    ``split``, ``n_samples`` and ``world_size`` say which split and how many; the message says
+    what to do (read it on at most ``n_samples`` ranks, or give the split more samples);
+    ``counted`` says what was counted (``"1 valid anchors"``, and the anchors the missing-step
+    checks dropped)."""
+
+    def __init__(
+        self, message: str, *, split: str, n_samples: int, world_size: int, counted: str = ""
+    ) -> None:
+        super().__init__(message)
+        self.split, self.n_samples, self.world_size = split, n_samples, world_size
+        self.counted = counted
 
 
 # -- resuming ------------------------------------------------------------------------------------

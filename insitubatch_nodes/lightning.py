@@ -11,8 +11,10 @@ where Lightning itself drops the loader state (Lightning issue #20550: a Lightni
 The training permutation follows ``trainer.current_epoch``; validation and test pipelines are
 separate objects with their own state, so evaluating never moves the training position. They
 are dealt with ``remainder="uneven"``: under DDP each sample of the split is evaluated exactly
-once, and a rank may run one batch fewer than another (fine for epoch-end reductions, not for a
-collective call in every ``validation_step``). After
+once, and a rank may run one batch fewer than another (fine for epoch-end reductions through
+torchmetrics or logged sums, not for a collective call in every ``validation_step``; a mean
+logged with ``sync_dist=True`` comes out too large under Lightning 2.6 where the split's samples
+are no multiple of the ranks: docs/training.md says why and what to log instead). After
 Lightning resumed a run stopped by ``max_steps`` (it counts the stopped epoch as done, yet
 resumes it at the next batch under the following epoch's number) the training plan's epochs run
 behind the trainer's by that one, so the batches are the uninterrupted run's.
@@ -51,12 +53,14 @@ from insitubatch_nodes._checks import (
     check_optional_int,
 )
 from insitubatch_nodes.batch import Batch, BatchTransform, to_torch
+from insitubatch_nodes.errors import TooFewSamplesError
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
 from insitubatch_nodes.lightning_epochs import EpochLengthSync, follow_ended_epoch, resumed_at
+from insitubatch_nodes.lightning_splits import per_split, too_few_for_ranks
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
@@ -392,7 +396,7 @@ class InSituDataModule(pl.LightningDataModule):
         if self.store is not None:
             return
         if isinstance(self._splits_arg, Mapping):  # one collection per split
-            self._split_sources = _per_split(self._splits_arg, self._variables_arg)
+            self._split_sources = per_split(self._splits_arg, self._variables_arg)
             first = self._split_sources.get("train") or next(iter(self._split_sources.values()))
             self.store, self.views, self.manifest = first
             return
@@ -486,20 +490,26 @@ class InSituDataModule(pl.LightningDataModule):
         store, views, manifest = self._split_sources.get(
             split, (self.store, self.views, self.manifest)
         )
-        pipe = insitu_pipeline(
-            store,
-            manifest if checked is None else checked,
-            self._train_views if split == "train" and self._train_views else views,
-            batch_transforms=self.batch_transforms,
-            chunk_transforms=self.chunk_transforms,
-            coords=self.coords,
-            config=self._built_config(split, rank, world),
-            fetch=self.fetch_options,
-            cache=self.cache_options_for(split),
-            # decided by the first build; the others take its manifest, which carries them
-            missing=self.missing if checked is None else None,
-            missing_objects=self.missing_objects if checked is None else "read",
-        )
+        try:
+            pipe = insitu_pipeline(
+                store,
+                manifest if checked is None else checked,
+                self._train_views if split == "train" and self._train_views else views,
+                batch_transforms=self.batch_transforms,
+                chunk_transforms=self.chunk_transforms,
+                coords=self.coords,
+                config=self._built_config(split, rank, world),
+                fetch=self.fetch_options,
+                cache=self.cache_options_for(split),
+                # decided by the first build; the others take its manifest, which carries them
+                missing=self.missing if checked is None else None,
+                missing_objects=self.missing_objects if checked is None else "read",
+            )
+        except TooFewSamplesError as few:  # (every rank raises it: the same split, world)
+            if split == "train":
+                raise
+            fn = getattr(getattr(self.trainer, "state", None), "fn", None)
+            raise too_few_for_ranks(few, getattr(fn, "value", fn)) from None
         if checked is None and (self.missing is not None or self.missing_objects == "drop"):
             self._checked_manifest = pipe.stages.plan.manifest
         trainer = self.trainer
@@ -649,38 +659,3 @@ def _without_state(key: str) -> str:
         "new_path); trainer.fit(..., ckpt_path=new_path). The rest of the trainer's epoch "
         "({epoch}) is then batches of a fresh order of it"
     )
-
-
-def _per_split(
-    splits: Mapping[str, Any], variables: Any
-) -> dict[str, tuple[Any, dict[str, Any], SplitManifest]]:
-    """``{split: (store, views, manifest)}`` of splits given as one collection each, checked to
-    share no member; ``variables`` are variable names, or a callable ``{variable: view} ->
-    {label: view}`` called with each split's collection's variables."""
-    out: dict[str, tuple[Any, dict[str, Any], SplitManifest]] = {}
-    owner: dict[str, str] = {}
-    for split, coll in splits.items():
-        if split not in ("train", "val", "test") or not isinstance(coll, Collection):
-            raise TypeError(
-                "splits given as a mapping take 'train', 'val' and 'test' to a Collection "
-                f"each; got {split!r}: {type(coll).__name__}"
-            )
-        for source in coll.sources():
-            if owner.setdefault(source, split) != split:
-                raise ValueError(
-                    f"member {source!r} is in both the {owner[source]!r} and the {split!r} "
-                    "collection: a member belongs to one split"
-                )
-        geometries = {v: coll[v] for v in coll.variables}
-        if callable(variables):
-            views = dict(variables(geometries))
-        elif isinstance(variables, Mapping | str):
-            raise TypeError(
-                "with one collection per split, variables are variable names (['image']) or "
-                "a callable {variable: view} -> {label: view}: each split has its own views"
-            )
-        else:
-            views = {v: geometries[v] for v in variables}
-        manifest = split_by_member(coll, {split: 1.0})
-        out[split] = (coll.store, views, manifest)
-    return out

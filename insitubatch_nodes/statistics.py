@@ -20,8 +20,9 @@ shuffle; a chunk never read twice), with the views' selections; each batch is ac
 float64 and batches are merged as Chan et al.'s pairwise update (``std`` with ``ddof=0``;
 :mod:`~insitubatch_nodes._moments` says how a batch's sums are taken without cancelling: a
 constant channel, missing points or not, has a ``std`` of exactly 0). One-step
-differences are taken in the data's float dtype (each within half an ulp of the float64
-difference; in float64 for integers) and summed in float64. NaNs are skipped and counted
+differences are formed a block at a time (never a difference array of the batch's size): in
+float32 for float32 data (each within half an ulp of the exact difference), in float64 for
+other dtypes; and summed in float64. NaNs are skipped and counted
 (``nan_count``); a channel with no finite value has NaN statistics.
 
 :meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
@@ -51,7 +52,7 @@ from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
 from insitubatch_nodes._moments import _Moments, as_channels
-from insitubatch_nodes.anchor_steps import anchor_time_coordinate, calendar_ticks
+from insitubatch_nodes.anchor_steps import anchor_time_coordinate, forward_ticks, repeated_times
 from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io.arrays import open_geometries
@@ -584,23 +585,21 @@ def _accumulate(
     if diffs is None:  # product sample axes: no one step (module docstring)
         return
     # one-step differences between consecutive anchors one step apart (``apart``), across the
-    # batch edge too: taken in the data's float dtype (each within half an ulp of the float64
-    # difference), in float64 for other dtypes, and summed in float64
-    wide = np.float64 if x.dtype.kind != "f" or x.dtype.itemsize < 4 else x.dtype
+    # batch edge too, each formed by the moments (module docstring)
     # a collection's members count their samples apart: a step never joins two (``separate``)
     own = np.asarray(batch.members[label]) if separate else np.zeros(len(idx), np.int64)
     prev = last.get(label)
     if prev and len(idx) and prev[2] == own[0] and apart(np.array(prev[:1]), idx[:1])[0]:
-        edge = np.subtract(x[:1], prev[1][None], dtype=wide)
-        diffs.add(as_channels(edge, channels, pooled), extrema=False)
+        diffs.add_difference(as_channels(x[:1], channels, pooled),
+                             as_channels(prev[1][None], channels, pooled))  # fmt: skip
     step = apart(idx[:-1], idx[1:]) & (own[1:] == own[:-1])
     if step.all() and len(idx) > 1:
-        diff = np.subtract(x[1:], x[:-1], dtype=wide)
-        diffs.add(as_channels(diff, channels, pooled), extrema=False)
+        diffs.add_difference(as_channels(x[1:], channels, pooled),
+                             as_channels(x[:-1], channels, pooled))  # fmt: skip
     elif step.any():
         at = np.flatnonzero(step)
-        diff = np.subtract(x[at + 1], x[at], dtype=wide)
-        diffs.add(as_channels(diff, channels, pooled), extrema=False)
+        diffs.add_difference(as_channels(x[at + 1], channels, pooled),
+                             as_channels(x[at], channels, pooled))  # fmt: skip
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]), int(own[-1]))
 
@@ -609,8 +608,9 @@ def _one_step(plan: Any, zstore: Any, geoms: Mapping[str, ArrayGeometry]) -> Any
     """``apart(a, b)``: whether anchors ``b`` are one step (``k`` samples, or a time stride's
     time) after anchors ``a``, elementwise; where the anchor array has times (read by the plan,
     else here, once, along the fitted views' sample axis, ``geoms``; a collection's only by the
-    plan), ``k`` samples on must also be ``k`` data steps on in time: samples either side of a
-    missing date are two steps apart, not one."""
+    plan), ``b`` is ``k`` data steps on in time (and after ``a``; not always ``k`` samples on:
+    a later copy of a time the plan dropped lies between): samples either side of a missing
+    date are two steps apart, not one."""
     stride = plan.plan_config.stride
     steps = plan.manifest.steps
     if isinstance(stride, np.timedelta64):
@@ -631,7 +631,7 @@ def _one_step(plan: Any, zstore: Any, geoms: Mapping[str, ArrayGeometry]) -> Any
         ta, tb = timed[a], timed[b]
         known = (ta != MISSING_OFFSET) & (tb != MISSING_OFFSET)
         elapsed = np.where(known, tb, 0) - np.where(known, ta, 0)
-        return (b - a == k) & known & (elapsed == span)
+        return (b > a) & known & (elapsed == span)  # (a dropped copy of a time between)
 
     return apart
 
@@ -640,8 +640,9 @@ def _sample_ticks(
     zstore: Any, manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry]
 ) -> np.ndarray | None:
     """The anchor array's times as whole seconds, or as calendar months (years) where they
-    step by months (years) of several lengths (``calendar_ticks``; ``None`` when it has no
-    time coordinate).
+    step by months (years) of several lengths, negated where they run backwards (newest
+    first: a step back in time is one step; ``forward_ticks``; ``None`` without a time
+    coordinate).
     Times that cannot be decoded (an unknown calendar) or compared in whole seconds (float32
     times) give ``None`` with a ``UserWarning``: the differences then pair samples, as a
     pipeline without time checks reads them."""
@@ -654,7 +655,10 @@ def _sample_ticks(
             f"{manifest.array!r}'s time coordinate",
             "fit_statistics' one-step differences (diff_std, samples one data step apart)",
         )
-        return calendar_ticks(coord, seconds)[0]  # monthly dates: a month apart is one step
+        again = repeated_times(coord, seconds)  # (counted as often as a pipeline reads them)
+        if again is not None:
+            warnings.warn(f"fit_statistics: {again}", UserWarning, stacklevel=4)
+        return forward_ticks(coord, seconds)  # monthly dates: a month apart is one step
     except ValueError as exc:
         warnings.warn(
             f"fit_statistics: diff_std pairs consecutive samples whatever their times, which "

@@ -663,6 +663,7 @@ def test_every_error_of_the_package_pickles_with_its_message_attributes_and_caus
             nbytes=8 << 20,
         ),
         errors.ArrayNotFoundError("array 'q' is not in store /d.zarr (it holds: t2m)"),
+        errors.CoordinateLengthError("time", 14, "sst", 12, "time", "the times cannot be read: "),
         errors.StateMismatchError(
             "its seed differs",
             "To resume it, ...",

@@ -55,13 +55,14 @@ absent, duplicated, swapped and off-grid steps; shifts, windows in samples and i
 int and time strides, train and val) gave the oracle's anchors and zarr's values every time,
 and 120 random fits gave numpy's mean, NaN count and ``diff_std``.
 
-Left as they are (described, not changed): a duplicated time is dropped only where a view
-reads it at another offset, so a view of the anchor alone (and ``fit_statistics``) takes both
-copies; a time axis whose step changes (6-hourly, later hourly) is checked at its most common
-step, so the other part's anchors are dropped as gaps; ``concat`` refuses monthly stores as
-"not at one step"; pentads and dekads (5/10-day steps cut at month ends) still count in days;
-a dimension coordinate of another length is left out of ``batch.coords`` without a word under
-the default ``coords=None`` (``io/coords.py`` is at its 700-line limit).
+Left as they are (described, not changed): a duplicated time was dropped only where a view
+reads it at another offset, so a view of the anchor alone (and ``fit_statistics``) took both
+copies (since the coordlen trial a later copy is dropped for every offset); a time axis
+whose step changes (6-hourly, later hourly) is checked at its most common step, so the other
+part's anchors are dropped as gaps; ``concat`` refuses monthly stores as "not at one step";
+pentads and dekads (5/10-day steps cut at month ends) still count in days.
+(A dimension coordinate of another length, left out of ``batch.coords`` without a word under
+the default ``coords=None``, is refused since the coordlen trial: ``test_coordlen_trial.py``.)
 """
 
 from __future__ import annotations
@@ -346,8 +347,8 @@ def test_a_time_coordinate_of_another_length_than_the_data_is_refused_where_time
         coord[len(times) :] = last + np.arange(1, extra + 1)
     g = open_geometries(root)["sst"]
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
-    said = rf"times of 'sst' cannot be read.*{len(times) + extra} values.*{len(times)} samples"
-    for options in ({"missing": ()}, {"stride": "12h"}):
+    said = rf"'time' has {len(times) + extra} values.*'sst' has {len(times)} samples"
+    for options in ({"missing": ()}, {"stride": "12h"}, {"missing": (), "coords": ()}):
         with pytest.raises(ValueError, match=said):
             insitu_pipeline(root, manifest, {"x": g, "y": g.shift(1)}, **options)
     with pytest.warns(UserWarning, match=r"diff_std pairs consecutive samples.*cannot be read"):

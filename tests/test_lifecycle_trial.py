@@ -30,8 +30,9 @@ Found and fixed:
 * a sweep giving each trial its own ``cache_dir`` kept, for every directory ever written, a
   writer lock (a mutex, an event, its path) in this process's table of writer locks: 30
   trials, 30 locks for the rest of the process. A build now drops those let go of
-  (``cache/lock.py``). (Left: the memo of each directory's rank folders,
-  ``cache.files.RANK_DIRS``, one small entry per directory);
+  (``cache/lock.py``). (Left here: the memo of each directory's rank folders,
+  ``cache.files.RANK_DIRS``, one small entry per directory; dropped at close since,
+  ``tests/test_budgetmem_trial.py``);
 * an exception a batch transform raised reached the consumer as it was — ``ValueError: boom``
   — naming neither the transform, nor the batch and epoch, nor what to do (a chunk
   transform's is a ``ChunkTransformError`` saying all of that). It now carries a note (the

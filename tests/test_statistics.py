@@ -127,6 +127,39 @@ def test_statistics_of_fields_far_from_zero_and_of_constant_fields_equal_numpy(
     assert stats.std["far"][1] == 0.0 and stats.diff_std["far"][1] == 0.0
 
 
+@pytest.mark.parametrize("block", [5, 24, 7 * 8])
+def test_moments_taken_a_block_at_a_time_equal_numpy_whatever_the_blocks_split(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # blocks of a part of a row's values (5), of a few channels of a row (24 = 3 x 8) and of
+    # whole rows (56): the sums, the far-from-zero fallback and the one-step differences
+    # (float32, float64, uint8: an unsigned difference below 0) equal numpy's in float64
+    from insitubatch_nodes import _moments
+
+    monkeypatch.setattr(_moments, "BLOCK", block)
+    rng = np.random.default_rng(3)
+    for data in (
+        (rng.standard_normal((6, 4, 8)) * 2 + 280).astype("f4"),
+        rng.standard_normal((6, 4, 8)) * 1e-3 + 3e6,
+        rng.integers(0, 255, (6, 4, 8)).astype("u1"),
+    ):
+        moments, diffs = _moments._Moments(), _moments._Moments()
+        for r0 in (0, 2, 5):  # batches of 2, 3 and 1 rows, each joined to the one before
+            rows = data[r0 : {0: 2, 2: 5, 5: 6}[r0]]
+            moments.add(rows)
+            if r0:
+                diffs.add_difference(rows[:1], data[r0 - 1 : r0])
+            diffs.add_difference(rows[1:], rows[:-1])
+        x, d = data.astype("f8"), np.diff(data.astype("f8"), axis=0)
+        got, step = moments.result((4,)), diffs.result((4,))
+        for name, expected in (("mean", x.mean((0, 2))), ("std", x.std((0, 2))),
+                               ("min", x.min((0, 2))), ("max", x.max((0, 2)))):  # fmt: skip
+            np.testing.assert_allclose(got[name], expected, rtol=1e-6, err_msg=name)
+        np.testing.assert_allclose(step["mean"], d.mean((0, 2)), rtol=1e-6, atol=1e-9)
+        np.testing.assert_allclose(step["std"], d.std((0, 2)), rtol=1e-6)
+        assert (got["count"] == 6 * 8).all() and (step["count"] == 5 * 8).all()
+
+
 def test_statistics_at_one_sample_per_chunk_equal_numpy_with_fetch_options_either_way(
     tmp_path: Path,
 ) -> None:

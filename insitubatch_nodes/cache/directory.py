@@ -299,6 +299,7 @@ class ChunkCache:
         self._locks[:] = []
         self._spill = None
         self.closed = True
+        RANK_DIRS.pop(self.root, None)  # (a cache open on it again lists it afresh)
         self._closing = [lock for lock in locks if lock.waiting]
         if any(lock.waiting for lock in locks):
             gc.collect()

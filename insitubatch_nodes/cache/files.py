@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -66,6 +67,11 @@ def rank_dir(cache_dir: Path, rank: int) -> Path:
 
 
 RANK_DIRS: dict[Path, tuple[tuple[int, int, int], list[Path]]] = {}
+"""The memo of :func:`writer_dirs`, by directory: at most :data:`RANK_DIRS_KEPT` entries, the
+oldest dropped first, and a directory's dropped when its cache closes (a sweep building
+thousands of pipelines, each with a cache directory of its own, kept one entry per directory
+for the rest of the process before 2026-12-07)."""
+RANK_DIRS_KEPT = 64
 
 
 def writer_dirs(cache_dir: Path) -> list[Path]:
@@ -89,6 +95,9 @@ def writer_dirs(cache_dir: Path) -> list[Path]:
             (p for p in cache_dir.glob("rank-*") if p.is_dir() and p.name[5:].isdigit()),
             key=lambda p: int(p.name[5:]),
         )
+    if known is None and len(RANK_DIRS) >= RANK_DIRS_KEPT:  # the oldest goes (another thread
+        with contextlib.suppress(StopIteration, KeyError, RuntimeError):  # may drop it first)
+            del RANK_DIRS[next(iter(RANK_DIRS))]
     RANK_DIRS[cache_dir] = (stamp, found)
     return list(found)
 

@@ -24,6 +24,7 @@ files. This face re-exports the names a composer uses; import the modules for th
   into windows;
 * :mod:`~insitubatch_nodes.io.selection` — what a selected view keeps of each field axis;
 * :mod:`~insitubatch_nodes.io.coords` — coordinates along the sample axis (CF time);
+  :mod:`~insitubatch_nodes.io.cf_decode` — their stored values CF-decoded, as xarray does;
 * :mod:`~insitubatch_nodes.io.calendars` — CF calendars: ``datetime64`` or cftime dates, counts;
 * :mod:`~insitubatch_nodes.io.timeunits` — time unit words: CF ``"<unit> since"`` as xarray reads
   them, and steps such as ``"6h"``;

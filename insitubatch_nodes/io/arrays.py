@@ -11,9 +11,10 @@ import numpy as np
 
 from insitubatch_nodes.errors import ArrayNotFoundError, corrupt_metadata, short_cause
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io import cf as cf_attrs
 from insitubatch_nodes.io.axes import AxisNames, axis_of, check_sample_axis
 from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option, listed_coordinates
-from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader, is_cf_time
+from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader
 from insitubatch_nodes.io.datasets import dataset_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.points import lat_lon_arrays, points_of
@@ -92,7 +93,7 @@ def _holds_times(zstore: Any, path: str, dim: str) -> bool:
     :func:`~insitubatch_nodes.io.coords.candidate_paths` looks for it) holds times."""
     for coord in _zarr_compat.open_arrays_by_name(zstore, candidate_paths(path, dim)):
         if coord is not None and coord.ndim == 1:
-            return np.dtype(coord.dtype).kind == "M" or is_cf_time(dict(coord.attrs))
+            return np.dtype(coord.dtype).kind == "M" or cf_attrs.is_cf_time(dict(coord.attrs))
     return False
 
 

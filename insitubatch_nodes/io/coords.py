@@ -3,26 +3,8 @@
 A *coordinate* here is a 1-D array along an array's sample axis — ``time`` for a reanalysis,
 ``z`` for a stack — that says where each sample sits. :func:`open_coordinates` reads one through
 zarr (it is small: one array of ``n_samples`` values) and decodes it with the store's own
-attributes, as xarray does for a zarr store, but without xarray:
-
-* ``_FillValue`` / ``missing_value`` mark missing values (for zarr v2 the array's own
-  ``fill_value`` is the ``_FillValue``, as xarray reads v2; for v3 only the attribute counts),
-  then ``scale_factor`` / ``add_offset`` unpack — packed values and masked integers decode to
-  ``float64`` (NaN where missing);
-* ``units`` of the CF form ``"<unit> since <reference date>"`` (a unit word xarray reads:
-  ``hours``, ``hour``, ``hrs``, ``h``, ...; :mod:`~insitubatch_nodes.io.timeunits` lists them)
-  in any CF ``calendar`` (absent means ``standard``) decode to the dates xarray gives
-  (:mod:`~insitubatch_nodes.io.calendars` states the rule): ``numpy.datetime64[ns]`` for
-  ``standard``, ``gregorian`` and ``proleptic_gregorian`` dates that all lie in its range
-  (``NaT`` where missing, and for NaT's own ``int64`` bit pattern, which is how xarray writes a
-  NaT), numpy alone; cftime dates in one ``object`` array (``None`` where missing) for dates
-  outside that range, ``standard`` dates before 1582-10-15 (Julian there), and the calendars
-  numpy lacks: ``noleap`` / ``365_day``, ``all_leap`` / ``366_day``, ``360_day``, ``julian``.
-  Another calendar raises ``ValueError``;
-* durations as xarray writes them (``units`` ``hours``, ``minutes``, ... with a ``dtype``
-  attribute ``timedelta64[...]``: a forecast's lead time) decode to ``timedelta64`` of that
-  resolution, as xarray decodes them by default;
-* anything else comes as stored.
+attributes as xarray does (:func:`~insitubatch_nodes.io.cf_decode.decode_cf`: missing values,
+packing, CF times in any calendar, durations).
 
 A :class:`Coordinate` turns a value window into a sample window (:meth:`Coordinate.index_range`,
 what ``split_by_chunk(..., coord=...)`` uses; dates compared in their own calendar), and
@@ -37,13 +19,13 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.calendars import (
     CF_CALENDARS,
@@ -51,20 +33,12 @@ from insitubatch_nodes.io.calendars import (
     calendar_of,
     counts_us,
     date_in,
-    decode_with_cftime,
     elapsed_ticks,
 )
-from insitubatch_nodes.io.cf import (
-    TIMEDELTA_UNITS,
-    encoded_fills,
-    is_cf_time,
-    is_cf_timedelta,
-    missing_mask,
-)
-from insitubatch_nodes.io.cf import UNITS_RE as _UNITS_RE
+from insitubatch_nodes.io.cf_decode import decode_cf
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
-from insitubatch_nodes.io.timeunits import NS_PER_UNIT, as_timedelta, cf_time_unit
+from insitubatch_nodes.io.timeunits import NS_PER_UNIT, as_timedelta
 
 __all__ = [
     "MISSING_OFFSET",
@@ -77,196 +51,18 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-CALENDARS: tuple[str, ...] = tuple(CF_CALENDARS)
-"""Every CF calendar a time coordinate may name (see the module docstring for what each decodes
-to)."""
-
-_REF_RE = re.compile(
-    r"^(?P<y>\d{1,4})-(?P<mo>\d{1,2})-(?P<d>\d{1,2})"
-    r"(?:[T ]+(?P<h>\d{1,2})(?::(?P<mi>\d{1,2})(?::(?P<s>\d{1,2})(?P<frac>\.\d*)?)?)?)?"
-    r"\s*(?P<tz>Z|UTC|GMT|[+-]\d{1,2}(?::?\d{2})?)?$",
-    re.IGNORECASE,
-)
-# whole seconds inside datetime64[ns]'s range (1677-09-21T00:12:43.145 .. 2262-04-11T23:47:16.854):
-# the numpy route decodes dates between them; the slivers beyond go through cftime, as in xarray
-_NS_FIRST_S = np.datetime64("1677-09-21T00:12:44", "s")
-_NS_LAST_S = np.datetime64("2262-04-11T23:47:15", "s")
-
 MISSING_OFFSET: int = int(np.iinfo(np.int64).min)
 """:func:`time_offsets` of a missing time (``NaT`` / ``None``): ``NaT``'s own ``int64`` pattern."""
-
-
-def _parse_reference(ref: str, units: str, name: str) -> tuple[str, int]:
-    """The reference date of CF ``units`` as ISO ``YYYY-MM-DDThh:mm:ss[.f]`` (its own wall
-    clock, any calendar) and its UTC offset in minutes."""
-    m = _REF_RE.match(ref.strip())
-    if m is None:
-        raise ValueError(
-            f"coordinate {name!r}: cannot read the reference date of units {units!r}; CF time "
-            "units look like 'hours since 1900-01-01' or 'seconds since 1970-01-01 00:00:00'"
-        )
-    g = m.groupdict()
-    iso = f"{int(g['y']):04d}-{int(g['mo']):02d}-{int(g['d']):02d}"
-    iso += f"T{int(g['h'] or 0):02d}:{int(g['mi'] or 0):02d}:{int(g['s'] or 0):02d}"
-    iso += (g["frac"] or "").rstrip("0").rstrip(".")
-    tz = (g["tz"] or "").upper()
-    offset = 0
-    if tz and tz not in ("Z", "UTC", "GMT"):  # the reference is local time
-        sign = -1 if tz[0] == "-" else 1
-        digits = tz[1:].replace(":", "")
-        hours, minutes = (
-            (int(digits), 0) if len(digits) <= 2 else (int(digits[:-2]), int(digits[-2:]))
-        )
-        offset = sign * (hours * 60 + minutes)
-    return iso, offset
-
-
-def _reference_date(ref: str, units: str, name: str) -> np.datetime64:
-    iso, offset = _parse_reference(ref, units, name)
-    try:
-        date = np.datetime64(iso, "ns" if "." in iso else "s")
-    except ValueError as exc:
-        raise ValueError(
-            f"coordinate {name!r}: invalid reference date in {units!r}: {exc}"
-        ) from exc
-    return date - np.timedelta64(offset, "m")  # in UTC
-
-
-def _cftime_reference(ref: str, units: str, name: str) -> str:
-    """The reference date as cftime reads it, ``YYYY-MM-DD hh:mm:ss[.ffffff][+hh:mm]``."""
-    iso, offset = _parse_reference(ref, units, name)
-    date, _, frac = iso.replace("T", " ").partition(".")
-    text = f"{date}.{frac[:6]}" if frac else date
-    if offset:
-        sign = "-" if offset < 0 else "+"
-        text += f"{sign}{abs(offset) // 60:02d}:{abs(offset) % 60:02d}"
-    return text
-
-
-def _decode_time(
-    values: np.ndarray, missing: np.ndarray | None, units: str, calendar: Any, name: str
-) -> np.ndarray:
-    cal = "standard" if calendar is None else str(calendar).strip().lower()
-    if cal not in CF_CALENDARS:
-        raise ValueError(
-            f"coordinate {name!r}: calendar {calendar!r} is not supported: CF calendars are "
-            f"{', '.join(repr(c) for c in CALENDARS)}. Leave this coordinate out "
-            "(insitu_pipeline(..., coords=())) or decode it yourself and build a Coordinate "
-            "from the values"
-        )
-    m = _UNITS_RE.match(units)
-    assert m is not None  # is_cf_time checked it
-    unit = cf_time_unit(m["unit"], CF_CALENDARS[cal], f"coordinate {name!r} ({units!r})")
-    missing = np.zeros(values.shape, bool) if missing is None else missing.copy()
-    if values.dtype.kind == "f":
-        missing |= ~np.isfinite(values)
-    elif values.dtype == np.int64:  # NaT's own bit pattern (how xarray writes a NaT)
-        missing |= values == np.iinfo(np.int64).min
-    if values.dtype.kind not in "iuf":
-        raise ValueError(
-            f"coordinate {name!r}: CF time values must be numbers, got dtype {values.dtype}"
-        )
-    if CF_CALENDARS[cal] in DATETIME64_CALENDARS and unit.numpy is not None:
-        ref = _reference_date(m["ref"], units, name)
-        out = _decode_datetime64(values, missing, unit.numpy, ref)
-        if out is not None:
-            return out
-    return decode_with_cftime(
-        values, missing, unit.cftime, _cftime_reference(m["ref"], units, name), cal, name
-    )
-
-
-def _decode_datetime64(
-    values: np.ndarray, missing: np.ndarray, unit: str, ref: np.datetime64
-) -> np.ndarray | None:
-    """``ref + values`` as ``datetime64[ns]`` (``NaT`` where missing) with numpy alone, when the
-    reference and every date lie in ``datetime64[ns]``'s range (xarray's pandas route); else
-    ``None``, for cftime to decode."""
-    if not _NS_FIRST_S <= ref.astype("M8[s]") <= _NS_LAST_S:
-        return None
-    valid = values[~missing]
-    if valid.dtype.kind in "iu":
-        span = float(np.abs(valid.astype(np.float64)).max()) if valid.size else 0.0
-        finest = min(NS_PER_UNIT[unit], NS_PER_UNIT[np.datetime_data(ref.dtype)[0]])
-        if span * (NS_PER_UNIT[unit] // finest) >= 2.0**62:
-            return None
-        delta = np.zeros(values.shape, f"m8[{unit}]")
-        delta[~missing] = valid.astype(np.int64).astype(f"m8[{unit}]")
-    else:  # fractional offsets: float64 nanoseconds truncated to int64, as xarray counts them
-        ticks = valid.astype(np.float64) * NS_PER_UNIT[unit]
-        if ticks.size and float(np.abs(ticks).max()) >= 2.0**62:
-            return None
-        delta = np.zeros(values.shape, "m8[ns]")
-        delta[~missing] = ticks.astype(np.int64).astype("m8[ns]")
-        ref = ref.astype("M8[ns]")
-    out = ref + delta
-    out[missing] = np.array("NaT", dtype=out.dtype)
-    good = out[~missing].astype("M8[s]")  # coarser: every value fits
-    if good.size and not (good.min() >= _NS_FIRST_S and good.max() <= _NS_LAST_S):
-        return None
-    return out.astype("M8[ns]")
-
-
-def _decode_timedelta(
-    values: np.ndarray, missing: np.ndarray | None, units: str, dtype: str
-) -> np.ndarray:
-    """Numbers of ``units`` as xarray decodes durations: ``timedelta64`` of the resolution
-    the ``dtype`` attribute names (``NaT`` where missing or not a number)."""
-    out_dtype = np.dtype(dtype)
-    resolution = np.datetime_data(out_dtype)[0]
-    per_unit = NS_PER_UNIT[TIMEDELTA_UNITS[units]] / NS_PER_UNIT[resolution]
-    bad = ~np.isfinite(values) if values.dtype.kind == "f" else np.zeros(values.shape, bool)
-    if missing is not None:
-        bad |= missing
-    if values.dtype.kind in "iu" and per_unit == int(per_unit):  # exact, however long
-        counts = np.where(bad, 0, values).astype(np.int64) * int(per_unit)
-    else:
-        counts = np.round(np.where(bad, 0, values) * per_unit).astype(np.int64)
-    out = counts.view(out_dtype)
-    out[bad] = np.array("NaT", out_dtype)  # (numpy 2.5 deprecates a unitless NaT)
-    return out
-
-
-def decode_cf(
-    raw: np.ndarray, attrs: Mapping[str, Any], fill_value: Any = None, *, name: str = ""
-) -> np.ndarray:
-    """Decode coordinate values as stored, with their CF attributes (see the module docstring).
-
-    ``fill_value`` is a ``_FillValue`` that does not sit in ``attrs`` (a zarr v2 array's own
-    fill value); ``name`` goes into error messages. Returns a new array.
-    """
-    values = np.asarray(raw)
-    if values.dtype.kind not in "iufb":
-        return values.copy()
-    missing = missing_mask(values, encoded_fills(attrs, values.dtype, fill_value))
-    scale, offset = attrs.get("scale_factor"), attrs.get("add_offset")
-    if (
-        scale is not None
-        or offset is not None
-        or (missing is not None and values.dtype.kind != "f" and not is_cf_time(attrs))
-    ):  # (integer CF times stay integers: nanosecond counts do not fit a float exactly)
-        values = values.astype(np.float64)
-        if scale is not None:
-            values = values * float(scale)
-        if offset is not None:
-            values = values + float(offset)
-    if is_cf_time(attrs):
-        return _decode_time(values, missing, str(attrs["units"]), attrs.get("calendar"), name)
-    if is_cf_timedelta(attrs):
-        return _decode_timedelta(values, missing, str(attrs["units"]), str(attrs["dtype"]))
-    if missing is not None and missing.any():
-        values = values.astype(np.float64 if values.dtype.itemsize > 4 else np.float32)
-        values[missing] = np.nan
-    return values.copy() if values is raw else values
 
 
 @dataclass(frozen=True, eq=False)
 class Coordinate:
     """A 1-D coordinate along the sample axis: ``values[i]`` is where sample ``i`` sits.
 
-    ``values`` is decoded (``datetime64[ns]`` or cftime dates for CF time; see the module
-    docstring) and read-only; ``path`` is the array it was read from (``""`` for one built by
-    hand from values, e.g. ones decoded by xarray) and ``attrs`` its attributes.
+    ``values`` is decoded (``datetime64[ns]`` or cftime dates for CF time; see
+    :mod:`~insitubatch_nodes.io.cf_decode`) and read-only; ``path`` is the array it was read
+    from (``""`` for one built by hand from values, e.g. ones decoded by xarray) and ``attrs``
+    its attributes.
     """
 
     name: str
@@ -538,6 +334,17 @@ class _Reader:
                 return path, self.arrays[path]
         return None
 
+    def read_already(self, geom: ArrayGeometry) -> Coordinate | None:
+        """``geom``'s dimension coordinate where this reader has read it already (``None``
+        otherwise, or for a collection view): nothing is read here."""
+        dim = _sample_dimension(geom)
+        if dim is None or geom.members is not None:
+            return None
+        for path in candidate_paths(geom.path, dim):
+            if path in self.loaded or self.arrays.get(path) is not None:
+                return self.loaded.get(path)  # (the first path holding an array is the one)
+        return None
+
     def load(self, path: str, array: Any) -> Coordinate:
         if path not in self.loaded:
             if array.ndim != 1:
@@ -592,8 +399,8 @@ def _coordinates(
         if array.ndim != 1 or (own != (dim,) and (own is not None or geom.dim_names is None)):
             return {}
         coord = reader.load(path, array)
-        if len(coord) != geom.n_samples:
-            return {}
+        if len(coord) != geom.n_samples:  # (before 2026-12-07: left out without a word)
+            raise CoordinateLengthError(path, len(coord), geom.path, geom.n_samples, dim)
         return {coord.name: coord}
     out: dict[str, Coordinate] = {}
     for name in names:
@@ -614,6 +421,8 @@ def _coordinates(
                 f"axis of {geom.path!r} is {dim!r}: it is not a coordinate of the samples"
             )
         coord = reader.load(path, array)
+        if len(coord) != geom.n_samples and dim is not None and dims == (dim,):
+            raise CoordinateLengthError(path, len(coord), geom.path, geom.n_samples, dim)
         if len(coord) != geom.n_samples:
             raise ValueError(
                 f"coordinate {path!r} has {len(coord)} values but {geom.path!r} has "
@@ -648,7 +457,9 @@ def open_coordinates(
     array's group, then in each parent group; where ``geom``'s names were given (``dim_names``:
     a collection's ``dims=``), such an array that names no dimension (zarr v2 without
     ``_ARRAY_DIMENSIONS``) counts too. ``{}`` when there is none (no dimension names, no such
-    array, or one of another length). ``names`` lists arrays to read instead: a bare
+    array); one of another length than the sample axis (a store read while it is appended to)
+    raises :class:`~insitubatch_nodes.errors.CoordinateLengthError` (a ``ValueError``) naming
+    both lengths. ``names`` lists arrays to read instead: a bare
     name is looked up the same way, a path with ``/`` from the store root; each must be 1-D with
     one value per sample (``KeyError`` naming where it looked when missing, ``ValueError`` when
     it does not fit). Keys are the arrays' names (the last path component). Decoding errors
@@ -675,9 +486,11 @@ def carried_coordinates(
 
     ``names=None`` is the default selection (each view's dimension coordinate): one that cannot
     be decoded (here) is left out with a warning rather than failing a pipeline that reads no
-    coordinate otherwise. Explicit ``names`` fail loudly. Each coordinate array is read once,
-    however many views share it (and not again with the ``reader`` of an earlier read; its
-    ``timeout_s`` then applies).
+    coordinate otherwise; one of another length than its array's sample axis fails (a torn
+    store: :class:`~insitubatch_nodes.errors.CoordinateLengthError`), as it does where the
+    times are read for the anchors. Explicit ``names`` fail loudly. Each coordinate array is
+    read once, however many views share it (and not again with the ``reader`` of an earlier
+    read; its ``timeout_s`` then applies).
     """
     reader = _Reader(store, timeout_s) if reader is None else reader
     out: dict[str, dict[str, np.ndarray]] = {}
@@ -685,6 +498,8 @@ def carried_coordinates(
         if names is None:
             try:
                 coords = _coordinates(reader, view, None)
+            except CoordinateLengthError:  # (no decoding error: the store is torn)
+                raise
             except (ValueError, ModuleNotFoundError) as exc:  # (cftime, were it missing)
                 log.warning(
                     "insitubatch_nodes: batches of %r carry no coordinates: %s. Pass coords=() "

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from zarr.abc.store import Store
 
+from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.axes import named_axes
 from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
@@ -105,7 +106,10 @@ def time_coordinate(
         raise ValueError(f"{where} has no {dim!r} dimension (it has {tuple(named.dims)}): {hint}")
     if given is not None:
         geom = replace(geom, dim_names=tuple(given))
-    coord = open_coordinates(store, _along(geom, dim, given)).get(dim)
+    try:
+        coord = open_coordinates(store, _along(geom, dim, given)).get(dim)
+    except CoordinateLengthError as exc:  # (a store read mid-append: name the store)
+        raise exc.while_doing(f"{where}: ") from None
     if coord is None:
         raise ValueError(
             f"{op}: {name!r} has no time coordinate {dim!r} beside {variable!r}: {_WHY[op][0]}"

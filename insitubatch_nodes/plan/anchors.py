@@ -16,7 +16,9 @@ loop over samples), the same on every rank and every epoch:
   when a step ``a + k`` read by its views (``k`` in the set of the views' offsets) is missing,
   for the first of these reasons (:data:`REASONS`, in this order): ``"nat"`` — its time is NaT
   (``None`` for cftime dates); ``"gap"`` — its time is not ``time[a] + k * data_step`` (a gap, a
-  duplicated or an out-of-order step); ``"missing"`` — it was listed in ``missing=``;
+  duplicated or an out-of-order step), or it is a later copy of a time an earlier sample has
+  (``SampleSteps.repeated``: each time is one time; ``k = 0`` included, so an anchor-only view
+  and a time stride take a repeated time once); ``"missing"`` — it was listed in ``missing=``;
   ``"absent_object"`` — one of its stored objects is absent from the store
   (``missing_objects="drop"``). The checks are over the set of offsets the views read, so any
   view that reads a set of steps (a window) extends them.
@@ -114,6 +116,32 @@ class SampleSteps:
     def nat(self) -> np.ndarray | None:
         """Samples whose time is missing (``None`` without times)."""
         return None if self.ticks is None else self.ticks == _NO_TIME
+
+    @functools.cached_property
+    def repeated(self) -> np.ndarray | None:
+        """Samples whose time an earlier sample of their run already has (pandas'
+        ``duplicated()``, run by run; ``None`` without times): later copies of a time, which
+        the checks count as absent (``"gap"``), so that each time is one time. A sample
+        listed in ``missing=`` is no copy: the first unlisted one is the time's (list the
+        copies not to read)."""
+        if self.ticks is None:
+            return None
+        out = np.zeros(self.n_samples, dtype=bool)
+        at = np.flatnonzero(
+            (self.ticks != _NO_TIME) & (True if self.listed is None else ~self.listed)
+        )
+        t = self.ticks[at]
+        if bool((np.diff(t) > 0).all()):  # (the usual: O(n))
+            return out
+        run = np.zeros(len(at), np.int64)
+        if self.runs is not None:  # (a time may be once in each run: a member's own)
+            run = np.searchsorted(self.runs, at, side="right")
+        order = np.lexsort((at, t, run))  # by run, time, then sample
+        t, run = t[order], run[order]
+        again = np.zeros(len(at), dtype=bool)
+        again[1:] = (t[1:] == t[:-1]) & (run[1:] == run[:-1])
+        out[at[order]] = again
+        return out
 
     @functools.cached_property
     def data_step(self) -> int | None:
@@ -251,17 +279,17 @@ def _reason_masks(steps: SampleSteps, offsets: Iterable[int]) -> dict[str, np.nd
     n = steps.n_samples
     a = np.arange(n, dtype=np.int64)
     out: dict[str, np.ndarray] = {}
-    nat, data = steps.nat, steps.data_step
+    nat, data, repeated = steps.nat, steps.data_step, steps.repeated
     for k in sorted(set(int(k) for k in offsets)):
         j = a + k
         inside = (j >= 0) & (j < n)
         jj = np.clip(j, 0, max(n - 1, 0))
         per: dict[str, np.ndarray] = {}
-        if steps.ticks is not None and nat is not None:
+        if steps.ticks is not None and nat is not None and repeated is not None:
             per["nat"] = nat[jj] | nat  # the anchor's own time is a step too (k = 0)
+            per["gap"] = ~per["nat"] & repeated[jj]  # a later copy of a time: as if absent
             if data is not None:
-                expected = steps.ticks + k * data
-                per["gap"] = ~per["nat"] & (steps.ticks[jj] != expected)
+                per["gap"] |= ~per["nat"] & (steps.ticks[jj] != steps.ticks + k * data)
         if steps.listed is not None:
             per["missing"] = steps.listed[jj]
         if steps.absent is not None:

@@ -48,6 +48,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.errors import TooFewSamplesError
 from insitubatch_nodes.io.arrays import check_batchable
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.anchors import (
@@ -575,9 +576,9 @@ def _ledgers(
 def check_ranks(
     manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
 ) -> None:
-    """``ValueError`` unless every rank of ``config`` gets a sample of its split: a valid
-    anchor, or with patched views one window of one (a single whole-slide plane holds
-    thousands of samples)."""
+    """:class:`~insitubatch_nodes.errors.TooFewSamplesError` unless every rank of ``config``
+    gets a sample of its split: a valid anchor, or with patched views one window of one (a
+    single whole-slide plane holds thousands of samples)."""
     world = 1 if config.world_size is None else config.world_size
     split_chunks = manifest.chunk_array(config.split)
     counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], config)
@@ -588,10 +589,15 @@ def check_ranks(
         what = "valid anchors" if layout is None else f"windows ({n_valid} valid anchors)"
         dropped = {k: n for k, n in dropped_anchors(manifest, views, config).items() if n}
         why = f"; the missing-step checks dropped {dropped}" if dropped else ""
-        raise ValueError(
+        counted = f"{n_samples} {what}{why}"
+        raise TooFewSamplesError(
             f"split {config.split!r} has {n_samples} {what} but world_size is {world}{why}: "
-            "every rank needs at least one sample (use a larger split or fewer ranks)"
-        )
+            f"every rank needs at least one sample (remainder {config.remainder!r} too: a rank "
+            "without a batch leaves the others waiting at their first collective call). Read "
+            f"it on at most {n_samples} rank(s) (rank=r, world_size={n_samples} on ranks r < "
+            f"{n_samples}, nothing on the others), or give the split more samples (more chunks)",
+            split=config.split, n_samples=n_samples, world_size=world, counted=counted,
+        )  # fmt: skip
 
 
 def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str, ArrayGeometry]:

@@ -31,8 +31,10 @@ import numpy as np
 __all__ = [
     "DEALINGS",
     "REMAINDERS",
+    "alone_before_group",
     "check_remainder",
     "check_same_plan_on_every_rank",
+    "check_still_alone",
     "deal",
     "deal_runs",
     "default_rank_world",
@@ -273,6 +275,34 @@ def default_rank_world() -> tuple[int, int]:
     except ImportError:  # pragma: no cover - torch is a hard dependency
         pass
     return 0, 1
+
+
+def alone_before_group(world_size: int | None) -> bool:
+    """Whether a plan given ``world_size`` (``None``: the group's) reads the whole split alone
+    only because no ``torch.distributed`` group is initialised yet (see
+    :func:`check_still_alone`)."""
+    return world_size is None and default_rank_world() == (0, 1)
+
+
+def check_still_alone(alone: bool) -> None:
+    """``RuntimeError`` when a plan built :func:`alone_before_group` starts an epoch inside an
+    initialised group of several ranks: it took ``world_size=1``, so every rank of the group
+    would deliver the whole split (a prediction or test on ``W`` ranks ``W`` times over, a
+    training's ranks the same batches). Asked where each epoch starts (one call, no
+    per-batch cost)."""
+    if not alone:
+        return
+    rank, world = default_rank_world()
+    if world > 1:
+        raise RuntimeError(
+            "this pipeline was built before torch.distributed was initialised, so it took "
+            f"world_size=1, and it is read on rank {rank} of {world}: every rank would deliver "
+            "the whole split. Build it once the group is initialised, or pass rank and "
+            "world_size (world_size=1 to read the whole split on every rank on purpose). With "
+            "Lightning, pass the data module (trainer.predict(model, datamodule=dm)): its "
+            "loaders are built inside the trainer, where dataloaders=dm.predict_dataloader() "
+            "called before it builds them for one rank"
+        )
 
 
 def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, int]:

@@ -52,6 +52,7 @@ __all__ = [
     "block_batches",
     "choose_schedule",
     "kept_bytes",
+    "read_bytes",
     "schedule_floors",
     "slot_geometries",
     "working_set_bytes",
@@ -557,11 +558,10 @@ def working_set_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> tu
     blocks = plan._block_of_row[first_rows]
     per_block = np.bincount(blocks, weights=got, minlength=max(1, plan.n_blocks))
     read_ahead = int(per_block.max(initial=0))
-    # a budget that holds every chunk the epoch reads never waits (one slot each)
-    return min(peak + read_ahead, _read_bytes(plan, geoms)), read_ahead
+    return min(peak + read_ahead, read_bytes(plan, geoms)), read_ahead
 
 
-def _read_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> int:
+def read_bytes(plan: EpochPlan, geoms: Mapping[str, ArrayGeometry]) -> int:
     """The slot bytes of every chunk ``plan`` reads, each once."""
     return sum(
         ledger.n_chunks * sum(geoms[p].chunk_nbytes for p in ledger.paths)
@@ -584,7 +584,7 @@ def kept_bytes(
     ranks: their shares are one size) fits the automatic cap, that is returned, so the budget
     holds every chunk the rank has read and epochs read only chunks it never read.
     """
-    reads = _read_bytes(plan, geoms)
+    reads = read_bytes(plan, geoms)
     if budget_bytes is not None:
         return reads if reads <= budget_bytes else None
     cap = _auto_keep_bytes()

@@ -173,18 +173,17 @@ def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
     one-sample-per-chunk array beside an anchor array of larger chunks is kept too, not left in
     slots an epoch's floor cannot hold (read again every epoch). ``direct=False`` (rows always
     through slots) keeps a split that fits as the default does; ``direct=True`` (rows of
-    one-sample chunks straight into batches whatever the budget) keeps nothing where a group
-    holds one sample per chunk. Chunks of more samples under a persistent cache are not kept
-    in RAM this way: released, they come back from its files."""
+    one-sample chunks straight into batches whatever the budget) keeps nothing, at any samples
+    per chunk (as :class:`~insitubatch_nodes.options.FetchOptions` says: before 2026-12-07 a
+    split of chunks of several samples was kept, and the one pass of ``fit_statistics`` over
+    it grew its budget to the whole split). Chunks of more samples under a persistent cache are
+    not kept in RAM this way: released, they come back from its files."""
     floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
-    if not setup.pool.auto:
+    if not setup.pool.auto or setup.direct is True:
         return floor, read_ahead
-    if any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers):
-        keeps = setup.direct is not True
-    else:  # a persistent cache brings released chunks of more samples back from its files
-        cache = setup.pool.cache
-        keeps = cache is None or not cache.persistent
-    if keeps:
+    cache = setup.pool.cache  # a persistent one brings released chunks of more samples back
+    one_sample = any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
+    if one_sample or cache is None or not cache.persistent:
         floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
     return floor, read_ahead
 

@@ -70,7 +70,11 @@ from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.routing import RoutingStore
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.plan.ledger import BatchPlan
-from insitubatch_nodes.plan.memory_floor import refuse_beyond_memory
+from insitubatch_nodes.plan.memory_floor import (
+    decode_scratch_bytes,
+    refuse_beyond_memory,
+    refuse_budget_beyond_memory,
+)
 from insitubatch_nodes.stages._admit import (
     Admission,
     FetchHistory,
@@ -216,9 +220,15 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         )
         self._history = FetchHistory(self.geoms)
         self._first_floor = epoch_floor(self._setup, context.plan.epoch_plan(0))[0]
-        if self.pool.auto:  # before this node holds anything: nothing to tear down
-            in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
+        # the memory checks: before this node holds anything, so nothing to tear down
+        in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
+        if self.pool.auto:
             refuse_beyond_memory(self._first_floor, in_flight, context.plan.block_chunks)
+        elif self.pool.cache is None and self.pool.backing.name == "ram":  # (else: files)
+            scratch = decode_scratch_bytes(self.geoms, len(self._decode_pool.threads))
+            first = context.plan.epoch_plan(0)
+            budget = self.pool.budget_bytes
+            refuse_budget_beyond_memory(budget, first, self.slot_geoms, in_flight, scratch)
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}

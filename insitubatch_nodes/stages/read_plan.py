@@ -51,7 +51,7 @@ from insitubatch_nodes.plan.fingerprint import (
 )
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
-from insitubatch_nodes.plan.ranks import resolve_rank_world
+from insitubatch_nodes.plan.ranks import alone_before_group, check_still_alone, resolve_rank_world
 from insitubatch_nodes.plan.schedule import (
     PinSchedule,
     block_batches,
@@ -188,6 +188,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
         rk, world = resolve_rank_world(given.rank, given.world_size)
+        self._alone = alone_before_group(given.world_size)  # (checked where an epoch starts)
         cfg = given.for_rank(rk, world)  # resolved: this node's rank and world
         check_ranks(manifest, views, cfg)
         self.manifest = manifest
@@ -525,6 +526,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
+        check_still_alone(self._alone)
         super().reset(initial_state)
         if initial_state is None or not self._resumes_mid_epoch(initial_state):
             self._apply_pending()  # views given by set_views start here

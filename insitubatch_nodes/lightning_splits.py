@@ -1,0 +1,81 @@
+"""The data module's splits, as Lightning's stages read them (needs the ``lightning`` extra; used
+by :mod:`insitubatch_nodes.lightning`): splits given as one collection each, and what to do
+when a split holds fewer samples than the trainer has ranks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from insitubatch_nodes.errors import TooFewSamplesError
+from insitubatch_nodes.io.collection import Collection
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_member
+
+__all__ = ["per_split", "too_few_for_ranks"]
+
+#: the Trainer call that reads each split's loader, by the Trainer's ``state.fn``
+_CALLS = {"fit": "validate", "validate": "validate", "test": "test", "predict": "predict"}
+
+
+def too_few_for_ranks(few: TooFewSamplesError, stage: str | None) -> TooFewSamplesError:
+    """The refusal of a val/test split with fewer samples than the trainer's ranks, saying what
+    to do in Lightning's terms; ``stage`` is the Trainer's ``state.fn`` (``"fit"``,
+    ``"validate"``, ``"test"``, ``"predict"``). Padding the short ranks with repeated samples
+    would count them twice in every metric; a rank without a batch is refused by Lightning,
+    and with ``allow_zero_length_dataloader_with_multiple_devices`` skips the loop while the
+    other ranks wait for it at the epoch's end."""
+    n, world = few.n_samples, few.world_size
+    call = _CALLS.get(str(stage)) or ("validate" if few.split == "val" else "test")
+    during_fit = (
+        " Or leave validation out of the fit (Trainer(limit_val_batches=0)) and validate as "
+        "above after it."
+        if stage == "fit"
+        else ""
+    )
+    return TooFewSamplesError(
+        f"InSituDataModule: the {few.split!r} split has {n} sample(s) for the trainer's {world} "
+        "ranks, and under DDP every rank needs a batch of it: Lightning refuses a rank without "
+        "one (with allow_zero_length_dataloader_with_multiple_devices that rank skips the loop "
+        "and the others wait for it at the epoch's end), and a sample repeated to fill a rank "
+        f"would count twice. Run trainer.{call} on at most {n} device(s): after a DDP fit, "
+        "torch.distributed.destroy_process_group(), then on global rank 0 only (if "
+        f"trainer.is_global_zero:) L.Trainer(devices=1).{call}(model, datamodule=dm); or give "
+        f"the split more chunks (splits=...).{during_fit} (Counted: {few.counted})",
+        split=few.split, n_samples=n, world_size=world, counted=few.counted,
+    )  # fmt: skip
+
+
+def per_split(
+    splits: Mapping[str, Any], variables: Any
+) -> dict[str, tuple[Any, dict[str, Any], SplitManifest]]:
+    """``{split: (store, views, manifest)}`` of splits given as one collection each, checked to
+    share no member; ``variables`` are variable names, or a callable ``{variable: view} ->
+    {label: view}`` called with each split's collection's variables."""
+    out: dict[str, tuple[Any, dict[str, Any], SplitManifest]] = {}
+    owner: dict[str, str] = {}
+    for split, coll in splits.items():
+        if split not in ("train", "val", "test") or not isinstance(coll, Collection):
+            raise TypeError(
+                "splits given as a mapping take 'train', 'val' and 'test' to a Collection "
+                f"each; got {split!r}: {type(coll).__name__}"
+            )
+        for source in coll.sources():
+            if owner.setdefault(source, split) != split:
+                raise ValueError(
+                    f"member {source!r} is in both the {owner[source]!r} and the {split!r} "
+                    "collection: a member belongs to one split"
+                )
+        geometries = {v: coll[v] for v in coll.variables}
+        if callable(variables):
+            views = dict(variables(geometries))
+        elif isinstance(variables, Mapping | str):
+            raise TypeError(
+                "with one collection per split, variables are variable names (['image']) or "
+                "a callable {variable: view} -> {label: view}: each split has its own views"
+            )
+        else:
+            views = {v: geometries[v] for v in variables}
+        manifest = split_by_member(coll, {split: 1.0})
+        out[split] = (coll.store, views, manifest)
+    return out
