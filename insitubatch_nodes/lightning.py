@@ -59,7 +59,7 @@ from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
-from insitubatch_nodes.lightning_epochs import EpochLengthSync, ended_epoch_warning, resumed_at
+from insitubatch_nodes.lightning_epochs import EpochLengthSync, follow_ended_epoch, resumed_at
 from insitubatch_nodes.lightning_splits import per_split, too_few_for_ranks
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
@@ -591,22 +591,11 @@ class InSituDataModule(pl.LightningDataModule):
         return dataset
 
     def _reload_after_an_ended_epoch(self, dataset: InSituIterableDataset) -> None:
-        """A state loaded where the trainer's epoch ended (a checkpoint saved at
-        ``on_train_epoch_end``): Lightning is told that epoch's length now and keeps it for
-        the next epoch, which this module's views or batch size may batch otherwise (a rollout
-        curriculum): have the trainer reload the loader before that epoch. Not while Lightning
-        restarts inside the epoch (a checkpoint saved after its last batch): it counts the
-        epoch as done by the length told now, so a reload would move that count; warned."""
-        trainer = self.trainer
-        lens = dataset.ended_epoch_lens()
-        if trainer is None or lens is None or lens[0] == lens[1]:
-            return
-        if getattr(getattr(trainer, "fit_loop", None), "restarting", False):
-            warnings.warn(ended_epoch_warning(int(trainer.current_epoch), *lens), stacklevel=2)
-            return
-        for callback in getattr(trainer, "callbacks", None) or []:
-            if isinstance(callback, EpochLengthSync):
-                callback.reload_before_next_epoch(trainer)
+        """A state loaded where the trainer's epoch ended: have the trainer reload the loader
+        before the next epoch where it differs, Lightning counting the ended one as over
+        (:func:`~insitubatch_nodes.lightning_epochs.follow_ended_epoch`)."""
+        if follow_ended_epoch(self.trainer, dataset.ended_epoch_lens()):
+            self._resume_check = None  # (the epoch ended: no batch of it is resumed)
 
     def val_dataloader(self) -> InSituIterableDataset:
         return self._build("val")

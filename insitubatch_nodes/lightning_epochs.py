@@ -6,7 +6,8 @@ told to (``reload_dataloaders_every_n_epochs``). An epoch of the training pipeli
 from the last one the trainer was told of: an epoch resumed on another number of ranks, views
 given by ``set_views`` (a rollout that grows), another batch size (``dm.batch_size``), a
 checkpoint saved where an epoch ended restored into a data module of the next epoch's settings.
-:class:`EpochLengthSync` has the trainer reload the loader before such an epoch, once.
+:class:`EpochLengthSync` has the trainer reload the loader before such an epoch, once;
+:func:`follow_ended_epoch` asks for it where a loaded state ended the trainer's epoch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 
-__all__ = ["EpochLengthSync", "ended_epoch_warning", "resumed_at"]
+__all__ = [
+    "EpochLengthSync",
+    "count_resumed_epoch_start",
+    "finish_ended_epoch",
+    "follow_ended_epoch",
+    "resumed_at",
+]
 
 _RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
 
@@ -57,20 +64,78 @@ def resumed_at(trainer: Any) -> int | None:
     return int(loop.batch_progress.current.ready)
 
 
-def ended_epoch_warning(epoch: int, ended: int, nxt: int) -> str:
-    """What a checkpoint saved after epoch ``epoch``'s last batch (``on_train_batch_end``)
-    costs when restored into a data module whose next epoch has ``nxt`` batches, not the
-    ``ended`` of that epoch: Lightning counts the epoch as done by the length it is told at the
-    restore (``ended``, which a reload would move), and trains the next with that length."""
-    lost = (
-        f"its last {nxt - ended} batches will not be trained"
-        if nxt > ended
-        else "Lightning's count of its batches will be off"
-    )
-    return (
-        f"this checkpoint was saved after the last batch of epoch {epoch} (on_train_batch_end), "
-        f"and Lightning resumes epoch {epoch + 1} with the length epoch {epoch} had, {ended} "
-        f"batches, where this data module's views and batch size give it {nxt}: {lost}. To "
-        "resume it exactly, resume from the checkpoint saved where that epoch ended "
-        "(ModelCheckpoint(save_on_train_epoch_end=True)) or from one saved mid-epoch"
-    )
+def finish_ended_epoch(trainer: Any, nxt: int) -> bool:
+    """Where Lightning restarts from a checkpoint saved after an epoch's last batch
+    (``on_train_batch_end``: ``ModelCheckpoint(every_n_train_steps=...)`` on that batch), have
+    it count that epoch as over whatever length it is told of the next (up to ``nxt``, the
+    next epoch's batches): whether it does, so that the loader may be reloaded for that epoch.
+
+    Lightning (2.5+) counts the ended epoch as done by the batch flag it saved
+    (``is_last_batch``), but its epoch loop starts the next epoch at batch 0 only where its
+    count of the ended epoch's batches reaches the length it is told when that epoch starts
+    (``_TrainingEpochLoop.reset``): told a longer next epoch, it took the ended epoch's
+    batches for the next epoch's first and trained the rest (told the ended epoch's length
+    instead, it trained that many of the next). That count is of an epoch Lightning has
+    finished and resets right then; raised to ``nxt``, the next epoch starts at batch 0 and
+    runs the length it is told. ``False`` for a restart of another kind, which runs the ended
+    epoch's end hooks again (where :class:`EpochLengthSync` has the loader reloaded): a
+    checkpoint saved after the epoch's validation, one that ``max_steps`` has Lightning
+    restart, and any under a Lightning before 2.5 (it restarts the ended epoch at its last
+    batch, which the training loader ends at once: the state holds nothing more of it)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(loop, "batch_progress", None)
+    if progress is None or not getattr(loop, "restarting", False):
+        return False
+    if not hasattr(loop, "restarted_on_train_batch_end"):  # (Lightning before 2.5)
+        return False
+    current = progress.current
+    if not progress.is_last_batch or current.completed != current.processed - 1:
+        return False  # (not saved between the batch's end hooks and Lightning's count of it)
+    if current.processed < nxt:
+        current.ready = current.started = current.processed = nxt
+        current.completed = nxt - 1
+    return True
+
+
+def count_resumed_epoch_start(trainer: Any) -> None:
+    """Count the start of the epoch Lightning resumes after the checkpoint of an epoch's last
+    batch (:func:`finish_ended_epoch`), as Lightning counts any epoch's start: asked when the
+    training loader is reloaded for that epoch (``on_advance_start``). Lightning (2.5+, 2.6.6
+    at least) skips that count there (its restart stage, ``restarted_mid_epoch``, is still
+    set), which left its epoch counts one short ever after: the checkpoints the resumed fit
+    saved then restored wrongly, with any loader (one saved where an epoch ended lost the next
+    epoch; one mid-epoch restarted Lightning's ``batch_idx`` at 0). Counted only where
+    Lightning has not (its epochs ``ready`` still equal to those ``processed``)."""
+    fit: Any = getattr(trainer, "fit_loop", None)
+    loop: Any = getattr(fit, "epoch_loop", None)
+    if not getattr(fit, "restarted_mid_epoch", False):
+        return
+    if not getattr(loop, "restarted_on_train_batch_end", False):
+        return
+    progress = fit.epoch_progress
+    if loop.batch_progress.is_last_batch and progress.current.ready == progress.current.processed:
+        progress.increment_ready()
+        progress.increment_started()
+
+
+def follow_ended_epoch(trainer: Any, lens: tuple[int, int] | None) -> bool:
+    """For a training loader asked for by ``trainer`` (``train_dataloader``): ``lens`` (the
+    batches of the trainer's epoch, of the next) where its state was loaded where that epoch
+    ended, ``None`` otherwise. Has the trainer reload the loader before the next epoch where
+    Lightning would otherwise keep a length not the next epoch's (a checkpoint saved at
+    ``on_train_epoch_end`` restored into a data module of other views or batch size), and
+    wherever Lightning restarts after the last batch it trained of an epoch (the epoch's, or
+    the last ``limit_train_batches`` lets it train: :func:`finish_ended_epoch`), so that
+    :func:`count_resumed_epoch_start` is asked at that reload. Whether it did."""
+    count_resumed_epoch_start(trainer)
+    if trainer is None:
+        return False
+    if getattr(getattr(trainer, "fit_loop", None), "restarting", False):
+        if not finish_ended_epoch(trainer, 0 if lens is None else lens[1]):
+            return False
+    elif lens is None or lens[0] == lens[1]:
+        return False
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if isinstance(callback, EpochLengthSync):
+            callback.reload_before_next_epoch(trainer)
+    return True
