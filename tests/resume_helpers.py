@@ -470,9 +470,9 @@ def run_lightning(
     request: Mapping[str, Any], workdir: Path, timeout: float = SUBPROCESS_TIMEOUT_S
 ) -> tuple[int, str]:
     """Run a Lightning training in a new process (forked from the tests' fork server; under
-    ``strategy="ddp"`` Lightning starts rank 1 as a fresh interpreter); returns (exit code, its
-    log). stdout/stderr go to a file so a DDP child that inherits them can never keep a pipe
-    open."""
+    ``strategy="ddp"`` Lightning's launcher re-runs the script for rank 1, forked from the same
+    server: ``forkserver._fork_lightnings_ranks``); returns (exit code, its log). stdout/stderr
+    go to a file so a DDP child that inherits them can never keep a pipe open."""
     workdir.mkdir(parents=True, exist_ok=True)
     n = len(list(workdir.glob("lightning-*.request.json")))
     req = workdir / f"lightning-{n}.request.json"

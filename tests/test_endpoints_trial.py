@@ -91,14 +91,17 @@ def _fit(store: Any, path: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def twins(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
-    """Two moto servers, each with bucket ``B`` holding ``d.zarr``: other values on each."""
+def twins(tmp_path_factory: pytest.TempPathFactory, s3_server: str) -> Iterator[dict[str, Any]]:
+    """Two moto servers, each with bucket ``B`` holding ``d.zarr``: other values on each. The
+    first is the run's shared server (the bucket's name is this module's own), the second one
+    of the module's own (a moto server's start is 0.9 CPU-s)."""
     import boto3
     from obstore.store import S3Store
 
     logs = tmp_path_factory.mktemp("moto2")
     bucket = f"twin-{uuid.uuid4().hex[:8]}"
-    with moto_server(logs) as a, moto_server(logs) as b:
+    with moto_server(logs) as b:
+        a = s3_server
         locals_ = {}
         for endpoint, seed in ((a, 1), (b, 2)):
             local = _write(tmp_path_factory.mktemp("src") / "d.zarr", seed)

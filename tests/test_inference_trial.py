@@ -558,9 +558,10 @@ def test_lightnings_validate_test_and_predict_on_three_gloo_ranks_see_each_sampl
     archive: Path, tmp_path: Path
 ) -> None:
     """``Trainer(devices=3, strategy="ddp")`` (gloo on CPU; Lightning's launcher starts ranks 1
-    and 2 as new interpreters) through ``InSituDataModule``: validate, test and predict each
-    see every sample of their split once over the ranks, each rank's share in store order,
-    rank 0 first (7 validation anchors: 3, 2 and 2)."""
+    and 2 by re-running the script, forked by the tests' fork server as rank 0 is) through
+    ``InSituDataModule``: validate, test and predict each see every sample of their split once
+    over the ranks, each rank's share in store order, rank 0 first (7 validation anchors: 3, 2
+    and 2)."""
     import subprocess
     import sys
 

@@ -142,6 +142,27 @@ def _state_after(stores: dict[str, Path], criterion: str, k: int, per: list[int]
         _closing(pipes)
 
 
+def _states_after_each(stores: dict[str, Path], criterion: str, per: list[int]) -> list[Any]:
+    """The package ``Loader``'s states after each batch of mixed epochs of lengths ``per``,
+    taken in one run checkpointed at every batch (each copied as taken; the one after an
+    epoch's last batch before that epoch's end): item ``k - 1`` is :func:`_state_after`'s
+    ``k``, without a new run up to every ``k``."""
+    sampler, pipes = _mixed(stores, criterion)
+    try:
+        loader = Loader(sampler)
+        states = []
+        for n in per:
+            it = iter(loader)
+            for _ in range(n):
+                next(it)
+                states.append(copy.deepcopy(loader.state_dict()))
+            for _ in it:  # the epoch's end, as list(loader) reaches it
+                pass
+        return states
+    finally:
+        _closing(pipes)
+
+
 @pytest.mark.parametrize(
     "criterion",
     ["ALL_DATASETS_EXHAUSTED", "CYCLE_UNTIL_ALL_DATASETS_EXHAUSTED", "FIRST_DATASET_EXHAUSTED"],
@@ -155,9 +176,9 @@ def test_a_mix_restored_by_the_package_loader_resumes_exactly_after_every_batch(
     per = [len(e) for e in ref]
     flat = [b for e in ref for b in e]
     assert {b[0] for b in ref[0]} == {"long", "short"}
+    states = _states_after_each(stores, criterion, per[:2])
     for k in range(1, per[0] + per[1] + 1):
-        state = _state_after(stores, criterion, k, per)
-        rest = _run(stores, criterion, state, 3, Loader)
+        rest = _run(stores, criterion, states[k - 1], 3, Loader)
         done = sum(1 for n in np.cumsum(per) if n <= k)  # whole mixed epochs before k
         got = flat[:k] + [b for e in rest for b in e]
         assert got[: len(flat)] == flat[: len(got)], (criterion, k, done)

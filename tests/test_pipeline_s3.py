@@ -325,7 +325,9 @@ def _run_child(script: Path, url: str, options: dict[str, Any], mode: str, attem
 
     argv = [sys.executable, str(script), url, json.dumps(options), mode]
     procs = [
-        forkserver.popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        forkserver.popen(  # the claim is the exit: every exit handler runs, as in `python`
+            argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, full_exit=True
+        )
         for _ in range(attempts)
     ]
     try:

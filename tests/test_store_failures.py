@@ -187,6 +187,7 @@ def _start_child(
         stderr=subprocess.PIPE,
         text=True,
         env=_child_env(moto),
+        full_exit=True,  # some claims here are the exit's (close and exit with GETs stalled)
     )
     assert child.stdin is not None and child.stdout is not None and child.stderr is not None
     first = child.stdout.readline()
