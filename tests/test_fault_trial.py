@@ -664,6 +664,13 @@ def test_every_error_of_the_package_pickles_with_its_message_attributes_and_caus
         ),
         errors.ArrayNotFoundError("array 'q' is not in store /d.zarr (it holds: t2m)"),
         errors.CoordinateLengthError("time", 14, "sst", 12, "time", "the times cannot be read: "),
+        errors.TooFewSamplesError(
+            "split 'test' has 1 valid anchors but world_size is 2",
+            split="test",
+            n_samples=1,
+            world_size=2,
+            counted="1 valid anchors",
+        ),
         errors.StateMismatchError(
             "its seed differs",
             "To resume it, ...",

@@ -148,6 +148,10 @@ def test_an_append_along_the_sample_axis_fetches_the_new_and_grown_chunks_and_ke
         tail = np.asarray(array[84:92])
         array.resize((100, *array.shape[1:]))
         array[92:100] = tail + 1.0  # chunk 11 grows to 8 samples, chunk 12 is new
+    time = zarr.open_array(root / "time", mode="r+")  # (appended too: a store's coordinate
+    steps = np.asarray(time[:])  # of another length than its arrays is refused)
+    time.resize((100,))
+    time[92:100] = steps[-1] + (steps[1] - steps[0]) * np.arange(1, 9)
     pipe = pipeline(root, cache)
     assert pipe.stages.pool.cache.stats["stale_chunks"] == 2  # chunk 11's rewritten objects
     stats = run(pipe, Oracle(root))
