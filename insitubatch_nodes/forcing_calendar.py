@@ -25,7 +25,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CONVENTIONS", "GRAPHCAST_YEAR_DAYS", "check_convention", "local_time", "year_progress"]
+__all__ = [
+    "CONVENTIONS",
+    "GRAPHCAST_YEAR_DAYS",
+    "check_convention",
+    "local_time",
+    "native",
+    "year_progress",
+]
 
 CONVENTIONS = ("calendar", "graphcast")
 """The conventions of the calendar forcings (module docstring)."""
@@ -42,6 +49,13 @@ def check_convention(convention: Any) -> str:
             "(the calendar year's fraction) or \"graphcast\" (GraphCast's year and day progress)"
         )
     return convention
+
+
+def native(times: np.ndarray) -> np.ndarray:
+    """``datetime64`` ``times`` in their own unit, or in seconds where it is coarser: never
+    cast to nanoseconds, which wraps a time outside 1677–2262 around silently (before, every
+    forcing of a ``datetime64[s]`` time in 1600 was another time's)."""
+    return times.astype(np.promote_types(times.dtype, np.dtype("datetime64[s]")))
 
 
 def _graphcast_seconds(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -134,8 +148,8 @@ def local_time(times: Any, lon: Any, *, convention: str = "calendar") -> np.ndar
         hour, minute, second, micro = _fields(t, "hour", "minute", "second", "microsecond")
         utc = (((hour * 60 + minute) * 60 + second) + micro / 1e6) / 3600.0
     else:
-        t = t.astype("datetime64[ns]")
-        utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
+        t = native(t)
+        utc = (t - t.astype("datetime64[D]")) / np.timedelta64(1, "h")
     utc = np.where(missing, np.nan, utc)
     return (utc[..., None, None] + lon / 15.0) % 24.0
 
@@ -168,8 +182,8 @@ def _year_progress(t: np.ndarray) -> np.ndarray:
             start = d.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
             out.reshape(-1)[i] = (d - start) / (start.replace(year=d.year + 1) - start)
         return np.asarray(out, dtype=np.float64)
-    t = t.astype("datetime64[ns]")
+    t = native(t)
     year = t.astype("datetime64[Y]")
-    start = year.astype("datetime64[ns]")
-    length = (year + np.timedelta64(1, "Y")).astype("datetime64[ns]") - start
-    return (t - start).astype(np.int64) / length.astype(np.int64)
+    start = year.astype(t.dtype)
+    length = (year + np.timedelta64(1, "Y")).astype(t.dtype) - start
+    return (t - start) / length

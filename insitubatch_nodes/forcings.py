@@ -72,6 +72,7 @@ from insitubatch_nodes.forcing_calendar import (
     CONVENTIONS,
     check_convention,
     local_time,
+    native,
     year_progress,
 )
 from insitubatch_nodes.forcing_grid import (
@@ -118,8 +119,7 @@ GRAPHCAST_NAMES = (
 are the local time's ``local_time_*``."""
 SOLAR_IRRADIANCE = 1361.0  # W m-2, the reference total solar irradiance
 PIECE_SECONDS = 3600.0  # the longest span integrated with one declination and distance
-_J2000 = np.datetime64("2000-01-01T12:00:00", "ns")
-_DAY_NS = 86_400 * 10**9
+_J2000 = np.datetime64("2000-01-01T12:00:00", "s")
 
 
 def _days_since_j2000(times: np.ndarray) -> np.ndarray:
@@ -130,7 +130,7 @@ def _days_since_j2000(times: np.ndarray) -> np.ndarray:
             "calendar's cftime dates have no solar position here (local_time_* and "
             "year_progress_* take them, in their own calendar)"
         )
-    delta = (t.astype("datetime64[ns]") - _J2000).astype(np.int64) / _DAY_NS
+    delta = (native(t) - _J2000) / np.timedelta64(1, "D")  # (in ns only where t is)
     return np.where(np.isnat(t), np.nan, delta)  # a missing time: NaN, not NaT's int64
 
 
@@ -460,7 +460,7 @@ class Forcings:
             if cut is not None:
                 computed = {n: cut_windows(v, *cut) for n, v in computed.items()}
             return _copied(out, computed)
-        keys = times.astype("datetime64[ns]").view(np.int64)
+        keys = _nanoseconds(times)
         distinct, inverse = np.unique(keys, return_inverse=True)
         if cut is not None:
             return self._lookup_cut(g, distinct, inverse.ravel(), out, cut)
@@ -620,6 +620,24 @@ class Forcings:
     def __repr__(self) -> str:
         convention = "" if self.convention == "calendar" else f", convention={self.convention!r}"
         return f"Forcings({self.time_label!r}, names={list(self.names)}{convention})"
+
+
+def _nanoseconds(times: np.ndarray) -> np.ndarray:
+    """``datetime64`` ``times`` as int64 nanoseconds since 1970 (the memory's keys);
+    ``ValueError`` for a time outside ``datetime64[ns]``'s range, which the cast would wrap
+    around into another time."""
+    ns = times.astype("datetime64[ns]")
+    if times.dtype != ns.dtype:
+        wrapped = (ns.astype(times.dtype) != times) & ~np.isnat(times)
+        if wrapped.any():
+            raise ValueError(
+                f"Forcings: times outside datetime64[ns]'s range (1677-09-21 to 2262-04-11), "
+                f"e.g. {times[wrapped].flat[0]}: a store decodes such dates to cftime dates "
+                "(the calendar forcings take them); compute the solar forcings of these times "
+                "with the functions (cos_solar_zenith, toa_incident_solar_radiation), which "
+                "take any datetime64 unit"
+            )
+    return ns.view(np.int64)
 
 
 def _copied(

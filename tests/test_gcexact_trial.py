@@ -13,6 +13,15 @@ sine and cosine): ``convention="graphcast"`` on ``Forcings`` (and on ``year_prog
 forcings split out of ``forcings.py``, at 699 of 700 lines). The default convention and names
 are unchanged (the default's values are checked equal to the package's calendar fraction).
 
+Found and fixed: every forcing function cast its times to ``datetime64[ns]``, which silently
+wraps a time outside 1677–2262 (a ``datetime64[s]`` or ``[us]`` array a user passes; a store's
+such dates decode to cftime dates) around into another: 1600-06-01T06's year progress 0.968
+(0.416), its hour 5.58 (6). The functions now take the times in their own unit (at least
+seconds), and ``Forcings`` (whose memory is keyed by nanoseconds) refuses such times with a
+``ValueError``:
+``test_the_forcing_functions_of_seconds_outside_the_nanosecond_range_are_those_times``,
+``test_forcings_refuse_times_outside_the_nanosecond_range_rather_than_wrap_them``.
+
 Found and corrected (documentation): ``tests/test_graphcast_trial.py`` said GraphCast's TSI
 is 1360.9–1361.5 W m⁻², 4e-4 from the package's 1361; GraphCast's default TSI
 (``solar_radiation.era5_tsi_data``, interpolated at the fractional year) is 0.9965 × IFS
@@ -51,7 +60,9 @@ from insitubatch_nodes.forcings import (
     FORCINGS,
     GRAPHCAST_NAMES,
     Forcings,
+    cos_solar_zenith,
     local_time,
+    toa_incident_solar_radiation,
     year_progress,
 )
 
@@ -346,3 +357,39 @@ def test_graphcast_forcings_of_cftime_rows_are_refused_when_the_pipeline_is_buil
         assert next(iter(pipe)).channels["x"] == ["2t", "local_time_sin", "year_progress_cos"]
     assert FORCINGS == ("toa_incident_solar_radiation", "cos_solar_zenith", "local_time_sin",
                         "local_time_cos", "year_progress_sin", "year_progress_cos")  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# Times outside datetime64[ns]'s range
+# ---------------------------------------------------------------------------------------------
+
+FAR = np.array(["1600-06-01T06", "1600-06-21T12", "2300-06-21T12"], dtype="datetime64[s]")
+
+
+def test_the_forcing_functions_of_seconds_outside_the_nanosecond_range_are_those_times() -> None:
+    # before, every function cast the times to datetime64[ns], silently wrapping around a time
+    # outside 1677-2262 (a datetime64[s] or [us] array; xarray's own decoding gives them
+    # cftime dates, a user's numpy does not): 1600-06-01T06's year progress 0.968, its hour 5.58
+    np.testing.assert_allclose(year_progress(FAR[:1]), (152 + 0.25) / 366, rtol=1e-12)
+    np.testing.assert_allclose(local_time(FAR, [0.0, 90.0])[:, 0], [[6, 12], [12, 18], [12, 18]])
+    # the Sun near the zenith over the tropic of Cancer at the June solstice's noon (USNO's
+    # formula, less exact so far from 2000, still within a degree)
+    assert (cos_solar_zenith(FAR[1:], [23.44], [0.0])[:, 0, 0] > np.cos(np.radians(1.5))).all()
+    tisr = toa_incident_solar_radiation(FAR[1:], [90.0], [0.0])[:, 0, 0]  # polar day, ~constant
+    np.testing.assert_allclose(tisr, 1361 * 3600 * np.sin(np.radians(23.44)) / 1.016**2,
+                               rtol=2e-2)  # fmt: skip
+    # within the range, any unit gives the nanoseconds' values
+    near = np.array(["1979-02-28T18:00:01", "2024-12-31T23"], dtype="datetime64[s]")
+    for f in (year_progress, lambda t: local_time(t, LON), lambda t: cos_solar_zenith(t, LAT, LON)):
+        np.testing.assert_array_equal(f(near), f(near.astype("datetime64[ns]")))
+
+
+def test_forcings_refuse_times_outside_the_nanosecond_range_rather_than_wrap_them() -> None:
+    sun = Forcings("x", lat=LAT, lon=LON, names=["year_progress_sin"])
+    with pytest.raises(ValueError, match="outside datetime64\\[ns\\]'s range"):
+        sun.compute(FAR)
+    near = np.array(["1979-02-28T18", "NaT"], dtype="datetime64[s]")
+    got = sun.compute(near)["year_progress_sin"]
+    np.testing.assert_array_equal(
+        got, sun.compute(near.astype("datetime64[ns]"))["year_progress_sin"]
+    )
