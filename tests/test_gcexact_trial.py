@@ -393,3 +393,25 @@ def test_forcings_refuse_times_outside_the_nanosecond_range_rather_than_wrap_the
     np.testing.assert_array_equal(
         got, sun.compute(near.astype("datetime64[ns]"))["year_progress_sin"]
     )
+
+
+def test_graphcast_day_progress_of_a_grid_of_points_is_each_points_own(tmp_path: Path) -> None:
+    rng = np.random.default_rng(3)
+    lat, lon = rng.uniform(-90, 90, 7), rng.uniform(-180, 180, 7)
+    times = pd.date_range("2020-12-31T12", periods=8, freq="6h")
+    ds = xr.Dataset(
+        {"2t": (("time", "values"), rng.normal(280, 3, (8, 7)).astype("float32"))},
+        coords={"time": times, "latitude": ("values", lat), "longitude": ("values", lon)},
+    )
+    root = _to_zarr(ds, tmp_path / "points.zarr", {"2t": (2, 7)})
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["2t"], (1.0, 0.0, 0.0))
+    sun = Forcings("x", view=g["2t"], names=GC_CALENDAR, convention="graphcast")
+    pipe = insitu_pipeline(root, manifest, {"x": g["2t"]}, batch_size=8, batch_transforms=[sun])
+    batch = next(iter(pipe))
+    pipe.close()
+    at = _times(root)[batch.sample_indices["x"]]
+    for name in GC_CALENDAR:
+        want = gc_expected(name, at, [0.0], lon)[:, 0]  # (batch, points)
+        assert batch[name].shape == (8, 7)
+        assert np.abs(batch[name] - want).max() <= F32, name
