@@ -25,8 +25,13 @@ float32, computed in numpy for the whole batch at once:
     ``sin``/``cos`` of ``2π ·`` the fraction of the calendar year elapsed at the row's time
     (the same at every grid point, broadcast over the grid).
 
-The last four take cftime dates too (a ``noleap`` or ``360_day`` store's times), counted in
-their own calendar; the two solar ones raise ``TypeError`` for them. Every forcing is NaN at a
+``convention="graphcast"`` takes GraphCast's definitions of the last four instead
+(:mod:`~insitubatch_nodes.forcing_calendar`: the year progress over years of 365.24219 days
+since 1970, the day progress from whole seconds) and GraphCast's names ``day_progress_sin``,
+``day_progress_cos`` for the local time (:data:`GRAPHCAST_NAMES`). By default the last four
+take cftime dates too (a ``noleap`` or ``360_day`` store's times), counted in their own
+calendar; the two solar ones, and every forcing of ``convention="graphcast"``, raise
+``TypeError`` for them. Every forcing is NaN at a
 missing time (``NaT``; ``None`` among cftime dates), whose row holds data of an unknown time
 (before, NaT was read as its int64 pattern, a date in 290 million BC: finite values of another
 time).
@@ -55,7 +60,6 @@ from __future__ import annotations
 
 import copy
 import math
-import operator
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -64,6 +68,13 @@ import numpy as np
 
 from insitubatch_nodes._checks import check_instance, check_number, check_optional_int
 from insitubatch_nodes.batch import Batch
+from insitubatch_nodes.forcing_calendar import (
+    CONVENTIONS,
+    check_convention,
+    local_time,
+    native,
+    year_progress,
+)
 from insitubatch_nodes.forcing_grid import (
     ForcingGrid,
     GridWindow,
@@ -77,7 +88,9 @@ from insitubatch_nodes.io.timeunits import as_timedelta
 from insitubatch_nodes.lending import BufferPool
 
 __all__ = [
+    "CONVENTIONS",
     "FORCINGS",
+    "GRAPHCAST_NAMES",
     "SOLAR_IRRADIANCE",
     "Forcings",
     "cos_solar_zenith",
@@ -95,10 +108,18 @@ FORCINGS = (
     "year_progress_sin",
     "year_progress_cos",
 )
+GRAPHCAST_NAMES = (
+    "toa_incident_solar_radiation",
+    "year_progress_sin",
+    "year_progress_cos",
+    "day_progress_sin",
+    "day_progress_cos",
+)
+"""GraphCast's forcings, by its names: ``day_progress_*`` (``convention="graphcast"`` only)
+are the local time's ``local_time_*``."""
 SOLAR_IRRADIANCE = 1361.0  # W m-2, the reference total solar irradiance
 PIECE_SECONDS = 3600.0  # the longest span integrated with one declination and distance
-_J2000 = np.datetime64("2000-01-01T12:00:00", "ns")
-_DAY_NS = 86_400 * 10**9
+_J2000 = np.datetime64("2000-01-01T12:00:00", "s")
 
 
 def _days_since_j2000(times: np.ndarray) -> np.ndarray:
@@ -109,7 +130,7 @@ def _days_since_j2000(times: np.ndarray) -> np.ndarray:
             "calendar's cftime dates have no solar position here (local_time_* and "
             "year_progress_* take them, in their own calendar)"
         )
-    delta = (t.astype("datetime64[ns]") - _J2000).astype(np.int64) / _DAY_NS
+    delta = (native(t) - _J2000) / np.timedelta64(1, "D")  # (in ns only where t is)
     return np.where(np.isnat(t), np.nan, delta)  # a missing time: NaN, not NaT's int64
 
 
@@ -249,111 +270,6 @@ def _trapezoid(
     return irradiance * total * (seconds / bins)
 
 
-_US_PER_DAY = 86_400 * 1_000_000
-_YEAR_DAYS = {"noleap": 365, "365_day": 365, "all_leap": 366, "366_day": 366, "360_day": 360}
-"""The days of every year in cftime's calendars of one year length."""
-
-_FIELDS = {
-    name: np.frompyfunc(operator.attrgetter(name), 1, 1)
-    for name in ("year", "dayofyr", "hour", "minute", "second", "microsecond")
-}
-"""Per field of a cftime date, a ufunc reading it from every date of an array (the loop and
-the attribute reads in C: no Python per date)."""
-
-
-_IS = np.frompyfunc(operator.is_, 2, 1)
-_NONE = np.array(None, dtype=object)
-
-
-def _missing(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(t, missing)``: the times' missing ones (``NaT``, a ``None`` among cftime dates)
-    marked, and for cftime dates replaced by a present one, so that fields can be read."""
-    if t.dtype.kind != "O":
-        return t, np.isnat(t)
-    missing = np.asarray(_IS(t, _NONE), dtype=bool)
-    if missing.any() and not missing.all():
-        t = t.copy()
-        t[missing] = t[~missing].flat[0]
-    return t, missing
-
-
-def _fields(t: np.ndarray, *names: str) -> list[np.ndarray]:
-    """Fields ``names`` of the cftime dates ``t``, as ``int64`` arrays shaped like ``t``
-    (zeros if every date is missing)."""
-    if t.size and t.reshape(-1)[0] is None:
-        return [np.zeros(t.shape, np.int64) for _ in names]
-    return [np.asarray(_FIELDS[name](t), dtype=object).astype(np.int64) for name in names]
-
-
-def _year_days(calendar: str, year: np.ndarray) -> np.ndarray:
-    """The days of each date's ``year`` in ``calendar`` (cftime's name), 0 where this does not
-    say (a ``standard`` date in 1582, the year of the reform; a year before 1; a calendar it
-    does not know)."""
-    if calendar in _YEAR_DAYS:
-        return np.full(year.shape, _YEAR_DAYS[calendar], np.int64)
-    julian = year % 4 == 0
-    gregorian = julian & ((year % 100 != 0) | (year % 400 == 0))
-    if calendar == "julian":
-        leap = julian
-    elif calendar == "proleptic_gregorian":
-        leap = gregorian
-    elif calendar in ("standard", "gregorian"):
-        leap = np.where(year < 1582, julian, gregorian)
-    else:
-        return np.zeros(year.shape, np.int64)
-    days = np.where(leap, 366, 365)
-    days[year < 1] = 0
-    if calendar in ("standard", "gregorian"):
-        days[year == 1582] = 0
-    return days
-
-
-def local_time(times: Any, lon: Any) -> np.ndarray:
-    """Local mean time of day in hours, ``[0, 24)``: ``(*times.shape, 1, n_lon)``. ``times``
-    are ``datetime64`` or cftime dates (any calendar: a day has 24 hours in each); NaN at a
-    missing time (``NaT``, ``None``)."""
-    t, missing = _missing(np.asarray(times))
-    if t.dtype.kind == "O":  # cftime dates: the time of day from their fields
-        hour, minute, second, micro = _fields(t, "hour", "minute", "second", "microsecond")
-        utc = (((hour * 60 + minute) * 60 + second) + micro / 1e6) / 3600.0
-    else:
-        t = t.astype("datetime64[ns]")
-        utc = (t - t.astype("datetime64[D]")).astype(np.int64) / 3.6e12
-    utc = np.where(missing, np.nan, utc)
-    return (utc[..., None, None] + np.asarray(lon, dtype=np.float64).reshape(1, -1) / 15.0) % 24.0
-
-
-def year_progress(times: Any) -> np.ndarray:
-    """The fraction of the calendar year elapsed at each time, ``[0, 1)``: of the dates' own
-    calendar for cftime dates (a ``noleap`` year has 365 days, a ``360_day`` one 360). cftime
-    dates are read field by field for the whole array at once; only a ``standard`` date of
-    1582 (the reform's year) or before year 1 is counted on its own. NaN at a missing time
-    (``NaT``, ``None``)."""
-    t, missing = _missing(np.asarray(times))
-    return np.where(missing, np.nan, _year_progress(t))
-
-
-def _year_progress(t: np.ndarray) -> np.ndarray:
-    if t.dtype.kind == "O":
-        if not t.size or t.reshape(-1)[0] is None:
-            return np.zeros(t.shape)
-        year, day, hour, minute, second, micro = _fields(t, *_FIELDS)
-        # microseconds since the year began, over the year's: as the timedelta division rounds
-        seconds = (day - 1) * 86_400 + (hour * 60 + minute) * 60 + second
-        days = _year_days(str(t.reshape(-1)[0].calendar), year)
-        out = (seconds * 1_000_000 + micro) / (np.maximum(days, 1) * _US_PER_DAY)
-        for i in np.flatnonzero(days.reshape(-1) == 0).tolist():  # told by the date itself
-            d = t.reshape(-1)[i]
-            start = d.replace(month=1, day=1, hour=0, minute=0, second=0, microsecond=0)
-            out.reshape(-1)[i] = (d - start) / (start.replace(year=d.year + 1) - start)
-        return np.asarray(out, dtype=np.float64)
-    t = t.astype("datetime64[ns]")
-    year = t.astype("datetime64[Y]")
-    start = year.astype("datetime64[ns]")
-    length = (year + np.timedelta64(1, "Y")).astype("datetime64[ns]") - start
-    return (t - start).astype(np.int64) / length.astype(np.int64)
-
-
 MEMO_BYTES = 64 * 2**20
 """The fields one :class:`Forcings` remembers, at most (bytes): 64 MiB holds 2,048 times of
 one forcing on a 64 x 128 grid, 16 on ERA5's 0.25° grid."""
@@ -382,6 +298,9 @@ class Forcings:
     first batch where the label's ``patch_origins`` say so (``ValueError``), never giving a
     window's row the whole grid's forcings.
     ``period``, ``bins`` and ``irradiance`` are those of :func:`toa_incident_solar_radiation`.
+    ``convention`` (:data:`~insitubatch_nodes.forcing_calendar.CONVENTIONS`) is that of the
+    local time and the year progress: ``"graphcast"`` gives GraphCast's, and takes its names
+    ``day_progress_*`` (a ``ValueError`` otherwise) and ``datetime64`` times only.
     Nothing is read from the store.
     """
 
@@ -398,14 +317,19 @@ class Forcings:
         period: Any = "1h",
         bins: int | None = None,
         irradiance: float = SOLAR_IRRADIANCE,
+        convention: str = "calendar",
     ) -> None:
         if isinstance(names, str):
             raise TypeError(f"Forcings names= is a list of forcings: names=[{names!r}]")
         check_instance("Forcings' time_label", time_label, str, "the label of the times (a str)")
         check_instance("Forcings' view", view, (ArrayGeometry, type(None)), "an ArrayGeometry")
-        unknown = sorted(set(names) - set(FORCINGS))
+        self.convention = check_convention(convention)
+        known = FORCINGS + (GRAPHCAST_NAMES[3:] if convention == "graphcast" else ())
+        unknown = sorted(set(names) - set(known))
         if unknown:
-            raise ValueError(f"unknown forcings {unknown}; choose from {list(FORCINGS)}")
+            day = " (GraphCast's day_progress_* take convention='graphcast')" if any(
+                n.startswith("day_progress") for n in unknown) else ""  # fmt: skip
+            raise ValueError(f"unknown forcings {unknown}; choose from {list(known)}{day}")
         if view is not None:
             if lat is not None or lon is not None:
                 raise TypeError("give the grid as lat= and lon=, or as view=, not both")
@@ -458,8 +382,15 @@ class Forcings:
         """``TypeError`` where ``times`` (the times the rows carry, where known) are cftime
         dates and a solar forcing is named: what a pipeline checks when built (before, the
         first batch raised it)."""
-        solar = [n for n in self.names if n in FORCINGS[:2]]
+        solar = [n for n in self.names if n in FORCINGS[:2] or self.convention == "graphcast"]
         if solar and times is not None and np.asarray(times).dtype.kind == "O":
+            if self.convention == "graphcast":
+                raise TypeError(
+                    f"{self!r}: convention='graphcast' counts seconds since 1970 in the "
+                    "Gregorian calendar, and the rows' times are cftime dates (a non-standard "
+                    "calendar): take convention='calendar' (local_time_* and year_progress_* "
+                    "counted in their calendar)"
+                )
             raise TypeError(
                 f"{self!r}: {solar} need times as numpy datetime64, and the rows' times are "
                 "cftime dates (a non-standard calendar) with no solar position here: keep "
@@ -529,7 +460,7 @@ class Forcings:
             if cut is not None:
                 computed = {n: cut_windows(v, *cut) for n, v in computed.items()}
             return _copied(out, computed)
-        keys = times.astype("datetime64[ns]").view(np.int64)
+        keys = _nanoseconds(times)
         distinct, inverse = np.unique(keys, return_inverse=True)
         if cut is not None:
             return self._lookup_cut(g, distinct, inverse.ravel(), out, cut)
@@ -610,11 +541,13 @@ class Forcings:
                 )  # fmt: skip
             elif name == "cos_solar_zenith":
                 values = cos_solar_zenith(times, lat, lon, points=points)
-            elif name.startswith("local_time"):
-                angle = 2 * np.pi * local_time(times, lon) / 24.0
+            elif name.startswith(("local_time", "day_progress")):
+                angle = 2 * np.pi * local_time(times, lon, convention=self.convention) / 24.0
                 values = np.sin(angle) if name.endswith("sin") else np.cos(angle)
             else:
-                angle = 2 * np.pi * year_progress(times)[..., None, None]
+                angle = (
+                    2 * np.pi * year_progress(times, convention=self.convention)[..., None, None]
+                )
                 values = np.sin(angle) if name.endswith("sin") else np.cos(angle)
             if points and values.ndim > len(shape):  # (*times, 1, n) or (*times, 1, 1)
                 values = np.broadcast_to(values, (*times.shape, 1, len(lon)))[..., 0, :]
@@ -685,7 +618,26 @@ class Forcings:
         )
 
     def __repr__(self) -> str:
-        return f"Forcings({self.time_label!r}, names={list(self.names)})"
+        convention = "" if self.convention == "calendar" else f", convention={self.convention!r}"
+        return f"Forcings({self.time_label!r}, names={list(self.names)}{convention})"
+
+
+def _nanoseconds(times: np.ndarray) -> np.ndarray:
+    """``datetime64`` ``times`` as int64 nanoseconds since 1970 (the memory's keys);
+    ``ValueError`` for a time outside ``datetime64[ns]``'s range, which the cast would wrap
+    around into another time."""
+    ns = times.astype("datetime64[ns]")
+    if times.dtype != ns.dtype:
+        wrapped = (ns.astype(times.dtype) != times) & ~np.isnat(times)
+        if wrapped.any():
+            raise ValueError(
+                f"Forcings: times outside datetime64[ns]'s range (1677-09-21 to 2262-04-11), "
+                f"e.g. {times[wrapped].flat[0]}: a store decodes such dates to cftime dates "
+                "(the calendar forcings take them); compute the solar forcings of these times "
+                "with the functions (cos_solar_zenith, toa_incident_solar_radiation), which "
+                "take any datetime64 unit"
+            )
+    return ns.view(np.int64)
 
 
 def _copied(

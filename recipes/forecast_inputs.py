@@ -11,8 +11,12 @@ written beside it. The recipe
   ``(batch, lat, lon)`` view of one array (no copy per row);
 * fits per-level statistics on the training split (``fit_statistics``, one pass, float64) and
   saves them as JSON;
-* adds top-of-atmosphere solar radiation, the cosine of the solar zenith angle, local time and
-  year progress computed from each row's time (``Forcings``): nothing read for them;
+* adds GraphCast's forcings computed from each row's time (``Forcings(...,
+  names=GRAPHCAST_NAMES, convention="graphcast")``): top-of-atmosphere solar radiation over
+  the hour ending at the step, and GraphCast's own year progress (seconds since 1970 over
+  365.24219-day years) and day progress, as its ``data_utils`` defines them (the radiation's
+  Sun and constant irradiance are the package's: docs/model-inputs.md says how far from
+  GraphCast's); nothing read for them;
 * stacks inputs, mask and forcings into one label ``x (batch, channels, lat, lon)`` and the
   next step into ``y`` (``stack``: each member copied from the pool straight into its channel
   slice and standardised there, no second copy of the batch), checks the first batch against
@@ -44,7 +48,7 @@ from insitubatch_nodes import (
     stack,
     to_torch,
 )
-from insitubatch_nodes.forcings import SOLAR_IRRADIANCE
+from insitubatch_nodes.forcings import GRAPHCAST_NAMES, SOLAR_IRRADIANCE
 from insitubatch_nodes.synthetic import make_weatherbench_like
 
 LEVELS_13 = [50, 100, 150, 200, 250, 300, 400, 500, 600, 700, 850, 925, 1000]
@@ -99,7 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("temperature mean per level (train):", np.round(stats.mean["temperature"], 1).tolist())
     # the radiation of the hour ending at each step (ERA5's tisr), as GraphCast takes it at its
     # 6-hourly steps too: period="6h" would be another input, six hours' accumulation
-    forcings = Forcings("x", view=inputs["temperature"])
+    # GraphCast's names and its year and day progress (the default convention counts the
+    # calendar year instead, up to 1.8e-3 of a year apart)
+    forcings = Forcings("x", view=inputs["temperature"], names=GRAPHCAST_NAMES,
+                        convention="graphcast")  # fmt: skip
     # one input tensor and one target tensor; the target (the next step) is standardised with
     # its input's statistics: its members carry the same names
     x = stack({**inputs, **constant, "forcings": forcings}, normalize=stats)

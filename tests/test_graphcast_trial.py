@@ -13,13 +13,15 @@ The oracle is written here from the published definitions (google-deepmind/graph
 
 Tolerances. The package's Sun is USNO's (another ephemeris): cos θ within 1e-3 (measured
 6.0e-4 over 300 random times 1979–2024 at every latitude and longitude), the radiation within
-1e-3 · S · period (measured 7.5e-4 over one hour, 6.6e-4 over six; GraphCast's TSI is ERA5's
-1360.9–1361.5 W m⁻² where the package's is 1361, 4e-4 apart at most). The window it integrates
+1e-3 · S · period (measured 7.5e-4 over one hour, 6.6e-4 over six, both with the package's
+constant TSI, 1361 W m⁻²; GraphCast's default is ERA5's yearly series, 1360.83–1361.91 W m⁻²
+over 1979–2024, 6.7e-4 from 1361 at most: tests/test_gcexact_trial.py). The window it integrates
 over is checked to discriminate: the hour *centred* on the time, or *starting* at it, is off
 by more than 0.05 · S · hour. ``local_time_*`` is GraphCast's ``day_progress_*`` to float
 rounding. ``year_progress_*`` is another definition on purpose (the calendar year's fraction,
 documented so): it differs from GraphCast's by up to 1.8e-3 of a year (0.011 in sin/cos),
-which ``docs/model-inputs.md`` now states. Far from 2000 the two Suns part further (1.6e-3 of
+which ``docs/model-inputs.md`` now states (``convention="graphcast"`` gives GraphCast's:
+tests/test_gcexact_trial.py). Far from 2000 the two Suns part further (1.6e-3 of
 S · hour in 2100, where NOAA's calculator sides with the package's): the times here are
 1969–2024.
 

@@ -285,8 +285,9 @@ def test_the_forecast_inputs_recipe_selects_levels_carries_static_fields_and_for
     assert proc.returncode == 0, _explain(proc)
     assert "static arrays: ['land_sea_mask']" in proc.stdout, _explain(proc)
     assert "the first batch matched zarr's own read of the 13 levels" in proc.stdout, _explain(proc)
-    # 2 x 13 levels + 2m temperature + the land-sea mask + 6 forcings; 27 targets
-    assert "inputs (8, 34, 8, 16) targets (8, 27, 8, 16)" in proc.stdout, _explain(proc)
+    # 2 x 13 levels + 2m temperature + the land-sea mask + GraphCast's 5 forcings; 27 targets
+    assert "inputs (8, 33, 8, 16) targets (8, 27, 8, 16)" in proc.stdout, _explain(proc)
+    assert "('day_progress_sin', 'day_progress_cos')" in proc.stdout, _explain(proc)
 
 
 @pytest.mark.slow

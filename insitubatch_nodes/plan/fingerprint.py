@@ -428,8 +428,12 @@ def inputs_of(
 def _forcing_settings(forcing: Any) -> list[Any]:
     """What a forcing member's values depend on besides the rows' times and its grid (which
     :func:`~insitubatch_nodes.stack.stack` ties to the sampled members' points): the time
-    coordinate it reads and, for the radiation, its period, bins and irradiance."""
+    coordinate it reads, for the radiation its period, bins and irradiance, and its
+    convention where it is not the default (states saved before conventions stay alike)."""
     settings: list[Any] = [forcing.time_name]
+    solar = {"toa_incident_solar_radiation", "cos_solar_zenith"}  # (not by a convention)
+    if forcing.convention != "calendar" and set(forcing.names) - solar:
+        settings.append(forcing.convention)
     if "toa_incident_solar_radiation" in forcing.names:
         seconds = float(forcing.period / np.timedelta64(1, "s"))
         settings += [seconds, forcing.bins, float(forcing.irradiance)]
