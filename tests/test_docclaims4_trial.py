@@ -23,6 +23,10 @@ Found wrong in the docs (the code is right; the docs now say what it does):
   ``CountingBacking``, ``np.empty`` slots, was built at a budget beyond the memory the default
   backing is refused at). The package cannot tell where a backing puts its slots, so the docs
   now say so (a ``SlotBacking`` attribute saying "RAM" would let it check: left undone).
+- training.md: "Give an integer limit (the same batches on every rank)" against uneven
+  validation shares. Lightning runs ``min(limit, batches)`` on each rank: never none, but the
+  same number only where the limit is at most the smaller share's (``limit_val_batches=2`` on
+  shares of 2 and 1 runs 2 and 1); the page now says so.
 - concepts.md: with a repeated time, "a copy listed in ``missing=`` is none" (by index); a time
   listed as a date drops every copy of it, which the page did not say (now it does).
 
@@ -258,3 +262,34 @@ def test_repeated_and_backward_times_as_concepts_md_says_and_its_advice_reads_ev
     pipe = insitu_pipeline(tmp_path / "sorted.zarr", split_by_chunk(g, (1.0, 0.0, 0.0)),
                            {"x": g}, batch_size=4, missing=())  # fmt: skip
     assert _anchors(pipe) == list(range(12))
+
+
+def test_a_limit_on_uneven_validation_shares_fractional_leaves_a_rank_none_integer_never(
+    tmp_path: Path,
+) -> None:
+    """training.md: with shares of 2 and 1 batches a fractional limit gives 1 and 0; an integer
+    limit gives ``min(limit, batches)`` on each rank — the same number only where the limit is
+    at most the smaller share's (it said "the same batches on every rank")."""
+    data_connector = pytest.importorskip("lightning.pytorch.trainer.connectors.data_connector")
+    from lightning.pytorch.trainer.states import RunningStage
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    root = _store(tmp_path / "s.zarr", np.arange(12) * 6, "hours since 2000-01-01")
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (2 / 3, 1 / 3, 0.0))  # val: 4 samples
+    shares = []
+    for rank in (0, 1):
+        pipe = insitu_pipeline(root, manifest, {"x": g}, split="val", batch_size=1, rank=rank,
+                               world_size=3, remainder="uneven")  # fmt: skip
+        with pipe:
+            shares.append(len(pipe))
+    assert shares == [2, 1]  # 4 samples on 3 ranks: 2, 1, 1
+
+    def limited(n: int, limit: float) -> float:
+        return data_connector._parse_num_batches(RunningStage.VALIDATING, n, limit)
+
+    assert limited(2, 0.5) == 1
+    with pytest.raises(MisconfigurationException):  # the rank of one batch: 0.5 of it is none
+        limited(1, 0.5)
+    assert [limited(n, 2) for n in shares] == [2, 1]
+    assert [limited(n, 1) for n in shares] == [1, 1]
