@@ -380,22 +380,46 @@ class Forcings:
 
     def refuse_times(self, times: np.ndarray | None) -> None:
         """``TypeError`` where ``times`` (the times the rows carry, where known) are cftime
-        dates and a solar forcing is named: what a pipeline checks when built (before, the
-        first batch raised it)."""
+        dates and a solar forcing is named, or any with ``convention="graphcast"``: what a
+        pipeline checks when built (before, the first batch raised it). The message says why
+        the times are cftime dates: a non-standard calendar, or Gregorian dates outside
+        ``datetime64[ns]``'s range (1677-2262), which a store decodes to cftime dates too
+        (before 2026-12-07 both were called "a non-standard calendar")."""
         solar = [n for n in self.names if n in FORCINGS[:2] or self.convention == "graphcast"]
-        if solar and times is not None and np.asarray(times).dtype.kind == "O":
-            if self.convention == "graphcast":
-                raise TypeError(
-                    f"{self!r}: convention='graphcast' counts seconds since 1970 in the "
-                    "Gregorian calendar, and the rows' times are cftime dates (a non-standard "
-                    "calendar): take convention='calendar' (local_time_* and year_progress_* "
-                    "counted in their calendar)"
-                )
-            raise TypeError(
-                f"{self!r}: {solar} need times as numpy datetime64, and the rows' times are "
-                "cftime dates (a non-standard calendar) with no solar position here: keep "
-                "local_time_* and year_progress_*, counted in their calendar"
+        if not solar or times is None or np.asarray(times).dtype.kind != "O":
+            return
+        dates = [d for d in np.asarray(times).flat[:64] if d is not None]
+        calendar = getattr(dates[0], "calendar", "") if dates else ""
+        if calendar in ("standard", "gregorian", "proleptic_gregorian"):
+            why = (
+                f"cftime dates of the {calendar!r} calendar: dates outside datetime64[ns]'s "
+                f"range (1677-09-21 to 2262-04-11, e.g. {dates[0]}) are decoded so"
             )
+            functions = (
+                "year_progress, local_time (convention='graphcast')"
+                if self.convention == "graphcast"
+                else "cos_solar_zenith, toa_incident_solar_radiation"
+            )
+            own = (
+                "; or compute them in a batch transform of your own with insitubatch_nodes."
+                f"forcings' functions ({functions}), which take these dates as "
+                "datetime64[s]: np.array([d.change_calendar('proleptic_gregorian')"
+                ".isoformat() for d in dates], 'datetime64[s]')"
+            )
+        else:
+            why, own = "cftime dates (a non-standard calendar)", ""
+        if self.convention == "graphcast":
+            raise TypeError(
+                f"{self!r}: convention='graphcast' counts seconds since 1970 in the "
+                f"Gregorian calendar, and the rows' times are {why}: take "
+                "convention='calendar' (local_time_* and year_progress_* counted in their "
+                f"calendar){own}"
+            )
+        raise TypeError(
+            f"{self!r}: {solar} need times as numpy datetime64, and the rows' times are "
+            f"{why}, with no solar position here: keep local_time_* and year_progress_*, "
+            f"counted in their calendar{own}"
+        )
 
     def largest(self, name: str) -> float:
         """A bound on the magnitude of forcing ``name``: 1 for the cosines and sines, for

@@ -11,7 +11,8 @@ permutation-free bound (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`
 is compared: it can be twice an epoch's floor (16.3 against 7.2 GiB for a real-sized ARCO-ERA5
 pipeline in ``tests/test_arco_trial.py``), and would refuse pipelines that run.
 
-An explicit ``cache_budget_bytes`` with slots in RAM (no ``cache_dir``) is held to the same
+An explicit ``cache_budget_bytes`` with slots in RAM (the default ``RamBacking``, no
+``cache_dir``; a backing of the user's own is not checked) is held to the same
 memory (:func:`refuse_budget_beyond_memory`): the slot memory the pool may take — the budget, or
 every chunk the split reads where that is less — beside the batches in flight and the decode
 threads' scratch (an allowance of one stored object per thread and array). Before 2026-12-07
