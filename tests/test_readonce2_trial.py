@@ -50,11 +50,22 @@ def local(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+class Proxy(FaultProxy):
+    """A :class:`FaultProxy` whose faulted GETs may also stall (``how``: ``"stall"``, no
+    answer; ``"stall_body"``, half the body and then nothing)."""
+
+    how: str | None = None
+
+    def _action(self, method: str, target: str) -> int | str | None:
+        act = super()._action(method, target)
+        return self.how if act is not None and self.how else act
+
+
 @pytest.fixture(scope="module")
-def proxy(s3_server: str) -> Iterator[FaultProxy]:
+def proxy(s3_server: str) -> Iterator[Proxy]:
     port = urlsplit(s3_server).port
     assert port is not None
-    with FaultProxy(port, fail_first=0, match=NEVER) as counting:
+    with Proxy(port, fail_first=0, match=NEVER) as counting:
         yield counting
 
 
@@ -64,6 +75,11 @@ def buckets(
 ) -> dict[str, Any]:
     urls = {name: s3_upload(path, f"arch/{name}.zarr") for name, path in local.items()}
     return {"urls": urls, "options": {**s3_options, "endpoint": f"http://127.0.0.1:{proxy.port}"}}
+
+
+STALL = RetryPolicy(
+    timeout_s=10.0, initial_backoff_s=0.01, max_backoff_s=0.05, stall_timeout_s=0.3
+)
 
 
 def _s3(buckets: dict[str, Any], name: str, **changes: Any) -> Any:
@@ -96,11 +112,13 @@ def _faults(proxy: FaultProxy, match: str, n: int, status: int | str) -> Iterato
         proxy.match, proxy.fail_first = match, n
         proxy.reset = status == "reset"
         proxy.status = status if isinstance(status, int) else 503
+        proxy.how = status if status in ("stall", "stall_body") else None  # type: ignore[attr-defined]
     try:
         yield
     finally:
         with proxy._lock:
             proxy.match, proxy.fail_first, proxy.reset = NEVER, 0, False
+            proxy.how = None  # type: ignore[attr-defined]
 
 
 def _views(g: dict[str, Any]) -> dict[str, Any]:
@@ -151,7 +169,7 @@ def _trace_objects(report: Any, name: str) -> Counter[tuple[str, int, tuple[int,
     return out
 
 
-@pytest.mark.parametrize("fault", [None, 503, "reset"])
+@pytest.mark.parametrize("fault", [None, 503, "reset", "stall", "stall_body"])
 @pytest.mark.parametrize("name", ["v3", "sharded"])
 def test_gets_retried_over_s3_count_once_in_the_report_and_trace_and_deliver_each_row_once(
     local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str, fault: Any
@@ -161,7 +179,7 @@ def test_gets_retried_over_s3_count_once_in_the_report_and_trace_and_deliver_eac
     one ``GET`` span per object naming its array, chunk and tile, one ``decode`` per object and
     one ``gather`` per batch; every row is zarr's and every anchor comes once."""
     root = local[name]
-    store = _s3(buckets, name)
+    store = _s3(buckets, name, retry=STALL)
     g = open_geometries(store, ["t2m", "z"])
     manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
     pipe = insitu_pipeline(store, manifest, _views(g), batch_size=5, block_chunks=2, seed=3,
@@ -197,5 +215,68 @@ def test_gets_retried_over_s3_count_once_in_the_report_and_trace_and_deliver_eac
             }
             batches = {_args(s)["batch"] for s in rep.trace.spans if s[0] == "GET"}
             assert batches <= set(range(rep.batches)), batches
+    finally:
+        pipe.close()
+
+
+@pytest.mark.parametrize("name", ["v3", "sharded"])
+def test_a_get_that_outlives_its_deadline_is_counted_once_filled_and_read_again_next_epoch(
+    local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str
+) -> None:
+    """Under ``on_bad_chunk="nan"`` one object's GETs stall past ``RetryPolicy.timeout_s``:
+    its rectangle is NaN in epoch 0 (every other row zarr's), the report counts the failed
+    GET once with no bytes, as the trace does (its span naming the error); epoch 1 reads that
+    chunk's objects again (the store answers now) and only those, every row zarr's."""
+    root = local[name]
+    policy = RetryPolicy(timeout_s=0.6, initial_backoff_s=0.01, max_backoff_s=0.05,
+                         stall_timeout_s=0.2, connect_timeout_s=0.5)  # fmt: skip
+    store = _s3(buckets, name, retry=policy)
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    views = {"x": g["t2m"].window([-1, 0]), "y": g["t2m"].shift(1)}
+    bad_key = "t2m/c/1/0/1" if name == "v3" else "t2m/c/1/0/0"
+    bad_chunk = object_of(bad_key)[1]
+    spc = g["t2m"].chunks[0]
+    t2m = whole(root, "t2m")
+    pipe = insitu_pipeline(store, manifest, views, batch_size=5, block_chunks=2, seed=3,
+                           fetch=FetchOptions(trace=True, on_bad_chunk="nan"))  # fmt: skip
+    try:
+        for epoch in range(2):
+            _clear(proxy)
+            anchors: list[int] = []
+            with _faults(proxy, f"/{name}.zarr/{bad_key}", 100 if epoch == 0 else 0, "stall"):
+                for batch in pipe:
+                    for label in ("x", "y"):
+                        idx = batch.sample_indices[label]
+                        want = t2m[idx].copy()
+                        if epoch == 0:
+                            hit = idx // spc == bad_chunk
+                            rows = want[hit]
+                            if name == "v3":
+                                rows[..., :4, 8:] = np.nan
+                            else:
+                                rows[...] = np.nan
+                            want[hit] = rows
+                        np.testing.assert_array_equal(batch[label], want)
+                    anchors += batch.sample_indices["y"].tolist()
+            rep = pipe.report()
+            seen = _proxy_gets(proxy, name)
+            assert sorted(anchors) == list(range(2, N_TIME))
+            counts = rep.trace.counts()
+            assert rep.gets == counts["GET"] == len(seen)
+            served = [k for k in seen if k != bad_key or epoch == 1]
+            assert rep.bytes_fetched == _sizes(root, served)
+            failed = [_args(s) for s in rep.trace.spans if s[0] == "GET" and _args(s).get("error")]
+            if epoch == 0:
+                assert rep.bad_chunks == 1 and pipe.bad_chunks == [object_of(bad_key)]
+                assert [(a["key"], a["error"], a["bytes"]) for a in failed] == [
+                    (bad_key, "TimeoutError", 0)
+                ]
+                assert rep.decodes == counts["decode"] == len(seen) - 1
+            else:
+                assert rep.bad_chunks == 0 and not failed
+                assert set(seen.values()) == {1}
+                assert {object_of(k)[1] for k in seen} == {bad_chunk}, seen
+                assert rep.decodes == counts["decode"] == len(seen)
     finally:
         pipe.close()
