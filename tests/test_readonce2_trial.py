@@ -280,3 +280,121 @@ def test_a_get_that_outlives_its_deadline_is_counted_once_filled_and_read_again_
                 assert rep.decodes == counts["decode"] == len(seen)
     finally:
         pipe.close()
+
+
+@pytest.mark.parametrize("name", ["v3", "sharded"])
+def test_an_epoch_failed_by_a_get_resumes_from_its_state_with_each_sample_once(
+    local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str
+) -> None:
+    """With no retries (``max_retries=0``) one object's first GET answers 503: the epoch
+    raises ``ChunkReadError`` naming its key, after counting that GET (the report and the trace,
+    no bytes). A fresh pipeline restored from the loader's last ``state_dict()`` delivers the
+    rest: every anchor of the epoch once over the two, every row zarr's, and the rest's report
+    counts the GETs the store saw (the failed object's now served)."""
+    from insitubatch_nodes.errors import ChunkReadError
+
+    root = local[name]
+    store = _s3(buckets, name, retry=RetryPolicy(timeout_s=5.0, max_retries=0))
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    bad_key = "t2m/c/6/1/0" if name == "v3" else "t2m/c/3/0/0"
+    check = _checker(root)
+
+    def build() -> Any:
+        return insitu_pipeline(store, manifest, _views(g), batch_size=3, block_chunks=1,
+                               seed=5, fetch=FetchOptions(trace=True))  # fmt: skip
+
+    _clear(proxy)
+    head: list[int] = []
+    state = None
+    with build() as pipe, _faults(proxy, f"/{name}.zarr/{bad_key}", 1, 503):
+        loader = Loader(pipe)
+        with pytest.raises(ChunkReadError) as err:
+            for batch in loader:
+                check(batch)
+                head += batch.sample_indices["y"].tolist()
+                state = loader.state_dict()
+        assert err.value.key == bad_key
+        rep = pipe.report()
+        assert rep is not None
+        seen = _proxy_gets(proxy, name)
+        failed = [_args(s) for s in rep.trace.spans if s[0] == "GET" and _args(s).get("error")]
+        assert [a["key"] for a in failed] == [bad_key]
+        assert rep.gets == rep.trace.counts()["GET"] <= sum(seen.values())
+    assert state is not None and head, "the failure came before the first batch"
+    _clear(proxy)
+    with build() as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        rest: list[int] = []
+        for batch in loader:
+            check(batch)
+            rest += batch.sample_indices["y"].tolist()
+        rep = pipe.report()
+    seen = _proxy_gets(proxy, name)
+    assert sorted(head + rest) == list(range(2, N_TIME)), "a sample lost or repeated"
+    assert rep is not None and rep.samples == len(rest)
+    assert set(seen.values()) == {1} and bad_key in seen
+    assert rep.gets == len(seen) == rep.trace.counts()["GET"]
+    assert rep.bytes_fetched == _sizes(root, seen)
+
+
+HOLES = {"v3": ["t2m/c/2/1/0", "z/c/5/1/0/0"], "sharded": ["t2m/c/1/0/0", "z/c/3/0/0/0"]}
+
+
+@pytest.fixture(scope="module")
+def holes(
+    local: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, s3_upload: Any
+) -> dict[str, Any]:
+    """Copies of the stores with :data:`HOLES` deleted (a tile of t2m, a level of z; on the
+    sharded store a whole shard of each), locally and in buckets."""
+    import shutil
+
+    base = tmp_path_factory.mktemp("holes")
+    out: dict[str, Any] = {}
+    for name, keys in HOLES.items():
+        root = base / f"{name}.zarr"
+        shutil.copytree(local[name], root)
+        for key in keys:
+            (root / key).unlink()
+        out[name] = (root, s3_upload(root, f"holes/{name}.zarr"))
+    return out
+
+
+@pytest.mark.parametrize("policy", ["read", "drop"])
+@pytest.mark.parametrize("name", ["v3", "sharded"])
+def test_absent_objects_over_s3_are_asked_for_once_and_counted_or_never_asked_for(
+    holes: dict[str, Any], buckets: dict[str, Any], proxy: FaultProxy, name: str, policy: str
+) -> None:
+    """Deleted objects (404s): under ``missing_objects="read"`` each is asked for once and
+    read as zarr reads it (the fill value), counted in the report's GETs with no bytes and as a
+    ``decode`` span marked ``missing`` (the trace's counts the report's); under ``"drop"`` never
+    asked for, the anchors that would read them dropped and counted in ``report.dropped``."""
+    root, url = holes[name]
+    store = open_store(url, **{**buckets["options"], "retry": FAST})
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    _clear(proxy)
+    pipe = insitu_pipeline(store, manifest, _views(g), batch_size=4, block_chunks=2, seed=1,
+                           missing_objects=policy, fetch=FetchOptions(trace=True))  # fmt: skip
+    check = _checker(root)
+    with pipe:
+        _clear(proxy)
+        anchors, rep = _epoch(pipe, check)
+    seen = _proxy_gets(proxy, name)
+    absent = set(HOLES[name])
+    assert set(seen.values()) == {1}, seen
+    counts = rep.trace.counts()
+    assert rep.gets == len(seen) == counts["GET"]
+    assert rep.bytes_fetched == _sizes(root, set(seen) - absent)
+    assert rep.decodes == counts["decode"] == len(seen)
+    missing = {(a["array"], a["chunk"], tuple(a["tile"]))
+               for s in rep.trace.spans if s[0] == "decode" and (a := _args(s)).get("missing")}  # fmt: skip
+    assert len(Counter(anchors)) == len(anchors), "an anchor twice"
+    if policy == "read":
+        assert absent <= set(seen)
+        assert missing == {object_of(k) for k in absent}
+        assert sorted(anchors) == list(range(2, N_TIME))
+    else:
+        assert not absent & set(seen) and not missing
+        assert rep.dropped.get("absent_object", 0) == N_TIME - 2 - len(anchors) > 0
