@@ -121,10 +121,11 @@ def _faults(proxy: FaultProxy, match: str, n: int, status: int | str) -> Iterato
             proxy.how = None  # type: ignore[attr-defined]
 
 
-def _views(g: dict[str, Any]) -> dict[str, Any]:
+def _views(g: dict[str, Any], level: bool = True) -> dict[str, Any]:
+    """A window of t2m, z (its level 850, or every level), t2m a step on."""
     return {
         "x": g["t2m"].window([-1, 0]),
-        "z": g["z"].sel(level=[850]),
+        "z": g["z"].sel(level=[850]) if level else g["z"],
         "y": g["t2m"].shift(1),
     }
 
@@ -135,7 +136,10 @@ def _checker(root: Path) -> Any:
     def check(batch: Any) -> None:
         idx = batch.sample_indices
         np.testing.assert_array_equal(batch["x"], t2m[idx["x"]])
-        np.testing.assert_array_equal(batch["z"][:, 0], z[idx["z"], 1])
+        got = batch["z"]
+        np.testing.assert_array_equal(got[:, 0] if got.shape[1] == 1 else got[:, 1], z[idx["z"], 1])
+        if got.shape[1] > 1:
+            np.testing.assert_array_equal(got, z[idx["z"]])
         np.testing.assert_array_equal(batch["y"], t2m[idx["y"]])
         np.testing.assert_array_equal(idx["y"], idx["x"][:, 1] + 1)
 
@@ -398,3 +402,71 @@ def test_absent_objects_over_s3_are_asked_for_once_and_counted_or_never_asked_fo
     else:
         assert not absent & set(seen) and not missing
         assert rep.dropped.get("absent_object", 0) == N_TIME - 2 - len(anchors) > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# HTTP: nginx (whole objects, ranges, a persistent cache checked by HEAD)
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def site(local: dict[str, Path], holes: dict[str, Any]) -> Iterator[Any]:
+    """nginx serving the stores (and the ones with holes, at ``/holes-NAME.zarr``)."""
+    from insitubatch_nodes.testing import NginxServer, nginx_executable
+
+    if nginx_executable() is None:
+        pytest.skip("nginx is not installed (apt-get install nginx)")
+    root = local["v3"].parent
+    for name, (path, _) in holes.items():
+        link = root / f"holes-{name}.zarr"
+        if not link.exists():
+            link.symlink_to(path)
+    with NginxServer(root) as server:
+        yield server
+
+
+def _http_requests(server: Any, start: int, name: str) -> Counter[tuple[str, str, str]]:
+    """(method, key, status) of the requests for data objects of ``name`` logged after the
+    ``start``-th line."""
+    out: Counter[tuple[str, str, str]] = Counter()
+    for line in server.access_log()[start:]:
+        method, path, _, status, _ = line.split(" ")
+        _, sep, key = path.partition(f"/{name}.zarr/")
+        if sep and "/c/" in key and key.split("/")[0] in ("t2m", "z"):
+            out[method, key, status] += 1
+    return out
+
+
+@pytest.mark.parametrize("name", ["v3", "sharded", "holes-sharded"])
+def test_over_http_each_object_is_one_whole_get_counted_and_a_cached_run_gets_none(
+    local: dict[str, Path], holes: dict[str, Any], site: Any, tmp_path: Path, name: str
+) -> None:
+    """Over nginx every data object (a whole shard on the sharded store) is one GET answered
+    whole (200, no range: nginx logs 206 for a range), a deleted one a 404 asked once: the
+    report's and the trace's GETs are the requests logged, its bytes their bytes. A second
+    run over the same persistent ``cache_dir`` sends no GET for data (a HEAD per object checks
+    the cache) and delivers the same rows."""
+    root = holes[name.split("-")[1]][0] if name.startswith("holes") else local[name]
+    folder = root.name if name == "sharded" else name  # (sh.zarr)
+    store = open_store(f"{site.endpoint}/{folder.removesuffix('.zarr')}.zarr", retry=FAST)
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    check = _checker(root)
+    for run in range(2):
+        start = len(site.access_log())
+        with insitu_pipeline(store, manifest, _views(g, False), batch_size=4, block_chunks=2, seed=2,
+                             cache_dir=tmp_path / "cache", persist=True,
+                             fetch=FetchOptions(trace=True)) as pipe:  # fmt: skip
+            anchors, rep = _epoch(pipe, check)
+        logged = _http_requests(site, start, folder.removesuffix(".zarr"))
+        assert sorted(anchors) == list(range(2, N_TIME))
+        gets = {key: n for (method, key, _), n in logged.items() if method == "GET"}
+        statuses = {status for (method, _, status) in logged if method == "GET"}
+        if run == 0:
+            assert set(gets.values()) == {1}, gets
+            assert statuses <= {"200", "404"}, logged
+            assert rep.gets == len(gets) == rep.trace.counts()["GET"]
+            assert rep.bytes_fetched == _sizes(root, [k for k in gets if (root / k).exists()])
+            assert rep.decodes == rep.trace.counts()["decode"] == len(gets)
+        else:
+            assert not gets and rep.gets == 0 and rep.decodes == 0, logged
