@@ -470,3 +470,108 @@ def test_over_http_each_object_is_one_whole_get_counted_and_a_cached_run_gets_no
             assert rep.decodes == rep.trace.counts()["decode"] == len(gets)
         else:
             assert not gets and rep.gets == 0 and rep.decodes == 0, logged
+
+
+# ---------------------------------------------------------------------------------------------
+# real gloo ranks over one persistent cache_dir
+# ---------------------------------------------------------------------------------------------
+
+
+def gloo_rank(rank: int, world: int, init_file: str, root: str, cache: str, out: str) -> None:
+    """One gloo rank (forked from the tests' fork server): two runs over ``cache`` (two
+    epochs, then a fresh pipeline's one), an ``all_reduce`` per batch; per epoch its anchors,
+    the store's GETs and bytes per key, the decodes, and the report's and trace's counts, as
+    JSON in ``out.format(rank)``."""
+    import json
+    from datetime import timedelta
+
+    import torch
+    import torch.distributed as dist
+    from test_readonce_trial import bytes_store
+
+    DECODES.install(pytest.MonkeyPatch())
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))  # fmt: skip
+    epochs: list[dict[str, Any]] = []
+    try:
+        check = _checker(Path(root))
+        for epochs_of_run in (2, 1):
+            store = bytes_store(Path(root))
+            g = open_geometries(store, ["t2m", "z"])
+            manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+            pipe = insitu_pipeline(store, manifest, _views(g, False), batch_size=3, seed=4,
+                                   block_chunks=1, cache_dir=cache, persist=True, coords=(),
+                                   rank=None, world_size=None,
+                                   fetch=FetchOptions(trace=True))  # fmt: skip
+            with pipe:
+                for _ in range(epochs_of_run):
+                    gets0 = Counter(store.chunk_counts())
+                    store.mark()
+                    dec0 = DECODES.snapshot()
+                    anchors: list[int] = []
+                    for batch in pipe:
+                        check(batch)
+                        anchors += batch.sample_indices["y"].tolist()
+                        t = torch.ones(1)
+                        dist.all_reduce(t)
+                        assert int(t.item()) == world
+                    gets = Counter(store.chunk_counts())
+                    gets.subtract(gets0)
+                    dec = DECODES.snapshot()
+                    dec.subtract(dec0)
+                    rep = pipe.report()
+                    counts = rep.trace.counts()
+                    epochs.append({
+                        "anchors": anchors, "gets": dict(+gets), "bytes": dict(store.since_mark),
+                        "decodes": sum((+dec).values()), "max_decodes": max(dec.values(), default=0),
+                        "report": [rep.gets, rep.bytes_fetched, rep.decodes, rep.samples,
+                                   rep.hits, rep.misses, rep.re_reads, rep.batches],
+                        "trace": [counts.get("GET", 0) + counts.get("read", 0),
+                                  counts.get("decode", 0), counts.get("gather", 0)],
+                    })  # fmt: skip
+        Path(out.format(rank)).write_text(json.dumps(epochs))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_gloo_ranks_over_one_persistent_cache_read_disjointly_and_deliver_each_sample_once(
+    local: dict[str, Path], tmp_path: Path, world: int
+) -> None:
+    """Real gloo ranks (processes started at once) over one ``cache_dir``: per epoch the ranks'
+    anchors are disjoint and all but at most ``world - 1`` valid ones come (``"drop"``), every
+    row zarr's; each rank's report counts its store's GETs, bytes and its decodes (each object
+    decoded at most once), as its trace does; two ranks get one object only at a cut between
+    their runs (the tail chunks), and over every epoch and run each object is got at most that
+    once more; a later run over the cache gets nothing."""
+    import json
+
+    from resume_helpers import spawn_ranks
+
+    root = local["v3"]
+    spawn_ranks(gloo_rank, args=(world, str(tmp_path / "init"), str(root),
+                                 str(tmp_path / "cache"), str(tmp_path / "rank{}.json")),
+                nprocs=world, workdir=tmp_path / "ranks")  # fmt: skip
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    total: Counter[str] = Counter()
+    for e in range(3):
+        per = [r[e] for r in ranks]
+        anchors = Counter(a for p in per for a in p["anchors"])
+        assert max(anchors.values()) == 1, "an anchor on two ranks"
+        assert len(set(range(2, N_TIME)) - set(anchors)) <= world - 1
+        assert set(anchors) <= set(range(2, N_TIME))
+        assert len({len(p["anchors"]) for p in per}) == 1
+        for p in per:
+            gets, nbytes = p["gets"], p["bytes"]
+            assert not gets or max(gets.values()) == 1, gets
+            rep = p["report"]
+            assert rep[:3] == [len(gets), sum(nbytes.values()), p["decodes"]], (rep, gets)
+            assert p["max_decodes"] <= 1
+            assert rep[3] == len(p["anchors"])
+            assert p["trace"] == [rep[0], rep[2], rep[7]]
+            total.update(gets)
+        if e == 2:
+            assert sum(sum(p["gets"].values()) for p in per) == 0
+    shared = {object_of(k)[1] for k, n in total.items() if n > 1}
+    assert len(shared) <= world - 1, shared  # a cut's chunk, at most once per cut
