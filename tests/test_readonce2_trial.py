@@ -575,3 +575,74 @@ def test_gloo_ranks_over_one_persistent_cache_read_disjointly_and_deliver_each_s
             assert sum(sum(p["gets"].values()) for p in per) == 0
     shared = {object_of(k)[1] for k, n in total.items() if n > 1}
     assert len(shared) <= world - 1, shared  # a cut's chunk, at most once per cut
+
+
+# ---------------------------------------------------------------------------------------------
+# the trace's ids: chunks and batches
+# ---------------------------------------------------------------------------------------------
+
+
+ARRAY_OF = {"x": "t2m", "y": "t2m", "z": "z"}
+
+
+def _first_readers(
+    batches: list[tuple[int, dict[str, np.ndarray]]], spc: int
+) -> dict[tuple[str, int], int]:
+    """The first batch (its ``index``) whose rows read each (array, sample-axis chunk)."""
+    first: dict[tuple[str, int], int] = {}
+    for index, idx in batches:
+        for label, rows in idx.items():
+            for c in set((np.asarray(rows).ravel() // spc).tolist()):
+                key = (ARRAY_OF[label], c)
+                first[key] = min(first.get(key, index), index)
+    return first
+
+
+def _check_trace_ids(rep: Any, batches: list[tuple[int, dict[str, np.ndarray]]], spc: int) -> None:
+    indices = [i for i, _ in batches]
+    spans = rep.trace.spans
+    names = Counter(s[0] for s in spans)
+    assert names["gather"] == rep.batches == len(batches)
+    assert sorted(_args(s)["batch"] for s in spans if s[0] == "gather") == sorted(indices)
+    nexts = [_args(s)["batch"] for s in spans if s[0] == "next"]
+    assert sorted(b for b in nexts if b >= 0) == sorted(indices), nexts
+    first = _first_readers(batches, spc)
+    for name in ("GET", "decode"):
+        for s in spans:
+            if s[0] == name:
+                a = _args(s)
+                want = first[a["array"], a["chunk"]]
+                assert a["batch"] == want, (name, a, want)
+
+
+@pytest.mark.parametrize("name", ["v3", "sharded"])
+def test_trace_spans_name_the_chunk_and_the_first_batch_that_reads_it_also_after_a_resume(
+    local: dict[str, Path], buckets: dict[str, Any], name: str
+) -> None:
+    """Each ``GET`` and ``decode`` span names the first batch (``batch.index``) whose rows read
+    its chunk, ``gather`` and ``next`` spans each delivered batch once; in an epoch resumed from
+    a mid-epoch state the same, with the indices the resumed batches carry."""
+    store = _s3(buckets, name)
+    g = open_geometries(store, ["t2m", "z"])
+    spc = g["t2m"].chunks[0]
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+
+    def build() -> Any:
+        return insitu_pipeline(store, manifest, _views(g), batch_size=3, block_chunks=2,
+                               seed=8, fetch=FetchOptions(trace=True))  # fmt: skip
+
+    with build() as pipe:
+        loader = Loader(pipe)
+        batches = []
+        for batch in loader:
+            batches.append((batch.index, dict(batch.sample_indices)))
+            if len(batches) == 4:
+                state = loader.state_dict()
+        _check_trace_ids(pipe.report(), batches, spc)
+        assert [i for i, _ in batches] == list(range(len(batches)))
+    with build() as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        rest = [(batch.index, dict(batch.sample_indices)) for batch in loader]
+        assert [i for i, _ in rest] == list(range(4, len(batches)))
+        _check_trace_ids(pipe.report(), rest, spc)
