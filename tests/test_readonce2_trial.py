@@ -86,14 +86,16 @@ def _s3(buckets: dict[str, Any], name: str, **changes: Any) -> Any:
     return open_store(buckets["urls"][name], **{**buckets["options"], "retry": FAST, **changes})
 
 
-def _proxy_gets(proxy: FaultProxy, name: str) -> Counter[str]:
-    """GETs the proxy saw per data object (``t2m``/``z``) of store ``name``, keyed as in it."""
+def _proxy_gets(
+    proxy: FaultProxy, name: str, arrays: tuple[str, ...] = ("t2m", "z")
+) -> Counter[str]:
+    """GETs the proxy saw per data object (of ``arrays``) of store ``name``, keyed as in it."""
     with proxy._lock:
         seen = dict(proxy.gets)
     out: Counter[str] = Counter()
     for path, n in seen.items():
         _, sep, key = path.partition(f"/{name}.zarr/")
-        if sep and "/c/" in key and key.split("/")[0] in ("t2m", "z"):
+        if sep and "/c/" in key and key.split("/")[0] in arrays:
             out[key] += n
     return out
 
@@ -646,3 +648,113 @@ def test_trace_spans_name_the_chunk_and_the_first_batch_that_reads_it_also_after
         rest = [(batch.index, dict(batch.sample_indices)) for batch in loader]
         assert [i for i, _ in rest] == list(range(4, len(batches)))
         _check_trace_ids(pipe.report(), rest, spc)
+
+
+@pytest.mark.parametrize("name", ["v3", "sharded"])
+def test_an_epoch_broken_off_with_gets_in_flight_counts_in_its_trace_what_its_report_counts(
+    local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str
+) -> None:
+    """Objects of later chunks stall, so GETs are in flight when the consumer stops after two
+    batches (``reset()``): the broken-off epoch's report counts as many GETs and decodes as its
+    trace has spans, and the next (whole) epoch's report and trace count the GETs the store
+    saw in it, every row zarr's and every anchor once."""
+    store = _s3(buckets, name, retry=RetryPolicy(timeout_s=0.5, stall_timeout_s=0.2,
+                                                 initial_backoff_s=0.01, max_backoff_s=0.05))  # fmt: skip
+    g = open_geometries(store, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    check = _checker(local[name])
+    with insitu_pipeline(store, manifest, _views(g), batch_size=3, block_chunks=1, seed=8,
+                         shuffle=False, fetch=FetchOptions(trace=True)) as pipe:  # fmt: skip
+        _clear(proxy)
+        with _faults(proxy, "/c/4/", 1, "stall"):
+            for i, batch in enumerate(pipe):
+                check(batch)
+                if i == 1:
+                    break
+            rep = pipe.report()
+            counts = rep.trace.counts()
+            assert rep.gets == counts.get("GET", 0) and rep.decodes == counts.get("decode", 0)
+            pipe.reset()
+        _clear(proxy)
+        anchors, rep = _epoch(pipe, check)
+        seen = _proxy_gets(proxy, name)
+        counts = rep.trace.counts()
+        assert sorted(anchors) == list(range(2, N_TIME))
+        assert rep.gets == counts.get("GET", 0) == sum(seen.values()), (rep.gets, seen)
+        assert rep.decodes == counts.get("decode", 0)
+
+
+# ---------------------------------------------------------------------------------------------
+# rows decoded straight into batches over S3
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one(tmp_path_factory: pytest.TempPathFactory, s3_upload: Any) -> tuple[Path, str]:
+    """a (24, 4, 6) one sample per object and b (24, 2, 4, 6) one level per object, locally
+    and in a bucket."""
+    import zarr
+
+    root = tmp_path_factory.mktemp("one") / "one.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    rng = np.random.default_rng(3)
+    a = group.create_array("a", shape=(24, 4, 6), chunks=(1, 4, 6), dtype="f4",
+                           dimension_names=("time", "lat", "lon"))  # fmt: skip
+    a[...] = rng.standard_normal(a.shape).astype("f4")
+    b = group.create_array("b", shape=(24, 2, 4, 6), chunks=(1, 1, 4, 6), dtype="f4",
+                           dimension_names=("time", "level", "lat", "lon"))  # fmt: skip
+    b[...] = rng.standard_normal(b.shape).astype("f4")
+    return root, s3_upload(root, "one/one.zarr")
+
+
+@pytest.mark.parametrize("fault", [503, "reset", "fail"])
+def test_rows_decoded_into_batches_over_s3_are_got_decoded_and_counted_once_when_retried(
+    one: tuple[Path, str], buckets: dict[str, Any], proxy: FaultProxy, fault: Any
+) -> None:
+    """``FetchOptions(direct=True)``: b's objects are decoded straight into batch rows, a's
+    (read by two labels) through slots. Every first GET faulted and retried: each object is
+    one GET in the report and the trace, one decode, each row zarr's, each anchor once; the
+    in-place decode spans name the row and the batch holding it. With no retries (``"fail"``)
+    under ``on_bad_chunk="nan"`` the faulted objects of b are NaN rows, each counted once."""
+    from insitubatch_nodes import stack
+
+    root, url = one
+    retry = RetryPolicy(timeout_s=5.0, max_retries=0) if fault == "fail" else FAST
+    store = open_store(url, **{**buckets["options"], "retry": retry})
+    g = open_geometries(store, ["a", "b"])
+    manifest = split_by_chunk(g["a"], (1.0, 0.0, 0.0))
+    views = {"x": stack({"a": g["a"], "b1": g["b"].isel(level=[1])}), "y": g["a"]}
+    a, bb = whole(root, "a"), whole(root, "b")
+    bad_key = "b/c/5/1/0/0"  # under "fail": sample 5's level 1 of b
+    opts = FetchOptions(direct=True, trace=True, on_bad_chunk="nan")
+    match = f"/one.zarr/{bad_key}" if fault == "fail" else "/one.zarr/"
+    rows: dict[int, tuple[int, int]] = {}  # sample -> (batch, row)
+    with insitu_pipeline(store, manifest, views, batch_size=4, coords=(), seed=2,
+                         fetch=opts) as pipe:  # fmt: skip
+        _clear(proxy)
+        with _faults(proxy, match, 1, 503 if fault == "fail" else fault):
+            for batch in pipe:
+                i = batch.sample_indices["x"]
+                want_b = bb[i, 1].copy()
+                if fault == "fail":
+                    want_b[i == 5] = np.nan
+                np.testing.assert_array_equal(batch["x"][:, 0], a[i])
+                np.testing.assert_array_equal(batch["x"][:, 1], want_b)
+                np.testing.assert_array_equal(batch["y"], a[batch.sample_indices["y"]])
+                rows.update({int(s): (batch.index, r) for r, s in enumerate(i)})
+        rep = pipe.report()
+    seen = _proxy_gets(proxy, "one", ("a", "b"))
+    assert sorted(rows) == list(range(24))
+    assert set(seen.values()) == ({1} if fault == "fail" else {2}), seen
+    counts = rep.trace.counts()
+    assert rep.gets == counts["GET"] == len(seen) == 24 * 2
+    assert rep.decodes == counts["decode"] == 48 - (fault == "fail")
+    assert rep.bad_chunks == (fault == "fail") and rep.in_place == 24
+    in_place = Counter()
+    for s in rep.trace.spans:
+        a_ = _args(s)
+        if s[0] == "decode" and a_["array"] == "b":
+            in_place[a_["chunk"]] += 1
+            assert (a_["batch"], a_["row"]) == rows[a_["chunk"]], a_
+    assert sorted(in_place) == sorted(set(range(24)) - ({5} if fault == "fail" else set()))
+    assert set(in_place.values()) == {1}
