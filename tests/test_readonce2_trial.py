@@ -810,3 +810,82 @@ def test_rows_decoded_into_batches_over_s3_are_got_decoded_and_counted_once_when
             assert (a_["batch"], a_["row"]) == rows[a_["chunk"]], a_
     assert sorted(in_place) == sorted(set(range(24)) - ({5} if fault == "fail" else set()))
     assert set(in_place.values()) == {1}
+
+
+# ---------------------------------------------------------------------------------------------
+# a collection over several buckets
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def periods(tmp_path_factory: pytest.TempPathFactory, s3_upload: Any) -> list[tuple[Path, str]]:
+    """Three periods of t2m (8, 8 and 6 steps, chunks of 4), each in a bucket of its own."""
+    from test_readonce_trial import write_period
+
+    base = tmp_path_factory.mktemp("periods")
+    out = []
+    for i, (start, n) in enumerate([(0, 8), (48, 8), (96, 6)]):
+        root = write_period(base / f"p{i}.zarr", start, n, 3)
+        out.append((root, s3_upload(root, f"p/p{i}.zarr")))
+    return out
+
+
+@pytest.mark.parametrize("fault", [503, "fail"])
+def test_a_concatenation_over_three_buckets_counts_each_stores_gets_in_the_report_and_trace(
+    periods: list[tuple[Path, str]], buckets: dict[str, Any], proxy: FaultProxy, fault: Any
+) -> None:
+    """``concat`` of three buckets read by windows across their edges, each first GET of the
+    middle bucket's objects faulted (a 503 retried; or, with no retries under
+    ``on_bad_chunk="nan"``, failed and filled): per store the GETs the proxy saw are the
+    trace's ``GET`` spans keyed ``s<i>/...`` (each object once), the report's GETs their sum,
+    each span's ``chunk`` the collection's chunk; a filled object is listed by the
+    collection's path and chunk, its rows NaN, every other row the stores' own."""
+    from insitubatch_nodes import concat
+
+    retry = RetryPolicy(timeout_s=5.0, max_retries=0) if fault == "fail" else FAST
+    stores = [open_store(url, **{**buckets["options"], "retry": retry}) for _, url in periods]
+    want = np.concatenate([whole(root, "t2m") for root, _ in periods])
+    coll = concat(stores, ["t2m"], dim="time")
+    manifest = split_by_chunk(coll["t2m"], (1.0, 0.0, 0.0))
+    views = {"x": coll["t2m"].window(["-6h", "0h"]), "y": coll["t2m"].shift(1)}
+    bad = "/p/p1.zarr/t2m/c/1/" if fault == "fail" else "/p/p1.zarr/"  # chunk 3: samples 12..15
+    if fault == "fail":
+        want = want.copy()
+        want[12:16] = np.nan
+    _clear(proxy)
+    with insitu_pipeline(coll, manifest, views, batch_size=3, block_chunks=1, coords=(),
+                         fetch=FetchOptions(trace=True, on_bad_chunk="nan")) as pipe:  # fmt: skip
+        _clear(proxy)
+        anchors = []
+        with _faults(proxy, bad, 1, 503):
+            for batch in pipe:
+                np.testing.assert_array_equal(batch["x"], want[batch.sample_indices["x"]])
+                np.testing.assert_array_equal(batch["y"], want[batch.sample_indices["y"]])
+                anchors += batch.sample_indices["y"].tolist()
+        rep = pipe.report()
+        listed = pipe.bad_chunks
+    assert sorted(anchors) == list(range(2, 22))
+    with proxy._lock:
+        seen = {p: n for p, n in proxy.gets.items() if "/p/p" in p and "/t2m/c/" in p}
+    by_span: Counter[str] = Counter()
+    chunks: dict[str, int] = {}
+    for s in rep.trace.spans:
+        if s[0] == "GET":
+            a = _args(s)
+            by_span[a["key"]] += 1
+            chunks[a["key"]] = a["chunk"]
+    from_proxy: Counter[str] = Counter()
+    for path, n in seen.items():
+        i = int(path.split("/p/p", 1)[1][0])
+        key = f"s{i}/{path.split(f'/p/p{i}.zarr/', 1)[1]}"
+        from_proxy[key] += n if fault == "fail" or i != 1 else n - 1  # the 503s retried
+    assert by_span == from_proxy and set(by_span.values()) == {1}, (by_span, from_proxy)
+    assert rep.gets == sum(by_span.values()) == 6
+    offsets = {0: 0, 1: 2, 2: 4}  # each store's first chunk in the collection
+    for key, chunk in chunks.items():
+        i, local_chunk = int(key[1]), int(key.split("/c/")[1].split("/")[0])
+        assert chunk == offsets[i] + local_chunk, (key, chunk)
+    if fault == "fail":
+        assert listed == [(coll["t2m"].path, 3, (0, 0))] and rep.bad_chunks == 1
+    else:
+        assert not listed and rep.bad_chunks == 0
