@@ -1,9 +1,59 @@
 """Trial of read-once, each-sample-once, the epoch report's counts and the trace's spans where
 tests/test_readonce_trial.py did not go: S3 (the session's moto server, behind a counting and
-faulting proxy), HTTP range reads (nginx), retried and timed-out GETs, sharded stores, absent
-objects, real gloo ranks over a shared persistent cache, and ``FetchOptions(trace=True)``.
+faulting ``FaultProxy``), HTTP (nginx), GETs retried and timed out, sharded stores, absent
+objects, real gloo ranks over one persistent ``cache_dir``, and ``FetchOptions(trace=True)``.
+No wrong answer was found: nothing in the package was changed; every test here is a claim that
+held (2026-12-07).
 
-(Findings and what was found right: see the end of this docstring.)
+Oracles: the proxy's count of GETs per object (every attempt: obstore's retries included),
+nginx's access log (method, path, status), zarr's read of the local copy (every row), the
+stores' object sizes, the decompressions counted in ``ChunkDecoder._decode_stored`` (the
+readonce trial's ``DECODES``), the trace (``report.trace.spans`` and the file
+``write_trace`` writes) and, for ranks, each rank's counting store.
+
+Found right (the claims below): every first GET of every object faulted — a 503, a body cut
+by a connection reset, an attempt that never answers, half a body and then nothing — and
+retried by obstore: the proxy sees two GETs per object, the report one (``gets``,
+``bytes_fetched`` the object's bytes once, ``decodes`` one per object, each decoded once), the
+trace one ``GET`` span per object naming its array, chunk and tile (on a sharded store the
+shard) and one ``decode`` per decode, ``gather`` spans the batches, the trace file the same
+counts with one id per GET pair; ``hits + misses`` the (array, chunk) pairs the rows read and
+``misses`` those fetched; each anchor once, each row zarr's; the next epoch reads nothing. A GET
+that outlives ``RetryPolicy.timeout_s`` under ``on_bad_chunk="nan"``: counted once with no
+bytes, its span naming ``TimeoutError``, its rectangle NaN, and the next epoch reads that
+chunk's objects again and only those. With no retries an epoch fails with ``ChunkReadError``
+naming the key, the failed GET counted; a fresh pipeline restored from the last
+``state_dict()`` delivers the rest, every anchor once over the two (and the same loader
+restored with ``load_state_dict`` too, by hand; iterated again without it, it starts the epoch
+anew). Absent objects (404) over S3: asked once, counted with no bytes, a ``decode`` span
+marked ``missing``, read as the fill value (``missing_objects="read"``); never asked for under
+``"drop"``, the anchors dropped and counted. Over nginx each object (a whole shard) is one GET
+answered 200 (no range request: a whole-object GET, as concepts.md says), a deleted one a 404
+asked once, and a second run over a persistent cache sends no GET. Three gloo ranks over one
+``cache_dir`` (processes at once): anchors disjoint, all but at most ``world - 1`` delivered,
+equal batch counts, each rank's report its store's GETs, bytes and decodes (and its trace's),
+two ranks getting one object only at a cut between their runs, a second run getting nothing.
+The trace's ``GET`` and ``decode`` spans name the first batch (``batch.index``) whose rows read
+their chunk, also in an epoch resumed mid-way (whose batches carry their indices on); an epoch
+broken off with GETs stalled in flight: its report counts what its trace holds, and the next
+whole epoch's the GETs the store saw. ``direct=True`` rows over S3 with retried GETs: each
+object once, each in-place ``decode`` span naming its row and batch; a failed one NaN and
+counted. ``concat`` over three buckets: per store the proxy's GETs are the trace's spans keyed
+``s<i>/...``, each span's ``chunk`` the collection's, a filled object listed by the
+collection's path and chunk. By hand (not kept): chunk transforms (``transform`` spans and
+``report.transforms`` equal to the calls, ids right, sharded and not, ``direct`` on and off);
+a static member whose GET is retried: ``static_gets`` 1 (the proxy saw 2).
+
+What looked wrong and was the trial's own doing: with ``stall_timeout_s=0.3`` objects no fault
+touched were GET 2-5 times — obstore retrying moto's late answers on the loaded machine (load
+average 6 on 2 cores), each counted once in the report, as it should be; the claims use 0.5 s
+and ask only for "at least two" where stalls are injected. And a pipeline's GETs cancelled at
+``reset()``/``close()`` can reach the proxy's thread after the call returned (counted there as
+the next epoch's): obstore does stop a cancelled GET (by hand: a cancelled ``get_async`` of an
+object that never answers sent 1 request in 2 s, an uncancelled one 7), so ``_clear`` first
+waits for the proxy to go quiet. A broken-off epoch's report ends at its last batch (as
+documented), so the read-ahead's GETs after it are in neither epoch's report (one run: the
+report 15, the proxy 20 by the ``reset()``, five of them stalled and then cancelled).
 """
 
 from __future__ import annotations
@@ -17,10 +67,16 @@ from urllib.parse import urlsplit
 
 import numpy as np
 import pytest
-from test_readonce_trial import DECODES, LATS, LONS, N_TIME, object_of, whole, write_store
+from test_readonce_trial import DECODES, N_TIME, object_of, whole, write_store
 
-from insitubatch_nodes import Loader, RetryPolicy, insitu_pipeline, open_geometries, open_store
-from insitubatch_nodes import split_by_chunk
+from insitubatch_nodes import (
+    Loader,
+    RetryPolicy,
+    insitu_pipeline,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.testing import FaultProxy
 from insitubatch_nodes.trace import OBJECT_ARGS
@@ -215,8 +271,9 @@ def _trace_objects(report: Any, name: str) -> Counter[tuple[str, int, tuple[int,
     return out
 
 
-@pytest.mark.parametrize("fault", [None, 503, "reset", "stall", "stall_body"])
-@pytest.mark.parametrize("name", ["v3", "sharded"])
+@pytest.mark.parametrize(
+    ("name", "fault"), [("v3", 503), ("sharded", "reset"), ("v3", "stall_body"), ("sharded", None)]
+)
 def test_gets_retried_over_s3_count_once_in_the_report_and_trace_and_deliver_each_row_once(
     local: dict[str, Path],
     buckets: dict[str, Any],
@@ -277,7 +334,7 @@ def test_gets_retried_over_s3_count_once_in_the_report_and_trace_and_deliver_eac
         pipe.close()
 
 
-@pytest.mark.parametrize("name", ["v3", "sharded"])
+@pytest.mark.parametrize("name", ["sharded"])
 def test_a_get_that_outlives_its_deadline_is_counted_once_filled_and_read_again_next_epoch(
     local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str
 ) -> None:
@@ -340,7 +397,7 @@ def test_a_get_that_outlives_its_deadline_is_counted_once_filled_and_read_again_
         pipe.close()
 
 
-@pytest.mark.parametrize("name", ["v3", "sharded"])
+@pytest.mark.parametrize("name", ["v3"])
 def test_an_epoch_failed_by_a_get_resumes_from_its_state_with_each_sample_once(
     local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str
 ) -> None:
@@ -419,8 +476,7 @@ def holes(
     return out
 
 
-@pytest.mark.parametrize("policy", ["read", "drop"])
-@pytest.mark.parametrize("name", ["v3", "sharded"])
+@pytest.mark.parametrize(("name", "policy"), [("v3", "drop"), ("sharded", "read")])
 def test_absent_objects_over_s3_are_asked_for_once_and_counted_or_never_asked_for(
     holes: dict[str, Any], buckets: dict[str, Any], proxy: FaultProxy, name: str, policy: str
 ) -> None:
@@ -446,8 +502,8 @@ def test_absent_objects_over_s3_are_asked_for_once_and_counted_or_never_asked_fo
     assert rep.gets == len(seen) == counts["GET"]
     assert rep.bytes_fetched == _sizes(root, set(seen) - absent)
     assert rep.decodes == counts["decode"] == len(seen)
-    missing = {(a["array"], a["chunk"], tuple(a["tile"]))
-               for s in rep.trace.spans if s[0] == "decode" and (a := _args(s)).get("missing")}  # fmt: skip
+    decoded = [_args(s) for s in rep.trace.spans if s[0] == "decode"]
+    missing = {(a["array"], a["chunk"], tuple(a["tile"])) for a in decoded if a.get("missing")}
     assert len(Counter(anchors)) == len(anchors), "an anchor twice"
     if policy == "read":
         assert absent <= set(seen)
@@ -491,7 +547,7 @@ def _http_requests(server: Any, start: int, name: str) -> Counter[tuple[str, str
     return out
 
 
-@pytest.mark.parametrize("name", ["v3", "sharded", "holes-sharded"])
+@pytest.mark.parametrize("name", ["v3", "holes-sharded"])
 def test_over_http_each_object_is_one_whole_get_counted_and_a_cached_run_gets_none(
     local: dict[str, Path], holes: dict[str, Any], site: Any, tmp_path: Path, name: str
 ) -> None:
@@ -508,8 +564,8 @@ def test_over_http_each_object_is_one_whole_get_counted_and_a_cached_run_gets_no
     check = _checker(root)
     for run in range(2):
         start = len(site.access_log())
-        with insitu_pipeline(store, manifest, _views(g, False), batch_size=4, block_chunks=2, seed=2,
-                             cache_dir=tmp_path / "cache", persist=True,
+        with insitu_pipeline(store, manifest, _views(g, False), batch_size=4, block_chunks=2,
+                             seed=2, cache_dir=tmp_path / "cache", persist=True,
                              fetch=FetchOptions(trace=True)) as pipe:  # fmt: skip
             anchors, rep = _epoch(pipe, check)
         logged = _http_requests(site, start, folder.removesuffix(".zarr"))
@@ -577,7 +633,8 @@ def gloo_rank(rank: int, world: int, init_file: str, root: str, cache: str, out:
                     counts = rep.trace.counts()
                     epochs.append({
                         "anchors": anchors, "gets": dict(+gets), "bytes": dict(store.since_mark),
-                        "decodes": sum((+dec).values()), "max_decodes": max(dec.values(), default=0),
+                        "decodes": sum((+dec).values()),
+                        "max_decodes": max(dec.values(), default=0),
                         "report": [rep.gets, rep.bytes_fetched, rep.decodes, rep.samples,
                                    rep.hits, rep.misses, rep.re_reads, rep.batches],
                         "trace": [counts.get("GET", 0) + counts.get("read", 0),
@@ -589,7 +646,7 @@ def gloo_rank(rank: int, world: int, init_file: str, root: str, cache: str, out:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])
 def test_gloo_ranks_over_one_persistent_cache_read_disjointly_and_deliver_each_sample_once(
     local: dict[str, Path], tmp_path: Path, world: int
 ) -> None:
@@ -669,7 +726,7 @@ def _check_trace_ids(rep: Any, batches: list[tuple[int, dict[str, np.ndarray]]],
                 assert a["batch"] == want, (name, a, want)
 
 
-@pytest.mark.parametrize("name", ["v3", "sharded"])
+@pytest.mark.parametrize("name", ["sharded"])
 def test_trace_spans_name_the_chunk_and_the_first_batch_that_reads_it_also_after_a_resume(
     local: dict[str, Path], buckets: dict[str, Any], name: str
 ) -> None:
@@ -702,7 +759,7 @@ def test_trace_spans_name_the_chunk_and_the_first_batch_that_reads_it_also_after
         _check_trace_ids(pipe.report(), rest, spc)
 
 
-@pytest.mark.parametrize("name", ["v3", "sharded"])
+@pytest.mark.parametrize("name", ["v3"])
 def test_an_epoch_broken_off_with_gets_in_flight_counts_in_its_trace_what_its_report_counts(
     local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, name: str
 ) -> None:
@@ -710,8 +767,10 @@ def test_an_epoch_broken_off_with_gets_in_flight_counts_in_its_trace_what_its_re
     batches (``reset()``): the broken-off epoch's report counts as many GETs and decodes as its
     trace has spans, and the next (whole) epoch's report and trace count the GETs the store
     saw in it, every row zarr's and every anchor once."""
-    store = _s3(buckets, name, retry=RetryPolicy(timeout_s=2.0, stall_timeout_s=0.5,
-                                                 initial_backoff_s=0.01, max_backoff_s=0.05))  # fmt: skip
+    policy = RetryPolicy(
+        timeout_s=2.0, stall_timeout_s=0.5, initial_backoff_s=0.01, max_backoff_s=0.05
+    )
+    store = _s3(buckets, name, retry=policy)
     g = open_geometries(store, ["t2m", "z"])
     manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
     check = _checker(local[name])
@@ -759,7 +818,7 @@ def one(tmp_path_factory: pytest.TempPathFactory, s3_upload: Any) -> tuple[Path,
     return root, s3_upload(root, "one/one.zarr")
 
 
-@pytest.mark.parametrize("fault", [503, "reset", "fail"])
+@pytest.mark.parametrize("fault", ["reset", "fail"])
 def test_rows_decoded_into_batches_over_s3_are_got_decoded_and_counted_once_when_retried(
     one: tuple[Path, str], buckets: dict[str, Any], proxy: FaultProxy, fault: Any
 ) -> None:
@@ -830,7 +889,7 @@ def periods(tmp_path_factory: pytest.TempPathFactory, s3_upload: Any) -> list[tu
     return out
 
 
-@pytest.mark.parametrize("fault", [503, "fail"])
+@pytest.mark.parametrize("fault", ["fail"])
 def test_a_concatenation_over_three_buckets_counts_each_stores_gets_in_the_report_and_trace(
     periods: list[tuple[Path, str]], buckets: dict[str, Any], proxy: FaultProxy, fault: Any
 ) -> None:
