@@ -32,7 +32,9 @@ answered 200 (no range request: a whole-object GET, as concepts.md says), a dele
 asked once, and a second run over a persistent cache sends no GET. Three gloo ranks over one
 ``cache_dir`` (processes at once): anchors disjoint, all but at most ``world - 1`` delivered,
 equal batch counts, each rank's report its store's GETs, bytes and decodes (and its trace's),
-two ranks getting one object only at a cut between their runs, a second run getting nothing.
+two ranks getting one object only at a cut between their runs (at most the two chunks a
+window and the lead reach across it), a second run getting nothing; the same two ranks over S3
+(every first GET a 503): the reports' GETs the proxy's less the 503s.
 The trace's ``GET`` and ``decode`` spans name the first batch (``batch.index``) whose rows read
 their chunk, also in an epoch resumed mid-way (whose batches carry their indices on); an epoch
 broken off with GETs stalled in flight: its report counts what its trace holds, and the next
@@ -587,11 +589,20 @@ def test_over_http_each_object_is_one_whole_get_counted_and_a_cached_run_gets_no
 # ---------------------------------------------------------------------------------------------
 
 
-def gloo_rank(rank: int, world: int, init_file: str, root: str, cache: str, out: str) -> None:
+def gloo_rank(
+    rank: int,
+    world: int,
+    init_file: str,
+    root: str,
+    cache: str,
+    out: str,
+    remote: dict[str, Any] | None = None,
+) -> None:
     """One gloo rank (forked from the tests' fork server): two runs over ``cache`` (two
     epochs, then a fresh pipeline's one), an ``all_reduce`` per batch; per epoch its anchors,
     the store's GETs and bytes per key, the decodes, and the report's and trace's counts, as
-    JSON in ``out.format(rank)``."""
+    JSON in ``out.format(rank)``. With ``remote`` (``{"url", "options"}``) the store is that
+    bucket (its GETs are counted by the test's proxy: ``gets`` and ``bytes`` left empty)."""
     import json
     from datetime import timedelta
 
@@ -606,7 +617,9 @@ def gloo_rank(rank: int, world: int, init_file: str, root: str, cache: str, out:
     try:
         check = _checker(Path(root))
         for epochs_of_run in (2, 1):
-            store = bytes_store(Path(root))
+            store: Any = bytes_store(Path(root))
+            if remote is not None:
+                store = open_store(remote["url"], **remote["options"])
             g = open_geometries(store, ["t2m", "z"])
             manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
             pipe = insitu_pipeline(store, manifest, _views(g, False), batch_size=3, seed=4,
@@ -615,8 +628,10 @@ def gloo_rank(rank: int, world: int, init_file: str, root: str, cache: str, out:
                                    fetch=FetchOptions(trace=True))  # fmt: skip
             with pipe:
                 for _ in range(epochs_of_run):
-                    gets0 = Counter(store.chunk_counts())
-                    store.mark()
+                    local_store = remote is None
+                    gets0 = Counter(store.chunk_counts() if local_store else {})
+                    if local_store:
+                        store.mark()
                     dec0 = DECODES.snapshot()
                     anchors: list[int] = []
                     for batch in pipe:
@@ -625,14 +640,15 @@ def gloo_rank(rank: int, world: int, init_file: str, root: str, cache: str, out:
                         t = torch.ones(1)
                         dist.all_reduce(t)
                         assert int(t.item()) == world
-                    gets = Counter(store.chunk_counts())
+                    gets = Counter(store.chunk_counts() if local_store else {})
                     gets.subtract(gets0)
                     dec = DECODES.snapshot()
                     dec.subtract(dec0)
                     rep = pipe.report()
                     counts = rep.trace.counts()
                     epochs.append({
-                        "anchors": anchors, "gets": dict(+gets), "bytes": dict(store.since_mark),
+                        "anchors": anchors, "gets": dict(+gets),
+                        "bytes": dict(store.since_mark) if local_store else {},
                         "decodes": sum((+dec).values()),
                         "max_decodes": max(dec.values(), default=0),
                         "report": [rep.gets, rep.bytes_fetched, rep.decodes, rep.samples,
@@ -654,8 +670,8 @@ def test_gloo_ranks_over_one_persistent_cache_read_disjointly_and_deliver_each_s
     anchors are disjoint and all but at most ``world - 1`` valid ones come (``"drop"``), every
     row zarr's; each rank's report counts its store's GETs, bytes and its decodes (each object
     decoded at most once), as its trace does; two ranks get one object only at a cut between
-    their runs (the tail chunks), and over every epoch and run each object is got at most that
-    once more; a later run over the cache gets nothing."""
+    their runs (the chunks a window or the lead reaches across it), over every epoch and run
+    at most twice; a later run over the cache gets nothing."""
     import json
 
     from resume_helpers import spawn_ranks
@@ -685,7 +701,9 @@ def test_gloo_ranks_over_one_persistent_cache_read_disjointly_and_deliver_each_s
         if e == 2:
             assert sum(sum(p["gets"].values()) for p in per) == 0
     shared = {object_of(k)[1] for k, n in total.items() if n > 1}
-    assert len(shared) <= world - 1, shared  # a cut's chunk, at most once per cut
+    # the chunks a window (a step back) or the lead (a step on) reaches across a cut: two
+    assert len(shared) <= 2 * (world - 1), shared
+    assert max(total.values()) <= 2, total
 
 
 # ---------------------------------------------------------------------------------------------
@@ -948,3 +966,41 @@ def test_a_concatenation_over_three_buckets_counts_each_stores_gets_in_the_repor
         assert listed == [(coll["t2m"].path, 3, (0, 0))] and rep.bad_chunks == 1
     else:
         assert not listed and rep.bad_chunks == 0
+
+
+def test_gloo_ranks_over_s3_and_one_persistent_cache_get_each_object_at_most_once_between_them(
+    local: dict[str, Path], buckets: dict[str, Any], proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Two gloo ranks reading the S3 bucket (through the proxy, every first GET a 503 retried)
+    over one ``cache_dir``: anchors disjoint, rows zarr's; the ranks' reports' GETs are the
+    objects the proxy saw (two attempts each), an object got by both only at the cut between
+    their runs, and a second run gets nothing."""
+    import json
+
+    from resume_helpers import spawn_ranks
+
+    world = 2
+    remote = {"url": buckets["urls"]["v3"], "options": buckets["options"]}
+    _clear(proxy)
+    with _faults(proxy, "/v3.zarr/", 1, 503):
+        spawn_ranks(gloo_rank, args=(world, str(tmp_path / "init"), str(local["v3"]),
+                                     str(tmp_path / "cache"), str(tmp_path / "rank{}.json"),
+                                     remote),
+                    nprocs=world, workdir=tmp_path / "ranks")  # fmt: skip
+    seen = _proxy_gets(proxy, "v3")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    for e in range(3):
+        per = [r[e] for r in ranks]
+        anchors = Counter(a for p in per for a in p["anchors"])
+        assert max(anchors.values()) == 1 and len(set(range(2, N_TIME)) - set(anchors)) <= 1
+        for p in per:
+            assert p["trace"] == [p["report"][0], p["report"][2], p["report"][7]]
+            assert p["report"][2] == p["decodes"] and p["max_decodes"] <= 1
+        if e == 2:
+            assert all(p["report"][0] == 0 for p in per)
+    got = sum(p["report"][0] for r in ranks for p in r)
+    # once (a 503, then the bytes), or by both ranks at a cut (the second GET not faulted)
+    assert set(seen.values()) <= {2, 3}, seen
+    assert got == sum(n - 1 for n in seen.values())
+    shared = {object_of(k)[1] for k, n in seen.items() if n == 3}
+    assert len(shared) <= 2 * (world - 1), shared  # a step back and one on: two per cut
