@@ -86,7 +86,7 @@ class _Moments:
         """Merge the moments of ``x`` (less ``minus`` where given) into the running ones."""
         s1, s2 = self._sums(x, minus)  # a NaN anywhere shows in s1
         if np.isnan(s1).any():
-            whole = x if minus is None else np.subtract(x, minus, dtype=np.float64)
+            whole = x if minus is None else np.subtract(x, minus, dtype=_difference_dtype(x, minus))
             n, mean, m2, lo, hi, nans = _masked_moments(whole)
         else:
             n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
@@ -143,7 +143,7 @@ class _Moments:
         vv = min(values, BLOCK)
         cc = min(channels, max(1, BLOCK // vv))
         rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
-        narrow = minus is not None and x.dtype == minus.dtype == np.float32
+        narrow = minus is not None and _difference_dtype(x, minus) == np.float32
         wide, narrow_scratch, ones = _SCRATCH.get(min(rows, rr) * cc * vv, vv, narrow)
         for r0 in range(0, rows, rr):
             for c0 in range(0, channels, cc):
@@ -183,6 +183,12 @@ class _Moments:
                 "nan": self.nans,
             }
         return {k: v.reshape(channels) for k, v in out.items()}
+
+
+def _difference_dtype(later: np.ndarray, earlier: np.ndarray) -> type[np.floating]:
+    """The dtype ``later - earlier`` is formed in: float32 for float32 data (each within half
+    an ulp of the exact difference), float64 for other dtypes; with or without NaNs."""
+    return np.float32 if later.dtype == earlier.dtype == np.float32 else np.float64
 
 
 def _masked_moments(x: np.ndarray) -> tuple[np.ndarray, ...]:
