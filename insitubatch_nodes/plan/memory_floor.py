@@ -59,7 +59,10 @@ def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> in
     ``docs/pipeline.md`` bounds it: per thread and array, one stored object (a zarr chunk,
     decoded; an inner chunk of a shard), which an object decoded aside — an edge chunk, a
     selection the slots keep part of, a chain that cannot decode in place — takes
-    (:mod:`~insitubatch_nodes.io.decode`). An allowance: an in-place decode takes nothing."""
+    (:mod:`~insitubatch_nodes.io.decode`). An allowance: an in-place decode takes nothing, so
+    the fetch stage passes only the arrays whose objects may be decoded aside (not those
+    ``ChunkDecoder.decodes_in_place``: before 2026-12-07 every array counted, and a stack of
+    whole in-place chunks was refused a budget for scratch it never takes)."""
     objects = {
         g.path: g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
         for g in geoms.values()
