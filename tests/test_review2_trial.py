@@ -9,10 +9,13 @@ Tried and found right: see the tests' docstrings.
 from __future__ import annotations
 
 import itertools
+import warnings
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
+import xarray as xr
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import _moments, insitu_pipeline, open_geometries, split_by_chunk
@@ -144,3 +147,56 @@ def test_an_explicit_budget_is_not_refused_for_decode_scratch_that_whole_chunks_
         with pipe:
             assert sum(len(b["x"]) for b in Loader(pipe)) == n_time
             assert pipe.stats()["decode_scratch_bytes"] == 0
+
+
+def test_a_repeated_time_whose_first_copy_is_absent_is_read_from_its_stored_copy(
+    tmp_path: Path,
+) -> None:
+    """Under ``missing=()`` a later copy of a time counts as absent (``SampleSteps.repeated``),
+    and a copy listed in ``missing=`` is none, so listing the older copy reads the newer. But
+    where the older copy's stored object is absent (``missing_objects="drop"``), the newer copy
+    was dropped too: 12:00 of that day was in no epoch though it is stored. Now a copy that
+    cannot be read (listed, or an absent object) is no copy: the first readable one is the
+    time's, as pandas' ``duplicated()`` of the readable samples says."""
+    t = list(pd.date_range("2020-01-01", periods=8, freq="6h"))
+    t.insert(3, t[2])  # sample 3 holds sample 2's time
+    times = pd.DatetimeIndex(t)
+    n = len(times)
+    ds = xr.Dataset(
+        {"sst": (("time", "lat"), np.arange(n * 2, dtype="f4").reshape(n, 2))},
+        coords={"time": times, "lat": [0.0, 1.0]},
+    )
+    root = tmp_path / "r.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False, encoding={
+            "sst": {"chunks": (1, 2)},
+            "time": {"units": "hours since 2000-01-01", "dtype": "int64"},
+        })  # fmt: skip
+    (root / "sst" / "c" / "2" / "0").unlink()  # the first copy's object is gone
+    readable = np.ones(n, bool)
+    readable[2] = False
+    first = ~pd.Series(times[readable]).duplicated().to_numpy()
+    want_x = np.flatnonzero(readable)[first].tolist()
+    g = open_geometries(root)["sst"]
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    six = np.timedelta64(6, "h")
+    tt = times.to_numpy()
+    for views, want in (
+        ({"x": g}, want_x),
+        ({"x": g, "y": g.shift(1)},  # each step a + 1 readable, one step on in time
+         [a for a in want_x if a + 1 in want_x and tt[a + 1] == tt[a] + six]),
+    ):  # fmt: skip
+        pipe = insitu_pipeline(
+            root, manifest, views, batch_size=2, missing=(), missing_objects="drop",
+            shuffle=False,
+        )  # fmt: skip
+        try:
+            got: list[int] = []
+            for batch in Loader(pipe):
+                got += np.asarray(batch.sample_indices["x"]).tolist()
+                np.testing.assert_array_equal(batch["x"], ds.sst.values[batch.sample_indices["x"]])
+            assert got == want, list(views)
+            assert len(set(tt[got])) == len(got)
+        finally:
+            pipe.close()
