@@ -3,12 +3,14 @@ accumulates batch by batch.
 
 :class:`_Moments` keeps, per channel, the count of finite values, their mean, the sum of squared
 deviations from it, the minimum, the maximum and the NaNs skipped; batches are merged as Chan et
-al.'s pairwise update. A batch's sums and sums of squares are taken in float64 straight from the
-data (two reads, nothing written); where they would cancel (a channel's mean more than ``CANCEL
-** 0.5`` standard deviations from zero, or a constant channel), and in a batch with NaNs, its
-deviations from a per-channel reference near the mean (the running mean, else a value of the
-channel) are summed and squared instead: a constant channel, missing points or not, has a mean
-that is its value and a sum of squares of exactly 0.
+al.'s pairwise update. A batch's sums and sums of squares are taken in float64 from the data
+(one pass, a block at a time: below); where they would cancel (a channel's mean more than
+``CANCEL ** 0.5`` standard deviations from zero, or a constant channel) its deviations from a
+per-channel reference near the mean (the running mean, else the batch's first value) are summed
+and squared instead (a second pass), and a batch with NaNs takes its deviations from each
+channel's minimum, then from their mean (``_masked_moments``, on a float64 copy of the batch):
+a constant channel, missing points or not, has a mean that is its value and a sum of squares
+of exactly 0.
 
 The sums are taken block by block (:data:`BLOCK` values at a time): each block is cast to float64
 in a scratch buffer of the thread's (a one-step difference is formed there from its two

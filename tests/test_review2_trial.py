@@ -20,7 +20,7 @@ from torchdata.nodes import Loader
 
 from insitubatch_nodes import _moments, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.options import FetchOptions
-from insitubatch_nodes.plan import memory_floor
+from insitubatch_nodes.plan import memory_floor, ranks
 from insitubatch_nodes.stages import buffers
 from tests.helpers import Oracle, View, run_epoch, write_era5
 
@@ -200,3 +200,25 @@ def test_a_repeated_time_whose_first_copy_is_absent_is_read_from_its_stored_copy
             assert len(set(tt[got])) == len(got)
         finally:
             pipe.close()
+
+
+def test_a_pipeline_built_before_a_group_of_one_rank_reads_its_split_inside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``check_still_alone`` refuses a pipeline built before the group (``world_size=None``)
+    only where the group has several ranks: built before a group of one it reads the whole
+    split, every epoch, as it would have anyway; in a group of two (faked: the check asks
+    ``default_rank_world``) it is refused at the epoch's start, saying what to pass."""
+    root = write_era5(tmp_path / "e.zarr", n_time=16, samples_per_chunk=4)
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(root, manifest, {"x": g["t2m"]}, batch_size=4, coords=())
+    try:
+        monkeypatch.setattr(ranks, "default_rank_world", lambda: (0, 1))  # a group of one
+        for _ in range(2):
+            assert sorted(i for b in Loader(pipe) for i in b.sample_indices["x"]) == list(range(16))
+        monkeypatch.setattr(ranks, "default_rank_world", lambda: (1, 2))
+        with pytest.raises(RuntimeError, match=r"rank 1 of 2.*pass rank and world_size"):
+            next(iter(Loader(pipe)))
+    finally:
+        pipe.close()

@@ -99,9 +99,9 @@ def refuse_budget_beyond_memory(
         f"cache_budget_bytes={budget:,} cannot be held here: the pool may take "
         f"{_gib(pool)} of slots in RAM (its budget, or every chunk the split reads where "
         f"that is less) beside {_gib(in_flight)} of batches in flight (prefetch_depth + 2) and "
-        f"{_gib(scratch)} of decode scratch (a stored object per decode thread and array, at "
-        f"most), {_gib(pool + in_flight + scratch)} in all, more than the {_gib(memory)} of memory "
-        f"this process may use; {lower}batch_size, prefetch_depth or decode_threads, or give a "
+        f"{_gib(scratch)} of decode scratch (a stored object per decode thread and array not "
+        f"decoded in place, at most), {_gib(pool + in_flight + scratch)} in all, more than the "
+        f"{_gib(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or decode_threads, or give a "
         "cache_dir (slots in files on its disk)"
     )
 
