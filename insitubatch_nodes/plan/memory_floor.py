@@ -101,8 +101,8 @@ def refuse_budget_beyond_memory(
         f"that is less) beside {_gib(in_flight)} of batches in flight (prefetch_depth + 2) and "
         f"{_gib(scratch)} of decode scratch (a stored object per decode thread and array not "
         f"decoded in place, at most), {_gib(pool + in_flight + scratch)} in all, more than the "
-        f"{_gib(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or decode_threads, or give a "
-        "cache_dir (slots in files on its disk)"
+        f"{_gib(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or "
+        "decode_threads, or give a cache_dir (slots in files on its disk)"
     )
 
 
