@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -21,8 +22,9 @@ from torchdata.nodes import Loader
 from insitubatch_nodes import _moments, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan import memory_floor, ranks
+from insitubatch_nodes.stack import stack
 from insitubatch_nodes.stages import buffers
-from tests.helpers import Oracle, View, run_epoch, write_era5
+from tests.helpers import Oracle, View, run_epoch, write_era5, write_microscopy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -222,3 +224,38 @@ def test_a_pipeline_built_before_a_group_of_one_rank_reads_its_split_inside_it(
             next(iter(Loader(pipe)))
     finally:
         pipe.close()
+
+
+def test_an_array_said_to_decode_in_place_takes_no_decode_scratch(tmp_path: Path) -> None:
+    """``ChunkDecoder.decodes_in_place`` (what the explicit budget's memory check leaves out of
+    the scratch allowance) is never wrong the other way: over plain views, shifts, windows, a
+    stack, chunks of one and of eight samples, zarr v2 and a microscopy store whose one-sample
+    chunks hold part of each field (rows decoded straight into the batch: strided, so decoded
+    aside), no array said to decode in place took scratch over an epoch."""
+    e8 = write_era5(tmp_path / "e8.zarr", n_time=32, samples_per_chunk=8)
+    e1 = write_era5(tmp_path / "e1.zarr", n_time=8, samples_per_chunk=1)
+    v2 = write_era5(tmp_path / "v2.zarr", n_time=32, samples_per_chunk=8, zarr_format=2)
+    micro = write_microscopy(tmp_path / "m.zarr")
+    cases: list[tuple[Path, dict[str, Any], str]] = []
+    for root in (e8, e1, v2):
+        g = open_geometries(root)
+        cases += [
+            (root, {"x": g["t2m"], "y": g["z"].shift(1)}, "t2m"),
+            (root, {"x": g["t2m"].window([-1, 0])}, "t2m"),
+            (root, {"s": stack([g["t2m"], g["z"]])}, "t2m"),
+        ]
+    cases.append((micro, dict(open_geometries(micro)), "image"))
+    said = 0
+    for root, views, anchor in cases:
+        manifest = split_by_chunk(open_geometries(root)[anchor], (1.0, 0.0, 0.0))
+        with insitu_pipeline(root, manifest, views, batch_size=4, coords=(),
+                             decode_threads=2) as pipe:  # fmt: skip
+            for _ in Loader(pipe):
+                pass
+            fetch = pipe.stages.fetch
+            for path, decoder in fetch._decoders.items():
+                g = fetch.geoms[path]
+                if decoder.decodes_in_place(g, fetch.slot_geoms.get(path, g)):
+                    said += 1
+                    assert decoder.scratch_bytes == 0, (root.name, list(views), path)
+    assert said >= 9  # (t2m of every era5 case)
