@@ -1,9 +1,46 @@
 """A review of the package changes merged on 2026-12-07 (moments, coordlen, splitinfer,
-budgetmem, laststep, suitetime2, gcexact): the review2 trial.
+budgetmem, laststep, suitetime2, gcexact: ``git diff ca61f28 9aa505c -- insitubatch_nodes``),
+the review2 trial. numpy, zarr, pandas and xarray are the oracles.
 
-Found (fixed; each test failed before the fix): see the tests' docstrings.
+Found (fixed; each test failed before its fix):
 
-Tried and found right: see the tests' docstrings.
+- **Float32 differences with a NaN in the batch were formed in float64.** ``add_difference``
+  forms float32 data's one-step differences in float32 (its docstring; ``statistics``'), but a
+  batch holding a NaN went to the masked moments with ``np.subtract(..., dtype=float64)``: the
+  same pairs gave another ``diff_std`` (4.8e-8 relative) depending on whether a NaN was
+  elsewhere in the batch. One rule now, ``_moments._difference_dtype``, for both paths:
+  ``test_float32_differences_with_a_nan_are_formed_in_float32_as_without_one``.
+- **The explicit budget's memory check refused budgets for decode scratch never taken.** It
+  added one stored object per decode thread and *every* array, though whole chunks decode
+  straight into their slots (``decode_scratch_bytes`` stays 0 over an epoch): ARCO-ERA5's
+  whole 37-level chunks (154 MB) at 16 threads and 6 such arrays make a 14.9 GB allowance.
+  Only arrays that ``ChunkDecoder.decodes_in_place`` does not vouch for count now (edge
+  chunks, shards, filters, other dtypes or order, a slot of part of a chunk, one-sample chunks
+  holding part of each field): ``test_an_explicit_budget_is_not_refused_for_decode_scratch_``
+  ``that_whole_chunks_never_take``; the predicate never says "in place" for an array that took
+  scratch (a first version did, for a microscopy store's one-sample chunks decoded strided
+  into the batch row): ``test_an_array_said_to_decode_in_place_takes_no_decode_scratch``.
+- **A repeated time whose first copy's object is absent was lost.** Under ``missing=()`` and
+  ``missing_objects="drop"`` the first copy was dropped (absent) and the stored later copy as
+  a copy: that time was in no epoch, where listing the first copy in ``missing=`` reads the
+  later one. An unreadable copy (listed, or with an absent object) is now no copy
+  (``SampleSteps.repeated``):
+  ``test_a_repeated_time_whose_first_copy_is_absent_is_read_from_its_stored_copy``.
+
+Tried and found right: ``_Moments._sums``' blocks cut along values, channels and rows
+(``BLOCK`` 5, 64, default) for float32/float64/int16/uint8/float16 data near and far (1e4)
+from zero, ``add`` and ``add_difference``, against numpy (rtol 1e-9); ``direct=True`` at 4
+samples per chunk under the automatic budget (which now keeps nothing) delivers every sample
+once per shuffled epoch, zarr's values, with evictions; ``diff_std`` under the new ``b > a``
+rule equals numpy's over consecutive anchors 6 h apart around a repeated time, a NaT and a
+12 h jump, with and without ``missing=()``; a pipeline built before a group reads its split in
+a group of one and is refused in a group of two (``check_still_alone``); ``fit_statistics``
+builds with ``world_size=1``, so no refusal inside DDP (read). Outside this file (scripts):
+``forcing_calendar``'s ``"calendar"`` and ``"graphcast"`` year and day progress equal Python's
+``datetime`` arithmetic and GraphCast's ``data_utils`` formulas at 1600, 1969, 2000 and 2300
+``datetime64[s]`` times (1e-12), NaT -> NaN; a state saved before the repeated-time rule
+(coordlen) would be refused at resume, not resumed into other anchors: states carry the plan's
+anchors digest (``read_plan``'s ``"anchors"``).
 """
 
 from __future__ import annotations
@@ -24,6 +61,7 @@ from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan import memory_floor, ranks
 from insitubatch_nodes.stack import stack
 from insitubatch_nodes.stages import buffers
+from insitubatch_nodes.statistics import fit_statistics
 from tests.helpers import Oracle, View, run_epoch, write_era5, write_microscopy
 
 pytestmark = pytest.mark.timeout(60)
@@ -259,3 +297,46 @@ def test_an_array_said_to_decode_in_place_takes_no_decode_scratch(tmp_path: Path
                     said += 1
                     assert decoder.scratch_bytes == 0, (root.name, list(views), path)
     assert said >= 9  # (t2m of every era5 case)
+
+
+@pytest.mark.parametrize("missing", [(), None])
+def test_diff_std_pairs_consecutive_anchors_one_data_step_apart_in_time(
+    tmp_path: Path, missing: Any
+) -> None:
+    """``_one_step``'s rule changed from ``b - a == k`` to ``b > a`` (and one data step in
+    time): over 6-hourly times with a repeated time, a NaT and a jump of 12 h, ``diff_std`` is
+    numpy's over consecutive anchors (the plan's with ``missing=()``: no copy, no NaT; every
+    sample without) whose times are 6 h apart, and ``mean`` numpy's over those anchors."""
+    t = list(pd.date_range("2020-01-01", periods=20, freq="6h").to_numpy())
+    t.insert(5, t[4])
+    t[9] = np.datetime64("NaT")
+    t = t[:14] + [v + np.timedelta64(6, "h") for v in t[14:]]
+    times = np.array(t, "datetime64[ns]")
+    n = len(times)
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((n, 2, 3)) + np.arange(n)[:, None, None] ** 1.3).astype("f4")
+    ds = xr.Dataset(
+        {"sst": (("time", "lat", "lon"), x)},
+        coords={"time": times, "lat": [0.0, 1.0], "lon": [0.0, 1.0, 2.0]},
+    )
+    root = tmp_path / "s.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False, encoding={
+            "sst": {"chunks": (4, 2, 3)},
+            "time": {"units": "hours since 2000-01-01", "dtype": "int64", "_FillValue": -999},
+        })  # fmt: skip
+    g = open_geometries(root)["sst"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (without the checks: the repeated-time warning)
+        stats = fit_statistics(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"sst": g},
+                               missing=missing)  # fmt: skip
+    nat = np.isnat(times)
+    copy = np.array([bool((times[i] == times[:i]).any()) for i in range(n)])
+    keep = np.flatnonzero(~nat & ~copy) if missing == () else np.arange(n)
+    a, b = keep[:-1], keep[1:]
+    one = ~nat[a] & ~nat[b] & (times[b] - times[a] == np.timedelta64(6, "h"))
+    d = x[b[one]].astype(np.float64) - x[a[one]]
+    assert one.sum() == 16
+    np.testing.assert_allclose(stats.diff_std["sst"], d.std(), rtol=1e-9)
+    np.testing.assert_allclose(stats.mean["sst"], x[keep].astype(np.float64).mean(), rtol=1e-12)
