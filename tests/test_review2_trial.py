@@ -13,7 +13,8 @@ Found (fixed; each test failed before its fix):
 - **The explicit budget's memory check refused budgets for decode scratch never taken.** It
   added one stored object per decode thread and *every* array, though whole chunks decode
   straight into their slots (``decode_scratch_bytes`` stays 0 over an epoch): ARCO-ERA5's
-  whole 37-level chunks (154 MB) at 16 threads and 6 such arrays make a 14.9 GB allowance.
+  whole 37-level chunks (154 MB) at 16 threads and 6 such arrays make a 14.8 GB allowance
+  (computed).
   Only arrays that ``ChunkDecoder.decodes_in_place`` does not vouch for count now (edge
   chunks, shards, filters, other dtypes or order, a slot of part of a chunk, one-sample chunks
   holding part of each field): ``test_an_explicit_budget_is_not_refused_for_decode_scratch_``
@@ -40,7 +41,9 @@ builds with ``world_size=1``, so no refusal inside DDP (read). Outside this file
 ``datetime`` arithmetic and GraphCast's ``data_utils`` formulas at 1600, 1969, 2000 and 2300
 ``datetime64[s]`` times (1e-12), NaT -> NaN; a state saved before the repeated-time rule
 (coordlen) would be refused at resume, not resumed into other anchors: states carry the plan's
-anchors digest (``read_plan``'s ``"anchors"``).
+anchors digest (``read_plan``'s ``"anchors"``); a window ``[-1, 0]`` under ``missing=()`` on
+two repeated times, shuffled, resumed after 1 and 3 batches, delivers the uninterrupted run's
+rows to its epoch's end and the next epoch's.
 """
 
 from __future__ import annotations
@@ -166,8 +169,9 @@ def test_an_explicit_budget_is_not_refused_for_decode_scratch_that_whole_chunks_
     per decode thread and array, for every array, though whole chunks decode straight into
     their slots and take none (``decode_scratch_bytes`` stays 0 over an epoch): a budget the
     machine holds beside the batches was refused (ARCO-ERA5's whole 37-level chunks, 154 MB
-    each, at 16 threads and 6 such arrays: a 14.9 GB allowance of scratch never taken). Now
-    only arrays whose objects may be decoded aside count (an edge chunk: still refused)."""
+    each, at 16 threads and 6 such arrays: a 14.8 GB allowance, computed, of scratch never
+    taken). Now only arrays whose objects may be decoded aside count (an edge chunk: still
+    refused)."""
     for n_time, edge in ((64, False), (60, True)):
         root = write_era5(tmp_path / f"e{n_time}.zarr", n_time=n_time, samples_per_chunk=8)
         g = open_geometries(root, ["t2m", "z"])
