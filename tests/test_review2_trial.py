@@ -21,6 +21,13 @@ Found (fixed; each test failed before its fix):
   ``that_whole_chunks_never_take``; the predicate never says "in place" for an array that took
   scratch (a first version did, for a microscopy store's one-sample chunks decoded strided
   into the batch row): ``test_an_array_said_to_decode_in_place_takes_no_decode_scratch``.
+- **The automatic budget with a ``cache_dir`` was refused for RAM its slots do not take.**
+  Its slots are the cache's files (``SpillBacking``); the explicit budget's check skips such
+  slots, the automatic budget's compared its floor with RAM all the same: at a memory of the
+  batches plus half the floor the automatic budget was refused, an explicit one of four times
+  the floor built, with the same ``cache_dir``. Both now ask only of slots in RAM
+  (``stages/fetch.py``):
+  ``test_the_automatic_budget_with_a_cache_dir_is_not_refused_for_ram_its_slots_do_not_take``.
 - **A repeated time whose first copy's object is absent was lost.** Under ``missing=()`` and
   ``missing_objects="drop"`` the first copy was dropped (absent) and the stored later copy as
   a copy: that time was in no epoch, where listing the first copy in ``missing=`` reads the
@@ -344,3 +351,30 @@ def test_diff_std_pairs_consecutive_anchors_one_data_step_apart_in_time(
     assert one.sum() == 16
     np.testing.assert_allclose(stats.diff_std["sst"], d.std(), rtol=1e-9)
     np.testing.assert_allclose(stats.mean["sst"], x[keep].astype(np.float64).mean(), rtol=1e-12)
+
+
+def test_the_automatic_budget_with_a_cache_dir_is_not_refused_for_ram_its_slots_do_not_take(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With a ``cache_dir`` the pool's slots are files on its disk (``SpillBacking``): the
+    explicit budget's memory check skips them, but the automatic budget's compared its floor
+    with RAM all the same, so a pipeline with ``cache_dir`` and an explicit budget of four
+    times the floor was built where the automatic one was refused. Now both ask the memory
+    only of slots in RAM; without a ``cache_dir`` the automatic budget is still refused."""
+    root = write_era5(tmp_path / "e.zarr", n_time=64, samples_per_chunk=8)
+    g = open_geometries(root, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    views = {"x": g["t2m"], "y": g["z"]}
+    options = {"batch_size": 4, "coords": (), "decode_threads": 2, "block_chunks": 2}
+    with insitu_pipeline(root, manifest, views, **options) as pipe:
+        floor = pipe.stages.fetch._first_floor
+        in_flight = 4 * pipe.context.buffers.batch_nbytes
+    _fake_memory(monkeypatch, in_flight + floor // 2)
+    with pytest.raises(ValueError, match="automatic budget cannot hold this pipeline"):
+        insitu_pipeline(root, manifest, views, **options)
+    explicit = {"cache_budget_bytes": 4 * floor, **options}
+    with insitu_pipeline(root, manifest, views, cache_dir=tmp_path / "a", **explicit):
+        pass
+    with insitu_pipeline(root, manifest, views, cache_dir=tmp_path / "b", **options) as pipe:
+        assert pipe.stages.pool.backing.name == "spill"
+        assert sum(len(b["x"]) for b in Loader(pipe)) == 64

@@ -39,7 +39,9 @@ def refuse_beyond_memory(floor: int, in_flight: int, block_chunks: int) -> None:
     """``ValueError`` where ``floor`` (the first epoch's working-set floor under an automatic
     budget, in bytes) and ``in_flight`` (the bytes of the batches the pipeline keeps in flight)
     together exceed the memory this process may use; ``block_chunks`` (the plan's) is named in
-    the message, as what shrinks the floor."""
+    the message, as what shrinks the floor. Asked only where the slots are in RAM, as for an
+    explicit budget (with a ``cache_dir`` they are files on its disk: before 2026-12-07 the
+    automatic budget was refused there, an explicit one of four times its floor built)."""
     memory = usable_memory_bytes()
     if floor + in_flight <= memory:
         return
