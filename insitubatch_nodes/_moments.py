@@ -3,20 +3,22 @@ accumulates batch by batch.
 
 :class:`_Moments` keeps, per channel, the count of finite values, their mean, the sum of squared
 deviations from it, the minimum, the maximum and the NaNs skipped; batches are merged as Chan et
-al.'s pairwise update. A batch's sums and sums of squares are taken in float64 straight from the
-data (two reads, nothing written); where they would cancel (a channel's mean more than ``CANCEL
-** 0.5`` standard deviations from zero, or a constant channel), and in a batch with NaNs, its
-deviations from a per-channel reference near the mean (the running mean, else a value of the
-channel) are summed and squared instead: a constant channel, missing points or not, has a mean
-that is its value and a sum of squares of exactly 0.
+al.'s pairwise update. A batch's sums and sums of squares are taken in float64 from the data
+(one pass, a block at a time: below); where they would cancel (a channel's mean more than
+``CANCEL ** 0.5`` standard deviations from zero, or a constant channel) its deviations from a
+per-channel reference near the mean (the running mean, else the batch's first value) are summed
+and squared instead (a second pass), and a batch with NaNs takes its deviations from each
+channel's minimum, then from their mean (``_masked_moments``, on a float64 copy of the batch):
+a constant channel, missing points or not, has a mean that is its value and a sum of squares
+of exactly 0.
 
 The sums are taken block by block (:data:`BLOCK` values at a time): each block is cast to float64
 in a scratch buffer of the thread's (a one-step difference is formed there from its two
-operands: never a difference array of the batch's size), then summed by a BLAS dot with ones
-and with itself per row — two native passes over a block that stays in cache, where numpy's
-``einsum(..., dtype=float64)`` of float32 data cast and multiplied element by element (~2.3x the
-time of these passes and of the minimum and maximum together, measured on an (8, 13, 2048) float32
-batch: 261 -> ~115 µs).
+operands: no difference array of the batch's size, but in a batch with NaNs), then summed by a
+BLAS dot with ones and with itself per row — two native passes over a block that stays in
+cache, where numpy's ``einsum(..., dtype=float64)`` of float32 data cast and multiplied element
+by element (~2.3x the time of these passes and of the minimum and maximum together, measured
+on an (8, 13, 2048) float32 batch: 261 -> ~115 µs).
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class _Moments:
         """Merge the moments of ``x`` (less ``minus`` where given) into the running ones."""
         s1, s2 = self._sums(x, minus)  # a NaN anywhere shows in s1
         if np.isnan(s1).any():
-            whole = x if minus is None else np.subtract(x, minus, dtype=np.float64)
+            whole = x if minus is None else np.subtract(x, minus, dtype=_difference_dtype(x, minus))
             n, mean, m2, lo, hi, nans = _masked_moments(whole)
         else:
             n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
@@ -143,7 +145,7 @@ class _Moments:
         vv = min(values, BLOCK)
         cc = min(channels, max(1, BLOCK // vv))
         rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
-        narrow = minus is not None and x.dtype == minus.dtype == np.float32
+        narrow = minus is not None and _difference_dtype(x, minus) == np.float32
         wide, narrow_scratch, ones = _SCRATCH.get(min(rows, rr) * cc * vv, vv, narrow)
         for r0 in range(0, rows, rr):
             for c0 in range(0, channels, cc):
@@ -183,6 +185,12 @@ class _Moments:
                 "nan": self.nans,
             }
         return {k: v.reshape(channels) for k, v in out.items()}
+
+
+def _difference_dtype(later: np.ndarray, earlier: np.ndarray) -> type[np.floating]:
+    """The dtype ``later - earlier`` is formed in: float32 for float32 data (each within half
+    an ulp of the exact difference), float64 for other dtypes; with or without NaNs."""
+    return np.float32 if later.dtype == earlier.dtype == np.float32 else np.float64
 
 
 def _masked_moments(x: np.ndarray) -> tuple[np.ndarray, ...]:

@@ -20,7 +20,7 @@ shuffle; a chunk never read twice), with the views' selections; each batch is ac
 float64 and batches are merged as Chan et al.'s pairwise update (``std`` with ``ddof=0``;
 :mod:`~insitubatch_nodes._moments` says how a batch's sums are taken without cancelling: a
 constant channel, missing points or not, has a ``std`` of exactly 0). One-step
-differences are formed a block at a time (never a difference array of the batch's size): in
+differences are formed a block at a time (a batch-sized array only in a batch with NaNs): in
 float32 for float32 data (each within half an ulp of the exact difference), in float64 for
 other dtypes; and summed in float64. NaNs are skipped and counted
 (``nan_count``); a channel with no finite value has NaN statistics.

@@ -547,6 +547,27 @@ class ChunkDecoder:
             plan = plan.inner
         return isinstance(plan, _NumcodecsPlan) and plan.inplace_capable
 
+    def decodes_in_place(self, geom: ArrayGeometry, slot: ArrayGeometry) -> bool:
+        """Whether every stored object of ``geom`` (this decoder's array) is decoded straight
+        into its slot or batch row, ``slot`` being what a slot holds: whole unsharded chunks,
+        none at an edge, in the stored native dtype and C order, no filter, a slot of the whole
+        chunk, and at one sample per chunk (rows decoded straight into the batch) the whole
+        field in each (a part of a row is strided in it). Such an array takes no decode
+        scratch; any other may (one object per thread)."""
+        base = geom.base
+        plan = self._plan
+        return (
+            isinstance(plan, _NumcodecsPlan)
+            and plan.inplace_capable
+            and plan.order == "C"
+            and slot == base
+            and base.dtype.isnative
+            and base.cf is None
+            and not base.one_level_per_object
+            and all(n % c == 0 for n, c in zip(base.shape, base.chunks, strict=True))
+            and (base.samples_per_chunk > 1 or base.tile_shape == base.field_shape)
+        )
+
     # -- per-thread state ----------------------------------------------------------------------
     def _codec(self, step: _Step) -> Any:
         """This thread's numcodecs codec instance for ``step``."""

@@ -17,8 +17,9 @@ loop over samples), the same on every rank and every epoch:
   for the first of these reasons (:data:`REASONS`, in this order): ``"nat"`` — its time is NaT
   (``None`` for cftime dates); ``"gap"`` — its time is not ``time[a] + k * data_step`` (a gap, a
   duplicated or an out-of-order step), or it is a later copy of a time an earlier sample has
-  (``SampleSteps.repeated``: each time is one time; ``k = 0`` included, so an anchor-only view
-  and a time stride take a repeated time once); ``"missing"`` — it was listed in ``missing=``;
+  (``SampleSteps.repeated``: each time is one time, its first sample neither listed nor with an
+  absent object; ``k = 0`` included, so an anchor-only view and a time stride take a repeated
+  time once); ``"missing"`` — it was listed in ``missing=``;
   ``"absent_object"`` — one of its stored objects is absent from the store
   (``missing_objects="drop"``). The checks are over the set of offsets the views read, so any
   view that reads a set of steps (a window) extends them.
@@ -122,14 +123,17 @@ class SampleSteps:
         """Samples whose time an earlier sample of their run already has (pandas'
         ``duplicated()``, run by run; ``None`` without times): later copies of a time, which
         the checks count as absent (``"gap"``), so that each time is one time. A sample
-        listed in ``missing=`` is no copy: the first unlisted one is the time's (list the
-        copies not to read)."""
+        listed in ``missing=`` or with an absent stored object (``absent``) is no copy: the
+        first one that can be read is the time's (list the copies not to read; before
+        2026-12-07 a time whose first copy's object was absent lost its later copies too)."""
         if self.ticks is None:
             return None
         out = np.zeros(self.n_samples, dtype=bool)
-        at = np.flatnonzero(
-            (self.ticks != _NO_TIME) & (True if self.listed is None else ~self.listed)
-        )
+        readable = self.ticks != _NO_TIME
+        for gone in (self.listed, self.absent):
+            if gone is not None:
+                readable &= ~gone
+        at = np.flatnonzero(readable)
         t = self.ticks[at]
         if bool((np.diff(t) > 0).all()):  # (the usual: O(n))
             return out

@@ -40,7 +40,9 @@ def refuse_beyond_memory(floor: int, in_flight: int, block_chunks: int) -> None:
     """``ValueError`` where ``floor`` (the first epoch's working-set floor under an automatic
     budget, in bytes) and ``in_flight`` (the bytes of the batches the pipeline keeps in flight)
     together exceed the memory this process may use; ``block_chunks`` (the plan's) is named in
-    the message, as what shrinks the floor."""
+    the message, as what shrinks the floor. Asked only where the slots are in RAM, as for an
+    explicit budget (with a ``cache_dir`` they are files on its disk: before 2026-12-07 the
+    automatic budget was refused there, an explicit one of four times its floor built)."""
     memory = usable_memory_bytes()
     if floor + in_flight <= memory:
         return
@@ -60,7 +62,10 @@ def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> in
     ``docs/pipeline.md`` bounds it: per thread and array, one stored object (a zarr chunk,
     decoded; an inner chunk of a shard), which an object decoded aside — an edge chunk, a
     selection the slots keep part of, a chain that cannot decode in place — takes
-    (:mod:`~insitubatch_nodes.io.decode`). An allowance: an in-place decode takes nothing."""
+    (:mod:`~insitubatch_nodes.io.decode`). An allowance: an in-place decode takes nothing, so
+    the fetch stage passes only the arrays whose objects may be decoded aside (not those
+    ``ChunkDecoder.decodes_in_place``: before 2026-12-07 every array counted, and a stack of
+    whole in-place chunks was refused a budget for scratch it never takes)."""
     objects = {
         g.path: g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
         for g in geoms.values()
@@ -97,10 +102,10 @@ def refuse_budget_beyond_memory(
         f"cache_budget_bytes={budget:,} cannot be held here: the pool may take "
         f"{_gib(pool)} of slots in RAM (its budget, or every chunk the split reads where "
         f"that is less) beside {_gib(in_flight)} of batches in flight (prefetch_depth + 2) and "
-        f"{_gib(scratch)} of decode scratch (a stored object per decode thread and array, at "
-        f"most), {_gib(pool + in_flight + scratch)} in all, more than the {_gib(memory)} of memory "
-        f"this process may use; {lower}batch_size, prefetch_depth or decode_threads, or give a "
-        "cache_dir (slots in files on its disk)"
+        f"{_gib(scratch)} of decode scratch (a stored object per decode thread and array not "
+        f"decoded in place, at most), {_gib(pool + in_flight + scratch)} in all, more than the "
+        f"{_gib(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or "
+        "decode_threads, or give a cache_dir (slots in files on its disk)"
     )
 
 
