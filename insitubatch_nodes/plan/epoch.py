@@ -593,9 +593,11 @@ def check_ranks(
         raise TooFewSamplesError(
             f"split {config.split!r} has {n_samples} {what} but world_size is {world}{why}: "
             f"every rank needs at least one sample (remainder {config.remainder!r} too: a rank "
-            "without a batch leaves the others waiting at their first collective call). Read "
-            f"it on at most {n_samples} rank(s) (rank=r, world_size={n_samples} on ranks r < "
-            f"{n_samples}, nothing on the others), or give the split more samples (more chunks)",
+            "without a batch leaves the others waiting at their first collective call). To "
+            f"evaluate it, read it on at most {n_samples} rank(s) (rank=r, world_size="
+            f"{n_samples} on ranks r < {n_samples}, no loader on the others, outside any "
+            "collective call); to train on it, give it more samples (more chunks, a larger "
+            "share) or train on fewer ranks",
             split=config.split, n_samples=n_samples, world_size=world, counted=counted,
         )  # fmt: skip
 
