@@ -461,6 +461,7 @@ def fit_statistics(
     pooled = {label: tuple(i for i, d in enumerate(_channel_dims(v)) if d in pool)
               for label, v in plain.items()}  # fmt: skip
     sampled = {label: v for label, v in plain.items() if not v.static}
+    shapes = {label: _channels(v) for label, v in sampled.items()}  # (once, not per batch)
     static = {label: v for label, v in plain.items() if v.static}
     moments = {label: _Moments() for label in plain}
     diffs = {label: _Moments() for label, v in sampled.items() if v.product is None}
@@ -501,8 +502,8 @@ def fit_statistics(
                 statics = read_static(zstore, static, retry_policy(zstore).timeout_s,
                                       cache=chunks.cache, stats=chunks.stats)  # fmt: skip
             for batch in pipe:
-                for label, view in sampled.items():
-                    _accumulate(batch, label, view, pooled[label], moments[label],
+                for label in sampled:
+                    _accumulate(batch, label, shapes[label], pooled[label], moments[label],
                                 diffs.get(label), last, apart, separate)  # fmt: skip
         finally:
             pipe.close()
@@ -570,7 +571,7 @@ def _one_pass(options: dict[str, Any]) -> FetchOptions:
 def _accumulate(
     batch: Batch,
     label: str,
-    view: ArrayGeometry,
+    channels: tuple[int, ...],
     pooled: tuple[int, ...],
     moments: _Moments,
     diffs: _Moments | None,
@@ -580,7 +581,6 @@ def _accumulate(
 ) -> None:
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
-    channels = _channels(view)
     moments.add(as_channels(x, channels, pooled))
     if diffs is None:  # product sample axes: no one step (module docstring)
         return
