@@ -484,19 +484,23 @@ def test_builds_abandoned_mid_epoch_again_and_again_leave_nothing_behind_once_co
 
     for i in range(4):  # what a first build of each kind starts for good (pools, loops)
         next(build(i))
-    before, rss = settled(), _rss_mib()
+    before, rss = settled(), [_rss_mib()]
     for i in range(48):
         pipe = build(i)
         rows = iter(Loader(pipe)) if i % 2 else pipe
         for _ in range(2 + i % 4):
             assert _exact(era5, next(rows))
         del pipe, rows
+        if i == 23:  # (the second half's growth: a leak per build grows it as much as the
+            gc.collect()  # first's, the allocator's one-off growth does not)
+            rss.append(_rss_mib())
     after = settled(before)
     assert all(n <= b for n, b in zip(after, before, strict=True)), (after, before)
     assert not [fd for fd in _fds() if fd.startswith(str(cache))]
     assert not [p for p in cache.glob(".*.tmp")] and not list((cache / ".claims").iterdir())
     assert _lock_free(cache)
-    assert _rss_mib() - rss < 40, (rss, _rss_mib())
+    rss.append(_rss_mib())
+    assert rss[2] - rss[1] < 20, rss  # MiB over 24 builds
 
 
 @pytest.mark.parametrize("how", ["loader", "pipeline"])
