@@ -646,13 +646,17 @@ class Forcings:
         return f"Forcings({self.time_label!r}, names={list(self.names)}{convention})"
 
 
+_COARSER_THAN_NS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us")
+
+
 def _nanoseconds(times: np.ndarray) -> np.ndarray:
     """``datetime64`` ``times`` as int64 nanoseconds since 1970 (the memory's keys);
     ``ValueError`` for a time outside ``datetime64[ns]``'s range, which the cast would wrap
-    around into another time."""
-    ns = times.astype("datetime64[ns]")
-    if times.dtype != ns.dtype:
-        wrapped = (ns.astype(times.dtype) != times) & ~np.isnat(times)
+    around into another time (numpy < 2.5) or refuse with an ``OverflowError``."""
+    if np.datetime_data(times.dtype)[0] in _COARSER_THAN_NS:  # (numpy >= 2.5 raises, before
+        # wrapped): checked in the times' own unit, a day inside ns's range at either end
+        edge = np.array(["1677-09-22", "2262-04-10"], "datetime64[D]").astype(times.dtype)
+        wrapped = ((times <= edge[0]) | (times >= edge[1])) & ~np.isnat(times)
         if wrapped.any():
             raise ValueError(
                 f"Forcings: times outside datetime64[ns]'s range (1677-09-21 to 2262-04-11), "
@@ -661,7 +665,7 @@ def _nanoseconds(times: np.ndarray) -> np.ndarray:
                 "with the functions (cos_solar_zenith, toa_incident_solar_radiation), which "
                 "take any datetime64 unit"
             )
-    return ns.view(np.int64)
+    return times.astype("datetime64[ns]").view(np.int64)
 
 
 def _copied(
