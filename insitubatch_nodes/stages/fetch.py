@@ -219,18 +219,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             held=context.held,
         )
         self._history = FetchHistory(self.geoms)
-        self._first_floor = epoch_floor(self._setup, context.plan.epoch_plan(0))[0]
+        first = context.plan.epoch_plan(0)  # (drawn once: the floor and the memory checks)
+        self._first_floor = epoch_floor(self._setup, first)[0]
         # the memory checks: before this node holds anything, so nothing to tear down
         in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
         in_ram = self.pool.cache is None and self.pool.backing.name == "ram"  # (else: files)
         if self.pool.auto and in_ram:
             refuse_beyond_memory(self._first_floor, in_flight, context.plan.block_chunks)
         elif in_ram:
-            in_place = self._decoders  # (arrays whose objects all decode in place: no scratch)
+            # (arrays whose objects all decode in place take no scratch)
+            slots, decoders = self.slot_geoms, self._decoders
             aside = {p: g for p, g in self.geoms.items()
-                     if not in_place[p].decodes_in_place(g, self.slot_geoms.get(p, g))}  # fmt: skip
+                     if not decoders[p].decodes_in_place(g, slots.get(p, g))}  # fmt: skip
             scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads))
-            first = context.plan.epoch_plan(0)
             budget = self.pool.budget_bytes
             refuse_budget_beyond_memory(budget, first, self.slot_geoms, in_flight, scratch)
         self._pid = os.getpid()
