@@ -58,9 +58,9 @@ def native(times: np.ndarray) -> np.ndarray:
     return times.astype(np.promote_types(times.dtype, np.dtype("datetime64[s]")))
 
 
-def _graphcast_seconds(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``(seconds since 1970 as float64, missing)`` as GraphCast takes them (whole seconds,
-    ``datetime64[s]``); ``TypeError`` for cftime dates."""
+def _graphcast_seconds(times: np.ndarray) -> np.ndarray:
+    """The seconds since 1970 as float64 as GraphCast takes them (whole seconds,
+    ``datetime64[s]``; NaN at a missing time); ``TypeError`` for cftime dates."""
     if times.dtype.kind != "M":
         raise TypeError(
             f"convention='graphcast' needs times as numpy datetime64, got dtype {times.dtype}: "
@@ -68,9 +68,8 @@ def _graphcast_seconds(times: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             "non-standard calendar's cftime dates do not have; take convention='calendar' "
             "(counted in their own calendar)"
         )
-    missing = np.isnat(times)
     seconds = times.astype("datetime64[s]").astype(np.int64)
-    return np.where(missing, np.nan, seconds.astype(np.float64)), missing
+    return np.where(np.isnat(times), np.nan, seconds.astype(np.float64))
 
 
 _US_PER_DAY = 86_400 * 1_000_000
@@ -140,7 +139,7 @@ def local_time(times: Any, lon: Any, *, convention: str = "calendar") -> np.ndar
     sub-second times (GraphCast drops the fraction of a second)."""
     lon = np.asarray(lon, dtype=np.float64).reshape(1, -1)
     if check_convention(convention) == "graphcast":
-        seconds, _ = _graphcast_seconds(np.asarray(times))
+        seconds = _graphcast_seconds(np.asarray(times))
         day = np.mod(np.mod(seconds, _DAY_SECONDS) / _DAY_SECONDS, 1.0)[..., None, None]
         return 24.0 * np.mod(day + lon / 360.0, 1.0)
     t, missing = _missing(np.asarray(times))
@@ -162,7 +161,7 @@ def year_progress(times: Any, *, convention: str = "calendar") -> np.ndarray:
     (``NaT``, ``None``). ``convention="graphcast"``: GraphCast's year progress instead, whole
     seconds since 1970 over years of 365.24219 days, mod 1 (``datetime64`` only)."""
     if check_convention(convention) == "graphcast":
-        seconds, _ = _graphcast_seconds(np.asarray(times))
+        seconds = _graphcast_seconds(np.asarray(times))
         return np.mod(seconds / _DAY_SECONDS / GRAPHCAST_YEAR_DAYS, 1.0)
     t, missing = _missing(np.asarray(times))
     return np.where(missing, np.nan, _year_progress(t))
