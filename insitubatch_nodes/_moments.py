@@ -17,8 +17,8 @@ in a scratch buffer of the thread's (a one-step difference is formed there from 
 operands: no difference array of the batch's size, but in a batch with NaNs), then summed by a
 BLAS dot with ones and with itself per row — two native passes over a block that stays in
 cache, where numpy's ``einsum(..., dtype=float64)`` of float32 data cast and multiplied element
-by element (~2.3x the time of these passes and of the minimum and maximum together, measured
-on an (8, 13, 2048) float32 batch: 261 -> ~115 µs).
+by element (an (8, 13, 2048) float32 batch, measured side by side: :meth:`_Moments.add` 268 ->
+152 µs, its one-step differences 232 -> 134 µs).
 """
 
 from __future__ import annotations
