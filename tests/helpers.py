@@ -437,6 +437,18 @@ def put_array(
     return a
 
 
+def write_t2m_96(root: Path) -> Path:
+    """``t2m`` (96, 3, 5) in chunks of 4 steps, its time axis named, seeded: the store of the
+    Lightning resume tests (test_lightning_stop, test_laststep_trial)."""
+    group = zarr.open_group(root, mode="w")
+    array = group.create_array(
+        "t2m", shape=(96, 3, 5), chunks=(4, 3, 5), dtype="<f4",
+        dimension_names=["time", "lat", "lon"],
+    )  # fmt: skip
+    array[:] = np.random.default_rng(0).standard_normal((96, 3, 5)).astype("<f4")
+    return root
+
+
 def write_era5(root: Path, **kwargs: Any) -> Path:
     """A small ERA5-like store (t2m and z); keyword arguments override the small defaults."""
     opts: dict[str, Any] = {

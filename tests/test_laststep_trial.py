@@ -75,10 +75,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-import zarr
 
 from insitubatch_nodes import PlanConfig, open_geometries
 from insitubatch_nodes.batch import Batch
+from tests.helpers import write_t2m_96
 
 # Lightning is imported by the tests, not at collection (tests/lightning_parts.py says why).
 pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("lightning")]
@@ -90,14 +90,7 @@ Step = tuple[int, tuple[int, int], tuple[int, ...], int, int]
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """t2m (96, 3, 5) in chunks of 4 steps, with its time axis named."""
-    root = tmp_path_factory.mktemp("laststep") / "s.zarr"
-    group = zarr.open_group(root, mode="w")
-    array = group.create_array(
-        "t2m", shape=(96, 3, 5), chunks=(4, 3, 5), dtype="<f4",
-        dimension_names=["time", "lat", "lon"],
-    )  # fmt: skip
-    array[:] = np.random.default_rng(0).standard_normal((96, 3, 5)).astype("<f4")
-    return root
+    return write_t2m_96(tmp_path_factory.mktemp("laststep") / "s.zarr")
 
 
 def _item(batch: Batch) -> dict[str, Any]:

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pytest
 import torch
-import zarr
 
 from insitubatch_nodes import PlanConfig, open_geometries
 from insitubatch_nodes.batch import Batch
+from tests.helpers import write_t2m_96
 
 if TYPE_CHECKING:
     from lightning_parts import StepRecorder
@@ -37,14 +37,7 @@ EPOCHS = 3
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """t2m (96, 3, 5) in chunks of 4 samples, with its time axis named."""
-    root = tmp_path_factory.mktemp("stop") / "s.zarr"
-    group = zarr.open_group(root, mode="w")
-    array = group.create_array(
-        "t2m", shape=(96, 3, 5), chunks=(4, 3, 5), dtype="<f4",
-        dimension_names=["time", "lat", "lon"],
-    )  # fmt: skip
-    array[:] = np.random.default_rng(0).standard_normal((96, 3, 5)).astype("<f4")
-    return root
+    return write_t2m_96(tmp_path_factory.mktemp("stop") / "s.zarr")
 
 
 def item(batch: Batch) -> dict[str, Any]:
