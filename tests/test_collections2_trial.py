@@ -1,0 +1,182 @@
+"""A second trial of collections (2026-12-07): members of one name, patched ensemble stacks,
+anemoi-datasets' single-array layout, members chunked otherwise over two ranks. zarr's and
+numpy's read of the member and index a batch names are the oracles.
+
+Found, and fixed:
+
+* two collections of seven stores or more that differ in a store other than the first three
+  and the last three took one name (a routing store's repr, which the name digested, leaves
+  the middle stores out): statistics fitted on one were loaded for the other without a word;
+* a stack with ``ensemble=`` of patched members was refused ("not supported"); allowed, its
+  static member's window was not broadcast along the ensemble axis (a ``ValueError`` from
+  numpy in the batch transform);
+* anemoi-datasets' converted store (one ``data (time, variable, ensemble, cell)``, the
+  variable names in the group's ``variables``, the times in ``dates``): ``sel(variable="2t")``
+  raised ``KeyError`` (no coordinate array), a time stride said the array had no time
+  coordinate, and ``Forcings(view=...)`` refused its points ("latitudes ... got nan ... nan",
+  or "computed at other points ... [nan, 50.0, ...] where the field is at [nan, 50.0, ...]"):
+  its ``latitudes``/``longitudes`` are zarr v2 arrays of fill value 0, which masked every
+  point at 0 degrees as missing.
+
+Tried and found right: members in stores of one name (``data.zarr``) in two folders, and the
+well ``A/1`` of two plates, each row its own member's values, times and Forcings; patched
+stacks of members as channels; every (member, sample) once per epoch over two ranks with
+variables chunked 1 and 4 samples per chunk, shuffled, and a state taken after any batch
+resuming bit-exact on each rank; members of one variable chunked otherwise refused by name; an
+ensemble stack of anemoi's ``(variable, ensemble)`` order refused, saying to give it as a
+label of its own.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+import xarray as xr
+import zarr
+
+from insitubatch_nodes import (
+    Collection,
+    Forcings,
+    Loader,
+    insitu_pipeline,
+    split_by_member,
+)
+from insitubatch_nodes.forcings import cos_solar_zenith
+from insitubatch_nodes.statistics import Statistics, fit_statistics
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _quiet_to_zarr(ds: xr.Dataset, path: Path, **kw: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(path, zarr_format=3, consolidated=False, **kw)
+
+
+# -- 1. members of one name ------------------------------------------------------------------
+
+
+def _stores(root: Path, n: int) -> list[str]:
+    """``n`` stores ``d{k}/data.zarr``, each one array of 4 steps chunked 2, valued ``k``."""
+    out = []
+    for k in range(n):
+        path = root / f"d{k}" / "data.zarr"
+        arr = zarr.create_array(
+            path, shape=(4, 2), chunks=(2, 2), dtype="f4", dimension_names=("t", "x")
+        )
+        arr[:] = k
+        out.append(str(path))
+    return out
+
+
+def test_collections_of_seven_stores_other_in_a_middle_one_are_two_datasets(
+    tmp_path: Path,
+) -> None:
+    paths = _stores(tmp_path, 8)
+    a = Collection.from_arrays(paths[:7], sample_axis="t")
+    b = Collection.from_arrays([*paths[:3], paths[7], *paths[4:7]], sample_axis="t")
+    assert a.name != b.name  # (one name before: the store's repr left d3 and d7 out)
+    stats = fit_statistics(a, split_by_member(a, {"train": 1.0}), {"x": a["data"]})
+    assert stats.mean["x"] == pytest.approx(3.0)
+    stats.save(tmp_path / "a.json")
+    given = {"store": b, "manifest": split_by_member(b, {"train": 1.0}), "views": {"x": b["data"]}}
+    with pytest.raises(ValueError, match="fitted on another dataset"):
+        Statistics.load(tmp_path / "a.json", dataset=given)  # (accepted before: mean 3, not 3.57)
+    Statistics.load(
+        tmp_path / "a.json",
+        dataset={
+            **given,
+            "store": a,
+            "views": {"x": a["data"]},
+            "manifest": split_by_member(a, {"train": 1.0}),
+        },
+    )
+
+
+def test_scenes_in_stores_of_one_name_give_each_row_its_own_values_times_and_places(
+    tmp_path: Path,
+) -> None:
+    places = {
+        "d0": ("2021-06-21T00", np.linspace(44, 48, 3), np.linspace(6, 14, 4)),
+        "d1": ("2021-01-03T06", np.linspace(-40, -44, 3), np.linspace(144, 148, 4)),
+    }
+    truth, stores = [], []
+    for k, (folder, (t0, lat, lon)) in enumerate(places.items()):
+        times = pd.date_range(t0, periods=6 + 2 * k, freq="3h")
+        values = np.arange(len(times) * 12, dtype="f4").reshape(-1, 3, 4) + 1000 * k
+        ds = xr.Dataset(
+            {"t2m": (("time", "lat", "lon"), values)},
+            coords={"time": times, "lat": lat, "lon": lon},
+        )
+        _quiet_to_zarr(ds, tmp_path / folder / "data.zarr", encoding={"t2m": {"chunks": (2, 3, 4)}})
+        truth.append((times.values, values, lat, lon))
+        stores.append((str(tmp_path / folder / "data.zarr"), "t2m"))
+    with pytest.raises(ValueError, match="give names="):
+        Collection.from_groups(None, stores, {"t2m": ""}, sample_axis="time")
+    coll = Collection.from_arrays(stores, names=["data.zarr", "data.zarr (2)"], sample_axis="time")
+    sun = Forcings("x", view=coll["data"], names=["cos_solar_zenith"])
+    view = coll["data"].window([-1, 0])
+    seen = []
+    with insitu_pipeline(
+        coll,
+        split_by_member(coll, {"train": 1.0}),
+        {"x": view},
+        coords=["time"],
+        batch_size=4,
+        batch_transforms=[sun],
+    ) as pipe:
+        for batch in Loader(pipe):
+            for r in range(len(batch)):
+                m, idx = int(batch.members["x"][r]), batch.sample_indices["x"][r]
+                times, values, lat, lon = truth[m]
+                np.testing.assert_array_equal(batch["x"][r], values[idx])
+                assert (batch.coords["x"]["time"][r] == times[idx]).all()
+                want = np.stack([cos_solar_zenith(t, lat, lon) for t in times[idx]])  # per step
+                np.testing.assert_allclose(batch["cos_solar_zenith"][r], want, atol=1e-5)
+                seen.append((m, int(idx[-1])))
+    assert sorted(seen) == [(0, i) for i in range(1, 6)] + [(1, i) for i in range(1, 8)]
+
+
+def test_the_same_well_of_two_plates_reads_each_plate_s_field(tmp_path: Path) -> None:
+    from insitubatch_nodes.synthetic import make_hcs_plate
+
+    plates = [
+        make_hcs_plate(
+            str(tmp_path / f"run{k}" / "plate.zarr"),
+            rows=1,
+            columns=1,
+            fields=1,
+            shape=(1, 1, 4, 16, 16),
+            levels=1,
+            labels=(),
+            seed=k,
+            ngff_version="0.5",
+        )
+        for k in range(2)
+    ]
+    groups = [(p, "A/1/0") for p in plates]
+    coll = Collection.from_groups(
+        None,
+        groups,
+        {"image": "s0"},
+        names=["run0/A/1/0", "run1/A/1/0"],
+        keys={"well": ["A/1", "A/1"]},
+        sample_axis=2,
+    )
+    whole = [zarr.open_array(p, path="A/1/0/s0", mode="r")[...] for p in plates]
+    assert not np.array_equal(whole[0], whole[1])
+    seen = []
+    with insitu_pipeline(
+        coll, split_by_member(coll, {"train": 1.0}), {"x": coll["image"]}, batch_size=3
+    ) as pipe:
+        for batch in Loader(pipe):
+            for r in range(len(batch)):
+                m, z = int(batch.members["x"][r]), int(batch.sample_indices["x"][r])
+                np.testing.assert_array_equal(batch["x"][r], whole[m][:, :, z])
+                seen.append((m, z))
+    assert sorted(seen) == [(m, z) for m in range(2) for z in range(4)]
