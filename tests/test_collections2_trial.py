@@ -44,7 +44,10 @@ from insitubatch_nodes import (
     Forcings,
     Loader,
     insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
     split_by_member,
+    stack,
 )
 from insitubatch_nodes.forcings import cos_solar_zenith
 from insitubatch_nodes.statistics import Statistics, fit_statistics
@@ -180,3 +183,176 @@ def test_the_same_well_of_two_plates_reads_each_plate_s_field(tmp_path: Path) ->
                 np.testing.assert_array_equal(batch["x"][r], whole[m][:, :, z])
                 seen.append((m, z))
     assert sorted(seen) == [(m, z) for m in range(2) for z in range(4)]
+
+
+# -- 2. patched ensemble stacks ---------------------------------------------------------------
+
+LAT, LON = [60.0, 20.0, -20.0, -60.0], list(np.arange(0.0, 360.0, 60.0))
+PATCH = {"lat": 2, "lon": 3}
+
+
+@pytest.fixture(scope="module")
+def ens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, xr.Dataset]:
+    """``t (time, member, level, lat, lon)``, ``2t (time, member, lat, lon)`` (members 100
+    apart, so a mixed-up member shows) and a static ``lsm``; tiles of 2 x 3 points."""
+    times = pd.date_range("2020-01-01", periods=12, freq="6h")
+    rng = np.random.default_rng(3)
+    member = 100.0 * np.arange(3)[None, :, None, None, None]
+    t = 250 + member + 10.0 * np.arange(2)[None, None, :, None, None]
+    t = t + rng.normal(0, 1, (12, 3, 2, 4, 6))
+    t2 = 280 + member[:, :, 0] + rng.normal(0, 2, (12, 3, 4, 6))
+    ds = xr.Dataset(
+        {
+            "t": (("time", "member", "level", "lat", "lon"), t.astype("f4")),
+            "2t": (("time", "member", "lat", "lon"), t2.astype("f4")),
+            "lsm": (("lat", "lon"), rng.random((4, 6)).astype("f4")),
+        },
+        coords={"time": times, "member": [1, 2, 3], "level": [850, 500], "lat": LAT, "lon": LON},
+    )
+    root = tmp_path_factory.mktemp("ens") / "ens.zarr"
+    _quiet_to_zarr(
+        ds, root, encoding={"t": {"chunks": (4, 3, 2, 2, 3)}, "2t": {"chunks": (4, 3, 4, 6)}}
+    )
+    return root, ds
+
+
+def _window(ds: xr.Dataset, i: Any, y0: int, x0: int, levels: bool = True) -> np.ndarray:
+    """numpy's ``([T,] E, C, 2, 3)`` window at ``(y0, x0)`` of samples ``i``: t@850, t@500,
+    2t, lsm."""
+    box = (slice(y0, y0 + 2), slice(x0, x0 + 3))
+    t = ds.t.values[i][..., box[0], box[1]]  # ([T,] E, L, 2, 3)
+    t2 = ds["2t"].values[i][..., None, box[0], box[1]]
+    lsm = np.broadcast_to(ds.lsm.values[box], (*t2.shape[:-3], 1, 2, 3))
+    return np.concatenate([t, t2, lsm] if levels else [t2, lsm], axis=-3)
+
+
+@pytest.mark.parametrize("layout", ["channels_first", "channels_last"])
+@pytest.mark.parametrize("windowed", [False, True])
+def test_an_ensemble_stack_of_patched_members_holds_every_member_s_window(
+    ens: tuple[Path, xr.Dataset], layout: str, windowed: bool
+) -> None:
+    root, ds = ens
+    g = open_geometries(root)
+
+    def view(name: str) -> Any:
+        v = g[name].window([-1, 0]) if windowed else g[name]
+        return v.patches(PATCH)
+
+    x = stack({"t": view("t"), "2t": view("2t"), "lsm": g["lsm"]}, ensemble="member", layout=layout)
+    assert x.channels == ("t@850", "t@500", "2t", "lsm") and x.ensemble == (1, 2, 3)
+    seen = set()
+    with insitu_pipeline(
+        root, split_by_chunk(g["2t"], (1.0, 0.0, 0.0)), {"x": x}, batch_size=5, seed=1
+    ) as pipe:
+        for batch in Loader(pipe):
+            for r in range(len(batch)):
+                i = batch.sample_indices["x"][r]
+                y0, x0 = (int(v) for v in batch.patch_origins["x"][r])
+                got = batch["x"][r]
+                if layout == "channels_last":
+                    got = np.moveaxis(got, -1, -3)
+                np.testing.assert_array_equal(got, _window(ds, i, y0, x0))
+                seen.add((int(np.ravel(i)[-1]), y0, x0))
+    first = 1 if windowed else 0
+    assert seen == {(i, y, x) for i in range(first, 12) for y in (0, 2) for x in (0, 3)}
+
+
+def test_a_patched_ensemble_stack_of_a_collection_standardised_per_member_with_forcings(
+    ens: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, ds = ens
+    other = ds.assign_coords(time=ds.time + pd.Timedelta("7D"))
+    other = other.assign({"2t": other["2t"] + 1000.0})
+    _quiet_to_zarr(other[["2t"]], tmp_path / "b.zarr", encoding={"2t": {"chunks": (4, 3, 4, 6)}})
+    coll = Collection.from_arrays(
+        [(str(root), "2t"), (str(tmp_path / "b.zarr"), "2t")], names=["a", "b"], sample_axis="time"
+    )
+    manifest = split_by_member(coll, {"train": 1.0})
+    picked = coll["data"].sel(member=[3, 1])
+    stats = fit_statistics(coll, manifest, {"2t": picked})  # per member: (E,)
+    v = picked.patches(PATCH)
+    sun = Forcings("x", view=v, names=["cos_solar_zenith"])
+    x = stack({"2t": v, "sun": sun}, ensemble="member", normalize=stats)
+    mean, std = stats.mean["2t"], stats.std["2t"]
+    with insitu_pipeline(coll, manifest, {"x": x}, batch_size=5, coords=["time"]) as pipe:
+        n = 0
+        for batch in Loader(pipe):
+            for r in range(len(batch)):
+                m, i = int(batch.members["x"][r]), int(batch.sample_indices["x"][r])
+                y0, x0 = (int(v) for v in batch.patch_origins["x"][r])
+                member = (ds, other)[m]["2t"].values[i][[2, 0], y0 : y0 + 2, x0 : x0 + 3]
+                want = (member - mean[:, None, None]) / std[:, None, None]
+                np.testing.assert_allclose(batch["x"][r][:, 0], want, rtol=1e-5, atol=1e-5)
+                time = batch.coords["x"]["time"][r]
+                sunlit = cos_solar_zenith(time, np.array(LAT[y0 : y0 + 2]), LON[x0 : x0 + 3])
+                for e in range(2):  # the same for every ensemble member, never standardised
+                    np.testing.assert_allclose(batch["x"][r][e, 1], sunlit, atol=1e-5)
+                n += 1
+    assert n == 2 * 12 * 4
+
+
+def test_a_patched_ensemble_stack_resumes_bit_exact_mid_epoch(ens: tuple[Path, xr.Dataset]) -> None:
+    root, _ = ens
+    g = open_geometries(root)
+    x = stack({"2t": g["2t"].patches(PATCH, origins="random"), "lsm": g["lsm"]}, ensemble="member")
+    manifest = split_by_chunk(g["2t"], (1.0, 0.0, 0.0))
+
+    def records(state: Any = None, stop: int | None = None) -> tuple[list[Any], Any]:
+        out: list[Any] = []
+        with insitu_pipeline(root, manifest, {"x": x}, batch_size=5, seed=4) as pipe:
+            loader = Loader(pipe)
+            if state is not None:
+                loader.load_state_dict(state)
+            for _ in range(2 if state is None else 1):
+                for batch in loader:
+                    out.append(
+                        (batch.epoch, batch["x"].tobytes(), batch.patch_origins["x"].tolist())
+                    )
+                    if stop is not None and len(out) == stop:
+                        return out, loader.state_dict()
+        return out, None
+
+    ref, _ = records()
+    per_epoch = len(ref) // 2
+    head, state = records(stop=4)
+    rest, _ = records(state)
+    assert head + rest == ref[:per_epoch]
+
+
+def test_patched_stacks_of_members_as_channels_hold_numpy_s_windows(
+    ens: tuple[Path, xr.Dataset],
+) -> None:
+    root, ds = ens
+    g = open_geometries(root)
+    x = stack(
+        {
+            "t": g["t"].sel(member=[3, 1], level=500).patches(PATCH),
+            "2t": g["2t"].sel(member=[3, 1]).patches(PATCH),
+            "lsm": g["lsm"],
+        }
+    )
+    assert x.channels == ("t@3", "t@1", "2t@3", "2t@1", "lsm")
+    with insitu_pipeline(
+        root, split_by_chunk(g["2t"], (1.0, 0.0, 0.0)), {"x": x}, batch_size=7
+    ) as pipe:
+        for batch in Loader(pipe):
+            for r in range(len(batch)):
+                i = int(batch.sample_indices["x"][r])
+                y0, x0 = (int(v) for v in batch.patch_origins["x"][r])
+                box = (slice(y0, y0 + 2), slice(x0, x0 + 3))
+                want = np.concatenate(
+                    [
+                        ds.t.values[i][[2, 0], 1][:, box[0], box[1]],
+                        ds["2t"].values[i][[2, 0]][:, box[0], box[1]],
+                        ds.lsm.values[None, box[0], box[1]],
+                    ]
+                )
+                np.testing.assert_array_equal(batch["x"][r], want)
+
+
+def test_an_ensemble_stack_patched_along_the_members_is_refused_by_name(
+    ens: tuple[Path, xr.Dataset],
+) -> None:
+    g = open_geometries(ens[0])
+    with pytest.raises(ValueError, match="'2t' is patched along 'member'"):
+        stack({"2t": g["2t"].patches({"member": 2, "lat": 2})}, ensemble="member")
