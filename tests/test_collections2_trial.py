@@ -356,3 +356,105 @@ def test_an_ensemble_stack_patched_along_the_members_is_refused_by_name(
     g = open_geometries(ens[0])
     with pytest.raises(ValueError, match="'2t' is patched along 'member'"):
         stack({"2t": g["2t"].patches({"member": 2, "lat": 2})}, ensemble="member")
+
+
+# -- 3. anemoi-datasets' single array ---------------------------------------------------------
+
+NAMES = ["10u", "2t", "lsm", "t_500", "t_850"]
+
+
+@pytest.fixture(scope="module")
+def anemoi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, np.ndarray]:
+    """A store laid out as ``anemoi-datasets create`` writes it (zarr v2): ``data (time,
+    variable, ensemble, cell)`` chunked one date a chunk, ``dates`` in ``datetime64[s]``,
+    ``latitudes``/``longitudes (cell)`` with zarr's default fill value 0 (points at 0 degrees
+    among them), the names in the root's ``variables`` and ``name_to_index``."""
+    root = tmp_path_factory.mktemp("anemoi") / "anemoi.zarr"
+    nt, nv, ne, nc = 12, len(NAMES), 2, 7
+    dates = np.datetime64("2020-01-01T00", "s") + np.arange(nt) * np.timedelta64(6, "h")
+    rng = np.random.default_rng(0)
+    data = (rng.normal(size=(nt, nv, ne, nc)) + 10 * np.arange(nv)[:, None, None]).astype("f4")
+    group = zarr.open_group(root, mode="w", zarr_format=2)
+    arr = group.create_array(
+        "data", shape=data.shape, chunks=(1, nv, ne, nc), dtype="f4", fill_value=np.nan
+    )
+    arr[:] = data
+    arr.attrs["_ARRAY_DIMENSIONS"] = ["time", "variable", "ensemble", "cell"]
+    times = group.create_array("dates", shape=(nt,), chunks=(nt,), dtype="<M8[s]")
+    times[:] = dates
+    times.attrs["_ARRAY_DIMENSIONS"] = ["time"]
+    for name, values in (
+        ("latitudes", [-60, -40, -20, 0, 20, 40, 60]),
+        ("longitudes", [0, 50, 100, 150, 200, 250, 300]),
+    ):
+        place = group.create_array(name, shape=(nc,), chunks=(nc,), dtype="f8", fill_value=0.0)
+        place[:] = values
+        place.attrs["_ARRAY_DIMENSIONS"] = ["cell"]
+    group.attrs.update(
+        {
+            "variables": NAMES,
+            "name_to_index": {n: i for i, n in enumerate(NAMES)},
+            "frequency": "6h",
+            "ensemble_dimension": ne,
+        }
+    )
+    return root, data, dates
+
+
+def test_anemoi_s_single_array_is_read_as_channels_by_name_at_its_dates(
+    anemoi: tuple[Path, np.ndarray, np.ndarray],
+) -> None:
+    root, data, dates = anemoi
+    g = open_geometries(root)["data"]
+    picked = ["t_850", "2t"]
+    x = stack({"data": g.sel(variable=picked).isel(ensemble=0).window([-1, 0])})
+    assert x.channels == ("data@t_850", "data@2t")  # (KeyError before: no coordinate array)
+    index = [NAMES.index(n) for n in picked]
+    anchors = []
+    with insitu_pipeline(
+        root,
+        split_by_chunk(g, (1.0, 0.0, 0.0)),
+        {"x": x},
+        stride="12h",
+        missing=[np.datetime64("2020-01-02T06")],
+        batch_size=4,
+    ) as pipe:
+        for batch in Loader(pipe):
+            idx = batch.sample_indices["x"]
+            np.testing.assert_array_equal(batch["x"], data[idx][:, :, index, 0])
+            np.testing.assert_array_equal(batch.coords["x"]["dates"], dates[idx])
+            anchors += list(dates[idx[:, 1]])
+    want = [d for d in dates[1:] if d.astype("datetime64[h]").astype(int) % 12 == 0]
+    want = [
+        d for d in want if np.datetime64("2020-01-02T06") not in (d, d - np.timedelta64(6, "h"))
+    ]
+    assert sorted(anchors) == want
+
+
+def test_forcings_on_anemoi_s_points_take_the_points_at_zero_degrees(
+    anemoi: tuple[Path, np.ndarray, np.ndarray],
+) -> None:
+    root, _, dates = anemoi
+    g = open_geometries(root)["data"]
+    lat = zarr.open_array(root, path="latitudes", mode="r")[...]
+    lon = zarr.open_array(root, path="longitudes", mode="r")[...]
+    sun = Forcings("x", view=g, time_name="dates", names=["cos_solar_zenith"])  # (refused before)
+    with insitu_pipeline(
+        root,
+        split_by_chunk(g, (1.0, 0.0, 0.0)),
+        {"x": g.sel(variable=["2t"])},
+        batch_size=6,
+        batch_transforms=[sun],
+    ) as pipe:
+        for batch in Loader(pipe):
+            for r, i in enumerate(batch.sample_indices["x"]):
+                want = np.diag(cos_solar_zenith(dates[i], lat, lon))  # (each point's own)
+                np.testing.assert_allclose(batch["cos_solar_zenith"][r], want, atol=1e-6)
+
+
+def test_an_ensemble_stack_of_anemoi_s_variable_before_ensemble_order_is_refused_saying_how(
+    anemoi: tuple[Path, np.ndarray, np.ndarray],
+) -> None:
+    g = open_geometries(anemoi[0])["data"]
+    with pytest.raises(ValueError, match=r"'ensemble' after 'variable'.*label of its own"):
+        stack({"x": g.isel(variable=[1, 4])}, ensemble="ensemble")
