@@ -458,3 +458,106 @@ def test_an_ensemble_stack_of_anemoi_s_variable_before_ensemble_order_is_refused
     g = open_geometries(anemoi[0])["data"]
     with pytest.raises(ValueError, match=r"'ensemble' after 'variable'.*label of its own"):
         stack({"x": g.isel(variable=[1, 4])}, ensemble="ensemble")
+
+
+# -- 4. members chunked otherwise, two ranks, resume ------------------------------------------
+
+LENGTHS = [7, 9, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Collection, dict[Any, np.ndarray]]:
+    """Members ``m0..m3`` of a group: ``a`` chunked one sample a chunk, ``b`` four (and 2 x 2
+    tiles of the field), values distinct per member, variable, sample and point."""
+    root = tmp_path_factory.mktemp("mixed") / "plate.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    data = {}
+    for m, n in enumerate(LENGTHS):
+        for var, spc, base in (("a", 1, 0), ("b", 4, 500)):
+            arr = group.create_array(
+                f"m{m}/{var}",
+                shape=(n, 2, 4),
+                chunks=(spc, 2, 2),
+                dtype="f4",
+                dimension_names=("z", "y", "x"),
+            )
+            arr[:] = np.arange(n * 8, dtype="f4").reshape(n, 2, 4) + 1000 * m + base
+            data[m, var] = arr[...]
+    coll = Collection.from_groups(
+        root, [f"m{m}" for m in range(4)], {"a": "a", "b": "b"}, sample_axis="z"
+    )
+    return coll, data
+
+
+def test_members_of_one_variable_chunked_otherwise_are_refused_by_name(tmp_path: Path) -> None:
+    group = zarr.open_group(tmp_path / "p.zarr", mode="w", zarr_format=3)
+    for m, spc in enumerate((1, 4)):
+        group.create_array(
+            f"m{m}/img", shape=(8, 2), chunks=(spc, 2), dtype="f4", dimension_names=("z", "x")
+        )
+    with pytest.raises(ValueError, match=r"member 'm1', variable 'img'.*chunk shape"):
+        Collection.from_groups(tmp_path / "p.zarr", ["m0", "m1"], {"img": "img"}, sample_axis="z")
+
+
+@pytest.mark.parametrize(("kind", "remainder"), [("plain", "pad"), ("window", "drop")])
+def test_variables_chunked_one_and_four_deal_each_sample_once_over_two_ranks_and_resume(
+    mixed: tuple[Collection, dict[Any, np.ndarray]], kind: str, remainder: str
+) -> None:
+    coll, data = mixed
+    views = (
+        {"a": coll["a"], "b": coll["b"]}
+        if kind == "plain"
+        else {"a": coll["a"].window([-1, 0]), "b": coll["b"].shift(1)}
+    )
+    manifest = split_by_member(coll, {"train": 1.0})
+
+    def run(rank: int, state: Any = None, stop: int | None = None) -> tuple[list[Any], Any]:
+        out: list[Any] = []
+        with insitu_pipeline(
+            coll,
+            manifest,
+            views,
+            batch_size=3,
+            seed=5,
+            rank=rank,
+            world_size=2,
+            remainder=remainder,
+        ) as pipe:
+            loader = Loader(pipe)
+            if state is not None:
+                loader.load_state_dict(state)
+            for _ in range(2 if state is None else 1):
+                for batch in loader:
+                    rows = []
+                    for r in range(len(batch)):
+                        m = int(batch.members["a"][r])
+                        assert int(batch.members["b"][r]) == m
+                        ia, ib = batch.sample_indices["a"][r], batch.sample_indices["b"][r]
+                        np.testing.assert_array_equal(batch["a"][r], data[m, "a"][ia])
+                        np.testing.assert_array_equal(batch["b"][r], data[m, "b"][ib])
+                        rows.append((m, int(ib)))
+                    out.append((batch.epoch, tuple(rows), batch["a"].tobytes()))
+                    if stop is not None and len(out) == stop:
+                        return out, loader.state_dict()
+        return out, None
+
+    refs = [run(rank)[0] for rank in (0, 1)]
+    valid = (
+        [(m, i) for m, n in enumerate(LENGTHS) for i in range(n)]
+        if kind == "plain"
+        else [(m, i) for m, n in enumerate(LENGTHS) for i in range(2, n)]  # (b: shift 1)
+    )
+    for epoch in (0, 1):
+        rows = [row for ref in refs for e, rs, _ in ref if e == epoch for row in rs]
+        if remainder == "pad":  # every sample, one of them twice (the pad)
+            assert set(rows) == set(valid) and len(rows) == len(valid) + 1
+        else:  # one sample left out at most, none twice
+            assert len(set(rows)) == len(rows) >= len(valid) - 1 and set(rows) <= set(valid)
+        assert len({len([1 for e, *_ in ref if e == epoch]) for ref in refs}) == 1
+    assert [rs for e, rs, _ in refs[0] if e == 0] != [rs for e, rs, _ in refs[0] if e == 1]
+    for rank, ref in enumerate(refs):
+        per_epoch = len(ref) // 2
+        for k in (1, per_epoch - 1):
+            head, state = run(rank, stop=k)
+            rest, _ = run(rank, state)
+            assert head + rest == ref[:per_epoch], f"rank {rank} resumed after {k} batches"
