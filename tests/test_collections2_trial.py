@@ -16,7 +16,8 @@ Found, and fixed:
   coordinate, and ``Forcings(view=...)`` refused its points ("latitudes ... got nan ... nan",
   or "computed at other points ... [nan, 50.0, ...] where the field is at [nan, 50.0, ...]"):
   its ``latitudes``/``longitudes`` are zarr v2 arrays of fill value 0, which masked every
-  point at 0 degrees as missing.
+  point at 0 degrees as missing; ``concat`` of two such stores was refused ("no time
+  coordinate 'time' beside 'data'").
 
 Tried and found right: members in stores of one name (``data.zarr``) in two folders, and the
 well ``A/1`` of two plates, each row its own member's values, times and Forcings; patched
@@ -43,6 +44,7 @@ from insitubatch_nodes import (
     Collection,
     Forcings,
     Loader,
+    concat,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
@@ -363,16 +365,15 @@ def test_an_ensemble_stack_patched_along_the_members_is_refused_by_name(
 NAMES = ["10u", "2t", "lsm", "t_500", "t_850"]
 
 
-@pytest.fixture(scope="module")
-def anemoi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, np.ndarray]:
+def _write_anemoi(root: Path, start: str, nt: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """A store laid out as ``anemoi-datasets create`` writes it (zarr v2): ``data (time,
-    variable, ensemble, cell)`` chunked one date a chunk, ``dates`` in ``datetime64[s]``,
-    ``latitudes``/``longitudes (cell)`` with zarr's default fill value 0 (points at 0 degrees
-    among them), the names in the root's ``variables`` and ``name_to_index``."""
-    root = tmp_path_factory.mktemp("anemoi") / "anemoi.zarr"
-    nt, nv, ne, nc = 12, len(NAMES), 2, 7
-    dates = np.datetime64("2020-01-01T00", "s") + np.arange(nt) * np.timedelta64(6, "h")
-    rng = np.random.default_rng(0)
+    variable, ensemble, cell)`` chunked one date a chunk, ``dates`` in ``datetime64[s]`` from
+    ``start`` every 6 hours, ``latitudes``/``longitudes (cell)`` with zarr's default fill value
+    0 (points at 0 degrees among them), the names in the root's ``variables`` and
+    ``name_to_index``. Returns ``(data, dates)``."""
+    nv, ne, nc = len(NAMES), 2, 7
+    dates = np.datetime64(start, "s") + np.arange(nt) * np.timedelta64(6, "h")
+    rng = np.random.default_rng(seed)
     data = (rng.normal(size=(nt, nv, ne, nc)) + 10 * np.arange(nv)[:, None, None]).astype("f4")
     group = zarr.open_group(root, mode="w", zarr_format=2)
     arr = group.create_array(
@@ -398,7 +399,14 @@ def anemoi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, 
             "ensemble_dimension": ne,
         }
     )
-    return root, data, dates
+    return data, dates
+
+
+@pytest.fixture(scope="module")
+def anemoi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, np.ndarray]:
+    """One anemoi store of 12 dates from 2020-01-01 (:func:`_write_anemoi`)."""
+    root = tmp_path_factory.mktemp("anemoi") / "anemoi.zarr"
+    return (root, *_write_anemoi(root, "2020-01-01T00", 12))
 
 
 def test_anemoi_s_single_array_is_read_as_channels_by_name_at_its_dates(
@@ -450,6 +458,25 @@ def test_forcings_on_anemoi_s_points_take_the_points_at_zero_degrees(
             for r, i in enumerate(batch.sample_indices["x"]):
                 want = np.diag(cos_solar_zenith(dates[i], lat, lon))  # (each point's own)
                 np.testing.assert_allclose(batch["cos_solar_zenith"][r], want, atol=1e-6)
+
+
+def test_two_anemoi_stores_concatenate_along_their_dates(tmp_path: Path) -> None:
+    # concat found the time coordinate by the dimension's name only ("'y1.zarr' has no time
+    # coordinate 'time' beside 'data'"), where anemoi names it `dates`
+    parts = [_write_anemoi(tmp_path / f"y{k}.zarr", t0, 6, seed=k)
+             for k, t0 in enumerate(["2020-01-01T00", "2020-01-02T12"])]  # fmt: skip
+    data, dates = (np.concatenate(x) for x in zip(*parts, strict=True))
+    archive = concat([str(tmp_path / "y0.zarr"), str(tmp_path / "y1.zarr")], ["data"])
+    view = archive["data"].sel(variable=["2t"]).window([-1, 0])
+    seen = []
+    with insitu_pipeline(archive, split_by_chunk(archive["data"], (1.0, 0.0, 0.0)), {"x": view},
+                         stride="12h", coords=["dates"], batch_size=4) as pipe:  # fmt: skip
+        for batch in Loader(pipe):
+            idx = batch.sample_indices["x"]
+            np.testing.assert_array_equal(batch["x"][:, :, 0], data[idx][:, :, 1])
+            np.testing.assert_array_equal(batch.coords["x"]["dates"], dates[idx])
+            seen += [int(i) for i in idx[:, 1]]
+    assert sorted(seen) == [2, 4, 6, 8, 10]  # every 12 hours, across the stores' edge (5 | 6)
 
 
 def test_an_ensemble_stack_of_anemoi_s_variable_before_ensemble_order_is_refused_saying_how(
