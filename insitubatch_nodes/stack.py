@@ -218,7 +218,7 @@ def stack(
     (other levels, another order), or non-float members with ``normalize``; with
     ``ensemble``, a sampled member without that dimension first after its sample axis, or
     selecting other members than the first sampled member (naming both selections), a static
-    member with it, or patched members
+    member with it, or a member patched along it
     (:func:`~insitubatch_nodes.stack_ensemble.ensemble_members`).
     """
     if layout not in LAYOUTS:

@@ -202,7 +202,8 @@ class StackConstants:
                     at = (member.channel,) if t is None else (t, member.channel)
                     out = channel_destination(arr, at, last, ens)  # (data: broadcast along E)
                     if prepared.cuts:  # each row's window of the static field
-                        out[...] = prepared.cuts[i].rows(data, batch.patch_origins[label])
+                        rows = prepared.cuts[i].rows(data, batch.patch_origins[label])
+                        out[...] = rows[:, None] if ens else rows  # (broadcast along E)
                     else:
                         out[...] = data
         return batch

@@ -34,6 +34,12 @@ def _members_of(name: str, view: ArrayGeometry, dim: str) -> list[Any]:
             "member keeps the ensemble dimension; give the others as static members, "
             "forcings or labels of their own"
         )
+    if view.patch is not None and dims.index(dim) in view.patch.axes:
+        raise ValueError(
+            f"stack member {name!r} is patched along {dim!r}: with ensemble={dim!r} every "
+            f"row keeps all the members it selects; patch the grid's axes only, and select "
+            f"members with sel({dim}=[...])"
+        )
     axis = view.field_axes.index(dims.index(dim))
     keys = view_keys(view)
     kept = kept_axes(keys)
@@ -67,8 +73,9 @@ def ensemble_members(named: Mapping[str, ArrayGeometry], dim: str) -> tuple[Any,
     stack's members by name) selects. ``ValueError`` naming the member when one selects
     others (values or order) than the first sampled member, lacks ``dim`` (or drops it, or
     has it after another field axis), when a static member has ``dim`` (it would be one
-    channel per ensemble member, not the same field for every member), or when members are
-    patched."""
+    channel per ensemble member, not the same field for every member), or when a member is
+    patched along ``dim``. Patched members (patched alike along the grid: ``stack`` checks
+    it) are windows of every ensemble member at one origin, rows ``([T,] E, C, *window)``."""
     if not isinstance(dim, str) or not dim:
         raise ValueError(f"ensemble must be a dimension name (str), got {dim!r}")
     first: tuple[str, list[Any]] | None = None
@@ -81,11 +88,6 @@ def ensemble_members(named: Mapping[str, ArrayGeometry], dim: str) -> tuple[Any,
                     f"select one with isel({dim}=...), or give it as a label of its own"
                 )
             continue
-        if view.patch is not None:
-            raise ValueError(
-                f"stack member {name!r} is patched: ensemble= stacks of patched members are "
-                "not supported; give the members as labels of their own"
-            )
         mine = _members_of(name, view, dim)
         if first is None:
             first = (name, mine)

@@ -196,8 +196,8 @@ def test_members_that_select_other_members_are_refused_by_name(ens: Any, tmp_pat
         levels_first = ds[["t"]].transpose("time", "level", "member", *GRID)
         lm = open_geometries(_write(tmp_path / "lm.zarr", levels_first, 4))
         stack({"t": lm["t"]}, ensemble="member")
-    with pytest.raises(ValueError, match="'2t' is patched"):
-        stack({"2t": g["2t"].patches({"lat": 1, "lon": 2})}, ensemble="member")
+    with pytest.raises(ValueError, match="'2t' is patched along 'member'"):
+        stack({"2t": g["2t"].patches({"member": 1, "lat": 1})}, ensemble="member")
     # the default: today's stack, the members as channels
     assert stack({"2t": g["2t"]}).channels == ("2t@1", "2t@2", "2t@3")
     assert stack({"2t": g["2t"]}).ensemble is None

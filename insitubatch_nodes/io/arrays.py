@@ -14,7 +14,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io import cf as cf_attrs
 from insitubatch_nodes.io.axes import AxisNames, axis_of, check_sample_axis
 from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option, listed_coordinates
-from insitubatch_nodes.io.coords import candidate_paths, coordinate_reader
+from insitubatch_nodes.io.coords import FieldCoordinates, candidate_paths
 from insitubatch_nodes.io.datasets import dataset_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.points import lat_lon_arrays, points_of
@@ -669,30 +669,3 @@ def absent_samples(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> np.n
             if any(geom.store_key(chunk, tile) not in listed for tile in tiles):
                 out[chunk * spc : (chunk + 1) * spc] = True
     return out
-
-
-class FieldCoordinates:
-    """Reads the coordinate of a field dimension (``level``, ``latitude``) of arrays in one
-    store, each once: ``reader(geom, "level")`` is the decoded 1-D array named like the
-    dimension, found as :func:`open_coordinates` finds the sample axis's (the array's group,
-    then each parent). What :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` looks values
-    up in; ``open_geometries`` gives each geometry one. Picklable when the store is."""
-
-    def __init__(self, store: StoreLike) -> None:
-        self.store = as_store(store)
-        self._reader: Any = None
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "_reader": None}
-
-    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
-        if self._reader is None:
-            self._reader = coordinate_reader(self.store)
-        found = self._reader.find(geom, dim)
-        if found is None:
-            raise KeyError(
-                f"no coordinate array {dim!r} for array {geom.path!r} in store "
-                f"{describe_store(self.store)}: looked at {candidate_paths(geom.path, dim)}; "
-                "select by index with isel()"
-            )
-        return np.asarray(self._reader.load(*found).values)

@@ -18,7 +18,8 @@ import numpy as np
 import zarr
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.arrays import FieldCoordinates, array_cf, open_geometries
+from insitubatch_nodes.io.arrays import array_cf, open_geometries
+from insitubatch_nodes.io.coords import FieldCoordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.members import MEMBER_READERS, SCHEMA_FIELDS, member_schema
 from insitubatch_nodes.io.stores import describe_store

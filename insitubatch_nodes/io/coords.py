@@ -27,6 +27,7 @@ import numpy as np
 
 from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.anemoi import DATES, variable_names
 from insitubatch_nodes.io.calendars import (
     CF_CALENDARS,
     DATETIME64_CALENDARS,
@@ -35,6 +36,7 @@ from insitubatch_nodes.io.calendars import (
     date_in,
     elapsed_ticks,
 )
+from insitubatch_nodes.io.cf import is_cf_time, is_cf_timedelta
 from insitubatch_nodes.io.cf_decode import decode_cf
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
@@ -43,6 +45,7 @@ from insitubatch_nodes.io.timeunits import NS_PER_UNIT, as_timedelta
 __all__ = [
     "MISSING_OFFSET",
     "Coordinate",
+    "FieldCoordinates",
     "coordinate_reader",
     "decode_cf",
     "open_coordinates",
@@ -353,7 +356,12 @@ class _Reader:
                     f"array (shape {tuple(array.shape)})"
                 )
             attrs = dict(array.attrs)
-            v2_fill = array.fill_value if int(array.metadata.zarr_format) == 2 else None
+            # A zarr v2 array's own fill value (0 unless set) marks a missing *time*, as xarray
+            # reads it; a place is never missing: a latitude, longitude or depth of 0 is a value
+            # (anemoi-datasets writes `latitudes`/`longitudes` with fill value 0: every global
+            # grid's points at 0 E read as NaN, so Forcings refused it). `_FillValue` masks all.
+            timed = is_cf_time(attrs) or is_cf_timedelta(attrs)
+            v2_fill = array.fill_value if int(array.metadata.zarr_format) == 2 and timed else None
             name = path.rsplit("/", 1)[-1]
             try:
                 raw = _zarr_compat.read_whole_array(array, self.timeout_s)
@@ -391,7 +399,7 @@ def _coordinates(
     if names is None:
         if dim is None:
             return {}
-        found = reader.find(geom, dim)
+        found = reader.find(geom, dim) or reader.find(geom, DATES)  # (anemoi's name)
         if found is None:
             return {}
         path, array = found
@@ -433,6 +441,37 @@ def _coordinates(
             raise ValueError(f"two coordinates named {key!r}: {out[key].path!r} and {path!r}")
         out[key] = coord
     return out
+
+
+class FieldCoordinates:
+    """Reads the coordinate of a field dimension (``level``, ``latitude``) of arrays in one
+    store, each once: ``reader(geom, "level")`` is the decoded 1-D array named like the
+    dimension, found as :func:`open_coordinates` finds the sample axis's (the array's group,
+    then each parent); where there is none, the names of anemoi-datasets' ``variable``
+    dimension, its group's ``variables`` attribute (:func:`~insitubatch_nodes.io.anemoi.
+    variable_names`). What :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` looks values
+    up in; ``open_geometries`` gives each geometry one. Picklable when the store is."""
+
+    def __init__(self, store: StoreLike) -> None:
+        self.store = as_store(store)
+        self._reader: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"store": self.store, "_reader": None}
+
+    def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
+        if self._reader is None:
+            self._reader = coordinate_reader(self.store)
+        found = self._reader.find(geom, dim)
+        if found is None and (names := variable_names(self.store, geom, dim)) is not None:
+            return names  # anemoi's layout: the names in the group's `variables`
+        if found is None:
+            raise KeyError(
+                f"no coordinate array {dim!r} for array {geom.path!r} in store "
+                f"{describe_store(self.store)}: looked at {candidate_paths(geom.path, dim)}; "
+                "select by index with isel()"
+            )
+        return np.asarray(self._reader.load(*found).values)
 
 
 def coordinate_reader(store: StoreLike, timeout_s: float | None = None) -> _Reader:

@@ -62,11 +62,21 @@ class RoutingStore(Store):
 
     def __repr__(self) -> str:
         """The stores, the first and last three of more (error messages and a collection's
-        repr quote it: a thousand scenes in stores of their own made it a page long)."""
+        repr quote it: a thousand scenes in stores of their own made it a page long). Not an
+        identity: two routing stores that differ in a middle store print alike
+        (:attr:`identity` names them all)."""
         n = len(self.stores)
-        shown = self.stores if n <= 6 else (*self.stores[:3], None, *self.stores[-3:])
+        if n <= 6:
+            return self.identity
+        shown = (*self.stores[:3], None, *self.stores[-3:])
         names = ", ".join("..." if s is None else describe_store(s) for s in shown)
-        return f"RoutingStore({names})" if n <= 6 else f"RoutingStore({n} stores: {names})"
+        return f"RoutingStore({n} stores: {names})"
+
+    @property
+    def identity(self) -> str:
+        """Every store's name, in order: what tells this routing store from another (a
+        collection's name and fingerprint digest it). Of up to six stores it is the repr."""
+        return f"RoutingStore({', '.join(describe_store(s) for s in self.stores)})"
 
     async def _ensure_open(self) -> None:
         for store in self.stores:

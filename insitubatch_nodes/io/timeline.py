@@ -107,7 +107,8 @@ def time_coordinate(
     if given is not None:
         geom = replace(geom, dim_names=tuple(given))
     try:
-        coord = open_coordinates(store, _along(geom, dim, given)).get(dim)
+        found = open_coordinates(store, _along(geom, dim, given))  # (anemoi's: `dates`)
+        coord = next(iter(found.values()), None)
     except CoordinateLengthError as exc:  # (a store read mid-append: name the store)
         raise exc.while_doing(f"{where}: ") from None
     if coord is None:
