@@ -293,18 +293,20 @@ class Statistics:
                     "chunk scaler takes one value per channel of the array; standardise with "
                     "Statistics.normalizer or stack(..., normalize=stats)"
                 )
-            keys = self.dataset.get("views", {}).get(label, {}).get("select") or [None, None]
-            if any(k is not None for k in keys[:-2]) or any(isinstance(k, int) for k in keys):
+            m, fitted = np.asarray(self.mean[label]), self.dataset.get("views", {}).get(label, {})
+            # the fitted grid's axes: the kept axes but the channels' (two on a lat/lon grid,
+            # one on a grid of points; two for files without the shape)
+            grid = 2 if "inner_shape" not in fitted else len(fitted["inner_shape"]) - m.ndim
+            keys = fitted.get("select") or []
+            if any(isinstance(k, int) for k in keys) or any(keys[: len(keys) - grid]):
                 raise ValueError(
                     f"label {label!r} reads a selection of {path!r}: a chunk transform sees "
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
                 )
-            m = np.asarray(self.mean[label])
             _refuse_empty_channels(label, path, m, np.asarray(self.std[label]))
             # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon), (n_level,
-            # 1) against (level, values) (the fitted grid's axes); one value is a scalar
-            shape = self.dataset.get("views", {}).get(label, {}).get("inner_shape")
-            grid = 0 if not m.ndim else 2 if shape is None else len(shape) - m.ndim
+            # 1) against (level, values); one value is a scalar
+            grid = grid if m.ndim else 0
             mean[path] = m.reshape(m.shape + (1,) * grid)
             s = _constant_as_unit(np.asarray(self.std[label]))
             std[path] = s.reshape(s.shape + (1,) * grid)
