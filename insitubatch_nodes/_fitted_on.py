@@ -4,7 +4,9 @@
 
 A fit records the store, the split, the manifest's fingerprint and the split's chunks, the
 samples of the split (:meth:`~insitubatch_nodes.plan.splits.SplitManifest.samples_fingerprint`),
-each view (:func:`view_record`: its array, selection, shape and decoding), and what picked its
+each view (:func:`view_record`: its array, selection, shape and decoding), the channel
+dimensions pooled per label (``pool``, ``{}`` for none: a pooled fit and a per-channel one are
+other statistics of the same views, each refused for the other), and what picked its
 anchors: a stride, the missing steps, and the anchors themselves
 (:func:`~insitubatch_nodes.plan.fingerprint.anchors_hash`). An archive appended to since the
 fit changes the manifest's fingerprint (the array's length is part of it) and the missing steps'
@@ -44,7 +46,8 @@ def check_fitted_on(
     """Raise ``ValueError`` naming what differs when statistics fitted on ``fitted_on`` (the
     ``dataset`` of the file at ``path``) were fitted on another dataset than ``dataset`` (what
     :meth:`Statistics.load <insitubatch_nodes.statistics.Statistics.load>` was given)."""
-    fitted: dict[str, Any] = {"stride": 1, **fitted_on}  # (absent: every sample)
+    # (absent: every sample, nothing pooled: files of fits before each was recorded)
+    fitted: dict[str, Any] = {"stride": 1, "pool": {}, **fitted_on}
     fitted["store"] = normal_store_name(fitted.get("store"))  # (an endpoint's case and /)
     wrong = {
         k: (fitted.get(k), v)
@@ -54,6 +57,9 @@ def check_fitted_on(
     if isinstance(dataset.get("views"), Mapping):  # the labels given, only
         views, given = fitted_on.get("views", {}), wrong["views"][1]
         wrong["views"] = ({k: views.get(k) for k in given}, given)
+        if "pool" in wrong:  # (their pooling too)
+            pooled = fitted["pool"]
+            wrong["pool"] = ({k: v for k, v in pooled.items() if k in given}, wrong["pool"][1])
     wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
     if "manifest" in wrong and _same_samples(fitted_on, dataset):
         del wrong["manifest"]  # an archive grown since, the fitted samples the same

@@ -533,9 +533,9 @@ def fit_statistics(
         "views": {label: view_record(v) for label, v in plain.items()},
         **anchors,
     }
-    if pool:  # (absent otherwise: files of unpooled fits are as they were)
-        dataset["pool"] = {label: [d for d in pool if d in _channel_dims(plain[label])]
-                           for label, at in pooled.items() if at}  # fmt: skip
+    # ({} for none: a per-channel fit's ``dataset`` refuses pooled statistics at a load)
+    dataset["pool"] = {label: [d for d in pool if d in _channel_dims(plain[label])]
+                       for label, at in pooled.items() if at}  # fmt: skip
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
 
 

@@ -13,6 +13,10 @@ Found (now fixed):
   array with level 850's statistics (level 1000 came out at a mean of -5.6, level 500 at 52):
   its check for a selection took the last two field axes for the grid, where a grid of points
   has one.
+* ``Statistics.load(path, dataset=other.dataset)`` refused per-level statistics against a pooled
+  fit's ``dataset`` but accepted pooled ones against a per-level fit's: an unpooled fit recorded
+  no ``pool``, so nothing was compared. A model trained on per-level statistics was handed
+  statistics of one value per variable without a word.
 
 Tried and found right (kept as claims): pooled statistics keep their shape and ``pool`` record
 through ``save``/``load`` and standardise every level of a stack member and of a batch label
@@ -93,3 +97,25 @@ def test_a_scaler_of_a_level_selection_on_a_grid_of_points_is_refused_not_applie
     mean, std = train.mean(axis=(0, 2)), train.std(axis=(0, 2))
     want = (ds.p.values[batch.sample_indices["p"]] - mean[:, None]) / std[:, None]
     np.testing.assert_allclose(batch["p"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_pooled_fit_is_refused_against_a_per_level_fits_dataset_as_the_other_way_round(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, _ = era
+    g = open_geometries(root)
+    views = {"z": g["z"]}
+    per_level = fit_statistics(root, _train(g), views)
+    pooled = fit_statistics(root, _train(g), views, pool="level")
+    per_level.save(tmp_path / "per_level.json")
+    pooled.save(tmp_path / "pooled.json")
+    with pytest.raises(ValueError, match="pool"):
+        Statistics.load(tmp_path / "per_level.json", dataset=pooled.dataset)
+    with pytest.raises(ValueError, match=r"pool \{'z': \['level'\]\} in the file, \{\} expected"):
+        Statistics.load(tmp_path / "pooled.json", dataset=per_level.dataset)
+    # each against its own fit's, and a partial dataset that says nothing of pooling
+    assert Statistics.load(tmp_path / "pooled.json", dataset=pooled.dataset).pooled("z") == (
+        "level",
+    )
+    Statistics.load(tmp_path / "per_level.json", dataset=per_level.dataset)
+    Statistics.load(tmp_path / "pooled.json", dataset={"views": views, "split": "train"})
