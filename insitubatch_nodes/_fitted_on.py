@@ -36,6 +36,7 @@ from insitubatch_nodes.io.stores import store_name
 from insitubatch_nodes.plan.anchors import describe_stride
 from insitubatch_nodes.plan.config import check_stride
 from insitubatch_nodes.plan.splits import SPLITS, SplitManifest
+from insitubatch_nodes.stack import Stack
 
 __all__ = ["check_fitted_on", "unmoved", "view_record"]
 
@@ -95,11 +96,14 @@ def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("manifest"), SplitManifest):
         out["manifest"] = out["manifest"].fingerprint()
     if isinstance(out.get("views"), Mapping):  # a stack's members too: forcings are not fitted
-        out["views"] = {
-            label: view_record(unmoved(v)) if isinstance(v, ArrayGeometry) else v
-            for label, v in out["views"].items()
-            if not isinstance(v, Forcings)
-        }
+        views: dict[str, Any] = {}
+        for label, v in out["views"].items():
+            if isinstance(v, Stack):  # (a pipeline's label: its members, as they are fitted)
+                views.update((m.name, m.view) for m in v.members if m.view is not None)
+            elif not isinstance(v, Forcings):
+                views[label] = v
+        out["views"] = {label: view_record(unmoved(v)) if isinstance(v, ArrayGeometry) else v
+                        for label, v in views.items()}  # fmt: skip
     return out
 
 

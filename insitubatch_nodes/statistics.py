@@ -120,7 +120,8 @@ class Statistics:
         entries may be given as the fit took them: ``"store"`` anything
         :func:`fit_statistics` takes (a path, URL, opened store or collection: compared by
         the store it names), ``"manifest"`` a :class:`SplitManifest` (by its fingerprint),
-        ``"views"`` ``{label: view}`` (each label given against the file's record of it)."""
+        ``"views"`` ``{label: view}`` (each label given against the file's record of it; a
+        :class:`~insitubatch_nodes.stack.Stack`, a pipeline's label, by its members' names)."""
         with open(path) as f:
             doc = json.load(f)
         if doc.get("format") != FORMAT:

@@ -17,6 +17,9 @@ Found (now fixed):
   fit's ``dataset`` but accepted pooled ones against a per-level fit's: an unpooled fit recorded
   no ``pool``, so nothing was compared. A model trained on per-level statistics was handed
   statistics of one value per variable without a word.
+* ``Statistics.load(path, dataset={"views": pipeline_views})`` with a stack among the views (the
+  pipeline's own views, ``{"x": stack(...)}``) failed with ``TypeError: Stack ... cannot be
+  compared with a saved dataset``; a stack is now checked member by member, as it is fitted.
 
 Tried and found right (kept as claims): pooled statistics keep their shape and ``pool`` record
 through ``save``/``load`` and standardise every level of a stack member and of a batch label
@@ -40,7 +43,7 @@ import pandas as pd
 import pytest
 import xarray as xr
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 
 pytestmark = pytest.mark.timeout(60)
@@ -119,3 +122,21 @@ def test_a_pooled_fit_is_refused_against_a_per_level_fits_dataset_as_the_other_w
     )
     Statistics.load(tmp_path / "per_level.json", dataset=per_level.dataset)
     Statistics.load(tmp_path / "pooled.json", dataset={"views": views, "split": "train"})
+
+
+def test_a_stack_among_the_views_given_to_load_is_checked_member_by_member(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, _ = era
+    g = open_geometries(root)
+    members = {"z": g["z"].sel(level=[850, 500]), "lsm": g["lsm"]}
+    fit_statistics(root, _train(g), members).save(tmp_path / "stats.json")
+    # the pipeline's views, a stack among them, as they are given to insitu_pipeline
+    x = stack({k: v.window([-1, 0]) if k == "z" else v for k, v in members.items()})
+    stats = Statistics.load(tmp_path / "stats.json", dataset={"views": {"x": x}})
+    assert stats.mean["z"].shape == (2,)
+    other = stack({"z": g["z"].sel(level=[500, 850]), "lsm": g["lsm"]})
+    with pytest.raises(
+        ValueError, match=r"fitted on another dataset: views .*'select': \[\[1, 2\]"
+    ):
+        Statistics.load(tmp_path / "stats.json", dataset={"views": {"x": other}})
