@@ -42,9 +42,10 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+from helpers import counting_store
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
-from insitubatch_nodes.statistics import Statistics, fit_statistics
+from insitubatch_nodes import concat, insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes.statistics import FIELDS, Statistics, fit_statistics
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -140,3 +141,137 @@ def test_a_stack_among_the_views_given_to_load_is_checked_member_by_member(
         ValueError, match=r"fitted on another dataset: views .*'select': \[\[1, 2\]"
     ):
         Statistics.load(tmp_path / "stats.json", dataset={"views": {"x": other}})
+
+
+def test_pooled_statistics_load_back_and_standardise_every_level_with_numpys_one_value(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, ds = era
+    g = open_geometries(root)
+    views = {"z": g["z"], "zr": g["z"].sel(level=[500, 1000]), "p": g["p"], "lsm": g["lsm"]}
+    fitted = fit_statistics(root, _train(g), views, pool="level")
+    fitted.save(tmp_path / "pooled.json")
+    stats = Statistics.load(tmp_path / "pooled.json", dataset=fitted.dataset)
+    assert stats.dataset["pool"] == {"z": ["level"], "zr": ["level"], "p": ["level"]}
+    assert {k: v.shape for k, v in stats.mean.items()} == dict.fromkeys(views, ())
+    train = {"z": ds.z.values[:12], "zr": ds.z.values[:12, [2, 0]], "p": ds.p.values[:12]}
+    for label, data in train.items():  # one value over every level, as numpy's in float64
+        np.testing.assert_allclose(stats.mean[label], data.astype("f8").mean(), rtol=1e-12)
+        np.testing.assert_allclose(stats.std[label], data.astype("f8").std(), rtol=1e-9)
+        assert stats.count[label] == data.size and stats.min[label] == data.min()
+    with pytest.raises(ValueError, match=r"pooled over \['level'\].*normalizer"):
+        stats.scaler(["z"])
+    # a stack member and a batch label: every level with the one pooled value
+    xz = stack({"zr": views["zr"], "lsm": g["lsm"]}, normalize=stats)
+    xp = stack({"p": g["p"]}, normalize=stats)
+    labels = {"xz": xz, "xp": xp, "z": g["z"]}
+    norm = stats.normalizer({"z": g["z"]})
+    with insitu_pipeline(root, _train(g), labels, batch_size=4, batch_transforms=[norm]) as pipe:
+        batch = next(iter(pipe))
+    idx = batch.sample_indices["z"]
+    got = {"zr": batch["xz"][:, :2], "p": batch["xp"], "z": batch["z"]}
+    for label, data in (("zr", ds.z.values[:, [2, 0]]), ("p", ds.p.values), ("z", ds.z.values)):
+        f8 = train[label].astype("f8")
+        want = (data[idx] - f8.mean()) / f8.std()
+        np.testing.assert_allclose(got[label], want, rtol=0, atol=1e-6)
+    lsm = ds.lsm.values.astype("f8")
+    want = (ds.lsm.values - lsm.mean()) / lsm.std()
+    np.testing.assert_allclose(batch["xz"][:, 2], np.broadcast_to(want, (4, Y, X)), atol=1e-6)
+
+
+def test_load_refuses_statistics_of_another_level_box_split_manifest_store_or_stride(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, ds = era
+    g = open_geometries(root)
+    views = {"z": g["z"].sel(level=[850]), "box": g["z"].sel(lat=slice(0, 1)), "lsm": g["lsm"]}
+    fitted = fit_statistics(root, _train(g), views)
+    fitted.save(tmp_path / "stats.json")
+    other = tmp_path / "other.zarr"
+    ds.to_zarr(other, zarr_format=3, consolidated=False)
+    refused = {
+        "views": {"z": g["z"].sel(level=[500])},
+        "views ": {"box": g["z"].sel(lat=slice(1, 2))},
+        "views  ": {"lsm": g["lsm"].sel(lat=slice(0, 1))},
+        "split": "validation",
+        "manifest": split_by_chunk(g["z"], (0.5, 0.5, 0.0)),
+        "store": other,
+        "stride": 2,
+    }
+    for key, value in refused.items():
+        with pytest.raises(ValueError, match=f"fitted on another dataset: {key.strip()} "):
+            Statistics.load(tmp_path / "stats.json", dataset={key.strip(): value})
+    # the same data: another window or shift of the fitted views, the fit's own record
+    same = {"z": views["z"].window([-2, -1, 0]), "box": views["box"].shift(1), "lsm": g["lsm"]}
+    Statistics.load(tmp_path / "stats.json", dataset={"store": root, "manifest": _train(g),
+                                                      "views": same, "split": "train"})  # fmt: skip
+    Statistics.load(tmp_path / "stats.json", dataset=fitted.dataset)
+
+
+@pytest.fixture(scope="module")
+def years(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Path], np.ndarray]:
+    """Two stores of 12 6-hourly steps each, one continuing the other: ``z (time, level, lat,
+    lon)`` float32, level 500 5000 above level 850 with 30 times its spread; NaNs in a row of
+    one step, all of another step's level 500, one point of a third."""
+    rng = np.random.default_rng(1)
+    data = rng.normal(size=(24, 2, Y, X)) * [[[[1.0]], [[30.0]]]] + [[[[0.0]], [[5000.0]]]]
+    data = data.astype("f4")
+    data[3, 0, 1, :] = np.nan
+    data[9, 1] = np.nan
+    data[14, 0, 0, 0] = np.nan
+    times = pd.date_range("2020-01-01", periods=24, freq="6h")
+    roots = []
+    for i in range(2):
+        part = slice(12 * i, 12 * i + 12)
+        ds = xr.Dataset({"z": (("time", "level", "lat", "lon"), data[part])},
+                        coords={"time": times[part], "level": [850, 500]})  # fmt: skip
+        roots.append(tmp_path_factory.mktemp("years") / f"y{i}.zarr")
+        ds.to_zarr(roots[-1], encoding={"z": {"chunks": (4, 2, Y, X)}}, zarr_format=3,
+                   consolidated=False)  # fmt: skip
+    return roots, data
+
+
+@pytest.mark.parametrize(("stride", "k"), [(2, 2), ("12h", 2)])
+def test_statistics_of_a_concat_with_nans_a_stride_and_missing_steps_equal_numpys(
+    years: tuple[list[Path], np.ndarray], stride: Any, k: int
+) -> None:
+    roots, data = years
+    coll = concat(roots, ["z"])
+    manifest = split_by_chunk(coll["z"], (0.75, 0.25, 0.0))  # samples 0..19
+    times = pd.date_range("2020-01-01", periods=24, freq="6h")
+    missing = [times[6], times[16]]
+    stats = fit_statistics(coll, manifest, {"z": coll["z"]}, stride=stride, missing=missing)
+    anchors = [a for a in manifest.samples("train") if a % k == 0 and times[a] not in missing]
+    x = data[anchors].astype("f8")
+    # differences between anchors one stride apart, across the stores' edge, none across 6, 16
+    pairs = [a for a in anchors if a + k in anchors]
+    d = (data[[a + k for a in pairs]] - data[pairs]).astype("f8")
+    axes = (0, 2, 3)
+    np.testing.assert_allclose(stats.mean["z"], np.nanmean(x, axis=axes), rtol=1e-6)
+    np.testing.assert_allclose(stats.std["z"], np.nanstd(x, axis=axes), rtol=1e-6)
+    np.testing.assert_allclose(stats.diff_std["z"], np.nanstd(d, axis=axes), rtol=1e-6)
+    np.testing.assert_array_equal(stats.count["z"], np.isfinite(x).sum(axis=axes))
+    np.testing.assert_array_equal(stats.nan_count["z"], np.isnan(x).sum(axis=axes))
+    np.testing.assert_array_equal(stats.min["z"], np.nanmin(x, axis=axes))
+    assert stats.dataset["stride"] in (2, "12 hours") and len(pairs) == 5
+
+
+def test_a_fit_through_a_warm_persistent_cache_reads_no_chunk_and_gives_the_cold_numbers(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, _ = era
+    g = open_geometries(root)
+    views = {"z": g["z"].sel(level=[850, 500]), "p": g["p"], "lsm": g["lsm"]}
+    runs, gets = [], []
+    for options in ({"persist": True}, {"persist": True}, {"readonly_cache": True}):
+        store = counting_store(root)
+        runs.append(fit_statistics(store, _train(g), views, cache_dir=tmp_path / "c", **options))
+        gets.append({k for k in store.chunk_counts() if not k.startswith("time/")})
+    # cold: each of the 3 train chunks of z and p once, and the static field; warm: none
+    assert len(gets[0]) == 7 and gets[1:] == [set(), set()]
+    for stats in runs[1:]:
+        for name in FIELDS:
+            for label in views:
+                got, want = getattr(stats, name)[label], getattr(runs[0], name)[label]
+                np.testing.assert_array_equal(got, want)
+        assert stats.dataset == runs[0].dataset
