@@ -29,8 +29,14 @@ that take them; the load check refuses another level, box, split, manifest, stor
 accepts another window of the fitted view and the whole ``dataset`` of the same fit; a
 ``concat`` collection's statistics with NaNs, ``stride=2`` and ``"12h"`` and ``missing=`` dates
 equal numpy's in float64 (1e-6 relative), with exact ``count`` and ``nan_count`` and
-``diff_std`` over pairs one stride apart only; a fit through a persistent cache reads every chunk
-once cold and none warm (read-only too), with numbers bit-for-bit those of the cold fit.
+``diff_std`` over pairs one stride apart only (also tried, not kept: a ``from_arrays``
+collection with NaN fill values and NaNs, its members' padding never counted); a fit through a
+persistent cache reads every chunk once cold and none warm (read-only too), with numbers
+bit-for-bit those of the cold fit, and one over a cache that a pipeline with
+``chunk_transforms=[stats.scaler()]`` filled is refused (``StaleCacheError``), not fitted on
+standardised values; ``stack(..., normalize=)`` refuses statistics of other levels or another
+order, and takes pooled ones for any selection of the pooled dimension (by design: one value
+for all, as for the members of an ensemble).
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ import xarray as xr
 from helpers import counting_store
 
 from insitubatch_nodes import concat, insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes.errors import StaleCacheError
 from insitubatch_nodes.statistics import FIELDS, Statistics, fit_statistics
 
 pytestmark = pytest.mark.timeout(60)
@@ -275,3 +282,32 @@ def test_a_fit_through_a_warm_persistent_cache_reads_no_chunk_and_gives_the_cold
                 got, want = getattr(stats, name)[label], getattr(runs[0], name)[label]
                 np.testing.assert_array_equal(got, want)
         assert stats.dataset == runs[0].dataset
+
+
+def test_a_fit_over_a_cache_a_scaled_pipeline_filled_is_refused_not_fitted_on_scaled_values(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, _ = era
+    g = open_geometries(root)
+    views = {"z": g["z"]}
+    stats = fit_statistics(root, _train(g), views)
+    with insitu_pipeline(root, _train(g), views, batch_size=4, cache_dir=tmp_path / "c",
+                         persist=True, chunk_transforms=[stats.scaler()]) as pipe:  # fmt: skip
+        for _ in pipe:
+            pass
+    # the cached chunks are standardised ones: their statistics would be about 0 and 1
+    with pytest.raises(StaleCacheError, match="chunk transforms"):
+        fit_statistics(root, _train(g), views, cache_dir=tmp_path / "c", persist=True)
+
+
+def test_a_stack_normalised_with_statistics_of_other_levels_is_refused_naming_them(
+    era: tuple[Path, xr.Dataset],
+) -> None:
+    root, _ = era
+    g = open_geometries(root)
+    stats = fit_statistics(root, _train(g), {"z": g["z"].sel(level=[850, 500])})
+    for other in (g["z"].sel(level=[500, 850]), g["z"].sel(level=[1000, 500]), g["z"]):
+        with pytest.raises(ValueError, match="fitted on other channels"):
+            stack({"z": other}, normalize=stats)
+    pooled = fit_statistics(root, _train(g), {"z": g["z"].sel(level=[850, 500])}, pool="level")
+    stack({"z": g["z"].sel(level=[1000])}, normalize=pooled)  # one value for every level
