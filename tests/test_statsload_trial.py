@@ -20,6 +20,10 @@ Found (now fixed):
 * ``Statistics.load(path, dataset={"views": pipeline_views})`` with a stack among the views (the
   pipeline's own views, ``{"x": stack(...)}``) failed with ``TypeError: Stack ... cannot be
   compared with a saved dataset``; a stack is now checked member by member, as it is fitted.
+* Statistics fitted through an opened zarr ``LocalStore`` (or a ``WrapperStore`` around one)
+  were refused by ``Statistics.load(path, dataset={"store": root})`` of the same folder, and
+  statistics fitted on ``root`` refused against the opened store: the file held the store's
+  repr, ``LocalStore('file:///...')``, compared as text with the path.
 
 Tried and found right (kept as claims): pooled statistics keep their shape and ``pool`` record
 through ``save``/``load`` and standardise every level of a stack member and of a batch label
@@ -48,6 +52,7 @@ import numpy as np
 import pandas as pd
 import pytest
 import xarray as xr
+import zarr
 from helpers import counting_store
 
 from insitubatch_nodes import concat, insitu_pipeline, open_geometries, split_by_chunk, stack
@@ -311,3 +316,16 @@ def test_a_stack_normalised_with_statistics_of_other_levels_is_refused_naming_th
             stack({"z": other}, normalize=stats)
     pooled = fit_statistics(root, _train(g), {"z": g["z"].sel(level=[850, 500])}, pool="level")
     stack({"z": g["z"].sel(level=[1000])}, normalize=pooled)  # one value for every level
+
+
+def test_statistics_fitted_through_an_opened_local_store_load_against_its_path_and_back(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    root, _ = era
+    g = open_geometries(root)
+    opened = zarr.storage.LocalStore(root, read_only=True)
+    for fitted_on, given in ((opened, root), (root, opened), (counting_store(root), str(root))):
+        fit_statistics(fitted_on, _train(g), {"z": g["z"]}).save(tmp_path / "stats.json")
+        Statistics.load(tmp_path / "stats.json", dataset={"store": given})
+    with pytest.raises(ValueError, match="fitted on another dataset: store"):
+        Statistics.load(tmp_path / "stats.json", dataset={"store": tmp_path})
