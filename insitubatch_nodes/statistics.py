@@ -50,7 +50,13 @@ import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
-from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
+from insitubatch_nodes._fitted_on import (
+    channel_keys,
+    check_fitted_on,
+    label_pairs,
+    unmoved,
+    view_record,
+)
 from insitubatch_nodes._moments import _Moments, as_channels
 from insitubatch_nodes.anchor_steps import anchor_time_coordinate, forward_ticks, repeated_times
 from insitubatch_nodes.batch import Batch
@@ -140,10 +146,12 @@ class Statistics:
         (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view). ``ValueError`` when ``view``
         has other channels than the view ``label`` was fitted on: another number, or other
         indices of an axis that is not the grid (levels in another order, another dropped
-        level) or another array than ``paths[label]`` (set it to take statistics over to the
-        same quantity under another name); its shift, window, patches and box on the grid may
-        differ. ``ValueError`` too when ``view`` decodes its values otherwise than the fitted
-        view did (``mask_and_scale``: stored integers against unpacked values)."""
+        level; told by their coordinate values where both the fit and ``view`` read them: level
+        850 of another store is index 0 there) or another array than ``paths[label]`` (set it to
+        take statistics over to the same quantity under another name); its shift, window,
+        patches and box on the grid may differ. ``ValueError`` too when ``view`` decodes its
+        values otherwise than the fitted view did (``mask_and_scale``: stored integers against
+        unpacked values)."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
         pool = self.pooled(label)
         self._check_array(label, view)
@@ -196,23 +204,26 @@ class Statistics:
     def _check_channels(
         self, label: str, view: ArrayGeometry, shape: tuple[int, ...], pool: tuple[str, ...]
     ) -> None:
-        field = view.field_shape
-        # a pooled dimension may be selected as the view likes: one value stands for all
-        skip = {i for i in range(len(field))
-                if view.dims is not None and view.dims[view.field_axes[i]] in pool}  # fmt: skip
-        mine = _channel_keys(field, view_keys(unmoved(view)), grid_ndim(view), skip)
-        fitted = self.dataset.get("views", {}).get(label)
+        field, fitted = view.field_shape, self.dataset.get("views", {}).get(label)
+        # a pooled dimension may be selected as the view likes: one value stands for all; an
+        # axis with coordinate values is told by them (not by index: another store's levels)
+        values = label_pairs(fitted, unmoved(view), pool)
+        skip = {i for i in range(len(field)) if view.dims is not None
+                and view.dims[view.field_axes[i]] in (*pool, *values)}  # fmt: skip
+        mine = channel_keys(field, view_keys(unmoved(view)), grid_ndim(view), skip)
         keys = None if fitted is None else fitted.get("select") or [None] * len(field)
         theirs = None
         if keys is not None and len(keys) == len(field):
-            theirs = _channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
+            theirs = channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
                                            for k in keys], grid_ndim(view), skip)  # fmt: skip
-        if shape != _channels(view, pool) or (keys is not None and theirs != mine):
+        named = {d: pair for d, pair in values.items() if pair[0] != pair[1]}
+        if shape != _channels(view, pool) or (keys is not None and theirs != mine) or named:
             raise ValueError(
                 f"statistics of {label!r} were fitted on other channels than {view!r} has "
                 f"(shape {shape}, selection {keys}; the view: {_channels(view, pool)}, "
-                f"{list(view_keys(view))}): fit them on the view's levels, in its order, under "
-                "its name"
+                f"{list(view_keys(view))}"
+                + "".join(f"; {d} {a} fitted, {b} in the view" for d, (a, b) in named.items())
+                + "): fit them on the view's levels, in its order, under its name"
             )
 
     def normalizer(
@@ -670,21 +681,6 @@ def _sample_ticks(
             stacklevel=4,
         )
         return None
-
-
-def _channel_keys(
-    field_shape: Sequence[int], keys: Sequence[Any], n_grid: int, skip: set[int]
-) -> list[Any]:
-    """``keys`` (a selection key per field axis) without the grid's (the last ``n_grid`` kept
-    axes) and those of the field axes in ``skip`` (pooled), a key taking a whole axis in order
-    as ``None``: what says which channel is which."""
-    kept = kept_axes(keys)
-    grid = set(kept[len(kept) - n_grid :]) | skip
-    return [
-        None if k == tuple(range(n)) else k
-        for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))
-        if i not in grid
-    ]
 
 
 def _to_json(values: np.ndarray) -> Any:

@@ -24,6 +24,11 @@ Found (now fixed):
   were refused by ``Statistics.load(path, dataset={"store": root})`` of the same folder, and
   statistics fitted on ``root`` refused against the opened store: the file held the store's
   repr, ``LocalStore('file:///...')``, compared as text with the path.
+* Channels were told by index only: statistics of ``z.sel(level=[850])`` standardised level 500
+  of another store of ``z`` whose levels are 850, 500, 300 (index 1 there, as 850 was here), by
+  ``stack(..., normalize=)`` and ``stats.normalizer`` alike, and refused its level 850 (index
+  0). A fit now records its channels' coordinate values, and they are compared where both sides
+  read them (files without them by index, as before).
 
 Tried and found right (kept as claims): pooled statistics keep their shape and ``pool`` record
 through ``save``/``load`` and standardise every level of a stack member and of a batch label
@@ -329,3 +334,35 @@ def test_statistics_fitted_through_an_opened_local_store_load_against_its_path_a
         Statistics.load(tmp_path / "stats.json", dataset={"store": given})
     with pytest.raises(ValueError, match="fitted on another dataset: store"):
         Statistics.load(tmp_path / "stats.json", dataset={"store": tmp_path})
+
+
+def test_statistics_of_a_level_standardise_that_level_of_another_store_not_its_index(
+    era: tuple[Path, xr.Dataset], tmp_path: Path
+) -> None:
+    """Another archive of the same variable whose levels are 850, 500, 300 (as floats): its
+    index 1 is level 500, and level 850 is its index 0."""
+    root, ds = era
+    g = open_geometries(root)
+    other = tmp_path / "other.zarr"
+    ds.assign_coords(level=[850.0, 500.0, 300.0]).to_zarr(other, zarr_format=3, consolidated=False)
+    go = open_geometries(other)
+    stats = fit_statistics(root, _train(g), {"z": g["z"].sel(level=[850])})
+    with pytest.raises(ValueError, match=r"fitted on other channels.*level \['850'\]"):
+        stack({"z": go["z"].sel(level=[500])}, normalize=stats)  # index 1, as 850 was
+    with pytest.raises(ValueError, match="fitted on other channels"):
+        stats.normalizer({"z": go["z"].sel(level=[500])})
+    x = stack({"z": go["z"].sel(level=[850])}, normalize=stats)  # index 0: the fitted level
+    with insitu_pipeline(other, _train(go), {"x": x}, batch_size=4) as pipe:
+        batch = next(iter(pipe))
+    want = (ds.z.values[batch.sample_indices["x"], 0] - stats.mean["z"][0]) / stats.std["z"][0]
+    np.testing.assert_allclose(batch["x"][:, 0], want, rtol=1e-5, atol=1e-5)
+    # the load check compares the levels too; files without them by their indices, as before
+    stats.save(tmp_path / "stats.json")
+    with pytest.raises(ValueError, match="fitted on another dataset: views"):
+        Statistics.load(tmp_path / "stats.json", dataset={"views": {"z": go["z"].sel(level=[500])}})
+    older = dict(stats.dataset, views={"z": {k: v for k, v in stats.dataset["views"]["z"].items()
+                                             if k != "labels"}})  # fmt: skip
+    Statistics(**{f: getattr(stats, f) for f in FIELDS}, dataset=older,
+               paths=stats.paths).save(tmp_path / "older.json")  # fmt: skip
+    Statistics.load(tmp_path / "older.json", dataset={"views": {"z": g["z"].sel(level=[850])}})
+    stack({"z": go["z"].sel(level=[500])}, normalize=Statistics.load(tmp_path / "older.json"))
