@@ -2,7 +2,8 @@
 fits (``pool="level"``) on a latitude/longitude grid and on a grid of points, their JSON round
 trip and their ``dataset`` record, ``stack(..., normalize=)``, ``stats.normalizer`` and
 ``stats.scaler()`` against numpy in float64 on the same values; the load check against level
-selections, boxes, windows, splits, manifests, stores, strides, collections and stacks; a
+selections, boxes, windows, splits, manifests, stores (paths and opened ones), strides,
+collections and stacks; another store of the variable whose levels lie otherwise; a
 ``concat`` collection with NaNs, an int and a time stride and missing steps; a fit through a
 warm persistent cache (the statistics trial of 2026-12-07).
 
