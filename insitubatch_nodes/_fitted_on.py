@@ -4,7 +4,10 @@
 
 A fit records the store, the split, the manifest's fingerprint and the split's chunks, the
 samples of the split (:meth:`~insitubatch_nodes.plan.splits.SplitManifest.samples_fingerprint`),
-each view (:func:`view_record`: its array, selection, shape and decoding), and what picked its
+each view (:func:`view_record`: its array, selection, shape, decoding and its channels'
+coordinate values, by which a level is told in another store too), the channel
+dimensions pooled per label (``pool``, ``{}`` for none: a pooled fit and a per-channel one are
+other statistics of the same views, each refused for the other), and what picked its
 anchors: a stride, the missing steps, and the anchors themselves
 (:func:`~insitubatch_nodes.plan.fingerprint.anchors_hash`). An archive appended to since the
 fit changes the manifest's fingerprint (the array's length is part of it) and the missing steps'
@@ -20,7 +23,7 @@ import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -34,8 +37,16 @@ from insitubatch_nodes.io.stores import store_name
 from insitubatch_nodes.plan.anchors import describe_stride
 from insitubatch_nodes.plan.config import check_stride
 from insitubatch_nodes.plan.splits import SPLITS, SplitManifest
+from insitubatch_nodes.stack import Stack
 
-__all__ = ["check_fitted_on", "unmoved", "view_record"]
+__all__ = [
+    "channel_keys",
+    "channel_labels",
+    "check_fitted_on",
+    "label_pairs",
+    "unmoved",
+    "view_record",
+]
 
 
 def check_fitted_on(
@@ -44,7 +55,8 @@ def check_fitted_on(
     """Raise ``ValueError`` naming what differs when statistics fitted on ``fitted_on`` (the
     ``dataset`` of the file at ``path``) were fitted on another dataset than ``dataset`` (what
     :meth:`Statistics.load <insitubatch_nodes.statistics.Statistics.load>` was given)."""
-    fitted: dict[str, Any] = {"stride": 1, **fitted_on}  # (absent: every sample)
+    # (absent: every sample, nothing pooled: files of fits before each was recorded)
+    fitted: dict[str, Any] = {"stride": 1, "pool": {}, **fitted_on}
     fitted["store"] = normal_store_name(fitted.get("store"))  # (an endpoint's case and /)
     wrong = {
         k: (fitted.get(k), v)
@@ -53,7 +65,13 @@ def check_fitted_on(
     }  # (older files: none)
     if isinstance(dataset.get("views"), Mapping):  # the labels given, only
         views, given = fitted_on.get("views", {}), wrong["views"][1]
+        # (records saved before the coordinate values were: compared without them)
+        given = {k: {f: x for f, x in v.items() if f != "labels" or f in (views.get(k) or {})}
+                 if isinstance(v, dict) else v for k, v in given.items()}  # fmt: skip
         wrong["views"] = ({k: views.get(k) for k in given}, given)
+        if "pool" in wrong:  # (their pooling too)
+            pooled = fitted["pool"]
+            wrong["pool"] = ({k: v for k, v in pooled.items() if k in given}, wrong["pool"][1])
     wrong = {k: pair for k, pair in wrong.items() if _plain(pair[0]) != _plain(pair[1])}
     if "manifest" in wrong and _same_samples(fitted_on, dataset):
         del wrong["manifest"]  # an archive grown since, the fitted samples the same
@@ -70,11 +88,58 @@ def check_fitted_on(
 
 
 def view_record(view: ArrayGeometry) -> dict[str, Any]:
-    """What a fit records of a view it fitted (as :func:`unmoved` leaves it)."""
+    """What a fit records of a view it fitted (as :func:`unmoved` leaves it): its array,
+    selection, shape, decoding and the coordinate values of its channels
+    (:func:`channel_labels`)."""
     select, cf = view.select, view.cf
     return {"path": view.path, "inner_shape": list(view.inner_shape),
             "select": None if select is None else select.describe(),
-            "cf": None if cf is None else cf.fingerprint}  # fmt: skip
+            "cf": None if cf is None else cf.fingerprint,
+            "labels": channel_labels(view)}  # fmt: skip
+
+
+def channel_labels(view: ArrayGeometry) -> dict[str, list[str]]:
+    """The coordinate values (as text) of the entries ``view`` selects along each of its channel
+    axes (its kept axes but the grid's), by dimension name: ``{"level": ["850", "500"]}``. An
+    axis whose coordinate cannot be read (none, no reader, another length) is left out: it is
+    told by its indices. Read once per view where statistics are fitted or applied (the
+    coordinate reader keeps what it read), never per batch."""
+    if view.dims is None or view.coordinates is None:
+        return {}
+    keys = view_keys(view)
+    kept = kept_axes(keys)
+    out: dict[str, list[str]] = {}
+    for i in kept[: len(kept) - grid_ndim(view)]:
+        dim = view.dims[view.field_axes[i]]
+        try:
+            values = np.asarray(view.coordinates(view, dim))
+        except (KeyError, ValueError, OSError):  # no such coordinate: told by its indices
+            continue
+        if values.ndim == 1 and len(values) == view.field_shape[i]:
+            taken = values if keys[i] is None else values[list(keys[i])]  # type: ignore[arg-type]
+            out[dim] = [_text(v) for v in taken]
+    return out
+
+
+def _text(value: Any) -> str:
+    """A coordinate value as text, alike in any dtype: ``850`` of int32, float32 or float64
+    levels (a float as its shortest decimal in its own dtype: float32 0.1 is ``0.1``)."""
+    if isinstance(value, np.floating):
+        number = float(str(value))
+        return str(int(number)) if number.is_integer() else str(number)
+    return str(int(value)) if isinstance(value, np.integer) else str(value)
+
+
+def label_pairs(
+    fitted: Mapping[str, Any] | None, view: ArrayGeometry, pool: tuple[str, ...]
+) -> dict[str, tuple[list[str], list[str]]]:
+    """``{dim: (fitted, view's)}`` coordinate values of each channel axis the fitted view's record
+    (``fitted``) and ``view`` both name them along (not those pooled): such an axis is told by
+    its values, not its indices, so a level is the same level in another store whose levels lie
+    otherwise (records saved before the values were: none)."""
+    theirs = (fitted or {}).get("labels") or {}
+    mine = channel_labels(view) if theirs else {}
+    return {d: (theirs[d], mine[d]) for d in theirs if d in mine and d not in pool}
 
 
 def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
@@ -89,11 +154,14 @@ def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(out.get("manifest"), SplitManifest):
         out["manifest"] = out["manifest"].fingerprint()
     if isinstance(out.get("views"), Mapping):  # a stack's members too: forcings are not fitted
-        out["views"] = {
-            label: view_record(unmoved(v)) if isinstance(v, ArrayGeometry) else v
-            for label, v in out["views"].items()
-            if not isinstance(v, Forcings)
-        }
+        views: dict[str, Any] = {}
+        for label, v in out["views"].items():
+            if isinstance(v, Stack):  # (a pipeline's label: its members, as they are fitted)
+                views.update((m.name, m.view) for m in v.members if m.view is not None)
+            elif not isinstance(v, Forcings):
+                views[label] = v
+        out["views"] = {label: view_record(unmoved(v)) if isinstance(v, ArrayGeometry) else v
+                        for label, v in views.items()}  # fmt: skip
     return out
 
 
@@ -151,3 +219,18 @@ def _numpy_json(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         return value.tolist()
     raise TypeError(f"{type(value).__name__} {value!r} cannot be compared with a saved dataset")
+
+
+def channel_keys(
+    field_shape: Sequence[int], keys: Sequence[Any], n_grid: int, skip: set[int]
+) -> list[Any]:
+    """``keys`` (a selection key per field axis) without the grid's (the last ``n_grid`` kept
+    axes) and those of the field axes in ``skip`` (pooled, or told by their coordinate values),
+    a key taking a whole axis in order as ``None``: what says which channel is which."""
+    kept = kept_axes(keys)
+    grid = set(kept[len(kept) - n_grid :]) | skip
+    return [
+        None if k == tuple(range(n)) else k
+        for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))
+        if i not in grid
+    ]

@@ -50,7 +50,13 @@ import numpy as np
 
 from insitubatch_nodes._atomic import atomic_write
 from insitubatch_nodes._checks import check_instance, check_number
-from insitubatch_nodes._fitted_on import check_fitted_on, unmoved, view_record
+from insitubatch_nodes._fitted_on import (
+    channel_keys,
+    check_fitted_on,
+    label_pairs,
+    unmoved,
+    view_record,
+)
 from insitubatch_nodes._moments import _Moments, as_channels
 from insitubatch_nodes.anchor_steps import anchor_time_coordinate, forward_ticks, repeated_times
 from insitubatch_nodes.batch import Batch
@@ -120,7 +126,8 @@ class Statistics:
         entries may be given as the fit took them: ``"store"`` anything
         :func:`fit_statistics` takes (a path, URL, opened store or collection: compared by
         the store it names), ``"manifest"`` a :class:`SplitManifest` (by its fingerprint),
-        ``"views"`` ``{label: view}`` (each label given against the file's record of it)."""
+        ``"views"`` ``{label: view}`` (each label given against the file's record of it; a
+        :class:`~insitubatch_nodes.stack.Stack`, a pipeline's label, by its members' names)."""
         with open(path) as f:
             doc = json.load(f)
         if doc.get("format") != FORMAT:
@@ -139,10 +146,12 @@ class Statistics:
         (``(n_level, 1, 1)`` for a ``(level, lat, lon)`` view). ``ValueError`` when ``view``
         has other channels than the view ``label`` was fitted on: another number, or other
         indices of an axis that is not the grid (levels in another order, another dropped
-        level) or another array than ``paths[label]`` (set it to take statistics over to the
-        same quantity under another name); its shift, window, patches and box on the grid may
-        differ. ``ValueError`` too when ``view`` decodes its values otherwise than the fitted
-        view did (``mask_and_scale``: stored integers against unpacked values)."""
+        level; told by their coordinate values where both the fit and ``view`` read them: level
+        850 of another store is index 0 there) or another array than ``paths[label]`` (set it to
+        take statistics over to the same quantity under another name); its shift, window,
+        patches and box on the grid may differ. ``ValueError`` too when ``view`` decodes its
+        values otherwise than the fitted view did (``mask_and_scale``: stored integers against
+        unpacked values)."""
         values = np.asarray(getattr(self, name)[label], dtype=np.float64)
         pool = self.pooled(label)
         self._check_array(label, view)
@@ -195,23 +204,26 @@ class Statistics:
     def _check_channels(
         self, label: str, view: ArrayGeometry, shape: tuple[int, ...], pool: tuple[str, ...]
     ) -> None:
-        field = view.field_shape
-        # a pooled dimension may be selected as the view likes: one value stands for all
-        skip = {i for i in range(len(field))
-                if view.dims is not None and view.dims[view.field_axes[i]] in pool}  # fmt: skip
-        mine = _channel_keys(field, view_keys(unmoved(view)), grid_ndim(view), skip)
-        fitted = self.dataset.get("views", {}).get(label)
+        field, fitted = view.field_shape, self.dataset.get("views", {}).get(label)
+        # a pooled dimension may be selected as the view likes: one value stands for all; an
+        # axis with coordinate values is told by them (not by index: another store's levels)
+        values = label_pairs(fitted, unmoved(view), pool)
+        skip = {i for i in range(len(field)) if view.dims is not None
+                and view.dims[view.field_axes[i]] in (*pool, *values)}  # fmt: skip
+        mine = channel_keys(field, view_keys(unmoved(view)), grid_ndim(view), skip)
         keys = None if fitted is None else fitted.get("select") or [None] * len(field)
         theirs = None
         if keys is not None and len(keys) == len(field):
-            theirs = _channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
+            theirs = channel_keys(field, [k if k is None or isinstance(k, int) else tuple(k)
                                            for k in keys], grid_ndim(view), skip)  # fmt: skip
-        if shape != _channels(view, pool) or (keys is not None and theirs != mine):
+        named = {d: pair for d, pair in values.items() if pair[0] != pair[1]}
+        if shape != _channels(view, pool) or (keys is not None and theirs != mine) or named:
             raise ValueError(
                 f"statistics of {label!r} were fitted on other channels than {view!r} has "
                 f"(shape {shape}, selection {keys}; the view: {_channels(view, pool)}, "
-                f"{list(view_keys(view))}): fit them on the view's levels, in its order, under "
-                "its name"
+                f"{list(view_keys(view))}"
+                + "".join(f"; {d} {a} fitted, {b} in the view" for d, (a, b) in named.items())
+                + "): fit them on the view's levels, in its order, under its name"
             )
 
     def normalizer(
@@ -293,18 +305,20 @@ class Statistics:
                     "chunk scaler takes one value per channel of the array; standardise with "
                     "Statistics.normalizer or stack(..., normalize=stats)"
                 )
-            keys = self.dataset.get("views", {}).get(label, {}).get("select") or [None, None]
-            if any(k is not None for k in keys[:-2]) or any(isinstance(k, int) for k in keys):
+            m, fitted = np.asarray(self.mean[label]), self.dataset.get("views", {}).get(label, {})
+            # the fitted grid's axes: the kept axes but the channels' (two on a lat/lon grid,
+            # one on a grid of points; two for files without the shape)
+            grid = 2 if "inner_shape" not in fitted else len(fitted["inner_shape"]) - m.ndim
+            keys = fitted.get("select") or []
+            if any(isinstance(k, int) for k in keys) or any(keys[: len(keys) - grid]):
                 raise ValueError(
                     f"label {label!r} reads a selection of {path!r}: a chunk transform sees "
                     "the whole array; use Statistics.normalizer (a batch transform) instead"
                 )
-            m = np.asarray(self.mean[label])
             _refuse_empty_channels(label, path, m, np.asarray(self.std[label]))
             # per channel: (n_level,) becomes (n_level, 1, 1) against (level, lat, lon), (n_level,
-            # 1) against (level, values) (the fitted grid's axes); one value is a scalar
-            shape = self.dataset.get("views", {}).get(label, {}).get("inner_shape")
-            grid = 0 if not m.ndim else 2 if shape is None else len(shape) - m.ndim
+            # 1) against (level, values); one value is a scalar
+            grid = grid if m.ndim else 0
             mean[path] = m.reshape(m.shape + (1,) * grid)
             s = _constant_as_unit(np.asarray(self.std[label]))
             std[path] = s.reshape(s.shape + (1,) * grid)
@@ -531,9 +545,9 @@ def fit_statistics(
         "views": {label: view_record(v) for label, v in plain.items()},
         **anchors,
     }
-    if pool:  # (absent otherwise: files of unpooled fits are as they were)
-        dataset["pool"] = {label: [d for d in pool if d in _channel_dims(plain[label])]
-                           for label, at in pooled.items() if at}  # fmt: skip
+    # ({} for none: a per-channel fit's ``dataset`` refuses pooled statistics at a load)
+    dataset["pool"] = {label: [d for d in pool if d in _channel_dims(plain[label])]
+                       for label, at in pooled.items() if at}  # fmt: skip
     return Statistics(**fields, dataset=dataset, paths={k: v.path for k, v in plain.items()})
 
 
@@ -667,21 +681,6 @@ def _sample_ticks(
             stacklevel=4,
         )
         return None
-
-
-def _channel_keys(
-    field_shape: Sequence[int], keys: Sequence[Any], n_grid: int, skip: set[int]
-) -> list[Any]:
-    """``keys`` (a selection key per field axis) without the grid's (the last ``n_grid`` kept
-    axes) and those of the field axes in ``skip`` (pooled), a key taking a whole axis in order
-    as ``None``: what says which channel is which."""
-    kept = kept_axes(keys)
-    grid = set(kept[len(kept) - n_grid :]) | skip
-    return [
-        None if k == tuple(range(n)) else k
-        for i, (k, n) in enumerate(zip(keys, field_shape, strict=True))
-        if i not in grid
-    ]
 
 
 def _to_json(values: np.ndarray) -> Any:

@@ -179,7 +179,14 @@ def normal_endpoint(endpoint: str) -> str:
 
 def normal_store_name(name: Any) -> Any:
     """A store's name as :func:`~insitubatch_nodes.io.stores.describe_store` gave it (in a saved
-    file, say) with its endpoint spelled as :func:`normal_endpoint` spells it; anything else as
-    it is."""
-    found = re.fullmatch(r"(.*) \(endpoint (.+)\)", name) if isinstance(name, str) else None
+    file, say) with its endpoint spelled as :func:`normal_endpoint` spells it, and a zarr
+    ``LocalStore``'s (its repr, ``LocalStore('file:///data/x.zarr')``, or a ``WrapperStore``'s
+    around one) as its folder, ``/data/x.zarr``, the name of the path it opens; anything else
+    as it is."""
+    if not isinstance(name, str):
+        return name
+    local = re.fullmatch(r"(?:LocalStore\(|WrapperStore\(LocalStore, )'file://(/.*)'\)", name)
+    if local:
+        return local[1]
+    found = re.fullmatch(r"(.*) \(endpoint (.+)\)", name)
     return f"{found[1]} (endpoint {normal_endpoint(found[2])})" if found else name

@@ -287,9 +287,10 @@ def describe_store(store: Any) -> str:
 
 def store_name(store: Any) -> str:
     """:func:`describe_store` of the store ``store`` names (what :func:`as_store` takes), or,
-    for a name that opens no store (``"s3://b/x (endpoint ...)"``), that name, normalised."""
+    for a name that opens no store (``"s3://b/x (endpoint ...)"``), that name; normalised
+    (:func:`~insitubatch_nodes.io.places.normal_store_name`)."""
     try:
-        return str(describe_store(as_store(store)))
+        return str(normal_store_name(describe_store(as_store(store))))
     except (OSError, TypeError, ValueError):
         if not isinstance(store, str):
             raise
