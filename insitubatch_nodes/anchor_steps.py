@@ -19,9 +19,10 @@ from zarr.abc.store import Store
 
 from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
-from insitubatch_nodes.io.calendars import MONTH_STEPS_NEAR_S, calendar_months
+from insitubatch_nodes.io.calendars import MONTH_STEPS_NEAR_S, calendar_months, counts_us
 from insitubatch_nodes.io.coords import MISSING_OFFSET, Coordinate, open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.timeline import whole_seconds
 from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.config import PlanConfig
@@ -70,7 +71,7 @@ def anchor_steps(
     windowed = any(v.timed_window for v in views)
     timed = not isinstance(config.stride, int) or windowed
     if missing is None and not timed and manifest.steps is None:
-        _warn_repeated(manifest, geoms, reader)  # (no time checked: every copy is read)
+        _warn_from_times(manifest, geoms, reader)  # (no time checked: every copy is read)
     if missing is None and missing_objects == "read" and (not timed or manifest.steps is not None):
         return manifest  # nothing asked, or steps the caller attached (manifest.with_steps)
     n = manifest.n_samples
@@ -168,38 +169,104 @@ def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, An
     return ticks, SECOND
 
 
-def repeated_times(coord: Coordinate, ticks: np.ndarray) -> str | None:
+def repeated_times(
+    coord: Coordinate, ticks: np.ndarray, members: MemberMap | None = None
+) -> str | None:
     """Where the times of ``coord`` (``ticks``: counts of any one unit) repeat — a later copy
     of a time an earlier sample has, as ``SampleSteps.repeated`` finds them — said with what
-    to do; ``None`` where each time is once."""
-    again = SampleSteps(len(ticks), ticks=ticks).repeated
+    to do; ``None`` where each time is once. ``members`` (a collection's member map, its
+    members independent): a time repeats within one member only, and the samples are named
+    as their member's."""
+    runs = _independent_runs(members)
+    again = SampleSteps(len(ticks), ticks=ticks, runs=runs).repeated
     if again is None or not again.any():
         return None
     at = int(np.argmax(again))
-    first = int(np.argmax(ticks == ticks[at]))
+    copies = np.flatnonzero(ticks == ticks[at])
+    if runs is not None:
+        copies = copies[
+            np.searchsorted(runs, copies, side="right") == np.searchsorted(runs, at, side="right")
+        ]
+    first = int(copies[0])
+    whose = f"{coord.name!r}"
+    later, earlier = f"sample {at}", f"sample {first}"
+    if runs is not None and members is not None:
+        m = int(members.member_of(np.array([at]))[0])
+        base = int(members.sample_base[m])
+        whose = f"{coord.name!r} in member {members.names[m]!r} of {members.collection}"
+        later, earlier = f"its sample {at - base}", f"its sample {first - base}"
     return (
-        f"the times of {coord.name!r} repeat (sample {at} has {coord.values[at]} as sample "
-        f"{first} does; {int(again.sum())} repeated in all): every copy is read where the times "
+        f"the times of {whose} repeat ({later} has {coord.values[at]} as {earlier} does; "
+        f"{int(again.sum())} repeated in all): every copy is read where the times "
         "are not checked; pass missing=() to count each time once (a later copy is then "
         "dropped as a gap; list the copies not to read in missing= to keep others), or "
         f"write the store without them (xarray: ds.drop_duplicates({coord.name!r}))"
     )
 
 
-def _warn_repeated(
+def _independent_runs(members: MemberMap | None) -> np.ndarray | None:
+    """Each independent member's first virtual sample (``SampleSteps.runs``), or ``None``
+    for one timeline (a single array; stores continuing one another)."""
+    if members is None or members.continuous or members.product:
+        return None
+    return members.sample_base
+
+
+def _exact_ticks(coord: Coordinate) -> np.ndarray:
+    """The dates of ``coord`` as ``int64`` counts to compare (``datetime64``: their own
+    ticks; cftime dates: microseconds in their calendar, one pass in Python), a missing one
+    :data:`MISSING_OFFSET`: equal counts are equal dates, and larger ones later."""
+    v = coord.values
+    if v.dtype.kind == "M":
+        return v.view(np.int64)  # (NaT: MISSING_OFFSET)
+    present = np.array([x is not None for x in v.tolist()], dtype=bool)
+    out = np.full(len(v), MISSING_OFFSET, dtype=np.int64)
+    out[present] = counts_us(v[present])
+    return out
+
+
+def _warn_from_times(
     manifest: SplitManifest, geoms: Mapping[str, ArrayGeometry], reader: Any
 ) -> None:
-    """Warn where the anchor array's times repeat while the plan checks no time (every copy
-    is then an anchor, by index): from the times ``reader`` read already for the batches'
-    coordinates, ``datetime64`` ones (vectorised: ~20 ms a million samples); nothing is read
-    here."""
+    """Warn, where the plan checks no time, from the times ``reader`` read already for the
+    batches' coordinates (nothing is read here): where the anchor array's times repeat (every
+    copy is then an anchor, by index), and where they run backwards (newest first) while the
+    manifest's contiguous splits follow the index order, so that ``train`` holds the newest
+    times and ``test`` the oldest. ``datetime64`` dates: vectorised (~20 ms a million);
+    cftime dates: one pass in Python (~0.9 us a date, beside the ~5 us their decoding took)."""
     geom = geoms.get(manifest.array)
     coord = None if geom is None or reader is None else reader.read_already(geom)
-    if coord is None or coord.values.dtype.kind != "M":  # (cftime dates: a pass in Python)
+    if coord is None or not coord.is_time or len(coord) != manifest.n_samples:
         return
-    said = repeated_times(coord, coord.values.view(np.int64))  # (NaT: MISSING_OFFSET)
+    ticks = _exact_ticks(coord)
+    said = repeated_times(coord, ticks, manifest.members)
     if said is not None:
         warnings.warn(f"insitu_pipeline: {said}", UserWarning, stacklevel=4)
+    later = _train_after(manifest)
+    if later is not None and _backwards(ticks, _independent_runs(manifest.members)):
+        warnings.warn(
+            f"insitu_pipeline: the times of {coord.name!r} run backwards (newest first: "
+            f"{coord.values[0]} at sample 0), and the manifest's contiguous splits follow the "
+            f"sample order: 'train' holds the times after those of {later!r} (a model trained "
+            "on the future of its own evaluation). Split in time order, train the earliest: "
+            "split_by_chunk(geom, fractions, coord=open_coordinates(store, geom)"
+            f"[{coord.name!r}])",
+            UserWarning,
+            stacklevel=4,
+        )
+
+
+def _train_after(manifest: SplitManifest) -> str | None:
+    """The split (``"test"``, else ``"val"``) whose chunks all lie after ``train``'s along the
+    samples, of a contiguous manifest with ``train`` and that split; ``None`` otherwise."""
+    train = manifest.chunk_array("train")
+    if not manifest.contiguous or not len(train) or manifest.members is not None:
+        return None
+    for name in ("test", "val"):
+        other = manifest.chunk_array(name)
+        if len(other) and int(train[-1]) < int(other[0]):
+            return name
+    return None
 
 
 def forward_ticks(coord: Coordinate, seconds: np.ndarray) -> np.ndarray:
