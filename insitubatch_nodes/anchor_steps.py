@@ -233,7 +233,8 @@ def _warn_from_times(
     copy is then an anchor, by index), and where they run backwards (newest first) while the
     manifest's contiguous splits follow the index order, so that ``train`` holds the newest
     times and ``test`` the oldest. ``datetime64`` dates: vectorised (~20 ms a million);
-    cftime dates: one pass in Python (~0.9 us a date, beside the ~5 us their decoding took)."""
+    cftime dates: passes in Python (0.19-0.29 s for 200,000 ``noleap`` dates, measured on
+    the shared 2-core machine, where their decoding took 1.16 s)."""
     geom = geoms.get(manifest.array)
     coord = None if geom is None or reader is None else reader.read_already(geom)
     if coord is None or not coord.is_time or len(coord) != manifest.n_samples:
