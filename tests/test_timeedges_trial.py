@@ -180,6 +180,22 @@ def test_a_pipeline_warns_where_a_store_written_newest_first_was_split_in_sample
         insitu_pipeline(backwards, by_index, {"x": g}, batch_size=4, coords=()).close()
 
 
+def test_a_data_module_given_fractions_splits_a_store_written_newest_first_in_time_order(
+    backwards: Path,
+) -> None:
+    pytest.importorskip("lightning")
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    times = _oracle(backwards).time.values
+    dm = InSituDataModule(backwards, ["sst"], (0.5, 0.25, 0.25), log_report=False)
+    dm.setup("fit")
+    manifest = dm.manifest
+    assert manifest is not None
+    train, val, test = (times[manifest.samples(s)] for s in ("train", "val", "test"))
+    np.testing.assert_array_equal(np.sort(train), np.sort(times)[:8])  # the earliest half
+    assert train.max() < val.min() <= val.max() < test.min()
+
+
 def test_on_a_store_written_newest_first_no_train_row_reads_a_val_time(backwards: Path) -> None:
     """``shift(-1)`` is the next time of a store written newest first (by index, as asked);
     with the time-ordered split, the anchor whose next time is val's first is dropped, as at
