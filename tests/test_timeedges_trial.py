@@ -17,7 +17,9 @@ Found (fixed; each test failed before the fix):
   (``Coordinate.decreasing``); ``coord=`` no longer needs ``sample_range``. Without ``coord``
   the index order stays (reproducible manifests), and ``insitu_pipeline`` warns, from the
   times its batches carry, where the times run backwards and a contiguous ``train`` lies
-  after ``val``/``test`` in time, saying to pass ``coord=``.
+  after ``val``/``test`` in time, saying to pass ``coord=``. ``InSituDataModule`` given
+  ``(train, val, test)`` fractions made the same index-order split; it now splits in time
+  order where the first label's array has a time coordinate.
 - **The repeated-times warning skipped cftime dates.** A ``noleap``, ``360_day`` or
   pre-1582 ``standard`` store with a time written twice built silently and read both copies;
   a ``datetime64`` store warned. Now cftime dates are compared as exact microseconds in their
