@@ -66,7 +66,7 @@ from insitubatch_nodes.forcings import (
     toa_incident_solar_radiation,
 )
 from insitubatch_nodes.io import open_coordinates
-from insitubatch_nodes.io.collection import Collection
+from insitubatch_nodes.io.collection import Collection, concat
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")
@@ -388,3 +388,18 @@ def test_forcings_compute_datetime64_times_outside_1677_2262_as_the_functions_do
     near = np.array(["1979-02-28T18", "2024-12-31T23"], dtype="datetime64[s]")
     for name, values in sun.compute(near).items():
         np.testing.assert_array_equal(values, sun.compute(near.astype("datetime64[ns]"))[name])
+
+
+def test_a_store_of_a_concat_with_a_repeated_time_is_refused_naming_the_copy_and_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """Stores that continue one another must each be at one step (a window runs across their
+    edges); a time written twice in one is refused, as before, now naming it as a copy of
+    its earlier index (the message called it "a gap, a repeated or an out-of-order time")."""
+    hours = list(pd.date_range("2000-01-01", periods=12, freq="6h"))
+    first = _write(tmp_path / "a.zarr", hours[:6])
+    again = _write(tmp_path / "b.zarr", _with_copy(hours[6:], 4, 2))
+    assert np.flatnonzero(pd.Index(_oracle(again).time.values).duplicated()).tolist() == [4]
+    with pytest.raises(ValueError, match=r"\(index 4\) follows .* \(a copy of index 2's: a "
+                       r"repeated time; .*drop_duplicates"):  # fmt: skip
+        concat([first, again], ["sst"])
