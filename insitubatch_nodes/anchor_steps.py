@@ -61,7 +61,9 @@ def anchor_steps(
     a stride or time-delta windows are asked for. On a collection of independent members
     (``manifest.members``, attached first) each member is a run of its own
     (``SampleSteps.runs``), and windows in time deltas (``views``) are refused, naming the
-    collection, when no member holds two times."""
+    collection, when no member holds two times. Times that run backwards (newest first) are
+    counted negated (``SampleSteps.backwards``: a step back in time is one sample on); those
+    of a collection's independent members are refused."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
@@ -108,9 +110,15 @@ def anchor_steps(
     if members is not None and not (members.continuous or members.product) and ticks is not None:
         runs = members.sample_base  # independent members: no difference across their edges
     counted, unit = ticks, SECOND  # (the checks' ticks: calendar months of monthly dates)
+    backwards = ticks is not None and _backwards(ticks, runs)
     if ticks is not None and coord is not None:
-        _refuse_backwards(ticks, runs, coord)
-        counted, unit = calendar_ticks(coord, ticks)
+        if backwards:  # newest first: counted negated, a step back in time one step on
+            _refuse_backwards(runs, coord, ticks)
+            flipped = Coordinate(coord.name, coord.values[::-1])  # (months oldest first)
+            counted, unit = calendar_ticks(flipped, ticks[::-1])
+            counted = np.where(counted == MISSING_OFFSET, MISSING_OFFSET, -counted[::-1])
+        else:
+            counted, unit = calendar_ticks(coord, ticks)
     if dates:  # matched to the times to the second, whatever the checks count in
         assert ticks is not None and counted is not None and coord is not None
         gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
@@ -131,6 +139,7 @@ def anchor_steps(
         coord=coord_name,
         runs=runs,
         hashed_coord=hashed if hashed != coord_name else None,
+        backwards=backwards,
     )
     if members is not None and runs is not None and windowed and steps.data_step is None:
         raise ValueError(
@@ -292,20 +301,22 @@ def _backwards(ticks: np.ndarray, runs: np.ndarray | None) -> bool:
     return int((d < 0).sum()) > int((d > 0).sum())
 
 
-def _refuse_backwards(ticks: np.ndarray, runs: np.ndarray | None, coord: Coordinate) -> None:
-    """Refuse times that run backwards (most consecutive present times of one run decrease):
-    the missing-step checks count each step forward from its anchor at the data's step, and
-    would check nothing (a ``shift(1)`` reading the step before its anchor, silently)."""
-    if not _backwards(ticks, runs):
+def _refuse_backwards(runs: np.ndarray | None, coord: Coordinate, ticks: np.ndarray) -> None:
+    """Refuse times of a collection's independent members (``runs``) that run backwards (most
+    consecutive present times of one member decrease): each member would need its own
+    direction. A single array's (or joined stores') are counted negated instead (before
+    2026-12-07 they were refused too)."""
+    if runs is None:
         return
     present = np.flatnonzero(ticks != MISSING_OFFSET)
     first, last = coord.values[present[0]], coord.values[present[-1]]
     raise ValueError(
         f"the times of {coord.name!r} run backwards ({first} at sample {int(present[0])} .. "
-        f"{last} at sample {int(present[-1])}): a time stride, window offsets in time deltas "
-        "and missing= check each step forward in time from its anchor, and would check nothing "
-        "here; write the store with increasing times (xarray: ds.sortby('time')), or give an "
-        "int stride, window offsets in samples and no missing="
+        f"{last} at sample {int(present[-1])}) in the members of a collection: a time stride, "
+        "window offsets in time deltas and missing= check each step in time from its anchor "
+        "within each member, all in one direction; write the members with increasing times "
+        "(xarray: ds.sortby('time')), or give an int stride, window offsets in samples and no "
+        "missing="
     )
 
 
@@ -381,7 +392,7 @@ def _refuse_dates_between_steps(
     times, first = np.unique(ticks[present], return_index=True)
     if len(times) < 2:
         return
-    spacing = np.diff(counted[present][first])  # (counted in the checks' ticks)
+    spacing = np.abs(np.diff(counted[present][first]))  # (the checks' ticks; negated backwards)
     one_step = spacing <= step if step is not None else np.diff(times) == np.diff(times).min()
     at = np.searchsorted(times, gone)  # times[at - 1] < gone <= times[at]
     inside = (at > 0) & (at < len(times))

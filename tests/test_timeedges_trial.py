@@ -20,6 +20,14 @@ Found (fixed; each test failed before the fix):
   after ``val``/``test`` in time, saying to pass ``coord=``. ``InSituDataModule`` given
   ``(train, val, test)`` fractions made the same index-order split; it now splits in time
   order where the first label's array has a time coordinate.
+- **On times written newest first, the time checks were refused** (a time stride, windows
+  in time deltas, ``missing=``: "write the store sorted, or give an int stride, offsets in
+  samples and no missing="), so such a store's windows could only pair samples by index,
+  across its gaps. Now the checks count the steps back in time (``SampleSteps.backwards``,
+  ticks negated: one sample on is one step earlier; a window's deltas resolve the other
+  way round, ``"-6h"`` a sample on); each row's steps are the times its window names and
+  none crosses a gap, as xarray's times say. A collection's independent members whose times
+  run backwards are still refused (each would need its own direction).
 - **The repeated-times warning skipped cftime dates.** A ``noleap``, ``360_day`` or
   pre-1582 ``standard`` store with a time written twice built silently and read both copies;
   a ``datetime64`` store warned. Now cftime dates are compared as exact microseconds in their
@@ -41,9 +49,13 @@ Tried and found right (no change needed): on times written newest first, windows
 samples read by index as asked (``shift(-1)`` is the next time), and with the time-ordered
 split no row of ``train`` reads a ``val`` time (the split-edge rule); a value window
 (``sample_range`` of dates with ``coord=``) takes the right samples and now splits in time
-order; a time stride, time-delta windows and ``missing=`` are refused naming both ends
-(``tests/test_forecast_trial.py``); ``fit_statistics``' ``diff_std`` pairs one step in time
-(``tests/test_coordlen_trial.py``). Increasing times split as before with or without ``coord``.
+order; ``fit_statistics``' ``diff_std`` over the time-ordered ``train`` equals numpy's over
+its one-step pairs (1.5418 both; checked by hand, ``tests/test_coordlen_trial.py`` keeps the
+claim); monthly dates written newest first with a month absent pair across no gap, and a
+``missing=`` date between two months is refused, one inside the gap taken; a ``noleap``
+collection member with a time re-sent out of place takes its first copy under ``missing=()``,
+a ``"12h"`` stride and a listed date (every copy dropped). Increasing times split as before
+with or without ``coord``.
 """
 
 from __future__ import annotations
@@ -217,6 +229,60 @@ def test_on_a_store_written_newest_first_no_train_row_reads_a_val_time(backwards
     for b in batches:
         for t, v in zip(b.coords["y"]["time"], b["y"], strict=True):
             np.testing.assert_array_equal(v, ds.sst.sel(time=t).values)
+
+
+@pytest.fixture
+def backwards_gap(tmp_path: Path) -> Path:
+    """Twenty 6-hourly times from 2000-01-01T00 less the tenth (a gap), newest first."""
+    times = pd.date_range("2000-01-01", periods=20, freq="6h").delete(9)[::-1]
+    return _write(tmp_path / "back_gap.zarr", times, chunk=3)
+
+
+@pytest.mark.parametrize(
+    ("views", "asked"),
+    [
+        ({"w": ["-6h", "0h"]}, {"stride": "12h"}),
+        ({"w": ["-12h", "-6h", "0h"], "y": ["6h"]}, {"missing": ["2000-01-02T00"]}),
+        ({"x": 0, "y": 1}, {"missing": ()}),  # shift(1): the sample on, 6 h back in time
+    ],
+)
+def test_the_time_checks_of_a_store_written_newest_first_pair_the_times_they_name(
+    backwards_gap: Path, views: dict[str, Any], asked: dict[str, Any]
+) -> None:
+    """Before, a time stride, windows in time deltas and ``missing=`` were refused on times
+    that run backwards (write the store sorted, or give up the checks); now the checks count
+    the steps back in time: every row's steps are the times its window names, none across the
+    gap, and the anchors are every time whose steps are all there (xarray's times)."""
+    ds = _oracle(backwards_gap)
+    times = ds.time.values
+    hour = np.timedelta64(1, "h")
+    g = open_geometries(backwards_gap)["sst"]
+    plan = {k: g.shift(v) if isinstance(v, int) else g.window(v) for k, v in views.items()}
+    deltas = {k: [np.timedelta64(-6 * v, "h")] if isinstance(v, int) else
+              [np.timedelta64(int(d[:-1]), "h") for d in v] for k, v in views.items()}  # fmt: skip
+    stride = asked.get("stride")
+    listed = [np.datetime64(d) for d in asked.get("missing", ())]
+    have = set(times)
+    want = set()
+    for t in times:
+        on = stride is None or (t - np.datetime64("1970-01-01")) % (12 * hour) == np.timedelta64(0)
+        steps = [t + d for ds_ in deltas.values() for d in ds_] + [t]
+        if on and all(u in have and u not in listed for u in steps):
+            want.add(t)
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(backwards_gap, manifest, plan, batch_size=4, **asked)
+    got = set()
+    for b in _epoch(pipe):
+        for label, d in deltas.items():
+            rows = np.asarray(b.coords[label]["time"]).reshape(len(b), -1)
+            values = np.asarray(b[label]).reshape(len(b), len(d), 2, 3)
+            for r, v in zip(rows, values, strict=True):
+                anchor = r[0] - d[0]
+                np.testing.assert_array_equal(r, [anchor + x for x in d])
+                for step, x in zip(r, v, strict=True):
+                    np.testing.assert_array_equal(x, ds.sst.sel(time=step).values)
+                got.add(anchor)
+    assert got == want and len(want) >= 5
 
 
 # ---------------------------------------------------------------------------------------------
