@@ -114,6 +114,7 @@ def anchor_steps(
     if ticks is not None and coord is not None:
         if backwards:  # newest first: counted negated, a step back in time one step on
             _refuse_backwards(runs, coord, ticks)
+            _warn_split_backwards(manifest, coord, stacklevel=4)
             flipped = Coordinate(coord.name, coord.values[::-1])  # (months oldest first)
             counted, unit = calendar_ticks(flipped, ticks[::-1])
             counted = np.where(counted == MISSING_OFFSET, MISSING_OFFSET, -counted[::-1])
@@ -252,31 +253,31 @@ def _warn_from_times(
     said = repeated_times(coord, ticks, manifest.members)
     if said is not None:
         warnings.warn(f"insitu_pipeline: {said}", UserWarning, stacklevel=4)
-    later = _train_after(manifest)
-    if later is not None and _backwards(ticks, _independent_runs(manifest.members)):
-        warnings.warn(
-            f"insitu_pipeline: the times of {coord.name!r} run backwards (newest first: "
-            f"{coord.values[0]} at sample 0), and the manifest's contiguous splits follow the "
-            f"sample order: 'train' holds the times after those of {later!r} (a model trained "
-            "on the future of its own evaluation). Split in time order, train the earliest: "
-            "split_by_chunk(geom, fractions, coord=open_coordinates(store, geom)"
-            f"[{coord.name!r}])",
-            UserWarning,
-            stacklevel=4,
-        )
+    if _backwards(ticks, _independent_runs(manifest.members)):
+        _warn_split_backwards(manifest, coord, stacklevel=5)
 
 
-def _train_after(manifest: SplitManifest) -> str | None:
-    """The split (``"test"``, else ``"val"``) whose chunks all lie after ``train``'s along the
-    samples, of a contiguous manifest with ``train`` and that split; ``None`` otherwise."""
+def _warn_split_backwards(manifest: SplitManifest, coord: Coordinate, stacklevel: int) -> None:
+    """Warn that the times of ``coord`` run backwards (newest first) while ``manifest``'s
+    contiguous splits follow the index order: ``train`` then holds the newest times and
+    ``test`` (or ``val``) the oldest (``split_by_chunk(..., coord=)`` splits in time order)."""
     train = manifest.chunk_array("train")
     if not manifest.contiguous or not len(train) or manifest.members is not None:
-        return None
-    for name in ("test", "val"):
-        other = manifest.chunk_array(name)
-        if len(other) and int(train[-1]) < int(other[0]):
-            return name
-    return None
+        return
+    later = next((name for name in ("test", "val") if len(manifest.chunk_array(name))
+                  and int(train[-1]) < int(manifest.chunk_array(name)[0])), None)  # fmt: skip
+    if later is None:
+        return
+    warnings.warn(
+        f"insitu_pipeline: the times of {coord.name!r} run backwards (newest first: "
+        f"{coord.values[0]} at sample 0), and the manifest's contiguous splits follow the "
+        f"sample order: 'train' holds the times after those of {later!r} (a model trained "
+        "on the future of its own evaluation). Split in time order, train the earliest: "
+        "split_by_chunk(geom, fractions, coord=open_coordinates(store, geom)"
+        f"[{coord.name!r}])",
+        UserWarning,
+        stacklevel=stacklevel,
+    )
 
 
 def forward_ticks(coord: Coordinate, seconds: np.ndarray) -> np.ndarray:

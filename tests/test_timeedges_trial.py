@@ -188,10 +188,15 @@ def test_a_pipeline_warns_where_a_store_written_newest_first_was_split_in_sample
     with pytest.warns(UserWarning, match=r"run backwards .*'train' holds the times after those of "
                       r"'test'.*coord=open_coordinates\(store, geom\)\['time'\]"):  # fmt: skip
         insitu_pipeline(backwards, by_index, {"x": g}, batch_size=4).close()
+    with pytest.warns(UserWarning, match=r"run backwards .*'train' holds the times after"):
+        insitu_pipeline(backwards, by_index, {"x": g}, batch_size=4, coords=(), missing=()).close()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         insitu_pipeline(backwards, by_time, {"x": g}, batch_size=4).close()
-        insitu_pipeline(backwards, by_index, {"x": g}, batch_size=4, coords=()).close()
+        insitu_pipeline(backwards, by_time, {"x": g}, batch_size=4, stride="12h").close()
+        insitu_pipeline(
+            backwards, by_index, {"x": g}, batch_size=4, coords=()
+        ).close()  # (none read)
 
 
 def test_a_data_module_given_fractions_splits_a_store_written_newest_first_in_time_order(
