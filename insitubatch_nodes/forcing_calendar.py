@@ -12,8 +12,9 @@ one of two conventions (:data:`CONVENTIONS`).
     1970-01-01 (``datetime64[s]``): the day progress ``(s mod 86400) / 86400 + λ / 360`` mod
     1, and the year progress ``s / 86400 / 365.24219`` mod 1 (years of the mean tropical year
     counted from 1970, not calendar years: up to 1.8e-3 of a year from ``"calendar"``'s).
-    ``datetime64`` times only (the seconds of the proleptic Gregorian calendar): cftime dates
-    are refused with a ``TypeError``.
+    Instants only (the seconds of the proleptic Gregorian calendar): ``datetime64`` times, and
+    cftime dates of the ``standard`` and ``proleptic_gregorian`` calendars (:func:`instants`;
+    before 2026-12-07 refused); other calendars' dates are refused with a ``TypeError``.
 
 Either way a missing time (``NaT``; ``None`` among cftime dates) gives NaN.
 """
@@ -25,10 +26,13 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes.io.calendars import CF_CALENDARS, DATETIME64_CALENDARS, instants_us
+
 __all__ = [
     "CONVENTIONS",
     "GRAPHCAST_YEAR_DAYS",
     "check_convention",
+    "instants",
     "local_time",
     "native",
     "year_progress",
@@ -58,9 +62,28 @@ def native(times: np.ndarray) -> np.ndarray:
     return times.astype(np.promote_types(times.dtype, np.dtype("datetime64[s]")))
 
 
+def instants(times: np.ndarray) -> np.ndarray:
+    """``times`` as ``datetime64`` where they name instants: ``datetime64`` as given, and
+    cftime dates of the ``standard`` (``gregorian``) or ``proleptic_gregorian`` calendar — a
+    store's dates outside ``datetime64[ns]``'s range, 1677-2262, decode to those — as
+    ``datetime64[us]`` of the same instants (a ``standard`` date before 1582-10-15 is
+    Julian: its instant, not its fields; ``NaT`` for ``None``). Other times (a ``noleap`` or
+    ``360_day`` calendar's dates, which name no instant of the real year) come as given. A
+    pass in Python over cftime dates (the rows of a batch)."""
+    t, missing = _missing(np.asarray(times))
+    calendar = getattr(t.flat[0], "calendar", None) if t.dtype.kind == "O" and t.size else None
+    if CF_CALENDARS.get(str(calendar)) not in DATETIME64_CALENDARS or missing.all():
+        return np.asarray(times)
+    out = instants_us(t).astype("datetime64[us]")
+    out[missing] = np.datetime64("NaT", "us")
+    return out
+
+
 def _graphcast_seconds(times: np.ndarray) -> np.ndarray:
     """The seconds since 1970 as float64 as GraphCast takes them (whole seconds,
-    ``datetime64[s]``; NaN at a missing time); ``TypeError`` for cftime dates."""
+    ``datetime64[s]``; NaN at a missing time); ``TypeError`` for cftime dates of a calendar
+    other than ``standard`` and ``proleptic_gregorian`` (:func:`instants`)."""
+    times = instants(times)
     if times.dtype.kind != "M":
         raise TypeError(
             f"convention='graphcast' needs times as numpy datetime64, got dtype {times.dtype}: "

@@ -31,7 +31,10 @@ since 1970, the day progress from whole seconds) and GraphCast's names ``day_pro
 ``day_progress_cos`` for the local time (:data:`GRAPHCAST_NAMES`). By default the last four
 take cftime dates too (a ``noleap`` or ``360_day`` store's times), counted in their own
 calendar; the two solar ones, and every forcing of ``convention="graphcast"``, raise
-``TypeError`` for them. Every forcing is NaN at a
+``TypeError`` for them, but for the ``standard`` and ``proleptic_gregorian`` calendars'
+dates (a store's dates outside 1677-2262 decode to those), computed at their instants, as
+are ``datetime64`` times of any unit outside that range (before 2026-12-07 both were
+refused). Every forcing is NaN at a
 missing time (``NaT``; ``None`` among cftime dates), whose row holds data of an unknown time
 (before, NaT was read as its int64 pattern, a date in 290 million BC: finite values of another
 time).
@@ -71,6 +74,7 @@ from insitubatch_nodes.batch import Batch
 from insitubatch_nodes.forcing_calendar import (
     CONVENTIONS,
     check_convention,
+    instants,
     local_time,
     native,
     year_progress,
@@ -123,7 +127,7 @@ _J2000 = np.datetime64("2000-01-01T12:00:00", "s")
 
 
 def _days_since_j2000(times: np.ndarray) -> np.ndarray:
-    t = np.asarray(times)
+    t = instants(times)  # (cftime dates of the standard calendars: their instants)
     if t.dtype.kind != "M":
         raise TypeError(
             f"solar forcings need times as numpy datetime64, got dtype {t.dtype}; a non-standard "
@@ -380,45 +384,27 @@ class Forcings:
 
     def refuse_times(self, times: np.ndarray | None) -> None:
         """``TypeError`` where ``times`` (the times the rows carry, where known) are cftime
-        dates and a solar forcing is named, or any with ``convention="graphcast"``: what a
-        pipeline checks when built (before, the first batch raised it). The message says why
-        the times are cftime dates: a non-standard calendar, or Gregorian dates outside
-        ``datetime64[ns]``'s range (1677-2262), which a store decodes to cftime dates too
-        (before 2026-12-07 both were called "a non-standard calendar")."""
+        dates of a calendar other than ``standard`` and ``proleptic_gregorian`` (which name no
+        instant of the real year) and a solar forcing is named, or any with
+        ``convention="graphcast"``: what a pipeline checks when built (before, the first batch
+        raised it). The Gregorian calendars' dates outside ``datetime64[ns]``'s range
+        (1677-2262), which a store decodes to cftime dates, are computed at their instants
+        (before 2026-12-07 they were refused too)."""
         solar = [n for n in self.names if n in FORCINGS[:2] or self.convention == "graphcast"]
-        if not solar or times is None or np.asarray(times).dtype.kind != "O":
+        if not solar or times is None or instants(np.asarray(times)[:64]).dtype.kind != "O":
             return
-        dates = [d for d in np.asarray(times).flat[:64] if d is not None]
-        calendar = getattr(dates[0], "calendar", "") if dates else ""
-        if calendar in ("standard", "gregorian", "proleptic_gregorian"):
-            why = (
-                f"cftime dates of the {calendar!r} calendar: dates outside datetime64[ns]'s "
-                f"range (1677-09-21 to 2262-04-11, e.g. {dates[0]}) are decoded so"
-            )
-            functions = (
-                "year_progress, local_time (convention='graphcast')"
-                if self.convention == "graphcast"
-                else "cos_solar_zenith, toa_incident_solar_radiation"
-            )
-            own = (
-                "; or compute them in a batch transform of your own with insitubatch_nodes."
-                f"forcings' functions ({functions}), which take these dates as "
-                "datetime64[s]: np.array([d.change_calendar('proleptic_gregorian')"
-                ".isoformat() for d in dates], 'datetime64[s]')"
-            )
-        else:
-            why, own = "cftime dates (a non-standard calendar)", ""
+        why = "cftime dates (a non-standard calendar)"
         if self.convention == "graphcast":
             raise TypeError(
                 f"{self!r}: convention='graphcast' counts seconds since 1970 in the "
                 f"Gregorian calendar, and the rows' times are {why}: take "
                 "convention='calendar' (local_time_* and year_progress_* counted in their "
-                f"calendar){own}"
+                "calendar)"
             )
         raise TypeError(
             f"{self!r}: {solar} need times as numpy datetime64, and the rows' times are "
             f"{why}, with no solar position here: keep local_time_* and year_progress_*, "
-            f"counted in their calendar{own}"
+            "counted in their calendar"
         )
 
     def largest(self, name: str) -> float:
@@ -479,12 +465,12 @@ class Forcings:
     ) -> dict[str, np.ndarray]:
         """:meth:`compute` of the 1-D ``times`` on grid ``g``, through its memory (written
         into ``out``, ``{name: (len(times), *grid)}``, where given; windows with ``cut``)."""
-        if times.dtype.kind != "M":
+        if times.dtype.kind != "M" or _outside_ns(times):  # (the memory keys nanoseconds)
             computed = self._compute(times, g)  # (it says what is wrong with them)
             if cut is not None:
                 computed = {n: cut_windows(v, *cut) for n, v in computed.items()}
             return _copied(out, computed)
-        keys = _nanoseconds(times)
+        keys = times.astype("datetime64[ns]").view(np.int64)
         distinct, inverse = np.unique(keys, return_inverse=True)
         if cut is not None:
             return self._lookup_cut(g, distinct, inverse.ravel(), out, cut)
@@ -649,23 +635,15 @@ class Forcings:
 _COARSER_THAN_NS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us")
 
 
-def _nanoseconds(times: np.ndarray) -> np.ndarray:
-    """``datetime64`` ``times`` as int64 nanoseconds since 1970 (the memory's keys);
-    ``ValueError`` for a time outside ``datetime64[ns]``'s range, which the cast would wrap
-    around into another time (numpy < 2.5) or refuse with an ``OverflowError``."""
-    if np.datetime_data(times.dtype)[0] in _COARSER_THAN_NS:  # (numpy >= 2.5 raises, before
-        # wrapped): checked in the times' own unit, a day inside ns's range at either end
-        edge = np.array(["1677-09-22", "2262-04-10"], "datetime64[D]").astype(times.dtype)
-        wrapped = ((times <= edge[0]) | (times >= edge[1])) & ~np.isnat(times)
-        if wrapped.any():
-            raise ValueError(
-                f"Forcings: times outside datetime64[ns]'s range (1677-09-21 to 2262-04-11), "
-                f"e.g. {times[wrapped].flat[0]}: a store decodes such dates to cftime dates "
-                "(the calendar forcings take them); compute the solar forcings of these times "
-                "with the functions (cos_solar_zenith, toa_incident_solar_radiation), which "
-                "take any datetime64 unit"
-            )
-    return times.astype("datetime64[ns]").view(np.int64)
+def _outside_ns(times: np.ndarray) -> bool:
+    """Whether a ``datetime64`` time lies outside ``datetime64[ns]``'s range, where a cast
+    to nanoseconds (the memory's keys) would wrap it around into another time (numpy < 2.5)
+    or raise: such times are computed in their own unit, not remembered (checked in that
+    unit, a day inside ns's range at either end; before 2026-12-07 they were refused)."""
+    if np.datetime_data(times.dtype)[0] not in _COARSER_THAN_NS:
+        return False
+    edge = np.array(["1677-09-22", "2262-04-10"], "datetime64[D]").astype(times.dtype)
+    return bool((((times <= edge[0]) | (times >= edge[1])) & ~np.isnat(times)).any())
 
 
 def _copied(

@@ -60,11 +60,11 @@ from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
 from insitubatch_nodes.lightning_epochs import EpochLengthSync, follow_ended_epoch, resumed_at
-from insitubatch_nodes.lightning_splits import per_split, too_few_for_ranks
+from insitubatch_nodes.lightning_splits import chunk_split, per_split, too_few_for_ranks
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
-from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_member
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import plan_state
@@ -211,7 +211,9 @@ class InSituDataModule(pl.LightningDataModule):
             then unused, ``variables`` names or a callable on each collection's variables), or
             ``(train, val, test)`` chunk fractions for a contiguous :func:`split_by_chunk` over
             the first label's array (a :func:`~insitubatch_nodes.stack`: its first sampled
-            member's) (for a collection: fractions of its members, drawn with
+            member's), in time order where it has a time coordinate (``train`` the earliest
+            times, also in a store written newest first) (for a collection: fractions of its
+            members, drawn with
             the config's seed by :func:`split_by_member`).
         config, fetch, cache: the settings objects above (``None``: their defaults);
             ``config`` is training's: one of another ``split`` is a ``ValueError``.
@@ -428,7 +430,7 @@ class InSituDataModule(pl.LightningDataModule):
         else:
             lead = next(iter(views.values()))  # a stack: its first sampled member's array
             geom = lead.sampled[0].geometry if isinstance(lead, Stack) else lead
-            manifest = split_by_chunk(geom.base, tuple(splits))
+            manifest = chunk_split(store, geom.base, tuple(splits))  # (in time order)
         self.store, self.views, self.manifest = store, views, manifest
 
     def _rank_world(self) -> tuple[int | None, int | None]:

@@ -10,9 +10,11 @@ from typing import Any
 
 from insitubatch_nodes.errors import TooFewSamplesError
 from insitubatch_nodes.io.collection import Collection
-from insitubatch_nodes.plan.splits import SplitManifest, split_by_member
+from insitubatch_nodes.io.coords import open_coordinates
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 
-__all__ = ["per_split", "too_few_for_ranks"]
+__all__ = ["chunk_split", "per_split", "too_few_for_ranks"]
 
 #: the Trainer call that reads each split's loader, by the Trainer's ``state.fn``
 _CALLS = {"fit": "validate", "validate": "validate", "test": "test", "predict": "predict"}
@@ -79,3 +81,18 @@ def per_split(
         manifest = split_by_member(coll, {split: 1.0})
         out[split] = (coll.store, views, manifest)
     return out
+
+
+def chunk_split(store: Any, geom: ArrayGeometry, fractions: tuple[float, ...]) -> SplitManifest:
+    """The data module's ``(train, val, test)`` chunk fractions of ``geom``: a contiguous
+    :func:`split_by_chunk` in time order where ``geom``'s sample axis has a time coordinate
+    (``train`` the earliest times, also in a store written newest first; before 2026-12-07
+    the index order, which trained such a store on its newest times), in index order
+    otherwise. A coordinate that cannot be read here is left to the pipeline's build, which
+    reads it for the batches and says what is wrong with it."""
+    try:
+        coords = open_coordinates(store, geom)
+    except (ValueError, OSError, ModuleNotFoundError):
+        coords = {}
+    time = next((c for c in coords.values() if c.is_time), None)
+    return split_by_chunk(geom, fractions, coord=time)

@@ -220,18 +220,26 @@ def backwards(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.mark.parametrize(
     "asked", [{"stride": "12h"}, {"missing": ()}, {"missing": ["2000-02-28T00:00"]}]
 )
-def test_times_that_run_backwards_are_refused_where_the_time_checks_are_asked_for(
+def test_times_that_run_backwards_are_checked_back_in_time_where_the_time_checks_are_asked_for(
     backwards: Path, asked: dict[str, Any]
 ) -> None:
+    """Refused before the timeedges trial (2026-12-07); now the checks count the steps back
+    in time (``tests/test_timeedges_trial.py``): ``shift(1)`` reads 6 h earlier, checked."""
     times = xr.open_zarr(backwards, consolidated=False).time.values
     assert (np.diff(times) < np.timedelta64(0)).all()  # y = shift(1) reads 6 h *earlier*
     t2m = open_geometries(backwards, ["t2m"])["t2m"]
     manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
     views = {"x": t2m, "y": t2m.shift(1)}
-    with pytest.raises(ValueError) as info:
-        insitu_pipeline(backwards, manifest, views, batch_size=4, **asked)
-    message = str(info.value)
-    assert "backwards" in message and "sortby" in message and "int stride" in message
+    listed = [np.datetime64(d) for d in asked.get("missing", ())]
+    twelve = np.timedelta64(12, "h")
+    want = [
+        a
+        for a in range(N - 1)
+        if times[a] not in listed and times[a + 1] not in listed
+        and ("stride" not in asked or (times[a] - np.datetime64("1970-01-01")) % twelve == 0)
+    ]  # fmt: skip
+    with insitu_pipeline(backwards, manifest, views, batch_size=4, **asked) as pipe:
+        assert _anchors(pipe) == want
 
 
 def test_times_that_run_backwards_are_read_in_samples_when_no_time_check_is_asked_for(

@@ -48,6 +48,7 @@ __all__ = [
     "counts_us",
     "date_in",
     "decode_with_cftime",
+    "instants_us",
     "month_step",
     "one_calendar",
     "require_cftime",
@@ -124,7 +125,7 @@ def decode_with_cftime(
     out[~missing] = dates.reshape(-1)
     canonical = CF_CALENDARS[calendar]
     if canonical in DATETIME64_CALENDARS and dates.size:
-        us = counts_us(dates) - _epoch_us(dates.flat[0])
+        us = instants_us(dates)
         if int(us.min()) >= _NS_LO_US and int(us.max()) <= _NS_HI_US:
             times = np.full(values.shape, np.datetime64("NaT", "ns"))
             times[~missing] = us.astype("M8[us]").astype("M8[ns]")
@@ -139,6 +140,14 @@ def _epoch_us(like: Any) -> int:
     cftime = require_cftime("a cftime date")
     epoch = cftime.datetime(1970, 1, 1, calendar=like.calendar, has_year_zero=like.has_year_zero)
     return int(epoch.toordinal()) * _US_PER_DAY
+
+
+def instants_us(dates: np.ndarray) -> np.ndarray:
+    """cftime dates (no ``None``) of one calendar as ``int64`` microseconds since its
+    1970-01-01T00:00 (:func:`counts_us` less the epoch's): in the ``standard`` and
+    ``proleptic_gregorian`` calendars the dates' instants as ``datetime64[us]`` counts them (a
+    ``standard`` date before 1582-10-15, Julian, at its instant, not its fields)."""
+    return counts_us(dates) - _epoch_us(dates.flat[0])
 
 
 def counts_us(dates: np.ndarray) -> np.ndarray:

@@ -110,6 +110,26 @@ class Coordinate:
         when the values are not dates."""
         return self._calendar
 
+    @property
+    def decreasing(self) -> bool:
+        """Whether the values run backwards along the samples (newest first, as some archives
+        are written): most consecutive present values decrease (a missing value, and a value
+        that is no number nor date, is skipped). ``split_by_chunk(..., coord=)`` splits in
+        the values' order by it, lowest (earliest) first. One vectorised pass (a pass in
+        Python over cftime dates)."""
+        v, bad = self.values, self._missing()
+        present = v if bad is None else v[~bad]
+        if present.dtype == object and self.is_time:
+            keys = counts_us(present)
+        elif present.dtype.kind in "Mm":
+            keys = present.view(np.int64)
+        elif present.dtype.kind in "iuf":
+            keys = present
+        else:
+            return False
+        d = np.diff(keys)
+        return int((d < 0).sum()) > int((d > 0).sum())
+
     def _bound(self, x: Any, what: str) -> Any:
         if self.is_duration:  # "6h", numpy timedelta64, datetime.timedelta (pd.Timedelta)
             return as_timedelta(x, f"{what} for duration coordinate {self.name!r}")
@@ -325,6 +345,8 @@ class _Reader:
         self.timeout_s = retry_policy(self.store).timeout_s if timeout_s is None else timeout_s
         self.arrays: dict[str, Any] = {}  # path -> the opened zarr array (None: not there)
         self.loaded: dict[str, Coordinate] = {}
+        #: a collection view's path -> its coordinates read so far, joined from its members'
+        self.joined: dict[str, dict[str, Coordinate]] = {}
 
     def find(self, geom: ArrayGeometry, name: str) -> tuple[str, Any] | None:
         """The first candidate path of ``name`` that holds an array, and that array."""
@@ -339,10 +361,12 @@ class _Reader:
 
     def read_already(self, geom: ArrayGeometry) -> Coordinate | None:
         """``geom``'s dimension coordinate where this reader has read it already (``None``
-        otherwise, or for a collection view): nothing is read here."""
+        otherwise; a collection view's joined from its members): nothing is read here."""
         dim = _sample_dimension(geom)
-        if dim is None or geom.members is not None:
+        if dim is None:
             return None
+        if geom.members is not None:
+            return self.joined.get(geom.path, {}).get(dim)
         for path in candidate_paths(geom.path, dim):
             if path in self.loaded or self.arrays.get(path) is not None:
                 return self.loaded.get(path)  # (the first path holding an array is the one)
@@ -390,10 +414,12 @@ def _coordinates(
         joined = geom.members.joined(
             geom, reader.store, bool(names), lambda g: _coordinates(reader, g, names)
         )
-        return {
+        laid = {
             k: Coordinate(k, v, path=f"{geom.path}/{k}", attrs=attrs)
             for k, (v, attrs) in joined.items()
         }
+        reader.joined.setdefault(geom.path, {}).update(laid)
+        return laid
     dim = _sample_dimension(geom)
     where = f"store {describe_store(reader.store)}"
     if names is None:

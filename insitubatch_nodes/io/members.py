@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io import _zarr_compat
-from insitubatch_nodes.io.calendars import month_step, one_calendar, refuse_missing_times
+from insitubatch_nodes.io.calendars import (
+    counts_us,
+    month_step,
+    one_calendar,
+    refuse_missing_times,
+)
 from insitubatch_nodes.io.cf import fill_scalar
 
 __all__ = [
@@ -273,6 +278,7 @@ class MemberMap:
                 "a time stride, window offsets in time deltas and missing= dates count steps "
                 "within each member",
             )
+            v = v[~_later_copies(v)]  # a time is one time: a later copy is a gap (the plan's)
             d = np.diff(v)
             if not len(d):
                 continue
@@ -361,6 +367,20 @@ SCHEMA_FIELDS = {
     "fill value": ("fill_value",),
     "chunk key encoding": ("chunk_key_encoding", "dimension_separator"),
 }
+
+
+def _later_copies(times: np.ndarray) -> np.ndarray:
+    """The later copies of a time ``times`` (a member's, none missing: ``datetime64`` or
+    cftime dates) holds already (``bool``, pandas' ``duplicated()``): what the plan's
+    missing-step checks count as gaps (``SampleSteps.repeated``). Vectorised; a pass in
+    Python over cftime dates only where they do not increase throughout."""
+    out = np.zeros(len(times), dtype=bool)
+    if len(times) < 2 or bool((times[1:] > times[:-1]).all()):
+        return out
+    keys = times.view(np.int64) if times.dtype.kind == "M" else counts_us(times)
+    out[:] = True
+    out[np.unique(keys, return_index=True)[1]] = False
+    return out
 
 
 def member_schema(doc: Mapping[str, Any], axis: int) -> dict[str, Any]:

@@ -145,12 +145,18 @@ def _refuse_irregular(op: str, name: str, ticks: np.ndarray, values: np.ndarray)
     steps, counts = np.unique(d[d > 0], return_counts=True)
     step = int(steps[int(np.argmax(counts))]) if len(steps) else 0
     i = int(np.flatnonzero(d != step)[0]) + 1
+    earlier = np.flatnonzero(ticks[:i] == ticks[i])
+    what = (
+        f"a copy of index {int(earlier[0])}'s: a repeated time; write the store without it, "
+        "xarray: ds.drop_duplicates(...), or"
+        if len(earlier)
+        else "a gap, or an out-of-order time: fill or trim the times there, or"
+    )
     raise ValueError(
         f"{op}: the times of {name!r} are not at one step: {values[i]} (index {i}) follows "
-        f"{values[i - 1]} after {int(d[i - 1])} s, where the store steps {step} s (a gap, a "
-        f"repeated or an out-of-order time). The stores of a {op} must be at one step: fill or "
-        "trim the times there, or read the store in a pipeline of its own, which drops the "
-        "anchors whose steps a gap touches (missing steps)"
+        f"{values[i - 1]} after {int(d[i - 1])} s, where the store steps {step} s ({what} "
+        f"read the store in a pipeline of its own, which drops the anchors whose steps a gap "
+        f"or a later copy touches: missing steps). The stores of a {op} must be at one step"
     )
 
 

@@ -78,6 +78,9 @@ class SampleSteps:
     * ``runs`` (``int64``, ascending, the first ``0``; ``None``: one run): the first sample of
       each run of times that continue one another — a collection's independent members, each
       its own timeline. No difference is taken across a run's edge.
+    * ``backwards``: the times run backwards along the samples (newest first) and ``ticks``
+      count them negated, so that one step on in samples is one data step (back in time): a
+      window's time deltas resolve to samples the other way round (``"-6h"`` is a sample on).
 
     With ``ticks``, the checks ``"nat"`` and ``"gap"`` run; ``data_step`` is then the most
     common difference between consecutive times of one run (ties: the smallest), in ticks.
@@ -91,6 +94,7 @@ class SampleSteps:
     coord: str = "time"
     runs: np.ndarray | None = None
     hashed_coord: str | None = None
+    backwards: bool = False
 
     def __post_init__(self) -> None:
         n = int(self.n_samples)
@@ -175,6 +179,8 @@ class SampleSteps:
             h.update(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
         if self.runs is not None:  # (absent otherwise: the fingerprints without runs stay)
             h.update(b"runs|" + self.runs.tobytes())
+        if self.backwards:  # (likewise)
+            h.update(b"backwards")
         return h.hexdigest()[:16]
 
 
@@ -267,7 +273,8 @@ def off_stride(stride: int | np.timedelta64, steps: SampleSteps | None) -> str |
     if not len(present) or bool((present % k == 0).any()):
         return None
     unit_ns = int(steps.unit.astype("m8[ns]").astype(np.int64))
-    past = _readable(np.timedelta64(int(present[0] % k) * unit_ns, "ns"))
+    first = -int(present[0]) if steps.backwards else int(present[0])  # (its time's ticks)
+    past = _readable(np.timedelta64(first % k * unit_ns, "ns"))
     return (
         f"no time of {steps.coord!r} lies on stride {stride}: a time stride keeps the times "
         "that are whole multiples of it since 1970-01-01T00:00 (in the coordinate's calendar; "

@@ -24,7 +24,7 @@ store.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -228,7 +228,13 @@ def resolve_windows(
             f"their offsets in samples ({calendar})"
         )
     step = steps.unit * steps.data_step
-    return {
+    out = {
         label: v if isinstance(v, Stack) else v.in_samples(step, steps.coord)
         for label, v in views.items()
     }
+    if steps.backwards:  # newest first: a step back in time is a sample on
+        for label in timed:
+            view = out[label]
+            assert isinstance(view, ArrayGeometry) and view.window_offsets is not None
+            out[label] = replace(view, window_offsets=tuple(-k for k in view.window_offsets))
+    return out

@@ -342,11 +342,18 @@ def split_by_chunk(
     A split with no chunks is legal and yields nothing.
 
     With ``coord`` (a :class:`~insitubatch_nodes.io.coords.Coordinate` of ``geom``'s sample axis,
-    e.g. ``open_coordinates(store, geom)["time"]``) ``sample_range`` is a window of coordinate
-    *values* instead: the samples with ``start <= value < stop`` (half-open; dates as numpy
-    datetime64, datetime or ISO strings for a time coordinate, read in its calendar), found by
+    e.g. ``open_coordinates(store, geom)["time"]``) the contiguous splits follow the
+    coordinate's *values*, lowest first: ``train`` holds the earliest times, ``test`` the
+    latest, also where the times run backwards along the samples (newest first:
+    :attr:`~insitubatch_nodes.io.coords.Coordinate.decreasing`), whose index order would give
+    ``train`` the newest chunks (the index order, as without ``coord``, where they increase).
+    ``sample_range`` is then a window of coordinate values: the samples with ``start <= value
+    < stop`` (half-open; dates as numpy datetime64, datetime or ISO strings for a time
+    coordinate, read in its calendar), found by
     :meth:`~insitubatch_nodes.io.coords.Coordinate.index_range`, then taken like an index
-    range. The manifest records that index range as its ``sample_range``.
+    range. The manifest records that index range as its ``sample_range``. (Before
+    2026-12-07 ``coord`` needed ``sample_range``, and the splits followed the index order
+    whatever the times' direction.)
     """
     check_instance("geom", geom, ArrayGeometry, "an ArrayGeometry (open_geometries(store)[name])")
     contiguous, seed = check_bool("contiguous", contiguous), check_int("seed", seed, minimum=0)
@@ -364,8 +371,6 @@ def split_by_chunk(
             raise TypeError(
                 f"coord must be a Coordinate (see open_coordinates), got {type(coord).__name__}"
             )
-        if sample_range is None:
-            raise ValueError("coord picks a value window: pass sample_range=(start, stop) with it")
         if len(coord) != n:
             raise ValueError(
                 f"coordinate {coord.name!r} has {len(coord)} values but {geom.path!r} has {n} "
@@ -395,6 +400,8 @@ def split_by_chunk(
     eligible = np.arange(first, stop_chunk, dtype=np.int64)
     if not contiguous:
         eligible = np.random.default_rng(seed).permutation(eligible)
+    elif coord is not None and coord.decreasing:  # in the values' order: earliest first
+        eligible = eligible[::-1]
     counts = _allocate(len(eligible), fr)
     bounds = np.cumsum([0, *counts])
     splits = {
