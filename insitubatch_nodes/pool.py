@@ -161,6 +161,14 @@ class ChunkPool:
                 )
 
     @property
+    def slots_in_ram(self) -> bool:
+        """Whether this pool's slots are process memory, which the build's memory check
+        (:mod:`~insitubatch_nodes.plan.memory_floor`) holds them to: no cache directory, and a
+        backing whose ``in_ram`` says so (``RamBacking``'s does; a backing without the
+        attribute is taken as not RAM, and not checked)."""
+        return self.cache is None and getattr(self.backing, "in_ram", False) is True
+
+    @property
     def allocated_bytes(self) -> int:
         """Bytes of slot memory handed out by the backing (in use + free-listed)."""
         return self._allocated

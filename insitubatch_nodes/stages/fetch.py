@@ -72,8 +72,8 @@ from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, ret
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.plan.memory_floor import (
     decode_scratch_bytes,
+    held_memory,
     refuse_beyond_memory,
-    refuse_budget_beyond_memory,
 )
 from insitubatch_nodes.stages._admit import (
     Admission,
@@ -221,19 +221,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._history = FetchHistory(self.geoms)
         first = context.plan.epoch_plan(0)  # (drawn once: the floor and the memory checks)
         self._first_floor = epoch_floor(self._setup, first)[0]
-        # the memory checks: before this node holds anything, so nothing to tear down
-        in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
-        in_ram = self.pool.cache is None and self.pool.backing.name == "ram"  # (else: files)
-        if self.pool.auto and in_ram:
-            refuse_beyond_memory(self._first_floor, in_flight, context.plan.block_chunks)
-        elif in_ram:
+        # the memory check: before this node holds anything, so nothing to tear down
+        if self.pool.slots_in_ram:
+            in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
             # (arrays whose objects all decode in place take no scratch)
             slots, decoders = self.slot_geoms, self._decoders
             aside = {p: g for p, g in self.geoms.items()
                      if not decoders[p].decodes_in_place(g, slots.get(p, g))}  # fmt: skip
             scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads))
-            budget = self.pool.budget_bytes
-            refuse_budget_beyond_memory(budget, first, self.slot_geoms, in_flight, scratch)
+            # (the automatic budget as the first epoch grows it, an explicit one as given)
+            budget = self._first_floor if self.pool.auto else self.pool.budget_bytes
+            held = held_memory(budget, first, self.slot_geoms, in_flight, scratch)
+            refuse_beyond_memory(held, explicit=not self.pool.auto,
+                                 block_chunks=context.plan.block_chunks)  # fmt: skip
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
