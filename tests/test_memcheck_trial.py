@@ -25,6 +25,15 @@ Found wrong, fixed:
   (8 times of 0.25 degrees: 571 against 3,508 ms; of 64 x 128: 2.5 against 2.2 ms):
   ``test_the_solar_forcings_of_a_batch_take_bounded_scratch_and_the_same_values``,
   ``test_solar_fields_written_in_blocks_are_the_whole_computations_on_every_kind_of_grid``.
+* ``ChunkDecoder.decodes_in_place`` counted every array stored one level per object as decode
+  scratch, though the fetch stage gives those level-major slots (no chunk transform on them),
+  where each object decodes in place (ERA5-like ``z``: 16 of 16 objects in place, scratch 0):
+  an explicit budget the machine held beside the batches was refused for scratch never taken.
+  It now takes the slot's layout (``io/decode.py``); under a chunk transform the slots are
+  sample-first and the allowance is still counted:
+  ``test_levels_stored_one_per_object_count_no_decode_scratch_where_their_slots_are_level_major``.
+  (The refusals also said "0.00 GiB" of everything for a small pipeline: the numbers are now
+  exact bytes, with a unit beside them.)
 """
 
 from __future__ import annotations
@@ -35,11 +44,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zarr
 from helpers import write_era5
 
 from insitubatch_nodes import (
     InSituPipeline,
     Loader,
+    applies,
     insitu_pipeline,
     open_geometries,
     split_by_chunk,
@@ -187,3 +198,37 @@ def test_solar_fields_written_in_blocks_are_the_whole_computations_on_every_kind
             assert got is out and scratch <= SOLAR_SCRATCH_BYTES, (name, kw, scratch)
             want = fn(times, lat, lon, points=points, **kw).astype(np.float32)
             np.testing.assert_array_equal(out, want)
+
+
+def _identity(chunk: Any) -> Any:
+    """A chunk transform that keeps the shape and dtype (it makes the slots sample-first)."""
+    return chunk
+
+
+def test_levels_stored_one_per_object_count_no_decode_scratch_where_their_slots_are_level_major(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # z is stored one level per object (chunks (8, 1, 8, 16) of (time, level, lat, lon)): in
+    # its level-major slots each object decodes in place, yet the check counted a stored
+    # object per thread for it, and refused a budget the machine holds beside the batches
+    root = write_era5(tmp_path / "e.zarr", n_time=64)  # no edge chunk
+    g = open_geometries(root, ["t2m", "z"])
+    assert g["z"].one_level_per_object and not g["t2m"].one_level_per_object
+    split = sum(v.chunk_nbytes * v.n_chunks for v in g.values())
+    with _build(root) as pipe:
+        in_flight = 4 * pipe.context.buffers.batch_nbytes
+    _fake_memory(monkeypatch, split + in_flight)  # no room for any decode scratch
+    with _build(root, cache_budget_bytes=split) as pipe:
+        batches = list(Loader(pipe))
+        fetch = pipe.stages.fetch
+        assert fetch._decoders["z"]._stats.inplace == 16  # 8 chunks x 2 levels, in place
+        assert pipe.stats()["decode_scratch_bytes"] == 0
+    z = np.asarray(zarr.open_array(root / "z"))
+    for b in batches:  # the rows are zarr's
+        np.testing.assert_array_equal(b["y"], z[np.asarray(b.sample_indices["y"])])
+    with _build(root) as pipe:  # the automatic budget keeps the split: the same bytes
+        assert pipe.stages.pool.budget_bytes == split
+    # under a chunk transform z's slots are sample-first: its objects are strided there
+    # (decoded aside), and the allowance is counted
+    with pytest.raises(ValueError, match=r"cannot be held here.*decode scratch"):
+        _build(root, cache_budget_bytes=split, chunk_transforms=[applies(["z"], _identity)])

@@ -547,13 +547,19 @@ class ChunkDecoder:
             plan = plan.inner
         return isinstance(plan, _NumcodecsPlan) and plan.inplace_capable
 
-    def decodes_in_place(self, geom: ArrayGeometry, slot: ArrayGeometry) -> bool:
+    def decodes_in_place(
+        self, geom: ArrayGeometry, slot: ArrayGeometry, level_major: bool = False
+    ) -> bool:
         """Whether every stored object of ``geom`` (this decoder's array) is decoded straight
         into its slot or batch row, ``slot`` being what a slot holds: whole unsharded chunks,
-        none at an edge, in the stored native dtype and C order, no filter, a slot of the whole
-        chunk, and at one sample per chunk (rows decoded straight into the batch) the whole
-        field in each (a part of a row is strided in it). Such an array takes no decode
-        scratch; any other may (one object per thread)."""
+        none at an edge, in the stored native dtype and C order, no filter, no CF decoding, a
+        slot of the whole chunk, and at one sample per chunk (rows decoded straight into the
+        batch) the whole field in each (a part of a row is strided in it). An array stored one
+        level per object (:attr:`ArrayGeometry.one_level_per_object`) decodes in place only
+        into a ``level_major`` slot (:mod:`~insitubatch_nodes.pool`: each object's region is
+        one contiguous run there; before 2026-12-07 such arrays were always counted, though
+        the fetch stage gives them level-major slots where no chunk transform runs on them).
+        Such an array takes no decode scratch; any other may (one object per thread)."""
         base = geom.base
         plan = self._plan
         return (
@@ -563,7 +569,7 @@ class ChunkDecoder:
             and slot == base
             and base.dtype.isnative
             and base.cf is None
-            and not base.one_level_per_object
+            and (level_major or not base.one_level_per_object)
             and all(n % c == 0 for n, c in zip(base.shape, base.chunks, strict=True))
             and (base.samples_per_chunk > 1 or base.tile_shape == base.field_shape)
         )

@@ -225,9 +225,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         if self.pool.slots_in_ram:
             in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
             # (arrays whose objects all decode in place take no scratch)
-            slots, decoders = self.slot_geoms, self._decoders
-            aside = {p: g for p, g in self.geoms.items()
-                     if not decoders[p].decodes_in_place(g, slots.get(p, g))}  # fmt: skip
+            slots, decoders, layouts = self.slot_geoms, self._decoders, self._setup.layouts
+            aside = {p: g for p, g in self.geoms.items() if not decoders[p].decodes_in_place(
+                g, slots.get(p, g), p in layouts and layouts[p].level_major)}  # fmt: skip
             scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads))
             # (the automatic budget as the first epoch grows it, an explicit one as given)
             budget = self._first_floor if self.pool.auto else self.pool.budget_bytes
