@@ -45,7 +45,13 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.epoch import EpochPlan
 from insitubatch_nodes.plan.schedule import read_bytes
 
-__all__ = ["HeldMemory", "decode_scratch_bytes", "held_memory", "refuse_beyond_memory"]
+__all__ = [
+    "HeldMemory",
+    "decode_scratch_bytes",
+    "held_memory",
+    "refuse_beyond_memory",
+    "slot_room",
+]
 
 
 @dataclass(frozen=True)
@@ -84,6 +90,14 @@ def held_memory(
     bytes of batches and ``scratch`` bytes of decode scratch (:func:`decode_scratch_bytes`)."""
     split = read_bytes(plan, slot_geoms) * max(1, plan.world_size)
     return HeldMemory(budget, split, in_flight, scratch)
+
+
+def slot_room(in_flight: int, scratch: int) -> int:
+    """The memory the rule leaves the pool's slots beside ``in_flight`` bytes of batches and
+    ``scratch`` bytes of decode scratch (negative where those alone exceed it): the automatic
+    budget keeps a split whole only where it fits here (:func:`~insitubatch_nodes.stages.
+    _admit.epoch_floor`), so its choice passes the rule wherever its floor does."""
+    return usable_memory_bytes() - in_flight - scratch
 
 
 def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int) -> None:

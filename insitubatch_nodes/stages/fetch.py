@@ -74,6 +74,7 @@ from insitubatch_nodes.plan.memory_floor import (
     decode_scratch_bytes,
     held_memory,
     refuse_beyond_memory,
+    slot_room,
 )
 from insitubatch_nodes.stages._admit import (
     Admission,
@@ -195,11 +196,19 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         steps = context.plan.manifest.steps  # listed at build: an absent object is gone since
         listed = steps is not None and steps.absent is not None
         missing_raises = not _zarr_compat.reads_missing_chunks()  # as zarr would read them
+        layouts = {path: self._layout(path) for path in self.slot_geoms}
+        # the memory rule's parts beside the pool (plan/memory_floor.py), slots in RAM only
+        in_ram = self.pool.slots_in_ram
+        in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
+        # (arrays whose objects all decode in place take no scratch)
+        aside = {p: g for p, g in self.geoms.items() if not self._decoders[p].decodes_in_place(
+            g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major)}  # fmt: skip
+        scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads))
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
             slot_geoms=self.slot_geoms,
-            layouts={path: self._layout(path) for path in self.slot_geoms},
+            layouts=layouts,
             arrays={
                 path: ArrayFill(
                     g,
@@ -217,18 +226,14 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             direct=options.direct,
             recorder=self.recorder,
             held=context.held,
+            # (an automatic budget keeps a split whole only where the rule passes)
+            keep_room=slot_room(in_flight, scratch) if in_ram and self.pool.auto else None,
         )
         self._history = FetchHistory(self.geoms)
         first = context.plan.epoch_plan(0)  # (drawn once: the floor and the memory checks)
         self._first_floor = epoch_floor(self._setup, first)[0]
         # the memory check: before this node holds anything, so nothing to tear down
-        if self.pool.slots_in_ram:
-            in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
-            # (arrays whose objects all decode in place take no scratch)
-            slots, decoders, layouts = self.slot_geoms, self._decoders, self._setup.layouts
-            aside = {p: g for p, g in self.geoms.items() if not decoders[p].decodes_in_place(
-                g, slots.get(p, g), p in layouts and layouts[p].level_major)}  # fmt: skip
-            scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads))
+        if in_ram:
             # (the automatic budget as the first epoch grows it, an explicit one as given)
             budget = self._first_floor if self.pool.auto else self.pool.budget_bytes
             held = held_memory(budget, first, self.slot_geoms, in_flight, scratch)
