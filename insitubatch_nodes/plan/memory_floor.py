@@ -13,10 +13,11 @@ A pipeline holds at most, beside the interpreter:
   floor (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`: the chunks live at once
   plus one block of read-ahead, bounded by ``block_chunks`` where reading each chunk once
   would take over a quarter of RAM), or the whole split where it keeps it (a sixteenth of RAM
-  at most). The permutation-free bound (:class:`~insitubatch_nodes.plan.schedule.
-  ScheduleFloors`) is not what is compared: it can be twice an epoch's floor (16.3 against 7.2
-  GiB for a real-sized ARCO-ERA5 pipeline in ``tests/test_arco_trial.py``), and would refuse
-  pipelines that run;
+  at most, and only within the room this rule leaves the slots, :func:`slot_room`: so the
+  automatic choice passes wherever its floor does). The permutation-free bound
+  (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`) is not what is compared: it can
+  be twice an epoch's floor (16.3 against 7.2 GiB for a real-sized ARCO-ERA5 pipeline in
+  ``tests/test_arco_trial.py``), and would refuse pipelines that run;
 * the batches in flight: ``prefetch_depth + 2`` batches' buffers, made right after the build;
 * the decode scratch (:func:`decode_scratch_bytes`): one stored object per decode thread and
   array whose objects may be decoded aside.
@@ -24,7 +25,7 @@ A pipeline holds at most, beside the interpreter:
 Before 2026-12-07 the two budgets were held to two rules: the automatic one to its floor and
 the batches in flight, an explicit one to those and the decode scratch, so a pipeline was
 refused an explicit budget equal to the floor the automatic budget was built at, on the same
-memory (``tests/test_memcheck_trial.py``). Before that day an explicit budget was not summed
+memory (``tests/test_memcheck_trial.py``). Earlier that day an explicit budget was not summed
 with anything (an 87-channel stack of ARCO-ERA5 at 0.25 degrees at ``batch_size=4``: a 10.6
 GiB budget beside 10.8 GiB of batches, whatever the machine's memory was). Each pipeline is
 checked alone, and the process's own memory (the interpreter, torch, other pipelines) is not
@@ -123,8 +124,8 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
     else:
         head = "the automatic budget cannot hold this pipeline"
         slots = (
-            "its first epoch's chunks resident at once: those live at once plus one block of "
-            f"read-ahead, block_chunks={block_chunks}, or the split it keeps whole"
+            "its first epoch's working-set floor: the chunks live at once plus one block of "
+            f"read-ahead, block_chunks={block_chunks}"
         )
         lower = (
             "lower block_chunks (the floor shrinks with it), read fewer or smaller chunks per "
