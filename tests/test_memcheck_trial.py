@@ -58,6 +58,7 @@ import zarr
 from helpers import write_era5
 
 from insitubatch_nodes import (
+    Coarsen,
     InSituPipeline,
     Loader,
     applies,
@@ -278,3 +279,37 @@ def test_the_automatic_budget_keeps_the_split_only_where_the_rule_passes_and_els
     _fake_memory(monkeypatch, budget + in_flight - 1)  # not even the floor: refused, saying so
     with pytest.raises(ValueError, match=r"automatic budget cannot hold.*lower block_chunks"):
         _build(root)
+
+
+def test_a_reshaping_chunk_transform_s_stored_layout_buffers_are_counted_as_decode_scratch(
+    tmp_path: Path,
+) -> None:
+    # a field tiled in 16 objects per chunk under Coarsen(2): each chunk is decoded into a
+    # buffer of the stored layout (a spare) and coarsened into its slot; the fill keeps up to
+    # max(2, decode threads) idle spares per array. The check counted one stored object per
+    # thread and array (8,192 bytes at 2 threads), while the pipeline held 147,456: 131,072 of
+    # spares, and 16,384 of decode scratch (a thread's scratch is 4,096 bytes at least, where
+    # an object here is 2,048)
+    root = tmp_path / "s.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    values = np.random.default_rng(0).random((64, 32, 32), dtype=np.float32)
+    for name in ("a", "b"):
+        arr = group.create_array(name, shape=values.shape, chunks=(8, 8, 8), dtype="float32",
+                                 dimension_names=("time", "lat", "lon"))  # fmt: skip
+        arr[:] = values
+    g = open_geometries(root, ["a", "b"])
+    manifest = split_by_chunk(g["a"], (1.0, 0.0, 0.0))
+    for threads in (2, 4):
+        options = {"batch_size": 4, "coords": (), "decode_threads": threads}
+        views = {"x": g["a"], "y": g["b"]}
+        with insitu_pipeline(
+            root, manifest, views, chunk_transforms=[Coarsen(2)], **options
+        ) as pipe:
+            counted = pipe.stages.fetch.counted.scratch
+            for _ in range(2):
+                for b in Loader(pipe):
+                    assert pipe.stats()["decode_scratch_bytes"] <= counted, threads
+                    rows = np.asarray(b.sample_indices["x"])
+                    want = values[rows].reshape(len(rows), 16, 2, 16, 2).mean(axis=(2, 4))
+                    np.testing.assert_allclose(b["x"], want, rtol=1e-6)
+            assert pipe.stats()["decode_scratch_bytes"] > 8 * 1024 * threads  # (spares held)

@@ -38,11 +38,13 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 
 __all__ = [
+    "SCRATCH_MIN_BYTES",
     "ChunkDecoder",
 ]
 
 _MISSING = 2**64 - 1  # shard index entry of an inner chunk that was never written
 _U8 = np.dtype(np.uint8)
+SCRATCH_MIN_BYTES = 4096  # the smallest scratch buffer a thread holds (grown, never shrunk)
 # numcodecs codecs that honour ``decode(buf, out=...)`` (checked: they write into ``out``) and
 # whose decoded size can be read from the encoded header before decoding.
 _INPLACE_IDS = frozenset({"zstd", "blosc", "lz4", "gzip"})
@@ -591,7 +593,7 @@ class ChunkDecoder:
         buf: np.ndarray | None = getattr(self._local, name, None)
         if buf is None or buf.nbytes < nbytes:
             old = 0 if buf is None else buf.nbytes
-            buf = np.empty(max(nbytes, 4096), dtype=_U8)
+            buf = np.empty(max(nbytes, SCRATCH_MIN_BYTES), dtype=_U8)
             setattr(self._local, name, buf)
             with self._scratch_lock:
                 self._stats.scratch_bytes += buf.nbytes - old

@@ -42,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from insitubatch_nodes._process import usable_memory_bytes
+from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.epoch import EpochPlan
 from insitubatch_nodes.plan.schedule import read_bytes
@@ -52,6 +53,7 @@ __all__ = [
     "held_memory",
     "refuse_beyond_memory",
     "slot_room",
+    "spare_bytes",
 ]
 
 
@@ -153,8 +155,25 @@ def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> in
     objects = {
         g.path: g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
         for g in geoms.values()
-    }
-    return threads * sum(objects.values())
+    }  # (a thread's buffer is SCRATCH_MIN_BYTES at least: before 2026-12-07 not counted)
+    return threads * sum(max(n, SCRATCH_MIN_BYTES) for n in objects.values())
+
+
+def spare_bytes(geoms: Mapping[str, ArrayGeometry], max_idle: int) -> int:
+    """The idle buffers the fill keeps for decoding the chunks of ``geoms`` (the arrays whose
+    chunk transforms reshape them) in their stored layout before the transforms write the slot:
+    at most ``max_idle`` per array and chunk length (a whole chunk, and an edge chunk's where
+    the split ends inside one), each a whole stored chunk at most
+    (:class:`~insitubatch_nodes.stages._fill.SpareBuffers`). Counted beside
+    :func:`decode_scratch_bytes`: before 2026-12-07 they were not, and a field tiled in 16
+    objects per chunk under ``Coarsen(2)`` held 147,456 bytes where the check counted 8,192."""
+    total = 0
+    for g in geoms.values():
+        base = g.base
+        lengths = 1 if base.n_samples % base.samples_per_chunk == 0 else 2
+        chunk = base.samples_per_chunk * math.prod(base.inner_shape) * base.dtype.itemsize
+        total += max_idle * lengths * chunk
+    return total
 
 
 def _size(n: int) -> str:

@@ -75,6 +75,7 @@ from insitubatch_nodes.plan.memory_floor import (
     held_memory,
     refuse_beyond_memory,
     slot_room,
+    spare_bytes,
 )
 from insitubatch_nodes.stages._admit import (
     Admission,
@@ -203,7 +204,10 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         # (arrays whose objects all decode in place take no scratch)
         aside = {p: g for p, g in self.geoms.items() if not self._decoders[p].decodes_in_place(
             g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major)}  # fmt: skip
-        scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads))
+        reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
+        scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads)) + spare_bytes(
+            reshaped, self._runner.spares.max_idle
+        )
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
@@ -233,11 +237,12 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         first = context.plan.epoch_plan(0)  # (drawn once: the floor and the memory checks)
         self._first_floor = epoch_floor(self._setup, first)[0]
         # the memory check: before this node holds anything, so nothing to tear down
+        # (the automatic budget as the first epoch grows it, an explicit one as given)
+        budget = self._first_floor if self.pool.auto else self.pool.budget_bytes
+        #: what the build's memory check counts this pipeline to hold at most (plan/memory_floor)
+        self.counted = held_memory(budget, first, self.slot_geoms, in_flight, scratch)
         if in_ram:
-            # (the automatic budget as the first epoch grows it, an explicit one as given)
-            budget = self._first_floor if self.pool.auto else self.pool.budget_bytes
-            held = held_memory(budget, first, self.slot_geoms, in_flight, scratch)
-            refuse_beyond_memory(held, explicit=not self.pool.auto,
+            refuse_beyond_memory(self.counted, explicit=not self.pool.auto,
                                  block_chunks=context.plan.block_chunks)  # fmt: skip
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
