@@ -44,6 +44,16 @@ Found wrong, fixed:
   ``test_levels_stored_one_per_object_count_no_decode_scratch_where_their_slots_are_level_major``.
   (The refusals also said "0.00 GiB" of everything for a small pipeline: the numbers are now
   exact bytes, with a unit beside them.)
+* The decode scratch allowance undercounted what ``pipe.stats()["decode_scratch_bytes"]``
+  itself reports held: a reshaping chunk transform's chunks are decoded into buffers of the
+  stored layout, of which the fill keeps ``max(2, threads)`` idle per array and length (a field
+  tiled in 16 objects per chunk under ``Coarsen(2)``: 147,456 bytes held, 8,192 counted), a
+  thread's scratch is 4,096 bytes at least, and slots that keep a box of each object decode it
+  whole into a buffer per thread and object shape first (57,344 held, 32,768 counted). Now
+  ``memory_floor.spare_bytes``, ``SCRATCH_MIN_BYTES`` and ``KeepingDecoder.most_aside_bytes``
+  count them, and ``pipe.stages.fetch.counted`` is what the check counted:
+  ``test_a_reshaping_chunk_transform_s_stored_layout_buffers_are_counted_as_decode_scratch``,
+  ``test_the_buffers_a_selection_s_objects_are_decoded_into_aside_are_counted_as_decode_scratch``.
 """
 
 from __future__ import annotations
@@ -313,3 +323,27 @@ def test_a_reshaping_chunk_transform_s_stored_layout_buffers_are_counted_as_deco
                     want = values[rows].reshape(len(rows), 16, 2, 16, 2).mean(axis=(2, 4))
                     np.testing.assert_allclose(b["x"], want, rtol=1e-6)
             assert pipe.stats()["decode_scratch_bytes"] > 8 * 1024 * threads  # (spares held)
+
+
+def test_the_buffers_a_selection_s_objects_are_decoded_into_aside_are_counted_as_decode_scratch(
+    edged: Path,
+) -> None:
+    # slots that keep a box of each object: every object is decoded whole into a buffer of
+    # this thread's, one per object shape (a whole chunk's, an edge chunk's), then the box is
+    # taken. The check counted one stored object per thread; the pipeline held 57,344 bytes
+    # where it counted 32,768 (a 16 x 32 field at 2 threads), 98,304 where 49,152 (z, 3)
+    g = open_geometries(edged, ["t2m", "z"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    t2m = np.asarray(zarr.open_array(edged / "t2m"))
+    boxes = {"x": g["t2m"].isel(lat=slice(2, 6), lon=slice(4, 12))}
+    rows_and_points = {"x": g["t2m"].isel(lat=slice(2, 6)), "y": g["z"].isel(lat=[1, 5])}
+    for threads, views in ((2, boxes), (3, rows_and_points)):
+        options = {"batch_size": 4, "coords": (), "decode_threads": threads}
+        with insitu_pipeline(edged, manifest, views, **options) as pipe:
+            counted = pipe.stages.fetch.counted.scratch
+            for _ in range(2):
+                for b in Loader(pipe):
+                    assert pipe.stats()["decode_scratch_bytes"] <= counted, threads
+                    rows = np.asarray(b.sample_indices["x"])
+                    box = t2m[rows][:, 2:6, 4:12] if threads == 2 else t2m[rows][:, 2:6]
+                    np.testing.assert_array_equal(b["x"], box)

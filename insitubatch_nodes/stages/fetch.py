@@ -198,33 +198,40 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         listed = steps is not None and steps.absent is not None
         missing_raises = not _zarr_compat.reads_missing_chunks()  # as zarr would read them
         layouts = {path: self._layout(path) for path in self.slot_geoms}
+        arrays = {
+            path: ArrayFill(
+                g,
+                self._decoders[path],
+                units=path in self.patched,
+                held=context.held.get(path),
+                routed=routed,
+                listed=listed,
+                missing_raises=missing_raises,
+            )
+            for path, g in self.geoms.items()
+        }
         # the memory rule's parts beside the pool (plan/memory_floor.py), slots in RAM only
         in_ram = self.pool.slots_in_ram
         in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
         # (arrays whose objects all decode in place take no scratch)
         aside = {p: g for p, g in self.geoms.items() if not self._decoders[p].decodes_in_place(
             g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major)}  # fmt: skip
+        # (and the buffers a selection's objects decode into aside, those of the stored layout
+        # a reshaping transform's chunks decode into)
+        threads = len(self._decode_pool.threads)
+        keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
         reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
-        scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads)) + spare_bytes(
-            reshaped, self._runner.spares.max_idle
+        scratch = (
+            decode_scratch_bytes(aside, threads)
+            + sum(d.most_aside_bytes(threads) for d in keeping)
+            + spare_bytes(reshaped, self._runner.spares.max_idle)
         )
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
             slot_geoms=self.slot_geoms,
             layouts=layouts,
-            arrays={
-                path: ArrayFill(
-                    g,
-                    self._decoders[path],
-                    units=path in self.patched,
-                    held=context.held.get(path),
-                    routed=routed,
-                    listed=listed,
-                    missing_raises=missing_raises,
-                )
-                for path, g in self.geoms.items()
-            },
+            arrays=arrays,
             transforms=self.transforms,
             buffers=context.buffers,
             direct=options.direct,
