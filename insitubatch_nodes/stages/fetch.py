@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
@@ -213,19 +213,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         # the memory rule's parts beside the pool (plan/memory_floor.py), slots in RAM only
         in_ram = self.pool.slots_in_ram
         in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
-        # (arrays whose objects all decode in place take no scratch)
-        aside = {p: g for p, g in self.geoms.items() if not self._decoders[p].decodes_in_place(
-            g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major)}  # fmt: skip
-        # (and the buffers a selection's objects decode into aside, those of the stored layout
-        # a reshaping transform's chunks decode into)
-        threads = len(self._decode_pool.threads)
-        keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
-        reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
-        scratch = (
-            decode_scratch_bytes(aside, threads)
-            + sum(d.most_aside_bytes(threads) for d in keeping)
-            + spare_bytes(reshaped, self._runner.spares.max_idle)
-        )
+        scratch = self._most_scratch(layouts, arrays)
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
@@ -263,6 +251,30 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         context.join(self)
         self._prepare_pool()
         claim(self, source)
+
+    def _most_scratch(
+        self, layouts: Mapping[str, SlotLayout], arrays: Mapping[str, ArrayFill]
+    ) -> int:
+        """The decode scratch the memory check counts (:attr:`scratch_bytes` at most): a stored
+        object per decode thread for each array whose objects may be decoded aside (not those
+        that all decode in place), the buffers a selection's objects are decoded into whole
+        (per thread and object shape), and the idle chunks of the stored layout that the
+        chunks of a reshaping transform are decoded into."""
+        threads = len(self._decode_pool.threads)
+        aside = {
+            p: g
+            for p, g in self.geoms.items()
+            if not self._decoders[p].decodes_in_place(
+                g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major
+            )
+        }
+        keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
+        reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
+        return (
+            decode_scratch_bytes(aside, threads)
+            + sum(d.most_aside_bytes(threads) for d in keeping)
+            + spare_bytes(reshaped, self._runner.spares.max_idle)
+        )
 
     def _layout(self, path: str) -> SlotLayout:
         """How this node requests the slots of ``path``. Arrays stored one level per object
