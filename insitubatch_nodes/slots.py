@@ -73,8 +73,8 @@ class SlotBacking(Protocol):
     process memory: where it is ``True`` the build holds the pool's budget, beside the batches
     in flight and the decode scratch, to the memory the process may use
     (:mod:`~insitubatch_nodes.plan.memory_floor`), as for the default :class:`RamBacking`.
-    Absent (or anything but ``True``), the slots are taken to live elsewhere (files, a device)
-    and are not checked.
+    Absent (or ``False``), the slots are taken to live elsewhere (files, a device) and are not
+    checked; anything but a bool is a ``TypeError`` when the pool is made.
     """
 
     name: str

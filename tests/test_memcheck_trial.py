@@ -166,6 +166,12 @@ def test_a_custom_backing_that_says_its_slots_are_in_ram_is_checked_and_one_that
         assert not pipe.stages.pool.slots_in_ram
         assert sum(len(b["x"]) for b in Loader(pipe)) == 60
 
+    class _SaysSo(_Heap):
+        in_ram = "yes"
+
+    with pytest.raises(TypeError, match=r"in_ram must be True or False.*got 'yes'"):
+        _build(edged, backing=_SaysSo())
+
 
 def _transient_peak(fn: Any) -> tuple[Any, int]:
     """``fn()`` and the bytes it allocated and freed again at its peak (``tracemalloc``: numpy
