@@ -62,7 +62,6 @@ a minute, is below the formula's accuracy for these uses).
 from __future__ import annotations
 
 import copy
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -76,7 +75,6 @@ from insitubatch_nodes.forcing_calendar import (
     check_convention,
     instants,
     local_time,
-    native,
     year_progress,
 )
 from insitubatch_nodes.forcing_grid import (
@@ -86,9 +84,16 @@ from insitubatch_nodes.forcing_grid import (
     refuse_other_windows,
 )
 from insitubatch_nodes.forcing_memo import Memo
+from insitubatch_nodes.forcing_solar import (
+    SOLAR_IRRADIANCE,
+    SOLAR_NAMES,
+    accumulation_period,
+    cos_solar_zenith,
+    solar_into,
+    toa_incident_solar_radiation,
+)
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Cut, cut_per_step, cut_windows
-from insitubatch_nodes.io.timeunits import as_timedelta
 from insitubatch_nodes.lending import BufferPool
 
 __all__ = [
@@ -121,159 +126,6 @@ GRAPHCAST_NAMES = (
 )
 """GraphCast's forcings, by its names: ``day_progress_*`` (``convention="graphcast"`` only)
 are the local time's ``local_time_*``."""
-SOLAR_IRRADIANCE = 1361.0  # W m-2, the reference total solar irradiance
-PIECE_SECONDS = 3600.0  # the longest span integrated with one declination and distance
-_J2000 = np.datetime64("2000-01-01T12:00:00", "s")
-
-
-def _days_since_j2000(times: np.ndarray) -> np.ndarray:
-    t = instants(times)  # (cftime dates of the standard calendars: their instants)
-    if t.dtype.kind != "M":
-        raise TypeError(
-            f"solar forcings need times as numpy datetime64, got dtype {t.dtype}; a non-standard "
-            "calendar's cftime dates have no solar position here (local_time_* and "
-            "year_progress_* take them, in their own calendar)"
-        )
-    delta = (native(t) - _J2000) / np.timedelta64(1, "D")  # (in ns only where t is)
-    return np.where(np.isnat(t), np.nan, delta)  # a missing time: NaN, not NaT's int64
-
-
-def _sun(days: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """``(sin δ, cos δ, Greenwich hour angle of the Sun in radians, distance in AU)``."""
-    rad = np.pi / 180.0
-    g = (357.529 + 0.98560028 * days) * rad
-    q = (280.459 + 0.98564736 * days) * rad
-    ecliptic = q + (1.915 * np.sin(g) + 0.020 * np.sin(2 * g)) * rad
-    distance = 1.00014 - 0.01671 * np.cos(g) - 0.00014 * np.cos(2 * g)
-    obliquity = (23.439 - 0.00000036 * days) * rad
-    sin_dec = np.sin(obliquity) * np.sin(ecliptic)
-    ascension = np.arctan2(np.cos(obliquity) * np.sin(ecliptic), np.cos(ecliptic))
-    gmst_hours = 18.697374558 + 24.06570982441908 * days
-    hour_angle = (gmst_hours % 24.0) * 15.0 * rad - ascension
-    return sin_dec, np.sqrt(1.0 - sin_dec**2), hour_angle, distance
-
-
-def _grid(lat: Any, lon: Any, points: bool = False) -> tuple[np.ndarray, np.ndarray]:
-    """Latitude ``(n_lat, 1)`` and longitude ``(1, n_lon)`` in radians; ``points``: both
-    ``(1, n)``, point ``i`` at ``(lat[i], lon[i])``."""
-    phi = np.radians(np.asarray(lat, dtype=np.float64)).reshape((1, -1) if points else (-1, 1))
-    lam = np.radians(np.asarray(lon, dtype=np.float64)).reshape(1, -1)
-    return phi, lam
-
-
-def cos_solar_zenith(times: Any, lat: Any, lon: Any, *, points: bool = False) -> np.ndarray:
-    """``cos θ`` (float64) at each time (any shape) and grid point: ``(*times.shape, n_lat,
-    n_lon)`` for 1-D ``lat`` and ``lon`` in degrees; ``points=True``: ``(*times.shape, n)`` at
-    the ``n`` points ``(lat[i], lon[i])`` of a grid of points."""
-    days = _days_since_j2000(times)[..., None, None]
-    phi, lam = _grid(lat, lon, points)
-    sin_dec, cos_dec, hour, _ = _sun(days)
-    cos_z = np.sin(phi) * sin_dec + np.cos(phi) * cos_dec * np.cos(hour + lam)
-    return cos_z[..., 0, :] if points else cos_z
-
-
-def toa_incident_solar_radiation(
-    times: Any,
-    lat: Any,
-    lon: Any,
-    *,
-    period: Any = "1h",
-    bins: int | None = None,
-    irradiance: float = SOLAR_IRRADIANCE,
-    points: bool = False,
-) -> np.ndarray:
-    """Top-of-atmosphere incident solar radiation, J m⁻², accumulated over the ``period``
-    ending at each time (ERA5's ``tisr`` with ``period="1h"``): ``(*times.shape, n_lat,
-    n_lon)`` float64 (``(*times.shape, n)`` with ``points=True``, as :func:`cos_solar_zenith`;
-    ``ValueError`` for a period that is not positive). Integrated in closed
-    form (module docstring); ``bins=N`` uses the
-    trapezoidal rule over ``N`` sub-steps instead (N + 1 evaluations of the flux, for checks)."""
-    seconds = _period(period) / np.timedelta64(1, "s")
-    days = _days_since_j2000(times)[..., None, None]
-    phi, lam = _grid(lat, lon, points)
-    if bins is not None:
-        total = _trapezoid(days, phi, lam, seconds, int(bins), irradiance)
-        return total[..., 0, :] if points else total
-    # the declination and distance are held for at most an hour: a longer period is the sum
-    # of its pieces (over a day at the equinox they move 0.4°: polar sums were 3 % off)
-    pieces = max(1, math.ceil(seconds / PIECE_SECONDS))
-    step = seconds / pieces
-    total = _closed_form(days, phi, lam, step, irradiance)
-    for k in range(1, pieces):
-        total = total + _closed_form(days - k * step / 86_400.0, phi, lam, step, irradiance)
-    return total[..., 0, :] if points else total
-
-
-def _period(period: Any) -> np.timedelta64:
-    """The accumulation period as a ``timedelta64``; ``ValueError`` unless it is positive."""
-    span = as_timedelta(period, "the accumulation period")
-    if not span > np.timedelta64(0, "s"):
-        raise ValueError(f"the accumulation period must be positive, got {period!r}")
-    return span
-
-
-def _closed_form(
-    days: np.ndarray, phi: np.ndarray, lam: np.ndarray, seconds: float, irradiance: float
-) -> np.ndarray:
-    """The radiation over the ``seconds`` ending at ``days``, the declination and distance
-    taken at the middle (module docstring)."""
-    half = seconds / 2 / 86_400.0
-    sin_dec, cos_dec, _, distance = _sun(days - half)  # the period's middle
-    _, _, h0, _ = _sun(days - 2 * half)
-    _, _, h1, _ = _sun(days)
-    nominal = 2 * np.pi * seconds / 86_400.0  # the hour angle turns once a solar day
-    h1 = h0 + nominal + ((h1 - h0 - nominal + np.pi) % (2 * np.pi) - np.pi)
-    a = np.sin(phi) * sin_dec  # cos θ = a + b cos h
-    b = np.cos(phi) * cos_dec
-    # the Sun is up where cos h > -a / b: |h| < w (mod 2π); w = π: all day, w = 0: never
-    with np.errstate(divide="ignore", invalid="ignore"):
-        w = np.arccos(np.clip(np.where(b > 0, -a / b, np.where(a > 0, -1.0, 1.0)), -1.0, 1.0))
-    sin_w = np.sin(w)
-    day = 2 * (a * w + b * sin_w)  # ∫ over one whole turn of the hour angle
-
-    # the local hour angle h + λ over the period
-    integral = _turn_integral(h0 + lam, h1 + lam, a, b, w, sin_w, day)
-    rate = (h1 - h0) / seconds  # radians of hour angle per second
-    return irradiance / distance**2 * integral / rate
-
-
-def _turn_integral(
-    lo: np.ndarray,
-    hi: np.ndarray,
-    a: np.ndarray,
-    b: np.ndarray,
-    w: np.ndarray,
-    sin_w: np.ndarray,
-    day: np.ndarray,
-) -> np.ndarray:
-    """``∫_lo^hi max(0, a + b cos x) dx`` with ``w = arccos(-a/b)`` (clipped to [0, π]) and
-    ``day`` its integral over one turn, for ``lo <= hi``, elementwise."""
-
-    def cumulative(h: np.ndarray) -> np.ndarray:
-        turns = np.floor((h + np.pi) / (2 * np.pi))
-        x = h - 2 * np.pi * turns  # in [-π, π)
-        inside = np.clip(x, -w, w)
-        part = np.where(x > -w, a * (inside + w) + b * (np.sin(inside) + sin_w), 0.0)
-        return turns * day + part
-
-    return cumulative(hi) - cumulative(lo)
-
-
-def _trapezoid(
-    days: np.ndarray, phi: np.ndarray, lam: np.ndarray, seconds: float, bins: int, irradiance: float
-) -> np.ndarray:
-    if bins < 1:
-        raise ValueError(f"bins must be >= 1, got {bins}")
-    total = np.zeros(np.broadcast_shapes(days.shape, phi.shape, lam.shape))
-    for k in range(bins + 1):
-        at = days - (seconds / 86_400.0) * (1.0 - k / bins)
-        sin_dec, cos_dec, hour, distance = _sun(at)
-        cos_z = np.sin(phi) * sin_dec + np.cos(phi) * cos_dec * np.cos(hour + lam)
-        weight = 0.5 if k in (0, bins) else 1.0
-        total += weight * np.maximum(cos_z, 0.0) / distance**2
-    return irradiance * total * (seconds / bins)
-
-
 MEMO_BYTES = 64 * 2**20
 """The fields one :class:`Forcings` remembers, at most (bytes): 64 MiB holds 2,048 times of
 one forcing on a 64 x 128 grid, 16 on ERA5's 0.25° grid."""
@@ -345,7 +197,7 @@ class Forcings:
         self.time_label, self.time_name = time_label, time_name
         self.names = tuple(names)
         self.prefix = prefix
-        self.period = _period(period)
+        self.period = accumulation_period(period)
         self.bins = check_optional_int("bins", bins, minimum=1)  # (int() truncated 1.5 to 1)
         self.irradiance = check_number("irradiance", irradiance, minimum=0.0)
         #: where each row's window cuts the grid (``view=`` a patched view), or ``None``: every
@@ -544,14 +396,13 @@ class Forcings:
         shape = (*times.shape, *self.grid.shape)
         out: dict[str, np.ndarray] = {}
         for name in self.names:
-            if name == "toa_incident_solar_radiation":
-                values = toa_incident_solar_radiation(
-                    times, lat, lon, period=self.period, bins=self.bins,
-                    irradiance=self.irradiance, points=points,
+            if name in SOLAR_NAMES:  # (in blocks: float64 scratch bounded, not per batch)
+                out[name] = solar_into(
+                    np.empty(shape, np.float32), name, times, lat, lon, points=points,
+                    period=self.period, bins=self.bins, irradiance=self.irradiance,
                 )  # fmt: skip
-            elif name == "cos_solar_zenith":
-                values = cos_solar_zenith(times, lat, lon, points=points)
-            elif name.startswith(("local_time", "day_progress")):
+                continue
+            if name.startswith(("local_time", "day_progress")):
                 angle = 2 * np.pi * local_time(times, lon, convention=self.convention) / 24.0
                 values = np.sin(angle) if name.endswith("sin") else np.cos(angle)
             else:

@@ -128,6 +128,13 @@ class ChunkPool:
         self.cache = cache
         spill = cache.spill if cache is not None else None
         self.backing: SlotBacking = backing or spill or RamBacking()
+        in_ram = getattr(self.backing, "in_ram", False)
+        if not isinstance(in_ram, bool):  # (a method or a string would read as "in RAM")
+            raise TypeError(
+                f"the backing's in_ram must be True or False (whether its slots are process "
+                f"memory), got {in_ram!r}; leave it out where they are not"
+            )
+        self._in_ram = in_ram
         self.stats = stats or PoolStats()  # (given: counters kept since before the pool)
         self._lock = threading.Lock()
         self._entries: dict[ChunkKey, ChunkEntry] = {}
@@ -159,6 +166,15 @@ class ChunkPool:
                     f"{once}; raise it to at least the "
                     "floor, lower block_chunks, or pass None for the automatic budget"
                 )
+
+    @property
+    def slots_in_ram(self) -> bool:
+        """Whether this pool's slots are process memory, which the build's memory check
+        (:mod:`~insitubatch_nodes.plan.memory_floor`) holds them to: no cache directory, and a
+        backing whose ``in_ram`` says so (``RamBacking``'s does; a backing without the
+        attribute is taken as not RAM, and not checked; one that is no bool was refused when
+        the pool was made)."""
+        return self.cache is None and self._in_ram
 
     @property
     def allocated_bytes(self) -> int:

@@ -67,7 +67,15 @@ def slot_key(slot: np.ndarray) -> SlotKey:
 
 
 class SlotBacking(Protocol):
-    """Where slot memory comes from. RAM today; mmap'd files and a persistent cache plug in here."""
+    """Where slot memory comes from. RAM today; mmap'd files and a persistent cache plug in here.
+
+    An optional ``in_ram`` attribute (a class attribute will do) says whether the slots are
+    process memory: where it is ``True`` the build holds the pool's budget, beside the batches
+    in flight and the decode scratch, to the memory the process may use
+    (:mod:`~insitubatch_nodes.plan.memory_floor`), as for the default :class:`RamBacking`.
+    Absent (or ``False``), the slots are taken to live elsewhere (files, a device) and are not
+    checked; anything but a bool is a ``TypeError`` when the pool is made.
+    """
 
     name: str
 
@@ -102,6 +110,7 @@ class RamBacking:
     """
 
     name = "ram"
+    in_ram = True  # (the build's memory check counts these slots: see SlotBacking)
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
         return np.empty(shape, dtype=dtype)

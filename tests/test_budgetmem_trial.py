@@ -114,9 +114,9 @@ def test_an_explicit_budget_beside_the_batches_in_flight_beyond_memory_is_refuse
     with build() as pipe:  # the machine's memory: built
         batch = pipe.context.buffers.batch_nbytes
     in_flight = 4 * batch  # prefetch_depth=2: the consumer's, two queued, one being filled
-    # whole chunks decode in place: only z (one level per object, which a slot may not hold
-    # level-major) counts its scratch (ChunkDecoder.decodes_in_place; review2)
-    need = split + in_flight + decode_scratch_bytes({"z": geoms["z"]}, 2)
+    # whole chunks decode in place (ChunkDecoder.decodes_in_place; review2), and so do z's
+    # levels stored one per object, into level-major slots (memcheck): no scratch counted
+    need = split + in_flight
     _fake_memory(monkeypatch, need - 1)  # each part alone fits, together they do not
     with pytest.raises(ValueError, match=(
         rf"cache_budget_bytes={split:,} cannot be held here.*batches in flight.*decode scratch"

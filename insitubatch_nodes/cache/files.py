@@ -180,6 +180,7 @@ class SpillBacking:
     """Slot memory from files in a directory, each mapped and unlinked at once (spill mode)."""
 
     name = "spill"
+    in_ram = False  # files on the cache directory's disk (page cache the kernel reclaims)
 
     def __init__(self, directory: Path, lock: DirLock) -> None:
         self.directory = directory

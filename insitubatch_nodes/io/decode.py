@@ -38,11 +38,13 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.geometry import ArrayGeometry
 
 __all__ = [
+    "SCRATCH_MIN_BYTES",
     "ChunkDecoder",
 ]
 
 _MISSING = 2**64 - 1  # shard index entry of an inner chunk that was never written
 _U8 = np.dtype(np.uint8)
+SCRATCH_MIN_BYTES = 4096  # the smallest scratch buffer a thread holds (grown, never shrunk)
 # numcodecs codecs that honour ``decode(buf, out=...)`` (checked: they write into ``out``) and
 # whose decoded size can be read from the encoded header before decoding.
 _INPLACE_IDS = frozenset({"zstd", "blosc", "lz4", "gzip"})
@@ -547,13 +549,19 @@ class ChunkDecoder:
             plan = plan.inner
         return isinstance(plan, _NumcodecsPlan) and plan.inplace_capable
 
-    def decodes_in_place(self, geom: ArrayGeometry, slot: ArrayGeometry) -> bool:
+    def decodes_in_place(
+        self, geom: ArrayGeometry, slot: ArrayGeometry, level_major: bool = False
+    ) -> bool:
         """Whether every stored object of ``geom`` (this decoder's array) is decoded straight
         into its slot or batch row, ``slot`` being what a slot holds: whole unsharded chunks,
-        none at an edge, in the stored native dtype and C order, no filter, a slot of the whole
-        chunk, and at one sample per chunk (rows decoded straight into the batch) the whole
-        field in each (a part of a row is strided in it). Such an array takes no decode
-        scratch; any other may (one object per thread)."""
+        none at an edge, in the stored native dtype and C order, no filter, no CF decoding, a
+        slot of the whole chunk, and at one sample per chunk (rows decoded straight into the
+        batch) the whole field in each (a part of a row is strided in it). An array stored one
+        level per object (:attr:`ArrayGeometry.one_level_per_object`) decodes in place only
+        into a ``level_major`` slot (:mod:`~insitubatch_nodes.pool`: each object's region is
+        one contiguous run there; before 2026-12-07 such arrays were always counted, though
+        the fetch stage gives them level-major slots where no chunk transform runs on them).
+        Such an array takes no decode scratch; any other may (one object per thread)."""
         base = geom.base
         plan = self._plan
         return (
@@ -563,7 +571,7 @@ class ChunkDecoder:
             and slot == base
             and base.dtype.isnative
             and base.cf is None
-            and not base.one_level_per_object
+            and (level_major or not base.one_level_per_object)
             and all(n % c == 0 for n, c in zip(base.shape, base.chunks, strict=True))
             and (base.samples_per_chunk > 1 or base.tile_shape == base.field_shape)
         )
@@ -585,7 +593,7 @@ class ChunkDecoder:
         buf: np.ndarray | None = getattr(self._local, name, None)
         if buf is None or buf.nbytes < nbytes:
             old = 0 if buf is None else buf.nbytes
-            buf = np.empty(max(nbytes, 4096), dtype=_U8)
+            buf = np.empty(max(nbytes, SCRATCH_MIN_BYTES), dtype=_U8)
             setattr(self._local, name, buf)
             with self._scratch_lock:
                 self._stats.scratch_bytes += buf.nbytes - old

@@ -1,59 +1,145 @@
-"""A budget against the process's memory: pipelines no machine like this one holds.
+"""What a pipeline holds at most, against the process's memory: pipelines no machine like this
+one holds are refused when they are built.
 
-The automatic chunk budget (``cache_budget_bytes=None``) grows to each epoch's working-set
-floor (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`: the chunks live at once plus
-one block of read-ahead, bounded by ``block_chunks`` where reading each chunk once would take
-over a quarter of RAM). Where the first epoch's floor exceeds the memory this process may use
-(:func:`~insitubatch_nodes._process.usable_memory_bytes`), the pipeline could only be killed for
-its memory: it is refused when it is built, saying what shrinks the floor. The batches in
-flight (``prefetch_depth + 2``, made right after the build) count beside the floor. The
-permutation-free bound (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`) is not what
-is compared: it can be twice an epoch's floor (16.3 against 7.2 GiB for a real-sized ARCO-ERA5
-pipeline in ``tests/test_arco_trial.py``), and would refuse pipelines that run.
+One rule (:class:`HeldMemory`, :func:`refuse_beyond_memory`), for the automatic budget and an
+explicit ``cache_budget_bytes`` alike, asked where the pool's slots are in RAM
+(:attr:`ChunkPool.slots_in_ram <insitubatch_nodes.pool.ChunkPool.slots_in_ram>`: no
+``cache_dir``, and a backing that says its slots are process memory, as ``RamBacking`` does).
+A pipeline holds at most, beside the interpreter:
 
-An explicit ``cache_budget_bytes`` with slots in RAM (the default ``RamBacking``, no
-``cache_dir``; a backing of the user's own is not checked) is held to the same
-memory (:func:`refuse_budget_beyond_memory`): the slot memory the pool may take — the budget, or
-every chunk the split reads where that is less — beside the batches in flight and the decode
-threads' scratch (an allowance of one stored object per thread and array). Before 2026-12-07
-only the batches in flight were checked beside an explicit budget, alone: the sum was never
-compared (an 87-channel stack of ARCO-ERA5 at 0.25 degrees at ``batch_size=4``: a 10.6 GiB
-budget beside 10.8 GiB of batches, whatever the machine's memory was). Each pipeline is
+* the pool's slots: its budget, or every chunk the split reads (a slot each, times the ranks:
+  each epoch deals a rank other chunks of the split) where that is less. An explicit budget
+  counts as given; the automatic one as what the first epoch grows it to — its working-set
+  floor (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`: the chunks live at once
+  plus one block of read-ahead, bounded by ``block_chunks`` where reading each chunk once
+  would take over a quarter of RAM), or the whole split where it keeps it (a sixteenth of RAM
+  at most, and only within the room this rule leaves the slots, :func:`slot_room`: so the
+  automatic choice passes wherever its floor does). The permutation-free bound
+  (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`) is not what is compared: it can
+  be twice an epoch's floor (16.3 against 7.2 GiB for a real-sized ARCO-ERA5 pipeline in
+  ``tests/test_arco_trial.py``), and would refuse pipelines that run;
+* the batches in flight: ``prefetch_depth + 2`` batches' buffers, made right after the build;
+* the decode scratch (:func:`decode_scratch_bytes`): one stored object per decode thread and
+  array whose objects may be decoded aside.
+
+Before 2026-12-07 the two budgets were held to two rules: the automatic one to its floor and
+the batches in flight, an explicit one to those and the decode scratch, so a pipeline was
+refused an explicit budget equal to the floor the automatic budget was built at, on the same
+memory (``tests/test_memcheck_trial.py``). Earlier that day an explicit budget was not summed
+with anything (an 87-channel stack of ARCO-ERA5 at 0.25 degrees at ``batch_size=4``: a 10.6
+GiB budget beside 10.8 GiB of batches, whatever the machine's memory was). Each pipeline is
 checked alone, and the process's own memory (the interpreter, torch, other pipelines) is not
-counted.
+counted; nor is the solar forcings' scratch, bounded by
+:data:`~insitubatch_nodes.forcing_solar.SOLAR_SCRATCH_BYTES` whatever the batch and the grid.
+The check is built once, at the build, from the first epoch's plan the fetch stage draws
+anyway (sums over its ledgers, no pass over the samples).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 from insitubatch_nodes._process import usable_memory_bytes
+from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.epoch import EpochPlan
 from insitubatch_nodes.plan.schedule import read_bytes
 
-__all__ = ["decode_scratch_bytes", "refuse_beyond_memory", "refuse_budget_beyond_memory"]
+__all__ = [
+    "HeldMemory",
+    "decode_scratch_bytes",
+    "held_memory",
+    "refuse_beyond_memory",
+    "slot_room",
+    "spare_bytes",
+]
 
 
-def refuse_beyond_memory(floor: int, in_flight: int, block_chunks: int) -> None:
-    """``ValueError`` where ``floor`` (the first epoch's working-set floor under an automatic
-    budget, in bytes) and ``in_flight`` (the bytes of the batches the pipeline keeps in flight)
-    together exceed the memory this process may use; ``block_chunks`` (the plan's) is named in
-    the message, as what shrinks the floor. Asked only where the slots are in RAM, as for an
-    explicit budget (with a ``cache_dir`` they are files on its disk: before 2026-12-07 the
-    automatic budget was refused there, an explicit one of four times its floor built)."""
+@dataclass(frozen=True)
+class HeldMemory:
+    """The most a pipeline holds outside the interpreter, in bytes, as the build's memory
+    check counts it (module docstring). ``budget`` is the pool's budget as counted (an
+    explicit one as given, the automatic one as its first epoch grows it), ``pool`` the slot
+    memory it may take (``min(budget, split)``), ``split`` every chunk the split reads (a
+    slot each, times the ranks)."""
+
+    budget: int
+    split: int
+    in_flight: int
+    scratch: int
+
+    @property
+    def pool(self) -> int:
+        """The slot memory the pool may take: its budget, or the split where that is less."""
+        return min(self.budget, self.split)
+
+    @property
+    def total(self) -> int:
+        """Everything counted: the slots, the batches in flight and the decode scratch."""
+        return self.pool + self.in_flight + self.scratch
+
+
+def held_memory(
+    budget: int,
+    plan: EpochPlan,
+    slot_geoms: Mapping[str, ArrayGeometry],
+    in_flight: int,
+    scratch: int,
+) -> HeldMemory:
+    """:class:`HeldMemory` of a pool of ``budget`` bytes over ``plan`` (the first epoch's:
+    every chunk it reads, a slot each of ``slot_geoms``, times the ranks), beside ``in_flight``
+    bytes of batches and ``scratch`` bytes of decode scratch (:func:`decode_scratch_bytes`)."""
+    split = read_bytes(plan, slot_geoms) * max(1, plan.world_size)
+    return HeldMemory(budget, split, in_flight, scratch)
+
+
+def slot_room(in_flight: int, scratch: int) -> int:
+    """The memory the rule leaves the pool's slots beside ``in_flight`` bytes of batches and
+    ``scratch`` bytes of decode scratch (negative where those alone exceed it): the automatic
+    budget keeps a split whole only where it fits here (:func:`~insitubatch_nodes.stages.
+    _admit.epoch_floor`), so its choice passes the rule wherever its floor does."""
+    return usable_memory_bytes() - in_flight - scratch
+
+
+def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int) -> None:
+    """``ValueError`` where ``held`` (:func:`held_memory`) exceeds the memory this process may
+    use (:func:`~insitubatch_nodes._process.usable_memory_bytes`), giving each part, the
+    memory, and what lowers which: for an ``explicit`` budget the ``cache_budget_bytes`` that
+    fits, for the automatic one ``block_chunks`` (the floor shrinks with it). One rule for both
+    budgets: the automatic budget is built where an explicit budget of the same slot bytes is,
+    and refused where it is refused."""
     memory = usable_memory_bytes()
-    if floor + in_flight <= memory:
+    if held.total <= memory:
         return
+    room = memory - held.in_flight - held.scratch
+    if explicit:
+        head = f"cache_budget_bytes={held.budget:,} cannot be held here"
+        slots = "its budget, or every chunk the split reads where that is less"
+        lower = (
+            f"pass cache_budget_bytes={room:,} or less (the pool's share of that memory; not "
+            "below the working-set floor, which lowering block_chunks shrinks), or lower "
+            if room > 0
+            else "lower "
+        )
+    else:
+        head = "the automatic budget cannot hold this pipeline"
+        slots = (
+            "its first epoch's working-set floor: the chunks live at once plus one block of "
+            f"read-ahead, block_chunks={block_chunks}"
+        )
+        lower = (
+            "lower block_chunks (the floor shrinks with it), read fewer or smaller chunks per "
+            "sample (fewer arrays, levels or window steps), or lower "
+        )
     raise ValueError(
-        f"the automatic budget cannot hold this pipeline: its first epoch keeps up to "
-        f"{floor / 2**30:,.1f} GiB of chunks resident (those live at once plus one block of "
-        f"read-ahead, block_chunks={block_chunks}) beside {in_flight / 2**30:,.1f} GiB of "
-        f"batches in flight (prefetch_depth + 2), more than the {memory / 2**30:,.1f} GiB of "
-        f"memory this process may use; lower block_chunks (the floor shrinks with it), "
-        f"batch_size or prefetch_depth, or read fewer or smaller chunks per sample (fewer "
-        f"arrays, levels or window steps)"
+        f"{head}: the pool may take {_size(held.pool)} of slots in RAM ({slots}) beside "
+        f"{_size(held.in_flight)} of batches in flight (prefetch_depth + 2) and "
+        f"{_size(held.scratch)} of decode scratch (a stored object per decode thread and "
+        f"array not decoded in place, at most), {_size(held.total)} in all, more than the "
+        f"{_size(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or "
+        "decode_threads, or give a cache_dir (slots in files on its disk)"
     )
 
 
@@ -69,45 +155,32 @@ def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> in
     objects = {
         g.path: g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
         for g in geoms.values()
-    }
-    return threads * sum(objects.values())
+    }  # (a thread's buffer is SCRATCH_MIN_BYTES at least: before 2026-12-07 not counted)
+    return threads * sum(max(n, SCRATCH_MIN_BYTES) for n in objects.values())
 
 
-def refuse_budget_beyond_memory(
-    budget: int,
-    plan: EpochPlan,
-    slot_geoms: Mapping[str, ArrayGeometry],
-    in_flight: int,
-    scratch: int,
-) -> None:
-    """``ValueError`` where an explicit ``budget`` (bytes of RAM slots), the batches in flight
-    (``in_flight`` bytes) and the decode scratch (``scratch`` bytes,
-    :func:`decode_scratch_bytes`) together exceed the memory this process may use. The pool
-    takes at most every chunk ``plan`` (the first epoch's) reads, a slot each (``slot_geoms``:
-    what one slot of each array holds), times the ranks (each epoch deals a rank other chunks
-    of the split): a budget above that counts as that. Built once, at the build."""
-    split = read_bytes(plan, slot_geoms) * max(1, plan.world_size)
-    pool = min(budget, split)
-    memory = usable_memory_bytes()
-    if pool + in_flight + scratch <= memory:
-        return
-    room = memory - in_flight - scratch
-    lower = (
-        f"pass cache_budget_bytes={room:,} or less (the pool's share of that memory; not "
-        "below the working-set floor, which lowering block_chunks shrinks), or lower "
-        if room > 0
-        else "lower "
-    )
-    raise ValueError(
-        f"cache_budget_bytes={budget:,} cannot be held here: the pool may take "
-        f"{_gib(pool)} of slots in RAM (its budget, or every chunk the split reads where "
-        f"that is less) beside {_gib(in_flight)} of batches in flight (prefetch_depth + 2) and "
-        f"{_gib(scratch)} of decode scratch (a stored object per decode thread and array not "
-        f"decoded in place, at most), {_gib(pool + in_flight + scratch)} in all, more than the "
-        f"{_gib(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or "
-        "decode_threads, or give a cache_dir (slots in files on its disk)"
-    )
+def spare_bytes(geoms: Mapping[str, ArrayGeometry], max_idle: int) -> int:
+    """The idle buffers the fill keeps for decoding the chunks of ``geoms`` (the arrays whose
+    chunk transforms reshape them) in their stored layout before the transforms write the slot:
+    at most ``max_idle`` per array and chunk length (a whole chunk, and an edge chunk's where
+    the split ends inside one), each a whole stored chunk at most
+    (:class:`~insitubatch_nodes.stages._fill.SpareBuffers`). Counted beside
+    :func:`decode_scratch_bytes`: before 2026-12-07 they were not, and a field tiled in 16
+    objects per chunk under ``Coarsen(2)`` held 147,456 bytes where the check counted 8,192."""
+    total = 0
+    for g in geoms.values():
+        base = g.base
+        lengths = 1 if base.n_samples % base.samples_per_chunk == 0 else 2
+        chunk = base.samples_per_chunk * math.prod(base.inner_shape) * base.dtype.itemsize
+        total += max_idle * lengths * chunk
+    return total
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:,.2f} GiB"
+def _size(n: int) -> str:
+    """``n`` bytes, exactly and in the largest binary unit under which it is at least 1."""
+    value, unit = float(n), "bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{n:,} bytes" if unit == "bytes" else f"{n:,} bytes ({value:,.2f} {unit})"

@@ -78,6 +78,9 @@ class FetchSetup:
     direct: bool | None  # FetchOptions.direct
     recorder: EpochRecorder
     held: Mapping[str, Held]  # path -> what its slots hold of a selected field
+    # the most an automatic budget keeps of a split: the memory rule's room for slots in RAM
+    # (plan/memory_floor.slot_room), or None (no room asked: slots elsewhere, explicit budget)
+    keep_room: int | None = None
 
 
 class FetchHistory:
@@ -106,7 +109,9 @@ def plan_groups(setup: FetchSetup, plan: EpochPlan) -> list[PlanGroup]:
     """How the fetch stage treats each plan group of ``plan``: its slot bytes, and which
     views' single-use chunks decode straight into the batch (see ``_direct``)."""
     buffers = setup.buffers
-    allowed = direct_allowed(plan, setup.pool, buffers, setup.direct, setup.slot_geoms)
+    allowed = direct_allowed(
+        plan, setup.pool, buffers, setup.direct, setup.slot_geoms, setup.keep_room
+    )
     out = []
     for ledger in plan.ledgers:
         nbytes = sum(setup.slot_geoms[p].chunk_nbytes for p in ledger.paths)
@@ -177,14 +182,19 @@ def epoch_floor(setup: FetchSetup, plan: EpochPlan) -> tuple[int, int]:
     per chunk (as :class:`~insitubatch_nodes.options.FetchOptions` says: before 2026-12-07 a
     split of chunks of several samples was kept, and the one pass of ``fit_statistics`` over
     it grew its budget to the whole split). Chunks of more samples under a persistent cache are
-    not kept in RAM this way: released, they come back from its files."""
+    not kept in RAM this way: released, they come back from its files. A split larger than
+    ``setup.keep_room`` (what the build's memory rule leaves the slots) is not kept: the floor
+    stays the epoch's (before 2026-12-07 such a pipeline was refused at the build, though its
+    floor fit)."""
     floor, read_ahead = working_set_bytes(plan, setup.slot_geoms)
     if not setup.pool.auto or setup.direct is True:
         return floor, read_ahead
     cache = setup.pool.cache  # a persistent one brings released chunks of more samples back
     one_sample = any(ledger.samples_per_chunk == 1 for ledger in plan.ledgers)
     if one_sample or cache is None or not cache.persistent:
-        floor = max(floor, kept_bytes(plan, setup.slot_geoms, None) or 0)
+        kept = kept_bytes(plan, setup.slot_geoms, None) or 0
+        if setup.keep_room is None or kept <= setup.keep_room:
+            floor = max(floor, kept)
     return floor, read_ahead
 
 

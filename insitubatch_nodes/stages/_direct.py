@@ -27,12 +27,15 @@ def direct_allowed(
     buffers: BatchBuffers | None,
     direct: bool | None,
     slot_geoms: Mapping[str, ArrayGeometry],
+    keep_room: int | None = None,
 ) -> bool:
     """Whether rows may be decoded straight into batches this epoch: there are batch buffers,
     ``direct`` does not forbid it, no persistent cache wants the chunks kept, and either
     ``direct=True`` or the schedule does not keep the epoch's chunks for the next one
     (:func:`~insitubatch_nodes.plan.schedule.kept_bytes`: they do not fit the budget, or a
-    sixteenth of RAM for the automatic one)."""
+    sixteenth of RAM for the automatic one, nor ``keep_room``, the room the build's memory
+    rule leaves an automatic budget's slots, as :func:`~insitubatch_nodes.stages._admit.
+    epoch_floor` decides)."""
     if buffers is None or direct is False:
         return False
     cache = pool.cache
@@ -40,7 +43,8 @@ def direct_allowed(
         return False
     if direct:
         return True
-    return kept_bytes(plan, slot_geoms, None if pool.auto else pool.budget_bytes) is None
+    kept = kept_bytes(plan, slot_geoms, None if pool.auto else pool.budget_bytes)
+    return kept is None or (pool.auto and keep_room is not None and kept > keep_room)
 
 
 def direct_labels(

@@ -3,6 +3,7 @@ admission keeps per batch, and the item the fetch stage yields."""
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -223,6 +224,17 @@ class KeepingDecoder:
     @property
     def fill_value(self) -> Any:
         return self._inner.fill_value
+
+    def most_aside_bytes(self, threads: int) -> int:
+        """The most :attr:`aside_bytes` grows to over ``threads`` decode threads: per thread, a
+        buffer per object shape — each kept tile's extent, at a whole chunk's samples and at
+        an edge chunk's (what the build's memory check counts beside the inner decoder's
+        scratch; before 2026-12-07 it counted neither shape)."""
+        geom = self._inner.geometry
+        lengths = {geom.samples_per_chunk, geom.n_samples % geom.samples_per_chunk} - {0}
+        extents = {extent for extent, _ in self._kept.values()}
+        per_thread = sum(n * math.prod(e) for n in lengths for e in extents)
+        return threads * per_thread * geom.dtype.itemsize
 
     def decode_trusted(
         self, raw: Any, out: np.ndarray, chunk_index: int, tile: tuple[int, ...]

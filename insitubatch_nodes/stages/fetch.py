@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
@@ -72,8 +72,10 @@ from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, ret
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.plan.memory_floor import (
     decode_scratch_bytes,
+    held_memory,
     refuse_beyond_memory,
-    refuse_budget_beyond_memory,
+    slot_room,
+    spare_bytes,
 )
 from insitubatch_nodes.stages._admit import (
     Admission,
@@ -195,45 +197,48 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         steps = context.plan.manifest.steps  # listed at build: an absent object is gone since
         listed = steps is not None and steps.absent is not None
         missing_raises = not _zarr_compat.reads_missing_chunks()  # as zarr would read them
+        layouts = {path: self._layout(path) for path in self.slot_geoms}
+        arrays = {
+            path: ArrayFill(
+                g,
+                self._decoders[path],
+                units=path in self.patched,
+                held=context.held.get(path),
+                routed=routed,
+                listed=listed,
+                missing_raises=missing_raises,
+            )
+            for path, g in self.geoms.items()
+        }
+        # the memory rule's parts beside the pool (plan/memory_floor.py), slots in RAM only
+        in_ram = self.pool.slots_in_ram
+        in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
+        scratch = self._most_scratch(layouts, arrays)
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
             slot_geoms=self.slot_geoms,
-            layouts={path: self._layout(path) for path in self.slot_geoms},
-            arrays={
-                path: ArrayFill(
-                    g,
-                    self._decoders[path],
-                    units=path in self.patched,
-                    held=context.held.get(path),
-                    routed=routed,
-                    listed=listed,
-                    missing_raises=missing_raises,
-                )
-                for path, g in self.geoms.items()
-            },
+            layouts=layouts,
+            arrays=arrays,
             transforms=self.transforms,
             buffers=context.buffers,
             direct=options.direct,
             recorder=self.recorder,
             held=context.held,
+            # (an automatic budget keeps a split whole only where the rule passes)
+            keep_room=slot_room(in_flight, scratch) if in_ram and self.pool.auto else None,
         )
         self._history = FetchHistory(self.geoms)
         first = context.plan.epoch_plan(0)  # (drawn once: the floor and the memory checks)
         self._first_floor = epoch_floor(self._setup, first)[0]
-        # the memory checks: before this node holds anything, so nothing to tear down
-        in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
-        in_ram = self.pool.cache is None and self.pool.backing.name == "ram"  # (else: files)
-        if self.pool.auto and in_ram:
-            refuse_beyond_memory(self._first_floor, in_flight, context.plan.block_chunks)
-        elif in_ram:
-            # (arrays whose objects all decode in place take no scratch)
-            slots, decoders = self.slot_geoms, self._decoders
-            aside = {p: g for p, g in self.geoms.items()
-                     if not decoders[p].decodes_in_place(g, slots.get(p, g))}  # fmt: skip
-            scratch = decode_scratch_bytes(aside, len(self._decode_pool.threads))
-            budget = self.pool.budget_bytes
-            refuse_budget_beyond_memory(budget, first, self.slot_geoms, in_flight, scratch)
+        # the memory check: before this node holds anything, so nothing to tear down
+        # (the automatic budget as the first epoch grows it, an explicit one as given)
+        budget = self._first_floor if self.pool.auto else self.pool.budget_bytes
+        #: what the build's memory check counts this pipeline to hold at most (plan/memory_floor)
+        self.counted = held_memory(budget, first, self.slot_geoms, in_flight, scratch)
+        if in_ram:
+            refuse_beyond_memory(self.counted, explicit=not self.pool.auto,
+                                 block_chunks=context.plan.block_chunks)  # fmt: skip
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
@@ -246,6 +251,30 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         context.join(self)
         self._prepare_pool()
         claim(self, source)
+
+    def _most_scratch(
+        self, layouts: Mapping[str, SlotLayout], arrays: Mapping[str, ArrayFill]
+    ) -> int:
+        """The decode scratch the memory check counts (:attr:`scratch_bytes` at most): a stored
+        object per decode thread for each array whose objects may be decoded aside (not those
+        that all decode in place), the buffers a selection's objects are decoded into whole
+        (per thread and object shape), and the idle chunks of the stored layout that the
+        chunks of a reshaping transform are decoded into."""
+        threads = len(self._decode_pool.threads)
+        aside = {
+            p: g
+            for p, g in self.geoms.items()
+            if not self._decoders[p].decodes_in_place(
+                g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major
+            )
+        }
+        keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
+        reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
+        return (
+            decode_scratch_bytes(aside, threads)
+            + sum(d.most_aside_bytes(threads) for d in keeping)
+            + spare_bytes(reshaped, self._runner.spares.max_idle)
+        )
 
     def _layout(self, path: str) -> SlotLayout:
         """How this node requests the slots of ``path``. Arrays stored one level per object
