@@ -59,7 +59,12 @@ from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
-from insitubatch_nodes.lightning_epochs import EpochLengthSync, follow_ended_epoch, resumed_at
+from insitubatch_nodes.lightning_epochs import (
+    EpochLengthSync,
+    ends_epoch_on_restart,
+    follow_ended_epoch,
+    resumed_at,
+)
 from insitubatch_nodes.lightning_splits import per_split, too_few_for_ranks
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
@@ -584,6 +589,8 @@ class InSituDataModule(pl.LightningDataModule):
             self._attach(InSituReportCallback)
         self._attach(EpochLengthSync)
         dataset = self._build("train")
+        if ends_epoch_on_restart(self.trainer):  # (limit_train_batches: a mid-epoch state)
+            dataset.end_loaded_epoch()
         if self._pending_train_state is not None:
             dataset.load_state_dict(self._pending_train_state)
             self._pending_train_state = None

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -112,6 +112,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         #: pipeline's own advice (``set_epoch``) by whoever drives the dataset otherwise (a
         #: data module's trainer); ``{epoch}`` is the state's epoch. ``None``: the pipeline's.
         self.without_state: str | None = None
+        self._loaded_epoch_over = False  # (end_loaded_epoch, until the next iter())
 
     def __len__(self) -> int:
         """Batches in the epoch the next ``iter()`` continues or starts: the same every epoch,
@@ -179,6 +180,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError(_WORKERS_REFUSED)
         self._iterated = True
+        self._loaded_epoch_over = False
         self._drop_overtaken_state()
         pending = self._pending
         if pending is not None and self._ended_epoch() is not None:
@@ -224,15 +226,41 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         epoch begins or ends batches the next epoch by this pipeline's): a
         :class:`~insitubatch_nodes.errors.StateMismatchError` says how to go on without the
         state as :attr:`without_state` does, when set. A different world size is not refused:
-        the epoch resumes elastically (see ``ReadPlanNode``).
+        the epoch resumes elastically (see ``ReadPlanNode``). After :meth:`end_loaded_epoch`,
+        a state refused only for being mid-epoch starts the next epoch instead.
         """
+        plan = plan_state(state)
         try:
-            self.plan.check_state(plan_state(state))
+            self.plan.check_state(plan)
         except StateMismatchError as refused:
+            if self._loaded_epoch_over and self._fits_where_its_epoch_ends(plan):
+                self._pend_start(int(plan["epoch"]) + 1)
+                return
             if self.without_state is None:
                 raise
             raise refused.told(self.without_state.format(epoch=refused.epoch)) from None
         self._pending = state
+
+    def end_loaded_epoch(self) -> None:
+        """Take a state loaded before the next ``iter()`` as where its epoch ended: its
+        consumer counts that epoch as over there (a trainer that restarts after the last batch
+        ``limit_train_batches`` let it train, short of the pipeline's epoch). Such a state,
+        taken mid-epoch under another batch size, seed or views (which
+        :meth:`load_state_dict` refuses mid-epoch only), then starts the next epoch, as one
+        taken where that epoch ends would; one that fits resumes as loaded (and is dropped
+        where ``epoch_fn`` moves past its epoch)."""
+        self._loaded_epoch_over = True
+
+    def _fits_where_its_epoch_ends(self, plan: Mapping[str, Any]) -> bool:
+        """Whether the read-plan state ``plan`` would restore here had it been taken where its
+        epoch ends (the start of the next: same dataset and split, any batching)."""
+        ended = {k: v for k, v in plan.items() if k != "resumed"}
+        ended.update(epoch=int(plan["epoch"]) + 1, batches_emitted=0)
+        try:
+            self.plan.check_state(ended)
+        except StateMismatchError:
+            return False
+        return True
 
     def close(self) -> None:
         """Close the pipeline: every stage of its graph lets go of what it holds."""
