@@ -65,7 +65,7 @@ from insitubatch_nodes.lightning_epochs import (
     follow_ended_epoch,
     resumed_at,
 )
-from insitubatch_nodes.lightning_splits import per_split, too_few_for_ranks
+from insitubatch_nodes.lightning_splits import per_split, read_by, too_few_for_ranks
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
@@ -645,8 +645,16 @@ class InSituDataModule(pl.LightningDataModule):
             self._pending_train_state = state
 
     def teardown(self, stage: str | None = None) -> None:
-        for dataset in self._loaders.values():
-            dataset.close()
+        """Close the loaders the Trainer call ``stage`` read (``"fit"``: training's and
+        validation's; ``"validate"``: validation's; ``"test"``, ``"predict"``: the test
+        split's), so that one call's end leaves another's loader running (a validate or test
+        teardown amid a fit cleared the training pipeline's pool: its chunks were read
+        again); ``None``: every loader. A closed loader is kept: asked for again by the same
+        trainer, it resumes where it was (see ``InSituPipeline.close``)."""
+        for split in read_by(stage):
+            dataset = self._loaders.get(split)
+            if dataset is not None:
+                dataset.close()
 
 
 def _first_epoch() -> int:

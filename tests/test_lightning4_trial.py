@@ -32,6 +32,12 @@ Found:
    batch (``lightning_epochs.ends_epoch_on_restart``), and the dataset takes a state it
    would refuse only for being mid-epoch as where its epoch ended
    (``InSituIterableDataset.end_loaded_epoch``): the next epoch starts whole, exactly.
+3. (fixed) ``teardown(stage)`` closed every loader, whatever the stage: a validate, test or
+   predict teardown amid a fit (``dm.teardown("validate")`` from a callback) closed the
+   training pipeline, whose pool was cleared, so its epoch read 23 chunks where 12 were
+   needed. Now each stage closes the loaders that Trainer call read
+   (``lightning_splits.read_by``: fit: train and val; validate: val; test and predict: test);
+   ``None`` closes every loader, as before.
 
 Tried and found right: ...
 """
@@ -254,3 +260,75 @@ def test_a_checkpoint_on_the_last_batch_limit_train_batches_lets_a_curriculum_ep
         )  # fmt: skip
         assert got.steps == want.steps[step:], ckpt
         assert torch.equal(got.w, want.w), ckpt
+
+
+# -- 3. teardown(stage) closes what that Trainer call read ---------------------------------------
+
+
+def _counted_dm(root: Path) -> tuple[Any, Any]:
+    """``(counting store, data module over it)``: train, val and test splits of 36, 24 and 24
+    anchors, batches of 8."""
+    from insitubatch_nodes.lightning import InSituDataModule
+    from tests.helpers import counting_store
+
+    counted = counting_store(root)
+    g = open_geometries(counted, ["t2m"])["t2m"]
+    dm = InSituDataModule(
+        counted, {"x": g, "y": g.shift(1)}, (0.5, 0.25, 0.25), transform=_item,
+        config=PlanConfig(batch_size=8, block_chunks=2, seed=3), log_report=False,
+    )  # fmt: skip
+    return counted, dm
+
+
+def test_a_validate_or_test_teardown_during_a_fit_leaves_the_training_pipeline_alone(
+    store: Path, tmp_path: Path
+) -> None:
+    """``dm.teardown("validate")``, ``("test")`` and ``("predict")`` (what those Trainer calls
+    end with) in the middle of a fit's epoch: the training pipeline goes on with its thread and
+    pool, reading each chunk of the epoch once, as the fit without them (before: teardown
+    closed every loader, the training pipeline's pool was cleared, and the epoch read 23 chunks
+    where 12 were needed); the fit's own ``teardown("fit")`` closes it."""
+    import lightning as L
+
+    class Evaluated(L.Callback):  # type: ignore[misc]
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 2:
+                for stage in ("validate", "test", "predict"):
+                    trainer.datamodule.teardown(stage)
+
+    plain, fitted = _counted_dm(store), _counted_dm(store)
+    _, want = _fit(tmp_path, plain[1], max_epochs=1)
+    _, got = _fit(tmp_path, fitted[1], max_epochs=1, callbacks=[Evaluated()])
+    assert got.steps == want.steps
+    assert fitted[0].chunk_gets == plain[0].chunk_gets == 12
+    assert not fitted[1]._loaders["train"].pipeline.threads  # closed by Lightning's teardown
+
+
+def test_teardown_closes_the_loaders_of_its_stage_and_none_closes_every_loader(
+    store: Path,
+) -> None:
+    """``teardown("test")`` closes the test loader (``"predict"`` reads the same),
+    ``teardown("validate")`` validation's, ``teardown("fit")`` training's and validation's,
+    ``teardown()`` every loader; a closed loader resumes where it was, and none leaves a
+    thread behind."""
+    _, dm = _counted_dm(store)
+    loaders = {"train": dm.train_dataloader(), "val": dm.val_dataloader()}
+    loaders["test"] = dm.test_dataloader()
+    closed: list[str] = []
+    for split, loader in loaders.items():
+        close = loader.close
+        loader.close = lambda split=split, close=close: (closed.append(split), close())[1]  # type: ignore[method-assign]
+    running = {split: iter(loader) for split, loader in loaders.items()}
+    seen = {split: [next(it)["at"][1]] for split, it in running.items()}
+    for stage, want in [
+        ("test", ["test"]), ("validate", ["val"]), ("predict", ["test"]),
+        ("fit", ["train", "val"]), (None, ["train", "val", "test"]),
+    ]:  # fmt: skip
+        closed.clear()
+        dm.teardown(stage)
+        assert closed == want, stage
+    for split, it in running.items():  # each closed loader resumed at its next batch
+        seen[split] += [batch["at"][1] for batch in it]
+        assert seen[split] == list(range(len(loaders[split]))), split
+    dm.teardown()
+    assert not any(ds.pipeline.threads for ds in loaders.values())
