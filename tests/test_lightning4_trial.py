@@ -94,6 +94,12 @@ def _model() -> Any:
             self.steps.append((self.current_epoch, batch_idx, tuple(at), tuple(rows)))
             return ((self.w * x.float().mean() - 1.0) ** 2).sum()
 
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("v", batch["x"].float().mean())
+
+        def test_step(self, batch: Any, batch_idx: int) -> None:
+            self.log("t", batch["x"].float().mean())
+
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
@@ -305,19 +311,25 @@ def test_a_validate_or_test_teardown_during_a_fit_leaves_the_training_pipeline_a
 
 
 def test_teardown_closes_the_loaders_of_its_stage_and_none_closes_every_loader(
-    store: Path,
+    store: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``teardown("test")`` closes the test loader (``"predict"`` reads the same),
     ``teardown("validate")`` validation's, ``teardown("fit")`` training's and validation's,
     ``teardown()`` every loader; a closed loader resumes where it was, and none leaves a
-    thread behind."""
+    thread behind. The Trainer's own calls after a fit close their split's loader only."""
+    from insitubatch_nodes.torch_data import InSituIterableDataset
+
+    closed: list[str] = []
+    close = InSituIterableDataset.close
+
+    def spied(self: InSituIterableDataset) -> None:
+        closed.append(self.plan.split)
+        close(self)
+
+    monkeypatch.setattr(InSituIterableDataset, "close", spied)
     _, dm = _counted_dm(store)
     loaders = {"train": dm.train_dataloader(), "val": dm.val_dataloader()}
     loaders["test"] = dm.test_dataloader()
-    closed: list[str] = []
-    for split, loader in loaders.items():
-        close = loader.close
-        loader.close = lambda split=split, close=close: (closed.append(split), close())[1]  # type: ignore[method-assign]
     running = {split: iter(loader) for split, loader in loaders.items()}
     seen = {split: [next(it)["at"][1]] for split, it in running.items()}
     for stage, want in [
@@ -332,3 +344,10 @@ def test_teardown_closes_the_loaders_of_its_stage_and_none_closes_every_loader(
         assert seen[split] == list(range(len(loaders[split]))), split
     dm.teardown()
     assert not any(ds.pipeline.threads for ds in loaders.values())
+    trainer, model = _fit(tmp_path, dm, max_epochs=1, limit_val_batches=1.0)
+    for call, split, logged in ((trainer.validate, "val", "v"), (trainer.test, "test", "t")):
+        closed.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            assert logged in call(model, datamodule=dm, verbose=False)[0]
+        assert set(closed) == {split}, (call, closed)
