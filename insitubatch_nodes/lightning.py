@@ -61,9 +61,9 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
 from insitubatch_nodes.lightning_epochs import (
     EpochLengthSync,
-    ends_epoch_on_restart,
     follow_ended_epoch,
     resumed_at,
+    trained_its_last_batch,
 )
 from insitubatch_nodes.lightning_splits import per_split, read_by, too_few_for_ranks
 from insitubatch_nodes.options import CacheOptions, FetchOptions
@@ -556,12 +556,16 @@ class InSituDataModule(pl.LightningDataModule):
         """Whether the training loader's next epoch differs from what the trainer was told
         (asked by :class:`~insitubatch_nodes.lightning_epochs.EpochLengthSync` where an epoch
         ends, and by :meth:`set_views` and the batch size): another length, or a pipeline to
-        build afresh (another batch size). A resumed epoch is over by then."""
+        build afresh (another batch size). A resumed epoch is over by then; one whose loaded
+        state ended it (a checkpoint of the validation on its last batch, whose end hooks
+        Lightning runs again) is compared by the next epoch's length, not its own."""
         self._resume_check = None  # the resumed epoch is over: its state was consumed
         train = self._loaders.get("train")
         if train is None or train.told_len is None:
             return False
-        return train.next_len() != train.told_len or self._train_key != self._key()
+        ended = train.ended_epoch_lens()  # (the trainer still in the ended epoch: its batches)
+        nxt = train.next_len() if ended is None else ended[1]
+        return nxt != train.told_len or self._train_key != self._key()
 
     # -- loaders ------------------------------------------------------------------------------
     def train_report(self) -> EpochReport | None:
@@ -589,9 +593,9 @@ class InSituDataModule(pl.LightningDataModule):
             self._attach(InSituReportCallback)
         self._attach(EpochLengthSync)
         dataset = self._build("train")
-        if ends_epoch_on_restart(self.trainer):  # (limit_train_batches: a mid-epoch state)
-            dataset.end_loaded_epoch()
         if self._pending_train_state is not None:
+            if trained_its_last_batch(self.trainer):  # (limit_train_batches: a mid-epoch state)
+                dataset.end_loaded_epoch()  # (and Lightning's copy of it, loaded next)
             dataset.load_state_dict(self._pending_train_state)
             self._pending_train_state = None
         self._reload_after_an_ended_epoch(dataset)

@@ -23,6 +23,7 @@ __all__ = [
     "finish_ended_epoch",
     "follow_ended_epoch",
     "resumed_at",
+    "trained_its_last_batch",
 ]
 
 _RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
@@ -81,6 +82,22 @@ def ends_epoch_on_restart(trainer: Any) -> bool:
         return False
     current = progress.current
     return bool(progress.is_last_batch) and current.completed == current.processed - 1
+
+
+def trained_its_last_batch(trainer: Any) -> bool:
+    """Whether the trainer's count of its epoch says it trained the batch it flagged
+    ``is_last_batch`` (the epoch's, or the last ``limit_train_batches`` lets it train). Asked
+    where a checkpoint's loader state is loaded, before Lightning moves on: the checkpoint was
+    saved at that batch's end (:func:`ends_epoch_on_restart`), at the validation after it, or
+    where the epoch ended, and Lightning trains no more batch of that epoch (it starts the
+    next, or runs the ended epoch's end hooks first). The loader state, mid-epoch where the
+    limit cut the epoch short, then holds nothing Lightning trains."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(loop, "batch_progress", None)
+    if progress is None:
+        return False
+    current = progress.current
+    return bool(progress.is_last_batch) and current.ready > 0 and current.processed == current.ready
 
 
 def finish_ended_epoch(trainer: Any, nxt: int) -> bool:

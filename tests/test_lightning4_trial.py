@@ -39,7 +39,25 @@ Found:
    (``lightning_splits.read_by``: fit: train and val; validate: val; test and predict: test);
    ``None`` closes every loader, as before.
 
-Tried and found right: ...
+4. (fixed; on main too) ``val_check_interval=0.5`` with a batch size that changes: the
+   checkpoint ``ModelCheckpoint()`` saves at the validation after an epoch's last batch,
+   which Lightning resumes by running that epoch's end hooks again, resumed into a longer
+   next epoch (3 -> 4 batches): Lightning was told 3 for it and trained 3 of its 4. Where the
+   hooks asked whether the next epoch differs, the data module compared the ended epoch's
+   length (what its loaded state reports while the trainer is in that epoch) with the length
+   told, not the next epoch's; it now compares the next one's (``ended_epoch_lens``).
+
+Tried and found right (probes not kept, all of 9 to 18 checkpoints each resumed, the training
+steps and weights equal to the fit never stopped): ``limit_train_batches=2`` at a constant
+batch size and with the curriculum, with checkpoints on every step, at each epoch's end and at
+each validation's end; ``val_check_interval=0.5`` at a constant batch size and with the
+curriculum; ``accumulate_grad_batches=2`` with the curriculum (every optimizer step's
+checkpoint and the epoch ends); ``reload_dataloaders_every_n_epochs=1`` with the curriculum.
+Not ours, seen there: with the curriculum, validation batches at training's batch size of
+when Lightning loads the validation loader (once per fit), so a resumed fit validates the same
+samples in other batches (``eval_batch_size`` set: the same batches; documented); and a
+checkpoint saved on a batch's end precedes the validation that follows that batch, which the
+resumed fit does not run (a plain ``DataLoader`` too).
 """
 
 from __future__ import annotations
@@ -236,30 +254,35 @@ def test_a_checkpoint_on_the_last_batch_limit_train_batches_lets_a_curriculum_ep
     store: Path, tmp_path: Path
 ) -> None:
     """``limit_train_batches=2`` and batch sizes 24 -> 18 -> 20: the checkpoints saved on the
-    last batch each epoch trains (steps 2 and 4; their loader states are mid-epoch, at the
-    old batch size), resumed into a data module of the next epoch's batch size, train the
-    uninterrupted fit's steps, the weights bit for bit (before: ``StateMismatchError``,
-    "its batch_size differs (saved 24, this pipeline 18)", though Lightning resumes at the next
-    epoch's first batch and no batch of the saved epoch is left to train)."""
+    last batch each epoch trains (steps 2 and 4) and where epoch 0 ended (their loader states
+    are mid-epoch, at the old batch size), resumed into a data module of the next epoch's
+    batch size, train the uninterrupted fit's steps, the weights bit for bit (before:
+    ``StateMismatchError``, "its batch_size differs (saved 24, this pipeline 18)", though
+    Lightning trains no more batch of the saved epoch); so do those of the fit resumed from
+    step 2, mid-epoch 1 and on its last batch."""
     from lightning.pytorch.callbacks import ModelCheckpoint
 
+    def savers(into: Path) -> list[Any]:
+        return [
+            ModelCheckpoint(dirpath=into, every_n_train_steps=1, save_top_k=-1, filename="{step}"),
+            ModelCheckpoint(
+                dirpath=into, save_on_train_epoch_end=True, save_top_k=-1, filename="end-{step}"
+            ),
+        ]
+
     limited: dict[str, Any] = {"max_epochs": EPOCHS, "limit_train_batches": 2}
-    saver = ModelCheckpoint(
-        dirpath=tmp_path, every_n_train_steps=1, save_top_k=-1, filename="{step}"
-    )
     _, want = _fit(
-        tmp_path, _dm(store, SIZES[0]), callbacks=[_curriculum(), saver],
+        tmp_path, _dm(store, SIZES[0]), callbacks=[_curriculum(), *savers(tmp_path)],
         enable_checkpointing=True, **limited,
     )  # fmt: skip
     assert _per_epoch(want.steps) == [2, 2, 2, 0]
     assert [len(s[3]) for s in want.steps] == [24, 24, 18, 18, 20, 20]
     again = tmp_path / "again"  # the checkpoints of the fit resumed from step 2
-    for ckpt, step, epoch in (
-        (tmp_path / "step=2.ckpt", 2, 1), (tmp_path / "step=4.ckpt", 4, 2),
-        (again / "step=3.ckpt", 3, 1), (again / "step=4.ckpt", 4, 2),
+    for ckpt, step, epoch, saving in (
+        (tmp_path / "step=2.ckpt", 2, 1, savers(again)), (tmp_path / "step=4.ckpt", 4, 2, []),
+        (tmp_path / "end-step=2.ckpt", 2, 1, []),
+        (again / "step=3.ckpt", 3, 1, []), (again / "step=4.ckpt", 4, 2, []),
     ):  # fmt: skip
-        saving = [ModelCheckpoint(dirpath=again, every_n_train_steps=1, save_top_k=-1,
-                                  filename="{step}")] if step == 2 else []  # fmt: skip
         _, got = _fit(
             tmp_path, _dm(store, SIZES[epoch]), ckpt, callbacks=[_curriculum(), *saving],
             enable_checkpointing=bool(saving), **limited,
@@ -351,3 +374,43 @@ def test_teardown_closes_the_loaders_of_its_stage_and_none_closes_every_loader(
             warnings.simplefilter("ignore")
             assert logged in call(model, datamodule=dm, verbose=False)[0]
         assert set(closed) == {split}, (call, closed)
+
+
+# -- 4. val_check_interval < 1 with a curriculum: the checkpoint of the last batch's validation --
+
+
+def test_a_checkpoint_of_the_validation_on_an_epochs_last_batch_resumes_a_longer_next_epoch_whole(
+    store: Path, tmp_path: Path
+) -> None:
+    """``val_check_interval=0.5`` validates after an epoch's last batch inside the epoch, and
+    ``ModelCheckpoint()`` saves there; Lightning resumes such a checkpoint by running the ended
+    epoch's end hooks again. Batch sizes 24 -> 18 -> 20 (3, 4, 4 batches): resumed from the
+    checkpoint of epoch 0's last validation, epoch 1 is trained whole, told its 4 batches, the
+    weights bit for bit (before: Lightning was told epoch 0's 3 batches for epoch 1 and
+    trained 3 of its 4: the data module compared the ended epoch's length, not the next
+    one's, where the hooks asked whether the next epoch differs)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    told: list[int] = []
+
+    class Told(_curriculum().__class__):  # type: ignore[misc]
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            told.append(int(trainer.num_training_batches))
+
+    checked: dict[str, Any] = {"max_epochs": EPOCHS, "limit_val_batches": 1.0}
+    checked["val_check_interval"] = 0.5
+    saver = ModelCheckpoint(dirpath=tmp_path, save_top_k=-1, filename="{epoch}-{step}")
+    _, want = _fit(
+        tmp_path, _dm(store, SIZES[0]), callbacks=[Told(), saver], enable_checkpointing=True,
+        **checked,
+    )  # fmt: skip
+    assert _per_epoch(want.steps) == [3, 4, 4, 0]
+    assert told == [3] * 3 + [4] * 8
+    told.clear()
+    _, got = _fit(
+        tmp_path, _dm(store, SIZES[1]), tmp_path / "epoch=0-step=3.ckpt", callbacks=[Told()],
+        **checked,
+    )  # fmt: skip
+    assert got.steps == want.steps[3:]
+    assert told == [4] * 8
+    assert torch.equal(got.w, want.w)
