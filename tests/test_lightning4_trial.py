@@ -31,7 +31,9 @@ Found:
    module tells the training dataset where Lightning restarts after an epoch's last trained
    batch (``lightning_epochs.ends_epoch_on_restart``), and the dataset takes a state it
    would refuse only for being mid-epoch as where its epoch ended
-   (``InSituIterableDataset.end_loaded_epoch``): the next epoch starts whole, exactly.
+   (``InSituIterableDataset.end_loaded_epoch``): the next epoch starts whole, exactly. The
+   same for checkpoints saved where such an epoch ended, and for views that change between
+   epochs (``set_views``: "its dataset's views differ, and it was saved mid-epoch").
 3. (fixed) ``teardown(stage)`` closed every loader, whatever the stage: a validate, test or
    predict teardown amid a fit (``dm.teardown("validate")`` from a callback) closed the
    training pipeline, whose pool was cleared, so its epoch read 23 chunks where 12 were
@@ -289,6 +291,49 @@ def test_a_checkpoint_on_the_last_batch_limit_train_batches_lets_a_curriculum_ep
         )  # fmt: skip
         assert got.steps == want.steps[step:], ckpt
         assert torch.equal(got.w, want.w), ckpt
+
+
+def test_a_limited_epochs_last_checkpoints_resume_into_the_next_epochs_views(
+    store: Path, tmp_path: Path
+) -> None:
+    """The same with views that change between epochs (``dm.set_views``: ``y`` 1, 9, then 17
+    steps ahead, from ``on_train_epoch_end``) and ``limit_train_batches=3``: the checkpoints
+    on epoch 0's last trained batch and where it ended resume into a data module of epoch
+    1's views exactly (before: ``StateMismatchError``, "its dataset's views differ, and it
+    was saved mid-epoch")."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from insitubatch_nodes.lightning import InSituDataModule
+
+    g = open_geometries(str(store), ["t2m"])["t2m"]
+    views = [{"x": g, "y": g.shift(ahead)} for ahead in (1, 9, 17)]
+
+    def dm(epoch: int) -> InSituDataModule:
+        return InSituDataModule(
+            str(store), views[epoch], (0.75, 0.25, 0.0), transform=_item, log_report=False,
+            config=PlanConfig(batch_size=8, block_chunks=2, seed=3),
+        )  # fmt: skip
+
+    class Rollout(L.Callback):  # type: ignore[misc]
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            trainer.datamodule.set_views(views[min(trainer.current_epoch + 1, EPOCHS - 1)])
+
+    limited: dict[str, Any] = {"max_epochs": EPOCHS, "limit_train_batches": 3}
+    savers = [
+        ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, filename="{step}"),
+        ModelCheckpoint(dirpath=tmp_path, save_on_train_epoch_end=True, filename="end-{step}"),
+    ]
+    _, want = _fit(
+        tmp_path, dm(0), callbacks=[Rollout(), *savers], enable_checkpointing=True, max_steps=3,
+        **limited,
+    )  # fmt: skip
+    _, whole = _fit(tmp_path, dm(0), callbacks=[Rollout()], **limited)
+    assert want.steps == whole.steps[:3]
+    for name in ("step=3", "end-step=3"):
+        _, got = _fit(tmp_path, dm(1), tmp_path / f"{name}.ckpt", callbacks=[Rollout()], **limited)
+        assert got.steps == whole.steps[3:], name
+        assert torch.equal(got.w, whole.w), name
 
 
 # -- 3. teardown(stage) closes what that Trainer call read ---------------------------------------
