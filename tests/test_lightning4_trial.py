@@ -336,6 +336,46 @@ def test_a_limited_epochs_last_checkpoints_resume_into_the_next_epochs_views(
         assert torch.equal(got.w, whole.w), name
 
 
+def test_a_dataset_told_its_loaded_epoch_is_over_starts_the_next_and_still_refuses_another_split(
+    store: Path,
+) -> None:
+    """``InSituIterableDataset.end_loaded_epoch`` without Lightning: a state taken 2 batches
+    into epoch 0 (of 3) at batch size 16, loaded into a dataset of batch size 12, is refused;
+    told the loaded epoch is over, the dataset starts epoch 1 whole at 12 instead (its length
+    told before the first batch); a state of another split is still refused."""
+    from insitubatch_nodes import insitu_pipeline
+    from insitubatch_nodes.errors import StateMismatchError
+    from insitubatch_nodes.plan.splits import split_by_chunk
+    from insitubatch_nodes.torch_data import as_dataset
+
+    g = open_geometries(str(store), ["t2m"])["t2m"]
+    views = {"x": g, "y": g.shift(1)}
+    manifest = split_by_chunk(g.base, (0.5, 0.25, 0.25))
+
+    def dataset(batch_size: int, split: str = "train") -> Any:
+        config = PlanConfig(batch_size=batch_size, block_chunks=2, seed=3, split=split)
+        return as_dataset(insitu_pipeline(str(store), manifest, views, config=config), _item)
+
+    old = dataset(16)
+    it = iter(old)
+    next(it), next(it)
+    state = old.state_dict()
+    old.close()
+    fresh = dataset(12)
+    with pytest.raises(StateMismatchError, match="batch_size differs"):
+        fresh.load_state_dict(state)
+    fresh.end_loaded_epoch()
+    fresh.load_state_dict(state)
+    assert len(fresh) == 4
+    assert [b["at"] for b in fresh] == [(1, i) for i in range(4)]
+    other = dataset(12, "val")
+    other.end_loaded_epoch()
+    with pytest.raises(ValueError, match="split"):
+        other.load_state_dict(state)
+    for ds in (fresh, other):
+        ds.close()
+
+
 # -- 3. teardown(stage) closes what that Trainer call read ---------------------------------------
 
 
