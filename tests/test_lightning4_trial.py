@@ -33,7 +33,11 @@ Found:
    would refuse only for being mid-epoch as where its epoch ended
    (``InSituIterableDataset.end_loaded_epoch``): the next epoch starts whole, exactly. The
    same for checkpoints saved where such an epoch ended, and for views that change between
-   epochs (``set_views``: "its dataset's views differ, and it was saved mid-epoch").
+   epochs (``set_views``: "its dataset's views differ, and it was saved mid-epoch"). Where
+   the next epoch's limit lets it train more batches than the cut one (``limit_train_batches
+   =0.5``: 1, then 2), Lightning took the cut epoch's count for the next epoch's first
+   batches (trained 1 of 2) until the data module had it count the cut epoch as over up to
+   the length the loader tells (``finish_ended_epoch`` with the next epoch's length).
 3. (fixed) ``teardown(stage)`` closed every loader, whatever the stage: a validate, test or
    predict teardown amid a fit (``dm.teardown("validate")`` from a callback) closed the
    training pipeline, whose pool was cleared, so its epoch read 23 chunks where 12 were
@@ -291,6 +295,29 @@ def test_a_checkpoint_on_the_last_batch_limit_train_batches_lets_a_curriculum_ep
         )  # fmt: skip
         assert got.steps == want.steps[step:], ckpt
         assert torch.equal(got.w, want.w), ckpt
+
+
+def test_a_limited_epochs_last_batch_resumes_a_next_epoch_the_limit_lets_train_longer(
+    store: Path, tmp_path: Path
+) -> None:
+    """``limit_train_batches=0.5`` and batch sizes 24 -> 18 -> 20 (1, 2, 2 batches trained):
+    the checkpoint on epoch 0's only trained batch resumes epoch 1 from its first batch, both
+    its batches trained (before the fix above: refused; with only the refusal lifted, Lightning
+    counted the cut epoch's 1 batch as epoch 1's first and trained 1 of its 2)."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    limited: dict[str, Any] = {"max_epochs": EPOCHS, "limit_train_batches": 0.5}
+    saver = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=1, filename="{step}")
+    _, want = _fit(
+        tmp_path, _dm(store, SIZES[0]), callbacks=[_curriculum(), saver], max_steps=1,
+        enable_checkpointing=True, **limited,
+    )  # fmt: skip
+    _, whole = _fit(tmp_path, _dm(store, SIZES[0]), callbacks=[_curriculum()], **limited)
+    assert _per_epoch(whole.steps) == [1, 2, 2, 0] and want.steps == whole.steps[:1]
+    ckpt = tmp_path / "step=1.ckpt"
+    _, got = _fit(tmp_path, _dm(store, SIZES[1]), ckpt, callbacks=[_curriculum()], **limited)
+    assert got.steps == whole.steps[1:]
+    assert torch.equal(got.w, whole.w)
 
 
 def test_a_limited_epochs_last_checkpoints_resume_into_the_next_epochs_views(
