@@ -593,29 +593,19 @@ class InSituDataModule(pl.LightningDataModule):
             self._attach(InSituReportCallback)
         self._attach(EpochLengthSync)
         dataset = self._build("train")
-        cut = False  # (a state of an epoch limit_train_batches cut short, which Lightning ended)
         if self._pending_train_state is not None:
-            cut = trained_its_last_batch(self.trainer)
-            if cut:
+            if trained_its_last_batch(self.trainer):  # (limit_train_batches: a mid-epoch state)
                 dataset.end_loaded_epoch()  # (and Lightning's copy of the state, loaded next)
             dataset.load_state_dict(self._pending_train_state)
             self._pending_train_state = None
-        self._reload_after_an_ended_epoch(dataset, cut)
+        self._reload_after_an_ended_epoch(dataset)
         return dataset
 
-    def _reload_after_an_ended_epoch(self, dataset: InSituIterableDataset, cut: bool) -> None:
+    def _reload_after_an_ended_epoch(self, dataset: InSituIterableDataset) -> None:
         """A state loaded where the trainer's epoch ended: have the trainer reload the loader
         before the next epoch where it differs, Lightning counting the ended one as over
-        (:func:`~insitubatch_nodes.lightning_epochs.follow_ended_epoch`). A state the trainer
-        ``cut`` short of its epoch's end (``limit_train_batches``) is mid-epoch for the loader,
-        which tells the length of the epoch the trainer goes on with: Lightning counts the cut
-        epoch as over up to that length (before, up to the cut epoch's batches only: where the
-        next epoch's limit let it train more, it went on at the cut epoch's count)."""
-        lens = dataset.ended_epoch_lens()
-        if lens is None and cut:
-            told = dataset.next_len()
-            lens = (told, told)
-        if follow_ended_epoch(self.trainer, lens):
+        (:func:`~insitubatch_nodes.lightning_epochs.follow_ended_epoch`)."""
+        if follow_ended_epoch(self.trainer, dataset.ended_epoch_lens()):
             self._resume_check = None  # (the epoch ended: no batch of it is resumed)
 
     def val_dataloader(self) -> InSituIterableDataset:

@@ -37,7 +37,12 @@ Found:
    the next epoch's limit lets it train more batches than the cut one (``limit_train_batches
    =0.5``: 1, then 2), Lightning took the cut epoch's count for the next epoch's first
    batches (trained 1 of 2) until the data module had it count the cut epoch as over up to
-   the length the loader tells (``finish_ended_epoch`` with the next epoch's length).
+   the length the loader tells (``finish_ended_epoch`` with the next epoch's length). And
+   a ``max_steps`` stop on such a batch, resumed with ``max_steps`` (Lightning's empty
+   restart of finding 1, which fetches one batch): the loader delivered the cut epoch's next
+   batch, which the limit never lets train, and Lightning trained it (on main), or with a
+   curriculum the next epoch's first, trained twice; such a state now behaves as one taken
+   where its epoch ends (nothing more of that epoch is delivered).
 3. (fixed) ``teardown(stage)`` closed every loader, whatever the stage: a validate, test or
    predict teardown amid a fit (``dm.teardown("validate")`` from a callback) closed the
    training pipeline, whose pool was cleared, so its epoch read 23 chunks where 12 were
@@ -317,6 +322,24 @@ def test_a_limited_epochs_last_batch_resumes_a_next_epoch_the_limit_lets_train_l
     ckpt = tmp_path / "step=1.ckpt"
     _, got = _fit(tmp_path, _dm(store, SIZES[1]), ckpt, callbacks=[_curriculum()], **limited)
     assert got.steps == whole.steps[1:]
+    assert torch.equal(got.w, whole.w)
+
+
+def test_a_max_steps_stop_on_a_limited_epochs_last_batch_resumes_without_a_stray_batch(
+    store: Path, tmp_path: Path
+) -> None:
+    """``limit_train_batches=2``, stopped by ``max_steps=2`` on epoch 0's last trained batch,
+    saved after ``fit``, resumed with ``max_steps=6``: Lightning's empty restart of the ended
+    epoch (finding 1) fetches a batch, and the loader delivers none there; the batches are
+    the uninterrupted run's, one trainer epoch later, the weights bit for bit (before: it
+    delivered epoch 0's third batch, which the limit never lets train, and Lightning trained
+    it)."""
+    limited: dict[str, Any] = {"limit_train_batches": 2}
+    _, whole = _fit(tmp_path, _dm(store), max_steps=6, **limited)
+    stopped, first = _fit(tmp_path, _dm(store), max_steps=2, **limited)
+    stopped.save_checkpoint(tmp_path / "stop.ckpt")
+    _, got = _fit(tmp_path, _dm(store), tmp_path / "stop.ckpt", max_steps=6, **limited)
+    assert [s[1:] for s in first.steps + got.steps] == [s[1:] for s in whole.steps]
     assert torch.equal(got.w, whole.w)
 
 
