@@ -448,6 +448,15 @@ class InSituDataModule(pl.LightningDataModule):
         between its trials, builds the pipeline afresh)."""
         return (id(self.trainer), *self._rank_world(), self.plan_config)
 
+    @property
+    def train_epoch(self) -> int:
+        """The epoch of the training data (``batch.epoch``, its permutation): the trainer's
+        ``current_epoch``, less the one Lightning spends where it resumes a run ``max_steps``
+        stopped (docs/training.md). Key a per-epoch schedule of the data (``dm.batch_size``,
+        :meth:`set_views`) on it: keyed on ``current_epoch``, epochs after such a resume take
+        the settings of the epoch after them. ``0`` before a trainer is attached."""
+        return 0 if self.trainer is None else self._train_epoch(self.trainer)
+
     def _train_epoch(self, trainer: Any) -> int:
         """The epoch the training plan draws for ``trainer.current_epoch``: the same, except
         after Lightning resumed a run stopped by ``max_steps`` (it counts the stopped epoch as

@@ -58,12 +58,23 @@ Found:
    length (what its loaded state reports while the trainer is in that epoch) with the length
    told, not the next epoch's; it now compares the next one's (``ended_epoch_lens``).
 
+5. (added) A curriculum keyed on ``trainer.current_epoch`` gives each epoch after a
+   ``max_steps`` resume the next one's batch size (the data runs an epoch behind Lightning's
+   number there, by design); ``dm.train_epoch`` now says the data's epoch, and a curriculum
+   keyed on it resumes exactly (documented).
+
 Tried and found right (probes not kept, all of 9 to 18 checkpoints each resumed, the training
 steps and weights equal to the fit never stopped): ``limit_train_batches=2`` at a constant
 batch size and with the curriculum, with checkpoints on every step, at each epoch's end and at
 each validation's end; ``val_check_interval=0.5`` at a constant batch size and with the
 curriculum; ``accumulate_grad_batches=2`` with the curriculum (every optimizer step's
-checkpoint and the epoch ends); ``reload_dataloaders_every_n_epochs=1`` with the curriculum.
+checkpoint and the epoch ends), also with ``limit_train_batches=3``;
+``reload_dataloaders_every_n_epochs=1`` with the curriculum, also with ``limit_train_batches=2``;
+``limit_train_batches=0.5`` with the curriculum; ``val_check_interval=2`` with
+``check_val_every_n_epoch=None`` and the curriculum; views that change (``set_views``) with and
+without ``limit_train_batches``; runs stopped by ``max_steps`` at every step of 24 (3-4 batches
+an epoch, constant and curriculum batch sizes, with and without ``limit_train_batches=2``),
+saved after ``fit`` and resumed with ``max_steps`` (the curriculum keyed on ``dm.train_epoch``).
 Not ours, seen there: with the curriculum, validation batches at training's batch size of
 when Lightning loads the validation loader (once per fit), so a resumed fit validates the same
 samples in other batches (``eval_batch_size`` set: the same batches; documented); and a
@@ -244,6 +255,40 @@ def test_a_max_steps_stop_on_an_epochs_last_batch_resumes_exactly_by_the_documen
         _, resumed = _fit(work, _dm(store), ckpt, **more)
         assert first.steps + resumed.steps == reference.steps, stop
         assert torch.equal(resumed.w, reference.w), stop
+
+
+def test_a_curriculum_keyed_on_the_data_modules_train_epoch_survives_a_max_steps_resume(
+    store: Path, tmp_path: Path
+) -> None:
+    """Batch sizes 24 -> 18 -> 20 set from ``on_train_epoch_end`` for the epoch after
+    ``dm.train_epoch``; stopped by ``max_steps`` mid-epoch 0 and resumed with ``max_steps``
+    (Lightning goes on under epoch number 1): the batches and weights are the uninterrupted
+    run's. Keyed on ``trainer.current_epoch`` instead, epoch 1's batches come at epoch 2's
+    batch size."""
+    import lightning as L
+
+    sizes = (24, 18, 20)
+
+    class Curriculum(L.Callback):  # type: ignore[misc]
+        def __init__(self, key: str) -> None:
+            self.key = key
+
+        def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+            dm = trainer.datamodule
+            epoch = dm.train_epoch if self.key == "data" else trainer.current_epoch
+            dm.batch_size = sizes[min(epoch + 1, 2)]
+
+    _, whole = _fit(tmp_path, _dm(store, 24), callbacks=[Curriculum("data")], max_steps=8)
+    assert [len(s[3]) for s in whole.steps] == [24, 24, 23, 18, 18, 18, 17, 20]
+    for key, exact in (("data", True), ("trainer", False)):
+        stopped, first = _fit(tmp_path, _dm(store, 24), callbacks=[Curriculum(key)], max_steps=1)
+        stopped.save_checkpoint(tmp_path / "stop.ckpt")
+        _, got = _fit(
+            tmp_path, _dm(store, 24), tmp_path / "stop.ckpt", callbacks=[Curriculum(key)],
+            max_steps=8,
+        )  # fmt: skip
+        same = [s[2:] for s in first.steps + got.steps] == [s[2:] for s in whole.steps]
+        assert same == exact and torch.equal(got.w, whole.w) == exact, key
 
 
 # -- 2. limit_train_batches with a batch size that changes between epochs ----------------------
