@@ -236,7 +236,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         :class:`~insitubatch_nodes.errors.StateMismatchError` says how to go on without the
         state as :attr:`without_state` does, when set. A different world size is not refused:
         the epoch resumes elastically (see ``ReadPlanNode``). After :meth:`end_loaded_epoch`,
-        a state refused only for being mid-epoch starts the next epoch instead.
+        a state taken mid-epoch is taken as where its epoch ended (see there).
         """
         plan = plan_state(state)
         try:
