@@ -16,9 +16,10 @@ Found:
    again, trains one epoch less than ``max_epochs`` says: with ``max_steps`` set Lightning
    restarts the finished epoch (``FitLoop.restarting`` is forced by
    ``_iteration_based_training``), finds its batch count already at the epoch's length and
-   counts that epoch as trained with no batch. A plain ``DataLoader`` loses the epoch the same
-   way (Lightning issue #19617, open). The data module keeps the data order (the stopped
-   epoch's successor is trained under the next epoch number), so with ``max_steps`` alone the
+   counts that epoch as done. A plain ``DataLoader`` loses the epoch the same way, training
+   one stray batch there, its first (Lightning issue #19617, open). The data module keeps
+   the data order (the stopped epoch's successor is trained under the next epoch number, and
+   the loader delivers nothing in the restarted epoch), so with ``max_steps`` alone the
    resumed run is the uninterrupted one's batch for batch; with ``max_epochs`` too, it ends an
    epoch early. Workarounds (both exact here, weights bit for bit): resume without
    ``max_steps`` (``max_epochs`` bounds the run), or resume from the checkpoint
@@ -29,8 +30,8 @@ Found:
    refused (``StateMismatchError``: "its batch_size differs (saved 24, this pipeline 18)"),
    though Lightning counts that epoch as over and starts the next one whole. Now the data
    module tells the training dataset where Lightning restarts after an epoch's last trained
-   batch (``lightning_epochs.ends_epoch_on_restart``), and the dataset takes a state it
-   would refuse only for being mid-epoch as where its epoch ended
+   batch (``lightning_epochs.trained_its_last_batch``), and the dataset takes a mid-epoch
+   state (also one it would refuse only for being mid-epoch) as where its epoch ended
    (``InSituIterableDataset.end_loaded_epoch``): the next epoch starts whole, exactly. The
    same for checkpoints saved where such an epoch ended, and for views that change between
    epochs (``set_views``: "its dataset's views differ, and it was saved mid-epoch"). Where
@@ -49,7 +50,6 @@ Found:
    needed. Now each stage closes the loaders that Trainer call read
    (``lightning_splits.read_by``: fit: train and val; validate: val; test and predict: test);
    ``None`` closes every loader, as before.
-
 4. (fixed; on main too) ``val_check_interval=0.5`` with a batch size that changes: the
    checkpoint ``ModelCheckpoint()`` saves at the validation after an epoch's last batch,
    which Lightning resumes by running that epoch's end hooks again, resumed into a longer
@@ -57,7 +57,6 @@ Found:
    hooks asked whether the next epoch differs, the data module compared the ended epoch's
    length (what its loaded state reports while the trainer is in that epoch) with the length
    told, not the next epoch's; it now compares the next one's (``ended_epoch_lens``).
-
 5. (added) A curriculum keyed on ``trainer.current_epoch`` gives each epoch after a
    ``max_steps`` resume the next one's batch size (the data runs an epoch behind Lightning's
    number there, by design); ``dm.train_epoch`` now says the data's epoch, and a curriculum
