@@ -59,8 +59,13 @@ from insitubatch_nodes.io.cf import decoded_dtype_option
 from insitubatch_nodes.io.collection import Collection
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import StoreLike, as_store
-from insitubatch_nodes.lightning_epochs import EpochLengthSync, follow_ended_epoch, resumed_at
-from insitubatch_nodes.lightning_splits import chunk_split, per_split, too_few_for_ranks
+from insitubatch_nodes.lightning_epochs import (
+    EpochLengthSync,
+    follow_ended_epoch,
+    resumed_at,
+    trained_its_last_batch,
+)
+from insitubatch_nodes.lightning_splits import chunk_split, per_split, read_by, too_few_for_ranks
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
@@ -445,6 +450,15 @@ class InSituDataModule(pl.LightningDataModule):
         between its trials, builds the pipeline afresh)."""
         return (id(self.trainer), *self._rank_world(), self.plan_config)
 
+    @property
+    def train_epoch(self) -> int:
+        """The epoch of the training data (``batch.epoch``, its permutation): the trainer's
+        ``current_epoch``, less the one Lightning spends where it resumes a run ``max_steps``
+        stopped (docs/training.md). Key a per-epoch schedule of the data (``dm.batch_size``,
+        :meth:`set_views`) on it: keyed on ``current_epoch``, epochs after such a resume take
+        the settings of the epoch after them. ``0`` before a trainer is attached."""
+        return 0 if self.trainer is None else self._train_epoch(self.trainer)
+
     def _train_epoch(self, trainer: Any) -> int:
         """The epoch the training plan draws for ``trainer.current_epoch``: the same, except
         after Lightning resumed a run stopped by ``max_steps`` (it counts the stopped epoch as
@@ -553,12 +567,16 @@ class InSituDataModule(pl.LightningDataModule):
         """Whether the training loader's next epoch differs from what the trainer was told
         (asked by :class:`~insitubatch_nodes.lightning_epochs.EpochLengthSync` where an epoch
         ends, and by :meth:`set_views` and the batch size): another length, or a pipeline to
-        build afresh (another batch size). A resumed epoch is over by then."""
+        build afresh (another batch size). A resumed epoch is over by then; one whose loaded
+        state ended it (a checkpoint of the validation on its last batch, whose end hooks
+        Lightning runs again) is compared by the next epoch's length, not its own."""
         self._resume_check = None  # the resumed epoch is over: its state was consumed
         train = self._loaders.get("train")
         if train is None or train.told_len is None:
             return False
-        return train.next_len() != train.told_len or self._train_key != self._key()
+        ended = train.ended_epoch_lens()  # (the trainer still in the ended epoch: its batches)
+        nxt = train.next_len() if ended is None else ended[1]
+        return nxt != train.told_len or self._train_key != self._key()
 
     # -- loaders ------------------------------------------------------------------------------
     def train_report(self) -> EpochReport | None:
@@ -587,6 +605,8 @@ class InSituDataModule(pl.LightningDataModule):
         self._attach(EpochLengthSync)
         dataset = self._build("train")
         if self._pending_train_state is not None:
+            if trained_its_last_batch(self.trainer):  # (limit_train_batches: a mid-epoch state)
+                dataset.end_loaded_epoch()  # (and Lightning's copy of the state, loaded next)
             dataset.load_state_dict(self._pending_train_state)
             self._pending_train_state = None
         self._reload_after_an_ended_epoch(dataset)
@@ -640,8 +660,16 @@ class InSituDataModule(pl.LightningDataModule):
             self._pending_train_state = state
 
     def teardown(self, stage: str | None = None) -> None:
-        for dataset in self._loaders.values():
-            dataset.close()
+        """Close the loaders the Trainer call ``stage`` read (``"fit"``: training's and
+        validation's; ``"validate"``: validation's; ``"test"``, ``"predict"``: the test
+        split's), so that one call's end leaves another's loader running (a validate or test
+        teardown amid a fit cleared the training pipeline's pool: its chunks were read
+        again); ``None``: every loader. A closed loader is kept: asked for again by the same
+        trainer, it resumes where it was (see ``InSituPipeline.close``)."""
+        for split in read_by(stage):
+            dataset = self._loaders.get(split)
+            if dataset is not None:
+                dataset.close()
 
 
 def _first_epoch() -> int:

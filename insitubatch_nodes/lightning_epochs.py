@@ -19,9 +19,11 @@ import lightning.pytorch as pl
 __all__ = [
     "EpochLengthSync",
     "count_resumed_epoch_start",
+    "ends_epoch_on_restart",
     "finish_ended_epoch",
     "follow_ended_epoch",
     "resumed_at",
+    "trained_its_last_batch",
 ]
 
 _RELOAD = "reload_dataloaders_every_n_epochs"  # the Trainer argument, kept as an attribute
@@ -64,6 +66,40 @@ def resumed_at(trainer: Any) -> int | None:
     return int(loop.batch_progress.current.ready)
 
 
+def ends_epoch_on_restart(trainer: Any) -> bool:
+    """Whether Lightning (2.5+) restarts from a checkpoint saved after the last batch it
+    trained of an epoch (``on_train_batch_end``: ``ModelCheckpoint(every_n_train_steps=...)``
+    on that batch), counting that epoch as over: the batch it saved as ``is_last_batch`` (the
+    epoch's, or the last ``limit_train_batches`` lets it train), saved between the batch's end
+    hooks and Lightning's count of it. The loader state of such a checkpoint holds nothing
+    Lightning trains: it starts the next epoch (see :func:`finish_ended_epoch`). ``False``
+    under a Lightning before 2.5 (it restarts the ended epoch at its last batch)."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(loop, "batch_progress", None)
+    if progress is None or not getattr(loop, "restarting", False):
+        return False
+    if not hasattr(loop, "restarted_on_train_batch_end"):  # (Lightning before 2.5)
+        return False
+    current = progress.current
+    return bool(progress.is_last_batch) and current.completed == current.processed - 1
+
+
+def trained_its_last_batch(trainer: Any) -> bool:
+    """Whether the trainer's count of its epoch says it trained the batch it flagged
+    ``is_last_batch`` (the epoch's, or the last ``limit_train_batches`` lets it train). Asked
+    where a checkpoint's loader state is loaded, before Lightning moves on: the checkpoint was
+    saved at that batch's end (:func:`ends_epoch_on_restart`), at the validation after it, or
+    where the epoch ended, and Lightning trains no more batch of that epoch (it starts the
+    next, or runs the ended epoch's end hooks first). The loader state, mid-epoch where the
+    limit cut the epoch short, then holds nothing Lightning trains."""
+    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    progress = getattr(loop, "batch_progress", None)
+    if progress is None:
+        return False
+    current = progress.current
+    return bool(progress.is_last_batch) and current.ready > 0 and current.processed == current.ready
+
+
 def finish_ended_epoch(trainer: Any, nxt: int) -> bool:
     """Where Lightning restarts from a checkpoint saved after an epoch's last batch
     (``on_train_batch_end``: ``ModelCheckpoint(every_n_train_steps=...)`` on that batch), have
@@ -82,15 +118,9 @@ def finish_ended_epoch(trainer: Any, nxt: int) -> bool:
     checkpoint saved after the epoch's validation, one that ``max_steps`` has Lightning
     restart, and any under a Lightning before 2.5 (it restarts the ended epoch at its last
     batch, which the training loader ends at once: the state holds nothing more of it)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
-    progress = getattr(loop, "batch_progress", None)
-    if progress is None or not getattr(loop, "restarting", False):
+    if not ends_epoch_on_restart(trainer):
         return False
-    if not hasattr(loop, "restarted_on_train_batch_end"):  # (Lightning before 2.5)
-        return False
-    current = progress.current
-    if not progress.is_last_batch or current.completed != current.processed - 1:
-        return False  # (not saved between the batch's end hooks and Lightning's count of it)
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
     if current.processed < nxt:
         current.ready = current.started = current.processed = nxt
         current.completed = nxt - 1

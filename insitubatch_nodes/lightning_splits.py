@@ -14,10 +14,20 @@ from insitubatch_nodes.io.coords import open_coordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 
-__all__ = ["chunk_split", "per_split", "too_few_for_ranks"]
+__all__ = ["chunk_split", "per_split", "read_by", "too_few_for_ranks"]
 
 #: the Trainer call that reads each split's loader, by the Trainer's ``state.fn``
 _CALLS = {"fit": "validate", "validate": "validate", "test": "test", "predict": "predict"}
+#: the splits whose loaders each Trainer call reads, by its ``state.fn`` (predict: the test split)
+_READ = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("test",)}
+
+
+def read_by(stage: str | None) -> tuple[str, ...]:
+    """The splits whose loaders the Trainer call ``stage`` reads (the ``stage`` Lightning
+    passes to ``setup`` and ``teardown``: ``"fit"`` reads training's and validation's,
+    ``"validate"`` validation's, ``"test"`` and ``"predict"`` the test split's); ``None`` (or
+    a stage Lightning does not name): every split."""
+    return _READ.get(stage or "", ("train", "val", "test"))
 
 
 def too_few_for_ranks(few: TooFewSamplesError, stage: str | None) -> TooFewSamplesError:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from types import FrameType
 from typing import Any
 
@@ -112,6 +112,10 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         #: pipeline's own advice (``set_epoch``) by whoever drives the dataset otherwise (a
         #: data module's trainer); ``{epoch}`` is the state's epoch. ``None``: the pipeline's.
         self.without_state: str | None = None
+        self._loaded_epoch_over = False  # (end_loaded_epoch, until the next iter())
+        # the epoch of a mid-epoch state taken as where that epoch ended (end_loaded_epoch):
+        # the next epoch's start is pending in its place
+        self._cut: int | None = None
 
     def __len__(self) -> int:
         """Batches in the epoch the next ``iter()`` continues or starts: the same every epoch,
@@ -134,11 +138,17 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     def _ended_epoch(self) -> int | None:
         """The batches of ``epoch_fn``'s epoch when a pending state was taken at that epoch's
         end (its last batch delivered, or on another world size none of it left): the trainer
-        is still in that epoch, which holds nothing more; ``None`` otherwise."""
+        is still in that epoch, which holds nothing more; ``None`` otherwise. For a state cut
+        short of its epoch's end (:meth:`end_loaded_epoch`): the next epoch's batches (what
+        the trainer is told; the cut epoch's count, less any limit the trainer applies to it,
+        could come to none)."""
         if self._pending is None or self.epoch_fn is None:
             return None
         state = plan_state(self._pending)
         epoch = int(self.epoch_fn())
+        cut = self._cut
+        if cut is not None and cut == epoch and int(state["epoch"]) == epoch + 1:
+            return self.plan.resumed_len(state)  # (the next epoch's start is pending)
         if int(state["epoch"]) == epoch and self.plan.resumed_epoch(state) > epoch:
             return int(state["batches_emitted"])
         return None
@@ -179,6 +189,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         if torch.utils.data.get_worker_info() is not None:
             raise RuntimeError(_WORKERS_REFUSED)
         self._iterated = True
+        self._loaded_epoch_over = False
         self._drop_overtaken_state()
         pending = self._pending
         if pending is not None and self._ended_epoch() is not None:
@@ -224,15 +235,54 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         epoch begins or ends batches the next epoch by this pipeline's): a
         :class:`~insitubatch_nodes.errors.StateMismatchError` says how to go on without the
         state as :attr:`without_state` does, when set. A different world size is not refused:
-        the epoch resumes elastically (see ``ReadPlanNode``).
+        the epoch resumes elastically (see ``ReadPlanNode``). After :meth:`end_loaded_epoch`,
+        a state taken mid-epoch is taken as where its epoch ended (see there).
         """
+        plan = plan_state(state)
         try:
-            self.plan.check_state(plan_state(state))
+            self.plan.check_state(plan)
         except StateMismatchError as refused:
+            if self._loaded_epoch_over and self._fits_where_its_epoch_ends(plan):
+                self._take_as_ended(plan)
+                return
             if self.without_state is None:
                 raise
             raise refused.told(self.without_state.format(epoch=refused.epoch)) from None
-        self._pending = state
+        epoch = int(plan["epoch"])
+        if self._loaded_epoch_over and self.plan.resumed_epoch(plan) == epoch:
+            self._take_as_ended(plan)  # (mid-epoch: its consumer cut that epoch short)
+            return
+        self._pending, self._cut = state, None
+
+    def _take_as_ended(self, plan: Mapping[str, Any]) -> None:
+        """Pend the start of the epoch after read-plan state ``plan``'s, taking ``plan`` as
+        where its epoch ended: while ``epoch_fn`` stays in that epoch, the dataset delivers
+        nothing (its length: the next epoch's batches), as for a state taken at an epoch's
+        end (see the class)."""
+        epoch = int(plan["epoch"])
+        self._pend_start(epoch + 1)
+        self._cut = epoch
+
+    def end_loaded_epoch(self) -> None:
+        """Take a state loaded before the next ``iter()`` as where its epoch ended: its
+        consumer counts that epoch as over there (a trainer that restarts after the last batch
+        ``limit_train_batches`` let it train, short of the pipeline's epoch). A state taken
+        mid-epoch then behaves as one taken where that epoch ends: nothing more of that epoch
+        is delivered (while ``epoch_fn`` stays in it, its length is the next epoch's) and the
+        next epoch starts whole, also under another batch size, seed or views, which
+        :meth:`load_state_dict` otherwise refuses mid-epoch."""
+        self._loaded_epoch_over = True
+
+    def _fits_where_its_epoch_ends(self, plan: Mapping[str, Any]) -> bool:
+        """Whether the read-plan state ``plan`` would restore here had it been taken where its
+        epoch ends (the start of the next: same dataset and split, any batching)."""
+        ended = {k: v for k, v in plan.items() if k != "resumed"}
+        ended.update(epoch=int(plan["epoch"]) + 1, batches_emitted=0)
+        try:
+            self.plan.check_state(ended)
+        except StateMismatchError:
+            return False
+        return True
 
     def close(self) -> None:
         """Close the pipeline: every stage of its graph lets go of what it holds."""

@@ -55,15 +55,16 @@ as well (it restarts the ended epoch at its last batch, which the loader ends at
 
 Lightning's own, with a plain ``DataLoader`` too (not fixed here): with ``max_steps`` set, a
 checkpoint saved at ``on_train_epoch_end`` resumes one epoch short (a plain ``DataLoader`` of 11
-batches: 23 steps trained of 33, the first at ``batch_idx`` 11). Not fixed either: with
-``limit_train_batches`` and a batch size that changes, a checkpoint on the limited epoch's last
-batch holds a mid-epoch loader state of the old batch size, which the data module of the next
-epoch's batch size refuses (``StateMismatchError``) although Lightning resumes at the next
-epoch and the loader would drop that state. And a run stopped by ``max_steps`` on an epoch's
-last batch, saved by ``trainer.save_checkpoint`` after ``fit`` (as on main): Lightning spends
-the next epoch number on an empty restart, the data module keeps the data order (epoch 1's
-batches under trainer epoch 2), so ``max_epochs`` ends the resumed run an epoch early and a
-curriculum keyed on ``trainer.current_epoch`` batches that epoch with the next one's settings.
+batches: 23 steps trained of 33, the first at ``batch_idx`` 11). Fixed since
+(tests/test_lightning4_trial.py): with ``limit_train_batches`` and a batch size that changes, a
+checkpoint on the limited epoch's last batch holds a mid-epoch loader state of the old batch
+size, which the data module of the next epoch's batch size refused (``StateMismatchError``)
+although Lightning resumes at the next epoch. Lightning's, documented with workarounds there: a
+run stopped by ``max_steps`` on an epoch's last batch, saved by ``trainer.save_checkpoint``
+after ``fit`` and resumed with ``max_steps`` set: Lightning spends the next epoch number on an
+empty restart, the data module keeps the data order (epoch 1's batches under trainer epoch 2),
+so ``max_epochs`` ends the resumed run an epoch early and a curriculum keyed on
+``trainer.current_epoch`` batches that epoch with the next one's settings.
 """
 
 from __future__ import annotations
