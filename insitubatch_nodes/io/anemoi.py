@@ -14,8 +14,9 @@ would be read:
   it is its time coordinate (a time stride, windows in time deltas, ``missing=`` dates, the
   carried times, under the key ``"dates"``).
 
-Nothing else of the layout is special: its ``ensemble`` axis comes after ``variable``, so a
-stack's ``ensemble=`` (which keeps the ensemble axis first after the sample axis) refuses it.
+Nothing else of the layout is special: its ``ensemble`` axis comes after ``variable``, and a
+stack's ``ensemble="ensemble"`` takes it there (rows ``([T,] E, C, cell)``:
+:mod:`~insitubatch_nodes.stack_ensemble`).
 """
 
 from __future__ import annotations
