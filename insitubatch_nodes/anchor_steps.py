@@ -18,6 +18,7 @@ import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.errors import CoordinateLengthError
+from insitubatch_nodes.io.anemoi import recorded_missing
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
 from insitubatch_nodes.io.calendars import MONTH_STEPS_NEAR_S, calendar_months, counts_us
 from insitubatch_nodes.io.coords import MISSING_OFFSET, Coordinate, open_coordinates, time_offsets
@@ -63,13 +64,18 @@ def anchor_steps(
     (``SampleSteps.runs``), and windows in time deltas (``views``) are refused, naming the
     collection, when no member holds two times. Times that run backwards (newest first) are
     counted negated (``SampleSteps.backwards``: a step back in time is one sample on); those
-    of a collection's independent members are refused."""
+    of a collection's independent members are refused. The dates anemoi-datasets lists in the
+    anchor array's group (``missing_dates``: :func:`~insitubatch_nodes.io.anemoi.
+    recorded_missing`) are missing as if ``missing`` listed them."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
         missing is not None and not isinstance(missing, Sequence | np.ndarray)
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
+    recorded = recorded_missing(zstore, manifest.array)  # (anemoi's: no data at those dates)
+    if recorded:
+        missing = [*(missing if missing is not None else ()), *recorded]
     windowed = any(v.timed_window for v in views)
     timed = not isinstance(config.stride, int) or windowed
     if missing is None and not timed and manifest.steps is None:

@@ -54,7 +54,7 @@ from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
-from insitubatch_nodes.stack_ensemble import ensemble_members, ensemble_position
+from insitubatch_nodes.stack_ensemble import ensemble_members, member_shape
 from insitubatch_nodes.static import StaticCut
 from insitubatch_nodes.transforms import work_dtype
 
@@ -286,17 +286,8 @@ def stack(
                 c = len(channels) - 1
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
-        at = 0 if view.static or ensemble is None else ensemble_position(view, ensemble)
-        inner, cut = view.inner_shape[0 if view.static else e :], None
-        if at:  # (C, E, *field): the channels stay, the ensemble axis goes
-            inner = (view.inner_shape[0], *view.inner_shape[2:])
-            if len(inner) != field_ndim + 1:
-                raise ValueError(
-                    f"stack member {name!r} has {ensemble!r} among its field's axes (its "
-                    f"shape after the sample axis: {view.inner_shape}): with ensemble="
-                    f"{ensemble!r} the ensemble dimension is the first after the sample axis, "
-                    "or the second after a channel axis; give it as a label of its own"
-                )
+        at, inner = member_shape(name, view, ensemble, field_ndim)  # (without E)
+        cut = None
         if isinstance(view, ArrayGeometry) and view.static and first.patch is not None:
             cut = static_window(name, view, first.patch, field_dims)
             inner = cut.shape(view)

@@ -21,7 +21,7 @@ import numpy as np
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
-__all__ = ["ensemble_members", "ensemble_position"]
+__all__ = ["ensemble_members", "ensemble_position", "member_shape"]
 
 
 def _members_of(name: str, view: ArrayGeometry, dim: str) -> list[Any]:
@@ -79,6 +79,29 @@ def ensemble_position(view: ArrayGeometry, dim: str) -> int:
     refuses it where the member has no channel axis, ``dim`` then among the field's axes)."""
     dims = view.dims or ()
     return kept_axes(view_keys(view)).index(view.field_axes.index(dims.index(dim)))
+
+
+def member_shape(
+    name: str, view: ArrayGeometry, dim: str | None, field_ndim: int
+) -> tuple[int, tuple[int, ...]]:
+    """``(position, shape)`` of stack member ``name`` in a stack with ``ensemble=dim`` (or
+    none) whose field has ``field_ndim`` axes: where it keeps the ensemble axis
+    (:func:`ensemble_position`; 0 for a static member or without ``dim``), and its shape
+    after the sample axis without that axis. ``ValueError`` when it keeps it second with no
+    channel axis before it (among the field's axes: ``(lat, member, lon)``)."""
+    if view.static or dim is None:
+        return 0, view.inner_shape
+    at = ensemble_position(view, dim)
+    inner = view.inner_shape
+    inner = (inner[0], *inner[2:]) if at else inner[1:]
+    if at and len(inner) != field_ndim + 1:
+        raise ValueError(
+            f"stack member {name!r} has {dim!r} among its field's axes (its shape after the "
+            f"sample axis: {view.inner_shape}): with ensemble={dim!r} the ensemble dimension "
+            "is the first after the sample axis, or the second after a channel axis; give it "
+            "as a label of its own"
+        )
+    return at, inner
 
 
 def ensemble_members(named: Mapping[str, ArrayGeometry], dim: str) -> tuple[Any, ...]:
