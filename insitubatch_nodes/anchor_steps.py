@@ -66,14 +66,15 @@ def anchor_steps(
     counted negated (``SampleSteps.backwards``: a step back in time is one sample on); those
     of a collection's independent members are refused. The dates anemoi-datasets lists in the
     anchor array's group (``missing_dates``: :func:`~insitubatch_nodes.io.anemoi.
-    recorded_missing`) are missing as if ``missing`` listed them."""
+    recorded_missing`; each store's, of stores joined along one timeline) are missing as if
+    ``missing`` listed them."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
         missing is not None and not isinstance(missing, Sequence | np.ndarray)
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
-    recorded = recorded_missing(zstore, manifest.array)  # (anemoi's: no data at those dates)
+    recorded = _recorded_missing(zstore, manifest)  # (anemoi's: no data at those dates)
     if recorded:
         missing = [*(missing if missing is not None else ()), *recorded]
     windowed = any(v.timed_window for v in views)
@@ -155,6 +156,19 @@ def anchor_steps(
             "is not a step of either): give the window offsets in samples"
         )
     return manifest.with_steps(steps)
+
+
+def _recorded_missing(zstore: Store, manifest: SplitManifest) -> list[np.datetime64]:
+    """The dates anemoi-datasets records as missing for the manifest's anchor array: its
+    group's, or every member's of a collection joined along one timeline (``concat``). A
+    collection of independent members (each its own timeline: a date of one is not the
+    other's) is not read (one read per member, on every build)."""
+    members = manifest.members
+    if members is None:
+        return recorded_missing(zstore, manifest.array)
+    if not members.continuous or members.product:
+        return []
+    return [d for path in dict.fromkeys(members.paths) for d in recorded_missing(zstore, path)]
 
 
 def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, Any]:

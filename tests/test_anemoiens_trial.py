@@ -15,7 +15,8 @@ Found (fixed):
 * anemoi's ``missing_dates`` group attribute (dates whose slot in ``data`` holds no data:
   anemoi raises ``MissingDateError`` reading one) was ignored: samples at those dates were
   delivered (NaN rows, or whatever the slot holds) without a word. The dates it lists are now
-  missing dates, as if given in ``missing=``: every anchor a step of which is at one is dropped.
+  missing dates, as if given in ``missing=``: every anchor a step of which is at one is dropped
+  (each store's, of stores joined by ``concat``).
 
 Tried and found right: variables selected by name in any order beside a member that keeps
 the ensemble first (each part its own destination), windows, channels last, statistics
@@ -34,6 +35,7 @@ import zarr
 
 from insitubatch_nodes import (
     Loader,
+    concat,
     fit_statistics,
     insitu_pipeline,
     open_geometries,
@@ -48,14 +50,16 @@ NAMES = ["10u", "2t", "lsm", "t_500", "t_850"]
 NE, NC, NT = 3, 7, 12
 
 
-def _write(root: Path, missing: list[str] | None = None) -> tuple[np.ndarray, np.ndarray]:
+def _write(
+    root: Path, missing: list[str] | None = None, start: str = "2020-01-01T00"
+) -> tuple[np.ndarray, np.ndarray]:
     """A store as ``anemoi-datasets create`` writes it (zarr v2): ``data (time, variable,
-    ensemble, cell)`` one date a chunk, ``dates`` 6-hourly from 2020-01-01, the points, the
+    ensemble, cell)`` one date a chunk, ``dates`` 6-hourly from ``start``, the points, the
     names in ``variables``; a companion ``spread (time, ensemble, cell)`` (ensemble first) and
     a static ``orog (cell)``. ``missing``: dates listed in ``missing_dates``, their slots left
     unwritten (NaN). Returns ``(data, dates)``."""
     nv = len(NAMES)
-    dates = np.datetime64("2020-01-01T00", "s") + np.arange(NT) * np.timedelta64(6, "h")
+    dates = np.datetime64(start, "s") + np.arange(NT) * np.timedelta64(6, "h")
     rng = np.random.default_rng(0)
     data = rng.normal(size=(NT, nv, NE, NC)) + 10 * np.arange(nv)[:, None, None]
     data = (data + 100 * np.arange(NE)[:, None]).astype("f4")  # members far apart
@@ -186,6 +190,24 @@ def test_anemoi_s_missing_dates_drop_the_samples_that_touch_them(tmp_path: Path)
         seen += [int(i) for i in idx[:, 1]]
     bad = {int(np.flatnonzero(dates == np.datetime64(d))[0]) for d in gone}
     assert sorted(seen) == [i for i in range(1, NT) if i not in bad and i - 1 not in bad]
+
+
+def test_the_missing_dates_of_each_of_two_concatenated_anemoi_stores_are_dropped(
+    tmp_path: Path,
+) -> None:
+    parts = [_write(tmp_path / "y0.zarr", ["2020-01-01T12"]),
+             _write(tmp_path / "y1.zarr", ["2020-01-05T00"], start="2020-01-04T00")]  # fmt: skip
+    data = np.concatenate([p[0] for p in parts])
+    archive = concat([str(tmp_path / "y0.zarr"), str(tmp_path / "y1.zarr")], ["data"])
+    views = {"x": archive["data"].sel(variable=["2t"])}
+    seen = []
+    with insitu_pipeline(archive, split_by_chunk(archive["data"], (1.0, 0.0, 0.0)), views,
+                         batch_size=5) as pipe:  # fmt: skip
+        for batch in pipe:
+            idx = batch.sample_indices["x"]
+            np.testing.assert_array_equal(batch["x"], data[idx][:, [1]])
+            seen += [int(i) for i in idx]
+    assert sorted(seen) == [i for i in range(2 * NT) if i not in (2, NT + 4)]
 
 
 def test_a_time_stride_on_anemoi_s_dates_keeps_every_twelfth_hour(
