@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -162,8 +163,13 @@ class Stack:
     def ensemble_after_channels(self, channel: int | slice) -> bool:
         """Whether the sampled member at ``channel`` (its :attr:`StackMember.channel`) keeps
         the ensemble axis after its channels (``(C, E, *field)``)."""
-        at = channel.start if isinstance(channel, slice) else channel
-        return any(m.ensemble_at == 1 and m.c0 == at for m in self.members)
+        return (channel.start if isinstance(channel, slice) else channel) in self._after_channels
+
+    @cached_property
+    def _after_channels(self) -> frozenset[int]:
+        """The first channels of the members that keep ``E`` after their channels (once: the
+        destinations are taken per batch)."""
+        return frozenset(m.c0 for m in self.members if m.ensemble_at == 1)
 
     @property
     def views(self) -> tuple[ArrayGeometry, ...]:
