@@ -18,6 +18,7 @@ import numpy as np
 from zarr.abc.store import Store
 
 from insitubatch_nodes.errors import CoordinateLengthError
+from insitubatch_nodes.io.anemoi import recorded_missing
 from insitubatch_nodes.io.arrays import absent_samples, open_geometries
 from insitubatch_nodes.io.calendars import MONTH_STEPS_NEAR_S, calendar_months, counts_us
 from insitubatch_nodes.io.coords import MISSING_OFFSET, Coordinate, open_coordinates, time_offsets
@@ -63,13 +64,19 @@ def anchor_steps(
     (``SampleSteps.runs``), and windows in time deltas (``views``) are refused, naming the
     collection, when no member holds two times. Times that run backwards (newest first) are
     counted negated (``SampleSteps.backwards``: a step back in time is one sample on); those
-    of a collection's independent members are refused."""
+    of a collection's independent members are refused. The dates anemoi-datasets lists in the
+    anchor array's group (``missing_dates``: :func:`~insitubatch_nodes.io.anemoi.
+    recorded_missing`; each store's, of stores joined along one timeline) are missing as if
+    ``missing`` listed them."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
         missing is not None and not isinstance(missing, Sequence | np.ndarray)
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
+    recorded = _recorded_missing(zstore, manifest)  # (anemoi's: no data at those dates)
+    if recorded:
+        missing = [*(missing if missing is not None else ()), *recorded]
     windowed = any(v.timed_window for v in views)
     timed = not isinstance(config.stride, int) or windowed
     if missing is None and not timed and manifest.steps is None:
@@ -149,6 +156,19 @@ def anchor_steps(
             "is not a step of either): give the window offsets in samples"
         )
     return manifest.with_steps(steps)
+
+
+def _recorded_missing(zstore: Store, manifest: SplitManifest) -> list[np.datetime64]:
+    """The dates anemoi-datasets records as missing for the manifest's anchor array: its
+    group's, or every member's of a collection joined along one timeline (``concat``). A
+    collection of independent members (each its own timeline: a date of one is not the
+    other's) is not read (one read per member, on every build)."""
+    members = manifest.members
+    if members is None:
+        return recorded_missing(zstore, manifest.array)
+    if not members.continuous or members.product:
+        return []
+    return [d for path in dict.fromkeys(members.paths) for d in recorded_missing(zstore, path)]
 
 
 def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, Any]:

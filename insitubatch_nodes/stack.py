@@ -28,7 +28,8 @@ pass float16's 65504, or ``std`` round to 0, where the result does not). A const
 (``std`` 0) becomes 0.
 
 **Ensembles**: with ``ensemble="member"`` every sampled member keeps its ``member``
-dimension (the same members in the same order: :mod:`~insitubatch_nodes.stack_ensemble`) and
+dimension (the same members in the same order, first after the sample axis or second after
+its channel axis as anemoi-datasets stores it: :mod:`~insitubatch_nodes.stack_ensemble`) and
 rows are ``([T,] E, C, *field)`` (channels last ``([T,] E, *field, C)``), channels named
 without the member, :attr:`Stack.ensemble` the members; static and forcing members are the
 same for every member. Statistics pooled over the members (``pool="member"``) or per member
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Protocol
 
 import numpy as np
@@ -53,7 +55,7 @@ from insitubatch_nodes.io.longitudes import same_points
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.io.points import grid_ndim
 from insitubatch_nodes.io.selection import date_strings, kept_axes, view_keys
-from insitubatch_nodes.stack_ensemble import ensemble_members
+from insitubatch_nodes.stack_ensemble import ensemble_members, member_shape
 from insitubatch_nodes.static import StaticCut
 from insitubatch_nodes.transforms import work_dtype
 
@@ -99,6 +101,9 @@ class StackMember:
     forcing: Forcings | None = field(default=None, compare=False)
     #: a static member of a patched stack: where the windows cut it (:func:`static_window`)
     cut: StaticCut | None = field(default=None, compare=False, repr=False)
+    #: in an ensemble stack, where the member keeps the ensemble axis: 0 first (``(E, C,
+    #: *field)``), 1 after its channels (``(C, E, *field)``, anemoi-datasets' order)
+    ensemble_at: int = 0
 
     @property
     def geometry(self) -> ArrayGeometry:
@@ -155,6 +160,17 @@ class Stack:
         """The forcing members: computed per batch from the rows' times."""
         return tuple(m for m in self.members if m.forcing is not None)
 
+    def ensemble_after_channels(self, channel: int | slice) -> bool:
+        """Whether the sampled member at ``channel`` (its :attr:`StackMember.channel`) keeps
+        the ensemble axis after its channels (``(C, E, *field)``)."""
+        return (channel.start if isinstance(channel, slice) else channel) in self._after_channels
+
+    @cached_property
+    def _after_channels(self) -> frozenset[int]:
+        """The first channels of the members that keep ``E`` after their channels (once: the
+        destinations are taken per batch)."""
+        return frozenset(m.c0 for m in self.members if m.ensemble_at == 1)
+
     @property
     def views(self) -> tuple[ArrayGeometry, ...]:
         """Every view the stack reads (sampled and static members)."""
@@ -169,18 +185,26 @@ class Stack:
 
 
 def channel_destination(
-    arr: np.ndarray, index: tuple[int | slice, ...], channels_last: bool, ensemble: bool = False
+    arr: np.ndarray,
+    index: tuple[int | slice, ...],
+    channels_last: bool,
+    ensemble: bool = False,
+    channels_first: bool = False,
 ) -> np.ndarray:
     """The view of the batch array ``arr`` (``(n, [T,] C, *field)``, or ``(n, [T,] *field,
     C)`` with ``channels_last``; ``ensemble``: ``E`` after ``[T,]``) that a part at ``index``
     (``([t,] channel)``) fills: ``(n, [E,] *member's inner)`` — a leveled member's channels
-    first (after ``E``), whatever the layout."""
+    first (after ``E``), whatever the layout; ``channels_first`` (a leveled member of an
+    ensemble stack that keeps ``E`` after its channels): ``(n, C, E, *field)``, the member's
+    own axis order, so that its data is copied (and standardised) as it is stored."""
     *lead, channel = index
     sub = arr[(slice(None), *lead)]
     if not channels_last:
-        return sub[:, :, channel] if ensemble else sub[:, channel]
-    out = sub[..., channel]
-    return np.moveaxis(out, -1, 1 + ensemble) if isinstance(channel, slice) else out
+        out = sub[:, :, channel] if ensemble else sub[:, channel]
+    else:
+        out = sub[..., channel]
+        out = np.moveaxis(out, -1, 1 + ensemble) if isinstance(channel, slice) else out
+    return np.swapaxes(out, 1, 2) if ensemble and channels_first else out
 
 
 def _cf_dtype_helps(view: ArrayGeometry) -> bool:
@@ -216,7 +240,8 @@ def stack(
     patched members not patched alike (or beside a static or forcing member), a window still
     in time deltas, a member without statistics or with statistics fitted on other channels
     (other levels, another order), or non-float members with ``normalize``; with
-    ``ensemble``, a sampled member without that dimension first after its sample axis, or
+    ``ensemble``, a sampled member without that dimension first after its sample axis (or
+    second, after a channel axis), or
     selecting other members than the first sampled member (naming both selections), a static
     member with it, or a member patched along it
     (:func:`~insitubatch_nodes.stack_ensemble.ensemble_members`).
@@ -267,7 +292,8 @@ def stack(
                 c = len(channels) - 1
                 members.append(StackMember(channels[-1], None, c, c + 1, False, forcing=one))
             continue
-        inner, cut = view.inner_shape[0 if view.static else e :], None
+        at, inner = member_shape(name, view, ensemble, field_ndim)  # (without E)
+        cut = None
         if isinstance(view, ArrayGeometry) and view.static and first.patch is not None:
             cut = static_window(name, view, first.patch, field_dims)
             inner = cut.shape(view)
@@ -311,13 +337,15 @@ def stack(
         if view.static:
             _refuse_unheld_static(name, view, first_name, first.dtype)
         leveled = len(inner) == field_ndim + 1
-        names = _channel_names(name, view, 0 if view.static else e) if leveled else [name]
+        names = _channel_names(name, view, 0 if view.static or at else e) if leveled else [name]
         norm = None
         if normalize is not None:
             norm = _norm(normalize, name, view, first.dtype)
         c0 = len(channels)
         channels.extend(names)
-        members.append(StackMember(name, view, c0, len(channels), leveled, norm, cut=cut))
+        members.append(
+            StackMember(name, view, c0, len(channels), leveled, norm, cut=cut, ensemble_at=at)
+        )
     _refuse_shared_channel_names(members, channels)
     if normalize is not None and first.dtype.kind != "f":
         raise ValueError(

@@ -1,10 +1,13 @@
 """The ensemble axis of a channel stack: ``stack(views, ensemble="member")``.
 
-Every sampled member keeps the ensemble dimension (named by ``ensemble``) as the first of its
-axes after the sample axis, with the same selection: the same members (coordinate values, or
-indices where the view reads no coordinate), in the same order. The stack's rows are then
-``([T,] E, C, *field)`` (channels last: ``([T,] E, *field, C)``): each member's data is
-copied from the pool straight into its ``(E, c0:c1)`` slice. Static members and forcings,
+Every sampled member keeps the ensemble dimension (named by ``ensemble``) with the same
+selection: the same members (coordinate values, or indices where the view reads no
+coordinate), in the same order; the dimension is the first of its axes after the sample axis
+(``(member, level, lat, lon)``), or the second, after its channel axis (anemoi-datasets'
+``data (time, variable, ensemble, cell)``: :func:`ensemble_position`). The stack's rows are
+then ``([T,] E, C, *field)`` (channels last: ``([T,] E, *field, C)``): each member's data is
+copied from the pool straight into its ``(E, c0:c1)`` slice (a member whose channels come
+first, into that slice with its axes swapped: ``(c0:c1, E)``). Static members and forcings,
 which have no ensemble dimension, are the same for every member (broadcast along ``E``).
 """
 
@@ -18,14 +21,14 @@ import numpy as np
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import kept_axes, view_keys
 
-__all__ = ["ensemble_members"]
+__all__ = ["ensemble_members", "ensemble_position", "member_shape"]
 
 
 def _members_of(name: str, view: ArrayGeometry, dim: str) -> list[Any]:
     """The ensemble members ``view`` (stack member ``name``) selects along ``dim``, in order:
     the coordinate's values where it reads them, else the indices. ``ValueError`` when it
-    lacks ``dim``, selects one member (an int: the axis is dropped) or ``dim`` is not its
-    first axis after the sample axis."""
+    lacks ``dim``, selects one member (an int: the axis is dropped) or ``dim`` is neither its
+    first nor its second axis after the sample axis (:func:`ensemble_position`)."""
     dims = view.dims or ()
     if dim not in dims or dims.index(dim) not in view.field_axes:
         raise ValueError(
@@ -48,11 +51,12 @@ def _members_of(name: str, view: ArrayGeometry, dim: str) -> list[Any]:
             f"stack member {name!r} selects one {dim!r} (an int drops the axis): with "
             f"ensemble={dim!r} select a list, sel({dim}=[...])"
         )
-    if kept[0] != axis:
+    if axis not in kept[:2]:
         raise ValueError(
-            f"stack member {name!r} has {dim!r} after {dims[view.field_axes[kept[0]]]!r}: "
+            f"stack member {name!r} has {dim!r} after {dims[view.field_axes[kept[1]]]!r}: "
             f"with ensemble={dim!r} the ensemble dimension must be the first after the "
-            "sample axis (as stored); give it as a label of its own"
+            "sample axis, or the second after a channel axis (as stored); give it as a label "
+            "of its own"
         )
     key = keys[axis]
     n = view.shape[view.field_axes[axis]]
@@ -66,6 +70,38 @@ def _members_of(name: str, view: ArrayGeometry, dim: str) -> list[Any]:
     if values is None or values.ndim != 1 or len(values) != n:
         return index
     return [v.item() if isinstance(v, np.generic) else v for v in values[index]]
+
+
+def ensemble_position(view: ArrayGeometry, dim: str) -> int:
+    """Where sampled member ``view`` (checked by :func:`ensemble_members`) keeps the ensemble
+    dimension ``dim`` among its kept axes after the sample axis: 0 (``(E, [C,] *field)``) or
+    1, after its channel axis (``(C, E, *field)``, as anemoi-datasets stores it; ``stack``
+    refuses it where the member has no channel axis, ``dim`` then among the field's axes)."""
+    dims = view.dims or ()
+    return kept_axes(view_keys(view)).index(view.field_axes.index(dims.index(dim)))
+
+
+def member_shape(
+    name: str, view: ArrayGeometry, dim: str | None, field_ndim: int
+) -> tuple[int, tuple[int, ...]]:
+    """``(position, shape)`` of stack member ``name`` in a stack with ``ensemble=dim`` (or
+    none) whose field has ``field_ndim`` axes: where it keeps the ensemble axis
+    (:func:`ensemble_position`; 0 for a static member or without ``dim``), and its shape
+    after the sample axis without that axis. ``ValueError`` when it keeps it second with no
+    channel axis before it (among the field's axes: ``(lat, member, lon)``)."""
+    if view.static or dim is None:
+        return 0, view.inner_shape
+    at = ensemble_position(view, dim)
+    inner = view.inner_shape
+    inner = (inner[0], *inner[2:]) if at else inner[1:]
+    if at and len(inner) != field_ndim + 1:
+        raise ValueError(
+            f"stack member {name!r} has {dim!r} among its field's axes (its shape after the "
+            f"sample axis: {view.inner_shape}): with ensemble={dim!r} the ensemble dimension "
+            "is the first after the sample axis, or the second after a channel axis; give it "
+            "as a label of its own"
+        )
+    return at, inner
 
 
 def ensemble_members(named: Mapping[str, ArrayGeometry], dim: str) -> tuple[Any, ...]:

@@ -192,10 +192,14 @@ def test_members_that_select_other_members_are_refused_by_name(ens: Any, tmp_pat
         stack({"t": g["t"], "2t": g["2t"].sel(member=2)}, ensemble="member")
     with pytest.raises(ValueError, match="'t' has no 'number' dimension"):
         stack({"t": g["t"], "2t": g["2t"]}, ensemble="number")
-    with pytest.raises(ValueError, match="'t' has 'member' after 'level'"):
-        levels_first = ds[["t"]].transpose("time", "level", "member", *GRID)
-        lm = open_geometries(_write(tmp_path / "lm.zarr", levels_first, 4))
-        stack({"t": lm["t"]}, ensemble="member")
+    # members after the levels (anemoi's order): allowed since 2026-12-07, rows (E, C, *grid)
+    levels_first = ds[["t"]].transpose("time", "level", "member", *GRID)
+    lm = open_geometries(_write(tmp_path / "lm.zarr", levels_first, 4))
+    assert stack({"t": lm["t"]}, ensemble="member").row_shape == (3, 2, N_LAT, N_LON)
+    with pytest.raises(ValueError, match=f"'t' has 'member' after '{GRID[0]}'"):
+        grid_first = ds[["t"]].transpose("time", "level", GRID[0], "member", GRID[1])
+        lg = open_geometries(_write(tmp_path / "lg.zarr", grid_first, 4))
+        stack({"t": lg["t"]}, ensemble="member")
     with pytest.raises(ValueError, match="'2t' is patched along 'member'"):
         stack({"2t": g["2t"].patches({"member": 1, "lat": 1})}, ensemble="member")
     # the default: today's stack, the members as channels

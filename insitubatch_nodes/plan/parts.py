@@ -72,7 +72,8 @@ class LabelParts:
         """The view of the label's batch array ``arr`` that the part at ``index`` fills."""
         if self.stack is not None:
             last, ens = self.stack.layout == "channels_last", self.stack.ensemble is not None
-            return channel_destination(arr, index, last, ens)
+            swap = ens and self.stack.ensemble_after_channels(index[-1])
+            return channel_destination(arr, index, last, ens, swap)
         return arr[(slice(None), *index)] if index else arr
 
     def indices(self, by_part: Mapping[str, np.ndarray]) -> np.ndarray:
