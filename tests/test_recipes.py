@@ -18,7 +18,11 @@ import pytest
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def _run_recipe(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run_recipe(
+    name: str, *args: str, cwd: Path, fork_children: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run a recipe; ``fork_children=True`` for one that starts Python processes of its own
+    (``forkserver.popen``'s: they are forked too, not new interpreters)."""
     return forkserver.run(
         [sys.executable, str(RECIPES / name), *args],
         cwd=cwd,
@@ -26,6 +30,7 @@ def _run_recipe(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess
         text=True,
         timeout=240,
         check=False,
+        fork_children=fork_children,
     )
 
 
@@ -221,7 +226,9 @@ def test_the_recipes_running_moments_equal_the_statistics_of_all_the_data(oracle
 def test_the_warm_then_score_recipe_scores_from_the_cache_in_parallel_without_a_get(
     tmp_path: Path,
 ) -> None:
-    proc = _run_recipe("warm_then_score.py", "--scorers", "2", "--n-time", "128", cwd=tmp_path)
+    proc = _run_recipe(
+        "warm_then_score.py", "--scorers", "2", "--n-time", "128", cwd=tmp_path, fork_children=True
+    )
     assert proc.returncode == 0, _explain(proc)
     assert "a second writer is refused while they read" in proc.stdout, _explain(proc)
     assert proc.stdout.count(", 0 GETs,") == 2, _explain(proc)
