@@ -285,7 +285,7 @@ def test_a_tiled_chunk_against_a_frozen_endpoint_fails_within_one_deadline(
     tmp_path: Path, era5_local: Path, frozen_moto: MotoServer
 ) -> None:
     moto = frozen_moto
-    tiled = write_era5(tmp_path / "tiled.zarr", n_time=64, samples_per_chunk=4, inner_chunks=(4, 8))
+    tiled = write_era5(tmp_path / "tiled.zarr", n_time=32, samples_per_chunk=4, inner_chunks=(4, 8))
     upload_folder(tiled, BUCKET, "tiled/era5.zarr", **moto.options())  # 4 tiles per chunk
     url = f"s3://{BUCKET}/tiled/era5.zarr"
     report, to_error, _, done = _fail_mid_epoch(tmp_path, moto, "frozen", QUICK, url, 1)
