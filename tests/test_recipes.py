@@ -103,10 +103,21 @@ def test_the_spectral_cube_recipe_reads_both_bands_as_zarr_holds_them_and_learns
     assert "loss fell" in proc.stdout, _explain(proc)
 
 
+JOINED_ARGS = ("--steps", "160", "--epochs", "3")
+
+
+@pytest.fixture(scope="module")
+def joined_one_store(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """The joined-stores recipe run once over one atmosphere store: both of its tests read this
+    run's output (the second beside a run over two stores), which they ran each once before."""
+    return _run_recipe("joined_stores.py", *JOINED_ARGS, cwd=tmp_path_factory.mktemp("joined"))
+
+
+@pytest.mark.xdist_group("recipes_joined")  # one worker, one run of joined_one_store
 def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a_joined_forcing(
-    tmp_path: Path,
+    joined_one_store: subprocess.CompletedProcess[str],
 ) -> None:
-    proc = _run_recipe("joined_stores.py", "--steps", "160", "--epochs", "3", cwd=tmp_path)
+    proc = joined_one_store
     assert proc.returncode == 0, _explain(proc)
     assert "first batch equal to zarr's read" in proc.stdout, _explain(proc)
     assert "160 shared steps" in proc.stdout, _explain(proc)
@@ -114,12 +125,12 @@ def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a
     assert "loss fell" in proc.stdout, _explain(proc)
 
 
+@pytest.mark.xdist_group("recipes_joined")
 def test_the_joined_stores_recipe_joins_an_atmosphere_concatenated_from_two_stores(
-    tmp_path: Path,
+    tmp_path: Path, joined_one_store: subprocess.CompletedProcess[str]
 ) -> None:
-    args = ("--steps", "160", "--epochs", "3")
-    one = _run_recipe("joined_stores.py", *args, cwd=tmp_path)
-    two = _run_recipe("joined_stores.py", *args, "--atmos-stores", "2", cwd=tmp_path)
+    one = joined_one_store
+    two = _run_recipe("joined_stores.py", *JOINED_ARGS, "--atmos-stores", "2", cwd=tmp_path)
     assert one.returncode == 0 and two.returncode == 0, _explain(one) + _explain(two)
     out = two.stdout
     assert "160 shared steps of atmos (2 store(s))" in out, _explain(two)
