@@ -86,6 +86,7 @@ PRELOAD = (
 _HONOURED = {"PYTHONPATH", "PYTHONUNBUFFERED"}
 _MAX_MESSAGE = 1 << 20
 _CPU_LOG = os.environ.get("INSITUBATCH_TESTS_CPU_LOG")
+_REAL_POPEN = subprocess.Popen  # what :func:`popen` falls back to (``fork_children`` replaces it)
 
 
 def _log_cpu(record: dict[str, Any]) -> None:
@@ -283,8 +284,10 @@ class ForkedProcess:
     def terminate(self) -> None:
         self.send_signal(signal.SIGTERM)
 
-    def communicate(self, timeout: float | None = None) -> tuple[Any, Any]:
+    def communicate(self, input: Any = None, timeout: float | None = None) -> tuple[Any, Any]:
         if self.stdin is not None:
+            if input:
+                self.stdin.write(input)
             self.stdin.close()
         out_box: list[Any] = [None, None]
         readers = []
@@ -340,16 +343,19 @@ def popen(
     env: Mapping[str, str] | None = None,
     cwd: str | os.PathLike[str] | None = None,
     full_exit: bool = False,
+    fork_children: bool = False,
 ) -> Any:
     """Like ``subprocess.Popen(argv, ...)``; a forked process where that is equivalent.
 
     ``full_exit=True`` for a test whose claim is about how the process exits (see
     :func:`_skip_static_destructors`): the forked process then also runs the C and C++ exit
-    handlers of the libraries the server preloaded, as a fresh interpreter does."""
+    handlers of the libraries the server preloaded, as a fresh interpreter does.
+    ``fork_children=True`` has the forked process fork the Python processes it starts with
+    ``subprocess.Popen`` from this server too (see :func:`_fork_python_children`)."""
     argv = [os.fspath(a) for a in argv]
     server = _server() if os.environ.get("INSITUBATCH_TESTS_NO_FORKSERVER") != "1" else None
     if server is None or not _forkable(argv, env, server.env):
-        proc = subprocess.Popen(
+        proc = _REAL_POPEN(
             argv, stdin=stdin, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd
         )
         if _CPU_LOG:
@@ -389,6 +395,7 @@ def popen(
         "cwd": os.getcwd() if cwd is None else os.fspath(cwd),  # the server's is another's
         "test": os.environ.get("PYTEST_CURRENT_TEST"),
         "full_exit": full_exit,
+        "fork_children": fork_children,
     }
     try:
         pid = server.fork(request, child_fds)
@@ -410,14 +417,15 @@ def run(
     timeout: float | None = None,
     check: bool = False,
     full_exit: bool = False,
+    fork_children: bool = False,
 ) -> subprocess.CompletedProcess[Any]:
-    """Like ``subprocess.run(argv, ...)`` (stdin is ``/dev/null``); ``full_exit`` as
-    :func:`popen`'s."""
+    """Like ``subprocess.run(argv, ...)`` (stdin is ``/dev/null``); ``full_exit`` and
+    ``fork_children`` as :func:`popen`'s."""
     if capture_output:
         stdout = stderr = PIPE
     proc = popen(
         argv, stdin=DEVNULL, stdout=stdout, stderr=stderr, text=text, env=env, cwd=cwd,
-        full_exit=full_exit,
+        full_exit=full_exit, fork_children=fork_children,
     )  # fmt: skip
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -597,6 +605,31 @@ def _fork_lightnings_ranks() -> None:
         )
 
 
+def _fork_python_children() -> None:
+    """Have ``subprocess.Popen``, in this forked process, fork the Python processes it is asked
+    for from this server too, as :func:`_fork_lightnings_ranks` does for Lightning's ranks: a
+    recipe that starts workers with ``subprocess.Popen([sys.executable, __file__, ...])`` (the
+    warm-then-score recipe's scorers) started a new interpreter that imported torch, zarr and
+    the package again, about 2 CPU-s each. A call with arguments :func:`popen` takes
+    (``stdin``, ``stdout``, ``stderr``, ``text``, ``env``, ``cwd``) whose argv it may fork gets a
+    forked process; any other (another executable, another option, a ``PYTHON*`` variable
+    changed) gets ``subprocess.Popen``'s own. Asked for with ``fork_children=True``."""
+
+    class ForkingPopen(_REAL_POPEN):  # type: ignore[misc,valid-type]
+        def __new__(cls, args: Any, *rest: Any, **kwargs: Any) -> Any:
+            taken = {"stdin", "stdout", "stderr", "text", "env", "cwd"}
+            if not rest and set(kwargs) <= taken and isinstance(args, (list, tuple)):
+                argv = [os.fspath(a) for a in args]
+                server = _server()
+                if os.environ.get("INSITUBATCH_TESTS_NO_FORKSERVER") != "1" and _forkable(
+                    argv, kwargs.get("env"), server.env
+                ):
+                    return popen(argv, **kwargs)
+            return super().__new__(cls)
+
+    subprocess.Popen = ForkingPopen  # type: ignore[misc]
+
+
 def _run(argv: list[str]) -> None:
     import runpy
 
@@ -654,6 +687,8 @@ if __name__ == "__main__":
         _skip_static_destructors()
     _FORKED_FROM = _path
     _fork_lightnings_ranks()
+    if _got[0].get("fork_children"):
+        _fork_python_children()
     del _got, _listener
     _run(_argv)
     sys.exit(0)

@@ -18,7 +18,11 @@ import pytest
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 
 
-def _run_recipe(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+def _run_recipe(
+    name: str, *args: str, cwd: Path, fork_children: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """Run a recipe; ``fork_children=True`` for one that starts Python processes of its own
+    (``forkserver.popen``'s: they are forked too, not new interpreters)."""
     return forkserver.run(
         [sys.executable, str(RECIPES / name), *args],
         cwd=cwd,
@@ -26,6 +30,7 @@ def _run_recipe(name: str, *args: str, cwd: Path) -> subprocess.CompletedProcess
         text=True,
         timeout=240,
         check=False,
+        fork_children=fork_children,
     )
 
 
@@ -98,10 +103,21 @@ def test_the_spectral_cube_recipe_reads_both_bands_as_zarr_holds_them_and_learns
     assert "loss fell" in proc.stdout, _explain(proc)
 
 
+JOINED_ARGS = ("--steps", "160", "--epochs", "3")
+
+
+@pytest.fixture(scope="module")
+def joined_one_store(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess[str]:
+    """The joined-stores recipe run once over one atmosphere store: both of its tests read this
+    run's output (the second beside a run over two stores), which they ran each once before."""
+    return _run_recipe("joined_stores.py", *JOINED_ARGS, cwd=tmp_path_factory.mktemp("joined"))
+
+
+@pytest.mark.xdist_group("recipes_joined")  # one worker, one run of joined_one_store
 def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a_joined_forcing(
-    tmp_path: Path,
+    joined_one_store: subprocess.CompletedProcess[str],
 ) -> None:
-    proc = _run_recipe("joined_stores.py", "--steps", "160", "--epochs", "3", cwd=tmp_path)
+    proc = joined_one_store
     assert proc.returncode == 0, _explain(proc)
     assert "first batch equal to zarr's read" in proc.stdout, _explain(proc)
     assert "160 shared steps" in proc.stdout, _explain(proc)
@@ -109,12 +125,12 @@ def test_the_joined_stores_recipe_reads_an_archive_over_stores_and_learns_from_a
     assert "loss fell" in proc.stdout, _explain(proc)
 
 
+@pytest.mark.xdist_group("recipes_joined")
 def test_the_joined_stores_recipe_joins_an_atmosphere_concatenated_from_two_stores(
-    tmp_path: Path,
+    tmp_path: Path, joined_one_store: subprocess.CompletedProcess[str]
 ) -> None:
-    args = ("--steps", "160", "--epochs", "3")
-    one = _run_recipe("joined_stores.py", *args, cwd=tmp_path)
-    two = _run_recipe("joined_stores.py", *args, "--atmos-stores", "2", cwd=tmp_path)
+    one = joined_one_store
+    two = _run_recipe("joined_stores.py", *JOINED_ARGS, "--atmos-stores", "2", cwd=tmp_path)
     assert one.returncode == 0 and two.returncode == 0, _explain(one) + _explain(two)
     out = two.stdout
     assert "160 shared steps of atmos (2 store(s))" in out, _explain(two)
@@ -221,7 +237,9 @@ def test_the_recipes_running_moments_equal_the_statistics_of_all_the_data(oracle
 def test_the_warm_then_score_recipe_scores_from_the_cache_in_parallel_without_a_get(
     tmp_path: Path,
 ) -> None:
-    proc = _run_recipe("warm_then_score.py", "--scorers", "2", "--n-time", "128", cwd=tmp_path)
+    proc = _run_recipe(
+        "warm_then_score.py", "--scorers", "2", "--n-time", "128", cwd=tmp_path, fork_children=True
+    )
     assert proc.returncode == 0, _explain(proc)
     assert "a second writer is refused while they read" in proc.stdout, _explain(proc)
     assert proc.stdout.count(", 0 GETs,") == 2, _explain(proc)
@@ -259,11 +277,13 @@ def test_the_time_features_recipe_runs_in_a_360_day_calendar_with_a_window_to_fe
 def test_the_archive_recipe_trains_on_one_sample_per_chunk_with_rows_decoded_into_batches(
     tmp_path: Path,
 ) -> None:
-    # a budget short of the 2.5 MiB split (and over its 1.2 MiB floor): rows go straight into
-    # batches
+    # a budget short of the split (1,254,912 bytes) and over its floor (1,049,600 bytes at 8
+    # samples a batch): rows go straight into batches. 64 steps, not 128 (with 16 a batch and
+    # 1.5 MiB): the store's 832 chunk files, each in three folders of its own, were most of the
+    # recipe's cost, written and then removed
     proc = _run_recipe(
-        "archive_forecast.py", "--n-time", "128", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
-        "--budget-mib", "1.5", cwd=tmp_path,
+        "archive_forecast.py", "--n-time", "64", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        "--batch-size", "8", "--budget-mib", "1.1", cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
     assert "13 arrays, one time step per chunk: 13 stored objects" in proc.stdout, _explain(proc)
@@ -325,7 +345,7 @@ def test_the_archive_recipe_keeps_a_split_that_fits_the_automatic_budget_and_rea
     tmp_path: Path,
 ) -> None:
     proc = _run_recipe(
-        "archive_forecast.py", "--n-time", "64", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
+        "archive_forecast.py", "--n-time", "32", "--n-lat", "8", "--n-lon", "16", "--epochs", "2",
         cwd=tmp_path,
     )  # fmt: skip
     assert proc.returncode == 0, _explain(proc)
