@@ -17,6 +17,16 @@ Found (fixed):
    (tests/test_splitinfer_trial.py). The data module's refusal, and the plain pipeline's, now
    name the option for plain loops. It changes no plan, so it is no part of a state's
    configuration: states resume across it.
+2. An ``"uneven"`` epoch resumed on more ranks than samples were left of it (4 ranks, 12
+   samples, 2 batches of 1 each delivered, resumed on 8): the rest (4 samples) went to new
+   ranks 0-3, and ranks 4-7, with no share of it, ran the next epoch in that loop (samples
+   20-23 predicted again: 21 and 22 a second time, 20 and 23 twice in the loop), their epochs
+   one ahead of ranks 0-3 from then on. Two causes: the read plan took the epoch as over for
+   a rank whose own share of the rest was empty (now: once rank 0, the largest share, has
+   none left), and torchdata's ``Loader`` restarts a restored loop that has no batch left
+   (ours now restarts only a state taken at its epoch's end, ``PrefetcherNode.ends_epoch``).
+   Not only with ``empty_ranks``: any elastic ``"uneven"`` resume whose rest is smaller than
+   the new world size.
 
 Tried and found right (claims below): on 4 gloo ranks, a 3-sample split is predicted exactly
 once, rank ``r`` the ``r``-th sample, rank 3 none; each rank's ``len()`` is its batch count;
@@ -195,3 +205,44 @@ def test_empty_ranks_is_for_uneven_only_and_off_by_default(store: Path) -> None:
     plain = PlanConfig(split="test", shuffle=False, remainder="uneven", rank=3, world_size=4)
     with pytest.raises(TooFewSamplesError, match=r"empty_ranks=True\) \(the ranks beyond"):
         insitu_pipeline(store, split_by_chunk(g, FEW), {"x": g}, config=plain)
+
+
+def test_an_uneven_epoch_resumed_on_more_ranks_than_its_rest_leaves_ranks_without_a_share_empty(
+    store: Path,
+) -> None:
+    """4 ranks delivered 2 of their 3 samples (12 in the split, batches of 1) and the job comes
+    back on 8: the rest (4 samples) goes to ranks 0-3, and ranks 4-7, with no share of it, ran
+    the next epoch in that loop instead (torchdata's ``Loader`` restarts a restored loop that
+    has no batch left): samples 20-23 predicted again, ranks 0-3 and 4-7 an epoch apart."""
+    from insitubatch_nodes import Loader
+
+    g = open_geometries(store, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, MORE)
+
+    def loader(rank: int, world: int) -> tuple[Any, Loader[Any]]:
+        config = PlanConfig(split="test", shuffle=False, remainder="uneven", batch_size=1,
+                            rank=rank, world_size=world)  # fmt: skip
+        pipe = insitu_pipeline(store, manifest, {"x": g}, config=config)
+        return pipe, Loader(pipe)
+
+    delivered: list[int] = []
+    for rank in range(4):
+        pipe, old = loader(rank, 4)
+        it = iter(old)
+        delivered += [int(next(it).sample_indices["x"][0]) for _ in range(2)]
+        if rank == 0:
+            state = old.state_dict()  # (the elastic rule: rank 0's state for every new rank)
+        pipe.close()
+    first, second, fresh = [], [], []
+    for rank in range(8):
+        pipe, new = loader(rank, 8)
+        new.load_state_dict(state)
+        first.append([i for rows in _rows(new) for i in rows])
+        second.append(_rows(new))
+        pipe.close()
+        pipe, again = loader(rank, 8)
+        fresh.append(_rows(again) and _rows(again))  # a fresh run's epoch 1
+        pipe.close()
+    assert first == [[14], [17], [20], [23], [], [], [], []]
+    assert sorted(delivered + [i for f in first for i in f]) == list(range(12, 24))
+    assert second == fresh  # then every new rank's epoch 1
