@@ -36,6 +36,9 @@ loader that goes on as the uninterrupted one (zero batches, then the next epoch'
 batch size larger than every rank's share gives one short batch per rank. Windows (runs dealt
 contiguously): 11 anchors of a ``[-1, 0]`` window on 4 ranks give contiguous runs of 3, 3, 3
 and 2 in store order, rank 0 first; 2 windowed anchors on 4 ranks give ranks 2 and 3 none.
+Through ``StatefulDataLoader(as_dataset(...))`` an empty rank has length 0, yields nothing and
+resumes so. Through ``InSituDataModule`` (built on the 4 gloo ranks, no trainer) the split is
+refused on every rank, the message naming ``empty_ranks`` for plain loops.
 """
 
 from __future__ import annotations
@@ -52,7 +55,10 @@ import zarr
 from insitubatch_nodes import PlanConfig, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.errors import TooFewSamplesError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning"),  # (torch's)
+]
 
 T, C = 24, 3  # 8 chunks of 3 steps
 WORLD = 4
@@ -246,3 +252,24 @@ def test_an_uneven_epoch_resumed_on_more_ranks_than_its_rest_leaves_ranks_withou
     assert first == [[14], [17], [20], [23], [], [], [], []]
     assert sorted(delivered + [i for f in first for i in f]) == list(range(12, 24))
     assert second == fresh  # then every new rank's epoch 1
+
+
+def test_an_empty_rank_through_stateful_dataloader_has_length_0_and_resumes_empty(
+    store: Path,
+) -> None:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from insitubatch_nodes import as_dataset
+
+    g = open_geometries(store, ["t2m"])["t2m"]
+    manifest, config = split_by_chunk(g, FEW), _config(2, rank=3, world_size=WORLD)
+    pipes = [insitu_pipeline(store, manifest, {"x": g}, config=config) for _ in range(2)]
+    try:
+        dl = StatefulDataLoader(as_dataset(pipes[0]), batch_size=None, num_workers=0)
+        assert (len(dl), list(dl), list(dl)) == (0, [], [])
+        again = StatefulDataLoader(as_dataset(pipes[1]), batch_size=None, num_workers=0)
+        again.load_state_dict(dl.state_dict())
+        assert (len(again), list(again)) == (0, [])
+    finally:
+        for pipe in pipes:
+            pipe.close()
