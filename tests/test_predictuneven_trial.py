@@ -37,8 +37,14 @@ batch size larger than every rank's share gives one short batch per rank. Window
 contiguously): 11 anchors of a ``[-1, 0]`` window on 4 ranks give contiguous runs of 3, 3, 3
 and 2 in store order, rank 0 first; 2 windowed anchors on 4 ranks give ranks 2 and 3 none.
 Through ``StatefulDataLoader(as_dataset(...))`` an empty rank has length 0, yields nothing and
-resumes so. Through ``InSituDataModule`` (built on the 4 gloo ranks, no trainer) the split is
-refused on every rank, the message naming ``empty_ranks`` for plain loops.
+resumes so; its ``report()`` is ``None``, as before any batch. Through ``InSituDataModule``
+(built on the 4 gloo ranks, no trainer) the split is refused on every rank, the message naming
+``empty_ranks`` for plain loops.
+
+Left as it is: an empty rank's epoch does not advance (the read plan moves on after an epoch
+that delivered a batch), so its state says epoch 0, batch 0 after any number of loops, and
+``resumed_epoch`` of it is 0. Its every epoch is empty (the shares depend on the sample count
+and the ranks alone), so nothing it delivers differs.
 """
 
 from __future__ import annotations
@@ -267,6 +273,7 @@ def test_an_empty_rank_through_stateful_dataloader_has_length_0_and_resumes_empt
     try:
         dl = StatefulDataLoader(as_dataset(pipes[0]), batch_size=None, num_workers=0)
         assert (len(dl), list(dl), list(dl)) == (0, [], [])
+        assert pipes[0].report() is None  # (no batch delivered: no epoch measured)
         again = StatefulDataLoader(as_dataset(pipes[1]), batch_size=None, num_workers=0)
         again.load_state_dict(dl.state_dict())
         assert (len(again), list(again)) == (0, [])
