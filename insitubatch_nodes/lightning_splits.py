@@ -36,7 +36,8 @@ def too_few_for_ranks(few: TooFewSamplesError, stage: str | None) -> TooFewSampl
     ``"validate"``, ``"test"``, ``"predict"``). Padding the short ranks with repeated samples
     would count them twice in every metric; a rank without a batch is refused by Lightning,
     and with ``allow_zero_length_dataloader_with_multiple_devices`` skips the loop while the
-    other ranks wait for it at the epoch's end."""
+    other ranks wait for it at the epoch's end. The message names the plain loop's way
+    (``PlanConfig.empty_ranks``), which the data module never takes."""
     n, world = few.n_samples, few.world_size
     call = _CALLS.get(str(stage)) or ("validate" if few.split == "val" else "test")
     during_fit = (
@@ -53,7 +54,10 @@ def too_few_for_ranks(few: TooFewSamplesError, stage: str | None) -> TooFewSampl
         f"would count twice. Run trainer.{call} on at most {n} device(s): after a DDP fit, "
         "torch.distributed.destroy_process_group(), then on global rank 0 only (if "
         f"trainer.is_global_zero:) L.Trainer(devices=1).{call}(model, datamodule=dm); or give "
-        f"the split more chunks (splits=...).{during_fit} (Counted: {few.counted})",
+        f"the split more chunks (splits=...).{during_fit} Outside Lightning, a plain loop "
+        "(no collective call per batch) reads it on every rank with insitu_pipeline(..., "
+        "config=PlanConfig(split=..., remainder='uneven', empty_ranks=True)): the ranks beyond "
+        f"its samples run zero batches; the data module never sets it. (Counted: {few.counted})",
         split=few.split, n_samples=n, world_size=world, counted=few.counted,
     )  # fmt: skip
 

@@ -297,8 +297,8 @@ def insitu_pipeline(
 
     ``config`` (a :class:`~insitubatch_nodes.plan.config.PlanConfig`) passes ``split``,
     ``batch_size``, ``block_chunks``, ``shuffle``, ``seed``, ``rank``, ``world_size``,
-    ``cross_split_windows`` and ``remainder`` (and ``ramp``, which has no keyword here) as one
-    object. In the same way ``fetch`` (a :class:`~insitubatch_nodes.options.FetchOptions`)
+    ``cross_split_windows`` and ``remainder`` (and ``ramp``, ``empty_ranks``: no keyword here)
+    as one object. In the same way ``fetch`` (a :class:`~insitubatch_nodes.options.FetchOptions`)
     holds ``max_inflight``, ``decode_threads``, ``retry``, ``on_bad_chunk``, ``report`` and
     ``prefetch_depth`` (and ``direct``, which has no keyword here), and ``cache`` (a
     :class:`~insitubatch_nodes.options.CacheOptions`) holds ``cache_budget_bytes``,

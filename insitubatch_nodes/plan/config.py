@@ -1,7 +1,7 @@
 """``PlanConfig``: what a read plan draws, as one checked, immutable object.
 
-The same eleven settings — ``split, batch_size, block_chunks, shuffle, seed, rank,
-world_size, ramp, cross_split_windows, remainder, stride`` —
+The same twelve settings — ``split, batch_size, block_chunks, shuffle, seed, rank,
+world_size, ramp, cross_split_windows, remainder, stride, empty_ranks`` —
 describe a read plan wherever one is drawn or sized:
 :func:`~insitubatch_nodes.plan.epoch.plan_epoch`,
 :class:`~insitubatch_nodes.stages.read_plan.ReadPlanNode`,
@@ -71,18 +71,27 @@ class PlanConfig:
       ``datetime.timedelta``; kept as a ``numpy.timedelta64``): the samples whose time is a
       whole multiple of the step since ``1970-01-01T00:00``, in the time coordinate's own
       calendar (since 0 for a coordinate of durations, a lead time; see
-      :mod:`~insitubatch_nodes.plan.anchors`). 1 keeps every sample.
+      :mod:`~insitubatch_nodes.plan.anchors`). 1 keeps every sample;
+    * ``empty_ranks`` (``False``): with ``remainder="uneven"`` only, let a split with fewer
+      samples than ranks be read, the ranks beyond its samples getting none (zero batches,
+      ``len()`` 0) — for a plain evaluation or prediction loop, whose empty ranks run no
+      batch and still take part in the collective calls made after the loop (an
+      ``all_gather_object`` of the predictions). Left ``False``, such a split is refused
+      (:class:`~insitubatch_nodes.errors.TooFewSamplesError`): Lightning refuses a rank
+      without a batch, and ``InSituDataModule`` never sets it. It changes no plan (not part
+      of a state's configuration or fingerprint).
 
     **Contract.** Construction checks every field with the package's shared checks and raises
     what the loose keywords always raised: ``TypeError`` for the wrong kind of value (a float,
     a ``bool`` or a string where an integer belongs; anything but ``True``/``False`` for a
     flag; a non-string ``remainder``), ``ValueError`` for a value out of range (a count below
     1, a negative seed, an unknown ``split`` or ``remainder``, ``remainder="uneven"`` with
-    ``split="train"``, a ``world_size`` below 1 or a ``rank`` outside ``[0, world_size)`` when
-    ``world_size`` is given). Accepted values are
-    normalised to plain Python (``numpy`` integers and ``numpy.bool_`` become ``int`` and
-    ``bool``), so two configs are equal exactly when they draw the same plans. The object is
-    frozen and hashable; :meth:`replace` returns a checked copy.
+    ``split="train"``, ``empty_ranks=True`` with another ``remainder``, a ``world_size``
+    below 1 or a ``rank`` outside ``[0, world_size)`` when ``world_size`` is given).
+    Accepted values are normalised to plain Python (``numpy`` integers and ``numpy.bool_``
+    become ``int`` and ``bool``), so two configs are equal exactly when they draw the same
+    plans and agree on ``empty_ranks``. The object is frozen and hashable; :meth:`replace`
+    returns a checked copy.
     """
 
     split: str = "train"
@@ -96,6 +105,7 @@ class PlanConfig:
     cross_split_windows: bool = False
     remainder: str = "drop"
     stride: int | np.timedelta64 = 1
+    empty_ranks: bool = False
 
     if TYPE_CHECKING:  # the constructor dataclass makes, but taking a stride as any time step
         # ("6h", a timedelta): the field holds it checked (int | numpy.timedelta64)
@@ -113,6 +123,7 @@ class PlanConfig:
             cross_split_windows: bool = False,
             remainder: str = "drop",
             stride: int | np.timedelta64 | str | datetime.timedelta = 1,
+            empty_ranks: bool = False,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -129,6 +140,7 @@ class PlanConfig:
             "cross_split_windows": check_bool("cross_split_windows", self.cross_split_windows),
             "remainder": check_remainder(self.remainder),
             "stride": check_stride(self.stride),
+            "empty_ranks": check_bool("empty_ranks", self.empty_ranks),
         }
         if checked["remainder"] == "uneven" and self.split == "train":
             raise ValueError(
@@ -137,6 +149,12 @@ class PlanConfig:
                 "forever in DDP's gradient sync; train with remainder='drop' (at most "
                 "world_size - 1 samples sit out each epoch) or 'pad' (at most world_size - 1 "
                 "repeat)"
+            )
+        if checked["empty_ranks"] and checked["remainder"] != "uneven":
+            raise ValueError(
+                "empty_ranks=True is for remainder='uneven' (evaluation: every sample once, a "
+                f"rank with none running zero batches), got remainder={checked['remainder']!r}; "
+                "pass remainder='uneven' with split='val' or 'test'"
             )
         world, rank = checked["world_size"], checked["rank"]
         if world is not None:

@@ -577,15 +577,15 @@ def check_ranks(
     manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
 ) -> None:
     """:class:`~insitubatch_nodes.errors.TooFewSamplesError` unless every rank of ``config``
-    gets a sample of its split: a valid anchor, or with patched views one window of one (a
-    single whole-slide plane holds thousands of samples)."""
+    gets a sample of its split (a valid anchor, or with patched views one window of one: a
+    single whole-slide plane holds thousands) or ``config.empty_ranks`` lets a rank get none."""
     world = 1 if config.world_size is None else config.world_size
     split_chunks = manifest.chunk_array(config.split)
     counts, _ = chunk_anchors(manifest, split_chunks, [g.offset for g in views.values()], config)
     n_valid = int(counts.sum())
     layout = patch_layout(views, config.block_chunks)
     n_samples = n_valid if layout is None else n_valid * layout.n_patches
-    if world > 1 and len(split_chunks) and n_samples < world:
+    if world > 1 and len(split_chunks) and n_samples < world and not config.empty_ranks:
         what = "valid anchors" if layout is None else f"windows ({n_valid} valid anchors)"
         dropped = {k: n for k, n in dropped_anchors(manifest, views, config).items() if n}
         why = f"; the missing-step checks dropped {dropped}" if dropped else ""
@@ -596,8 +596,10 @@ def check_ranks(
             "without a batch leaves the others waiting at their first collective call). To "
             f"evaluate it, read it on at most {n_samples} rank(s) (rank=r, world_size="
             f"{n_samples} on ranks r < {n_samples}, no loader on the others, outside any "
-            "collective call); to train on it, give it more samples (more chunks, a larger "
-            "share) or train on fewer ranks",
+            "collective call), or, in a plain loop with no collective call per batch, on every "
+            "rank with config=PlanConfig(..., remainder='uneven', empty_ranks=True) (the ranks "
+            "beyond its samples run zero batches); to train on it, give it more samples (more "
+            "chunks, a larger share) or train on fewer ranks",
             split=config.split, n_samples=n_samples, world_size=world, counted=counted,
         )  # fmt: skip
 

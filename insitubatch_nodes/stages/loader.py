@@ -62,6 +62,10 @@ class Loader(_TorchdataLoader[T]):
     holds right after the ``iter()`` that applies it: torchdata's iterator then holds the
     first batch, taken ahead, and the length is counted at the consumer's position, not the
     pipeline's (a resumed epoch with one batch left is that epoch's, not the next one's).
+    A state taken inside an epoch resumes that epoch's loop even where this rank has no batch
+    of it left (an elastic ``"uneven"`` rank with no share of the rest: an empty loop; before
+    2026-12-07 torchdata's restart ran the next epoch in it); one taken at an epoch's end, the
+    next epoch.
     """
 
     # torchdata ships no type information (``BaseNode[T]`` is ``Any`` to a type checker): over
@@ -86,9 +90,18 @@ class Loader(_TorchdataLoader[T]):
         _RUNNING[self.root] = weakref.ref(self)
         if self._it is None:
             self._it = _OneLoop(self)
+        pending = self._next_iter_state_dict
+        ends = getattr(self.root, "ends_epoch", None)
+        if pending is not None and ends is not None and not ends(pending):
+            # inside its epoch: that epoch's loop, empty where this rank has no batch of it
+            # left (torchdata's restarts a restored loop without one: the next epoch's batches)
+            self._next_iter_state_dict = None
+            self._it.reset(initial_state=pending)
+            return self._it
         return super().__iter__()
 
     if TYPE_CHECKING:  # torchdata's own (untyped), declared for type checkers
+        _next_iter_state_dict: dict[str, Any] | None
 
         def state_dict(self) -> dict[str, Any]: ...
 

@@ -391,6 +391,13 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         restored: the batches of the epoch it resumes, counted from that epoch's start."""
         return self.context.plan.resumed_len(plan_state(state))
 
+    def ends_epoch(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` (this node's or a ``Loader``'s) was taken at its epoch's end, so
+        that restoring it goes on with the next epoch; ``False`` inside an epoch, also where
+        this rank has no batch of it left (an elastic rank with no share of the rest)."""
+        plan = plan_state(state)
+        return self.context.plan.resumed_epoch(plan) > int(plan["epoch"])
+
     def start_state(self, epoch: int) -> dict[str, Any] | None:
         """The state of this graph before the first batch of ``epoch`` (nothing is started):
         the plan's state wrapped once per stage above it. ``None`` when a node between here and

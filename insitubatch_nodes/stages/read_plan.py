@@ -557,7 +557,8 @@ class ReadPlanNode(BaseNode[BatchPlan]):
 
         A state taken under another world size adds a cut: every old rank delivered its first
         ``batches_emitted`` batches (all it had if fewer; rank 0, whose state is saved, has the
-        most), and the rest of the epoch is dealt to this world size.
+        most), and the rest of the epoch is dealt to this world size: over for every rank once
+        rank 0 has no batch of it left (before 2026-12-07 a rank with none went on alone).
         """
         epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
         resumed = check_cuts(state.get("resumed", ()), emitted)
@@ -577,8 +578,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 return epoch + 1, 0, (), None  # the epoch was over
             if not resumed or resumed[-1][1] < emitted:  # (its ranks delivered nothing: no cut)
                 resumed = (*resumed, (saved_world, emitted))
-        if resumed or emitted:
-            n_batches = self._draw(epoch, None, resumed, dealing=dealing).n_batches
+        if resumed or emitted:  # over once rank 0 (the largest share) has none left
+            lead = (0, self.world_size) if resumed else None  # ("uneven": a rank may have none)
+            n_batches = self._draw(epoch, None, resumed, lead, dealing).n_batches
             if emitted >= n_batches and (n_batches > 0 or resumed):
                 epoch, emitted, resumed = epoch + 1, 0, ()
         return epoch, emitted, resumed, dealing if (resumed or emitted) else None
