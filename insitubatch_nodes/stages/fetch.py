@@ -264,8 +264,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         aside = {
             p: g
             for p, g in self.geoms.items()
-            if not self._decoders[p].decodes_in_place(
-                g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major
+            if not arrays[p].decodes_in_place(
+                self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major
             )
         }
         keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
