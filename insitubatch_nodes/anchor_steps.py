@@ -117,7 +117,8 @@ def anchor_steps(
             _warn_split_backwards(manifest, coord, stacklevel=4)
             flipped = Coordinate(coord.name, coord.values[::-1])  # (months oldest first)
             counted, unit = calendar_ticks(flipped, ticks[::-1])
-            counted = np.where(counted == MISSING_OFFSET, MISSING_OFFSET, -counted[::-1])
+            counted = counted[::-1]  # (each sample's own count again, then negated)
+            counted = np.where(counted == MISSING_OFFSET, MISSING_OFFSET, -counted)
         else:
             counted, unit = calendar_ticks(coord, ticks)
     if dates:  # matched to the times to the second, whatever the checks count in

@@ -14,10 +14,17 @@ Found wrong, fixed:
   no scratch where every tile read goes through the whole-object buffer and a whole object
   decodes in place:
   ``test_a_level_selection_of_objects_holding_every_level_counts_its_decode_buffers_once``.
+* On a store written newest first, a missing time (NaT) at sample ``k`` also dropped sample
+  ``n - 1 - k``, whose time is there (and the anchors whose windows step on it): the
+  backwards ticks (``anchor_steps``) were negated in each sample's own order but masked as
+  missing in the flipped order. 16 times with NaT at sample 3: sample 12 was never an
+  anchor under ``missing=()``; with ``window(["-6h", "0h"])`` samples 11 and 12 were lost:
+  ``test_a_missing_time_of_a_store_written_newest_first_drops_only_its_own_samples``.
 """
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +32,9 @@ import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+
+xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
+pd = pytest.importorskip("pandas")
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -62,3 +72,55 @@ def test_a_level_selection_of_objects_holding_every_level_counts_its_decode_buff
                     np.testing.assert_array_equal(b["x"], values[rows][:, [0, 2, 5]])
             assert pipe.stages.fetch._decoders["p"].scratch_bytes == 0  # never taken
             assert held <= counted == threads * obj  # the whole-object buffers, once
+
+
+def _backwards_with_nat(root: Path, n: int = 16, nat: int = 3) -> Path:
+    """sst (time, lat, lon), 6-hourly times newest first, sample ``nat``'s time missing."""
+    times = pd.date_range("2000-01-01", periods=n, freq="6h")[::-1].values.copy()
+    times[nat] = np.datetime64("NaT")
+    data = (np.arange(n)[:, None, None] * 10 + np.arange(6).reshape(2, 3)).astype("f4")
+    coords = {"time": times, "lat": [10.0, 60.0], "lon": [0.0, 90.0, 200.0]}
+    ds = xr.Dataset({"sst": (("time", "lat", "lon"), data)}, coords=coords)
+    enc = {"units": "hours since 2000-01-01", "dtype": "int64", "_FillValue": -999}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False,
+                   encoding={"sst": {"chunks": (2, 2, 3)}, "time": enc})  # fmt: skip
+    return root
+
+
+@pytest.mark.parametrize("window", [None, ["-6h", "0h"]])
+def test_a_missing_time_of_a_store_written_newest_first_drops_only_its_own_samples(
+    tmp_path: Path, window: list[str] | None
+) -> None:
+    root = _backwards_with_nat(tmp_path / "b.zarr")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        times = xr.open_zarr(root, consolidated=False).time.values
+    have = {t: i for i, t in enumerate(times) if not np.isnat(t)}
+    deltas = (
+        [np.timedelta64(0, "h")]
+        if window is None
+        else [np.timedelta64(-6, "h"), np.timedelta64(0, "h")]
+    )
+    want = {i for t, i in have.items() if all(t + d in have for d in deltas)}
+    g = open_geometries(root)["sst"]
+    view = g if window is None else g.window(window)
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the split in index order of backward times)
+        pipe = insitu_pipeline(root, manifest, {"x": view}, batch_size=4, missing=())
+    got = set()
+    with pipe:
+        for b in Loader(pipe):
+            for row, values in zip(
+                b.coords["x"]["time"].reshape(len(b), -1),
+                np.asarray(b["x"]).reshape(len(b), len(deltas), 2, 3),
+                strict=True,
+            ):
+                anchor = row[-1]
+                np.testing.assert_array_equal(row, [anchor + d for d in deltas])
+                for t, v in zip(row, values, strict=True):  # each step the time it names
+                    assert v[0, 0] == 10 * have[t]
+                got.add(have[anchor])
+    assert got == want
