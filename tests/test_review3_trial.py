@@ -20,18 +20,30 @@ Found wrong, fixed:
   missing in the flipped order. 16 times with NaT at sample 3: sample 12 was never an
   anchor under ``missing=()``; with ``window(["-6h", "0h"])`` samples 11 and 12 were lost:
   ``test_a_missing_time_of_a_store_written_newest_first_drops_only_its_own_samples``.
+* Statistics' channel labels (``_fitted_on._text``): ``fit_statistics`` of a view with a
+  channel axis of durations (a forecast ``step`` coordinate, ``timedelta64``) failed with
+  ``TypeError: int() argument must be ... not 'datetime.timedelta'`` (a ``timedelta64`` is an
+  ``np.integer``); and statistics fitted on a store's float32 levels (0.1, 0.5, 0.7) were
+  refused for the same levels written as float64 (``0.10000000149011612``), which were taken
+  by index the day before. Floats a float32 holds exactly are now written as the float32's
+  shortest decimal, dates and durations in their coarsest exact unit, and recorded texts are
+  read again the same way (files of 2026-12-07 too):
+  ``test_statistics_of_a_channel_axis_of_durations_are_fitted_and_applied``,
+  ``test_statistics_of_float32_levels_apply_to_the_same_levels_written_as_float64``.
 """
 
 from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import zarr
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.statistics import FIELDS, Statistics, fit_statistics
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")
@@ -124,3 +136,61 @@ def test_a_missing_time_of_a_store_written_newest_first_drops_only_its_own_sampl
                     assert v[0, 0] == 10 * have[t]
                 got.add(have[anchor])
     assert got == want
+
+
+def _levels_of(root: Path, z: np.ndarray, dim: str, values: Any) -> Path:
+    """z (time, dim, lat, lon) at 6-hourly times, ``dim``'s coordinate ``values``."""
+    times = pd.date_range("2020-01-01", periods=len(z), freq="6h")
+    ds = xr.Dataset({"z": (("time", dim, "lat", "lon"), z)}, coords={"time": times, dim: values})
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False,
+                   encoding={"z": {"chunks": (4, *z.shape[1:])}})  # fmt: skip
+    return root
+
+
+Z = (np.random.default_rng(1).normal(size=(8, 3, 2, 2)) * [[[[1.0]], [[10.0]], [[100.0]]]]).astype(
+    "f4"
+)
+
+
+def test_statistics_of_a_channel_axis_of_durations_are_fitted_and_applied(tmp_path: Path) -> None:
+    steps = pd.to_timedelta([0, 6, 12], unit="h")
+    root = _levels_of(tmp_path / "s.zarr", Z, "step", steps)
+    g = open_geometries(root)
+    view = g["z"].isel(step=[1, 2])
+    stats = fit_statistics(root, split_by_chunk(g["z"], (1.0, 0.0, 0.0)), {"z": view})
+    assert stats.dataset["views"]["z"]["labels"] == {"step": ["6 hours", "12 hours"]}
+    np.testing.assert_allclose(stats.mean["z"], Z[:, 1:].mean(axis=(0, 2, 3)), rtol=1e-5)
+    stats.normalizer({"z": view})  # the same steps
+    with pytest.raises(ValueError, match="fitted on other channels"):
+        stats.normalizer({"z": g["z"].isel(step=[0, 1])})
+
+
+def test_statistics_of_float32_levels_apply_to_the_same_levels_written_as_float64(
+    tmp_path: Path,
+) -> None:
+    levels = np.array([0.1, 0.5, 0.7], dtype="f4")
+    a = _levels_of(tmp_path / "a.zarr", Z, "level", levels)
+    b = _levels_of(tmp_path / "b.zarr", Z, "level", levels.astype("f8"))
+    c = _levels_of(tmp_path / "c.zarr", Z, "level", np.array([0.7, 0.5, 0.1], dtype="f4"))
+    ga, gb, gc = open_geometries(a), open_geometries(b), open_geometries(c)
+    stats = fit_statistics(a, split_by_chunk(ga["z"], (1.0, 0.0, 0.0)), {"z": ga["z"]})
+    assert stats.dataset["views"]["z"]["labels"] == {"level": ["0.1", "0.5", "0.7"]}
+    norm = stats.normalizer({"z": gb["z"]})  # the same levels, as float64
+    with insitu_pipeline(b, split_by_chunk(gb["z"], (1.0, 0.0, 0.0)), {"z": gb["z"]},
+                         batch_size=4, batch_transforms=[norm]) as pipe:  # fmt: skip
+        batch = next(iter(pipe))
+    want = (Z[batch.sample_indices["z"]] - stats.mean["z"][:, None, None]) / (
+        stats.std["z"][:, None, None] + 1e-8
+    )
+    np.testing.assert_allclose(batch["z"], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="fitted on other channels"):
+        stats.normalizer({"z": gc["z"]})  # other levels at those indices
+    # a file saved on 2026-12-07 holds the float64's own decimals: read alike
+    view = dict(stats.dataset["views"]["z"], labels={"level": ["0.10000000149011612", "0.5",
+                                                               "0.699999988079071"]})  # fmt: skip
+    older = dict(stats.dataset, views={"z": view})
+    kept = Statistics(**{f: getattr(stats, f) for f in FIELDS}, dataset=older, paths=stats.paths)
+    kept.save(tmp_path / "s.json")
+    Statistics.load(tmp_path / "s.json").normalizer({"z": ga["z"]})
