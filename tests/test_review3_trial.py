@@ -14,6 +14,15 @@ Found wrong, fixed:
   no scratch where every tile read goes through the whole-object buffer and a whole object
   decodes in place:
   ``test_a_level_selection_of_objects_holding_every_level_counts_its_decode_buffers_once``.
+* The other way: ``ChunkDecoder.decodes_in_place`` said an array tiled in its field at several
+  samples per chunk (chunks ``(4, 8, 8, 32)`` of ``(64, 8, 16, 32)``: xarray/dask's chunks
+  over latitude) and one stored with its sample axis after another (``(level, time, ...)``)
+  decode in place, so the check (for the automatic budget too since memcheck) counted no
+  scratch, while each decode thread holds a stored object (65,536 and 131,072 bytes held
+  at 2 threads, 0 counted): in a sample-first slot such an object is strided. It now asks
+  for the whole field in each object (or one level per object into a level-major slot) and
+  the sample axis first:
+  ``test_a_field_tiled_at_several_samples_per_chunk_counts_its_decode_scratch``.
 * On a store written newest first, a missing time (NaT) at sample ``k`` also dropped sample
   ``n - 1 - k``, whose time is there (and the anchors whose windows step on it): the
   backwards ticks (``anchor_steps``) were negated in each sample's own order but masked as
@@ -194,3 +203,30 @@ def test_statistics_of_float32_levels_apply_to_the_same_levels_written_as_float6
     kept = Statistics(**{f: getattr(stats, f) for f in FIELDS}, dataset=older, paths=stats.paths)
     kept.save(tmp_path / "s.json")
     Statistics.load(tmp_path / "s.json").normalizer({"z": ga["z"]})
+
+
+@pytest.mark.parametrize(
+    ("shape", "chunks", "dims"),
+    [
+        ((64, 8, 16, 32), (4, 8, 8, 32), ("time", "level", "lat", "lon")),
+        ((8, 64, 16, 32), (8, 4, 16, 32), ("level", "time", "lat", "lon")),
+    ],
+)
+def test_a_field_tiled_at_several_samples_per_chunk_counts_its_decode_scratch(
+    tmp_path: Path, shape: tuple[int, ...], chunks: tuple[int, ...], dims: tuple[str, ...]
+) -> None:
+    group = zarr.open_group(tmp_path / "t.zarr", mode="w", zarr_format=3)
+    values = np.random.default_rng(2).random(shape, dtype=np.float32)
+    group.create_array("p", shape=shape, chunks=chunks, dtype="float32", dimension_names=dims)[
+        :
+    ] = values
+    g = open_geometries(tmp_path / "t.zarr", ["p"], sample_axis="time")
+    manifest = split_by_chunk(g["p"], (1.0, 0.0, 0.0))
+    options = {"batch_size": 4, "coords": (), "decode_threads": 2}
+    by_time = np.moveaxis(values, dims.index("time"), 0)
+    with insitu_pipeline(tmp_path / "t.zarr", manifest, {"x": g["p"]}, **options) as pipe:
+        held = 0
+        for b in Loader(pipe):
+            held = max(held, pipe.stats()["decode_scratch_bytes"])
+            np.testing.assert_array_equal(b["x"], by_time[np.asarray(b.sample_indices["x"])])
+        assert 0 < held <= pipe.stages.fetch.counted.scratch  # a stored object per thread

@@ -555,13 +555,17 @@ class ChunkDecoder:
         """Whether every stored object of ``geom`` (this decoder's array) is decoded straight
         into its slot or batch row, ``slot`` being what a slot holds: whole unsharded chunks,
         none at an edge, in the stored native dtype and C order, no filter, no CF decoding, a
-        slot of the whole chunk, and at one sample per chunk (rows decoded straight into the
-        batch) the whole field in each (a part of a row is strided in it). An array stored one
-        level per object (:attr:`ArrayGeometry.one_level_per_object`) decodes in place only
-        into a ``level_major`` slot (:mod:`~insitubatch_nodes.pool`: each object's region is
-        one contiguous run there; before 2026-12-07 such arrays were always counted, though
-        the fetch stage gives them level-major slots where no chunk transform runs on them).
-        Such an array takes no decode scratch; any other may (one object per thread)."""
+        slot of the whole chunk, the sample axis first (or one sample per chunk), and the
+        whole field in each object: in a sample-first slot (or a batch row) an object of part
+        of the field is strided, one run per sample, and decoded aside (before 2026-12-07 an
+        array tiled in its field at several samples per chunk, or stored with its sample axis
+        after another, was said to decode in place, and the memory check counted no scratch
+        for the object each thread holds). An array stored one level per object
+        (:attr:`ArrayGeometry.one_level_per_object`) decodes in place into a ``level_major``
+        slot (:mod:`~insitubatch_nodes.pool`: each object's region is one contiguous run
+        there; before 2026-12-07 such arrays were always counted, though the fetch stage gives
+        them level-major slots where no chunk transform runs on them). Such an array takes no
+        decode scratch; any other may (one object per thread)."""
         base = geom.base
         plan = self._plan
         return (
@@ -571,9 +575,12 @@ class ChunkDecoder:
             and slot == base
             and base.dtype.isnative
             and base.cf is None
-            and (level_major or not base.one_level_per_object)
             and all(n % c == 0 for n, c in zip(base.shape, base.chunks, strict=True))
-            and (base.samples_per_chunk > 1 or base.tile_shape == base.field_shape)
+            and (base.sample_axis == 0 or base.samples_per_chunk == 1)
+            and (
+                base.tile_shape == base.field_shape
+                or (level_major and base.one_level_per_object)
+            )
         )
 
     # -- per-thread state ----------------------------------------------------------------------
