@@ -555,16 +555,11 @@ class ChunkDecoder:
         """Whether every stored object of ``geom`` (this decoder's array) is decoded straight
         into its slot or batch row, ``slot`` being what a slot holds: whole unsharded chunks,
         none at an edge, in the stored native dtype and C order, no filter, no CF decoding, a
-        slot of the whole chunk, the sample axis first (or one sample per chunk), and the
-        whole field in each object: in a sample-first slot (or a batch row) an object of part
-        of the field is strided, one run per sample, and decoded aside (before 2026-12-07 an
-        array tiled in its field at several samples per chunk, or stored with its sample axis
-        after another, was said to decode in place, and the memory check counted no scratch
-        for the object each thread holds). An array stored one level per object
-        (:attr:`ArrayGeometry.one_level_per_object`) decodes in place into a ``level_major``
-        slot (:mod:`~insitubatch_nodes.pool`: each object's region is one contiguous run
-        there; before 2026-12-07 such arrays were always counted, though the fetch stage gives
-        them level-major slots where no chunk transform runs on them). Such an array takes no
+        slot of the whole chunk, the sample axis first (or one sample per chunk), the whole
+        field in each object (elsewhere it is strided in a sample-first slot: before
+        2026-12-07 a tiled field was said to decode in place, counted no scratch), or one level
+        per object (:attr:`ArrayGeometry.one_level_per_object`) into a ``level_major`` slot
+        (:mod:`~insitubatch_nodes.pool`: one contiguous run each). Such an array takes no
         decode scratch; any other may (one object per thread)."""
         base = geom.base
         plan = self._plan
@@ -577,10 +572,7 @@ class ChunkDecoder:
             and base.cf is None
             and all(n % c == 0 for n, c in zip(base.shape, base.chunks, strict=True))
             and (base.sample_axis == 0 or base.samples_per_chunk == 1)
-            and (
-                base.tile_shape == base.field_shape
-                or (level_major and base.one_level_per_object)
-            )
+            and (base.tile_shape == base.field_shape or (base.one_level_per_object and level_major))
         )
 
     # -- per-thread state ----------------------------------------------------------------------
