@@ -7,12 +7,12 @@ Found wrong, fixed:
   ``KeepingDecoder``'s buffer of the whole object (``most_aside_bytes``), and a stored object
   of the inner decoder's scratch (``decode_scratch_bytes``), which the whole-object decode
   never takes (it decodes straight into that buffer). Here 262,144 bytes counted at 2 threads
-  where 131,072 are held (the inner scratch stays 0); at ARCO-ERA5's 0.25 degrees, 307 MiB
-  per thread and variable counted where 154 MiB are held, so a 13-level pipeline of 6
-  variables at 16 decode threads was counted 14.7 GB of scratch it never takes, and refused
-  on machines that hold it. ``ArrayFill.decodes_in_place`` (``stages/_jobs.py``) now says
-  no scratch where every tile read goes through the whole-object buffer and a whole object
-  decodes in place:
+  where 131,072 are held (the inner scratch stays 0); at ARCO-ERA5's 0.25 degrees (an
+  object of 146.5 MiB) 293 MiB per thread and variable counted where 146.5 MiB are held, so
+  a level selection of 6 variables at 16 decode threads was counted 13.7 GiB of scratch it
+  never takes (arithmetic from the shapes, not run), and refused on machines that hold it.
+  ``ArrayFill.decodes_in_place`` (``stages/_jobs.py``) now says no scratch where every tile
+  read goes through the whole-object buffer and a whole object decodes in place:
   ``test_a_level_selection_of_objects_holding_every_level_counts_its_decode_buffers_once``.
 * The other way: ``ChunkDecoder.decodes_in_place`` said an array tiled in its field at several
   samples per chunk (chunks ``(4, 8, 8, 32)`` of ``(64, 8, 16, 32)``: xarray/dask's chunks
