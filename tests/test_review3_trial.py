@@ -23,6 +23,12 @@ Found wrong, fixed:
   for the whole field in each object (or one level per object into a level-major slot) and
   the sample axis first:
   ``test_a_field_tiled_at_several_samples_per_chunk_counts_its_decode_scratch``.
+* Likewise a reshaping chunk transform (``Coarsen(2)``) on chunks of one object each: the
+  objects decode in place into the stored-layout spares (counted by ``spare_bytes``), yet a
+  stored object per thread was counted beside them (262,144 bytes counted, 131,072 held at
+  2 threads; 524,288 and 262,144 at 4). A reshaped array now counts scratch only where its
+  objects are not decoded in place into a spare (``stages/fetch.py``, ``_most_scratch``):
+  ``test_a_reshaping_transform_of_whole_field_chunks_counts_its_spares_and_no_scratch_beside``.
 * On a store written newest first, a missing time (NaT) at sample ``k`` also dropped sample
   ``n - 1 - k``, whose time is there (and the anchors whose windows step on it): the
   backwards ticks (``anchor_steps``) were negated in each sample's own order but masked as
@@ -51,7 +57,7 @@ import numpy as np
 import pytest
 import zarr
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import Coarsen, Loader, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.statistics import FIELDS, Statistics, fit_statistics
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
@@ -230,3 +236,31 @@ def test_a_field_tiled_at_several_samples_per_chunk_counts_its_decode_scratch(
             held = max(held, pipe.stats()["decode_scratch_bytes"])
             np.testing.assert_array_equal(b["x"], by_time[np.asarray(b.sample_indices["x"])])
         assert 0 < held <= pipe.stages.fetch.counted.scratch  # a stored object per thread
+
+
+def test_a_reshaping_transform_of_whole_field_chunks_counts_its_spares_and_no_scratch_beside(
+    tmp_path: Path,
+) -> None:
+    group = zarr.open_group(tmp_path / "c.zarr", mode="w", zarr_format=3)
+    values = np.random.default_rng(3).random((64, 32, 32), dtype=np.float32)
+    for name in ("a", "b"):
+        group.create_array(name, shape=values.shape, chunks=(8, 32, 32), dtype="float32",
+                           dimension_names=("time", "lat", "lon"))[:] = values  # fmt: skip
+    g = open_geometries(tmp_path / "c.zarr", ["a", "b"])
+    manifest = split_by_chunk(g["a"], (1.0, 0.0, 0.0))
+    options = {"batch_size": 4, "coords": (), "decode_threads": 2}
+    views = {"x": g["a"], "y": g["b"]}
+    with insitu_pipeline(
+        tmp_path / "c.zarr", manifest, views, chunk_transforms=[Coarsen(2)], **options
+    ) as pipe:
+        held = 0
+        for _ in range(2):
+            for b in Loader(pipe):
+                held = max(held, pipe.stats()["decode_scratch_bytes"])
+                rows = np.asarray(b.sample_indices["x"])
+                want = values[rows].reshape(len(rows), 16, 2, 16, 2).mean(axis=(2, 4))
+                np.testing.assert_allclose(b["x"], want, rtol=1e-6)
+        fetch = pipe.stages.fetch
+        assert all(d.scratch_bytes == 0 for d in fetch._decoders.values())  # all in place
+        spares = 2 * 2 * 8 * 32 * 32 * 4  # 2 arrays x max(2, threads) idle, a chunk each
+        assert held == fetch.counted.scratch == spares
