@@ -45,6 +45,28 @@ Found wrong, fixed:
   read again the same way (files of 2026-12-07 too):
   ``test_statistics_of_a_channel_axis_of_durations_are_fitted_and_applied``,
   ``test_statistics_of_float32_levels_apply_to_the_same_levels_written_as_float64``.
+
+Code quality, fixed: ``anchor_steps`` counted backward times twice, in ``anchor_steps`` (the
+copy with the masking bug above) and in ``forward_ticks`` (right): one ``_counted_ticks`` now.
+``memory_floor``'s docstring named only one part of the decode scratch it sums.
+
+Tried and found right (by scripts, not kept as tests; 2-core VM):
+
+* Yesterday's files and states under today's code (the package at ``ec931ba`` saved, this
+  branch loaded): a mid-epoch ``Loader`` state of a forward store with a time-delta window, a
+  ``"12h"`` stride, ``missing=()`` and shuffling resumes into the same remaining rows; a
+  statistics file of a level selection loads and its channels are checked by index (another
+  order refused). The data module's ``chunk_split`` gives a forward store the manifest
+  fingerprint ``split_by_chunk`` without ``coord`` gives (three fraction triples). A
+  collection's name over 1, 3 and 6 stores is yesterday's; over 7 it changes (as meant).
+* The memory check's scratch after the fixes is the peak ``decode_scratch_bytes`` held over
+  two epochs, or above it, for level selections of objects holding every level (with an edge
+  chunk, a level tiled in 2, a grid box beside the levels, one sample per chunk), fields
+  tiled along latitude, the sample axis second, and ``Coarsen(2)`` of whole-field chunks, at
+  2 and 3 (or 4) decode threads, every row zarr's. With an edge chunk the count stays above
+  what is held (327,680 counted, 229,376 held): the inner scratch an edge object takes.
+* Monthly dates written newest first with one month missing: ``window([0, 1])`` and
+  ``shift(1)`` under ``missing=()`` give 22 anchors of 24, each window consecutive months.
 """
 
 from __future__ import annotations
