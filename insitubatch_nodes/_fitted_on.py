@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -123,11 +124,34 @@ def channel_labels(view: ArrayGeometry) -> dict[str, list[str]]:
 
 def _text(value: Any) -> str:
     """A coordinate value as text, alike in any dtype: ``850`` of int32, float32 or float64
-    levels (a float as its shortest decimal in its own dtype: float32 0.1 is ``0.1``)."""
+    levels; a float as its shortest decimal, a float64 that a float32 holds exactly as the
+    float32's (float32 0.1 and the float64 it widens to, 0.10000000149011612, are both
+    ``0.1``: a store's float32 levels written again as float64 are the same levels; before
+    2026-12-07 they were refused as other channels); dates and durations in the coarsest
+    unit that holds them (``2000-01-01T06`` of ``datetime64[s]`` and ``[ns]`` alike)."""
     if isinstance(value, np.floating):
-        number = float(str(value))
+        number = float(value)
+        if math.isfinite(number) and float(np.float32(number)) == number:
+            number = float(str(np.float32(number)))  # (its shortest float32 decimal)
         return str(int(number)) if number.is_integer() else str(number)
+    if isinstance(value, np.datetime64 | np.timedelta64):  # (a timedelta64 is an np.integer)
+        for unit in ("D", "h", "m", "s", "ms", "us", "ns"):
+            coarse = value.astype(f"{value.dtype.kind}8[{unit}]")
+            if not np.isnat(value) and coarse == value:
+                return str(coarse)
+        return str(value)
     return str(int(value)) if isinstance(value, np.integer) else str(value)
+
+
+def _same_text(text: str) -> str:
+    """A recorded coordinate value's text as :func:`_text` gives it now (files saved on
+    2026-12-07 hold a float64's own shortest decimal): numbers again through :func:`_text`,
+    any other text as it is."""
+    try:
+        number = float(text)
+    except ValueError:
+        return text
+    return _text(np.float64(number))
 
 
 def label_pairs(
@@ -139,7 +163,11 @@ def label_pairs(
     otherwise (records saved before the values were: none)."""
     theirs = (fitted or {}).get("labels") or {}
     mine = channel_labels(view) if theirs else {}
-    return {d: (theirs[d], mine[d]) for d in theirs if d in mine and d not in pool}
+    return {
+        d: (list(map(_same_text, theirs[d])), list(map(_same_text, mine[d])))
+        for d in theirs
+        if d in mine and d not in pool
+    }
 
 
 def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:

@@ -122,11 +122,7 @@ def anchor_steps(
         if backwards:  # newest first: counted negated, a step back in time one step on
             _refuse_backwards(runs, coord, ticks)
             _warn_split_backwards(manifest, coord, stacklevel=4)
-            flipped = Coordinate(coord.name, coord.values[::-1])  # (months oldest first)
-            counted, unit = calendar_ticks(flipped, ticks[::-1])
-            counted = np.where(counted == MISSING_OFFSET, MISSING_OFFSET, -counted[::-1])
-        else:
-            counted, unit = calendar_ticks(coord, ticks)
+        counted, unit = _counted_ticks(coord, ticks, backwards)
     if dates:  # matched to the times to the second, whatever the checks count in
         assert ticks is not None and counted is not None and coord is not None
         gone = time_offsets(coord.dates(dates, "a date in missing"), "1s")
@@ -305,11 +301,23 @@ def forward_ticks(coord: Coordinate, seconds: np.ndarray) -> np.ndarray:
     run backwards (newest first), each negated (a missing time stays :data:`MISSING_OFFSET`),
     so that a step back in time from one sample to the next is one step on (what pairs
     samples one step apart whichever way the store runs: ``fit_statistics``' ``diff_std``)."""
-    if not _backwards(seconds, None):
-        return calendar_ticks(coord, seconds)[0]
+    return _counted_ticks(coord, seconds, _backwards(seconds, None))[0]
+
+
+def _counted_ticks(
+    coord: Coordinate, seconds: np.ndarray, backwards: bool
+) -> tuple[np.ndarray, Any]:
+    """:func:`calendar_ticks` of ``coord``, each negated where the times run ``backwards``
+    (a missing time stays :data:`MISSING_OFFSET`): the months are counted oldest first, then
+    each sample's own count negated (the one place both the plan's checks and ``diff_std``
+    take them from: before 2026-12-07 the plan's masked the missing times in the flipped
+    order, and a missing time at sample ``k`` dropped sample ``n - 1 - k`` too)."""
+    if not backwards:
+        return calendar_ticks(coord, seconds)
     flipped = Coordinate(coord.name, coord.values[::-1])  # (months counted oldest first)
-    ticks = calendar_ticks(flipped, seconds[::-1])[0][::-1]
-    return np.where(ticks == MISSING_OFFSET, MISSING_OFFSET, -ticks)
+    ticks, unit = calendar_ticks(flipped, seconds[::-1])
+    ticks = ticks[::-1]
+    return np.where(ticks == MISSING_OFFSET, MISSING_OFFSET, -ticks), unit
 
 
 def _backwards(ticks: np.ndarray, runs: np.ndarray | None) -> bool:

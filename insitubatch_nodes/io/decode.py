@@ -555,13 +555,12 @@ class ChunkDecoder:
         """Whether every stored object of ``geom`` (this decoder's array) is decoded straight
         into its slot or batch row, ``slot`` being what a slot holds: whole unsharded chunks,
         none at an edge, in the stored native dtype and C order, no filter, no CF decoding, a
-        slot of the whole chunk, and at one sample per chunk (rows decoded straight into the
-        batch) the whole field in each (a part of a row is strided in it). An array stored one
-        level per object (:attr:`ArrayGeometry.one_level_per_object`) decodes in place only
-        into a ``level_major`` slot (:mod:`~insitubatch_nodes.pool`: each object's region is
-        one contiguous run there; before 2026-12-07 such arrays were always counted, though
-        the fetch stage gives them level-major slots where no chunk transform runs on them).
-        Such an array takes no decode scratch; any other may (one object per thread)."""
+        slot of the whole chunk, the sample axis first (or one sample per chunk), the whole
+        field in each object (elsewhere it is strided in a sample-first slot: before
+        2026-12-07 a tiled field was said to decode in place, counted no scratch), or one level
+        per object (:attr:`ArrayGeometry.one_level_per_object`) into a ``level_major`` slot
+        (:mod:`~insitubatch_nodes.pool`: one contiguous run each). Such an array takes no
+        decode scratch; any other may (one object per thread)."""
         base = geom.base
         plan = self._plan
         return (
@@ -571,9 +570,9 @@ class ChunkDecoder:
             and slot == base
             and base.dtype.isnative
             and base.cf is None
-            and (level_major or not base.one_level_per_object)
             and all(n % c == 0 for n, c in zip(base.shape, base.chunks, strict=True))
-            and (base.samples_per_chunk > 1 or base.tile_shape == base.field_shape)
+            and (base.sample_axis == 0 or base.samples_per_chunk == 1)
+            and (base.tile_shape == base.field_shape or (base.one_level_per_object and level_major))
         )
 
     # -- per-thread state ----------------------------------------------------------------------

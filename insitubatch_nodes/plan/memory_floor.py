@@ -19,8 +19,11 @@ A pipeline holds at most, beside the interpreter:
   be twice an epoch's floor (16.3 against 7.2 GiB for a real-sized ARCO-ERA5 pipeline in
   ``tests/test_arco_trial.py``), and would refuse pipelines that run;
 * the batches in flight: ``prefetch_depth + 2`` batches' buffers, made right after the build;
-* the decode scratch (:func:`decode_scratch_bytes`): one stored object per decode thread and
-  array whose objects may be decoded aside.
+* the decode scratch: one stored object per decode thread and array whose objects may be
+  decoded aside (:func:`decode_scratch_bytes`), the buffers per thread that a selection's
+  objects are decoded into whole (``KeepingDecoder.most_aside_bytes``: such an array's own
+  scratch only where a whole object is not decoded in place), and the idle stored-layout
+  chunks of reshaping chunk transforms (:func:`spare_bytes`); the fetch stage sums them.
 
 Before 2026-12-07 the two budgets were held to two rules: the automatic one to its floor and
 the batches in flight, an explicit one to those and the decode scratch, so a pipeline was

@@ -159,6 +159,24 @@ class ArrayFill:
         )
         return error
 
+    def decodes_in_place(self, slot: ArrayGeometry, level_major: bool) -> bool:
+        """Whether no stored object of this array takes its
+        :class:`~insitubatch_nodes.io.decode.ChunkDecoder`'s scratch (``slot`` being what a slot
+        holds, ``level_major`` its layout): each is decoded straight into its slot
+        (``ChunkDecoder.decodes_in_place``), or, where the slot keeps some indices of every
+        tile read (a :class:`KeepingDecoder`), straight into that decoder's buffer of the whole
+        object, which :meth:`KeepingDecoder.most_aside_bytes` counts (before 2026-12-07 such
+        an array was counted a stored object per thread twice: the buffer, and scratch the
+        whole-object decode never takes)."""
+        decoder = self.decoder
+        if not isinstance(decoder, KeepingDecoder):
+            return decoder.decodes_in_place(self.geom, slot, level_major)
+        if not all(decoder.keeps_part_of(tile) for tile, _ in self.tiles):
+            return False  # (a tile kept whole is decoded into a part of the slot)
+        # a buffer of a whole object is one contiguous run, as a level-major slot's object is
+        base = self.geom.base
+        return decoder.inner.decodes_in_place(self.geom, base, level_major=True)
+
     def unit_parts(self, unit: int) -> tuple[int, tuple[int, ...], tuple[slice, ...]]:
         """``(chunk, tile, box)`` of unit ``unit``: the stored object it is and where that
         object's valid rectangle lies in the unit's slot (an edge tile or chunk fills part; a
@@ -224,6 +242,16 @@ class KeepingDecoder:
     @property
     def fill_value(self) -> Any:
         return self._inner.fill_value
+
+    @property
+    def inner(self) -> ChunkDecoder:
+        """The decoder of the array's stored objects, which this one decodes whole."""
+        return self._inner
+
+    def keeps_part_of(self, tile: tuple[int, ...]) -> bool:
+        """Whether the slots keep only some indices of ``tile``'s objects (decoded aside
+        whole first); other tiles decode straight into the slot."""
+        return tuple(tile) in self._kept
 
     def most_aside_bytes(self, threads: int) -> int:
         """The most :attr:`aside_bytes` grows to over ``threads`` decode threads: per thread, a

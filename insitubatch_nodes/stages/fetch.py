@@ -257,19 +257,26 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     ) -> int:
         """The decode scratch the memory check counts (:attr:`scratch_bytes` at most): a stored
         object per decode thread for each array whose objects may be decoded aside (not those
-        that all decode in place), the buffers a selection's objects are decoded into whole
+        that all decode in place: into their slots, or into the whole-object buffers or
+        stored-layout spares below), the buffers a selection's objects are decoded into whole
         (per thread and object shape), and the idle chunks of the stored layout that the
-        chunks of a reshaping transform are decoded into."""
+        chunks of a reshaping transform are decoded into (before 2026-12-07 a reshaped array
+        of one object per chunk, decoded in place into them, was counted scratch too)."""
         threads = len(self._decode_pool.threads)
+        reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
+        # (a reshaped array's objects decode into a spare of the stored, sample-first layout)
         aside = {
             p: g
             for p, g in self.geoms.items()
-            if not self._decoders[p].decodes_in_place(
-                g, self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major
+            if not (
+                arrays[p].decodes_in_place(g.base, False)
+                if p in reshaped
+                else arrays[p].decodes_in_place(
+                    self.slot_geoms.get(p, g), p in layouts and layouts[p].level_major
+                )
             )
         }
         keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
-        reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
         return (
             decode_scratch_bytes(aside, threads)
             + sum(d.most_aside_bytes(threads) for d in keeping)
