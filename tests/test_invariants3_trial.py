@@ -148,3 +148,114 @@ def test_an_automatic_budget_keeping_its_split_or_run_at_its_floor_delivers_ever
             seen_before |= set(gets)
             if kept:
                 assert max(gets.values(), default=0) <= 1 and (epoch == 0) == bool(gets)
+
+
+def _record(batch: Any) -> tuple[int, tuple[int, ...], bytes]:
+    """(epoch, anchors, every array's bytes) of a batch: what an exact resume repeats."""
+    anchors = tuple(int(s[-1]) for s in batch.sample_indices["x"])
+    return batch.epoch, anchors, b"".join(batch[k].tobytes() for k in sorted(batch.arrays))
+
+
+def test_a_state_taken_at_the_floor_resumes_bit_exact_and_deals_the_rest_over_two_ranks(
+    back1: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same pipeline at its floor (chunks released and read again, rows decoded in
+    place): a state after batch 1, 3 or the next-to-last of the epoch restores, in a fresh
+    pipeline, the rest of that epoch and the next bit-exact; loaded into two ranks, the rest
+    is dealt between them, each anchor once over the run and them (at most one left out)."""
+    _fake_memory(monkeypatch, 2_000_000)
+    g = open_geometries(back1)["sst"]
+    manifest = split_by_chunk(g, (0.8, 0.1, 0.1), coord=open_coordinates(back1, g)["time"])
+    views = {"x": g.window(["-6h", "0h"]), "y": g.window(["6h"])}
+
+    def make(rank: int = 0, world: int = 1) -> Any:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return insitu_pipeline(counting_store(back1), manifest, views, batch_size=4,
+                                   seed=2, block_chunks=2, rank=rank, world_size=world)  # fmt: skip
+
+    with make() as pipe:
+        loader = Loader(pipe)
+        ref = [_record(b) for _ in range(2) for b in loader]
+    n = len(ref) // 2
+    for k in (1, 3, n - 1):
+        with make() as pipe:
+            loader = Loader(pipe)
+            it = iter(loader)
+            head = [_record(next(it)) for _ in range(k)]
+            state = loader.state_dict()
+        with make() as pipe:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            rest = [_record(b) for _ in range(2) for b in loader]
+        assert head + rest == ref, k
+        dealt = [a for _, anchors, _ in head for a in anchors]
+        for rank in (0, 1):
+            with make(rank, 2) as pipe:
+                loader = Loader(pipe)
+                loader.load_state_dict(state)
+                dealt += [a for b in loader for a in _record(b)[1]]  # (the epoch's rest)
+        epoch0 = sorted(a for e, anchors, _ in ref if e == 0 for a in anchors)
+        assert len(set(dealt)) == len(dealt) and set(dealt) <= set(epoch0), k
+        assert len(dealt) >= len(epoch0) - 1, k
+
+
+# ---------------------------------------------------------------------------------------------
+# Stores written newest first: time-ordered splits, windows in time deltas, a time stride
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def back_gap(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """60 six-hourly times less the 18th (a gap), newest first, 4 steps an object."""
+    root = tmp_path_factory.mktemp("inv3") / "bg.zarr"
+    return _write_back(root, 60, chunk=4, grid=(2, 3), drop=[17])
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_windows_in_time_deltas_with_a_time_stride_over_ranks_read_each_object_once(
+    back_gap: Path, world: int
+) -> None:
+    """A store written newest first with a gap, split in time order, ``x`` the window
+    ``["-6h", "0h"]`` and ``y`` ``["6h"]`` every 12 hours, shuffled, over 1 and 3 ranks: per
+    epoch every valid anchor (xarray's times: both steps at those times, inside ``train``)
+    once over the ranks (at most ``world - 1`` left out, none twice), every row xarray's,
+    every object GET at most once per rank and epoch (the first epoch's all once; the split is
+    kept, so a later epoch reads only what the rank never read), the report's GETs and rows the
+    store's and the batches'; the second epoch deals the anchors otherwise."""
+    ds = _open(back_gap)
+    times, values = ds.time.values, ds.sst.values
+    g = open_geometries(back_gap)["sst"]
+    manifest = split_by_chunk(g, (0.6, 0.2, 0.2), coord=open_coordinates(back_gap, g)["time"])
+    want = _valid_anchors(times, manifest.samples("train"), np.timedelta64(12, "h"))
+    views = {"x": g.window(["-6h", "0h"]), "y": g.window(["6h"])}
+    per_epoch: list[list[list[int]]] = [[], []]
+    for rank in range(world):
+        store = counting_store(back_gap)
+        with insitu_pipeline(store, manifest, views, batch_size=3, stride="12h", seed=3,
+                             rank=rank, world_size=world) as pipe:  # fmt: skip
+            loader = Loader(pipe)
+            for epoch in range(2):
+                before = Counter(store.chunk_counts())
+                mine = []
+                for batch in loader:
+                    for r, steps in enumerate(batch.sample_indices["x"]):
+                        mine.append(int(steps[-1]))
+                        np.testing.assert_array_equal(batch["x"][r], values[steps])
+                        t = batch.coords["x"]["time"][r]
+                        assert t[1] - t[0] == H6 and batch.coords["y"]["time"][r][0] - t[1] == H6
+                        np.testing.assert_array_equal(batch["y"][r], values[[steps[-1] - 1]])
+                gets = Counter(store.chunk_counts())
+                gets.subtract(before)
+                gets = Counter({k: n for k, n in gets.items() if k.startswith("sst/")})
+                rep = pipe.report()
+                assert max(gets.values()) == 1 if epoch == 0 else max(gets.values()) <= 1, gets
+                assert rep.gets == sum(gets.values()), (rep.gets, gets)
+                assert rep.samples == len(mine) and rep.batches == len(loader)
+                per_epoch[epoch].append(mine)
+    for epoch in (0, 1):
+        union = [a for mine in per_epoch[epoch] for a in mine]
+        assert len(set(union)) == len(union) and set(union) <= set(want)
+        assert len(union) >= len(want) - (world - 1)
+    if world > 1:
+        assert per_epoch[0] != per_epoch[1]
