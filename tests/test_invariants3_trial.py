@@ -30,8 +30,9 @@ from typing import Any
 import numpy as np
 import pytest
 from helpers import counting_store
+from test_collections2_trial import NAMES, _write_anemoi
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.io import open_coordinates
 from insitubatch_nodes.plan import memory_floor, schedule
 from insitubatch_nodes.stages import buffers
@@ -259,3 +260,75 @@ def test_windows_in_time_deltas_with_a_time_stride_over_ranks_read_each_object_o
         assert len(union) >= len(want) - (world - 1)
     if world > 1:
         assert per_epoch[0] != per_epoch[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# anemoi-datasets' single array, read by variable name at its dates
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def anemoi(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, np.ndarray, np.ndarray]:
+    """anemoi's layout (``data (time, variable, ensemble, cell)``, one date an object, the
+    names in ``variables``, the times in ``dates``): 24 dates, 6-hourly."""
+    root = tmp_path_factory.mktemp("inv3") / "anemoi.zarr"
+    return (root, *_write_anemoi(root, "2020-01-01T00", 24))
+
+
+def test_anemoi_channels_by_name_over_two_ranks_read_each_date_once_and_resume_on_three(
+    anemoi: tuple[Path, np.ndarray, np.ndarray],
+) -> None:
+    """Two labels of one anemoi array (``x``: ``t_850`` and ``2t`` of member 0 at two dates,
+    ``y``: ``10u`` of member 1 a date on) every 12 hours over two ranks: each date's object
+    GET once per rank and epoch (both labels read it together), each row numpy's at its
+    dates, every valid anchor once over the ranks (one left out at most); a state of rank 0
+    after its first batch, loaded on three ranks, deals the rest: no anchor twice over the
+    epoch, at most two left out."""
+    root, data, dates = anemoi
+    g = open_geometries(root)["data"]
+    picked = [NAMES.index(n) for n in ("t_850", "2t")]
+    views = {
+        "x": stack({"data": g.sel(variable=["t_850", "2t"]).isel(ensemble=0).window([-1, 0])}),
+        "y": stack({"data": g.sel(variable=["10u"]).isel(ensemble=1).window([1])}),
+    }
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    want = [i for i in range(1, len(dates) - 1) if i % 2 == 0]  # (00 and 12 UTC, both steps)
+
+    def make(rank: int, world: int, store: Any = None) -> Any:
+        return insitu_pipeline(store or root, manifest, views, stride="12h",
+                               batch_size=3, seed=1, rank=rank, world_size=world)  # fmt: skip
+
+    def anchors(batch: Any) -> list[int]:
+        i = batch.sample_indices["x"]
+        np.testing.assert_array_equal(batch["x"], data[i][:, :, picked, 0])
+        np.testing.assert_array_equal(batch["y"], data[batch.sample_indices["y"]][:, :, [0], 1])
+        np.testing.assert_array_equal(batch.coords["x"]["dates"], dates[i])
+        return [int(a) for a in i[:, 1]]
+
+    union: list[int] = []
+    for rank in (0, 1):
+        store = counting_store(root)
+        with make(rank, 2, store) as pipe:
+            loader = Loader(pipe)
+            for epoch in range(2):
+                before = Counter(store.chunk_counts())
+                got = [a for b in loader for a in anchors(b)]
+                gets = Counter(store.chunk_counts())
+                gets.subtract(before)
+                assert max(gets.values()) <= 1 and (epoch or min((+gets).values()) == 1)
+                assert pipe.report().gets == sum(gets.values())
+                if epoch == 0:
+                    union += got
+    assert len(set(union)) == len(union) >= len(want) - 1 and set(union) <= set(want)
+    with make(0, 2) as pipe:
+        loader = Loader(pipe)
+        dealt = anchors(next(iter(loader)))
+        state = loader.state_dict()
+    with make(1, 2) as pipe:
+        dealt += anchors(next(iter(Loader(pipe))))
+    for rank in range(3):
+        with make(rank, 3) as pipe:
+            loader = Loader(pipe)
+            loader.load_state_dict(state)
+            dealt += [a for b in loader for a in anchors(b)]
+    assert len(set(dealt)) == len(dealt) >= len(want) - 2 and set(dealt) <= set(want)
