@@ -332,3 +332,95 @@ def test_anemoi_channels_by_name_over_two_ranks_read_each_date_once_and_resume_o
             loader.load_state_dict(state)
             dealt += [a for b in loader for a in anchors(b)]
     assert len(set(dealt)) == len(dealt) >= len(want) - 2 and set(dealt) <= set(want)
+
+
+# ---------------------------------------------------------------------------------------------
+# stack(ensemble=...) of patched members
+# ---------------------------------------------------------------------------------------------
+
+ENS_LAT, ENS_LON = [60.0, 20.0, -20.0, -60.0], [0.0, 60.0, 120.0, 180.0, 240.0, 300.0]
+
+
+@pytest.fixture(scope="module")
+def ens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """``t (time, member, level, lat, lon)`` and ``2t (time, member, lat, lon)`` in tiles of
+    2 x 3 points, 4 times an object, and a static ``lsm``; every value tells its place."""
+    times = pd.date_range("2020-01-01", periods=12, freq="6h")
+    shape = (12, 3, 2, 4, 6)
+    t = np.arange(np.prod(shape), dtype="f4").reshape(shape)
+    t2 = -np.arange(np.prod(shape) // 2, dtype="f4").reshape(12, 3, 4, 6)
+    ds = xr.Dataset(
+        {
+            "t": (("time", "member", "level", "lat", "lon"), t),
+            "2t": (("time", "member", "lat", "lon"), t2),
+            "lsm": (("lat", "lon"), np.arange(24, dtype="f4").reshape(4, 6) / 100),
+        },
+        coords={
+            "time": times,
+            "member": [1, 2, 3],
+            "level": [850, 500],
+            "lat": ENS_LAT,
+            "lon": ENS_LON,
+        },  # fmt: skip
+    )
+    root = tmp_path_factory.mktemp("inv3") / "ens.zarr"
+    encoding = {"t": {"chunks": (4, 3, 2, 2, 3)}, "2t": {"chunks": (4, 3, 2, 3)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(root, zarr_format=3, consolidated=False, encoding=encoding)
+    return root, ds
+
+
+def test_a_patched_ensemble_stack_over_two_ranks_reads_each_tile_once_and_each_window_once(
+    ens: tuple[Path, Any],
+) -> None:
+    """``stack({"t", "2t": windows [-1, 0] in 2 x 3 patches, "lsm"}, ensemble=
+    "member")`` over two ranks: each (anchor, patch) once over the ranks per epoch (one left
+    out at most), every row numpy's window of every member, each stored tile GET at most once
+    per rank and epoch (all of the first epoch's once), ``lsm`` once per pipeline, the
+    report's GETs the store's."""
+    root, ds = ens
+    g = open_geometries(root)
+    patch = {"lat": 2, "lon": 3}
+    x = stack(
+        {
+            "t": g["t"].window([-1, 0]).patches(patch),
+            "2t": g["2t"].window([-1, 0]).patches(patch),
+            "lsm": g["lsm"],
+        },
+        ensemble="member",
+    )
+    t, t2, lsm = ds.t.values, ds["2t"].values, ds.lsm.values
+    manifest = split_by_chunk(g["2t"], (1.0, 0.0, 0.0))
+    seen: list[tuple[int, int, int]] = []
+    for rank in (0, 1):
+        store = counting_store(root)
+        with insitu_pipeline(store, manifest, {"x": x}, batch_size=5, seed=4, rank=rank,
+                             world_size=2) as pipe:  # fmt: skip
+            loader = Loader(pipe)
+            for epoch in range(2):
+                before = Counter(store.chunk_counts())
+                for batch in loader:
+                    for r in range(len(batch)):
+                        i = batch.sample_indices["x"][r]  # (the window's two steps)
+                        y0, x0 = (int(v) for v in batch.patch_origins["x"][r])
+                        box = (slice(y0, y0 + 2), slice(x0, x0 + 3))
+                        want = np.concatenate(
+                            [
+                                t[i][..., box[0], box[1]],  # (T, E, L, 2, 3)
+                                t2[i][..., None, box[0], box[1]],
+                                np.broadcast_to(lsm[box], (2, 3, 1, 2, 3)),
+                            ],
+                            axis=-3,
+                        )
+                        np.testing.assert_array_equal(batch["x"][r], want)
+                        if epoch == 0:
+                            seen.append((int(i[-1]), y0, x0))
+                gets = Counter(store.chunk_counts())
+                gets.subtract(before)
+                tiles = Counter({k: n for k, n in gets.items() if not k.startswith("lsm/")})
+                assert max(tiles.values()) <= 1 and (epoch or min((+tiles).values()) == 1)
+                assert pipe.report().gets == sum(tiles.values())
+            assert store.chunk_counts().get("lsm/c/0/0", 0) == 1
+    every = {(i, y, x) for i in range(1, 12) for y in (0, 2) for x in (0, 3)}
+    assert len(set(seen)) == len(seen) >= len(every) - 1 and set(seen) <= every
