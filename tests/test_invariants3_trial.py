@@ -29,10 +29,19 @@ from typing import Any
 
 import numpy as np
 import pytest
+import zarr
 from helpers import counting_store
 from test_collections2_trial import NAMES, _write_anemoi
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes import (
+    Collection,
+    Loader,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+    split_by_member,
+    stack,
+)
 from insitubatch_nodes.io import open_coordinates
 from insitubatch_nodes.plan import memory_floor, schedule
 from insitubatch_nodes.stages import buffers
@@ -424,3 +433,64 @@ def test_a_patched_ensemble_stack_over_two_ranks_reads_each_tile_once_and_each_w
             assert store.chunk_counts().get("lsm/c/0/0", 0) == 1
     every = {(i, y, x) for i in range(1, 12) for y in (0, 2) for x in (0, 3)}
     assert len(set(seen)) == len(seen) >= len(every) - 1 and set(seen) <= every
+
+
+# ---------------------------------------------------------------------------------------------
+# A collection whose variables are chunked 1 and 4 samples an object
+# ---------------------------------------------------------------------------------------------
+
+LENGTHS = (7, 9, 5, 6)
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[Any, np.ndarray]]:
+    """Members ``m0..m3`` (7, 9, 5, 6 samples) of one group: ``a`` one sample an object,
+    ``b`` four samples and 2 x 2 tiles an object; every value tells member and place."""
+    root = tmp_path_factory.mktemp("inv3") / "plate.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    data = {}
+    for m, n in enumerate(LENGTHS):
+        for var, spc, base in (("a", 1, 0), ("b", 4, 500)):
+            arr = group.create_array(f"m{m}/{var}", shape=(n, 2, 4), chunks=(spc, 2, 2),
+                                     dtype="f4", dimension_names=("z", "y", "x"))  # fmt: skip
+            arr[:] = np.arange(n * 8, dtype="f4").reshape(n, 2, 4) + 1000 * m + base
+            data[m, var] = arr[...]
+    return root, data
+
+
+def test_members_chunked_one_and_four_read_each_object_once_per_rank_and_epoch(
+    mixed: tuple[Path, dict[Any, np.ndarray]],
+) -> None:
+    """``a`` as windows ``[-1, 0]``, ``b`` a sample on, over two ranks, shuffled: each
+    (member, anchor) once over the ranks per epoch (one left out at most), every row zarr's,
+    each stored object GET at most once per rank and epoch (the first epoch's all once: a
+    block of ``b`` is read by the anchors of four objects of ``a``), the report's GETs the
+    store's."""
+    root, data = mixed
+    valid = {(m, i) for m, n in enumerate(LENGTHS) for i in range(1, n - 1)}
+    union: list[tuple[int, int]] = []
+    for rank in (0, 1):
+        store = counting_store(root)
+        coll = Collection.from_groups(store, [f"m{m}" for m in range(4)], {"a": "a", "b": "b"},
+                                      sample_axis="z")  # fmt: skip
+        views = {"a": coll["a"].window([-1, 0]), "b": coll["b"].shift(1)}
+        manifest = split_by_member(coll, {"train": 1.0})
+        with insitu_pipeline(coll, manifest, views, batch_size=3, seed=5, rank=rank,
+                             world_size=2) as pipe:  # fmt: skip
+            loader = Loader(pipe)
+            for epoch in range(2):
+                before = Counter(store.chunk_counts())
+                for batch in loader:
+                    for r in range(len(batch)):
+                        m = int(batch.members["a"][r])
+                        ia, ib = batch.sample_indices["a"][r], batch.sample_indices["b"][r]
+                        np.testing.assert_array_equal(batch["a"][r], data[m, "a"][ia])
+                        np.testing.assert_array_equal(batch["b"][r], data[m, "b"][ib])
+                        assert int(ib) == int(ia[-1]) + 1
+                        if epoch == 0:
+                            union.append((m, int(ia[-1])))
+                gets = Counter(store.chunk_counts())
+                gets.subtract(before)
+                assert max(gets.values()) <= 1 and (epoch or min((+gets).values()) == 1)
+                assert pipe.report().gets == sum(gets.values())
+    assert len(set(union)) == len(union) >= len(valid) - 1 and set(union) <= valid
