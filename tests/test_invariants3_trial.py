@@ -45,6 +45,7 @@ from insitubatch_nodes import (
 from insitubatch_nodes.io import open_coordinates
 from insitubatch_nodes.plan import memory_floor, schedule
 from insitubatch_nodes.stages import buffers
+from insitubatch_nodes.statistics import Statistics, fit_statistics
 
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")
@@ -370,7 +371,7 @@ def ens(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
             "level": [850, 500],
             "lat": ENS_LAT,
             "lon": ENS_LON,
-        },  # fmt: skip
+        },
     )
     root = tmp_path_factory.mktemp("inv3") / "ens.zarr"
     encoding = {"t": {"chunks": (4, 3, 2, 2, 3)}, "2t": {"chunks": (4, 3, 2, 3)}}
@@ -494,3 +495,71 @@ def test_members_chunked_one_and_four_read_each_object_once_per_rank_and_epoch(
                 assert max(gets.values()) <= 1 and (epoch or min((+gets).values()) == 1)
                 assert pipe.report().gets == sum(gets.values())
     assert len(set(union)) == len(union) >= len(valid) - 1 and set(union) <= valid
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics matched to channels by level value
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def levels(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    """``z (time, level, lat, lon)`` at levels 1000, 850, 500 whose spreads and offsets differ
+    by far (a level standardised with another's statistics shows), 4 steps an object."""
+    rng = np.random.default_rng(0)
+    scale, offset = np.array([1.0, 10.0, 100.0]), np.array([0.0, 50.0, 500.0])
+    z = rng.normal(size=(16, 3, 3, 4)) * scale[:, None, None] + offset[:, None, None]
+    ds = xr.Dataset(
+        {"z": (("time", "level", "lat", "lon"), z.astype("f4"))},
+        coords={
+            "time": pd.date_range("2020-01-01", periods=16, freq="6h"),
+            "level": [1000, 850, 500],
+        },
+    )
+    root = tmp_path_factory.mktemp("inv3") / "levels.zarr"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.to_zarr(
+            root, zarr_format=3, consolidated=False, encoding={"z": {"chunks": (4, 3, 3, 4)}}
+        )
+    return root, ds
+
+
+def test_a_chunk_scaler_refuses_a_store_whose_levels_lie_otherwise_and_scales_one_alike(
+    levels: tuple[Path, Any], tmp_path: Path
+) -> None:
+    """Statistics of every level of ``z`` (1000, 850, 500), saved and loaded, as
+    ``stats.scaler()`` (a chunk transform: it scales the stored array by index) over another
+    store of ``z`` whose levels run 500, 850, 1000: before, it was accepted and standardised
+    level 500 with level 1000's statistics (batch means per level 520, 0.05, -5.1 where 0 is
+    right), where ``stats.normalizer`` and ``stack(normalize=)`` refuse it by the levels' values.
+    Now refused at the build, naming the levels; a store of the same levels as floats is
+    scaled, each level by its own statistics (numpy's)."""
+    root, ds = levels
+    g = open_geometries(root)
+    manifest = split_by_chunk(g["z"], (0.75, 0.25, 0.0))
+    fitted = fit_statistics(root, manifest, {"z": g["z"]})
+    fitted.save(tmp_path / "stats.json")
+    stats = Statistics.load(tmp_path / "stats.json")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ds.isel(level=[2, 1, 0]).to_zarr(tmp_path / "rev.zarr", zarr_format=3, consolidated=False)
+        ds.assign_coords(level=[1000.0, 850.0, 500.0]).to_zarr(
+            tmp_path / "same.zarr", zarr_format=3, consolidated=False
+        )
+    rev = tmp_path / "rev.zarr"
+    gr = open_geometries(rev)
+    with pytest.raises(
+        ValueError, match=r"level \['1000', '850', '500'\] fitted, \['500', '850', '1000'\]"
+    ):
+        insitu_pipeline(rev, split_by_chunk(gr["z"], (0.75, 0.25, 0.0)), {"z": gr["z"]},
+                        batch_size=4, chunk_transforms=[stats.scaler()]).close()  # fmt: skip
+    same = tmp_path / "same.zarr"
+    gs = open_geometries(same)
+    with insitu_pipeline(same, split_by_chunk(gs["z"], (0.75, 0.25, 0.0)), {"z": gs["z"]},
+                         batch_size=4, chunk_transforms=[stats.scaler()]) as pipe:  # fmt: skip
+        batch = next(iter(pipe))
+    train = ds.z.values[:12].astype("f8")
+    mean, std = train.mean(axis=(0, 2, 3)), train.std(axis=(0, 2, 3))
+    want = (ds.z.values[batch.sample_indices["z"]] - mean[:, None, None]) / std[:, None, None]
+    np.testing.assert_allclose(batch["z"], want, rtol=1e-5, atol=1e-5)
