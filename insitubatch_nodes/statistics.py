@@ -281,7 +281,8 @@ class Statistics:
         selection, at most a box on the grid (a patched view's ``within``). Labels of one array
         share its scaling: ``ValueError`` when their statistics differ (a box and the whole
         field); a shifted label's are its array's and agree. A constant channel's ``std`` of 0
-        is given as 1 (``x - mean``, as :meth:`normalizer` makes it)."""
+        is given as 1 (``x - mean``, as :meth:`normalizer` makes it). At the build, an array
+        whose levels' coordinate values are not the fitted ones, in order, is refused."""
         labels = list(self.mean) if labels is None else list(labels)
         mean, std, channels = {}, {}, {}  # (channels: path -> the fitted levels' values)
         taken: dict[str, str] = {}  # path -> the label whose statistics it takes
