@@ -16,8 +16,30 @@ Found (fixed; each test failed before the fix):
   of batch ``k`` dropped *that* pin, taking the chunk from batch ``k + 2`` before it was
   gathered. A release now skips the chunks its own batch decoded in place
   (``stages/_admit.py``).
+- **``stats.scaler()`` standardised another store's levels by index.** Statistics of ``z`` at
+  levels 1000, 850, 500, as the chunk transform over a store of ``z`` whose levels run 500,
+  850, 1000, were taken: level 500 standardised with level 1000's statistics (batch means per
+  level 520, 0.05, -5.1), where ``stats.normalizer`` and ``stack(normalize=)`` refuse that
+  store by the levels' values. The scaler now checks the arrays' levels by value at the build
+  (``_fitted_on.check_scaled_channels``, called from ``StandardScaler.validate``; not part of
+  the pickle, so a persistent cache's identity of the scaler is unchanged).
 
-Tried and found right (no change needed): see each test's docstring.
+Tried and found right (kept as claims below, or by hand where said): on a store written newest
+first split in time order, windows in time deltas with a ``"12h"`` stride across a gap over 1
+and 3 ranks (each valid anchor once, each object once per rank and epoch, the report's GETs
+and rows the store's), the kept automatic budget (every object once, then none) and the one
+at its floor (re-reads counted as such), a state at the floor resuming bit-exact and dealt
+over two ranks; by hand: elastic 2 -> 1, 1 -> 2, 2 -> 3 resumes of the newest-first windows
+(no anchor twice, at most ``W' - 1`` left out) and ``remainder="uneven"`` on val and test over
+1-3 ranks (every anchor exactly once). anemoi's single array by variable name over two ranks
+and resumed on three; anemoi at its floor (fake memory: each row numpy's, re-reads counted);
+a patched ensemble stack of windows over two ranks (each tile object once per rank and epoch,
+the static member once) and, by hand, resumed elastically 2 -> 3 with random origins; a
+collection of members chunked 1 and 4 over two ranks (each object once per rank and epoch)
+and, by hand, members of one sample an object at the floor over 1 and 2 ranks. Under
+``remainder="drop"`` the anchor left out is most often the split's first or last (anemoi, 2
+ranks: the same one in 4 of 5 epochs for seed 1): within the documented "at most ``W - 1``",
+but not spread over the split.
 """
 
 from __future__ import annotations
