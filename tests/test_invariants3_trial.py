@@ -22,7 +22,8 @@ Found (fixed; each test failed before the fix):
   level 520, 0.05, -5.1), where ``stats.normalizer`` and ``stack(normalize=)`` refuse that
   store by the levels' values. The scaler now checks the arrays' levels by value at the build
   (``_fitted_on.check_scaled_channels``, called from ``StandardScaler.validate``; not part of
-  the pickle, so a persistent cache's identity of the scaler is unchanged).
+  the pickle, so a persistent cache's identity of the scaler is unchanged). So were anemoi
+  stores listing their ``variables`` in another order (``10u`` scaled with ``t_850``'s).
 
 Tried and found right (kept as claims below, or by hand where said): on a store written newest
 first split in time order, windows in time deltas with a ``"12h"`` stride across a gap over 1
@@ -585,3 +586,28 @@ def test_a_chunk_scaler_refuses_a_store_whose_levels_lie_otherwise_and_scales_on
     mean, std = train.mean(axis=(0, 2, 3)), train.std(axis=(0, 2, 3))
     want = (ds.z.values[batch.sample_indices["z"]] - mean[:, None, None]) / std[:, None, None]
     np.testing.assert_allclose(batch["z"], want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_chunk_scaler_of_anemoi_variables_refuses_a_store_listing_them_otherwise(
+    anemoi: tuple[Path, np.ndarray, np.ndarray], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """anemoi-datasets stores list their variables in their own order: statistics of one
+    store's ``data`` scale that store (each variable to mean ~0), and are refused for a store
+    whose ``variables`` run the other way round, naming both orders (before: taken, and
+    ``10u`` standardised with ``t_850``'s statistics)."""
+    import test_collections2_trial as c2
+
+    root = anemoi[0]
+    g = open_geometries(root)["data"]
+    stats = fit_statistics(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"data": g})
+    with insitu_pipeline(root, split_by_chunk(g, (1.0, 0.0, 0.0)), {"data": g}, batch_size=24,
+                         shuffle=False, chunk_transforms=[stats.scaler()]) as pipe:  # fmt: skip
+        batch = next(iter(pipe))
+    np.testing.assert_allclose(batch["data"].mean(axis=(0, 2, 3)), 0, atol=1e-4)
+    monkeypatch.setattr(c2, "NAMES", NAMES[::-1])
+    other = tmp_path / "other.zarr"
+    _write_anemoi(other, "2020-01-01T00", 8)
+    go = open_geometries(other)["data"]
+    with pytest.raises(ValueError, match=r"variable \['10u', .*'t_850'\] fitted, \['t_850', "):
+        insitu_pipeline(other, split_by_chunk(go, (1.0, 0.0, 0.0)), {"data": go}, batch_size=4,
+                        chunk_transforms=[stats.scaler()]).close()  # fmt: skip
