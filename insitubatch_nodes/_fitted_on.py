@@ -44,6 +44,7 @@ __all__ = [
     "channel_keys",
     "channel_labels",
     "check_fitted_on",
+    "check_scaled_channels",
     "label_pairs",
     "unmoved",
     "view_record",
@@ -120,6 +121,30 @@ def channel_labels(view: ArrayGeometry) -> dict[str, list[str]]:
             taken = values if keys[i] is None else values[list(keys[i])]  # type: ignore[arg-type]
             out[dim] = [_text(v) for v in taken]
     return out
+
+
+def check_scaled_channels(
+    fitted: Mapping[str, Mapping[str, list[str]]], geometries: Mapping[str, ArrayGeometry]
+) -> None:
+    """``ValueError`` where a chunk scaler (:meth:`Statistics.scaler
+    <insitubatch_nodes.statistics.Statistics.scaler>`, which standardises each stored channel
+    by its index) runs on an array whose channels' coordinate values are not those its
+    statistics were fitted on (``fitted``: path -> :func:`channel_labels` of the fitted view):
+    another store's levels in another order. Axes either side does not name are not checked
+    (files from before the values were recorded)."""
+    for path, geom in geometries.items():
+        theirs = fitted.get(path) or {}
+        mine = channel_labels(geom) if theirs else {}
+        wrong = {d: (theirs[d], mine[d]) for d in theirs if d in mine and theirs[d] != mine[d]}
+        if wrong:
+            raise ValueError(
+                f"the scaler's statistics of {path!r} were fitted on other channels than the "
+                "array has ("
+                + "; ".join(f"{d} {a} fitted, {b} in the array" for d, (a, b) in wrong.items())
+                + "): a chunk scaler standardises the stored channels by index. Fit them on "
+                "this store, or standardise per label with Statistics.normalizer (it takes "
+                "the fitted levels by value)"
+            )
 
 
 def _text(value: Any) -> str:

@@ -39,6 +39,7 @@ view given under their label.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import warnings
@@ -53,6 +54,7 @@ from insitubatch_nodes._checks import check_instance, check_number
 from insitubatch_nodes._fitted_on import (
     channel_keys,
     check_fitted_on,
+    check_scaled_channels,
     label_pairs,
     unmoved,
     view_record,
@@ -279,9 +281,10 @@ class Statistics:
         selection, at most a box on the grid (a patched view's ``within``). Labels of one array
         share its scaling: ``ValueError`` when their statistics differ (a box and the whole
         field); a shifted label's are its array's and agree. A constant channel's ``std`` of 0
-        is given as 1 (``x - mean``, as :meth:`normalizer` makes it)."""
+        is given as 1 (``x - mean``, as :meth:`normalizer` makes it). At the build, an array
+        whose levels' coordinate values are not the fitted ones, in order, is refused."""
         labels = list(self.mean) if labels is None else list(labels)
-        mean, std = {}, {}
+        mean, std, channels = {}, {}, {}  # (channels: path -> the fitted levels' values)
         taken: dict[str, str] = {}  # path -> the label whose statistics it takes
         for label in labels:
             path = self.paths[label]
@@ -322,7 +325,9 @@ class Statistics:
             mean[path] = m.reshape(m.shape + (1,) * grid)
             s = _constant_as_unit(np.asarray(self.std[label]))
             std[path] = s.reshape(s.shape + (1,) * grid)
-        return StandardScaler(mean, std, cache_key=cache_key)
+            channels[path] = fitted.get("labels") or {}
+        check = functools.partial(check_scaled_channels, channels)
+        return StandardScaler(mean, std, cache_key=cache_key, check=check)
 
 
 def _refuse_complex(views: Mapping[str, ArrayGeometry], who: str) -> None:

@@ -512,7 +512,8 @@ class StandardScaler:
     (float64 for 32/64-bit integers), which the scaler declares through ``output_inner``.
 
     ``cache_key`` identifies the fitted statistics (e.g. a version you bump on every re-fit); a
-    persistent chunk cache keys transformed chunks on it. It is part of the repr.
+    persistent chunk cache keys transformed chunks on it. It is part of the repr. ``check``
+    also checks the arrays at the build (``Statistics.scaler()``: their levels' values).
     """
 
     def __init__(
@@ -522,6 +523,7 @@ class StandardScaler:
         *,
         eps: float = 1e-8,
         cache_key: str | None = None,
+        check: Callable[[Mapping[str, ArrayGeometry]], None] | None = None,
     ) -> None:
         if not isinstance(mean, Mapping) or not isinstance(std, Mapping):
             raise TypeError("StandardScaler takes mean and std as {array path: statistics} dicts")
@@ -543,6 +545,7 @@ class StandardScaler:
         self.cache_key = cache_key
         self._cast: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
         self._alias: dict[str, str] = {}  # another collection's variable -> its key (validate)
+        self._check = check  # (not pickled: checked at the build, not part of the identity)
 
     def __repr__(self) -> str:
         key = f", cache_key={self.cache_key!r}" if self.cache_key is not None else ""
@@ -553,6 +556,7 @@ class StandardScaler:
         # persistent cache's fingerprint of this scaler) the same before and after use
         state = dict(self.__dict__)
         state["_cast"], state["_alias"] = {}, {}
+        state.pop("_check", None)
         return state
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
@@ -591,6 +595,8 @@ class StandardScaler:
                         f"does not broadcast to its sample shape {geom.inner_shape}; shape "
                         "per-level statistics like (n_level, 1, 1)"
                     )
+        if (check := getattr(self, "_check", None)) is not None:  # (unpickled: none)
+            check({self._alias.get(p, p): g for p, g in geometries.items()})
 
     def _stats(self, path: str, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:
         key = (path, dtype.str)

@@ -285,7 +285,7 @@ class Admission:
         batch = FetchedBatch(
             plan=head.plan,
             entries=entries,
-            release=self._releaser(head.plan),
+            release=self._releaser(head.plan, head.in_place),
             jobs=tuple(head.jobs),
             arrays=head.arrays,
             direct=head.rows,
@@ -319,28 +319,35 @@ class Admission:
             "insitubatch_nodes, please report it"
         )
 
-    def _releaser(self, plan: BatchPlan) -> Callable[[], None]:
+    def _releaser(self, plan: BatchPlan, in_place: Mapping[int, set[int]]) -> Callable[[], None]:
         ref = weakref.ref(self)
 
         def release() -> None:
             admission = ref()
             if admission is not None:
                 admission.lent.discard(plan.index)
-                admission.release(plan)
+                admission.release(plan, in_place)
 
         return release
 
-    def release(self, plan: BatchPlan) -> None:
+    def release(self, plan: BatchPlan, in_place: Mapping[int, set[int]] | None = None) -> None:
         """Unpin chunks the consumer has read for the last time this epoch (a no-op once this
-        run is torn down)."""
+        run is torn down). ``in_place`` (group index -> chunks) are the chunks ``plan``'s
+        batch decoded straight into its rows: their segments ending here were never pinned,
+        and a pin on such a chunk is a later batch's (read ahead, under a ``pin_gap`` or in
+        the next epoch), not this one's to drop. A batch holds one segment of a chunk at most
+        (segments split after idle *batches*), so the chunk tells the segment."""
         pins, live = self.pins, self.live
         if self.closed or not pins:  # (no pins: every chunk so far was decoded into its rows)
             return
         epoch = plan.epoch_plan
         at = plan.index - epoch.first_batch
         done: list[ChunkEntry] = []
-        for ledger in epoch.ledgers:
+        for gi, ledger in enumerate(epoch.ledgers):
+            mine = in_place.get(gi, ()) if in_place else ()
             for c in ledger.chunk[ledger.released(at)].tolist():
+                if c in mine:  # decoded into its row, never pinned by this batch
+                    continue
                 for path in ledger.paths:
                     key = (path, c)
                     count = pins.get(key, 0)
