@@ -10,9 +10,12 @@ run's server against 14.1 for one per worker under ``-n 3`` (2026-12-07); the fi
 that needs it starts it, and it exits when its last client has gone. The forked process runs the
 script as ``__main__`` and ends through the interpreter's normal exit (atexit hooks, thread
 joins, the exit code of ``sys.exit`` or of an uncaught exception), exactly as
-``python script.py`` would, except that the C and C++ exit handlers of the libraries the server
-preloaded (torch's static destructors: 0.11 CPU-s a process) are skipped unless the request
-asks for ``full_exit=True`` (a test whose claim is about the exit itself).
+``python script.py`` would, except that the interpreter's module teardown and the C and C++
+exit handlers of the libraries the server preloaded are skipped (:func:`_run_then_leave`: it
+ends with ``os._exit`` once the threads are joined, the atexit hooks run and stdio flushed;
+0.195 -> 0.058 CPU-s a forked process) unless the request asks for ``full_exit=True`` (a test
+whose claim is about the exit itself, which then still skips torch's static destructors,
+0.11 CPU-s, :func:`_skip_static_destructors`).
 
 What a forked process shares with a fresh interpreter: a new pid, nothing of the test
 process's state (the server forks from its own clean state, never from the test process), its
