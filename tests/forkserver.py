@@ -13,9 +13,9 @@ joins, the exit code of ``sys.exit`` or of an uncaught exception), exactly as
 ``python script.py`` would, except that the interpreter's module teardown and the C and C++
 exit handlers of the libraries the server preloaded are skipped (:func:`_run_then_leave`: it
 ends with ``os._exit`` once the threads are joined, the atexit hooks run and stdio flushed;
-0.195 -> 0.058 CPU-s a forked process) unless the request asks for ``full_exit=True`` (a test
-whose claim is about the exit itself, which then still skips torch's static destructors,
-0.11 CPU-s, :func:`_skip_static_destructors`).
+0.195 -> 0.058 CPU-s a forked process; an uncaught Ctrl-C's exit skips only the C and C++
+handlers, :func:`_skip_static_destructors`) unless the request asks for ``full_exit=True`` (a
+test whose claim is about the exit itself: the interpreter's whole exit).
 
 What a forked process shares with a fresh interpreter: a new pid, nothing of the test
 process's state (the server forks from its own clean state, never from the test process), its
