@@ -189,6 +189,12 @@ class _Server:
                 if "exit" in msg:
                     self._exits[msg["exit"]] = msg["returncode"]
                 else:
+                    # a new process's pid may be an earlier one's (pids wrap at pid_max, 32,768
+                    # here, and every thread of the run takes one): forget that one's exit, or
+                    # the new process reads as ended with its status (a test's child "exited 0"
+                    # while it ran). Its own exit comes after this reply, on this socket.
+                    if "pid" in msg:
+                        self._exits.pop(msg["pid"], None)
                     self._replies.append(msg)
                 self._cond.notify_all()
 
