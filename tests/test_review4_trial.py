@@ -16,6 +16,28 @@ Found (fixed):
    standardised level 500 with level 1000's statistics, as before invariants3. The check now
    travels with a copy or pickle; the cache identity leaves it out by the class's
    ``identity_excludes`` (``cache.fingerprint``), so it is the digest it was on main.
+3. (documented, not ours to fix) An elastic ``"uneven"`` resume on more ranks than its rest:
+   predictuneven's fix holds through ``insitubatch_nodes.Loader``, ``as_dataset`` and a
+   ``StatefulDataLoader``; torchdata's own ``Loader`` restarts a restored loop without a batch,
+   so there the rank with no share still runs the next epoch (docs/training.md now says so).
+
+Tried and found right (probes not kept): Lightning fits of 3 epochs calling
+``dm.teardown("validate")`` in a training batch, in a validation batch and at each
+validation's end validate the same rows as a fit without it (at the validation's end the val
+pool is cleared: 30 chunk GETs where 18); anemoi stacks ``ensemble="ensemble"`` of one and two
+variables, windowed or not, in both layouts, equal numpy's transposes; anemoi's
+``missing_dates`` with ``missing=`` as indices or dates (list or array) drop the union, and
+``fit_statistics`` drops them too (finite statistics, ``missing_steps`` recorded); the fork
+server's quick exit: the forkserver-run tests make no claim of the module teardown (the exit
+claims run fresh interpreters or ``full_exit=True``), and the package's finalizers at exit are
+atexit ones (``weakref.finalize``, ``_runtime``'s hook); file writes are ``os.write``.
+
+Left as it is: an empty rank's read plan stays at epoch 0 (``resumed_epoch`` 0) while its
+peers count epochs: a state saved on it and loaded elsewhere restarts their count, but it
+delivers no sample in any epoch; advancing it needs a state for "a zero-batch epoch was
+iterated" (a ``ReadPlanNode`` change). ``len(Loader)`` of such a resumed rank says the resumed
+epoch's ``k`` before ``iter()`` and the next epoch's right after it (its epoch is over once
+the producer finds no batch).
 """
 
 from __future__ import annotations
@@ -24,6 +46,7 @@ import copy
 import pickle
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -95,3 +118,53 @@ def test_a_copied_or_pickled_chunk_scaler_still_refuses_a_store_of_other_levels(
     bare = StandardScaler(scaler.mean, scaler.std)
     assert transform_identity(scaler) == transform_identity(bare)
     assert transform_identity(copy.deepcopy(scaler)) == transform_identity(bare)
+
+
+def test_only_torchdatas_own_loader_runs_the_next_epoch_on_an_elastic_rank_with_no_share(
+    tmp_path: Path,
+) -> None:
+    """docs/training.md (Elastic resume): 4 ranks delivered 2 of their 3 batches of a 12-sample
+    ``"uneven"`` split, resumed on 8: new rank 4 has no share of the rest. Through ours (and a
+    ``StatefulDataLoader`` over ``as_dataset``) its loop is empty; torchdata's own ``Loader``
+    restarts a restored loop without a batch and delivers the next epoch's sample there."""
+    import zarr
+    from torchdata.nodes import Loader as TorchdataLoader
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from insitubatch_nodes import Loader, PlanConfig, as_dataset
+
+    root = tmp_path / "s.zarr"
+    data = np.random.default_rng(3).random((24, 2)).astype("f4")
+    zarr.open_group(root, mode="w").create_array(
+        "t2m", data=data, chunks=(3, 2), dimension_names=("time", "lat")
+    )
+    g = open_geometries(root, ["t2m"])["t2m"]
+    manifest = split_by_chunk(g, (0.5, 0.0, 0.5))  # the test split: samples 12..23
+
+    def pipe(rank: int, world: int) -> Any:
+        config = PlanConfig(split="test", shuffle=False, remainder="uneven", batch_size=1,
+                            rank=rank, world_size=world)  # fmt: skip
+        return insitu_pipeline(root, manifest, {"x": g}, config=config)
+
+    def rows(loop: Any) -> list[int]:
+        return [int(np.asarray(b.sample_indices["x"])[0]) for b in loop]
+
+    wrappers = {
+        "ours": Loader,
+        "torchdata": TorchdataLoader,
+        "sdl": lambda p: StatefulDataLoader(
+            as_dataset(p, transform=lambda b: b), batch_size=None, num_workers=0
+        ),
+    }
+    got = {}
+    for name, wrap in wrappers.items():
+        with pipe(0, 4) as old_pipe:
+            old = wrap(old_pipe)
+            it = iter(old)
+            next(it), next(it)
+            state = old.state_dict()
+        with pipe(4, 8) as new_pipe:
+            new = wrap(new_pipe)
+            new.load_state_dict(state)
+            got[name] = rows(new)
+    assert got == {"ours": [], "sdl": [], "torchdata": [20]}
