@@ -208,13 +208,25 @@ def _recorded(dataset: Mapping[str, Any]) -> dict[str, Any]:
         out["manifest"] = out["manifest"].fingerprint()
     if isinstance(out.get("views"), Mapping):  # a stack's members too: forcings are not fitted
         views: dict[str, Any] = {}
+        given: dict[str, str] = {}  # name -> where it was given (a label, a stack's member)
         for label, v in out["views"].items():
             if isinstance(v, Stack):  # (a pipeline's label: its members, as they are fitted)
-                views.update((m.name, m.view) for m in v.members if m.view is not None)
+                named = [(m.name, m.view, f"member {m.name!r} of stack {label!r}")
+                         for m in v.members if m.view is not None]  # fmt: skip
             elif not isinstance(v, Forcings):
-                views[label] = v
-        out["views"] = {label: view_record(unmoved(v)) if isinstance(v, ArrayGeometry) else v
-                        for label, v in views.items()}  # fmt: skip
+                named = [(label, v, f"label {label!r}")]
+            else:
+                named = []
+            for name, view, where in named:
+                record = view_record(unmoved(view)) if isinstance(view, ArrayGeometry) else view
+                if name in views and _plain(views[name]) != _plain(record):
+                    raise ValueError(
+                        f"views: {given[name]} and {where} are other views under one name, "
+                        "whose statistics would be the file's one entry for it: "
+                        f"{views[name]} and {record}. Give each its own name (fit both)"
+                    )
+                views[name], given[name] = record, where
+        out["views"] = views
     return out
 
 

@@ -55,12 +55,18 @@ class EpochLengthSync(pl.Callback):
         setattr(trainer, _RELOAD, 1)
 
 
+def _epoch_loop(trainer: Any) -> Any:
+    """The trainer's training epoch loop (``fit_loop.epoch_loop``), whose ``batch_progress``
+    counts the epoch's batches; ``None`` for a trainer without one (a stand-in)."""
+    return getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+
+
 def resumed_at(trainer: Any) -> int | None:
     """The batches Lightning's training loop counts as done in the epoch it is resuming, while
     it resumes one (its epoch loop ``restarting``: a checkpoint saved mid-epoch, or one saved
     after ``max_steps`` stopped a run, which Lightning resumes at the next batch although it
     counted the epoch as done); ``None`` otherwise."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    loop = _epoch_loop(trainer)
     if loop is None or not getattr(loop, "restarting", False):
         return None
     return int(loop.batch_progress.current.ready)
@@ -74,7 +80,7 @@ def ends_epoch_on_restart(trainer: Any) -> bool:
     hooks and Lightning's count of it. The loader state of such a checkpoint holds nothing
     Lightning trains: it starts the next epoch (see :func:`finish_ended_epoch`). ``False``
     under a Lightning before 2.5 (it restarts the ended epoch at its last batch)."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    loop = _epoch_loop(trainer)
     progress = getattr(loop, "batch_progress", None)
     if progress is None or not getattr(loop, "restarting", False):
         return False
@@ -92,7 +98,7 @@ def trained_its_last_batch(trainer: Any) -> bool:
     where the epoch ended, and Lightning trains no more batch of that epoch (it starts the
     next, or runs the ended epoch's end hooks first). The loader state, mid-epoch where the
     limit cut the epoch short, then holds nothing Lightning trains."""
-    loop = getattr(getattr(trainer, "fit_loop", None), "epoch_loop", None)
+    loop = _epoch_loop(trainer)
     progress = getattr(loop, "batch_progress", None)
     if progress is None:
         return False
@@ -120,7 +126,7 @@ def finish_ended_epoch(trainer: Any, nxt: int) -> bool:
     batch, which the training loader ends at once: the state holds nothing more of it)."""
     if not ends_epoch_on_restart(trainer):
         return False
-    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    current = _epoch_loop(trainer).batch_progress.current
     if current.processed < nxt:
         current.ready = current.started = current.processed = nxt
         current.completed = nxt - 1

@@ -27,9 +27,8 @@ Contracts (checked; a violation raises :class:`ChunkTransformError` naming the t
   They should be vectorized (numpy releases the GIL for whole-array work): a per-element Python
   loop holds the GIL and serializes decoding. ``insitubatch-nodes check-transform`` tests both
   contracts on one real chunk.
-* **Errors.** An exception inside a transform is a bug, not a bad chunk: it always reaches the
-  consumer (as :class:`ChunkTransformError`, the original chained), whatever ``on_bad_chunk``
-  says.
+* **Errors.** An exception inside a transform is a bug, not a bad chunk: it reaches the
+  consumer (as :class:`ChunkTransformError`, the original chained) whatever ``on_bad_chunk`` says.
 """
 
 from __future__ import annotations
@@ -512,9 +511,11 @@ class StandardScaler:
     (float64 for 32/64-bit integers), which the scaler declares through ``output_inner``.
 
     ``cache_key`` identifies the fitted statistics (e.g. a version you bump on every re-fit); a
-    persistent chunk cache keys transformed chunks on it. It is part of the repr. ``check``
-    also checks the arrays at the build (``Statistics.scaler()``: their levels' values).
+    persistent chunk cache keys transformed chunks on it; part of the repr. ``check`` checks the
+    arrays at the build (``Statistics.scaler()``: their levels' values; kept by copies, pickles).
     """
+
+    identity_excludes = ("_check",)  # (cache.fingerprint: a refusal, not the bytes made)
 
     def __init__(
         self,
@@ -545,19 +546,18 @@ class StandardScaler:
         self.cache_key = cache_key
         self._cast: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
         self._alias: dict[str, str] = {}  # another collection's variable -> its key (validate)
-        self._check = check  # (not pickled: checked at the build, not part of the identity)
+        self._check = check
 
     def __repr__(self) -> str:
         key = f", cache_key={self.cache_key!r}" if self.cache_key is not None else ""
         return f"StandardScaler(arrays={sorted(self.mean)}{key})"
 
     def __getstate__(self) -> dict[str, Any]:
-        # the per-dtype casts are derived on use: leaving them out keeps a pickle (and the
-        # persistent cache's fingerprint of this scaler) the same before and after use
+        # the per-dtype casts are derived on use: leaving them out keeps a pickle (and the cache's
+        # fingerprint) the same before and after use; no check: pickled as before checks were
         state = dict(self.__dict__)
         state["_cast"], state["_alias"] = {}, {}
-        state.pop("_check", None)
-        return state
+        return {k: v for k, v in state.items() if k != "_check" or v is not None}
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
         """The field as stored, in the float dtype the scaler computes in."""
@@ -595,7 +595,7 @@ class StandardScaler:
                         f"does not broadcast to its sample shape {geom.inner_shape}; shape "
                         "per-level statistics like (n_level, 1, 1)"
                     )
-        if (check := getattr(self, "_check", None)) is not None:  # (unpickled: none)
+        if (check := getattr(self, "_check", None)) is not None:  # (pickled before: none)
             check({self._alias.get(p, p): g for p, g in geometries.items()})
 
     def _stats(self, path: str, dtype: np.dtype[Any]) -> tuple[np.ndarray, np.ndarray]:

@@ -20,8 +20,9 @@ Each transform is identified, in order of preference, by
 2. a hash of its ``cloudpickle`` serialisation — captures the code (of ``__main__``, lambdas
    and nested functions: see below), the closed-over values and referenced globals, and an
    instance's state including array values (an instance may exclude derived state with
-   ``__getstate__``). The function's source position is part of it, so moving a function
-   inside its file makes the cache stale — loudly, never wrongly;
+   ``__getstate__``; the attributes its class names in ``identity_excludes``, checks that refuse
+   arrays and change no byte, count as unset). The function's source position is part of it,
+   so moving a function inside its file makes the cache stale — loudly, never wrongly;
 3. when it cannot be pickled: a hash of its source and ``repr`` — weaker (closed-over values,
    globals and large arrays, which numpy's ``repr`` summarises, are invisible to it), so it warns
    once per transform type. Give such a transform a ``cache_key``. Memory addresses in the
@@ -42,6 +43,7 @@ a cache of float16 chunks they made before is stale (``StaleCacheError``, or reb
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import inspect
 import json
@@ -85,6 +87,12 @@ def _identity(transform: Any) -> str:
     key = getattr(transform, "cache_key", None)
     if isinstance(key, str):
         return f"key:{type(transform).__module__}.{type(transform).__qualname__}:{key}"
+    excluded = [n for n in getattr(type(transform), "identity_excludes", ()) if n in
+                getattr(transform, "__dict__", {})]  # fmt: skip
+    if excluded:  # (attributes that refuse arrays, changing no byte made: as if unset)
+        transform = copy.copy(transform)
+        for name in excluded:
+            setattr(transform, name, None)
     try:
         import cloudpickle
 
