@@ -150,7 +150,7 @@ def test_a_state_saved_mid_epoch_before_the_draw_finishes_that_epoch_by_the_old_
         )
         resumed = _node(manifest, views, 1, 2)
         resumed.reset(state)
-        assert "sit_out" not in resumed.get_state()["config"]  # saved again: still the old rule
+        assert resumed.get_state()["config"]["sit_out"] == "dealt"  # saved again: the old rule
         assert _rest(resumed) == [old.batch(i).anchors.tolist() for i in range(1, old.n_batches)]
         resumed.reset(None)  # the next epoch draws its sit-out samples
         assert resumed.get_state()["config"]["sit_out"] == "drawn"
@@ -191,3 +191,39 @@ def test_a_drawn_sit_out_epoch_resumes_exactly_and_elastically_losing_nothing_tw
     seen = before + after
     assert len(seen) == len(set(seen)) and set(seen) <= valid
     assert len(valid) - len(seen) <= new - 1
+
+
+@pytest.mark.parametrize("new", [1, 3])
+def test_an_old_mid_epoch_state_resumed_on_another_world_size_replays_the_old_rule_twice_over(
+    dates24, new: int
+) -> None:
+    manifest, g = dates24
+    views = {"x": g.shift(-2), "y": g, "z": g.shift(1)}
+    valid = set(range(2, 23))
+    cfg = [PlanConfig(batch_size=2, block_chunks=2, seed=1, rank=r, world_size=2) for r in (0, 1)]
+    old = [plan_epoch(manifest, views, c, epoch=4, dealing="runs-cut-out") for c in cfg]
+    before = [a for p in old for i in range(2) for a in p.batch(i).anchors.tolist()]
+    n0 = _node(manifest, views, 0, 2)
+    n0.set_epoch(4)
+    n0.reset(None)
+    n0.next(), n0.next()
+    state = n0.get_state()
+    del state["config"]["sit_out"]  # saved on 2 ranks before the sit-out samples were drawn
+    after, again = [], []
+    for r in range(new):
+        n = _node(manifest, views, r, new)
+        n.reset(state)
+        n.next()
+        mid = n.get_state()  # saved again on the new world size, then restored
+        assert mid["config"]["sit_out"] == "dealt"
+        m = _node(manifest, views, r, new)
+        m.reset(mid)
+        rest = _rest(m)
+        assert rest == _rest(n)
+        again.extend(a for b in rest for a in b)
+        n2 = _node(manifest, views, r, new)
+        n2.reset(state)
+        after.extend(a for b in _rest(n2) for a in b)
+    seen = before + after
+    assert len(seen) == len(set(seen)) and set(seen) <= valid
+    assert len(valid) - len(seen) <= max(new, 2) - 1

@@ -128,7 +128,8 @@ def deal(
     round-robin (group ``k * world_size + r`` to rank ``r``) for as many rounds as no rank
     goes over its share; the samples of the groups left (the *tail*) are then laid end to end
     and cut into consecutive pieces, rank 0 first, each rank taking what its share still
-    lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out.
+    lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out (a shuffled
+    plan leaves none over: it drew its sit-out samples first, :func:`sit_out`).
     ``"uneven"``: none does (the shares add up to ``sum(counts)``).
     ``"pad"``: ``(-sum(counts)) % world_size`` samples, drawn without replacement from all
     samples by ``numpy.random.default_rng([*pad_seed, 2])`` (with replacement only when there
@@ -209,7 +210,8 @@ def deal_runs(
     nothing sits out or repeats):
 
     * ``"drop"``: the ``sum(counts) % world_size`` samples left over sit out as one run at one
-      of the ``world_size + 1`` cuts (before the first segment, between two, after the last);
+      of the ``world_size + 1`` cuts (before the first segment, between two, after the last;
+      a shuffled plan leaves none over: it drew its sit-out samples first, :func:`sit_out`);
     * ``"pad"``: ``(-sum(counts)) % world_size`` segments are one sample short and each takes,
       as its padded sample, the sample just past its end (just before its start for the
       segment at the axis' end) — delivered twice, by it and by its neighbour.

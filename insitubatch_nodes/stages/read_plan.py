@@ -369,7 +369,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 else {"missing_steps": self.manifest.steps.fingerprint()}
             ),
             # windows deal contiguous runs (unshuffled: in store order); see saved_dealing
-            **dealt(self.shuffle, dealing_for(self.views), self.remainder),
+            **dealt(self.shuffle, dealing_for(self.views), self.remainder, self.world_size),
         }
 
     def config(self) -> dict[str, Any]:
@@ -640,7 +640,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         ``world`` ranks, after its cuts ``resumed``)."""
         views = self._other_views(state["config"]) or self.views
         config = self.plan_config.replace(**other_order(state["config"], self._config))
-        dealing = dealt(config.shuffle, dealing_for(views), config.remainder)
+        dealing = dealt(config.shuffle, dealing_for(views), config.remainder, self.world_size)
         epoch = int(state["epoch"])
         dealing_then = saved_dealing(state["config"], dealing)
         plan = plan_epoch(self.manifest, views, config.for_rank(0, world), epoch=epoch,
@@ -676,8 +676,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         # another batching (batch size, seed, ...) from where an epoch begins or ends: _resolve
         rebatched = bool(other_order(saved, mine)) and not self._mid_epoch(state)
         for key, value in mine.items():
-            if key in ("world_size", "inputs"):
-                continue  # another world size resumes elastically (see reset); check_state
+            if key in ("world_size", "inputs", "sit_out"):
+                continue  # another world size resumes elastically (see reset); check_state;
+                # a sit-out rule of the saved epoch's, where it began (see saved_dealing)
             if other_views and key in ("dataset", "views"):
                 continue  # the same manifest, other views: at an epoch boundary (see reset)
             if grown and key in ("dataset", "missing_steps"):
