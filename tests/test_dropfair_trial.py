@@ -2,21 +2,31 @@
 
 Found (fixed):
 
-* The at most ``world_size - 1`` samples that sit out of an epoch, so that every rank gets the
-  same number of batches, were almost always the same ones. Windows (``deal_runs``) put the
-  sit-out run at one of the ``world_size + 1`` cuts, so only the split's first or last
-  samples, or those at a cut, ever sat out: on 24 dates over 2 ranks (a 3-step window) the
-  first valid anchor sat out in 7 of 20 epochs against a fair 1 (its share is 20/21).
-  Views at one offset (``deal``) dropped the last samples of the epoch's last tail chunk: the
-  last anchor of a chunk of 4 sat out ~4x its share, the chunk's first never. Now the samples
-  that sit out are drawn, each epoch, uniformly from all the epoch's valid samples (the
-  epoch's seed, the same on every rank) and taken out of the pool before it is dealt; the rest
-  is dealt as before (runs stay contiguous over the samples dealt). Unshuffled epochs keep
-  the documented rule (the last samples sit out). A state saved mid-epoch before this rule
-  (no ``"sit_out"`` in its configuration) finishes that epoch by the old rule, the next one
-  by the new.
+* The at most ``world_size - 1`` samples that sit out of a shuffled epoch (so that every rank
+  gets the same number of batches) were nearly always the same ones. Windows (``deal_runs``)
+  put the sit-out run at one of the ``world_size + 1`` cuts, so only the split's first or last
+  samples, or those at the middle cut, ever sat out: 24 dates, a window ``shift(-2)`` ..
+  ``shift(1)`` (21 anchors), 2 ranks, seed 1, 100 epochs: 3 anchors ever sat out, the first
+  32 times and the last 36 (a fair share is 4.8). Views at one offset (``deal``) dropped the
+  last samples of the epoch's last tail chunk: 41 samples in chunks of 4, 11 samples ever sat
+  out (each a chunk's last), up to 12 times (fair 2.4). Now (``plan.ranks.sit_out``) the
+  samples that sit out are drawn uniformly from all the epoch's valid samples by the epoch's
+  seed (the same on every rank) and taken out before dealing: 21 of 21 and 39 of 41 sat out,
+  at most 11 and 6 times. A state saved mid-epoch on several ranks before this rule (its config
+  has no ``"sit_out"``) finishes that epoch by the old rule (``LEGACY_SIT_OUT``), on any
+  world size, and saved again in it says ``"sit_out": "dealt"`` (one rank draws nothing, so
+  its absence alone would not tell); the next epoch draws.
 
-Tried and found right: see the tests below.
+Tried and found right: unshuffled epochs keep the documented rule (the last samples sit out);
+no sample is delivered twice and exactly ``V % world_size`` sit out per epoch (2 to 5 ranks);
+a drawn epoch resumes exactly mid-epoch and elastically (2 -> 3, 4 -> 3 ranks) losing at most
+``world_size - 1`` and repeating none; a default one-rank config keeps its keys (no
+``"sit_out"``: nothing is dealt). Read-once per rank, the chunk-read bound of windows dealt in
+runs, the schedule floors and old states (tests/test_rank_runs.py, test_ranks.py,
+test_elastic*.py, test_plan.py, test_oldstates_trial.py) pass unchanged, but for one claim of
+test_ranks.py: ranks sharing a tail chunk are consecutive except for a rank whose whole
+chunks already make its share (it holds no tail piece; a chunk one sample short makes that
+possible now).
 """
 
 from __future__ import annotations
