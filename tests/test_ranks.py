@@ -199,9 +199,14 @@ def test_only_tail_chunks_are_shared_costing_at_most_world_size_minus_one_extra_
             limit = world - 1 if remainder == "drop" else 2 * (world - 1)
             assert extra <= limit, (world, epoch, extra)
             if remainder == "drop":
-                # the tail is cut into consecutive pieces: a shared chunk goes to neighbours
+                # the tail is cut into consecutive pieces: a shared chunk goes to neighbours,
+                # skipping only ranks whose whole chunks already made their share (no tail
+                # piece: they share no chunk; with the sit-out samples drawn, since 2026-12-07)
+                alone = {r for r in range(world) if all(
+                    rs == {r} for rs in readers.values() if r in rs)}  # fmt: skip
                 for c, ranks in readers.items():
-                    assert sorted(ranks) == list(range(min(ranks), max(ranks) + 1)), c
+                    gaps = set(range(min(ranks), max(ranks) + 1)) - ranks
+                    assert gaps <= alone, (world, epoch, c, ranks)
     # the pieces cover each tail chunk's samples exactly once
     counts = np.array([8, 8, 3, 8, 1, 8, 8])
     for world in WORLDS:

@@ -60,7 +60,7 @@ from insitubatch_nodes.plan.anchors import (
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, touched_tiles
-from insitubatch_nodes.plan.ranks import DEALINGS, deal, deal_runs
+from insitubatch_nodes.plan.ranks import DEALINGS, LEGACY_SIT_OUT, deal, deal_runs, sit_out
 from insitubatch_nodes.plan.splits import SplitManifest
 
 __all__ = [
@@ -272,9 +272,14 @@ def _rank_shares(
     """The ``(chunks, counts, anchors)`` of each of ``ranks`` in a sample pool laid out as
     :func:`_epoch_samples` lays it, dealt once (:func:`deal`, or :func:`deal_runs` for
     ``dealing="runs"``, its draws from ``default_rng([*pad_seed, 5])`` when shuffling; the whole
-    pool with one rank). A rank's chunk may repeat (a padded sample is a piece of its own)."""
+    pool with one rank). A rank's chunk may repeat (a padded sample is a piece of its own).
+    Shuffled, ``"drop"``'s samples that sit out are drawn and taken out first (:func:`sit_out`;
+    not by a legacy dealing of :data:`LEGACY_SIT_OUT`, which left them to its own rule)."""
     if world_size == 1:
         return [(chunks, counts, anchors) for _ in ranks]
+    if remainder == "drop" and shuffle and dealing not in LEGACY_SIT_OUT:
+        counts, anchors = sit_out(counts, anchors, world_size, [*pad_seed, 6])
+    dealing = LEGACY_SIT_OUT.get(dealing, dealing)
     # A chunk with nothing valid (or nothing left) holds nothing to deal.
     first = np.cumsum(counts) - counts
     keep = counts > 0

@@ -22,6 +22,7 @@ from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.epoch import chunk_anchors
 from insitubatch_nodes.plan.ledger import Stage
 from insitubatch_nodes.plan.patches import patch_spec
+from insitubatch_nodes.plan.ranks import LEGACY_SIT_OUT
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.stack import Stack
 
@@ -184,14 +185,18 @@ def check_legacy(saved: Mapping[str, Any], rule_matters: Callable[[], bool]) -> 
         )
 
 
-def dealt(shuffle: bool, dealing: str) -> dict[str, str]:
+def dealt(shuffle: bool, dealing: str, remainder: str = "drop", world: int = 1) -> dict[str, str]:
     """The config keys that say how a plan's epochs are dealt between ranks (``dealing``, its
     views' :func:`~insitubatch_nodes.plan.epoch.dealing_for`): ``"deal": "runs"`` for windows,
     and ``"run_order": "store"`` for unshuffled ones (each rank's run in store order, since
-    2026-12-07); none for chunks (see :func:`saved_dealing`)."""
+    2026-12-07); ``"sit_out": "drawn"`` for a shuffled ``remainder="drop"`` on ``world > 1``
+    ranks (the samples that sit out drawn from the whole epoch,
+    :func:`~insitubatch_nodes.plan.ranks.sit_out`, since 2026-12-07; one rank deals nothing, so
+    a default config's keys stay as they were); none else (see :func:`saved_dealing`)."""
+    keys = {"sit_out": "drawn"} if shuffle and remainder == "drop" and world > 1 else {}
     if dealing != "runs":
-        return {}
-    return {"deal": "runs"} if shuffle else {"deal": "runs", "run_order": "store"}
+        return keys
+    return {"deal": "runs", **keys} if shuffle else {"deal": "runs", "run_order": "store"}
 
 
 def saved_dealing(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
@@ -199,19 +204,32 @@ def saved_dealing(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | No
     with config ``saved`` began under, where a plan with config ``mine`` would deal it by
     another rule (``None`` otherwise): ``"chunks"`` for windows saved before they were dealt
     in runs (no ``"deal"``), ``"runs-partial-last"`` for unshuffled windows saved before each
-    rank's run went in store order (no ``"run_order"``: its first partial piece came last)."""
+    rank's run went in store order (no ``"run_order"``: its first partial piece came last);
+    either dealing's :data:`~insitubatch_nodes.plan.ranks.LEGACY_SIT_OUT` rule for a shuffled
+    ``"drop"`` plan saved on several ranks before their sit-out samples were drawn (no
+    ``"sit_out"``: it began by that rule, whatever world size resumes it), or saved again in
+    such an epoch (``"sit_out": "dealt"``, :func:`without_dealing`)."""
+    legacy = None
     if "deal" in mine and "deal" not in saved:
-        return "chunks"
-    if "run_order" in mine and "run_order" not in saved:
-        return "runs-partial-last"
-    return None
+        legacy = "chunks"
+    elif "run_order" in mine and "run_order" not in saved:
+        legacy = "runs-partial-last"
+    drew = dealt(bool(saved.get("shuffle")), "", str(saved.get("remainder")),
+                 int(saved.get("world_size", 1)))  # fmt: skip
+    if saved.get("sit_out") == "dealt" or (drew and "sit_out" not in saved):
+        own = legacy or ("runs" if "deal" in mine else "chunks")
+        return next((old for old, new in LEGACY_SIT_OUT.items() if new == own), own)
+    return legacy
 
 
 def without_dealing(config: Mapping[str, Any], dealing: str | None) -> dict[str, Any]:
     """``config`` as a state of an epoch dealt by the legacy ``dealing`` (from
-    :func:`saved_dealing`) records it, so that it is restored by that rule again."""
-    drop = {"chunks": ("deal", "run_order"), "runs-partial-last": ("run_order",)}
-    return {k: v for k, v in config.items() if k not in drop.get(dealing or "", ())}
+    :func:`saved_dealing`) records it, so that it is restored by that rule again (a legacy
+    sit-out says ``"sit_out": "dealt"``: on any world size, even one that draws none)."""
+    drop = {"chunks": ("deal", "run_order"), "runs-partial-last": ("run_order",),
+            "chunks-tail-out": ("deal", "run_order")}  # fmt: skip
+    out = {k: v for k, v in config.items() if k not in drop.get(dealing or "", ())}
+    return {**out, "sit_out": "dealt"} if dealing in LEGACY_SIT_OUT else out
 
 
 def check_same_anchors(

@@ -2,7 +2,8 @@
 ``remainder="uneven"`` numbers that differ by at most one.
 
 Two dealings, each a pure function of the groups' sample counts (:data:`DEALINGS` also holds
-``"runs-partial-last"``: the runs' rule before 2026-12-07, kept for states saved by it):
+the legacy rules kept for states saved by them: :data:`LEGACY_SIT_OUT` and
+``"runs-partial-last"``, the runs' order before 2026-12-07):
 
 * ``"chunks"`` (:func:`deal`): whole chunks go round-robin while they last, then consecutive
   pieces of the remaining (*tail*) chunks' samples. A rank's chunks are spread over the whole
@@ -18,6 +19,9 @@ evenly (``"drop"``: they sit out; ``"pad"``: some repeat; ``"uneven"``: each goe
 the first ranks, so every sample is delivered exactly once and rank ``r`` gets one sample more
 than the others exactly when ``r < V % world_size``, for ``V`` samples: the ranks' batch
 counts may then differ by one, which evaluation tolerates and gradient sync does not).
+In a shuffled ``"drop"`` epoch the samples that sit out are drawn by :func:`sit_out`
+from all the epoch's samples and taken out before dealing (so each sits out about equally
+often over the epochs); :func:`deal` and :func:`deal_runs` then have nothing left over.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np
 
 __all__ = [
     "DEALINGS",
+    "LEGACY_SIT_OUT",
     "REMAINDERS",
     "alone_before_group",
     "check_remainder",
@@ -41,11 +46,16 @@ __all__ = [
     "rank_shares",
     "resolve_rank_world",
     "samples_per_rank",
+    "sit_out",
 ]
 
 
 REMAINDERS = ("drop", "pad", "uneven")
-DEALINGS = ("chunks", "runs", "runs-partial-last")
+# A shuffled "drop" epoch dealt by one of these (the key) left its remainder to the dealing's
+# own rule (the value's), as before its sit-out samples were drawn (2026-12-07): kept for
+# states saved mid-epoch by that rule, which finish their epoch by it.
+LEGACY_SIT_OUT = {"chunks-tail-out": "chunks", "runs-cut-out": "runs"}
+DEALINGS = ("chunks", "runs", "runs-partial-last", *LEGACY_SIT_OUT)
 
 
 def samples_per_rank(
@@ -69,6 +79,26 @@ def rank_shares(n_samples: int, world_size: int, remainder: str = "drop") -> np.
         [samples_per_rank(n_samples, world_size, remainder, r) for r in range(world_size)],
         dtype=np.int64,
     )
+
+
+def sit_out(
+    counts: np.ndarray, anchors: np.ndarray, world_size: int, seed: Sequence[int]
+) -> tuple[np.ndarray, np.ndarray]:
+    """``(counts, anchors)`` of a shuffled ``remainder="drop"`` epoch's sample pool (``anchors``
+    laid group after group, ``counts[g]`` of group ``g``) without the ``V % world_size`` samples
+    that sit out, ``V = len(anchors)``: drawn uniformly without replacement by
+    ``numpy.random.default_rng(seed)``, so over the epochs each sample sits out about equally
+    often (before 2026-12-07 the dealing's own rule chose them: the last samples of the epoch's
+    last tail chunk, or for runs those at one of the ``world_size + 1`` cuts — the split's
+    first or last, epoch after epoch). The rest divides evenly: :func:`deal` and
+    :func:`deal_runs` leave nothing over. Pure; O(``V``) array work."""
+    n_out = len(anchors) % int(world_size)
+    if n_out == 0:
+        return counts, anchors
+    out = np.random.default_rng(list(map(int, seed))).choice(len(anchors), n_out, replace=False)
+    group = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    counts = counts - np.bincount(group[out], minlength=len(counts))
+    return counts, np.delete(anchors, out)
 
 
 def _covered(
@@ -98,7 +128,8 @@ def deal(
     round-robin (group ``k * world_size + r`` to rank ``r``) for as many rounds as no rank
     goes over its share; the samples of the groups left (the *tail*) are then laid end to end
     and cut into consecutive pieces, rank 0 first, each rank taking what its share still
-    lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out.
+    lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out (a shuffled
+    plan leaves none over: it drew its sit-out samples first, :func:`sit_out`).
     ``"uneven"``: none does (the shares add up to ``sum(counts)``).
     ``"pad"``: ``(-sum(counts)) % world_size`` samples, drawn without replacement from all
     samples by ``numpy.random.default_rng([*pad_seed, 2])`` (with replacement only when there
@@ -179,7 +210,8 @@ def deal_runs(
     nothing sits out or repeats):
 
     * ``"drop"``: the ``sum(counts) % world_size`` samples left over sit out as one run at one
-      of the ``world_size + 1`` cuts (before the first segment, between two, after the last);
+      of the ``world_size + 1`` cuts (before the first segment, between two, after the last;
+      a shuffled plan leaves none over: it drew its sit-out samples first, :func:`sit_out`);
     * ``"pad"``: ``(-sum(counts)) % world_size`` segments are one sample short and each takes,
       as its padded sample, the sample just past its end (just before its start for the
       segment at the axis' end) — delivered twice, by it and by its neighbour.

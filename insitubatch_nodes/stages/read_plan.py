@@ -102,22 +102,23 @@ class ReadPlanNode(BaseNode[BatchPlan]):
     val/test only: one more on the first ``V % world_size`` ranks, every sample once). Each
     epoch :func:`deal` hands the permuted chunks out round-robin as whole chunks while every
     rank stays within its share, then cuts the remaining chunks' samples into consecutive
-    pieces. ``"drop"``: the last ``V % world_size`` of them (at most ``world_size - 1``,
-    changing with the permutation) sit out this epoch. ``"pad"``: ``(-V) % world_size`` samples
+    pieces. ``"drop"``: ``V % world_size`` samples (at most ``world_size - 1``) sit out this
+    epoch: drawn from all ``V`` by the epoch's seed and taken out first when shuffling (each
+    sits out about equally often), else the last ones. ``"pad"``: ``(-V) % world_size`` samples
     drawn by the epoch's seed are delivered twice. A rank reads each chunk it holds once per epoch;
     a tail chunk cut between ranks is read by each of them (at most ``world_size - 1`` extra
     chunk reads per epoch, plus one per padded sample), and a shifted view's neighbour chunk —
     ``c + 1`` for the last anchors of ``c`` — may also be read by the rank that holds ``c``.
     **Windows** (views at several offsets) are dealt in runs instead (:func:`deal_runs`): each
-    rank one contiguous run of the valid anchors along the sample axis (the sit-out run at one
-    of the cuts, a padded sample beside its run), which rank gets which run drawn each epoch,
+    rank one contiguous run of the valid anchors dealt, along the sample axis (a padded sample
+    beside its run; unshuffled, the sit-out run last), which rank gets which run drawn each epoch,
     its chunks visited in the epoch's permuted order. Ranks then share only the chunks a window
     span reaches across the ``world_size - 1`` cuts: summed over the ranks at most
     ``world_size - 1`` times ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array
     beyond one rank's reads of the whole split (``s`` the span of the offsets), plus one per
     padded sample. The state's configuration says ``"deal": "runs"`` (unshuffled, also
-    ``"run_order": "store"``); a state saved without either (before that rule: windows dealt in
-    chunks, or each rank's first partial piece last) finishes its epoch dealt as it began.
+    ``"run_order": "store"``; shuffled with ``"drop"``, ``"sit_out": "drawn"``); a state saved
+    without one (before its rule) finishes its epoch dealt as it began, the next by today's.
     With one rank nothing is dropped or repeated. A split with fewer samples than ranks (valid
     anchors, or with patched views their windows) is refused.
 
@@ -368,7 +369,7 @@ class ReadPlanNode(BaseNode[BatchPlan]):
                 else {"missing_steps": self.manifest.steps.fingerprint()}
             ),
             # windows deal contiguous runs (unshuffled: in store order); see saved_dealing
-            **dealt(self.shuffle, dealing_for(self.views)),
+            **dealt(self.shuffle, dealing_for(self.views), self.remainder, self.world_size),
         }
 
     def config(self) -> dict[str, Any]:
@@ -639,14 +640,11 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         ``world`` ranks, after its cuts ``resumed``)."""
         views = self._other_views(state["config"]) or self.views
         config = self.plan_config.replace(**other_order(state["config"], self._config))
-        plan = plan_epoch(
-            self.manifest,
-            views,
-            config.for_rank(0, world),
-            epoch=int(state["epoch"]),
-            resumed=resumed,
-            dealing=saved_dealing(state["config"], dealt(config.shuffle, dealing_for(views))),
-        )
+        dealing = dealt(config.shuffle, dealing_for(views), config.remainder, self.world_size)
+        epoch = int(state["epoch"])
+        dealing_then = saved_dealing(state["config"], dealing)
+        plan = plan_epoch(self.manifest, views, config.for_rank(0, world), epoch=epoch,
+                          resumed=resumed, dealing=dealing_then)  # fmt: skip
         return plan.n_batches
 
     def _check_views(self, state: Mapping[str, Any]) -> bool:
@@ -678,8 +676,9 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         # another batching (batch size, seed, ...) from where an epoch begins or ends: _resolve
         rebatched = bool(other_order(saved, mine)) and not self._mid_epoch(state)
         for key, value in mine.items():
-            if key in ("world_size", "inputs"):
-                continue  # another world size resumes elastically (see reset); check_state
+            if key in ("world_size", "inputs", "sit_out"):
+                continue  # another world size resumes elastically (see reset); check_state;
+                # a sit-out rule of the saved epoch's, where it began (see saved_dealing)
             if other_views and key in ("dataset", "views"):
                 continue  # the same manifest, other views: at an epoch boundary (see reset)
             if grown and key in ("dataset", "missing_steps"):
