@@ -83,6 +83,15 @@ PRELOAD = (
     "insitubatch_nodes.testing",
     "lightning.pytorch",
     "insitubatch_nodes.lightning",
+    # What the forked processes of a whole run imported again and again (the CPU log of
+    # 2026-12-07, 207 forks): pytest (26 forks, 0.25 CPU-s each: the test modules that
+    # ``resume_helpers``' "call" mode imports), s3fs (11, 0.42 s), xarray with pandas (8, 0.42 s)
+    # and ome-zarr-py's writer with dask and scikit-image (4, 0.70 s: the docs' and the
+    # recipes' plates); the server imports them once, for 1.0 CPU-s. None starts a thread.
+    "pytest",
+    "s3fs",
+    "xarray",
+    "ome_zarr.writer",
 )
 
 # PYTHON* variables a forked process can honour (the rest are read at interpreter start).
@@ -708,9 +717,13 @@ if __name__ == "__main__":
     _listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     _listener.bind(_path)
     _listener.listen(64)  # before the imports: the clients' connections wait in the backlog
+    import warnings
+
     for _name in PRELOAD:
-        # an extra that is not installed: the scripts that need it import it themselves
-        with contextlib.suppress(ImportError):
+        # an extra that is not installed: the scripts that need it import it themselves; an
+        # import-time warning (ome-zarr-py's deprecated Scaler) is the server's, not a script's
+        with contextlib.suppress(ImportError), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             __import__(_name)
     # What the server imported is never collected in the forked processes: keep it out of
     # their garbage collections (interpreter exit collects, and would walk all of torch).
