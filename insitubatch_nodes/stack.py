@@ -57,7 +57,7 @@ from insitubatch_nodes.io.selection import date_strings
 from insitubatch_nodes.stack_ensemble import ensemble_members, member_shape
 from insitubatch_nodes.stack_points import grid_dims, grid_points, placing, refuse_unlike_points
 from insitubatch_nodes.static import StaticCut
-from insitubatch_nodes.transforms import work_dtype
+from insitubatch_nodes.work_dtypes import work_dtype
 
 
 class Statistics(Protocol):
