@@ -78,7 +78,8 @@ from insitubatch_nodes.plan.anchors import SampleSteps
 from insitubatch_nodes.plan.fingerprint import anchors_hash
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.static import broadcast_rows, read_static
-from insitubatch_nodes.transforms import StandardScaler, standardise_in_place, work_dtype
+from insitubatch_nodes.transforms import StandardScaler
+from insitubatch_nodes.work_dtypes import standardise_in_place, work_dtype
 
 __all__ = ["Statistics", "fit_statistics"]
 

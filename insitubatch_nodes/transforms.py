@@ -43,6 +43,12 @@ from insitubatch_nodes._checks import check_chunk_transforms
 from insitubatch_nodes.errors import ChunkTransformError
 from insitubatch_nodes.io.collection_paths import renamed_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.work_dtypes import (
+    float16_revision,
+    float_dtype,
+    standardise_in_place,
+    work_dtype,
+)
 
 __all__ = [
     "ChunkTransform",
@@ -52,7 +58,9 @@ __all__ = [
     "Scoped",
     "StandardScaler",
     "applies",
+    "standardise_in_place",  # (defined in work_dtypes, importable from here as before)
     "transform_name",
+    "work_dtype",  # (likewise)
 ]
 
 
@@ -464,39 +472,6 @@ def _mismatch(
 _BLOCK_BYTES = 1 << 20
 
 
-def _float_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
-    """``dtype`` when it is floating point, else the float it promotes to with float32."""
-    return dtype if dtype.kind in "fc" else np.result_type(dtype, np.float32)
-
-
-def work_dtype(dtype: np.dtype[Any]) -> np.dtype[Any]:
-    """The dtype to compute ``dtype`` results in: float32 for float16 (as numpy's own mean does:
-    a sum, a difference or ``1 / std`` overflows float16's 65504 where the result does not),
-    else ``dtype``."""
-    return np.dtype(np.float32) if dtype == np.float16 else dtype
-
-
-def standardise_in_place(rows: np.ndarray, mean: np.ndarray, std: np.ndarray) -> None:
-    """``rows = (rows - mean) / std`` in place, ``mean`` and ``std`` (broadcasting) given in
-    the dtype to compute in (:func:`work_dtype` of the rows'): the rows' own, worked on in
-    place; float32 for float16 rows, computed aside and rounded into the rows once."""
-    if rows.dtype == mean.dtype:
-        np.subtract(rows, mean, out=rows)
-        np.divide(rows, std, out=rows)
-    else:
-        work = np.subtract(rows, mean, dtype=mean.dtype)
-        np.divide(work, std, out=work)
-        rows[...] = work
-
-
-def _float16_revision(geometry: ArrayGeometry) -> str | None:
-    """The ``cache_revision`` of Coarsen and StandardScaler: float16 chunks have been computed
-    in float32 since 6427f56 (before, in float16: inf where the result is finite), so chunks
-    a persistent cache holds from before are not theirs; other dtypes' results are unchanged
-    and keep their identity (``None``)."""
-    return "float16-in-float32" if geometry.dtype == np.float16 else None
-
-
 class StandardScaler:
     """``(x - mean) / (std + eps)`` with fixed, pre-fitted statistics per array.
 
@@ -561,13 +536,13 @@ class StandardScaler:
 
     def output_inner(self, geometry: ArrayGeometry) -> tuple[tuple[int, ...], np.dtype[Any]]:
         """The field as stored, in the float dtype the scaler computes in."""
-        return geometry.inner_shape, _float_dtype(geometry.dtype)
+        return geometry.inner_shape, float_dtype(geometry.dtype)
 
     def cache_revision(self, geometry: ArrayGeometry) -> str | None:
         """What a persistent cache adds to this scaler's identity (its ``cache_key`` names the
         statistics, not the code) on an array given as ``geometry``: see
         :mod:`~insitubatch_nodes.cache.fingerprint`."""
-        return _float16_revision(geometry)
+        return float16_revision(geometry)
 
     def validate(self, geometries: Mapping[str, ArrayGeometry]) -> None:
         """Check that every array in scope has statistics that broadcast to its sample (those
@@ -610,7 +585,7 @@ class StandardScaler:
 
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
         data = chunk.data
-        out_dtype = _float_dtype(data.dtype)
+        out_dtype = float_dtype(data.dtype)
         work = work_dtype(out_dtype)
         mean, scale = self._stats(chunk.array, work)
         if data.dtype == work and data.flags.writeable:
@@ -678,12 +653,12 @@ class Coarsen:
                 f"divisible by the factors {factors}"
             )
         out = tuple(n // f for n, f in zip(inner, factors, strict=True))
-        return out, _float_dtype(geometry.dtype)
+        return out, float_dtype(geometry.dtype)
 
     def cache_revision(self, geometry: ArrayGeometry) -> str | None:
         """What a persistent cache adds to this transform's identity on an array given as
         ``geometry``: see :mod:`~insitubatch_nodes.cache.fingerprint`."""
-        return _float16_revision(geometry)
+        return float16_revision(geometry)
 
     def __call__(self, chunk: DecodedChunk) -> DecodedChunk:
         data = chunk.data
@@ -694,7 +669,7 @@ class Coarsen:
             split += [n // f, f]
         blocks = data.reshape(split)
         axes = tuple(range(2, 2 * len(inner) + 1, 2))
-        out_dtype = _float_dtype(data.dtype)
+        out_dtype = float_dtype(data.dtype)
         mean = blocks.mean(axis=axes, dtype=work_dtype(out_dtype))
         chunk.data = mean.astype(out_dtype, copy=False)
         return chunk

@@ -14,6 +14,7 @@
 * :mod:`~insitubatch_nodes.plan.ledger` — what a drawn epoch is (:class:`EpochPlan`, its
   ledgers and :class:`BatchPlan` s);
 * :mod:`~insitubatch_nodes.plan.schedule` — the residency schedule and its memory bounds;
+* :mod:`~insitubatch_nodes.plan.working_set` — what one drawn epoch holds in slot bytes;
 * :mod:`~insitubatch_nodes.plan.quality` — how well an order mixes the data.
 
 The node that serves these plans to a graph is
@@ -32,9 +33,9 @@ from insitubatch_nodes.plan.schedule import (
     ScheduleFloors,
     choose_schedule,
     schedule_floors,
-    working_set_bytes,
 )
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
+from insitubatch_nodes.plan.working_set import working_set_bytes
 
 __all__ = [
     "REMAINDERS",

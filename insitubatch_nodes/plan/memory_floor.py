@@ -48,7 +48,7 @@ from insitubatch_nodes._process import usable_memory_bytes
 from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.epoch import EpochPlan
-from insitubatch_nodes.plan.schedule import read_bytes
+from insitubatch_nodes.plan.working_set import read_bytes
 
 __all__ = [
     "HeldMemory",

@@ -33,7 +33,8 @@ from insitubatch_nodes.errors import PipelineInterrupted
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.selection import Held
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey, EpochPlan, sorted_unique
-from insitubatch_nodes.plan.schedule import kept_bytes, working_set_bytes
+from insitubatch_nodes.plan.schedule import kept_bytes
+from insitubatch_nodes.plan.working_set import working_set_bytes
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.slots import ChunkEntry

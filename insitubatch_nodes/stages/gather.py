@@ -43,7 +43,8 @@ from insitubatch_nodes.stages._wiring import check_wiring, claim
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
 from insitubatch_nodes.static import StaticFields
-from insitubatch_nodes.transforms import ChunkTransforms, standardise_in_place, transform_name
+from insitubatch_nodes.transforms import ChunkTransforms, transform_name
+from insitubatch_nodes.work_dtypes import standardise_in_place
 
 __all__ = [
     "PARALLEL_GATHER_BYTES",

@@ -52,13 +52,9 @@ from insitubatch_nodes.plan.fingerprint import (
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import alone_before_group, check_still_alone, resolve_rank_world
-from insitubatch_nodes.plan.schedule import (
-    PinSchedule,
-    block_batches,
-    slot_geometries,
-    working_set_bytes,
-)
+from insitubatch_nodes.plan.schedule import PinSchedule, block_batches
 from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.plan.working_set import slot_geometries, working_set_bytes
 from insitubatch_nodes.stages._graph import STOP_OWED, plan_state
 
 __all__ = ["ReadPlanNode"]
