@@ -27,8 +27,6 @@ from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     block_index,
     check_plan_inputs,
-    chunk_anchors,
-    chunk_counts,
     patch_layout,
     plan_groups,
     ramp_unit,
@@ -43,6 +41,7 @@ from insitubatch_nodes.plan.patches import (
 )
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.plan.valid_anchors import chunk_anchors, chunk_counts
 
 log = logging.getLogger(__name__)
 
