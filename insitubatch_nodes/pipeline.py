@@ -11,7 +11,7 @@ import logging
 import os
 from collections.abc import Mapping, Sequence
 from concurrent.futures import wait
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
 from zarr.abc.store import Store
@@ -24,27 +24,28 @@ from insitubatch_nodes.cache.fingerprint import array_fingerprint
 from insitubatch_nodes.cache.identity import StoreCheck
 from insitubatch_nodes.forcing_grid import refuse_forcings_elsewhere
 from insitubatch_nodes.forcings import Forcings
-from insitubatch_nodes.io.arrays import check_arrays_in_store, open_geometries
 from insitubatch_nodes.io.collection import Collection, collection_of
 from insitubatch_nodes.io.collection_checks import (
-    check_collection_in_store,
     member_missing,
     refuse_collection_options,
 )
-from insitubatch_nodes.io.coords import (
-    carried_coordinates,
-    coordinate_reader,
-)
+from insitubatch_nodes.io.coords import coordinate_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.product import product_of, refuse_product_options
 from insitubatch_nodes.io.stores import (
     RetryPolicy,
     StoreLike,
-    as_store,
     describe_store,
     retry_policy,
 )
-from insitubatch_nodes.options import CacheOptions, FetchOptions, resolve_options
+from insitubatch_nodes.options import CacheOptions, FetchOptions
+from insitubatch_nodes.pipeline_inputs import (
+    _carried_coordinates,
+    _members,
+    _open_store,
+    _options,
+    _resolve_views,
+)
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
 from insitubatch_nodes.plan.patches import unit_geometry
@@ -183,9 +184,11 @@ class InSituPipeline(PrefetcherNode[Batch]):
         pool, store = self.stages.pool, self.stages.fetch.store
         timeout = (self.context.options.retry or retry_policy(store)).timeout_s
         commit = prepare_constants(  # the static arrays new stacks need: read now, once
-            carried, self.stages.gather, plan,
+            carried,
+            self.stages.gather,
+            plan,
             lambda need: read_static(store, need, timeout, cache=pool.cache, stats=pool.stats),
-        )  # fmt: skip
+        )
         persistent = pool.cache is not None and pool.cache.persistent
         schedule = choose_schedule(
             plan.manifest,
@@ -359,18 +362,37 @@ def insitu_pipeline(
         config,
         fetch,
         cache,
-        plan={"split": split, "batch_size": batch_size, "block_chunks": block_chunks,
-              "shuffle": shuffle, "seed": seed, "rank": rank, "world_size": world_size,
-              "cross_split_windows": cross_split_windows, "remainder": remainder,
-              "stride": stride},
-        fetch={"max_inflight": max_inflight, "decode_threads": decode_threads, "retry": retry,
-               "on_bad_chunk": on_bad_chunk, "report": report,
-               "prefetch_depth": prefetch_depth},
-        cache={"cache_budget_bytes": cache_budget_bytes, "backing": backing,
-               "cache_dir": cache_dir, "persist": persist, "readonly_cache": readonly_cache,
-               "reset_stale_cache": reset_stale_cache, "verify_cache": verify_cache,
-               "check_store": check_store},
-    )  # fmt: skip
+        plan={
+            "split": split,
+            "batch_size": batch_size,
+            "block_chunks": block_chunks,
+            "shuffle": shuffle,
+            "seed": seed,
+            "rank": rank,
+            "world_size": world_size,
+            "cross_split_windows": cross_split_windows,
+            "remainder": remainder,
+            "stride": stride,
+        },
+        fetch={
+            "max_inflight": max_inflight,
+            "decode_threads": decode_threads,
+            "retry": retry,
+            "on_bad_chunk": on_bad_chunk,
+            "report": report,
+            "prefetch_depth": prefetch_depth,
+        },
+        cache={
+            "cache_budget_bytes": cache_budget_bytes,
+            "backing": backing,
+            "cache_dir": cache_dir,
+            "persist": persist,
+            "readonly_cache": readonly_cache,
+            "reset_stale_cache": reset_stale_cache,
+            "verify_cache": verify_cache,
+            "check_store": check_store,
+        },
+    )
     check_instance("manifest", manifest, SplitManifest, "a SplitManifest (split_by_chunk)")
     batch_transforms = check_batch_transforms(batch_transforms)
     collection = store.name if isinstance(store, Collection) else None
@@ -439,8 +461,9 @@ def insitu_pipeline(
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config, statics=labels)
     if missing_objects == "drop":  # each rank listed the store: the ranks' plans must agree
-        check_same_plan_on_every_rank(plan.config(), plan.dropped, plan.rank, plan.world_size,
-                                      _RANKS_LISTED)  # fmt: skip
+        check_same_plan_on_every_rank(
+            plan.config(), plan.dropped, plan.rank, plan.world_size, _RANKS_LISTED
+        )
     patched = {v.path for v in parts.values() if v.patch}  # stack members' included
     chunk_cache = _open_cache(
         cache_options, zstore, geoms, transforms, plan, statics, frozenset(patched)
@@ -476,14 +499,6 @@ _RANKS_LISTED = (
     "the fill value)"
 )
 
-# The builder keywords whose settings field is named otherwise (the rest are named alike).
-_FIELD_OF = {
-    "cache_budget_bytes": "budget_bytes",
-    "readonly_cache": "readonly",
-    "reset_stale_cache": "reset_stale",
-    "verify_cache": "verify",
-}
-
 
 def _output_view(transforms: ChunkTransforms, label: str, view: Any) -> Any:
     """The view as batches carry it; a stack's members must come out of their chunk
@@ -498,121 +513,6 @@ def _output_view(transforms: ChunkTransforms, label: str, view: Any) -> Any:
                 "shape and dtype"
             )
     return view
-
-
-def _options(
-    config: PlanConfig | None,
-    fetch_options: FetchOptions | None,
-    cache_options: CacheOptions | None,
-    *,
-    plan: Mapping[str, Any],
-    fetch: Mapping[str, Any],
-    cache: Mapping[str, Any],
-) -> tuple[PlanConfig, FetchOptions, CacheOptions]:
-    """The three settings objects the pipeline is built from, each checked once: the one
-    given, or one made from the loose keywords (``plan``, ``fetch``, ``cache``: keyword ->
-    value); an object beside a keyword off its default raises ``TypeError``."""
-    return (
-        _resolve(config, PlanConfig, plan, "config"),
-        _resolve(fetch_options, FetchOptions, fetch, "fetch"),
-        _resolve(cache_options, CacheOptions, cache, "cache"),
-    )
-
-
-def _resolve(given: Any, kind: type, keywords: Mapping[str, Any], argument: str) -> Any:
-    fields = {_FIELD_OF.get(keyword, keyword): (keyword, v) for keyword, v in keywords.items()}
-    return resolve_options(given, kind, fields, where="insitu_pipeline", argument=argument)
-
-
-def _open_store(store: StoreLike, retry: RetryPolicy | None) -> Store:
-    """The store to read: a URL or path opened (with ``retry`` when given), a ``Store`` as is
-    (``retry`` then bounds each GET's deadline only)."""
-    if retry is None or isinstance(store, Store):
-        return as_store(store)
-    return as_store(store, retry=retry)
-
-
-def _resolve_views(
-    zstore: Store, variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack]
-) -> tuple[dict[str, Any], dict[str, ArrayGeometry]]:
-    """``(views, geoms)``: label -> view (array names opened from the store; given views
-    checked against it), and path -> the array's geometry, one per array read."""
-    if isinstance(variables, Mapping):  # views may come from elsewhere: check this store
-        given = [v for v in _members(variables) if isinstance(v, ArrayGeometry)]
-        check_arrays_in_store(zstore, {v.path: v.base for v in given if v.members is None})
-        for v in {v.path: v for v in given if v.members is not None}.values():
-            check_collection_in_store(zstore, v)
-        views: dict[str, Any] = dict(variables)
-    else:
-        names = [variables] if isinstance(variables, str) else list(variables)
-        views = dict(open_geometries(zstore, names))
-        if "" in views:  # a root array: its path is no label
-            raise ValueError(
-                "the root array of the store (path '') has no name to label it by: pass the "
-                "views as a dict, e.g. variables={'x': open_geometries(store)['']}"
-            )
-    if not views:
-        raise ValueError("variables is empty: name at least one array to train on")
-    geoms: dict[str, ArrayGeometry] = {}
-    for label, given_view in views.items():
-        if not isinstance(given_view, ArrayGeometry | Stack):
-            raise TypeError(
-                f"variables[{label!r}] must be an ArrayGeometry view or a stack(), got "
-                f"{given_view!r}"
-            )
-    for view in _members(views):
-        base = geoms.setdefault(view.path, view.base)
-        if base != view.base:
-            raise ValueError(
-                f"two views of {view.path!r} disagree about its geometry "
-                f"({_differences(base, view.base)}): take every view of one array from one "
-                "open_geometries call (its mask_and_scale and cf_dtype decide the dtype)"
-            )
-    return views, geoms
-
-
-def _differences(a: ArrayGeometry, b: ArrayGeometry) -> str:
-    """The compared fields in which two geometries of one array differ, with both values."""
-    out = []
-    for f in fields(ArrayGeometry):
-        x, y = getattr(a, f.name), getattr(b, f.name)
-        if f.compare and not f.name.startswith("_") and x != y:
-            if f.name == "cf":  # (its dtype is the geometry's)
-                x, y = ("as stored" if v is None else "CF-decoded" for v in (x, y))
-                out.append(f"values {x} and {y}" if x != y else "another CF rule")
-                continue
-            out.append(f"{f.name} {x} and {y}")
-    return "; ".join(out) or f"fill value {a.fill_value} and {b.fill_value}"
-
-
-def _members(views: Mapping[str, Any]) -> list[Any]:
-    """Every view ``views`` reads: the views, and the members of its stacks."""
-    out: list[Any] = []
-    for v in views.values():
-        if isinstance(v, Stack):
-            out.extend(v.views)
-        else:
-            out.append(v)
-    return out
-
-
-def _carried_coordinates(
-    zstore: Store,
-    views: Mapping[str, ArrayGeometry],
-    coords: Sequence[str] | None,
-    reader: Any,
-) -> dict[str, Any]:
-    """The coordinates each batch carries (see ``coords`` of :func:`insitu_pipeline`), read
-    and decoded once, here, by ``reader`` (:func:`coordinate_reader`)."""
-    if isinstance(coords, str):
-        coords = [coords]
-    if coords is not None and not isinstance(coords, Sequence):
-        raise TypeError(f"coords must be None or a sequence of coordinate names, got {coords!r}")
-    if coords is not None and not len(coords):
-        return {}
-    return carried_coordinates(
-        zstore, views, None if coords is None else list(coords), reader=reader
-    )
 
 
 def _open_cache(

@@ -107,6 +107,7 @@ STAGE_LEVELS = {
     "_graph": 0,
     "_ranges": 0,
     "_wiring": 0,
+    "_resume": 0,
     "fetch": 1,
     "_admit": 1,
     "_jobs": 1,

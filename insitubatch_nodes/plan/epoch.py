@@ -21,18 +21,8 @@ vectorised numpy (O(samples) array work per epoch, O(chunks) Python per batch):
    chunks instead of (nearly) the whole block;
 4. batches are cut over the whole ledger: ``ceil(N / batch_size)`` batches, only the last short.
 
-**Valid anchors.** An anchor ``a`` of the split is emitted only if every view's sample
-``a + offset`` lies in the array (in a collection's virtual array: in the anchor's own member,
-never in its padding nor in another member, see ``manifest.members``) *and*, by default, on an
-anchor-grid chunk of the same split (``(a + offset) // samples_per_chunk`` is one of the split's
-chunks), so no window reads a sample of another split. ``cross_split_windows=True`` drops the
-second condition (windows may read across the split's edge). A manifest drawn with a
-``sample_range`` narrows both to that window: its anchors lie in it and, by default, so does
-every step they read. In each chunk these anchors are
-one contiguous run (:func:`chunk_counts`); the anchor stride and the missing-step checks
-(:mod:`~insitubatch_nodes.plan.anchors`) then keep a subset of it, as one mask over the
-sample axis (:func:`chunk_anchors`). Either way a chunk's count is a constant of the
-configuration and every epoch, rank and resume stays exact.
+**Valid anchors** (which anchors of the split a plan draws, per chunk) are decided in
+:mod:`~insitubatch_nodes.plan.valid_anchors`.
 
 Each :class:`BatchPlan` says which stored chunks the batch gathers from (``reads``), which of them
 it is the first to need this epoch (``fetches`` — each chunk is fetched once per epoch) and which
@@ -51,17 +41,19 @@ import numpy as np
 from insitubatch_nodes.errors import TooFewSamplesError
 from insitubatch_nodes.io.arrays import check_batchable
 from insitubatch_nodes.io.geometry import ArrayGeometry
-from insitubatch_nodes.plan.anchors import (
-    anchor_filter,
-    dropped_counts,
-    every_sample,
-    off_stride,
-)
+from insitubatch_nodes.plan.anchors import off_stride
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, touched_tiles
 from insitubatch_nodes.plan.ranks import DEALINGS, LEGACY_SIT_OUT, deal, deal_runs, sit_out
 from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.plan.valid_anchors import (
+    _runs,
+    _valid_anchor_range,
+    chunk_anchors,
+    chunk_counts,
+    dropped_anchors,
+)
 
 __all__ = [
     "block_index",
@@ -87,111 +79,6 @@ def block_index(n_chunks: int, block_chunks: int, lead: int = 0) -> np.ndarray:
     covered = sum(sizes)
     sizes.extend([block_chunks] * max(0, math.ceil((n_chunks - covered) / block_chunks)))
     return np.repeat(np.arange(len(sizes), dtype=np.int64), sizes)[:n_chunks]
-
-
-def _valid_anchor_range(n_samples: int, offsets: Sequence[int]) -> tuple[int, int]:
-    """Anchors ``a`` with ``0 <= a + k < n_samples`` for every offset ``k``."""
-    lo = max(0, -min(offsets))
-    hi = min(n_samples, n_samples - max(offsets))
-    return lo, max(lo, hi)
-
-
-def chunk_counts(
-    manifest: SplitManifest,
-    split: str,
-    chunks: np.ndarray,
-    offsets: Sequence[int],
-    cross_split_windows: bool,
-) -> tuple[np.ndarray, np.ndarray]:
-    """First valid anchor and number of valid anchors in each of ``chunks`` (see the module
-    docstring for the rule). Element-wise: the order of ``chunks`` does not matter."""
-    spc, n = manifest.samples_per_chunk, manifest.n_samples
-    lo, hi = _valid_anchor_range(n, offsets)
-    start = np.maximum(chunks * spc, lo)
-    stop = np.minimum(np.minimum((chunks + 1) * spc, n), hi)
-    if not cross_split_windows:
-        member = np.zeros(manifest.n_chunks + 2, dtype=bool)  # index -1 and n_chunks: outside
-        member[manifest.chunk_array(split)] = True
-
-        def in_split(d: np.ndarray) -> np.ndarray:
-            return member[np.clip(d, -1, manifest.n_chunks)]
-
-        for k in set(offsets):
-            # the samples a + k of chunk c's anchors fall in anchor-grid chunks d and d + 1;
-            # anchors from `edge` on read d + 1
-            d = (chunks * spc + k) // spc
-            edge = (d + 1) * spc - k
-            start = np.where(in_split(d), start, np.maximum(start, edge))
-            stop = np.where(in_split(d + 1), stop, np.minimum(stop, edge))
-    if manifest.sample_range is not None:  # a window: its anchors and, like a split's edge,
-        lo_w, hi_w = manifest.sample_range  # every step they read (unless crossing is allowed)
-        reach = (0, 0) if cross_split_windows else (min(offsets), max(offsets))
-        start = np.maximum(start, max(lo_w, lo_w - reach[0]))
-        stop = np.minimum(stop, min(hi_w, hi_w - reach[1]))
-    if manifest.members is not None:  # a collection: every step inside the anchor's member
-        first, end = manifest.members.sample_bounds(chunks, spc)
-        start = np.maximum(start, first - min(offsets))
-        stop = np.minimum(stop, end - max(offsets))
-    if manifest.product is not None:  # product axes: never in an edge block's padding
-        first, end = manifest.product.sample_bounds(chunks, spc)
-        start = np.maximum(start, first - min(offsets))
-        stop = np.minimum(stop, end - max(offsets))
-    return start, np.maximum(stop - start, 0)
-
-
-def chunk_anchors(
-    manifest: SplitManifest,
-    chunks: np.ndarray,
-    offsets: Sequence[int],
-    config: PlanConfig,
-) -> tuple[np.ndarray, np.ndarray]:
-    """``(counts, anchors)``: the number of valid anchors in each of ``chunks`` and the valid
-    anchors laid out chunk after chunk (each chunk's ascending) — :func:`chunk_counts`' runs,
-    narrowed by ``config.stride`` and the missing-step checks of ``manifest.steps`` (one
-    vectorised mask, :func:`~insitubatch_nodes.plan.anchors.anchor_filter`)."""
-    starts, counts = chunk_counts(
-        manifest, config.split, chunks, offsets, config.cross_split_windows
-    )
-    anchors = _runs(starts, counts)
-    keep, _ = anchor_filter(
-        manifest.n_samples, offsets, config.stride, manifest.steps, _origins(manifest, config)
-    )
-    if keep is None:
-        return counts, anchors
-    ok = keep[anchors]
-    owner = np.repeat(np.arange(len(chunks), dtype=np.int64), counts)
-    return np.bincount(owner[ok], minlength=len(chunks)).astype(np.int64), anchors[ok]
-
-
-def _origins(manifest: SplitManifest, config: PlanConfig) -> np.ndarray | None:
-    """Where an int stride counts from, per sample: each collection member's first sample
-    (``None``: index 0 of the array)."""
-    members = manifest.members
-    if members is None or members.continuous:
-        return None
-    if not isinstance(config.stride, int) or every_sample(config.stride):
-        return None
-    return members.sample_base[members.member_of(np.arange(manifest.n_samples))]
-
-
-def dropped_anchors(
-    manifest: SplitManifest, views: Mapping[str, ArrayGeometry], config: PlanConfig
-) -> dict[str, int]:
-    """Anchors of ``config.split`` the missing-step checks drop, per reason
-    (:data:`~insitubatch_nodes.plan.anchors.REASONS`; each anchor under its first reason; only
-    the reasons checked): the split's on-stride anchors whose views read inside the array (and
-    the split) but one of whose steps is missing. ``{}`` without ``manifest.steps``."""
-    if manifest.steps is None:
-        return {}
-    offsets = [g.offset for g in views.values()]
-    chunks = manifest.chunk_array(config.split)
-    starts, counts = chunk_counts(
-        manifest, config.split, chunks, offsets, config.cross_split_windows
-    )
-    _, dropped = anchor_filter(
-        manifest.n_samples, offsets, config.stride, manifest.steps, _origins(manifest, config)
-    )
-    return dropped_counts(dropped, _runs(starts, counts))
 
 
 def _epoch_samples(
@@ -237,14 +124,6 @@ def _patch_samples(
         ids = ids[_runs(first[perm], cnt[perm])]
         pc, cnt = pc[perm], cnt[perm]
     return pc, cnt, ids
-
-
-def _runs(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """``starts[i], starts[i] + 1, ..., starts[i] + counts[i] - 1`` for each ``i``, end to end."""
-    total = int(counts.sum())
-    first = np.cumsum(counts) - counts
-    pos = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
-    return np.repeat(starts, counts) + (np.arange(total, dtype=np.int64) - first[pos])
 
 
 def dealing_for(views: Mapping[str, ArrayGeometry]) -> str:
@@ -605,8 +484,11 @@ def check_ranks(
             "rank with config=PlanConfig(..., remainder='uneven', empty_ranks=True) (the ranks "
             "beyond its samples run zero batches); to train on it, give it more samples (more "
             "chunks, a larger share) or train on fewer ranks",
-            split=config.split, n_samples=n_samples, world_size=world, counted=counted,
-        )  # fmt: skip
+            split=config.split,
+            n_samples=n_samples,
+            world_size=world,
+            counted=counted,
+        )
 
 
 def check_plan_inputs(manifest: Any, views: Any, config: PlanConfig) -> dict[str, ArrayGeometry]:

@@ -19,11 +19,11 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.patching import Patches
 from insitubatch_nodes.plan.anchors import SampleSteps, calendar_unit
 from insitubatch_nodes.plan.config import PlanConfig
-from insitubatch_nodes.plan.epoch import chunk_anchors
 from insitubatch_nodes.plan.ledger import Stage
 from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.plan.ranks import LEGACY_SIT_OUT
 from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.plan.valid_anchors import chunk_anchors
 from insitubatch_nodes.stack import Stack
 
 __all__ = [

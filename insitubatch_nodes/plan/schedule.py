@@ -27,8 +27,6 @@ from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     block_index,
     check_plan_inputs,
-    chunk_anchors,
-    chunk_counts,
     patch_layout,
     plan_groups,
     ramp_unit,
@@ -37,6 +35,7 @@ from insitubatch_nodes.plan.ledger import EpochPlan, sorted_unique
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, touched_tiles
 from insitubatch_nodes.plan.ranks import default_rank_world
 from insitubatch_nodes.plan.splits import SplitManifest
+from insitubatch_nodes.plan.valid_anchors import chunk_anchors, chunk_counts
 from insitubatch_nodes.plan.working_set import read_bytes, slot_geometries, working_set_bytes
 
 log = logging.getLogger(__name__)

@@ -1,6 +1,7 @@
 """The five stages as ``torchdata.nodes`` (the only folder that imports torchdata), top-down:
 
-* :mod:`~insitubatch_nodes.stages.read_plan` — :class:`ReadPlanNode`, one plan per batch;
+* :mod:`~insitubatch_nodes.stages.read_plan` — :class:`ReadPlanNode`, one plan per batch
+  (how it takes a saved state: ``_resume``);
 * :mod:`~insitubatch_nodes.stages.context` — :class:`StageContext`, what the stages of one
   graph share (made from the read plan by one call, handed to every stage below);
 * :mod:`~insitubatch_nodes.stages.fetch` — :class:`AsyncChunkFetchNode`, the node; its

@@ -13,7 +13,6 @@ from collections.abc import Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 from torchdata.nodes import BaseNode
 
 from insitubatch_nodes._checks import check_int
@@ -24,27 +23,16 @@ from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.epoch import (
     check_plan_inputs,
     check_ranks,
-    chunk_anchors,
     dealing_for,
     dropped_anchors,
     patch_layout,
     plan_epoch,
 )
 from insitubatch_nodes.plan.fingerprint import (
-    ORDER_KEYS,
     PlanAnchors,
-    check_cuts,
-    check_inputs,
-    check_legacy,
-    check_same_anchors,
-    config_differs,
     dataset_hash,
     dealt,
     inputs_of,
-    other_order,
-    other_views_error,
-    saved_dealing,
-    saved_views,
     stratifying_tiles,
     views_list,
     without_dealing,
@@ -56,6 +44,7 @@ from insitubatch_nodes.plan.schedule import PinSchedule, block_batches
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.plan.working_set import slot_geometries, working_set_bytes
 from insitubatch_nodes.stages._graph import STOP_OWED, plan_state
+from insitubatch_nodes.stages._resume import SavedStateChecks
 
 __all__ = ["ReadPlanNode"]
 
@@ -82,7 +71,7 @@ _CONFIG_ATTRS = frozenset(
 )
 
 
-class ReadPlanNode(BaseNode[BatchPlan]):
+class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     """A torchdata node whose items are :class:`BatchPlan` s, one per batch, epoch after epoch.
 
     ``views`` maps each label to an :class:`ArrayGeometry` view; every view must have the
@@ -546,42 +535,6 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         self._emitted, self._resumed, self._dealing = 0, (), None
         self._plan = self._scheduled(self._epoch)
 
-    def _resolve(self, state: Mapping[str, Any]) -> tuple[int, int, tuple[Stage, ...], str | None]:
-        """``(epoch, batches emitted, elastic cuts, dealing)`` that a checked ``state`` resumes
-        at; ``dealing`` is ``None`` (the views' own) unless the state resumes mid-epoch and
-        was saved before windows were dealt in runs (its config has no ``"deal"``): that epoch
-        then goes on dealt in chunks, as it began.
-
-        A state taken under another world size adds a cut: every old rank delivered its first
-        ``batches_emitted`` batches (all it had if fewer; rank 0, whose state is saved, has the
-        most), and the rest of the epoch is dealt to this world size: over for every rank once
-        rank 0 has no batch of it left (before 2026-12-07 a rank with none went on alone).
-        """
-        epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
-        resumed = check_cuts(state.get("resumed", ()), emitted)
-        saved_world = int(state["config"].get("world_size", self.world_size))
-        if self._other_views(state["config"]) is not None:
-            # saved with other views at an epoch boundary (check_state): the next epoch is ours
-            over = emitted > 0 and emitted >= self._saved_len(state, resumed, saved_world)
-            return epoch + int(over), 0, (), None
-        if other_order(state["config"], self._config):  # where an epoch begins or ends
-            return epoch + int(emitted > 0), 0, (), None
-        dealing = saved_dealing(state["config"], self._config)
-        if saved_world != self.world_size:
-            if emitted == 0:  # nothing delivered yet: the epoch as this world size plans it
-                return epoch, 0, (), None
-            old = self._draw(epoch, None, resumed, world=(0, saved_world), dealing=dealing)
-            if emitted >= old.n_batches:
-                return epoch + 1, 0, (), None  # the epoch was over
-            if not resumed or resumed[-1][1] < emitted:  # (its ranks delivered nothing: no cut)
-                resumed = (*resumed, (saved_world, emitted))
-        if resumed or emitted:  # over once rank 0 (the largest share) has none left
-            lead = (0, self.world_size) if resumed else None  # ("uneven": a rank may have none)
-            n_batches = self._draw(epoch, None, resumed, lead, dealing).n_batches
-            if emitted >= n_batches and (n_batches > 0 or resumed):
-                epoch, emitted, resumed = epoch + 1, 0, ()
-        return epoch, emitted, resumed, dealing if (resumed or emitted) else None
-
     @property
     def owes_stop(self) -> bool:
         """Whether this node, restored at its epoch's end by a consumer that had not yet been
@@ -609,87 +562,12 @@ class ReadPlanNode(BaseNode[BatchPlan]):
         if self._owed is not None:  # where it was restored, until the StopIteration is taken
             return copy.deepcopy(self._owed)
         config = without_dealing(self._config, self._dealing)  # (a legacy epoch goes on as one)
-        state = {"epoch": self._epoch, "batches_emitted": self._emitted, "config": config,
-                 "anchors": self._anchors.value}  # fmt: skip
+        state = {
+            "epoch": self._epoch,
+            "batches_emitted": self._emitted,
+            "config": config,
+            "anchors": self._anchors.value,
+        }
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
             state["resumed"] = [[w, k] for w, k in self._resumed]
         return state
-
-    def check_state(self, state: Mapping[str, Any]) -> None:
-        """Raise ``ValueError`` unless ``state`` (from :meth:`get_state`) fits this node."""
-        missing = {"epoch", "batches_emitted", "config"} - set(state)
-        if missing:
-            raise ValueError(f"not a read-plan state: missing {sorted(missing)}")
-        other_views = self._check_views(state)
-        self._check_config(state, other_views=other_views)
-        mine = self._config.get("inputs", {})  # (none: plain views, in either config)
-        if not other_views and state["config"].get("inputs", {}) != mine:
-            check_inputs(state, self._config, self._mid_epoch(state))
-
-    def _other_views(self, saved: Mapping[str, Any]) -> dict[str, ArrayGeometry] | None:
-        """The plan's views a state's ``config`` was saved with, when they differ from this
-        node's and all else the dataset fingerprint covers is the same (``None`` otherwise)."""
-        return saved_views(saved, self._config["dataset"], self._known, self.manifest, self.views)
-
-    def _saved_len(self, state: Mapping[str, Any], resumed: Sequence[Stage], world: int) -> int:
-        """Batches of the state's epoch under the views it was saved with (rank 0 of its
-        ``world`` ranks, after its cuts ``resumed``)."""
-        views = self._other_views(state["config"]) or self.views
-        config = self.plan_config.replace(**other_order(state["config"], self._config))
-        dealing = dealt(config.shuffle, dealing_for(views), config.remainder, self.world_size)
-        epoch = int(state["epoch"])
-        dealing_then = saved_dealing(state["config"], dealing)
-        plan = plan_epoch(self.manifest, views, config.for_rank(0, world), epoch=epoch,
-                          resumed=resumed, dealing=dealing_then)  # fmt: skip
-        return plan.n_batches
-
-    def _check_views(self, state: Mapping[str, Any]) -> bool:
-        """Whether ``state`` was saved with other views (at an epoch boundary: ``ValueError``
-        naming both sets of views mid-epoch)."""
-        theirs = self._other_views(state["config"])
-        if theirs is None:
-            return False
-        where = self._mid_epoch(state)
-        if where:
-            raise other_views_error(theirs, self.views, state, where)
-        return True
-
-    def _mid_epoch(self, state: Mapping[str, Any]) -> str:
-        """Where inside its epoch ``state`` was saved (``"epoch 0, after 2 batches"``), under
-        the views it was saved with; empty where that epoch begins or ends."""
-        emitted = int(state["batches_emitted"])
-        resumed = check_cuts(state.get("resumed", ()), emitted)
-        world = int(state["config"].get("world_size", self.world_size))
-        if emitted == 0 or emitted >= self._saved_len(state, resumed, world):
-            return ""
-        return f"epoch {int(state['epoch'])}, after {emitted} batch{'' if emitted == 1 else 'es'}"
-
-    def _check_config(self, state: Mapping[str, Any], other_views: bool = False) -> None:
-        saved, mine = state["config"], self._config
-        grown = state.get("anchors") == self._anchors.value  # (the archive grew outside it?)
-        check_same_anchors(saved, mine, grown, self.manifest.steps)
-        check_legacy(saved, self._rule_matters)
-        # another batching (batch size, seed, ...) from where an epoch begins or ends: _resolve
-        rebatched = bool(other_order(saved, mine)) and not self._mid_epoch(state)
-        for key, value in mine.items():
-            if key in ("world_size", "inputs", "sit_out"):
-                continue  # another world size resumes elastically (see reset); check_state;
-                # a sit-out rule of the saved epoch's, where it began (see saved_dealing)
-            if other_views and key in ("dataset", "views"):
-                continue  # the same manifest, other views: at an epoch boundary (see reset)
-            if grown and key in ("dataset", "missing_steps"):
-                continue  # the split's anchors as saved: an archive grown outside the split
-            if key in saved and saved[key] != value and not (rebatched and key in ORDER_KEYS):
-                raise config_differs(key, saved[key], value, state)
-
-    def _rule_matters(self) -> bool:
-        """Whether ``cross_split_windows`` changes this configuration's anchors."""
-        if self.cross_split_windows:
-            return False
-        chunks = self.manifest.chunk_array(self.split)
-        offsets = [g.offset for g in self.views.values()]
-        inside = chunk_anchors(self.manifest, chunks, offsets, self.plan_config)[0]
-        across = chunk_anchors(
-            self.manifest, chunks, offsets, self.plan_config.replace(cross_split_windows=True)
-        )[0]
-        return not np.array_equal(inside, across)
