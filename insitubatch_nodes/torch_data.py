@@ -149,7 +149,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         cut = self._cut
         if cut is not None and cut == epoch and int(state["epoch"]) == epoch + 1:
             return self.plan.resumed_len(state)  # (the next epoch's start is pending)
-        if int(state["epoch"]) == epoch and self.plan.resumed_epoch(state) > epoch:
+        if int(state["epoch"]) == epoch and self.plan.ends_epoch(state):
             return int(state["batches_emitted"])
         return None
 

@@ -395,8 +395,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         """Whether ``state`` (this node's or a ``Loader``'s) was taken at its epoch's end, so
         that restoring it goes on with the next epoch; ``False`` inside an epoch, also where
         this rank has no batch of it left (an elastic rank with no share of the rest)."""
-        plan = plan_state(state)
-        return self.context.plan.resumed_epoch(plan) > int(plan["epoch"])
+        return self.context.plan.ends_epoch(state)
 
     def start_state(self, epoch: int) -> dict[str, Any] | None:
         """The state of this graph before the first batch of ``epoch`` (nothing is started):

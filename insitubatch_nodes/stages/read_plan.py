@@ -478,6 +478,13 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         node.check_state(state)
         return node._resolve(state)[0]
 
+    def ends_epoch(self, state: Mapping[str, Any]) -> bool:
+        """Whether ``state`` (this node's or a ``Loader``'s) was taken at its epoch's end, so
+        that ``reset(state)`` goes on with the next epoch; ``False`` inside an epoch, also where
+        this rank has no batch of it left (an elastic rank with no share of the rest)."""
+        state = plan_state(state)
+        return self.resumed_epoch(state) > int(state["epoch"])
+
     def resumed_len(self, state: Mapping[str, Any]) -> int:
         """:meth:`__len__` once ``reset(state)`` has run (nothing changes; any state)."""
         node = self._as_reset(state := plan_state(state))
