@@ -2,14 +2,14 @@
 
 Everything a cold epoch keeps — pool slots, batch buffers — is memory the process has never
 touched, paid for page by page on first write. Two rules, both measured on the project's VM
-(docs/performance.md, *Fresh memory*):
+(docs/pipeline.md, *Memory paid for once*):
 
 * **No huge-page request.** numpy asks the kernel for transparent huge pages
   (``madvise(MADV_HUGEPAGE)``) on every array of 4 MiB or more. Where the memory behind a huge
   page has to be backed anew (a VM whose host reclaims the guest's free memory: the free
   blocks large enough for a huge page are exactly those), each first write of 2 MiB waits for
   it: an epoch 0 of the 16-samples-per-chunk archive store whose slots were all made on demand
-  took 4.6–5.4 s (7–8.5 s in the kernel) with numpy's request, and 1.5 s without it.
+  took 5.2–5.8 s with numpy's request and 1.5–3.8 s without it (four fresh processes each).
   :func:`plain_pages` maps such memory without the request: the kernel's own policy decides.
 * **Populated in one pass where that is paid ahead of need.** :func:`populated_pages` maps the
   range with ``MAP_POPULATE``, several times as fast as first writes faulting it in.
