@@ -7,8 +7,10 @@ the variants are interleaved round by round so that machine noise hits them alik
   split's stored objects, with the glibc allocator tuning on and off
   (``INSITUBATCH_NODES_MALLOC_TUNING``): seconds and page faults per pass.
 * ``epochs`` — ``insitu_pipeline`` at the default budget, two epochs, with every combination
-  of the allocator tuning and the first epoch's slot reserve (``ChunkPool.reserve``): samples/s,
-  CPU seconds and page faults of each epoch, epoch 0 / epoch 1.
+  of the allocator tuning and the reserves of slots and batch buffers made ahead of need (what a
+  remote store gets; over this local folder the default makes them on demand,
+  ``AsyncChunkFetchNode.memory_ahead``): samples/s, CPU seconds and page faults of each epoch,
+  epoch 0 / epoch 1.
 
     .venv/bin/python -m benchmarks.first_epoch --rounds 3 [--what gets epochs]
 
@@ -68,9 +70,9 @@ _GETS = textwrap.dedent(
 _EPOCHS = textwrap.dedent(
     """
     import json, os, resource, sys, time
-    import insitubatch_nodes.pool as residency
-    if os.environ.get("BENCH_NO_RESERVE") == "1":
-        residency.ChunkPool.reserve = lambda self, shapes: None
+    from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
+    if os.environ.get("BENCH_RESERVE") == "1":  # the reserves, as over a remote store
+        AsyncChunkFetchNode.memory_ahead = property(lambda self: True, lambda self, v: None)
     from insitubatch_nodes import Loader, _process, insitu_pipeline, open_geometries, split_by_chunk
     root = sys.argv[1]
     g = open_geometries(root, ["t2m", "z"])
@@ -145,10 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                 )
     if "epochs" in args.what:
         variants = {
-            "tuning+reserve": {},
-            "tuning only": {"BENCH_NO_RESERVE": "1"},
-            "reserve only": {"INSITUBATCH_NODES_MALLOC_TUNING": "0"},
-            "neither": {"INSITUBATCH_NODES_MALLOC_TUNING": "0", "BENCH_NO_RESERVE": "1"},
+            "tuning only (default)": {},
+            "tuning+reserve": {"BENCH_RESERVE": "1"},
+            "reserve only": {"INSITUBATCH_NODES_MALLOC_TUNING": "0", "BENCH_RESERVE": "1"},
+            "neither": {"INSITUBATCH_NODES_MALLOC_TUNING": "0"},
         }
         res: dict[str, list[dict]] = {k: [] for k in variants}
         names = list(variants)

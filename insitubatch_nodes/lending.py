@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._pages import plain_pages
 from insitubatch_nodes.io.geometry import in_native_byte_order
 
 __all__ = ["RESERVE_WAIT_S", "BufferPool"]
@@ -108,7 +109,7 @@ class BufferPool:
             raw = self._ready.pop(0) if self._ready else None
             if raw is None:
                 self.allocations += 1
-        self._buffers.append(np.empty(self.nbytes, dtype=np.uint8) if raw is None else raw)
+        self._buffers.append(plain_pages((self.nbytes,), np.uint8) if raw is None else raw)
         self._leases.append(None)
         return self._lend(len(self._buffers) - 1)
 

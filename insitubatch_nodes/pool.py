@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from insitubatch_nodes._checks import check_optional_int
+from insitubatch_nodes._pages import plain_pages
 from insitubatch_nodes.errors import CacheClosed, CacheMissError, CorruptCacheError, FillCancelled
 from insitubatch_nodes.slots import (
     FAILED,
@@ -456,7 +457,7 @@ class ChunkPool:
                 entry.file = written
                 entry.slot = written.array
             else:  # another rank writes it now, or the cache closed: kept in memory
-                entry.slot = np.empty(shape, dtype=dtype)
+                entry.slot = plain_pages(shape, dtype)
         return False
 
     def seal(self, entry: ChunkEntry) -> None:

@@ -9,15 +9,14 @@ the :class:`Fill` it waits on.
 from __future__ import annotations
 
 import logging
-import math
-import mmap
-import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
+
+from insitubatch_nodes._pages import plain_pages, populated_pages
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -88,44 +87,26 @@ class SlotBacking(Protocol):
         ...
 
 
-#: Smallest slot :meth:`RamBacking.allocate_populated` maps on its own: 16 pages, so that the
-#: rest of a slot's last page is at most 1/16 of it (the heap holds smaller slots tightly).
-POPULATE_MIN_BYTES = 16 * mmap.PAGESIZE
-
-
 class RamBacking:
-    """Slots in anonymous process memory.
+    """Slots in anonymous process memory (:mod:`~insitubatch_nodes._pages`: no huge pages asked
+    for, whose first faults a VM may make several times as slow).
 
     :meth:`allocate` returns untouched memory (its pages fault in on first write, on whichever
     thread writes). :meth:`allocate_populated` returns memory whose pages are already faulted
-    in — one anonymous ``mmap`` with ``MAP_POPULATE`` on Linux, where the kernel maps the whole
-    range in one pass several times faster than first writes fault it in page by page
-    (measured on the project's VM: ~4 GB/s against 0.4–1 GB/s); elsewhere it writes zeros
-    into a fresh array (the same first-touch cost, paid by the caller's thread). The pool
-    uses it to pay for slot memory ahead of need, on a thread that is otherwise idle.
-
-    A mapping is whole pages, so a slot smaller than :data:`POPULATE_MIN_BYTES` is taken from
-    the heap instead (zeros written by the calling thread): mapped alone, a 512-byte chunk's
-    slot held a 4 KiB page, and a pool of such chunks held eight times its budget.
+    in, in one pass of the kernel several times as fast as first writes: the pool uses it to
+    pay for slot memory ahead of need (:meth:`ChunkPool.reserve
+    <insitubatch_nodes.pool.ChunkPool.reserve>`). A slot smaller than
+    :data:`~insitubatch_nodes._pages.OWN_MAPPING_MIN_BYTES` is taken from the heap.
     """
 
     name = "ram"
     in_ram = True  # (the build's memory check counts these slots: see SlotBacking)
 
     def allocate(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        return np.empty(shape, dtype=dtype)
+        return plain_pages(shape, dtype)
 
     def allocate_populated(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        nbytes = math.prod(shape) * dtype.itemsize
-        populate = getattr(mmap, "MAP_POPULATE", 0)
-        if nbytes < POPULATE_MIN_BYTES or not populate or not sys.platform.startswith("linux"):
-            out = np.empty(shape, dtype=dtype)
-            out.fill(0)
-            return out
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | populate
-        region = mmap.mmap(-1, nbytes, flags=flags)  # unmapped when the array is dropped
-        return np.frombuffer(region, dtype=dtype).reshape(shape)
+        return populated_pages(shape, dtype)
 
     def release(self, buffer: np.ndarray) -> None:
         del buffer

@@ -94,6 +94,7 @@ BELOW_STAGES = [
     "_checks",
     "_process",
     "_runtime",
+    "_pages",
 ]
 ABOVE = ["stages", "pipeline", "torch_data", "lightning"]
 # g) The stages' order, top-down as a batch flows: a module of stages/ imports only modules of

@@ -3,10 +3,11 @@
 A fresh process pays for every new page on first write. Two places did that over and over:
 the first epoch's slots (faulted in by the decodes that fill them) and every GET's bytes
 (allocated by obstore through glibc ``malloc``, which maps and unmaps buffers of that size
-each time). The pipeline now reserves the first epoch's slots ahead of need on a thread of
-their own, with their pages mapped in bulk, and tunes ``malloc`` to keep large buffers for
-reuse, in one arena shared by every thread (obstore's included). These tests pin the behaviour
-(not the speed: that is ``benchmarks/``).
+each time). Over a remote store the pipeline now reserves the first epoch's slots ahead of need
+on a thread of their own, with their pages mapped in bulk (a local folder's slots are made by
+the decodes, without asking for huge pages: ``tests/test_pages.py``), and tunes ``malloc`` to
+keep large buffers for reuse, in one arena shared by every thread (obstore's included). These
+tests pin the behaviour (not the speed: that is ``benchmarks/``).
 
 The allocator's claims are about a process: each runs in one of its own, forked from the
 tests' fork server (``tests/forkserver.py``), which imports the package but never opens a store
@@ -30,6 +31,7 @@ import forkserver
 import numpy as np
 import pytest
 import zarr
+from helpers import counting_store
 
 from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by_chunk
 from insitubatch_nodes.lending import BufferPool
@@ -128,9 +130,10 @@ def test_a_reserve_that_ends_early_lets_a_waiting_take_allocate() -> None:
 def test_an_epoch_makes_no_more_batch_buffers_than_the_reserve_and_the_first(
     era5_v3_path: Path,
 ) -> None:
-    geoms = open_geometries(era5_v3_path, ["t2m"])
+    store = counting_store(era5_v3_path)  # not a folder read on the decode threads: reserved
+    geoms = open_geometries(store, ["t2m"])
     manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
-    pipe = insitu_pipeline(era5_v3_path, manifest, {"x": geoms["t2m"]}, batch_size=4, coords=())
+    pipe = insitu_pipeline(store, manifest, {"x": geoms["t2m"]}, batch_size=4, coords=())
     with pipe:
         loader = Loader(pipe)
         made = []
@@ -146,11 +149,27 @@ def test_an_epoch_makes_no_more_batch_buffers_than_the_reserve_and_the_first(
 
 
 def test_closing_a_pipeline_stops_its_reserve(era5_v3_path: Path) -> None:
-    geoms = open_geometries(era5_v3_path, ["t2m"])
+    store = counting_store(era5_v3_path)
+    geoms = open_geometries(store, ["t2m"])
     manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
-    pipe = insitu_pipeline(era5_v3_path, manifest, {"x": geoms["t2m"]}, batch_size=4)
+    pipe = insitu_pipeline(store, manifest, {"x": geoms["t2m"]}, batch_size=4)
+    assert pipe.stages.fetch.memory_ahead
     pipe.close()
     assert pipe.stages.pool._reserver is None
+
+
+def test_a_local_folder_s_pipeline_makes_no_memory_ahead_of_need(era5_v3_path: Path) -> None:
+    # its epoch 0 is CPU-bound (page-cache reads and decodes on every core): slots and buffers
+    # made ahead of need on threads of their own only took the decode threads' CPU
+    geoms = open_geometries(era5_v3_path, ["t2m"])
+    manifest = split_by_chunk(geoms["t2m"], (0.8, 0.1, 0.1))
+    pipe = insitu_pipeline(era5_v3_path, manifest, {"x": geoms["t2m"]}, batch_size=4, coords=())
+    with pipe:
+        assert not pipe.stages.fetch.memory_ahead
+        assert not any("reserve" in t.name for t in threading.enumerate())
+        assert pipe.stages.pool.stats.allocations == 0 and pipe.context.buffers.allocations == 0
+        n = sum(len(batch) for batch in Loader(pipe))
+        assert n > 0 and 0 < pipe.context.buffers.allocations <= pipe.prefetch_depth + 2
 
 
 @pytest.mark.parametrize("budget", ["automatic", "floor"])
@@ -164,7 +183,7 @@ def test_the_first_epoch_draws_its_slots_from_the_reserve_and_matches_zarr(
     if budget == "floor":  # the smallest explicit budget accepted: little slack for a race
         config = PlanConfig(**kw)  # type: ignore[arg-type]
         kw["cache_budget_bytes"] = schedule_floors(manifest, labels, config).bounded
-    pipe = insitu_pipeline(era5_v3_path, manifest, labels, **kw)
+    pipe = insitu_pipeline(counting_store(era5_v3_path), manifest, labels, **kw)
     try:
         pool = pipe.stages.pool
         _wait_reserved(pool)

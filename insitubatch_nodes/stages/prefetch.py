@@ -54,7 +54,6 @@ from insitubatch_nodes.stages._graph import (
 )
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages._wiring import check_wiring, claim
-from insitubatch_nodes.stages.buffers import batches_in_flight
 from insitubatch_nodes.stages.context import StageContext
 
 if TYPE_CHECKING:
@@ -235,9 +234,6 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         self._halts = 0
         self.recorder = context.recorder
         _runtime.stop_at_exit("prefetch", self, _halt_all)
-        # Pay for batch memory ahead of need (a fresh process faults new pages in slowly): the
-        # buffers in flight at once are the consumer's, the queue's and the one being filled.
-        context.buffers.reserve(batches_in_flight(self.prefetch_depth))
         claim(self, source)
         context.set_root(self)
 
