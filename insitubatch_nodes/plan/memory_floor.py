@@ -40,12 +40,13 @@ anyway (sums over its ledgers, no pass over the samples).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from insitubatch_nodes._process import usable_memory_bytes
-from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES
+from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES, ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.epoch import EpochPlan
 from insitubatch_nodes.plan.working_set import read_bytes
@@ -146,7 +147,11 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
     )
 
 
-def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> int:
+def decode_scratch_bytes(
+    geoms: Mapping[str, ArrayGeometry],
+    threads: int,
+    decoders: Mapping[str, ChunkDecoder] | None = None,
+) -> int:
     """The decode scratch ``threads`` decode threads may hold over the arrays ``geoms``, as
     ``docs/pipeline.md`` bounds it: per thread and array, one stored object (a zarr chunk,
     decoded; an inner chunk of a shard), which an object decoded aside — an edge chunk, a
@@ -154,28 +159,49 @@ def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> in
     (:mod:`~insitubatch_nodes.io.decode`). An allowance: an in-place decode takes nothing, so
     the fetch stage passes only the arrays whose objects may be decoded aside (not those
     ``ChunkDecoder.decodes_in_place``: before 2026-12-07 every array counted, and a stack of
-    whole in-place chunks was refused a budget for scratch it never takes)."""
-    objects = {
-        g.path: g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
-        for g in geoms.values()
-    }  # (a thread's buffer is SCRATCH_MIN_BYTES at least: before 2026-12-07 not counted)
-    return threads * sum(max(n, SCRATCH_MIN_BYTES) for n in objects.values())
+    whole in-place chunks was refused a budget for scratch it never takes).
+
+    CF-packed values (scaled, offset or cast: not masked only) are decoded into a per-thread
+    buffer of the *stored* dtype, and that decode takes a stored object of scratch beside it
+    only where a whole object cannot go straight into it (``decoders``, by path, say so; none
+    given: counted). Before, such an object was counted at the decoded dtype's width and no
+    more: an int16 field decoded to float32 counted 4 bytes a value where 2 are held."""
+    total = 0
+    for g in geoms.values():
+        base = g.base
+        values = base.samples_per_chunk * math.prod(base.tile_shape)
+        cf = base.cf
+        if cf is None or cf.in_place:
+            total += max(values * base.dtype.itemsize, SCRATCH_MIN_BYTES)
+            continue
+        stored = max(values * cf.stored.itemsize, SCRATCH_MIN_BYTES)  # the packed buffer
+        decoder = None if decoders is None else decoders.get(g.path)
+        plain = dataclasses.replace(base, cf=None)  # (the packed buffer: a whole object)
+        direct = decoder is not None and decoder.decodes_in_place(plain, plain, True)
+        total += stored if direct else 2 * stored
+    return threads * total
 
 
 def spare_bytes(geoms: Mapping[str, ArrayGeometry], max_idle: int) -> int:
     """The idle buffers the fill keeps for decoding the chunks of ``geoms`` (the arrays whose
     chunk transforms reshape them) in their stored layout before the transforms write the slot:
-    at most ``max_idle`` per array and chunk length (a whole chunk, and an edge chunk's where
-    the split ends inside one), each a whole stored chunk at most
-    (:class:`~insitubatch_nodes.stages._fill.SpareBuffers`). Counted beside
-    :func:`decode_scratch_bytes`: before 2026-12-07 they were not, and a field tiled in 16
-    objects per chunk under ``Coarsen(2)`` held 147,456 bytes where the check counted 8,192."""
+    at most ``max_idle`` per array and chunk length, each of that length
+    (:class:`~insitubatch_nodes.stages._fill.SpareBuffers`): ``max_idle`` whole chunks, and
+    where the array ends inside a chunk, one buffer of that edge chunk's length (it is filled
+    once at a time; a collection's or a product's members may each end in one: ``max_idle``
+    whole chunks for them, as before). Counted beside :func:`decode_scratch_bytes`: before
+    2026-12-07 they were not, and a field tiled in 16 objects per chunk under ``Coarsen(2)``
+    held 147,456 bytes where the check counted 8,192; later that day an edge chunk's buffers
+    counted as ``max_idle`` whole chunks (98,304 bytes counted, 73,728 held at most)."""
     total = 0
     for g in geoms.values():
         base = g.base
-        lengths = 1 if base.n_samples % base.samples_per_chunk == 0 else 2
-        chunk = base.samples_per_chunk * math.prod(base.inner_shape) * base.dtype.itemsize
-        total += max_idle * lengths * chunk
+        sample = math.prod(base.inner_shape) * base.dtype.itemsize
+        total += max_idle * base.samples_per_chunk * sample
+        edge = base.n_samples % base.samples_per_chunk
+        if edge:
+            plain = base.members is None and base.product is None
+            total += edge * sample if plain else max_idle * base.samples_per_chunk * sample
     return total
 
 

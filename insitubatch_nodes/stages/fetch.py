@@ -278,7 +278,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         }
         keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
         return (
-            decode_scratch_bytes(aside, threads)
+            decode_scratch_bytes(aside, threads, self._decoders)
             + sum(d.most_aside_bytes(threads) for d in keeping)
             + spare_bytes(reshaped, self._runner.spares.max_idle)
         )
