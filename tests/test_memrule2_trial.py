@@ -35,8 +35,11 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from helpers import write_era5
 
 from insitubatch_nodes import Coarsen, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.forcings import Forcings
+from insitubatch_nodes.plan.schedule import working_set_bytes
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -96,3 +99,85 @@ def test_an_edge_chunk_s_stored_layout_buffer_is_counted_at_its_length(tmp_path:
         # last reached once each thread has decoded the edge (73,728 over 10 epochs here)
         want = 2 * chunk + chunk // 2 + 2 * chunk
         assert 2 * chunk + chunk // 2 + chunk <= held <= pipe.stages.fetch.counted.scratch == want
+
+
+def _fake_memory(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """The process may use ``nbytes`` (nothing is allocated: the checks ask these functions)."""
+    from insitubatch_nodes.plan import memory_floor
+    from insitubatch_nodes.stages import buffers
+
+    monkeypatch.setattr(memory_floor, "usable_memory_bytes", lambda: nbytes)
+    monkeypatch.setattr(buffers, "usable_memory_bytes", lambda: nbytes)
+
+
+def test_the_automatic_budget_is_checked_against_what_every_epoch_grows_it_to(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # windows across chunk boundaries, shuffled: each epoch's floor depends on its draw
+    root = write_era5(tmp_path / "e.zarr", n_time=96)
+    g = open_geometries(root, ["t2m"])
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    views = {"x": g["t2m"].window([0, 1, 2])}
+    options = {"batch_size": 4, "coords": (), "block_chunks": 1, "shuffle": True, "seed": 1}
+    with insitu_pipeline(root, manifest, views, **options) as pipe:
+        geoms, plan = pipe.context.slot_geoms, pipe.stages.plan
+        floors = [working_set_bytes(plan.epoch_plan(e), geoms)[0] for e in range(8)]
+        counted = pipe.stages.fetch.counted
+    assert floors[0] < max(floors)  # a later draw needs more than the first (40,960 < 49,152)
+    assert counted.pool >= max(floors)  # counted: the most any epoch grows the budget to
+    tight = counted.total - counted.pool + floors[0]  # the first epoch's floor fits, no more
+    refused = []
+    for memory in (counted.total, tight):
+        _fake_memory(monkeypatch, memory)
+        try:
+            pipe = insitu_pipeline(root, manifest, views, **options)
+        except ValueError as exc:
+            assert "automatic budget cannot hold this pipeline" in str(exc)
+            refused.append(memory)
+            continue
+        with pipe:  # a pipeline built runs every epoch within what the check counted
+            for _ in range(len(floors)):
+                rows = [np.asarray(b.sample_indices["x"]) for b in Loader(pipe)]
+                assert sorted(np.concatenate(rows)[:, 0]) == list(range(94))
+                assert pipe.stages.pool.budget_bytes <= pipe.stages.fetch.counted.pool
+    assert refused == [tight]
+
+
+def test_what_the_batch_transforms_hold_is_counted_by_the_memory_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = write_era5(tmp_path / "e.zarr", n_time=96)
+    lsm = zarr.open_group(root, mode="r+").create_array(
+        "lsm", shape=(8, 16), chunks=(8, 16), dtype="float32", dimension_names=("lat", "lon")
+    )
+    lsm[:] = np.arange(128, dtype=np.float32).reshape(8, 16)
+    g = open_geometries(root, ["t2m", "lsm"])
+    assert g["lsm"].static
+    manifest = split_by_chunk(g["t2m"], (1.0, 0.0, 0.0))
+    views = {"x": g["t2m"].window([-1, 0]), "lsm": g["lsm"]}
+    names = ["cos_solar_zenith", "year_progress_sin"]
+    options = {"batch_size": 4, "coords": ("time",), "shuffle": True, "seed": 0}
+
+    def build() -> Any:
+        forcings = Forcings("x", names=names, view=g["t2m"])
+        return insitu_pipeline(root, manifest, views, batch_transforms=[forcings], **options)
+
+    with build() as pipe:
+        counted = pipe.stages.fetch.counted
+        held = outside = 0
+        for _ in range(2):
+            for b in Loader(pipe):
+                stats = pipe.stats()
+                held = max(held, stats["batch_transform_bytes"])
+                outside = max(outside, stats["outside_pool_bytes"])
+                np.testing.assert_array_equal(b["lsm"][0], lsm[:])
+                assert b["cos_solar_zenith"].shape == (len(b), 2, 8, 16)
+    field = 2 * 8 * 16 * 4  # the two forcings of one time
+    # every time of t2m remembered (96, with three 8-byte index words each), and the rows of
+    # prefetch_depth + 2 batches lent: 4 rows of 2 steps
+    assert counted.transforms == 512 + 96 * (field + 24) + 4 * 4 * 2 * field
+    assert 512 + 94 * field <= held <= counted.transforms  # (94: the times the rows carry)
+    assert outside <= counted.total - counted.pool  # beside the slots, all counted
+    _fake_memory(monkeypatch, counted.total - 1)
+    with pytest.raises(ValueError, match=rf"{counted.transforms:,} bytes .*batch transforms"):
+        build()

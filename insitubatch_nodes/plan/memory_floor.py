@@ -49,11 +49,13 @@ from insitubatch_nodes._process import usable_memory_bytes
 from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES, ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.epoch import EpochPlan
+from insitubatch_nodes.plan.schedule import PinSchedule, ScheduleFloors
 from insitubatch_nodes.plan.working_set import read_bytes
 
 __all__ = [
     "HeldMemory",
     "decode_scratch_bytes",
+    "every_epoch_budget",
     "held_memory",
     "refuse_beyond_memory",
     "slot_room",
@@ -67,12 +69,14 @@ class HeldMemory:
     check counts it (module docstring). ``budget`` is the pool's budget as counted (an
     explicit one as given, the automatic one as its first epoch grows it), ``pool`` the slot
     memory it may take (``min(budget, split)``), ``split`` every chunk the split reads (a
-    slot each, times the ranks)."""
+    slot each, times the ranks), ``transforms`` what the batch transforms hold at most
+    (``stages.gather.most_transform_bytes``: 0 where the graph was composed without it)."""
 
     budget: int
     split: int
     in_flight: int
     scratch: int
+    transforms: int = 0
 
     @property
     def pool(self) -> int:
@@ -81,8 +85,9 @@ class HeldMemory:
 
     @property
     def total(self) -> int:
-        """Everything counted: the slots, the batches in flight and the decode scratch."""
-        return self.pool + self.in_flight + self.scratch
+        """Everything counted: the slots, the batches in flight, the decode scratch and the
+        batch transforms."""
+        return self.pool + self.in_flight + self.scratch + self.transforms
 
 
 def held_memory(
@@ -91,20 +96,42 @@ def held_memory(
     slot_geoms: Mapping[str, ArrayGeometry],
     in_flight: int,
     scratch: int,
+    transforms: int = 0,
 ) -> HeldMemory:
     """:class:`HeldMemory` of a pool of ``budget`` bytes over ``plan`` (the first epoch's:
     every chunk it reads, a slot each of ``slot_geoms``, times the ranks), beside ``in_flight``
-    bytes of batches and ``scratch`` bytes of decode scratch (:func:`decode_scratch_bytes`)."""
+    bytes of batches, ``scratch`` bytes of decode scratch (:func:`decode_scratch_bytes`) and
+    ``transforms`` bytes the batch transforms hold."""
     split = read_bytes(plan, slot_geoms) * max(1, plan.world_size)
-    return HeldMemory(budget, split, in_flight, scratch)
+    return HeldMemory(budget, split, in_flight, scratch, transforms)
 
 
-def slot_room(in_flight: int, scratch: int) -> int:
-    """The memory the rule leaves the pool's slots beside ``in_flight`` bytes of batches and
-    ``scratch`` bytes of decode scratch (negative where those alone exceed it): the automatic
-    budget keeps a split whole only where it fits here (:func:`~insitubatch_nodes.stages.
-    _admit.epoch_floor`), so its choice passes the rule wherever its floor does."""
-    return usable_memory_bytes() - in_flight - scratch
+def every_epoch_budget(first_floor: int, floors: ScheduleFloors, schedule: PinSchedule) -> int:
+    """The most an automatic budget grows to over every epoch under ``schedule``: at least
+    ``first_floor`` (its first epoch's, a kept split included), and the bound of the
+    ``floors`` (:func:`~insitubatch_nodes.plan.schedule.schedule_floors`, over every
+    permutation) of the floors its epochs may take: read-once every epoch, its read-once bound;
+    the bounded schedule, its bound; both (an epoch reads once where its floor is at most
+    ``read_once_bytes``), the larger of the two. The budget grows to each epoch's floor and
+    never shrinks: before 2026-12-07 the check counted the first epoch's, and a later draw of
+    the shuffle grew it past what was counted (windows across chunk boundaries: 40,960 bytes
+    counted, 45,056 then 49,152 taken, ``tests/test_memrule2_trial.py``)."""
+    if schedule.pin_gap is None:
+        bound = floors.read_once
+    elif schedule.read_once_bytes is None:
+        bound = floors.bounded
+    else:
+        bound = max(min(floors.read_once, schedule.read_once_bytes), floors.bounded)
+    return max(first_floor, bound)
+
+
+def slot_room(in_flight: int, scratch: int, transforms: int = 0) -> int:
+    """The memory the rule leaves the pool's slots beside ``in_flight`` bytes of batches,
+    ``scratch`` bytes of decode scratch and ``transforms`` bytes of the batch transforms
+    (negative where those alone exceed it): the automatic budget keeps a split whole only
+    where it fits here (:func:`~insitubatch_nodes.stages._admit.epoch_floor`), so its choice
+    passes the rule wherever its floor does."""
+    return usable_memory_bytes() - in_flight - scratch - transforms
 
 
 def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int) -> None:
@@ -117,7 +144,7 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
     memory = usable_memory_bytes()
     if held.total <= memory:
         return
-    room = memory - held.in_flight - held.scratch
+    room = memory - held.in_flight - held.scratch - held.transforms
     if explicit:
         head = f"cache_budget_bytes={held.budget:,} cannot be held here"
         slots = "its budget, or every chunk the split reads where that is less"
@@ -130,8 +157,8 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
     else:
         head = "the automatic budget cannot hold this pipeline"
         slots = (
-            "its first epoch's working-set floor: the chunks live at once plus one block of "
-            f"read-ahead, block_chunks={block_chunks}"
+            "the most its epochs' working-set floors reach, over every draw: the chunks live "
+            f"at once plus one block of read-ahead, block_chunks={block_chunks}"
         )
         lower = (
             "lower block_chunks (the floor shrinks with it), read fewer or smaller chunks per "
@@ -141,7 +168,9 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
         f"{head}: the pool may take {_size(held.pool)} of slots in RAM ({slots}) beside "
         f"{_size(held.in_flight)} of batches in flight (prefetch_depth + 2) and "
         f"{_size(held.scratch)} of decode scratch (a stored object per decode thread and "
-        f"array not decoded in place, at most), {_size(held.total)} in all, more than the "
+        f"array not decoded in place, at most) and {_size(held.transforms)} the batch "
+        "transforms hold (static fields, remembered forcings, their lent rows), "
+        f"{_size(held.total)} in all, more than the "
         f"{_size(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or "
         "decode_threads, or give a cache_dir (slots in files on its disk)"
     )
