@@ -16,6 +16,27 @@ Found wrong, fixed:
   held at most (reached over 10 epochs re-reading the split). ``spare_bytes`` now counts one
   edge-length buffer: ``test_an_edge_chunk_s_stored_layout_buffer_is_counted_at_its_length``.
 
+* The automatic budget was checked at its first epoch's floor, but it grows to each epoch's
+  floor (never shrinking), and another draw of the shuffle needs more: windows across chunk
+  boundaries (``t2m.window([0, 1, 2])``, ``block_chunks=1``), floors of 40,960 bytes in epoch
+  0, 45,056 and 49,152 later. On a memory that held the first epoch's floor beside the rest
+  the pipeline was built, and its budget grew past what was counted. The check now counts the
+  most every epoch grows it to (``memory_floor.every_epoch_budget``: the schedule's bound over
+  every permutation, or the split where less; computed once, for the schedule and the check,
+  ``choose_schedule(floors=...)``):
+  ``test_the_automatic_budget_is_checked_against_what_every_epoch_grows_it_to``. The price: a
+  pipeline whose epochs all stay well under that bound (the last session's real-sized
+  ARCO-ERA5 example: 7.2 GiB an epoch, 16.3 bound) is refused on a memory between the two.
+* What the batch transforms hold was not counted at all (the check runs in the fetch stage,
+  before the gather stage and its transforms): static fields, the rows cut from them beside
+  patched labels, stacks' constant channels, ``Forcings``' remembered fields (up to 64 MiB
+  each) and the rows they lend. Each now declares ``most_held_bytes(views, rows, batches)``
+  (the remembered fields of at most the times the label's array holds; ``batches`` rows lent
+  as the batch buffers are, ``prefetch_depth + 2``), ``stages.gather.most_transform_bytes``
+  sums them (``held_bytes`` for a transform that declares nothing), and the builder hands it
+  to the fetch stage's check (``HeldMemory.transforms``):
+  ``test_what_the_batch_transforms_hold_is_counted_by_the_memory_check``.
+
 Tried and found right:
 
 * The case the last session named (327,680 bytes counted against 229,376 held: a level

@@ -9,21 +9,31 @@ A pipeline holds at most, beside the interpreter:
 
 * the pool's slots: its budget, or every chunk the split reads (a slot each, times the ranks:
   each epoch deals a rank other chunks of the split) where that is less. An explicit budget
-  counts as given; the automatic one as what the first epoch grows it to — its working-set
-  floor (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`: the chunks live at once
-  plus one block of read-ahead, bounded by ``block_chunks`` where reading each chunk once
-  would take over a quarter of RAM), or the whole split where it keeps it (a sixteenth of RAM
-  at most, and only within the room this rule leaves the slots, :func:`slot_room`: so the
-  automatic choice passes wherever its floor does). The permutation-free bound
-  (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`) is not what is compared: it can
-  be twice an epoch's floor (16.3 against 7.2 GiB for a real-sized ARCO-ERA5 pipeline in
-  ``tests/test_arco_trial.py``), and would refuse pipelines that run;
+  counts as given; the automatic one as the most its epochs grow it to
+  (:func:`every_epoch_budget`): it grows to each epoch's working-set floor
+  (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`: the chunks live at once plus
+  one block of read-ahead, bounded by ``block_chunks`` where reading each chunk once would
+  take over a quarter of RAM) and never shrinks, so what counts is the schedule's bound over
+  every permutation (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`, the bound an
+  explicit budget is held to), or the whole split where it keeps it (a sixteenth of RAM at
+  most, and only within the room this rule leaves the slots, :func:`slot_room`). Until
+  later on 2026-12-07 the first epoch's floor was counted, as that bound can be twice it
+  (16.3 against 7.2 GiB for a real-sized ARCO-ERA5 pipeline, ``tests/test_arco_trial.py``);
+  but a later epoch's draw grows the budget past it (``tests/test_memrule2_trial.py``: 40,960
+  bytes counted, 49,152 taken), so a pipeline built on a machine that holds only the first
+  epoch was not held to what it takes. Such a pipeline is refused now, saying to lower
+  ``block_chunks`` (or give a ``cache_dir``);
 * the batches in flight: ``prefetch_depth + 2`` batches' buffers, made right after the build;
 * the decode scratch: one stored object per decode thread and array whose objects may be
   decoded aside (:func:`decode_scratch_bytes`), the buffers per thread that a selection's
   objects are decoded into whole (``KeepingDecoder.most_aside_bytes``: such an array's own
   scratch only where a whole object is not decoded in place), and the idle stored-layout
-  chunks of reshaping chunk transforms (:func:`spare_bytes`); the fetch stage sums them.
+  chunks of reshaping chunk transforms (:func:`spare_bytes`); the fetch stage sums them;
+* what the batch transforms hold (``stages.gather.most_transform_bytes``: each transform's
+  ``most_held_bytes``): static fields and the rows cut from them, stacks' constant channels,
+  ``Forcings``' remembered fields (of at most the times the label's array holds, 64 MiB at
+  most) and the rows they lend. Before 2026-12-07 none of it was counted: the check ran
+  before the gather stage existed.
 
 Before 2026-12-07 the two budgets were held to two rules: the automatic one to its floor and
 the batches in flight, an explicit one to those and the decode scratch, so a pipeline was
