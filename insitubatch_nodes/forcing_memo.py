@@ -51,6 +51,12 @@ class Memo:
         index = self.keys.nbytes + self._sorted.nbytes + self._slots.nbytes
         return index + len(self.keys) * self._per_time
 
+    def most_bytes(self, times: int | None = None) -> int:
+        """The most :attr:`nbytes` grows to: ``capacity`` times, or ``times`` where fewer
+        distinct times can be met (each row with its index entries: three 8-byte words)."""
+        held = self.capacity if times is None else min(self.capacity, max(0, times))
+        return held * (self._per_time + 24)
+
     def find(self, keys: np.ndarray) -> np.ndarray:
         """The slot of each of ``keys`` (sorted, distinct), ``-1`` where it is not held."""
         if not len(self._sorted):

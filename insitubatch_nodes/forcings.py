@@ -62,6 +62,7 @@ a minute, is below the formula's accuracy for these uses).
 from __future__ import annotations
 
 import copy
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -422,6 +423,29 @@ class Forcings:
         counted in ``pipe.stats()``'s ``batch_transform_bytes``."""
         lent = sum(pool.held_bytes for pool in list(self._buffers.values()))
         return sum(m.nbytes for m in self._memos) + lent
+
+    def most_held_bytes(self, views: Mapping[str, Any], rows: int, batches: int) -> int:
+        """The most :attr:`held_bytes` grows to in a pipeline of ``views`` (label -> view, as
+        batches carry them) whose batches have ``rows`` rows, ``batches`` of them alive at
+        once (the batch buffers' count, which the rows lent here follow): the fields of the
+        distinct times the label's array holds (at most :data:`MEMO_BYTES`' worth per grid
+        share) and ``batches`` batches' rows, each row its window's steps of the grid (or
+        of the row's window of it). What the build's memory check counts for it."""
+        view = views.get(self.time_label)
+        steps, n_times = 1, None
+        if isinstance(view, ArrayGeometry):
+            steps = len(view.window_offsets or (0,))
+            n_times = view.base.n_samples
+        elif view is not None and getattr(view, "steps", None):
+            steps = int(view.steps)
+        field = self.grid.shape if self.window is None else self.window.shape(self.grid.shape)
+        lent = batches * rows * steps * math.prod(field) * 4 * len(self.names)
+        return self.most_remembered_bytes(n_times) + lent
+
+    def most_remembered_bytes(self, n_times: int | None = None) -> int:
+        """The most the remembered fields take (:data:`MEMO_BYTES` at most, per grid its
+        share), of at most ``n_times`` distinct times where fewer can be met."""
+        return sum(m.most_bytes(n_times) for m in self._memos)
 
     def release_idle(self) -> None:
         """Drop the idle buffers the rows are lent from (those lent out stay; the remembered

@@ -50,15 +50,20 @@ from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
 from insitubatch_nodes.plan.patches import unit_geometry
 from insitubatch_nodes.plan.ranks import check_same_plan_on_every_rank
-from insitubatch_nodes.plan.schedule import choose_schedule
+from insitubatch_nodes.plan.schedule import ScheduleFloors, choose_schedule, schedule_floors
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool, PoolStats
 from insitubatch_nodes.slots import SlotBacking
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stack_constants import prepare_constants, static_fields
+from insitubatch_nodes.stages.buffers import batches_in_flight
 from insitubatch_nodes.stages.context import StageContext, chunks_served, slot_holdings
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
-from insitubatch_nodes.stages.gather import GatherNode, refuse_standardised_twice
+from insitubatch_nodes.stages.gather import (
+    GatherNode,
+    most_transform_bytes,
+    refuse_standardised_twice,
+)
 from insitubatch_nodes.stages.prefetch import PrefetcherNode
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.stages.resident import ChunkPoolNode
@@ -451,13 +456,16 @@ def insitu_pipeline(
     # the schedule is decided first (and fails fast, here, when the budget is too small), over
     # the views the plan reads: a window's steps one by one
     parts, _ = expand_views(resolve_windows(views, manifest.steps))
+    held = slot_holdings(parts.values(), transforms, cache_options.persistent)
+    floors = schedule_floors(manifest, parts, plan_config, held)  # (the memory check's too)
     schedule = choose_schedule(
         manifest,
         parts,
         cache_options.budget_bytes,
         plan_config,
         revive=cache_options.persistent and plan_config.shuffle,
-        held=slot_holdings(parts.values(), transforms, cache_options.persistent),
+        held=held,
+        floors=floors,
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config, statics=labels)
     if missing_objects == "drop":  # each rank listed the store: the ranks' plans must agree
@@ -489,6 +497,7 @@ def insitu_pipeline(
         cache_options,
         chunk_cache,
         stats,
+        floors,
     )
 
 
@@ -576,9 +585,11 @@ def _compose_stages(
     cache_options: CacheOptions,
     cache: ChunkCache | None,
     stats: PoolStats,
+    floors: ScheduleFloors,
 ) -> InSituPipeline:
     """The pool (counting into ``stats``) and the stages below the read plan, composed
-    (``cache`` is closed when one of them cannot be built)."""
+    (``cache`` is closed when one of them cannot be built); the fetch stage's memory check
+    counts what the batch transforms hold at most, and the schedule's ``floors``."""
     try:
         pool = ChunkPool(
             cache_options.budget_bytes, backing=cache_options.backing, cache=cache, stats=stats
@@ -586,7 +597,16 @@ def _compose_stages(
         # what the stages share (views, buffers, recorder, ...): one context, handed to each
         context = StageContext.create(plan, pool, options=options, chunk_transforms=transforms)
         # (the views were read from this store, or checked against it: _resolve_views)
-        fetch = AsyncChunkFetchNode(plan, zstore, context=context, check_arrays=False)
+        most = most_transform_bytes(
+            batch_transforms,
+            plan.batch_views,
+            context.buffers.rows,
+            batches_in_flight(options.prefetch_depth),
+        )
+        fetch = AsyncChunkFetchNode(
+            plan, zstore, context=context, check_arrays=False, floors=floors,
+            transform_bytes=most,
+        )  # fmt: skip
         resident = ChunkPoolNode(fetch, context=context)
         gather = GatherNode(
             resident, context=context, batch_transforms=batch_transforms, coords=carried

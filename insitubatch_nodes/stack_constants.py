@@ -171,6 +171,26 @@ class StackConstants:
                         forcings[id(member.forcing)] = member.forcing.held_bytes
         return sum(arrays.values()) + sum(forcings.values())
 
+    def most_held_bytes(self, views: Mapping[str, Any], rows: int, batches: int) -> int:
+        """The most :attr:`held_bytes` grows to (the batch-transform protocol of the build's
+        memory check; ``views``, ``rows`` and ``batches`` unused: the channels are written
+        into the batch buffers): the static members' data as now, and each forcing member's
+        remembered fields of at most the distinct times its stack's first sampled member
+        holds."""
+        arrays: dict[int, int] = {}
+        forcings: dict[int, int] = {}
+        for variants in self._variants.values():
+            for prepared in variants:
+                for _, raw, data in prepared.fills:
+                    arrays.update({id(raw): raw.nbytes, id(data): data.nbytes})
+                sampled = prepared.stack.sampled
+                n_times = sampled[0].geometry.base.n_samples if sampled else None
+                for member in prepared.forcings:
+                    if member.forcing is not None:
+                        most = member.forcing.most_remembered_bytes(n_times)
+                        forcings[id(member.forcing)] = most
+        return sum(arrays.values()) + sum(forcings.values())
+
     def __call__(self, batch: Batch) -> Batch:
         for label, prepared in self._in_effect():
             st = prepared.stack

@@ -35,6 +35,7 @@ lon)`` windows, or unnamed axes), its axes of the field's lengths there, is refu
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -298,6 +299,19 @@ class StaticFields:
         batches, or idle)."""
         arrays = sum(a.nbytes for a in self.arrays.values())
         return arrays + sum(pool.held_bytes for pool in self._buffers.values())
+
+    def most_held_bytes(self, views: Mapping[str, Any], rows: int, batches: int) -> int:
+        """The most :attr:`held_bytes` grows to with batches of ``rows`` rows, ``batches`` of
+        them alive at once (the batch buffers' count, which the cut rows lent here follow):
+        the arrays, and per cut label ``batches`` buffers of its rows' windows. ``views`` is
+        the protocol's (unused: the arrays are read). What the build's memory check counts."""
+        arrays = sum(a.nbytes for a in self.arrays.values())
+        cuts = sum(
+            batches * rows * math.prod(cut.shape_of(self.arrays[label]))
+            * self.arrays[label].dtype.itemsize
+            for label, cut in self.cuts.items()
+        )  # fmt: skip
+        return arrays + cuts
 
     def release_idle(self) -> None:
         """Drop the cut labels' idle buffers (those lent out stay): the pipeline's close."""

@@ -9,21 +9,31 @@ A pipeline holds at most, beside the interpreter:
 
 * the pool's slots: its budget, or every chunk the split reads (a slot each, times the ranks:
   each epoch deals a rank other chunks of the split) where that is less. An explicit budget
-  counts as given; the automatic one as what the first epoch grows it to — its working-set
-  floor (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`: the chunks live at once
-  plus one block of read-ahead, bounded by ``block_chunks`` where reading each chunk once
-  would take over a quarter of RAM), or the whole split where it keeps it (a sixteenth of RAM
-  at most, and only within the room this rule leaves the slots, :func:`slot_room`: so the
-  automatic choice passes wherever its floor does). The permutation-free bound
-  (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`) is not what is compared: it can
-  be twice an epoch's floor (16.3 against 7.2 GiB for a real-sized ARCO-ERA5 pipeline in
-  ``tests/test_arco_trial.py``), and would refuse pipelines that run;
+  counts as given; the automatic one as the most its epochs grow it to
+  (:func:`every_epoch_budget`): it grows to each epoch's working-set floor
+  (:func:`~insitubatch_nodes.plan.schedule.working_set_bytes`: the chunks live at once plus
+  one block of read-ahead, bounded by ``block_chunks`` where reading each chunk once would
+  take over a quarter of RAM) and never shrinks, so what counts is the schedule's bound over
+  every permutation (:class:`~insitubatch_nodes.plan.schedule.ScheduleFloors`, the bound an
+  explicit budget is held to), or the whole split where it keeps it (a sixteenth of RAM at
+  most, and only within the room this rule leaves the slots, :func:`slot_room`). Until
+  later on 2026-12-07 the first epoch's floor was counted, as that bound can be twice it
+  (16.3 against 7.2 GiB for a real-sized ARCO-ERA5 pipeline, ``tests/test_arco_trial.py``);
+  but a later epoch's draw grows the budget past it (``tests/test_memrule2_trial.py``: 40,960
+  bytes counted, 49,152 taken), so a pipeline built on a machine that holds only the first
+  epoch was not held to what it takes. Such a pipeline is refused now, saying to lower
+  ``block_chunks`` (or give a ``cache_dir``);
 * the batches in flight: ``prefetch_depth + 2`` batches' buffers, made right after the build;
 * the decode scratch: one stored object per decode thread and array whose objects may be
   decoded aside (:func:`decode_scratch_bytes`), the buffers per thread that a selection's
   objects are decoded into whole (``KeepingDecoder.most_aside_bytes``: such an array's own
   scratch only where a whole object is not decoded in place), and the idle stored-layout
-  chunks of reshaping chunk transforms (:func:`spare_bytes`); the fetch stage sums them.
+  chunks of reshaping chunk transforms (:func:`spare_bytes`); the fetch stage sums them;
+* what the batch transforms hold (``stages.gather.most_transform_bytes``: each transform's
+  ``most_held_bytes``): static fields and the rows cut from them, stacks' constant channels,
+  ``Forcings``' remembered fields (of at most the times the label's array holds, 64 MiB at
+  most) and the rows they lend. Before 2026-12-07 none of it was counted: the check ran
+  before the gather stage existed.
 
 Before 2026-12-07 the two budgets were held to two rules: the automatic one to its floor and
 the batches in flight, an explicit one to those and the decode scratch, so a pipeline was
@@ -40,19 +50,22 @@ anyway (sums over its ledgers, no pass over the samples).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from insitubatch_nodes._process import usable_memory_bytes
-from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES
+from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES, ChunkDecoder
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.epoch import EpochPlan
+from insitubatch_nodes.plan.schedule import PinSchedule, ScheduleFloors
 from insitubatch_nodes.plan.working_set import read_bytes
 
 __all__ = [
     "HeldMemory",
     "decode_scratch_bytes",
+    "every_epoch_budget",
     "held_memory",
     "refuse_beyond_memory",
     "slot_room",
@@ -66,12 +79,14 @@ class HeldMemory:
     check counts it (module docstring). ``budget`` is the pool's budget as counted (an
     explicit one as given, the automatic one as its first epoch grows it), ``pool`` the slot
     memory it may take (``min(budget, split)``), ``split`` every chunk the split reads (a
-    slot each, times the ranks)."""
+    slot each, times the ranks), ``transforms`` what the batch transforms hold at most
+    (``stages.gather.most_transform_bytes``: 0 where the graph was composed without it)."""
 
     budget: int
     split: int
     in_flight: int
     scratch: int
+    transforms: int = 0
 
     @property
     def pool(self) -> int:
@@ -80,8 +95,9 @@ class HeldMemory:
 
     @property
     def total(self) -> int:
-        """Everything counted: the slots, the batches in flight and the decode scratch."""
-        return self.pool + self.in_flight + self.scratch
+        """Everything counted: the slots, the batches in flight, the decode scratch and the
+        batch transforms."""
+        return self.pool + self.in_flight + self.scratch + self.transforms
 
 
 def held_memory(
@@ -90,20 +106,42 @@ def held_memory(
     slot_geoms: Mapping[str, ArrayGeometry],
     in_flight: int,
     scratch: int,
+    transforms: int = 0,
 ) -> HeldMemory:
     """:class:`HeldMemory` of a pool of ``budget`` bytes over ``plan`` (the first epoch's:
     every chunk it reads, a slot each of ``slot_geoms``, times the ranks), beside ``in_flight``
-    bytes of batches and ``scratch`` bytes of decode scratch (:func:`decode_scratch_bytes`)."""
+    bytes of batches, ``scratch`` bytes of decode scratch (:func:`decode_scratch_bytes`) and
+    ``transforms`` bytes the batch transforms hold."""
     split = read_bytes(plan, slot_geoms) * max(1, plan.world_size)
-    return HeldMemory(budget, split, in_flight, scratch)
+    return HeldMemory(budget, split, in_flight, scratch, transforms)
 
 
-def slot_room(in_flight: int, scratch: int) -> int:
-    """The memory the rule leaves the pool's slots beside ``in_flight`` bytes of batches and
-    ``scratch`` bytes of decode scratch (negative where those alone exceed it): the automatic
-    budget keeps a split whole only where it fits here (:func:`~insitubatch_nodes.stages.
-    _admit.epoch_floor`), so its choice passes the rule wherever its floor does."""
-    return usable_memory_bytes() - in_flight - scratch
+def every_epoch_budget(first_floor: int, floors: ScheduleFloors, schedule: PinSchedule) -> int:
+    """The most an automatic budget grows to over every epoch under ``schedule``: at least
+    ``first_floor`` (its first epoch's, a kept split included), and the bound of the
+    ``floors`` (:func:`~insitubatch_nodes.plan.schedule.schedule_floors`, over every
+    permutation) of the floors its epochs may take: read-once every epoch, its read-once bound;
+    the bounded schedule, its bound; both (an epoch reads once where its floor is at most
+    ``read_once_bytes``), the larger of the two. The budget grows to each epoch's floor and
+    never shrinks: before 2026-12-07 the check counted the first epoch's, and a later draw of
+    the shuffle grew it past what was counted (windows across chunk boundaries: 40,960 bytes
+    counted, 45,056 then 49,152 taken, ``tests/test_memrule2_trial.py``)."""
+    if schedule.pin_gap is None:
+        bound = floors.read_once
+    elif schedule.read_once_bytes is None:
+        bound = floors.bounded
+    else:
+        bound = max(min(floors.read_once, schedule.read_once_bytes), floors.bounded)
+    return max(first_floor, bound)
+
+
+def slot_room(in_flight: int, scratch: int, transforms: int = 0) -> int:
+    """The memory the rule leaves the pool's slots beside ``in_flight`` bytes of batches,
+    ``scratch`` bytes of decode scratch and ``transforms`` bytes of the batch transforms
+    (negative where those alone exceed it): the automatic budget keeps a split whole only
+    where it fits here (:func:`~insitubatch_nodes.stages._admit.epoch_floor`), so its choice
+    passes the rule wherever its floor does."""
+    return usable_memory_bytes() - in_flight - scratch - transforms
 
 
 def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int) -> None:
@@ -116,7 +154,7 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
     memory = usable_memory_bytes()
     if held.total <= memory:
         return
-    room = memory - held.in_flight - held.scratch
+    room = memory - held.in_flight - held.scratch - held.transforms
     if explicit:
         head = f"cache_budget_bytes={held.budget:,} cannot be held here"
         slots = "its budget, or every chunk the split reads where that is less"
@@ -129,8 +167,8 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
     else:
         head = "the automatic budget cannot hold this pipeline"
         slots = (
-            "its first epoch's working-set floor: the chunks live at once plus one block of "
-            f"read-ahead, block_chunks={block_chunks}"
+            "the most its epochs' working-set floors reach, over every draw: the chunks live "
+            f"at once plus one block of read-ahead, block_chunks={block_chunks}"
         )
         lower = (
             "lower block_chunks (the floor shrinks with it), read fewer or smaller chunks per "
@@ -140,13 +178,19 @@ def refuse_beyond_memory(held: HeldMemory, *, explicit: bool, block_chunks: int)
         f"{head}: the pool may take {_size(held.pool)} of slots in RAM ({slots}) beside "
         f"{_size(held.in_flight)} of batches in flight (prefetch_depth + 2) and "
         f"{_size(held.scratch)} of decode scratch (a stored object per decode thread and "
-        f"array not decoded in place, at most), {_size(held.total)} in all, more than the "
+        f"array not decoded in place, at most) and {_size(held.transforms)} the batch "
+        "transforms hold (static fields, remembered forcings, their lent rows), "
+        f"{_size(held.total)} in all, more than the "
         f"{_size(memory)} of memory this process may use; {lower}batch_size, prefetch_depth or "
         "decode_threads, or give a cache_dir (slots in files on its disk)"
     )
 
 
-def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> int:
+def decode_scratch_bytes(
+    geoms: Mapping[str, ArrayGeometry],
+    threads: int,
+    decoders: Mapping[str, ChunkDecoder] | None = None,
+) -> int:
     """The decode scratch ``threads`` decode threads may hold over the arrays ``geoms``, as
     ``docs/pipeline.md`` bounds it: per thread and array, one stored object (a zarr chunk,
     decoded; an inner chunk of a shard), which an object decoded aside — an edge chunk, a
@@ -154,28 +198,49 @@ def decode_scratch_bytes(geoms: Mapping[str, ArrayGeometry], threads: int) -> in
     (:mod:`~insitubatch_nodes.io.decode`). An allowance: an in-place decode takes nothing, so
     the fetch stage passes only the arrays whose objects may be decoded aside (not those
     ``ChunkDecoder.decodes_in_place``: before 2026-12-07 every array counted, and a stack of
-    whole in-place chunks was refused a budget for scratch it never takes)."""
-    objects = {
-        g.path: g.base.samples_per_chunk * math.prod(g.base.tile_shape) * g.base.dtype.itemsize
-        for g in geoms.values()
-    }  # (a thread's buffer is SCRATCH_MIN_BYTES at least: before 2026-12-07 not counted)
-    return threads * sum(max(n, SCRATCH_MIN_BYTES) for n in objects.values())
+    whole in-place chunks was refused a budget for scratch it never takes).
+
+    CF-packed values (scaled, offset or cast: not masked only) are decoded into a per-thread
+    buffer of the *stored* dtype, and that decode takes a stored object of scratch beside it
+    only where a whole object cannot go straight into it (``decoders``, by path, say so; none
+    given: counted). Before, such an object was counted at the decoded dtype's width and no
+    more: an int16 field decoded to float32 counted 4 bytes a value where 2 are held."""
+    total = 0
+    for g in geoms.values():
+        base = g.base
+        values = base.samples_per_chunk * math.prod(base.tile_shape)
+        cf = base.cf
+        if cf is None or cf.in_place:
+            total += max(values * base.dtype.itemsize, SCRATCH_MIN_BYTES)
+            continue
+        stored = max(values * cf.stored.itemsize, SCRATCH_MIN_BYTES)  # the packed buffer
+        decoder = None if decoders is None else decoders.get(g.path)
+        plain = dataclasses.replace(base, cf=None)  # (the packed buffer: a whole object)
+        direct = decoder is not None and decoder.decodes_in_place(plain, plain, True)
+        total += stored if direct else 2 * stored
+    return threads * total
 
 
 def spare_bytes(geoms: Mapping[str, ArrayGeometry], max_idle: int) -> int:
     """The idle buffers the fill keeps for decoding the chunks of ``geoms`` (the arrays whose
     chunk transforms reshape them) in their stored layout before the transforms write the slot:
-    at most ``max_idle`` per array and chunk length (a whole chunk, and an edge chunk's where
-    the split ends inside one), each a whole stored chunk at most
-    (:class:`~insitubatch_nodes.stages._fill.SpareBuffers`). Counted beside
-    :func:`decode_scratch_bytes`: before 2026-12-07 they were not, and a field tiled in 16
-    objects per chunk under ``Coarsen(2)`` held 147,456 bytes where the check counted 8,192."""
+    at most ``max_idle`` per array and chunk length, each of that length
+    (:class:`~insitubatch_nodes.stages._fill.SpareBuffers`): ``max_idle`` whole chunks, and
+    where the array ends inside a chunk, one buffer of that edge chunk's length (it is filled
+    once at a time; a collection's or a product's members may each end in one: ``max_idle``
+    whole chunks for them, as before). Counted beside :func:`decode_scratch_bytes`: before
+    2026-12-07 they were not, and a field tiled in 16 objects per chunk under ``Coarsen(2)``
+    held 147,456 bytes where the check counted 8,192; later that day an edge chunk's buffers
+    counted as ``max_idle`` whole chunks (98,304 bytes counted, 73,728 held at most)."""
     total = 0
     for g in geoms.values():
         base = g.base
-        lengths = 1 if base.n_samples % base.samples_per_chunk == 0 else 2
-        chunk = base.samples_per_chunk * math.prod(base.inner_shape) * base.dtype.itemsize
-        total += max_idle * lengths * chunk
+        sample = math.prod(base.inner_shape) * base.dtype.itemsize
+        total += max_idle * base.samples_per_chunk * sample
+        edge = base.n_samples % base.samples_per_chunk
+        if edge:
+            plain = base.members is None and base.product is None
+            total += edge * sample if plain else max_idle * base.samples_per_chunk * sample
     return total
 
 

@@ -564,6 +564,7 @@ def choose_schedule(
     *,
     revive: bool = False,
     held: Mapping[str, Held] | None = None,
+    floors: ScheduleFloors | None = None,
 ) -> PinSchedule:
     """The residency schedule for a budget: pure, computed before the read plan is built.
 
@@ -596,9 +597,13 @@ def choose_schedule(
     from disk, neither fetched nor decoded) with views at different offsets uses the bounded
     schedule every epoch (when the budget holds its bound): residency stays near a couple of
     blocks instead of the part of the split a shifted view keeps pinned between its uses.
+
+    ``floors``: :func:`schedule_floors` of the same arguments, where the caller has them (the
+    builder: its memory check counts them too), so that they are not computed twice.
     """
     cfg = plan_config(config, "choose_schedule")
-    floors = schedule_floors(manifest, views, cfg, held)
+    if floors is None:  # (else computed by the caller, trusted: schedule_floors of these)
+        floors = schedule_floors(manifest, views, cfg, held)
     windowed = len({view.offset for view in views.values()}) > 1
     fits_bounded = budget_bytes is None or budget_bytes >= floors.bounded
     if revive and windowed and fits_bounded:

@@ -72,11 +72,13 @@ from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, ret
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.plan.memory_floor import (
     decode_scratch_bytes,
+    every_epoch_budget,
     held_memory,
     refuse_beyond_memory,
     slot_room,
     spare_bytes,
 )
+from insitubatch_nodes.plan.schedule import ScheduleFloors, schedule_floors
 from insitubatch_nodes.stages._admit import (
     Admission,
     FetchHistory,
@@ -118,6 +120,12 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     (one metadata read per array; ``ValueError`` / ``FileNotFoundError`` naming the array and
     the store otherwise); the builder, having checked, passes ``False``.
 
+    The build's memory check (:attr:`counted`) counts ``transform_bytes`` beside the pool,
+    what the batch transforms hold at most (the builder passes
+    :func:`~insitubatch_nodes.stages.gather.most_transform_bytes`), and an automatic budget as
+    the most every epoch grows it to, from ``floors`` (:func:`~insitubatch_nodes.plan.
+    schedule.schedule_floors` of the context's plan; computed here where not given).
+
     ``source`` must be the context's read plan (or a node over it); a graph wired wrong is
     refused here (:mod:`~insitubatch_nodes.stages._wiring`).
 
@@ -145,6 +153,8 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         *,
         context: StageContext,
         check_arrays: bool = True,
+        floors: ScheduleFloors | None = None,
+        transform_bytes: int = 0,
     ) -> None:
         context = check_wiring(self.STAGE, source, context)
         super().__init__()
@@ -217,6 +227,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self._prefetch_depth = options.prefetch_depth
         in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
         scratch = self._most_scratch(layouts, arrays)
+        transform_bytes = int(transform_bytes)
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
@@ -229,16 +240,27 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             recorder=self.recorder,
             held=context.held,
             # (an automatic budget keeps a split whole only where the rule passes)
-            keep_room=slot_room(in_flight, scratch) if in_ram and self.pool.auto else None,
+            keep_room=(
+                slot_room(in_flight, scratch, transform_bytes)
+                if in_ram and self.pool.auto
+                else None
+            ),
         )
         self._history = FetchHistory(self.geoms)
         first = context.plan.epoch_plan(0)  # (drawn once: the floor and the memory checks)
         self._first_floor = epoch_floor(self._setup, first)[0]
         # the memory check: before this node holds anything, so nothing to tear down
-        # (the automatic budget as the first epoch grows it, an explicit one as given)
-        budget = self._first_floor if self.pool.auto else self.pool.budget_bytes
+        # (the automatic budget as every epoch may grow it, an explicit one as given)
+        budget = self.pool.budget_bytes
+        if self.pool.auto:
+            plan = context.plan
+            if floors is None:
+                floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
+            budget = every_epoch_budget(self._first_floor, floors, plan.schedule)
         #: what the build's memory check counts this pipeline to hold at most (plan/memory_floor)
-        self.counted = held_memory(budget, first, self.slot_geoms, in_flight, scratch)
+        self.counted = held_memory(
+            budget, first, self.slot_geoms, in_flight, scratch, transform_bytes
+        )
         if in_ram:
             refuse_beyond_memory(self.counted, explicit=not self.pool.auto,
                                  block_chunks=context.plan.block_chunks)  # fmt: skip
@@ -281,7 +303,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         }
         keeping = [a.decoder for a in arrays.values() if isinstance(a.decoder, KeepingDecoder)]
         return (
-            decode_scratch_bytes(aside, threads)
+            decode_scratch_bytes(aside, threads, self._decoders)
             + sum(d.most_aside_bytes(threads) for d in keeping)
             + spare_bytes(reshaped, self._runner.spares.max_idle)
         )

@@ -53,6 +53,7 @@ __all__ = [
     "STRIDED_SCRATCH_BYTES",
     "GatherNode",
     "gather_label",
+    "most_transform_bytes",
     "refuse_standardised_twice",
     "take_rows",
 ]
@@ -591,3 +592,21 @@ class GatherNode(BaseNode[Batch]):
     def buffer_bytes(self) -> int:
         """Bytes of batch-buffer memory held now, lent out or idle."""
         return self.buffers.held_bytes
+
+
+def most_transform_bytes(
+    transforms: Sequence[Any], views: Mapping[str, Any], rows: int, batches: int
+) -> int:
+    """The most the batch ``transforms`` hold outside the pool (``pipe.stats()``'s
+    ``batch_transform_bytes`` at most), in a pipeline of ``views`` (label -> view) whose
+    batches have ``rows`` rows, ``batches`` of them alive at once: what each declares
+    (``most_held_bytes(views, rows, batches)``: static fields and their cut rows, stacks'
+    constant channels, the forcings' remembered fields and lent rows), else what it holds
+    now (``held_bytes``; a transform of the user's that says neither counts nothing). The
+    build's memory check counts it (before 2026-12-07 nothing of it: a ``Forcings``' up to
+    64 MiB of remembered fields were beside every count)."""
+    total = 0
+    for t in transforms:
+        most = getattr(t, "most_held_bytes", None)
+        total += int(most(views, rows, batches) if callable(most) else getattr(t, "held_bytes", 0))
+    return total
