@@ -1,0 +1,171 @@
+"""Times of a collection's members, forcings of far dates, the demo's split (the timesmembers
+trial of 2026-12-07).
+
+Stores are written by xarray (``Dataset.to_zarr``, CF times); which anchors an epoch holds,
+each row's times and values are worked out here from each member's own store with xarray and
+numpy, never asked of the package's plan.
+
+Found (fixed; each test failed before the fix): see the section comments below.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from torchdata.nodes import Loader
+
+from insitubatch_nodes import insitu_pipeline, split_by_chunk
+from insitubatch_nodes.io.collection import Collection
+
+xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
+pd = pytest.importorskip("pandas")
+cftime = pytest.importorskip("cftime")
+
+pytestmark = pytest.mark.timeout(60)
+
+HOUR = np.timedelta64(1, "h")
+
+
+def _write(root: Path, times: Any, *, chunk: int = 3, units: str = "hours since 2000-01-01",
+           calendar: str | None = None) -> Path:  # fmt: skip
+    """``sst (time, lat, lon)`` float32 (each step's values: 10 times its index plus the grid
+    position) at ``times``, ``chunk`` steps an object, the times int64 CF ``units``."""
+    n = len(times)
+    data = (np.arange(n)[:, None, None] * 10 + np.arange(6).reshape(2, 3)).astype("f4")
+    grid = {"lat": [10.0, 60.0], "lon": [0.0, 90.0, 200.0]}
+    ds = xr.Dataset({"sst": (("time", "lat", "lon"), data)}, coords={"time": times, **grid})
+    enc: dict[str, Any] = {"units": units, "dtype": "int64"}
+    if calendar is not None:
+        enc["calendar"] = calendar
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False,
+                   encoding={"sst": {"chunks": (chunk, 2, 3)}, "time": enc})  # fmt: skip
+    return root
+
+
+def _oracle(root: Path) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return xr.open_zarr(root, consolidated=False, use_cftime=None)
+
+
+def _epoch(pipe: Any) -> list[Any]:
+    with pipe:
+        return list(Loader(pipe))
+
+
+# ---------------------------------------------------------------------------------------------
+# A collection's members written newest first
+# ---------------------------------------------------------------------------------------------
+
+
+def _scenes(tmp_path: Path, *, newest_first: tuple[bool, bool] = (True, True)) -> Collection:
+    """Scenes ``a`` (10 six-hourly times from 2000-01-01) and ``b`` (7 from 2000-03-01T06),
+    each written newest first where ``newest_first`` says."""
+    spans = [pd.date_range("2000-01-01", periods=10, freq="6h"),
+             pd.date_range("2000-03-01T06", periods=7, freq="6h")]  # fmt: skip
+    roots = [
+        _write(tmp_path / f"{name}.zarr", times[::-1] if back else times)
+        for name, times, back in zip("ab", spans, newest_first, strict=True)
+    ]
+    return Collection.from_arrays([(r, "sst") for r in roots], names=["a", "b"],
+                                  sample_axis="time")  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("windows", "asked"),
+    [
+        ({"w": ["-6h", "0h"]}, {}),
+        ({"w": ["-12h", "-6h", "0h"], "y": ["6h"]}, {"stride": "12h"}),
+        ({"w": ["-6h", "0h"], "y": ["6h"]},
+         {"missing": [np.datetime64("2000-01-02T00"), np.datetime64("2000-03-02T00")]}),
+    ],
+)  # fmt: skip
+def test_windows_strides_and_missing_dates_of_members_written_newest_first_read_their_times(
+    tmp_path: Path, windows: dict[str, list[str]], asked: dict[str, Any]
+) -> None:
+    """Before, a collection whose members' times run backwards was refused under a time
+    stride, windows in time deltas and ``missing=`` ("write the members with increasing
+    times"); a single store's were counted back in time. Now the members' are too: each row's
+    steps are the times its window names in its own member, the anchors every time of a member
+    whose steps are all there and on the stride (xarray's times of each member)."""
+    coll = _scenes(tmp_path)
+    scenes = [_oracle(tmp_path / f"{name}.zarr") for name in "ab"]
+    v = coll["data"]
+    deltas = {k: [np.timedelta64(int(d[:-1]), "h") for d in w] for k, w in windows.items()}
+    stride, listed = asked.get("stride"), set(asked.get("missing", ()))
+    want = set()
+    for m, ds in enumerate(scenes):
+        have = set(ds.time.values)
+        for t in ds.time.values:
+            on = stride is None or (t - np.datetime64("1970-01-01")) % (12 * HOUR) == 0 * HOUR
+            steps = [t + d for ds_ in deltas.values() for d in ds_] + [t]
+            if on and all(u in have and u not in listed for u in steps):
+                want.add((m, t))
+    views = {k: v.window(w) for k, w in windows.items()}
+    manifest = split_by_chunk(v, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(coll, manifest, views, batch_size=4, coords=["time"], **asked)
+    got = set()
+    for b in _epoch(pipe):
+        for label, d in deltas.items():
+            rows = np.asarray(b.coords[label]["time"]).reshape(len(b), -1)
+            values = np.asarray(b[label]).reshape(len(b), len(d), 2, 3)
+            for m, r, x in zip(b.members[label], rows, values, strict=True):
+                anchor = r[0] - d[0]
+                np.testing.assert_array_equal(r, [anchor + k for k in d])
+                for step, xs in zip(r, x, strict=True):
+                    np.testing.assert_array_equal(xs, scenes[int(m)].sst.sel(time=step).values)
+                got.add((int(m), anchor))
+    assert got == want and len(want) >= 4
+    assert {m for m, _ in want} == {0, 1}
+
+
+def test_members_whose_times_run_in_different_directions_are_refused_naming_both(
+    tmp_path: Path,
+) -> None:
+    coll = _scenes(tmp_path, newest_first=(False, True))
+    v = coll["data"]
+    manifest = split_by_chunk(v, (1.0, 0.0, 0.0))
+    with pytest.raises(ValueError, match=r"member 'a'.* forward .*member 'b'.* backwards"):
+        insitu_pipeline(coll, manifest, {"w": v.window(["-6h", "0h"])}, batch_size=4)
+
+
+def test_monthly_members_written_newest_first_drop_the_windows_of_a_missing_month(
+    tmp_path: Path,
+) -> None:
+    """Monthly means (months of 28 to 31 days: one step of a calendar month) written newest
+    first: before, such a member was refused ("steps from 2000-12-01 to 2000-11-01, but ...
+    runs at one step of -30 days"); a single store's were read. Now each member's months
+    are one step back, and a ``missing=`` date drops the windows that read it in its member."""
+    spans = [pd.date_range("2000-01-01", periods=12, freq="MS")[::-1],
+             pd.date_range("2001-03-01", periods=8, freq="MS")[::-1]]  # fmt: skip
+    roots = [_write(tmp_path / f"{n}.zarr", t) for n, t in zip("ab", spans, strict=True)]
+    coll = Collection.from_arrays([(r, "sst") for r in roots], names=["a", "b"],
+                                  sample_axis="time")  # fmt: skip
+    scenes = [_oracle(r) for r in roots]
+    listed = [np.datetime64("2000-06-01"), np.datetime64("2001-05-01")]
+    v = coll["data"]
+    manifest = split_by_chunk(v, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(coll, manifest, {"w": v.window([-1, 0])}, missing=listed,
+                           batch_size=4, coords=["time"])  # fmt: skip
+    want = {
+        (m, (i - 1, i))
+        for m, ds in enumerate(scenes)
+        for i in range(1, ds.sizes["time"])
+        if not set(ds.time.values[i - 1 : i + 1]) & set(listed)
+    }
+    got = set()
+    for b in _epoch(pipe):
+        for m, i, t, x in zip(b.members["w"], b.sample_indices["w"], b.coords["w"]["time"],
+                              b["w"], strict=True):  # fmt: skip
+            ds = scenes[int(m)]
+            np.testing.assert_array_equal(t, ds.time.values[i])
+            np.testing.assert_array_equal(x, ds.sst.values[i])
+            got.add((int(m), tuple(i.tolist())))
+    assert got == want and len(want) == 11 + 7 - 4
+    assert pipe.stages.plan.dropped["missing"] == 4
