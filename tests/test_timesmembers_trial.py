@@ -169,3 +169,64 @@ def test_monthly_members_written_newest_first_drop_the_windows_of_a_missing_mont
             got.add((int(m), tuple(i.tolist())))
     assert got == want and len(want) == 11 + 7 - 4
     assert pipe.stages.plan.dropped["missing"] == 4
+
+
+# ---------------------------------------------------------------------------------------------
+# Forcings of times outside datetime64[ns]: remembered, as those inside are
+# ---------------------------------------------------------------------------------------------
+
+
+def _far_times(kind: str) -> np.ndarray:
+    """(4 rows, 2 steps) of times one hour apart (windows overlapping by a step: 5 distinct),
+    each row's its own object where they are cftime dates (equal dates, distinct objects)."""
+    hours = np.arange(4)[:, None] + np.arange(2)[None, :]
+    if kind == "datetime64[s]":
+        return np.datetime64("2300-06-21T00", "s") + hours.astype("timedelta64[h]")
+    calendar, units = {"standard": ("standard", "hours since 1500-03-01"),
+                       "proleptic": ("proleptic_gregorian", "hours since 2300-06-20"),
+                       "noleap": ("noleap", "hours since 2001-02-27")}[kind]  # fmt: skip
+    return np.array(cftime.num2date(hours, units, calendar), dtype=object)
+
+
+@pytest.mark.parametrize("kind", ["standard", "proleptic", "noleap", "datetime64[s]"])
+def test_forcings_of_times_outside_1677_2262_compute_each_distinct_time_once(
+    monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Before, a time the memory could not key in nanoseconds — cftime dates (a ``standard``
+    date of 1500, a ``proleptic_gregorian`` one of 2300, any ``noleap`` date) and
+    ``datetime64`` times outside 1677-2262 — was computed again in every batch: the first
+    and a later batch of the same 5 times computed 16 times (8 and 8). Now each distinct
+    time is computed once, as inside the range, and its fields are exactly those computed
+    directly."""
+    import insitubatch_nodes.forcings as forcings
+    from insitubatch_nodes.io.patching import cut_windows
+
+    lat, lon = np.linspace(-80, 80, 5), np.linspace(0, 350, 8)
+    names = forcings.FORCINGS if kind != "noleap" else forcings.FORCINGS[2:]  # (no instant)
+    times = _far_times(kind)
+    computed: list[int] = []
+    real = forcings.Forcings._compute
+
+    def counting(self: Any, t: np.ndarray, g: int = 0) -> dict[str, np.ndarray]:
+        computed.append(t.size)
+        return real(self, t, g)
+
+    monkeypatch.setattr(forcings.Forcings, "_compute", counting)
+    f = forcings.Forcings("x", names=names, lat=lat, lon=lon)
+    first = f.compute(times)
+    again = f.compute(times[::-1].copy())  # a later batch (or epoch) of the same times
+    assert computed == [5], "each distinct time once, none again"
+    fresh = real(f, times)
+    for name in names:
+        np.testing.assert_array_equal(first[name], fresh[name])
+        np.testing.assert_array_equal(again[name], fresh[name][::-1])
+    # each row's window cut from the remembered fields (a patched label's forcings)
+    computed.clear()
+    cut = (np.array([[0, 0], [1, 2], [3, 4], [2, 1]]), (0, 1), (2, 4))
+    patched = forcings.Forcings("x", names=names, lat=lat, lon=lon)
+    for _ in range(2):
+        got = patched.compute(times, cut=cut)
+        for name in names:
+            np.testing.assert_array_equal(got[name], cut_windows(fresh[name], *cut[:1], (1, 2),
+                                                                 (2, 4)))  # fmt: skip
+    assert computed == [5]
