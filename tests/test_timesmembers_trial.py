@@ -230,3 +230,40 @@ def test_forcings_of_times_outside_1677_2262_compute_each_distinct_time_once(
             np.testing.assert_array_equal(got[name], cut_windows(fresh[name], *cut[:1], (1, 2),
                                                                  (2, 4)))  # fmt: skip
     assert computed == [5]
+
+
+# ---------------------------------------------------------------------------------------------
+# The demo on a store written newest first
+# ---------------------------------------------------------------------------------------------
+
+
+def test_the_demo_splits_a_store_written_newest_first_in_time_order_and_forecasts_the_next_time(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, the demo split in index order: on a store written newest first its ``train``
+    held the newest times (the pipeline warned that it trained on its evaluation's future)
+    and its target (``shift(1)``) was the time before the input. Now it splits in time order,
+    as the data module does, and its target is the next time, whichever way the store runs."""
+    from insitubatch_nodes import demo
+
+    times = pd.date_range("2000-01-01", periods=40, freq="6h")[::-1]
+    root = _write(tmp_path / "back.zarr", times, chunk=4)
+    decoded = _oracle(root).time.values
+    got: dict[str, Any] = {}
+
+    def train(args: Any, store: Any, geom: Any, manifest: Any, views: Any) -> int:
+        got.update(store=store, manifest=manifest, views=views)
+        return 0
+
+    monkeypatch.setattr(demo, "_train", train)
+    assert demo.main(["--url", str(root), "--variable", "sst", "--no-progress"]) == 0
+    assert "train: 8 chunks / 32 samples, val: 1 chunks / 4 samples" in capsys.readouterr().out
+    manifest, views = got["manifest"], got["views"]
+    by_split = {s: decoded[manifest.samples(s)] for s in ("train", "val", "test")}
+    np.testing.assert_array_equal(np.sort(by_split["train"]), np.sort(decoded)[:32])
+    assert by_split["train"].max() < by_split["val"].min() < by_split["test"].min()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (before: "'train' holds the times after those of ...")
+        pipe = insitu_pipeline(got["store"], manifest, views, batch_size=8, coords=["time"])
+    for b in _epoch(pipe):
+        np.testing.assert_array_equal(b.coords["y"]["time"] - b.coords["x"]["time"], 6 * HOUR)
