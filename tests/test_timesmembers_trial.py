@@ -290,3 +290,65 @@ def test_a_concat_or_join_of_a_store_written_newest_first_is_refused_as_such(
         concat([later, earlier], ["sst"])
     with pytest.raises(ValueError, match=rf"join: the times of 'x' {said}"):
         Collection.join({"x": (later, ["sst"]), "y": (later, ["sst"])}, dim="time")
+
+
+def test_noleap_members_written_newest_first_beside_a_member_of_one_time_read_their_times(
+    tmp_path: Path,
+) -> None:
+    """The same on cftime dates (a ``noleap`` calendar, across 28 February) beside a member
+    of a single time, which has no direction and holds no anchor of a two-step window."""
+    spans = (("2001-02-27", 10), ("2003-02-28", 7), ("2005-01-01", 1))
+    noleap = [xr.date_range(start, periods=n, freq="6h", calendar="noleap", use_cftime=True)
+              for start, n in spans]  # fmt: skip
+    roots = [_write(tmp_path / f"{name}.zarr", list(t)[::-1], calendar="noleap")
+             for name, t in zip("abc", noleap, strict=True)]  # fmt: skip
+    coll = Collection.from_arrays([(r, "sst") for r in roots], names=list("abc"),
+                                  sample_axis="time")  # fmt: skip
+    scenes = [_oracle(r) for r in roots]
+    listed = [cftime.DatetimeNoLeap(2001, 3, 1, 6)]
+    v = coll["data"]
+    manifest = split_by_chunk(v, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(coll, manifest, {"w": v.window(["-12h", "0h"])}, stride="12h",
+                           missing=listed, batch_size=4, coords=["time"])  # fmt: skip
+    twelve = pd.Timedelta(hours=12)
+    want = {
+        (m, t)
+        for m, ds in enumerate(scenes)
+        for t in ds.time.values
+        if t.hour % 12 == 0
+        and t - twelve in set(ds.time.values)
+        and not {t, t - twelve} & set(listed)
+    }
+    got = set()
+    for b in _epoch(pipe):
+        for m, r, x in zip(b.members["w"], b.coords["w"]["time"], b["w"], strict=True):
+            assert r[1] - r[0] == twelve
+            for step, xs in zip(r, x, strict=True):
+                np.testing.assert_array_equal(xs, scenes[int(m)].sst.sel(time=step).values)
+            got.add((int(m), r[1]))
+    assert got == want and len(want) == 7
+
+
+def test_a_state_saved_mid_epoch_on_members_written_newest_first_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    from resume_helpers import assert_resumes_exactly, epochs_of
+
+    coll = _scenes(tmp_path)
+    v = coll["data"]
+    manifest = split_by_chunk(v, (1.0, 0.0, 0.0))
+
+    def build() -> Any:
+        return insitu_pipeline(coll, manifest, {"w": v.window(["-6h", "0h"])}, stride="12h",
+                               batch_size=2, seed=3)  # fmt: skip
+
+    def records(batches: list[Any]) -> list[Any]:
+        return [(b.members["w"].tolist(), b.sample_indices["w"].tolist()) for b in batches]
+
+    pipe = build()
+    with pipe:
+        it = epochs_of(Loader(pipe))
+        per_epoch = len(pipe)
+        ref = records([next(it) for _ in range(2 * per_epoch)])
+    assert per_epoch >= 3
+    assert_resumes_exactly(build, records, ref, [1, per_epoch, per_epoch + 1])
