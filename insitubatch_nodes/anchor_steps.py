@@ -63,11 +63,12 @@ def anchor_steps(
     (``manifest.members``, attached first) each member is a run of its own
     (``SampleSteps.runs``), and windows in time deltas (``views``) are refused, naming the
     collection, when no member holds two times. Times that run backwards (newest first) are
-    counted negated (``SampleSteps.backwards``: a step back in time is one sample on); those
-    of a collection's independent members are refused. The dates anemoi-datasets lists in the
-    anchor array's group (``missing_dates``: :func:`~insitubatch_nodes.io.anemoi.
-    recorded_missing`; each store's, of stores joined along one timeline) are missing as if
-    ``missing`` listed them."""
+    counted negated (``SampleSteps.backwards``: a step back in time is one sample on), a
+    collection's independent members' too, all newest first (``MemberMap.joined`` refuses
+    members whose times run in different directions, naming two, where it reads them). The
+    dates anemoi-datasets lists in the anchor array's group (``missing_dates``:
+    :func:`~insitubatch_nodes.io.anemoi.recorded_missing`; each store's, of stores joined
+    along one timeline) are missing as if ``missing`` listed them."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
@@ -120,7 +121,6 @@ def anchor_steps(
     backwards = ticks is not None and _backwards(ticks, runs)
     if ticks is not None and coord is not None:
         if backwards:  # newest first: counted negated, a step back in time one step on
-            _refuse_backwards(runs, coord, ticks)
             _warn_split_backwards(manifest, coord, stacklevel=4)
         counted, unit = _counted_ticks(coord, ticks, backwards)
     if dates:  # matched to the times to the second, whatever the checks count in
@@ -328,25 +328,6 @@ def _backwards(ticks: np.ndarray, runs: np.ndarray | None) -> bool:
         run = np.searchsorted(runs, present, side="right")
         d = d[run[1:] == run[:-1]]
     return int((d < 0).sum()) > int((d > 0).sum())
-
-
-def _refuse_backwards(runs: np.ndarray | None, coord: Coordinate, ticks: np.ndarray) -> None:
-    """Refuse times of a collection's independent members (``runs``) that run backwards (most
-    consecutive present times of one member decrease): each member would need its own
-    direction. A single array's (or joined stores') are counted negated instead (before
-    2026-12-07 they were refused too)."""
-    if runs is None:
-        return
-    present = np.flatnonzero(ticks != MISSING_OFFSET)
-    first, last = coord.values[present[0]], coord.values[present[-1]]
-    raise ValueError(
-        f"the times of {coord.name!r} run backwards ({first} at sample {int(present[0])} .. "
-        f"{last} at sample {int(present[-1])}) in the members of a collection: a time stride, "
-        "window offsets in time deltas and missing= check each step in time from its anchor "
-        "within each member, all in one direction; write the members with increasing times "
-        "(xarray: ds.sortby('time')), or give an int stride, window offsets in samples and no "
-        "missing="
-    )
 
 
 def _is_index(x: Any) -> bool:

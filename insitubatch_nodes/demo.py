@@ -7,6 +7,9 @@ report (:meth:`~insitubatch_nodes.pipeline.InSituPipeline.report`) after each. `
 from any store instead (``s3://bucket/path.zarr --endpoint http://127.0.0.1:9000 ...``); a
 CF-encoded field (a netCDF-converted ``int16`` packed one) is decoded as xarray decodes it, in
 ``float32`` (``open_geometries(..., cf_dtype="float32")``), and normalised by its decoded values.
+Where the array has a time coordinate, the split (80/10/10 whole chunks) is in time order,
+``train`` the earliest times, and the target the next time, also in a store written newest
+first; without one, in index order.
 
 ``--cache-dir DIR`` shows the persistent chunk cache: the demo runs twice, each time in a fresh
 process with ``insitu_pipeline(..., cache_dir=DIR, persist=True)``. The first run warms the
@@ -36,6 +39,7 @@ import numpy as np
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import open_store
+from insitubatch_nodes.lightning_splits import sample_times
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk
@@ -143,8 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if opened is None:
         return 2
     store, geom = opened
-    manifest = split_by_chunk(geom, (0.8, 0.1, 0.1))
-    views = {"x": geom, "y": geom.shift(1)}
+    # in time order (train the earliest times), the target the next time: also where the
+    # store is written newest first (before 2026-12-07 the index order, which trained such a
+    # store on its newest times and had it forecast the time before)
+    time = sample_times(store, geom)
+    manifest = split_by_chunk(geom, (0.8, 0.1, 0.1), coord=time)
+    views = {"x": geom, "y": geom.shift(-1 if time is not None and time.decreasing else 1)}
     config = PlanConfig(batch_size=args.batch_size, block_chunks=args.block_chunks)
     node = ReadPlanNode(manifest, views, config=config)
     print(describe(geom, manifest, node), flush=True)

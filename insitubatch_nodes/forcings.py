@@ -34,7 +34,9 @@ calendar; the two solar ones, and every forcing of ``convention="graphcast"``, r
 ``TypeError`` for them, but for the ``standard`` and ``proleptic_gregorian`` calendars'
 dates (a store's dates outside 1677-2262 decode to those), computed at their instants, as
 are ``datetime64`` times of any unit outside that range (before 2026-12-07 both were
-refused). Every forcing is NaN at a
+refused). Each distinct time is computed once and remembered, whatever its kind (before
+2026-12-07 cftime dates, and ``datetime64`` outside 1677-2262, were computed again in every
+batch: :func:`~insitubatch_nodes.forcing_memo.memo_keys`). Every forcing is NaN at a
 missing time (``NaT``; ``None`` among cftime dates), whose row holds data of an unknown time
 (before, NaT was read as its int64 pattern, a date in 290 million BC: finite values of another
 time).
@@ -84,7 +86,7 @@ from insitubatch_nodes.forcing_grid import (
     no_times,
     refuse_other_windows,
 )
-from insitubatch_nodes.forcing_memo import Memo
+from insitubatch_nodes.forcing_memo import Memo, memo_keys
 from insitubatch_nodes.forcing_solar import (
     SOLAR_IRRADIANCE,
     SOLAR_NAMES,
@@ -210,8 +212,9 @@ class Forcings:
         """Compute on ``grid`` from now on, remembering nothing yet."""
         #: the grid (one, or one per member of a collection) the fields are computed on
         self.grid = grid
-        #: per distinct grid, the fields of the times computed so far (ns since the epoch),
-        #: oldest forgotten first; the memory is shared out between the grids
+        #: per distinct grid, the fields of the times computed so far (keyed by
+        #: ``forcing_memo.memo_keys``), oldest forgotten first; the memory is shared out
+        #: between the grids
         self._memos = [Memo(self.names, grid.shape, len(grid.lats), MEMO_BYTES) for _ in grid.lats]
         self._lock = threading.Lock()
         self._buffers: dict[str, BufferPool] = {}  # forcing -> the pool its rows are lent from
@@ -318,30 +321,33 @@ class Forcings:
     ) -> dict[str, np.ndarray]:
         """:meth:`compute` of the 1-D ``times`` on grid ``g``, through its memory (written
         into ``out``, ``{name: (len(times), *grid)}``, where given; windows with ``cut``)."""
-        if times.dtype.kind != "M" or _outside_ns(times):  # (the memory keys nanoseconds)
+        memo = self._memos[g]
+        keyed = memo_keys(times, memo.kind)
+        if keyed is None:  # (times of another kind than those remembered; not times at all)
             computed = self._compute(times, g)  # (it says what is wrong with them)
             if cut is not None:
                 computed = {n: cut_windows(v, *cut) for n, v in computed.items()}
             return _copied(out, computed)
-        keys = times.astype("datetime64[ns]").view(np.int64)
-        distinct, inverse = np.unique(keys, return_inverse=True)
+        keys, kind = keyed
+        distinct, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        # each distinct time as computed: nanoseconds as before, else the time given
+        at = distinct.view("datetime64[ns]") if kind == "ns" else times[first]
         if cut is not None:
-            return self._lookup_cut(g, distinct, inverse.ravel(), out, cut)
-        memo = self._memos[g]
+            return self._lookup_cut(g, (distinct, at, kind), inverse.ravel(), out, cut)
         table = {name: np.empty((len(distinct), *self.grid.shape), np.float32)
                  for name in self.names}  # fmt: skip
         with self._lock:
-            slots = memo.find(distinct)
+            slots = memo.find(distinct, kind)
             known = np.flatnonzero(slots >= 0)
             for name in self.names:
                 table[name][known] = memo.fields[name][slots[known]]
         new = np.flatnonzero(slots < 0)
         if len(new):
-            fresh = self._compute(distinct[new].view("datetime64[ns]"), g)
+            fresh = self._compute(at[new], g)
             for name in self.names:
                 table[name][new] = fresh[name]
             with self._lock:
-                memo.add(distinct[new], fresh)
+                memo.add(distinct[new], fresh, kind)
         return {
             name: np.take(table[name], inverse.ravel(), axis=0, mode="clip",
                           out=None if out is None else out[name])
@@ -351,34 +357,36 @@ class Forcings:
     def _lookup_cut(
         self,
         g: int,
-        distinct: np.ndarray,
+        keyed: tuple[np.ndarray, np.ndarray, str],
         inverse: np.ndarray,
         out: Mapping[str, np.ndarray] | None,
         cut: Cut,
     ) -> dict[str, np.ndarray]:
-        """:meth:`_lookup` of each row's window (``cut``) at the times ``distinct[inverse]``,
-        cut straight from the remembered fields and from those computed now: no row's (nor
-        time's) whole field is copied (before, a batch of 0.25-degree patches copied 4 MiB per
-        row and forcing to cut a few KiB)."""
+        """:meth:`_lookup` of each row's window (``cut``) at the times ``distinct[inverse]``
+        (``keyed``: the distinct keys, their times, the keys' kind), cut straight from the
+        remembered fields and from those computed now: no row's (nor time's) whole field is
+        copied (before, a batch of 0.25-degree patches copied 4 MiB per row and forcing to
+        cut a few KiB)."""
+        distinct, times, kind = keyed
         origins, axes, extent = cut
         field = (len(inverse), *cut_per_step(cut, self.grid.shape, 1)[1])
         into = {n: np.empty(field, np.float32) if out is None else out[n] for n in self.names}
         memo = self._memos[g]
         with self._lock:  # (an addition may move the remembered fields)
-            slot = memo.find(distinct)[inverse]
+            slot = memo.find(distinct, kind)[inverse]
             held = np.flatnonzero(slot >= 0)
             for name in self.names:
                 into[name][held] = cut_windows(memo.fields[name], origins[held], axes, extent,
                                                rows=slot[held])  # fmt: skip
         new = np.flatnonzero(slot < 0)  # the rows whose time is computed now
         if len(new):
-            keys, at = np.unique(distinct[inverse[new]], return_inverse=True)
-            fresh = self._compute(keys.view("datetime64[ns]"), g)
+            which, at = np.unique(inverse[new], return_inverse=True)
+            fresh = self._compute(times[which], g)
             for name in self.names:
                 into[name][new] = cut_windows(fresh[name], origins[new], axes, extent,
                                               rows=at.ravel())  # fmt: skip
             with self._lock:
-                memo.add(keys, fresh)
+                memo.add(distinct[which], fresh, kind)
         return dict(into)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -505,20 +513,6 @@ class Forcings:
     def __repr__(self) -> str:
         convention = "" if self.convention == "calendar" else f", convention={self.convention!r}"
         return f"Forcings({self.time_label!r}, names={list(self.names)}{convention})"
-
-
-_COARSER_THAN_NS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us")
-
-
-def _outside_ns(times: np.ndarray) -> bool:
-    """Whether a ``datetime64`` time lies outside ``datetime64[ns]``'s range, where a cast
-    to nanoseconds (the memory's keys) would wrap it around into another time (numpy < 2.5)
-    or raise: such times are computed in their own unit, not remembered (checked in that
-    unit, a day inside ns's range at either end; before 2026-12-07 they were refused)."""
-    if np.datetime_data(times.dtype)[0] not in _COARSER_THAN_NS:
-        return False
-    edge = np.array(["1677-09-22", "2262-04-10"], "datetime64[D]").astype(times.dtype)
-    return bool((((times <= edge[0]) | (times >= edge[1])) & ~np.isnat(times)).any())
 
 
 def _copied(

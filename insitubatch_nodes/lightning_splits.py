@@ -1,6 +1,7 @@
-"""The data module's splits, as Lightning's stages read them (needs the ``lightning`` extra; used
-by :mod:`insitubatch_nodes.lightning`): splits given as one collection each, and what to do
-when a split holds fewer samples than the trainer has ranks.
+"""The data module's splits, as Lightning's stages read them (used by
+:mod:`insitubatch_nodes.lightning`, and by the demo for its time-ordered split; imports nothing
+of Lightning): splits given as one collection each, fractions split in time order, and what to
+do when a split holds fewer samples than the trainer has ranks.
 """
 
 from __future__ import annotations
@@ -10,11 +11,11 @@ from typing import Any
 
 from insitubatch_nodes.errors import TooFewSamplesError
 from insitubatch_nodes.io.collection import Collection
-from insitubatch_nodes.io.coords import open_coordinates
+from insitubatch_nodes.io.coords import Coordinate, open_coordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
 
-__all__ = ["chunk_split", "per_split", "read_by", "too_few_for_ranks"]
+__all__ = ["chunk_split", "per_split", "read_by", "sample_times", "too_few_for_ranks"]
 
 #: the Trainer call that reads each split's loader, by the Trainer's ``state.fn``
 _CALLS = {"fit": "validate", "validate": "validate", "test": "test", "predict": "predict"}
@@ -98,15 +99,20 @@ def per_split(
 
 
 def chunk_split(store: Any, geom: ArrayGeometry, fractions: tuple[float, ...]) -> SplitManifest:
-    """The data module's ``(train, val, test)`` chunk fractions of ``geom``: a contiguous
-    :func:`split_by_chunk` in time order where ``geom``'s sample axis has a time coordinate
-    (``train`` the earliest times, also in a store written newest first; before 2026-12-07
-    the index order, which trained such a store on its newest times), in index order
-    otherwise. A coordinate that cannot be read here is left to the pipeline's build, which
+    """The data module's (and the demo's) ``(train, val, test)`` chunk fractions of ``geom``:
+    a contiguous :func:`split_by_chunk` in time order where ``geom``'s sample axis has a time
+    coordinate (:func:`sample_times`; ``train`` the earliest times, also in a store written
+    newest first; before 2026-12-07 the index order, which trained such a store on its
+    newest times), in index order otherwise."""
+    return split_by_chunk(geom, fractions, coord=sample_times(store, geom))
+
+
+def sample_times(store: Any, geom: ArrayGeometry) -> Coordinate | None:
+    """The time coordinate along ``geom``'s sample axis, ``None`` where it has none. A
+    coordinate that cannot be read here is ``None`` too, left to the pipeline's build, which
     reads it for the batches and says what is wrong with it."""
     try:
         coords = open_coordinates(store, geom)
     except (ValueError, OSError, ModuleNotFoundError):
         coords = {}
-    time = next((c for c in coords.values() if c.is_time), None)
-    return split_by_chunk(geom, fractions, coord=time)
+    return next((c for c in coords.values() if c.is_time), None)

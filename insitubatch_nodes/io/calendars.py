@@ -344,10 +344,12 @@ def calendar_months(values: np.ndarray) -> np.ndarray:
 
 def month_step(values: np.ndarray) -> int | None:
     """``k`` where the present dates ``values`` (``datetime64``, or cftime dates) step by
-    ``k`` whole months of their calendar (``k`` >= 1), of several lengths all within 3 days
-    of each other (monthly, seasonal, yearly means: the rule of
-    ``anchor_steps.calendar_ticks``); ``None`` otherwise (one fixed step, other steps, fewer
-    than two dates). A collection's member then steps at ``k`` months (``MemberMap``)."""
+    ``k`` whole months of their calendar (``k`` >= 1; ``-k`` where they run backwards, newest
+    first), of several lengths all within 3 days of each other (monthly, seasonal, yearly
+    means: the rule of ``anchor_steps.calendar_ticks``); ``None`` otherwise (one fixed step,
+    other steps, fewer than two dates). A collection's member then steps at ``k`` months
+    (``MemberMap``; before 2026-12-07 monthly dates newest first were no month step, and such
+    a member was refused for steps of 31 days after 30)."""
     if len(values) < 2 or values.dtype.kind not in "MO":
         return None
     if values.dtype.kind == "M":
@@ -356,6 +358,6 @@ def month_step(values: np.ndarray) -> int | None:
         d = np.array([(b - a).total_seconds() for a, b in itertools.pairwise(values)])
     dm = np.diff(calendar_months(values))
     near = d.max() - d.min() <= MONTH_STEPS_NEAR_S
-    if dm[0] < 1 or np.any(dm != dm[0]) or np.all(d == d[0]) or not near:
+    if dm[0] == 0 or np.any(dm != dm[0]) or np.all(d == d[0]) or not near:
         return None
-    return int(dm[0])
+    return int(dm[0])  # (negative: newest first)

@@ -269,7 +269,9 @@ class MemberMap:
 
     def _check_steps(self, name: str, values: Sequence[np.ndarray]) -> None:
         """Every member's times of ``name`` at one step, the first member's: one length, or
-        ``k`` calendar months (:func:`~insitubatch_nodes.io.calendars.month_step`)."""
+        ``k`` calendar months (:func:`~insitubatch_nodes.io.calendars.month_step`), negative
+        where the times run backwards (newest first): then every member's do (a member that
+        runs the other way is refused, naming both)."""
         step, calendar = None, None
         for m, v in enumerate(values):
             refuse_missing_times(
@@ -285,6 +287,17 @@ class MemberMap:
             months = month_step(v)  # (monthly dates: months of several lengths, one step)
             if step is None:
                 step, first, calendar = d[0], m, months
+            if (d[0] > d[0] * 0) != (step > step * 0):  # (one member newest first, one not)
+                ways = {True: "forward (oldest first)", False: "backwards (newest first)"}
+                raise ValueError(
+                    f"{self.collection}: member {self.names[first]!r}'s {name!r} runs "
+                    f"{ways[bool(step > step * 0)]} and member {self.names[m]!r}'s "
+                    f"{ways[bool(d[0] > d[0] * 0)]}: a time stride, window offsets in time "
+                    "deltas and missing= dates count every member's steps in one direction; "
+                    "write the members in one order (xarray: ds.sortby('time'), or "
+                    "ds.sortby('time', ascending=False)), or open them without reading their "
+                    "times (no time stride, windows in samples, no missing=, no coords)"
+                )
             if calendar is not None and months == calendar:
                 continue
             bad = np.flatnonzero(d != step) if calendar is None else np.zeros(1, np.intp)

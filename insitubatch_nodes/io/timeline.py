@@ -135,12 +135,22 @@ def time_coordinate(
 
 def _refuse_irregular(op: str, name: str, ticks: np.ndarray, values: np.ndarray) -> None:
     """Refuse the times of store ``name`` that are not at one step, naming where the step
-    first changes (from the store's most common step) and what to do."""
+    first changes (from the store's most common step) and what to do; times that run
+    backwards (newest first) as such (before 2026-12-07 "after -21600 s, where the store
+    steps 0 s (a gap, or an out-of-order time ...)")."""
     d = np.diff(ticks)
     if not len(d):
         raise ValueError(
             f"{op}: {name!r} holds {len(ticks)} time(s) of its dimension, so its step cannot "
             f"be told: the stores of a {op} need two times or more (leave it out)"
+        )
+    if int((d < 0).sum()) > int((d > 0).sum()):
+        raise ValueError(
+            f"{op}: the times of {name!r} run backwards (newest first: {values[0]} at index 0 "
+            f".. {values[-1]} at index {len(values) - 1}), and a {op} lays its stores along "
+            "increasing times: write the store oldest first (xarray: ds.sortby('time')), or "
+            "read it in a pipeline of its own, whose time checks count times newest first "
+            "back in time"
         )
     steps, counts = np.unique(d[d > 0], return_counts=True)
     step = int(steps[int(np.argmax(counts))]) if len(steps) else 0
