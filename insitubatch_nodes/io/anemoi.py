@@ -5,7 +5,7 @@ dimension names in ``_ARRAY_DIMENSIONS``), and beside it no coordinate array nam
 dimension: the names of ``variable`` are the root group's attribute ``variables`` (``["10u",
 "2t", "t_850", ...]``), the times are the array ``dates (time)`` (``datetime64[s]``), the
 points' places ``latitudes (cell)`` and ``longitudes (cell)`` (a grid of points:
-:mod:`~insitubatch_nodes.io.points`). Two rules read them as a store of one array per variable
+:mod:`~insitubatch_nodes.io.points`). Three rules read them as a store of one array per variable
 would be read:
 
 * :func:`variable_names`: ``sel(variable=["2t", "t_850"])`` looks the names up in the group's
@@ -15,8 +15,14 @@ would be read:
   carried times, under the key ``"dates"``);
 * :func:`recorded_missing`: the dates the group's ``missing_dates`` attribute lists (slots of
   ``data`` that hold no data: anemoi raises ``MissingDateError`` reading one) are missing
-  dates, as if given in ``missing=`` (:func:`~insitubatch_nodes.anchor_steps.anchor_steps`).
-  The ``frequency`` attribute is not read: the ``dates`` are the times.
+  dates, as if given in ``missing=`` (:func:`~insitubatch_nodes.anchor_steps.anchor_steps`):
+  each store's, of stores joined along one timeline (``concat``), and each member's own, of a
+  collection's independent members (a date one member lacks is not missing from another).
+  They are looked for only where an array the build reads is in anemoi's layout, its
+  dimensions naming ``variable`` (metadata read already: another store is not read for them),
+  and each group's attributes are read once a build (one document a group, concurrently,
+  whatever the views and members). The ``frequency`` attribute is not read: the ``dates``
+  are the times.
 
 Nothing else of the layout is special: its ``ensemble`` axis comes after ``variable``, and a
 stack's ``ensemble="ensemble"`` takes it there (rows ``([T,] E, C, cell)``:
@@ -25,20 +31,30 @@ stack's ``ensemble="ensemble"`` takes it there (rows ``([T,] E, C, cell)``:
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
-import zarr
 
 from insitubatch_nodes.io import _zarr_compat
+from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.members import MemberMap
+from insitubatch_nodes.io.objects import read_documents
+from insitubatch_nodes.io.routing import RoutingStore
 
-__all__ = ["DATES", "VARIABLE", "recorded_missing", "variable_names"]
+__all__ = ["DATES", "VARIABLE", "Recorded", "recorded_missing", "variable_names"]
 
 #: the dimension whose names anemoi keeps in the group's ``variables`` attribute
 VARIABLE = "variable"
 
 #: anemoi's name for the time coordinate of the sample dimension (``dates (time)``)
 DATES = "dates"
+
+#: what :func:`recorded_missing` found: the dates missing along the whole sample axis (a single
+#: store's, every store's of a concatenation), and each independent member's own
+#: (``{member index: dates}``)
+Recorded = tuple[list[np.datetime64], dict[int, list[np.datetime64]]]
 
 
 def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
@@ -51,7 +67,7 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
     if dim != VARIABLE or dim not in dims:
         return None
     length = int(geom.shape[dims.index(dim)])
-    names = _group_attribute(store, str(geom.path), "variables")
+    [names] = group_attribute(store, [str(geom.path)], int(geom.zarr_format), "variables")
     if (
         isinstance(names, list)
         and len(names) == length
@@ -62,12 +78,31 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
     return None
 
 
-def recorded_missing(store: Any, path: str) -> list[np.datetime64]:
-    """The dates anemoi-datasets lists as missing for the array at ``path`` of ``store``: the
-    ``missing_dates`` attribute (ISO 8601 strings) of its group or the nearest parent that has
-    one, as ``datetime64[s]``. ``[]`` where no group lists any (or cannot be read); a list
-    that is not of dates is a ``ValueError`` naming the attribute."""
-    dates = _group_attribute(store, path, "missing_dates")
+def recorded_missing(
+    store: Any, path: str, members: MemberMap | None, geoms: Iterable[ArrayGeometry]
+) -> Recorded:
+    """The dates anemoi-datasets lists as missing for the anchor array at ``path`` of
+    ``store`` (``members``: its collection's member map, if any), as ``datetime64[s]``: the
+    ``missing_dates`` attribute (ISO 8601 strings) of each array's group or of its nearest
+    parent that has one. ``([], {})`` unless one of ``geoms`` (the arrays the build reads) is
+    in anemoi's layout (its dimensions name :data:`VARIABLE`), and on product sample axes.
+    A single array's dates, and every store's of a continuous collection (``concat``), are the
+    first item; an independent member's are its own (the second). Each group's attribute
+    document is read once, all of them concurrently; a list that is not of dates is a
+    ``ValueError`` naming the attribute."""
+    anemoi = [g for g in geoms if VARIABLE in (g.dims or ())]
+    if not anemoi or (members is not None and members.product):
+        return [], {}
+    fmt = next((int(g.zarr_format) for g in anemoi if g.path == path), int(anemoi[0].zarr_format))
+    paths = [path] if members is None else list(members.paths)
+    found = group_attribute(store, paths, fmt, "missing_dates")
+    dates = [_dates(p, d) for p, d in zip(paths, found, strict=True)]
+    if members is None or members.continuous:
+        return list(dict.fromkeys(d for each in dates for d in each)), {}
+    return [], {m: d for m, d in enumerate(dates) if d}
+
+
+def _dates(path: str, dates: Any) -> list[np.datetime64]:
     if not dates:
         return []
     try:
@@ -80,17 +115,54 @@ def recorded_missing(store: Any, path: str) -> list[np.datetime64]:
         ) from None
 
 
-def _group_attribute(store: Any, path: str, name: str) -> Any:
-    """Attribute ``name`` of the group holding the array at ``path`` or of its nearest parent
-    that has it (``None`` where none has; a group that cannot be read counts as none)."""
-    parts = path.strip("/").split("/")[:-1]
-    for i in range(len(parts), -1, -1):
-        try:
-            group = zarr.open_group(
-                store=_zarr_compat.opened(store), path="/".join(parts[:i]), mode="r"
-            )
-        except (OSError, KeyError, ValueError, TypeError, zarr.errors.GroupNotFoundError):
-            continue
-        if name in group.attrs:
-            return group.attrs[name]
-    return None
+def group_attribute(store: Any, paths: Sequence[str], zarr_format: int, name: str) -> list[Any]:
+    """Attribute ``name`` of the group holding each array of ``paths`` (in ``store``, of
+    ``zarr_format``) or of its nearest parent that has it (``None`` where none has; a group
+    that cannot be read counts as none). Each group's attribute document (``.zattrs``; v3:
+    ``zarr.json``) is read once, all concurrently: one GET a group, not a group opened (four
+    GETs) per level and per array. The root of a
+    :class:`~insitubatch_nodes.io.routing.RoutingStore` is no group (each routed store's root
+    is)."""
+    store = _zarr_compat.opened(store)
+    routed = isinstance(store, RoutingStore)
+    chains = []
+    for path in paths:
+        parts = path.strip("/").split("/")[:-1]
+        levels = range(len(parts), 0 if routed else -1, -1)
+        chains.append(["/".join(parts[:i]) for i in levels])
+    groups = list(dict.fromkeys(g for chain in chains for g in chain))
+    doc = ".zattrs" if zarr_format == 2 else "zarr.json"
+    texts = _documents(store, [f"{g}/{doc}" if g else doc for g in groups])
+    attrs = {g: _attributes(t, zarr_format) for g, t in zip(groups, texts, strict=True)}
+    return [next((attrs[g][name] for g in chain if name in attrs[g]), None) for chain in chains]
+
+
+def _documents(store: Any, keys: list[str]) -> list[Any]:
+    """:func:`~insitubatch_nodes.io.objects.read_documents` of ``keys``; where a read fails
+    (a store that answers a missing key with an error), each key alone, a failed one none."""
+    try:
+        return read_documents(store, keys)
+    except (OSError, KeyError):
+        out = []
+        for key in keys:
+            try:
+                out += read_documents(store, [key])
+            except (OSError, KeyError):
+                out.append(None)
+        return out
+
+
+def _attributes(text: Any, zarr_format: int) -> dict[str, Any]:
+    """The attributes in a group's document (``{}`` where it is absent or not a group's)."""
+    if text is None:
+        return {}
+    try:
+        doc = json.loads(bytes(text))
+    except (TypeError, ValueError):
+        return {}
+    if not isinstance(doc, dict):
+        return {}
+    if zarr_format == 2:
+        return doc
+    attrs = doc.get("attributes") if doc.get("node_type") == "group" else None
+    return attrs if isinstance(attrs, dict) else {}
