@@ -66,16 +66,16 @@ def anchor_steps(
     counted negated (``SampleSteps.backwards``: a step back in time is one sample on); those
     of a collection's independent members are refused. The dates anemoi-datasets lists in the
     anchor array's group (``missing_dates``: :func:`~insitubatch_nodes.io.anemoi.
-    recorded_missing`; each store's, of stores joined along one timeline) are missing as if
-    ``missing`` listed them; those of an independent member's store are that member's own
-    (matched among its samples only)."""
+    recorded_missing`) are missing as if ``missing`` listed them; those of a collection
+    member's store (an independent member, a store joined by ``concat``) are that member's own,
+    matched among its own samples only."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
         missing is not None and not isinstance(missing, Sequence | np.ndarray)
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
-    # anemoi's: no data at those dates (of one timeline; of each independent member, `own`)
+    # anemoi's: no data at those dates (of a single array; of each member, `own`)
     recorded, own = recorded_missing(zstore, manifest.array, manifest.members, geoms.values())
     if recorded:
         missing = [*(missing if missing is not None else ()), *recorded]
@@ -134,7 +134,7 @@ def anchor_steps(
         step = SampleSteps(n, ticks=counted, runs=runs).data_step
         _refuse_dates_between_steps(dates, gone, ticks, coord, counted, step)
         listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
-    if own:  # each member's own dates, within its own samples
+    if own:  # each member's own dates, within its own samples (a concatenation's too)
         assert ticks is not None and coord is not None and members is not None
         listed |= _members_dates(own, members, coord, ticks)
     absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
@@ -169,7 +169,7 @@ def _members_dates(
     coord: Coordinate,
     ticks: np.ndarray,
 ) -> np.ndarray:
-    """The samples at the dates each independent member's own store lists as missing
+    """The samples at the dates each collection member's own store lists as missing
     (``own``: ``{member index: dates}``), each matched to the second among its member's
     samples only (``ticks``: the collection's times, whole seconds)."""
     out = np.zeros(len(ticks), dtype=bool)

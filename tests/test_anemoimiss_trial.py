@@ -10,6 +10,10 @@ Found (fixed):
   at a member's missing dates were delivered, NaN rows, without a word (``fit_statistics``
   counted them as NaNs). Each member's dates are now its own missing steps, matched among its
   own samples only (another member's sample at that date is kept);
+* the ``missing_dates`` of the stores of a ``concat`` were pooled over the joined axis: where
+  two stores overlap and ``overlap=`` keeps one store's copy of a time, the other store's
+  listing that time (for its own, skipped copy) dropped the kept store's good sample (13 of
+  14 samples delivered). Each store's dates are now matched among its own samples only;
 * every build opened the anchor array's group and each parent (``zarr.open_group``: four GETs
   a level, ``zarr.json``, ``.zgroup``, ``.zattrs``, ``.zmetadata``) to look for
   ``missing_dates``, of every store, anemoi's or not; each store of a concatenation was opened
@@ -293,6 +297,32 @@ def test_concatenated_anemoi_stores_by_name_with_dates_across_their_edge(tmp_pat
             np.testing.assert_array_equal(batch.coords["x"]["dates"], dates[idx])
             seen += idx[:, 1].tolist()
     assert sorted(seen) == [i for i in range(1, 2 * NT) if {i, i - 1}.isdisjoint({1, 8})]
+
+
+@pytest.mark.parametrize("overlap", ["first", "last"])
+def test_a_concatenated_store_s_missing_date_in_the_overlap_it_loses_drops_nothing(
+    tmp_path: Path, overlap: str
+) -> None:
+    """Two stores overlap by two dates (2020-01-02T12 and T18); the store whose copy
+    ``overlap=`` skips lists 2020-01-02T12 as missing, the other holds it: it is read, from
+    the store kept. Before, every store's dates were pooled over the joined axis, and that
+    sample was dropped."""
+    gap = {"first": ([], ["2020-01-02T12"]), "last": (["2020-01-02T12"], [])}[overlap]
+    a, ta = _write(tmp_path / "y0.zarr", gap[0])
+    b, tb = _write(tmp_path / "y1.zarr", gap[1], start="2020-01-02T12", seed=1)
+    data, dates = (np.concatenate([a, b[2:]]), np.concatenate([ta, tb[2:]]))
+    if overlap == "last":
+        data, dates = np.concatenate([a[:-2], b]), np.concatenate([ta[:-2], tb])
+    archive = concat([str(tmp_path / "y0.zarr"), str(tmp_path / "y1.zarr")], ["data"],
+                     overlap=overlap)  # fmt: skip
+    view = {"x": archive["data"].sel(variable=["2t"])}
+    with insitu_pipeline(archive, split_by_chunk(archive["data"], (1.0, 0.0, 0.0)), view,
+                         batch_size=5, coords=["dates"]) as pipe:  # fmt: skip
+        for batch in pipe:
+            idx = batch.sample_indices["x"]
+            np.testing.assert_array_equal(batch["x"], data[idx][:, [0]])
+            np.testing.assert_array_equal(batch.coords["x"]["dates"], dates[idx])
+        assert [i for _, i in _rows(pipe)] == list(range(14))  # (13 before: one dropped)
 
 
 def test_a_v3_store_s_data_in_a_subgroup_takes_the_missing_dates_of_its_nearest_parent(

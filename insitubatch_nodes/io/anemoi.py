@@ -16,8 +16,9 @@ would be read:
 * :func:`recorded_missing`: the dates the group's ``missing_dates`` attribute lists (slots of
   ``data`` that hold no data: anemoi raises ``MissingDateError`` reading one) are missing
   dates, as if given in ``missing=`` (:func:`~insitubatch_nodes.anchor_steps.anchor_steps`):
-  each store's, of stores joined along one timeline (``concat``), and each member's own, of a
-  collection's independent members (a date one member lacks is not missing from another).
+  each member's own, of a collection's independent members and of stores joined along one
+  timeline (``concat``) alike (a date one member lacks is not missing from another: a store
+  whose copy of a time ``overlap=`` skips keeps its own list to itself).
   They are looked for only where an array the build reads is in anemoi's layout, its
   dimensions naming ``variable`` (metadata read already: another store is not read for them),
   and each group's attributes are read once a build (one document a group, concurrently,
@@ -51,9 +52,8 @@ VARIABLE = "variable"
 #: anemoi's name for the time coordinate of the sample dimension (``dates (time)``)
 DATES = "dates"
 
-#: what :func:`recorded_missing` found: the dates missing along the whole sample axis (a single
-#: store's, every store's of a concatenation), and each independent member's own
-#: (``{member index: dates}``)
+#: what :func:`recorded_missing` found: the dates missing along a single array's sample axis,
+#: and each collection member's own (``{member index: dates}``)
 Recorded = tuple[list[np.datetime64], dict[int, list[np.datetime64]]]
 
 
@@ -86,10 +86,12 @@ def recorded_missing(
     ``missing_dates`` attribute (ISO 8601 strings) of each array's group or of its nearest
     parent that has one. ``([], {})`` unless one of ``geoms`` (the arrays the build reads) is
     in anemoi's layout (its dimensions name :data:`VARIABLE`), and on product sample axes.
-    A single array's dates, and every store's of a continuous collection (``concat``), are the
-    first item; an independent member's are its own (the second). Each group's attribute
-    document is read once, all of them concurrently; a list that is not of dates is a
-    ``ValueError`` naming the attribute."""
+    A single array's dates are the first item; a collection member's are its own (the second,
+    ``{member index: dates}``), of independent members and of stores joined along one
+    timeline alike: a store of a concatenation lists its own dates, which another store's
+    samples at the same time (where ``overlap=`` keeps that store's) do not lack. Each group's
+    attribute document is read once, all of them concurrently; a list that is not of dates is
+    a ``ValueError`` naming the attribute."""
     anemoi = [g for g in geoms if VARIABLE in (g.dims or ())]
     if not anemoi or (members is not None and members.product):
         return [], {}
@@ -97,8 +99,8 @@ def recorded_missing(
     paths = [path] if members is None else list(members.paths)
     found = group_attribute(store, paths, fmt, "missing_dates")
     dates = [_dates(p, d) for p, d in zip(paths, found, strict=True)]
-    if members is None or members.continuous:
-        return list(dict.fromkeys(d for each in dates for d in each)), {}
+    if members is None:
+        return dates[0], {}
     return [], {m: d for m, d in enumerate(dates) if d}
 
 
