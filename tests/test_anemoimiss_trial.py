@@ -14,6 +14,9 @@ Found (fixed):
   two stores overlap and ``overlap=`` keeps one store's copy of a time, the other store's
   listing that time (for its own, skipped copy) dropped the kept store's good sample (13 of
   14 samples delivered). Each store's dates are now matched among its own samples only;
+* of stores joined by time (``Collection.join``) only the anchor array's store was read: a
+  date another store lacks (read at the same index) was delivered, a NaN row. The dates of
+  every sampled array's group now drop the samples;
 * every build opened the anchor array's group and each parent (``zarr.open_group``: four GETs
   a level, ``zarr.json``, ``.zgroup``, ``.zattrs``, ``.zmetadata``) to look for
   ``missing_dates``, of every store, anemoi's or not; each store of a concatenation was opened
@@ -323,6 +326,24 @@ def test_a_concatenated_store_s_missing_date_in_the_overlap_it_loses_drops_nothi
             np.testing.assert_array_equal(batch["x"], data[idx][:, [0]])
             np.testing.assert_array_equal(batch.coords["x"]["dates"], dates[idx])
         assert [i for _, i in _rows(pipe)] == list(range(14))  # (13 before: one dropped)
+
+
+def test_two_anemoi_stores_joined_by_time_drop_the_dates_either_lacks(tmp_path: Path) -> None:
+    """``Collection.join``: the anchor is ``era``'s; ``reg`` lacks another date, read at the
+    same index. Before, only the anchor array's store was read: ``reg``'s missing date was
+    delivered, a NaN row of ``y``."""
+    era, _ = _write(tmp_path / "era.zarr", ["2020-01-01T12"])
+    reg, _ = _write(tmp_path / "reg.zarr", ["2020-01-02T06"], seed=1)
+    joined = Collection.join({"era": (str(tmp_path / "era.zarr"), ["data"]),
+                              "reg": (str(tmp_path / "reg.zarr"), ["data"])})  # fmt: skip
+    views = {"x": joined["era/data"].sel(variable=["2t"]), "y": joined["reg/data"]}
+    with insitu_pipeline(joined, split_by_chunk(joined["era/data"], (1.0, 0.0, 0.0)), views,
+                         batch_size=3) as pipe:  # fmt: skip
+        for batch in pipe:
+            idx = batch.sample_indices["x"]
+            np.testing.assert_array_equal(batch["x"], era[idx][:, [0]])
+            np.testing.assert_array_equal(batch["y"], reg[idx])
+        assert _rows(pipe, "y") == [(0, i) for i in range(NT) if i not in (2, 5)]
 
 
 def test_a_v3_store_s_data_in_a_subgroup_takes_the_missing_dates_of_its_nearest_parent(

@@ -16,11 +16,13 @@ would be read:
 * :func:`recorded_missing`: the dates the group's ``missing_dates`` attribute lists (slots of
   ``data`` that hold no data: anemoi raises ``MissingDateError`` reading one) are missing
   dates, as if given in ``missing=`` (:func:`~insitubatch_nodes.anchor_steps.anchor_steps`):
-  each member's own, of a collection's independent members and of stores joined along one
-  timeline (``concat``) alike (a date one member lacks is not missing from another: a store
-  whose copy of a time ``overlap=`` skips keeps its own list to itself).
-  They are looked for only where an array the build reads is in anemoi's layout, its
-  dimensions naming ``variable`` (metadata read already: another store is not read for them),
+  those of every sampled array's group (a sample is missing where any array read at it lacks
+  it: stores joined by ``Collection.join``), each member's own, of a collection's independent
+  members and of stores joined along one timeline (``concat``) alike (a date one member lacks
+  is not missing from another: a store whose copy of a time ``overlap=`` skips keeps its own
+  list to itself).
+  They are looked for only in the groups of the sampled arrays in anemoi's layout, whose
+  dimensions name ``variable`` (metadata read already: another store is not read for them),
   and each group's attributes are read once a build (one document a group, concurrently,
   whatever the views and members). The ``frequency`` attribute is not read: the ``dates``
   are the times.
@@ -67,7 +69,7 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
     if dim != VARIABLE or dim not in dims:
         return None
     length = int(geom.shape[dims.index(dim)])
-    [names] = group_attribute(store, [str(geom.path)], int(geom.zarr_format), "variables")
+    [names] = group_attribute(store, [(str(geom.path), int(geom.zarr_format))], "variables")
     if (
         isinstance(names, list)
         and len(names) == length
@@ -81,27 +83,34 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
 def recorded_missing(
     store: Any, path: str, members: MemberMap | None, geoms: Iterable[ArrayGeometry]
 ) -> Recorded:
-    """The dates anemoi-datasets lists as missing for the anchor array at ``path`` of
-    ``store`` (``members``: its collection's member map, if any), as ``datetime64[s]``: the
-    ``missing_dates`` attribute (ISO 8601 strings) of each array's group or of its nearest
-    parent that has one. ``([], {})`` unless one of ``geoms`` (the arrays the build reads) is
-    in anemoi's layout (its dimensions name :data:`VARIABLE`), and on product sample axes.
-    A single array's dates are the first item; a collection member's are its own (the second,
-    ``{member index: dates}``), of independent members and of stores joined along one
-    timeline alike: a store of a concatenation lists its own dates, which another store's
-    samples at the same time (where ``overlap=`` keeps that store's) do not lack. Each group's
-    attribute document is read once, all of them concurrently; a list that is not of dates is
-    a ``ValueError`` naming the attribute."""
-    anemoi = [g for g in geoms if VARIABLE in (g.dims or ())]
+    """The dates anemoi-datasets lists as missing for the samples a build reads, as
+    ``datetime64[s]``: the ``missing_dates`` attribute (ISO 8601 strings) of the group of each
+    array of ``geoms`` (the sampled arrays of ``store``) in anemoi's layout (its dimensions
+    name :data:`VARIABLE`), or of its nearest parent that has one; ``([], {})`` where none is
+    (nothing is read) and on product sample axes. ``path`` is the anchor array's, ``members``
+    its collection's member map (if any). A sample is missing where any array read at it lacks
+    it. Of a single store, the first item (every array's, along one axis); of a collection,
+    each member's own (the second, ``{member index: dates}``: its store's of every variable,
+    stores joined by ``Collection.join`` alike), of independent members and of stores joined
+    along one timeline alike: a store of a concatenation lists its own dates, which another
+    store's samples at the same time (where ``overlap=`` keeps that store's) do not lack. Each
+    group's attribute document is read once, all of them concurrently; a list that is not of
+    dates is a ``ValueError`` naming the attribute."""
+    anemoi = [g for g in geoms if VARIABLE in (g.dims or ()) and g.product is None]
     if not anemoi or (members is not None and members.product):
         return [], {}
-    fmt = next((int(g.zarr_format) for g in anemoi if g.path == path), int(anemoi[0].zarr_format))
-    paths = [path] if members is None else list(members.paths)
-    found = group_attribute(store, paths, fmt, "missing_dates")
-    dates = [_dates(p, d) for p, d in zip(paths, found, strict=True)]
     if members is None:
-        return dates[0], {}
-    return [], {m: d for m, d in enumerate(dates) if d}
+        arrays = {g.path: int(g.zarr_format) for g in anemoi if g.members is None}
+        found = group_attribute(store, list(arrays.items()), "missing_dates")
+        every = [d for p, got in zip(arrays, found, strict=True) for d in _dates(p, got)]
+        return list(dict.fromkeys(every)), {}
+    maps = [(g.members, int(g.zarr_format)) for g in anemoi if g.members is not None]
+    pairs = [(m, (mm.paths[m], fmt)) for mm, fmt in maps for m in range(len(mm))]
+    found = group_attribute(store, [p for _, p in pairs], "missing_dates")
+    own: dict[int, list[np.datetime64]] = {}
+    for (m, (p, _)), got in zip(pairs, found, strict=True):
+        own.setdefault(m, []).extend(_dates(p, got))
+    return [], {m: list(dict.fromkeys(d)) for m, d in own.items() if d}
 
 
 def _dates(path: str, dates: Any) -> list[np.datetime64]:
@@ -117,25 +126,25 @@ def _dates(path: str, dates: Any) -> list[np.datetime64]:
         ) from None
 
 
-def group_attribute(store: Any, paths: Sequence[str], zarr_format: int, name: str) -> list[Any]:
-    """Attribute ``name`` of the group holding each array of ``paths`` (in ``store``, of
-    ``zarr_format``) or of its nearest parent that has it (``None`` where none has; a group
-    that cannot be read counts as none). Each group's attribute document (``.zattrs``; v3:
-    ``zarr.json``) is read once, all concurrently: one GET a group, not a group opened (four
-    GETs) per level and per array. The root of a
+def group_attribute(store: Any, arrays: Sequence[tuple[str, int]], name: str) -> list[Any]:
+    """Attribute ``name`` of the group holding each array of ``arrays`` (``(path, zarr
+    format)`` pairs of ``store``) or of its nearest parent that has it (``None`` where none
+    has; a group that cannot be read counts as none). Each group's attribute document
+    (``.zattrs``; v3: ``zarr.json``) is read once, all concurrently: one GET a group, not a
+    group opened (four GETs) per level and per array. The root of a
     :class:`~insitubatch_nodes.io.routing.RoutingStore` is no group (each routed store's root
     is)."""
     store = _zarr_compat.opened(store)
     routed = isinstance(store, RoutingStore)
     chains = []
-    for path in paths:
+    for path, fmt in arrays:
         parts = path.strip("/").split("/")[:-1]
         levels = range(len(parts), 0 if routed else -1, -1)
-        chains.append(["/".join(parts[:i]) for i in levels])
+        chains.append([("/".join(parts[:i]), int(fmt)) for i in levels])
     groups = list(dict.fromkeys(g for chain in chains for g in chain))
-    doc = ".zattrs" if zarr_format == 2 else "zarr.json"
-    texts = _documents(store, [f"{g}/{doc}" if g else doc for g in groups])
-    attrs = {g: _attributes(t, zarr_format) for g, t in zip(groups, texts, strict=True)}
+    docs = [(g, ".zattrs" if fmt == 2 else "zarr.json") for g, fmt in groups]
+    texts = _documents(store, [f"{g}/{doc}" if g else doc for g, doc in docs])
+    attrs = {g: _attributes(t, g[1]) for g, t in zip(groups, texts, strict=True)}
     return [next((attrs[g][name] for g in chain if name in attrs[g]), None) for chain in chains]
 
 
