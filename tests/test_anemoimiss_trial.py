@@ -261,6 +261,24 @@ def test_a_state_saved_before_the_missing_dates_were_dropped_is_refused_saying_w
             next(iter(loader))
 
 
+def test_a_single_store_s_and_a_concatenation_s_missing_steps_are_hashed_as_before(
+    tmp_path: Path,
+) -> None:
+    """Their ``missing_dates`` were dropped before this change (earlier on 2026-12-07): the
+    fingerprints are those the code before computed (measured on it), so their states still
+    resume (a state saved by it resumed into the same batches, tried by hand)."""
+    _write(tmp_path / "y0.zarr", ["2020-01-01T06"])
+    _write(tmp_path / "y1.zarr", ["2020-01-03T00"], start="2020-01-03T00", seed=1)
+    _write(tmp_path / "s.zarr", ["2020-01-01T12"])
+    archive = concat([str(tmp_path / "y0.zarr"), str(tmp_path / "y1.zarr")], ["data"])
+    single = open_geometries(tmp_path / "s.zarr")["data"]
+    for store, g, before in ((archive, archive["data"], "c3e8bef9ce10d9e9"),
+                             (str(tmp_path / "s.zarr"), single, "280bb10687b16a68")):  # fmt: skip
+        with insitu_pipeline(store, split_by_chunk(g, (1.0, 0.0, 0.0)),
+                             {"x": g.sel(variable=["2t"])}, batch_size=3) as pipe:  # fmt: skip
+            assert pipe.stages.plan.config()["missing_steps"] == before
+
+
 def test_independent_anemoi_members_resume_bit_exact_mid_epoch(tmp_path: Path) -> None:
     coll, _ = _two_members(tmp_path, routed=True)
     manifest = split_by_chunk(coll["data"], (1.0, 0.0, 0.0))
