@@ -30,6 +30,10 @@ Found (fixed):
   with the saved run's: nothing the user could do. It now names the store's
   ``missing_dates`` and says to start the data order afresh.
 
+* a group whose attribute document could not be read (a 403, a timeout) was taken as
+  listing nothing, without a word (its missing dates then delivered as NaN rows); the array's
+  own group unread now warns, naming the key (a parent group may lack the document: not said).
+
 Tried and found right: variables by name in the order asked (``sel(variable=["t_850",
 "2t"])``), carried ``dates`` of each row, a time stride (``"12h"``) past a missing date, a
 window across the edge of two concatenated stores next to a missing date, ``missing=`` dates
@@ -230,6 +234,23 @@ def test_a_build_reads_each_anemoi_group_s_attributes_once_and_another_store_s_n
                 ".zattrs": 1
             }
         assert len(_rows(pipe)) == 3 * (NT - 3)
+
+
+def test_an_anemoi_group_whose_attributes_cannot_be_read_is_said_not_taken_silently(
+    tmp_path: Path,
+) -> None:
+    """A store that refuses the group's ``.zattrs`` (an S3 403): its ``missing_dates`` cannot
+    be known, and the samples at them are read. Before, without a word (as now for a parent
+    group's, which may lack the document)."""
+    _write(tmp_path / "s.zarr", ["2020-01-01T12"])
+    store = counting_store(tmp_path / "s.zarr")
+    g = open_geometries(store)["data"]
+    store.fail[".zattrs"] = PermissionError("403 Forbidden")
+    with (
+        pytest.warns(UserWarning, match=r"\('\.zattrs'\) cannot be read .*'missing_dates'"),
+        insitu_pipeline(store, split_by_chunk(g, (1.0, 0.0, 0.0)), {"x": g}, batch_size=8),
+    ):
+        pass
 
 
 @pytest.mark.parametrize("members", [False, True], ids=["one-store", "independent-members"])

@@ -35,6 +35,7 @@ stack's ``ensemble="ensemble"`` takes it there (rows ``([T,] E, C, cell)``:
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -133,7 +134,8 @@ def group_attribute(store: Any, arrays: Sequence[tuple[str, int]], name: str) ->
     (``.zattrs``; v3: ``zarr.json``) is read once, all concurrently: one GET a group, not a
     group opened (four GETs) per level and per array. The root of a
     :class:`~insitubatch_nodes.io.routing.RoutingStore` is no group (each routed store's root
-    is)."""
+    is). Where the document of an array's own group cannot be read (an error other than its
+    absence), the attribute is taken as absent with a ``UserWarning`` naming the key."""
     store = _zarr_compat.opened(store)
     routed = isinstance(store, RoutingStore)
     chains = []
@@ -143,24 +145,41 @@ def group_attribute(store: Any, arrays: Sequence[tuple[str, int]], name: str) ->
         chains.append([("/".join(parts[:i]), int(fmt)) for i in levels])
     groups = list(dict.fromkeys(g for chain in chains for g in chain))
     docs = [(g, ".zattrs" if fmt == 2 else "zarr.json") for g, fmt in groups]
-    texts = _documents(store, [f"{g}/{doc}" if g else doc for g, doc in docs])
+    keys = [f"{g}/{doc}" if g else doc for g, doc in docs]
+    texts, failed = _documents(store, keys)
     attrs = {g: _attributes(t, g[1]) for g, t in zip(groups, texts, strict=True)}
+    own = {chain[0] for chain in chains if chain}  # (a parent may lack the document)
+    unread = [(k, failed[k]) for g, k in zip(groups, keys, strict=True) if k in failed and g in own]
+    if unread:
+        key, exc = unread[0]
+        warnings.warn(
+            f"the attributes of the group holding an array ({key!r}) cannot be read "
+            f"({type(exc).__name__}: {exc}): its {name!r} attribute is taken as absent (anemoi's "
+            "missing_dates: samples at those dates are read; variables: names cannot be looked "
+            "up). Grant read access to that document (or repair it), or give the missing dates "
+            "in missing=",
+            UserWarning,
+            stacklevel=3,
+        )
     return [next((attrs[g][name] for g in chain if name in attrs[g]), None) for chain in chains]
 
 
-def _documents(store: Any, keys: list[str]) -> list[Any]:
-    """:func:`~insitubatch_nodes.io.objects.read_documents` of ``keys``; where a read fails
-    (a store that answers a missing key with an error), each key alone, a failed one none."""
+def _documents(store: Any, keys: list[str]) -> tuple[list[Any], dict[str, BaseException]]:
+    """:func:`~insitubatch_nodes.io.objects.read_documents` of ``keys``, and the error of each
+    key that could not be read (where a read fails: each key alone, a failed one none; a store
+    may answer a missing key with an error, e.g. S3's 403 without the right to list)."""
     try:
-        return read_documents(store, keys)
+        return read_documents(store, keys), {}
     except (OSError, KeyError):
-        out = []
+        out: list[Any] = []
+        failed: dict[str, BaseException] = {}
         for key in keys:
             try:
                 out += read_documents(store, [key])
-            except (OSError, KeyError):
+            except (OSError, KeyError) as exc:
                 out.append(None)
-        return out
+                failed[key] = exc
+        return out, failed
 
 
 def _attributes(text: Any, zarr_format: int) -> dict[str, Any]:
