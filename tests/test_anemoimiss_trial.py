@@ -236,6 +236,16 @@ def test_a_build_reads_each_anemoi_group_s_attributes_once_and_another_store_s_n
         assert len(_rows(pipe)) == 3 * (NT - 3)
 
 
+def test_a_member_s_missing_dates_that_are_no_dates_are_refused_naming_the_member(
+    tmp_path: Path,
+) -> None:
+    coll, _ = _two_members(tmp_path, routed=True)
+    zarr.open_group(tmp_path / "b.zarr", mode="r+").attrs["missing_dates"] = ["yesterday"]
+    with pytest.raises(ValueError, match=r"member 'b' .* lists missing_dates \['yesterday'\]"):
+        insitu_pipeline(coll, split_by_chunk(coll["data"], (1.0, 0.0, 0.0)), {"x": coll["data"]},
+                        batch_size=8)  # fmt: skip
+
+
 def test_an_anemoi_group_whose_attributes_cannot_be_read_is_said_not_taken_silently(
     tmp_path: Path,
 ) -> None:

@@ -103,25 +103,27 @@ def recorded_missing(
     if members is None:
         arrays = {g.path: int(g.zarr_format) for g in anemoi if g.members is None}
         found = group_attribute(store, list(arrays.items()), "missing_dates")
-        every = [d for p, got in zip(arrays, found, strict=True) for d in _dates(p, got)]
+        every = [d for p, got in zip(arrays, found, strict=True) for d in _dates(repr(p), got)]
         return list(dict.fromkeys(every)), {}
     maps = [(g.members, int(g.zarr_format)) for g in anemoi if g.members is not None]
-    pairs = [(m, (mm.paths[m], fmt)) for mm, fmt in maps for m in range(len(mm))]
-    found = group_attribute(store, [p for _, p in pairs], "missing_dates")
+    pairs = [(m, mm, (mm.paths[m], fmt)) for mm, fmt in maps for m in range(len(mm))]
+    found = group_attribute(store, [p for *_, p in pairs], "missing_dates")
     own: dict[int, list[np.datetime64]] = {}
-    for (m, (p, _)), got in zip(pairs, found, strict=True):
-        own.setdefault(m, []).extend(_dates(p, got))
+    for (m, mm, _), got in zip(pairs, found, strict=True):
+        where = f"the array of member {mm.names[m]!r} ({mm.collection})"
+        own.setdefault(m, []).extend(_dates(where, got))
     return [], {m: list(dict.fromkeys(d)) for m, d in own.items() if d}
 
 
-def _dates(path: str, dates: Any) -> list[np.datetime64]:
+def _dates(where: str, dates: Any) -> list[np.datetime64]:
+    """The ``missing_dates`` listed for the array ``where`` names, as ``datetime64[s]``."""
     if not dates:
         return []
     try:
         return [np.datetime64(str(d), "s") for d in dates]
     except (TypeError, ValueError):
         raise ValueError(
-            f"the group of {path!r} lists missing_dates {list(dates)[:3]}..., which are not "
+            f"the group of {where} lists missing_dates {list(dates)[:3]}..., which are not "
             "ISO 8601 dates: fix the attribute (anemoi writes '2020-01-02T00:00:00'), or "
             "delete it and give the missing dates in missing="
         ) from None
