@@ -28,19 +28,26 @@ Found (fixed):
   independent members, before this fix) was refused, rightly (its epoch held those samples),
   but the message blamed the user's ``missing=`` and ``missing_objects=`` and said to build
   with the saved run's: nothing the user could do. It now names the store's
-  ``missing_dates`` and says to start the data order afresh.
-
+  ``missing_dates`` and says to start the data order afresh;
 * a group whose attribute document could not be read (a 403, a timeout) was taken as
   listing nothing, without a word (its missing dates then delivered as NaN rows); the array's
-  own group unread now warns, naming the key (a parent group may lack the document: not said).
+  own group unread now warns, naming the key (a parent group may lack the document: not said);
+* ``missing_dates`` that are not dates, of a member, were refused naming the routed path
+  (``'s1/data'``); now the member and its collection.
 
 Tried and found right: variables by name in the order asked (``sel(variable=["t_850",
-"2t"])``), carried ``dates`` of each row, a time stride (``"12h"``) past a missing date, a
-window across the edge of two concatenated stores next to a missing date, ``missing=`` dates
-and ``{member: [indices]}`` beside the recorded ones (their union), ``split_by_member``, a v3
-store whose ``data`` sits in a subgroup below the group listing the dates (the nearest parent
-rule), a mid-epoch state of independent members resuming bit-exact, ``fit_statistics`` on
-independent members (numpy's ``nanmean`` of the members' data, no NaN counted).
+"2t"])``, a scalar name, a name twice, a label slice, beside ``isel(ensemble=1)``; an unknown
+name a ``KeyError`` listing the names), carried ``dates`` of each row, a time stride
+(``"12h"``) past a missing date (an ensemble stack too), a window across the edge of two
+concatenated stores next to a missing date, splits of a concatenation by dates
+(``sample_range`` and ``coord=`` on ``dates``), ``missing=`` dates and ``{member: [indices]}``
+beside the recorded ones (their union), ``split_by_member``, a v3 store whose ``data`` sits
+in a subgroup below the group listing the dates (the nearest parent rule), a mid-epoch state
+of independent members resuming bit-exact, states of a single store and of a concatenation
+saved by the code before resuming into the same batches (by hand; their fingerprints pinned
+here), ``fit_statistics`` on independent members (numpy's ``nanmean`` of the members' data,
+no NaN counted) and its ``diff_std`` on a single store (numpy's over the pairs of present
+steps). Outside this file (scripts): the counts above, measured with the counting store.
 """
 
 from __future__ import annotations
