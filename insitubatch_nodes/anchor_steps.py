@@ -76,7 +76,7 @@ def anchor_steps(
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
     # anemoi's: no data at those dates (of a single array; of each member, `own`)
-    recorded, own = recorded_missing(zstore, manifest.array, manifest.members, geoms.values())
+    recorded, own = recorded_missing(zstore, manifest.members, geoms.values())
     if recorded:
         missing = [*(missing if missing is not None else ()), *recorded]
     elif own and missing is None:  # (the times checked, as for a single store's)

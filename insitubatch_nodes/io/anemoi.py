@@ -82,21 +82,21 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
 
 
 def recorded_missing(
-    store: Any, path: str, members: MemberMap | None, geoms: Iterable[ArrayGeometry]
+    store: Any, members: MemberMap | None, geoms: Iterable[ArrayGeometry]
 ) -> Recorded:
     """The dates anemoi-datasets lists as missing for the samples a build reads, as
     ``datetime64[s]``: the ``missing_dates`` attribute (ISO 8601 strings) of the group of each
     array of ``geoms`` (the sampled arrays of ``store``) in anemoi's layout (its dimensions
-    name :data:`VARIABLE`), or of its nearest parent that has one; ``([], {})`` where none is
-    (nothing is read) and on product sample axes. ``path`` is the anchor array's, ``members``
-    its collection's member map (if any). A sample is missing where any array read at it lacks
-    it. Of a single store, the first item (every array's, along one axis); of a collection,
-    each member's own (the second, ``{member index: dates}``: its store's of every variable,
-    stores joined by ``Collection.join`` alike), of independent members and of stores joined
-    along one timeline alike: a store of a concatenation lists its own dates, which another
-    store's samples at the same time (where ``overlap=`` keeps that store's) do not lack. Each
-    group's attribute document is read once, all of them concurrently; a list that is not of
-    dates is a ``ValueError`` naming the attribute."""
+    name :data:`VARIABLE`), or of its nearest parent that has one. A sample is missing where
+    any array read at it lacks it. Of arrays of one store, every array's (the first item); of a
+    collection (``members``: the anchor array's member map), each member's own (the second,
+    ``{member index: dates}``): its stores' of every variable (stores joined by
+    ``Collection.join``), whether the members are independent or stores joined along one
+    timeline (``concat``: a store lists its own dates, which another store's samples at the
+    same time, where ``overlap=`` keeps that store's, do not lack). ``([], {})`` where no array
+    is in anemoi's layout (nothing is read) and on product sample axes. Each group's attribute
+    document is read once, all of them concurrently; a list that is not of dates is a
+    ``ValueError`` naming the attribute."""
     anemoi = [g for g in geoms if VARIABLE in (g.dims or ()) and g.product is None]
     if not anemoi or (members is not None and members.product):
         return [], {}
