@@ -67,17 +67,21 @@ def anchor_steps(
     collection's independent members' too, all newest first (``MemberMap.joined`` refuses
     members whose times run in different directions, naming two, where it reads them). The
     dates anemoi-datasets lists in the anchor array's group (``missing_dates``:
-    :func:`~insitubatch_nodes.io.anemoi.recorded_missing`; each store's, of stores joined
-    along one timeline) are missing as if ``missing`` listed them."""
+    :func:`~insitubatch_nodes.io.anemoi.recorded_missing`) are missing as if ``missing`` listed
+    them; those of a collection member's store (an independent member, a store joined by
+    ``concat``) are that member's own, matched among its own samples only."""
     if missing_objects not in ("read", "drop"):
         raise ValueError(f"missing_objects must be 'read' or 'drop', got {missing_objects!r}")
     if isinstance(missing, str | bytes) or (
         missing is not None and not isinstance(missing, Sequence | np.ndarray)
     ):
         raise TypeError(f"missing must be None or a sequence of indices or times, got {missing!r}")
-    recorded = _recorded_missing(zstore, manifest)  # (anemoi's: no data at those dates)
+    # anemoi's: no data at those dates (of a single array; of each member, `own`)
+    recorded, own = recorded_missing(zstore, manifest.members, geoms.values())
     if recorded:
         missing = [*(missing if missing is not None else ()), *recorded]
+    elif own and missing is None:  # (the times checked, as for a single store's)
+        missing = []
     windowed = any(v.timed_window for v in views)
     timed = not isinstance(config.stride, int) or windowed
     if missing is None and not timed and manifest.steps is None:
@@ -89,8 +93,9 @@ def anchor_steps(
     dates = [] if missing is None else [x for x in missing if not _is_index(x)]
     ticks, coord_name, coord = None, "time", None
     if timed or missing is not None:
-        coord = anchor_time_coordinate(zstore, manifest, geoms, reader, needed=timed or bool(dates))
-        if coord is not None and (timed or dates):
+        dated = timed or bool(dates) or bool(own)
+        coord = anchor_time_coordinate(zstore, manifest, geoms, reader, needed=dated)
+        if coord is not None and dated:
             ticks = whole_seconds(
                 coord,
                 f"{manifest.array!r}'s time coordinate",
@@ -129,6 +134,9 @@ def anchor_steps(
         step = SampleSteps(n, ticks=counted, runs=runs).data_step
         _refuse_dates_between_steps(dates, gone, ticks, coord, counted, step)
         listed |= np.isin(ticks, gone) & (ticks != MISSING_OFFSET)
+    if own:  # each member's own dates, within its own samples (a concatenation's too)
+        assert ticks is not None and coord is not None and members is not None
+        listed |= _members_dates(own, members, coord, ticks)
     absent = absent_samples(zstore, geoms) if missing_objects == "drop" else None
     # messages name the store's coordinate; the fingerprint keeps the name hashed before
     # 2026-12-07 ("time" where the times were read for a stride, windows or dates)
@@ -144,6 +152,7 @@ def anchor_steps(
         runs=runs,
         hashed_coord=hashed if hashed != coord_name else None,
         backwards=backwards,
+        recorded=len(recorded) + sum(len(d) for d in own.values()),
     )
     if members is not None and runs is not None and windowed and steps.data_step is None:
         raise ValueError(
@@ -154,17 +163,22 @@ def anchor_steps(
     return manifest.with_steps(steps)
 
 
-def _recorded_missing(zstore: Store, manifest: SplitManifest) -> list[np.datetime64]:
-    """The dates anemoi-datasets records as missing for the manifest's anchor array: its
-    group's, or every member's of a collection joined along one timeline (``concat``). A
-    collection of independent members (each its own timeline: a date of one is not the
-    other's) is not read (one read per member, on every build)."""
-    members = manifest.members
-    if members is None:
-        return recorded_missing(zstore, manifest.array)
-    if not members.continuous or members.product:
-        return []
-    return [d for path in dict.fromkeys(members.paths) for d in recorded_missing(zstore, path)]
+def _members_dates(
+    own: Mapping[int, Sequence[np.datetime64]],
+    members: MemberMap,
+    coord: Coordinate,
+    ticks: np.ndarray,
+) -> np.ndarray:
+    """The samples at the dates each collection member's own store lists as missing
+    (``own``: ``{member index: dates}``), each matched to the second among its member's
+    samples only (``ticks``: the collection's times, whole seconds)."""
+    out = np.zeros(len(ticks), dtype=bool)
+    for m, dates in own.items():
+        gone = time_offsets(coord.dates(dates, "a date in missing_dates"), "1s")
+        lo = int(members.sample_base[m])
+        mine = ticks[lo : lo + int(members.lengths[m])]
+        out[lo : lo + len(mine)] = np.isin(mine, gone) & (mine != MISSING_OFFSET)
+    return out
 
 
 def calendar_ticks(coord: Coordinate, ticks: np.ndarray) -> tuple[np.ndarray, Any]:

@@ -81,6 +81,9 @@ class SampleSteps:
     * ``backwards``: the times run backwards along the samples (newest first) and ``ticks``
       count them negated, so that one step on in samples is one data step (back in time): a
       window's time deltas resolve to samples the other way round (``"-6h"`` is a sample on).
+    * ``recorded``: how many of the dates ``listed`` drops the store itself lists as missing
+      (anemoi-datasets' ``missing_dates``: :func:`~insitubatch_nodes.io.anemoi.
+      recorded_missing`), for messages; not hashed (``listed`` is).
 
     With ``ticks``, the checks ``"nat"`` and ``"gap"`` run; ``data_step`` is then the most
     common difference between consecutive times of one run (ties: the smallest), in ticks.
@@ -95,6 +98,7 @@ class SampleSteps:
     runs: np.ndarray | None = None
     hashed_coord: str | None = None
     backwards: bool = False
+    recorded: int = 0
 
     def __post_init__(self) -> None:
         n = int(self.n_samples)

@@ -240,7 +240,9 @@ def check_same_anchors(
     steps dropped by ``missing=``, ``missing_objects="drop"`` and the time checks; absent when
     nothing was checked), or, where ``same`` (the state's :func:`anchors_hash` is this plan's:
     an archive grown outside the split), the very same anchors. With ``steps`` (the plan's)
-    counted in calendar months, the message also names the rule that changed on 2026-12-07."""
+    counted in calendar months, the message also names the rule that changed on 2026-12-07;
+    where the store lists missing dates (``steps.recorded``), it says that they are dropped
+    since 2026-12-07 and what to do."""
     if saved.get("stride", 1) != mine.get("stride", 1):  # absent = the default
         raise ValueError(
             f"cannot restore this read-plan state: its stride differs (saved "
@@ -269,6 +271,16 @@ def check_same_anchors(
             f"{months} apart (monthly, seasonal, yearly means) were counted in seconds (a 30-day "
             "month after a 31-day one was a gap): it cannot resume; start afresh"
             if steps is not None and (months := calendar_unit(steps))
+            else ""
+        )
+        + (
+            f". The store lists {steps.recorded} date(s) it holds no data for (anemoi-datasets' "
+            "missing_dates), dropped as missing since 2026-12-07 (an independent member's own, "
+            "of a collection, since later that day): a state saved before then, or before the "
+            "attribute was written, was drawn with their samples in it (delivered as NaN rows) "
+            "and cannot go on: start this run's data order afresh (load the model's weights, "
+            "not this loader state)"
+            if steps is not None and steps.recorded
             else ""
         )
     )
