@@ -260,7 +260,8 @@ class EpochReport(pl.Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             loss = float(trainer.callback_metrics["val_loss"])
-            print(f"epoch {trainer.current_epoch}: val loss {loss:.6f}", flush=True)
+            epoch = trainer.datamodule.train_epoch  # type: ignore[attr-defined]  # (the data's)
+            print(f"epoch {epoch}: val loss {loss:.6f}", flush=True)
 
 
 def run(path: Path, args: argparse.Namespace) -> int:
