@@ -46,8 +46,12 @@ reads the 23 validation samples once each. Where the checkpoint's batch count re
 limit Lightning restarts that epoch at ``batch_idx`` 0 and trains the rest of it from the
 loader, past the new limit (none -> 2 from batch 2: the epoch's third batch): a
 ``StatefulDataLoader`` of the same batches does the same, so it is Lightning's, not fixed.
-A second ``fit`` on the same trainer from a mid-epoch checkpoint without
-``estimated_stepping_batches`` was already exact.
+The checkpoints ``ModelCheckpoint`` saves at each of those validations' end (steps 2 to 8),
+resumed under the same limit (none, 2) with ``estimated_stepping_batches`` read: the steps and
+the weight of the fit never stopped; under another limit: no sample twice in an epoch, each
+validation run whole. A second ``fit`` on the same trainer from a mid-epoch checkpoint
+without ``estimated_stepping_batches`` was already exact. The recipe itself (``--max-steps
+2``, then ``--resume --max-steps 8``) prints the validation losses of a run never stopped.
 """
 
 from __future__ import annotations
