@@ -62,6 +62,8 @@ from insitubatch_nodes.io.stores import StoreLike, as_store
 from insitubatch_nodes.lightning_epochs import (
     EpochLengthSync,
     follow_ended_epoch,
+    rebuild_training_loader,
+    restoring_loops,
     resumed_at,
     trained_its_last_batch,
 )
@@ -604,6 +606,8 @@ class InSituDataModule(pl.LightningDataModule):
             self._attach(InSituReportCallback)
         self._attach(EpochLengthSync)
         dataset = self._build("train")
+        if restoring_loops(self.trainer):  # (#20550) its counts are not the checkpoint's yet:
+            return dataset  # the state waits; EpochLengthSync has the loader built again then
         if self._pending_train_state is not None:
             if trained_its_last_batch(self.trainer):  # (limit_train_batches: a mid-epoch state)
                 dataset.end_loaded_epoch()  # (and Lightning's copy of the state, loaded next)
@@ -646,7 +650,8 @@ class InSituDataModule(pl.LightningDataModule):
         """Remember a training loader state: applied to the training loader of this trainer
         (rank, world size), built now or later. A loader built for another trainer (a data
         module reused for a resumed run) is replaced when the new trainer asks for one, and the
-        state goes to the new loader."""
+        state goes to the new loader. Where a trainer restores it, the loader it has (if any)
+        is built again once the trainer's counts are the checkpoint's (``restoring_loops``)."""
         self._epoch_offset = (id(self.trainer), int(state_dict.get("epoch_offset", 0)))
         state = state_dict.get("train_loader")
         if not state:
@@ -654,7 +659,10 @@ class InSituDataModule(pl.LightningDataModule):
         plan = plan_state(state)
         self._resume_check = (id(self.trainer), int(plan["epoch"]), int(plan["batches_emitted"]))
         train = self._loaders.get("train")
-        if train is not None and self._train_key == self._key():
+        if restoring_loops(self.trainer):  # applied where the loader is built after the restore
+            self._pending_train_state = state
+            rebuild_training_loader(self.trainer)  # (one built before it: the state lacks)
+        elif train is not None and self._train_key == self._key():
             train.load_state_dict(state)
         else:
             self._pending_train_state = state

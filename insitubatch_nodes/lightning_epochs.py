@@ -22,6 +22,8 @@ __all__ = [
     "ends_epoch_on_restart",
     "finish_ended_epoch",
     "follow_ended_epoch",
+    "rebuild_training_loader",
+    "restoring_loops",
     "resumed_at",
     "trained_its_last_batch",
 ]
@@ -43,6 +45,12 @@ class EpochLengthSync(pl.Callback):
         if callable(differs) and differs():
             self.reload_before_next_epoch(trainer)
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # a training loader built while Lightning restored a checkpoint (configure_optimizers
+        # reading estimated_stepping_batches) went without the data module's state: built again
+        if getattr(getattr(trainer, "datamodule", None), "_pending_train_state", None):
+            rebuild_training_loader(trainer)
+
     def on_train_epoch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self._restore is not None:
             setattr(trainer, _RELOAD, self._restore[0])
@@ -53,6 +61,28 @@ class EpochLengthSync(pl.Callback):
         if self._restore is None:
             self._restore = (getattr(trainer, _RELOAD),)
         setattr(trainer, _RELOAD, 1)
+
+
+def restoring_loops(trainer: Any) -> bool:
+    """Whether ``trainer`` is restoring a checkpoint into a ``fit`` and has not yet restored its
+    loops' counts: from where it loads the data module's state (``load_state_dict``) to where
+    it restores its loops (``Trainer._run``), with ``configure_optimizers`` run in between
+    (one reading ``trainer.estimated_stepping_batches`` has Lightning build the training
+    loader there: Lightning issue #20550). Its epoch and batch counts are then those it had
+    before: 0 for a new trainer, where the last ``fit`` left them for one fitted before."""
+    loaded = getattr(getattr(trainer, "_checkpoint_connector", None), "_loaded_checkpoint", None)
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return isinstance(loaded, dict) and "loops" in loaded and getattr(fn, "value", fn) == "fit"
+
+
+def rebuild_training_loader(trainer: Any) -> None:
+    """Have ``trainer``'s fit loop build its training loader afresh where it next sets up its
+    data (``FitLoop.setup_data``: ``train_dataloader`` asked again, its length read and
+    Lightning's own copy of the loader state loaded where it resumes), as Lightning's
+    batch-size finder has it do; nothing where it holds none."""
+    fit: Any = getattr(trainer, "fit_loop", None)
+    if getattr(fit, "_combined_loader", None) is not None:
+        fit._combined_loader = None
 
 
 def _epoch_loop(trainer: Any) -> Any:

@@ -14,9 +14,11 @@ input steps, and rolls out: its prediction becomes the next input. The rollout g
 training (``--rollout-schedule 1:0 2:2 4:4``: one target step from epoch 0, two from epoch 2,
 four from epoch 4), as anemoi's rollout curriculum does: a callback swaps the target windows
 with ``InSituDataModule.set_views`` between epochs, and the new windows take effect at the next
-epoch. Validation always rolls out the longest schedule's steps, so its loss compares across
-epochs. Checkpoints keep the loader position, so ``--resume`` continues with exactly the next
-batch, also after the rollout grew (and the same losses as a run never stopped).
+epoch. The epochs are the data's (``dm.train_epoch``), which Lightning's ``current_epoch`` runs
+ahead of after a ``--max-steps`` stop resumed mid-epoch. Validation always rolls out the
+longest schedule's steps, so its loss compares across epochs. Checkpoints keep the loader
+position, so ``--resume`` continues with exactly the next batch, also after the rollout grew
+(and the same losses as a run never stopped).
 
     .venv/bin/python recipes/forecast_rollout.py --max-epochs 6
     .venv/bin/python recipes/forecast_rollout.py --max-epochs 8 --resume --path /tmp/arco.zarr
@@ -62,6 +64,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     src.add_argument("--n-level", type=int, default=37)
     tr = p.add_argument_group("training")
     tr.add_argument("--max-epochs", type=int, default=6)
+    tr.add_argument(
+        "--max-steps",
+        type=int,
+        default=-1,
+        help="stop after this many steps in all (a budgeted run, resumed with a larger one)",
+    )
     tr.add_argument("--batch-size", type=int, default=8)
     tr.add_argument("--lr", type=float, default=2e-3)
     tr.add_argument("--seed", type=int, default=0)
@@ -93,21 +101,33 @@ def steps_at(schedule: list[tuple[int, int]], epoch: int) -> int:
     return [steps for first, steps in schedule if first <= epoch][-1]
 
 
-def resume_epoch(ckpt: Path) -> int:
-    """The first training epoch a run resumed from a Lightning checkpoint trains batches of:
-    the epochs the checkpoint had processed (a checkpoint saved at ``on_train_epoch_end``
-    counts its epoch: Lightning runs the epoch-end hooks again, and the curriculum's
-    ``set_views`` with them), and one more where it was saved after an epoch's last batch and
-    before that epoch's end (``ModelCheckpoint(every_n_train_steps=...)`` landing there):
-    Lightning then counts the epoch as done without running its epoch-end hooks again, so the
-    rollout must be the next epoch's from the start. (Reading ``completed`` alone, that next
-    epoch trained on the rollout of the one before.)"""
+def resume_epoch(ckpt: Path, max_steps: bool = False) -> int:
+    """The epoch of the data (``InSituDataModule.train_epoch``) whose batches a run resumed from
+    a Lightning checkpoint trains first, ``max_steps`` saying whether the resumed trainer has
+    ``max_steps`` set: the epochs the checkpoint had processed (a checkpoint saved at
+    ``on_train_epoch_end`` counts its epoch: Lightning runs the epoch-end hooks again, and the
+    curriculum's ``set_views`` with them), and one more where it was saved after an epoch's
+    last batch and before that epoch's end (``ModelCheckpoint(every_n_train_steps=...)``
+    landing there): Lightning then counts the epoch as done without running its epoch-end
+    hooks again, so the rollout must be the next epoch's from the start. (Reading
+    ``completed`` alone, that next epoch trained on the rollout of the one before.)
+
+    Less the epochs the data runs behind Lightning's count: the data module's
+    ``"epoch_offset"`` (a run resumed before from a ``max_steps`` stop), and one more for a
+    checkpoint of a ``max_steps`` stop mid-epoch resumed with ``max_steps`` set, which
+    Lightning counts as done yet goes on with at its next batch. (Before 2026-12-07 these took
+    Lightning's count: the rollout of the epoch after, refused for the mid-epoch loader state
+    saved under the epoch's own, ``StateMismatchError``.)"""
     state = torch.load(ckpt, weights_only=False, map_location="cpu")
     loop = state["loops"]["fit_loop"]
     epochs = loop["epoch_progress"]["current"]
-    last_batch = bool(loop["epoch_loop.batch_progress"]["is_last_batch"])
+    batches = loop["epoch_loop.batch_progress"]
+    last_batch = bool(batches["is_last_batch"])
     in_epoch = epochs["processed"] < epochs["started"]  # saved before the epoch's end hooks
-    return int(epochs["processed"]) + int(last_batch and in_epoch)
+    first = int(epochs["processed"]) + int(last_batch and in_epoch)
+    offset = int(state.get(InSituDataModule.__qualname__, {}).get("epoch_offset", 0))
+    stopped_mid_epoch = not in_epoch and not last_batch and batches["current"]["ready"] > 0
+    return first - offset - int(max_steps and stopped_mid_epoch)
 
 
 def ensure_store(path: Path, args: argparse.Namespace) -> None:
@@ -225,19 +245,23 @@ class RolloutCurriculum(pl.Callback):
         self.geoms, self.schedule = dict(geoms), schedule
 
     def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        now = steps_at(self.schedule, trainer.current_epoch)
-        nxt = steps_at(self.schedule, trainer.current_epoch + 1)
+        # keyed on the data's epoch, not trainer.current_epoch: after a max_steps stop resumed
+        # mid-epoch Lightning's count runs one ahead of the data (docs/training.md), and the
+        # rollout grew an epoch early
+        dm: InSituDataModule = trainer.datamodule  # type: ignore[attr-defined]
+        epoch = dm.train_epoch
+        now, nxt = steps_at(self.schedule, epoch), steps_at(self.schedule, epoch + 1)
         if nxt != now:
-            dm = trainer.datamodule  # type: ignore[attr-defined]
             dm.set_views(forecast_views(self.geoms, nxt))
-            print(f"epoch {trainer.current_epoch + 1} trains on {nxt} target steps", flush=True)
+            print(f"epoch {epoch + 1} trains on {nxt} target steps", flush=True)
 
 
 class EpochReport(pl.Callback):
     def on_validation_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not trainer.sanity_checking and "val_loss" in trainer.callback_metrics:
             loss = float(trainer.callback_metrics["val_loss"])
-            print(f"epoch {trainer.current_epoch}: val loss {loss:.6f}", flush=True)
+            epoch = trainer.datamodule.train_epoch  # type: ignore[attr-defined]  # (the data's)
+            print(f"epoch {epoch}: val loss {loss:.6f}", flush=True)
 
 
 def run(path: Path, args: argparse.Namespace) -> int:
@@ -250,7 +274,7 @@ def run(path: Path, args: argparse.Namespace) -> int:
     # the epoch a resumed run trains first decides the rollout its pipeline starts with (a
     # state saved under the views before the rollout grew restores at that epoch boundary,
     # and the next epoch reads these views)
-    start_epoch = 0 if ckpt is None else resume_epoch(ckpt)
+    start_epoch = 0 if ckpt is None else resume_epoch(ckpt, max_steps=args.max_steps > 0)
     geoms: dict[str, ArrayGeometry] = {}
 
     def views(found: dict[str, ArrayGeometry]) -> dict[str, ArrayGeometry]:
@@ -276,6 +300,7 @@ def run(path: Path, args: argparse.Namespace) -> int:
     trainer = pl.Trainer(
         accelerator="cpu",
         max_epochs=args.max_epochs,
+        max_steps=args.max_steps,
         callbacks=[
             ModelCheckpoint(dirpath=args.ckpt_dir, save_last=True, save_top_k=0),
             RolloutCurriculum(geoms, schedule),
