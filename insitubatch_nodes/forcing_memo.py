@@ -5,6 +5,7 @@ computed: :class:`Memo`, one per grid, found by a sorted index of the times, eac
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -44,7 +45,7 @@ def memo_keys(times: np.ndarray, kind: str | None) -> tuple[np.ndarray, str] | N
         return us.view(np.int64), "us"
     if times.dtype.kind != "O" or not times.size:
         return None
-    present = np.array([t is not None for t in times.tolist()], dtype=bool)
+    present = ~np.asarray(_IS(times, _NONE), dtype=bool)  # (no Python per time: a ufunc)
     first = times[present][:1]
     calendar = getattr(first[0], "calendar", None) if len(first) else None
     if calendar is None or kind not in (None, f"cftime:{calendar}"):
@@ -54,6 +55,8 @@ def memo_keys(times: np.ndarray, kind: str | None) -> tuple[np.ndarray, str] | N
     return keys, f"cftime:{calendar}"
 
 
+_IS = np.frompyfunc(operator.is_, 2, 1)
+_NONE = np.array(None, dtype=object)
 _COARSER_THAN_NS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us")
 
 

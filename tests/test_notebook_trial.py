@@ -62,9 +62,15 @@ def _two_threads(
     got: list[list[tuple[int, int, bool]]] = [[], []]
     errors: list[BaseException | None] = [None, None]
 
+    # both take their iterator before either reads (``iter`` of an ended pipeline starts the
+    # next epoch: a thread started after the other ended the epoch would run one of its own)
+    both = threading.Barrier(2)
+
     def consume(i: int) -> None:
         try:
-            for batch in pipe:
+            batches = iter(pipe)
+            both.wait(_JOIN_S)
+            for batch in batches:
                 got[i].append((batch.epoch, batch.index, _exact(era5, batch)))
         except BaseException as exc:  # reported to the test
             errors[i] = exc

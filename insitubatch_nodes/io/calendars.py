@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import itertools
+import operator
 import re
 from collections.abc import Sequence
 from types import ModuleType
@@ -155,14 +156,20 @@ def counts_us(dates: np.ndarray) -> np.ndarray:
     0: ``toordinal()`` days (continuous across the 1582 reform in ``standard``) plus the time of
     day. Differences of these are exact elapsed microseconds in that calendar."""
     flat = dates.reshape(-1)
-    n = len(flat)
-    days = np.fromiter((d.toordinal() for d in flat), np.int64, n)
-    tod = np.fromiter(
-        (((d.hour * 60 + d.minute) * 60 + d.second) * 1_000_000 + d.microsecond for d in flat),
-        np.int64,
-        n,
+    days, hour, minute, second, micro = (
+        np.asarray(read(flat), dtype=object).astype(np.int64) for read in _COUNT_FIELDS
     )
+    tod = ((hour * 60 + minute) * 60 + second) * 1_000_000 + micro
     return (days * _US_PER_DAY + tod).reshape(dates.shape)
+
+
+_COUNT_FIELDS = (
+    np.frompyfunc(operator.methodcaller("toordinal"), 1, 1),
+    *(np.frompyfunc(operator.attrgetter(f), 1, 1) for f in ("hour", "minute", "second")),
+    np.frompyfunc(operator.attrgetter("microsecond"), 1, 1),
+)
+"""What :func:`counts_us` reads of every date, each a ufunc (the loop and the calls in C: no
+Python per date, which a batch's dates would cost every batch)."""
 
 
 def elapsed_ticks(dates: np.ndarray, epoch: Any, shown: str) -> tuple[np.ndarray, int]:
