@@ -271,6 +271,19 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             return None
         return delivered
 
+    def _end_unbegun_epoch(self) -> None:
+        """At the end of an epoch that delivered no batch (a rank with none of it,
+        ``empty_ranks=True``), make the delivered position the next epoch's start, where the read
+        plan now is (a state taken at an epoch's end, whose last batch was never delivered here,
+        would resume that epoch again). Left as it is where the graph cannot say its start (a
+        plain torchdata node between the stages)."""
+        delivered = None if self._delivered is None else plan_state(self._delivered)
+        if delivered is None or delivered["batches_emitted"] or delivered.get("resumed"):
+            return
+        after = source_start_state(self.source, int(delivered["epoch"]) + 1)
+        if after is not None:
+            self._delivered = after[SOURCE_KEY]
+
     def __iter__(self) -> Self:
         """The node itself (torchdata's contract: ``next(iter(pipe))`` continues the epoch);
         once an epoch ended, the next epoch first (a ``reset()``), so that ``for batch in
@@ -329,6 +342,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         worker.thread.join()
         if kind == "end":
             self._ended = True
+            self._end_unbegun_epoch()
             rec.on_end(called)
             raise StopIteration
         drop_frame_locals(payload)  # (the producer is gone: its frames are finished)

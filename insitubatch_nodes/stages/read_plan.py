@@ -118,8 +118,12 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     :func:`~insitubatch_nodes.plan.schedule.choose_schedule` computes it from a budget.
 
     **Epochs and state.** ``reset(None)`` starts an epoch: the next one if the previous epoch
-    yielded a batch, else the same one again (so the extra ``iter()`` calls Lightning makes do not
-    skip epochs); :meth:`set_epoch` pins the epoch the next ``reset(None)`` starts. The state is
+    yielded a batch or reached its end, else the same one again (so the extra ``iter()`` calls
+    Lightning makes do not skip epochs); :meth:`set_epoch` pins the epoch the next
+    ``reset(None)`` starts. A rank with no batch of an epoch (``empty_ranks=True``) ends it at
+    its first ``StopIteration``: its state is then the next epoch's start, and it goes on at
+    the same epoch as the other ranks (before 2026-12-07 it stayed at epoch 0, and the other
+    ranks' next epochs were drawn for other epochs than its own). The state is
     O(1) plain Python — the epoch, the batches emitted, and the configuration the plan is a
     function of (computed once, at construction: the configuration is fixed, and assigning to
     it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
@@ -198,6 +202,9 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         self._epoch = 0
         self.pinned_epoch: int | None = None  # set_epoch's, for the next reset(None)
         self._emitted = 0
+        # its end reached (StopIteration raised): what ends an epoch with no batch for this
+        # rank, which moves on as the other ranks' do (see reset)
+        self._over = False
         self._resumed: tuple[Stage, ...] = ()  # the current epoch's elastic cuts
         self._dealing: str | None = None  # the current epoch's, when not the views' (legacy)
         self._epoch_len: int | None = None
@@ -444,7 +451,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         """The epoch the next ``reset(None)`` starts."""
         if self.pinned_epoch is not None:
             return self.pinned_epoch
-        if self._plan is not None and self._emitted > 0:
+        if self._plan is not None and (self._emitted > 0 or self._over):
             return self._epoch + 1
         return self._epoch
 
@@ -524,6 +531,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         if initial_state is None or not self._resumes_mid_epoch(initial_state):
             self._apply_pending()  # views given by set_views start here
         self._owed = None
+        over, self._over = self._over, False
         if initial_state is not None:
             self.check_state(initial_state)
             epoch, emitted, resumed, dealing = self._resolve(initial_state)
@@ -537,7 +545,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
             return
         if self.pinned_epoch is not None:
             self._epoch, self.pinned_epoch = self.pinned_epoch, None
-        elif self._plan is not None and self._emitted > 0:
+        elif self._plan is not None and (self._emitted > 0 or over):
             self._epoch += 1
         self._emitted, self._resumed, self._dealing = 0, (), None
         self._plan = self._scheduled(self._epoch)
@@ -556,6 +564,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         if self._owed is not None:
             raise StopIteration
         if self._emitted >= self._plan.n_batches:
+            self._over = True
             raise StopIteration
         batch = self._plan.batch(self._emitted)
         self._emitted += 1
@@ -568,6 +577,8 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     def get_state(self) -> dict[str, Any]:
         if self._owed is not None:  # where it was restored, until the StopIteration is taken
             return copy.deepcopy(self._owed)
+        if self._over and self._emitted == 0:  # an epoch with no batch here, over: the next
+            return {**self.start_state(self._epoch + 1), "anchors": self._anchors.value}
         config = without_dealing(self._config, self._dealing)  # (a legacy epoch goes on as one)
         state = {
             "epoch": self._epoch,
