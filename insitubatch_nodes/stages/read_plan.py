@@ -95,14 +95,16 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     chunk reads per epoch, plus one per padded sample), and a shifted view's neighbour chunk —
     ``c + 1`` for the last anchors of ``c`` — may also be read by the rank that holds ``c``.
     **Windows** (views at several offsets) are dealt in runs instead (:func:`deal_runs`): each
-    rank one contiguous run of the valid anchors dealt, along the sample axis (a padded sample
-    beside its run; unshuffled, the sit-out run last), which rank gets which run drawn each epoch,
-    its chunks visited in the epoch's permuted order. Ranks then share only the chunks a window
-    span reaches across the ``world_size - 1`` cuts: summed over the ranks at most
-    ``world_size - 1`` times ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array
-    beyond one rank's reads of the whole split (``s`` the span of the offsets), plus one per
-    padded sample. The state's configuration says ``"deal": "runs"`` (unshuffled, also
-    ``"run_order": "store"``; shuffled with ``"drop"``, ``"sit_out": "drawn"``); a state saved
+    rank one contiguous run of the valid anchors dealt, along the sample axis (a short run's
+    padded sample drawn from the other runs each epoch; unshuffled, the sit-out run last),
+    which rank gets which run drawn each epoch, its chunks visited in the epoch's permuted
+    order. Ranks then share only the chunks a window span reaches across the ``world_size - 1``
+    cuts: summed over the ranks at most ``world_size - 1`` times
+    ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array beyond one rank's reads of
+    the whole split (``s`` the span of the offsets), plus, per padded sample, the chunks its
+    window reads. The state's
+    configuration says ``"deal": "runs"`` (unshuffled, also ``"run_order": "store"``; shuffled
+    with ``"drop"``, ``"sit_out": "drawn"``; with ``"pad"``, ``"pad": "drawn"``); a state saved
     without one (before its rule) finishes its epoch dealt as it began, the next by today's.
     With one rank nothing is dropped or repeated. A split with fewer samples than ranks (valid
     anchors, or with patched views their windows) is refused.
