@@ -187,7 +187,9 @@ def _rank_shares(
             pad_rng=pad_rng,
         )
     else:
-        pieces = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)
+        pieces = deal(
+            counts, world_size, remainder=remainder, pad_seed=pad_seed, pad_others=not pad_edge
+        )
     return [
         (chunks[group], size, anchors[_runs(first[group] + lo, size)])
         for group, lo, size in (pieces[r] for r in ranks)

@@ -27,7 +27,7 @@ often over the epochs); :func:`deal` and :func:`deal_runs` then have nothing lef
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -56,11 +56,16 @@ REMAINDERS = ("drop", "pad", "uneven")
 # own rule (the value's), as before its sit-out samples were drawn (2026-12-07): kept for
 # states saved mid-epoch by that rule, which finish their epoch by it.
 LEGACY_SIT_OUT = {"chunks-tail-out": "chunks", "runs-cut-out": "runs"}
-# A "pad" epoch dealt in runs by one of these (the key) padded each short run with the sample
-# just past its end (the value's dealing otherwise), as before its padded samples were drawn
-# (2026-12-07): the same few samples, at the cuts, epoch after epoch. Kept for states saved
+# A "pad" epoch dealt by one of these (the key) padded as before its padded samples were drawn
+# from other ranks' (2026-12-07; the value's dealing otherwise): in runs, each short run with
+# the sample just past its end (the same few samples, at the cuts, epoch after epoch); in
+# chunks, with any sample (often one the rank already delivers). Kept for states saved
 # mid-epoch by that rule, which finish their epoch by it.
-LEGACY_PAD = {"runs-pad-edge": "runs", "runs-partial-last-pad-edge": "runs-partial-last"}
+LEGACY_PAD = {
+    "runs-pad-edge": "runs",
+    "runs-partial-last-pad-edge": "runs-partial-last",
+    "chunks-pad-any": "chunks",
+}
 DEALINGS = ("chunks", "runs", "runs-partial-last", *LEGACY_SIT_OUT, *LEGACY_PAD)
 
 
@@ -127,6 +132,7 @@ def deal(
     *,
     remainder: str = "drop",
     pad_seed: Sequence[int] = (0,),
+    pad_others: bool = True,
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """Deal ``counts[g]`` samples of each group ``g`` (a chunk, in visiting order) to ranks.
 
@@ -137,10 +143,15 @@ def deal(
     lacks. ``"drop"``: the last ``sum(counts) % world_size`` tail samples sit out (a shuffled
     plan leaves none over: it drew its sit-out samples first, :func:`sit_out`).
     ``"uneven"``: none does (the shares add up to ``sum(counts)``).
-    ``"pad"``: ``(-sum(counts)) % world_size`` samples, drawn without replacement from all
-    samples by ``numpy.random.default_rng([*pad_seed, 2])`` (with replacement only when there
-    are fewer samples than pads), are appended to the tail (each a
-    piece of its own), so none sits out and those few are delivered twice.
+    ``"pad"``: ``(-sum(counts)) % world_size`` samples, drawn by
+    ``numpy.random.default_rng([*pad_seed, 2])``, are appended to the tail (each a piece of its
+    own), so none sits out and those few are delivered twice, by two ranks: each padded sample
+    is drawn uniformly from the samples of the other ranks than the one it goes to, no two the
+    same (:func:`_draw_pads`; a sample drawn before, or the rank's own, only where few samples
+    are left: an elastic remainder). ``pad_others=False``: drawn without replacement from all
+    samples (``rng.choice``), the rule before 2026-12-07 (:data:`LEGACY_PAD`), under which a
+    rank was often given one of its own samples (in 1665 of 3000 epochs of 100 samples on 3
+    ranks), delivering it twice.
 
     A tail group is read by every rank whose piece touches it: pieces are consecutive, so at
     most ``world_size - 1`` groups are split, plus one group per padded sample.
@@ -169,8 +180,19 @@ def deal(
     if n_pad:
         # without replacement, unless fewer samples than pads are left (an elastic remainder)
         rng = np.random.default_rng([*map(int, pad_seed), 2])
-        flat = rng.choice(total, n_pad, replace=n_pad > total)
         ends = np.cumsum(counts)
+        if pad_others:
+            tail_first = int(ends[rounds * w - 1]) if rounds else 0
+
+            def rank_at(pos: int) -> int:  # the rank sample ``pos`` goes to
+                if pos < tail_first:  # a whole group's: round-robin
+                    return int(np.searchsorted(ends, pos, side="right")) % w
+                return int(np.searchsorted(cuts, pos - tail_first, side="right")) - 1
+
+            receivers = np.searchsorted(cuts, n_tail + np.arange(n_pad), side="right") - 1
+            flat = _draw_outside(total, rank_at, receivers, rng)
+        else:
+            flat = rng.choice(total, n_pad, replace=n_pad > total)
         pad_group = np.searchsorted(ends, flat, side="right")
         pads = np.stack([pad_group, flat - (ends[pad_group] - counts[pad_group])], axis=1)
     out = []
@@ -298,6 +320,23 @@ def deal_runs(
             cnts.append(np.ones(1, dtype=np.int64))
         out.append(tuple(np.concatenate(x).astype(np.int64) for x in (groups, los, cnts)))
     return out  # type: ignore[return-value]
+
+
+def _draw_outside(
+    total: int, rank_at: Callable[[int], int], receivers: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """One of ``total`` sample positions for each of ``receivers`` (ranks, in order), drawn
+    uniformly by ``rng`` among those ``rank_at`` does not give to that rank, no two the same —
+    but where a few draws find none (few samples left: an elastic remainder), the last one
+    drawn. A few draws per receiver."""
+    out: list[int] = []
+    for receiver in receivers.tolist():
+        for _ in range(64):
+            pos = int(rng.integers(total))
+            if rank_at(pos) != receiver and pos not in out:
+                break
+        out.append(pos)
+    return np.asarray(out, dtype=np.int64)
 
 
 def _draw_pads(
