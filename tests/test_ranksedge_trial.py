@@ -22,9 +22,9 @@ Found (fixed):
 3. ``remainder="pad"`` dealt in chunks drew its padded samples from all the epoch's samples
    and gave them to the ranks whose share they complete, often one the rank already delivers
    (100 samples on 3 ranks: in 1665 of 3000 epochs a rank delivered one of its own samples
-   twice, possibly in one batch, rows not distinct; ``DistributedSampler`` never does). Now
-   each is drawn from the other ranks' samples (``deal``'s ``pad_others``; the same draws as
-   before wherever those were another rank's).
+   twice; 24 samples on 5 ranks, epoch 0: a batch ``[2, 2]``; ``DistributedSampler`` never
+   does). Now each is drawn from the other ranks' samples (``deal``'s ``pad_others``; the
+   same draws as before wherever those were another rank's).
 
 For 2 and 3 the config says ``"pad": "drawn"``; a state saved mid-epoch by the rule before
 finishes that epoch by it (``LEGACY_PAD``), exactly as main continued it (checked against
