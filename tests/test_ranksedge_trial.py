@@ -12,6 +12,9 @@ Found (fixed):
    batch moves it on as the other ranks move (``ReadPlanNode.reset``), and its state there is
    the next epoch's start (``ReadPlanNode.get_state``; the prefetch stage's delivered
    position, ``PrefetcherNode``), so a resumed empty rank goes on at the others' epoch.
+   Likewise a rank with none of an ``"uneven"`` epoch's rest after an elastic resume (4 ranks
+   resumed on 8): its loop was empty and its next one the next epoch, but its state after
+   that loop resumed the empty loop again, one loop behind the ranks that had some.
 2. ``remainder="pad"`` over windows (dealt in runs) padded each short run with the sample just
    past its end: the samples at the cuts, the same few epoch after epoch (23 anchors on 3
    ranks, 40 shuffled epochs: only samples 16 and 8 were ever padded, 16 in 23 epochs;
@@ -158,6 +161,45 @@ def test_an_empty_ranks_state_after_its_loop_resumes_at_the_next_epoch_as_the_ot
         loader.load_state_dict(states[1])
         assert [list(loader), list(loader)] == [[], []]
         assert plan_state(loader.state_dict())["epoch"] == 4  # (after epochs 2 and 3)
+
+
+def test_ranks_with_none_of_an_uneven_epochs_rest_move_on_with_the_others(
+    store: Path, geom: ArrayGeometry
+) -> None:
+    """4 ranks, 12 samples, 2 batches of 1 delivered; resumed on 8: the rest (4 samples) goes
+    to 4 of them, and all 8 end that loop at epoch 0, their states there resuming epoch 1
+    (main: those of the 4 without any resumed epoch 0 again, an empty loop), each sample
+    once."""
+    half = split_by_chunk(geom, (0.5, 0.0, 0.5))  # the test split: samples 12..23
+    old = [ReadPlanNode(half, {"x": geom}, config=_eval(r, 4, shuffle=True)) for r in range(4)]
+    delivered = [a for node in old for _ in range(2) for a in node.next().anchors.tolist()]
+    state = old[0].get_state()
+    rest, epoch1 = [], []
+    for r in range(8):
+        node = ReadPlanNode(half, {"x": geom}, config=_eval(r, 8, shuffle=True))
+        node.reset(state)
+        rest.append(_loop(node))
+        assert node.epoch == 0 and node.resumed_epoch(node.get_state()) == 1
+        node.reset(None)
+        epoch1 += _loop(node)
+        assert node.epoch == 1 and node.resumed_epoch(node.get_state()) == 2
+    assert sorted(delivered + [a for s in rest for a in s]) == list(range(12, 24))
+    assert sum(1 for s in rest if not s) == 4 and sorted(epoch1) == list(range(12, 24))
+    empty = rest.index([])
+    with insitu_pipeline(store, half, {"x": geom}, config=_eval(empty, 8, shuffle=True)) as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(
+            {"root": {"source": {"source": {"source": {"source": state}}}}, "num_yielded": 2}
+        )  # fmt: skip  (a Loader's, from rank 0's plan)
+        assert list(loader) == []
+        after = loader.state_dict()
+        assert pipe.stages.plan.resumed_epoch(after) == 1
+    with insitu_pipeline(store, half, {"x": geom}, config=_eval(empty, 8, shuffle=True)) as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(after)
+        want = ReadPlanNode(half, {"x": geom}, config=_eval(empty, 8, shuffle=True))
+        want.set_epoch(1)
+        assert [b.sample_indices["x"].tolist() for b in loader] == _anchors_of(want)
 
 
 # -- 2. remainder="pad" ---------------------------------------------------------------------------

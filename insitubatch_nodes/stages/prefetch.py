@@ -271,14 +271,14 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             return None
         return delivered
 
-    def _end_unbegun_epoch(self) -> None:
-        """At the end of an epoch that delivered no batch (a rank with none of it,
-        ``empty_ranks=True``), make the delivered position the next epoch's start, where the read
-        plan now is (a state taken at an epoch's end, whose last batch was never delivered here,
-        would resume that epoch again). Left as it is where the graph cannot say its start (a
-        plain torchdata node between the stages)."""
+    def _end_delivered_epoch(self) -> None:
+        """At an epoch's end, where the delivered position would resume that epoch again (a
+        rank with no batch of it, ``empty_ranks=True``, or none of an elastic ``"uneven"``
+        rest while rank 0 had some), make it the next epoch's start, where the read plan now
+        is. Left as it is where the graph cannot say its start (a plain torchdata node between
+        the stages)."""
         delivered = None if self._delivered is None else plan_state(self._delivered)
-        if delivered is None or delivered["batches_emitted"] or delivered.get("resumed"):
+        if delivered is None or self.context.plan.ends_epoch(delivered):
             return
         after = source_start_state(self.source, int(delivered["epoch"]) + 1)
         if after is not None:
@@ -342,7 +342,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         worker.thread.join()
         if kind == "end":
             self._ended = True
-            self._end_unbegun_epoch()
+            self._end_delivered_epoch()
             rec.on_end(called)
             raise StopIteration
         drop_frame_locals(payload)  # (the producer is gone: its frames are finished)

@@ -122,14 +122,16 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     **Epochs and state.** ``reset(None)`` starts an epoch: the next one if the previous epoch
     yielded a batch or reached its end, else the same one again (so the extra ``iter()`` calls
     Lightning makes do not skip epochs); :meth:`set_epoch` pins the epoch the next
-    ``reset(None)`` starts. A rank with no batch of an epoch (``empty_ranks=True``) ends it at
-    its first ``StopIteration``: its state is then the next epoch's start, and it goes on at
-    the same epoch as the other ranks (before 2026-12-07 it stayed at epoch 0, and the other
-    ranks' next epochs were drawn for other epochs than its own). The state is
-    O(1) plain Python — the epoch, the batches emitted, and the configuration the plan is a
-    function of (computed once, at construction: the configuration is fixed, and assigning to
-    it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
-    state taken after the last batch of an epoch resumes at the start of the next epoch —
+    ``reset(None)`` starts. A rank with no batch of an epoch (``empty_ranks=True``), or none
+    of an elastic ``"uneven"`` rest, ends it at its ``StopIteration``: its state is then the
+    next epoch's start, and it goes on at the same epoch as the other ranks (before
+    2026-12-07 the first stayed at epoch 0, the other ranks' next epochs drawn for other
+    epochs than its own, and the state of either resumed that epoch again, an empty loop).
+    The state is O(1) plain Python — the epoch, the batches emitted, and the configuration the
+    plan is a function of (computed once, at construction: the configuration is fixed, and
+    assigning to it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the
+    next batch. A state taken after the last batch of an epoch resumes at the start of the
+    next epoch —
     except one marked ``"stop_owed"`` (``Loader`` marks a mixing sampler's unexhausted sources):
     it raises that epoch's ``StopIteration`` first, its state meanwhile the one restored.
     Restoring a state whose configuration differs raises ``ValueError`` naming the field —
@@ -579,8 +581,6 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     def get_state(self) -> dict[str, Any]:
         if self._owed is not None:  # where it was restored, until the StopIteration is taken
             return copy.deepcopy(self._owed)
-        if self._over and self._emitted == 0:  # an epoch with no batch here, over: the next
-            return {**self.start_state(self._epoch + 1), "anchors": self._anchors.value}
         config = without_dealing(self._config, self._dealing)  # (a legacy epoch goes on as one)
         state = {
             "epoch": self._epoch,
@@ -590,4 +590,8 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         }
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
             state["resumed"] = [[w, k] for w, k in self._resumed]
+        if self._over and self._resolve(state)[0] == self._epoch:
+            # over here, though restored it would resume this epoch (this rank had no batch of
+            # it, or none of an elastic rest while rank 0 had): the next epoch's start
+            return {**self.start_state(self._epoch + 1), "anchors": self._anchors.value}
         return state
