@@ -41,10 +41,8 @@ resumes so; its ``report()`` is ``None``, as before any batch. Through ``InSituD
 (built on the 4 gloo ranks, no trainer) the split is refused on every rank, the message naming
 ``empty_ranks`` for plain loops.
 
-Left as it is: an empty rank's epoch does not advance (the read plan moves on after an epoch
-that delivered a batch), so its state says epoch 0, batch 0 after any number of loops, and
-``resumed_epoch`` of it is 0. Its every epoch is empty (the shares depend on the sample count
-and the ranks alone), so nothing it delivers differs.
+Left as it was then (fixed since, tests/test_ranksedge_trial.py): an empty rank's epoch did
+not advance, its state saying epoch 0, batch 0 after any number of loops.
 """
 
 from __future__ import annotations

@@ -45,7 +45,14 @@ from insitubatch_nodes.plan.anchors import off_stride
 from insitubatch_nodes.plan.config import PlanConfig, plan_config
 from insitubatch_nodes.plan.ledger import ChunkLedger, EpochPlan, Stage
 from insitubatch_nodes.plan.patches import PatchLayout, WindowUnits, patch_spec, touched_tiles
-from insitubatch_nodes.plan.ranks import DEALINGS, LEGACY_SIT_OUT, deal, deal_runs, sit_out
+from insitubatch_nodes.plan.ranks import (
+    DEALINGS,
+    LEGACY_PAD,
+    LEGACY_SIT_OUT,
+    deal,
+    deal_runs,
+    sit_out,
+)
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.plan.valid_anchors import (
     _runs,
@@ -150,8 +157,10 @@ def _rank_shares(
 ) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """The ``(chunks, counts, anchors)`` of each of ``ranks`` in a sample pool laid out as
     :func:`_epoch_samples` lays it, dealt once (:func:`deal`, or :func:`deal_runs` for
-    ``dealing="runs"``, its draws from ``default_rng([*pad_seed, 5])`` when shuffling; the whole
-    pool with one rank). A rank's chunk may repeat (a padded sample is a piece of its own).
+    ``dealing="runs"``, its draws from ``default_rng([*pad_seed, 5])`` when shuffling and its
+    padded samples from ``default_rng([*pad_seed, 7])``, except by a legacy dealing of
+    :data:`LEGACY_PAD`; the whole pool with one rank). A rank's chunk may repeat (a padded
+    sample is a piece of its own).
     Shuffled, ``"drop"``'s samples that sit out are drawn and taken out first (:func:`sit_out`;
     not by a legacy dealing of :data:`LEGACY_SIT_OUT`, which left them to its own rule)."""
     if world_size == 1:
@@ -159,17 +168,28 @@ def _rank_shares(
     if remainder == "drop" and shuffle and dealing not in LEGACY_SIT_OUT:
         counts, anchors = sit_out(counts, anchors, world_size, [*pad_seed, 6])
     dealing = LEGACY_SIT_OUT.get(dealing, dealing)
+    pad_edge = dealing in LEGACY_PAD  # (its padded samples at the cuts: see deal_runs)
+    dealing = LEGACY_PAD.get(dealing, dealing)
     # A chunk with nothing valid (or nothing left) holds nothing to deal.
     first = np.cumsum(counts) - counts
     keep = counts > 0
     chunks, counts, first = chunks[keep], counts[keep], first[keep]
     if dealing != "chunks":  # "runs", or its rule before 2026-12-07 (see deal_runs)
         rng = np.random.default_rng([*map(int, pad_seed), 5]) if shuffle else None
+        pad_rng = None if pad_edge else np.random.default_rng([*map(int, pad_seed), 7])
         pieces = deal_runs(
-            counts, chunks, world_size, remainder=remainder, rng=rng, store_order=dealing == "runs"
+            counts,
+            chunks,
+            world_size,
+            remainder=remainder,
+            rng=rng,
+            store_order=dealing == "runs",
+            pad_rng=pad_rng,
         )
     else:
-        pieces = deal(counts, world_size, remainder=remainder, pad_seed=pad_seed)
+        pieces = deal(
+            counts, world_size, remainder=remainder, pad_seed=pad_seed, pad_others=not pad_edge
+        )
     return [
         (chunks[group], size, anchors[_runs(first[group] + lo, size)])
         for group, lo, size in (pieces[r] for r in ranks)

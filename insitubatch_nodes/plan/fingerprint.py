@@ -21,7 +21,7 @@ from insitubatch_nodes.plan.anchors import SampleSteps, calendar_unit
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.ledger import Stage
 from insitubatch_nodes.plan.patches import patch_spec
-from insitubatch_nodes.plan.ranks import LEGACY_SIT_OUT
+from insitubatch_nodes.plan.ranks import LEGACY_PAD, LEGACY_SIT_OUT
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.plan.valid_anchors import chunk_anchors
 from insitubatch_nodes.stack import Stack
@@ -192,11 +192,18 @@ def dealt(shuffle: bool, dealing: str, remainder: str = "drop", world: int = 1) 
     2026-12-07); ``"sit_out": "drawn"`` for a shuffled ``remainder="drop"`` on ``world > 1``
     ranks (the samples that sit out drawn from the whole epoch,
     :func:`~insitubatch_nodes.plan.ranks.sit_out`, since 2026-12-07; one rank deals nothing, so
-    a default config's keys stay as they were); none else (see :func:`saved_dealing`)."""
+    a default config's keys stay as they were); ``"pad": "drawn"`` for ``remainder="pad"`` (on
+    any world size: one rank's epoch may go on after a cut of several; each padded sample
+    drawn from the other ranks' samples,
+    :func:`~insitubatch_nodes.plan.ranks.deal` and
+    :func:`~insitubatch_nodes.plan.ranks.deal_runs`, since 2026-12-07); none else (see
+    :func:`saved_dealing`)."""
     keys = {"sit_out": "drawn"} if shuffle and remainder == "drop" and world > 1 else {}
+    if remainder == "pad":
+        keys["pad"] = "drawn"
     if dealing != "runs":
         return keys
-    return {"deal": "runs", **keys} if shuffle else {"deal": "runs", "run_order": "store"}
+    return {"deal": "runs", **keys} if shuffle else {"deal": "runs", "run_order": "store", **keys}
 
 
 def saved_dealing(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | None:
@@ -208,14 +215,22 @@ def saved_dealing(saved: Mapping[str, Any], mine: Mapping[str, Any]) -> str | No
     either dealing's :data:`~insitubatch_nodes.plan.ranks.LEGACY_SIT_OUT` rule for a shuffled
     ``"drop"`` plan saved on several ranks before their sit-out samples were drawn (no
     ``"sit_out"``: it began by that rule, whatever world size resumes it), or saved again in
-    such an epoch (``"sit_out": "dealt"``, :func:`without_dealing`)."""
+    such an epoch (``"sit_out": "dealt"``, :func:`without_dealing`); the dealing's
+    :data:`~insitubatch_nodes.plan.ranks.LEGACY_PAD` rule for a ``"pad"`` plan saved on
+    several ranks before their padded samples were drawn from other ranks' (no ``"pad"``;
+    saved again in such an epoch, still none)."""
     legacy = None
     if "deal" in mine and "deal" not in saved:
         legacy = "chunks"
     elif "run_order" in mine and "run_order" not in saved:
         legacy = "runs-partial-last"
-    drew = dealt(bool(saved.get("shuffle")), "", str(saved.get("remainder")),
-                 int(saved.get("world_size", 1)))  # fmt: skip
+    shuffled, remainder = bool(saved.get("shuffle")), str(saved.get("remainder"))
+    if (
+        remainder == "pad" and "pad" not in saved
+    ):  # (the old ranks' pads: whatever world size resumes it)
+        own = legacy or ("runs" if "deal" in mine else "chunks")
+        return next(old for old, new in LEGACY_PAD.items() if new == own)
+    drew = dealt(shuffled, "", remainder, int(saved.get("world_size", 1)))
     if saved.get("sit_out") == "dealt" or (drew and "sit_out" not in saved):
         own = legacy or ("runs" if "deal" in mine else "chunks")
         return next((old for old, new in LEGACY_SIT_OUT.items() if new == own), own)
@@ -227,7 +242,9 @@ def without_dealing(config: Mapping[str, Any], dealing: str | None) -> dict[str,
     :func:`saved_dealing`) records it, so that it is restored by that rule again (a legacy
     sit-out says ``"sit_out": "dealt"``: on any world size, even one that draws none)."""
     drop = {"chunks": ("deal", "run_order"), "runs-partial-last": ("run_order",),
-            "chunks-tail-out": ("deal", "run_order")}  # fmt: skip
+            "chunks-tail-out": ("deal", "run_order"), "runs-pad-edge": ("pad",),
+            "runs-partial-last-pad-edge": ("run_order", "pad"),
+            "chunks-pad-any": ("deal", "run_order", "pad")}  # fmt: skip
     out = {k: v for k, v in config.items() if k not in drop.get(dealing or "", ())}
     return {**out, "sit_out": "dealt"} if dealing in LEGACY_SIT_OUT else out
 

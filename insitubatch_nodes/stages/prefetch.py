@@ -267,6 +267,19 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             return None
         return delivered
 
+    def _end_delivered_epoch(self) -> None:
+        """At an epoch's end, where the delivered position would resume that epoch again (a
+        rank with no batch of it, ``empty_ranks=True``, or none of an elastic ``"uneven"``
+        rest while rank 0 had some), make it the next epoch's start, where the read plan now
+        is. Left as it is where the graph cannot say its start (a plain torchdata node between
+        the stages)."""
+        delivered = None if self._delivered is None else plan_state(self._delivered)
+        if delivered is None or self.context.plan.ends_epoch(delivered):
+            return
+        after = source_start_state(self.source, int(delivered["epoch"]) + 1)
+        if after is not None:
+            self._delivered = after[SOURCE_KEY]
+
     def __iter__(self) -> Self:
         """The node itself (torchdata's contract: ``next(iter(pipe))`` continues the epoch);
         once an epoch ended, the next epoch first (a ``reset()``), so that ``for batch in
@@ -325,6 +338,7 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         worker.thread.join()
         if kind == "end":
             self._ended = True
+            self._end_delivered_epoch()
             rec.on_end(called)
             raise StopIteration
         drop_frame_locals(payload)  # (the producer is gone: its frames are finished)

@@ -95,14 +95,16 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     chunk reads per epoch, plus one per padded sample), and a shifted view's neighbour chunk —
     ``c + 1`` for the last anchors of ``c`` — may also be read by the rank that holds ``c``.
     **Windows** (views at several offsets) are dealt in runs instead (:func:`deal_runs`): each
-    rank one contiguous run of the valid anchors dealt, along the sample axis (a padded sample
-    beside its run; unshuffled, the sit-out run last), which rank gets which run drawn each epoch,
-    its chunks visited in the epoch's permuted order. Ranks then share only the chunks a window
-    span reaches across the ``world_size - 1`` cuts: summed over the ranks at most
-    ``world_size - 1`` times ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array
-    beyond one rank's reads of the whole split (``s`` the span of the offsets), plus one per
-    padded sample. The state's configuration says ``"deal": "runs"`` (unshuffled, also
-    ``"run_order": "store"``; shuffled with ``"drop"``, ``"sit_out": "drawn"``); a state saved
+    rank one contiguous run of the valid anchors dealt, along the sample axis (a short run's
+    padded sample drawn from the other runs each epoch; unshuffled, the sit-out run last),
+    which rank gets which run drawn each epoch, its chunks visited in the epoch's permuted
+    order. Ranks then share only the chunks a window span reaches across the ``world_size - 1``
+    cuts: summed over the ranks at most ``world_size - 1`` times
+    ``ceil((s - 1) / samples_per_chunk) + 1`` chunks of each array beyond one rank's reads of
+    the whole split (``s`` the span of the offsets), plus, per padded sample, the chunks its
+    window reads. The state's
+    configuration says ``"deal": "runs"`` (unshuffled, also ``"run_order": "store"``; shuffled
+    with ``"drop"``, ``"sit_out": "drawn"``; with ``"pad"``, ``"pad": "drawn"``); a state saved
     without one (before its rule) finishes its epoch dealt as it began, the next by today's.
     With one rank nothing is dropped or repeated. A split with fewer samples than ranks (valid
     anchors, or with patched views their windows) is refused.
@@ -118,12 +120,18 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     :func:`~insitubatch_nodes.plan.schedule.choose_schedule` computes it from a budget.
 
     **Epochs and state.** ``reset(None)`` starts an epoch: the next one if the previous epoch
-    yielded a batch, else the same one again (so the extra ``iter()`` calls Lightning makes do not
-    skip epochs); :meth:`set_epoch` pins the epoch the next ``reset(None)`` starts. The state is
-    O(1) plain Python — the epoch, the batches emitted, and the configuration the plan is a
-    function of (computed once, at construction: the configuration is fixed, and assigning to
-    it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the next batch. A
-    state taken after the last batch of an epoch resumes at the start of the next epoch —
+    yielded a batch or reached its end, else the same one again (so the extra ``iter()`` calls
+    Lightning makes do not skip epochs); :meth:`set_epoch` pins the epoch the next
+    ``reset(None)`` starts. A rank with no batch of an epoch (``empty_ranks=True``), or none
+    of an elastic ``"uneven"`` rest, ends it at its ``StopIteration``: its state is then the
+    next epoch's start, and it goes on at the same epoch as the other ranks (before
+    2026-12-07 the first stayed at epoch 0, the other ranks' next epochs drawn for other
+    epochs than its own, and the state of either resumed that epoch again, an empty loop).
+    The state is O(1) plain Python — the epoch, the batches emitted, and the configuration the
+    plan is a function of (computed once, at construction: the configuration is fixed, and
+    assigning to it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the
+    next batch. A state taken after the last batch of an epoch resumes at the start of the
+    next epoch —
     except one marked ``"stop_owed"`` (``Loader`` marks a mixing sampler's unexhausted sources):
     it raises that epoch's ``StopIteration`` first, its state meanwhile the one restored.
     Restoring a state whose configuration differs raises ``ValueError`` naming the field —
@@ -198,6 +206,9 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         self._epoch = 0
         self.pinned_epoch: int | None = None  # set_epoch's, for the next reset(None)
         self._emitted = 0
+        # its end reached (StopIteration raised): what ends an epoch with no batch for this
+        # rank, which moves on as the other ranks' do (see reset)
+        self._over = False
         self._resumed: tuple[Stage, ...] = ()  # the current epoch's elastic cuts
         self._dealing: str | None = None  # the current epoch's, when not the views' (legacy)
         self._epoch_len: int | None = None
@@ -444,7 +455,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         """The epoch the next ``reset(None)`` starts."""
         if self.pinned_epoch is not None:
             return self.pinned_epoch
-        if self._plan is not None and self._emitted > 0:
+        if self._plan is not None and (self._emitted > 0 or self._over):
             return self._epoch + 1
         return self._epoch
 
@@ -524,6 +535,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         if initial_state is None or not self._resumes_mid_epoch(initial_state):
             self._apply_pending()  # views given by set_views start here
         self._owed = None
+        over, self._over = self._over, False
         if initial_state is not None:
             self.check_state(initial_state)
             epoch, emitted, resumed, dealing = self._resolve(initial_state)
@@ -537,7 +549,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
             return
         if self.pinned_epoch is not None:
             self._epoch, self.pinned_epoch = self.pinned_epoch, None
-        elif self._plan is not None and self._emitted > 0:
+        elif self._plan is not None and (self._emitted > 0 or over):
             self._epoch += 1
         self._emitted, self._resumed, self._dealing = 0, (), None
         self._plan = self._scheduled(self._epoch)
@@ -556,6 +568,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         if self._owed is not None:
             raise StopIteration
         if self._emitted >= self._plan.n_batches:
+            self._over = True
             raise StopIteration
         batch = self._plan.batch(self._emitted)
         self._emitted += 1
@@ -577,4 +590,8 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         }
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
             state["resumed"] = [[w, k] for w, k in self._resumed]
+        if self._over and self._resolve(state)[0] == self._epoch:
+            # over here, though restored it would resume this epoch (this rank had no batch of
+            # it, or none of an elastic rest while rank 0 had): the next epoch's start
+            return {**self.start_state(self._epoch + 1), "anchors": self._anchors.value}
         return state
