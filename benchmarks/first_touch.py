@@ -3,12 +3,16 @@
 A fresh process pays for every page of memory it touches the first time (the kernel clears it;
 on a VM the host may have to back it too). Everything a cold epoch allocates — pool slots, batch
 buffers — is paid at this rate, so the archive suite measures it in every round, in a fresh
-process of its own, next to the epochs it explains. Three rates over ``--mib`` MiB, in GB/s:
+process of its own, next to the epochs it explains. Four rates over ``--mib`` MiB, in GB/s:
 
 * ``populate``: one anonymous ``mmap`` with ``MAP_POPULATE`` (the kernel maps every page in one
   pass: what the pool's slot reserve and the batch-buffer reserve use);
-* ``first_write``: ``np.empty`` then a write of every byte (pages fault in one by one, on the
-  writing thread: what a decode into fresh memory pays);
+* ``first_write_small``: memory that asks for no huge pages (``insitubatch_nodes._pages.
+  plain_pages``: how slots and batch buffers are made on demand) written once (pages fault in
+  one by one, on the writing thread: what a decode into a fresh slot pays);
+* ``first_write``: ``np.empty`` then a write of every byte — numpy asks for huge pages on
+  arrays of 4 MiB or more, so this is the rate of huge pages (what slots paid before
+  2026-12-07);
 * ``rewrite``: the same array written again (memory the process already holds).
 
 Each is taken once per process, on memory no earlier step touched, so the first two are cold.
@@ -28,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from insitubatch_nodes._pages import plain_pages
+
 
 def first_touch_rates(nbytes: int) -> dict[str, Any]:
     """The three rates (GB/s) over ``nbytes`` of fresh memory each, measured in this process."""
@@ -39,6 +45,11 @@ def first_touch_rates(nbytes: int) -> dict[str, Any]:
         region = mmap.mmap(-1, nbytes, flags=flags | populate)
         out["populate_GBps"] = nbytes / (time.perf_counter() - t) / 1e9
         region.close()
+    small = plain_pages((nbytes,), np.uint8)
+    t = time.perf_counter()
+    small.fill(1)
+    out["first_write_small_GBps"] = nbytes / (time.perf_counter() - t) / 1e9
+    del small
     arr = np.empty(nbytes, dtype=np.uint8)
     t = time.perf_counter()
     arr.fill(1)

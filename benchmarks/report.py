@@ -1116,7 +1116,8 @@ def _first_touch_text(rows: list[Row]) -> str:
         f"{label} {span((r.get(key) for r in got), 2)}"
         for key, label in (
             ("populate_GBps", "`MAP_POPULATE`"),
-            ("first_write_GBps", "first write"),
+            ("first_write_small_GBps", "first write (small pages, as slots)"),
+            ("first_write_GBps", "first write (numpy: huge pages)"),
             ("rewrite_GBps", "rewrite"),
         )
     ]
