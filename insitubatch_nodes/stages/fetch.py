@@ -342,7 +342,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         core — and there the reserves only took the decode threads' CPU: measured on the
         project's 2-core VM (2026-12-07, fresh processes alternated), epoch 0 with them on
         ``wb-c1`` in 0.97–1.06 s against 0.85–0.93 s without, on ``wb-c16`` 2.8–3.4 s against
-        1.4–2.3 s, at the reference shape 1.8–3.4 s against 1.2–2.1 s; over S3 (moto, 10 ms)
+        1.4–2.3 s, at the reference shape no difference (docs/pipeline.md); over S3 (moto, 10 ms)
         ``wb-c1``'s epoch 0 ran at 0.91–0.94 of raw GETs with them, 0.86–0.87 without."""
         first = self.context.plan.epoch_plan(0)
         self.pool.ensure_floor(self._first_floor)
