@@ -161,13 +161,26 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     collection) or thawed it (mypy's API calls ``gc.unfreeze()``). Unfrozen, each full
     collection of the worker walked them: 0.6 s each on a heap of 0.67 and 1.6 million
     objects (one worker thawed by mypy), 21-24 s of collections in each of two workers in one
-    run of the suite against 8 s in the third (2026-12-07)."""
+    run of the suite against 8 s in the third (2026-12-07).
+
+    Also if the module left many objects alive without importing anything (more than
+    ``UNFROZEN_MAX`` outside the frozen heap; counting them costs a fraction of a millisecond
+    where few are): a cache of session lifetime (test_layout's parse of the package, 0.19
+    million objects) was walked by every later full collection of the process, and the
+    package collects garbage where a cache lock may be held by a dropped pipeline: in a serial
+    run, test_lifecycle_trial took 11.2 CPU-s after test_layout against 2.9 s alone, 5.3 s of
+    it in 60 collections of one test (2026-12-07)."""
+    import gc
+
     yield
     if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", 0):
         return
     imported = len(sys.modules) >= _frozen_at["modules"] + 20
-    if imported or _frozen_at["thawed"]:
+    if imported or _frozen_at["thawed"] or len(gc.get_objects()) > UNFROZEN_MAX:
         _freeze_heap()
+
+
+UNFROZEN_MAX = 50_000  # objects a module may leave outside the frozen heap (see above)
 
 
 @pytest.fixture(autouse=True)

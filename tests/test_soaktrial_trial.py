@@ -238,14 +238,11 @@ def _rows(batch: Batch, label: str) -> list[tuple[int, ...]]:
     """One key per row of ``label``: its sample indices (every step of a window), and its
     patch origin where the view is patched."""
     idx = np.asarray(batch.sample_indices[label])
+    columns = [idx.reshape(len(idx), -1)]  # (rows, steps)
     origins = batch.patch_origins.get(label)
-    out = []
-    for i in range(len(idx)):
-        key = tuple(np.atleast_1d(idx[i]).tolist())
-        if origins is not None:
-            key += tuple(np.asarray(origins[i]).tolist())
-        out.append(key)
-    return out
+    if origins is not None:
+        columns.append(np.asarray(origins).reshape(len(idx), -1))
+    return [tuple(row) for row in np.concatenate(columns, axis=1).tolist()]
 
 
 def _soak(
@@ -367,13 +364,14 @@ def test_twenty_epochs_of_patched_views_are_exact_and_cover_the_field_alike(
 ) -> None:
     g = open_geometries(tiles, ["f"])["f"]
     f = _read(tiles, "f")
+    # windows[t, a, b] is f[t, a : a + 5, b : b + 6]: the oracle of every row, by its origin
+    windows = np.lib.stride_tricks.sliding_window_view(f, (5, 6), axis=(1, 2))
     manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
     x = g.patches({"y": 5, "x": 6}, origins=origins)
 
     def check(batch: Batch) -> None:
         idx, o = np.asarray(batch.sample_indices["x"]), np.asarray(batch.patch_origins["x"])
-        want = [f[t, a : a + 5, b : b + 6] for t, (a, b) in zip(idx, o, strict=True)]
-        np.testing.assert_array_equal(batch["x"], np.stack(want))
+        np.testing.assert_array_equal(batch["x"], windows[idx, o[:, 0], o[:, 1]])
 
     grid = {(t, a, b) for t in range(32) for a in (0, 5, 10, 11) for b in (0, 6, 12, 14)}
     pipe = insitu_pipeline(tiles, manifest, {"x": x}, batch_size=7, block_chunks=2,
