@@ -1,0 +1,98 @@
+"""Where a reshaping chunk transform's chunks are decoded (``stages/_fill.py``), against what the
+build's memory check counts (``plan/memory_floor.spare_bytes``).
+
+Found wrong, fixed:
+
+* Each chunk took its stored-layout decode buffer when its fill was *queued* (``FillRunner.
+  region``, at the admission), not when its decoding started, so every admitted chunk still
+  waiting to be read held one: ``Coarsen(2)`` of 256 times in chunks of 4 (16,384 bytes
+  each), 2 decode threads: 17 buffers live at once at ``batch_size=4``, 23 at 32 (up to
+  376,832 bytes), while the memory check and ``pipe.stats()["decode_scratch_bytes"]``
+  counted only the idle ones (32,768). A chunk now takes its buffer when its first object is
+  decoded (on the decode thread) and gives it back once its transform has run, and a run
+  gives its thread up to sooner work only between two chunks, so at most one chunk per
+  decode thread is being decoded (two for chunks of several objects); the check counts those
+  beside the idle ones: ``test_a_reshaped_chunk_holds_its_decode_buffer_only_while_decoded``.
+
+Tried and found right: the coarsened rows equal numpy's block mean of zarr's values, one epoch
+read twice (after a resume from a state saved mid-epoch) gives the same batches.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+
+from insitubatch_nodes import Coarsen, Loader, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes.stages._fill import SpareBuffers
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class _Live:
+    """Counts the stored-layout buffers taken and not yet given back (the live ones)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.lock = threading.Lock()
+        self.live = self.peak = self.peak_bytes = 0
+        self.nbytes = 0
+        take, give = SpareBuffers.take, SpareBuffers.give
+        live = self
+
+        def counted_take(spares: SpareBuffers, *args: Any) -> Any:
+            buf = take(spares, *args)
+            with live.lock:
+                live.live += 1
+                live.nbytes += buf.nbytes
+                live.peak = max(live.peak, live.live)
+                live.peak_bytes = max(live.peak_bytes, live.nbytes + spares.nbytes)
+            return buf
+
+        def counted_give(spares: SpareBuffers, path: str, buf: Any) -> None:
+            with live.lock:
+                live.live -= 1
+                live.nbytes -= buf.nbytes
+            give(spares, path, buf)
+
+        monkeypatch.setattr(SpareBuffers, "take", counted_take)
+        monkeypatch.setattr(SpareBuffers, "give", counted_give)
+
+
+def _store(root: Path, n_time: int = 256) -> tuple[Path, np.ndarray]:
+    group = zarr.open_group(root, mode="w", zarr_format=3)
+    values = np.random.default_rng(7).random((n_time, 32, 32), dtype=np.float32)
+    group.create_array("a", shape=values.shape, chunks=(4, 32, 32), dtype="float32",
+                       dimension_names=("time", "lat", "lon"))[:] = values  # fmt: skip
+    return root, values
+
+
+@pytest.mark.parametrize("batch_size", [4, 32])
+def test_a_reshaped_chunk_holds_its_decode_buffer_only_while_decoded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_size: int
+) -> None:
+    root, values = _store(tmp_path / "c.zarr")
+    live = _Live(monkeypatch)
+    g = open_geometries(root, ["a"])
+    manifest = split_by_chunk(g["a"], (1.0, 0.0, 0.0))
+    chunk = 4 * 32 * 32 * 4
+    coarse = values.reshape(-1, 16, 2, 16, 2).mean(axis=(2, 4))
+    with insitu_pipeline(
+        root, manifest, {"x": g["a"]}, chunk_transforms=[Coarsen(2)], batch_size=batch_size,
+        coords=(), decode_threads=2, seed=1,
+    ) as pipe:  # fmt: skip
+        seen, stated = [], 0
+        for batch in Loader(pipe):
+            stated = max(stated, pipe.stats()["decode_scratch_bytes"])
+            rows = np.asarray(batch.sample_indices["x"])
+            seen.append(rows)
+            np.testing.assert_allclose(np.asarray(batch.arrays["x"]), coarse[rows], rtol=1e-6)
+        counted = pipe.stages.fetch.counted.scratch
+    assert sorted(np.concatenate(seen).tolist()) == list(range(256))
+    # one chunk being decoded per decode thread, at most (2 idle ones kept beside them)
+    assert live.peak <= 2
+    assert max(live.peak_bytes, stated) <= counted == 4 * chunk
