@@ -127,10 +127,8 @@ def test_an_edge_chunk_s_stored_layout_buffer_is_counted_at_its_length(tmp_path:
         held = _peak_scratch(pipe, 3)
         # 2 idle whole-chunk spares, one edge-length spare (2 of 4 samples), and a stored
         # object of scratch per thread for the edge object (decoded aside, then cropped): the
-        # last reached once each thread has decoded the edge (73,728 over 10 epochs here);
-        # and one whole-chunk spare per thread, taken by the chunk it decodes (counted since
-        # test_fillscratch_trial)
-        want = 2 * chunk + chunk // 2 + 2 * chunk + 2 * chunk
+        # last reached once each thread has decoded the edge (73,728 over 10 epochs here)
+        want = 2 * chunk + chunk // 2 + 2 * chunk
         assert 2 * chunk + chunk // 2 + chunk <= held <= pipe.stages.fetch.counted.scratch == want
 
 
