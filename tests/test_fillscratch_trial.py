@@ -1,21 +1,34 @@
-"""Where a reshaping chunk transform's chunks are decoded (``stages/_fill.py``), against what the
-build's memory check counts (``plan/memory_floor.spare_bytes``).
+"""Where a reshaping chunk transform's chunks are decoded (``stages/_fill.py``,
+``stages/_spares.py``), against what the build's memory check counts
+(``plan/memory_floor.spare_bytes``).
 
 Found wrong, fixed:
 
 * Each chunk took its stored-layout decode buffer when its fill was *queued* (``FillRunner.
   region``, at the admission), not when its decoding started, so every admitted chunk still
   waiting to be read held one: ``Coarsen(2)`` of 256 times in chunks of 4 (16,384 bytes
-  each), 2 decode threads: 17 buffers live at once at ``batch_size=4``, 23 at 32 (up to
-  376,832 bytes), while the memory check and ``pipe.stats()["decode_scratch_bytes"]``
-  counted only the idle ones (32,768). A chunk now takes its buffer when its first object is
-  decoded (on the decode thread) and gives it back once its transform has run, and a run
-  gives its thread up to sooner work only between two chunks, so at most one chunk per
-  decode thread is being decoded (two for chunks of several objects); the check counts those
-  beside the idle ones: ``test_a_reshaped_chunk_holds_its_decode_buffer_only_while_decoded``.
+  each), 2 decode threads, local files: 15 to 20 buffers live at once at ``batch_size=4``, 23
+  to 31 at 32 (up to 507,904 bytes), while the memory check and
+  ``pipe.stats()["decode_scratch_bytes"]`` counted only the idle ones (32,768). A chunk now
+  takes its buffer (``SpareRegion``) when its first object is decoded, on the decode thread,
+  and gives it back once its transform has run; a run gives its thread up to sooner work only
+  between two such chunks. So at most one chunk per decode thread holds one (two for chunks
+  of several objects), and as a buffer is made only when none is idle, no more exist: the
+  check counts that (32,768 bytes here, 65,536 for chunks of 4 objects) and the stats count
+  the live ones beside the idle:
+  ``test_a_reshaped_chunk_holds_its_decode_buffer_only_while_decoded``.
 
-Tried and found right: the coarsened rows equal numpy's block mean of zarr's values, one epoch
-read twice (after a resume from a state saved mid-epoch) gives the same batches.
+Tried and found right: the coarsened rows equal numpy's block mean of zarr's values, and a
+state saved mid-epoch resumes the same rows in the same batches
+(``test_a_state_saved_mid_epoch_under_coarsen_resumes_the_same_rows``, right before the fix
+too).
+
+Found, not fixed: from a store read by GETs (not local files), a chunk of several objects
+whose objects land apart holds its buffer from its first object's decode to its last one's,
+and a run ends when its job's queue is empty even mid-chunk: 4 to 5 buffers (81,920 bytes)
+held over 3 epochs at 2 threads and chunks of 4 objects, where 65,536 are counted (on main:
+17 to 31). Bounding it would take the GET queue starting and landing a reshaped chunk's
+objects together (or the count growing with ``max_inflight``).
 """
 
 from __future__ import annotations
