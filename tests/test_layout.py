@@ -113,6 +113,7 @@ STAGE_LEVELS = {
     "_admit": 1,
     "_jobs": 1,
     "_fill": 1,
+    "_spares": 1,
     "_bad": 1,
     "_get": 1,
     "_direct": 1,

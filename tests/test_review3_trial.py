@@ -284,5 +284,7 @@ def test_a_reshaping_transform_of_whole_field_chunks_counts_its_spares_and_no_sc
                 np.testing.assert_allclose(b["x"], want, rtol=1e-6)
         fetch = pipe.stages.fetch
         assert all(d.scratch_bytes == 0 for d in fetch._decoders.values())  # all in place
-        spares = 2 * 2 * 8 * 32 * 32 * 4  # 2 arrays x max(2, threads) idle, a chunk each
-        assert held == fetch.counted.scratch == spares
+        spares = 2 * 2 * 8 * 32 * 32 * 4  # 2 arrays x 2 threads, a chunk each
+        # (all 4 were held once when admitted chunks took them; since they are taken at the
+        # decode, test_fillscratch_trial, fewer may be: 65,536 bytes in one run here)
+        assert 0 < held <= fetch.counted.scratch == spares

@@ -221,22 +221,28 @@ def decode_scratch_bytes(
     return threads * total
 
 
-def spare_bytes(geoms: Mapping[str, ArrayGeometry], max_idle: int) -> int:
-    """The idle buffers the fill keeps for decoding the chunks of ``geoms`` (the arrays whose
-    chunk transforms reshape them) in their stored layout before the transforms write the slot:
-    at most ``max_idle`` per array and chunk length, each of that length
-    (:class:`~insitubatch_nodes.stages._fill.SpareBuffers`): ``max_idle`` whole chunks, and
-    where the array ends inside a chunk, one buffer of that edge chunk's length (it is filled
-    once at a time; a collection's or a product's members may each end in one: ``max_idle``
-    whole chunks for them, as before). Counted beside :func:`decode_scratch_bytes`: before
+def spare_bytes(geoms: Mapping[str, ArrayGeometry], max_idle: int, threads: int) -> int:
+    """The buffers the fill holds for decoding the chunks of ``geoms`` (the arrays whose chunk
+    transforms reshape them) in their stored layout before the transforms write the slot
+    (:mod:`~insitubatch_nodes.stages._spares`). A chunk takes one when its first object is
+    decoded and gives it back (to be kept idle, at most ``max_idle`` per array and length)
+    after its transform, and a new one is made only when none is idle, so an array holds at
+    most as many of a length as were ever taken at once: one whole chunk per decode thread
+    (``threads``), two where a chunk is stored in several objects (two runs may share a chunk,
+    and the next one begins while the last objects of the other decode). Where the array ends
+    inside a chunk, one buffer of that edge chunk's length beside them (it is filled once at a
+    time; a collection's or a product's members may each end in one: ``max_idle`` whole
+    chunks for them, as before). Counted beside :func:`decode_scratch_bytes`: before
     2026-12-07 they were not, and a field tiled in 16 objects per chunk under ``Coarsen(2)``
     held 147,456 bytes where the check counted 8,192; later that day an edge chunk's buffers
-    counted as ``max_idle`` whole chunks (98,304 bytes counted, 73,728 held at most)."""
+    counted as ``max_idle`` whole chunks (98,304 bytes counted, 73,728 held at most); and
+    each admitted chunk took its buffer when queued, not when decoded (up to 23 held at once
+    where the ``max_idle`` idle ones, 2, were counted)."""
     total = 0
     for g in geoms.values():
         base = g.base
         sample = math.prod(base.inner_shape) * base.dtype.itemsize
-        total += max_idle * base.samples_per_chunk * sample
+        total += threads * (2 if base.n_tiles > 1 else 1) * base.samples_per_chunk * sample
         edge = base.n_samples % base.samples_per_chunk
         if edge:
             plain = base.members is None and base.product is None

@@ -31,6 +31,7 @@ from insitubatch_nodes.io.routing import split_routed
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
 from insitubatch_nodes.stages._jobs import ArrayFill, FillJob, Unit
+from insitubatch_nodes.stages._spares import as_array
 
 __all__ = ["READ_FAILURES_IN_A_ROW", "BadChunks", "NoteBad"]
 
@@ -116,7 +117,7 @@ class BadChunks:
             error.where,
             str(error.__cause__),
         )
-        out[...] = array.fill_value
+        as_array(out)[...] = array.fill_value
         if entry is not None:
             entry.bad_tiles.append(tuple(tile))
         if self.note_bad(job.generation, array.path, chunk, [tuple(tile)]):

@@ -44,7 +44,6 @@ from insitubatch_nodes._frames import drop_frame_locals
 from insitubatch_nodes._runtime import PriorityPool
 from insitubatch_nodes.cache.identity import IdentityRecorder, stat_identity
 from insitubatch_nodes.errors import ChunkReadError, FillCancelled
-from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.localfiles import LocalReader
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import EpochRecorder
@@ -61,10 +60,11 @@ from insitubatch_nodes.stages._jobs import (
     Unit,
 )
 from insitubatch_nodes.stages._ranges import profile_range
+from insitubatch_nodes.stages._spares import SpareBuffers, SpareRegion, SpareView, as_array
 from insitubatch_nodes.trace import DECODE, MISSING, READ, READ_DECODE, TRANSFORM, PackedSpans
 from insitubatch_nodes.transforms import ChunkTransforms
 
-__all__ = ["FillRunner", "SpareBuffers"]
+__all__ = ["FillRunner"]
 
 _now = time.perf_counter
 
@@ -190,7 +190,7 @@ class FillRunner:
                 # (an error's traceback keeps this frame, which runs on: never the last item,
                 # whose slot may map a cache file that a close waits for)
                 del item
-                if job.todo and pool.preempted(job.ticket):
+                if job.todo and pool.preempted(job.ticket) and not _mid_chunk(job):
                     pool.submit(job.ticket, self._run, job)  # carry on after sooner work
                     return
         finally:
@@ -401,7 +401,7 @@ class FillRunner:
         if error is None:
             t1 = _now()
             try:
-                array.decoder.decode_trusted(raw, out, chunk, tile)
+                array.decoder.decode_trusted(raw, as_array(out), chunk, tile)
             except Exception as exc:
                 self._decode_failed(job, unit, key, exc, t1, landed)
             else:
@@ -520,16 +520,17 @@ class FillRunner:
 
     def region(
         self, job: FillJob, entry: ChunkEntry, array: ArrayFill, n: int | None
-    ) -> np.ndarray:
+    ) -> np.ndarray | SpareRegion:
         """Where ``entry``'s ``n`` samples decode (all of its slot with ``None``): its slot, or
-        a spare buffer of the stored layout when its chunk transforms reshape it."""
+        when its chunk transforms reshape it a :class:`~insitubatch_nodes.stages._spares.
+        SpareRegion` of the stored layout, whose buffer is taken only when the chunk's first
+        object is decoded (before 2026-12-07: here, when the fill was queued)."""
         if n is None:
             n = entry.slot.shape[0] if entry.cached is None else entry.cached[1][0]
         if not self.transforms.reshapes(array.path):
             return entry.slot[:n]
-        buf = self.spares.take(array.geom, n)
-        job.spares[id(entry)] = buf
-        return buf
+        region = job.spares[id(entry)] = SpareRegion(self.spares, array.geom, n, job.lock)
+        return region
 
     def _unit_done(self, job: FillJob, entry: ChunkEntry | None, acc: _Tally | None) -> None:
         self._note_reads(acc)
@@ -559,7 +560,7 @@ class FillRunner:
             path = entry.key[0]
             if self.transforms.active(path) and entry.cached is None:
                 try:
-                    self._transform(entry, spare, acc)
+                    self._transform(entry, None if spare is None else spare.buffer(), acc)
                 except Exception as exc:
                     self.pool.discard(entry, exc)
                     return
@@ -575,7 +576,7 @@ class FillRunner:
             raise
         finally:
             if spare is not None:
-                self.spares.give(entry.key[0], spare)
+                spare.release()
 
     def _transform(self, entry: ChunkEntry, decoded: np.ndarray | None, acc: _Tally | None) -> None:
         path, chunk = entry.key
@@ -620,34 +621,16 @@ class FillRunner:
             self.gets.cancel_skipped()
 
 
-class SpareBuffers:
-    """Idle decode buffers of the stored layout, for chunks their transforms reshape (the slot
-    holds the output; the stored chunk is decoded elsewhere first): at most ``max_idle`` kept
-    per array and length, any thread."""
-
-    def __init__(self, max_idle: int) -> None:
-        self.max_idle = max_idle
-        self._free: dict[tuple[str, int], list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-        self.nbytes = 0  # held idle
-
-    def take(self, geom: ArrayGeometry, n: int) -> np.ndarray:
-        """A buffer for ``n`` samples of ``geom`` as stored (an idle one, else a new one)."""
-        with self._lock:
-            free = self._free.get((geom.path, n))
-            if free:
-                buf = free.pop()
-                self.nbytes -= buf.nbytes
-                return buf
-        return np.empty((n, *geom.inner_shape), dtype=geom.dtype)
-
-    def give(self, path: str, buf: np.ndarray) -> None:
-        """Keep ``buf`` for a later :meth:`take` (dropped when ``max_idle`` are kept)."""
-        with self._lock:
-            free = self._free.setdefault((path, buf.shape[0]), [])
-            if len(free) < self.max_idle:
-                free.append(buf)
-                self.nbytes += buf.nbytes
+def _mid_chunk(job: FillJob) -> bool:
+    """Whether ``job``'s next queued object is of a reshaped chunk whose buffer is live (some
+    object of it written): a run gives its thread up to sooner work only between two such
+    chunks, so that a chunk's buffer is held only while a decode thread works on it."""
+    with job.lock:
+        if not job.todo:
+            return False
+        work = job.todo[0].work
+    out = work.out if isinstance(work, Unit) else None
+    return isinstance(out, SpareView) and out.region.buf is not None
 
 
 _RUN = threading.local()  # the errors the decode thread's current run recorded ("errors")

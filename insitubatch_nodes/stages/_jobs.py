@@ -20,6 +20,7 @@ from insitubatch_nodes.io.selection import Held, held_boxes
 from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.plan.patches import unit_chunk_tile
 from insitubatch_nodes.slots import PENDING, ChunkEntry, Fill
+from insitubatch_nodes.stages._spares import SpareRegion, SpareView
 
 __all__ = [
     "REVIVE",
@@ -303,7 +304,7 @@ class Unit(NamedTuple):
     array: ArrayFill
     chunk: int
     tile: tuple[int, ...]
-    out: np.ndarray
+    out: np.ndarray | SpareView
     entry: ChunkEntry | None
     row: int = -1
 
@@ -417,7 +418,7 @@ class FillJob:
         self.units: list[Unit] = []  # stored objects of pool entries
         self.rows: list[Rows] = []  # rows decoded straight into the batch
         self.arrays: dict[str, np.ndarray] | None = None
-        self.spares: dict[int, np.ndarray] = {}  # id(entry) -> decode buffer (reshaping)
+        self.spares: dict[int, SpareRegion] = {}  # id(entry) -> its decode region (reshaping)
         self.error: BaseException | None = None
         self.cancelled = False
         self.lock = threading.Lock()
@@ -426,13 +427,15 @@ class FillJob:
         self.runs = 0
         self.submitted = 0.0
 
-    def add_entry(self, entry: ChunkEntry, array: ArrayFill, region: np.ndarray) -> None:
+    def add_entry(
+        self, entry: ChunkEntry, array: ArrayFill, region: np.ndarray | SpareRegion
+    ) -> None:
         """Fill ``entry`` (a miss) by this job: one unit per stored object (one for a chunk
         found in the persistent cache, whose file is mapped instead)."""
         chunk = entry.key[1]
         if entry.cached is not None:  # (a patched array's unit, too)
             entry.tiles_left = 1
-            self.units.append(Unit(array, chunk, REVIVE, region, entry))
+            self.units.append(Unit(array, chunk, REVIVE, region[...], entry))
             return
         if array.units:  # one stored tile per slot
             chunk, tile, box = array.unit_parts(chunk)

@@ -284,9 +284,10 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         object per decode thread for each array whose objects may be decoded aside (not those
         that all decode in place: into their slots, or into the whole-object buffers or
         stored-layout spares below), the buffers a selection's objects are decoded into whole
-        (per thread and object shape), and the idle chunks of the stored layout that the
-        chunks of a reshaping transform are decoded into (before 2026-12-07 a reshaped array
-        of one object per chunk, decoded in place into them, was counted scratch too)."""
+        (per thread and object shape), and the chunks of the stored layout that the chunks of
+        a reshaping transform are decoded into, idle and being decoded (``spare_bytes``; before
+        2026-12-07 a reshaped array of one object per chunk, decoded in place into them, was
+        counted scratch too)."""
         threads = len(self._decode_pool.threads)
         reshaped = {p: g for p, g in self.geoms.items() if self.transforms.reshapes(p)}
         # (a reshaped array's objects decode into a spare of the stored, sample-first layout)
@@ -305,7 +306,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return (
             decode_scratch_bytes(aside, threads, self._decoders)
             + sum(d.most_aside_bytes(threads) for d in keeping)
-            + spare_bytes(reshaped, self._runner.spares.max_idle)
+            + spare_bytes(reshaped, self._runner.spares.max_idle, threads)
         )
 
     def _layout(self, path: str) -> SlotLayout:
@@ -473,8 +474,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     @property
     def scratch_bytes(self) -> int:
         """Decode scratch memory this node's decoders hold (over all decode threads), the
-        buffers objects of which slots keep a selection are decoded into aside, and the idle
-        buffers kept for decoding chunks that a transform reshapes."""
+        buffers objects of which slots keep a selection are decoded into aside, and the
+        buffers of the stored layout that chunks a transform reshapes are decoded into (idle,
+        and taken by the chunks being decoded: before 2026-12-07 only the idle ones)."""
         aside = sum(
             a.decoder.aside_bytes
             for a in self._setup.arrays.values()
@@ -484,6 +486,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             sum(d.scratch_bytes for d in self._decoders.values())
             + aside
             + self._runner.spares.nbytes
+            + self._runner.spares.live_bytes
         )
 
     @property
