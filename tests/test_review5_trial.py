@@ -22,8 +22,15 @@ Tried and found right:
   one byte): identical rows, zarr's, over three epochs, every batch kept alive to the end
   unchanged (no memory of a live batch lent again);
 * ``deal`` and ``deal_runs`` with ``remainder="pad"`` on 2-8 ranks over random chunk counts
-  (600 draws each): no rank is dealt a sample twice (its own padded back to it), every rank
+  (300 draws each): no rank is dealt a sample twice (its own padded back to it), every rank
   the same count, every sample dealt;
+* a state of 2 (3) ranks after a batch, resumed on 5 (2) ranks with ``remainder="uneven"``
+  (``empty_ranks=True``) and ``"pad"``, plain views and windows: the rest dealt (every sample
+  once; padded at most ``w_old - 1 + w_new - 1`` times), no new rank delivering a sample
+  twice, and every new rank's state after its loop (an empty one's too) resuming on 3 (4)
+  ranks at the next epoch's start (checked by a script beside this on 3 -> 2, 3 -> 4, 2 -> 5,
+  4 -> 3, 5 -> 2 and 3 -> 8 -> 2, 4 -> 7 -> 1, shuffled or not, also ``"drop"``, every batch:
+  right; the same check fails on the code before 2026-12-07's ranksedge merge, 110 cases);
 * independent anemoi members of different dates, one listing a date only the other holds:
   each member's dates drop only its own samples, with a plain view, a shift and a window.
 
@@ -33,6 +40,7 @@ the Lightning restore path (``restoring_loops``), beyond reading them.
 
 from __future__ import annotations
 
+import collections
 import threading
 from pathlib import Path
 from typing import Any
@@ -45,9 +53,17 @@ from test_anemoimiss_trial import _rows, _write
 
 import insitubatch_nodes._pages as pages
 import insitubatch_nodes.stages.buffers as buffers_module
-from insitubatch_nodes import Collection, insitu_pipeline, open_geometries, split_by_chunk
+from insitubatch_nodes import (
+    Collection,
+    PlanConfig,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
 from insitubatch_nodes.plan.ranks import deal, deal_runs
 from insitubatch_nodes.slots import RamBacking
+from insitubatch_nodes.stages._graph import plan_state
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -155,7 +171,7 @@ def _dealt(counts: np.ndarray, pieces: Any) -> list[list[int]]:
 
 def test_pad_never_deals_a_rank_its_own_sample_and_deals_every_sample() -> None:
     rng = np.random.default_rng(0)
-    for trial in range(600):
+    for trial in range(300):
         w = int(rng.integers(2, 9))
         counts = rng.integers(1, 9, int(rng.integers(1, 12)))
         if counts.sum() < w:
@@ -201,3 +217,51 @@ def test_independent_anemoi_members_of_other_dates_drop_only_their_own_missing_s
     ):
         with insitu_pipeline(coll, manifest, views, batch_size=4, shuffle=False) as pipe:
             assert _rows(pipe) == want[kind], kind
+
+
+@pytest.mark.parametrize("remainder", ["uneven", "pad"])
+@pytest.mark.parametrize("views_of", ["plain", "window"])
+def test_a_state_resumed_on_more_and_fewer_ranks_deals_the_rest_and_then_moves_on_together(
+    tmp_path: Path, remainder: str, views_of: str
+) -> None:
+    """A state of ``w_old`` ranks after batch ``k``, resumed on ``w_new``: the rest dealt
+    (``"uneven"``: every valid sample exactly once over old and new ranks; ``"pad"``: every
+    one, at most ``w_old - 1 + w_new - 1`` twice), no new rank delivering a sample twice, and
+    each new rank's state after its loop, resumed on ``w_next`` ranks, is the next epoch's
+    start (an empty rank's too: before 2026-12-07 it resumed the empty loop again)."""
+    root = tmp_path / "s.zarr"
+    data = np.random.default_rng(5).random((25, 2)).astype("f4")
+    zarr.open_group(root, mode="w").create_array(
+        "t2m", data=data, chunks=(3, 2), dimension_names=("time", "lat")
+    )
+    geom = open_geometries(root, ["t2m"])["t2m"]
+    whole = split_by_chunk(geom, (0.0, 0.0, 1.0))
+    views = {"x": geom} if views_of == "plain" else {"x": geom.window([-1, 0]), "y": geom.shift(1)}
+    valid = set(range(25)) if views_of == "plain" else set(range(1, 24))
+    config = PlanConfig(batch_size=2, block_chunks=2, remainder=remainder, seed=1, split="test",
+                        empty_ranks=remainder == "uneven")  # fmt: skip
+    for w_old, w_new, w_next in [(2, 5, 3), (3, 2, 4)]:
+        n_old = len(ReadPlanNode(whole, views, config=config.for_rank(0, w_old)))
+        for k in range(1 + w_old % 2, n_old, 2):  # (every other batch: the file's CPU time)
+            old = [
+                ReadPlanNode(whole, views, config=config.for_rank(r, w_old)) for r in range(w_old)
+            ]
+            delivered = [a for node in old for _ in range(k) for a in node.next().anchors.tolist()]
+            state = old[0].get_state()
+            for r in range(w_new):
+                node = ReadPlanNode(whole, views, config=config.for_rank(r, w_new))
+                node.reset(state)
+                assert node.epoch == 0, (w_old, w_new, k)  # (the rest of epoch 0)
+                mine = [a for batch in node for a in batch.anchors.tolist()]
+                assert len(set(mine)) == len(mine), (w_old, w_new, k, r, mine)
+                delivered += mine
+                after = ReadPlanNode(whole, views, config=config.for_rank(0, w_next))
+                after.reset(node.get_state())
+                assert plan_state(after.get_state())["epoch"] == 1, (w_old, w_new, k, r)
+                assert after.get_state()["batches_emitted"] == 0
+            seen = collections.Counter(delivered)
+            assert set(seen) == valid, (w_old, w_new, k)
+            if remainder == "uneven":
+                assert max(seen.values()) == 1
+            else:
+                assert len(delivered) - len(valid) <= w_old - 1 + w_new - 1
