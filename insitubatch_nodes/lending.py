@@ -84,14 +84,21 @@ class BufferPool:
             self._expected = 0
             self._made.notify_all()
 
-    def add_ready(self, raw: np.ndarray) -> None:
+    def add_ready(self, raw: np.ndarray) -> bool:
         """Keep ``raw`` (``nbytes`` of writable uint8 memory, its pages already faulted in) for
-        a later :meth:`take` that finds no idle buffer (any thread)."""
+        a later :meth:`take` that finds no idle buffer (any thread); ``True`` where kept.
+        Turned away (``False``; the caller drops it and makes no more) where no buffer is
+        expected any more: :meth:`release_idle` (the pipeline closed) or :meth:`expect_no_more`
+        called them off (before 2026-12-07 a reserve still running at ``close()`` kept the
+        rest of its buffers afterwards: ``prefetch_depth + 2`` batches' idle memory)."""
         with self._made:
+            if self._expected <= 0:
+                return False
             self._ready.append(raw)
             self.allocations += 1
-            self._expected = max(0, self._expected - 1)
+            self._expected -= 1
             self._made.notify_all()
+        return True
 
     def take(self) -> np.ndarray:
         idle = [i for i, lease in enumerate(self._leases) if lease is None or lease() is None]

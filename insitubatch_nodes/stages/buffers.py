@@ -108,7 +108,9 @@ class BatchBuffers:
         <insitubatch_nodes.slots.RamBacking.allocate_populated>`: one pass of the kernel
         several times as fast as first writes faulting them in page by page, which a fresh
         process would otherwise pay inside the decodes of its first batches). :meth:`take`
-        never waits for it: a batch that finds none ready allocates as before."""
+        never waits for it: a batch that finds none ready allocates as before. It stops where
+        the buffers are called off (:meth:`release_idle`, the pipeline's ``close()``): what it
+        made then is dropped, not kept idle."""
         pools = list(self._pools.values())
         if batches <= 0 or not pools:
             return
@@ -121,7 +123,8 @@ class BatchBuffers:
                 for _ in range(batches):
                     for pool in pools:
                         raw = backing.allocate_populated((pool.nbytes,), np.dtype(np.uint8))
-                        pool.add_ready(raw)
+                        if not pool.add_ready(raw):  # (called off: the pipeline closed)
+                            return
             except (OSError, MemoryError, ValueError):
                 pass
             finally:
