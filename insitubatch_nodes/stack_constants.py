@@ -160,16 +160,7 @@ class StackConstants:
         """Bytes held outside the pool: the static members' data (as read and as standardised)
         and the forcing members' remembered fields (``pipe.stats()``'s
         ``batch_transform_bytes``)."""
-        arrays: dict[int, int] = {}
-        forcings: dict[int, int] = {}
-        for variants in self._variants.values():
-            for prepared in variants:
-                for _, raw, data in prepared.fills:
-                    arrays.update({id(raw): raw.nbytes, id(data): data.nbytes})
-                for member in prepared.forcings:
-                    if member.forcing is not None:
-                        forcings[id(member.forcing)] = member.forcing.held_bytes
-        return sum(arrays.values()) + sum(forcings.values())
+        return self._held(lambda forcing, _: forcing.held_bytes)
 
     def most_held_bytes(self, views: Mapping[str, Any], rows: int, batches: int) -> int:
         """The most :attr:`held_bytes` grows to (the batch-transform protocol of the build's
@@ -177,6 +168,12 @@ class StackConstants:
         into the batch buffers): the static members' data as now, and each forcing member's
         remembered fields of at most the distinct times its stack's first sampled member
         holds."""
+        return self._held(lambda forcing, n_times: forcing.most_remembered_bytes(n_times))
+
+    def _held(self, forcing_bytes: Callable[[Any, int | None], int]) -> int:
+        """The static members' data, each array once, plus ``forcing_bytes(forcing, n_times)``
+        of each forcing member's transform, once each (``n_times``: the distinct times its
+        stack's first sampled member holds, ``None`` where it has none)."""
         arrays: dict[int, int] = {}
         forcings: dict[int, int] = {}
         for variants in self._variants.values():
@@ -187,8 +184,7 @@ class StackConstants:
                 n_times = sampled[0].geometry.base.n_samples if sampled else None
                 for member in prepared.forcings:
                     if member.forcing is not None:
-                        most = member.forcing.most_remembered_bytes(n_times)
-                        forcings[id(member.forcing)] = most
+                        forcings[id(member.forcing)] = forcing_bytes(member.forcing, n_times)
         return sum(arrays.values()) + sum(forcings.values())
 
     def __call__(self, batch: Batch) -> Batch:
