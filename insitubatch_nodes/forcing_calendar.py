@@ -21,12 +21,17 @@ Either way a missing time (``NaT``; ``None`` among cftime dates) gives NaN.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import numpy as np
 
-from insitubatch_nodes.io.calendars import CF_CALENDARS, DATETIME64_CALENDARS, instants_us
+from insitubatch_nodes.io.calendars import (
+    CF_CALENDARS,
+    DATETIME64_CALENDARS,
+    date_fields,
+    instants_us,
+    none_mask,
+)
 
 __all__ = [
     "CONVENTIONS",
@@ -99,24 +104,13 @@ _US_PER_DAY = 86_400 * 1_000_000
 _YEAR_DAYS = {"noleap": 365, "365_day": 365, "all_leap": 366, "366_day": 366, "360_day": 360}
 """The days of every year in cftime's calendars of one year length."""
 
-_FIELDS = {
-    name: np.frompyfunc(operator.attrgetter(name), 1, 1)
-    for name in ("year", "dayofyr", "hour", "minute", "second", "microsecond")
-}
-"""Per field of a cftime date, a ufunc reading it from every date of an array (the loop and
-the attribute reads in C: no Python per date)."""
-
-
-_IS = np.frompyfunc(operator.is_, 2, 1)
-_NONE = np.array(None, dtype=object)
-
 
 def _missing(t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``(t, missing)``: the times' missing ones (``NaT``, a ``None`` among cftime dates)
     marked, and for cftime dates replaced by a present one, so that fields can be read."""
     if t.dtype.kind != "O":
         return t, np.isnat(t)
-    missing = np.asarray(_IS(t, _NONE), dtype=bool)
+    missing = none_mask(t)
     if missing.any() and not missing.all():
         t = t.copy()
         t[missing] = t[~missing].flat[0]
@@ -128,7 +122,7 @@ def _fields(t: np.ndarray, *names: str) -> list[np.ndarray]:
     (zeros if every date is missing)."""
     if t.size and t.reshape(-1)[0] is None:
         return [np.zeros(t.shape, np.int64) for _ in names]
-    return [np.asarray(_FIELDS[name](t), dtype=object).astype(np.int64) for name in names]
+    return date_fields(t, *names)
 
 
 def _year_days(calendar: str, year: np.ndarray) -> np.ndarray:
@@ -194,7 +188,9 @@ def _year_progress(t: np.ndarray) -> np.ndarray:
     if t.dtype.kind == "O":
         if not t.size or t.reshape(-1)[0] is None:
             return np.zeros(t.shape)
-        year, day, hour, minute, second, micro = _fields(t, *_FIELDS)
+        year, day, hour, minute, second, micro = _fields(
+            t, "year", "dayofyr", "hour", "minute", "second", "microsecond"
+        )
         # microseconds since the year began, over the year's: as the timedelta division rounds
         seconds = (day - 1) * 86_400 + (hour * 60 + minute) * 60 + second
         days = _year_days(str(t.reshape(-1)[0].calendar), year)

@@ -5,12 +5,11 @@ computed: :class:`Memo`, one per grid, found by a sorted index of the times, eac
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from insitubatch_nodes.io.calendars import counts_us
+from insitubatch_nodes.io.calendars import counts_us, none_mask
 
 __all__ = ["Memo", "memo_keys"]
 
@@ -27,10 +26,10 @@ def memo_keys(times: np.ndarray, kind: str | None) -> tuple[np.ndarray, str] | N
     * ``"us"``: ``datetime64`` outside it, microseconds since 1970 (a time with a fraction
       of a microsecond is not keyed);
     * ``"cftime:<calendar>"``: cftime dates, exact microseconds in their calendar
-      (:func:`~insitubatch_nodes.io.calendars.counts_us`; a pass in Python over the dates,
-      where computing them took several): a ``standard`` date of 1500 or a
-      ``proleptic_gregorian`` one of 2300 (what a store's dates outside 1677-2262 decode to),
-      or any date of a ``noleap`` or ``360_day`` calendar.
+      (:func:`~insitubatch_nodes.io.calendars.counts_us`, read by ufuncs: no Python per
+      date): a ``standard`` date of 1500 or a ``proleptic_gregorian`` one of 2300 (what a
+      store's dates outside 1677-2262 decode to), or any date of a ``noleap`` or ``360_day``
+      calendar.
 
     A missing time (``NaT``, ``None``) is keyed too (computed once, as NaN). Before
     2026-12-07 only the first kind was remembered: the others were computed again in every
@@ -45,7 +44,7 @@ def memo_keys(times: np.ndarray, kind: str | None) -> tuple[np.ndarray, str] | N
         return us.view(np.int64), "us"
     if times.dtype.kind != "O" or not times.size:
         return None
-    present = ~np.asarray(_IS(times, _NONE), dtype=bool)  # (no Python per time: a ufunc)
+    present = ~none_mask(times)
     first = times[present][:1]
     calendar = getattr(first[0], "calendar", None) if len(first) else None
     if calendar is None or kind not in (None, f"cftime:{calendar}"):
@@ -55,8 +54,6 @@ def memo_keys(times: np.ndarray, kind: str | None) -> tuple[np.ndarray, str] | N
     return keys, f"cftime:{calendar}"
 
 
-_IS = np.frompyfunc(operator.is_, 2, 1)
-_NONE = np.array(None, dtype=object)
 _COARSER_THAN_NS = ("Y", "M", "W", "D", "h", "m", "s", "ms", "us")
 
 

@@ -43,14 +43,17 @@ from insitubatch_nodes.io.timeunits import NS_PER_UNIT
 __all__ = [
     "CF_CALENDARS",
     "DATETIME64_CALENDARS",
+    "DATE_FIELDS",
     "MONTH_STEPS_NEAR_S",
     "calendar_months",
     "calendar_of",
     "counts_us",
+    "date_fields",
     "date_in",
     "decode_with_cftime",
     "instants_us",
     "month_step",
+    "none_mask",
     "one_calendar",
     "require_cftime",
 ]
@@ -155,21 +158,37 @@ def counts_us(dates: np.ndarray) -> np.ndarray:
     """cftime dates (no ``None``) as ``int64`` microseconds since their calendar's ordinal day
     0: ``toordinal()`` days (continuous across the 1582 reform in ``standard``) plus the time of
     day. Differences of these are exact elapsed microseconds in that calendar."""
-    flat = dates.reshape(-1)
-    days, hour, minute, second, micro = (
-        np.asarray(read(flat), dtype=object).astype(np.int64) for read in _COUNT_FIELDS
+    days, hour, minute, second, micro = date_fields(
+        dates.reshape(-1), "toordinal", "hour", "minute", "second", "microsecond"
     )
     tod = ((hour * 60 + minute) * 60 + second) * 1_000_000 + micro
     return (days * _US_PER_DAY + tod).reshape(dates.shape)
 
 
-_COUNT_FIELDS = (
-    np.frompyfunc(operator.methodcaller("toordinal"), 1, 1),
-    *(np.frompyfunc(operator.attrgetter(f), 1, 1) for f in ("hour", "minute", "second")),
-    np.frompyfunc(operator.attrgetter("microsecond"), 1, 1),
-)
-"""What :func:`counts_us` reads of every date, each a ufunc (the loop and the calls in C: no
-Python per date, which a batch's dates would cost every batch)."""
+def date_fields(dates: np.ndarray, *names: str) -> list[np.ndarray]:
+    """Fields ``names`` of the cftime dates ``dates`` (no ``None``; a field of
+    :data:`DATE_FIELDS`), as ``int64`` arrays shaped like ``dates``. Each is read by a ufunc:
+    the loop and the calls in C, no Python per date (which a batch's dates would otherwise
+    cost every batch)."""
+    return [np.asarray(_READ[name](dates), dtype=object).astype(np.int64) for name in names]
+
+
+def none_mask(values: np.ndarray) -> np.ndarray:
+    """Where the object array ``values`` holds ``None`` (a missing cftime date), by a ufunc."""
+    return np.asarray(_IS(values, _NONE), dtype=bool)
+
+
+#: The fields :func:`date_fields` reads: ``toordinal()`` (the day number :func:`counts_us`
+#: counts from) and the date's attributes.
+DATE_FIELDS = ("toordinal", "year", "dayofyr", "hour", "minute", "second", "microsecond")
+_READ = {
+    name: np.frompyfunc(
+        operator.methodcaller(name) if name == "toordinal" else operator.attrgetter(name), 1, 1
+    )
+    for name in DATE_FIELDS
+}
+_IS = np.frompyfunc(operator.is_, 2, 1)
+_NONE = np.array(None, dtype=object)
 
 
 def elapsed_ticks(dates: np.ndarray, epoch: Any, shown: str) -> tuple[np.ndarray, int]:
