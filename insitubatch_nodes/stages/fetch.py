@@ -224,7 +224,6 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         }
         # the memory rule's parts beside the pool (plan/memory_floor.py), slots in RAM only
         in_ram = self.pool.slots_in_ram
-        self._prefetch_depth = options.prefetch_depth
         in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
         scratch = self._most_scratch(layouts, arrays)
         transform_bytes = int(transform_bytes)
@@ -345,11 +344,12 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         ``wb-c1`` in 0.97–1.06 s against 0.85–0.93 s without, on ``wb-c16`` 2.8–3.4 s against
         1.4–2.3 s, at the reference shape no difference (docs/pipeline.md); over S3 (moto, 10 ms)
         ``wb-c1``'s epoch 0 ran at 0.91–0.94 of raw GETs with them, 0.86–0.87 without."""
-        first = self.context.plan.epoch_plan(0)
         self.pool.ensure_floor(self._first_floor)
         if self.memory_ahead:
+            first = self.context.plan.epoch_plan(0)
             self.pool.reserve(reserve_specs(self._setup, first, self.pool.budget_bytes))
-            self.context.buffers.reserve(batches_in_flight(self._prefetch_depth))
+            depth = self.context.options.prefetch_depth
+            self.context.buffers.reserve(batches_in_flight(depth))
 
     # -- BaseNode ----------------------------------------------------------------------------
     def reset(self, initial_state: dict[str, Any] | None = None) -> None:
