@@ -129,14 +129,11 @@ def _dm(store: Path, batch_size: int = SIZES[0]) -> Any:
 
 
 def _trainer(root: Path, **options: Any) -> Any:
-    import lightning as L
+    """``lightning_parts.trainer`` without the sanity validation (every call here sets
+    ``max_epochs`` or ``max_steps``)."""
+    from lightning_parts import trainer
 
-    settings: dict[str, Any] = {
-        "default_root_dir": root, "logger": False, "enable_progress_bar": False,
-        "enable_model_summary": False, "accelerator": "cpu", "limit_val_batches": 0,
-        "num_sanity_val_steps": 0, "enable_checkpointing": False, **options,
-    }  # fmt: skip
-    return L.Trainer(**settings)
+    return trainer(root, **{"num_sanity_val_steps": 0, **options})
 
 
 def _fit(trainer: Any, model: Any, data: Any, ckpt: Path | None = None) -> Any:
