@@ -558,3 +558,40 @@ def in_forked_child(fn: Callable[[], object], timeout: float = 20.0) -> str:
         time.sleep(0.02)
     with os.fdopen(read_end) as f:
         return f.read()
+
+
+def write_sst(root: Path, times: Any, *, chunk: int, units: str = "hours since 2000-01-01",
+              calendar: str | None = None) -> Path:  # fmt: skip
+    """An xarray-written store at ``root``: ``sst (time, lat, lon)`` float32 on lat
+    [10, 60] x lon [0, 90, 200] (each step's values: 10 times its index plus the grid
+    position) at ``times``, ``chunk`` steps an object, the times int64 CF ``units`` (and
+    ``calendar``, where given). xarray is imported here: the trials that call this skip
+    without it."""
+    import warnings
+
+    import xarray as xr
+
+    n = len(times)
+    data = (np.arange(n)[:, None, None] * 10 + np.arange(6).reshape(2, 3)).astype("f4")
+    grid = {"lat": [10.0, 60.0], "lon": [0.0, 90.0, 200.0]}
+    ds = xr.Dataset({"sst": (("time", "lat", "lon"), data)}, coords={"time": times, **grid})
+    enc: dict[str, Any] = {"units": units, "dtype": "int64"}
+    if calendar is not None:
+        enc["calendar"] = calendar
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
+        ds.to_zarr(root, zarr_format=3, consolidated=False,
+                   encoding={"sst": {"chunks": (chunk, 2, 3)}, "time": enc})  # fmt: skip
+    return root
+
+
+def open_with_xarray(root: Path) -> Any:
+    """The store at ``root`` as xarray decodes it by default (cftime dates where numpy has
+    none), warnings quiet: the trials' oracle."""
+    import warnings
+
+    import xarray as xr
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (xarray's note that dates before 1582 are cftime's)
+        return xr.open_zarr(root, consolidated=False, use_cftime=None)

@@ -51,6 +51,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import open_with_xarray, write_sst
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import insitu_pipeline, split_by_chunk
@@ -65,28 +66,12 @@ pytestmark = pytest.mark.timeout(60)
 HOUR = np.timedelta64(1, "h")
 
 
-def _write(root: Path, times: Any, *, chunk: int = 3, units: str = "hours since 2000-01-01",
-           calendar: str | None = None) -> Path:  # fmt: skip
-    """``sst (time, lat, lon)`` float32 (each step's values: 10 times its index plus the grid
-    position) at ``times``, ``chunk`` steps an object, the times int64 CF ``units``."""
-    n = len(times)
-    data = (np.arange(n)[:, None, None] * 10 + np.arange(6).reshape(2, 3)).astype("f4")
-    grid = {"lat": [10.0, 60.0], "lon": [0.0, 90.0, 200.0]}
-    ds = xr.Dataset({"sst": (("time", "lat", "lon"), data)}, coords={"time": times, **grid})
-    enc: dict[str, Any] = {"units": units, "dtype": "int64"}
-    if calendar is not None:
-        enc["calendar"] = calendar
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (xarray's note on consolidated metadata)
-        ds.to_zarr(root, zarr_format=3, consolidated=False,
-                   encoding={"sst": {"chunks": (chunk, 2, 3)}, "time": enc})  # fmt: skip
-    return root
+def _write(root: Path, times: Any, *, chunk: int = 3, **kw: Any) -> Path:
+    return write_sst(root, times, chunk=chunk, **kw)
 
 
 def _oracle(root: Path) -> Any:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return xr.open_zarr(root, consolidated=False, use_cftime=None)
+    return open_with_xarray(root)
 
 
 def _epoch(pipe: Any) -> list[Any]:
