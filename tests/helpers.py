@@ -595,3 +595,15 @@ def open_with_xarray(root: Path) -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (xarray's note that dates before 1582 are cftime's)
         return xr.open_zarr(root, consolidated=False, use_cftime=None)
+
+
+def plan_anchors(node: Any, k: int | None = None) -> list[list[int]]:
+    """The anchors of a read plan node's next ``k`` batches (all its epoch's remaining ones
+    when ``None``), a list per batch."""
+    out = []
+    while k is None or len(out) < k:
+        try:
+            out.append(node.next().anchors.tolist())
+        except StopIteration:
+            break
+    return out

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import zarr
+from helpers import plan_anchors
 
 from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
 from insitubatch_nodes.plan.config import PlanConfig
@@ -129,12 +130,7 @@ def _node(manifest, views, rank: int, world: int, **kw) -> ReadPlanNode:
 
 
 def _rest(node: ReadPlanNode) -> list[list[int]]:
-    out = []
-    while True:
-        try:
-            out.append(node.next().anchors.tolist())
-        except StopIteration:
-            return out
+    return plan_anchors(node)
 
 
 @pytest.mark.parametrize("window", [True, False])

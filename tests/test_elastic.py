@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import zarr
+from helpers import plan_anchors
 from resume_helpers import (
     comparable,
     digest,
@@ -69,13 +70,7 @@ def _node(manifest: SplitManifest, geom: ArrayGeometry, rank: int, world: int, *
 
 def _deliver(node: ReadPlanNode, k: int | None = None) -> list[list[int]]:
     """Anchors of the next ``k`` batches (all the epoch's remaining ones when ``None``)."""
-    out = []
-    while k is None or len(out) < k:
-        try:
-            out.append(node.next().anchors.tolist())
-        except StopIteration:
-            break
-    return out
+    return plan_anchors(node, k)
 
 
 def _cut(manifest, geom, world: int, k: int, **kw: Any) -> tuple[list[int], dict[str, Any]]:

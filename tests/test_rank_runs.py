@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
+from helpers import plan_anchors
 from torchdata.nodes import Loader
 
 from insitubatch_nodes import ArrayGeometry, SplitManifest, open_geometries, split_by_chunk
@@ -281,12 +282,7 @@ def _node(manifest: SplitManifest, geom: ArrayGeometry, rank: int, world: int, *
 
 
 def _rest(node: ReadPlanNode) -> list[list[int]]:
-    out = []
-    while True:
-        try:
-            out.append(node.next().anchors.tolist())
-        except StopIteration:
-            return out
+    return plan_anchors(node)
 
 
 @pytest.mark.parametrize("stride", [1, 3])
