@@ -602,7 +602,6 @@ class FillRunner:
                 acc.packed.add(TRANSFORM, t0, t0, t1, acc.packed.ref(path), chunk)
 
     def _job_done(self, job: FillJob) -> None:
-        job.arrays = None  # the batch holds its arrays; a finished job holds nothing
         job.spares.clear()
         job.fill.resolve()
 
