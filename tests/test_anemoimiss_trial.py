@@ -413,3 +413,33 @@ def test_a_v3_store_s_data_in_a_subgroup_takes_the_missing_dates_of_its_nearest_
         for batch in pipe:
             np.testing.assert_array_equal(batch["x"], data[batch.sample_indices["x"]][:, [1]])
         assert _rows(pipe) == [(0, i) for i in range(NT) if i != 4]
+
+
+def test_selecting_variables_by_name_in_a_loop_reads_the_variables_attribute_once(
+    tmp_path: Path,
+) -> None:
+    """``sel(variable=...)`` looks names up in the group's ``variables``: read once for the
+    geometries opened together (and a collection's members), not a GET per call (before: one
+    ``.zattrs`` per ``sel``, five here)."""
+    data, _ = _write(tmp_path / "s.zarr")
+    store = counting_store(tmp_path / "s.zarr")
+    g = open_geometries(store)["data"]
+    store.reset_counts()
+    views = [g.sel(variable=[name]) for name in NAMES] + [g.sel(variable="2t"), g.window([0])]
+    views.append(views[-1].sel(variable=["10u", "t_850"]))
+    assert store.counts[".zattrs"] == 1
+    assert [v.inner_shape for v in views[:3]] == [(1, NE, NC)] * 3
+    with insitu_pipeline(store, split_by_chunk(g, (1.0, 0.0, 0.0)), {"x": views[-1]},
+                         batch_size=4) as pipe:  # fmt: skip
+        for batch in pipe:
+            np.testing.assert_array_equal(batch["x"], data[batch.sample_indices["x"]][:, :, [2, 1]])
+    _two_members(tmp_path, routed=True)
+    stores = [counting_store(tmp_path / n) for n in ("a.zarr", "b.zarr")]
+    coll = Collection.from_groups(None, [(s, "") for s in stores], {"data": "data"},
+                                  names=["a", "b"])  # fmt: skip
+    member = coll["data"]
+    for s in stores:
+        s.reset_counts()
+    for name in NAMES:
+        member.sel(variable=[name])
+    assert [s.counts[".zattrs"] for s in stores] == [1, 1]

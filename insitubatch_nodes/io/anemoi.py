@@ -77,7 +77,9 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
         and all(isinstance(n, str) for n in names)
         and len(set(names)) == length
     ):
-        return np.asarray(names)
+        out = np.asarray(names)
+        out.setflags(write=False)  # (kept by the geometries' reader, and shared)
+        return out
     return None
 
 
