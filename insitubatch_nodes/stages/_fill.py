@@ -141,6 +141,10 @@ class FillRunner:
         if revive:  # cache files are mapped on the decode threads, never GET
             self.land_many(job, [Queued(u) for u in revive])
         fetch = [u for u in units if u.tile is not REVIVE]
+        # GETs land rows in their batch arrays from the event loop: take those here (a take may
+        # wait for a buffer the reserve is making; the loop must never wait)
+        for lent in {id(r.lent): r.lent for r in rows}.values():
+            lent.arrays()
         if fetch or rows:
             self.gets.enqueue(job, fetch, rows)
 

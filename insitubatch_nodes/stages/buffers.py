@@ -160,13 +160,15 @@ class LentBatch:
 
     The fetch stage plans the rows it decodes straight into a batch ahead of the decodes
     (read-ahead), but a batch's buffers are taken only when :meth:`arrays` or :meth:`part`
-    is first called: by the decode thread that reaches its first row, or by the pool stage
-    when the batch is handed on. A batch queued behind others thus faults in no fresh memory
-    before the decode threads reach it: in a fresh process's first epoch at one sample per
-    chunk, one batch's buffers (up to hundreds of MB) fewer are made, each page of which this
-    machine's kernel faults in at 0.4–2 GB/s. A batch that is abandoned before either takes
-    nothing. Safe from any thread; the pools and layout are the ones of :meth:`BatchBuffers.lend
-    <BatchBuffers.lend>` (a later ``set_views`` or resize does not change them).
+    is first called: over a local folder by the decode thread that reaches its first row, over
+    a store read by GETs when the fetch stage submits its reads (on the producer thread: the
+    event loop that lands them must never wait for a buffer), and at the latest by the pool
+    stage when the batch is handed on. A batch queued behind others thus faults in no fresh
+    memory before the decode threads reach it: in a fresh process's first epoch at one sample
+    per chunk over a local folder, two batches' buffers (up to hundreds of MB) fewer are made,
+    each page of which this machine's kernel faults in at 0.4–2 GB/s. A batch that is
+    abandoned before any of these takes nothing. Safe from any thread; the pools and layout
+    are those of :meth:`BatchBuffers.lend` (a later ``set_views`` or resize changes neither).
     """
 
     __slots__ = ("_arrays", "_layout", "_lock", "_n", "_parts", "_pools")
