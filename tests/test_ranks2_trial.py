@@ -1,0 +1,171 @@
+"""DDP dealing left after the ranksedge trial (the ranks2 trial of 2026-12-07): ranks simulated
+in one process (``rank=``, ``world_size=``), zarr's store as the oracle for which samples exist.
+
+Found (fixed):
+
+1. An ``"uneven"`` rank with fewer batches than rank 0, restored from rank 0's state (DDP's
+   rule: one state for every rank), took rank 0's ``batches_emitted`` against its own share.
+   An empty rank given rank 0's state after rank 0's batch ran that epoch again, an empty
+   loop, while rank 0 went on with the next: one loop behind, so once ``set_views`` gave it
+   samples it drew them from the epoch before the other ranks' (8 ranks, a window grown from
+   7 to 11 anchors). A rank with a batch fewer (12 samples on 5 ranks: 3 3 2 2 2) given rank
+   0's state after 2 batches ran the next epoch while rank 0 delivered its last batch of this
+   one: one loop ahead. ``"uneven"`` states on several ranks now say which rank saved them
+   (``"rank"``), and an epoch is over where that rank's is (a state without one: the rank's
+   own, unless it delivered more than the rank's share — then rank 0's). ``Loader`` no
+   longer lets torchdata restart a restored loop without a batch (an empty rank resumed at
+   the next epoch's start ran the epoch after it there, one loop ahead instead).
+"""
+
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from helpers import plan_anchors
+
+from insitubatch_nodes import (
+    ArrayGeometry,
+    Loader,
+    PlanConfig,
+    insitu_pipeline,
+    open_geometries,
+    split_by_chunk,
+)
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
+
+pytestmark = pytest.mark.timeout(60)
+
+T, C = 24, 3  # 8 chunks of 3 steps
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("ranks2") / "s.zarr"
+    group = zarr.open_group(root, mode="w")
+    data = np.random.default_rng(7).random((T, 2)).astype("f4")
+    group.create_array("t2m", data=data, chunks=(C, 2), dimension_names=("time", "lat"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def geom(store: Path) -> ArrayGeometry:
+    return open_geometries(store, ["t2m"])["t2m"]
+
+
+def _eval(rank: int, world: int, **kw: Any) -> PlanConfig:
+    return PlanConfig(split="test", remainder="uneven", empty_ranks=True, rank=rank,
+                      world_size=world, **{"batch_size": 1, **kw})  # fmt: skip
+
+
+def _flat(batches: list[list[int]]) -> list[int]:
+    return [a for b in batches for a in b]
+
+
+# -- 1. a rank restored from rank 0's state ----------------------------------------------------
+
+
+def test_an_empty_rank_restored_from_rank_zeros_state_resumes_where_it_would_have_been(
+    geom: ArrayGeometry,
+) -> None:
+    """8 ranks, a window leaving 7 anchors (rank 7 none); rank 0's state after its batch of
+    epoch 0 restores every rank (the DDP rule: one state for all): each goes on with epoch 1,
+    and once ``set_views`` gives rank 7 samples every rank delivers what an uninterrupted run
+    delivers, each sample once (main: rank 7 ran epoch 0 again, an empty loop, and then drew
+    the grown views' samples from epoch 1's permutation where the others drew epoch 2's)."""
+    half = split_by_chunk(geom, (0.5, 0.0, 0.5))  # the test split: samples 12..23
+    world, long, short = 8, {"x": geom.window([-5, 0])}, {"x": geom.window([-1, 0])}
+
+    def node(rank: int) -> ReadPlanNode:
+        return ReadPlanNode(half, long, config=_eval(rank, world, shuffle=True))
+
+    uninterrupted = []
+    for r in range(world):
+        n, loops = node(r), []
+        for epoch in range(4):
+            if epoch == 2:
+                n.set_views(short)
+            n.reset(None)
+            loops.append(plan_anchors(n))
+        uninterrupted.append(loops)
+    assert uninterrupted[7][:2] == [[], []]
+    first = node(0)
+    first.reset(None)
+    first.next()  # its one batch of epoch 0, the epoch's end not yet reached
+    state = first.get_state()
+    for r in range(world):
+        n = node(r)
+        n.reset(state)
+        loops = [plan_anchors(n)]
+        assert n.epoch == 1, r
+        n.set_views(short)
+        for _ in range(2):
+            n.reset(None)
+            loops.append(plan_anchors(n))
+        assert loops == uninterrupted[r][1:], r
+    for epoch in (2, 3):
+        seen = collections.Counter(_flat([a for u in uninterrupted for a in u[epoch]]))
+        assert sorted(seen.elements()) == list(range(13, 24))
+
+
+def test_a_rank_with_a_batch_fewer_given_rank_zeros_state_ends_that_epoch_with_rank_zero(
+    geom: ArrayGeometry,
+) -> None:
+    """12 samples on 5 ranks (3, 3, 2, 2, 2 batches); rank 0's state after 2 batches restores
+    every rank: the first loop is the rest of epoch 0 (rank 0 and 1 one batch each, the others
+    none; main: ranks 2-4 ran epoch 1 there, one loop ahead, delivering its samples while
+    epoch 0's last two were still owed), every sample of epoch 0 once over the ranks, and the
+    next loop epoch 1 as an uninterrupted run's. Each rank's own state at the same point (the
+    rule for prediction loops) still resumes that rank's next epoch once its share is over."""
+    half = split_by_chunk(geom, (0.5, 0.0, 0.5))  # the test split: samples 12..23
+    world = 5
+
+    def node(rank: int) -> ReadPlanNode:
+        return ReadPlanNode(half, {"x": geom}, config=_eval(rank, world, shuffle=True))
+
+    ranks = [node(r) for r in range(world)]
+    before = [plan_anchors(n, 2) for n in ranks]  # lockstep: 2 batches each
+    own = [n.get_state() for n in ranks]
+    rest, epoch1 = [], []
+    for r in range(world):
+        n = node(r)
+        n.reset(own[0])
+        rest.append(plan_anchors(n))
+        assert n.epoch == 0, r
+        n.reset(None)
+        fresh = node(r)
+        fresh.set_epoch(1)
+        fresh.reset(None)
+        epoch1.append(plan_anchors(n))
+        assert epoch1[-1] == plan_anchors(fresh), r
+        mine = node(r)
+        mine.reset(own[r])
+        assert mine.epoch == (0 if r < 2 else 1), r  # (its own share over: the next epoch)
+    assert [len(b) for b in rest] == [1, 1, 0, 0, 0]
+    assert sorted(_flat([b for r in [*before, *rest] for b in r])) == list(range(12, 24))
+    assert sorted(_flat([b for r in epoch1 for b in r])) == list(range(12, 24))
+
+
+def test_an_empty_ranks_loader_given_rank_zeros_state_after_its_loop_goes_on_at_the_next_epoch(
+    store: Path, geom: ArrayGeometry
+) -> None:
+    """3 samples on 4 ranks: rank 0's ``Loader`` state after its loop, loaded into rank 3's
+    fresh pipeline, runs epoch 1 (no batch) in the next loop, as rank 0 restored from it does
+    and an uninterrupted rank 3 does; the state after it resumes epoch 2 (main: epoch 0 was
+    run again, one loop behind, and the state after it resumed epoch 1)."""
+    few = split_by_chunk(geom, (0.75, 0.125, 0.125))  # the test split: samples 21 22 23
+    with insitu_pipeline(store, few, {"x": geom}, config=_eval(0, 4)) as pipe:
+        loader = Loader(pipe)
+        assert [b.sample_indices["x"].tolist() for b in loader] == [[21]]
+        state = loader.state_dict()
+        assert pipe.stages.plan.resumed_epoch(state) == 1
+    with insitu_pipeline(store, few, {"x": geom}, config=_eval(3, 4)) as pipe:
+        loader = Loader(pipe)
+        loader.load_state_dict(state)
+        assert len(loader) == 0 and list(loader) == []
+        assert pipe.stages.plan.epoch == 1
+        assert pipe.stages.plan.resumed_epoch(loader.state_dict()) == 2
