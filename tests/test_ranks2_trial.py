@@ -15,6 +15,17 @@ Found (fixed):
    own, unless it delivered more than the rank's share — then rank 0's). ``Loader`` no
    longer lets torchdata restart a restored loop without a batch (an empty rank resumed at
    the next epoch's start ran the epoch after it there, one loop ahead instead).
+2. ``as_dataset(epoch_fn=...)`` on an empty rank: its own state after the trainer's epoch is
+   the next epoch's start, and restored while the trainer was still in that epoch (a trainer
+   restarting a finished epoch) it ran the next epoch at once; its state after was an epoch
+   ahead of the trainer, and where a shorter window then gave the rank samples it delivered
+   the epoch after the trainer's ([[19]] where [[20]]). Now it delivers nothing until the
+   trainer's next epoch, as rank 0 does with its own. Rank 0's state there tells an empty
+   rank its own length (0), not rank 0's (1, once 1. made such a state end the epoch).
+
+Left: an ``as_dataset(epoch_fn=...)`` that ended the trainer's epoch from a loaded state
+delivers the next epoch at a second ``iter()`` inside that trainer epoch (any rank; seen on
+rank 0 of 4, not changed here).
 """
 
 from __future__ import annotations
@@ -169,3 +180,78 @@ def test_an_empty_ranks_loader_given_rank_zeros_state_after_its_loop_goes_on_at_
         assert len(loader) == 0 and list(loader) == []
         assert pipe.stages.plan.epoch == 1
         assert pipe.stages.plan.resumed_epoch(loader.state_dict()) == 2
+
+
+# -- 3. as_dataset(epoch_fn=) on an empty rank --------------------------------------------------
+
+
+def _sdl_rows(dataset: Any) -> list[list[int]]:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loop = StatefulDataLoader(dataset, batch_size=None, num_workers=0)
+    return [b["sample_indices"]["x"][:, -1].tolist() for b in loop]
+
+
+def test_an_empty_rank_under_epoch_fn_restored_from_its_own_state_waits_for_the_trainers_epoch(
+    store: Path, geom: ArrayGeometry
+) -> None:
+    """Rank 7 of 8 (no anchor under a 6-step window) through ``as_dataset(epoch_fn=...)``: its
+    own state after the trainer's epoch 0, restored while the trainer is still in epoch 0 (a
+    trainer restarting a finished epoch), delivers nothing there and keeps the state at epoch
+    1's start; restored again in epoch 1, where a shorter window gives it samples, it delivers
+    epoch 1's share as an uninterrupted rank 7 does (main: the restored loop ran epoch 1
+    inside the trainer's epoch 0, its state then said epoch 2, and epoch 1 delivered epoch
+    2's share)."""
+    from insitubatch_nodes import as_dataset
+    from insitubatch_nodes.batch import to_item
+
+    half = split_by_chunk(geom, (0.5, 0.0, 0.5))  # the test split: samples 12..23
+    long, short = {"x": geom.window([-5, 0])}, {"x": geom.window([-1, 0])}
+    config = _eval(7, 8, shuffle=True)
+    want = ReadPlanNode(half, long, config=config)
+    want.reset(None)
+    assert plan_anchors(want) == []
+    want.set_views(short)
+    want.reset(None)
+    epoch1 = plan_anchors(want)
+    assert epoch1  # (11 anchors on 8 ranks: one for rank 7)
+    trainer = [0]
+    states = []
+    for restored in (False, True, True):
+        with insitu_pipeline(store, half, long, config=config) as pipe:
+            dataset = as_dataset(pipe, transform=to_item, epoch_fn=lambda: trainer[0])
+            if restored:
+                dataset.load_state_dict(states[-1])
+            if len(states) == 2:  # the trainer's epoch 1, which reads the shorter window
+                trainer[0] = 1
+                pipe.stages.plan.set_views(short)
+                assert _sdl_rows(dataset) == epoch1
+                break
+            assert len(dataset) == 0 and _sdl_rows(dataset) == []
+            assert pipe.stages.plan.epoch == 0
+            states.append(dataset.state_dict())
+            assert pipe.stages.plan.resumed_epoch(states[-1]) == 1
+
+
+def test_an_empty_rank_under_epoch_fn_given_rank_zeros_state_is_told_its_own_length(
+    store: Path, geom: ArrayGeometry
+) -> None:
+    """3 samples on 4 ranks: rank 0's state after its loop, loaded into rank 3's
+    ``as_dataset(epoch_fn=...)`` while the trainer is in that epoch: length 0 (its share of
+    the epoch, not rank 0's 1), nothing delivered; epoch 1 when the trainer gets there."""
+    from insitubatch_nodes import as_dataset
+    from insitubatch_nodes.batch import to_item
+
+    few = split_by_chunk(geom, (0.75, 0.125, 0.125))  # the test split: samples 21 22 23
+    with insitu_pipeline(store, few, {"x": geom}, config=_eval(0, 4)) as pipe:
+        loader = Loader(pipe)
+        list(loader)
+        state = loader.state_dict()
+    trainer = [0]
+    with insitu_pipeline(store, few, {"x": geom}, config=_eval(3, 4)) as pipe:
+        dataset = as_dataset(pipe, transform=to_item, epoch_fn=lambda: trainer[0])
+        dataset.load_state_dict(state)
+        assert len(dataset) == 0 and _sdl_rows(dataset) == []
+        trainer[0] = 1
+        assert len(dataset) == 0 and _sdl_rows(dataset) == []
+        assert pipe.stages.plan.epoch == 1

@@ -126,6 +126,25 @@ class SavedStateChecks:
             return rank, saved_world
         return (0, self.world_size) if resumed else None
 
+    def ended_len(self, state: Mapping[str, Any]) -> int:
+        """This rank's batches of the epoch read-plan state ``state`` was taken in, counted
+        from its start, where ``state`` ends it: its ``batches_emitted``, but at most this
+        rank's own share of that epoch where another rank of this world size saved it (rank
+        0's, restored on every rank: a rank with fewer batches, an empty rank none). Saved on
+        another world size, or with other views or batching: its ``batches_emitted``."""
+        emitted = int(state["batches_emitted"])
+        saved = state["config"]
+        if (
+            int(saved.get("world_size", self.world_size)) != self.world_size
+            or self._other_views(saved) is not None
+            or other_order(saved, self._config)
+        ):
+            return emitted
+        resumed = check_cuts(state.get("resumed", ()), emitted)
+        dealing = saved_dealing(saved, self._config)
+        own = self._draw(int(state["epoch"]), None, resumed, None, dealing).n_batches
+        return min(emitted, own)
+
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` (from :meth:`get_state`) fits this node."""
         missing = {"epoch", "batches_emitted", "config"} - set(state)
