@@ -23,6 +23,14 @@ Found (fixed):
    trainer's next epoch, as rank 0 does with its own. Rank 0's state there tells an empty
    rank its own length (0), not rank 0's (1, once 1. made such a state end the epoch).
 
+Found right (documented): unshuffled ``"pad"`` gives every rank the same batch count, every
+valid sample once plus ``(-V) % W`` padded ones, each delivered by two ranks and drawn from
+the other ranks' samples by the seed and the epoch (deterministic, other each epoch). The
+ranks that take them are the same every epoch unshuffled, so their own samples are never
+padded (docs/concepts.md said each sample is padded about equally often; that holds
+shuffled); ``DistributedSampler(shuffle=False)`` pads with the same first samples every
+epoch.
+
 Left: an ``as_dataset(epoch_fn=...)`` that ended the trainer's epoch from a loaded state
 delivers the next epoch at a second ``iter()`` inside that trainer epoch (any rank; seen on
 rank 0 of 4, not changed here).
@@ -255,3 +263,45 @@ def test_an_empty_rank_under_epoch_fn_given_rank_zeros_state_is_told_its_own_len
         trainer[0] = 1
         assert len(dataset) == 0 and _sdl_rows(dataset) == []
         assert pipe.stages.plan.epoch == 1
+
+
+# -- 2. remainder="pad" unshuffled ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("views_of", ["plain", "window"])
+def test_unshuffled_pad_draws_each_epochs_padded_samples_from_the_ranks_that_take_none(
+    store: Path, geom: ArrayGeometry, views_of: str
+) -> None:
+    """Unshuffled ``"pad"`` on 3 ranks, 40 epochs (found right, and so documented): every
+    rank the same batch count, every valid anchor (zarr's length less the views' reach) in
+    the epoch, ``(-V) % 3`` padded samples each delivered by two ranks, no rank a sample
+    twice, the same plans when drawn again; the padded samples are drawn afresh each epoch
+    from the other ranks' samples, so the receiving rank's own (the same rank every epoch,
+    unshuffled) are never padded: rank 2's chunks 2 and 5 (dealt in chunks), its run
+    17-23 (in runs)."""
+    whole = split_by_chunk(geom, (1.0, 0.0, 0.0))
+    n = zarr.open_array(store / "t2m", mode="r").shape[0]
+    views, valid, own = (
+        ({"x": geom.shift(2)}, set(range(n - 2)), {6, 7, 8, 15, 16, 17})
+        if views_of == "plain"
+        else ({"x": geom.window([-1, 0])}, set(range(1, n)), set(range(17, 24)))
+    )
+    nodes = [
+        ReadPlanNode(whole, views, config=PlanConfig(batch_size=3, block_chunks=2,
+                     remainder="pad", shuffle=False, rank=r, world_size=3))
+        for r in range(3)
+    ]  # fmt: skip
+    padded: collections.Counter[int] = collections.Counter()
+    for epoch in range(40):
+        plans = [node.epoch_plan(epoch) for node in nodes]
+        assert len({p.n_batches for p in plans}) == 1
+        seen = collections.Counter(int(a) for p in plans for a in p.anchors)
+        assert set(seen) == valid
+        twice = {a for a, k in seen.items() if k == 2}
+        assert max(seen.values()) <= 2 and len(twice) == (-len(valid)) % 3
+        assert all(len(set(p.anchors.tolist())) == len(p.anchors) for p in plans)
+        assert own <= set(plans[2].anchors.tolist())
+        padded.update(twice)
+    again = ReadPlanNode(whole, views, config=nodes[2].plan_config).epoch_plan(39)
+    assert again.anchors.tolist() == plans[2].anchors.tolist()
+    assert not own & set(padded) and len(padded) >= 8, padded
