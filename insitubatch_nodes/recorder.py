@@ -402,6 +402,7 @@ class EpochRecorder:
             "inflight0": inflight,
             "totals0": totals,
             "evictions0": int(self.pool.stats.evictions),
+            "allocated0": int(self.pool.allocated_bytes),
             "cpu0": time.process_time(),
             "usage0": _usage(),
         }
@@ -420,6 +421,7 @@ class EpochRecorder:
             self._inflight.snapshot(now),
             (self._inflight.peak, self._depth.peak),
             int(self.pool.stats.evictions),
+            int(self.pool.allocated_bytes),
             time.process_time(),
             _usage(),
             trace,
@@ -469,6 +471,7 @@ class EpochRecorder:
             decode_depth_peak=peaks[1],
             resident_mean_bytes=ep["resident_sum"] / max(1, ep["batches"]),
             resident_peak_bytes=ep["resident_peak"],
+            slots_made_bytes=max(0, m.allocated - ep["allocated0"]),
             gets=int(d["gets"]),
             decodes=int(d["decodes"]),
             hits=int(d["hits"] - d["corrupt"]),
@@ -514,6 +517,7 @@ class _Mark(NamedTuple):
     inflight: tuple[float, float]
     peaks: tuple[int, int]
     evictions: int
+    allocated: int  # the pool's slot bytes handed out
     cpu: float
     usage: tuple[float, int]
     trace: TraceMark | None

@@ -146,6 +146,9 @@ class EpochReport:
     decode_depth_peak: int = 0
     resident_mean_bytes: float = 0.0  # sampled at each delivery
     resident_peak_bytes: int = 0
+    # slot memory the pool's backing handed out over the epoch (its growth): the part of the
+    # epoch's fresh memory that is the pool's; the rest is batch buffers and scratch
+    slots_made_bytes: int = 0
     # counts
     gets: int = 0  # stored objects asked for: GETs, local reads (a failed one too, no bytes)
     decodes: int = 0  # stored objects decoded (a missing one filled, a failed one too)
@@ -439,13 +442,23 @@ def suggestion_for(r: EpochReport) -> str:
     stage = r.limiting
     if stage != "consumer" and memory_bound(r):
         sys_s, faults = _pipeline_faults(r)
-        return (
+        fresh = faults * _PAGE
+        slots = min(r.slots_made_bytes, fresh)
+        said = (
             f"the process spent {sys_s:.2f} s of the epoch's {r.wall_s:.2f} s in the kernel "
-            f"and took {faults:,} page faults (~{_size(faults * _PAGE)} of fresh "
-            "memory touched) outside the consumer's own work: this epoch waited on memory "
-            "being faulted in, not on the store "
-            "or the codec; later epochs reuse that memory. A budget near the working set "
-            "(the floor cache_budget_bytes errors state) touches less of it"
+            f"and took {faults:,} page faults (~{_size(fresh)} of fresh memory touched) "
+            "outside the consumer's own work: this epoch waited on memory being faulted in, "
+            "not on the store or the codec; later epochs reuse that memory. "
+        )
+        if 2 * slots >= fresh:
+            return said + (
+                f"Most of it ({_size(slots)}) is the pool's slots: a budget near the working "
+                "set (the floor cache_budget_bytes errors state) touches less of it"
+            )
+        return said + (
+            f"Most of it is not the pool's ({_size(slots)} of slots): it is the batch buffers "
+            "(up to prefetch_depth + 2 batches, made once per process) and decode scratch; a "
+            "smaller batch_size touches less of it, a smaller budget would not"
         )
     if stage in ("store", "decode") and r.re_reads and r.split_bytes:
         ram = usable_memory_bytes()  # (a container's limit where one is set)

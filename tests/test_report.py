@@ -380,6 +380,30 @@ def test_an_epoch_that_waited_on_page_faults_is_told_so_with_its_kernel_time() -
     assert "faulted in" not in suggestion_for(slow_consumer)
 
 
+def test_the_slot_memory_the_pool_made_is_counted_in_the_epoch_that_made_it(era5: Path) -> None:
+    # a local folder: slots are made on demand by the epoch's decodes (no reserve at the build)
+    pipe, _ = _pipe(zarr.storage.LocalStore(era5, read_only=True), coords=(),
+                    cache_budget_bytes=t2m_split_bytes(era5))  # fmt: skip
+    with pipe:
+        first, second = _epoch(pipe), _epoch(pipe)
+    assert first.slots_made_bytes == first.resident_peak_bytes == t2m_split_bytes(era5)
+    assert second.slots_made_bytes == 0 and second.hits == N_TIME // SPC
+
+
+def test_fresh_memory_that_is_not_the_pools_slots_is_not_blamed_on_the_budget() -> None:
+    # one sample per chunk, rows decoded straight into batches: the pool made nothing, the
+    # 2.3 GiB are batch buffers, which a smaller budget would not touch less of
+    faulted = _made(wall_s=4.0, chunk_wait_s=2.5, inflight_mean=6.0, sys_s=2.0, page_faults=600_000)
+    faulted.limiting = limiting_stage(faulted)
+    buffers = suggestion_for(faulted)
+    assert "faulted in" in buffers and "batch buffers" in buffers, buffers
+    assert "a smaller budget would not" in buffers and "working set" not in buffers
+    # the same epoch whose pool made 2 GiB of slots: the budget is what touched it
+    slots = suggestion_for(dataclasses.replace(faulted, slots_made_bytes=2 << 30))
+    assert "faulted in" in slots and "2.0 GiB) is the pool's slots" in slots, slots
+    assert "near the working set" in slots and "batch buffers" not in slots
+
+
 def test_page_faults_of_the_consumers_own_work_are_not_named_as_the_pipelines() -> None:
     # a store-limited epoch whose training step touched 2.2 GiB of fresh memory: the process's
     # kernel time and faults are the consumer's, not what the pipeline waited on
