@@ -305,7 +305,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return (
             decode_scratch_bytes(aside, threads, self._decoders)
             + sum(d.most_aside_bytes(threads) for d in keeping)
-            + spare_bytes(reshaped, self._runner.spares.max_idle, threads)
+            + spare_bytes(reshaped, threads, None if self.gets is None else self.max_inflight)
         )
 
     def _layout(self, path: str) -> SlotLayout:
