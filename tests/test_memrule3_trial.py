@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 import zarr
 import zarr.storage
-from helpers import CountingStore, LiveSpares
+from helpers import CountingStore, LiveSpares, write_era5
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from insitubatch_nodes import (
@@ -44,6 +44,18 @@ from insitubatch_nodes import (
     open_geometries,
     split_by_chunk,
     split_by_member,
+    stack,
+)
+from insitubatch_nodes.forcings import Forcings
+from insitubatch_nodes.plan import PlanConfig, choose_schedule
+from insitubatch_nodes.pool import ChunkPool
+from insitubatch_nodes.stages import (
+    AsyncChunkFetchNode,
+    ChunkPoolNode,
+    GatherNode,
+    PrefetcherNode,
+    ReadPlanNode,
+    StageContext,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -181,3 +193,121 @@ def test_every_edge_length_s_decode_buffers_are_counted(
     assert live.peak_bytes == held  # (on main: 12 samples held, 6 counted, for the product)
     assert stated <= counted
     assert held <= counted
+
+
+def _fake_memory(monkeypatch: pytest.MonkeyPatch, nbytes: int) -> None:
+    """The process may use ``nbytes`` (nothing is allocated: the checks ask these functions)."""
+    from insitubatch_nodes.plan import memory_floor
+    from insitubatch_nodes.stages import buffers
+
+    monkeypatch.setattr(memory_floor, "usable_memory_bytes", lambda: nbytes)
+    monkeypatch.setattr(buffers, "usable_memory_bytes", lambda: nbytes)
+
+
+def _era5_with_lsm(root: Path) -> tuple[Path, dict[str, Any], np.ndarray]:
+    """``write_era5``'s store (t2m of 96 times on 8 x 16) with a static ``lsm`` (8, 16)."""
+    write_era5(root, n_time=96)
+    lsm = np.arange(128, dtype=np.float32).reshape(8, 16)
+    zarr.open_group(root, mode="r+").create_array(
+        "lsm", shape=(8, 16), chunks=(8, 16), dtype="float32", dimension_names=("lat", "lon")
+    )[:] = lsm
+    return root, open_geometries(root, ["t2m", "lsm"]), lsm
+
+
+def _held_outside(pipe: Any) -> int:
+    """The most ``pipe`` holds outside its pool over one epoch (sampled at each batch)."""
+    most = 0
+    for _ in Loader(pipe):
+        most = max(most, pipe.stats()["outside_pool_bytes"])
+    return most
+
+
+@pytest.mark.parametrize("change", ["window", "stack"])
+def test_set_views_refuses_views_the_memory_rule_cannot_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, change: str
+) -> None:
+    root, g, lsm = _era5_with_lsm(tmp_path / "e.zarr")
+    t2m = g["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    if change == "window":  # four times the batch
+        after: Any = {"x": t2m.window([0, 1, 2, 3])}
+    else:  # a static member and a forcing's remembered fields (every time of t2m)
+        sun = Forcings("x", names=["cos_solar_zenith"], view=t2m)
+        after = {"x": stack({"t2m": t2m, "lsm": g["lsm"], "sun": sun})}
+    options = {"batch_size": 4, "coords": ("time",), "seed": 0}
+    with insitu_pipeline(root, manifest, {"x": t2m}, **options) as pipe:
+        before = pipe.stages.fetch.counted
+        assert _held_outside(pipe) <= before.total - before.pool
+        # a memory that holds the pipeline as built, no more
+        _fake_memory(monkeypatch, before.total)
+        with pytest.raises(ValueError, match="set_views: the pipeline cannot hold these views"):
+            pipe.set_views(after)  # (on main: taken, and held beyond what was counted)
+        assert pipe.stages.fetch.counted == before
+        rows = [b.sample_indices["x"] for b in Loader(pipe)]  # the views in effect
+        assert sorted(np.concatenate(rows).tolist()) == list(range(96))
+        # where they fit, they are taken and counted, and what is held stays within the count
+        monkeypatch.undo()
+        pipe.set_views(after)
+        counted = pipe.stages.fetch.counted
+        assert counted.total > before.total
+        outside = 0
+        for b in Loader(pipe):
+            outside = max(outside, pipe.stats()["outside_pool_bytes"])
+            if change == "stack":
+                np.testing.assert_array_equal(b["x"][:, 1], np.broadcast_to(lsm, (len(b), 8, 16)))
+        assert before.total - before.pool < outside <= counted.total - counted.pool
+
+
+def test_a_graph_composed_by_hand_counts_its_batch_transforms_as_the_builder_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, g, _ = _era5_with_lsm(tmp_path / "e.zarr")
+    t2m = g["t2m"]
+    manifest = split_by_chunk(t2m, (1.0, 0.0, 0.0))
+    views = {"x": t2m}
+    config = PlanConfig(batch_size=4, seed=0)
+
+    def forcings() -> Forcings:
+        return Forcings("x", names=["cos_solar_zenith", "year_progress_sin"], view=t2m)
+
+    with insitu_pipeline(
+        root, manifest, views, batch_transforms=[forcings()], coords=("time",), batch_size=4,
+        seed=0,
+    ) as pipe:  # fmt: skip
+        built = pipe.stages.fetch.counted
+        coords = pipe.stages.gather.coords
+
+    def compose() -> tuple[Any, Any, Any]:
+        schedule = choose_schedule(manifest, views, None, config)
+        plan = ReadPlanNode(manifest, views, schedule=schedule, config=config)
+        ctx = StageContext.create(plan, ChunkPool(None))
+        fetch = AsyncChunkFetchNode(plan, root, context=ctx)
+        gather = GatherNode(
+            ChunkPoolNode(fetch, context=ctx), context=ctx, batch_transforms=[forcings()],
+            coords=coords,
+        )  # fmt: skip
+        return fetch, gather, PrefetcherNode(gather, context=ctx)
+
+    fetch, gather, graph = compose()
+    with graph:
+        assert built.transforms > 0
+        assert fetch.counted == built  # (on main: the batch transforms counted 0)
+        held = 0
+        for b in Loader(graph):
+            held = max(held, gather.transform_bytes)
+            assert b["cos_solar_zenith"].shape == (len(b), 8, 16)
+        assert 0 < held <= fetch.counted.transforms
+        # the plan's own set_views is counted again too: four times the batch is refused
+        _fake_memory(monkeypatch, fetch.counted.total)
+        with pytest.raises(ValueError, match="set_views: the pipeline cannot hold these views"):
+            fetch.context.plan.set_views({"x": t2m.window([0, 1, 2, 3])})
+        monkeypatch.undo()
+    # refused by hand where the builder refuses, on a memory one byte short of the count
+    _fake_memory(monkeypatch, built.total - 1)
+    with pytest.raises(ValueError, match=rf"{built.transforms:,} bytes .*batch transforms"):
+        insitu_pipeline(
+            root, manifest, views, batch_transforms=[forcings()], coords=("time",),
+            batch_size=4, seed=0,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=rf"{built.transforms:,} bytes .*batch transforms"):
+        compose()

@@ -45,7 +45,11 @@ checked alone, and the process's own memory (the interpreter, torch, other pipel
 counted; nor is the solar forcings' scratch, bounded by
 :data:`~insitubatch_nodes.forcing_solar.SOLAR_SCRATCH_BYTES` whatever the batch and the grid.
 The check is built once, at the build, from the first epoch's plan the fetch stage draws
-anyway (sums over its ledgers, no pass over the samples).
+anyway (sums over its ledgers, no pass over the samples), completed by the gather stage with
+the batch transforms where the fetch stage was not given them (a graph composed by hand), and
+counted again by ``set_views`` for the views it is given (``stages/_memrule.py``; before
+2026-12-07 neither: a hand-composed graph counted 0 bytes for its batch transforms, and other
+views were held to the count of the build's, ``tests/test_memrule3_trial.py``).
 """
 
 from __future__ import annotations
@@ -82,7 +86,8 @@ class HeldMemory:
     explicit one as given, the automatic one as its first epoch grows it), ``pool`` the slot
     memory it may take (``min(budget, split)``), ``split`` every chunk the split reads (a
     slot each, times the ranks), ``transforms`` what the batch transforms hold at most
-    (``stages.gather.most_transform_bytes``: 0 where the graph was composed without it)."""
+    (``stages.gather.most_transform_bytes``, counted by the gather stage where the fetch stage
+    was not given it)."""
 
     budget: int
     split: int
