@@ -101,12 +101,15 @@ class BufferPool:
         return True
 
     def take(self) -> np.ndarray:
-        idle = [i for i, lease in enumerate(self._leases) if lease is None or lease() is None]
-        for i in reversed(idle[self.max_idle :]):
-            del self._buffers[i], self._leases[i]
-        if idle:
-            return self._lend(idle[0])
+        """A buffer to fill, from any thread: the first idle one, else one made ahead of need
+        (:meth:`add_ready`), else a new one."""
         with self._made:
+            leases = self._leases
+            idle = [i for i, lease in enumerate(leases) if lease is None or lease() is None]
+            for i in reversed(idle[self.max_idle :]):
+                del self._buffers[i], leases[i]
+            if idle:
+                return self._lend(idle[0])
             # One being made ahead of need is on its way: faulting in another one page by page
             # on the decode threads costs more CPU, and leaves that one unused. Not for the
             # first buffer, though: the first batch's decode threads have nothing else to do
@@ -116,9 +119,10 @@ class BufferPool:
             raw = self._ready.pop(0) if self._ready else None
             if raw is None:
                 self.allocations += 1
-        self._buffers.append(plain_pages((self.nbytes,), np.uint8) if raw is None else raw)
-        self._leases.append(None)
-        return self._lend(len(self._buffers) - 1)
+                raw = plain_pages((self.nbytes,), np.uint8)
+            self._buffers.append(raw)
+            leases.append(None)
+            return self._lend(len(self._buffers) - 1)
 
     def _lend(self, i: int) -> np.ndarray:
         raw = self._buffers[i]

@@ -67,11 +67,17 @@ from insitubatch_nodes.lightning_epochs import (
     resumed_at,
     trained_its_last_batch,
 )
-from insitubatch_nodes.lightning_splits import chunk_split, per_split, read_by, too_few_for_ranks
+from insitubatch_nodes.lightning_splits import (
+    CoordinateReaders,
+    module_split,
+    per_split,
+    read_by,
+    too_few_for_ranks,
+)
 from insitubatch_nodes.options import CacheOptions, FetchOptions
 from insitubatch_nodes.pipeline import insitu_pipeline
 from insitubatch_nodes.plan.config import PlanConfig
-from insitubatch_nodes.plan.splits import SplitManifest, split_by_member
+from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.report import EpochReport
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import plan_state
@@ -349,6 +355,7 @@ class InSituDataModule(pl.LightningDataModule):
         self._resume_check: tuple[int, int, int] | None = None
         # splits given as one collection each: split -> (store, views, manifest)
         self._split_sources: dict[str, tuple[Any, dict[str, Any], SplitManifest]] = {}
+        self.coords_readers = CoordinateReaders(self.fetch_options.retry)  # (one time read)
 
     @property
     def batch_size(self) -> int:
@@ -428,16 +435,8 @@ class InSituDataModule(pl.LightningDataModule):
             )
         if not views:
             raise ValueError("InSituDataModule needs at least one variable")
-        splits = self._splits_arg
-        if isinstance(splits, SplitManifest):
-            manifest = splits
-        elif isinstance(given, Collection):  # fractions of whole members: nothing leaks
-            fractions = dict(zip(("train", "val", "test"), map(float, splits), strict=True))
-            manifest = split_by_member(given, fractions, seed=self.plan_config.seed)
-        else:
-            lead = next(iter(views.values()))  # a stack: its first sampled member's array
-            geom = lead.sampled[0].geometry if isinstance(lead, Stack) else lead
-            manifest = chunk_split(store, geom.base, tuple(splits))  # (in time order)
+        seed, reader = self.plan_config.seed, self.coords_readers(store)
+        manifest = module_split(self._splits_arg, given, store, views, seed, reader)
         self.store, self.views, self.manifest = store, views, manifest
 
     def _rank_world(self) -> tuple[int | None, int | None]:
@@ -516,6 +515,7 @@ class InSituDataModule(pl.LightningDataModule):
                 batch_transforms=self.batch_transforms,
                 chunk_transforms=self.chunk_transforms,
                 coords=self.coords,
+                coords_reader=self.coords_readers(store),
                 config=self._built_config(split, rank, world),
                 fetch=self.fetch_options,
                 cache=self.cache_options_for(split),

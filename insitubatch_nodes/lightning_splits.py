@@ -1,7 +1,8 @@
 """The data module's splits, as Lightning's stages read them (used by
 :mod:`insitubatch_nodes.lightning`, and by the demo for its time-ordered split; imports nothing
-of Lightning): splits given as one collection each, fractions split in time order, and what to
-do when a split holds fewer samples than the trainer has ranks.
+of Lightning): splits given as one collection each, fractions split in time order, what to
+do when a split holds fewer samples than the trainer has ranks, and the coordinate readers the
+split and every pipeline the module builds share (:class:`CoordinateReaders`).
 """
 
 from __future__ import annotations
@@ -11,11 +12,21 @@ from typing import Any
 
 from insitubatch_nodes.errors import TooFewSamplesError
 from insitubatch_nodes.io.collection import Collection
-from insitubatch_nodes.io.coords import Coordinate, open_coordinates
+from insitubatch_nodes.io.coords import Coordinate, coordinate_reader, open_coordinates
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import RetryPolicy, retry_policy
 from insitubatch_nodes.plan.splits import SplitManifest, split_by_chunk, split_by_member
+from insitubatch_nodes.stack import Stack
 
-__all__ = ["chunk_split", "per_split", "read_by", "sample_times", "too_few_for_ranks"]
+__all__ = [
+    "CoordinateReaders",
+    "chunk_split",
+    "module_split",
+    "per_split",
+    "read_by",
+    "sample_times",
+    "too_few_for_ranks",
+]
 
 #: the Trainer call that reads each split's loader, by the Trainer's ``state.fn``
 _CALLS = {"fit": "validate", "validate": "validate", "test": "test", "predict": "predict"}
@@ -98,21 +109,65 @@ def per_split(
     return out
 
 
-def chunk_split(store: Any, geom: ArrayGeometry, fractions: tuple[float, ...]) -> SplitManifest:
+class CoordinateReaders:
+    """One coordinate reader (:func:`~insitubatch_nodes.io.coords.coordinate_reader`) per
+    store a data module reads, made when first asked for: ``readers(store)``. The module's
+    split and every pipeline it builds (training's, validation's, a rebuild) take the same one,
+    so a coordinate (the time of each row) is read once per store per process, not once per
+    build. Its reads end within ``retry``'s ``timeout_s`` (``None``: the store's policy), as
+    the builder's own. Pickled empty: the stores' arrays stay in their process."""
+
+    def __init__(self, retry: RetryPolicy | None) -> None:
+        self.retry = retry
+        self._readers: dict[int, tuple[Any, Any]] = {}  # id(store) -> (store, its reader)
+
+    def __call__(self, store: Any) -> Any:
+        held = self._readers.get(id(store))
+        if held is None or held[0] is not store:
+            timeout = (self.retry or retry_policy(store)).timeout_s
+            held = self._readers[id(store)] = (store, coordinate_reader(store, timeout))
+        return held[1]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"retry": self.retry, "_readers": {}}
+
+
+def module_split(
+    splits: Any, given: Any, store: Any, views: Mapping[str, Any], seed: int, reader: Any = None
+) -> SplitManifest:
+    """The data module's manifest of ``splits`` (a manifest as it is; ``(train, val, test)``
+    fractions of whole members of the collection ``given``, drawn with ``seed``; else
+    :func:`chunk_split` of the first view's array, a stack's first sampled member's, in time
+    order, its times read by ``reader``)."""
+    if isinstance(splits, SplitManifest):
+        return splits
+    if isinstance(given, Collection):  # fractions of whole members: nothing leaks
+        fractions = dict(zip(("train", "val", "test"), map(float, splits), strict=True))
+        return split_by_member(given, fractions, seed=seed)
+    lead = next(iter(views.values()))  # a stack: its first sampled member's array
+    geom = lead.sampled[0].geometry if isinstance(lead, Stack) else lead
+    return chunk_split(store, geom.base, tuple(splits), reader)  # (in time order)
+
+
+def chunk_split(
+    store: Any, geom: ArrayGeometry, fractions: tuple[float, ...], reader: Any = None
+) -> SplitManifest:
     """The data module's (and the demo's) ``(train, val, test)`` chunk fractions of ``geom``:
     a contiguous :func:`split_by_chunk` in time order where ``geom``'s sample axis has a time
     coordinate (:func:`sample_times`; ``train`` the earliest times, also in a store written
     newest first; before 2026-12-07 the index order, which trained such a store on its
     newest times), in index order otherwise."""
-    return split_by_chunk(geom, fractions, coord=sample_times(store, geom))
+    return split_by_chunk(geom, fractions, coord=sample_times(store, geom, reader))
 
 
-def sample_times(store: Any, geom: ArrayGeometry) -> Coordinate | None:
+def sample_times(store: Any, geom: ArrayGeometry, reader: Any = None) -> Coordinate | None:
     """The time coordinate along ``geom``'s sample axis, ``None`` where it has none. A
     coordinate that cannot be read here is ``None`` too, left to the pipeline's build, which
-    reads it for the batches and says what is wrong with it."""
+    reads it for the batches and says what is wrong with it. ``reader`` (a
+    :func:`~insitubatch_nodes.io.coords.coordinate_reader` of ``store``) keeps what it read
+    for later reads (the pipelines' builds)."""
     try:
-        coords = open_coordinates(store, geom)
+        coords = open_coordinates(store, geom, reader=reader)
     except (ValueError, OSError, ModuleNotFoundError):
         coords = {}
     return next((c for c in coords.values() if c.is_time), None)

@@ -267,6 +267,7 @@ def insitu_pipeline(
     verify_cache: bool = True,
     check_store: bool = True,
     coords: Sequence[str] | None = None,
+    coords_reader: Any = None,
     config: PlanConfig | None = None,
     fetch: FetchOptions | None = None,
     cache: CacheOptions | None = None,
@@ -369,6 +370,11 @@ def insitu_pipeline(
     ``KeyError`` or ``ValueError`` here otherwise); ``()`` carries none and reads none. Each
     coordinate array is read and decoded once, here, within ``retry``'s ``timeout_s`` (a read
     that fails raises ``OSError`` or ``TimeoutError`` naming the coordinate).
+    ``coords_reader`` (:func:`~insitubatch_nodes.io.coords.coordinate_reader` of the opened
+    store passed here, within its own ``timeout_s``) shares the coordinates it read already
+    with other builds over the same store (``InSituDataModule``'s splits): each read once for
+    all of them; ``None`` (the default), a reader of this build's own. One of another store is
+    a ``ValueError``.
     """
     plan_config, fetch_options, cache_options = _options(
         config,
@@ -428,7 +434,14 @@ def insitu_pipeline(
     refuse_product_options(read, plan_config.stride, missing, missing_objects, coords)
     listed = member_missing(missing, read)  # {member: indices within it}: virtual indices
     # one reader: the time coordinate the stride and missing= need is read once, shared
-    reader = coordinate_reader(zstore, (fetch_options.retry or retry_policy(zstore)).timeout_s)
+    timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
+    reader = coordinate_reader(zstore, timeout) if coords_reader is None else coords_reader
+    if reader.store is not zstore:
+        raise ValueError(
+            f"coords_reader reads store {describe_store(reader.store)}, not the one this "
+            f"pipeline reads ({describe_store(zstore)}): make it with coordinate_reader() of "
+            "the opened store passed here"
+        )
     labels = {k: v for k, v in views.items() if isinstance(v, ArrayGeometry) and v.static}
     views, geoms, statics, constants = static_fields(views, geoms)
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}
@@ -484,7 +497,6 @@ def insitu_pipeline(
         cache_options, zstore, geoms, transforms, plan, statics, frozenset(patched)
     )
     try:  # the static fields: read once here, or taken from the persistent cache
-        timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
         stats = PoolStats()  # (the pool's, from here: it counts the static fields' reads)
         static_data = read_static(zstore, statics, timeout, cache=chunk_cache, stats=stats)
     except BaseException:

@@ -79,8 +79,12 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     the state is then dropped and the trainer's epoch starts from its first batch. A state
     taken where ``epoch_fn``'s epoch ends — its last batch delivered, or, restored on another
     world size, none of the epoch left for these ranks — delivers nothing while ``epoch_fn``
-    stays in that epoch (whose length is then the state's batches) and starts the next epoch
-    when ``epoch_fn`` does: the next epoch is delivered once, under its own number.
+    stays in that epoch (whose length is then this rank's batches of it: rank 0's state
+    restored on a rank with fewer, as an ``"uneven"`` one, counts that rank's) and starts the
+    next epoch when ``epoch_fn`` does: the next epoch is delivered once, under its own number.
+    So does the state of a rank with no batch of ``epoch_fn``'s epoch after its loop over it
+    (``empty_ranks``: the next epoch's start; before 2026-12-07 that next epoch ran at once,
+    inside the trainer's, and the state after it was an epoch ahead of the trainer).
     """
 
     def __init__(
@@ -150,7 +154,16 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         if cut is not None and cut == epoch and int(state["epoch"]) == epoch + 1:
             return self.plan.resumed_len(state)  # (the next epoch's start is pending)
         if int(state["epoch"]) == epoch and self.plan.ends_epoch(state):
-            return int(state["batches_emitted"])
+            return self.plan.ended_len(state)  # (this rank's: rank 0's state holds rank 0's)
+        if (
+            int(state["epoch"]) == epoch + 1
+            and not int(state["batches_emitted"])
+            and not state.get("resumed")
+            and self.plan.resumed_len({**state, "epoch": epoch}) == 0
+        ):
+            # the next epoch's start, where this rank has no batch of the trainer's epoch (the
+            # state after its empty loop over it): that epoch is over, and empty, here too
+            return 0
         return None
 
     def ended_epoch_lens(self) -> tuple[int, int] | None:

@@ -30,8 +30,14 @@ Found (fixed):
   with the saved run's: nothing the user could do. It now names the store's
   ``missing_dates`` and says to start the data order afresh;
 * a group whose attribute document could not be read (a 403, a timeout) was taken as
-  listing nothing, without a word (its missing dates then delivered as NaN rows); the array's
-  own group unread now warns, naming the key (a parent group may lack the document: not said);
+  listing nothing, without a word (its missing dates then delivered as NaN rows). First the
+  array's own group unread warned, naming the key; now (anemoi2, the same day) any group that
+  could hold the dates and cannot be read after the store's retries fails the build with an
+  ``OSError`` naming the key and saying what to do: one DDP rank refused that GET planned
+  other anchors than the rest (a warning on one rank; a 503 burst past the deadline raised
+  obstore's bare ``GenericError``). A parent above the group listing them is not read for it;
+* ``sel(variable=...)`` read the group's ``variables`` (a GET) on every call: selecting
+  variables in a loop cost a GET each. The geometries' reader keeps them (one GET per array);
 * ``missing_dates`` that are not dates, of a member, were refused naming the routed path
   (``'s1/data'``); now the member and its collection.
 
@@ -60,18 +66,21 @@ from typing import Any
 import numpy as np
 import pytest
 import zarr
-from helpers import counting_store, write_era5
+from helpers import counting_store, plan_anchors, write_era5
 
 from insitubatch_nodes import (
     Collection,
     Loader,
+    RetryPolicy,
     concat,
     fit_statistics,
     insitu_pipeline,
     open_geometries,
+    open_store,
     split_by_chunk,
     split_by_member,
 )
+from insitubatch_nodes.testing import FaultProxy
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -253,21 +262,90 @@ def test_a_member_s_missing_dates_that_are_no_dates_are_refused_naming_the_membe
                         batch_size=8)  # fmt: skip
 
 
-def test_an_anemoi_group_whose_attributes_cannot_be_read_is_said_not_taken_silently(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("at_root", "refused", "fails"),
+    [(True, ".zattrs", True), (True, "era/.zattrs", True), (False, ".zattrs", False)],
+    ids=["the-group-listing-them", "a-group-below-it", "a-parent-above-it"],
+)
+def test_an_anemoi_group_whose_attributes_cannot_be_read_fails_the_build_saying_what_to_do(
+    tmp_path: Path, at_root: bool, refused: str, fails: bool
 ) -> None:
-    """A store that refuses the group's ``.zattrs`` (an S3 403): its ``missing_dates`` cannot
-    be known, and the samples at them are read. Before, without a word (as now for a parent
-    group's, which may lack the document)."""
-    _write(tmp_path / "s.zarr", ["2020-01-01T12"])
+    """A store that refuses a group's ``.zattrs`` (an S3 403): where that group could hold the
+    ``missing_dates`` (the array's, or one between it and the group that lists them) they
+    cannot be known, and the build fails; a parent above the group that lists them is not
+    needed. Before, the array's own group unread warned and read the samples at the dates (a
+    parent's, without a word): one DDP rank refused it planned other samples than the rest."""
+    _write(tmp_path / "s.zarr", ["2020-01-01T12"], below="era", at_root=at_root)
     store = counting_store(tmp_path / "s.zarr")
-    g = open_geometries(store)["data"]
-    store.fail[".zattrs"] = PermissionError("403 Forbidden")
-    with (
-        pytest.warns(UserWarning, match=r"\('\.zattrs'\) cannot be read .*'missing_dates'"),
-        insitu_pipeline(store, split_by_chunk(g, (1.0, 0.0, 0.0)), {"x": g}, batch_size=8),
-    ):
-        pass
+    g = open_geometries(store)["era/data"]
+    store.fail[refused] = PermissionError("403 Forbidden")
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+    if not fails:
+        with insitu_pipeline(store, manifest, {"x": g}, batch_size=8) as pipe:
+            assert _rows(pipe) == [(0, i) for i in range(NT) if i != 2]
+        return
+    with pytest.raises(PermissionError) as caught:
+        insitu_pipeline(store, manifest, {"x": g}, batch_size=8)
+    assert f"cannot read {refused!r} from store" in str(caught.value)
+    assert "'era/data'" in str(caught.value) and "'missing_dates' attribute" in str(caught.value)
+    assert "Grant read access to that object" in str(caught.value)
+    assert isinstance(caught.value.__cause__, PermissionError)
+    store.fail.clear()  # (the names sel() looks up: the same rule)
+    g = open_geometries(store)["era/data"]
+    store.fail[refused] = PermissionError("403 Forbidden")
+    with pytest.raises(PermissionError, match="'variables' attribute decides the names sel"):
+        g.sel(variable=["2t"])
+
+
+@pytest.mark.xdist_group("s3")
+@pytest.mark.parametrize(
+    ("status", "fail_first"), [(503, 2), (403, 10**6), (503, 10**6)],
+    ids=["503-retried", "403", "503-past-the-deadline"],
+)  # fmt: skip
+def test_a_rank_that_cannot_read_the_dates_fails_its_build_never_plans_other_anchors(
+    tmp_path: Path,
+    s3_upload: Any,
+    s3_server: str,
+    s3_options: dict[str, Any],
+    status: int,
+    fail_first: int,
+) -> None:
+    """Two ranks over one S3 store, rank 1 through a ``FaultProxy`` that answers its GETs of the
+    root group's ``.zattrs`` with ``status`` (the first ``fail_first`` of them) while it
+    builds (the geometries opened before: ``open_geometries`` reads that document too, and
+    fails there, for every rank alike). A transient
+    fault is retried by the store and both ranks plan the same anchors, without the missing
+    date's; a lasting one fails rank 1's build once the store's retries are spent. Before,
+    rank 1 warned and planned the samples at the missing date too (4 batches of 1 to rank 0's
+    3; DDP then hangs, or trains on NaN rows)."""
+    _write(tmp_path / "s.zarr", ["2020-01-01T12"])
+    url = s3_upload(tmp_path / "s.zarr", "anemoi/s.zarr")
+    policy = RetryPolicy(timeout_s=0.5, initial_backoff_s=0.02, max_backoff_s=0.05,
+                         connect_timeout_s=0.5, stall_timeout_s=0.5)  # fmt: skip
+    port = int(s3_server.rsplit(":", 1)[1])
+    g = open_geometries(open_store(url, **s3_options))["data"]  # (the root read: not faulted)
+    manifest = split_by_chunk(g, (1.0, 0.0, 0.0))
+
+    def build(rank: int, endpoint: str) -> Any:
+        store = open_store(url, retry=policy, **{**s3_options, "endpoint": endpoint})
+        return insitu_pipeline(store, manifest, {"x": g}, batch_size=1, rank=rank,
+                               world_size=2, coords=())  # fmt: skip
+
+    plans = []
+    with FaultProxy(port, fail_first=fail_first, status=status, match="s.zarr/.zattrs") as proxy:
+        with build(0, s3_server) as pipe:
+            plans.append(plan_anchors(pipe.stages.plan))
+        if fail_first > 2:
+            with pytest.raises(OSError, match=r"cannot read '\.zattrs' from store s3://"):
+                build(1, proxy.endpoint)
+            assert proxy.injected >= 1
+            return
+        with build(1, proxy.endpoint) as pipe:
+            plans.append(plan_anchors(pipe.stages.plan))
+        assert proxy.injected == 2
+    dealt = [sorted(a for batch in plan for a in batch) for plan in plans]
+    assert [len(d) for d in dealt] == [(NT - 1) // 2] * 2  # (7 anchors: one dropped, even)
+    assert set(dealt[0]).isdisjoint(dealt[1]) and 2 not in dealt[0] + dealt[1]
 
 
 @pytest.mark.parametrize("members", [False, True], ids=["one-store", "independent-members"])
@@ -413,3 +491,33 @@ def test_a_v3_store_s_data_in_a_subgroup_takes_the_missing_dates_of_its_nearest_
         for batch in pipe:
             np.testing.assert_array_equal(batch["x"], data[batch.sample_indices["x"]][:, [1]])
         assert _rows(pipe) == [(0, i) for i in range(NT) if i != 4]
+
+
+def test_selecting_variables_by_name_in_a_loop_reads_the_variables_attribute_once(
+    tmp_path: Path,
+) -> None:
+    """``sel(variable=...)`` looks names up in the group's ``variables``: read once for the
+    geometries opened together (and a collection's members), not a GET per call (before: one
+    ``.zattrs`` per ``sel``, five here)."""
+    data, _ = _write(tmp_path / "s.zarr")
+    store = counting_store(tmp_path / "s.zarr")
+    g = open_geometries(store)["data"]
+    store.reset_counts()
+    views = [g.sel(variable=[name]) for name in NAMES] + [g.sel(variable="2t"), g.window([0])]
+    views.append(views[-1].sel(variable=["10u", "t_850"]))
+    assert store.counts[".zattrs"] == 1
+    assert [v.inner_shape for v in views[:3]] == [(1, NE, NC)] * 3
+    with insitu_pipeline(store, split_by_chunk(g, (1.0, 0.0, 0.0)), {"x": views[-1]},
+                         batch_size=4) as pipe:  # fmt: skip
+        for batch in pipe:
+            np.testing.assert_array_equal(batch["x"], data[batch.sample_indices["x"]][:, :, [2, 1]])
+    _two_members(tmp_path, routed=True)
+    stores = [counting_store(tmp_path / n) for n in ("a.zarr", "b.zarr")]
+    coll = Collection.from_groups(None, [(s, "") for s in stores], {"data": "data"},
+                                  names=["a", "b"])  # fmt: skip
+    member = coll["data"]
+    for s in stores:
+        s.reset_counts()
+    for name in NAMES:
+        member.sel(variable=[name])
+    assert [s.counts[".zattrs"] for s in stores] == [1, 1]

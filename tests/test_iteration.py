@@ -48,6 +48,7 @@ from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.stages import prefetch
+from insitubatch_nodes.stages.buffers import LentBatch
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.fetch import AsyncChunkFetchNode
 from insitubatch_nodes.stages.gather import GatherNode
@@ -319,6 +320,60 @@ def test_a_buffer_is_lent_again_only_when_nothing_made_from_its_batch_is_alive()
     del tensor
     gc.collect()
     assert pool.take().ctypes.data == address
+
+
+def test_a_lent_batch_takes_its_buffers_only_when_first_asked_for() -> None:
+    # the rows a fetch stage decodes straight into a batch queued behind others: its buffers
+    # (fresh memory, faulted in page by page in a new process) are made when the first row is
+    # decoded, not when the batch's reads are planned
+    pools = {"x": BufferPool((4, 3), np.dtype("f4")), "y": BufferPool((4,), np.dtype("i8"))}
+    lent = LentBatch(pools, 2, None)
+    assert not lent.taken
+    assert [p.allocations for p in pools.values()] == [0, 0]
+    assert sum(p.held_bytes for p in pools.values()) == 0
+    x = lent.part("x")
+    assert lent.taken and x.shape == (2, 3)
+    assert [p.allocations for p in pools.values()] == [1, 1]
+    assert lent.part("x").ctypes.data == x.ctypes.data
+    assert lent.arrays()["y"].shape == (2,)
+    assert [p.allocations for p in pools.values()] == [1, 1]
+
+
+def test_a_lent_batch_asked_for_by_many_threads_at_once_takes_one_buffer() -> None:
+    pool = BufferPool((4, 3), np.dtype("f4"))
+    lent = LentBatch({"x": pool}, 4, None)
+    start = threading.Barrier(8)
+    seen: list[int] = []
+
+    def ask() -> None:
+        start.wait()
+        seen.append(lent.part("x").ctypes.data)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(seen) == 8 and len(set(seen)) == 1
+    assert pool.allocations == 1
+
+
+def test_buffers_taken_by_many_threads_at_once_are_each_lent_once() -> None:
+    pool = BufferPool((4, 3), np.dtype("f4"))
+    start = threading.Barrier(8)
+    held: list[np.ndarray] = []
+
+    def take() -> None:
+        start.wait()
+        held.append(pool.take())
+
+    threads = [threading.Thread(target=take) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({a.ctypes.data for a in held}) == 8
+    assert pool.allocations == 8
 
 
 def test_buffer_reuse_does_not_read_reference_counts(monkeypatch: pytest.MonkeyPatch) -> None:

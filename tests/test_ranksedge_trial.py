@@ -49,7 +49,8 @@ Left: unshuffled, which rank holds which sample is the same every epoch, so the 
 the ranks that take the padded ones are never padded (``"pad"`` with ``shuffle=False`` is
 rare: ``overfit_batches``). An empty rank given rank 0's state (the DDP rule of one state
 for all ranks, not the rule for prediction loops, where each rank restores its own) resumes
-its epoch as an empty loop, one loop behind rank 0.
+its epoch as an empty loop, one loop behind rank 0 (fixed since: tests/test_ranks2_trial.py,
+which also documents the unshuffled padding).
 """
 
 from __future__ import annotations

@@ -24,8 +24,11 @@ would be read:
   They are looked for only in the groups of the sampled arrays in anemoi's layout, whose
   dimensions name ``variable`` (metadata read already: another store is not read for them),
   and each group's attributes are read once a build (one document a group, concurrently,
-  whatever the views and members). The ``frequency`` attribute is not read: the ``dates``
-  are the times.
+  whatever the views and members). A group whose attributes cannot be read (a 403, a deadline
+  spent after the store's retries) fails the build with an ``OSError`` saying what to do: its
+  dates are never taken as none, so that every DDP rank plans the same samples or fails
+  (before 2026-12-07, later in the day, it warned and read the samples at them). The
+  ``frequency`` attribute is not read: the ``dates`` are the times.
 
 Nothing else of the layout is special: its ``ensemble`` axis comes after ``variable``, and a
 stack's ``ensemble="ensemble"`` takes it there (rows ``([T,] E, C, cell)``:
@@ -35,7 +38,6 @@ stack's ``ensemble="ensemble"`` takes it there (rows ``([T,] E, C, cell)``:
 from __future__ import annotations
 
 import json
-import warnings
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -46,6 +48,7 @@ from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.members import MemberMap
 from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.routing import RoutingStore
+from insitubatch_nodes.io.stores import describe_store
 
 __all__ = ["DATES", "VARIABLE", "Recorded", "recorded_missing", "variable_names"]
 
@@ -65,7 +68,7 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
     :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`) of ``store``: the ``variables``
     attribute of its group or the nearest parent that has one, a list of as many distinct
     strings as the dimension's length. ``None`` for another dimension, or where no group holds
-    such a list (a group that cannot be read counts as none)."""
+    such a list; a group whose attributes cannot be read raises (:func:`group_attribute`)."""
     dims = tuple(geom.dims or ())
     if dim != VARIABLE or dim not in dims:
         return None
@@ -77,7 +80,9 @@ def variable_names(store: Any, geom: Any, dim: str) -> np.ndarray | None:
         and all(isinstance(n, str) for n in names)
         and len(set(names)) == length
     ):
-        return np.asarray(names)
+        out = np.asarray(names)
+        out.setflags(write=False)  # (kept by the geometries' reader, and shared)
+        return out
     return None
 
 
@@ -96,7 +101,8 @@ def recorded_missing(
     same time, where ``overlap=`` keeps that store's, do not lack). ``([], {})`` where no array
     is in anemoi's layout (nothing is read) and on product sample axes. Each group's attribute
     document is read once, all of them concurrently; a list that is not of dates is a
-    ``ValueError`` naming the attribute."""
+    ``ValueError`` naming the attribute, a document that cannot be read an ``OSError`` naming
+    it (:func:`group_attribute`: never taken as listing nothing)."""
     anemoi = [g for g in geoms if VARIABLE in (g.dims or ()) and g.product is None]
     if not anemoi or (members is not None and members.product):
         return [], {}
@@ -132,12 +138,17 @@ def _dates(where: str, dates: Any) -> list[np.datetime64]:
 def group_attribute(store: Any, arrays: Sequence[tuple[str, int]], name: str) -> list[Any]:
     """Attribute ``name`` of the group holding each array of ``arrays`` (``(path, zarr
     format)`` pairs of ``store``) or of its nearest parent that has it (``None`` where none
-    has; a group that cannot be read counts as none). Each group's attribute document
-    (``.zattrs``; v3: ``zarr.json``) is read once, all concurrently: one GET a group, not a
-    group opened (four GETs) per level and per array. The root of a
-    :class:`~insitubatch_nodes.io.routing.RoutingStore` is no group (each routed store's root
-    is). Where the document of an array's own group cannot be read (an error other than its
-    absence), the attribute is taken as absent with a ``UserWarning`` naming the key."""
+    has; an absent document holds none). Each group's attribute document (``.zattrs``; v3:
+    ``zarr.json``) is read once, all concurrently: one GET a group, not a group opened (four
+    GETs) per level and per array. The root of a :class:`~insitubatch_nodes.io.routing.
+    RoutingStore` is no group (each routed store's root is).
+
+    A document that cannot be read (after the store's own retries: a 403, a deadline spent)
+    where it could decide the answer (the array's group, or a parent below the nearest group
+    that has the attribute) raises ``OSError`` (``PermissionError``, ``TimeoutError``: the
+    cause's kind) naming the key, the store and what to do: the attribute is never guessed, so
+    that every process (each DDP rank) that builds from the store plans the same samples or
+    fails. A parent above the group that has it is not needed, and not said."""
     store = _zarr_compat.opened(store)
     routed = isinstance(store, RoutingStore)
     chains = []
@@ -148,40 +159,49 @@ def group_attribute(store: Any, arrays: Sequence[tuple[str, int]], name: str) ->
     groups = list(dict.fromkeys(g for chain in chains for g in chain))
     docs = [(g, ".zattrs" if fmt == 2 else "zarr.json") for g, fmt in groups]
     keys = [f"{g}/{doc}" if g else doc for g, doc in docs]
-    texts, failed = _documents(store, keys)
+    failed: dict[str, Exception] = {}
+    texts = read_documents(store, keys, errors=failed)
     attrs = {g: _attributes(t, g[1]) for g, t in zip(groups, texts, strict=True)}
-    own = {chain[0] for chain in chains if chain}  # (a parent may lack the document)
-    unread = [(k, failed[k]) for g, k in zip(groups, keys, strict=True) if k in failed and g in own]
-    if unread:
-        key, exc = unread[0]
-        warnings.warn(
-            f"the attributes of the group holding an array ({key!r}) cannot be read "
-            f"({type(exc).__name__}: {exc}): its {name!r} attribute is taken as absent (anemoi's "
-            "missing_dates: samples at those dates are read; variables: names cannot be looked "
-            "up). Grant read access to that document (or repair it), or give the missing dates "
-            "in missing=",
-            UserWarning,
-            stacklevel=3,
-        )
-    return [next((attrs[g][name] for g in chain if name in attrs[g]), None) for chain in chains]
+    unread = {g: (k, failed[k]) for g, k in zip(groups, keys, strict=True) if k in failed}
+    out = []
+    for (path, _), chain in zip(arrays, chains, strict=True):
+        found = None
+        for group in chain:  # nearest first: an unread group before the answer hides it
+            if group in unread:
+                raise _unread(store, path, name, *unread[group])
+            if name in attrs[group]:
+                found = attrs[group][name]
+                break
+        out.append(found)
+    return out
 
 
-def _documents(store: Any, keys: list[str]) -> tuple[list[Any], dict[str, BaseException]]:
-    """:func:`~insitubatch_nodes.io.objects.read_documents` of ``keys``, and the error of each
-    key that could not be read (where a read fails: each key alone, a failed one none; a store
-    may answer a missing key with an error, e.g. S3's 403 without the right to list)."""
-    try:
-        return read_documents(store, keys), {}
-    except (OSError, KeyError):
-        out: list[Any] = []
-        failed: dict[str, BaseException] = {}
-        for key in keys:
-            try:
-                out += read_documents(store, [key])
-            except (OSError, KeyError) as exc:
-                out.append(None)
-                failed[key] = exc
-        return out, failed
+#: what each attribute read here decides, for the error of one that cannot be read
+_DECIDES = {
+    "missing_dates": "which samples a build reads (anemoi-datasets' dates without data)",
+    "variables": "the names sel(variable=...) looks up",
+}
+
+
+def _unread(store: Any, path: str, name: str, key: str, exc: Exception) -> OSError:
+    """The error of the attribute document ``key`` that could not be read (``exc``)."""
+    kind = (
+        TimeoutError
+        if isinstance(exc, TimeoutError)
+        else PermissionError
+        if isinstance(exc, PermissionError)
+        else OSError
+    )
+    error = kind(
+        f"cannot read {key!r} from store {describe_store(store)}, the attributes of a group "
+        f"holding array {path!r} ({type(exc).__name__}: {exc}): its {name!r} attribute "
+        f"decides {_DECIDES.get(name, 'how the array is read')}, and is not guessed (ranks "
+        "that guessed differently would train on different samples). Grant read access to "
+        "that object (S3 answers 403 for an absent one to credentials without s3:ListBucket) "
+        "or repair it, check the store, and build again"
+    )
+    error.__cause__ = exc
+    return error
 
 
 def _attributes(text: Any, zarr_format: int) -> dict[str, Any]:

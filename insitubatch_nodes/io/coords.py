@@ -475,23 +475,31 @@ class FieldCoordinates:
     dimension, found as :func:`open_coordinates` finds the sample axis's (the array's group,
     then each parent); where there is none, the names of anemoi-datasets' ``variable``
     dimension, its group's ``variables`` attribute (:func:`~insitubatch_nodes.io.anemoi.
-    variable_names`). What :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` looks values
-    up in; ``open_geometries`` gives each geometry one. Picklable when the store is."""
+    variable_names`), read once per array and dimension (``sel`` in a loop reads nothing
+    more). What :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` looks values up in;
+    ``open_geometries`` gives the geometries it opens one, shared. Picklable when the store is
+    (the names read so far go with it)."""
 
     def __init__(self, store: StoreLike) -> None:
         self.store = as_store(store)
         self._reader: Any = None
+        #: (array path, dimension, dims, shape) -> anemoi's names of it, or None (looked up once)
+        self._names: dict[tuple[Any, ...], np.ndarray | None] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"store": self.store, "_reader": None}
+        return {"store": self.store, "_reader": None, "_names": dict(self._names)}
 
     def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
         if self._reader is None:
             self._reader = coordinate_reader(self.store)
         found = self._reader.find(geom, dim)
-        if found is None and (names := variable_names(self.store, geom, dim)) is not None:
-            return names  # anemoi's layout: the names in the group's `variables`
         if found is None:
+            key = (str(geom.path), dim, tuple(geom.dims or ()), tuple(geom.shape))
+            if key not in self._names:
+                self._names[key] = variable_names(self.store, geom, dim)
+            names = self._names[key]
+            if names is not None:
+                return names  # anemoi's layout: the names in the group's `variables`
             raise KeyError(
                 f"no coordinate array {dim!r} for array {geom.path!r} in store "
                 f"{describe_store(self.store)}: looked at {candidate_paths(geom.path, dim)}; "

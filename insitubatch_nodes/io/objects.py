@@ -203,10 +203,17 @@ def head_objects(store: Any, keys: list[str], in_flight: int = HEADS_IN_FLIGHT) 
     return _waits.result(asyncio.run_coroutine_threadsafe(heads(), _zarr_compat.io_loop()))
 
 
-def read_documents(store: Any, keys: Sequence[str], in_flight: int = HEADS_IN_FLIGHT) -> list[Any]:
+def read_documents(
+    store: Any,
+    keys: Sequence[str],
+    in_flight: int = HEADS_IN_FLIGHT,
+    errors: dict[str, Exception] | None = None,
+) -> list[Any]:
     """The bytes at each of ``keys`` of a zarr ``store`` (``None`` where there is nothing): the
     metadata documents of many arrays or groups read without building a zarr object for each
-    (a collection's members, a plate's wells and fields).
+    (a collection's members, a plate's wells and fields). A read that fails (after the store's
+    own retries) raises; with ``errors`` given it is recorded there instead (``{key: the
+    error}``, that key's item ``None``) and the other keys are still read, each once.
 
     A folder of files on this machine (:func:`~insitubatch_nodes.io.localfiles.local_reader`)
     is read file by file on the calling thread (about 15 µs a document from the page cache,
@@ -215,7 +222,16 @@ def read_documents(store: Any, keys: Sequence[str], in_flight: int = HEADS_IN_FL
     task per key)."""
     local = local_reader(store)
     if local is not None:
-        return [_read_file(local.path(key)) for key in keys]
+        out = []
+        for key in keys:
+            try:
+                out.append(_read_file(local.path(key)))
+            except OSError as exc:
+                if errors is None:
+                    raise
+                out.append(None)
+                errors[key] = exc
+        return out
     import asyncio
 
     from zarr.buffer import default_buffer_prototype
@@ -229,6 +245,11 @@ def read_documents(store: Any, keys: Sequence[str], in_flight: int = HEADS_IN_FL
             try:
                 found = await store.get(key, prototype=prototype)
             except (FileNotFoundError, NotADirectoryError):
+                continue
+            except Exception as exc:
+                if errors is None:
+                    raise
+                errors[key] = exc
                 continue
             docs[i] = None if found is None else found.to_bytes()
 

@@ -244,8 +244,10 @@ def deal_runs(
     * ``"pad"``: ``(-sum(counts)) % world_size`` segments are one sample short and each takes,
       as its padded sample, a sample of the other segments drawn uniformly by ``pad_rng``
       (:func:`_draw_pads`), no two the same — each delivered twice, by two ranks, as
-      ``"chunks"``' padded samples are; so over the epochs each sample is padded about
-      equally often (a padded sample's window reads its own chunks, beyond the run's).
+      ``"chunks"``' padded samples are; so, with ``rng``, over the epochs each sample is
+      padded about equally often (a padded sample's window reads its own chunks, beyond the
+      run's; without, the short segments are the last ones every epoch, and their own
+      samples are never padded).
       Without ``pad_rng`` (the rule before 2026-12-07, :data:`LEGACY_PAD`), the sample just
       past its end (just before its start for the segment at the axis' end), delivered by it
       and by its neighbour: the samples at the cuts, the same few epoch after epoch.

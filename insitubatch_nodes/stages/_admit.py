@@ -288,7 +288,7 @@ class Admission:
             entries=entries,
             release=self._releaser(head.plan, head.in_place),
             jobs=tuple(head.jobs),
-            arrays=head.arrays,
+            arrays=None if head.lent is None else head.lent.arrays(),
             direct=head.rows,
         )
         return batch, head.state
@@ -510,8 +510,8 @@ class Admission:
         """A job that decodes ``rows_in_place`` (per group: chunks, their rows, their views'
         offsets) straight into batch arrays taken from the batch buffers."""
         job = pending.job = FillJob(_runtime.next_ticket(), self.generation, plan.index)
-        arrays = pending.arrays = self.setup.buffers.take(len(plan))
-        dest = self.setup.buffers.parts(arrays)  # a window's step: its (row, t) slices
+        # (the buffers are taken when the first row is decoded, not now: see LentBatch)
+        lent = pending.lent = self.setup.buffers.lend(len(plan))
         for group, chunks, rows, offsets in rows_in_place:
             assert group.in_place is not None
             for offset in sorted_unique(offsets).tolist():
@@ -519,7 +519,7 @@ class Admission:
                 chunk_list, row_list = chunks[pick].tolist(), rows[pick].tolist()
                 for path, labels in group.in_place.items():
                     label = labels[offset]
-                    job.add_rows(self.setup.arrays[path], dest[label], chunk_list, row_list)
+                    job.add_rows(self.setup.arrays[path], lent, label, chunk_list, row_list)
                     pending.rows[label] = pending.rows.get(label, 0) + len(row_list)
             pending.ahead_bytes += group.row_bytes * len(chunks)
         self.ahead_bytes += pending.ahead_bytes

@@ -143,6 +143,10 @@ class FillRunner:
         if revive:  # cache files are mapped on the decode threads, never GET
             self.land_many(job, [Queued(u) for u in revive])
         fetch = [u for u in units if u.tile is not REVIVE]
+        # GETs land rows in their batch arrays from the event loop: take those here (a take may
+        # wait for a buffer the reserve is making; the loop must never wait)
+        for lent in {id(r.lent): r.lent for r in rows}.values():
+            lent.arrays()
         if fetch or rows:
             self.gets.enqueue(job, fetch, rows)
 
@@ -621,7 +625,6 @@ class FillRunner:
                 acc.packed.add(TRANSFORM, t0, t0, t1, acc.packed.ref(path), chunk)
 
     def _job_done(self, job: FillJob) -> None:
-        job.arrays = None  # the batch holds its arrays; a finished job holds nothing
         job.spares.clear()
         job.fill.resolve()
 

@@ -21,6 +21,7 @@ from insitubatch_nodes.plan.ledger import BatchPlan, ChunkKey
 from insitubatch_nodes.plan.patches import unit_chunk_tile
 from insitubatch_nodes.slots import PENDING, ChunkEntry, Fill
 from insitubatch_nodes.stages._spares import SpareRegion, SpareView
+from insitubatch_nodes.stages.buffers import LentBatch
 
 __all__ = [
     "REVIVE",
@@ -355,14 +356,23 @@ SMALL_OBJECT_S = 40e-6
 
 class Rows:
     """Chunks of one array (one sample each) decoded straight into rows of a batch array:
-    chunk ``chunks[i]`` into ``out[rows[i]]``. One queued item: a run takes all of them, with
-    no Python object per stored object (what keeps sixty arrays a sample cheap)."""
+    chunk ``chunks[i]`` into ``out[rows[i]]``, ``out`` being part ``label`` of the batch
+    ``lent`` (its buffers taken when a decode thread first asks for :attr:`out`). One queued
+    item: a run takes all of them, with no Python object per stored object (what keeps sixty
+    arrays a sample cheap)."""
 
-    __slots__ = ("array", "chunks", "objects", "out", "rows")
+    __slots__ = ("array", "chunks", "label", "lent", "objects", "rows")
 
-    def __init__(self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]):
-        self.array, self.out, self.chunks, self.rows = array, out, chunks, rows
+    def __init__(
+        self, array: ArrayFill, lent: LentBatch, label: str, chunks: list[int], rows: list[int]
+    ):
+        self.array, self.lent, self.label, self.chunks, self.rows = array, lent, label, chunks, rows
         self.objects = len(chunks) * len(array.tiles)
+
+    @property
+    def out(self) -> np.ndarray:
+        """The batch array these rows land in (taking the batch's buffers on first use)."""
+        return self.lent.part(self.label)
 
     def units(self) -> list[Unit]:
         """One unit per stored object (for GETs, which go one by one)."""
@@ -386,14 +396,13 @@ class FillJob:
 
     ``fill`` is shared with every entry the admission pins as a miss (pass it to
     :meth:`~insitubatch_nodes.pool.ChunkPool.acquire_many`); the job itself is one of its
-    members, resolved when every object has been handled. ``arrays`` are the batch arrays its
-    direct rows land in (``None`` without direct rows); ``error`` is the first error of a
-    direct row (the batch fails with it).
+    members, resolved when every object has been handled. ``rows`` land in the batch arrays
+    of a :class:`~insitubatch_nodes.stages.buffers.LentBatch`; ``error`` is the first error of
+    a direct row (the batch fails with it).
     """
 
     __slots__ = (
         "__weakref__",
-        "arrays",
         "batch",
         "cancelled",
         "error",
@@ -417,7 +426,6 @@ class FillJob:
         self.fill = Fill(1)
         self.units: list[Unit] = []  # stored objects of pool entries
         self.rows: list[Rows] = []  # rows decoded straight into the batch
-        self.arrays: dict[str, np.ndarray] | None = None
         self.spares: dict[int, SpareRegion] = {}  # id(entry) -> its decode region (reshaping)
         self.error: BaseException | None = None
         self.cancelled = False
@@ -446,13 +454,13 @@ class FillJob:
         self.units.extend(Unit(array, chunk, tile, region[box], entry) for tile, box in array.tiles)
 
     def add_rows(
-        self, array: ArrayFill, out: np.ndarray, chunks: list[int], rows: list[int]
+        self, array: ArrayFill, lent: LentBatch, label: str, chunks: list[int], rows: list[int]
     ) -> None:
         """Decode chunk ``chunks[i]`` (one sample) of ``array`` straight into row ``rows[i]``
-        of the batch array ``out``."""
+        of part ``label`` of the batch ``lent``."""
         for lo in range(0, len(chunks), ROWS_PER_ITEM):
             hi = lo + ROWS_PER_ITEM
-            self.rows.append(Rows(array, out, chunks[lo:hi], rows[lo:hi]))
+            self.rows.append(Rows(array, lent, label, chunks[lo:hi], rows[lo:hi]))
 
     def skips(self, unit: Unit) -> bool:
         """Whether ``unit`` no longer needs filling: its entry failed, was resolved, or lost
@@ -494,7 +502,7 @@ class PendingBatch:
     # it starts an epoch mid-way, see ChunkLedger.carried)
     requests: list[SlotRequest]
     job: FillJob | None = None  # built with its rows decoded in place; submitted at admission
-    arrays: dict[str, np.ndarray] | None = None
+    lent: LentBatch | None = None  # the batch its rows decoded in place land in
     rows: dict[str, int] = field(default_factory=dict)  # label -> rows decoded in place
     # group index -> the chunks decoded in place (a slot of the same chunk is not read)
     in_place: dict[int, set[int]] = field(default_factory=dict)

@@ -75,6 +75,16 @@ class SavedStateChecks:
         ``batches_emitted`` batches (all it had if fewer; rank 0, whose state is saved, has the
         most), and the rest of the epoch is dealt to this world size: over for every rank once
         rank 0 has no batch of it left (before 2026-12-07 a rank with none went on alone).
+
+        Of this world size, the epoch is over once the rank that saved the state has no batch
+        of it left (its ``"rank"``, in an ``"uneven"`` state, whose ranks' shares differ):
+        each rank restored from its own state, or every rank from rank 0's (DDP's rule), ends
+        the epoch where the ranks that never stopped end it, one loop at a time (before
+        2026-12-07 a rank with fewer batches than rank 0 given rank 0's state took its own
+        share's end: an empty rank ran the ended epoch again, one loop behind rank 0, and a
+        rank with a batch fewer ran the next epoch while rank 0 ended this one). A state
+        without ``"rank"`` (saved before) is taken as the rank's own, unless it has delivered
+        more than the rank's share: rank 0's then.
         """
         epoch, emitted = int(state["epoch"]), int(state["batches_emitted"])
         resumed = check_cuts(state.get("resumed", ()), emitted)
@@ -94,12 +104,46 @@ class SavedStateChecks:
                 return epoch + 1, 0, (), None  # the epoch was over
             if not resumed or resumed[-1][1] < emitted:  # (its ranks delivered nothing: no cut)
                 resumed = (*resumed, (saved_world, emitted))
-        if resumed or emitted:  # over once rank 0 (the largest share) has none left
-            lead = (0, self.world_size) if resumed else None  # ("uneven": a rank may have none)
+        if resumed or emitted:  # over once the rank that saved it has none left
+            lead = self._saver(state, saved_world, resumed)
             n_batches = self._draw(epoch, None, resumed, lead, dealing).n_batches
-            if emitted >= n_batches and (n_batches > 0 or resumed):
+            if lead is None and emitted > n_batches:  # not its own: rank 0's (DDP's rule)
+                lead = (0, self.world_size)
+                n_batches = self._draw(epoch, None, resumed, lead, dealing).n_batches
+            if emitted >= n_batches:
                 epoch, emitted, resumed = epoch + 1, 0, ()
         return epoch, emitted, resumed, dealing if (resumed or emitted) else None
+
+    def _saver(
+        self, state: Mapping[str, Any], saved_world: int, resumed: Sequence[Stage]
+    ) -> tuple[int, int] | None:
+        """``(rank, world size)`` of the rank whose batches say where ``state``'s epoch ends:
+        the rank that saved it (``"rank"``, an ``"uneven"`` state of this world size's), else
+        rank 0 of an elastic epoch (over for every rank once rank 0, the largest share, has
+        none left), else ``None``: this rank's own."""
+        rank = state.get("rank")
+        if saved_world == self.world_size and type(rank) is int and 0 <= rank < saved_world:
+            return rank, saved_world
+        return (0, self.world_size) if resumed else None
+
+    def ended_len(self, state: Mapping[str, Any]) -> int:
+        """This rank's batches of the epoch read-plan state ``state`` was taken in, counted
+        from its start, where ``state`` ends it: its ``batches_emitted``, but at most this
+        rank's own share of that epoch where another rank of this world size saved it (rank
+        0's, restored on every rank: a rank with fewer batches, an empty rank none). Saved on
+        another world size, or with other views or batching: its ``batches_emitted``."""
+        emitted = int(state["batches_emitted"])
+        saved = state["config"]
+        if (
+            int(saved.get("world_size", self.world_size)) != self.world_size
+            or self._other_views(saved) is not None
+            or other_order(saved, self._config)
+        ):
+            return emitted
+        resumed = check_cuts(state.get("resumed", ()), emitted)
+        dealing = saved_dealing(saved, self._config)
+        own = self._draw(int(state["epoch"]), None, resumed, None, dealing).n_batches
+        return min(emitted, own)
 
     def check_state(self, state: Mapping[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` (from :meth:`get_state`) fits this node."""

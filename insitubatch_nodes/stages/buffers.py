@@ -34,7 +34,7 @@ from insitubatch_nodes.lending import BufferPool
 from insitubatch_nodes.plan.parts import BatchLayout, LabelParts
 from insitubatch_nodes.slots import RamBacking
 
-__all__ = ["BatchBuffers", "batch_rows", "batches_in_flight"]
+__all__ = ["BatchBuffers", "LentBatch", "batch_rows", "batches_in_flight"]
 
 
 class BatchBuffers:
@@ -88,19 +88,19 @@ class BatchBuffers:
             self.resize(n)
         return {label: pool.take()[:n] for label, pool in self._pools.items()}
 
+    def lend(self, n: int) -> LentBatch:
+        """A batch of ``n`` rows whose arrays are taken when first asked for, on any thread
+        (:class:`LentBatch`); made on the producer thread."""
+        if n > self.rows:
+            self.resize(n)
+        return LentBatch(dict(self._pools), n, self.layout if not self._plain else None)
+
     def parts(self, arrays: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
         """Each part's destination in the batch ``arrays`` (from :meth:`take`): part label ->
         ``arrays[label]`` itself, the view ``arrays[label][:, t]`` of a window's step ``t``,
         or a stack member's channel slice. Views share the batch's memory (and keep its
         buffer lent)."""
-        if self._plain:
-            return arrays
-        out: dict[str, np.ndarray] = {}
-        for label, lp in self.layout.labels.items():
-            arr = arrays[label]
-            for part, index in lp.parts:
-                out[part] = lp.destination(arr, index)
-        return out
+        return _parts(arrays, None if self._plain else self.layout)
 
     def reserve(self, batches: int) -> None:
         """Make the buffers of ``batches`` batches ahead of need, on a thread of their own, with
@@ -153,6 +153,68 @@ class BatchBuffers:
     def batch_nbytes(self) -> int:
         """Bytes of one batch's buffers, every label's together."""
         return sum(p.nbytes for p in self._pools.values())
+
+
+class LentBatch:
+    """One batch's arrays, taken from the batch buffers when first asked for.
+
+    The fetch stage plans the rows it decodes straight into a batch ahead of the decodes
+    (read-ahead), but a batch's buffers are taken only when :meth:`arrays` or :meth:`part`
+    is first called: over a local folder by the decode thread that reaches its first row, over
+    a store read by GETs when the fetch stage submits its reads (on the producer thread: the
+    event loop that lands them must never wait for a buffer), and at the latest by the pool
+    stage when the batch is handed on. A batch queued behind others thus faults in no fresh
+    memory before the decode threads reach it: in a fresh process's first epoch at one sample
+    per chunk over a local folder, two batches' buffers (up to hundreds of MB) fewer are made,
+    each page of which this machine's kernel faults in at 0.4–2 GB/s. A batch that is
+    abandoned before any of these takes nothing. Safe from any thread; the pools and layout
+    are those of :meth:`BatchBuffers.lend` (a later ``set_views`` or resize changes neither).
+    """
+
+    __slots__ = ("_arrays", "_layout", "_lock", "_n", "_parts", "_pools")
+
+    def __init__(self, pools: Mapping[str, BufferPool], n: int, layout: BatchLayout | None):
+        self._pools, self._n, self._layout = pools, n, layout
+        self._arrays: dict[str, np.ndarray] | None = None
+        self._parts: Mapping[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def taken(self) -> bool:
+        """Whether the buffers were taken."""
+        return self._arrays is not None
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The batch arrays ``(n, *lead, *inner)`` per label, taken on the first call."""
+        arrays = self._arrays
+        if arrays is None:
+            with self._lock:
+                arrays = self._arrays
+                if arrays is None:
+                    arrays = {label: pool.take()[: self._n] for label, pool in self._pools.items()}
+                    self._parts = _parts(arrays, self._layout)
+                    self._arrays = arrays
+        return arrays
+
+    def part(self, label: str) -> np.ndarray:
+        """Part ``label``'s destination in the batch arrays (:meth:`BatchBuffers.parts`)."""
+        if self._arrays is None:
+            self.arrays()
+        return self._parts[label]
+
+
+def _parts(
+    arrays: Mapping[str, np.ndarray], layout: BatchLayout | None
+) -> Mapping[str, np.ndarray]:
+    """:meth:`BatchBuffers.parts` of ``arrays`` under ``layout`` (``None``: plain)."""
+    if layout is None:
+        return arrays
+    out: dict[str, np.ndarray] = {}
+    for label, lp in layout.labels.items():
+        arr = arrays[label]
+        for part, index in lp.parts:
+            out[part] = lp.destination(arr, index)
+    return out
 
 
 def batch_rows(

@@ -65,7 +65,8 @@ class Loader(_TorchdataLoader[T]):
     A state taken inside an epoch resumes that epoch's loop even where this rank has no batch
     of it left (an elastic ``"uneven"`` rank with no share of the rest: an empty loop; before
     2026-12-07 torchdata's restart ran the next epoch in it); one taken at an epoch's end, the
-    next epoch.
+    next epoch, also where this rank has no batch of that (an empty ``"uneven"`` rank given
+    rank 0's state: before 2026-12-07 the restart ran the epoch after it in its place).
     """
 
     # torchdata ships no type information (``BaseNode[T]`` is ``Any`` to a type checker): over
@@ -91,10 +92,11 @@ class Loader(_TorchdataLoader[T]):
         if self._it is None:
             self._it = _OneLoop(self)
         pending = self._next_iter_state_dict
-        ends = getattr(self.root, "ends_epoch", None)
-        if pending is not None and ends is not None and not ends(pending):
-            # inside its epoch: that epoch's loop, empty where this rank has no batch of it
-            # left (torchdata's restarts a restored loop without one: the next epoch's batches)
+        if pending is not None and hasattr(self.root, "ends_epoch"):
+            # this package's root resumes a state taken at its epoch's end at the next epoch's
+            # start itself, and one inside its epoch in that epoch: the loop the state resumes,
+            # empty where this rank has no batch of it (torchdata's restarts a restored loop
+            # without one: the epoch after it, one loop ahead)
             self._next_iter_state_dict = None
             self._it.reset(initial_state=pending)
             return self._it

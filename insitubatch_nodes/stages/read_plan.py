@@ -129,9 +129,13 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
     epochs than its own, and the state of either resumed that epoch again, an empty loop).
     The state is O(1) plain Python — the epoch, the batches emitted, and the configuration the
     plan is a function of (computed once, at construction: the configuration is fixed, and
-    assigning to it raises ``AttributeError``) — and ``reset(state)`` resumes at exactly the
-    next batch. A state taken after the last batch of an epoch resumes at the start of the
-    next epoch —
+    assigning to it raises ``AttributeError``; with ``"uneven"`` on several ranks, also the
+    rank that saved it) — and ``reset(state)`` resumes at exactly the next batch. A state
+    taken after the last batch of an epoch resumes at the start of the next epoch; an
+    ``"uneven"`` state restored on another rank (rank 0's on every rank, DDP's rule) ends
+    its epoch where the rank that saved it does, so a rank with fewer batches (none) resumes
+    that epoch's loop, empty, while rank 0 has a batch of it left, and the next epoch once
+    rank 0 has none —
     except one marked ``"stop_owed"`` (``Loader`` marks a mixing sampler's unexhausted sources):
     it raises that epoch's ``StopIteration`` first, its state meanwhile the one restored.
     Restoring a state whose configuration differs raises ``ValueError`` naming the field —
@@ -603,8 +607,12 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         }
         if self._resumed:  # plain lists: checkpoints load with weights_only=True
             state["resumed"] = [[w, k] for w, k in self._resumed]
-        if self._over and self._resolve(state)[0] == self._epoch:
-            # over here, though restored it would resume this epoch (this rank had no batch of
-            # it, or none of an elastic rest while rank 0 had): the next epoch's start
+        if self.remainder == "uneven" and self.world_size > 1:
+            state["rank"] = self.rank  # (shares differ: whose batches end its epoch, _resolve)
+        unsigned = {k: v for k, v in state.items() if k != "rank"}
+        if self._over and self._resolve(unsigned)[0] == self._epoch:
+            # over here, though restored it would resume this epoch read as one of its own
+            # batches (no batch of it: with none, and the elastic rule, rank 0's, with fewer
+            # of an elastic rest than rank 0): the next epoch's start, alike on every rank
             return {**self.start_state(self._epoch + 1), "anchors": self._anchors.value}
         return state
