@@ -19,8 +19,8 @@ the runner owns, and which hands each object back through a callback) on the pro
 keeps at most ``max_inflight`` objects *in flight* — from the GET's start until its bytes are
 decoded, as before — taking objects in ticket order; a GET that lands queues its bytes on its job
 and starts a run there if none is running (the objects of a chunk that a transform reshapes
-queue together, once its last has landed: :meth:`SpareRegion.park <insitubatch_nodes.stages.
-_spares.SpareRegion.park>`). A decode thread that frees a permit wakes the loop only
+queue together, once its last has landed: :func:`~insitubatch_nodes.stages._spares.
+land_together`). A decode thread that frees a permit wakes the loop only
 when the loop ran out of permits (at most once per such stall), not once per object.
 
 **Resolution.** An entry resolves once every stored object of it has been handled: ready (after its
@@ -35,6 +35,7 @@ re-raises; a stored object that cannot be read or decoded is counted, and fills 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -62,7 +63,13 @@ from insitubatch_nodes.stages._jobs import (
     Unit,
 )
 from insitubatch_nodes.stages._ranges import profile_range
-from insitubatch_nodes.stages._spares import SpareBuffers, SpareRegion, SpareView, as_array
+from insitubatch_nodes.stages._spares import (
+    SpareBuffers,
+    SpareRegion,
+    SpareView,
+    as_array,
+    land_together,
+)
 from insitubatch_nodes.trace import DECODE, MISSING, READ, READ_DECODE, TRANSFORM, PackedSpans
 from insitubatch_nodes.transforms import ChunkTransforms
 
@@ -115,7 +122,7 @@ class FillRunner:
                 store_name,
                 pool=pool,
                 recorder=recorder,
-                land=self._land_got,
+                land=functools.partial(land_together, self.land_many, max_inflight),
             )
         self.threads = len(decode_pool.threads)
         self.spares = SpareBuffers(max_idle=max(2, self.threads))
@@ -172,23 +179,6 @@ class FillRunner:
                 starts += 1
         for _ in range(starts):
             self.decode_pool.submit(job.ticket, self._run, job)
-
-    def _land_got(self, job: FillJob, items: Sequence[Queued]) -> None:
-        """The GETs' ``land``: :meth:`land_many`, but a reshaped chunk's objects go together,
-        once the last has landed (:meth:`SpareRegion.park <insitubatch_nodes.stages._spares.
-        SpareRegion.park>`)."""
-        assert self.gets is not None
-        ready: list[Queued] = []
-        for item in items:
-            work = item.work
-            out = work.out if isinstance(work, Unit) else None
-            entry = work.entry if isinstance(work, Unit) else None
-            if isinstance(out, SpareView) and entry is not None:
-                ready.extend(out.region.park(item, entry, self.gets.max_inflight))
-            else:
-                ready.append(item)
-        if ready:
-            self.land_many(job, ready)
 
     # -- runs (decode threads) -----------------------------------------------------------------
     def _run(self, job: FillJob) -> None:

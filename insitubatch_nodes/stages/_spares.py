@@ -21,13 +21,14 @@ together, as a local store's do.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from insitubatch_nodes.io.geometry import ArrayGeometry
 
-__all__ = ["SpareBuffers", "SpareRegion", "SpareView", "as_array"]
+__all__ = ["SpareBuffers", "SpareRegion", "SpareView", "as_array", "land_together"]
 
 _T = TypeVar("_T")
 
@@ -136,3 +137,21 @@ class SpareView(NamedTuple):
 def as_array(out: np.ndarray | SpareView) -> np.ndarray:
     """``out`` as the array an object is written into (a spare's view: its rectangle, taken)."""
     return out if isinstance(out, np.ndarray) else out.array()
+
+
+def land_together(
+    land: Callable[[Any, list[Any]], None], most: int, job: Any, items: Sequence[Any]
+) -> None:
+    """A store read by GETs hands each landed object here (``items``: the fill's ``Queued``
+    of ``job``): ``land(job, ready)`` with them, but the objects of a chunk decoded into a
+    spare (a :class:`SpareView`) wait until the chunk's last has landed and go together
+    (:meth:`SpareRegion.park`; ``most``: ``max_inflight``)."""
+    ready: list[Any] = []
+    for item in items:
+        out = getattr(item.work, "out", None)  # (a batch's rows decode into no spare)
+        if isinstance(out, SpareView):
+            ready.extend(out.region.park(item, item.work.entry, most))
+        else:
+            ready.append(item)
+    if ready:
+        land(job, ready)
