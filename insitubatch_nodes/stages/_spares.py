@@ -76,7 +76,7 @@ class SpareRegion:
     :meth:`release`. Indexing it with a tile's box gives the :class:`SpareView` its unit
     decodes into."""
 
-    __slots__ = ("_geom", "_lock", "_n", "_parked", "_spares", "buf")
+    __slots__ = ("_geom", "_lock", "_n", "_parked", "_parks", "_spares", "buf")
 
     def __init__(
         self, spares: SpareBuffers, geom: ArrayGeometry, n: int, lock: threading.Lock
@@ -84,6 +84,7 @@ class SpareRegion:
         self._spares, self._geom, self._n, self._lock = spares, geom, n, lock
         self.buf: np.ndarray | None = None  # taken: some object of the chunk was written
         self._parked: list[Any] = []  # landed objects waiting for the chunk's last (park)
+        self._parks: bool | None = None  # whether its objects wait for the last (park)
 
     def __getitem__(self, box: Any) -> SpareView:
         return SpareView(self, box)
@@ -100,18 +101,19 @@ class SpareRegion:
 
     def park(self, item: _T, entry: Any, most: int) -> list[_T]:
         """A GET of one of the chunk's objects ended (``item``: it, landed, with its permit):
-        the objects to hand the decode threads now. None until the last object not yet
-        handled (``entry.tiles_left``, read under the job's lock) has landed too, then all
-        of them at once, so that the buffer is taken when the chunk's decoding starts and
-        given back when it ends. Where more than ``most`` (``max_inflight``) objects are left,
-        ``[item]`` at once: the ones parked hold GET permits, and the last would wait for one
-        of theirs."""
+        the objects to hand the decode threads now. None until the last of them has landed
+        too (``entry.tiles_left`` at the first landing, read under the job's lock: none of
+        them handled yet), then all at once, so that the buffer is taken when the chunk's
+        decoding starts and given back when it ends. A chunk of more objects than ``most``
+        (``max_inflight``) is not parked (its objects go at once, as they land): the ones
+        parked would hold every GET permit, and the last would wait for one of theirs."""
         with self._lock:
-            left = entry.tiles_left
-            if left > most:
+            if self._parks is None:  # decided once, before any of its objects is handled
+                self._parks = entry.tiles_left <= most
+            if not self._parks:
                 return [item]
             self._parked.append(item)
-            if len(self._parked) < left:
+            if len(self._parked) < entry.tiles_left:
                 return []
             parked, self._parked = self._parked, []
         return parked
