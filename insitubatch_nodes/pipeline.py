@@ -148,9 +148,12 @@ class InSituPipeline(PrefetcherNode[Batch]):
         otherwise), views of other arrays (or of an array with another geometry), an
         array patched otherwise, a stack with forcings whose first sampled member's times the
         batches do not carry, ``Forcings`` among the batch transforms that do not fit their
-        label's new view (as at build), a split left with no anchor, and an explicit
-        ``cache_budget_bytes`` below the new views' floor (as at build); a static array that
-        cannot be read raises as at build. Time-delta windows are resolved through the times
+        label's new view (as at build), a split left with no anchor, an explicit
+        ``cache_budget_bytes`` below the new views' floor (as at build), and views the build's
+        memory check refuses (counted again for them: their batches in flight, the chunks
+        their epochs read, what the batch transforms hold with their stacks' static fields
+        and forcings; the views in effect are kept); a static array that cannot be read
+        raises as at build. Time-delta windows are resolved through the times
         the pipeline was built with (a time ``stride``, time windows or ``missing=``;
         ``missing=()`` reads them and lists nothing): give offsets in samples otherwise."""
         if not isinstance(views, Mapping) or not views:
@@ -188,7 +191,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
         parts, _ = expand_views(resolve_windows(carried, steps))
         pool, store = self.stages.pool, self.stages.fetch.store
         timeout = (self.context.options.retry or retry_policy(store)).timeout_s
-        commit = prepare_constants(  # the static arrays new stacks need: read now, once
+        commit, pending = prepare_constants(  # the static arrays new stacks need: read now
             carried,
             self.stages.gather,
             plan,
@@ -203,8 +206,12 @@ class InSituPipeline(PrefetcherNode[Batch]):
             revive=persistent and plan.shuffle,
             held=plan.held,
         )
+        # the memory rule for the new views, before the plan takes them (it counts them
+        # again, without the new stacks' constants: counted here, and kept once committed)
+        counted = self.stages.fetch.count_views(carried, schedule, [pending])
         plan.set_views(carried, schedule=schedule)
         commit()
+        self.context.memory.counted = counted
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks; the

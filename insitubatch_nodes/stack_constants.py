@@ -92,16 +92,29 @@ class StackConstants:
     ) -> None:
         self.plan = plan
         self._variants: dict[str, list[_Prepared]] = {}
-        self.add(stacks, arrays)
+        self._prepare(stacks, arrays)
 
     def add(
         self, stacks: Mapping[str, Stack], arrays: Mapping[tuple[str, str], np.ndarray]
     ) -> None:
         """Prepare the constants of ``stacks`` (as in the constructor); those of stacks that
         are neither in effect nor among ``stacks`` are dropped."""
+        self.adopt(StackConstants(stacks, arrays))
+
+    def adopt(self, other: StackConstants) -> None:
+        """Take the constants ``other`` prepared (of stacks given later, made without a plan:
+        :func:`prepare_constants`); those of stacks neither in effect nor among its are
+        dropped."""
         effect = {} if self.plan is None else dict(self.plan.batch_views)
         for label, variants in self._variants.items():
             variants[:] = [p for p in variants if p.stack is effect.get(label)]
+        for label, prepared in other._variants.items():
+            self._variants.setdefault(label, []).extend(prepared)
+
+    def _prepare(
+        self, stacks: Mapping[str, Stack], arrays: Mapping[tuple[str, str], np.ndarray]
+    ) -> None:
+        """Prepare the constants of ``stacks`` beside those prepared already."""
         for label, st in stacks.items():
             fills = []
             for member in st.static:
@@ -300,16 +313,17 @@ def prepare_constants(
     gather: GatherNode,
     plan: ViewsInEffect,
     read: Callable[[Mapping[str, ArrayGeometry]], Mapping[str, np.ndarray]],
-) -> Callable[[], None]:
+) -> tuple[Callable[[], None], StackConstants]:
     """The static and forcing members of the stacks among ``views`` (given to
     ``InSituPipeline.set_views``), checked and read now: ``ValueError`` for a stack with
     forcings whose first sampled member's array has no times the batches carry; the static
     arrays no stack of ``gather``'s :class:`StackConstants` holds are read with ``read``
     (``{key: view} -> {key: data}``), once (``ValueError`` for one whose values the stack's
     dtype cannot hold, :func:`~insitubatch_nodes.stack.refuse_overflow`). Returns what makes
-    them take effect: call it once the plan took ``views`` (it adds them to the pipeline's
+    them take effect — call it once the plan took ``views`` (it adds them to the pipeline's
     :class:`StackConstants`, putting one first among ``gather``'s batch transforms if it has
-    none)."""
+    none) — and the constants it adds, prepared (what the memory check counts them at, before:
+    their ``most_held_bytes``)."""
     stacks = {label: v for label, v in views.items() if isinstance(v, Stack)}
     for label, st in stacks.items():
         path = st.sampled[0].geometry.path
@@ -356,9 +370,11 @@ def prepare_constants(
             if m.norm is None:
                 refuse_overflow(m.name, arrays[(label, m.name)], st.dtype)
 
+    pending = StackConstants(stacks, arrays)  # (prepared now: counted before commit takes it)
+
     def commit() -> None:
-        constants.add(stacks, arrays)
+        constants.adopt(pending)
         if not found and any(st.static or st.forcings for st in stacks.values()):
             gather.run_first(constants)
 
-    return commit
+    return commit, pending

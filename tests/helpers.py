@@ -27,6 +27,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
 from insitubatch_nodes import Batch, SplitManifest
+from insitubatch_nodes.stages._spares import SpareBuffers
 from insitubatch_nodes.synthetic import make_era5_like, make_microscopy_like
 
 METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata"})
@@ -34,6 +35,42 @@ METADATA_NAMES = frozenset({"zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmet
 
 def is_metadata_key(key: str) -> bool:
     return key.rsplit("/", 1)[-1] in METADATA_NAMES
+
+
+# ---------------------------------------------------------------------------------------------
+# What the fill holds
+# ---------------------------------------------------------------------------------------------
+
+
+class LiveSpares:
+    """Counts a reshaping chunk transform's stored-layout decode buffers taken and not yet given
+    back (``live``, its peak ``peak``) and the most bytes of them held at once, live and idle
+    (``peak_bytes``), by patching ``SpareBuffers.take``/``give`` for the test."""
+
+    def __init__(self, monkeypatch: Any) -> None:
+        self.lock = threading.Lock()
+        self.live = self.peak = self.peak_bytes = 0
+        self.nbytes = 0
+        take, give = SpareBuffers.take, SpareBuffers.give
+        live = self
+
+        def counted_take(spares: SpareBuffers, *args: Any) -> Any:
+            buf = take(spares, *args)
+            with live.lock:
+                live.live += 1
+                live.nbytes += buf.nbytes
+                live.peak = max(live.peak, live.live)
+                live.peak_bytes = max(live.peak_bytes, live.nbytes + spares.nbytes)
+            return buf
+
+        def counted_give(spares: SpareBuffers, path: str, buf: Any) -> None:
+            with live.lock:
+                live.live -= 1
+                live.nbytes -= buf.nbytes
+            give(spares, path, buf)
+
+        monkeypatch.setattr(SpareBuffers, "take", counted_take)
+        monkeypatch.setattr(SpareBuffers, "give", counted_give)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,57 +23,27 @@ state saved mid-epoch resumes the same rows in the same batches
 (``test_a_state_saved_mid_epoch_under_coarsen_resumes_the_same_rows``, right before the fix
 too).
 
-Found, not fixed: from a store read by GETs (not local files), a chunk of several objects
-whose objects land apart holds its buffer from its first object's decode to its last one's,
-and a run ends when its job's queue is empty even mid-chunk: 4 to 5 buffers (81,920 bytes)
-held over 3 epochs at 2 threads and chunks of 4 objects, where 65,536 are counted (on main:
-17 to 31). Bounding it would take the GET queue starting and landing a reshaped chunk's
-objects together (or the count growing with ``max_inflight``).
+Found, not fixed here (fixed by ``tests/test_memrule3_trial.py``: such a chunk's objects now
+wait, landed, for its last one and decode together): from a store read by GETs (not local
+files), a chunk of several objects whose objects land apart held its buffer from its first
+object's decode to its last one's, and a run ended when its job's queue was empty even
+mid-chunk: 4 to 5 buffers (81,920 bytes) held over 3 epochs at 2 threads and chunks of 4
+objects, where 65,536 are counted.
 """
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import zarr
+from helpers import LiveSpares
 
 from insitubatch_nodes import Coarsen, Loader, insitu_pipeline, open_geometries, split_by_chunk
-from insitubatch_nodes.stages._fill import SpareBuffers
 
 pytestmark = pytest.mark.timeout(60)
-
-
-class _Live:
-    """Counts the stored-layout buffers taken and not yet given back (the live ones)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.lock = threading.Lock()
-        self.live = self.peak = self.peak_bytes = 0
-        self.nbytes = 0
-        take, give = SpareBuffers.take, SpareBuffers.give
-        live = self
-
-        def counted_take(spares: SpareBuffers, *args: Any) -> Any:
-            buf = take(spares, *args)
-            with live.lock:
-                live.live += 1
-                live.nbytes += buf.nbytes
-                live.peak = max(live.peak, live.live)
-                live.peak_bytes = max(live.peak_bytes, live.nbytes + spares.nbytes)
-            return buf
-
-        def counted_give(spares: SpareBuffers, path: str, buf: Any) -> None:
-            with live.lock:
-                live.live -= 1
-                live.nbytes -= buf.nbytes
-            give(spares, path, buf)
-
-        monkeypatch.setattr(SpareBuffers, "take", counted_take)
-        monkeypatch.setattr(SpareBuffers, "give", counted_give)
 
 
 def _store(root: Path, tile: int = 32) -> tuple[Path, np.ndarray]:
@@ -104,7 +74,7 @@ def test_a_reshaped_chunk_holds_its_decode_buffer_only_while_decoded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_size: int, tile: int, most: int
 ) -> None:
     root, values = _store(tmp_path / "c.zarr", tile)
-    live = _Live(monkeypatch)
+    live = LiveSpares(monkeypatch)
     chunk = 4 * 32 * 32 * 4
     coarse = _coarse(values)
     with _build(root, batch_size) as pipe:

@@ -109,6 +109,7 @@ STAGE_LEVELS = {
     "_ranges": 0,
     "_wiring": 0,
     "_resume": 0,
+    "_memrule": 0,
     "fetch": 1,
     "_admit": 1,
     "_jobs": 1,

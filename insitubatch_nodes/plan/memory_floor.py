@@ -27,7 +27,7 @@ A pipeline holds at most, beside the interpreter:
 * the decode scratch: one stored object per decode thread and array whose objects may be
   decoded aside (:func:`decode_scratch_bytes`), the buffers per thread that a selection's
   objects are decoded into whole (``KeepingDecoder.most_aside_bytes``: such an array's own
-  scratch only where a whole object is not decoded in place), and the idle stored-layout
+  scratch only where a whole object is not decoded in place), and the stored-layout
   chunks of reshaping chunk transforms (:func:`spare_bytes`); the fetch stage sums them;
 * what the batch transforms hold (``stages.gather.most_transform_bytes``: each transform's
   ``most_held_bytes``): static fields and the rows cut from them, stacks' constant channels,
@@ -45,7 +45,11 @@ checked alone, and the process's own memory (the interpreter, torch, other pipel
 counted; nor is the solar forcings' scratch, bounded by
 :data:`~insitubatch_nodes.forcing_solar.SOLAR_SCRATCH_BYTES` whatever the batch and the grid.
 The check is built once, at the build, from the first epoch's plan the fetch stage draws
-anyway (sums over its ledgers, no pass over the samples).
+anyway (sums over its ledgers, no pass over the samples), completed by the gather stage with
+the batch transforms where the fetch stage was not given them (a graph composed by hand), and
+counted again by ``set_views`` for the views it is given (``stages/_memrule.py``; before
+2026-12-07 neither: a hand-composed graph counted 0 bytes for its batch transforms, and other
+views were held to the count of the build's, ``tests/test_memrule3_trial.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+import numpy as np
 
 from insitubatch_nodes._process import usable_memory_bytes
 from insitubatch_nodes.io.decode import SCRATCH_MIN_BYTES, ChunkDecoder
@@ -80,7 +86,8 @@ class HeldMemory:
     explicit one as given, the automatic one as its first epoch grows it), ``pool`` the slot
     memory it may take (``min(budget, split)``), ``split`` every chunk the split reads (a
     slot each, times the ranks), ``transforms`` what the batch transforms hold at most
-    (``stages.gather.most_transform_bytes``: 0 where the graph was composed without it)."""
+    (``stages.gather.most_transform_bytes``, counted by the gather stage where the fetch stage
+    was not given it)."""
 
     budget: int
     split: int
@@ -221,33 +228,60 @@ def decode_scratch_bytes(
     return threads * total
 
 
-def spare_bytes(geoms: Mapping[str, ArrayGeometry], max_idle: int, threads: int) -> int:
+def spare_bytes(
+    geoms: Mapping[str, ArrayGeometry], threads: int, max_inflight: int | None = None
+) -> int:
     """The buffers the fill holds for decoding the chunks of ``geoms`` (the arrays whose chunk
     transforms reshape them) in their stored layout before the transforms write the slot
     (:mod:`~insitubatch_nodes.stages._spares`). A chunk takes one when its first object is
-    decoded and gives it back (to be kept idle, at most ``max_idle`` per array and length)
-    after its transform, and a new one is made only when none is idle, so an array holds at
-    most as many of a length as were ever taken at once: one whole chunk per decode thread
-    (``threads``), two where a chunk is stored in several objects (two runs may share a chunk,
-    and the next one begins while the last objects of the other decode). Where the array ends
-    inside a chunk, one buffer of that edge chunk's length beside them (it is filled once at a
-    time; a collection's or a product's members may each end in one: ``max_idle`` whole
-    chunks for them, as before). Counted beside :func:`decode_scratch_bytes`: before
-    2026-12-07 they were not, and a field tiled in 16 objects per chunk under ``Coarsen(2)``
-    held 147,456 bytes where the check counted 8,192; later that day an edge chunk's buffers
-    counted as ``max_idle`` whole chunks (98,304 bytes counted, 73,728 held at most); and
-    each admitted chunk took its buffer when queued, not when decoded (up to 23 held at once
-    where the ``max_idle`` idle ones, 2, were counted)."""
+    decoded and gives it back (kept idle, by array and length) after its transform, and a new
+    one is made only when none of its length is idle, so an array holds at most as many of a
+    length as were ever taken at once: one whole chunk per decode thread (``threads``), two
+    where a chunk is stored in several objects (two runs may share a chunk, and the next one
+    begins while the last objects of the other decode). From a store read by GETs
+    (``max_inflight`` given) a chunk's objects reach the decode threads together once the
+    last has landed, so the same holds, except for chunks of more objects than
+    ``max_inflight``: those begin decoding as they land, and every chunk begun but one holds
+    a GET permit, so ``max_inflight + 1`` of them at most.
+
+    Chunks shorter than the others (the valid samples of an edge: where the array ends inside
+    a chunk, a continuous collection's last piece, or the edge blocks of product sample axes,
+    each length of its own) take buffers of their own length: as many of each length as its
+    chunks, up to the whole chunks' number (one for an array's edge chunk). A collection's
+    members that do not continue one another are padded to whole chunks: their edges take
+    whole buffers. Counted beside :func:`decode_scratch_bytes`.
+
+    Before 2026-12-07 none were counted (a field tiled in 16 objects per chunk under
+    ``Coarsen(2)`` held 147,456 bytes where the check counted 8,192); later that day an edge
+    chunk's buffers counted as two whole chunks (98,304 bytes counted, 73,728 held); each
+    admitted chunk took its buffer when queued, not when decoded (up to 23 held at once where
+    2 were counted); the edge blocks of product axes counted nothing (their lengths 2, 3 and 1
+    held beside a whole chunk of 6 at one decode thread, where 6 samples were counted), and a
+    GET store's tiled chunks held a buffer from their first object's decode to their last
+    one's landing (11 live at 2 decode threads, where 4 were counted;
+    ``tests/test_memrule3_trial.py``)."""
     total = 0
     for g in geoms.values():
         base = g.base
         sample = math.prod(base.inner_shape) * base.dtype.itemsize
-        total += threads * (2 if base.n_tiles > 1 else 1) * base.samples_per_chunk * sample
-        edge = base.n_samples % base.samples_per_chunk
-        if edge:
-            plain = base.members is None and base.product is None
-            total += edge * sample if plain else max_idle * base.samples_per_chunk * sample
+        whole = threads * (2 if base.n_tiles > 1 else 1)
+        if max_inflight is not None and base.n_tiles > max_inflight:
+            whole = max(whole, max_inflight + 1)
+        total += whole * base.samples_per_chunk * sample
+        for length, chunks in _edge_chunks(base).items():
+            total += min(chunks, whole) * length * sample
     return total
+
+
+def _edge_chunks(base: ArrayGeometry) -> dict[int, int]:
+    """Length -> how many chunks of ``base`` hold that many valid samples, for the lengths
+    under ``samples_per_chunk`` (:meth:`ArrayGeometry.chunk_range`)."""
+    spc = base.samples_per_chunk
+    if base.product is not None:
+        lengths, chunks = np.unique(base.product.counts, return_counts=True)
+        return {int(n): int(c) for n, c in zip(lengths, chunks, strict=True) if n < spc}
+    edge = base.n_samples % spc
+    return {edge: 1} if edge else {}
 
 
 def _size(n: int) -> str:

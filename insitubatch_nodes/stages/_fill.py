@@ -18,7 +18,9 @@ objects when a job of a sooner ticket (an earlier batch) is waiting, and carries
 the runner owns, and which hands each object back through a callback) on the process's IO loop
 keeps at most ``max_inflight`` objects *in flight* — from the GET's start until its bytes are
 decoded, as before — taking objects in ticket order; a GET that lands queues its bytes on its job
-and starts a run there if none is running. A decode thread that frees a permit wakes the loop only
+and starts a run there if none is running (the objects of a chunk that a transform reshapes
+queue together, once its last has landed: :func:`~insitubatch_nodes.stages._spares.
+land_together`). A decode thread that frees a permit wakes the loop only
 when the loop ran out of permits (at most once per such stall), not once per object.
 
 **Resolution.** An entry resolves once every stored object of it has been handled: ready (after its
@@ -33,6 +35,7 @@ re-raises; a stored object that cannot be read or decoded is counted, and fills 
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -60,7 +63,13 @@ from insitubatch_nodes.stages._jobs import (
     Unit,
 )
 from insitubatch_nodes.stages._ranges import profile_range
-from insitubatch_nodes.stages._spares import SpareBuffers, SpareRegion, SpareView, as_array
+from insitubatch_nodes.stages._spares import (
+    SpareBuffers,
+    SpareRegion,
+    SpareView,
+    as_array,
+    land_together,
+)
 from insitubatch_nodes.trace import DECODE, MISSING, READ, READ_DECODE, TRANSFORM, PackedSpans
 from insitubatch_nodes.transforms import ChunkTransforms
 
@@ -113,7 +122,7 @@ class FillRunner:
                 store_name,
                 pool=pool,
                 recorder=recorder,
-                land=self.land_many,
+                land=functools.partial(land_together, self.land_many, max_inflight),
             )
         self.threads = len(decode_pool.threads)
         self.spares = SpareBuffers(max_idle=max(2, self.threads))

@@ -40,6 +40,7 @@ from insitubatch_nodes.plan.patches import patch_spec, region_count, unit_geomet
 from insitubatch_nodes.plan.schedule import schedule_floors
 from insitubatch_nodes.pool import ChunkPool
 from insitubatch_nodes.recorder import NULL_RECORDER, EpochRecorder
+from insitubatch_nodes.stages._memrule import MemoryRule
 from insitubatch_nodes.stages.buffers import BatchBuffers, batch_rows
 from insitubatch_nodes.stages.read_plan import ReadPlanNode
 from insitubatch_nodes.transforms import ChunkTransform, ChunkTransforms
@@ -95,6 +96,7 @@ class StageContext:
     recorder: EpochRecorder
     buffers: BatchBuffers
     held: Mapping[str, Held] = field(default_factory=dict)
+    memory: MemoryRule = field(default_factory=MemoryRule)
     _members: list[Member] = field(default_factory=list, repr=False)
     _root: list[weakref.ref[Any]] = field(default_factory=list, repr=False)
     _pid: int = field(default_factory=os.getpid, repr=False)  # the process that made it

@@ -54,7 +54,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
@@ -71,14 +71,14 @@ from insitubatch_nodes.io.routing import RoutingStore
 from insitubatch_nodes.io.stores import StoreLike, as_store, describe_store, retry_policy
 from insitubatch_nodes.plan.ledger import BatchPlan
 from insitubatch_nodes.plan.memory_floor import (
+    HeldMemory,
     decode_scratch_bytes,
     every_epoch_budget,
     held_memory,
-    refuse_beyond_memory,
     slot_room,
     spare_bytes,
 )
-from insitubatch_nodes.plan.schedule import ScheduleFloors, schedule_floors
+from insitubatch_nodes.plan.schedule import PinSchedule, ScheduleFloors, schedule_floors
 from insitubatch_nodes.stages._admit import (
     Admission,
     FetchHistory,
@@ -95,10 +95,12 @@ from insitubatch_nodes.stages._graph import (
     source_state,
 )
 from insitubatch_nodes.stages._jobs import ArrayFill, FetchedBatch, KeepingDecoder, SlotLayout
+from insitubatch_nodes.stages._memrule import most_transform_bytes
 from insitubatch_nodes.stages._ranges import profile_range
 from insitubatch_nodes.stages._wiring import check_wiring, claim
-from insitubatch_nodes.stages.buffers import batches_in_flight
+from insitubatch_nodes.stages.buffers import BatchBuffers, batches_in_flight
 from insitubatch_nodes.stages.context import StageContext
+from insitubatch_nodes.stages.read_plan import ReadPlanNode
 
 __all__ = ["AsyncChunkFetchNode"]
 
@@ -122,9 +124,11 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     The build's memory check (:attr:`counted`) counts ``transform_bytes`` beside the pool,
     what the batch transforms hold at most (the builder passes
-    :func:`~insitubatch_nodes.stages.gather.most_transform_bytes`), and an automatic budget as
-    the most every epoch grows it to, from ``floors`` (:func:`~insitubatch_nodes.plan.
-    schedule.schedule_floors` of the context's plan; computed here where not given).
+    :func:`~insitubatch_nodes.stages.gather.most_transform_bytes`; where it is not given, the
+    :class:`~insitubatch_nodes.stages.gather.GatherNode` counts the same when it is built), and
+    an automatic budget as the most every epoch grows it to, from ``floors``
+    (:func:`~insitubatch_nodes.plan.schedule.schedule_floors` of the context's plan; computed
+    here where not given). :meth:`count_views` counts it for other views.
 
     ``source`` must be the context's read plan (or a node over it); a graph wired wrong is
     refused here (:mod:`~insitubatch_nodes.stages._wiring`).
@@ -256,13 +260,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             if floors is None:
                 floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
             budget = every_epoch_budget(self._first_floor, floors, plan.schedule)
-        #: what the build's memory check counts this pipeline to hold at most (plan/memory_floor)
-        self.counted = held_memory(
-            budget, first, self.slot_geoms, in_flight, scratch, transform_bytes
+        context.memory.count(  # (kept in the context: the gather stage adds its transforms)
+            held_memory(budget, first, self.slot_geoms, in_flight, scratch, transform_bytes),
+            enforced=in_ram,
+            explicit=not self.pool.auto,
+            block_chunks=context.plan.block_chunks,
         )
-        if in_ram:
-            refuse_beyond_memory(self.counted, explicit=not self.pool.auto,
-                                 block_chunks=context.plan.block_chunks)  # fmt: skip
+        context.plan.check_views_with(self._count_views)  # (other views: counted again)
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
         self._bad: dict[tuple[str, int, tuple[int, ...]], None] = {}
@@ -275,6 +279,58 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         context.join(self)
         self._prepare_pool()
         claim(self, source)
+
+    @property
+    def counted(self) -> HeldMemory:
+        """What the build's memory check counts this pipeline to hold at most
+        (:mod:`~insitubatch_nodes.plan.memory_floor`; the context's ``memory``, which the
+        gather stage and ``set_views`` count again)."""
+        counted = self.context.memory.counted
+        assert counted is not None  # (counted in __init__)
+        return counted
+
+    def count_views(
+        self, views: Mapping[str, Any], schedule: PinSchedule, extra: Sequence[Any] = ()
+    ) -> HeldMemory:
+        """What the memory check counts this pipeline to hold once it reads ``views`` (batch
+        label -> view, as :meth:`ReadPlanNode.set_views <insitubatch_nodes.stages.read_plan.
+        ReadPlanNode.set_views>` takes them) under ``schedule``: the batches in flight in
+        their buffers, the chunks their first epoch reads, an automatic budget grown to what
+        their epochs grow it to (it never shrinks: at least what was counted), the same decode
+        scratch, and what the batch transforms hold on them (the gather stage's, see
+        ``context.memory``) with ``extra`` ones (a stack's constants ``set_views`` adds).
+        ``ValueError`` where that breaks the rule, as at the build; nothing is kept (the
+        plan's ``set_views`` keeps it in ``context.memory``)."""
+        current = self.context.plan
+        plan = ReadPlanNode(current.manifest, views, schedule=schedule, config=current.plan_config)
+        plan.hold(current.held)
+        first = plan.epoch_plan(current.next_epoch)
+        rows = self.context.buffers.rows
+        batches = batches_in_flight(self.context.options.prefetch_depth)
+        batch = BatchBuffers(plan.views, rows, plan.layout).batch_nbytes  # (nothing allocated)
+        budget, was, most = self.pool.budget_bytes, self.counted, self.context.memory.transforms
+        if self.pool.auto:
+            floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
+            grown = every_epoch_budget(epoch_floor(self._setup, first)[0], floors, schedule)
+            budget = max(was.budget, grown)
+        transforms = was.transforms if most is None else most(views)
+        transforms += most_transform_bytes(extra, views, rows, batches)
+        held = held_memory(budget, first, self.slot_geoms, batches * batch, was.scratch, transforms)
+        try:
+            self.context.memory.check(held)
+        except ValueError as exc:
+            raise ValueError(
+                f"set_views: the pipeline cannot hold these views, which it checks as it "
+                f"checks a build — {exc}. The views in effect are kept: give views that read "
+                "less (fewer window steps, channels, static members or forcings), or build "
+                "the pipeline anew for these"
+            ) from None
+        return held
+
+    def _count_views(self, views: Mapping[str, Any], schedule: PinSchedule) -> None:
+        """The plan's check of the views its ``set_views`` is given (:meth:`count_views`),
+        kept as the count once they pass."""
+        self.context.memory.counted = self.count_views(views, schedule)
 
     def _most_scratch(
         self, layouts: Mapping[str, SlotLayout], arrays: Mapping[str, ArrayFill]
@@ -305,7 +361,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return (
             decode_scratch_bytes(aside, threads, self._decoders)
             + sum(d.most_aside_bytes(threads) for d in keeping)
-            + spare_bytes(reshaped, self._runner.spares.max_idle, threads)
+            + spare_bytes(reshaped, threads, None if self.gets is None else self.max_inflight)
         )
 
     def _layout(self, path: str) -> SlotLayout:

@@ -19,6 +19,7 @@ each of the plan's views (a window's steps one by one) into its destination in t
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, ClassVar
 
@@ -36,10 +37,12 @@ from insitubatch_nodes.plan.patches import patch_spec
 from insitubatch_nodes.slots import is_level_major
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stages._graph import SOURCE_KEY, source_start_state, source_state
+from insitubatch_nodes.stages._memrule import most_transform_bytes
 from insitubatch_nodes.stages._ranges import ranged
 from insitubatch_nodes.stages._select import SelectedGather
 from insitubatch_nodes.stages._windows import gather_windows
 from insitubatch_nodes.stages._wiring import check_wiring, claim
+from insitubatch_nodes.stages.buffers import batches_in_flight
 from insitubatch_nodes.stages.context import StageContext
 from insitubatch_nodes.stages.resident import ResidentBatch
 from insitubatch_nodes.static import StaticFields
@@ -290,6 +293,7 @@ class GatherNode(BaseNode[Batch]):
         }
         self.check_constants(batch_views)
         self._size(self.buffers.rows)
+        self._count_memory(batch_views)
         self.recorder = context.recorder
         self._count_transforms()
         claim(self, source)
@@ -331,6 +335,30 @@ class GatherNode(BaseNode[Batch]):
             label: (g.sample_nbytes, 1 if g.patch is not None else g.samples_per_chunk)
             for label, g in self.views.items()
         }
+
+    def _count_memory(self, views: Mapping[str, Any]) -> None:
+        """Count what the batch transforms hold at most in the build's memory check
+        (``context.memory``, :meth:`MemoryRule.count_transforms <insitubatch_nodes.stages.
+        _memrule.MemoryRule.count_transforms>`): where the fetch stage was not told (a graph
+        composed by hand passes no ``transform_bytes=``), the builder's count for the same
+        transforms. A graph that memory cannot then hold is refused here, its stages released
+        first. The rule asks again for other views (``set_views``): the transforms then in
+        place, on those views."""
+        batches = batches_in_flight(self.context.options.prefetch_depth)
+        me = weakref.ref(self)  # (the rule keeps no stage alive: a graph may drop this one)
+
+        def most(views: Mapping[str, Any]) -> int:
+            gather = me()
+            if gather is None:
+                return 0
+            rows = gather.buffers.rows
+            return most_transform_bytes(gather.batch_transforms, views, rows, batches)
+
+        try:
+            self.context.memory.count_transforms(most, views)
+        except ValueError:
+            self.context.close()  # (the fetch stage's pins and slot reserve)
+            raise
 
     def check_constants(self, views: Mapping[str, Any]) -> None:
         """The builder's check of the :class:`~insitubatch_nodes.forcings.Forcings` and
@@ -592,21 +620,3 @@ class GatherNode(BaseNode[Batch]):
     def buffer_bytes(self) -> int:
         """Bytes of batch-buffer memory held now, lent out or idle."""
         return self.buffers.held_bytes
-
-
-def most_transform_bytes(
-    transforms: Sequence[Any], views: Mapping[str, Any], rows: int, batches: int
-) -> int:
-    """The most the batch ``transforms`` hold outside the pool (``pipe.stats()``'s
-    ``batch_transform_bytes`` at most), in a pipeline of ``views`` (label -> view) whose
-    batches have ``rows`` rows, ``batches`` of them alive at once: what each declares
-    (``most_held_bytes(views, rows, batches)``: static fields and their cut rows, stacks'
-    constant channels, the forcings' remembered fields and lent rows), else what it holds
-    now (``held_bytes``; a transform of the user's that says neither counts nothing). The
-    build's memory check counts it (before 2026-12-07 nothing of it: a ``Forcings``' up to
-    64 MiB of remembered fields were beside every count)."""
-    total = 0
-    for t in transforms:
-        most = getattr(t, "most_held_bytes", None)
-        total += int(most(views, rows, batches) if callable(most) else getattr(t, "held_bytes", 0))
-    return total

@@ -9,7 +9,7 @@ configuration.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any
 
@@ -224,6 +224,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         self._known: dict[str, dict[str, ArrayGeometry]] = {}
         self._held: dict[str, Held] = {}  # what the slots hold (hold)
         self._statics = dict(statics or {})
+        self._views_check: Callable[[Mapping[str, Any], PinSchedule], None] | None = None
         self._config = self._fingerprint()  # the configuration is fixed from here on
 
     @staticmethod
@@ -257,7 +258,9 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         ends under its own views, and these start with the next. ``schedule`` is
         the residency schedule for them (default: the current one). Checked here:
         ``ValueError`` when they read other arrays, patch an array otherwise, select what the
-        pool's slots do not hold (:meth:`hold`), or leave the split no anchor."""
+        pool's slots do not hold (:meth:`hold`), or leave the split no anchor; then by the
+        check the fetch stage gave (:meth:`check_views_with`): ``ValueError`` where the
+        pipeline could not hold them in memory."""
         parts, layout = self._plan_views(self.manifest, views, self.plan_config)
         mine = {g.path: g.patch for g in self.views.values()}
         theirs = {g.path: g.patch for g in parts.values()}
@@ -284,9 +287,19 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         check_ranks(self.manifest, parts, self.plan_config)
         if schedule is not None and not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
-        self._pending = (parts, layout, self.schedule if schedule is None else schedule)
+        schedule = self.schedule if schedule is None else schedule
+        if self._views_check is not None:  # (the fetch stage's memory check)
+            self._views_check(views, schedule)
+        self._pending = (parts, layout, schedule)
         self._pending_len = plan_epoch(self.manifest, parts, self.plan_config).n_batches
         self._known[dataset_hash(self.manifest, views_list(parts))] = parts
+
+    def check_views_with(self, check: Callable[[Mapping[str, Any], PinSchedule], None]) -> None:
+        """Call ``check(views, schedule)`` in :meth:`set_views`, on the views given and their
+        schedule, after its own checks and before they are taken (a ``ValueError`` refuses
+        them): the fetch stage's memory check, which counts the build's memory rule again for
+        them."""
+        self._views_check = check
 
     def hold(self, held: Mapping[str, Held]) -> None:
         """What the pool's slots hold of each array read through selected views (the stage
