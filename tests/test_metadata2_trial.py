@@ -14,6 +14,9 @@ Found (fixed):
   metadata too: ``open_geometries(..., coords_reader=)`` and ``insitu_pipeline(...,
   coords_reader=)`` share it, and one ``fit`` reads each metadata document once
   (test_anemoi2_trial's fit counts them).
+* the demo read the time coordinate twice (its time-ordered split, then its pipeline's build)
+  and ``t2m/zarr.json`` 4 times (the geometries' open twice, the build's store check, its
+  normaliser's own zarr open): one coordinate reader now serves all of them.
 
 Left as it is: ``insitu_pipeline`` without ``coords_reader`` checks the arrays' metadata
 against the store at every build (one GET per array), its documented contract (a document
@@ -99,3 +102,21 @@ def test_a_store_check_through_a_reader_still_refuses_geometries_of_another_stor
                         coords_reader=coordinate_reader(other))  # fmt: skip
     with pytest.raises(ValueError, match=r"coords_reader reads store .*era5\.zarr.*not the one"):
         open_geometries(other, ["z"], coords_reader=coordinate_reader(counting_store(era5)))
+
+
+def test_the_demo_reads_the_time_coordinate_and_each_metadata_document_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One epoch of the demo (its split in time order, its training pipeline, its
+    normalisation): before, the time coordinate's ``zarr.json`` and chunk were read twice (the
+    split, the build) and ``t2m/zarr.json`` 4 times (the geometries' open twice, the build's
+    store check, the normaliser's zarr open)."""
+    from insitubatch_nodes import demo
+
+    store = counting_store(write_era5(tmp_path / "era5.zarr", n_time=32, variables=("t2m",)))
+    monkeypatch.setattr(demo, "_prepare_store", lambda args: store)
+    assert demo.main(["--epochs", "1", "--batch-size", "8", "--no-progress"]) in (0, 1)
+    assert "epoch 0:" in capsys.readouterr().out
+    counts = {k: n for k, n in store.counts.items() if is_metadata_key(k) or "time/" in k}
+    assert {k: n for k, n in counts.items() if n > 1} == {}, counts
+    assert {"t2m/zarr.json", "time/zarr.json", "time/c/0"} <= set(counts)
