@@ -17,6 +17,11 @@ Found (fixed):
 * the demo read the time coordinate twice (its time-ordered split, then its pipeline's build)
   and ``t2m/zarr.json`` 4 times (the geometries' open twice, the build's store check, its
   normaliser's own zarr open): one coordinate reader now serves all of them.
+* ``stack()`` named channels by the index after any error looking their names up: a 403 or
+  a deadline spent on the group's ``variables`` attribute (or on the coordinate array's
+  metadata) gave ``data@0``... silently, other names than a rank that could read them. Only
+  an absent coordinate and absent names fall back to the index now; a store that cannot be
+  read fails the stack with an ``OSError`` of the cause's kind saying what to do.
 
 Left as it is: ``insitu_pipeline`` without ``coords_reader`` checks the arrays' metadata
 against the store at every build (one GET per array), its documented contract (a document
@@ -120,3 +125,65 @@ def test_the_demo_reads_the_time_coordinate_and_each_metadata_document_once(
     counts = {k: n for k, n in store.counts.items() if is_metadata_key(k) or "time/" in k}
     assert {k: n for k, n in counts.items() if n > 1} == {}, counts
     assert {"t2m/zarr.json", "time/zarr.json", "time/c/0"} <= set(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# A stack's channel names: absent names fall back to the index, unreadable ones fail
+# ---------------------------------------------------------------------------------------------
+
+NAMES = ["2t", "t_850", "10u"]
+
+
+@pytest.fixture(scope="module")
+def anemoi(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """anemoi-datasets' layout in zarr v2: ``data (time, variable, ensemble, cell)``, the
+    channel names in the root group's ``variables`` attribute."""
+    root = tmp_path_factory.mktemp("metadata2_anemoi") / "anemoi.zarr"
+    group = zarr.open_group(root, mode="w", zarr_format=2)
+    data = group.create_array("data", shape=(4, 3, 1, 5), chunks=(1, 3, 1, 5), dtype="f4")
+    data.attrs["_ARRAY_DIMENSIONS"] = ["time", "variable", "ensemble", "cell"]
+    data[...] = np.arange(60, dtype="f4").reshape(4, 3, 1, 5)
+    for name in ("latitudes", "longitudes"):  # (the grid of points along ``cell``)
+        arr = group.create_array(name, shape=(5,), chunks=(5,), dtype="f8")
+        arr.attrs["_ARRAY_DIMENSIONS"] = ["cell"]
+        arr[...] = np.arange(5) * 10.0 + 5
+    group.attrs["variables"] = NAMES
+    return root
+
+
+@pytest.mark.parametrize(
+    ("refused", "error"),
+    [(".zattrs", PermissionError("403 Forbidden")), (".zattrs", TimeoutError("deadline")),
+     ("variable/.zarray", PermissionError("403 Forbidden"))],
+    ids=["403-attributes", "timeout-attributes", "403-coordinate-lookup"],
+)  # fmt: skip
+def test_a_stack_whose_channel_names_cannot_be_read_fails_saying_what_to_do(
+    anemoi: Path, refused: str, error: Exception
+) -> None:
+    """Before, any error naming the channels fell back to the index: a 403 or a deadline
+    spent on the group's attributes named them ``data@0``... (other names than a rank that
+    read them), silently. Now the error, of its kind, names the key and what to do."""
+    from insitubatch_nodes import stack
+
+    store = counting_store(anemoi)
+    g = open_geometries(store)["data"].isel(ensemble=0)
+    store.fail[refused] = error
+    with pytest.raises(type(error)) as caught:
+        stack({"data": g})
+    message = str(caught.value)
+    assert "'data'" in message and str(anemoi) in message, message
+    assert "grant read access" in message.lower() and repr(refused.split("/")[0]) in message
+    assert caught.value.__cause__ is error
+    store.fail.clear()
+    assert stack({"data": g}).channels == tuple(f"data@{n}" for n in NAMES)
+
+
+def test_a_stack_whose_store_has_no_channel_names_names_them_by_index(tmp_path: Path) -> None:
+    """No ``variables`` attribute, no coordinate array: the index names the channels."""
+    from insitubatch_nodes import stack
+
+    group = zarr.open_group(tmp_path / "plain.zarr", mode="w", zarr_format=3)
+    group.create_array("data", shape=(4, 3, 2, 5), chunks=(1, 3, 2, 5), dtype="f4",
+                       dimension_names=["time", "variable", "lat", "lon"])  # fmt: skip
+    g = open_geometries(counting_store(tmp_path / "plain.zarr"))["data"]
+    assert stack({"data": g}).channels == ("data@0", "data@1", "data@2")

@@ -499,7 +499,16 @@ class FieldCoordinates:
     def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
         if self._reader is None:
             self._reader = coordinate_reader(self.store)
-        found = self._reader.find(geom, dim)
+        try:
+            found = self._reader.find(geom, dim)
+        except OSError as exc:  # (a 403, a deadline spent: the kind kept, what to do said)
+            kind = next(k for k in (TimeoutError, PermissionError, OSError) if isinstance(exc, k))
+            raise kind(
+                f"cannot look up coordinate {dim!r} of array {geom.path!r} in store "
+                f"{describe_store(self.store)} ({type(exc).__name__}: {exc}): grant read access "
+                f"to {candidate_paths(geom.path, dim)} (S3 answers 403 for an absent object to "
+                "credentials without s3:ListBucket), check the store, and try again"
+            ) from exc
         if found is None:
             key = (str(geom.path), dim, tuple(geom.dims or ()), tuple(geom.shape))
             if key not in self._names:
