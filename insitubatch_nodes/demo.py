@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from insitubatch_nodes.io.arrays import open_geometries
+from insitubatch_nodes.io.coords import coordinate_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.stores import open_store
 from insitubatch_nodes.lightning_splits import sample_times
@@ -146,11 +147,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     opened = _open(args)
     if opened is None:
         return 2
-    store, geom = opened
+    store, geom, reader = opened
     # in time order (train the earliest times), the target the next time: also where the
     # store is written newest first (before 2026-12-07 the index order, which trained such a
     # store on its newest times and had it forecast the time before)
-    time = sample_times(store, geom)
+    time = sample_times(store, geom, reader)
     manifest = split_by_chunk(geom, (0.8, 0.1, 0.1), coord=time)
     views = {"x": geom, "y": geom.shift(-1 if time is not None and time.decreasing else 1)}
     config = PlanConfig(batch_size=args.batch_size, block_chunks=args.block_chunks)
@@ -158,7 +159,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(describe(geom, manifest, node), flush=True)
     if args.plan_only:
         return 0
-    return _train(args, store, geom, manifest, views)
+    return _train(args, store, geom, manifest, views, reader)
 
 
 #: What the demo's flags are for the errors ``open_store`` and the first read raise (their
@@ -171,20 +172,24 @@ _STORE_FLAGS = (
 )
 
 
-def _open(args: argparse.Namespace) -> tuple[Any, ArrayGeometry] | None:
-    """The store and the ``--variable`` array's geometry; ``None`` (after printing why, with
-    the flags that change it) when ``--url`` cannot be opened or read."""
+def _open(args: argparse.Namespace) -> tuple[Any, ArrayGeometry, Any] | None:
+    """The store, the ``--variable`` array's geometry and the coordinate reader that read it
+    (the split and the pipeline read through it: each document and the time coordinate
+    once); ``None`` (after printing why, with the flags that change it) when ``--url`` cannot
+    be opened or read."""
     try:
         store = _prepare_store(args)
+        reader = coordinate_reader(store)
         # CF-encoded fields (an int16 packed one decodes to float64) arrive in float32
-        geom = open_geometries(store, [args.variable], cf_dtype="float32")[args.variable]
+        found = open_geometries(store, [args.variable], cf_dtype="float32", coords_reader=reader)
+        geom = found[args.variable]
     except (PermissionError, FileNotFoundError, KeyError, ValueError) as exc:
         if args.url is None:
             raise
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
         print(f"error: cannot train from {args.url}: {message}\n{_STORE_FLAGS}", file=sys.stderr)
         return None
-    return store, geom
+    return store, geom, reader
 
 
 def _prepare_store(args: argparse.Namespace) -> Any:
@@ -261,6 +266,7 @@ def _train(
     geom: ArrayGeometry,
     manifest: SplitManifest,
     views: dict[str, ArrayGeometry],
+    reader: Any,
 ) -> int:
     import torch
 
@@ -278,13 +284,14 @@ def _train(
         block_chunks=args.block_chunks,
         max_inflight=args.max_inflight,
         seed=args.seed,
+        coords_reader=reader,
         **cache,
     )
     if len(geom.inner_shape) != 2:
         print(f"the demo model expects 2-D fields; {geom.path} has {geom.inner_shape}")
         return 2
     sample = pipe.stages.plan.epoch_plan(0)
-    mean, std = _stats(store, geom, manifest)
+    mean, std = _stats(reader.array(geom.path), geom, manifest)
     model = torch.nn.Sequential(
         torch.nn.Conv2d(1, 16, 5, padding=2, padding_mode="circular"),
         torch.nn.GELU(),
@@ -355,12 +362,10 @@ def _train(
     return 0 if falling else 1
 
 
-def _stats(store: Any, geom: ArrayGeometry, manifest: SplitManifest) -> tuple[float, float]:
-    """Mean/std of the first train chunk, read through zarr (cheap normalisation) and decoded
-    as the batches are (CF mask and scale: masked points are NaN, skipped)."""
-    import zarr
-
-    arr = zarr.open_array(store=store, path=geom.path, mode="r")
+def _stats(arr: Any, geom: ArrayGeometry, manifest: SplitManifest) -> tuple[float, float]:
+    """Mean/std of the first train chunk of the zarr array ``arr`` (``geom``'s, its metadata
+    read already), read through zarr (cheap normalisation) and decoded as the batches are (CF
+    mask and scale: masked points are NaN, skipped)."""
     first = manifest.chunks("train")[0]
     start, stop = geom.chunk_range(first)
     index = [slice(None)] * geom.ndim

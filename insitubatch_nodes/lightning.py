@@ -423,19 +423,17 @@ class InSituDataModule(pl.LightningDataModule):
         store = (
             given.store if isinstance(given, Collection) else as_store(given, **self._store_options)
         )
-        variables = self._variables_arg
-        decode, dtype = self.mask_and_scale, self.cf_dtype
+        variables, reader = self._variables_arg, self.coords_readers(store)  # (one read each)
+        opts: dict[str, Any] = {"mask_and_scale": self.mask_and_scale, "cf_dtype": self.cf_dtype}
         if callable(variables):
-            views = dict(variables(open_geometries(store, mask_and_scale=decode, cf_dtype=dtype)))
+            views = dict(variables(open_geometries(store, **opts, coords_reader=reader)))
         elif isinstance(variables, Mapping):
             views = dict(variables)
         else:
-            views = dict(
-                open_geometries(store, list(variables), mask_and_scale=decode, cf_dtype=dtype)
-            )
+            views = dict(open_geometries(store, list(variables), **opts, coords_reader=reader))
         if not views:
             raise ValueError("InSituDataModule needs at least one variable")
-        seed, reader = self.plan_config.seed, self.coords_readers(store)
+        seed = self.plan_config.seed
         manifest = module_split(self._splits_arg, given, store, views, seed, reader)
         self.store, self.views, self.manifest = store, views, manifest
 

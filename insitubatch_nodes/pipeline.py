@@ -29,7 +29,7 @@ from insitubatch_nodes.io.collection_checks import (
     member_missing,
     refuse_collection_options,
 )
-from insitubatch_nodes.io.coords import coordinate_reader
+from insitubatch_nodes.io.coords import coordinate_reader, same_store_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry
 from insitubatch_nodes.io.product import product_of, refuse_product_options
 from insitubatch_nodes.io.stores import (
@@ -371,10 +371,12 @@ def insitu_pipeline(
     coordinate array is read and decoded once, here, within ``retry``'s ``timeout_s`` (a read
     that fails raises ``OSError`` or ``TimeoutError`` naming the coordinate).
     ``coords_reader`` (:func:`~insitubatch_nodes.io.coords.coordinate_reader` of the opened
-    store passed here, within its own ``timeout_s``) shares the coordinates it read already
-    with other builds over the same store (``InSituDataModule``'s splits): each read once for
-    all of them; ``None`` (the default), a reader of this build's own. One of another store is
-    a ``ValueError``.
+    store passed here, within its own ``timeout_s``) shares the coordinates and the arrays'
+    metadata it read already with other builds over the same store (``InSituDataModule``'s
+    splits; the ``open_geometries`` call given it): each read once for all of them, the store
+    check then comparing the geometries with what it read; ``None`` (the default), a reader
+    of this build's own, and the arrays' metadata read again. One of another store is a
+    ``ValueError``.
     """
     plan_config, fetch_options, cache_options = _options(
         config,
@@ -420,7 +422,11 @@ def insitu_pipeline(
             variables = {name: store[name] for name in names}
         store = store.store
     zstore = _open_store(store, fetch_options.retry)
-    views, geoms = _resolve_views(zstore, variables)
+    # one reader: the arrays' metadata and the time coordinate the stride and missing= need
+    # are read once, shared (with other builds, where coords_reader is given)
+    timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
+    reader = coordinate_reader(zstore, timeout) if coords_reader is None else coords_reader
+    views, geoms = _resolve_views(zstore, variables, same_store_reader(reader, zstore))
     read = list(_members(views))
     refuse_collection_options(
         read,
@@ -433,15 +439,6 @@ def insitu_pipeline(
     )
     refuse_product_options(read, plan_config.stride, missing, missing_objects, coords)
     listed = member_missing(missing, read)  # {member: indices within it}: virtual indices
-    # one reader: the time coordinate the stride and missing= need is read once, shared
-    timeout = (fetch_options.retry or retry_policy(zstore)).timeout_s
-    reader = coordinate_reader(zstore, timeout) if coords_reader is None else coords_reader
-    if reader.store is not zstore:
-        raise ValueError(
-            f"coords_reader reads store {describe_store(reader.store)}, not the one this "
-            f"pipeline reads ({describe_store(zstore)}): make it with coordinate_reader() of "
-            "the opened store passed here"
-        )
     labels = {k: v for k, v in views.items() if isinstance(v, ArrayGeometry) and v.static}
     views, geoms, statics, constants = static_fields(views, geoms)
     plain = {label: v for label, v in views.items() if isinstance(v, ArrayGeometry)}

@@ -67,19 +67,20 @@ def _open_store(store: StoreLike, retry: RetryPolicy | None) -> Store:
 
 
 def _resolve_views(
-    zstore: Store, variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack]
+    zstore: Store, variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack], reader: Any
 ) -> tuple[dict[str, Any], dict[str, ArrayGeometry]]:
     """``(views, geoms)``: label -> view (array names opened from the store; given views
-    checked against it), and path -> the array's geometry, one per array read."""
+    checked against it), and path -> the array's geometry, one per array read. ``reader``
+    (a coordinate reader of ``zstore``) keeps the arrays' metadata read, or gives it."""
     if isinstance(variables, Mapping):  # views may come from elsewhere: check this store
         given = [v for v in _members(variables) if isinstance(v, ArrayGeometry)]
-        check_arrays_in_store(zstore, {v.path: v.base for v in given if v.members is None})
+        check_arrays_in_store(zstore, {v.path: v.base for v in given if v.members is None}, reader)
         for v in {v.path: v for v in given if v.members is not None}.values():
             check_collection_in_store(zstore, v)
         views: dict[str, Any] = dict(variables)
     else:
         names = [variables] if isinstance(variables, str) else list(variables)
-        views = dict(open_geometries(zstore, names))
+        views = dict(open_geometries(zstore, names, coords_reader=reader))
         if "" in views:  # a root array: its path is no label
             raise ValueError(
                 "the root array of the store (path '') has no name to label it by: pass the "

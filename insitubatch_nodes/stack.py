@@ -566,8 +566,9 @@ def _describe_steps(steps: int | None) -> str:
 
 def _channel_names(name: str, view: ArrayGeometry, skip: int = 0) -> list[str]:
     """``name@value`` per entry of the member's first inner axis after ``skip`` (an
-    ensemble axis) (value: the coordinate's
-    where the view can read it, else the index). An axis the member's patches cut (windows of
+    ensemble axis) (value: the coordinate's, or anemoi's ``variables`` names, where the store
+    has them, else the index; where the store cannot be read, a 403 or a deadline spent, the
+    ``OSError`` saying what to do, never the index). An axis the member's patches cut (windows of
     members, 3-D sub-cubes along ``freq``) holds other entries in each row: ``name@dim+k``,
     the ``k``-th of the row's window (``batch.patch_origins`` says where it starts)."""
     n = view.inner_shape[skip]
@@ -583,9 +584,9 @@ def _channel_names(name: str, view: ArrayGeometry, skip: int = 0) -> list[str]:
     dims = view.dims
     if dims is not None and view.coordinates is not None:
         dim = dims[view.field_axes[axis]]
-        try:
+        try:  # (a store that cannot be read fails the stack, saying what to do: OSError)
             values = np.asarray(view.coordinates(view, dim))
-        except Exception:  # no such coordinate: the index names the channel
+        except KeyError:  # no such coordinate, nor anemoi names: the index names the channel
             values = None
         if values is not None and values.ndim == 1 and len(values) == view.field_shape[axis]:
             labels = [_plain(values[i]) for i in index]

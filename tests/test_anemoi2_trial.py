@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import counting_store, open_with_xarray, write_era5
+from helpers import counting_store, is_metadata_key, open_with_xarray, write_era5
 
 from insitubatch_nodes import PlanConfig
 from insitubatch_nodes.batch import Batch
@@ -38,12 +38,14 @@ def _item(batch: Batch) -> dict[str, Any]:
     }
 
 
-def test_a_fit_reads_the_time_coordinate_once_for_its_split_and_every_pipeline(
+def test_a_fit_reads_the_time_coordinate_and_each_metadata_document_once(
     tmp_path: Path,
 ) -> None:
     """``(0.75, 0.25, 0)`` of 32 times in chunks of 8: one epoch of 3 training batches, then
     validation's 8 samples, each batch's times xarray's at its rows. Before: the time
-    coordinate's ``zarr.json`` and ``c/0`` were read 3 times each (split, train, val)."""
+    coordinate's ``zarr.json`` and ``c/0`` were read 3 times each (split, train, val); and
+    (metadata2) ``t2m/zarr.json`` 4 times (the geometries' open twice, each build's store
+    check), the root's ``zarr.json`` and ``.zgroup`` twice each."""
     import lightning as L
     from lightning_parts import trainer
 
@@ -81,6 +83,8 @@ def test_a_fit_reads_the_time_coordinate_once_for_its_split_and_every_pipeline(
         "time/zarr.json": 1,
         "time/c/0": 1,
     }
+    twice = {k: n for k, n in store.counts.items() if is_metadata_key(k) and n > 1}
+    assert twice == {} and store.counts["t2m/zarr.json"] == store.counts["zarr.json"] == 1
     assert sorted(np.concatenate([rows for rows, _ in seen]).tolist()) == list(range(32))
     for rows, got in seen:
         np.testing.assert_array_equal(got, times[rows])

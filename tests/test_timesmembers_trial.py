@@ -271,7 +271,7 @@ def test_the_demo_splits_a_store_written_newest_first_in_time_order_and_forecast
     decoded = _oracle(root).time.values
     got: dict[str, Any] = {}
 
-    def train(args: Any, store: Any, geom: Any, manifest: Any, views: Any) -> int:
+    def train(args: Any, store: Any, geom: Any, manifest: Any, views: Any, reader: Any) -> int:
         got.update(store=store, manifest=manifest, views=views)
         return 0
 

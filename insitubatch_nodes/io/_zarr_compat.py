@@ -37,6 +37,7 @@ import zarr
 import zarr.errors
 
 from insitubatch_nodes import _process
+from insitubatch_nodes.io._preread import open_read
 
 __all__ = [
     "array_dimension_names",
@@ -51,7 +52,7 @@ __all__ = [
     "open_array_readonly",
     "open_arrays_by_name",
     "open_consolidated",
-    "open_group_readonly",
+    "open_node",
     "opened",
     "read_chunk_shape",
     "read_whole_array",
@@ -83,18 +84,26 @@ def wrapped_store(store: Any) -> Any:
     return store
 
 
-def open_group_readonly(store: Any) -> zarr.Group:
-    """Open the root group of ``store`` for reading (v2 or v3, consolidated or not). zarr's
-    ``open_group`` turns a ``KeyError`` reading the group (consolidated metadata it cannot
-    parse) into "no group found": that ``KeyError`` is raised instead, for the diagnosis."""
+def open_node(store: Any, path: str) -> tuple[str, Any] | None:
+    """What is at ``path`` of ``store`` (:func:`node_kind`), opened read-only: ``("array",
+    zarr.Array)``, ``("group", zarr.Group)`` or ``None``. Each metadata document is one GET:
+    zarr's open takes those read to find the kind. zarr's ``open_group`` turns a ``KeyError``
+    reading a group (consolidated metadata it cannot parse) into "no group found": that
+    ``KeyError`` is raised instead, for the diagnosis."""
+    from zarr.core.sync import sync
+
+    kind, docs = sync(_node_read(store, path))
+    if kind is None:
+        return None
     try:
-        return zarr.open_group(store=store, mode="r")
+        node = sync(open_read(store, path, kind, docs))
     except zarr.errors.GroupNotFoundError as exc:
         try:
-            open_consolidated(store, "", None)
+            open_consolidated(store, path, kind[1])
         except KeyError as why:
             raise why from exc
         raise
+    return kind[0], zarr.Array(node) if kind[0] == "array" else zarr.Group(node)
 
 
 def open_array_readonly(store: Any, path: str, zarr_format: int) -> zarr.Array:
@@ -117,6 +126,12 @@ _NOT_AN_ARRAY: tuple[type[BaseException], ...] = (
 
 
 async def _node_kind(store: Any, path: str) -> tuple[str, int] | None:
+    return (await _node_read(store, path))[0]
+
+
+async def _node_read(store: Any, path: str) -> tuple[tuple[str, int] | None, dict[str, Any]]:
+    """What is at ``path`` (:func:`node_kind`) and the documents read to find it (key -> the
+    ``Buffer`` its GET returned, ``None`` where absent), for zarr's open to take (_preread)."""
     import asyncio
     import json
 
@@ -124,20 +139,19 @@ async def _node_kind(store: Any, path: str) -> tuple[str, int] | None:
 
     prototype = default_buffer_prototype()
     keys = [f"{path}/{n}" if path else n for n in ("zarr.json", ".zarray", ".zgroup")]
-    v3, v2_array, v2_group = await asyncio.gather(
-        *(store.get(k, prototype=prototype) for k in keys)
-    )
+    got = await asyncio.gather(*(store.get(k, prototype=prototype) for k in keys))
+    docs, (v3, v2_array, v2_group) = dict(zip(keys, got, strict=True)), got
     if v3 is not None:
         doc = json.loads(v3.to_bytes())
         kind = doc.get("node_type") if isinstance(doc, dict) else None
         if kind not in ("array", "group"):
             raise ValueError(f"{keys[0]!r} has no valid node_type ('array' or 'group'): {kind!r}")
-        return str(kind), 3
+        return (str(kind), 3), docs
     if v2_array is not None:
-        return "array", 2
+        return ("array", 2), docs
     if v2_group is not None:
-        return "group", 2
-    return None
+        return ("group", 2), docs
+    return None, docs
 
 
 def node_kind(store: Any, path: str) -> tuple[str, int] | None:
@@ -197,17 +211,18 @@ def open_arrays_by_name(
 
     async def one(path: str) -> zarr.Array | None:
         async with limit:
-            fmt = zarr_format
-            if fmt is None:
-                kind = await _node_kind(store, path)
+            try:
+                if zarr_format is not None:
+                    fmt: Any = zarr_format
+                    return zarr.Array(
+                        await open_array(store=store, path=path, mode="r", zarr_format=fmt)
+                    )
+                kind, docs = await _node_read(store, path)  # (zarr's open takes them: one GET)
                 if kind is None or kind[0] != "array":
                     return None
-                fmt = kind[1]
-            try:
-                found = await open_array(store=store, path=path, mode="r", zarr_format=fmt)  # type: ignore[arg-type]
+                return zarr.Array(await open_read(store, path, kind, docs))
             except _NOT_AN_ARRAY:
                 return None
-            return zarr.Array(found)
 
     async def every() -> list[zarr.Array | None]:
         return list(await asyncio.gather(*(one(p) for p in paths)))

@@ -179,7 +179,7 @@ def group_attribute(store: Any, arrays: Sequence[tuple[str, int]], name: str) ->
 #: what each attribute read here decides, for the error of one that cannot be read
 _DECIDES = {
     "missing_dates": "which samples a build reads (anemoi-datasets' dates without data)",
-    "variables": "the names sel(variable=...) looks up",
+    "variables": "the names sel(variable=...) looks up and a stack's channels are named by",
 }
 
 

@@ -14,7 +14,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io import cf as cf_attrs
 from insitubatch_nodes.io.axes import AxisNames, axis_of, check_sample_axis
 from insitubatch_nodes.io.cf import CFValues, cf_values, decoded_dtype_option, listed_coordinates
-from insitubatch_nodes.io.coords import FieldCoordinates, candidate_paths
+from insitubatch_nodes.io.coords import FieldCoordinates, candidate_paths, same_store_reader
 from insitubatch_nodes.io.datasets import dataset_variables
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
 from insitubatch_nodes.io.points import lat_lon_arrays, points_of
@@ -161,6 +161,7 @@ def open_geometries(
     sample_axis: int | str | Sequence[int | str] | Mapping[str, Any] = 0,
     mask_and_scale: bool = True,
     cf_dtype: Any = None,
+    coords_reader: Any = None,
 ) -> dict[str, ArrayGeometry]:
     """Read the geometry of the arrays in a zarr v2 or v3 store: every array zarr-python opens
     there, keyed by its path.
@@ -221,6 +222,11 @@ def open_geometries(
     place of xarray's ``float64`` values cast to it); arrays delivered as stored keep their
     dtype.
 
+    ``coords_reader`` (a :func:`~insitubatch_nodes.io.coords.coordinate_reader` of the opened
+    store passed here; another store's is a ``ValueError``) takes the arrays it read already
+    and keeps those read here, with the coordinates ``sel`` looks up: pass the same one to
+    the pipelines built on these geometries and their store check reads nothing again.
+
     Raises :class:`~insitubatch_nodes.errors.ArrayNotFoundError`
     (a ``KeyError`` and a ``FileNotFoundError``) for a name that is no array (saying what was
     looked for, in which store, and which arrays exist) and naming the store when it holds no
@@ -238,6 +244,7 @@ def open_geometries(
         variables = [variables]
     cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
     zstore = as_store(store)
+    kept = same_store_reader(coords_reader, zstore).arrays if coords_reader is not None else {}
     if variables is None:  # a Dataset's own data variables (None for any other store)
         variables = dataset_variables(store)
     axes: dict[str, AxisArg]
@@ -255,8 +262,9 @@ def open_geometries(
             arrays = {p: a for p, a in found.items() if not _is_coordinate(p, a) and p not in aux}
         else:
             found = {}
-            arrays, missing = _named_arrays(zstore, [v.strip("/") for v in variables])
+            arrays, missing = _named_arrays(zstore, [v.strip("/") for v in variables], kept)
         arrays = _fresh(zstore, root[1], arrays, read_by_name=variables is not None)
+        kept.update(arrays)  # (the reader's: a later store check or sel reads nothing again)
     except ArrayNotFoundError:
         raise
     except (ValueError, TypeError, KeyError) as exc:
@@ -272,7 +280,7 @@ def open_geometries(
     elif default_axis:  # product axes: the first names the sample dimension
         first_axis = default_axis[0]
     check_sample_axis(zstore, describe_store(zstore), axes, {**found, **arrays}, first_axis)
-    coordinates = FieldCoordinates(zstore)
+    coordinates = FieldCoordinates(zstore, coords_reader)
     sample_dim = (
         _sample_dimension(zstore, arrays, first_axis) if isinstance(first_axis, int) else first_axis
     )
@@ -314,12 +322,10 @@ def _join(prefix: str, name: str) -> str:
 
 def _open_root(zstore: Any) -> tuple[Any, Any]:
     """``(root array, root group)`` of ``zstore``: at most one of them, or neither."""
-    kind = _zarr_compat.node_kind(zstore, "")
-    if kind is None:
+    found = _zarr_compat.open_node(zstore, "")  # (each document one GET)
+    if found is None:
         return None, None
-    if kind[0] == "array":
-        return _zarr_compat.open_array_readonly(zstore, "", kind[1]), None
-    return None, _zarr_compat.open_group_readonly(zstore)
+    return (found[1], None) if found[0] == "array" else (None, found[1])
 
 
 def _find_arrays(zstore: Any, root: tuple[Any, Any]) -> dict[str, Any]:
@@ -415,11 +421,18 @@ def _listed_arrays(zstore: Any, known: set[str], groups: Sequence[str]) -> dict[
     return found
 
 
-def _named_arrays(zstore: Any, paths: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    """The arrays at ``paths``, opened by name (concurrently, no listing), and the paths that
-    hold none."""
+def _named_arrays(
+    zstore: Any, paths: Sequence[str], kept: Mapping[str, Any]
+) -> tuple[dict[str, Any], list[str]]:
+    """The arrays at ``paths``, opened by name (concurrently, no listing) or taken from
+    ``kept`` (path -> an array read already, ``None``: none there), and the paths that hold
+    none."""
     paths = list(dict.fromkeys(paths))
-    opened = _zarr_compat.open_arrays_by_name(zstore, paths)
+    read = [p for p in paths if p not in kept]
+    got = dict(
+        zip(read, _zarr_compat.open_arrays_by_name(zstore, read) if read else [], strict=True)
+    )
+    opened = [kept[p] if p in kept else got[p] for p in paths]
     arrays = {p: a for p, a in zip(paths, opened, strict=True) if a is not None}
     return arrays, [p for p, a in zip(paths, opened, strict=True) if a is None]
 
@@ -586,10 +599,14 @@ def check_batchable(geoms: Mapping[str, ArrayGeometry]) -> None:
             )
 
 
-def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) -> None:
+def check_arrays_in_store(
+    store: StoreLike, geoms: Mapping[str, ArrayGeometry], reader: Any = None
+) -> None:
     """Check that ``store`` holds every array ``geoms`` describes, with that layout.
 
-    One metadata read per array (two for zarr v2). Raises
+    One metadata read per array (two for zarr v2); none for an array ``reader`` (a
+    :func:`~insitubatch_nodes.io.coords.coordinate_reader` of ``store``) read already, which
+    keeps those read here. Raises
     :class:`~insitubatch_nodes.errors.ArrayNotFoundError` (a ``FileNotFoundError``) naming the
     array and the store when there is no such array there (a wrong path or prefix, a missing
     bucket, geometries read from another store), ``ValueError`` when the array there has
@@ -602,7 +619,10 @@ def check_arrays_in_store(store: StoreLike, geoms: Mapping[str, ArrayGeometry]) 
     for path, geom in geoms.items():
         geom = geom.base
         try:
-            array = _zarr_compat.open_array_readonly(zstore, path, geom.zarr_format)
+            if reader is None:
+                array = _zarr_compat.open_array_readonly(zstore, path, geom.zarr_format)
+            elif (array := reader.array(path, geom.zarr_format)) is None:
+                raise FileNotFoundError(path)
         except FileNotFoundError as exc:
             keys = _zarr_compat.array_metadata_keys(path, geom.zarr_format)
             raise ArrayNotFoundError(

@@ -338,7 +338,8 @@ def candidate_paths(geom_path: str, name: str) -> list[str]:
 
 
 class _Reader:
-    """Reads and decodes coordinate arrays of one store, each once."""
+    """Reads and decodes coordinate arrays of one store, each once, and keeps the metadata of
+    every array it opened (:meth:`array`)."""
 
     def __init__(self, store: StoreLike, timeout_s: float | None = None) -> None:
         self.store = as_store(store)
@@ -351,13 +352,19 @@ class _Reader:
     def find(self, geom: ArrayGeometry, name: str) -> tuple[str, Any] | None:
         """The first candidate path of ``name`` that holds an array, and that array."""
         for path in candidate_paths(geom.path, name):
-            if path not in self.arrays:
-                self.arrays[path] = _zarr_compat.open_arrays_by_name(
-                    self.store, [path], geom.zarr_format
-                )[0]
-            if self.arrays[path] is not None:
+            if self.array(path, geom.zarr_format) is not None:
                 return path, self.arrays[path]
         return None
+
+    def array(self, path: str, zarr_format: int | None = None) -> Any:
+        """The zarr array at ``path`` (``None``: no array there), its metadata read once by
+        this reader, or taken from an earlier read (``open_geometries``, the builder's store
+        check). Raises what :func:`~insitubatch_nodes.io._zarr_compat.open_arrays_by_name`
+        raises for unreadable metadata (then nothing is kept)."""
+        if path not in self.arrays:
+            opened = _zarr_compat.open_arrays_by_name(self.store, [path], zarr_format)
+            self.arrays[path] = opened[0]
+        return self.arrays[path]
 
     def read_already(self, geom: ArrayGeometry) -> Coordinate | None:
         """``geom``'s dimension coordinate where this reader has read it already (``None``
@@ -477,12 +484,12 @@ class FieldCoordinates:
     dimension, its group's ``variables`` attribute (:func:`~insitubatch_nodes.io.anemoi.
     variable_names`), read once per array and dimension (``sel`` in a loop reads nothing
     more). What :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.sel` looks values up in;
-    ``open_geometries`` gives the geometries it opens one, shared. Picklable when the store is
-    (the names read so far go with it)."""
+    ``open_geometries`` gives the geometries it opens one, shared (over its ``coords_reader``
+    where one is given). Picklable when the store is (the names read so far go with it)."""
 
-    def __init__(self, store: StoreLike) -> None:
+    def __init__(self, store: StoreLike, reader: _Reader | None = None) -> None:
         self.store = as_store(store)
-        self._reader: Any = None
+        self._reader: Any = reader  # (made at the first look-up when not given)
         #: (array path, dimension, dims, shape) -> anemoi's names of it, or None (looked up once)
         self._names: dict[tuple[Any, ...], np.ndarray | None] = {}
 
@@ -492,7 +499,16 @@ class FieldCoordinates:
     def __call__(self, geom: ArrayGeometry, dim: str) -> np.ndarray:
         if self._reader is None:
             self._reader = coordinate_reader(self.store)
-        found = self._reader.find(geom, dim)
+        try:
+            found = self._reader.find(geom, dim)
+        except OSError as exc:  # (a 403, a deadline spent: the kind kept, what to do said)
+            kind = next(k for k in (TimeoutError, PermissionError, OSError) if isinstance(exc, k))
+            raise kind(
+                f"cannot look up coordinate {dim!r} of array {geom.path!r} in store "
+                f"{describe_store(self.store)} ({type(exc).__name__}: {exc}): grant read access "
+                f"to {candidate_paths(geom.path, dim)} (S3 answers 403 for an absent object to "
+                "credentials without s3:ListBucket), check the store, and try again"
+            ) from exc
         if found is None:
             key = (str(geom.path), dim, tuple(geom.dims or ()), tuple(geom.shape))
             if key not in self._names:
@@ -511,8 +527,24 @@ class FieldCoordinates:
 def coordinate_reader(store: StoreLike, timeout_s: float | None = None) -> _Reader:
     """A reader that reads and decodes each coordinate array of ``store`` once, however many
     calls of :func:`open_coordinates` and :func:`carried_coordinates` it is passed to (as
-    ``reader=``); ``timeout_s`` bounds each read (default: the store's ``RetryPolicy``)."""
+    ``reader=``); ``timeout_s`` bounds each read (default: the store's ``RetryPolicy``). It
+    keeps each array's metadata it read, for the later calls it is passed to
+    (``open_geometries(..., coords_reader=)``, ``insitu_pipeline(..., coords_reader=)``'s check
+    of the store): what it read is not read again, so a change made to the store after it
+    read it is not seen through it. Share one between the builds of one run, not for longer."""
     return _Reader(store, timeout_s)
+
+
+def same_store_reader(reader: _Reader, store: Any) -> _Reader:
+    """``reader``, where it reads the opened ``store`` itself; another store's would share
+    what it read of that store (its times carried by this one's rows): ``ValueError``."""
+    if reader.store is not store:
+        raise ValueError(
+            f"coords_reader reads store {describe_store(reader.store)}, not the one read here "
+            f"({describe_store(store)}): make it with coordinate_reader() of the opened store "
+            "passed here"
+        )
+    return reader
 
 
 def open_coordinates(
