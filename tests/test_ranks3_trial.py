@@ -11,6 +11,13 @@ Found (fixed):
    trainer's epoch (rank 0 of 4 and one rank alike). Every ``iter()`` now delivers nothing
    while ``epoch_fn`` stays in the ended epoch, and the next epoch is delivered once, when
    ``epoch_fn`` moves on.
+2. An ``"uneven"`` rank's own state saved after its last batch, its loop not yet ended, was
+   read elastically (on another number of ranks) as rank 0's: its epoch went on with the
+   batches rank 0 had left, where the same state on its own number of ranks ends the epoch
+   (ranks2: the epoch is over where the saving rank's is); and on either it was refused
+   under another batch size or views as saved mid-epoch, though it resumed at the next
+   epoch. The elastic rule and the mid-epoch check now read the epoch's end by the saving
+   rank (its ``"rank"``); a state without one is read as rank 0's, as before.
 """
 
 from __future__ import annotations
@@ -128,3 +135,60 @@ def test_a_state_cut_short_by_its_trainer_stays_ended_at_every_iter_of_that_epoc
         assert [_rows(dataset) for _ in range(3)] == [[], [], []]
         trainer[0] = 1
         assert _rows(dataset) == epoch1
+
+
+# -- 2. a short rank's own state, restored elastically --------------------------------------------
+
+
+def _eval(rank: int, world: int) -> PlanConfig:
+    return PlanConfig(split="test", remainder="uneven", batch_size=1, shuffle=True, rank=rank,
+                      world_size=world)  # fmt: skip
+
+
+def test_a_short_ranks_own_state_after_its_last_batch_ends_its_epoch_on_any_number_of_ranks(
+    geom: ArrayGeometry,
+) -> None:
+    """12 samples on 5 ranks (3, 3, 2, 2, 2 batches): rank 2's own state after its 2nd and
+    last batch, its loop not yet ended, restores on 5 ranks at epoch 1 (ranks2: over where
+    the saving rank's epoch is), and on 3 ranks now too: each new rank's next loop is epoch 1
+    as a run begun on 3 ranks draws it (main: the 3 ranks went on with epoch 0, dealing the
+    2 samples of ranks 0 and 1's third batches); and an epoch's end, it restores under
+    another batch size and views on either (main: refused as saved mid-epoch). The same
+    state without ``"rank"`` (saved before ranks2) is read as rank 0's, as before: those 2
+    samples, once over the 3 ranks."""
+    half = split_by_chunk(geom, (0.5, 0.0, 0.5))  # the test split: samples 12..23
+
+    def node(rank: int, world: int) -> ReadPlanNode:
+        return ReadPlanNode(half, {"x": geom}, config=_eval(rank, world))
+
+    old = [node(r, 5) for r in range(5)]
+    shares = [plan_anchors(n) for n in old]
+    assert [len(s) for s in shares] == [3, 3, 2, 2, 2]
+    short = node(2, 5)
+    assert plan_anchors(short, 2) == shares[2]
+    state = short.get_state()
+    assert state["rank"] == 2 and state["batches_emitted"] == 2
+    for r in range(5):
+        n = node(r, 5)
+        n.reset(state)
+        assert n.epoch == 1, r
+    for world in (5, 3):  # an epoch's end: another batching, other views take it there too
+        other = ReadPlanNode(half, {"x": geom.window([-1, 0])},
+                             config=_eval(0, world).replace(batch_size=2))  # fmt: skip
+        assert other.resumed_epoch(state) == 1, world
+    for r in range(3):
+        n = node(r, 3)
+        assert n.resumed_epoch(state) == 1, r
+        n.reset(state)
+        fresh = node(r, 3)
+        fresh.set_epoch(1)
+        fresh.reset(None)
+        assert (n.epoch, plan_anchors(n)) == (1, plan_anchors(fresh)), r
+    unsigned = {k: v for k, v in state.items() if k != "rank"}
+    rest = []
+    for r in range(3):
+        n = node(r, 3)
+        n.reset(unsigned)
+        assert n.epoch == 0, r
+        rest += [a for b in plan_anchors(n) for a in b]
+    assert sorted(rest) == sorted(shares[0][2] + shares[1][2])
