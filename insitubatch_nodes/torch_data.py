@@ -84,9 +84,10 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     ``iter()`` in it, the next epoch's) and starts the next epoch when ``epoch_fn`` does: the
     next epoch is delivered once, under its own number, however often ``iter()`` is called
     before (before 2026-12-07 a second ``iter()`` in the ended epoch delivered the next).
-    So does the state of a rank with no batch of ``epoch_fn``'s epoch after its loop over it
-    (``empty_ranks``: the next epoch's start; before 2026-12-07 that next epoch ran at once,
-    inside the trainer's, and the state after it was an epoch ahead of the trainer).
+    So does a state at the next epoch's start, taken after a loop over ``epoch_fn``'s epoch:
+    a rank's with no batch of it (``empty_ranks``), or this dataset's after an ``iter()``
+    in an epoch a loaded state ended (before 2026-12-07 that next epoch ran at once, inside
+    the trainer's, and the state after it was an epoch ahead of the trainer).
     """
 
     def __init__(
@@ -166,11 +167,12 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
             int(state["epoch"]) == epoch + 1
             and not int(state["batches_emitted"])
             and not state.get("resumed")
-            and self.plan.resumed_len({**state, "epoch": epoch}) == 0
         ):
-            # the next epoch's start, where this rank has no batch of the trainer's epoch (the
-            # state after its empty loop over it): that epoch is over, and empty, here too
-            return 0
+            # the next epoch's start: the state after a loop over the trainer's epoch (an
+            # empty rank's, or one an iter() found ended here): that epoch is over here too
+            # (before 2026-12-07 only an empty rank's; any other delivered the next epoch
+            # inside the trainer's, and again in the next); its length this rank's batches
+            return self.plan.resumed_len({**state, "epoch": epoch})
         return None
 
     def _end_here(self) -> None:

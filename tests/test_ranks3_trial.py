@@ -10,7 +10,10 @@ Found (fixed):
    whole, at a third: what an ``iter()`` delivered followed how often it was called, not the
    trainer's epoch (rank 0 of 4 and one rank alike). Every ``iter()`` now delivers nothing
    while ``epoch_fn`` stays in the ended epoch, and the next epoch is delivered once, when
-   ``epoch_fn`` moves on.
+   ``epoch_fn`` moves on. The state after such an ``iter()`` (the next epoch's start)
+   restored while the trainer was still in that epoch delivered the next epoch there, and
+   again in the next (any rank with a batch: ranks2 had made it end the epoch only on an
+   empty rank); it now ends the trainer's epoch as the state it came from does.
 2. An ``"uneven"`` rank's own state saved after its last batch, its loop not yet ended, was
    read elastically (on another number of ranks) as rank 0's: its epoch went on with the
    batches rank 0 had left, where the same state on its own number of ranks ends the epoch
@@ -192,3 +195,35 @@ def test_a_short_ranks_own_state_after_its_last_batch_ends_its_epoch_on_any_numb
         assert n.epoch == 0, r
         rest += [a for b in plan_anchors(n) for a in b]
     assert sorted(rest) == sorted(shares[0][2] + shares[1][2])
+
+
+def test_the_state_after_an_ended_epochs_iter_ends_that_epoch_again_where_it_is_restored(
+    store: Path, geom: ArrayGeometry
+) -> None:
+    """The state ``as_dataset(epoch_fn=...)`` holds after an ``iter()`` in an epoch a loaded
+    state ended (the next epoch's start: a checkpoint saved at the trainer's epoch end), loaded
+    into a fresh dataset while the trainer is still in that epoch, delivers nothing there, as
+    the state it came from does, and so does the state after that; epoch 1 once, when the
+    trainer gets there (main: epoch 1 in the trainer's epoch 0, and again in its epoch 1)."""
+    half = split_by_chunk(geom, (0.5, 0.0, 0.5))
+    config = PlanConfig(split="test", batch_size=2, shuffle=True)
+    want = ReadPlanNode(half, {"x": geom}, config=config)
+    want.set_epoch(1)
+    want.reset(None)
+    epoch1 = plan_anchors(want)
+    with insitu_pipeline(store, half, {"x": geom}, config=config) as pipe:
+        loader = Loader(pipe)
+        list(loader)
+        state = loader.state_dict()
+    trainer = [0]
+    for _ in range(2):
+        with insitu_pipeline(store, half, {"x": geom}, config=config) as pipe:
+            dataset = as_dataset(pipe, transform=to_item, epoch_fn=lambda: trainer[0])
+            dataset.load_state_dict(state)
+            assert len(dataset) == len(epoch1) and _rows(dataset) == []
+            state = dataset.state_dict()
+    with insitu_pipeline(store, half, {"x": geom}, config=config) as pipe:
+        dataset = as_dataset(pipe, transform=to_item, epoch_fn=lambda: trainer[0])
+        dataset.load_state_dict(state)
+        trainer[0] = 1
+        assert _rows(dataset) == epoch1
