@@ -80,11 +80,14 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
     taken where ``epoch_fn``'s epoch ends — its last batch delivered, or, restored on another
     world size, none of the epoch left for these ranks — delivers nothing while ``epoch_fn``
     stays in that epoch (whose length is then this rank's batches of it: rank 0's state
-    restored on a rank with fewer, as an ``"uneven"`` one, counts that rank's) and starts the
-    next epoch when ``epoch_fn`` does: the next epoch is delivered once, under its own number.
-    So does the state of a rank with no batch of ``epoch_fn``'s epoch after its loop over it
-    (``empty_ranks``: the next epoch's start; before 2026-12-07 that next epoch ran at once,
-    inside the trainer's, and the state after it was an epoch ahead of the trainer).
+    restored on a rank with fewer, as an ``"uneven"`` one, counts that rank's; after an
+    ``iter()`` in it, the next epoch's) and starts the next epoch when ``epoch_fn`` does: the
+    next epoch is delivered once, under its own number, however often ``iter()`` is called
+    before (before 2026-12-07 a second ``iter()`` in the ended epoch delivered the next).
+    So does a state at the next epoch's start, taken after a loop over ``epoch_fn``'s epoch:
+    a rank's with no batch of it (``empty_ranks``), or this dataset's after an ``iter()``
+    in an epoch a loaded state ended (before 2026-12-07 that next epoch ran at once, inside
+    the trainer's, and the state after it was an epoch ahead of the trainer).
     """
 
     def __init__(
@@ -117,9 +120,10 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         #: data module's trainer); ``{epoch}`` is the state's epoch. ``None``: the pipeline's.
         self.without_state: str | None = None
         self._loaded_epoch_over = False  # (end_loaded_epoch, until the next iter())
-        # the epoch of a mid-epoch state taken as where that epoch ended (end_loaded_epoch):
-        # the next epoch's start is pending in its place
-        self._cut: int | None = None
+        # epoch_fn's epoch where a loaded state ended it here (an iter() in it found it over,
+        # or end_loaded_epoch took a mid-epoch state as its end): every iter() in it delivers
+        # nothing, the next epoch's start pending in its place
+        self._ended_here: int | None = None
 
     def __len__(self) -> int:
         """Batches in the epoch the next ``iter()`` continues or starts: the same every epoch,
@@ -143,36 +147,50 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         """The batches of ``epoch_fn``'s epoch when a pending state was taken at that epoch's
         end (its last batch delivered, or on another world size none of it left): the trainer
         is still in that epoch, which holds nothing more; ``None`` otherwise. For a state cut
-        short of its epoch's end (:meth:`end_loaded_epoch`): the next epoch's batches (what
-        the trainer is told; the cut epoch's count, less any limit the trainer applies to it,
-        could come to none)."""
-        if self._pending is None or self.epoch_fn is None:
+        short of its epoch's end (:meth:`end_loaded_epoch`), and once an ``iter()`` in the
+        ended epoch found it over (the trainer is told the next epoch's length at its end):
+        the next epoch's batches (the cut epoch's count, less any limit the trainer applies to
+        it, could come to none)."""
+        if self.epoch_fn is None:
+            return None
+        epoch = int(self.epoch_fn())
+        if self._ended_here == epoch:  # (the next epoch's start is pending)
+            if self._pending is None:  # (a graph that cannot say its start: epoch pinned)
+                return self.plan.epoch_len
+            return self.plan.resumed_len(plan_state(self._pending))
+        if self._pending is None:
             return None
         state = plan_state(self._pending)
-        epoch = int(self.epoch_fn())
-        cut = self._cut
-        if cut is not None and cut == epoch and int(state["epoch"]) == epoch + 1:
-            return self.plan.resumed_len(state)  # (the next epoch's start is pending)
         if int(state["epoch"]) == epoch and self.plan.ends_epoch(state):
             return self.plan.ended_len(state)  # (this rank's: rank 0's state holds rank 0's)
         if (
             int(state["epoch"]) == epoch + 1
             and not int(state["batches_emitted"])
             and not state.get("resumed")
-            and self.plan.resumed_len({**state, "epoch": epoch}) == 0
         ):
-            # the next epoch's start, where this rank has no batch of the trainer's epoch (the
-            # state after its empty loop over it): that epoch is over, and empty, here too
-            return 0
+            # the next epoch's start: the state after a loop over the trainer's epoch (an
+            # empty rank's, or one an iter() found ended here): that epoch is over here too
+            # (before 2026-12-07 only an empty rank's; any other delivered the next epoch
+            # inside the trainer's, and again in the next); its length this rank's batches
+            return self.plan.resumed_len({**state, "epoch": epoch})
         return None
+
+    def _end_here(self) -> None:
+        """Hold ``epoch_fn``'s epoch as over here, the start of the next epoch pending."""
+        assert self.epoch_fn is not None
+        self._ended_here = int(self.epoch_fn())
+        if self._pending is not None:
+            self._pend_start(self.plan.resumed_epoch(plan_state(self._pending)))
 
     def ended_epoch_lens(self) -> tuple[int, int] | None:
         """``(batches of the epoch, batches of the next)`` where a pending state was taken at
         the end of ``epoch_fn``'s epoch (the next one under this pipeline's views and batch
         size); ``None`` otherwise."""
         ended = self._ended_epoch()
-        if ended is None or self._pending is None:
+        if ended is None:
             return None
+        if self._pending is None:  # (a graph that cannot say its start: epoch pinned)
+            return ended, self.plan.epoch_len
         return ended, self.plan.resumed_len(plan_state(self._pending))
 
     def _pend_start(self, epoch: int) -> None:
@@ -204,12 +222,13 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         self._iterated = True
         self._loaded_epoch_over = False
         self._drop_overtaken_state()
-        pending = self._pending
-        if pending is not None and self._ended_epoch() is not None:
-            # nothing left of the trainer's epoch: the next one starts when the trainer's does
-            # (delivered now, it would be delivered again under the trainer's next epoch)
-            self._pend_start(self.plan.resumed_epoch(plan_state(pending)))
+        if self._ended_epoch() is not None:
+            # nothing left of the trainer's epoch, at this iter() or any other in it: the next
+            # one starts when the trainer's does (delivered now, it would be delivered again
+            # under the trainer's next epoch; before 2026-12-07 a second iter() did so)
+            self._end_here()
             return
+        self._ended_here = None
         if self._pending is not None:
             self._loader.load_state_dict(self._pending)
             self._pending = None
@@ -265,7 +284,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         if self._loaded_epoch_over and self.plan.resumed_epoch(plan) == epoch:
             self._take_as_ended(plan)  # (mid-epoch: its consumer cut that epoch short)
             return
-        self._pending, self._cut = state, None
+        self._pending, self._ended_here = state, None
 
     def _take_as_ended(self, plan: Mapping[str, Any]) -> None:
         """Pend the start of the epoch after read-plan state ``plan``'s, taking ``plan`` as
@@ -274,7 +293,7 @@ class InSituIterableDataset(torch.utils.data.IterableDataset[Any]):
         end (see the class)."""
         epoch = int(plan["epoch"])
         self._pend_start(epoch + 1)
-        self._cut = epoch
+        self._ended_here = epoch
 
     def end_loaded_epoch(self) -> None:
         """Take a state loaded before the next ``iter()`` as where its epoch ended: its

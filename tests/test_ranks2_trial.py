@@ -33,7 +33,7 @@ epoch.
 
 Left: an ``as_dataset(epoch_fn=...)`` that ended the trainer's epoch from a loaded state
 delivers the next epoch at a second ``iter()`` inside that trainer epoch (any rank; seen on
-rank 0 of 4, not changed here).
+rank 0 of 4, not changed here; fixed since: tests/test_ranks3_trial.py).
 """
 
 from __future__ import annotations

@@ -72,9 +72,13 @@ class SavedStateChecks:
         then goes on dealt in chunks, as it began.
 
         A state taken under another world size adds a cut: every old rank delivered its first
-        ``batches_emitted`` batches (all it had if fewer; rank 0, whose state is saved, has the
-        most), and the rest of the epoch is dealt to this world size: over for every rank once
-        rank 0 has no batch of it left (before 2026-12-07 a rank with none went on alone).
+        ``batches_emitted`` batches (all it had if fewer), and the rest of the epoch is dealt
+        to this world size: over for every rank once the rank that saved it has no batch of
+        it left (its ``"rank"``, in an ``"uneven"`` state; else rank 0, the largest share),
+        as on its own world size (before 2026-12-07 a rank with none went on alone; and a
+        short rank's own state after its last batch was read as rank 0's, its epoch going on
+        with rank 0's batches where on its own world size it was over), and for each new
+        rank once rank 0 of this world size has none.
 
         Of this world size, the epoch is over once the rank that saved the state has no batch
         of it left (its ``"rank"``, in an ``"uneven"`` state, whose ranks' shares differ):
@@ -99,9 +103,10 @@ class SavedStateChecks:
         if saved_world != self.world_size:
             if emitted == 0:  # nothing delivered yet: the epoch as this world size plans it
                 return epoch, 0, (), None
-            old = self._draw(epoch, None, resumed, world=(0, saved_world), dealing=dealing)
+            saver = (self._saving_rank(state, saved_world) or 0, saved_world)
+            old = self._draw(epoch, None, resumed, world=saver, dealing=dealing)
             if emitted >= old.n_batches:
-                return epoch + 1, 0, (), None  # the epoch was over
+                return epoch + 1, 0, (), None  # the epoch was over (where its saver's was)
             if not resumed or resumed[-1][1] < emitted:  # (its ranks delivered nothing: no cut)
                 resumed = (*resumed, (saved_world, emitted))
         if resumed or emitted:  # over once the rank that saved it has none left
@@ -121,10 +126,17 @@ class SavedStateChecks:
         the rank that saved it (``"rank"``, an ``"uneven"`` state of this world size's), else
         rank 0 of an elastic epoch (over for every rank once rank 0, the largest share, has
         none left), else ``None``: this rank's own."""
-        rank = state.get("rank")
-        if saved_world == self.world_size and type(rank) is int and 0 <= rank < saved_world:
+        rank = self._saving_rank(state, saved_world)
+        if saved_world == self.world_size and rank is not None:
             return rank, saved_world
         return (0, self.world_size) if resumed else None
+
+    @staticmethod
+    def _saving_rank(state: Mapping[str, Any], saved_world: int) -> int | None:
+        """The rank of ``saved_world`` ranks that saved ``state`` (its ``"rank"``, written
+        where shares differ: ``"uneven"`` on several ranks); ``None`` without one."""
+        rank = state.get("rank")
+        return rank if type(rank) is int and 0 <= rank < saved_world else None
 
     def ended_len(self, state: Mapping[str, Any]) -> int:
         """This rank's batches of the epoch read-plan state ``state`` was taken in, counted
@@ -162,8 +174,11 @@ class SavedStateChecks:
         return saved_views(saved, self._config["dataset"], self._known, self.manifest, self.views)
 
     def _saved_len(self, state: Mapping[str, Any], resumed: Sequence[Stage], world: int) -> int:
-        """Batches of the state's epoch under the views it was saved with (rank 0 of its
-        ``world`` ranks, after its cuts ``resumed``)."""
+        """Batches of the state's epoch under the views it was saved with (of the rank that
+        saved it, else rank 0, of its ``world`` ranks, after its cuts ``resumed``): where it
+        ends, as :meth:`_resolve` reads it (before 2026-12-07 always rank 0's, so a shorter
+        rank's state after its last batch was refused as mid-epoch under other views or
+        batching, though it resumed at the next epoch)."""
         views = self._other_views(state["config"]) or self.views
         config = self.plan_config.replace(**other_order(state["config"], self._config))
         dealing = dealt(config.shuffle, dealing_for(views), config.remainder, self.world_size)
@@ -172,7 +187,7 @@ class SavedStateChecks:
         plan = plan_epoch(
             self.manifest,
             views,
-            config.for_rank(0, world),
+            config.for_rank(self._saving_rank(state, world) or 0, world),
             epoch=epoch,
             resumed=resumed,
             dealing=dealing_then,
