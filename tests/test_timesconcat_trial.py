@@ -22,12 +22,19 @@ Found (fixed; each test failed before the fix):
   first are now aligned from their latest shared time back (``timeline._shared``), a
   concatenation of such stores among them; stores in different directions are refused,
   naming one of each and how to sort them.
+- **``concat`` and ``join`` refused monthly stores, oldest or newest first** ("not at one
+  step": 31 days, then 29), though one such store is read with its months as steps. Where
+  every store steps by one count of calendar months (``calendars.month_step``) the checks
+  now count months (``timeline._in_months``): a window in samples pairs each month with its
+  neighbour across the stores' edge, and a month left out between two stores is a gap naming
+  the month that comes next.
 - **A store whose times are all one time was an ``IndexError``** in ``concat``/``join``'s
   step check (``_refuse_irregular``); it is now refused as a repeated time.
 """
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -262,3 +269,55 @@ def test_a_join_of_stores_running_in_different_directions_is_refused_saying_how_
         r"\(newest first\).*ds.sortby\('time'\), or ds.sortby\('time', ascending=False\)",
     ):
         Collection.join({"x": (back, ["sst"]), "y": (ahead, ["sst"])}, dim="time")
+
+
+# ---------------------------------------------------------------------------------------------
+# Monthly stores (months of 28 to 31 days: one step of a calendar month)
+# ---------------------------------------------------------------------------------------------
+
+MONTHS = pd.date_range("2000-01-01", periods=12, freq="MS")
+
+
+def _monthly(root: Path, lo: int, hi: int, newest_first: bool) -> Path:
+    times = MONTHS[lo:hi][::-1] if newest_first else MONTHS[lo:hi]
+    return write_sst(root, times, chunk=3, units="days since 2000-01-01")
+
+
+@pytest.mark.parametrize("newest_first", [True, False])
+def test_monthly_stores_concatenated_pair_each_month_with_the_next_across_their_edge(
+    tmp_path: Path, newest_first: bool
+) -> None:
+    """Before, ``concat`` refused monthly stores either way ("not at one step": 31 days, then
+    29). Now a calendar month is one step, within a store and from one store to the next: a
+    window of two samples pairs each month with its neighbour in ``xr.concat`` of the stores
+    (the month before, newest first), across the stores' edge, and a month ``missing=`` lists
+    drops the windows that read it; a month left out between two stores is refused, naming
+    the month that comes next. A join of the two stores starts at the month they share."""
+    parts = [(6, 12), (0, 6)] if newest_first else [(0, 6), (6, 12)]
+    roots = [_monthly(tmp_path / f"m{lo}.zarr", lo, hi, newest_first) for lo, hi in parts]
+    oracle = xr.concat([open_with_xarray(r) for r in roots], dim="time")
+    times = oracle.time.values
+    listed = np.datetime64("2000-03-01", "ns")
+    coll = concat(roots, ["sst"])
+    v = coll["sst"]
+    manifest = split_by_chunk(v, (1.0, 0.0, 0.0))
+    pipe = insitu_pipeline(coll, manifest, {"w": v.window([0, 1])}, batch_size=4,
+                           coords=["time"], missing=[listed])  # fmt: skip
+    want = {p for p in itertools.pairwise(times) if listed not in p}
+    got = set()
+    for b in _epoch(pipe):
+        for r, x in zip(b.coords["w"]["time"], b["w"], strict=True):
+            np.testing.assert_array_equal(x, oracle.sst.sel(time=r).values)
+            got.add(tuple(r))
+    assert got == want and len(want) == 9
+    assert (MONTHS[5], MONTHS[6]) in {tuple(sorted(p)) for p in got}  # across the edge
+    gap = _monthly(tmp_path / "gap.zarr", 7, 12, newest_first)  # 2000-07 left out
+    given = [gap, roots[1]] if newest_first else [roots[0], gap]
+    step = -1 if newest_first else 1
+    with pytest.raises(ValueError, match=rf"leave a gap \(at the step of {step} calendar "
+                                         r"month\(s\), a date in 2000-07 comes next"):  # fmt: skip
+        concat(given, ["sst"])
+    whole = _monthly(tmp_path / "whole.zarr", 0, 12, newest_first)
+    shared = xr.align(open_with_xarray(roots[0]), open_with_xarray(whole), join="inner")[0]
+    joined = Collection.join({"a": (roots[0], ["sst"]), "b": (whole, ["sst"])})
+    assert joined["a/sst"].n_samples == shared.sizes["time"] == 6

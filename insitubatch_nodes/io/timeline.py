@@ -28,7 +28,12 @@ from zarr.abc.store import Store
 from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.axes import named_axes
-from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
+from insitubatch_nodes.io.calendars import (
+    calendar_months,
+    month_step,
+    one_calendar,
+    refuse_missing_times,
+)
 from insitubatch_nodes.io.collection_checks import sample_axis_hint
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -135,7 +140,31 @@ def time_coordinate(
     return coord
 
 
-def _direction(op: str, name: str, ticks: np.ndarray, values: np.ndarray) -> int:
+def _in_months(
+    values: Sequence[np.ndarray], ticks: list[np.ndarray]
+) -> tuple[list[np.ndarray], str]:
+    """``(ticks, unit)``: the stores' times as their checks count them. ``ticks`` (whole
+    seconds) and ``"s"``, unless the dates step by whole calendar months of several lengths
+    (monthly, seasonal, yearly means: :func:`~insitubatch_nodes.io.calendars.month_step` of a
+    store) and every store of two times or more steps by one count of calendar months: then
+    each date's months since January 1970 and ``"calendar month(s)"``, so that a month of 30
+    days after one of 31 is one step, within a store and from one store to the next (before
+    2026-12-07 such stores were refused as "not at one step")."""
+    if all(month_step(v) is None for v in values):
+        return ticks, "s"
+    months = [calendar_months(v) for v in values]
+    steps = [np.unique(np.diff(m)) for m in months]
+    if any(len(d) > 1 or (len(d) and d[0] == 0) for d in steps):
+        return ticks, "s"  # (a store at another step, a gap: refused in seconds, as before)
+    return months, "calendar month(s)"
+
+
+def _month_name(month: int) -> str:
+    """``"YYYY-MM"``: the month ``month`` months after January 1970 (of any calendar)."""
+    return f"{1970 + month // 12:04d}-{month % 12 + 1:02d}"
+
+
+def _direction(op: str, name: str, ticks: np.ndarray, values: np.ndarray, unit: str) -> int:
     """``1`` where the times of store ``name`` increase at one step, ``-1`` where they
     decrease at one step (newest first), ``0`` for a store of one time (of a ``concat``: it
     says nothing of a step or a direction); refused otherwise (:func:`_refuse_irregular`)."""
@@ -144,7 +173,7 @@ def _direction(op: str, name: str, ticks: np.ndarray, values: np.ndarray) -> int
         return 1 if d[0] > 0 else -1
     if not len(d) and op == "concat":
         return 0
-    _refuse_irregular(op, name, ticks, values)
+    _refuse_irregular(op, name, ticks, values, unit)
 
 
 def _one_direction(op: str, names: Sequence[str], ways: Sequence[int]) -> int:
@@ -163,7 +192,9 @@ def _one_direction(op: str, names: Sequence[str], ways: Sequence[int]) -> int:
     return -1 if down is not None else 1
 
 
-def _refuse_irregular(op: str, name: str, ticks: np.ndarray, values: np.ndarray) -> NoReturn:
+def _refuse_irregular(
+    op: str, name: str, ticks: np.ndarray, values: np.ndarray, unit: str = "s"
+) -> NoReturn:
     """Refuse the times of store ``name`` that are not at one step, naming where the step
     first changes (from the store's most common step, in the direction most of its times run:
     newest first too) and what to do (before 2026-12-07 times newest first were refused as
@@ -189,7 +220,7 @@ def _refuse_irregular(op: str, name: str, ticks: np.ndarray, values: np.ndarray)
     )
     raise ValueError(
         f"{op}: the times of {name!r} are not at one step: {values[i]} (index {i}) follows "
-        f"{values[i - 1]} after {int(d[i - 1])} s, where the store steps {way * step} s "
+        f"{values[i - 1]} after {int(d[i - 1])} {unit}, where the store steps {way * step} {unit} "
         f"({what} read the store in a pipeline of its own, which drops the anchors whose steps "
         f"a gap or a later copy touches: missing steps). The stores of a {op} must be at one "
         "step"
@@ -228,11 +259,11 @@ def continuation(
         given = dims.get(first_var)
         coord = time_coordinate(store, geom, dim, given, op="concat", name=name,
                                 variable=first_var, key=first_var)  # fmt: skip
-        t = whole_seconds(coord, f"store {name!r}", "concat's continuity checks")
-        ways.append(_direction("concat", name, t, coord.values))
-        ticks.append(t)
+        ticks.append(whole_seconds(coord, f"store {name!r}", "concat's continuity checks"))
         values.append(coord.values)
     one_calendar(names, values, "concat")
+    ticks, unit = _in_months(values, ticks)
+    ways = [_direction("concat", *given, unit) for given in zip(names, ticks, values, strict=True)]
     # newest first (every store): checked on the times negated, a step back in time one on
     way = _one_direction("concat", names, ways)
     ticks = [t * way for t in ticks]
@@ -242,8 +273,8 @@ def continuation(
     for k, own in enumerate(steps):
         if own is not None and own != step:
             raise ValueError(
-                f"concat: {names[k]!r} steps {way * own} s, {names[0]!r} "
-                f"{way * (step or 0)} s: the stores must share one step"
+                f"concat: {names[k]!r} steps {way * own} {unit}, {names[0]!r} "
+                f"{way * (step or 0)} {unit}: the stores must share one step"
             )
         if not k or step is None:
             continue
@@ -268,6 +299,11 @@ def continuation(
             if isinstance(last, np.datetime64)
             else datetime.timedelta(seconds=way * step)
         )
+        after = (
+            last + delta
+            if unit == "s"
+            else f"a date in {_month_name(int(ticks[k - 1][a[1] - 1]) * way + way * step)}"
+        )
         if gap > 0 or overlap == "error" or gap % step:
             hint = (
                 ' (or give overlap="first" or "last" to say which store wins)'
@@ -276,7 +312,7 @@ def continuation(
             )
             raise ValueError(
                 f"concat: {names[k - 1]!r} ends at {last} and {names[k]!r} starts at {first}: "
-                f"they {what} (at the step of {way * step} s, {last + delta} comes next){hint}"
+                f"they {what} (at the step of {way * step} {unit}, {after} comes next){hint}"
             )
         shared = (step - gap) // step  # the steps both hold
         if overlap == "first":  # the later member skips them at its start
@@ -351,7 +387,8 @@ def _shared(
     every timeline runs backwards (newest first) the axis does too, from the latest shared
     time (since 2026-12-07); timelines running both ways are refused, naming one of each."""
     one_calendar(names, values, "join")
-    ways = [_direction("join", *given) for given in zip(names, ticks, values, strict=True)]
+    ticks, unit = _in_months(values, list(ticks))
+    ways = [_direction("join", *given, unit) for given in zip(names, ticks, values, strict=True)]
     # newest first (every store): aligned on the times negated, from the latest shared time
     way = _one_direction("join", names, ways)
     ticks = [t * way for t in ticks]
@@ -360,13 +397,13 @@ def _shared(
     for k in range(1, len(names)):
         if int(steps[k][0]) != step:
             raise ValueError(
-                f"join: {names[k]!r} steps {way * int(steps[k][0])} s, {names[0]!r} "
-                f"{way * step} s: the stores must share one step (coarsen one first)"
+                f"join: {names[k]!r} steps {way * int(steps[k][0])} {unit}, {names[0]!r} "
+                f"{way * step} {unit}: the stores must share one step (coarsen one first)"
             )
         if (ticks[k][0] - ticks[0][0]) % step:
             raise ValueError(
                 f"join: {names[k]!r} starts at {values[k][0]} and {names[0]!r} at "
-                f"{values[0][0]}: at the step of {step} s their times are not on one grid"
+                f"{values[0][0]}: at the step of {step} {unit} their times are not on one grid"
             )
     first = max(int(t[0]) for t in ticks)
     last = min(int(t[-1]) for t in ticks)
