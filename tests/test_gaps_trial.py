@@ -59,7 +59,8 @@ Left as they are (described, not changed): a duplicated time was dropped only wh
 reads it at another offset, so a view of the anchor alone (and ``fit_statistics``) took both
 copies (since the coordlen trial a later copy is dropped for every offset); a time axis
 whose step changes (6-hourly, later hourly) is checked at its most common step, so the other
-part's anchors are dropped as gaps; ``concat`` refuses monthly stores as "not at one step";
+part's anchors are dropped as gaps; ``concat`` refuses monthly stores as "not at one step"
+(since the timesconcat trial it takes them: ``tests/test_timesconcat_trial.py``);
 pentads and dekads (5/10-day steps cut at month ends) still count in days.
 (A dimension coordinate of another length, left out of ``batch.coords`` without a word under
 the default ``coords=None``, is refused since the coordlen trial: ``test_coordlen_trial.py``.)

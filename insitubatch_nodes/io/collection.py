@@ -369,17 +369,18 @@ class Collection:
         later store's and drops the earlier store's overlapping tail. Only whole chunks (of
         every variable) can be skipped: an overlap that is not is refused, naming the times.
 
-        Checked here: every store but the last holds whole chunks (of every variable) of what
-        it contributes, and the times of ``dim``'s coordinate continue from store to store at
-        one step, without a gap (nor an overlap, unless ``overlap`` says who wins); otherwise
-        ``ValueError`` naming the stores and the times. The stores are on one grid: each other
-        dimension's coordinate (``lat``, ``level``), where two stores have one, holds the same
-        values in the same order (``ValueError`` naming the dimension and the stores).
-        ``mask_and_scale`` and ``cf_dtype``: how the views decode (the class docstring),
-        checked before any store is read; so is ``dims`` (``{variable: names}``, a variable
-        being an array path of ``variables``): the dimension names of arrays that name none, by
-        which ``dim`` and its time coordinate are found (where an array names none and
-        ``dims`` does not name it, ``ValueError`` says so)."""
+        Checked here: every store but the last holds whole chunks (of every variable) of what it
+        contributes, and the times of ``dim``'s coordinate continue from store to store at one
+        step, without a gap (nor an overlap, unless ``overlap`` says who wins); otherwise
+        ``ValueError`` naming the stores and the times. Stores all written newest first are
+        listed newest first and continue back in time (stores in two directions are refused).
+        The stores are on one grid: each other dimension's coordinate (``lat``, ``level``),
+        where two stores have one, holds the same values in the same order (``ValueError``
+        naming the dimension and the stores). ``mask_and_scale`` and ``cf_dtype``: how the views
+        decode (the class docstring), checked before any store is read; so is ``dims``
+        (``{variable: names}``, a variable being an array path of ``variables``): the dimension
+        names of arrays that name none, by which ``dim`` and its time coordinate are found
+        (where an array names none and ``dims`` does not name it, ``ValueError`` says so)."""
         cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         if overlap not in ("error", "first", "last"):
             raise ValueError(f"overlap must be 'error', 'first' or 'last', got {overlap!r}")
@@ -421,14 +422,15 @@ class Collection:
         (a whole number of steps apart); each store's index is its own, offset. Each array is
         read by whole chunks of its own chunking (stores may be chunked differently), so the
         axis starts at the first shared time where every array is at a chunk boundary: up to a
-        few chunks' steps after the latest start; it ends at the earliest end. Otherwise
+        few chunks' steps after the latest start; it ends at the earliest end (stores all newest
+        first: from the latest shared time back; two directions refused). Otherwise
         ``ValueError`` names the stores and their times. A store may be a concatenation
         (:meth:`concat`, with array paths of its variables): the joined axis is then cut where
         its stores meet, one member per piece, and each cut must fall on a chunk boundary of
         every array. ``mask_and_scale`` and ``cf_dtype``: how the views decode (the class
-        docstring), checked before any store is read; a concatenation given as a store must
-        have been made with the same (``ValueError`` otherwise: the join decodes every array by
-        its own). ``dims`` (``{"<name>/<path>": names}``, keyed by the join's variables, checked
+        docstring), checked before any store is read; a concatenation given as a store must have
+        been made with the same (``ValueError`` otherwise: the join decodes every array by its
+        own). ``dims`` (``{"<name>/<path>": names}``, keyed by the join's variables, checked
         before any store is read) names the dimensions of arrays that name none, as
         :meth:`concat` takes them; a concatenation's own ``dims`` are kept."""
         cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)

@@ -7,6 +7,8 @@ times they share (:func:`alignment`: one step, one grid, each store offset by wh
 Both return each member's stored samples ``[start, stop)`` (its *span*), checked here from the
 stores' time coordinates, refusing what does not fit with the stores and their times named;
 the member map (:mod:`~insitubatch_nodes.io.members`) then reads whole chunks of those spans.
+Stores whose times all run backwards (newest first) are checked on their times negated, so
+both run back in time (:func:`_one_direction`: stores running both ways are refused).
 A join one of whose stores is a concatenation (:func:`pieces_of_join`) is cut where the
 concatenated stores meet: one member per piece, each piece's span per array.
 """
@@ -18,7 +20,7 @@ import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 from zarr.abc.store import Store
@@ -26,7 +28,12 @@ from zarr.abc.store import Store
 from insitubatch_nodes.errors import CoordinateLengthError
 from insitubatch_nodes.io.arrays import open_geometries
 from insitubatch_nodes.io.axes import named_axes
-from insitubatch_nodes.io.calendars import one_calendar, refuse_missing_times
+from insitubatch_nodes.io.calendars import (
+    calendar_months,
+    month_step,
+    one_calendar,
+    refuse_missing_times,
+)
 from insitubatch_nodes.io.collection_checks import sample_axis_hint
 from insitubatch_nodes.io.coords import Coordinate, open_coordinates, time_offsets
 from insitubatch_nodes.io.geometry import ArrayGeometry
@@ -133,28 +140,77 @@ def time_coordinate(
     return coord
 
 
-def _refuse_irregular(op: str, name: str, ticks: np.ndarray, values: np.ndarray) -> None:
+def _in_months(
+    values: Sequence[np.ndarray], ticks: list[np.ndarray]
+) -> tuple[list[np.ndarray], str]:
+    """``(ticks, unit)``: the stores' times as their checks count them. ``ticks`` (whole
+    seconds) and ``"s"``, unless the dates step by whole calendar months of several lengths
+    (monthly, seasonal, yearly means: :func:`~insitubatch_nodes.io.calendars.month_step` of a
+    store) and every store of two times or more steps by one count of calendar months: then
+    each date's months since January 1970 and ``"calendar month(s)"``, so that a month of 30
+    days after one of 31 is one step, within a store and from one store to the next (before
+    2026-12-07 such stores were refused as "not at one step")."""
+    if all(month_step(v) is None for v in values):
+        return ticks, "s"
+    months = [calendar_months(v) for v in values]
+    steps = [np.unique(np.diff(m)) for m in months]
+    if any(len(d) > 1 or (len(d) and d[0] == 0) for d in steps):
+        return ticks, "s"  # (a store at another step, a gap: refused in seconds, as before)
+    return months, "calendar month(s)"
+
+
+def _month_name(month: int) -> str:
+    """``"YYYY-MM"``: the month ``month`` months after January 1970 (of any calendar)."""
+    return f"{1970 + month // 12:04d}-{month % 12 + 1:02d}"
+
+
+def _direction(op: str, name: str, ticks: np.ndarray, values: np.ndarray, unit: str) -> int:
+    """``1`` where the times of store ``name`` increase at one step, ``-1`` where they
+    decrease at one step (newest first), ``0`` for a store of one time (of a ``concat``: it
+    says nothing of a step or a direction); refused otherwise (:func:`_refuse_irregular`)."""
+    d = np.unique(np.diff(ticks))
+    if len(d) == 1 and d[0] != 0:
+        return 1 if d[0] > 0 else -1
+    if not len(d) and op == "concat":
+        return 0
+    _refuse_irregular(op, name, ticks, values, unit)
+
+
+def _one_direction(op: str, names: Sequence[str], ways: Sequence[int]) -> int:
+    """``-1`` where the stores ``names`` run newest first (``ways``: each one's
+    :func:`_direction`), ``1`` otherwise; stores running both ways are refused, naming one of
+    each and what to do (before 2026-12-07 any store newest first was refused)."""
+    up = next((n for n, w in zip(names, ways, strict=True) if w > 0), None)
+    down = next((n for n, w in zip(names, ways, strict=True) if w < 0), None)
+    if up is not None and down is not None:
+        laid = "lays its stores along one timeline" if op == "concat" else "aligns its stores"
+        raise ValueError(
+            f"{op}: the times of {up!r} run forward (oldest first) and those of {down!r} "
+            f"backwards (newest first): a {op} {laid} in one direction; write the stores in "
+            "one order (xarray: ds.sortby('time'), or ds.sortby('time', ascending=False))"
+        )
+    return -1 if down is not None else 1
+
+
+def _refuse_irregular(
+    op: str, name: str, ticks: np.ndarray, values: np.ndarray, unit: str = "s"
+) -> NoReturn:
     """Refuse the times of store ``name`` that are not at one step, naming where the step
-    first changes (from the store's most common step) and what to do; times that run
-    backwards (newest first) as such (before 2026-12-07 "after -21600 s, where the store
-    steps 0 s (a gap, or an out-of-order time ...)")."""
+    first changes (from the store's most common step, in the direction most of its times run:
+    newest first too) and what to do (before 2026-12-07 times newest first were refused as
+    such, and a store of one time repeated raised ``IndexError``)."""
     d = np.diff(ticks)
     if not len(d):
         raise ValueError(
             f"{op}: {name!r} holds {len(ticks)} time(s) of its dimension, so its step cannot "
             f"be told: the stores of a {op} need two times or more (leave it out)"
         )
-    if int((d < 0).sum()) > int((d > 0).sum()):
-        raise ValueError(
-            f"{op}: the times of {name!r} run backwards (newest first: {values[0]} at index 0 "
-            f".. {values[-1]} at index {len(values) - 1}), and a {op} lays its stores along "
-            "increasing times: write the store oldest first (xarray: ds.sortby('time')), or "
-            "read it in a pipeline of its own, whose time checks count times newest first "
-            "back in time"
-        )
-    steps, counts = np.unique(d[d > 0], return_counts=True)
+    way = -1 if int((d < 0).sum()) > int((d > 0).sum()) else 1
+    on = d * way
+    steps, counts = np.unique(on[on > 0], return_counts=True)
     step = int(steps[int(np.argmax(counts))]) if len(steps) else 0
-    i = int(np.flatnonzero(d != step)[0]) + 1
+    bad = np.flatnonzero(on != step)
+    i = int(bad[0]) + 1 if len(bad) else 1
     earlier = np.flatnonzero(ticks[:i] == ticks[i])
     what = (
         f"a copy of index {int(earlier[0])}'s: a repeated time; write the store without it, "
@@ -164,9 +220,10 @@ def _refuse_irregular(op: str, name: str, ticks: np.ndarray, values: np.ndarray)
     )
     raise ValueError(
         f"{op}: the times of {name!r} are not at one step: {values[i]} (index {i}) follows "
-        f"{values[i - 1]} after {int(d[i - 1])} s, where the store steps {step} s ({what} "
-        f"read the store in a pipeline of its own, which drops the anchors whose steps a gap "
-        f"or a later copy touches: missing steps). The stores of a {op} must be at one step"
+        f"{values[i - 1]} after {int(d[i - 1])} {unit}, where the store steps {way * step} {unit} "
+        f"({what} read the store in a pipeline of its own, which drops the anchors whose steps "
+        f"a gap or a later copy touches: missing steps). The stores of a {op} must be at one "
+        "step"
     )
 
 
@@ -182,11 +239,15 @@ def continuation(
     times of ``dim`` (``None``: every member whole): the times continue from member to member at
     one step; where they overlap, ``overlap`` keeps the earlier (``"first"``) or the later
     (``"last"``) member's, skipping whole chunks only. ``ValueError`` names the members and the
-    times otherwise. ``dims`` (``{variable: names}``, checked) names the axes of variables whose
-    arrays name none (:func:`time_coordinate`)."""
+    times otherwise. Stores whose times all run backwards (newest first, a store of one time
+    either way) continue back in time: listed newest first, each store's earliest time one
+    step after the next store's latest, the same checks made on the times negated (since
+    2026-12-07; stores running both ways are refused, naming one of each). ``dims``
+    (``{variable: names}``, checked) names the axes of variables whose arrays name none
+    (:func:`time_coordinate`)."""
     first_var = next(iter(paths))
     align = 1
-    ticks, values, steps = [], [], []
+    ticks, values, ways = [], [], []
     for m, (name, path) in enumerate(zip(names, paths[first_var], strict=True)):
         if m == 0:  # every member has the same chunks (checked when the collection is made)
             heads = open_geometries(store, [p[0] for p in paths.values()])
@@ -198,21 +259,22 @@ def continuation(
         given = dims.get(first_var)
         coord = time_coordinate(store, geom, dim, given, op="concat", name=name,
                                 variable=first_var, key=first_var)  # fmt: skip
-        t = whole_seconds(coord, f"store {name!r}", "concat's continuity checks")
-        d = np.unique(np.diff(t))
-        if len(d) > 1 or (len(d) and d[0] <= 0):
-            _refuse_irregular("concat", name, t, coord.values)
-        ticks.append(t)
+        ticks.append(whole_seconds(coord, f"store {name!r}", "concat's continuity checks"))
         values.append(coord.values)
-        steps.append(int(d[0]) if len(d) else None)
     one_calendar(names, values, "concat")
+    ticks, unit = _in_months(values, ticks)
+    ways = [_direction("concat", *given, unit) for given in zip(names, ticks, values, strict=True)]
+    # newest first (every store): checked on the times negated, a step back in time one on
+    way = _one_direction("concat", names, ways)
+    ticks = [t * way for t in ticks]
+    steps = [int(t[1] - t[0]) if len(t) > 1 else None for t in ticks]
     step = next((s for s in steps if s is not None), None)
     spans = [[0, len(t)] for t in ticks]
-    for k in range(len(ticks)):
-        if steps[k] is not None and steps[k] != step:
+    for k, own in enumerate(steps):
+        if own is not None and own != step:
             raise ValueError(
-                f"concat: {names[k]!r} steps {steps[k]} s, {names[0]!r} {step} s: the stores "
-                "must share one step"
+                f"concat: {names[k]!r} steps {way * own} {unit}, {names[0]!r} "
+                f"{way * (step or 0)} {unit}: the stores must share one step"
             )
         if not k or step is None:
             continue
@@ -223,15 +285,24 @@ def continuation(
             continue
         if ticks[k][b[0]] < ticks[k - 1][a[0]]:  # not an overlap: listed out of order
             raise ValueError(
-                f"concat: {names[k]!r} starts at {first}, before {names[k - 1]!r} (from "
-                f"{values[k - 1][a[0]]}), which is listed before it: give the stores in time "
-                "order"
+                f"concat: {names[k]!r} starts at {first}, {'before' if way > 0 else 'after'} "
+                f"{names[k - 1]!r} (from {values[k - 1][a[0]]}), which is listed before it: "
+                + (
+                    "give the stores in time order"
+                    if way > 0
+                    else "give the stores newest first, as their times run"
+                )
             )
         what = "overlap" if gap <= 0 else "leave a gap"
         delta: Any = (
-            np.timedelta64(step, "s")
+            np.timedelta64(way * step, "s")
             if isinstance(last, np.datetime64)
-            else datetime.timedelta(seconds=step)
+            else datetime.timedelta(seconds=way * step)
+        )
+        after = (
+            last + delta
+            if unit == "s"
+            else f"a date in {_month_name(int(ticks[k - 1][a[1] - 1]) * way + way * step)}"
         )
         if gap > 0 or overlap == "error" or gap % step:
             hint = (
@@ -241,7 +312,7 @@ def continuation(
             )
             raise ValueError(
                 f"concat: {names[k - 1]!r} ends at {last} and {names[k]!r} starts at {first}: "
-                f"they {what} (at the step of {step} s, {last + delta} comes next){hint}"
+                f"they {what} (at the step of {way * step} {unit}, {after} comes next){hint}"
             )
         shared = (step - gap) // step  # the steps both hold
         if overlap == "first":  # the later member skips them at its start
@@ -258,7 +329,8 @@ def continuation(
             )
         if cut % align:
             raise ValueError(
-                f"concat: {names[k - 1]!r} and {names[k]!r} overlap from {first} to {last}, and "
+                f"concat: {names[k - 1]!r} and {names[k]!r} overlap from "
+                f"{first if way > 0 else last} to {last if way > 0 else first}, and "
                 f"overlap={overlap!r} would cut {names[loser]!r} at its step {cut} "
                 f"({values[loser][cut]}), inside a chunk of {align} steps: only whole chunks "
                 "can be skipped; give the other overlap= or trim the stores"
@@ -311,23 +383,27 @@ def _shared(
     """``(starts, n)``: the joined axis is ``n`` shared steps, from each timeline's index
     ``starts[k]`` on, the first shared time at which every array (chunked ``spcs[k]`` along
     ``dim``) is at a chunk boundary; ``ValueError`` naming the timelines and their times where
-    they do not align (another step, another grid, no shared time at a chunk boundary)."""
+    they do not align (another step, another grid, no shared time at a chunk boundary). Where
+    every timeline runs backwards (newest first) the axis does too, from the latest shared
+    time (since 2026-12-07); timelines running both ways are refused, naming one of each."""
     one_calendar(names, values, "join")
+    ticks, unit = _in_months(values, list(ticks))
+    ways = [_direction("join", *given, unit) for given in zip(names, ticks, values, strict=True)]
+    # newest first (every store): aligned on the times negated, from the latest shared time
+    way = _one_direction("join", names, ways)
+    ticks = [t * way for t in ticks]
     steps = [np.unique(np.diff(t)) for t in ticks]
-    for name, d, t, v in zip(names, steps, ticks, values, strict=True):
-        if len(d) != 1 or d[0] <= 0:
-            _refuse_irregular("join", name, t, v)
     step = int(steps[0][0])
     for k in range(1, len(names)):
         if int(steps[k][0]) != step:
             raise ValueError(
-                f"join: {names[k]!r} steps {int(steps[k][0])} s, {names[0]!r} {step} s: the "
-                "stores must share one step (coarsen one first)"
+                f"join: {names[k]!r} steps {way * int(steps[k][0])} {unit}, {names[0]!r} "
+                f"{way * step} {unit}: the stores must share one step (coarsen one first)"
             )
         if (ticks[k][0] - ticks[0][0]) % step:
             raise ValueError(
                 f"join: {names[k]!r} starts at {values[k][0]} and {names[0]!r} at "
-                f"{values[0][0]}: at the step of {step} s their times are not on one grid"
+                f"{values[0][0]}: at the step of {step} {unit} their times are not on one grid"
             )
     first = max(int(t[0]) for t in ticks)
     last = min(int(t[-1]) for t in ticks)
