@@ -10,10 +10,13 @@ when it is built), and importing nothing of the package: the IO loop and the dec
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import logging
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,6 +27,7 @@ __all__ = [
     "check_obstore_usable",
     "check_same_process",
     "drain_wakeups",
+    "guard_close",
     "note_obstore_use",
     "retry_time_scale",
     "tune_allocator",
@@ -108,6 +112,63 @@ def drain_wakeups(timeout_s: float = 2.0) -> bool:
         time.sleep(0.001)
     time.sleep(_DRAIN_SETTLE_S)
     return not _WAKEUPS_IN_PROGRESS
+
+
+# -- closing the IO loop -------------------------------------------------------------------------
+# zarr's exit hook (``zarr.core.sync.cleanup_resources``) asks its IO loop to stop, joins the
+# loop's thread for 0.2 s and then closes the loop whether the thread has left ``run_forever``
+# or not. A thread not yet scheduled (a loaded machine) or still inside a callback is still in
+# it, and asyncio's ``close`` raises "RuntimeError: Cannot close a running event loop": a
+# recipe printed that at its exit (under Lightning, on a loaded machine).
+#: How long a close of the IO loop from another thread waits for the loop to stop.
+CLOSE_WAIT_S = 10.0
+
+
+def guard_close(loop: Any) -> None:
+    """Make ``loop.close()`` idempotent and safe from any thread (once per loop: the method is
+    wrapped on the loop object itself, as :func:`watch_wakeups` wraps its wakeup call).
+
+    Called from another thread while the loop runs, the close asks the loop to stop and waits
+    (at most :data:`CLOSE_WAIT_S`) for its thread to leave ``run_forever``, then closes it; a
+    loop that does not stop in time is left open, with a warning (its daemon thread ends with
+    the process), rather than closed under a running thread. Closes racing each other run one
+    at a time; a closed loop's close returns at once. In a forked child, where the loop's
+    thread does not exist, it does nothing. Called from the loop's own thread (a callback),
+    it raises as asyncio's does: a loop cannot wait for itself to stop."""
+    if getattr(loop.close, "_insitu_guarded", False):
+        return
+    original: Callable[[], None] = loop.close
+    lock, pid = threading.Lock(), os.getpid()
+
+    def close() -> None:
+        if os.getpid() != pid:
+            return
+        try:
+            own_thread = asyncio.get_running_loop() is loop
+        except RuntimeError:  # no loop runs in the calling thread
+            own_thread = False
+        if own_thread:
+            original()
+            return
+        with lock:
+            if loop.is_closed():
+                return
+            if loop.is_running():
+                loop.call_soon_threadsafe(loop.stop)
+                deadline = time.monotonic() + CLOSE_WAIT_S
+                while loop.is_running() and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if loop.is_running():
+                    logging.getLogger("insitubatch_nodes").warning(
+                        "the IO event loop did not stop within %.0f s of a close; it is left "
+                        "open (a callback on it may be blocked)",
+                        CLOSE_WAIT_S,
+                    )
+                    return
+            original()
+
+    close._insitu_guarded = True  # type: ignore[attr-defined]
+    loop.close = close
 
 
 # -- the C allocator ----------------------------------------------------------------------------

@@ -80,3 +80,87 @@ def test_a_process_exits_with_its_status_while_an_obstore_thread_is_inside_the_l
         timeout=60,
     )
     assert done.returncode == 3, done.stderr[-3000:]
+
+
+# zarr's exit hook asks its IO loop to stop, joins the loop's thread for 0.2 s and closes the
+# loop whether the thread has left run_forever or not. Here the loop's thread is inside a
+# callback that lasts until the close has begun: the join times out, as it does when a loaded
+# machine does not schedule the thread in time, and the old close raised "Cannot close a
+# running event loop" (printed at a recipe's exit).
+_CLOSED_WHILE_RUNNING = """
+import threading
+from insitubatch_nodes import _runtime
+
+loop = _runtime.io_loop()
+inside, release = threading.Event(), threading.Event()
+
+def busy():
+    inside.set()
+    release.wait(30)
+
+loop.call_soon_threadsafe(busy)
+assert inside.wait(30)
+guarded = loop.close
+
+def close():
+    release.set()  # the loop's thread leaves its callback only once the close has begun
+    guarded()
+    print("closed", loop.is_closed(), flush=True)
+
+loop.close = close
+"""
+
+
+def test_zarrs_exit_hook_closing_the_io_loop_while_its_thread_runs_a_callback_closes_it() -> None:
+    import forkserver
+
+    done = forkserver.run(
+        [sys.executable, "-c", _CLOSED_WHILE_RUNNING],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Cannot close a running event loop" not in done.stderr, done.stderr[-3000:]
+    assert done.stdout.strip() == "closed True", (done.stdout, done.stderr[-3000:])
+
+
+def test_a_guarded_loop_closes_from_any_thread_once_and_refuses_its_own_thread() -> None:
+    """Two threads close a loop whose thread is inside a callback: both return, the loop closed
+    once its thread left ``run_forever``; a third close returns at once. A callback closing its
+    own loop gets asyncio's error."""
+    import asyncio
+    import threading
+
+    from insitubatch_nodes import _process
+
+    loop = asyncio.new_event_loop()
+    _process.guard_close(loop)
+    inside, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def busy() -> None:
+        inside.set()
+        release.wait(30)
+        try:
+            loop.close()  # from the loop's own thread
+        except RuntimeError as exc:
+            errors.append(exc)
+
+    runner = threading.Thread(target=loop.run_forever, daemon=True)
+    runner.start()
+    loop.call_soon_threadsafe(busy)
+    assert inside.wait(30)
+    closers = [threading.Thread(target=loop.close) for _ in range(2)]
+    for closer in closers:
+        closer.start()
+    assert not loop.is_closed()  # (both wait for the loop to stop)
+    release.set()
+    for closer in closers:
+        closer.join(30)
+    runner.join(30)
+    assert not runner.is_alive() and not any(c.is_alive() for c in closers)
+    assert loop.is_closed()
+    loop.close()
+    assert [str(e) for e in errors] == ["Cannot close a running event loop"]

@@ -451,11 +451,13 @@ def chunk_key_format(metadata: Any, ndim: int) -> str | None:
 
 def io_loop() -> Any:
     """zarr's process-wide store-IO event loop (started on first use, on its own thread), its
-    wakeups by other threads counted for the exit hook (``_process.watch_wakeups``)."""
+    wakeups by other threads counted for the exit hook (``_process.watch_wakeups``) and its
+    ``close`` safe from any thread, zarr's exit hook included (``_process.guard_close``)."""
     from zarr.core.sync import _get_loop
 
     loop = _get_loop()
     _process.watch_wakeups(loop)
+    _process.guard_close(loop)
     return loop
 
 
