@@ -613,7 +613,23 @@ def test_rows_decoded_in_place_over_s3_equal_zarrs_read_and_each_object_is_one_g
     archive: Path,
     s3_upload: Callable[[Path, str], str],
     s3_options: dict[str, Any],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # and their batch buffers are taken off the IO event loop: a take may wait for a buffer
+    # the reserve is still making, and on the loop that wait would stall every GET in flight
+    taken_on_loop: list[str] = []
+    take = BufferPool.take
+
+    def spy(pool: BufferPool) -> np.ndarray:
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            pass
+        else:
+            taken_on_loop.append(threading.current_thread().name)
+        return take(pool)
+
+    monkeypatch.setattr(BufferPool, "take", spy)
     url = s3_upload(archive, "archive/wb.zarr")
     store = open_store(url, **s3_options)
     labels = _labels(store)
@@ -629,42 +645,4 @@ def test_rows_decoded_in_place_over_s3_equal_zarrs_read_and_each_object_is_one_g
     assert stats["gets"] == len(want) * len(NAMES) and stats["resident_peak_bytes"] == 0
     assert stats["inflight_peak"] <= 32
     pipe.close()
-
-
-@pytest.mark.xdist_group("s3")
-def test_rows_decoded_in_place_over_s3_take_their_batch_buffers_off_the_event_loop(
-    archive: Path,
-    s3_upload: Callable[[Path, str], str],
-    s3_options: dict[str, Any],
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # a take may wait for a buffer the reserve is still making: on the IO loop that wait
-    # would stall every GET in flight
-    taken_on_loop: list[str] = []
-    take = BufferPool.take
-
-    def spy(pool: BufferPool) -> np.ndarray:
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:
-            pass
-        else:
-            taken_on_loop.append(threading.current_thread().name)
-        return take(pool)
-
-    monkeypatch.setattr(BufferPool, "take", spy)
-    url = s3_upload(archive, "archive/wb-loop.zarr")
-    store = open_store(url, **s3_options)
-    labels = _labels(store)
-    manifest = split_by_chunk(labels[NAMES[0]], (0.75, 0.125, 0.125))
-    budget = _short_of_split(labels, N_TRAIN)
-    pipe = insitu_pipeline(
-        store, manifest, labels, batch_size=8, coords=(), cache_budget_bytes=budget
-    )
-    records = run_epoch(pipe, Oracle(archive), _oracle_views())
-    pipe.close()
-    np.testing.assert_array_equal(
-        _delivered(records, NAMES[0]), expected_anchors(manifest, "train", [0])
-    )
-    assert pipe.stats()["resident_peak_bytes"] == 0  # every row was decoded in place
     assert taken_on_loop == []
