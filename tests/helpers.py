@@ -26,7 +26,7 @@ import zarr.storage
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from insitubatch_nodes import Batch, SplitManifest
+from insitubatch_nodes import Batch, PlanConfig, SplitManifest
 from insitubatch_nodes.stages._spares import SpareBuffers
 from insitubatch_nodes.synthetic import make_era5_like, make_microscopy_like
 
@@ -644,3 +644,19 @@ def plan_anchors(node: Any, k: int | None = None) -> list[list[int]]:
         except StopIteration:
             break
     return out
+
+
+def write_ranks_store(root: Path, seed: int) -> Path:
+    """The ranks trials' store: ``t2m`` of 24 steps by 2 points, ``(time, lat)``, in chunks of 3
+    steps (8 chunks), random values from ``seed``."""
+    group = zarr.open_group(root, mode="w")
+    data = np.random.default_rng(seed).random((24, 2)).astype("f4")
+    group.create_array("t2m", data=data, chunks=(3, 2), dimension_names=("time", "lat"))
+    return root
+
+
+def uneven_eval(rank: int, world: int, **kw: Any) -> PlanConfig:
+    """The test split dealt ``remainder="uneven"`` with empty ranks allowed, to ``rank`` of
+    ``world`` (batches of 1 unless ``kw`` says otherwise)."""
+    return PlanConfig(split="test", remainder="uneven", empty_ranks=True, rank=rank,
+                      world_size=world, **{"batch_size": 1, **kw})  # fmt: skip

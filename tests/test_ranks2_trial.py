@@ -42,10 +42,10 @@ import collections
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import zarr
-from helpers import plan_anchors
+from helpers import plan_anchors, write_ranks_store
+from helpers import uneven_eval as _eval
 
 from insitubatch_nodes import (
     ArrayGeometry,
@@ -64,21 +64,12 @@ T, C = 24, 3  # 8 chunks of 3 steps
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("ranks2") / "s.zarr"
-    group = zarr.open_group(root, mode="w")
-    data = np.random.default_rng(7).random((T, 2)).astype("f4")
-    group.create_array("t2m", data=data, chunks=(C, 2), dimension_names=("time", "lat"))
-    return root
+    return write_ranks_store(tmp_path_factory.mktemp("ranks2") / "s.zarr", seed=7)
 
 
 @pytest.fixture(scope="module")
 def geom(store: Path) -> ArrayGeometry:
     return open_geometries(store, ["t2m"])["t2m"]
-
-
-def _eval(rank: int, world: int, **kw: Any) -> PlanConfig:
-    return PlanConfig(split="test", remainder="uneven", empty_ranks=True, rank=rank,
-                      world_size=world, **{"batch_size": 1, **kw})  # fmt: skip
 
 
 def _flat(batches: list[list[int]]) -> list[int]:

@@ -28,10 +28,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-import zarr
-from helpers import plan_anchors
+from helpers import plan_anchors, write_ranks_store
 
 from insitubatch_nodes import (
     ArrayGeometry,
@@ -52,11 +50,7 @@ T, C = 24, 3  # 8 chunks of 3 steps
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("ranks3") / "s.zarr"
-    group = zarr.open_group(root, mode="w")
-    data = np.random.default_rng(7).random((T, 2)).astype("f4")
-    group.create_array("t2m", data=data, chunks=(C, 2), dimension_names=("time", "lat"))
-    return root
+    return write_ranks_store(tmp_path_factory.mktemp("ranks3") / "s.zarr", seed=7)
 
 
 @pytest.fixture(scope="module")
