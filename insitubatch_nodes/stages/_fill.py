@@ -152,8 +152,8 @@ class FillRunner:
         fetch = [u for u in units if u.tile is not REVIVE]
         # GETs land rows in their batch arrays from the event loop: take those here (a take may
         # wait for a buffer the reserve is making; the loop must never wait)
-        for lent in {id(r.lent): r.lent for r in rows}.values():
-            lent.arrays()
+        for r in rows:
+            r.lent.arrays()  # (taken once: the rest find them)
         if fetch or rows:
             self.gets.enqueue(job, fetch, rows)
 

@@ -83,10 +83,9 @@ class BatchBuffers:
         }
 
     def take(self, n: int) -> dict[str, np.ndarray]:
-        """Arrays ``(n, *lead, *inner)`` for every batch label (on the producer thread)."""
-        if n > self.rows:
-            self.resize(n)
-        return {label: pool.take()[:n] for label, pool in self._pools.items()}
+        """Arrays ``(n, *lead, *inner)`` for every batch label, taken now (on the producer
+        thread)."""
+        return self.lend(n).arrays()
 
     def lend(self, n: int) -> LentBatch:
         """A batch of ``n`` rows whose arrays are taken when first asked for, on any thread
