@@ -646,6 +646,14 @@ def plan_anchors(node: Any, k: int | None = None) -> list[list[int]]:
     return out
 
 
+def epoch_anchors(node: Any, epoch: int) -> list[list[int]]:
+    """The anchors of every batch of epoch ``epoch`` of a read plan node started afresh there
+    (:func:`plan_anchors` after ``set_epoch`` and ``reset(None)``)."""
+    node.set_epoch(epoch)
+    node.reset(None)
+    return plan_anchors(node)
+
+
 def write_ranks_store(root: Path, seed: int) -> Path:
     """The ranks trials' store: ``t2m`` of 24 steps by 2 points, ``(time, lat)``, in chunks of 3
     steps (8 chunks), random values from ``seed``."""

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import plan_anchors, write_ranks_store
+from helpers import epoch_anchors, plan_anchors, write_ranks_store
 
 from insitubatch_nodes import (
     ArrayGeometry,
@@ -115,10 +115,7 @@ def test_a_state_cut_short_by_its_trainer_stays_ended_at_every_iter_of_that_epoc
     trainer stays in epoch 0 (found right: the rule 1. now follows), then epoch 1 whole."""
     half = split_by_chunk(geom, (0.5, 0.0, 0.5))
     config = PlanConfig(split="test", batch_size=2, shuffle=True)
-    want = ReadPlanNode(half, {"x": geom}, config=config)
-    want.set_epoch(1)
-    want.reset(None)
-    epoch1 = plan_anchors(want)
+    epoch1 = epoch_anchors(ReadPlanNode(half, {"x": geom}, config=config), 1)
     with insitu_pipeline(store, half, {"x": geom}, config=config) as pipe:
         loader = Loader(pipe)
         it = iter(loader)
@@ -177,10 +174,7 @@ def test_a_short_ranks_own_state_after_its_last_batch_ends_its_epoch_on_any_numb
         n = node(r, 3)
         assert n.resumed_epoch(state) == 1, r
         n.reset(state)
-        fresh = node(r, 3)
-        fresh.set_epoch(1)
-        fresh.reset(None)
-        assert (n.epoch, plan_anchors(n)) == (1, plan_anchors(fresh)), r
+        assert (n.epoch, plan_anchors(n)) == (1, epoch_anchors(node(r, 3), 1)), r
     unsigned = {k: v for k, v in state.items() if k != "rank"}
     rest = []
     for r in range(3):
@@ -201,10 +195,7 @@ def test_the_state_after_an_ended_epochs_iter_ends_that_epoch_again_where_it_is_
     trainer gets there (main: epoch 1 in the trainer's epoch 0, and again in its epoch 1)."""
     half = split_by_chunk(geom, (0.5, 0.0, 0.5))
     config = PlanConfig(split="test", batch_size=2, shuffle=True)
-    want = ReadPlanNode(half, {"x": geom}, config=config)
-    want.set_epoch(1)
-    want.reset(None)
-    epoch1 = plan_anchors(want)
+    epoch1 = epoch_anchors(ReadPlanNode(half, {"x": geom}, config=config), 1)
     with insitu_pipeline(store, half, {"x": geom}, config=config) as pipe:
         loader = Loader(pipe)
         list(loader)
