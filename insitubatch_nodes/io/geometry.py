@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Any
@@ -48,16 +48,7 @@ from insitubatch_nodes.io import _zarr_compat
 from insitubatch_nodes.io.axes import axis_of
 from insitubatch_nodes.io.cf import CFValues
 from insitubatch_nodes.io.members import MemberMap
-from insitubatch_nodes.io.patching import (
-    ORIGIN_POLICIES,
-    REGION_ORDERS,
-    AxisMap,
-    Patches,
-    only_patched,
-    refuse_selected,
-    window_bounds,
-    windows_fit,
-)
+from insitubatch_nodes.io.patching import AxisMap, Patches, patch_spec
 from insitubatch_nodes.io.points import points_hint
 from insitubatch_nodes.io.product import ProductGrid, refuse_on_product, sample_coords
 from insitubatch_nodes.io.selection import (
@@ -458,76 +449,18 @@ class ArrayGeometry:
         whole array); views of several arrays patched alike take the same origins, row for
         row. A batch holds ``(batch, *inner_shape)``, ``batch.patch_origins[label]`` origins.
         """
-        if self.patch is not None:
-            raise ValueError(f"{self.path}: this view is patched already; patch the array once")
-        if self.static:
-            raise ValueError(
-                f"{self.path}: a static view cannot be patched; to draw windows of an array "
-                "without a sample axis, open it with sample_axis=() (the whole array one sample)"
-            )
-        if not isinstance(extent, Mapping) or not extent:
-            raise TypeError(
-                f"patches() takes a mapping of field axes to sizes, e.g. {{1: 256, 2: 256}}, "
-                f"got {extent!r}"
-            )
-        if origins not in ORIGIN_POLICIES:
-            raise ValueError(f"origins must be one of {ORIGIN_POLICIES}, got {origins!r}")
-        if order not in REGION_ORDERS:
-            raise ValueError(f"order must be one of {REGION_ORDERS}, got {order!r}")
-        sizes = {self._patch_axis(k): _positive(f"extent[{k!r}]", v) for k, v in extent.items()}
-        if len(sizes) != len(extent):
-            raise ValueError(f"{self.path}: extent {dict(extent)} names one axis twice")
-        axes = tuple(sorted(sizes))
-        keys = (None,) * len(self.field_axes) if self.select is None else self.select.keys
-        chosen = [self._axis_key(a) for a in axes if keys[self._fi(a)] is not None]
-        refuse_selected(self.path, chosen)
-        ext = tuple(sizes[a] for a in axes)
-        windows_fit(self.path, axes, ext, self.shape, self._axis_key)
-        steps: tuple[int, ...] | None = None
-        if origins == "grid":
-            if per_tile is not None:
-                raise ValueError("per_tile applies to origins='random'; a grid takes stride=")
-            if stride is None:
-                steps = ext
-            elif isinstance(stride, Mapping):
-                given = {
-                    self._patch_axis(k): _positive(f"stride[{k!r}]", v) for k, v in stride.items()
-                }
-                only_patched(self.path, "stride", given, axes, self._axis_key)
-                steps = tuple(given.get(a, e) for a, e in zip(axes, ext, strict=True))
-            else:
-                steps = (_positive("stride", stride),) * len(axes)
-        else:
-            if stride is not None:
-                raise ValueError("stride applies to origins='grid'; random origins take per_tile=")
-            if per_tile is not None:  # None: as many as fit side by side (Patches.windows_per_tile)
-                per_tile = _positive("per_tile", per_tile)
-        box: tuple[tuple[int, int], ...] | None = None
-        if within is not None:
-            given_box = {self._patch_axis(k): v for k, v in dict(within).items()}
-            only_patched(self.path, "within", given_box, axes, self._axis_key)
-            box = tuple(
-                window_bounds(
-                    self._axis_key(a), given_box.get(a, (0, self.shape[a])), e, self.shape[a]
-                )
-                for a, e in zip(axes, ext, strict=True)
-            )
-        spec = Patches(
-            axes=axes,
-            dims=None if self.dims is None else tuple(self.dims[a] for a in axes),
-            extent=ext,
-            field=tuple(self.shape[a] for a in axes),
-            tile=tuple(self.chunks[a] for a in axes),
+        spec = patch_spec(
+            self,
+            extent,
+            stride=stride,
             origins=origins,
-            stride=steps,
             per_tile=per_tile,
             order=order,
-            within=box,
+            within=within,
+            axis_named=self._patch_axis,
+            name_of=self._axis_key,
         )
         return replace(self, patch=spec)
-
-    def _fi(self, axis: int) -> int:
-        return self.field_axes.index(axis)
 
     def _axis_key(self, axis: int) -> int | str:
         """How the user names physical axis ``axis``: its dimension name, else its index."""
@@ -692,9 +625,3 @@ def _readable_step(ns: int) -> str:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool | np.timedelta64)
-
-
-def _positive(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return int(value)

@@ -1,6 +1,7 @@
 """How a patched view cuts its field into windows: :class:`Patches`, the plain description
 :meth:`~insitubatch_nodes.io.geometry.ArrayGeometry.patches` makes and the read plan
-(:mod:`~insitubatch_nodes.plan.patches`) draws origins from.
+(:mod:`~insitubatch_nodes.plan.patches`) draws origins from, and :func:`patch_spec`, which
+checks what ``patches()`` is given and makes it.
 """
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeAlias, TypeVar
+from typing import Any, Protocol, TypeAlias, TypeVar
 
 import numpy as np
 
@@ -19,6 +20,7 @@ __all__ = [
     "Patches",
     "cut_windows",
     "only_patched",
+    "patch_spec",
     "refuse_selected",
     "window_bounds",
     "windows_fit",
@@ -242,3 +244,111 @@ def cut_windows(
     # each row back in its own axis order: a cut axis at its own place
     order = [len(rest) + axes.index(a) if a in axes else rest.index(a) for a in range(ndim)]
     return picked.transpose(0, *(1 + k for k in order))
+
+
+class _Patched(Protocol):
+    """What :func:`patch_spec` reads of the view it patches (an
+    :class:`~insitubatch_nodes.io.geometry.ArrayGeometry`)."""
+
+    @property
+    def path(self) -> str: ...
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+    @property
+    def chunks(self) -> tuple[int, ...]: ...
+    @property
+    def patch(self) -> Patches | None: ...
+    @property
+    def static(self) -> bool: ...
+    @property
+    def select(self) -> Any: ...  # a Selection (its ``keys``), or None
+    @property
+    def field_axes(self) -> tuple[int, ...]: ...
+    @property
+    def dims(self) -> tuple[str, ...] | None: ...
+
+
+def patch_spec(
+    view: _Patched,
+    extent: AxisMap[int],
+    *,
+    stride: int | AxisMap[int] | None,
+    origins: str,
+    per_tile: int | None,
+    order: str,
+    within: AxisMap[tuple[int, int]] | None,
+    axis_named: Callable[[int | str], int],
+    name_of: Callable[[int], int | str],
+) -> Patches:
+    """The :class:`Patches` of :meth:`ArrayGeometry.patches
+    <insitubatch_nodes.io.geometry.ArrayGeometry.patches>` (its docstring states the arguments),
+    each checked once here: ``axis_named`` gives the physical field axis a key names (an index or
+    a dimension name), ``name_of`` how the user names a physical axis (for messages)."""
+    if view.patch is not None:
+        raise ValueError(f"{view.path}: this view is patched already; patch the array once")
+    if view.static:
+        raise ValueError(
+            f"{view.path}: a static view cannot be patched; to draw windows of an array "
+            "without a sample axis, open it with sample_axis=() (the whole array one sample)"
+        )
+    if not isinstance(extent, Mapping) or not extent:
+        raise TypeError(
+            f"patches() takes a mapping of field axes to sizes, e.g. {{1: 256, 2: 256}}, "
+            f"got {extent!r}"
+        )
+    if origins not in ORIGIN_POLICIES:
+        raise ValueError(f"origins must be one of {ORIGIN_POLICIES}, got {origins!r}")
+    if order not in REGION_ORDERS:
+        raise ValueError(f"order must be one of {REGION_ORDERS}, got {order!r}")
+    sizes = {axis_named(k): _positive(f"extent[{k!r}]", v) for k, v in extent.items()}
+    if len(sizes) != len(extent):
+        raise ValueError(f"{view.path}: extent {dict(extent)} names one axis twice")
+    axes = tuple(sorted(sizes))
+    keys = (None,) * len(view.field_axes) if view.select is None else view.select.keys
+    chosen = [name_of(a) for a in axes if keys[view.field_axes.index(a)] is not None]
+    refuse_selected(view.path, chosen)
+    ext = tuple(sizes[a] for a in axes)
+    windows_fit(view.path, axes, ext, view.shape, name_of)
+    steps: tuple[int, ...] | None = None
+    if origins == "grid":
+        if per_tile is not None:
+            raise ValueError("per_tile applies to origins='random'; a grid takes stride=")
+        if stride is None:
+            steps = ext
+        elif isinstance(stride, Mapping):
+            given = {axis_named(k): _positive(f"stride[{k!r}]", v) for k, v in stride.items()}
+            only_patched(view.path, "stride", given, axes, name_of)
+            steps = tuple(given.get(a, e) for a, e in zip(axes, ext, strict=True))
+        else:
+            steps = (_positive("stride", stride),) * len(axes)
+    else:
+        if stride is not None:
+            raise ValueError("stride applies to origins='grid'; random origins take per_tile=")
+        if per_tile is not None:  # None: as many as fit side by side (Patches.windows_per_tile)
+            per_tile = _positive("per_tile", per_tile)
+    box: tuple[tuple[int, int], ...] | None = None
+    if within is not None:
+        given_box = {axis_named(k): v for k, v in dict(within).items()}
+        only_patched(view.path, "within", given_box, axes, name_of)
+        box = tuple(
+            window_bounds(name_of(a), given_box.get(a, (0, view.shape[a])), e, view.shape[a])
+            for a, e in zip(axes, ext, strict=True)
+        )
+    return Patches(
+        axes=axes,
+        dims=None if view.dims is None else tuple(view.dims[a] for a in axes),
+        extent=ext,
+        field=tuple(view.shape[a] for a in axes),
+        tile=tuple(view.chunks[a] for a in axes),
+        origins=origins,
+        stride=steps,
+        per_tile=per_tile,
+        order=order,
+        within=box,
+    )
+
+
+def _positive(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+    return int(value)
