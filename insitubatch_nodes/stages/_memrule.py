@@ -10,10 +10,14 @@ Three stages add to it, each where it learns its part:
   (:func:`~insitubatch_nodes.stages.gather.most_transform_bytes`), so a graph composed by hand
   is held to the builder's count for the same transforms (before 2026-12-07 it counted 0
   bytes for them unless ``transform_bytes=`` was passed);
-* ``InSituPipeline.set_views`` counts it again for the new views before the plan takes them
-  (:meth:`AsyncChunkFetchNode.count_views <insitubatch_nodes.stages.fetch.AsyncChunkFetchNode.
-  count_views>`): their batches, the chunks they read, and the static fields and forcings of
-  their stacks (before 2026-12-07 none of it was counted again).
+* ``set_views`` counts it again for the new views before the plan takes them, once: the
+  plan's ``set_views`` hands them to the fetch stage's check (:meth:`AsyncChunkFetchNode.
+  count_views <insitubatch_nodes.stages.fetch.AsyncChunkFetchNode.count_views>`) with the
+  plan of their first epoch it draws, and ``InSituPipeline.set_views`` gives it the new stacks'
+  constants (``extra=``) and the schedule's floors: their batches, the chunks they read, and
+  the static fields and forcings of their stacks (before 2026-12-07 none of it was counted
+  again; later that day the pipeline counted it, then the plan's check again without the
+  constants: two counts, three plans drawn per call, ``tests/test_setviews_trial.py``).
 """
 
 from __future__ import annotations

@@ -290,7 +290,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return counted
 
     def count_views(
-        self, views: Mapping[str, Any], schedule: PinSchedule, extra: Sequence[Any] = ()
+        self,
+        views: Mapping[str, Any],
+        schedule: PinSchedule,
+        extra: Sequence[Any] = (),
+        *,
+        plan: ReadPlanNode | None = None,
+        floors: ScheduleFloors | None = None,
     ) -> HeldMemory:
         """What the memory check counts this pipeline to hold once it reads ``views`` (batch
         label -> view, as :meth:`ReadPlanNode.set_views <insitubatch_nodes.stages.read_plan.
@@ -299,18 +305,26 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         their epochs grow it to (it never shrinks: at least what was counted), the same decode
         scratch, and what the batch transforms hold on them (the gather stage's, see
         ``context.memory``) with ``extra`` ones (a stack's constants ``set_views`` adds).
+        ``plan``: a read plan node of ``views`` under ``schedule`` (the plan's ``set_views``
+        gives the one it drew their first epoch on; default: one is made here), ``floors``
+        their :func:`~insitubatch_nodes.plan.schedule.schedule_floors` where the caller has
+        them (trusted; computed here otherwise, for an automatic budget).
         ``ValueError`` where that breaks the rule, as at the build; nothing is kept (the
         plan's ``set_views`` keeps it in ``context.memory``)."""
         current = self.context.plan
-        plan = ReadPlanNode(current.manifest, views, schedule=schedule, config=current.plan_config)
-        plan.hold(current.held)
+        if plan is None:
+            plan = ReadPlanNode(
+                current.manifest, views, schedule=schedule, config=current.plan_config
+            )
+            plan.hold(current.held)
         first = plan.epoch_plan(current.next_epoch)
         rows = self.context.buffers.rows
         batches = batches_in_flight(self.context.options.prefetch_depth)
         batch = BatchBuffers(plan.views, rows, plan.layout).batch_nbytes  # (nothing allocated)
         budget, was, most = self.pool.budget_bytes, self.counted, self.context.memory.transforms
         if self.pool.auto:
-            floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
+            if floors is None:
+                floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
             grown = every_epoch_budget(epoch_floor(self._setup, first)[0], floors, schedule)
             budget = max(was.budget, grown)
         transforms = was.transforms if most is None else most(views)
@@ -327,10 +341,21 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             ) from None
         return held
 
-    def _count_views(self, views: Mapping[str, Any], schedule: PinSchedule) -> None:
-        """The plan's check of the views its ``set_views`` is given (:meth:`count_views`),
-        kept as the count once they pass."""
-        self.context.memory.counted = self.count_views(views, schedule)
+    def _count_views(
+        self,
+        views: Mapping[str, Any],
+        schedule: PinSchedule,
+        *,
+        plan: ReadPlanNode,
+        extra: Sequence[Any],
+        floors: ScheduleFloors | None,
+    ) -> None:
+        """The plan's check of the views its ``set_views`` is given (:meth:`count_views`, on
+        the node it drew them on), kept as the count once they pass: the one count of the
+        rule for them (``InSituPipeline.set_views`` gives its stacks' constants as ``extra``)."""
+        self.context.memory.counted = self.count_views(
+            views, schedule, extra, plan=plan, floors=floors
+        )
 
     def _most_scratch(
         self, layouts: Mapping[str, SlotLayout], arrays: Mapping[str, ArrayFill]
