@@ -198,6 +198,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
             lambda need: read_static(store, need, timeout, cache=pool.cache, stats=pool.stats),
         )
         persistent = pool.cache is not None and pool.cache.persistent
+        floors = schedule_floors(plan.manifest, parts, plan.plan_config, plan.held)
         schedule = choose_schedule(
             plan.manifest,
             parts,
@@ -205,13 +206,12 @@ class InSituPipeline(PrefetcherNode[Batch]):
             plan.plan_config,
             revive=persistent and plan.shuffle,
             held=plan.held,
+            floors=floors,
         )
-        # the memory rule for the new views, before the plan takes them (it counts them
-        # again, without the new stacks' constants: counted here, and kept once committed)
-        counted = self.stages.fetch.count_views(carried, schedule, [pending])
-        plan.set_views(carried, schedule=schedule)
+        # the plan's check counts the memory rule for them once, with the new stacks'
+        # constants and these floors, on the plan of their first epoch it draws
+        plan.set_views(carried, schedule=schedule, floors=floors, extra=[pending])
         commit()
-        self.context.memory.counted = counted
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks; the

@@ -32,7 +32,8 @@ Found wrong, fixed:
   ``test_a_graph_composed_by_hand_counts_its_batch_transforms_as_the_builder_does``. Left: an
   automatic budget's choice to keep a small split whole is made by the fetch stage, before the
   ``GatherNode`` exists, against a room that leaves out the batch transforms unless
-  ``transform_bytes=`` is given (docs/pipeline.md says so).
+  ``transform_bytes=`` is given (docs/pipeline.md said so; mended since:
+  ``tests/test_setviews_trial.py``).
 
 Tried and found right: a collection's members of different lengths (61, 62, 63, 64 times in
 chunks of 4) are padded to whole chunks, so their edge chunks decode into whole buffers (one

@@ -9,11 +9,19 @@ Three stages add to it, each where it learns its part:
 * the gather stage, built after it, counts what its batch transforms hold at most
   (:func:`~insitubatch_nodes.stages.gather.most_transform_bytes`), so a graph composed by hand
   is held to the builder's count for the same transforms (before 2026-12-07 it counted 0
-  bytes for them unless ``transform_bytes=`` was passed);
-* ``InSituPipeline.set_views`` counts it again for the new views before the plan takes them
-  (:meth:`AsyncChunkFetchNode.count_views <insitubatch_nodes.stages.fetch.AsyncChunkFetchNode.
-  count_views>`): their batches, the chunks they read, and the static fields and forcings of
-  their stacks (before 2026-12-07 none of it was counted again).
+  bytes for them unless ``transform_bytes=`` was passed); where that is more than the fetch
+  stage was told, the fetch stage counts again (:attr:`MemoryRule.recount`): its automatic
+  budget's choice to keep a small split whole then sees them, as the builder's does (later
+  that day it did not, and a graph the builder builds was refused,
+  ``tests/test_setviews_trial.py``);
+* ``set_views`` counts it again for the new views before the plan takes them, once: the
+  plan's ``set_views`` hands them to the fetch stage's check (:meth:`AsyncChunkFetchNode.
+  count_views <insitubatch_nodes.stages.fetch.AsyncChunkFetchNode.count_views>`) with the
+  plan of their first epoch it draws, and ``InSituPipeline.set_views`` gives it the new stacks'
+  constants (``extra=``) and the schedule's floors: their batches, the chunks they read, and
+  the static fields and forcings of their stacks (before 2026-12-07 none of it was counted
+  again; later that day the pipeline counted it, then the plan's check again without the
+  constants: two counts, three plans drawn per call, ``tests/test_setviews_trial.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +44,9 @@ class MemoryRule:
         #: what the batch transforms hold at most for given batch views (the gather stage's,
         #: :meth:`count_transforms`), or ``None`` (no gather stage: what was counted)
         self.transforms: Callable[[Mapping[str, Any]], int] | None = None
+        #: the fetch stage's count beside a number of bytes of batch transforms (it decides
+        #: again whether an automatic budget keeps the split), or ``None``
+        self.recount: Callable[[int], HeldMemory] | None = None
         self._enforced = False  # slots in RAM: the rule applies (plan/memory_floor)
         self._explicit = False
         self._block_chunks = 0
@@ -60,13 +71,18 @@ class MemoryRule:
     ) -> None:
         """The batch transforms hold ``most(views)`` at most on the batch ``views`` (the gather
         stage, at its build; kept, for other views): counted where more than the fetch stage
-        was told, and checked (``ValueError`` as :meth:`check`)."""
+        was told — by the fetch stage again (:attr:`recount`), whose automatic budget keeps a
+        split whole only where the rule leaves room beside them, as the builder's does — and
+        checked (``ValueError`` as :meth:`check`)."""
         self.transforms = most
         counted = self.counted
         nbytes = int(most(views))
         if counted is None or nbytes <= counted.transforms:
             return
-        held = dataclasses.replace(counted, transforms=nbytes)
+        if self.recount is None:
+            held = dataclasses.replace(counted, transforms=nbytes)
+        else:
+            held = self.recount(nbytes)
         self.check(held)
         self.counted = held
 

@@ -51,6 +51,7 @@ store that the parent already read from is refused in the child (its GETs would 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import time
@@ -79,6 +80,7 @@ from insitubatch_nodes.plan.memory_floor import (
     spare_bytes,
 )
 from insitubatch_nodes.plan.schedule import PinSchedule, ScheduleFloors, schedule_floors
+from insitubatch_nodes.plan.working_set import working_set_bytes
 from insitubatch_nodes.stages._admit import (
     Admission,
     FetchHistory,
@@ -125,10 +127,17 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     The build's memory check (:attr:`counted`) counts ``transform_bytes`` beside the pool,
     what the batch transforms hold at most (the builder passes
     :func:`~insitubatch_nodes.stages.gather.most_transform_bytes`; where it is not given, the
-    :class:`~insitubatch_nodes.stages.gather.GatherNode` counts the same when it is built), and
-    an automatic budget as the most every epoch grows it to, from ``floors``
+    :class:`~insitubatch_nodes.stages.gather.GatherNode` counts the same when it is built),
+    and an automatic budget as the most every epoch grows it to, from ``floors``
     (:func:`~insitubatch_nodes.plan.schedule.schedule_floors` of the context's plan; computed
-    here where not given). :meth:`count_views` counts it for other views.
+    here where not given). :meth:`count_views` counts it for other views. An automatic
+    budget keeps a small split whole only where the check leaves its slots room beside the
+    batch transforms; where the ``GatherNode`` counts more than this stage was told, that
+    choice is made again with them (:meth:`_count_build`), so a graph composed by hand
+    decides as the builder's: not told, this stage grows the pool at its build only to the
+    first epoch's floor without keeping, and the first epoch's start grows it to what was
+    decided (before 2026-12-07 the choice left them out, and the ``GatherNode`` then refused
+    a graph the builder builds, ``tests/test_setviews_trial.py``).
 
     ``source`` must be the context's read plan (or a node over it); a graph wired wrong is
     refused here (:mod:`~insitubatch_nodes.stages._wiring`).
@@ -158,7 +167,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         context: StageContext,
         check_arrays: bool = True,
         floors: ScheduleFloors | None = None,
-        transform_bytes: int = 0,
+        transform_bytes: int | None = None,
     ) -> None:
         context = check_wiring(self.STAGE, source, context)
         super().__init__()
@@ -230,7 +239,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         in_ram = self.pool.slots_in_ram
         in_flight = batches_in_flight(options.prefetch_depth) * context.buffers.batch_nbytes
         scratch = self._most_scratch(layouts, arrays)
-        transform_bytes = int(transform_bytes)
+        self._in_flight, self._scratch = in_flight, scratch
         self._setup = FetchSetup(
             pool=self.pool,
             geoms=self.geoms,
@@ -242,30 +251,27 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             direct=options.direct,
             recorder=self.recorder,
             held=context.held,
-            # (an automatic budget keeps a split whole only where the rule passes)
-            keep_room=(
-                slot_room(in_flight, scratch, transform_bytes)
-                if in_ram and self.pool.auto
-                else None
-            ),
         )
         self._history = FetchHistory(self.geoms)
         first = context.plan.epoch_plan(0)  # (drawn once: the floor and the memory checks)
-        self._first_floor = epoch_floor(self._setup, first)[0]
-        # the memory check: before this node holds anything, so nothing to tear down
-        # (the automatic budget as every epoch may grow it, an explicit one as given)
-        budget = self.pool.budget_bytes
-        if self.pool.auto:
+        if self.pool.auto and floors is None:
             plan = context.plan
-            if floors is None:
-                floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
-            budget = every_epoch_budget(self._first_floor, floors, plan.schedule)
+            floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
+        self._floors = floors
+        # the memory check: before this node holds anything, so nothing to tear down
         context.memory.count(  # (kept in the context: the gather stage adds its transforms)
-            held_memory(budget, first, self.slot_geoms, in_flight, scratch, transform_bytes),
+            self._count_build(int(transform_bytes or 0)),
             enforced=in_ram,
             explicit=not self.pool.auto,
             block_chunks=context.plan.block_chunks,
         )
+        # (the gather stage counts the batch transforms: the keep decision is made again)
+        context.memory.recount = self._count_build
+        # what the pool grows to at the build: not told the batch transforms' bytes, the
+        # floor without keeping the split (the GatherNode's count may turn that decision)
+        self._build_floor = self._first_floor
+        if transform_bytes is None and self._setup.keep_room is not None:
+            self._build_floor = working_set_bytes(first, self.slot_geoms)[0]
         context.plan.check_views_with(self._count_views)  # (other views: counted again)
         self._pid = os.getpid()
         # bad stored objects of this epoch (written on any thread, read from any thread)
@@ -290,7 +296,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         return counted
 
     def count_views(
-        self, views: Mapping[str, Any], schedule: PinSchedule, extra: Sequence[Any] = ()
+        self,
+        views: Mapping[str, Any],
+        schedule: PinSchedule,
+        extra: Sequence[Any] = (),
+        *,
+        plan: ReadPlanNode | None = None,
+        floors: ScheduleFloors | None = None,
     ) -> HeldMemory:
         """What the memory check counts this pipeline to hold once it reads ``views`` (batch
         label -> view, as :meth:`ReadPlanNode.set_views <insitubatch_nodes.stages.read_plan.
@@ -299,18 +311,26 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         their epochs grow it to (it never shrinks: at least what was counted), the same decode
         scratch, and what the batch transforms hold on them (the gather stage's, see
         ``context.memory``) with ``extra`` ones (a stack's constants ``set_views`` adds).
+        ``plan``: a read plan node of ``views`` under ``schedule`` (the plan's ``set_views``
+        gives the one it drew their first epoch on; default: one is made here), ``floors``
+        their :func:`~insitubatch_nodes.plan.schedule.schedule_floors` where the caller has
+        them (trusted; computed here otherwise, for an automatic budget).
         ``ValueError`` where that breaks the rule, as at the build; nothing is kept (the
         plan's ``set_views`` keeps it in ``context.memory``)."""
         current = self.context.plan
-        plan = ReadPlanNode(current.manifest, views, schedule=schedule, config=current.plan_config)
-        plan.hold(current.held)
+        if plan is None:
+            plan = ReadPlanNode(
+                current.manifest, views, schedule=schedule, config=current.plan_config
+            )
+            plan.hold(current.held)
         first = plan.epoch_plan(current.next_epoch)
         rows = self.context.buffers.rows
         batches = batches_in_flight(self.context.options.prefetch_depth)
         batch = BatchBuffers(plan.views, rows, plan.layout).batch_nbytes  # (nothing allocated)
         budget, was, most = self.pool.budget_bytes, self.counted, self.context.memory.transforms
         if self.pool.auto:
-            floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
+            if floors is None:
+                floors = schedule_floors(plan.manifest, plan.views, plan.plan_config, plan.held)
             grown = every_epoch_budget(epoch_floor(self._setup, first)[0], floors, schedule)
             budget = max(was.budget, grown)
         transforms = was.transforms if most is None else most(views)
@@ -327,10 +347,45 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             ) from None
         return held
 
-    def _count_views(self, views: Mapping[str, Any], schedule: PinSchedule) -> None:
-        """The plan's check of the views its ``set_views`` is given (:meth:`count_views`),
-        kept as the count once they pass."""
-        self.context.memory.counted = self.count_views(views, schedule)
+    def _count_build(self, transforms: int) -> HeldMemory:
+        """What the build's memory check counts this stage's graph to hold beside
+        ``transforms`` bytes of batch transforms (nothing kept): an automatic budget with
+        slots in RAM keeps a small split whole only where the rule leaves its slots room beside
+        them (``keep_room``, :func:`~insitubatch_nodes.plan.memory_floor.slot_room`), decided
+        here — at the build, and again where the gather stage counts more than this stage was
+        told (``context.memory.recount``), so that a graph composed by hand decides as the
+        builder's; the automatic budget as every epoch may grow it, an explicit one as given."""
+        pool = self.pool
+        room = None
+        if pool.slots_in_ram and pool.auto:
+            room = slot_room(self._in_flight, self._scratch, transforms)
+        self._setup = dataclasses.replace(self._setup, keep_room=room)
+        plan = self.context.plan
+        first = plan.epoch_plan(0)  # (the build's draw, kept by the plan)
+        self._first_floor = epoch_floor(self._setup, first)[0]
+        budget = pool.budget_bytes
+        if pool.auto:
+            assert self._floors is not None  # (computed at the build)
+            budget = every_epoch_budget(self._first_floor, self._floors, plan.schedule)
+        return held_memory(
+            budget, first, self.slot_geoms, self._in_flight, self._scratch, transforms
+        )
+
+    def _count_views(
+        self,
+        views: Mapping[str, Any],
+        schedule: PinSchedule,
+        *,
+        plan: ReadPlanNode,
+        extra: Sequence[Any],
+        floors: ScheduleFloors | None,
+    ) -> None:
+        """The plan's check of the views its ``set_views`` is given (:meth:`count_views`, on
+        the node it drew them on), kept as the count once they pass: the one count of the
+        rule for them (``InSituPipeline.set_views`` gives its stacks' constants as ``extra``)."""
+        self.context.memory.counted = self.count_views(
+            views, schedule, extra, plan=plan, floors=floors
+        )
 
     def _most_scratch(
         self, layouts: Mapping[str, SlotLayout], arrays: Mapping[str, ArrayFill]
@@ -400,7 +455,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         ``wb-c1`` in 0.97–1.06 s against 0.85–0.93 s without, on ``wb-c16`` 2.8–3.4 s against
         1.4–2.3 s, at the reference shape no difference (docs/pipeline.md); over S3 (moto, 10 ms)
         ``wb-c1``'s epoch 0 ran at 0.91–0.94 of raw GETs with them, 0.86–0.87 without."""
-        self.pool.ensure_floor(self._first_floor)
+        self.pool.ensure_floor(self._build_floor)
         if self.memory_ahead:
             first = self.context.plan.epoch_plan(0)
             self.pool.reserve(reserve_specs(self._setup, first, self.pool.budget_bytes))

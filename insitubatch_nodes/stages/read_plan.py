@@ -9,9 +9,9 @@ configuration.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from torchdata.nodes import BaseNode
 
@@ -40,15 +40,20 @@ from insitubatch_nodes.plan.fingerprint import (
 from insitubatch_nodes.plan.ledger import BatchPlan, EpochPlan, Stage
 from insitubatch_nodes.plan.parts import BatchLayout, Stack, expand_views, resolve_windows
 from insitubatch_nodes.plan.ranks import alone_before_group, check_still_alone, resolve_rank_world
-from insitubatch_nodes.plan.schedule import PinSchedule, block_batches
+from insitubatch_nodes.plan.schedule import PinSchedule, ScheduleFloors, block_batches
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.plan.working_set import slot_geometries, working_set_bytes
 from insitubatch_nodes.stages._graph import STOP_OWED, plan_state
 from insitubatch_nodes.stages._resume import SavedStateChecks
 
-__all__ = ["ReadPlanNode"]
+__all__ = ["ReadPlanNode", "ViewsCheck"]
 
 _DRAWN_KEPT = 3  # epoch plans a ReadPlanNode keeps (the current one, the next, len()'s)
+
+# views set_views gave, until an epoch takes them: parts, layout, schedule, the plans drawn
+_Pending = tuple[
+    dict[str, ArrayGeometry], BatchLayout, PinSchedule, dict[tuple[Any, ...], EpochPlan]
+]
 
 _CONFIG_ATTRS = frozenset(
     {
@@ -69,6 +74,24 @@ _CONFIG_ATTRS = frozenset(
         "stride",
     }
 )
+
+
+class ViewsCheck(Protocol):
+    """A check of the views :meth:`ReadPlanNode.set_views` is given (:meth:`ReadPlanNode.
+    check_views_with`): ``views`` as given, ``schedule`` theirs, ``plan`` a node reading them
+    (its first epoch's plan drawn: :meth:`ReadPlanNode.epoch_plan` of ``next_epoch`` returns
+    it), ``extra`` the batch transforms that come with them and ``floors`` their schedule's
+    floors where the caller had them (else ``None``). A ``ValueError`` refuses them."""
+
+    def __call__(
+        self,
+        views: Mapping[str, Any],
+        schedule: PinSchedule,
+        *,
+        plan: ReadPlanNode,
+        extra: Sequence[Any],
+        floors: ScheduleFloors | None,
+    ) -> None: ...
 
 
 class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
@@ -192,7 +215,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         self.manifest = manifest
         self.views: Mapping[str, ArrayGeometry] = MappingProxyType(views)
         self.layout: BatchLayout = layout
-        self._pending: tuple[dict[str, ArrayGeometry], BatchLayout, PinSchedule] | None = None
+        self._pending: _Pending | None = None  # views set_views gave
         self._pending_len = 0  # batches of an epoch of the pending views
         self.plan_config = cfg
         self.split = cfg.split
@@ -224,7 +247,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         self._known: dict[str, dict[str, ArrayGeometry]] = {}
         self._held: dict[str, Held] = {}  # what the slots hold (hold)
         self._statics = dict(statics or {})
-        self._views_check: Callable[[Mapping[str, Any], PinSchedule], None] | None = None
+        self._views_check: ViewsCheck | None = None
         self._config = self._fingerprint()  # the configuration is fixed from here on
 
     @staticmethod
@@ -249,7 +272,12 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         return self.layout.views
 
     def set_views(
-        self, views: Mapping[str, ArrayGeometry], *, schedule: PinSchedule | None = None
+        self,
+        views: Mapping[str, ArrayGeometry],
+        *,
+        schedule: PinSchedule | None = None,
+        floors: ScheduleFloors | None = None,
+        extra: Sequence[Any] = (),
     ) -> None:
         """Read ``views`` (label -> view of the same arrays: other windows, shifts, labels)
         from the next start of an epoch on: the next ``reset(None)``, or a ``reset(state)``
@@ -259,8 +287,14 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         the residency schedule for them (default: the current one). Checked here:
         ``ValueError`` when they read other arrays, patch an array otherwise, select what the
         pool's slots do not hold (:meth:`hold`), or leave the split no anchor; then by the
-        check the fetch stage gave (:meth:`check_views_with`): ``ValueError`` where the
-        pipeline could not hold them in memory."""
+        check the fetch stage gave (:meth:`check_views_with`), once: ``ValueError`` where the
+        pipeline could not hold them in memory. It counts on the plan of their first epoch,
+        drawn here once (that epoch starts on it), beside the batch transforms ``extra`` that
+        come with them (``InSituPipeline.set_views`` gives the constants of new stacks), and
+        takes ``floors`` — :func:`~insitubatch_nodes.plan.schedule.schedule_floors` of them, as
+        ``schedule`` was chosen with — where given (else it computes them where it needs
+        them). Before 2026-12-07 ``InSituPipeline.set_views`` counted the rule, then this
+        check counted it again (without the constants): three plans drawn per call."""
         parts, layout = self._plan_views(self.manifest, views, self.plan_config)
         mine = {g.path: g.patch for g in self.views.values()}
         theirs = {g.path: g.patch for g in parts.values()}
@@ -287,18 +321,25 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         check_ranks(self.manifest, parts, self.plan_config)
         if schedule is not None and not isinstance(schedule, PinSchedule):
             raise TypeError(f"schedule must be a PinSchedule or None, got {schedule!r}")
+        if floors is not None and not isinstance(floors, ScheduleFloors):
+            raise TypeError(f"floors must be ScheduleFloors or None, got {floors!r}")
+        if isinstance(extra, str | bytes) or not isinstance(extra, Sequence):
+            raise TypeError(f"extra must be a sequence of batch transforms, got {extra!r}")
         schedule = self.schedule if schedule is None else schedule
+        node = self._reading((parts, layout, schedule, {}))
+        first = node.epoch_plan(self.next_epoch)  # (drawn once: the check's, the length's)
         if self._views_check is not None:  # (the fetch stage's memory check)
-            self._views_check(views, schedule)
-        self._pending = (parts, layout, schedule)
-        self._pending_len = plan_epoch(self.manifest, parts, self.plan_config).n_batches
-        self._known[dataset_hash(self.manifest, views_list(parts))] = parts
+            self._views_check(views, schedule, plan=node, extra=tuple(extra), floors=floors)
+        self._pending = (parts, layout, schedule, dict(node._drawn))
+        self._pending_len = first.n_batches  # (the same every epoch)
+        self._known[node._config["dataset"]] = parts
 
-    def check_views_with(self, check: Callable[[Mapping[str, Any], PinSchedule], None]) -> None:
-        """Call ``check(views, schedule)`` in :meth:`set_views`, on the views given and their
-        schedule, after its own checks and before they are taken (a ``ValueError`` refuses
-        them): the fetch stage's memory check, which counts the build's memory rule again for
-        them."""
+    def check_views_with(self, check: ViewsCheck) -> None:
+        """Call ``check(views, schedule, plan=..., extra=..., floors=...)`` (a
+        :class:`ViewsCheck`) in :meth:`set_views`, once, on the views given, their schedule
+        and a node reading them, after its own checks and before they are taken (a
+        ``ValueError`` refuses them): the fetch stage's memory check, which counts the
+        build's memory rule again for them."""
         self._views_check = check
 
     def hold(self, held: Mapping[str, Held]) -> None:
@@ -332,14 +373,23 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         """Take the views :meth:`set_views` gave (at the start of an epoch)."""
         if self._pending is None:
             return
-        parts, layout, schedule = self._pending
+        parts, layout, schedule, drawn = self._pending
         self._pending = None
         object.__setattr__(self, "schedule", schedule)  # (fixed otherwise: see __setattr__)
         self.views = MappingProxyType(parts)
         self.layout = layout
-        self._drawn.clear()
+        self._drawn = dict(drawn)  # (set_views drew the first epoch's plan: it starts on it)
         self._epoch_len = None
         self._config = self._fingerprint()
+
+    def _reading(self, pending: _Pending) -> ReadPlanNode:
+        """A copy of this node that took ``pending`` (views as :meth:`set_views` keeps them,
+        with the plans it drew for them): it draws their plans; this node is unchanged."""
+        node = copy.copy(self)
+        node._drawn, node._known = {}, dict(self._known)
+        node._pending = pending
+        node._apply_pending()
+        return node
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in _CONFIG_ATTRS and "_config" in self.__dict__:
@@ -525,10 +575,7 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         views :meth:`set_views` gave, where ``reset`` takes them first (here they stay)."""
         if self._pending is None or self._resumes_mid_epoch(state):
             return self
-        node = copy.copy(self)
-        node._drawn, node._known = {}, dict(self._known)
-        node._apply_pending()
-        return node
+        return self._reading(self._pending)
 
     @property
     def block_batches(self) -> int:
