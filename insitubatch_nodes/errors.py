@@ -27,6 +27,7 @@ __all__ = [
     "FillCancelled",
     "InSituError",
     "PipelineInterrupted",
+    "RankFailedError",
     "StaleCacheError",
     "StateMismatchError",
     "TooFewSamplesError",
@@ -276,6 +277,19 @@ class TooFewSamplesError(InSituError, ValueError):
         super().__init__(message)
         self.split, self.n_samples, self.world_size = split, n_samples, world_size
         self.counted = counted
+
+
+class RankFailedError(InSituError, RuntimeError):
+    """Another rank of the ``torch.distributed`` group failed where this one succeeded: a
+    pipeline built over the group (or its ``set_views``) raised there. Every rank raises at
+    the same point instead of training on without it, until its first collective call waits
+    for the failed rank until the group's timeout. ``failed`` maps each failed rank to what
+    it raised (``"TypeName: message"``, shortened), ``world_size`` is the group's; the failed
+    rank itself raised its own error, whose traceback is in its log."""
+
+    def __init__(self, message: str, *, failed: dict[int, str], world_size: int) -> None:
+        super().__init__(message)
+        self.failed, self.world_size = dict(failed), world_size
 
 
 # -- resuming ------------------------------------------------------------------------------------

@@ -49,10 +49,11 @@ from insitubatch_nodes.pipeline_inputs import (
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.parts import expand_views, resolve_windows
 from insitubatch_nodes.plan.patches import unit_geometry
-from insitubatch_nodes.plan.ranks import check_same_plan_on_every_rank
+from insitubatch_nodes.plan.ranks import check_same_plans
 from insitubatch_nodes.plan.schedule import ScheduleFloors, choose_schedule, schedule_floors
 from insitubatch_nodes.plan.splits import SplitManifest
 from insitubatch_nodes.pool import ChunkPool, PoolStats
+from insitubatch_nodes.ranks_agree import fail_together, group_share, succeed_together, together
 from insitubatch_nodes.slots import SlotBacking
 from insitubatch_nodes.stack import Stack
 from insitubatch_nodes.stack_constants import prepare_constants, static_fields
@@ -118,6 +119,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
         objects over the field axes (``(0, 0)`` when a 2-D field is stored whole)."""
         return self.stages.fetch.bad_chunks
 
+    @together("set_views", lambda pipe: _group_share(pipe.stages.plan))
     def set_views(self, views: Mapping[str, ArrayGeometry | Stack]) -> None:
         """Read ``views`` (``{label: view}`` of the arrays this pipeline reads: other windows,
         shifts or labels; a rollout that grows) from the next epoch on.
@@ -305,7 +307,7 @@ def insitu_pipeline(
     dropped; ``missing_objects="drop"`` (default ``"read"``: an absent object reads as the
     fill value) lists each array's prefix once and drops the anchors a step of which has an
     absent stored object. Decided here; each rank lists the store, and ranks dealt over an
-    initialised ``torch.distributed`` group compare their plans (one ``all_gather_object``):
+    initialised ``torch.distributed`` group compare their plans (in the exchange below):
     a store that changed between two ranks' builds is a ``ValueError`` naming the ranks, not
     unequal batch counts (a DDP hang). ``pipe.stages.plan.dropped``
     counts the dropped anchors per reason (see :mod:`~insitubatch_nodes.plan.anchors`), and
@@ -377,6 +379,12 @@ def insitu_pipeline(
     check then comparing the geometries with what it read; ``None`` (the default), a reader
     of this build's own, and the arrays' metadata read again. One of another store is a
     ``ValueError``.
+
+    **Ranks fail together.** Where the plan is dealt over an initialised ``torch.distributed``
+    group, every rank's build ends in one ``all_gather_object`` of its outcome: a build that
+    raised on some ranks raises their own errors there and a
+    :class:`~insitubatch_nodes.errors.RankFailedError` naming them and their reasons on every
+    other rank (so every rank of the group must build it; :mod:`~insitubatch_nodes.ranks_agree`).
     """
     plan_config, fetch_options, cache_options = _options(
         config,
@@ -413,6 +421,53 @@ def insitu_pipeline(
             "check_store": check_store,
         },
     )
+    # every rank of a group the plan is dealt over hears whether every other rank built its
+    # pipeline, and raises if one did not (ranks_agree): one exchange, at the end of the build
+    share = group_share(plan_config.rank, plan_config.world_size)
+    try:
+        pipe = _build(
+            store, manifest, variables, plan_config, fetch_options, cache_options,
+            batch_transforms, chunk_transforms, missing, missing_objects, coords, coords_reader,
+        )  # fmt: skip
+    except Exception as exc:
+        fail_together(share, exc, _BUILD)
+        raise
+    try:
+        listed = missing_objects == "drop"  # each rank listed the store: the plans must agree
+        plan = pipe.stages.plan
+        told = {"config": plan.config(), "dropped": plan.dropped} if listed else None
+        plans = succeed_together(share, _BUILD, told)
+        if listed and share is not None:
+            check_same_plans(plans, _RANKS_LISTED)
+    except BaseException:
+        pipe.close()
+        raise
+    return pipe
+
+
+_BUILD = "the pipeline's build"
+
+
+def _group_share(plan: ReadPlanNode) -> tuple[int, int] | None:
+    """The group ``plan`` is dealt over (:func:`~insitubatch_nodes.ranks_agree.group_share`)."""
+    return group_share(plan.rank, plan.world_size)
+
+
+def _build(
+    store: StoreLike | Collection,
+    manifest: SplitManifest,
+    variables: Sequence[str] | Mapping[str, ArrayGeometry | Stack],
+    plan_config: PlanConfig,
+    fetch_options: FetchOptions,
+    cache_options: CacheOptions,
+    batch_transforms: Sequence[BatchTransform],
+    chunk_transforms: Sequence[ChunkTransform],
+    missing: Sequence[Any] | Mapping[str, Sequence[int]] | None,
+    missing_objects: str,
+    coords: Sequence[str] | None,
+    coords_reader: Any,
+) -> InSituPipeline:
+    """:func:`insitu_pipeline` on this rank, its option groups resolved."""
     check_instance("manifest", manifest, SplitManifest, "a SplitManifest (split_by_chunk)")
     batch_transforms = check_batch_transforms(batch_transforms)
     collection = store.name if isinstance(store, Collection) else None
@@ -485,10 +540,6 @@ def insitu_pipeline(
         floors=floors,
     )
     plan = ReadPlanNode(manifest, views, schedule=schedule, config=plan_config, statics=labels)
-    if missing_objects == "drop":  # each rank listed the store: the ranks' plans must agree
-        check_same_plan_on_every_rank(
-            plan.config(), plan.dropped, plan.rank, plan.world_size, _RANKS_LISTED
-        )
     patched = {v.path for v in parts.values() if v.patch}  # stack members' included
     chunk_cache = _open_cache(
         cache_options, zstore, geoms, transforms, plan, statics, frozenset(patched)

@@ -695,6 +695,11 @@ def test_every_error_of_the_package_pickles_with_its_message_attributes_and_caus
             batches=2,
             also=". A state taken ...",
         ),
+        errors.RankFailedError(
+            "rank 1 of 2 raised during the pipeline's build, ...",
+            failed={1: "PermissionError: 403 Forbidden"},
+            world_size=2,
+        ),
     ]
     made += [getattr(errors, name)("a message") for name in errors.__all__
              if name not in {type(e).__name__ for e in made}]  # fmt: skip

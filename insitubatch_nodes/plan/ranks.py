@@ -26,7 +26,6 @@ often over the epochs); :func:`deal` and :func:`deal_runs` then have nothing lef
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -39,7 +38,7 @@ __all__ = [
     "REMAINDERS",
     "alone_before_group",
     "check_remainder",
-    "check_same_plan_on_every_rank",
+    "check_same_plans",
     "check_still_alone",
     "deal",
     "deal_runs",
@@ -456,28 +455,16 @@ def resolve_rank_world(rank: int | None, world_size: int | None) -> tuple[int, i
 _PLAN_KEYS = {"missing_steps": "the steps dropped as missing", "dataset": "the manifest or views"}
 
 
-def check_same_plan_on_every_rank(
-    config: Mapping[str, Any], dropped: Mapping[str, int], rank: int, world: int, why: str
-) -> None:
-    """Raise ``ValueError`` on every rank when the ranks of the initialised
-    ``torch.distributed`` group built different read plans: they would deliver different
-    numbers of batches, and DDP would hang at the first collective one rank waits for alone.
+def check_same_plans(plans: Sequence[Mapping[str, Any]], why: str) -> None:
+    """Raise ``ValueError`` when the ranks of a ``torch.distributed`` group built different
+    read plans: they would deliver different numbers of batches, and DDP would hang at the
+    first collective one rank waits for alone.
 
-    ``config`` is this rank's plan (``ReadPlanNode.config()``, rank-independent) and
-    ``dropped`` its anchors dropped per reason; ``why`` says what the ranks read on their own.
-    One ``all_gather_object`` of them as a JSON string (a few hundred bytes), only when the
-    plan is dealt over the group (``rank`` and ``world`` > 1 are the group's); every rank of
-    the group must then call it, as every rank builds its pipeline (a NCCL group gathers on
-    ``torch.cuda.current_device()``: set each rank's device first, as DDP itself needs). The
-    message names the ranks whose plan differs from rank 0's, and in what."""
-    if world < 2 or default_rank_world() != (rank, world):
-        return
-    import torch.distributed as dist
-
-    gathered: list[Any] = [None] * world
-    mine = json.dumps({"config": config, "dropped": dict(dropped)}, sort_keys=True, default=str)
-    dist.all_gather_object(gathered, mine)
-    plans = [json.loads(g) for g in gathered]
+    ``plans`` holds every rank's ``{"config": ReadPlanNode.config(), "dropped": its anchors
+    dropped per reason}`` as JSON values, in rank order: the builder exchanges them with each
+    rank's outcome (one ``all_gather_object``, :mod:`~insitubatch_nodes.ranks_agree`), so every
+    rank raises alike. ``why`` says what the ranks read on their own. The message names the
+    ranks whose plan differs from rank 0's, and in what."""
     first = plans[0]["config"]
     differ = {
         r: sorted(_PLAN_KEYS.get(k, k) for k in {*p["config"], *first}
