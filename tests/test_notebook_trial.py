@@ -325,6 +325,38 @@ def test_ctrl_c_while_next_starts_the_producer_then_a_new_loop_starts_the_epoch_
         assert pipe.threads == [], how
 
 
+def test_ctrl_c_as_next_hands_over_the_first_batch_then_a_new_loop_starts_the_epoch_at_it(
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: next() took the batch's position for delivered before it finished handing the
+    # batch over (the epoch report's bookkeeping ran in between), so a Ctrl-C landing there
+    # counted a batch the loop never got, and the next loop started epoch 1
+    fresh = _pipe(era5)
+    want = next(fresh).sample_indices["x"].copy()
+    fresh.close()
+    for how in ("loader", "reset"):
+        pipe = _pipe(era5)
+        on_deliver = pipe.recorder.on_deliver
+
+        def ctrl_c_then_deliver(*args: Any, _deliver: Any = on_deliver) -> None:
+            _interrupt()  # lands in the hand-over's bookkeeping
+            time.sleep(0)
+            _deliver(*args)
+
+        monkeypatch.setattr(pipe.recorder, "on_deliver", ctrl_c_then_deliver)
+        with pytest.raises(KeyboardInterrupt):
+            next(pipe)
+        monkeypatch.setattr(pipe.recorder, "on_deliver", on_deliver)
+        if how == "loader":
+            batch = next(iter(Loader(pipe)))
+        else:
+            pipe.reset()
+            batch = next(pipe)
+        pipe.close()
+        assert (batch.epoch, batch.index) == (0, 0), how
+        assert np.array_equal(batch.sample_indices["x"], want) and _exact(era5, batch)
+
+
 def _waits_to_be_recorded(thread: threading.Thread) -> bool:
     """Whether the prefetch stage's producer ``thread`` is parked before its first touch of
     the source, waiting for ``next()`` to record it (its ``_run`` on its ``go.wait`` line)."""

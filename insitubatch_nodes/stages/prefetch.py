@@ -342,8 +342,8 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             rec.on_error(called, interrupted)
             raise interrupted
         if kind == "item":
-            self._delivered = state
             rec.on_deliver(called, payload)
+            self._delivered = state  # last: a Ctrl-C before here delivered nothing
             return payload
         # the producer's last message: left for any other thread's next() waiting on it
         with contextlib.suppress(queue.Full):
