@@ -24,7 +24,8 @@ against one real chunk of a store before a training run finds out the hard way:
    busy machine (the transform's thread descheduled while it holds the GIL for a moment),
    and elsewhere the whole of it, shows now and then, so a probe between the threshold and
    twice it is run again, up to three in all, and the lowest counts: a transform that holds
-   the GIL keeps it waiting about half the time in every one.
+   the GIL keeps it waiting about half the time in every one. A machine busy enough moves the
+   share either way (docs/transforms.md has the numbers): run the check on a quiet one.
 
 ``TARGET`` is ``module:attr`` (importable) or ``path/to/file.py:attr``; a class is instantiated
 without arguments. The exit status is 0 when every check passed, 1 when one failed, 2 for a
@@ -49,7 +50,7 @@ from typing import Any, NoReturn
 
 import numpy as np
 
-__all__ = ["gil_probe", "load_target", "main", "run"]
+__all__ = ["gil_probe", "gil_share", "load_target", "main", "run"]
 
 _OK, _FAILED, _USAGE = 0, 1, 2
 
@@ -130,7 +131,13 @@ def _thread_sched() -> tuple[float, float] | None:
 
 
 def gil_probe(
-    call: Callable[[], Any], seconds: float = 1.0, interval: float = 0.05, min_calls: int = 2
+    call: Callable[[], Any],
+    seconds: float = 1.0,
+    interval: float = 0.05,
+    min_calls: int = 2,
+    *,
+    clock: Callable[[], float] = time.perf_counter,
+    sched: Callable[[], tuple[float, float] | None] = _thread_sched,
 ) -> tuple[float, int, float]:
     """Run ``call`` repeatedly in a thread while this thread runs Python; returns ``(held,
     calls, wall)``: the share of the wall time this thread waited for the GIL, the calls
@@ -144,7 +151,9 @@ def gil_probe(
     This thread only runs Python or waits for the GIL, so on Linux its wait is the wall time
     less its time on a CPU and its time waiting for a CPU (:func:`_thread_sched`): other
     processes taking the cores do not count. Elsewhere the wait is the sum of the pauses of
-    ``interval / 2`` or longer between two of its steps, a busy machine's included.
+    ``interval / 2`` or longer between two of its steps, a busy machine's included (see
+    :func:`gil_share`). ``clock`` (seconds) and ``sched`` (this thread's schedstat, as
+    :func:`_thread_sched` reads it) are what the probe reads, for tests to script.
     """
     stop = threading.Event()
     done = [0]
@@ -163,32 +172,50 @@ def gil_probe(
     try:
         thread = threading.Thread(target=work, name="gil-probe", daemon=True)
         thread.start()
-        start = last = time.perf_counter()
-        sched = _thread_sched()
-        blocked = 0.0
+        start = last = clock()
+        before = sched()
+        paused = 0.0
         long_wait = interval / 2
         while True:
-            now = time.perf_counter()
+            now = clock()
             gap = now - last
             if gap >= long_wait:
-                blocked += gap
+                paused += gap
             last = now
             if errors or not thread.is_alive():
                 break
             if now - start >= seconds and done[0] >= min_calls:
                 break
-        after = _thread_sched()
+        after = sched()
         stop.set()
         thread.join()
     finally:
         sys.setswitchinterval(old)
     if errors:
         raise errors[0]
-    wall = max(last - start, 1e-9)
-    if sched is not None and after is not None:
-        on_cpu, waiting = (a - b for a, b in zip(after, sched, strict=True))
+    wall = last - start
+    return gil_share(wall, paused, before, after), done[0], wall
+
+
+def gil_share(
+    wall: float,
+    paused: float,
+    before: tuple[float, float] | None,
+    after: tuple[float, float] | None,
+) -> float:
+    """The share of a probe's ``wall`` seconds its thread waited for the GIL, in [0, 1].
+
+    ``before`` and ``after`` are the thread's schedstat at the probe's start and end (seconds
+    on a CPU, seconds waiting for one; ``None`` off Linux): the wait is the wall time less the
+    time on a CPU and the time waiting for one, so other processes taking the cores do not
+    count. Without them it is ``paused``, the sum of the thread's pauses of half a switch
+    interval or more, which a busy machine's waits for a CPU are part of."""
+    wall = max(wall, 1e-9)
+    blocked = paused
+    if before is not None and after is not None:
+        on_cpu, waiting = (a - b for a, b in zip(after, before, strict=True))
         blocked = max(0.0, wall - on_cpu - waiting)
-    return min(1.0, blocked / wall), done[0], wall
+    return min(1.0, blocked / wall)
 
 
 def _read_chunk(zstore: Any, geom: Any, chunk: int) -> np.ndarray:

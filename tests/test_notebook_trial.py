@@ -273,3 +273,99 @@ def test_close_gives_the_pool_back_also_with_decodes_in_flight_and_keeps_it_give
         assert (pool.allocated_bytes, pool.resident_keys()) == (0, [])
         assert _exact(era5, first) and _exact(era5, next(pipe))  # and it goes on after
         pipe.close()
+
+
+def test_ctrl_c_while_next_starts_the_producer_then_a_new_loop_starts_the_epoch_at_its_first_batch(
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: Ctrl-C that landed after the first next() had started its producer thread but
+    # before it recorded it (a busy machine keeps the main thread off the CPU that long) left
+    # a producer nobody could halt: the reset that followed reset the graph under it, and it
+    # took the new epoch's first plans into a queue nobody reads - the next loop began at
+    # batch (0, 2) (seen once under the full suite), and the thread stayed parked for good
+    from insitubatch_nodes.stages import prefetch
+
+    fresh = _pipe(era5)
+    want = next(fresh).sample_indices["x"].copy()
+    fresh.close()
+    start = prefetch._Worker.start
+    for how in ("loader", "reset"):
+        entered, release = threading.Event(), threading.Event()
+
+        def hold(batch: Any, entered: threading.Event = entered, release: Any = release) -> Any:
+            entered.set()
+            release.wait(_JOIN_S)
+            return batch
+
+        def start_then_ctrl_c(worker: Any, entered: threading.Event = entered) -> None:
+            start(worker)  # the producer runs into its first batch, or waits to be recorded ...
+            deadline = time.monotonic() + _JOIN_S
+            while not (entered.is_set() or _waits_to_be_recorded(worker.thread)):
+                assert time.monotonic() < deadline, "the producer neither ran nor waited"
+                time.sleep(0.001)
+            _interrupt()  # ... and Ctrl-C lands before next() has recorded it
+            time.sleep(0)  # (the interrupt is raised at the next bytecode: here)
+
+        pipe = _pipe(era5, batch_transforms=[hold])
+        monkeypatch.setattr(prefetch._Worker, "start", start_then_ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            next(pipe)
+        monkeypatch.setattr(prefetch._Worker, "start", start)
+        release.set()
+        if how == "loader":
+            batch = next(iter(Loader(pipe)))
+        else:
+            pipe.reset()
+            batch = next(pipe)
+        pipe.close()
+        assert (batch.epoch, batch.index) == (0, 0), how
+        assert np.array_equal(batch.sample_indices["x"], want) and _exact(era5, batch)
+        for thread in pipe.threads:  # no producer left behind: each one ends
+            thread.join(_JOIN_S)
+        assert pipe.threads == [], how
+
+
+def test_ctrl_c_as_next_hands_over_the_first_batch_then_a_new_loop_starts_the_epoch_at_it(
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: next() took the batch's position for delivered before it finished handing the
+    # batch over (the epoch report's bookkeeping ran in between), so a Ctrl-C landing there
+    # counted a batch the loop never got, and the next loop started epoch 1
+    fresh = _pipe(era5)
+    want = next(fresh).sample_indices["x"].copy()
+    fresh.close()
+    for how in ("loader", "reset"):
+        pipe = _pipe(era5)
+        on_deliver = pipe.recorder.on_deliver
+
+        def ctrl_c_then_deliver(*args: Any, _deliver: Any = on_deliver) -> None:
+            _interrupt()  # lands in the hand-over's bookkeeping
+            time.sleep(0)
+            _deliver(*args)
+
+        monkeypatch.setattr(pipe.recorder, "on_deliver", ctrl_c_then_deliver)
+        with pytest.raises(KeyboardInterrupt):
+            next(pipe)
+        monkeypatch.setattr(pipe.recorder, "on_deliver", on_deliver)
+        if how == "loader":
+            batch = next(iter(Loader(pipe)))
+        else:
+            pipe.reset()
+            batch = next(pipe)
+        pipe.close()
+        assert (batch.epoch, batch.index) == (0, 0), how
+        assert np.array_equal(batch.sample_indices["x"], want) and _exact(era5, batch)
+
+
+def _waits_to_be_recorded(thread: threading.Thread) -> bool:
+    """Whether the prefetch stage's producer ``thread`` is parked before its first touch of
+    the source, waiting for ``next()`` to record it (its ``_run`` on its ``go.wait`` line)."""
+    import linecache
+    import sys
+
+    frame = sys._current_frames().get(thread.ident or -1)
+    while frame is not None and frame.f_code.co_name != "_run":
+        frame = frame.f_back
+    if frame is None:
+        return False
+    return "go.wait(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)

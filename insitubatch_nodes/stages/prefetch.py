@@ -95,11 +95,15 @@ class _Worker:
         self.source = source
         self.context = context
         self.queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
+        # set once the node has recorded this worker: the thread touches the source only after
+        # (a Ctrl-C inside ``next()`` between start and record would leave a producer running
+        # in the source that no halt can reach, see ``PrefetcherNode.next``)
+        self.go = threading.Event()
         self.stop = threading.Event()
         self.close_source = threading.Event()
         self.thread = threading.Thread(
             target=_run,
-            args=(source, context, self.queue, self.stop, self.close_source),
+            args=(source, context, self.queue, self.go, self.stop, self.close_source),
             name=name,
         )
         self.thread.daemon = True
@@ -116,6 +120,7 @@ class _Worker:
         if close_source:
             self.close_source.set()
         self.stop.set()
+        self.go.set()  # (a producer not yet let go ends at once)
         while True:  # unblock a producer parked on a full queue, then wake a waiting consumer
             with contextlib.suppress(queue.Empty):
                 while True:
@@ -169,10 +174,14 @@ def _run(
     source: BaseNode[Any],
     context: StageContext,
     q: queue.Queue[tuple[str, Any, Any]],
+    go: threading.Event,
     stop: threading.Event,
     close_source: threading.Event,
 ) -> None:
     try:
+        while not go.wait(_POLL_S):  # until the node has recorded this producer
+            if stop.is_set():
+                return
         while not stop.is_set():
             try:
                 item = next(source)
@@ -311,8 +320,15 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                         self.source.reset(self._delivered)
                     self._source_at_delivered = False
                     worker = _Worker(self.source, self.context, self.prefetch_depth, self.name)
-                    worker.start()
-                    self._worker = worker
+                    try:
+                        worker.start()  # it waits for ``go``: the source is not touched yet
+                        self._worker = worker
+                    except BaseException:  # Ctrl-C landed in between: a producer nobody
+                        worker.stop.set()  # records (and so halts) must not run on unseen
+                        worker.go.set()
+                        raise
+        if not worker.go.is_set():  # (also when a Ctrl-C landed right after the record)
+            worker.go.set()
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
         # halting (close or reset, from any thread) puts a "halted" one. (Woken to let a
         # signal's handler run: :mod:`insitubatch_nodes._waits`.)
@@ -326,8 +342,8 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             rec.on_error(called, interrupted)
             raise interrupted
         if kind == "item":
-            self._delivered = state
             rec.on_deliver(called, payload)
+            self._delivered = state  # last: a Ctrl-C before here delivered nothing
             return payload
         # the producer's last message: left for any other thread's next() waiting on it
         with contextlib.suppress(queue.Full):
