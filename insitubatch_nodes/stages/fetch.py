@@ -66,6 +66,7 @@ from insitubatch_nodes import _process, _runtime
 from insitubatch_nodes.io import _zarr_compat, objects
 from insitubatch_nodes.io.arrays import check_arrays_in_store
 from insitubatch_nodes.io.collection_checks import check_collection_in_store
+from insitubatch_nodes.io.coords import same_store_reader
 from insitubatch_nodes.io.decode import ChunkDecoder
 from insitubatch_nodes.io.localfiles import local_reader
 from insitubatch_nodes.io.routing import RoutingStore
@@ -122,7 +123,13 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
     :func:`~insitubatch_nodes.io.stores.retry_policy`). With ``check_arrays`` (the default) the
     store is checked to hold the context's arrays with their geometry, as the builder checks it
     (one metadata read per array; ``ValueError`` / ``FileNotFoundError`` naming the array and
-    the store otherwise); the builder, having checked, passes ``False``.
+    the store otherwise); the builder, having checked, passes ``False``. ``coords_reader`` (the
+    :func:`~insitubatch_nodes.io.coords.coordinate_reader` of the opened store passed here that
+    the geometries were read with, ``open_geometries(..., coords_reader=)``) serves that check
+    the metadata it read already, as ``insitu_pipeline(..., coords_reader=)`` does: each
+    document is read once for the whole graph (before 2026-12-07 this check read each array's
+    metadata again, ``tests/test_newestcache_trial.py``). One of another store is a
+    ``ValueError``; without one, the check reads the store.
 
     The build's memory check (:attr:`counted`) counts ``transform_bytes`` beside the pool,
     what the batch transforms hold at most (the builder passes
@@ -166,6 +173,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         *,
         context: StageContext,
         check_arrays: bool = True,
+        coords_reader: Any = None,
         floors: ScheduleFloors | None = None,
         transform_bytes: int | None = None,
     ) -> None:
@@ -177,7 +185,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         self.store = store = as_store(store)
         self.geoms = context.geoms
         if check_arrays:  # what insitu_pipeline checks before it builds the stages
-            check_arrays_in_store(store, {p: g for p, g in self.geoms.items() if g.members is None})
+            memo = None if coords_reader is None else same_store_reader(coords_reader, store)
+            plain = {p: g for p, g in self.geoms.items() if g.members is None}
+            check_arrays_in_store(store, plain, memo)
             for geom in self.geoms.values():
                 if geom.members is not None:
                     check_collection_in_store(store, geom)
