@@ -76,7 +76,7 @@ def _resolve_views(
         given = [v for v in _members(variables) if isinstance(v, ArrayGeometry)]
         check_arrays_in_store(zstore, {v.path: v.base for v in given if v.members is None}, reader)
         for v in {v.path: v for v in given if v.members is not None}.values():
-            check_collection_in_store(zstore, v)
+            check_collection_in_store(zstore, v, reader)
         views: dict[str, Any] = dict(variables)
     else:
         names = [variables] if isinstance(variables, str) else list(variables)

@@ -26,6 +26,11 @@ Found (fixed):
    the reader the geometries were opened with. ``AsyncChunkFetchNode(...,
    coords_reader=reader)`` now serves the check from it (one of another store is refused as
    the builder refuses it).
+3b. Over a concatenation (any collection) a shared reader did not keep the members' metadata:
+   each build opened every member's array again past it, twice (``MemberMap.joined``, for
+   the rows' times and for the time checks), and the first member's once more (the
+   collection's store check). Both now read through the reader (``_Reader.arrays_of``, each
+   member once per reader, still concurrently; ``check_collection_in_store(..., reader)``).
 """
 
 from __future__ import annotations
@@ -362,3 +367,36 @@ def test_three_splits_built_by_hand_read_the_time_coordinate_once_through_one_re
         if shared:
             assert {k: n for k, n in reads.items() if n > 1} == {}, reads
     assert gets == [4, 1]
+
+
+def test_three_splits_of_a_concat_newest_first_read_each_stores_metadata_once_through_one_reader(
+    roots: list[Path], oracle: Any
+) -> None:
+    """The same over a concatenation of stores written newest first: with one reader of the
+    collection's store, the split in time order and the three builds read each store's
+    ``sst`` metadata, time metadata and time object once in all. Before, every build opened
+    every store's ``sst`` again, past the reader (twice: the rows' times and the time checks
+    each joined the stores' coordinates; the first store's once more, for the collection's
+    store check): 13 GETs of the first store's ``sst/zarr.json``."""
+    from insitubatch_nodes.io import open_coordinates
+    from insitubatch_nodes.io.coords import coordinate_reader
+
+    stores = _Stores(roots)
+    coll = concat(stores.stores, ["sst"], names=NAMES)
+    for s in stores.stores:
+        s.reset_counts()  # (what concat itself reads is its own)
+    reader = coordinate_reader(coll.store)
+    v = coll["sst"]
+    time = open_coordinates(coll.store, v, reader=reader)["time"]
+    manifest = split_by_chunk(v, (4 / 6, 1 / 6, 1 / 6), coord=time)
+    seen = {}
+    for split in ("train", "val", "test"):
+        views = {k: v.window(w) for k, w in BEFORE.items()}
+        with insitu_pipeline(coll, manifest, views, split=split, batch_size=3, coords=["time"],
+                             coords_reader=reader, prefetch_depth=1) as pipe:  # fmt: skip
+            seen[split] = _checked(list(Loader(pipe)), oracle, BEFORE)[-1]
+    assert seen["train"][-1] < seen["val"][0] and seen["val"][-1] < seen["test"][0]
+    for s in stores.stores:
+        reads = _reads(s)
+        assert {"sst/zarr.json", "time/zarr.json", "time/c/0"} <= set(reads)
+        assert {k: n for k, n in reads.items() if n > 1} == {}, reads

@@ -397,17 +397,24 @@ _RULE = {
 }
 
 
-def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
+def check_collection_in_store(store: Any, geom: ArrayGeometry, reader: Any = None) -> None:
     """Check that ``store`` is the one collection view ``geom`` reads its members from (its
     first member is there: ``FileNotFoundError`` otherwise), and that the first member's
     values still decode as the view decodes them (its CF attributes, read by the view's own
     options: decoded, in its ``cf_dtype``, or raw): ``ValueError`` naming the attribute that
-    changed since the collection was made otherwise. Members after the first are not read."""
+    changed since the collection was made otherwise. Members after the first are not read;
+    the first is read through ``reader`` (a
+    :func:`~insitubatch_nodes.io.coords.coordinate_reader` of ``store``) where one is given:
+    not again where it read it already."""
     members, base = geom.members, geom.base
     assert members is not None
     zstore = _zarr_compat.opened(store)
-    found = _zarr_compat.node_kind(zstore, members.paths[0])
     where = f"{geom.path!r}: its first member {members.names[0]!r} ({members.paths[0]!r})"
+    if reader is not None:
+        array = reader.array(members.paths[0])
+        found = None if array is None else ("array", array.metadata.zarr_format)
+    else:
+        found = _zarr_compat.node_kind(zstore, members.paths[0])
     if found is None or found[0] != "array":
         raise FileNotFoundError(
             f"{where} is not in store {describe_store(store)}: pass the collection itself (or "
@@ -415,7 +422,8 @@ def check_collection_in_store(store: Any, geom: ArrayGeometry) -> None:
         )
     if base.cf is None:  # delivered as stored (raw, or nothing to decode): no rule to compare
         return
-    array = _zarr_compat.open_array_readonly(zstore, members.paths[0], found[1])
+    if reader is None:
+        array = _zarr_compat.open_array_readonly(zstore, members.paths[0], found[1])
     cf = array_cf(array, base.cf.dtype)
     now = {"dtype": str(in_native_byte_order(array.dtype))} if cf is None else cf.fingerprint
     then = base.cf.fingerprint

@@ -366,6 +366,16 @@ class _Reader:
             self.arrays[path] = opened[0]
         return self.arrays[path]
 
+    def arrays_of(self, paths: Sequence[str], zarr_format: int | None = None) -> list[Any]:
+        """:meth:`array` of each of ``paths``, those not read yet read concurrently
+        (:func:`~insitubatch_nodes.io._zarr_compat.open_arrays_by_name`: a collection's
+        members, once per reader however many builds ask)."""
+        unread = [p for p in dict.fromkeys(paths) if p not in self.arrays]
+        if unread:
+            opened = _zarr_compat.open_arrays_by_name(self.store, unread, zarr_format)
+            self.arrays.update(zip(unread, opened, strict=True))
+        return [self.arrays[p] for p in paths]
+
     def read_already(self, geom: ArrayGeometry) -> Coordinate | None:
         """``geom``'s dimension coordinate where this reader has read it already (``None``
         otherwise; a collection view's joined from its members): nothing is read here."""
@@ -419,7 +429,7 @@ def _coordinates(
     """The coordinates of ``geom``'s sample axis (``names=None``: its dimension coordinate)."""
     if geom.members is not None:  # a collection view: its members' own, joined
         joined = geom.members.joined(
-            geom, reader.store, bool(names), lambda g: _coordinates(reader, g, names)
+            geom, reader, bool(names), lambda g: _coordinates(reader, g, names)
         )
         laid = {
             k: Coordinate(k, v, path=f"{geom.path}/{k}", attrs=attrs)

@@ -196,18 +196,20 @@ class MemberMap:
         return lo, lo + self.lengths[np.maximum(m, 0)]
 
     def joined(
-        self, geom: Any, store: Any, named: bool, read: Callable[[Any], Mapping[str, Any]]
+        self, geom: Any, reader: Any, named: bool, read: Callable[[Any], Mapping[str, Any]]
     ) -> dict[str, tuple[np.ndarray, Mapping[str, Any]]]:
         """The coordinates of the collection view ``geom`` (of this map) along its virtual
         sample axis, as ``{name: (values, attrs)}``: each is its members' own,
-        ``read(member_geometry)`` (coordinates by name). On a continuous axis (stores
-        concatenated or joined by time) the samples each member gives, joined in order; for
-        independent members (scenes, slides) each member's values at its own virtual samples,
-        its padding a missing value (``NaT``, or ``None`` for cftime dates), and a time
-        coordinate must run at **one step**, the same in every member (``ValueError`` naming the
-        member otherwise: a time stride and window offsets in time deltas count steps within
-        each member). A name not every member has is left out. Product sample axes have none
-        (``ValueError`` when coordinates are ``named``)."""
+        ``read(member_geometry)`` (coordinates by name); the members' arrays are opened
+        through ``reader`` (a :func:`~insitubatch_nodes.io.coords.coordinate_reader` of the
+        store: each member's metadata read once per reader, before 2026-12-07 once per call).
+        On a continuous axis (stores concatenated or joined by time) the samples each member
+        gives, joined in order; for independent members (scenes, slides) each member's values
+        at its own virtual samples, its padding a missing value (``NaT``, or ``None`` for
+        cftime dates), and a time coordinate must run at **one step**, the same in every
+        member (``ValueError`` naming the member otherwise: a time stride and window offsets in
+        time deltas count steps within each member). A name not every member has is left
+        out. Product sample axes have none (``ValueError`` when coordinates are ``named``)."""
         if self.product:
             if named:
                 raise ValueError(
@@ -217,12 +219,10 @@ class MemberMap:
             return {}
         members = []
         for path, array in zip(
-            self.paths,
-            _zarr_compat.open_arrays_by_name(store, self.paths, geom.zarr_format),
-            strict=True,
+            self.paths, reader.arrays_of(self.paths, geom.zarr_format), strict=True
         ):
             if array is None:
-                raise FileNotFoundError(f"{path!r} of {geom.path!r} is not in {store}")
+                raise FileNotFoundError(f"{path!r} of {geom.path!r} is not in {reader.store}")
             members.append(replace(geom, path=path, members=None, shape=tuple(array.shape)))
         # each member as stored (its coordinates cover all it holds), read by
         # MEMBER_READERS threads at once: a member's reads wait on the store one after the

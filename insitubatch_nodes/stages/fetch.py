@@ -190,7 +190,7 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
             check_arrays_in_store(store, plain, memo)
             for geom in self.geoms.values():
                 if geom.members is not None:
-                    check_collection_in_store(store, geom)
+                    check_collection_in_store(store, geom, memo)
         self.context = context
         self.pool = context.pool
         self.transforms = context.transforms
