@@ -14,7 +14,7 @@ import queue
 from concurrent.futures import Future, wait
 from typing import TypeVar
 
-__all__ = ["POLL_S", "result", "take"]
+__all__ = ["POLL_S", "head", "result"]
 
 T = TypeVar("T")
 
@@ -34,10 +34,12 @@ def result(future: Future[T]) -> T:
     return future.result()
 
 
-def take(q: queue.Queue[T]) -> T:
-    """``q.get()``."""
-    while True:
-        try:
-            return q.get(timeout=POLL_S)
-        except queue.Empty:
-            continue
+def head(q: queue.Queue[T]) -> T:
+    """``q``'s first item, left in ``q``: ``q.get()`` without the removal. The caller holds
+    ``q.mutex`` (``with q.not_empty:``), which the wait gives up while it waits, and takes the
+    item off the queue itself once it has handed it over (``PrefetcherNode.next``), so an
+    interrupt before that leaves the item where it was."""
+    while not q.queue:
+        q.not_empty.wait(POLL_S)
+    item: T = q.queue[0]
+    return item

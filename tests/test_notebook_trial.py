@@ -369,3 +369,59 @@ def _waits_to_be_recorded(thread: threading.Thread) -> bool:
     if frame is None:
         return False
     return "go.wait(" in linecache.getline(frame.f_code.co_filename, frame.f_lineno)
+
+
+@pytest.mark.parametrize("where", ["take", "bookkeeping"])
+def test_ctrl_c_after_next_took_a_batch_then_next_again_returns_that_batch_not_the_one_after(
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # before: once next() had taken a batch off the prefetch queue, a Ctrl-C that landed before
+    # it returned the batch - inside the queue's get() (its wake-up of the producer), or in the
+    # epoch report's bookkeeping - lost it: the state still said the batch was to come (a
+    # reset resumed at it), but a next() called again without a reset went on with the producer
+    # and silently skipped it - a notebook user's epoch missed a batch for each such Ctrl-C
+    fresh = _pipe(era5)
+    want = [next(fresh).sample_indices["x"].copy() for _ in range(3)]
+    fresh.close()
+    pipe = _pipe(era5)
+    first = next(pipe)  # the producer runs: the interrupted next() takes a batch it queued
+    armed = [True]
+
+    def ctrl_c_once() -> None:
+        if armed[0] and threading.current_thread() is threading.main_thread():
+            armed[0] = False
+            _interrupt()
+            time.sleep(0)  # (raised here)
+
+    if where == "take":  # the wake-up of a producer waiting for room (also while nothing waits)
+        room = pipe._worker.queue.not_full
+        notify = room.notify
+
+        def ctrl_c_then_notify(*args: Any) -> None:
+            ctrl_c_once()
+            notify(*args)
+
+        monkeypatch.setattr(room, "notify", ctrl_c_then_notify)
+    else:
+        on_deliver = pipe.recorder.on_deliver
+
+        def ctrl_c_then_deliver(*args: Any) -> None:
+            ctrl_c_once()
+            on_deliver(*args)
+
+        monkeypatch.setattr(pipe.recorder, "on_deliver", ctrl_c_then_deliver)
+    with pytest.raises(KeyboardInterrupt):
+        next(pipe)
+    assert not armed[0]
+    state = pipe.state_dict()
+    got = [first, next(pipe), next(pipe)]  # no reset
+    pipe.close()
+    assert [(b.epoch, b.index) for b in got] == [(0, 0), (0, 1), (0, 2)]
+    assert all(np.array_equal(b.sample_indices["x"], w) for b, w in zip(got, want, strict=True))
+    assert all(_exact(era5, b) for b in got)
+    restored = _pipe(era5)  # the state taken after the Ctrl-C resumes at that batch too
+    restored.reset(state)
+    again = next(restored)
+    restored.close()
+    assert (again.epoch, again.index) == (0, 1)
+    assert np.array_equal(again.sample_indices["x"], want[1]) and _exact(era5, again)

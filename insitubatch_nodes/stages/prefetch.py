@@ -4,7 +4,8 @@
 thread of its own and hands finished items over a queue of ``prefetch_depth``. Its state is the
 source's state *as of the last item delivered to the consumer* — items still in the queue, and
 plans the fetcher pulled ahead, are not counted — so a checkpoint resumes at exactly the next
-undelivered batch.
+undelivered batch. A batch leaves the queue only as ``next()`` returns it: a Ctrl-C inside
+``next()`` leaves it there, and the next call returns it.
 
 Lifecycle, following ``BaseNode``'s contract: ``iter(node)`` is the node itself, so
 ``next(iter(pipe))`` called again and again continues the same epoch; only once an epoch has
@@ -331,23 +332,35 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
             worker.go.set()
         # A blocking hand-off: the producer always ends with an "end" or "error" message, and
         # halting (close or reset, from any thread) puts a "halted" one. (Woken to let a
-        # signal's handler run: :mod:`insitubatch_nodes._waits`.)
-        with profile_range("insitu.next"):
-            kind, payload, state = _waits.take(worker.queue)
+        # signal's handler run: :mod:`insitubatch_nodes._waits`.) A batch stays first in the
+        # queue until it is returned: a Ctrl-C in the wait, the report's bookkeeping or the
+        # producer's wake-up leaves it there for the next call (a reset or close drops it with
+        # the rest: the state never counted it). The last message stays for every consumer.
+        q = worker.queue
+        while True:  # (again only where another consumer or a halt took the batch meanwhile)
+            with q.not_empty:
+                with profile_range("insitu.next"):
+                    msg = _waits.head(q)
+                kind, payload, state = msg
+                if kind != "item":
+                    q.not_empty.notify()  # (any other consumer waiting: to this last message)
+                    break
+                rec.on_deliver(called, payload)
+                q.not_full.notify()  # (the producer goes on once the batch has left, below)
+            # From here to the return no function is called and nothing jumps back: CPython
+            # (with its GIL) runs a signal's handler and switches threads only there, so the
+            # batch is recorded, leaves the queue and is returned as one step. (A Ctrl-C in the
+            # instant after, in the caller, loses it as it would any Python iterator's item.)
+            if q.queue and q.queue[0] is msg:
+                self._delivered = state
+                del q.queue[0]
+                return payload
         if kind == "halted":
-            worker.queue.put_nowait((kind, payload, state))  # for any other waiting consumer
             interrupted = PipelineInterrupted(
                 f"{self.name} was closed or reset while next() waited for a batch{_BY_WHOM}"
             )
             rec.on_error(called, interrupted)
             raise interrupted
-        if kind == "item":
-            rec.on_deliver(called, payload)
-            self._delivered = state  # last: a Ctrl-C before here delivered nothing
-            return payload
-        # the producer's last message: left for any other thread's next() waiting on it
-        with contextlib.suppress(queue.Full):
-            worker.queue.put_nowait((kind, payload, state))
         with self._lock:
             if self._worker is worker:
                 self._worker = None
