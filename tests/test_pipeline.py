@@ -1342,6 +1342,11 @@ def test_a_pipeline_composed_by_hand_plans_and_schedules_like_the_builders(
     assert hand_plan.schedule == plan.schedule
     assert (hand_plan.schedule.pin_gap is None) == (budget != "bounded")
     assert hand_plan.config() == plan.config()
+    # the pool's budget once each has started its first epoch (a graph composed by hand, told
+    # no transform_bytes, grows its pool to what it keeps there: the GatherNode counts its
+    # batch transforms after the fetch stage is built)
+    hand_first, built_first = next(prefetch), next(built)
+    assert hand_first.index == built_first.index == 0
     assert hand_pool.budget_bytes == built.stages.pool.budget_bytes
     for epoch in range(4):
         a, b = hand_plan.epoch_plan(epoch), plan.epoch_plan(epoch)

@@ -182,29 +182,44 @@ def test_close_stops_a_producer_that_the_first_next_is_still_starting(
 ) -> None:
     import insitubatch_nodes.stages.prefetch as prefetch
 
-    # the first next() starts the producer thread, whose GETs begin at once; a close() from
-    # another thread in the moment before next() recorded that producer must still stop it
-    # (it found none, and next() then waited forever on the stalled GETs: seen once in
-    # make test under load)
+    # the first next() starts the producer thread; a close() from another thread in the moment
+    # before next() recorded that producer must still stop it, and next() must not wait on
+    # (it found none, and next() then waited forever on the stalled GETs: seen once in make
+    # test under load). Since the producer waits to be recorded before it touches the source
+    # (a Ctrl-C there, tests/test_notebook_trial.py), no GET starts in that moment: the close
+    # comes in while start() is held open, and next() then must still end, no GET left.
     store = counting_store(root, stall_after=0)  # every chunk GET hangs
     pipe = insitu_pipeline(
         store, split_by_chunk(views(root)["x"]), views(root), batch_size=8, coords=()
     )
     real = prefetch._Worker
+    starting = threading.Event()
 
     class SlowToRecord(real):  # type: ignore[misc, valid-type]
         def start(self) -> None:
             super().start()
-            _gets_in_flight(store)
-            time.sleep(0.5)  # the GETs are in flight: time for close() to come in
+            starting.set()
+            time.sleep(0.5)  # time for close() to come in before next() records this producer
 
     monkeypatch.setattr(prefetch, "_Worker", SlowToRecord)
-    consumer, seen = _consumer_in_next(pipe, store)
+    seen: list[BaseException] = []
+
+    def consume() -> None:
+        try:
+            next(pipe)
+        except BaseException as exc:
+            seen.append(exc)
+
+    consumer = threading.Thread(target=consume)
+    consumer.start()
+    assert starting.wait(10.0), "next() never started its producer"
+    assert store.active == 0  # the producer waits to be recorded: no GET yet
     pipe.close()
     consumer.join(5.0)
     assert not consumer.is_alive(), "next() still waits after close()"
     assert len(seen) == 1 and isinstance(seen[0], PipelineInterrupted), seen
     assert not pipe.threads
+    assert store.active == 0
 
 
 def test_close_returns_promptly_while_gets_stall_and_wakes_a_waiting_consumer(
