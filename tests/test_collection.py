@@ -56,6 +56,10 @@ def _write_plate(root: Path, lengths: list[int] = LENGTHS, *, labels: bool = Tru
     return groups
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("collection")
+
+
 @pytest.fixture(scope="module")
 def plate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("plate") / "plate.zarr"

@@ -67,7 +67,8 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.stages import _windows
 
-pytestmark = pytest.mark.timeout(120)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("twice_trial")]
 
 N, SPC, LAT, LON, TILE = 64, 16, 32, 64, (16, 32)
 LEVELS = [1000, 925, 850, 700, 600, 500, 400, 300, 250, 200, 150, 100, 50]
