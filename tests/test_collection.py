@@ -56,10 +56,6 @@ def _write_plate(root: Path, lengths: list[int] = LENGTHS, *, labels: bool = Tru
     return groups
 
 
-# one worker runs the module: its module fixtures are built once, not once per worker
-pytestmark = pytest.mark.xdist_group("collection")
-
-
 @pytest.fixture(scope="module")
 def plate(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     root = tmp_path_factory.mktemp("plate") / "plate.zarr"
@@ -960,7 +956,8 @@ def test_the_members_coordinates_are_read_many_at_a_time_and_each_is_the_members
         coll, split_by_member(coll, {"train": 1.0}), {"x": coll["x"]}, batch_size=8,
         coords=["time"], shuffle=False,
     )  # fmt: skip
-    stored = {}  # each member's time coordinate as zarr reads it, read once (not once a row)
+    # each member's time coordinate as zarr reads it, read once (not once a row)
+    stored: dict[int, np.ndarray] = {}
     try:
         assert store.peak > 1, "the members' coordinates were read one at a time"
         for batch in Loader(pipe):

@@ -47,10 +47,6 @@ VALID = set(range(N_TIME - SHIFT))
 WORLD_PAIRS = [(2, 1), (2, 3), (3, 2), (1, 4), (4, 3), (5, 2), (1, 2), (8, 3)]
 
 
-# one worker runs the module: its module fixtures are built once, not once per worker
-pytestmark = pytest.mark.xdist_group("elastic")
-
-
 @pytest.fixture(scope="module")
 def geom(tmp_path_factory: pytest.TempPathFactory) -> ArrayGeometry:
     path = tmp_path_factory.mktemp("elastic") / "a.zarr"

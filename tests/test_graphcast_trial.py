@@ -82,8 +82,7 @@ xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
 pytest.importorskip("cftime")
 
-# one worker runs the module: its module fixtures are built once, not once per worker
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("graphcast_trial")]
+pytestmark = pytest.mark.timeout(120)
 
 S = 1361.0
 HOUR = np.timedelta64(1, "h")

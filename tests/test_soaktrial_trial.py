@@ -89,8 +89,7 @@ from insitubatch_nodes import (
 from insitubatch_nodes.forcings import FORCINGS, Forcings
 from insitubatch_nodes.options import FetchOptions
 
-# one worker runs the module: its module fixtures are built once, not once per worker
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("soaktrial_trial")]
+pytestmark = pytest.mark.timeout(120)
 
 N, SPC = 128, 4  # 32 chunks of 4 steps: 24 train chunks (96 samples), 8 val chunks (32)
 BUDGET = 11264  # below the 12 KiB the train split's t2m chunks take, above its floor
