@@ -87,7 +87,8 @@ from insitubatch_nodes import stack as make_stack
 from insitubatch_nodes.forcings import Forcings
 from insitubatch_nodes.io import open_coordinates
 
-pytestmark = pytest.mark.timeout(120)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("arco_trial")]
 
 LEVELS = [1, 2, 3, 5, 7, 10, 20, 30, 50, 70, 100, 125, 150, 175, 200, 225, 250, 300, 350, 400,
           450, 500, 550, 600, 650, 700, 750, 775, 800, 825, 850, 875, 900, 925, 950, 975,

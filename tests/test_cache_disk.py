@@ -28,7 +28,8 @@ from helpers import write_era5
 from insitubatch_nodes.cache._filemap import map_file, reserve
 from insitubatch_nodes.cache.identity import IDENTITY_NAME, IdentityRecorder, read_identities
 
-pytestmark = pytest.mark.timeout(180)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("cache_disk")]
 
 CHILD = Path(__file__).resolve().parent / "disk_child.py"
 TMPFS_BYTES = 8 << 20

@@ -22,6 +22,11 @@ from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, 
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 
 T, L, Y, X = 12, 3, 3, 4
+
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("cf_data")
+
 PACKED = {"dtype": "int16", "scale_factor": 0.01, "add_offset": 273.0, "_FillValue": -32767}
 
 

@@ -54,7 +54,8 @@ from insitubatch_nodes import (
 from insitubatch_nodes.forcings import cos_solar_zenith
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 
-pytestmark = pytest.mark.timeout(120)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("collections2_trial")]
 
 
 def _quiet_to_zarr(ds: xr.Dataset, path: Path, **kw: Any) -> None:

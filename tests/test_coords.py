@@ -45,6 +45,11 @@ def _write(path: Path, ds: object, zarr_format: int, time_encoding: dict[str, ob
     return path
 
 
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("coords")
+
+
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
 def era5(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     times = pd.date_range(START, periods=N_TIME, freq="6h").values

@@ -91,6 +91,11 @@ for line, code in spec["blocks"]:
 """
 
 
+# one worker runs the module: the docs' store (4,096 steps, 1.6 CPU-s to write) is written
+# once, not once per worker
+pytestmark = pytest.mark.xdist_group("docs")
+
+
 @pytest.fixture(scope="module")
 def doc_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from insitubatch_nodes.synthetic import make_era5_like

@@ -10,6 +10,7 @@ graph composed by hand alike.
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,20 @@ def _grid(coll: Collection, member: int, lat: Any = slice(None), lon: Any = slic
     """Member ``member`` of ``coll`` (a subset of the scenes, or all): its coordinates as
     xarray reads them from its store, selected by index."""
     folder = next(iter(FOLDER.values()))
-    ds = xr.open_zarr(folder / f"{coll.members[member]}.zarr", consolidated=False)
-    return ds.lat.values[lat], ds.lon.values[lon]
+    lats, lons = _coordinates(folder / f"{coll.members[member]}.zarr")
+    return lats[lat], lons[lon]
+
+
+@functools.cache
+def _coordinates(store: Path) -> tuple[np.ndarray, np.ndarray]:
+    """``(lat, lon)`` of a scene's store as xarray reads them, read once per store (not once per
+    row checked: an ``open_zarr`` a row was two thirds of this file's CPU time). The stores are
+    written once, by the module's fixture, in a folder of their own; read-only copies, so no
+    check can change what a later one compares with."""
+    ds = xr.open_zarr(store, consolidated=False)
+    lat, lon = ds.lat.values, ds.lon.values
+    lat.flags.writeable = lon.flags.writeable = False
+    return lat, lon
 
 
 def _check_rows(

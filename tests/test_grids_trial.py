@@ -67,7 +67,9 @@ from insitubatch_nodes.statistics import fit_statistics
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
 
-pytestmark = pytest.mark.timeout(60)
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("grids_trial")]
 
 N = 40  # points of the reduced grid
 LEVELS = [1000, 850, 500]

@@ -87,7 +87,8 @@ from insitubatch_nodes import (
 from insitubatch_nodes.io.patching import cut_windows
 from insitubatch_nodes.stages.gather import gather_label
 
-pytestmark = pytest.mark.timeout(120)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("hotpath_trial")]
 
 tally = test_per_batch_work.tally  # the fixture tracing the pipeline's threads
 

@@ -73,7 +73,8 @@ from insitubatch_nodes.statistics import Statistics, fit_statistics
 xr = pytest.importorskip("xarray")  # the oracle (the dev extra installs it)
 pd = pytest.importorskip("pandas")
 
-pytestmark = pytest.mark.timeout(60)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("invariants3_trial")]
 
 H6 = np.timedelta64(6, "h")
 

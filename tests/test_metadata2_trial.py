@@ -48,6 +48,11 @@ def _metadata_counts(store: Any) -> dict[str, int]:
     return {k: n for k, n in store.counts.items() if is_metadata_key(k)}
 
 
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("metadata2_trial")
+
+
 @pytest.fixture(scope="module", params=[2, 3])
 def era5(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp(f"metadata2_v{request.param}") / "era5.zarr"

@@ -83,7 +83,9 @@ from insitubatch_nodes.statistics import fit_statistics
 from insitubatch_nodes.synthetic import make_hcs_plate
 
 pytest.importorskip("ome_zarr")
-pytestmark = pytest.mark.timeout(60)
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("micro_trial")]
 
 YX = 32
 

@@ -30,6 +30,10 @@ from insitubatch_nodes.synthetic import write_omero
 
 pytest.importorskip("ome_zarr")
 
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("microscopy_trial")
+
 CHANNELS = ("DAPI", "GFP", "RFP")
 YX = 32
 TILE = 16

@@ -26,6 +26,11 @@ pd = pytest.importorskip("pandas")
 torch_data = pytest.importorskip("torch.utils.data")
 
 
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("mistakes_trial")
+
+
 @pytest.fixture(scope="module", params=[2, 3])
 def store(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``t2m (time, lat, lon)`` 16 steps in chunks of 4, written by xarray (zarr v2 and v3)."""

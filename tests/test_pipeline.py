@@ -56,7 +56,12 @@ from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.schedule import schedule_floors
 
 # zarr warns that numcodecs' LZ4 is not in the v3 spec whenever it opens the v3_lz4 layout
-pytestmark = pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the Zarr")
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Numcodecs codecs are not in the Zarr"),
+    pytest.mark.xdist_group("pipeline"),
+]
 
 # ---------------------------------------------------------------------------------------------
 # Cases: a store on disk, the views the pipeline trains on, the same views for the oracle

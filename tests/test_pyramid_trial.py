@@ -89,7 +89,9 @@ from insitubatch_nodes import Loader, insitu_pipeline, open_images, split_by_mem
 from insitubatch_nodes.io.ngff_images import read_images
 
 pytest.importorskip("ome_zarr")
-pytestmark = pytest.mark.timeout(60)
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("pyramid_trial")]
 
 TILE = 16
 

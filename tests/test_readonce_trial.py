@@ -80,7 +80,8 @@ from zarr.core.buffer import Buffer, BufferPrototype
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
 from insitubatch_nodes.forcings import Forcings
 
-pytestmark = pytest.mark.timeout(90)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(90), pytest.mark.xdist_group("readonce_trial")]
 
 N_TIME, N_LEVEL, N_LAT, N_LON = 40, 3, 8, 16
 STEP_H = 3

@@ -37,6 +37,10 @@ from insitubatch_nodes.report import (
 N_TIME, SPC = 256, 8  # 32 chunks of t2m
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("report")
+
+
 @pytest.fixture(scope="module")
 def era5(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_era5(tmp_path_factory.mktemp("report") / "era5.zarr", n_time=N_TIME, n_lat=16,

@@ -36,6 +36,10 @@ SPC = 8
 _REFERENCES: dict[str, list[dict]] = {}
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("resume")
+
+
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_store(tmp_path_factory.mktemp("resume") / "era5.zarr")

@@ -77,7 +77,8 @@ from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.report import EpochReport, suggestion_for
 from insitubatch_nodes.statistics import fit_statistics
 
-pytestmark = pytest.mark.timeout(60)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("seeing_trial")]
 
 TRACE = FetchOptions(trace=True)
 

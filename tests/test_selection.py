@@ -21,6 +21,11 @@ xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
 
 T, L, Y, X = 12, 7, 10, 16
+
+# one worker runs the module: each parametrized module fixture is built once, not once per
+# worker and again at every switch between its parameters
+pytestmark = pytest.mark.xdist_group("selection")
+
 LEVELS = np.array([1000, 925, 850, 700, 500, 300, 100])
 
 

@@ -50,7 +50,8 @@ from insitubatch_nodes.errors import ChunkReadError
 from insitubatch_nodes.io.stores import RETRY_TIME_SCALE_ENV
 from insitubatch_nodes.testing import FaultProxy, MotoServer, upload_folder
 
-pytestmark = pytest.mark.timeout(180)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("store_failures")]
 
 BUCKET, PREFIX = "failures", "data/era5.zarr"
 URL = f"s3://{BUCKET}/{PREFIX}"

@@ -44,7 +44,8 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.errors import ChunkReadError, PipelineInterrupted
 
-pytestmark = pytest.mark.timeout(60)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("teardown")]
 
 
 @dataclass

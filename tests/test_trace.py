@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
+import tempfile
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -218,10 +221,20 @@ def test_tracing_leaves_the_batches_exactly_as_zarr_reads_them(era5: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def one_step_per_object(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """1,200 steps of two arrays, one step per stored object: 2,400 objects an epoch."""
-    return write_era5(tmp_path_factory.mktemp("trace") / "steps.zarr", n_time=1200, n_lat=2,
-                      n_lon=4, n_level=1, samples_per_chunk=1)  # fmt: skip
+def one_step_per_object(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """1,200 steps of two arrays, one step per stored object: 2,400 objects an epoch, in a
+    folder in memory (``/dev/shm``) where it has room: writing its 2,400 objects and their
+    folders took 2.6 CPU-s on this machine's disk against 1.8 s in memory (2026-12-07); what
+    the test counts (garbage collections in an epoch) does not depend on the medium."""
+    shm = Path("/dev/shm")
+    in_memory = shm.is_dir() and shutil.disk_usage(shm).free > 1 << 30
+    folder = Path(tempfile.mkdtemp(dir=shm)) if in_memory else tmp_path_factory.mktemp("trace")
+    try:
+        yield write_era5(folder / "steps.zarr", n_time=1200, n_lat=2, n_lon=4, n_level=1,
+                         samples_per_chunk=1)  # fmt: skip
+    finally:
+        if in_memory:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _collections_in_an_epoch(store: Path, trace: bool) -> tuple[int, Any, dict[str, int]]:

@@ -67,7 +67,8 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.stages import _windows
 
-pytestmark = pytest.mark.timeout(120)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("twice_trial")]
 
 N, SPC, LAT, LON, TILE = 64, 16, 32, 64, (16, 32)
 LEVELS = [1000, 925, 850, 700, 600, 500, 400, 300, 250, 200, 150, 100, 50]
@@ -158,6 +159,16 @@ def _cut(a: np.ndarray, origins: np.ndarray, extent: tuple[int, int]) -> np.ndar
                      for r, (o0, o1) in zip(a, origins.tolist(), strict=True)])  # fmt: skip
 
 
+def _rows_cut(
+    a: np.ndarray, samples: np.ndarray, origins: np.ndarray, extent: tuple[int, int]
+) -> np.ndarray:
+    """``_cut(a[samples], origins, extent)``, each row's window sliced from its sample in place:
+    without first copying every row's whole field (13 levels of a (32, 64) grid a row: the
+    copies were most of the oracle's time)."""
+    rows = zip(samples.tolist(), origins.tolist(), strict=True)
+    return np.stack([a[i, ..., o0 : o0 + extent[0], o1 : o1 + extent[1]] for i, (o0, o1) in rows])
+
+
 def _pick(a: np.ndarray, *keys: Any) -> np.ndarray:
     """``a`` (rows, [T,] *lead, lat, lon) with ``keys`` taken along the lead axes in turn
     (``None``: all; a list: those, in order; an int: that one, the axis dropped), and a
@@ -222,13 +233,16 @@ def test_patched_views_selecting_levels_every_way_equal_numpys_windows_of_the_st
     rows = 0
     for batch in batches:
         s, o = batch.sample_indices["x"], batch.patch_origins["x"]
-        parts = [_pick(data["t2m"][s])]
-        parts += [_pick(data[sel[k][1]][s], *sel[k][2]) for k in ("ze", "zi", "zs", "z4", "zu")]
-        np.testing.assert_array_equal(batch.arrays["x"], _cut(np.concatenate(parts, 1), o, extent))
+        # each array's windows of the batch's rows, every level (the cut and the picks of
+        # levels commute: one acts on the grid axes, the other on the axes before them)
+        cut = {name: _rows_cut(data[name], s, o, extent) for name in ("t2m", "z", "z2", "e")}
+        parts = [_pick(cut["t2m"])]
+        parts += [_pick(cut[sel[k][1]], *sel[k][2]) for k in ("ze", "zi", "zs", "z4", "zu")]
+        np.testing.assert_array_equal(batch.arrays["x"], np.concatenate(parts, 1))
         for k in ("e", "e2", "e3", "m"):
-            want = _cut(_pick(data[sel[k][1]][s], *sel[k][2]), o, extent)
+            want = _pick(cut[sel[k][1]], *sel[k][2])
             np.testing.assert_array_equal(batch.arrays[k], want)
-        y = _cut(data["z"][batch.sample_indices["y"]][:, [1, 12]], o, extent)
+        y = _rows_cut(data["z"], batch.sample_indices["y"], o, extent)[:, [1, 12]]
         np.testing.assert_array_equal(batch.arrays["y"], y)
         rows += len(s)
     assert rows == sum(len(b.sample_indices["y"]) for b in batches) > 0
@@ -292,8 +306,8 @@ def test_patched_windows_of_32_kib_or_more_are_copied_straight_from_their_tiles(
     rows = 0
     for batch in batches:
         s, o = batch.sample_indices["x"], batch.patch_origins["x"]
-        want = _cut(np.concatenate([_pick(z[s], lv) for _, lv in members.values()], 1), o,
-                    (32, 64))  # fmt: skip
+        cut = _rows_cut(z, s, o, (32, 64))  # (then the levels: the two commute)
+        want = np.concatenate([_pick(cut, lv) for _, lv in members.values()], 1)
         if layout == "channels_last":
             want = np.moveaxis(want, 1, -1)
         np.testing.assert_array_equal(batch.arrays["x"], want)
