@@ -11,25 +11,24 @@ against one real chunk of a store before a training run finds out the hard way:
    as ``open_geometries`` delivers them: ``--cf-dtype``, ``--no-mask-and-scale``) and checks
    the output against the declared ``output_inner`` — or, with no declaration, against the
    input's shape and dtype (an undeclared reshape);
-4. unless ``--no-gil-probe``: a GIL probe. The transform runs over and over in a second thread
-   while this thread runs Python code and measures how long it is kept waiting for the GIL.
-   A vectorized transform spends its time in numpy, which releases the GIL, so the waits stay
-   short; a transform that runs Python per element holds the GIL, and this thread waits for
-   whole switch intervals (``--gil-threshold`` of the time or more fails the check). Such a
-   transform would serialize every decode thread behind it. The probe measures contention
-   directly rather than thread scaling, so its verdict does not depend on idle cores; it
-   wants a realistically sized chunk (on a toy chunk the Python call overhead dominates).
-   Other processes taking the cores keep this thread waiting for a CPU too: on Linux that
-   wait is told apart (the kernel's per-thread schedstat) and not counted. What is left of a
-   busy machine (the transform's thread descheduled while it holds the GIL for a moment),
-   and elsewhere the whole of it, shows now and then, so a probe between the threshold and
-   twice it is run again, up to three in all, and the lowest counts: a transform that holds
-   the GIL keeps it waiting about half the time in every one. A machine busy enough moves the
-   share either way (docs/transforms.md has the numbers): run the check on a quiet one.
+4. unless ``--no-gil-probe``: a GIL probe (:mod:`insitubatch_nodes.gilprobe`). The transform
+   runs over and over in a second thread while this thread runs Python and is kept waiting
+   whenever the transform holds the GIL. The share that counts is of the transform thread's
+   ready time (on a CPU or waiting for one, from Linux's per-thread schedstat), which a busy
+   machine stretches as much as the waits: a vectorized transform spends its time in numpy,
+   which releases the GIL (near 0 %); one that runs Python per element holds it (about 50-100 %);
+   ``--gil-threshold`` of it or more fails the check. Such a transform would serialize every
+   decode thread behind it. It wants a realistically sized chunk (on a toy chunk the Python
+   call overhead dominates). A probe between the threshold and twice it is run again, up to
+   three in all, and the lowest counts. A probe whose two threads spent most of it waiting for
+   a CPU is no verdict: it is run again, and when none of three could judge the command says
+   the machine was too busy and exits with status 3. Off Linux the share is of the wall time,
+   which a busy machine moves either way.
 
 ``TARGET`` is ``module:attr`` (importable) or ``path/to/file.py:attr``; a class is instantiated
 without arguments. The exit status is 0 when every check passed, 1 when one failed, 2 for a
-usage error (unknown array, unloadable target).
+usage error (unknown array, unloadable target), 3 when the machine was too busy for the GIL
+probe to judge.
 """
 
 from __future__ import annotations
@@ -41,18 +40,19 @@ import importlib.util
 import os
 import signal
 import sys
-import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 
+from insitubatch_nodes.gilprobe import GilProbe, gil_probe, gil_share
+
 __all__ = ["gil_probe", "gil_share", "load_target", "main", "run"]
 
-_OK, _FAILED, _USAGE = 0, 1, 2
+_OK, _FAILED, _USAGE, _TOO_BUSY = 0, 1, 2, 3
 
 
 class _UsageError(Exception):
@@ -114,108 +114,8 @@ def load_target(spec: str) -> Any:
 
 
 PROBES = 3
-"""GIL probes at most, while they find the threshold reached (the lowest counts)."""
-
-
-_SCHEDSTAT = Path("/proc/thread-self/schedstat")
-
-
-def _thread_sched() -> tuple[float, float] | None:
-    """The calling thread's seconds on a CPU and seconds waiting for one (runnable while
-    other threads or processes ran), from Linux's per-thread schedstat; ``None`` elsewhere."""
-    try:
-        on_cpu, waiting, _ = _SCHEDSTAT.read_text().split()
-    except (OSError, ValueError):
-        return None
-    return int(on_cpu) / 1e9, int(waiting) / 1e9
-
-
-def gil_probe(
-    call: Callable[[], Any],
-    seconds: float = 1.0,
-    interval: float = 0.05,
-    min_calls: int = 2,
-    *,
-    clock: Callable[[], float] = time.perf_counter,
-    sched: Callable[[], tuple[float, float] | None] = _thread_sched,
-) -> tuple[float, int, float]:
-    """Run ``call`` repeatedly in a thread while this thread runs Python; returns ``(held,
-    calls, wall)``: the share of the wall time this thread waited for the GIL, the calls
-    completed and the probe's wall time in seconds.
-
-    The switch interval is set to ``interval`` for the probe (and restored): a thread holding
-    the GIL is made to give it up after that long, so a GIL-holding ``call`` shows as waits of
-    one interval each, about half the time; a GIL-releasing one as waits near zero. Runs for at
-    least ``seconds`` and ``min_calls`` calls. An exception in ``call`` is re-raised.
-
-    This thread only runs Python or waits for the GIL, so on Linux its wait is the wall time
-    less its time on a CPU and its time waiting for a CPU (:func:`_thread_sched`): other
-    processes taking the cores do not count. Elsewhere the wait is the sum of the pauses of
-    ``interval / 2`` or longer between two of its steps, a busy machine's included (see
-    :func:`gil_share`). ``clock`` (seconds) and ``sched`` (this thread's schedstat, as
-    :func:`_thread_sched` reads it) are what the probe reads, for tests to script.
-    """
-    stop = threading.Event()
-    done = [0]
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            while not stop.is_set():
-                call()
-                done[0] += 1
-        except BaseException as exc:
-            errors.append(exc)
-
-    old = sys.getswitchinterval()
-    sys.setswitchinterval(interval)
-    try:
-        thread = threading.Thread(target=work, name="gil-probe", daemon=True)
-        thread.start()
-        start = last = clock()
-        before = sched()
-        paused = 0.0
-        long_wait = interval / 2
-        while True:
-            now = clock()
-            gap = now - last
-            if gap >= long_wait:
-                paused += gap
-            last = now
-            if errors or not thread.is_alive():
-                break
-            if now - start >= seconds and done[0] >= min_calls:
-                break
-        after = sched()
-        stop.set()
-        thread.join()
-    finally:
-        sys.setswitchinterval(old)
-    if errors:
-        raise errors[0]
-    wall = last - start
-    return gil_share(wall, paused, before, after), done[0], wall
-
-
-def gil_share(
-    wall: float,
-    paused: float,
-    before: tuple[float, float] | None,
-    after: tuple[float, float] | None,
-) -> float:
-    """The share of a probe's ``wall`` seconds its thread waited for the GIL, in [0, 1].
-
-    ``before`` and ``after`` are the thread's schedstat at the probe's start and end (seconds
-    on a CPU, seconds waiting for one; ``None`` off Linux): the wait is the wall time less the
-    time on a CPU and the time waiting for one, so other processes taking the cores do not
-    count. Without them it is ``paused``, the sum of the thread's pauses of half a switch
-    interval or more, which a busy machine's waits for a CPU are part of."""
-    wall = max(wall, 1e-9)
-    blocked = paused
-    if before is not None and after is not None:
-        on_cpu, waiting = (a - b for a, b in zip(after, before, strict=True))
-        blocked = max(0.0, wall - on_cpu - waiting)
-    return min(1.0, blocked / wall)
+"""GIL probes at most, while they find the threshold reached but not twice it (the lowest
+counts), or the machine too busy to judge."""
 
 
 def _read_chunk(zstore: Any, geom: Any, chunk: int) -> np.ndarray:
@@ -323,31 +223,48 @@ def check_transform(args: argparse.Namespace) -> int:
             with np.errstate(all="ignore"):  # the same buffer over and over: values may overflow
                 transform(DecodedChunk(geom.path, args.chunk, (start, stop), work))
 
-        # a transform that holds the GIL shows in every probe (about half the time); other
-        # processes taking the cores (a busy machine) show as waits too, now and then: a
-        # probe between the threshold and twice it is run again, up to PROBES, the lowest
-        # counting
-        held = float("inf")
+        # a transform that holds the GIL shows in every probe (well over twice the
+        # threshold); a probe between the threshold and twice it, or one whose threads spent
+        # most of it waiting for a CPU, is run again, up to PROBES; the lowest judged counts
         threshold = args.gil_threshold
-        probes = 0
-        while probes < PROBES:
-            probes += 1
+        probes: list[GilProbe] = []
+        judged: GilProbe | None = None
+        while len(probes) < PROBES:
             try:
                 found = gil_probe(call, seconds=args.probe_seconds)
             except Exception as exc:
                 out(f"FAIL      gil probe: the transform raised {type(exc).__name__}: {exc}")
                 return _FAILED
-            if found[0] < held:
-                held, calls, wall = found
-            if not threshold <= held < 2 * threshold:
+            probes.append(found)
+            if found.too_busy:
+                continue
+            if judged is None or found.held < judged.held:
+                judged = found
+            if not threshold <= judged.held < 2 * threshold:
                 break
-        verdict = "holds the GIL" if held >= args.gil_threshold else "releases the GIL"
+        n = len(probes)
+        if judged is None:
+            least = min(p.cpu_wait or 0.0 for p in probes)
+            out(
+                f"gil       too busy to judge: the probe's two threads spent {100 * least:.0f}% "
+                f"of the time waiting for a CPU{f' (the least of {n} probes)' if n > 1 else ''}; "
+                "run the check again when the machine is quieter, or skip the probe "
+                "(--no-gil-probe)"
+            )
+            out("UNDECIDED")
+            return _TOO_BUSY
+        held = judged.held
+        of = "the wall time" if judged.measured == "wall" else "the time the transform ran"
+        verdict = "holds the GIL" if held >= threshold else "releases the GIL"
+        busy = sum(p.too_busy for p in probes)
+        notes = [f"the lowest of {n - busy} probes"] if n - busy > 1 else []
+        notes += [f"{busy} more too busy to judge"] if busy else []
         out(
-            f"gil       {calls} calls in {wall:.2f} s; another thread waited for the GIL "
-            f"{100 * held:.0f}% of the time (fails at {100 * args.gil_threshold:.0f}%"
-            f"{f'; the lowest of {probes} probes' if probes > 1 else ''}): {verdict}"
+            f"gil       {judged.calls} calls in {judged.wall:.2f} s; another thread waited for "
+            f"the GIL {100 * held:.0f}% of {of} (fails at {100 * threshold:.0f}%"
+            f"{''.join('; ' + note for note in notes)}): {verdict}"
         )
-        if held >= args.gil_threshold:
+        if held >= threshold:
             failed = True
             out(
                 "FAIL      the transform runs Python while holding the GIL and would serialize "
@@ -375,7 +292,7 @@ def _parser() -> argparse.ArgumentParser:
             "Run a chunk transform on one real chunk of a store: print the chunk's geometry, "
             "check its output against its declared output_inner (or its input), and probe "
             "whether it holds the GIL. Exit status 0: every check passed; 1: one failed; "
-            "2: a usage error."
+            "2: a usage error; 3: the machine was too busy for the GIL probe's verdict."
         ),
     )
     check.add_argument("url", help="the store: a path or URL (file://, s3://, gs://, ...)")
