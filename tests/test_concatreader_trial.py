@@ -172,3 +172,17 @@ def test_the_compose_recipe_given_the_geometries_reader_reads_each_metadata_docu
     reads = {k: n for k, n in store.counts.items() if is_metadata_key(k) or k.startswith("time/")}
     assert {"t2m/zarr.json", "z/zarr.json", "time/zarr.json"} <= set(reads)
     assert {k: n for k, n in reads.items() if n > 1} == {}
+
+
+def test_a_join_of_a_concat_reads_none_of_the_concats_times_again(roots: list[Path]) -> None:
+    """A join given a concatenation reads its stores' times through the reader ``concat`` read
+    them with (``coll.reader``): no GET of their ``time`` documents or objects again. Before:
+    each store's ``time/zarr.json`` and ``time/c/0`` once more. (The collection the join
+    makes still reads its pieces' ``sst`` documents again, through its own routing store.)"""
+    stores = [counting_store(r) for r in roots[:2]]
+    archive = concat(stores, ["sst"])
+    for s in stores:
+        s.reset_counts()
+    forced = join({"atmos": (archive, ["sst"]), "forcing": (counting_store(roots[0]), ["sst"])})
+    assert forced["atmos/sst"].n_samples == 8
+    assert [_time_reads(s) for s in stores] == [{}, {}]

@@ -494,8 +494,10 @@ def pieces_of_join(
             )
             timeline = source
         key = f"{name}/{variables[0].strip('/')}"
+        # (a concatenation's times through the reader it was made with: not read again)
         coord = time_coordinate(timeline, geoms[0], dim, dims.get(key), op="join", name=name,
-                                variable=variables[0], key=key)  # fmt: skip
+                                variable=variables[0], key=key,
+                                reader=getattr(source, "reader", None))  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([g.samples_per_chunk for g in geoms])
