@@ -44,6 +44,7 @@ from insitubatch_nodes import (
     split_by_chunk,
 )
 from insitubatch_nodes.io import open_coordinates
+from insitubatch_nodes.io.coords import coordinate_reader
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.pipeline import PipelineStages
 from insitubatch_nodes.plan.config import PlanConfig
@@ -112,9 +113,20 @@ def ensure_store(path: Path, args: argparse.Namespace) -> None:
 
 
 def build_nodes(
-    store: Store, views: Mapping[str, ArrayGeometry], args: argparse.Namespace
+    store: Store,
+    views: Mapping[str, ArrayGeometry],
+    args: argparse.Namespace,
+    reader: Any = None,
 ) -> PipelineStages:
-    """The five stages, top-down, sharing one ``StageContext`` (and through it one pool)."""
+    """The five stages, top-down, sharing one ``StageContext`` (and through it one pool).
+
+    ``reader`` (:func:`~insitubatch_nodes.io.coords.coordinate_reader` of ``store``, the one
+    ``open_geometries(..., coords_reader=)`` opened ``views`` with) is what the fetch stage's
+    store check and the rows' coordinates read through: each metadata document and coordinate
+    read once in all, as ``insitu_pipeline(..., coords_reader=)`` reads them. Without one, a
+    reader of this build's own: the coordinate is still read once for every label, and the
+    store check reads the arrays' metadata again."""
+    reader = coordinate_reader(store) if reader is None else reader
     # The anchor grid: whole chunks of the array the first view reads, 80/10/10 in time order.
     first = next(iter(views.values()))
     manifest = split_by_chunk(first.base, (0.8, 0.1, 0.1))
@@ -151,13 +163,17 @@ def build_nodes(
     context = StageContext.create(plan, pool, options=options)
 
     # 2. GETs on zarr's IO loop, decoded on the shared decode pool straight into pool slots.
-    fetch = AsyncChunkFetchNode(plan, store, context=context)
+    # Its store check compares the views with the metadata the reader read (nothing re-read).
+    fetch = AsyncChunkFetchNode(plan, store, context=context, coords_reader=reader)
     # 3. Residency: waits until every chunk a batch reads is ready; releases drained chunks.
     resident = ChunkPoolNode(fetch, context=context)
     # 4. Gather: one vectorised copy per (label, chunk) into the context's batch buffers; each
-    # row also carries its label's coordinate along time (what the builder carries by default).
+    # row also carries its label's coordinate along time (what the builder carries by default),
+    # read once through the reader, however many labels share it.
     coords = {
-        label: {name: c.values for name, c in open_coordinates(store, view.base).items()}
+        label: {
+            name: c.values for name, c in open_coordinates(store, view.base, reader=reader).items()
+        }
         for label, view in views.items()
     }
     gather = GatherNode(resident, context=context, coords=coords)
@@ -179,7 +195,9 @@ def zarr_read(array: zarr.Array, geom: ArrayGeometry, samples: np.ndarray) -> np
 def run(path: Path, args: argparse.Namespace) -> int:
     ensure_store(path, args)
     store = open_store(path)
-    geoms = open_geometries(store, ["t2m", "z"])
+    # One reader for the whole build: each metadata document and coordinate is read once.
+    reader = coordinate_reader(store)
+    geoms = open_geometries(store, ["t2m", "z"], coords_reader=reader)
     t2m, z = geoms["t2m"], geoms["z"]
     for g in (t2m, z):
         print(
@@ -190,7 +208,7 @@ def run(path: Path, args: argparse.Namespace) -> int:
     # Input at t, target at t+1, and the pressure-level field at t (tiled along level).
     views = {"x": t2m, "y": t2m.shift(1), "z": z}
 
-    stages = build_nodes(store, views, args)
+    stages = build_nodes(store, views, args, reader)
     prefetch, plan, pool, gather = stages.prefetch, stages.plan, stages.pool, stages.gather
     arrays = {g.path: zarr.open_array(store=store, path=g.path, mode="r") for g in geoms.values()}
 

@@ -46,7 +46,6 @@ store, joined with a forcing store): its axis is cut where the concatenated stor
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from collections import Counter
@@ -70,9 +69,10 @@ from insitubatch_nodes.io.collection_checks import (
     refuse_other_grids,
     sample_axis_hint,
 )
+from insitubatch_nodes.io.coords import coordinate_reader, same_store_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.io.member_docs import first_member, member_documents
 from insitubatch_nodes.io.members import MemberMap, check_cf_encoding, collection_of
-from insitubatch_nodes.io.objects import read_documents
 from insitubatch_nodes.io.points import points_of
 from insitubatch_nodes.io.product import ProductGrid, first_axis, product_axes, same_grids
 from insitubatch_nodes.io.routing import RoutingStore, locate
@@ -138,7 +138,11 @@ class Collection:
         cf_dtype: Any = None,
         dims: Mapping[str, Sequence[str]] | None = None,
         coords: Mapping[str, Mapping[str, Any]] | None = None,
+        reader: Any = None,
     ) -> None:
+        #: the coordinate reader of ``store`` the members were read through (``concat`` and
+        #: ``join``'s; else one made here): the pipelines built on the collection share it
+        self.reader = same_store_reader(reader, store) if reader else coordinate_reader(store)
         #: how the views decode stored values (CF mask and scale; the decoded float dtype)
         self.cf_dtype = decoded_dtype_option(cf_dtype, mask_and_scale)
         self.mask_and_scale = mask_and_scale
@@ -199,6 +203,12 @@ class Collection:
         self.name = f"collection-{digest.hexdigest()[:8]}"
         self._sample_axis = sample_axis
         self._geoms, self.lengths = self._read(sample_axis)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "reader": None}  # (what it read stays with this process)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, reader=coordinate_reader(state["store"]))
 
     # -- the face ----------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -394,10 +404,12 @@ class Collection:
             names = [os.fspath(s) if isinstance(s, str | os.PathLike) else repr(s) for s in stores]
         paths = {str(v): [_join(r, str(v)) for r in roots] for v in variables}
         names = [str(n) for n in names]
-        spans = continuation(zstore, names, paths, dim, overlap, dims)
-        refuse_other_grids(zstore, names, paths, dim, dims)
+        reader = coordinate_reader(zstore)  # (each store's documents read once, by all checks)
+        spans = continuation(zstore, names, paths, dim, overlap, dims, reader)
+        refuse_other_grids(zstore, names, paths, dim, dims, reader)
         return cls(zstore, names, paths, sample_axis=dim, continuous=True, spans=spans,
-                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims)  # fmt: skip
+                   mask_and_scale=mask_and_scale, cf_dtype=cf_dtype, dims=dims,
+                   reader=reader)  # fmt: skip
 
     @classmethod
     def join(
@@ -479,9 +491,10 @@ class Collection:
         }
         if len(paths) != sum(len(v) for _, v in given):
             raise ValueError(f"join: an array is named twice in {names}")
-        spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim, dims)
+        reader = coordinate_reader(zstore)
+        spans = alignment(zstore, names, roots, [list(v) for _, v in given], dim, dims, reader)
         return cls(zstore, ["joined"], paths, sample_axis=dim, continuous=True, spans=spans,
-                   dims=dims, **decode)  # fmt: skip
+                   dims=dims, reader=reader, **decode)  # fmt: skip
 
     def _read(self, sample_axis: SampleAxis) -> tuple[dict[str, ArrayGeometry], np.ndarray]:
         """Every member array's metadata document (one concurrent read), checked against the
@@ -491,14 +504,12 @@ class Collection:
         n = len(self.members)
         refs: dict[str, tuple[Any, int]] = {}
         products: dict[str, tuple[int, ...]] = {}  # product sample axes, per variable
-        keys: list[str] = []
-        attr_keys: list[str] = []
+        formats: dict[str, int] = {}
         for v in self.variables:
-            path = self._paths[v][0]
-            kind = _zarr_compat.node_kind(store, path)
-            if kind is None or kind[0] != "array":
+            found = first_member(store, self._paths[v][0], self.reader)
+            if found is None:
                 refuse_member_array(self.name, self.store, self.members, self._paths[v], v, 0)
-            ref = _zarr_compat.open_array_readonly(store, path, kind[1])
+            ref, formats[v] = found
             where = f"member {self.members[0]!r}, variable {v!r}"
             own = _zarr_compat.array_dimension_names(ref)
             named = named_axes(where, self.dims.get(v), own, ref.ndim)
@@ -508,23 +519,12 @@ class Collection:
             if isinstance(sample_axis, tuple | list):  # product sample axes
                 products[v] = product_axes(ref, axes)
             refs[v] = (ref, first_axis(products[v]) if v in products else axes[0])
-            keys += [_zarr_compat.array_metadata_keys(p, kind[1])[0] for p in self._paths[v]]
-            if kind[1] == 2 and self.mask_and_scale:  # v2 attributes (CF) are a document apart
-                attr_keys += [_zarr_compat.array_metadata_keys(p, 2)[1] for p in self._paths[v]]
-        docs = read_documents(store, keys)
-        lengths = {
-            v: member_lengths(self, v, docs[k * n : (k + 1) * n], refs[v][1])
-            for k, v in enumerate(self.variables)
-        }
-        attr_docs = iter(read_documents(store, attr_keys) if attr_keys else [])
+        docs, attrs = member_documents(store, self._paths, formats, self.mask_and_scale,
+                                       self.reader)  # fmt: skip
+        lengths = {v: member_lengths(self, v, docs[v], refs[v][1]) for v in self.variables}
         # raw values are each member's own: no rule to agree on (the class docstring)
-        for k, v in enumerate(self.variables if self.mask_and_scale else ()):
-            v2 = int(refs[v][0].metadata.zarr_format) == 2
-            found = [next(attr_docs) for _ in range(n)] if v2 else docs[k * n : (k + 1) * n]
-            attrs = [None if d is None else json.loads(d) for d in found]
-            if not v2:
-                attrs = [d.get("attributes") if isinstance(d, dict) else None for d in attrs]
-            check_cf_encoding(self.name, v, self.members, attrs)
+        for v in self.variables if self.mask_and_scale else ():
+            check_cf_encoding(self.name, v, self.members, attrs[v])
         starts: dict[str, np.ndarray | None] = dict.fromkeys(self.variables)
         for v, kept in (self.spans or {}).items():  # each member's kept samples
             span = np.array(kept, dtype=np.int64).reshape(-1, 2)

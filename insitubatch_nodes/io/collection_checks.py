@@ -247,6 +247,7 @@ def refuse_other_grids(
     paths: Mapping[str, Sequence[str]],
     dim: str,
     dims: Mapping[str, Sequence[str]],
+    reader: Any = None,
 ) -> None:
     """Refuse stores joined along ``dim`` (``concat``) whose field coordinates differ: for each
     variable (``paths``: each store's array, in ``store``) and each of its other dimensions,
@@ -257,13 +258,15 @@ def refuse_other_grids(
     value, made on the first store's coordinates, would pick other points in the other:
     ``ValueError`` naming the stores, the dimension and both coordinates. ``dims`` names the
     axes of arrays that name none. Each store's coordinate arrays are read once, whatever
-    the number of variables that share them."""
-    reader = FieldCoordinates(store)
+    the number of variables that share them; through ``reader`` (a
+    :func:`~insitubatch_nodes.io.coords.coordinate_reader` of ``store``) where one is given,
+    which keeps them, and takes the arrays it read already."""
+    fields = FieldCoordinates(store, reader)
     for variable, located in paths.items():
-        geom = open_geometries(store, [located[0]])[located[0]]
+        geom = open_geometries(store, [located[0]], coords_reader=reader)[located[0]]
         given = dims.get(variable)
         geom = geom if given is None else replace(geom, dim_names=tuple(given))
-        coordinates = MemberCoordinates(store, located, names, reader)
+        coordinates = MemberCoordinates(store, located, names, fields)
         for field_dim in geom.dims or ():
             if field_dim == dim:
                 continue

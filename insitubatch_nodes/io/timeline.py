@@ -91,6 +91,7 @@ def time_coordinate(
     name: str,
     variable: str,
     key: str,
+    reader: Any = None,
 ) -> Coordinate:
     """The time coordinate ``dim`` beside store ``name``'s array ``variable`` (``geom``), which
     ``op`` (``"concat"`` or ``"join"``) reads each store by: the dimension coordinate
@@ -98,7 +99,9 @@ def time_coordinate(
     names, ``given`` (the collection's ``dims[key]``, which win) or its own. ``ValueError``
     saying what to do where the array names no dimension and none are given, where the names
     are not one per axis, where it has no dimension ``dim`` (a static field), where no time
-    coordinate ``dim`` is found, or where a time is missing."""
+    coordinate ``dim`` is found, or where a time is missing. ``reader``: the coordinate
+    reader of ``store`` to read it through (:func:`~insitubatch_nodes.io.coords.
+    open_coordinates`'s)."""
     where = f"{op}: {name!r}'s {variable!r}"
     named = named_axes(where, given, geom.dims, geom.ndim)
     if named.dims is None:
@@ -114,7 +117,9 @@ def time_coordinate(
     if given is not None:
         geom = replace(geom, dim_names=tuple(given))
     try:
-        found = open_coordinates(store, _along(geom, dim, given))  # (anemoi's: `dates`)
+        found = open_coordinates(
+            store, _along(geom, dim, given), reader=reader
+        )  # (anemoi's: `dates`)
         coord = next(iter(found.values()), None)
     except CoordinateLengthError as exc:  # (a store read mid-append: name the store)
         raise exc.while_doing(f"{where}: ") from None
@@ -234,6 +239,7 @@ def continuation(
     dim: str,
     overlap: str,
     dims: Mapping[str, Sequence[str]],
+    reader: Any = None,
 ) -> list[tuple[int, int]] | None:
     """Each member's stored samples ``[start, stop)`` that make one continuous axis of the
     times of ``dim`` (``None``: every member whole): the times continue from member to member at
@@ -244,21 +250,21 @@ def continuation(
     step after the next store's latest, the same checks made on the times negated (since
     2026-12-07; stores running both ways are refused, naming one of each). ``dims``
     (``{variable: names}``, checked) names the axes of variables whose arrays name none
-    (:func:`time_coordinate`)."""
+    (:func:`time_coordinate`). ``reader`` (a :func:`~insitubatch_nodes.io.coords.
+    coordinate_reader` of ``store``) reads the members' arrays, concurrently, and their times,
+    and keeps them for the collection made of them."""
     first_var = next(iter(paths))
     align = 1
     ticks, values, ways = [], [], []
-    for m, (name, path) in enumerate(zip(names, paths[first_var], strict=True)):
-        if m == 0:  # every member has the same chunks (checked when the collection is made)
-            heads = open_geometries(store, [p[0] for p in paths.values()])
-            align = math.lcm(*(_along(heads[p[0]], dim, dims.get(v)).samples_per_chunk
-                               for v, p in paths.items()))  # fmt: skip
-            geom = heads[path]
-        else:
-            geom = open_geometries(store, [path])[path]
+    heads = [p[0] for p in paths.values()]
+    geoms = open_geometries(store, [*heads, *paths[first_var]], coords_reader=reader)
+    # every member has the same chunks (checked when the collection is made)
+    align = math.lcm(*(_along(geoms[p[0]], dim, dims.get(v)).samples_per_chunk
+                       for v, p in paths.items()))  # fmt: skip
+    for name, path in zip(names, paths[first_var], strict=True):
         given = dims.get(first_var)
-        coord = time_coordinate(store, geom, dim, given, op="concat", name=name,
-                                variable=first_var, key=first_var)  # fmt: skip
+        coord = time_coordinate(store, geoms[path], dim, given, op="concat", name=name,
+                                variable=first_var, key=first_var, reader=reader)  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "concat's continuity checks"))
         values.append(coord.values)
     one_calendar(names, values, "concat")
@@ -347,20 +353,26 @@ def alignment(
     arrays: Sequence[list[str]],
     dim: str,
     dims: Mapping[str, Sequence[str]],
+    reader: Any = None,
 ) -> dict[str, list[tuple[int, int]]]:
     """Each joined array's stored samples ``[start, stop)`` on the stores' shared times (see
     ``Collection.join``), keyed by variable name (``"<name>/<path>"``, as ``dims`` is: the
     names of the axes of arrays that name none); ``ValueError`` naming the stores and their
-    times where the stores do not align."""
+    times where the stores do not align. ``reader``: as :func:`continuation` takes it."""
     ticks, values, spcs = [], [], []
-    for name, root, variables in zip(names, roots, arrays, strict=True):
+    for name, variables in zip(names, arrays, strict=True):
         if not variables:
             raise ValueError(f"join: {name!r} names no array")
+    every = [
+        _join(root, v) for root, variables in zip(roots, arrays, strict=True) for v in variables
+    ]
+    geoms = open_geometries(store, every, coords_reader=reader)  # (one read of the root)
+    for name, root, variables in zip(names, roots, arrays, strict=True):
         located = [_join(root, v) for v in variables]
-        geoms = open_geometries(store, located)
         key = f"{name}/{variables[0].strip('/')}"
         coord = time_coordinate(store, geoms[located[0]], dim, dims.get(key), op="join",
-                                name=name, variable=variables[0], key=key)  # fmt: skip
+                                name=name, variable=variables[0], key=key,
+                                reader=reader)  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([_along(geoms[p], dim, dims.get(f"{name}/{v.strip('/')}")).samples_per_chunk
@@ -482,8 +494,10 @@ def pieces_of_join(
             )
             timeline = source
         key = f"{name}/{variables[0].strip('/')}"
+        # (a concatenation's times through the reader it was made with: not read again)
         coord = time_coordinate(timeline, geoms[0], dim, dims.get(key), op="join", name=name,
-                                variable=variables[0], key=key)  # fmt: skip
+                                variable=variables[0], key=key,
+                                reader=getattr(source, "reader", None))  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([g.samples_per_chunk for g in geoms])
