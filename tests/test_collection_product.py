@@ -61,6 +61,10 @@ def _write(root: Path, groups: list[str] = GROUPS, t: int = T) -> None:
         labels[:] = (1000 * (m + 1) + tz).astype("u2")
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("collection_product")
+
+
 @pytest.fixture(scope="module")
 def plate(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tz_plate") / "plate.zarr"

@@ -51,6 +51,10 @@ def _write(path: Path, n_time: int, seed: int) -> Path:
     return path
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("compose_trial")
+
+
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     tmp = tmp_path_factory.mktemp("compose_trial")

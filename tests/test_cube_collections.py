@@ -34,6 +34,10 @@ DIMS = ("freq", "dec", "ra")
 FREQ = 1.42e9 - np.arange(F) * 1e6  # Hz, descending, as FITS-converted cubes run
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("cube_collections")
+
+
 @pytest.fixture(scope="module")
 def survey(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Four pointings, each a group with a cube and its source mask (tiled otherwise)."""

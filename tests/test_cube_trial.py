@@ -70,6 +70,10 @@ def write_cube(path: Path, zarr_format: int, f0: float, seed: int) -> np.ndarray
     return data
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("cube_trial")
+
+
 @pytest.fixture(scope="module")
 def cubes(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, np.ndarray]]:
     root = tmp_path_factory.mktemp("cubes")

@@ -20,7 +20,8 @@ import pytest
 from insitubatch_nodes import demo
 from insitubatch_nodes.synthetic import make_era5_like
 
-pytestmark = pytest.mark.timeout(300)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(300), pytest.mark.xdist_group("demo")]
 
 RUN_LINE = re.compile(
     r"^  run (?P<run>[12]) \(pid (?P<pid>\d+)\): first batch after (?P<first>[\d.]+) s; "

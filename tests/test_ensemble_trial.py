@@ -71,7 +71,8 @@ from insitubatch_nodes.forcings import Forcings, cos_solar_zenith
 from insitubatch_nodes.io import open_coordinates
 from insitubatch_nodes.statistics import Statistics, fit_statistics
 
-pytestmark = pytest.mark.timeout(90)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(90), pytest.mark.xdist_group("ensemble_trial")]
 
 MEMBERS = [1, 2, 3]
 LEVELS = [850, 500]

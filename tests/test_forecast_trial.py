@@ -41,6 +41,10 @@ def _write(root: Path, calendar: str, start: str) -> Path:
     return root
 
 
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = pytest.mark.xdist_group("forecast_trial")
+
+
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     base = tmp_path_factory.mktemp("forecast_trial")

@@ -56,7 +56,8 @@ from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, split_by
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.report import suggestion_for
 
-pytestmark = pytest.mark.timeout(60)
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [pytest.mark.timeout(60), pytest.mark.xdist_group("keeptrial_trial")]
 
 N_TRAIN = 30  # samples (= chunks) of the 0.75 train split of 40
 

@@ -38,7 +38,11 @@ from insitubatch_nodes.torch_data import as_dataset
 
 N_BATCHES = 10
 
-pytestmark = pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning")
+# one worker runs the module: its module fixtures are built once, not once per worker
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning"),
+    pytest.mark.xdist_group("stateful_dataloader"),
+]
 
 
 @pytest.fixture(scope="module")
