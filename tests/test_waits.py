@@ -160,9 +160,11 @@ def _gets_in_flight(store: Any) -> bool:
     return store.active > 0
 
 
-def _consumer_in_next(pipe: Any, store: Any) -> tuple[threading.Thread, list[BaseException]]:
+def _consumer_in_next(
+    pipe: Any, store: Any, started: threading.Event | None = None
+) -> tuple[threading.Thread, list[BaseException]]:
     """A thread calling ``next(pipe)`` (what it raised lands in the list), returned once a GET
-    is in flight."""
+    is in flight (given ``started``: once that is set)."""
     seen: list[BaseException] = []
 
     def consume() -> None:
@@ -173,7 +175,10 @@ def _consumer_in_next(pipe: Any, store: Any) -> tuple[threading.Thread, list[Bas
 
     consumer = threading.Thread(target=consume)
     consumer.start()
-    assert _gets_in_flight(store), "no GET was in flight"
+    if started is None:
+        assert _gets_in_flight(store), "no GET was in flight"
+    else:
+        assert started.wait(10.0), "next() never started its producer"
     return consumer, seen
 
 
@@ -202,17 +207,7 @@ def test_close_stops_a_producer_that_the_first_next_is_still_starting(
             time.sleep(0.5)  # time for close() to come in before next() records this producer
 
     monkeypatch.setattr(prefetch, "_Worker", SlowToRecord)
-    seen: list[BaseException] = []
-
-    def consume() -> None:
-        try:
-            next(pipe)
-        except BaseException as exc:
-            seen.append(exc)
-
-    consumer = threading.Thread(target=consume)
-    consumer.start()
-    assert starting.wait(10.0), "next() never started its producer"
+    consumer, seen = _consumer_in_next(pipe, store, started=starting)
     assert store.active == 0  # the producer waits to be recorded: no GET yet
     pipe.close()
     consumer.join(5.0)
