@@ -359,7 +359,9 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
 
     def _count_build(self, transforms: int) -> HeldMemory:
         """What the build's memory check counts this stage's graph to hold beside
-        ``transforms`` bytes of batch transforms (nothing kept): an automatic budget with
+        ``transforms`` bytes of batch transforms (returned; the caller keeps the count, this
+        stage keeps the keep-the-split decision and the first epoch's floor made here): an
+        automatic budget with
         slots in RAM keeps a small split whole only where the rule leaves its slots room beside
         them (``keep_room``, :func:`~insitubatch_nodes.plan.memory_floor.slot_room`), decided
         here — at the build, and again where the gather stage counts more than this stage was
