@@ -373,11 +373,10 @@ def _bare(
             decoded += out[:k].nbytes
             x = out[:k, levels] if out.ndim == 4 else out[:k, None]  # (k, C, lat, lon)
             x = x.reshape(k, x.shape[1], -1)
-            moments.setdefault(name, _Moments()).add(x)
             d = diffs.setdefault(name, _Moments())
             if name in last:  # the run continues this array's previous one
                 d.add_difference(x[:1], last[name])
-            d.add_difference(x[1:], x[:-1])
+            moments.setdefault(name, _Moments()).add_steps(x, d, np.arange(k - 1))
             last[name] = np.array(x[-1:])
         return nbytes, decoded
 

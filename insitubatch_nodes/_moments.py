@@ -19,6 +19,12 @@ BLAS dot with ones and with itself per row — two native passes over a block th
 cache, where numpy's ``einsum(..., dtype=float64)`` of float32 data cast and multiplied element
 by element (an (8, 13, 2048) float32 batch, measured side by side: :meth:`_Moments.add` 268 ->
 152 µs, its one-step differences 232 -> 134 µs).
+
+:meth:`_Moments.add_steps` takes a batch's values and its one-step differences in that one
+pass: per row the sum and sum of squares, per pair of rows their dot product, from the same
+widened block (float32 products are exact in float64), and the differences' moments from those
+(``sum((b - a)**2) = sum(b**2) + sum(a**2) - 2 sum(a * b)``) where they do not cancel
+(:data:`STEP_CANCEL`); the channels where they would have their differences formed as above.
 """
 
 from __future__ import annotations
@@ -32,6 +38,11 @@ import numpy as np
 #: (a relative error of about CANCEL * 2**-53 per term summed, ~1e-9 at most in practice)
 CANCEL = 1e5
 
+
+#: :meth:`_Moments.add_steps` takes a channel's one-step differences from its rows' sums and
+#: their dot products while ``sum(a**2) + sum(b**2) <= STEP_CANCEL * m2`` of the differences (a
+#: relative error of about STEP_CANCEL * 2**-53 per term summed); else it forms them
+STEP_CANCEL = 1e6
 
 #: float64 values per block of the sums (at most 2 MiB of scratch per thread)
 BLOCK = 1 << 18
@@ -84,28 +95,89 @@ class _Moments:
             return
         self._merge(later, earlier, False)
 
+    def add_steps(self, x: np.ndarray, steps: _Moments, pairs: np.ndarray) -> None:
+        """``add(x)``, and to ``steps`` the one-step differences ``x[p + 1] - x[p]`` of each
+        row ``p`` in ``pairs`` (row indices below ``len(x) - 1``), in one pass over ``x``:
+        float32 data (its common case: no NaN) has each row's sum and sum of squares and each
+        pair's dot product taken in float64 as the block is widened (float32 products are
+        exact in float64), and a difference's moments follow from them
+        (``sum((b - a)**2) = sum(b**2) + sum(a**2) - 2 sum(a * b)``): no difference array,
+        no second widening. A channel whose squares would cancel there (its differences
+        small beside its values: ``STEP_CANCEL``), and a batch with a NaN or of another
+        dtype, take the differences as :meth:`add_difference` does (formed, then summed).
+        These moments are of the exact differences; :meth:`add_difference`'s of float32
+        differences (each within half an ulp of them)."""
+        pairs = np.asarray(pairs, np.intp)
+        if x.size == 0:
+            return
+        if x.dtype != np.float32:
+            self.add(x)
+            if len(pairs):
+                steps.add_difference(x[pairs + 1], x[pairs])
+            return
+        r1, r2, cross = _row_sums(x, cross=len(pairs) > 0)
+        s1 = r1.sum(0)
+        if np.isnan(s1).any():  # (a NaN anywhere shows in s1)
+            self._merge(x, None, True)
+            if len(pairs):
+                steps.add_difference(x[pairs + 1], x[pairs])
+            return
+        self._combine(*self._moments_of(x, None, True, (s1, r2.sum(0))))
+        if not len(pairs):
+            return
+        later = pairs + 1
+        d1 = (r1[later] - r1[pairs]).sum(0)
+        squares = (r2[later] + r2[pairs]).sum(0)
+        n = np.full(x.shape[1], float(len(pairs) * x.shape[2]))
+        mean = d1 / n
+        m2 = squares - 2.0 * cross[pairs].sum(0) - d1 * mean
+        near = squares > STEP_CANCEL * m2  # (also a constant step: m2 0)
+        if near.any():  # those channels' differences formed, then summed
+            at = np.flatnonzero(near)
+            formed = _Moments()
+            part = x[:, at]
+            formed.add_difference(part[later], part[pairs])
+            mean[at], m2[at] = formed.mean, formed.m2
+        nan = np.full(x.shape[1], np.nan)
+        steps._combine(n, mean, np.maximum(m2, 0.0), nan, nan, np.zeros_like(n))
+
     def _merge(self, x: np.ndarray, minus: np.ndarray | None, extrema: bool) -> None:
         """Merge the moments of ``x`` (less ``minus`` where given) into the running ones."""
-        s1, s2 = self._sums(x, minus)  # a NaN anywhere shows in s1
+        self._combine(*self._moments_of(x, minus, extrema, None))
+
+    def _moments_of(
+        self,
+        x: np.ndarray,
+        minus: np.ndarray | None,
+        extrema: bool,
+        sums: tuple[np.ndarray, np.ndarray] | None,
+    ) -> tuple[np.ndarray, ...]:
+        """``(count, mean, m2, min, max, nans)`` per channel of ``x`` (less ``minus``), from
+        its float64 ``sums`` (sum, sum of squares per channel) where given."""
+        s1, s2 = self._sums(x, minus) if sums is None else sums  # a NaN anywhere shows in s1
         if np.isnan(s1).any():
             whole = x if minus is None else np.subtract(x, minus, dtype=_difference_dtype(x, minus))
-            n, mean, m2, lo, hi, nans = _masked_moments(whole)
+            return _masked_moments(whole)
+        n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
+        mean = s1 / n
+        # the plain sums in float64: exact enough while the squares do not cancel, i.e.
+        # the mean is within CANCEL ** 0.5 standard deviations of zero; else the
+        # deviations from a reference near the mean
+        m2 = s2 - s1 * mean
+        if np.any(s2 > CANCEL * m2):
+            mean, m2 = self._about_reference(x, minus, n)
+        m2 = np.maximum(m2, 0.0)
+        if extrema:
+            lo = x.min(axis=(0, 2)).astype(np.float64)
+            hi = x.max(axis=(0, 2)).astype(np.float64)
         else:
-            n = np.full(x.shape[1], float(x.shape[0] * x.shape[2]))
-            mean = s1 / n
-            # the plain sums in float64: exact enough while the squares do not cancel, i.e.
-            # the mean is within CANCEL ** 0.5 standard deviations of zero; else the
-            # deviations from a reference near the mean
-            m2 = s2 - s1 * mean
-            if np.any(s2 > CANCEL * m2):
-                mean, m2 = self._about_reference(x, minus, n)
-            m2 = np.maximum(m2, 0.0)
-            if extrema:
-                lo = x.min(axis=(0, 2)).astype(np.float64)
-                hi = x.max(axis=(0, 2)).astype(np.float64)
-            else:
-                lo = hi = np.full(x.shape[1], np.nan)
-            nans = np.zeros_like(n)
+            lo = hi = np.full(x.shape[1], np.nan)
+        return n, mean, m2, lo, hi, np.zeros_like(n)
+
+    def _combine(self, *batch: np.ndarray) -> None:
+        """Merge a batch's ``(count, mean, m2, min, max, nans)`` into the running moments
+        (Chan et al.'s pairwise update)."""
+        n, mean, m2, lo, hi, nans = batch
         if not self.started:
             self.started = True
             self.n, self.mean, self.m2, self.lo, self.hi, self.nans = n, mean, m2, lo, hi, nans
@@ -185,6 +257,41 @@ class _Moments:
                 "nan": self.nans,
             }
         return {k: v.reshape(channels) for k, v in out.items()}
+
+
+def _row_sums(x: np.ndarray, cross: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per row and channel of ``x`` ``(rows, channels, values)``: the float64 sum, sum of
+    squares and (``cross``) dot product with the next row, ``(rows, channels)`` each (the
+    last ``(rows - 1, channels)``), block by block as :meth:`_Moments._sums` takes them: a
+    block's rows widened once serve all three; the widened last row of a block is kept for
+    the dot product with the next block's first."""
+    rows, channels, values = x.shape
+    r1, r2 = np.zeros((rows, channels)), np.zeros((rows, channels))
+    dots = np.zeros((max(rows - 1, 0), channels))
+    vv = min(values, BLOCK)
+    cc = min(channels, max(1, BLOCK // vv))
+    rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
+    wide, _, ones = _SCRATCH.get(min(rows, rr) * cc * vv, vv, False)
+    carry = np.empty((cc, vv)) if cross and rr < rows else None
+    for c0 in range(0, channels, cc):
+        for v0 in range(0, values, vv):
+            for r0 in range(0, rows, rr):
+                part = x[r0 : r0 + rr, c0 : c0 + cc, v0 : v0 + vv]
+                pr, pc, pv = part.shape
+                block = wide[: part.size].reshape(part.shape)
+                np.copyto(block, part)
+                flat = block.reshape(-1, pv)
+                r1[r0 : r0 + pr, c0 : c0 + pc] += (flat @ ones[:pv]).reshape(pr, pc)
+                r2[r0 : r0 + pr, c0 : c0 + pc] += np.vecdot(flat, flat).reshape(pr, pc)
+                if not cross:
+                    continue
+                if pr > 1:
+                    dots[r0 : r0 + pr - 1, c0 : c0 + pc] += np.vecdot(block[1:], block[:-1])
+                if carry is not None:
+                    if r0:
+                        dots[r0 - 1, c0 : c0 + pc] += np.vecdot(block[0], carry[:pc, :pv])
+                    carry[:pc, :pv] = block[-1]
+    return r1, r2, dots
 
 
 def _difference_dtype(later: np.ndarray, earlier: np.ndarray) -> type[np.floating]:

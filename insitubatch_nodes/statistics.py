@@ -19,10 +19,14 @@ One pass: the pipeline's own engine reads every chunk of the split once, in samp
 shuffle; a chunk never read twice), with the views' selections; each batch is accumulated in
 float64 and batches are merged as Chan et al.'s pairwise update (``std`` with ``ddof=0``;
 :mod:`~insitubatch_nodes._moments` says how a batch's sums are taken without cancelling: a
-constant channel, missing points or not, has a ``std`` of exactly 0). One-step
-differences are formed a block at a time (a batch-sized array only in a batch with NaNs): in
-float32 for float32 data (each within half an ulp of the exact difference), in float64 for
-other dtypes; and summed in float64. NaNs are skipped and counted
+constant channel, missing points or not, has a ``std`` of exactly 0). A batch's one-step
+differences of float32 data without NaNs are taken in the same pass as its values: each row's
+float64 sum and sum of squares and each pair's dot product give the exact differences' moments,
+no difference formed (``_Moments.add_steps``), except in a channel whose steps are too small
+beside its values for that (its squares would cancel); there, across a batch's edge, and for
+other data the differences are formed a block at a time (a batch-sized array only in a batch
+with NaNs): in float32 for float32 data (each within half an ulp of the exact difference), in
+float64 for other dtypes; and summed in float64. NaNs are skipped and counted
 (``nan_count``); a channel with no finite value has NaN statistics.
 
 :meth:`Statistics.save` and :meth:`Statistics.load` keep them as JSON together with what they
@@ -266,25 +270,20 @@ def _accumulate(
 ) -> None:
     x = batch.arrays[label]
     idx = np.asarray(batch.sample_indices[label])
-    moments.add(as_channels(x, channels, pooled))
+    rows = as_channels(x, channels, pooled)
     if diffs is None:  # product sample axes: no one step (module docstring)
+        moments.add(rows)
         return
     # one-step differences between consecutive anchors one step apart (``apart``), across the
-    # batch edge too, each formed by the moments (module docstring)
+    # batch edge too: the edge's formed by the moments, the batch's own taken in the pass
+    # over its values (``_Moments.add_steps``; module docstring)
     # a collection's members count their samples apart: a step never joins two (``separate``)
     own = np.asarray(batch.members[label]) if separate else np.zeros(len(idx), np.int64)
     prev = last.get(label)
     if prev and len(idx) and prev[2] == own[0] and apart(np.array(prev[:1]), idx[:1])[0]:
-        diffs.add_difference(as_channels(x[:1], channels, pooled),
-                             as_channels(prev[1][None], channels, pooled))  # fmt: skip
+        diffs.add_difference(rows[:1], as_channels(prev[1][None], channels, pooled))
     step = apart(idx[:-1], idx[1:]) & (own[1:] == own[:-1])
-    if step.all() and len(idx) > 1:
-        diffs.add_difference(as_channels(x[1:], channels, pooled),
-                             as_channels(x[:-1], channels, pooled))  # fmt: skip
-    elif step.any():
-        at = np.flatnonzero(step)
-        diffs.add_difference(as_channels(x[at + 1], channels, pooled),
-                             as_channels(x[at], channels, pooled))  # fmt: skip
+    moments.add_steps(rows, diffs, np.flatnonzero(step))
     if len(idx):
         last[label] = (int(idx[-1]), np.array(x[-1]), int(own[-1]))
 

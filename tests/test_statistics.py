@@ -13,6 +13,7 @@ import pytest
 import zarr
 
 from insitubatch_nodes import insitu_pipeline, open_geometries, split_by_chunk, stack
+from insitubatch_nodes._moments import BLOCK as _BLOCK
 from insitubatch_nodes.options import FetchOptions
 from insitubatch_nodes.plan.config import PlanConfig
 from insitubatch_nodes.plan.splits import SplitManifest
@@ -158,6 +159,65 @@ def test_moments_taken_a_block_at_a_time_equal_numpy_whatever_the_blocks_split(
         np.testing.assert_allclose(step["mean"], d.mean((0, 2)), rtol=1e-6, atol=1e-9)
         np.testing.assert_allclose(step["std"], d.std((0, 2)), rtol=1e-6)
         assert (got["count"] == 6 * 8).all() and (step["count"] == 5 * 8).all()
+
+
+@pytest.mark.parametrize("block", [_BLOCK, 5, 24, 7 * 8])
+def test_moments_and_steps_taken_in_one_pass_equal_numpy_whatever_the_blocks_and_pairs(
+    block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # add_steps: a batch's moments and its one-step differences' from one widening of each
+    # block (rows' sums, squares and dot products with the next row, carried across blocks of
+    # rows); every pair subset, a channel whose steps are tiny beside its values (formed
+    # instead), a NaN, and float64 data (both formed) equal numpy in float64
+    from insitubatch_nodes import _moments
+
+    monkeypatch.setattr(_moments, "BLOCK", block)
+    rng = np.random.default_rng(4)
+    data = (rng.standard_normal((7, 4, 8)) * 2 + 280).astype("f4")
+    data[:, 2] = 2e4 + np.arange(7)[:, None] * 0.5 + rng.standard_normal((7, 8)) * 1e-3
+    with_nan = data.copy()
+    with_nan[3, 1, 5] = np.nan
+    for x in (data, with_nan, data.astype("f8")):
+        for pairs in ([0, 1, 2, 3, 4, 5], [1, 4, 5], []):
+            moments, steps = _moments._Moments(), _moments._Moments()
+            moments.add_steps(x, steps, np.array(pairs, np.intp))
+            x64 = x.astype("f8")
+            got = moments.result((4,))
+            for name, of in (("mean", np.nanmean), ("std", np.nanstd), ("min", np.nanmin),
+                             ("max", np.nanmax)):  # fmt: skip
+                np.testing.assert_allclose(got[name], of(x64, (0, 2)), rtol=1e-9, err_msg=name)
+            if not pairs:
+                assert not steps.started
+                continue
+            d = x64[np.array(pairs) + 1] - x64[pairs]
+            step = steps.result((4,))
+            np.testing.assert_allclose(step["mean"], np.nanmean(d, (0, 2)), rtol=1e-6, atol=1e-9)
+            np.testing.assert_allclose(step["std"], np.nanstd(d, (0, 2)), rtol=1e-6)
+            assert step["count"].tolist() == (~np.isnan(d)).sum((0, 2)).tolist()
+
+
+def test_steps_of_float32_rows_without_nan_form_no_difference_unless_a_channel_would_cancel(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # the one-pass route: no difference formed for channels whose steps are large enough
+    # beside their values, only the cancelling channel's (its rows alone)
+    from insitubatch_nodes import _moments
+
+    formed: list[tuple[int, ...]] = []
+    plain = _moments._Moments.add_difference
+
+    def spy(self: _moments._Moments, later: np.ndarray, earlier: np.ndarray) -> None:
+        formed.append(later.shape)
+        plain(self, later, earlier)
+
+    monkeypatch.setattr(_moments._Moments, "add_difference", spy)
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((8, 3, 64)) * 2 + 280).astype("f4")
+    _moments._Moments().add_steps(x, _moments._Moments(), np.arange(7))
+    assert formed == []
+    x[:, 1] = 3e4 + np.arange(8)[:, None] * 2.0**-7  # equal steps, tiny beside 3e4: cancel
+    _moments._Moments().add_steps(x, _moments._Moments(), np.arange(7))
+    assert formed == [(7, 1, 64)]
 
 
 def test_statistics_at_one_sample_per_chunk_equal_numpy_with_fetch_options_either_way(
