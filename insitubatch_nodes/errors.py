@@ -285,7 +285,8 @@ class RankFailedError(InSituError, RuntimeError):
     the same point instead of training on without it, until its first collective call waits
     for the failed rank until the group's timeout. ``failed`` maps each failed rank to what
     it raised (``"TypeName: message"``, shortened), ``world_size`` is the group's; the failed
-    rank itself raised its own error, whose traceback is in its log."""
+    rank itself raised its own error, whose traceback is in its log. Raised by ``set_views``,
+    nothing of the call took effect on any rank: caught, every rank reads as before."""
 
     def __init__(self, message: str, *, failed: dict[int, str], world_size: int) -> None:
         super().__init__(message)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import wait
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +120,7 @@ class InSituPipeline(PrefetcherNode[Batch]):
         return self.stages.fetch.bad_chunks
 
     @together("set_views", lambda pipe: _group_share(pipe.stages.plan))
-    def set_views(self, views: Mapping[str, ArrayGeometry | Stack]) -> None:
+    def set_views(self, views: Mapping[str, ArrayGeometry | Stack]) -> Callable[[], None]:
         """Read ``views`` (``{label: view}`` of the arrays this pipeline reads: other windows,
         shifts or labels; a rollout that grows) from the next epoch on.
 
@@ -157,7 +157,12 @@ class InSituPipeline(PrefetcherNode[Batch]):
         and forcings; the views in effect are kept); a static array that cannot be read
         raises as at build. Time-delta windows are resolved through the times
         the pipeline was built with (a time ``stride``, time windows or ``missing=``;
-        ``missing=()`` reads them and lists nothing): give offsets in samples otherwise."""
+        ``missing=()`` reads them and lists nothing): give offsets in samples otherwise.
+
+        All or nothing: a call that raises changes nothing, and over a ``torch.distributed``
+        group (a plan dealt over it) one that raised on any rank takes effect on none, every
+        other rank raising :class:`~insitubatch_nodes.errors.RankFailedError` (see
+        :func:`~insitubatch_nodes.ranks_agree.together`): caught, every rank reads as before."""
         if not isinstance(views, Mapping) or not views:
             raise TypeError(f"set_views takes a non-empty {{label: view}} mapping, got {views!r}")
         plan, transforms = self.stages.plan, self.context.transforms
@@ -212,8 +217,13 @@ class InSituPipeline(PrefetcherNode[Batch]):
         )
         # the plan's check counts the memory rule for them once, with the new stacks'
         # constants and these floors, on the plan of their first epoch it draws
-        plan.set_views(carried, schedule=schedule, floors=floors, extra=[pending])
-        commit()
+        take = plan.prepare_views(carried, schedule=schedule, floors=floors, extra=[pending])
+
+        def take_all() -> None:  # (once every rank of the group prepared them: see together)
+            take()
+            commit()
+
+        return take_all
 
     def stats(self) -> dict[str, int]:
         """The pool's counters (hits, misses, GETs, bytes fetched, evictions, peaks; the

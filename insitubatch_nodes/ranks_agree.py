@@ -13,6 +13,10 @@ of a pipeline built so, end with one ``all_gather_object`` of every rank's outco
 hundred bytes: done, or the error's type and message). The rank that failed raises its own
 error; every other rank raises a :class:`~insitubatch_nodes.errors.RankFailedError` naming
 each failed rank and what it raised — at the same point, as soon as the slowest rank is done.
+``set_views`` is all or nothing (:func:`together`): it changes nothing until every rank's
+outcome is heard, and nothing on any rank where one failed (until late on 2026-12-07 the ranks
+where it succeeded had taken the new views: caught and gone on from, rank 0 read them and
+rank 1 the old ones, ``tests/test_viewsrollback_trial.py``).
 The same exchange carries what the ranks must agree on (their read plans, where each listed
 the store: :func:`~insitubatch_nodes.plan.ranks.check_same_plans`). A rank that never reaches
 it (its process killed, or stuck) leaves the others waiting there until the group's timeout;
@@ -30,7 +34,7 @@ import functools
 import json
 import logging
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from insitubatch_nodes.errors import RankFailedError, short_cause
 from insitubatch_nodes.plan.ranks import default_rank_world
@@ -39,7 +43,8 @@ __all__ = ["fail_together", "group_share", "succeed_together", "together"]
 
 log = logging.getLogger(__name__)
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 #: the longest reason a rank tells the others (its whole error is in its own log)
 REASON_CHARS = 1000
@@ -86,25 +91,43 @@ def succeed_together(share: tuple[int, int] | None, what: str, told: Any = None)
     return [o["told"] for o in outcomes]
 
 
-def together(what: str, share_of: Callable[[Any], tuple[int, int] | None]) -> Callable[[F], F]:
-    """A method that every rank of the group calls alike, made to fail on every rank when it
-    fails on one: its outcome is exchanged (:func:`fail_together`, :func:`succeed_together`)
-    over ``share_of(self)`` when it returns or raises. A rank where it returned and another
-    failed raises :class:`RankFailedError` after it took effect here."""
+def together(
+    what: str, share_of: Callable[[Any], tuple[int, int] | None]
+) -> Callable[[Callable[Concatenate[Any, P], Callable[[], R]]], Callable[Concatenate[Any, P], R]]:
+    """A method that every rank of the group calls alike, made all or nothing over the group:
+    the method decorated prepares its change without making it (it checks, reads, counts;
+    nothing is changed) and returns what makes it, a callable of no arguments that cannot
+    fail. Its outcome is exchanged (:func:`fail_together`, :func:`succeed_together`) over
+    ``share_of(self)``, and the change is made (the callable called, its result returned)
+    only once every rank prepared it: where one rank failed, nothing of it takes effect on
+    any rank — the rank that failed raises its own error, the others
+    :class:`RankFailedError` — so every rank goes on as it was, alike. (Until late on
+    2026-12-07 a rank where it succeeded had made its change before it heard: a caller who
+    caught the error went on with that rank changed and the failed one not.)"""
 
-    def wrap(method: F) -> F:
-        @functools.wraps(method)
-        def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def wrap(
+        prepare: Callable[Concatenate[Any, P], Callable[[], R]],
+    ) -> Callable[Concatenate[Any, P], R]:
+        @functools.wraps(prepare)
+        def run(self: Any, /, *args: P.args, **kwargs: P.kwargs) -> R:
             share = share_of(self)
             try:
-                out = method(self, *args, **kwargs)
+                take = prepare(self, *args, **kwargs)
             except Exception as exc:
                 fail_together(share, exc, what)
                 raise
-            succeed_together(share, what)
-            return out
+            try:
+                succeed_together(share, what)
+            except RankFailedError as exc:
+                exc.add_note(
+                    f"insitubatch_nodes: nothing of {what} took effect on this rank, nor on "
+                    "any other: caught, every rank goes on as it was before the call (no need "
+                    "to start again for it)"
+                )
+                raise
+            return take()
 
-        return run  # type: ignore[return-value]
+        return run
 
     return wrap
 

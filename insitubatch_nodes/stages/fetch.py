@@ -55,7 +55,7 @@ import dataclasses
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any, ClassVar
 
@@ -391,13 +391,18 @@ class AsyncChunkFetchNode(BaseNode[FetchedBatch]):
         plan: ReadPlanNode,
         extra: Sequence[Any],
         floors: ScheduleFloors | None,
-    ) -> None:
+    ) -> Callable[[], None]:
         """The plan's check of the views its ``set_views`` is given (:meth:`count_views`, on
-        the node it drew them on), kept as the count once they pass: the one count of the
-        rule for them (``InSituPipeline.set_views`` gives its stacks' constants as ``extra``)."""
-        self.context.memory.counted = self.count_views(
-            views, schedule, extra, plan=plan, floors=floors
-        )
+        the node it drew them on): the one count of the rule for them (``InSituPipeline.
+        set_views`` gives its stacks' constants as ``extra``). Returns what keeps it as the
+        count, which the plan calls once it takes them (not where another rank refused them)."""
+        held = self.count_views(views, schedule, extra, plan=plan, floors=floors)
+        memory = self.context.memory
+
+        def keep() -> None:
+            memory.counted = held
+
+        return keep
 
     def _most_scratch(
         self, layouts: Mapping[str, SlotLayout], arrays: Mapping[str, ArrayFill]

@@ -9,7 +9,7 @@ configuration.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -81,7 +81,9 @@ class ViewsCheck(Protocol):
     check_views_with`): ``views`` as given, ``schedule`` theirs, ``plan`` a node reading them
     (its first epoch's plan drawn: :meth:`ReadPlanNode.epoch_plan` of ``next_epoch`` returns
     it), ``extra`` the batch transforms that come with them and ``floors`` their schedule's
-    floors where the caller had them (else ``None``). A ``ValueError`` refuses them."""
+    floors where the caller had them (else ``None``). A ``ValueError`` refuses them. It keeps
+    nothing itself: it returns what keeps what it counted, called once the views are taken
+    (:meth:`ReadPlanNode.prepare_views`), or ``None``."""
 
     def __call__(
         self,
@@ -91,7 +93,7 @@ class ViewsCheck(Protocol):
         plan: ReadPlanNode,
         extra: Sequence[Any],
         floors: ScheduleFloors | None,
-    ) -> None: ...
+    ) -> Callable[[], None] | None: ...
 
 
 class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
@@ -279,8 +281,24 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         floors: ScheduleFloors | None = None,
         extra: Sequence[Any] = (),
     ) -> None:
-        """Read ``views`` (label -> view of the same arrays: other windows, shifts, labels)
-        from the next start of an epoch on: the next ``reset(None)``, or a ``reset(state)``
+        """:meth:`prepare_views`, then take them: checked as it says, and read from the next
+        start of an epoch on. Nothing changes where they are refused."""
+        self.prepare_views(views, schedule=schedule, floors=floors, extra=extra)()
+
+    def prepare_views(
+        self,
+        views: Mapping[str, ArrayGeometry],
+        *,
+        schedule: PinSchedule | None = None,
+        floors: ScheduleFloors | None = None,
+        extra: Sequence[Any] = (),
+    ) -> Callable[[], None]:
+        """What takes ``views`` (a callable of no arguments, which cannot fail), checked and
+        planned now without changing this node, nor what the check counts: nothing changes
+        until it is called, and nothing where it is not (``InSituPipeline.set_views`` calls it
+        once every rank of its group prepared its views). Taken, this node reads ``views``
+        (label -> view of the same arrays: other windows, shifts, labels) from the next start
+        of an epoch on: the next ``reset(None)``, or a ``reset(state)``
         (which then restores under these views, see the class docstring) — except a state
         saved mid-epoch with the views in effect (a pipeline closed and resumed): its epoch
         ends under its own views, and these start with the next. ``schedule`` is
@@ -328,15 +346,23 @@ class ReadPlanNode(BaseNode[BatchPlan], SavedStateChecks):
         schedule = self.schedule if schedule is None else schedule
         node = self._reading((parts, layout, schedule, {}))
         first = node.epoch_plan(self.next_epoch)  # (drawn once: the check's, the length's)
+        keep = None
         if self._views_check is not None:  # (the fetch stage's memory check)
-            self._views_check(views, schedule, plan=node, extra=tuple(extra), floors=floors)
-        self._pending = (parts, layout, schedule, dict(node._drawn))
-        self._pending_len = first.n_batches  # (the same every epoch)
-        self._known[node._config["dataset"]] = parts
+            keep = self._views_check(views, schedule, plan=node, extra=tuple(extra), floors=floors)
+        pending: _Pending = (parts, layout, schedule, dict(node._drawn))
+
+        def take() -> None:
+            if keep is not None:
+                keep()  # (the check's count, kept)
+            self._pending = pending
+            self._pending_len = first.n_batches  # (the same every epoch)
+            self._known[node._config["dataset"]] = parts
+
+        return take
 
     def check_views_with(self, check: ViewsCheck) -> None:
         """Call ``check(views, schedule, plan=..., extra=..., floors=...)`` (a
-        :class:`ViewsCheck`) in :meth:`set_views`, once, on the views given, their schedule
+        :class:`ViewsCheck`) in :meth:`prepare_views`, once, on the views given, their schedule
         and a node reading them, after its own checks and before they are taken (a
         ``ValueError`` refuses them): the fetch stage's memory check, which counts the
         build's memory rule again for them."""
