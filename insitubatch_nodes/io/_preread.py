@@ -5,7 +5,9 @@ is): the documents are handed to zarr from memory, so that each is one GET, not 
 Public zarr only: ``zarr.storage.WrapperStore`` serves the documents read, zarr's
 ``open_array`` / ``open_group`` parse them as they parse any, and the node they return is made
 again over the store zarr opened (``zarr.AsyncArray(metadata, store_path, config)``,
-``zarr.AsyncGroup(metadata, store_path)``), so nothing keeps the wrapper.
+``zarr.AsyncGroup(metadata, store_path)``), so nothing keeps the wrapper. An array opened
+already is made again the same way over another store's path (:func:`rebased`: a join's
+routing store over the stores its concatenations opened it in).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 from zarr.storage import StorePath, WrapperStore
 
-__all__ = ["open_read"]
+__all__ = ["open_read", "rebased"]
 
 
 class _Preread(WrapperStore[Store]):
@@ -68,3 +70,13 @@ def _unwrapped(where: StorePath) -> StorePath:
     """``where`` over the store the :class:`_Preread` wraps (zarr may have copied it)."""
     store = where.store
     return StorePath(store._store if isinstance(store, _Preread) else store, where.path)
+
+
+def rebased(array: zarr.Array, store: Store, path: str) -> zarr.Array:
+    """``array`` (its metadata read already) as zarr opens the array at ``path`` of ``store``,
+    reading nothing: its metadata and config, over ``StorePath(store, path)``. Its chunks are
+    read through ``store``; where ``store`` serves at ``path`` what ``array``'s own store
+    serves at its path (a routing store over it), it reads the same bytes."""
+    where = StorePath(store, path)
+    return zarr.Array(zarr.AsyncArray(metadata=array.metadata, store_path=where,
+                                      config=array.async_array.config))  # fmt: skip

@@ -71,6 +71,7 @@ from insitubatch_nodes.io.collection_checks import (
 )
 from insitubatch_nodes.io.coords import coordinate_reader, same_store_reader
 from insitubatch_nodes.io.geometry import ArrayGeometry, in_native_byte_order
+from insitubatch_nodes.io.join_reads import located_pieces
 from insitubatch_nodes.io.member_docs import first_member, member_documents
 from insitubatch_nodes.io.members import MemberMap, check_cf_encoding, collection_of
 from insitubatch_nodes.io.points import points_of
@@ -476,13 +477,10 @@ class Collection:
             entries = [
                 (n, s, [str(v) for v in vs]) for n, (s, vs) in zip(names, given, strict=True)
             ]
-            pieces, rows = pieces_of_join(entries, dim, dims)
-            zstore, flat = locate([(st, p) for r in rows.values() for st, p, _, _ in r])
-            at = iter(flat)
-            paths = {v: [next(at) for _ in r] for v, r in rows.items()}
-            spans = {v: [(a, b) for *_, a, b in r] for v, r in rows.items()}
+            pieces, rows, readers = pieces_of_join(entries, dim, dims)
+            zstore, paths, spans, reader = located_pieces(rows, readers)
             return cls(zstore, pieces, paths, sample_axis=dim, continuous=True, spans=spans,
-                       dims=dims, **decode)  # fmt: skip
+                       dims=dims, reader=reader, **decode)  # fmt: skip
         zstore, roots = locate([(s, "") for s, _ in given])
         paths = {
             f"{name}/{str(v).strip('/')}": [_join(root, str(v))]

@@ -35,8 +35,14 @@ from insitubatch_nodes.io.calendars import (
     refuse_missing_times,
 )
 from insitubatch_nodes.io.collection_checks import sample_axis_hint
-from insitubatch_nodes.io.coords import Coordinate, open_coordinates, time_offsets
+from insitubatch_nodes.io.coords import (
+    Coordinate,
+    coordinate_reader,
+    open_coordinates,
+    time_offsets,
+)
 from insitubatch_nodes.io.geometry import ArrayGeometry
+from insitubatch_nodes.io.stores import as_store
 
 __all__ = ["alignment", "continuation", "pieces_of_join", "time_coordinate", "whole_seconds"]
 
@@ -446,18 +452,21 @@ def _shared(
 
 def pieces_of_join(
     entries: Sequence[tuple[str, Any, Sequence[str]]], dim: str, dims: Mapping[str, Sequence[str]]
-) -> tuple[list[str], dict[str, list[tuple[Any, str, int, int]]]]:
+) -> tuple[list[str], dict[str, list[tuple[Any, str, int, int]]], list[Any]]:
     """A join one of whose stores is a concatenation (``Collection.concat``, or any
     continuous collection): ``entries`` are ``(name, store or collection, [array paths])``.
     The joined axis is cut where a concatenation's store ends, so each *piece* reads one store
     of every entry: returns the pieces' names and, per variable ``"<name>/<path>"``, each
-    piece's ``(store, path, start, stop)`` (its stored samples). Every cut must fall on a chunk
-    boundary of every array (``ValueError`` naming the time and the array otherwise). ``dims``
-    names the axes of arrays that name none, by variable (a concatenation's views carry its
-    own)."""
+    piece's ``(store, path, start, stop)`` (its stored samples; a store given as a path or URL
+    opened once, here), and each entry's coordinate reader, holding what was read of it (a
+    concatenation's own, which read its times; a store's, made here): what the join's reader
+    takes over (:func:`~insitubatch_nodes.io.join_reads.join_reader`). Every cut must fall on
+    a chunk boundary of every array (``ValueError`` naming the time and the array otherwise).
+    ``dims`` names the axes of arrays that name none, by variable (a concatenation's views
+    carry its own)."""
     from insitubatch_nodes.io.routing import RoutingStore  # (routing needs no timeline)
 
-    ticks, values, spcs, cuts = [], [], [], []
+    ticks, values, spcs, cuts, readers = [], [], [], [], []
     located: list[list[list[tuple[Any, str, int, int]]]] = []  # [entry][variable][member]
     for name, source, variables in entries:
         if not variables:
@@ -484,20 +493,21 @@ def pieces_of_join(
                     rows.append((store, path, int(a), int(a) + int(n)))
                 per_var.append(rows)
             located.append(per_var)
-            timeline = source.store  # (its views read the stores through it)
+            timeline, reader = source.store, source.reader  # (its views read the stores by it)
         else:
-            geoms_by = open_geometries(source, list(variables))
+            timeline = as_store(source)  # (opened once: the join's routing store takes it)
+            reader = coordinate_reader(timeline)
+            geoms_by = open_geometries(timeline, list(variables), coords_reader=reader)
             geoms = [geoms_by[v] for v in variables]
             cuts.append(np.zeros(0, dtype=np.int64))
             located.append(
-                [[(source, v, 0, g.n_samples)] for v, g in zip(variables, geoms, strict=True)]
+                [[(timeline, v, 0, g.n_samples)] for v, g in zip(variables, geoms, strict=True)]
             )
-            timeline = source
+        readers.append(reader)
         key = f"{name}/{variables[0].strip('/')}"
         # (a concatenation's times through the reader it was made with: not read again)
         coord = time_coordinate(timeline, geoms[0], dim, dims.get(key), op="join", name=name,
-                                variable=variables[0], key=key,
-                                reader=getattr(source, "reader", None))  # fmt: skip
+                                variable=variables[0], key=key, reader=reader)  # fmt: skip
         ticks.append(whole_seconds(coord, f"store {name!r}", "join's alignment checks"))
         values.append(coord.values)
         spcs.append([g.samples_per_chunk for g in geoms])
@@ -531,7 +541,7 @@ def pieces_of_join(
             if hasattr(source, "continuous"):
                 parts.append(str(source.members[_member_at(per_var[0], at)]))
         piece_names.append(" + ".join(parts))
-    return piece_names, out
+    return piece_names, out, readers
 
 
 def _cuts(cuts: Sequence[np.ndarray], starts: Sequence[int]) -> list[tuple[int, int]]:
