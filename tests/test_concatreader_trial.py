@@ -177,8 +177,8 @@ def test_the_compose_recipe_given_the_geometries_reader_reads_each_metadata_docu
 def test_a_join_of_a_concat_reads_none_of_the_concats_times_again(roots: list[Path]) -> None:
     """A join given a concatenation reads its stores' times through the reader ``concat`` read
     them with (``coll.reader``): no GET of their ``time`` documents or objects again. Before:
-    each store's ``time/zarr.json`` and ``time/c/0`` once more. (The collection the join
-    makes still reads its pieces' ``sst`` documents again, through its own routing store.)"""
+    each store's ``time/zarr.json`` and ``time/c/0`` once more. (Neither does the collection
+    the join makes read its pieces' ``sst`` documents again: tests/test_joinconcat_trial.py.)"""
     stores = [counting_store(r) for r in roots[:2]]
     archive = concat(stores, ["sst"])
     for s in stores:
