@@ -4,12 +4,12 @@
 coordinate reader it keeps (``coll.reader``). A ``join`` given such concatenations builds a
 collection of its own over a routing store of their stores; before, it did so with a fresh
 reader, so every member's ``sst`` document was read again (the first store's 3 more times:
-twice to open the first member, once for the member documents), and a pipeline built with
-``coords_reader=joined.reader`` read every member's ``sst`` document and ``time`` coordinate
-(document and object) once more. Now the join's reader takes over what the concatenations'
-readers read, keyed by the join's routed paths, so each document and coordinate object is
-GET once in all. xarray and zarr are the oracles of every row and every array's values
-(tests/helpers.CountingStore counts GETs).
+twice to open the first member, once for the member documents; once more for a store in two
+pieces), and a pipeline built with ``coords_reader=joined.reader`` read every member's ``sst``
+document and ``time`` coordinate (document and object) once or twice more. Now the join's
+reader takes over what the concatenations' readers read, keyed by the join's routed paths, so
+each document and coordinate object is GET once in all. xarray and zarr are the oracles of
+every row and every array's values (tests/helpers.CountingStore counts GETs).
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ def test_a_join_of_two_concats_and_its_pipeline_read_each_document_and_coordinat
     three pieces at hours 8 and 12, ``a1`` in two of them) and a pipeline over it built with
     ``coords_reader=joined.reader``: every metadata document and every object of the time
     coordinates is GET once in all, the concatenations' reads included, and every row is
-    xarray's. Before: ``a0``'s and ``b0``'s ``sst`` document 5 times, ``a1``'s and ``b1``'s 3
-    times, every ``time`` document and object twice."""
+    xarray's. Before (v3): ``sst/zarr.json`` of ``a0`` 5 times, of ``b0`` 6 and ``a1`` 4 (each
+    in two pieces), of ``b1`` 3; each ``time`` document and object 2 or 3 times."""
     stores = {k: counting_store(r) for k, r in roots.items()}
     concat_a = concat([stores["a0"], stores["a1"]], ["sst"])
     concat_b = concat([stores["b0"], stores["b1"]], ["sst"])
