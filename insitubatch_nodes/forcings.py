@@ -456,8 +456,8 @@ class Forcings:
         return sum(m.most_bytes(n_times) for m in self._memos)
 
     def release_idle(self) -> None:
-        """Drop the idle buffers the rows are lent from (those lent out stay; the remembered
-        fields too): the pipeline's close."""
+        """Let go of the buffers the rows are lent from (one lent out is freed with its batch;
+        the remembered fields stay): the pipeline's close."""
         with self._lock:
             for pool in self._buffers.values():
                 pool.release_idle()

@@ -60,13 +60,17 @@ class BufferPool:
         return (len(self._buffers) + len(self._ready)) * self.nbytes
 
     def release_idle(self) -> None:
-        """Drop the buffers nobody borrows (idle, or made ahead of need; those lent out stay,
-        and are lent again once returned): what a closed pipeline lets go of. Call it where no
-        :meth:`take` runs at the same time (the pipeline's close, under its lock)."""
+        """Let go of every buffer: those nobody borrows (idle, or made ahead of need) are freed
+        now, and one still lent out lives on with what was made from it (its batch, a tensor:
+        their lease keeps its memory) and is freed with that, never lent again. What a closed
+        pipeline lets go of; a later :meth:`take` makes new ones. (Before 2026-12-07 a buffer
+        lent out at the close stayed in the pool after it came back: a closed pipeline held
+        the batch its loop had last seen — one batch of every label — until it was dropped and
+        collected.) Call it where no :meth:`take` runs at the same time (the pipeline's close,
+        under its lock)."""
         with self._made:
-            lent = [i for i, lease in enumerate(self._leases) if lease is not None and lease()]
-            self._buffers = [self._buffers[i] for i in lent]
-            self._leases = [self._leases[i] for i in lent]
+            self._buffers = []
+            self._leases = []
             self._ready.clear()
             self._expected = 0
             self._made.notify_all()

@@ -100,9 +100,10 @@ class InSituPipeline(PrefetcherNode[Batch]):
         """Stop the thread, cancel in-flight fetches, unpin chunks (the position is kept: a
         later ``next()`` goes on), and let go of the memory kept idle: the pool's chunks and
         free slots (``pool.clear()``; fills still in a decode, waited for up to 2 s, give
-        theirs back as they end), the idle batch buffers and the idle buffers of the static
-        cuts and forcings. What a batch you still hold lives in stays lent. Nothing in a child
-        forked after the build: all that is the parent's (see ``StageContext.close``)."""
+        theirs back as they end), the batch buffers and the buffers of the static cuts and
+        forcings: a batch you still hold keeps its own memory, freed when you drop it (a later
+        ``next()`` makes new buffers). Nothing in a child forked after the build: all that is
+        the parent's (see ``StageContext.close``)."""
         if self.context.forked():
             return
         with self._lock:  # (a next() on another thread starts its producer after this)

@@ -314,7 +314,8 @@ class StaticFields:
         return arrays + cuts
 
     def release_idle(self) -> None:
-        """Drop the cut labels' idle buffers (those lent out stay): the pipeline's close."""
+        """Let go of the cut labels' buffers (one lent out is freed with its batch): the
+        pipeline's close."""
         with self._lock:
             for pool in self._buffers.values():
                 pool.release_idle()

@@ -386,3 +386,29 @@ def test_buffer_reuse_does_not_read_reference_counts(monkeypatch: pytest.MonkeyP
     address = first.ctypes.data
     del first
     assert pool.take().ctypes.data == address
+
+
+def test_a_closed_pipeline_lets_go_of_the_batch_its_loop_last_held_once_it_is_dropped(
+    root: Path,
+) -> None:
+    # the loop's last batch is still alive at close(): it keeps its own memory, and once it is
+    # dropped the closed pipeline holds no batch buffer (before: that batch's buffers stayed
+    # in the pipeline's pools until the pipeline itself was collected); a held tensor of it
+    # is never overwritten by the batches of a resumed pipeline
+    pipe = make(root, batch_size=4, prefetch_depth=1)
+    batches = iter(pipe)
+    batch = next(batches)
+    for batch in batches:  # noqa: B007 (the loop's last batch is the one held)
+        pass
+    rows = np.array(batch.sample_indices["y"])
+    tensor = to_torch(batch)["y"]
+    pipe.close()
+    assert pipe.context.buffers.held_bytes == 0
+    del batch
+    pipe.reset()
+    for _ in pipe:
+        pass
+    np.testing.assert_array_equal(tensor.numpy(), Oracle(root)("t2m", rows))
+    del tensor
+    pipe.close()
+    assert pipe.context.buffers.held_bytes == 0

@@ -133,8 +133,9 @@ class BatchBuffers:
         threading.Thread(target=run, name="insitu-buffer-reserve", daemon=True).start()
 
     def release_idle(self) -> None:
-        """Drop every label's idle buffers (:meth:`BufferPool.release_idle
-        <insitubatch_nodes.lending.BufferPool.release_idle>`; those lent out stay)."""
+        """Let go of every label's buffers (:meth:`BufferPool.release_idle
+        <insitubatch_nodes.lending.BufferPool.release_idle>`: the idle ones freed, one lent out
+        freed with its batch)."""
         for pool in self._pools.values():
             pool.release_idle()
 
