@@ -415,36 +415,24 @@ def _answers_http(url: str) -> bool:
         return False
 
 
-# moto_server's own entry point, except that moto's list of its service folders is read once:
-# moto 5.2 lists its package folder (a listdir and ~180 stats) twice a request to route it,
-# 1.1 of the 2.0 CPU-ms a request cost in the server (300 PUTs, GETs and ranged GETs of 1 kB
-# from obstore: 2.35 -> 1.35 CPU-s, 2026-12-07); the folder does not change while it runs.
-_MOTO_MAIN = """
-import sys
-import moto.backends
-if hasattr(moto.backends, "list_of_moto_modules"):  # (another moto: its own routing)
-    _modules = tuple(moto.backends.list_of_moto_modules())
-    moto.backends.list_of_moto_modules = lambda: _modules
-from moto.server import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @contextlib.contextmanager
 def moto_server(log_dir: Path) -> Iterator[str]:
     """A moto S3 server on a free local port, its log in ``log_dir``; yields its endpoint URL
     (skips the test where moto's server is not installed). Each is a store of its own: two
     servers hold buckets of the same name apart."""
-    exe = Path(sys.executable).parent / "moto_server"
-    if not exe.exists():
-        pytest.skip(f"moto_server executable not found at {exe} (install moto[server])")
+    from insitubatch_nodes.testing import moto_server_argv
+
     port = _free_port()
+    try:
+        argv = moto_server_argv(port)
+    except FileNotFoundError as err:
+        pytest.skip(f"{err}")
     endpoint = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"moto_server_{port}.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _MOTO_MAIN, "-H", "127.0.0.1", "-p", str(port)],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
