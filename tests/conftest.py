@@ -80,13 +80,52 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    """Freeze what collection left in the heap (pytest's items, the test modules, torch, zarr,
-    Lightning): every full garbage collection in a test process, automatic or explicit (tests
-    call ``gc.collect()``; so does the package where a dropped pipeline may hold a cache
-    lock), walked all of it again, 0.1-0.3 s each. Frozen objects are left out of collections
-    (``gc.freeze``), as the fork server does with what it imported; everything a test makes,
-    fixtures included, is made after this and is collected as before."""
+    """Note this process's CPU at the end of collection (for the CPU log: see
+    :func:`pytest_unconfigure`), then freeze what collection left in the heap (pytest's items,
+    the test modules, torch, zarr, Lightning): every full garbage collection in a test
+    process, automatic or explicit (tests call ``gc.collect()``; so does the package where a
+    dropped pipeline may hold a cache lock), walked all of it again, 0.1-0.3 s each. Frozen
+    objects are left out of collections (``gc.freeze``), as the fork server does with what it
+    imported; everything a test makes, fixtures included, is made after this and is collected
+    as before."""
+    _process_cpu["collected"] = _cpu_now()
     _freeze_heap()
+
+
+_process_cpu: dict[str, tuple[float, float]] = {}
+
+
+def _cpu_now() -> tuple[float, float]:
+    """This process's CPU seconds (user + system) and its reaped children's, so far."""
+    import resource
+
+    own, reaped = (
+        resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
+    )
+    return own.ru_utime + own.ru_stime, reaped.ru_utime + reaped.ru_stime
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Under ``INSITUBATCH_TESTS_CPU_LOG=FILE``, append this pytest process's CPU to FILE: the
+    controller's (``-n``: it collects nothing, and its reaped children are the workers and all
+    they reaped) or a worker's, with its CPU up to the end of collection. With the tests' own
+    lines (which name their worker), ``tests/cpu_log.py`` tells what no test accounts for:
+    start-up and collection, xdist's traffic, the session's teardown."""
+    log = os.environ.get("INSITUBATCH_TESTS_CPU_LOG")
+    if not log:
+        return
+    import json
+
+    own, reaped = _cpu_now()
+    record = {
+        "process": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+        "pid": os.getpid(),
+        "own": round(own, 3),
+        "reaped": round(reaped, 3),
+        "collected": [round(v, 3) for v in _process_cpu.get("collected", (0.0, 0.0))],
+    }
+    with open(log, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -94,28 +133,38 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     """Under ``INSITUBATCH_TESTS_CPU_LOG=FILE`` (see ``tests/forkserver.py``), append each
     test's CPU seconds to FILE: the test process's own and its children's that it reaped
     during the test (fresh interpreters, moto servers it stopped; not the fork server's
-    children, which the server logs itself)."""
+    children, which the server logs itself), and which process ran it (``gw0``..., ``main``).
+    The teardown of the session's fixtures, which a process's last test ends, is a line of its
+    own (``(session teardown)``), not that test's."""
     log = os.environ.get("INSITUBATCH_TESTS_CPU_LOG")
     if not log:
         yield
         return
     import json
-    import resource
 
-    def cpu(who: int) -> float:
-        usage = resource.getrusage(who)
-        return usage.ru_utime + usage.ru_stime
-
-    own, reaped, start = cpu(resource.RUSAGE_SELF), cpu(resource.RUSAGE_CHILDREN), time.time()
+    (own, reaped), start = _cpu_now(), time.time()
+    _last_teardown.clear()
     yield
-    record = {
-        "test": item.nodeid,
-        "own": round(cpu(resource.RUSAGE_SELF) - own, 3),
-        "reaped": round(cpu(resource.RUSAGE_CHILDREN) - reaped, 3),
-        "wall": round(time.time() - start, 3),
-    }
+    (now_own, now_reaped), process = _cpu_now(), os.environ.get("PYTEST_XDIST_WORKER", "main")
+    ended = {k: _last_teardown.get(k, 0.0) for k in ("own", "reaped")}
+    records = [
+        {
+            "test": item.nodeid,
+            "process": process,
+            "own": round(now_own - own - ended["own"], 3),
+            "reaped": round(now_reaped - reaped - ended["reaped"], 3),
+            "wall": round(time.time() - start, 3),
+        }
+    ]
+    if _last_teardown:
+        records.append({"test": "(session teardown)", "process": process, **ended})
     with open(log, "a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write("".join(json.dumps(record) + "\n" for record in records))
+
+
+# The CPU of the last test's teardown, which ends the session's fixtures (a moto server it
+# reaps, 19 CPU-s in a whole run's), kept out of that test's line in the CPU log.
+_last_teardown: dict[str, float] = {}
 
 
 _frozen_at = {"modules": 0, "thawed": False}
@@ -172,7 +221,13 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
     it in 60 collections of one test (2026-12-07)."""
     import gc
 
-    yield
+    if nextitem is None and os.environ.get("INSITUBATCH_TESTS_CPU_LOG"):
+        own, reaped = _cpu_now()
+        yield
+        now_own, now_reaped = _cpu_now()
+        _last_teardown.update(own=now_own - own, reaped=now_reaped - reaped)
+    else:
+        yield
     if nextitem is not None and getattr(nextitem, "module", None) is getattr(item, "module", 0):
         return
     imported = len(sys.modules) >= _frozen_at["modules"] + 20
@@ -415,36 +470,24 @@ def _answers_http(url: str) -> bool:
         return False
 
 
-# moto_server's own entry point, except that moto's list of its service folders is read once:
-# moto 5.2 lists its package folder (a listdir and ~180 stats) twice a request to route it,
-# 1.1 of the 2.0 CPU-ms a request cost in the server (300 PUTs, GETs and ranged GETs of 1 kB
-# from obstore: 2.35 -> 1.35 CPU-s, 2026-12-07); the folder does not change while it runs.
-_MOTO_MAIN = """
-import sys
-import moto.backends
-if hasattr(moto.backends, "list_of_moto_modules"):  # (another moto: its own routing)
-    _modules = tuple(moto.backends.list_of_moto_modules())
-    moto.backends.list_of_moto_modules = lambda: _modules
-from moto.server import main
-sys.exit(main(sys.argv[1:]))
-"""
-
-
 @contextlib.contextmanager
 def moto_server(log_dir: Path) -> Iterator[str]:
     """A moto S3 server on a free local port, its log in ``log_dir``; yields its endpoint URL
     (skips the test where moto's server is not installed). Each is a store of its own: two
     servers hold buckets of the same name apart."""
-    exe = Path(sys.executable).parent / "moto_server"
-    if not exe.exists():
-        pytest.skip(f"moto_server executable not found at {exe} (install moto[server])")
+    from insitubatch_nodes.testing import moto_server_argv
+
     port = _free_port()
+    try:
+        argv = moto_server_argv(port)
+    except FileNotFoundError as err:
+        pytest.skip(f"{err}")
     endpoint = f"http://127.0.0.1:{port}"
     log_path = log_dir / f"moto_server_{port}.log"
     env = {**os.environ, "AWS_ACCESS_KEY_ID": S3_KEY, "AWS_SECRET_ACCESS_KEY": S3_SECRET}
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _MOTO_MAIN, "-H", "127.0.0.1", "-p", str(port)],
+            argv,
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,

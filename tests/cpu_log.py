@@ -2,8 +2,11 @@
 
 Prints the N costliest forked processes (CPU seconds, wall seconds, the test, the script), the
 fork servers' own CPU (their imports), the fresh interpreters started through
-``tests/forkserver.py``, and per test file: the test processes' own CPU, the children they reaped
-and the CPU of the forked processes their tests asked for.
+``tests/forkserver.py``, per test file: the test processes' own CPU, the children they reaped
+and the CPU of the forked processes their tests asked for; and per pytest process (the
+controller ``main`` and each xdist worker) what no test accounts for: its start-up and
+collection, the rest of its own CPU outside its tests (xdist's traffic; all of the controller's),
+and the teardown of the session's fixtures (a moto server it reaps).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ def main(path: str, top: int = 30) -> None:
     imports = {r["imports"]: r["new"] for r in rows if "imports" in r}
     per_file: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0, 0.0])
     for r in rows:
-        if "own" in r:
+        if "test" in r and "own" in r:
             per_file[_file(r["test"])][0] += r["own"]
             per_file[_file(r["test"])][1] += r["reaped"]
         elif "forked" in r:
@@ -44,6 +47,34 @@ def main(path: str, top: int = 30) -> None:
     print(f"\n{'own':>7} {'reaped':>7} {'forked':>7} {'n':>4}  file")
     for name, (own, reaped, fk, n) in sorted(per_file.items(), key=lambda kv: -sum(kv[1][:3])):
         print(f"{own:7.1f} {reaped:7.1f} {fk:7.1f} {int(n):4d}  {name}")
+    _outside_tests(rows, sum(servers))
+
+
+def _outside_tests(rows: list[dict], servers: float) -> None:
+    """Per pytest process: own CPU to the end of collection, in its tests, in the session's
+    teardown and the rest (the controller's is all rest: it runs no test under ``-n``)."""
+    processes = [r for r in rows if "collected" in r]
+    if not processes:
+        return
+    in_tests: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+    for r in rows:
+        if "test" in r and "own" in r:
+            k = 1 if r["test"] == "(session teardown)" else 0
+            in_tests[r.get("process", "main")][k] += r["own"]
+            in_tests[r.get("process", "main")][2] += r["reaped"] if k else 0.0
+    print(f"\n{'own':>7} {'collect':>7} {'tests':>7} {'teardn':>7} {'rest':>7}  process")
+    outside = servers
+    for r in sorted(processes, key=lambda r: r["process"]):
+        tests, teardown, teardown_reaped = in_tests[r["process"]]
+        rest = r["own"] - r["collected"][0] - tests - teardown
+        outside += r["collected"][0] + rest + teardown + teardown_reaped
+        print(f"{r['own']:7.1f} {r['collected'][0]:7.1f} {tests:7.1f} {teardown:7.1f} {rest:7.1f}"
+              f"  {r['process']} (session teardown reaped {teardown_reaped:.1f})")  # fmt: skip
+    print(f"outside any test: {outside:.1f} CPU-s (the fork servers' own CPU included)")
+    whole = [r for r in processes if r["process"] == "main"]
+    if whole and len(processes) > 1:
+        total = whole[0]["own"] + whole[0]["reaped"]
+        print(f"the whole run (the controller and all it reaped): {total:.1f} CPU-s")
 
 
 if __name__ == "__main__":

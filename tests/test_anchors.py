@@ -438,6 +438,7 @@ def _assert_the_floors_bound_every_strided_epoch(
                             assert got <= bound, (stride, shift, bs, bc, world, epoch, gap)
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_data_module_drops_the_missing_steps_in_every_split_deciding_them_once(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

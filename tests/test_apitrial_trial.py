@@ -261,6 +261,7 @@ def test_forcings_and_coarsen_refuse_wrong_arguments_saying_what_to_pass(era5: P
     assert Coarsen((2, 2))._factors == (2, 2) and Coarsen(np.int64(3))._factors == (3,)
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_data_module_splits_fractions_over_a_stack_given_as_the_first_label(
     era5: Path,
 ) -> None:
@@ -304,6 +305,7 @@ def test_reprs_of_batch_pipeline_and_statistics_are_one_short_line_without_value
     assert repr(batch).startswith("Batch(epoch=0, index=0, arrays={'x': [[[")
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_data_module_refuses_views_splits_and_flags_of_the_wrong_kind_when_made(
     era5: Path,
 ) -> None:
@@ -350,6 +352,7 @@ def test_the_plan_config_constructor_declared_for_type_checkers_lists_every_fiel
     assert declared == [f.name for f in dataclasses.fields(PlanConfig)]
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_flags_counts_and_tolerances_of_the_wrong_kind_are_refused_not_truncated(
     era5: Path,
 ) -> None:

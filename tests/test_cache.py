@@ -762,6 +762,7 @@ def test_a_windowed_shuffled_pass_with_persist_holds_a_few_blocks_and_revives_fr
 
 
 @pytest.mark.slow  # two real Trainer fits
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_lightning_fit_warms_the_cache_for_train_and_val_and_a_readonly_fit_fetches_nothing(
     era5: Path, tmp_path: Path
 ) -> None:

@@ -467,6 +467,7 @@ def test_a_coordinate_of_two_calendars_is_refused() -> None:
         Coordinate("time", mixed)
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_lightning_data_module_hands_each_rows_noleap_date_to_its_transform(
     tmp_path: Path,
 ) -> None:

@@ -444,6 +444,7 @@ def test_a_stack_of_collection_members_of_two_dtypes_points_at_the_collections_c
     assert rows == 12
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_lightning_data_module_opens_a_packed_store_in_the_cf_dtype_it_is_given(
     tmp_path: Path,
 ) -> None:

@@ -659,6 +659,7 @@ def test_ten_thousand_metadata_only_members_open_build_and_reach_a_first_batch_f
     assert t1 - t0 < 30 and t2 - t1 < 6 and t3 - t2 < 3
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_lightning_module_trains_and_validates_on_disjoint_members(
     plate: tuple[Path, list[str]],
 ) -> None:
@@ -703,6 +704,7 @@ def test_a_collection_view_lays_members_end_to_end_on_chunk_boundaries_and_names
     ]
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_lightning_module_takes_one_collection_per_split_and_refuses_a_shared_member(
     plate: tuple[Path, list[str]],
 ) -> None:

@@ -61,8 +61,9 @@ def _write(root: Path, groups: list[str] = GROUPS, t: int = T) -> None:
         labels[:] = (1000 * (m + 1) + tz).astype("u2")
 
 
-# one worker runs the module: its module fixtures are built once, not once per worker
-pytestmark = pytest.mark.xdist_group("collection_product")
+# one worker runs the module: its module fixtures are built once, not once per worker; the
+# worker of the tests that import Lightning, which one of its tests does
+pytestmark = pytest.mark.xdist_group("lightning")
 
 
 @pytest.fixture(scope="module")

@@ -46,8 +46,9 @@ def _write(path: Path, ds: object, zarr_format: int, time_encoding: dict[str, ob
 
 
 # one worker runs the module: each parametrized module fixture is built once, not once per
-# worker and again at every switch between its parameters
-pytestmark = pytest.mark.xdist_group("coords")
+# worker and again at every switch between its parameters; the worker of the tests that import
+# Lightning, which one of its tests does
+pytestmark = pytest.mark.xdist_group("lightning")
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])

@@ -70,8 +70,9 @@ def write_cube(path: Path, zarr_format: int, f0: float, seed: int) -> np.ndarray
     return data
 
 
-# one worker runs the module: its module fixtures are built once, not once per worker
-pytestmark = pytest.mark.xdist_group("cube_trial")
+# one worker runs the module: its module fixtures are built once, not once per worker; the
+# worker of the tests that import Lightning, which one of its tests does
+pytestmark = pytest.mark.xdist_group("lightning")
 
 
 @pytest.fixture(scope="module")

@@ -91,7 +91,8 @@ from tests.helpers import counting_store
 xr = pytest.importorskip("xarray")
 pd = pytest.importorskip("pandas")
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("curriculum_trial")]
+# one worker runs the module: the worker of the tests that import Lightning
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("lightning")]
 
 N, SPC = 80, 4
 LEVELS = [850, 500]

@@ -258,6 +258,7 @@ def test_repeated_and_backward_times_as_concepts_md_says_and_its_advice_reads_ev
     assert _anchors(pipe) == list(range(12))
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_limit_on_uneven_validation_shares_fractional_leaves_a_rank_none_integer_never(
     tmp_path: Path,
 ) -> None:

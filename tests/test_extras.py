@@ -11,6 +11,7 @@ import pytest
 import insitubatch_nodes
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_data_module_is_a_name_of_the_package_the_lightning_modules_class() -> None:
     pytest.importorskip("lightning")
     from insitubatch_nodes import InSituDataModule

@@ -344,6 +344,7 @@ def test_a_state_taken_after_the_passs_last_batch_resumes_into_a_second_pass_as_
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_lightnings_validate_test_and_predict_go_through_their_splits_once_in_store_order(
     archive: Path,
 ) -> None:
@@ -450,6 +451,7 @@ def test_a_gloo_prediction_job_writes_every_output_once_each_rank_its_share_in_o
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_each_validation_run_evaluates_the_same_random_windows(tmp_path: Path) -> None:
     """Validation of random patches (``origins="random"``: origins a function of the epoch)
     through the data module: every validation run, the sanity check's included, evaluates the

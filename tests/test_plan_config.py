@@ -271,6 +271,7 @@ def test_the_internal_functions_take_a_config_and_no_loose_plan_keywords(
 # -- the DataModule --------------------------------------------------------------------------
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_data_module_derives_val_and_test_from_its_training_config(
     store_path: Path, manifest: SplitManifest
 ) -> None:

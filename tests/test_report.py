@@ -37,8 +37,9 @@ from insitubatch_nodes.report import (
 N_TIME, SPC = 256, 8  # 32 chunks of t2m
 
 
-# one worker runs the module: its module fixtures are built once, not once per worker
-pytestmark = pytest.mark.xdist_group("report")
+# one worker runs the module: its module fixtures are built once, not once per worker; the
+# worker of the tests that import Lightning, which three of its tests do
+pytestmark = pytest.mark.xdist_group("lightning")
 
 
 @pytest.fixture(scope="module")

@@ -222,6 +222,7 @@ def test_set_views_reads_a_new_static_member_from_the_persistent_cache_the_next_
     np.testing.assert_array_equal(batch.arrays["x"][0, 1], _read(root, "orography"))
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_datamodules_set_views_gives_its_training_pipeline_other_static_members(
     tmp_path: Path, reads: list[str]
 ) -> None:

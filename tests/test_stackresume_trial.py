@@ -90,7 +90,8 @@ from insitubatch_nodes import (
 )
 from insitubatch_nodes.statistics import Statistics
 
-pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("stackresume_trial")]
+# one worker runs the module: the worker of the tests that import Lightning (one of its tests)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.xdist_group("lightning")]
 
 N, SPC = 46, 4
 LEVELS = [850, 500]

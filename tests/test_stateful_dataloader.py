@@ -38,10 +38,11 @@ from insitubatch_nodes.torch_data import as_dataset
 
 N_BATCHES = 10
 
-# one worker runs the module: its module fixtures are built once, not once per worker
+# one worker runs the module: its module fixtures are built once, not once per worker; the
+# worker of the tests that import Lightning, which one of its tests does
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.set_vital. is deprecated:UserWarning"),
-    pytest.mark.xdist_group("stateful_dataloader"),
+    pytest.mark.xdist_group("lightning"),
 ]
 
 

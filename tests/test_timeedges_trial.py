@@ -183,6 +183,7 @@ def test_a_pipeline_warns_where_a_store_written_newest_first_was_split_in_sample
         ).close()  # (none read)
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_data_module_given_fractions_splits_a_store_written_newest_first_in_time_order(
     backwards: Path,
 ) -> None:

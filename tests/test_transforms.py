@@ -346,6 +346,7 @@ def test_coarsen_refuses_a_field_its_factor_does_not_divide(era5: Path) -> None:
         Coarsen(0)
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_lightning_data_module_passes_chunk_transforms_and_on_bad_chunk_to_every_split(
     era5: Path,
 ) -> None:

@@ -238,6 +238,7 @@ def test_uneven_is_refused_for_the_training_split_naming_drop_and_pad(
         uneven.reset(drop.get_state())
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_data_modules_validation_on_two_ranks_evaluates_every_sample_exactly_once(
     store: Path, geoms: dict[str, ArrayGeometry]
 ) -> None:

@@ -522,6 +522,7 @@ def test_set_views_refuses_other_arrays_and_a_budget_below_the_new_floor(tmp_pat
         pipe.close()
 
 
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_the_data_module_forwards_set_views_to_its_training_pipeline_and_keeps_them(
     tmp_path: Path,
 ) -> None:
@@ -549,6 +550,7 @@ def test_the_data_module_forwards_set_views_to_its_training_pipeline_and_keeps_t
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("lightning")  # imports Lightning: on the worker that has it
 def test_a_lightning_rollout_that_grows_each_epoch_gets_each_epochs_own_windows_and_length(
     tmp_path: Path,
 ) -> None:
