@@ -1,0 +1,191 @@
+"""The prefetch stage's hand-over: the producer's wake-up, and the report's count of a batch.
+
+``next()`` keeps a batch first in the prefetch queue until it returns it (a Ctrl-C anywhere
+before leaves it for the next call, tests/test_notebook_trial.py). Two things that design did
+wrong, each forced here at the instant it happens instead of waited for:
+
+* the producer, woken before the batch left the queue, could run first (a thread switch on
+  the way out of the queue's lock), find the queue still full and sleep until its next poll;
+* a Ctrl-C after the report's bookkeeping and before the return counted the batch twice (it
+  stays first in the queue, and the next call hands it over again).
+
+zarr's own read of the store is the oracle of every row delivered; a fresh pipeline's batches
+are the oracle of their order.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import zarr
+from helpers import wait_until
+
+from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes.stages import prefetch
+from insitubatch_nodes.synthetic import make_era5_like
+
+pytestmark = pytest.mark.timeout(60)
+_WAIT_S = 10.0  # the most any step here waits for the other thread (each takes milliseconds)
+
+
+@pytest.fixture(scope="module")
+def era5(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``t2m`` of 64 steps in chunks of 8 (train is the first 4 chunks), and zarr's read."""
+    root: Path = tmp_path_factory.mktemp("prefetchwake") / "era5.zarr"
+    make_era5_like(root, n_time=64, n_lat=4, n_lon=8, samples_per_chunk=8, variables=["t2m"])
+    store = open_store(root)
+    t2m = open_geometries(store, ["t2m"])["t2m"]
+    return {
+        "store": store,
+        "t2m": t2m,
+        "manifest": split_by_chunk(t2m, (0.5, 0.5, 0.0)),
+        "oracle": zarr.open_array(store=store, path="t2m", mode="r")[...],
+    }
+
+
+def _pipe(era5: dict[str, Any], **kwargs: Any) -> Any:
+    kwargs.setdefault("batch_size", 2)
+    kwargs.setdefault("shuffle", False)
+    return insitu_pipeline(era5["store"], era5["manifest"], {"x": era5["t2m"]}, **kwargs)
+
+
+def _exact(era5: dict[str, Any], batch: Any) -> bool:
+    return bool(np.array_equal(batch["x"], era5["oracle"][batch.sample_indices["x"]]))
+
+
+def _ids(batches: list[Any]) -> list[tuple[int, int]]:
+    return [(b.epoch, b.index) for b in batches]
+
+
+# -- 1. the producer's wake-up ------------------------------------------------------------------
+class _HandOverLock:
+    """The prefetch queue's lock, instrumented: once :meth:`arm` ed, the consumer's first
+    release of it after it woke the producer (``not_full.notify``) lets the producer run —
+    until it puts its batch or waits again — before the consumer goes on. The thread switch a
+    busy machine makes there now and then (one with more threads than cores), made every
+    time."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self.armed = False
+        self.woke = False  # the consumer woke the producer and still holds the lock
+        self.moved = threading.Event()  # the producer put a message or waited again
+        self.puts = 0
+        self.rewaits = 0
+
+    def arm(self) -> None:
+        self.armed, self.woke = True, False
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        got = self._lock.acquire(blocking, timeout)
+        if got:
+            self._owner = threading.get_ident()
+        return got
+
+    def release(self) -> None:
+        self._owner = None
+        self._lock.release()
+        if self.woke and threading.current_thread() is threading.main_thread():
+            self.armed = self.woke = False
+            assert self.moved.wait(_WAIT_S), "the woken producer neither put nor waited"
+
+    def _is_owned(self) -> bool:
+        return self._owner == threading.get_ident()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _Room(threading.Condition):
+    """The queue's ``not_full``, telling :class:`_HandOverLock` when the producer waits."""
+
+    def __init__(self, lock: _HandOverLock) -> None:
+        super().__init__(lock)  # type: ignore[arg-type]
+        self.lock = lock
+        self.waiting = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if threading.current_thread() is not threading.main_thread():
+            self.lock.rewaits += 1
+            self.lock.moved.set()
+        self.waiting = True
+        try:
+            return super().wait(timeout)
+        finally:
+            self.waiting = False
+
+    def notify(self, n: int = 1) -> None:
+        super().notify(n)
+        lock = self.lock
+        if lock.armed and threading.current_thread() is threading.main_thread():
+            lock.moved.clear()
+            lock.woke = True
+
+
+def _instrumented(monkeypatch: pytest.MonkeyPatch) -> list[_HandOverLock]:
+    """Give each prefetch queue made from here a :class:`_HandOverLock` (before its producer
+    runs); the locks, in order."""
+    locks: list[_HandOverLock] = []
+    start = prefetch._Worker.start
+
+    def start_instrumented(worker: Any) -> None:
+        q, lock = worker.queue, _HandOverLock()
+        q.mutex = lock
+        q.not_empty = threading.Condition(lock)  # type: ignore[arg-type]
+        q.not_full = _Room(lock)
+        q.all_tasks_done = threading.Condition(lock)  # type: ignore[arg-type]
+        put = q._put
+
+        def counted_put(item: Any) -> None:
+            put(item)
+            if threading.current_thread() is not threading.main_thread():
+                lock.puts += 1
+                lock.moved.set()
+
+        q._put = counted_put
+        locks.append(lock)
+        start(worker)
+
+    monkeypatch.setattr(prefetch._Worker, "start", start_instrumented)
+    return locks
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+def test_the_producer_woken_before_the_batch_leaves_the_queue_puts_its_next_batch_at_once(
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch, depth: int
+) -> None:
+    # before: next() woke the producer (not_full.notify) before it removed the batch, so a
+    # producer that ran first saw the queue still full and waited again - until its put's
+    # 50 ms poll ran out, or the next next(); at prefetch_depth=1 that next() found the queue
+    # empty and waited on the sleeping producer. Here the producer always runs first.
+    fresh = _pipe(era5, prefetch_depth=depth)
+    want = [next(fresh).sample_indices["x"].copy() for _ in range(4)]
+    fresh.close()
+    locks = _instrumented(monkeypatch)
+    pipe = _pipe(era5, prefetch_depth=depth)
+    got = [next(pipe)]
+    (lock,) = locks
+    q, room = pipe._worker.queue, pipe._worker.queue.not_full
+    for _ in range(3):  # the producer waits for room, a batch in hand
+        assert wait_until(lambda: len(q.queue) == depth and room.waiting, _WAIT_S)
+        lock.arm()
+        puts = lock.puts
+        got.append(next(pipe))
+        assert not lock.armed, "next() never woke the producer"
+        parked = lock.puts == puts
+        assert not parked, (
+            f"the producer woken by next() #{len(got)} found the queue full (the batch not "
+            f"yet removed) and went back to sleep ({lock.rewaits} waits again)"
+        )
+    pipe.close()
+    assert _ids(got) == [(0, i) for i in range(4)]
+    assert all(np.array_equal(b.sample_indices["x"], w) for b, w in zip(got, want, strict=True))
+    assert all(_exact(era5, b) for b in got)
