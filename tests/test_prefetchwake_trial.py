@@ -16,6 +16,7 @@ are the oracle of their order.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,89 @@ def test_the_producer_woken_before_the_batch_leaves_the_queue_puts_its_next_batc
     assert _ids(got) == [(0, i) for i in range(4)]
     assert all(np.array_equal(b.sample_indices["x"], w) for b, w in zip(got, want, strict=True))
     assert all(_exact(era5, b) for b in got)
+
+
+# -- 2. the report's count of a batch handed over after a Ctrl-C --------------------------------
+def _ctrl_c_after_bookkeeping(pipe: Any, monkeypatch: pytest.MonkeyPatch) -> Callable[[], None]:
+    """Make the pipeline's next ``next()`` raise ``KeyboardInterrupt`` right after the epoch
+    report's bookkeeping of the batch it hands over (``on_deliver`` returned), before the
+    return - where a Ctrl-C lands that arrives while the producer is woken. Returns a check
+    that it fired."""
+    rec = pipe.recorder
+    on_deliver = rec.on_deliver
+    fired = [False]
+
+    def deliver_then_ctrl_c(*args: Any) -> Any:
+        result = on_deliver(*args)
+        if not fired[0]:
+            fired[0] = True
+            raise KeyboardInterrupt
+        return result
+
+    monkeypatch.setattr(rec, "on_deliver", deliver_then_ctrl_c)
+
+    def check() -> None:
+        assert fired[0], "the Ctrl-C never landed"
+
+    return check
+
+
+@pytest.mark.parametrize("then", ["next", "close", "state"])
+def test_a_ctrl_c_after_the_bookkeeping_of_a_batch_counts_it_once_in_the_report(
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch, then: str
+) -> None:
+    # before: the batch stayed first in the queue (right), and the next call handed it over
+    # and counted it again: the report said 17 batches (34 samples) for 16 delivered. ``then``
+    # is what follows the Ctrl-C: next() at once, close() then next() (the same position, the
+    # batch made again), or a restore of the state taken after it, in another pipeline.
+    fresh = _pipe(era5)
+    want = [b.sample_indices["x"].copy() for b in fresh]  # the whole epoch
+    fresh.close()
+    pipe = _pipe(era5)
+    first = next(pipe)
+    fired = _ctrl_c_after_bookkeeping(pipe, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        next(pipe)
+    fired()
+    counted = [first]  # the batches this pipeline's report counts
+    if then == "close":
+        pipe.close()
+    elif then == "state":
+        state = pipe.state_dict()
+        pipe.close()
+        pipe = _pipe(era5)
+        pipe.reset(state)
+        counted = []
+    rest = list(pipe)  # to the epoch's end: its report is complete
+    counted += rest
+    report = pipe.report()
+    pipe.close()
+    got = [first, *rest]
+    assert _ids(got) == [(0, i) for i in range(len(want))]
+    assert all(np.array_equal(b.sample_indices["x"], w) for b, w in zip(got, want, strict=True))
+    assert all(_exact(era5, b) for b in got)
+    assert report is not None
+    rows = sum(len(b) for b in counted)
+    nbytes = sum(b["x"].nbytes for b in counted)
+    assert (report.batches, report.samples, report.bytes_delivered) == (len(counted), rows, nbytes)
+    assert report.complete
+    # the epoch's time is its waits and the consumer's own work, each instant once
+    assert report.handoff_wait_s + report.consumer_s == pytest.approx(report.wall_s, rel=1e-6)
+
+
+def test_a_ctrl_c_after_the_bookkeeping_of_a_batch_then_a_reset_reports_only_batches_returned(
+    era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # before: the finished epoch's report (made at the reset) counted the batch the Ctrl-C
+    # kept from being returned: 3 batches, where the loop got 2
+    pipe = _pipe(era5)
+    got = [next(pipe), next(pipe)]
+    fired = _ctrl_c_after_bookkeeping(pipe, monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        next(pipe)
+    fired()
+    pipe.reset()
+    report = pipe.report()
+    pipe.close()
+    assert report is not None and report.complete
+    assert (report.batches, report.samples) == (2, sum(len(b) for b in got))

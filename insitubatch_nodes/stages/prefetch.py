@@ -361,14 +361,16 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 if kind != "item":
                     q.not_empty.notify()  # (any other consumer waiting: to this last message)
                     break
-                rec.on_deliver(called, payload)
+                numbers = rec.on_deliver(called, payload)  # (in effect as it is returned)
                 q.taken = msg  # the producer's room counts it gone from here: it goes on
                 q.not_full.notify()
             # From here to the return no function is called and nothing jumps back: CPython
             # (with its GIL) runs a signal's handler and switches threads only there, so the
-            # batch is recorded, leaves the queue and is returned as one step. (A Ctrl-C in the
-            # instant after, in the caller, loses it as it would any Python iterator's item.)
+            # batch is counted in the report, recorded, leaves the queue and is returned as one
+            # step. (A Ctrl-C in the instant after, in the caller, loses it as it would any
+            # Python iterator's item.)
             if q.queue and q.queue[0] is msg:
+                rec.open_epoch = numbers
                 self._delivered = state
                 q.taken = None
                 del q.queue[0]
