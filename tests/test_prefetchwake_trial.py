@@ -1,13 +1,15 @@
 """The prefetch stage's hand-over: the producer's wake-up, and the report's count of a batch.
 
 ``next()`` keeps a batch first in the prefetch queue until it returns it (a Ctrl-C anywhere
-before leaves it for the next call, tests/test_notebook_trial.py). Two things that design did
-wrong, each forced here at the instant it happens instead of waited for:
+before leaves it for the next call, tests/test_notebook_trial.py). Three things that design
+did wrong, each forced here at the instant it happens instead of waited for:
 
 * the producer, woken before the batch left the queue, could run first (a thread switch on
   the way out of the queue's lock), find the queue still full and sleep until its next poll;
 * a Ctrl-C after the report's bookkeeping and before the return counted the batch twice (it
-  stays first in the queue, and the next call hands it over again).
+  stays first in the queue, and the next call hands it over again);
+* a Ctrl-C as ``next()`` took or gave back the queue's lock (through a condition's Python
+  ``__enter__``/``__exit__``) left the lock held for good.
 
 zarr's own read of the store is the oracle of every row delivered; a fresh pipeline's batches
 are the oracle of their order.
@@ -15,6 +17,7 @@ are the oracle of their order.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -35,9 +38,9 @@ _WAIT_S = 10.0  # the most any step here waits for the other thread (each takes 
 
 @pytest.fixture(scope="module")
 def era5(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """``t2m`` of 64 steps in chunks of 8 (train is the first 4 chunks), and zarr's read."""
+    """``t2m`` of 256 steps in chunks of 8 (train is the first 16 chunks), and zarr's read."""
     root: Path = tmp_path_factory.mktemp("prefetchwake") / "era5.zarr"
-    make_era5_like(root, n_time=64, n_lat=4, n_lon=8, samples_per_chunk=8, variables=["t2m"])
+    make_era5_like(root, n_time=256, n_lat=4, n_lon=8, samples_per_chunk=8, variables=["t2m"])
     store = open_store(root)
     t2m = open_geometries(store, ["t2m"])["t2m"]
     return {
@@ -222,7 +225,7 @@ def test_a_ctrl_c_after_the_bookkeeping_of_a_batch_counts_it_once_in_the_report(
     era5: dict[str, Any], monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
     # before: the batch stayed first in the queue (right), and the next call handed it over
-    # and counted it again: the report said 17 batches (34 samples) for 16 delivered. ``then``
+    # and counted it again: the report said 65 batches (130 samples) for 64 delivered. ``then``
     # is what follows the Ctrl-C: next() at once, close() then next() (the same position, the
     # batch made again), or a restore of the state taken after it, in another pipeline.
     fresh = _pipe(era5)
@@ -276,3 +279,76 @@ def test_a_ctrl_c_after_the_bookkeeping_of_a_batch_then_a_reset_reports_only_bat
     pipe.close()
     assert report is not None and report.complete
     assert (report.batches, report.samples) == (2, sum(len(b) for b in got))
+
+
+# -- 3. a Ctrl-C at each instant of the hand-over -----------------------------------------------
+def _ctrl_c_at(k: int, caller: Any) -> Callable[[Any, str, Any], None]:
+    """A profile function (``sys.setprofile``) that raises ``KeyboardInterrupt`` at the
+    ``k``-th instant where CPython can run a signal's handler — a Python function's entry, a
+    builtin's return — outside ``caller`` (the test's frame: a Ctrl-C on the way back into it
+    loses the batch as it would any iterator's item, docs/pipeline.md)."""
+    seen = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event not in ("call", "c_return") or frame is caller:
+            return
+        seen[0] += 1
+        if seen[0] == k:
+            sys.setprofile(None)
+            raise KeyboardInterrupt
+
+    return profile
+
+
+def _ends(q: Any) -> bool:
+    """Whether the producer's last message is in ``q`` (the epoch's end, or an error)."""
+    return bool(q.queue) and q.queue[-1][0] != "item"
+
+
+def test_a_ctrl_c_at_each_instant_of_next_loses_no_batch_counts_each_once_and_frees_the_queue(
+    era5: dict[str, Any],
+) -> None:
+    # before: a Ctrl-C on entering the queue condition's __exit__ (a Python function, where
+    # CPython runs a signal's handler) left the queue's lock held: the producer could never put
+    # again, and the next next() waited on the lock for good; on leaving its __enter__ likewise.
+    # Each next() here is interrupted at one more instant than the one before (49 on Python
+    # 3.11, the batch ready in the queue), then called again.
+    fresh = _pipe(era5)
+    want = [b.sample_indices["x"].copy() for b in fresh]
+    fresh.close()
+    pipe = _pipe(era5)
+    got = [next(pipe)]
+    q = pipe._worker.queue
+    caller = sys._getframe()
+    k = 0
+    while True:
+        k += 1
+        ready = wait_until(lambda: len(q.queue) == q.maxsize or _ends(q))
+        assert ready, "the producer never filled the queue"
+        sys.setprofile(_ctrl_c_at(k, caller))
+        try:
+            got.append(next(pipe))
+        except KeyboardInterrupt:
+            pass
+        else:
+            assert sys.getprofile() is not None, f"a Ctrl-C at instant {k} was swallowed"
+            sys.setprofile(None)
+            break  # the call had fewer than k instants: each one was tried
+        finally:
+            sys.setprofile(None)
+        free = q.mutex.acquire(timeout=_WAIT_S)
+        q.mutex.release()  # (where it was not free: this thread's for good, so the pipe closes)
+        if not free:
+            pipe.close()
+        assert free, f"a Ctrl-C at instant {k} of next() left the queue's lock held"
+        got.append(next(pipe))  # the batch it was handing over
+    assert k > 20, f"only {k} instants"
+    got += list(pipe)  # to the epoch's end: its report is complete
+    report = pipe.report()
+    pipe.close()
+    assert _ids(got) == [(0, i) for i in range(len(want))]
+    assert all(np.array_equal(b.sample_indices["x"], w) for b, w in zip(got, want, strict=True))
+    assert all(_exact(era5, b) for b in got)
+    assert report is not None and report.complete
+    assert (report.batches, report.samples) == (len(got), sum(len(b) for b in got))
+    assert report.handoff_wait_s + report.consumer_s == pytest.approx(report.wall_s, rel=1e-6)

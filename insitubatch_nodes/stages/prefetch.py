@@ -354,7 +354,9 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         # the rest: the state never counted it). The last message stays for every consumer.
         q = worker.queue
         while True:  # (again only where another consumer or a halt took the batch meanwhile)
-            with q.not_empty:
+            # (the lock itself, not a condition on it: a condition's __enter__ and __exit__ are
+            # Python code, and a Ctrl-C landing in them left the lock held for good)
+            with q.mutex:
                 with profile_range("insitu.next"):
                     msg = _waits.head(q)
                 kind, payload, state = msg
