@@ -1,15 +1,17 @@
-"""The prefetch stage's hand-over: the producer's wake-up, and the report's count of a batch.
+"""The prefetch stage's hand-over: the producer's wake-up, the report's count, Ctrl-C in it.
 
 ``next()`` keeps a batch first in the prefetch queue until it returns it (a Ctrl-C anywhere
-before leaves it for the next call, tests/test_notebook_trial.py). Three things that design
-did wrong, each forced here at the instant it happens instead of waited for:
+before leaves it for the next call, tests/test_notebook_trial.py). Four things it did wrong,
+each forced here at the instant it happens instead of waited for:
 
 * the producer, woken before the batch left the queue, could run first (a thread switch on
   the way out of the queue's lock), find the queue still full and sleep until its next poll;
 * a Ctrl-C after the report's bookkeeping and before the return counted the batch twice (it
   stays first in the queue, and the next call hands it over again);
 * a Ctrl-C as ``next()`` took or gave back the queue's lock (through a condition's Python
-  ``__enter__``/``__exit__``) left the lock held for good.
+  ``__enter__``/``__exit__``) left the lock held for good;
+* a Ctrl-C in the ``next()`` that ends an epoch, once it had let the producer go, lost the
+  epoch's end: the next call went on with the next epoch.
 
 zarr's own read of the store is the oracle of every row delivered; a fresh pipeline's batches
 are the oracle of their order.
@@ -282,15 +284,21 @@ def test_a_ctrl_c_after_the_bookkeeping_of_a_batch_then_a_reset_reports_only_bat
 
 
 # -- 3. a Ctrl-C at each instant of the hand-over -----------------------------------------------
-def _ctrl_c_at(k: int, caller: Any) -> Callable[[Any, str, Any], None]:
+def _ctrl_c_at(k: int) -> Callable[[Any, str, Any], None]:
     """A profile function (``sys.setprofile``) that raises ``KeyboardInterrupt`` at the
     ``k``-th instant where CPython can run a signal's handler — a Python function's entry, a
-    builtin's return — outside ``caller`` (the test's frame: a Ctrl-C on the way back into it
-    loses the batch as it would any iterator's item, docs/pipeline.md)."""
+    builtin's return — inside ``PrefetcherNode.next`` (on the way back into the caller a
+    Ctrl-C loses the batch as it would any iterator's item, docs/pipeline.md)."""
+    inside = prefetch.PrefetcherNode.next.__code__
     seen = [0]
 
     def profile(frame: Any, event: str, arg: Any) -> None:
-        if event not in ("call", "c_return") or frame is caller:
+        if event not in ("call", "c_return"):
+            return
+        f = frame if event == "c_return" else frame.f_back
+        while f is not None and f.f_code is not inside:
+            f = f.f_back
+        if f is None:
             return
         seen[0] += 1
         if seen[0] == k:
@@ -311,7 +319,7 @@ def test_a_ctrl_c_at_each_instant_of_next_loses_no_batch_counts_each_once_and_fr
     # before: a Ctrl-C on entering the queue condition's __exit__ (a Python function, where
     # CPython runs a signal's handler) left the queue's lock held: the producer could never put
     # again, and the next next() waited on the lock for good; on leaving its __enter__ likewise.
-    # Each next() here is interrupted at one more instant than the one before (49 on Python
+    # Each next() here is interrupted at one more instant than the one before (47 on Python
     # 3.11, the batch ready in the queue), then called again.
     fresh = _pipe(era5)
     want = [b.sample_indices["x"].copy() for b in fresh]
@@ -319,13 +327,12 @@ def test_a_ctrl_c_at_each_instant_of_next_loses_no_batch_counts_each_once_and_fr
     pipe = _pipe(era5)
     got = [next(pipe)]
     q = pipe._worker.queue
-    caller = sys._getframe()
     k = 0
     while True:
         k += 1
         ready = wait_until(lambda: len(q.queue) == q.maxsize or _ends(q))
         assert ready, "the producer never filled the queue"
-        sys.setprofile(_ctrl_c_at(k, caller))
+        sys.setprofile(_ctrl_c_at(k))
         try:
             got.append(next(pipe))
         except KeyboardInterrupt:
@@ -352,3 +359,45 @@ def test_a_ctrl_c_at_each_instant_of_next_loses_no_batch_counts_each_once_and_fr
     assert report is not None and report.complete
     assert (report.batches, report.samples) == (len(got), sum(len(b) for b in got))
     assert report.handoff_wait_s + report.consumer_s == pytest.approx(report.wall_s, rel=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_at_each_instant_of_the_next_that_ends_an_epoch_still_ends_it(
+    era5: dict[str, Any],
+) -> None:
+    # before: a Ctrl-C once next() had the producer's "end" and let the producer go, before it
+    # marked the epoch ended (in the thread's join), made the next call start a new producer:
+    # it returned the next epoch's first batch instead of StopIteration, so a for loop ran on
+    # into the next epoch (from instant 20 on Python 3.11, ten instants in all; under real
+    # SIGINTs every 0-1 ms, epochs of 128 batches for 64). The instants of this call vary (a
+    # generator finalized in it, where CPython ignores the interrupt): the first 60 are tried.
+    pipe = _pipe(era5, batch_size=64)  # 2 batches an epoch
+    landed = 0
+    for k in range(1, 61):
+        got = [next(pipe), next(pipe)]
+        queue = pipe._worker.queue
+        assert wait_until(lambda q=queue: _ends(q)), "the producer never ended the epoch"
+        sys.setprofile(_ctrl_c_at(k))
+        try:
+            next(pipe)
+        except KeyboardInterrupt:
+            landed += 1
+            free = queue.mutex.acquire(timeout=_WAIT_S)
+            queue.mutex.release()  # (as in the test above)
+            if not free:
+                pipe.close()
+            assert free, f"a Ctrl-C at instant {k} of next() left the queue's lock held"
+            with pytest.raises(StopIteration):
+                extra = next(pipe)
+                pytest.fail(
+                    f"a Ctrl-C at instant {k} of the epoch's last next() lost its end: the "
+                    f"next call returned batch {(extra.epoch, extra.index)}"
+                )
+        except StopIteration:
+            pass  # (fewer than k instants, or the interrupt ignored in a finalizer)
+        finally:
+            sys.setprofile(None)
+        assert _ids(got) == [(got[0].epoch, 0), (got[0].epoch, 1)]
+        iter(pipe)  # the next epoch
+    pipe.close()
+    assert landed > 40, f"only {landed} interrupts landed"

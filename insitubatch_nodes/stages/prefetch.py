@@ -377,7 +377,9 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 q.taken = None
                 del q.queue[0]
                 return payload
-        if kind == "halted":
+        if kind == "end":  # first, with no call before it: a Ctrl-C from here on (the thread's
+            self._ended = True  # join, the report) still ends the epoch at the next call
+        elif kind == "halted":
             interrupted = PipelineInterrupted(
                 f"{self.name} was closed or reset while next() waited for a batch{_BY_WHOM}"
             )
@@ -388,7 +390,6 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 self._worker = None
         worker.thread.join()
         if kind == "end":
-            self._ended = True
             self._end_delivered_epoch()
             rec.on_end(called)
             raise StopIteration
