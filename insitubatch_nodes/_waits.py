@@ -36,7 +36,7 @@ def result(future: Future[T]) -> T:
 
 def head(q: queue.Queue[T]) -> T:
     """``q``'s first item, left in ``q``: ``q.get()`` without the removal. The caller holds
-    ``q.mutex`` (``with q.not_empty:``), which the wait gives up while it waits, and takes the
+    ``q.mutex`` (``with q.mutex:``), which the wait gives up while it waits, and takes the
     item off the queue itself once it has handed it over (``PrefetcherNode.next``), so an
     interrupt before that leaves the item where it was."""
     while not q.queue:

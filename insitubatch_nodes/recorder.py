@@ -131,7 +131,9 @@ class EpochRecorder:
         self._depth = _Level()
         self._fetched: set[Any] = set()
         self.totals: dict[str, float] = dict.fromkeys(_CUMULATIVE, 0)
-        self._epoch: dict[str, Any] | None = None
+        #: the open epoch's numbers (``None``: none open); replaced whole as a batch is handed
+        #: over (:meth:`on_deliver`), changed in place by the other hooks
+        self.open_epoch: dict[str, Any] | None = None
         #: the first next() of the open (or last) epoch: the GETs and fill runs of a fill job
         #: submitted before it are an earlier epoch's work (see :meth:`_earlier`)
         self._opened = -math.inf
@@ -271,29 +273,40 @@ class EpochRecorder:
 
     # -- consumer-side hooks (the consumer's thread) -------------------------------------------
     def on_next(self) -> float:
-        """The consumer calls ``next()``: opens an epoch if none is open; returns the time."""
+        """The consumer calls ``next()``: opens an epoch if none is open; returns the time.
+
+        The time since the consumer's time was last counted (``returned``: the last batch
+        returned, the error ``next()`` raised, or the call before that returned nothing — a
+        Ctrl-C) is the consumer's own work, counted once."""
         now = _now()
-        ep = self._epoch
+        ep = self.open_epoch
         if ep is None:
-            self._epoch = self._open(now)
-        elif ep["returned"] is not None:
-            ep["consumer_s"] += now - ep["returned"]
-            usage, ep["returned_usage"] = ep["returned_usage"], None
-            if usage is not None:
-                thread, sys_s, faults = usage
-                mine = _thread_usage()
-                if mine is not None and mine[0] == thread:  # the same thread returned it
-                    ep["consumer_sys_s"] += max(0.0, mine[1] - sys_s)
-                    ep["consumer_faults"] += max(0, mine[2] - faults)
-            if self.trace is not None:
-                self.trace.span("consumer", ep["returned"], now, {"batch": ep["index"]})
+            self.open_epoch = self._open(now)
+            return now
+        since, ep["returned"] = ep["returned"], now
+        ep["consumer_s"] += now - since
+        usage, ep["returned_usage"] = ep["returned_usage"], None
+        if usage is not None:
+            thread, sys_s, faults = usage
+            mine = _thread_usage()
+            if mine is not None and mine[0] == thread:  # the same thread returned it
+                ep["consumer_sys_s"] += max(0.0, mine[1] - sys_s)
+                ep["consumer_faults"] += max(0, mine[2] - faults)
+        if self.trace is not None:
+            self.trace.span("consumer", since, now, {"batch": ep["index"]})
         return now
 
-    def on_deliver(self, called: float, item: Any) -> None:
+    def on_deliver(self, called: float, item: Any) -> dict[str, Any] | None:
+        """The open epoch's numbers once ``item``, waited for since ``called``, is handed over:
+        a new dict, not yet counted. The prefetch stage makes it :attr:`open_epoch` in the step
+        that returns ``item``, where no Ctrl-C can land in between: an item a Ctrl-C kept from
+        being returned is counted by the call that returns it, once (before, it was counted
+        here and again by that call). ``None`` where no epoch is open."""
         now = _now()
-        ep = self._epoch
+        ep = self.open_epoch
         if ep is None:  # pragma: no cover - on_next always opens one
-            return
+            return None
+        ep = dict(ep)
         wait = now - called
         ep["handoff_wait_s"] += wait
         index = getattr(item, "index", -1)
@@ -316,27 +329,28 @@ class EpochRecorder:
         ep["resident_peak"] = max(ep["resident_peak"], resident)
         ep["epoch"] = getattr(item, "epoch", ep["epoch"])
         ep["mark"] = self._mark(now)  # what a report ending at this batch counts
+        return ep
 
     def on_error(self, called: float, error: BaseException) -> None:
         """``next()`` raised ``error`` after waiting since ``called``: the wait counts as one
         (and, with a trace, is a ``next`` span naming the error), and the consumer's own work
         is counted from here if it calls ``next()`` again. The epoch stays open."""
-        ep = self._epoch
+        ep = self.open_epoch
         if ep is None:  # pragma: no cover - on_next always opens one
             return
         now = _now()
         ep["handoff_wait_s"] += now - called
+        ep["returned"], ep["returned_usage"] = now, None
         if self.trace is not None:
             args = {"batch": -1, "error": type(error).__name__}
             self.trace.span("next", called, now, args)
         if ep["batches"]:  # the epoch's wall runs to the error
-            ep["returned"] = ep["last"] = now
-            ep["returned_usage"] = None
+            ep["last"] = now
             ep["mark"] = self._mark(now)
 
     def on_end(self, called: float) -> None:
         """The epoch ended (``StopIteration``): finalize it."""
-        ep = self._epoch
+        ep = self.open_epoch
         if ep is not None:
             now = _now()
             ep["handoff_wait_s"] += now - called
@@ -356,7 +370,7 @@ class EpochRecorder:
         delivered (or at ``StopIteration``, or at the error ``next()`` raised), and counts
         what the stages had done by then — not the read-ahead that went on until the reset
         (a broken-off epoch of 2 batches counted a block of it: more GET-seconds than wall)."""
-        ep, self._epoch = self._epoch, None
+        ep, self.open_epoch = self.open_epoch, None
         if ep is None or ep["batches"] == 0:
             return None
         report = self._build(ep, complete=True)
@@ -366,7 +380,7 @@ class EpochRecorder:
 
     def report(self) -> EpochReport | None:
         """The epoch in progress if it delivered a batch, else the last finalized one."""
-        ep = self._epoch
+        ep = self.open_epoch
         if ep is not None and ep["batches"] > 0:
             return self._build(ep, complete=False)
         return self.last
@@ -384,7 +398,7 @@ class EpochRecorder:
         return {
             "t0": now,
             "epoch": -1,
-            "returned": None,
+            "returned": now,  # what the consumer's own time is counted from (see on_next)
             "index": -1,
             "last": now,
             "batches": 0,
@@ -579,6 +593,7 @@ class NullRecorder(EpochRecorder):
         self.batch_transforms = 0
         self.last = None
         self.trace = None
+        self.open_epoch = None
 
     def on_get_start(self) -> float:
         return 0.0

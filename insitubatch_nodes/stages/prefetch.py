@@ -95,7 +95,7 @@ class _Worker:
     def __init__(self, source: BaseNode[Any], context: StageContext, depth: int, name: str) -> None:
         self.source = source
         self.context = context
-        self.queue: queue.Queue[tuple[str, Any, Any]] = queue.Queue(maxsize=depth)
+        self.queue = _HandOff(depth)
         # set once the node has recorded this worker: the thread touches the source only after
         # (a Ctrl-C inside ``next()`` between start and record would leave a producer running
         # in the source that no halt can reach, see ``PrefetcherNode.next``)
@@ -159,22 +159,38 @@ class _Worker:
                 )
 
 
-def _put(
-    q: queue.Queue[tuple[str, Any, Any]], stop: threading.Event, msg: tuple[str, Any, Any]
-) -> bool:
-    while not stop.is_set():
-        try:
-            q.put(msg, timeout=_POLL_S)
-            return True
-        except queue.Full:
-            continue
-    return False
+class _HandOff(queue.Queue[tuple[str, Any, Any]]):
+    """The queue from the producer to ``next()``, of ``depth`` messages. A batch stays first in
+    it until ``next()`` returns it (module doc); ``taken`` is that batch's message from the
+    moment ``next()`` has done its bookkeeping and woken the producer, until the return."""
+
+    def __init__(self, depth: int) -> None:
+        super().__init__(maxsize=depth)
+        self.taken: tuple[str, Any, Any] | None = None
+
+    def put_when_room(self, msg: tuple[str, Any, Any], stop: threading.Event) -> bool:
+        """Append ``msg`` once fewer than ``depth`` messages wait, the ``taken`` one not
+        counted: ``next()`` wakes the producer just before that one leaves, and a producer
+        that ran first would find the queue still full and sleep until its next poll (``next()``
+        meanwhile waiting on it, at ``prefetch_depth=1``). Woken every ``_POLL_S`` to see
+        ``stop``; ``False`` (nothing appended) once it is set."""
+        with self.not_full:
+            while not stop.is_set():
+                waiting = len(self.queue)
+                if waiting and self.queue[0] is self.taken:
+                    waiting -= 1
+                if waiting < self.maxsize:
+                    self._put(msg)
+                    self.not_empty.notify()
+                    return True
+                self.not_full.wait(_POLL_S)
+        return False
 
 
 def _run(
     source: BaseNode[Any],
     context: StageContext,
-    q: queue.Queue[tuple[str, Any, Any]],
+    q: _HandOff,
     go: threading.Event,
     stop: threading.Event,
     close_source: threading.Event,
@@ -187,12 +203,12 @@ def _run(
             try:
                 item = next(source)
             except StopIteration:
-                _put(q, stop, ("end", None, None))
+                q.put_when_room(("end", None, None), stop)
                 return
-            if not _put(q, stop, ("item", item, source.state_dict())):
+            if not q.put_when_room(("item", item, source.state_dict()), stop):
                 return
     except BaseException as exc:  # handed to the consumer, traceback intact
-        _put(q, stop, ("error", exc, None))
+        q.put_when_room(("error", exc, None), stop)
     finally:
         if close_source.is_set():
             context.close()
@@ -338,24 +354,32 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
         # the rest: the state never counted it). The last message stays for every consumer.
         q = worker.queue
         while True:  # (again only where another consumer or a halt took the batch meanwhile)
-            with q.not_empty:
+            # (the lock itself, not a condition on it: a condition's __enter__ and __exit__ are
+            # Python code, and a Ctrl-C landing in them left the lock held for good)
+            with q.mutex:
                 with profile_range("insitu.next"):
                     msg = _waits.head(q)
                 kind, payload, state = msg
                 if kind != "item":
                     q.not_empty.notify()  # (any other consumer waiting: to this last message)
                     break
-                rec.on_deliver(called, payload)
-                q.not_full.notify()  # (the producer goes on once the batch has left, below)
+                numbers = rec.on_deliver(called, payload)  # (in effect as it is returned)
+                q.taken = msg  # the producer's room counts it gone from here: it goes on
+                q.not_full.notify()
             # From here to the return no function is called and nothing jumps back: CPython
             # (with its GIL) runs a signal's handler and switches threads only there, so the
-            # batch is recorded, leaves the queue and is returned as one step. (A Ctrl-C in the
-            # instant after, in the caller, loses it as it would any Python iterator's item.)
+            # batch is counted in the report, recorded, leaves the queue and is returned as one
+            # step. (A Ctrl-C in the instant after, in the caller, loses it as it would any
+            # Python iterator's item.)
             if q.queue and q.queue[0] is msg:
+                rec.open_epoch = numbers
                 self._delivered = state
+                q.taken = None
                 del q.queue[0]
                 return payload
-        if kind == "halted":
+        if kind == "end":  # first, with no call before it: a Ctrl-C from here on (the thread's
+            self._ended = True  # join, the report) still ends the epoch at the next call
+        elif kind == "halted":
             interrupted = PipelineInterrupted(
                 f"{self.name} was closed or reset while next() waited for a batch{_BY_WHOM}"
             )
@@ -366,7 +390,6 @@ class PrefetcherNode(BaseNode[T], Generic[T]):
                 self._worker = None
         worker.thread.join()
         if kind == "end":
-            self._ended = True
             self._end_delivered_epoch()
             rec.on_end(called)
             raise StopIteration
