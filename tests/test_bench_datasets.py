@@ -25,3 +25,13 @@ def test_the_full_suite_starts_with_the_reference_shape() -> None:
     assert (ref.n_time, ref.n_lat, ref.n_lon, ref.n_level) == (2048, 181, 360, 4)
     assert ref.samples_per_chunk == 16 and ref.compressor == "zstd"
     assert ref.folder == "era5_t2048_181x360_l4_spc16_zstd.zarr"
+
+
+def test_the_report_overhead_benchmark_times_the_hooks_the_pipeline_calls() -> None:
+    # benchmarks/report_overhead.hook_cost called hooks the recorder no longer has
+    # (on_decode_submit, timed, on_decode_end, on_admit) and failed at once; it times the
+    # current ones, and the hand-over counts each batch
+    from benchmarks.report_overhead import hook_cost
+
+    cost = hook_cost(50)
+    assert 0 < cost["per_object_s"] < 1e-3 and 0 < cost["per_batch_s"] < 1e-2
