@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,7 +37,7 @@ import forkserver
 import numpy as np
 import pytest
 import zarr
-from helpers import CountingStore, Oracle, View, assert_batch_matches, run_epoch, write_era5
+from helpers import CountingStore, Oracle, View, run_epoch, write_era5
 
 import insitubatch_nodes
 from insitubatch_nodes import (
@@ -408,7 +409,10 @@ def test_a_6_s_burst_of_server_errors_on_every_object_is_absorbed_with_exact_dat
 def test_an_endpoint_that_refuses_connections_for_6_s_is_waited_for_within_the_deadline(
     era5_local: Path, shared_moto: MotoServer, retry_clock: float
 ) -> None:
-    """Connection refused is transient too: the proxy is down for 6 s, then back on its port."""
+    """Connection refused is transient too: the proxy is down for 6 s, then back on its port.
+    The epoch runs on a thread from before its first read, so every chunk read meets the
+    outage (before 2026-12-08 the outage began after the first batch, and a read-ahead that
+    had read every object by then met none of it: a flaky test on a loaded machine)."""
     moto = shared_moto
     views, oviews, manifest = _views(open_store(URL, **moto.options()))
     proxy = FaultProxy(moto.port, fail_first=0)
@@ -416,15 +420,17 @@ def test_an_endpoint_that_refuses_connections_for_6_s_is_waited_for_within_the_d
     store = open_store(URL, **moto.options(endpoint=endpoint))
     pipe = insitu_pipeline(store, manifest, views, batch_size=16, block_chunks=1, shuffle=False)
     oracle = Oracle(era5_local)
+    done: list[list[Any]] = []
     with pipe:
         it = iter(pipe)
-        assert_batch_matches(next(it), oracle, oviews)
         proxy.stop()  # from here every connection is refused
         t_down = time.monotonic()
+        epoch = threading.Thread(target=lambda: done.append(run_epoch(it, oracle, oviews)))
+        epoch.start()
         time.sleep(on_clock(BURST_S))
         with FaultProxy(moto.port, fail_first=0, port=port) as back:
-            rest = run_epoch(it, oracle, oviews)
-    assert len(rest) == len(pipe) - 1
+            epoch.join(timeout=60)
+    assert done and len(done[0]) == len(pipe)  # (an error on the thread: printed above)
     assert time.monotonic() - t_down >= on_clock(BURST_S)
     assert sum(back.gets.values()) > 0  # reads were still to come when the endpoint went away
 
