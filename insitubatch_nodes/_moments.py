@@ -110,22 +110,20 @@ class _Moments:
         pairs = np.asarray(pairs, np.intp)
         if x.size == 0:
             return
-        if x.dtype != np.float32:
+        formed = x.dtype != np.float32  # (other dtypes: their products are not exact)
+        if formed:
             self.add(x)
-            if len(pairs):
-                steps.add_difference(x[pairs + 1], x[pairs])
-            return
-        r1, r2, cross = _row_sums(x, cross=len(pairs) > 0)
-        s1 = r1.sum(0)
-        if np.isnan(s1).any():  # (a NaN anywhere shows in s1)
-            self._merge(x, None, True)
-            if len(pairs):
-                steps.add_difference(x[pairs + 1], x[pairs])
-            return
-        self._combine(*self._moments_of(x, None, True, (s1, r2.sum(0))))
+        else:
+            r1, r2, cross = _row_sums(x, cross=len(pairs) > 0)
+            s1 = r1.sum(0)  # (a NaN anywhere shows in it: the masked moments, and formed)
+            self._combine(*self._moments_of(x, None, True, (s1, r2.sum(0))))
+            formed = bool(np.isnan(s1).any())
         if not len(pairs):
             return
         later = pairs + 1
+        if formed:
+            steps.add_difference(x[later], x[pairs])
+            return
         d1 = (r1[later] - r1[pairs]).sum(0)
         squares = (r2[later] + r2[pairs]).sum(0)
         n = np.full(x.shape[1], float(len(pairs) * x.shape[2]))
@@ -134,10 +132,10 @@ class _Moments:
         near = squares > STEP_CANCEL * m2  # (also a constant step: m2 0)
         if near.any():  # those channels' differences formed, then summed
             at = np.flatnonzero(near)
-            formed = _Moments()
+            theirs = _Moments()
             part = x[:, at]
-            formed.add_difference(part[later], part[pairs])
-            mean[at], m2[at] = formed.mean, formed.m2
+            theirs.add_difference(part[later], part[pairs])
+            mean[at], m2[at] = theirs.mean, theirs.m2
         nan = np.full(x.shape[1], np.nan)
         steps._combine(n, mean, np.maximum(m2, 0.0), nan, nan, np.zeros_like(n))
 
@@ -214,9 +212,7 @@ class _Moments:
         optional; ``ref`` per channel), over rows and values, block by block."""
         rows, channels, values = x.shape
         s1, s2 = np.zeros(channels), np.zeros(channels)
-        vv = min(values, BLOCK)
-        cc = min(channels, max(1, BLOCK // vv))
-        rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
+        rr, cc, vv = _blocking(x.shape)
         narrow = minus is not None and _difference_dtype(x, minus) == np.float32
         wide, narrow_scratch, ones = _SCRATCH.get(min(rows, rr) * cc * vv, vv, narrow)
         for r0 in range(0, rows, rr):
@@ -259,6 +255,17 @@ class _Moments:
         return {k: v.reshape(channels) for k, v in out.items()}
 
 
+def _blocking(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """``(rows, channels, values)`` per block of the sums of an array of ``shape`` ``(rows,
+    channels, values)``: at most :data:`BLOCK` values — a part of one row's values, some of
+    its channels, or whole rows."""
+    _, channels, values = shape
+    vv = min(values, BLOCK)
+    cc = min(channels, max(1, BLOCK // vv))
+    rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
+    return rr, cc, vv
+
+
 def _row_sums(x: np.ndarray, cross: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per row and channel of ``x`` ``(rows, channels, values)``: the float64 sum, sum of
     squares and (``cross``) dot product with the next row, ``(rows, channels)`` each (the
@@ -268,9 +275,7 @@ def _row_sums(x: np.ndarray, cross: bool) -> tuple[np.ndarray, np.ndarray, np.nd
     rows, channels, values = x.shape
     r1, r2 = np.zeros((rows, channels)), np.zeros((rows, channels))
     dots = np.zeros((max(rows - 1, 0), channels))
-    vv = min(values, BLOCK)
-    cc = min(channels, max(1, BLOCK // vv))
-    rr = max(1, BLOCK // (cc * vv)) if cc == channels else 1
+    rr, cc, vv = _blocking(x.shape)
     wide, _, ones = _SCRATCH.get(min(rows, rr) * cc * vv, vv, False)
     carry = np.empty((cc, vv)) if cross and rr < rows else None
     for c0 in range(0, channels, cc):
