@@ -62,6 +62,15 @@ def _views(root: str) -> dict[str, dict[str, Any]]:
     }
 
 
+def _trial(root: str) -> tuple[dict[str, dict[str, Any]], np.ndarray, np.ndarray, Any]:
+    """:func:`_views`, the store's ``data`` and ``orog`` (zarr's read: the oracle) and a
+    manifest of every anchor in ``train``."""
+    views = _views(root)
+    store = zarr.open_group(root, mode="r")
+    data, orog = np.asarray(store["data"][...]), np.asarray(store["orog"][...])
+    return views, data, orog, split_by_chunk(views["built"]["x"], (1.0, 0.0, 0.0))
+
+
 def _epoch(loader: Any, pipe: Any, data: np.ndarray, orog: np.ndarray) -> dict[str, Any]:
     """One epoch of ``loader``: ``len(pipe)`` before it, its batches, each label's rows
     (anchor indices) and shape, and whether every row is the store's (zarr's) data there."""
@@ -111,10 +120,7 @@ def set_views_on_two_ranks(rank: int, world: int, init_file: str, root: str, out
             built.read_static = real_read
 
     try:
-        views = _views(root)
-        store = zarr.open_group(root, mode="r")
-        data, orog = np.asarray(store["data"][...]), np.asarray(store["orog"][...])
-        manifest = split_by_chunk(views["built"]["x"], (1.0, 0.0, 0.0))
+        views, data, orog, manifest = _trial(root)
         with insitu_pipeline(root, manifest, views["built"], batch_size=2, coords=(),
                              seed=0) as pipe:  # fmt: skip
             loader = Loader(pipe)
@@ -215,10 +221,7 @@ def test_a_set_views_refused_here_leaves_the_pipeline_reading_the_views_it_had_p
     from insitubatch_nodes.stages import buffers
 
     root = str(_write_store(tmp_path / "s.zarr"))
-    views = _views(root)
-    store = zarr.open_group(root, mode="r")
-    data, orog = np.asarray(store["data"][...]), np.asarray(store["orog"][...])
-    manifest = split_by_chunk(views["built"]["x"], (1.0, 0.0, 0.0))
+    views, data, orog, manifest = _trial(root)
     with insitu_pipeline(root, manifest, views["built"], batch_size=2, coords=(),
                          seed=0) as pipe:  # fmt: skip
         pipe.set_views(views["shifted"])
