@@ -26,7 +26,14 @@ import zarr.storage
 from zarr.abc.store import ByteRequest, Store
 from zarr.core.buffer import Buffer, BufferPrototype
 
-from insitubatch_nodes import Batch, PlanConfig, SplitManifest
+from insitubatch_nodes import (
+    Batch,
+    PlanConfig,
+    SplitManifest,
+    open_geometries,
+    open_store,
+    split_by_chunk,
+)
 from insitubatch_nodes.stages._spares import SpareBuffers
 from insitubatch_nodes.synthetic import make_era5_like, make_microscopy_like
 
@@ -668,3 +675,19 @@ def uneven_eval(rank: int, world: int, **kw: Any) -> PlanConfig:
     ``world`` (batches of 1 unless ``kw`` says otherwise)."""
     return PlanConfig(split="test", remainder="uneven", empty_ranks=True, rank=rank,
                       world_size=world, **{"batch_size": 1, **kw})  # fmt: skip
+
+
+def t2m_halves(root: Path, n_time: int) -> dict[str, Any]:
+    """A ``t2m`` store of ``n_time`` steps in chunks of 8 on a 4 x 8 grid, written at ``root``:
+    ``{"root", "store", "t2m" (its view), "manifest" (train the first half of the chunks,
+    val the rest), "oracle" (zarr's read)}``."""
+    make_era5_like(root, n_time=n_time, n_lat=4, n_lon=8, samples_per_chunk=8, variables=["t2m"])
+    store = open_store(root)
+    t2m = open_geometries(store, ["t2m"])["t2m"]
+    return {
+        "root": root,
+        "store": store,
+        "t2m": t2m,
+        "manifest": split_by_chunk(t2m, (0.5, 0.5, 0.0)),
+        "oracle": zarr.open_array(store=store, path="t2m", mode="r")[...],
+    }

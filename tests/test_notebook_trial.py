@@ -19,12 +19,11 @@ from typing import Any
 
 import numpy as np
 import pytest
-import zarr
+from helpers import t2m_halves
 
-from insitubatch_nodes import Loader, insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes import Loader, insitu_pipeline
 from insitubatch_nodes.cache import lock as cache_lock
 from insitubatch_nodes.errors import CacheBusyError, ChunkReadError, PipelineInterrupted
-from insitubatch_nodes.synthetic import make_era5_like
 
 _JOIN_S = 10.0
 
@@ -32,17 +31,7 @@ _JOIN_S = 10.0
 @pytest.fixture(scope="module")
 def era5(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``t2m`` of 128 steps in chunks of 8 (16 chunks; train is the first 8), and zarr's read."""
-    root = tmp_path_factory.mktemp("notebook") / "era5.zarr"
-    make_era5_like(root, n_time=128, n_lat=4, n_lon=8, samples_per_chunk=8, variables=["t2m"])
-    store = open_store(root)
-    t2m = open_geometries(store, ["t2m"])["t2m"]
-    return {
-        "root": root,
-        "store": store,
-        "t2m": t2m,
-        "manifest": split_by_chunk(t2m, (0.5, 0.5, 0.0)),
-        "oracle": zarr.open_array(store=store, path="t2m", mode="r")[...],
-    }
+    return t2m_halves(tmp_path_factory.mktemp("notebook") / "era5.zarr", 128)
 
 
 def _pipe(era5: dict[str, Any], **kwargs: Any) -> Any:

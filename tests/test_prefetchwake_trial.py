@@ -22,17 +22,14 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import zarr
-from helpers import wait_until
+from helpers import t2m_halves, wait_until
 
-from insitubatch_nodes import insitu_pipeline, open_geometries, open_store, split_by_chunk
+from insitubatch_nodes import insitu_pipeline
 from insitubatch_nodes.stages import prefetch
-from insitubatch_nodes.synthetic import make_era5_like
 
 pytestmark = pytest.mark.timeout(60)
 _WAIT_S = 10.0  # the most any step here waits for the other thread (each takes milliseconds)
@@ -41,16 +38,7 @@ _WAIT_S = 10.0  # the most any step here waits for the other thread (each takes 
 @pytest.fixture(scope="module")
 def era5(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """``t2m`` of 256 steps in chunks of 8 (train is the first 16 chunks), and zarr's read."""
-    root: Path = tmp_path_factory.mktemp("prefetchwake") / "era5.zarr"
-    make_era5_like(root, n_time=256, n_lat=4, n_lon=8, samples_per_chunk=8, variables=["t2m"])
-    store = open_store(root)
-    t2m = open_geometries(store, ["t2m"])["t2m"]
-    return {
-        "store": store,
-        "t2m": t2m,
-        "manifest": split_by_chunk(t2m, (0.5, 0.5, 0.0)),
-        "oracle": zarr.open_array(store=store, path="t2m", mode="r")[...],
-    }
+    return t2m_halves(tmp_path_factory.mktemp("prefetchwake") / "era5.zarr", 256)
 
 
 def _pipe(era5: dict[str, Any], **kwargs: Any) -> Any:
